@@ -1,0 +1,50 @@
+"""vexact's kernel library (imported as ``vexact_kernels``; the folder is ``kernels/``).
+
+Every backend is a module exposing the same functions -- ``linear``, ``rms_norm``,
+``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs`` -- with the same
+signatures and semantics (``native.py`` is the plain-torch reference):
+
+- ``"native"``: plain torch ops; fast, realistic, and *not* batch-invariant.
+- ``"exact"``: batch-invariant, bit-deterministic kernels -- Triton for CUDA tensors,
+  ``cpu_exact`` for CPU tensors.
+- ``"triton"``: the Triton kernels forced (on CPU through the Triton interpreter: slow,
+  tiny models only).
+
+Why not ``import kernels``: a PyPI package named ``kernels`` exists and transformers probes
+for it by distribution name, so this library is installed under ``vexact_kernels``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from . import cpu_exact, native
+
+BACKENDS = ("exact", "native", "triton")
+OP_NAMES = ("linear", "rms_norm", "silu_mul", "rope", "attention", "log_softmax", "token_logprobs")
+
+
+def _triton() -> ModuleType:
+    from . import triton_exact  # imported lazily: importing triton is slow
+
+    return triton_exact
+
+
+def get_ops(backend: str, device: torch.device | str = "cpu") -> ModuleType:
+    """The op module for ``backend`` on ``device``.
+
+    ``"exact"`` resolves to Triton on CUDA and to ``cpu_exact`` elsewhere.
+    Raises ValueError for an unknown backend name.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "native":
+        return native
+    if backend == "triton" or torch.device(device).type == "cuda":
+        return _triton()
+    return cpu_exact
+
+
+__all__ = ["BACKENDS", "OP_NAMES", "get_ops", "cpu_exact", "native"]

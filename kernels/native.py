@@ -1,0 +1,71 @@
+"""Native backend: plain torch ops (F.linear, SDPA, F.silu, F.log_softmax).
+
+This is the realistic, *mismatching* baseline. Every op has the same signature and
+semantics as its exact twin in ``cpu_exact`` / ``triton_exact``, but makes no invariance
+promise: torch picks kernels by shape and thread count, so a row's result can change
+with the batch it sits in, and a decode step need not equal the matching prefill row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NAME = "native"
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N]."""
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama RMSNorm over the last dim, computed in fp32, result in x.dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU activation: silu(gate) * up, elementwise, in the inputs' dtype."""
+    return F.silu(gate) * up
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, rotate-half convention. x: [B, T, H, hd]; cos/sin: [B, T, hd/2] fp32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+    """Causal grouped-query attention of new queries against a KV cache.
+
+    q: [B, T, Hq, hd]; k_cache, v_cache: [B, L, Hkv, hd] (Hq % Hkv == 0); q_start: [B] int64.
+    Query t of sequence b sits at absolute position q_start[b] + t and attends to cache
+    positions 0 .. q_start[b] + t inclusive. Returns [B, T, Hq, hd] in q.dtype.
+    """
+    B, T, Hq, hd = q.shape
+    L, Hkv = k_cache.shape[1], k_cache.shape[2]
+    q_pos = q_start[:, None] + torch.arange(T, device=q.device)[None, :]  # [B, T]
+    k_pos = torch.arange(L, device=q.device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+    k = k_cache.repeat_interleave(Hq // Hkv, dim=2)
+    v = v_cache.repeat_interleave(Hq // Hkv, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    """log_softmax over the last dim, returned in fp32."""
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p(target) per row: logits [..., V], targets [...] int64 -> fp32 [...]."""
+    return log_softmax(logits).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,55 @@
+"""Validation and padding of token-id prompts/responses shared by rollout and scoring."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_token_lists(name: str, seqs: object, vocab_size: int, allow_empty_items: bool = False) -> list[list[int]]:
+    """Validate a list of token-id lists; one clear ValueError naming the problem."""
+    if isinstance(seqs, Tensor):
+        raise ValueError(f"{name} must be a list of lists of ints, got a tensor of shape {tuple(seqs.shape)}")
+    if not isinstance(seqs, (list, tuple)) or len(seqs) == 0:
+        raise ValueError(f"{name} must be a non-empty list of token-id lists")
+    out = []
+    for i, seq in enumerate(seqs):
+        if isinstance(seq, Tensor):
+            if seq.dim() != 1:
+                raise ValueError(f"{name}[{i}] must be 1-D, got shape {tuple(seq.shape)}")
+            seq = seq.tolist()
+        if not isinstance(seq, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
+            raise ValueError(f"{name}[{i}] must be a list of ints")
+        if not seq and not allow_empty_items:
+            raise ValueError(f"{name}[{i}] is empty")
+        bad = [t for t in seq if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name}[{i}] has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        out.append(list(seq))
+    return out
+
+
+def check_temperature(temperature: float) -> float:
+    if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    return float(temperature)
+
+
+def check_batch_size(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def pad_right(seqs: list[list[int]], device: torch.device, pad_id: int = 0) -> Tensor:
+    """[B, max_len] int64, right-padded with ``pad_id``."""
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device)
+
+
+def scale_logits(logits: Tensor, temperature: float) -> Tensor:
+    """fp32 logits / temperature; temperature 0 (greedy) scores under the unscaled distribution."""
+    logits = logits.float()
+    return logits if temperature in (0.0, 1.0) else logits / temperature

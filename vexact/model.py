@@ -1,0 +1,256 @@
+"""One Llama/Qwen-style decoder serving both the rollout path and the training path.
+
+``Transformer.forward`` is the only model logic there is. Training calls it on whole
+sequences (no cache, every sequence starting at position 0); rollout calls it on the prompts
+(prefill) and then on one token per sequence per step (decode), with a ``KVCache``. Every
+op goes through the kernel backend (``vexact_kernels``), so with ``backend="exact"`` the two
+paths produce bit-identical logits for the same token at the same position.
+
+Parameter names follow Hugging Face's Llama/Qwen layout (``embed_tokens``,
+``layers.N.self_attn.q_proj`` ...) so that checkpoints map over one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+import vexact_kernels
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch.float32 / torch.bfloat16 or their names; anything else is a ValueError."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {dtype}; expected torch.float32 or torch.bfloat16")
+    return dtype
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama/Qwen-style decoder. ``head_dim`` defaults to hidden_size // num_heads."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_seq_len: int = 256
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                    f"({self.num_heads}) unless head_dim is given"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be a positive even integer, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError("ModelConfig.rope_theta and rms_norm_eps must be positive")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {', '.join(unknown)}")
+        return cls(**values)
+
+
+class KVCache:
+    """Per-layer key/value buffers [B, L, Hkv, hd]; position p of sequence b lives at [b, p]."""
+
+    def __init__(self, config: ModelConfig, batch: int, length: int, dtype: torch.dtype, device: torch.device):
+        shape = (batch, length, config.num_kv_heads, config.head_dim)
+        # Zeros, not empty: positions past a sequence's end must hold finite values.
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+
+class Transformer(nn.Module):
+    """Llama/Qwen-style decoder whose every op runs on a switchable kernel backend.
+
+    ``nn.Linear`` / ``RMSNorm`` modules only hold parameters (HF names); the math is in
+    ``forward`` and always goes through ``self.ops``. Switch ``model.backend`` at any time:
+    parameters and state_dict do not depend on it.
+    """
+
+    def __init__(self, config: ModelConfig, backend: str = "exact", dtype: torch.dtype | str = torch.float32,
+                 device: torch.device | str = "cpu", init_seed: int | None = 0):
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if not c.tie_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        angles = torch.arange(c.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        # Computed once: every path indexes the same table, so RoPE cannot differ between them.
+        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        if init_seed is not None:
+            self.init_weights(init_seed)
+        self.to(device=device, dtype=resolve_dtype(dtype))
+        self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        self.backend = backend
+
+    # ------------------------------------------------------------------ setup
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic GPT-style init: N(0, std) matrices, ones for norms, zero biases."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    scale = std / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight",
+                                                                                         "down_proj.weight")) else std
+                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        vexact_kernels.get_ops(name, self.device)  # validates the name
+        self._backend = name
+
+    @property
+    def ops(self):
+        return vexact_kernels.get_ops(self._backend, self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        return KVCache(self.config, batch, length, self.dtype, self.device)
+
+    # ------------------------------------------------------------------ the forward
+    def forward(self, tokens: Tensor, q_start: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """Hidden states after the final norm, [B, T, D], for ``tokens`` [B, T].
+
+        Row b holds tokens at absolute positions q_start[b] .. q_start[b] + T - 1 (default
+        0). Without ``cache`` the tokens are the whole sequence (training path); with a
+        cache their keys/values are written into it at those positions and attention
+        reads positions 0 .. own position from it (rollout path: prefill, then decode).
+        Rows are independent: padding tokens in a row affect only that row's padded slots.
+        """
+        ops, c = self.ops, self.config
+        batch, length = tokens.shape
+        if q_start is None:
+            q_start = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+        positions = q_start[:, None] + torch.arange(length, device=tokens.device)[None, :]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        batch_index = torch.arange(batch, device=tokens.device)[:, None]
+        scale = 1.0 / math.sqrt(c.head_dim)
+
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = ops.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
+            q = ops.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, length, c.num_heads, c.head_dim)
+            k = ops.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, length, c.num_kv_heads, c.head_dim)
+            v = ops.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, length, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = ops.rms_norm(q, attn.q_norm.weight, c.rms_norm_eps)
+                k = ops.rms_norm(k, attn.k_norm.weight, c.rms_norm_eps)
+            q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
+            if cache is None:
+                keys, values = k, v
+            else:
+                cache.keys[i][batch_index, positions] = k
+                cache.values[i][batch_index, positions] = v
+                keys, values = cache.keys[i], cache.values[i]
+            o = ops.attention(q, keys, values, q_start, scale).reshape(batch, length, c.num_heads * c.head_dim)
+            x = x + ops.linear(o, attn.o_proj.weight)
+            h = ops.rms_norm(x, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+            mlp = layer.mlp
+            gated = ops.silu_mul(ops.linear(h, mlp.gate_proj.weight), ops.linear(h, mlp.up_proj.weight))
+            x = x + ops.linear(gated, mlp.down_proj.weight)
+        return ops.rms_norm(x, self.norm.weight, c.rms_norm_eps)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """LM head: hidden [..., D] -> logits [..., V] (model dtype)."""
+        head = self.embed_tokens.weight if self.config.tie_embeddings else self.lm_head.weight
+        return self.ops.linear(hidden, head)

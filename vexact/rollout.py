@@ -1,0 +1,107 @@
+"""The rollout path: KV-cache generation (prefill, then one token per step), recording the
+log-prob of every sampled token as the sampler saw it -- the numbers an RL trainer would
+otherwise get from its inference engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
+from .model import Transformer
+from .sampling import sample_tokens
+
+CACHE_BLOCK = 64  # cache length rounded up to whole attention tiles
+
+
+@dataclass
+class GenerateOutput:
+    """``tokens[i]``: generated ids for prompt i (EOS included when hit);
+    ``logprobs[i]``: float32 log-prob of each under the temperature-scaled sampling distribution."""
+
+    tokens: list[list[int]]
+    logprobs: list[Tensor]
+    finished: list[bool] = field(default_factory=list)  # True where EOS was produced
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 1.0,
+             seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None) -> GenerateOutput:
+    """Sample continuations of ``prompts`` with a KV cache.
+
+    Sampling is counter-based (see ``vexact.sampling``): prompt i's tokens depend only on
+    (seed, i, position) and its logits, so ``batch_size`` (None = all at once) changes speed,
+    never results. ``temperature=0`` is greedy (log-probs then under temperature 1).
+    Generation of a sequence stops after ``eos_token_id`` (if given) or ``max_new_tokens``.
+    """
+    cfg = model.config
+    prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
+    temperature = check_temperature(temperature)
+    check_batch_size("batch_size", batch_size)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(
+            f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len ({cfg.max_seq_len})"
+        )
+    if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
+        raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+
+    step = batch_size or len(prompts)
+    tokens: list[list[int]] = []
+    logprobs: list[Tensor] = []
+    finished: list[bool] = []
+    for start in range(0, len(prompts), step):
+        chunk = _generate_batch(model, prompts[start : start + step], start, max_new_tokens, temperature, seed,
+                                eos_token_id)
+        tokens += chunk.tokens
+        logprobs += chunk.logprobs
+        finished += chunk.finished
+    return GenerateOutput(tokens, logprobs, finished)
+
+
+def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: int, max_new_tokens: int,
+                    temperature: float, seed: int, eos_token_id: int | None) -> GenerateOutput:
+    device, ops = model.device, model.ops
+    batch = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    sequence_ids = torch.arange(first_index, first_index + batch, device=device)
+    cache_len = -(-(int(lengths.max()) + max_new_tokens) // CACHE_BLOCK) * CACHE_BLOCK
+    cache = model.new_cache(batch, cache_len)
+    rows = torch.arange(batch, device=device)
+
+    # Prefill: the whole (right-padded) prompts; logits only at each prompt's last token.
+    hidden = model(pad_right(prompts, device), cache=cache)
+    last_hidden = hidden[rows, lengths - 1]
+
+    out_tokens = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+    out_logprobs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    n_steps = 0
+    for t in range(max_new_tokens):
+        logits = scale_logits(model.logits(last_hidden), temperature)
+        positions = torch.full((batch,), t, dtype=torch.long, device=device)
+        token = sample_tokens(logits, seed, sequence_ids, positions, greedy=temperature == 0.0)
+        token = torch.where(done, 0, token)  # finished rows keep decoding padding, ignored
+        out_tokens[:, t] = token
+        out_logprobs[:, t] = ops.token_logprobs(logits, token)
+        n_steps = t + 1
+        if eos_token_id is not None:
+            done |= token == eos_token_id
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        last_hidden = model(token[:, None], q_start=lengths + t, cache=cache)[:, 0]
+
+    tokens, logprobs, finished = [], [], []
+    for b in range(batch):
+        seq = out_tokens[b, :n_steps].tolist()
+        n = len(seq)
+        if eos_token_id is not None and eos_token_id in seq:
+            n = seq.index(eos_token_id) + 1
+        tokens.append(seq[:n])
+        logprobs.append(out_logprobs[b, :n].clone())
+        finished.append(eos_token_id is not None and n > 0 and seq[n - 1] == eos_token_id)
+    return GenerateOutput(tokens, logprobs, finished)

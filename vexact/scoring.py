@@ -1,0 +1,54 @@
+"""The training path: teacher-forced full-sequence forward giving each response token's
+log-prob -- what an RL trainer recomputes for its loss. Differentiable when grad is on."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
+from .model import Transformer
+
+
+def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
+                   temperature: float = 1.0, micro_batch_size: int | None = None) -> list[Tensor]:
+    """log p(response[i][j] | prompt[i], response[i][:j]) for every response token, float32.
+
+    One forward per micro-batch of ``micro_batch_size`` sequences (None = all at once) over
+    prompt + response; ``temperature`` scales logits as in ``generate`` (0 = unscaled).
+    Returns one tensor per sequence (empty for an empty response).
+    """
+    cfg = model.config
+    prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
+    responses = check_token_lists("responses", responses, cfg.vocab_size, allow_empty_items=True)
+    temperature = check_temperature(temperature)
+    check_batch_size("micro_batch_size", micro_batch_size)
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if len(p) + len(r) > cfg.max_seq_len:
+            raise ValueError(f"sequence {i}: prompt ({len(p)}) + response ({len(r)}) exceeds max_seq_len "
+                             f"({cfg.max_seq_len})")
+
+    step = micro_batch_size or len(prompts)
+    out: list[Tensor] = []
+    for start in range(0, len(prompts), step):
+        out += _score_batch(model, prompts[start : start + step], responses[start : start + step], temperature)
+    return out
+
+
+def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
+                 temperature: float) -> list[Tensor]:
+    device = model.device
+    # The last response token is only a target, never an input.
+    inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
+    hidden = model(pad_right(inputs, device))
+    # Response token j of sequence b is predicted at position len(prompt_b) - 1 + j.
+    rows = [(b, len(p) - 1 + j) for b, (p, r) in enumerate(zip(prompts, responses)) for j in range(len(r))]
+    if not rows:
+        return [torch.zeros(0, device=device) for _ in prompts]
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    targets = torch.tensor([t for r in responses for t in r], dtype=torch.long, device=device)
+    logits = scale_logits(model.logits(hidden[index[:, 0], index[:, 1]]), temperature)
+    flat = model.ops.token_logprobs(logits, targets)
+    return list(flat.split([len(r) for r in responses]))
