@@ -1,0 +1,203 @@
+"""Op-level invariance contracts of the exact CPU kernels (``vexact_kernels.cpu_exact``).
+
+Each ``test_<op>_invariance`` checks what the op's docstring promises: a row's output is
+bitwise identical (torch.equal) whether computed alone or in a batch of any size, at any
+position in the batch, with 1, 2 or 3 torch threads. Shapes include last dims that are not
+multiples of 32. Correctness against the native reference uses assert_close with stated
+tolerances; it is not what exactness means.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import num_threads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vexact_kernels import cpu_exact as exact
+from vexact_kernels import native
+
+THREADS = (1, 2, 3)
+DTYPES = (torch.float32, torch.bfloat16)
+# Correctness vs native (not exactness): fp32 kernels differ only in summation order.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _rows_invariant(op, x: torch.Tensor, *args) -> None:
+    """op(x)[i] == op(x[i:i+1])[0] for every thread count, batch size and permutation."""
+    reference = [op(x[i : i + 1], *args)[0] for i in range(x.shape[0])]
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))
+    for threads in THREADS:
+        with num_threads(threads):
+            for rows in (1, 2, 5, x.shape[0]):
+                out = op(x[:rows], *args)
+                for i in range(rows):
+                    assert torch.equal(out[i], reference[i]), f"row {i} of {rows} differs ({threads} threads)"
+            shuffled = op(x[perm], *args)
+            for j, i in enumerate(perm.tolist()):
+                assert torch.equal(shuffled[j], reference[i]), f"row {i} moved to {j} differs ({threads} threads)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(64, 192), (100, 37), (1000, 37), (576, 1536), (33, 1000)])
+def test_linear_invariance(dtype, k, n):
+    g = torch.Generator().manual_seed(k * n)
+    x = torch.randn(130, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    _rows_invariant(exact.linear, x, w, b)
+    torch.testing.assert_close(exact.linear(x, w, b), native.linear(x, w, b), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 100, 576, 1000])
+def test_rms_norm_invariance(dtype, d):
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(70, d, generator=g) * 3).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
+    _rows_invariant(exact.rms_norm, x, w, 1e-6)
+    torch.testing.assert_close(exact.rms_norm(x, w, 1e-6), native.rms_norm(x, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [14, 1000, 32003, 151936])
+def test_log_softmax_invariance(dtype, v):
+    g = torch.Generator().manual_seed(v)
+    rows = 6 if v > 100000 else 40
+    x = (torch.randn(rows, v, generator=g) * 4).to(dtype)
+    _rows_invariant(exact.log_softmax, x)
+    torch.testing.assert_close(exact.log_softmax(x), native.log_softmax(x), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_logprobs_invariance(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(50, 1001, generator=g) * 4).to(dtype)
+    t = torch.randint(0, 1001, (50,), generator=g)
+    reference = [exact.token_logprobs(x[i : i + 1], t[i : i + 1])[0] for i in range(50)]
+    for threads in THREADS:
+        with num_threads(threads):
+            out = exact.token_logprobs(x, t)
+            assert all(torch.equal(out[i], reference[i]) for i in range(50))
+    # bitwise the same as gathering from log_softmax: one definition of a token's log-prob
+    assert torch.equal(exact.token_logprobs(x, t), exact.log_softmax(x).gather(-1, t[:, None])[:, 0])
+    torch.testing.assert_close(exact.token_logprobs(x, t), native.token_logprobs(x, t), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [31, 500, 4099])
+def test_silu_mul_invariance(dtype, width):
+    # torch's own silu changes value with tensor size (e.g. index 16 of 31 elements).
+    g = torch.Generator().manual_seed(width)
+    gate = (torch.randn(40, width, generator=g) * 4).to(dtype)
+    up = torch.randn(40, width, generator=g).to(dtype)
+    _rows_invariant(lambda pair: exact.silu_mul(pair[:, 0], pair[:, 1]), torch.stack([gate, up], dim=1))
+    flat_alone = exact.silu_mul(gate[0, :16], up[0, :16])
+    assert torch.equal(flat_alone, exact.silu_mul(gate[0], up[0])[:16])
+    torch.testing.assert_close(exact.silu_mul(gate, up), native.silu_mul(gate, up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_invariance(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 13, 4, 18, generator=g).to(dtype)
+    cos, sin = torch.randn(2, 9, 13, 9, generator=g)
+    full = exact.rope(x, cos, sin)
+    for threads in THREADS:
+        with num_threads(threads):
+            assert torch.equal(exact.rope(x[3:4, 5:6], cos[3:4, 5:6], sin[3:4, 5:6]), full[3:4, 5:6])
+
+
+def _ragged_attention_inputs(dtype, lengths, q_heads=4, kv_heads=2, head_dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    batch, longest = len(lengths), max(lengths)
+    q = torch.randn(batch, longest, q_heads, head_dim, generator=g).to(dtype)
+    # Garbage (finite) beyond each sequence's length must never matter.
+    k = torch.randn(batch, longest + 20, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, longest + 20, kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (4, 4), (9, 3)])
+def test_attention_invariance(dtype, q_heads, kv_heads):
+    """Decode at position t == prefill row t; a sequence alone == in a batch; cache garbage
+    beyond a query's position and the thread count never matter."""
+    lengths = [1, 7, 64, 65, 130, 3]
+    q, k, v = _ragged_attention_inputs(dtype, lengths, q_heads, kv_heads)
+    scale = 0.25
+    zero = torch.zeros(len(lengths), dtype=torch.long)
+    prefill = exact.attention(q, k, v, zero, scale)
+    for threads in THREADS:
+        with num_threads(threads):
+            for b, n in enumerate(lengths):
+                alone = exact.attention(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], zero[:1], scale)
+                assert torch.equal(alone[0], prefill[b, :n]), f"seq {b} alone != batched ({threads} threads)"
+            for t in (0, 1, 63, 64, 129):
+                decode = exact.attention(q[:, t : t + 1], k, v, torch.full((len(lengths),), t), scale)
+                assert torch.equal(decode[:, 0], prefill[:, t]), f"decode at {t} != prefill row ({threads} threads)"
+    # ragged decode: every sequence at its own position in one call
+    positions = torch.tensor([n - 1 for n in lengths])
+    q_last = q[torch.arange(len(lengths)), positions][:, None]
+    decode = exact.attention(q_last, k, v, positions, scale)
+    for b, n in enumerate(lengths):
+        assert torch.equal(decode[b, 0], prefill[b, n - 1])
+    # garbage after the query position
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 40:], v2[:, 40:] = 1e3, -1e3
+    assert torch.equal(exact.attention(q[:, :40], k2, v2, zero, scale), prefill[:, :40])
+    torch.testing.assert_close(prefill, native.attention(q, k, v, zero, scale), **TOL[dtype])
+
+
+@given(rows=st.integers(1, 150), k=st.integers(1, 200), n=st.integers(1, 200), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_linear_invariance_randomized(rows, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    i = seed % rows
+    full = exact.linear(x, w)
+    assert torch.equal(full[i], exact.linear(x[i : i + 1], w)[0])
+
+
+@given(batch=st.integers(1, 5), length=st.integers(1, 90), t=st.integers(0, 89), seed=st.integers(0, 2**16))
+@settings(max_examples=15, deadline=None)
+def test_attention_invariance_randomized(batch, length, t, seed):
+    t = t % length
+    q, k, v = _ragged_attention_inputs(torch.float32, [length] * batch, seed=seed)
+    prefill = exact.attention(q, k, v, torch.zeros(batch, dtype=torch.long), 0.3)
+    decode = exact.attention(q[:, t : t + 1], k, v, torch.full((batch,), t), 0.3)
+    assert torch.equal(decode[:, 0], prefill[:, t])
+
+
+@pytest.mark.parametrize("op", ["linear", "rms_norm", "silu_mul", "attention", "log_softmax", "token_logprobs"])
+def test_backward_deterministic_and_close_to_native(op):
+    g = torch.Generator().manual_seed(3)
+    if op == "linear":
+        inputs, static = [torch.randn(20, 33, generator=g), torch.randn(17, 33, generator=g)], ()
+    elif op == "rms_norm":
+        inputs, static = [torch.randn(20, 33, generator=g), torch.randn(33, generator=g)], (1e-6,)
+    elif op == "silu_mul":
+        inputs, static = [torch.randn(20, 33, generator=g), torch.randn(20, 33, generator=g)], ()
+    elif op == "attention":
+        q, k, v = _ragged_attention_inputs(torch.float32, [10, 10])
+        inputs, static = [q, k[:, :10], v[:, :10]], (torch.zeros(2, dtype=torch.long), 0.25)
+    elif op == "log_softmax":
+        inputs, static = [torch.randn(20, 33, generator=g)], ()
+    else:
+        inputs, static = [torch.randn(20, 33, generator=g)], (torch.randint(0, 33, (20,), generator=g),)
+    upstream = None
+
+    def grads(module):
+        nonlocal upstream
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = getattr(module, op)(*leaves, *static)
+        if upstream is None:
+            upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+        out.backward(upstream)
+        return [t.grad for t in leaves]
+
+    first, second, reference = grads(exact), grads(exact), grads(native)
+    for a, b, ref in zip(first, second, reference):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, ref, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,121 @@
+"""The ``vexact`` command line. Each subcommand lives in its own module; this file only parses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _batch_list(text: str) -> tuple[int | None, ...]:
+    """'all,1,7' -> (None, 1, 7)."""
+    out: list[int | None] = []
+    for item in text.split(","):
+        item = item.strip()
+        if item == "all":
+            out.append(None)
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(f"expected a comma list of positive ints or 'all', got {item!r}")
+    return tuple(out)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="verify rollout log-probs == training log-probs bit for bit on this machine")
+    p.add_argument("--vocab-size", type=_positive_int, default=256)
+    p.add_argument("--hidden-size", type=_positive_int, default=128)
+    p.add_argument("--num-layers", type=_positive_int, default=2)
+    p.add_argument("--num-heads", type=_positive_int, default=4)
+    p.add_argument("--num-kv-heads", type=_positive_int, default=2)
+    p.add_argument("--intermediate-size", type=_positive_int, default=352)
+    p.add_argument("--num-prompts", type=_positive_int, default=24)
+    p.add_argument("--max-prompt-len", type=_positive_int, default=40)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | all (default float32)")
+    p.add_argument("--backend", default="exact,native", help="comma list of backends (exact, native, triton)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--batch-sizes", type=_batch_list, default=(None, 1, 7), help="generation batch sizes, e.g. all,1,7")
+    p.add_argument("--micro-batch-sizes", type=_batch_list, default=(None, 1, 5), help="scoring micro-batch sizes")
+    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    p.set_defaults(func=_cmd_check)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .check import CheckSettings, run_check
+    from .model import DTYPES
+
+    dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"--dtype: unsupported dtype {d!r}; expected float32, bfloat16 or all")
+    backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
+    rows = []
+    for dtype in dtypes:
+        settings = CheckSettings(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                                 num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                                 intermediate_size=args.intermediate_size, num_prompts=args.num_prompts,
+                                 max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,
+                                 batch_sizes=args.batch_sizes, micro_batch_sizes=args.micro_batch_sizes)
+        rows += run_check(settings, backends)
+
+    table = Table(title="vexact check: rollout log-probs vs training log-probs")
+    for col in ("backend", "dtype", "threads", "tokens", "bitwise equal", "mismatched", "max |Δlogp|", "k3 KL",
+                "batch-inv. sampling", "s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        style = "green" if r["tokens_mismatched"] == 0 else ("red" if r["backend"] != "native" else "yellow")
+        table.add_row(r["backend"], _SHORT_DTYPE.get(r["dtype"], r["dtype"]), str(r["threads"]), str(r["tokens_compared"]),
+                      str(r["tokens_bitwise_equal"]), f"[{style}]{r['tokens_mismatched']}[/]",
+                      f"{r['max_abs_dlogp']:.3g}", f"{r['k3_kl']:.3g}", str(r["sampling_batch_invariant"]),
+                      f"{r['seconds']:.2f}")
+    Console(width=max(Console().width, 110)).print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+    exact_failures = [r for r in rows if r["backend"] != "native"
+                      and (r["tokens_mismatched"] or not r["sampling_batch_invariant"])]
+    if exact_failures:
+        Console(stderr=True).print("[red]exactness violated[/] for: "
+                                   + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
+        return 1
+    return 0
+
+
+_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_check(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:  # bad input: one clear line, no traceback
+        Console(stderr=True).print(f"[red]error:[/] {err}")
+        return 2
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[yellow]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
