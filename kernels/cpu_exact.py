@@ -30,7 +30,7 @@ fp32) and rounded once to the output dtype. Backward passes use standard torch o
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

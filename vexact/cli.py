@@ -78,10 +78,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     for r in rows:
         style = "green" if r["tokens_mismatched"] == 0 else ("red" if r["backend"] != "native" else "yellow")
-        table.add_row(r["backend"], _SHORT_DTYPE.get(r["dtype"], r["dtype"]), str(r["threads"]), str(r["tokens_compared"]),
-                      str(r["tokens_bitwise_equal"]), f"[{style}]{r['tokens_mismatched']}[/]",
-                      f"{r['max_abs_dlogp']:.3g}", f"{r['k3_kl']:.3g}", str(r["sampling_batch_invariant"]),
-                      f"{r['seconds']:.2f}")
+        cells = [r["backend"], _SHORT_DTYPE.get(r["dtype"], r["dtype"]), r["threads"], r["tokens_compared"],
+                 r["tokens_bitwise_equal"], f"[{style}]{r['tokens_mismatched']}[/]", f"{r['max_abs_dlogp']:.3g}",
+                 f"{r['k3_kl']:.3g}", r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
+        table.add_row(*map(str, cells))
     Console(width=max(Console().width, 110)).print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

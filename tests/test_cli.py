@@ -1,0 +1,29 @@
+"""``vexact check`` end to end through the console entry point."""
+
+from __future__ import annotations
+
+import json
+
+from vexact.cli import main
+
+
+def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    code = main(["check", "--num-prompts", "16", "--max-new-tokens", "24", "--hidden-size", "64",
+                 "--intermediate-size", "160", "--dtype", "all", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert {(r["backend"], r["dtype"]) for r in rows} == {(b, d) for b in ("exact", "native")
+                                                          for d in ("float32", "bfloat16")}
+    for r in rows:
+        assert r["tokens_compared"] > 0
+        if r["backend"] == "exact":
+            assert r["tokens_mismatched"] == 0 and r["max_abs_dlogp"] == 0.0 and r["k3_kl"] == 0.0
+    assert sum(r["tokens_mismatched"] for r in rows if r["backend"] == "native") > 0
+    assert "vexact check" in capsys.readouterr().out
+
+
+def test_check_bad_dtype_is_one_clear_error(capsys):
+    assert main(["check", "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported dtype 'fp8'" in err and "Traceback" not in err
