@@ -277,21 +277,26 @@ def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tenso
     scores = torch.bmm(q_b.reshape(tiles, tile, head_dim), k_b.reshape(tiles, tile, head_dim).transpose(1, 2))
     scores = scores.view(batch, kv_heads, row_blocks, key_blocks, tile, tile) * scale
 
-    key_pos = torch.arange(key_len, device=q.device).view(key_blocks, tile)
-    query_pos_t = query_pos.view(batch, 1, row_blocks, 1, tile, 1)
-    visible = key_pos.view(1, 1, 1, key_blocks, 1, tile) <= query_pos_t
+    # Row-wise softmax on the real rows only (decode has 1-2 real rows per 64-row tile):
+    # [B, Hkv, row_len, key_blocks, 64] -> the first `rows` rows.
+    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, kv_heads, row_len, key_blocks, tile)[:, :, :rows]
+    key_pos = torch.arange(key_len, device=q.device).view(1, 1, 1, key_blocks, tile)
+    visible = key_pos <= query_pos[:, None, :rows, None, None]
     scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(dim=(3, 4), keepdim=True)  # max is exact in any order
+    probs = _unary(torch.exp, scores - row_max)  # masked keys: exactly 0
+    denom = _tree_sum(_tree_sum(probs))  # within each key tile, then across tiles (zero tails are no-ops)
 
-    # Softmax over all key tiles: exact max, chunked exp, tree sums (zero tails are no-ops).
-    row_max = scores.amax(dim=(3, 5), keepdim=True)
-    probs = _unary(torch.exp, scores - row_max)
-    denom = _tree_sum(_tree_sum(probs).transpose(3, 4))  # per tile, then across tiles
+    # P @ V in fixed [64 x 64] @ [64 x hd] tiles, then a tree over key tiles in position order.
+    probs_tiles = probs.new_zeros(batch, kv_heads, row_len, key_blocks, tile)
+    probs_tiles[:, :, :rows] = probs
+    probs_tiles = probs_tiles.view(batch, kv_heads, row_blocks, tile, key_blocks, tile).transpose(3, 4)
     v_b = v_t.unsqueeze(2).expand(-1, -1, row_blocks, -1, -1, -1)
-    partial = torch.bmm(probs.reshape(tiles, tile, tile), v_b.reshape(tiles, tile, head_dim))
+    partial = torch.bmm(probs_tiles.reshape(tiles, tile, tile), v_b.reshape(tiles, tile, head_dim))
     partial = partial.view(batch, kv_heads, row_blocks, key_blocks, tile, head_dim)
-    summed = _tree_sum(partial.permute(0, 1, 2, 4, 5, 3))  # across key tiles, in position order
-    out = summed / denom.unsqueeze(-1)  # [B, Hkv, row_blocks, 64, hd]
-    out = out.reshape(batch, kv_heads, row_len, head_dim)[:, :, :rows]
+    summed = _tree_sum(partial.permute(0, 1, 2, 4, 5, 3))  # [B, Hkv, row_blocks, 64, hd]
+    summed = summed.reshape(batch, kv_heads, row_len, head_dim)[:, :, :rows]
+    out = summed / denom.unsqueeze(-1)
     out = out.view(batch, kv_heads, q_len, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(batch, q_len, q_heads, head_dim).to(q.dtype)
 

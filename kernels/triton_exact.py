@@ -1,0 +1,660 @@
+"""Exact Triton backend: batch-invariant, deterministic GPU kernels.
+
+Why: an RL rollout decodes with a KV cache, one token at a time, in whatever batch the
+scheduler forms; training recomputes the same tokens in one full-sequence forward. With
+ordinary kernels the two disagree in the last bits, because a GPU library picks its
+tiling (and split-K, and reduction tree) from the shapes it is given, and the shapes differ.
+This module removes that freedom: every reduction an output element depends on runs in an
+order that is fixed by the kernel's *compile-time* constants alone, never by the number of
+rows, the sequence length, or the batch.
+
+The design, op by op (each public function's docstring states its contract):
+
+* **linear** -- one tile configuration (BLOCK_M, BLOCK_N, BLOCK_K) per dtype, whatever M is.
+  Each program owns one [BLOCK_M, BLOCK_N] output tile and its *whole* K reduction, in one
+  fixed-order loop (no split-K, no atomics, no autotuning). Rows beyond M are masked to zero,
+  so a row's value does not depend on its neighbours or its position in the tile.
+* **rms_norm, log_softmax, token_logprobs** -- one program per row, walking the row in
+  fixed BLOCK-sized chunks in order, accumulating in fp32 lanes that are combined by
+  ``tl.sum`` / ``tl.max`` (a reduction tree fixed by BLOCK). A row depends only on itself.
+* **silu_mul, rope** -- elementwise: every element runs the same instruction sequence.
+* **attention** -- one FlashAttention-style kernel for prefill *and* decode. A program takes
+  BLOCK_M queries of one (sequence, query head) -- BLOCK_M fixed, so a decode step (T = 1)
+  runs the same tile shape with masked rows -- and walks the KV cache in BLOCK_N-key blocks
+  *from position 0 in order* with an fp32 online softmax. Invisible keys get a large finite
+  negative score, so their probability is exactly 0; a block that is invisible to a query is
+  then an exact no-op for it (alpha = exp(0) = 1, p = 0). Hence a query at position p gets
+  the same bits inside a long prefill as in a decode step against a cache of length p + 1.
+
+Accumulation is always fp32 and results are rounded to the output dtype at the end, with two
+deliberate extra roundings: silu_mul rounds silu(gate) to the input dtype before multiplying
+(as torch does), and on a GPU attention feeds bf16/fp16 probabilities to the P @ V ``tl.dot``
+(as FlashAttention does). fp32 matmuls use ``input_precision="ieee"`` (no TF32) so they agree
+with torch's fp32 reference.
+
+Interpreter mode: without a CUDA device the kernels run in the Triton interpreter
+(``TRITON_INTERPRET=1``, numpy underneath): correct but slow, for tests and tiny models.
+Differences there: the tile shapes are the interpreter's own (see ``_MATMUL_TILES``);
+low-precision tiles are upcast to fp32 before ``tl.dot`` because the interpreter's bf16
+``tl.dot`` multiplies raw bit patterns; and fp32 -> bf16 rounding is done by hand because
+the interpreter's cast truncates. Results are exact and invariant in either mode, but
+interpreter and GPU results are not bitwise equal to each other.
+
+Backward passes use standard, deterministic torch ops (see ``_ExactForwardNativeBackward``):
+only the forward must be exact; gradients must be reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from . import native
+
+# The interpreter must be chosen before triton decorates any kernel: ``triton.jit`` reads
+# ``triton.knobs.runtime.interpret`` at decoration time (live from the environment unless
+# the knob was set in Python). The import comes after this line on purpose.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+NAME = "triton"
+
+
+def _use_interpreter() -> bool:
+    """Decide once whether kernels run in the Triton interpreter, and make it so.
+
+    Without CUDA there is nothing to compile for, so the interpreter is forced. Setting the
+    environment variable is not enough when triton was imported earlier in the process:
+    the knob may have been set to False in Python, and -- found by experiment with triton
+    3.9 -- triton.language's own ``@jit`` helpers (``tl.sum``, ``tl.max``, ``tl.zeros``, ...)
+    were then decorated as compiled functions, which raise when an interpreted kernel calls
+    them. In that case they are re-decorated by reloading ``triton.language.standard``.
+    """
+    if torch.cuda.is_available():
+        return bool(triton.knobs.runtime.interpret)
+    if not triton.knobs.runtime.interpret:
+        triton.knobs.runtime.interpret = True
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(tl.standard.sum, InterpretedFunction):
+        # Reloading re-runs the module's @jit decorators (now interpreting) and re-attaches
+        # the tensor member functions (x.sum(), ...); then refresh tl's re-exported names.
+        importlib.reload(tl.standard)
+        for name, value in list(vars(tl).items()):
+            if isinstance(value, JITFunction) and isinstance(getattr(tl.standard, name, None), InterpretedFunction):
+                setattr(tl, name, getattr(tl.standard, name))
+    return True
+
+
+INTERPRETING = _use_interpreter()
+
+# Score given to invisible keys / padding lanes: finite (no inf - inf = NaN), and so negative
+# that exp(it - any real max) is exactly 0 in fp32.
+MASKED_SCORE: tl.constexpr = tl.constexpr(-1.0e30)
+LOG2_E = 1.0 / math.log(2.0)  # scores are scaled by this so the kernel can use exp2
+
+# The interpreter's fp32 -> bf16 cast truncates (GPUs round to nearest even), so there the
+# rounding is done by hand in ``_cast``.
+ROUND_BF16_BY_HAND: tl.constexpr = tl.constexpr(INTERPRETING)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """x.to(dtype), rounding to nearest even also in the interpreter."""
+    if ROUND_BF16_BY_HAND and dtype == tl.bfloat16 and x.dtype == tl.float32:
+        # Round the fp32 bit pattern to its top 16 bits: add just under half an ulp, plus
+        # one when the kept part is odd (ties to even); carries roll into the exponent.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+# --------------------------------------------------------------------------- configuration
+# Fixed tile shapes. They may depend on the dtype and on the mode, never on the data's
+# row count or sequence length: changing them changes the reduction order (and so the bits).
+# Matmul tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+if INTERPRETING:
+    _MATMUL_TILES = {dtype: (64, 64, 32, 1, 1) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    # Attention tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages). Small, so that short test
+    # sequences still span several key blocks.
+    _ATTENTION_TILES = {dtype: (16, 16, 1, 1) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    _ROW_BLOCK, _ROW_WARPS = 512, 1  # rms_norm / log_softmax chunk width
+    _ELEMENTWISE_BLOCK = 4096
+else:
+    _MATMUL_TILES = {
+        torch.float32: (64, 64, 32, 4, 3),
+        torch.bfloat16: (64, 128, 64, 4, 3),
+        torch.float16: (64, 128, 64, 4, 3),
+    }
+    _ATTENTION_TILES = {
+        torch.float32: (32, 32, 4, 2),
+        torch.bfloat16: (64, 64, 4, 2),
+        torch.float16: (64, 64, 4, 2),
+    }
+    _ROW_BLOCK, _ROW_WARPS = 1024, 4
+    _ELEMENTWISE_BLOCK = 1024
+
+
+# Pinned rather than left to Triton's default (which flips from fused to unfused mul-add in
+# Triton 3.10): either is invariant, but the bits must not change with a Triton upgrade.
+# Unfused also rounds each mul and add separately, like the torch reference.
+_COMPILE_OPTIONS = dict(enable_fp_fusion=False)
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full-precision products (tl.dot defaults to TF32 on GPUs).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_device(*tensors: Tensor) -> None:
+    if not INTERPRETING and any(not t.is_cuda for t in tensors):
+        raise ValueError("triton_exact: compiled kernels need CUDA tensors (or run with TRITON_INTERPRET=1)")
+
+
+# --------------------------------------------------------------------------- autograd glue
+class _ExactForwardNativeBackward(torch.autograd.Function):
+    """Forward = exact kernel; backward = the VJP of the native twin, recomputed.
+
+    The exact forward is what rollout and training must agree on; gradients only need to
+    be deterministic run to run, which standard torch ops are (same shapes, same device)."""
+
+    @staticmethod
+    def forward(ctx, exact_fn, native_fn, static, *tensors):  # type: ignore[override]
+        ctx.native_fn, ctx.static = native_fn, static
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            return exact_fn(*tensors, *static)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
+            out = ctx.native_fn(*inputs, *ctx.static)
+            wanted = [t for t, need in zip(inputs, needs) if need]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out))
+        return (None, None, None, *[next(grads) if need else None for need in needs])
+
+
+def _exact_forward(exact_fn: Callable, native_fn: Callable, tensors: tuple, static: tuple = ()) -> Tensor:
+    """Run ``exact_fn(*tensors, *static)``, differentiable through ``native_fn`` when needed."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _ExactForwardNativeBackward.apply(exact_fn, native_fn, static, *tensors)
+    return exact_fn(*tensors, *static)
+
+
+# --------------------------------------------------------------------------- linear
+@triton.jit(do_not_specialize=["n_rows"])  # one compiled kernel for every M, M == 1 included
+def _linear_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr,
+    n_rows, n_cols, n_inner,  # M, N, K
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # This program computes y[rows, cols] for one [BLOCK_M, BLOCK_N] tile:
+    #   y_tile = sum over k-blocks of x[rows, k-block] @ w[cols, k-block].T
+    # walking K from 0 in BLOCK_K steps. The loop order and the tile shape are the same for
+    # every tile and every M, so each output element is reduced identically wherever it sits.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    inner = tl.arange(0, BLOCK_K)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + inner[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + inner[:, None] * stride_wk + cols[None, :] * stride_wn  # [BLOCK_K, BLOCK_N] = w.T tile
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, n_inner, BLOCK_K):
+        # Masked lanes load 0, adding exact zeros: a K that is not a multiple of BLOCK_K
+        # (or rows past M) cannot change the other elements.
+        inner_mask = k_start + inner < n_inner
+        x_tile = tl.load(x_ptrs, mask=row_mask[:, None] & inner_mask[None, :], other=0.0)
+        w_tile = tl.load(w_ptrs, mask=inner_mask[:, None] & col_mask[None, :], other=0.0)
+        if CAST_TO_FP32:  # interpreter: its bf16 tl.dot is wrong; bf16 x bf16 is exact in fp32
+            x_tile = x_tile.to(tl.float32)
+            w_tile = w_tile.to(tl.float32)
+        acc = tl.dot(x_tile, w_tile, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+    tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    _check_device(x, weight)
+    n_inner = x.shape[-1]
+    n_cols = weight.shape[0]
+    x2d = x.reshape(-1, n_inner)
+    y = torch.empty(x2d.shape[0], n_cols, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y.view(*x.shape[:-1], n_cols)
+    block_m, block_n, block_k, num_warps, num_stages = _MATMUL_TILES[x.dtype]
+    grid = (triton.cdiv(x2d.shape[0], block_m), triton.cdiv(n_cols, block_n))
+    _linear_kernel[grid](
+        x2d, weight, bias if bias is not None else weight, y,
+        x2d.shape[0], n_cols, n_inner,
+        x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS,
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], n_cols)
+
+
+class _ExactLinear(torch.autograd.Function):
+    """Exact forward; backward with plain (deterministic) matmuls."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = (g2d @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = g2d.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = g2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N] in x.dtype.
+
+    Invariance contract: each output row depends only on the same input row, the weight and
+    the bias -- never on how many rows there are (M), the row's position among them, padding
+    rows, or other rows' values. So a decode step's projection equals the matching row of
+    a full-sequence forward bit for bit.
+
+    Tiling: the output is cut into [BLOCK_M, BLOCK_N] tiles, one program each (grid
+    cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N)). A program loads [BLOCK_M, BLOCK_K] slices of x and
+    [BLOCK_K, BLOCK_N] slices of weight.T and accumulates their ``tl.dot`` in an fp32 tile,
+    K from 0 upwards. The tile shape is fixed per dtype (see ``_MATMUL_TILES``), never
+    chosen from M; there is no split-K. Bias is added in fp32, then one rounding to x.dtype.
+    """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _ExactLinear.apply(x, weight, bias)
+    return _linear_forward(x, weight, bias)
+
+
+# --------------------------------------------------------------------------- rms_norm
+@triton.jit
+def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, row_len, eps, BLOCK: tl.constexpr):
+    # One program per row. Pass 1: sum of squares in BLOCK fp32 lanes, chunk by chunk in
+    # order, then one fixed tree (tl.sum) across lanes. Pass 2: scale and store.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * row_len
+    y_row = y_ptr + row * row_len
+    lanes = tl.arange(0, BLOCK)
+
+    sum_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, row_len, BLOCK):
+        x = tl.load(x_row + start + lanes, mask=start + lanes < row_len, other=0.0).to(tl.float32)
+        sum_sq += x * x
+    inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / row_len + eps)
+
+    for start in range(0, row_len, BLOCK):
+        mask = start + lanes < row_len
+        x = tl.load(x_row + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + start + lanes, _cast(x * inv_rms * w, y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    _check_device(x, weight)
+    row_len = x.shape[-1]
+    x2d = x.reshape(-1, row_len).contiguous()
+    y = torch.empty_like(x2d)
+    if y.numel():
+        _rms_norm_kernel[(x2d.shape[0],)](
+            x2d, weight.contiguous(), y, row_len, eps, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+        )
+    return y.view(x.shape)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * weight, fp32 inside.
+
+    Invariance contract: each output row depends only on that input row, the weight and eps
+    -- never on the number of rows, their order, padding rows or other rows' values.
+
+    Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into
+    BLOCK fp32 partial sums that ``tl.sum`` combines in a fixed tree. Result in x.dtype.
+    """
+    return _exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
+
+
+# --------------------------------------------------------------------------- silu_mul
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    # Like torch: silu is computed in fp32 and rounded to the input dtype, then multiplied.
+    silu = _cast(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offsets, _cast(silu * up, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _silu_mul_exact(gate: Tensor, up: Tensor) -> Tensor:
+    _check_device(gate, up)
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n_elements = gate.numel()
+    if n_elements:
+        grid = (triton.cdiv(n_elements, _ELEMENTWISE_BLOCK),)
+        _silu_mul_kernel[grid](gate, up, out, n_elements, BLOCK=_ELEMENTWISE_BLOCK, **_COMPILE_OPTIONS)
+    return out
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU activation silu(gate) * up, elementwise, result in the inputs' dtype.
+
+    Invariance contract: each output element depends only on the matching gate and up
+    elements -- not on the tensor's size, shape or the element's position. Tiling: the
+    flattened tensor in fixed BLOCK-wide chunks, one program each; no reductions.
+    """
+    return _exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
+
+
+# --------------------------------------------------------------------------- rope
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, half_dim, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One program per token (b, t): all heads at once, since they share cos/sin.
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < n_heads) & (pairs < half_dim)
+    first = token * n_heads * 2 * half_dim + heads * 2 * half_dim + pairs  # x1 = x[..., :half]
+    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + first + half_dim, mask=mask, other=0.0).to(tl.float32)  # x2 = x[..., half:]
+    cos = tl.load(cos_ptr + token * half_dim + pairs, mask=pairs < half_dim, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * half_dim + pairs, mask=pairs < half_dim, other=0.0).to(tl.float32)
+    out_type = out_ptr.dtype.element_ty
+    tl.store(out_ptr + first, _cast(x1 * cos - x2 * sin, out_type), mask=mask)
+    tl.store(out_ptr + first + half_dim, _cast(x2 * cos + x1 * sin, out_type), mask=mask)
+
+
+def _rope_exact(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    _check_device(x, cos, sin)
+    batch, seq, n_heads, head_dim = x.shape
+    half_dim = head_dim // 2
+    # cos/sin may broadcast over leading dims, as in the reference (e.g. [1, T, hd/2]).
+    cos, sin = (t.expand(batch, seq, half_dim).contiguous() for t in (cos, sin))
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if out.numel():
+        _rope_kernel[(batch * seq,)](
+            x, cos, sin, out, n_heads, half_dim,
+            BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_HALF=triton.next_power_of_2(half_dim), **_COMPILE_OPTIONS,
+        )  # fmt: skip
+    return out
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, rotate-half convention. x: [B, T, H, hd]; cos/sin: [B, T, hd/2] fp32.
+
+    out = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin) with x1, x2 the two halves of the
+    head dim; computed in fp32, result in x.dtype.
+
+    Invariance contract: each output element depends only on its own (x1, x2, cos, sin)
+    elements -- not on the batch, the sequence length or the token's position in the tensor
+    (positions enter only through the caller's cos/sin). Tiling: one program per token,
+    covering all heads as a [H, hd/2] block; no reductions.
+    """
+    return _exact_forward(_rope_exact, native.rope, (x, cos, sin))
+
+
+# --------------------------------------------------------------------------- attention
+@triton.jit(do_not_specialize=["q_len", "cache_len"])  # same binary for prefill and decode
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, q_start_ptr, out_ptr,
+    q_len, cache_len, q_heads, group_size, head_dim, qk_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kl, stride_kh,
+    stride_vb, stride_vl, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Program (batch x query head, query block): BLOCK_M queries of one sequence and head.
+    batch_head = tl.program_id(0)
+    query_block = tl.program_id(1)
+    batch = (batch_head // q_heads).to(tl.int64)
+    head = batch_head % q_heads
+    kv_head = head // group_size  # grouped-query attention: `group_size` q heads share a kv head
+
+    t = query_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within this call
+    dims = tl.arange(0, BLOCK_D)
+    keys = tl.arange(0, BLOCK_N)
+    dim_mask = dims < head_dim
+    q_start = tl.load(q_start_ptr + batch)
+    q_pos = q_start + t  # absolute positions of the queries
+
+    q_ptrs = q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=(t < q_len)[:, None] & dim_mask[None, :], other=0.0)
+    if CAST_TO_FP32:
+        q = q.to(tl.float32)
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+
+    # Online softmax state, fp32. m_i starts at MASKED_SCORE (finite): position 0 is visible
+    # to every query and lies in the first block, so m_i is a real score after one step.
+    m_i = tl.full((BLOCK_M,), MASKED_SCORE, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    # Key blocks from position 0 in order, up to the last query's own position. Stopping
+    # earlier or later makes no difference to any query: a block it cannot see is a no-op.
+    last_query = tl.minimum(q_len, (query_block + 1) * BLOCK_M) - 1
+    kv_end = tl.minimum(q_start + last_query + 1, cache_len)
+    for block_start in range(0, kv_end, BLOCK_N):
+        k_pos = block_start + keys
+        in_cache = k_pos < cache_len
+        kv_mask = in_cache[:, None] & dim_mask[None, :]
+        k = tl.load(k_base + k_pos[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + k_pos[:, None] * stride_vl + dims[None, :], mask=kv_mask, other=0.0)
+        if CAST_TO_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        # Scores in log2 units (scale * log2(e) folded in) so that exp2 can be used.
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_cache[None, :]
+        scores = tl.where(visible, scores, MASKED_SCORE)
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)  # exactly 1 when nothing new is visible
+        p = tl.exp2(scores - m_new[:, None])  # exactly 0 where invisible
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(_cast(p, v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + batch * stride_ob + t[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptrs, _cast(out, out_ptr.dtype.element_ty), mask=(t < q_len)[:, None] & dim_mask[None, :])
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+    _check_device(q, k_cache, v_cache)
+    batch, q_len, q_heads, head_dim = q.shape
+    cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"q heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
+    # Strided views (e.g. a cache slice) are fine; only the head dim must be contiguous.
+    q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
+    q_start = q_start.to(device=q.device, dtype=torch.int64).contiguous()
+    out = torch.empty(batch, q_len, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _ATTENTION_TILES[q.dtype]
+    # Query heads x batch on grid axis 0 (no 65535 limit there), query blocks on axis 1.
+    grid = (batch * q_heads, triton.cdiv(q_len, block_m))
+    _attention_kernel[grid](
+        q, k_cache, v_cache, q_start, out,
+        q_len, cache_len, q_heads, q_heads // kv_heads, head_dim, scale * LOG2_E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS,
+    )  # fmt: skip
+    return out
+
+
+def _attention_backward_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+    # SDPA's fused backward kernels may use atomics on CUDA; the math backend is deterministic.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return native.attention(q, k_cache, v_cache, q_start, scale)
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+    """Causal grouped-query attention of new queries against a KV cache (prefill and decode).
+
+    q: [B, T, Hq, hd]; k_cache, v_cache: [B, L, Hkv, hd] with Hq % Hkv == 0; q_start: [B]
+    int64. Query t of sequence b sits at position q_start[b] + t and attends to cache
+    positions 0 .. q_start[b] + t inclusive; query head h reads kv head h // (Hq // Hkv).
+    Returns [B, T, Hq, hd] in q.dtype.
+
+    Invariance contract: a query's output depends only on its own vector, ``scale`` and its
+    own sequence's keys/values at positions <= its position -- never on the batch size, the
+    sequence's place in the batch, other sequences, T (prefill vs decode, or how a prompt
+    is chunked), padding queries, or cache contents after its position (which must be
+    finite: 0 * inf would be NaN). So decode step t equals row t of a prefill bit for bit.
+
+    Tiling: one program per (sequence, query head, block of BLOCK_M queries); BLOCK_M is
+    fixed, so a decode step is the same tile with masked rows. The program streams the
+    cache in BLOCK_N-key blocks from position 0 and keeps an fp32 online softmax (running
+    max m, normaliser l, accumulator acc), as in FlashAttention. Invisible keys score a
+    large finite negative value, so blocks past a query's position change nothing for it.
+    """
+    return _exact_forward(_attention_exact, _attention_backward_reference, (q, k_cache, v_cache), (q_start, scale))
+
+
+# --------------------------------------------------------------------------- log_softmax
+@triton.jit
+def _row_log_normalizer(row_ptr, row_len, BLOCK: tl.constexpr):
+    """(row max, log sum exp(x - row max)) of one row, in fp32, in a fixed order.
+
+    One pass of per-lane online softmax: lane j keeps the max and the rescaled sum of
+    exp over elements j, j + BLOCK, j + 2 BLOCK, ...; the lanes are then combined by fixed
+    reduction trees (tl.max, tl.sum)."""
+    lanes = tl.arange(0, BLOCK)
+    lane_max = tl.full((BLOCK,), MASKED_SCORE, dtype=tl.float32)
+    lane_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, row_len, BLOCK):
+        mask = start + lanes < row_len
+        x = tl.load(row_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        x = tl.where(mask, x, MASKED_SCORE)
+        new_max = tl.maximum(lane_max, x)
+        # Padding lanes contribute exactly 0 (exp(0) = 1 would otherwise count them).
+        lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.where(mask, tl.exp(x - new_max), 0.0)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    total = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
+    return row_max, tl.log(total)
+
+
+@triton.jit
+def _log_softmax_kernel(logits_ptr, out_ptr, row_len, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_len
+    row_max, log_normalizer = _row_log_normalizer(row_ptr, row_len, BLOCK)
+    lanes = tl.arange(0, BLOCK)
+    for start in range(0, row_len, BLOCK):
+        mask = start + lanes < row_len
+        x = tl.load(row_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * row_len + start + lanes, (x - row_max) - log_normalizer, mask=mask)
+
+
+@triton.jit
+def _token_logprobs_kernel(logits_ptr, targets_ptr, out_ptr, row_len, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_len
+    row_max, log_normalizer = _row_log_normalizer(row_ptr, row_len, BLOCK)
+    target = tl.load(targets_ptr + row)
+    valid = (target >= 0) & (target < row_len)
+    x = tl.load(row_ptr + target, mask=valid, other=0.0).to(tl.float32)
+    # The same expression as in _log_softmax_kernel: bitwise equal to log_softmax[target].
+    logprob = (x - row_max) - log_normalizer
+    tl.store(out_ptr + row, tl.where(valid, logprob, float("nan")))
+
+
+def _log_softmax_exact(logits: Tensor) -> Tensor:
+    _check_device(logits)
+    row_len = logits.shape[-1]
+    rows = logits.reshape(-1, row_len).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
+    if out.numel():
+        _log_softmax_kernel[(rows.shape[0],)](
+            rows, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+        )
+    return out.view(logits.shape)
+
+
+def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
+    _check_device(logits, targets)
+    row_len = logits.shape[-1]
+    rows = logits.reshape(-1, row_len).contiguous()
+    flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    if flat_targets.numel() != rows.shape[0]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(logits.shape)}")
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
+    if out.numel() and row_len:
+        _token_logprobs_kernel[(rows.shape[0],)](
+            rows, flat_targets, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+        )
+    return out.view(targets.shape)
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    """log_softmax over the last dim, returned in fp32: (x - max) - log(sum(exp(x - max))).
+
+    Invariance contract: each output row depends only on that logits row -- never on the
+    number of rows, their order, padding rows or other rows' values.
+
+    Tiling: one program per row. Pass 1 reads the row in fixed BLOCK-wide chunks, in order,
+    keeping a per-lane running max and rescaled sum (online softmax), then combines the
+    lanes with fixed trees. Pass 2 writes (x - max) - log(sum).
+    """
+    return _exact_forward(_log_softmax_exact, native.log_softmax, (logits,))
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p(target) per row: logits [..., V], targets [...] int64 -> fp32 [...].
+
+    Invariance contract: as ``log_softmax`` -- each value depends only on its own logits row
+    and target -- and bitwise equal to ``log_softmax(logits)[..., target]`` (same pass 1,
+    same final expression). Only the target's logit is read in pass 2, so the [.., V]
+    log-prob tensor is never materialised. A target outside [0, V) yields NaN.
+    """
+    return _exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))
