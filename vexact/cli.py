@@ -11,6 +11,12 @@ from rich.console import Console
 from rich.table import Table
 
 
+def make_console(stderr: bool = False) -> Console:
+    """Rich console; wide when output is not a terminal (logs, CI) so lines don't wrap."""
+    probe = Console(stderr=stderr)
+    return probe if probe.is_terminal else Console(stderr=stderr, width=160)
+
+
 def _batch_list(text: str) -> tuple[int | None, ...]:
     """'all,1,7' -> (None, 1, 7)."""
     out: list[int | None] = []
@@ -82,7 +88,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                  r["tokens_bitwise_equal"], f"[{style}]{r['tokens_mismatched']}[/]", f"{r['max_abs_dlogp']:.3g}",
                  f"{r['k3_kl']:.3g}", r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
-    Console(width=max(Console().width, 110)).print(table)
+    make_console().print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
@@ -95,6 +101,37 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run one RL experiment from a YAML config")
+    p.add_argument("config", type=Path, help="experiment YAML (see experiments/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optimizer.lr=1e-4 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last checkpoint")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .trainer import Trainer, run_dir_for
+
+    cfg = load_config(args.config, args.overrides)
+    console = make_console()
+    console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}")
+    summary = Trainer(cfg, console).run(resume=args.resume)
+    keys = ("status", "reason", "steps_completed", "reward_first", "reward_last", "eval_reward_first",
+            "eval_reward_last", "eval_greedy_accuracy_first", "eval_greedy_accuracy_last", "mean_k3_kl",
+            "min_bitwise_equal_frac", "mean_step_seconds")
+    table = Table(title=f"summary: {run_dir_for(cfg) / 'summary.json'}")
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    for key in keys:
+        if key in summary and summary[key] is not None:
+            value = summary[key]
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    return 0 if summary["status"] == "completed" else (130 if summary["status"] == "interrupted" else 1)
+
+
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -102,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_check(sub)
+    _add_run(sub)
     return parser
 
 

@@ -1,13 +1,41 @@
-"""Mismatch metrics between rollout and training log-probs of the same tokens.
+"""Mismatch metrics between rollout and training log-probs of the same tokens, plus small stat helpers.
 
-Names follow ``shared/REFERENCE.md`` (verl's ``rollout_corr/`` family) plus vexact's own.
-Inputs are flat float tensors of per-token log-probs; r = logp_train - logp_roll.
+Notation (``shared/REFERENCE.md``): for every generated token t, ``logp_train(t)`` is its log-prob under the
+**training** path π (full-sequence forward) and ``logp_roll(t)`` its log-prob under the **rollout** path μ
+(incremental decoding), same weights, same tokens. The per-token log-ratio is
+
+    r_t = logp_train(t) - logp_roll(t),      ρ_t = exp(r_t) = π/μ,      ρ_seq = Π_t ρ_t = exp(Σ_t r_t).
+
+In a zero-mismatch harness r_t ≡ 0 bit for bit, and every divergence below is exactly 0.0.
+
+Which metric answers which question (keys are a contract; ``rollout_corr/*`` and ``training/*`` follow verl):
+
+* *Are the two paths identical?*  ``mismatch/bitwise_equal_frac`` (1.0 means yes, token by token).
+* *How large is the per-token disagreement?*  ``mismatch/abs_dlogp_{mean,max,p99}`` on |r|, and
+  ``training/rollout_probs_diff_{max,mean,std}`` on |p_train - p_roll| (probability scale).
+* *Where is it worst?*  ``mismatch/abs_dlogp_bucket/<lo>-<hi>`` — mean |r| by training-path token probability.
+* *How far apart are the distributions?*  ``rollout_corr/kl`` (k1 estimate of KL(μ‖π), can be negative) and
+  ``rollout_corr/k3_kl`` (k3 estimate, ≥ 0).
+* *How noisy would importance-sampling correction be?*  ``rollout_corr/chi2_token`` / ``rollout_corr/chi2_seq``
+  (χ² = E_μ[ρ²] - 1 = variance of the IS weight), and ``is_weight_stats`` for weights actually applied.
+* *Does one path find the responses systematically less likely?*  ``rollout_corr/log_ppl_diff*``.
+
+Every function here is a plain reduction: known inputs -> known outputs, computed in float64.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+
+DEFAULT_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
+"""Edges of the token-probability buckets for ``mismatch/abs_dlogp_bucket/*`` (probability under the training path)."""
+
+LOG_RATIO_BOUND = 20.0
+"""|log ρ| is clamped to this before exponentiating in the χ² metrics (verl's SAFETY_BOUND): ρ ≤ exp(20) ≈ 4.9e8."""
 
 
 def mismatch_summary(logp_roll: Tensor, logp_train: Tensor) -> dict[str, float]:
@@ -29,4 +57,227 @@ def mismatch_summary(logp_roll: Tensor, logp_train: Tensor) -> dict[str, float]:
         "abs_dlogp_max": float(r.abs().max()),
         "kl": float((roll - train).mean()),
         "k3_kl": float((torch.exp(r) - r - 1).mean()),
+    }
+
+
+def bucket_name(lo: float, hi: float) -> str:
+    """Key fragment for the probability bucket [lo, hi): ``0-0.01``, ``0.01-0.1``, ..., ``0.9-1`` (``%g`` format)."""
+    return f"{lo:g}-{hi:g}"
+
+
+def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
+                     probs_buckets: Sequence[float] = DEFAULT_BUCKETS) -> dict[str, float]:
+    """Training-vs-rollout mismatch metrics over a batch of sequences.
+
+    ``logp_train[i]`` and ``logp_roll[i]`` are 1-D float tensors of equal length holding the per-token log-probs
+    of sequence i's generated tokens under the training and the rollout path. Empty sequences are allowed: they
+    add no tokens and are left out of the per-sequence means. All arithmetic is float64 (after the bitwise
+    comparison, which uses the inputs as given). Non-finite inputs are not rejected; they propagate.
+
+    With r_t = logp_train - logp_roll, T_i the length of sequence i, "token mean" the mean over all N tokens of the
+    batch and "sequence mean" the mean over the S non-empty sequences:
+
+    Token-level (``rollout_corr/``, verl's formulas)
+      ``kl``          = token mean of (logp_roll - logp_train) = -mean(r)   (k1 estimate of KL(μ‖π); may be < 0)
+      ``k3_kl``       = token mean of (exp(r) - r - 1)                       (k3 estimate, ≥ 0; not clamped)
+      ``chi2_token``  = token mean of ρ_t² - 1, ρ_t = exp(clamp(r_t, ±20))
+
+    Sequence-level (``rollout_corr/``)
+      ``chi2_seq``    = sequence mean of ρ_i² - 1, ρ_i = exp(clamp(Σ_t r_t, ±20)). The clamp (verl's safety
+                        bound, ``LOG_RATIO_BOUND``) keeps exp finite; it only bites when a ratio exceeds e^20.
+      ``training_log_ppl`` = sequence mean of (-(1/T_i) Σ_t logp_train)   (per-token log-perplexity)
+      ``rollout_log_ppl``  = sequence mean of (-(1/T_i) Σ_t logp_roll)
+      ``log_ppl_diff``     = sequence mean of d_i with d_i = training_log_ppl_i - rollout_log_ppl_i
+                             = (1/T_i) Σ_t (logp_roll - logp_train); > 0 means the training path finds the
+                             response less likely than the rollout path did. ``log_ppl_diff_max`` / ``_min``:
+                             max / min of d_i over sequences.
+      ``log_ppl_abs_diff`` = sequence mean of |d_i| = |mean_t logp_train - mean_t logp_roll|  — verl's
+                             **per-token-mean** form (comparable across response lengths).
+      ``log_ppl_abs_diff_sum`` = sequence mean of |Σ_t logp_train - Σ_t logp_roll| — the **sequence-sum** form
+                             of paper 003, eq. 8 (log ppl = -Σ log p); grows with response length.
+
+    Probability scale (``training/``, verl's debug metrics): over tokens, |exp(logp_train) - exp(logp_roll)|:
+      ``rollout_probs_diff_max``, ``rollout_probs_diff_mean``, ``rollout_probs_diff_std`` (population std,
+      ddof 0 — finite for a single token; verl's torch.std uses ddof 1).
+
+    vexact's own (``mismatch/``)
+      ``tokens``             = N
+      ``bitwise_equal_frac`` = fraction of tokens with ``logp_train == logp_roll`` on the original tensors
+                               (no cast; a 1-ulp difference counts as unequal; note -0.0 == 0.0 under ==).
+      ``abs_dlogp_mean`` / ``abs_dlogp_max`` = mean / max of |r| over tokens.
+      ``abs_dlogp_p99``      = 99th percentile of |r|, linear interpolation between order statistics
+                               (torch.quantile's / numpy's default: position 0.99·(N-1) in the sorted values).
+      ``tokens_bucket/<lo>-<hi>``    = number of tokens whose training-path probability p = exp(logp_train)
+                                       lies in [lo, hi); the last bucket is closed, [lo, hi], so p = 1 counts.
+                                       Always emitted (possibly 0).
+      ``abs_dlogp_bucket/<lo>-<hi>`` = mean |r| over those tokens; emitted only for non-empty buckets (no NaN
+                                       in the logs). Bucket names come from ``bucket_name``. Tokens with p
+                                       outside [edges[0], edges[-1]] fall in no bucket (impossible with the
+                                       default edges 0..1 and log-probs ≤ 0).
+
+    Raises ValueError if the lists differ in length, a pair differs in shape or is not 1-D (the message names the
+    sequence index), the bucket edges are not at least two strictly increasing numbers, or there are no tokens.
+    """
+    if len(logp_train) != len(logp_roll):
+        raise ValueError(f"got {len(logp_train)} training sequences but {len(logp_roll)} rollout sequences")
+    edges = [float(e) for e in probs_buckets]
+    if len(edges) < 2 or any(not b > a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"probs_buckets must be at least two strictly increasing edges, got {tuple(probs_buckets)}")
+    for i, (lt, lr) in enumerate(zip(logp_train, logp_roll)):
+        if lt.dim() != 1 or lr.dim() != 1:
+            raise ValueError(f"sequence {i}: log-probs must be 1-D, got training {tuple(lt.shape)} "
+                             f"and rollout {tuple(lr.shape)}")
+        if lt.shape != lr.shape:
+            raise ValueError(f"sequence {i}: training log-probs have shape {tuple(lt.shape)} but rollout "
+                             f"log-probs have shape {tuple(lr.shape)}")
+    lengths = [int(lt.numel()) for lt in logp_train]
+    n = sum(lengths)
+    if n == 0:
+        raise ValueError("no tokens to compare")
+
+    train_raw = torch.cat([lt.detach().cpu().flatten() for lt in logp_train])
+    roll_raw = torch.cat([lr.detach().cpu().flatten() for lr in logp_roll])
+    equal = int((train_raw == roll_raw).sum())  # before any cast: exact equality of the values as produced
+    train, roll = train_raw.double(), roll_raw.double()
+    r = train - roll
+    abs_r = r.abs()
+
+    # Per-sequence reductions over the non-empty sequences (a Python loop: deterministic and clear).
+    seq_train_sum, seq_roll_sum, seq_r_sum, seq_len = [], [], [], []
+    for t_part, l_part, r_part in zip(train.split(lengths), roll.split(lengths), r.split(lengths)):
+        if t_part.numel():
+            seq_train_sum.append(t_part.sum())
+            seq_roll_sum.append(l_part.sum())
+            seq_r_sum.append(r_part.sum())
+            seq_len.append(t_part.numel())
+    train_sum, roll_sum, r_sum = torch.stack(seq_train_sum), torch.stack(seq_roll_sum), torch.stack(seq_r_sum)
+    length = torch.tensor(seq_len, dtype=torch.float64)
+    train_log_ppl = -train_sum / length
+    roll_log_ppl = -roll_sum / length
+    log_ppl_diff = train_log_ppl - roll_log_ppl
+
+    rho_token = torch.exp(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    rho_seq_sq = torch.exp(2.0 * r_sum.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    probs_diff = (torch.exp(train) - torch.exp(roll)).abs()
+
+    out: dict[str, float] = {
+        "rollout_corr/kl": float((roll - train).mean()),
+        "rollout_corr/k3_kl": float((torch.exp(r) - r - 1.0).mean()),
+        "rollout_corr/chi2_token": float(rho_token.square().mean() - 1.0),
+        "rollout_corr/chi2_seq": float(rho_seq_sq.mean() - 1.0),
+        "rollout_corr/training_log_ppl": float(train_log_ppl.mean()),
+        "rollout_corr/rollout_log_ppl": float(roll_log_ppl.mean()),
+        "rollout_corr/log_ppl_diff": float(log_ppl_diff.mean()),
+        "rollout_corr/log_ppl_diff_max": float(log_ppl_diff.max()),
+        "rollout_corr/log_ppl_diff_min": float(log_ppl_diff.min()),
+        "rollout_corr/log_ppl_abs_diff": float(log_ppl_diff.abs().mean()),
+        "rollout_corr/log_ppl_abs_diff_sum": float((train_sum - roll_sum).abs().mean()),
+        "training/rollout_probs_diff_max": float(probs_diff.max()),
+        "training/rollout_probs_diff_mean": float(probs_diff.mean()),
+        "training/rollout_probs_diff_std": float(probs_diff.std(correction=0)),
+        "mismatch/tokens": n,
+        "mismatch/bitwise_equal_frac": equal / n,
+        "mismatch/abs_dlogp_mean": float(abs_r.mean()),
+        "mismatch/abs_dlogp_max": float(abs_r.max()),
+        "mismatch/abs_dlogp_p99": quantile_linear(abs_r, 0.99),
+    }
+
+    p = torch.exp(train)
+    for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        last = k == len(edges) - 2
+        in_bucket = (p >= lo) & ((p <= hi) if last else (p < hi))
+        count = int(in_bucket.sum())
+        name = bucket_name(lo, hi)
+        out[f"mismatch/tokens_bucket/{name}"] = count
+        if count:
+            out[f"mismatch/abs_dlogp_bucket/{name}"] = float(abs_r[in_bucket].mean())
+    return out
+
+
+def quantile_linear(values: Tensor, q: float) -> float:
+    """q-quantile of a non-empty tensor by linear interpolation between order statistics.
+
+    Sorted values v_0 ≤ ... ≤ v_{n-1}; position h = q·(n-1); result v_⌊h⌋ + (h - ⌊h⌋)·(v_⌊h⌋+1 - v_⌊h⌋).
+    This is the definition of ``torch.quantile(..., interpolation="linear")`` (and numpy's default), without
+    torch.quantile's input-size limit.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q}")
+    v = values.detach().flatten().double().sort().values
+    if v.numel() == 0:
+        raise ValueError("quantile of an empty tensor")
+    h = q * (v.numel() - 1)
+    lo = math.floor(h)
+    hi = min(lo + 1, v.numel() - 1)
+    a, b = float(v[lo]), float(v[hi])
+    return a + (h - lo) * (b - a)
+
+
+def is_weight_stats(weights: Tensor, prefix: str = "rollout_corr/rollout_is") -> dict[str, float]:
+    """Summary of importance-sampling weights w_1..w_N (any shape, flattened, float64).
+
+    Keys: ``<prefix>_mean``, ``<prefix>_std`` (population, ddof 0), ``<prefix>_min``, ``<prefix>_max`` and
+    ``<prefix>_eff_sample_size`` = (Σw)² / (N·Σw²) ∈ (0, 1] for non-negative weights — the effective sample size
+    as a fraction of N (1.0 when all weights are equal; verl warns below 0.3). Defined as 0.0 when all w are 0.
+    Raises ValueError for an empty tensor.
+    """
+    w = weights.detach().flatten().double()
+    if w.numel() == 0:
+        raise ValueError("no importance weights")
+    sum_sq = float(w.square().sum())
+    ess = float(w.sum()) ** 2 / (w.numel() * sum_sq) if sum_sq > 0 else 0.0
+    return {
+        f"{prefix}_mean": float(w.mean()),
+        f"{prefix}_std": float(w.std(correction=0)),
+        f"{prefix}_min": float(w.min()),
+        f"{prefix}_max": float(w.max()),
+        f"{prefix}_eff_sample_size": ess,
+    }
+
+
+def sequence_stats(values: Sequence[float] | Tensor, prefix: str) -> dict[str, float]:
+    """``<prefix>/mean``, ``<prefix>/std`` (population, ddof 0), ``<prefix>/max``, ``<prefix>/min`` of the values.
+
+    For per-sequence quantities such as ``reward/*`` and ``response_length/*``. Computed in float64;
+    raises ValueError when there are no values.
+    """
+    v = torch.as_tensor(values).detach().flatten().double()
+    if v.numel() == 0:
+        raise ValueError(f"no values for {prefix!r}")
+    return {
+        f"{prefix}/mean": float(v.mean()),
+        f"{prefix}/std": float(v.std(correction=0)),
+        f"{prefix}/max": float(v.max()),
+        f"{prefix}/min": float(v.min()),
+    }
+
+
+def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Tensor) -> dict[str, float]:
+    """PPO ratio and clipping statistics over tokens (flat tensors, already masked to valid tokens).
+
+    The clipped surrogate max(-A·ρ, -A·clip(ρ, 1-clip_low, 1+clip_high)) takes the clipped branch (and drops the
+    token's gradient) exactly when, as in verl's ``pg_clipfrac``,
+      high: A > 0 and ρ > 1 + clip_high        low: A < 0 and ρ < 1 - clip_low
+    Keys: ``actor/pg_clipfrac`` = fraction of tokens with high or low; ``actor/pg_clipfrac_high`` and
+    ``actor/pg_clipfrac_low`` = fraction with each (not verl's dual-clip ``pg_clipfrac_lower``);
+    ``actor/ratio_mean`` / ``_max`` / ``_min`` of ρ. Tokens with A = 0 or ρ on a bound are never counted.
+    The comparisons are done in ``ratio``'s own dtype, as ``clamp`` in the loss does them, so the fractions match
+    what the loss actually clipped. Raises ValueError on shape mismatch or no tokens.
+    """
+    if ratio.shape != advantages.shape:
+        raise ValueError(f"ratio shape {tuple(ratio.shape)} != advantages shape {tuple(advantages.shape)}")
+    n = ratio.numel()
+    if n == 0:
+        raise ValueError("no tokens for ratio stats")
+    ratio, advantages = ratio.detach(), advantages.detach()
+    high = (advantages > 0) & (ratio > 1.0 + clip_high)
+    low = (advantages < 0) & (ratio < 1.0 - clip_low)
+    ratio64 = ratio.double()
+    return {
+        "actor/pg_clipfrac": int((high | low).sum()) / n,
+        "actor/pg_clipfrac_high": int(high.sum()) / n,
+        "actor/pg_clipfrac_low": int(low.sum()) / n,
+        "actor/ratio_mean": float(ratio64.mean()),
+        "actor/ratio_max": float(ratio64.max()),
+        "actor/ratio_min": float(ratio64.min()),
     }

@@ -30,25 +30,44 @@ def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list
             raise ValueError(f"sequence {i}: prompt ({len(p)}) + response ({len(r)}) exceeds max_seq_len "
                              f"({cfg.max_seq_len})")
 
+    return score_tokens(model, prompts, responses, temperature, micro_batch_size)[0]
+
+
+def score_tokens(model: Transformer, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
+                 micro_batch_size: int | None = None, with_entropy: bool = False
+                 ) -> tuple[list[Tensor], list[Tensor] | None]:
+    """``token_logprobs`` (inputs already validated) plus, optionally, the entropy of the
+    temperature-scaled distribution at every response position (for ``actor/entropy``)."""
     step = micro_batch_size or len(prompts)
-    out: list[Tensor] = []
+    logprobs: list[Tensor] = []
+    entropies: list[Tensor] | None = [] if with_entropy else None
     for start in range(0, len(prompts), step):
-        out += _score_batch(model, prompts[start : start + step], responses[start : start + step], temperature)
-    return out
+        lp, ent = _score_batch(model, prompts[start : start + step], responses[start : start + step], temperature,
+                               with_entropy)
+        logprobs += lp
+        if entropies is not None:
+            entropies += ent
+    return logprobs, entropies
 
 
 def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
-                 temperature: float) -> list[Tensor]:
+                 temperature: float, with_entropy: bool) -> tuple[list[Tensor], list[Tensor]]:
     device = model.device
     # The last response token is only a target, never an input.
     inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
     hidden = model(pad_right(inputs, device))
     # Response token j of sequence b is predicted at position len(prompt_b) - 1 + j.
     rows = [(b, len(p) - 1 + j) for b, (p, r) in enumerate(zip(prompts, responses)) for j in range(len(r))]
+    lengths = [len(r) for r in responses]
     if not rows:
-        return [torch.zeros(0, device=device) for _ in prompts]
+        empty = [torch.zeros(0, device=device) for _ in prompts]
+        return empty, empty
     index = torch.tensor(rows, dtype=torch.long, device=device)
     targets = torch.tensor([t for r in responses for t in r], dtype=torch.long, device=device)
     logits = scale_logits(model.logits(hidden[index[:, 0], index[:, 1]]), temperature)
     flat = model.ops.token_logprobs(logits, targets)
-    return list(flat.split([len(r) for r in responses]))
+    entropy: list[Tensor] = []
+    if with_entropy:
+        full = model.ops.log_softmax(logits)
+        entropy = list((-(full.exp() * full).sum(-1)).split(lengths))
+    return list(flat.split(lengths)), entropy

@@ -1,0 +1,205 @@
+"""Run config: defaults, YAML round trip, --set overrides, and one clear ConfigError per kind of mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vexact.config import (
+    AlgorithmSection,
+    ConfigError,
+    OptimizerSection,
+    RunConfig,
+    config_from_dict,
+    config_hash,
+    load_config,
+    save_config,
+)
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def write_yaml(path: Path, data) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def config_error(d: dict, overrides: list[str] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(d, overrides)
+    return str(info.value)
+
+
+# --- valid configs ---------------------------------------------------------------------------------------------
+
+
+def test_defaults_are_valid(tmp_path):
+    cfg = config_from_dict({})
+    assert cfg == RunConfig()
+    assert cfg.name == "run" and cfg.steps == 100 and cfg.output_dir is None
+    assert cfg.model.num_kv_heads == 2 and cfg.task.name == "reverse"
+    assert cfg.optimizer.betas == (0.9, 0.99) and cfg.algorithm.old_logprobs == "rollout"
+    assert cfg.rollout.backend is None and cfg.optimizer.grad_clip == 1.0
+    # An empty file, and a section left empty in YAML ("model:"), both mean defaults.
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml") == cfg
+    (tmp_path / "name_only.yaml").write_text("name: tiny\nmodel:\n")
+    assert load_config(tmp_path / "name_only.yaml") == dataclasses.replace(cfg, name="tiny")
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = config_from_dict({
+        "name": "rt", "threads": 2, "dtype": "bfloat16", "output_dir": str(tmp_path / "out"),
+        "rollout": {"backend": "native", "batch_size": 8, "temperature": 0.7},
+        "optimizer": {"lr": 1e-5, "betas": [0.8, 0.95], "grad_clip": None},
+        "algorithm": {"old_logprobs": "recompute", "mini_batches": 4, "micro_batch_size": 16},
+    })
+    path = tmp_path / "sub" / "config.yaml"
+    save_config(cfg, path)
+    saved = yaml.safe_load(path.read_text())
+    # Fully resolved: every section and field is written, defaults included.
+    assert list(saved) == [f.name for f in dataclasses.fields(RunConfig)]
+    assert saved["model"]["hidden_size"] == 64 and saved["optimizer"]["betas"] == [0.8, 0.95]
+    assert load_config(path) == cfg
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_float_fields_accept_ints_and_yaml11_exponents(tmp_path):
+    # PyYAML reads 3e-3 and 1e-6 as strings (YAML 1.1); float fields must still take them.
+    path = tmp_path / "c.yaml"
+    path.write_text("warm_start:\n  lr: 3e-3\nmodel:\n  rope_theta: 500000\n  rms_norm_eps: 1e-6\n"
+                    "optimizer:\n  lr: 1.0e-4\n")
+    cfg = load_config(path)
+    assert cfg.warm_start.lr == 3e-3 and cfg.optimizer.lr == 1e-4 and cfg.model.rms_norm_eps == 1e-6
+    assert cfg.model.rope_theta == 500000.0 and isinstance(cfg.model.rope_theta, float)
+
+
+def test_shipped_experiments_load():
+    for path in sorted(EXPERIMENTS.glob("*.yaml")):
+        assert isinstance(load_config(path), RunConfig)
+
+
+def test_overrides(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", {"name": "base", "rollout": {"batch_size": 32}})
+    cfg = load_config(path, [
+        "optimizer.lr=1e-4",  # YAML 1.1 string -> float
+        "rollout.batch_size=null",
+        "algorithm.old_logprobs=recompute",
+        "optimizer.betas=[0.8, 0.9]",
+        "model.num_layers=3",  # section absent from the file
+        "name=renamed",
+        "output_dir=runs/x=1",  # only the first '=' splits
+    ])
+    assert cfg.optimizer.lr == 1e-4 and cfg.rollout.batch_size is None
+    assert cfg.algorithm.old_logprobs == "recompute" and cfg.optimizer.betas == (0.8, 0.9)
+    assert cfg.model.num_layers == 3 and cfg.name == "renamed" and cfg.output_dir == "runs/x=1"
+    # Later overrides win; the input dict is not mutated.
+    raw = {"steps": 5}
+    assert config_from_dict(raw, ["steps=6", "steps=7"]).steps == 7
+    assert raw == {"steps": 5}
+
+
+def test_config_hash_is_stable_and_sensitive():
+    a = config_from_dict({})
+    assert config_hash(a.optimizer) == config_hash(a.to_dict()["optimizer"]) == config_hash(OptimizerSection())
+    assert config_hash({"x": 1, "y": 2}) == config_hash({"y": 2, "x": 1})
+    assert len(config_hash(a)) == 64
+    assert config_hash(a.model) != config_hash(config_from_dict({"model": {"num_layers": 3}}).model)
+
+
+# --- errors --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d,key,expected", [
+    # unknown keys
+    ({"stpes": 3}, "stpes", "unknown key (known keys: name, seed, steps"),
+    ({"rollout": {"temprature": 1.0}}, "rollout.temprature", "unknown key (known keys: prompts_per_step"),
+    # wrong types
+    ({"steps": 1.5}, "steps", "expected an integer >= 1, got 1.5"),
+    ({"seed": True}, "seed", "expected an integer, got true"),
+    ({"model": {"qk_norm": 1}}, "model.qk_norm", "expected a boolean, got 1"),
+    ({"logging": {"live": "yes"}}, "logging.live", "expected a boolean, got 'yes'"),
+    ({"optimizer": {"lr": "fast"}}, "optimizer.lr", "expected a number > 0, got 'fast'"),
+    ({"optimizer": {"lr": False}}, "optimizer.lr", "expected a number > 0, got false"),
+    ({"name": 3}, "name", "expected a string, got 3"),
+    ({"model": 5}, "model", "expected a mapping"),
+    ({"algorithm": {"old_logprobs": "bypass"}}, "algorithm.old_logprobs",
+     "expected one of 'rollout', 'recompute', got 'bypass'"),
+    ({"backend": "cuda"}, "backend", "expected one of 'exact', 'native', 'triton', got 'cuda'"),
+    ({"rollout": {"dtype": "float16"}}, "rollout.dtype", "expected one of 'float32', 'bfloat16' or null"),
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas", "expected a list of 2 numbers"),
+    ({"optimizer": {"betas": 0.9}}, "optimizer.betas", "expected a list of 2 numbers"),
+    ({"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]", "expected a number"),
+    # constraints
+    ({"optimizer": {"lr": -1}}, "optimizer.lr", "expected a number > 0, got -1"),
+    ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas[1]", "expected a number >= 0 and < 1, got 1.0"),
+    ({"optimizer": {"grad_clip": 0}}, "optimizer.grad_clip", "expected a number > 0 or null, got 0"),
+    ({"rollout": {"temperature": float("nan")}}, "rollout.temperature", "got nan"),
+    ({"threads": 0}, "threads", "expected an integer >= 1 or null, got 0"),
+    ({"warm_start": {"steps": -1}}, "warm_start.steps", "expected an integer >= 0, got -1"),
+    ({"task": {"eval_prompts": 0}}, "task.eval_prompts", ">= 1"),
+    # cross-field checks
+    ({"model": {"num_heads": 4, "num_kv_heads": 3}}, "model.num_heads", "divisible by num_kv_heads"),
+    ({"model": {"hidden_size": 66}}, "model.hidden_size", "divisible by num_heads"),
+    ({"model": {"hidden_size": 20}}, "model.hidden_size", "must be even"),
+    ({"task": {"min_len": 6, "max_len": 5}}, "task.max_len", "max_len >= min_len"),
+    ({"algorithm": {"mini_batches": 3}}, "algorithm.mini_batches", "divisible by mini_batches"),
+])
+def test_errors_name_the_key(d, key, expected):
+    message = config_error(d)
+    assert message.startswith(f"config error at '{key}': ")
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_cross_field_check_sees_overrides():
+    assert config_from_dict({"algorithm": {"mini_batches": 4}}).algorithm == AlgorithmSection(mini_batches=4)
+    overrides = ["rollout.prompts_per_step=3", "rollout.samples_per_prompt=1"]
+    message = config_error({"algorithm": {"mini_batches": 4}}, overrides)
+    assert "'algorithm.mini_batches'" in message
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("rollout.foo=1", "rollout.foo", "unknown key"),
+    ("foo=1", "foo", "unknown key"),
+    ("optimizer.lr.x=1", "optimizer.lr.x", "'optimizer.lr' is not a section"),
+    ("optimizer.lr=-1", "optimizer.lr", "expected a number > 0, got -1 (from --set optimizer.lr=-1)"),
+    ("rollout.batch_size=1.5", "rollout.batch_size", "expected an integer >= 1 or null"),
+    ("optimizer.betas=[1, 2]", "optimizer.betas[0]", "(from --set optimizer.betas=[1, 2])"),
+    ("optimizer.lr=[1", "optimizer.lr", "cannot parse value '[1' as YAML"),
+])
+def test_override_errors(override, key, expected):
+    message = config_error({}, [override])
+    assert message.startswith(f"config error at '{key}': ")
+    assert expected in message
+
+
+@pytest.mark.parametrize("override", ["optimizer.lr", "=1", "a..b=1", ""])
+def test_malformed_override(override):
+    message = config_error({}, [override])
+    assert "malformed override" in message and repr(override) in message
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    not_mapping = tmp_path / "list.yaml"
+    not_mapping.write_text("- name: a\n- name: b\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml' must contain a mapping of config keys at top level, got list"):
+        load_config(not_mapping)
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("optimizer: [1\nsteps: 2\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML in '.*bad\.yaml'.*line 2"):
+        load_config(bad_yaml)
+    with pytest.raises(ConfigError, match="expected a mapping of config keys, got list"):
+        config_from_dict([1, 2])
+
+
+def test_config_error_is_value_error():
+    # Callers that catch ValueError (the CLI) keep working.
+    assert issubclass(ConfigError, ValueError)
+    err = ConfigError("expected a number > 0, got -1", "optimizer.lr")
+    assert err.key == "optimizer.lr" and err.problem == "expected a number > 0, got -1"

@@ -1,0 +1,235 @@
+"""Synthetic tasks: tokenizer, answers, rewards, determinism of the problem streams."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vexact.tasks import (
+    BOS_ID,
+    EOS_ID,
+    HELD_OUT_SEED,
+    PAD_ID,
+    TASK_NAMES,
+    AddTask,
+    CharTokenizer,
+    CountTask,
+    Problem,
+    ReverseTask,
+    SortTask,
+    encode_prompt,
+    encode_target,
+    held_out_problems,
+    make_task,
+    max_answer_tokens,
+    max_prompt_tokens,
+    sample_problems,
+    training_problems,
+    training_seed,
+)
+
+TOK = CharTokenizer()
+
+
+def ids(text: str, eos: bool = True) -> list[int]:
+    return TOK.encode(text) + ([EOS_ID] if eos else [])
+
+
+def solve(prompt: str) -> str:
+    """Independent reference solver, from the prompt text alone."""
+    tag, body = prompt[0], prompt[2:-1]
+    assert prompt[1] == ":" and prompt[-1] == "="
+    if tag == "<":
+        return body[::-1]
+    if tag == ">":
+        return "".join(sorted(body))
+    if tag == "+":
+        a, b = body.split("+")
+        return str(int(a) + int(b))
+    assert tag == "#"
+    return str(body.count("a"))
+
+
+# ---------------------------------------------------------------- tokenizer
+def test_tokenizer_vocab_and_special_ids():
+    assert (PAD_ID, BOS_ID, EOS_ID) == (0, 1, 2)
+    assert (TOK.pad_id, TOK.bos_id, TOK.eos_id) == (0, 1, 2)
+    assert TOK.vocab_size == 22 == len(set(TOK.tokens))
+    assert CharTokenizer().tokens == TOK.tokens  # one fixed vocabulary
+
+
+def test_tokenizer_round_trip():
+    text = "0123456789abc+=:<>#"
+    encoded = TOK.encode(text)
+    assert min(encoded) == 3 and len(encoded) == len(text)
+    assert TOK.decode(encoded) == text
+
+
+def test_decode_skips_pad_bos_and_stops_at_eos():
+    seq = [BOS_ID, *TOK.encode("12"), PAD_ID, *TOK.encode("3"), EOS_ID, *TOK.encode("9")]
+    assert TOK.decode(seq) == "123"
+    assert TOK.decode(seq, stop_at_eos=False) == "1239"
+
+
+def test_tokenizer_errors():
+    with pytest.raises(ValueError, match="'x'"):
+        TOK.encode("12x")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        TOK.decode([TOK.vocab_size])
+
+
+# ---------------------------------------------------------------- answers
+def test_hand_built_answers():
+    assert ReverseTask(1, 5).problem("123") == Problem("<:123=", "321")
+    assert SortTask(1, 5).problem("3120") == Problem(">:3120=", "0123")
+    assert AddTask(1, 5).problem(12, 34) == Problem("+:12+34=", "46")
+    assert AddTask(1, 5).problem(95, 7).answer == "102"
+    assert CountTask(1, 5).problem("abcab") == Problem("#:abcab=", "2")
+    assert CountTask(1, 5).problem("bcb").answer == "0"
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_sampled_answers_are_right_and_lengths_respected(name):
+    task = make_task(name, 3, 6)
+    lengths = set()
+    for p in sample_problems(task, 300, seed=0):
+        assert p.answer == solve(p.prompt)
+        body = p.prompt[2:-1]
+        n = max(len(x) for x in body.split("+")) if name == "add" else len(body)
+        lengths.add(n)
+        assert len(encode_prompt(TOK, p)) <= max_prompt_tokens(task)
+        assert len(encode_target(TOK, p)) <= max_answer_tokens(task)
+    assert lengths == {3, 4, 5, 6}
+
+
+def test_add_operand_lengths():
+    task = make_task("add", 2, 4)
+    shorter = set()
+    for p in sample_problems(task, 300, seed=1):
+        a, b = p.prompt[2:-1].split("+")
+        assert 2 <= max(len(a), len(b)) <= 4 and min(len(a), len(b)) >= 1
+        assert a == str(int(a)) and b == str(int(b))  # no leading zeros
+        shorter.add(min(len(a), len(b)))
+    assert shorter == {1, 2, 3, 4}
+
+
+def test_length_bounds():
+    assert max_answer_tokens(make_task("reverse", 1, 8)) == 9
+    assert max_answer_tokens(make_task("add", 1, 8)) == 10
+    assert max_answer_tokens(make_task("count", 1, 12)) == 3
+    assert max_prompt_tokens(make_task("sort", 1, 8)) == 12
+    assert max_prompt_tokens(make_task("add", 1, 8)) == 21
+    # the bounds are attained
+    task = make_task("add", 3, 3)
+    p = AddTask(3, 3).problem(999, 999)
+    assert len(encode_prompt(TOK, p)) == max_prompt_tokens(task)
+    assert len(encode_target(TOK, p)) == max_answer_tokens(task)
+
+
+def test_encode_prompt_and_target():
+    p = Problem("<:12=", "21")
+    assert encode_prompt(TOK, p) == [BOS_ID, *TOK.encode("<:12=")]
+    assert encode_target(TOK, p) == [*TOK.encode("21"), EOS_ID]
+
+
+# ---------------------------------------------------------------- rewards
+def test_exact_match_reward():
+    task = make_task("reverse", 1, 5)
+    p = task.problem("123")
+    assert task.reward(p, ids("321")) == 1.0
+    assert task.reward(p, encode_target(TOK, p)) == 1.0
+    assert task.reward(p, ids("321") + ids("99", eos=False)) == 1.0  # after EOS is ignored
+    assert task.reward(p, ids("321", eos=False)) == 0.0  # ran out of tokens before EOS
+    assert task.reward(p, ids("322")) == 0.0
+    assert task.reward(p, ids("3210")) == 0.0
+    assert task.reward(p, ids("32")) == 0.0
+    assert task.reward(p, [EOS_ID]) == 0.0
+    assert task.reward(p, []) == 0.0
+    assert task.reward(p, [*TOK.encode("3"), PAD_ID, *TOK.encode("21"), EOS_ID]) == 0.0
+
+
+def test_partial_credit_values():
+    task = make_task("reverse", 1, 5, partial_credit=True)
+    p = task.problem("1234")  # answer "4321"
+    assert task.reward(p, ids("4321")) == 1.0
+    assert task.reward(p, ids("4391")) == pytest.approx(3 / 4)
+    assert task.reward(p, ids("43")) == pytest.approx(2 / 4)
+    assert task.reward(p, ids("432100")) == pytest.approx(4 / 6)
+    assert task.reward(p, ids("4321", eos=False)) == pytest.approx(4 / 5)  # missing EOS costs one position
+    assert task.reward(p, ids("4391", eos=False)) == pytest.approx(3 / 5)
+    assert task.reward(p, ids("1234")) == 0.0
+    assert task.reward(p, [EOS_ID]) == 0.0
+    assert task.reward(p, [*TOK.encode("43"), BOS_ID, *TOK.encode("1"), EOS_ID]) == pytest.approx(3 / 4)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_rewards_in_unit_interval(partial):
+    task = make_task("add", 1, 4, partial_credit=partial)
+    rng = random.Random(0)
+    for p in sample_problems(task, 50, seed=2):
+        response = [rng.randrange(TOK.vocab_size) for _ in range(rng.randint(0, 8))]
+        r = task.reward(p, response)
+        assert 0.0 <= r <= 1.0
+        exact = EOS_ID in response and response[: response.index(EOS_ID)] == TOK.encode(p.answer)
+        assert (r == 1.0) == exact
+
+
+# ---------------------------------------------------------------- determinism
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_sample_problems_deterministic(name):
+    task = make_task(name, 2, 7)
+    random.seed(123)
+    first = sample_problems(task, 20, seed=5)
+    random.seed(456)
+    state = random.getstate()
+    assert sample_problems(make_task(name, 2, 7), 20, seed=5) == first
+    assert random.getstate() == state  # global RNG untouched
+    assert sample_problems(task, 5, seed=5) == first[:5]
+    assert sample_problems(task, 20, seed=6) != first
+
+
+def test_training_problems_deterministic_and_step_dependent():
+    task = make_task("sort", 4, 8)
+    a = training_problems(task, 16, run_seed=0, step=3)
+    assert training_problems(task, 16, run_seed=0, step=3) == a
+    assert training_problems(task, 16, run_seed=0, step=4) != a
+    assert training_problems(task, 16, run_seed=1, step=3) != a
+
+
+def test_training_seed_is_injective_and_apart_from_held_out():
+    seeds = {training_seed(r, s) for r in range(-3, 50) for s in range(50)}
+    assert len(seeds) == 53 * 50
+    assert HELD_OUT_SEED not in seeds
+    # the classic collision of "run_seed * K + step" mixing does not happen
+    assert training_seed(0, 1_000_003) != training_seed(1, 0)
+    # random.Random(-x) == random.Random(x); negative run seeds must not alias positive ones
+    assert training_seed(-1, 0) != training_seed(1, 0)
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_held_out_set_fixed_and_distinct_from_training(name):
+    task = make_task(name, 4, 8)
+    held = held_out_problems(task, 32)
+    assert held == held_out_problems(make_task(name, 4, 8), 32)
+    assert held != training_problems(task, 32, run_seed=0, step=0)
+
+
+# ---------------------------------------------------------------- make_task
+def test_make_task():
+    assert TASK_NAMES == ("reverse", "add", "sort", "count")
+    for name in TASK_NAMES:
+        task = make_task(name, 2, 3, partial_credit=True)
+        assert task.name == name and (task.min_len, task.max_len, task.partial_credit) == (2, 3, True)
+        assert task.tokenizer.vocab_size == TOK.vocab_size
+
+
+def test_make_task_errors():
+    with pytest.raises(ValueError, match="unknown task 'mul'.*reverse, add, sort, count"):
+        make_task("mul", 1, 4)
+    with pytest.raises(ValueError, match="min_len"):
+        make_task("reverse", 0, 4)
+    with pytest.raises(ValueError, match="max_len"):
+        make_task("reverse", 5, 4)
+    with pytest.raises(ValueError, match="min_len"):
+        make_task("add", 1.5, 4)

@@ -1,0 +1,496 @@
+"""Run configuration for ``vexact run CONFIG.yaml``: a dataclass schema, a loader/validator and ``--set`` overrides.
+
+The schema is the dataclasses below; every field has a default, so an empty YAML file is a valid config.
+Validation is generic: each value is checked against its field's type hint (``int``, ``float``, ``bool``, ``str``,
+``X | None``, ``Literal[...]``, ``list[T]``, ``tuple[T, T]``, ``dict[str, Any]``, nested dataclasses) and against
+the numeric bounds declared in ``field(metadata=...)`` (``min``, ``gt``, ``max``, ``lt``). Checks that involve
+several fields live in a section's ``check()`` method, which raises ``ConfigError`` with a key relative to the
+section. Every problem is reported as one ``ConfigError`` naming the full key path, before any work starts.
+
+Adding a section: write a dataclass (defaults for every field, optional ``check()``) and add a field of that type
+to ``RunConfig``. Loading, overrides, ``to_dict`` and ``save_config`` pick it up from the type hints.
+
+Constructing the dataclasses directly in Python skips validation; go through ``config_from_dict`` to validate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "AlgorithmSection",
+    "ConfigError",
+    "LoggingSection",
+    "ModelSection",
+    "OptimizerSection",
+    "RolloutSection",
+    "RunConfig",
+    "TaskSection",
+    "WarmStartSection",
+    "config_from_dict",
+    "config_hash",
+    "load_config",
+    "save_config",
+]
+
+Backend = Literal["exact", "native", "triton"]
+DType = Literal["float32", "bfloat16"]
+
+
+_BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
+
+
+def _bounds(**bounds: float) -> dict:
+    """``field(metadata=...)`` for numeric bounds: min (>=), gt (>), max (<=), lt (<).
+
+    On a list/tuple field the bounds apply to every element."""
+    unknown = set(bounds) - set(_BOUND_OPS)
+    if unknown:  # a typo here would silently drop a constraint
+        raise TypeError(f"unknown bound(s) {sorted(unknown)}; expected {list(_BOUND_OPS)}")
+    return bounds
+
+
+# --- schema ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelSection:
+    """Shape of the policy Transformer (the vocabulary comes from the task)."""
+
+    hidden_size: int = field(default=64, metadata=_bounds(min=1))
+    num_layers: int = field(default=2, metadata=_bounds(min=1))
+    num_heads: int = field(default=4, metadata=_bounds(min=1))
+    num_kv_heads: int = field(default=2, metadata=_bounds(min=1))
+    intermediate_size: int = field(default=176, metadata=_bounds(min=1))
+    max_seq_len: int = field(default=64, metadata=_bounds(min=1))
+    rope_theta: float = field(default=10000.0, metadata=_bounds(gt=0))
+    rms_norm_eps: float = field(default=1e-6, metadata=_bounds(gt=0))
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def check(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                              f"({self.num_kv_heads})", "num_heads")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                              f"({self.num_heads})", "hidden_size")
+        # RoPE rotates pairs of dimensions, so the model refuses odd head dims; fail here, not at model build.
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ConfigError(f"hidden_size / num_heads = {self.hidden_size // self.num_heads} is the head dim "
+                              "and must be even (RoPE)", "hidden_size")
+
+
+@dataclass
+class TaskSection:
+    """The synthetic task the policy is trained on."""
+
+    name: Literal["reverse", "add", "sort", "count"] = "reverse"
+    min_len: int = field(default=4, metadata=_bounds(min=1))
+    max_len: int = field(default=8, metadata=_bounds(min=1))
+    partial_credit: bool = False
+    eval_prompts: int = field(default=64, metadata=_bounds(min=1))  # size of the fixed held-out prompt set
+
+    def check(self) -> None:
+        if self.max_len < self.min_len:
+            raise ConfigError(f"expected max_len >= min_len ({self.min_len}), got {self.max_len}", "max_len")
+
+
+@dataclass
+class WarmStartSection:
+    """Supervised warm start before RL (cached by config hash)."""
+
+    steps: int = field(default=180, metadata=_bounds(min=0))  # 0 = no warm start
+    lr: float = field(default=3e-3, metadata=_bounds(gt=0))
+    batch_size: int = field(default=64, metadata=_bounds(min=1))
+    cache_dir: str | None = None  # None = runs/.warmstart_cache
+
+
+@dataclass
+class RolloutSection:
+    """Sampling of the rollout batch. backend/dtype None = same as the training path."""
+
+    prompts_per_step: int = field(default=16, metadata=_bounds(min=1))
+    samples_per_prompt: int = field(default=8, metadata=_bounds(min=1))
+    temperature: float = field(default=1.0, metadata=_bounds(min=0))
+    max_new_tokens: int = field(default=20, metadata=_bounds(min=1))
+    batch_size: int | None = field(default=None, metadata=_bounds(min=1))
+    backend: Backend | None = None
+    dtype: DType | None = None
+
+
+@dataclass
+class AlgorithmSection:
+    """The policy-gradient objective (PPO-style clipped surrogate)."""
+
+    old_logprobs: Literal["rollout", "recompute"] = "rollout"
+    advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
+    std_normalize: bool = True
+    clip_low: float = field(default=0.2, metadata=_bounds(min=0))
+    clip_high: float = field(default=0.28, metadata=_bounds(min=0))
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    kl_coef: float = field(default=0.0, metadata=_bounds(min=0))
+    entropy_coef: float = field(default=0.0, metadata=_bounds(min=0))
+    mini_batches: int = field(default=1, metadata=_bounds(min=1))
+    ppo_epochs: int = field(default=1, metadata=_bounds(min=1))
+    micro_batch_size: int | None = field(default=None, metadata=_bounds(min=1))
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW on float32 master weights, with linear warmup."""
+
+    lr: float = field(default=2e-4, metadata=_bounds(gt=0))
+    betas: tuple[float, float] = field(default=(0.9, 0.99), metadata=_bounds(min=0, lt=1))
+    eps: float = field(default=1e-8, metadata=_bounds(gt=0))
+    weight_decay: float = field(default=0.0, metadata=_bounds(min=0))
+    grad_clip: float | None = field(default=1.0, metadata=_bounds(gt=0))  # None = no clipping
+    warmup_steps: int = field(default=10, metadata=_bounds(min=0))
+    master_dtype: Literal["float32"] = "float32"
+
+
+@dataclass
+class LoggingSection:
+    checkpoint_every: int = field(default=20, metadata=_bounds(min=1))
+    live: bool = True
+    eval_every: int = field(default=10, metadata=_bounds(min=1))
+
+
+@dataclass
+class RunConfig:
+    """One RL run. ``output_dir`` None = runs/<name>."""
+
+    name: str = "run"
+    seed: int = 0
+    steps: int = field(default=100, metadata=_bounds(min=1))
+    output_dir: str | None = None
+    backend: Backend = "exact"  # training-path backend
+    dtype: DType = "float32"  # compute dtype of the model
+    threads: int | None = field(default=None, metadata=_bounds(min=1))
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def check(self) -> None:
+        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if batch % self.algorithm.mini_batches:
+            raise ConfigError(f"the rollout batch of {batch} samples (rollout.prompts_per_step x "
+                              f"rollout.samples_per_prompt) must be divisible by mini_batches, "
+                              f"got {self.algorithm.mini_batches}", "algorithm.mini_batches")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""
+        return _plain(self)
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """An invalid config. ``key`` is the full dotted path (None for file-level problems)."""
+
+    def __init__(self, problem: str, key: str | None = None):
+        self.problem, self.key = problem, key
+        super().__init__(f"config error at '{key}': {problem}" if key else f"config error: {problem}")
+
+
+def _join(prefix: str, key: object) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it (YAML spelling for null and booleans), truncated."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line parser message, condensed to one line with the position."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(e).split())
+
+
+# --- generic checking from type hints ----------------------------------------------------------------------
+
+# YAML 1.1 (PyYAML) reads 1e-4, 3e-3 and 1.0e4 as strings; a float field accepts those spellings.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+class _Mismatch(Exception):
+    """A value that does not fit a type; turned into a ConfigError with the description of what was expected."""
+
+
+def _describe(tp: Any, meta: dict) -> str:
+    """'an integer >= 1', 'one of 'a', 'b' or null', 'a list of 2 numbers >= 0 and < 1', ..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a, meta) for a in args)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple):
+        count = "" if origin is list or args[-1] is Ellipsis else f"{len(args)} "
+        inner = _describe(args[0], meta) if args else "value"
+        return f"a list of {count}{_plural(inner)}"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of keys"
+    base = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, "a value")
+    return base + _describe_bounds(meta) if tp in (int, float) else base
+
+
+def _plural(description: str) -> str:
+    for article in ("an ", "a "):
+        if description.startswith(article):
+            noun, _, rest = description[len(article):].partition(" ")
+            return f"{noun}s {rest}".rstrip()
+    return description
+
+
+def _describe_bounds(meta: dict) -> str:
+    parts = [f"{op} {meta[k]}" for k, op in _BOUND_OPS.items() if k in meta]
+    return " " + " and ".join(parts) if parts else ""
+
+
+def _within_bounds(value: float, meta: dict) -> bool:
+    # Written as "not violated" so NaN (which compares False) fails every bound.
+    return all((
+        "min" not in meta or value >= meta["min"],
+        "gt" not in meta or value > meta["gt"],
+        "max" not in meta or value <= meta["max"],
+        "lt" not in meta or value < meta["lt"],
+    ))
+
+
+def _convert(value: Any, tp: Any, key: str, meta: dict) -> Any:
+    """Check ``value`` against type hint ``tp`` and return it in the schema's form (floats, tuples, dataclasses).
+
+    Raises ConfigError at ``key`` (or deeper, for nested sections and list elements)."""
+    try:
+        return _convert_inner(value, tp, key, meta)
+    except _Mismatch:
+        raise ConfigError(f"expected {_describe(tp, meta)}, got {_show(value)}", key) from None
+
+
+def _convert_inner(value: Any, tp: Any, key: str, meta: dict) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        arms = [a for a in args if a is not type(None)]
+        if len(arms) == 1:  # X | None with a non-null value: X's own message is more precise
+            return _convert_inner(value, arms[0], key, meta)
+        for arm in arms:
+            try:
+                return _convert(value, arm, key, meta)
+            except ConfigError:
+                continue
+        raise _Mismatch
+    if origin is Literal:
+        # Compare type as well: True == 1, so Literal[1] must not accept true.
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise _Mismatch
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            value = _plain(value)
+        if value is None:  # a section left empty in YAML ("model:") means all defaults
+            value = {}
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return _build(tp, value, key)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise _Mismatch
+            item_types = args
+        else:
+            item_types = (args[0] if args else Any,) * len(value)
+        items = [_convert(v, t, f"{key}[{i}]", meta) for i, (v, t) in enumerate(zip(value, item_types))]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        value_type = args[1] if args else Any
+        return {k: _convert(v, value_type, _join(key, k), {}) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _Mismatch
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _Mismatch
+    elif tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            value = float(value)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _Mismatch
+        value = float(value)
+    elif tp is str:
+        if isinstance(value, os.PathLike):  # Python callers may pass a Path for a directory
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise _Mismatch
+        return value
+    else:
+        raise TypeError(f"config schema at '{key}': unsupported type hint {tp!r}")
+    if not _within_bounds(value, meta):
+        raise _Mismatch
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    """Build dataclass ``cls`` from mapping ``data``: unknown keys, per-field types and bounds, then ``check()``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in fields:
+            raise ConfigError(f"unknown key (known keys: {', '.join(fields)})", _join(prefix, k))
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _convert(data[name], hints[name], _join(prefix, name), dict(f.metadata))
+              for name, f in fields.items() if name in data}
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as e:  # check() names keys relative to its section
+            raise ConfigError(e.problem, _join(prefix, e.key) if e.key else prefix or None) from None
+    return obj
+
+
+def _plain(obj: Any) -> Any:
+    """Dataclasses -> dicts, tuples -> lists, recursively (YAML/JSON-friendly, field order kept)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# --- overrides ---------------------------------------------------------------------------------------------
+
+
+def _apply_override(data: dict, item: str) -> str:
+    """Apply one ``a.b.c=value`` override to the raw mapping ``data`` in place; returns the dotted key."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"malformed override {item!r}: expected KEY=VALUE, e.g. --set optimizer.lr=1e-4")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"malformed override {item!r}: empty key segment in {key!r}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse value {raw!r} as YAML (from --set {item}): {_yaml_problem(e)}", key) from None
+
+    # Walk the schema, not the data, so a typo is caught even when the YAML file never mentions the section.
+    tp: Any = RunConfig
+    node = data
+    for depth, part in enumerate(parts):
+        path = ".".join(parts[: depth + 1])
+        last = depth == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                known = ", ".join(f.name for f in dataclasses.fields(tp))
+                raise ConfigError(f"unknown key (known keys: {known}) (from --set {item})", path)
+            tp = hints[part]
+        elif typing.get_origin(tp) is dict or tp is dict:  # free-form mapping: any key below it
+            tp = Any
+        elif tp is not Any:
+            raise ConfigError(f"'{'.'.join(parts[:depth])}' is not a section; cannot set {key!r}", path)
+        if last:
+            node[part] = value
+        else:
+            if node.get(part) is None:  # absent, or left empty in YAML
+                node[part] = {}
+            elif not isinstance(node[part], dict):
+                raise ConfigError(f"expected {_describe(tp, {})}, got {_show(node[part])}", path)
+            node = node[part]
+    return key
+
+
+# --- public API --------------------------------------------------------------------------------------------
+
+
+def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
+    """Validate a raw mapping (as read from YAML), apply ``--set`` overrides, and build the RunConfig."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
+    data = _plain(d)  # deep copy: overrides must not mutate the caller's dict
+    origins = {_apply_override(data, item): item for item in overrides}
+    try:
+        return _build(RunConfig, data, "")
+    except ConfigError as e:
+        # Point at the --set that produced the bad value, if any.
+        for key, item in origins.items():
+            if e.key and (e.key == key or e.key.startswith((key + ".", key + "["))):
+                raise ConfigError(f"{e.problem} (from --set {item})", e.key) from None
+        raise
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read a YAML config file, apply ``--set`` overrides (``a.b.c=value``) and validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: '{path}'") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in '{path}': {_yaml_problem(e)}") from None
+    if data is None:  # empty file: all defaults
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{path}' must contain a mapping of config keys at top level, "
+                          f"got {type(data).__name__}: {_show(data)}")
+    return config_from_dict(data, overrides)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the fully resolved config (every field, defaults included) as YAML."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def config_hash(section_or_dict: Any) -> str:
+    """Stable sha256 hex digest of a dataclass or dict (canonical JSON: sorted keys, tuples as lists)."""
+    canonical = json.dumps(_plain(section_or_dict), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,346 @@
+"""Procedurally generated tasks with verifiable rewards (no downloads).
+
+The RL loop needs problems it can score exactly and cheaply, at a difficulty it can turn up or down. Every task
+here draws a random instance, knows the one right answer, and rewards a response by checking it: no reward model,
+no data set, nothing to download. The difficulty knob is the input length ``L`` in ``[min_len, max_len]``.
+
+All tasks share one character vocabulary (``CharTokenizer``, 22 ids), so one model can switch task. A prompt is
+``<tag>:<input>=``; the model answers after ``=`` and ends its answer with EOS:
+
+    task     tag  prompt example  answer  input
+    reverse  <    <:12345=        54321   L random digits; answer = them reversed
+    add      +    +:12+345=       357     two numbers, the longer with L digits, the other with 1..L; answer = sum
+    sort     >    >:31452=        12345   L random digits; answer = them in ascending order
+    count    #    #:abcab=        2       L letters from {a, b, c}; answer = how many are 'a'
+
+Responses are sampled token by token until EOS or ``max_new_tokens``, so a response can be longer (or shorter)
+than the answer; ``max_answer_tokens`` gives the longest answer + EOS so a caller can check that ``max_new_tokens``
+can hold it. **EOS ends a response, and a correct answer must end with it**: a response that ran out of tokens
+before EOS scores 0.0 even when its text is the answer (otherwise the policy is never pushed to stop). Anything
+after the first EOS is ignored.
+
+Reward is 1.0 for an exact match followed by EOS and 0.0 otherwise. With ``partial_credit=True`` a non-exact
+response instead earns ``matches / (max(len(answer), len(response)) + missing_eos)``: the fraction of character
+positions that agree, where a missing EOS counts as one more missed position. So only an exact, terminated answer
+reaches 1.0. A PAD or BOS inside a response never matches a character.
+
+Problem streams are deterministic and independent of global RNG state (``random.Random`` per call, seeds built
+from integers arithmetically, never ``hash()``): ``training_problems(task, n, run_seed, step)`` for RL/warm-start
+step ``step``, and ``held_out_problems(task, n)`` for evaluation, drawn from a fixed seed (``HELD_OUT_SEED``) that
+no training ``(run_seed, step)`` can produce. Both streams sample the same distribution, so for short lengths,
+where the problem space is small, individual held-out problems can also occur in training.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "HELD_OUT_SEED",
+    "PAD_ID",
+    "TASK_NAMES",
+    "AddTask",
+    "CharTokenizer",
+    "CountTask",
+    "Problem",
+    "ReverseTask",
+    "SortTask",
+    "Task",
+    "encode_prompt",
+    "encode_target",
+    "held_out_problems",
+    "make_task",
+    "max_answer_tokens",
+    "max_prompt_tokens",
+    "sample_problems",
+    "training_problems",
+    "training_seed",
+]
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")
+CHARS = "0123456789abc+=:<>#"
+"""Ordinary characters, ids ``3 ..``: digits, the count letters, separators and task tags."""
+
+_SEED_BITS = 64
+_SEED_MASK = (1 << _SEED_BITS) - 1
+_TRAINING_STREAM = 1
+_HELD_OUT_STREAM = 2
+HELD_OUT_SEED = _HELD_OUT_STREAM << (2 * _SEED_BITS)
+"""Seed of the evaluation set. Training seeds are ``(1 << 128) | run_seed << 64 | step`` (64-bit fields), which
+lie in ``[2**128, 2**129)``, so they never equal this one (``2 << 128``) whatever the run seed and step."""
+
+
+class CharTokenizer:
+    """One id per character; ids 0-2 are PAD, BOS and EOS. The same vocabulary serves every task."""
+
+    pad_id = PAD_ID
+    bos_id = BOS_ID
+    eos_id = EOS_ID
+
+    def __init__(self) -> None:
+        self.tokens: tuple[str, ...] = SPECIAL_TOKENS + tuple(CHARS)
+        self._ids = {c: i + len(SPECIAL_TOKENS) for i, c in enumerate(CHARS)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the characters of ``text`` (no BOS/EOS added). Unknown characters raise ``ValueError``."""
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError as e:
+            raise ValueError(f"character {e.args[0]!r} is not in the vocabulary {CHARS!r}") from None
+
+    def decode(self, ids: Iterable[int], stop_at_eos: bool = True) -> str:
+        """Text of ``ids``: PAD and BOS are skipped; decoding stops at the first EOS (or skips EOS if
+        ``stop_at_eos`` is False). Ids outside the vocabulary raise ``ValueError``."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID and stop_at_eos:
+                break
+            if i in (PAD_ID, BOS_ID, EOS_ID):
+                continue
+            out.append(self._char(i))
+        return "".join(out)
+
+    def _char(self, i: int) -> str:
+        if not 0 <= i < self.vocab_size:
+            raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+        return self.tokens[i]
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task instance: the prompt (ending with ``=``, after which the model answers) and the right answer."""
+
+    prompt: str
+    answer: str
+
+
+class Task(ABC):
+    """A family of problems with a difficulty knob (input length in ``[min_len, max_len]``) and a verifier."""
+
+    name: str = ""
+    tag: str = ""
+
+    def __init__(self, min_len: int, max_len: int, partial_credit: bool = False):
+        _check_lengths(min_len, max_len)
+        self.min_len = min_len
+        self.max_len = max_len
+        self.partial_credit = partial_credit
+        self.tokenizer = CharTokenizer()
+
+    @abstractmethod
+    def sample(self, rng: random.Random) -> Problem:
+        """Draw one problem using only ``rng``."""
+
+    @abstractmethod
+    def max_answer_len(self) -> int:
+        """Longest possible answer, in characters (EOS not included)."""
+
+    @abstractmethod
+    def max_input_len(self) -> int:
+        """Longest possible input between ``<tag>:`` and ``=``, in characters."""
+
+    def _prompt(self, body: str) -> str:
+        return f"{self.tag}:{body}="
+
+    def reward(self, problem: Problem, response_ids: Iterable[int]) -> float:
+        """1.0 for the exact answer followed by EOS, else 0.0 (or the partial credit described in the module
+        docstring). Tokens after the first EOS are ignored."""
+        ids = [int(i) for i in response_ids]
+        terminated = EOS_ID in ids
+        if terminated:
+            ids = ids[: ids.index(EOS_ID)]
+        # PAD/BOS inside a response become "\0", which matches no answer character.
+        text = "".join("\0" if i in (PAD_ID, BOS_ID) else self.tokenizer._char(i) for i in ids)
+        if terminated and text == problem.answer:
+            return 1.0
+        if not self.partial_credit:
+            return 0.0
+        matches = sum(a == r for a, r in zip(problem.answer, text))
+        positions = max(len(problem.answer), len(text)) + (0 if terminated else 1)
+        return matches / positions
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(min_len={self.min_len}, max_len={self.max_len}, "
+                f"partial_credit={self.partial_credit})")
+
+
+class ReverseTask(Task):
+    """Reverse a string of ``L`` digits: ``<:12345=`` -> ``54321``."""
+
+    name = "reverse"
+    tag = "<"
+
+    def problem(self, digits: str) -> Problem:
+        return Problem(self._prompt(digits), digits[::-1])
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.problem(_digits(rng, rng.randint(self.min_len, self.max_len)))
+
+    def max_answer_len(self) -> int:
+        return self.max_len
+
+    def max_input_len(self) -> int:
+        return self.max_len
+
+
+class SortTask(Task):
+    """Sort a string of ``L`` digits ascending: ``>:31452=`` -> ``12345``."""
+
+    name = "sort"
+    tag = ">"
+
+    def problem(self, digits: str) -> Problem:
+        return Problem(self._prompt(digits), "".join(sorted(digits)))
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.problem(_digits(rng, rng.randint(self.min_len, self.max_len)))
+
+    def max_answer_len(self) -> int:
+        return self.max_len
+
+    def max_input_len(self) -> int:
+        return self.max_len
+
+
+class AddTask(Task):
+    """Add two non-negative integers: ``+:12+345=`` -> ``357``. The longer operand has ``L`` digits, the other
+    1..``L`` digits (random order), so the answer has at most ``max_len + 1`` digits."""
+
+    name = "add"
+    tag = "+"
+
+    def problem(self, a: int, b: int) -> Problem:
+        if a < 0 or b < 0:
+            raise ValueError(f"operands must be non-negative, got {a} and {b}")
+        return Problem(self._prompt(f"{a}+{b}"), str(a + b))
+
+    def sample(self, rng: random.Random) -> Problem:
+        n_long = rng.randint(self.min_len, self.max_len)
+        n_short = rng.randint(1, n_long)
+        a, b = _number(rng, n_long), _number(rng, n_short)
+        if rng.random() < 0.5:
+            a, b = b, a
+        return self.problem(a, b)
+
+    def max_answer_len(self) -> int:
+        return self.max_len + 1
+
+    def max_input_len(self) -> int:
+        return 2 * self.max_len + 1
+
+
+class CountTask(Task):
+    """Count the ``a`` in ``L`` letters from {a, b, c}: ``#:abcab=`` -> ``2``."""
+
+    name = "count"
+    tag = "#"
+
+    def problem(self, letters: str) -> Problem:
+        if set(letters) - set("abc"):
+            raise ValueError(f"letters must come from 'abc', got {letters!r}")
+        return Problem(self._prompt(letters), str(letters.count("a")))
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.problem("".join(rng.choice("abc") for _ in range(rng.randint(self.min_len, self.max_len))))
+
+    def max_answer_len(self) -> int:
+        return len(str(self.max_len))
+
+    def max_input_len(self) -> int:
+        return self.max_len
+
+
+_TASKS: dict[str, type[Task]] = {t.name: t for t in (ReverseTask, AddTask, SortTask, CountTask)}
+TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
+
+
+def _check_lengths(min_len: int, max_len: int) -> None:
+    for label, value in (("min_len", min_len), ("max_len", max_len)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{label} must be an int, got {value!r}")
+    if min_len < 1:
+        raise ValueError(f"min_len must be >= 1, got {min_len}")
+    if max_len < min_len:
+        raise ValueError(f"max_len must be >= min_len ({min_len}), got {max_len}")
+
+
+def _digits(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(n))
+
+
+def _number(rng: random.Random, n_digits: int) -> int:
+    """A uniform integer with exactly ``n_digits`` digits (0-9 for one digit)."""
+    return rng.randint(0 if n_digits == 1 else 10 ** (n_digits - 1), 10**n_digits - 1)
+
+
+def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = False) -> Task:
+    """The task called ``name`` (one of ``TASK_NAMES``) with input lengths in ``[min_len, max_len]``."""
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}")
+    return _TASKS[name](min_len, max_len, partial_credit)
+
+
+def encode_prompt(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
+    """``[BOS] + encode(prompt)``: what the model is conditioned on."""
+    return [BOS_ID, *tokenizer.encode(problem.prompt)]
+
+
+def encode_target(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
+    """``encode(answer) + [EOS]``: the response that earns reward 1.0 (supervised warm-start target)."""
+    return [*tokenizer.encode(problem.answer), EOS_ID]
+
+
+def max_answer_tokens(task: Task) -> int:
+    """Upper bound on ``len(encode_target(...))``: the longest answer + EOS. ``max_new_tokens`` must be at least
+    this for every problem to be solvable."""
+    return task.max_answer_len() + 1
+
+
+def max_prompt_tokens(task: Task) -> int:
+    """Upper bound on ``len(encode_prompt(...))``: BOS + ``<tag>:`` + longest input + ``=``."""
+    return 1 + len(task.tag) + 1 + task.max_input_len() + 1
+
+
+def sample_problems(task: Task, n: int, seed: int) -> list[Problem]:
+    """``n`` problems from ``random.Random(seed)``: the same ``(task, n, seed)`` always gives the same list, and the
+    first ``k`` problems do not depend on ``n``. Global RNG state is neither read nor changed."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    rng = random.Random(seed)
+    return [task.sample(rng) for _ in range(n)]
+
+
+def training_seed(run_seed: int, step: int) -> int:
+    """Seed of training step ``step`` of run ``run_seed``: ``(1 << 128) | run_seed << 64 | step`` with each field
+    taken mod 2**64. Distinct for distinct pairs (in range), and never equal to ``HELD_OUT_SEED``. (Plain ints
+    because ``random.Random`` seeds with ``abs(seed)``, so sign-based mixing would collide.)"""
+    return (((_TRAINING_STREAM << _SEED_BITS) | (run_seed & _SEED_MASK)) << _SEED_BITS) | (step & _SEED_MASK)
+
+
+def training_problems(task: Task, n: int, run_seed: int, step: int) -> list[Problem]:
+    """The ``n`` problems of training step ``step`` in run ``run_seed`` (deterministic, see ``training_seed``)."""
+    return sample_problems(task, n, training_seed(run_seed, step))
+
+
+def held_out_problems(task: Task, n: int) -> list[Problem]:
+    """The fixed evaluation set: ``sample_problems(task, n, HELD_OUT_SEED)``. The same for every run seed, so
+    evaluations are comparable across runs; the seed is outside the training stream."""
+    return sample_problems(task, n, HELD_OUT_SEED)
