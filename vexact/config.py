@@ -114,7 +114,7 @@ class WarmStartSection:
     """Supervised warm start before RL (cached by config hash)."""
 
     steps: int = field(default=180, metadata=_bounds(min=0))  # 0 = no warm start
-    lr: float = field(default=3e-3, metadata=_bounds(gt=0))
+    lr: float = field(default=1e-2, metadata=_bounds(gt=0))
     batch_size: int = field(default=64, metadata=_bounds(min=1))
     cache_dir: str | None = None  # None = runs/.warmstart_cache
 

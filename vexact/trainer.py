@@ -239,6 +239,8 @@ class Trainer:
         for i, lp in zip(idx, logp_list):
             if first_pass_logp[i] is None:
                 first_pass_logp[i] = lp.detach()
+        if not torch.isfinite(logp).all():
+            raise RunStopped("non-finite training log-probs (logits)")
         stats: dict[str, float] = {}
         if check_exact:
             exact = torch.equal(logp.detach(), old)

@@ -1,0 +1,155 @@
+"""The RL loop end to end on a shortened zero-mismatch experiment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from vexact.cli import main
+from vexact.config import config_from_dict, load_config
+from vexact.runlog import read_metrics
+from vexact.trainer import Trainer
+
+EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+
+
+def _short(tmp_path: Path, name: str, *overrides: str):
+    base = [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={tmp_path / 'cache'}", "warm_start.steps=30",
+            "steps=6", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task.eval_prompts=16",
+            "logging.eval_every=3", "logging.checkpoint_every=2", "logging.live=false"]
+    return load_config(EXPERIMENT, base + list(overrides))
+
+
+def _run(cfg, resume: bool = False) -> dict:
+    return Trainer(cfg, Console(quiet=True)).run(resume=resume)
+
+
+def _without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+
+
+def test_zero_mismatch_every_step_and_deterministic(tmp_path):
+    first = _run(_short(tmp_path, "a"))
+    assert first["status"] == "completed" and first["steps_completed"] == 6
+    rows = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))
+    for r in rows:
+        assert r["mismatch/bitwise_equal_frac"] == 1.0
+        assert r["rollout_corr/k3_kl"] == 0.0 and r["rollout_corr/kl"] == 0.0
+        assert r["mismatch/first_minibatch_ratio_exact"] == 1.0
+        assert r["actor/ratio_max"] == 1.0 and r["actor/ratio_min"] == 1.0
+        for key in ("reward/mean", "reward/std", "reward/accuracy", "response_length/mean", "response_length/max",
+                    "actor/entropy", "actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac",
+                    "rollout_corr/log_ppl_abs_diff", "training/rollout_probs_diff_max", "timing/step"):
+            assert key in r, key
+    assert {"eval/reward_mean", "eval/greedy_accuracy"} <= set(rows[0])
+    # Same config + seed: identical metrics apart from timings (the warm start comes from the cache now).
+    _run(_short(tmp_path, "b"))
+    assert _without_timing(read_metrics(tmp_path / "b" / "metrics.jsonl")) == _without_timing(rows)
+    run_dir = tmp_path / "a"
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= {p.name for p in
+                                                                                           run_dir.iterdir()}
+    assert load_config(run_dir / "config.yaml") == _short(tmp_path, "a")
+
+
+@pytest.mark.parametrize("old_logprobs", ["recompute", "rollout"])
+def test_several_minibatches_and_epochs(tmp_path, old_logprobs):
+    cfg = _short(tmp_path, old_logprobs, f"algorithm.old_logprobs={old_logprobs}", "algorithm.mini_batches=2",
+                 "algorithm.ppo_epochs=2", "steps=2")
+    assert _run(cfg)["status"] == "completed"
+    for r in read_metrics(tmp_path / old_logprobs / "metrics.jsonl"):
+        assert r["mismatch/bitwise_equal_frac"] == 1.0 and r["rollout_corr/k3_kl"] == 0.0
+        assert r["actor/ratio_max"] >= 1.0  # later mini-batches see updated weights
+
+
+def test_resume_after_interrupt_loses_nothing(tmp_path, monkeypatch):
+    _run(_short(tmp_path, "full"))
+    reference = _without_timing(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+
+    cfg = _short(tmp_path, "cut")
+    real_step = Trainer.step
+
+    def interrupted(self, step):
+        if step == 5:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", interrupted)
+    summary = _run(cfg)
+    assert summary["status"] == "interrupted" and summary["steps_completed"] == 5
+    monkeypatch.setattr(Trainer, "step", real_step)
+    summary = _run(cfg, resume=True)  # last checkpoint after step 3; steps 4.. recomputed
+    assert summary["status"] == "completed"
+    assert _without_timing(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == reference
+
+
+def test_existing_run_dir_needs_resume(tmp_path):
+    cfg = _short(tmp_path, "x", "steps=1")
+    _run(cfg)
+    with pytest.raises(ValueError, match="--resume"):
+        _run(cfg)
+
+
+def test_non_finite_values_end_the_run_cleanly(tmp_path, monkeypatch):
+    cfg = _short(tmp_path, "nan", "steps=3")
+    trainer = Trainer(cfg, Console(quiet=True))
+    real_update = Trainer._update
+
+    def poisoned(self, step, *args):
+        if step == 1:
+            with torch.no_grad():
+                self.master.layers[0].mlp.up_proj.weight.fill_(float("nan"))
+            self._sync_compute()
+        return real_update(self, step, *args)
+
+    monkeypatch.setattr(Trainer, "_update", poisoned)
+    summary = trainer.run()
+    assert summary["status"] == "stopped" and "non-finite" in summary["reason"]
+    assert summary["steps_completed"] == 1
+    saved = json.loads((tmp_path / "nan" / "summary.json").read_text())
+    assert saved["status"] == "stopped"
+
+
+@pytest.mark.parametrize("overrides", [
+    ("algorithm.advantage=rloo", "algorithm.loss_agg=seq_mean"),
+    ("algorithm.advantage=reinforce", "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01"),
+    ("dtype=bfloat16",),
+])
+def test_algorithm_variants_keep_zero_mismatch(tmp_path, overrides):
+    cfg = _short(tmp_path, "v", "steps=2", *overrides)
+    assert _run(cfg)["status"] == "completed"
+    rows = read_metrics(tmp_path / "v" / "metrics.jsonl")
+    assert all(r["mismatch/bitwise_equal_frac"] == 1.0 for r in rows)
+    if "algorithm.kl_coef=0.1" in overrides:
+        assert "actor/kl_loss" in rows[0]
+
+
+def test_native_backend_shows_mismatch(tmp_path):
+    cfg = _short(tmp_path, "native", "backend=native", "steps=2")
+    assert _run(cfg)["status"] == "completed"
+    rows = read_metrics(tmp_path / "native" / "metrics.jsonl")
+    assert any(r["mismatch/bitwise_equal_frac"] < 1.0 for r in rows)
+    assert all("mismatch/first_minibatch_ratio_exact" not in r for r in rows)  # not asserted off the exact path
+
+
+def test_cli_run_and_config_errors(tmp_path, capsys):
+    args = ["run", str(EXPERIMENT), "--set", f"output_dir={tmp_path / 'cli'}", "--set",
+            f"warm_start.cache_dir={tmp_path / 'cache'}", "--set", "warm_start.steps=5", "--set", "steps=1",
+            "--set", "task.eval_prompts=4", "--set", "rollout.prompts_per_step=2"]
+    assert main(args) == 0
+    assert (tmp_path / "cli" / "summary.json").exists()
+    assert main(["run", str(EXPERIMENT), "--set", "rollout.temprature=1.0"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.temprature" in err and "Traceback" not in err
+    assert main(["run", str(EXPERIMENT), "--set", "model.max_seq_len=16"]) == 2
+    assert "model.max_seq_len" in capsys.readouterr().err
+
+
+def test_config_defaults_make_a_valid_trainer():
+    cfg = config_from_dict({"name": "defaults"})
+    trainer = Trainer(cfg, Console(quiet=True))
+    assert trainer.model_config.vocab_size == trainer.tokenizer.vocab_size
