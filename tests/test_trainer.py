@@ -99,12 +99,12 @@ def test_non_finite_values_end_the_run_cleanly(tmp_path, monkeypatch):
     trainer = Trainer(cfg, Console(quiet=True))
     real_update = Trainer._update
 
-    def poisoned(self, step, *args):
+    def poisoned(self, step, *args, **kwargs):
         if step == 1:
             with torch.no_grad():
                 self.master.layers[0].mlp.up_proj.weight.fill_(float("nan"))
             self._sync_compute()
-        return real_update(self, step, *args)
+        return real_update(self, step, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "_update", poisoned)
     summary = trainer.run()

@@ -31,7 +31,9 @@ import yaml
 
 __all__ = [
     "AlgorithmSection",
+    "CollapseSection",
     "ConfigError",
+    "InjectSection",
     "LoggingSection",
     "ModelSection",
     "OptimizerSection",
@@ -169,6 +171,74 @@ class LoggingSection:
     eval_every: int = field(default=10, metadata=_bounds(min=1))
 
 
+InjectMode = Literal["none", "logit_noise", "logit_scale", "precision", "kernel", "logprob_only", "top_p", "top_k"]
+
+
+@dataclass
+class TargetSection:
+    """Calibrate ``inject.value`` so that a mismatch metric on a calibration batch hits ``value``."""
+
+    metric: Literal["k3_kl", "abs_dlogp_mean"] = "k3_kl"
+    value: float = field(default=0.01, metadata=_bounds(gt=0))
+
+
+@dataclass
+class InjectSection:
+    """Controlled mismatch, applied to the rollout path only (the training path stays exact).
+
+    ``value`` is the raw knob: σ for logit_noise / logprob_only, ε for logit_scale (logits × (1+ε)),
+    p for top_p, k for top_k; unused by precision and kernel. ``value`` 0 (or mode none) is a bitwise no-op.
+    """
+
+    mode: InjectMode = "none"
+    value: float = 0.0
+    precision: Literal["bfloat16", "float16", "fp8_e4m3"] = "bfloat16"  # precision mode: rounding format
+    sites: list[str] = field(default_factory=lambda: ["logits"])  # precision mode: linear, attention, norm, logits
+    kernel_backend: Backend = "native"  # kernel mode: the rollout path's backend ...
+    kernel_dtype: DType | None = None  # ... and dtype (None = training dtype)
+    scope: Literal["all", "low_prob", "fraction"] = "all"
+    prob_threshold: float = field(default=0.1, metadata=_bounds(gt=0, max=1))  # scope low_prob
+    fraction: float = field(default=0.5, metadata=_bounds(min=0, max=1))  # scope fraction
+    onset_step: int = field(default=0, metadata=_bounds(min=0))  # no injection before this step
+    ramp_steps: int = field(default=0, metadata=_bounds(min=0))  # linear ramp from 0 to value after onset
+    target: TargetSection | None = None  # calibrate value instead of using it as given
+    calibration_prompts: int = field(default=32, metadata=_bounds(min=1))
+    calibration_tolerance: float = field(default=0.05, metadata=_bounds(gt=0, lt=1))  # relative
+
+    def check(self) -> None:
+        allowed = {"linear", "attention", "norm", "logits"}
+        for i, site in enumerate(self.sites):
+            if site not in allowed:
+                raise ConfigError(f"expected one of {', '.join(sorted(allowed))}, got {site!r}", f"sites[{i}]")
+        if self.mode == "top_p" and not 0 < self.value <= 1 and self.target is None:
+            raise ConfigError(f"top_p needs 0 < value <= 1, got {self.value}", "value")
+        if self.mode == "top_k" and (self.value < 0 or self.value != int(self.value)):
+            raise ConfigError(f"top_k needs a whole number >= 0 (0 = off), got {self.value}", "value")
+        if self.mode == "logit_scale" and self.value <= -1:
+            raise ConfigError(f"logit_scale needs value > -1 (logits x (1 + value)), got {self.value}", "value")
+        if self.mode in ("logit_noise", "logprob_only") and self.value < 0:
+            raise ConfigError(f"{self.mode} needs value (sigma) >= 0, got {self.value}", "value")
+        if self.target is not None and self.mode in ("none", "precision", "kernel"):
+            raise ConfigError(f"mode {self.mode!r} has no continuous knob to calibrate; remove inject.target",
+                              "target")
+
+
+@dataclass
+class CollapseSection:
+    """Collapse detection on a (smoothed) reward series; see ``vexact/collapse.py``."""
+
+    metric: str = "eval/reward_mean"  # judged on the clean evaluation by default
+    smoothing: int = field(default=3, metadata=_bounds(min=1))  # trailing moving average, in points
+    drop: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))  # fall below (1 - drop) x running peak
+    min_peak: float = field(default=0.1, metadata=_bounds(min=0))  # ... after the peak exceeded this
+    patience: int = field(default=20, metadata=_bounds(min=0))  # steps without recovering above the threshold
+    grad_norm_max: float | None = field(default=None, metadata=_bounds(gt=0))  # optional extra trigger
+    k3_kl_max: float | None = field(default=None, metadata=_bounds(gt=0))  # optional extra trigger
+    length_surge_window: int = field(default=10, metadata=_bounds(min=1))  # baseline: first N steps
+    length_surge_ratio: float = field(default=1.5, metadata=_bounds(gt=1))  # surge: smoothed length > ratio x base
+    stop_on_collapse: bool = False  # end the run once collapse is confirmed (saves sweep time)
+
+
 @dataclass
 class RunConfig:
     """One RL run. ``output_dir`` None = runs/<name>."""
@@ -187,6 +257,8 @@ class RunConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    inject: InjectSection = field(default_factory=InjectSection)
+    collapse: CollapseSection = field(default_factory=CollapseSection)
 
     def check(self) -> None:
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt

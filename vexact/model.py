@@ -166,6 +166,7 @@ class Transformer(nn.Module):
         self.to(device=device, dtype=resolve_dtype(dtype))
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
         self.backend = backend
+        self.ops_override = None
 
     # ------------------------------------------------------------------ setup
     def init_weights(self, seed: int, std: float = 0.02) -> None:
@@ -193,7 +194,9 @@ class Transformer(nn.Module):
 
     @property
     def ops(self):
-        return vexact_kernels.get_ops(self._backend, self.device)
+        """The kernel ops every computation goes through (``ops_override`` wins when set:
+        the rollout-side precision injector wraps the backend's ops to round activations)."""
+        return self.ops_override or vexact_kernels.get_ops(self._backend, self.device)
 
     @property
     def device(self) -> torch.device:

@@ -4,6 +4,7 @@ otherwise get from its inference engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,10 @@ from .model import Transformer
 from .sampling import sample_tokens
 
 CACHE_BLOCK = 64  # cache length rounded up to whole attention tiles
+
+# (scaled fp32 logits [B, V], sequence ids [B], response positions [B]) ->
+# (logits to sample from, logits whose log-prob of the sampled token is recorded)
+LogitsHook = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 @dataclass
@@ -28,13 +33,16 @@ class GenerateOutput:
 
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 1.0,
-             seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None) -> GenerateOutput:
+             seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None,
+             logits_hook: LogitsHook | None = None) -> GenerateOutput:
     """Sample continuations of ``prompts`` with a KV cache.
 
     Sampling is counter-based (see ``vexact.sampling``): prompt i's tokens depend only on
     (seed, i, position) and its logits, so ``batch_size`` (None = all at once) changes speed,
     never results. ``temperature=0`` is greedy (log-probs then under temperature 1).
     Generation of a sequence stops after ``eos_token_id`` (if given) or ``max_new_tokens``.
+    ``logits_hook`` (rollout-side mismatch injection, see ``vexact.inject``) may replace the
+    logits that are sampled from and those the recorded log-prob is taken under.
     """
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
@@ -56,7 +64,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     finished: list[bool] = []
     for start in range(0, len(prompts), step):
         chunk = _generate_batch(model, prompts[start : start + step], start, max_new_tokens, temperature, seed,
-                                eos_token_id)
+                                eos_token_id, logits_hook)
         tokens += chunk.tokens
         logprobs += chunk.logprobs
         finished += chunk.finished
@@ -64,7 +72,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
 
 
 def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: int, max_new_tokens: int,
-                    temperature: float, seed: int, eos_token_id: int | None) -> GenerateOutput:
+                    temperature: float, seed: int, eos_token_id: int | None,
+                    logits_hook: LogitsHook | None = None) -> GenerateOutput:
     device, ops = model.device, model.ops
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
@@ -84,10 +93,13 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
     for t in range(max_new_tokens):
         logits = scale_logits(model.logits(last_hidden), temperature)
         positions = torch.full((batch,), t, dtype=torch.long, device=device)
-        token = sample_tokens(logits, seed, sequence_ids, positions, greedy=temperature == 0.0)
+        sample_logits = record_logits = logits
+        if logits_hook is not None:
+            sample_logits, record_logits = logits_hook(logits, sequence_ids, positions)
+        token = sample_tokens(sample_logits, seed, sequence_ids, positions, greedy=temperature == 0.0)
         token = torch.where(done, 0, token)  # finished rows keep decoding padding, ignored
         out_tokens[:, t] = token
-        out_logprobs[:, t] = ops.token_logprobs(logits, token)
+        out_logprobs[:, t] = ops.token_logprobs(record_logits, token)
         n_steps = t + 1
         if eos_token_id is not None:
             done |= token == eos_token_id

@@ -26,15 +26,27 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: int, sequence_ids: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
-    """Gumbel(0, 1) noise [B, V] in float64 for rows keyed by (seed, sequence_ids[b], positions[b])."""
-    device = sequence_ids.device
+def counter_uniform(seed: int, sequence_ids: Tensor, positions: Tensor, width: int) -> Tensor:
+    """Uniform(0, 1) float64 [B, width], a pure function of (seed, sequence_ids[b], positions[b], column)."""
     key = _mix32(torch.full_like(sequence_ids, seed & _MASK32) ^ 0x9E3779B9)
     key = _mix32(key ^ (sequence_ids & _MASK32))
     key = _mix32(key ^ (positions & _MASK32))
-    vocab = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    bits = _mix32(_mix32(key[:, None] ^ vocab[None, :]) ^ (seed >> 32 & _MASK32))
-    uniform = (bits.double() + 0.5) / 2.0**32  # strictly inside (0, 1)
+    columns = torch.arange(width, device=sequence_ids.device, dtype=torch.int64)
+    bits = _mix32(_mix32(key[:, None] ^ columns[None, :]) ^ (seed >> 32 & _MASK32))
+    return (bits.double() + 0.5) / 2.0**32  # strictly inside (0, 1)
+
+
+def counter_normal(seed: int, sequence_ids: Tensor, positions: Tensor, width: int) -> Tensor:
+    """Standard normal float64 [B, width] keyed like ``counter_uniform`` (Box-Muller)."""
+    u1 = counter_uniform(seed, sequence_ids, positions, width)
+    u2 = counter_uniform(seed ^ 0x5BD1E995, sequence_ids, positions, width)
+    radius = torch.sqrt(-2.0 * _unary(torch.log, u1))  # sqrt is exactly rounded
+    return radius * _unary(torch.cos, (2.0 * torch.pi) * u2)
+
+
+def gumbel_noise(seed: int, sequence_ids: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
+    """Gumbel(0, 1) noise [B, V] in float64 for rows keyed by (seed, sequence_ids[b], positions[b])."""
+    uniform = counter_uniform(seed, sequence_ids, positions, vocab_size)
     return -_unary(torch.log, -_unary(torch.log, uniform))
 
 

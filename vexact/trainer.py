@@ -24,7 +24,10 @@ import torch
 from rich.console import Console
 from torch import Tensor
 
+import vexact_kernels
+
 from .config import RunConfig, save_config
+from .inject import Calibration, Injector, RolloutPlan, calibrate, precision_ops
 from .loss import aggregate, compute_advantages, k3_penalty, ppo_token_loss
 from .metrics import mismatch_metrics, ratio_stats, sequence_stats
 from .model import ModelConfig, Transformer, resolve_dtype
@@ -46,6 +49,7 @@ from .tasks import (
 from .warmstart import warm_start
 
 EXACT_BACKENDS = ("exact", "triton")
+CALIBRATION_SEED_OFFSET = 2_000_003  # calibration prompts are not training prompts
 
 
 class RunStopped(Exception):
@@ -97,6 +101,8 @@ class Trainer:
                                            weight_decay=cfg.optimizer.weight_decay)
         self.schedule = LRSchedule(cfg.optimizer)
         self.eval_problems = held_out_problems(self.task, cfg.task.eval_prompts)
+        self.injector = Injector(cfg.inject, cfg.seed)
+        self.calibration: Calibration | None = None
 
     # ------------------------------------------------------------------ setup helpers
     def _check_lengths(self) -> None:
@@ -123,28 +129,48 @@ class Trainer:
                 for dst, src in zip(self.compute.parameters(), self.master.parameters()):
                     dst.copy_(src)
 
-    def _rollout_model(self) -> Transformer:
-        """The model the rollout path samples with: the compute model, or a copy in another dtype."""
-        if self.rollout_dtype == self.compute_dtype:
-            self.compute.backend = self.rollout_backend
-            return self.compute
-        return self._copy_of(self.master, self.rollout_dtype, self.rollout_backend)
+    def _rollout_model(self, plan: RolloutPlan) -> Transformer:
+        """The model the rollout path samples with: the compute model (its backend switched when
+        the rollout runs another one), or a synced copy in another dtype."""
+        backend = plan.backend or self.rollout_backend
+        dtype = resolve_dtype(plan.dtype) if plan.dtype else (self.compute_dtype if plan.backend
+                                                               else self.rollout_dtype)
+        if dtype == self.compute_dtype:
+            model = self.compute
+            model.backend = backend
+        else:
+            model = self._copy_of(self.master, dtype, backend)
+        if plan.ops_override is not None:
+            _, fmt, sites = plan.ops_override
+            model.ops_override = precision_ops(vexact_kernels.get_ops(backend, model.device), fmt, sites)
+        return model
+
+    def _restore_compute(self) -> None:
+        self.compute.backend = self.cfg.backend
+        self.compute.ops_override = None
 
     def _log(self, text: str) -> None:
         self.console.print(text)
 
     # ------------------------------------------------------------------ one step
-    def rollout(self, step: int) -> Rollouts:
+    def rollout(self, step: int, problems: list[Problem] | None = None, plan: RolloutPlan | None = None
+                ) -> Rollouts:
+        """Sample ``samples_per_prompt`` responses per problem with the (possibly perturbed) rollout path."""
         cfg = self.cfg
-        problems = training_problems(self.task, cfg.rollout.prompts_per_step, cfg.seed, step)
+        if problems is None:
+            problems = training_problems(self.task, cfg.rollout.prompts_per_step, cfg.seed, step)
+        plan = plan if plan is not None else self.injector.plan(step)
         group = cfg.rollout.samples_per_prompt
         problems = [p for p in problems for _ in range(group)]
         prompts = [encode_prompt(self.tokenizer, p) for p in problems]
-        model = self._rollout_model()
-        out = generate(model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
-                       temperature=cfg.rollout.temperature, seed=_step_seed(cfg.seed, step),
-                       batch_size=cfg.rollout.batch_size, eos_token_id=EOS_ID)
-        self.compute.backend = cfg.backend
+        model = self._rollout_model(plan)
+        try:
+            out = generate(model, prompts, max_new_tokens=cfg.rollout.max_new_tokens,
+                           temperature=cfg.rollout.temperature, seed=_step_seed(cfg.seed, step),
+                           batch_size=cfg.rollout.batch_size, eos_token_id=EOS_ID, logits_hook=plan.logits_hook)
+        finally:
+            model.ops_override = None
+            self._restore_compute()
         rewards = torch.tensor([self.task.reward(p, r) for p, r in zip(problems, out.tokens)], dtype=torch.float32)
         return Rollouts(problems, prompts, out.tokens, out.logprobs, out.finished, rewards)
 
@@ -152,7 +178,8 @@ class Trainer:
         cfg, alg = self.cfg, self.cfg.algorithm
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        batch = self.rollout(step)
+        plan = self.injector.plan(step)
+        batch = self.rollout(step, plan=plan)
         timings["timing/rollout"] = time.perf_counter() - t0
         if not all(torch.isfinite(lp).all() for lp in batch.logprobs):
             raise RunStopped(f"non-finite rollout log-probs (logits) at step {step}")
@@ -179,7 +206,7 @@ class Trainer:
         lr = self.schedule.lr(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        update = self._update(step, batch, advantages, old_logp, ref_logp)
+        update = self._update(step, batch, advantages, old_logp, ref_logp, injected=plan.active)
         if train_logp is None:
             train_logp = update.pop("_first_pass_logp")
         update.pop("_first_pass_logp", None)
@@ -192,6 +219,9 @@ class Trainer:
         metrics["response_length/clip_ratio"] = sum(not f for f in batch.finished) / len(batch.finished)
         metrics.update(mismatch_metrics(train_logp, batch.logprobs))
         metrics["actor/lr"] = lr
+        if self.injector.enabled:
+            metrics["inject/value"] = plan.value
+            metrics["inject/active"] = float(plan.active)
         metrics.update(update)
         timings["timing/step"] = time.perf_counter() - t0
         metrics.update(timings)
@@ -203,13 +233,13 @@ class Trainer:
         return self.reference
 
     def _update(self, step: int, batch: Rollouts, advantages: Tensor, old_logp: list[Tensor],
-                ref_logp: list[Tensor] | None) -> dict:
+                ref_logp: list[Tensor] | None, injected: bool = False) -> dict:
         cfg, alg = self.cfg, self.cfg.algorithm
         n = len(batch.responses)
         per_mini = n // alg.mini_batches
         sums: dict[str, list[float]] = {}
         first_pass_logp: list[Tensor | None] = [None] * n
-        expect_exact = (cfg.backend in EXACT_BACKENDS and self.rollout_backend == cfg.backend
+        expect_exact = (cfg.backend in EXACT_BACKENDS and self.rollout_backend == cfg.backend and not injected
                         and self.rollout_dtype == self.compute_dtype and alg.old_logprobs == "rollout")
         for epoch in range(alg.ppo_epochs):
             gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step) * 31 + epoch)
@@ -326,6 +356,7 @@ class Trainer:
             self.schedule.load_state_dict(state.get("schedule", {}))
             self._log(f"resuming {run_dir} at step {start_step}")
         self._sync_compute()
+        self._calibrate(state)
         if cfg.algorithm.kl_coef > 0:
             self.reference = self._reference_from_start(run_dir)
 
@@ -348,7 +379,8 @@ class Trainer:
                     progress(step, metrics)
                     if (step + 1) % cfg.logging.checkpoint_every == 0 or step == cfg.steps - 1:
                         save_checkpoint(run_dir, self.master, self.optimizer,
-                                        {"next_step": step + 1, "schedule": self.schedule.state_dict()})
+                                        {"next_step": step + 1, "schedule": self.schedule.state_dict(),
+                                         "inject_value": self.injector.value})
             summary["status"] = "completed"
         except RunStopped as stop:
             summary["status"] = "stopped"
@@ -364,8 +396,43 @@ class Trainer:
         summary["stopped_at_step"] = step if summary["status"] != "completed" else None
         summary["wall_seconds_this_session"] = round(time.perf_counter() - started, 3)
         summary["last_step_metrics"] = {k: v for k, v in last.items() if not k.startswith("timing/")}
+        if self.injector.enabled:
+            summary["inject"] = {"mode": cfg.inject.mode, "value": self.injector.value}
+            if self.calibration is not None:
+                summary["inject"].update(calibrated_value=self.calibration.value,
+                                         calibration_metric=cfg.inject.target.metric,
+                                         calibration_target=self.calibration.target,
+                                         calibration_achieved=self.calibration.achieved,
+                                         calibration_evaluations=len(self.calibration.evaluations))
         write_json_atomic(run_dir / "summary.json", summary)
         return summary
+
+    def _calibrate(self, state: dict | None) -> None:
+        """Set the injector's knob from ``inject.target`` (restored from the checkpoint on resume)."""
+        target = self.cfg.inject.target
+        if target is None:
+            return
+        if state is not None and "inject_value" in state:
+            self.injector.value = state["inject_value"]
+            return
+        c = self.cfg.inject
+        problems = training_problems(self.task, c.calibration_prompts, self.cfg.seed + CALIBRATION_SEED_OFFSET, 0)
+        key = "rollout_corr/k3_kl" if target.metric == "k3_kl" else "mismatch/abs_dlogp_mean"
+
+        def measure(value: float) -> float:
+            plan = RolloutPlan(value, logits_hook=self.injector.logits_hook(value, step=0))
+            batch = self.rollout(0, problems=problems, plan=plan)
+            with torch.no_grad():
+                train_logp, _ = score_tokens(self.compute, batch.prompts, batch.responses,
+                                             self.cfg.rollout.temperature, self.cfg.algorithm.micro_batch_size)
+            return mismatch_metrics(train_logp, batch.logprobs)[key]
+
+        self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
+                                     sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)
+        self.injector.value = self.calibration.value
+        self._log(f"calibrated inject.value = {self.calibration.value:.6g} for {target.metric} = "
+                  f"{self.calibration.achieved:.4g} (target {target.value:g}, "
+                  f"{len(self.calibration.evaluations)} calibration batches)")
 
     def _reference_from_start(self, run_dir: Path) -> Transformer:
         """The KL reference is the policy at step 0 (warm start), rebuilt identically on resume."""
