@@ -132,6 +132,65 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary["status"] == "completed" else (130 if summary["status"] == "interrupted" else 1)
 
 
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="run a grid of experiments (resumable); see experiments/*sweep*.yaml")
+    p.add_argument("sweep", type=Path, help="sweep YAML: base config + grid")
+    p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
+    p.add_argument("--output-dir", type=Path, default=None, help="override the sweep's output_dir")
+    p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
+    p.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import load_sweep, run_sweep
+
+    spec = load_sweep(args.sweep, args.output_dir)
+    console = make_console()
+    console.print(f"vexact sweep [bold]{spec.name}[/]: {len(spec.points)} points -> {spec.output_dir}")
+    statuses = run_sweep(spec, jobs=args.jobs, console=console)
+    if not args.no_report:
+        from .report import write_report
+
+        write_report(spec.output_dir, console)
+    failed = [name for name, status in statuses.items() if status == "failed"]
+    return 1 if failed else 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="tables, plots and summary.csv for a sweep directory")
+    p.add_argument("sweep_dir", type=Path)
+    p.set_defaults(func=lambda args: _cmd_report(args.sweep_dir))
+
+
+def _cmd_report(sweep_dir: Path) -> int:
+    from .report import write_report
+
+    result = write_report(sweep_dir, make_console())
+    make_console().print("wrote " + ", ".join(str(f) for f in result["files"]))
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="a small injected-mismatch sweep with its report (a few minutes on 2 cores)")
+    p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo")
+    p.add_argument("--jobs", type=_positive_int, default=1)
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .sweep import load_sweep, run_sweep
+
+    spec_path = Path(__file__).resolve().parent / "demo_sweep.yaml"
+    spec = load_sweep(spec_path, args.output_dir)
+    console = make_console()
+    console.print(f"vexact demo: {len(spec.points)} runs of logit-scale injection -> {spec.output_dir}")
+    statuses = run_sweep(spec, jobs=args.jobs, console=console)
+    from .report import write_report
+
+    write_report(spec.output_dir, console)
+    return 1 if any(s == "failed" for s in statuses.values()) else 0
+
+
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -140,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_check(sub)
     _add_run(sub)
+    _add_sweep(sub)
+    _add_report(sub)
+    _add_demo(sub)
     return parser
 
 

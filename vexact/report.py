@@ -313,7 +313,7 @@ def plot_sweep(data: SweepData, out_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = data.groups()
     cmap = plt.get_cmap("viridis")
-    colours = {_freeze(values): cmap(0.9 * i / max(len(groups) - 1, 1)) for i, (values, _) in enumerate(groups)}
+    colours = {_freeze(values): cmap(0.8 * i / max(len(groups) - 1, 1)) for i, (values, _) in enumerate(groups)}
     colour_of = lambda p: colours[_freeze(data.group_values(p))]  # noqa: E731
     label_of = {_freeze(values): data.group_label(values) for values, _ in groups}
     written = []
@@ -381,15 +381,20 @@ def plot_sweep(data: SweepData, out_dir: str | Path) -> list[Path]:
     floor = min(positive) / 10 if positive else 1e-12
     top = max((p.run_length for p, _ in pts), default=0)
     labelled = set()
+    stacked: dict[tuple[float, float], int] = {}
     for p, k in pts:
         key = _freeze(data.group_values(p))
         x = floor if k == 0 else k
         collapsed = p.collapse.get("collapsed") is True and _is_num(p.collapse.get("collapse_step"))
         y = p.collapse["collapse_step"] if collapsed else p.run_length
+        stacked[(x, y)] = stacked.get((x, y), 0) + 1
         ax.scatter([x], [y], s=70, zorder=3, linewidths=1.8, edgecolors=colours[key],
                    facecolors=colours[key] if collapsed else "none",
                    label=None if key in labelled else label_of[key])
         labelled.add(key)
+    for (x, y), n in stacked.items():
+        if n > 1:  # identical points (e.g. the seeds of a zero-mismatch group) would hide each other
+            ax.annotate(f"×{n}", (x, y), xytext=(7, -12), textcoords="offset points", fontsize=8)
     if pts:
         ax.scatter([], [], s=70, facecolors="black", edgecolors="black", label="collapsed (y = collapse step)")
         ax.scatter([], [], s=70, facecolors="none", edgecolors="black", linewidths=1.8,
@@ -416,9 +421,13 @@ def _series(p: PointData, key: str) -> tuple[list[float], list[float]]:
 
 
 def _value_at(steps: list[float], values: list[float], step: float) -> float:
-    """The series value at the last recorded step <= ``step`` (first value if none)."""
-    before = [v for s, v in zip(steps, values) if s <= step]
-    return before[-1] if before else values[0]
+    """The series linearly interpolated at ``step`` (clamped to its ends), so a marker sits on the line."""
+    if step <= steps[0]:
+        return values[0]
+    for (s0, v0), (s1, v1) in zip(zip(steps, values), zip(steps[1:], values[1:])):
+        if s0 <= step <= s1:
+            return v0 if s1 == s0 else v0 + (v1 - v0) * (step - s0) / (s1 - s0)
+    return values[-1]
 
 
 def _finish(ax: Any, has_data: bool) -> None:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 import vexact_kernels
 
+from .collapse import detect_collapse
 from .config import RunConfig, save_config
 from .inject import Calibration, Injector, RolloutPlan, calibrate, precision_ops
 from .loss import aggregate, compute_advantages, k3_penalty, ppo_token_loss
@@ -54,6 +55,10 @@ CALIBRATION_SEED_OFFSET = 2_000_003  # calibration prompts are not training prom
 
 class RunStopped(Exception):
     """A clean, recorded end of a run (non-finite values, exactness violation)."""
+
+
+class CollapseConfirmed(Exception):
+    """Collapse confirmed and ``collapse.stop_on_collapse`` set: end the run early."""
 
 
 @dataclass
@@ -377,11 +382,20 @@ class Trainer:
                     writer.write(metrics)
                     last = metrics
                     progress(step, metrics)
+                    if cfg.collapse.stop_on_collapse and "eval/reward_mean" in metrics:
+                        if detect_collapse(read_metrics(run_dir / "metrics.jsonl"), cfg.collapse)["collapsed"]:
+                            save_checkpoint(run_dir, self.master, self.optimizer,
+                                            {"next_step": step + 1, "schedule": self.schedule.state_dict(),
+                                             "inject_value": self.injector.value})
+                            raise CollapseConfirmed(step)
                     if (step + 1) % cfg.logging.checkpoint_every == 0 or step == cfg.steps - 1:
                         save_checkpoint(run_dir, self.master, self.optimizer,
                                         {"next_step": step + 1, "schedule": self.schedule.state_dict(),
                                          "inject_value": self.injector.value})
             summary["status"] = "completed"
+        except CollapseConfirmed:
+            summary["status"] = "completed"
+            summary["reason"] = f"collapse confirmed at step {step}; stopped early (collapse.stop_on_collapse)"
         except RunStopped as stop:
             summary["status"] = "stopped"
             summary["reason"] = str(stop)
@@ -392,7 +406,11 @@ class Trainer:
             self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
         finally:
             writer.close()
-        summary.update(_summarize(read_metrics(run_dir / "metrics.jsonl")))
+        history = read_metrics(run_dir / "metrics.jsonl")
+        summary.update(_summarize(history))
+        summary["collapse"] = detect_collapse(history, cfg.collapse,
+                                              stopped_reason=summary["reason"] if summary["status"] == "stopped"
+                                              else None, stopped_step=step)
         summary["stopped_at_step"] = step if summary["status"] != "completed" else None
         summary["wall_seconds_this_session"] = round(time.perf_counter() - started, 3)
         summary["last_step_metrics"] = {k: v for k, v in last.items() if not k.startswith("timing/")}

@@ -1,0 +1,170 @@
+"""The perturbation injector: each mode changes what it claims, magnitude 0 is a bitwise no-op,
+injection is batch-invariant, calibration hits its target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts, tiny_model
+from rich.console import Console
+from test_trainer import EXPERIMENT, _short, _without_timing
+
+from vexact import generate, token_logprobs
+from vexact.config import config_from_dict, load_config
+from vexact.inject import Injector, RolloutPlan, precision_ops, round_to
+from vexact.runlog import read_metrics
+from vexact.trainer import Trainer
+
+
+def _injector(**inject) -> Injector:
+    return Injector(config_from_dict({"inject": inject}).inject, seed=0)
+
+
+def _rollout(model, hook, prompts, batch_size=None):
+    return generate(model, prompts, max_new_tokens=8, seed=1, batch_size=batch_size, logits_hook=hook)
+
+
+def _dlogp(model, prompts, out) -> torch.Tensor:
+    trained = token_logprobs(model, prompts, out.tokens)
+    return torch.cat(out.logprobs) - torch.cat(trained).detach()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model()
+    with torch.no_grad():  # peakier logits than random init, so truncation and scaling matter
+        model.lm_head.weight.mul_(40)
+    return model, random_prompts(12, 10, seed=3)
+
+
+def test_magnitude_zero_installs_nothing():
+    for mode in ("logit_noise", "logit_scale", "logprob_only"):
+        assert _injector(mode=mode, value=0.0).plan(5).logits_hook is None
+    assert _injector(mode="top_p", value=1.0).plan(0).logits_hook is None
+    assert _injector(mode="top_k", value=0).plan(0).logits_hook is None
+    assert not _injector(mode="none").plan(0).active
+
+
+def test_magnitude_zero_run_is_bitwise_identical_to_no_injector(tmp_path):
+    plain = _short(tmp_path, "plain", "steps=3")
+    zero = _short(tmp_path, "zero", "steps=3", "inject.mode=logit_noise", "inject.value=0.0")
+    for cfg in (plain, zero):
+        Trainer(cfg, Console(quiet=True)).run()
+    a = _without_timing(read_metrics(tmp_path / "plain" / "metrics.jsonl"))
+    b = [{k: v for k, v in r.items() if not k.startswith("inject/")}
+         for r in _without_timing(read_metrics(tmp_path / "zero" / "metrics.jsonl"))]
+    assert a == b
+    assert all(r["mismatch/bitwise_equal_frac"] == 1.0 for r in b)
+
+
+def test_logit_noise_perturbs_sampling_and_records(setup):
+    model, prompts = setup
+    clean = _rollout(model, None, prompts)
+    noisy = _rollout(model, _injector(mode="logit_noise", value=1.0).plan(0).logits_hook, prompts)
+    assert noisy.tokens != clean.tokens
+    d = _dlogp(model, prompts, noisy)
+    assert (d != 0).float().mean() > 0.9 and d.abs().mean() > 0.1
+
+
+def test_logit_scale_sharper_and_flatter():
+    z = torch.tensor([[3.0, 1.0, 0.0, -2.0]])
+    seq = pos = torch.zeros(1, dtype=torch.long)
+
+    def entropy(logits):
+        p = torch.softmax(logits, -1)
+        return float(-(p * p.log()).sum())
+
+    sharp, _ = _injector(mode="logit_scale", value=0.5).plan(0).logits_hook(z, seq, pos)
+    flat, _ = _injector(mode="logit_scale", value=-0.5).plan(0).logits_hook(z, seq, pos)
+    assert torch.equal(sharp, z * 1.5) and torch.equal(flat, z * 0.5)
+    assert entropy(sharp) < entropy(z) < entropy(flat)
+
+
+def test_logprob_only_keeps_sampling_exact(setup):
+    model, prompts = setup
+    clean = _rollout(model, None, prompts)
+    out = _rollout(model, _injector(mode="logprob_only", value=0.5).plan(0).logits_hook, prompts)
+    assert out.tokens == clean.tokens
+    assert (_dlogp(model, prompts, out) != 0).any()
+
+
+def test_top_k_one_is_greedy_with_logprob_zero(setup):
+    model, prompts = setup
+    out = _rollout(model, _injector(mode="top_k", value=1).plan(0).logits_hook, prompts)
+    greedy = generate(model, prompts, max_new_tokens=8, temperature=0.0)
+    assert out.tokens == greedy.tokens
+    assert torch.equal(torch.cat(out.logprobs), torch.zeros(12 * 8))
+
+
+def test_top_p_samples_inside_the_nucleus(setup):
+    model, prompts = setup
+    out = _rollout(model, _injector(mode="top_p", value=0.5).plan(0).logits_hook, prompts)
+    d = _dlogp(model, prompts, out)
+    assert (d >= 0).all() and (d > 0).any()  # renormalised nucleus: recorded log-prob >= full-distribution one
+
+
+def test_precision_mode_rounds_activations(setup):
+    model, prompts = setup
+    for fmt, sites in (("bfloat16", ["logits"]), ("fp8_e4m3", ["linear", "attention", "norm", "logits"])):
+        plan = _injector(mode="precision", precision=fmt, sites=sites).plan(0)
+        _, fmt_, sites_ = plan.ops_override
+        model.ops_override = precision_ops(model.ops, fmt_, sites_)
+        try:
+            out = _rollout(model, plan.logits_hook, prompts)
+        finally:
+            model.ops_override = None
+        assert (_dlogp(model, prompts, out) != 0).any(), fmt
+    x = torch.tensor([1.0 + 2**-10, 1000.0])
+    assert torch.equal(round_to(x, "bfloat16"), torch.tensor([1.0, 1000.0]))
+    assert round_to(torch.tensor([1e6]), "fp8_e4m3").item() == 448.0  # saturates, never inf/NaN
+
+
+def test_kernel_mode_uses_the_other_backend(tmp_path):
+    cfg = _short(tmp_path, "kernel", "steps=1", "inject.mode=kernel", "inject.kernel_backend=native")
+    Trainer(cfg, Console(quiet=True)).run()
+    row = read_metrics(tmp_path / "kernel" / "metrics.jsonl")[0]
+    assert row["mismatch/bitwise_equal_frac"] < 1.0 and row["rollout_corr/k3_kl"] < 1e-6
+
+
+def test_scopes_and_schedule():
+    z = torch.tensor([[8.0, 0.0, -1.0, -2.0], [0.0, 0.0, 0.0, 0.0]])
+    seq, pos = torch.tensor([0, 1]), torch.tensor([0, 0])
+    hook = _injector(mode="logit_noise", value=1.0, scope="low_prob", prob_threshold=0.5).plan(0).logits_hook
+    changed, _ = hook(z, seq, pos)
+    assert changed[0, 0] == z[0, 0] and (changed[0, 1:] != z[0, 1:]).all()  # the 0.99-probability entry kept
+    assert (changed[1] != z[1]).all()  # every entry of a uniform row is below 0.5
+    frac = _injector(mode="logit_noise", value=1.0, scope="fraction", fraction=0.3).plan(0).logits_hook
+    rows = torch.zeros(4000, 5)
+    out, _ = frac(rows, torch.arange(4000), torch.zeros(4000, dtype=torch.long))
+    assert 0.25 < (out != 0).any(-1).float().mean() < 0.35
+    ramp = _injector(mode="logit_noise", value=2.0, onset_step=10, ramp_steps=4)
+    assert [ramp.value_at(s) for s in (9, 10, 11, 13, 20)] == [0.0, 0.5, 1.0, 2.0, 2.0]
+    assert not ramp.plan(9).active and ramp.plan(10).active
+
+
+def test_injected_rollout_is_batch_invariant(setup):
+    model, prompts = setup
+    hook = _injector(mode="logit_noise", value=1.0, scope="fraction", fraction=0.5).plan(0).logits_hook
+    a, b = _rollout(model, hook, prompts), _rollout(model, hook, prompts, batch_size=5)
+    assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+
+
+@pytest.mark.parametrize("mode,metric,target", [("logit_noise", "k3_kl", 0.05), ("logit_scale", "abs_dlogp_mean", 0.1)])
+def test_calibration_hits_target(tmp_path, mode, metric, target):
+    cfg = load_config(EXPERIMENT, [f"output_dir={tmp_path / 'cal'}", f"warm_start.cache_dir={tmp_path / 'cache'}",
+                                   "warm_start.steps=30", "rollout.prompts_per_step=4", f"inject.mode={mode}",
+                                   "inject.value=-0.1" if mode == "logit_scale" else "inject.value=1.0",
+                                   f"inject.target={{metric: {metric}, value: {target}}}",
+                                   "inject.calibration_prompts=8", "inject.calibration_tolerance=0.05"])
+    trainer = Trainer(cfg, Console(quiet=True))
+    trainer._calibrate(None)
+    cal = trainer.calibration
+    assert abs(cal.achieved - target) <= 0.05 * target, cal.evaluations  # stated tolerance: 5% relative
+    assert trainer.injector.value == cal.value
+    if mode == "logit_scale":
+        assert cal.value < 0  # direction kept from the configured sign
+
+
+def test_plan_value_reports_the_magnitude():
+    plan = _injector(mode="logit_scale", value=-0.3).plan(0)
+    assert isinstance(plan, RolloutPlan) and plan.value == -0.3 and plan.active
