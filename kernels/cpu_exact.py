@@ -25,7 +25,7 @@ How this module gets exactness anyway -- three building blocks, each invariant:
 
 Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in
 fp32) and rounded once to the output dtype. Backward passes use standard torch ops (see
-``_exact_forward``): the forward is exact, the gradients are deterministic run to run.
+``autograd.exact_forward``): the forward is exact, the gradients are deterministic run to run.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import native
+from .autograd import exact_forward
 
 NAME = "cpu_exact"
 
@@ -87,38 +88,6 @@ def _unary(fn: Callable[..., Tensor], x: Tensor) -> Tensor:
     for start in range(0, padded, CHUNK):
         fn(flat[start : start + CHUNK], out=out[start : start + CHUNK])
     return out[:total].view(x.shape)
-
-
-class _ExactForwardNativeBackward(torch.autograd.Function):
-    """Forward = exact kernel; backward = the VJP of the native twin, recomputed.
-
-    The exact forward is what rollout and training must agree on; gradients only need to be
-    deterministic, and torch's standard ops are (same shapes, same thread count)."""
-
-    @staticmethod
-    def forward(ctx, exact_fn, native_fn, static, *tensors):  # type: ignore[override]
-        ctx.native_fn, ctx.static = native_fn, static
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return exact_fn(*tensors, *static)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        tensors = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
-            out = ctx.native_fn(*inputs, *ctx.static)
-            wanted = [t for t, need in zip(inputs, needs) if need]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out))
-        return (None, None, None, *[next(grads) if need else None for need in needs])
-
-
-def _exact_forward(exact_fn: Callable, native_fn: Callable, tensors: tuple, static: tuple = ()) -> Tensor:
-    """Run ``exact_fn(*tensors, *static)``, differentiable through ``native_fn`` when needed."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _ExactForwardNativeBackward.apply(exact_fn, native_fn, static, *tensors)
-    return exact_fn(*tensors, *static)
 
 
 # --------------------------------------------------------------------------- linear
@@ -175,7 +144,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     -- never on the number of rows, their order, padding or the thread count (halving-tree
     sum, exactly rounded sqrt/div; no rsqrt, whose vector and scalar paths round differently).
     """
-    return _exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
+    return exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
 
 
 def _log_softmax_exact(logits: Tensor) -> Tensor:
@@ -197,7 +166,7 @@ def log_softmax(logits: Tensor) -> Tensor:
     number of rows, their order, the vocabulary being split into chunks, or thread count.
     Computed as (x - max) - log(tree_sum(exp(x - max))).
     """
-    return _exact_forward(_log_softmax_exact, native.log_softmax, (logits,))
+    return exact_forward(_log_softmax_exact, native.log_softmax, (logits,))
 
 
 def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
@@ -211,7 +180,7 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     Invariance contract: as ``log_softmax`` (and bitwise equal to ``log_softmax(x)[target]``):
     each value depends only on its own logits row and target.
     """
-    return _exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))
+    return exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))
 
 
 # --------------------------------------------------------------------------- elementwise ops
@@ -229,7 +198,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     ``sigmoid`` round differently in their vector body and scalar tail; here silu is
     g / (1 + exp(-g)) with chunked exp and exactly rounded add/div).
     """
-    return _exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
+    return exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -317,4 +286,4 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     scores give probability exactly 0, so tiles past a query's position add exact zeros to
     the position-ordered tree sums, and a short decode row reduces like a long prefill row.
     """
-    return _exact_forward(_attention_exact, native.attention, (q, k_cache, v_cache), (q_start, scale))
+    return exact_forward(_attention_exact, native.attention, (q, k_cache, v_cache), (q_start, scale))

@@ -49,12 +49,12 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from . import native
+from .autograd import exact_forward
 
 # The interpreter must be chosen before triton decorates any kernel: ``triton.jit`` reads
 # ``triton.knobs.runtime.interpret`` at decoration time (live from the environment unless
@@ -160,39 +160,6 @@ def _input_precision(dtype: torch.dtype) -> str:
 def _check_device(*tensors: Tensor) -> None:
     if not INTERPRETING and any(not t.is_cuda for t in tensors):
         raise ValueError("triton_exact: compiled kernels need CUDA tensors (or run with TRITON_INTERPRET=1)")
-
-
-# --------------------------------------------------------------------------- autograd glue
-class _ExactForwardNativeBackward(torch.autograd.Function):
-    """Forward = exact kernel; backward = the VJP of the native twin, recomputed.
-
-    The exact forward is what rollout and training must agree on; gradients only need to
-    be deterministic run to run, which standard torch ops are (same shapes, same device)."""
-
-    @staticmethod
-    def forward(ctx, exact_fn, native_fn, static, *tensors):  # type: ignore[override]
-        ctx.native_fn, ctx.static = native_fn, static
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return exact_fn(*tensors, *static)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        tensors = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
-            out = ctx.native_fn(*inputs, *ctx.static)
-            wanted = [t for t, need in zip(inputs, needs) if need]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out))
-        return (None, None, None, *[next(grads) if need else None for need in needs])
-
-
-def _exact_forward(exact_fn: Callable, native_fn: Callable, tensors: tuple, static: tuple = ()) -> Tensor:
-    """Run ``exact_fn(*tensors, *static)``, differentiable through ``native_fn`` when needed."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _ExactForwardNativeBackward.apply(exact_fn, native_fn, static, *tensors)
-    return exact_fn(*tensors, *static)
 
 
 # --------------------------------------------------------------------------- linear
@@ -341,7 +308,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into
     BLOCK fp32 partial sums that ``tl.sum`` combines in a fixed tree. Result in x.dtype.
     """
-    return _exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
+    return exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
 
 
 # --------------------------------------------------------------------------- silu_mul
@@ -374,7 +341,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     elements -- not on the tensor's size, shape or the element's position. Tiling: the
     flattened tensor in fixed BLOCK-wide chunks, one program each; no reductions.
     """
-    return _exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
+    return exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
 
 
 # --------------------------------------------------------------------------- rope
@@ -422,7 +389,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     (positions enter only through the caller's cos/sin). Tiling: one program per token,
     covering all heads as a [H, hd/2] block; no reductions.
     """
-    return _exact_forward(_rope_exact, native.rope, (x, cos, sin))
+    return exact_forward(_rope_exact, native.rope, (x, cos, sin))
 
 
 # --------------------------------------------------------------------------- attention
@@ -557,7 +524,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     max m, normaliser l, accumulator acc), as in FlashAttention. Invisible keys score a
     large finite negative value, so blocks past a query's position change nothing for it.
     """
-    return _exact_forward(_attention_exact, _attention_backward_reference, (q, k_cache, v_cache), (q_start, scale))
+    return exact_forward(_attention_exact, _attention_backward_reference, (q, k_cache, v_cache), (q_start, scale))
 
 
 # --------------------------------------------------------------------------- log_softmax
@@ -646,7 +613,7 @@ def log_softmax(logits: Tensor) -> Tensor:
     keeping a per-lane running max and rescaled sum (online softmax), then combines the
     lanes with fixed trees. Pass 2 writes (x - max) - log(sum).
     """
-    return _exact_forward(_log_softmax_exact, native.log_softmax, (logits,))
+    return exact_forward(_log_softmax_exact, native.log_softmax, (logits,))
 
 
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -657,4 +624,4 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     same final expression). Only the target's logit is read in pass 2, so the [.., V]
     log-prob tensor is never materialised. A target outside [0, V) yields NaN.
     """
-    return _exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))
+    return exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))

@@ -142,18 +142,24 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import load_sweep, run_sweep
+    from .sweep import load_sweep
 
-    spec = load_sweep(args.sweep, args.output_dir)
+    return _sweep_and_report(load_sweep(args.sweep, args.output_dir), args.jobs, not args.no_report,
+                             "vexact sweep [bold]{name}[/]: {n} points -> {out}")
+
+
+def _sweep_and_report(spec, jobs: int, report: bool, headline: str) -> int:
+    """Run a sweep, then print its report; exit code 1 if any point failed."""
+    from .sweep import run_sweep
+
     console = make_console()
-    console.print(f"vexact sweep [bold]{spec.name}[/]: {len(spec.points)} points -> {spec.output_dir}")
-    statuses = run_sweep(spec, jobs=args.jobs, console=console)
-    if not args.no_report:
+    console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
+    statuses = run_sweep(spec, jobs=jobs, console=console)
+    if report:
         from .report import write_report
 
         write_report(spec.output_dir, console)
-    failed = [name for name, status in statuses.items() if status == "failed"]
-    return 1 if failed else 0
+    return 1 if any(status == "failed" for status in statuses.values()) else 0
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -178,17 +184,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .sweep import load_sweep, run_sweep
+    from .sweep import load_sweep
 
-    spec_path = Path(__file__).resolve().parent / "demo_sweep.yaml"
-    spec = load_sweep(spec_path, args.output_dir)
-    console = make_console()
-    console.print(f"vexact demo: {len(spec.points)} runs of logit-scale injection -> {spec.output_dir}")
-    statuses = run_sweep(spec, jobs=args.jobs, console=console)
-    from .report import write_report
-
-    write_report(spec.output_dir, console)
-    return 1 if any(s == "failed" for s in statuses.values()) else 0
+    spec = load_sweep(Path(__file__).resolve().parent / "demo_sweep.yaml", args.output_dir)
+    return _sweep_and_report(spec, args.jobs, True, "vexact demo: {n} runs of logit-scale injection -> {out}")
 
 
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}

@@ -23,6 +23,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .runlog import json_safe
+
 SEED_KEY = "seed"
 RESULT_STATUSES = ("completed", "stopped")  # points that ran to a verdict (the collapse-rate denominator)
 REPORT_DIR = "report"
@@ -458,7 +460,7 @@ def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[
     out.mkdir(parents=True, exist_ok=True)
     rows = group_table(data)
     files = [write_summary_csv(data, out / "summary.csv")]
-    (out / "table.json").write_text(json.dumps(_json_safe(rows), indent=2) + "\n")
+    (out / "table.json").write_text(json.dumps(json_safe(rows), indent=2) + "\n")
     (out / "table.md").write_text(markdown_table(rows, title=data.name))
     files += [out / "table.json", out / "table.md"]
     try:
@@ -518,13 +520,3 @@ def _fmt_step(v: float | None) -> str:
     if v is None:
         return "—"
     return str(int(v)) if float(v).is_integer() else f"{v:.1f}"
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value

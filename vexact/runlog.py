@@ -20,20 +20,20 @@ OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """NaN/Inf are legal outcomes (a diverged run) but not legal JSON: write them as strings."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(data), indent=2, sort_keys=True))
+    tmp.write_text(json.dumps(json_safe(data), indent=2, sort_keys=True))
     os.replace(tmp, path)
 
 
@@ -57,7 +57,7 @@ class MetricsWriter:
         self._file = open(path, "a")  # noqa: SIM115 -- closed in close()
 
     def write(self, metrics: dict) -> None:
-        self._file.write(json.dumps(_json_safe(metrics), sort_keys=True) + "\n")
+        self._file.write(json.dumps(json_safe(metrics), sort_keys=True) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
 

@@ -1,0 +1,104 @@
+"""Sweeps: grid expansion, validation, resume after an interrupt, failing points, workers, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+from test_trainer import EXPERIMENT, _without_timing
+
+from vexact.cli import main
+from vexact.config import ConfigError
+from vexact.runlog import read_metrics
+from vexact.sweep import load_sweep, run_sweep
+from vexact.trainer import Trainer
+
+
+def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **extra) -> Path:
+    spec = {"name": name, "base": str(EXPERIMENT), "output_dir": str(tmp_path / name),
+            "set": {"steps": 3, "warm_start.steps": 10, "warm_start.cache_dir": str(tmp_path / "cache"),
+                    "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4, "task.eval_prompts": 8,
+                    "logging.eval_every": 2, "logging.checkpoint_every": 1, "inject.mode": "logit_scale"},
+            "grid": grid or {"inject.value": [0.0, -0.5], "seed": [0, 1]}, **extra}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _metrics(spec) -> dict[str, list[dict]]:
+    return {p.name: _without_timing(read_metrics(p.run_dir / "metrics.jsonl")) for p in spec.points}
+
+
+def test_grid_expansion_and_validation(tmp_path):
+    spec = load_sweep(_sweep_file(tmp_path))
+    assert [p.name for p in spec.points] == ["inject.value=0.0,seed=0", "inject.value=0.0,seed=1",
+                                             "inject.value=-0.5,seed=0", "inject.value=-0.5,seed=1"]
+    assert spec.points[3].config.inject.value == -0.5 and spec.points[3].config.seed == 1
+    with pytest.raises(ConfigError, match="sweep point inject.valu=0.0.*unknown key"):
+        load_sweep(_sweep_file(tmp_path, "bad", grid={"inject.valu": [0.0]}))
+    with pytest.raises(ConfigError, match="grid"):
+        load_sweep(_sweep_file(tmp_path, "bad2", grid={"seed": []}))
+
+
+def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, monkeypatch):
+    reference = load_sweep(_sweep_file(tmp_path, "ref"))
+    run_sweep(reference, console=Console(quiet=True))
+    expected = _metrics(reference)
+
+    spec = load_sweep(_sweep_file(tmp_path, "cut"))
+    real_step = Trainer.step
+    calls = {"n": 0}
+
+    def killed(self, step):  # Ctrl-C in the middle of the third point
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, console=Console(quiet=True))
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert [p["status"] for p in index["points"]] == ["completed", "completed", "interrupted", "pending"]
+    finished_mtime = (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns
+
+    monkeypatch.setattr(Trainer, "step", real_step)
+    statuses = run_sweep(load_sweep(_sweep_file(tmp_path, "cut")), console=Console(quiet=True))
+    assert list(statuses.values()) == ["completed"] * 4
+    assert (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns == finished_mtime  # skipped, not rerun
+    assert _metrics(spec) == expected  # nothing lost, nothing duplicated, bit-identical
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert len(index["points"]) == 4 and {p["name"] for p in index["points"]} == set(expected)
+
+
+def test_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    real_init = Trainer.__init__
+
+    def fragile(self, cfg, console=None):
+        if cfg.seed == 1:
+            raise RuntimeError("boom")
+        real_init(self, cfg, console)
+
+    monkeypatch.setattr(Trainer, "__init__", fragile)
+    spec = load_sweep(_sweep_file(tmp_path, grid={"seed": [0, 1, 2]}))
+    statuses = run_sweep(spec, console=Console(quiet=True))
+    assert statuses == {"seed=0": "completed", "seed=1": "failed", "seed=2": "completed"}
+    assert "RuntimeError: boom" in (spec.points[1].run_dir / "error.txt").read_text()
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert index["points"][1]["error"].startswith("RuntimeError: boom")
+
+
+def test_parallel_workers_and_report(tmp_path):
+    path = _sweep_file(tmp_path, "par", grid={"inject.value": [0.0, -0.5]})
+    assert main(["sweep", str(path), "--jobs", "2"]) == 0
+    spec = load_sweep(path)
+    for point in spec.points:
+        summary = json.loads((point.run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and "collapsed" in summary["collapse"]
+    report = spec.output_dir / "report"
+    assert {"summary.csv", "table.md", "table.json", "reward_curves.png"} <= {p.name for p in report.iterdir()}
+    assert main(["report", str(spec.output_dir)]) == 0
+    assert main(["report", str(tmp_path)]) == 2  # not a sweep directory: one clear error
