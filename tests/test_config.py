@@ -78,8 +78,16 @@ def test_float_fields_accept_ints_and_yaml11_exponents(tmp_path):
 
 
 def test_shipped_experiments_load():
+    """Every shipped run config validates, and so does every point of every shipped sweep."""
+    from vexact.sweep import load_sweep
+
     for path in sorted(EXPERIMENTS.glob("*.yaml")):
-        assert isinstance(load_config(path), RunConfig)
+        if "sweep" in path.stem:
+            assert all(isinstance(p.config, RunConfig) for p in load_sweep(path).points)
+        else:
+            assert isinstance(load_config(path), RunConfig)
+    demo = Path(__file__).resolve().parents[1] / "vexact" / "demo_sweep.yaml"
+    assert len(load_sweep(demo).points) == 6
 
 
 def test_overrides(tmp_path):
