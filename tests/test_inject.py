@@ -168,3 +168,14 @@ def test_calibration_hits_target(tmp_path, mode, metric, target):
 def test_plan_value_reports_the_magnitude():
     plan = _injector(mode="logit_scale", value=-0.3).plan(0)
     assert isinstance(plan, RolloutPlan) and plan.value == -0.3 and plan.active
+
+
+def test_recomputed_old_logprobs_keep_ratio_exact_under_injection(tmp_path):
+    """Injection changes what was sampled, but recomputed old log-probs come from the exact training
+    path: the first mini-batch's PPO ratio is still exactly 1 while the rollout log-probs mismatch."""
+    cfg = _short(tmp_path, "rec", "steps=1", "inject.mode=logit_scale", "inject.value=-0.5",
+                 "algorithm.old_logprobs=recompute")
+    assert Trainer(cfg, Console(quiet=True)).run()["status"] == "completed"
+    row = read_metrics(tmp_path / "rec" / "metrics.jsonl")[0]
+    assert row["mismatch/first_minibatch_ratio_exact"] == 1.0
+    assert row["mismatch/bitwise_equal_frac"] < 1.0 and row["rollout_corr/k3_kl"] > 0

@@ -63,6 +63,7 @@ def test_several_minibatches_and_epochs(tmp_path, old_logprobs):
     assert _run(cfg)["status"] == "completed"
     for r in read_metrics(tmp_path / old_logprobs / "metrics.jsonl"):
         assert r["mismatch/bitwise_equal_frac"] == 1.0 and r["rollout_corr/k3_kl"] == 0.0
+        assert r["mismatch/first_minibatch_ratio_exact"] == 1.0  # both sources: ratio exactly 1 before updates
         assert r["actor/ratio_max"] >= 1.0  # later mini-batches see updated weights
 
 

@@ -244,8 +244,11 @@ class Trainer:
         per_mini = n // alg.mini_batches
         sums: dict[str, list[float]] = {}
         first_pass_logp: list[Tensor | None] = [None] * n
-        expect_exact = (cfg.backend in EXACT_BACKENDS and self.rollout_backend == cfg.backend and not injected
-                        and self.rollout_dtype == self.compute_dtype and alg.old_logprobs == "rollout")
+        # The first mini-batch's ratio must be exactly 1 whenever the old log-probs came from the
+        # exact training path: recomputed, or recorded by an identical, uninjected rollout path.
+        same_rollout_path = (self.rollout_backend == cfg.backend and self.rollout_dtype == self.compute_dtype
+                             and not injected)
+        expect_exact = cfg.backend in EXACT_BACKENDS and (alg.old_logprobs == "recompute" or same_rollout_path)
         for epoch in range(alg.ppo_epochs):
             gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step) * 31 + epoch)
             order = torch.randperm(n, generator=gen).tolist() if alg.mini_batches > 1 else list(range(n))
@@ -281,8 +284,8 @@ class Trainer:
             exact = torch.equal(logp.detach(), old)
             stats["mismatch/first_minibatch_ratio_exact"] = float(exact)
             if not exact:
-                raise RunStopped("exactness violated: first mini-batch ratio != 1 with the exact backend "
-                                 "and no injection")
+                raise RunStopped("exactness violated: first mini-batch ratio != 1 although the old log-probs "
+                                 "come from the exact training path")
         per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
         if alg.kl_coef > 0 and ref_logp is not None:
             ref = torch.cat([ref_logp[i] for i in idx])
