@@ -38,3 +38,29 @@ def exact_forward(exact_fn: Callable, native_fn: Callable, tensors: tuple, stati
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _ExactForwardNativeBackward.apply(exact_fn, native_fn, static, *tensors)
     return exact_fn(*tensors, *static)
+
+
+class _ExactLinear(torch.autograd.Function):
+    """Exact forward (the backend's ``linear_forward``); backward with plain, deterministic matmuls."""
+
+    @staticmethod
+    def forward(ctx, linear_forward, x, weight, bias):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return linear_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = (g2d @ weight).view(x.shape) if ctx.needs_input_grad[1] else None
+        grad_w = g2d.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
+        grad_b = g2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, grad_x, grad_w, grad_b
+
+
+def exact_linear(linear_forward: Callable, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``linear_forward(x, weight, bias)``, differentiable (matmul backward) when grad is needed."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _ExactLinear.apply(linear_forward, x, weight, bias)
+    return linear_forward(x, weight, bias)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .autograd import exact_forward
+from .autograd import exact_forward, exact_linear
 
 NAME = "cpu_exact"
 
@@ -91,21 +91,6 @@ def _unary(fn: Callable[..., Tensor], x: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- linear
-class _ExactLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _linear_forward(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = (g2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = g2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
 
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -124,9 +109,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
     x.dtype. Tiling: rows in fixed 64-row GEMM tiles, columns padded to a multiple of 64.
     """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _ExactLinear.apply(x, weight, bias)
-    return _linear_forward(x, weight, bias)
+    return exact_linear(_linear_forward, x, weight, bias)
 
 
 # --------------------------------------------------------------------------- row-wise ops

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .autograd import exact_forward
+from .autograd import exact_forward, exact_linear
 
 # The interpreter must be chosen before triton decorates any kernel: ``triton.jit`` reads
 # ``triton.knobs.runtime.interpret`` at decoration time (live from the environment unless
@@ -226,25 +226,6 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y.view(*x.shape[:-1], n_cols)
 
 
-class _ExactLinear(torch.autograd.Function):
-    """Exact forward; backward with plain (deterministic) matmuls."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _linear_forward(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = (g2d @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = g2d.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        grad_b = g2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N] in x.dtype.
 
@@ -259,9 +240,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     K from 0 upwards. The tile shape is fixed per dtype (see ``_MATMUL_TILES``), never
     chosen from M; there is no split-K. Bias is added in fp32, then one rounding to x.dtype.
     """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _ExactLinear.apply(x, weight, bias)
-    return _linear_forward(x, weight, bias)
+    return exact_linear(_linear_forward, x, weight, bias)
 
 
 # --------------------------------------------------------------------------- rms_norm

@@ -180,42 +180,43 @@ class Task(ABC):
                 f"partial_credit={self.partial_credit})")
 
 
-class ReverseTask(Task):
+class _DigitStringTask(Task):
+    """A task on a string of ``L`` random digits whose answer is a rearrangement of it."""
+
+    def answer(self, digits: str) -> str:
+        raise NotImplementedError
+
+    def problem(self, digits: str) -> Problem:
+        return Problem(self._prompt(digits), self.answer(digits))
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.problem(_digits(rng, rng.randint(self.min_len, self.max_len)))
+
+    def max_answer_len(self) -> int:
+        return self.max_len
+
+    def max_input_len(self) -> int:
+        return self.max_len
+
+
+class ReverseTask(_DigitStringTask):
     """Reverse a string of ``L`` digits: ``<:12345=`` -> ``54321``."""
 
     name = "reverse"
     tag = "<"
 
-    def problem(self, digits: str) -> Problem:
-        return Problem(self._prompt(digits), digits[::-1])
-
-    def sample(self, rng: random.Random) -> Problem:
-        return self.problem(_digits(rng, rng.randint(self.min_len, self.max_len)))
-
-    def max_answer_len(self) -> int:
-        return self.max_len
-
-    def max_input_len(self) -> int:
-        return self.max_len
+    def answer(self, digits: str) -> str:
+        return digits[::-1]
 
 
-class SortTask(Task):
+class SortTask(_DigitStringTask):
     """Sort a string of ``L`` digits ascending: ``>:31452=`` -> ``12345``."""
 
     name = "sort"
     tag = ">"
 
-    def problem(self, digits: str) -> Problem:
-        return Problem(self._prompt(digits), "".join(sorted(digits)))
-
-    def sample(self, rng: random.Random) -> Problem:
-        return self.problem(_digits(rng, rng.randint(self.min_len, self.max_len)))
-
-    def max_answer_len(self) -> int:
-        return self.max_len
-
-    def max_input_len(self) -> int:
-        return self.max_len
+    def answer(self, digits: str) -> str:
+        return "".join(sorted(digits))
 
 
 class AddTask(Task):
