@@ -21,12 +21,11 @@ CACHE_VERSION = 1
 
 def warm_start_key(cfg: RunConfig) -> str:
     """Hash of what determines warm-start weights (not the cache location or RL settings)."""
-    ws = cfg.to_dict()["warm_start"]
-    ws.pop("cache_dir", None)
-    task = cfg.to_dict()["task"]
-    task.pop("eval_prompts", None)
-    return config_hash({"version": CACHE_VERSION, "model": cfg.to_dict()["model"], "task": task, "warm_start": ws,
-                        "seed": cfg.seed, "backend": cfg.backend})[:16]
+    plain = cfg.to_dict()
+    plain["warm_start"].pop("cache_dir", None)
+    plain["task"].pop("eval_prompts", None)
+    return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
+                        "warm_start": plain["warm_start"], "seed": cfg.seed, "backend": cfg.backend})[:16]
 
 
 def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[str], None] = print) -> Path | None:
