@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from safetensors.torch import load_file
 
 from vexact.cli import main
 from vexact.config import config_from_dict, load_config
@@ -154,3 +155,52 @@ def test_config_defaults_make_a_valid_trainer():
     cfg = config_from_dict({"name": "defaults"})
     trainer = Trainer(cfg, Console(quiet=True))
     assert trainer.model_config.vocab_size == trainer.tokenizer.vocab_size
+
+
+def _common(rows_a: list[dict], rows_b: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Rows restricted to the keys both runs log, without timings."""
+    keys = set(rows_a[0]) & set(rows_b[0])
+    strip = [{k: v for k, v in r.items() if k in keys} for r in _without_timing(rows_a)]
+    return strip, [{k: v for k, v in r.items() if k in keys} for r in _without_timing(rows_b)]
+
+
+@pytest.mark.parametrize("mode,methods", [
+    ("rollout", ["token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs"]),
+    ("recompute", ["token_tis", "geo_rs"]),
+])
+def test_zero_mismatch_corrections_are_bitwise_no_ops(tmp_path, mode, methods):
+    """With zero mismatch every ρ is exactly 1, so a corrected run equals the uncorrected run bit for bit:
+    every logged metric and the final weights, in bypass and in decoupled mode (two mini-batches there)."""
+    extra = [f"algorithm.old_logprobs={mode}", "steps=3", "logging.checkpoint_every=3"]
+    if mode == "recompute":
+        extra.append("algorithm.mini_batches=2")
+    _run(_short(tmp_path, "plain", *extra))
+    plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    plain_weights = load_file(str(tmp_path / "plain" / "checkpoint.safetensors"))
+    for method in methods:
+        _run(_short(tmp_path, method, *extra, f"correction.method={method}", "correction.batch_normalize=true"))
+        rows = read_metrics(tmp_path / method / "metrics.jsonl")
+        assert all(r["rollout_corr/rollout_is_mean"] == 1.0 and r["rollout_corr/rollout_rs_masked_token_frac"] == 0
+                   for r in rows), method
+        a, b = _common(plain, rows)
+        assert a == b, method
+        weights = load_file(str(tmp_path / method / "checkpoint.safetensors"))
+        assert all(torch.equal(plain_weights[k], weights[k]) for k in plain_weights), method
+
+
+def test_correction_and_triggered_schedule_under_injection(tmp_path):
+    """Under injected mismatch the correction acts (weights != 1, truncation counted) and a mismatch-triggered
+    schedule fires, is logged per step and lands in summary.json with its reason."""
+    summary = _run(_short(tmp_path, "inj", "inject.mode=logit_scale", "inject.value=-0.5",
+                          "correction.method=token_tis", "lr_schedule.kind=mismatch_triggered",
+                          "lr_schedule.mismatch_threshold=0.01", "lr_schedule.mismatch_window=2",
+                          "lr_schedule.decay_period=2", "optimizer.warmup_steps=0"))
+    rows = read_metrics(tmp_path / "inj" / "metrics.jsonl")
+    assert any(r["rollout_corr/rollout_is_truncated_frac"] > 0 for r in rows)
+    assert all(r["rollout_corr/rollout_is_max"] <= 2.0 for r in rows)
+    sched = summary["lr_schedule"]
+    assert sched["kind"] == "mismatch_triggered" and sched["trigger_step"] == 1 and sched["decay_period"] == 2
+    assert "rollout_corr/k3_kl" in sched["trigger_reason"]
+    assert [r["lr_schedule/triggered"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    base = rows[0]["actor/lr"]
+    assert [r["actor/lr"] for r in rows] == [base, base, base / 2, base / 2, base / 4, base / 4]

@@ -171,20 +171,28 @@ def first_step_above(rows: list[tuple[int, dict]], key: str, limit: float | None
 # --- rule 5: length surge ---------------------------------------------------------------------------------
 
 
+def surge_index(values: list[float], window: int, ratio: float) -> int | None:
+    """Index of the first value after the baseline window whose trailing mean > ratio x baseline, else None.
+
+    Baseline = mean of the first ``window`` values; the trailing mean at j averages the ``window`` values ending
+    at j. Shared by rule 5 and the length-triggered LR schedule, so both call the same thing a surge."""
+    if len(values) <= window:
+        return None
+    baseline = sum(values[:window]) / window
+    if baseline <= 0:
+        return None
+    smoothed = trailing_mean(values, window)
+    for j in range(window, len(values)):
+        if smoothed[j] > ratio * baseline:
+            return j
+    return None
+
+
 def length_surge_step(rows: list[tuple[int, dict]], window: int, ratio: float) -> int | None:
     """First step after the baseline window whose trailing-mean response length > ratio x baseline, rule 5."""
     series = _finite_series(rows, RESPONSE_LENGTH)
-    if len(series) <= window:
-        return None
-    lengths = [value for _, value in series]
-    baseline = sum(lengths[:window]) / window
-    if baseline <= 0:
-        return None
-    smoothed = trailing_mean(lengths, window)
-    for j in range(window, len(series)):
-        if smoothed[j] > ratio * baseline:
-            return series[j][0]
-    return None
+    j = surge_index([value for _, value in series], window, ratio)
+    return None if j is None else series[j][0]
 
 
 # --- the verdict ------------------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ __all__ = [
     "AlgorithmSection",
     "CollapseSection",
     "ConfigError",
+    "CorrectionSection",
     "InjectSection",
+    "LRScheduleSection",
     "LoggingSection",
     "ModelSection",
     "OptimizerSection",
@@ -152,6 +154,42 @@ class AlgorithmSection:
 
 
 @dataclass
+class CorrectionSection:
+    """Rollout correction on ρ_t = π_old/μ (importance weights / rejection); see ``vexact/corrections.py``."""
+
+    method: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs"] = "none"
+    threshold: float = field(default=2.0, metadata=_bounds(gt=1))  # C: TIS truncates at C, MIS masks above C
+    band: tuple[float, float] | None = field(default=None, metadata=_bounds(min=0))  # icepop / geo_rs [a, b]
+    batch_normalize: bool = False  # divide the weights by their mean (over kept tokens) -> mean 1
+    log_ratio_bound: float = field(default=20.0, metadata=_bounds(gt=0))  # safety clamp of |log ρ| (verl: 20)
+
+    def check(self) -> None:
+        if self.band is not None:
+            if self.method not in ("icepop", "geo_rs"):
+                raise ConfigError(f"band is used by icepop and geo_rs only, not by method {self.method!r}", "band")
+            if not self.band[0] < self.band[1]:
+                raise ConfigError(f"band needs lower < upper, got {list(self.band)}", "band")
+
+
+@dataclass
+class LRScheduleSection:
+    """Learning-rate schedule on top of ``optimizer.lr`` and its warmup; see ``vexact/schedules.py``."""
+
+    kind: Literal["constant", "cosine", "step", "length_triggered", "mismatch_triggered"] = "constant"
+    min_lr_ratio: float = field(default=0.1, metadata=_bounds(min=0, max=1))  # floor = ratio x optimizer.lr
+    total_steps: int | None = field(default=None, metadata=_bounds(min=1))  # cosine horizon (None = run steps)
+    step_size: int = field(default=50, metadata=_bounds(min=1))  # step: multiply by gamma every step_size steps
+    gamma: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))
+    decay_period: int | None = field(default=None, metadata=_bounds(min=1))  # triggered: halve every N steps ...
+    decay_period_factor: float = field(default=1.8, metadata=_bounds(gt=0))  # ... or N = factor x trigger step
+    length_window: int = field(default=10, metadata=_bounds(min=1))  # length trigger: baseline = first N steps
+    length_ratio: float = field(default=2.0, metadata=_bounds(gt=1))  # surge: trailing mean > ratio x baseline
+    mismatch_metric: Literal["rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff"] = "rollout_corr/k3_kl"
+    mismatch_threshold: float = field(default=0.1, metadata=_bounds(gt=0))  # verl warns at |kl| > 0.1
+    mismatch_window: int = field(default=5, metadata=_bounds(min=1))  # trailing mean over N steps > threshold
+
+
+@dataclass
 class OptimizerSection:
     """AdamW on float32 master weights, with linear warmup."""
 
@@ -259,6 +297,8 @@ class RunConfig:
     logging: LoggingSection = field(default_factory=LoggingSection)
     inject: InjectSection = field(default_factory=InjectSection)
     collapse: CollapseSection = field(default_factory=CollapseSection)
+    correction: CorrectionSection = field(default_factory=CorrectionSection)
+    lr_schedule: LRScheduleSection = field(default_factory=LRScheduleSection)
 
     def check(self) -> None:
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt

@@ -51,11 +51,15 @@ def compute_advantages(rewards: Tensor, group_size: int, kind: Literal["grpo", "
 
 
 def ppo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float,
-                   clip_high: float) -> tuple[Tensor, Tensor]:
+                   clip_high: float, ratio_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per-token clipped surrogate (DAPO clip-higher): max(-A·ρ, -A·clip(ρ, 1-clip_low, 1+clip_high)).
 
-    All inputs are flat per-token tensors; returns (loss per token, ratio per token)."""
+    ρ = exp(logp - old_logp), times ``ratio_weight`` (detached) when given: the bypass-mode rollout correction
+    puts its weight inside the ratio (``vexact/corrections.py``). All inputs are flat per-token tensors;
+    returns (loss per token, ratio per token)."""
     ratio = torch.exp(logp - old_logp)
+    if ratio_weight is not None:
+        ratio = ratio * ratio_weight
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), ratio

@@ -10,6 +10,14 @@ A sweep file::
       seed: [0, 1, 2]
     output_dir: runs/sweeps/noise_sweep   # optional; default runs/sweeps/<name>
 
+Optional ``variants`` name bundles of overrides that belong together (a remedy = a correction method plus an
+LR schedule, say); every variant is crossed with the grid, and the point records ``variant: <name>``, which
+the report groups by like a grid key::
+
+    variants:
+      none: {}
+      tis_lr_decay: {correction.method: token_tis, lr_schedule.kind: length_triggered}
+
 Every point's config is built and validated before anything runs. Points run in grid order,
 sequentially or in ``--jobs N`` worker processes. The sweep is resumable: a point whose
 ``summary.json`` says completed/stopped is skipped, an unfinished one resumes from its last
@@ -37,7 +45,8 @@ from .config import ConfigError, RunConfig, config_from_dict
 from .runlog import write_json_atomic
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
-SWEEP_KEYS = {"name", "base", "set", "grid", "output_dir"}
+SWEEP_KEYS = {"name", "base", "set", "grid", "variants", "output_dir"}
+VARIANT_KEY = "variant"
 
 
 @dataclass
@@ -57,6 +66,7 @@ class SweepSpec:
     grid: dict[str, list]
     output_dir: Path
     points: list[SweepPoint]
+    variants: dict[str, dict] | None = None
 
 
 def _format_value(value: Any) -> str:
@@ -97,13 +107,25 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> SweepS
         raise ConfigError("expected a mapping of dotted keys to values", "set")
     if not isinstance(grid, dict) or not grid or not all(isinstance(v, list) and v for v in grid.values()):
         raise ConfigError("expected a mapping of dotted config keys to non-empty lists of values", "grid")
+    variants = spec.get("variants")
+    if variants is not None:
+        if not isinstance(variants, dict) or not variants or not all(
+                isinstance(v, dict) or v is None for v in variants.values()):
+            raise ConfigError("expected a mapping of variant names to mappings of dotted keys to values", "variants")
+        if VARIANT_KEY in grid:
+            raise ConfigError(f"{VARIANT_KEY!r} is set by 'variants'; remove it from the grid", "grid")
+        grid = {VARIANT_KEY: list(variants), **grid}
     out = Path(output_dir or spec.get("output_dir") or Path("runs") / "sweeps" / name)
 
     points = []
     for combo in itertools.product(*grid.values()):
         overrides = dict(zip(grid.keys(), combo))
         pname = point_name(overrides)
-        settings = {**common, **overrides, "output_dir": str(out / "points" / pname), "name": f"{name}/{pname}"}
+        config_overrides = dict(overrides)
+        if variants is not None:
+            config_overrides = {**(variants[config_overrides.pop(VARIANT_KEY)] or {}), **config_overrides}
+        settings = {**common, **config_overrides, "output_dir": str(out / "points" / pname),
+                    "name": f"{name}/{pname}"}
         settings.setdefault("logging.live", False)
         items = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
                  for k, v in settings.items()]
@@ -112,7 +134,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> SweepS
         except ConfigError as err:
             raise ConfigError(f"sweep point {pname}: {err}") from None
         points.append(SweepPoint(pname, overrides, cfg))
-    return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points)
+    return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants)
 
 
 def point_status(point: SweepPoint) -> str:
@@ -127,6 +149,7 @@ def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, st
     write_json_atomic(spec.output_dir / "sweep.json", {
         "name": spec.name,
         "grid": spec.grid,
+        "variants": spec.variants,
         "points": [{"name": p.name, "dir": f"points/{p.name}", "overrides": p.overrides,
                     "status": statuses[p.name], "error": errors.get(p.name)} for p in spec.points],
     })

@@ -28,6 +28,7 @@ import vexact_kernels
 
 from .collapse import detect_collapse
 from .config import RunConfig, save_config
+from .corrections import rollout_correction
 from .inject import Calibration, Injector, RolloutPlan, calibrate, precision_ops
 from .loss import aggregate, compute_advantages, k3_penalty, ppo_token_loss
 from .metrics import mismatch_metrics, ratio_stats, sequence_stats
@@ -104,7 +105,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.optimizer.lr,
                                            betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
                                            weight_decay=cfg.optimizer.weight_decay)
-        self.schedule = LRSchedule(cfg.optimizer)
+        self.schedule = LRSchedule(cfg.optimizer, cfg.lr_schedule, total_steps=cfg.steps)
         self.eval_problems = held_out_problems(self.task, cfg.task.eval_prompts)
         self.injector = Injector(cfg.inject, cfg.seed)
         self.calibration: Calibration | None = None
@@ -195,7 +196,7 @@ class Trainer:
         t1 = time.perf_counter()
         one_pass = alg.mini_batches == 1 and alg.ppo_epochs == 1
         train_logp: list[Tensor] | None = None
-        if alg.old_logprobs == "recompute" or not one_pass:
+        if alg.old_logprobs == "recompute" or not one_pass:  # else the single update pass scores at θ_old
             with torch.no_grad():
                 train_logp, _ = score_tokens(self.compute, batch.prompts, batch.responses, cfg.rollout.temperature,
                                              alg.micro_batch_size)
@@ -211,7 +212,7 @@ class Trainer:
         lr = self.schedule.lr(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        update = self._update(step, batch, advantages, old_logp, ref_logp, injected=plan.active)
+        update = self._update(step, batch, advantages, old_logp, ref_logp, train_logp, injected=plan.active)
         if train_logp is None:
             train_logp = update.pop("_first_pass_logp")
         update.pop("_first_pass_logp", None)
@@ -238,7 +239,7 @@ class Trainer:
         return self.reference
 
     def _update(self, step: int, batch: Rollouts, advantages: Tensor, old_logp: list[Tensor],
-                ref_logp: list[Tensor] | None, injected: bool = False) -> dict:
+                ref_logp: list[Tensor] | None, pre_update_logp: list[Tensor] | None, injected: bool = False) -> dict:
         cfg, alg = self.cfg, self.cfg.algorithm
         n = len(batch.responses)
         per_mini = n // alg.mini_batches
@@ -254,7 +255,7 @@ class Trainer:
             order = torch.randperm(n, generator=gen).tolist() if alg.mini_batches > 1 else list(range(n))
             for mb in range(alg.mini_batches):
                 idx = order[mb * per_mini : (mb + 1) * per_mini]
-                stats = self._minibatch(batch, idx, advantages, old_logp, ref_logp, first_pass_logp,
+                stats = self._minibatch(batch, idx, advantages, old_logp, ref_logp, pre_update_logp, first_pass_logp,
                                         check_exact=expect_exact and epoch == 0 and mb == 0)
                 for k, v in stats.items():
                     sums.setdefault(k, []).append(v)
@@ -264,7 +265,8 @@ class Trainer:
         return out
 
     def _minibatch(self, batch: Rollouts, idx: list[int], advantages: Tensor, old_logp: list[Tensor],
-                   ref_logp: list[Tensor] | None, first_pass_logp: list, check_exact: bool) -> dict:
+                   ref_logp: list[Tensor] | None, pre_update_logp: list[Tensor] | None, first_pass_logp: list,
+                   check_exact: bool) -> dict:
         cfg, alg = self.cfg, self.cfg.algorithm
         prompts = [batch.prompts[i] for i in idx]
         responses = [batch.responses[i] for i in idx]
@@ -286,12 +288,31 @@ class Trainer:
             if not exact:
                 raise RunStopped("exactness violated: first mini-batch ratio != 1 although the old log-probs "
                                  "come from the exact training path")
-        per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+        correction = None
+        if cfg.correction.method != "none":
+            # ρ compares the training path at the pre-update weights with the rollout path. Without a
+            # separate scoring pass (one bypass pass), this pass *is* at the pre-update weights.
+            pre = logp.detach() if pre_update_logp is None else torch.cat([pre_update_logp[i] for i in idx])
+            roll = torch.cat([batch.logprobs[i] for i in idx]).to(logp.device)
+            correction = rollout_correction(pre, roll, lengths, cfg.correction)
+            stats.update(correction.metrics)
+        reweight = correction is not None and correction.reweights
+        if reweight and alg.old_logprobs == "rollout":  # bypass: the weight replaces the ratio's ρ factor
+            per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high,
+                                              ratio_weight=correction.weights)
+        else:
+            per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+            if reweight:  # decoupled: the weight scales the clipped loss from outside
+                per_token = per_token * correction.weights
         if alg.kl_coef > 0 and ref_logp is not None:
             ref = torch.cat([ref_logp[i] for i in idx])
             kl = k3_penalty(logp, ref)
             per_token = per_token + alg.kl_coef * kl
             stats["actor/kl_loss"] = float(kl.detach().mean())
+        if correction is not None and correction.rejects_any:  # rejected tokens leave numerator and denominator
+            keep = correction.keep
+            lengths = [int(k.sum()) for k in keep.split(lengths)]
+            per_token, ratio, adv = per_token[keep], ratio[keep], adv[keep]
         pg_loss = aggregate(per_token, lengths, alg.loss_agg)
         entropy = torch.cat(entropy_list)
         loss = pg_loss - alg.entropy_coef * entropy.mean() if alg.entropy_coef > 0 else pg_loss
@@ -315,7 +336,8 @@ class Trainer:
         stats["actor/pg_loss"] = float(pg_loss.detach())
         stats["actor/entropy"] = float(entropy.detach().mean())
         stats["actor/grad_norm"] = grad_norm
-        stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
+        if ratio.numel():
+            stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
         return stats
 
     # ------------------------------------------------------------------ evaluation
@@ -381,7 +403,10 @@ class Trainer:
                         t = time.perf_counter()
                         metrics.update(self.evaluate(step))
                         metrics["timing/eval"] = time.perf_counter() - t
-                    self.schedule.observe(step, metrics)
+                    metrics.update(self.schedule.observe(step, metrics))
+                    if self.schedule.trigger_step == step:
+                        self._log(f"[yellow]LR decay triggered at step {step}:[/] {self.schedule.trigger_reason}; "
+                                  f"halving every {self.schedule.decay_period} steps")
                     writer.write(metrics)
                     last = metrics
                     progress(step, metrics)
@@ -416,6 +441,7 @@ class Trainer:
                                               else None, stopped_step=step)
         summary["stopped_at_step"] = step if summary["status"] != "completed" else None
         summary["wall_seconds_this_session"] = round(time.perf_counter() - started, 3)
+        summary["lr_schedule"] = self.schedule.summary()
         summary["last_step_metrics"] = {k: v for k, v in last.items() if not k.startswith("timing/")}
         if self.injector.enabled:
             summary["inject"] = {"mode": cfg.inject.mode, "value": self.injector.value}

@@ -1,0 +1,111 @@
+"""LR schedules on synthetic traces: warmup, cosine, step, and the length- and mismatch-triggered decays."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vexact.config import ConfigError, LRScheduleSection, OptimizerSection, config_from_dict
+from vexact.schedules import LRSchedule
+
+
+def _schedule(kind: str, lr: float = 1.0, warmup: int = 0, steps: int = 100, **kw) -> LRSchedule:
+    return LRSchedule(OptimizerSection(lr=lr, warmup_steps=warmup), LRScheduleSection(kind=kind, **kw), steps)
+
+
+def _feed(schedule: LRSchedule, key: str, trace: list[float]) -> list[float]:
+    """Run the trainer's protocol over a trace: lr(step) for the update, then observe(step). Returns the LRs."""
+    lrs = []
+    for step, value in enumerate(trace):
+        lrs.append(schedule.lr(step))
+        schedule.observe(step, {key: value})
+    return lrs
+
+
+def test_constant_with_linear_warmup():
+    s = _schedule("constant", lr=0.1, warmup=4)
+    assert [s.lr(t) for t in range(6)] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
+
+
+def test_cosine_goes_from_base_to_floor_over_total_steps():
+    s = _schedule("cosine", lr=1.0, warmup=0, steps=100, min_lr_ratio=0.1)
+    assert s.lr(0) == 1.0
+    assert s.lr(50) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert s.lr(100) == pytest.approx(0.1) and s.lr(500) == pytest.approx(0.1)
+    lrs = [s.lr(t) for t in range(101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_step_decay_to_floor():
+    s = _schedule("step", lr=1.0, step_size=10, gamma=0.5, min_lr_ratio=0.2)
+    assert [s.lr(t) for t in (0, 9, 10, 19, 20, 30, 90)] == pytest.approx([1, 1, 0.5, 0.5, 0.25, 0.2, 0.2])
+
+
+def test_length_trigger_fires_on_the_surge_and_halves_on_algorithm_1_clock():
+    # flat length 10 for 20 steps, then 30: the first trailing window of 5 above 2 x 10 is (10+10+30+30+30)/5 = 22,
+    # ending at index 22.
+    trace = [10.0] * 20 + [30.0] * 80
+    s = _schedule("length_triggered", lr=1.0, length_window=5, length_ratio=2.0, decay_period_factor=1.8)
+    lrs = _feed(s, "response_length/mean", trace)
+    assert s.trigger_step == 22
+    assert "response_length/mean" in s.trigger_reason and "baseline 10" in s.trigger_reason
+    assert s.decay_period == round(1.8 * 22) == 40
+    assert lrs[:40] == [1.0] * 40  # nothing before the first multiple of 40 after the trigger
+    assert lrs[40:80] == [0.5] * 40 and lrs[80:] == [0.25] * 20
+    assert s.summary() == {"kind": "length_triggered", "trigger_step": 22, "trigger_reason": s.trigger_reason,
+                           "decay_period": 40}
+
+
+def test_length_trigger_fixed_period_and_floor():
+    trace = [10.0] * 10 + [40.0] * 90
+    s = _schedule("length_triggered", lr=1.0, length_window=5, length_ratio=2.0, decay_period=10, min_lr_ratio=0.1)
+    lrs = _feed(s, "response_length/mean", trace)
+    assert s.trigger_step == 11 and s.decay_period == 10
+    assert lrs[11] == 1.0 and lrs[19] == 1.0 and lrs[20] == 0.5 and lrs[30] == 0.25
+    assert min(lrs) == pytest.approx(0.1) and lrs[-1] == pytest.approx(0.1)  # 1/16 < 0.1: held at the floor
+
+
+def test_no_surge_means_no_decay():
+    trace = [10.0 + (t % 3) for t in range(100)]  # noisy but flat
+    s = _schedule("length_triggered", lr=1.0, length_window=5, length_ratio=1.5)
+    assert _feed(s, "response_length/mean", trace) == [1.0] * 100
+    assert s.trigger_step is None and s.summary()["trigger_reason"] is None
+
+
+def test_mismatch_trigger_on_k3_and_log_ppl():
+    trace = [0.01] * 30 + [0.5] * 70
+    s = _schedule("mismatch_triggered", lr=1.0, mismatch_threshold=0.1, mismatch_window=5, decay_period=20)
+    lrs = _feed(s, "rollout_corr/k3_kl", trace)
+    assert s.trigger_step == 30  # (4 x 0.01 + 0.5) / 5 = 0.108 > 0.1 at the first high step
+    assert "rollout_corr/k3_kl" in s.trigger_reason and "0.108" in s.trigger_reason
+    assert lrs[31:40] == [1.0] * 9 and lrs[40] == 0.5 and lrs[60] == 0.25
+    s = _schedule("mismatch_triggered", mismatch_metric="rollout_corr/log_ppl_abs_diff", mismatch_threshold=1.0)
+    _feed(s, "rollout_corr/k3_kl", [5.0] * 20)  # the other metric: never fires
+    assert s.trigger_step is None
+    _feed(s, "rollout_corr/log_ppl_abs_diff", [float("nan")] * 3 + [2.0] * 10)  # NaN is skipped, not a trigger
+    assert s.trigger_step == 7
+
+
+def test_schedule_state_round_trip_resumes_identically():
+    trace = [10.0] * 20 + [30.0] * 80
+    whole = _schedule("length_triggered", length_window=5)
+    expected = _feed(whole, "response_length/mean", trace)
+    first = _schedule("length_triggered", length_window=5)
+    got = _feed(first, "response_length/mean", trace[:30])
+    second = _schedule("length_triggered", length_window=5)
+    second.load_state_dict(first.state_dict())
+    for step in range(30, 100):
+        got.append(second.lr(step))
+        second.observe(step, {"response_length/mean": trace[step]})
+    assert got == expected
+
+
+def test_schedule_config_errors():
+    with pytest.raises(ConfigError, match="lr_schedule.kind"):
+        config_from_dict({"lr_schedule": {"kind": "exponential"}})
+    with pytest.raises(ConfigError, match="lr_schedule.length_ratio"):
+        config_from_dict({"lr_schedule": {"kind": "length_triggered", "length_ratio": 0.9}})
+    with pytest.raises(ConfigError, match="lr_schedule.mismatch_metric"):
+        config_from_dict({"lr_schedule": {"mismatch_metric": "k3"}})
+    assert math.isclose(config_from_dict({}).lr_schedule.min_lr_ratio, 0.1)
