@@ -197,3 +197,29 @@ def test_missing_sweep_json_raises(tmp_path: Path) -> None:
         load_sweep(tmp_path / "notasweep")
     with pytest.raises(ValueError, match="sweep.json"):
         write_report(tmp_path / "does-not-exist")
+
+
+def test_variant_groups_with_lr_trigger_and_surge_columns(tmp_path: Path) -> None:
+    """Remedy sweeps group by variant; the LR-trigger columns appear once a point has a triggered schedule."""
+    points = []
+    for seed in (0, 1):
+        points.append({"overrides": {"variant": "none", "seed": seed}, "status": "completed",
+                       "collapse": _collapse(True, 0.4, 0.5, 0.5, 0.0, step=40, lead=10 if seed else None)})
+        decay = {"overrides": {"variant": "length_lr_decay", "seed": seed}, "status": "completed",
+                 "collapse": _collapse(False, 0.4, 0.5, 0.5, 0.45)}
+        points.append(decay)
+    root = _make_sweep(tmp_path, points, {"variant": ["none", "length_lr_decay"], "seed": [0, 1]})
+    for seed, trigger in ((0, 30), (1, None)):
+        path = root / "points" / f"variant=length_lr_decay,seed={seed}" / "summary.json"
+        summary = json.loads(path.read_text())
+        summary["lr_schedule"] = {"kind": "length_triggered", "trigger_step": trigger, "trigger_reason": None,
+                                  "decay_period": None}
+        path.write_text(json.dumps(summary))
+    none, decay = group_table(load_sweep(root))
+    assert none["group"] == "variant=none" and none["collapsed"] == 2 and none["surge_before_collapse"] == 1
+    assert none["lr_decay_triggered"] is None
+    assert decay["lr_decay_triggered"] == 1 and decay["lr_trigger_step_median"] == 30
+    text = markdown_table([none, decay])
+    assert "LR decay fired" in text and "| none |" in text and "| 1/2 |" in text
+    plain = markdown_table([none])
+    assert "LR decay fired" not in plain and "surge before collapse" in plain

@@ -102,3 +102,21 @@ def test_parallel_workers_and_report(tmp_path):
     assert {"summary.csv", "table.md", "table.json", "reward_curves.png"} <= {p.name for p in report.iterdir()}
     assert main(["report", str(spec.output_dir)]) == 0
     assert main(["report", str(tmp_path)]) == 2  # not a sweep directory: one clear error
+
+
+def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
+    variants = {"none": {}, "tis_decay": {"correction.method": "token_tis", "lr_schedule.kind": "length_triggered"}}
+    spec = load_sweep(_sweep_file(tmp_path, "v", grid={"seed": [0, 1]}, variants=variants))
+    assert [p.name for p in spec.points] == ["variant=none,seed=0", "variant=none,seed=1",
+                                             "variant=tis_decay,seed=0", "variant=tis_decay,seed=1"]
+    assert spec.grid == {"variant": ["none", "tis_decay"], "seed": [0, 1]}
+    plain, remedy = spec.points[1].config, spec.points[3].config
+    assert plain.correction.method == "none" and plain.lr_schedule.kind == "constant" and plain.seed == 1
+    assert remedy.correction.method == "token_tis" and remedy.lr_schedule.kind == "length_triggered"
+    assert remedy.seed == 1 and remedy.inject.mode == "logit_scale"  # the common settings still apply
+    with pytest.raises(ConfigError, match="variant=bad,seed=0.*correction.method"):
+        load_sweep(_sweep_file(tmp_path, "b1", grid={"seed": [0]}, variants={"bad": {"correction.method": "x"}}))
+    with pytest.raises(ConfigError, match="'variants'"):
+        load_sweep(_sweep_file(tmp_path, "b2", grid={"seed": [0]}, variants=["none"]))
+    with pytest.raises(ConfigError, match="remove it from the grid"):
+        load_sweep(_sweep_file(tmp_path, "b3", grid={"variant": ["a"]}, variants={"a": {}}))

@@ -194,9 +194,22 @@ def group_table(data: SweepData) -> list[dict[str, Any]]:
             "peak_reward": _mean(p.collapse.get("peak_reward") for p in done),
             "final_reward": _mean(p.collapse.get("final_reward") for p in done),
             "length_surge_lead_median": _median(p.collapse.get("length_surge_lead") for p in done),
+            "surge_before_collapse": sum(p.collapse.get("length_surge_lead") is not None for p in collapsed),
+            "lr_decay_triggered": _count_triggered(done),
+            "lr_trigger_step_median": _median(_lr_schedule(p).get("trigger_step") for p in done),
         })
         rows.append(row)
     return rows
+
+
+def _lr_schedule(point: PointData) -> dict[str, Any]:
+    return (point.summary or {}).get("lr_schedule") or {}
+
+
+def _count_triggered(points: list[PointData]) -> int | None:
+    """How many points' triggered LR schedule fired; None when no point has a triggered schedule."""
+    triggered = [p for p in points if "trigger_step" in _lr_schedule(p)]
+    return sum(_lr_schedule(p)["trigger_step"] is not None for p in triggered) if triggered else None
 
 
 def write_summary_csv(data: SweepData, path: str | Path) -> Path:
@@ -250,19 +263,27 @@ _COLUMNS = [  # (row key, header, formatter)
     ("peak_reward", "peak reward", lambda r: _fmt_float(r["peak_reward"])),
     ("final_reward", "final reward", lambda r: _fmt_float(r["final_reward"])),
     ("length_surge_lead_median", "surge lead", lambda r: _fmt_step(r["length_surge_lead_median"])),
+    ("surge_before_collapse", "surge before collapse",
+     lambda r: f"{r['surge_before_collapse']}/{r['collapsed']}" if r["collapsed"] else "—"),
+    # shown only when some group has a triggered LR schedule:
+    ("lr_decay_triggered", "LR decay fired", lambda r: "—" if r.get("lr_decay_triggered") is None
+     else f"{r['lr_decay_triggered']}/{r['seeds']}"),
+    ("lr_trigger_step_median", "median trigger step", lambda r: _fmt_step(r.get("lr_trigger_step_median"))),
 ]
+_OPTIONAL = {"lr_decay_triggered", "lr_trigger_step_median"}
 
 
 def _table_cells(rows: list[dict[str, Any]], group_keys: list[str]) -> tuple[list[str], list[list[str]]]:
     """Headers and formatted cells shared by the rich and Markdown tables."""
     show_failed = any(r.get("failed") for r in rows)
+    columns = [c for c in _COLUMNS[1:] if c[0] not in _OPTIONAL or any(r.get(c[0]) is not None for r in rows)]
     headers = list(group_keys) or ["group"]
-    headers += [h for _, h, _ in _COLUMNS[:1]] + (["failed"] if show_failed else []) + [h for _, h, _ in _COLUMNS[1:]]
+    headers += [h for _, h, _ in _COLUMNS[:1]] + (["failed"] if show_failed else []) + [h for _, h, _ in columns]
     body = []
     for r in rows:
         cells = [_fmt_value(r.get(k)) for k in group_keys] if group_keys else [str(r.get("group", "all"))]
         cells += [_COLUMNS[0][2](r)] + ([str(r.get("failed", 0))] if show_failed else [])
-        cells += [fmt(r) for _, _, fmt in _COLUMNS[1:]]
+        cells += [fmt(r) for _, _, fmt in columns]
         body.append(cells)
     return headers, body
 
