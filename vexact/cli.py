@@ -190,6 +190,54 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return _sweep_and_report(spec, args.jobs, True, "vexact demo: {n} runs of logit-scale injection -> {out}")
 
 
+def _add_measure(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("measure", help="measure natural TIM between two computation paths on a local HF checkpoint")
+    p.add_argument("--model", type=Path, required=True, metavar="DIR", help="checkpoint directory (config.json + "
+                   "safetensors); python -m vexact.measure --make-tiny-checkpoint DIR writes a tiny one")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
+                        "has a tokenizer, else whitespace-separated token ids")
+    source.add_argument("--random", type=_positive_int, metavar="N", help="N random token-id prompts")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--rollout", default="native:bf16", help="path that generates: BACKEND:DTYPE with BACKEND in "
+                   "exact, native, triton, hf and DTYPE in fp32, bf16 (default native:bf16)")
+    p.add_argument("--train", default="exact:fp32", help="path that rescores the tokens (default exact:fp32)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prompt-len", type=_positive_int, default=16, help="longest --random prompt")
+    p.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="generation batch size (default all)")
+    p.add_argument("--micro-batch-size", type=_positive_int, default=None, help="scoring micro-batch (default all)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
+    p.add_argument("--png", type=Path, default=None, help="also plot Δlogp histogram and |Δlogp| vs probability")
+    p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 unless every token is bitwise equal")
+    p.set_defaults(func=_cmd_measure)
+
+
+def _cmd_measure(args: argparse.Namespace) -> int:
+    from .measure import MeasureSettings, print_measure, run_measure, write_json, write_png
+
+    settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
+                               random_prompts=args.random, max_prompt_len=args.max_prompt_len,
+                               token_ids=args.token_ids, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
+                               batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+                               threads=args.threads)
+    result = run_measure(settings)
+    console = make_console()
+    print_measure(result, console)
+    written = [f(result, path) for f, path in ((write_json, args.json), (write_png, args.png)) if path]
+    if written:
+        console.print("wrote " + ", ".join(str(path) for path in written))
+    if args.fail_on_mismatch and result.summary["bitwise_equal"] != result.summary["tokens"]:
+        Console(stderr=True).print(f"[red]mismatch:[/] {result.summary['tokens'] - result.summary['bitwise_equal']} "
+                                   f"of {result.summary['tokens']} tokens differ")
+        return 1
+    return 0
+
+
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -201,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep(sub)
     _add_report(sub)
     _add_demo(sub)
+    _add_measure(sub)
     return parser
 
 

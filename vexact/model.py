@@ -51,6 +51,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    # Llama-3-style RoPE frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}; None = plain RoPE.
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -73,6 +76,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be a positive even integer, got {self.head_dim}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("ModelConfig.rope_theta and rms_norm_eps must be positive")
+        if self.rope_scaling is not None:
+            keys = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+            if not isinstance(self.rope_scaling, dict) or set(self.rope_scaling) != keys:
+                raise ValueError(f"ModelConfig.rope_scaling must be None or a dict with exactly the keys "
+                                 f"{sorted(keys)}, got {self.rope_scaling!r}")
+            if self.rope_scaling["rope_type"] != "llama3":
+                raise ValueError(f"ModelConfig.rope_scaling: only rope_type 'llama3' is supported, "
+                                 f"got {self.rope_scaling['rope_type']!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +95,27 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig keys: {', '.join(unknown)}")
         return cls(**values)
+
+
+def rope_inv_freq(c: ModelConfig) -> Tensor:
+    """RoPE inverse frequencies [head_dim / 2] in float64, with Llama-3 scaling when configured.
+
+    Llama 3 (as in transformers' ``_compute_llama3_parameters``) keeps wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor, divides those longer than
+    original_max_position_embeddings / low_freq_factor by ``factor`` and interpolates between.
+    """
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+    if c.rope_scaling is None:
+        return inv_freq
+    s = c.rope_scaling
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class KVCache:
@@ -156,8 +188,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if not c.tie_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        angles = torch.arange(c.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        angles = torch.arange(c.max_seq_len, dtype=torch.float64)[:, None] * rope_inv_freq(c)[None, :]
         # Computed once: every path indexes the same table, so RoPE cannot differ between them.
         self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
         self.register_buffer("rope_sin", angles.sin().float(), persistent=False)

@@ -1,0 +1,517 @@
+"""``vexact measure``: natural TIM between two computation paths on a real checkpoint.
+
+``vexact check`` proves the guarantee on a random model; ``measure`` answers the user's question
+"how much mismatch does *my* stack have?": load a checkpoint, generate with the rollout path,
+rescore the same tokens with the training path, and report the mismatch metrics of
+``vexact.metrics`` (k1/k3 KL, |Δlogp| mean/max/p99, log_ppl_abs_diff, bitwise-equal fraction,
+|Δlogp| by token probability) plus |Δlogp| by response position.
+
+A path is ``backend:dtype``: backend ``exact`` | ``native`` | ``triton`` (vexact's model on that
+kernel backend) or ``hf`` (transformers' own ``generate`` / forward, as a user's inference stack
+would run it); dtype ``fp32`` | ``bf16``. Both paths see the same weights (from the same files).
+
+The ``hf`` rollout samples with transformers' ``generate`` (multinomial sampling seeded with
+``torch.manual_seed(seed)``, or greedy at temperature 0) with top-k/top-p and every other logits
+processor switched off, and records log_softmax(raw logits / temperature) of each sampled token
+from ``output_logits``; a guard checks that the processed scores it sampled from are exactly those
+raw logits / temperature (so nothing truncated the distribution). vexact paths sample with
+vexact's counter-based Gumbel sampler (``vexact.rollout.generate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import vexact_kernels
+
+from .inputs import check_temperature, check_token_lists, pad_right, scale_logits
+from .metrics import DEFAULT_BUCKETS, bucket_name, mismatch_metrics
+from .model import Transformer
+from .pretrained import (
+    PARITY_PROMPTS,
+    SUPPORTED_ARCHITECTURES,
+    TINY_VARIANTS,
+    from_pretrained,
+    load_tokenizer,
+    make_tiny_checkpoint,
+    make_tiny_hf_model,
+    parity_with_transformers,
+)
+from .rollout import generate
+from .scoring import token_logprobs
+
+PATH_BACKENDS = ("exact", "native", "triton", "hf")
+PATH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """One computation path: a kernel backend (or ``hf``) and a dtype."""
+
+    backend: str
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}:{_SHORT[self.dtype]}"
+
+
+def parse_path(spec: str) -> PathSpec:
+    """``"native:bf16"`` -> PathSpec; a bad spec is one ValueError naming what is allowed."""
+    backend, sep, dtype = str(spec).partition(":")
+    allowed = f"expected BACKEND:DTYPE with BACKEND in {', '.join(PATH_BACKENDS)} and DTYPE in fp32, bf16"
+    if not sep or backend not in PATH_BACKENDS or dtype not in PATH_DTYPES:
+        raise ValueError(f"bad path spec {spec!r}: {allowed}")
+    return PathSpec(backend, PATH_DTYPES[dtype])
+
+
+@dataclass
+class MeasureSettings:
+    """Everything ``run_measure`` needs; the CLI fills it from its flags."""
+
+    model: Path
+    rollout: str = "native:bf16"
+    train: str = "exact:fp32"
+    prompts_file: Path | None = None
+    random_prompts: int | None = None
+    max_prompt_len: int = 16  # for --random
+    token_ids: bool = False  # read the prompts file as token ids even when the checkpoint has a tokenizer
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    batch_size: int | None = None
+    micro_batch_size: int | None = None
+    threads: int | None = None
+
+
+@dataclass
+class MeasureResult:
+    """``summary``: the JSON-able report. Per-token tensors (all response tokens, concatenated) feed the plots."""
+
+    summary: dict[str, Any]
+    logp_roll: Tensor
+    logp_train: Tensor
+    positions: Tensor
+    samples: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- prompts
+def load_prompts(settings: MeasureSettings, vocab_size: int, tokenizer: Any | None) -> list[list[int]]:
+    """Token-id prompts from ``--prompts FILE`` or ``--random N``.
+
+    FILE holds one prompt per non-empty line: text (encoded with the checkpoint's tokenizer) when
+    the checkpoint has one and ``token_ids`` is off, otherwise whitespace-separated token ids.
+    ``--random N``: N prompts of 1..max_prompt_len ids drawn uniformly (seeded) from the vocabulary
+    (the tokenizer's part of it when there is one: rows past it are often untrained padding).
+    """
+    if (settings.prompts_file is None) == (settings.random_prompts is None):
+        raise ValueError("give exactly one of --prompts FILE and --random N")
+    if settings.random_prompts is not None:
+        if settings.random_prompts < 1 or settings.max_prompt_len < 1:
+            raise ValueError("--random and --max-prompt-len must be positive")
+        high = min(vocab_size, len(tokenizer)) if tokenizer is not None else vocab_size
+        rng = random.Random(settings.seed)
+        return [[rng.randrange(high) for _ in range(rng.randint(1, settings.max_prompt_len))]
+                for _ in range(settings.random_prompts)]
+    path = Path(settings.prompts_file)
+    if not path.is_file():
+        raise ValueError(f"prompts file not found: {path}")
+    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
+    if not lines:
+        raise ValueError(f"prompts file {path} has no non-empty lines")
+    prompts = []
+    for number, line in lines:
+        if tokenizer is not None and not settings.token_ids:
+            ids = list(tokenizer(line)["input_ids"])
+        else:
+            try:
+                ids = [int(tok) for tok in line.split()]
+            except ValueError:
+                hint = "" if tokenizer is not None else " (this checkpoint has no tokenizer, so prompts are token ids)"
+                raise ValueError(f"{path}:{number}: expected whitespace-separated token ids{hint}, "
+                                 f"got {line.strip()[:40]!r}") from None
+        if not ids:
+            raise ValueError(f"{path}:{number}: prompt encodes to no tokens")
+        prompts.append(ids)
+    return check_token_lists(f"prompts from {path}", prompts, vocab_size)
+
+
+# --------------------------------------------------------------------------- the two kinds of path
+class VexactPath:
+    """vexact's ``Transformer`` on one backend: KV-cache ``generate`` / full-sequence ``token_logprobs``."""
+
+    def __init__(self, model: Transformer, backend: str):
+        self.model, self.backend = model, backend
+
+    def generate(self, prompts: list[list[int]], s: MeasureSettings, eos: int | None) -> tuple[list, list[Tensor]]:
+        self.model.backend = self.backend
+        out = generate(self.model, prompts, max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=s.seed,
+                       batch_size=s.batch_size, eos_token_id=eos)
+        return out.tokens, out.logprobs
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]], s: MeasureSettings) -> list[Tensor]:
+        self.model.backend = self.backend
+        with torch.no_grad():
+            return token_logprobs(self.model, prompts, responses, temperature=s.temperature,
+                                  micro_batch_size=s.micro_batch_size)
+
+
+class HFPath:
+    """transformers' own model: ``generate`` (left-padded batches) / teacher-forced forward (right-padded)."""
+
+    def __init__(self, hf_model: Any):
+        self.model = hf_model
+        self.pad = 0
+
+    def generate(self, prompts: list[list[int]], s: MeasureSettings, eos: int | None) -> tuple[list, list[Tensor]]:
+        from transformers import GenerationConfig
+
+        step = s.batch_size or len(prompts)
+        tokens: list[list[int]] = []
+        logprobs: list[Tensor] = []
+        sample = s.temperature > 0
+        config = GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=sample,
+                                  temperature=s.temperature if sample else 1.0, top_k=0, top_p=1.0,
+                                  eos_token_id=eos, pad_token_id=self.pad, output_logits=True, output_scores=True,
+                                  return_dict_in_generate=True)
+        saved = self.model.generation_config
+        # A fresh default config, so the checkpoint's generation_config.json (top_p, min_p, penalties...)
+        # cannot slip in: transformers fills every unset option from it.
+        self.model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=self.pad)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(s.seed)
+                for start in range(0, len(prompts), step):
+                    t, lp = self._generate_batch(prompts[start : start + step], config, s.temperature, eos)
+                    tokens += t
+                    logprobs += lp
+        finally:
+            self.model.generation_config = saved
+        return tokens, logprobs
+
+    def _generate_batch(self, prompts: list[list[int]], config: Any, temperature: float,
+                        eos: int | None) -> tuple[list, list[Tensor]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                                  generation_config=config)
+        generated = out.sequences[:, width:].cpu()
+        step_logprobs = []
+        for t, (raw, processed) in enumerate(zip(out.logits, out.scores)):
+            scaled = scale_logits(raw.cpu(), temperature)
+            if not torch.allclose(processed.float().cpu(), scaled, rtol=1e-6, atol=1e-6):
+                raise ValueError(f"hf path: transformers' generate changed the logits at step {t} beyond the "
+                                 "temperature (a logits processor is active); cannot record clean log-probs")
+            step_logprobs.append(vexact_kernels.native.token_logprobs(scaled, generated[:, t]))
+        logprobs_all = torch.stack(step_logprobs, dim=1) if step_logprobs else torch.zeros(len(prompts), 0)
+        tokens, logprobs = [], []
+        for b in range(len(prompts)):
+            seq = generated[b].tolist()
+            n = seq.index(eos) + 1 if eos is not None and eos in seq else len(seq)
+            tokens.append(seq[:n])
+            logprobs.append(logprobs_all[b, :n].clone())
+        return tokens, logprobs
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]], s: MeasureSettings) -> list[Tensor]:
+        step = s.micro_batch_size or len(prompts)
+        out: list[Tensor] = []
+        for start in range(0, len(prompts), step):
+            out += self._score_batch(prompts[start : start + step], responses[start : start + step], s.temperature)
+        return out
+
+    def _score_batch(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[Tensor]:
+        inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
+        ids = pad_right(inputs, torch.device("cpu"), self.pad)
+        mask = torch.zeros_like(ids)
+        for i, seq in enumerate(inputs):
+            mask[i, : len(seq)] = 1
+        with torch.no_grad():
+            logits = self.model(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device)).logits
+        logits = logits.cpu()
+        result = []
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            rows = logits[b, len(p) - 1 : len(p) - 1 + len(r)]
+            result.append(vexact_kernels.native.token_logprobs(scale_logits(rows, temperature),
+                                                              torch.tensor(r, dtype=torch.long)))
+        return result
+
+
+class _Loader:
+    """Loads each (kind, dtype) of the checkpoint once; vexact backends share one model per dtype."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._models: dict[tuple[str, torch.dtype], Any] = {}
+
+    def path(self, spec: PathSpec) -> VexactPath | HFPath:
+        kind = "hf" if spec.backend == "hf" else "vexact"
+        key = (kind, spec.dtype)
+        if key not in self._models:
+            if kind == "vexact":
+                self._models[key] = from_pretrained(self.directory, backend=spec.backend, dtype=spec.dtype)
+            else:
+                from transformers import AutoModelForCausalLM
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()  # keep the report readable
+                self._models[key] = AutoModelForCausalLM.from_pretrained(self.directory, dtype=spec.dtype,
+                                                                         local_files_only=True).eval()
+        model = self._models[key]
+        return VexactPath(model, spec.backend) if kind == "vexact" else HFPath(model)
+
+
+def _checkpoint_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's config.json (read here too: the ``hf`` path and the prompts need it)."""
+    if not directory.is_dir():
+        raise ValueError(f"--model: checkpoint directory not found: {directory}")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"--model: no config.json in {directory} (expected a Hugging Face checkpoint directory)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--model: {config_file} is not valid JSON: {err}") from None
+    if not isinstance(config.get("vocab_size"), int):
+        raise ValueError(f"--model: {config_file} has no integer vocab_size")
+    return config
+
+
+# --------------------------------------------------------------------------- measure
+def position_bins(max_len: int) -> list[tuple[int, int]]:
+    """Response-position bins [lo, hi): 0, 1, 2-3, 4-7, ... (powers of two) up to ``max_len``."""
+    bins, lo = [], 0
+    while lo < max_len:
+        hi = min(max(1, 2 * lo), max_len)
+        bins.append((lo, hi))
+        lo = hi
+    return bins
+
+
+def run_measure(settings: MeasureSettings) -> MeasureResult:
+    """Generate with the rollout path, rescore with the training path, and summarise the mismatch."""
+    rollout_spec, train_spec = parse_path(settings.rollout), parse_path(settings.train)
+    if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be a positive integer, got {settings.max_new_tokens!r}")
+    check_temperature(settings.temperature)
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    directory = Path(settings.model)
+    hf_config = _checkpoint_config(directory)
+    vocab_size = hf_config["vocab_size"]
+    tokenizer = load_tokenizer(directory)
+    prompts = load_prompts(settings, vocab_size, tokenizer)
+    eos = None if settings.ignore_eos else _eos_id(hf_config, tokenizer)
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    loader = _Loader(directory)
+    rollout, train = loader.path(rollout_spec), loader.path(train_spec)
+    seconds["load"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    responses, logp_roll = rollout.generate(prompts, settings, eos)
+    seconds["rollout"] = time.perf_counter() - start
+    start = time.perf_counter()
+    logp_train = train.score(prompts, responses, settings)
+    seconds["train"] = time.perf_counter() - start
+
+    metrics = mismatch_metrics(logp_train, logp_roll)
+    roll_flat = torch.cat([lp.float() for lp in logp_roll])
+    train_flat = torch.cat([lp.float() for lp in logp_train])
+    positions = torch.cat([torch.arange(len(r)) for r in responses])
+    abs_r = (train_flat.double() - roll_flat.double()).abs()
+
+    by_probability = []
+    for lo, hi in zip(DEFAULT_BUCKETS, DEFAULT_BUCKETS[1:]):
+        name = bucket_name(lo, hi)
+        by_probability.append({"bucket": name, "tokens": int(metrics[f"mismatch/tokens_bucket/{name}"]),
+                               "abs_dlogp_mean": metrics.get(f"mismatch/abs_dlogp_bucket/{name}")})
+    by_position = []
+    for lo, hi in position_bins(settings.max_new_tokens):
+        in_bin = (positions >= lo) & (positions < hi)
+        count = int(in_bin.sum())
+        by_position.append({"positions": f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}", "tokens": count,
+                            "abs_dlogp_mean": float(abs_r[in_bin].mean()) if count else None,
+                            "abs_dlogp_max": float(abs_r[in_bin].max()) if count else None})
+
+    summary = {
+        "model": str(directory),
+        "architecture": (hf_config.get("architectures") or [hf_config.get("model_type")])[0],
+        "rollout": rollout_spec.name,
+        "train": train_spec.name,
+        "prompts": len(prompts),
+        "prompt_source": f"random {settings.random_prompts}" if settings.random_prompts else str(settings.prompts_file),
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "seed": settings.seed,
+        "eos_token_id": eos,
+        "threads": torch.get_num_threads(),
+        "tokens": int(metrics["mismatch/tokens"]),
+        "bitwise_equal": sum(int((a == b).sum()) for a, b in zip(logp_train, logp_roll)),
+        "metrics": metrics,
+        "by_probability": by_probability,
+        "by_position": by_position,
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+    }
+    samples = []
+    if tokenizer is not None:
+        samples = [repr(tokenizer.decode(p)) + " → " + repr(tokenizer.decode(r)) for p, r in zip(prompts, responses)]
+    return MeasureResult(summary, roll_flat, train_flat, positions, samples)
+
+
+def _eos_id(hf_config: dict[str, Any], tokenizer: Any | None) -> int | None:
+    """The checkpoint's end-of-sequence id (first one if a list), else the tokenizer's, else None."""
+    eos = hf_config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return eos
+
+
+# --------------------------------------------------------------------------- output
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return "0" if value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def print_measure(result: MeasureResult, console: Any) -> None:
+    """The report as rich tables: headline metrics, |Δlogp| by token probability and by position."""
+    from rich.table import Table
+
+    s, m = result.summary, result.summary["metrics"]
+    table = Table(title=f"vexact measure: rollout {s['rollout']} → train {s['train']}",
+                  caption=f"{s['architecture']} from {s['model']}; {s['prompts']} prompts ({s['prompt_source']}), "
+                          f"≤ {s['max_new_tokens']} new tokens, temperature {s['temperature']:g}, seed {s['seed']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("tokens compared", s["tokens"]),
+        ("bitwise equal", f"{s['bitwise_equal']} ({m['mismatch/bitwise_equal_frac']:.1%})"),
+        ("k1 KL (rollout_corr/kl)", m["rollout_corr/kl"]),
+        ("k3 KL (rollout_corr/k3_kl)", m["rollout_corr/k3_kl"]),
+        ("|Δlogp| mean", m["mismatch/abs_dlogp_mean"]),
+        ("|Δlogp| p99", m["mismatch/abs_dlogp_p99"]),
+        ("|Δlogp| max", m["mismatch/abs_dlogp_max"]),
+        ("log_ppl_abs_diff", m["rollout_corr/log_ppl_abs_diff"]),
+        ("χ² token", m["rollout_corr/chi2_token"]),
+        ("max |p_train − p_roll|", m["training/rollout_probs_diff_max"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, _fmt(value))
+    console.print(table)
+
+    buckets = Table(title="|Δlogp| by training-path token probability")
+    for col in ("p bucket", "tokens", "mean |Δlogp|"):
+        buckets.add_column(col, justify="right")
+    for row in s["by_probability"]:
+        buckets.add_row(row["bucket"], str(row["tokens"]), _fmt(row["abs_dlogp_mean"]))
+    positions = Table(title="|Δlogp| by response position")
+    for col in ("positions", "tokens", "mean |Δlogp|", "max |Δlogp|"):
+        positions.add_column(col, justify="right")
+    for row in s["by_position"]:
+        positions.add_row(row["positions"], str(row["tokens"]), _fmt(row["abs_dlogp_mean"]), _fmt(row["abs_dlogp_max"]))
+    console.print(buckets)
+    console.print(positions)
+    for sample in result.samples[:2]:
+        console.print(f"sample: {sample}", markup=False)
+
+
+def write_json(result: MeasureResult, path: Path) -> Path:
+    """The summary as JSON (NaN/Inf as strings, see ``runlog.json_safe``)."""
+    from .runlog import json_safe
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(result.summary), indent=2) + "\n")
+    return path
+
+
+def write_png(result: MeasureResult, path: Path) -> Path:
+    """Two panels: histogram of Δlogp = logp_train − logp_roll, and |Δlogp| vs training-path token probability."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    s = result.summary
+    r = (result.logp_train.double() - result.logp_roll.double()).numpy()
+    prob = result.logp_train.double().exp().numpy()
+    zero = r == 0
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig.suptitle(f"vexact measure: rollout {s['rollout']} → train {s['train']} ({s['architecture']}, "
+                 f"{s['tokens']} tokens)")
+    ax1.hist(r, bins=61, color="tab:blue")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("Δlogp = logp_train − logp_roll")
+    ax1.set_ylabel("tokens")
+    ax1.set_title(f"{int(zero.sum())} of {len(r)} tokens bitwise equal (Δ = 0)")
+    if (~zero).any():
+        ax2.scatter(prob[~zero], abs(r[~zero]), s=6, alpha=0.5, color="tab:red")
+        ax2.set_xscale("log")
+        ax2.set_yscale("log")
+    else:
+        ax2.text(0.5, 0.5, "no mismatched tokens", ha="center", va="center", transform=ax2.transAxes)
+    ax2.set_xlabel("token probability under the training path")
+    ax2.set_ylabel("|Δlogp|")
+    ax2.set_title(f"|Δlogp| vs token probability ({int(zero.sum())} zeros not shown)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m vexact.measure --make-tiny-checkpoint DIR [--arch ARCH]`` writes a checkpoint to measure;
+    ``--parity-tiny`` prints the parity-with-transformers table of the README (the tests' variants and prompts)."""
+    parser = argparse.ArgumentParser(prog="python -m vexact.measure",
+                                     description="Tiny random-init Hugging Face checkpoints (no downloads).")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--make-tiny-checkpoint", type=Path, metavar="DIR", help="write a tiny checkpoint to DIR")
+    action.add_argument("--parity-tiny", action="store_true", help="vexact vs transformers logits, tiny variants")
+    parser.add_argument("--arch", choices=sorted(SUPPORTED_ARCHITECTURES), default="llama")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--no-tokenizer", action="store_true", help="token-id prompts only")
+    args = parser.parse_args(argv)
+    if args.parity_tiny:
+        print("| variant | fp32 max |Δlogit| exact / native | bf16 mean |err| vs fp32: vexact / transformers "
+              "| bf16 max |vexact − transformers| | max |logit| |")
+        for name, (arch, kwargs) in TINY_VARIANTS.items():
+            r = parity_with_transformers(make_tiny_hf_model(arch, seed=args.seed, **kwargs), PARITY_PROMPTS)
+            print(f"| {name} | {r['fp32_max_abs_exact']:.1e} / {r['fp32_max_abs_native']:.1e} | "
+                  f"{r['bf16_mean_abs_err_vexact']:.3f} / {r['bf16_mean_abs_err_transformers']:.3f} | "
+                  f"{r['bf16_max_abs_vs_transformers']:.2f} | {r['logit_max_abs']:.1f} |")
+        return 0
+    path = make_tiny_checkpoint(args.make_tiny_checkpoint, args.arch, args.seed, tokenizer=not args.no_tokenizer,
+                                hidden_size=args.hidden_size, num_layers=args.num_layers)
+    n_params = sum(p.numel() for p in from_pretrained(path).parameters())
+    print(f"wrote a tiny random {args.arch} checkpoint ({n_params} parameters, {math.ceil(n_params * 4 / 1024)} KiB "
+          f"fp32) to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
