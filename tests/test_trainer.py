@@ -204,3 +204,15 @@ def test_correction_and_triggered_schedule_under_injection(tmp_path):
     assert [r["lr_schedule/triggered"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     base = rows[0]["actor/lr"]
     assert [r["actor/lr"] for r in rows] == [base, base, base / 2, base / 2, base / 4, base / 4]
+
+
+def test_warm_start_seed_fixes_the_starting_policy_across_run_seeds():
+    """warm_start.seed decouples the starting policy (init + warm-start data) from the RL seed."""
+    from vexact.warmstart import warm_start_key
+
+    plain0, plain1 = config_from_dict({"seed": 0}), config_from_dict({"seed": 1})
+    fixed1 = config_from_dict({"seed": 1, "warm_start": {"seed": 0}})
+    assert warm_start_key(fixed1) == warm_start_key(plain0) != warm_start_key(plain1)
+    assert fixed1.policy_seed == 0 and plain1.policy_seed == 1
+    a, b = Trainer(fixed1, Console(quiet=True)), Trainer(plain0, Console(quiet=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.master.state_dict().values(), b.master.state_dict().values()))

@@ -121,6 +121,9 @@ class WarmStartSection:
     lr: float = field(default=1e-2, metadata=_bounds(gt=0))
     batch_size: int = field(default=64, metadata=_bounds(min=1))
     cache_dir: str | None = None  # None = runs/.warmstart_cache
+    # Seed of the starting policy (model init + warm-start data); None = the run's seed. Fix it to compare
+    # RL seeds (rollout sampling, mini-batch order) from one starting policy.
+    seed: int | None = field(default=None, metadata=_bounds(min=0))
 
 
 @dataclass
@@ -306,6 +309,11 @@ class RunConfig:
             raise ConfigError(f"the rollout batch of {batch} samples (rollout.prompts_per_step x "
                               f"rollout.samples_per_prompt) must be divisible by mini_batches, "
                               f"got {self.algorithm.mini_batches}", "algorithm.mini_batches")
+
+    @property
+    def policy_seed(self) -> int:
+        """Seed of the starting policy: ``warm_start.seed`` when set, else ``seed``."""
+        return self.seed if self.warm_start.seed is None else self.warm_start.seed
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""

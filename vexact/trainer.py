@@ -95,7 +95,8 @@ class Trainer:
             max_seq_len=m.max_seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps,
             tie_embeddings=m.tie_embeddings, qkv_bias=m.qkv_bias, qk_norm=m.qk_norm)
         # fp32 master weights; a bf16 compute copy only when asked for.
-        self.master = Transformer(self.model_config, backend=cfg.backend, dtype=torch.float32, init_seed=cfg.seed)
+        self.master = Transformer(self.model_config, backend=cfg.backend, dtype=torch.float32,
+                                  init_seed=cfg.policy_seed)
         self.compute_dtype = resolve_dtype(cfg.dtype)
         self.compute = self.master if self.compute_dtype == torch.float32 else self._copy_of(self.master,
                                                                                             self.compute_dtype)
@@ -483,7 +484,8 @@ class Trainer:
 
     def _reference_from_start(self, run_dir: Path) -> Transformer:
         """The KL reference is the policy at step 0 (warm start), rebuilt identically on resume."""
-        start = Transformer(self.model_config, backend=self.cfg.backend, dtype=torch.float32, init_seed=self.cfg.seed)
+        start = Transformer(self.model_config, backend=self.cfg.backend, dtype=torch.float32,
+                            init_seed=self.cfg.policy_seed)
         warm_start(start, self.cfg, self.task, log=lambda _: None)
         return self._copy_of(start, self.compute_dtype, self.cfg.backend)
 

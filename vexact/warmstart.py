@@ -23,9 +23,10 @@ def warm_start_key(cfg: RunConfig) -> str:
     """Hash of what determines warm-start weights (not the cache location or RL settings)."""
     plain = cfg.to_dict()
     plain["warm_start"].pop("cache_dir", None)
+    plain["warm_start"].pop("seed", None)  # folded into "seed" below
     plain["task"].pop("eval_prompts", None)
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
-                        "warm_start": plain["warm_start"], "seed": cfg.seed, "backend": cfg.backend})[:16]
+                        "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
 
 
 def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[str], None] = print) -> Path | None:
@@ -53,7 +54,7 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
     tokenizer = task.tokenizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.99), weight_decay=0.0)
     for step in range(ws.steps):
-        problems = training_problems(task, ws.batch_size, cfg.seed + WARM_START_SEED_OFFSET, step)
+        problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
         prompts = [encode_prompt(tokenizer, p) for p in problems]
         targets = [encode_target(tokenizer, p) for p in problems]
         # Linear decay to 10% keeps the end of warm start calm.
