@@ -335,8 +335,12 @@ def plot_sweep(data: SweepData, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = data.groups()
-    cmap = plt.get_cmap("viridis")
-    colours = {_freeze(values): cmap(0.8 * i / max(len(groups) - 1, 1)) for i, (values, _) in enumerate(groups)}
+    if "variant" in data.group_keys and len(groups) <= 10:  # named remedies: distinct colours, not a scale
+        cmap = plt.get_cmap("tab10")
+        colours = {_freeze(values): cmap(i) for i, (values, _) in enumerate(groups)}
+    else:  # magnitudes: an ordered colour scale
+        cmap = plt.get_cmap("viridis")
+        colours = {_freeze(values): cmap(0.8 * i / max(len(groups) - 1, 1)) for i, (values, _) in enumerate(groups)}
     colour_of = lambda p: colours[_freeze(data.group_values(p))]  # noqa: E731
     label_of = {_freeze(values): data.group_label(values) for values, _ in groups}
     written = []
