@@ -64,3 +64,31 @@ def exact_linear(linear_forward: Callable, x: Tensor, weight: Tensor, bias: Tens
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _ExactLinear.apply(linear_forward, x, weight, bias)
     return linear_forward(x, weight, bias)
+
+
+class _ExactForwardOwnBackward(torch.autograd.Function):
+    """Forward = exact kernel that also returns what its backward needs; backward = an analytic VJP.
+
+    Cheaper than ``_ExactForwardNativeBackward`` (no second, native forward in the backward) and
+    just as deterministic: the VJP is plain torch ops on fixed shapes."""
+
+    @staticmethod
+    def forward(ctx, forward_saving, vjp, static, *tensors):  # type: ignore[override]
+        out, ctx.saved = forward_saving(*tensors, *static)
+        ctx.vjp = vjp
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grads = ctx.vjp(ctx.saved, grad_out, ctx.needs_input_grad[3:])
+        ctx.saved = None
+        return (None, None, None, *grads)
+
+
+def exact_forward_vjp(exact_fn: Callable, forward_saving: Callable, vjp: Callable, tensors: tuple,
+                      static: tuple = ()) -> Tensor:
+    """``exact_fn(*tensors, *static)``; when grad is needed, ``forward_saving`` (same output, plus saved
+    values) and the backward ``vjp(saved, grad_out, needs_input_grad) -> grads per tensor``."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _ExactForwardOwnBackward.apply(forward_saving, vjp, static, *tensors)
+    return exact_fn(*tensors, *static)

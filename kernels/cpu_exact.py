@@ -36,13 +36,15 @@ import torch
 from torch import Tensor
 
 from . import native
-from .autograd import exact_forward, exact_linear
+from .autograd import exact_forward_vjp, exact_linear
 
 NAME = "cpu_exact"
 
 ROW_BLOCK = 64  # rows per GEMM tile: every matmul call sees exactly this many rows
-COL_BLOCK = 64  # output columns are padded to a multiple of this (odd N changed MKL's threading)
-CHUNK = 16384  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
+COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed MKL's threading)
+CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
+ATTN_ROW_BLOCKS = (16, 32, 64)  # query rows per attention tile: the smallest that holds a call's rows
+KEY_BLOCK = 64  # keys per attention tile, from position 0
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -50,18 +52,28 @@ def _ceil_to(n: int, multiple: int) -> int:
 
 
 # --------------------------------------------------------------------------- building blocks
-def _tiled_matmul(x: Tensor, w_t: Tensor) -> Tensor:
-    """fp32 [M, K] @ [K, N] -> [M, N] through fixed [ROW_BLOCK, K] x [K, N_pad] GEMM tiles."""
+def _tiled_matmul(x: Tensor, weight: Tensor) -> Tensor:
+    """fp32 x [M, K] @ weight[N, K].T -> [M, N] through fixed [ROW_BLOCK, K] x [K, N_pad] GEMM tiles.
+
+    One ``torch.bmm`` over ceil(M / 64) row tiles, the (transposed, column-padded) weight shared
+    by every tile: each output element's K-reduction runs through the same MKL kernel whatever
+    M is. N is padded to a multiple of ``COL_BLOCK`` (16, the AVX-512 width): MKL splits the
+    columns of a GEMM between threads, and with widths that are not multiples of 16 (e.g. 8,
+    22, 24, 37, 100 with 3-4 threads) some columns ran through a narrower kernel with other
+    roundings; widths that are multiples of 16 gave the same bits as padding to 64 (measured
+    on 1-4 threads, K up to 1536)."""
     rows, k = x.shape
-    n = w_t.shape[1]
+    n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
+    w = weight.float()
     if n_pad != n:
-        w_t = torch.nn.functional.pad(w_t, (0, n_pad - n))
+        w = torch.nn.functional.pad(w, (0, 0, 0, n_pad - n))
     blocks = max(1, -(-rows // ROW_BLOCK))
-    x_pad = x.new_zeros(blocks * ROW_BLOCK, k)
-    x_pad[:rows] = x
-    out = torch.bmm(x_pad.view(blocks, ROW_BLOCK, k), w_t.unsqueeze(0).expand(blocks, k, n_pad))
-    return out.view(blocks * ROW_BLOCK, n_pad)[:rows, :n]
+    if blocks * ROW_BLOCK != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, blocks * ROW_BLOCK - rows))
+    out = torch.bmm(x.view(blocks, ROW_BLOCK, k), w.t().unsqueeze(0).expand(blocks, k, n_pad))
+    out = out.view(blocks * ROW_BLOCK, n_pad)
+    return out[:rows] if n_pad == n else out[:rows, :n]
 
 
 def _tree_sum(x: Tensor) -> Tensor:
@@ -84,18 +96,23 @@ def _unary(fn: Callable[..., Tensor], x: Tensor) -> Tensor:
     padded = _ceil_to(max(total, 1), 64)
     if padded != total:
         flat = torch.cat([flat, flat.new_zeros(padded - total)])
+    if padded <= CHUNK:
+        return fn(flat)[:total].view(x.shape)
     out = torch.empty_like(flat)
     for start in range(0, padded, CHUNK):
         fn(flat[start : start + CHUNK], out=out[start : start + CHUNK])
     return out[:total].view(x.shape)
 
 
+def _float(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
 # --------------------------------------------------------------------------- linear
 
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    rows = x.reshape(-1, x.shape[-1]).float()
-    out = _tiled_matmul(rows, weight.float().t())
+    out = _tiled_matmul(_float(x.reshape(-1, x.shape[-1])), weight)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -107,17 +124,42 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Invariance contract: each output row depends only on the same input row, the weight and
     the bias -- never on how many rows there are, the row's position among them, padding
     rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
-    x.dtype. Tiling: rows in fixed 64-row GEMM tiles, columns padded to a multiple of 64.
+    x.dtype. Tiling: rows in fixed 64-row GEMM tiles, columns padded to a multiple of 16.
+    Backward: plain matmuls (deterministic run to run).
     """
     return exact_linear(_linear_forward, x, weight, bias)
 
 
 # --------------------------------------------------------------------------- row-wise ops
-def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()
+def _rms_norm_parts(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(output, fp32 x, fp32 1/rms [..., 1])."""
+    xf = _float(x)
     mean_sq = _tree_sum(xf * xf) / x.shape[-1]
-    inv_rms = 1.0 / torch.sqrt(mean_sq + eps)  # sqrt and / are exactly rounded; rsqrt is not
-    return (xf * inv_rms.unsqueeze(-1) * weight.float()).to(x.dtype)
+    inv_rms = (1.0 / torch.sqrt(mean_sq + eps)).unsqueeze(-1)  # sqrt and / are exactly rounded; rsqrt is not
+    return (xf * inv_rms * _float(weight)).to(x.dtype), xf, inv_rms
+
+
+def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _rms_norm_parts(x, weight, eps)[0]
+
+
+def _rms_norm_with_saved(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, tuple]:
+    out, xf, inv_rms = _rms_norm_parts(x, weight, eps)
+    return out, (xf, inv_rms, weight, x.dtype)
+
+
+def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """y = x * r * w with r = (mean(x^2) + eps)^-1/2: dx = r * (g w - x r^2 mean(g w x)), dw = sum(g x r)."""
+    xf, inv_rms, weight, dtype = saved
+    g = _float(grad)
+    grad_x = grad_w = None
+    if needs[0]:
+        gw = g * _float(weight)
+        dot = (gw * xf).mean(-1, keepdim=True)
+        grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(dtype)
+    if needs[1]:
+        grad_w = (g * xf * inv_rms).reshape(-1, xf.shape[-1]).sum(0).to(weight.dtype)
+    return grad_x, grad_w
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -126,8 +168,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Invariance contract: each output row depends only on that input row, the weight and eps
     -- never on the number of rows, their order, padding or the thread count (halving-tree
     sum, exactly rounded sqrt/div; no rsqrt, whose vector and scalar paths round differently).
+    Backward: the analytic VJP from the saved fp32 x and 1/rms (deterministic run to run).
     """
-    return exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
+    return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
+
+
+def _shift_and_log_normalizer(logits: Tensor) -> tuple[Tensor, Tensor]:
+    xf = _float(logits)
+    row_max = xf.amax(dim=-1, keepdim=True)  # max is exact in any order
+    shifted = xf - row_max
+    return shifted, _unary(torch.log, _tree_sum(_unary(torch.exp, shifted)))
 
 
 def _log_softmax_exact(logits: Tensor) -> Tensor:
@@ -135,11 +185,15 @@ def _log_softmax_exact(logits: Tensor) -> Tensor:
     return shifted - log_normalizer.unsqueeze(-1)
 
 
-def _shift_and_log_normalizer(logits: Tensor) -> tuple[Tensor, Tensor]:
-    xf = logits.float()
-    row_max = xf.amax(dim=-1, keepdim=True)  # max is exact in any order
-    shifted = xf - row_max
-    return shifted, _unary(torch.log, _tree_sum(_unary(torch.exp, shifted)))
+def _log_softmax_with_saved(logits: Tensor) -> tuple[Tensor, tuple]:
+    out = _log_softmax_exact(logits)
+    return out, (out, logits.dtype)
+
+
+def _log_softmax_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d logits = g - softmax * sum(g)."""
+    out, dtype = saved
+    return ((grad - out.exp() * grad.sum(-1, keepdim=True)).to(dtype),)
 
 
 def log_softmax(logits: Tensor) -> Tensor:
@@ -148,8 +202,9 @@ def log_softmax(logits: Tensor) -> Tensor:
     Invariance contract: each output row depends only on that logits row -- never on the
     number of rows, their order, the vocabulary being split into chunks, or thread count.
     Computed as (x - max) - log(tree_sum(exp(x - max))).
+    Backward: g - softmax * sum(g) from the saved output (deterministic run to run).
     """
-    return exact_forward(_log_softmax_exact, native.log_softmax, (logits,))
+    return exact_forward_vjp(_log_softmax_exact, _log_softmax_with_saved, _log_softmax_vjp, (logits,))
 
 
 def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
@@ -157,20 +212,54 @@ def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
     return shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
 
 
+def _token_logprobs_with_saved(logits: Tensor, targets: Tensor) -> tuple[Tensor, tuple]:
+    shifted, log_normalizer = _shift_and_log_normalizer(logits)
+    out = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    return out, (shifted, log_normalizer, targets, logits.dtype)
+
+
+def _token_logprobs_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d logits = g * (onehot(target) - softmax)."""
+    shifted, log_normalizer, targets, dtype = saved
+    g = grad.unsqueeze(-1)
+    grad_logits = (shifted - log_normalizer.unsqueeze(-1)).exp_().mul_(-g)
+    grad_logits.scatter_add_(-1, targets.unsqueeze(-1), g)
+    return (grad_logits.to(dtype),)
+
+
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """log p(target) per row: logits [..., V], targets [...] int64 -> fp32 [...].
 
     Invariance contract: as ``log_softmax`` (and bitwise equal to ``log_softmax(x)[target]``):
     each value depends only on its own logits row and target.
+    Backward: g * (onehot - softmax) from the saved shifted logits (deterministic run to run).
     """
-    return exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))
+    return exact_forward_vjp(_token_logprobs_exact, _token_logprobs_with_saved, _token_logprobs_vjp, (logits,),
+                             (targets,))
 
 
 # --------------------------------------------------------------------------- elementwise ops
 def _silu_mul_exact(gate: Tensor, up: Tensor) -> Tensor:
-    g = gate.float()
+    g = _float(gate)
     silu = g / (1.0 + _unary(torch.exp, -g))
     return silu.to(gate.dtype) * up
+
+
+def _silu_mul_with_saved(gate: Tensor, up: Tensor) -> tuple[Tensor, tuple]:
+    g = _float(gate)
+    silu = (g / (1.0 + _unary(torch.exp, -g))).to(gate.dtype)
+    return silu * up, (gate, silu, up)
+
+
+def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d up = g * silu(gate); d gate = silu'(gate) * g * up (torch's fused silu_backward, as native autograd)."""
+    gate, silu, up = saved
+    grad_gate = grad_up = None
+    if needs[0]:
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+    if needs[1]:
+        grad_up = grad * silu
+    return grad_gate, grad_up
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -180,8 +269,9 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     elements -- not on the tensor's size or the element's position (torch's own ``silu`` /
     ``sigmoid`` round differently in their vector body and scalar tail; here silu is
     g / (1 + exp(-g)) with chunked exp and exactly rounded add/div).
+    Backward: the analytic VJP (torch's fused silu_backward; deterministic run to run).
     """
-    return exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
+    return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up))
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -195,62 +285,199 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- attention
+def _attention_row_block(rows: int) -> int:
+    """Query rows per attention tile: the smallest of ATTN_ROW_BLOCKS holding ``rows``, else the largest."""
+    for block in ATTN_ROW_BLOCKS:
+        if rows <= block:
+            return block
+    return ATTN_ROW_BLOCKS[-1]
+
+
+class _AttentionTiles:
+    """The tile layout of one ``attention`` call (see ``attention``'s docstring).
+
+    Per (sequence b, KV head h) the group's query heads are folded into rows, t-major
+    (row r = t * group + g), padded to whole ``block``-row tiles; keys are taken from position 0
+    in whole ``KEY_BLOCK``-key tiles. fp32 tensors: ``q`` [B*Hkv, row_len, hd] (already times
+    ``scale``), ``k``/``v`` [B*Hkv, key_len, hd]. ``visible`` is the number of leading keys any
+    query can see (the furthest query position + 1); keys after it are masked for every row.
+    """
+
+    def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float):
+        batch, q_len, q_heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        self.batch, self.q_len, self.q_heads, self.head_dim, self.kv_heads = batch, q_len, q_heads, head_dim, kv_heads
+        self.group = q_heads // kv_heads
+        self.rows = q_len * self.group
+        self.block = _attention_row_block(self.rows)
+        self.row_blocks = -(-self.rows // self.block)
+        self.row_len = self.row_blocks * self.block
+        # Keys needed: up to the furthest query position, in whole tiles from position 0.
+        self.visible = int(q_start.max()) + q_len
+        self.key_len = _ceil_to(self.visible, KEY_BLOCK)
+        self.key_blocks = self.key_len // KEY_BLOCK
+        self.cache_len = k_cache.shape[1]
+        self.scale = scale
+        bh = batch * kv_heads
+        # Queries: zero padding rows (finite; their outputs are dropped). The scale is applied
+        # to q, not to the scores: for the power-of-two scales of head_dim 4^n (16, 64, 256)
+        # both are exact, and the [rows x keys] tile is far larger than q.
+        q_rows = torch.zeros(batch, kv_heads, self.row_len, head_dim, dtype=torch.float32, device=q.device)
+        torch.mul(q.view(batch, q_len, kv_heads, self.group, head_dim).permute(0, 2, 1, 3, 4), scale,
+                  out=q_rows[:, :, : self.rows].view(batch, kv_heads, q_len, self.group, head_dim))
+        self.q = q_rows.view(bh, self.row_len, head_dim)
+        self.k = self._key_rows(k_cache)
+        self.v = self._key_rows(v_cache)
+        # Query position of every row; padding rows act as the sequence's first query (at
+        # least one visible key, so their softmax stays finite).
+        row_t = torch.arange(self.row_len, device=q.device) // self.group
+        self.row_t = torch.where(row_t < q_len, row_t, 0)
+        self.q_start = q_start
+
+    def _key_rows(self, cache: Tensor) -> Tensor:
+        """[B, L, Hkv, hd] -> fp32 [B*Hkv, key_len, hd], zero-padded past the cache's end."""
+        batch, kv_heads, head_dim = self.batch, self.kv_heads, self.head_dim
+        kept = min(self.cache_len, self.key_len)
+        alloc = torch.zeros if kept < self.key_len else torch.empty
+        out = alloc(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
+        out[:, :, :kept] = cache[:, :kept].permute(0, 2, 1, 3)
+        return out.view(batch * kv_heads, self.key_len, head_dim)
+
+    def row_tiles(self, per_row: Tensor) -> Tensor:
+        """[B*Hkv, row_len, X] -> [B*Hkv*RB*KB, R, X]: each row tile once per key tile (bmm batch order)."""
+        bh, rb, kb, width = self.batch * self.kv_heads, self.row_blocks, self.key_blocks, per_row.shape[-1]
+        return per_row.view(bh, rb, 1, self.block, width).expand(-1, -1, kb, -1, -1).reshape(-1, self.block, width)
+
+    def key_tiles(self, per_key: Tensor) -> Tensor:
+        """[B*Hkv, key_len, X] -> [B*Hkv*RB*KB, C, X]: each key tile once per row tile (bmm batch order)."""
+        bh, rb, kb, width = self.batch * self.kv_heads, self.row_blocks, self.key_blocks, per_key.shape[-1]
+        return per_key.view(bh, 1, kb, KEY_BLOCK, width).expand(-1, rb, -1, -1, -1).reshape(-1, KEY_BLOCK, width)
+
+    def to_output(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """[B*Hkv, n >= rows, hd] -> [B, T, Hq, hd] in ``dtype`` (padding rows dropped)."""
+        b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
+        real = rows.view(b, h, -1, d)[:, :, : self.rows].reshape(b, h, t, g, d)
+        return real.permute(0, 2, 1, 3, 4).reshape(b, t, self.q_heads, d).to(dtype)
+
+    def from_output(self, grad: Tensor) -> Tensor:
+        """[B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] with zero padding rows (inverse of ``to_output``)."""
+        b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
+        out = torch.zeros(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
+        out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
+        return out.view(b * h, self.row_len, d)
+
+    def to_cache(self, keys: Tensor, dtype: torch.dtype) -> Tensor:
+        """[B*Hkv, n, hd] (the first n keys) -> [B, L, Hkv, hd] (the cache's shape; zero after n)."""
+        b, h, d = self.batch, self.kv_heads, self.head_dim
+        out = torch.zeros(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
+        kept = min(self.cache_len, keys.shape[1])
+        out[:, :kept] = keys.view(b, h, keys.shape[1], d)[:, :, :kept].permute(0, 2, 1, 3)
+        return out
+
+
+def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Scores, masking and the row-wise softmax pieces of ``attention``.
+
+    Returns (probability tiles [B*Hkv*RB*KB, R, C] for the P @ V GEMMs, their row sums
+    [B, Hkv, RB, R, 1] (1 for padding rows), the unnormalised probabilities of the real rows
+    and visible keys [B, Hkv, RB, R', V] and their row sums [B, Hkv, RB, R', 1]).
+
+    Only the scores GEMMs see whole tiles. The row-wise steps (mask, max, exp, sums) run on the
+    real rows (a decode step has ``group`` of them per tile) and the first ``visible`` keys (keys
+    after them are masked for every row): row-wise work gives the same bits on a sub-block, and a
+    key tile's halving tree over its first ``w`` columns padded to a power of two equals the tree
+    over all 64 with zeros after ``w``."""
+    b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
+        tiles.visible
+    scores = torch.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2))
+    scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, RB, R, KB, C]
+    real = tiles.rows if rb == 1 else block
+    row_t = tiles.row_t.view(rb, block)[:, :real]
+    query_pos = tiles.q_start.view(b, 1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1, 1)
+    key_pos = torch.arange(tiles.key_len, device=scores.device).view(1, 1, 1, 1, kb, KEY_BLOCK)
+    # Mask (-inf: probability exactly 0) and lay out row-major [B, Hkv, RB, R', key_len] in one op.
+    masked = torch.empty(b, h, rb, real, kb, KEY_BLOCK, device=scores.device)
+    torch.where(key_pos <= query_pos, scores[:, :, :, :real], scores.new_full((), float("-inf")), out=masked)
+    masked = masked.view(b, h, rb, real, tiles.key_len)
+    row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
+    window = masked[..., :vis]
+    probs = _unary(torch.exp, window - row_max)  # [B, Hkv, RB, R', vis]; masked keys: exactly 0
+    # Tree within each key tile, then across tiles in position order (zero tails are no-ops).
+    full_tiles, last = vis // KEY_BLOCK, vis % KEY_BLOCK
+    parts = []
+    if full_tiles:
+        parts.append(_tree_sum(probs[..., : full_tiles * KEY_BLOCK].reshape(b, h, rb, real, full_tiles, KEY_BLOCK)))
+    if last:
+        parts.append(_tree_sum(probs[..., full_tiles * KEY_BLOCK :]).unsqueeze(-1))
+    per_tile = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [B, Hkv, RB, R', KB]
+    denom = (_tree_sum(per_tile) if kb > 1 else per_tile[..., 0]).unsqueeze(-1)  # [B, Hkv, RB, R', 1]
+
+    # Probability tiles for P @ V: zeros outside the real rows and visible keys.
+    alloc = torch.empty if (real == block and vis == tiles.key_len) else torch.zeros
+    tiles_out = alloc(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
+    as_rows = tiles_out.permute(0, 1, 2, 4, 3, 5)[:, :, :, :real]  # [B, Hkv, RB, R', KB, C]
+    if full_tiles:
+        as_rows[..., :full_tiles, :] = probs[..., : full_tiles * KEY_BLOCK].view(b, h, rb, real, full_tiles,
+                                                                                 KEY_BLOCK)
+    if last:
+        as_rows[..., full_tiles, :last] = probs[..., full_tiles * KEY_BLOCK :]
+    denom_rows = denom if real == block else torch.nn.functional.pad(denom, (0, 0, 0, block - real), value=1.0)
+    return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs, denom
+
+
+def _attention_forward(tiles: _AttentionTiles, prob_tiles: Tensor, denom: Tensor) -> Tensor:
+    """P @ V per (row tile, key tile), a tree over key tiles, then / row sum: [B*Hkv, row_len, hd]."""
+    b, h, rb, kb, d = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.head_dim
+    partial = torch.bmm(prob_tiles, tiles.key_tiles(tiles.v)).view(b, h, rb, kb, tiles.block, d)
+    summed = _tree_sum(partial.permute(0, 1, 2, 4, 5, 3)) if kb > 1 else partial[:, :, :, 0]
+    return (summed / denom).view(b * h, tiles.row_len, d)
+
+
 def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
-    batch, q_len, q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = q_heads // kv_heads
-    tile = ROW_BLOCK
-    # Keys needed: up to the furthest query position, in whole 64-key tiles.
-    key_len = _ceil_to(int(q_start.max()) + q_len, tile)
-    key_blocks = key_len // tile
+    tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale)
+    prob_tiles, denom, _, _ = _attention_probs(tiles)
+    return tiles.to_output(_attention_forward(tiles, prob_tiles, denom), q.dtype)
 
-    # Rows of one (batch, kv head): the group's query heads for every query, t-major.
-    rows = q_len * group
-    row_len = _ceil_to(rows, tile)
-    row_blocks = row_len // tile
-    q_rows = q.float().view(batch, q_len, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    q_tiles = q.new_zeros(batch, kv_heads, row_len, head_dim, dtype=torch.float32)
-    q_tiles[:, :, :rows] = q_rows.reshape(batch, kv_heads, rows, head_dim)
-    # Padding rows act as the sequence's first query (finite results, ignored).
-    row_pos = torch.arange(row_len, device=q.device) // group
-    row_pos = torch.where(row_pos < q_len, row_pos, 0)
-    query_pos = q_start[:, None] + row_pos[None, :]  # [B, row_len]
 
-    def key_tiles(cache: Tensor) -> Tensor:  # [B, L, Hkv, hd] -> [B, Hkv, key_blocks, 64, hd] fp32
-        kv = cache[:, :key_len].float()
-        if kv.shape[1] < key_len:
-            kv = torch.nn.functional.pad(kv, (0, 0, 0, 0, 0, key_len - kv.shape[1]))
-        return kv.permute(0, 2, 1, 3).reshape(batch, kv_heads, key_blocks, tile, head_dim)
+class _ExactAttention(torch.autograd.Function):
+    """Exact forward; backward from the forward's own (exact) probabilities with plain bmms.
 
-    k_t, v_t = key_tiles(k_cache), key_tiles(v_cache)
-    tiles = batch * kv_heads * row_blocks * key_blocks
-    q_b = q_tiles.view(batch, kv_heads, row_blocks, 1, tile, head_dim).expand(-1, -1, -1, key_blocks, -1, -1)
-    k_b = k_t.unsqueeze(2).expand(-1, -1, row_blocks, -1, -1, -1)
-    scores = torch.bmm(q_b.reshape(tiles, tile, head_dim), k_b.reshape(tiles, tile, head_dim).transpose(1, 2))
-    scores = scores.view(batch, kv_heads, row_blocks, key_blocks, tile, tile) * scale
+    Saves the normalised probabilities of the real rows and visible keys instead of
+    recomputing a native attention: the gradients are the standard softmax-attention VJP
+    (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,
+    dK = dS^T (scale * Q)) on fixed shapes, deterministic run to run."""
 
-    # Row-wise softmax on the real rows only (decode has 1-2 real rows per 64-row tile):
-    # [B, Hkv, row_len, key_blocks, 64] -> the first `rows` rows.
-    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, kv_heads, row_len, key_blocks, tile)[:, :, :rows]
-    key_pos = torch.arange(key_len, device=q.device).view(1, 1, 1, key_blocks, tile)
-    visible = key_pos <= query_pos[:, None, :rows, None, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    row_max = scores.amax(dim=(3, 4), keepdim=True)  # max is exact in any order
-    probs = _unary(torch.exp, scores - row_max)  # masked keys: exactly 0
-    denom = _tree_sum(_tree_sum(probs))  # within each key tile, then across tiles (zero tails are no-ops)
+    @staticmethod
+    def forward(ctx, q, k_cache, v_cache, q_start, scale):  # type: ignore[override]
+        tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale)
+        prob_tiles, denom, probs, real_denom = _attention_probs(tiles)
+        out_rows = _attention_forward(tiles, prob_tiles, denom)
+        real = probs.shape[3]
+        # [B*Hkv, rows', visible] normalised probabilities of the real rows
+        ctx.p = (probs / real_denom).view(tiles.batch * tiles.kv_heads, tiles.row_blocks * real, tiles.visible)
+        ctx.tiles, ctx.out_rows, ctx.real = tiles, out_rows, real
+        ctx.dtypes = (q.dtype, k_cache.dtype, v_cache.dtype)
+        return tiles.to_output(out_rows, q.dtype)
 
-    # P @ V in fixed [64 x 64] @ [64 x hd] tiles, then a tree over key tiles in position order.
-    probs_tiles = probs.new_zeros(batch, kv_heads, row_len, key_blocks, tile)
-    probs_tiles[:, :, :rows] = probs
-    probs_tiles = probs_tiles.view(batch, kv_heads, row_blocks, tile, key_blocks, tile).transpose(3, 4)
-    v_b = v_t.unsqueeze(2).expand(-1, -1, row_blocks, -1, -1, -1)
-    partial = torch.bmm(probs_tiles.reshape(tiles, tile, tile), v_b.reshape(tiles, tile, head_dim))
-    partial = partial.view(batch, kv_heads, row_blocks, key_blocks, tile, head_dim)
-    summed = _tree_sum(partial.permute(0, 1, 2, 4, 5, 3))  # [B, Hkv, row_blocks, 64, hd]
-    summed = summed.reshape(batch, kv_heads, row_len, head_dim)[:, :, :rows]
-    out = summed / denom.unsqueeze(-1)
-    out = out.view(batch, kv_heads, q_len, group, head_dim).permute(0, 2, 1, 3, 4)
-    return out.reshape(batch, q_len, q_heads, head_dim).to(q.dtype)
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        tiles, p = ctx.tiles, ctx.p
+        rows, vis = p.shape[1], tiles.visible
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        d_out = tiles.from_output(grad_out)[:, :rows]  # [BH, rows', hd]; padding rows are zero
+        out_rows = ctx.out_rows[:, :rows]
+        grad_q = grad_k = grad_v = None
+        if need_v:
+            grad_v = tiles.to_cache(torch.bmm(p.transpose(1, 2), d_out), ctx.dtypes[2])
+        if need_q or need_k:
+            d_p = torch.bmm(d_out, tiles.v[:, :vis].transpose(1, 2))
+            d_s = p * (d_p - (d_out * out_rows).sum(-1, keepdim=True))
+            if need_q:
+                grad_q = tiles.to_output(torch.bmm(d_s, tiles.k[:, :vis]) * tiles.scale, ctx.dtypes[0])
+            if need_k:
+                grad_k = tiles.to_cache(torch.bmm(d_s.transpose(1, 2), tiles.q[:, :rows]), ctx.dtypes[1])
+        ctx.p = ctx.out_rows = ctx.tiles = None
+        return grad_q, grad_k, grad_v, None, None
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
@@ -264,9 +491,18 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     sequences, T (prefill vs decode), cache contents after its position (which must be
     finite), or the thread count. So decode step t equals row t of a prefill bit for bit.
 
-    Tiling: queries (the group's heads folded into rows) in 64-row tiles, keys in 64-key
-    tiles from position 0; every (query tile, key tile) pair is one fixed-shape GEMM. Masked
-    scores give probability exactly 0, so tiles past a query's position add exact zeros to
-    the position-ordered tree sums, and a short decode row reduces like a long prefill row.
+    Tiling: per (sequence, KV head) the group's query heads are folded into rows and padded to
+    row tiles of 16, 32 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
+    64-key tiles from position 0; every (row tile, key tile) pair is one GEMM
+    ([R x hd] @ [hd x 64] for the scores, [R x 64] @ [64 x hd] for P @ V). A query row's
+    scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and MKL gave
+    them the same bits for any tile height from 4 to 64 rows (measured with 1-3 threads and
+    batches of 1-256 tiles; ``tests/test_kernels.py`` checks decode == prefill, which compares
+    16-row with 64-row tiles, on every run). Masked scores give probability exactly 0, so
+    tiles past a query's position add exact zeros to the position-ordered tree sums, and a
+    short decode row reduces like a long prefill row.
+    Backward: the softmax-attention VJP from the saved exact probabilities (deterministic).
     """
-    return exact_forward(_attention_exact, native.attention, (q, k_cache, v_cache), (q_start, scale))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale)
+    return _attention_exact(q, k_cache, v_cache, q_start, scale)

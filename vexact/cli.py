@@ -238,6 +238,32 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _benchmarks_module(name: str):
+    """``benchmarks.<name>`` from the source checkout (benchmarks/ sits next to vexact/ and is not installed)."""
+    import importlib
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "__init__.py").exists():
+        raise ValueError(f"vexact bench needs a source checkout: {root / 'benchmarks'} not found")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="the price of exactness: exact / native time ratios (kernels, end to end)",
+                       description="Runs python -m benchmarks.<which> with the remaining options "
+                                   "(vexact bench kernels --help lists them).")
+    p.add_argument("which", choices=("kernels", "end_to_end"), help="kernels: op by op at model shapes, fp32/bf16, "
+                   "fwd and fwd+bwd, matmul GFLOP/s; end_to_end: rollout, decode step, training fwd+bwd, RL step")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return _benchmarks_module(args.which).main(args.options, prog=f"vexact bench {args.which}")
+
+
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -250,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_demo(sub)
     _add_measure(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""vexact benchmarks: the price of exactness (exact / native ratios). See README, "Benchmarks"."""

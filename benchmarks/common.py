@@ -1,0 +1,239 @@
+"""Shared benchmark machinery: model shapes, interleaved exact/native timing, machine record, JSON, table.
+
+Every figure is a *ratio* exact/native measured in the same process: for each repetition the
+exact and the native variant run back to back (their order alternating between repetitions), and
+the ratio of that pair is one sample. On a shared machine, load that slows one repetition slows both
+halves of the pair, so the ratio is far steadier than either time. Reported: the median ratio with
+its min-max over the repetitions, plus the median times themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vexact import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape and the batch sizes the benchmarks use with it."""
+
+    name: str
+    model: ModelConfig
+    decode_batch: int  # sequences decoding together (rollout batch)
+    context: int  # tokens already in the cache at a decode step / prompt length
+    train_batch: int  # sequences in a training forward
+    train_len: int  # tokens per training sequence
+    new_tokens: int  # tokens generated per sequence in the end-to-end rollout
+    e2e_batch: int  # sequences in the end-to-end rollout and training benchmarks
+    e2e_prompt_len: int  # prompt tokens per sequence there (0 = the default experiment's task prompts)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "model": self.model.to_dict(), "decode_batch": self.decode_batch,
+                "context": self.context, "train_batch": self.train_batch, "train_len": self.train_len,
+                "new_tokens": self.new_tokens, "e2e_batch": self.e2e_batch, "e2e_prompt_len": self.e2e_prompt_len}
+
+
+def _default_experiment_model() -> ModelConfig:
+    """The policy of experiments/zero_mismatch.yaml: its model section on the task's 22-token vocabulary."""
+    from vexact.tasks import CharTokenizer
+
+    return ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, intermediate_size=176, max_seq_len=48)
+
+
+def shapes() -> dict[str, Shape]:
+    """Named shapes: ``default`` (the zero_mismatch experiment: 16 prompts x 8 samples, prompts of
+    7-11 tokens, 20 new tokens, training rows of up to ~30 tokens), ``llama100m`` (SmolLM-135M-like:
+    hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, tied embeddings;
+    batches small enough for 2 CPU cores) and ``tiny`` (smoke tests)."""
+    return {
+        "default": Shape("default", _default_experiment_model(), decode_batch=128, context=12, train_batch=128,
+                         train_len=28, new_tokens=20, e2e_batch=128, e2e_prompt_len=0),
+        "llama100m": Shape("llama100m", ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                                                    num_kv_heads=3, intermediate_size=1536, max_seq_len=2048,
+                                                    tie_embeddings=True),
+                           decode_batch=16, context=256, train_batch=2, train_len=128, new_tokens=8, e2e_batch=8,
+                           e2e_prompt_len=32),
+        "tiny": Shape("tiny", ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                          intermediate_size=48, max_seq_len=48),
+                      decode_batch=4, context=5, train_batch=3, train_len=9, new_tokens=3, e2e_batch=3,
+                      e2e_prompt_len=4),
+    }
+
+
+ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def parse_list(value: str | list[str] | tuple[str, ...], known: list[str] | tuple[str, ...], what: str) -> list[str]:
+    """'a,b' or ['a', 'b'] (or 'all') -> a validated list; unknown names raise one ValueError."""
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    items = [ALIASES.get(v, v) for v in items if v]
+    if items == ["all"]:
+        return list(known)
+    bad = [v for v in items if v not in known]
+    if bad or not items:
+        raise ValueError(f"unknown {what} {', '.join(map(repr, bad)) or '(none given)'}; "
+                         f"expected a comma list of {', '.join(known)} or 'all'")
+    return items
+
+
+# --------------------------------------------------------------------------- timing
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Comparison:
+    """Interleaved timings of an exact and a native variant of the same work."""
+
+    exact_s: list[float]
+    native_s: list[float]
+
+    @property
+    def ratios(self) -> list[float]:
+        return [e / n for e, n in zip(self.exact_s, self.native_s)]
+
+    def summary(self) -> dict:
+        ratios = self.ratios
+        return {
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "exact_s_median": statistics.median(self.exact_s), "native_s_median": statistics.median(self.native_s),
+            "exact_s": self.exact_s, "native_s": self.native_s, "repetitions": len(ratios),
+        }
+
+
+def time_call(fn: Callable[[], object], device: torch.device | str = "cpu", inner: int = 1) -> float:
+    """Seconds per call of ``fn`` (``inner`` calls timed together, synchronised on CUDA)."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / inner
+
+
+def compare(exact: Callable[[], object], native: Callable[[], object], reps: int, warmup: int = 1,
+            device: torch.device | str = "cpu", inner: int = 1) -> Comparison:
+    """Time ``exact`` and ``native`` back to back ``reps`` times, alternating which goes first."""
+    for _ in range(warmup):
+        exact()
+        native()
+    exact_s, native_s = [], []
+    for rep in range(reps):
+        if rep % 2 == 0:
+            exact_s.append(time_call(exact, device, inner))
+            native_s.append(time_call(native, device, inner))
+        else:
+            native_s.append(time_call(native, device, inner))
+            exact_s.append(time_call(exact, device, inner))
+    return Comparison(exact_s, native_s)
+
+
+def inner_repeats(fn: Callable[[], object], device: torch.device | str = "cpu", target_s: float = 0.02,
+                  limit: int = 200) -> int:
+    """How many calls make one timed sample last about ``target_s`` (short ops are timed in groups)."""
+    once = time_call(fn, device)
+    return max(1, min(limit, math.ceil(target_s / max(once, 1e-7))))
+
+
+# --------------------------------------------------------------------------- the record
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict:
+    """What the numbers were measured on: CPU model, cores, torch threads and build, GPU if used, load."""
+    info = {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "mkl": torch.backends.mkl.is_available(),
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_start": load_average(),
+        "git_commit": _git_commit(),
+        "device": str(device),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        try:
+            import triton
+
+            info["triton_version"] = triton.__version__
+        except ImportError:
+            info["triton_version"] = None
+    return info
+
+
+def write_json(payload: dict, out: Path | None, default_name: str) -> Path:
+    """Write ``payload`` (with the final load average) to ``out`` or runs/bench/<default_name>; returns the path."""
+    payload.setdefault("machine", {})["load_average_end"] = load_average()
+    path = Path(out) if out is not None else Path("runs") / "bench" / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def fmt_ratio(summary: dict) -> str:
+    return f"{summary['ratio_median']:.2f}× ({summary['ratio_min']:.2f}–{summary['ratio_max']:.2f})"
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A rich table on stdout (wide when not a terminal, so logs do not wrap)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    probe = Console()
+    console = probe if probe.is_terminal else Console(width=200)
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def dataclass_dict(obj: object) -> dict:
+    return asdict(obj)  # type: ignore[arg-type]

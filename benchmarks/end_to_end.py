@@ -1,0 +1,255 @@
+"""End-to-end benchmarks: rollout, one decode step, the training path's fwd+bwd, and one full RL step.
+
+    python -m benchmarks.end_to_end                       # default shape, fp32 + bf16, RL step included
+    python -m benchmarks.end_to_end --shape default,llama100m --dtype float32 --reps 5
+
+Every figure is exact / native on the same model (identical weights) and the same batch:
+
+- ``rollout``: ``generate`` of ``e2e_batch`` prompts x ``new_tokens`` new tokens (no EOS, so both
+  backends produce exactly the same number of tokens); reported as tokens/s and the time ratio.
+- ``decode_step``: one decode step of the whole batch against a prefilled KV cache: the model forward
+  for one token per sequence, the LM head and the sampled token's log-prob.
+- ``train_fwd_bwd``: the training path on the exact rollout's prompts + responses: ``token_logprobs``
+  with grad, mean log-prob loss, ``backward`` (what one PPO mini-batch costs before the optimizer).
+- ``rl_step``: ``Trainer.step`` (rollout + scoring + metrics + PPO update + AdamW) of
+  ``experiments/zero_mismatch.yaml`` with ``backend: exact`` vs ``backend: native``; both trainers start
+  every repetition from the same weights and optimizer state (the cached warm start unless
+  ``--no-warm-start``), so each repetition redoes the same step. CPU only (the Trainer has no device
+  option).
+
+For the ``default`` shape the prompts are the zero_mismatch task's (16 problems x 8 samples); other
+shapes use random prompts of ``e2e_prompt_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from vexact import Transformer, generate
+from vexact.scoring import token_logprobs
+
+from .common import (
+    DTYPES,
+    SHORT_DTYPE,
+    Shape,
+    compare,
+    fmt_ratio,
+    machine_info,
+    parse_list,
+    print_table,
+    shapes,
+    write_json,
+)
+from .kernels import resolve_device
+
+ITEMS = ("rollout", "decode_step", "train_fwd_bwd", "rl_step")
+EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+
+
+def _prompts(shape: Shape) -> list[list[int]]:
+    if shape.e2e_prompt_len == 0:  # the default experiment's own prompts: 16 problems x 8 samples
+        from vexact.tasks import CharTokenizer, encode_prompt, make_task, training_problems
+
+        task = make_task("reverse", 4, 8)
+        problems = [p for p in training_problems(task, shape.e2e_batch // 8, 0, 0) for _ in range(8)]
+        return [encode_prompt(CharTokenizer(), p) for p in problems]
+    rng = random.Random(0)
+    return [[rng.randrange(shape.model.vocab_size) for _ in range(shape.e2e_prompt_len)]
+            for _ in range(shape.e2e_batch)]
+
+
+def _models(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Transformer]:
+    """An exact and a native model with identical weights."""
+    exact = Transformer(shape.model, backend="exact", dtype=dtype, device=device, init_seed=0)
+    native = Transformer(shape.model, backend="native", dtype=dtype, device=device, init_seed=None)
+    native.load_state_dict(exact.state_dict())
+    return {"exact": exact, "native": native}
+
+
+def _row(item: str, shape: str, dtype: str, summary: dict, tokens: int, **extra: object) -> dict:
+    return {"item": item, "shape": shape, "dtype": dtype, "tokens": tokens,
+            "exact_tokens_per_s": tokens / summary["exact_s_median"],
+            "native_tokens_per_s": tokens / summary["native_s_median"], **extra, **summary}
+
+
+def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, device: torch.device) -> list[dict]:
+    """rollout, decode_step and train_fwd_bwd rows for one shape and dtype."""
+    dtype = DTYPES[dtype_name]
+    models = _models(shape, dtype, device)
+    prompts = _prompts(shape)
+    n_new = shape.new_tokens
+    rows = []
+
+    def rollout(name: str):
+        return lambda: generate(models[name], prompts, max_new_tokens=n_new, temperature=1.0, seed=0)
+
+    if "rollout" in items:
+        summary = compare(rollout("exact"), rollout("native"), reps=reps, device=device).summary()
+        rows.append(_row("rollout", shape.name, dtype_name, summary, len(prompts) * n_new))
+
+    if "decode_step" in items:
+        steps = {}
+        for name, model in models.items():
+            lengths = torch.tensor([len(p) for p in prompts], device=device)
+            cache = model.new_cache(len(prompts), -(-(int(lengths.max()) + 1) // 64) * 64)
+            with torch.no_grad():
+                width = max(len(p) for p in prompts)
+                padded = torch.zeros(len(prompts), width, dtype=torch.long)
+                for i, p in enumerate(prompts):
+                    padded[i, : len(p)] = torch.tensor(p)
+                model(padded.to(device), cache=cache)
+            token = torch.tensor([p[-1] for p in prompts], device=device)
+
+            def step(model=model, cache=cache, lengths=lengths, token=token) -> object:
+                with torch.no_grad():
+                    hidden = model(token[:, None], q_start=lengths, cache=cache)[:, 0]
+                    return model.ops.token_logprobs(model.logits(hidden).float(), token)
+            steps[name] = step
+        summary = compare(steps["exact"], steps["native"], reps=reps, device=device).summary()
+        rows.append(_row("decode_step", shape.name, dtype_name, summary, len(prompts)))
+
+    if "train_fwd_bwd" in items:
+        responses = generate(models["exact"], prompts, max_new_tokens=n_new, temperature=1.0, seed=0).tokens
+
+        def train(name: str):
+            model = models[name]
+
+            def run() -> object:
+                model.zero_grad(set_to_none=True)
+                loss = -torch.cat(token_logprobs(model, prompts, responses)).mean()
+                loss.backward()
+                return loss
+            return run
+        summary = compare(train("exact"), train("native"), reps=reps, device=device).summary()
+        tokens = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+        rows.append(_row("train_fwd_bwd", shape.name, dtype_name, summary, tokens))
+    return rows
+
+
+def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str], warm: bool) -> dict:
+    """One full ``Trainer.step``, exact vs native, from identical weights and optimizer state every repetition."""
+    from rich.console import Console
+
+    from vexact.config import load_config
+    from vexact.trainer import Trainer
+    from vexact.warmstart import warm_start
+
+    base = [f"dtype={dtype_name}", "logging.live=false", *overrides]
+    trainers = {name: Trainer(load_config(config, [f"backend={name}", *base]), Console(quiet=True))
+                for name in ("exact", "native")}
+    exact = trainers["exact"]
+    if warm:  # the exact run's cached warm start, for both (so the batch is the one the experiment trains on)
+        warm_start(exact.master, exact.cfg, exact.task, log=lambda _: None)
+    start = copy.deepcopy(exact.master.state_dict())
+    opt_start = copy.deepcopy(exact.optimizer.state_dict())
+    tokens: dict[str, list[int]] = {"exact": [], "native": []}
+
+    def step(name: str):
+        trainer = trainers[name]
+
+        def run() -> object:
+            trainer.master.load_state_dict(start)
+            trainer.optimizer.load_state_dict(opt_start)
+            if trainer.compute is not trainer.master:
+                with torch.no_grad():
+                    for dst, src in zip(trainer.compute.parameters(), trainer.master.parameters()):
+                        dst.copy_(src)
+            metrics = trainer.step(0)
+            tokens[name].append(round(metrics["response_length/mean"] * exact.cfg.rollout.prompts_per_step
+                                      * exact.cfg.rollout.samples_per_prompt))
+            return metrics
+        return run
+    summary = compare(step("exact"), step("native"), reps=reps).summary()
+    cfg = exact.cfg
+    return {"item": "rl_step", "shape": "default" if not overrides else "config+overrides", "dtype": dtype_name,
+            "tokens": tokens["exact"][-1], "response_tokens_exact": tokens["exact"][-1],
+            "response_tokens_native": tokens["native"][-1], "config": str(config), "overrides": overrides,
+            "warm_start": warm, "sequences": cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+            "exact_tokens_per_s": tokens["exact"][-1] / summary["exact_s_median"],
+            "native_tokens_per_s": tokens["native"][-1] / summary["native_s_median"], **summary}
+
+
+def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int, device: torch.device,
+        threads: int | None = None, rl_config: Path = EXPERIMENT, rl_overrides: list[str] | None = None,
+        warm: bool = True) -> dict:
+    """Run the end-to-end benchmarks; returns the JSON-ready record."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    known = shapes()
+    record: dict = {"benchmark": "end_to_end", "machine": machine_info(device),
+                    "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
+                                 "items": items, "reps": reps},
+                    "results": [], "skipped": []}
+    for dtype_name in dtype_names:
+        for shape_name in shape_names:
+            record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device)
+        if "rl_step" in items:
+            if device.type != "cpu":
+                record["skipped"].append({"item": "rl_step", "dtype": dtype_name,
+                                          "reason": "the Trainer runs on CPU only"})
+            else:
+                record["results"].append(bench_rl_step(dtype_name, reps, rl_config, rl_overrides or [], warm))
+    return record
+
+
+def print_results(record: dict) -> None:
+    m = record["machine"]
+    where = f"{m['cpu_model']}, {m['torch_threads']} threads, torch {m['torch_version']}" + (
+        f", {m['gpu']}" if "gpu" in m else "")
+    rows = [[r["item"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), str(r["tokens"]), fmt_ratio(r),
+             f"{r['exact_s_median'] * 1e3:.1f}", f"{r['native_s_median'] * 1e3:.1f}",
+             f"{r['exact_tokens_per_s']:.0f}", f"{r['native_tokens_per_s']:.0f}"] for r in record["results"]]
+    print_table(f"end to end, exact / native ({where})",
+                ["item", "shape", "dtype", "tokens", "ratio median (min–max)", "exact ms", "native ms",
+                 "exact tok/s", "native tok/s"], rows)
+    for s in record["skipped"]:
+        print(f"skipped {s['item']} ({s['dtype']}): {s['reason']}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="default", help="comma list of: " + ", ".join(shapes()))
+    p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
+    p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
+    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per figure (default 7)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
+    p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the RL step's config (repeatable)")
+    p.add_argument("--no-warm-start", action="store_true", help="RL step from the random init, not the warm start")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/end_to_end-<device>.json)")
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    record = run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
+                 parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
+                 args.rl_set, warm=not args.no_warm_start)
+    print_results(record)
+    path = write_json(record, args.out, f"end_to_end-{device.type}.json")
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.end_to_end") -> int:
+    """Command-line entry point; bad input (unknown shape, dtype, op ...) exits 2 with one line."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main_from_args(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

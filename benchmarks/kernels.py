@@ -1,0 +1,249 @@
+"""Kernel benchmarks: exact vs native for each op, at the shapes of a model, fp32 and bf16, fwd and fwd+bwd.
+
+    python -m benchmarks.kernels                          # default + llama100m shapes, fp32 + bf16
+    python -m benchmarks.kernels --shape default --dtype float32 --reps 9 --out runs/bench/k.json
+
+Ops (inputs sized from the shape, see ``benchmarks.common.shapes``):
+``linear`` (training rows through the MLP up-projection D -> I), ``linear_decode`` (one decode step's
+rows through the same weight), ``lm_head`` (training rows D -> V), ``rms_norm`` (training rows),
+``silu_mul``, ``attention_prefill`` (the training forward: whole sequences from position 0),
+``attention_decode`` (one query per sequence against a cache of ``context`` tokens) and
+``token_logprobs`` (the log-prob gather over the vocabulary for every training row). ``fwd+bwd``
+times the forward and the backward of a fixed upstream gradient (decode has no backward).
+
+Also: the exact matmul's achieved GFLOP/s against ``torch.mm`` on the same [M, K] x [K, N] (how close
+the fixed-tile GEMM gets to the BLAS on that shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import vexact_kernels
+
+from .common import (
+    DTYPES,
+    SHORT_DTYPE,
+    Shape,
+    compare,
+    fmt_ratio,
+    inner_repeats,
+    machine_info,
+    parse_list,
+    print_table,
+    shapes,
+    write_json,
+)
+
+OPS = ("linear", "linear_decode", "lm_head", "rms_norm", "silu_mul", "attention_prefill", "attention_decode",
+       "token_logprobs")
+MODES = ("fwd", "fwd+bwd")
+NO_BACKWARD = {"attention_decode"}  # a decode step is never differentiated
+
+
+def _inputs(op: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple[list[Tensor], tuple, str]:
+    """(differentiable tensors, static args, size description) for ``op`` at ``shape``."""
+    c = shape.model
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*size: int, std: float = 1.0) -> Tensor:
+        return (torch.randn(*size, generator=g) * std).to(device=device, dtype=dtype)
+
+    rows = shape.train_batch * shape.train_len
+    hd = c.head_dim
+    if op in ("linear", "linear_decode", "lm_head"):
+        m = shape.decode_batch if op == "linear_decode" else rows
+        n = c.vocab_size if op == "lm_head" else c.intermediate_size
+        return [randn(m, c.hidden_size), randn(n, c.hidden_size, std=0.05)], (), f"[{m}x{c.hidden_size}] @ " \
+            f"[{c.hidden_size}x{n}]"
+    if op == "rms_norm":
+        return [randn(rows, c.hidden_size), randn(c.hidden_size)], (c.rms_norm_eps,), f"[{rows}x{c.hidden_size}]"
+    if op == "silu_mul":
+        return [randn(rows, c.intermediate_size), randn(rows, c.intermediate_size)], (), \
+            f"[{rows}x{c.intermediate_size}]"
+    if op == "attention_prefill":
+        b, t = shape.train_batch, shape.train_len
+        q, k, v = randn(b, t, c.num_heads, hd), randn(b, t, c.num_kv_heads, hd), randn(b, t, c.num_kv_heads, hd)
+        start = torch.zeros(b, dtype=torch.long, device=device)
+        return [q, k, v], (start, 1.0 / math.sqrt(hd)), f"B={b} T={t} H={c.num_heads}/{c.num_kv_heads} hd={hd}"
+    if op == "attention_decode":
+        b, ctx = shape.decode_batch, shape.context
+        cache_len = -(-(ctx + 1) // 64) * 64
+        q = randn(b, 1, c.num_heads, hd)
+        k, v = randn(b, cache_len, c.num_kv_heads, hd), randn(b, cache_len, c.num_kv_heads, hd)
+        start = torch.full((b,), ctx, dtype=torch.long, device=device)
+        return [q, k, v], (start, 1.0 / math.sqrt(hd)), f"B={b} pos={ctx} H={c.num_heads}/{c.num_kv_heads} hd={hd}"
+    if op == "token_logprobs":
+        targets = torch.randint(0, c.vocab_size, (rows,), generator=g).to(device)
+        return [randn(rows, c.vocab_size, std=2.0)], (targets,), f"[{rows}x{c.vocab_size}]"
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _op_fn(ops, op: str) -> Callable:
+    name = {"linear_decode": "linear", "lm_head": "linear", "attention_prefill": "attention",
+            "attention_decode": "attention"}.get(op, op)
+    return getattr(ops, name)
+
+
+def _runner(ops, op: str, tensors: list[Tensor], static: tuple, backward: bool) -> Callable[[], object]:
+    fn = _op_fn(ops, op)
+    if not backward:
+        def forward() -> object:
+            with torch.no_grad():
+                return fn(*tensors, *static)
+        return forward
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+    with torch.no_grad():
+        upstream = torch.randn(fn(*tensors, *static).shape, generator=torch.Generator().manual_seed(1))
+    upstream = upstream.to(device=tensors[0].device, dtype=fn(*tensors, *static).dtype)
+
+    def forward_backward() -> object:
+        for leaf in leaves:
+            leaf.grad = None
+        out = fn(*leaves, *static)
+        out.backward(upstream)
+        return out
+    return forward_backward
+
+
+def bench_op(op: str, shape: Shape, dtype: torch.dtype, mode: str, reps: int, device: torch.device) -> dict:
+    """One row: exact vs native for ``op`` at ``shape``/``dtype``/``mode``."""
+    tensors, static, size = _inputs(op, shape, dtype, device)
+    exact = _runner(vexact_kernels.get_ops("exact", device), op, tensors, static, mode == "fwd+bwd")
+    native = _runner(vexact_kernels.get_ops("native", device), op, tensors, static, mode == "fwd+bwd")
+    inner = inner_repeats(native, device)
+    summary = compare(exact, native, reps=reps, device=device, inner=inner).summary()
+    return {"op": op, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "size": size,
+            "inner_calls": inner, **summary}
+
+
+def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.device) -> list[dict]:
+    """Achieved GFLOP/s of the exact linear vs torch.mm on the model's matmul shapes (training rows)."""
+    c = shape.model
+    rows = shape.train_batch * shape.train_len
+    kv = c.num_kv_heads * c.head_dim
+    cases = {"q_proj": (c.hidden_size, c.num_heads * c.head_dim), "k_proj": (c.hidden_size, kv),
+             "mlp_up": (c.hidden_size, c.intermediate_size), "mlp_down": (c.intermediate_size, c.hidden_size),
+             "lm_head": (c.hidden_size, c.vocab_size)}
+    exact_linear = vexact_kernels.get_ops("exact", device).linear
+    out = []
+    g = torch.Generator().manual_seed(2)
+    for name, (k, n) in cases.items():
+        x = torch.randn(rows, k, generator=g).to(device=device, dtype=dtype)
+        w = torch.randn(n, k, generator=g).to(device=device, dtype=dtype)
+        w_t = w.t()
+
+        def exact(x=x, w=w) -> object:
+            with torch.no_grad():
+                return exact_linear(x, w)
+
+        def mm(x=x, w_t=w_t) -> object:
+            with torch.no_grad():
+                return torch.mm(x, w_t)
+        inner = inner_repeats(mm, device)
+        summary = compare(exact, mm, reps=reps, device=device, inner=inner).summary()
+        flop = 2.0 * rows * k * n
+        exact_gflops = flop / summary["exact_s_median"] / 1e9
+        mm_gflops = flop / summary["native_s_median"] / 1e9
+        out.append({"matmul": name, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."),
+                    "m": rows, "k": k, "n": n, "exact_gflops": exact_gflops, "torch_mm_gflops": mm_gflops,
+                    "fraction_of_torch_mm": 1.0 / summary["ratio_median"], **summary})
+    return out
+
+
+def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mode_names: list[str], reps: int,
+        device: torch.device, threads: int | None = None, matmul: bool = True) -> dict:
+    """Run the kernel benchmarks; returns the JSON-ready record (machine, settings, results)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    known = shapes()
+    record: dict = {"benchmark": "kernels", "machine": machine_info(device),
+                    "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
+                                 "ops": op_names, "modes": mode_names, "reps": reps},
+                    "results": [], "matmul": []}
+    for shape_name in shape_names:
+        shape = known[shape_name]
+        for dtype_name in dtype_names:
+            dtype = DTYPES[dtype_name]
+            for op in op_names:
+                for mode in mode_names:
+                    if mode == "fwd+bwd" and op in NO_BACKWARD:
+                        continue
+                    record["results"].append(bench_op(op, shape, dtype, mode, reps, device))
+            if matmul:
+                record["matmul"] += bench_matmul(shape, dtype, reps, device)
+    return record
+
+
+def print_results(record: dict) -> None:
+    m = record["machine"]
+    where = f"{m['cpu_model']}, {m['torch_threads']} threads, torch {m['torch_version']}" + (
+        f", {m['gpu']}" if "gpu" in m else "")
+    rows = [[r["op"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), r["mode"], r["size"], fmt_ratio(r),
+             f"{r['exact_s_median'] * 1e3:.3f}", f"{r['native_s_median'] * 1e3:.3f}"] for r in record["results"]]
+    print_table(f"exact / native time ({where})",
+                ["op", "shape", "dtype", "mode", "size", "ratio median (min–max)", "exact ms", "native ms"], rows)
+    if record["matmul"]:
+        rows = [[r["matmul"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), f"{r['m']}x{r['k']}x{r['n']}",
+                 f"{r['exact_gflops']:.1f}", f"{r['torch_mm_gflops']:.1f}", f"{r['fraction_of_torch_mm']:.0%}"]
+                for r in record["matmul"]]
+        print_table("exact linear vs torch.mm (GFLOP/s, median)",
+                    ["matmul", "shape", "dtype", "M x K x N", "exact", "torch.mm", "exact / mm"], rows)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="default,llama100m", help="comma list of: " + ", ".join(shapes()))
+    p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
+    p.add_argument("--ops", default="all", help="comma list of: " + ", ".join(OPS))
+    p.add_argument("--modes", default="all", help="fwd, fwd+bwd or all")
+    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per figure (default 7)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-matmul", action="store_true", help="skip the GFLOP/s comparison with torch.mm")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/kernels-<device>.json)")
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; expected cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    record = run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
+                 parse_list(args.ops, OPS, "op"), parse_list(args.modes, MODES, "mode"), args.reps, device,
+                 args.threads, matmul=not args.no_matmul)
+    print_results(record)
+    path = write_json(record, args.out, f"kernels-{device.type}.json")
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.kernels") -> int:
+    """Command-line entry point; bad input (unknown shape, dtype, op ...) exits 2 with one line."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return main_from_args(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Smoke test of the benchmarks (``benchmarks/``, ``vexact bench``): tiny shapes, one repetition.
+
+Checks that every benchmark runs, that its JSON record has the documented schema and that every
+ratio is finite and positive. No timing is asserted: speed is what the benchmarks measure, on
+whatever machine runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import end_to_end, kernels  # noqa: E402
+from benchmarks.common import parse_list, shapes  # noqa: E402
+from vexact.cli import main as vexact_main  # noqa: E402
+
+RATIO_KEYS = ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median", "repetitions")
+MACHINE_KEYS = ("cpu_model", "logical_cpus", "torch_threads", "torch_version", "load_average_start", "device")
+TINY_RL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=10",
+           "task.eval_prompts=2", "warm_start.steps=0"]
+
+
+def _check_ratios(row: dict) -> None:
+    for key in RATIO_KEYS:
+        assert key in row, key
+    assert row["repetitions"] == len(row["exact_s"]) == len(row["native_s"])
+    for key in ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median"):
+        assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+    assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+
+
+def test_kernel_benchmark_schema(tmp_path):
+    record = kernels.run(["tiny"], ["float32", "bfloat16"], list(kernels.OPS), list(kernels.MODES), reps=1,
+                         device=torch.device("cpu"))
+    assert record["benchmark"] == "kernels"
+    assert all(key in record["machine"] for key in MACHINE_KEYS)
+    seen = {(r["op"], r["dtype"], r["mode"]) for r in record["results"]}
+    for op in kernels.OPS:
+        for dtype in ("float32", "bfloat16"):
+            assert (op, dtype, "fwd") in seen
+            assert ((op, dtype, "fwd+bwd") in seen) == (op not in kernels.NO_BACKWARD)
+    for row in record["results"]:
+        _check_ratios(row)
+    assert {r["matmul"] for r in record["matmul"]} == {"q_proj", "k_proj", "mlp_up", "mlp_down", "lm_head"}
+    for row in record["matmul"]:
+        _check_ratios(row)
+        assert row["exact_gflops"] > 0 and row["torch_mm_gflops"] > 0 and row["fraction_of_torch_mm"] > 0
+    kernels.print_results(record)
+
+
+def test_end_to_end_benchmark_schema():
+    record = end_to_end.run(["tiny"], ["float32"], list(end_to_end.ITEMS), reps=1, device=torch.device("cpu"),
+                            rl_overrides=TINY_RL, warm=False)
+    assert record["benchmark"] == "end_to_end" and not record["skipped"]
+    assert [r["item"] for r in record["results"]] == list(end_to_end.ITEMS)
+    for row in record["results"]:
+        _check_ratios(row)
+        assert row["tokens"] > 0 and row["exact_tokens_per_s"] > 0 and row["native_tokens_per_s"] > 0
+    rollout = record["results"][0]
+    assert rollout["tokens"] == shapes()["tiny"].e2e_batch * shapes()["tiny"].new_tokens
+    end_to_end.print_results(record)
+
+
+def test_vexact_bench_command_writes_json(tmp_path):
+    out = tmp_path / "k.json"
+    code = vexact_main(["bench", "kernels", "--shape", "tiny", "--dtype", "fp32", "--ops", "linear,attention_decode",
+                        "--modes", "fwd", "--reps", "1", "--no-matmul", "--device", "cpu", "--out", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert [r["op"] for r in record["results"]] == ["linear", "attention_decode"]
+    assert record["machine"]["load_average_end"] is not None or sys.platform == "win32"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "huge"], "unknown shape 'huge'"),
+    (["--dtype", "float16"], "unknown dtype 'float16'"),
+    (["--ops", "conv"], "unknown op 'conv'"),
+    (["--reps", "0"], "reps must be >= 1"),
+])
+def test_bad_input_is_one_clear_error(argv, message, capsys):
+    assert kernels.main(["--shape", "tiny", *argv] if argv[0] != "--shape" else argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_list():
+    assert parse_list("all", ["a", "b"], "x") == ["a", "b"]
+    assert parse_list("bf16,fp32", ["float32", "bfloat16"], "dtype") == ["bfloat16", "float32"]
+    with pytest.raises(ValueError, match="unknown item 'c'"):
+        parse_list("a,c", ["a", "b"], "item")
+    assert end_to_end.main(["--items", "nope"]) == 2
