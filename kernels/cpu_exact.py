@@ -7,25 +7,36 @@ last prefill row differs from a single-query decode; wide sums change with the t
 
 How this module gets exactness anyway -- three building blocks, each invariant:
 
-1. **Fixed-shape matmul tiles** (``_tiled_matmul``): rows are zero-padded to a multiple of
-   ``ROW_BLOCK`` (64) and the output width to a multiple of ``COL_BLOCK`` (64); one batched
-   ``torch.bmm`` then runs the *same* GEMM shape for every 64-row block, whatever M is.
-   Each output element's K-reduction therefore always runs through the same kernel in the
-   same order. This is invariant by observation (MKL on x86-64), not by proof, which is why
-   ``tests/test_kernels.py`` checks it for 1, 2 and 3 threads and odd shapes on every run.
+1. **Fixed-shape matmul tiles** (``_tiled_matmul``): rows are zero-padded to whole row tiles
+   (16, 32 or 64 rows: the smallest that holds them, 64-row tiles beyond) and the output width
+   to a multiple of ``COL_BLOCK`` (16); one batched ``torch.bmm`` then runs the same GEMM
+   kernel for every tile, whatever M is. Each output element's K-reduction therefore always
+   runs through the same kernel in the same order (MKL gave the same bits for tile heights
+   4..64, see ``_row_block``). This is invariant by observation (MKL on x86-64), not by proof,
+   which is why ``tests/test_kernels.py`` checks it for 1, 2 and 3 threads, 1 to 150 rows and
+   odd shapes on every run. Attention tiles its rows the same way (see ``attention``).
 2. **Halving-tree sums** (``_tree_sum``): a row is summed by repeatedly adding its two halves.
    Each step is an elementwise IEEE add (exactly rounded, identical in vector and scalar
    code), so the result depends only on the row's values -- invariant by construction.
    Zero padding at the end of a row does not change the result (x + 0 == x), which lets a
    decode step (short key row) and a prefill row (long, masked key row) sum identically.
 3. **Chunked transcendentals** (``_unary``): ``exp``/``log`` run over the flattened tensor in
-   chunks of ``CHUNK`` elements -- below ATen's parallel grain size (so one thread does a
-   whole chunk) and a multiple of 64 (so every element takes the vectorised path, never the
-   scalar tail loop, whose rounding can differ).
+   chunks of ``CHUNK`` elements, a multiple of 64 below ATen's default parallel grain size
+   (32768): an op with a vectorised body and a scalar tail (whose rounding can differ, e.g.
+   Sleef's ``sigmoid``) then only ever runs the vectorised body. (In this torch build ``exp``,
+   ``log`` and ``cos`` are MKL VML calls that give every element the same bits wherever it
+   sits -- measured with 1-4 threads, any length; the chunking keeps the guarantee on builds
+   where they are not.)
 
 Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in
-fp32) and rounded once to the output dtype. Backward passes use standard torch ops (see
-``autograd.exact_forward``): the forward is exact, the gradients are deterministic run to run.
+fp32) and rounded once to the output dtype. Backward passes (``autograd.exact_linear``,
+``autograd.exact_forward_vjp``, ``_ExactAttention``) are analytic VJPs in plain torch ops on
+values the exact forward saved -- no second forward; the gradients are deterministic run to
+run (they need not be batch-invariant: only the forward is compared across paths).
+
+Speed (see ``benchmarks/`` and the README's "Benchmarks" section): the exact forward runs
+the same BLAS GEMMs as native ops, on padded tiles; what it adds is padding, the tree sums'
+extra passes and Python dispatch of more, smaller ops.
 """
 
 from __future__ import annotations
@@ -40,10 +51,9 @@ from .autograd import exact_forward_vjp, exact_linear
 
 NAME = "cpu_exact"
 
-ROW_BLOCK = 64  # rows per GEMM tile: every matmul call sees exactly this many rows
+ROW_BLOCKS = (16, 32, 64)  # GEMM tile heights: the smallest holding a call's rows, else 64-row tiles
 COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed MKL's threading)
 CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
-ATTN_ROW_BLOCKS = (16, 32, 64)  # query rows per attention tile: the smallest that holds a call's rows
 KEY_BLOCK = 64  # keys per attention tile, from position 0
 
 
@@ -51,54 +61,82 @@ def _ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _row_block(rows: int) -> int:
+    """GEMM tile height for ``rows`` rows: the smallest of ROW_BLOCKS that holds them, else the largest.
+
+    MKL gave every output row the same bits for tile heights 4..64 (measured with 1-16 threads,
+    1-256 tiles per bmm, K up to 1536): a row's K-reduction does not depend on how many rows
+    share its tile. Small tiles keep a decode step with few sequences from paying for 64 rows."""
+    for block in ROW_BLOCKS:
+        if rows <= block:
+            return block
+    return ROW_BLOCKS[-1]
+
+
 # --------------------------------------------------------------------------- building blocks
 def _tiled_matmul(x: Tensor, weight: Tensor) -> Tensor:
-    """fp32 x [M, K] @ weight[N, K].T -> [M, N] through fixed [ROW_BLOCK, K] x [K, N_pad] GEMM tiles.
+    """fp32 x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``_row_block(M)``.
 
-    One ``torch.bmm`` over ceil(M / 64) row tiles, the (transposed, column-padded) weight shared
-    by every tile: each output element's K-reduction runs through the same MKL kernel whatever
-    M is. N is padded to a multiple of ``COL_BLOCK`` (16, the AVX-512 width): MKL splits the
-    columns of a GEMM between threads, and with widths that are not multiples of 16 (e.g. 8,
-    22, 24, 37, 100 with 3-4 threads) some columns ran through a narrower kernel with other
-    roundings; widths that are multiples of 16 gave the same bits as padding to 64 (measured
-    on 1-4 threads, K up to 1536)."""
+    One ``torch.bmm`` over ceil(M / R) row tiles (zero-padded), the (transposed, column-padded)
+    weight shared by every tile: each output element's K-reduction runs through the same MKL
+    kernel whatever M is. N is padded to a multiple of ``COL_BLOCK`` (16, the AVX-512 width):
+    MKL splits the columns of a GEMM between threads, and with widths that are not multiples
+    of 16 (e.g. 8, 22, 24, 37, 100 with 3-4 threads) some columns ran through a narrower
+    kernel with other roundings; widths that are multiples of 16 gave the same bits as padding
+    to 64 (measured on 1-4 threads, K up to 1536)."""
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
     w = weight.float()
     if n_pad != n:
         w = torch.nn.functional.pad(w, (0, 0, 0, n_pad - n))
-    blocks = max(1, -(-rows // ROW_BLOCK))
-    if blocks * ROW_BLOCK != rows:
-        x = torch.nn.functional.pad(x, (0, 0, 0, blocks * ROW_BLOCK - rows))
-    out = torch.bmm(x.view(blocks, ROW_BLOCK, k), w.t().unsqueeze(0).expand(blocks, k, n_pad))
-    out = out.view(blocks * ROW_BLOCK, n_pad)
+    block = _row_block(rows)
+    blocks = -(-rows // block)
+    if blocks * block != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, blocks * block - rows))
+    out = torch.bmm(x.view(blocks, block, k), w.t().unsqueeze(0).expand(blocks, k, n_pad))
+    out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
 def _tree_sum(x: Tensor) -> Tensor:
     """Sum over the last dim by halving: [..., D] -> [...]. Depends only on the row's values;
-    trailing zeros do not change the result."""
+    trailing zeros do not change the result.
+
+    A width D that is not a power of two is treated as zero-padded to the next one, P. The first
+    level adds x[i] + x[i + P/2] where both exist and x[i] + 0.0 where the partner is padding
+    (so -0.0 becomes +0.0 exactly as with real zero padding) without materialising the padded
+    row; later levels add halves in place in that one scratch buffer."""
     width = x.shape[-1]
-    pow2 = 1 << max(0, (width - 1).bit_length())
-    if pow2 != width:
-        x = torch.nn.functional.pad(x, (0, pow2 - width))
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
+    if width == 1:
+        return x[..., 0]
+    half = 1 << ((width - 1).bit_length() - 1)  # P / 2
+    paired = width - half
+    if paired == half:
+        buf = x[..., :half] + x[..., half:]
+    else:
+        buf = x.new_empty(*x.shape[:-1], half)
+        torch.add(x[..., :paired], x[..., half:], out=buf[..., :paired])
+        torch.add(x[..., paired:half], 0.0, out=buf[..., paired:])
+    while half > 1:
+        half //= 2
+        buf[..., :half] += buf[..., half : 2 * half]
+        buf = buf[..., :half]
+    return buf[..., 0]
 
 
-def _unary(fn: Callable[..., Tensor], x: Tensor) -> Tensor:
-    """Apply an elementwise torch function chunk by chunk (see module docstring, point 3)."""
+def _unary(fn: Callable[..., Tensor], x: Tensor, inplace: bool = False) -> Tensor:
+    """Apply an elementwise torch function chunk by chunk (see module docstring, point 3).
+
+    ``inplace``: ``x`` is a scratch tensor the caller gives up; the result may be written into it."""
     flat = x.contiguous().view(-1)
     total = flat.numel()
     padded = _ceil_to(max(total, 1), 64)
     if padded != total:
         flat = torch.cat([flat, flat.new_zeros(padded - total)])
-    if padded <= CHUNK:
-        return fn(flat)[:total].view(x.shape)
-    out = torch.empty_like(flat)
+    elif not (inplace and flat.data_ptr() == x.data_ptr()):
+        inplace = False
+    out = flat if inplace or padded != total else torch.empty_like(flat)
     for start in range(0, padded, CHUNK):
         fn(flat[start : start + CHUNK], out=out[start : start + CHUNK])
     return out[:total].view(x.shape)
@@ -124,7 +162,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Invariance contract: each output row depends only on the same input row, the weight and
     the bias -- never on how many rows there are, the row's position among them, padding
     rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
-    x.dtype. Tiling: rows in fixed 64-row GEMM tiles, columns padded to a multiple of 16.
+    x.dtype. Tiling: rows in GEMM tiles of 16, 32 or 64 rows (``_row_block``), columns padded to
+    a multiple of 16.
     Backward: plain matmuls (deterministic run to run).
     """
     return exact_linear(_linear_forward, x, weight, bias)
@@ -134,9 +173,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def _rms_norm_parts(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """(output, fp32 x, fp32 1/rms [..., 1])."""
     xf = _float(x)
-    mean_sq = _tree_sum(xf * xf) / x.shape[-1]
-    inv_rms = (1.0 / torch.sqrt(mean_sq + eps)).unsqueeze(-1)  # sqrt and / are exactly rounded; rsqrt is not
-    return (xf * inv_rms * _float(weight)).to(x.dtype), xf, inv_rms
+    mean_sq = _tree_sum(xf * xf).div_(x.shape[-1])
+    inv_rms = torch.sqrt_(mean_sq.add_(eps)).reciprocal_().unsqueeze(-1)  # exactly rounded; rsqrt is not
+    return torch.mul(xf, inv_rms).mul_(_float(weight)).to(x.dtype), xf, inv_rms
 
 
 def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -208,8 +247,11 @@ def log_softmax(logits: Tensor) -> Tensor:
 
 
 def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
-    shifted, log_normalizer = _shift_and_log_normalizer(logits)
-    return shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    xf = _float(logits)
+    shifted = xf - xf.amax(dim=-1, keepdim=True)  # max is exact in any order
+    picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # exp in place: the same values as _shift_and_log_normalizer, one buffer fewer
+    return picked - _unary(torch.log, _tree_sum(_unary(torch.exp, shifted, inplace=True)))
 
 
 def _token_logprobs_with_saved(logits: Tensor, targets: Tensor) -> tuple[Tensor, tuple]:
@@ -239,15 +281,22 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- elementwise ops
-def _silu_mul_exact(gate: Tensor, up: Tensor) -> Tensor:
+def _silu(gate: Tensor) -> Tensor:
+    """fp32 silu(gate) = g / (1 + exp(-g)) as a new tensor (chunked exp, exactly rounded add and div)."""
     g = _float(gate)
-    silu = g / (1.0 + _unary(torch.exp, -g))
+    denom = _unary(torch.exp, g.neg(), inplace=True).add_(1.0)
+    return torch.div(g, denom, out=denom)
+
+
+def _silu_mul_exact(gate: Tensor, up: Tensor) -> Tensor:
+    silu = _silu(gate)
+    if gate.dtype == torch.float32 and up.dtype == torch.float32:
+        return silu.mul_(up)
     return silu.to(gate.dtype) * up
 
 
 def _silu_mul_with_saved(gate: Tensor, up: Tensor) -> tuple[Tensor, tuple]:
-    g = _float(gate)
-    silu = (g / (1.0 + _unary(torch.exp, -g))).to(gate.dtype)
+    silu = _silu(gate).to(gate.dtype)
     return silu * up, (gate, silu, up)
 
 
@@ -285,14 +334,6 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- attention
-def _attention_row_block(rows: int) -> int:
-    """Query rows per attention tile: the smallest of ATTN_ROW_BLOCKS holding ``rows``, else the largest."""
-    for block in ATTN_ROW_BLOCKS:
-        if rows <= block:
-            return block
-    return ATTN_ROW_BLOCKS[-1]
-
-
 class _AttentionTiles:
     """The tile layout of one ``attention`` call (see ``attention``'s docstring).
 
@@ -309,7 +350,7 @@ class _AttentionTiles:
         self.batch, self.q_len, self.q_heads, self.head_dim, self.kv_heads = batch, q_len, q_heads, head_dim, kv_heads
         self.group = q_heads // kv_heads
         self.rows = q_len * self.group
-        self.block = _attention_row_block(self.rows)
+        self.block = _row_block(self.rows)
         self.row_blocks = -(-self.rows // self.block)
         self.row_len = self.row_blocks * self.block
         # Keys needed: up to the furthest query position, in whole tiles from position 0.
