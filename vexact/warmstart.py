@@ -16,7 +16,7 @@ from .scoring import score_tokens
 from .tasks import Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
 
 
 def warm_start_key(cfg: RunConfig) -> str:
