@@ -18,7 +18,11 @@ Every figure is exact / native on the same model (identical weights) and the sam
   option).
 
 For the ``default`` shape the prompts are the zero_mismatch task's (16 problems x 8 samples); other
-shapes use random prompts of ``e2e_prompt_len`` tokens.
+shapes use random prompts of ``e2e_prompt_len`` tokens (``llama100m``: 8 prompts of 32 tokens, 8 new
+tokens -- what 2 CPU cores manage in a few seconds per repetition).
+
+``--profile N`` also runs every item once more per side under torch.profiler and records the N ops
+with the most self CPU time and their share (the evidence for where the remaining cost sits).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from .common import (
     machine_info,
     parse_list,
     print_table,
+    profile_top,
     shapes,
     write_json,
 )
@@ -72,13 +77,22 @@ def _models(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str,
     return {"exact": exact, "native": native}
 
 
+def _measure(exact, native, reps: int, device: torch.device, profile: int) -> dict:
+    """Interleaved comparison; with ``profile`` > 0 (CPU) also the top ops of each side under torch.profiler."""
+    summary = compare(exact, native, reps=reps, device=device).summary()
+    if profile > 0 and device.type == "cpu":
+        summary["profile"] = {"exact": profile_top(exact, profile), "native": profile_top(native, profile)}
+    return summary
+
+
 def _row(item: str, shape: str, dtype: str, summary: dict, tokens: int, **extra: object) -> dict:
     return {"item": item, "shape": shape, "dtype": dtype, "tokens": tokens,
             "exact_tokens_per_s": tokens / summary["exact_s_median"],
             "native_tokens_per_s": tokens / summary["native_s_median"], **extra, **summary}
 
 
-def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, device: torch.device) -> list[dict]:
+def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, device: torch.device,
+                profile: int = 0) -> list[dict]:
     """rollout, decode_step and train_fwd_bwd rows for one shape and dtype."""
     dtype = DTYPES[dtype_name]
     models = _models(shape, dtype, device)
@@ -90,7 +104,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
         return lambda: generate(models[name], prompts, max_new_tokens=n_new, temperature=1.0, seed=0)
 
     if "rollout" in items:
-        summary = compare(rollout("exact"), rollout("native"), reps=reps, device=device).summary()
+        summary = _measure(rollout("exact"), rollout("native"), reps, device, profile)
         rows.append(_row("rollout", shape.name, dtype_name, summary, len(prompts) * n_new))
 
     if "decode_step" in items:
@@ -111,7 +125,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
                     hidden = model(token[:, None], q_start=lengths, cache=cache)[:, 0]
                     return model.ops.token_logprobs(model.logits(hidden).float(), token)
             steps[name] = step
-        summary = compare(steps["exact"], steps["native"], reps=reps, device=device).summary()
+        summary = _measure(steps["exact"], steps["native"], reps, device, profile)
         rows.append(_row("decode_step", shape.name, dtype_name, summary, len(prompts)))
 
     if "train_fwd_bwd" in items:
@@ -126,13 +140,14 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
                 loss.backward()
                 return loss
             return run
-        summary = compare(train("exact"), train("native"), reps=reps, device=device).summary()
+        summary = _measure(train("exact"), train("native"), reps, device, profile)
         tokens = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
         rows.append(_row("train_fwd_bwd", shape.name, dtype_name, summary, tokens))
     return rows
 
 
-def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str], warm: bool) -> dict:
+def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str], warm: bool,
+                  profile: int = 0) -> dict:
     """One full ``Trainer.step``, exact vs native, from identical weights and optimizer state every repetition."""
     from rich.console import Console
 
@@ -165,7 +180,7 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
                                       * exact.cfg.rollout.samples_per_prompt))
             return metrics
         return run
-    summary = compare(step("exact"), step("native"), reps=reps).summary()
+    summary = _measure(step("exact"), step("native"), reps, torch.device("cpu"), profile)
     cfg = exact.cfg
     return {"item": "rl_step", "shape": "default" if not overrides else "config+overrides", "dtype": dtype_name,
             "tokens": tokens["exact"][-1], "response_tokens_exact": tokens["exact"][-1],
@@ -177,8 +192,8 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
 
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int, device: torch.device,
         threads: int | None = None, rl_config: Path = EXPERIMENT, rl_overrides: list[str] | None = None,
-        warm: bool = True) -> dict:
-    """Run the end-to-end benchmarks; returns the JSON-ready record."""
+        warm: bool = True, profile: int = 0) -> dict:
+    """Run the end-to-end benchmarks; returns the JSON-ready record (``profile`` > 0: top ops per item)."""
     if threads is not None:
         torch.set_num_threads(threads)
     if reps < 1:
@@ -186,17 +201,18 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
     known = shapes()
     record: dict = {"benchmark": "end_to_end", "machine": machine_info(device),
                     "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
-                                 "items": items, "reps": reps},
+                                 "items": items, "reps": reps, "profile_top": profile},
                     "results": [], "skipped": []}
     for dtype_name in dtype_names:
         for shape_name in shape_names:
-            record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device)
+            record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device, profile)
         if "rl_step" in items:
             if device.type != "cpu":
                 record["skipped"].append({"item": "rl_step", "dtype": dtype_name,
                                           "reason": "the Trainer runs on CPU only"})
             else:
-                record["results"].append(bench_rl_step(dtype_name, reps, rl_config, rl_overrides or [], warm))
+                record["results"].append(bench_rl_step(dtype_name, reps, rl_config, rl_overrides or [], warm,
+                                                       profile))
     return record
 
 
@@ -212,19 +228,32 @@ def print_results(record: dict) -> None:
                  "exact tok/s", "native tok/s"], rows)
     for s in record["skipped"]:
         print(f"skipped {s['item']} ({s['dtype']}): {s['reason']}")
+    for r in record["results"]:
+        if "profile" not in r:
+            continue
+        for side in ("exact", "native"):
+            prof = r["profile"][side]
+            rows = [[o["op"][:60], f"{o['calls_per_run']:.0f}", f"{o['self_ms_per_run']:.2f}", f"{o['share']:.1%}"]
+                    for o in prof["ops"]]
+            print_table(f"{r['item']} {r['shape']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} {side}: top ops by self "
+                        f"CPU time (profiled: {prof['total_self_ms_per_run']:.1f} ms, "
+                        f"{prof['aten_calls_per_run']:.0f} aten calls per run)",
+                        ["op", "calls", "self ms", "share"], rows)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="default", help="comma list of: " + ", ".join(shapes()))
     p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
     p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per figure (default 7)")
+    p.add_argument("--reps", type=int, default=11, help="interleaved repetitions per figure (default 11)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
     p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the RL step's config (repeatable)")
     p.add_argument("--no-warm-start", action="store_true", help="RL step from the random init, not the warm start")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile each item once per side (torch.profiler) and keep its top N ops")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/end_to_end-<device>.json)")
 
 
@@ -232,7 +261,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     record = run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
                  parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
-                 args.rl_set, warm=not args.no_warm_start)
+                 args.rl_set, warm=not args.no_warm_start, profile=args.profile)
     print_results(record)
     path = write_json(record, args.out, f"end_to_end-{device.type}.json")
     print(f"wrote {path}")

@@ -59,12 +59,15 @@ def test_kernel_benchmark_schema(tmp_path):
 
 def test_end_to_end_benchmark_schema():
     record = end_to_end.run(["tiny"], ["float32"], list(end_to_end.ITEMS), reps=1, device=torch.device("cpu"),
-                            rl_overrides=TINY_RL, warm=False)
+                            rl_overrides=TINY_RL, warm=False, profile=3)
     assert record["benchmark"] == "end_to_end" and not record["skipped"]
     assert [r["item"] for r in record["results"]] == list(end_to_end.ITEMS)
     for row in record["results"]:
         _check_ratios(row)
         assert row["tokens"] > 0 and row["exact_tokens_per_s"] > 0 and row["native_tokens_per_s"] > 0
+        for side in ("exact", "native"):
+            ops = row["profile"][side]["ops"]
+            assert 0 < len(ops) <= 3 and all(0 < op["share"] <= 1 for op in ops)
     rollout = record["results"][0]
     assert rollout["tokens"] == shapes()["tiny"].e2e_batch * shapes()["tiny"].new_tokens
     end_to_end.print_results(record)
