@@ -120,8 +120,7 @@ def _tree_sum(x: Tensor) -> Tensor:
         torch.add(x[..., paired:half], 0.0, out=buf[..., paired:])
     while half > 1:
         half //= 2
-        buf[..., :half] += buf[..., half : 2 * half]
-        buf = buf[..., :half]
+        buf = buf[..., :half].add_(buf[..., half : 2 * half])
     return buf[..., 0]
 
 
