@@ -87,14 +87,14 @@ def _tiled_matmul(x: Tensor, weight: Tensor) -> Tensor:
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
-    w = weight.float()
+    w = _float(weight)
     if n_pad != n:
-        w = torch.nn.functional.pad(w, (0, 0, 0, n_pad - n))
+        w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n))
     block = _row_block(rows)
     blocks = -(-rows // block)
     if blocks * block != rows:
-        x = torch.nn.functional.pad(x, (0, 0, 0, blocks * block - rows))
-    out = torch.bmm(x.view(blocks, block, k), w.t().unsqueeze(0).expand(blocks, k, n_pad))
+        x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
+    out = torch.bmm(x.view(blocks, block, k), w.t().expand(blocks, k, n_pad))
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
@@ -151,8 +151,10 @@ def _float(x: Tensor) -> Tensor:
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     out = _tiled_matmul(_float(x.reshape(-1, x.shape[-1])), weight)
     if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        out = out + _float(bias)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
