@@ -235,10 +235,10 @@ def print_results(record: dict) -> None:
             prof = r["profile"][side]
             rows = [[o["op"][:60], f"{o['calls_per_run']:.0f}", f"{o['self_ms_per_run']:.2f}", f"{o['share']:.1%}"]
                     for o in prof["ops"]]
-            print_table(f"{r['item']} {r['shape']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} {side}: top ops by self "
-                        f"CPU time (profiled: {prof['total_self_ms_per_run']:.1f} ms, "
-                        f"{prof['aten_calls_per_run']:.0f} aten calls per run)",
-                        ["op", "calls", "self ms", "share"], rows)
+            print(f"\n{r['item']} {r['shape']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} {side}: top ops by self CPU "
+                  f"time (profiled run: {prof['total_self_ms_per_run']:.1f} ms, "
+                  f"{prof['aten_calls_per_run']:.0f} aten calls)")
+            print_table("", ["op", "calls", "self ms", "share"], rows)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

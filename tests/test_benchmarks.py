@@ -40,7 +40,7 @@ def _check_ratios(row: dict) -> None:
 
 def test_kernel_benchmark_schema(tmp_path):
     record = kernels.run(["tiny"], ["float32", "bfloat16"], list(kernels.OPS), list(kernels.MODES), reps=1,
-                         device=torch.device("cpu"))
+                         device=torch.device("cpu"), threads=1)
     assert record["benchmark"] == "kernels"
     assert all(key in record["machine"] for key in MACHINE_KEYS)
     seen = {(r["op"], r["dtype"], r["mode"]) for r in record["results"]}
@@ -59,18 +59,25 @@ def test_kernel_benchmark_schema(tmp_path):
 
 def test_end_to_end_benchmark_schema():
     record = end_to_end.run(["tiny"], ["float32"], list(end_to_end.ITEMS), reps=1, device=torch.device("cpu"),
-                            rl_overrides=TINY_RL, warm=False, profile=3)
+                            threads=1, rl_overrides=TINY_RL, warm=False)
     assert record["benchmark"] == "end_to_end" and not record["skipped"]
     assert [r["item"] for r in record["results"]] == list(end_to_end.ITEMS)
     for row in record["results"]:
         _check_ratios(row)
         assert row["tokens"] > 0 and row["exact_tokens_per_s"] > 0 and row["native_tokens_per_s"] > 0
-        for side in ("exact", "native"):
-            ops = row["profile"][side]["ops"]
-            assert 0 < len(ops) <= 3 and all(0 < op["share"] <= 1 for op in ops)
     rollout = record["results"][0]
     assert rollout["tokens"] == shapes()["tiny"].e2e_batch * shapes()["tiny"].new_tokens
     end_to_end.print_results(record)
+
+
+def test_end_to_end_profile_records_top_ops():
+    record = end_to_end.run(["tiny"], ["float32"], ["decode_step"], reps=1, device=torch.device("cpu"), threads=1,
+                            profile=3)
+    row = record["results"][0]
+    for side in ("exact", "native"):
+        prof = row["profile"][side]
+        assert 0 < len(prof["ops"]) <= 3 and all(0 < op["share"] <= 1 for op in prof["ops"])
+        assert prof["aten_calls_per_run"] > 0 and prof["total_self_ms_per_run"] > 0
 
 
 def test_vexact_bench_command_writes_json(tmp_path):
