@@ -182,7 +182,7 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
         return run
     summary = _measure(step("exact"), step("native"), reps, torch.device("cpu"), profile)
     cfg = exact.cfg
-    return {"item": "rl_step", "shape": "default" if not overrides else "config+overrides", "dtype": dtype_name,
+    return {"item": "rl_step", "shape": Path(config).stem, "dtype": dtype_name,
             "tokens": tokens["exact"][-1], "response_tokens_exact": tokens["exact"][-1],
             "response_tokens_native": tokens["native"][-1], "config": str(config), "overrides": overrides,
             "warm_start": warm, "sequences": cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
