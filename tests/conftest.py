@@ -38,3 +38,11 @@ def _restore_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread: tiny models gain nothing from two, and on a busy 2-core machine OpenMP's barrier
+    waits made each small matmul ~500x slower. (Thread-count invariance is tested in test_exactness.)"""
+    with num_threads(1):
+        yield

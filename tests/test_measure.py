@@ -21,14 +21,7 @@ from vexact.pretrained import make_tiny_checkpoint
 HF_FP32_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: these tiny models gain nothing from two, and on a busy 2-core machine OpenMP's
-    barrier waits made each small matmul ~500x slower. (Thread-count invariance is tested in test_exactness.)"""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
