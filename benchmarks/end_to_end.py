@@ -8,7 +8,8 @@ Every figure is exact / native on the same model (identical weights) and the sam
 - ``rollout``: ``generate`` of ``e2e_batch`` prompts x ``new_tokens`` new tokens (no EOS, so both
   backends produce exactly the same number of tokens); reported as tokens/s and the time ratio.
 - ``decode_step``: one decode step of the whole batch against a prefilled KV cache: the model forward
-  for one token per sequence, the LM head and the sampled token's log-prob.
+  for one token per sequence, the LM head and the sampled token's log-prob (timed in groups of steps
+  lasting ~50 ms, as a single step is too short to time alone on a shared machine).
 - ``train_fwd_bwd``: the training path on the exact rollout's prompts + responses: ``token_logprobs``
   with grad, mean log-prob loss, ``backward`` (what one PPO mini-batch costs before the optimizer).
 - ``rl_step``: ``Trainer.step`` (rollout + scoring + metrics + PPO update + AdamW) of
@@ -44,6 +45,7 @@ from .common import (
     Shape,
     compare,
     fmt_ratio,
+    inner_repeats,
     machine_info,
     parse_list,
     print_table,
@@ -77,9 +79,11 @@ def _models(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str,
     return {"exact": exact, "native": native}
 
 
-def _measure(exact, native, reps: int, device: torch.device, profile: int) -> dict:
-    """Interleaved comparison; with ``profile`` > 0 (CPU) also the top ops of each side under torch.profiler."""
-    summary = compare(exact, native, reps=reps, device=device).summary()
+def _measure(exact, native, reps: int, device: torch.device, profile: int, inner: int = 1) -> dict:
+    """Interleaved comparison (``inner`` calls per timed sample); with ``profile`` > 0 (CPU) also the top ops of
+    each side under torch.profiler."""
+    summary = compare(exact, native, reps=reps, device=device, inner=inner).summary()
+    summary["inner_calls"] = inner
     if profile > 0 and device.type == "cpu":
         summary["profile"] = {"exact": profile_top(exact, profile), "native": profile_top(native, profile)}
     return summary
@@ -125,7 +129,9 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
                     hidden = model(token[:, None], q_start=lengths, cache=cache)[:, 0]
                     return model.ops.token_logprobs(model.logits(hidden).float(), token)
             steps[name] = step
-        summary = _measure(steps["exact"], steps["native"], reps, device, profile)
+        # one step lasts milliseconds: time groups of steps (~50 ms) so scheduler noise averages out
+        inner = inner_repeats(steps["native"], device, target_s=0.05)
+        summary = _measure(steps["exact"], steps["native"], reps, device, profile, inner)
         rows.append(_row("decode_step", shape.name, dtype_name, summary, len(prompts)))
 
     if "train_fwd_bwd" in items:
