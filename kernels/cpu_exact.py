@@ -133,9 +133,8 @@ def _unary(fn: Callable[..., Tensor], x: Tensor, inplace: bool = False) -> Tenso
     padded = _ceil_to(max(total, 1), 64)
     if padded != total:
         flat = torch.cat([flat, flat.new_zeros(padded - total)])
-    elif not (inplace and flat.data_ptr() == x.data_ptr()):
-        inplace = False
-    out = flat if inplace or padded != total else torch.empty_like(flat)
+    fresh = flat.data_ptr() != x.data_ptr()  # a copy made here may be overwritten
+    out = flat if inplace or fresh else torch.empty_like(flat)
     for start in range(0, padded, CHUNK):
         fn(flat[start : start + CHUNK], out=out[start : start + CHUNK])
     return out[:total].view(x.shape)
