@@ -9,12 +9,14 @@ its min-max over the repetitions, plus the median times themselves.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -257,3 +259,36 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 def dataclass_dict(obj: object) -> dict:
     return asdict(obj)  # type: ignore[arg-type]
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``cpu`` or ``cuda`` (default: cuda when available); a clear error for anything else."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}; expected cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def cli_main(argv: list[str] | None, prog: str, description: str, name: str,
+             add_arguments: Callable[[argparse.ArgumentParser], None],
+             measure: Callable[[argparse.Namespace, torch.device], dict],
+             print_results: Callable[[dict], None]) -> int:
+    """Shared entry point of the benchmarks: parse, ``measure``, print the table, write the JSON
+    (``--out`` or runs/bench/<name>-<device>.json). Bad input (unknown shape, dtype, op ...) exits 2
+    with one line."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        record = measure(args, device)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print_results(record)
+    path = write_json(record, args.out, f"{name}-{device.type}.json")
+    print(f"wrote {path}")
+    return 0

@@ -43,6 +43,7 @@ from .common import (
     DTYPES,
     SHORT_DTYPE,
     Shape,
+    cli_main,
     compare,
     fmt_ratio,
     inner_repeats,
@@ -51,9 +52,7 @@ from .common import (
     print_table,
     profile_top,
     shapes,
-    write_json,
 )
-from .kernels import resolve_device
 
 ITEMS = ("rollout", "decode_step", "train_fwd_bwd", "rl_step")
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
@@ -263,27 +262,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/end_to_end-<device>.json)")
 
 
-def main_from_args(args: argparse.Namespace) -> int:
-    device = resolve_device(args.device)
-    record = run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
-                 parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
-                 args.rl_set, warm=not args.no_warm_start, profile=args.profile)
-    print_results(record)
-    path = write_json(record, args.out, f"end_to_end-{device.type}.json")
-    print(f"wrote {path}")
-    return 0
+def measure(args: argparse.Namespace, device: torch.device) -> dict:
+    """Run the benchmark the parsed options ask for; the JSON-ready record."""
+    return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
+               parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
+               args.rl_set, warm=not args.no_warm_start, profile=args.profile)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.end_to_end") -> int:
     """Command-line entry point; bad input (unknown shape, dtype, op ...) exits 2 with one line."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return main_from_args(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return cli_main(argv, prog, __doc__.split("\n")[0], "end_to_end", add_arguments, measure,
+                    print_results)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from .common import (
     DTYPES,
     SHORT_DTYPE,
     Shape,
+    cli_main,
     compare,
     fmt_ratio,
     inner_repeats,
@@ -39,7 +40,6 @@ from .common import (
     parse_list,
     print_table,
     shapes,
-    write_json,
 )
 
 OPS = ("linear", "linear_decode", "lm_head", "rms_norm", "silu_mul", "attention_prefill", "attention_decode",
@@ -212,37 +212,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/kernels-<device>.json)")
 
 
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r}; expected cpu or cuda")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but torch.cuda.is_available() is False")
-    return torch.device(name)
-
-
-def main_from_args(args: argparse.Namespace) -> int:
-    device = resolve_device(args.device)
-    record = run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
-                 parse_list(args.ops, OPS, "op"), parse_list(args.modes, MODES, "mode"), args.reps, device,
-                 args.threads, matmul=not args.no_matmul)
-    print_results(record)
-    path = write_json(record, args.out, f"kernels-{device.type}.json")
-    print(f"wrote {path}")
-    return 0
+def measure(args: argparse.Namespace, device: torch.device) -> dict:
+    """Run the benchmark the parsed options ask for; the JSON-ready record."""
+    return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
+               parse_list(args.ops, OPS, "op"), parse_list(args.modes, MODES, "mode"), args.reps, device,
+               args.threads, matmul=not args.no_matmul)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.kernels") -> int:
     """Command-line entry point; bad input (unknown shape, dtype, op ...) exits 2 with one line."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return main_from_args(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return cli_main(argv, prog, __doc__.split("\n")[0], "kernels", add_arguments, measure,
+                    print_results)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from .pretrained import (
     make_tiny_checkpoint,
     make_tiny_hf_model,
     parity_with_transformers,
+    read_checkpoint_config,
 )
 from .rollout import generate
 from .scoring import token_logprobs
@@ -278,17 +279,12 @@ class _Loader:
 
 def _checkpoint_config(directory: Path) -> dict[str, Any]:
     """The checkpoint's config.json (read here too: the ``hf`` path and the prompts need it)."""
-    if not directory.is_dir():
-        raise ValueError(f"--model: checkpoint directory not found: {directory}")
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"--model: no config.json in {directory} (expected a Hugging Face checkpoint directory)")
     try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--model: {config_file} is not valid JSON: {err}") from None
+        config = read_checkpoint_config(directory)
+    except ValueError as err:
+        raise ValueError(f"--model: {err}") from None
     if not isinstance(config.get("vocab_size"), int):
-        raise ValueError(f"--model: {config_file} has no integer vocab_size")
+        raise ValueError(f"--model: {directory / 'config.json'} has no integer vocab_size")
     return config
 
 

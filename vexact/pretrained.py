@@ -204,6 +204,20 @@ def _load_weights(model: Transformer, tensors: dict[str, Tensor], source: str) -
             param.copy_(tensors[name])  # copy_ casts to the model's dtype and device
 
 
+def read_checkpoint_config(directory: Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face checkpoint directory, with one clear error if it is missing
+    or unreadable."""
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint directory not found: {directory}")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"no config.json in {directory} (expected a Hugging Face checkpoint directory)")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+
+
 def from_pretrained(path_or_model: str | Path | Any, backend: str = "exact", dtype: torch.dtype | str = torch.float32,
                     device: torch.device | str = "cpu", max_seq_len: int | None = None) -> Transformer:
     """A vexact ``Transformer`` with the weights of a Hugging Face checkpoint.
@@ -219,15 +233,7 @@ def from_pretrained(path_or_model: str | Path | Any, backend: str = "exact", dty
     dtype = resolve_dtype(dtype)
     if isinstance(path_or_model, (str, Path)):
         directory = Path(path_or_model)
-        if not directory.is_dir():
-            raise ValueError(f"checkpoint directory not found: {directory}")
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"no config.json in {directory} (expected a Hugging Face checkpoint directory)")
-        try:
-            hf_config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+        hf_config = read_checkpoint_config(directory)
         config = model_config_from_hf(hf_config, max_seq_len)
         tensors, source = _read_state_dict(directory), f"checkpoint {directory}"
     elif hasattr(path_or_model, "config") and hasattr(path_or_model, "state_dict"):
