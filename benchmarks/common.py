@@ -238,6 +238,18 @@ def write_json(payload: dict, out: Path | None, default_name: str) -> Path:
     return path
 
 
+def describe_run(record: dict) -> str:
+    """The machine (and a forced exact backend) for table titles."""
+    m = record["machine"]
+    where = f"{m['cpu_model']}, {m['torch_threads']} threads, torch {m['torch_version']}"
+    where += f", {m['gpu']}" if "gpu" in m else ""
+    backend = record["settings"].get("exact_backend", "exact")
+    if backend != "exact":
+        where += f"; exact = {backend}"
+        where += " in the Triton interpreter: a functional check, NOT a speed" if m.get("device") == "cpu" else ""
+    return where
+
+
 def fmt_ratio(summary: dict) -> str:
     return f"{summary['ratio_median']:.2f}× ({summary['ratio_min']:.2f}–{summary['ratio_max']:.2f})"
 
@@ -259,6 +271,25 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 def dataclass_dict(obj: object) -> dict:
     return asdict(obj)  # type: ignore[arg-type]
+
+
+EXACT_BACKENDS = ("exact", "triton")
+
+
+def check_exact_backend(name: str) -> None:
+    if name not in EXACT_BACKENDS:
+        raise ValueError(f"unknown exact backend {name!r}; expected one of {', '.join(EXACT_BACKENDS)}")
+
+
+def interpreted(exact_backend: str, device: torch.device) -> bool:
+    """Triton kernels on CPU run in the interpreter: a functional check, timed once per sample, not a speed."""
+    return exact_backend == "triton" and device.type == "cpu"
+
+
+def add_exact_backend_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--exact-backend", default="exact",
+                   help="exact (Triton on CUDA, the CPU kernels on CPU; default) or triton (the Triton kernels "
+                        "forced: on CPU through the interpreter, a functional check only, not a timing)")
 
 
 def resolve_device(name: str | None) -> torch.device:

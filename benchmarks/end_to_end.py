@@ -43,10 +43,14 @@ from .common import (
     DTYPES,
     SHORT_DTYPE,
     Shape,
+    add_exact_backend_argument,
+    check_exact_backend,
     cli_main,
     compare,
+    describe_run,
     fmt_ratio,
     inner_repeats,
+    interpreted,
     machine_info,
     parse_list,
     print_table,
@@ -70,9 +74,9 @@ def _prompts(shape: Shape) -> list[list[int]]:
             for _ in range(shape.e2e_batch)]
 
 
-def _models(shape: Shape, dtype: torch.dtype, device: torch.device) -> dict[str, Transformer]:
+def _models(shape: Shape, dtype: torch.dtype, device: torch.device, exact_backend: str) -> dict[str, Transformer]:
     """An exact and a native model with identical weights."""
-    exact = Transformer(shape.model, backend="exact", dtype=dtype, device=device, init_seed=0)
+    exact = Transformer(shape.model, backend=exact_backend, dtype=dtype, device=device, init_seed=0)
     native = Transformer(shape.model, backend="native", dtype=dtype, device=device, init_seed=None)
     native.load_state_dict(exact.state_dict())
     return {"exact": exact, "native": native}
@@ -95,10 +99,10 @@ def _row(item: str, shape: str, dtype: str, summary: dict, tokens: int, **extra:
 
 
 def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, device: torch.device,
-                profile: int = 0) -> list[dict]:
+                profile: int = 0, exact_backend: str = "exact") -> list[dict]:
     """rollout, decode_step and train_fwd_bwd rows for one shape and dtype."""
     dtype = DTYPES[dtype_name]
-    models = _models(shape, dtype, device)
+    models = _models(shape, dtype, device, exact_backend)
     prompts = _prompts(shape)
     n_new = shape.new_tokens
     rows = []
@@ -129,7 +133,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
                     return model.ops.token_logprobs(model.logits(hidden).float(), token)
             steps[name] = step
         # one step lasts milliseconds: time groups of steps (~50 ms) so scheduler noise averages out
-        inner = inner_repeats(steps["native"], device, target_s=0.05)
+        inner = 1 if interpreted(exact_backend, device) else inner_repeats(steps["native"], device, target_s=0.05)
         summary = _measure(steps["exact"], steps["native"], reps, device, profile, inner)
         rows.append(_row("decode_step", shape.name, dtype_name, summary, len(prompts)))
 
@@ -197,8 +201,12 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
 
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int, device: torch.device,
         threads: int | None = None, rl_config: Path = EXPERIMENT, rl_overrides: list[str] | None = None,
-        warm: bool = True, profile: int = 0) -> dict:
-    """Run the end-to-end benchmarks; returns the JSON-ready record (``profile`` > 0: top ops per item)."""
+        warm: bool = True, profile: int = 0, exact_backend: str = "exact") -> dict:
+    """Run the end-to-end benchmarks; returns the JSON-ready record (``profile`` > 0: top ops per item).
+
+    ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
+    on CPU through the interpreter, which checks that the GPU path runs but times nothing useful)."""
+    check_exact_backend(exact_backend)
     if threads is not None:
         torch.set_num_threads(threads)
     if reps < 1:
@@ -206,15 +214,20 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
     known = shapes()
     record: dict = {"benchmark": "end_to_end", "machine": machine_info(device),
                     "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
-                                 "items": items, "reps": reps, "profile_top": profile},
+                                 "items": items, "reps": reps, "profile_top": profile,
+                                 "exact_backend": exact_backend},
                     "results": [], "skipped": []}
     for dtype_name in dtype_names:
         for shape_name in shape_names:
-            record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device, profile)
+            record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device, profile,
+                                             exact_backend)
         if "rl_step" in items:
             if device.type != "cpu":
                 record["skipped"].append({"item": "rl_step", "dtype": dtype_name,
                                           "reason": "the Trainer runs on CPU only"})
+            elif exact_backend != "exact":
+                record["skipped"].append({"item": "rl_step", "dtype": dtype_name,
+                                          "reason": "the RL step compares the experiment's backends (exact, native)"})
             else:
                 record["results"].append(bench_rl_step(dtype_name, reps, rl_config, rl_overrides or [], warm,
                                                        profile))
@@ -222,9 +235,7 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
 
 
 def print_results(record: dict) -> None:
-    m = record["machine"]
-    where = f"{m['cpu_model']}, {m['torch_threads']} threads, torch {m['torch_version']}" + (
-        f", {m['gpu']}" if "gpu" in m else "")
+    where = describe_run(record)
     rows = [[r["item"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), str(r["tokens"]), fmt_ratio(r),
              f"{r['exact_s_median'] * 1e3:.1f}", f"{r['native_s_median'] * 1e3:.1f}",
              f"{r['exact_tokens_per_s']:.0f}", f"{r['native_tokens_per_s']:.0f}"] for r in record["results"]]
@@ -253,6 +264,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=11, help="interleaved repetitions per figure (default 11)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add_exact_backend_argument(p)
     p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
     p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the RL step's config (repeatable)")
@@ -266,7 +278,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
                parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
-               args.rl_set, warm=not args.no_warm_start, profile=args.profile)
+               args.rl_set, warm=not args.no_warm_start, profile=args.profile, exact_backend=args.exact_backend)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.end_to_end") -> int:

@@ -32,10 +32,14 @@ from .common import (
     DTYPES,
     SHORT_DTYPE,
     Shape,
+    add_exact_backend_argument,
+    check_exact_backend,
     cli_main,
     compare,
+    describe_run,
     fmt_ratio,
     inner_repeats,
+    interpreted,
     machine_info,
     parse_list,
     print_table,
@@ -113,18 +117,20 @@ def _runner(ops, op: str, tensors: list[Tensor], static: tuple, backward: bool) 
     return forward_backward
 
 
-def bench_op(op: str, shape: Shape, dtype: torch.dtype, mode: str, reps: int, device: torch.device) -> dict:
+def bench_op(op: str, shape: Shape, dtype: torch.dtype, mode: str, reps: int, device: torch.device,
+             exact_backend: str = "exact") -> dict:
     """One row: exact vs native for ``op`` at ``shape``/``dtype``/``mode``."""
     tensors, static, size = _inputs(op, shape, dtype, device)
-    exact = _runner(vexact_kernels.get_ops("exact", device), op, tensors, static, mode == "fwd+bwd")
+    exact = _runner(vexact_kernels.get_ops(exact_backend, device), op, tensors, static, mode == "fwd+bwd")
     native = _runner(vexact_kernels.get_ops("native", device), op, tensors, static, mode == "fwd+bwd")
-    inner = inner_repeats(native, device)
+    inner = 1 if interpreted(exact_backend, device) else inner_repeats(native, device)
     summary = compare(exact, native, reps=reps, device=device, inner=inner).summary()
     return {"op": op, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "size": size,
             "inner_calls": inner, **summary}
 
 
-def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.device) -> list[dict]:
+def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.device,
+                 exact_backend: str = "exact") -> list[dict]:
     """Achieved GFLOP/s of the exact linear vs torch.mm on the model's matmul shapes (training rows)."""
     c = shape.model
     rows = shape.train_batch * shape.train_len
@@ -132,7 +138,7 @@ def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.devi
     cases = {"q_proj": (c.hidden_size, c.num_heads * c.head_dim), "k_proj": (c.hidden_size, kv),
              "mlp_up": (c.hidden_size, c.intermediate_size), "mlp_down": (c.intermediate_size, c.hidden_size),
              "lm_head": (c.hidden_size, c.vocab_size)}
-    exact_linear = vexact_kernels.get_ops("exact", device).linear
+    exact_linear = vexact_kernels.get_ops(exact_backend, device).linear
     out = []
     g = torch.Generator().manual_seed(2)
     for name, (k, n) in cases.items():
@@ -147,7 +153,7 @@ def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.devi
         def mm(x=x, w_t=w_t) -> object:
             with torch.no_grad():
                 return torch.mm(x, w_t)
-        inner = inner_repeats(mm, device)
+        inner = 1 if interpreted(exact_backend, device) else inner_repeats(mm, device)
         summary = compare(exact, mm, reps=reps, device=device, inner=inner).summary()
         flop = 2.0 * rows * k * n
         exact_gflops = flop / summary["exact_s_median"] / 1e9
@@ -159,8 +165,12 @@ def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.devi
 
 
 def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mode_names: list[str], reps: int,
-        device: torch.device, threads: int | None = None, matmul: bool = True) -> dict:
-    """Run the kernel benchmarks; returns the JSON-ready record (machine, settings, results)."""
+        device: torch.device, threads: int | None = None, matmul: bool = True, exact_backend: str = "exact") -> dict:
+    """Run the kernel benchmarks; returns the JSON-ready record (machine, settings, results).
+
+    ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
+    on CPU through the interpreter, which checks that the GPU path runs but times nothing useful)."""
+    check_exact_backend(exact_backend)
     if threads is not None:
         torch.set_num_threads(threads)
     if reps < 1:
@@ -168,7 +178,8 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mod
     known = shapes()
     record: dict = {"benchmark": "kernels", "machine": machine_info(device),
                     "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
-                                 "ops": op_names, "modes": mode_names, "reps": reps},
+                                 "ops": op_names, "modes": mode_names, "reps": reps,
+                                 "exact_backend": exact_backend},
                     "results": [], "matmul": []}
     for shape_name in shape_names:
         shape = known[shape_name]
@@ -178,16 +189,15 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mod
                 for mode in mode_names:
                     if mode == "fwd+bwd" and op in NO_BACKWARD:
                         continue
-                    record["results"].append(bench_op(op, shape, dtype, mode, reps, device))
+                    record["results"].append(bench_op(op, shape, dtype, mode, reps, device,
+                                                              exact_backend))
             if matmul:
-                record["matmul"] += bench_matmul(shape, dtype, reps, device)
+                record["matmul"] += bench_matmul(shape, dtype, reps, device, exact_backend)
     return record
 
 
 def print_results(record: dict) -> None:
-    m = record["machine"]
-    where = f"{m['cpu_model']}, {m['torch_threads']} threads, torch {m['torch_version']}" + (
-        f", {m['gpu']}" if "gpu" in m else "")
+    where = describe_run(record)
     rows = [[r["op"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), r["mode"], r["size"], fmt_ratio(r),
              f"{r['exact_s_median'] * 1e3:.3f}", f"{r['native_s_median'] * 1e3:.3f}"] for r in record["results"]]
     print_table(f"exact / native time ({where})",
@@ -208,6 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per figure (default 7)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add_exact_backend_argument(p)
     p.add_argument("--no-matmul", action="store_true", help="skip the GFLOP/s comparison with torch.mm")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/kernels-<device>.json)")
 
@@ -216,7 +227,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
                parse_list(args.ops, OPS, "op"), parse_list(args.modes, MODES, "mode"), args.reps, device,
-               args.threads, matmul=not args.no_matmul)
+               args.threads, matmul=not args.no_matmul, exact_backend=args.exact_backend)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.kernels") -> int:

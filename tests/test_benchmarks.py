@@ -80,6 +80,29 @@ def test_end_to_end_profile_records_top_ops():
         assert prof["aten_calls_per_run"] > 0 and prof["total_self_ms_per_run"] > 0
 
 
+def test_triton_exact_backend_runs_both_benchmarks(capsys):
+    """``--exact-backend triton`` (the GPU path's kernels) runs every op and item; on CPU the interpreter
+    makes it a functional check, which the table title says."""
+    pytest.importorskip("triton")
+    ops = ["linear", "attention_prefill", "attention_decode", "token_logprobs"]
+    record = kernels.run(["tiny"], ["float32"], ops, list(kernels.MODES), reps=1, device=torch.device("cpu"),
+                         threads=1, matmul=False, exact_backend="triton")
+    assert record["settings"]["exact_backend"] == "triton"
+    assert [r["op"] for r in record["results"] if r["mode"] == "fwd"] == ops
+    for row in record["results"]:
+        _check_ratios(row)
+        assert row["inner_calls"] == 1  # interpreted: not grouped into ~20 ms samples
+    kernels.print_results(record)
+    e2e = end_to_end.run(["tiny"], ["float32"], list(end_to_end.ITEMS), reps=1, device=torch.device("cpu"),
+                         threads=1, exact_backend="triton")
+    assert [r["item"] for r in e2e["results"]] == ["rollout", "decode_step", "train_fwd_bwd"]
+    assert [s["item"] for s in e2e["skipped"]] == ["rl_step"]
+    for row in e2e["results"]:
+        _check_ratios(row)
+    end_to_end.print_results(e2e)
+    assert "NOT a speed" in capsys.readouterr().out
+
+
 def test_vexact_bench_command_writes_json(tmp_path):
     out = tmp_path / "k.json"
     code = vexact_main(["bench", "kernels", "--shape", "tiny", "--dtype", "fp32", "--ops", "linear,attention_decode",
@@ -95,6 +118,7 @@ def test_vexact_bench_command_writes_json(tmp_path):
     (["--dtype", "float16"], "unknown dtype 'float16'"),
     (["--ops", "conv"], "unknown op 'conv'"),
     (["--reps", "0"], "reps must be >= 1"),
+    (["--exact-backend", "cuda"], "unknown exact backend 'cuda'"),
 ])
 def test_bad_input_is_one_clear_error(argv, message, capsys):
     assert kernels.main(["--shape", "tiny", *argv] if argv[0] != "--shape" else argv) == 2
