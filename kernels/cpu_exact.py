@@ -8,7 +8,7 @@ last prefill row differs from a single-query decode; wide sums change with the t
 How this module gets exactness anyway -- three building blocks, each invariant:
 
 1. **Fixed-shape matmul tiles** (``_tiled_matmul``): rows are zero-padded to whole row tiles
-   (16, 32 or 64 rows: the smallest that holds them, 64-row tiles beyond) and the output width
+   (4, 8, 16, 32 or 64 rows: the smallest that holds them, 64-row tiles beyond) and the output width
    to a multiple of ``COL_BLOCK`` (16); one batched ``torch.bmm`` then runs the same GEMM
    kernel for every tile, whatever M is. Each output element's K-reduction therefore always
    runs through the same kernel in the same order (MKL gave the same bits for tile heights
@@ -51,7 +51,7 @@ from .autograd import exact_forward_vjp, exact_linear
 
 NAME = "cpu_exact"
 
-ROW_BLOCKS = (16, 32, 64)  # GEMM tile heights: the smallest holding a call's rows, else 64-row tiles
+ROW_BLOCKS = (4, 8, 16, 32, 64)  # GEMM tile heights: the smallest holding a call's rows, else 64-row tiles
 COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed MKL's threading)
 CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
 KEY_BLOCK = 64  # keys per attention tile, from position 0
@@ -66,7 +66,10 @@ def _row_block(rows: int) -> int:
 
     MKL gave every output row the same bits for tile heights 4..64 (measured with 1-16 threads,
     1-256 tiles per bmm, K up to 1536): a row's K-reduction does not depend on how many rows
-    share its tile. Small tiles keep a decode step with few sequences from paying for 64 rows."""
+    share its tile. Heights 1 and 2 do differ (a narrower kernel), hence 4 as the smallest.
+    Small tiles keep a decode step from paying for rows it does not have: its attention tile
+    holds ``group`` real query rows (2 in the default model), and a 16-row tile multiplied
+    zeros 8x over in the scores and P @ V GEMMs and their masks."""
     for block in ROW_BLOCKS:
         if rows <= block:
             return block
@@ -162,7 +165,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Invariance contract: each output row depends only on the same input row, the weight and
     the bias -- never on how many rows there are, the row's position among them, padding
     rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
-    x.dtype. Tiling: rows in GEMM tiles of 16, 32 or 64 rows (``_row_block``), columns padded to
+    x.dtype. Tiling: rows in GEMM tiles of 4, 8, 16, 32 or 64 rows (``_row_block``), columns padded to
     a multiple of 16.
     Backward: plain matmuls (deterministic run to run).
     """
@@ -533,13 +536,13 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     finite), or the thread count. So decode step t equals row t of a prefill bit for bit.
 
     Tiling: per (sequence, KV head) the group's query heads are folded into rows and padded to
-    row tiles of 16, 32 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
+    row tiles of 4, 8, 16, 32 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
     64-key tiles from position 0; every (row tile, key tile) pair is one GEMM
     ([R x hd] @ [hd x 64] for the scores, [R x 64] @ [64 x hd] for P @ V). A query row's
     scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and MKL gave
-    them the same bits for any tile height from 4 to 64 rows (measured with 1-3 threads and
+    them the same bits for any tile height from 4 to 64 rows (measured with 1-16 threads and
     batches of 1-256 tiles; ``tests/test_kernels.py`` checks decode == prefill, which compares
-    16-row with 64-row tiles, on every run). Masked scores give probability exactly 0, so
+    4-row with 64-row tiles, on every run). Masked scores give probability exactly 0, so
     tiles past a query's position add exact zeros to the position-ordered tree sums, and a
     short decode row reduces like a long prefill row.
     Backward: the softmax-attention VJP from the saved exact probabilities (deterministic).
