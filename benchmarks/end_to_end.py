@@ -44,6 +44,7 @@ from .common import (
     SHORT_DTYPE,
     Shape,
     add_exact_backend_argument,
+    add_malloc_argument,
     check_exact_backend,
     cli_main,
     compare,
@@ -55,6 +56,7 @@ from .common import (
     parse_list,
     print_table,
     profile_top,
+    set_malloc,
     shapes,
 )
 
@@ -201,7 +203,8 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
 
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int, device: torch.device,
         threads: int | None = None, rl_config: Path = EXPERIMENT, rl_overrides: list[str] | None = None,
-        warm: bool = True, profile: int = 0, exact_backend: str = "exact") -> dict:
+        warm: bool = True, profile: int = 0, exact_backend: str = "exact",
+        malloc: str = "steady") -> dict:
     """Run the end-to-end benchmarks; returns the JSON-ready record (``profile`` > 0: top ops per item).
 
     ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
@@ -212,7 +215,8 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     known = shapes()
-    record: dict = {"benchmark": "end_to_end", "machine": machine_info(device),
+    malloc_state = set_malloc(malloc)
+    record: dict = {"benchmark": "end_to_end", "machine": {**machine_info(device), "malloc": malloc_state},
                     "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
                                  "items": items, "reps": reps, "profile_top": profile,
                                  "exact_backend": exact_backend},
@@ -265,6 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     add_exact_backend_argument(p)
+    add_malloc_argument(p)
     p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
     p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the RL step's config (repeatable)")
@@ -278,7 +283,8 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
                parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
-               args.rl_set, warm=not args.no_warm_start, profile=args.profile, exact_backend=args.exact_backend)
+               args.rl_set, warm=not args.no_warm_start, profile=args.profile, exact_backend=args.exact_backend,
+               malloc=args.malloc)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.end_to_end") -> int:

@@ -33,6 +33,7 @@ from .common import (
     SHORT_DTYPE,
     Shape,
     add_exact_backend_argument,
+    add_malloc_argument,
     check_exact_backend,
     cli_main,
     compare,
@@ -43,6 +44,7 @@ from .common import (
     machine_info,
     parse_list,
     print_table,
+    set_malloc,
     shapes,
 )
 
@@ -165,7 +167,8 @@ def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.devi
 
 
 def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mode_names: list[str], reps: int,
-        device: torch.device, threads: int | None = None, matmul: bool = True, exact_backend: str = "exact") -> dict:
+        device: torch.device, threads: int | None = None, matmul: bool = True, exact_backend: str = "exact",
+        malloc: str = "steady") -> dict:
     """Run the kernel benchmarks; returns the JSON-ready record (machine, settings, results).
 
     ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
@@ -176,7 +179,8 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mod
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     known = shapes()
-    record: dict = {"benchmark": "kernels", "machine": machine_info(device),
+    malloc_state = set_malloc(malloc)
+    record: dict = {"benchmark": "kernels", "machine": {**machine_info(device), "malloc": malloc_state},
                     "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
                                  "ops": op_names, "modes": mode_names, "reps": reps,
                                  "exact_backend": exact_backend},
@@ -219,6 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     add_exact_backend_argument(p)
+    add_malloc_argument(p)
     p.add_argument("--no-matmul", action="store_true", help="skip the GFLOP/s comparison with torch.mm")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/kernels-<device>.json)")
 
@@ -227,7 +232,8 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
                parse_list(args.ops, OPS, "op"), parse_list(args.modes, MODES, "mode"), args.reps, device,
-               args.threads, matmul=not args.no_matmul, exact_backend=args.exact_backend)
+               args.threads, matmul=not args.no_matmul, exact_backend=args.exact_backend,
+               malloc=args.malloc)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.kernels") -> int:

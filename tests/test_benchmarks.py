@@ -20,11 +20,12 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import end_to_end, kernels  # noqa: E402
-from benchmarks.common import parse_list, shapes  # noqa: E402
+from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 
 RATIO_KEYS = ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median", "repetitions")
-MACHINE_KEYS = ("cpu_model", "logical_cpus", "torch_threads", "torch_version", "load_average_start", "device")
+MACHINE_KEYS = ("cpu_model", "logical_cpus", "torch_threads", "torch_version", "load_average_start", "device",
+                "malloc")
 TINY_RL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=10",
            "task.eval_prompts=2", "warm_start.steps=0"]
 
@@ -123,6 +124,14 @@ def test_vexact_bench_command_writes_json(tmp_path):
 def test_bad_input_is_one_clear_error(argv, message, capsys):
     assert kernels.main(["--shape", "tiny", *argv] if argv[0] != "--shape" else argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_malloc_modes():
+    assert set_malloc("default") == "default"
+    steady = set_malloc("steady")  # glibc: thresholds set; elsewhere: says it could not
+    assert steady.startswith("steady (glibc") or steady.startswith("default (")
+    with pytest.raises(ValueError, match="unknown malloc mode 'huge'"):
+        set_malloc("huge")
 
 
 def test_parse_list():
