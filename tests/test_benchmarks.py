@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import end_to_end, kernels  # noqa: E402
+from benchmarks import end_to_end, kernels, tables  # noqa: E402
 from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 
@@ -124,6 +124,25 @@ def test_vexact_bench_command_writes_json(tmp_path):
 def test_bad_input_is_one_clear_error(argv, message, capsys):
     assert kernels.main(["--shape", "tiny", *argv] if argv[0] != "--shape" else argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_markdown_tables_from_json(tmp_path, capsys):
+    k = kernels.run(["tiny"], ["float32", "bfloat16"], ["linear", "attention_decode"], list(kernels.MODES), reps=1,
+                    device=torch.device("cpu"), threads=1)
+    e = end_to_end.run(["tiny"], ["float32"], ["decode_step"], reps=1, device=torch.device("cpu"), threads=1,
+                       profile=2)
+    paths = []
+    for name, record in (("k.json", k), ("e.json", e)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(record))
+    assert tables.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | q_proj | 27 × 32 × 32 |" in out  # matmul table
+    assert "| attention_decode | tiny |" in out and "| — |" in out  # no backward for decode
+    assert "| decode step (tiny, 3 tokens) |" in out and "- decode_step fp32: exact" in out
+    (tmp_path / "bad.json").write_text(json.dumps({"benchmark": "other"}))
+    assert tables.main([str(tmp_path / "bad.json")]) == 2
+    assert "not a benchmark record" in capsys.readouterr().err
 
 
 def test_malloc_modes():

@@ -1,0 +1,129 @@
+"""Markdown tables from benchmark JSON files (what the README's "Benchmarks" section shows).
+
+    python -m benchmarks.tables runs/bench/e2e-default.json runs/bench/kernels.json runs/bench/e2e-llama100m.json
+
+Each file is recognised by its ``benchmark`` field (``end_to_end`` or ``kernels``); the tables are
+printed in the order of the files, so the README's numbers are copied from this output, not typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .common import SHORT_DTYPE, fmt_ratio
+
+E2E_LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd": "training fwd+bwd",
+              "rollout": "rollout"}
+
+
+def _markdown(columns: list[str], rows: list[list[str]], right_from: int = 1) -> str:
+    align = ["---" if i < right_from else "---:" for i in range(len(columns))]
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _machine(record: dict) -> str:
+    m = record["machine"]
+    return (f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['torch_threads']} torch threads, torch "
+            f"{m['torch_version']}, malloc {m.get('malloc', 'default')}, commit {m.get('git_commit')}, load average "
+            f"{m.get('load_average_start')} -> {m.get('load_average_end')}")
+
+
+def end_to_end_table(record: dict) -> str:
+    """One row per item and shape: the ratio per dtype, and exact / native tokens/s per dtype."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in record["results"]))
+    keyed = {(r["item"], r["shape"], r["dtype"]): r for r in record["results"]}
+    rows = []
+    for item, shape in dict.fromkeys((r["item"], r["shape"]) for r in record["results"]):
+        row = [f"{E2E_LABELS.get(item, item)} ({shape}, {keyed[item, shape, dtypes[0]]['tokens']} tokens)"]
+        for dtype in dtypes:
+            r = keyed.get((item, shape, dtype))
+            row.append(fmt_ratio(r) if r else "—")
+        for dtype in dtypes:
+            r = keyed.get((item, shape, dtype))
+            row.append(f"{r['exact_tokens_per_s']:.0f} / {r['native_tokens_per_s']:.0f}" if r else "—")
+        rows.append(row)
+    short = [SHORT_DTYPE.get(d, d) for d in dtypes]
+    return _markdown(["exact / native", *short, *[f"exact / native tokens/s ({d})" for d in short]], rows)
+
+
+def profile_lines(record: dict, top: int = 4) -> str:
+    """Where the time goes per item (records made with --profile N)."""
+    lines = []
+    for r in record["results"]:
+        if "profile" not in r:
+            continue
+        sides = []
+        for side in ("exact", "native"):
+            p = r["profile"][side]
+            ops = ", ".join(f"{o['op'].removeprefix('aten::')} {o['share']:.0%}" for o in p["ops"][:top])
+            sides.append(f"{side} {p['total_self_ms_per_run']:.1f} ms in {p['aten_calls_per_run']:.0f} ops ({ops})")
+        lines.append(f"- {r['item']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])}: " + "; ".join(sides))
+    return "\n".join(lines)
+
+
+def matmul_table(record: dict) -> str:
+    """Exact linear vs torch.mm GFLOP/s, fp32 and bf16 side by side."""
+    keyed = {(r["shape"], r["matmul"], r["dtype"]): r for r in record["matmul"]}
+    rows = []
+    for shape, name in dict.fromkeys((r["shape"], r["matmul"]) for r in record["matmul"]):
+        first = next(r for (s, n, _), r in keyed.items() if (s, n) == (shape, name))
+        row = [shape, name, f"{first['m']} × {first['k']} × {first['n']}"]
+        for dtype in ("float32", "bfloat16"):
+            r = keyed.get((shape, name, dtype))
+            row += [f"{r['exact_gflops']:.0f} / {r['torch_mm_gflops']:.0f}", f"{r['fraction_of_torch_mm']:.0%}"] \
+                if r else ["—", "—"]
+        rows.append(row)
+    return _markdown(["shape", "matmul", "M × K × N", "fp32 exact / mm", "fp32 share", "bf16 exact / mm",
+                      "bf16 share"], rows, right_from=3)
+
+
+def kernel_table(record: dict) -> str:
+    """One row per op and shape: median ratio for each dtype x mode."""
+    keyed = {(r["op"], r["shape"], r["dtype"], r["mode"]): r for r in record["results"]}
+    combos = list(dict.fromkeys((r["dtype"], r["mode"]) for r in record["results"]))
+    rows = []
+    for op, shape in dict.fromkeys((r["op"], r["shape"]) for r in record["results"]):
+        size = next(r["size"] for (o, s, _, _), r in keyed.items() if (o, s) == (op, shape))
+        row = [op, shape, size]
+        for dtype, mode in combos:
+            r = keyed.get((op, shape, dtype, mode))
+            row.append(f"{r['ratio_median']:.2f}×" if r else "—")
+        rows.append(row)
+    return _markdown(["op", "shape", "size", *[f"{SHORT_DTYPE.get(d, d)} {m}" for d, m in combos]], rows,
+                     right_from=3)
+
+
+def tables(record: dict) -> str:
+    if record.get("benchmark") == "end_to_end":
+        parts = [end_to_end_table(record), profile_lines(record)]
+    elif record.get("benchmark") == "kernels":
+        parts = [matmul_table(record) if record.get("matmul") else "", kernel_table(record)]
+    else:
+        raise ValueError(f"not a benchmark record (benchmark = {record.get('benchmark')!r})")
+    return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+", type=Path, help="JSON written by benchmarks.kernels / end_to_end")
+    args = parser.parse_args(argv)
+    try:
+        for path in args.files:
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(f"{path}: cannot read benchmark JSON ({err})") from None
+            print(f"## {path}\n\n{tables(record)}\n")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
