@@ -108,8 +108,9 @@ def tables(record: dict) -> str:
     return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.tables") -> int:
+    """Command-line entry point; an unreadable or foreign JSON file exits 2 with one line."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", type=Path, help="JSON written by benchmarks.kernels / end_to_end")
     args = parser.parse_args(argv)
     try:

@@ -140,6 +140,7 @@ def test_markdown_tables_from_json(tmp_path, capsys):
     assert "| tiny | q_proj | 27 × 32 × 32 |" in out  # matmul table
     assert "| attention_decode | tiny |" in out and "| — |" in out  # no backward for decode
     assert "| decode step (tiny, 3 tokens) |" in out and "- decode_step fp32: exact" in out
+    assert vexact_main(["bench", "tables", str(paths[0])]) == 0
     (tmp_path / "bad.json").write_text(json.dumps({"benchmark": "other"}))
     assert tables.main([str(tmp_path / "bad.json")]) == 2
     assert "not a benchmark record" in capsys.readouterr().err
