@@ -124,12 +124,6 @@ def set_malloc(mode: str) -> str:
     return "steady (glibc mmap threshold 32 MiB, trim threshold 1 GiB)" if ok else "default (mallopt refused)"
 
 
-def add_malloc_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--malloc", default="steady", choices=MALLOC_MODES,
-                   help="steady (default): freed memory stays in the process, so neither variant pays page "
-                        "faults provoked by the other's allocations; default: glibc's adaptive behaviour")
-
-
 # --------------------------------------------------------------------------- timing
 def synchronize(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
@@ -322,12 +316,6 @@ def interpreted(exact_backend: str, device: torch.device) -> bool:
     return exact_backend == "triton" and device.type == "cpu"
 
 
-def add_exact_backend_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--exact-backend", default="exact",
-                   help="exact (Triton on CUDA, the CPU kernels on CPU; default) or triton (the Triton kernels "
-                        "forced: on CPU through the interpreter, a functional check only, not a timing)")
-
-
 def resolve_device(name: str | None) -> torch.device:
     """``cpu`` or ``cuda`` (default: cuda when available); a clear error for anything else."""
     if name is None:
@@ -359,3 +347,38 @@ def cli_main(argv: list[str] | None, prog: str, description: str, name: str,
     path = write_json(record, args.out, f"{name}-{device.type}.json")
     print(f"wrote {path}")
     return 0
+
+
+def new_record(benchmark: str, device: torch.device, shape_names: list[str], dtype_names: list[str], reps: int,
+               threads: int | None, exact_backend: str, malloc: str, **settings: object) -> dict:
+    """Validate the shared settings, apply threads and allocator mode, and start the JSON record
+    (machine, settings, empty results) of one benchmark run."""
+    check_exact_backend(exact_backend)
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    malloc_state = set_malloc(malloc)
+    known = shapes()
+    return {"benchmark": benchmark, "machine": {**machine_info(device), "malloc": malloc_state},
+            "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names, "reps": reps,
+                         "exact_backend": exact_backend, **settings},
+            "results": []}
+
+
+def add_common_arguments(p: argparse.ArgumentParser, name: str, default_shape: str, default_reps: int) -> None:
+    """The options both benchmarks take: shapes, dtypes, repetitions, threads, device, exact backend,
+    allocator mode and the JSON path."""
+    p.add_argument("--shape", default=default_shape, help="comma list of: " + ", ".join(shapes()))
+    p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
+    p.add_argument("--reps", type=int, default=default_reps,
+                   help=f"interleaved repetitions per figure (default {default_reps})")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--exact-backend", default="exact",
+                   help="exact (Triton on CUDA, the CPU kernels on CPU; default) or triton (the Triton kernels "
+                        "forced: on CPU through the interpreter, a functional check only, not a timing)")
+    p.add_argument("--malloc", default="steady", choices=MALLOC_MODES,
+                   help="steady (default): freed memory stays in the process, so neither variant pays page "
+                        "faults provoked by the other's allocations; default: glibc's adaptive behaviour")
+    p.add_argument("--out", type=Path, default=None, help=f"JSON path (default runs/bench/{name}-<device>.json)")

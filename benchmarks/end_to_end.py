@@ -43,20 +43,17 @@ from .common import (
     DTYPES,
     SHORT_DTYPE,
     Shape,
-    add_exact_backend_argument,
-    add_malloc_argument,
-    check_exact_backend,
+    add_common_arguments,
     cli_main,
     compare,
     describe_run,
     fmt_ratio,
     inner_repeats,
     interpreted,
-    machine_info,
+    new_record,
     parse_list,
     print_table,
     profile_top,
-    set_malloc,
     shapes,
 )
 
@@ -209,18 +206,10 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
 
     ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
     on CPU through the interpreter, which checks that the GPU path runs but times nothing useful)."""
-    check_exact_backend(exact_backend)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
+    record = new_record("end_to_end", device, shape_names, dtype_names, reps, threads, exact_backend, malloc,
+                        items=items, profile_top=profile)
+    record["skipped"] = []
     known = shapes()
-    malloc_state = set_malloc(malloc)
-    record: dict = {"benchmark": "end_to_end", "machine": {**machine_info(device), "malloc": malloc_state},
-                    "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
-                                 "items": items, "reps": reps, "profile_top": profile,
-                                 "exact_backend": exact_backend},
-                    "results": [], "skipped": []}
     for dtype_name in dtype_names:
         for shape_name in shape_names:
             record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device, profile,
@@ -262,21 +251,14 @@ def print_results(record: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="default", help="comma list of: " + ", ".join(shapes()))
-    p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
+    add_common_arguments(p, "end_to_end", default_shape="default", default_reps=11)
     p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
-    p.add_argument("--reps", type=int, default=11, help="interleaved repetitions per figure (default 11)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    add_exact_backend_argument(p)
-    add_malloc_argument(p)
     p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
     p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the RL step's config (repeatable)")
     p.add_argument("--no-warm-start", action="store_true", help="RL step from the random init, not the warm start")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile each item once per side (torch.profiler) and keep its top N ops")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/end_to_end-<device>.json)")
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:

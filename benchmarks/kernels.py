@@ -21,7 +21,6 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -32,19 +31,16 @@ from .common import (
     DTYPES,
     SHORT_DTYPE,
     Shape,
-    add_exact_backend_argument,
-    add_malloc_argument,
-    check_exact_backend,
+    add_common_arguments,
     cli_main,
     compare,
     describe_run,
     fmt_ratio,
     inner_repeats,
     interpreted,
-    machine_info,
+    new_record,
     parse_list,
     print_table,
-    set_malloc,
     shapes,
 )
 
@@ -173,18 +169,10 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mod
 
     ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
     on CPU through the interpreter, which checks that the GPU path runs but times nothing useful)."""
-    check_exact_backend(exact_backend)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
+    record = new_record("kernels", device, shape_names, dtype_names, reps, threads, exact_backend, malloc,
+                        ops=op_names, modes=mode_names)
+    record["matmul"] = []
     known = shapes()
-    malloc_state = set_malloc(malloc)
-    record: dict = {"benchmark": "kernels", "machine": {**machine_info(device), "malloc": malloc_state},
-                    "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names,
-                                 "ops": op_names, "modes": mode_names, "reps": reps,
-                                 "exact_backend": exact_backend},
-                    "results": [], "matmul": []}
     for shape_name in shape_names:
         shape = known[shape_name]
         for dtype_name in dtype_names:
@@ -215,17 +203,10 @@ def print_results(record: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="default,llama100m", help="comma list of: " + ", ".join(shapes()))
-    p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
+    add_common_arguments(p, "kernels", default_shape="default,llama100m", default_reps=7)
     p.add_argument("--ops", default="all", help="comma list of: " + ", ".join(OPS))
     p.add_argument("--modes", default="all", help="fwd, fwd+bwd or all")
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per figure (default 7)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    add_exact_backend_argument(p)
-    add_malloc_argument(p)
     p.add_argument("--no-matmul", action="store_true", help="skip the GFLOP/s comparison with torch.mm")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/kernels-<device>.json)")
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
