@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import os
 import platform
@@ -20,12 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vexact import ModelConfig
+from vexact.runlog import write_json_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
@@ -262,9 +262,7 @@ def write_json(payload: dict, out: Path | None, default_name: str) -> Path:
     payload.setdefault("machine", {})["load_average_end"] = load_average()
     path = Path(out) if out is not None else Path("runs") / "bench" / default_name
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    write_json_atomic(path, payload)
     return path
 
 
@@ -298,9 +296,6 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
         table.add_row(*row)
     console.print(table)
 
-
-def dataclass_dict(obj: object) -> dict:
-    return asdict(obj)  # type: ignore[arg-type]
 
 
 EXACT_BACKENDS = ("exact", "triton")

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 from vexact import Transformer, generate
+from vexact.inputs import pad_right
+from vexact.rollout import CACHE_BLOCK
 from vexact.scoring import token_logprobs
 
 from .common import (
@@ -117,13 +119,9 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
         steps = {}
         for name, model in models.items():
             lengths = torch.tensor([len(p) for p in prompts], device=device)
-            cache = model.new_cache(len(prompts), -(-(int(lengths.max()) + 1) // 64) * 64)
+            cache = model.new_cache(len(prompts), -(-(int(lengths.max()) + 1) // CACHE_BLOCK) * CACHE_BLOCK)
             with torch.no_grad():
-                width = max(len(p) for p in prompts)
-                padded = torch.zeros(len(prompts), width, dtype=torch.long)
-                for i, p in enumerate(prompts):
-                    padded[i, : len(p)] = torch.tensor(p)
-                model(padded.to(device), cache=cache)
+                model(pad_right(prompts, device), cache=cache)
             token = torch.tensor([p[-1] for p in prompts], device=device)
 
             def step(model=model, cache=cache, lengths=lengths, token=token) -> object:
@@ -179,10 +177,7 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
         def run() -> object:
             trainer.master.load_state_dict(start)
             trainer.optimizer.load_state_dict(opt_start)
-            if trainer.compute is not trainer.master:
-                with torch.no_grad():
-                    for dst, src in zip(trainer.compute.parameters(), trainer.master.parameters()):
-                        dst.copy_(src)
+            trainer._sync_compute()  # the bf16 compute copy follows the restored master weights
             metrics = trainer.step(0)
             tokens[name].append(round(metrics["response_length/mean"] * exact.cfg.rollout.prompts_per_step
                                       * exact.cfg.rollout.samples_per_prompt))
