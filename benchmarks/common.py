@@ -178,8 +178,11 @@ def compare(exact: Callable[[], object], native: Callable[[], object], reps: int
 
 
 def inner_repeats(fn: Callable[[], object], device: torch.device | str = "cpu", target_s: float = 0.02,
-                  limit: int = 200) -> int:
-    """How many calls make one timed sample last about ``target_s`` (short ops are timed in groups)."""
+                  limit: int = 200, exact_backend: str = "exact") -> int:
+    """How many calls make one timed sample last about ``target_s`` (short ops are timed in groups).
+    Sized on ``fn`` (the native variant); 1 when the exact side runs in the Triton interpreter."""
+    if interpreted(exact_backend, torch.device(device)):
+        return 1
     once = time_call(fn, device)
     return max(1, min(limit, math.ceil(target_s / max(once, 1e-7))))
 

@@ -51,7 +51,6 @@ from .common import (
     describe_run,
     fmt_ratio,
     inner_repeats,
-    interpreted,
     new_record,
     parse_list,
     print_table,
@@ -130,7 +129,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
                     return model.ops.token_logprobs(model.logits(hidden).float(), token)
             steps[name] = step
         # one step lasts milliseconds: time groups of steps (~50 ms) so scheduler noise averages out
-        inner = 1 if interpreted(exact_backend, device) else inner_repeats(steps["native"], device, target_s=0.05)
+        inner = inner_repeats(steps["native"], device, target_s=0.05, exact_backend=exact_backend)
         summary = _measure(steps["exact"], steps["native"], reps, device, profile, inner)
         rows.append(_row("decode_step", shape.name, dtype_name, summary, len(prompts)))
 

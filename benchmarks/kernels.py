@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 import vexact_kernels
+from vexact.rollout import CACHE_BLOCK
 
 from .common import (
     DTYPES,
@@ -37,7 +38,6 @@ from .common import (
     describe_run,
     fmt_ratio,
     inner_repeats,
-    interpreted,
     new_record,
     parse_list,
     print_table,
@@ -77,7 +77,7 @@ def _inputs(op: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> 
         return [q, k, v], (start, 1.0 / math.sqrt(hd)), f"B={b} T={t} H={c.num_heads}/{c.num_kv_heads} hd={hd}"
     if op == "attention_decode":
         b, ctx = shape.decode_batch, shape.context
-        cache_len = -(-(ctx + 1) // 64) * 64
+        cache_len = -(-(ctx + 1) // CACHE_BLOCK) * CACHE_BLOCK  # as generate sizes its cache
         q = randn(b, 1, c.num_heads, hd)
         k, v = randn(b, cache_len, c.num_kv_heads, hd), randn(b, cache_len, c.num_kv_heads, hd)
         start = torch.full((b,), ctx, dtype=torch.long, device=device)
@@ -103,8 +103,9 @@ def _runner(ops, op: str, tensors: list[Tensor], static: tuple, backward: bool) 
         return forward
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
     with torch.no_grad():
-        upstream = torch.randn(fn(*tensors, *static).shape, generator=torch.Generator().manual_seed(1))
-    upstream = upstream.to(device=tensors[0].device, dtype=fn(*tensors, *static).dtype)
+        out = fn(*tensors, *static)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device=out.device,
+                                                                                     dtype=out.dtype)
 
     def forward_backward() -> object:
         for leaf in leaves:
@@ -121,7 +122,7 @@ def bench_op(op: str, shape: Shape, dtype: torch.dtype, mode: str, reps: int, de
     tensors, static, size = _inputs(op, shape, dtype, device)
     exact = _runner(vexact_kernels.get_ops(exact_backend, device), op, tensors, static, mode == "fwd+bwd")
     native = _runner(vexact_kernels.get_ops("native", device), op, tensors, static, mode == "fwd+bwd")
-    inner = 1 if interpreted(exact_backend, device) else inner_repeats(native, device)
+    inner = inner_repeats(native, device, exact_backend=exact_backend)
     summary = compare(exact, native, reps=reps, device=device, inner=inner).summary()
     return {"op": op, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "size": size,
             "inner_calls": inner, **summary}
@@ -151,7 +152,7 @@ def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.devi
         def mm(x=x, w_t=w_t) -> object:
             with torch.no_grad():
                 return torch.mm(x, w_t)
-        inner = 1 if interpreted(exact_backend, device) else inner_repeats(mm, device)
+        inner = inner_repeats(mm, device, exact_backend=exact_backend)
         summary = compare(exact, mm, reps=reps, device=device, inner=inner).summary()
         flop = 2.0 * rows * k * n
         exact_gflops = flop / summary["exact_s_median"] / 1e9
