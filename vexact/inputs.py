@@ -49,6 +49,19 @@ def pad_right(seqs: list[list[int]], device: torch.device, pad_id: int = 0) -> T
     return out.to(device)
 
 
+def padded_with_mask(seqs: list[list[int]], pad_id: int = 0, left: bool = False) -> tuple[Tensor, Tensor]:
+    """[B, max_len] int64 ids and their 0/1 attention mask (on CPU), for models that take a mask
+    (transformers). ``left``: pad before the tokens, so every sequence ends at the last column."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
 def scale_logits(logits: Tensor, temperature: float) -> Tensor:
     """fp32 logits / temperature; temperature 0 (greedy) scores under the unscaled distribution."""
     logits = logits.float()

@@ -34,7 +34,7 @@ from torch import Tensor
 
 import vexact_kernels
 
-from .inputs import check_temperature, check_token_lists, pad_right, scale_logits
+from .inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
 from .metrics import DEFAULT_BUCKETS, bucket_name, mismatch_metrics
 from .model import Transformer
 from .pretrained import (
@@ -204,12 +204,8 @@ class HFPath:
 
     def _generate_batch(self, prompts: list[list[int]], config: Any, temperature: float,
                         eos: int | None) -> tuple[list, list[Tensor]]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = padded_with_mask(prompts, self.pad, left=True)  # every prompt ends where generation starts
+        width = ids.shape[1]
         out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
                                   generation_config=config)
         generated = out.sequences[:, width:].cpu()
@@ -238,10 +234,7 @@ class HFPath:
 
     def _score_batch(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[Tensor]:
         inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
-        ids = pad_right(inputs, torch.device("cpu"), self.pad)
-        mask = torch.zeros_like(ids)
-        for i, seq in enumerate(inputs):
-            mask[i, : len(seq)] = 1
+        ids, mask = padded_with_mask(inputs, self.pad)
         with torch.no_grad():
             logits = self.model(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device)).logits
         logits = logits.cpu()

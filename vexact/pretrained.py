@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .inputs import padded_with_mask
 from .model import ModelConfig, Transformer, resolve_dtype
 
 # model_type -> the causal-LM class transformers builds for it (config.json "architectures").
@@ -320,15 +321,6 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 PARITY_PROMPTS: list[list[int]] = [[5, 6, 7, 8, 9], [40], list(range(10, 50)), [100, 3, 99, 4, 98, 5, 97]]
 
 
-def _padded_with_mask(prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
-    ids = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-        mask[i, : len(p)] = 1
-    return ids, mask
-
-
 @torch.no_grad()
 def parity_with_transformers(hf_model: Any, prompts: list[list[int]]) -> dict[str, float]:
     """How closely vexact reproduces transformers' logits for ``hf_model`` (an fp32 ``*ForCausalLM``) on ``prompts``.
@@ -341,7 +333,7 @@ def parity_with_transformers(hf_model: Any, prompts: list[list[int]]) -> dict[st
     """
     import copy
 
-    ids, mask = _padded_with_mask(prompts)
+    ids, mask = padded_with_mask(prompts)
     valid = mask.bool()
 
     def hf_logits(model: Any) -> Tensor:
