@@ -97,8 +97,9 @@ def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int]
     rho = torch.exp(log_rho)
     seq_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
     n_seq = len(lengths)
-    log_rho_seq = torch.zeros(n_seq, dtype=log_rho.dtype).index_add_(0, seq_id, log_rho).clamp(-bound, bound)
-    rho_seq = torch.exp(log_rho_seq)
+    counts = torch.tensor(lengths, dtype=log_rho.dtype).clamp(min=1)  # empty sequences: no division by 0
+    log_rho_seq_sum = torch.zeros(n_seq, dtype=log_rho.dtype).index_add_(0, seq_id, log_rho)
+    rho_seq = torch.exp(log_rho_seq_sum.clamp(-bound, bound))
 
     keep = torch.ones_like(rho, dtype=torch.bool)
     truncated = torch.zeros_like(keep)
@@ -121,14 +122,12 @@ def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int]
         keep = (rho >= lo) & (rho <= hi)
     elif method == "geo_rs":
         lo, hi = band_for(cfg)
-        counts = torch.tensor(lengths, dtype=log_rho.dtype).clamp(min=1)
-        rho_geo = torch.exp(torch.zeros(n_seq, dtype=log_rho.dtype).index_add_(0, seq_id, log_rho) / counts)
+        rho_geo = torch.exp(log_rho_seq_sum / counts)
         keep = ((rho_geo >= lo) & (rho_geo <= hi))[seq_id]
         weights = torch.ones_like(rho)
 
     if cfg.batch_normalize and bool(keep.any()):
         if method == "seq_tis":  # one weight per sequence: normalise over sequences, not tokens
-            counts = torch.tensor(lengths, dtype=weights.dtype).clamp(min=1)
             per_seq = weights.new_zeros(n_seq).index_add_(0, seq_id, weights) / counts
             kept_seq = torch.tensor([n > 0 for n in lengths])
             weights = weights / per_seq[kept_seq].mean()
