@@ -28,7 +28,6 @@ from vexact import ModelConfig
 from vexact.runlog import write_json_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)

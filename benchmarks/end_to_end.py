@@ -38,12 +38,12 @@ import torch
 
 from vexact import Transformer, generate
 from vexact.inputs import pad_right
+from vexact.model import short_dtype_name
 from vexact.rollout import CACHE_BLOCK
 from vexact.scoring import token_logprobs
 
 from .common import (
     DTYPES,
-    SHORT_DTYPE,
     Shape,
     add_common_arguments,
     cli_main,
@@ -223,7 +223,7 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
 
 def print_results(record: dict) -> None:
     where = describe_run(record)
-    rows = [[r["item"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), str(r["tokens"]), fmt_ratio(r),
+    rows = [[r["item"], r["shape"], short_dtype_name(r["dtype"]), str(r["tokens"]), fmt_ratio(r),
              f"{r['exact_s_median'] * 1e3:.1f}", f"{r['native_s_median'] * 1e3:.1f}",
              f"{r['exact_tokens_per_s']:.0f}", f"{r['native_tokens_per_s']:.0f}"] for r in record["results"]]
     print_table(f"end to end, exact / native ({where})",
@@ -238,7 +238,7 @@ def print_results(record: dict) -> None:
             prof = r["profile"][side]
             rows = [[o["op"][:60], f"{o['calls_per_run']:.0f}", f"{o['self_ms_per_run']:.2f}", f"{o['share']:.1%}"]
                     for o in prof["ops"]]
-            print(f"\n{r['item']} {r['shape']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} {side}: top ops by self CPU "
+            print(f"\n{r['item']} {r['shape']} {short_dtype_name(r['dtype'])} {side}: top ops by self CPU "
                   f"time (profiled run: {prof['total_self_ms_per_run']:.1f} ms, "
                   f"{prof['aten_calls_per_run']:.0f} aten calls)")
             print_table("", ["op", "calls", "self ms", "share"], rows)

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 import vexact_kernels
+from vexact.model import short_dtype_name
 from vexact.rollout import CACHE_BLOCK
 
 from .common import (
     DTYPES,
-    SHORT_DTYPE,
     Shape,
     add_common_arguments,
     cli_main,
@@ -191,12 +191,12 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mod
 
 def print_results(record: dict) -> None:
     where = describe_run(record)
-    rows = [[r["op"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), r["mode"], r["size"], fmt_ratio(r),
+    rows = [[r["op"], r["shape"], short_dtype_name(r["dtype"]), r["mode"], r["size"], fmt_ratio(r),
              f"{r['exact_s_median'] * 1e3:.3f}", f"{r['native_s_median'] * 1e3:.3f}"] for r in record["results"]]
     print_table(f"exact / native time ({where})",
                 ["op", "shape", "dtype", "mode", "size", "ratio median (min–max)", "exact ms", "native ms"], rows)
     if record["matmul"]:
-        rows = [[r["matmul"], r["shape"], SHORT_DTYPE.get(r["dtype"], r["dtype"]), f"{r['m']}x{r['k']}x{r['n']}",
+        rows = [[r["matmul"], r["shape"], short_dtype_name(r["dtype"]), f"{r['m']}x{r['k']}x{r['n']}",
                  f"{r['exact_gflops']:.1f}", f"{r['torch_mm_gflops']:.1f}", f"{r['fraction_of_torch_mm']:.0%}"]
                 for r in record["matmul"]]
         print_table("exact linear vs torch.mm (GFLOP/s, median)",

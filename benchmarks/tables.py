@@ -13,7 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from .common import SHORT_DTYPE, fmt_ratio
+from vexact.model import short_dtype_name
+
+from .common import fmt_ratio
 
 E2E_LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd": "training fwd+bwd",
               "rollout": "rollout"}
@@ -47,7 +49,7 @@ def end_to_end_table(record: dict) -> str:
             r = keyed.get((item, shape, dtype))
             row.append(f"{r['exact_tokens_per_s']:.0f} / {r['native_tokens_per_s']:.0f}" if r else "—")
         rows.append(row)
-    short = [SHORT_DTYPE.get(d, d) for d in dtypes]
+    short = [short_dtype_name(d) for d in dtypes]
     return _markdown(["exact / native", *short, *[f"exact / native tokens/s ({d})" for d in short]], rows)
 
 
@@ -62,7 +64,7 @@ def profile_lines(record: dict, top: int = 4) -> str:
             p = r["profile"][side]
             ops = ", ".join(f"{o['op'].removeprefix('aten::')} {o['share']:.0%}" for o in p["ops"][:top])
             sides.append(f"{side} {p['total_self_ms_per_run']:.1f} ms in {p['aten_calls_per_run']:.0f} ops ({ops})")
-        lines.append(f"- {r['item']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])}: " + "; ".join(sides))
+        lines.append(f"- {r['item']} {short_dtype_name(r['dtype'])}: " + "; ".join(sides))
     return "\n".join(lines)
 
 
@@ -94,7 +96,7 @@ def kernel_table(record: dict) -> str:
             r = keyed.get((op, shape, dtype, mode))
             row.append(f"{r['ratio_median']:.2f}×" if r else "—")
         rows.append(row)
-    return _markdown(["op", "shape", "size", *[f"{SHORT_DTYPE.get(d, d)} {m}" for d, m in combos]], rows,
+    return _markdown(["op", "shape", "size", *[f"{short_dtype_name(d)} {m}" for d, m in combos]], rows,
                      right_from=3)
 
 

@@ -61,7 +61,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .check import CheckSettings, run_check
-    from .model import DTYPES
+    from .model import DTYPES, short_dtype_name
 
     dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
     for d in dtypes:
@@ -84,7 +84,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     for r in rows:
         style = "green" if r["tokens_mismatched"] == 0 else ("red" if r["backend"] != "native" else "yellow")
-        cells = [r["backend"], _SHORT_DTYPE.get(r["dtype"], r["dtype"]), r["threads"], r["tokens_compared"],
+        cells = [r["backend"], short_dtype_name(r["dtype"]), r["threads"], r["tokens_compared"],
                  r["tokens_bitwise_equal"], f"[{style}]{r['tokens_mismatched']}[/]", f"{r['max_abs_dlogp']:.3g}",
                  f"{r['k3_kl']:.3g}", r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
@@ -264,9 +264,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     return _benchmarks_module(args.which).main(args.options, prog=f"vexact bench {args.which}")
-
-
-_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ import vexact_kernels
 
 from .inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
 from .metrics import DEFAULT_BUCKETS, bucket_name, mismatch_metrics
-from .model import Transformer
+from .model import DTYPES, Transformer, short_dtype_name
 from .pretrained import (
     PARITY_PROMPTS,
     SUPPORTED_ARCHITECTURES,
@@ -52,8 +52,6 @@ from .rollout import generate
 from .scoring import token_logprobs
 
 PATH_BACKENDS = ("exact", "native", "triton", "hf")
-PATH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True)
@@ -65,16 +63,16 @@ class PathSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.backend}:{_SHORT[self.dtype]}"
+        return f"{self.backend}:{short_dtype_name(self.dtype)}"
 
 
 def parse_path(spec: str) -> PathSpec:
     """``"native:bf16"`` -> PathSpec; a bad spec is one ValueError naming what is allowed."""
     backend, sep, dtype = str(spec).partition(":")
     allowed = f"expected BACKEND:DTYPE with BACKEND in {', '.join(PATH_BACKENDS)} and DTYPE in fp32, bf16"
-    if not sep or backend not in PATH_BACKENDS or dtype not in PATH_DTYPES:
+    if not sep or backend not in PATH_BACKENDS or dtype not in DTYPES:
         raise ValueError(f"bad path spec {spec!r}: {allowed}")
-    return PathSpec(backend, PATH_DTYPES[dtype])
+    return PathSpec(backend, DTYPES[dtype])
 
 
 @dataclass

@@ -34,6 +34,11 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
+def short_dtype_name(dtype: torch.dtype | str) -> str:
+    """``fp32`` or ``bf16`` for a supported dtype or any of its names (for tables and labels)."""
+    return "fp32" if resolve_dtype(dtype) == torch.float32 else "bf16"
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama/Qwen-style decoder. ``head_dim`` defaults to hidden_size // num_heads."""
