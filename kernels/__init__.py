@@ -47,4 +47,20 @@ def get_ops(backend: str, device: torch.device | str = "cpu") -> ModuleType:
     return cpu_exact
 
 
-__all__ = ["BACKENDS", "OP_NAMES", "get_ops", "cpu_exact", "native"]
+def kernel_paths(backend: str, device: torch.device | str = "cpu") -> dict:
+    """Which path each op of ``backend`` takes on ``device``, and (exact CPU) what the host probes found.
+
+    ``{"backend", "ops": {op: {"path", ...}}, "probes": [...], "mode"}``; ``vexact check`` prints and records it."""
+    ops = get_ops(backend, device)
+    if ops is cpu_exact:
+        return {"backend": backend, "kernels": cpu_exact.NAME, **cpu_exact.host_report()}
+    if ops is native:
+        path = "native (torch ops: not batch-invariant)"
+    elif ops.INTERPRETING:
+        path = "interpreted (fixed-order block products and sums, by construction)"
+    else:
+        path = "compiled (fixed tiles, by construction)"
+    return {"backend": backend, "kernels": ops.NAME, "ops": {op: {"path": path} for op in OP_NAMES}, "probes": []}
+
+
+__all__ = ["BACKENDS", "OP_NAMES", "get_ops", "kernel_paths", "cpu_exact", "native"]

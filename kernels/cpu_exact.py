@@ -1,32 +1,37 @@
 """Exact CPU backend: batch-invariant, thread-count-invariant kernels built from torch ops.
 
-Why torch's own ops are not enough (measured on this project's CI machines, see
-``shared/REFERENCE.md``): ``x @ W`` picks a different BLAS kernel for M = 1, for small M and
-for some thread counts, so a row's result depends on how many rows sit beside it; SDPA's
-last prefill row differs from a single-query decode; wide sums change with the thread count.
+Why torch's own ops are not enough (measured on this project's CI machines): ``x @ W`` picks a
+different BLAS kernel for M = 1, for small M and for some thread counts, so a row's result depends
+on how many rows sit beside it; SDPA's last prefill row differs from a single-query decode; wide
+sums change with the thread count.
 
 How this module gets exactness anyway -- three building blocks, each invariant:
 
 1. **Fixed-shape matmul tiles** (``_tiled_matmul``): rows are zero-padded to whole row tiles
    (4, 8, 16, 32 or 64 rows: the smallest that holds them, 64-row tiles beyond) and the output width
-   to a multiple of ``COL_BLOCK`` (16); one batched ``torch.bmm`` then runs the same GEMM
-   kernel for every tile, whatever M is. Each output element's K-reduction therefore always
-   runs through the same kernel in the same order (MKL gave the same bits for tile heights
-   4..64, see ``_row_block``). This is invariant by observation (MKL on x86-64), not by proof,
-   which is why ``tests/test_kernels.py`` checks it for 1, 2 and 3 threads, 1 to 150 rows and
-   odd shapes on every run. Attention tiles its rows the same way (see ``attention``).
-2. **Halving-tree sums** (``_tree_sum``): a row is summed by repeatedly adding its two halves.
-   Each step is an elementwise IEEE add (exactly rounded, identical in vector and scalar
+   to a multiple of ``COL_BLOCK`` (16); one batched GEMM then runs the same kernel for every tile,
+   whatever M is. Each output element's K-reduction therefore always runs through the same kernel
+   in the same order -- *if* the host BLAS gives a row the same bits for every tile height, position
+   in the tile, number of tiles and thread count. That is a measured property of the host (MKL on
+   x86-64 has it; numpy's OpenBLAS on an AVX-512 host did not), so it is never assumed: ``HOST``
+   (``host_guard.HostGuard``) probes it at first use for each shape class and, where it fails,
+   runs that class through ``fixed_order.bmm`` (a halving tree of exactly rounded products per
+   output element: invariant by construction, slower) and warns. Attention tiles its rows the same way.
+2. **Halving-tree sums** (``fixed_order.tree_sum``): a row is summed by repeatedly adding its two
+   halves. Each step is an elementwise IEEE add (exactly rounded, identical in vector and scalar
    code), so the result depends only on the row's values -- invariant by construction.
    Zero padding at the end of a row does not change the result (x + 0 == x), which lets a
    decode step (short key row) and a prefill row (long, masked key row) sum identically.
 3. **Chunked transcendentals** (``_unary``): ``exp``/``log`` run over the flattened tensor in
    chunks of ``CHUNK`` elements, a multiple of 64 below ATen's default parallel grain size
    (32768): an op with a vectorised body and a scalar tail (whose rounding can differ, e.g.
-   Sleef's ``sigmoid``) then only ever runs the vectorised body. (In this torch build ``exp``,
-   ``log`` and ``cos`` are MKL VML calls that give every element the same bits wherever it
-   sits -- measured with 1-4 threads, any length; the chunking keeps the guarantee on builds
-   where they are not.)
+   Sleef's ``sigmoid``) then only ever runs the vectorised body. Whether the library's exp/log
+   give an element the same bits at every position is again a host property, probed by ``HOST``;
+   where it fails, ``fixed_order.exp`` / ``log`` (polynomials of exactly rounded ops) take over.
+
+So every op is exact on any host: by construction, or by a probed property with a by-construction
+fallback. ``host_report()`` says which path each op took (``vexact check`` prints it); the
+environment variable ``VEXACT_CPU_EXACT_PATH=fixed-order`` forces the by-construction path everywhere.
 
 Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in
 fp32) and rounded once to the output dtype. Backward passes (``autograd.exact_linear``,
@@ -36,18 +41,22 @@ run (they need not be batch-invariant: only the forward is compared across paths
 
 Speed (see ``benchmarks/`` and the README's "Benchmarks" section): the exact forward runs
 the same BLAS GEMMs as native ops, on padded tiles; what it adds is padding, the tree sums'
-extra passes and Python dispatch of more, smaller ops.
+extra passes and Python dispatch of more, smaller ops. The fixed-order fallback is much slower
+(its GEMM does not use BLAS); ``benchmarks/host_guard.py`` measures the ratio.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from . import native
 from .autograd import exact_forward_vjp, exact_linear
+from .fixed_order import tree_sum as _tree_sum
+from .host_guard import HostGuard
 
 NAME = "cpu_exact"
 
@@ -55,6 +64,13 @@ ROW_BLOCKS = (4, 8, 16, 32, 64)  # GEMM tile heights: the smallest holding a cal
 COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed MKL's threading)
 CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
 KEY_BLOCK = 64  # keys per attention tile, from position 0
+# The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
+HOST = HostGuard(ROW_BLOCKS)
+# What each op's invariance rests on besides construction (reported by ``host_report``).
+HOST_PROPERTIES = {"linear": ("gemm_rows",), "rms_norm": (), "silu_mul": ("elementwise_exp",), "rope": (),
+                   "attention": ("gemm_rows", "elementwise_exp"),
+                   "log_softmax": ("elementwise_exp", "elementwise_log"),
+                   "token_logprobs": ("elementwise_exp", "elementwise_log")}
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -69,7 +85,8 @@ def _row_block(rows: int) -> int:
     share its tile. Heights 1 and 2 do differ (a narrower kernel), hence 4 as the smallest.
     Small tiles keep a decode step from paying for rows it does not have: its attention tile
     holds ``group`` real query rows (2 in the default model), and a 16-row tile multiplied
-    zeros 8x over in the scores and P @ V GEMMs and their masks."""
+    zeros 8x over in the scores and P @ V GEMMs and their masks. (Measured on one host: on every
+    host ``HOST`` probes it before relying on it.)"""
     for block in ROW_BLOCKS:
         if rows <= block:
             return block
@@ -77,12 +94,13 @@ def _row_block(rows: int) -> int:
 
 
 # --------------------------------------------------------------------------- building blocks
-def _tiled_matmul(x: Tensor, weight: Tensor) -> Tensor:
+def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor:
     """fp32 x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``_row_block(M)``.
 
-    One ``torch.bmm`` over ceil(M / R) row tiles (zero-padded), the (transposed, column-padded)
-    weight shared by every tile: each output element's K-reduction runs through the same MKL
-    kernel whatever M is. N is padded to a multiple of ``COL_BLOCK`` (16, the AVX-512 width):
+    One ``host.bmm`` over ceil(M / R) row tiles (zero-padded), the (transposed, column-padded)
+    weight shared by every tile: each output element's K-reduction runs through the same GEMM
+    kernel whatever M is (BLAS where the probe passed, else the fixed-order GEMM).
+    N is padded to a multiple of ``COL_BLOCK`` (16, the AVX-512 width):
     MKL splits the columns of a GEMM between threads, and with widths that are not multiples
     of 16 (e.g. 8, 22, 24, 37, 100 with 3-4 threads) some columns ran through a narrower
     kernel with other roundings; widths that are multiples of 16 gave the same bits as padding
@@ -97,40 +115,17 @@ def _tiled_matmul(x: Tensor, weight: Tensor) -> Tensor:
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
-    out = torch.bmm(x.view(blocks, block, k), w.t().expand(blocks, k, n_pad))
+    out = host.bmm(x.view(blocks, block, k), w.t().expand(blocks, k, n_pad), op="linear",
+                   shared_operand=True)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
-def _tree_sum(x: Tensor) -> Tensor:
-    """Sum over the last dim by halving: [..., D] -> [...]. Depends only on the row's values;
-    trailing zeros do not change the result.
-
-    A width D that is not a power of two is treated as zero-padded to the next one, P. The first
-    level adds x[i] + x[i + P/2] where both exist and x[i] + 0.0 where the partner is padding
-    (so -0.0 becomes +0.0 exactly as with real zero padding) without materialising the padded
-    row; later levels add halves in place in that one scratch buffer."""
-    width = x.shape[-1]
-    if width == 1:
-        return x[..., 0]
-    half = 1 << ((width - 1).bit_length() - 1)  # P / 2
-    paired = width - half
-    if paired == half:
-        buf = x[..., :half] + x[..., half:]
-    else:
-        buf = x.new_empty(*x.shape[:-1], half)
-        torch.add(x[..., :paired], x[..., half:], out=buf[..., :paired])
-        torch.add(x[..., paired:half], 0.0, out=buf[..., paired:])
-    while half > 1:
-        half //= 2
-        buf = buf[..., :half].add_(buf[..., half : 2 * half])
-    return buf[..., 0]
-
-
-def _unary(fn: Callable[..., Tensor], x: Tensor, inplace: bool = False) -> Tensor:
-    """Apply an elementwise torch function chunk by chunk (see module docstring, point 3).
+def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False) -> Tensor:
+    """Apply ``exp`` or ``log`` (the path ``host`` chose) chunk by chunk (see module docstring, point 3).
 
     ``inplace``: ``x`` is a scratch tensor the caller gives up; the result may be written into it."""
+    fn = host.elementwise(name, x.dtype, op)
     flat = x.contiguous().view(-1)
     total = flat.numel()
     padded = _ceil_to(max(total, 1), 64)
@@ -143,6 +138,12 @@ def _unary(fn: Callable[..., Tensor], x: Tensor, inplace: bool = False) -> Tenso
     return out[:total].view(x.shape)
 
 
+def elementwise(name: str, x: Tensor, *, host: HostGuard = HOST, op: str = "sampling") -> Tensor:
+    """``name`` (exp, log or cos) of every element of ``x`` (fp32 or fp64), each element's bits independent of
+    the tensor's size and the element's position (chunked, through the path ``host`` chose for this host)."""
+    return _unary(name, x, host, op)
+
+
 def _float(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
@@ -150,8 +151,8 @@ def _float(x: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- linear
 
 
-def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    out = _tiled_matmul(_float(x.reshape(-1, x.shape[-1])), weight)
+def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
+    out = _tiled_matmul(_float(x.reshape(-1, x.shape[-1])), weight, host)
     if bias is not None:
         out = out + _float(bias)
     if x.dtype != torch.float32:
@@ -159,7 +160,7 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostGuard = HOST) -> Tensor:
     """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N] in x.dtype.
 
     Invariance contract: each output row depends only on the same input row, the weight and
@@ -169,7 +170,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     a multiple of 16.
     Backward: plain matmuls (deterministic run to run).
     """
-    return exact_linear(_linear_forward, x, weight, bias)
+    return exact_linear(partial(_linear_forward, host=host), x, weight, bias)
 
 
 # --------------------------------------------------------------------------- row-wise ops
@@ -204,7 +205,7 @@ def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     return grad_x, grad_w
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, host: HostGuard = HOST) -> Tensor:
     """Llama RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, fp32 inside.
 
     Invariance contract: each output row depends only on that input row, the weight and eps
@@ -215,20 +216,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
 
 
-def _shift_and_log_normalizer(logits: Tensor) -> tuple[Tensor, Tensor]:
+def _shift_and_log_normalizer(logits: Tensor, host: HostGuard, op: str) -> tuple[Tensor, Tensor]:
     xf = _float(logits)
     row_max = xf.amax(dim=-1, keepdim=True)  # max is exact in any order
     shifted = xf - row_max
-    return shifted, _unary(torch.log, _tree_sum(_unary(torch.exp, shifted)))
+    return shifted, _unary("log", _tree_sum(_unary("exp", shifted, host, op)), host, op)
 
 
-def _log_softmax_exact(logits: Tensor) -> Tensor:
-    shifted, log_normalizer = _shift_and_log_normalizer(logits)
+def _log_softmax_exact(logits: Tensor, host: HostGuard) -> Tensor:
+    shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "log_softmax")
     return shifted - log_normalizer.unsqueeze(-1)
 
 
-def _log_softmax_with_saved(logits: Tensor) -> tuple[Tensor, tuple]:
-    out = _log_softmax_exact(logits)
+def _log_softmax_with_saved(logits: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    out = _log_softmax_exact(logits, host)
     return out, (out, logits.dtype)
 
 
@@ -238,7 +239,7 @@ def _log_softmax_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tup
     return ((grad - out.exp() * grad.sum(-1, keepdim=True)).to(dtype),)
 
 
-def log_softmax(logits: Tensor) -> Tensor:
+def log_softmax(logits: Tensor, *, host: HostGuard = HOST) -> Tensor:
     """log_softmax over the last dim, fp32 result.
 
     Invariance contract: each output row depends only on that logits row -- never on the
@@ -246,19 +247,20 @@ def log_softmax(logits: Tensor) -> Tensor:
     Computed as (x - max) - log(tree_sum(exp(x - max))).
     Backward: g - softmax * sum(g) from the saved output (deterministic run to run).
     """
-    return exact_forward_vjp(_log_softmax_exact, _log_softmax_with_saved, _log_softmax_vjp, (logits,))
+    return exact_forward_vjp(_log_softmax_exact, _log_softmax_with_saved, _log_softmax_vjp, (logits,), (host,))
 
 
-def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
+def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> Tensor:
     xf = _float(logits)
     shifted = xf - xf.amax(dim=-1, keepdim=True)  # max is exact in any order
     picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # exp in place: the same values as _shift_and_log_normalizer, one buffer fewer
-    return picked - _unary(torch.log, _tree_sum(_unary(torch.exp, shifted, inplace=True)))
+    op = "token_logprobs"
+    return picked - _unary("log", _tree_sum(_unary("exp", shifted, host, op, inplace=True)), host, op)
 
 
-def _token_logprobs_with_saved(logits: Tensor, targets: Tensor) -> tuple[Tensor, tuple]:
-    shifted, log_normalizer = _shift_and_log_normalizer(logits)
+def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "token_logprobs")
     out = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
     return out, (shifted, log_normalizer, targets, logits.dtype)
 
@@ -272,7 +274,7 @@ def _token_logprobs_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> 
     return (grad_logits.to(dtype),)
 
 
-def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -> Tensor:
     """log p(target) per row: logits [..., V], targets [...] int64 -> fp32 [...].
 
     Invariance contract: as ``log_softmax`` (and bitwise equal to ``log_softmax(x)[target]``):
@@ -280,26 +282,26 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     Backward: g * (onehot - softmax) from the saved shifted logits (deterministic run to run).
     """
     return exact_forward_vjp(_token_logprobs_exact, _token_logprobs_with_saved, _token_logprobs_vjp, (logits,),
-                             (targets,))
+                             (targets, host))
 
 
 # --------------------------------------------------------------------------- elementwise ops
-def _silu(gate: Tensor) -> Tensor:
+def _silu(gate: Tensor, host: HostGuard) -> Tensor:
     """fp32 silu(gate) = g / (1 + exp(-g)) as a new tensor (chunked exp, exactly rounded add and div)."""
     g = _float(gate)
-    denom = _unary(torch.exp, g.neg(), inplace=True).add_(1.0)
+    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
     return torch.div(g, denom, out=denom)
 
 
-def _silu_mul_exact(gate: Tensor, up: Tensor) -> Tensor:
-    silu = _silu(gate)
+def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
+    silu = _silu(gate, host)
     if gate.dtype == torch.float32 and up.dtype == torch.float32:
         return silu.mul_(up)
     return silu.to(gate.dtype) * up
 
 
-def _silu_mul_with_saved(gate: Tensor, up: Tensor) -> tuple[Tensor, tuple]:
-    silu = _silu(gate).to(gate.dtype)
+def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    silu = _silu(gate, host).to(gate.dtype)
     return silu * up, (gate, silu, up)
 
 
@@ -314,7 +316,7 @@ def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     return grad_gate, grad_up
 
 
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+def silu_mul(gate: Tensor, up: Tensor, *, host: HostGuard = HOST) -> Tensor:
     """SwiGLU activation silu(gate) * up, elementwise.
 
     Invariance contract: each output element depends only on the matching gate and up
@@ -323,10 +325,10 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     g / (1 + exp(-g)) with chunked exp and exactly rounded add/div).
     Backward: the analytic VJP (torch's fused silu_backward; deterministic run to run).
     """
-    return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up))
+    return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up), (host,))
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rope(x: Tensor, cos: Tensor, sin: Tensor, *, host: HostGuard = HOST) -> Tensor:
     """Rotary embedding (rotate-half convention). x: [B, T, H, hd]; cos/sin: [B, T, hd/2] fp32.
 
     Invariance contract: each output element depends only on its own (x pair, cos, sin)
@@ -347,7 +349,7 @@ class _AttentionTiles:
     query can see (the furthest query position + 1); keys after it are masked for every row.
     """
 
-    def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float):
+    def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, host: HostGuard):
         batch, q_len, q_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         self.batch, self.q_len, self.q_heads, self.head_dim, self.kv_heads = batch, q_len, q_heads, head_dim, kv_heads
@@ -362,6 +364,7 @@ class _AttentionTiles:
         self.key_blocks = self.key_len // KEY_BLOCK
         self.cache_len = k_cache.shape[1]
         self.scale = scale
+        self.host = host
         bh = batch * kv_heads
         # Queries: zero padding rows (finite; their outputs are dropped). The scale is applied
         # to q, not to the scores: for the power-of-two scales of head_dim 4^n (16, 64, 256)
@@ -433,7 +436,8 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     over all 64 with zeros after ``w``."""
     b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
         tiles.visible
-    scores = torch.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2))
+    scores = tiles.host.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2), op="attention",
+                             shared_operand=False)
     scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, RB, R, KB, C]
     real = tiles.rows if rb == 1 else block
     row_t = tiles.row_t.view(rb, block)[:, :real]
@@ -445,7 +449,7 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     masked = masked.view(b, h, rb, real, tiles.key_len)
     row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
     window = masked[..., :vis]
-    probs = _unary(torch.exp, window - row_max)  # [B, Hkv, RB, R', vis]; masked keys: exactly 0
+    probs = _unary("exp", window - row_max, tiles.host, "attention")  # [B, Hkv, RB, R', vis]; masked: exactly 0
     # Tree within each key tile, then across tiles in position order (zero tails are no-ops).
     full_tiles, last = vis // KEY_BLOCK, vis % KEY_BLOCK
     parts = []
@@ -472,13 +476,15 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
 def _attention_forward(tiles: _AttentionTiles, prob_tiles: Tensor, denom: Tensor) -> Tensor:
     """P @ V per (row tile, key tile), a tree over key tiles, then / row sum: [B*Hkv, row_len, hd]."""
     b, h, rb, kb, d = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.head_dim
-    partial = torch.bmm(prob_tiles, tiles.key_tiles(tiles.v)).view(b, h, rb, kb, tiles.block, d)
+    partial = tiles.host.bmm(prob_tiles, tiles.key_tiles(tiles.v), op="attention", shared_operand=False)
+    partial = partial.view(b, h, rb, kb, tiles.block, d)
     summed = _tree_sum(partial.permute(0, 1, 2, 4, 5, 3)) if kb > 1 else partial[:, :, :, 0]
     return (summed / denom).view(b * h, tiles.row_len, d)
 
 
-def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
-    tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale)
+def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float,
+                     host: HostGuard) -> Tensor:
+    tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
     prob_tiles, denom, _, _ = _attention_probs(tiles)
     return tiles.to_output(_attention_forward(tiles, prob_tiles, denom), q.dtype)
 
@@ -492,8 +498,8 @@ class _ExactAttention(torch.autograd.Function):
     dK = dS^T (scale * Q)) on fixed shapes, deterministic run to run."""
 
     @staticmethod
-    def forward(ctx, q, k_cache, v_cache, q_start, scale):  # type: ignore[override]
-        tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale)
+    def forward(ctx, q, k_cache, v_cache, q_start, scale, host):  # type: ignore[override]
+        tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
         prob_tiles, denom, probs, real_denom = _attention_probs(tiles)
         out_rows = _attention_forward(tiles, prob_tiles, denom)
         real = probs.shape[3]
@@ -521,10 +527,11 @@ class _ExactAttention(torch.autograd.Function):
             if need_k:
                 grad_k = tiles.to_cache(torch.bmm(d_s.transpose(1, 2), tiles.q[:, :rows]), ctx.dtypes[1])
         ctx.p = ctx.out_rows = ctx.tiles = None
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, *,
+              host: HostGuard = HOST) -> Tensor:
     """Causal grouped-query attention of new queries against a KV cache (prefill and decode).
 
     q: [B, T, Hq, hd]; k_cache, v_cache: [B, L, Hkv, hd]; q_start: [B] int64. Query t of
@@ -539,14 +546,46 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     row tiles of 4, 8, 16, 32 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
     64-key tiles from position 0; every (row tile, key tile) pair is one GEMM
     ([R x hd] @ [hd x 64] for the scores, [R x 64] @ [64 x hd] for P @ V). A query row's
-    scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and MKL gave
-    them the same bits for any tile height from 4 to 64 rows (measured with 1-16 threads and
-    batches of 1-256 tiles; ``tests/test_kernels.py`` checks decode == prefill, which compares
-    4-row with 64-row tiles, on every run). Masked scores give probability exactly 0, so
+    scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and the host
+    GEMM gives them the same bits for any tile height from 4 to 64 rows where ``HOST``'s probe
+    passed (else the fixed-order GEMM, invariant by construction, runs them;
+    ``tests/test_kernels.py`` checks decode == prefill, which compares 4-row with 64-row tiles).
+    Masked scores give probability exactly 0, so
     tiles past a query's position add exact zeros to the position-ordered tree sums, and a
     short decode row reduces like a long prefill row.
     Backward: the softmax-attention VJP from the saved exact probabilities (deterministic).
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale)
-    return _attention_exact(q, k_cache, v_cache, q_start, scale)
+        return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale, host)
+    return _attention_exact(q, k_cache, v_cache, q_start, scale, host)
+
+
+# --------------------------------------------------------------------------- guard
+def with_host(host: HostGuard) -> SimpleNamespace:
+    """This backend's ops bound to another ``HostGuard`` (e.g. ``HostGuard(ROW_BLOCKS, mode="fixed-order")``).
+
+    Same names and signatures as the module's own ops, so it can stand wherever an op module does."""
+    ops = {name: partial(globals()[name], host=host) for name in HOST_PROPERTIES}
+    return SimpleNamespace(NAME=f"{NAME}[{host.mode}]", host=host, **ops)
+
+
+def host_report(host: HostGuard = HOST) -> dict:
+    """Which path each op takes on this host and what the probes found (``vexact check`` prints it).
+
+    An op's path: ``by construction`` (it relies on no host property), ``fast`` / ``fixed-order`` (all its
+    probed shape classes took that path), ``mixed``, or ``not used yet`` (no probe has run for it)."""
+    report = host.report()
+    ops = {}
+    # the sampler's Gumbel noise (vexact.sampling) also runs through this guard: fp64 log and cos
+    for op, properties in {**HOST_PROPERTIES, "sampling": ("elementwise_log", "elementwise_cos")}.items():
+        probes = [p for p in report["probes"] if op in p["ops"]]
+        paths = {"fixed-order" if p["path"] == "fixed-order" else "fast" for p in probes}
+        if not properties:
+            path = "by construction"
+        elif not probes:
+            path = "not used yet"
+        else:
+            path = paths.pop() if len(paths) == 1 else "mixed"
+        ops[op] = {"path": path, "relies_on": list(properties),
+                   "shape_classes": [f"{p['property']}: {p['shape_class']}" for p in probes]}
+    return {**report, "ops": ops}

@@ -20,7 +20,15 @@ def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys)
         if r["backend"] == "exact":
             assert r["tokens_mismatched"] == 0 and r["max_abs_dlogp"] == 0.0 and r["k3_kl"] == 0.0
     assert sum(r["tokens_mismatched"] for r in rows if r["backend"] == "native") > 0
-    assert "vexact check" in capsys.readouterr().out
+    exact_paths = next(r["kernel_paths"] for r in rows if r["backend"] == "exact")
+    # every exact op says which path it took; probed ops name their probes, by-construction ops need none
+    assert exact_paths["ops"]["rms_norm"]["path"] == "by construction"
+    for op in ("linear", "attention", "silu_mul", "token_logprobs", "sampling"):
+        assert exact_paths["ops"][op]["path"] in ("fast", "fixed-order", "mixed"), op
+        assert exact_paths["ops"][op]["shape_classes"], op
+    assert all(p["passed"] is not None and p["threads_checked"] for p in exact_paths["probes"])
+    out = capsys.readouterr().out
+    assert "vexact check" in out and "path per op" in out and "gemm_rows" in out
 
 
 def test_check_bad_dtype_is_one_clear_error(capsys):

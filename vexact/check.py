@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vexact_kernels import kernel_paths
+
 from .metrics import mismatch_summary
 from .model import ModelConfig, Transformer, resolve_dtype
 from .rollout import generate
@@ -39,7 +41,8 @@ class CheckSettings:
 
 
 def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "native")) -> list[dict]:
-    """One result row per backend: tokens compared / bitwise equal, max |Δlogp|, k3 KL, batch invariance."""
+    """One result row per backend: tokens compared / bitwise equal, max |Δlogp|, k3 KL, batch invariance,
+    and ``kernel_paths``: the path each op took (for the exact CPU kernels: what the host probes found)."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     cfg = ModelConfig(vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
@@ -82,4 +85,6 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
         "k3_kl": stats["k3_kl"],
         "sampling_batch_invariant": tokens_invariant,
         "seconds": round(time.perf_counter() - start, 3),
+        # which path each op took, and (exact CPU kernels) what the host probes found
+        "kernel_paths": kernel_paths(model.backend, model.device),
     }

@@ -88,7 +88,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
                  r["tokens_bitwise_equal"], f"[{style}]{r['tokens_mismatched']}[/]", f"{r['max_abs_dlogp']:.3g}",
                  f"{r['k3_kl']:.3g}", r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
-    make_console().print(table)
+    console = make_console()
+    console.print(table)
+    for paths in {r["backend"]: r["kernel_paths"] for r in rows if r["backend"] != "native"}.values():
+        console.print(_kernel_paths_table(paths))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
@@ -99,6 +102,25 @@ def _cmd_check(args: argparse.Namespace) -> int:
                                    + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
         return 1
     return 0
+
+
+def _kernel_paths_table(paths: dict) -> Table:
+    """One row per op: the path it took on this host and, for probed ops, each shape class's verdict."""
+    verdicts = {f"{p['property']}: {p['shape_class']}": p for p in paths["probes"]}
+    mode = f", guard mode {paths['mode']}" if "mode" in paths else ""
+    table = Table(title=f"{paths['backend']} backend ({paths['kernels']}{mode}): path per op")
+    for col in ("op", "path", "host probes (shape class: verdict)"):
+        table.add_column(col)
+    for op, info in paths["ops"].items():
+        probes = []
+        for shape_class in info.get("shape_classes", []):
+            p = verdicts[shape_class]
+            verdict = "not probed" if p["passed"] is None else ("passed" if p["passed"] else f"FAILED: {p['failure']}")
+            threads = ",".join(map(str, p["threads_checked"]))
+            probes.append(f"{shape_class}: {verdict}" + (f" (threads {threads})" if threads else ""))
+        style = "yellow" if info["path"] in ("fixed-order", "mixed") else ""
+        table.add_row(op, f"[{style}]{info['path']}[/]" if style else info["path"], "\n".join(probes) or "-")
+    return table
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:

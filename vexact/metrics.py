@@ -1,6 +1,6 @@
 """Mismatch metrics between rollout and training log-probs of the same tokens, plus small stat helpers.
 
-Notation (``shared/REFERENCE.md``): for every generated token t, ``logp_train(t)`` is its log-prob under the
+Notation (the names peers use): for every generated token t, ``logp_train(t)`` is its log-prob under the
 **training** path π (full-sequence forward) and ``logp_roll(t)`` its log-prob under the **rollout** path μ
 (incremental decoding), same weights, same tokens. The per-token log-ratio is
 

@@ -4,7 +4,7 @@ A sampled token depends only on (seed, the prompt's index in the ``generate`` ca
 response position) and the logits row -- never on batch size or neighbours. The Gumbel
 noise for vocabulary entry v is a pure function of (seed, index, position, v): an integer
 hash computed with torch integer ops (exact), turned into a uniform and then Gumbel noise
-with the exact kernels' chunked ``log`` (position-invariant elementwise math).
+with the exact kernels' chunked, host-guarded ``log`` and ``cos`` (position-invariant elementwise math).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vexact_kernels.cpu_exact import _unary
+from vexact_kernels.cpu_exact import elementwise
 
 _MASK32 = 0xFFFFFFFF
 
@@ -40,14 +40,14 @@ def counter_normal(seed: int, sequence_ids: Tensor, positions: Tensor, width: in
     """Standard normal float64 [B, width] keyed like ``counter_uniform`` (Box-Muller)."""
     u1 = counter_uniform(seed, sequence_ids, positions, width)
     u2 = counter_uniform(seed ^ 0x5BD1E995, sequence_ids, positions, width)
-    radius = torch.sqrt(-2.0 * _unary(torch.log, u1))  # sqrt is exactly rounded
-    return radius * _unary(torch.cos, (2.0 * torch.pi) * u2)
+    radius = torch.sqrt(-2.0 * elementwise("log", u1))  # sqrt is exactly rounded
+    return radius * elementwise("cos", (2.0 * torch.pi) * u2)
 
 
 def gumbel_noise(seed: int, sequence_ids: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
     """Gumbel(0, 1) noise [B, V] in float64 for rows keyed by (seed, sequence_ids[b], positions[b])."""
     uniform = counter_uniform(seed, sequence_ids, positions, vocab_size)
-    return -_unary(torch.log, -_unary(torch.log, uniform))
+    return -elementwise("log", -elementwise("log", uniform))
 
 
 def sample_tokens(scaled_logits: Tensor, seed: int, sequence_ids: Tensor, positions: Tensor,

@@ -1,0 +1,186 @@
+"""Building blocks that are invariant *by construction*: only exactly rounded elementwise IEEE ops.
+
+An elementwise fp32 add, mul, div or sqrt is exactly rounded, so its result depends only on its
+operands -- not on the SIMD width, the element's position, alignment, thread count or library.
+Everything here is built from such ops (plus bit manipulation), so its output for an element,
+or a row, depends only on that element's or row's values, on any host:
+
+- ``tree_sum``: a row summed by halving (the CPU kernels' reduction everywhere);
+- ``bmm``: a batched matmul whose every output element is a halving-tree sum of exactly
+  rounded products (the fallback for a host whose BLAS fails a probe, see ``host_guard``);
+- ``exp`` (fp32), ``log`` (fp32, fp64), ``cos`` (fp64 sampling angles): polynomials after
+  Cody-Waite range reduction (the fallback for a host whose vectorised math fails a probe).
+  Accuracy: within a few ulps of the correctly rounded value (tests check it against torch
+  with a stated tolerance).
+
+These are slower than BLAS and the vectorised math library; they exist so that "exact" never
+depends on an unchecked property of the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# Elements per [rows, cols, K] product block in ``bmm`` (16 MiB of fp32): bounds the scratch memory.
+PRODUCT_BLOCK = 1 << 22
+
+
+def tree_sum(x: Tensor) -> Tensor:
+    """Sum over the last dim by halving: [..., D] -> [...]. Depends only on the row's values;
+    trailing zeros do not change the result.
+
+    A width D that is not a power of two is treated as zero-padded to the next one, P. The first
+    level adds x[i] + x[i + P/2] where both exist and x[i] + 0.0 where the partner is padding
+    (so -0.0 becomes +0.0 exactly as with real zero padding) without materialising the padded
+    row; later levels add halves in place in that one scratch buffer."""
+    width = x.shape[-1]
+    if width == 1:
+        return x[..., 0]
+    half = 1 << ((width - 1).bit_length() - 1)  # P / 2
+    paired = width - half
+    if paired == half:
+        buf = x[..., :half] + x[..., half:]
+    else:
+        buf = x.new_empty(*x.shape[:-1], half)
+        torch.add(x[..., :paired], x[..., half:], out=buf[..., :paired])
+        torch.add(x[..., paired:half], 0.0, out=buf[..., paired:])
+    while half > 1:
+        half //= 2
+        buf = buf[..., :half].add_(buf[..., half : 2 * half])
+    return buf[..., 0]
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    """fp32 a [T, R, K] @ b [T, K, N] -> [T, R, N]; out[t, r, n] = tree_sum_k(a[t, r, k] * b[t, k, n]).
+
+    Each output element is the halving tree of its K exactly rounded products, so it depends only
+    on row ``a[t, r]`` and column ``b[t, :, n]``: invariant by construction (tile height, position,
+    batch, threads, host). The [rows, cols, K] products are formed block by block (at most
+    ``PRODUCT_BLOCK`` elements), so memory stays bounded for any shape."""
+    tiles, rows, k = a.shape
+    cols = b.shape[2]
+    out = a.new_empty(tiles, rows, cols)
+    b_cols = b.transpose(1, 2)  # [T, N, K]: a view, K innermost for the products
+    per_row = cols * k
+    if per_row > PRODUCT_BLOCK:  # one row at a time, in column blocks
+        col_step = max(1, PRODUCT_BLOCK // k)
+        for t in range(tiles):
+            for r in range(rows):
+                for c in range(0, cols, col_step):
+                    products = a[t, r, None, :] * b_cols[t, c : c + col_step]
+                    out[t, r, c : c + col_step] = tree_sum(products)
+        return out
+    per_tile = rows * per_row
+    if per_tile > PRODUCT_BLOCK:  # row blocks within each tile
+        row_step = PRODUCT_BLOCK // per_row
+        for t in range(tiles):
+            for r in range(0, rows, row_step):
+                out[t, r : r + row_step] = tree_sum(a[t, r : r + row_step, None, :] * b_cols[t, None, :, :])
+        return out
+    tile_step = PRODUCT_BLOCK // per_tile  # whole tiles at a time
+    for t in range(0, tiles, tile_step):
+        out[t : t + tile_step] = tree_sum(a[t : t + tile_step, :, None, :] * b_cols[t : t + tile_step, None, :, :])
+    return out
+
+
+# --------------------------------------------------------------------------- exp, log, cos
+_LOG2_E = 1.4426950408889634
+# ln 2 split so that n * _LN2_HI is exact for |n| < 2^15 (_LN2_HI has 9 significant bits).
+_LN2_HI = 0.693359375
+_LN2_LO = -2.12194440e-4
+_EXP_OVERFLOW = 88.72283935546875  # above: +inf (largest x with finite exp in fp32)
+_EXP_UNDERFLOW = -103.97208404541016  # below: 0 (exp(x) < half the smallest subnormal)
+# exp(r) for |r| <= ln2 / 2: Taylor coefficients 1/k!, k = 0..8 (error < 1e-9 relative).
+_EXP_COEFFS = tuple(1.0 / math.factorial(k) for k in range(9))
+# log(m) = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.1716: coefficients 2 / (2k + 1) of s^(2k+1).
+# Per dtype: (ln2 high part, ln2 low part, coefficients). The high part has few enough bits that
+# e * high is exact for every binary exponent e of the dtype (fp64: fdlibm's split).
+_LOG_CONSTANTS = {
+    torch.float32: (_LN2_HI, _LN2_LO, tuple(2.0 / (2 * k + 1) for k in range(7))),  # error < 1e-9
+    torch.float64: (6.93147180369123816490e-01, 1.90821492927058770002e-10,
+                    tuple(2.0 / (2 * k + 1) for k in range(13))),  # error < 1e-19
+}
+_SQRT_HALF = 0.7071067811865476
+# pi/2 in three parts of 33 bits (fdlibm), so n * part is exact for the small n of sampling angles.
+_PIO2_PARTS = (1.57079632673412561417e+00, 6.07710050630396597660e-11, 2.02226624871116645580e-21)
+_TWO_OVER_PI = 0.6366197723675814
+# cos(r), sin(r) for |r| <= pi/4: Taylor coefficients up to r^18 / r^19 (error < 1e-17).
+_COS_COEFFS = tuple((-1.0) ** k / math.factorial(2 * k) for k in range(10))  # of r^(2k)
+_SIN_COEFFS = tuple((-1.0) ** k / math.factorial(2 * k + 1) for k in range(10))  # of r^(2k+1)
+
+
+def _horner(x: Tensor, coeffs: tuple[float, ...]) -> Tensor:
+    """sum_k coeffs[k] * x^k with one exactly rounded mul and add per step (no fused multiply-add)."""
+    acc = torch.full_like(x, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        acc = acc.mul_(x).add_(c)
+    return acc
+
+
+def _pow2(n: Tensor) -> Tensor:
+    """2.0 ** n as fp32 for integer-valued fp32 n in [-126, 127], built from the exponent bits."""
+    return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _finish(result: Tensor, out: Tensor | None) -> Tensor:
+    return result if out is None else out.copy_(result)
+
+
+def _check_dtype(name: str, x: Tensor, supported: tuple[torch.dtype, ...]) -> None:
+    if x.dtype not in supported:
+        raise ValueError(f"fixed_order.{name}: dtype {x.dtype} not supported (expected one of {supported})")
+
+
+def exp(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """fp32 exp(x) from exactly rounded ops: x = n ln2 + r, exp(x) = 2^n * p(r).
+
+    Special values as torch: exp(-inf) = 0, exp(+inf) = +inf, NaN stays NaN."""
+    _check_dtype("exp", x, (torch.float32,))
+    n = torch.round(x * _LOG2_E).clamp_(-151.0, 129.0)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = _horner(r, _EXP_COEFFS)
+    # 2^n in two factors so that results down to the subnormals are reached without 2^-150.
+    n_low = torch.floor(n * 0.5)
+    result = p.mul_(_pow2(n_low)).mul_(_pow2(n - n_low))
+    result = torch.where(x > _EXP_OVERFLOW, torch.inf, result)
+    result = torch.where(x < _EXP_UNDERFLOW, 0.0, result)
+    return _finish(torch.where(torch.isnan(x), x, result), out)
+
+
+def log(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """fp32/fp64 log(x) from exactly rounded ops: x = m 2^e, m in [sqrt(1/2), sqrt(2)), log(x) = e ln2 + 2 atanh(s).
+
+    Special values as torch: log(0) = -inf, log(+inf) = +inf, log(x < 0) = NaN, NaN stays NaN."""
+    _check_dtype("log", x, tuple(_LOG_CONSTANTS))
+    ln2_hi, ln2_lo, coeffs = _LOG_CONSTANTS[x.dtype]
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1): exact
+    low = mantissa < _SQRT_HALF
+    m = torch.where(low, mantissa * 2.0, mantissa)
+    e = (exponent - low.to(exponent.dtype)).to(x.dtype)
+    f = m - 1.0  # exact (Sterbenz)
+    s = f / (f + 2.0)
+    log_m = s * _horner(s * s, coeffs)
+    result = e * ln2_hi + (log_m + e * ln2_lo)
+    result = torch.where(x == 0.0, -torch.inf, result)
+    result = torch.where(x == torch.inf, torch.inf, result)
+    return _finish(torch.where((x < 0.0) | torch.isnan(x), torch.nan, result), out)
+
+
+def cos(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """fp64/fp32 cos(x) from exactly rounded ops, for moderate |x| (sampling angles in [0, 2 pi]):
+    x = n pi/2 + r, |r| <= pi/4, then +-cos(r) or +-sin(r) by quadrant. Accurate to ~1e-16 for |x| < 1e5."""
+    _check_dtype("cos", x, (torch.float32, torch.float64))
+    n = torch.round(x * _TWO_OVER_PI)
+    r = x
+    for part in _PIO2_PARTS:
+        r = r - n * part
+    r2 = r * r
+    cos_r = _horner(r2, _COS_COEFFS)
+    sin_r = r * _horner(r2, _SIN_COEFFS)
+    quadrant = torch.remainder(n, 4.0)
+    result = torch.where((quadrant == 0.0) | (quadrant == 2.0), cos_r, sin_r)
+    result = torch.where((quadrant == 1.0) | (quadrant == 2.0), -result, result)
+    return _finish(torch.where(torch.isfinite(x), result, torch.nan), out)

@@ -1,0 +1,319 @@
+"""Runtime guard for the exact CPU kernels: probe each host property they rely on, never trust it blindly.
+
+The exact CPU kernels (``cpu_exact``) get their speed from two host libraries, and their
+exactness then rests on two *measured* properties of them, not on construction:
+
+- ``gemm_rows``: a batched GEMM (``torch.bmm``: MKL, OpenBLAS, Accelerate, ...) gives an output
+  row the same bits whatever the tile height (``ROW_BLOCKS``), the row's position in its tile, the
+  number of tiles in the call and the torch thread count;
+- ``elementwise_exp`` / ``elementwise_log`` / ``elementwise_cos``: the vectorised ``torch.exp`` /
+  ``torch.log`` / ``torch.cos`` give an element the same bits wherever it sits in a chunk (position,
+  alignment, chunk length, threads). (exp and log serve the kernels; log and cos in fp64 serve the
+  counter-based sampler, whose noise must not depend on the batch either.)
+
+Both held on the machines this project was built on, and both can fail elsewhere: another BLAS,
+another CPU generation (AVX-512 micro-kernels), another torch build. So a ``HostGuard`` probes a
+property the first time an op needs it, for each *shape class* that matters (GEMM: K, N, the
+operand layout and the compute dtype; elementwise: the function and dtype), and caches the verdict
+for the process:
+
+- the probe computes the same random rows in every arrangement the kernels can produce (each tile
+  height, shifted positions, many tiles per call) at the current thread count, and compares them
+  bitwise with one reference arrangement computed with 1 thread; a thread count seen later is
+  verified against the same reference before it is used;
+- if every arrangement agrees, the op uses the fast library path (``blas`` / ``vectorised``);
+- if any differs, the op switches to the ``fixed-order`` path of ``fixed_order`` (slower,
+  invariant by construction) and a RuntimeWarning names the property, the shape class and the
+  arrangement that failed. It is never silently wrong.
+
+The decision is per shape class, never per call: rollout and training calls of one class always
+take the same path, so they stay bitwise comparable. ``report()`` says which path each op used
+and what the probes found (``vexact check`` prints it).
+
+Modes (``HostGuard(mode=...)``, default from the ``VEXACT_CPU_EXACT_PATH`` environment variable):
+``auto`` (probe, fall back where needed), ``fixed-order`` (always the by-construction path: no
+library property is relied on at all) and ``unguarded`` (trust the library without probing --
+what vexact did before the guard; for tests that show what the guard prevents).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from . import fixed_order
+
+MODES = ("auto", "fixed-order", "unguarded")
+MODE_ENV = "VEXACT_CPU_EXACT_PATH"
+REFERENCE_THREADS = 1
+PROBE_ROWS = 64  # rows per probe: the tallest tile
+PROBE_SEED = 20261123
+PROBE_ELEMENTS = 4096
+ELEMENTWISE_SHIFTS = (1, 3, 7, 8, 15, 16, 31)  # positions/alignments tried: every residue class of 8 and 16 lanes
+
+
+def mode_from_env() -> str:
+    """The guard mode named by ``VEXACT_CPU_EXACT_PATH`` (default ``auto``); a bad value is an error."""
+    mode = os.environ.get(MODE_ENV, "auto").strip() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+@dataclass
+class ProbeRecord:
+    """What one probe found for one shape class, and the path its ops take."""
+
+    property: str
+    shape_class: str
+    path: str
+    passed: bool | None  # None: not probed (mode fixed-order or unguarded)
+    threads_checked: list[int] = field(default_factory=list)
+    failure: str | None = None
+    seconds: float = 0.0
+    ops: set[str] = field(default_factory=set)
+    reference: Tensor | None = None  # the 1-thread reference outputs (kept to verify later thread counts)
+    check: Callable[[], str | None] | None = None  # reruns the arrangements at the current thread count
+
+    def as_dict(self) -> dict:
+        return {"property": self.property, "shape_class": self.shape_class, "path": self.path,
+                "passed": self.passed, "threads_checked": sorted(self.threads_checked), "failure": self.failure,
+                "seconds": round(self.seconds, 4), "ops": sorted(self.ops)}
+
+
+def _with_threads(threads: int, fn: Callable[[], object]) -> object:
+    """fn() under ``threads`` torch threads. The probe must compare thread counts, and torch's thread
+    count is process state, so it is set for the call and put back."""
+    before = torch.get_num_threads()
+    if before == threads:
+        return fn()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rows_differing(a: Tensor, b: Tensor) -> int:
+    """Rows of a and b ([rows, ...]) that are not bitwise equal (NaN-free probe data)."""
+    return int((a != b).reshape(a.shape[0], -1).any(dim=1).sum())
+
+
+class HostGuard:
+    """Chooses, per shape class, between a host library primitive and its by-construction twin.
+
+    ``bmm``/``exp``/``log`` are the library primitives (torch's by default; tests pass
+    deliberately broken ones to show the probe catches them). ``row_blocks`` are the tile heights
+    the kernels use, which the GEMM probe must cover."""
+
+    def __init__(self, row_blocks: tuple[int, ...], *, mode: str | None = None,
+                 bmm: Callable[[Tensor, Tensor], Tensor] = torch.bmm,
+                 exp: Callable[..., Tensor] = torch.exp, log: Callable[..., Tensor] = torch.log,
+                 cos: Callable[..., Tensor] = torch.cos):
+        mode = mode_from_env() if mode is None else mode
+        if mode not in MODES:
+            raise ValueError(f"HostGuard mode {mode!r}: expected one of {', '.join(MODES)}")
+        if max(row_blocks) > PROBE_ROWS:
+            raise ValueError(f"row_blocks {row_blocks}: the probe covers tiles of at most {PROBE_ROWS} rows")
+        self.mode = mode
+        self.row_blocks = tuple(row_blocks)
+        self._library_bmm = bmm
+        self._library_elementwise = {"exp": exp, "log": log, "cos": cos}
+        self._records: dict[tuple, ProbeRecord] = {}
+
+    # ------------------------------------------------------------------ the primitives
+    def bmm(self, a: Tensor, b: Tensor, op: str, shared_operand: bool) -> Tensor:
+        """a [T, R, K] @ b [T, K, N] through the path chosen for this shape class (R in ``row_blocks``).
+
+        ``shared_operand``: every tile multiplies the same (expanded) b, as a linear layer's weight;
+        otherwise each tile has its own, as attention's key tiles. The class is (dtype, K, N, b's layout,
+        shared or not) -- never T or R, so every call of a class takes one path."""
+        key = ("gemm_rows", a.dtype, a.shape[2], b.shape[2], _layout(b), shared_operand)
+        record = self._records.get(key) or self._probe_gemm(key)
+        self._verify_threads(record, key)
+        record.ops.add(op)
+        if record.path == "fixed-order":
+            return fixed_order.bmm(a, b)
+        return self._library_bmm(a, b)
+
+    def elementwise(self, name: str, dtype: torch.dtype, op: str) -> Callable[..., Tensor]:
+        """``fn(x, out=...)``: ``name`` (exp, log or cos) elementwise, through the path chosen for (name, dtype)."""
+        if name not in self._library_elementwise:
+            raise ValueError(f"HostGuard.elementwise: unknown function {name!r} (expected exp, log or cos)")
+        key = (f"elementwise_{name}", dtype)
+        record = self._records.get(key) or self._probe_elementwise(key, name)
+        self._verify_threads(record, key)
+        record.ops.add(op)
+        return getattr(fixed_order, name) if record.path == "fixed-order" else self._library_elementwise[name]
+
+    def report(self) -> dict:
+        """Mode and every probe so far (property, shape class, path, verdict, threads checked, ops)."""
+        return {"mode": self.mode, "probes": [r.as_dict() for r in self._records.values()]}
+
+    # ------------------------------------------------------------------ probes
+    def _new_record(self, key: tuple, shape_class: str, fast_path: str) -> ProbeRecord:
+        path = {"fixed-order": "fixed-order", "unguarded": fast_path}.get(self.mode, fast_path)
+        record = ProbeRecord(property=key[0], shape_class=shape_class, path=path, passed=None)
+        self._records[key] = record
+        return record
+
+    def _probe_gemm(self, key: tuple) -> ProbeRecord:
+        _, dtype, k, n, layout, shared = key
+        transposed = layout == "transposed"
+        form = "shared" if shared else "per-tile"
+        record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}", "blas")
+        if self.mode != "auto":
+            return record
+        gen = torch.Generator().manual_seed(PROBE_SEED)
+        rows = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
+        other = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)  # neighbours that are not zero
+        cols = torch.randn(n, k, generator=gen).to(dtype)  # b's columns, [N, K]
+
+        def gemm(a_tiles: Tensor) -> Tensor:
+            return self._library_bmm(a_tiles, _operand(cols, a_tiles.shape[0], shared, transposed))
+
+        def run_arrangements() -> str | None:
+            """Each arrangement's rows, compared with the reference; the first failure, described."""
+            ref = record.reference
+            for height in self.row_blocks:  # every tile height, tiles side by side in one call
+                out = gemm(rows.view(PROBE_ROWS // height, height, k)).reshape(PROBE_ROWS, n)
+                if differing := _rows_differing(out, ref):
+                    return f"tile height {height}: {differing}/{PROBE_ROWS} rows differ from one {PROBE_ROWS}-row tile"
+                shifted = rows.view(-1, height, k).roll(1, dims=1)  # every row one place down its tile
+                out = gemm(shifted).roll(-1, dims=1).reshape(PROBE_ROWS, n)
+                if differing := _rows_differing(out, ref):
+                    return f"tile height {height}, rows moved one place: {differing}/{PROBE_ROWS} rows differ"
+            # many tiles per call (batch-parallel threading), the probe rows in the middle
+            smallest = self.row_blocks[0]
+            crowd = torch.cat([other, rows, other]).view(-1, smallest, k)
+            out = gemm(crowd).reshape(-1, n)[PROBE_ROWS : 2 * PROBE_ROWS]
+            if differing := _rows_differing(out, ref):
+                return f"{crowd.shape[0]} tiles of {smallest} rows in one call: {differing}/{PROBE_ROWS} rows differ"
+            return None
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            record.reference = _with_threads(
+                REFERENCE_THREADS, lambda: gemm(rows.view(1, PROBE_ROWS, k)).reshape(PROBE_ROWS, n))
+            record.failure = run_arrangements()
+            record.threads_checked.append(torch.get_num_threads())
+            record.check = run_arrangements
+        record.seconds += time.perf_counter() - start
+        self._decide(record)
+        return record
+
+    def _probe_elementwise(self, key: tuple, name: str) -> ProbeRecord:
+        _, dtype = key
+        record = self._new_record(key, f"{name} {_dtype_name(dtype)}", "vectorised")
+        if self.mode != "auto":
+            return record
+        fn = self._library_elementwise[name]
+        values = _elementwise_probe_values(name, dtype)
+        total = values.numel()
+
+        def apply(x: Tensor) -> Tensor:
+            out = torch.empty_like(x)
+            fn(x, out=out)
+            return out
+
+        def run_arrangements() -> str | None:
+            ref = record.reference
+            if not torch.equal(apply(values), ref):
+                return "the same call twice differs"
+            buffer = torch.cat([values, values])
+            for shift in ELEMENTWISE_SHIFTS:
+                rolled = apply(values.roll(shift)).roll(-shift)  # every element at another position
+                if not torch.equal(rolled, ref):
+                    return f"elements moved {shift} places: {int((rolled != ref).sum())}/{total} differ"
+                offset = apply(buffer[shift : shift + total])  # same positions, shifted alignment
+                expected = torch.cat([ref, ref])[shift : shift + total]
+                if not torch.equal(offset, expected):
+                    return f"buffer offset by {shift} elements: {int((offset != expected).sum())}/{total} differ"
+            for length in (64, 256):  # short chunks, as at the end of a tensor
+                pieces = torch.cat([apply(values[i : i + length]) for i in range(0, total, length)])
+                if not torch.equal(pieces, ref):
+                    return f"chunks of {length}: {int((pieces != ref).sum())}/{total} differ"
+            return None
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            record.reference = _with_threads(REFERENCE_THREADS, lambda: apply(values))
+            record.failure = run_arrangements()
+            record.threads_checked.append(torch.get_num_threads())
+            record.check = run_arrangements
+        record.seconds += time.perf_counter() - start
+        self._decide(record)
+        return record
+
+    def _verify_threads(self, record: ProbeRecord, key: tuple) -> None:
+        """A thread count not seen yet is checked against the 1-thread reference before it is used."""
+        threads = torch.get_num_threads()
+        if record.check is None or record.path == "fixed-order" or threads in record.threads_checked:
+            return
+        start = time.perf_counter()
+        with torch.no_grad():
+            failure = record.check()
+        record.threads_checked.append(threads)
+        record.seconds += time.perf_counter() - start
+        if failure is not None:
+            record.failure = f"{failure} ({threads} threads vs {REFERENCE_THREADS})"
+            self._decide(record, earlier_results=True)
+
+    def _decide(self, record: ProbeRecord, earlier_results: bool = False) -> None:
+        record.passed = record.failure is None
+        if record.passed:
+            return
+        record.path = "fixed-order"
+        record.reference = None
+        caveat = (" Results computed earlier in this process with the library path (at other thread counts) are "
+                  "not bitwise comparable with later ones." if earlier_results else "")
+        warnings.warn(f"vexact exact CPU kernels: host property '{record.property}' failed for {record.shape_class} "
+                      f"({record.failure}); ops {', '.join(sorted(record.ops)) or '(first use)'} now use the "
+                      f"fixed-order path (slower, invariant by construction).{caveat}", RuntimeWarning, stacklevel=4)
+
+
+def _layout(b: Tensor) -> str:
+    """The memory layout class of a bmm right operand [T, K, N]: ``transposed`` (K contiguous, as a
+    [N, K] weight seen as its transpose) or ``row-major``."""
+    return "transposed" if b.stride(1) == 1 and b.shape[1] > 1 else "row-major"
+
+
+def _operand(cols: Tensor, tiles: int, shared: bool, transposed: bool) -> Tensor:
+    """b [tiles, K, N] holding the columns ``cols`` [N, K]: one expanded operand or a copy per tile."""
+    base = cols.t() if transposed else cols.t().contiguous()  # [K, N]
+    expanded = base.expand(tiles, *base.shape)
+    if shared:
+        return expanded
+    if transposed:
+        return cols.expand(tiles, *cols.shape).contiguous().transpose(1, 2)
+    return expanded.contiguous()
+
+
+def _elementwise_probe_values(name: str, dtype: torch.dtype) -> Tensor:
+    """Random inputs spanning the range the kernels (and sampling) feed ``name``, plus its special values."""
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    body = PROBE_ELEMENTS - 256
+
+    def uniform(count: int, low: float, high: float) -> Tensor:
+        return low + torch.rand(count, generator=gen, dtype=torch.float64) * (high - low)
+
+    if name == "exp":  # differences of scores and logits: mostly [-30, 0], tails to under/overflow
+        values = [uniform(body, -30.0, 0.0), uniform(240, -110.0, 90.0)]
+        special = [0.0, -0.0, -torch.inf, torch.inf, -87.5, -103.9, 88.7, 1e-30]
+    elif name == "log":  # row sums of exp (>= 1), uniforms in (0, 1) (sampling), any positive value
+        values = [uniform(body // 2, 1.0, 1e4), uniform(body - body // 2, 1e-12, 1.0), torch.exp(uniform(240, -85, 85))]
+        special = [1.0, 2.0, 0.5, torch.inf, 0.0, 1e-40, 3e38, 1.5]
+    else:  # cos: sampling angles in [0, 2 pi]
+        values = [uniform(body, 0.0, 2 * torch.pi), uniform(240, -100.0, 100.0)]
+        special = [0.0, torch.pi / 2, torch.pi, 2 * torch.pi, -0.0, 1.0, 3.0, 6.0]
+    return torch.cat([*values, torch.tensor(special * 2, dtype=torch.float64)]).to(dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

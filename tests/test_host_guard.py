@@ -1,0 +1,250 @@
+"""The runtime guard of the exact CPU kernels (``vexact_kernels.host_guard``), made to fail on purpose.
+
+The fast exact CPU paths rest on measured host properties: a BLAS GEMM gives a row the same bits in any
+tile arrangement, and vectorised exp/log/cos give an element the same bits at any position. These tests
+substitute primitives that break those properties -- as another CPU generation or BLAS might -- and show:
+
+- the unguarded kernels then really are non-exact in the arrangement tested (so the checks can fail);
+- the probe catches the broken property, warns once naming it, and reports the op's new path;
+- the fixed-order fallback is still bitwise exact (rows alone == in a batch, decode == prefill,
+  rollout log-probs == training log-probs), and the native backend mismatches in the same arrangement.
+
+Exactness is asserted with torch.equal; accuracy of the fallback math against torch with stated tolerances.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import num_threads, random_prompts, tiny_model
+
+from vexact import generate, token_logprobs
+from vexact_kernels import cpu_exact, fixed_order, native
+from vexact_kernels.host_guard import MODE_ENV, HostGuard, mode_from_env
+
+
+# --------------------------------------------------------------------------- broken primitives
+def _nudge(t: torch.Tensor) -> torch.Tensor:
+    """One ulp up: the smallest change a different reduction order or micro-kernel makes."""
+    return torch.nextafter(t, torch.full_like(t, torch.inf))
+
+
+def position_dependent_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm, but rows 2-3 of every 4 in a tile come out one ulp higher (a row's bits depend on where it
+    sits, as with numpy/OpenBLAS on the AVX-512 host that broke CI; a decode step's rows sit at 0-1)."""
+    out = torch.bmm(a, b)
+    moved = (torch.arange(a.shape[1]) // 2) % 2 == 1
+    out[:, moved] = _nudge(out[:, moved])
+    return out
+
+
+def thread_dependent_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm, one ulp higher whenever more than one torch thread runs (a thread-count-dependent BLAS)."""
+    out = torch.bmm(a, b)
+    return _nudge(out) if torch.get_num_threads() > 1 else out
+
+
+def position_dependent_exp(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """torch.exp, one ulp higher at odd element positions (a vector body and a scalar tail that round apart)."""
+    torch.exp(x, out=out)
+    out[1::2] = _nudge(out[1::2])
+    return out
+
+
+def _guard(**kwargs) -> HostGuard:
+    return HostGuard(cpu_exact.ROW_BLOCKS, **kwargs)
+
+
+def _rows_alone_vs_batch(linear, x: torch.Tensor, w: torch.Tensor) -> int:
+    """How many rows of linear(x) differ from the same row computed alone."""
+    full = linear(x, w)
+    return sum(not torch.equal(linear(x[i : i + 1], w)[0], full[i]) for i in range(x.shape[0]))
+
+
+def _linear_inputs(rows: int = 21, k: int = 48, n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+
+
+# --------------------------------------------------------------------------- the probes
+def test_probe_catches_position_dependent_gemm():
+    x, w = _linear_inputs()
+    unguarded = cpu_exact.with_host(_guard(bmm=position_dependent_bmm, mode="unguarded"))
+    assert _rows_alone_vs_batch(unguarded.linear, x, w) > 0, "the broken GEMM must break the unguarded kernel"
+
+    guard = _guard(bmm=position_dependent_bmm)
+    ops = cpu_exact.with_host(guard)
+    with pytest.warns(RuntimeWarning, match="host property 'gemm_rows' failed for K=48 N=48"):
+        full = ops.linear(x, w)
+    assert _rows_alone_vs_batch(ops.linear, x, w) == 0
+    torch.testing.assert_close(full, native.linear(x, w), atol=1e-5, rtol=1e-5)  # correct, not just invariant
+    (probe,) = guard.report()["probes"]
+    assert probe["path"] == "fixed-order" and probe["passed"] is False and "rows" in probe["failure"]
+    assert cpu_exact.host_report(guard)["ops"]["linear"]["path"] == "fixed-order"
+
+
+def test_probe_passes_a_correct_gemm_and_keeps_the_fast_path():
+    # A GEMM that is invariant by construction must pass every arrangement of the probe.
+    guard = _guard(bmm=fixed_order.bmm)
+    x, w = _linear_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_exact.with_host(guard).linear(x, w)
+    (probe,) = guard.report()["probes"]
+    assert probe["passed"] is True and probe["path"] == "blas" and probe["ops"] == ["linear"]
+
+
+def test_probe_catches_thread_dependent_gemm_at_first_use():
+    x, w = _linear_inputs()
+    guard = _guard(bmm=thread_dependent_bmm)
+    with num_threads(2), pytest.warns(RuntimeWarning, match="gemm_rows"):
+        at_two = cpu_exact.with_host(guard).linear(x, w)
+    with num_threads(1):
+        at_one = cpu_exact.with_host(guard).linear(x, w)
+    assert torch.equal(at_one, at_two)
+
+
+def test_a_thread_count_seen_later_is_verified_before_use():
+    x, w = _linear_inputs()
+    guard = _guard(bmm=thread_dependent_bmm)
+    ops = cpu_exact.with_host(guard)
+    with num_threads(1):
+        ops.linear(x, w)  # at 1 thread the broken GEMM is still right: the probe passes
+    assert guard.report()["probes"][0]["path"] == "blas"
+    with num_threads(2), pytest.warns(RuntimeWarning, match=r"2 threads vs 1.*not bitwise comparable"):
+        at_two = ops.linear(x, w)
+    (probe,) = guard.report()["probes"]
+    assert probe["path"] == "fixed-order" and probe["threads_checked"] == [1, 2]
+    with num_threads(1):
+        assert torch.equal(ops.linear(x, w), at_two)  # from now on one path for every thread count
+
+
+def test_probe_catches_position_dependent_exp():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 301, generator=g) * 4
+    unguarded = cpu_exact.with_host(_guard(exp=position_dependent_exp, mode="unguarded"))
+    full = unguarded.log_softmax(logits)
+    assert any(not torch.equal(unguarded.log_softmax(logits[i : i + 1])[0], full[i]) for i in range(9))
+
+    guard = _guard(exp=position_dependent_exp)
+    ops = cpu_exact.with_host(guard)
+    with pytest.warns(RuntimeWarning, match="elementwise_exp"):
+        full = ops.log_softmax(logits)
+    for i in range(9):
+        assert torch.equal(ops.log_softmax(logits[i : i + 1])[0], full[i])
+    torch.testing.assert_close(full, native.log_softmax(logits), atol=1e-5, rtol=1e-5)
+    assert cpu_exact.host_report(guard)["ops"]["log_softmax"]["path"] == "mixed"  # exp fixed-order, log fast
+
+
+def test_probe_catches_a_broken_attention_gemm_and_decode_still_equals_prefill():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 70, h, 16, generator=g) for h in (4, 2, 2))
+    start = torch.tensor([0, 0])
+    unguarded = cpu_exact.with_host(_guard(bmm=position_dependent_bmm, mode="unguarded"))
+    guard = _guard(bmm=position_dependent_bmm)
+    guarded = cpu_exact.with_host(guard)
+
+    def decode_differs(ops) -> int:
+        prefill = ops.attention(q, k, v, start, 0.25)
+        return sum(not torch.equal(ops.attention(q[:, t : t + 1], k, v, torch.tensor([t, t]), 0.25)[:, 0],
+                                   prefill[:, t]) for t in (0, 1, 5, 63, 64, 69))
+
+    assert decode_differs(unguarded) > 0
+    with pytest.warns(RuntimeWarning, match="gemm_rows"):
+        assert decode_differs(guarded) == 0
+    assert {p["path"] for p in guard.report()["probes"] if p["property"] == "gemm_rows"} == {"fixed-order"}
+
+
+# --------------------------------------------------------------------------- end to end
+def _mismatched_tokens(model, prompts, threads_rollout: int = 1, threads_scoring: int = 2) -> int:
+    with num_threads(threads_rollout):
+        rollouts = [generate(model, prompts, max_new_tokens=12, seed=7, batch_size=bs) for bs in (None, 3)]
+    mismatched = 0
+    with num_threads(threads_scoring):
+        for rollout in rollouts:
+            for micro_batch_size in (None, 4):
+                with torch.no_grad():
+                    scored = token_logprobs(model, prompts, rollout.tokens, micro_batch_size=micro_batch_size)
+                mismatched += sum(int((a != b).sum()) for a, b in zip(rollout.logprobs, scored))
+    return mismatched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rollout_equals_training_on_a_broken_host(dtype):
+    """Every GEMM and exp broken at once: the guarded model stays exact; unguarded and native do not."""
+    prompts = random_prompts(10, 30, seed=2)
+    broken = dict(bmm=position_dependent_bmm, exp=position_dependent_exp)
+    model = tiny_model("exact", dtype)
+    model.ops_override = cpu_exact.with_host(_guard(mode="unguarded", **broken))
+    assert _mismatched_tokens(model, prompts) > 0
+
+    guard = _guard(**broken)
+    model.ops_override = cpu_exact.with_host(guard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # one per shape class; checked in the tests above
+        assert _mismatched_tokens(model, prompts) == 0
+    paths = {p["property"]: p["path"] for p in guard.report()["probes"]}
+    assert paths == {"gemm_rows": "fixed-order", "elementwise_exp": "fixed-order", "elementwise_log": "vectorised"}
+
+    assert _mismatched_tokens(tiny_model("native", dtype), prompts) > 0  # the arrangement can detect TIM
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fixed_order_mode_is_exact_end_to_end(dtype):
+    """``VEXACT_CPU_EXACT_PATH=fixed-order``: no host property relied on at all, still bit for bit."""
+    guard = _guard(mode="fixed-order")
+    model = tiny_model("exact", dtype)
+    model.ops_override = cpu_exact.with_host(guard)
+    assert _mismatched_tokens(model, random_prompts(10, 30, seed=3), threads_rollout=2, threads_scoring=1) == 0
+    assert guard.report()["probes"] and all(p["passed"] is None for p in guard.report()["probes"])
+
+
+# --------------------------------------------------------------------------- the fallback math
+def test_fixed_order_ops_match_native():
+    ops = cpu_exact.with_host(_guard(mode="fixed-order"))
+    g = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(37, 90, generator=g), torch.randn(70, 90, generator=g), torch.randn(70, generator=g)
+    torch.testing.assert_close(ops.linear(x, w, b), native.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    logits = torch.randn(5, 1000, generator=g) * 4
+    torch.testing.assert_close(ops.log_softmax(logits), native.log_softmax(logits), atol=1e-5, rtol=1e-5)
+    gate, up = torch.randn(2, 300, generator=g) * 4
+    torch.testing.assert_close(ops.silu_mul(gate, up), native.silu_mul(gate, up), atol=1e-6, rtol=1e-6)
+
+
+def test_fixed_order_math_accuracy_and_special_values():
+    g = torch.Generator().manual_seed(7)
+    x32 = torch.rand(200000, generator=g) * 190 - 100  # exp: 2 ulps relative, 2 subnormal ulps absolute
+    torch.testing.assert_close(fixed_order.exp(x32), torch.exp(x32), rtol=2.4e-7, atol=3e-45)
+    pos32 = torch.exp(torch.rand(200000, generator=g) * 160 - 80)  # log: 4e-7 absolute
+    torch.testing.assert_close(fixed_order.log(pos32), torch.log(pos32), rtol=0, atol=4e-7)
+    u64 = torch.rand(200000, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(fixed_order.log(u64), torch.log(u64), rtol=1e-15, atol=1e-15)
+    angle = 2 * torch.pi * u64
+    torch.testing.assert_close(fixed_order.cos(angle), torch.cos(angle), rtol=0, atol=1e-15)
+    special = torch.tensor([0.0, -0.0, -torch.inf, torch.inf, torch.nan, 100.0, -120.0])
+    torch.testing.assert_close(fixed_order.exp(special), torch.exp(special), equal_nan=True, rtol=0, atol=0)
+    special = torch.tensor([0.0, 1.0, torch.inf, -1.0, torch.nan])
+    torch.testing.assert_close(fixed_order.log(special), torch.log(special), equal_nan=True, rtol=0, atol=0)
+
+
+def test_fixed_order_bmm_is_invariant_by_construction():
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(64, 200, generator=g), torch.randn(200, 33, generator=g)
+    reference = fixed_order.bmm(a.view(1, 64, 200), b.expand(1, 200, 33))[0]
+    for height in (1, 4, 64):
+        tiles = a.view(-1, height, 200)
+        assert torch.equal(fixed_order.bmm(tiles, b.expand(tiles.shape[0], 200, 33)).reshape(64, 33), reference)
+    assert torch.equal(fixed_order.bmm(a.flip(0).view(1, 64, 200), b.expand(1, 200, 33))[0].flip(0), reference)
+
+
+# --------------------------------------------------------------------------- configuration
+def test_mode_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(MODE_ENV, "fixed-order")
+    assert mode_from_env() == "fixed-order"
+    monkeypatch.setenv(MODE_ENV, "fast")
+    with pytest.raises(ValueError, match=f"{MODE_ENV}='fast': expected one of auto, fixed-order, unguarded"):
+        mode_from_env()
+    with pytest.raises(ValueError, match="unknown function 'tanh'"):
+        _guard(mode="auto").elementwise("tanh", torch.float32, op="x")
