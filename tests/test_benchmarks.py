@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import end_to_end, kernels, tables  # noqa: E402
+from benchmarks import end_to_end, host_guard, kernels, tables  # noqa: E402
 from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 
@@ -102,6 +102,24 @@ def test_triton_exact_backend_runs_both_benchmarks(capsys):
         _check_ratios(row)
     end_to_end.print_results(e2e)
     assert "NOT a speed" in capsys.readouterr().out
+
+
+def test_host_guard_benchmark_schema(tmp_path, capsys):
+    """fixed-order / fast for every op and the model's rollout and scoring, plus the probes' cost."""
+    out = tmp_path / "g.json"
+    assert vexact_main(["bench", "host_guard", "--shape", "tiny", "--dtype", "fp32", "--reps", "1", "--threads", "1",
+                        "--device", "cpu", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "host_guard"
+    assert [r["item"] for r in record["results"]] == [*kernels.OPS, *host_guard.MODEL_ITEMS]
+    for row in record["results"]:
+        assert row["repetitions"] == 1 and row["ratio_median"] > 0 and row["fixed_order_s_median"] > 0
+    (cost,) = record["probe_cost"]
+    assert cost["shape_classes"] > 0 and cost["probe_s"] > 0 and cost["first_call_s"] >= cost["probe_s"]
+    assert record["host_report"]["mode"] == record["settings"]["fast_guard_mode"]
+    assert "fixed-order / fast" in capsys.readouterr().out
+    assert host_guard.main(["--device", "cpu", "--exact-backend", "triton"]) == 2
+    assert "exact CPU kernels" in capsys.readouterr().err
 
 
 def test_vexact_bench_command_writes_json(tmp_path):

@@ -276,9 +276,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="the price of exactness: exact / native time ratios (kernels, end to end)",
                        description="Runs python -m benchmarks.<which> with the remaining options "
                                    "(vexact bench kernels --help lists them).")
-    p.add_argument("which", choices=("kernels", "end_to_end", "tables"),
+    p.add_argument("which", choices=("kernels", "end_to_end", "host_guard", "tables"),
                    help="kernels: op by op at model shapes, fp32/bf16, fwd and fwd+bwd, matmul GFLOP/s; "
                         "end_to_end: rollout, decode step, training fwd+bwd, RL step; "
+                        "host_guard: the fixed-order fallback's cost against the probed fast path; "
                         "tables: markdown tables from their JSON files")
     p.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     p.set_defaults(func=_cmd_bench)
