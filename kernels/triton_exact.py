@@ -17,6 +17,7 @@ The design, op by op (each public function's docstring states its contract):
 * **rms_norm, log_softmax, token_logprobs** -- one program per row, walking the row in
   fixed BLOCK-sized chunks in order, accumulating in fp32 lanes that are combined by
   ``tl.sum`` / ``tl.max`` (a reduction tree fixed by BLOCK). A row depends only on itself.
+  (Interpreted, ``tl.sum`` and ``tl.dot`` are replaced: see "Interpreter mode".)
 * **silu_mul, rope** -- elementwise: every element runs the same instruction sequence.
 * **attention** -- one FlashAttention-style kernel for prefill *and* decode. A program takes
   BLOCK_M queries of one (sequence, query head) -- BLOCK_M fixed, so a decode step (T = 1)
@@ -35,10 +36,13 @@ with torch's fp32 reference.
 Interpreter mode: without a CUDA device the kernels run in the Triton interpreter
 (``TRITON_INTERPRET=1``, numpy underneath): correct but slow, for tests and tiny models.
 Differences there: the tile shapes are the interpreter's own (see ``_MATMUL_TILES``);
-low-precision tiles are upcast to fp32 before ``tl.dot`` because the interpreter's bf16
-``tl.dot`` multiplies raw bit patterns; and fp32 -> bf16 rounding is done by hand because
-the interpreter's cast truncates. Results are exact and invariant in either mode, but
-interpreter and GPU results are not bitwise equal to each other.
+block products and block sums are not np.matmul / np.sum, whose summation order is the host
+BLAS's and numpy's, but a fixed pairwise tree of exactly rounded fp32 products and adds
+(``_block_dot``, ``_block_sum``), so invariance does not rest on the host; low-precision
+tiles are upcast to fp32 before the product because the interpreter's bf16 arithmetic works
+on raw bit patterns; and fp32 -> bf16 rounding is done by hand because the interpreter's
+cast truncates. Results are exact and invariant in either mode, but interpreter and GPU
+results are not bitwise equal to each other.
 
 Backward passes use standard, deterministic torch ops (see ``_ExactForwardNativeBackward``):
 only the forward must be exact; gradients must be reproducible run to run.
@@ -120,6 +124,60 @@ def _cast(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
+# --------------------------------------------------------------------------- block reductions
+# Every block product and block sum goes through ``_block_dot`` / ``_block_sum``. Compiled,
+# they *are* tl.dot / tl.sum (aliases, so the GPU code is exactly that of direct calls).
+# Interpreted, tl.dot would be np.matmul and tl.sum np.sum, whose summation order is the host
+# BLAS's and numpy's and may depend on a row's position in the block or on memory layout
+# (seen with OpenBLAS on an AVX-512 host: a row of a linear tile got other bits than the same
+# row alone). There both are replaced by a fixed pairwise tree over the last axis: level by
+# level, elements 2i and 2i + 1 are added. Every add is an elementwise fp32 add, exactly
+# rounded, so a result depends only on the values. Widths are block sizes: powers of two.
+if INTERPRETING:
+    # The tree is written out in both helpers rather than shared because each call of a jit
+    # function from a kernel makes the interpreter re-patch triton.language (~0.3 ms). Shapes
+    # are annotated constexpr: the interpreter turns plain int assignments into tensors.
+
+    @triton.jit
+    def _block_dot(a, b, acc=None, input_precision: tl.constexpr = None):
+        """tl.dot for fp32 a: [M, K], b: [K, N]: the [M, N, K] fp32 products (numpy fp32 * fp32,
+        exactly rounded) summed over K by the pairwise tree, then acc added. input_precision is
+        accepted for tl.dot's signature and ignored (products are always full fp32)."""
+        tl.static_assert(a.dtype == tl.float32 and b.dtype == tl.float32, "interpreted dot: upcast to fp32 first")
+        rows: tl.constexpr = int(a.shape[0])
+        cols: tl.constexpr = int(b.shape[1])
+        width: tl.constexpr = int(a.shape[1])
+        tl.static_assert(width >= 2 and (width & (width - 1)) == 0, "interpreted dot: K must be a power of two")
+        x = a[:, None, :] * tl.trans(b)[None, :, :]
+        while width > 2:
+            width: tl.constexpr = width // 2
+            pairs = tl.split(tl.reshape(x, [rows, cols, width, 2]))
+            x = pairs[0] + pairs[1]
+        pairs = tl.split(x)
+        x = pairs[0] + pairs[1]
+        if acc is not None:
+            x = acc + x
+        return x
+
+    @triton.jit
+    def _block_sum(x, axis: tl.constexpr):
+        """tl.sum over the last axis by the pairwise tree: [..., W] -> [...] (a scalar for 1-D x)."""
+        lead: tl.constexpr = [int(d) for d in x.shape[:-1]]
+        width: tl.constexpr = int(x.shape[-1])
+        tl.static_assert(axis == len(lead), "interpreted sum: only over the last axis")
+        tl.static_assert(width >= 2 and (width & (width - 1)) == 0, "interpreted sum: width must be a power of two")
+        while width > 2:
+            width: tl.constexpr = width // 2
+            pairs = tl.split(tl.reshape(x, lead + [width, 2]))
+            x = pairs[0] + pairs[1]
+        pairs = tl.split(x)
+        return pairs[0] + pairs[1]
+
+else:
+    _block_dot = tl.dot
+    _block_sum = tl.sum
+
+
 # --------------------------------------------------------------------------- configuration
 # Fixed tile shapes. They may depend on the dtype and on the mode, never on the data's
 # row count or sequence length: changing them changes the reduction order (and so the bits).
@@ -192,10 +250,10 @@ def _linear_kernel(
         inner_mask = k_start + inner < n_inner
         x_tile = tl.load(x_ptrs, mask=row_mask[:, None] & inner_mask[None, :], other=0.0)
         w_tile = tl.load(w_ptrs, mask=inner_mask[:, None] & col_mask[None, :], other=0.0)
-        if CAST_TO_FP32:  # interpreter: its bf16 tl.dot is wrong; bf16 x bf16 is exact in fp32
+        if CAST_TO_FP32:  # interpreter: its bf16 arithmetic is wrong; bf16 x bf16 is exact in fp32
             x_tile = x_tile.to(tl.float32)
             w_tile = w_tile.to(tl.float32)
-        acc = tl.dot(x_tile, w_tile, acc, input_precision=INPUT_PRECISION)
+        acc = _block_dot(x_tile, w_tile, acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -239,6 +297,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     [BLOCK_K, BLOCK_N] slices of weight.T and accumulates their ``tl.dot`` in an fp32 tile,
     K from 0 upwards. The tile shape is fixed per dtype (see ``_MATMUL_TILES``), never
     chosen from M; there is no split-K. Bias is added in fp32, then one rounding to x.dtype.
+    In the interpreter the block product is a fixed pairwise tree of exactly rounded fp32
+    products (``_block_dot``), not np.matmul: invariance does not rest on the host BLAS.
     """
     return exact_linear(_linear_forward, x, weight, bias)
 
@@ -247,7 +307,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 @triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, row_len, eps, BLOCK: tl.constexpr):
     # One program per row. Pass 1: sum of squares in BLOCK fp32 lanes, chunk by chunk in
-    # order, then one fixed tree (tl.sum) across lanes. Pass 2: scale and store.
+    # order, then one fixed tree (_block_sum) across lanes. Pass 2: scale and store.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * row_len
     y_row = y_ptr + row * row_len
@@ -257,7 +317,7 @@ def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, row_len, eps, BLOCK: tl.constexpr
     for start in range(0, row_len, BLOCK):
         x = tl.load(x_row + start + lanes, mask=start + lanes < row_len, other=0.0).to(tl.float32)
         sum_sq += x * x
-    inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / row_len + eps)
+    inv_rms = tl.rsqrt(_block_sum(sum_sq, axis=0) / row_len + eps)
 
     for start in range(0, row_len, BLOCK):
         mask = start + lanes < row_len
@@ -285,7 +345,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     -- never on the number of rows, their order, padding rows or other rows' values.
 
     Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into
-    BLOCK fp32 partial sums that ``tl.sum`` combines in a fixed tree. Result in x.dtype.
+    BLOCK fp32 partial sums that ``_block_sum`` combines in a fixed tree. Result in x.dtype.
     """
     return exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
 
@@ -425,16 +485,16 @@ def _attention_kernel(
             v = v.to(tl.float32)
 
         # Scores in log2 units (scale * log2(e) folded in) so that exp2 can be used.
-        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_cache[None, :]
         scores = tl.where(visible, scores, MASKED_SCORE)
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)  # exactly 1 when nothing new is visible
         p = tl.exp2(scores - m_new[:, None])  # exactly 0 where invisible
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + _block_sum(p, axis=1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(_cast(p, v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        acc = _block_dot(_cast(p, v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -502,6 +562,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     cache in BLOCK_N-key blocks from position 0 and keeps an fp32 online softmax (running
     max m, normaliser l, accumulator acc), as in FlashAttention. Invisible keys score a
     large finite negative value, so blocks past a query's position change nothing for it.
+    In the interpreter the block products and the row sums of p are fixed pairwise trees of
+    exactly rounded fp32 operations (``_block_dot``, ``_block_sum``), not np.matmul / np.sum:
+    invariance does not rest on the host BLAS or numpy.
     """
     return exact_forward(_attention_exact, _attention_backward_reference, (q, k_cache, v_cache), (q_start, scale))
 
@@ -513,7 +576,7 @@ def _row_log_normalizer(row_ptr, row_len, BLOCK: tl.constexpr):
 
     One pass of per-lane online softmax: lane j keeps the max and the rescaled sum of
     exp over elements j, j + BLOCK, j + 2 BLOCK, ...; the lanes are then combined by fixed
-    reduction trees (tl.max, tl.sum)."""
+    reduction trees (tl.max, _block_sum)."""
     lanes = tl.arange(0, BLOCK)
     lane_max = tl.full((BLOCK,), MASKED_SCORE, dtype=tl.float32)
     lane_sum = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -526,7 +589,7 @@ def _row_log_normalizer(row_ptr, row_len, BLOCK: tl.constexpr):
         lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.where(mask, tl.exp(x - new_max), 0.0)
         lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
-    total = tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
+    total = _block_sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
     return row_max, tl.log(total)
 
 

@@ -17,7 +17,10 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not importable: the Triton backend cannot be tested")
 
+import numpy  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from vexact_kernels import native  # noqa: E402
 from vexact_kernels import triton_exact as exact  # noqa: E402
@@ -225,6 +228,103 @@ def test_attention_prefill_equals_decode(dtype):
     k_bad, v_bad = k.clone(), v.clone()
     k_bad[:, 20:], v_bad[:, 20:] = 1e3, -1e3
     assert torch.equal(exact.attention(q[:, :20], k_bad, v_bad, zero, scale), prefill[:, :20])
+
+
+# --------------------------------------------------------------------------- host independence
+def _nudge_odd_rows(out):
+    """One ulp up for entries at odd positions along the first axis: a result whose bits depend
+    on where a row sits in the block, as with a BLAS that handles rows by position."""
+    out = numpy.array(out, copy=True)
+    if out.ndim >= 1 and out.dtype.kind == "f":
+        out[1::2] = numpy.nextafter(out[1::2], numpy.inf)
+    return out
+
+
+@pytest.fixture
+def position_dependent_numpy(monkeypatch):
+    """Patch numpy.matmul and numpy.sum -- the interpreter's tl.dot and tl.sum -- with versions
+    whose rows' bits depend on their position in the block; return the calls made to them."""
+    calls = []
+    real_matmul, real_sum = numpy.matmul, numpy.sum
+
+    def matmul(*args, **kwargs):
+        calls.append("matmul")
+        return _nudge_odd_rows(real_matmul(*args, **kwargs))
+
+    def sum_(*args, **kwargs):
+        calls.append("sum")
+        return _nudge_odd_rows(real_sum(*args, **kwargs))
+
+    monkeypatch.setattr(numpy, "matmul", matmul)
+    monkeypatch.setattr(numpy, "sum", sum_)
+    return calls
+
+
+def test_fake_host_numpy_would_break_plain_tl_dot_and_tl_sum(position_dependent_numpy):
+    """The fake reaches the interpreter, and it breaks row invariance of plain tl.dot / tl.sum:
+    so the test below can fail."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: kernels are compiled, not interpreted")
+
+    @triton.jit
+    def dot_and_sum(a_ptr, b_ptr, dot_ptr, sum_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tile = i[:, None] * N + i[None, :]
+        a = tl.load(a_ptr + tile)
+        tl.store(dot_ptr + tile, tl.dot(a, tl.load(b_ptr + tile), input_precision="ieee"))
+        tl.store(sum_ptr + i, tl.sum(a, axis=1))
+
+    g = _gen(11)
+    a = _randn(g, 16, 16)
+    a[1] = a[0]  # the same row at positions 0 and 1
+    b = _randn(g, 16, 16)
+    dot, sums = torch.empty(16, 16), torch.empty(16)
+    dot_and_sum[(1,)](a, b, dot, sums, N=16)
+    assert {"matmul", "sum"} <= set(position_dependent_numpy), "numpy.matmul / numpy.sum patched, but not reached"
+    assert not torch.equal(dot[0], dot[1]), "the fake np.matmul does not make rows position-dependent"
+    assert sums[0] != sums[1], "the fake np.sum does not make rows position-dependent"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interpreter_does_not_depend_on_host_blas(position_dependent_numpy, dtype):
+    """Interpreted, block products and sums are fixed trees of elementwise fp32 operations, not
+    np.matmul / np.sum: rows stay invariant even with a host whose BLAS and numpy reductions
+    give a row bits that depend on its position in the block."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: kernels are compiled, not interpreted")
+    g = _gen(12)
+    x = _randn(g, 66, 40, dtype=dtype)  # two 64-row tiles
+    w = _randn(g, 20, 40, dtype=dtype)
+    full = exact.linear(x, w)
+    for i in (0, 1, 63, 64, 65):
+        assert torch.equal(exact.linear(x[i : i + 1], w)[0], full[i]), f"row {i} alone differs"
+    perm = torch.randperm(66, generator=_gen(0))
+    assert torch.equal(exact.linear(x[perm], w), full[perm]), "rows at other positions differ"
+
+    q = _randn(g, 1, 20, 2, 16, dtype=dtype)  # 20 queries: two 16-query blocks
+    k, v = _randn(g, 2, 1, 20, 1, 16, dtype=dtype)
+    prefill = exact.attention(q, k, v, torch.zeros(1, dtype=torch.long, device=DEVICE), 0.25)
+    for t in (1, 5, 16, 19):
+        step = exact.attention(q[:, t : t + 1], k, v, torch.full((1,), t, device=DEVICE), 0.25)
+        assert torch.equal(step[0, 0], prefill[0, t]), f"decode at {t} != prefill row"
+
+    rows = _randn(g, 5, 600, dtype=dtype, scale=3)
+    _rows_invariant(exact.rms_norm, rows, rows[0], 1e-6, batch_sizes=(2,))
+    _rows_invariant(exact.log_softmax, rows, batch_sizes=(2,))
+    assert position_dependent_numpy == [], "the kernels still reduce with np.matmul / np.sum"
+
+
+def test_interpreted_dot_rounds_each_product_to_fp32():
+    """Interpreted fp32 products are fp32 (numpy fp32 * fp32), each rounded, then added: with
+    K = 2 a linear output is exactly fl(fl(x0 * w0) + fl(x1 * w1)), not the fp64 dot rounded
+    once (which differs for some elements). A GPU fuses multiply-adds, hence interpreter only."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: kernels are compiled, not interpreted")
+    g = _gen(13)
+    x, w = _randn(g, 64, 2), _randn(g, 16, 2)
+    out = exact.linear(x, w)
+    assert torch.equal(out, x[:, :1] * w[:, 0] + x[:, 1:] * w[:, 1])
+    assert not torch.equal(out, (x.double() @ w.double().t()).float())
 
 
 # --------------------------------------------------------------------------- backward
