@@ -2,7 +2,7 @@
 
     python -m benchmarks.tables runs/bench/e2e-default.json runs/bench/kernels.json runs/bench/e2e-llama100m.json
 
-Each file is recognised by its ``benchmark`` field (``end_to_end`` or ``kernels``); the tables are
+Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels`` or ``host_guard``); the tables are
 printed in the order of the files, so the README's numbers are copied from this output, not typed.
 """
 
@@ -100,11 +100,29 @@ def kernel_table(record: dict) -> str:
                      right_from=3)
 
 
+def host_guard_table(record: dict) -> str:
+    """One row per item and shape: fixed-order / fast per dtype; then the probes' cost per dtype."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in record["results"]))
+    keyed = {(r["item"], r["shape"], r["dtype"]): r for r in record["results"]}
+    rows = []
+    for item, shape in dict.fromkeys((r["item"], r["shape"]) for r in record["results"]):
+        size = keyed[item, shape, dtypes[0]]["size"]
+        rows.append([item, shape, size, *[fmt_ratio(keyed[item, shape, d]) if (item, shape, d) in keyed else "—"
+                                          for d in dtypes]])
+    ratios = _markdown(["fixed-order / fast", "shape", "size", *[short_dtype_name(d) for d in dtypes]], rows,
+                       right_from=3)
+    cost = [[p["shape"], short_dtype_name(p["dtype"]), str(p["shape_classes"]), f"{p['probe_s'] * 1e3:.1f}",
+             ", ".join(p["failed"]) or "none"] for p in record.get("probe_cost", [])]
+    return ratios + "\n\n" + _markdown(["probes", "dtype", "shape classes", "probing ms", "failed"], cost)
+
+
 def tables(record: dict) -> str:
     if record.get("benchmark") == "end_to_end":
         parts = [end_to_end_table(record), profile_lines(record)]
     elif record.get("benchmark") == "kernels":
         parts = [matmul_table(record) if record.get("matmul") else "", kernel_table(record)]
+    elif record.get("benchmark") == "host_guard":
+        parts = [host_guard_table(record)]
     else:
         raise ValueError(f"not a benchmark record (benchmark = {record.get('benchmark')!r})")
     return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)

@@ -118,6 +118,8 @@ def test_host_guard_benchmark_schema(tmp_path, capsys):
     assert cost["shape_classes"] > 0 and cost["probe_s"] > 0 and cost["first_call_s"] >= cost["probe_s"]
     assert record["host_report"]["mode"] == record["settings"]["fast_guard_mode"]
     assert "fixed-order / fast" in capsys.readouterr().out
+    assert tables.main([str(out)]) == 0
+    assert "| linear | tiny |" in capsys.readouterr().out
     assert host_guard.main(["--device", "cpu", "--exact-backend", "triton"]) == 2
     assert "exact CPU kernels" in capsys.readouterr().err
 
