@@ -26,35 +26,41 @@ from vexact_kernels.host_guard import MODE_ENV, HostGuard, mode_from_env
 
 
 # --------------------------------------------------------------------------- broken primitives
+# Each fake is a by-construction primitive (fixed_order) with one defect added, so what the probe sees
+# is the defect alone, on any host: these tests must not depend on the host's own BLAS or libm.
 def _nudge(t: torch.Tensor) -> torch.Tensor:
     """One ulp up: the smallest change a different reduction order or micro-kernel makes."""
     return torch.nextafter(t, torch.full_like(t, torch.inf))
 
 
 def position_dependent_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm, but rows 2-3 of every 4 in a tile come out one ulp higher (a row's bits depend on where it
+    """A GEMM whose rows 2-3 of every 4 in a tile come out one ulp higher (a row's bits depend on where it
     sits, as with numpy/OpenBLAS on the AVX-512 host that broke CI; a decode step's rows sit at 0-1)."""
-    out = torch.bmm(a, b)
+    out = fixed_order.bmm(a, b)
     moved = (torch.arange(a.shape[1]) // 2) % 2 == 1
     out[:, moved] = _nudge(out[:, moved])
     return out
 
 
 def thread_dependent_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm, one ulp higher whenever more than one torch thread runs (a thread-count-dependent BLAS)."""
-    out = torch.bmm(a, b)
+    """A GEMM one ulp higher whenever more than one torch thread runs (a thread-count-dependent BLAS)."""
+    out = fixed_order.bmm(a, b)
     return _nudge(out) if torch.get_num_threads() > 1 else out
 
 
 def position_dependent_exp(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """torch.exp, one ulp higher at odd element positions (a vector body and a scalar tail that round apart)."""
-    torch.exp(x, out=out)
+    """An exp one ulp higher at odd element positions (a vector body and a scalar tail that round apart)."""
+    fixed_order.exp(x, out=out)
     out[1::2] = _nudge(out[1::2])
     return out
 
 
-def _guard(**kwargs) -> HostGuard:
-    return HostGuard(cpu_exact.ROW_BLOCKS, **kwargs)
+SOUND = dict(bmm=fixed_order.bmm, exp=fixed_order.exp, log=fixed_order.log, cos=fixed_order.cos)
+
+
+def _guard(**broken) -> HostGuard:
+    """A guard over sound by-construction primitives, with the ``broken`` ones (and a ``mode``) swapped in."""
+    return HostGuard(cpu_exact.ROW_BLOCKS, **{**SOUND, **broken})
 
 
 def _rows_alone_vs_batch(linear, x: torch.Tensor, w: torch.Tensor) -> int:
@@ -87,7 +93,7 @@ def test_probe_catches_position_dependent_gemm():
 
 def test_probe_passes_a_correct_gemm_and_keeps_the_fast_path():
     # A GEMM that is invariant by construction must pass every arrangement of the probe.
-    guard = _guard(bmm=fixed_order.bmm)
+    guard = _guard()
     x, w = _linear_inputs()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
