@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 from vexact import ModelConfig
+from vexact.model import DTYPES as MODEL_DTYPES
 from vexact.runlog import write_json_atomic
+from vexact_kernels import EXACT_BACKENDS
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: MODEL_DTYPES[name] for name in ("float32", "bfloat16")}  # the model's dtypes, canonical names
 
 
 @dataclass(frozen=True)
@@ -298,9 +300,6 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
         table.add_row(*row)
     console.print(table)
 
-
-
-EXACT_BACKENDS = ("exact", "triton")
 
 
 def check_exact_backend(name: str) -> None:

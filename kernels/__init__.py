@@ -1,4 +1,4 @@
-"""vexact's kernel library (imported as ``vexact_kernels``; the folder is ``kernels/``).
+"""The folder ``kernels/`` is imported as ``vexact_kernels`` (why: see the end): vexact's kernel library.
 
 Every backend is a module exposing the same functions -- ``linear``, ``rms_norm``,
 ``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs`` -- with the same
@@ -23,6 +23,7 @@ import torch
 from . import cpu_exact, native
 
 BACKENDS = ("exact", "native", "triton")
+EXACT_BACKENDS = ("exact", "triton")  # the backends whose rollout and training log-probs must agree bit for bit
 OP_NAMES = ("linear", "rms_norm", "silu_mul", "rope", "attention", "log_softmax", "token_logprobs")
 
 
@@ -63,4 +64,4 @@ def kernel_paths(backend: str, device: torch.device | str = "cpu") -> dict:
     return {"backend": backend, "kernels": ops.NAME, "ops": {op: {"path": path} for op in OP_NAMES}, "probes": []}
 
 
-__all__ = ["BACKENDS", "OP_NAMES", "get_ops", "kernel_paths", "cpu_exact", "native"]
+__all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "get_ops", "kernel_paths", "cpu_exact", "native"]

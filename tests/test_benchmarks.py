@@ -84,7 +84,6 @@ def test_end_to_end_profile_records_top_ops():
 def test_triton_exact_backend_runs_both_benchmarks(capsys):
     """``--exact-backend triton`` (the GPU path's kernels) runs every op and item; on CPU the interpreter
     makes it a functional check, which the table title says."""
-    pytest.importorskip("triton")
     ops = ["linear", "attention_prefill", "attention_decode", "token_logprobs"]
     record = kernels.run(["tiny"], ["float32"], ops, list(kernels.MODES), reps=1, device=torch.device("cpu"),
                          threads=1, matmul=False, exact_backend="triton")

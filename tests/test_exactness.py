@@ -157,7 +157,6 @@ def test_training_path_is_differentiable_and_deterministic():
 def test_triton_backend_end_to_end(dtype):
     """The Triton kernels (interpreted on CPU, compiled on a GPU) proven rollout == training on a
     tiny model, not only op by op."""
-    pytest.importorskip("triton", reason="triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("triton", dtype).to(device)
     prompts = random_prompts(4, 12, seed=2)

@@ -166,6 +166,33 @@ def test_attention_invariance(dtype, q_heads, kv_heads, exact):
     torch.testing.assert_close(prefill, native.attention(q, k, v, zero, scale), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["linear", "rms_norm", "silu_mul", "attention", "log_softmax", "token_logprobs"])
+def test_forward_with_grad_equals_forward_without(op, dtype, exact):
+    """Each op has a no-grad forward (rollout, scoring under no_grad) and a forward that also saves what
+    its backward needs (training); the two implementations must give the same bits."""
+    g = torch.Generator().manual_seed(9)
+    if op == "attention":
+        q, k, v = _ragged_attention_inputs(dtype, [12, 12])
+        inputs, static = [q, k, v], (torch.tensor([0, 3]), 0.25)
+    elif op == "linear":
+        inputs, static = [torch.randn(20, 33, generator=g).to(dtype), torch.randn(17, 33, generator=g).to(dtype)], ()
+    elif op == "rms_norm":
+        inputs, static = [torch.randn(20, 33, generator=g).to(dtype), torch.randn(33, generator=g).to(dtype)], (1e-6,)
+    elif op == "silu_mul":
+        inputs, static = [torch.randn(20, 33, generator=g).to(dtype) * 4 for _ in range(2)], ()
+    elif op == "log_softmax":
+        inputs, static = [torch.randn(20, 33, generator=g).to(dtype) * 4], ()
+    else:
+        inputs, static = [torch.randn(20, 33, generator=g).to(dtype) * 4], (torch.randint(0, 33, (20,), generator=g),)
+    fn = getattr(exact, op)
+    with torch.no_grad():
+        without_grad = fn(*inputs, *static)
+    with_grad = fn(*[t.clone().requires_grad_() for t in inputs], *static)
+    assert with_grad.requires_grad, "the forward that saves for backward was not the one run"
+    assert torch.equal(with_grad.detach(), without_grad)
+
+
 @given(rows=st.integers(1, 150), k=st.integers(1, 200), n=st.integers(1, 200), seed=st.integers(0, 2**16))
 @settings(max_examples=25, deadline=None)
 def test_linear_invariance_randomized(rows, k, n, seed):

@@ -50,7 +50,6 @@ from .tasks import (
 )
 from .warmstart import warm_start
 
-EXACT_BACKENDS = ("exact", "triton")
 CALIBRATION_SEED_OFFSET = 2_000_003  # calibration prompts are not training prompts
 
 
@@ -250,7 +249,8 @@ class Trainer:
         # exact training path: recomputed, or recorded by an identical, uninjected rollout path.
         same_rollout_path = (self.rollout_backend == cfg.backend and self.rollout_dtype == self.compute_dtype
                              and not injected)
-        expect_exact = cfg.backend in EXACT_BACKENDS and (alg.old_logprobs == "recompute" or same_rollout_path)
+        expect_exact = (cfg.backend in vexact_kernels.EXACT_BACKENDS
+                        and (alg.old_logprobs == "recompute" or same_rollout_path))
         for epoch in range(alg.ppo_epochs):
             gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step) * 31 + epoch)
             order = torch.randperm(n, generator=gen).tolist() if alg.mini_batches > 1 else list(range(n))
