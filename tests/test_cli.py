@@ -31,6 +31,16 @@ def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys)
     assert "vexact check" in out and "path per op" in out and "gemm_rows" in out
 
 
+def test_check_scores_at_other_thread_counts(tmp_path):
+    """Rollout at 1 thread, every rollout rescored at 2 and at 3: still 0 mismatched exact tokens."""
+    out = tmp_path / "check.json"
+    assert main(["check", "--num-prompts", "6", "--max-new-tokens", "8", "--hidden-size", "64", "--intermediate-size",
+                 "160", "--backend", "exact", "--threads", "1", "--scoring-threads", "2,3", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["threads"] == 1 and row["scoring_threads"] == [2, 3]
+    assert row["tokens_compared"] == 6 * 8 * 3 * 3 * 2 and row["tokens_mismatched"] == 0
+
+
 def test_check_bad_dtype_is_one_clear_error(capsys):
     assert main(["check", "--dtype", "fp8"]) == 2
     err = capsys.readouterr().err

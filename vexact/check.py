@@ -36,6 +36,7 @@ class CheckSettings:
     dtype: str = "float32"
     seed: int = 0
     threads: int | None = None
+    scoring_threads: tuple[int, ...] = ()  # thread counts the scoring runs at (empty: the generation's)
     batch_sizes: tuple[int | None, ...] = (None, 1, 7)
     micro_batch_sizes: tuple[int | None, ...] = (None, 1, 5)
 
@@ -66,18 +67,23 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
     reference = rollouts[0]
     tokens_invariant = all(r.tokens == reference.tokens for r in rollouts)
     roll_all, train_all = [], []
-    for rollout in rollouts:
-        for mbs in s.micro_batch_sizes:
-            with torch.no_grad():
-                scored = token_logprobs(model, prompts, rollout.tokens, temperature=s.temperature,
-                                        micro_batch_size=mbs)
-            roll_all += rollout.logprobs
-            train_all += scored
+    generation_threads = torch.get_num_threads()
+    for threads in s.scoring_threads or (generation_threads,):
+        torch.set_num_threads(threads)
+        for rollout in rollouts:
+            for mbs in s.micro_batch_sizes:
+                with torch.no_grad():
+                    scored = token_logprobs(model, prompts, rollout.tokens, temperature=s.temperature,
+                                            micro_batch_size=mbs)
+                roll_all += rollout.logprobs
+                train_all += scored
+    torch.set_num_threads(generation_threads)
     stats = mismatch_summary(torch.cat(roll_all), torch.cat(train_all))
     return {
         "backend": model.backend,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": generation_threads,
+        "scoring_threads": list(s.scoring_threads or (generation_threads,)),
         "tokens_compared": stats["tokens"],
         "tokens_bitwise_equal": stats["bitwise_equal"],
         "tokens_mismatched": stats["tokens"] - stats["bitwise_equal"],

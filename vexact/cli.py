@@ -31,6 +31,11 @@ def _batch_list(text: str) -> tuple[int | None, ...]:
     return tuple(out)
 
 
+def _thread_list(text: str) -> tuple[int, ...]:
+    """'1,3' -> (1, 3)."""
+    return tuple(_positive_int(item.strip()) for item in text.split(","))
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -53,6 +58,9 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="exact,native", help="comma list of backends (exact, native, triton)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--scoring-threads", type=_thread_list, default=(), metavar="N[,M...]",
+                   help="torch threads for the training-path scoring, e.g. 1,3: every rollout is rescored at each "
+                        "(default: the generation's)")
     p.add_argument("--batch-sizes", type=_batch_list, default=(None, 1, 7), help="generation batch sizes, e.g. all,1,7")
     p.add_argument("--micro-batch-sizes", type=_batch_list, default=(None, 1, 5), help="scoring micro-batch sizes")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
@@ -75,16 +83,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
                                  intermediate_size=args.intermediate_size, num_prompts=args.num_prompts,
                                  max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,
+                                 scoring_threads=args.scoring_threads,
                                  batch_sizes=args.batch_sizes, micro_batch_sizes=args.micro_batch_sizes)
         rows += run_check(settings, backends)
 
     table = Table(title="vexact check: rollout log-probs vs training log-probs")
-    for col in ("backend", "dtype", "threads", "tokens", "bitwise equal", "mismatched", "max |Δlogp|", "k3 KL",
-                "batch-inv. sampling", "s"):
+    for col in ("backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched", "max |Δlogp|",
+                "k3 KL", "batch-inv. sampling", "s"):
         table.add_column(col, justify="right")
     for r in rows:
         style = "green" if r["tokens_mismatched"] == 0 else ("red" if r["backend"] != "native" else "yellow")
-        cells = [r["backend"], short_dtype_name(r["dtype"]), r["threads"], r["tokens_compared"],
+        threads = f"{r['threads']} / {','.join(map(str, r['scoring_threads']))}"
+        cells = [r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens_compared"],
                  r["tokens_bitwise_equal"], f"[{style}]{r['tokens_mismatched']}[/]", f"{r['max_abs_dlogp']:.3g}",
                  f"{r['k3_kl']:.3g}", r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
