@@ -197,16 +197,8 @@ class HostGuard:
                 return f"{crowd.shape[0]} tiles of {smallest} rows in one call: {differing}/{PROBE_ROWS} rows differ"
             return None
 
-        start = time.perf_counter()
-        with torch.no_grad():
-            record.reference = _with_threads(
-                REFERENCE_THREADS, lambda: gemm(rows.view(1, PROBE_ROWS, k)).reshape(PROBE_ROWS, n))
-            record.failure = run_arrangements()
-            record.threads_checked.append(torch.get_num_threads())
-            record.check = run_arrangements
-        record.seconds += time.perf_counter() - start
-        self._decide(record)
-        return record
+        return self._run_probe(record, lambda: gemm(rows.view(1, PROBE_ROWS, k)).reshape(PROBE_ROWS, n),
+                               run_arrangements)
 
     def _probe_elementwise(self, key: tuple, name: str) -> ProbeRecord:
         _, dtype = key
@@ -241,12 +233,17 @@ class HostGuard:
                     return f"chunks of {length}: {int((pieces != ref).sum())}/{total} differ"
             return None
 
+        return self._run_probe(record, lambda: apply(values), run_arrangements)
+
+    def _run_probe(self, record: ProbeRecord, reference: Callable[[], Tensor],
+                   arrangements: Callable[[], str | None]) -> ProbeRecord:
+        """The reference with 1 thread, every arrangement at the current thread count, then the verdict."""
         start = time.perf_counter()
         with torch.no_grad():
-            record.reference = _with_threads(REFERENCE_THREADS, lambda: apply(values))
-            record.failure = run_arrangements()
-            record.threads_checked.append(torch.get_num_threads())
-            record.check = run_arrangements
+            record.reference = _with_threads(REFERENCE_THREADS, reference)
+            record.failure = arrangements()
+        record.threads_checked.append(torch.get_num_threads())
+        record.check = arrangements
         record.seconds += time.perf_counter() - start
         self._decide(record)
         return record
