@@ -58,9 +58,10 @@ def position_dependent_exp(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 SOUND = dict(bmm=fixed_order.bmm, exp=fixed_order.exp, log=fixed_order.log, cos=fixed_order.cos)
 
 
-def _guard(**broken) -> HostGuard:
-    """A guard over sound by-construction primitives, with the ``broken`` ones (and a ``mode``) swapped in."""
-    return HostGuard(cpu_exact.ROW_BLOCKS, **{**SOUND, **broken})
+def _guard(mode: str = "auto", **broken) -> HostGuard:
+    """A guard over sound by-construction primitives, with the ``broken`` ones swapped in (mode given
+    explicitly: these tests must not follow VEXACT_CPU_EXACT_PATH)."""
+    return HostGuard(cpu_exact.ROW_BLOCKS, mode=mode, **{**SOUND, **broken})
 
 
 def _rows_alone_vs_batch(linear, x: torch.Tensor, w: torch.Tensor) -> int:
