@@ -64,6 +64,7 @@ ROW_BLOCKS = (4, 8, 16, 32, 64)  # GEMM tile heights: the smallest holding a cal
 COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed MKL's threading)
 CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
 KEY_BLOCK = 64  # keys per attention tile, from position 0
+ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
 # The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
 HOST = HostGuard(ROW_BLOCKS)
 # What each op's invariance rests on besides construction (reported by ``host_report``).
@@ -104,21 +105,34 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor:
     MKL splits the columns of a GEMM between threads, and with widths that are not multiples
     of 16 (e.g. 8, 22, 24, 37, 100 with 3-4 threads) some columns ran through a narrower
     kernel with other roundings; widths that are multiples of 16 gave the same bits as padding
-    to 64 (measured on 1-4 threads, K up to 1536)."""
+    to 64 (measured on 1-4 threads, K up to 1536).
+
+    Both operands are contiguous and start ``ALIGNMENT``-aligned (``_aligned``), as in the host probe: a
+    BLAS may take another path for a misaligned or strided operand (Intel documents alignment as a
+    source of differing results), so a view into a larger tensor never reaches the GEMM."""
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
     w = _float(weight)
-    if n_pad != n:
-        w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n))
+    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else _aligned(w)
     block = _row_block(rows)
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
+    else:
+        x = _aligned(x)
     out = host.bmm(x.view(blocks, block, k), w.t().expand(blocks, k, n_pad), op="linear",
                    shared_operand=True)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself when contiguous and starting at an ``ALIGNMENT``-byte boundary (as every fresh torch CPU
+    allocation does), else a fresh contiguous copy."""
+    if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False) -> Tensor:
