@@ -28,29 +28,32 @@ from torch import Tensor
 PRODUCT_BLOCK = 1 << 22
 
 
-def tree_sum(x: Tensor) -> Tensor:
-    """Sum over the last dim by halving: [..., D] -> [...]. Depends only on the row's values;
-    trailing zeros do not change the result.
+def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
+    """Sum over ``dim`` (default the last) by halving: the result depends only on the values along ``dim``;
+    trailing zeros do not change it.
 
     A width D that is not a power of two is treated as zero-padded to the next one, P. The first
     level adds x[i] + x[i + P/2] where both exist and x[i] + 0.0 where the partner is padding
     (so -0.0 becomes +0.0 exactly as with real zero padding) without materialising the padded
     row; later levels add halves in place in that one scratch buffer."""
-    width = x.shape[-1]
+    dim = dim % x.dim()
+    width = x.shape[dim]
     if width == 1:
-        return x[..., 0]
+        return x.select(dim, 0)
     half = 1 << ((width - 1).bit_length() - 1)  # P / 2
     paired = width - half
     if paired == half:
-        buf = x[..., :half] + x[..., half:]
+        buf = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
     else:
-        buf = x.new_empty(*x.shape[:-1], half)
-        torch.add(x[..., :paired], x[..., half:], out=buf[..., :paired])
-        torch.add(x[..., paired:half], 0.0, out=buf[..., paired:])
+        shape = list(x.shape)
+        shape[dim] = half
+        buf = x.new_empty(shape)
+        torch.add(x.narrow(dim, 0, paired), x.narrow(dim, half, paired), out=buf.narrow(dim, 0, paired))
+        torch.add(x.narrow(dim, paired, half - paired), 0.0, out=buf.narrow(dim, paired, half - paired))
     while half > 1:
         half //= 2
-        buf = buf[..., :half].add_(buf[..., half : 2 * half])
-    return buf[..., 0]
+        buf = buf.narrow(dim, 0, half).add_(buf.narrow(dim, half, half))
+    return buf.select(dim, 0)
 
 
 def bmm(a: Tensor, b: Tensor) -> Tensor:
@@ -58,31 +61,41 @@ def bmm(a: Tensor, b: Tensor) -> Tensor:
 
     Each output element is the halving tree of its K exactly rounded products, so it depends only
     on row ``a[t, r]`` and column ``b[t, :, n]``: invariant by construction (tile height, position,
-    batch, threads, host). The [rows, cols, K] products are formed block by block (at most
-    ``PRODUCT_BLOCK`` elements), so memory stays bounded for any shape."""
+    batch, threads, host). The products are laid out [rows, K, N] (N innermost, so every tree level
+    is a run of long contiguous adds) and formed block by block, at most ``PRODUCT_BLOCK`` elements
+    at a time, so memory stays bounded for any shape."""
     tiles, rows, k = a.shape
     cols = b.shape[2]
     out = a.new_empty(tiles, rows, cols)
-    b_cols = b.transpose(1, 2)  # [T, N, K]: a view, K innermost for the products
-    per_row = cols * k
+    shared = b.stride(0) == 0  # one operand for every tile (an expanded weight): lay it out once
+    b_shared = b[0].contiguous() if shared else None
+
+    def operand(t0: int, t1: int, c0: int, c1: int) -> Tensor:
+        if shared:
+            return b_shared[None, :, c0:c1]
+        return b[t0:t1, :, c0:c1].contiguous()
+
+    per_row = k * cols
     if per_row > PRODUCT_BLOCK:  # one row at a time, in column blocks
         col_step = max(1, PRODUCT_BLOCK // k)
         for t in range(tiles):
-            for r in range(rows):
-                for c in range(0, cols, col_step):
-                    products = a[t, r, None, :] * b_cols[t, c : c + col_step]
-                    out[t, r, c : c + col_step] = tree_sum(products)
+            for c in range(0, cols, col_step):
+                b_block = operand(t, t + 1, c, c + col_step)[0]
+                for r in range(rows):
+                    out[t, r, c : c + col_step] = tree_sum(a[t, r, :, None] * b_block, dim=-2)
         return out
     per_tile = rows * per_row
     if per_tile > PRODUCT_BLOCK:  # row blocks within each tile
         row_step = PRODUCT_BLOCK // per_row
         for t in range(tiles):
+            b_tile = operand(t, t + 1, 0, cols)
             for r in range(0, rows, row_step):
-                out[t, r : r + row_step] = tree_sum(a[t, r : r + row_step, None, :] * b_cols[t, None, :, :])
+                out[t, r : r + row_step] = tree_sum(a[t, r : r + row_step, :, None] * b_tile, dim=-2)
         return out
     tile_step = PRODUCT_BLOCK // per_tile  # whole tiles at a time
     for t in range(0, tiles, tile_step):
-        out[t : t + tile_step] = tree_sum(a[t : t + tile_step, :, None, :] * b_cols[t : t + tile_step, None, :, :])
+        b_tiles = operand(t, t + tile_step, 0, cols)
+        out[t : t + tile_step] = tree_sum(a[t : t + tile_step, :, :, None] * b_tiles[:, None], dim=-2)
     return out
 
 

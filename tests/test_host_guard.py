@@ -236,6 +236,19 @@ def test_fixed_order_math_accuracy_and_special_values():
     torch.testing.assert_close(fixed_order.log(special), torch.log(special), equal_nan=True, rtol=0, atol=0)
 
 
+def test_fixed_order_bmm_blocking_does_not_change_bits(monkeypatch):
+    """Whole tiles, row blocks or column blocks per product block: one tree per element, the same bits."""
+    g = torch.Generator().manual_seed(9)
+    a, w = torch.randn(3, 8, 100, generator=g), torch.randn(37, 100, generator=g)
+    per_tile = torch.randn(3, 100, 37, generator=g)
+    for b in (w.t().expand(3, 100, 37), per_tile):
+        reference = fixed_order.bmm(a, b)
+        for block in (100 * 37 * 8 * 2, 100 * 37 + 1, 300):  # whole tiles, row blocks, column blocks
+            monkeypatch.setattr(fixed_order, "PRODUCT_BLOCK", block)
+            assert torch.equal(fixed_order.bmm(a, b), reference)
+        monkeypatch.undo()
+
+
 def test_fixed_order_bmm_is_invariant_by_construction():
     g = torch.Generator().manual_seed(8)
     a, b = torch.randn(64, 200, generator=g), torch.randn(200, 33, generator=g)
