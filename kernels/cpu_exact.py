@@ -136,7 +136,7 @@ def _aligned(t: Tensor) -> Tensor:
 
 
 def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False) -> Tensor:
-    """Apply ``exp`` or ``log`` (the path ``host`` chose) chunk by chunk (see module docstring, point 3).
+    """Apply ``exp``, ``log`` or ``cos`` (the path ``host`` chose) chunk by chunk (see module docstring, point 3).
 
     ``inplace``: ``x`` is a scratch tensor the caller gives up; the result may be written into it."""
     fn = host.elementwise(name, x.dtype, op)

@@ -136,9 +136,7 @@ class HostGuard:
         otherwise each tile has its own, as attention's key tiles. The class is (dtype, K, N, b's layout,
         shared or not) -- never T or R, so every call of a class takes one path."""
         key = ("gemm_rows", a.dtype, a.shape[2], b.shape[2], _layout(b), shared_operand)
-        record = self._records.get(key) or self._probe_gemm(key)
-        self._verify_threads(record, key)
-        record.ops.add(op)
+        record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
         if record.path == "fixed-order":
             return fixed_order.bmm(a, b)
         return self._library_bmm(a, b)
@@ -148,9 +146,7 @@ class HostGuard:
         if name not in self._library_elementwise:
             raise ValueError(f"HostGuard.elementwise: unknown function {name!r} (expected exp, log or cos)")
         key = (f"elementwise_{name}", dtype)
-        record = self._records.get(key) or self._probe_elementwise(key, name)
-        self._verify_threads(record, key)
-        record.ops.add(op)
+        record = self._record_for(key, op, lambda: self._probe_elementwise(key, name, op))
         return getattr(fixed_order, name) if record.path == "fixed-order" else self._library_elementwise[name]
 
     def report(self) -> dict:
@@ -158,17 +154,24 @@ class HostGuard:
         return {"mode": self.mode, "probes": [r.as_dict() for r in self._records.values()]}
 
     # ------------------------------------------------------------------ probes
-    def _new_record(self, key: tuple, shape_class: str, fast_path: str) -> ProbeRecord:
-        path = {"fixed-order": "fixed-order", "unguarded": fast_path}.get(self.mode, fast_path)
-        record = ProbeRecord(property=key[0], shape_class=shape_class, path=path, passed=None)
+    def _record_for(self, key: tuple, op: str, probe: Callable[[], ProbeRecord]) -> ProbeRecord:
+        """The class's record (probed at first use), verified for the current thread count, ``op`` noted."""
+        record = self._records.get(key) or probe()
+        self._verify_threads(record)
+        record.ops.add(op)
+        return record
+
+    def _new_record(self, key: tuple, shape_class: str, fast_path: str, op: str) -> ProbeRecord:
+        path = "fixed-order" if self.mode == "fixed-order" else fast_path
+        record = ProbeRecord(property=key[0], shape_class=shape_class, path=path, passed=None, ops={op})
         self._records[key] = record
         return record
 
-    def _probe_gemm(self, key: tuple) -> ProbeRecord:
+    def _probe_gemm(self, key: tuple, op: str) -> ProbeRecord:
         _, dtype, k, n, layout, shared = key
         transposed = layout == "transposed"
         form = "shared" if shared else "per-tile"
-        record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}", "blas")
+        record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}", "blas", op)
         if self.mode != "auto":
             return record
         gen = torch.Generator().manual_seed(PROBE_SEED)
@@ -201,9 +204,9 @@ class HostGuard:
         return self._run_probe(record, lambda: gemm(rows.view(1, PROBE_ROWS, k)).reshape(PROBE_ROWS, n),
                                run_arrangements)
 
-    def _probe_elementwise(self, key: tuple, name: str) -> ProbeRecord:
+    def _probe_elementwise(self, key: tuple, name: str, op: str) -> ProbeRecord:
         _, dtype = key
-        record = self._new_record(key, f"{name} {_dtype_name(dtype)}", "vectorised")
+        record = self._new_record(key, f"{name} {_dtype_name(dtype)}", "vectorised", op)
         if self.mode != "auto":
             return record
         fn = self._library_elementwise[name]
@@ -249,7 +252,7 @@ class HostGuard:
         self._decide(record)
         return record
 
-    def _verify_threads(self, record: ProbeRecord, key: tuple) -> None:
+    def _verify_threads(self, record: ProbeRecord) -> None:
         """A thread count not seen yet is checked against the 1-thread reference before it is used."""
         threads = torch.get_num_threads()
         if record.check is None or record.path == "fixed-order" or threads in record.threads_checked:
@@ -272,7 +275,7 @@ class HostGuard:
         caveat = (" Results computed earlier in this process with the library path (at other thread counts) are "
                   "not bitwise comparable with later ones." if earlier_results else "")
         warnings.warn(f"vexact exact CPU kernels: host property '{record.property}' failed for {record.shape_class} "
-                      f"({record.failure}); ops {', '.join(sorted(record.ops)) or '(first use)'} now use the "
+                      f"({record.failure}); ops {', '.join(sorted(record.ops))} now use the "
                       f"fixed-order path (slower, invariant by construction).{caveat}", RuntimeWarning, stacklevel=4)
 
 

@@ -52,7 +52,8 @@ def _rows_invariant(op, x: torch.Tensor, *args) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,n", [(64, 192), (100, 37), (1000, 37), (576, 1536), (33, 1000)])
+# K of 2-5: MKL on the CI machine gives 4-row and 64-row tiles different bits there (the guard's probe catches it)
+@pytest.mark.parametrize("k,n", [(64, 192), (100, 37), (1000, 37), (576, 1536), (33, 1000), (4, 16), (3, 5)])
 def test_linear_invariance(dtype, k, n, exact):
     g = torch.Generator().manual_seed(k * n)
     x = torch.randn(130, k, generator=g).to(dtype)

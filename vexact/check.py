@@ -68,7 +68,8 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
     tokens_invariant = all(r.tokens == reference.tokens for r in rollouts)
     roll_all, train_all = [], []
     generation_threads = torch.get_num_threads()
-    for threads in s.scoring_threads or (generation_threads,):
+    scoring_threads = s.scoring_threads or (generation_threads,)
+    for threads in scoring_threads:
         torch.set_num_threads(threads)
         for rollout in rollouts:
             for mbs in s.micro_batch_sizes:
@@ -83,7 +84,7 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
         "backend": model.backend,
         "dtype": str(model.dtype).removeprefix("torch."),
         "threads": generation_threads,
-        "scoring_threads": list(s.scoring_threads or (generation_threads,)),
+        "scoring_threads": list(scoring_threads),
         "tokens_compared": stats["tokens"],
         "tokens_bitwise_equal": stats["bitwise_equal"],
         "tokens_mismatched": stats["tokens"] - stats["bitwise_equal"],
