@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from vexact import ModelConfig
-from vexact.model import DTYPES as MODEL_DTYPES
-from vexact.runlog import write_json_atomic
+from vexact.engine.model import DTYPES as MODEL_DTYPES
+from vexact.rl.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
 
 DTYPES = {name: MODEL_DTYPES[name] for name in ("float32", "bfloat16")}  # the model's dtypes, canonical names
@@ -54,7 +54,7 @@ class Shape:
 
 def _default_experiment_model() -> ModelConfig:
     """The policy of experiments/zero_mismatch.yaml: its model section on the task's 22-token vocabulary."""
-    from vexact.tasks import CharTokenizer
+    from vexact.rl.tasks import CharTokenizer
 
     return ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, intermediate_size=176, max_seq_len=48)

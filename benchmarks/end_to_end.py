@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from vexact import Transformer, generate
-from vexact.inputs import pad_right
-from vexact.model import short_dtype_name
-from vexact.rollout import CACHE_BLOCK
-from vexact.scoring import token_logprobs
+from vexact.engine.inputs import pad_right
+from vexact.engine.model import short_dtype_name
+from vexact.engine.rollout import CACHE_BLOCK
+from vexact.engine.scoring import token_logprobs
 
 from .common import (
     DTYPES,
@@ -64,7 +64,7 @@ EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatc
 
 def _prompts(shape: Shape) -> list[list[int]]:
     if shape.e2e_prompt_len == 0:  # the default experiment's own prompts: 16 problems x 8 samples
-        from vexact.tasks import CharTokenizer, encode_prompt, make_task, training_problems
+        from vexact.rl.tasks import CharTokenizer, encode_prompt, make_task, training_problems
 
         task = make_task("reverse", 4, 8)
         problems = [p for p in training_problems(task, shape.e2e_batch // 8, 0, 0) for _ in range(8)]
@@ -156,9 +156,9 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
     """One full ``Trainer.step``, exact vs native, from identical weights and optimizer state every repetition."""
     from rich.console import Console
 
-    from vexact.config import load_config
-    from vexact.trainer import Trainer
-    from vexact.warmstart import warm_start
+    from vexact.rl.config import load_config
+    from vexact.rl.trainer import Trainer
+    from vexact.rl.warmstart import warm_start
 
     base = [f"dtype={dtype_name}", "logging.live=false", *overrides]
     trainers = {name: Trainer(load_config(config, [f"backend={name}", *base]), Console(quiet=True))
@@ -174,9 +174,7 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
         trainer = trainers[name]
 
         def run() -> object:
-            trainer.master.load_state_dict(start)
-            trainer.optimizer.load_state_dict(opt_start)
-            trainer._sync_compute()  # the bf16 compute copy follows the restored master weights
+            trainer.load_policy(start, opt_start)  # the same weights and optimizer state every repetition
             metrics = trainer.step(0)
             tokens[name].append(round(metrics["response_length/mean"] * exact.cfg.rollout.prompts_per_step
                                       * exact.cfg.rollout.samples_per_prompt))

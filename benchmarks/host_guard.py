@@ -25,8 +25,8 @@ import time
 import torch
 
 from vexact import Transformer, generate
-from vexact.model import short_dtype_name
-from vexact.scoring import token_logprobs
+from vexact.engine.model import short_dtype_name
+from vexact.engine.scoring import token_logprobs
 from vexact_kernels import cpu_exact
 from vexact_kernels.host_guard import HostGuard
 
@@ -70,15 +70,13 @@ def _model_items(shape: Shape, dtype: torch.dtype, fast, fixed, reps: int) -> li
     prompts = [[rng.randrange(shape.model.vocab_size) for _ in range(prompt_len)] for _ in range(shape.e2e_batch)]
 
     def rollout(ops) -> object:
-        model.ops_override = ops
-        return generate(model, prompts, max_new_tokens=shape.new_tokens, seed=0)
+        return generate(model, prompts, max_new_tokens=shape.new_tokens, seed=0, ops=ops)
 
     responses = rollout(fast).tokens
 
     def scoring(ops) -> object:
-        model.ops_override = ops
         with torch.no_grad():
-            return token_logprobs(model, prompts, responses)
+            return token_logprobs(model, prompts, responses, ops=ops)
 
     rows = []
     for item, fn in (("rollout", rollout), ("scoring", scoring)):
@@ -86,7 +84,6 @@ def _model_items(shape: Shape, dtype: torch.dtype, fast, fixed, reps: int) -> li
         rows.append({"item": item, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."),
                      "size": f"{shape.e2e_batch} x ({prompt_len} + {shape.new_tokens}) tokens", "inner_calls": 1,
                      **_renamed(summary)})
-    model.ops_override = None
     return rows
 
 
@@ -94,12 +91,12 @@ def _probe_cost(shape: Shape, dtype: torch.dtype) -> dict:
     """A fresh guard: seconds spent probing every shape class one rollout + scoring of the model needs."""
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     model = Transformer(shape.model, backend="exact", dtype=dtype, init_seed=0)
-    model.ops_override = cpu_exact.with_host(guard)
+    ops = cpu_exact.with_host(guard)
     prompts = [[1, 2, 3]] * 2
     start = time.perf_counter()
-    out = generate(model, prompts, max_new_tokens=2, seed=0)
+    out = generate(model, prompts, max_new_tokens=2, seed=0, ops=ops)
     with torch.no_grad():
-        token_logprobs(model, prompts, out.tokens)
+        token_logprobs(model, prompts, out.tokens, ops=ops)
     total = time.perf_counter() - start
     probes = guard.report()["probes"]
     return {"shape": shape.name, "dtype": str(dtype).removeprefix("torch."), "shape_classes": len(probes),

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from vexact.model import short_dtype_name
+from vexact.engine.model import short_dtype_name
 
 from .common import fmt_ratio
 

@@ -590,7 +590,7 @@ def host_report(host: HostGuard = HOST) -> dict:
     probed shape classes took that path), ``mixed``, or ``not used yet`` (no probe has run for it)."""
     report = host.report()
     ops = {}
-    # the sampler's Gumbel noise (vexact.sampling) also runs through this guard: fp64 log and cos
+    # the sampler's Gumbel noise (vexact.engine.sampling) also runs through this guard: fp64 log and cos
     for op, properties in {**HOST_PROPERTIES, "sampling": ("elementwise_log", "elementwise_cos")}.items():
         probes = [p for p in report["probes"] if op in p["ops"]]
         paths = {"fixed-order" if p["path"] == "fixed-order" else "fast" for p in probes}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from vexact.collapse import collapse_monitor_should_stop, detect_collapse, trailing_mean
-from vexact.config import CollapseSection
+from vexact.rl.collapse import detect_collapse, trailing_mean
+from vexact.rl.config import CollapseSection
 
 KEYS = {"collapsed", "collapse_step", "collapse_reason", "collapse_unconfirmed_step", "peak_reward", "peak_step",
         "final_reward", "initial_reward", "mean_k3_kl", "mean_abs_dlogp", "mean_k3_kl_before_collapse",
@@ -47,7 +47,7 @@ def test_steady_run_does_not_collapse():
     assert out["initial_reward"] == 0.4 and out["final_reward"] == 0.4
     assert out["criteria"] == {"metric": "eval/reward_mean", "smoothing": 3, "drop": 0.5, "min_peak": 0.1,
                                "patience": 20}
-    assert collapse_monitor_should_stop(run([0.4] * 11), CollapseSection()) is False
+    assert detect_collapse(run([0.4] * 11), CollapseSection())["collapsed"] is False
 
 
 def test_clean_collapse_step_without_smoothing():
@@ -59,7 +59,7 @@ def test_clean_collapse_step_without_smoothing():
     assert out["collapse_unconfirmed_step"] is None
     assert out["peak_reward"] == 0.5 and out["peak_step"] == 50
     assert out["initial_reward"] == 0.0 and out["final_reward"] == 0.02
-    assert collapse_monitor_should_stop(history, CollapseSection(smoothing=1)) is True
+    assert detect_collapse(history, CollapseSection(smoothing=1))["collapsed"] is True
     json.dumps(out, allow_nan=False)
 
 
@@ -112,7 +112,7 @@ def test_drop_at_the_end_is_unconfirmed():
     assert (out["collapsed"], out["collapse_unconfirmed_step"]) == (False, 90)
     out = detect_collapse(run(late), CollapseSection(smoothing=1, patience=10))
     assert (out["collapse_step"], out["collapse_unconfirmed_step"]) == (90, None)
-    assert collapse_monitor_should_stop(run(late), CollapseSection(smoothing=1, patience=20)) is False
+    assert detect_collapse(run(late), CollapseSection(smoothing=1, patience=20))["collapsed"] is False
 
 
 def test_peak_below_min_peak_is_not_a_collapse():
@@ -229,7 +229,7 @@ def test_empty_history():
     assert out["collapsed"] is False
     assert all(out[k] is None for k in KEYS - {"collapsed", "criteria"})
     json.dumps(out, allow_nan=False)
-    assert collapse_monitor_should_stop([], CollapseSection()) is False
+    assert detect_collapse([], CollapseSection())["collapsed"] is False
     out = detect_collapse([], CollapseSection(), stopped_reason="non-finite rollout log-probs (logits) at step 0",
                           stopped_step=0)
     assert (out["collapsed"], out["collapse_step"], out["collapse_reason"]) == (True, 0, "non_finite")

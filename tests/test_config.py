@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vexact.config import (
+from vexact.rl.config import (
     AlgorithmSection,
     ConfigError,
     OptimizerSection,
@@ -79,15 +79,15 @@ def test_float_fields_accept_ints_and_yaml11_exponents(tmp_path):
 
 def test_shipped_experiments_load():
     """Every shipped run config validates, and so does every point of every shipped sweep."""
-    from vexact.sweep import load_sweep
+    from vexact.lab.sweep import load_sweep_spec
 
     for path in sorted(EXPERIMENTS.glob("*.yaml")):
         if "sweep" in path.stem:
-            assert all(isinstance(p.config, RunConfig) for p in load_sweep(path).points)
+            assert all(isinstance(p.config, RunConfig) for p in load_sweep_spec(path).points)
         else:
             assert isinstance(load_config(path), RunConfig)
-    demo = Path(__file__).resolve().parents[1] / "vexact" / "demo_sweep.yaml"
-    assert len(load_sweep(demo).points) == 6
+    demo = Path(__file__).resolve().parents[1] / "vexact" / "lab" / "demo_sweep.yaml"
+    assert len(load_sweep_spec(demo).points) == 6
 
 
 def test_overrides(tmp_path):

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from vexact.config import ConfigError, CorrectionSection, config_from_dict
-from vexact.corrections import METHODS, rollout_correction
-from vexact.loss import ppo_token_loss
+from vexact.rl.config import ConfigError, CorrectionSection, config_from_dict
+from vexact.rl.corrections import METHODS, rollout_correction
+from vexact.rl.objective import ppo_token_loss
 
 # Two sequences: 3 tokens then 2 tokens. Token ratios ρ_t chosen by hand; logp_roll = 0 so logp_train = log ρ.
 RHO = [1.0, 3.0, 0.25, 1.5, 0.5]

@@ -165,15 +165,16 @@ def test_probe_catches_a_broken_attention_gemm_and_decode_still_equals_prefill()
 
 
 # --------------------------------------------------------------------------- end to end
-def _mismatched_tokens(model, prompts, threads_rollout: int = 1, threads_scoring: int = 2) -> int:
+def _mismatched_tokens(model, prompts, threads_rollout: int = 1, threads_scoring: int = 2, ops=None) -> int:
     with num_threads(threads_rollout):
-        rollouts = [generate(model, prompts, max_new_tokens=12, seed=7, batch_size=bs) for bs in (None, 3)]
+        rollouts = [generate(model, prompts, max_new_tokens=12, seed=7, batch_size=bs, ops=ops) for bs in (None, 3)]
     mismatched = 0
     with num_threads(threads_scoring):
         for rollout in rollouts:
             for micro_batch_size in (None, 4):
                 with torch.no_grad():
-                    scored = token_logprobs(model, prompts, rollout.tokens, micro_batch_size=micro_batch_size)
+                    scored = token_logprobs(model, prompts, rollout.tokens, micro_batch_size=micro_batch_size,
+                                            ops=ops)
                 mismatched += sum(int((a != b).sum()) for a, b in zip(rollout.logprobs, scored))
     return mismatched
 
@@ -184,14 +185,12 @@ def test_rollout_equals_training_on_a_broken_host(dtype):
     prompts = random_prompts(10, 30, seed=2)
     broken = dict(bmm=position_dependent_bmm, exp=position_dependent_exp)
     model = tiny_model("exact", dtype)
-    model.ops_override = cpu_exact.with_host(_guard(mode="unguarded", **broken))
-    assert _mismatched_tokens(model, prompts) > 0
+    assert _mismatched_tokens(model, prompts, ops=cpu_exact.with_host(_guard(mode="unguarded", **broken))) > 0
 
     guard = _guard(**broken)
-    model.ops_override = cpu_exact.with_host(guard)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # one per shape class; checked in the tests above
-        assert _mismatched_tokens(model, prompts) == 0
+        assert _mismatched_tokens(model, prompts, ops=cpu_exact.with_host(guard)) == 0
     paths = {p["property"]: p["path"] for p in guard.report()["probes"]}
     assert paths == {"gemm_rows": "fixed-order", "elementwise_exp": "fixed-order", "elementwise_log": "vectorised"}
 
@@ -203,8 +202,8 @@ def test_fixed_order_mode_is_exact_end_to_end(dtype):
     """``VEXACT_CPU_EXACT_PATH=fixed-order``: no host property relied on at all, still bit for bit."""
     guard = _guard(mode="fixed-order")
     model = tiny_model("exact", dtype)
-    model.ops_override = cpu_exact.with_host(guard)
-    assert _mismatched_tokens(model, random_prompts(10, 30, seed=3), threads_rollout=2, threads_scoring=1) == 0
+    assert _mismatched_tokens(model, random_prompts(10, 30, seed=3), threads_rollout=2, threads_scoring=1,
+                              ops=cpu_exact.with_host(guard)) == 0
     assert guard.report()["probes"] and all(p["passed"] is None for p in guard.report()["probes"])
 
 

@@ -10,10 +10,12 @@ from rich.console import Console
 from test_trainer import EXPERIMENT, _short, _without_timing
 
 from vexact import generate, token_logprobs
-from vexact.config import config_from_dict, load_config
-from vexact.inject import Injector, RolloutPlan, precision_ops, round_to
-from vexact.runlog import read_metrics
-from vexact.trainer import Trainer
+from vexact.engine.model import Transformer
+from vexact.rl.config import config_from_dict, load_config
+from vexact.rl.inject import Injector, RolloutPlan, round_to
+from vexact.rl.runlog import read_metrics
+from vexact.rl.trainer import Trainer
+from vexact_kernels import get_ops
 
 
 def _injector(**inject) -> Injector:
@@ -107,16 +109,41 @@ def test_precision_mode_rounds_activations(setup):
     model, prompts = setup
     for fmt, sites in (("bfloat16", ["logits"]), ("fp8_e4m3", ["linear", "attention", "norm", "logits"])):
         plan = _injector(mode="precision", precision=fmt, sites=sites).plan(0)
-        _, fmt_, sites_ = plan.ops_override
-        model.ops_override = precision_ops(model.ops, fmt_, sites_)
-        try:
-            out = _rollout(model, plan.logits_hook, prompts)
-        finally:
-            model.ops_override = None
+        out = generate(model, prompts, max_new_tokens=8, seed=1, logits_hook=plan.logits_hook, ops=plan.ops)
         assert (_dlogp(model, prompts, out) != 0).any(), fmt
+        assert model.ops is get_ops("exact"), "the plan's ops are passed in; the model is never switched"
+    activations = _injector(mode="precision", precision="bfloat16", sites=["linear"]).plan(0)
+    assert activations.logits_hook is None and activations.ops is not get_ops("exact")
+    assert activations.active and not activations.matches_training
     x = torch.tensor([1.0 + 2**-10, 1000.0])
     assert torch.equal(round_to(x, "bfloat16"), torch.tensor([1.0, 1000.0]))
     assert round_to(torch.tensor([1e6]), "fp8_e4m3").item() == 448.0  # saturates, never inf/NaN
+
+
+def test_the_plan_carries_the_rollout_ops_and_dtype_and_no_model_is_switched(tmp_path, monkeypatch):
+    """The rollout mode is a value: the plan names the ops and weight dtype, and a whole step runs without
+    changing the backend of any existing model (constructing a copy in another dtype is not a switch)."""
+    cfg = _short(tmp_path, "plan", "steps=1", "inject.mode=kernel", "inject.kernel_backend=native",
+                 "inject.kernel_dtype=bfloat16")
+    trainer = Trainer(cfg, Console(quiet=True))
+    plan = trainer.injector.plan(0)
+    assert plan.ops is get_ops("native") and plan.dtype == torch.bfloat16
+    assert plan.active and not plan.matches_training
+    clean = Injector(cfg.inject, seed=0).plan_for_value(0.0, step=0)
+    assert clean.ops is get_ops("exact") and clean.dtype == torch.float32 and clean.matches_training
+
+    switches = []
+    backend = Transformer.backend
+
+    def record(model, name):
+        if hasattr(model, "_backend"):
+            switches.append((model._backend, name))
+        backend.fset(model, name)
+
+    monkeypatch.setattr(Transformer, "backend", property(backend.fget, record))
+    row = trainer.step(0)
+    assert switches == []
+    assert row["mismatch/bitwise_equal_frac"] < 1.0 and row["inject/active"] == 1.0
 
 
 def test_kernel_mode_uses_the_other_backend(tmp_path):

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from vexact.metrics import (
+from vexact.rl.metrics import (
     DEFAULT_BUCKETS,
     bucket_name,
     is_weight_stats,
@@ -64,7 +64,7 @@ def test_log_ppl_metrics(m):
     assert m["rollout_corr/log_ppl_diff"] == pytest.approx(sum(d) / 2)
     assert m["rollout_corr/log_ppl_diff_max"] == pytest.approx(1 / 6)
     assert m["rollout_corr/log_ppl_diff_min"] == pytest.approx(-0.125)
-    # verl's per-token-mean form vs paper 003's sequence-sum form.
+    # verl's per-token-mean form vs Beyond Precision's sequence-sum form.
     assert m["rollout_corr/log_ppl_abs_diff"] == pytest.approx((0.125 + 1 / 6) / 2)
     assert m["rollout_corr/log_ppl_abs_diff_sum"] == pytest.approx((0.25 + 0.5) / 2)
 
@@ -239,8 +239,11 @@ def test_mismatch_metrics_errors():
         mismatch_metrics([f32(-1.0)], [f32(-1.0)], probs_buckets=(1.0,))
 
 
-def test_mismatch_summary_unchanged():
-    out = mismatch_summary(f32(-0.75, -1.0), f32(-0.5, -1.0))
+def test_mismatch_summary_takes_training_then_rollout_like_mismatch_metrics():
+    train, roll = f32(-0.5, -1.0), f32(-0.75, -1.0)
+    out = mismatch_summary(train, roll)
+    per_sequence = mismatch_metrics([train], [roll])
+    assert out["kl"] == per_sequence["rollout_corr/kl"] and out["k3_kl"] == per_sequence["rollout_corr/k3_kl"]
     assert out == {"tokens": 2, "bitwise_equal": 1, "bitwise_equal_frac": 0.5, "abs_dlogp_mean": 0.125,
                    "abs_dlogp_max": 0.25, "kl": -0.125, "k3_kl": pytest.approx((math.exp(0.25) - 1.25) / 2)}
 

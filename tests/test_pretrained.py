@@ -4,7 +4,7 @@ Every checkpoint is a tiny random-init model written by the test (no downloads):
 architecture variant (``TINY_VARIANTS``) -- Llama with tied embeddings, Llama with Llama-3 RoPE
 scaling and an untied head, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm, head_dim != hidden/heads).
 Norm weights and biases are randomised, so a mis-mapped tensor shows up in the logits.
-``python -m vexact.measure --parity-tiny --seed 1`` prints the measured numbers quoted below.
+``python -m vexact.real.measure --parity-tiny --seed 1`` prints the measured numbers quoted below.
 
 Tolerances (logits up to ~7 in magnitude, sequences up to 40 tokens; measured values on the CI machine):
 - fp32: max |vexact logit - transformers logit| <= FP32_TOL = 5e-5 (measured <= 1.1e-5, exact and native).
@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vexact import from_pretrained, generate, token_logprobs
-from vexact.model import rope_inv_freq
-from vexact.pretrained import (
+from vexact.engine.model import rope_inv_freq
+from vexact.real.pretrained import (
     PARITY_PROMPTS,
     SUPPORTED_ARCHITECTURES,
     TINY_VARIANTS,

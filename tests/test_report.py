@@ -1,4 +1,4 @@
-"""vexact.report on hand-built sweep directories (no training runs)."""
+"""vexact.lab.report on hand-built sweep directories (no training runs)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vexact.report import group_table, load_sweep, markdown_table, render_table, write_report, write_summary_csv
+from vexact.lab.report import (
+    group_table,
+    markdown_table,
+    read_sweep_results,
+    render_table,
+    write_report,
+    write_summary_csv,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 30
@@ -86,7 +93,7 @@ def _check_png(path: Path) -> None:
 
 
 def test_load_sweep_reads_points_and_decodes_non_finite(sweep: Path) -> None:
-    data = load_sweep(sweep)
+    data = read_sweep_results(sweep)
     assert data.name == "tim-test" and data.group_keys == ["inject.value"]
     assert [p.status for p in data.points] == ["completed"] * 4 + ["failed"]
     failed = data.points[-1]
@@ -97,7 +104,7 @@ def test_load_sweep_reads_points_and_decodes_non_finite(sweep: Path) -> None:
 
 
 def test_group_table_values(sweep: Path) -> None:
-    low, high = group_table(load_sweep(sweep))
+    low, high = group_table(read_sweep_results(sweep))
     assert low["inject.value"] == 0.1 and high["inject.value"] == 0.5
     assert low["group"] == "inject.value=0.1"
     assert (low["seeds"], low["failed"], low["collapsed"]) == (2, 0, 0)
@@ -118,7 +125,7 @@ def test_groups_follow_grid_order_with_several_keys(tmp_path: Path) -> None:
         for mode in ("recompute", "rollout"):
             points.append({"overrides": {"inject.value": value, "algorithm.old_logprobs": mode, "seed": 0},
                            "status": "completed", "collapse": _collapse(False, 1e-3, 0.01, 0.5, 0.5)})
-    rows = group_table(load_sweep(_make_sweep(tmp_path, points, grid)))
+    rows = group_table(read_sweep_results(_make_sweep(tmp_path, points, grid)))
     assert [r["group"] for r in rows] == [
         "inject.value=0.5, algorithm.old_logprobs=rollout", "inject.value=0.5, algorithm.old_logprobs=recompute",
         "inject.value=0, algorithm.old_logprobs=rollout", "inject.value=0, algorithm.old_logprobs=recompute"]
@@ -126,7 +133,7 @@ def test_groups_follow_grid_order_with_several_keys(tmp_path: Path) -> None:
 
 
 def test_summary_csv(sweep: Path, tmp_path: Path) -> None:
-    path = write_summary_csv(load_sweep(sweep), tmp_path / "out" / "summary.csv")
+    path = write_summary_csv(read_sweep_results(sweep), tmp_path / "out" / "summary.csv")
     rows = list(csv.DictReader(path.open()))
     assert len(rows) == 5
     for col in ("name", "inject.value", "seed", "status", "error", "collapsed", "collapse_step", "mean_k3_kl",
@@ -186,7 +193,7 @@ def test_empty_sweep_still_reports(tmp_path: Path) -> None:
 
 def test_render_table_returns_table(sweep: Path) -> None:
     console = Console(file=io.StringIO(), width=200, record=True)
-    table = render_table(group_table(load_sweep(sweep)), console, title="my sweep")
+    table = render_table(group_table(read_sweep_results(sweep)), console, title="my sweep")
     assert table.title == "my sweep" and table.row_count == 2
     assert "collapse rate" in console.export_text()
 
@@ -194,7 +201,7 @@ def test_render_table_returns_table(sweep: Path) -> None:
 def test_missing_sweep_json_raises(tmp_path: Path) -> None:
     (tmp_path / "notasweep").mkdir()
     with pytest.raises(ValueError, match=r"notasweep.*sweep\.json"):
-        load_sweep(tmp_path / "notasweep")
+        read_sweep_results(tmp_path / "notasweep")
     with pytest.raises(ValueError, match="sweep.json"):
         write_report(tmp_path / "does-not-exist")
 
@@ -215,7 +222,7 @@ def test_variant_groups_with_lr_trigger_and_surge_columns(tmp_path: Path) -> Non
         summary["lr_schedule"] = {"kind": "length_triggered", "trigger_step": trigger, "trigger_reason": None,
                                   "decay_period": None}
         path.write_text(json.dumps(summary))
-    none, decay = group_table(load_sweep(root))
+    none, decay = group_table(read_sweep_results(root))
     assert none["group"] == "variant=none" and none["collapsed"] == 2 and none["surge_before_collapse"] == 1
     assert none["lr_decay_triggered"] is None
     assert decay["lr_decay_triggered"] == 1 and decay["lr_trigger_step_median"] == 30

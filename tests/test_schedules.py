@@ -6,12 +6,22 @@ import math
 
 import pytest
 
-from vexact.config import ConfigError, LRScheduleSection, OptimizerSection, config_from_dict
-from vexact.schedules import LRSchedule
+from vexact.rl.config import (
+    CollapseSection,
+    ConfigError,
+    LRScheduleSection,
+    OptimizerSection,
+    config_from_dict,
+    load_config,
+)
+from vexact.rl.schedules import LRSchedule
 
 
-def _schedule(kind: str, lr: float = 1.0, warmup: int = 0, steps: int = 100, **kw) -> LRSchedule:
-    return LRSchedule(OptimizerSection(lr=lr, warmup_steps=warmup), LRScheduleSection(kind=kind, **kw), steps)
+def _schedule(kind: str, lr: float = 1.0, warmup: int = 0, steps: int = 100, length_window: int = 10,
+              length_ratio: float = 1.5, **kw) -> LRSchedule:
+    """The surge knobs live in the collapse section (one rule for the LR trigger and the detector)."""
+    surge = CollapseSection(length_surge_window=length_window, length_surge_ratio=length_ratio)
+    return LRSchedule(OptimizerSection(lr=lr, warmup_steps=warmup), LRScheduleSection(kind=kind, **kw), steps, surge)
 
 
 def _feed(schedule: LRSchedule, key: str, trace: list[float]) -> list[float]:
@@ -104,8 +114,30 @@ def test_schedule_state_round_trip_resumes_identically():
 def test_schedule_config_errors():
     with pytest.raises(ConfigError, match="lr_schedule.kind"):
         config_from_dict({"lr_schedule": {"kind": "exponential"}})
-    with pytest.raises(ConfigError, match="lr_schedule.length_ratio"):
-        config_from_dict({"lr_schedule": {"kind": "length_triggered", "length_ratio": 0.9}})
+    with pytest.raises(ConfigError, match="collapse.length_surge_ratio"):
+        config_from_dict({"collapse": {"length_surge_ratio": 0.9}})
     with pytest.raises(ConfigError, match="lr_schedule.mismatch_metric"):
         config_from_dict({"lr_schedule": {"mismatch_metric": "k3"}})
     assert math.isclose(config_from_dict({}).lr_schedule.min_lr_ratio, 0.1)
+
+
+def test_the_length_surge_has_one_setting_and_the_old_keys_still_work(tmp_path):
+    """``lr_schedule.length_window`` / ``length_ratio`` moved to ``collapse.length_surge_*``: the old spelling (in
+    YAML or ``--set``) sets the new key with a FutureWarning; the same knob twice with two values is an error."""
+    with pytest.warns(FutureWarning) as caught:
+        cfg = config_from_dict({"lr_schedule": {"kind": "length_triggered", "length_ratio": 1.8, "length_window": 4}})
+    assert {str(w.message).split(";")[0] for w in caught} == {"config key 'lr_schedule.length_ratio' is deprecated",
+                                                              "config key 'lr_schedule.length_window' is deprecated"}
+    assert all("use 'collapse.length_surge_" in str(w.message) for w in caught)
+    assert (cfg.collapse.length_surge_ratio, cfg.collapse.length_surge_window) == (1.8, 4)
+    assert "length_ratio" not in cfg.to_dict()["lr_schedule"]
+    path = tmp_path / "old.yaml"
+    path.write_text("lr_schedule:\n  kind: length_triggered\n")
+    with pytest.warns(FutureWarning, match="deprecated"):
+        assert load_config(path, ["lr_schedule.length_ratio=2.5"]).collapse.length_surge_ratio == 2.5
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="lr_schedule.length_ratio.*keep only"):
+        config_from_dict({"lr_schedule": {"length_ratio": 2.0}, "collapse": {"length_surge_ratio": 1.5}})
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="collapse.length_surge_ratio"):
+        config_from_dict({"lr_schedule": {"length_ratio": 0.5}})  # out of bounds: named at its new key
+    schedule = LRSchedule(cfg.optimizer, cfg.lr_schedule, cfg.steps, cfg.collapse)
+    assert (schedule.surge_window, schedule.surge_ratio) == (4, 1.8)

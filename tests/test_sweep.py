@@ -11,10 +11,10 @@ from rich.console import Console
 from test_trainer import EXPERIMENT, _without_timing
 
 from vexact.cli import main
-from vexact.config import ConfigError
-from vexact.runlog import read_metrics
-from vexact.sweep import load_sweep, run_sweep
-from vexact.trainer import Trainer
+from vexact.lab.sweep import load_sweep_spec, run_sweep
+from vexact.rl.config import ConfigError
+from vexact.rl.runlog import read_metrics
+from vexact.rl.trainer import Trainer
 
 
 def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **extra) -> Path:
@@ -33,22 +33,22 @@ def _metrics(spec) -> dict[str, list[dict]]:
 
 
 def test_grid_expansion_and_validation(tmp_path):
-    spec = load_sweep(_sweep_file(tmp_path))
+    spec = load_sweep_spec(_sweep_file(tmp_path))
     assert [p.name for p in spec.points] == ["inject.value=0.0,seed=0", "inject.value=0.0,seed=1",
                                              "inject.value=-0.5,seed=0", "inject.value=-0.5,seed=1"]
     assert spec.points[3].config.inject.value == -0.5 and spec.points[3].config.seed == 1
     with pytest.raises(ConfigError, match="sweep point inject.valu=0.0.*unknown key"):
-        load_sweep(_sweep_file(tmp_path, "bad", grid={"inject.valu": [0.0]}))
+        load_sweep_spec(_sweep_file(tmp_path, "bad", grid={"inject.valu": [0.0]}))
     with pytest.raises(ConfigError, match="grid"):
-        load_sweep(_sweep_file(tmp_path, "bad2", grid={"seed": []}))
+        load_sweep_spec(_sweep_file(tmp_path, "bad2", grid={"seed": []}))
 
 
 def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, monkeypatch):
-    reference = load_sweep(_sweep_file(tmp_path, "ref"))
+    reference = load_sweep_spec(_sweep_file(tmp_path, "ref"))
     run_sweep(reference, console=Console(quiet=True))
     expected = _metrics(reference)
 
-    spec = load_sweep(_sweep_file(tmp_path, "cut"))
+    spec = load_sweep_spec(_sweep_file(tmp_path, "cut"))
     real_step = Trainer.step
     calls = {"n": 0}
 
@@ -66,7 +66,7 @@ def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, monkey
     finished_mtime = (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns
 
     monkeypatch.setattr(Trainer, "step", real_step)
-    statuses = run_sweep(load_sweep(_sweep_file(tmp_path, "cut")), console=Console(quiet=True))
+    statuses = run_sweep(load_sweep_spec(_sweep_file(tmp_path, "cut")), console=Console(quiet=True))
     assert list(statuses.values()) == ["completed"] * 4
     assert (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns == finished_mtime  # skipped, not rerun
     assert _metrics(spec) == expected  # nothing lost, nothing duplicated, bit-identical
@@ -83,7 +83,7 @@ def test_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
         real_init(self, cfg, console)
 
     monkeypatch.setattr(Trainer, "__init__", fragile)
-    spec = load_sweep(_sweep_file(tmp_path, grid={"seed": [0, 1, 2]}))
+    spec = load_sweep_spec(_sweep_file(tmp_path, grid={"seed": [0, 1, 2]}))
     statuses = run_sweep(spec, console=Console(quiet=True))
     assert statuses == {"seed=0": "completed", "seed=1": "failed", "seed=2": "completed"}
     assert "RuntimeError: boom" in (spec.points[1].run_dir / "error.txt").read_text()
@@ -94,7 +94,7 @@ def test_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
 def test_parallel_workers_and_report(tmp_path):
     path = _sweep_file(tmp_path, "par", grid={"inject.value": [0.0, -0.5]})
     assert main(["sweep", str(path), "--jobs", "2"]) == 0
-    spec = load_sweep(path)
+    spec = load_sweep_spec(path)
     for point in spec.points:
         summary = json.loads((point.run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and "collapsed" in summary["collapse"]
@@ -106,7 +106,7 @@ def test_parallel_workers_and_report(tmp_path):
 
 def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
     variants = {"none": {}, "tis_decay": {"correction.method": "token_tis", "lr_schedule.kind": "length_triggered"}}
-    spec = load_sweep(_sweep_file(tmp_path, "v", grid={"seed": [0, 1]}, variants=variants))
+    spec = load_sweep_spec(_sweep_file(tmp_path, "v", grid={"seed": [0, 1]}, variants=variants))
     assert [p.name for p in spec.points] == ["variant=none,seed=0", "variant=none,seed=1",
                                              "variant=tis_decay,seed=0", "variant=tis_decay,seed=1"]
     assert spec.grid == {"variant": ["none", "tis_decay"], "seed": [0, 1]}
@@ -115,8 +115,8 @@ def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
     assert remedy.correction.method == "token_tis" and remedy.lr_schedule.kind == "length_triggered"
     assert remedy.seed == 1 and remedy.inject.mode == "logit_scale"  # the common settings still apply
     with pytest.raises(ConfigError, match="variant=bad,seed=0.*correction.method"):
-        load_sweep(_sweep_file(tmp_path, "b1", grid={"seed": [0]}, variants={"bad": {"correction.method": "x"}}))
+        load_sweep_spec(_sweep_file(tmp_path, "b1", grid={"seed": [0]}, variants={"bad": {"correction.method": "x"}}))
     with pytest.raises(ConfigError, match="'variants'"):
-        load_sweep(_sweep_file(tmp_path, "b2", grid={"seed": [0]}, variants=["none"]))
+        load_sweep_spec(_sweep_file(tmp_path, "b2", grid={"seed": [0]}, variants=["none"]))
     with pytest.raises(ConfigError, match="remove it from the grid"):
-        load_sweep(_sweep_file(tmp_path, "b3", grid={"variant": ["a"]}, variants={"a": {}}))
+        load_sweep_spec(_sweep_file(tmp_path, "b3", grid={"variant": ["a"]}, variants={"a": {}}))

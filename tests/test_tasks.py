@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vexact.tasks import (
+from vexact.rl.tasks import (
     BOS_ID,
     EOS_ID,
     HELD_OUT_SEED,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,9 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from vexact.cli import main
-from vexact.config import config_from_dict, load_config
-from vexact.runlog import read_metrics
-from vexact.trainer import Trainer
+from vexact.rl.config import config_from_dict, load_config
+from vexact.rl.runlog import read_metrics
+from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
 
@@ -103,9 +104,9 @@ def test_non_finite_values_end_the_run_cleanly(tmp_path, monkeypatch):
 
     def poisoned(self, step, *args, **kwargs):
         if step == 1:
-            with torch.no_grad():
-                self.master.layers[0].mlp.up_proj.weight.fill_(float("nan"))
-            self._sync_compute()
+            weights = dict(self.master.state_dict())
+            weights["layers.0.mlp.up_proj.weight"] = torch.full_like(weights["layers.0.mlp.up_proj.weight"], math.nan)
+            self.load_policy(weights)
         return real_update(self, step, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "_update", poisoned)
@@ -208,7 +209,7 @@ def test_correction_and_triggered_schedule_under_injection(tmp_path):
 
 def test_warm_start_seed_fixes_the_starting_policy_across_run_seeds():
     """warm_start.seed decouples the starting policy (init + warm-start data) from the RL seed."""
-    from vexact.warmstart import warm_start_key
+    from vexact.rl.warmstart import warm_start_key
 
     plain0, plain1 = config_from_dict({"seed": 0}), config_from_dict({"seed": 1})
     fixed1 = config_from_dict({"seed": 1, "warm_start": {"seed": 0}})

@@ -5,10 +5,10 @@ Public API: ``ModelConfig``, ``Transformer``, ``generate`` (rollout path, KV cac
 Llama/Mistral/Qwen2/Qwen3 checkpoint as a ``Transformer``).
 """
 
-from .model import KVCache, ModelConfig, Transformer
-from .pretrained import from_pretrained
-from .rollout import GenerateOutput, generate
-from .scoring import token_logprobs
+from .engine.model import KVCache, ModelConfig, Transformer
+from .engine.rollout import GenerateOutput, generate
+from .engine.scoring import token_logprobs
+from .real.pretrained import from_pretrained
 
 __all__ = ["GenerateOutput", "KVCache", "ModelConfig", "Transformer", "from_pretrained", "generate", "token_logprobs"]
 __version__ = "0.1.0"

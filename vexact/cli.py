@@ -68,8 +68,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .check import CheckSettings, run_check
-    from .model import DTYPES, short_dtype_name
+    from .engine.model import DTYPES, short_dtype_name
+    from .real.check import CheckSettings, run_check
 
     dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
     for d in dtypes:
@@ -143,8 +143,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .trainer import Trainer, run_dir_for
+    from .rl.config import load_config
+    from .rl.trainer import Trainer, run_dir_for
 
     cfg = load_config(args.config, args.overrides)
     console = make_console()
@@ -174,21 +174,21 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import load_sweep
+    from .lab.sweep import load_sweep_spec
 
-    return _sweep_and_report(load_sweep(args.sweep, args.output_dir), args.jobs, not args.no_report,
+    return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir), args.jobs, not args.no_report,
                              "vexact sweep [bold]{name}[/]: {n} points -> {out}")
 
 
 def _sweep_and_report(spec, jobs: int, report: bool, headline: str) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
-    from .sweep import run_sweep
+    from .lab.sweep import run_sweep
 
     console = make_console()
     console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
     statuses = run_sweep(spec, jobs=jobs, console=console)
     if report:
-        from .report import write_report
+        from .lab.report import write_report
 
         write_report(spec.output_dir, console)
     return 1 if any(status == "failed" for status in statuses.values()) else 0
@@ -201,7 +201,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_report(sweep_dir: Path) -> int:
-    from .report import write_report
+    from .lab.report import write_report
 
     result = write_report(sweep_dir, make_console())
     make_console().print("wrote " + ", ".join(str(f) for f in result["files"]))
@@ -216,16 +216,16 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .sweep import load_sweep
+    from .lab.sweep import load_sweep_spec
 
-    spec = load_sweep(Path(__file__).resolve().parent / "demo_sweep.yaml", args.output_dir)
+    spec = load_sweep_spec(Path(__file__).resolve().parent / "lab" / "demo_sweep.yaml", args.output_dir)
     return _sweep_and_report(spec, args.jobs, True, "vexact demo: {n} runs of logit-scale injection -> {out}")
 
 
 def _add_measure(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("measure", help="measure natural TIM between two computation paths on a local HF checkpoint")
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="checkpoint directory (config.json + "
-                   "safetensors); python -m vexact.measure --make-tiny-checkpoint DIR writes a tiny one")
+                   "safetensors); python -m vexact.real.measure --make-tiny-checkpoint DIR writes a tiny one")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
                         "has a tokenizer, else whitespace-separated token ids")
@@ -249,7 +249,7 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_measure(args: argparse.Namespace) -> int:
-    from .measure import MeasureSettings, print_measure, run_measure, write_json, write_png
+    from .real.measure import MeasureSettings, print_measure, run_measure, write_json, write_png
 
     settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
                                random_prompts=args.random, max_prompt_len=args.max_prompt_len,

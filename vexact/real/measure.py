@@ -3,7 +3,7 @@
 ``vexact check`` proves the guarantee on a random model; ``measure`` answers the user's question
 "how much mismatch does *my* stack have?": load a checkpoint, generate with the rollout path,
 rescore the same tokens with the training path, and report the mismatch metrics of
-``vexact.metrics`` (k1/k3 KL, |Δlogp| mean/max/p99, log_ppl_abs_diff, bitwise-equal fraction,
+``vexact.rl.metrics`` (k1/k3 KL, |Δlogp| mean/max/p99, log_ppl_abs_diff, bitwise-equal fraction,
 |Δlogp| by token probability) plus |Δlogp| by response position.
 
 A path is ``backend:dtype``: backend ``exact`` | ``native`` | ``triton`` (vexact's model on that
@@ -15,7 +15,7 @@ The ``hf`` rollout samples with transformers' ``generate`` (multinomial sampling
 processor switched off, and records log_softmax(raw logits / temperature) of each sampled token
 from ``output_logits``; a guard checks that the processed scores it sampled from are exactly those
 raw logits / temperature (so nothing truncated the distribution). vexact paths sample with
-vexact's counter-based Gumbel sampler (``vexact.rollout.generate``).
+vexact's counter-based Gumbel sampler (``vexact.engine.rollout.generate``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from torch import Tensor
 
 import vexact_kernels
 
-from .inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
-from .metrics import DEFAULT_BUCKETS, bucket_name, mismatch_metrics
-from .model import DTYPES, Transformer, short_dtype_name
+from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
+from ..engine.model import DTYPES, Transformer, short_dtype_name
+from ..engine.rollout import generate
+from ..engine.scoring import token_logprobs
+from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, mismatch_metrics
 from .pretrained import (
     PARITY_PROMPTS,
     SUPPORTED_ARCHITECTURES,
@@ -48,8 +50,6 @@ from .pretrained import (
     parity_with_transformers,
     read_checkpoint_config,
 )
-from .rollout import generate
-from .scoring import token_logprobs
 
 PATH_BACKENDS = ("exact", "native", "triton", "hf")
 
@@ -149,22 +149,23 @@ def load_prompts(settings: MeasureSettings, vocab_size: int, tokenizer: Any | No
 
 # --------------------------------------------------------------------------- the two kinds of path
 class VexactPath:
-    """vexact's ``Transformer`` on one backend: KV-cache ``generate`` / full-sequence ``token_logprobs``."""
+    """vexact's ``Transformer`` on one backend: KV-cache ``generate`` / full-sequence ``token_logprobs``.
+
+    Two paths may share one model (same weights and dtype); each passes its own kernel ops."""
 
     def __init__(self, model: Transformer, backend: str):
         self.model, self.backend = model, backend
+        self.ops = vexact_kernels.get_ops(backend, model.device)
 
     def generate(self, prompts: list[list[int]], s: MeasureSettings, eos: int | None) -> tuple[list, list[Tensor]]:
-        self.model.backend = self.backend
         out = generate(self.model, prompts, max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=s.seed,
-                       batch_size=s.batch_size, eos_token_id=eos)
+                       batch_size=s.batch_size, eos_token_id=eos, ops=self.ops)
         return out.tokens, out.logprobs
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], s: MeasureSettings) -> list[Tensor]:
-        self.model.backend = self.backend
         with torch.no_grad():
             return token_logprobs(self.model, prompts, responses, temperature=s.temperature,
-                                  micro_batch_size=s.micro_batch_size)
+                                  micro_batch_size=s.micro_batch_size, ops=self.ops)
 
 
 class HFPath:
@@ -185,19 +186,16 @@ class HFPath:
                                   temperature=s.temperature if sample else 1.0, top_k=0, top_p=1.0,
                                   eos_token_id=eos, pad_token_id=self.pad, output_logits=True, output_scores=True,
                                   return_dict_in_generate=True)
-        saved = self.model.generation_config
         # A fresh default config, so the checkpoint's generation_config.json (top_p, min_p, penalties...)
-        # cannot slip in: transformers fills every unset option from it.
+        # cannot slip in: transformers fills every unset option from the model's. Only this path generates
+        # with the model, so it is set, not swapped in and back.
         self.model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=self.pad)
-        try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(s.seed)
-                for start in range(0, len(prompts), step):
-                    t, lp = self._generate_batch(prompts[start : start + step], config, s.temperature, eos)
-                    tokens += t
-                    logprobs += lp
-        finally:
-            self.model.generation_config = saved
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(s.seed)
+            for start in range(0, len(prompts), step):
+                t, lp = self._generate_batch(prompts[start : start + step], config, s.temperature, eos)
+                tokens += t
+                logprobs += lp
         return tokens, logprobs
 
     def _generate_batch(self, prompts: list[list[int]], config: Any, temperature: float,
@@ -425,7 +423,7 @@ def print_measure(result: MeasureResult, console: Any) -> None:
 
 def write_json(result: MeasureResult, path: Path) -> Path:
     """The summary as JSON (NaN/Inf as strings, see ``runlog.json_safe``)."""
-    from .runlog import json_safe
+    from ..rl.runlog import json_safe
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -470,9 +468,9 @@ def write_png(result: MeasureResult, path: Path) -> Path:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m vexact.measure --make-tiny-checkpoint DIR [--arch ARCH]`` writes a checkpoint to measure;
+    """``python -m vexact.real.measure --make-tiny-checkpoint DIR [--arch ARCH]`` writes a checkpoint to measure;
     ``--parity-tiny`` prints the parity-with-transformers table of the README (the tests' variants and prompts)."""
-    parser = argparse.ArgumentParser(prog="python -m vexact.measure",
+    parser = argparse.ArgumentParser(prog="python -m vexact.real.measure",
                                      description="Tiny random-init Hugging Face checkpoints (no downloads).")
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--make-tiny-checkpoint", type=Path, metavar="DIR", help="write a tiny checkpoint to DIR")

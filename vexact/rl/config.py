@@ -22,12 +22,17 @@ import os
 import re
 import types
 import typing
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+import vexact_kernels
+
+from ..engine.model import ModelConfig, ModelConfigError
 
 __all__ = [
     "AlgorithmSection",
@@ -49,7 +54,7 @@ __all__ = [
     "save_config",
 ]
 
-Backend = Literal["exact", "native", "triton"]
+Backend = Literal[vexact_kernels.BACKENDS]  # the kernel library's backend names
 DType = Literal["float32", "bfloat16"]
 
 
@@ -69,33 +74,39 @@ def _bounds(**bounds: float) -> dict:
 # --- schema ------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ModelSection:
-    """Shape of the policy Transformer (the vocabulary comes from the task)."""
+MODEL_DEFAULTS = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 176,
+                  "max_seq_len": 64}
+"""The default policy: a tiny decoder that learns the synthetic tasks in minutes on a CPU."""
 
-    hidden_size: int = field(default=64, metadata=_bounds(min=1))
-    num_layers: int = field(default=2, metadata=_bounds(min=1))
-    num_heads: int = field(default=4, metadata=_bounds(min=1))
-    num_kv_heads: int = field(default=2, metadata=_bounds(min=1))
-    intermediate_size: int = field(default=176, metadata=_bounds(min=1))
-    max_seq_len: int = field(default=64, metadata=_bounds(min=1))
-    rope_theta: float = field(default=10000.0, metadata=_bounds(gt=0))
-    rms_norm_eps: float = field(default=1e-6, metadata=_bounds(gt=0))
-    tie_embeddings: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
+
+def _model_section() -> type:
+    """``ModelSection``: the fields of ``ModelConfig`` (types, bounds, meaning) except ``vocab_size``, which
+    the task sets, with ``MODEL_DEFAULTS``. One source: a field added to ModelConfig is a config key here too."""
+    hints = typing.get_type_hints(ModelConfig)
+    specs = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name == "vocab_size":
+            continue
+        default = MODEL_DEFAULTS.get(f.name, f.default)
+        specs.append((f.name, hints[f.name], field(default=default, metadata=f.metadata)))
 
     def check(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
-                              f"({self.num_kv_heads})", "num_heads")
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
-                              f"({self.num_heads})", "hidden_size")
-        # RoPE rotates pairs of dimensions, so the model refuses odd head dims; fail here, not at model build.
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ConfigError(f"hidden_size / num_heads = {self.hidden_size // self.num_heads} is the head dim "
-                              "and must be even (RoPE)", "hidden_size")
+        try:
+            self.to_model_config(vocab_size=1)
+        except ModelConfigError as e:
+            raise ConfigError(e.problem, e.field) from None
+
+    def to_model_config(self, vocab_size: int) -> ModelConfig:
+        """The engine's ModelConfig of this section for a vocabulary of ``vocab_size`` tokens."""
+        return ModelConfig(vocab_size=vocab_size, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    section = dataclasses.make_dataclass("ModelSection", specs, namespace={
+        "__doc__": "Shape of the policy Transformer: ``ModelConfig``'s fields (the vocabulary comes from the task).",
+        "__module__": __name__, "check": check, "to_model_config": to_model_config})
+    return section
+
+
+ModelSection = _model_section()
 
 
 @dataclass
@@ -158,7 +169,7 @@ class AlgorithmSection:
 
 @dataclass
 class CorrectionSection:
-    """Rollout correction on ρ_t = π_old/μ (importance weights / rejection); see ``vexact/corrections.py``."""
+    """Rollout correction on ρ_t = π_old/μ (importance weights / rejection); see ``vexact/rl/corrections.py``."""
 
     method: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs"] = "none"
     threshold: float = field(default=2.0, metadata=_bounds(gt=1))  # C: TIS truncates at C, MIS masks above C
@@ -176,7 +187,10 @@ class CorrectionSection:
 
 @dataclass
 class LRScheduleSection:
-    """Learning-rate schedule on top of ``optimizer.lr`` and its warmup; see ``vexact/schedules.py``."""
+    """Learning-rate schedule on top of ``optimizer.lr`` and its warmup; see ``vexact/rl/schedules.py``.
+
+    ``length_triggered`` fires at the length surge defined once, in ``collapse.length_surge_window`` /
+    ``collapse.length_surge_ratio`` (the collapse detector's early warning)."""
 
     kind: Literal["constant", "cosine", "step", "length_triggered", "mismatch_triggered"] = "constant"
     min_lr_ratio: float = field(default=0.1, metadata=_bounds(min=0, max=1))  # floor = ratio x optimizer.lr
@@ -185,8 +199,6 @@ class LRScheduleSection:
     gamma: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))
     decay_period: int | None = field(default=None, metadata=_bounds(min=1))  # triggered: halve every N steps ...
     decay_period_factor: float = field(default=1.8, metadata=_bounds(gt=0))  # ... or N = factor x trigger step
-    length_window: int = field(default=10, metadata=_bounds(min=1))  # length trigger: baseline = first N steps
-    length_ratio: float = field(default=2.0, metadata=_bounds(gt=1))  # surge: trailing mean > ratio x baseline
     mismatch_metric: Literal["rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff"] = "rollout_corr/k3_kl"
     mismatch_threshold: float = field(default=0.1, metadata=_bounds(gt=0))  # verl warns at |kl| > 0.1
     mismatch_window: int = field(default=5, metadata=_bounds(min=1))  # trailing mean over N steps > threshold
@@ -266,7 +278,7 @@ class InjectSection:
 
 @dataclass
 class CollapseSection:
-    """Collapse detection on a (smoothed) reward series; see ``vexact/collapse.py``."""
+    """Collapse detection on a (smoothed) reward series; see ``vexact/rl/collapse.py``."""
 
     metric: str = "eval/reward_mean"  # judged on the clean evaluation by default
     smoothing: int = field(default=3, metadata=_bounds(min=1))  # trailing moving average, in points
@@ -275,8 +287,10 @@ class CollapseSection:
     patience: int = field(default=20, metadata=_bounds(min=0))  # steps without recovering above the threshold
     grad_norm_max: float | None = field(default=None, metadata=_bounds(gt=0))  # optional extra trigger
     k3_kl_max: float | None = field(default=None, metadata=_bounds(gt=0))  # optional extra trigger
-    length_surge_window: int = field(default=10, metadata=_bounds(min=1))  # baseline: first N steps
-    length_surge_ratio: float = field(default=1.5, metadata=_bounds(gt=1))  # surge: smoothed length > ratio x base
+    # The length surge (trailing-mean response length > ratio x the mean of the first N steps): the detector's early
+    # warning and the trigger of lr_schedule.kind length_triggered -- one rule, set here only.
+    length_surge_window: int = field(default=10, metadata=_bounds(min=1))  # N: baseline = first N steps
+    length_surge_ratio: float = field(default=1.5, metadata=_bounds(gt=1))  # surge: trailing mean > ratio x base
     stop_on_collapse: bool = False  # end the run once collapse is confirmed (saves sweep time)
 
 
@@ -519,6 +533,46 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+# --- renamed keys ------------------------------------------------------------------------------------------
+
+RENAMED_KEYS = {
+    "lr_schedule.length_window": "collapse.length_surge_window",
+    "lr_schedule.length_ratio": "collapse.length_surge_ratio",
+}
+"""Deprecated key -> the key that replaced it. The old spelling still works, with a FutureWarning."""
+
+
+def _renamed(key: str) -> str:
+    """The current spelling of a dotted key (warning when ``key`` is a deprecated one)."""
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return key
+    warnings.warn(f"config key '{key}' is deprecated; use '{new}' (the length-triggered LR decay and the collapse "
+                  "detector share one length-surge rule)", FutureWarning, stacklevel=4)
+    return new
+
+
+def _move_renamed(data: dict) -> None:
+    """Move deprecated keys of a raw mapping to their new place, in place; both set differently is an error."""
+    for old, new in RENAMED_KEYS.items():
+        old_section, old_name = old.split(".")
+        section = data.get(old_section)
+        if not isinstance(section, dict) or old_name not in section:
+            continue
+        value = section.pop(old_name)
+        _renamed(old)
+        new_section, new_name = new.split(".")
+        target = data.get(new_section)
+        if target is None:
+            target = data[new_section] = {}
+        if not isinstance(target, dict):
+            continue  # the section's own type error is reported when it is built
+        if new_name in target and target[new_name] != value:
+            raise ConfigError(f"deprecated key set to {_show(value)} while '{new}' is {_show(target[new_name])}; "
+                              f"keep only '{new}'", old)
+        target[new_name] = value
+
+
 # --- overrides ---------------------------------------------------------------------------------------------
 
 
@@ -531,6 +585,8 @@ def _apply_override(data: dict, item: str) -> str:
     parts = key.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"malformed override {item!r}: empty key segment in {key!r}")
+    key = _renamed(key)
+    parts = key.split(".")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
@@ -571,6 +627,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
     if not isinstance(d, dict):
         raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
     data = _plain(d)  # deep copy: overrides must not mutate the caller's dict
+    _move_renamed(data)
     origins = {_apply_override(data, item): item for item in overrides}
     try:
         return _build(RunConfig, data, "")

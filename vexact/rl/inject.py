@@ -5,6 +5,11 @@ from and/or records. Like sampling, every random draw is keyed by (seed, sequenc
 injection is batch-invariant and deterministic, and an injection of magnitude 0 is a bitwise no-op
 (no hook is installed at all).
 
+The output is a value: ``Injector.plan(step)`` returns a ``RolloutPlan`` -- the kernel ops, the weight dtype
+and the logits hook the rollout path uses at that step -- and the trainer passes them to ``generate``; no
+model's backend is switched. A new mode is a change to this module (plus its name in ``InjectSection.mode``
+and its tests), not to the trainer.
+
 Modes (``inject.mode``), knob = ``inject.value``:
 - ``logit_noise``: rollout logits z + σ·N(0, 1) (unbiased drift).
 - ``logit_scale``: z · (1 + ε): sharper for ε > 0, flatter for ε < 0 (systematic bias).
@@ -32,28 +37,26 @@ from torch import Tensor
 
 from vexact_kernels import get_ops
 
-from .config import InjectSection
-from .rollout import LogitsHook
-from .sampling import counter_normal, counter_uniform
+from ..engine.model import KernelOps, resolve_dtype
+from ..engine.rollout import LogitsHook
+from ..engine.sampling import counter_normal, counter_uniform
+from .config import InjectSection, RunConfig
 
-KNOB_MODES = ("logit_noise", "logit_scale", "logprob_only", "top_p", "top_k")
 _SCOPE_SALT = 0x3C6EF372
 _NOISE_SALT = 0x6A09E667
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutPlan:
-    """How the rollout path differs from the training path at one step."""
+    """What the rollout path runs at one step: the kernel ops, the dtype of the weights, and the
+    logits hook. ``generate(model_in_dtype, ..., ops=plan.ops, logits_hook=plan.logits_hook)``."""
 
     value: float  # effective knob after onset/ramp (0 when inactive)
+    ops: KernelOps  # kernel op module (precision mode: one whose outputs at the chosen sites are rounded)
+    dtype: torch.dtype  # dtype of the weights the rollout path runs with
     logits_hook: LogitsHook | None = None
-    ops_override: object | None = None  # precision mode: rounding wrapper around the kernel ops
-    backend: str | None = None  # kernel mode
-    dtype: str | None = None  # kernel mode
-
-    @property
-    def active(self) -> bool:
-        return self.logits_hook is not None or self.ops_override is not None or self.backend is not None
+    active: bool = False  # the injector changed the rollout path at this step
+    matches_training: bool = False  # ops and dtype are the training path's and nothing is injected
 
 
 def round_to(x: Tensor, fmt: str) -> Tensor:
@@ -67,7 +70,7 @@ def round_to(x: Tensor, fmt: str) -> Tensor:
     raise ValueError(f"unknown precision format {fmt!r}")
 
 
-def precision_ops(base, fmt: str, sites: list[str]) -> SimpleNamespace:
+def precision_ops(base: KernelOps, fmt: str, sites: list[str]) -> SimpleNamespace:
     """Kernel ops whose outputs at the chosen sites are rounded to ``fmt`` (rollout only)."""
 
     def rounded(fn: Callable) -> Callable:
@@ -87,12 +90,30 @@ def _exact_probs(logits: Tensor) -> Tensor:
 
 
 class Injector:
-    """Builds the per-step ``RolloutPlan`` from the ``inject`` config section."""
+    """Builds the per-step ``RolloutPlan`` from the ``inject`` config section.
 
-    def __init__(self, cfg: InjectSection, seed: int):
+    ``rollout_backend`` / ``rollout_dtype``: the rollout path when nothing is injected (the ``rollout``
+    section; None = the training path's); ``training_backend`` / ``training_dtype``: the training path."""
+
+    def __init__(self, cfg: InjectSection, seed: int, training_backend: str = "exact",
+                 training_dtype: torch.dtype | str = torch.float32, rollout_backend: str | None = None,
+                 rollout_dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.seed = seed
         self.value = cfg.value  # replaced by calibration when cfg.target is set
+        self.device = torch.device(device)
+        self.training_backend = training_backend
+        self.training_dtype = resolve_dtype(training_dtype)
+        self.rollout_backend = rollout_backend or training_backend
+        self.rollout_dtype = resolve_dtype(rollout_dtype or training_dtype)
+        self.rollout_ops = get_ops(self.rollout_backend, self.device)
+        if cfg.mode == "precision":
+            self.precision_ops = precision_ops(self.rollout_ops, cfg.precision, list(cfg.sites))
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, device: torch.device | str = "cpu") -> Injector:
+        """The injector of a run: its ``inject`` section over the ``rollout`` and training paths."""
+        return cls(cfg.inject, cfg.seed, cfg.backend, cfg.dtype, cfg.rollout.backend, cfg.rollout.dtype, device)
 
     @property
     def enabled(self) -> bool:
@@ -108,16 +129,26 @@ class Injector:
         return self.value
 
     def plan(self, step: int) -> RolloutPlan:
+        """The rollout path at ``step``."""
         c = self.cfg
         if not self.enabled or step < c.onset_step:
-            return RolloutPlan(0.0)
+            return self._knob_plan(0.0, None)
         if c.mode == "kernel":
-            return RolloutPlan(1.0, backend=c.kernel_backend, dtype=c.kernel_dtype)
+            dtype = resolve_dtype(c.kernel_dtype or self.training_dtype)
+            return RolloutPlan(1.0, get_ops(c.kernel_backend, self.device), dtype, active=True)
         if c.mode == "precision":
             hook = self._precision_logits_hook() if "logits" in c.sites else None
-            return RolloutPlan(1.0, logits_hook=hook, ops_override=("precision", c.precision, list(c.sites)))
-        value = self.value_at(step)
-        return RolloutPlan(value, logits_hook=self.logits_hook(value, step))
+            return RolloutPlan(1.0, self.precision_ops, self.rollout_dtype, hook, active=True)
+        return self.plan_for_value(self.value_at(step), step)
+
+    def plan_for_value(self, value: float, step: int) -> RolloutPlan:
+        """The rollout path of a knob mode at knob ``value`` (calibration tries several)."""
+        return self._knob_plan(value, self.logits_hook(value, step))
+
+    def _knob_plan(self, value: float, hook: LogitsHook | None) -> RolloutPlan:
+        same_path = self.rollout_backend == self.training_backend and self.rollout_dtype == self.training_dtype
+        return RolloutPlan(value, self.rollout_ops, self.rollout_dtype, hook, active=hook is not None,
+                           matches_training=same_path and hook is None)
 
     # ------------------------------------------------------------------ logits hooks
     def logits_hook(self, value: float, step: int) -> LogitsHook | None:

@@ -41,8 +41,8 @@ import torch
 import yaml
 from rich.console import Console
 
-from .config import ConfigError, RunConfig, config_from_dict
-from .runlog import write_json_atomic
+from ..rl.config import ConfigError, RunConfig, config_from_dict
+from ..rl.runlog import write_json_atomic
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
 SWEEP_KEYS = {"name", "base", "set", "grid", "variants", "output_dir"}
@@ -79,7 +79,7 @@ def point_name(overrides: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
-def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> SweepSpec:
+def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> SweepSpec:
     """Read and validate a sweep file; every point's config is validated here, before any work."""
     path = Path(path)
     if not path.is_file():
@@ -157,7 +157,7 @@ def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, st
 
 def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
     """Run one point (in this process or a worker). Returns its summary, or the error."""
-    from .trainer import Trainer  # imported here: workers are spawned fresh
+    from ..rl.trainer import Trainer  # imported here: workers are spawned fresh
 
     if threads:
         torch.set_num_threads(threads)

@@ -15,10 +15,10 @@ import torch
 
 from vexact_kernels import kernel_paths
 
-from .metrics import mismatch_summary
-from .model import ModelConfig, Transformer, resolve_dtype
-from .rollout import generate
-from .scoring import token_logprobs
+from ..engine.model import ModelConfig, Transformer, resolve_dtype
+from ..engine.rollout import generate
+from ..engine.scoring import token_logprobs
+from ..rl.metrics import mismatch_summary
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
                 roll_all += rollout.logprobs
                 train_all += scored
     torch.set_num_threads(generation_threads)
-    stats = mismatch_summary(torch.cat(roll_all), torch.cat(train_all))
+    stats = mismatch_summary(torch.cat(train_all), torch.cat(roll_all))
     return {
         "backend": model.backend,
         "dtype": str(model.dtype).removeprefix("torch."),

@@ -15,7 +15,7 @@ files are read with ``torch.load(weights_only=True)``), or an already constructe
 
 ``make_tiny_checkpoint`` writes a small random-init checkpoint of any supported architecture
 (optionally with a local character-level tokenizer) for tests and the README's measurements
-(``python -m vexact.measure --make-tiny-checkpoint DIR --arch llama``).
+(``python -m vexact.real.measure --make-tiny-checkpoint DIR --arch llama``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .inputs import padded_with_mask
-from .model import ModelConfig, Transformer, resolve_dtype
+from ..engine.inputs import padded_with_mask
+from ..engine.model import ModelConfig, Transformer, resolve_dtype
 
 # model_type -> the causal-LM class transformers builds for it (config.json "architectures").
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -309,7 +309,7 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, vocab_size: int = 128
     return model
 
 
-# The tiny variants the parity tests (and ``python -m vexact.measure --parity-tiny``) check: every supported
+# The tiny variants the parity tests (and ``python -m vexact.real.measure --parity-tiny``) check: every supported
 # architecture, tied and untied heads, and Llama-3 RoPE scaling. Prompts are ragged, up to 40 tokens.
 TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("llama", {}),

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from vexact.loss import aggregate, compute_advantages, k3_penalty, ppo_token_loss
+from vexact.rl.objective import aggregate, compute_advantages, k3_penalty, ppo_token_loss
 
 
 def test_grpo_advantages_hand_computed():

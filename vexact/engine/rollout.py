@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
-from .model import Transformer
+from .model import KernelOps, Transformer
 from .sampling import sample_tokens
 
 CACHE_BLOCK = 64  # cache length rounded up to whole attention tiles
@@ -34,15 +34,17 @@ class GenerateOutput:
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 1.0,
              seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None,
-             logits_hook: LogitsHook | None = None) -> GenerateOutput:
+             logits_hook: LogitsHook | None = None, ops: KernelOps | None = None) -> GenerateOutput:
     """Sample continuations of ``prompts`` with a KV cache.
 
-    Sampling is counter-based (see ``vexact.sampling``): prompt i's tokens depend only on
+    Sampling is counter-based (see ``vexact.engine.sampling``): prompt i's tokens depend only on
     (seed, i, position) and its logits, so ``batch_size`` (None = all at once) changes speed,
     never results. ``temperature=0`` is greedy (log-probs then under temperature 1).
     Generation of a sequence stops after ``eos_token_id`` (if given) or ``max_new_tokens``.
-    ``logits_hook`` (rollout-side mismatch injection, see ``vexact.inject``) may replace the
+    ``logits_hook`` (rollout-side mismatch injection, see ``vexact.rl.inject``) may replace the
     logits that are sampled from and those the recorded log-prob is taken under.
+    ``ops``: the kernel ops the rollout path runs (default ``model.ops``); the injector's
+    ``RolloutPlan`` carries them, so the model itself is never switched.
     """
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
@@ -64,7 +66,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     finished: list[bool] = []
     for start in range(0, len(prompts), step):
         chunk = _generate_batch(model, prompts[start : start + step], start, max_new_tokens, temperature, seed,
-                                eos_token_id, logits_hook)
+                                eos_token_id, logits_hook, model.ops if ops is None else ops)
         tokens += chunk.tokens
         logprobs += chunk.logprobs
         finished += chunk.finished
@@ -73,8 +75,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
 
 def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: int, max_new_tokens: int,
                     temperature: float, seed: int, eos_token_id: int | None,
-                    logits_hook: LogitsHook | None = None) -> GenerateOutput:
-    device, ops = model.device, model.ops
+                    logits_hook: LogitsHook | None, ops: KernelOps) -> GenerateOutput:
+    device = model.device
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     sequence_ids = torch.arange(first_index, first_index + batch, device=device)
@@ -83,7 +85,7 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
     rows = torch.arange(batch, device=device)
 
     # Prefill: the whole (right-padded) prompts; logits only at each prompt's last token.
-    hidden = model(pad_right(prompts, device), cache=cache)
+    hidden = model(pad_right(prompts, device), cache=cache, ops=ops)
     last_hidden = hidden[rows, lengths - 1]
 
     out_tokens = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
@@ -91,7 +93,7 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     n_steps = 0
     for t in range(max_new_tokens):
-        logits = scale_logits(model.logits(last_hidden), temperature)
+        logits = scale_logits(model.logits(last_hidden, ops), temperature)
         positions = torch.full((batch,), t, dtype=torch.long, device=device)
         sample_logits = record_logits = logits
         if logits_hook is not None:
@@ -105,7 +107,7 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
             done |= token == eos_token_id
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        last_hidden = model(token[:, None], q_start=lengths + t, cache=cache)[:, 0]
+        last_hidden = model(token[:, None], q_start=lengths + t, cache=cache, ops=ops)[:, 0]
 
     tokens, logprobs, finished = [], [], []
     for b in range(batch):

@@ -13,12 +13,17 @@ Parameter names follow Hugging Face's Llama/Qwen layout (``embed_tokens``,
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 import vexact_kernels
+
+# A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions
+# (``linear``, ``rms_norm``, ``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs``).
+KernelOps = Any
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -39,20 +44,34 @@ def short_dtype_name(dtype: torch.dtype | str) -> str:
     return "fp32" if resolve_dtype(dtype) == torch.float32 else "bf16"
 
 
+class ModelConfigError(ValueError):
+    """An invalid ``ModelConfig``; ``field`` names the field to change, ``problem`` says what is wrong with it."""
+
+    def __init__(self, field_name: str, problem: str):
+        self.field, self.problem = field_name, problem
+        super().__init__(f"ModelConfig.{problem}")
+
+
+_POSITIVE = {"min": 1}  # field metadata: numeric bounds, also read by the run config's schema (vexact.rl.config)
+
+
 @dataclass
 class ModelConfig:
-    """Shape of a Llama/Qwen-style decoder. ``head_dim`` defaults to hidden_size // num_heads."""
+    """Shape of a Llama/Qwen-style decoder. ``head_dim`` defaults to hidden_size // num_heads.
 
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_seq_len: int = 256
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
+    The run config's ``model`` section is built from these fields (all but ``vocab_size``, which the task
+    sets), so a field added here is a config key there too."""
+
+    vocab_size: int = field(metadata=_POSITIVE)
+    hidden_size: int = field(metadata=_POSITIVE)
+    num_layers: int = field(metadata=_POSITIVE)
+    num_heads: int = field(metadata=_POSITIVE)
+    num_kv_heads: int = field(metadata=_POSITIVE)
+    intermediate_size: int = field(metadata=_POSITIVE)
+    max_seq_len: int = field(default=256, metadata=_POSITIVE)
+    head_dim: int | None = field(default=None, metadata=_POSITIVE)
+    rope_theta: float = field(default=10000.0, metadata={"gt": 0})
+    rms_norm_eps: float = field(default=1e-6, metadata={"gt": 0})
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
@@ -65,30 +84,32 @@ class ModelConfig:
                      "intermediate_size", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+                raise ModelConfigError(name, f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim is None:
+            raise ModelConfigError("num_heads", f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                                                f"({self.num_kv_heads})")
+        derived_head_dim = self.head_dim is None
+        if derived_head_dim:
             if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
-                    f"({self.num_heads}) unless head_dim is given"
-                )
+                raise ModelConfigError("hidden_size", f"hidden_size ({self.hidden_size}) must be divisible by "
+                                                      f"num_heads ({self.num_heads}) unless head_dim is given")
             self.head_dim = self.hidden_size // self.num_heads
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim must be a positive even integer, got {self.head_dim}")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ValueError("ModelConfig.rope_theta and rms_norm_eps must be positive")
+        if self.head_dim <= 0 or self.head_dim % 2:  # RoPE rotates pairs of dimensions
+            if derived_head_dim:
+                raise ModelConfigError("hidden_size", f"hidden_size / num_heads = {self.head_dim} is the head dim "
+                                                      "and must be even (RoPE)")
+            raise ModelConfigError("head_dim", f"head_dim must be a positive even integer, got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ModelConfigError(name, f"{name} must be positive, got {getattr(self, name)!r}")
         if self.rope_scaling is not None:
             keys = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
             if not isinstance(self.rope_scaling, dict) or set(self.rope_scaling) != keys:
-                raise ValueError(f"ModelConfig.rope_scaling must be None or a dict with exactly the keys "
-                                 f"{sorted(keys)}, got {self.rope_scaling!r}")
+                raise ModelConfigError("rope_scaling", f"rope_scaling must be None or a dict with exactly the keys "
+                                                       f"{sorted(keys)}, got {self.rope_scaling!r}")
             if self.rope_scaling["rope_type"] != "llama3":
-                raise ValueError(f"ModelConfig.rope_scaling: only rope_type 'llama3' is supported, "
-                                 f"got {self.rope_scaling['rope_type']!r}")
+                raise ModelConfigError("rope_scaling", f"rope_scaling: only rope_type 'llama3' is supported, "
+                                                       f"got {self.rope_scaling['rope_type']!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,11 +195,13 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama/Qwen-style decoder whose every op runs on a switchable kernel backend.
+    """Llama/Qwen-style decoder whose every op runs on a kernel backend.
 
     ``nn.Linear`` / ``RMSNorm`` modules only hold parameters (HF names); the math is in
-    ``forward`` and always goes through ``self.ops``. Switch ``model.backend`` at any time:
-    parameters and state_dict do not depend on it.
+    ``forward`` and always goes through a kernel op module. Which one is a value passed in:
+    ``forward(..., ops=...)`` / ``logits(..., ops=...)`` (the rollout path passes its
+    ``RolloutPlan.ops``); without it, ``model.ops`` -- the ops of ``model.backend``, the
+    backend the model was built with. Parameters and state_dict do not depend on either.
     """
 
     def __init__(self, config: ModelConfig, backend: str = "exact", dtype: torch.dtype | str = torch.float32,
@@ -202,7 +225,6 @@ class Transformer(nn.Module):
         self.to(device=device, dtype=resolve_dtype(dtype))
         self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
         self.backend = backend
-        self.ops_override = None
 
     # ------------------------------------------------------------------ setup
     def init_weights(self, seed: int, std: float = 0.02) -> None:
@@ -230,9 +252,8 @@ class Transformer(nn.Module):
 
     @property
     def ops(self):
-        """The kernel ops every computation goes through (``ops_override`` wins when set:
-        the rollout-side precision injector wraps the backend's ops to round activations)."""
-        return self.ops_override or vexact_kernels.get_ops(self._backend, self.device)
+        """The default kernel ops: those of ``backend`` on the model's device."""
+        return vexact_kernels.get_ops(self._backend, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -246,7 +267,8 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch, length, self.dtype, self.device)
 
     # ------------------------------------------------------------------ the forward
-    def forward(self, tokens: Tensor, q_start: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, q_start: Tensor | None = None, cache: KVCache | None = None,
+                ops: KernelOps | None = None) -> Tensor:
         """Hidden states after the final norm, [B, T, D], for ``tokens`` [B, T].
 
         Row b holds tokens at absolute positions q_start[b] .. q_start[b] + T - 1 (default
@@ -254,8 +276,9 @@ class Transformer(nn.Module):
         cache their keys/values are written into it at those positions and attention
         reads positions 0 .. own position from it (rollout path: prefill, then decode).
         Rows are independent: padding tokens in a row affect only that row's padded slots.
+        ``ops``: the kernel op module to run (default ``self.ops``).
         """
-        ops, c = self.ops, self.config
+        ops, c = self.ops if ops is None else ops, self.config
         batch, length = tokens.shape
         if q_start is None:
             q_start = torch.zeros(batch, dtype=torch.long, device=tokens.device)
@@ -289,7 +312,7 @@ class Transformer(nn.Module):
             x = x + ops.linear(gated, mlp.down_proj.weight)
         return ops.rms_norm(x, self.norm.weight, c.rms_norm_eps)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """LM head: hidden [..., D] -> logits [..., V] (model dtype)."""
+    def logits(self, hidden: Tensor, ops: KernelOps | None = None) -> Tensor:
+        """LM head: hidden [..., D] -> logits [..., V] (model dtype), on ``ops`` (default ``self.ops``)."""
         head = self.embed_tokens.weight if self.config.tie_embeddings else self.lm_head.weight
-        return self.ops.linear(hidden, head)
+        return (self.ops if ops is None else ops).linear(hidden, head)

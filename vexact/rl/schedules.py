@@ -8,9 +8,10 @@ Kinds (``lr_schedule.kind``):
 * ``constant``: decay = 1.
 * ``cosine``: from base down to the floor over ``total_steps`` (default: the run's steps), after warmup.
 * ``step``: × ``gamma`` every ``step_size`` steps, down to the floor.
-* ``length_triggered`` (paper 003, Algorithm 1 and §4.2): keep the LR until the mean rollout response length
-  surges — its trailing mean over ``length_window`` steps exceeds ``length_ratio`` × the mean of the first
-  ``length_window`` steps (the same rule as the collapse detector's length surge). From then on halve the LR at
+* ``length_triggered`` ("Beyond Precision", Algorithm 1 and §4.2): keep the LR until the mean rollout response
+  length surges — its trailing mean over N steps exceeds ratio × the mean of the first N steps, with N and ratio
+  the collapse detector's ``collapse.length_surge_window`` / ``collapse.length_surge_ratio`` (one surge rule, one
+  setting; ``collapse.surge_index`` computes it for both). From then on halve the LR at
   every step t that is a multiple of ``decay_period`` (Algorithm 1's ``t mod T_decay == 0``), down to the floor.
   ``decay_period`` null means ``round(decay_period_factor × trigger step)`` (paper: 1.8 × the surge step).
 * ``mismatch_triggered`` (beyond the paper): the same decay, triggered when the trailing mean over
@@ -27,7 +28,7 @@ from __future__ import annotations
 import math
 
 from .collapse import surge_index, trailing_mean
-from .config import LRScheduleSection, OptimizerSection
+from .config import CollapseSection, LRScheduleSection, OptimizerSection
 
 LENGTH_METRIC = "response_length/mean"
 
@@ -35,8 +36,12 @@ LENGTH_METRIC = "response_length/mean"
 class LRSchedule:
     """One schedule object per run: ``lr(step)`` before each update, ``observe(step, metrics)`` after it."""
 
-    def __init__(self, opt: OptimizerSection, sched: LRScheduleSection | None = None, total_steps: int = 1):
+    def __init__(self, opt: OptimizerSection, sched: LRScheduleSection | None = None, total_steps: int = 1,
+                 collapse: CollapseSection | None = None):
+        """``collapse``: where the length surge of ``length_triggered`` is set (default: its defaults)."""
         self.base_lr = opt.lr
+        surge = collapse or CollapseSection()
+        self.surge_window, self.surge_ratio = surge.length_surge_window, surge.length_surge_ratio
         self.warmup_steps = opt.warmup_steps
         self.cfg = sched or LRScheduleSection()
         self.total_steps = self.cfg.total_steps or total_steps
@@ -92,13 +97,13 @@ class LRSchedule:
     def _check_trigger(self, key: str) -> str | None:
         c, values = self.cfg, self.observed
         if c.kind == "length_triggered":
-            j = surge_index(values, c.length_window, c.length_ratio)
+            window, ratio = self.surge_window, self.surge_ratio
+            j = surge_index(values, window, ratio)
             if j is None or j != len(values) - 1:
                 return None
-            baseline = sum(values[: c.length_window]) / c.length_window
-            now = trailing_mean(values, c.length_window)[-1]
-            return (f"{key} trailing mean {now:.3g} > {c.length_ratio:g} x baseline {baseline:.3g} "
-                    f"(window {c.length_window})")
+            baseline = sum(values[:window]) / window
+            now = trailing_mean(values, window)[-1]
+            return f"{key} trailing mean {now:.3g} > {ratio:g} x baseline {baseline:.3g} (window {window})"
         if len(values) < c.mismatch_window:
             return None
         now = trailing_mean(values, c.mismatch_window)[-1]

@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .runlog import json_safe
+from ..rl.runlog import json_safe
 
 SEED_KEY = "seed"
 RESULT_STATUSES = ("completed", "stopped")  # points that ran to a verdict (the collapse-rate denominator)
@@ -100,7 +100,7 @@ class SweepData:
         return tuple(index)
 
 
-def load_sweep(sweep_dir: str | Path) -> SweepData:
+def read_sweep_results(sweep_dir: str | Path) -> SweepData:
     """Read sweep.json plus every point's summary.json and metrics.jsonl (missing files are tolerated)."""
     sweep_dir = Path(sweep_dir)
     spec_path = sweep_dir / "sweep.json"
@@ -480,7 +480,7 @@ def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[
     Returns ``{"rows": group rows, "files": [Path, ...]}``.
     """
     console = console or Console()
-    data = load_sweep(sweep_dir)
+    data = read_sweep_results(sweep_dir)
     out = data.path / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     rows = group_table(data)

@@ -38,8 +38,10 @@ LOG_RATIO_BOUND = 20.0
 """|log ρ| is clamped to this before exponentiating in the χ² metrics (verl's SAFETY_BOUND): ρ ≤ exp(20) ≈ 4.9e8."""
 
 
-def mismatch_summary(logp_roll: Tensor, logp_train: Tensor) -> dict[str, float]:
-    """Token-level mismatch stats: counts, bitwise-equal fraction, |Δlogp| mean/max, k1 and k3 KL."""
+def mismatch_summary(logp_train: Tensor, logp_roll: Tensor) -> dict[str, float]:
+    """Token-level mismatch stats of flat log-probs: counts, bitwise-equal fraction, |Δlogp| mean/max, k1 and k3 KL.
+
+    Arguments in the order of every function here: training path first, rollout path second."""
     roll, train = logp_roll.detach().double(), logp_train.detach().double()
     if roll.shape != train.shape:
         raise ValueError(f"log-prob shapes differ: rollout {tuple(roll.shape)} vs training {tuple(train.shape)}")
@@ -94,7 +96,8 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
       ``log_ppl_abs_diff`` = sequence mean of |d_i| = |mean_t logp_train - mean_t logp_roll|  — verl's
                              **per-token-mean** form (comparable across response lengths).
       ``log_ppl_abs_diff_sum`` = sequence mean of |Σ_t logp_train - Σ_t logp_roll| — the **sequence-sum** form
-                             of paper 003, eq. 8 (log ppl = -Σ log p); grows with response length.
+                             of "Beyond Precision" (Zhang et al.), eq. 8 (log ppl = -Σ log p); grows with
+                             response length.
 
     Probability scale (``training/``, verl's debug metrics): over tokens, |exp(logp_train) - exp(logp_roll)|:
       ``rollout_probs_diff_max``, ``rollout_probs_diff_mean``, ``rollout_probs_diff_std`` (population std,
@@ -281,3 +284,17 @@ def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Te
         "actor/ratio_max": float(ratio64.max()),
         "actor/ratio_min": float(ratio64.min()),
     }
+
+
+def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bool], logp_train: Sequence[Tensor],
+                          logp_roll: Sequence[Tensor]) -> dict[str, float]:
+    """A step's ``reward/*``, ``response_length/*`` and mismatch metrics (``mismatch_metrics``) of one batch.
+
+    ``reward/accuracy`` is the fraction of full-credit (reward 1.0) responses; ``response_length/clip_ratio`` the
+    fraction that hit the length limit without EOS."""
+    out = sequence_stats(rewards, "reward")
+    out["reward/accuracy"] = float((rewards == 1.0).float().mean())
+    out.update(sequence_stats(torch.tensor(lengths, dtype=torch.float32), "response_length"))
+    out["response_length/clip_ratio"] = sum(not f for f in finished) / len(finished)
+    out.update(mismatch_metrics(logp_train, logp_roll))
+    return out

@@ -1,4 +1,4 @@
-"""Collapse detection on a run's ``metrics.jsonl`` history (settings: ``CollapseSection`` in ``vexact/config.py``).
+"""Collapse detection on a run's ``metrics.jsonl`` history (settings: ``CollapseSection`` in ``vexact/rl/config.py``).
 
 A run "collapses" when its policy stops being able to do the task it had learned. By default this is judged on
 ``eval/reward_mean``, the reward of the **clean** evaluation (the policy sampled without any injected mismatch),
@@ -36,7 +36,8 @@ Rules (the contract; ``detect_collapse`` returns the result of applying them):
 4. **Verdict**: the earliest step among the triggers of rules 1-3 is ``collapse_step`` and its reason is
    ``collapse_reason``. Ties go, in this order, to ``reward_drop``, ``non_finite``, ``grad_norm``, ``k3_kl``
    (so a non-finite collapse takes precedence over a reward drop only when strictly earlier).
-5. **Length surge** (early warning, paper 003: the response length climbs before the reward collapses). Over
+5. **Length surge** (early warning from "Beyond Precision", Zhang et al.: the response length climbs before the
+   reward collapses; the length-triggered LR decay fires at this same surge). Over
    the rows with a finite ``response_length/mean``, with ``w = cfg.length_surge_window``: baseline = mean of the
    first w values; smoothed length at row j = mean of the w values ending at j. The surge step is the step of
    the first row j after the baseline window (j >= w) with smoothed length > ``cfg.length_surge_ratio *
@@ -56,7 +57,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from vexact.config import CollapseSection
+from .config import CollapseSection
 
 GRAD_NORM = "actor/grad_norm"
 PG_LOSS = "actor/pg_loss"
@@ -242,11 +243,3 @@ def detect_collapse(history: list[dict], cfg: CollapseSection, stopped_reason: s
                      "min_peak": cfg.min_peak, "patience": cfg.patience},
     }
 
-
-def collapse_monitor_should_stop(history: list[dict], cfg: CollapseSection) -> bool:
-    """True once the history so far shows a confirmed collapse (any rule 1-3 trigger).
-
-    For ``cfg.stop_on_collapse``: the caller checks that flag; this only says whether collapse is confirmed.
-    Online use is sound because a reward drop confirms only after ``patience`` further steps of evidence.
-    """
-    return detect_collapse(history, cfg)["collapsed"]

@@ -7,15 +7,17 @@ import torch
 from torch import Tensor
 
 from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
-from .model import Transformer
+from .model import KernelOps, Transformer
 
 
 def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
-                   temperature: float = 1.0, micro_batch_size: int | None = None) -> list[Tensor]:
+                   temperature: float = 1.0, micro_batch_size: int | None = None, ops: KernelOps | None = None
+                   ) -> list[Tensor]:
     """log p(response[i][j] | prompt[i], response[i][:j]) for every response token, float32.
 
     One forward per micro-batch of ``micro_batch_size`` sequences (None = all at once) over
-    prompt + response; ``temperature`` scales logits as in ``generate`` (0 = unscaled).
+    prompt + response; ``temperature`` scales logits as in ``generate`` (0 = unscaled);
+    ``ops``: the kernel ops to run (default ``model.ops``).
     Returns one tensor per sequence (empty for an empty response).
     """
     cfg = model.config
@@ -30,20 +32,21 @@ def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list
             raise ValueError(f"sequence {i}: prompt ({len(p)}) + response ({len(r)}) exceeds max_seq_len "
                              f"({cfg.max_seq_len})")
 
-    return score_tokens(model, prompts, responses, temperature, micro_batch_size)[0]
+    return score_tokens(model, prompts, responses, temperature, micro_batch_size, ops=ops)[0]
 
 
 def score_tokens(model: Transformer, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
-                 micro_batch_size: int | None = None, with_entropy: bool = False
+                 micro_batch_size: int | None = None, with_entropy: bool = False, ops: KernelOps | None = None
                  ) -> tuple[list[Tensor], list[Tensor] | None]:
     """``token_logprobs`` (inputs already validated) plus, optionally, the entropy of the
     temperature-scaled distribution at every response position (for ``actor/entropy``)."""
     step = micro_batch_size or len(prompts)
+    ops = model.ops if ops is None else ops
     logprobs: list[Tensor] = []
     entropies: list[Tensor] | None = [] if with_entropy else None
     for start in range(0, len(prompts), step):
         lp, ent = _score_batch(model, prompts[start : start + step], responses[start : start + step], temperature,
-                               with_entropy)
+                               with_entropy, ops)
         logprobs += lp
         if entropies is not None:
             entropies += ent
@@ -51,11 +54,11 @@ def score_tokens(model: Transformer, prompts: list[list[int]], responses: list[l
 
 
 def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
-                 temperature: float, with_entropy: bool) -> tuple[list[Tensor], list[Tensor]]:
+                 temperature: float, with_entropy: bool, ops: KernelOps) -> tuple[list[Tensor], list[Tensor]]:
     device = model.device
     # The last response token is only a target, never an input.
     inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
-    hidden = model(pad_right(inputs, device))
+    hidden = model(pad_right(inputs, device), ops=ops)
     # Response token j of sequence b is predicted at position len(prompt_b) - 1 + j.
     rows = [(b, len(p) - 1 + j) for b, (p, r) in enumerate(zip(prompts, responses)) for j in range(len(r))]
     lengths = [len(r) for r in responses]
@@ -64,10 +67,10 @@ def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[l
         return empty, empty
     index = torch.tensor(rows, dtype=torch.long, device=device)
     targets = torch.tensor([t for r in responses for t in r], dtype=torch.long, device=device)
-    logits = scale_logits(model.logits(hidden[index[:, 0], index[:, 1]]), temperature)
-    flat = model.ops.token_logprobs(logits, targets)
+    logits = scale_logits(model.logits(hidden[index[:, 0], index[:, 1]], ops), temperature)
+    flat = ops.token_logprobs(logits, targets)
     entropy: list[Tensor] = []
     if with_entropy:
-        full = model.ops.log_softmax(logits)
+        full = ops.log_softmax(logits)
         entropy = list((-(full.exp() * full).sum(-1)).split(lengths))
     return list(flat.split(lengths)), entropy

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..engine.model import Transformer
+from ..engine.scoring import score_tokens
 from .config import RunConfig, config_hash
-from .model import Transformer
-from .scoring import score_tokens
 from .tasks import Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream

@@ -1,0 +1,8 @@
+"""The RL loop on top of the engine, in the order one step runs:
+
+``config`` (YAML -> RunConfig) -> ``inject`` (the step's RolloutPlan: which ops, dtype and logits hook the
+rollout path uses) -> ``rollouts`` (prompts from ``tasks``, generate, rewards) -> ``objective`` (anchor
+log-probs, advantages, ``corrections``, PPO loss) -> update (in ``trainer``) -> ``metrics`` -> ``runlog``
+(metrics.jsonl, checkpoints); ``schedules`` (LR) and ``collapse`` watch the logged metrics; ``warmstart``
+makes the starting policy. Imports only ``vexact.engine`` and ``vexact_kernels``.
+"""

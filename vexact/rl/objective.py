@@ -1,0 +1,210 @@
+"""The objective: GRPO-family advantages, the anchors of the PPO ratio, rollout corrections, the loss.
+
+The plain functions (``compute_advantages``, ``ppo_token_loss``, ``aggregate``, ``k3_penalty``) take tensors, so
+they can be tested on hand-built numbers. ``Objective`` composes them for one run's ``algorithm`` and
+``correction`` sections and owns the decisions about them:
+
+* where the ratio's anchor ("old log-probs") comes from: the training path, recomputed before the update
+  (``recompute``), or the log-probs the rollout path recorded (``rollout``, "bypass");
+* when the first mini-batch's ratio must be exactly 1 (exact training kernels, and the anchor from the exact
+  training path or from a rollout path identical to it): a violation stops the run;
+* how a correction (``vexact.rl.corrections``) enters the loss: its weight replaces the mismatch factor inside
+  the ratio (bypass) or scales the clipped loss from outside (recompute, "decoupled"); rejected tokens leave
+  numerator and denominator.
+
+Notation: ``logp`` = current training-path log-probs (with grad), ``old_logp`` = the behaviour log-probs the
+ratio is taken against, ratio = exp(logp - old_logp) per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..engine.model import Transformer
+from ..engine.scoring import score_tokens
+from .config import AlgorithmSection, CorrectionSection
+from .corrections import rollout_correction
+from .inject import RolloutPlan
+from .metrics import ratio_stats
+from .rollouts import RolloutBatch
+
+ADVANTAGE_EPS = 1e-6
+
+
+def compute_advantages(rewards: Tensor, group_size: int, kind: Literal["grpo", "rloo", "reinforce"],
+                       std_normalize: bool = True) -> Tensor:
+    """One advantage per sequence; ``rewards`` [N] with each prompt's ``group_size`` samples adjacent.
+
+    - ``grpo``: (r - group mean), divided by (group std + eps) if ``std_normalize``.
+    - ``rloo``: r - mean of the *other* samples of the group (leave-one-out baseline).
+    - ``reinforce``: r - batch mean (a single baseline for the whole batch).
+    ``std_normalize`` divides by the std of the same scope (group, or batch for reinforce);
+    std is the unbiased sample std, as in verl's GRPO.
+    """
+    rewards = rewards.double()
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if kind == "reinforce":
+        centred = rewards - rewards.mean()
+        scale = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(0.0)
+        out = centred / (scale + ADVANTAGE_EPS) if std_normalize else centred
+        return out.float()
+    groups = rewards.view(-1, group_size)
+    mean = groups.mean(dim=1, keepdim=True)
+    if kind == "grpo":
+        centred = groups - mean
+    elif kind == "rloo":
+        if group_size < 2:
+            raise ValueError("rloo needs at least 2 samples per prompt")
+        centred = (groups - mean) * group_size / (group_size - 1)
+    else:
+        raise ValueError(f"unknown advantage kind {kind!r}")
+    if std_normalize:
+        std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+        centred = centred / (std + ADVANTAGE_EPS)
+    return centred.reshape(-1).float()
+
+
+def ppo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float,
+                   clip_high: float, ratio_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per-token clipped surrogate (DAPO clip-higher): max(-A·ρ, -A·clip(ρ, 1-clip_low, 1+clip_high)).
+
+    ρ = exp(logp - old_logp), times ``ratio_weight`` (detached) when given: the bypass-mode rollout correction
+    puts its weight inside the ratio (``vexact/rl/corrections.py``). All inputs are flat per-token tensors;
+    returns (loss per token, ratio per token)."""
+    ratio = torch.exp(logp - old_logp)
+    if ratio_weight is not None:
+        ratio = ratio * ratio_weight
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), ratio
+
+
+def aggregate(per_token: Tensor, lengths: list[int], mode: Literal["token_mean", "seq_mean"]) -> Tensor:
+    """Reduce a flat per-token loss: mean over all tokens, or mean over sequences of their token mean."""
+    if mode == "token_mean":
+        return per_token.sum() / max(per_token.numel(), 1)
+    if mode == "seq_mean":
+        parts = [p.mean() for p in per_token.split(lengths) if p.numel()]
+        return torch.stack(parts).mean() if parts else per_token.sum() * 0.0
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def k3_penalty(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(π‖π_ref): exp(ref - logp) - (ref - logp) - 1 (≥ 0)."""
+    diff = ref_logp - logp
+    return torch.exp(diff) - diff - 1.0
+
+
+class RunStopped(Exception):
+    """A clean, recorded end of a run (non-finite values, exactness violation)."""
+
+
+@dataclass
+class Anchors:
+    """Per-sequence log-probs the loss is anchored on, fixed before the update."""
+
+    old: list[Tensor]  # the PPO ratio's anchor
+    pre_update: list[Tensor] | None  # training path at the pre-update weights, when scored before the update
+    reference: list[Tensor] | None  # the KL reference policy (``kl_coef`` > 0)
+
+
+@dataclass
+class MinibatchLoss:
+    loss: Tensor  # scalar, with grad
+    logprobs: list[Tensor]  # this pass's training-path log-probs per sequence, detached
+    stats: dict[str, float]
+
+
+class Objective:
+    """The loss of one run: ``anchors`` once per step, then ``minibatch_loss`` per PPO mini-batch."""
+
+    def __init__(self, alg: AlgorithmSection, correction: CorrectionSection, temperature: float,
+                 exact_training: bool):
+        self.alg = alg
+        self.correction = correction
+        self.temperature = temperature
+        self.exact_training = exact_training  # the training path runs bit-deterministic kernels
+
+    def anchors(self, model: Transformer, batch: RolloutBatch, reference: Callable[[], Transformer]) -> Anchors:
+        """Score what the update needs before it changes the weights (``reference`` builds the KL reference)."""
+        alg = self.alg
+        one_pass = alg.mini_batches == 1 and alg.ppo_epochs == 1
+        pre_update = None
+        if alg.old_logprobs == "recompute" or not one_pass:  # else the single update pass scores at θ_old
+            pre_update = self._score(model, batch)
+        ref = self._score(reference(), batch) if alg.kl_coef > 0 else None
+        return Anchors(pre_update if alg.old_logprobs == "recompute" else batch.logprobs, pre_update, ref)
+
+    def expects_exact(self, plan: RolloutPlan) -> bool:
+        """Whether the first mini-batch's ratio must be exactly 1: the anchor comes from the exact training path,
+        recomputed, or recorded by a rollout path identical to it."""
+        return self.exact_training and (self.alg.old_logprobs == "recompute" or plan.matches_training)
+
+    def minibatch_loss(self, model: Transformer, batch: RolloutBatch, idx: list[int], advantages: Tensor,
+                       anchors: Anchors, check_exact: bool) -> MinibatchLoss:
+        """The loss of sequences ``idx`` (training path with grad) and its ``actor/*`` / ``rollout_corr/*`` stats.
+
+        Raises RunStopped on non-finite log-probs or loss, or (``check_exact``) when the ratio is not exactly 1."""
+        alg = self.alg
+        prompts = [batch.prompts[i] for i in idx]
+        responses = [batch.responses[i] for i in idx]
+        lengths = [len(r) for r in responses]
+        logp_list, entropy_list = score_tokens(model, prompts, responses, self.temperature, alg.micro_batch_size,
+                                               with_entropy=True)
+        logp = torch.cat(logp_list)
+        old = torch.cat([anchors.old[i] for i in idx]).to(logp.device)
+        adv = torch.cat([advantages[i].expand(length) for i, length in zip(idx, lengths)])
+        detached = [lp.detach() for lp in logp_list]
+        if not torch.isfinite(logp).all():
+            raise RunStopped("non-finite training log-probs (logits)")
+        stats: dict[str, float] = {}
+        if check_exact:
+            exact = torch.equal(logp.detach(), old)
+            stats["mismatch/first_minibatch_ratio_exact"] = float(exact)
+            if not exact:
+                raise RunStopped("exactness violated: first mini-batch ratio != 1 although the old log-probs "
+                                 "come from the exact training path")
+        correction = None
+        if self.correction.method != "none":
+            # ρ compares the training path at the pre-update weights with the rollout path. Without a
+            # separate scoring pass (one bypass pass), this pass *is* at the pre-update weights.
+            pre = logp.detach() if anchors.pre_update is None else torch.cat([anchors.pre_update[i] for i in idx])
+            roll = torch.cat([batch.logprobs[i] for i in idx]).to(logp.device)
+            correction = rollout_correction(pre, roll, lengths, self.correction)
+            stats.update(correction.metrics)
+        reweight = correction is not None and correction.reweights
+        if reweight and alg.old_logprobs == "rollout":  # bypass: the weight replaces the ratio's ρ factor
+            per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high,
+                                              ratio_weight=correction.weights)
+        else:
+            per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+            if reweight:  # decoupled: the weight scales the clipped loss from outside
+                per_token = per_token * correction.weights
+        if alg.kl_coef > 0 and anchors.reference is not None:
+            kl = k3_penalty(logp, torch.cat([anchors.reference[i] for i in idx]))
+            per_token = per_token + alg.kl_coef * kl
+            stats["actor/kl_loss"] = float(kl.detach().mean())
+        if correction is not None and correction.rejects_any:  # rejected tokens leave numerator and denominator
+            keep = correction.keep
+            lengths = [int(k.sum()) for k in keep.split(lengths)]
+            per_token, ratio, adv = per_token[keep], ratio[keep], adv[keep]
+        pg_loss = aggregate(per_token, lengths, alg.loss_agg)
+        entropy = torch.cat(entropy_list)
+        loss = pg_loss - alg.entropy_coef * entropy.mean() if alg.entropy_coef > 0 else pg_loss
+        if not torch.isfinite(loss):
+            raise RunStopped(f"non-finite loss ({float(loss)})")
+        stats["actor/pg_loss"] = float(pg_loss.detach())
+        stats["actor/entropy"] = float(entropy.detach().mean())
+        if ratio.numel():
+            stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
+        return MinibatchLoss(loss, detached, stats)
+
+    def _score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
+        with torch.no_grad():
+            return score_tokens(model, batch.prompts, batch.responses, self.temperature, self.alg.micro_batch_size)[0]
