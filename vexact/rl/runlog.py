@@ -6,9 +6,13 @@ appended and flushed each step, JSON/weights are written to a temp file and rena
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,61 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+LOCK_FILE = ".lock"
+
+
+class RunLocked(ValueError):
+    """The run directory is held by another live process."""
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``run_dir`` (``flock`` on ``run_dir/.lock``) for the block.
+
+    The OS releases the lock when the holder dies, however it dies, so a killed run never leaves a stale lock.
+    A second holder -- another process, or another open in this one -- gets ``RunLocked`` naming the pid."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"{run_dir} exists and is not a directory; choose another output_dir / name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunLocked(f"{run_dir} is in use by another vexact process (pid {holder}); wait for it to finish or "
+                        "stop it") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class UnsafeFileError(ValueError):
+    """A torch pickle file that is not a plain tensor file (it would run code or build arbitrary objects)."""
+
+
+def load_tensor_file(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on CPU, with one clear error for anything but plain tensors/containers.
+
+    The weights-only unpickler is the only one vexact uses; its refusal is reported as "refusing to unpickle FILE:
+    not a plain tensor file" -- never with torch's advice to load the file unsafely. Unreadable or truncated files
+    are a ValueError naming the file too."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UnsafeFileError(f"refusing to unpickle {path}: not a plain tensor file") from None
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: not a readable torch tensor file ({first[:120]})") from None
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
