@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from vexact.cli import main
 from vexact.rl.config import config_from_dict, load_config
-from vexact.rl.runlog import read_metrics
+from vexact.rl.runlog import latest_checkpoint, read_metrics
 from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
@@ -53,8 +53,8 @@ def test_zero_mismatch_every_step_and_deterministic(tmp_path):
     _run(_short(tmp_path, "b"))
     assert _without_timing(read_metrics(tmp_path / "b" / "metrics.jsonl")) == _without_timing(rows)
     run_dir = tmp_path / "a"
-    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint.safetensors"} <= {p.name for p in
-                                                                                           run_dir.iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoints"} <= {p.name for p in run_dir.iterdir()}
+    assert (latest_checkpoint(run_dir) / "checkpoint.safetensors").is_file()
     assert load_config(run_dir / "config.yaml") == _short(tmp_path, "a")
 
 
@@ -177,7 +177,7 @@ def test_zero_mismatch_corrections_are_bitwise_no_ops(tmp_path, mode, methods):
         extra.append("algorithm.mini_batches=2")
     _run(_short(tmp_path, "plain", *extra))
     plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
-    plain_weights = load_file(str(tmp_path / "plain" / "checkpoint.safetensors"))
+    plain_weights = load_file(str(latest_checkpoint(tmp_path / "plain") / "checkpoint.safetensors"))
     for method in methods:
         _run(_short(tmp_path, method, *extra, f"correction.method={method}", "correction.batch_normalize=true"))
         rows = read_metrics(tmp_path / method / "metrics.jsonl")
@@ -185,7 +185,7 @@ def test_zero_mismatch_corrections_are_bitwise_no_ops(tmp_path, mode, methods):
                    for r in rows), method
         a, b = _common(plain, rows)
         assert a == b, method
-        weights = load_file(str(tmp_path / method / "checkpoint.safetensors"))
+        weights = load_file(str(latest_checkpoint(tmp_path / method) / "checkpoint.safetensors"))
         assert all(torch.equal(plain_weights[k], weights[k]) for k in plain_weights), method
 
 

@@ -10,6 +10,25 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+FAILED_MEANS = {
+    "check": "a bitwise mismatch on an exact backend",
+    "run": "the run stopped itself (non-finite values, exactness violated); see summary.json",
+    "sweep": "a point failed (its error is in sweep.json)",
+    "demo": "a point failed (its error is in sweep.json)",
+    "measure": "--fail-on-mismatch and not every token is bitwise equal",
+    "report": "(not used)",
+    "bench": "a benchmark found a problem",
+}
+
+
+def exit_codes_help(command: str | None = None) -> str:
+    """The exit-code scheme every command shares, for ``--help`` (and the README's "Failure behaviour")."""
+    failed = FAILED_MEANS.get(command, "the command ran but its outcome is a failure (see each command's --help)")
+    return (f"exit codes: {EXIT_OK} success; {EXIT_FAILED} {failed}; {EXIT_BAD_INPUT} bad input (config, files, "
+            f"a locked or mismatched run directory: one 'error:' line on stderr); {EXIT_INTERRUPTED} interrupted "
+            "(Ctrl-C; finished work is kept, --resume continues)")
+
 
 def make_console(stderr: bool = False) -> Console:
     """Rich console; wide when output is not a terminal (logs, CI) so lines don't wrap."""
@@ -43,7 +62,8 @@ def _positive_int(text: str) -> int:
 
 
 def _add_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="verify rollout log-probs == training log-probs bit for bit on this machine")
+    p = sub.add_parser("check", epilog=exit_codes_help("check"),
+                       help="verify rollout log-probs == training log-probs bit for bit on this machine")
     p.add_argument("--vocab-size", type=_positive_int, default=256)
     p.add_argument("--hidden-size", type=_positive_int, default=128)
     p.add_argument("--num-layers", type=_positive_int, default=2)
@@ -110,8 +130,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if exact_failures:
         Console(stderr=True).print("[red]exactness violated[/] for: "
                                    + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _kernel_paths_table(paths: dict) -> Table:
@@ -134,11 +154,16 @@ def _kernel_paths_table(paths: dict) -> Table:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run one RL experiment from a YAML config")
+    p = sub.add_parser("run", epilog=exit_codes_help("run"),
+                       help="run one RL experiment from a YAML config")
     p.add_argument("config", type=Path, help="experiment YAML (see experiments/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optimizer.lr=1e-4 (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last intact checkpoint "
+                   "(refused if the config differs; a finished run is left as it is unless steps grew)")
+    p.add_argument("--allow-change", dest="allow_changes", action="append", default=[], metavar="KEY",
+                   help="with --resume: let KEY differ from the run's config.yaml (steps, threads, logging.*); "
+                        "recorded in config_changes.jsonl")
     p.set_defaults(func=_cmd_run)
 
 
@@ -149,7 +174,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     console = make_console()
     console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}")
-    summary = Trainer(cfg, console).run(resume=args.resume)
+    summary = Trainer(cfg, console).run(resume=args.resume, allow_changes=tuple(args.allow_changes))
     keys = ("status", "reason", "steps_completed", "reward_first", "reward_last", "eval_reward_first",
             "eval_reward_last", "eval_greedy_accuracy_first", "eval_greedy_accuracy_last", "mean_k3_kl",
             "min_bitwise_equal_frac", "mean_step_seconds")
@@ -161,11 +186,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             value = summary[key]
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
-    return 0 if summary["status"] == "completed" else (130 if summary["status"] == "interrupted" else 1)
+    return {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="run a grid of experiments (resumable); see experiments/*sweep*.yaml")
+    p = sub.add_parser("sweep", epilog=exit_codes_help("sweep"),
+                       help="run a grid of experiments (resumable); see experiments/*sweep*.yaml")
     p.add_argument("sweep", type=Path, help="sweep YAML: base config + grid")
     p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--output-dir", type=Path, default=None, help="override the sweep's output_dir")
@@ -191,11 +217,12 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str) -> int:
         from .lab.report import write_report
 
         write_report(spec.output_dir, console)
-    return 1 if any(status == "failed" for status in statuses.values()) else 0
+    return EXIT_FAILED if any(status == "failed" for status in statuses.values()) else EXIT_OK
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="tables, plots and summary.csv for a sweep directory")
+    p = sub.add_parser("report", epilog=exit_codes_help("report"),
+                       help="tables, plots and summary.csv for a sweep directory")
     p.add_argument("sweep_dir", type=Path)
     p.set_defaults(func=lambda args: _cmd_report(args.sweep_dir))
 
@@ -205,11 +232,12 @@ def _cmd_report(sweep_dir: Path) -> int:
 
     result = write_report(sweep_dir, make_console())
     make_console().print("wrote " + ", ".join(str(f) for f in result["files"]))
-    return 0
+    return EXIT_OK
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="a small injected-mismatch sweep with its report (a few minutes on 2 cores)")
+    p = sub.add_parser("demo", epilog=exit_codes_help("demo"),
+                       help="a small injected-mismatch sweep with its report (a few minutes on 2 cores)")
     p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo")
     p.add_argument("--jobs", type=_positive_int, default=1)
     p.set_defaults(func=_cmd_demo)
@@ -223,7 +251,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_measure(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("measure", help="measure natural TIM between two computation paths on a local HF checkpoint")
+    p = sub.add_parser("measure", epilog=exit_codes_help("measure"),
+                       help="measure natural TIM between two computation paths on a local HF checkpoint")
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="checkpoint directory (config.json + "
                    "safetensors); python -m vexact.real.measure --make-tiny-checkpoint DIR writes a tiny one")
     source = p.add_mutually_exclusive_group(required=True)
@@ -266,8 +295,8 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     if args.fail_on_mismatch and result.summary["bitwise_equal"] != result.summary["tokens"]:
         Console(stderr=True).print(f"[red]mismatch:[/] {result.summary['tokens'] - result.summary['bitwise_equal']} "
                                    f"of {result.summary['tokens']} tokens differ")
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _benchmarks_module(name: str):
@@ -283,7 +312,8 @@ def _benchmarks_module(name: str):
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="the price of exactness: exact / native time ratios (kernels, end to end)",
+    p = sub.add_parser("bench", epilog=exit_codes_help("bench"),
+                       help="the price of exactness: exact / native time ratios (kernels, end to end)",
                        description="Runs python -m benchmarks.<which> with the remaining options "
                                    "(vexact bench kernels --help lists them).")
     p.add_argument("which", choices=("kernels", "end_to_end", "host_guard", "tables"),
@@ -300,7 +330,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.")
+    parser = argparse.ArgumentParser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.",
+                                     epilog=exit_codes_help())
     sub = parser.add_subparsers(dest="command", required=True)
     _add_check(sub)
     _add_run(sub)
@@ -317,11 +348,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as err:  # bad input: one clear line, no traceback
-        Console(stderr=True).print(f"[red]error:[/] {err}")
-        return 2
+        _error_line("error", str(err), "red")
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        Console(stderr=True).print("[yellow]interrupted[/]")
-        return 130
+        _error_line("interrupted", "", "yellow")
+        return EXIT_INTERRUPTED
+
+
+def _error_line(label: str, message: str, colour: str) -> None:
+    """One unwrapped stderr line; the message is printed as is (no markup: paths and lists contain brackets)."""
+    console = Console(stderr=True, soft_wrap=True)
+    console.print(f"[{colour}]{label}[/]" + (":" if message else ""), end=" " if message else "\n")
+    if message:
+        console.print(message, markup=False, highlight=False)
 
 
 if __name__ == "__main__":

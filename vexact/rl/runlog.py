@@ -1,27 +1,27 @@
-"""A run's output directory: config.yaml, metrics.jsonl, summary.json, checkpoints.
+"""A run's output directory: config.yaml, metrics.jsonl, summary.json, checkpoints/, and its lock.
 
-Everything is written so that an interrupt loses nothing finished: metric lines are
-appended and flushed each step, JSON/weights are written to a temp file and renamed.
+Everything is written so that a kill loses nothing finished: metric lines are appended, flushed and fsynced
+each step; JSON files are written to a temp file and renamed; a checkpoint is a directory published by one rename
+(see "checkpoints" below). The run directory is locked (``run_lock``) while a process works in it.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import math
 import os
 import pickle
-from collections.abc import Iterator
+import re
+import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-
-CHECKPOINT = "checkpoint.safetensors"
-OPTIMIZER = "optimizer.pt"
-TRAINER_STATE = "trainer_state.json"
 
 
 def json_safe(value: Any) -> Any:
@@ -96,10 +96,34 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _parse_lines(path: Path, lines: list[str]) -> list[dict]:
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}); the metrics log is damaged") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
 def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl. A torn last line (no newline: the process died mid-write) is left out;
+    any other line that is not a JSON object is a ValueError naming the file and line."""
+    path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last complete line
+    elif lines:
+        lines.pop()  # torn: written up to a crash, never finished
+    return _parse_lines(path, lines)
 
 
 class MetricsWriter:
@@ -108,12 +132,27 @@ class MetricsWriter:
     def __init__(self, path: Path, keep_steps_below: int | None = None):
         self.path = path
         if keep_steps_below is not None:
-            # Resuming: drop lines of steps after the checkpoint; they are recomputed identically.
-            kept = [m for m in read_metrics(path) if m.get("step", -1) < keep_steps_below]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(m, sort_keys=True) + "\n" for m in kept))
-            os.replace(tmp, path)
+            self._truncate(keep_steps_below)
         self._file = open(path, "a")  # noqa: SIM115 -- closed in close()
+
+    def _truncate(self, next_step: int) -> None:
+        """Resuming at ``next_step``: keep the lines of steps 0 .. next_step - 1 (one per step, in order) and drop
+        the rest unparsed -- they are recomputed identically, and the last may be torn by the crash."""
+        path = self.path
+        if not path.exists():
+            if next_step:
+                raise ValueError(f"{path} is missing, but the checkpoint is at step {next_step}: the run's log is "
+                                 "gone; start a new run")
+            return
+        lines = path.read_text().split("\n")
+        kept = _parse_lines(path, lines[:next_step])
+        if [row.get("step") for row in kept] != list(range(next_step)):
+            raise ValueError(f"{path}: expected one line per step 0..{next_step - 1} before the checkpoint at step "
+                             f"{next_step}, found steps {[row.get('step') for row in kept][:10]}...; the log does "
+                             "not belong to this checkpoint")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines[:next_step]))
+        os.replace(tmp, path)
 
     def write(self, metrics: dict) -> None:
         self._file.write(json.dumps(json_safe(metrics), sort_keys=True) + "\n")
@@ -124,26 +163,155 @@ class MetricsWriter:
         self._file.close()
 
 
+# --- checkpoints -------------------------------------------------------------------------------------------
+#
+# A checkpoint is one directory, run_dir/checkpoints/step-<next_step>, published by a single rename once every file
+# in it is written and fsynced; its manifest.json (written last, before the rename) holds each file's sha256.
+# A kill at any moment leaves either the previous checkpoints untouched plus a ".partial-*" directory (ignored and
+# cleaned up), or the new checkpoint complete. Loading verifies the manifest and falls back to the previous
+# complete checkpoint when one is damaged. The newest KEEP_CHECKPOINTS are kept.
+
+CHECKPOINTS = "checkpoints"
+CHECKPOINT = "checkpoint.safetensors"
+OPTIMIZER = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+KEEP_CHECKPOINTS = 2
+CHECKPOINT_FORMAT = 1
+
+
+def _write_boundary(name: str) -> None:
+    """Called after each file of a checkpoint is written (and at publication): fault tests replace it to kill
+    the process exactly there."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Published checkpoint directories of a run, newest first (partial ones are not listed)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [d for d in root.iterdir() if d.is_dir() and re.fullmatch(r"step-\d+", d.name)]
+    return sorted(found, key=lambda d: int(d.name.split("-")[1]), reverse=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest published checkpoint directory (not verified), or None."""
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[0] if dirs else None
+
+
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    state: dict) -> None:
-    """Weights (safetensors), optimizer state (torch.save; loaded with weights_only=True), trainer state."""
-    weights = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    tmp = run_dir / (CHECKPOINT + ".tmp")
-    save_file(weights, str(tmp))
+                    state: dict) -> Path:
+    """Publish checkpoint ``step-<state['next_step']>``: weights (safetensors), optimizer state (torch.save; read
+    back weights-only), trainer state (JSON) and a manifest of their hashes, renamed into place in one step."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{int(state['next_step']):08d}"
+    partial = root / f".partial-{name}"
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir()
+    save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, str(partial / CHECKPOINT))
+    _fsync(partial / CHECKPOINT)
+    _write_boundary(CHECKPOINT)
+    files = [CHECKPOINT]
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), run_dir / (OPTIMIZER + ".tmp"))
-    os.replace(tmp, run_dir / CHECKPOINT)
-    if optimizer is not None:
-        os.replace(run_dir / (OPTIMIZER + ".tmp"), run_dir / OPTIMIZER)
-    write_json_atomic(run_dir / TRAINER_STATE, state)  # written last: marks the checkpoint complete
+        torch.save(optimizer.state_dict(), partial / OPTIMIZER)
+        _fsync(partial / OPTIMIZER)
+        _write_boundary(OPTIMIZER)
+        files.append(OPTIMIZER)
+    (partial / TRAINER_STATE).write_text(json.dumps(json_safe(state), indent=2, sort_keys=True))
+    _fsync(partial / TRAINER_STATE)
+    _write_boundary(TRAINER_STATE)
+    files.append(TRAINER_STATE)
+    manifest = {"format": CHECKPOINT_FORMAT, "next_step": int(state["next_step"]),
+                "sha256": {f: _sha256(partial / f) for f in files}}
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    _fsync(partial / MANIFEST)
+    _fsync(partial)
+    _write_boundary(MANIFEST)
+    final = root / name
+    if final.exists():  # the same step saved again (e.g. a collapse stop on a checkpoint step): replace it
+        stale = root / f".stale-{name}"
+        os.replace(final, stale)
+        shutil.rmtree(stale)
+    os.replace(partial, final)
+    _fsync(root)
+    _write_boundary("publish")
+    for old in checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
-def load_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict | None:
-    """Restore a checkpoint written by ``save_checkpoint``; None if there is none."""
-    state_path = run_dir / TRAINER_STATE
-    if not state_path.exists():
-        return None
-    model.load_state_dict(load_file(str(run_dir / CHECKPOINT)))
-    if optimizer is not None and (run_dir / OPTIMIZER).exists():
-        optimizer.load_state_dict(torch.load(run_dir / OPTIMIZER, weights_only=True))
-    return json.loads(state_path.read_text())
+def verify_checkpoint(directory: Path) -> str | None:
+    """None when the checkpoint directory is complete and every file matches its manifest hash, else what is
+    wrong with it."""
+    manifest_path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        hashes = manifest["sha256"]
+    except FileNotFoundError:
+        return "no manifest.json"
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "manifest.json is damaged"
+    for required in (CHECKPOINT, TRAINER_STATE):
+        if required not in hashes:
+            return f"manifest.json does not list {required}"
+    for name, expected in hashes.items():
+        path = Path(directory) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if _sha256(path) != expected:
+            return f"{name} does not match its hash in manifest.json"
+    return None
+
+
+def load_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    log: Callable[[str], None] = print) -> dict | None:
+    """Restore the newest intact checkpoint; None if the run has none. A damaged newest one is reported through
+    ``log`` and the previous one is used; when checkpoints exist but none is intact, ValueError. A file that is
+    intact but not a plain tensor file (a hostile optimizer.pt) is refused, never skipped."""
+    problems = []
+    for directory in checkpoint_dirs(run_dir):
+        problem = verify_checkpoint(directory)
+        if problem is not None:
+            problems.append(f"{directory.name}: {problem}")
+            log(f"checkpoint {directory} is incomplete or damaged ({problem}); trying the previous one")
+            continue
+        return _load_files(directory, model, optimizer)
+    if problems:
+        raise ValueError(f"cannot resume {run_dir}: no intact checkpoint ({'; '.join(problems)})")
+    if (Path(run_dir) / TRAINER_STATE).is_file():  # a run written before checkpoints became directories
+        log(f"{run_dir}: loading an old-format checkpoint (files in the run directory, no manifest to verify)")
+        return _load_files(Path(run_dir), model, optimizer)
+    return None
+
+
+def _load_files(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    try:
+        weights = load_file(str(directory / CHECKPOINT))
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"{directory / CHECKPOINT}: not a readable safetensors file ({e})") from None
+    model.load_state_dict(weights)
+    if optimizer is not None and (directory / OPTIMIZER).exists():
+        optimizer.load_state_dict(load_tensor_file(directory / OPTIMIZER))
+    try:
+        return json.loads((directory / TRAINER_STATE).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{directory / TRAINER_STATE}: not JSON ({e.msg})") from None

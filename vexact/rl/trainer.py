@@ -12,6 +12,7 @@ Everything random is keyed by (seed, step), so the same config gives bit-identic
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -25,12 +26,20 @@ import vexact_kernels
 from ..engine.model import Transformer, resolve_dtype
 from ..engine.scoring import score_tokens
 from .collapse import detect_collapse
-from .config import RunConfig, save_config
+from .config import RunConfig, load_config, save_config
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
 from .objective import Anchors, Objective, RunStopped, compute_advantages
 from .rollouts import RolloutBatch, collect_rollouts, evaluate_policy, step_problems
-from .runlog import MetricsWriter, load_checkpoint, read_metrics, save_checkpoint, write_json_atomic
+from .runlog import (
+    MetricsWriter,
+    checkpoint_dirs,
+    load_checkpoint,
+    read_metrics,
+    run_lock,
+    save_checkpoint,
+    write_json_atomic,
+)
 from .schedules import LRSchedule
 from .tasks import CharTokenizer, held_out_problems, make_task, max_answer_tokens, max_prompt_tokens, training_problems
 from .warmstart import warm_start
@@ -220,18 +229,37 @@ class Trainer:
                                _step_seed(self.cfg.seed, 10**9 + step))
 
     # ------------------------------------------------------------------ the run
-    def run(self, resume: bool = False) -> dict:
-        """Run (or resume) the experiment; returns the summary also written to summary.json."""
+    def run(self, resume: bool = False, allow_changes: tuple[str, ...] = ()) -> dict:
+        """Run (or resume) the experiment; returns the summary also written to summary.json.
+
+        The run directory is locked for the whole call (a second process gets ``RunLocked``). ``resume``: continue
+        from the newest intact checkpoint, with the config the run was started with -- a different config is
+        refused with the changed keys, unless each is in ``allow_changes`` and in ``RESUME_SAFE_KEYS``; allowed
+        changes are recorded in config_changes.jsonl. Resuming a finished run does nothing (and says so) unless
+        ``steps`` grew: then it is extended."""
+        with run_lock(self.run_dir):
+            return self._run(resume, tuple(allow_changes))
+
+    def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
         cfg = self.cfg
         run_dir = self.run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
         start_step = 0
         state = None
         if resume:
-            state = load_checkpoint(run_dir, self.master, self.optimizer)
+            changes = self._resume_changes(allow_changes)
+            state = load_checkpoint(run_dir, self.master, self.optimizer, log=self._log)
+            finished = _read_summary(run_dir)
+            if state is not None and finished is not None and not _extends(finished, state, cfg):
+                why = f": {finished['reason']}" if finished.get("reason") else ""
+                self._log(f"{run_dir} already finished ({finished['status']} after {state['next_step']} steps{why}); "
+                          "nothing to do. To extend a completed run: --set steps=N --allow-change steps")
+                return finished
             if state is None:
                 self._log(f"[yellow]no checkpoint in {run_dir}; starting from scratch[/]")
-        elif (run_dir / "metrics.jsonl").exists():
+            elif changes:
+                _record_changes(run_dir, state["next_step"], changes)
+                save_config(cfg, run_dir / "config.yaml")
+        elif (run_dir / "metrics.jsonl").exists() or checkpoint_dirs(run_dir):
             raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or choose another "
                              "output_dir / name")
         if state is None:
@@ -306,6 +334,30 @@ class Trainer:
         write_json_atomic(run_dir / "summary.json", summary)
         return summary
 
+    def _resume_changes(self, allow_changes: tuple[str, ...]) -> dict[str, list]:
+        """Keys whose value differs from the config the run was started with: {key: [old, new]}.
+
+        Raises ValueError naming them unless every one is allowed (``allow_changes``) and safe."""
+        unsafe = [k for k in allow_changes if k not in RESUME_SAFE_KEYS]
+        if unsafe:
+            raise ValueError(f"--allow-change {', '.join(unsafe)}: only {', '.join(RESUME_SAFE_KEYS)} may change on "
+                             "resume (the others change what a step computes)")
+        saved_path = self.run_dir / "config.yaml"
+        if not saved_path.exists():
+            return {}
+        saved = _flat(load_config(saved_path).to_dict())
+        now = _flat(self.cfg.to_dict())
+        changes = {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now))
+                   if k != "output_dir" and saved.get(k) != now.get(k)}
+        refused = {k: v for k, v in changes.items() if k not in allow_changes}
+        if refused:
+            diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+            hint = (f" (to allow: --allow-change {' --allow-change '.join(refused)})"
+                    if all(k in RESUME_SAFE_KEYS for k in refused) else "")
+            raise ValueError(f"cannot resume {self.run_dir} with a different config: {diff}; it was started with "
+                             f"{saved_path}{hint}")
+        return changes
+
     def _save_checkpoint(self, step: int) -> None:
         """Everything a resume needs after ``step``: weights, optimizer, LR-schedule state, the injector's knob."""
         save_checkpoint(self.run_dir, self.master, self.optimizer,
@@ -344,6 +396,39 @@ class Trainer:
                             init_seed=self.cfg.policy_seed)
         warm_start(start, self.cfg, self.task, log=lambda _: None)
         return self._copy_of(start, self.compute_dtype)
+
+
+RESUME_SAFE_KEYS = ("steps", "threads", "logging.live", "logging.eval_every", "logging.checkpoint_every")
+"""Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers (threads: the
+kernels are thread-count invariant); ``steps`` extends or shortens the run (a cosine schedule's horizon moves)."""
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out.update(_flat(value, path + ".") if isinstance(value, dict) and value else {path: value})
+    return out
+
+
+def _read_summary(run_dir: Path) -> dict | None:
+    """The run's summary.json when it says the run finished (completed or stopped), else None."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("status") in ("completed", "stopped") else None
+
+
+def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:
+    """Whether resuming a finished run continues it: it completed all its steps and ``steps`` has grown since."""
+    ended_itself = finished["status"] == "stopped" or "stop_on_collapse" in (finished.get("reason") or "")
+    return not ended_itself and state["next_step"] < cfg.steps
+
+
+def _record_changes(run_dir: Path, step: int, changes: dict) -> None:
+    with open(run_dir / "config_changes.jsonl", "a") as f:
+        f.write(json.dumps({"resumed_at_step": step, "changes": changes}, sort_keys=True) + "\n")
 
 
 def _step_seed(seed: int, step: int) -> int:

@@ -1,0 +1,307 @@
+"""Faults against one run, tried as a hostile user would: kills at every write boundary of a checkpoint, damaged
+and hostile checkpoint files, concurrent runs, every resume variant, torn metric lines, bad paths.
+
+Each case asserts that nothing finished is lost and the resumed run is bit-identical to an uninterrupted one
+(metrics apart from timings, and the final weights), or that it is refused with one clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from test_trainer import _short, _without_timing
+
+from vexact.cli import main
+from vexact.rl import runlog
+from vexact.rl.runlog import RunLocked, checkpoint_dirs, latest_checkpoint, read_metrics, run_lock
+from vexact.rl.trainer import Trainer
+
+BOUNDARIES = ("checkpoint.safetensors", "optimizer.pt", "trainer_state.json", "manifest.json", "publish")
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL in-process: not an Exception, so nothing in the trainer catches and handles it."""
+
+
+def _run(cfg, resume: bool = False, allow: tuple[str, ...] = (), console: Console | None = None) -> dict:
+    return Trainer(cfg, console or Console(quiet=True)).run(resume=resume, allow_changes=allow)
+
+
+def _weights(run_dir: Path) -> dict:
+    return load_file(str(latest_checkpoint(run_dir) / "checkpoint.safetensors"))
+
+
+def _same_run(a: Path, b: Path) -> None:
+    """Bit-identical runs: every metric but timings, and the final weights."""
+    assert _without_timing(read_metrics(a / "metrics.jsonl")) == _without_timing(read_metrics(b / "metrics.jsonl"))
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run every faulty one is compared with (6 steps, checkpoints after steps 1, 3, 5)."""
+    root = tmp_path_factory.mktemp("reference")
+    _run(_short(root, "full"))
+    return root / "full"
+
+
+def _cfg(tmp_path: Path, reference: Path, name: str, *overrides: str):
+    """The reference's config in a new directory, sharing its warm-start cache (so no warm start is redone)."""
+    return _short(tmp_path, name, f"warm_start.cache_dir={reference.parent / 'cache'}", *overrides)
+
+
+# --------------------------------------------------------------------------- kills during a checkpoint
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+def test_a_kill_at_every_checkpoint_write_boundary_loses_nothing(tmp_path, reference, monkeypatch, boundary):
+    """Killed after one file of the step-4 checkpoint: resume uses the step-2 one (or step 4 once published)."""
+    cfg = _cfg(tmp_path, reference, "cut")
+    calls = []
+
+    def kill_at(name: str) -> None:
+        calls.append(name)
+        published = calls.count("publish") - (name == "publish")  # checkpoints complete before this one
+        if name == boundary and published == 1:  # during the second checkpoint
+            raise Killed(name)
+
+    monkeypatch.setattr(runlog, "_write_boundary", kill_at)
+    with pytest.raises(Killed):
+        _run(cfg)
+    published = [d.name for d in checkpoint_dirs(tmp_path / "cut")]
+    assert published == (["step-00000004", "step-00000002"] if boundary == "publish" else ["step-00000002"])
+    monkeypatch.setattr(runlog, "_write_boundary", lambda name: None)
+    assert _run(cfg, resume=True)["status"] == "completed"
+    _same_run(tmp_path / "cut", reference)
+    assert not list((tmp_path / "cut" / "checkpoints").glob(".partial-*"))
+
+
+def test_sigkill_between_weights_and_trainer_state_resumes_bit_identically(tmp_path, reference):
+    """The reported failure, for real: a process killed (os._exit) after the new weights landed but before the
+    trainer state. Resume must not mix the new weights with the old state."""
+    cfg_file = tmp_path / "cut.yaml"
+    cfg = _cfg(tmp_path, reference, "cut")
+    cfg_file.write_text(json.dumps(cfg.to_dict()))  # JSON is YAML
+    script = ("import os, sys\nfrom vexact.rl import runlog\nfrom vexact.cli import main\n"
+              "count = []\n"
+              "def boundary(name):\n"
+              "    count.append(name)\n"
+              "    if name == 'optimizer.pt' and count.count('publish') == 1:\n"
+              "        os._exit(137)\n"
+              "runlog._write_boundary = boundary\n"
+              f"sys.exit(main(['run', {str(cfg_file)!r}]))\n")
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    assert main(["run", str(cfg_file), "--resume"]) == 0
+    _same_run(tmp_path / "cut", reference)
+
+
+# --------------------------------------------------------------------------- damaged and hostile checkpoints
+def _cut_after_step(tmp_path: Path, reference: Path, monkeypatch, name: str = "cut", step: int = 5):
+    """A run interrupted during ``step`` (Ctrl-C): checkpoints after steps 1 and 3 exist."""
+    cfg = _cfg(tmp_path, reference, name)
+    real_step = Trainer.step
+
+    def interrupted(self, s):
+        if s == step:
+            raise KeyboardInterrupt
+        return real_step(self, s)
+
+    monkeypatch.setattr(Trainer, "step", interrupted)
+    assert _run(cfg)["status"] == "interrupted"
+    monkeypatch.setattr(Trainer, "step", real_step)
+    return cfg
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference, monkeypatch, capsys):
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    newest = latest_checkpoint(tmp_path / "cut")
+    weights = newest / "checkpoint.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # one flipped bit-pattern in a tensor: only the hash can tell
+    weights.write_bytes(bytes(data))
+    assert _run(cfg, resume=True, console=Console(file=sys.stdout, width=1000))["status"] == "completed"
+    assert "does not match its hash" in capsys.readouterr().out
+    _same_run(tmp_path / "cut", reference)
+
+
+@pytest.mark.parametrize("damage", ["missing_file", "missing_manifest", "garbage_manifest"])
+def test_incomplete_checkpoints_are_skipped(tmp_path, reference, monkeypatch, damage):
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    newest = latest_checkpoint(tmp_path / "cut")
+    if damage == "missing_file":
+        (newest / "trainer_state.json").unlink()
+    elif damage == "missing_manifest":
+        (newest / "manifest.json").unlink()
+    else:
+        (newest / "manifest.json").write_text("{not json")
+    assert _run(cfg, resume=True)["status"] == "completed"
+    _same_run(tmp_path / "cut", reference)
+
+
+def test_no_intact_checkpoint_is_a_clear_error(tmp_path, reference, monkeypatch, capsys):
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    for directory in checkpoint_dirs(tmp_path / "cut"):
+        (directory / "checkpoint.safetensors").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match=r"cannot resume .*cut: no intact checkpoint .*step-00000004: checkpoint"):
+        _run(cfg, resume=True)
+
+
+def test_a_hostile_optimizer_pickle_is_refused_not_run(tmp_path, reference, monkeypatch):
+    """An optimizer.pt that would run code, with a manifest forged to match: refused by name, payload not run,
+    and the message never suggests loading it unsafely."""
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    newest = latest_checkpoint(tmp_path / "cut")
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"state": Payload()}, newest / "optimizer.pt")
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["sha256"]["optimizer.pt"] = runlog._sha256(newest / "optimizer.pt")
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError) as error:
+        _run(cfg, resume=True)
+    assert str(error.value) == f"refusing to unpickle {newest / 'optimizer.pt'}: not a plain tensor file"
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- concurrent use
+def test_a_locked_run_directory_is_refused_with_the_holders_pid(tmp_path, reference):
+    cfg = _cfg(tmp_path, reference, "busy")
+    with run_lock(tmp_path / "busy"):
+        with pytest.raises(RunLocked, match=rf"busy is in use by another vexact process \(pid {os.getpid()}\)"):
+            _run(cfg)
+        with pytest.raises(RunLocked):
+            _run(cfg, resume=True)
+    assert not (tmp_path / "busy" / "metrics.jsonl").exists()  # the refused run wrote nothing
+
+
+def test_two_processes_into_one_run_directory(tmp_path, reference):
+    """Two ``vexact run`` at once: one runs, the other exits 2 naming the holder; the run is not mixed. The first
+    process waits inside its first step until the second has been refused, so the two really overlap."""
+    cfg_file = tmp_path / "two.yaml"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, reference, "two").to_dict()))
+    go = tmp_path / "go"
+    script = ("import sys, time\nfrom pathlib import Path\nfrom vexact.cli import main\n"
+              "from vexact.rl.trainer import Trainer\nreal = Trainer.step\n"
+              "def step(self, s):\n"
+              f"    while not Path({str(go)!r}).exists():\n"
+              "        time.sleep(0.05)\n"
+              "    return real(self, s)\n"
+              f"Trainer.step = step\nsys.exit(main(['run', {str(cfg_file)!r}]))\n")
+    first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    lock = tmp_path / "two" / ".lock"
+    deadline = time.time() + 120
+    while not (lock.exists() and lock.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.05)
+    second = subprocess.run([sys.executable, "-m", "vexact.cli", "run", str(cfg_file)], capture_output=True,
+                            text=True, timeout=300)
+    go.touch()
+    first_err = first.communicate(timeout=300)[1]
+    assert first.returncode == 0, first_err[-2000:]
+    assert second.returncode == 2 and f"(pid {first.pid})" in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr and len(second.stderr.strip().splitlines()) == 1
+    _same_run(tmp_path / "two", reference)
+
+
+# --------------------------------------------------------------------------- resume variants
+def test_resume_with_a_different_config_is_refused_with_the_diff(tmp_path, reference, monkeypatch):
+    _cut_after_step(tmp_path, reference, monkeypatch)
+    other = _cfg(tmp_path, reference, "cut", "seed=3", "optimizer.lr=1e-3")
+    with pytest.raises(ValueError, match=r"different config: optimizer\.lr: 0\.0002 -> 0\.001; seed: 0 -> 3"):
+        _run(other, resume=True)
+    with pytest.raises(ValueError, match=r"--allow-change seed: only steps, threads"):
+        _run(other, resume=True, allow=("seed",))
+
+
+def test_resume_of_a_finished_run_is_a_no_op_and_more_steps_extend_it(tmp_path, reference, capsys):
+    cfg = _cfg(tmp_path, reference, "done")
+    _run(cfg)
+    run_dir = tmp_path / "done"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    summary = _run(cfg, resume=True, console=Console(file=sys.stdout, width=1000))
+    assert "nothing to do" in capsys.readouterr().out and summary["status"] == "completed"
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    assert after == before  # summary.json and its last-step metrics untouched
+
+    longer = _cfg(tmp_path, reference, "done", "steps=8")
+    with pytest.raises(ValueError, match=r"steps: 6 -> 8.*--allow-change steps"):
+        _run(longer, resume=True)
+    assert _run(longer, resume=True, allow=("steps",))["steps_completed"] == 8
+    change = json.loads((run_dir / "config_changes.jsonl").read_text())
+    assert change == {"resumed_at_step": 6, "changes": {"steps": [6, 8]}}
+    assert "steps: 8" in (run_dir / "config.yaml").read_text()
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(8))
+
+
+def test_resume_with_no_checkpoint_starts_over(tmp_path, reference, monkeypatch):
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch, step=1)  # killed before the first checkpoint
+    assert not checkpoint_dirs(tmp_path / "cut")
+    assert _run(cfg, resume=True)["status"] == "completed"
+    _same_run(tmp_path / "cut", reference)
+
+
+# --------------------------------------------------------------------------- torn metric lines
+def test_a_torn_line_after_the_checkpoint_is_dropped(tmp_path, reference, monkeypatch):
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "reward/me')  # the crash came mid-write
+    assert len(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == 5  # readers skip the torn tail too
+    assert _run(cfg, resume=True)["status"] == "completed"
+    _same_run(tmp_path / "cut", reference)
+
+
+def test_a_damaged_line_before_the_checkpoint_is_an_error_naming_file_and_line(tmp_path, reference, monkeypatch):
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    path = tmp_path / "cut" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][:40]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:3: not a JSON line"):
+        _run(cfg, resume=True)
+
+
+# --------------------------------------------------------------------------- bad paths and the CLI
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, reference, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, reference, "afile").to_dict()))
+    assert main(["run", str(cfg_file)]) == 2
+    err = capsys.readouterr().err
+    assert "afile exists and is not a directory" in err and "Traceback" not in err
+
+    run_dir = tmp_path / "ok"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, reference, "ok", "steps=1").to_dict()))
+    assert main(["run", str(cfg_file)]) == 0
+    (run_dir / "config.yaml").write_text("seed: [unclosed")
+    assert main(["run", str(cfg_file), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir / 'config.yaml'}" in err and "line 1" in err and "Traceback" not in err
+
+
+def test_a_run_from_before_checkpoint_directories_still_resumes(tmp_path, reference, monkeypatch):
+    """Old layout: checkpoint.safetensors, optimizer.pt and trainer_state.json in the run directory itself."""
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    run_dir = tmp_path / "cut"
+    newest = latest_checkpoint(run_dir)
+    for name in ("checkpoint.safetensors", "optimizer.pt", "trainer_state.json"):
+        (newest / name).rename(run_dir / name)
+    for directory in checkpoint_dirs(run_dir):
+        for f in directory.iterdir():
+            f.unlink()
+        directory.rmdir()
+    assert _run(cfg, resume=True)["status"] == "completed"
+    _same_run(run_dir, reference)
