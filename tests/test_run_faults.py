@@ -305,3 +305,24 @@ def test_a_run_from_before_checkpoint_directories_still_resumes(tmp_path, refere
         directory.rmdir()
     assert _run(cfg, resume=True)["status"] == "completed"
     _same_run(run_dir, reference)
+
+
+def test_resume_without_the_runs_config_is_refused(tmp_path, reference, monkeypatch):
+    cfg = _cut_after_step(tmp_path, reference, monkeypatch)
+    (tmp_path / "cut" / "config.yaml").unlink()
+    with pytest.raises(ValueError, match=r"config\.yaml is missing, so the config the run was started with"):
+        _run(cfg, resume=True)
+
+
+def test_an_unwritable_output_dir_is_one_line(tmp_path, reference, capsys):
+    if os.geteuid() == 0:  # root writes anywhere; use a path below a file instead: the same OSError class
+        target = tmp_path / "afile2" / "run"
+        (tmp_path / "afile2").write_text("x")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        target = tmp_path / "ro" / "run"
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(json.dumps(_cfg(tmp_path, reference, "x", f"output_dir={target}").to_dict()))
+    assert main(["run", str(cfg_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err

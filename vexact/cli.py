@@ -350,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad input: one clear line, no traceback
         _error_line("error", str(err), "red")
         return EXIT_BAD_INPUT
+    except OSError as err:  # a path that cannot be read or written (permissions, a file where a folder must be, ...)
+        where = f": {err.filename}" if err.filename else ""
+        _error_line("error", f"{err.strerror or err}{where}", "red")
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         _error_line("interrupted", "", "yellow")
         return EXIT_INTERRUPTED

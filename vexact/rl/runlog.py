@@ -254,7 +254,8 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     os.replace(partial, final)
     _fsync(root)
     _write_boundary("publish")
-    for old in checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:]:
+    leftovers = [d for d in root.iterdir() if d.name.startswith((".partial-", ".stale-"))]  # from earlier kills
+    for old in checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:] + leftovers:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

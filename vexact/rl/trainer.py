@@ -344,6 +344,9 @@ class Trainer:
                              "resume (the others change what a step computes)")
         saved_path = self.run_dir / "config.yaml"
         if not saved_path.exists():
+            if checkpoint_dirs(self.run_dir):
+                raise ValueError(f"cannot resume {self.run_dir}: {saved_path} is missing, so the config the run was "
+                                 "started with cannot be checked; restore it or start a new run")
             return {}
         saved = _flat(load_config(saved_path).to_dict())
         now = _flat(self.cfg.to_dict())
