@@ -200,8 +200,16 @@ def test_file_errors(tmp_path):
         load_config(not_mapping)
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("optimizer: [1\nsteps: 2\n")
-    with pytest.raises(ConfigError, match=r"invalid YAML in '.*bad\.yaml'.*line 2"):
+    with pytest.raises(ConfigError, match=r"invalid YAML in config file '.*bad\.yaml'.*line 2"):
         load_config(bad_yaml)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("seed: 1\nsteps: 5\nseed: 2\n")  # PyYAML alone would keep seed 2 silently
+    with pytest.raises(ConfigError, match=r"twice\.yaml': found duplicate key 'seed' \(line 3, column 1\)"):
+        load_config(twice)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00seed")
+    with pytest.raises(ConfigError, match=r"binary\.yaml' is not a UTF-8 text file"):
+        load_config(binary)
     with pytest.raises(ConfigError, match="expected a mapping of config keys, got list"):
         config_from_dict([1, 2])
 

@@ -23,15 +23,32 @@ sequentially or in ``--jobs N`` worker processes. The sweep is resumable: a poin
 ``summary.json`` says completed/stopped is skipped, an unfinished one resumes from its last
 checkpoint; ``sweep.json`` is rewritten atomically after every point, so Ctrl-C loses nothing
 finished. A point that fails records its error and the sweep goes on.
+
+Failure behaviour. Every problem with the input is one error line (a ``ValueError``) naming the file, before
+any work: an unreadable or malformed sweep file or base config (YAML errors with line and column), a key given
+twice in the sweep file, a ``grid`` that is not a mapping of non-empty lists, duplicate grid values (``seed: [0,
+0]``), two points that would share a run directory (point names replace unsafe characters with ``_``, so ``a/b``
+and ``a_b`` collide), an output path that exists as a file, a damaged ``summary.json``. Worker processes die
+with the sweep's main process, however it dies (``PR_SET_PDEATHSIG`` on Linux), so a killed sweep leaves
+nothing running that could write next to a re-run. The trainer holds an exclusive lock on its run directory for
+the whole run (``vexact.rl.runlog.run_lock``); the sweep checks that lock just before it starts a point, and a
+point whose directory is in use by another vexact process is recorded as failed with that message (no
+``error.txt`` is written into the other process's directory) and the sweep goes on. A worker that dies
+abruptly (killed, out of memory) fails the points running at that moment; the sweep goes on in fresh workers.
+(All in ``tests/test_sweep_faults.py``.)
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
+import signal
+import sys
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -40,13 +57,20 @@ from typing import Any
 import torch
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
-from ..rl.config import ConfigError, RunConfig, config_from_dict
-from ..rl.runlog import write_json_atomic
+from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml, show_value
+from ..rl.runlog import RunLocked, run_lock, write_json_atomic
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
 SWEEP_KEYS = {"name", "base", "set", "grid", "variants", "output_dir"}
 VARIANT_KEY = "variant"
+PER_POINT_KEYS = ("name", "output_dir")  # set by the sweep for every point
+MAX_POINTS = 10_000  # a grid this large is a typo (a long list where a short one was meant), not an experiment
+MAX_NAME_BYTES = 255  # a point name is a folder name
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WORKER_DIED = ("a worker process died abruptly (killed by a signal, or out of memory) while this point ran; the "
+               "points running at that moment are recorded as failed, and a re-run resumes them")
 
 
 @dataclass
@@ -79,51 +103,137 @@ def point_name(overrides: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
+def _where(path: Path) -> str:
+    return f" (in sweep file '{path}')"
+
+
+def _check_overrides(mapping: Any, key: str, path: Path) -> dict:
+    """A mapping of dotted config keys to values (``set`` or one variant); None is an empty one."""
+    where = _where(path)
+    if mapping is None:
+        return {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"expected a mapping of dotted config keys to values, got {show_value(mapping)}{where}", key)
+    for k in mapping:
+        if not isinstance(k, str) or not k:
+            raise ConfigError(f"expected dotted config keys (strings), got the key {show_value(k)}{where}", key)
+        if k in PER_POINT_KEYS:
+            raise ConfigError(f"'{k}' is set by the sweep for every point (points/<point name>); use the sweep's own "
+                              f"'{k}'{where}", f"{key}.{k}")
+    return mapping
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as grid values: 1 and 1.0 are the same value, 1 and true are not."""
+    return (isinstance(a, bool), a) == (isinstance(b, bool), b)
+
+
+def _check_grid(grid: Any, path: Path) -> dict[str, list]:
+    where = _where(path)
+    if not isinstance(grid, dict) or not grid:
+        raise ConfigError(f"expected a mapping of dotted config keys to non-empty lists of values, got "
+                          f"{show_value(grid)}{where}", "grid")
+    for key, values in grid.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"expected dotted config keys (strings), got the key {show_value(key)}{where}", "grid")
+        if key in PER_POINT_KEYS:
+            raise ConfigError(f"'{key}' is set by the sweep for every point (points/<point name>){where}",
+                              f"grid.{key}")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"expected a non-empty list of values, got {show_value(values)}{where}", f"grid.{key}")
+        for i, value in enumerate(values):
+            if any(_same(value, earlier) for earlier in values[:i]):
+                raise ConfigError(f"duplicate value {show_value(value)} in sweep file '{path}' (each point needs its "
+                                  "own run directory)", f"grid.{key}")
+    return grid
+
+
+def _check_plain(value: Any, key: str, path: Path) -> None:
+    """sweep.json records grid values and variants: they must be plain JSON-able YAML (no dates, sets, binary)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"only numbers, strings, booleans, null, lists and mappings are allowed ({e})"
+                          f"{_where(path)}", key) from None
+
+
 def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> SweepSpec:
-    """Read and validate a sweep file; every point's config is validated here, before any work."""
+    """Read and validate a sweep file; every point's config is validated here, before any work.
+
+    Every problem is one ConfigError naming the sweep file (and the base config file, when that is the problem)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep file {path} does not exist")
-    spec = yaml.safe_load(path.read_text())
+    where = _where(path)
+    spec = read_yaml(path, "sweep file")
     if not isinstance(spec, dict):
-        raise ConfigError(f"sweep file {path} must be a mapping with keys {', '.join(sorted(SWEEP_KEYS))}")
-    unknown = sorted(set(spec) - SWEEP_KEYS)
+        raise ConfigError(f"sweep file '{path}' must contain a mapping with keys {', '.join(sorted(SWEEP_KEYS))}, "
+                          f"got {type(spec).__name__}: {show_value(spec)}")
+    unknown = sorted((k for k in spec if k not in SWEEP_KEYS), key=str)
     if unknown:
-        raise ConfigError(f"unknown key (known keys: {', '.join(sorted(SWEEP_KEYS))})", unknown[0])
+        raise ConfigError(f"unknown key (known keys: {', '.join(sorted(SWEEP_KEYS))}){where}", str(unknown[0]))
     name = spec.get("name") or path.stem
+    if not isinstance(name, str) or name in (".", "..") or "/" in name or "\\" in name:
+        raise ConfigError(f"expected a plain name (it names the folder runs/sweeps/<name>), got "
+                          f"{show_value(name)}{where}", "name")
     base = spec.get("base")
     if base is None:
         base_dict: dict = {}
     elif isinstance(base, dict):
         base_dict = base
+    elif isinstance(base, str) and base:
+        base_path = (path.parent / base).resolve()
+        base_dict = read_yaml(base_path, "base config", f" (named in sweep file '{path}')")
+        if base_dict is None:  # an empty file: all defaults
+            base_dict = {}
+        if not isinstance(base_dict, dict):
+            raise ConfigError(f"base config '{base_path}' (named in sweep file '{path}') must contain a mapping of "
+                              f"config keys, got {type(base_dict).__name__}: {show_value(base_dict)}")
     else:
-        base_path = (path.parent / str(base)).resolve()
-        if not base_path.is_file():
-            raise ConfigError(f"base config {base_path} does not exist", "base")
-        base_dict = yaml.safe_load(base_path.read_text()) or {}
-    common = spec.get("set") or {}
-    grid = spec.get("grid")
-    if not isinstance(common, dict):
-        raise ConfigError("expected a mapping of dotted keys to values", "set")
-    if not isinstance(grid, dict) or not grid or not all(isinstance(v, list) and v for v in grid.values()):
-        raise ConfigError("expected a mapping of dotted config keys to non-empty lists of values", "grid")
+        raise ConfigError(f"expected the path of a run config (relative to the sweep file) or a mapping, got "
+                          f"{show_value(base)}{where}", "base")
+    common = _check_overrides(spec.get("set"), "set", path)
+    grid = _check_grid(spec.get("grid"), path)
+    _check_plain(grid, "grid", path)
     variants = spec.get("variants")
     if variants is not None:
-        if not isinstance(variants, dict) or not variants or not all(
-                isinstance(v, dict) or v is None for v in variants.values()):
-            raise ConfigError("expected a mapping of variant names to mappings of dotted keys to values", "variants")
+        if not isinstance(variants, dict) or not variants:
+            raise ConfigError(f"expected a mapping of variant names to mappings of dotted keys to values, got "
+                              f"{show_value(variants)}{where}", "variants")
+        for vname, bundle in variants.items():
+            if not isinstance(vname, str) or not vname:
+                raise ConfigError(f"variant names must be non-empty strings, got {show_value(vname)}{where}",
+                                  "variants")
+            variants[vname] = _check_overrides(bundle, f"variants.{vname}", path)
+        _check_plain(variants, "variants", path)
         if VARIANT_KEY in grid:
-            raise ConfigError(f"{VARIANT_KEY!r} is set by 'variants'; remove it from the grid", "grid")
+            raise ConfigError(f"{VARIANT_KEY!r} is set by 'variants'; remove it from the grid{where}", "grid")
         grid = {VARIANT_KEY: list(variants), **grid}
-    out = Path(output_dir or spec.get("output_dir") or Path("runs") / "sweeps" / name)
+    spec_out = spec.get("output_dir")
+    if spec_out is not None and not isinstance(spec_out, str):
+        raise ConfigError(f"expected a directory path, got {show_value(spec_out)}{where}", "output_dir")
+    out = Path(output_dir or spec_out or Path("runs") / "sweeps" / name)
+    n_points = 1
+    for values in grid.values():
+        n_points *= len(values)
+    if n_points > MAX_POINTS:
+        raise ConfigError(f"the grid has {n_points} points (more than {MAX_POINTS}); check its lists{where}", "grid")
 
     points = []
+    dirs: dict[str, str] = {}  # folder name -> the point that has it
     for combo in itertools.product(*grid.values()):
         overrides = dict(zip(grid.keys(), combo))
         pname = point_name(overrides)
+        label = ",".join(f"{k}={_format_value(v)}" for k, v in overrides.items())
+        if pname in dirs:
+            raise ConfigError(f"sweep file '{path}': points {dirs[pname]} and {label} would share the run directory "
+                              f"{out / 'points' / pname} (characters other than letters, digits and ._=,+- become "
+                              "_ in folder names); rename a value or variant")
+        dirs[pname] = label
+        if len(pname.encode()) > MAX_NAME_BYTES:
+            raise ConfigError(f"sweep file '{path}': point {pname[:60]}... has a name of {len(pname.encode())} "
+                              f"bytes, too long for its folder (at most {MAX_NAME_BYTES}); use shorter grid values")
         config_overrides = dict(overrides)
         if variants is not None:
-            config_overrides = {**(variants[config_overrides.pop(VARIANT_KEY)] or {}), **config_overrides}
+            config_overrides = {**variants[config_overrides.pop(VARIANT_KEY)], **config_overrides}
         settings = {**common, **config_overrides, "output_dir": str(out / "points" / pname),
                     "name": f"{name}/{pname}"}
         settings.setdefault("logging.live", False)
@@ -132,7 +242,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         try:
             cfg = config_from_dict(base_dict, items)
         except ConfigError as err:
-            raise ConfigError(f"sweep point {pname}: {err}") from None
+            raise ConfigError(f"sweep point {pname} of '{path}': {err}") from None
         points.append(SweepPoint(pname, overrides, cfg))
     return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants)
 
@@ -140,8 +250,21 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
 def point_status(point: SweepPoint) -> str:
     summary = point.run_dir / "summary.json"
     if summary.exists():
-        return json.loads(summary.read_text()).get("status", "pending")
+        try:
+            status = json.loads(summary.read_text()).get("status", "pending")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{summary} is not a readable run summary ({type(e).__name__}: {e}); move the folder "
+                             f"{point.run_dir} away to run the point again") from None
+        return status if isinstance(status, str) else "interrupted"
     return "pending" if not point.run_dir.exists() else "interrupted"
+
+
+def _check_output_dirs(spec: SweepSpec) -> None:
+    """Before anything runs: the sweep's folders are folders (or absent), and sweep.json can be written."""
+    for folder in (spec.output_dir, spec.output_dir / "points", *(p.run_dir for p in spec.points)):
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"sweep {spec.name}: {folder} exists and is not a directory; move it away or choose "
+                             "another output_dir")
 
 
 def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, str | None]) -> None:
@@ -153,6 +276,25 @@ def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, st
         "points": [{"name": p.name, "dir": f"points/{p.name}", "overrides": p.overrides,
                     "status": statuses[p.name], "error": errors.get(p.name)} for p in spec.points],
     })
+
+
+def _worker_init(parent_pid: int) -> None:
+    """Runs first in every worker process: die with the sweep's main process, however that dies (SIGKILL too).
+
+    ``PR_SET_PDEATHSIG`` sends SIGKILL when the thread that spawned this process exits; ProcessPoolExecutor spawns
+    its workers from the thread that calls ``submit`` (here the sweep's, alive until the pool is shut down). The
+    parent may have died before the prctl call: then this process was re-parented and exits at once. No-op off
+    Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl in this libc: the ppid check below still helps
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
@@ -167,16 +309,44 @@ def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
         return {"status": summary["status"], "error": None}
     except KeyboardInterrupt:
         return {"status": "interrupted", "error": None}
+    except RunLocked as err:  # another process took the directory after the sweep's own check
+        return _locked(err)
     except Exception as err:  # a failing point is recorded; the sweep goes on
         return {"status": "failed", "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
+
+
+def _locked(err: RunLocked) -> dict:
+    return {"status": "failed", "error": f"RunLocked: {err}", "locked": True}
+
+
+def _check_lock(point: SweepPoint) -> dict | None:
+    """The failure to record if another process holds the point's run directory, else None.
+
+    Only a check: the trainer takes the lock itself for the whole run (flock is not re-entrant across opens, so the
+    sweep must not hold it then). A directory that does not exist yet cannot be locked, and is not created here."""
+    if not point.run_dir.is_dir():
+        return None
+    try:
+        with run_lock(point.run_dir):
+            pass
+    except RunLocked as err:
+        return _locked(err)
+    except OSError:  # cannot even open the lock file: the trainer meets the same problem, and that is recorded
+        return None
+    return None
 
 
 def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None) -> dict[str, str]:
     """Run every unfinished point; returns {point name: status}."""
     console = console or Console()
+    _check_output_dirs(spec)
     statuses = {p.name: point_status(p) for p in spec.points}
     errors: dict[str, str | None] = {}
-    _write_index(spec, statuses, errors)
+    try:
+        _write_index(spec, statuses, errors)
+    except OSError as e:
+        raise ValueError(f"sweep {spec.name}: cannot write {spec.output_dir / 'sweep.json'}: "
+                         f"{e.strerror or e}") from None
     todo = [p for p in spec.points if statuses[p.name] not in FINISHED]
     done_before = len(spec.points) - len(todo)
     if done_before:
@@ -193,12 +363,20 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None) ->
     def finish(point: SweepPoint, result: dict) -> None:
         statuses[point.name] = result["status"]
         errors[point.name] = result["error"]
-        if result["error"]:
-            (point.run_dir).mkdir(parents=True, exist_ok=True)
-            (point.run_dir / "error.txt").write_text(result["error"])
+        if result["error"] and not result.get("locked"):  # a locked directory belongs to another process
+            try:
+                point.run_dir.mkdir(parents=True, exist_ok=True)
+                (point.run_dir / "error.txt").write_text(result["error"])
+            except OSError:  # the error is in sweep.json all the same
+                pass
         _write_index(spec, statuses, errors)
         line = f"{point.name}: {result['status']}"
-        console.print(line if result["status"] != "failed" else f"[red]{line}[/] (see {point.run_dir / 'error.txt'})")
+        if result.get("locked"):
+            console.print(f"[red]{line}[/] ({escape(result['error'].removeprefix('RunLocked: '))})")
+        elif result["status"] == "failed":
+            console.print(f"[red]{line}[/] (see {point.run_dir / 'error.txt'})")
+        else:
+            console.print(line)
         progress.update(bar, advance=1)
 
     with progress:
@@ -206,7 +384,8 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None) ->
         if jobs <= 1:
             for point in todo:
                 progress.update(bar, current=point.name)
-                result = _run_point(point.config.to_dict(), point.run_dir.exists(), None)
+                resume = point.run_dir.exists()
+                result = _check_lock(point) or _run_point(point.config.to_dict(), resume, None)
                 finish(point, result)
                 if result["status"] == "interrupted":
                     raise KeyboardInterrupt
@@ -215,20 +394,56 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None) ->
     return statuses
 
 
+def _new_pool(jobs: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"), initializer=_worker_init,
+                               initargs=(os.getpid(),))
+
+
 def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish, progress, bar) -> None:
     pending = list(todo)
     running: dict[Future, SweepPoint] = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        try:
-            while pending or running:
-                while pending and len(running) < jobs:
-                    point = pending.pop(0)
-                    running[pool.submit(_run_point, point.config.to_dict(), point.run_dir.exists(), threads)] = point
-                progress.update(bar, current=", ".join(p.name for p in running.values()))
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    finish(running.pop(future), future.result())
-        except KeyboardInterrupt:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+    pool = _new_pool(jobs)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                point = pending.pop(0)
+                resume = point.run_dir.exists()
+                locked = _check_lock(point)
+                if locked:
+                    finish(point, locked)
+                    continue
+                try:
+                    running[pool.submit(_run_point, point.config.to_dict(), resume, threads)] = point
+                except BrokenProcessPool:  # a worker died while idle; the running points' futures say so too
+                    pending.insert(0, point)
+                    if running:
+                        break
+                    pool.shutdown(wait=True)
+                    pool = _new_pool(jobs)
+            if not running:
+                continue
+            progress.update(bar, current=", ".join(p.name for p in running.values()))
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            results = {future: _result(future) for future in done}
+            if any(result is None for result in results.values()):
+                # The pool is broken: it fails every running future and stops its other workers. Record them all
+                # and go on with the remaining points in fresh workers.
+                done, _ = wait(running)
+                results = {future: _result(future) or {"status": "failed", "error": WORKER_DIED} for future in done}
+                pool.shutdown(wait=True)
+                pool = _new_pool(jobs)
+            for future, result in results.items():
+                finish(running.pop(future), result)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
+
+def _result(future: Future) -> dict | None:
+    """A finished point's result; None if its worker process died."""
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        return None

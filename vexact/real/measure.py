@@ -16,6 +16,16 @@ processor switched off, and records log_softmax(raw logits / temperature) of eac
 from ``output_logits``; a guard checks that the processed scores it sampled from are exactly those
 raw logits / temperature (so nothing truncated the distribution). vexact paths sample with
 vexact's counter-based Gumbel sampler (``vexact.engine.rollout.generate``).
+
+Broken or hostile checkpoints: the checkpoint is read and checked once by
+``pretrained.read_checkpoint`` (see its module docstring: weights-only unpickling, config sizes
+checked against the safetensors headers or the file sizes before anything is allocated, finite
+weights) before any path is built -- also before transformers reads the files for an ``hf`` path,
+so every path refuses what vexact refuses, with the same one-line error. The RoPE table is sized
+for the longest measured sequence, not max_position_embeddings. Non-finite log-probs (or, on the
+``hf`` path, logits) are refused too, naming the path ("rollout path native:bf16 produced
+non-finite log-probs ..."): the weights are finite, so that is an activation overflow, and a
+table of NaN would measure nothing.
 """
 
 from __future__ import annotations
@@ -43,11 +53,15 @@ from .pretrained import (
     PARITY_PROMPTS,
     SUPPORTED_ARCHITECTURES,
     TINY_VARIANTS,
+    Checkpoint,
+    build_model,
     from_pretrained,
     load_tokenizer,
     make_tiny_checkpoint,
     make_tiny_hf_model,
+    model_config_from_hf,
     parity_with_transformers,
+    read_checkpoint,
     read_checkpoint_config,
 )
 
@@ -171,8 +185,8 @@ class VexactPath:
 class HFPath:
     """transformers' own model: ``generate`` (left-padded batches) / teacher-forced forward (right-padded)."""
 
-    def __init__(self, hf_model: Any):
-        self.model = hf_model
+    def __init__(self, hf_model: Any, name: str = "hf"):
+        self.model, self.name = hf_model, name
         self.pad = 0
 
     def generate(self, prompts: list[list[int]], s: MeasureSettings, eos: int | None) -> tuple[list, list[Tensor]]:
@@ -202,11 +216,20 @@ class HFPath:
                         eos: int | None) -> tuple[list, list[Tensor]]:
         ids, mask = padded_with_mask(prompts, self.pad, left=True)  # every prompt ends where generation starts
         width = ids.shape[1]
-        out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                                  generation_config=config)
+        try:
+            out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                                      generation_config=config)
+        except RuntimeError as err:  # torch.multinomial refuses NaN/Inf probabilities
+            if "probability tensor contains" not in str(err):
+                raise
+            raise ValueError(f"rollout path {self.name} produced non-finite logits (transformers' sampler refused "
+                             "its probabilities): the activations overflow on this path, e.g. in bf16") from None
         generated = out.sequences[:, width:].cpu()
         step_logprobs = []
         for t, (raw, processed) in enumerate(zip(out.logits, out.scores)):
+            if not torch.isfinite(raw).all():  # before the guard below, which NaN would fail misleadingly
+                raise ValueError(f"rollout path {self.name} produced non-finite logits at generation step {t}: the "
+                                 "activations overflow on this path, e.g. in bf16")
             scaled = scale_logits(raw.cpu(), temperature)
             if not torch.allclose(processed.float().cpu(), scaled, rtol=1e-6, atol=1e-6):
                 raise ValueError(f"hf path: transformers' generate changed the logits at step {t} beyond the "
@@ -243,27 +266,67 @@ class HFPath:
 
 
 class _Loader:
-    """Loads each (kind, dtype) of the checkpoint once; vexact backends share one model per dtype."""
+    """Reads and checks the checkpoint once (``pretrained.read_checkpoint``: plain tensors only, shapes and dtypes as
+    the config implies, finite weights), then builds each (kind, dtype) once; vexact backends share one model per
+    dtype. The ``hf`` path is loaded by transformers only after those checks passed, so a hostile pickle or an
+    absurd config never reaches transformers' loader either; ``paths`` builds vexact models first and drops the
+    checked tensors before transformers reads the files, so the two never sit in memory together."""
 
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, max_seq_len: int | None = None):
+        self.directory, self.max_seq_len = directory, max_seq_len
+        self._checkpoint: Checkpoint | None = None
+        self._checked = False
         self._models: dict[tuple[str, torch.dtype], Any] = {}
+
+    def checkpoint(self) -> Checkpoint:
+        if self._checkpoint is None:
+            self._checkpoint = read_checkpoint(self.directory, self.max_seq_len)
+            self._checked = True
+        return self._checkpoint
+
+    def release(self) -> None:
+        """Drop the checked tensors (built models hold their own copies; a later vexact path reads them again)."""
+        self._checkpoint = None
+
+    def paths(self, *specs: PathSpec) -> list[VexactPath | HFPath]:
+        """``path`` of each spec, in order; vexact ones are built first, and the tensors released after them."""
+        built: dict[int, VexactPath | HFPath] = {}
+        for i in sorted(range(len(specs)), key=lambda i: specs[i].backend == "hf"):
+            built[i] = self.path(specs[i])
+        self.release()
+        return [built[i] for i in range(len(specs))]
 
     def path(self, spec: PathSpec) -> VexactPath | HFPath:
         kind = "hf" if spec.backend == "hf" else "vexact"
         key = (kind, spec.dtype)
         if key not in self._models:
             if kind == "vexact":
-                self._models[key] = from_pretrained(self.directory, backend=spec.backend, dtype=spec.dtype)
+                self._models[key] = build_model(self.checkpoint(), backend=spec.backend, dtype=spec.dtype)
             else:
-                from transformers import AutoModelForCausalLM
-                from transformers.utils import logging as hf_logging
-
-                hf_logging.disable_progress_bar()  # keep the report readable
-                self._models[key] = AutoModelForCausalLM.from_pretrained(self.directory, dtype=spec.dtype,
-                                                                         local_files_only=True).eval()
+                if not self._checked:
+                    self.checkpoint()
+                self.release()
+                self._models[key] = self._hf_model(spec)
         model = self._models[key]
-        return VexactPath(model, spec.backend) if kind == "vexact" else HFPath(model)
+        return VexactPath(model, spec.backend) if kind == "vexact" else HFPath(model, spec.name)
+
+    def _hf_model(self, spec: PathSpec) -> Any:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # keep the report readable
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=spec.dtype, local_files_only=True,
+                                                         trust_remote_code=False).eval()
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as err:
+            first = (str(err).strip().splitlines() or [""])[0][:160]
+            raise ValueError(f"{spec.name} path: transformers could not load {self.directory} "
+                             f"({type(err).__name__}: {first})") from None
+        for name, param in model.named_parameters():
+            if not torch.isfinite(param).all():  # finite in the files (checked), so it overflowed the cast
+                raise ValueError(f"{spec.name} path: tensor {name!r} of {self.directory} overflows "
+                                 f"{short_dtype_name(spec.dtype)} as transformers loaded it")
+        return model
 
 
 def _checkpoint_config(directory: Path) -> dict[str, Any]:
@@ -303,17 +366,23 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     prompts = load_prompts(settings, vocab_size, tokenizer)
     eos = None if settings.ignore_eos else _eos_id(hf_config, tokenizer)
 
+    # The RoPE table only needs the longest sequence measured, not max_position_embeddings (same values either way).
+    limit = model_config_from_hf(hf_config, source=str(directory / "config.json")).max_seq_len
+    needed = max(map(len, prompts)) + settings.max_new_tokens
+
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    loader = _Loader(directory)
-    rollout, train = loader.path(rollout_spec), loader.path(train_spec)
+    loader = _Loader(directory, max_seq_len=min(needed, limit))
+    rollout, train = loader.paths(rollout_spec, train_spec)
     seconds["load"] = time.perf_counter() - start
 
     start = time.perf_counter()
     responses, logp_roll = rollout.generate(prompts, settings, eos)
+    _require_finite(f"rollout path {rollout_spec.name}", logp_roll)
     seconds["rollout"] = time.perf_counter() - start
     start = time.perf_counter()
     logp_train = train.score(prompts, responses, settings)
+    _require_finite(f"training path {train_spec.name}", logp_train)
     seconds["train"] = time.perf_counter() - start
 
     metrics = mismatch_metrics(logp_train, logp_roll)
@@ -360,11 +429,26 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     return MeasureResult(summary, roll_flat, train_flat, positions, samples)
 
 
+def _require_finite(what: str, logprobs: list[Tensor]) -> None:
+    """Non-finite log-probs would make every metric NaN: refuse them, naming the path and the first bad token.
+    The weights were checked finite at load, so this is an activation overflow (e.g. in bf16) on that path."""
+    for i, lp in enumerate(logprobs):
+        bad = ~torch.isfinite(lp)
+        if bad.any():
+            count = sum(int((~torch.isfinite(x)).sum()) for x in logprobs)
+            raise ValueError(f"{what} produced non-finite log-probs ({count} of {sum(map(len, logprobs))} tokens, "
+                             f"first in prompt {i} at response position {int(bad.nonzero()[0, 0])}); the weights "
+                             "are finite, so its activations overflow (e.g. in bf16): no mismatch to measure")
+
+
 def _eos_id(hf_config: dict[str, Any], tokenizer: Any | None) -> int | None:
     """The checkpoint's end-of-sequence id (first one if a list), else the tokenizer's, else None."""
     eos = hf_config.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
+    if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or eos < 0):
+        raise ValueError(f"--model: config.json eos_token_id must be a non-negative integer (or a list of them), "
+                         f"got {str(eos)[:60]!r}")
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return eos

@@ -13,6 +13,32 @@ Local files only (no hub access): a directory with ``config.json`` and safetenso
 files are read with ``torch.load(weights_only=True)``), or an already constructed
 ``transformers`` model object.
 
+A checkpoint is a user's file, possibly broken or hostile, so ``read_checkpoint`` checks before it
+allocates, and every refusal is one ValueError naming the file (and the tensor or config key):
+
+- ``config.json`` / an index: not UTF-8 JSON, nested too deeply, over 64 MiB, not a JSON object;
+  a size key missing or not a positive integer, a RoPE/epsilon value not a finite positive number.
+  An index's ``weight_map`` must map names to plain file names in the directory (no paths), of
+  the index's format, that exist, and each listed tensor must be in the shard it names.
+- safetensors: each header is parsed by hand (8-byte length, JSON) and checked as the library
+  would (dtype x shape = byte span, tensors tile the data, nothing past the end: truncated or
+  corrupt files are refused) -- then, still before any tensor is read or any model built, every
+  tensor's name, shape and dtype is checked against the config: a shape the config does not
+  imply names the config keys that disagree and both shapes (``vocab_size=10**12`` fails here,
+  not in the allocator), a wrong ``num_hidden_layers`` names the layers present, a non-float
+  dtype (integer, bool, 8-bit) is refused, as are missing, unexpected and duplicated tensors
+  (in two shards, or as ``model.x`` and ``x``).
+- ``.bin``: pickles cannot be inspected without unpickling, so first the config's parameter count
+  must fit the files (16 bits each) and no zip archive may unpack to more than 8 bytes per
+  parameter (plus 16 MiB); then ``vexact.rl.runlog.load_tensor_file`` (weights-only: a pickle
+  that would run code or build objects is "refusing to unpickle FILE: not a plain tensor file");
+  then the content must be a dict of dense tensors, checked like a safetensors header before the
+  model is built.
+- values: a NaN/Inf weight is refused at load (file, tensor, counts), and so is a finite weight
+  that overflows the requested dtype (e.g. fp32 3.4e38 in bf16).
+- RoPE: ``Transformer`` precomputes a table of max_seq_len positions; a max_position_embeddings
+  that would need more than 2^28 entries is refused unless ``max_seq_len`` is passed.
+
 ``make_tiny_checkpoint`` writes a small random-init checkpoint of any supported architecture
 (optionally with a local character-level tokenizer) for tests and the README's measurements
 (``python -m vexact.real.measure --make-tiny-checkpoint DIR --arch llama``).
@@ -21,6 +47,10 @@ files are read with ``torch.load(weights_only=True)``), or an already constructe
 from __future__ import annotations
 
 import json
+import math
+import re
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +58,8 @@ import torch
 from torch import Tensor
 
 from ..engine.inputs import padded_with_mask
-from ..engine.model import ModelConfig, Transformer, resolve_dtype
+from ..engine.model import ModelConfig, ModelConfigError, Transformer, resolve_dtype, short_dtype_name
+from ..rl.runlog import load_tensor_file
 
 # model_type -> the causal-LM class transformers builds for it (config.json "architectures").
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -44,29 +75,86 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 
 
 def _unsupported(what: str, found: object, supported: str) -> ValueError:
-    return ValueError(f"unsupported checkpoint: {what} is {found!r}; vexact supports {supported} "
+    return ValueError(f"unsupported checkpoint: {what} is {_short(found)}; vexact supports {supported} "
                       f"(architectures: {_SUPPORTED_TEXT})")
 
 
-def model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a hostile file can put megabytes into one name or value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REQUIRED = object()
+
+
+def _positive_int(hf: dict[str, Any], key: str, source: str, default: Any = _REQUIRED) -> int:
+    """``hf[key]`` as a positive int (an integral float such as 128.0 is accepted), else one error naming the key."""
+    value = hf.get(key, default)
+    if value is _REQUIRED:
+        raise ValueError(f"{source} lacks {key!r}, which vexact needs to build the model")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{source}: {key} must be a positive integer, got {_short(value)}")
+    return value
+
+
+def _positive_number(value: Any, key: str, source: str) -> float:
+    """A finite positive number (RoPE theta and scaling factors, the RMSNorm epsilon), else one error naming the key."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if math.isfinite(number) and number > 0:
+            return number
+    raise ValueError(f"{source}: {key} must be a finite positive number, got {_short(value)}")
+
+
+# vexact's ModelConfig field -> the config.json key it comes from (for ModelConfig's own refusals).
+_HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+            "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+            "intermediate_size": "intermediate_size", "head_dim": "head_dim"}
+
+
+def model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None, *,
+                         source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face ``config.json`` dict into a ``ModelConfig``, refusing what vexact cannot run.
 
     Accepts both the transformers 4.x layout (``rope_theta`` / ``rope_scaling``) and 5.x
     (``rope_parameters``). ``max_seq_len`` defaults to ``max_position_embeddings``, capped at the
     sliding window when one is active: up to that length sliding-window attention equals the
     full causal attention vexact computes, so Mistral and sliding Qwen layers need no special path.
+    A config that is not a JSON object, lacks a size key, or has a size that is not a positive
+    integer (or a RoPE/epsilon value that is not a finite positive number) is one ValueError naming
+    ``source`` (the config file) and the key.
     """
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source}: expected a JSON object (a Hugging Face config), got {type(hf).__name__}")
+    try:
+        return _model_config_from_hf(hf, max_seq_len, source)
+    except ModelConfigError as err:
+        key = _HF_KEYS.get(err.field)
+        raise ValueError(f"{source}: {err.problem}" + (f" (config key {key!r})" if key else "")) from None
+    except (TypeError, AttributeError, KeyError, OverflowError) as err:  # a value of a type no real config has
+        raise ValueError(f"{source}: malformed config ({type(err).__name__}: {str(err)[:100]})") from None
+
+
+def _model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None, source: str) -> ModelConfig:
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture: the checkpoint asks for model_type={model_type!r} "
-                         f"(architectures {architectures}); vexact supports {_SUPPORTED_TEXT}")
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture: the checkpoint asks for model_type={_short(model_type)} "
+                         f"(architectures {_short(architectures, 200)}); vexact supports {_SUPPORTED_TEXT}")
     expected = SUPPORTED_ARCHITECTURES[model_type]
     if architectures and architectures != [expected]:
-        raise ValueError(f"unsupported architecture: the checkpoint asks for {architectures} with model_type "
-                         f"{model_type!r}; vexact loads causal language models only: {_SUPPORTED_TEXT}")
-    if hf.get("quantization_config"):
-        raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method", "set"),
+        raise ValueError(f"unsupported architecture: the checkpoint asks for {str(architectures)[:200]} with "
+                         f"model_type {model_type!r}; vexact loads causal language models only: {_SUPPORTED_TEXT}")
+    quantization = hf.get("quantization_config")
+    if quantization:
+        raise _unsupported("quantization_config",
+                           quantization.get("quant_method", "set") if isinstance(quantization, dict) else quantization,
                            "unquantised fp32/bf16/fp16 weights")
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
@@ -76,10 +164,14 @@ def model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None) -> 
     if model_type != "qwen2" and hf.get("attention_bias"):
         raise _unsupported("attention_bias", True, "q/k/v biases only as in Qwen2 (no o_proj bias)")
 
-    num_heads = int(hf["num_attention_heads"])
-    theta, rope_scaling = _rope_from_hf(hf)
-    limit = int(hf.get("max_position_embeddings", 4096))
-    window = _sliding_window(hf, model_type)
+    sizes = {key: _positive_int(hf, key, source) for key in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                             "num_attention_heads", "intermediate_size")}
+    num_heads = sizes["num_attention_heads"]
+    num_kv_heads = _positive_int(hf, "num_key_value_heads", source) if hf.get("num_key_value_heads") else num_heads
+    head_dim = _positive_int(hf, "head_dim", source) if hf.get("head_dim") else None
+    theta, rope_scaling = _rope_from_hf(hf, source)
+    limit = _positive_int(hf, "max_position_embeddings", source, default=4096)
+    window = _sliding_window(hf, model_type, source)
     if window is not None:
         limit = min(limit, window)
     if max_seq_len is not None:
@@ -88,16 +180,16 @@ def model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None) -> 
                              f"max_position_embeddings{', capped at its sliding window' if window else ''})")
         limit = max_seq_len
     return ModelConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        num_layers=sizes["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        intermediate_size=int(hf["intermediate_size"]),
+        num_kv_heads=num_kv_heads,
+        intermediate_size=sizes["intermediate_size"],
         max_seq_len=limit,
-        head_dim=int(hf["head_dim"]) if hf.get("head_dim") else None,
+        head_dim=head_dim,
         rope_theta=theta,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
         qk_norm=model_type == "qwen3",
@@ -105,9 +197,11 @@ def model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None) -> 
     )
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None]:
+def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     """(rope_theta, ModelConfig.rope_scaling) from either config layout; other RoPE types are refused."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: rope_parameters / rope_scaling must be a JSON object, got {_short(params)}")
     if any(isinstance(v, dict) for v in params.values()):
         raise _unsupported("rope_parameters", "per-layer RoPE settings", "one RoPE setting for all layers")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -116,7 +210,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None]:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise _unsupported("partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = _positive_number(params.get("rope_theta", hf.get("rope_theta", 10000.0)), "rope_theta", source)
     if rope_type == "default":
         return theta, None
     scaling = {"rope_type": "llama3"}
@@ -124,67 +218,441 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None]:
         value = params.get(key, hf.get("max_position_embeddings") if key == "original_max_position_embeddings"
                            else None)
         if value is None:
-            raise ValueError(f"checkpoint's llama3 RoPE scaling lacks {key!r}")
+            raise ValueError(f"{source}: checkpoint's llama3 RoPE scaling lacks {key!r}")
+        _positive_number(value, key, source)
         scaling[key] = value
+    if scaling["low_freq_factor"] == scaling["high_freq_factor"]:  # Llama-3 scaling divides by their difference
+        raise ValueError(f"{source}: llama3 RoPE scaling needs high_freq_factor != low_freq_factor, got both "
+                         f"{scaling['low_freq_factor']}")
     return theta, scaling
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+def _sliding_window(hf: dict[str, Any], model_type: str, source: str) -> int | None:
     """The sliding-window size if any layer of this checkpoint uses one, else None.
 
     Qwen configs without ``layer_types`` (older transformers) are treated as sliding whenever
     ``use_sliding_window`` is set: capping the length is never wrong, only shorter.
     """
-    window = hf.get("sliding_window")
-    if not window:
+    if not hf.get("sliding_window"):
         return None
     if model_type == "mistral":
-        return int(window)
+        return _positive_int(hf, "sliding_window", source)
     if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         layer_types = hf.get("layer_types") or []
+        if not isinstance(layer_types, list):
+            raise ValueError(f"{source}: layer_types must be a list, got {_short(layer_types)}")
         if "sliding_attention" in layer_types or not layer_types:
-            return int(window)
+            return _positive_int(hf, "sliding_window", source)
     return None
 
 
 # --------------------------------------------------------------------------- weights
-def _read_state_dict(directory: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint directory (sharded or not), names as stored."""
+# Everything below checks what it can before allocating anything: a checkpoint is a user's file, possibly broken,
+# possibly hostile. Safetensors headers give every tensor's dtype and shape without reading the data; pickled
+# ``.bin`` files cannot be inspected without unpickling, so they are bounded by their size first and unpickled
+# with ``vexact.rl.runlog.load_tensor_file`` (the weights-only unpickler; anything else is refused).
+_MAX_JSON_BYTES = 64 << 20  # config.json / index.json: a few KiB (a 400B model's index is under 1 MiB)
+_MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
+_MAX_ROPE_ELEMENTS = 1 << 28  # positions x head_dim / 2: a 4M-position, head_dim-128 table (2 GiB fp32) fits
+_BIN_SLACK_BYTES = 16 << 20  # pickle records, buffers: what a .bin may hold beyond 8 bytes per parameter
+_LAYER_NAME = re.compile(r"layers\.(\d+)\.")
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+_WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")  # floating-point weights; anything else is quantised or not a weight
+_TORCH_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    """What is known of a stored tensor before (or without) reading its data."""
+
+    file: str
+    dtype: str  # safetensors spelling: F32, BF16, I64, ...
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read and checked by ``read_checkpoint``: its ``ModelConfig``, its tensors under ``Transformer``'s
+    names (all there, shapes and dtypes as the config implies, every value finite), and for each the file and
+    stored name it came from (for error messages). ``build_model`` turns it into a ``Transformer``."""
+
+    config: ModelConfig
+    tensors: dict[str, Tensor]
+    origin: dict[str, tuple[str, str]]  # vexact name -> (file, stored name)
+    source: str  # "checkpoint DIR" or "LlamaForCausalLM object"
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A small JSON file, or one ValueError naming it (too large, unreadable, not UTF-8, not JSON)."""
+    try:
+        with open(path, "rb") as f:
+            content = f.read(_MAX_JSON_BYTES + 1)  # bounded even where st_size lies (a /proc file, a growing file)
+        if len(content) > _MAX_JSON_BYTES:
+            raise ValueError(f"{path} is over {_MAX_JSON_BYTES >> 20} MiB; a {what} is a few KiB, refusing to parse it")
+        return json.loads(content.decode("utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not valid JSON: not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON: nested too deeply") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the {what} ({err.strerror or type(err).__name__})") from None
+
+
+def _weight_files(directory: Path) -> tuple[list[Path], Path | None, dict[str, str]]:
+    """(weight files, the index file or None, the index's weight_map) of a checkpoint directory.
+
+    An index must be a JSON object whose ``weight_map`` maps tensor names to plain file names in the directory
+    (no paths: an index cannot point outside its checkpoint), ``.safetensors`` files for a safetensors index."""
     present = [name for name in _WEIGHT_FILES if (directory / name).is_file()]
     if not present:
         raise ValueError(f"no weights in {directory}: expected one of {', '.join(_WEIGHT_FILES)}")
     name = present[0]
-    if name.endswith(".index.json"):
-        weight_map = json.loads((directory / name).read_text()).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (directory / f).is_file()]
-        if missing:
-            raise ValueError(f"{directory / name} lists shard files that do not exist: {', '.join(missing)}")
-    else:
-        files = [name]
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        if file.endswith(".safetensors"):
-            from safetensors.torch import load_file
+    if not name.endswith(".index.json"):
+        return [directory / name], None, {}
+    index = directory / name
+    content = _read_json(index, "weight index")
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: malformed index: expected a JSON object with a non-empty \"weight_map\" "
+                         "of tensor names to shard files")
+    for tensor, shard in weight_map.items():
+        if (not isinstance(shard, str) or shard in ("", ".", "..") or "/" in shard or "\\" in shard
+                or any(ord(c) < 32 for c in shard)):
+            raise ValueError(f"{index}: malformed index: tensor {_short(tensor)} maps to {_short(shard)}, not a "
+                             "file name in the checkpoint directory")
+        safetensors_index = name.startswith("model.safetensors")
+        if safetensors_index != shard.endswith(".safetensors"):
+            raise ValueError(f"{index}: malformed index: shard {_short(shard)} is not a "
+                             f"{'.safetensors' if safetensors_index else 'torch pickle (.bin)'} file")
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (directory / f).is_file()]
+    if missing:
+        raise ValueError(f"{index} lists shard files that do not exist: {', '.join(f[:100] for f in missing[:5])}"
+                         + (f" (and {len(missing) - 5} more)" if missing[5:] else ""))
+    return [directory / f for f in files], index, weight_map
 
-            tensors.update(load_file(directory / file))
-        else:
-            tensors.update(torch.load(directory / file, map_location="cpu", weights_only=True))
-    return tensors
 
+def _safetensors_header(path: Path) -> dict[str, _TensorInfo]:
+    """Every tensor's dtype and shape from a safetensors file's header, checked as the safetensors library would
+    (the header parses, each tensor's bytes match its dtype and shape, the tensors tile the data exactly) -- without
+    reading any tensor data. The format: an 8-byte little-endian header length, a JSON header, the data."""
 
-def _to_vexact_names(tensors: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """Map HF causal-LM names (``model.layers.0...``, ``lm_head.weight``) onto ``Transformer``'s.
+    def corrupt(why: str) -> ValueError:
+        return ValueError(f"{path}: corrupt or truncated safetensors file ({why})")
 
-    Dropped on purpose: RoPE ``inv_freq`` buffers (recomputed from the config) and, for tied
-    embeddings, a stored ``lm_head.weight`` (transformers ties it to ``embed_tokens`` too).
-    """
-    out = {}
-    for name, tensor in tensors.items():
-        if name.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and name == "lm_head.weight"):
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+            length = int.from_bytes(head, "little")
+            if length > min(_MAX_SAFETENSORS_HEADER, size - 8):
+                raise corrupt(f"its header claims {length:,} bytes, the file has {size:,}")
+            raw = f.read(length)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise corrupt(f"{_short(twice)} appears twice in its header")
+        return out
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise corrupt("its header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    data_len = size - 8 - length
+    infos: dict[str, _TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
             continue
-        out[name.removeprefix("model.")] = tensor
-    return out
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(dtype, str) and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape + offsets)
+                and offsets[0] <= offsets[1]):
+            raise corrupt(f"malformed header entry for tensor {_short(name)}")
+        start, end = offsets
+        if end > data_len:
+            raise corrupt(f"tensor {_short(name)} needs bytes up to {end:,} of the data, the file holds {data_len:,}")
+        itemsize = _ITEMSIZE.get(dtype)
+        if itemsize is not None and end - start != math.prod(shape) * itemsize:
+            raise corrupt(f"tensor {_short(name)} of shape {tuple(shape)} and dtype {dtype} needs "
+                          f"{math.prod(shape) * itemsize:,} bytes, its data_offsets span {end - start:,}")
+        infos[name] = _TensorInfo(str(path), dtype, tuple(shape))
+        spans.append((start, end))
+    position = 0
+    for start, end in sorted(spans):
+        if start != position:
+            raise corrupt("its tensors' data overlap or leave gaps")
+        position = end
+    if position != data_len:
+        raise corrupt(f"{data_len - position:,} bytes after the last tensor")
+    return infos
+
+
+def _read_safetensors(path: Path, names: list[str]) -> dict[str, Tensor]:
+    """The named tensors of a safetensors file whose header ``_safetensors_header`` accepted."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError, RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{path}: corrupt safetensors file (its tensors could not be read)") from None
+
+
+def _bin_data_bytes(path: Path) -> tuple[int, bool]:
+    """(the most tensor data ``path`` can unpack to, whether that is a zip archive's declared size), read without
+    unpickling. torch.save writes a zip archive, and unpickling it allocates each record's declared (uncompressed)
+    size; a legacy (pre-1.6) file is bounded by its size."""
+    try:
+        size = path.stat().st_size
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                return sum(info.file_size for info in archive.infolist()), True
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        pass  # not readable as a zip: load_tensor_file reports it
+    return size, False
+
+
+def _read_bin(path: Path) -> dict[str, Tensor]:
+    """A ``pytorch_model.bin`` (shard): weights-only unpickling, then a dict of named plain tensors or an error."""
+    content = load_tensor_file(path)
+    if not isinstance(content, dict):
+        raise ValueError(f"{path}: expected a dict of tensor names to tensors, got a {type(content).__name__}")
+    for name, tensor in content.items():
+        if not isinstance(name, str) or not isinstance(tensor, Tensor):
+            raise ValueError(f"{path}: entry {_short(name)} is a {type(tensor).__name__}, not a named tensor")
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise ValueError(f"{path}: tensor {_short(name)} is a {tensor.layout} / quantised tensor; vexact loads "
+                             "dense floating-point weights")
+    return content
+
+
+def _param_count(config: ModelConfig) -> int:
+    """Parameters ``Transformer(config)`` has, by arithmetic (nothing is built)."""
+    h, q, kv, inter = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.intermediate_size
+    layer = 2 * h + 2 * q * h + 2 * kv * h + 3 * inter * h
+    layer += (q + 2 * kv) if config.qkv_bias else 0
+    layer += 2 * config.head_dim if config.qk_norm else 0
+    return config.vocab_size * h * (1 if config.tie_embeddings else 2) + h + config.num_layers * layer
+
+
+def _config_sizes(config: ModelConfig) -> str:
+    return (f"vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, "
+            f"intermediate_size={config.intermediate_size}, num_hidden_layers={config.num_layers}, "
+            f"num_attention_heads={config.num_heads}, num_key_value_heads={config.num_kv_heads}, "
+            f"head_dim={config.head_dim}")
+
+
+def _check_bin_sizes(config: ModelConfig, config_name: str, files: list[Path]) -> None:
+    """Before unpickling: the config's parameters must fit in the files (at 16 bits each, the smallest weight
+    dtype), and no file may unpack to more than 8 bytes per parameter (plus slack) -- a zip bomb, or a checkpoint
+    of another config."""
+    params = _param_count(config)
+    sizes = [(path, *_bin_data_bytes(path)) for path in files]
+    total = sum(size for _, size, _ in sizes)
+    if 2 * params > total:
+        raise ValueError(f"{config_name} implies {params:,} parameters ({_config_sizes(config)}), at least "
+                         f"{2 * params:,} bytes at 16 bits each, but the weight file(s) hold only {total:,} bytes of "
+                         "data: the config does not describe these weights")
+    for path, size, declared in sizes:
+        if declared and size > 8 * params + _BIN_SLACK_BYTES:
+            raise ValueError(f"{path}: its records unpack to {size:,} bytes, more than the {params:,} parameters "
+                             f"{config_name} implies can use (8 bytes each at most); refusing to unpickle it")
+
+
+def _check_rope_table(config: ModelConfig, config_name: str) -> None:
+    """``Transformer`` precomputes RoPE for every position up to max_seq_len: refuse a table no machine holds."""
+    elements = config.max_seq_len * (config.head_dim // 2)
+    if elements > _MAX_ROPE_ELEMENTS:
+        raise ValueError(f"{config_name}: max_position_embeddings={config.max_seq_len:,} would make vexact's RoPE "
+                         f"table {config.max_seq_len:,} positions x {config.head_dim // 2} frequencies "
+                         f"({elements * 8 / 2**30:,.0f} GiB in float64); pass max_seq_len= (the longest sequence "
+                         "you need) to from_pretrained")
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[tuple[str, ...], ...]]]:
+    """``Transformer(config)``'s parameters by name: (shape, for each dimension the config keys whose product it is).
+    Computed, not built: nothing is allocated (``tests/test_real_faults.py`` checks it against ``Transformer``)."""
+    vocab, hidden, inter, head = ("vocab_size",), ("hidden_size",), ("intermediate_size",), ("head_dim",)
+    q, kv = ("num_attention_heads", "head_dim"), ("num_key_value_heads", "head_dim")
+    values = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "head_dim": config.head_dim,
+              "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_heads,
+              "num_key_value_heads": config.num_kv_heads}
+    layer: list[tuple[str, tuple[tuple[str, ...], ...]]] = [
+        ("input_layernorm.weight", (hidden,)),
+        ("self_attn.q_proj.weight", (q, hidden)), ("self_attn.k_proj.weight", (kv, hidden)),
+        ("self_attn.v_proj.weight", (kv, hidden)), ("self_attn.o_proj.weight", (hidden, q))]
+    if config.qkv_bias:
+        layer += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)), ("self_attn.v_proj.bias", (kv,))]
+    if config.qk_norm:
+        layer += [("self_attn.q_norm.weight", (head,)), ("self_attn.k_norm.weight", (head,))]
+    layer += [("post_attention_layernorm.weight", (hidden,)), ("mlp.gate_proj.weight", (inter, hidden)),
+              ("mlp.up_proj.weight", (inter, hidden)), ("mlp.down_proj.weight", (hidden, inter))]
+    dims: dict[str, tuple[tuple[str, ...], ...]] = {"embed_tokens.weight": (vocab, hidden)}
+    for i in range(config.num_layers):
+        dims.update((f"layers.{i}.{name}", d) for name, d in layer)
+    dims["norm.weight"] = (hidden,)
+    if not config.tie_embeddings:
+        dims["lm_head.weight"] = (vocab, hidden)
+    return {name: (tuple(math.prod(values[k] for k in keys) for keys in d), d) for name, d in dims.items()}
+
+
+def _plan(config: ModelConfig, infos: dict[str, _TensorInfo], source: str, config_name: str) -> dict[str, str]:
+    """Check stored tensors (names, dtypes, shapes; nothing read yet) against the config; vexact name -> stored name.
+
+    Dropped on purpose: RoPE ``inv_freq`` buffers (recomputed from the config) and, for tied embeddings, a stored
+    ``lm_head.weight`` (transformers ties it to ``embed_tokens`` too). Refused, each with one message: two stored
+    names for one parameter, a layer count other than num_hidden_layers, missing or unexpected tensors (no partial
+    load), a shape other than the config implies (naming the config keys that disagree), a non-float dtype.
+    """
+    kept: dict[str, str] = {}
+    for stored in infos:
+        if stored.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and stored == "lm_head.weight"):
+            continue
+        name = stored.removeprefix("model.")
+        if name in kept:
+            raise ValueError(f"{source}: tensors {_short(kept[name])} and {_short(stored)} are both {name!r}")
+        kept[name] = stored
+    layers = {int(m.group(1)) for name in kept if (m := _LAYER_NAME.match(name))}
+    present = max(layers) + 1 if layers else 0
+    if present != config.num_layers:
+        held = f"tensors of layers 0..{present - 1}" if present else "no layer tensors"
+        raise ValueError(f"{config_name}: num_hidden_layers={config.num_layers} disagrees with the weights: "
+                         f"{source} holds {held}")
+    per_layer = 9 + 3 * config.qkv_bias + 2 * config.qk_norm
+    if config.num_layers * per_layer > 4 * len(kept) + 1000:  # a hostile layer index: never enumerate billions
+        raise ValueError(f"{source} does not match its config: {config_name} implies "
+                         f"{config.num_layers * per_layer:,}+ tensors, the weights hold {len(kept):,}")
+    expected = _expected_shapes(config)
+    missing = sorted(set(expected) - set(kept))
+    unexpected = sorted(set(kept) - set(expected))
+    if missing or unexpected:
+        parts = [f"{label} {len(names)} tensor(s): {', '.join(n[:100] for n in names[:5])}"
+                 + (" ..." if names[5:] else "")
+                 for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
+        raise ValueError(f"{source} does not match its config: {'; '.join(parts)}")
+    values = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "head_dim": config.head_dim,
+              "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_heads,
+              "num_key_value_heads": config.num_kv_heads}
+    for name, (shape, dims) in expected.items():
+        info = infos[kept[name]]
+        if info.shape != shape:
+            wrong = [keys for i, keys in enumerate(dims) if i >= len(info.shape) or info.shape[i] != shape[i]] or dims
+            keys = list(dict.fromkeys(k for ks in wrong for k in ks))
+            said = ", ".join(f"{k}={values[k]}" for k in keys)
+            raise ValueError(f"{config_name}: {said} disagree{'s' if len(keys) == 1 else ''} with the weights: "
+                             f"tensor {kept[name]!r} in {info.file} has shape {info.shape}, the config implies "
+                             f"{shape} = ({', '.join(' x '.join(ks) for ks in dims)})")
+        if info.dtype not in _WEIGHT_DTYPES:
+            raise ValueError(f"{source}: tensor {kept[name]!r} in {info.file} has dtype {info.dtype}; vexact loads "
+                             f"floating-point weights ({', '.join(_WEIGHT_DTYPES)}), not integer, boolean or 8-bit "
+                             "(quantised) tensors")
+    return kept
+
+
+def _check_finite(tensor: Tensor, stored: str, where: str) -> None:
+    if not torch.isfinite(tensor).all():
+        nan, bad = int(torch.isnan(tensor).sum()), int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"{where}: tensor {stored!r} has non-finite weights ({nan:,} NaN, {bad - nan:,} Inf of "
+                         f"{tensor.numel():,} values); refusing to load a checkpoint that is not finite")
+
+
+def _merge(infos: dict[str, _TensorInfo], more: dict[str, _TensorInfo]) -> None:
+    for name, info in more.items():
+        if name in infos:
+            raise ValueError(f"tensor {_short(name)} is stored twice: in {infos[name].file} and in {info.file}")
+        infos[name] = info
+
+
+def _check_index(index: Path | None, weight_map: dict[str, str], directory: Path,
+                 infos: dict[str, _TensorInfo]) -> None:
+    """Every tensor an index lists must be in the shard it names (shards may hold tensors it does not list)."""
+    for tensor, shard in weight_map.items():
+        info = infos.get(tensor)
+        if info is None or Path(info.file) != directory / shard:
+            raise ValueError(f"{index}: lists tensor {_short(tensor)} in {shard}, but {directory / shard} does not "
+                             "hold it")
+
+
+def read_checkpoint(directory: str | Path, max_seq_len: int | None = None) -> Checkpoint:
+    """Read and check a checkpoint directory: config, weight files, every tensor; see the module docstring.
+
+    Order, so that nothing is allocated for a file that does not match its config: config.json; the index; for
+    safetensors, every header (dtypes, shapes, offsets against the file size) checked against the config, then
+    the data; for ``.bin``, the files' sizes against the config, then weights-only unpickling, then the same
+    checks. Finally every tensor must be finite.
+    """
+    directory = Path(directory)
+    hf_config = read_checkpoint_config(directory)
+    config_name = str(directory / "config.json")
+    config = model_config_from_hf(hf_config, max_seq_len, source=config_name)
+    _check_rope_table(config, config_name)
+    source = f"checkpoint {directory}"
+    files, index, weight_map = _weight_files(directory)
+    infos: dict[str, _TensorInfo] = {}
+    if files[0].name.endswith(".safetensors"):
+        for path in files:
+            _merge(infos, _safetensors_header(path))
+        _check_index(index, weight_map, directory, infos)
+        plan = _plan(config, infos, source, config_name)
+        tensors: dict[str, Tensor] = {}
+        for path in files:
+            wanted = {name: stored for name, stored in plan.items() if infos[stored].file == str(path)}
+            read = _read_safetensors(path, list(wanted.values()))
+            tensors.update((name, read[stored]) for name, stored in wanted.items())
+    else:
+        _check_bin_sizes(config, config_name, files)
+        raw: dict[str, Tensor] = {}
+        for path in files:
+            content = _read_bin(path)
+            _merge(infos, {name: _TensorInfo(str(path), _TORCH_DTYPE_NAMES.get(t.dtype, str(t.dtype)),
+                                             tuple(t.shape)) for name, t in content.items()})
+            raw.update(content)
+        _check_index(index, weight_map, directory, infos)
+        plan = _plan(config, infos, source, config_name)
+        tensors = {name: raw[stored] for name, stored in plan.items()}
+        del raw
+    origin = {name: (infos[stored].file, stored) for name, stored in plan.items()}
+    for name, tensor in tensors.items():
+        _check_finite(tensor, origin[name][1], origin[name][0])
+    return Checkpoint(config, tensors, origin, source)
+
+
+def _checkpoint_of_model(hf_model: Any, max_seq_len: int | None) -> Checkpoint:
+    """The same checks for an already built transformers model (its config and state_dict)."""
+    class_name = type(hf_model).__name__
+    if class_name not in SUPPORTED_ARCHITECTURES.values():
+        raise ValueError(f"unsupported architecture: got a {class_name} object; vexact supports {_SUPPORTED_TEXT}")
+    config_name, source = f"{class_name}.config", f"{class_name} object"
+    config = model_config_from_hf({**hf_model.config.to_dict(), "architectures": [class_name]}, max_seq_len,
+                                  source=config_name)
+    _check_rope_table(config, config_name)
+    state = hf_model.state_dict()
+    infos = {name: _TensorInfo(source, _TORCH_DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape))
+             for name, t in state.items()}
+    plan = _plan(config, infos, source, config_name)
+    tensors = {name: state[stored] for name, stored in plan.items()}
+    origin = {name: (source, stored) for name, stored in plan.items()}
+    for name, tensor in tensors.items():
+        _check_finite(tensor, origin[name][1], source)
+    return Checkpoint(config, tensors, origin, source)
 
 
 def _load_weights(model: Transformer, tensors: dict[str, Tensor], source: str) -> None:
@@ -205,18 +673,34 @@ def _load_weights(model: Transformer, tensors: dict[str, Tensor], source: str) -
             param.copy_(tensors[name])  # copy_ casts to the model's dtype and device
 
 
+def build_model(checkpoint: Checkpoint, backend: str = "exact", dtype: torch.dtype | str = torch.float32,
+                device: torch.device | str = "cpu") -> Transformer:
+    """A ``Transformer`` with ``checkpoint``'s weights cast to ``dtype``; a weight that is finite in the file but
+    overflows ``dtype`` (e.g. float32 3.4e38 in bfloat16) is refused, naming the file and tensor."""
+    dtype = resolve_dtype(dtype)
+    model = Transformer(checkpoint.config, backend=backend, dtype=dtype, device=device, init_seed=None)
+    _load_weights(model, checkpoint.tensors, checkpoint.source)
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            file, stored = checkpoint.origin[name]
+            peak = float(checkpoint.tensors[name].abs().max())
+            raise ValueError(f"{file}: tensor {stored!r} is finite but overflows {short_dtype_name(dtype)} "
+                             f"(max |value| {peak:.3g}); load it in float32")
+    return model
+
+
 def read_checkpoint_config(directory: Path) -> dict[str, Any]:
-    """The ``config.json`` of a Hugging Face checkpoint directory, with one clear error if it is missing
-    or unreadable."""
+    """The ``config.json`` of a Hugging Face checkpoint directory, with one clear error if it is missing, unreadable,
+    larger than a config can be, not JSON, or not a JSON object."""
     if not directory.is_dir():
         raise ValueError(f"checkpoint directory not found: {directory}")
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"no config.json in {directory} (expected a Hugging Face checkpoint directory)")
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+    config = _read_json(config_file, "config.json")
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file}: expected a JSON object (a Hugging Face config), got {type(config).__name__}")
+    return config
 
 
 def from_pretrained(path_or_model: str | Path | Any, backend: str = "exact", dtype: torch.dtype | str = torch.float32,
@@ -229,37 +713,33 @@ def from_pretrained(path_or_model: str | Path | Any, backend: str = "exact", dty
     are cast to ``dtype`` (float32 or bfloat16). ``max_seq_len`` (default: the checkpoint's
     ``max_position_embeddings``, capped at its sliding window) sizes the RoPE table.
     Raises ValueError with one message for a missing directory or file, an unsupported
-    architecture, or weights that do not match the config.
+    architecture, a broken or hostile file, or weights that do not match the config or are not
+    finite (see the module docstring); nothing is allocated for weights that do not match.
     """
-    dtype = resolve_dtype(dtype)
     if isinstance(path_or_model, (str, Path)):
-        directory = Path(path_or_model)
-        hf_config = read_checkpoint_config(directory)
-        config = model_config_from_hf(hf_config, max_seq_len)
-        tensors, source = _read_state_dict(directory), f"checkpoint {directory}"
+        checkpoint = read_checkpoint(path_or_model, max_seq_len)
     elif hasattr(path_or_model, "config") and hasattr(path_or_model, "state_dict"):
-        hf_model = path_or_model
-        class_name = type(hf_model).__name__
-        if class_name not in SUPPORTED_ARCHITECTURES.values():
-            raise ValueError(f"unsupported architecture: got a {class_name} object; vexact supports {_SUPPORTED_TEXT}")
-        config = model_config_from_hf({**hf_model.config.to_dict(), "architectures": [class_name]}, max_seq_len)
-        tensors, source = hf_model.state_dict(), f"{class_name} object"
+        checkpoint = _checkpoint_of_model(path_or_model, max_seq_len)
     else:
         raise ValueError(f"path_or_model must be a checkpoint directory or a transformers model, "
                          f"got {type(path_or_model).__name__}")
-    model = Transformer(config, backend=backend, dtype=dtype, device=device, init_seed=None)
-    _load_weights(model, _to_vexact_names(tensors, config), source)
-    return model
+    return build_model(checkpoint, backend, dtype, device)
 
 
 def load_tokenizer(directory: str | Path) -> Any | None:
-    """``transformers.AutoTokenizer`` from a checkpoint directory (local files only), or None if it has none."""
+    """``transformers.AutoTokenizer`` from a checkpoint directory (local files only), or None if it has none.
+
+    A tokenizer that is there but cannot be loaded is one ValueError naming the directory."""
     directory = Path(directory)
     if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # a broken tokenizer file: transformers and tokenizers raise many kinds of error
+        first = (str(err).strip().splitlines() or [""])[0][:120]
+        raise ValueError(f"{directory}: cannot load its tokenizer ({type(err).__name__}: {first})") from None
 
 
 # --------------------------------------------------------------------------- tiny checkpoints

@@ -349,7 +349,7 @@ def _join(prefix: str, key: object) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A value as the user wrote it (YAML spelling for null and booleans), truncated."""
     if value is None:
         return "null"
@@ -359,13 +359,56 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
+def yaml_problem(e: yaml.YAMLError) -> str:
     """PyYAML's multi-line parser message, condensed to one line with the position."""
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None)
     if problem and mark is not None:
         return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
     return " ".join(str(e).split())
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last silently,
+    so ``grid: {seed: [0], seed: [1]}`` would quietly drop a list)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # unhashable: the safe loader reports it below
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found duplicate key {show_value(key)}",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path, what: str, origin: str = "") -> Any:
+    """The parsed YAML of ``path`` (safe loading, a key given twice is an error); every way of failing is one
+    ConfigError naming the file ("{what} '{path}'{origin}")."""
+    name = f"{what} '{path}'{origin}"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{name} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{name} is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {name}: {e.strerror or e}") from None
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {name}: {yaml_problem(e)}") from None
 
 
 # --- generic checking from type hints ----------------------------------------------------------------------
@@ -429,7 +472,7 @@ def _convert(value: Any, tp: Any, key: str, meta: dict) -> Any:
     try:
         return _convert_inner(value, tp, key, meta)
     except _Mismatch:
-        raise ConfigError(f"expected {_describe(tp, meta)}, got {_show(value)}", key) from None
+        raise ConfigError(f"expected {_describe(tp, meta)}, got {show_value(value)}", key) from None
 
 
 def _convert_inner(value: Any, tp: Any, key: str, meta: dict) -> Any:
@@ -568,8 +611,8 @@ def _move_renamed(data: dict) -> None:
         if not isinstance(target, dict):
             continue  # the section's own type error is reported when it is built
         if new_name in target and target[new_name] != value:
-            raise ConfigError(f"deprecated key set to {_show(value)} while '{new}' is {_show(target[new_name])}; "
-                              f"keep only '{new}'", old)
+            raise ConfigError(f"deprecated key set to {show_value(value)} while '{new}' is "
+                              f"{show_value(target[new_name])}; keep only '{new}'", old)
         target[new_name] = value
 
 
@@ -590,7 +633,7 @@ def _apply_override(data: dict, item: str) -> str:
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"cannot parse value {raw!r} as YAML (from --set {item}): {_yaml_problem(e)}", key) from None
+        raise ConfigError(f"cannot parse value {raw!r} as YAML (from --set {item}): {yaml_problem(e)}", key) from None
 
     # Walk the schema, not the data, so a typo is caught even when the YAML file never mentions the section.
     tp: Any = RunConfig
@@ -614,7 +657,7 @@ def _apply_override(data: dict, item: str) -> str:
             if node.get(part) is None:  # absent, or left empty in YAML
                 node[part] = {}
             elif not isinstance(node[part], dict):
-                raise ConfigError(f"expected {_describe(tp, {})}, got {_show(node[part])}", path)
+                raise ConfigError(f"expected {_describe(tp, {})}, got {show_value(node[part])}", path)
             node = node[part]
     return key
 
@@ -642,21 +685,14 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
     """Read a YAML config file, apply ``--set`` overrides (``a.b.c=value``) and validate it."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: '{path}'") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file '{path}': {e.strerror or e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML in '{path}': {_yaml_problem(e)}") from None
+    if not path.exists():
+        raise ConfigError(f"config file not found: '{path}'")
+    data = read_yaml(path, "config file")
     if data is None:  # empty file: all defaults
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"'{path}' must contain a mapping of config keys at top level, "
-                          f"got {type(data).__name__}: {_show(data)}")
+                          f"got {type(data).__name__}: {show_value(data)}")
     return config_from_dict(data, overrides)
 
 
