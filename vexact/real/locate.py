@@ -1,0 +1,721 @@
+"""``vexact locate``: the first op whose output bits differ between two computation paths.
+
+``measure`` says *how much* two paths disagree on log-probs; ``locate`` says *where* the disagreement starts. It
+runs two paths on the same token sequences, records the output of every kernel op of every layer at every
+position, and reports the first op in forward order whose bits differ -- with the sequence, position and feature,
+both values and their bit patterns -- and how |Δ| grows op by op and layer by layer after it.
+
+**Paths** are ``BACKEND:DTYPE[:KIND]``. ``BACKEND:DTYPE`` is ``measure``'s spec (``measure.parse_path``) with
+BACKEND ``exact``, ``native`` or ``triton``; ``hf`` is refused (transformers' modules do not run through vexact's
+kernel ops, so there is nothing to record op by op: ``vexact measure`` compares an ``hf`` path's log-probs).
+KIND is
+
+- ``rollout``: the KV-cache path of ``generate``: each sequence's first tokens (its prompt, or ``prefill``
+  tokens) in one forward that fills a cache, then every later token in its own one-token forward (decode);
+- ``train``: the training path of ``token_logprobs``: all sequences in one full-sequence forward, no cache.
+
+KIND defaults to ``rollout`` for path a and ``train`` for path b, so the default pair -- exact:fp32 rollout vs
+exact:fp32 train -- is vexact's guarantee itself and reports no divergence.
+
+**Tokens.** The prompts, plus (``max_new_tokens`` > 0) a continuation that path a's model and ops generate first
+with ``generate`` (EOS ignored, so every continuation has ``max_new_tokens`` tokens). Both paths then run the
+same sequences; rows of one batch are right-padded, and padded slots are never compared.
+
+**Op names** come from call order. ``Transformer.forward`` runs every op through the ``ops`` value it is given;
+``OpRecorder`` wraps a backend's ops, runs each call on them unchanged and keeps its output under the name
+``op_plan`` gives that call (``layer 0 / q_proj``, ...). A call that does not match the plan -- another op,
+another feature size, a missing or an extra call -- raises ``OpStructureError``: a changed forward fails loudly
+instead of being mislabelled. The residual stream is no op: it is recorded as the input of the norm that reads
+it -- ``embed`` (the embedding, layer 0's input), ``layer i / resid_attn`` (x after the attention's residual add)
+and ``layer i / resid_mlp`` (x after the MLP's: the layer's output). ``logits`` is ``model.logits`` over each
+forward's hidden states: every position of a training forward or a prefill (``generate`` computes only the
+prompt's last one), and the decode step's [B, D] hidden as ``generate`` passes it.
+
+**Bits.** Two values are equal when their float32 bit patterns are (bf16 widens to fp32 exactly, so fp32 vs
+bf16 compares values; -0.0 and 0.0 differ, a NaN equals only the same NaN). |Δ| is computed in float64.
+
+**Report** (``LocateResult.summary``, also ``--json``): ``a``, ``b`` (path names), ``model``, ``config`` (the
+ModelConfig), ``tokens`` (the sequences), ``prompt_lengths``, ``prefill``, ``positions`` (rows compared: one
+per sequence and position), ``max_new_tokens``, ``temperature``, ``seed``, ``threads``, ``diverged``,
+``first_divergence`` (None, or ``op``, ``index``, ``group``, ``sequence``, ``position``, ``feature``,
+``feature_index``, ``a``, ``b``, ``a_bits``, ``b_bits``, ``abs_diff``, ``elements_differing``,
+``positions_differing``), ``ops`` (one row per op in forward order: ``index``, ``name``, ``group``, ``kernel_op``,
+``recorded``, ``features``, ``elements``, ``elements_differing``, ``positions_differing``, ``bitwise_equal``,
+``abs_diff_max``, ``abs_diff_mean``, ``rel_diff_max`` = abs_diff_max / max |b|, ``max_at``), ``layers`` (one
+row per group -- ``embed``, ``layer 0`` ..., ``head`` -- ``group``, ``ops``, ``ops_differing``,
+``abs_diff_max``, ``output``, ``output_abs_diff_max``, ``output_abs_diff_mean``) and ``seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import vexact_kernels
+
+from ..engine.inputs import check_temperature, check_token_lists, pad_right
+from ..engine.model import KernelOps, ModelConfig, Transformer
+from ..engine.rollout import CACHE_BLOCK, generate
+from .measure import MeasureSettings, PathSpec, load_prompts, parse_path
+from .pretrained import build_model, load_tokenizer, model_config_from_hf, read_checkpoint, read_checkpoint_config
+
+KINDS = ("rollout", "train")
+DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
+# The tiny random model's shape when no --model is given (the same defaults as ``vexact check``).
+RANDOM_MODEL = dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
+_PATH_FORMAT = ("expected BACKEND:DTYPE[:KIND] with BACKEND in exact, native, triton, DTYPE in fp32, bf16 and KIND "
+                "in rollout, train")
+
+
+# --------------------------------------------------------------------------- paths
+@dataclass(frozen=True)
+class LocatePath:
+    """A backend and dtype (``measure``'s ``PathSpec``) run as the rollout or the training path."""
+
+    spec: PathSpec
+    kind: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.name}:{self.kind}"
+
+
+def parse_locate_path(text: str, default_kind: str, flag: str = "path") -> LocatePath:
+    """``"native:bf16:rollout"`` (or ``"native:bf16"``, taking ``default_kind``) -> LocatePath; one ValueError
+    naming ``flag`` for a bad spec or an ``hf`` backend."""
+    head, sep, last = str(text).rpartition(":")
+    spec_text, kind = (head, last) if sep and last in KINDS else (str(text), default_kind)
+    try:
+        spec = parse_path(spec_text)
+    except ValueError:
+        raise ValueError(f"{flag}: bad path {text!r}: {_PATH_FORMAT}") from None
+    if spec.backend == "hf":
+        raise ValueError(f"{flag}: {text!r}: locate records each op through vexact's kernel ops, so it supports the "
+                         "backends exact, native and triton; transformers' own modules (hf) cannot be recorded op by "
+                         "op (vexact measure compares an hf path's log-probs)")
+    return LocatePath(spec, kind)
+
+
+def parse_positions(text: str | None) -> list[tuple[int, int | None]]:
+    """``"0-7,12,30-"`` -> [(0, 7), (12, 12), (30, None)]: inclusive ranges, None = open end; None = all."""
+    if text is None:
+        return [(0, None)]
+    ranges: list[tuple[int, int | None]] = []
+    for item in str(text).split(","):
+        lo, dash, hi = item.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"--positions: expected a comma list of positions and ranges like 0-7,12,30- "
+                             f"(non-negative, low <= high), got {item.strip()!r}")
+        ranges.append((int(lo), int(hi) if hi else (None if dash else int(lo))))
+    return ranges
+
+
+def _selected(position: int, ranges: list[tuple[int, int | None]]) -> bool:
+    return any(lo <= position and (hi is None or position <= hi) for lo, hi in ranges)
+
+
+# --------------------------------------------------------------------------- the op plan
+@dataclass(frozen=True)
+class OpSlot:
+    """One recorded tensor of a forward (+ logits): ``name``, the kernel op that produces or reads it, ``recorded``
+    (``output``; ``input`` for the residual stream a norm reads), its ``group`` and per-position feature shape."""
+
+    name: str
+    kernel_op: str
+    group: str
+    feature_shape: tuple[int, ...]
+    recorded: str = "output"
+
+    @property
+    def features(self) -> int:
+        return math.prod(self.feature_shape)
+
+
+def op_plan(config: ModelConfig) -> list[OpSlot]:
+    """Every tensor recorded in one ``Transformer.forward`` plus ``Transformer.logits``, in call order.
+
+    Mirrors the forward: per layer the input norm, q/k/v projections, (qk_norm) q/k norms, RoPE on q and k,
+    attention, o_proj, the residual after attention, the post-attention norm, gate/up projections, silu_mul,
+    down_proj; then the last residual, the final norm and the LM head. Keep it in step with ``forward``:
+    ``OpRecorder`` refuses any call that does not match."""
+    c, hidden = config, (config.hidden_size,)
+    plan = [OpSlot("embed", "rms_norm", "embed", hidden, "input")]
+    for i in range(c.num_layers):
+        if i > 0:  # the previous layer's output is this layer's input-norm input: named after the layer it left
+            plan.append(OpSlot(f"layer {i - 1} / resid_mlp", "rms_norm", f"layer {i - 1}", hidden, "input"))
+        plan += _layer_slots(c, f"layer {i}")
+    last = f"layer {c.num_layers - 1}"
+    plan += [OpSlot(f"{last} / resid_mlp", "rms_norm", last, hidden, "input"),
+             OpSlot("final_norm", "rms_norm", "head", hidden), OpSlot("logits", "linear", "head", (c.vocab_size,))]
+    return plan
+
+
+def _layer_slots(c: ModelConfig, group: str) -> list[OpSlot]:
+    """One decoder layer's slots, from its input norm to down_proj."""
+    q_heads, kv_heads, hidden, inner = (c.num_heads, c.head_dim), (c.num_kv_heads, c.head_dim), (c.hidden_size,), (
+        c.intermediate_size,)
+    names = [("input_norm", "rms_norm", hidden), ("q_proj", "linear", q_heads), ("k_proj", "linear", kv_heads),
+             ("v_proj", "linear", kv_heads)]
+    if c.qk_norm:
+        names += [("q_norm", "rms_norm", q_heads), ("k_norm", "rms_norm", kv_heads)]
+    names += [("q_rope", "rope", q_heads), ("k_rope", "rope", kv_heads), ("attention", "attention", q_heads),
+              ("o_proj", "linear", hidden), ("resid_attn", "rms_norm", hidden), ("post_norm", "rms_norm", hidden),
+              ("gate_proj", "linear", inner), ("up_proj", "linear", inner), ("silu_mul", "silu_mul", inner),
+              ("down_proj", "linear", hidden)]
+    return [OpSlot(f"{group} / {name}", op, group, shape, "input" if name == "resid_attn" else "output")
+            for name, op, shape in names]
+
+
+class OpStructureError(RuntimeError):
+    """The model called its ops in an order ``op_plan`` does not describe: ``Transformer.forward`` changed and
+    ``op_plan`` must follow it (a bug in vexact, not bad input)."""
+
+
+class OpRecorder:
+    """Kernel ops that run ``ops`` unchanged and keep each output named by ``plan``.
+
+    Pass it as ``ops=`` to ``Transformer.forward`` and ``Transformer.logits``. Between ``begin`` and ``finish`` (one
+    forward plus its logits) it expects exactly the calls of ``plan``; a call that does not match raises
+    ``OpStructureError``. ``begin`` says which rows of this forward to keep and where they go in ``store``
+    (name -> [rows, features] tensor in the op's dtype, allocated at the first call)."""
+
+    def __init__(self, ops: KernelOps, plan: list[OpSlot], rows: int):
+        self.ops, self.plan, self.rows = ops, plan, rows
+        self.store: dict[str, Tensor] = {}
+        self._next: int | None = None
+        self._keep: tuple[int, int, Tensor, Tensor, Tensor] | None = None
+
+    def begin(self, batch: int, length: int, keep_batch: Tensor, keep_time: Tensor, dest: Tensor) -> None:
+        """A forward over [batch, length] tokens starts; its rows (keep_batch[i], keep_time[i]) go to dest[i]."""
+        self._next, self._keep = 0, (batch, length, keep_batch, keep_time, dest)
+
+    def finish(self) -> None:
+        """The forward and its logits are done: every slot of the plan must have been recorded."""
+        if self._next != len(self.plan):
+            missing = self.plan[self._next].name if self._next is not None else "(begin was not called)"
+            raise OpStructureError(f"the forward ended before {missing!r} (slot {self._next} of {len(self.plan)}): "
+                                   "Transformer.forward changed; update vexact.real.locate.op_plan")
+        self._next = self._keep = None
+
+    # The kernel op functions (the names and signatures of vexact_kernels' backends).
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return self._run("linear", x, weight, bias)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self._run("rms_norm", x, weight, eps)
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self._run("silu_mul", gate, up)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self._run("rope", x, cos, sin)
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+        return self._run("attention", q, k_cache, v_cache, q_start, scale)
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        return self._run("log_softmax", logits)
+
+    def token_logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return self._run("token_logprobs", logits, targets)
+
+    def _run(self, kernel_op: str, *args: Any) -> Tensor:
+        while self._slot(kernel_op).recorded == "input":  # the residual stream this norm reads
+            self._record(args[0])
+        self._slot(kernel_op)
+        out = getattr(self.ops, kernel_op)(*args)
+        self._record(out)
+        return out
+
+    def _slot(self, kernel_op: str) -> OpSlot:
+        """The slot this call must fill; OpStructureError if the call is not the one the plan expects."""
+        if self._next is None:
+            raise OpStructureError(f"{kernel_op} called outside begin/finish")
+        if self._next >= len(self.plan):
+            raise OpStructureError(f"an extra {kernel_op} call after the last slot {self.plan[-1].name!r}: "
+                                   "Transformer.forward changed; update vexact.real.locate.op_plan")
+        slot = self.plan[self._next]
+        if slot.kernel_op != kernel_op:
+            raise OpStructureError(f"the forward called {kernel_op} where op_plan expects {slot.kernel_op} for "
+                                   f"{slot.name!r} (slot {self._next}): Transformer.forward changed; update "
+                                   "vexact.real.locate.op_plan")
+        return slot
+
+    def _record(self, tensor: Tensor) -> None:
+        slot = self.plan[self._next]
+        batch, length, keep_batch, keep_time, dest = self._keep
+        if tensor.numel() != batch * length * slot.features:
+            raise OpStructureError(f"{slot.name!r} (slot {self._next}) has shape {tuple(tensor.shape)}, op_plan "
+                                   f"expects {slot.features} features for each of {batch}x{length} tokens: "
+                                   "Transformer.forward changed; update vexact.real.locate.op_plan")
+        rows = tensor.detach().reshape(batch, length, slot.features)[keep_batch, keep_time]
+        if slot.name not in self.store:
+            self.store[slot.name] = torch.zeros(self.rows, slot.features, dtype=tensor.dtype)
+        self.store[slot.name][dest] = rows.cpu()
+        self._next += 1
+
+
+# --------------------------------------------------------------------------- running a path
+@torch.no_grad()
+def capture(model: Transformer, ops: KernelOps, kind: str, sequences: list[list[int]], prefill: list[int],
+            rows: list[tuple[int, int]]) -> dict[str, Tensor]:
+    """Every op's output of one path: name -> [len(rows), features], row i = (sequence, position) ``rows[i]``.
+
+    ``kind`` ``train``: one forward over all sequences (right-padded), no cache. ``rollout``: sequence b's first
+    ``prefill[b]`` tokens in one forward that fills a KV cache (of ``generate``'s length), then each later token
+    in a one-token forward at its position; a sequence that is done decodes padding, which is never kept."""
+    plan = op_plan(model.config)
+    recorder = OpRecorder(ops, plan, len(rows))
+    device = model.device
+
+    def forward(tokens: Tensor, keep: list[tuple[int, int, int]], **kwargs: Any) -> None:
+        """One forward + logits, keeping (batch row, time, destination row) triples."""
+        index = torch.tensor(keep, dtype=torch.long).reshape(-1, 3)
+        recorder.begin(tokens.shape[0], tokens.shape[1], index[:, 0], index[:, 1], index[:, 2])
+        hidden = model(tokens, ops=recorder, **kwargs)
+        model.logits(hidden if tokens.shape[1] > 1 else hidden[:, 0], ops=recorder)  # decode: [B, D] as generate
+        recorder.finish()
+
+    if kind == "train":
+        forward(pad_right(sequences, device), [(b, p, i) for i, (b, p) in enumerate(rows)])
+        return recorder.store
+    if kind != "rollout":
+        raise ValueError(f"unknown path kind {kind!r}; expected one of {', '.join(KINDS)}")
+    lengths = [len(s) for s in sequences]
+    steps = max(n - k for n, k in zip(lengths, prefill))
+    cache = model.new_cache(len(sequences), -(-(max(prefill) + steps) // CACHE_BLOCK) * CACHE_BLOCK)
+    forward(pad_right([s[:k] for s, k in zip(sequences, prefill)], device),
+            [(b, p, i) for i, (b, p) in enumerate(rows) if p < prefill[b]], cache=cache)
+    for t in range(steps):
+        tokens = [s[k + t] if k + t < len(s) else 0 for s, k in zip(sequences, prefill)]
+        q_start = torch.tensor(prefill, dtype=torch.long, device=device) + t
+        forward(torch.tensor(tokens, dtype=torch.long, device=device)[:, None],
+                [(b, 0, i) for i, (b, p) in enumerate(rows) if p == prefill[b] + t], q_start=q_start, cache=cache)
+    return recorder.store
+
+
+# --------------------------------------------------------------------------- comparing
+def bit_pattern(value: Tensor) -> str:
+    """The bits of one fp32 or bf16 element, as hex (8 or 4 digits)."""
+    value = value.reshape(1)
+    if value.dtype == torch.bfloat16:
+        return f"0x{value.view(torch.int16).item() & 0xFFFF:04x}"
+    return f"0x{value.float().view(torch.int32).item() & 0xFFFFFFFF:08x}"
+
+
+def _differs(a: Tensor, b: Tensor) -> Tensor:
+    """Elementwise: do the float32 bit patterns differ (bf16 widened exactly)?"""
+    return a.float().view(torch.int32) != b.float().view(torch.int32)
+
+
+def compare_captures(plan: list[OpSlot], a: dict[str, Tensor], b: dict[str, Tensor],
+                     rows: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """One row per slot of ``plan``: bitwise differences and |Δ| statistics between the two captures."""
+    out = []
+    for index, slot in enumerate(plan):
+        x, y = a[slot.name], b[slot.name]
+        differs = _differs(x, y)
+        delta = torch.where(differs, (x.double() - y.double()).abs(), 0.0)
+        scale = float(y.double().abs().max()) if y.numel() else 0.0
+        n_diff = int(differs.sum())
+        row: dict[str, Any] = {
+            "index": index, "name": slot.name, "group": slot.group, "kernel_op": slot.kernel_op,
+            "recorded": slot.recorded, "features": slot.features, "elements": x.numel(),
+            "elements_differing": n_diff, "positions_differing": int(differs.any(dim=1).sum()),
+            "bitwise_equal": n_diff == 0, "abs_diff_max": 0.0, "abs_diff_mean": 0.0, "rel_diff_max": 0.0,
+            "max_at": None,
+        }
+        if n_diff:
+            flat = int(torch.nan_to_num(delta, nan=math.inf).argmax())
+            peak = float(delta.reshape(-1)[flat])
+            sequence, position = rows[flat // slot.features]
+            row.update(abs_diff_max=peak, abs_diff_mean=float(delta.mean()),
+                       rel_diff_max=peak / scale if scale > 0 else math.inf,
+                       max_at={"sequence": sequence, "position": position, "feature": flat % slot.features})
+        out.append(row)
+    return out
+
+
+def first_divergence(plan: list[OpSlot], a: dict[str, Tensor], b: dict[str, Tensor],
+                     rows: list[tuple[int, int]], ops: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first slot (forward order) with differing bits, at its first differing element (rows in order, then
+    features): where, both values and their bit patterns; None if every slot is bitwise equal."""
+    for slot, row in zip(plan, ops):
+        if row["bitwise_equal"]:
+            continue
+        x, y = a[slot.name], b[slot.name]
+        flat = int(_differs(x, y).reshape(-1).nonzero()[0, 0])
+        r, feature = divmod(flat, slot.features)
+        va, vb = x[r, feature], y[r, feature]
+        sequence, position = rows[r]
+        return {"op": slot.name, "index": row["index"], "group": slot.group, "sequence": sequence,
+                "position": position, "feature": feature,
+                "feature_index": [int(i) for i in torch.unravel_index(torch.tensor(feature), slot.feature_shape)],
+                "a": float(va), "b": float(vb), "a_bits": bit_pattern(va), "b_bits": bit_pattern(vb),
+                "abs_diff": abs(float(va) - float(vb)), "elements_differing": row["elements_differing"],
+                "positions_differing": row["positions_differing"]}
+    return None
+
+
+def layer_summary(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per group (``embed``, ``layer 0`` ..., ``head``): ops differing, the largest |Δ| of any of its ops,
+    and |Δ| of its output (embed; the layer's ``resid_mlp``; logits) -- how the difference grows layer by layer."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in ops:
+        groups.setdefault(row["group"], []).append(row)
+    out = []
+    for group, rows in groups.items():
+        output = rows[-1]  # embed, layer i / resid_mlp, logits
+        out.append({"group": group, "ops": len(rows), "ops_differing": sum(not r["bitwise_equal"] for r in rows),
+                    "abs_diff_max": max(r["abs_diff_max"] for r in rows), "output": output["name"],
+                    "output_abs_diff_max": output["abs_diff_max"], "output_abs_diff_mean": output["abs_diff_mean"]})
+    return out
+
+
+# --------------------------------------------------------------------------- the command
+@dataclass
+class LocateSettings:
+    """Everything ``run_locate`` needs; the CLI fills it from its flags. ``model`` None = a random model of
+    ``random_model`` (RANDOM_MODEL's keys plus qk_norm, qkv_bias, tie_embeddings) seeded with ``seed``."""
+
+    a: str = DEFAULT_A
+    b: str = DEFAULT_B
+    model: Path | None = None
+    random_model: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: list[list[int]] | None = None
+    prompts_file: Path | None = None
+    random_prompts: int | None = None
+    max_prompt_len: int = 16
+    token_ids: bool = False
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    seed: int = 0
+    prefill: int | None = None
+    positions: str | None = None
+    threads: int | None = None
+
+
+@dataclass
+class LocateResult:
+    """``summary``: the JSON-able report (keys in the module docstring); ``a`` / ``b``: each path's captures."""
+
+    summary: dict[str, Any]
+    a: dict[str, Tensor]
+    b: dict[str, Tensor]
+
+
+class _Models:
+    """The models the two paths run: one per dtype, same weights (a random init or one checked checkpoint)."""
+
+    def __init__(self, settings: LocateSettings, max_seq_len: int):
+        self.settings, self.max_seq_len = settings, max_seq_len
+        self._checkpoint = read_checkpoint(settings.model, max_seq_len) if settings.model is not None else None
+        self._built: dict[torch.dtype, Transformer] = {}
+
+    def get(self, spec: PathSpec) -> Transformer:
+        if spec.dtype not in self._built:
+            if self._checkpoint is not None:
+                self._built[spec.dtype] = build_model(self._checkpoint, backend=spec.backend, dtype=spec.dtype)
+            else:
+                config = ModelConfig(**{**RANDOM_MODEL, **self.settings.random_model, "max_seq_len": self.max_seq_len})
+                self._built[spec.dtype] = Transformer(config, backend=spec.backend, dtype=spec.dtype,
+                                                      init_seed=self.settings.seed)
+        return self._built[spec.dtype]
+
+
+def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None]:
+    """(prompts, model description, longest sequence the model allows or None for a random model)."""
+    tokenizer, limit = None, None
+    if settings.model is not None:
+        directory = Path(settings.model)
+        try:
+            hf_config = read_checkpoint_config(directory)
+        except ValueError as err:
+            raise ValueError(f"--model: {err}") from None
+        config = model_config_from_hf(hf_config, source=str(directory / "config.json"))
+        vocab, limit, described = config.vocab_size, config.max_seq_len, str(directory)
+        tokenizer = load_tokenizer(directory)
+    else:
+        shape = {**RANDOM_MODEL, **settings.random_model}
+        vocab = shape["vocab_size"]
+        described = "random (" + ", ".join(f"{k} {v}" for k, v in shape.items() if v is not False) + ")"
+    if settings.prompt_tokens is not None:
+        prompts = check_token_lists("--prompt-tokens", settings.prompt_tokens, vocab)
+    else:
+        # measure's prompt loader (one source of truth for --prompts FILE / random prompts); it never reads model.
+        source = MeasureSettings(model=Path(settings.model or "."), prompts_file=settings.prompts_file,
+                                 random_prompts=settings.random_prompts, max_prompt_len=settings.max_prompt_len,
+                                 token_ids=settings.token_ids, seed=settings.seed)
+        if source.prompts_file is None and source.random_prompts is None:
+            source.random_prompts = 2
+        prompts = load_prompts(source, vocab, tokenizer)
+    return prompts, described, limit
+
+
+@torch.no_grad()
+def run_locate(settings: LocateSettings) -> LocateResult:
+    """Run both paths on the same sequences, record every op, and compare them op by op (see the module docstring)."""
+    path_a = parse_locate_path(settings.a, "rollout", "--a")
+    path_b = parse_locate_path(settings.b, "train", "--b")
+    if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be a non-negative integer, got {settings.max_new_tokens!r}")
+    if settings.prefill is not None and (not isinstance(settings.prefill, int) or settings.prefill < 1):
+        raise ValueError(f"--prefill must be a positive integer, got {settings.prefill!r}")
+    check_temperature(settings.temperature)
+    ranges = parse_positions(settings.positions)
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    prompts, described, limit = _prompts(settings)
+    needed = max(map(len, prompts)) + settings.max_new_tokens
+    if limit is not None and needed > limit:
+        raise ValueError(f"longest prompt ({needed - settings.max_new_tokens}) + --max-new-tokens "
+                         f"({settings.max_new_tokens}) exceeds the model's {limit} positions")
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    models = _Models(settings, needed)
+    model_a, model_b = models.get(path_a.spec), models.get(path_b.spec)
+    ops_a = vexact_kernels.get_ops(path_a.spec.backend, model_a.device)
+    ops_b = vexact_kernels.get_ops(path_b.spec.backend, model_b.device)
+    seconds["load"] = time.perf_counter() - start
+
+    sequences = [list(p) for p in prompts]
+    if settings.max_new_tokens:
+        start = time.perf_counter()
+        out = generate(model_a, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                       seed=settings.seed, ops=ops_a)
+        sequences = [p + r for p, r in zip(prompts, out.tokens)]
+        seconds["generate"] = time.perf_counter() - start
+    prefill = [min(settings.prefill, len(s)) if settings.prefill else len(p) for p, s in zip(prompts, sequences)]
+    rows = [(b, p) for b, s in enumerate(sequences) for p in range(len(s)) if _selected(p, ranges)]
+    if not rows:
+        raise ValueError(f"--positions {settings.positions} selects no position (the longest sequence has "
+                         f"{max(map(len, sequences))} tokens)")
+
+    captures = []
+    for label, path, model, ops in (("a", path_a, model_a, ops_a), ("b", path_b, model_b, ops_b)):
+        start = time.perf_counter()
+        captures.append(capture(model, ops, path.kind, sequences, prefill, rows))
+        seconds[label] = time.perf_counter() - start
+    plan = op_plan(model_a.config)
+    ops_rows = compare_captures(plan, captures[0], captures[1], rows)
+    first = first_divergence(plan, captures[0], captures[1], rows, ops_rows)
+    summary = {
+        "a": path_a.name, "b": path_b.name, "model": described, "config": model_a.config.to_dict(),
+        "tokens": sequences, "prompt_lengths": [len(p) for p in prompts], "prefill": prefill,
+        "positions": len(rows), "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+        "seed": settings.seed, "threads": torch.get_num_threads(), "diverged": first is not None,
+        "first_divergence": first, "ops": ops_rows, "layers": layer_summary(ops_rows),
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+    }
+    return LocateResult(summary, captures[0], captures[1])
+
+
+# --------------------------------------------------------------------------- output
+def _fmt(value: float) -> str:
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def _where(first: dict[str, Any]) -> str:
+    index = first["feature_index"]
+    feature = f"feature {first['feature']}" + (f" (head {index[0]}, dim {index[1]})" if len(index) == 2 else "")
+    return f"sequence {first['sequence']}, position {first['position']}, {feature}"
+
+
+def verdict(summary: dict[str, Any]) -> str:
+    """One line: no divergence, or the first diverging op, where, and both values with their bits."""
+    s, first = summary, summary["first_divergence"]
+    if first is None:
+        return (f"no divergence: all {len(s['ops'])} recorded ops bitwise equal at all {s['positions']} positions "
+                f"({s['a']} vs {s['b']})")
+    return (f"first divergence: {first['op']} at {_where(first)}: a = {first['a']:.9g} "
+            f"({first['a_bits']}), b = {first['b']:.9g} ({first['b_bits']}), |Δ| {first['abs_diff']:.3g}; "
+            f"{first['positions_differing']} of {s['positions']} positions differ there")
+
+
+def print_locate(result: LocateResult, console: Any) -> None:
+    """Rich tables: |Δ| op by op (the first diverging op in red), then layer by layer; then the verdict line."""
+    from rich.table import Table
+
+    s = result.summary
+    first = s["first_divergence"]
+    table = Table(title=f"vexact locate: a {s['a']} vs b {s['b']}",
+                  caption=f"{s['model']}; {len(s['tokens'])} sequences ({s['max_new_tokens']} tokens of each "
+                          f"generated by a), {s['positions']} positions compared, seed {s['seed']}")
+    for col in ("#", "op", "kernel op", "positions differing", "elements differing", "max |Δ|", "mean |Δ|",
+                "max |Δ| / max |b|"):
+        table.add_column(col, justify="left" if col in ("op", "kernel op") else "right")
+    for row in s["ops"]:
+        style = "green" if row["bitwise_equal"] else ("bold red" if first and row["index"] == first["index"] else "")
+        kernel_op = row["kernel_op"] + (" (input)" if row["recorded"] == "input" else "")
+        cells = [row["index"], row["name"], kernel_op, f"{row['positions_differing']} / {s['positions']}",
+                 f"{row['elements_differing']} / {row['elements']}", _fmt(row["abs_diff_max"]),
+                 _fmt(row["abs_diff_mean"]), _fmt(row["rel_diff_max"])]
+        table.add_row(*map(str, cells), style=style or None)
+    console.print(table)
+    layers = Table(title="|Δ| layer by layer")
+    for col in ("group", "ops differing", "max |Δ| in group", "output", "output max |Δ|", "output mean |Δ|"):
+        layers.add_column(col, justify="left" if col in ("group", "output") else "right")
+    for row in s["layers"]:
+        layers.add_row(row["group"], f"{row['ops_differing']} / {row['ops']}", _fmt(row["abs_diff_max"]),
+                       row["output"], _fmt(row["output_abs_diff_max"]), _fmt(row["output_abs_diff_mean"]))
+    console.print(layers)
+    console.print(verdict(s), style="red" if first else "green", markup=False, highlight=False, soft_wrap=True)
+
+
+def write_json(result: LocateResult, path: Path) -> Path:
+    """The summary as JSON (NaN/Inf as strings, see ``runlog.write_json_atomic``)."""
+    from ..rl.runlog import write_json_atomic
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, result.summary)
+    return path
+
+
+def write_png(result: LocateResult, path: Path) -> Path:
+    """max |Δ| per op in forward order on a log scale; bitwise-equal ops as hollow markers on the bottom edge,
+    layer boundaries as grey lines, the first divergence as a red dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    s = result.summary
+    ops = s["ops"]
+    peaks = [row["abs_diff_max"] for row in ops]
+    nonzero = [p for p in peaks if p > 0 and math.isfinite(p)]
+    means_nonzero = [row["abs_diff_mean"] for row in ops if row["abs_diff_mean"] > 0]
+    floor = min(nonzero + means_nonzero) / 10 if nonzero else 1e-12
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.16 * len(ops)), 4.8))
+    xs = list(range(len(ops)))
+    ax.plot([x for x, p in zip(xs, peaks) if p > 0], [p for p in peaks if p > 0], "o-", color="tab:red", ms=4,
+            label="max |Δ| (bits differ)")
+    means = [row["abs_diff_mean"] for row in ops]
+    ax.plot([x for x, m in zip(xs, means) if m > 0], [m for m in means if m > 0], ".", color="tab:orange", ms=4,
+            label="mean |Δ|")
+    equal = [x for x, row in zip(xs, ops) if row["bitwise_equal"]]
+    ax.plot(equal, [floor] * len(equal), "o", mfc="none", color="tab:green", ms=4, label="bitwise equal")
+    signed_zeros = [x for x, row, p in zip(xs, ops, peaks) if not row["bitwise_equal"] and p == 0]
+    if signed_zeros:  # bits differ but |Δ| is 0: only -0.0 vs 0.0
+        ax.plot(signed_zeros, [floor] * len(signed_zeros), "x", color="tab:red", ms=5, label="-0.0 vs 0.0 only")
+    ax.set_yscale("log")
+    groups = [row["group"] for row in ops]
+    for x in range(1, len(ops)):
+        if groups[x] != groups[x - 1]:
+            ax.axvline(x - 0.5, color="0.85", lw=0.8)
+    if s["first_divergence"] is not None:
+        ax.axvline(s["first_divergence"]["index"], color="tab:red", ls="--", lw=1,
+                   label=f"first divergence: {s['first_divergence']['op']}")
+    if len(ops) <= 80:
+        ax.set_xticks(xs, [row["name"] for row in ops], rotation=90, fontsize=6)
+    ax.set_xlabel("op, in forward order")
+    ax.set_ylabel("max |Δ| over positions and features")
+    ax.set_title(f"vexact locate: a {s['a']} vs b {s['b']} ({s['positions']} positions)")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- CLI
+def _token_list(text: str) -> list[int]:
+    items = text.replace(",", " ").split()
+    if not items or not all(item.isdigit() for item in items):
+        raise ValueError(f"--prompt-tokens: expected whitespace- or comma-separated token ids, got {text!r}")
+    return [int(item) for item in items]
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments (the CLI calls this)."""
+    parser.description = ("Run two computation paths on the same tokens, record every op's output per layer and "
+                          "position, and report the first op whose bits differ and how |Δ| grows after it.")
+    parser.add_argument("--a", default=DEFAULT_A, metavar="SPEC", help="path a: BACKEND:DTYPE[:KIND], BACKEND exact|"
+                        "native|triton, DTYPE fp32|bf16, KIND rollout (KV-cache prefill + decode) | train (one "
+                        f"full-sequence forward); KIND defaults to rollout (default {DEFAULT_A})")
+    parser.add_argument("--b", default=DEFAULT_B, metavar="SPEC",
+                        help=f"path b, the same syntax; KIND defaults to train (default {DEFAULT_B})")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint directory from_pretrained can load")
+    source.add_argument("--random", action="store_true", help="a tiny random model (the default; size flags below)")
+    for flag, default in RANDOM_MODEL.items():
+        parser.add_argument("--" + flag.replace("_", "-"), type=_positive_int, default=None,
+                            help=f"random model only (default {default})")
+    parser.add_argument("--qk-norm", action="store_true", help="random model only: q/k norms (Qwen3 style)")
+    parser.add_argument("--qkv-bias", action="store_true", help="random model only: q/k/v biases (Qwen2 style)")
+    parser.add_argument("--tie-embeddings", action="store_true", help="random model only: LM head = embedding")
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-tokens", action="append", metavar="IDS",
+                         help="one prompt of token ids, e.g. '5 6 7' (repeatable)")
+    prompts.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
+                         "has a tokenizer, else whitespace-separated token ids")
+    prompts.add_argument("--random-prompts", type=_positive_int, metavar="N",
+                         help="N seeded random prompts (the default: 2)")
+    parser.add_argument("--max-prompt-len", type=_positive_int, default=16, help="longest --random-prompts prompt")
+    parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
+    parser.add_argument("--max-new-tokens", type=_count, default=8, help="tokens path a generates after each prompt "
+                        "before both paths run the sequences: the rollout path decodes them (default 8; 0 = none)")
+    parser.add_argument("--prefill", type=_positive_int, default=None, metavar="N", help="rollout paths prefill the "
+                        "first N tokens of each sequence and decode the rest (default: the prompt; 1 decodes all)")
+    parser.add_argument("--positions", default=None, metavar="LIST",
+                        help="compare only these positions, e.g. 0-7,12,30- (default all)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the generation")
+    parser.add_argument("--seed", type=int, default=0, help="random model, random prompts and sampling")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the report as JSON")
+    parser.add_argument("--png", type=Path, default=None, metavar="OUT", help="also plot max |Δ| per op (log scale)")
+    parser.add_argument("--fail-on-divergence", action="store_true", help="exit 1 if the paths diverge anywhere")
+
+
+def settings_from_args(args: argparse.Namespace) -> LocateSettings:
+    """LocateSettings from parsed flags; size flags with --model are a ValueError (they would be ignored)."""
+    sizes = {flag: getattr(args, flag) for flag in RANDOM_MODEL if getattr(args, flag) is not None}
+    sizes.update({flag: True for flag in ("qk_norm", "qkv_bias", "tie_embeddings") if getattr(args, flag)})
+    if args.model is not None and sizes:
+        flags = ", ".join("--" + flag.replace("_", "-") for flag in sizes)
+        raise ValueError(f"{flags}: size flags describe the random model; --model {args.model} brings its own")
+    prompt_tokens = [_token_list(text) for text in args.prompt_tokens] if args.prompt_tokens else None
+    return LocateSettings(a=args.a, b=args.b, model=args.model, random_model=sizes, prompt_tokens=prompt_tokens,
+                          prompts_file=args.prompts, random_prompts=args.random_prompts,
+                          max_prompt_len=args.max_prompt_len, token_ids=args.token_ids,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          prefill=args.prefill, positions=args.positions, threads=args.threads)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the command from parsed arguments; returns the exit code (1: diverged with --fail-on-divergence)."""
+    from rich.console import Console
+
+    result = run_locate(settings_from_args(args))
+    probe = Console()  # as vexact.cli.make_console (not importable from this layer): wide when not a terminal
+    console = probe if probe.is_terminal else Console(width=160)
+    print_locate(result, console)
+    written = [f(result, path) for f, path in ((write_json, args.json), (write_png, args.png)) if path]
+    if written:
+        console.print("wrote " + ", ".join(str(path) for path in written))
+    if args.fail_on_divergence and result.summary["diverged"]:
+        Console(stderr=True).print(f"diverged: first at {result.summary['first_divergence']['op']}", markup=False)
+        return 1  # vexact.cli.EXIT_FAILED
+    return 0
