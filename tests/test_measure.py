@@ -144,3 +144,40 @@ def test_parse_path_and_position_bins():
             parse_path(bad)
     assert position_bins(10) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 10)]
     assert position_bins(1) == [(0, 1)]
+
+
+FULL_VOCAB_KEYS = ("mismatch/full_vocab_positions", "mismatch/full_vocab_kl_mean", "mismatch/full_vocab_kl_max",
+                   "mismatch/full_vocab_tv_mean", "mismatch/full_vocab_tv_max", "mismatch/full_vocab_argmax_flip_frac",
+                   "mismatch/full_vocab_top5_overlap_mean")
+
+
+def test_full_vocab_exact_paths_are_zero_and_bf16_is_not(qwen3_ids_dir):
+    """Both exact paths run the same forward on the same model: identical distributions at all 60 positions. A bf16
+    native path against the fp32 exact one differs everywhere a little, and never by more than a sliver of mass."""
+    m = _measure(qwen3_ids_dir, "exact:bf16", "exact:bf16", micro_batch_size=4)["metrics"]
+    assert [m[k] for k in FULL_VOCAB_KEYS] == [60, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    m = _measure(qwen3_ids_dir, "native:bf16", "exact:fp32")["metrics"]
+    assert m["mismatch/full_vocab_positions"] == 60
+    assert 0 < m["mismatch/full_vocab_kl_mean"] <= m["mismatch/full_vocab_kl_max"] < 0.05
+    assert 0 < m["mismatch/full_vocab_tv_mean"] <= m["mismatch/full_vocab_tv_max"] < 0.2
+    assert 0.5 <= m["mismatch/full_vocab_top5_overlap_mean"] <= 1.0
+
+
+def test_full_vocab_hf_path_agrees_with_vexact_fp32_and_can_be_switched_off(llama_dir):
+    m = _measure(llama_dir, "hf:fp32", "exact:fp32", ignore_eos=True, random_prompts=3)["metrics"]
+    assert m["mismatch/full_vocab_positions"] == 30
+    assert 0 <= m["mismatch/full_vocab_kl_max"] <= 1e-9 and m["mismatch/full_vocab_tv_max"] <= 1e-5
+    assert m["mismatch/full_vocab_argmax_flip_frac"] == 0.0
+    off = _measure(llama_dir, "exact:fp32", "exact:fp32", random_prompts=2, full_vocab=False)
+    assert not any(key.startswith("mismatch/full_vocab") for key in off["metrics"])
+    assert "full_vocab" not in off["seconds"]
+
+
+def test_cli_measure_prints_and_writes_the_full_vocab_comparison(qwen3_ids_dir, tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert main(["measure", "--model", str(qwen3_ids_dir), "--random", "2", "--max-new-tokens", "3", "--ignore-eos",
+                 "--rollout", "exact:fp32", "--train", "exact:fp32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [report["metrics"][k] for k in FULL_VOCAB_KEYS] == [6, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    printed = capsys.readouterr().out
+    assert "full-vocabulary comparison" in printed and "top-5 overlap mean" in printed

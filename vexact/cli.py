@@ -19,6 +19,8 @@ FAILED_MEANS = {
     "measure": "--fail-on-mismatch and not every token is bitwise equal",
     "report": "(not used)",
     "bench": "a benchmark found a problem",
+    "compare": "a gate failed (--fail-on-mismatch, --max-k3, --max-abs-dlogp)",
+    "locate": "the two paths diverge (with --fail-on-divergence)",
 }
 
 
@@ -274,6 +276,9 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
     p.add_argument("--png", type=Path, default=None, help="also plot Δlogp histogram and |Δlogp| vs probability")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 unless every token is bitwise equal")
+    p.add_argument("--no-full-vocab", dest="full_vocab", action="store_false",
+                   help="skip the full next-token distribution comparison (mismatch/full_vocab_*: one more forward "
+                        "per path)")
     p.set_defaults(func=_cmd_measure)
 
 
@@ -285,7 +290,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                                token_ids=args.token_ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
                                batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                               threads=args.threads)
+                               threads=args.threads, full_vocab=args.full_vocab)
     result = run_measure(settings)
     console = make_console()
     print_measure(result, console)
@@ -316,7 +321,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        help="the price of exactness: exact / native time ratios (kernels, end to end)",
                        description="Runs python -m benchmarks.<which> with the remaining options "
                                    "(vexact bench kernels --help lists them).")
-    p.add_argument("which", choices=("kernels", "end_to_end", "host_guard", "tables"),
+    p.add_argument("which", choices=("kernels", "end_to_end", "host_guard", "compare", "tables"),
                    help="kernels: op by op at model shapes, fp32/bf16, fwd and fwd+bwd, matmul GFLOP/s; "
                         "end_to_end: rollout, decode step, training fwd+bwd, RL step; "
                         "host_guard: the fixed-order fallback's cost against the probed fast path; "
@@ -329,6 +334,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _benchmarks_module(args.which).main(args.options, prog=f"vexact bench {args.which}")
 
 
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    from .real import compare
+
+    p = sub.add_parser("compare", epilog=exit_codes_help("compare"),
+                       help="compare log-probs dumped by your own rollout engine and trainer (a CI gate)")
+    compare.add_arguments(p)
+    p.set_defaults(func=compare.main)
+
+
+def _add_locate(sub: argparse._SubParsersAction) -> None:
+    from .real import locate
+
+    p = sub.add_parser("locate", epilog=exit_codes_help("locate"),
+                       help="find the first op whose output differs between two computation paths")
+    locate.add_arguments(p)
+    p.set_defaults(func=locate.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.",
                                      epilog=exit_codes_help())
@@ -339,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_demo(sub)
     _add_measure(sub)
+    _add_compare(sub)
+    _add_locate(sub)
     _add_bench(sub)
     return parser
 

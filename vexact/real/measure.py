@@ -4,7 +4,10 @@
 "how much mismatch does *my* stack have?": load a checkpoint, generate with the rollout path,
 rescore the same tokens with the training path, and report the mismatch metrics of
 ``vexact.rl.metrics`` (k1/k3 KL, |Δlogp| mean/max/p99, log_ppl_abs_diff, bitwise-equal fraction,
-|Δlogp| by token probability) plus |Δlogp| by response position.
+|Δlogp| by token probability) plus |Δlogp| by response position, and the full-vocabulary comparison
+(``mismatch/full_vocab_*``: KL, total variation, argmax flips and top-k overlap of the two paths' whole next-token
+distributions at every response position; see ``full_vocab_comparison``). The report part (``mismatch_report``,
+``print_report``, ``write_report_json``, ``plot_report``) is shared with ``vexact compare``.
 
 A path is ``backend:dtype``: backend ``exact`` | ``native`` | ``triton`` (vexact's model on that
 kernel backend) or ``hf`` (transformers' own ``generate`` / forward, as a user's inference stack
@@ -31,10 +34,12 @@ table of NaN would measure nothing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +49,11 @@ from torch import Tensor
 
 import vexact_kernels
 
-from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
+from ..engine.inputs import check_temperature, check_token_lists, pad_right, padded_with_mask, scale_logits
 from ..engine.model import DTYPES, Transformer, short_dtype_name
 from ..engine.rollout import generate
 from ..engine.scoring import token_logprobs
-from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, mismatch_metrics
+from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from .pretrained import (
     PARITY_PROMPTS,
     SUPPORTED_ARCHITECTURES,
@@ -107,6 +112,8 @@ class MeasureSettings:
     batch_size: int | None = None
     micro_batch_size: int | None = None
     threads: int | None = None
+    full_vocab: bool = True  # also compare the full next-token distributions (``full_vocab_comparison``)
+    full_vocab_top_k: int = 5
 
 
 @dataclass
@@ -181,6 +188,17 @@ class VexactPath:
             return token_logprobs(self.model, prompts, responses, temperature=s.temperature,
                                   micro_batch_size=s.micro_batch_size, ops=self.ops)
 
+    def full_logprobs(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> Tensor:
+        """[N, V] fp32 log_softmax(logits / T) at every response position (N = all response tokens, in order): one
+        full-sequence forward of these sequences on this path's ops and dtype, as ``token_logprobs`` runs it."""
+        inputs = [p + r[:-1] for p, r in zip(prompts, responses)]  # the last response token is only a target
+        rows = torch.tensor([(b, len(p) - 1 + j) for b, (p, r) in enumerate(zip(prompts, responses))
+                             for j in range(len(r))], dtype=torch.long, device=self.model.device)
+        with torch.no_grad():
+            hidden = self.model(pad_right(inputs, self.model.device), ops=self.ops)
+            logits = scale_logits(self.model.logits(hidden[rows[:, 0], rows[:, 1]], self.ops), temperature)
+            return self.ops.log_softmax(logits).cpu()
+
 
 class HFPath:
     """transformers' own model: ``generate`` (left-padded batches) / teacher-forced forward (right-padded)."""
@@ -252,17 +270,23 @@ class HFPath:
         return out
 
     def _score_batch(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[Tensor]:
+        return [vexact_kernels.native.token_logprobs(rows, torch.tensor(r, dtype=torch.long))
+                for rows, r in zip(self._response_logits(prompts, responses, temperature), responses)]
+
+    def _response_logits(self, prompts: list[list[int]], responses: list[list[int]],
+                         temperature: float) -> list[Tensor]:
+        """Per sequence, the fp32 logits / T that predict each response token (teacher-forced, right-padded)."""
         inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
         ids, mask = padded_with_mask(inputs, self.pad)
         with torch.no_grad():
             logits = self.model(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device)).logits
         logits = logits.cpu()
-        result = []
-        for b, (p, r) in enumerate(zip(prompts, responses)):
-            rows = logits[b, len(p) - 1 : len(p) - 1 + len(r)]
-            result.append(vexact_kernels.native.token_logprobs(scale_logits(rows, temperature),
-                                                              torch.tensor(r, dtype=torch.long)))
-        return result
+        return [scale_logits(logits[b, len(p) - 1 : len(p) - 1 + len(r)], temperature)
+                for b, (p, r) in enumerate(zip(prompts, responses))]
+
+    def full_logprobs(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> Tensor:
+        """[N, V] fp32 log_softmax(logits / T) at every response position, from transformers' own forward."""
+        return vexact_kernels.native.log_softmax(torch.cat(self._response_logits(prompts, responses, temperature)))
 
 
 class _Loader:
@@ -351,6 +375,115 @@ def position_bins(max_len: int) -> list[tuple[int, int]]:
     return bins
 
 
+def response_positions(lengths: list[int]) -> Tensor:
+    """Each token's position in its response (0, 1, ..., T_i - 1 per sequence), concatenated; int64 [sum(lengths)]."""
+    counts = torch.tensor(lengths, dtype=torch.long)
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
+
+
+class _Pieces(Sequence[Tensor]):
+    """``flat`` cut into consecutive pieces of ``lengths``, as a sequence of views made on demand: a list of views
+    would hold one tensor object (~600 bytes) per sequence for as long as the metrics run."""
+
+    def __init__(self, flat: Tensor, lengths: list[int]):
+        self.flat, self.offsets = flat, [0, *itertools.accumulate(lengths)]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Tensor:  # type: ignore[override] -- no slices: mismatch_metrics only indexes
+        n = len(self.offsets) - 1
+        if not -n <= i < n:
+            raise IndexError(i)
+        i %= n
+        return self.flat[self.offsets[i] : self.offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[Tensor]:
+        flat = self.flat
+        return (flat[a:b] for a, b in zip(self.offsets, self.offsets[1:]))
+
+
+def mismatch_report(logp_train: Tensor, logp_roll: Tensor, lengths: list[int], max_len: int) -> dict[str, Any]:
+    """The report ``measure`` and ``compare`` share: ``tokens``, ``bitwise_equal``, ``metrics`` (every key of
+    ``vexact.rl.metrics.mismatch_metrics``), ``by_probability`` and ``by_position``.
+
+    ``logp_train`` / ``logp_roll``: every response token's log-prob, sequences concatenated (flat tensors of one
+    dtype, compared as they are: ``bitwise_equal`` counts ``==``); ``lengths``: the tokens of each sequence.
+    ``by_probability``: token count and mean |Δlogp| per training-path probability bucket (``DEFAULT_BUCKETS``).
+    ``by_position``: count, mean and max |Δlogp| per response-position bin of ``position_bins(max_len)``; a bin
+    with no tokens has None. Memory: besides the inputs, a few float64 copies of the N tokens (8 bytes each).
+    """
+    if logp_train.shape != logp_roll.shape or logp_train.dim() != 1 or sum(lengths) != logp_train.numel():
+        raise ValueError(f"log-probs of {tuple(logp_train.shape)} (training) and {tuple(logp_roll.shape)} (rollout) "
+                         f"do not match {len(lengths)} sequences of {sum(lengths)} tokens")
+    metrics = mismatch_metrics(_Pieces(logp_train, lengths), _Pieces(logp_roll, lengths))
+    by_probability = []
+    for lo, hi in zip(DEFAULT_BUCKETS, DEFAULT_BUCKETS[1:]):
+        name = bucket_name(lo, hi)
+        by_probability.append({"bucket": name, "tokens": int(metrics[f"mismatch/tokens_bucket/{name}"]),
+                               "abs_dlogp_mean": metrics.get(f"mismatch/abs_dlogp_bucket/{name}")})
+    positions = response_positions(lengths)
+    abs_r = (logp_train.double() - logp_roll.double()).abs()
+    by_position = []
+    for lo, hi in position_bins(max_len):
+        in_bin = (positions >= lo) & (positions < hi)
+        count = int(in_bin.sum())
+        by_position.append({"positions": f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}", "tokens": count,
+                            "abs_dlogp_mean": float(abs_r[in_bin].mean()) if count else None,
+                            "abs_dlogp_max": float(abs_r[in_bin].max()) if count else None})
+    return {"tokens": int(metrics["mismatch/tokens"]), "bitwise_equal": int((logp_train == logp_roll).sum()),
+            "metrics": metrics, "by_probability": by_probability, "by_position": by_position}
+
+
+FULL_VOCAB_BUDGET = 1 << 24
+"""Vocabulary entries (response tokens x V) one forward of ``full_vocab_comparison`` holds per path (64 MiB fp32)."""
+
+
+def full_vocab_comparison(rollout: VexactPath | HFPath, train: VexactPath | HFPath, prompts: list[list[int]],
+                          responses: list[list[int]], s: MeasureSettings, vocab_size: int) -> dict[str, float]:
+    """``mismatch/full_vocab_*`` (``vexact.rl.metrics.full_vocab_metrics``) of the two paths on the measured tokens.
+
+    Each path's full next-token distribution log_softmax(logits / T) at every response position comes from a
+    full-sequence (teacher-forced) forward of that path over the same prompt + response tokens: vexact paths on
+    their own kernel ops and dtype (``VexactPath.full_logprobs``), ``hf`` paths from transformers' forward
+    (``HFPath.full_logprobs``). For the rollout path this is its training-style forward, not its KV-cache decode
+    steps: on an exact backend the two are bitwise identical (the guarantee ``vexact check`` tests); on native
+    or ``hf`` paths they can differ at rounding level, so these keys measure the paths' forwards, while the
+    sampled-token metrics measure what the rollout actually produced. Sequences go through in chunks of at most
+    ``FULL_VOCAB_BUDGET`` vocabulary entries (and ``--micro-batch-size`` sequences), so memory stays bounded.
+    """
+    rows: list[dict[str, Tensor]] = []
+    for chunk in _full_vocab_chunks(responses, vocab_size, s.micro_batch_size):
+        p, r = [prompts[i] for i in chunk], [responses[i] for i in chunk]
+        roll_full = rollout.full_logprobs(p, r, s.temperature)
+        train_full = train.full_logprobs(p, r, s.temperature)
+        for what, full in (("rollout", roll_full), ("training", train_full)):
+            if torch.isnan(full).any() or torch.isposinf(full).any():
+                raise ValueError(f"{what} path produced non-finite full-vocabulary log-probs: its activations "
+                                 "overflow (e.g. in bf16)")
+        rows.append(full_vocab_rows(train_full, roll_full, s.full_vocab_top_k))
+    merged = {key: torch.cat([part[key] for part in rows]) for key in rows[0]} if rows else {"kl": torch.zeros(0)}
+    return full_vocab_summary(merged, s.full_vocab_top_k)
+
+
+def _full_vocab_chunks(responses: list[list[int]], vocab_size: int, micro_batch: int | None) -> list[list[int]]:
+    """Indices of the sequences with tokens, grouped so that each group's tokens x V stays within the budget."""
+    per_chunk = max(1, FULL_VOCAB_BUDGET // max(vocab_size, 1))
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i, r in enumerate(responses):
+        if not r:
+            continue
+        if current and (tokens + len(r) > per_chunk or (micro_batch is not None and len(current) >= micro_batch)):
+            chunks.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += len(r)
+    return chunks + ([current] if current else [])
+
+
 def run_measure(settings: MeasureSettings) -> MeasureResult:
     """Generate with the rollout path, rescore with the training path, and summarise the mismatch."""
     rollout_spec, train_spec = parse_path(settings.rollout), parse_path(settings.train)
@@ -385,24 +518,14 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     _require_finite(f"training path {train_spec.name}", logp_train)
     seconds["train"] = time.perf_counter() - start
 
-    metrics = mismatch_metrics(logp_train, logp_roll)
     roll_flat = torch.cat([lp.float() for lp in logp_roll])
     train_flat = torch.cat([lp.float() for lp in logp_train])
-    positions = torch.cat([torch.arange(len(r)) for r in responses])
-    abs_r = (train_flat.double() - roll_flat.double()).abs()
-
-    by_probability = []
-    for lo, hi in zip(DEFAULT_BUCKETS, DEFAULT_BUCKETS[1:]):
-        name = bucket_name(lo, hi)
-        by_probability.append({"bucket": name, "tokens": int(metrics[f"mismatch/tokens_bucket/{name}"]),
-                               "abs_dlogp_mean": metrics.get(f"mismatch/abs_dlogp_bucket/{name}")})
-    by_position = []
-    for lo, hi in position_bins(settings.max_new_tokens):
-        in_bin = (positions >= lo) & (positions < hi)
-        count = int(in_bin.sum())
-        by_position.append({"positions": f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}", "tokens": count,
-                            "abs_dlogp_mean": float(abs_r[in_bin].mean()) if count else None,
-                            "abs_dlogp_max": float(abs_r[in_bin].max()) if count else None})
+    lengths = [len(r) for r in responses]
+    report = mismatch_report(train_flat, roll_flat, lengths, settings.max_new_tokens)
+    if settings.full_vocab:
+        start = time.perf_counter()
+        report["metrics"].update(full_vocab_comparison(rollout, train, prompts, responses, settings, vocab_size))
+        seconds["full_vocab"] = time.perf_counter() - start
 
     summary = {
         "model": str(directory),
@@ -416,17 +539,13 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
         "seed": settings.seed,
         "eos_token_id": eos,
         "threads": torch.get_num_threads(),
-        "tokens": int(metrics["mismatch/tokens"]),
-        "bitwise_equal": sum(int((a == b).sum()) for a, b in zip(logp_train, logp_roll)),
-        "metrics": metrics,
-        "by_probability": by_probability,
-        "by_position": by_position,
+        **report,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
     }
     samples = []
     if tokenizer is not None:
         samples = [repr(tokenizer.decode(p)) + " → " + repr(tokenizer.decode(r)) for p, r in zip(prompts, responses)]
-    return MeasureResult(summary, roll_flat, train_flat, positions, samples)
+    return MeasureResult(summary, roll_flat, train_flat, response_positions(lengths), samples)
 
 
 def _require_finite(what: str, logprobs: list[Tensor]) -> None:
@@ -465,17 +584,27 @@ def _fmt(value: Any) -> str:
 
 def print_measure(result: MeasureResult, console: Any) -> None:
     """The report as rich tables: headline metrics, |Δlogp| by token probability and by position."""
+    s = result.summary
+    print_report(s, console, title=f"vexact measure: rollout {s['rollout']} → train {s['train']}",
+                 caption=f"{s['architecture']} from {s['model']}; {s['prompts']} prompts ({s['prompt_source']}), "
+                         f"≤ {s['max_new_tokens']} new tokens, temperature {s['temperature']:g}, seed {s['seed']}")
+    for sample in result.samples[:2]:
+        console.print(f"sample: {sample}", markup=False)
+
+
+def print_report(report: dict[str, Any], console: Any, title: str, caption: str) -> None:
+    """Print a ``mismatch_report`` (``measure``'s and ``compare``'s): the headline metrics, |Δlogp| by training-path
+    token probability and by response position, and, when the metrics have ``mismatch/full_vocab_*`` keys, the
+    full-vocabulary comparison."""
     from rich.table import Table
 
-    s, m = result.summary, result.summary["metrics"]
-    table = Table(title=f"vexact measure: rollout {s['rollout']} → train {s['train']}",
-                  caption=f"{s['architecture']} from {s['model']}; {s['prompts']} prompts ({s['prompt_source']}), "
-                          f"≤ {s['max_new_tokens']} new tokens, temperature {s['temperature']:g}, seed {s['seed']}")
+    m = report["metrics"]
+    table = Table(title=title, caption=caption)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("tokens compared", s["tokens"]),
-        ("bitwise equal", f"{s['bitwise_equal']} ({m['mismatch/bitwise_equal_frac']:.1%})"),
+        ("tokens compared", report["tokens"]),
+        ("bitwise equal", f"{report['bitwise_equal']} ({m['mismatch/bitwise_equal_frac']:.1%})"),
         ("k1 KL (rollout_corr/kl)", m["rollout_corr/kl"]),
         ("k3 KL (rollout_corr/k3_kl)", m["rollout_corr/k3_kl"]),
         ("|Δlogp| mean", m["mismatch/abs_dlogp_mean"]),
@@ -492,31 +621,62 @@ def print_measure(result: MeasureResult, console: Any) -> None:
     buckets = Table(title="|Δlogp| by training-path token probability")
     for col in ("p bucket", "tokens", "mean |Δlogp|"):
         buckets.add_column(col, justify="right")
-    for row in s["by_probability"]:
+    for row in report["by_probability"]:
         buckets.add_row(row["bucket"], str(row["tokens"]), _fmt(row["abs_dlogp_mean"]))
     positions = Table(title="|Δlogp| by response position")
     for col in ("positions", "tokens", "mean |Δlogp|", "max |Δlogp|"):
         positions.add_column(col, justify="right")
-    for row in s["by_position"]:
+    for row in report["by_position"]:
         positions.add_row(row["positions"], str(row["tokens"]), _fmt(row["abs_dlogp_mean"]), _fmt(row["abs_dlogp_max"]))
     console.print(buckets)
     console.print(positions)
-    for sample in result.samples[:2]:
-        console.print(f"sample: {sample}", markup=False)
+    if "mismatch/full_vocab_positions" in m:
+        console.print(_full_vocab_table(m))
+
+
+def _full_vocab_table(m: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="full-vocabulary comparison (rollout μ vs training π)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    overlap = next(key for key in m if key.startswith("mismatch/full_vocab_top") and key.endswith("_overlap_mean"))
+    k = overlap.removeprefix("mismatch/full_vocab_top").removesuffix("_overlap_mean")
+    rows = (("positions", "mismatch/full_vocab_positions"), ("KL(μ‖π) mean", "mismatch/full_vocab_kl_mean"),
+            ("KL(μ‖π) max", "mismatch/full_vocab_kl_max"), ("total variation mean", "mismatch/full_vocab_tv_mean"),
+            ("total variation max", "mismatch/full_vocab_tv_max"),
+            ("argmax flip fraction", "mismatch/full_vocab_argmax_flip_frac"), (f"top-{k} overlap mean", overlap))
+    for name, key in rows:
+        table.add_row(name, _fmt(m[key]))
+    return table
 
 
 def write_json(result: MeasureResult, path: Path) -> Path:
     """The summary as JSON (NaN/Inf as strings, see ``runlog.json_safe``)."""
+    return write_report_json(result.summary, path)
+
+
+def write_report_json(summary: dict[str, Any], path: Path) -> Path:
+    """A report summary as indented JSON (NaN/Inf as strings, see ``runlog.json_safe``); returns the path."""
     from ..rl.runlog import json_safe
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(result.summary), indent=2) + "\n")
+    path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     return path
 
 
 def write_png(result: MeasureResult, path: Path) -> Path:
     """Two panels: histogram of Δlogp = logp_train − logp_roll, and |Δlogp| vs training-path token probability."""
+    s = result.summary
+    return plot_report(result.logp_train, result.logp_roll, path,
+                       f"vexact measure: rollout {s['rollout']} → train {s['train']} ({s['architecture']}, "
+                       f"{s['tokens']} tokens)")
+
+
+def plot_report(logp_train: Tensor, logp_roll: Tensor, path: Path, title: str) -> Path:
+    """The report's plot (``measure --png``, ``compare --png``) of flat per-token log-probs: a histogram of
+    Δlogp = logp_train − logp_roll, and |Δlogp| vs training-path token probability; returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -524,13 +684,11 @@ def write_png(result: MeasureResult, path: Path) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    s = result.summary
-    r = (result.logp_train.double() - result.logp_roll.double()).numpy()
-    prob = result.logp_train.double().exp().numpy()
+    r = (logp_train.double() - logp_roll.double()).numpy()
+    prob = logp_train.double().exp().numpy()
     zero = r == 0
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    fig.suptitle(f"vexact measure: rollout {s['rollout']} → train {s['train']} ({s['architecture']}, "
-                 f"{s['tokens']} tokens)")
+    fig.suptitle(title)
     ax1.hist(r, bins=61, color="tab:blue")
     ax1.set_yscale("log")
     ax1.set_xlabel("Δlogp = logp_train − logp_roll")

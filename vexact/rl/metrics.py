@@ -145,28 +145,47 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     r = train - roll
     abs_r = r.abs()
 
-    # Per-sequence reductions over the non-empty sequences (a Python loop: deterministic and clear).
+    # Per-sequence reductions over the non-empty sequences (a Python loop: deterministic and clear). One slice at a
+    # time, each sum kept as a Python float: a tensor object per sequence would cost ~1 KB each on big batches.
     seq_train_sum, seq_roll_sum, seq_r_sum, seq_len = [], [], [], []
-    for t_part, l_part, r_part in zip(train.split(lengths), roll.split(lengths), r.split(lengths)):
-        if t_part.numel():
-            seq_train_sum.append(t_part.sum())
-            seq_roll_sum.append(l_part.sum())
-            seq_r_sum.append(r_part.sum())
-            seq_len.append(t_part.numel())
-    train_sum, roll_sum, r_sum = torch.stack(seq_train_sum), torch.stack(seq_roll_sum), torch.stack(seq_r_sum)
+    start = 0
+    for length_i in lengths:
+        if length_i:
+            stop = start + length_i
+            seq_train_sum.append(float(train[start:stop].sum()))
+            seq_roll_sum.append(float(roll[start:stop].sum()))
+            seq_r_sum.append(float(r[start:stop].sum()))
+            seq_len.append(length_i)
+            start = stop
+    train_sum, roll_sum, r_sum = (torch.tensor(v, dtype=torch.float64) for v in (seq_train_sum, seq_roll_sum,
+                                                                                 seq_r_sum))
+    del seq_train_sum, seq_roll_sum, seq_r_sum
     length = torch.tensor(seq_len, dtype=torch.float64)
     train_log_ppl = -train_sum / length
     roll_log_ppl = -roll_sum / length
     log_ppl_diff = train_log_ppl - roll_log_ppl
 
-    rho_token = torch.exp(r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     rho_seq_sq = torch.exp(2.0 * r_sum.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    probs_diff = (torch.exp(train) - torch.exp(roll)).abs()
+
+    # Token-level reductions one at a time, in place where possible, each temporary dropped before the next: the
+    # same elementwise operations (so the same bits) as the one-expression forms in the docstring, at a peak of a
+    # few float64 copies of the N tokens (``vexact compare`` feeds dumps of millions of tokens through here).
+    kl = float((roll - train).mean())
+    k3_terms = torch.exp(r)
+    k3 = float(k3_terms.sub_(r).sub_(1.0).mean())  # e^r - r - 1
+    del k3_terms
+    rho_token_sq = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_().square_()
+    chi2_token = float(rho_token_sq.mean() - 1.0)
+    del rho_token_sq, r
+    p = torch.exp(train)  # the training-path probability of each token, for the buckets below
+    probs_diff = (p - torch.exp(roll)).abs_()
+    probs_diff_stats = (float(probs_diff.max()), float(probs_diff.mean()), float(probs_diff.std(correction=0)))
+    del probs_diff, train, roll, train_raw, roll_raw
 
     out: dict[str, float] = {
-        "rollout_corr/kl": float((roll - train).mean()),
-        "rollout_corr/k3_kl": float((torch.exp(r) - r - 1.0).mean()),
-        "rollout_corr/chi2_token": float(rho_token.square().mean() - 1.0),
+        "rollout_corr/kl": kl,
+        "rollout_corr/k3_kl": k3,
+        "rollout_corr/chi2_token": chi2_token,
         "rollout_corr/chi2_seq": float(rho_seq_sq.mean() - 1.0),
         "rollout_corr/training_log_ppl": float(train_log_ppl.mean()),
         "rollout_corr/rollout_log_ppl": float(roll_log_ppl.mean()),
@@ -175,9 +194,9 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
         "rollout_corr/log_ppl_diff_min": float(log_ppl_diff.min()),
         "rollout_corr/log_ppl_abs_diff": float(log_ppl_diff.abs().mean()),
         "rollout_corr/log_ppl_abs_diff_sum": float((train_sum - roll_sum).abs().mean()),
-        "training/rollout_probs_diff_max": float(probs_diff.max()),
-        "training/rollout_probs_diff_mean": float(probs_diff.mean()),
-        "training/rollout_probs_diff_std": float(probs_diff.std(correction=0)),
+        "training/rollout_probs_diff_max": probs_diff_stats[0],
+        "training/rollout_probs_diff_mean": probs_diff_stats[1],
+        "training/rollout_probs_diff_std": probs_diff_stats[2],
         "mismatch/tokens": n,
         "mismatch/bitwise_equal_frac": equal / n,
         "mismatch/abs_dlogp_mean": float(abs_r.mean()),
@@ -185,7 +204,6 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
         "mismatch/abs_dlogp_p99": quantile_linear(abs_r, 0.99),
     }
 
-    p = torch.exp(train)
     for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
         last = k == len(edges) - 2
         in_bucket = (p >= lo) & ((p <= hi) if last else (p < hi))
@@ -298,3 +316,103 @@ def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bo
     out["response_length/clip_ratio"] = sum(not f for f in finished) / len(finished)
     out.update(mismatch_metrics(logp_train, logp_roll))
     return out
+
+
+FULL_VOCAB_CHUNK = 1 << 22
+"""Vocabulary entries (rows x V) handled at once by ``full_vocab_rows``: bounds its float64 temporaries (~32 MiB
+each) whatever N is."""
+
+
+def full_vocab_rows(logp_train_full: Tensor, logp_roll_full: Tensor, top_k: int = 5) -> dict[str, Tensor]:
+    """Per-position comparison of two full next-token distributions; ``full_vocab_metrics`` averages these.
+
+    ``logp_train_full`` / ``logp_roll_full``: [N, V] log-probabilities (log_softmax rows; -inf entries allowed,
+    they are probability 0) of the same N positions under the training path π and the rollout path μ.
+    Returns float64 / bool tensors of length N, position n being row n:
+
+      ``kl``           = Σ_v μ_v (log μ_v - log π_v)       KL(μ‖π) = KL(rollout‖train), in float64; entries with
+                         μ_v = 0 contribute 0 (0·log 0 = 0), an entry with μ_v > 0 = π_v gives +inf.
+      ``tv``           = ½ Σ_v |μ_v - π_v|                 total variation distance, in [0, 1].
+      ``argmax_flip``  = argmax_v μ_v ≠ argmax_v π_v       (ties: the lowest index, torch.argmax's rule).
+      ``topk_overlap`` = |top_k(μ) ∩ top_k(π)| / k         in {0, 1/k, ..., 1}; top_k is the k largest entries,
+                         ties broken by the lowest index (a stable descending sort), so the sets are well defined.
+
+    Each row is first renormalised in float64 (log_softmax of the row: a shift by its log-sum-exp, which is 0 up to
+    the input dtype's rounding), so that rounding does not enter KL and TV as a spurious difference; probabilities
+    are exp of those float64 log-probs. Rows are processed in chunks of ``FULL_VOCAB_CHUNK`` entries, so memory
+    stays bounded for large vocabularies; each row's values depend on that row only. NaN inputs propagate.
+    Raises ValueError unless both are 2-D with the same shape, and 1 ≤ top_k ≤ V (an int).
+    """
+    train, roll = logp_train_full.detach(), logp_roll_full.detach()
+    if train.dim() != 2 or roll.dim() != 2 or train.shape != roll.shape:
+        raise ValueError(f"full-vocabulary log-probs must be two [N, V] tensors of one shape, got training "
+                         f"{tuple(train.shape)} and rollout {tuple(roll.shape)}")
+    vocab = train.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab:
+        raise ValueError(f"top_k must be an integer in [1, {vocab}] (the vocabulary size), got {top_k!r}")
+    parts: dict[str, list[Tensor]] = {"kl": [], "tv": [], "argmax_flip": [], "topk_overlap": []}
+    step = max(1, FULL_VOCAB_CHUNK // max(vocab, 1))
+    for start in range(0, train.shape[0], step):
+        lt, lr = train[start : start + step].cpu(), roll[start : start + step].cpu()
+        # Renormalised in float64: a float32 log_softmax row sums to 1 only within ~1e-7, and that rounding would
+        # otherwise enter the KL one to one (even making it negative); the shift leaves the order of entries alone.
+        lt64, lr64 = torch.log_softmax(lt.double(), dim=-1), torch.log_softmax(lr.double(), dim=-1)
+        pt, pr = lt64.exp(), lr64.exp()
+        # 0 · (log 0 - x) is NaN in floating point but 0 in the KL sum: only entries with μ_v > 0 contribute.
+        parts["kl"].append(torch.where(pr > 0, pr * (lr64 - lt64), torch.zeros((), dtype=torch.float64)).sum(-1))
+        parts["tv"].append(0.5 * (pr - pt).abs().sum(-1))
+        parts["argmax_flip"].append(lr.argmax(-1) != lt.argmax(-1))
+        top_r = torch.sort(lr, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        top_t = torch.sort(lt, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        common = (top_r[:, :, None] == top_t[:, None, :]).any(-1).sum(-1)
+        parts["topk_overlap"].append(common.double() / top_k)
+    if not parts["kl"]:
+        return {"kl": torch.zeros(0, dtype=torch.float64), "tv": torch.zeros(0, dtype=torch.float64),
+                "argmax_flip": torch.zeros(0, dtype=torch.bool), "topk_overlap": torch.zeros(0, dtype=torch.float64)}
+    return {key: torch.cat(values) for key, values in parts.items()}
+
+
+def full_vocab_summary(rows: dict[str, Tensor], top_k: int) -> dict[str, float]:
+    """The ``mismatch/full_vocab_*`` keys from ``full_vocab_rows``' per-position values (possibly concatenated over
+    several calls, e.g. one per micro-batch), each position weighted equally:
+
+      ``mismatch/full_vocab_positions``            = N, the positions compared
+      ``mismatch/full_vocab_kl_mean`` / ``_kl_max`` = mean / max over positions of KL(rollout‖train)
+      ``mismatch/full_vocab_tv_mean`` / ``_tv_max`` = mean / max of the total variation distance
+      ``mismatch/full_vocab_argmax_flip_frac``      = fraction of positions whose most likely token differs
+      ``mismatch/full_vocab_top{k}_overlap_mean``   = mean of |top_k(μ) ∩ top_k(π)| / k (1.0: same top-k sets)
+
+    Raises ValueError when there are no positions."""
+    n = int(rows["kl"].numel())
+    if n == 0:
+        raise ValueError("no positions for the full-vocabulary comparison")
+    return {
+        "mismatch/full_vocab_positions": n,
+        "mismatch/full_vocab_kl_mean": float(rows["kl"].mean()),
+        "mismatch/full_vocab_kl_max": float(rows["kl"].max()),
+        "mismatch/full_vocab_tv_mean": float(rows["tv"].mean()),
+        "mismatch/full_vocab_tv_max": float(rows["tv"].max()),
+        "mismatch/full_vocab_argmax_flip_frac": int(rows["argmax_flip"].sum()) / n,
+        f"mismatch/full_vocab_top{top_k}_overlap_mean": float(rows["topk_overlap"].mean()),
+    }
+
+
+def full_vocab_metrics(logp_train_full: Tensor, logp_roll_full: Tensor, top_k: int = 5) -> dict[str, float]:
+    """Full-vocabulary mismatch between the training path π and the rollout path μ at N positions.
+
+    Where the sampled token's log-prob (``mismatch_metrics``) sees one entry of each distribution, this compares
+    whole rows. Inputs: [N, V] log-prob rows (log_softmax of the temperature-scaled logits; -inf = probability
+    0; renormalised in float64 first), training path first, as everywhere in this module. Per position
+    (``full_vocab_rows``): KL(μ‖π) =
+    Σ_v μ_v (log μ_v - log π_v), total variation ½ Σ_v |μ_v - π_v|, whether the argmax differs, and the top-k
+    overlap |top_k(μ) ∩ top_k(π)| / k (ties to the lowest index); averaged over positions with equal weight
+    (``full_vocab_summary``), giving
+
+      ``mismatch/full_vocab_positions``, ``mismatch/full_vocab_kl_mean``, ``mismatch/full_vocab_kl_max``,
+      ``mismatch/full_vocab_tv_mean``, ``mismatch/full_vocab_tv_max``, ``mismatch/full_vocab_argmax_flip_frac``,
+      ``mismatch/full_vocab_top{k}_overlap_mean`` (k = ``top_k``, e.g. ``..._top5_overlap_mean``).
+
+    All float64; identical rows give exactly 0 KL, 0 TV, no flips and overlap 1. Raises ValueError on shapes
+    that are not two equal [N, V], N = 0, or top_k outside [1, V].
+    """
+    return full_vocab_summary(full_vocab_rows(logp_train_full, logp_roll_full, top_k), top_k)

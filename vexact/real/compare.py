@@ -1,0 +1,651 @@
+"""``vexact compare ROLLOUT [TRAIN]``: log-probs dumped by the user's own engine and trainer, compared bitwise.
+
+``vexact measure`` runs both paths itself; ``compare`` takes the per-token log-probs your own stack wrote --
+the rollout engine's (vLLM, SGLang, transformers' ``generate``) and the trainer's recomputation (verl's
+``old_log_probs``, an HF forward) -- and prints the same report: every ``rollout_corr/*``, ``training/*`` and
+``mismatch/*`` key of ``vexact.rl.metrics.mismatch_metrics``, |Δlogp| by token probability and by response
+position (``measure.mismatch_report`` / ``print_report``, one source for both commands). With ``--fail-on-mismatch``,
+``--max-k3`` and ``--max-abs-dlogp`` it is a CI gate (exit 1, naming the gate and the numbers).
+
+Inputs (the format follows the file name: ``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` read with the
+weights-only unpickler, ``runlog.load_tensor_file``; anything else is JSON Lines):
+
+* Two files, ROLLOUT and TRAIN: one sequence per JSON line, ``{"id": ..., "logprobs": [...], "tokens": [...]}``
+  (``tokens`` optional; ``id`` a string or an integer, unique in its file). Sequences are matched by id in any
+  order; where both sides have tokens they must be equal. The log-prob key is ``logprobs`` unless
+  ``--rollout-key`` / ``--train-key`` name another.
+* One file (TRAIN left out): each line holds both sides, ``{"id": ..., "rollout_log_probs": [...],
+  "old_log_probs": [...]}`` -- verl's batch keys by default, others with ``--rollout-key`` / ``--train-key``.
+* Tensor files (either mode): a dict of padded [B, T] tensors -- the log-probs (same keys as above), a mask
+  (``--mask-key``, default ``response_mask``; else the last T columns of ``attention_mask``, as verl derives
+  its response mask; ``none``: every position), optionally token ids (``--tokens-key``, default ``responses``)
+  and full-vocabulary log-probs [B, T, V] (``--rollout-full-key`` / ``--train-full-key``). Row b is id b.
+
+Values are compared as the floats that were written. A JSON number parses (correctly rounded) to a Python float,
+i.e. float64, and the two sides' float64 values are compared exactly (``==``, as ``mismatch_metrics`` does: a
+1-ulp difference is a mismatch; -0.0 equals 0.0). For float32 (or bf16) log-probs x this means:
+
+* written as the repr of x's float64 value (``json.dumps(t.tolist())``: ``tolist`` widens exactly) -- parses back
+  to exactly x: equality and |Δlogp| are exact;
+* written with 9 significant digits (``%.9g``, enough to tell any two float32 apart) -- parses to the float64
+  nearest that decimal, which is within half a float32 ulp of x but usually not x. Both sides written this way
+  still compare exactly (equal float32 values give equal strings, different ones different strings); |Δlogp| is
+  then off by less than one float32 ulp. Sides written in different ways (repr vs ``%.9g``) need ``--float32``,
+  which rounds every parsed value to the nearest float32 first: then any format with >= 9 significant digits
+  (or numpy's shortest float32 repr) gives back exactly x;
+* written with fewer digits (``%.6g``) -- different float32 values can print alike: a mismatch can hide.
+
+Tensor files are compared in their own dtype, widened exactly to float64 (rounded to float32 with ``--float32``).
+
+Memory: JSON Lines are read line by line; the ROLLOUT side is held (8 bytes per token, plus tokens) while TRAIN
+streams past it, and the metrics need a few float64 copies of the N tokens (``benchmarks/compare.py`` measures
+the peak). Bad input -- malformed JSON, a missing or duplicate id, tokens or lengths that differ, a value that is
+not a number or not finite, a mask of the wrong shape, an empty file -- is one ValueError naming the file, the
+line (or row) and the id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..rl.metrics import full_vocab_rows, full_vocab_summary
+from ..rl.runlog import load_tensor_file
+from .measure import mismatch_report, plot_report, print_report, write_report_json
+
+ONE_FILE_KEYS = ("rollout_log_probs", "old_log_probs")  # verl's batch keys: rollout engine, actor recompute
+TWO_FILE_KEY = "logprobs"
+JSONL_TOKENS_KEY, TENSOR_TOKENS_KEY = "tokens", "responses"
+MASK_KEY, ATTENTION_MASK_KEY, NO_MASK = "response_mask", "attention_mask", "none"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+EXIT_GATE_FAILED = 1  # vexact.cli's EXIT_FAILED (this layer cannot import the CLI)
+LOG_SUM_EXP_TOLERANCE = 0.1
+"""A full-vocabulary row must satisfy |log Σ_v exp(row_v)| ≤ this (log-probs sum to probability 1); logits fail."""
+
+DESCRIPTION = """\
+Compare the per-token log-probs your rollout engine and your trainer wrote for the same tokens, and print
+vexact measure's report (rollout_corr/*, mismatch/*, |Δlogp| by probability and position).
+
+  vexact compare rollout.jsonl train.jsonl     two files, one {"id", "logprobs", "tokens"?} per line,
+                                               matched by id in any order
+  vexact compare dump.jsonl                    one file holding both sides (--rollout-key, --train-key;
+                                               default verl's rollout_log_probs / old_log_probs)
+  vexact compare batch.safetensors             padded [B, T] tensors + --mask-key (also .pt, weights-only)
+
+Precision: JSON numbers are parsed to float64 and the two sides are compared exactly (==, no tolerance).
+A float32 log-prob written as the repr of its float64 value (json.dumps(tensor.tolist())) parses back exactly.
+Written with >= 9 significant digits (%.9g) it parses to a float64 within half a float32 ulp of it: two sides
+written the same way still compare exactly; sides written in different ways need --float32 (round every value
+to float32 first). Fewer digits (%.6g) can hide a mismatch.
+"""
+
+
+@dataclass
+class CompareSettings:
+    """What ``run_compare`` reads; ``None`` keys mean the documented defaults for the mode and format."""
+
+    rollout: Path
+    train: Path | None = None  # None: one file holds both sides
+    rollout_key: str | None = None
+    train_key: str | None = None
+    tokens_key: str | None = None
+    mask_key: str | None = None
+    rollout_full_key: str | None = None
+    train_full_key: str | None = None
+    full_vocab_top_k: int = 5
+    float32: bool = False  # round every parsed value to float32 before comparing (``_rounded_to_float32``)
+    threads: int | None = None  # torch threads to set for the metrics (None: leave them; the CLI's default is 1)
+
+
+@dataclass
+class CompareResult:
+    """``summary``: the JSON-able report; flat float64 per-token log-probs (sequences concatenated) feed the plot."""
+
+    summary: dict[str, Any]
+    logp_train: Tensor
+    logp_roll: Tensor
+
+
+@dataclass(slots=True)  # one per held sequence: no per-instance __dict__
+class Record:
+    """One sequence as read from one file: its log-prob arrays (float64) under each requested key, and what
+    else the file had for it."""
+
+    path: Path
+    line: int | None  # JSON Lines: the line number
+    row: int | None  # tensor files: the row
+    id: Hashable
+    values: dict[str, np.ndarray]
+    tokens: np.ndarray | None = None
+    columns: np.ndarray | None = None  # tensor files: the masked columns of the row
+    full: dict[str, Tensor] | None = None  # tensor files: full-vocabulary log-probs [n, V] per key
+
+    @property
+    def where(self) -> str:
+        """How error messages name the sequence: ``FILE:LINE: id X`` or ``FILE: row B``."""
+        return f"{self.path}:{self.line}: id {self.id!r}" if self.row is None else f"{self.path}: row {self.row}"
+
+
+# --------------------------------------------------------------------------- values
+_NUMBER_TYPES = frozenset((float, int))
+_JSON_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null",
+                    int: "an integer", float: "a number"}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (str, bool, type(None), int, float)) else _json_type(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _floats(value: Any, what: str, float32: bool) -> np.ndarray:
+    """A JSON list of numbers as float64: exactly the parsed Python floats, or with ``float32`` those rounded to the
+    nearest float32 (``_rounded_to_float32``); refuses anything else."""
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of numbers, got {_json_type(value)}")
+    if not _NUMBER_TYPES.issuperset(map(type, value)):  # type(), not isinstance: true/false are not numbers
+        i = next(i for i, v in enumerate(value) if type(v) not in _NUMBER_TYPES)
+        raise ValueError(f"{what}[{i}] is not a number: {_short(value[i])}")
+    try:
+        array = np.array(value, dtype=np.float64)
+    except OverflowError:
+        i = next(i for i, v in enumerate(value) if type(v) is int and abs(v) > 1.7e308)
+        raise ValueError(f"{what}[{i}] is an integer too large for a float") from None
+    _require_finite(array, what)
+    return _rounded_to_float32(array, what) if float32 else array
+
+
+def _rounded_to_float32(array: np.ndarray, what: str) -> np.ndarray:
+    """``--float32``: each value rounded to the nearest float32 (held as float64, exactly), so a float32 dump written
+    in any format that round-trips float32 -- repr of the float64 value, ``%.9g``, numpy's shortest float32 repr --
+    compares equal exactly when the float32 values are equal."""
+    with np.errstate(over="ignore"):
+        rounded = array.astype(np.float32)
+    if not np.isfinite(rounded).all():
+        i = int(np.flatnonzero(~np.isfinite(rounded))[0])
+        raise ValueError(f"{what}[{i}] is {array[i]}: beyond float32's range (--float32)")
+    return rounded.astype(np.float64)
+
+
+def _require_finite(array: np.ndarray, what: str) -> None:
+    if not np.isfinite(array).all():
+        bad = np.flatnonzero(~np.isfinite(array))
+        raise ValueError(f"{what}[{int(bad[0])}] is {array[bad[0]]}: not a finite log-prob "
+                         f"({bad.size} of {array.size} values are NaN or infinite)")
+
+
+def _token_ids(value: Any, what: str) -> np.ndarray:
+    """A JSON list of non-negative integers as int64."""
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of token ids, got {_json_type(value)}")
+    array = None
+    if not set(map(type, value)) - {int}:
+        try:
+            array = np.array(value, dtype=np.int64)
+        except OverflowError:
+            pass
+    if array is None or (array.size and array.min() < 0):
+        i = next(i for i, v in enumerate(value) if type(v) is not int or not 0 <= v < 2**63)
+        raise ValueError(f"{what}[{i}] is not a token id (a non-negative 64-bit integer): {_short(value[i])}")
+    return array
+
+
+# --------------------------------------------------------------------------- JSON Lines
+def _jsonl_records(path: Path, keys: tuple[str, ...], s: CompareSettings) -> Iterator[Record]:
+    """The sequences of a JSON Lines file, one per non-blank line, read line by line (never the whole text)."""
+    count = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.rstrip(b"\r\n"))  # errors then point into this line, not past it
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{number}: not valid JSON (not UTF-8 text)") from None
+            except (ValueError, RecursionError) as err:  # e.g. an integer literal of more than 4300 digits
+                raise ValueError(f"{path}:{number}: not valid JSON ({str(err)[:80]})") from None
+            yield _jsonl_record(path, number, row, keys, s)
+            count += 1
+    if count == 0:
+        raise ValueError(f"{path}: empty (no sequences)")
+
+
+def _jsonl_record(path: Path, number: int, row: Any, keys: tuple[str, ...], s: CompareSettings) -> Record:
+    tokens_key = s.tokens_key or JSONL_TOKENS_KEY
+    if not isinstance(row, dict):
+        raise ValueError(f'{path}:{number}: expected a JSON object {{"id": ..., ...}}, got {_json_type(row)}')
+    if "id" not in row:
+        raise ValueError(f'{path}:{number}: no "id" key')
+    ident = row["id"]
+    if type(ident) not in (str, int):
+        raise ValueError(f'{path}:{number}: "id" must be a string or an integer, got {_json_type(ident)}')
+    record = Record(path, number, None, ident, {})
+    where = record.where  # built once per line: the messages below only use it on failure
+    for key in keys:
+        if key not in row:
+            present = ", ".join(sorted(map(repr, row)))[:120]
+            raise ValueError(f"{where}: no {key!r} key (the line has {present})")
+        record.values[key] = _floats(row[key], f"{where}: {key!r}", s.float32)
+    if tokens_key in row:
+        record.tokens = _token_ids(row[tokens_key], f"{where}: {tokens_key!r}")
+    elif s.tokens_key is not None:
+        raise ValueError(f"{where}: no {tokens_key!r} key (--tokens-key)")
+    _check_lengths(record, keys, tokens_key)
+    return record
+
+
+def _check_lengths(record: Record, keys: tuple[str, ...], tokens_key: str) -> None:
+    """Within one sequence, every log-prob list (and the tokens) has one length."""
+    lengths = {key: len(record.values[key]) for key in keys}
+    if record.tokens is not None:
+        lengths[tokens_key] = len(record.tokens)
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(f"{key!r} has {n}" for key, n in lengths.items())
+        raise ValueError(f"{record.where}: lengths differ within the sequence: {listed}")
+
+
+# --------------------------------------------------------------------------- tensor files
+def _is_tensor_file(path: Path) -> bool:
+    return path.suffix == ".safetensors" or path.suffix in TORCH_SUFFIXES
+
+
+def _load_tensors(path: Path, wanted: set[str]) -> dict[str, Tensor]:
+    """The ``wanted`` tensors that ``path`` has (safetensors: only those are read; torch files: weights-only)."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                return {key: f.get_tensor(key) for key in f.keys() if key in wanted}
+        except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            raise ValueError(f"{path}: not a readable safetensors file ({first})") from None
+    data = load_tensor_file(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict of tensors (name -> tensor), got {type(data).__name__}")
+    return {key: value for key, value in data.items() if key in wanted}
+
+
+def _tensor(data: dict[str, Tensor], path: Path, key: str, dims: int, what: str, floating: bool | None) -> Tensor:
+    """``data[key]``: a tensor of ``dims`` dimensions; floating point (True), integer (False) or any (None)."""
+    if key not in data:
+        raise ValueError(f"{path}: no tensor {key!r} ({what})")
+    value = data[key]
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{path}: {key!r} is a {type(value).__name__}, not a tensor")
+    if value.dim() != dims:
+        raise ValueError(f"{path}: {key!r} must have {dims} dimensions ({what}), got shape {list(value.shape)}")
+    if floating is not None and value.is_floating_point() != floating:
+        kind = "a floating-point" if floating else "an integer"
+        raise ValueError(f"{path}: {key!r} must be {kind} tensor ({what}), got {value.dtype}")
+    return value
+
+
+def _tensor_records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_keys: tuple[str, ...]
+                    ) -> Iterator[Record]:
+    """One record per row of padded [B, T] tensors, holding the masked positions only."""
+    tokens_key, mask_key = s.tokens_key or TENSOR_TOKENS_KEY, s.mask_key
+    wanted = {*keys, tokens_key, *full_keys, MASK_KEY, ATTENTION_MASK_KEY, *([mask_key] if mask_key else [])}
+    data = _load_tensors(path, wanted)
+    logprobs = {key: _tensor(data, path, key, 2, "log-probs [B, T]", floating=True) for key in keys}
+    shape = next(iter(logprobs.values())).shape
+    for key, value in logprobs.items():
+        if value.shape != shape:
+            raise ValueError(f"{path}: {key!r} has shape {list(value.shape)} but {keys[0]!r} has {list(shape)}")
+    if shape[0] == 0:
+        raise ValueError(f"{path}: empty (no sequences: {keys[0]!r} has shape {list(shape)})")
+    mask = _mask(data, path, mask_key, shape, keys[0])
+    tokens = None
+    if tokens_key in data:
+        tokens = _tensor(data, path, tokens_key, 2, "token ids [B, T]", floating=False)
+        if tokens.shape != shape:
+            raise ValueError(f"{path}: {tokens_key!r} has shape {list(tokens.shape)} but {keys[0]!r} has "
+                             f"{list(shape)}")
+    elif s.tokens_key is not None:
+        raise ValueError(f"{path}: no tensor {tokens_key!r} (--tokens-key)")
+    full = {key: _tensor(data, path, key, 3, "full-vocabulary log-probs [B, T, V]", floating=True)
+            for key in full_keys}
+    for key, value in full.items():
+        if value.shape[:2] != shape:
+            raise ValueError(f"{path}: {key!r} has shape {list(value.shape)}; expected [{shape[0]}, {shape[1]}, V] "
+                             f"like {keys[0]!r}")
+    for b in range(shape[0]):
+        columns = mask[b].nonzero().flatten()
+        record = Record(path, None, b, b, {}, columns=columns.numpy())
+        for key, value in logprobs.items():
+            array = value[b, columns].double().numpy()
+            if not np.isfinite(array).all():
+                bad = np.flatnonzero(~np.isfinite(array))
+                raise ValueError(f"{record.where}: {key!r} at column {int(columns[bad[0]])} is {array[bad[0]]}: not "
+                                 f"a finite log-prob ({bad.size} of the row's {array.size} masked values are NaN or "
+                                 "infinite)")
+            record.values[key] = _rounded_to_float32(array, f"{record.where}: {key!r}") if s.float32 else array
+        if tokens is not None:
+            record.tokens = tokens[b, columns].long().numpy()
+            if (record.tokens < 0).any():
+                raise ValueError(f"{record.where}: {tokens_key!r} holds a negative token id")
+        if full:
+            record.full = {key: _full_rows(value[b, columns], f"{record.where}: {key!r}")
+                           for key, value in full.items()}
+        yield record
+
+
+def _mask(data: dict[str, Tensor], path: Path, mask_key: str | None, shape: torch.Size, like: str) -> Tensor:
+    """The [B, T] bool mask of positions holding tokens (see the module docstring for the defaults)."""
+    if mask_key == NO_MASK:
+        return torch.ones(shape, dtype=torch.bool)
+    key = mask_key or (MASK_KEY if MASK_KEY in data else ATTENTION_MASK_KEY if ATTENTION_MASK_KEY in data else None)
+    if key is None:
+        raise ValueError(f"{path}: no {MASK_KEY!r} or {ATTENTION_MASK_KEY!r} tensor to say which positions hold "
+                         f"tokens; give --mask-key KEY, or --mask-key {NO_MASK} if every position does")
+    mask = _tensor(data, path, key, 2, "mask [B, T]", floating=None)
+    if key == ATTENTION_MASK_KEY and mask.shape[0] == shape[0] and mask.shape[1] > shape[1]:
+        mask = mask[:, mask.shape[1] - shape[1] :]  # prompt + response: the response is the last T columns
+    if mask.shape != shape:
+        raise ValueError(f"{path}: mask {key!r} has shape {list(mask.shape)} but {like!r} has {list(shape)}")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(f"{path}: mask {key!r} holds values other than 0 and 1")
+    return mask.bool()
+
+
+def _full_rows(rows: Tensor, what: str) -> Tensor:
+    """Full-vocabulary log-prob rows [n, V]: no NaN or +inf (-inf is probability 0), and normalised."""
+    bad = torch.isnan(rows) | torch.isposinf(rows)
+    if bad.any():
+        raise ValueError(f"{what} at masked position {int(bad.any(-1).nonzero()[0, 0])} holds NaN or +inf")
+    if rows.shape[0]:
+        lse = torch.logsumexp(rows.double(), dim=-1)
+        off = (lse.abs() > LOG_SUM_EXP_TOLERANCE).nonzero()
+        if off.numel():
+            t = int(off[0, 0])
+            raise ValueError(f"{what} at masked position {t} is not a row of log-probs (log Σ exp = "
+                             f"{float(lse[t]):.3g}, expected 0): store log_softmax(logits / T), not logits")
+    return rows
+
+
+# --------------------------------------------------------------------------- reading and matching
+def _records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_keys: tuple[str, ...]) -> Iterator[Record]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
+    if _is_tensor_file(path):
+        return _tensor_records(path, keys, s, full_keys)
+    if full_keys:
+        raise ValueError(f"{path}: full-vocabulary log-probs (--rollout-full-key / --train-full-key) need tensor "
+                         "files (.safetensors, .pt); JSON Lines hold the sampled tokens' log-probs only")
+    return _jsonl_records(path, keys, s)
+
+
+@dataclass
+class _Pairs:
+    """The matched sequences, in the order they were paired, and what was checked."""
+
+    train: list[np.ndarray] = field(default_factory=list)
+    roll: list[np.ndarray] = field(default_factory=list)
+    full_rows: list[dict[str, Tensor]] = field(default_factory=list)
+    tokens_checked: int = 0
+
+    def add(self, train: np.ndarray, roll: np.ndarray) -> None:
+        self.train.append(train)
+        self.roll.append(roll)
+
+
+def _read_one_file(s: CompareSettings, rk: str, tk: str) -> _Pairs:
+    pairs = _Pairs()
+    full_keys = _full_keys(s)
+    seen: dict[Hashable, str] = {}
+    for record in _records(s.rollout, (rk, tk), s, full_keys):
+        _check_new_id(record, seen)
+        pairs.add(record.values[tk], record.values[rk])
+        if full_keys:
+            pairs.full_rows.append(_full_vocab_pair(record.full[full_keys[1]], record.full[full_keys[0]],
+                                                    record, s.full_vocab_top_k))
+    return pairs
+
+
+def _check_new_id(record: Record, seen: dict[Hashable, str]) -> None:
+    """Refuse an id seen before in the same file (``seen``: id -> where it was first)."""
+    first = seen.get(record.id)
+    if first is not None:
+        raise ValueError(f"{record.where}: duplicate id (first on {first})")
+    seen[record.id] = f"line {record.line}" if record.row is None else f"row {record.row}"
+
+
+def _read_two_files(s: CompareSettings, rk: str, tk: str) -> _Pairs:
+    """Hold the ROLLOUT file's sequences by id, then stream TRAIN past them (pairs in TRAIN's order)."""
+    assert s.train is not None
+    roll_full, train_full = _full_keys(s) or (None, None)
+    held: dict[Hashable, Record] = {}
+    first_seen: dict[Hashable, str] = {}
+    for record in _records(s.rollout, (rk,), s, (roll_full,) if roll_full else ()):
+        _check_new_id(record, first_seen)
+        held[record.id] = record
+    del first_seen
+    pairs = _Pairs()
+    seen: dict[Hashable, str] = {}
+    for record in _records(s.train, (tk,), s, (train_full,) if train_full else ()):
+        _check_new_id(record, seen)
+        other = held.pop(record.id, None)
+        if other is None:
+            raise ValueError(f"{record.where}: no sequence with this id in {s.rollout}")
+        _check_pair(other, record, rk, tk)
+        pairs.tokens_checked += other.tokens is not None and record.tokens is not None
+        pairs.add(record.values[tk], other.values[rk])
+        if roll_full and train_full:
+            pairs.full_rows.append(_full_vocab_pair(record.full[train_full], other.full[roll_full], record,
+                                                    s.full_vocab_top_k))
+    if held:
+        first = next(iter(held.values()))
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+        raise ValueError(f"{first.where}: no sequence with this id in {s.train}{more}")
+    return pairs
+
+
+def _check_pair(roll: Record, train: Record, rk: str, tk: str) -> None:
+    """The two sides of one sequence describe the same tokens: same length, same ids where both have them,
+    same masked columns where both are tensor rows."""
+    n_train, n_roll = len(train.values[tk]), len(roll.values[rk])
+    there = f"{roll.path}:{roll.line}" if roll.row is None else f"{roll.path} row {roll.row}"
+    if n_train != n_roll:
+        raise ValueError(f"{train.where}: {n_train} log-probs here but {n_roll} in {there} (lengths differ)")
+    if train.tokens is not None and roll.tokens is not None and not np.array_equal(train.tokens, roll.tokens):
+        j = int(np.flatnonzero(train.tokens != roll.tokens)[0])
+        raise ValueError(f"{train.where}: tokens differ from {there} at position {j} "
+                         f"({int(train.tokens[j])} here, {int(roll.tokens[j])} there)")
+    if train.columns is not None and roll.columns is not None and not np.array_equal(train.columns, roll.columns):
+        raise ValueError(f"{train.where}: the mask selects other positions than in {there}")
+
+
+def _full_keys(s: CompareSettings) -> tuple[str, str] | tuple[()]:
+    if (s.rollout_full_key is None) != (s.train_full_key is None):
+        raise ValueError("give both --rollout-full-key and --train-full-key (or neither)")
+    return (s.rollout_full_key, s.train_full_key) if s.rollout_full_key is not None else ()
+
+
+def _full_vocab_pair(train: Tensor, roll: Tensor, record: Record, top_k: int) -> dict[str, Tensor]:
+    if train.shape != roll.shape:
+        raise ValueError(f"{record.where}: full-vocabulary log-probs have shape {list(train.shape)} on the training "
+                         f"side but {list(roll.shape)} on the rollout side")
+    if top_k > train.shape[1]:
+        raise ValueError(f"--full-vocab-top-k {top_k} exceeds the vocabulary ({train.shape[1]})")
+    return full_vocab_rows(train, roll, top_k)
+
+
+# --------------------------------------------------------------------------- the comparison
+def resolve_keys(s: CompareSettings) -> tuple[str, str]:
+    """(rollout key, training key): as given, else verl's batch keys with one file and ``logprobs`` with two."""
+    default = ONE_FILE_KEYS if s.train is None else (TWO_FILE_KEY, TWO_FILE_KEY)
+    rk, tk = s.rollout_key or default[0], s.train_key or default[1]
+    if s.train is None and rk == tk:
+        raise ValueError(f"--rollout-key and --train-key are both {rk!r}: one file needs two keys")
+    return rk, tk
+
+
+def run_compare(s: CompareSettings) -> CompareResult:
+    """Read both sides, match them, and build ``measure``'s report of the mismatch (plus the files and keys)."""
+    if isinstance(s.full_vocab_top_k, bool) or not isinstance(s.full_vocab_top_k, int) or s.full_vocab_top_k < 1:
+        raise ValueError(f"--full-vocab-top-k must be a positive integer, got {s.full_vocab_top_k!r}")
+    rk, tk = resolve_keys(s)
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
+    start = time.perf_counter()
+    pairs = _read_one_file(s, rk, tk) if s.train is None else _read_two_files(s, rk, tk)
+    read_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    lengths = [len(t) for t in pairs.train]
+    sources = str(s.rollout) if s.train is None else f"{s.rollout} and {s.train}"
+    if sum(lengths) == 0:
+        raise ValueError(f"{sources}: no tokens to compare: every sequence is empty")
+    train_flat = torch.from_numpy(np.concatenate(pairs.train))
+    pairs.train = []  # the flat copy replaces the per-sequence arrays
+    roll_flat = torch.from_numpy(np.concatenate(pairs.roll))
+    pairs.roll = []
+    report = mismatch_report(train_flat, roll_flat, lengths, max(lengths))
+    if pairs.full_rows:
+        merged = {key: torch.cat([rows[key] for rows in pairs.full_rows]) for key in pairs.full_rows[0]}
+        if merged["kl"].numel():
+            report["metrics"].update(full_vocab_summary(merged, s.full_vocab_top_k))
+    summary = {
+        "rollout": str(s.rollout),
+        "train": str(s.rollout if s.train is None else s.train),
+        "mode": "one file" if s.train is None else "two files, matched by id",
+        "rollout_key": rk,
+        "train_key": tk,
+        "sequences": len(lengths),
+        "sequences_with_tokens_checked": pairs.tokens_checked,
+        **report,
+        "seconds": {"read": round(read_s, 3), "metrics": round(time.perf_counter() - start, 3)},
+    }
+    return CompareResult(summary, train_flat, roll_flat)
+
+
+def check_gates(summary: dict[str, Any], fail_on_mismatch: bool, max_k3: float | None,
+                max_abs_dlogp: float | None) -> list[dict[str, Any]]:
+    """The requested gates, each ``{"gate", "limit", "value", "passed", "message"}``, in flag order."""
+    m = summary["metrics"]
+    gates = []
+    if fail_on_mismatch:
+        differ = summary["tokens"] - summary["bitwise_equal"]
+        gates.append({"gate": "--fail-on-mismatch", "limit": 0, "value": differ, "passed": differ == 0,
+                      "message": f"{differ} of {summary['tokens']} tokens are not bitwise equal"})
+    for flag, key, limit in (("--max-k3", "rollout_corr/k3_kl", max_k3),
+                             ("--max-abs-dlogp", "mismatch/abs_dlogp_max", max_abs_dlogp)):
+        if limit is not None:
+            value = m[key]
+            passed = value <= limit  # NaN fails
+            gates.append({"gate": flag, "limit": limit, "value": value, "passed": bool(passed),
+                          "message": f"{key} = {value:.6g} {'<=' if passed else '>'} {limit:g}"})
+    return gates
+
+
+# --------------------------------------------------------------------------- command line
+def _limit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments (the CLI calls this)."""
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("rollout", type=Path, metavar="ROLLOUT",
+                        help="the rollout engine's dump (.jsonl, .safetensors, .pt); alone: a file holding both sides")
+    parser.add_argument("train", type=Path, nargs="?", default=None, metavar="TRAIN",
+                        help="the trainer's dump of the same sequences (omit when ROLLOUT holds both)")
+    parser.add_argument("--rollout-key", default=None, metavar="KEY",
+                        help=f"rollout log-probs key (default {ONE_FILE_KEYS[0]} with one file, {TWO_FILE_KEY} "
+                             "with two)")
+    parser.add_argument("--train-key", default=None, metavar="KEY",
+                        help=f"training log-probs key (default {ONE_FILE_KEYS[1]} with one file, {TWO_FILE_KEY} "
+                             "with two)")
+    parser.add_argument("--tokens-key", default=None, metavar="KEY",
+                        help=f"token ids, checked equal where both sides have them (default {JSONL_TOKENS_KEY} in "
+                             f"JSON Lines, {TENSOR_TOKENS_KEY} in tensor files, used when present; given: required)")
+    parser.add_argument("--mask-key", default=None, metavar="KEY",
+                        help=f"tensor files: [B, T] mask of the token positions (default {MASK_KEY}, else the last "
+                             f"T columns of {ATTENTION_MASK_KEY}; '{NO_MASK}': every position)")
+    parser.add_argument("--rollout-full-key", default=None, metavar="KEY",
+                        help="tensor files: rollout full-vocabulary log-probs [B, T, V] (adds mismatch/full_vocab_*)")
+    parser.add_argument("--train-full-key", default=None, metavar="KEY",
+                        help="tensor files: training full-vocabulary log-probs [B, T, V]")
+    parser.add_argument("--full-vocab-top-k", type=_positive_int, default=5, metavar="K",
+                        help="k of mismatch/full_vocab_top{k}_overlap_mean (default 5)")
+    parser.add_argument("--float32", action="store_true",
+                        help="round every value to the nearest float32 before comparing: for float32 log-probs "
+                             "written in different formats (repr, %%.9g, numpy's shortest float32 repr)")
+    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                        help="torch threads for the metrics (default 1: elementwise passes and short sums, which "
+                             "more threads barely speed up and, on a busy machine, can slow down many times over)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the report to this JSON")
+    parser.add_argument("--png", type=Path, default=None, metavar="OUT",
+                        help="also plot the Δlogp histogram and |Δlogp| vs probability")
+    parser.add_argument("--fail-on-mismatch", action="store_true", help="gate: exit 1 unless every token is "
+                        "bitwise equal")
+    parser.add_argument("--max-k3", type=_limit, default=None, metavar="X",
+                        help="gate: exit 1 if rollout_corr/k3_kl > X")
+    parser.add_argument("--max-abs-dlogp", type=_limit, default=None, metavar="X",
+                        help="gate: exit 1 if mismatch/abs_dlogp_max > X")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the command from parsed arguments; returns the exit code (0 passed, 1 a gate failed)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
+                               train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
+                               rollout_full_key=args.rollout_full_key, train_full_key=args.train_full_key,
+                               full_vocab_top_k=args.full_vocab_top_k, float32=args.float32,
+                               threads=args.threads)
+    result = run_compare(settings)
+    s = result.summary
+    gates = check_gates(s, args.fail_on_mismatch, args.max_k3, args.max_abs_dlogp)
+    s["gates"] = gates
+    probe = Console()  # wide when not a terminal (CI logs), as the CLI's other commands print
+    console = probe if probe.is_terminal else Console(width=160)
+    sides = (f"{s['rollout']}: {s['rollout_key']} → {s['train_key']}" if settings.train is None
+             else f"{s['rollout']} ({s['rollout_key']}) → {s['train']} ({s['train_key']})")
+    checked = f"; tokens checked on {s['sequences_with_tokens_checked']}" if settings.train is not None else ""
+    print_report(s, console, title=escape(f"vexact compare: {sides}"),  # titles are rich markup; paths are not
+                 caption=f"{s['sequences']} sequences ({s['mode']}{checked}); values compared exactly as float64")
+    written = [write_report_json(s, args.json)] if args.json else []
+    if args.png:
+        written.append(plot_report(result.logp_train, result.logp_roll, args.png,
+                                   f"vexact compare: {sides} ({s['tokens']} tokens)"))
+    if written:
+        console.print("wrote " + ", ".join(str(path) for path in written), markup=False)
+    failed = [g for g in gates if not g["passed"]]
+    for gate in gates:
+        if gate["passed"]:
+            console.print(f"gate passed: {gate['gate']}: {gate['message']}", markup=False)
+    err = Console(stderr=True, soft_wrap=True)
+    for gate in failed:
+        err.print(f"gate failed: {gate['gate']}: {gate['message']}", markup=False, highlight=False)
+    return EXIT_GATE_FAILED if failed else 0
