@@ -168,7 +168,7 @@ def test_a_hostile_optimizer_pickle_is_refused_not_run(tmp_path, reference, monk
 
     torch.save({"state": Payload()}, newest / "optimizer.pt")
     manifest = json.loads((newest / "manifest.json").read_text())
-    manifest["sha256"]["optimizer.pt"] = runlog._sha256(newest / "optimizer.pt")
+    manifest["sha256"]["optimizer.pt"] = runlog.file_sha256(newest / "optimizer.pt")
     (newest / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError) as error:
         _run(cfg, resume=True)

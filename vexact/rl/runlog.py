@@ -185,7 +185,8 @@ def _write_boundary(name: str) -> None:
     the process exactly there."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -241,7 +242,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     _write_boundary(TRAINER_STATE)
     files.append(TRAINER_STATE)
     manifest = {"format": CHECKPOINT_FORMAT, "next_step": int(state["next_step"]),
-                "sha256": {f: _sha256(partial / f) for f in files}}
+                "sha256": {f: file_sha256(partial / f) for f in files}}
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     _fsync(partial / MANIFEST)
     _fsync(partial)
@@ -278,7 +279,7 @@ def verify_checkpoint(directory: Path) -> str | None:
         path = Path(directory) / name
         if not path.is_file():
             return f"{name} is missing"
-        if _sha256(path) != expected:
+        if file_sha256(path) != expected:
             return f"{name} does not match its hash in manifest.json"
     return None
 
