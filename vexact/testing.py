@@ -35,13 +35,10 @@ import torch
 from torch import Tensor
 
 from .engine.inputs import check_token_lists
-from .rl.metrics import mismatch_summary
+from .rl.metrics import BITS_VIEW, float_bits, mismatch_summary
 
 __all__ = ["LogprobComparison", "Mismatch", "assert_logprobs_equal", "check_paths", "compare_logprobs", "float_bits"]
 
-# The integer type each float dtype is reinterpreted as to read its bits.
-_BITS_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
-              torch.float64: torch.int64}
 _DTYPE_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float64: "float64"}
 _MAX_SEQUENCES_LISTED = 8  # the "mismatched tokens by sequence" line stops after this many
@@ -49,16 +46,6 @@ _MAX_FAILURES_DETAILED = 6  # check_paths reports this many failed checks in ful
 
 
 # --------------------------------------------------------------------------- bits and values as text
-def float_bits(value: Tensor) -> str:
-    """Hex of a one-element float tensor's bits as stored: ``0x3f800000`` for float32 1.0, ``0x3f80`` for
-    bfloat16 1.0, ``0x3ff0000000000000`` for float64 1.0 (4, 8 or 16 hex digits by the dtype's width)."""
-    if value.dtype not in _BITS_VIEW:
-        raise ValueError(f"float_bits: unsupported dtype {value.dtype}")
-    width = torch.finfo(value.dtype).bits
-    raw = int(value.detach().reshape(1).cpu().view(_BITS_VIEW[value.dtype])[0]) & ((1 << width) - 1)
-    return f"0x{raw:0{width // 4}x}"
-
-
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -256,7 +243,7 @@ def compare_logprobs(rollout: Any, train: Any, *, tokens: Any | None = None, mas
     dtype = roll.items[0].dtype
     for i, (a, b) in enumerate(zip(roll.items, tr.items)):
         for side, t in ((names[0], a), (names[1], b)):
-            if t.dtype not in _BITS_VIEW:
+            if t.dtype not in BITS_VIEW:
                 raise ValueError(f"sequence {i}: {side} log-probs are {t.dtype}; expected float16, bfloat16, "
                                  "float32 or float64")
             if t.dtype != dtype:
@@ -274,7 +261,7 @@ def _compare(roll: _Sequences, tr: _Sequences, token_ids: list[list[int]] | None
              names: tuple[str, str]) -> LogprobComparison:
     lengths = [t.numel() for t in roll.items]
     flat_r, flat_t = torch.cat(roll.items), torch.cat(tr.items)
-    differ = flat_r.view(_BITS_VIEW[dtype]) != flat_t.view(_BITS_VIEW[dtype])  # bit patterns, not ==
+    differ = flat_r.view(BITS_VIEW[dtype]) != flat_t.view(BITS_VIEW[dtype])  # bit patterns, not ==
     seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
     by_seq = torch.bincount(seq_of[differ], minlength=len(lengths))
     first = None

@@ -53,21 +53,42 @@ def score_tokens(model: Transformer, prompts: list[list[int]], responses: list[l
     return logprobs, entropies
 
 
-def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
-                 temperature: float, with_entropy: bool, ops: KernelOps) -> tuple[list[Tensor], list[Tensor]]:
+def full_logprobs(model: Transformer, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
+                  ops: KernelOps | None = None) -> Tensor:
+    """[N, V] float32 log-softmax of the temperature-scaled logits at every response position (N = all response
+    tokens, in order): one forward of these (validated) sequences, the same forward ``token_logprobs`` runs, for
+    comparing whole next-token distributions. [0, V] when every response is empty."""
+    ops = model.ops if ops is None else ops
+    logits = _response_logits(model, prompts, responses, temperature, ops)
+    if logits is None:
+        return torch.zeros(0, model.config.vocab_size, device=model.device)
+    return ops.log_softmax(logits)
+
+
+def _response_logits(model: Transformer, prompts: list[list[int]], responses: list[list[int]], temperature: float,
+                     ops: KernelOps) -> Tensor | None:
+    """Scaled logits [N, V] predicting every response token, in order; None when there are none."""
     device = model.device
     # The last response token is only a target, never an input.
     inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
     hidden = model(pad_right(inputs, device), ops=ops)
     # Response token j of sequence b is predicted at position len(prompt_b) - 1 + j.
     rows = [(b, len(p) - 1 + j) for b, (p, r) in enumerate(zip(prompts, responses)) for j in range(len(r))]
-    lengths = [len(r) for r in responses]
     if not rows:
+        return None
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    return scale_logits(model.logits(hidden[index[:, 0], index[:, 1]], ops), temperature)
+
+
+def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
+                 temperature: float, with_entropy: bool, ops: KernelOps) -> tuple[list[Tensor], list[Tensor]]:
+    device = model.device
+    logits = _response_logits(model, prompts, responses, temperature, ops)
+    if logits is None:
         empty = [torch.zeros(0, device=device) for _ in prompts]
         return empty, empty
-    index = torch.tensor(rows, dtype=torch.long, device=device)
+    lengths = [len(r) for r in responses]
     targets = torch.tensor([t for r in responses for t in r], dtype=torch.long, device=device)
-    logits = scale_logits(model.logits(hidden[index[:, 0], index[:, 1]], ops), temperature)
     flat = ops.token_logprobs(logits, targets)
     entropy: list[Tensor] = []
     if with_entropy:

@@ -23,6 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..rl.config import dotted_items
 from ..rl.runlog import json_safe
 
 SEED_KEY = "seed"
@@ -221,7 +222,7 @@ def write_summary_csv(data: SweepData, path: str | Path) -> Path:
         summary = p.summary or {}
         row.update({"status": p.status, "error": p.error, "reason": summary.get("reason"),
                     "steps_completed": summary.get("steps_completed")})
-        row.update(_flatten(p.collapse))
+        row.update(dotted_items(p.collapse))
         rows.append(row)
     columns = list(dict.fromkeys(k for row in rows for k in row)) or ["name", "status"]
     path = Path(path)
@@ -232,16 +233,6 @@ def write_summary_csv(data: SweepData, path: str | Path) -> Path:
         for row in rows:
             writer.writerow({k: _csv_cell(v) for k, v in row.items()})
     return path
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            flat[f"{prefix}{k}"] = v
-    return flat
 
 
 def _csv_cell(v: Any) -> Any:

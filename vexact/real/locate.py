@@ -63,6 +63,7 @@ import vexact_kernels
 from ..engine.inputs import check_temperature, check_token_lists, pad_right
 from ..engine.model import KernelOps, ModelConfig, Transformer
 from ..engine.rollout import CACHE_BLOCK, generate
+from ..rl.metrics import float_bits
 from .measure import MeasureSettings, PathSpec, load_prompts, parse_path
 from .pretrained import build_model, load_tokenizer, model_config_from_hf, read_checkpoint, read_checkpoint_config
 
@@ -302,14 +303,6 @@ def capture(model: Transformer, ops: KernelOps, kind: str, sequences: list[list[
 
 
 # --------------------------------------------------------------------------- comparing
-def bit_pattern(value: Tensor) -> str:
-    """The bits of one fp32 or bf16 element, as hex (8 or 4 digits)."""
-    value = value.reshape(1)
-    if value.dtype == torch.bfloat16:
-        return f"0x{value.view(torch.int16).item() & 0xFFFF:04x}"
-    return f"0x{value.float().view(torch.int32).item() & 0xFFFFFFFF:08x}"
-
-
 def _differs(a: Tensor, b: Tensor) -> Tensor:
     """Elementwise: do the float32 bit patterns differ (bf16 widened exactly)?"""
     return a.float().view(torch.int32) != b.float().view(torch.int32)
@@ -358,7 +351,7 @@ def first_divergence(plan: list[OpSlot], a: dict[str, Tensor], b: dict[str, Tens
         return {"op": slot.name, "index": row["index"], "group": slot.group, "sequence": sequence,
                 "position": position, "feature": feature,
                 "feature_index": [int(i) for i in torch.unravel_index(torch.tensor(feature), slot.feature_shape)],
-                "a": float(va), "b": float(vb), "a_bits": bit_pattern(va), "b_bits": bit_pattern(vb),
+                "a": float(va), "b": float(vb), "a_bits": float_bits(va), "b_bits": float_bits(vb),
                 "abs_diff": abs(float(va) - float(vb)), "elements_differing": row["elements_differing"],
                 "positions_differing": row["positions_differing"]}
     return None

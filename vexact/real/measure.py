@@ -49,10 +49,10 @@ from torch import Tensor
 
 import vexact_kernels
 
-from ..engine.inputs import check_temperature, check_token_lists, pad_right, padded_with_mask, scale_logits
+from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
 from ..engine.model import DTYPES, Transformer, short_dtype_name
 from ..engine.rollout import generate
-from ..engine.scoring import token_logprobs
+from ..engine.scoring import full_logprobs, token_logprobs
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from .pretrained import (
     PARITY_PROMPTS,
@@ -191,13 +191,8 @@ class VexactPath:
     def full_logprobs(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> Tensor:
         """[N, V] fp32 log_softmax(logits / T) at every response position (N = all response tokens, in order): one
         full-sequence forward of these sequences on this path's ops and dtype, as ``token_logprobs`` runs it."""
-        inputs = [p + r[:-1] for p, r in zip(prompts, responses)]  # the last response token is only a target
-        rows = torch.tensor([(b, len(p) - 1 + j) for b, (p, r) in enumerate(zip(prompts, responses))
-                             for j in range(len(r))], dtype=torch.long, device=self.model.device)
         with torch.no_grad():
-            hidden = self.model(pad_right(inputs, self.model.device), ops=self.ops)
-            logits = scale_logits(self.model.logits(hidden[rows[:, 0], rows[:, 1]], self.ops), temperature)
-            return self.ops.log_softmax(logits).cpu()
+            return full_logprobs(self.model, prompts, responses, temperature, ops=self.ops).cpu()
 
 
 class HFPath:

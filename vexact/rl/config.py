@@ -703,6 +703,17 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+def dotted_items(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{"a.b.c": value}`` (the spelling of ``--set`` keys); empty sub-mappings add nothing."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(dotted_items(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def config_hash(section_or_dict: Any) -> str:
     """Stable sha256 hex digest of a dataclass or dict (canonical JSON: sorted keys, tuples as lists)."""
     canonical = json.dumps(_plain(section_or_dict), sort_keys=True, separators=(",", ":"), default=str)

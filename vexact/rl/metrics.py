@@ -34,6 +34,21 @@ from torch import Tensor
 DEFAULT_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
 """Edges of the token-probability buckets for ``mismatch/abs_dlogp_bucket/*`` (probability under the training path)."""
 
+BITS_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+"""The integer type each float dtype is reinterpreted as to read its bits (bitwise comparisons, bit reports)."""
+
+
+def float_bits(value: Tensor) -> str:
+    """Hex of a one-element float tensor's bits as stored: ``0x3f800000`` for float32 1.0, ``0x3f80`` for
+    bfloat16 1.0, ``0x3ff0000000000000`` for float64 1.0 (4, 8 or 16 hex digits by the dtype's width)."""
+    if value.dtype not in BITS_VIEW:
+        raise ValueError(f"float_bits: unsupported dtype {value.dtype}")
+    width = torch.finfo(value.dtype).bits
+    raw = int(value.detach().reshape(1).cpu().view(BITS_VIEW[value.dtype])[0]) & ((1 << width) - 1)
+    return f"0x{raw:0{width // 4}x}"
+
+
 LOG_RATIO_BOUND = 20.0
 """|log ρ| is clamped to this before exponentiating in the χ² metrics (verl's SAFETY_BOUND): ρ ≤ exp(20) ≈ 4.9e8."""
 

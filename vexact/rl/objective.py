@@ -137,8 +137,8 @@ class Objective:
         one_pass = alg.mini_batches == 1 and alg.ppo_epochs == 1
         pre_update = None
         if alg.old_logprobs == "recompute" or not one_pass:  # else the single update pass scores at θ_old
-            pre_update = self._score(model, batch)
-        ref = self._score(reference(), batch) if alg.kl_coef > 0 else None
+            pre_update = self.score(model, batch)
+        ref = self.score(reference(), batch) if alg.kl_coef > 0 else None
         return Anchors(pre_update if alg.old_logprobs == "recompute" else batch.logprobs, pre_update, ref)
 
     def expects_exact(self, plan: RolloutPlan) -> bool:
@@ -205,6 +205,7 @@ class Objective:
             stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
         return MinibatchLoss(loss, detached, stats)
 
-    def _score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
+    def score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
+        """The training path's log-probs of the batch's responses (no grad), as the anchors use them."""
         with torch.no_grad():
             return score_tokens(model, batch.prompts, batch.responses, self.temperature, self.alg.micro_batch_size)[0]

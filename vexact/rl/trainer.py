@@ -24,9 +24,8 @@ from torch import Tensor
 import vexact_kernels
 
 from ..engine.model import Transformer, resolve_dtype
-from ..engine.scoring import score_tokens
 from .collapse import detect_collapse
-from .config import RunConfig, load_config, save_config
+from .config import RunConfig, dotted_items, load_config, save_config
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
 from .objective import Anchors, Objective, RunStopped, compute_advantages
@@ -348,8 +347,8 @@ class Trainer:
                 raise ValueError(f"cannot resume {self.run_dir}: {saved_path} is missing, so the config the run was "
                                  "started with cannot be checked; restore it or start a new run")
             return {}
-        saved = _flat(load_config(saved_path).to_dict())
-        now = _flat(self.cfg.to_dict())
+        saved = dotted_items(load_config(saved_path).to_dict())
+        now = dotted_items(self.cfg.to_dict())
         changes = {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now))
                    if k != "output_dir" and saved.get(k) != now.get(k)}
         refused = {k: v for k, v in changes.items() if k not in allow_changes}
@@ -381,10 +380,7 @@ class Trainer:
 
         def measure(value: float) -> float:
             batch = self.rollout(0, self.injector.plan_for_value(value, step=0), problems)
-            with torch.no_grad():
-                train_logp, _ = score_tokens(self.compute, batch.prompts, batch.responses,
-                                             self.cfg.rollout.temperature, self.cfg.algorithm.micro_batch_size)
-            return mismatch_metrics(train_logp, batch.logprobs)[key]
+            return mismatch_metrics(self.objective.score(self.compute, batch), batch.logprobs)[key]
 
         self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
                                      sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)
@@ -404,14 +400,6 @@ class Trainer:
 RESUME_SAFE_KEYS = ("steps", "threads", "logging.live", "logging.eval_every", "logging.checkpoint_every")
 """Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers (threads: the
 kernels are thread-count invariant); ``steps`` extends or shortens the run (a cosine schedule's horizon moves)."""
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        out.update(_flat(value, path + ".") if isinstance(value, dict) and value else {path: value})
-    return out
 
 
 def _read_summary(run_dir: Path) -> dict | None:
