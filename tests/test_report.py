@@ -149,7 +149,7 @@ def test_write_report(sweep: Path) -> None:
     report = sweep / "report"
     names = {p.name for p in result["files"]}
     assert names == {"summary.csv", "table.json", "table.md", "reward_curves.png", "mismatch_vs_step.png",
-                     "collapse_vs_magnitude.png"}
+                     "collapse_vs_magnitude.png", "dose_response.json", "dose_response.png", "dynamics.json"}
     for png in ("reward_curves.png", "mismatch_vs_step.png", "collapse_vs_magnitude.png"):
         _check_png(report / png)
     assert json.loads((report / "table.json").read_text()) == result["rows"]

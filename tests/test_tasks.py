@@ -18,6 +18,7 @@ from vexact.rl.tasks import (
     Problem,
     ReverseTask,
     SortTask,
+    SumTask,
     encode_prompt,
     encode_target,
     held_out_problems,
@@ -47,6 +48,8 @@ def solve(prompt: str) -> str:
     if tag == "+":
         a, b = body.split("+")
         return str(int(a) + int(b))
+    if tag == "a":
+        return str(sum(int(d) for d in body))
     assert tag == "#"
     return str(body.count("a"))
 
@@ -101,6 +104,24 @@ def test_sampled_answers_are_right_and_lengths_respected(name):
         assert len(encode_prompt(TOK, p)) <= max_prompt_tokens(task)
         assert len(encode_target(TOK, p)) <= max_answer_tokens(task)
     assert lengths == {3, 4, 5, 6}
+
+
+def test_sum_trace_is_the_running_sums_and_the_reward_reads_only_the_final_answer():
+    task = SumTask(1, 8)
+    p = task.problem("3141")
+    assert (p.prompt, p.answer, p.worked, p.target) == ("a:3141=", "9", "3:4:8:9=9", "3:4:8:9=9")
+    assert encode_target(TOK, p) == ids("3:4:8:9=9")
+    assert task.reward(p, ids("3:4:8:9=9")) == 1.0
+    assert task.reward(p, ids("12:0:=:7=9")) == 1.0  # the trace is free
+    assert task.reward(p, ids("=9")) == 1.0  # ... and may be skipped
+    assert task.reward(p, ids("9")) == 0.0  # no '=': no answer
+    assert task.reward(p, ids("3:4:8:9=9", eos=False)) == 0.0  # rambled to the limit
+    assert task.reward(p, ids("3:4:8:9=8")) == 0.0
+    partial = SumTask(1, 8, partial_credit=True)
+    assert partial.reward(partial.problem("99"), ids("9:18=19")) == pytest.approx(0.5)  # final answer 19 vs 18
+    # the longest worked response is the bound, and it is attained: 9:18:27:...:72=72
+    longest = task.problem("9" * 8)
+    assert len(encode_target(TOK, longest)) == max_answer_tokens(task) == 26
 
 
 def test_add_operand_lengths():
@@ -217,7 +238,7 @@ def test_held_out_set_fixed_and_distinct_from_training(name):
 
 # ---------------------------------------------------------------- make_task
 def test_make_task():
-    assert TASK_NAMES == ("reverse", "add", "sort", "count")
+    assert TASK_NAMES == ("reverse", "add", "sort", "count", "sum")
     for name in TASK_NAMES:
         task = make_task(name, 2, 3, partial_credit=True)
         assert task.name == name and (task.min_len, task.max_len, task.partial_credit) == (2, 3, True)

@@ -8,6 +8,10 @@ A *group* is one magnitude setting: all points sharing the values of every grid 
     reward_curves.png           eval reward vs step, one line per point, coloured by group
     mismatch_vs_step.png        rollout-correction k3 KL vs step (log y)
     collapse_vs_magnitude.png   collapse step vs realised k3 KL (log x)
+    dose_response.json / .png   collapse probability vs realised k3 KL and the fitted 50% threshold
+                                (``vexact/lab/dose_response.py``)
+    dynamics.json               does the realised k3 grow during runs, and what it moves with
+                                (``vexact/lab/dynamics.py``)
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class SweepData:
     grid: dict[str, list[Any]]
     group_keys: list[str]
     points: list[PointData]
+    curves: list[str] | None = None  # the sweep file's ``curves`` (dose-response split), None when not given
 
     def group_values(self, point: PointData) -> tuple[Any, ...]:
         return tuple(point.overrides.get(k) for k in self.group_keys)
@@ -129,8 +134,9 @@ def read_sweep_results(sweep_dir: str | Path) -> SweepData:
         group_keys = [k for k in grid if k != SEED_KEY]
     else:  # no grid recorded: group by every override except the seed
         group_keys = list(dict.fromkeys(k for p in points for k in p.overrides if k != SEED_KEY))
+    curves = spec.get("curves")
     return SweepData(path=sweep_dir, name=str(spec.get("name") or sweep_dir.name), grid=grid,
-                     group_keys=group_keys, points=points)
+                     group_keys=group_keys, points=points, curves=list(curves) if isinstance(curves, list) else None)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -479,16 +485,45 @@ def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[
     (out / "table.json").write_text(json.dumps(json_safe(rows), indent=2) + "\n")
     (out / "table.md").write_text(markdown_table(rows, title=data.name))
     files += [out / "table.json", out / "table.md"]
+    from .dose_response import dose_response, plot_dose_response, threshold_words  # they build on this module
+    from .dynamics import mismatch_dynamics
+
+    doses = dose_response(data)
+    dynamics = mismatch_dynamics(data)
+    (out / "dose_response.json").write_text(json.dumps(json_safe(doses), indent=2) + "\n")
+    (out / "dynamics.json").write_text(json.dumps(json_safe(dynamics), indent=2) + "\n")
+    files += [out / "dose_response.json", out / "dynamics.json"]
     try:
         files += plot_sweep(data, out)
+        files.append(plot_dose_response(doses, out / "dose_response.png", data.name))
     except ImportError as e:
         console.print(f"[yellow]plots skipped: {e}[/]")
     render_table(rows, console, title=data.name)
+    _render_dynamics(dynamics, console)
+    for curve in doses["curves"]:
+        console.print(f"dose-response {curve['curve']}: {threshold_words(curve['threshold'])}")
+        console.print(f"  {curve['threshold']['note']}", soft_wrap=True)
     failed = [p for p in data.points if p.status == "failed"]
     for p in failed:
         console.print(f"[red]failed:[/] {p.name}" + (f" -- {p.error}" if p.error else ""))
     console.print(f"report written to {out}")
     return {"rows": rows, "files": files}
+
+
+def _render_dynamics(dynamics: list[dict[str, Any]], console: Console) -> None:
+    """The mismatch-dynamics table, for groups with a positive realised k3 (nothing when none has one)."""
+    rows = [d for d in dynamics if d.get("runs")]
+    if not rows:
+        return
+    table = Table(title="mismatch during the run (corr = Pearson of log k3 with the metric over steps)")
+    for h in ("group", "runs", "k3 early", "k3 late", "growing", "corr entropy", "corr grad norm", "corr length"):
+        table.add_column(h, justify="left" if h == "group" else "right")
+    corr = lambda d, k: "—" if d["corr"][k] is None else f"{d['corr'][k]:+.2f}"  # noqa: E731
+    for d in rows:
+        table.add_row(d["group"], str(d["runs"]), _fmt_sci(d["k3_early"]), _fmt_sci(d["k3_late"]),
+                      f"{d['runs_growing']}/{d['runs']}", corr(d, "entropy"), corr(d, "grad_norm"),
+                      corr(d, "response_length"))
+    console.print(table)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -18,6 +18,10 @@ the report groups by like a grid key::
       none: {}
       tis_lr_decay: {correction.method: token_tis, lr_schedule.kind: length_triggered}
 
+Optional ``curves`` names the grid keys (``variant`` included) that split the dose-response fit of ``vexact report``
+into curves (``dose_response.json``): ``curves: [algorithm.old_logprobs]`` fits one collapse-vs-mismatch curve per
+old-log-prob mode over every source and magnitude. Default: every non-seed grid key outside ``inject.*``.
+
 Every point's config is built and validated before anything runs. Points run in grid order,
 sequentially or in ``--jobs N`` worker processes. The sweep is resumable: a point whose
 ``summary.json`` says completed/stopped is skipped, an unfinished one resumes from its last
@@ -63,7 +67,7 @@ from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml, sho
 from ..rl.runlog import RunLocked, run_lock, write_json_atomic
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
-SWEEP_KEYS = {"name", "base", "set", "grid", "variants", "output_dir"}
+SWEEP_KEYS = {"name", "base", "set", "grid", "variants", "curves", "output_dir"}
 VARIANT_KEY = "variant"
 PER_POINT_KEYS = ("name", "output_dir")  # set by the sweep for every point
 MAX_POINTS = 10_000  # a grid this large is a typo (a long list where a short one was meant), not an experiment
@@ -91,6 +95,7 @@ class SweepSpec:
     output_dir: Path
     points: list[SweepPoint]
     variants: dict[str, dict] | None = None
+    curves: list[str] | None = None  # grid keys that split the dose-response fit (None: the report's default)
 
 
 def _format_value(value: Any) -> str:
@@ -207,6 +212,13 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         if VARIANT_KEY in grid:
             raise ConfigError(f"{VARIANT_KEY!r} is set by 'variants'; remove it from the grid{where}", "grid")
         grid = {VARIANT_KEY: list(variants), **grid}
+    curves = spec.get("curves")
+    if curves is not None:
+        if not isinstance(curves, list) or not all(isinstance(k, str) for k in curves):
+            raise ConfigError(f"expected a list of grid keys, got {show_value(curves)}{where}", "curves")
+        stray = [k for k in curves if k not in grid]
+        if stray:
+            raise ConfigError(f"{stray[0]!r} is not a grid key (grid keys: {', '.join(grid)}){where}", "curves")
     spec_out = spec.get("output_dir")
     if spec_out is not None and not isinstance(spec_out, str):
         raise ConfigError(f"expected a directory path, got {show_value(spec_out)}{where}", "output_dir")
@@ -244,7 +256,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         except ConfigError as err:
             raise ConfigError(f"sweep point {pname} of '{path}': {err}") from None
         points.append(SweepPoint(pname, overrides, cfg))
-    return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants)
+    return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants, curves)
 
 
 def point_status(point: SweepPoint) -> str:
@@ -273,6 +285,7 @@ def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, st
         "name": spec.name,
         "grid": spec.grid,
         "variants": spec.variants,
+        "curves": spec.curves,
         "points": [{"name": p.name, "dir": f"points/{p.name}", "overrides": p.overrides,
                     "status": statuses[p.name], "error": errors.get(p.name)} for p in spec.points],
     })

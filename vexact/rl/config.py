@@ -113,7 +113,7 @@ ModelSection = _model_section()
 class TaskSection:
     """The synthetic task the policy is trained on."""
 
-    name: Literal["reverse", "add", "sort", "count"] = "reverse"
+    name: Literal["reverse", "add", "sort", "count", "sum"] = "reverse"
     min_len: int = field(default=4, metadata=_bounds(min=1))
     max_len: int = field(default=8, metadata=_bounds(min=1))
     partial_credit: bool = False

@@ -12,12 +12,18 @@ All tasks share one character vocabulary (``CharTokenizer``, 22 ids), so one mod
     add      +    +:12+345=       357     two numbers, the longer with L digits, the other with 1..L; answer = sum
     sort     >    >:31452=        12345   L random digits; answer = them in ascending order
     count    #    #:abcab=        2       L letters from {a, b, c}; answer = how many are 'a'
+    sum      a    a:3141=         3:4:8:9=9  L random digits; a trace of running sums, then '=' and the total
 
 Responses are sampled token by token until EOS or ``max_new_tokens``, so a response can be longer (or shorter)
 than the answer; ``max_answer_tokens`` gives the longest answer + EOS so a caller can check that ``max_new_tokens``
 can hold it. **EOS ends a response, and a correct answer must end with it**: a response that ran out of tokens
 before EOS scores 0.0 even when its text is the answer (otherwise the policy is never pushed to stop). Anything
 after the first EOS is ignored.
+
+**Trace tasks** (``sum``) answer after a worked trace: the supervised target is the whole worked response, but
+the reward reads only the *final answer*, the text after the response's last ``=``; the trace itself is free.
+So the response length is the policy's choice, up to ``max_new_tokens``: it varies with the input and can grow
+(a drifting policy writes longer traces, or rambles to the limit and loses the reward for the missing EOS).
 
 Reward is 1.0 for an exact match followed by EOS and 0.0 otherwise. With ``partial_credit=True`` a non-exact
 response instead earns ``matches / (max(len(answer), len(response)) + missing_eos)``: the fraction of character
@@ -50,6 +56,7 @@ __all__ = [
     "Problem",
     "ReverseTask",
     "SortTask",
+    "SumTask",
     "Task",
     "encode_prompt",
     "encode_target",
@@ -124,10 +131,17 @@ class CharTokenizer:
 
 @dataclass(frozen=True)
 class Problem:
-    """One task instance: the prompt (ending with ``=``, after which the model answers) and the right answer."""
+    """One task instance: the prompt (ending with ``=``, after which the model answers) and the right answer.
+    ``worked``: for trace tasks, the whole worked response (trace + ``=`` + answer) the warm start imitates."""
 
     prompt: str
     answer: str
+    worked: str | None = None
+
+    @property
+    def target(self) -> str:
+        """The response text that earns reward 1.0 (without EOS): the worked solution, else the answer."""
+        return self.answer if self.worked is None else self.worked
 
 
 class Task(ABC):
@@ -149,7 +163,8 @@ class Task(ABC):
 
     @abstractmethod
     def max_answer_len(self) -> int:
-        """Longest possible answer, in characters (EOS not included)."""
+        """Longest possible target (``Problem.target``: the answer, or the worked solution of a trace task), in
+        characters (EOS not included)."""
 
     @abstractmethod
     def max_input_len(self) -> int:
@@ -157,6 +172,10 @@ class Task(ABC):
 
     def _prompt(self, body: str) -> str:
         return f"{self.tag}:{body}="
+
+    def final_answer(self, text: str) -> str:
+        """The part of a response's text the reward checks: all of it (trace tasks override this)."""
+        return text
 
     def reward(self, problem: Problem, response_ids: Iterable[int]) -> float:
         """1.0 for the exact answer followed by EOS, else 0.0 (or the partial credit described in the module
@@ -167,6 +186,7 @@ class Task(ABC):
             ids = ids[: ids.index(EOS_ID)]
         # PAD/BOS inside a response become "\0", which matches no answer character.
         text = "".join("\0" if i in (PAD_ID, BOS_ID) else self.tokenizer._char(i) for i in ids)
+        text = self.final_answer(text)
         if terminated and text == problem.answer:
             return 1.0
         if not self.partial_credit:
@@ -267,7 +287,32 @@ class CountTask(Task):
         return self.max_len
 
 
-_TASKS: dict[str, type[Task]] = {t.name: t for t in (ReverseTask, AddTask, SortTask, CountTask)}
+class SumTask(_DigitStringTask):
+    """Sum ``L`` digits, showing the running sums: ``a:3141=`` -> ``3:4:8:9=9`` (a trace task).
+
+    The reward checks only the number after the response's last ``=`` (and EOS), so the trace is the policy's
+    own business and the response length can vary and grow; the warm start imitates the worked trace."""
+
+    name = "sum"
+    tag = "a"
+
+    def answer(self, digits: str) -> str:
+        return str(sum(map(int, digits)))
+
+    def problem(self, digits: str) -> Problem:
+        running = ":".join(str(sum(map(int, digits[: i + 1]))) for i in range(len(digits)))
+        return Problem(self._prompt(digits), self.answer(digits), f"{running}={self.answer(digits)}")
+
+    def final_answer(self, text: str) -> str:
+        return text.rpartition("=")[2] if "=" in text else "\0"  # no '=': no answer given
+
+    def max_answer_len(self) -> int:
+        # running sums of up to max_len digits (<= 9 each), ':' between them, '=', the total
+        sums = "".join(str(9 * (i + 1)) for i in range(self.max_len))
+        return len(sums) + self.max_len - 1 + 1 + len(str(9 * self.max_len))
+
+
+_TASKS: dict[str, type[Task]] = {t.name: t for t in (ReverseTask, AddTask, SortTask, CountTask, SumTask)}
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 
 
@@ -303,12 +348,12 @@ def encode_prompt(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
 
 
 def encode_target(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
-    """``encode(answer) + [EOS]``: the response that earns reward 1.0 (supervised warm-start target)."""
-    return [*tokenizer.encode(problem.answer), EOS_ID]
+    """``encode(target) + [EOS]``: the response that earns reward 1.0 (supervised warm-start target)."""
+    return [*tokenizer.encode(problem.target), EOS_ID]
 
 
 def max_answer_tokens(task: Task) -> int:
-    """Upper bound on ``len(encode_target(...))``: the longest answer + EOS. ``max_new_tokens`` must be at least
+    """Upper bound on ``len(encode_target(...))``: the longest target + EOS. ``max_new_tokens`` must be at least
     this for every problem to be solvable."""
     return task.max_answer_len() + 1
 
