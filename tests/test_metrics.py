@@ -50,23 +50,28 @@ def test_token_level_divergences(m):
     assert m["rollout_corr/chi2_token"] == pytest.approx(sum(math.exp(2 * r) for r in R) / 5 - 1)
 
 
-def test_sequence_level_chi2_skips_empty_sequences(m):
-    # ρ_seq² = exp(2Σr): exp(0.5) and exp(-1.0); the empty sequence is not a third term.
-    assert m["rollout_corr/chi2_seq"] == pytest.approx((math.exp(0.5) + math.exp(-1.0)) / 2 - 1)
+def test_sequence_level_chi2_counts_empty_sequences_as_verl(m):
+    # ρ_seq² = exp(2Σr): exp(0.5) and exp(-1.0); the empty sequence is a third term with ratio 1 (verl averages
+    # over all rows, and its masked sum over no tokens is 0).
+    assert m["rollout_corr/chi2_seq"] == pytest.approx((math.exp(0.5) + 1.0 + math.exp(-1.0)) / 3 - 1)
 
 
 def test_log_ppl_metrics(m):
-    # training log ppl per sequence: 0.75 and 5.25/3; rollout: 0.875 and 4.75/3.
-    assert m["rollout_corr/training_log_ppl"] == pytest.approx((0.75 + 5.25 / 3) / 2)
-    assert m["rollout_corr/rollout_log_ppl"] == pytest.approx((0.875 + 4.75 / 3) / 2)
-    # d_i = training_log_ppl_i - rollout_log_ppl_i = -Σr/T: -0.125 and +1/6.
-    d = [-0.125, 1 / 6]
-    assert m["rollout_corr/log_ppl_diff"] == pytest.approx(sum(d) / 2)
+    # training log ppl per sequence: 0.75, 0 (empty: verl's masked mean over no tokens) and 5.25/3; rollout:
+    # 0.875, 0 and 4.75/3. Every per-sequence mean runs over all three rows, as verl's.
+    assert m["rollout_corr/training_log_ppl"] == pytest.approx((0.75 + 5.25 / 3) / 3)
+    assert m["rollout_corr/rollout_log_ppl"] == pytest.approx((0.875 + 4.75 / 3) / 3)
+    assert m["rollout_corr/training_ppl"] == pytest.approx((math.exp(0.75) + 1.0 + math.exp(5.25 / 3)) / 3)
+    assert m["rollout_corr/rollout_ppl"] == pytest.approx((math.exp(0.875) + 1.0 + math.exp(4.75 / 3)) / 3)
+    # d_i = training_log_ppl_i - rollout_log_ppl_i = -Σr/T: -0.125, 0 and +1/6.
+    d = [-0.125, 0.0, 1 / 6]
+    assert m["rollout_corr/log_ppl_diff"] == pytest.approx(sum(d) / 3)
+    assert m["rollout_corr/ppl_ratio"] == pytest.approx(sum(math.exp(x) for x in d) / 3)
     assert m["rollout_corr/log_ppl_diff_max"] == pytest.approx(1 / 6)
     assert m["rollout_corr/log_ppl_diff_min"] == pytest.approx(-0.125)
     # verl's per-token-mean form vs Beyond Precision's sequence-sum form.
-    assert m["rollout_corr/log_ppl_abs_diff"] == pytest.approx((0.125 + 1 / 6) / 2)
-    assert m["rollout_corr/log_ppl_abs_diff_sum"] == pytest.approx((0.25 + 0.5) / 2)
+    assert m["rollout_corr/log_ppl_abs_diff"] == pytest.approx((0.125 + 1 / 6) / 3)
+    assert m["rollout_corr/log_ppl_abs_diff_sum"] == pytest.approx((0.25 + 0.5) / 3)
 
 
 def test_probability_differences(m):
@@ -74,7 +79,12 @@ def test_probability_differences(m):
     assert m["training/rollout_probs_diff_max"] == pytest.approx(math.exp(-1.0) - math.exp(-2.0))
     assert m["training/rollout_probs_diff_max"] == pytest.approx(max(diffs))
     assert m["training/rollout_probs_diff_mean"] == pytest.approx(sum(diffs) / 5)
-    assert m["training/rollout_probs_diff_std"] == pytest.approx(statistics.pstdev(diffs))
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(statistics.stdev(diffs))  # ddof 1, as verl
+    assert m["training/rollout_probs_diff_valid"] == 1
+    mean_t, mean_r = sum(P_TRAIN) / 5, sum(P_ROLL) / 5
+    cov = sum((a - mean_t) * (b - mean_r) for a, b in zip(P_TRAIN, P_ROLL))
+    norm = math.sqrt(sum((a - mean_t) ** 2 for a in P_TRAIN) * sum((b - mean_r) ** 2 for b in P_ROLL))
+    assert m["training/rollout_actor_probs_pearson_corr"] == pytest.approx(cov / norm)
 
 
 def test_abs_dlogp_and_equality(m):
@@ -103,7 +113,9 @@ def test_exact_key_set(m):
         "rollout_corr/training_log_ppl", "rollout_corr/rollout_log_ppl", "rollout_corr/log_ppl_diff",
         "rollout_corr/log_ppl_diff_max", "rollout_corr/log_ppl_diff_min", "rollout_corr/log_ppl_abs_diff",
         "rollout_corr/log_ppl_abs_diff_sum", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
-        "training/rollout_probs_diff_std", "mismatch/tokens", "mismatch/bitwise_equal_frac",
+        "training/rollout_probs_diff_std", "rollout_corr/training_ppl", "rollout_corr/rollout_ppl",
+        "rollout_corr/ppl_ratio", "training/rollout_probs_diff_valid", "training/rollout_actor_probs_pearson_corr",
+        "mismatch/tokens", "mismatch/bitwise_equal_frac",
         "mismatch/abs_dlogp_mean", "mismatch/abs_dlogp_max", "mismatch/abs_dlogp_p99",
         "mismatch/tokens_bucket/0-0.01", "mismatch/tokens_bucket/0.01-0.1", "mismatch/tokens_bucket/0.1-0.5",
         "mismatch/tokens_bucket/0.5-0.9", "mismatch/tokens_bucket/0.9-1",
@@ -274,21 +286,21 @@ def test_quantile_linear_errors():
 # --------------------------------------------------------------------------------------------- is_weight_stats
 def test_is_weight_stats_hand_values():
     out = is_weight_stats(torch.tensor([0.5, 1.0, 2.0, 0.5]))
-    assert out["rollout_corr/rollout_is_mean"] == 1.0
-    assert out["rollout_corr/rollout_is_std"] == pytest.approx(math.sqrt((0.25 + 0 + 1 + 0.25) / 4))
-    assert out["rollout_corr/rollout_is_min"] == 0.5
-    assert out["rollout_corr/rollout_is_max"] == 2.0
+    assert out["correction/weight_mean"] == 1.0
+    assert out["correction/weight_std"] == pytest.approx(math.sqrt((0.25 + 0 + 1 + 0.25) / 4))
+    assert out["correction/weight_min"] == 0.5
+    assert out["correction/weight_max"] == 2.0
     # (Σw)² / (N Σw²) = 16 / (4 · 5.5)
-    assert out["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(16 / 22)
-    assert set(out) == {f"rollout_corr/rollout_is_{s}" for s in ("mean", "std", "min", "max", "eff_sample_size")}
+    assert out["correction/weight_eff_sample_size"] == pytest.approx(16 / 22)
+    assert set(out) == {f"correction/weight_{s}" for s in ("mean", "std", "min", "max", "eff_sample_size")}
 
 
 def test_is_weight_stats_edge_cases():
-    assert is_weight_stats(torch.full((5,), 0.7))["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0)
-    assert is_weight_stats(torch.ones(3, 2))["rollout_corr/rollout_is_eff_sample_size"] == 1.0
+    assert is_weight_stats(torch.full((5,), 0.7))["correction/weight_eff_sample_size"] == pytest.approx(1.0)
+    assert is_weight_stats(torch.ones(3, 2))["correction/weight_eff_sample_size"] == 1.0
     # One weight carries everything: ESS = 1/N.
-    assert is_weight_stats(torch.tensor([0.0, 0.0, 0.0, 3.0]))["rollout_corr/rollout_is_eff_sample_size"] == 0.25
-    assert is_weight_stats(torch.zeros(4))["rollout_corr/rollout_is_eff_sample_size"] == 0.0
+    assert is_weight_stats(torch.tensor([0.0, 0.0, 0.0, 3.0]))["correction/weight_eff_sample_size"] == 0.25
+    assert is_weight_stats(torch.zeros(4))["correction/weight_eff_sample_size"] == 0.0
     out = is_weight_stats(torch.tensor([2.0]), prefix="rollout_corr/tis")
     assert out == {"rollout_corr/tis_mean": 2.0, "rollout_corr/tis_std": 0.0, "rollout_corr/tis_min": 2.0,
                    "rollout_corr/tis_max": 2.0, "rollout_corr/tis_eff_sample_size": 1.0}

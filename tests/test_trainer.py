@@ -181,8 +181,9 @@ def test_zero_mismatch_corrections_are_bitwise_no_ops(tmp_path, mode, methods):
     for method in methods:
         _run(_short(tmp_path, method, *extra, f"correction.method={method}", "correction.batch_normalize=true"))
         rows = read_metrics(tmp_path / method / "metrics.jsonl")
-        assert all(r["rollout_corr/rollout_is_mean"] == 1.0 and r["rollout_corr/rollout_rs_masked_token_frac"] == 0
-                   for r in rows), method
+        # what the loss applied: every weight exactly 1 (verl's rollout_is_mean divides by N + 1e-8), nothing cut
+        assert all(r.get("correction/weight_mean", 1.0) == 1.0 and r["correction/rejected_token_frac"] == 0
+                   and r["correction/zeroed_token_frac"] == 0 for r in rows), method
         a, b = _common(plain, rows)
         assert a == b, method
         weights = load_file(str(latest_checkpoint(tmp_path / method) / "checkpoint.safetensors"))
@@ -197,7 +198,7 @@ def test_correction_and_triggered_schedule_under_injection(tmp_path):
                           "lr_schedule.mismatch_threshold=0.01", "lr_schedule.mismatch_window=2",
                           "lr_schedule.decay_period=2", "optimizer.warmup_steps=0"))
     rows = read_metrics(tmp_path / "inj" / "metrics.jsonl")
-    assert any(r["rollout_corr/rollout_is_truncated_frac"] > 0 for r in rows)
+    assert any(r["correction/truncated_token_frac"] > 0 for r in rows)
     assert all(r["rollout_corr/rollout_is_max"] <= 2.0 for r in rows)
     sched = summary["lr_schedule"]
     assert sched["kind"] == "mismatch_triggered" and sched["trigger_step"] == 1 and sched["decay_period"] == 2

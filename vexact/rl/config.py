@@ -169,20 +169,41 @@ class AlgorithmSection:
 
 @dataclass
 class CorrectionSection:
-    """Rollout correction on ρ_t = π_old/μ (importance weights / rejection); see ``vexact/rl/corrections.py``."""
+    """Rollout correction on ρ_t = π_old/μ (importance weights / rejection); see ``vexact/rl/corrections.py``.
+
+    Two vocabularies for one implementation: vexact's shorthand ``method`` (with ``threshold``, ``band``,
+    ``batch_normalize``), or verl 0.9.1's ``algorithm.rollout_correction`` keys (``preset`` and the ``rollout_*``
+    keys, ``bypass_mode``, ``loss_type``; null = not given, so a preset's value or verl's default applies)."""
 
     method: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs"] = "none"
     threshold: float = field(default=2.0, metadata=_bounds(gt=1))  # C: TIS truncates at C, MIS masks above C
-    band: tuple[float, float] | None = field(default=None, metadata=_bounds(min=0))  # icepop / geo_rs [a, b]
-    batch_normalize: bool = False  # divide the weights by their mean (over kept tokens) -> mean 1
+    band: tuple[float, float] | None = field(default=None, metadata=_bounds(gt=0))  # icepop / geo_rs [a, b]
+    batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
     log_ratio_bound: float = field(default=20.0, metadata=_bounds(gt=0))  # safety clamp of |log ρ| (verl: 20)
+    # verl's vocabulary (algorithm.rollout_correction in verl 0.9.1)
+    preset: str | None = None  # a RolloutCorrectionConfig factory name, e.g. decoupled_token_is, bypass_pg_is
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: float | str | None = None  # C (TIS) or "lower_upper" (IcePop); verl's default 2.0
+    rollout_is_batch_normalize: bool | None = None
+    rollout_rs: str | None = None  # comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3
+    rollout_rs_threshold: float | str | None = None  # one per option or one shared; k1: "lower_upper" ratios
+    bypass_mode: bool | None = None  # true = algorithm.old_logprobs rollout, false = recompute (must agree)
+    loss_type: Literal["ppo_clip", "ppo_clip_is", "reinforce"] | None = None  # bypass mode's loss
 
     def check(self) -> None:
+        from .corrections import plan_for  # corrections imports this module
+
         if self.band is not None:
             if self.method not in ("icepop", "geo_rs"):
                 raise ConfigError(f"band is used by icepop and geo_rs only, not by method {self.method!r}", "band")
             if not self.band[0] < self.band[1]:
                 raise ConfigError(f"band needs lower < upper, got {list(self.band)}", "band")
+        try:
+            plan_for(self)
+        except ValueError as err:  # the message names the key it is about; point the error there
+            text = str(err)
+            keys = ("method", "rollout_rs_threshold", "rollout_is_threshold", "rollout_rs", "preset", "loss_type")
+            raise ConfigError(text, next((k for k in keys if k in text), None)) from None
 
 
 @dataclass
@@ -318,6 +339,18 @@ class RunConfig:
     lr_schedule: LRScheduleSection = field(default_factory=LRScheduleSection)
 
     def check(self) -> None:
+        bypass = self.algorithm.old_logprobs == "rollout"
+        from .corrections import plan_for  # corrections imports this module
+
+        plan = plan_for(self.correction)
+        if plan.bypass_mode is not None and plan.bypass_mode != bypass:
+            source = f"preset {self.correction.preset}" if self.correction.bypass_mode is None else "bypass_mode"
+            raise ConfigError(f"{source} means verl's {'bypass' if plan.bypass_mode else 'decoupled'} mode: set "
+                              f"algorithm.old_logprobs: {'rollout' if plan.bypass_mode else 'recompute'} (it is "
+                              f"{self.algorithm.old_logprobs!r})", "correction.bypass_mode")
+        if self.correction.loss_type is not None and not bypass:
+            raise ConfigError("loss_type chooses the loss of bypass mode (algorithm.old_logprobs: rollout); in "
+                              "decoupled mode the IS weights multiply the clipped loss", "correction.loss_type")
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if batch % self.algorithm.mini_batches:
             raise ConfigError(f"the rollout batch of {batch} samples (rollout.prompts_per_step x "

@@ -1,45 +1,64 @@
-"""Rollout corrections: importance weights and rejection masks on the rollout/training ratio.
+"""Rollout corrections in verl's vocabulary: importance-sampling (IS) weights and rejection-sampling (RS) masks.
 
 For each generated token t the rollout path μ recorded ``logp_roll(t)``, and the training path π at the same
-(pre-update) weights gives ``logp_train(t)``. The mismatch ratio is
+(pre-update) weights gives ``logp_train(t)``. With r_t = logp_train - logp_roll and B = ``log_ratio_bound``
+(verl's SAFETY_BOUND, 20):
 
-    ρ_t = exp(clamp(logp_train - logp_roll, ±bound))        (bound = 20, verl's safety bound)
-    ρ_seq = exp(clamp(Σ_t log ρ_t, ±bound))                  ρ_geo = exp(mean_t log ρ_t)
+    token ratio      ρ_t   = exp(clamp(r_t, ±B))
+    sequence ratio   ρ_seq = exp(clamp(Σ_t r_t, ±B))        (only the sum is clamped, as in verl)
 
-A correction turns ρ into a per-token **weight** w_t ≥ 0 and a **keep** mask (rejected tokens leave the loss,
-numerator and denominator). The methods peers ship, with ``C = correction.threshold`` and ``[a, b] = band``:
+**One implementation, two vocabularies.** A ``correction`` section is resolved into a ``CorrectionPlan`` in
+verl 0.9.1's terms (``algorithm.rollout_correction``), and only the plan is executed:
 
-=============  ========================================  ===================================================
-method         weight w_t                                rejected (keep = False)
-=============  ========================================  ===================================================
-token_tis      min(ρ_t, C)                               nothing
-seq_tis        min(ρ_seq, C), same for all tokens        nothing
-token_mis      ρ_t                                       tokens with ρ_t > C
-seq_mis        ρ_seq                                     whole sequences with ρ_seq > C
-icepop         ρ_t                                       tokens with ρ_t outside [a, b]   (default [0.5, 5])
-geo_rs         none (rejection only)                     whole sequences with ρ_geo outside [a, b]
-=============  ========================================  ===================================================
+* verl's keys: ``rollout_is`` (null | token | sequence) with ``rollout_is_threshold`` (a number C: truncate
+  at C, "TIS"; a string "a_b": zero the weights outside [a, b], "IcePop"), ``rollout_is_batch_normalize``,
+  ``rollout_rs`` (a comma list of rejection options, all combined by AND) with ``rollout_rs_threshold`` (one
+  value per option, or one shared), ``bypass_mode``, ``loss_type`` -- or a ``preset`` named as verl's
+  ``RolloutCorrectionConfig`` factory methods (``PRESETS``), whose values explicit keys override;
+* vexact's shorthand ``method`` (with ``threshold`` C and ``band`` [a, b]), expanded by ``METHOD_PLANS``:
 
-How the weight enters the loss depends on where the PPO ratio's anchor ("old log-probs") comes from:
+=============  ==================================================  ===========================================
+method         verl equivalent                                      effect
+=============  ==================================================  ===========================================
+token_tis      rollout_is token, threshold C                        w_t = min(ρ_t, C)
+seq_tis        rollout_is sequence, threshold C                     w_t = min(ρ_seq, C)
+token_mis      token_tis + rollout_rs token_k1 "1/C_inf"            reject tokens with ρ_t > C
+seq_mis        seq_tis + rollout_rs seq_sum_k1 "1/C_inf"            reject sequences with ρ_seq > C
+icepop         rollout_is token, threshold "a_b" (default 0.5_5)    w_t = ρ_t inside [a, b], 0 outside
+geo_rs         rollout_rs seq_mean_k1 "1/b_1/a" (default band       reject sequences whose geometric-mean
+               [0.999, 1.001])                                      ratio exp(mean_t log ρ_t) is outside [a, b]
+=============  ==================================================  ===========================================
 
-* ``algorithm.old_logprobs: recompute`` (decoupled PPO, three policies): the ratio is π_θ/π_old and the weight
-  multiplies the clipped per-token loss from outside, as in verl's decoupled mode.
-* ``algorithm.old_logprobs: rollout`` (bypass): the ratio π_θ/μ factorises as (π_θ/π_old)·ρ_t. The correction
-  replaces the mismatch factor ρ_t by w_t inside the ratio, so the clip acts on the corrected ratio:
-  ratio = exp(logp - logp_train)·w_t. (MIS and IcePop keep w_t = ρ_t, so their kept tokens see the plain
-  bypass ratio; seq_tis and seq_mis put the sequence's ρ_seq in place of each token's ρ_t.)
-* ``geo_rs`` only rejects (``Correction.reweights`` is False): the kept tokens get the uncorrected loss of
-  either mode, as verl's geometric rejection sampling without IS weights.
+**Rejection options** (verl's ``rollout_rs``), on the clamped log-ratio s_t = clamp(r_t, ±B): the token
+statistics k1 = -s, k2 = s²/2, k3 = e^s - 1 - s; ``token_kX`` judges each token, ``seq_sum_kX`` /
+``seq_mean_kX`` / ``seq_max_kX`` the sum / mean / max over a sequence's tokens and reject the whole sequence.
+k1 options keep log(lower) <= stat <= log(upper) (thresholds are ratio bounds "lower_upper"; a single number
+U means [1/U, U]); k2/k3 options keep stat <= upper.
 
-``batch_normalize`` divides the weights by their mean over the kept tokens (over kept sequences for seq_tis),
-so the average weight is 1.
+**How it enters the loss** (``vexact.rl.objective``). Rejected tokens leave the loss, numerator and
+denominator (verl multiplies them out of ``response_mask``). IS weights multiply the per-token loss:
 
-With zero mismatch (logp_train == logp_roll bit for bit) every ρ is exactly 1.0, every weight is exactly 1.0 and
-nothing is rejected, so each correction is an exact no-op: the trainer's loss is bitwise that of no correction.
+* decoupled mode (``algorithm.old_logprobs: recompute``): the clipped PPO loss times w_t, as verl;
+* bypass mode (``algorithm.old_logprobs: rollout``), by ``loss_type``:
+  ``ppo_clip`` (verl): the ratio π_θ/μ alone, IS weights computed for metrics only;
+  ``reinforce`` (verl): -A·w_t·log π_θ, no clipping;
+  ``ppo_clip_is`` (vexact's, the default of ``method``): the ratio's mismatch factor π_old/μ replaced by w_t,
+  ratio = exp(logp - logp_train)·w_t, so the clip acts on the corrected ratio.
+
+IcePop's zeroed weights stay in the denominator (verl keeps those tokens in ``response_mask``).
+
+**Metrics.** Under verl's names (``rollout_corr/rollout_is_*``, ``rollout_corr/rollout_rs_*``), verl 0.9.1's
+definitions, over all valid tokens and all rows, before batch normalisation; vexact's own view of what the loss
+applied (kept tokens, after normalisation) is logged under ``correction/*``. Remaining differences from verl
+are listed in the README ("Rollout correction").
+
+With zero mismatch (logp_train == logp_roll bit for bit) every ratio is exactly 1.0, every weight exactly 1.0 and
+nothing is rejected (for any threshold that admits 1), so each correction is an exact no-op on the loss.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,23 +69,183 @@ from .metrics import is_weight_stats
 
 METHODS = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs")
 DEFAULT_BANDS = {"icepop": (0.5, 5.0), "geo_rs": (0.999, 1.001)}
-"""Default [a, b] per band method: IcePop's published band, and verl's typical geometric threshold 1.001."""
+"""Default [a, b] per band method: IcePop's published band, and verl's geometric preset threshold."""
+
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+"""verl's rejection-sampling options (``rollout_rs``)."""
+
+LOSS_TYPES = ("ppo_clip", "ppo_clip_is", "reinforce")
+
+_GEO = "0.999_1.001"
+PRESETS: dict[str, dict] = {
+    "disabled": {},
+    "decoupled_token_is": {"bypass_mode": False, "rollout_is": "token", "rollout_is_threshold": 2.0},
+    "decoupled_seq_is": {"bypass_mode": False, "rollout_is": "sequence", "rollout_is_threshold": 2.0},
+    "decoupled_token_icepop": {"bypass_mode": False, "rollout_is": "token", "rollout_is_threshold": "0.5_5.0"},
+    "decoupled_seq_is_rs": {"bypass_mode": False, "rollout_is": "sequence", "rollout_is_threshold": 2.0,
+                            "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_2.0"},
+    "decoupled_geo_rs": {"bypass_mode": False, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": _GEO},
+    "decoupled_geo_rs_seq_tis": {"bypass_mode": False, "rollout_is": "sequence", "rollout_is_threshold": 2.0,
+                                 "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": _GEO},
+    "decoupled_geo_rs_token_tis": {"bypass_mode": False, "rollout_is": "token", "rollout_is_threshold": 2.0,
+                                   "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": _GEO},
+    "decoupled_k3_rs": {"bypass_mode": False, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
+    "decoupled_k3_rs_seq_tis": {"bypass_mode": False, "rollout_is": "sequence", "rollout_is_threshold": 2.0,
+                                "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
+    "decoupled_k3_rs_token_tis": {"bypass_mode": False, "rollout_is": "token", "rollout_is_threshold": 2.0,
+                                  "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
+    "bypass_ppo_clip": {"bypass_mode": True, "loss_type": "ppo_clip"},
+    "bypass_ppo_clip_geo_rs": {"bypass_mode": True, "loss_type": "ppo_clip", "rollout_rs": "seq_mean_k1",
+                               "rollout_rs_threshold": _GEO},
+    "bypass_ppo_clip_k3_rs": {"bypass_mode": True, "loss_type": "ppo_clip", "rollout_rs": "seq_mean_k3",
+                              "rollout_rs_threshold": 0.01},
+    "bypass_pg_is": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence",
+                     "rollout_is_threshold": 2.0},
+    "bypass_pg_token_icepop": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token",
+                               "rollout_is_threshold": "0.5_5.0"},
+    "bypass_pg_geo_rs": {"bypass_mode": True, "loss_type": "reinforce", "rollout_rs": "seq_mean_k1",
+                         "rollout_rs_threshold": _GEO},
+    "bypass_pg_geo_rs_seq_tis": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence",
+                                 "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
+                                 "rollout_rs_threshold": _GEO},
+    "bypass_pg_geo_rs_token_tis": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token",
+                                   "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
+                                   "rollout_rs_threshold": _GEO},
+}
+"""verl 0.9.1's ``RolloutCorrectionConfig`` presets with their default arguments, as verl-vocabulary keys."""
+
+VERL_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+             "rollout_rs_threshold", "bypass_mode", "loss_type")
+"""The ``correction`` keys that spell verl's ``algorithm.rollout_correction`` (plus ``preset``)."""
+
+VERL_EPS = 1e-8
+"""verl's masked mean divides by (count + 1e-8); under verl's names vexact does the same (``_token_mean``)."""
 
 PREFIX = "rollout_corr/"
+OWN_PREFIX = "correction/"
 
 
-@dataclass
-class Correction:
-    """Per-token weights (0 where rejected) and keep mask for a flat batch of tokens, plus metrics."""
+@dataclass(frozen=True)
+class RejectOption:
+    """One ``rollout_rs`` option: k1 options keep log(lower) <= stat <= log(upper), others stat <= upper."""
 
-    weights: Tensor
-    keep: Tensor
-    metrics: dict[str, float]
-    reweights: bool = True  # False: rejection only -- the loss uses no weight, just drops the rejected tokens
+    name: str
+    lower: float | None
+    upper: float
+
+
+@dataclass(frozen=True)
+class CorrectionPlan:
+    """A correction section resolved into verl's terms; the only thing ``rollout_correction`` executes."""
+
+    rollout_is: str | None  # None, "token" or "sequence"
+    is_upper: float  # TIS truncation C, or IcePop's upper bound
+    is_lower: float | None  # IcePop's lower bound (None: TIS)
+    batch_normalize: bool
+    reject: tuple[RejectOption, ...]
+    loss_type: str  # bypass mode's loss: ppo_clip | ppo_clip_is | reinforce
+    bypass_mode: bool | None  # what the configuration says (None: follow algorithm.old_logprobs)
 
     @property
-    def rejects_any(self) -> bool:
-        return not bool(self.keep.all())
+    def active(self) -> bool:
+        return self.rollout_is is not None or bool(self.reject)
+
+
+def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
+    """verl's ``rollout_is_threshold``: a number U (or "U") -> (U, None); "a_b" -> (b, a). Raises ValueError."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got {spec!r}")
+    lower: float | None = None
+    if isinstance(spec, str):
+        text = spec.strip()
+        try:
+            if "_" in text:
+                low_text, up_text = text.split("_", 1)
+                lower, upper = float(low_text), float(up_text)
+            else:
+                upper = float(text)
+        except ValueError:
+            raise ValueError(f"rollout_is_threshold {spec!r} is not a number or a 'lower_upper' pair") from None
+    else:
+        upper = float(spec)
+    if not upper > 0:
+        raise ValueError(f"rollout_is_threshold: the upper bound must be positive, got {upper}")
+    if lower is not None and not 0 < lower <= upper:
+        raise ValueError(f"rollout_is_threshold: need 0 < lower <= upper, got {spec!r}")
+    return upper, lower
+
+
+def parse_rs(options: str, spec: float | str | None) -> tuple[RejectOption, ...]:
+    """verl's ``rollout_rs`` (comma list, duplicates dropped) with ``rollout_rs_threshold`` (one value per option,
+    or one shared; k1 options take "lower_upper" ratio bounds or U meaning [1/U, U]). Raises ValueError."""
+    names: list[str] = []
+    for name in (part.strip() for part in options.split(",")):
+        if not name:
+            continue
+        if name not in RS_OPTIONS:
+            raise ValueError(f"unknown rollout_rs option {name!r}; expected one of {', '.join(RS_OPTIONS)}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("rollout_rs names no option")
+    if spec is None:
+        raise ValueError("rollout_rs needs rollout_rs_threshold")
+    if isinstance(spec, bool):
+        raise ValueError(f"rollout_rs_threshold must be a number or a string, got {spec!r}")
+    specs = [str(spec)] if isinstance(spec, (int, float)) else [p.strip() for p in spec.split(",") if p.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(f"rollout_rs_threshold has {len(specs)} values for {len(names)} rollout_rs options; "
+                         f"give one shared value or one per option")
+    specs = specs * len(names) if len(specs) == 1 else specs
+    out = []
+    for name, text in zip(names, specs):
+        try:
+            if name.endswith("k1"):
+                if "_" in text:
+                    low_text, up_text = text.split("_", 1)
+                    lower, upper = float(low_text), float(up_text)
+                else:
+                    upper = float(text)
+                    lower = 1.0 / upper
+                if not (lower > 0 and upper > 0 and lower <= upper):
+                    raise ValueError
+            else:
+                if "_" in text:
+                    raise ValueError
+                lower, upper = None, float(text)
+                if not upper > 0:
+                    raise ValueError
+        except (ValueError, ZeroDivisionError):
+            form = "a positive 'lower_upper' pair or number" if name.endswith("k1") else "one positive number"
+            raise ValueError(f"rollout_rs_threshold {text!r} for option {name}: expected {form}") from None
+        out.append(RejectOption(name, lower, upper))
+    return tuple(out)
+
+
+def _method_keys(cfg: CorrectionSection) -> dict:
+    """verl-vocabulary keys of vexact's shorthand ``method`` (see the table in the module docstring)."""
+    method, C = cfg.method, cfg.threshold
+    one_sided = f"{1.0 / C!r}_inf"  # k1 keeps -log ρ >= log(1/C), i.e. ρ <= C; no lower ratio bound
+    keys: dict = {"rollout_is_batch_normalize": cfg.batch_normalize, "loss_type": "ppo_clip_is"}
+    if method == "token_tis":
+        keys.update(rollout_is="token", rollout_is_threshold=C)
+    elif method == "seq_tis":
+        keys.update(rollout_is="sequence", rollout_is_threshold=C)
+    elif method == "token_mis":
+        keys.update(rollout_is="token", rollout_is_threshold=C, rollout_rs="token_k1", rollout_rs_threshold=one_sided)
+    elif method == "seq_mis":
+        keys.update(rollout_is="sequence", rollout_is_threshold=C, rollout_rs="seq_sum_k1",
+                    rollout_rs_threshold=one_sided)
+    elif method == "icepop":
+        a, b = band_for(cfg)
+        keys.update(rollout_is="token", rollout_is_threshold=f"{a!r}_{b!r}")
+    elif method == "geo_rs":
+        a, b = band_for(cfg)
+        keys.update(rollout_rs="seq_mean_k1", rollout_rs_threshold=f"{1.0 / b!r}_{1.0 / a!r}")
+    elif method != "none":
+        raise ValueError(f"unknown correction method {method!r}; expected one of {', '.join(METHODS)}")
+    return keys
 
 
 def band_for(cfg: CorrectionSection) -> tuple[float, float]:
@@ -76,89 +255,273 @@ def band_for(cfg: CorrectionSection) -> tuple[float, float]:
     return DEFAULT_BANDS[cfg.method]
 
 
+def uses_verl_keys(cfg: CorrectionSection) -> bool:
+    return cfg.preset is not None or any(getattr(cfg, key) is not None for key in VERL_KEYS)
+
+
+def plan_for(cfg: CorrectionSection) -> CorrectionPlan:
+    """Resolve a correction section into verl's terms. Raises ValueError naming the offending key."""
+    if cfg.method != "none" and uses_verl_keys(cfg):
+        given = ["preset"] * (cfg.preset is not None) + [k for k in VERL_KEYS if getattr(cfg, k) is not None]
+        raise ValueError(f"method {cfg.method!r} is vexact's shorthand; it cannot be combined with verl's keys "
+                         f"({', '.join(given)}): use one vocabulary")
+    if cfg.method != "none":
+        keys = _method_keys(cfg)
+    else:
+        if cfg.preset is not None and cfg.preset not in PRESETS:
+            raise ValueError(f"unknown preset {cfg.preset!r}; expected one of {', '.join(PRESETS)}")
+        keys = dict(PRESETS.get(cfg.preset or "disabled", {}))
+        keys.update({k: getattr(cfg, k) for k in VERL_KEYS if getattr(cfg, k) is not None})
+    rollout_is = keys.get("rollout_is")
+    is_upper, is_lower = parse_is_threshold(keys.get("rollout_is_threshold", 2.0))
+    rs = keys.get("rollout_rs")
+    reject = parse_rs(rs, keys.get("rollout_rs_threshold")) if rs is not None else ()
+    loss_type = keys.get("loss_type") or "ppo_clip"
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+    return CorrectionPlan(rollout_is=rollout_is, is_upper=is_upper, is_lower=is_lower,
+                          batch_normalize=bool(keys.get("rollout_is_batch_normalize") or False), reject=reject,
+                          loss_type=loss_type, bypass_mode=keys.get("bypass_mode"))
+
+
+@dataclass
+class Correction:
+    """Per-token weights and keep mask for a flat batch of tokens, plus metrics.
+
+    ``weights``: the IS weight each token's loss is multiplied by (0 where IcePop zeroed it or RS rejected
+    it; 1 everywhere without ``rollout_is``); ``keep``: False where RS rejected the token (it leaves the loss)."""
+
+    weights: Tensor
+    keep: Tensor
+    metrics: dict[str, float]
+    plan: CorrectionPlan
+
+    @property
+    def reweights(self) -> bool:
+        """Whether the loss uses the IS weights (False: rejection only, as verl without ``rollout_is``)."""
+        return self.plan.rollout_is is not None
+
+    @property
+    def rejects_any(self) -> bool:
+        return not bool(self.keep.all())
+
+
+class _Rows:
+    """Per-sequence reductions of flat per-token values (``lengths`` tokens per row, in order; rows may be empty)."""
+
+    def __init__(self, lengths: list[int]):
+        self.n_rows = len(lengths)
+        self.seq_id = torch.repeat_interleave(torch.arange(self.n_rows), torch.tensor(lengths, dtype=torch.long))
+        self.counts = torch.tensor(lengths, dtype=torch.float64)
+        self.nonempty = self.counts > 0
+
+    def sum(self, values: Tensor) -> Tensor:
+        return torch.zeros(self.n_rows, dtype=torch.float64).index_add_(0, self.seq_id, values.double())
+
+    def mean(self, values: Tensor) -> Tensor:
+        """Row means as verl's masked mean: sum / (count + 1e-8), so an empty row gives 0."""
+        return self.sum(values) / (self.counts + VERL_EPS)
+
+    def max(self, values: Tensor) -> Tensor:
+        """Row maxima; an empty row gives 0 (as verl's ``_sequence_max``)."""
+        out = torch.full((self.n_rows,), float("-inf"), dtype=torch.float64)
+        out = out.scatter_reduce(0, self.seq_id, values.double(), reduce="amax")
+        return torch.where(torch.isinf(out) & (out < 0), torch.zeros_like(out), out)
+
+    def any(self, flags: Tensor) -> Tensor:
+        return self.sum(flags.double()) > 0
+
+
+def _token_mean(values: Tensor) -> Tensor:
+    """verl's ``masked_mean`` over all valid tokens: sum / (count + 1e-8)."""
+    return values.sum() / (values.numel() + VERL_EPS)
+
+
 def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int],
                        cfg: CorrectionSection) -> Correction:
-    """Weights, keep mask and ``rollout_corr/*`` metrics for one batch.
+    """Weights, keep mask and metrics for one batch.
 
     ``logp_train`` and ``logp_roll``: flat per-token log-probs of the same tokens (training path at the
     pre-update weights, and the rollout path); ``lengths``: tokens per sequence, in order, summing to their
-    length. Computed in float64; the weights come back in ``logp_train``'s dtype, detached.
+    length (rows may be empty). Computed in float64; the weights come back in ``logp_train``'s dtype, detached.
+    Metrics: verl's ``rollout_corr/rollout_is_*`` (with ``rollout_is``) and ``rollout_corr/rollout_rs_*`` (with
+    ``rollout_rs``), and vexact's ``correction/*``. Raises ValueError on bad shapes or no tokens.
     """
-    if cfg.method not in METHODS:
-        raise ValueError(f"unknown correction method {cfg.method!r}; expected one of {', '.join(METHODS)}")
+    plan = plan_for(cfg)
     if logp_train.shape != logp_roll.shape or logp_train.dim() != 1:
         raise ValueError(f"need two flat log-prob tensors of one shape, got {tuple(logp_train.shape)} and "
                          f"{tuple(logp_roll.shape)}")
     if sum(lengths) != logp_train.numel():
         raise ValueError(f"lengths sum to {sum(lengths)} but there are {logp_train.numel()} tokens")
+    if logp_train.numel() == 0:
+        raise ValueError("no tokens to correct")
     bound = cfg.log_ratio_bound
-    # float64 throughout, so sums and means of many weights stay exact enough (and exactly 1 for ρ ≡ 1)
-    log_rho = (logp_train.detach().double() - logp_roll.detach().double()).clamp(-bound, bound)
-    rho = torch.exp(log_rho)
-    seq_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-    n_seq = len(lengths)
-    counts = torch.tensor(lengths, dtype=log_rho.dtype).clamp(min=1)  # empty sequences: no division by 0
-    log_rho_seq_sum = torch.zeros(n_seq, dtype=log_rho.dtype).index_add_(0, seq_id, log_rho)
-    rho_seq = torch.exp(log_rho_seq_sum.clamp(-bound, bound))
+    log_ratio = logp_train.detach().double() - logp_roll.detach().double()  # r_t = log(π/μ), unclamped
+    rows = _Rows(lengths)
+    metrics: dict[str, float] = {}
 
-    keep = torch.ones_like(rho, dtype=torch.bool)
-    truncated = torch.zeros_like(keep)
-    weights = rho
-    method = cfg.method
-    C = cfg.threshold
-    if method == "token_tis":
-        truncated = rho > C
-        weights = rho.clamp(max=C)
-    elif method == "seq_tis":
-        truncated = (rho_seq > C)[seq_id]
-        weights = rho_seq.clamp(max=C)[seq_id]
-    elif method == "token_mis":
-        keep = rho <= C
-    elif method == "seq_mis":
-        keep = (rho_seq <= C)[seq_id]
-        weights = rho_seq[seq_id]
-    elif method == "icepop":
-        lo, hi = band_for(cfg)
-        keep = (rho >= lo) & (rho <= hi)
-    elif method == "geo_rs":
-        lo, hi = band_for(cfg)
-        rho_geo = torch.exp(log_rho_seq_sum / counts)
-        keep = ((rho_geo >= lo) & (rho_geo <= hi))[seq_id]
-        weights = torch.ones_like(rho)
-
-    if cfg.batch_normalize and bool(keep.any()):
-        if method == "seq_tis":  # one weight per sequence: normalise over sequences, not tokens
-            per_seq = weights.new_zeros(n_seq).index_add_(0, seq_id, weights) / counts
-            kept_seq = torch.tensor([n > 0 for n in lengths])
-            weights = weights / per_seq[kept_seq].mean()
-        else:
-            weights = weights / weights[keep].mean()
+    weights = torch.ones_like(log_ratio)
+    truncated = torch.zeros_like(log_ratio, dtype=torch.bool)
+    if plan.rollout_is is not None:
+        weights, truncated, is_metrics = _importance_weights(log_ratio, rows, plan, bound)
+        metrics.update(is_metrics)
+    keep = torch.ones_like(log_ratio, dtype=torch.bool)
+    if plan.reject:
+        keep, rs_metrics = _rejection_mask(log_ratio, rows, plan.reject, bound)
+        metrics.update(rs_metrics)
     weights = torch.where(keep, weights, torch.zeros_like(weights))
-
-    metrics = _metrics(rho, rho_seq, weights, keep, truncated, seq_id, lengths, C)
-    return Correction(weights=weights.to(logp_train.dtype), keep=keep, metrics=metrics,
-                      reweights=method != "geo_rs")
+    metrics.update(_own_metrics(weights, keep, truncated, rows, plan))
+    return Correction(weights=weights.to(logp_train.dtype), keep=keep, metrics=metrics, plan=plan)
 
 
-def _metrics(rho: Tensor, rho_seq: Tensor, weights: Tensor, keep: Tensor, truncated: Tensor, seq_id: Tensor,
-             lengths: list[int], threshold: float) -> dict[str, float]:
-    """verl-style ``rollout_corr/rollout_is_*`` weight stats plus what the correction did."""
-    n = rho.numel()
+def _importance_weights(log_ratio: Tensor, rows: _Rows, plan: CorrectionPlan,
+                        bound: float) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """verl's ``compute_rollout_correction_weights`` + ``compute_is_metrics`` on flat tokens: (weights after
+    TIS / IcePop and batch normalisation, tokens truncated by TIS, ``rollout_corr/rollout_is_*``)."""
+    upper, lower = plan.is_upper, plan.is_lower
+    icepop = lower is not None
+    if plan.rollout_is == "token":
+        ratio_log = log_ratio  # what the fractions are judged on: per token
+        raw = torch.exp(log_ratio.clamp(-bound, bound))
+    else:
+        ratio_log = rows.sum(log_ratio)  # per row, the unclamped sum; an empty row sums to 0 (ratio 1)
+        raw = torch.exp(ratio_log.clamp(-bound, bound))[rows.seq_id]
+    if icepop:
+        inside = (raw >= lower) & (raw <= upper)
+        weights = torch.where(inside, raw, torch.zeros_like(raw))
+        truncated = torch.zeros_like(inside)
+    else:
+        weights = raw.clamp(max=upper)
+        truncated = raw > upper
+
+    n = log_ratio.numel()
+    lower_for_metrics = 1.0 / upper if lower is None else lower
+    m: dict[str, float] = {}
+    if plan.rollout_is == "sequence":
+        m["rollout_is_max"] = math.exp(min(float(ratio_log.max()), bound))  # the raw ratio, before truncation
+        m["rollout_is_min"] = math.exp(float(ratio_log.min()))
+        m["rollout_is_mean"] = float(_token_mean(weights))
+        m["rollout_is_ratio_fraction_high"] = float((ratio_log > math.log(upper)).double().mean())  # over rows
+        m["rollout_is_ratio_fraction_low"] = float((ratio_log < math.log(lower_for_metrics)).double().mean())
+    else:
+        m["rollout_is_mean"] = float(_token_mean(weights))
+        m["rollout_is_ratio_fraction_high"] = float(_token_mean((raw > upper).double()))  # raw token ratios
+        m["rollout_is_ratio_fraction_low"] = float(_token_mean((raw < lower_for_metrics).double()))
+        m["rollout_is_max"] = float(weights.max())
+        m["rollout_is_min"] = float(weights.min())
+    clamped = weights.clamp(min=0.0, max=upper)
+    if n > 1:
+        variance = float(_token_mean(clamped.square())) - float(_token_mean(clamped)) ** 2
+        m["rollout_is_std"] = math.sqrt(max(variance, 0.0))
+    else:
+        m["rollout_is_std"] = 0.0
+    normalised_sq = _token_mean((clamped / (_token_mean(clamped) + VERL_EPS)).square())  # 1 / E[(w / E[w])²]
+    m["rollout_is_eff_sample_size"] = 1.0 / float(normalised_sq) if float(normalised_sq) > 0 else float("inf")
+    seq_mean = rows.mean(weights)  # per row, all rows (an empty row: 0)
+    m["rollout_is_seq_mean"] = float(seq_mean.mean())
+    m["rollout_is_seq_std"] = float(seq_mean.std()) if rows.n_rows > 1 else 0.0  # ddof 1, as torch.std
+    m["rollout_is_seq_max"] = float(seq_mean.max())
+    m["rollout_is_seq_min"] = float(seq_mean.min())
+    m["rollout_is_seq_max_deviation"] = float((seq_mean - 1.0).abs().max())
+    raw_seq_mean = rows.mean(raw)
+    m["rollout_is_seq_fraction_high"] = float((raw_seq_mean > upper).double().mean())
+    m["rollout_is_seq_fraction_low"] = float((raw_seq_mean < lower_for_metrics).double().mean())
+    if icepop:
+        m["rollout_is_oob_ratio"] = float(_token_mean(((raw < lower) | (raw > upper)).double()))
+
+    if plan.batch_normalize:
+        # The factor is logged as verl computes it (its token mean divides by N + 1e-8), but the weights are divided
+        # by the plain mean, so that ρ ≡ 1 gives weights of exactly 1 (verl's are 1 + 1e-8/N).
+        if plan.rollout_is == "token":
+            logged, mean = float(_token_mean(weights)), float(weights.mean())
+        else:  # one weight per sequence: the mean over non-empty rows of each row's weight
+            per_row = rows.sum(weights) / rows.counts.clamp(min=1.0)
+            mean = float(per_row[rows.nonempty].sum()) / max(float(rows.nonempty.sum()), 1e-8)
+            logged = float(seq_mean[rows.nonempty].sum()) / max(float(rows.nonempty.sum()), 1e-8)
+        if logged > 1e-8:
+            weights = weights / mean
+            m["rollout_is_batch_norm_factor"] = logged
+        else:
+            m["rollout_is_batch_norm_factor"] = 1.0
+    return weights, truncated, {PREFIX + k: v for k, v in m.items()}
+
+
+def _rejection_mask(log_ratio: Tensor, rows: _Rows, options: tuple[RejectOption, ...],
+                    bound: float) -> tuple[Tensor, dict[str, float]]:
+    """verl's ``compute_rollout_rejection_mask`` + ``compute_rs_metrics`` on flat tokens: (keep mask, metrics)."""
+    safe = log_ratio.clamp(-bound, bound)
+    token_stat = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": torch.exp(safe) - 1.0 - safe}
+    keep_all = torch.ones_like(safe, dtype=torch.bool)
+    valid = rows.nonempty
+    m: dict[str, float] = {}
+    for option in options:
+        level, _, estimator = option.name.rpartition("_")
+        stat = token_stat[estimator]
+        k1 = estimator == "k1"
+        upper_cut = math.log(option.upper) if k1 else option.upper
+        lower_cut = math.log(option.lower) if k1 else 0.0
+
+        def passes(values: Tensor, low: float = lower_cut, up: float = upper_cut, k1: bool = k1) -> Tensor:
+            return (values <= up) & (values >= low) if k1 else values <= up
+
+        if level == "token":
+            per_token = stat
+            keep = passes(stat)
+            seq_values = rows.mean(stat)
+        else:
+            reduce = {"seq_sum": rows.sum, "seq_mean": rows.mean, "seq_max": rows.max}[level]
+            seq_values = reduce(stat)
+            per_token = seq_values[rows.seq_id]
+            keep = passes(seq_values)[rows.seq_id]
+        keep_all &= keep
+        seq_valid = seq_values[valid]
+        prefix = f"rollout_rs_{option.name}"
+        m[f"{prefix}_mean"] = float(_token_mean(per_token))
+        if level != "token":
+            m[f"{prefix}_max"] = float(seq_valid.max())
+            m[f"{prefix}_min"] = float(seq_valid.min())
+            m[f"{prefix}_fraction_high"] = float((seq_valid > upper_cut).double().mean())
+            m[f"{prefix}_fraction_low"] = float((seq_valid < lower_cut).double().mean()) if k1 else 0.0
+        else:
+            m[f"{prefix}_max"] = float(per_token.max())
+            m[f"{prefix}_min"] = float(per_token.min())
+            m[f"{prefix}_fraction_high"] = float(_token_mean((per_token > upper_cut).double()))
+            m[f"{prefix}_fraction_low"] = float(_token_mean((per_token < lower_cut).double())) if k1 else 0.0
+        if per_token.numel() > 1:
+            clamped = per_token.clamp(min=lower_cut if k1 else 0.0, max=upper_cut)
+            variance = float(_token_mean(clamped.square())) - float(_token_mean(clamped)) ** 2
+            m[f"{prefix}_std"] = math.sqrt(max(variance, 0.0))
+        else:
+            m[f"{prefix}_std"] = 0.0
+        m[f"{prefix}_seq_mean"] = float(seq_valid.mean())
+        m[f"{prefix}_seq_std"] = float(seq_valid.std()) if seq_valid.numel() > 1 else 0.0
+        m[f"{prefix}_seq_max"] = float(seq_valid.max())
+        m[f"{prefix}_seq_min"] = float(seq_valid.min())
+        m[f"{prefix}_seq_max_deviation"] = float(seq_valid.abs().max())
+        m[f"{prefix}_seq_fraction_high"] = float((seq_valid > upper_cut).double().mean())
+        if k1:
+            m[f"{prefix}_seq_fraction_low"] = float((seq_valid < lower_cut).double().mean())
+        m[f"{prefix}_masked_fraction"] = float(_token_mean((~keep).double()))
+        m[f"{prefix}_seq_masked_fraction"] = float(rows.any(~keep)[valid].double().mean())
+    m["rollout_rs_masked_fraction"] = float(_token_mean((~keep_all).double()))
+    m["rollout_rs_seq_masked_fraction"] = float(rows.any(~keep_all).double().mean())  # over all rows
+    return keep_all, {PREFIX + k: v for k, v in m.items()}
+
+
+def _own_metrics(weights: Tensor, keep: Tensor, truncated: Tensor, rows: _Rows,
+                 plan: CorrectionPlan) -> dict[str, float]:
+    """vexact's view of what the loss applied (``correction/*``): the weights of the kept tokens after batch
+    normalisation, and what was truncated, zeroed and rejected."""
+    n = weights.numel()
     out: dict[str, float] = {}
-    if n == 0:
-        return out
-    kept_weights = weights[keep]
-    if kept_weights.numel():
-        out.update(is_weight_stats(kept_weights, PREFIX + "rollout_is"))
-    kept_per_seq = torch.zeros(len(lengths), dtype=torch.long).index_add_(0, seq_id, keep.long())
-    nonempty = torch.tensor([length > 0 for length in lengths])
+    if plan.rollout_is is not None and bool(keep.any()):
+        out.update(is_weight_stats(weights[keep], OWN_PREFIX + "weight"))
+    kept_per_row = rows.sum(keep.double())
+    nonempty = int(rows.nonempty.sum())
     out.update({
-        PREFIX + "rollout_is_ratio_frac_high": int((rho > threshold).sum()) / n,  # raw ρ_t above C
-        PREFIX + "rollout_is_ratio_frac_low": int((rho < 1.0 / threshold).sum()) / n,  # raw ρ_t below 1/C
-        PREFIX + "rollout_is_seq_ratio_max": float(rho_seq.max()) if rho_seq.numel() else float("nan"),
-        PREFIX + "rollout_is_truncated_frac": int(truncated.sum()) / n,
-        PREFIX + "rollout_rs_masked_token_frac": int((~keep).sum()) / n,
-        PREFIX + "rollout_rs_rejected_seq_frac": int(((kept_per_seq == 0) & nonempty).sum()) / max(
-            int(nonempty.sum()), 1),
+        OWN_PREFIX + "truncated_token_frac": int(truncated.sum()) / n,
+        OWN_PREFIX + "zeroed_token_frac": int(((weights == 0) & keep).sum()) / n if plan.rollout_is else 0.0,
+        OWN_PREFIX + "rejected_token_frac": int((~keep).sum()) / n,
+        OWN_PREFIX + "rejected_seq_frac": int(((kept_per_row == 0) & rows.nonempty).sum()) / max(nonempty, 1),
     })
     return out

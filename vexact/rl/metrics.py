@@ -88,11 +88,14 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
 
     ``logp_train[i]`` and ``logp_roll[i]`` are 1-D float tensors of equal length holding the per-token log-probs
     of sequence i's generated tokens under the training and the rollout path. Empty sequences are allowed: they
-    add no tokens and are left out of the per-sequence means. All arithmetic is float64 (after the bitwise
+    add no tokens, and count in the per-sequence means as verl counts them (log-perplexities 0, ratio 1, d_i = 0:
+    verl's masked mean over no tokens is 0). Under a verl name every key has verl 0.9.1's definition, except that
+    means divide by the count where verl divides by count + 1e-8 (so zero mismatch gives exactly 0.0; the relative
+    difference is below 1e-8/N). All arithmetic is float64 (after the bitwise
     comparison, which uses the inputs as given). Non-finite inputs are not rejected; they propagate.
 
     With r_t = logp_train - logp_roll, T_i the length of sequence i, "token mean" the mean over all N tokens of the
-    batch and "sequence mean" the mean over the S non-empty sequences:
+    batch and "sequence mean" the mean over all S sequences (empty ones included, see above):
 
     Token-level (``rollout_corr/``, verl's formulas)
       ``kl``          = token mean of (logp_roll - logp_train) = -mean(r)   (k1 estimate of KL(μ‖π); may be < 0)
@@ -104,6 +107,8 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
                         bound, ``LOG_RATIO_BOUND``) keeps exp finite; it only bites when a ratio exceeds e^20.
       ``training_log_ppl`` = sequence mean of (-(1/T_i) Σ_t logp_train)   (per-token log-perplexity)
       ``rollout_log_ppl``  = sequence mean of (-(1/T_i) Σ_t logp_roll)
+      ``training_ppl`` / ``rollout_ppl`` = sequence mean of exp(log-perplexity_i) (per-sequence perplexities)
+      ``ppl_ratio``        = sequence mean of exp(d_i) = training_ppl_i / rollout_ppl_i
       ``log_ppl_diff``     = sequence mean of d_i with d_i = training_log_ppl_i - rollout_log_ppl_i
                              = (1/T_i) Σ_t (logp_roll - logp_train); > 0 means the training path finds the
                              response less likely than the rollout path did. ``log_ppl_diff_max`` / ``_min``:
@@ -115,8 +120,10 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
                              response length.
 
     Probability scale (``training/``, verl's debug metrics): over tokens, |exp(logp_train) - exp(logp_roll)|:
-      ``rollout_probs_diff_max``, ``rollout_probs_diff_mean``, ``rollout_probs_diff_std`` (population std,
-      ddof 0 — finite for a single token; verl's torch.std uses ddof 1).
+      ``rollout_probs_diff_max``, ``rollout_probs_diff_mean``, ``rollout_probs_diff_std`` (sample std, ddof 1,
+      as verl's torch.std: NaN for a single token); ``rollout_probs_diff_valid`` = 1 (there were tokens);
+      ``rollout_actor_probs_pearson_corr`` = Pearson's r between exp(logp_train) and exp(logp_roll) over tokens
+      (torch.corrcoef; NaN for one token or a constant vector).
 
     vexact's own (``mismatch/``)
       ``tokens``             = N
@@ -160,22 +167,21 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     r = train - roll
     abs_r = r.abs()
 
-    # Per-sequence reductions over the non-empty sequences (a Python loop: deterministic and clear). One slice at a
-    # time, each sum kept as a Python float: a tensor object per sequence would cost ~1 KB each on big batches.
-    seq_train_sum, seq_roll_sum, seq_r_sum, seq_len = [], [], [], []
+    # Per-sequence reductions over all sequences, empty ones included as verl includes them (a masked mean over no
+    # tokens is 0, so an empty row has log-ppl 0, ratio 1). One slice at a time, each sum kept as a Python float:
+    # a tensor object per sequence would cost ~1 KB each on big batches.
+    seq_train_sum, seq_roll_sum, seq_r_sum = [], [], []
     start = 0
     for length_i in lengths:
-        if length_i:
-            stop = start + length_i
-            seq_train_sum.append(float(train[start:stop].sum()))
-            seq_roll_sum.append(float(roll[start:stop].sum()))
-            seq_r_sum.append(float(r[start:stop].sum()))
-            seq_len.append(length_i)
-            start = stop
+        stop = start + length_i
+        seq_train_sum.append(float(train[start:stop].sum()))
+        seq_roll_sum.append(float(roll[start:stop].sum()))
+        seq_r_sum.append(float(r[start:stop].sum()))
+        start = stop
     train_sum, roll_sum, r_sum = (torch.tensor(v, dtype=torch.float64) for v in (seq_train_sum, seq_roll_sum,
                                                                                  seq_r_sum))
     del seq_train_sum, seq_roll_sum, seq_r_sum
-    length = torch.tensor(seq_len, dtype=torch.float64)
+    length = torch.tensor(lengths, dtype=torch.float64).clamp(min=1.0)
     train_log_ppl = -train_sum / length
     roll_log_ppl = -roll_sum / length
     log_ppl_diff = train_log_ppl - roll_log_ppl
@@ -193,9 +199,13 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     chi2_token = float(rho_token_sq.mean() - 1.0)
     del rho_token_sq, r
     p = torch.exp(train)  # the training-path probability of each token, for the buckets below
-    probs_diff = (p - torch.exp(roll)).abs_()
-    probs_diff_stats = (float(probs_diff.max()), float(probs_diff.mean()), float(probs_diff.std(correction=0)))
-    del probs_diff, train, roll, train_raw, roll_raw
+    p_roll = torch.exp(roll)
+    # verl's debug metrics: ddof-1 std (NaN for a single token) and Pearson's r of the two probability vectors
+    pearson = float(torch.corrcoef(torch.stack([p, p_roll]))[0, 1]) if n > 1 else float("nan")
+    probs_diff = (p - p_roll).abs_()
+    probs_diff_stats = (float(probs_diff.max()), float(probs_diff.mean()),
+                        float(probs_diff.std(correction=1)) if n > 1 else float("nan"))
+    del probs_diff, p_roll, train, roll, train_raw, roll_raw
 
     out: dict[str, float] = {
         "rollout_corr/kl": kl,
@@ -204,6 +214,9 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
         "rollout_corr/chi2_seq": float(rho_seq_sq.mean() - 1.0),
         "rollout_corr/training_log_ppl": float(train_log_ppl.mean()),
         "rollout_corr/rollout_log_ppl": float(roll_log_ppl.mean()),
+        "rollout_corr/training_ppl": float(torch.exp(train_log_ppl).mean()),
+        "rollout_corr/rollout_ppl": float(torch.exp(roll_log_ppl).mean()),
+        "rollout_corr/ppl_ratio": float(torch.exp(log_ppl_diff).mean()),
         "rollout_corr/log_ppl_diff": float(log_ppl_diff.mean()),
         "rollout_corr/log_ppl_diff_max": float(log_ppl_diff.max()),
         "rollout_corr/log_ppl_diff_min": float(log_ppl_diff.min()),
@@ -212,6 +225,8 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
         "training/rollout_probs_diff_max": probs_diff_stats[0],
         "training/rollout_probs_diff_mean": probs_diff_stats[1],
         "training/rollout_probs_diff_std": probs_diff_stats[2],
+        "training/rollout_probs_diff_valid": 1,
+        "training/rollout_actor_probs_pearson_corr": pearson,
         "mismatch/tokens": n,
         "mismatch/bitwise_equal_frac": equal / n,
         "mismatch/abs_dlogp_mean": float(abs_r.mean()),
@@ -249,7 +264,7 @@ def quantile_linear(values: Tensor, q: float) -> float:
     return a + (h - lo) * (b - a)
 
 
-def is_weight_stats(weights: Tensor, prefix: str = "rollout_corr/rollout_is") -> dict[str, float]:
+def is_weight_stats(weights: Tensor, prefix: str = "correction/weight") -> dict[str, float]:
     """Summary of importance-sampling weights w_1..w_N (any shape, flattened, float64).
 
     Keys: ``<prefix>_mean``, ``<prefix>_std`` (population, ddof 0), ``<prefix>_min``, ``<prefix>_max`` and

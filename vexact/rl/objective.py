@@ -28,7 +28,7 @@ from torch import Tensor
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
 from .config import AlgorithmSection, CorrectionSection
-from .corrections import rollout_correction
+from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
 from .metrics import ratio_stats
 from .rollouts import RolloutBatch
@@ -128,6 +128,7 @@ class Objective:
                  exact_training: bool):
         self.alg = alg
         self.correction = correction
+        self.plan = plan_for(correction)
         self.temperature = temperature
         self.exact_training = exact_training  # the training path runs bit-deterministic kernels
 
@@ -170,22 +171,15 @@ class Objective:
             if not exact:
                 raise RunStopped("exactness violated: first mini-batch ratio != 1 although the old log-probs "
                                  "come from the exact training path")
-        correction = None
-        if self.correction.method != "none":
+        correction, pre = None, None
+        if self.plan.active:
             # ρ compares the training path at the pre-update weights with the rollout path. Without a
             # separate scoring pass (one bypass pass), this pass *is* at the pre-update weights.
             pre = logp.detach() if anchors.pre_update is None else torch.cat([anchors.pre_update[i] for i in idx])
             roll = torch.cat([batch.logprobs[i] for i in idx]).to(logp.device)
             correction = rollout_correction(pre, roll, lengths, self.correction)
             stats.update(correction.metrics)
-        reweight = correction is not None and correction.reweights
-        if reweight and alg.old_logprobs == "rollout":  # bypass: the weight replaces the ratio's ρ factor
-            per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high,
-                                              ratio_weight=correction.weights)
-        else:
-            per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
-            if reweight:  # decoupled: the weight scales the clipped loss from outside
-                per_token = per_token * correction.weights
+        per_token, ratio = self._pg_loss(logp, old, adv, pre, correction)
         if alg.kl_coef > 0 and anchors.reference is not None:
             kl = k3_penalty(logp, torch.cat([anchors.reference[i] for i in idx]))
             per_token = per_token + alg.kl_coef * kl
@@ -194,6 +188,7 @@ class Objective:
             keep = correction.keep
             lengths = [int(k.sum()) for k in keep.split(lengths)]
             per_token, ratio, adv = per_token[keep], ratio[keep], adv[keep]
+            logp, old = logp[keep], old[keep]
         pg_loss = aggregate(per_token, lengths, alg.loss_agg)
         entropy = torch.cat(entropy_list)
         loss = pg_loss - alg.entropy_coef * entropy.mean() if alg.entropy_coef > 0 else pg_loss
@@ -203,7 +198,30 @@ class Objective:
         stats["actor/entropy"] = float(entropy.detach().mean())
         if ratio.numel():
             stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
+            # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to ±20
+            stats["actor/ppo_kl"] = float((old - logp.detach()).clamp(-20.0, 20.0).mean())
         return MinibatchLoss(loss, detached, stats)
+
+    def _pg_loss(self, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,
+                 correction: Correction | None) -> tuple[Tensor, Tensor]:
+        """Per-token policy-gradient loss and ratio, with the correction's IS weights where the mode uses them
+        (``vexact/rl/corrections.py``: decoupled -> times w; bypass -> by ``loss_type``)."""
+        alg = self.alg
+        if correction is None or not correction.reweights:
+            return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+        weights = correction.weights
+        if alg.old_logprobs == "recompute":  # decoupled: the weight scales the clipped loss from outside
+            per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+            return per_token * weights, ratio
+        loss_type = correction.plan.loss_type
+        if loss_type == "ppo_clip":  # verl's bypass PPO: the ratio π_θ/μ is the correction; weights: metrics only
+            return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+        if loss_type == "reinforce":  # verl's bypass REINFORCE: -A · w · log π_θ, no clip
+            return -adv * weights * logp, torch.exp(logp.detach() - old)
+        # ppo_clip_is: the weight replaces the mismatch factor π_old/μ inside the ratio; a zeroed weight (IcePop)
+        # leaves the token in the denominator with no loss
+        per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high, ratio_weight=weights)
+        return torch.where(weights > 0, per_token, torch.zeros_like(per_token)), ratio
 
     def score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
         """The training path's log-probs of the batch's responses (no grad), as the anchors use them."""
