@@ -446,6 +446,11 @@ def _importance_weights(log_ratio: Tensor, rows: _Rows, plan: CorrectionPlan,
     return weights, truncated, {PREFIX + k: v for k, v in m.items()}
 
 
+def _passes(values: Tensor, lower_cut: float, upper_cut: float, k1: bool) -> Tensor:
+    """A rejection option's keep test: k1 options keep lower_cut <= stat <= upper_cut, k2/k3 keep stat <= upper_cut."""
+    return (values <= upper_cut) & (values >= lower_cut) if k1 else values <= upper_cut
+
+
 def _rejection_mask(log_ratio: Tensor, rows: _Rows, options: tuple[RejectOption, ...],
                     bound: float) -> tuple[Tensor, dict[str, float]]:
     """verl's ``compute_rollout_rejection_mask`` + ``compute_rs_metrics`` on flat tokens: (keep mask, metrics)."""
@@ -461,18 +466,15 @@ def _rejection_mask(log_ratio: Tensor, rows: _Rows, options: tuple[RejectOption,
         upper_cut = math.log(option.upper) if k1 else option.upper
         lower_cut = math.log(option.lower) if k1 else 0.0
 
-        def passes(values: Tensor, low: float = lower_cut, up: float = upper_cut, k1: bool = k1) -> Tensor:
-            return (values <= up) & (values >= low) if k1 else values <= up
-
         if level == "token":
             per_token = stat
-            keep = passes(stat)
+            keep = _passes(stat, lower_cut, upper_cut, k1)
             seq_values = rows.mean(stat)
         else:
             reduce = {"seq_sum": rows.sum, "seq_mean": rows.mean, "seq_max": rows.max}[level]
             seq_values = reduce(stat)
             per_token = seq_values[rows.seq_id]
-            keep = passes(seq_values)[rows.seq_id]
+            keep = _passes(seq_values, lower_cut, upper_cut, k1)[rows.seq_id]
         keep_all &= keep
         seq_valid = seq_values[valid]
         prefix = f"rollout_rs_{option.name}"
