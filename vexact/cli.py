@@ -198,6 +198,12 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--output-dir", type=Path, default=None, help="override the sweep's output_dir")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local: this machine's processes (default); ray: one Ray task per point, CPUs per task = "
+                        "the config's threads (default 1); needs pip install 'vexact[ray]'")
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="with --executor ray: an existing cluster (auto or HOST:PORT); default: a private "
+                        "single-node Ray bound to 127.0.0.1")
     p.set_defaults(func=_cmd_sweep)
 
 
@@ -205,16 +211,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from .lab.sweep import load_sweep_spec
 
     return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir), args.jobs, not args.no_report,
-                             "vexact sweep [bold]{name}[/]: {n} points -> {out}")
+                             "vexact sweep [bold]{name}[/]: {n} points -> {out}", args.executor, args.address)
 
 
-def _sweep_and_report(spec, jobs: int, report: bool, headline: str) -> int:
+def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: str = "local",
+                      address: str | None = None) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
     from .lab.sweep import run_sweep
 
     console = make_console()
     console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
-    statuses = run_sweep(spec, jobs=jobs, console=console)
+    statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address)
     if report:
         from .lab.report import write_report
 

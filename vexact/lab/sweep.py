@@ -349,8 +349,16 @@ def _check_lock(point: SweepPoint) -> dict | None:
     return None
 
 
-def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None) -> dict[str, str]:
-    """Run every unfinished point; returns {point name: status}."""
+def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, executor: str = "local",
+              address: str | None = None) -> dict[str, str]:
+    """Run every unfinished point; returns {point name: status}.
+
+    ``executor``: ``local`` (this process, or ``jobs`` worker processes) or ``ray`` (one Ray task per point on
+    the cluster at ``address``, or on a private loopback-only instance; ``vexact/lab/ray_executor.py``)."""
+    if executor not in ("local", "ray"):
+        raise ValueError(f"unknown executor {executor!r}; expected local or ray")
+    if address and executor != "ray":
+        raise ValueError("--address is the Ray cluster to use: it needs --executor ray")
     console = console or Console()
     _check_output_dirs(spec)
     statuses = {p.name: point_status(p) for p in spec.points}
@@ -394,7 +402,12 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None) ->
 
     with progress:
         bar = progress.add_task(f"sweep {spec.name}", total=len(spec.points), completed=done_before, current="")
-        if jobs <= 1:
+        if executor == "ray":
+            from . import ray_executor
+
+            ray_executor.run_points(todo, finish, _check_lock, address,
+                                    on_running=lambda names: progress.update(bar, current=", ".join(names)))
+        elif jobs <= 1:
             for point in todo:
                 progress.update(bar, current=point.name)
                 resume = point.run_dir.exists()

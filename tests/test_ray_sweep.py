@@ -1,0 +1,154 @@
+"""``vexact sweep --executor ray``: a real local Ray cluster, bound to 127.0.0.1 only, gives the local results.
+
+The test starts Ray itself (no dashboard, no usage stats), reads every listening TCP socket of the Ray processes
+from /proc to check that none is reachable from outside this host, then runs a 2-point sweep on it and compares
+every point's metrics and final checkpoint with the same sweep run by the local executor. A second Ray run of the
+finished sweep must skip both points, and a sweep interrupted after its first point must resume on Ray.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import struct
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_sweep import _metrics, _sweep_file
+
+from vexact.lab import ray_executor
+from vexact.lab.sweep import load_sweep_spec, run_sweep
+from vexact.rl.runlog import latest_checkpoint
+
+# Ray itself is imported by ray_executor (which sets its loopback mode first), never at this module's top.
+pytestmark = pytest.mark.skipif(find_spec("ray") is None, reason="pip install 'vexact[ray]' (.ci/run does)")
+LISTEN = "0A"
+
+
+def _is_loopback(address: str) -> bool:
+    host = ipaddress.ip_address(address.rsplit(":", 1)[0])
+    mapped = getattr(host, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is IPv4 loopback seen through IPv6
+    return (mapped or host).is_loopback
+
+
+def _listening_sockets() -> dict[int, list[str]]:
+    """{inode: [local address, ...]} of every listening TCP socket in this network namespace."""
+    out: dict[int, list[str]] = {}
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != LISTEN:
+                continue
+            host_hex, port_hex = fields[1].split(":")
+            raw = bytes.fromhex(host_hex)
+            if family == socket.AF_INET:
+                host = socket.inet_ntop(family, raw[::-1])
+            else:  # four little-endian 32-bit words
+                host = socket.inet_ntop(family, b"".join(struct.pack(">I", w) for w in struct.unpack("<4I", raw)))
+            out.setdefault(int(fields[9]), []).append(f"{host}:{int(port_hex, 16)}")
+    return out
+
+
+def _ray_process_sockets() -> dict[str, list[str]]:
+    """{process: [listening address, ...]} for the Ray processes (names containing 'ray' or 'gcs_server') and
+    this driver process, found through /proc/<pid>/fd socket inodes."""
+    sockets = _listening_sockets()
+    found: dict[str, list[str]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if "ray" not in cmdline and "gcs_server" not in cmdline and int(pid) != os.getpid():
+            continue
+        for link in links:
+            if link.startswith("socket:["):
+                for address in sockets.get(int(link[8:-1]), []):
+                    found.setdefault(f"{pid} {cmdline[:80]}", []).append(address)
+    return found
+
+
+def _checkpoint(point) -> dict[str, torch.Tensor]:
+    return load_file(str(latest_checkpoint(point.run_dir) / "checkpoint.safetensors"))
+
+
+def test_ray_sweep_is_loopback_only_and_equals_local(tmp_path):
+    local_path = _sweep_file(tmp_path, "loc", grid={"seed": [0, 1]})
+    ray_path = _sweep_file(tmp_path, "ray", grid={"seed": [0, 1]})
+    run_sweep(load_sweep_spec(local_path), jobs=1)
+
+    assert ray_executor.start(None, num_cpus=2)
+    try:
+        listening = _ray_process_sockets()
+        assert listening, "found no listening socket of a Ray process: the check would pass vacuously"
+        exposed = {proc: [a for a in addrs if not _is_loopback(a)] for proc, addrs in listening.items()}
+        assert not any(exposed.values()), f"Ray listens beyond loopback: {exposed}"
+        assert not any(addr.endswith(":8265") for addrs in listening.values() for addr in addrs)  # no dashboard
+
+        statuses = run_sweep(load_sweep_spec(ray_path), executor="ray")
+        assert set(statuses.values()) == {"completed"}
+        # a second run finds both points finished and submits nothing
+        assert run_sweep(load_sweep_spec(ray_path), executor="ray") == statuses
+    finally:
+        ray_executor.stop()
+
+    local, remote = load_sweep_spec(local_path), load_sweep_spec(ray_path)
+    assert list(_metrics(local).values()) == list(_metrics(remote).values())
+    for a, b in zip(local.points, remote.points):
+        ca, cb = _checkpoint(a), _checkpoint(b)
+        assert ca.keys() == cb.keys() and all(torch.equal(ca[k], cb[k]) for k in ca)
+    index = json.loads((remote.output_dir / "sweep.json").read_text())
+    assert [p["status"] for p in index["points"]] == ["completed", "completed"]
+
+
+def test_ray_executor_resumes_an_interrupted_sweep(tmp_path, monkeypatch):
+    """Interrupted locally in its second point, the sweep is finished on Ray: the first point is skipped, the
+    second resumed from its checkpoint, and the results are bitwise those of an uninterrupted local sweep."""
+    from rich.console import Console
+
+    from vexact.rl.trainer import Trainer
+
+    reference = load_sweep_spec(_sweep_file(tmp_path, "ref", grid={"seed": [0, 1]}))
+    run_sweep(reference, console=Console(quiet=True))
+    path = _sweep_file(tmp_path, "cut", grid={"seed": [0, 1]})
+    real_step, calls = Trainer.step, {"n": 0}
+
+    def killed(self, step):  # Ctrl-C in the middle of the second point
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(load_sweep_spec(path), console=Console(quiet=True))
+    monkeypatch.setattr(Trainer, "step", real_step)
+    spec = load_sweep_spec(path)
+    finished_mtime = (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns
+    try:
+        statuses = run_sweep(spec, console=Console(quiet=True), executor="ray")
+    finally:
+        ray_executor.stop()
+    assert list(statuses.values()) == ["completed", "completed"]
+    assert (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns == finished_mtime  # skipped
+    assert _metrics(spec) == _metrics(reference)
+
+
+def test_loopback_check_recognises_addresses():
+    assert _is_loopback("127.0.0.1:6379") and _is_loopback("::ffff:127.0.0.1:6379") and _is_loopback("::1:80")
+    assert not _is_loopback("0.0.0.0:6379") and not _is_loopback(":::6379") and not _is_loopback("192.0.2.2:1")
+
+
+def test_address_needs_the_ray_executor(tmp_path):
+    with pytest.raises(ValueError, match="needs --executor ray"):
+        run_sweep(load_sweep_spec(_sweep_file(tmp_path, "a", grid={"seed": [0]})), address="auto")
