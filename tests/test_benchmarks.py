@@ -179,3 +179,16 @@ def test_parse_list():
     with pytest.raises(ValueError, match="unknown item 'c'"):
         parse_list("a,c", ["a", "b"], "item")
     assert end_to_end.main(["--items", "nope"]) == 2
+
+
+def test_data_parallel_benchmark_schema(tmp_path, capsys):
+    from benchmarks import data_parallel
+
+    out = tmp_path / "dp.json"
+    assert data_parallel.main(["--nproc", "2", "--numel", "1000", "--reps", "2", "--no-steps", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    (reduce,) = record["reduce"]
+    assert reduce["nproc"] == 2 and reduce["tree_s"] > 0 and reduce["allreduce_s"] > 0
+    assert reduce["ratio"] == reduce["tree_s"] / reduce["allreduce_s"] and record["steps"] == []
+    assert data_parallel.main(["--nproc", "3", "--no-steps", "--out", str(out)]) == 2
+    assert "powers of two" in capsys.readouterr().err

@@ -12,10 +12,16 @@ import pytest
 from rich.console import Console
 
 from vexact.lab.report import (
+    TextColumn,
+    _table_cells,
     group_table,
     markdown_table,
+    print_table,
     read_sweep_results,
     render_table,
+    reward_definition,
+    reward_summary,
+    sweep_figures,
     write_report,
     write_summary_csv,
 )
@@ -113,8 +119,9 @@ def test_group_table_values(sweep: Path) -> None:
     assert low["median_collapse_step"] is None and high["median_collapse_step"] == 14.5
     assert low["realised_k3_kl"] == pytest.approx(2e-4) and high["realised_k3_kl"] == pytest.approx(3e-3)
     assert low["realised_abs_dlogp"] == pytest.approx(0.02) and high["realised_abs_dlogp"] == pytest.approx(0.2)
-    assert low["peak_reward"] == pytest.approx(0.7) and high["peak_reward"] == pytest.approx(0.8)
-    assert low["final_reward"] == pytest.approx(0.65) and high["final_reward"] == pytest.approx(0.15)
+    # peak / final: eval/reward_mean smoothed over 3 evaluations (reward_summary), not the summary's raw final
+    assert low["peak_reward"] == pytest.approx(0.7) and high["peak_reward"] == pytest.approx(0.65)
+    assert low["final_reward"] == pytest.approx(0.7) and high["final_reward"] == pytest.approx(0.05)
     assert low["length_surge_lead_median"] is None and high["length_surge_lead_median"] == 4
 
 
@@ -149,8 +156,10 @@ def test_write_report(sweep: Path) -> None:
     report = sweep / "report"
     names = {p.name for p in result["files"]}
     assert names == {"summary.csv", "table.json", "table.md", "reward_curves.png", "mismatch_vs_step.png",
-                     "collapse_vs_magnitude.png", "dose_response.json", "dose_response.png", "dynamics.json"}
-    for png in ("reward_curves.png", "mismatch_vs_step.png", "collapse_vs_magnitude.png"):
+                     "collapse_vs_magnitude.png", "outcome_vs_realised_k3.png", "dose_response.json",
+                     "dose_response.png", "dynamics.json"}
+    for png in ("reward_curves.png", "mismatch_vs_step.png", "collapse_vs_magnitude.png",
+                "outcome_vs_realised_k3.png"):
         _check_png(report / png)
     assert json.loads((report / "table.json").read_text()) == result["rows"]
 
@@ -158,11 +167,14 @@ def test_write_report(sweep: Path) -> None:
     assert "### tim-test" in md
     assert "| inject.value | seeds | failed | realised k3 KL | realised |Δlogp|" not in md  # pipes are escaped
     assert "| inject.value | seeds | failed | realised k3 KL | realised \\|Δlogp\\| | collapse rate |" in md
-    assert "| 0.5 | 2 | 1 | 3.0e-03 | 2.0e-01 | 2/2 | 14.5 | 0.800 | 0.150 | 4 |" in md
-    assert "| 0.1 | 2 | 0 | 2.0e-04 | 2.0e-02 | 0/2 | — | 0.700 | 0.650 | — |" in md
+    assert "| 0.5 | 2 | 1 | 3.0e-03 | 2.0e-01 | 2/2 | 14.5 | 0.650 | 0.050 | 4 |" in md
+    assert "| 0.1 | 2 | 0 | 2.0e-04 | 2.0e-02 | 0/2 | — | 0.700 | 0.700 | — |" in md
+    assert "peak reward (smoothed) | final reward (smoothed)" in md
+    assert "eval/reward_mean as a trailing mean of 3 evaluation points" in md  # the footnote defines them
 
     text = console.export_text()
     assert "tim-test" in text and "2/2" in text and "3.0e-03" in text and "CUDA out of memory" in text
+    assert text.count("report written to") == 1 and "reward_curves.png" in text
 
 
 def test_no_collapse_and_zero_mismatch_group(tmp_path: Path) -> None:
@@ -230,3 +242,219 @@ def test_variant_groups_with_lr_trigger_and_surge_columns(tmp_path: Path) -> Non
     assert "LR decay fired" in text and "| none |" in text and "| 1/2 |" in text
     plain = markdown_table([none])
     assert "LR decay fired" not in plain and "surge before collapse" in plain
+
+
+# ----------------------------------------------------------------------------- one reward definition
+
+
+def test_peak_and_final_reward_share_one_smoothed_definition(tmp_path: Path) -> None:
+    """The last raw evaluation (0.7) sits above the smoothed peak (0.6): the old table showed final > peak."""
+    evals = [0.6, 0.6, 0.6, 0.5, 0.7]
+    metrics = [{"step": 5 * i, "eval/reward_mean": v, "reward/mean": 0.1} for i, v in enumerate(evals)]
+    collapse = _collapse(False, 1e-3, 0.01, peak=0.6, final=0.7)  # what collapse.py writes: raw final
+    collapse["criteria"] = {"metric": "eval/reward_mean", "smoothing": 3}
+    sweep = _make_sweep(tmp_path / "s", [{"overrides": {"inject.value": 0.1, "seed": 0}, "status": "completed",
+                                          "collapse": collapse, "metrics": metrics}],
+                        {"inject.value": [0.1], "seed": [0]})
+    data = read_sweep_results(sweep)
+    r = reward_summary(data.points[0])
+    assert r["peak"] == pytest.approx(0.6) and r["peak_step"] == 0  # smoothed: 0.6 0.6 0.6 0.567 0.6
+    assert r["final"] == pytest.approx((0.6 + 0.5 + 0.7) / 3) and r["final_step"] == 20
+    assert r["final"] <= r["peak"]
+    (row,) = group_table(data)
+    assert row["peak_reward"] == pytest.approx(0.6) and row["final_reward"] == pytest.approx(0.6)
+    csv_row = next(csv.DictReader(write_summary_csv(data, tmp_path / "summary.csv").open()))
+    assert float(csv_row["final_reward"]) == 0.7  # the collapse summary's raw value, kept as it is ...
+    assert float(csv_row["final_reward_smoothed"]) == pytest.approx(0.6)  # ... next to the table's definition
+    # another smoothing in the run's criteria changes both numbers and the footnote together
+    data.points[0].summary["collapse"]["criteria"]["smoothing"] = 1
+    r1 = reward_summary(data.points[0])
+    assert (r1["peak"], r1["final"]) == (0.7, 0.7)
+    assert "unsmoothed" in reward_definition(data.points)
+
+
+def test_peak_reward_without_metrics_falls_back_to_the_summary_peak() -> None:
+    from vexact.lab.report import PointData
+
+    point = PointData(name="p", dir=Path("."), overrides={}, status="completed",
+                      summary={"collapse": _collapse(False, 1e-3, 0.01, peak=0.55, final=0.9)})
+    r = reward_summary(point)
+    assert r["peak"] == 0.55 and r["final"] is None  # the raw final is not passed off as the smoothed one
+
+
+# ----------------------------------------------------------------------------- tables at any width
+
+
+def _wide_sweep(root: Path) -> Path:
+    """Long keys and values, every optional column (failed, LR trigger), numbers of every format."""
+    grid = {"algorithm.old_logprobs": ["rollout", "recompute"],
+            "variant": ["none", "recompute_token_tis", "tis_length_lr_decay"], "seed": [0, 1]}
+    points = []
+    for i, mode in enumerate(grid["algorithm.old_logprobs"]):
+        for j, variant in enumerate(grid["variant"]):
+            for seed in (0, 1):
+                k3 = 5.2e-2 * 10 ** (-(i + j)) * (1 + seed)
+                collapsed = j == 0 and mode == "rollout"
+                points.append({"overrides": {"algorithm.old_logprobs": mode, "variant": variant, "seed": seed},
+                               "status": "completed",
+                               "collapse": _collapse(collapsed, k3, 3.7e-2 * (j + 1), 0.9, 0.1,
+                                                     step=12 + seed if collapsed else None, lead=3 if collapsed
+                                                     else None),
+                               "metrics": _metrics(k3, 0.6 + 0.1 * j, 12 + seed if collapsed else None)})
+    points.append({"overrides": {"algorithm.old_logprobs": "recompute", "variant": "none", "seed": 2},
+                   "status": "failed", "error": "boom"})
+    root = _make_sweep(root, points, grid, name="a-sweep-with-a-rather-long-name")
+    path = root / "points" / "algorithm.old_logprobs=rollout,variant=tis_length_lr_decay,seed=0" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["lr_schedule"] = {"kind": "length_triggered", "trigger_step": 17}
+    path.write_text(json.dumps(summary))
+    return root
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_table_never_cuts_a_number_or_a_header_word(tmp_path: Path, width: int) -> None:
+    data = read_sweep_results(_wide_sweep(tmp_path / "wide"))
+    rows = group_table(data)
+    console = Console(file=io.StringIO(), width=width, record=True)
+    render_table(rows, console, title=data.name, notes=[reward_definition(data.points)])
+    text = console.export_text()
+    headers, body = _table_cells(rows, data.group_keys)
+    assert len(body) == 6 and len(headers) >= 14  # failed and both LR columns are shown
+    for cells in body:
+        for cell in cells:
+            assert cell in text, (width, cell)  # never "5.2e…" or a number split over two lines
+    for word in {w for h in headers for w in h.split()}:
+        assert word in text, (width, word)  # full header words, in the header or in the legend
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    if width == 80:  # no layout fits 80 columns but the vertical one: every header is a row label
+        assert all(h in text for h in headers)
+
+
+def test_narrow_table_uses_a_legend_for_abbreviated_headers(tmp_path: Path) -> None:
+    data = read_sweep_results(_wide_sweep(tmp_path / "wide"))
+    rows = [r for r in group_table(data) if r["algorithm.old_logprobs"] == "rollout"]
+    for row in rows:  # keep the table narrow enough for the abbreviated layout at 100 columns
+        row["variant"] = row["variant"][:4]
+    console = Console(file=io.StringIO(), width=100, record=True)
+    render_table(rows, console, title="t")
+    text = console.export_text()
+    assert "columns: old_logprobs = algorithm.old_logprobs; n = seeds; k3 = realised k3 KL" in " ".join(text.split())
+    for cells in _table_cells(rows, data.group_keys)[1]:
+        assert all(cell in text for cell in cells)
+
+
+def test_dynamics_table_fits_80_columns(tmp_path: Path) -> None:
+    """Long group labels wrap at spaces; the numbers beside them stay whole."""
+    columns = [TextColumn("group", ["algorithm.old_logprobs=recompute, variant=tis_length_lr_decay"],
+                          justify="left", wrap=True),
+               *[TextColumn(f"numeric column {i}", ["-1.234567e-05"]) for i in range(4)]]
+    console = Console(file=io.StringIO(), width=80, record=True)
+    print_table(console, "t", columns)
+    text = console.export_text()
+    assert text.count("-1.234567e-05") == 4 and "tis_length_lr_decay" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _colour_distance(a: tuple, b: tuple) -> float:
+    return max(abs(x - y) for x, y in zip(a[:3], b[:3]))
+
+
+def _legend_is_outside(fig, ax) -> bool:
+    fig.canvas.draw()
+    legend = ax.get_legend()
+    return legend is not None and legend.get_window_extent().x0 >= ax.get_window_extent().x1
+
+
+def test_plots_tell_groups_and_seeds_apart(sweep: Path) -> None:
+    from matplotlib.colors import to_rgba
+
+    data = read_sweep_results(sweep)
+    figures = sweep_figures(data)
+    assert set(figures) == {"reward_curves.png", "mismatch_vs_step.png", "collapse_vs_magnitude.png",
+                            "outcome_vs_realised_k3.png"}
+    for name in ("reward_curves.png", "mismatch_vs_step.png"):
+        ax = figures[name].axes[0]
+        lines = [line for line in ax.get_lines() if len(line.get_xdata()) > 1]
+        assert len(lines) == 4, name  # one per point with metrics (the failed one has none)
+        low, high = lines[:2], lines[2:]  # points in sweep order: value 0.1 seeds 0, 1; value 0.5 seeds 0, 1
+        # close magnitudes get clearly different colours and markers ...
+        assert _colour_distance(to_rgba(low[0].get_color()), to_rgba(high[0].get_color())) > 0.3, name
+        assert low[0].get_marker() != high[0].get_marker()
+        # ... seeds of a group share both and differ in line style
+        assert low[0].get_color() == low[1].get_color() and low[0].get_linestyle() != low[1].get_linestyle()
+        assert _legend_is_outside(figures[name], ax), name
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert {"inject.value=0.1", "inject.value=0.5", "seed 0", "seed 1"} <= set(labels)
+    xlabel = figures["collapse_vs_magnitude.png"].axes[0].get_xlabel()
+    assert "collapse." not in xlabel and "realised mismatch" in xlabel
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_coinciding_groups_stay_visible(tmp_path: Path) -> None:
+    """Two remedies with identical curves ("none" and "token_tis"): the first is drawn wider, underneath."""
+    grid = {"variant": ["none", "token_tis"], "seed": [0]}
+    points = [{"overrides": {"variant": v, "seed": 0}, "status": "completed",
+               "collapse": _collapse(True, 0.5, 1.0, 0.5, 0.1, step=12), "metrics": _metrics(0.5, 0.5, 12)}
+              for v in grid["variant"]]
+    figures = sweep_figures(read_sweep_results(_make_sweep(tmp_path, points, grid)))
+    none, tis = [line for line in figures["reward_curves.png"].axes[0].get_lines() if len(line.get_xdata()) > 1]
+    assert list(none.get_ydata()) == list(tis.get_ydata())
+    assert none.get_linewidth() > tis.get_linewidth() and none.get_zorder() < tis.get_zorder()
+    assert none.get_markersize() > tis.get_markersize() and none.get_marker() != tis.get_marker()
+    ax = figures["collapse_vs_magnitude.png"].axes[0]
+    a, b = ax.collections[:2]
+    assert a.get_sizes()[0] > b.get_sizes()[0] and a.get_zorder() < b.get_zorder()  # nested, not hidden
+    assert _legend_is_outside(figures["collapse_vs_magnitude.png"], ax)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_outcome_vs_realised_k3_plots_the_table_values(sweep: Path) -> None:
+    data = read_sweep_results(sweep)
+    rows = group_table(data)
+    fig = sweep_figures(data)["outcome_vs_realised_k3.png"]
+    top, bottom = fig.axes[:2]
+    rate_points = sorted(tuple(c.get_offsets()[0]) for c in top.collections)
+    assert rate_points == sorted((r["realised_k3_kl"], r["collapse_rate"]) for r in rows)
+    filled = [c for c in bottom.collections if len(c.get_facecolor())]  # group means; runs are hollow
+    group_means = [tuple(c.get_offsets()[0]) for c in filled]
+    assert sorted(group_means) == sorted((r["realised_k3_kl"], r["final_reward"]) for r in rows)
+    assert len(bottom.collections) == len(rows) + 4  # plus one hollow marker per run with a result
+    assert top.get_ylabel().startswith("collapse rate") and bottom.get_ylabel() == "final reward (smoothed)"
+    assert "realised mismatch" in bottom.get_xlabel() and bottom.get_xscale() == "log"
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_cli_report_prints_the_written_line_once(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vexact.cli import main
+
+    assert main(["report", str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("report written to") == 1 and "wrote " not in out
+
+
+def test_report_of_a_directory_that_is_neither_a_run_nor_a_sweep(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from vexact.cli import main
+    from vexact.lab.run_report import write_any_report
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither a sweep directory .* nor a run directory"):
+        write_any_report(tmp_path / "empty")
+    with pytest.raises(ValueError, match="does not exist"):
+        write_any_report(tmp_path / "missing")
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "neither a sweep directory" in err

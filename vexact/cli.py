@@ -32,6 +32,40 @@ def exit_codes_help(command: str | None = None) -> str:
             "(Ctrl-C; finished work is kept, --resume continues)")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` shows every option's default: appended as "(default: X)" unless the help text already names it
+    (most say it in their own words) or there is none to show (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))  # on/off: nothing to add
+        empty = default is None or default is False or default is argparse.SUPPRESS or default in ([], ())
+        if "default" in text.lower() or empty or flag or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """vexact's parsers (the subcommands' too: argparse builds them with the parent's class): defaults in --help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def package_version() -> str:
+    """vexact's version: the installed distribution's metadata, else ``vexact.__version__`` (a source tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vexact")
+    except metadata.PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def make_console(stderr: bool = False) -> Console:
     """Rich console; wide when output is not a terminal (logs, CI) so lines don't wrap."""
     probe = Console(stderr=stderr)
@@ -66,37 +100,44 @@ def _positive_int(text: str) -> int:
 def _add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", epilog=exit_codes_help("check"),
                        help="verify rollout log-probs == training log-probs bit for bit on this machine")
-    p.add_argument("--vocab-size", type=_positive_int, default=256)
-    p.add_argument("--hidden-size", type=_positive_int, default=128)
-    p.add_argument("--num-layers", type=_positive_int, default=2)
-    p.add_argument("--num-heads", type=_positive_int, default=4)
-    p.add_argument("--num-kv-heads", type=_positive_int, default=2)
-    p.add_argument("--intermediate-size", type=_positive_int, default=352)
-    p.add_argument("--num-prompts", type=_positive_int, default=24)
-    p.add_argument("--max-prompt-len", type=_positive_int, default=40)
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | all (default float32)")
-    p.add_argument("--backend", default="exact,native", help="comma list of backends (exact, native, triton)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=_positive_int, default=256, help="vocabulary of the random model")
+    p.add_argument("--hidden-size", type=_positive_int, default=128, help="hidden size of the random model")
+    p.add_argument("--num-layers", type=_positive_int, default=2, help="decoder layers of the random model")
+    p.add_argument("--num-heads", type=_positive_int, default=4, help="attention heads")
+    p.add_argument("--num-kv-heads", type=_positive_int, default=2, help="key/value heads (grouped-query attention)")
+    p.add_argument("--intermediate-size", type=_positive_int, default=352, help="MLP intermediate size")
+    p.add_argument("--num-prompts", type=_positive_int, default=24, help="random prompts to generate from")
+    p.add_argument("--max-prompt-len", type=_positive_int, default=40,
+                   help="longest random prompt (lengths are 1..N, so batches are ragged)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (fp32) | bfloat16 (bf16) | all (default float32)")
+    p.add_argument("--backend", default="exact,native",
+                   help="comma list of backends: exact, native, triton (default exact,native; triton without a GPU "
+                        "runs in the Triton interpreter: very slow)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random model, prompts and sampling")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--scoring-threads", type=_thread_list, default=(), metavar="N[,M...]",
                    help="torch threads for the training-path scoring, e.g. 1,3: every rollout is rescored at each "
                         "(default: the generation's)")
-    p.add_argument("--batch-sizes", type=_batch_list, default=(None, 1, 7), help="generation batch sizes, e.g. all,1,7")
-    p.add_argument("--micro-batch-sizes", type=_batch_list, default=(None, 1, 5), help="scoring micro-batch sizes")
+    p.add_argument("--batch-sizes", type=_batch_list, default=(None, 1, 7),
+                   help="generation batch sizes, each a positive integer or all (default all,1,7)")
+    p.add_argument("--micro-batch-sizes", type=_batch_list, default=(None, 1, 5),
+                   help="scoring micro-batch sizes, each a positive integer or all (default all,1,5)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     p.set_defaults(func=_cmd_check)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .engine.model import DTYPES, short_dtype_name
+    from .engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
     from .real.check import CheckSettings, run_check
 
     dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
     for d in dtypes:
         if d not in DTYPES:
-            raise ValueError(f"--dtype: unsupported dtype {d!r}; expected float32, bfloat16 or all")
+            raise ValueError(f"--dtype: unsupported dtype {d!r}; expected {dtype_names_text()} or all")
+    dtypes = [canonical_dtype_name(d) for d in dtypes]
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
     rows = []
     for dtype in dtypes:
@@ -132,8 +173,25 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if exact_failures:
         Console(stderr=True).print("[red]exactness violated[/] for: "
                                    + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
-        return EXIT_FAILED
-    return EXIT_OK
+    console.print(check_verdict(rows), soft_wrap=True, highlight=False)
+    return EXIT_FAILED if exact_failures else EXIT_OK
+
+
+def check_verdict(rows: list[dict]) -> str:
+    """The last line of ``vexact check``: PASS when every exact backend's rollout log-probs equal its training
+    log-probs bit for bit (and sampling is batch-invariant), else FAIL naming where; native makes no promise."""
+    exact = [r for r in rows if r["backend"] != "native"]
+    failed = [r for r in exact if r["tokens_mismatched"] or not r["sampling_batch_invariant"]]
+    if failed:
+        where = ", ".join(f"{r['backend']}/{r['dtype']} ({r['tokens_mismatched']} of {r['tokens_compared']} tokens "
+                          f"differ{'' if r['sampling_batch_invariant'] else ', sampling not batch-invariant'})"
+                          for r in failed)
+        return f"FAIL: exactness violated on this machine: {where}"
+    if not exact:
+        return "PASS (vacuous): only the native backend was checked, and it makes no bitwise promise"
+    tokens = sum(r["tokens_compared"] for r in exact)
+    paths = ", ".join(sorted({f"{r['backend']}/{r['dtype']}" for r in exact}))
+    return f"PASS: rollout log-probs == training log-probs bit for bit on {paths} ({tokens} of {tokens} tokens)"
 
 
 def _kernel_paths_table(paths: dict) -> Table:
@@ -164,19 +222,63 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last intact checkpoint "
                    "(refused if the config differs; a finished run is left as it is unless steps grew)")
     p.add_argument("--allow-change", dest="allow_changes", action="append", default=[], metavar="KEY",
-                   help="with --resume: let KEY differ from the run's config.yaml (steps, threads, logging.*); "
+                   help="with --resume: let KEY differ from the run's config.yaml (steps, logging.*); "
                         "recorded in config_changes.jsonl")
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                   help="data-parallel ranks on this machine, launched by torch.distributed's elastic launcher "
+                        "(default 1: this process). N must be a power of two dividing distributed.leaves; the "
+                        "results are bitwise those of N=1. On several machines use torchrun -m vexact run")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .rl.config import load_config
+    from .rl.data_parallel import DataParallel, check_leaves
     from .rl.trainer import Trainer, run_dir_for
 
     cfg = load_config(args.config, args.overrides)
     console = make_console()
-    console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}")
-    summary = Trainer(cfg, console).run(resume=args.resume, allow_changes=tuple(args.allow_changes))
+    if args.nproc > 1:
+        check_leaves(cfg.distributed.leaves, args.nproc)  # before starting any rank
+        return _launch_ranks(args, cfg, console)
+    ranks = DataParallel.from_environment(cfg.distributed.reduce)  # torchrun's ranks, or this process alone
+    try:
+        if ranks.is_main:
+            console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}"
+                          + (f" on {ranks.world_size} ranks" if ranks.world_size > 1 else ""))
+        summary = Trainer(cfg, console, ranks).run(resume=args.resume, allow_changes=tuple(args.allow_changes))
+    finally:
+        ranks.close()
+    if ranks.is_main:
+        _print_run_summary(cfg, summary, console)
+    return {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+
+
+def _launch_ranks(args: argparse.Namespace, cfg, console: Console) -> int:
+    """``vexact run --nproc N``: the same command as N ranks; the exit code follows the run's summary.json."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .rl.data_parallel import launch
+    from .rl.trainer import run_dir_for
+
+    rank_args = ["-m", "vexact", "run", str(args.config), *(f"--set={o}" for o in args.overrides),
+                 *(["--resume"] if args.resume else []), *(f"--allow-change={k}" for k in args.allow_changes)]
+    try:
+        launch(args.nproc, rank_args, threads=cfg.threads)
+    except ChildFailedError as err:
+        summary_path = run_dir_for(cfg) / "summary.json"
+        status = json.loads(summary_path.read_text()).get("status") if summary_path.exists() else None
+        if status in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
+            return EXIT_INTERRUPTED if status == "interrupted" else EXIT_FAILED
+        rank, failure = err.get_first_failure()
+        console.print(f"[red]rank {rank} failed[/] (exit code {failure.exitcode}); its error is printed above")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _print_run_summary(cfg, summary: dict, console: Console) -> None:
+    from .rl.trainer import run_dir_for
+
     keys = ("status", "reason", "steps_completed", "reward_first", "reward_last", "eval_reward_first",
             "eval_reward_last", "eval_greedy_accuracy_first", "eval_greedy_accuracy_last", "mean_k3_kl",
             "min_bitwise_equal_frac", "mean_step_seconds")
@@ -188,7 +290,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
             value = summary[key]
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
-    return {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
@@ -231,24 +332,26 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", epilog=exit_codes_help("report"),
-                       help="tables, plots and summary.csv for a sweep directory")
-    p.add_argument("sweep_dir", type=Path)
-    p.set_defaults(func=lambda args: _cmd_report(args.sweep_dir))
+                       help="tables and plots for a sweep directory (DIR/report/: summary.csv, table.md, ...) or "
+                            "a single run directory (DIR/report/: report.json, run_curves.png)")
+    p.add_argument("directory", type=Path, metavar="DIR",
+                   help="a vexact sweep output (has sweep.json) or a vexact run output (has metrics.jsonl)")
+    p.set_defaults(func=lambda args: _cmd_report(args.directory))
 
 
-def _cmd_report(sweep_dir: Path) -> int:
-    from .lab.report import write_report
+def _cmd_report(directory: Path) -> int:
+    from .lab.run_report import write_any_report
 
-    result = write_report(sweep_dir, make_console())
-    make_console().print("wrote " + ", ".join(str(f) for f in result["files"]))
+    write_any_report(directory, make_console())  # prints the one "report written to" line itself
     return EXIT_OK
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", epilog=exit_codes_help("demo"),
                        help="a small injected-mismatch sweep with its report (a few minutes on 2 cores)")
-    p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo")
-    p.add_argument("--jobs", type=_positive_int, default=1)
+    p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo",
+                   help="where the sweep's runs and report go (default runs/demo; re-running resumes it)")
+    p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes, one run each (default 1)")
     p.set_defaults(func=_cmd_demo)
 
 
@@ -268,12 +371,13 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
                         "has a tokenizer, else whitespace-separated token ids")
     source.add_argument("--random", type=_positive_int, metavar="N", help="N random token-id prompts")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens generated per prompt")
     p.add_argument("--rollout", default="native:bf16", help="path that generates: BACKEND:DTYPE with BACKEND in "
-                   "exact, native, triton, hf and DTYPE in fp32, bf16 (default native:bf16)")
-    p.add_argument("--train", default="exact:fp32", help="path that rescores the tokens (default exact:fp32)")
+                   "exact, native, triton, hf and DTYPE in fp32 (float32), bf16 (bfloat16) (default native:bf16)")
+    p.add_argument("--train", default="exact:fp32", help="path that rescores the tokens, BACKEND:DTYPE as for "
+                   "--rollout (default exact:fp32)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the --random prompts and of sampling")
     p.add_argument("--max-prompt-len", type=_positive_int, default=16, help="longest --random prompt")
     p.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -360,8 +464,10 @@ def _add_locate(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.",
-                                     epilog=exit_codes_help())
+    parser = _Parser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.",
+                     epilog=exit_codes_help())
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                        help="print vexact's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_check(sub)
     _add_run(sub)

@@ -25,14 +25,33 @@ import vexact_kernels
 # (``linear``, ``rms_norm``, ``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs``).
 KernelOps = Any
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""Short dtype names -> torch's names. The one table of dtype spellings: config keys (``dtype``,
+``rollout.dtype``, ``inject.precision``, ...) and every CLI flag accept both, so ``bf16`` works wherever
+``bfloat16`` does; configs store the long name."""
+
+_MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what the model computes in
+DTYPES = {**_MODEL_DTYPES, **{short: _MODEL_DTYPES[long] for short, long in DTYPE_ALIASES.items()
+                              if long in _MODEL_DTYPES}}
+"""Every accepted name of a model dtype (long and short) -> the torch dtype."""
+
+
+def canonical_dtype_name(name: str) -> str:
+    """torch's name for a dtype spelling (``bf16`` -> ``bfloat16``); other strings are returned unchanged."""
+    return DTYPE_ALIASES.get(name, name)
+
+
+def dtype_names_text(names: tuple[str, ...] = tuple(_MODEL_DTYPES)) -> str:
+    """``float32 (fp32), bfloat16 (bf16)``: the accepted spellings of ``names``, for messages and --help."""
+    short = {long: s for s, long in DTYPE_ALIASES.items()}
+    return ", ".join(f"{n} ({short[n]})" if n in short else n for n in names)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch.float32 / torch.bfloat16 or their names; anything else is a ValueError."""
+    """torch.float32 / torch.bfloat16 or any of their names (``DTYPE_ALIASES``); anything else is a ValueError."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+            raise ValueError(f"unsupported dtype {dtype!r}; expected {dtype_names_text()}")
         return DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"unsupported dtype {dtype}; expected torch.float32 or torch.bfloat16")

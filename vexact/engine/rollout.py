@@ -34,7 +34,8 @@ class GenerateOutput:
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 1.0,
              seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None,
-             logits_hook: LogitsHook | None = None, ops: KernelOps | None = None) -> GenerateOutput:
+             logits_hook: LogitsHook | None = None, ops: KernelOps | None = None, first_index: int = 0
+             ) -> GenerateOutput:
     """Sample continuations of ``prompts`` with a KV cache.
 
     Sampling is counter-based (see ``vexact.engine.sampling``): prompt i's tokens depend only on
@@ -45,6 +46,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     logits that are sampled from and those the recorded log-prob is taken under.
     ``ops``: the kernel ops the rollout path runs (default ``model.ops``); the injector's
     ``RolloutPlan`` carries them, so the model itself is never switched.
+    ``first_index``: the index of ``prompts[0]`` in the whole batch, when this call generates one shard of it
+    (data-parallel ranks): prompt i is keyed as ``first_index + i``, so the shards give the whole batch's tokens.
     """
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
@@ -57,6 +60,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
         raise ValueError(
             f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len ({cfg.max_seq_len})"
         )
+    if not isinstance(first_index, int) or first_index < 0:
+        raise ValueError(f"first_index must be a non-negative int, got {first_index!r}")
     if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
 
@@ -65,8 +70,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     logprobs: list[Tensor] = []
     finished: list[bool] = []
     for start in range(0, len(prompts), step):
-        chunk = _generate_batch(model, prompts[start : start + step], start, max_new_tokens, temperature, seed,
-                                eos_token_id, logits_hook, model.ops if ops is None else ops)
+        chunk = _generate_batch(model, prompts[start : start + step], first_index + start, max_new_tokens,
+                                temperature, seed, eos_token_id, logits_hook, model.ops if ops is None else ops)
         tokens += chunk.tokens
         logprobs += chunk.logprobs
         finished += chunk.finished

@@ -247,7 +247,8 @@ def plot_dose_response(result: dict[str, Any], path: Any, title: str = "") -> An
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
     if doses:
         ax.set_xscale("log")
-        ax.legend(fontsize=8, loc="upper left", framealpha=0.85)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+                  frameon=False)  # outside the axes: it covered the low-dose points
     else:
         ax.text(0.5, 0.5, "no run with a positive realised mismatch", transform=ax.transAxes, ha="center",
                 va="center", fontsize=12, color="grey")
@@ -257,8 +258,7 @@ def plot_dose_response(result: dict[str, Any], path: Any, title: str = "") -> An
     ax.set_title(f"{title}: collapse probability vs realised mismatch" if title else
                  "collapse probability vs realised mismatch")
     ax.grid(True, which="major", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight" keeps the outside legend in the image
     plt.close(fig)
     return path
 

@@ -5,13 +5,18 @@ A *group* is one magnitude setting: all points sharing the values of every grid 
 
     summary.csv                 one row per point (overrides, status, every collapse field)
     table.json / table.md       one row per group (realised mismatch, collapse rate, ...)
-    reward_curves.png           eval reward vs step, one line per point, coloured by group
+    reward_curves.png           eval reward vs step, one line per point (colour + marker = group, line style = seed)
     mismatch_vs_step.png        rollout-correction k3 KL vs step (log y)
     collapse_vs_magnitude.png   collapse step vs realised k3 KL (log x)
+    outcome_vs_realised_k3.png  collapse rate and final reward vs realised k3 KL (log x)
     dose_response.json / .png   collapse probability vs realised k3 KL and the fitted 50% threshold
                                 (``vexact/lab/dose_response.py``)
     dynamics.json               does the realised k3 grow during runs, and what it moves with
                                 (``vexact/lab/dynamics.py``)
+
+"Peak reward" and "final reward" share one definition (``reward_summary``): the series the collapse detector
+judges, smoothed as it smooths it; the tables say so in a footnote. Printed tables fit the terminal without ever
+cutting a number (``print_table``). A single run directory is reported by ``vexact/lab/run_report.py``.
 """
 
 from __future__ import annotations
@@ -20,14 +25,18 @@ import csv
 import json
 import math
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
-from ..rl.config import dotted_items
+from ..rl.collapse import trailing_mean
+from ..rl.config import CollapseSection, dotted_items
 from ..rl.runlog import json_safe
 
 SEED_KEY = "seed"
@@ -125,11 +134,8 @@ def read_sweep_results(sweep_dir: str | Path) -> SweepData:
         name = str(entry.get("name", ""))
         point_dir = Path(entry.get("dir") or Path("points") / name)
         point_dir = point_dir if point_dir.is_absolute() else sweep_dir / point_dir
-        summary = _read_json(point_dir / "summary.json")
-        status = entry.get("status") or (summary or {}).get("status") or "pending"
-        points.append(PointData(name=name, dir=point_dir, overrides=dict(entry.get("overrides") or {}),
-                                status=str(status), error=entry.get("error"), summary=summary,
-                                metrics=_read_jsonl(point_dir / "metrics.jsonl")))
+        points.append(read_point(point_dir, name, dict(entry.get("overrides") or {}), entry.get("status"),
+                                 entry.get("error")))
     if grid:
         group_keys = [k for k in grid if k != SEED_KEY]
     else:  # no grid recorded: group by every override except the seed
@@ -137,6 +143,18 @@ def read_sweep_results(sweep_dir: str | Path) -> SweepData:
     curves = spec.get("curves")
     return SweepData(path=sweep_dir, name=str(spec.get("name") or sweep_dir.name), grid=grid,
                      group_keys=group_keys, points=points, curves=list(curves) if isinstance(curves, list) else None)
+
+
+def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = None, status: str | None = None,
+               error: str | None = None) -> PointData:
+    """One run directory (a sweep point, or a single ``vexact run``): its summary.json and metrics.jsonl.
+
+    The one reader behind both the sweep report and the single-run report (``run_report.py``), so a run reads
+    the same wherever it is reported from. ``status`` defaults to the summary's, else "pending"."""
+    summary = _read_json(point_dir / "summary.json")
+    status = status or (summary or {}).get("status") or "pending"
+    return PointData(name=name, dir=point_dir, overrides=dict(overrides or {}), status=str(status), error=error,
+                     summary=summary, metrics=_read_jsonl(point_dir / "metrics.jsonl"))
 
 
 def _read_json(path: Path) -> dict | None:
@@ -176,6 +194,50 @@ def _decode_non_finite(value: Any) -> Any:
 # ----------------------------------------------------------------------------- tables
 
 
+def reward_summary(point: PointData) -> dict[str, Any]:
+    """Peak and final reward under **one** definition: the series the collapse detector judges (its ``metric``,
+    ``eval/reward_mean`` by default) smoothed the way it smooths it (trailing mean of ``smoothing`` points).
+
+    ``peak`` is the highest smoothed value and ``final`` the last, so final <= peak always holds. (The collapse
+    summary's ``final_reward`` is the last *raw* value, which can sit above the smoothed peak.) Without a metrics
+    history only the summary's ``peak_reward`` (already smoothed) is known and ``final`` is None.
+    Returns {metric, smoothing, peak, peak_step, final, final_step, points}."""
+    criteria = point.collapse.get("criteria") or {}
+    defaults = CollapseSection()
+    metric = criteria.get("metric") or defaults.metric
+    smoothing = criteria.get("smoothing")
+    smoothing = int(smoothing) if _is_num(smoothing) and smoothing >= 1 else defaults.smoothing
+    pairs = sorted((s, v) for s, v in zip(*_series(point, metric)) if math.isfinite(v))
+    out: dict[str, Any] = {"metric": metric, "smoothing": smoothing, "peak": None, "peak_step": None,
+                           "final": None, "final_step": None, "points": len(pairs)}
+    if not pairs:
+        peak = point.collapse.get("peak_reward")
+        if _is_num(peak) and math.isfinite(peak):
+            out.update(peak=float(peak), peak_step=point.collapse.get("peak_step"))
+        return out
+    smoothed = trailing_mean([v for _, v in pairs], smoothing)
+    best = max(range(len(smoothed)), key=smoothed.__getitem__)  # first occurrence, like the detector
+    out.update(peak=smoothed[best], peak_step=_as_step(pairs[best][0]), final=smoothed[-1],
+               final_step=_as_step(pairs[-1][0]))
+    return out
+
+
+def reward_definition(points: list[PointData]) -> str:
+    """The footnote that says what "peak reward" / "final reward" are (from the points' collapse criteria)."""
+    specs = sorted({(r["metric"], r["smoothing"]) for r in (reward_summary(p) for p in points)})
+    if not specs:
+        d = CollapseSection()
+        specs = [(d.metric, d.smoothing)]
+    what = " or ".join(f"{m} as a trailing mean of {k} evaluation points" if k > 1 else f"{m} (unsmoothed)"
+                       for m, k in specs)
+    return (f"peak / final reward (smoothed): {what} -- the series and smoothing the collapse detector uses; "
+            "peak = its highest value, final = its last value (so final <= peak)")
+
+
+def _as_step(step: float) -> int | float:
+    return int(step) if float(step).is_integer() else step
+
+
 def group_table(data: SweepData) -> list[dict[str, Any]]:
     """One row per group, in grid order. Statistics use the points with a result (completed or stopped).
 
@@ -198,8 +260,8 @@ def group_table(data: SweepData) -> list[dict[str, Any]]:
             "realised_abs_dlogp": _mean(p.collapse.get("mean_abs_dlogp") for p in done),
             "collapse_rate": len(collapsed) / len(done) if done else None,
             "median_collapse_step": _median(p.collapse.get("collapse_step") for p in collapsed),
-            "peak_reward": _mean(p.collapse.get("peak_reward") for p in done),
-            "final_reward": _mean(p.collapse.get("final_reward") for p in done),
+            "peak_reward": _mean(reward_summary(p)["peak"] for p in done),  # one definition: reward_summary
+            "final_reward": _mean(reward_summary(p)["final"] for p in done),
             "length_surge_lead_median": _median(p.collapse.get("length_surge_lead") for p in done),
             "surge_before_collapse": sum(p.collapse.get("length_surge_lead") is not None for p in collapsed),
             "lr_decay_triggered": _count_triggered(done),
@@ -220,7 +282,9 @@ def _count_triggered(points: list[PointData]) -> int | None:
 
 
 def write_summary_csv(data: SweepData, path: str | Path) -> Path:
-    """One row per point: name, group, overrides, status, error, run length and every collapse field (flat)."""
+    """One row per point: name, group, overrides, status, error, run length, every collapse field (flat) and
+    ``peak_reward_smoothed`` / ``final_reward_smoothed`` (the tables' definition; collapse's ``final_reward`` is
+    the raw last value)."""
     rows = []
     for p in data.points:
         row: dict[str, Any] = {"name": p.name, "group": data.group_label(data.group_values(p))}
@@ -229,6 +293,9 @@ def write_summary_csv(data: SweepData, path: str | Path) -> Path:
         row.update({"status": p.status, "error": p.error, "reason": summary.get("reason"),
                     "steps_completed": summary.get("steps_completed")})
         row.update(dotted_items(p.collapse))
+        if p.summary is not None:  # the table's definition (reward_summary), next to the collapse summary's raw final
+            reward = reward_summary(p)
+            row.update(peak_reward_smoothed=reward["peak"], final_reward_smoothed=reward["final"])
         rows.append(row)
     columns = list(dict.fromkeys(k for row in rows for k in row)) or ["name", "status"]
     path = Path(path)
@@ -251,38 +318,60 @@ def _csv_cell(v: Any) -> Any:
     return v
 
 
-_COLUMNS = [  # (row key, header, formatter)
-    ("seeds", "seeds", lambda r: str(r["seeds"])),
-    ("realised_k3_kl", "realised k3 KL", lambda r: _fmt_sci(r["realised_k3_kl"])),
-    ("realised_abs_dlogp", "realised |Δlogp|", lambda r: _fmt_sci(r["realised_abs_dlogp"])),
-    ("collapse_rate", "collapse rate", lambda r: f"{r['collapsed']}/{r['seeds']}" if r["seeds"] else "—"),
-    ("median_collapse_step", "median collapse step", lambda r: _fmt_step(r["median_collapse_step"])),
-    ("peak_reward", "peak reward", lambda r: _fmt_float(r["peak_reward"])),
-    ("final_reward", "final reward", lambda r: _fmt_float(r["final_reward"])),
-    ("length_surge_lead_median", "surge lead", lambda r: _fmt_step(r["length_surge_lead_median"])),
-    ("surge_before_collapse", "surge before collapse",
+_COLUMNS = [  # (row key, header, abbreviation for narrow terminals, formatter)
+    ("seeds", "seeds", "n", lambda r: str(r["seeds"])),
+    ("realised_k3_kl", "realised k3 KL", "k3", lambda r: _fmt_sci(r["realised_k3_kl"])),
+    ("realised_abs_dlogp", "realised |Δlogp|", "|Δlp|", lambda r: _fmt_sci(r["realised_abs_dlogp"])),
+    ("collapse_rate", "collapse rate", "coll", lambda r: f"{r['collapsed']}/{r['seeds']}" if r["seeds"] else "—"),
+    ("median_collapse_step", "median collapse step", "c.step", lambda r: _fmt_step(r["median_collapse_step"])),
+    ("peak_reward", "peak reward (smoothed)", "peak", lambda r: _fmt_float(r["peak_reward"])),
+    ("final_reward", "final reward (smoothed)", "final", lambda r: _fmt_float(r["final_reward"])),
+    ("length_surge_lead_median", "surge lead", "lead", lambda r: _fmt_step(r["length_surge_lead_median"])),
+    ("surge_before_collapse", "surge before collapse", "surge",
      lambda r: f"{r['surge_before_collapse']}/{r['collapsed']}" if r["collapsed"] else "—"),
     # shown only when some group has a triggered LR schedule:
-    ("lr_decay_triggered", "LR decay fired", lambda r: "—" if r.get("lr_decay_triggered") is None
+    ("lr_decay_triggered", "LR decay fired", "LR", lambda r: "—" if r.get("lr_decay_triggered") is None
      else f"{r['lr_decay_triggered']}/{r['seeds']}"),
-    ("lr_trigger_step_median", "median trigger step", lambda r: _fmt_step(r.get("lr_trigger_step_median"))),
+    ("lr_trigger_step_median", "median trigger step", "t.step", lambda r: _fmt_step(r.get("lr_trigger_step_median"))),
 ]
 _OPTIONAL = {"lr_decay_triggered", "lr_trigger_step_median"}
 
 
-def _table_cells(rows: list[dict[str, Any]], group_keys: list[str]) -> tuple[list[str], list[list[str]]]:
-    """Headers and formatted cells shared by the rich and Markdown tables."""
+@dataclass
+class TextColumn:
+    """One column of a printed table: its header, an abbreviation for narrow terminals, and its formatted cells.
+
+    ``wrap``: the cells are labels that may wrap at spaces; otherwise (numbers) a cell is never wrapped or cut."""
+
+    header: str
+    cells: list[str]
+    short: str | None = None
+    justify: str = "right"
+    wrap: bool = False
+    style: str | None = None
+
+
+def _group_columns(rows: list[dict[str, Any]], group_keys: list[str]) -> list[TextColumn]:
+    """The group table's columns (shared by the terminal and Markdown tables)."""
     show_failed = any(r.get("failed") for r in rows)
     columns = [c for c in _COLUMNS[1:] if c[0] not in _OPTIONAL or any(r.get(c[0]) is not None for r in rows)]
-    headers = list(group_keys) or ["group"]
-    headers += [h for _, h, _ in _COLUMNS[:1]] + (["failed"] if show_failed else []) + [h for _, h, _ in columns]
-    body = []
-    for r in rows:
-        cells = [_fmt_value(r.get(k)) for k in group_keys] if group_keys else [str(r.get("group", "all"))]
-        cells += [_COLUMNS[0][2](r)] + ([str(r.get("failed", 0))] if show_failed else [])
-        cells += [fmt(r) for _, _, fmt in columns]
-        body.append(cells)
-    return headers, body
+    tails = [k.rsplit(".", 1)[-1] for k in group_keys]
+    out = [TextColumn(k, [_fmt_value(r.get(k)) for r in rows], short=tail if tails.count(tail) == 1 else k,
+                      justify="left", style="cyan") for k, tail in zip(group_keys, tails)]
+    if not group_keys:
+        out.append(TextColumn("group", [str(r.get("group", "all")) for r in rows], justify="left", style="cyan"))
+    key, header, short, fmt = _COLUMNS[0]
+    out.append(TextColumn(header, [fmt(r) for r in rows], short=short))
+    if show_failed:
+        out.append(TextColumn("failed", [str(r.get("failed", 0)) for r in rows], short="fail"))
+    out += [TextColumn(header, [fmt(r) for r in rows], short=short) for _, header, short, fmt in columns]
+    return out
+
+
+def _table_cells(rows: list[dict[str, Any]], group_keys: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Headers and formatted cells (one list per row) of the group table."""
+    columns = _group_columns(rows, group_keys)
+    return [c.header for c in columns], [list(cells) for cells in zip(*(c.cells for c in columns))]
 
 
 def _row_group_keys(rows: list[dict[str, Any]]) -> list[str]:
@@ -293,21 +382,138 @@ def _row_group_keys(rows: list[dict[str, Any]]) -> list[str]:
     return keys[:keys.index("group")] if "group" in keys else []
 
 
-def render_table(rows: list[dict[str, Any]], console: Console | None = None, title: str = "sweep") -> Table:
-    """Print the group rows as a rich Table titled with the sweep name; returns the Table."""
-    headers, body = _table_cells(rows, _row_group_keys(rows))
-    n_keys = max(len(_row_group_keys(rows)), 1)
-    table = Table(title=title)
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i < n_keys else "right", style="cyan" if i < n_keys else None)
-    for cells in body:
+def render_table(rows: list[dict[str, Any]], console: Console | None = None, title: str = "sweep",
+                 notes: list[str] | None = None) -> Table:
+    """Print the group rows, fitted to the console's width (see ``print_table``), then ``notes`` (default: what
+    peak / final reward mean); returns the (first) Table printed."""
+    notes = [reward_definition([])] if notes is None else notes
+    return print_table(console or Console(), title, _group_columns(rows, _row_group_keys(rows)), notes)
+
+
+def print_table(console: Console, title: str, columns: list[TextColumn], notes: list[str] | None = None) -> Table:
+    """Print ``columns`` as a table that never truncates a cell, whatever the console's width.
+
+    Layouts, the first that fits: full headers on one line; headers wrapped at spaces; abbreviated headers with a
+    legend line; the same with one-space column gaps and no borders; and, when even that is too wide, a vertical
+    layout (one column per row of the data, one line per header), split into as many tables as the width needs.
+    Every column is given an exact width no smaller than its longest cell, so rich never folds or ellipsises a
+    number (it did at 80 columns: "5.2e…"). Returns the first Table printed."""
+    notes = list(notes or [])
+    width = console.width
+    cells_min = [max((_min_cell(cell, c.wrap) for cell in c.cells), default=1) for c in columns]
+    full = [max(max((cell_len(cell) for cell in c.cells), default=1), cell_len(c.header)) for c in columns]
+    n = len(columns)
+    if sum(full) + 3 * n + 1 <= width:
+        return _print_rows(console, title, columns, [c.header for c in columns], full, notes)
+    headers = [c.header for c in columns]
+    mins = [max(m, _longest_word(h)) for m, h in zip(cells_min, headers)]
+    if sum(mins) + 3 * n + 1 <= width:
+        widths = _spread(headers, mins, width - 3 * n - 1)
+        spare = width - 3 * n - 1 - sum(widths)
+        for i, c in enumerate(columns):  # what is left lets wrapping label columns wrap less
+            if c.wrap and spare > 0:
+                grow = min(spare, full[i] - widths[i])
+                widths[i] += max(grow, 0)
+                spare -= max(grow, 0)
+        return _print_rows(console, title, columns, headers, widths, notes)
+    shorts = [c.short or c.header for c in columns]
+    legend = [f"{s} = {c.header}" for s, c in zip(shorts, columns) if s != c.header]
+    notes = (["columns: " + "; ".join(legend)] if legend else []) + list(notes)
+    mins = [max(m, _longest_word(h)) for m, h in zip(cells_min, shorts)]
+    if sum(mins) + 3 * n + 1 <= width:
+        return _print_rows(console, title, columns, shorts, _spread(shorts, mins, width - 3 * n - 1), notes)
+    if sum(mins) + n - 1 <= width:
+        return _print_rows(console, title, columns, shorts, _spread(shorts, mins, width - n + 1), notes,
+                           compact=True)
+    return _print_vertical(console, title, columns, notes[1:] if legend else notes)
+
+
+def _print_rows(console: Console, title: str, columns: list[TextColumn], headers: list[str], widths: list[int],
+                notes: list[str], compact: bool = False) -> Table:
+    options: dict[str, Any] = {"box": box.SIMPLE_HEAD, "show_edge": False, "padding": (0, 0)} if compact else {}
+    table = Table(title=title, **options)
+    for c, h, w in zip(columns, headers, widths):
+        table.add_column(h, justify=c.justify, style=c.style, width=w, overflow="fold")
+    for cells in zip(*(c.cells for c in columns)):
         table.add_row(*cells)
-    (console or Console()).print(table)
+    console.print(table)
+    _print_notes(console, notes)
     return table
 
 
-def markdown_table(rows: list[dict[str, Any]], title: str | None = None) -> str:
-    """The group rows as a GitHub-flavoured Markdown table (group keys left-aligned, numbers right-aligned)."""
+def _print_vertical(console: Console, title: str, columns: list[TextColumn], notes: list[str]) -> Table:
+    """One line per column (its full header), one column per data row; as many tables as the width needs."""
+    rows = list(zip(*(c.cells for c in columns)))
+    labels = [c.header for c in columns]
+    label_w = max(max((_longest_word(h) for h in labels), default=1), min(max(map(cell_len, labels), default=1), 24))
+    row_w = [max(_min_cell(cell, c.wrap) for cell, c in zip(row, columns)) for row in rows]
+    chunks: list[list[int]] = []
+    for i, w in enumerate(row_w):
+        used = label_w + 4 + sum(row_w[j] + 3 for j in chunks[-1]) if chunks else None
+        if used is None or used + w + 3 > console.width:
+            chunks.append([i])
+        else:
+            chunks[-1].append(i)
+    tables = []
+    for k, chunk in enumerate(chunks or [[]]):
+        part = f" ({k + 1}/{len(chunks)})" if len(chunks) > 1 else ""
+        table = Table(title=title + part, show_header=False)
+        table.add_column(justify="left", width=min(label_w, max(console.width - 7, 1)), overflow="fold")
+        for i in chunk:
+            table.add_column(justify="right", width=min(row_w[i], max(console.width - label_w - 7, 1)),
+                             overflow="fold")
+        for j, c in enumerate(columns):
+            table.add_row(c.header, *(rows[i][j] for i in chunk), style=c.style,
+                          end_section=c.style is not None and (j + 1 == len(columns) or columns[j + 1].style is None))
+        console.print(table)
+        tables.append(table)
+    _print_notes(console, notes)
+    return tables[0]
+
+
+def _print_notes(console: Console, notes: list[str]) -> None:
+    for note in notes:
+        console.print(note, markup=False, highlight=False, style="dim")
+
+
+def _spread(headers: list[str], mins: list[int], room: int) -> list[int]:
+    """Column widths from ``mins``, widening the columns whose headers wrap onto the most lines while room lasts."""
+    widths, spare = list(mins), room - sum(mins)
+    while spare > 0:
+        best = None
+        for i, h in enumerate(headers):
+            lines = _wrapped_lines(h, widths[i])
+            if lines <= 1:
+                continue
+            w = widths[i] + 1
+            while w <= widths[i] + spare and _wrapped_lines(h, w) >= lines:
+                w += 1
+            if w <= widths[i] + spare:  # fewest-lines-first, then the cheapest widening
+                candidate = (-lines, w - widths[i], i)
+                best = candidate if best is None else min(best, candidate)
+        if best is None:
+            break
+        _, cost, i = best
+        widths[i] += cost
+        spare -= cost
+    return widths
+
+
+def _wrapped_lines(text: str, width: int) -> int:
+    return len(textwrap.wrap(text, max(width, 1))) or 1
+
+
+def _longest_word(text: str) -> int:
+    return max((cell_len(w) for w in text.split()), default=1)
+
+
+def _min_cell(cell: str, wrap: bool) -> int:
+    return _longest_word(cell) if wrap else max(cell_len(cell), 1)
+
+
+def markdown_table(rows: list[dict[str, Any]], title: str | None = None, notes: list[str] | None = None) -> str:
+    """The group rows as a GitHub-flavoured Markdown table (group keys left-aligned, numbers right-aligned),
+    followed by ``notes`` (default: what peak / final reward mean)."""
     group_keys = _row_group_keys(rows)
     headers, body = _table_cells(rows, group_keys)
     n_keys = max(len(group_keys), 1)
@@ -316,126 +522,271 @@ def markdown_table(rows: list[dict[str, Any]], title: str | None = None) -> str:
     lines.append("| " + " | ".join(esc(h) for h in headers) + " |")
     lines.append("|" + "|".join(":---" if i < n_keys else "---:" for i in range(len(headers))) + "|")
     lines += ["| " + " | ".join(esc(c) for c in cells) + " |" for cells in body]
+    notes = [reward_definition([])] if notes is None else notes
+    if notes:
+        lines += [""] + notes
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- plots
 
 
+SEED_LINESTYLES: tuple[Any, ...] = ("-", "--", ":", "-.", (0, (6, 2, 1, 2, 1, 2)), (0, (1, 1)), (0, (9, 3)),
+                                    (0, (3, 1, 1, 1)))
+GROUP_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p", "d", "H", "8")
+
+
+@dataclass(frozen=True)
+class GroupStyle:
+    """How one group is drawn in every sweep plot: its own colour and marker (seeds differ by line style)."""
+
+    colour: Any
+    marker: str
+    linewidth: float
+    markersize: float
+    zorder: float
+
+
+def distinct_colours(n: int) -> list[Any]:
+    """``n`` colours that are told apart at a glance: a qualitative palette, never a scale (with a scale, two
+    close magnitudes got two near-identical greens); the legend carries the order."""
+    import matplotlib
+
+    if n <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:  # the strong half of tab20 first, then the light half
+        return [matplotlib.colormaps["tab20"](2 * i if i < 10 else 2 * (i - 10) + 1) for i in range(n)]
+    return [matplotlib.colormaps["hsv"](i / n) for i in range(n)]
+
+
+def group_styles(n: int) -> list[GroupStyle]:
+    """One style per group, in group order. Earlier groups are drawn wider, with larger markers, *underneath*
+    later ones, so groups whose results coincide (a remedy that changes nothing, like ``none`` and ``token_tis``)
+    show as nested outlines instead of one hiding the other."""
+    colours = distinct_colours(n)
+    styles = []
+    for i in range(n):
+        t = (n - 1 - i) / max(n - 1, 1)  # 1 for the first group, 0 for the last
+        styles.append(GroupStyle(colour=colours[i], marker=GROUP_MARKERS[i % len(GROUP_MARKERS)],
+                                 linewidth=1.1 + 2.4 * t, markersize=4.5 + 5.5 * t, zorder=2.0 + i / max(n, 1)))
+    return styles
+
+
+def seed_linestyles(data: SweepData) -> dict[str, Any]:
+    """Line style per seed (frozen seed value -> style), seeds in grid order, so seeds of a group are told apart."""
+    seeds = list(data.grid.get(SEED_KEY) or [])
+    seeds += sorted({p.overrides.get(SEED_KEY) for p in data.points} - set(seeds), key=str)
+    return {_freeze(s): SEED_LINESTYLES[i % len(SEED_LINESTYLES)] for i, s in enumerate(seeds)}
+
+
 def plot_sweep(data: SweepData, out_dir: str | Path) -> list[Path]:
-    """Write reward_curves.png, mismatch_vs_step.png and collapse_vs_magnitude.png; returns their paths."""
+    """Write reward_curves.png, mismatch_vs_step.png, collapse_vs_magnitude.png and outcome_vs_realised_k3.png
+    (``sweep_figures``); returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [_save(fig, out_dir / name) for name, fig in sweep_figures(data).items()]
+
+
+def sweep_figures(data: SweepData) -> dict[str, Any]:
+    """The sweep plots as matplotlib Figures, by file name (tests inspect their artists).
+
+    Every plot draws a group in one colour and marker (``group_styles``) and a seed in one line style
+    (``seed_linestyles``), with the legend outside the axes so it never covers data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     groups = data.groups()
-    if "variant" in data.group_keys and len(groups) <= 10:  # named remedies: distinct colours, not a scale
-        cmap = plt.get_cmap("tab10")
-        colours = {_freeze(values): cmap(i) for i, (values, _) in enumerate(groups)}
-    else:  # magnitudes: an ordered colour scale
-        cmap = plt.get_cmap("viridis")
-        colours = {_freeze(values): cmap(0.8 * i / max(len(groups) - 1, 1)) for i, (values, _) in enumerate(groups)}
-    colour_of = lambda p: colours[_freeze(data.group_values(p))]  # noqa: E731
+    style_of_group = {_freeze(values): s for (values, _), s in zip(groups, group_styles(len(groups)))}
+    style = lambda p: style_of_group[_freeze(data.group_values(p))]  # noqa: E731
+    linestyle_of_seed = seed_linestyles(data)
+    dash = lambda p: linestyle_of_seed.get(_freeze(p.overrides.get(SEED_KEY)), "-")  # noqa: E731
     label_of = {_freeze(values): data.group_label(values) for values, _ in groups}
-    written = []
+    seeds_shown = {_freeze(p.overrides.get(SEED_KEY)) for p in data.points if p.metrics}
+
+    def legend_handles(keys: set[str], seeds: bool = True) -> list[Any]:
+        """Group entries (colour + marker; a line only where lines are drawn) and, for lines, seed entries."""
+        handles = [Line2D([], [], color=s.colour, marker=s.marker, lw=2 if seeds else 0, ms=7, label=label_of[k])
+                   for k, s in style_of_group.items() if k in keys]
+        if seeds and len(seeds_shown) > 1:
+            handles += [Line2D([], [], color="black", ls=ls, lw=1.5, label=f"seed {json.loads(k)}")
+                        for k, ls in linestyle_of_seed.items() if k in seeds_shown]
+        return handles
+
+    figures = {}
 
     # reward curves ------------------------------------------------------------------------
     metric = "eval/reward_mean"
     if not any(_is_num(m.get(metric)) for p in data.points for m in p.metrics):
         metric = "reward/mean"  # no eval steps at all: fall back to the training reward
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    labelled: set[str] = set()
-    any_line = False
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    drawn: set[str] = set()
+    collapse_marks = False
     for p in data.points:
         steps, values = _series(p, metric)
         if not steps:
             continue
-        key = _freeze(data.group_values(p))
-        ax.plot(steps, values, color=colour_of(p), alpha=0.85, lw=1.4, marker="." if len(steps) < 40 else None,
-                label=None if key in labelled else label_of[key])
-        labelled.add(key)
-        any_line = True
+        s = style(p)
+        ax.plot(steps, values, color=s.colour, ls=dash(p), lw=s.linewidth, marker=s.marker, ms=s.markersize,
+                markevery=_mark_every(len(steps)), alpha=0.9, zorder=s.zorder)
+        drawn.add(_freeze(data.group_values(p)))
         cstep = p.collapse.get("collapse_step") if p.collapse.get("collapsed") else None
         if _is_num(cstep):
-            ax.plot([cstep], [_value_at(steps, values, cstep)], marker="x", ms=9, mew=2, color=colour_of(p),
-                    linestyle="none")
-    if any(p.collapse.get("collapsed") and _is_num(p.collapse.get("collapse_step")) for p in data.points):
-        ax.plot([], [], marker="x", color="black", linestyle="none", label="collapse step")
-    ax.set_title(f"{data.name}: {metric} vs step (one line per point, seeds share a colour)")
+            ax.plot([cstep], [_value_at(steps, values, cstep)], marker="X", ms=11, mew=1.2, color=s.colour,
+                    markeredgecolor="black", linestyle="none", zorder=10)
+            collapse_marks = True
+    handles = legend_handles(drawn)
+    if collapse_marks:
+        handles.append(Line2D([], [], marker="X", ms=10, color="white", markeredgecolor="black", linestyle="none",
+                              label="collapse step"))
+    ax.set_title(f"{data.name}: {metric} vs step\n(one line per point: colour and marker = group, "
+                 "line style = seed)")
     ax.set_xlabel("RL step")
     ax.set_ylabel(metric + (" (clean evaluation)" if metric.startswith("eval/") else " (training rollouts)"))
-    _finish(ax, any_line)
-    written.append(_save(fig, out_dir / "reward_curves.png"))
+    _finish(ax, handles)
+    figures["reward_curves.png"] = fig
 
     # mismatch vs step -----------------------------------------------------------------------
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    labelled = set()
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    drawn = set()
     zero_groups = []
     for values, points in groups:
         key = _freeze(values)
-        drawn = False
         for p in points:
             steps, ks = _series(p, "rollout_corr/k3_kl")
             keep = [(s, k) for s, k in zip(steps, ks) if k > 0 and math.isfinite(k)]
             if keep:
-                ax.plot(*zip(*keep), color=colours[key], alpha=0.85, lw=1.2,
-                        label=None if key in labelled else label_of[key])
-                labelled.add(key)
-                drawn = True
-        if not drawn and any(_series(p, "rollout_corr/k3_kl")[0] for p in points):
+                s = style(p)
+                ax.plot(*zip(*keep), color=s.colour, ls=dash(p), lw=s.linewidth * 0.8, marker=s.marker,
+                        ms=s.markersize * 0.8, markevery=_mark_every(len(keep)), alpha=0.9, zorder=s.zorder)
+                drawn.add(key)
+        if key not in drawn and any(_series(p, "rollout_corr/k3_kl")[0] for p in points):
             zero_groups.append(label_of[key])
-    for label in zero_groups:
-        ax.plot([], [], color="none", label=f"{label}: k3 KL = 0 throughout (not drawable on log axis)")
-    ax.set_title(f"{data.name}: rollout-correction k3 KL vs step (one line per point)")
+    handles = legend_handles(drawn)
+    handles += [Line2D([], [], color="none", label=f"{label}: k3 KL = 0 throughout (not drawable on a log axis)")
+                for label in zero_groups]
+    ax.set_title(f"{data.name}: realised mismatch vs step\n(one line per point: colour and marker = group, "
+                 "line style = seed)")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("rollout_corr/k3_kl (log scale; non-positive values skipped)")
-    if labelled:
+    ax.set_ylabel("k3 KL between rollout and training log-probs\n(log scale; zero values skipped)")
+    if drawn:
         ax.set_yscale("log")
-    _finish(ax, bool(labelled) or bool(zero_groups))
-    written.append(_save(fig, out_dir / "mismatch_vs_step.png"))
+    _finish(ax, handles)
+    figures["mismatch_vs_step.png"] = fig
 
     # collapse vs magnitude --------------------------------------------------------------------
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 5.5))
     pts = [(p, p.collapse.get("mean_k3_kl")) for p in data.points if p.has_result]
     pts = [(p, k) for p, k in pts if _is_num(k) and not math.isnan(k) and k >= 0]
-    positive = [k for _, k in pts if 0 < k < math.inf]
-    floor = min(positive) / 10 if positive else 1e-12
+    floor = _log_floor(k for _, k in pts)
     top = max((p.run_length for p, _ in pts), default=0)
-    labelled = set()
+    drawn = set()
     stacked: dict[tuple[float, float], int] = {}
     for p, k in pts:
-        key = _freeze(data.group_values(p))
+        s = style(p)
         x = floor if k == 0 else k
         collapsed = p.collapse.get("collapsed") is True and _is_num(p.collapse.get("collapse_step"))
         y = p.collapse["collapse_step"] if collapsed else p.run_length
         stacked[(x, y)] = stacked.get((x, y), 0) + 1
-        ax.scatter([x], [y], s=70, zorder=3, linewidths=1.8, edgecolors=colours[key],
-                   facecolors=colours[key] if collapsed else "none",
-                   label=None if key in labelled else label_of[key])
-        labelled.add(key)
+        ax.scatter([x], [y], s=(s.markersize * 1.5) ** 2, marker=s.marker, zorder=s.zorder + 1, linewidths=1.8,
+                   edgecolors=[s.colour], facecolors=[s.colour] if collapsed else "none")
+        drawn.add(_freeze(data.group_values(p)))
     for (x, y), n in stacked.items():
         if n > 1:  # identical points (e.g. the seeds of a zero-mismatch group) would hide each other
-            ax.annotate(f"×{n}", (x, y), xytext=(7, -12), textcoords="offset points", fontsize=8)
+            ax.annotate(f"×{n}", (x, y), xytext=(9, -13), textcoords="offset points", fontsize=8)
+    handles = legend_handles(drawn, seeds=False)
     if pts:
-        ax.scatter([], [], s=70, facecolors="black", edgecolors="black", label="collapsed (y = collapse step)")
-        ax.scatter([], [], s=70, facecolors="none", edgecolors="black", linewidths=1.8,
-                   label="no collapse (y = run length)")
+        handles += [Line2D([], [], marker="o", ms=8, color="black", linestyle="none",
+                           label="filled: collapsed (y = collapse step)"),
+                    Line2D([], [], marker="o", ms=8, markerfacecolor="none", markeredgecolor="black",
+                           linestyle="none", label="hollow: no collapse (y = run length)")]
         ax.axhline(top, color="grey", lw=0.8, ls=":", zorder=1)
         ax.set_ylim(0, max(top, 1) * 1.08)
     if any(k == 0 for _, k in pts):
         ax.axvline(floor, color="grey", lw=0.8, ls="--", zorder=1)
-        ax.plot([], [], color="grey", lw=0.8, ls="--", label=f"k3 KL = 0, drawn at floor {floor:.0e}")
+        handles.append(Line2D([], [], color="grey", lw=0.8, ls="--", label=f"zero mismatch, drawn at {floor:.0e}"))
     ax.set_xscale("log")
-    ax.set_title(f"{data.name}: collapse step vs realised mismatch (one marker per point)")
-    ax.set_xlabel("realised k3 KL per point (collapse.mean_k3_kl, log scale)")
-    ax.set_ylabel("collapse step (RL step)")
-    _finish(ax, bool(pts))
-    written.append(_save(fig, out_dir / "collapse_vs_magnitude.png"))
-    plt.close("all")
-    return written
+    ax.set_title(f"{data.name}: when runs collapsed vs their realised mismatch (one marker per run)")
+    ax.set_xlabel(REALISED_K3_WORDS)
+    ax.set_ylabel("collapse step, or run length without collapse (RL steps)")
+    _finish(ax, handles)
+    figures["collapse_vs_magnitude.png"] = fig
+    figures["outcome_vs_realised_k3.png"] = _outcome_vs_k3(data, group_table(data), style_of_group, label_of)
+    return figures
+
+
+REALISED_K3_WORDS = ("realised mismatch: k3 KL between rollout and training log-probs, mean over the run's steps "
+                     "(log scale)")
+
+
+def _outcome_vs_k3(data: SweepData, rows: list[dict[str, Any]], style_of_group: dict[str, GroupStyle],
+                   label_of: dict[str, str]) -> Any:
+    """outcome_vs_realised_k3.png: collapse rate (per group) and final reward (per run and group mean) against
+    realised k3 -- the table's ``realised_k3_kl``, the run mean of ``rollout_corr/k3_kl`` (collapse.mean_k3_kl)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
+    by_group = {_freeze(values): points for values, points in data.groups()}
+    xs = [r["realised_k3_kl"] for r in rows if r["realised_k3_kl"] is not None]
+    xs += [p.collapse.get("mean_k3_kl") for pts in by_group.values() for p in pts if p.has_result]
+    floor = _log_floor(x for x in xs if _is_num(x))
+    place = lambda k: floor if k == 0 else k  # noqa: E731
+    handles, any_rate, any_reward, zero = [], False, False, False
+    for row in rows:
+        key = _freeze(tuple(row.get(k) for k in data.group_keys))
+        s = style_of_group.get(key)
+        k3 = row["realised_k3_kl"]
+        if s is None or k3 is None or not math.isfinite(k3):
+            continue
+        zero = zero or k3 == 0
+        handles.append(Line2D([], [], color=s.colour, marker=s.marker, lw=0, ms=8, label=label_of[key]))
+        if row["collapse_rate"] is not None:
+            top.scatter([place(k3)], [row["collapse_rate"]], s=(s.markersize * 1.5) ** 2, marker=s.marker,
+                        color=s.colour, zorder=s.zorder + 1, edgecolors="black", linewidths=0.6)
+            top.annotate(f"{row['collapsed']}/{row['seeds']}", (place(k3), row["collapse_rate"]),
+                         xytext=(8, 5), textcoords="offset points", fontsize=7, color=s.colour)
+            any_rate = True
+        for p in by_group[key]:
+            final, k = reward_summary(p)["final"], p.collapse.get("mean_k3_kl")
+            if p.has_result and final is not None and _is_num(k) and math.isfinite(k) and k >= 0:
+                bottom.scatter([place(k)], [final], s=(s.markersize * 0.9) ** 2, marker=s.marker,
+                               facecolors="none", edgecolors=[s.colour], linewidths=1.2, zorder=s.zorder)
+                any_reward = True
+        if row["final_reward"] is not None:
+            bottom.scatter([place(k3)], [row["final_reward"]], s=(s.markersize * 1.5) ** 2, marker=s.marker,
+                           color=s.colour, edgecolors="black", linewidths=0.6, zorder=s.zorder + 1)
+    if any_reward:
+        handles += [Line2D([], [], marker="o", ms=8, color="black", lw=0, label="filled: group (mean over seeds)"),
+                    Line2D([], [], marker="o", ms=6, markerfacecolor="none", markeredgecolor="black", lw=0,
+                           label="hollow: one run")]
+    if zero:
+        for ax in (top, bottom):
+            ax.axvline(floor, color="grey", lw=0.8, ls="--", zorder=1)
+        handles.append(Line2D([], [], color="grey", lw=0.8, ls="--", label=f"zero mismatch, drawn at {floor:.0e}"))
+    top.set_ylim(-0.1, 1.15)
+    top.set_ylabel("collapse rate\n(fraction of seeds that collapsed)")
+    top.set_title(f"{data.name}: outcome vs realised mismatch")
+    bottom.set_ylabel("final reward (smoothed)")
+    bottom.set_xlabel(REALISED_K3_WORDS)
+    if any_rate or any_reward:
+        bottom.set_xscale("log")
+    _finish(top, handles if any_rate else [])
+    _finish(bottom, [], legend=False)
+    return fig
+
+
+def _log_floor(values: Any) -> float:
+    """Where a zero is drawn on a log axis: a decade below the smallest positive value."""
+    positive = [v for v in values if 0 < v < math.inf]
+    return min(positive) / 10 if positive else 1e-12
+
+
+def _mark_every(n: int) -> int:
+    """Markers on about 15 points of a line: enough to tell groups apart, few enough to see the line."""
+    return max(1, n // 15)
 
 
 def _series(p: PointData, key: str) -> tuple[list[float], list[float]]:
@@ -454,17 +805,21 @@ def _value_at(steps: list[float], values: list[float], step: float) -> float:
     return values[-1]
 
 
-def _finish(ax: Any, has_data: bool) -> None:
-    if has_data:
-        ax.legend(fontsize=8, loc="best", framealpha=0.85)
-    else:
+def _finish(ax: Any, handles: list[Any], legend: bool = True) -> None:
+    """Legend outside the axes (right), so it never covers data; "no data" when there is nothing to show."""
+    if handles and legend:
+        ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+                  frameon=False)
+    elif not handles and not ax.has_data():
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", fontsize=14, color="grey")
     ax.grid(True, which="major", alpha=0.3)
 
 
 def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight" keeps the outside legend in the image
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     return path
 
 
@@ -474,6 +829,7 @@ def _save(fig: Any, path: Path) -> Path:
 def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[str, Any]:
     """Load the sweep, write SWEEP_DIR/report/{summary.csv,table.json,table.md,*.png}, print the table.
 
+    Prints "report written to ..." once, naming the files (callers print nothing more about it).
     Returns ``{"rows": group rows, "files": [Path, ...]}``.
     """
     console = console or Console()
@@ -483,7 +839,8 @@ def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[
     rows = group_table(data)
     files = [write_summary_csv(data, out / "summary.csv")]
     (out / "table.json").write_text(json.dumps(json_safe(rows), indent=2) + "\n")
-    (out / "table.md").write_text(markdown_table(rows, title=data.name))
+    notes = [reward_definition(data.points)]
+    (out / "table.md").write_text(markdown_table(rows, title=data.name, notes=notes))
     files += [out / "table.json", out / "table.md"]
     from .dose_response import dose_response, plot_dose_response, threshold_words  # they build on this module
     from .dynamics import mismatch_dynamics
@@ -498,7 +855,7 @@ def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[
         files.append(plot_dose_response(doses, out / "dose_response.png", data.name))
     except ImportError as e:
         console.print(f"[yellow]plots skipped: {e}[/]")
-    render_table(rows, console, title=data.name)
+    render_table(rows, console, title=data.name, notes=notes)
     _render_dynamics(dynamics, console)
     for curve in doses["curves"]:
         console.print(f"dose-response {curve['curve']}: {threshold_words(curve['threshold'])}")
@@ -506,8 +863,14 @@ def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[
     failed = [p for p in data.points if p.status == "failed"]
     for p in failed:
         console.print(f"[red]failed:[/] {p.name}" + (f" -- {p.error}" if p.error else ""))
-    console.print(f"report written to {out}")
+    written_line(console, out, files)
     return {"rows": rows, "files": files}
+
+
+def written_line(console: Console, out: Path, files: list[Path]) -> None:
+    """The one line that says where a report went (the CLI prints no second one)."""
+    names = ", ".join(f.name if f.parent == out else str(f) for f in files)
+    console.print(f"report written to {out}: {names}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _render_dynamics(dynamics: list[dict[str, Any]], console: Console) -> None:
@@ -515,15 +878,16 @@ def _render_dynamics(dynamics: list[dict[str, Any]], console: Console) -> None:
     rows = [d for d in dynamics if d.get("runs")]
     if not rows:
         return
-    table = Table(title="mismatch during the run (corr = Pearson of log k3 with the metric over steps)")
-    for h in ("group", "runs", "k3 early", "k3 late", "growing", "corr entropy", "corr grad norm", "corr length"):
-        table.add_column(h, justify="left" if h == "group" else "right")
     corr = lambda d, k: "—" if d["corr"][k] is None else f"{d['corr'][k]:+.2f}"  # noqa: E731
-    for d in rows:
-        table.add_row(d["group"], str(d["runs"]), _fmt_sci(d["k3_early"]), _fmt_sci(d["k3_late"]),
-                      f"{d['runs_growing']}/{d['runs']}", corr(d, "entropy"), corr(d, "grad_norm"),
-                      corr(d, "response_length"))
-    console.print(table)
+    columns = [TextColumn("group", [d["group"] for d in rows], justify="left", wrap=True, style="cyan"),
+               TextColumn("runs", [str(d["runs"]) for d in rows], short="n"),
+               TextColumn("k3 early", [_fmt_sci(d["k3_early"]) for d in rows], short="early"),
+               TextColumn("k3 late", [_fmt_sci(d["k3_late"]) for d in rows], short="late"),
+               TextColumn("growing", [f"{d['runs_growing']}/{d['runs']}" for d in rows], short="grew"),
+               TextColumn("corr entropy", [corr(d, "entropy") for d in rows], short="c.ent"),
+               TextColumn("corr grad norm", [corr(d, "grad_norm") for d in rows], short="c.gn"),
+               TextColumn("corr length", [corr(d, "response_length") for d in rows], short="c.len")]
+    print_table(console, "mismatch during the run (corr = Pearson of log k3 with the metric over steps)", columns)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -71,8 +71,8 @@ KINDS = ("rollout", "train")
 DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
 # The tiny random model's shape when no --model is given (the same defaults as ``vexact check``).
 RANDOM_MODEL = dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
-_PATH_FORMAT = ("expected BACKEND:DTYPE[:KIND] with BACKEND in exact, native, triton, DTYPE in fp32, bf16 and KIND "
-                "in rollout, train")
+_PATH_FORMAT = ("expected BACKEND:DTYPE[:KIND] with BACKEND in exact, native, triton, DTYPE in fp32 (float32), bf16 "
+                "(bfloat16) and KIND in rollout, train")
 
 
 # --------------------------------------------------------------------------- paths
@@ -646,8 +646,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Run two computation paths on the same tokens, record every op's output per layer and "
                           "position, and report the first op whose bits differ and how |Δ| grows after it.")
     parser.add_argument("--a", default=DEFAULT_A, metavar="SPEC", help="path a: BACKEND:DTYPE[:KIND], BACKEND exact|"
-                        "native|triton, DTYPE fp32|bf16, KIND rollout (KV-cache prefill + decode) | train (one "
-                        f"full-sequence forward); KIND defaults to rollout (default {DEFAULT_A})")
+                        "native|triton, DTYPE fp32|bf16 (or float32|bfloat16), KIND rollout (KV-cache prefill + "
+                        "decode) | train (one full-sequence forward); KIND defaults to rollout (default "
+                        f"{DEFAULT_A})")
     parser.add_argument("--b", default=DEFAULT_B, metavar="SPEC",
                         help=f"path b, the same syntax; KIND defaults to train (default {DEFAULT_B})")
     source = parser.add_mutually_exclusive_group()

@@ -50,7 +50,7 @@ from torch import Tensor
 import vexact_kernels
 
 from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
-from ..engine.model import DTYPES, Transformer, short_dtype_name
+from ..engine.model import DTYPES, Transformer, dtype_names_text, short_dtype_name
 from ..engine.rollout import generate
 from ..engine.scoring import full_logprobs, token_logprobs
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
@@ -88,7 +88,7 @@ class PathSpec:
 def parse_path(spec: str) -> PathSpec:
     """``"native:bf16"`` -> PathSpec; a bad spec is one ValueError naming what is allowed."""
     backend, sep, dtype = str(spec).partition(":")
-    allowed = f"expected BACKEND:DTYPE with BACKEND in {', '.join(PATH_BACKENDS)} and DTYPE in fp32, bf16"
+    allowed = f"expected BACKEND:DTYPE with BACKEND in {', '.join(PATH_BACKENDS)} and DTYPE in {dtype_names_text()}"
     if not sep or backend not in PATH_BACKENDS or dtype not in DTYPES:
         raise ValueError(f"bad path spec {spec!r}: {allowed}")
     return PathSpec(backend, DTYPES[dtype])
@@ -587,6 +587,10 @@ def print_measure(result: MeasureResult, console: Any) -> None:
         console.print(f"sample: {sample}", markup=False)
 
 
+CHI2_FOOTNOTE = ("† χ² token: the token mean of ρ² − 1 (ρ = p_train / p_roll), an estimate of E[ρ²] − 1 ≥ 0; when "
+                 "the paths barely differ it can come out slightly negative (sampling noise, not an error)")
+
+
 def print_report(report: dict[str, Any], console: Any, title: str, caption: str) -> None:
     """Print a ``mismatch_report`` (``measure``'s and ``compare``'s): the headline metrics, |Δlogp| by training-path
     token probability and by response position, and, when the metrics have ``mismatch/full_vocab_*`` keys, the
@@ -606,12 +610,13 @@ def print_report(report: dict[str, Any], console: Any, title: str, caption: str)
         ("|Δlogp| p99", m["mismatch/abs_dlogp_p99"]),
         ("|Δlogp| max", m["mismatch/abs_dlogp_max"]),
         ("log_ppl_abs_diff", m["rollout_corr/log_ppl_abs_diff"]),
-        ("χ² token", m["rollout_corr/chi2_token"]),
+        ("χ² token †", m["rollout_corr/chi2_token"]),
         ("max |p_train − p_roll|", m["training/rollout_probs_diff_max"]),
     ]
     for name, value in rows:
         table.add_row(name, _fmt(value))
     console.print(table)
+    console.print(CHI2_FOOTNOTE, soft_wrap=True, markup=False, highlight=False)
 
     buckets = Table(title="|Δlogp| by training-path token probability")
     for col in ("p bucket", "tokens", "mean |Δlogp|"):

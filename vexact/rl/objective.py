@@ -132,14 +132,18 @@ class Objective:
         self.temperature = temperature
         self.exact_training = exact_training  # the training path runs bit-deterministic kernels
 
-    def anchors(self, model: Transformer, batch: RolloutBatch, reference: Callable[[], Transformer]) -> Anchors:
-        """Score what the update needs before it changes the weights (``reference`` builds the KL reference)."""
+    def anchors(self, model: Transformer, batch: RolloutBatch, reference: Callable[[], Transformer],
+                score: Callable[[Transformer, RolloutBatch], list[Tensor]] | None = None) -> Anchors:
+        """Score what the update needs before it changes the weights (``reference`` builds the KL reference).
+
+        ``score``: how to score a batch (default ``self.score``; data-parallel ranks score a share each)."""
         alg = self.alg
+        score = score or self.score
         one_pass = alg.mini_batches == 1 and alg.ppo_epochs == 1
         pre_update = None
         if alg.old_logprobs == "recompute" or not one_pass:  # else the single update pass scores at θ_old
-            pre_update = self.score(model, batch)
-        ref = self.score(reference(), batch) if alg.kl_coef > 0 else None
+            pre_update = score(model, batch)
+        ref = score(reference(), batch) if alg.kl_coef > 0 else None
         return Anchors(pre_update if alg.old_logprobs == "recompute" else batch.logprobs, pre_update, ref)
 
     def expects_exact(self, plan: RolloutPlan) -> bool:
@@ -152,12 +156,28 @@ class Objective:
         """The loss of sequences ``idx`` (training path with grad) and its ``actor/*`` / ``rollout_corr/*`` stats.
 
         Raises RunStopped on non-finite log-probs or loss, or (``check_exact``) when the ratio is not exactly 1."""
-        alg = self.alg
+        logp_list, entropy_list = self.policy_forward(model, batch, idx)
+        return self.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
+
+    def policy_forward(self, model: Transformer, batch: RolloutBatch, idx: list[int]
+                       ) -> tuple[list[Tensor], list[Tensor]]:
+        """Training-path log-probs and entropies of sequences ``idx``, with grad (one tensor per sequence)."""
         prompts = [batch.prompts[i] for i in idx]
         responses = [batch.responses[i] for i in idx]
-        lengths = [len(r) for r in responses]
-        logp_list, entropy_list = score_tokens(model, prompts, responses, self.temperature, alg.micro_batch_size,
+        logp_list, entropy_list = score_tokens(model, prompts, responses, self.temperature, self.alg.micro_batch_size,
                                                with_entropy=True)
+        assert entropy_list is not None
+        return logp_list, entropy_list
+
+    def loss_of(self, batch: RolloutBatch, idx: list[int], logp_list: list[Tensor], entropy_list: list[Tensor],
+                advantages: Tensor, anchors: Anchors, check_exact: bool) -> MinibatchLoss:
+        """The loss of sequences ``idx`` given their training-path log-probs and entropies (``policy_forward``).
+
+        The gradient flows into whichever of those tensors carry grad: data-parallel ranks pass one leaf's with
+        grad and the others detached, and get that leaf's share of the mini-batch gradient (every term is a sum
+        over tokens, scaled by mini-batch constants)."""
+        alg = self.alg
+        lengths = [len(batch.responses[i]) for i in idx]
         logp = torch.cat(logp_list)
         old = torch.cat([anchors.old[i] for i in idx]).to(logp.device)
         adv = torch.cat([advantages[i].expand(length) for i, length in zip(idx, lengths)])

@@ -30,6 +30,19 @@ class RolloutBatch:
     def lengths(self) -> list[int]:
         return [len(r) for r in self.responses]
 
+    def subset(self, idx: list[int] | range) -> RolloutBatch:
+        """The sequences ``idx`` (in that order) as a batch of their own."""
+        return RolloutBatch([self.problems[i] for i in idx], [self.prompts[i] for i in idx],
+                            [self.responses[i] for i in idx], [self.logprobs[i] for i in idx],
+                            [self.finished[i] for i in idx], self.rewards[list(idx)])
+
+    @classmethod
+    def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
+        """The batches one after another (data-parallel shards, in rank order)."""
+        return cls([x for b in parts for x in b.problems], [x for b in parts for x in b.prompts],
+                   [x for b in parts for x in b.responses], [x for b in parts for x in b.logprobs],
+                   [x for b in parts for x in b.finished], torch.cat([b.rewards for b in parts]))
+
 
 def step_problems(task: Task, settings: RolloutSection, run_seed: int, step: int) -> list[Problem]:
     """The ``settings.prompts_per_step`` training problems of ``step`` (keyed by (run seed, step))."""
@@ -37,34 +50,59 @@ def step_problems(task: Task, settings: RolloutSection, run_seed: int, step: int
 
 
 def collect_rollouts(model: Transformer, plan: RolloutPlan, task: Task, tokenizer: CharTokenizer,
-                     problems: list[Problem], settings: RolloutSection, seed: int) -> RolloutBatch:
+                     problems: list[Problem], settings: RolloutSection, seed: int, first_problem: int = 0
+                     ) -> RolloutBatch:
     """Sample ``settings.samples_per_prompt`` responses per problem on the rollout path of ``plan``.
 
-    ``model`` holds the policy weights in ``plan.dtype``; its own backend is not used (the plan's ops are)."""
+    ``model`` holds the policy weights in ``plan.dtype``; its own backend is not used (the plan's ops are).
+    ``first_problem``: the step's index of ``problems[0]`` when this is one rank's share; sampling is keyed by the
+    global sequence index, so the shares together are the one-process batch."""
     problems = [p for p in problems for _ in range(settings.samples_per_prompt)]
     prompts = [encode_prompt(tokenizer, p) for p in problems]
     out = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                    seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, logits_hook=plan.logits_hook,
-                   ops=plan.ops)
+                   ops=plan.ops, first_index=first_problem * settings.samples_per_prompt)
     rewards = torch.tensor([task.reward(p, r) for p, r in zip(problems, out.tokens)], dtype=torch.float32)
     return RolloutBatch(problems, prompts, out.tokens, out.logprobs, out.finished, rewards)
+
+
+@dataclass
+class EvalRecord:
+    """One held-out problem's clean evaluation: sampled and greedy reward, sampled response length."""
+
+    sampled_reward: float
+    greedy_reward: float
+    sampled_length: int
 
 
 @torch.no_grad()
 def evaluate_policy(model: Transformer, task: Task, tokenizer: CharTokenizer, problems: list[Problem],
                     settings: RolloutSection, seed: int) -> dict[str, float]:
     """``eval/*`` metrics: the policy itself on the training path (no injection), sampled and greedy."""
+    return eval_metrics(eval_records(model, task, tokenizer, problems, settings, seed))
+
+
+@torch.no_grad()
+def eval_records(model: Transformer, task: Task, tokenizer: CharTokenizer, problems: list[Problem],
+                 settings: RolloutSection, seed: int, first_index: int = 0) -> list[EvalRecord]:
+    """Per-problem evaluation of ``problems`` (``first_index``: the index of ``problems[0]`` among all of them)."""
     prompts = [encode_prompt(tokenizer, p) for p in problems]
     sampled = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                       seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID)
+                       seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index)
     greedy = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=0.0,
-                      batch_size=settings.batch_size, eos_token_id=EOS_ID)
-    sampled_r = [task.reward(p, r) for p, r in zip(problems, sampled.tokens)]
-    greedy_r = [task.reward(p, r) for p, r in zip(problems, greedy.tokens)]
+                      batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index)
+    return [EvalRecord(task.reward(p, s), task.reward(p, g), len(s))
+            for p, s, g in zip(problems, sampled.tokens, greedy.tokens)]
+
+
+def eval_metrics(records: list[EvalRecord]) -> dict[str, float]:
+    """``eval/*`` means over all problems' records (in problem order)."""
+    sampled_r = [r.sampled_reward for r in records]
+    greedy_r = [r.greedy_reward for r in records]
     return {
         "eval/reward_mean": sum(sampled_r) / len(sampled_r),
         "eval/accuracy": sum(r == 1.0 for r in sampled_r) / len(sampled_r),
         "eval/greedy_reward_mean": sum(greedy_r) / len(greedy_r),
         "eval/greedy_accuracy": sum(r == 1.0 for r in greedy_r) / len(greedy_r),
-        "eval/response_length_mean": sum(map(len, sampled.tokens)) / len(sampled.tokens),
+        "eval/response_length_mean": sum(r.sampled_length for r in records) / len(records),
     }

@@ -18,10 +18,15 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from .log_backends import open_backends, scalars
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 
 def json_safe(value: Any) -> Any:
@@ -68,6 +73,66 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+UNFINISHED = {LOCK_FILE, "config.yaml", "metrics.jsonl", "summary.json", "checkpoints"}
+"""What a run directory may hold when nothing in it is finished yet (empty metrics, no published checkpoint)."""
+
+
+def nothing_finished(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds nothing a user could want back: only the lock, the config, an empty metrics.jsonl,
+    a summary that says interrupted and unpublished (``.partial-*``) checkpoints. Anything else -- a metric line, a
+    checkpoint, a file vexact did not write there -- counts as finished."""
+    run_dir = Path(run_dir)
+    try:
+        names = {p.name for p in run_dir.iterdir()}
+        if not names <= UNFINISHED:
+            return False
+        if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
+            return False
+        if (run_dir / "checkpoints").exists() and not all(
+                p.name.startswith(".partial-") for p in (run_dir / "checkpoints").iterdir()):
+            return False
+        summary = run_dir / "summary.json"
+        return not summary.exists() or json.loads(summary.read_text()).get("status") == "interrupted"
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: keep it
+        return False
+
+
+@contextmanager
+def discard_if_interrupted_early(run_dir: Path, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Around a run: when it is interrupted (Ctrl-C) before anything in ``run_dir`` is finished, and the directory
+    did not exist before the block, remove it, so that an interrupted warm start leaves no empty run directory that
+    the next attempt would have to --resume or rename around. Finished work is never removed (``nothing_finished``),
+    nor a directory that existed before, nor one another process holds by then."""
+    run_dir = Path(run_dir)
+    fresh = not run_dir.exists()
+    interrupted = False
+    try:
+        yield
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:
+        if fresh and run_dir.is_dir():
+            _discard_unfinished(run_dir, interrupted, log)
+
+
+def _discard_unfinished(run_dir: Path, interrupted: bool, log: Callable[[str], None]) -> None:
+    try:
+        status = json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        status = None
+    if not (interrupted or status == "interrupted"):
+        return
+    try:
+        with run_lock(run_dir):  # not while another process has started in it
+            if not nothing_finished(run_dir):
+                return
+            shutil.rmtree(run_dir)
+    except (RunLocked, OSError):
+        return
+    log(f"removed {run_dir}: interrupted before anything in it was finished")
+
+
 class UnsafeFileError(ValueError):
     """A torch pickle file that is not a plain tensor file (it would run code or build arbitrary objects)."""
 
@@ -88,6 +153,26 @@ def load_tensor_file(path: Path) -> Any:
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{path}: not a readable torch tensor file ({first[:120]})") from None
+
+
+def _umask() -> int:
+    """The process's umask, read from /proc where possible (``os.umask`` can only be read by setting it, which
+    races with other threads creating files); the set-and-restore round trip elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: Path) -> None:
+    """Give a file written through a private temp file (safetensors writes mode 0600) the mode every other tool
+    gives a new file, 0o666 & ~umask, so a checkpoint is readable by whoever may read the rest of the run."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -127,13 +212,21 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends one JSON line per step to metrics.jsonl, flushed and fsynced."""
+    """Appends one JSON line per step to metrics.jsonl, flushed and fsynced; with ``config``, also to the live
+    views in its ``logging.backends`` (TensorBoard, W&B: see log_backends), which are rebuilt from the kept lines
+    first so that they match metrics.jsonl after a resume."""
 
-    def __init__(self, path: Path, keep_steps_below: int | None = None):
+    def __init__(self, path: Path, keep_steps_below: int | None = None, config: RunConfig | None = None):
         self.path = path
         if keep_steps_below is not None:
             self._truncate(keep_steps_below)
-        self._file = open(path, "a")  # noqa: SIM115 -- closed in close()
+        live_views = config is not None and any(name != "jsonl" for name in config.logging.backends)
+        self._backends = open_backends(path.parent, config, read_metrics(path)) if live_views else []
+        try:
+            self._file = open(path, "a")  # noqa: SIM115 -- closed in close()
+        except BaseException:
+            self._close_backends()
+            raise
 
     def _truncate(self, next_step: int) -> None:
         """Resuming at ``next_step``: keep the lines of steps 0 .. next_step - 1 (one per step, in order) and drop
@@ -158,9 +251,20 @@ class MetricsWriter:
         self._file.write(json.dumps(json_safe(metrics), sort_keys=True) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+        if self._backends:  # after the fsync: the record is safe before any live view sees the step
+            values = scalars(metrics)
+            for backend in self._backends:
+                backend.write(int(metrics["step"]), values)
+
+    def _close_backends(self) -> None:
+        for backend in self._backends:
+            backend.close()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        finally:
+            self._close_backends()
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------
@@ -229,6 +333,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
         shutil.rmtree(partial)
     partial.mkdir()
     save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, str(partial / CHECKPOINT))
+    apply_umask(partial / CHECKPOINT)
     _fsync(partial / CHECKPOINT)
     _write_boundary(CHECKPOINT)
     files = [CHECKPOINT]

@@ -8,6 +8,10 @@
 4. the update, here: backward, fp32 master gradients, clipping, AdamW at the ``schedules`` LR;
 5. ``metrics``: one JSON line in metrics.jsonl (``runlog``); periodic clean evaluation and checkpoints.
 Everything random is keyed by (seed, step), so the same config gives bit-identical metrics.
+
+With several ranks (``data_parallel``), each rank rolls out, scores and evaluates a share of the sequences, the
+shares are gathered, and each mini-batch's gradient is the fixed-tree sum of ``distributed.leaves`` leaves, so
+the run is bitwise the same for any number of ranks. Rank 0 writes the run directory.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ import vexact_kernels
 from ..engine.model import Transformer, resolve_dtype
 from .collapse import detect_collapse
 from .config import RunConfig, dotted_items, load_config, save_config
+from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
-from .objective import Anchors, Objective, RunStopped, compute_advantages
-from .rollouts import RolloutBatch, collect_rollouts, evaluate_policy, step_problems
+from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
+from .rollouts import RolloutBatch, collect_rollouts, eval_metrics, eval_records, step_problems
 from .runlog import (
     MetricsWriter,
     checkpoint_dirs,
+    discard_if_interrupted_early,
     load_checkpoint,
     read_metrics,
     run_lock,
@@ -41,6 +47,7 @@ from .runlog import (
 )
 from .schedules import LRSchedule
 from .tasks import CharTokenizer, held_out_problems, make_task, max_answer_tokens, max_prompt_tokens, training_problems
+from .triton_guard import check_interpreted_triton
 from .warmstart import warm_start
 
 __all__ = ["CollapseConfirmed", "RunStopped", "Trainer", "run_dir_for"]
@@ -57,17 +64,22 @@ def run_dir_for(cfg: RunConfig) -> Path:
 
 
 class Trainer:
-    """Owns the policy, optimizer and run directory of one experiment."""
+    """Owns the policy, optimizer and run directory of one experiment.
 
-    def __init__(self, cfg: RunConfig, console: Console | None = None):
+    ``ranks``: this process's place among data-parallel ranks (default: the only one); see ``data_parallel``."""
+
+    def __init__(self, cfg: RunConfig, console: Console | None = None, ranks: DataParallel | None = None):
         self.cfg = cfg
-        self.console = console or Console()
+        self.ranks = ranks or DataParallel(reduce=cfg.distributed.reduce)
+        check_leaves(cfg.distributed.leaves, self.ranks.world_size)
+        self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.run_dir = run_dir_for(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = CharTokenizer()
         self.task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit)
         self._check_lengths()
+        check_interpreted_triton(cfg, self.task, self.console)  # refuse hours in the Triton interpreter up front
         self.model_config = cfg.model.to_model_config(self.tokenizer.vocab_size)
         # fp32 master weights; a compute copy in the training dtype only when that is not fp32.
         self.master = Transformer(self.model_config, backend=cfg.backend, dtype=torch.float32,
@@ -133,12 +145,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def rollout(self, step: int, plan: RolloutPlan, problems: list | None = None) -> RolloutBatch:
-        """The rollout batch of ``step`` (its training problems unless ``problems`` is given) on ``plan``'s path."""
+        """The rollout batch of ``step`` (its training problems unless ``problems`` is given) on ``plan``'s path;
+        each rank samples its share of the problems, and every rank gets the whole batch."""
         cfg = self.cfg
         if problems is None:
             problems = step_problems(self.task, cfg.rollout, cfg.seed, step)
-        return collect_rollouts(self._weights_in(plan.dtype), plan, self.task, self.tokenizer, problems,
-                                cfg.rollout, _step_seed(cfg.seed, step))
+        mine = self.ranks.block(len(problems))
+        local = collect_rollouts(self._weights_in(plan.dtype), plan, self.task, self.tokenizer,
+                                 problems[mine.start : mine.stop], cfg.rollout, _step_seed(cfg.seed, step),
+                                 first_problem=mine.start)
+        return local if self.ranks.world_size == 1 else RolloutBatch.concat(self.ranks.gather([local]))
+
+    def _score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
+        """Training-path log-probs of the whole batch (no grad); each rank scores its share of the sequences."""
+        if self.ranks.world_size == 1:
+            return self.objective.score(model, batch)
+        mine = self.ranks.block(len(batch.responses))
+        return self.ranks.gather(self.objective.score(model, batch.subset(mine)))
 
     def step(self, step: int) -> dict:
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -151,7 +174,7 @@ class Trainer:
             raise RunStopped(f"non-finite rollout log-probs (logits) at step {step}")
 
         t1 = time.perf_counter()
-        anchors = self.objective.anchors(self.compute, batch, self._reference)
+        anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score)
         timings["timing/old_logprobs"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -161,6 +184,7 @@ class Trainer:
         update, first_pass_logp = self._update(step, batch, advantages, anchors, self.objective.expects_exact(plan),
                                                lr)
         timings["timing/update"] = time.perf_counter() - t2
+        timings["timing/grad_reduce"] = update.pop("timing/grad_reduce")
 
         # The mismatch is between the two paths at the same (pre-update) weights.
         train_logp = anchors.pre_update if anchors.pre_update is not None else first_pass_logp
@@ -186,32 +210,66 @@ class Trainer:
         per_mini = n // alg.mini_batches
         sums: dict[str, list[float]] = {}
         first_pass_logp: list[Tensor | None] = [None] * n
+        reduce_seconds = 0.0
         for epoch in range(alg.ppo_epochs):
             gen = torch.Generator().manual_seed(_step_seed(self.cfg.seed, step) * 31 + epoch)
             order = torch.randperm(n, generator=gen).tolist() if alg.mini_batches > 1 else list(range(n))
             for mb in range(alg.mini_batches):
                 idx = order[mb * per_mini : (mb + 1) * per_mini]
                 # The first mini-batch's ratio is checked before any update changed the weights.
-                part = self.objective.minibatch_loss(self.compute, batch, idx, advantages, anchors,
-                                                     check_exact=expect_exact and epoch == 0 and mb == 0)
+                part, leaf_grads, used = self._minibatch_gradients(batch, idx, advantages, anchors,
+                                                                   check_exact=expect_exact and epoch == 0 and mb == 0)
                 for i, lp in zip(idx, part.logprobs):
                     if first_pass_logp[i] is None:
                         first_pass_logp[i] = lp
-                part.stats["actor/grad_norm"] = self._apply_gradients(part.loss)
+                t = time.perf_counter()
+                gradient = self.ranks.sum_gradients(leaf_grads)
+                reduce_seconds += time.perf_counter() - t
+                part.stats["actor/grad_norm"] = self._apply_gradients(gradient, used)
                 for k, v in part.stats.items():
                     sums.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in sums.items()}
         out["actor/grad_norm_max"] = max(sums["actor/grad_norm"])
+        out["timing/grad_reduce"] = reduce_seconds
         return out, first_pass_logp
 
-    def _apply_gradients(self, loss: Tensor) -> float:
-        """Backward, gradients onto the fp32 master, clip, AdamW step, refresh the compute copy; the grad norm."""
-        self.compute.zero_grad(set_to_none=True)
+    def _minibatch_gradients(self, batch: RolloutBatch, idx: list[int], advantages: Tensor, anchors: Anchors,
+                             check_exact: bool) -> tuple[MinibatchLoss, list[Tensor], list[bool]]:
+        """The mini-batch's loss stats, this rank's leaf gradients (flat fp32, in leaf order) and which
+        parameters have a gradient.
+
+        The mini-batch is cut into ``distributed.leaves`` equal leaves. This rank runs the forward of its leaves;
+        the detached log-probs of all leaves are gathered, so the loss (and its stats) is evaluated on the whole
+        mini-batch, once per own leaf with only that leaf's log-probs carrying grad: its backward is the leaf's
+        gradient, the same on whichever rank computes it."""
+        size = len(idx) // self.cfg.distributed.leaves
+        leaves = [idx[k * size : (k + 1) * size] for k in range(self.cfg.distributed.leaves)]
+        mine = self.ranks.block(len(leaves))
+        forwards = [self.objective.policy_forward(self.compute, batch, leaves[k]) for k in mine]
+        gathered = self.ranks.gather([([t.detach() for t in lp], [t.detach() for t in ent]) for lp, ent in forwards])
+        all_logp = [t for lp, _ in gathered for t in lp]
+        all_entropy = [t for _, ent in gathered for t in ent]
+        params = list(self.compute.parameters())
+        leaf_grads, used, part = [], [], None
+        for k, (logp, entropy) in zip(mine, forwards):
+            with_grad = slice(k * size, (k + 1) * size)
+            logp_list, entropy_list = list(all_logp), list(all_entropy)
+            logp_list[with_grad], entropy_list[with_grad] = logp, entropy
+            part = self.objective.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
+            grads = torch.autograd.grad(part.loss, params, allow_unused=True)
+            used = [g is not None for g in grads]
+            leaf_grads.append(torch.cat([g.float().reshape(-1) for g in grads if g is not None]))
+        assert part is not None  # every rank owns at least one leaf (check_leaves)
+        return part, leaf_grads, used
+
+    def _apply_gradients(self, gradient: Tensor, used: list[bool]) -> float:
+        """The summed flat gradient onto the fp32 master, clip, AdamW step, refresh the compute copy; the norm."""
         self.master.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.compute is not self.master:
-            for dst, src in zip(self.master.parameters(), self.compute.parameters()):
-                dst.grad = None if src.grad is None else src.grad.float()
+        offset = 0
+        for param, has_grad in zip(self.master.parameters(), used):
+            if has_grad:
+                param.grad = gradient[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
         params = [p for p in self.master.parameters() if p.grad is not None]
         max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -223,9 +281,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict:
-        """Clean evaluation of the policy itself: fixed held-out prompts, training path, no injection."""
-        return evaluate_policy(self.compute, self.task, self.tokenizer, self.eval_problems, self.cfg.rollout,
-                               _step_seed(self.cfg.seed, 10**9 + step))
+        """Clean evaluation of the policy itself: fixed held-out prompts, training path, no injection (each rank
+        evaluates its share of the prompts)."""
+        mine = self.ranks.block(len(self.eval_problems))
+        records = eval_records(self.compute, self.task, self.tokenizer, self.eval_problems[mine.start : mine.stop],
+                               self.cfg.rollout, _step_seed(self.cfg.seed, 10**9 + step), first_index=mine.start)
+        return eval_metrics(self.ranks.gather(records))
 
     # ------------------------------------------------------------------ the run
     def run(self, resume: bool = False, allow_changes: tuple[str, ...] = ()) -> dict:
@@ -235,8 +296,11 @@ class Trainer:
         from the newest intact checkpoint, with the config the run was started with -- a different config is
         refused with the changed keys, unless each is in ``allow_changes`` and in ``RESUME_SAFE_KEYS``; allowed
         changes are recorded in config_changes.jsonl. Resuming a finished run does nothing (and says so) unless
-        ``steps`` grew: then it is extended."""
-        with run_lock(self.run_dir):
+        ``steps`` grew: then it is extended. With several ranks, rank 0 holds the lock and writes; every rank
+        returns rank 0's summary."""
+        if not self.ranks.is_main:
+            return self._run(resume, tuple(allow_changes))
+        with discard_if_interrupted_early(self.run_dir, log=self._log), run_lock(self.run_dir):
             return self._run(resume, tuple(allow_changes))
 
     def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
@@ -255,15 +319,21 @@ class Trainer:
                 return finished
             if state is None:
                 self._log(f"[yellow]no checkpoint in {run_dir}; starting from scratch[/]")
-            elif changes:
+            elif changes and self.ranks.is_main:
                 _record_changes(run_dir, state["next_step"], changes)
                 save_config(cfg, run_dir / "config.yaml")
         elif (run_dir / "metrics.jsonl").exists() or checkpoint_dirs(run_dir):
             raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or choose another "
                              "output_dir / name")
+        self.ranks.barrier()  # every rank has read the run directory before rank 0 writes to it
         if state is None:
-            warm_start(self.master, cfg, self.task, log=self._log)
-            save_config(cfg, run_dir / "config.yaml")
+            # rank 0 trains and caches the warm start; then the other ranks load it from the cache
+            if self.ranks.is_main:
+                warm_start(self.master, cfg, self.task, log=self._log)
+                save_config(cfg, run_dir / "config.yaml")
+            self.ranks.barrier()
+            if not self.ranks.is_main:
+                warm_start(self.master, cfg, self.task, log=self._log)
         else:
             start_step = state["next_step"]
             self.schedule.load_state_dict(state.get("schedule", {}))
@@ -273,7 +343,8 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:
             self.reference = self._reference_from_start(run_dir)
 
-        writer = MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=start_step)
+        writer = (MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=start_step, config=cfg)
+                  if self.ranks.is_main else _NoWriter())
         summary = {"name": cfg.name, "status": "running", "reason": None, "steps_planned": cfg.steps}
         started = time.perf_counter()
         last = {}
@@ -294,7 +365,9 @@ class Trainer:
                     last = metrics
                     progress(step, metrics)
                     if cfg.collapse.stop_on_collapse and "eval/reward_mean" in metrics:
-                        if detect_collapse(read_metrics(run_dir / "metrics.jsonl"), cfg.collapse)["collapsed"]:
+                        collapsed = self.ranks.is_main and detect_collapse(read_metrics(run_dir / "metrics.jsonl"),
+                                                                           cfg.collapse)["collapsed"]
+                        if self.ranks.broadcast(collapsed):
                             self._save_checkpoint(step)
                             raise CollapseConfirmed(step)
                     if (step + 1) % cfg.logging.checkpoint_every == 0 or step == cfg.steps - 1:
@@ -313,6 +386,14 @@ class Trainer:
             self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
         finally:
             writer.close()
+        if not self.ranks.is_main:
+            return self.ranks.broadcast(None)
+        summary = self._finish(summary, step, started, last)
+        return self.ranks.broadcast(summary)
+
+    def _finish(self, summary: dict, step: int, started: float, last: dict) -> dict:
+        """Complete the summary from metrics.jsonl and write summary.json (rank 0)."""
+        cfg, run_dir = self.cfg, self.run_dir
         history = read_metrics(run_dir / "metrics.jsonl")
         summary.update(_summarize(history))
         summary["collapse"] = detect_collapse(history, cfg.collapse,
@@ -361,7 +442,10 @@ class Trainer:
         return changes
 
     def _save_checkpoint(self, step: int) -> None:
-        """Everything a resume needs after ``step``: weights, optimizer, LR-schedule state, the injector's knob."""
+        """Everything a resume needs after ``step``: weights, optimizer, LR-schedule state, the injector's knob.
+        Rank 0 writes it (every rank holds the same state)."""
+        if not self.ranks.is_main:
+            return
         save_checkpoint(self.run_dir, self.master, self.optimizer,
                         {"next_step": step + 1, "schedule": self.schedule.state_dict(),
                          "inject_value": self.injector.value})
@@ -380,7 +464,7 @@ class Trainer:
 
         def measure(value: float) -> float:
             batch = self.rollout(0, self.injector.plan_for_value(value, step=0), problems)
-            return mismatch_metrics(self.objective.score(self.compute, batch), batch.logprobs)[key]
+            return mismatch_metrics(self._score(self.compute, batch), batch.logprobs)[key]
 
         self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
                                      sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)
@@ -397,9 +481,22 @@ class Trainer:
         return self._copy_of(start, self.compute_dtype)
 
 
-RESUME_SAFE_KEYS = ("steps", "threads", "logging.live", "logging.eval_every", "logging.checkpoint_every")
-"""Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers (threads: the
-kernels are thread-count invariant); ``steps`` extends or shortens the run (a cosine schedule's horizon moves)."""
+RESUME_SAFE_KEYS = ("steps", "logging.live", "logging.eval_every", "logging.checkpoint_every", "logging.backends",
+                    "logging.wandb_project", "logging.wandb_mode")
+"""Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers; ``steps`` extends
+or shortens the run (a cosine schedule's horizon moves). ``threads`` is not one: the forward kernels are
+thread-count invariant, but the backward's matmuls may split their sums by thread, so gradients are deterministic
+for one thread count only (measured: 1 and 2 threads give different weights after two updates)."""
+
+
+class _NoWriter:
+    """The metrics writer of ranks other than 0: rank 0 writes metrics.jsonl."""
+
+    def write(self, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _read_summary(run_dir: Path) -> dict | None:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
 from .config import RunConfig, config_hash
+from .runlog import apply_umask
 from .tasks import Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
@@ -29,12 +30,18 @@ def warm_start_key(cfg: RunConfig) -> str:
                         "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
 
 
+def warm_start_cache_path(cfg: RunConfig) -> Path:
+    """Where the warm start of ``cfg`` is cached (whether or not it is there yet)."""
+    cache_dir = Path(cfg.warm_start.cache_dir or Path("runs") / ".warmstart_cache")
+    return cache_dir / f"warmstart-{warm_start_key(cfg)}.safetensors"
+
+
 def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[str], None] = print) -> Path | None:
     """Load cached warm-start weights into ``model`` (fp32 master), or train and cache them."""
     if cfg.warm_start.steps == 0:
         return None
-    cache_dir = Path(cfg.warm_start.cache_dir or Path("runs") / ".warmstart_cache")
-    path = cache_dir / f"warmstart-{warm_start_key(cfg)}.safetensors"
+    path = warm_start_cache_path(cfg)
+    cache_dir = path.parent
     if path.exists():
         model.load_state_dict(load_file(str(path)))
         log(f"warm start: loaded {path}")
@@ -44,6 +51,7 @@ def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[st
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    apply_umask(tmp)  # safetensors writes 0600; the cache is shared like any other file
     tmp.replace(path)
     log(f"warm start: cached {path}")
     return path

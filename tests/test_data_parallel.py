@@ -1,0 +1,162 @@
+"""``vexact run --nproc N``: data-parallel training whose results do not depend on N.
+
+What W-invariance means here: with ``distributed.leaves`` fixed, the runs on 1, 2 and 4 ranks (real ranks, started
+by torch.distributed's elastic launcher, gloo on loopback) write the same metrics.jsonl, timing aside, and the same
+checkpoint tensors as the plain single-process ``Trainer``, bit for bit. The plain ``all_reduce`` mode is run too,
+to show that the check can fail: its summation order depends on N.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rich.console import Console
+from safetensors.torch import load_file
+from test_sweep import EXPERIMENT, _without_timing
+
+from vexact.rl.config import load_config
+from vexact.rl.data_parallel import DataParallel, check_leaves, launch, tree_sum
+from vexact.rl.runlog import latest_checkpoint, read_metrics
+from vexact.rl.trainer import Trainer
+
+# threads: 1 everywhere, because the backward's matmuls may split their sums by thread (see data_parallel.launch)
+TINY = {"steps": 3, "threads": 1, "warm_start.steps": 10, "rollout.prompts_per_step": 4,
+        "rollout.samples_per_prompt": 4, "task.eval_prompts": 6, "logging.eval_every": 2,
+        "logging.checkpoint_every": 1, "distributed.leaves": 4,
+        "algorithm.mini_batches": 2, "algorithm.ppo_epochs": 2, "inject.mode": "logit_noise", "inject.value": 0.05,
+        "correction.method": "token_tis", "task.partial_credit": True, "algorithm.entropy_coef": 0.01}
+
+
+def _config_file(tmp_path: Path, **changes) -> Path:
+    """The zero-mismatch experiment, shrunk (TINY), with a shared warm-start cache."""
+    spec = yaml.safe_load(EXPERIMENT.read_text())
+    for key, value in {**TINY, "warm_start.cache_dir": str(tmp_path / "cache"), **changes}.items():
+        section = spec
+        *parents, leaf = key.split(".")
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[leaf] = value
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _vexact_run(config: Path, run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "vexact", "run", str(config), f"--set=output_dir={run_dir}", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _result(run_dir: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    checkpoint = load_file(str(latest_checkpoint(run_dir) / "checkpoint.safetensors"))
+    return _without_timing(read_metrics(run_dir / "metrics.jsonl")), checkpoint
+
+
+def _same(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> bool:
+    (metrics_a, weights_a), (metrics_b, weights_b) = a, b
+    return (metrics_a == metrics_b and weights_a.keys() == weights_b.keys()
+            and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a))
+
+
+def test_tree_sum_is_the_fixed_halving_tree():
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(1000, generator=gen) * 10.0 ** torch.randint(-3, 4, (1000,), generator=gen)
+             for _ in range(8)]
+    a, b, c, d, e, f, g, h = parts
+    assert torch.equal(tree_sum(parts), ((a + b) + (c + d)) + ((e + f) + (g + h)))
+    sequential = a + b + c + d + e + f + g + h
+    assert not torch.equal(tree_sum(parts), sequential)  # the order is visible in float32
+    x, y, z = parts[:3]
+    assert torch.equal(tree_sum([x, y, z]), x + (y + z))  # odd counts split at len // 2
+
+
+def test_rank_shares_and_leaf_checks():
+    assert [list(DataParallel(rank=r, world_size=3).block(7)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    check_leaves(8, 4)
+    with pytest.raises(ValueError, match="power of two"):
+        check_leaves(6, 3)
+    with pytest.raises(ValueError, match="distributed.leaves.*multiple of --nproc"):
+        check_leaves(2, 4)
+
+
+def test_runs_are_bitwise_identical_on_1_2_and_4_ranks(tmp_path):
+    config = _config_file(tmp_path)
+    alone = tmp_path / "alone"
+    Trainer(load_config(config, [f"output_dir={alone}"]), console=Console(quiet=True)).run()
+    reference = _result(alone)
+    assert len(reference[0]) == TINY["steps"] and "eval/reward_mean" in reference[0][-1]
+    assert all(m["actor/grad_norm"] > 0 for m in reference[0])  # the policy learns: the gradients are compared
+    for nproc in (1, 2, 4):
+        _vexact_run(config, tmp_path / f"n{nproc}", f"--nproc={nproc}")
+        assert _same(_result(tmp_path / f"n{nproc}"), reference), f"--nproc {nproc} differs from one process"
+
+    # The plain all_reduce sums in the collective's order: on 4 ranks the run leaves the one-process bits.
+    _vexact_run(config, tmp_path / "allreduce", "--nproc=4", "--set=distributed.reduce=allreduce")
+    assert not _same(_result(tmp_path / "allreduce"), reference)
+
+
+def test_resume_on_another_number_of_ranks_continues_the_same_run(tmp_path):
+    """Two steps on 2 ranks, then extended to 3 steps on 4 ranks: the run of 3 steps in one process."""
+    config = _config_file(tmp_path)
+    straight = tmp_path / "straight"
+    Trainer(load_config(config, [f"output_dir={straight}"]), console=Console(quiet=True)).run()
+    _vexact_run(config, tmp_path / "split", "--nproc=2", "--set=steps=2")
+    _vexact_run(config, tmp_path / "split", "--nproc=4", "--resume", "--allow-change=steps")
+    metrics, weights = _result(tmp_path / "split")
+    # The 2-step run ended with a final evaluation at step 1, which the 3-step run does not make; it stays.
+    assert "eval/reward_mean" in metrics[1] and "eval/reward_mean" not in _result(straight)[0][1]
+    metrics[1] = {k: v for k, v in metrics[1].items() if not k.startswith("eval/")}
+    assert _same((metrics, weights), _result(straight))
+    assert json.loads((tmp_path / "split" / "summary.json").read_text())["status"] == "completed"
+
+
+def test_bad_rank_counts_are_one_clear_error(tmp_path):
+    config = _config_file(tmp_path)
+    for nproc, message in ((3, "power of two"), (8, "'distributed.leaves'.*multiple of --nproc")):
+        done = subprocess.run([sys.executable, "-m", "vexact", "run", str(config), f"--nproc={nproc}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert __import__("re").search(message, done.stderr), done.stderr
+
+
+RANK_SOCKETS = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from test_ray_sweep import _listening_sockets
+from vexact.rl.data_parallel import DataParallel
+import torch
+
+ranks = DataParallel.from_environment()
+total = ranks.sum_gradients([torch.full((5,), float(ranks.rank + 1))])  # the process group is up and used
+sockets = _listening_sockets()
+mine = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        link = os.readlink(f"/proc/self/fd/{{fd}}")
+    except OSError:  # the directory listing's own descriptor, closed by now
+        continue
+    if link.startswith("socket:["):
+        mine += sockets.get(int(link[8:-1]), [])
+with open(os.path.join({out!r}, f"rank{{ranks.rank}}.json"), "w") as f:
+    json.dump({{"listening": mine, "total": total.tolist(), "world": ranks.world_size}}, f)
+ranks.barrier()
+ranks.close()
+"""
+
+
+def test_ranks_listen_on_loopback_only(tmp_path):
+    from test_ray_sweep import _is_loopback
+
+    launch(2, ["-c", RANK_SOCKETS.format(tests=str(Path(__file__).parent), out=str(tmp_path))])
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world"] == 2 and r["total"] == [3.0] * 5 for r in reports)
+    listening = [a for r in reports for a in r["listening"]]
+    assert listening, "no listening socket found: the loopback check would pass vacuously"
+    assert all(_is_loopback(a) for a in listening), listening
