@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_sweep import _metrics, _sweep_file
+from test_sweep import _metrics, _sweep_file, interrupt_sweep
 
 from vexact.lab import ray_executor
 from vexact.lab.sweep import load_sweep_spec, run_sweep
@@ -116,23 +116,11 @@ def test_ray_executor_resumes_an_interrupted_sweep(tmp_path, monkeypatch):
     second resumed from its checkpoint, and the results are bitwise those of an uninterrupted local sweep."""
     from rich.console import Console
 
-    from vexact.rl.trainer import Trainer
 
     reference = load_sweep_spec(_sweep_file(tmp_path, "ref", grid={"seed": [0, 1]}))
     run_sweep(reference, console=Console(quiet=True))
     path = _sweep_file(tmp_path, "cut", grid={"seed": [0, 1]})
-    real_step, calls = Trainer.step, {"n": 0}
-
-    def killed(self, step):  # Ctrl-C in the middle of the second point
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "step", killed)
-    with pytest.raises(KeyboardInterrupt):
-        run_sweep(load_sweep_spec(path), console=Console(quiet=True))
-    monkeypatch.setattr(Trainer, "step", real_step)
+    interrupt_sweep(monkeypatch, load_sweep_spec(path), at_step_call=5)  # in the middle of the second point
     spec = load_sweep_spec(path)
     finished_mtime = (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns
     try:

@@ -28,6 +28,23 @@ def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **ext
     return path
 
 
+def interrupt_sweep(monkeypatch, spec, at_step_call: int) -> None:
+    """Run ``spec`` locally and raise KeyboardInterrupt (Ctrl-C) in its ``at_step_call``-th training step; the
+    steps are restored afterwards."""
+    real_step, calls = Trainer.step, {"n": 0}
+
+    def killed(self, step):
+        calls["n"] += 1
+        if calls["n"] == at_step_call:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, console=Console(quiet=True))
+    monkeypatch.setattr(Trainer, "step", real_step)
+
+
 def _metrics(spec) -> dict[str, list[dict]]:
     return {p.name: _without_timing(read_metrics(p.run_dir / "metrics.jsonl")) for p in spec.points}
 
@@ -49,23 +66,11 @@ def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, monkey
     expected = _metrics(reference)
 
     spec = load_sweep_spec(_sweep_file(tmp_path, "cut"))
-    real_step = Trainer.step
-    calls = {"n": 0}
-
-    def killed(self, step):  # Ctrl-C in the middle of the third point
-        calls["n"] += 1
-        if calls["n"] == 8:
-            raise KeyboardInterrupt
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "step", killed)
-    with pytest.raises(KeyboardInterrupt):
-        run_sweep(spec, console=Console(quiet=True))
+    interrupt_sweep(monkeypatch, spec, at_step_call=8)  # Ctrl-C in the middle of the third point
     index = json.loads((spec.output_dir / "sweep.json").read_text())
     assert [p["status"] for p in index["points"]] == ["completed", "completed", "interrupted", "pending"]
     finished_mtime = (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns
 
-    monkeypatch.setattr(Trainer, "step", real_step)
     statuses = run_sweep(load_sweep_spec(_sweep_file(tmp_path, "cut")), console=Console(quiet=True))
     assert list(statuses.values()) == ["completed"] * 4
     assert (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns == finished_mtime  # skipped, not rerun

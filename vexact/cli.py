@@ -256,6 +256,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _launch_ranks(args: argparse.Namespace, cfg, console: Console) -> int:
     """``vexact run --nproc N``: the same command as N ranks; the exit code follows the run's summary.json."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .rl.data_parallel import launch
@@ -265,6 +266,10 @@ def _launch_ranks(args: argparse.Namespace, cfg, console: Console) -> int:
                  *(["--resume"] if args.resume else []), *(f"--allow-change={k}" for k in args.allow_changes)]
     try:
         launch(args.nproc, rank_args, threads=cfg.threads)
+    except (KeyboardInterrupt, SignalException):  # the ranks got the signal too; rank 0 recorded what finished
+        console.print("[yellow]interrupted[/]: the ranks stopped; finished steps are in metrics.jsonl; continue "
+                      "with --resume")
+        return EXIT_INTERRUPTED
     except ChildFailedError as err:
         summary_path = run_dir_for(cfg) / "summary.json"
         status = json.loads(summary_path.read_text()).get("status") if summary_path.exists() else None

@@ -159,11 +159,15 @@ def launch(nproc: int, python_args: list[str], threads: int | None = None) -> No
     It is part of the numbers: the backward's matmuls (BLAS) may split their sums by thread, so a gradient is
     deterministic for a given thread count, not across counts. Raises ``ChildFailedError`` if a rank exits
     non-zero."""
+    import logging
     import sys
     import tempfile
     import uuid
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent's own warnings (one line per rank it signals) repeat what the ranks print themselves.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 
     with tempfile.TemporaryDirectory(prefix="vexact-ranks-") as tmp:
         env = {STORE_ENV: os.path.join(tmp, "process_group"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
