@@ -707,7 +707,7 @@ def sweep_figures(data: SweepData) -> dict[str, Any]:
     if any(k == 0 for _, k in pts):
         ax.axvline(floor, color="grey", lw=0.8, ls="--", zorder=1)
         handles.append(Line2D([], [], color="grey", lw=0.8, ls="--", label=f"zero mismatch, drawn at {floor:.0e}"))
-    ax.set_xscale("log")
+    _log_x(ax)
     ax.set_title(f"{data.name}: when runs collapsed vs their realised mismatch (one marker per run)")
     ax.set_xlabel(REALISED_K3_WORDS)
     ax.set_ylabel("collapse step, or run length without collapse (RL steps)")
@@ -772,10 +772,21 @@ def _outcome_vs_k3(data: SweepData, rows: list[dict[str, Any]], style_of_group: 
     bottom.set_ylabel("final reward (smoothed)")
     bottom.set_xlabel(REALISED_K3_WORDS)
     if any_rate or any_reward:
-        bottom.set_xscale("log")
+        _log_x(bottom)
     _finish(top, handles if any_rate else [])
     _finish(bottom, [], legend=False)
     return fig
+
+
+def _log_x(ax: Any) -> None:
+    """A log x axis over the plotted points; a decade either side when they share one x (every run at zero
+    mismatch), and linear when nothing is plotted (a log axis needs a positive range)."""
+    xs = [float(x) for c in ax.collections for x, _ in c.get_offsets() if x > 0]
+    if not xs:
+        return
+    if min(xs) == max(xs):
+        ax.set_xlim(xs[0] / 10, xs[0] * 10)
+    ax.set_xscale("log")
 
 
 def _log_floor(values: Any) -> float:
