@@ -247,8 +247,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}"
                           + (f" on {ranks.world_size} ranks" if ranks.world_size > 1 else ""))
         summary = Trainer(cfg, console, ranks).run(resume=args.resume, allow_changes=tuple(args.allow_changes))
-    finally:
-        ranks.close()
+    except BaseException:
+        ranks.close(wait=False)
+        raise
+    ranks.close(wait=summary["status"] != "interrupted")
     if ranks.is_main:
         _print_run_summary(cfg, summary, console)
     return {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)

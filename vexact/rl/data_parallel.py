@@ -141,10 +141,12 @@ class DataParallel:
         dist.all_gather(chunks, mine)
         return torch.cat(chunks)[:n]
 
-    def close(self) -> None:
-        """Leave the process group once every rank is done (a rank that leaves early aborts gloo's peers)."""
+    def close(self, wait: bool = True) -> None:
+        """Leave the process group, once every rank is done unless ``wait`` is False (after an interrupt, when
+        the other ranks may never get there). A rank that leaves early aborts gloo's peers."""
         if self.world_size > 1 and dist.is_initialized():
-            dist.barrier()
+            if wait:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -169,23 +171,16 @@ def launch(nproc: int, python_args: list[str], threads: int | None = None) -> No
     # The agent's own warnings (one line per rank it signals) repeat what the ranks print themselves.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 
+    # torch reads this switch only from the launching process's environment: without it, the c10d rendezvous
+    # starts a TCP store for the ranks, listening on every interface. Nothing else in vexact rendezvouses.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="vexact-ranks-") as tmp:
-        env = {STORE_ENV: os.path.join(tmp, "process_group"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-               "OMP_NUM_THREADS": str(threads or torch.get_num_threads())}
-        env_defaults = {"GLOO_SOCKET_IFNAME": "lo"}
-        saved = {k: os.environ.get(k) for k in (*env, *env_defaults)}
-        os.environ.update(env)
-        for key, value in env_defaults.items():
-            os.environ.setdefault(key, value)
-        try:
-            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                                  rdzv_backend="c10d", rdzv_endpoint=os.path.join(tmp, "rendezvous"),
-                                  rdzv_configs={"store_type": "file"}, max_restarts=0, monitor_interval=0.1,
-                                  local_addr="127.0.0.1")
-            elastic_launch(config, sys.executable)(*python_args)
-        finally:  # the launcher reads the environment; this process's own is restored
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        rank_env = {STORE_ENV: os.path.join(tmp, "process_group"),
+                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                    "OMP_NUM_THREADS": str(threads or torch.get_num_threads())}
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                              rdzv_backend="c10d", rdzv_endpoint=os.path.join(tmp, "rendezvous"),
+                              rdzv_configs={"store_type": "file"}, max_restarts=0, monitor_interval=0.1,
+                              local_addr="127.0.0.1")
+        # each rank is `env K=V ... python ARGS`: the ranks' variables are passed, this process's stay as they are
+        elastic_launch(config, "env")(*(f"{k}={v}" for k, v in rank_env.items()), sys.executable, *python_args)

@@ -386,10 +386,12 @@ class Trainer:
             self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
         finally:
             writer.close()
+        # After Ctrl-C the ranks stop at different points, so no collective may follow: each returns its own.
+        interrupted = summary["status"] == "interrupted"
         if not self.ranks.is_main:
-            return self.ranks.broadcast(None)
+            return summary if interrupted else self.ranks.broadcast(None)
         summary = self._finish(summary, step, started, last)
-        return self.ranks.broadcast(summary)
+        return summary if interrupted else self.ranks.broadcast(summary)
 
     def _finish(self, summary: dict, step: int, started: float, last: dict) -> dict:
         """Complete the summary from metrics.jsonl and write summary.json (rank 0)."""
