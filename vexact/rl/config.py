@@ -33,6 +33,7 @@ import yaml
 import vexact_kernels
 
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
+from .tasks import TASK_NAMES
 
 __all__ = [
     "AlgorithmSection",
@@ -121,7 +122,7 @@ ModelSection = _model_section()
 class TaskSection:
     """The synthetic task the policy is trained on."""
 
-    name: Literal["reverse", "add", "sort", "count", "sum"] = "reverse"
+    name: Literal[TASK_NAMES] = "reverse"  # derived from the task registry (tasks._TASKS)
     min_len: int = field(default=4, metadata=_bounds(min=1))
     max_len: int = field(default=8, metadata=_bounds(min=1))
     partial_credit: bool = False
