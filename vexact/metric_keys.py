@@ -1,0 +1,278 @@
+"""Every metric key vexact writes, as data: name, definition, unit and who writes it.
+
+One registry, so the documentation's metric reference is generated from it (``vexact.docs_gen``) and a test
+(``tests/test_docs.py``) fails when a run, ``vexact measure`` or ``vexact compare`` writes a key that is not here.
+A key that depends on a setting is one entry with a ``<placeholder>``: ``<lo>-<hi>`` is a token-probability bucket
+(``vexact.rl.metrics.bucket_name``), ``<option>`` one of verl's rejection options (``corrections.RS_OPTIONS``) and
+``<k>`` the top-k size of the full-vocabulary overlap.
+
+Writers: ``run`` is ``metrics.jsonl`` of ``vexact run`` (one line per step), ``measure`` and ``compare`` the
+``metrics`` object of those commands' ``--json`` report (and their printed tables).
+
+Adding a metric: add an entry here in the group it belongs to; the reference page and the test pick it up.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+
+__all__ = ["GROUPS", "KEYS", "MetricKey", "find", "unregistered"]
+
+RUN = ("run",)
+ALL = ("run", "measure", "compare")
+
+
+@dataclass(frozen=True)
+class MetricKey:
+    """One metric key (or a family of keys, when ``name`` holds a ``<placeholder>``)."""
+
+    name: str
+    definition: str
+    unit: str
+    writers: tuple[str, ...]
+    source: str  # the module that computes it, relative to the package (``rl/metrics.py``)
+    verl: bool = False  # the key and its definition are verl's (see the verl/TRL names page)
+
+    @property
+    def group(self) -> str:
+        return self.name.split("/", 1)[0]
+
+
+def _k(name: str, definition: str, unit: str, writers: tuple[str, ...], source: str, verl: bool = False) -> MetricKey:
+    return MetricKey(name, definition, unit, writers, source, verl)
+
+
+_METRICS = "rl/metrics.py"
+_TRAINER = "rl/trainer.py"
+_CORR = "rl/corrections.py"
+
+KEYS: tuple[MetricKey, ...] = (
+    # --- reward and length of the step's rollouts (rl/trainer.py via metrics.sequence_stats) -----------------------
+    *(_k(f"reward/{s}", f"{w} of the task reward over the step's responses", "reward", RUN, _TRAINER, True)
+      for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 0)"), ("max", "Maximum"), ("min", "Minimum"))),
+    _k("reward/accuracy", "Fraction of the step's responses whose answer is exactly right", "fraction", RUN, _TRAINER),
+    *(_k(f"response_length/{s}", f"{w} of the response length (EOS included) over the step's responses", "tokens",
+         RUN, _TRAINER, True)
+      for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 0)"), ("max", "Maximum"), ("min", "Minimum"))),
+    _k("response_length/clip_ratio", "Fraction of responses cut at `rollout.max_new_tokens` without EOS", "fraction",
+       RUN, _TRAINER, True),
+    # --- the update (rl/objective.py, rl/trainer.py) -------------------------------------------------------------
+    _k("actor/entropy", "Token-mean entropy of the training-path distribution over the step's responses", "nats",
+       RUN, _TRAINER, True),
+    _k("actor/pg_loss", "Policy-gradient (clipped surrogate) loss, mean over mini-batches", "loss", RUN, _TRAINER,
+       True),
+    _k("actor/grad_norm", "Gradient L2 norm before clipping, mean over the step's mini-batches", "norm", RUN,
+       _TRAINER, True),
+    _k("actor/grad_norm_max", "Largest pre-clip gradient norm of the step's mini-batches", "norm", RUN, _TRAINER),
+    _k("actor/lr", "Learning rate of the step (warm-up and `lr_schedule` applied)", "lr", RUN, _TRAINER, True),
+    _k("actor/pg_clipfrac", "Fraction of tokens whose ratio was clipped (either side)", "fraction", RUN, _TRAINER,
+       True),
+    _k("actor/pg_clipfrac_low", "Fraction of tokens clipped at 1 − `clip_low`", "fraction", RUN, _TRAINER, True),
+    _k("actor/pg_clipfrac_high", "Fraction of tokens clipped at 1 + `clip_high`", "fraction", RUN, _TRAINER, True),
+    _k("actor/ratio_mean", "Token mean of the PPO ratio π_θ / π_old", "ratio", RUN, _TRAINER),
+    _k("actor/ratio_max", "Largest PPO ratio of the step", "ratio", RUN, _TRAINER),
+    _k("actor/ratio_min", "Smallest PPO ratio of the step", "ratio", RUN, _TRAINER),
+    _k("actor/ppo_kl", "verl's PPO KL: token mean of −clamp(log π_θ − log π_old, ±20)", "nats", RUN, _TRAINER, True),
+    _k("actor/kl_loss", "k3 penalty against the step-0 policy (written when `algorithm.kl_coef` > 0)", "nats", RUN,
+       _TRAINER, True),
+    # --- mismatch between rollout and training log-probs, r = logp_train − logp_roll (rl/metrics.py) -------------
+    _k("rollout_corr/kl", "k1 KL(μ‖π): token mean of logp_roll − logp_train", "nats", ALL, _METRICS, True),
+    _k("rollout_corr/k3_kl", "k3 KL: token mean of exp(r) − r − 1 (≥ 0; 0 exactly when every token agrees)",
+       "nats", ALL, _METRICS, True),
+    _k("rollout_corr/chi2_token", "χ² of the token ratio ρ = exp(r): mean(ρ²) − 1 (log ρ clamped to ±20, as verl)",
+       "ratio", ALL, _METRICS, True),
+    _k("rollout_corr/chi2_seq", "χ² of the sequence ratio: mean over sequences of ρ_seq² − 1, "
+       "ρ_seq = exp(clamp(Σr, ±20))", "ratio", ALL, _METRICS, True),
+    _k("rollout_corr/log_ppl_abs_diff", "verl's per-token-mean |log ppl_train − log ppl_roll|, mean over sequences",
+       "nats", ALL, _METRICS, True),
+    _k("rollout_corr/log_ppl_abs_diff_sum", "Sequence-sum form: mean over sequences of |Σ r| (paper 003, eq. 8)",
+       "nats", ALL, _METRICS),
+    _k("rollout_corr/training_log_ppl", "Mean over sequences of the training path's per-token-mean −logp", "nats",
+       ALL, _METRICS, True),
+    _k("rollout_corr/rollout_log_ppl", "Mean over sequences of the rollout's per-token-mean −logp", "nats", ALL,
+       _METRICS, True),
+    _k("rollout_corr/log_ppl_diff", "Mean over sequences of d = log ppl_train − log ppl_roll (> 0: training finds the "
+       "responses less likely)", "nats", ALL, _METRICS, True),
+    _k("rollout_corr/log_ppl_diff_max", "Largest per-sequence d = log ppl_train − log ppl_roll", "nats", ALL, _METRICS,
+       True),
+    _k("rollout_corr/log_ppl_diff_min", "Smallest per-sequence d = log ppl_train − log ppl_roll", "nats", ALL, _METRICS,
+       True),
+    _k("rollout_corr/training_ppl", "Mean over sequences of the training path's perplexity", "perplexity", ALL,
+       _METRICS, True),
+    _k("rollout_corr/rollout_ppl", "Mean over sequences of the rollout's perplexity", "perplexity", ALL, _METRICS,
+       True),
+    _k("rollout_corr/ppl_ratio", "Mean over sequences of ppl_train / ppl_roll", "ratio", ALL, _METRICS, True),
+    _k("training/rollout_probs_diff_max", "Largest |p_train − p_roll| of a sampled token", "probability", ALL,
+       _METRICS, True),
+    _k("training/rollout_probs_diff_mean", "Token mean of |p_train − p_roll|", "probability", ALL, _METRICS, True),
+    _k("training/rollout_probs_diff_std", "Standard deviation (ddof 1) of |p_train − p_roll|", "probability", ALL,
+       _METRICS, True),
+    _k("training/rollout_probs_diff_valid", "1 when there were tokens to compare (verl's flag)", "flag",
+       ALL, _METRICS, True),
+    _k("training/rollout_actor_probs_pearson_corr", "Pearson correlation of p_train and p_roll over the tokens",
+       "correlation", ALL, _METRICS, True),
+    _k("mismatch/bitwise_equal_frac", "Fraction of tokens whose two log-probs are bitwise equal", "fraction", ALL,
+       _METRICS),
+    _k("mismatch/abs_dlogp_mean", "Token mean of |r|", "nats", ALL, _METRICS),
+    _k("mismatch/abs_dlogp_max", "Largest |r|", "nats", ALL, _METRICS),
+    _k("mismatch/abs_dlogp_p99", "99th percentile of |r|", "nats", ALL, _METRICS),
+    _k("mismatch/tokens", "Number of tokens compared", "count", ALL, _METRICS),
+    _k("mismatch/abs_dlogp_bucket/<lo>-<hi>", "Mean |r| over tokens whose training-path probability lies in "
+       "[lo, hi) (last bucket closed); written for non-empty buckets only", "nats", ALL, _METRICS),
+    _k("mismatch/tokens_bucket/<lo>-<hi>", "Number of tokens whose training-path probability lies in [lo, hi)",
+       "count", ALL, _METRICS),
+    _k("mismatch/first_minibatch_ratio_exact", "1 when the first mini-batch's PPO ratio is exactly 1 on every token "
+       "(exact backend, no injection: the run stops otherwise)", "flag", RUN, _TRAINER),
+    # --- full-vocabulary comparison (rl/metrics.full_vocab_metrics; measure, compare with [B, T, V] inputs) -----
+    _k("mismatch/full_vocab_positions", "Number of positions whose whole next-token distributions were compared",
+       "count", ("measure", "compare"), _METRICS),
+    _k("mismatch/full_vocab_kl_mean", "Mean over positions of KL(μ‖π) of the full distributions", "nats",
+       ("measure", "compare"), _METRICS),
+    _k("mismatch/full_vocab_kl_max", "Largest full-distribution KL(μ‖π) of a position", "nats",
+       ("measure", "compare"), _METRICS),
+    _k("mismatch/full_vocab_tv_mean", "Mean over positions of the total variation ½Σ|μ − π|", "probability",
+       ("measure", "compare"), _METRICS),
+    _k("mismatch/full_vocab_tv_max", "Largest total variation of a position", "probability",
+       ("measure", "compare"), _METRICS),
+    _k("mismatch/full_vocab_argmax_flip_frac", "Fraction of positions where argmax μ ≠ argmax π (ties: lowest index)",
+       "fraction", ("measure", "compare"), _METRICS),
+    _k("mismatch/full_vocab_top<k>_overlap_mean", "Mean over positions of |top_k(μ) ∩ top_k(π)| / k", "fraction",
+       ("measure", "compare"), _METRICS),
+    # --- verl's rollout-correction statistics (rl/corrections.py; with `correction.rollout_is`) -----------------
+    _k("rollout_corr/rollout_is_mean", "Token mean of the IS weights over all valid tokens, before batch "
+       "normalisation", "weight", RUN, _CORR, True),
+    _k("rollout_corr/rollout_is_std", "Standard deviation of the IS weights over valid tokens", "weight", RUN, _CORR,
+       True),
+    _k("rollout_corr/rollout_is_max", "Largest IS weight (for `sequence`: the raw sequence ratio)", "weight", RUN,
+       _CORR, True),
+    _k("rollout_corr/rollout_is_min", "Smallest IS weight", "weight", RUN, _CORR, True),
+    _k("rollout_corr/rollout_is_eff_sample_size", "verl's effective sample size 1 / mean(w̃²) of the normalised "
+       "weights (inf when every weight is 0)", "fraction", RUN, _CORR, True),
+    _k("rollout_corr/rollout_is_ratio_fraction_high", "Fraction of ratios above the upper threshold (sequences for "
+       "`sequence`)", "fraction", RUN, _CORR, True),
+    _k("rollout_corr/rollout_is_ratio_fraction_low", "Fraction of ratios below the lower threshold", "fraction",
+       RUN, _CORR, True),
+    *(_k(f"rollout_corr/rollout_is_seq_{s}", f"{w} of the per-sequence mean weight", "weight", RUN, _CORR, True)
+      for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 1)"), ("max", "Maximum"), ("min", "Minimum"),
+                   ("max_deviation", "Largest |x − 1|"))),
+    _k("rollout_corr/rollout_is_seq_fraction_high", "Fraction of sequences whose raw mean ratio is above the upper "
+       "threshold", "fraction", RUN, _CORR, True),
+    _k("rollout_corr/rollout_is_seq_fraction_low", "Fraction of sequences whose raw mean ratio is below the lower "
+       "threshold", "fraction", RUN, _CORR, True),
+    _k("rollout_corr/rollout_is_oob_ratio", "IcePop: fraction of tokens whose ratio is outside [a, b]", "fraction",
+       RUN, _CORR, True),
+    _k("rollout_corr/rollout_is_batch_norm_factor", "verl's batch-normalisation divisor of the weights (1 when off)",
+       "weight", RUN, _CORR, True),
+    # --- verl's rejection-sampling statistics (with `correction.rollout_rs`), per option and combined -----------
+    *(_k(f"rollout_corr/rollout_rs_<option>_{s}", f"Rejection option <option>: {w}", u, RUN, _CORR, True)
+      for s, w, u in (
+          ("mean", "token mean of its statistic", "statistic"),
+          ("std", "standard deviation of its statistic", "statistic"),
+          ("max", "largest value of its statistic", "statistic"),
+          ("min", "smallest value of its statistic", "statistic"),
+          ("fraction_high", "fraction above the upper bound", "fraction"),
+          ("fraction_low", "fraction below the lower bound (k1 options)", "fraction"),
+          ("seq_mean", "mean of the per-sequence statistic", "statistic"),
+          ("seq_std", "standard deviation (ddof 1) of the per-sequence statistic", "statistic"),
+          ("seq_max", "largest per-sequence statistic", "statistic"),
+          ("seq_min", "smallest per-sequence statistic", "statistic"),
+          ("seq_max_deviation", "largest |per-sequence statistic|", "statistic"),
+          ("seq_fraction_high", "fraction of sequences above the upper bound", "fraction"),
+          ("seq_fraction_low", "fraction of sequences below the lower bound", "fraction"),
+          ("masked_fraction", "fraction of tokens it masked", "fraction"),
+          ("seq_masked_fraction", "fraction of sequences with a token it masked", "fraction"))),
+    _k("rollout_corr/rollout_rs_masked_fraction", "Fraction of tokens masked by all rejection options together",
+       "fraction", RUN, _CORR, True),
+    _k("rollout_corr/rollout_rs_seq_masked_fraction", "Fraction of sequences with any token masked", "fraction", RUN,
+       _CORR, True),
+    # --- vexact's own view of what the loss applied (rl/corrections.py; with any correction) --------------------
+    *(_k(f"correction/weight_{s}", f"{w} of the kept tokens' weights after normalisation", "weight", RUN, _CORR)
+      for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 0)"), ("min", "Minimum"), ("max", "Maximum"))),
+    _k("correction/weight_eff_sample_size", "(Σw)² / (N·Σw²) of the kept tokens' weights, in (0, 1]", "fraction",
+       RUN, _CORR),
+    _k("correction/truncated_token_frac", "Fraction of tokens whose weight was truncated (TIS)", "fraction", RUN,
+       _CORR),
+    _k("correction/zeroed_token_frac", "Fraction of kept tokens whose weight was zeroed (IcePop)", "fraction", RUN,
+       _CORR),
+    _k("correction/rejected_token_frac", "Fraction of tokens rejected (masked out of the loss)", "fraction", RUN,
+       _CORR),
+    _k("correction/rejected_seq_frac", "Fraction of non-empty sequences that lost every token", "fraction", RUN,
+       _CORR),
+    # --- injection, LR schedule ---------------------------------------------------------------------------------
+    _k("inject/value", "The injection knob in effect this step (after `onset_step` / `ramp_steps`)", "knob", RUN,
+       _TRAINER),
+    _k("inject/active", "1 when the injector changed the rollout this step", "flag", RUN, _TRAINER),
+    _k("lr_schedule/triggered", "1 once a triggered LR schedule (`length_triggered`, `mismatch_triggered`) fired",
+       "flag", RUN, "rl/schedules.py"),
+    # --- clean evaluation (every `logging.eval_every` steps, exact path) ------------------------------------------
+    _k("eval/reward_mean", "Mean reward on the held-out prompts, sampled at the rollout temperature", "reward", RUN,
+       _TRAINER),
+    _k("eval/accuracy", "Fraction of held-out prompts answered exactly right (sampled)", "fraction", RUN, _TRAINER),
+    _k("eval/greedy_reward_mean", "Mean reward on the held-out prompts, greedy decoding", "reward", RUN, _TRAINER),
+    _k("eval/greedy_accuracy", "Fraction of held-out prompts answered exactly right (greedy)", "fraction", RUN,
+       _TRAINER),
+    _k("eval/response_length_mean", "Mean response length on the held-out prompts (sampled)", "tokens", RUN,
+       _TRAINER),
+    # --- wall-clock timings (excluded from determinism checks) ----------------------------------------------------
+    _k("timing/rollout", "Seconds spent generating the step's rollouts", "s", RUN, _TRAINER, True),
+    _k("timing/old_logprobs", "Seconds spent on the old log-probs (recompute, or taken from the rollout)", "s", RUN,
+       _TRAINER, True),
+    _k("timing/update", "Seconds spent on the PPO update", "s", RUN, _TRAINER, True),
+    _k("timing/grad_reduce", "Seconds of the update spent summing gradients across ranks (0 on one process)", "s",
+       RUN, _TRAINER),
+    _k("timing/step", "Seconds of the whole step", "s", RUN, _TRAINER, True),
+    _k("timing/eval", "Seconds spent on the clean evaluation (evaluation steps only)", "s", RUN, _TRAINER, True),
+)
+"""The registry: one entry per key (or per family of keys with a ``<placeholder>``)."""
+
+GROUPS: dict[str, str] = {
+    "reward": "Reward of the step's rollouts",
+    "response_length": "Response length of the step's rollouts",
+    "actor": "The PPO update",
+    "rollout_corr": "Training–inference mismatch (verl's names and definitions)",
+    "training": "Probability differences (verl's names and definitions)",
+    "mismatch": "Training–inference mismatch (vexact's own)",
+    "correction": "Rollout correction: what the loss applied (vexact's own)",
+    "inject": "Controlled mismatch",
+    "lr_schedule": "LR schedule",
+    "eval": "Clean evaluation",
+    "timing": "Timings",
+}
+"""One heading per key prefix, in the order the reference page lists them."""
+
+_NUMBER = r"[0-9][0-9.e+\-]*"
+
+
+@cache
+def _placeholders() -> dict[str, str]:
+    from .rl.corrections import RS_OPTIONS  # lazy: this module stays importable without torch
+
+    return {"<lo>-<hi>": f"{_NUMBER}-{_NUMBER}", "<option>": "(?:" + "|".join(map(re.escape, RS_OPTIONS)) + ")",
+            "<k>": "[0-9]+"}
+
+
+@cache
+def _patterns() -> tuple[tuple[re.Pattern[str], MetricKey], ...]:
+    out = []
+    for key in KEYS:
+        pattern = re.escape(key.name)
+        for ph, rx in _placeholders().items():
+            pattern = pattern.replace(re.escape(ph), rx)
+        out.append((re.compile(pattern + r"\Z"), key))
+    return tuple(out)
+
+
+def find(name: str) -> MetricKey | None:
+    """The registry entry a written key belongs to (a placeholder entry matches every instance), or None."""
+    for pattern, key in _patterns():
+        if pattern.match(name):
+            return key
+    return None
+
+
+def unregistered(names: object) -> list[str]:
+    """The names among ``names`` (an iterable of written keys; ``step`` is the row index, not a metric) that no
+    registry entry covers, sorted."""
+    return sorted(n for n in set(names) if n != "step" and find(n) is None)  # type: ignore[arg-type]
