@@ -1,0 +1,241 @@
+"""vexact.live.LiveMonitor: compare's metrics and gates, one row per step of the user's own trainer.
+
+The reference is ``vexact compare`` itself: the same tensors dumped to a file and run through ``run_compare`` /
+``check_gates`` must give the same numbers, bit for bit, as the live row."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import require_optional
+from safetensors.torch import save_file
+
+from vexact.live import POSITIVE_LOGPROB_TOLERANCE, GateFailed, Gates, LiveMonitor
+from vexact.real.compare import CompareSettings, check_gates, run_compare
+from vexact.rl.runlog import read_metrics
+
+
+def _batch(seed: int = 0, b: int = 6, t: int = 12, noise: float = 1e-3) -> tuple[torch.Tensor, ...]:
+    """A padded batch as verl/TRL hold it: rollout and training log-probs [B, T] (float32) and a 0/1 int mask with
+    responses of different lengths; padding holds junk (positive values and NaN) that must never be read."""
+    g = torch.Generator().manual_seed(seed)
+    train = torch.log_softmax(torch.randn(b, t, 50, generator=g), -1)[..., 0]
+    roll = (train + noise * torch.randn(b, t, generator=g)).clamp(max=0.0)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).int()
+    roll = roll.masked_fill(mask == 0, 5.0)
+    train = train.masked_fill(mask == 0, float("nan"))
+    return roll, train, mask
+
+
+def _with(values: torch.Tensor, b: int, t: int, value: float) -> torch.Tensor:
+    out = values.clone()
+    out[b, t] = value
+    return out
+
+
+def _dump(tmp_path, roll, train, mask):
+    path = tmp_path / "batch.safetensors"
+    save_file({"rollout_log_probs": roll.contiguous(), "old_log_probs": train.contiguous(),
+               "response_mask": mask.contiguous()}, str(path))
+    return run_compare(CompareSettings(rollout=path)).summary
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_row_equals_compare_on_the_same_tensors(tmp_path):
+    roll, train, mask = _batch()
+    gates = Gates(fail_on_mismatch=True, max_k3=1e-7, max_abs_dlogp=1.0)
+    with LiveMonitor(tmp_path / "live", gates=gates) as monitor:
+        row = monitor.step(0, roll, train, mask)
+    summary = _dump(tmp_path, roll, train, mask)
+    metrics = summary["metrics"]
+    assert set(metrics) <= set(row)
+    differ = {k: (row[k], metrics[k]) for k in metrics if not _same(row[k], metrics[k])}
+    assert not differ  # exact equality, key by key
+    assert row["by_position"] == summary["by_position"]
+    assert row["gates"] == check_gates(summary, True, 1e-7, 1.0)
+    assert [g["passed"] for g in row["gates"]] == [False, False, True]  # noise 1e-3: not equal, k3 above 1e-7
+    assert row["live/gates_failed"] == 2 and row["outcome"] == "ok"
+    assert row["live/sequences"] == 6 and row["mismatch/tokens"] == int(mask.sum())
+    assert row["live/mean_response_length"] == int(mask.sum()) / 6
+    assert "map" not in row  # no scaling_map given: no verdict key
+
+    # what was written is the row (NaN-safe JSON), one line
+    written = read_metrics(tmp_path / "live" / "metrics.jsonl")
+    assert len(written) == 1 and written[0]["step"] == 0
+    assert written[0]["rollout_corr/k3_kl"] == row["rollout_corr/k3_kl"]
+
+
+def test_counter_case_the_padding_is_never_read(tmp_path):
+    """If the mask were ignored, the junk in the padding would reach the metrics: with mask=None the same call is
+    refused (the padding's +5.0 is a positive log-prob) -- so the equality above is not vacuous."""
+    roll, train, mask = _batch()
+    with pytest.raises(ValueError, match=r"rollout_logprobs\[0, \d+\] is 5: a log-prob above 0"):
+        LiveMonitor(tmp_path / "a").step(0, roll, train, None)
+
+
+def test_zero_mismatch_is_exactly_zero_and_passes_every_gate(tmp_path):
+    _, train, mask = _batch(noise=0.0)
+    train = train.nan_to_num(0.0)
+    monitor = LiveMonitor(tmp_path, gates=Gates(fail_on_mismatch=True, max_k3=0.0, max_abs_dlogp=0.0))
+    row = monitor.step(3, train.clone(), train, mask)
+    monitor.close()
+    assert row["mismatch/bitwise_equal_frac"] == 1.0
+    for key in ("rollout_corr/k3_kl", "rollout_corr/kl", "rollout_corr/chi2_token", "mismatch/abs_dlogp_max"):
+        assert row[key] == 0.0, key
+    assert row["live/gates_failed"] == 0 and all(g["passed"] for g in row["gates"])
+
+
+def test_mixed_dtypes_compare_values_and_sequences_match_padded(tmp_path):
+    """bf16 rollout vs float32 trainer: values widened exactly, as compare reads tensor files; a list of 1-D
+    tensors gives the same row as the padded form."""
+    roll, train, mask = _batch(seed=1)
+    roll16 = roll.to(torch.bfloat16)
+    padded = LiveMonitor(tmp_path / "p").step(0, roll16, train, mask)
+    seqs_roll = [roll16[b][mask[b].bool()] for b in range(len(mask))]
+    seqs_train = [train[b][mask[b].bool()] for b in range(len(mask))]
+    listed = LiveMonitor(tmp_path / "l").step(0, seqs_roll, seqs_train)
+    assert padded["rollout_corr/k3_kl"] == listed["rollout_corr/k3_kl"]
+    assert padded["mismatch/bitwise_equal_frac"] == listed["mismatch/bitwise_equal_frac"]
+    summary = _dump(tmp_path, roll16, train, mask)
+    assert padded["rollout_corr/k3_kl"] == summary["metrics"]["rollout_corr/k3_kl"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda r, t, m: (r, t[:, :-1], m), r"must be \[B, T\] tensors of one shape"),
+    (lambda r, t, m: (r, t, m[:, :-1]), r"mask has shape \[6, 11\] but the log-probs have \[6, 12\]"),
+    (lambda r, t, m: (r.long(), t, m), r"rollout_logprobs must be a floating-point tensor of log-probs, got "
+                                       r"torch.int64"),
+    (lambda r, t, m: (r, t, m * 2), "mask holds values other than 0 and 1"),
+    (lambda r, t, m: (r.tolist(), t, m), "must both be"),
+    (lambda r, t, m: (r, _with(t, 2, 0, 0.7), m), r"train_logprobs\[2, 0\] is 0\.7: a log-prob above 0"),
+    (lambda r, t, m: ([r[0]], [t[0], t[1]], None), "got 1 rollout sequences but 2 training sequences"),
+    (lambda r, t, m: ([r[0]], [t[0]], m), "mask is for padded"),
+])
+def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, call, message):
+    roll, train, mask = _batch()
+    monitor = LiveMonitor(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        monitor.step(0, *call(roll, train, mask))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_positive_tolerance_is_the_boundary(tmp_path):
+    roll, train, mask = _batch()
+    train = train.nan_to_num(0.0).double()
+    roll = roll.double().masked_fill(mask == 0, 0.0)
+    train[0, 0] = POSITIVE_LOGPROB_TOLERANCE  # at the tolerance: accepted
+    LiveMonitor(tmp_path / "ok").step(0, roll, train, mask)
+    train[0, 0] = 2 * POSITIVE_LOGPROB_TOLERANCE
+    with pytest.raises(ValueError, match=r"train_logprobs\[0, 0\] is 2e-06"):
+        LiveMonitor(tmp_path / "bad").step(0, roll, train, mask)
+
+
+def test_non_finite_and_empty_steps_are_recorded_outcomes(tmp_path):
+    roll, train, mask = _batch()
+    roll = roll.masked_fill(mask == 0, 0.0)
+    roll[1, 0] = float("nan")
+    roll[2, 0] = float("inf")
+    monitor = LiveMonitor(tmp_path, gates=Gates(max_k3=1e-3))
+    row = monitor.step(0, roll, train, mask)
+    assert row["outcome"] == "non-finite" and row["live/nonfinite"] == 2
+    assert "rollout_corr/k3_kl" not in row
+    assert row["live/gates_failed"] == 1 and row["gates"][0]["message"].startswith("not computed: 2 of")
+    empty = monitor.step(1, roll, train, torch.zeros_like(mask))
+    assert empty["outcome"] == "no tokens" and empty["mismatch/tokens"] == 0
+    fine = monitor.step(2, *_batch()[:2], mask)
+    monitor.close()
+    assert fine["outcome"] == "ok"
+    assert [r["outcome"] for r in read_metrics(tmp_path / "metrics.jsonl")] == ["non-finite", "no tokens", "ok"]
+
+
+def test_raise_mode_writes_the_row_then_raises(tmp_path):
+    roll, train, mask = _batch()
+    monitor = LiveMonitor(tmp_path, gates=Gates(max_k3=0.0), on_gate_failure="raise")
+    with pytest.raises(GateFailed, match=r"step 0: gate failed: --max-k3: rollout_corr/k3_kl = .* > 0") as err:
+        monitor.step(0, roll, train, mask)
+    monitor.close()
+    assert err.value.row["live/gates_failed"] == 1
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 1
+    # the same step in record mode (the default) raises nothing
+    assert LiveMonitor(tmp_path / "r", gates=Gates(max_k3=0.0)).step(0, roll, train, mask)["live/gates_failed"] == 1
+
+
+def test_steps_must_increase_and_restarts_need_resume(tmp_path):
+    roll, train, mask = _batch()
+    monitor = LiveMonitor(tmp_path)
+    for step in (1, 2, 3):
+        monitor.step(step, roll, train, mask)
+    with pytest.raises(ValueError, match="step 3 does not follow step 3"):
+        monitor.step(3, roll, train, mask)
+    with pytest.raises(ValueError, match="non-negative integer"):
+        monitor.step(-1, roll, train, mask)
+    monitor.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "torn')  # a kill mid-write
+    with pytest.raises(ValueError, match=r"already holds 3 steps \(last step 3\): pass resume=True"):
+        LiveMonitor(tmp_path)
+    resumed = LiveMonitor(tmp_path, resume=True)
+    resumed.step(3, roll, train, mask)  # the trainer restarts from its step-3 checkpoint
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert (tmp_path / "metrics.jsonl").read_text().endswith("\n")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"backends": ("jsonl", "csv")}, "unknown backend 'csv'"),
+    ({"backends": ("tensorboard", "tensorboard")}, "lists a name twice"),
+    ({"on_gate_failure": "stop"}, "on_gate_failure must be one of"),
+    ({"gates": Gates}, "gates must be a vexact.live.Gates"),
+])
+def test_bad_settings(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LiveMonitor(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_k3": -1.0}, "max_k3 must be a finite number >= 0"),
+    ({"max_abs_dlogp": float("nan")}, "max_abs_dlogp must be a finite number"),
+    ({"fail_on_mismatch": 1}, "fail_on_mismatch must be True or False"),
+])
+def test_bad_gates(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Gates(**kwargs)
+
+
+def test_tensorboard_view_holds_the_rows(tmp_path):
+    require_optional("tensorboard", "pip install 'vexact[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    roll, train, mask = _batch()
+    with LiveMonitor(tmp_path, backends=("jsonl", "tensorboard")) as monitor:
+        rows = [monitor.step(step, roll, train, mask) for step in (0, 5)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("rollout_corr/k3_kl")
+    assert [e.step for e in scalars] == [0, 5]
+    assert scalars[0].value == pytest.approx(rows[0]["rollout_corr/k3_kl"], rel=1e-6)  # stored as float32
+
+
+def test_scaling_map_verdict_or_clear_refusal(tmp_path):
+    """With ``vexact.lab.scaling`` present the row carries its ``place_on_map`` verdict; without it a map is refused
+    at construction (rows never carry a ``map`` key by default: test_row_equals_compare_on_the_same_tensors)."""
+    roll, train, mask = _batch()
+    try:
+        from vexact.lab import scaling
+    except ImportError:
+        with pytest.raises(ValueError, match=r"scaling_map needs vexact.lab.scaling"):
+            LiveMonitor(tmp_path, scaling_map={"anything": 1})
+        return
+    data = scaling.load_map()
+    row = LiveMonitor(tmp_path, scaling_map=data).step(0, roll, train, mask)
+    assert "map" in row or "map_error" in row
+    if "map" in row:
+        assert row["map"] == scaling.place_on_map(data, row["rollout_corr/k3_kl"], row["live/mean_response_length"])
+        json.dumps(row["map"])  # a JSON-able verdict

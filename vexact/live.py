@@ -1,0 +1,360 @@
+"""``vexact.live``: watch training-inference mismatch inside your own trainer, one call per step.
+
+``vexact compare`` reads dumps after the fact; ``LiveMonitor`` takes the same two sides while the run goes on:
+
+    from vexact.live import Gates, LiveMonitor
+
+    monitor = LiveMonitor("runs/my_grpo/vexact", gates=Gates(max_k3=1e-3), backends=("jsonl", "tensorboard"))
+    for step, batch in enumerate(loader):
+        ...  # your rollout engine samples, your trainer recomputes the log-probs of the same tokens
+        row = monitor.step(step, batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"])
+    monitor.close()
+
+Each call computes exactly ``compare``'s report (``measure.mismatch_report``: every ``rollout_corr/*``,
+``training/*`` and ``mismatch/*`` key of ``vexact.rl.metrics.mismatch_metrics``, plus |Δlogp| by response
+position), applies ``compare``'s gates (``compare.check_gates``: ``--fail-on-mismatch``, ``--max-k3``,
+``--max-abs-dlogp``), appends one row to ``OUT_DIR/metrics.jsonl`` (flushed and fsynced, through the run log's
+``MetricsWriter``) and copies its numbers to the live views of ``vexact.rl.log_backends`` (TensorBoard, W&B).
+Nothing here feeds back into training unless you ask: a failed gate is recorded in the row; with
+``on_gate_failure="raise"`` the row is written and then ``GateFailed`` is raised, for a run that should stop.
+
+Inputs (per step): padded ``[B, T]`` floating-point tensors on any device, rollout side first, with a ``[B, T]``
+mask of the positions that hold response tokens (bool or 0/1; ``None``: every position), or two equal-length
+sequences of 1-D tensors (one per response, no mask). Only masked positions are read, so padding may hold
+anything. Each side is widened exactly to float64 and the two are compared as values (as ``compare`` reads
+tensor files): a bf16 rollout side against a float32 trainer is fine, and equal means equal values.
+
+What is an error and what is an outcome:
+
+* a caller mistake -- not tensors, an integer dtype, shapes or lengths that differ, a mask of another shape or
+  with values other than 0/1, a step that does not increase, a log-prob above ``POSITIVE_LOGPROB_TOLERANCE``
+  (a probability above 1: logits or probabilities were passed) -- is one ``ValueError`` naming the side, the
+  sequence and the position;
+* what a training run can do -- NaN or ±Inf log-probs at masked positions, a step where every response is
+  masked out -- is recorded: the row's ``outcome`` is ``"non-finite"`` or ``"no tokens"``, with the counts, no
+  metrics, and every requested gate failed ("not computed").
+
+Row keys: ``step``, ``outcome`` (``"ok"``), the metric keys above, ``live/sequences`` (rows of the batch),
+``live/mean_response_length`` (tokens per non-empty response: the horizon T), ``live/gates_failed``, ``gates``
+(``check_gates``' dicts), ``by_position``, and ``map`` when a scaling map was given.
+
+The map verdict: ``scaling_map`` (a map dict as ``vexact.lab.scaling.load_map`` returns it, or a path it
+reads) makes every ok row carry ``map`` = ``vexact.lab.scaling.place_on_map(map, k3, horizon)`` with this
+step's ``rollout_corr/k3_kl`` and ``live/mean_response_length``: where this level of mismatch sits against the
+collapse thresholds measured at that horizon. Without ``scaling_map`` (the default) rows have no ``map`` key,
+and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map`` with one ``ValueError`` at construction.
+
+Restarts: a directory whose metrics.jsonl already holds rows is refused unless ``resume=True``; then the first
+``step(s)`` drops the rows of steps >= s (your trainer recomputes them), keeps the rest, and rebuilds the live
+views from them (``log_backends``' rule), so metrics.jsonl never holds a step twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .real.compare import check_gates
+from .real.measure import mismatch_report
+from .rl.config import ConfigError, LoggingSection
+from .rl.log_backends import PACKAGES, missing_package
+from .rl.runlog import MetricsWriter, json_safe, read_metrics
+
+__all__ = ["POSITIVE_LOGPROB_TOLERANCE", "GateFailed", "Gates", "LiveMonitor", "METRICS_FILE"]
+
+METRICS_FILE = "metrics.jsonl"
+BACKENDS = ("jsonl", *PACKAGES)  # the run log's registry: jsonl plus its live views
+POSITIVE_LOGPROB_TOLERANCE = 1e-6
+"""A log-prob above this is refused: log p <= 0 for any probability, and a log_softmax computed in float32 or
+bf16 never rounds above 0 by more than a few ulps of 0 (far below this); a value like +0.7 means logits or
+probabilities were passed."""
+
+OnGateFailure = Literal["record", "raise"]
+ON_GATE_FAILURE = ("record", "raise")
+
+
+@dataclass(frozen=True)
+class Gates:
+    """``vexact compare``'s gates, same names and meaning: ``fail_on_mismatch`` (every token bitwise equal),
+    ``max_k3`` (``rollout_corr/k3_kl`` <= it), ``max_abs_dlogp`` (``mismatch/abs_dlogp_max`` <= it). None: off."""
+
+    fail_on_mismatch: bool = False
+    max_k3: float | None = None
+    max_abs_dlogp: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fail_on_mismatch, bool):
+            raise ValueError(f"Gates.fail_on_mismatch must be True or False, got {self.fail_on_mismatch!r}")
+        for name in ("max_k3", "max_abs_dlogp"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"Gates.{name} must be a finite number >= 0 or None, got {value!r}")
+
+    def check(self, report: dict[str, Any]) -> list[dict[str, Any]]:
+        """``compare.check_gates`` on a ``mismatch_report``."""
+        return check_gates(report, self.fail_on_mismatch, self.max_k3, self.max_abs_dlogp)
+
+    def not_computed(self, why: str) -> list[dict[str, Any]]:
+        """Every requested gate, failed because the step has no metrics (``why``)."""
+        names = [("--fail-on-mismatch", 0 if self.fail_on_mismatch else None), ("--max-k3", self.max_k3),
+                 ("--max-abs-dlogp", self.max_abs_dlogp)]
+        return [{"gate": gate, "limit": limit, "value": None, "passed": False, "message": f"not computed: {why}"}
+                for gate, limit in names if limit is not None]
+
+
+class GateFailed(RuntimeError):
+    """A gate failed at a step (``on_gate_failure="raise"``); ``row`` is the step's row, already written."""
+
+    def __init__(self, row: dict[str, Any]):
+        self.row = row
+        failed = "; ".join(f"{g['gate']}: {g['message']}" for g in row["gates"] if not g["passed"])
+        super().__init__(f"vexact.live: step {row['step']}: gate failed: {failed}")
+
+
+@dataclass
+class _LogConfig:
+    """What ``log_backends.open_backends`` reads of a run's config (``name``, ``logging``, ``to_dict``): here the
+    monitor's own settings, so a W&B run records these and not a vexact training config."""
+
+    name: str
+    logging: LoggingSection
+    settings: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.settings)
+
+
+class LiveMonitor:
+    """One row of ``compare``'s metrics and gates per training step, into ``out_dir/metrics.jsonl`` and the live
+    views (see the module docstring for inputs, outcomes, row keys, the map verdict and restarts)."""
+
+    def __init__(self, out_dir: str | Path, gates: Gates | None = None, backends: Sequence[str] = ("jsonl",),
+                 on_gate_failure: OnGateFailure = "record", resume: bool = False,
+                 scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
+                 wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline"):
+        self.out_dir = Path(out_dir)
+        self.gates = Gates() if gates is None else gates
+        if not isinstance(self.gates, Gates):
+            raise ValueError(f"gates must be a vexact.live.Gates, got {type(self.gates).__name__}")
+        if on_gate_failure not in ON_GATE_FAILURE:
+            raise ValueError(f"on_gate_failure must be one of {ON_GATE_FAILURE}, got {on_gate_failure!r}")
+        self.on_gate_failure = on_gate_failure
+        self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
+                                       on_gate_failure)
+        self._map = _load_scaling_map(scaling_map)
+        self.metrics_path = self.out_dir / METRICS_FILE
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ValueError(f"{self.out_dir} exists and is not a directory")
+        kept = read_metrics(self.metrics_path)
+        if kept and not resume:
+            raise ValueError(f"{self.metrics_path} already holds {len(kept)} steps (last step "
+                             f"{kept[-1].get('step')}): pass resume=True to continue it, or choose another out_dir")
+        self._writer: MetricsWriter | None = None  # opened at the first step (a resume truncates there first)
+        self._last_step: int | None = None
+
+    # ----------------------------------------------------------------------------------------------- per step
+    def step(self, step: int, rollout_logprobs: Tensor | Sequence[Tensor], train_logprobs: Tensor | Sequence[Tensor],
+             mask: Tensor | None = None) -> dict[str, Any]:
+        """Compare one step's rollout-side and training-side log-probs of the same tokens; write and return the
+        row. Raises ValueError on a caller mistake (nothing written), ``GateFailed`` after writing a row whose
+        gate failed when ``on_gate_failure="raise"``."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step {step} does not follow step {self._last_step}: steps must increase")
+        train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask)
+        row = self._row(step, train, roll, lengths, nonfinite)
+        self._write(step, row)
+        if self.on_gate_failure == "raise" and row["live/gates_failed"]:
+            raise GateFailed(row)
+        return row
+
+    def _row(self, step: int, train: Tensor, roll: Tensor, lengths: list[int], nonfinite: int) -> dict[str, Any]:
+        tokens = sum(lengths)
+        responses = sum(1 for n in lengths if n)
+        head = {"step": step, "live/sequences": len(lengths), "mismatch/tokens": tokens,
+                "live/mean_response_length": tokens / responses if responses else 0.0}
+        if nonfinite or not tokens:
+            outcome = "non-finite" if nonfinite else "no tokens"
+            why = f"{nonfinite} of {tokens} log-probs are NaN or infinite" if nonfinite else "every response is masked"
+            gates = self.gates.not_computed(why)
+            return {**head, "outcome": outcome, "live/nonfinite": nonfinite, "live/gates_failed": len(gates),
+                    "gates": gates}
+        report = mismatch_report(train, roll, lengths, max(lengths))
+        gates = self.gates.check(report)
+        row = {**head, "outcome": "ok", **report["metrics"], "live/gates_failed": sum(not g["passed"] for g in gates),
+               "gates": gates, "by_position": report["by_position"]}
+        if self._map is not None:
+            try:
+                row["map"] = self._map(report["metrics"]["rollout_corr/k3_kl"], row["live/mean_response_length"])
+            except ValueError as err:  # the map cannot place this point (e.g. no threshold): say so, keep training
+                row["map_error"] = str(err)
+        return row
+
+    def _write(self, step: int, row: dict[str, Any]) -> None:
+        if self._writer is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            _keep_steps_below(self.metrics_path, step)  # fresh: only a torn fragment can be there; resume: the tail
+            try:
+                self._writer = MetricsWriter(self.metrics_path, config=self._log_config)
+            except ConfigError as err:
+                raise ValueError(f"vexact.live: {err.problem}") from None
+        self._writer.write(row)
+        self._last_step = step
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Close metrics.jsonl and the live views (a monitor that never stepped has nothing open)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> LiveMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------- settings
+def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_project: str, wandb_mode: str,
+                gates: Gates, on_gate_failure: str) -> _LogConfig:
+    """The backends checked now (names, duplicates, installed packages), so a bad choice fails before step 0."""
+    for backend in backends:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected some of {list(BACKENDS)}")
+    if "jsonl" not in backends:
+        backends = ["jsonl", *backends]  # metrics.jsonl is the record; the others are copies of it
+    if len(set(backends)) != len(backends):
+        raise ValueError(f"backends lists a name twice: {backends}")
+    for backend in backends:
+        problem = missing_package(backend)
+        if problem:
+            raise ValueError(f"vexact.live: {problem}")
+    if wandb_mode not in ("offline", "online"):
+        raise ValueError(f"wandb_mode must be 'offline' or 'online', got {wandb_mode!r}")
+    settings = {"live": {"gates": asdict(gates), "on_gate_failure": on_gate_failure}}
+    return _LogConfig(name or out_dir.resolve().name, LoggingSection(backends=backends, wandb_project=wandb_project,
+                                                                     wandb_mode=wandb_mode), settings)
+
+
+def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None) -> Any:
+    """``(k3, horizon) -> verdict dict`` from ``vexact.lab.scaling``, or None without a map."""
+    if scaling_map is None:
+        return None
+    try:
+        from .lab import scaling
+    except ImportError:
+        raise ValueError("scaling_map needs vexact.lab.scaling (the collapse-scaling map), which this vexact does "
+                         "not have; leave scaling_map out") from None
+    data = scaling_map if isinstance(scaling_map, dict) else scaling.load_map(Path(scaling_map))
+    return lambda k3, horizon: scaling.place_on_map(data, k3, horizon)
+
+
+def _keep_steps_below(path: Path, step: int) -> None:
+    """Resuming at ``step``: drop the rows of steps >= ``step`` (a torn last line goes too) and keep the rest."""
+    rows = read_metrics(path)
+    kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] < step]
+    if len(kept) == len(rows) and (not path.exists() or path.read_bytes().endswith(b"\n")):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(json_safe(row), sort_keys=True) + "\n" for row in kept))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Tensor], mask: Tensor | None
+                ) -> tuple[Tensor, Tensor, list[int], int]:
+    """(training, rollout) masked values flattened as float64, the tokens per sequence, and how many positions are
+    non-finite on either side. Refuses what cannot be compared (see the module docstring)."""
+    if isinstance(rollout, Tensor) != isinstance(train, Tensor):
+        raise ValueError("rollout_logprobs and train_logprobs must both be [B, T] tensors or both sequences of 1-D "
+                         f"tensors, got {type(rollout).__name__} and {type(train).__name__}")
+    if isinstance(rollout, Tensor):
+        rows_roll, rows_train = _padded_rows(rollout, train, mask)
+    else:
+        if mask is not None:
+            raise ValueError("mask is for padded [B, T] tensors; sequences of 1-D tensors hold only response tokens")
+        rows_roll, rows_train = _sequence_rows(rollout, train)
+    lengths = [int(r.numel()) for r in rows_roll]
+    roll = torch.cat(rows_roll) if rows_roll else torch.zeros(0, dtype=torch.float64)
+    flat_train = torch.cat(rows_train) if rows_train else torch.zeros(0, dtype=torch.float64)
+    nonfinite = int((~(torch.isfinite(roll) & torch.isfinite(flat_train))).sum())
+    return flat_train, roll, lengths, nonfinite
+
+
+def _check_tensor(side: str, value: Any) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{side} must be a torch tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"{side} must be a floating-point tensor of log-probs, got {value.dtype}")
+    return value.detach().to("cpu", torch.float64)  # exact widening (float16/bf16/float32 -> float64)
+
+
+def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None) -> tuple[list[Tensor], list[Tensor]]:
+    roll, tr = _check_tensor("rollout_logprobs", rollout), _check_tensor("train_logprobs", train)
+    if roll.dim() != 2 or roll.shape != tr.shape:
+        raise ValueError(f"rollout_logprobs {list(roll.shape)} and train_logprobs {list(tr.shape)} must be [B, T] "
+                         "tensors of one shape")
+    if mask is None:
+        keep = torch.ones(roll.shape, dtype=torch.bool)
+    else:
+        if not isinstance(mask, Tensor):
+            raise ValueError(f"mask must be a torch tensor, got {type(mask).__name__}")
+        if mask.shape != roll.shape:
+            raise ValueError(f"mask has shape {list(mask.shape)} but the log-probs have {list(roll.shape)}")
+        mask = mask.detach().cpu()
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("mask holds values other than 0 and 1")
+        keep = mask.bool()
+    rows_roll, rows_train = [], []
+    for b in range(roll.shape[0]):
+        columns = keep[b].nonzero().flatten()
+        for side, values, rows in (("rollout_logprobs", roll, rows_roll), ("train_logprobs", tr, rows_train)):
+            row = values[b, columns]
+            j = _first_positive(row)
+            if j is not None:
+                raise _positive_error(f"{side}[{b}, {int(columns[j])}]", row)
+            rows.append(row)
+    return rows_roll, rows_train
+
+
+def _sequence_rows(rollout: Sequence[Tensor], train: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    if len(rollout) != len(train):
+        raise ValueError(f"got {len(rollout)} rollout sequences but {len(train)} training sequences")
+    rows_roll, rows_train = [], []
+    for i, (r, t) in enumerate(zip(rollout, train)):
+        r, t = _check_tensor(f"rollout_logprobs[{i}]", r), _check_tensor(f"train_logprobs[{i}]", t)
+        if r.dim() != 1 or r.shape != t.shape:
+            raise ValueError(f"sequence {i}: rollout log-probs {list(r.shape)} and training log-probs "
+                             f"{list(t.shape)} must be 1-D of one length")
+        for side, row, rows in (("rollout_logprobs", r, rows_roll), ("train_logprobs", t, rows_train)):
+            j = _first_positive(row)
+            if j is not None:
+                raise _positive_error(f"{side}[{i}][{j}]", row)
+            rows.append(row)
+    return rows_roll, rows_train
+
+
+def _first_positive(row: Tensor) -> int | None:
+    """The index of the first finite value above ``POSITIVE_LOGPROB_TOLERANCE`` (+inf is an outcome, non-finite)."""
+    above = ((row > POSITIVE_LOGPROB_TOLERANCE) & torch.isfinite(row)).nonzero()
+    return int(above[0, 0]) if above.numel() else None
+
+
+def _positive_error(where: str, row: Tensor) -> ValueError:
+    count = int(((row > POSITIVE_LOGPROB_TOLERANCE) & torch.isfinite(row)).sum())
+    value = float(row[_first_positive(row)])
+    return ValueError(f"{where} is {value:.6g}: a log-prob above 0 (a probability above 1; tolerance "
+                      f"{POSITIVE_LOGPROB_TOLERANCE:g}, {count} such values in the row): were logits or probabilities "
+                      "passed?")
