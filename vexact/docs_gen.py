@@ -1,0 +1,419 @@
+"""The documentation's reference pages, generated from the code so they cannot drift.
+
+Three pages are written from the objects that define them, never by hand:
+
+* the CLI reference, by walking ``vexact.cli.build_parser()`` (every subcommand and flag; ``vexact bench``'s
+  benchmarks from their own ``add_arguments`` where the ``benchmarks`` package is importable);
+* the config reference, by walking the ``RunConfig`` dataclasses of ``vexact.rl.config`` (types, defaults, bounds;
+  a field's description is the comment beside it in the source);
+* the metric reference, from the registry ``vexact.metric_keys``.
+
+``mkdocs build`` calls :func:`on_page_markdown` (this file is listed under ``hooks:`` in ``mkdocs.yml``), which
+replaces a marker line ``<!-- vexact-docs: cli -->`` (or ``config``, ``metrics``) with the generated text.
+``python -m vexact.docs_gen DIR`` writes the three pages as plain markdown, to read or diff them.
+``tests/test_docs.py`` checks that every flag, key and metric appears.
+
+Imports are absolute: mkdocs loads this file by path, outside the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+import types
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["PAGES", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "metrics_markdown",
+           "on_page_markdown"]
+
+MARKER = re.compile(r"^<!-- vexact-docs: (\w+) -->$", re.MULTILINE)
+
+
+def _cell(text: object) -> str:
+    """Text for one markdown table cell: pipes escaped, newlines folded."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _code(text: object) -> str:
+    return f"`{text}`".replace("|", "\\|")
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------
+
+
+def _subcommands(parser: argparse.ArgumentParser, prefix: str) -> Iterator[tuple[str, argparse.ArgumentParser, str]]:
+    """(command path, parser, one-line help) for every subcommand below ``parser``, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help or "" for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                path = f"{prefix} {name}"
+                yield path, sub, helps.get(name, "")
+                yield from _subcommands(sub, path)
+
+
+def _benchmark_parsers(bench: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """``vexact bench WHICH``'s own options, read from ``benchmarks.WHICH.add_arguments`` (repository checkouts
+    only: ``benchmarks`` is not part of the installed package)."""
+    which = next((a for a in bench._actions if a.dest == "which"), None)
+    for name in (which.choices if which is not None and which.choices else ()):
+        try:
+            module = importlib.import_module(f"benchmarks.{name}")
+        except ImportError:
+            continue
+        add = getattr(module, "add_arguments", None)
+        if add is None:
+            continue
+        parser = argparse.ArgumentParser(prog=f"vexact bench {name}", add_help=False)
+        add(parser)
+        yield f"vexact bench {name}", parser
+
+
+def _help(action: argparse.Action) -> str:
+    text = action.help or ""
+    if text is argparse.SUPPRESS:
+        return ""
+    params = {"default": action.default, "prog": "vexact", "dest": action.dest,
+              "choices": ", ".join(map(str, action.choices or ()))}
+    try:
+        return text % params
+    except (KeyError, TypeError, ValueError):
+        return text
+
+
+def _default(action: argparse.Action) -> str:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
+                           argparse._VersionAction)) or action.default in (None, argparse.SUPPRESS, [], ()):
+        return ""
+    return _code(action.default)
+
+
+def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+    rows = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        names = ", ".join(_code(o) for o in action.option_strings) or _code(action.metavar or action.dest)
+        choices = ", ".join(map(str, action.choices)) if action.choices else ""
+        rows.append(f"| {names} | {_default(action)} | {_cell(choices)} | {_cell(_help(action))} |")
+    return rows
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    return " ".join(parser.format_usage().split())[len("usage: "):]
+
+
+def _parsers() -> Iterator[tuple[str, argparse.ArgumentParser, str]]:
+    from vexact.cli import build_parser
+
+    root = build_parser()
+    yield "vexact", root, root.description or ""
+    for path, sub, text in _subcommands(root, "vexact"):
+        yield path, sub, text
+        if path == "vexact bench":
+            for bench_path, bench in _benchmark_parsers(sub):
+                yield bench_path, bench, bench.description or f"options of {bench_path}"
+
+
+def cli_markdown() -> str:
+    """The CLI reference: every command's usage and a table of its flags (default, choices, help)."""
+    out = ["Generated from `vexact.cli.build_parser()` when the docs are built; `vexact COMMAND --help` prints "
+           "the same. Exit codes: see [Failure behaviour](failure.md#exit-codes).", ""]
+    for path, parser, text in _parsers():
+        out += [f"## `{path}`", ""]
+        if text:
+            out += [_cell(text), ""]
+        out += ["```text", _usage(parser), "```", ""]
+        rows = _flag_rows(parser)
+        if rows:
+            out += ["| flag | default | choices | help |", "|---|---|---|---|", *rows, ""]
+    return "\n".join(out)
+
+
+def cli_flags() -> dict[str, set[str]]:
+    """{command path: its option strings and positional names}, for the completeness test."""
+    flags: dict[str, set[str]] = {}
+    for path, parser, _ in _parsers():
+        names = set()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            names |= set(action.option_strings) or {action.metavar or action.dest}
+        flags[path] = names
+    return flags
+
+
+# --- config keys -------------------------------------------------------------------------------------------
+
+_FIELD = re.compile(r"^(\s+)(\w+)\s*:")
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """{field name: the comment beside it (or the comment lines just above it)} from the class's source."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    out: dict[str, str] = {}
+    above: list[str] = []
+    indent = None
+    for line in source.splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# ").strip())
+            continue
+        match = _FIELD.match(line)
+        if match and (indent is None or match.group(1) == indent) and not stripped.startswith(("def ", "@")):
+            indent = match.group(1)
+            code, _, comment = line.partition("  # ")
+            text = comment.strip() if "=" in code or ":" in code else ""
+            out[match.group(2)] = text or " ".join(above)
+        above = []
+    return out
+
+_DESCRIPTIONS = {
+    "name": "run name; the run directory is runs/<name> unless output_dir is set",
+    "seed": "seed of everything random (keyed by seed and step)",
+    "steps": "RL steps",
+    "output_dir": "run directory (null = runs/<name>)",
+    "threads": "torch threads (null = torch's default); the backward is bitwise reproducible per thread count",
+    "model.hidden_size": "hidden size", "model.num_layers": "decoder layers", "model.num_heads": "attention heads",
+    "model.num_kv_heads": "key/value heads (grouped-query attention)",
+    "model.intermediate_size": "MLP intermediate size", "model.max_seq_len": "longest prompt + response",
+    "model.head_dim": "null = hidden_size / num_heads", "model.rope_theta": "RoPE base",
+    "model.rms_norm_eps": "RMSNorm epsilon", "model.tie_embeddings": "LM head shares the embedding",
+    "task.min_len": "shortest problem (the difficulty knob)", "task.max_len": "longest problem",
+    "task.partial_credit": "reward a partly right answer",
+    "warm_start.lr": "learning rate of the supervised warm start", "warm_start.batch_size": "examples per step",
+    "rollout.prompts_per_step": "problems sampled per RL step",
+    "rollout.samples_per_prompt": "responses per problem (the GRPO group)",
+    "rollout.temperature": "sampling temperature (0 = greedy)", "rollout.max_new_tokens": "longest response",
+    "rollout.batch_size": "generation batch (null = all at once)",
+    "rollout.backend": "rollout kernel backend (null = the training backend)",
+    "rollout.dtype": "rollout dtype (null = the training dtype)",
+    "algorithm.old_logprobs": "PPO anchor: the rollout's log-probs (bypass) or recomputed by the training path",
+    "algorithm.advantage": "group advantage estimator (reinforce = batch-mean baseline)",
+    "algorithm.std_normalize": "divide group advantages by their standard deviation",
+    "algorithm.clip_low": "lower clip range of the ratio (1 - clip_low)",
+    "algorithm.clip_high": "upper clip range (1 + clip_high, clip-higher)",
+    "algorithm.loss_agg": "token mean over the batch, or mean over sequences of token means",
+    "algorithm.kl_coef": "k3 penalty against the step-0 policy, in the loss",
+    "algorithm.entropy_coef": "entropy bonus", "algorithm.mini_batches": "PPO mini-batches per step",
+    "algorithm.ppo_epochs": "passes over the step's batch",
+    "algorithm.micro_batch_size": "sequences per forward/backward (null = the whole mini-batch)",
+    "optimizer.lr": "AdamW learning rate", "optimizer.betas": "AdamW betas", "optimizer.eps": "AdamW epsilon",
+    "optimizer.weight_decay": "AdamW weight decay", "optimizer.warmup_steps": "linear warm-up steps",
+    "optimizer.master_dtype": "dtype of the master weights AdamW updates (a bf16 dtype computes in a bf16 copy)",
+    "logging.checkpoint_every": "checkpoint every N steps (and at the end; the newest two are kept)",
+    "logging.live": "rich progress bar with ETA, reward, length, k3 KL, bitwise-equal fraction",
+    "logging.eval_every": "clean evaluation every N steps",
+    "logging.backends": "jsonl (required) plus live views: tensorboard, wandb",
+    "logging.wandb_project": "W&B project of the wandb backend",
+    "inject.mode": "how the rollout path is perturbed (none = exact)",
+    "inject.value": "the mode's knob (σ, ε, p or k); 0 is a bitwise no-op",
+    "inject.scope": "which vocabulary entries or positions are perturbed",
+    "inject.calibration_prompts": "prompts of the calibration batch (with target)",
+    "inject.target.metric": "the metric the calibration aims at",
+    "inject.target.value": "its value on the calibration batch (required)",
+    "correction.method": "vexact's shorthand for a correction",
+    "correction.rollout_is": "verl: importance-sampling level", "correction.rollout_is_batch_normalize":
+    "verl: divide the weights by their mean",
+    "lr_schedule.kind": "schedule on top of optimizer.lr and its warm-up",
+    "lr_schedule.gamma": "step: factor every step_size steps",
+    "lr_schedule.mismatch_metric": "mismatch_triggered: the metric whose trailing mean is compared",
+    "distributed.leaves": "each mini-batch gradient is the fixed-tree sum of this many leaves",
+    "distributed.reduce": "tree (bitwise equal for every rank count) or allreduce",
+}
+"""Descriptions of the config fields that have no comment beside them in the source (the comment wins).
+Left for later: move these into ``vexact/rl/config.py`` as field comments."""
+
+
+def _slug(title: str) -> str:
+    """The anchor Python-Markdown's toc extension gives a heading."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", title).strip().lower())
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        return " \\| ".join(_code(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_type_name(a) for a in args if a is not type(None)]
+        return " \\| ".join(parts) + (" \\| null" if type(None) in args else "")
+    if origin in (list, tuple):
+        inner = ", ".join(_type_name(a) for a in args if a is not Ellipsis)
+        return f"{origin.__name__}[{inner}]"
+    if origin is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "section"
+    return getattr(tp, "__name__", str(tp))
+
+
+_BOUND_WORDS = {"min": "≥", "gt": ">", "max": "≤", "lt": "<"}
+
+
+def _bounds(meta: Any) -> str:
+    return ", ".join(f"{_BOUND_WORDS[k]} {v}" for k, v in meta.items() if k in _BOUND_WORDS)
+
+
+def _default_of(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(value):
+            return ""
+    else:
+        return "required"
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, tuple):
+        value = list(value)
+    return _code(value)
+
+
+def _sections() -> Iterator[tuple[str, type]]:
+    """(dotted prefix, dataclass) of ``RunConfig`` and every section below it (optional ones too)."""
+    from vexact.rl.config import RunConfig
+
+    todo: list[tuple[str, type]] = [("", RunConfig)]
+    while todo:
+        prefix, cls = todo.pop(0)
+        yield prefix, cls
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            inner = [a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+            if inner:
+                todo.append((f"{prefix}{f.name}.", inner[0]))
+
+
+def _comment_source(cls: type) -> type:
+    """The class whose source documents ``cls``'s fields: ``ModelSection`` is built from ``ModelConfig``."""
+    if cls.__name__ == "ModelSection":
+        from vexact.engine.model import ModelConfig
+
+        return ModelConfig
+    return cls
+
+
+def config_keys() -> list[str]:
+    """Every dotted config key (leaves and sections), for the completeness test."""
+    keys = []
+    for prefix, cls in _sections():
+        keys += [prefix + f.name for f in dataclasses.fields(cls)]
+    return keys
+
+
+def config_markdown() -> str:
+    """The config reference: one table per section (key, type, default, bounds, description)."""
+    from vexact.rl import config as cfg
+
+    out = []
+    for prefix, cls in _sections():
+        title = f"`{prefix.rstrip('.')}`" if prefix else "Top level"
+        out += [f"## {title}", ""]
+        doc = inspect.getdoc(cls) or ""
+        if doc:
+            out += [" ".join(doc.split("\n\n")[0].split()), ""]
+        hints = typing.get_type_hints(cls)
+        comments = _field_comments(_comment_source(cls))
+        out += ["| key | type | default | bounds | description |", "|---|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            text = comments.get(f.name) or _DESCRIPTIONS.get(key, "")
+            inner = [a for a in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(a)]
+            if inner:
+                text = f"{text}; see [`{key}`](#{_slug(key)})".lstrip("; ")
+            out.append(f"| `{key}` | {_type_name(hints[f.name])} | {_default_of(f)} | "
+                       f"{_cell(_bounds(f.metadata))} | {_cell(text)} |")
+        out.append("")
+    aliases = getattr(cfg, "KEY_ALIASES", {})
+    if aliases:
+        out += ["## Other spellings", "",
+                "verl's name of a key, in vexact's section; the config stores vexact's. Giving both is an error.", "",
+                "| verl spelling | vexact key |", "|---|---|",
+                *(f"| `{a}` | `{k}` |" for a, k in aliases.items()), ""]
+    renamed = getattr(cfg, "RENAMED_KEYS", {})
+    if renamed:
+        out += ["Deprecated keys (still read, with a `FutureWarning`):", "", "| old key | new key |", "|---|---|",
+                *(f"| `{a}` | `{k}` |" for a, k in renamed.items()), ""]
+    values = getattr(cfg, "VALUE_ALIASES", {})
+    if values:
+        out += ["Other spellings of values (stored under the second):", "",
+                ", ".join(f"`{a}` → `{v}`" for a, v in values.items()), ""]
+    return "\n".join(out)
+
+
+# --- metric keys -------------------------------------------------------------------------------------------
+
+
+def metrics_markdown() -> str:
+    """The metric reference: one table per key prefix, from ``vexact.metric_keys``."""
+    from vexact import metric_keys
+
+    out = ["Generated from the registry `vexact/metric_keys.py`. **writers**: `run` = a line of `metrics.jsonl`; "
+           "`measure` / `compare` = the `metrics` object of their `--json` report. **verl** ✓: verl's key and "
+           "definition. `<lo>-<hi>` is a token-probability bucket (0-0.01, 0.01-0.1, 0.1-0.5, 0.5-0.9, 0.9-1), "
+           "`<option>` a `correction.rollout_rs` option, `<k>` the top-k size.", ""]
+    by_group: dict[str, list] = {}
+    for key in metric_keys.KEYS:
+        by_group.setdefault(key.group, []).append(key)
+    for group in [*metric_keys.GROUPS, *(g for g in by_group if g not in metric_keys.GROUPS)]:
+        keys = by_group.get(group)
+        if not keys:
+            continue
+        out += [f"## `{group}/*`: {metric_keys.GROUPS.get(group, group)}", "",
+                "| key | definition | unit | writers | verl | computed in |", "|---|---|---|---|---|---|"]
+        out += [f"| `{k.name}` | {_cell(k.definition)} | {k.unit} | {', '.join(k.writers)} | "
+                f"{'✓' if k.verl else ''} | `vexact/{k.source}` |" for k in keys]
+        out.append("")
+    return "\n".join(out)
+
+
+PAGES = {"cli": cli_markdown, "config": config_markdown, "metrics": metrics_markdown}
+"""Marker name -> generator. ``<!-- vexact-docs: NAME -->`` on a line of its own in a page is replaced."""
+
+
+def expand(markdown: str) -> str:
+    """``markdown`` with every marker line replaced by its generated text (an unknown name is an error)."""
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in PAGES:
+            raise ValueError(f"unknown generated page {name!r}; expected one of {', '.join(PAGES)}")
+        return PAGES[name]()
+
+    return MARKER.sub(replace, markdown)
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    """mkdocs hook: expand the markers of every page."""
+    return expand(markdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m vexact.docs_gen OUT_DIR  (writes cli.md, config.md, metrics.md)", file=sys.stderr)
+        return 2
+    out = Path(args[0])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in PAGES.items():
+        (out / f"{name}.md").write_text(make() + "\n")
+        print(out / f"{name}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
