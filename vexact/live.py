@@ -77,6 +77,9 @@ POSITIVE_LOGPROB_TOLERANCE = 1e-6
 bf16 never rounds above 0 by more than a few ulps of 0 (far below this); a value like +0.7 means logits or
 probabilities were passed."""
 
+RESERVED_KEYS = ("step", "outcome", "gates", "by_position", "map", "map_error")
+RESERVED_PREFIXES = ("rollout_corr/", "training/", "mismatch/", "live/")  # mismatch_metrics' families and ours
+
 OnGateFailure = Literal["record", "raise"]
 ON_GATE_FAILURE = ("record", "raise")
 
@@ -164,16 +167,23 @@ class LiveMonitor:
 
     # ----------------------------------------------------------------------------------------------- per step
     def step(self, step: int, rollout_logprobs: Tensor | Sequence[Tensor], train_logprobs: Tensor | Sequence[Tensor],
-             mask: Tensor | None = None) -> dict[str, Any]:
+             mask: Tensor | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Compare one step's rollout-side and training-side log-probs of the same tokens; write and return the
-        row. Raises ValueError on a caller mistake (nothing written), ``GateFailed`` after writing a row whose
-        gate failed when ``on_gate_failure="raise"``."""
+        row (``extra``: more keys for it, e.g. the trainer's own step counter; they may not shadow the row's).
+        Raises ValueError on a caller mistake (nothing written), ``GateFailed`` after writing a row whose gate
+        failed when ``on_gate_failure="raise"``."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step {step} does not follow step {self._last_step}: steps must increase")
         train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask)
         row = self._row(step, train, roll, lengths, nonfinite)
+        if extra:
+            clash = sorted(key for key in extra if key in RESERVED_KEYS or key.startswith(RESERVED_PREFIXES))
+            if clash:
+                raise ValueError(f"extra keys {clash} would shadow the row's own ({', '.join(RESERVED_PREFIXES)}*, "
+                                 f"{', '.join(RESERVED_KEYS)})")
+            row.update(extra)
         self._write(step, row)
         if self.on_gate_failure == "raise" and row["live/gates_failed"]:
             raise GateFailed(row)
