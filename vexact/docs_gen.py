@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import logging
 import re
 import sys
 import types
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = ["PAGES", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "metrics_markdown",
-           "on_page_markdown"]
+           "on_config", "on_page_markdown"]
 
 MARKER = re.compile(r"^<!-- vexact-docs: (\w+) -->$", re.MULTILINE)
 
@@ -125,7 +126,7 @@ def _parsers() -> Iterator[tuple[str, argparse.ArgumentParser, str]]:
 def cli_markdown() -> str:
     """The CLI reference: every command's usage and a table of its flags (default, choices, help)."""
     out = ["Generated from `vexact.cli.build_parser()` when the docs are built; `vexact COMMAND --help` prints "
-           "the same. Exit codes: see [Failure behaviour](failure.md#exit-codes).", ""]
+           "the same. Exit codes: see [Failure behaviour](failure.md).", ""]
     for path, parser, text in _parsers():
         out += [f"## `{path}`", ""]
         if text:
@@ -400,6 +401,27 @@ def expand(markdown: str) -> str:
 def on_page_markdown(markdown: str, **_: Any) -> str:
     """mkdocs hook: expand the markers of every page."""
     return expand(markdown)
+
+
+class _DocstringBrackets(logging.Filter):
+    """Docstrings are written for ``help()``, not as Markdown: ``x[i][j]`` reads to Markdown as a reference link,
+    and mkdocstrings' cross-reference check would fail the strict build on it. Such a warning about a docstring
+    (its location is a ``.py`` file) is logged as info; one about a page's own link still fails the build."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno == logging.WARNING and "Could not find cross-reference target" in message \
+                and re.search(r"\.py:\d+:", message):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def on_config(config: Any, **_: Any) -> Any:
+    """mkdocs hook: demote docstring cross-reference warnings (see ``_DocstringBrackets``)."""
+    logger = logging.getLogger("mkdocs.plugins.mkdocs_autorefs._internal.plugin")
+    if not any(isinstance(f, _DocstringBrackets) for f in logger.filters):
+        logger.addFilter(_DocstringBrackets())
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
