@@ -239,3 +239,72 @@ def test_scaling_map_verdict_or_clear_refusal(tmp_path):
     if "map" in row:
         assert row["map"] == scaling.place_on_map(data, row["rollout_corr/k3_kl"], row["live/mean_response_length"])
         json.dumps(row["map"])  # a JSON-able verdict
+
+
+# --------------------------------------------------------------------------------------------------- verl recipe
+def _verl_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch as verl 0.9.1's driver holds it after _compute_old_log_prob: float32 log-probs, an int64 mask."""
+    roll, train, mask = _batch(seed)
+    return {"rollout_log_probs": roll, "old_log_probs": train.nan_to_num(0.0), "response_mask": mask.long(),
+            "responses": torch.zeros_like(mask, dtype=torch.long)}
+
+
+def test_verl_batch_row_equals_compare_on_its_dump(tmp_path):
+    from types import SimpleNamespace
+
+    from vexact.integrations.verl import observe_batch
+
+    batch = _verl_batch()
+    path = tmp_path / "verl_batch.safetensors"  # the batch dumped as the README's verl recipe does
+    save_file({k: v.contiguous() for k, v in batch.items()}, str(path))
+    summary = run_compare(CompareSettings(rollout=path)).summary  # compare's defaults are verl's keys
+    with LiveMonitor(tmp_path / "live") as monitor:
+        row = observe_batch(monitor, SimpleNamespace(batch=batch), 1)  # DataProto-like: tensors in .batch
+        # old_log_prob as _compute_old_log_prob returns it (its own DataProto), the batch without the key yet
+        without = {k: v for k, v in batch.items() if k != "old_log_probs"}
+        row2 = observe_batch(monitor, without, 2, old_log_prob=SimpleNamespace(batch={"old_log_probs":
+                                                                                     batch["old_log_probs"]}))
+    for r in (row, row2):
+        assert all(_same(r[k], v) for k, v in summary["metrics"].items())
+
+
+def test_verl_batch_refusals(tmp_path):
+    from vexact.integrations.verl import observe_batch
+
+    batch = _verl_batch()
+    monitor = LiveMonitor(tmp_path)
+    with pytest.raises(ValueError, match=r"calculate_log_probs=True"):
+        observe_batch(monitor, {k: v for k, v in batch.items() if k != "rollout_log_probs"}, 1)
+    with pytest.raises(ValueError, match=r"call after _compute_old_log_prob"):
+        observe_batch(monitor, {k: v for k, v in batch.items() if k != "old_log_probs"}, 1)
+    bypass = {**batch, "old_log_probs": batch["rollout_log_probs"]}  # what verl's apply_bypass_mode does
+    with pytest.raises(ValueError, match=r"bypass mode"):
+        observe_batch(monitor, bypass, 1)
+    with pytest.raises(ValueError, match=r"neither 'response_mask' nor 'attention_mask'"):
+        observe_batch(monitor, {k: v for k, v in batch.items() if k != "response_mask"}, 1)
+    # verl's compute_response_mask: the last T columns of attention_mask (prompt + response)
+    prompt = torch.ones(len(batch["response_mask"]), 3, dtype=torch.long)
+    derived = {k: v for k, v in batch.items() if k != "response_mask"}
+    derived["attention_mask"] = torch.cat([prompt, batch["response_mask"]], 1)
+    a = observe_batch(monitor, derived, 1)
+    b = observe_batch(monitor, batch, 2)
+    assert a["rollout_corr/k3_kl"] == b["rollout_corr/k3_kl"] and a["mismatch/tokens"] == b["mismatch/tokens"]
+
+
+def test_verl_names_are_verl_0_9_1s():
+    """The keys and the hook point of the recipe, read from verl's own source (found, not imported)."""
+    import importlib.util
+    from pathlib import Path
+
+    require_optional("verl", "pip install --no-deps verl==0.9.1")
+    from vexact.integrations.verl import ROLLOUT_KEY, TRAIN_KEY
+
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    source = (root / "trainer" / "ppo" / "ray_trainer.py").read_text()
+    assert "def _compute_old_log_prob(self, batch: DataProto):" in source
+    assert "return old_log_prob, old_log_prob_mfu" in source
+    assert 'old_log_prob, old_log_prob_mfu = self._compute_old_log_prob(batch)' in source
+    for key in (ROLLOUT_KEY, TRAIN_KEY, "response_mask"):
+        assert f'batch.batch["{key}"]' in source or f'"{key}"' in source, key
+    bypass = (root / "trainer" / "ppo" / "rollout_corr_helper.py").read_text()
+    assert 'batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]' in bypass
