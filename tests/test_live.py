@@ -223,22 +223,47 @@ def test_tensorboard_view_holds_the_rows(tmp_path):
     assert scalars[0].value == pytest.approx(rows[0]["rollout_corr/k3_kl"], rel=1e-6)  # stored as float32
 
 
+def test_scaling_map_refused_without_the_module(tmp_path, monkeypatch):
+    import sys
+
+    import vexact.lab
+
+    monkeypatch.setitem(sys.modules, "vexact.lab.scaling", None)  # as on a vexact without the module
+    monkeypatch.delattr(vexact.lab, "scaling", raising=False)
+    with pytest.raises(ValueError, match=r"scaling_map needs vexact.lab.scaling"):
+        LiveMonitor(tmp_path, scaling_map={"status": "fitted"})
+    LiveMonitor(tmp_path)  # without a map the monitor needs no such module
+
+
+FITTED_MAP = {"status": "fitted", "horizon_range": [8.0, 128.0], "log10_prefactor": -1.0, "alpha": 0.5,
+              "replicates": [[-1.2, 0.4], [-1.0, 0.5], [-0.8, 0.6]], "horizons": [], "note": "synthetic, for the test"}
+"""A scaling.json with a fitted law threshold = 10^-1 * T^-0.5 (made up here: the test checks the plumbing)."""
+
+
 def test_scaling_map_verdict_or_clear_refusal(tmp_path):
-    """With ``vexact.lab.scaling`` present the row carries its ``place_on_map`` verdict; without it a map is refused
-    at construction (rows never carry a ``map`` key by default: test_row_equals_compare_on_the_same_tensors)."""
+    """With ``vexact.lab.scaling`` present every ok row carries its ``place_on_map`` verdict for the step's k3 and
+    mean response length; without the module a map is refused at construction. Rows never carry ``map`` unless a
+    map was given (test_row_equals_compare_on_the_same_tensors)."""
     roll, train, mask = _batch()
+    map_file = tmp_path / "scaling.json"
+    map_file.write_text(json.dumps(FITTED_MAP))
     try:
         from vexact.lab import scaling
     except ImportError:
-        with pytest.raises(ValueError, match=r"scaling_map needs vexact.lab.scaling"):
-            LiveMonitor(tmp_path, scaling_map={"anything": 1})
-        return
-    data = scaling.load_map()
-    row = LiveMonitor(tmp_path, scaling_map=data).step(0, roll, train, mask)
-    assert "map" in row or "map_error" in row
-    if "map" in row:
-        assert row["map"] == scaling.place_on_map(data, row["rollout_corr/k3_kl"], row["live/mean_response_length"])
-        json.dumps(row["map"])  # a JSON-able verdict
+        pytest.skip("this vexact has no vexact.lab.scaling (test_scaling_map_refused_without_the_module covers it)")
+    for given in (map_file, scaling.load_map(map_file)):  # a path (read with load_map) or a loaded map
+        with LiveMonitor(tmp_path / f"live_{type(given).__name__}", scaling_map=given) as monitor:
+            row = monitor.step(0, roll, train, mask)
+        expected = scaling.place_on_map(scaling.load_map(map_file), row["rollout_corr/k3_kl"],
+                                        row["live/mean_response_length"])
+        assert row["map"] == expected and row["map"]["verdict"]
+        assert row["map"]["horizon"] == row["live/mean_response_length"]
+    with pytest.raises(ValueError, match="map file not found"):
+        LiveMonitor(tmp_path / "live_missing", scaling_map=tmp_path / "absent.json")
+    # a step the map cannot place (no tokens: horizon 0) is an outcome without metrics, so no map either
+    with LiveMonitor(tmp_path / "live_empty", scaling_map=map_file) as monitor:
+        empty = monitor.step(0, roll, train, torch.zeros_like(mask))
+    assert "map" not in empty and empty["outcome"] == "no tokens"
 
 
 # --------------------------------------------------------------------------------------------------- verl recipe
