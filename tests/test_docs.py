@@ -1,0 +1,230 @@
+"""The generated reference pages and the metric-key registry cannot drift from the code.
+
+* every CLI flag (read back from each command's ``--help``), every config key (read back from a default config's
+  ``to_dict`` and from the schema) and every registered metric key is on its generated page;
+* a tiny run (plain; corrected + injected + KL + triggered LR; verl's IS/RS in decoupled mode; IcePop with batch
+  normalisation), ``vexact measure`` and ``vexact compare`` write only registered keys, and every key the registry
+  says a run writes is written by one of those runs;
+* the strict docs build (the real ``mkdocs.yml`` validation settings) fails on a broken link and a broken anchor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rich.console import Console
+from safetensors.torch import save_file
+
+from vexact import docs_gen, metric_keys
+from vexact.cli import build_parser, main
+from vexact.rl.config import config_from_dict, load_config
+from vexact.rl.runlog import read_metrics
+from vexact.rl.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = ROOT / "experiments" / "zero_mismatch.yaml"
+DOCS_PIP = "pip install -e '.[docs]'"
+
+
+# --------------------------------------------------------------------------- the generated pages
+
+
+def _help_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """The flags a parser's usage line shows: an independent read of what the generator walks."""
+    return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_usage()))
+
+
+def _missing_flags(page: str) -> list[str]:
+    missing = []
+    for path, parser, _ in docs_gen._parsers():
+        section = page.split(f"## `{path}`\n", 1)
+        if len(section) < 2:
+            missing.append(path)
+            continue
+        body = section[1].split("\n## ", 1)[0]
+        missing += [f"{path} {flag}" for flag in sorted(_help_flags(parser) - {"-h", "--help"})
+                    if f"`{flag}`" not in body]
+    return missing
+
+
+def test_cli_reference_lists_every_command_and_flag():
+    page = docs_gen.cli_markdown()
+    assert _missing_flags(page) == []
+    commands = {p for p in docs_gen.cli_flags() if p.count(" ") == 1}
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert commands == {f"vexact {name}" for name in subparsers.choices}
+    assert "`--nproc`" in page and "`--fail-on-mismatch`" in page and "## `vexact bench kernels`" in page
+
+
+def test_cli_check_fails_on_a_page_missing_a_flag():
+    page = docs_gen.cli_markdown()
+    doctored = page.replace("`--nproc`", "`--nprocs`")
+    assert _missing_flags(doctored) == ["vexact run --nproc"]
+
+
+def _dotted(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in data.items():
+        out.append(prefix + key)
+        if isinstance(value, dict) and key not in ("rope_scaling",):
+            out += _dotted(value, f"{prefix}{key}.")
+    return out
+
+
+def test_config_reference_lists_every_key():
+    page = docs_gen.config_markdown()
+    from_schema = docs_gen.config_keys()
+    from_a_config = _dotted(config_from_dict({}).to_dict())  # independent of the generator's walk
+    assert set(from_a_config) <= set(from_schema)
+    assert {"inject.target.metric", "inject.target.value", "distributed.leaves"} <= set(from_schema)
+    assert [k for k in from_schema if f"| `{k}` |" not in page] == []
+    assert [k for k in docs_gen._DESCRIPTIONS if k not in from_schema] == []  # no description of a removed key
+
+
+def test_metric_reference_lists_every_registered_key():
+    page = docs_gen.metrics_markdown()
+    assert [k.name for k in metric_keys.KEYS if f"| `{k.name}` |" not in page] == []
+
+
+def test_the_registry_is_well_formed():
+    names = [k.name for k in metric_keys.KEYS]
+    assert len(names) == len(set(names))
+    for key in metric_keys.KEYS:
+        assert key.definition and key.unit and key.writers, key.name
+        assert set(key.writers) <= {"run", "measure", "compare"}, key.name
+        assert key.group in metric_keys.GROUPS, key.name
+        assert (ROOT / "vexact" / key.source).is_file(), key.source
+    assert metric_keys.find("mismatch/tokens_bucket/0.1-0.5").name == "mismatch/tokens_bucket/<lo>-<hi>"
+    assert metric_keys.find("rollout_corr/rollout_rs_seq_mean_k3_seq_max").name == \
+        "rollout_corr/rollout_rs_<option>_seq_max"
+    assert metric_keys.unregistered(["step", "rollout_corr/k3_kl", "rollout_corr/k3", "mismatch/typo"]) == \
+        ["mismatch/typo", "rollout_corr/k3"]
+    assert metric_keys.find("rollout_corr/rollout_rs_token_k9_mean") is None  # not an option
+
+
+def test_generated_markers_expand_and_unknown_ones_are_refused():
+    text = docs_gen.expand("# x\n\n<!-- vexact-docs: metrics -->\n")
+    assert "vexact-docs" not in text and "`rollout_corr/k3_kl`" in text
+    with pytest.raises(ValueError, match="unknown generated page 'nope'"):
+        docs_gen.expand("<!-- vexact-docs: nope -->")
+
+
+# --------------------------------------------------------------------------- keys written by run / measure / compare
+
+RUN_VARIANTS = {
+    "plain": [],
+    "corrected": ["correction.method=token_tis", "inject.mode=logit_noise", "inject.value=0.1",
+                  "algorithm.kl_coef=0.01", "lr_schedule.kind=mismatch_triggered",
+                  "lr_schedule.mismatch_threshold=1e-9", "lr_schedule.mismatch_window=1"],
+    "verl": ["correction.rollout_is=sequence", "correction.rollout_rs=token_k1",
+             "correction.rollout_rs_threshold=0.5_2.0", "algorithm.old_logprobs=recompute",
+             "inject.mode=logit_scale", "inject.value=-0.3"],
+    "icepop": ["correction.method=icepop", "correction.batch_normalize=true", "inject.mode=logit_noise",
+               "inject.value=0.5"],
+}
+
+
+def _run_keys(tmp_path: Path) -> set[str]:
+    base = [f"warm_start.cache_dir={tmp_path / 'cache'}", "warm_start.steps=2", "steps=2",
+            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "task.eval_prompts=2",
+            "logging.eval_every=1", "logging.checkpoint_every=2", "logging.live=false", "rollout.max_new_tokens=9"]
+    keys: set[str] = set()
+    for name, overrides in RUN_VARIANTS.items():
+        cfg = load_config(EXPERIMENT, [*base, f"output_dir={tmp_path / name}", *overrides])
+        summary = Trainer(cfg, Console(quiet=True)).run()
+        assert summary["status"] == "completed", (name, summary)
+        for row in read_metrics(tmp_path / name / "metrics.jsonl"):
+            keys |= set(row)
+    return keys
+
+
+def _quiet_main(argv: list[str]) -> int:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main(argv)
+
+
+def _measure_keys(tmp_path: Path) -> set[str]:
+    from vexact.real.pretrained import make_tiny_checkpoint
+
+    model = tmp_path / "tiny"
+    make_tiny_checkpoint(model, arch="llama")
+    out = tmp_path / "m.json"
+    assert _quiet_main(["measure", "--model", str(model), "--random", "4", "--max-prompt-len", "8",
+                        "--max-new-tokens", "4", "--rollout", "native:bf16", "--train", "exact:fp32",
+                        "--json", str(out)]) == 0
+    return set(json.loads(out.read_text())["metrics"])
+
+
+def _compare_keys(tmp_path: Path) -> set[str]:
+    # Full log-prob rows [B, T, V] in tensor files, so compare adds its full-vocabulary keys too.
+    gen = torch.Generator().manual_seed(0)
+    full = {side: torch.log_softmax(torch.randn(2, 3, 7, generator=gen), dim=-1) for side in ("roll", "train")}
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    paths = {}
+    for side, rows in full.items():
+        paths[side] = tmp_path / f"{side}.safetensors"
+        save_file({"logprobs": rows.gather(-1, tokens[..., None])[..., 0].contiguous(), "full": rows.contiguous(),
+                   "tokens": tokens}, str(paths[side]))
+    out = tmp_path / "c.json"
+    assert _quiet_main(["compare", str(paths["roll"]), str(paths["train"]), "--rollout-full-key", "full",
+                        "--train-full-key", "full", "--mask-key", "none", "--json", str(out)]) == 0
+    return set(json.loads(out.read_text())["metrics"])
+
+
+def test_run_measure_and_compare_write_only_registered_keys(tmp_path):
+    run, measured, compared = _run_keys(tmp_path), _measure_keys(tmp_path), _compare_keys(tmp_path)
+    assert metric_keys.unregistered(run | measured | compared) == []
+    # ... and the registry says who writes what: each writer's keys are entries naming that writer.
+    for writer, keys in (("run", run), ("measure", measured), ("compare", compared)):
+        assert [k for k in keys - {"step"} if writer not in metric_keys.find(k).writers] == [], writer
+    assert any(k.startswith("mismatch/full_vocab_top") for k in compared)
+    # The other direction: every entry the registry gives to `run` is written by one of the runs above.
+    written = {metric_keys.find(k).name for k in run - {"step"}}
+    assert [k.name for k in metric_keys.KEYS if "run" in k.writers and k.name not in written] == []
+
+
+# --------------------------------------------------------------------------- the strict build catches broken links
+
+
+def _strict_build(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
+    """Build a one-page site with the real mkdocs.yml's validation settings and hooks (nav, theme and plugins
+    dropped, so it takes seconds)."""
+    real = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text(page)
+    (docs / "other.md").write_text("# Other\n\n## A section\n")
+    config = {"site_name": "t", "docs_dir": str(docs), "site_dir": str(tmp_path / "site"), "strict": True,
+              "validation": real["validation"], "hooks": [str(ROOT / hook) for hook in real["hooks"]],
+              "markdown_extensions": ["toc"]}
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(tmp_path / "mkdocs.yml")],
+                          capture_output=True, text=True, timeout=120, env={"NO_MKDOCS_2_WARNING": "1",
+                                                                             "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.needs_package("mkdocs", DOCS_PIP)
+@pytest.mark.parametrize("link,problem", [
+    ("other.md#a-section", None),
+    ("missing.md", "not found among documentation files"),
+    ("other.md#no-such-section", "does not contain an anchor '#no-such-section'"),
+])
+def test_the_strict_build_fails_on_a_broken_link(tmp_path, link, problem):
+    result = _strict_build(tmp_path, f"# Home\n\nSee [there]({link}).\n\n<!-- vexact-docs: metrics -->\n")
+    if problem is None:
+        assert result.returncode == 0, result.stderr
+        assert "rollout_corr/k3_kl" in (tmp_path / "site" / "index.html").read_text()  # the hook ran
+    else:
+        assert result.returncode != 0 and problem in result.stderr, result.stderr
