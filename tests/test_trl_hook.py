@@ -55,11 +55,11 @@ def _model():
 
 
 class KVCacheRollout:
-    """TRL's ``rollout_func``: sample with ``generate`` and return the sampled tokens' log-probs (temperature 1, no
-    top-k/top-p, so the processed scores are the logits), as an inference engine reports them."""
+    """TRL's ``rollout_func``: sample with ``generate`` and return each sampled token's log_softmax(raw logits / T)
+    -- what an engine reports after temperature (the HF recipe of docs/tutorials/own_engine.md; top-k/top-p off)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.returned = tokenizer, []
+    def __init__(self, tokenizer, temperature: float = 1.0):
+        self.tokenizer, self.temperature, self.returned = tokenizer, temperature, []
 
     def __call__(self, prompts, trainer):
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
@@ -68,11 +68,12 @@ class KVCacheRollout:
             attention = torch.ones(1, len(ids), dtype=torch.long)
             with torch.no_grad():
                 gen = trainer.model.generate(torch.tensor([ids]), attention_mask=attention, do_sample=True,
-                                             max_new_tokens=6, output_scores=True, return_dict_in_generate=True,
-                                             temperature=1.0, top_k=None, top_p=None, pad_token_id=0, eos_token_id=1)
+                                             max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
+                                             temperature=self.temperature, top_k=0, top_p=1.0, pad_token_id=0,
+                                             eos_token_id=1)
             completion = gen.sequences[0, len(ids):]
-            scores = torch.stack(gen.scores)[:, 0].float()
-            logps = torch.log_softmax(scores, -1).gather(-1, completion[:, None])[:, 0].tolist()
+            logits = torch.stack(gen.logits)[:, 0].float() / self.temperature
+            logps = torch.log_softmax(logits, -1).gather(-1, completion[:, None])[:, 0].tolist()
             out["prompt_ids"].append(ids)
             out["completion_ids"].append(completion.tolist())
             out["logprobs"].append(logps)
@@ -93,7 +94,7 @@ def _trainer(tmp_path, monitor, cls=None, **config):
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=6, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
                       use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **config)
-    rollout = KVCacheRollout(tokenizer)
+    rollout = KVCacheRollout(tokenizer, config.get("temperature", 1.0))
     trainer = (cls or LiveGRPOTrainer)(model=_model(), reward_funcs=lambda completions, **kw: [float(len(c)) for c in
                                                                                             completions],
                                        args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
@@ -128,28 +129,44 @@ def test_grpo_trainer_writes_one_row_per_step(tmp_path, one_torch_thread):
         assert row["rollout_corr/k3_kl"] >= 0.0 and 0.0 <= row["mismatch/bitwise_equal_frac"] <= 1.0
 
 
-def test_uses_trls_old_logprobs_when_trl_computes_them(tmp_path, one_torch_thread):
+def test_uses_trls_old_logprobs_when_trl_computes_them_and_the_dump_recipe(tmp_path, one_torch_thread):
     """With generation ahead of optimisation (steps_per_generation 2 > gradient accumulation 1) TRL computes
-    ``old_per_token_logps`` itself; the hook must pass that tensor, not a second forward of its own."""
+    ``old_per_token_logps`` itself; the hook must pass that tensor, not a second forward of its own. The same trainer
+    follows the TRL dump recipe of docs/live_and_recipes.md, and ``vexact compare`` on the dump gives the live row."""
+    from safetensors.torch import save_file
     from trl import GRPOTrainer
 
-    from vexact.integrations.trl import LiveMismatchMixin
+    from vexact.integrations.trl import LiveMismatchMixin, batch_sides
+    from vexact.real.compare import CompareSettings, run_compare
 
     seen = []
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
 
     class Capturing(LiveMismatchMixin, GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
             seen.append(output)
+            if self.model.training and self.accelerator.is_main_process:  # the recipe, as documented
+                rollout, train, mask = batch_sides(self, output)
+                save_file({"rollout_log_probs": rollout.detach().cpu().contiguous(),
+                           "old_log_probs": train.detach().cpu().contiguous(),
+                           "response_mask": mask.cpu().contiguous(),
+                           "responses": output["completion_ids"].cpu().contiguous()},
+                          str(dumps / f"step{self.state.global_step}.safetensors"))
             return output
 
     monitor = RecordingMonitor(tmp_path / "vexact")
-    trainer, _ = _trainer(tmp_path, monitor, cls=Capturing, steps_per_generation=2)
+    trainer, _ = _trainer(tmp_path, monitor, cls=Capturing, steps_per_generation=2, temperature=0.7)
     trainer.train()
     monitor.close()
     assert len(seen) == 1 and "old_per_token_logps" in seen[0]
     assert torch.equal(monitor.calls[0][1], seen[0]["old_per_token_logps"])
-    assert [r["step"] for r in read_metrics(tmp_path / "vexact" / "metrics.jsonl")] == [0]
+    rows = read_metrics(tmp_path / "vexact" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0]
+    summary = run_compare(CompareSettings(rollout=dumps / "step0.safetensors")).summary
+    assert all(_same(rows[0][k], v) for k, v in summary["metrics"].items())
+    assert summary["tokens"] == rows[0]["mismatch/tokens"] > 0
 
 
 def test_refuses_a_trainer_without_rollout_logprobs(tmp_path):
