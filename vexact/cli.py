@@ -343,13 +343,15 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
                             "a single run directory (DIR/report/: report.json, run_curves.png)")
     p.add_argument("directory", type=Path, metavar="DIR",
                    help="a vexact sweep output (has sweep.json) or a vexact run output (has metrics.jsonl)")
-    p.set_defaults(func=lambda args: _cmd_report(args.directory))
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="report without damaged or unreadable points (named in the output) instead of refusing")
+    p.set_defaults(func=lambda args: _cmd_report(args.directory, args.skip_damaged))
 
 
-def _cmd_report(directory: Path) -> int:
+def _cmd_report(directory: Path, skip_damaged: bool = False) -> int:
     from .lab.run_report import write_any_report
 
-    write_any_report(directory, make_console())  # prints the one "report written to" line itself
+    write_any_report(directory, make_console(), skip_damaged)  # prints the one "report written to" line itself
     return EXIT_OK
 
 
@@ -470,6 +472,15 @@ def _add_locate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=locate.main)
 
 
+def _add_meter(sub: argparse._SubParsersAction) -> None:
+    from .lab import bias_meter
+
+    p = sub.add_parser("meter", epilog=exit_codes_help("meter"),
+                       help="gradient bias of mismatched rollouts vs exact ones, per horizon and source (no training)")
+    bias_meter.add_arguments(p)
+    p.set_defaults(func=bias_meter.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.",
                      epilog=exit_codes_help())
@@ -484,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_measure(sub)
     _add_compare(sub)
     _add_locate(sub)
+    _add_meter(sub)
     _add_bench(sub)
     return parser
 

@@ -22,6 +22,7 @@ cutting a number (``print_table``). A single run directory is reported by ``vexa
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import statistics
@@ -35,15 +36,15 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
+from ..markdown_table import markdown_table as write_markdown_table
+from ..rl.atomic import publish, write_json_atomic, write_text_atomic
 from ..rl.collapse import trailing_mean
 from ..rl.config import CollapseSection, dotted_items
-from ..rl.runlog import json_safe
+from ..rl.metrics_log import decode_non_finite, read_metrics
 
 SEED_KEY = "seed"
 RESULT_STATUSES = ("completed", "stopped")  # points that ran to a verdict (the collapse-rate denominator)
 REPORT_DIR = "report"
-_NON_FINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
-               "infinity": math.inf, "-infinity": -math.inf}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -51,7 +52,8 @@ _NON_FINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math
 
 @dataclass
 class PointData:
-    """One sweep point: its overrides, status, summary.json (or None) and metrics.jsonl lines."""
+    """One sweep point: its overrides, status, summary.json (or None) and metrics.jsonl lines; ``damage`` says
+    what could not be read (an unparsable summary.json, a damaged metrics.jsonl), empty when nothing."""
 
     name: str
     dir: Path
@@ -60,6 +62,7 @@ class PointData:
     error: str | None = None
     summary: dict[str, Any] | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    damage: list[str] = field(default_factory=list)
 
     @property
     def collapse(self) -> dict[str, Any]:
@@ -150,45 +153,45 @@ def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = No
     """One run directory (a sweep point, or a single ``vexact run``): its summary.json and metrics.jsonl.
 
     The one reader behind both the sweep report and the single-run report (``run_report.py``), so a run reads
-    the same wherever it is reported from. ``status`` defaults to the summary's, else "pending"."""
-    summary = _read_json(point_dir / "summary.json")
+    the same wherever it is reported from. ``status`` defaults to the summary's, else "pending". Missing files are
+    no damage (a point not run yet, a run still going); a file that is there but cannot be read is: it is left out
+    (summary None, metrics []) and named in ``damage``. metrics.jsonl is read by ``metrics_log.read_metrics``
+    (a torn last line is left out, any other bad line is damage)."""
+    damage = []
+    summary = None
+    summary_path = point_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            summary = decode_non_finite(json.loads(summary_path.read_bytes()))
+            if not isinstance(summary, dict):
+                raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+        except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            summary = None
+            damage.append(f"{summary_path.name}: not a readable run summary ({_first_line(e)})")
+    try:
+        metrics = read_metrics(point_dir / "metrics.jsonl")
+    except (OSError, ValueError) as e:  # MetricsDamaged names the file and line
+        metrics = []
+        damage.append(_first_line(e).replace(str(point_dir) + "/", ""))
     status = status or (summary or {}).get("status") or "pending"
     return PointData(name=name, dir=point_dir, overrides=dict(overrides or {}), status=str(status), error=error,
-                     summary=summary, metrics=_read_jsonl(point_dir / "metrics.jsonl"))
+                     summary=summary, metrics=metrics, damage=damage)
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return _decode_non_finite(json.loads(path.read_text()))
-    except json.JSONDecodeError:
-        return None
+def _damage_list(damaged: list[PointData]) -> str:
+    return "; ".join(f"{p.name or p.dir} ({', '.join(p.damage)})" for p in damaged)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(_decode_non_finite(json.loads(line)))
-        except json.JSONDecodeError:  # a line cut short by an interrupt
-            continue
-    return rows
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines() or [type(err).__name__])[0][:200]
 
 
-def _decode_non_finite(value: Any) -> Any:
-    """Undo runlog's encoding of NaN/Inf as strings."""
-    if isinstance(value, str) and value.lower() in _NON_FINITE:
-        return _NON_FINITE[value.lower()]
-    if isinstance(value, dict):
-        return {k: _decode_non_finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode_non_finite(v) for v in value]
-    return value
+def damaged_points_error(where: Path, damaged: list[PointData]) -> ValueError:
+    """One error naming every damaged or unreadable point and what is wrong with it."""
+    return ValueError(f"{where}: {len(damaged)} damaged or unreadable point{'s' * (len(damaged) != 1)}: "
+                      f"{_damage_list(damaged)}. "
+                      "Repair or move them away, or pass --skip-damaged to report without them")
 
 
 # ----------------------------------------------------------------------------- tables
@@ -300,12 +303,12 @@ def write_summary_csv(data: SweepData, path: str | Path) -> Path:
     columns = list(dict.fromkeys(k for row in rows for k in row)) or ["name", "status"]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _csv_cell(v) for k, v in row.items()})
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _csv_cell(v) for k, v in row.items()})
+    return write_text_atomic(path, text.getvalue())
 
 
 def _csv_cell(v: Any) -> Any:
@@ -517,11 +520,8 @@ def markdown_table(rows: list[dict[str, Any]], title: str | None = None, notes: 
     group_keys = _row_group_keys(rows)
     headers, body = _table_cells(rows, group_keys)
     n_keys = max(len(group_keys), 1)
-    esc = lambda s: s.replace("|", "\\|")  # noqa: E731
     lines = [f"### {title}", ""] if title else []
-    lines.append("| " + " | ".join(esc(h) for h in headers) + " |")
-    lines.append("|" + "|".join(":---" if i < n_keys else "---:" for i in range(len(headers))) + "|")
-    lines += ["| " + " | ".join(esc(c) for c in cells) + " |" for cells in body]
+    lines.append(write_markdown_table(headers, body, ["left" if i < n_keys else "right" for i in range(len(headers))]))
     notes = [reward_definition([])] if notes is None else notes
     if notes:
         lines += [""] + notes
@@ -827,7 +827,8 @@ def _finish(ax: Any, handles: list[Any], legend: bool = True) -> None:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight" keeps the outside legend in the image
+    # "tight" keeps the outside legend in the image
+    publish(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -837,29 +838,37 @@ def _save(fig: Any, path: Path) -> Path:
 # ----------------------------------------------------------------------------- report
 
 
-def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[str, Any]:
+def write_report(sweep_dir: str | Path, console: Console | None = None, skip_damaged: bool = False) -> dict[str, Any]:
     """Load the sweep, write SWEEP_DIR/report/{summary.csv,table.json,table.md,*.png}, print the table.
 
-    Prints "report written to ..." once, naming the files (callers print nothing more about it).
-    Returns ``{"rows": group rows, "files": [Path, ...]}``.
+    A damaged or unreadable point (``PointData.damage``) is a ValueError naming every such point, before anything
+    is written -- unless ``skip_damaged``: then they are left out of every table and plot, and named in the printed
+    output and under table.md. Prints "report written to ..." once, naming the files (callers print nothing more
+    about it). Returns ``{"rows": group rows, "files": [Path, ...], "skipped": [damaged point names]}``.
     """
     console = console or Console()
     data = read_sweep_results(sweep_dir)
+    damaged = [p for p in data.points if p.damage]
+    if damaged and not skip_damaged:
+        raise damaged_points_error(data.path, damaged)
+    data.points = [p for p in data.points if not p.damage]
     out = data.path / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     rows = group_table(data)
     files = [write_summary_csv(data, out / "summary.csv")]
-    (out / "table.json").write_text(json.dumps(json_safe(rows), indent=2) + "\n")
+    write_json_atomic(out / "table.json", rows, sort_keys=False)
     notes = [reward_definition(data.points)]
-    (out / "table.md").write_text(markdown_table(rows, title=data.name, notes=notes))
+    if damaged:
+        notes.append(f"Left out (damaged or unreadable, --skip-damaged): {_damage_list(damaged)}.")
+    write_text_atomic(out / "table.md", markdown_table(rows, title=data.name, notes=notes))
     files += [out / "table.json", out / "table.md"]
     from .dose_response import dose_response, plot_dose_response, threshold_words  # they build on this module
     from .dynamics import mismatch_dynamics
 
     doses = dose_response(data)
     dynamics = mismatch_dynamics(data)
-    (out / "dose_response.json").write_text(json.dumps(json_safe(doses), indent=2) + "\n")
-    (out / "dynamics.json").write_text(json.dumps(json_safe(dynamics), indent=2) + "\n")
+    write_json_atomic(out / "dose_response.json", doses, sort_keys=False)
+    write_json_atomic(out / "dynamics.json", dynamics, sort_keys=False)
     files += [out / "dose_response.json", out / "dynamics.json"]
     try:
         files += plot_sweep(data, out)
@@ -871,11 +880,19 @@ def write_report(sweep_dir: str | Path, console: Console | None = None) -> dict[
     for curve in doses["curves"]:
         console.print(f"dose-response {curve['curve']}: {threshold_words(curve['threshold'])}")
         console.print(f"  {curve['threshold']['note']}", soft_wrap=True)
+    from .scaling import write_scaling  # issue O: threshold vs horizon (scaling.json / .png)
+
+    scaling_files, scaling_text = write_scaling(data, out)
+    files += scaling_files
+    console.print(scaling_text, markup=False, soft_wrap=True)
     failed = [p for p in data.points if p.status == "failed"]
     for p in failed:
         console.print(f"[red]failed:[/] {p.name}" + (f" -- {p.error}" if p.error else ""))
+    for p in damaged:
+        console.print(f"skipped damaged point {p.name}: {', '.join(p.damage)}", markup=False, highlight=False,
+                      soft_wrap=True)
     written_line(console, out, files)
-    return {"rows": rows, "files": files}
+    return {"rows": rows, "files": files, "skipped": [p.name for p in damaged]}
 
 
 def written_line(console: Console, out: Path, files: list[Path]) -> None:

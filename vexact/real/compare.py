@@ -612,12 +612,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gate: exit 1 if rollout_corr/k3_kl > X")
     parser.add_argument("--max-abs-dlogp", type=_limit, default=None, metavar="X",
                         help="gate: exit 1 if mismatch/abs_dlogp_max > X")
+    parser.add_argument("--map", nargs="?", const="default", default=None, metavar="FILE",
+                        help="place the dump's k3 and mean response length on a collapse map (a scaling.json; "
+                             "without FILE: the map shipped with vexact)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the command from parsed arguments; returns the exit code (0 passed, 1 a gate failed)."""
     from rich.console import Console
     from rich.markup import escape
+
+    from ..lab.scaling import compare_map
 
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
@@ -635,6 +640,9 @@ def main(args: argparse.Namespace) -> int:
     checked = f"; tokens checked on {s['sequences_with_tokens_checked']}" if settings.train is not None else ""
     print_report(s, console, title=escape(f"vexact compare: {sides}"),  # titles are rich markup; paths are not
                  caption=f"{s['sequences']} sequences ({s['mode']}{checked}); values compared exactly as float64")
+    if args.map is not None:  # issue O: where this k3 and horizon sit on the collapse map
+        s["map"], map_text = compare_map(s, args.map)
+        console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []
     if args.png:
         written.append(plot_report(result.logp_train, result.logp_roll, args.png,

@@ -6,3 +6,5 @@ log-probs, advantages, ``corrections``, PPO loss) -> update (in ``trainer``) -> 
 (metrics.jsonl, checkpoints); ``schedules`` (LR) and ``collapse`` watch the logged metrics; ``warmstart``
 makes the starting policy. Imports only ``vexact.engine`` and ``vexact_kernels``.
 """
+
+from . import tasks as _tasks  # noqa: E402, F401  (the task registry first: vexact.rl.horizon_task imports it)

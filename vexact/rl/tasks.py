@@ -312,7 +312,11 @@ class SumTask(_DigitStringTask):
         return len(sums) + self.max_len - 1 + 1 + len(str(9 * self.max_len))
 
 
-_TASKS: dict[str, type[Task]] = {t.name: t for t in (ReverseTask, AddTask, SortTask, CountTask, SumTask)}
+from .horizon_task import ScratchpadTask  # noqa: E402  (issue O: the horizon knob, in its own module)
+from .surge_task import SurgeTask  # noqa: E402  (issue R: the length surge, in its own module)
+
+_TASKS: dict[str, type[Task]] = {t.name: t for t in (ReverseTask, AddTask, SortTask, CountTask, SumTask,
+                                                     ScratchpadTask, SurgeTask)}
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 
 

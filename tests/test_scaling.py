@@ -1,0 +1,212 @@
+"""Collapse scaling (issue O): the threshold-vs-horizon law, bounds, bad input, and placing a user on the map."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from vexact.lab.report import PointData, SweepData
+from vexact.lab.scaling import MAP_KEYS, fit_law, load_map, place_on_map, scaling, write_scaling
+
+SEEDS = (0, 1, 2, 3)
+FACTORS = (0.25, 0.5, 2.0, 4.0)  # doses around the true threshold: the two below survive, the two above collapse
+
+
+def _point(tmp: Path, length: int, horizon: float | None, dose: float | None, collapsed: bool, seed: int,
+           extra: dict | None = None) -> PointData:
+    overrides = {"task.max_len": length, "seed": seed, **(extra or {})}
+    collapse = {"collapsed": collapsed}
+    if dose is not None:
+        collapse["mean_k3_kl_before_collapse"] = dose
+    metrics = [{"step": s, "response_length/mean": horizon} for s in range(3)] if horizon is not None else [
+        {"step": 0}]
+    name = ",".join(f"{k}={v}" for k, v in overrides.items())
+    return PointData(name, tmp / name, overrides, "completed", summary={"status": "completed", "collapse": collapse},
+                     metrics=metrics)
+
+
+def _sweep(tmp: Path, alpha: float, lengths=(8, 16, 32, 64), thr8: float = 1e-1, extra: dict | None = None,
+           safe_at: tuple[int, ...] = ()) -> SweepData:
+    """Points whose true 50% threshold is thr8 · (T/8)^(−alpha), T = L (+3 tokens of answer, see below)."""
+    points = []
+    for length in lengths:
+        t = float(length)
+        thr = thr8 * (t / 8.0) ** (-alpha)
+        for seed in SEEDS:
+            for f in FACTORS:
+                collapsed = f > 1 and length not in safe_at
+                points.append(_point(tmp, length, t, thr * f * (1 + 0.01 * seed), collapsed, seed,
+                                     {"inject.value": f, **(extra or {})}))
+    keys = ["task.max_len", "inject.value"] + list(extra or {})
+    return SweepData(tmp, "synthetic", {k: [] for k in keys + ["seed"]}, keys, points)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0, 0.0])
+def test_fit_recovers_a_known_exponent(tmp_path, alpha):
+    result = scaling(_sweep(tmp_path, alpha))
+    assert result["status"] == "fitted", result["note"]
+    assert result["alpha"] == pytest.approx(alpha, abs=0.05)
+    assert result["alpha_ci_low"] <= alpha <= result["alpha_ci_high"]
+    assert [h["status"] for h in result["horizons"]] == ["fitted"] * 4
+    for h in result["horizons"]:  # per-horizon threshold inside its bracket [0.5, 2] x the true one
+        true = 0.1 * (h["horizon"] / 8) ** (-alpha)
+        assert 0.5 * true <= h["threshold_50"] <= 2.2 * true
+        assert h["ci_low"] <= h["threshold_50"] <= h["ci_high"]
+
+
+def test_fit_distinguishes_exponents(tmp_path):
+    """Counter-case: data made with alpha = 2 is not read as alpha = 1 (the test above can fail)."""
+    result = scaling(_sweep(tmp_path, 2.0))
+    assert not result["alpha_ci_low"] <= 1.0 <= result["alpha_ci_high"]
+
+
+def test_bounds_enter_as_bounds(tmp_path):
+    """A horizon where nothing collapsed gives a lower bound, never a number in the fit."""
+    result = scaling(_sweep(tmp_path, 1.0, safe_at=(64,)))
+    by_len = {h["horizon_value"]: h for h in result["horizons"]}
+    assert by_len[64]["status"] == "above_range" and by_len[64]["threshold_50"] is None
+    assert result["status"] == "fitted" and "only a bound" in result["note"]
+    assert result["alpha"] == pytest.approx(1.0, abs=0.05)  # from the three fitted horizons alone
+    assert by_len[64]["lower_bound"] > 0
+
+
+def test_bounds_only_gives_bounds_on_alpha(tmp_path):
+    """One fitted horizon and one bound: no exponent, but a one-sided bound on it."""
+    result = scaling(_sweep(tmp_path, 1.0, lengths=(8, 64), safe_at=(64,)))
+    assert result["status"] == "bounds_only" and result["alpha"] is None
+    # thr(64) > its largest safe dose 4·thr(64)·1.03 (true alpha 1) -> alpha < log(thr8 / that) / log(8)
+    assert result["alpha_upper_bound"] is not None and result["alpha_lower_bound"] is None
+    assert result["alpha_upper_bound"] < 1.0 and "α ≤" in result["note"]
+
+
+def test_bad_input_one_sentence_each(tmp_path):
+    no_key = _sweep(tmp_path, 1.0)
+    for p in no_key.points:
+        p.overrides.pop("task.max_len")
+    r = scaling(no_key)
+    assert r["status"] == "no_horizon" and "task.max_len" in r["note"] and r["alpha"] is None
+    files, line = write_scaling(no_key, tmp_path)
+    assert files == [] and not (tmp_path / "scaling.json").exists() and line.startswith("scaling: the sweep sets no")
+
+    r = scaling(_sweep(tmp_path, 1.0, lengths=(16,)))
+    assert r["status"] == "single_horizon" and r["alpha"] is None and "at least two" in r["note"]
+
+    missing = _sweep(tmp_path, 1.0)
+    for p in missing.points:
+        p.metrics = [{"step": 0}]
+    r = scaling(missing)
+    assert r["status"] == "insufficient" and r["alpha"] is None and "response_length/mean" in r["note"]
+
+    assert fit_law([])["status"] == "insufficient"
+
+
+def test_curves_split_by_mode_and_primary_is_bypass(tmp_path):
+    a = _sweep(tmp_path, 1.0, extra={"algorithm.old_logprobs": "recompute"})
+    b = _sweep(tmp_path, 2.0, extra={"algorithm.old_logprobs": "rollout"})
+    data = SweepData(tmp_path, "two", a.grid, a.group_keys, a.points + b.points)
+    r = scaling(data)
+    assert len(r["curves"]) == 2
+    assert r["curve"] == "algorithm.old_logprobs=rollout" and r["alpha"] == pytest.approx(2.0, abs=0.05)
+
+
+def test_write_scaling_files(tmp_path):
+    files = write_scaling(_sweep(tmp_path, 1.0), tmp_path)[0]
+    assert [f.name for f in files] == ["scaling.json", "scaling.png"]
+    data = json.loads(files[0].read_text())
+    for key in ("alpha", "alpha_ci_low", "alpha_ci_high", "metric", "status", "note", "horizons"):
+        assert key in data
+    assert all("threshold_50" in h and "ci_low" in h and "ci_high" in h for h in data["horizons"])
+
+
+# ----------------------------------------------------------------------------- the map
+
+
+def _map(tmp_path: Path, alpha: float = 1.0) -> dict:
+    files = write_scaling(_sweep(tmp_path, alpha), tmp_path)[0]
+    return load_map(files[0])
+
+
+def test_place_on_map_known_k3_and_length(tmp_path):
+    m = _map(tmp_path)
+    # the law: thr(T) ≈ 0.1 (T/8)^-1 -> at T = 800, ≈ 1e-3
+    p = place_on_map(m, 1e-5, 800.0)
+    assert p["threshold_50"] == pytest.approx(1e-3, rel=0.15)
+    assert p["ratio"] == pytest.approx(1e-5 / p["threshold_50"])
+    assert p["verdict"] == "far below the measured collapse range"
+    assert p["extrapolation_factor"] == pytest.approx(800.0 / 64.0)
+    assert p["ci_low"] < p["threshold_50"] < p["ci_high"]
+    assert place_on_map(m, 5e-4, 800.0)["verdict"] == "near the measured collapse range"
+    assert place_on_map(m, 1e-1, 800.0)["verdict"] == "above the measured collapse range"
+    inside = place_on_map(m, 1e-2, 20.0)
+    assert inside["extrapolation_factor"] == 1.0
+    assert place_on_map(m, 1e-2, 2.0)["extrapolation_factor"] == pytest.approx(4.0)
+
+
+def test_place_on_map_bad_input(tmp_path):
+    m = _map(tmp_path)
+    with pytest.raises(ValueError, match="no response lengths"):
+        place_on_map(m, 1e-3, 0.0)
+    with pytest.raises(ValueError, match="k3 must be"):
+        place_on_map(m, math.nan, 10.0)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a scaling.json"):
+        load_map(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="not found"):
+        load_map(tmp_path / "missing.json")
+
+
+def test_bounds_only_map_says_so(tmp_path):
+    files = write_scaling(_sweep(tmp_path, 1.0, lengths=(8, 64), safe_at=(8, 64)), tmp_path)[0]
+    m = load_map(files[0])
+    p = place_on_map(m, 1e-6, 500.0)
+    assert p["threshold_50"] is None and p["ratio"] is None
+    assert p["verdict"].startswith("below every level tested")
+
+
+def test_default_map_loads():
+    m = load_map()
+    assert m["horizon_range"] and m["status"]
+    p = place_on_map(m, 1e-4, 1000.0)
+    assert set(p) == set(MAP_KEYS)
+
+
+def _dump(path: Path, k3_logprobs: list[tuple[list[float], list[float]]]) -> tuple[Path, Path]:
+    roll, train = path / "roll.jsonl", path / "train.jsonl"
+    with roll.open("w") as r, train.open("w") as t:
+        for i, (a, b) in enumerate(k3_logprobs):
+            r.write(json.dumps({"id": i, "logprobs": a}) + "\n")
+            t.write(json.dumps({"id": i, "logprobs": b}) + "\n")
+    return roll, train
+
+
+def test_compare_map_cli(tmp_path, capsys):
+    from vexact.cli import main
+
+    m = tmp_path / "m"
+    m.mkdir()
+    map_file = write_scaling(_sweep(m, 1.0), m)[0][0]
+    # 4 sequences of 100 tokens, r = logp_train - logp_roll = 0.01 on every token: k3 = exp(r) - r - 1
+    seqs = [([-1.0] * 100, [-0.99] * 100) for _ in range(4)]
+    roll, train = _dump(tmp_path, seqs)
+    out = tmp_path / "out.json"
+    assert main(["compare", str(roll), str(train), "--map", str(map_file), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["map"]
+    assert list(data) == list(MAP_KEYS)
+    r = -0.99 - (-1.0)
+    assert data["k3"] == pytest.approx(math.exp(r) - r - 1, rel=1e-6)
+    assert data["horizon"] == 100.0
+    assert data["extrapolation_factor"] == pytest.approx(100.0 / 64.0)
+    text = capsys.readouterr().out
+    assert "verdict:" in text and "assumptions:" in text
+
+
+def test_compare_map_dump_without_lengths(tmp_path, capsys):
+    from vexact.cli import main
+
+    roll, train = _dump(tmp_path, [([], []), ([], [])])
+    assert main(["compare", str(roll), str(train), "--map"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
