@@ -60,10 +60,15 @@ from torch import Tensor
 from . import native
 from .autograd import exact_forward, exact_linear
 
+# Compile-only: the GPU code paths and tiles without a device, so that the kernels can be compiled for CUDA
+# targets and their code audited (vexact_kernels.triton_audit sets it in its own worker process). Launching
+# a kernel then fails in _check_device (CPU tensors).
+COMPILE_ONLY = os.environ.get("VEXACT_TRITON_COMPILE_ONLY") == "1"
+
 # The interpreter must be chosen before triton decorates any kernel: ``triton.jit`` reads
 # ``triton.knobs.runtime.interpret`` at decoration time (live from the environment unless
 # the knob was set in Python). The import comes after this line on purpose.
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and not COMPILE_ONLY:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
@@ -75,14 +80,14 @@ NAME = "triton"
 def _use_interpreter() -> bool:
     """Decide once whether kernels run in the Triton interpreter, and make it so.
 
-    Without CUDA there is nothing to compile for, so the interpreter is forced. Setting the
+    Without CUDA there is nothing to compile for, so the interpreter is forced (unless compile-only). Setting the
     environment variable is not enough when triton was imported earlier in the process:
     the knob may have been set to False in Python, and -- found by experiment with triton
     3.9 -- triton.language's own ``@jit`` helpers (``tl.sum``, ``tl.max``, ``tl.zeros``, ...)
     were then decorated as compiled functions, which raise when an interpreted kernel calls
     them. In that case they are re-decorated by reloading ``triton.language.standard``.
     """
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or COMPILE_ONLY:
         return bool(triton.knobs.runtime.interpret)
     if not triton.knobs.runtime.interpret:
         triton.knobs.runtime.interpret = True

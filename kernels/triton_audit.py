@@ -1,0 +1,685 @@
+"""The compiled Triton kernels, audited without a GPU.
+
+Why: the exact Triton backend is batch-invariant only if the code Triton *generates* keeps the promises the source
+makes (``triton_exact``'s docstring): every output is reduced by one program in a fixed order, and that order is
+set by compile-time tiles alone. A GPU is not needed to check this: Triton compiles for a CUDA target on any
+host (ptxas ships in its wheel). So every kernel variant -- each kernel in ``triton_exact``, fp32 and bf16, with
+the tiles, warps and options the wrappers launch it with -- is compiled here for sm_80 (A100) and sm_90 (H100),
+and the compiled code is checked:
+
+* **atomics**: no atomic or reducing memory operation -- ``tt.atomic_rmw`` / ``tt.atomic_cas`` /
+  ``tt.descriptor_reduce`` in TTIR and TTGIR, ``atom`` / ``red`` / ``multimem.red`` / ``cp.reduce.async`` in PTX.
+  An atomic accumulation's order is the order in which programs happen to arrive.
+* **split**: no reduction split across programs. Data flow on the TTIR: every program-id axis the kernel reads must
+  reach the address of every store. If an axis does not (split-K over ``program_id(2)``, say), programs along it
+  write the same outputs, which they can only combine by atomics or a race. Nor any cross-program channel: one
+  CTA per cluster (``ttg.num-ctas`` = 1), no cluster barriers or distributed shared memory in PTX, no cooperative
+  grid launch.
+* **rows**: one binary whatever the row count. The launch arguments are built for several row counts
+  (``ROW_COUNTS``: decode's 1, a ragged 17, ...) and put through Triton's own launch-time specialisation (its
+  binder: integers divisible by 16 or equal to 1 are specialised unless ``do_not_specialize``); every distinct
+  specialisation is compiled and their reductions (``tt.dot`` / ``ttng.warp_group_dot`` and ``tt.reduce`` with
+  their layouts, and the loops around them) compared. A kernel with a reduction must have exactly one binary; an
+  elementwise kernel may get a second one for a divisibility (wider loads) but has no reduction to reorder.
+* **tiles**: the block shapes of every compiled dot and reduction are those of the dtype's tile table in
+  ``triton_exact`` (``_MATMUL_TILES``, ``_ATTENTION_TILES``, ``_ROW_BLOCK``), and the warp count is the table's.
+* **digests**: sha256 of each variant's TTGIR (locations stripped) and PTX (debug lines and sections stripped),
+  recorded in ``kernels/triton_audit.json`` with the triton version, so that a toolchain or kernel change that
+  alters the compiled code shows in ``tests/test_triton_audit.py``; re-record after a deliberate change.
+
+The launch arguments mirror the wrappers in ``triton_exact`` (``_linear_forward``, ``_attention_exact``, ...) at
+one model shape (``SHAPE``: SmolLM-135M-like, the benchmarks' ``llama100m``); tiles and options are read from
+``triton_exact`` itself. Kernels are compiled in a worker process (``--worker``) that imports ``triton_exact`` in
+compile-only mode (``VEXACT_TRITON_COMPILE_ONLY=1``, interpreter off): a process that already imported it
+interpreted holds interpreter kernels, which cannot be compiled. The worker uses a fresh Triton cache, so
+every run really compiles.
+
+    python -m vexact_kernels.triton_audit            # compile, check, print the table, compare the digests
+    python -m vexact_kernels.triton_audit --record   # ... and write kernels/triton_audit.json
+
+Exit status: 0 all checks pass and the digests match the recording; 1 a check fails or a digest differs (or
+the recording was made with another triton version); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+RECORD_PATH = Path(__file__).with_name("triton_audit.json")
+RECORD_COMMAND = "python -m vexact_kernels.triton_audit --record"
+TARGETS = {"sm_80": 80, "sm_90": 90}  # CUDA compute capabilities: A100, H100
+DTYPES = ("fp32", "bf16")
+ROW_COUNTS = (1, 2, 16, 17, 1000)
+# The benchmarks' llama100m model (SmolLM-135M-like); head_dim 64. The cache and vocab are per-call sizes.
+SHAPE = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, batch=2, prefix=40)
+
+COMPILE_ONLY_ENV = {"VEXACT_TRITON_COMPILE_ONLY": "1", "TRITON_INTERPRET": "0"}
+
+
+# --------------------------------------------------------------------------- launch arguments
+# Each builder returns (args, kwargs) for one launch of a kernel at a row count, as the wrapper in triton_exact
+# would pass them. CPU tensors stand in for CUDA ones: the binder reads only their dtype and address alignment.
+@dataclass(frozen=True)
+class Variant:
+    """One compiled variant: a kernel of ``triton_exact`` at a dtype, with its launch builder and the dot and
+    reduction shapes its tiles promise (``dots``: (M, K, N) per product; ``reduces``: block shape per tree)."""
+
+    name: str
+    kernel: str
+    dtype: str
+    launch: Callable[[ModuleType, Any, int], tuple[tuple, dict]]
+    dots: Callable[[ModuleType, Any], list[tuple[int, ...]]]
+    reduces: Callable[[ModuleType, Any], list[tuple[int, ...]]]
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _empty(*shape: int, dtype) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=dtype)
+
+
+def _linear_launch(bias: bool) -> Callable:
+    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+        k, n = SHAPE["hidden"], SHAPE["intermediate"]
+        x, w, y = _empty(rows, k, dtype=dtype), _empty(n, k, dtype=dtype), _empty(rows, n, dtype=dtype)
+        b = _empty(n, dtype=dtype) if bias else w
+        block_m, block_n, block_k, num_warps, num_stages = te._MATMUL_TILES[dtype]
+        args = (x, w, b, y, rows, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
+        kwargs = dict(
+            HAS_BIAS=bias,
+            CAST_TO_FP32=te.INTERPRETING,
+            INPUT_PRECISION=te._input_precision(dtype),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **te._COMPILE_OPTIONS,
+        )
+        return args, kwargs
+
+    return launch
+
+
+def _linear_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+    block_m, block_n, block_k = te._MATMUL_TILES[dtype][:3]
+    return [(block_m, block_k, block_n)]
+
+
+def _attention_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    # rows = queries per sequence (1: a decode step); the cache holds a prefix plus the new queries.
+    batch, heads, kv_heads, head_dim = SHAPE["batch"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    cache_len = SHAPE["prefix"] + rows
+    q, out = _empty(batch, rows, heads, head_dim, dtype=dtype), _empty(batch, rows, heads, head_dim, dtype=dtype)
+    k, v = (_empty(batch, cache_len, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    q_start = _empty(batch, dtype=_torch_dtype("fp32")).long()
+    block_m, block_n, num_warps, num_stages = te._ATTENTION_TILES[dtype]
+    args = (q, k, v, q_start, out, rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))  # fmt: skip
+    kwargs = dict(
+        CAST_TO_FP32=te.INTERPRETING,
+        INPUT_PRECISION=te._input_precision(dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=_block_d(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **te._COMPILE_OPTIONS,
+    )
+    return args, kwargs
+
+
+def _block_d() -> int:
+    import triton
+
+    return max(16, triton.next_power_of_2(SHAPE["head_dim"]))
+
+
+def _attention_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+    block_m, block_n = te._ATTENTION_TILES[dtype][:2]
+    return [(block_m, _block_d(), block_n), (block_m, block_n, _block_d())]  # q @ k.T, p @ v
+
+
+def _attention_reduces(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+    block_m, block_n = te._ATTENTION_TILES[dtype][:2]
+    return [(block_m, block_n), (block_m, block_n)]  # row max and row sum of the scores
+
+
+def _rms_norm_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    n = SHAPE["hidden"]
+    x, w, y = _empty(rows, n, dtype=dtype), _empty(n, dtype=dtype), _empty(rows, n, dtype=dtype)
+    return (x, w, y, n, 1e-5), dict(BLOCK=te._ROW_BLOCK, num_warps=te._ROW_WARPS, **te._COMPILE_OPTIONS)
+
+
+def _row_logits_launch(targets: bool) -> Callable:
+    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+        import torch
+
+        v = SHAPE["vocab"]
+        logits = _empty(rows, v, dtype=dtype)
+        if targets:
+            args = (logits, _empty(rows, dtype=torch.int64), _empty(rows, dtype=torch.float32), v)
+        else:
+            args = (logits, _empty(rows, v, dtype=torch.float32), v)
+        return args, dict(BLOCK=te._ROW_BLOCK, num_warps=te._ROW_WARPS, **te._COMPILE_OPTIONS)
+
+    return launch
+
+
+def _silu_mul_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    n = rows * SHAPE["intermediate"]
+    gate, up, out = (_empty(n, dtype=dtype) for _ in range(3))
+    return (gate, up, out, n), dict(BLOCK=te._ELEMENTWISE_BLOCK, **te._COMPILE_OPTIONS)
+
+
+def _rope_launch(heads_key: str) -> Callable:
+    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+        import torch
+        import triton
+
+        heads, half = SHAPE[heads_key], SHAPE["head_dim"] // 2
+        x, out = (_empty(SHAPE["batch"], rows, heads, 2 * half, dtype=dtype) for _ in range(2))
+        cos, sin = (_empty(SHAPE["batch"], rows, half, dtype=torch.float32) for _ in range(2))
+        kwargs = dict(
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(half), **te._COMPILE_OPTIONS
+        )
+        return (x, cos, sin, out, heads, half), kwargs
+
+    return launch
+
+
+def _none(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+    return []
+
+
+def _row_block(count: int) -> Callable:
+    return lambda te, dtype: [(te._ROW_BLOCK,)] * count
+
+
+def variants() -> list[Variant]:
+    """Every audited variant: each kernel of triton_exact x fp32/bf16 (linear with and without bias, rope for the
+    query and the key head count, whose BLOCK_H differ)."""
+    kinds = [
+        ("linear", "_linear_kernel", _linear_launch(False), _linear_dots, _none),
+        ("linear+bias", "_linear_kernel", _linear_launch(True), _linear_dots, _none),
+        ("attention", "_attention_kernel", _attention_launch, _attention_dots, _attention_reduces),
+        ("rms_norm", "_rms_norm_kernel", _rms_norm_launch, _none, _row_block(1)),
+        ("log_softmax", "_log_softmax_kernel", _row_logits_launch(False), _none, _row_block(2)),
+        ("token_logprobs", "_token_logprobs_kernel", _row_logits_launch(True), _none, _row_block(2)),
+        ("silu_mul", "_silu_mul_kernel", _silu_mul_launch, _none, _none),
+        ("rope(q)", "_rope_kernel", _rope_launch("heads"), _none, _none),
+        ("rope(k)", "_rope_kernel", _rope_launch("kv_heads"), _none, _none),
+    ]
+    return [Variant(f"{name}/{dtype}", kernel, dtype, launch, dots, reduces)
+            for name, kernel, launch, dots, reduces in kinds for dtype in DTYPES]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- compiling
+def _bind(kernel: Any, args: tuple, kwargs: dict, target: int) -> tuple:
+    """What ``JITFunction.run`` computes before compiling, minus the driver: the target is given instead of read
+    off a device. The binder is Triton's own (it specialises integer arguments and pointer alignments)."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    gpu = GPUTarget("cuda", target, 32)
+    backend = make_backend(gpu)
+    kwargs = dict(kwargs, debug=kwargs.get("debug", kernel.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode,
+                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)  # fmt: skip
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    return gpu, backend, kwargs, bound, specialization, options
+
+
+def specialization_key(kernel: Any, args: tuple, kwargs: dict, target: int) -> str:
+    """The key under which Triton caches the binary of this launch: launches with equal keys run the same code."""
+    *_, specialization, options = _bind(kernel, args, kwargs, target)
+    return repr((specialization, sorted(options.items())))
+
+
+def compile_launch(kernel: Any, args: tuple, kwargs: dict, target: int) -> Any:
+    """The compiled kernel (``.asm``: ttir, ttgir, ptx, cubin; ``.metadata``) of one launch for CUDA compute
+    capability ``target``, from the same inputs as ``JITFunction.run`` (``_pack_args``)."""
+    from triton.compiler import ASTSource, compile
+
+    gpu, backend, kwargs, bound, specialization, options = _bind(kernel, args, kwargs, target)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+
+
+# --------------------------------------------------------------------------- reading the compiled code
+_LOC = re.compile(r"\s*loc\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)")
+_ALIAS = re.compile(r"^(#[\w.]+) = (.*)$")
+
+
+def strip_mlir(text: str) -> str:
+    """MLIR text without locations (which name the source file and lines): ``#locN = ...`` lines and ``loc(...)``."""
+    lines = [line for line in text.splitlines() if not re.match(r"^#loc\d* = ", line)]
+    return "\n".join(_LOC.sub("", line) for line in lines) + "\n"
+
+
+def strip_ptx(text: str) -> str:
+    """PTX without debug information (``.file``/``.loc`` lines name the source path and lines; DWARF sections)."""
+    body = text.split("\t.section\t.debug", 1)[0]
+    return "\n".join(line for line in body.splitlines() if not re.match(r"^\s*\.(file|loc)\s", line)) + "\n"
+
+
+def _resolve_aliases(mlir: str) -> str:
+    """Inline ``#blocked1 = ...`` style attribute aliases, so that code compares without their numbering."""
+    aliases = {}
+    body = []
+    for line in mlir.splitlines():
+        match = _ALIAS.match(line)
+        if match:
+            aliases[match.group(1)] = match.group(2)
+        else:
+            body.append(line)
+    text = "\n".join(body)
+    for name in sorted(aliases, key=len, reverse=True):
+        text = re.sub(re.escape(name) + r"(?![\w.])", aliases[name], text)
+    return text
+
+
+_ATOMIC_IR = re.compile(r"\b(tt\.atomic_rmw|tt\.atomic_cas|tt\.descriptor_reduce|ttng\.async_tma_reduce)\b")
+_ATOMIC_PTX = re.compile(r"^\s*(?:@!?%\w+\s+)?(atom|red|multimem\.red|cp\.reduce\.async)[.\s]", re.MULTILINE)
+_CLUSTER_PTX = re.compile(r"^\s*(?:@!?%\w+\s+)?(barrier\.cluster|mapa|\w[\w.]*shared::cluster)", re.MULTILINE)
+
+
+def atomics(ttir: str, ttgir: str, ptx: str) -> list[str]:
+    """Atomic / reducing memory operations in the compiled code, as 'stage: op' strings (empty: none)."""
+    found = [f"{stage}: {op}" for stage, text in (("ttir", ttir), ("ttgir", ttgir))
+             for op in sorted(set(_ATOMIC_IR.findall(text)))]  # fmt: skip
+    found += [f"ptx: {op}" for op in sorted(set(_ATOMIC_PTX.findall(ptx)))]
+    return found
+
+
+def cross_program(ttgir: str, ptx: str, metadata: Any) -> list[str]:
+    """Channels between programs other than atomics: clusters of CTAs, cluster barriers, distributed shared
+    memory, cooperative (grid-synchronised) launches."""
+    found = []
+    ctas = re.search(r'"ttg\.num-ctas" = (\d+)', ttgir)
+    if ctas is None or int(ctas.group(1)) != 1:
+        found.append(f"ttgir: num-ctas {ctas.group(1) if ctas else 'missing'}")
+    found += [f"ptx: {op}" for op in sorted(set(_CLUSTER_PTX.findall(ptx)))]
+    if getattr(metadata, "launch_cooperative_grid", False):
+        found.append("launch: cooperative grid")
+    return found
+
+
+_RESULT = re.compile(r"^\s*(%[\w.$-]+)(?::(\d+))?\s*=\s*(.*)$")
+_VALUE = re.compile(r"%[\w.$-]+(?:#\d+)?")
+_PROGRAM_ID = re.compile(r"tt\.get_program_id (\w)")
+_FOR = re.compile(r"scf\.for (%[\w.$-]+) = (\S+) to (\S+) step (\S+)(?: iter_args\((.*?)\) ->)?")
+
+
+def _program_id_flow(ttir: str) -> tuple[set[str], list[tuple[str, set[str]]]]:
+    """(program-id axes read, [(store, axes its address depends on)]) by data flow over the TTIR.
+
+    A value depends on the values its op reads; the results of a region op (scf.if, tt.reduce) also on what its
+    regions yield, and its block arguments on its operands; an ``scf.for`` iteration argument on its initial
+    value, the value yielded for it and the loop bounds, and the loop's results on their iteration arguments.
+    Iterated to a fixed point (loop-carried values). Atomic ops count as stores."""
+    lines = strip_mlir(ttir).splitlines()
+    deps: dict[str, set[str]] = {}
+
+    def of(tokens: list[str]) -> set[str]:
+        out: set[str] = set()
+        for token in tokens:
+            out |= deps.get(token, set()) | deps.get(token.split("#")[0], set())
+        return out
+
+    def add(name: str, new: set[str]) -> bool:
+        if new <= deps.setdefault(name, set()):
+            return False
+        deps[name] |= new
+        return True
+
+    axes: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        stores: list[tuple[str, set[str]]] = []
+        regions: list[tuple[list[str], list[str], set[str]]] = []  # open regions: (results, iter args, inherited)
+        for line in lines:
+            stripped = line.strip()
+            if stripped.startswith("}"):
+                region = regions.pop()
+                if stripped.endswith("{"):  # "} else {": the same op's next region
+                    regions.append(region)
+                continue
+            match = _RESULT.match(line)
+            result, count, op = ("", 0, stripped) if match is None else (match[1], int(match[2] or 1), match[3])
+            results = [f"{result}#{i}" for i in range(count)] if count > 1 else [result] if result else []
+            if (pid := _PROGRAM_ID.match(op)) is not None:
+                axes.add(pid.group(1))
+                changed |= add(result, {pid.group(1)})
+            elif (loop := _FOR.match(op)) is not None:
+                bounds = of(list(loop.group(2, 3, 4)))
+                changed |= add(loop.group(1), bounds)
+                pairs = re.findall(r"(%[\w.$-]+) = (%[\w.$-]+(?:#\d+)?)", loop.group(5) or "")
+                for (arg, init), res in zip(pairs, results):
+                    changed |= add(arg, of([init]) | bounds)
+                    changed |= add(res, deps[arg])
+                regions.append((results, [arg for arg, _ in pairs], bounds))
+                continue
+            elif op.startswith(("scf.yield", "tt.reduce.return")) and regions:
+                owner_results, iter_args, inherited = regions[-1]
+                yielded = _VALUE.findall(op)
+                if iter_args:
+                    for arg, res, value in zip(iter_args, owner_results, yielded):
+                        changed |= add(arg, of([value]) | inherited)
+                        changed |= add(res, deps[arg])
+                else:
+                    for res in owner_results:
+                        changed |= add(res, of(yielded) | inherited)
+                continue
+            elif op.startswith("^bb") and regions:
+                for arg in re.findall(r"(%[\w.$-]+):", op):
+                    changed |= add(arg, regions[-1][2])
+                continue
+            operands = _VALUE.findall(op)
+            if op.startswith(("tt.store", "tt.atomic_rmw", "tt.atomic_cas")):
+                stores.append((op.split(" : ")[0], of(operands[:1])))  # the first operand is the address
+            for res in results + ([result] if count > 1 else []):
+                changed |= add(res, of(operands))
+            if stripped.endswith("{"):
+                regions.append((results, [], of(operands)))
+    return axes, stores
+
+
+def split_reductions(ttir: str) -> list[str]:
+    """Stores whose address does not depend on every program-id axis the kernel reads: programs along that
+    axis write the same outputs, i.e. a reduction (or any work) split across programs."""
+    axes, stores = _program_id_flow(ttir)
+    found = []
+    for store, store_axes in stores:
+        missing = sorted(axes - store_axes)
+        if missing:
+            found.append(f"program_id {'/'.join(missing)} does not address `{store}`")
+    return found
+
+
+_SHAPE = re.compile(r"<(\d+(?:x\d+)*)x[a-z]")
+
+
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in m.split("x")) for m in _SHAPE.findall(text)]
+
+
+def reductions(ttgir: str) -> dict[str, list]:
+    """The reductions of the compiled code: ``dots`` as (M, K, N) block shapes, ``reduces`` as input block
+    shapes, and ``code``: their TTGIR (layouts inlined, value names and locations dropped) -- each product, each
+    tree with its axis, combine ops and operand layout, and the loop headers around them: what decides the
+    reduction order."""
+    text = _resolve_aliases(strip_mlir(ttgir))
+    dots, reduces, code = [], [], []
+    in_reduce, chain = False, None  # chain: the result of the last product
+    for line in text.splitlines():
+        match = _RESULT.match(line)
+        op = match.group(3) if match else line.strip()
+        anonymous = _VALUE.sub("%", op)
+        if in_reduce:
+            code.append(anonymous)
+            if op.startswith("})"):  # }) : (operand types) -> result types
+                reduces.append(_shapes(op)[0])
+                in_reduce = False
+        elif op.startswith('"tt.reduce"'):
+            code.append(anonymous)
+            in_reduce = True
+        elif re.match(r"(tt\.dot|ttng\.warp_group_dot|ttng\.tc_gen5_mma)\b", op):
+            a, b = _shapes(op)[:2]
+            accumulator = _VALUE.findall(op)[2]
+            if dots and accumulator == chain:  # the K block cut into chained products (sm_80: K = 16 each)
+                m, k, n = dots.pop()
+                dots.append((m, k + a[-1], n))
+            else:
+                dots.append((a[-2], a[-1], b[-1]))
+            chain = match.group(1) if match else None
+            code.append(anonymous)
+        elif op.startswith("scf.for"):
+            code.append(re.sub(r" iter_args\(.*", "", anonymous))
+    return {"dots": sorted(dots), "reduces": sorted(reduces), "code": code}
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_kernel(kernel: Any, launches: list[tuple[tuple, dict]], target: int) -> dict[str, Any]:
+    """Compile ``kernel`` for every launch (one per row count) for ``target`` and read the compiled code.
+
+    Returns ``binaries`` (distinct specialisations), ``same_reductions`` (every binary's reduction code equal),
+    ``atomics``, ``split``, ``cross_program`` (findings; empty lists pass), ``dots``, ``reduces``, ``num_warps``,
+    the digests of the first launch's code (``ttgir``, ``ptx``) and ``compile_s``."""
+    start = time.perf_counter()
+    compiled: dict[str, Any] = {}
+    for args, kwargs in launches:
+        key = specialization_key(kernel, args, kwargs, target)
+        if key not in compiled:
+            compiled[key] = compile_launch(kernel, args, kwargs, target)
+    first = next(iter(compiled.values()))
+    ttir, ttgir, ptx = first.asm["ttir"], first.asm["ttgir"], first.asm["ptx"]
+    found = reductions(ttgir)
+    codes = [reductions(c.asm["ttgir"])["code"] for c in compiled.values()]
+    return {
+        "binaries": len(compiled),
+        "same_reductions": all(code == codes[0] for code in codes),
+        "atomics": sorted({f for c in compiled.values() for f in atomics(c.asm["ttir"], c.asm["ttgir"], c.asm["ptx"])}),
+        "split": sorted({f for c in compiled.values() for f in split_reductions(c.asm["ttir"])}),
+        "cross_program": sorted(
+            {f for c in compiled.values() for f in cross_program(c.asm["ttgir"], c.asm["ptx"], c.metadata)}
+        ),  # fmt: skip
+        "dots": [list(d) for d in found["dots"]],
+        "reduces": [list(r) for r in found["reduces"]],
+        "has_reduction": bool(found["dots"] or found["reduces"]),
+        "num_warps": first.metadata.num_warps,
+        "ttgir": digest(strip_mlir(ttgir)),
+        "ptx": digest(strip_ptx(ptx)),
+        "ttir_chars": len(ttir),
+        "compile_s": round(time.perf_counter() - start, 2),
+    }
+
+
+# --------------------------------------------------------------------------- the worker (compile-only process)
+def _worker() -> dict[str, Any]:
+    """Compile and check every variant for every target; runs in a compile-only process (see the module doc)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction
+
+    from . import triton_exact as te
+
+    if te.INTERPRETING:
+        raise RuntimeError("triton_audit worker: triton_exact was loaded interpreted; run it through audit()")
+    kernels = sorted(name for name, value in vars(te).items()
+                     if isinstance(value, JITFunction) and name.endswith("_kernel"))  # fmt: skip
+    default_warps = make_backend(GPUTarget("cuda", 80, 32)).parse_options({}).num_warps  # when a launch names none
+    results: dict[str, Any] = {}
+    for variant in variants():
+        dtype = _torch_dtype(variant.dtype)
+        kernel = getattr(te, variant.kernel)
+        launches = [variant.launch(te, dtype, rows) for rows in ROW_COUNTS]
+        results[variant.name] = {
+            "kernel": variant.kernel,
+            "expected": {
+                "dots": sorted(list(d) for d in variant.dots(te, dtype)),
+                "reduces": sorted(list(r) for r in variant.reduces(te, dtype)),
+                "num_warps": launches[0][1].get("num_warps", default_warps),
+            },  # fmt: skip
+            "targets": {target: check_kernel(kernel, launches, cc) for target, cc in TARGETS.items()},
+        }
+    return {"triton": triton.__version__, "kernels": kernels, "row_counts": list(ROW_COUNTS), "variants": results}
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a compile-only worker: this one, compile-only, interpreter off, a fresh Triton cache
+    (the caller removes it) is set by ``run_worker``."""
+    return {**os.environ, **COMPILE_ONLY_ENV}
+
+
+def run_worker(argv: list[str]) -> subprocess.CompletedProcess:
+    """Run ``python ARGV`` in a compile-only process with a fresh, temporary Triton cache; output captured."""
+    with tempfile.TemporaryDirectory(prefix="vexact-triton-audit-") as cache:
+        env = {**worker_env(), "TRITON_CACHE_DIR": cache}
+        return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, check=False)
+
+
+def audit() -> dict[str, Any]:
+    """Compile and check every variant (in a worker process) and return its results."""
+    proc = run_worker(["-m", "vexact_kernels.triton_audit", "--worker"])
+    if proc.returncode != 0:
+        raise RuntimeError(f"triton_audit worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)
+
+
+# --------------------------------------------------------------------------- verdicts, table, recording
+def violations(res: dict[str, Any]) -> list[str]:
+    """What one kernel's ``check_kernel`` results break of the invariance contract (empty: nothing)."""
+    out = [f"atomic {f}" for f in res["atomics"]]
+    out += [f"split reduction: {f}" for f in res["split"]]
+    out += [f"cross-program channel {f}" for f in res["cross_program"]]
+    if not res["same_reductions"]:
+        out.append(f"the reduction code differs between row counts ({res['binaries']} binaries)")
+    elif res["has_reduction"] and res["binaries"] != 1:
+        out.append(f"{res['binaries']} binaries for the row counts (a reduction must have one)")
+    return out
+
+
+def problems(result: dict[str, Any]) -> list[str]:
+    """Every contract violation in ``audit()``'s results, as 'variant target: what' lines (empty: all pass):
+    ``violations``, compiled tiles or warps other than the tile table's, and kernels the audit does not cover."""
+    out = []
+    for name, variant in result["variants"].items():
+        expected = variant["expected"]
+        for target, res in variant["targets"].items():
+            where = f"{name} {target}"
+            out += [f"{where}: {v}" for v in violations(res)]
+            if res["dots"] != expected["dots"] or res["reduces"] != expected["reduces"]:
+                out.append(f"{where}: compiled tiles dots {res['dots']} reduces {res['reduces']}, "
+                           f"tile table says dots {expected['dots']} reduces {expected['reduces']}")  # fmt: skip
+            if res["num_warps"] != expected["num_warps"]:
+                out.append(f"{where}: {res['num_warps']} warps, tile table says {expected['num_warps']}")
+    audited = {v["kernel"] for v in result["variants"].values()}
+    out += [f"{k}: a kernel of triton_exact that the audit does not compile" for k in result["kernels"]
+            if k not in audited]  # fmt: skip
+    return out
+
+
+def digests(result: dict[str, Any]) -> dict[str, Any]:
+    """The recording: triton version and, per variant and target, the TTGIR and PTX digests."""
+    return {
+        "triton": result["triton"],
+        "command": RECORD_COMMAND,
+        "shape": SHAPE,
+        "row_counts": result["row_counts"],
+        "variants": {
+            name: {t: {"ttgir": r["ttgir"], "ptx": r["ptx"]} for t, r in v["targets"].items()}
+            for name, v in result["variants"].items()
+        },  # fmt: skip
+    }
+
+
+def load_record(path: Path | None = None) -> dict[str, Any]:
+    """The recorded digests (``RECORD_PATH`` unless ``path``)."""
+    return json.loads((path or RECORD_PATH).read_text())
+
+
+def digest_mismatches(result: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """Differences between this run's digests and the recording (a version mismatch is one line saying so)."""
+    if record["triton"] != result["triton"]:
+        return [f"digests were recorded with triton {record['triton']}, this is triton {result['triton']}: "
+                f"re-record with `{RECORD_COMMAND}` (after checking the audit passes)"]  # fmt: skip
+    now, then = digests(result)["variants"], record["variants"]
+    out = [f"{name}: not in the recording" for name in now if name not in then]
+    out += [f"{name}: recorded but no longer audited" for name in then if name not in now]
+    for name in sorted(set(now) & set(then)):
+        for target in sorted(set(now[name]) | set(then[name])):
+            for stage in ("ttgir", "ptx"):
+                if now[name].get(target, {}).get(stage) != then[name].get(target, {}).get(stage):
+                    out.append(f"{name} {target}: {stage} digest differs from the recording")
+    if out:
+        out.append(f"if the change is deliberate, re-record with `{RECORD_COMMAND}`")
+    return out
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def table(result: dict[str, Any], record: dict[str, Any] | None) -> str:
+    """The audit as a markdown table, one row per variant and target."""
+    rows = ["| variant | target | no atomics | no split | one program per tile | binaries over row counts "
+            "| dots (M, K, N) | reduces | warps | digest (ptx) | matches recording |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    then = record["variants"] if record and record["triton"] == result["triton"] else {}
+    for name, variant in result["variants"].items():
+        for target, r in variant["targets"].items():
+            recorded = then.get(name, {}).get(target)
+            match = "-" if recorded is None else _yes(recorded == {"ttgir": r["ttgir"], "ptx": r["ptx"]})
+            binaries = f"{r['binaries']}" + ("" if r["same_reductions"] else " (reductions differ)")
+            dots = " ".join("x".join(map(str, d)) for d in r["dots"]) or "-"
+            reduces = " ".join("x".join(map(str, d)) for d in r["reduces"]) or "-"
+            rows.append(f"| {name} | {target} | {_yes(not r['atomics'])} | {_yes(not r['split'])} "
+                        f"| {_yes(not r['cross_program'])} | {binaries} | {dots} | {reduces} | {r['num_warps']} "
+                        f"| `{r['ptx'][:12]}` | {match} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vexact_kernels.triton_audit", description=__doc__.split("\n")[0])
+    parser.add_argument("--record", action="store_true", help=f"write the digests to {RECORD_PATH.name}")
+    parser.add_argument("--json", metavar="PATH", help="also write the full results as JSON to PATH")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        json.dump(_worker(), sys.stdout)
+        return 0
+    start = time.perf_counter()
+    try:
+        result = audit()
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - start
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "seconds": round(seconds, 1)}, indent=1))
+    found = problems(result)
+    if args.record and not found:
+        RECORD_PATH.write_text(json.dumps(digests(result), indent=1) + "\n")
+    record = load_record() if RECORD_PATH.exists() else None
+    mismatches = digest_mismatches(result, record) if record else [f"no recording: run `{RECORD_COMMAND}`"]
+    print(f"triton {result['triton']}; row counts {result['row_counts']}; {len(result['variants'])} variants x "
+          f"{len(TARGETS)} targets compiled in {seconds:.0f} s\n")  # fmt: skip
+    print(table(result, record))
+    for line in found + mismatches:
+        print(f"FAIL {line}", file=sys.stderr)
+    if args.record and found:
+        print("error: not recorded: the audit fails", file=sys.stderr)
+    return 1 if found or mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
