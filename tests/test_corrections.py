@@ -237,3 +237,31 @@ def test_bad_inputs_and_config_errors():
     with pytest.raises(ConfigError, match="correction.loss_type.*bypass"):
         config_from_dict({"correction": {"loss_type": "reinforce"}, "algorithm": {"old_logprobs": "recompute"}})
     config_from_dict({"correction": {"preset": "decoupled_token_is"}, "algorithm": {"old_logprobs": "recompute"}})
+
+
+ZERO_CASES = ([CorrectionSection(method=m) for m in METHODS if m != "none"]
+              + [CorrectionSection(preset=p) for p in sorted(PRESETS) if p != "disabled"]
+              + [CorrectionSection(rollout_is=level, rollout_rs=rs, rollout_rs_threshold=threshold)
+                 for level in ("token", "sequence")
+                 for rs, threshold in (("token_k1,token_k2,token_k3", "0.8_1.25,0.02,0.02"),
+                                       ("seq_sum_k1,seq_sum_k2,seq_sum_k3", "0.5_2.0,0.1,0.1"),
+                                       ("seq_mean_k1,seq_mean_k2,seq_mean_k3", "0.9_1.1,0.01,0.01"),
+                                       ("seq_max_k2,seq_max_k3", "0.05,0.05"))])
+ZERO_CASES = [c for c in ZERO_CASES if plan_for(c).active]  # bypass_ppo_clip corrects nothing: no statistics
+
+
+@pytest.mark.parametrize("cfg", ZERO_CASES, ids=lambda c: c.method if c.method != "none" else c.preset or c.rollout_rs)
+def test_zero_mismatch_gives_every_dispersion_statistic_exactly_zero(cfg):
+    """ρ ≡ 1 bit for bit: every rollout_corr/* std and deviation is 0.0, not ~sqrt(1e-8 / N) (what dividing by
+    count + 1e-8 in float64 gives: 3.3e-6 at 934 tokens). verl's pipeline passes an integer response mask, so its
+    count + 1e-8 is float32 and equals the count; vexact computes it so (tests/test_verl_parity.py compares)."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [500, 1, 299, 134]  # 934 tokens, no empty row (verl counts an empty row's mean as 0: not a no-op)
+    roll = -torch.rand(sum(lengths), generator=gen) * 3
+    c = rollout_correction(roll.clone(), roll, lengths, cfg)
+    spread = {k: v for k, v in c.metrics.items()
+              if k.startswith("rollout_corr/") and (k.endswith("_std") or k.endswith("_deviation"))}
+    assert spread, "no dispersion statistic logged: the check would pass vacuously"
+    assert {k: v for k, v in spread.items() if v != 0.0} == {}
+    means = {k: v for k, v in c.metrics.items() if k.startswith("rollout_corr/rollout_is") and k.endswith("mean")}
+    assert all(v == 1.0 for v in means.values()), means

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import num_threads
+from conftest import num_threads, require_optional
 from rich.console import Console
 
 from vexact.rl import log_backends
@@ -26,6 +26,7 @@ from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
 HAVE_WANDB = log_backends.missing_package("wandb") is None
+TENSORBOARD_PIP = "pip install 'vexact[tensorboard]'"
 
 
 def _cfg(root: Path, name: str, backends: list[str], *overrides: str):
@@ -57,7 +58,7 @@ def _offline(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same tiny run twice: metrics.jsonl only, and with every backend installed here."""
-    pytest.importorskip("tensorboard")
+    require_optional("tensorboard", TENSORBOARD_PIP)
     root = tmp_path_factory.mktemp("runs")
     backends = ["jsonl", "tensorboard"] + (["wandb"] if HAVE_WANDB else [])
     with pytest.MonkeyPatch.context() as mp, num_threads(torch.get_num_threads()):  # restored afterwards
@@ -201,7 +202,7 @@ def test_tensorboard_holds_every_jsonl_scalar(runs):
     assert "step" not in shown
 
 
-@pytest.mark.skipif(not HAVE_WANDB, reason="the wandb extra is not installed (pip install 'vexact[wandb]')")
+@pytest.mark.needs_package("wandb", "pip install 'vexact[wandb]'")
 def test_wandb_offline_run_holds_every_jsonl_scalar(runs):
     offline = list((runs / "all" / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
@@ -239,7 +240,7 @@ def test_resume_rebuilds_the_views_without_duplicates(runs, monkeypatch):
 
 def test_non_finite_and_non_numeric_values(tmp_path):
     """NaN/Inf are kept (a diverged run is an outcome); strings, lists and None are not scalars and are skipped."""
-    pytest.importorskip("tensorboard")
+    require_optional("tensorboard", TENSORBOARD_PIP)
     cfg = config_from_dict({"logging": {"backends": ["jsonl", "tensorboard"]}})
     writer = MetricsWriter(tmp_path / "metrics.jsonl", config=cfg)
     writer.write({"step": 0, "a/loss": math.nan, "a/up": math.inf, "a/down": -math.inf, "a/n": 3, "a/flag": True,

