@@ -383,7 +383,22 @@ def metrics_markdown() -> str:
     return "\n".join(out)
 
 
-PAGES = {"cli": cli_markdown, "config": config_markdown, "metrics": metrics_markdown}
+# --- kernel contracts ----------------------------------------------------------------------------------------
+
+
+def kernel_ops_markdown() -> str:
+    """One mkdocstrings block per op of ``vexact_kernels.OP_NAMES``: the exact CPU kernel's docstring, which states
+    the op's invariance contract. (mkdocstrings reads ``kernels/`` by path, where the package's folder is.)"""
+    import vexact_kernels
+
+    out = ["The ops, from `vexact_kernels.OP_NAMES`, with the docstring of the exact CPU kernel "
+           "(`kernels/cpu_exact.py`) that states each one's contract.", ""]
+    for op in vexact_kernels.OP_NAMES:
+        out += [f"### `{op}`", "", f"::: kernels.cpu_exact.{op}", "    options:", "      show_root_heading: false", ""]
+    return "\n".join(out)
+
+
+PAGES = {"cli": cli_markdown, "config": config_markdown, "metrics": metrics_markdown, "kernel_ops": kernel_ops_markdown}
 """Marker name -> generator. ``<!-- vexact-docs: NAME -->`` on a line of its own in a page is replaced."""
 
 
