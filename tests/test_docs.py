@@ -228,3 +228,16 @@ def test_the_strict_build_fails_on_a_broken_link(tmp_path, link, problem):
         assert "rollout_corr/k3_kl" in (tmp_path / "site" / "index.html").read_text()  # the hook ran
     else:
         assert result.returncode != 0 and problem in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------- the README
+
+
+def test_readme_is_short_keeps_the_quickstart_and_links_only_existing_pages():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    assert 'pip install torch==2.13.0 && pip install -e ".[dev]" && vexact demo\npython -m pytest -q\n' in readme
+    links = re.findall(r"\]\(((?:docs/)[^)#]+)", readme)
+    assert links and [link for link in links if not (ROOT / link).is_file()] == []
+    for section in ("quickstart", "check", "demo"):  # the docs include these README sections (pymdownx.snippets)
+        assert f"<!-- --8<-- [start:{section}] -->" in readme and f"<!-- --8<-- [end:{section}] -->" in readme
