@@ -63,7 +63,7 @@ def test_row_equals_compare_on_the_same_tensors(tmp_path):
     assert [g["passed"] for g in row["gates"]] == [False, False, True]  # noise 1e-3: not equal, k3 above 1e-7
     assert row["live/gates_failed"] == 2 and row["outcome"] == "ok"
     assert row["live/sequences"] == 6 and row["mismatch/tokens"] == int(mask.sum())
-    assert row["live/mean_response_length"] == int(mask.sum()) / 6
+    assert row["live/mean_response_length"] == int(mask.sum()) / 6  # tokens / sequences, as compare --map
     assert "map" not in row  # no scaling_map given: no verdict key
 
     # what was written is the row (NaN-safe JSON), one line
@@ -251,11 +251,12 @@ def test_scaling_map_verdict_or_clear_refusal(tmp_path):
         from vexact.lab import scaling
     except ImportError:
         pytest.skip("this vexact has no vexact.lab.scaling (test_scaling_map_refused_without_the_module covers it)")
+    summary = _dump(tmp_path, roll, train, mask)
+    expected, _ = scaling.compare_map(summary, map_file)  # what `vexact compare BATCH --map FILE --json` writes
+    assert summary["tokens"] / summary["sequences"] == int(mask.sum()) / len(mask)
     for given in (map_file, scaling.load_map(map_file)):  # a path (read with load_map) or a loaded map
         with LiveMonitor(tmp_path / f"live_{type(given).__name__}", scaling_map=given) as monitor:
             row = monitor.step(0, roll, train, mask)
-        expected = scaling.place_on_map(scaling.load_map(map_file), row["rollout_corr/k3_kl"],
-                                        row["live/mean_response_length"])
         assert row["map"] == expected and row["map"]["verdict"]
         assert row["map"]["horizon"] == row["live/mean_response_length"]
     with pytest.raises(ValueError, match="map file not found"):
