@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from vexact.markdown_table import markdown_table
+
 __all__ = ["PAGES", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "metrics_markdown",
            "on_config", "on_page_markdown"]
 
@@ -38,12 +40,12 @@ MARKER = re.compile(r"^<!-- vexact-docs: (\w+) -->$", re.MULTILINE)
 
 
 def _cell(text: object) -> str:
-    """Text for one markdown table cell: pipes escaped, newlines folded."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Text for one table cell on one line (``markdown_table``, the one table writer, escapes ``|``)."""
+    return " ".join(str(text).split())
 
 
 def _code(text: object) -> str:
-    return f"`{text}`".replace("|", "\\|")
+    return f"`{text}`"
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------
@@ -96,14 +98,14 @@ def _default(action: argparse.Action) -> str:
     return _code(action.default)
 
 
-def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+def _flag_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
     rows = []
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
         names = ", ".join(_code(o) for o in action.option_strings) or _code(action.metavar or action.dest)
         choices = ", ".join(map(str, action.choices)) if action.choices else ""
-        rows.append(f"| {names} | {_default(action)} | {_cell(choices)} | {_cell(_help(action))} |")
+        rows.append([names, _default(action), _cell(choices), _cell(_help(action))])
     return rows
 
 
@@ -134,7 +136,7 @@ def cli_markdown() -> str:
         out += ["```text", _usage(parser), "```", ""]
         rows = _flag_rows(parser)
         if rows:
-            out += ["| flag | default | choices | help |", "|---|---|---|---|", *rows, ""]
+            out += [markdown_table(["flag", "default", "choices", "help"], rows), ""]
     return "\n".join(out)
 
 
@@ -245,10 +247,10 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Literal:
-        return " \\| ".join(_code(a) for a in args)
+        return " | ".join(_code(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         parts = [_type_name(a) for a in args if a is not type(None)]
-        return " \\| ".join(parts) + (" \\| null" if type(None) in args else "")
+        return " | ".join(parts) + (" | null" if type(None) in args else "")
     if origin in (list, tuple):
         inner = ", ".join(_type_name(a) for a in args if a is not Ellipsis)
         return f"{origin.__name__}[{inner}]"
@@ -330,26 +332,25 @@ def config_markdown() -> str:
             out += [" ".join(doc.split("\n\n")[0].split()), ""]
         hints = typing.get_type_hints(cls)
         comments = _field_comments(_comment_source(cls))
-        out += ["| key | type | default | bounds | description |", "|---|---|---|---|---|"]
+        rows = []
         for f in dataclasses.fields(cls):
             key = prefix + f.name
             text = comments.get(f.name) or _DESCRIPTIONS.get(key, "")
             inner = [a for a in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(a)]
             if inner:
                 text = f"{text}; see [`{key}`](#{_slug(key)})".lstrip("; ")
-            out.append(f"| `{key}` | {_type_name(hints[f.name])} | {_default_of(f)} | "
-                       f"{_cell(_bounds(f.metadata))} | {_cell(text)} |")
-        out.append("")
+            rows.append([f"`{key}`", _type_name(hints[f.name]), _default_of(f), _bounds(f.metadata), _cell(text)])
+        out += [markdown_table(["key", "type", "default", "bounds", "description"], rows), ""]
     aliases = getattr(cfg, "KEY_ALIASES", {})
     if aliases:
         out += ["## Other spellings", "",
                 "verl's name of a key, in vexact's section; the config stores vexact's. Giving both is an error.", "",
-                "| verl spelling | vexact key |", "|---|---|",
-                *(f"| `{a}` | `{k}` |" for a, k in aliases.items()), ""]
+                markdown_table(["verl spelling", "vexact key"], [[_code(a), _code(k)] for a, k in aliases.items()]),
+                ""]
     renamed = getattr(cfg, "RENAMED_KEYS", {})
     if renamed:
-        out += ["Deprecated keys (still read, with a `FutureWarning`):", "", "| old key | new key |", "|---|---|",
-                *(f"| `{a}` | `{k}` |" for a, k in renamed.items()), ""]
+        out += ["Deprecated keys (still read, with a `FutureWarning`):", "",
+                markdown_table(["old key", "new key"], [[_code(a), _code(k)] for a, k in renamed.items()]), ""]
     values = getattr(cfg, "VALUE_ALIASES", {})
     if values:
         out += ["Other spellings of values (stored under the second):", "",
@@ -376,10 +377,9 @@ def metrics_markdown() -> str:
         if not keys:
             continue
         out += [f"## `{group}/*`: {metric_keys.GROUPS.get(group, group)}", "",
-                "| key | definition | unit | writers | verl | computed in |", "|---|---|---|---|---|---|"]
-        out += [f"| `{k.name}` | {_cell(k.definition)} | {k.unit} | {', '.join(k.writers)} | "
-                f"{'✓' if k.verl else ''} | `vexact/{k.source}` |" for k in keys]
-        out.append("")
+                markdown_table(["key", "definition", "unit", "writers", "verl", "computed in"],
+                               [[_code(k.name), _cell(k.definition), k.unit, ", ".join(k.writers),
+                                 "✓" if k.verl else "", _code(f"vexact/{k.source}")] for k in keys]), ""]
     return "\n".join(out)
 
 
