@@ -103,6 +103,7 @@ class _Gradients:
 
     grads: list[Tensor]
     lengths: list[float]
+    rewards: list[float]
 
 
 def exact_gradients(cfg: RunConfig, batches: int, trainer: Any | None = None) -> _Gradients:
@@ -110,11 +111,12 @@ def exact_gradients(cfg: RunConfig, batches: int, trainer: Any | None = None) ->
     trainer = trainer or _trainer_at_warm_start(cfg)
     plan = Injector(type(cfg.inject)(), cfg.seed, cfg.backend, cfg.dtype, cfg.rollout.backend, cfg.rollout.dtype,
                     trainer.master.device).plan(0)
-    out = _Gradients([], [])
+    out = _Gradients([], [], [])
     for k in range(batches):
         batch = trainer.rollout(k, plan)
         out.grads.append(_flat_gradient(trainer, batch))
         out.lengths.append(sum(batch.lengths) / len(batch.lengths))
+        out.rewards.append(float(batch.rewards.mean()))
     return out
 
 
@@ -143,6 +145,7 @@ def measure_bias(cfg: RunConfig, batches: int = 16, exact: _Gradients | None = N
     stats = bias_statistics(torch.stack(exact.grads[:batches]), torch.stack(diffs))
     return {**stats, "batches": batches, "k3_kl": sum(k3) / batches, "abs_dlogp_mean": sum(abs_dlogp) / batches,
             "horizon_mean": sum(lengths) / batches, "horizon_mean_exact": sum(exact.lengths[:batches]) / batches,
+            "reward_mean_exact": sum(exact.rewards[:batches]) / batches,
             "old_logprobs": cfg.algorithm.old_logprobs, "inject_mode": cfg.inject.mode,
             "inject_value": cfg.inject.value,
             "seconds": round(time.perf_counter() - start, 1)}

@@ -1,0 +1,90 @@
+"""The gradient-bias meter (issue O): zero mismatch gives zero bias bit for bit; mismatch gives a bias; the growth
+fit recovers a known exponent; bad meter files are one clear error."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from vexact.lab.bias_meter import bias_statistics, exact_gradients, fit_growth, load_meter_spec, measure_bias
+from vexact.rl.config import config_from_dict
+from vexact.rl.horizon_task import horizon_overrides
+
+TINY = {"threads": 1, "seed": 0, "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                                            "intermediate_size": 64},
+        "task": {"name": "scratch", "eval_prompts": 4, "partial_credit": True}, "warm_start": {"steps": 0},
+        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4},
+        "algorithm": {"old_logprobs": "rollout"}}
+
+
+def _cfg(tmp_path, *inject: str):
+    overrides = [f"{k}={v}" for k, v in horizon_overrides(4).items()] + [f"warm_start.cache_dir={tmp_path}", *inject]
+    return config_from_dict(json.loads(json.dumps(TINY)), overrides)
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory):
+    path = tmp_path_factory.mktemp("meter")
+    return path, exact_gradients(_cfg(path), batches=2)
+
+
+def test_zero_mismatch_zero_bias_bitwise(exact):
+    path, grads = exact
+    cell = measure_bias(_cfg(path), batches=2)  # its own exact gradients: a second, independent computation
+    assert cell["exactly_zero"] is True and cell["grad_norm"] > 0  # a real gradient, not an all-zero one
+    assert cell["bias_abs"] == 0.0 and cell["bias_ratio"] == 0.0 and cell["k3_kl"] == 0.0
+    assert cell["cosine"] == pytest.approx(1.0, abs=1e-12)
+    again = exact_gradients(_cfg(path), batches=2)
+    assert all(torch.equal(a, b) for a, b in zip(grads.grads, again.grads))  # the same bits, run to run
+
+
+def test_mismatch_gives_a_bias(exact):
+    """Counter-case: logit noise on the rollout moves the gradient (the zero above is not vacuous)."""
+    path, grads = exact
+    cell = measure_bias(_cfg(path, "inject.mode=logit_noise", "inject.value=1.0"), batches=2, exact=grads)
+    assert cell["exactly_zero"] is False and cell["bias_ratio"] > 0 and cell["k3_kl"] > 0
+    lo, hi = cell["bias_ratio_ci"]
+    assert lo is None or lo <= hi
+
+
+def test_statistics_on_known_vectors():
+    g = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    d = torch.tensor([[0.0, 0.5], [0.0, 0.5], [0.0, 0.5]], dtype=torch.float64)
+    s = bias_statistics(g, d, bootstrap=20)
+    assert s["bias_ratio"] == pytest.approx(0.5) and s["bias_ratio_debiased"] == pytest.approx(0.5)
+    assert s["cosine"] == pytest.approx(1 / math.sqrt(1.25))
+    assert s["bias_ratio_ci"] == [pytest.approx(0.5), pytest.approx(0.5)]
+
+
+@pytest.mark.parametrize("beta", [1.0, 2.0])
+def test_growth_fit_recovers_exponent(beta):
+    cells = [{"horizon_mean": t, "bias_ratio": 0.01 * t**beta, "bias_ratio_ci": [0.009 * t**beta, 0.011 * t**beta]}
+             for t in (8.0, 16.0, 32.0, 64.0)]
+    fit = fit_growth(cells)
+    assert fit["status"] == "fitted" and fit["exponent"] == pytest.approx(beta)
+    assert fit["ci_low"] <= beta <= fit["ci_high"] and f"T^{beta:g}" in fit["holds"]
+    assert fit_growth(cells[:1])["status"] == "insufficient"
+
+
+def test_bad_meter_files(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps(TINY))
+    cases = {
+        "horizons: []\n": "horizons",
+        "horizons: [4]\nbatches: 1\n": "batches",
+        "horizons: [4]\nsources: {x: {inject.mode: nonsense}}\n": "source 'x'",
+        "horizons: [4]\nsources: {x: {}}\nextra: 1\n": "unknown key",
+    }
+    for i, (body, words) in enumerate(cases.items()):
+        spec = tmp_path / f"m{i}.yaml"
+        text = "name: m\nbase: base.yaml\n" + body
+        if "sources" not in body:
+            text += "sources: {none: {}}\n"
+        spec.write_text(text)
+        with pytest.raises(ValueError, match=words):
+            load_meter_spec(spec)
+    with pytest.raises(ValueError, match="not found"):
+        load_meter_spec(tmp_path / "missing.yaml")
