@@ -241,3 +241,14 @@ def test_readme_is_short_keeps_the_quickstart_and_links_only_existing_pages():
     assert links and [link for link in links if not (ROOT / link).is_file()] == []
     for section in ("quickstart", "check", "demo"):  # the docs include these README sections (pymdownx.snippets)
         assert f"<!-- --8<-- [start:{section}] -->" in readme and f"<!-- --8<-- [end:{section}] -->" in readme
+
+
+def test_the_verl_and_trl_tables_name_real_keys():
+    """The hand-written vocabulary tables: every vexact config key and metric key they name exists."""
+    page = (ROOT / "docs" / "reference" / "verl_trl.md").read_text()
+    rows = [line.split(" | ")[0] for line in page.splitlines() if line.startswith("| `")]
+    names = {name for row in rows for name in re.findall(r"`([^`]+)`", row)}
+    config, metrics = set(docs_gen.config_keys()), [n for n in names if "/" in n and "*" not in n]
+    dotted = [n for n in names if re.fullmatch(r"[a-z_]+\.[a-z_]+", n)]
+    assert len(dotted) > 10 and [n for n in dotted if n not in config] == []
+    assert len(metrics) > 10 and [n for n in metrics if metric_keys.find(n) is None] == []
