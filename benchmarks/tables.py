@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from vexact.engine.model import short_dtype_name
+from vexact.markdown_table import markdown_table
 
 from .common import fmt_ratio
 
@@ -22,10 +23,8 @@ E2E_LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd
 
 
 def _markdown(columns: list[str], rows: list[list[str]], right_from: int = 1) -> str:
-    align = ["---" if i < right_from else "---:" for i in range(len(columns))]
-    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    """vexact's one Markdown table writer, numbers (from column ``right_from`` on) right-aligned."""
+    return markdown_table(columns, rows, [None if i < right_from else "right" for i in range(len(columns))])
 
 
 def _machine(record: dict) -> str:

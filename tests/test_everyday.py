@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 import yaml
@@ -304,7 +305,7 @@ def test_warm_start_cache_and_run_checkpoints_get_the_umask_mode(tmp_path):
 # --------------------------------------------------------------------------- hub ids
 def test_a_hub_id_is_answered_with_how_to_get_a_local_copy(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at its import
     with pytest.raises(ValueError) as info:
         read_checkpoint_config(Path("Qwen/Qwen2.5-0.5B"))
     message = str(info.value)
@@ -315,6 +316,8 @@ def test_a_hub_id_is_answered_with_how_to_get_a_local_copy(tmp_path, monkeypatch
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "0123abc"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")  # what huggingface_hub writes with a download
     with pytest.raises(ValueError, match=f"a copy is in your Hugging Face cache: --model {snapshot}"):
         read_checkpoint_config(Path("Qwen/Qwen2.5-0.5B"))
     with pytest.raises(ValueError) as info:  # an absolute path is no hub id

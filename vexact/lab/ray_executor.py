@@ -16,6 +16,7 @@ directory.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,23 @@ _QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DASHBOARD_ENABLED": "0"}
 
 
 def _ray(private: bool) -> Any:
-    """Import Ray; for a private instance, in its single-machine (loopback) mode."""
+    """Import Ray; for a private instance, in its single-machine (loopback) mode.
+
+    Ray reads the mode once, at import, and offers no public way to ask which mode it is in, so it is checked on
+    what decides it: the variable must say single-machine (``"0"``, which this sets unless the user did), and if Ray
+    was imported before this call, the variable must already have said so then (as when an earlier call here
+    imported it). Otherwise one ValueError: the instance would listen beyond loopback."""
+    imported_before = "ray" in sys.modules
+    said_before = {key: os.environ.get(key) for key in _SINGLE_MACHINE}
     for key, value in {**_QUIET, **(_SINGLE_MACHINE if private else {})}.items():
         os.environ.setdefault(key, value)
+    if private:
+        cluster = [key for key, value in _SINGLE_MACHINE.items()
+                   if os.environ[key] != value or (imported_before and said_before[key] != value)]
+        if cluster:
+            raise ValueError(
+                "a private Ray instance must listen on 127.0.0.1 only, but Ray is or was imported in cluster mode: "
+                f"set {cluster[0]}=0 before Ray is imported, or pass --address of a cluster")
     try:
         import ray
     except ImportError:
@@ -52,14 +67,7 @@ def start(address: str | None, num_cpus: int | None = None) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
         return False
-    from ray._private import ray_constants
-
-    if ray_constants.ENABLE_RAY_CLUSTER:
-        raise ValueError(
-            "a private Ray instance must listen on 127.0.0.1 only, but Ray was imported in cluster mode: set "
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported, or pass --address of a cluster")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address=LOCAL_HOST, log_to_driver=False,
-             configure_logging=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     if ray.util.get_node_ip_address() != LOCAL_HOST:
         ray.shutdown()
         raise ValueError(f"the private Ray instance took node address {ray.util.get_node_ip_address()}, "

@@ -18,7 +18,6 @@ so (``collapse_source``).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +25,9 @@ from typing import Any
 
 from rich.console import Console
 
+from ..rl.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import CollapseSection, RunConfig, load_config
-from ..rl.runlog import json_safe
 from .report import (
     REPORT_DIR,
     PointData,
@@ -37,6 +36,7 @@ from .report import (
     _fmt_sci,
     _is_num,
     _series,
+    damaged_points_error,
     print_table,
     read_point,
     reward_definition,
@@ -95,6 +95,7 @@ def read_run(run_dir: str | Path) -> RunData:
         except (ValueError, OSError) as e:  # an old or hand-edited config: report without it
             notes.append(f"config.yaml not used ({str(e).splitlines()[0][:160]}); collapse defaults assumed")
     point = read_point(run_dir, name="", status=None)
+    notes += [f"left out, damaged (--skip-damaged): {what}" for what in point.damage]
     point.name = str((point.summary or {}).get("name") or (config.name if config else None) or run_dir.name)
     if point.summary is not None and point.summary.get("collapse"):
         source = "summary.json"
@@ -236,7 +237,8 @@ def plot_run(run: RunData, s: dict[str, Any], path: str | Path) -> Path:
 
     fig = run_figure(run, s)
     path = Path(path)
-    fig.savefig(path, dpi=100, bbox_inches="tight")  # "tight" keeps the legend below the panels in the image
+    # "tight" keeps the legend below the panels in the image
+    publish(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight"))
     plt.close(fig)
     return path
 
@@ -324,12 +326,16 @@ def _surge_threshold(ax: Any, p: PointData, settings: CollapseSection, handles: 
 # ----------------------------------------------------------------------------- report
 
 
-def write_run_report(run_dir: str | Path, console: Console | None = None) -> dict[str, Any]:
+def write_run_report(run_dir: str | Path, console: Console | None = None, skip_damaged: bool = False) -> dict[str, Any]:
     """Load a run, write RUN_DIR/report/{report.json,run_curves.png}, print the summary table.
 
+    A damaged summary.json or metrics.jsonl is a ValueError naming it, unless ``skip_damaged``: then the report
+    is made from what is readable and its notes name what was left out.
     Returns ``{"summary": the report.json object, "files": [Path, ...]}``."""
     console = console or Console()
     run = read_run(run_dir)
+    if run.point.damage and not skip_damaged:
+        raise damaged_points_error(Path(run_dir), [run.point])
     out = run.point.dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     s = run_summary(run)
@@ -339,7 +345,7 @@ def write_run_report(run_dir: str | Path, console: Console | None = None) -> dic
     except ImportError as e:
         console.print(f"[yellow]plots skipped: {e}[/]")
     s["files"] = [f.name for f in files] + ["report.json"]
-    (out / "report.json").write_text(json.dumps(json_safe(s), indent=2) + "\n")
+    write_json_atomic(out / "report.json", s, sort_keys=False)
     files.append(out / "report.json")
     notes = ["† " + CHI2_NOTE if n == CHI2_NOTE else n for n in s["notes"]]
     print_table(console, f"run {s['run']}", _summary_columns(s), notes)
@@ -347,15 +353,15 @@ def write_run_report(run_dir: str | Path, console: Console | None = None) -> dic
     return {"summary": s, "files": files}
 
 
-def write_any_report(path: str | Path, console: Console | None = None) -> dict[str, Any]:
+def write_any_report(path: str | Path, console: Console | None = None, skip_damaged: bool = False) -> dict[str, Any]:
     """``vexact report PATH``: a sweep directory (sweep.json) gets the sweep report, a run directory
     (metrics.jsonl or summary.json) the single-run report; anything else is one ValueError saying which."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path} does not exist")
     if (path / "sweep.json").is_file():
-        return {"kind": "sweep", **write_report(path, console)}
+        return {"kind": "sweep", **write_report(path, console, skip_damaged)}
     if is_run_dir(path):
-        return {"kind": "run", **write_run_report(path, console)}
+        return {"kind": "run", **write_run_report(path, console, skip_damaged)}
     raise ValueError(f"{path} is neither a sweep directory (no sweep.json) nor a run directory (no "
                      f"{' or '.join(RUN_FILES)}): pass a directory written by vexact sweep or vexact run")

@@ -44,6 +44,7 @@ abruptly (killed, out of memory) fails the points running at that moment; the sw
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -63,8 +64,9 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from ..rl.atomic import write_json_atomic, write_text_atomic
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml, show_value
-from ..rl.runlog import RunLocked, run_lock, write_json_atomic
+from ..rl.runlog import RunLocked, run_lock
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
 SWEEP_KEYS = {"name", "base", "set", "grid", "variants", "curves", "output_dir"}
@@ -316,16 +318,24 @@ def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
 
     if threads:
         torch.set_num_threads(threads)
+    log = io.StringIO()  # the run's own log, not shown; its warm-start lines go back to the sweep
     try:
         cfg = config_from_dict(config)
-        summary = Trainer(cfg, Console(quiet=True)).run(resume=resume)
-        return {"status": summary["status"], "error": None}
+        summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(resume=resume)
+        return {"status": summary["status"], "error": None, "warm_start": _warm_start_lines(log)}
     except KeyboardInterrupt:
         return {"status": "interrupted", "error": None}
     except RunLocked as err:  # another process took the directory after the sweep's own check
         return _locked(err)
     except Exception as err:  # a failing point is recorded; the sweep goes on
-        return {"status": "failed", "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
+        return {"status": "failed", "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}",
+                "warm_start": _warm_start_lines(log)}
+
+
+def _warm_start_lines(log: io.StringIO) -> list[str]:
+    """What the point's run said about its warm start (trained it, waited for another point, loaded it): the sweep
+    prints these under the point's line, so its log shows which point trained a shared warm start."""
+    return [line.strip() for line in log.getvalue().splitlines() if line.startswith("warm start:")]
 
 
 def _locked(err: RunLocked) -> dict:
@@ -387,7 +397,7 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
         if result["error"] and not result.get("locked"):  # a locked directory belongs to another process
             try:
                 point.run_dir.mkdir(parents=True, exist_ok=True)
-                (point.run_dir / "error.txt").write_text(result["error"])
+                write_text_atomic(point.run_dir / "error.txt", result["error"])
             except OSError:  # the error is in sweep.json all the same
                 pass
         _write_index(spec, statuses, errors)
@@ -398,6 +408,8 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
             console.print(f"[red]{line}[/] (see {point.run_dir / 'error.txt'})")
         else:
             console.print(line)
+        for said in result.get("warm_start") or []:
+            console.print(f"  {point.name} {said}", markup=False, highlight=False, soft_wrap=True)
         progress.update(bar, advance=1)
 
     with progress:

@@ -20,9 +20,9 @@ allocates, and every refusal is one ValueError naming the file (and the tensor o
   a size key missing or not a positive integer, a RoPE/epsilon value not a finite positive number.
   An index's ``weight_map`` must map names to plain file names in the directory (no paths), of
   the index's format, that exist, and each listed tensor must be in the shard it names.
-- safetensors: each header is parsed by hand (8-byte length, JSON) and checked as the library
-  would (dtype x shape = byte span, tensors tile the data, nothing past the end: truncated or
-  corrupt files are refused) -- then, still before any tensor is read or any model built, every
+- safetensors: each header is checked by the library itself (``safe_open``: dtype x shape = byte
+  span, tensors tile the data, nothing past the end: truncated or corrupt files are refused, with
+  the offending size or tensor named) -- then, still before any tensor is read or any model built, every
   tensor's name, shape and dtype is checked against the config: a shape the config does not
   imply names the config keys that disagree and both shapes (``vocab_size=10**12`` fails here,
   not in the allocator), a wrong ``num_hidden_layers`` names the layers present, a non-float
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import zipfile
 from dataclasses import dataclass
@@ -339,74 +338,72 @@ def _weight_files(directory: Path) -> tuple[list[Path], Path | None, dict[str, s
 
 
 def _safetensors_header(path: Path) -> dict[str, _TensorInfo]:
-    """Every tensor's dtype and shape from a safetensors file's header, checked as the safetensors library would
-    (the header parses, each tensor's bytes match its dtype and shape, the tensors tile the data exactly) -- without
-    reading any tensor data. The format: an 8-byte little-endian header length, a JSON header, the data."""
+    """Every tensor's dtype and shape, from safetensors' own ``safe_open``: opening a file validates its header
+    (it parses, each tensor's bytes match its dtype and shape, the tensors tile the data exactly, nothing past the
+    end, a bounded header size) and reads no tensor data. A file it refuses is one ValueError naming the file, with
+    the reason spelled out (``_why_refused``)."""
+    from safetensors import SafetensorError, safe_open
 
-    def corrupt(why: str) -> ValueError:
-        return ValueError(f"{path}: corrupt or truncated safetensors file ({why})")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: _TensorInfo(str(path), part.get_dtype(), tuple(part.get_shape()))
+                    for name, part in slices.items()}
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
+    except (SafetensorError, RuntimeError, ValueError, TypeError) as err:  # what the library raises for a bad file
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({_why_refused(path, err)})") from None
 
+
+def _why_refused(path: Path, err: Exception) -> str:
+    """Why ``safe_open`` refused ``path``, in the terms of the file: its size, the header length it claims, the
+    tensor whose byte span is wrong. The library's own reason names the check that failed but none of these; this
+    re-reads the header (length + JSON, both bounded) only to name them, and falls back to the library's words."""
+    reason = str(err).strip().splitlines()[0].removeprefix("Error while deserializing header: ")[:160] or "refused"
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+                return f"{size} bytes, shorter than the 8-byte header length"
             length = int.from_bytes(head, "little")
             if length > min(_MAX_SAFETENSORS_HEADER, size - 8):
-                raise corrupt(f"its header claims {length:,} bytes, the file has {size:,}")
-            raw = f.read(length)
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read ({err.strerror or type(err).__name__})") from None
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):
-            seen: set[str] = set()
-            twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-            raise corrupt(f"{_short(twice)} appears twice in its header")
-        return out
-
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+                return f"its header claims {length:,} bytes, the file has {size:,}"
+            header = json.loads(f.read(length).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise corrupt("its header is not valid JSON") from None
+        return "its header is not valid JSON"
+    except OSError:
+        return reason
     if not isinstance(header, dict):
-        raise corrupt("its header is not a JSON object")
-    data_len = size - 8 - length
-    infos: dict[str, _TensorInfo] = {}
-    spans = []
+        return "its header is not a JSON object"
+    data_len, spans = size - 8 - length, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(dtype, str) and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape + offsets)
-                and offsets[0] <= offsets[1]):
-            raise corrupt(f"malformed header entry for tensor {_short(name)}")
-        start, end = offsets
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            needed = math.prod(shape) * _ITEMSIZE[dtype]
+        except (TypeError, KeyError, ValueError):
+            return f"malformed header entry for tensor {_short(name)}"
         if end > data_len:
-            raise corrupt(f"tensor {_short(name)} needs bytes up to {end:,} of the data, the file holds {data_len:,}")
-        itemsize = _ITEMSIZE.get(dtype)
-        if itemsize is not None and end - start != math.prod(shape) * itemsize:
-            raise corrupt(f"tensor {_short(name)} of shape {tuple(shape)} and dtype {dtype} needs "
-                          f"{math.prod(shape) * itemsize:,} bytes, its data_offsets span {end - start:,}")
-        infos[name] = _TensorInfo(str(path), dtype, tuple(shape))
+            return f"tensor {_short(name)} needs bytes up to {end:,} of the data, the file holds {data_len:,}"
+        if end - start != needed:
+            return (f"tensor {_short(name)} of shape {shape} and dtype {dtype} needs {needed:,} bytes, its "
+                    f"data_offsets span {end - start:,}")
         spans.append((start, end))
     position = 0
     for start, end in sorted(spans):
         if start != position:
-            raise corrupt("its tensors' data overlap or leave gaps")
+            return "its tensors' data overlap or leave gaps"
         position = end
     if position != data_len:
-        raise corrupt(f"{data_len - position:,} bytes after the last tensor")
-    return infos
+        return f"{data_len - position:,} bytes after the last tensor"
+    return reason
 
 
 def _read_safetensors(path: Path, names: list[str]) -> dict[str, Tensor]:
-    """The named tensors of a safetensors file whose header ``_safetensors_header`` accepted."""
+    """The named tensors of a safetensors file whose header ``_safetensors_header`` accepted (read by the same
+    ``safe_open``)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -704,14 +701,25 @@ def _hub_id_hint(path: Path) -> str:
     hint = (f". If '{text}' is a Hugging Face hub id: vexact reads local files only and downloads nothing at "
             f"run time. Download it first, e.g. huggingface-cli download {text} --local-dir {local} (or hf "
             f"download), then pass --model {local}")
-    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME") or Path.home() / ".cache" /
-                                                       "huggingface") / "hub")
-    snapshots = hub / f"models--{text.replace('/', '--')}" / "snapshots"
-    cached = sorted((d for d in snapshots.glob("*") if (d / "config.json").is_file()),
-                    key=lambda d: d.stat().st_mtime) if snapshots.is_dir() else []
-    if cached:
-        hint += f"; a copy is in your Hugging Face cache: --model {cached[-1]}"
+    cached = _hub_cache_snapshot(text)
+    if cached is not None:
+        hint += f"; a copy is in your Hugging Face cache: --model {cached}"
     return hint
+
+
+def _hub_cache_snapshot(repo_id: str) -> Path | None:
+    """The snapshot directory of ``repo_id``'s ``main`` revision in the local Hugging Face cache, if its config.json
+    is there: huggingface_hub's own lookup (``try_to_load_from_cache``: follows ``refs/main``, honours
+    HF_HUB_CACHE / HF_HOME as huggingface_hub read them, never touches the network). None without the package."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except (ValueError, OSError):  # an id the hub's rules refuse, an unreadable cache
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def read_checkpoint_config(directory: Path) -> dict[str, Any]:

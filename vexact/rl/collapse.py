@@ -58,6 +58,7 @@ import math
 from typing import Any
 
 from .config import CollapseSection
+from .metrics_log import non_finite_value
 
 GRAD_NORM = "actor/grad_norm"
 PG_LOSS = "actor/pg_loss"
@@ -79,10 +80,7 @@ def as_float(value: Any) -> float | None:
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
+        return non_finite_value(value)  # metrics_log's one table of NaN/Inf spellings
     return None
 
 

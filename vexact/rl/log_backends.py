@@ -24,12 +24,12 @@ config.yaml stays readable (by a report, say) on a machine without the extras.
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import ConfigError
+from .metrics_log import non_finite_value
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -42,7 +42,6 @@ WANDB_DIR = "wandb"  # wandb.init(dir=run_dir) writes run_dir/wandb/
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 """Backend -> the module it imports; the extra of the same name installs it."""
 
-_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # json_safe's spellings in metrics.jsonl
 
 
 class LogBackend(Protocol):
@@ -72,8 +71,8 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
             continue
         if isinstance(value, (bool, int, float)):
             out[key] = float(value)
-        elif isinstance(value, str) and value in _NON_FINITE:
-            out[key] = _NON_FINITE[value]
+        elif isinstance(value, str) and non_finite_value(value) is not None:  # metrics_log's one table
+            out[key] = non_finite_value(value)
     return out
 
 

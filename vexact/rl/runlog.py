@@ -1,7 +1,8 @@
 """A run's output directory: config.yaml, metrics.jsonl, summary.json, checkpoints/, and its lock.
 
 Everything is written so that a kill loses nothing finished: metric lines are appended, flushed and fsynced
-each step; JSON files are written to a temp file and renamed; a checkpoint is a directory published by one rename
+each step (read back by ``metrics_log.read_metrics``); JSON files are published by ``atomic.publish`` (unique temp
+file, fsync, rename, fsync of the directory); a checkpoint is a directory published by one rename
 (see "checkpoints" below). The run directory is locked (``run_lock``) while a process works in it.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
 import os
 import pickle
 import re
@@ -23,21 +23,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .atomic import apply_umask, fsync_path, json_safe, write_json_atomic, write_text_atomic
 from .log_backends import open_backends, scalars
+from .metrics_log import MetricsDamaged, complete_lines, parse_lines, read_metrics
+
+__all__ = ["MetricsDamaged", "apply_umask", "json_safe", "read_metrics", "write_json_atomic"]  # re-exported
 
 if TYPE_CHECKING:
     from .config import RunConfig
-
-
-def json_safe(value: Any) -> Any:
-    """NaN/Inf are legal outcomes (a diverged run) but not legal JSON: write them as strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 LOCK_FILE = ".lock"
@@ -155,62 +148,6 @@ def load_tensor_file(path: Path) -> Any:
         raise ValueError(f"{path}: not a readable torch tensor file ({first[:120]})") from None
 
 
-def _umask() -> int:
-    """The process's umask, read from /proc where possible (``os.umask`` can only be read by setting it, which
-    races with other threads creating files); the set-and-restore round trip elsewhere."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(path: Path) -> None:
-    """Give a file written through a private temp file (safetensors writes mode 0600) the mode every other tool
-    gives a new file, 0o666 & ~umask, so a checkpoint is readable by whoever may read the rest of the run."""
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(json_safe(data), indent=2, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def _parse_lines(path: Path, lines: list[str]) -> list[dict]:
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}); the metrics log is damaged") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl. A torn last line (no newline: the process died mid-write) is left out;
-    any other line that is not a JSON object is a ValueError naming the file and line."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    text = path.read_text()
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the newline that ends the last complete line
-    elif lines:
-        lines.pop()  # torn: written up to a crash, never finished
-    return _parse_lines(path, lines)
-
-
 class MetricsWriter:
     """Appends one JSON line per step to metrics.jsonl, flushed and fsynced; with ``config``, also to the live
     views in its ``logging.backends`` (TensorBoard, W&B: see log_backends), which are rebuilt from the kept lines
@@ -237,15 +174,13 @@ class MetricsWriter:
                 raise ValueError(f"{path} is missing, but the checkpoint is at step {next_step}: the run's log is "
                                  "gone; start a new run")
             return
-        lines = path.read_text().split("\n")
-        kept = _parse_lines(path, lines[:next_step])
+        lines = complete_lines(path.read_bytes().decode("utf-8", errors="surrogateescape"))
+        kept = parse_lines(path, lines[:next_step])
         if [row.get("step") for row in kept] != list(range(next_step)):
             raise ValueError(f"{path}: expected one line per step 0..{next_step - 1} before the checkpoint at step "
                              f"{next_step}, found steps {[row.get('step') for row in kept][:10]}...; the log does "
                              "not belong to this checkpoint")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines[:next_step]))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in lines[:next_step]))
 
     def write(self, metrics: dict) -> None:
         self._file.write(json.dumps(json_safe(metrics), sort_keys=True) + "\n")
@@ -298,14 +233,6 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """Published checkpoint directories of a run, newest first (partial ones are not listed)."""
     root = Path(run_dir) / CHECKPOINTS
@@ -334,23 +261,23 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     partial.mkdir()
     save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, str(partial / CHECKPOINT))
     apply_umask(partial / CHECKPOINT)
-    _fsync(partial / CHECKPOINT)
+    fsync_path(partial / CHECKPOINT)
     _write_boundary(CHECKPOINT)
     files = [CHECKPOINT]
     if optimizer is not None:
         torch.save(optimizer.state_dict(), partial / OPTIMIZER)
-        _fsync(partial / OPTIMIZER)
+        fsync_path(partial / OPTIMIZER)
         _write_boundary(OPTIMIZER)
         files.append(OPTIMIZER)
     (partial / TRAINER_STATE).write_text(json.dumps(json_safe(state), indent=2, sort_keys=True))
-    _fsync(partial / TRAINER_STATE)
+    fsync_path(partial / TRAINER_STATE)
     _write_boundary(TRAINER_STATE)
     files.append(TRAINER_STATE)
     manifest = {"format": CHECKPOINT_FORMAT, "next_step": int(state["next_step"]),
                 "sha256": {f: file_sha256(partial / f) for f in files}}
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    _fsync(partial / MANIFEST)
-    _fsync(partial)
+    fsync_path(partial / MANIFEST)
+    fsync_path(partial)
     _write_boundary(MANIFEST)
     final = root / name
     if final.exists():  # the same step saved again (e.g. a collapse stop on a checkpoint step): replace it
@@ -358,7 +285,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
         os.replace(final, stale)
         shutil.rmtree(stale)
     os.replace(partial, final)
-    _fsync(root)
+    fsync_path(root)
     _write_boundary("publish")
     leftovers = [d for d in root.iterdir() if d.name.startswith((".partial-", ".stale-"))]  # from earlier kills
     for old in checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:] + leftovers:

@@ -1,0 +1,102 @@
+"""The one reader of a run's metrics.jsonl, and the one table of how NaN/Inf are spelled in it.
+
+Everything that reads metrics.jsonl goes through ``read_metrics``: the trainer (collapse checks, the summary),
+resume (``MetricsWriter`` keeps the lines before the checkpoint), ``vexact report`` (sweeps and single runs), the
+live views rebuilt from the log (TensorBoard, W&B), and whatever watches a run from outside. They all get the same
+rows, or the same error:
+
+- **A torn last line** -- the last line has no newline: the writer puts each row in one ``write`` of the line plus
+  its newline, so a line without one was cut by a kill or is still being written -- is left out, silently, whether
+  or not the part that is there happens to parse. A blank line carries nothing and is skipped.
+- **Damage anywhere else** -- a complete line that is not a JSON object -- is ``MetricsDamaged`` (a ValueError) naming
+  the file and the line number. Nothing is skipped silently: the caller decides (resume and run refuse; ``vexact
+  report`` names the damaged point and stops unless told ``--skip-damaged``).
+- **NaN/Inf** are written by ``json_safe`` as the strings "nan", "inf", "-inf". Reading turns every spelling in
+  ``NON_FINITE`` (any case) back into a float, and so do ``decode_non_finite`` / ``non_finite_value`` for anyone
+  who holds a value from elsewhere (summary.json). JSON's own ``NaN`` / ``Infinity`` tokens parse as floats too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+NON_FINITE: dict[str, float] = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan, "inf": math.inf,
+                                "+inf": math.inf, "-inf": -math.inf, "infinity": math.inf, "+infinity": math.inf,
+                                "-infinity": -math.inf}
+"""Every accepted spelling of a non-finite value, lower case (matched case-insensitively); the writer uses
+``str(float)``: "nan", "inf", "-inf"."""
+
+
+class MetricsDamaged(ValueError):
+    """A complete line of metrics.jsonl that is not a JSON object: the log is damaged there."""
+
+    def __init__(self, path: Path, line: int, why: str):
+        super().__init__(f"{path}:{line}: {why}; the metrics log is damaged")
+        self.path, self.line, self.why = path, line, why
+
+
+def non_finite_value(text: str) -> float | None:
+    """The float a NaN/Inf spelling stands for (``NON_FINITE``), else None."""
+    return NON_FINITE.get(text.strip().lower())
+
+
+def decode_non_finite(value: Any) -> Any:
+    """``value`` with every NaN/Inf string (at any depth) turned back into a float."""
+    if isinstance(value, str):
+        number = non_finite_value(value)
+        return value if number is None else number
+    if isinstance(value, dict):
+        return {k: decode_non_finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_non_finite(v) for v in value]
+    return value
+
+
+def complete_lines(text: str) -> list[str]:
+    """The lines of ``text`` that end in a newline (a torn last line is dropped), without their newlines."""
+    lines = text.split("\n")
+    lines.pop()  # "" after the final newline, or the torn last line
+    return lines
+
+
+def parse_line(path: Path, number: int, line: str) -> dict | None:
+    """One complete line as a row (None for a blank line); ``MetricsDamaged`` when it is not a JSON object."""
+    if not line.strip():
+        return None
+    try:
+        line.encode("utf-8")  # read with surrogateescape: bytes that are not UTF-8 fail here
+    except UnicodeEncodeError:
+        raise MetricsDamaged(path, number, "not a JSON line (not UTF-8 text)") from None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise MetricsDamaged(path, number, f"not a JSON line ({e.msg})") from None
+    except RecursionError:
+        raise MetricsDamaged(path, number, "not a JSON line (nested too deeply)") from None
+    if not isinstance(row, dict):
+        raise MetricsDamaged(path, number, f"expected a JSON object per line, got {type(row).__name__}")
+    return decode_non_finite(row)
+
+
+def parse_lines(path: Path, lines: list[str]) -> list[dict]:
+    """Rows of complete lines (numbered from 1), by the rules in the module docstring."""
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        row = parse_line(path, number, line)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl ([] when the file does not exist): a torn last line left out, NaN/Inf strings
+    as floats, any other line that is not a JSON object ``MetricsDamaged`` naming the file and line. Bytes that are
+    not UTF-8 count as damage on their line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    return parse_lines(path, complete_lines(text))
