@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,6 +63,7 @@ from torch import Tensor
 
 from .real.compare import check_gates
 from .real.measure import mismatch_report
+from .rl.atomic import write_text_atomic
 from .rl.config import ConfigError, LoggingSection
 from .rl.log_backends import PACKAGES, missing_package
 from .rl.runlog import MetricsWriter, json_safe, read_metrics
@@ -277,9 +277,7 @@ def _keep_steps_below(path: Path, step: int) -> None:
     kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] < step]
     if len(kept) == len(rows) and (not path.exists() or path.read_bytes().endswith(b"\n")):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(json_safe(row), sort_keys=True) + "\n" for row in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(json_safe(row), sort_keys=True) + "\n" for row in kept))
 
 
 # ----------------------------------------------------------------------------------------------------- inputs

@@ -1,6 +1,7 @@
 """Supervised warm start: teach the task a little so RL starts from a policy with non-zero
 but imperfect reward. Deterministic (exact kernels, counter-seeded data) and cached on disk
-(safetensors) keyed by everything that determines the weights."""
+(safetensors) keyed by everything that determines the weights; trained once per key however many processes ask
+at once (``warm_start``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors.torch import load_file, save_file
 
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
+from .atomic import publish
 from .config import RunConfig, config_hash
-from .runlog import apply_umask
 from .tasks import Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
@@ -36,24 +38,52 @@ def warm_start_cache_path(cfg: RunConfig) -> Path:
     return cache_dir / f"warmstart-{warm_start_key(cfg)}.safetensors"
 
 
+LOCK_POLL_SECONDS = 0.2
+
+
+def warm_start_lock_path(cfg: RunConfig) -> Path:
+    """The lock file beside the cache entry: whoever holds it checks, trains and publishes that entry."""
+    path = warm_start_cache_path(cfg)
+    return path.with_name(path.name.removesuffix(".safetensors") + ".lock")
+
+
 def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[str], None] = print) -> Path | None:
-    """Load cached warm-start weights into ``model`` (fp32 master), or train and cache them."""
+    """Load cached warm-start weights into ``model`` (fp32 master), or train and cache them -- once per key.
+
+    Processes that share a cache (sweep workers, Ray tasks, ``--nproc`` ranks, separate ``vexact run``s) take a
+    file lock on the entry around check -> train -> publish: the first trains and publishes the weights
+    (``atomic.publish``: unique temp file, fsync, rename), every other one says in its log that it waits, and then
+    loads what the first published. The lock is ``flock``-based (the ``filelock`` package): the OS releases it when
+    its holder dies, however it dies, and the next waiter then trains. Loading needs no lock once the entry exists:
+    it only ever appears whole."""
     if cfg.warm_start.steps == 0:
         return None
     path = warm_start_cache_path(cfg)
-    cache_dir = path.parent
     if path.exists():
-        model.load_state_dict(load_file(str(path)))
-        log(f"warm start: loaded {path}")
+        return _load(model, path, log, "loaded")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(warm_start_lock_path(cfg))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"warm start: waiting for {path}: another process holds {lock.lock_file} and is training it")
+        lock.acquire(poll_interval=LOCK_POLL_SECONDS)
+    try:
+        if path.exists():  # published while this process waited
+            return _load(model, path, log, "loaded (trained by the process this one waited for)")
+        log(f"warm start: no cache at {path}; training {cfg.warm_start.steps} supervised steps (cached afterwards)")
+        _train(model, cfg, task)
+        weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        publish(path, lambda tmp: save_file(weights, str(tmp)))
+        log(f"warm start: trained here and cached {path}")
         return path
-    log(f"warm start: no cache at {path}; training {cfg.warm_start.steps} supervised steps (cached afterwards)")
-    _train(model, cfg, task)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    apply_umask(tmp)  # safetensors writes 0600; the cache is shared like any other file
-    tmp.replace(path)
-    log(f"warm start: cached {path}")
+    finally:
+        lock.release()
+
+
+def _load(model: Transformer, path: Path, log: Callable[[str], None], how: str) -> Path:
+    model.load_state_dict(load_file(str(path)))
+    log(f"warm start: {how} {path}")
     return path
 
 
