@@ -334,3 +334,16 @@ def test_verl_names_are_verl_0_9_1s():
         assert f'batch.batch["{key}"]' in source or f'"{key}"' in source, key
     bypass = (root / "trainer" / "ppo" / "rollout_corr_helper.py").read_text()
     assert 'batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]' in bypass
+
+
+def test_wandb_offline_view_holds_every_row_scalar(tmp_path):
+    """W&B (offline: no network, no account) gets each row's numbers under the row's keys and step, exactly as
+    metrics.jsonl holds them (the reader of tests/test_log_backends.py)."""
+    require_optional("wandb", "pip install 'vexact[wandb]'")
+    from test_log_backends import _assert_wandb_matches_jsonl
+
+    roll, train, mask = _batch()
+    with LiveMonitor(tmp_path, backends=("jsonl", "wandb"), gates=Gates(max_k3=1.0)) as monitor:
+        for step in (0, 4):
+            monitor.step(step, roll, train, mask, extra={"trainer/global_step": step})
+    _assert_wandb_matches_jsonl(tmp_path)
