@@ -37,8 +37,8 @@ every run really compiles.
     python -m vexact_kernels.triton_audit            # compile, check, print the table, compare the digests
     python -m vexact_kernels.triton_audit --record   # ... and write kernels/triton_audit.json
 
-Exit status: 0 all checks pass and the digests match the recording; 1 a check fails or a digest differs (or
-the recording was made with another triton version); 2 bad input.
+Exit status: 0 all checks pass and the digests match the recording; 1 a check fails, a kernel does not compile,
+or a digest differs (or the recording was made with another triton version); 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Variant:
 def _torch_dtype(name: str):
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "int64": torch.int64}[name]
 
 
 def _empty(*shape: int, dtype) -> Any:
@@ -131,7 +131,7 @@ def _attention_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
     cache_len = SHAPE["prefix"] + rows
     q, out = _empty(batch, rows, heads, head_dim, dtype=dtype), _empty(batch, rows, heads, head_dim, dtype=dtype)
     k, v = (_empty(batch, cache_len, kv_heads, head_dim, dtype=dtype) for _ in range(2))
-    q_start = _empty(batch, dtype=_torch_dtype("fp32")).long()
+    q_start = _empty(batch, dtype=_torch_dtype("int64"))
     block_m, block_n, num_warps, num_stages = te._ATTENTION_TILES[dtype]
     args = (q, k, v, q_start, out, rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -480,7 +480,7 @@ def check_kernel(kernel: Any, launches: list[tuple[tuple, dict]], target: int) -
         if key not in compiled:
             compiled[key] = compile_launch(kernel, args, kwargs, target)
     first = next(iter(compiled.values()))
-    ttir, ttgir, ptx = first.asm["ttir"], first.asm["ttgir"], first.asm["ptx"]
+    ttgir, ptx = first.asm["ttgir"], first.asm["ptx"]
     found = reductions(ttgir)
     codes = [reductions(c.asm["ttgir"])["code"] for c in compiled.values()]
     return {
@@ -497,7 +497,6 @@ def check_kernel(kernel: Any, launches: list[tuple[tuple, dict]], target: int) -
         "num_warps": first.metadata.num_warps,
         "ttgir": digest(strip_mlir(ttgir)),
         "ptx": digest(strip_ptx(ptx)),
-        "ttir_chars": len(ttir),
         "compile_s": round(time.perf_counter() - start, 2),
     }
 
@@ -534,16 +533,11 @@ def _worker() -> dict[str, Any]:
     return {"triton": triton.__version__, "kernels": kernels, "row_counts": list(ROW_COUNTS), "variants": results}
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of a compile-only worker: this one, compile-only, interpreter off, a fresh Triton cache
-    (the caller removes it) is set by ``run_worker``."""
-    return {**os.environ, **COMPILE_ONLY_ENV}
-
-
 def run_worker(argv: list[str]) -> subprocess.CompletedProcess:
-    """Run ``python ARGV`` in a compile-only process with a fresh, temporary Triton cache; output captured."""
+    """Run ``python ARGV`` in a compile-only process (this environment plus ``COMPILE_ONLY_ENV``) with a fresh,
+    temporary Triton cache, so that everything is compiled; output captured."""
     with tempfile.TemporaryDirectory(prefix="vexact-triton-audit-") as cache:
-        env = {**worker_env(), "TRITON_CACHE_DIR": cache}
+        env = {**os.environ, **COMPILE_ONLY_ENV, "TRITON_CACHE_DIR": cache}
         return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, check=False)
 
 
@@ -631,8 +625,8 @@ def _yes(flag: bool) -> str:
 
 def table(result: dict[str, Any], record: dict[str, Any] | None) -> str:
     """The audit as a markdown table, one row per variant and target."""
-    rows = ["| variant | target | no atomics | no split | one program per tile | binaries over row counts "
-            "| dots (M, K, N) | reduces | warps | digest (ptx) | matches recording |",
+    rows = ["| variant | target | no atomics | one program per output (no split) | no cluster / grid sync "
+            "| binaries over row counts | dots (M, K, N) | reduces | warps | digest (ptx) | matches recording |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     then = record["variants"] if record and record["triton"] == result["triton"] else {}
     for name, variant in result["variants"].items():
@@ -660,9 +654,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         result = audit()
-    except RuntimeError as err:
+    except RuntimeError as err:  # a kernel that does not compile for a target fails the audit
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return 1
     seconds = time.perf_counter() - start
     if args.json:
         Path(args.json).write_text(json.dumps({**result, "seconds": round(seconds, 1)}, indent=1))
@@ -671,13 +665,15 @@ def main(argv: list[str] | None = None) -> int:
         RECORD_PATH.write_text(json.dumps(digests(result), indent=1) + "\n")
     record = load_record() if RECORD_PATH.exists() else None
     mismatches = digest_mismatches(result, record) if record else [f"no recording: run `{RECORD_COMMAND}`"]
+    # stdout is the table alone (docs/triton_audit.md embeds it); the time and any failures go to stderr.
     print(f"triton {result['triton']}; row counts {result['row_counts']}; {len(result['variants'])} variants x "
-          f"{len(TARGETS)} targets compiled in {seconds:.0f} s\n")  # fmt: skip
+          f"{', '.join(TARGETS)}\n")  # fmt: skip
     print(table(result, record))
+    print(f"compiled and checked in {seconds:.0f} s", file=sys.stderr)
     for line in found + mismatches:
         print(f"FAIL {line}", file=sys.stderr)
-    if args.record and found:
-        print("error: not recorded: the audit fails", file=sys.stderr)
+    if args.record:
+        print("error: not recorded: the audit fails" if found else f"recorded {RECORD_PATH.name}", file=sys.stderr)
     return 1 if found or mismatches else 0
 
 

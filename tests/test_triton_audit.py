@@ -13,7 +13,8 @@ audit's table) or install the pinned version.
 
 Counter-tests: kernels that break the contract -- an atomic add, a split-K whose programs write the same output
 tile, a split-K combining partial sums by atomics, a matmul whose row count is specialised -- are caught, and a
-correct tiled matmul is not, so the checks are not vacuous.
+correct tiled matmul is not, so the checks are not vacuous. An elementwise kernel (the exact silu_mul at a size
+that is not a multiple of 16) gets two binaries over row counts and passes: no reduction to reorder.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import triton
@@ -96,6 +98,14 @@ def test_cli_prints_the_table_and_exits_0(cli):
     assert len(rows) == 2 * len(result["variants"])
     assert all(row.endswith("| yes |") for row in rows), rows
     assert f"triton {triton.__version__}" in proc.stdout
+
+
+def test_docs_table_is_current(cli):
+    proc, _ = cli
+    docs = (Path(__file__).parents[1] / "docs" / "triton_audit.md").read_text()
+    block = docs.split("<!-- generated: python -m vexact_kernels.triton_audit -->\n", 1)[1]
+    block = block.split("<!-- end generated -->", 1)[0]
+    assert block.strip() == proc.stdout.strip(), "regenerate the table in docs/triton_audit.md"
 
 
 def test_cli_refuses_to_record_a_failing_audit(monkeypatch, tmp_path, capsys):
@@ -210,6 +220,13 @@ COUNTER_KERNELS = textwrap.dedent('''
             "atomic_row_sum": (atomic_row_sum, [((torch.empty(r, 4096), torch.empty(r), 4096), dict(BLOCK=1024))
                                                 for r in rows]),
         }
+        # The exact silu_mul at an intermediate size that is not a multiple of 16: n_elements = rows x 100 is
+        # divisible by 16 for some row counts (wider loads), and there is no reduction to reorder.
+        from vexact_kernels import triton_exact
+
+        silu = [((*(torch.empty(r * 100) for _ in range(3)), r * 100), dict(BLOCK=1024, enable_fp_fusion=False))
+                for r in rows]
+        cases["silu_mul_ragged"] = (triton_exact._silu_mul_kernel, silu)
         out = {}
         for name, (kernel, launches) in cases.items():
             res = triton_audit.check_kernel(kernel, launches, 80)
@@ -270,3 +287,10 @@ def test_a_row_count_specialisation_is_caught(counter):
 
 def test_digests_do_not_name_the_source_file(counter):
     assert counter["paths"] == {"raw": True, "stripped": False}
+
+
+def test_an_elementwise_kernel_may_specialise_on_its_size(counter):
+    case = counter["silu_mul_ragged"]
+    assert case["result"]["binaries"] == 2  # 100 and 1700 elements; 1600 is divisible by 16
+    assert case["result"]["has_reduction"] is False and case["result"]["same_reductions"]
+    assert case["violations"] == []
