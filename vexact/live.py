@@ -35,13 +35,14 @@ What is an error and what is an outcome:
   metrics, and every requested gate failed ("not computed").
 
 Row keys: ``step``, ``outcome`` (``"ok"``), the metric keys above, ``live/sequences`` (rows of the batch),
-``live/mean_response_length`` (tokens per non-empty response: the horizon T), ``live/gates_failed``, ``gates``
-(``check_gates``' dicts), ``by_position``, and ``map`` when a scaling map was given.
+``live/mean_response_length`` (tokens / sequences: the horizon T, as ``compare --map`` takes it),
+``live/gates_failed``, ``gates`` (``check_gates``' dicts), ``by_position``, and ``map`` when a scaling map was given.
 
-The map verdict: ``scaling_map`` (a map dict as ``vexact.lab.scaling.load_map`` returns it, or a path it
-reads) makes every ok row carry ``map`` = ``vexact.lab.scaling.place_on_map(map, k3, horizon)`` with this
-step's ``rollout_corr/k3_kl`` and ``live/mean_response_length``: where this level of mismatch sits against the
-collapse thresholds measured at that horizon. Without ``scaling_map`` (the default) rows have no ``map`` key,
+The map verdict: ``scaling_map`` (a map dict as ``vexact.lab.scaling.load_map`` returns it, a path it reads, or
+``"default"`` for the shipped map) makes every ok row carry ``map`` -- the keys ``vexact compare --map`` writes,
+from ``vexact.lab.scaling.place_on_map(map, k3, horizon)`` with this step's ``rollout_corr/k3_kl`` and
+``live/mean_response_length``: where this level of mismatch sits against the collapse thresholds measured at
+that horizon. Without ``scaling_map`` (the default) rows have no ``map`` key,
 and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map`` with one ``ValueError`` at construction.
 
 Restarts: a directory whose metrics.jsonl already holds rows is refused unless ``resume=True``; then the first
@@ -79,6 +80,8 @@ probabilities were passed."""
 
 RESERVED_KEYS = ("step", "outcome", "gates", "by_position", "map", "map_error")
 RESERVED_PREFIXES = ("rollout_corr/", "training/", "mismatch/", "live/")  # mismatch_metrics' families and ours
+
+DEFAULT_MAP = "default"  # scaling_map: the map shipped with vexact, as ``vexact compare --map default``
 
 OnGateFailure = Literal["record", "raise"]
 ON_GATE_FAILURE = ("record", "raise")
@@ -191,9 +194,8 @@ class LiveMonitor:
 
     def _row(self, step: int, train: Tensor, roll: Tensor, lengths: list[int], nonfinite: int) -> dict[str, Any]:
         tokens = sum(lengths)
-        responses = sum(1 for n in lengths if n)
-        head = {"step": step, "live/sequences": len(lengths), "mismatch/tokens": tokens,
-                "live/mean_response_length": tokens / responses if responses else 0.0}
+        head = {"step": step, "live/sequences": len(lengths), "mismatch/tokens": tokens,  # horizon as compare --map
+                "live/mean_response_length": tokens / len(lengths) if lengths else 0.0}
         if nonfinite or not tokens:
             outcome = "non-finite" if nonfinite else "no tokens"
             why = f"{nonfinite} of {tokens} log-probs are NaN or infinite" if nonfinite else "every response is masked"
@@ -207,7 +209,7 @@ class LiveMonitor:
         if self._map is not None:
             try:
                 row["map"] = self._map(report["metrics"]["rollout_corr/k3_kl"], row["live/mean_response_length"])
-            except ValueError as err:  # the map cannot place this point (e.g. no threshold): say so, keep training
+            except ValueError as err:  # the map cannot place this point: say so, keep training
                 row["map_error"] = str(err)
         return row
 
@@ -259,7 +261,8 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
 
 
 def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None) -> Any:
-    """``(k3, horizon) -> verdict dict`` from ``vexact.lab.scaling``, or None without a map."""
+    """``(k3, horizon) -> the map key`` as ``vexact compare --map`` writes it (``scaling.MAP_KEYS``), or None without a
+    map. ``"default"``, as for ``compare --map``, is the map shipped with vexact."""
     if scaling_map is None:
         return None
     try:
@@ -267,8 +270,16 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None) -> Any:
     except ImportError:
         raise ValueError("scaling_map needs vexact.lab.scaling (the collapse-scaling map), which this vexact does "
                          "not have; leave scaling_map out") from None
-    data = scaling_map if isinstance(scaling_map, dict) else scaling.load_map(Path(scaling_map))
-    return lambda k3, horizon: scaling.place_on_map(data, k3, horizon)
+    if isinstance(scaling_map, dict):
+        data = scaling_map
+    else:
+        data = scaling.load_map(None if scaling_map == DEFAULT_MAP else Path(scaling_map))
+
+    def place(k3: float, horizon: float) -> dict[str, Any]:
+        placed = scaling.place_on_map(data, k3, horizon)
+        return {key: placed[key] for key in scaling.MAP_KEYS}
+
+    return place
 
 
 def _keep_steps_below(path: Path, step: int) -> None:
