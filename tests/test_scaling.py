@@ -210,3 +210,22 @@ def test_compare_map_dump_without_lengths(tmp_path, capsys):
     assert main(["compare", str(roll), str(train), "--map"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_against_meter(tmp_path):
+    """Meter cells bracketing each threshold give the bias ratio there (log-log interpolation); none outside."""
+    data = _sweep(tmp_path, 1.0)
+    cells = []
+    for length in (8, 16, 32, 64):
+        thr = 0.1 * (length / 8.0) ** -1.0
+        cells += [{"horizon": length, "k3_kl": thr / 10, "bias_ratio": 0.03},
+                  {"horizon": length, "k3_kl": thr * 10, "bias_ratio": 0.3}]
+    (tmp_path / "meter.json").write_text(json.dumps({"cells": cells}))
+    files, _ = write_scaling(data, tmp_path)
+    result = json.loads(files[0].read_text())["meter"]
+    ratios = [r["bias_ratio_at_threshold"] for r in result["horizons"]]
+    assert all(r == pytest.approx(0.1, rel=0.2) for r in ratios), ratios  # midway in log between 0.03 and 0.3
+    assert "4 horizons" in result["note"]
+    (tmp_path / "meter.json").write_text(json.dumps({"cells": cells[:2]}))
+    files, _ = write_scaling(data, tmp_path)
+    assert "no comparison" in json.loads(files[0].read_text())["meter"]["note"]

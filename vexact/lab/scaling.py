@@ -273,6 +273,9 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     from ..rl.runlog import json_safe
 
     result = scaling(data)
+    meter_path = data.path / "meter.json"
+    if meter_path.is_file() and result["status"] != "no_horizon":
+        result["meter"] = against_meter(result, json.loads(meter_path.read_text()))
     line = f"scaling ({result.get('curve', 'no curve')}): {result['status']}: {result['note']}"
     if result["status"] == "no_horizon":
         return [], f"scaling: {result['note']}"
@@ -284,6 +287,37 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     except ImportError:
         pass
     return files, line
+
+
+def against_meter(result: dict[str, Any], meter: dict[str, Any]) -> dict[str, Any]:
+    """The meter's bias ratio at each horizon's threshold: does collapse happen at a common bias ratio?
+
+    ``meter``: a ``vexact meter`` result whose cells' ``horizon`` is the sweep's ``task.max_len`` (copy meter.json
+    into the sweep directory). At each horizon with a fitted threshold, the bias ratio is interpolated in log-log
+    over that horizon's cells (every source) by realised k3; outside their k3 range it is not extrapolated."""
+    rows = []
+    for h in result["horizons"]:
+        cells = sorted((c["k3_kl"], c["bias_ratio"]) for c in meter.get("cells", [])
+                       if c.get("horizon") == h["horizon_value"] and _positive(c.get("k3_kl"))
+                       and _positive(c.get("bias_ratio")))
+        ratio = None
+        if h.get("status") == "fitted" and len(cells) >= 2 and cells[0][0] <= h["threshold_50"] <= cells[-1][0]:
+            x = math.log10(h["threshold_50"])
+            for (k0, b0), (k1, b1) in zip(cells, cells[1:]):
+                if k0 <= h["threshold_50"] <= k1:
+                    w = 0.0 if k1 == k0 else (x - math.log10(k0)) / (math.log10(k1) - math.log10(k0))
+                    ratio = 10 ** (math.log10(b0) + w * (math.log10(b1) - math.log10(b0)))
+                    break
+        rows.append({"horizon_value": h["horizon_value"], "horizon": h.get("horizon"),
+                     "threshold_50": h.get("threshold_50"), "bias_ratio_at_threshold": ratio})
+    found = [r["bias_ratio_at_threshold"] for r in rows if r["bias_ratio_at_threshold"] is not None]
+    if len(found) < 2:
+        note = (f"{len(found)} horizon(s) have both a fitted threshold and meter cells bracketing it: no comparison "
+                "across horizons")
+    else:
+        note = (f"bias ratio at the threshold: {', '.join(f'{v:.2g}' for v in found)} across {len(found)} horizons "
+                f"(spread {max(found) / min(found):.2g}x)")
+    return {"horizons": rows, "note": note}
 
 
 def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
