@@ -13,8 +13,10 @@ import torch
 from conftest import require_optional
 from safetensors.torch import save_file
 
+from vexact import metric_keys
 from vexact.live import POSITIVE_LOGPROB_TOLERANCE, GateFailed, Gates, LiveMonitor
 from vexact.real.compare import CompareSettings, check_gates, run_compare
+from vexact.rl.log_backends import scalars
 from vexact.rl.runlog import read_metrics
 
 
@@ -65,6 +67,9 @@ def test_row_equals_compare_on_the_same_tensors(tmp_path):
     assert row["live/sequences"] == 6 and row["mismatch/tokens"] == int(mask.sum())
     assert row["live/mean_response_length"] == int(mask.sum()) / 6  # tokens / sequences, as compare --map
     assert "map" not in row  # no scaling_map given: no verdict key
+    # every number besides the live/* bookkeeping is a registered compare key (vexact.metric_keys)
+    unregistered = metric_keys.unregistered(scalars(row))
+    assert unregistered == ["live/gates_failed", "live/mean_response_length", "live/sequences"]
 
     # what was written is the row (NaN-safe JSON), one line
     written = read_metrics(tmp_path / "live" / "metrics.jsonl")
