@@ -131,6 +131,16 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, call, message
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("extra", [{"mismatch/tokens": 1}, {"live/x": 1}, {"step": 3}, {"map": {}}])
+def test_extra_keys_may_not_shadow_the_rows_own(tmp_path, extra):
+    roll, train, mask = _batch()
+    monitor = LiveMonitor(tmp_path)
+    with pytest.raises(ValueError, match="would shadow the row's own"):
+        monitor.step(0, roll, train, mask, extra=extra)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert monitor.step(0, roll, train, mask, extra={"my/epoch": 2})["my/epoch"] == 2
+
+
 def test_positive_tolerance_is_the_boundary(tmp_path):
     roll, train, mask = _batch()
     train = train.nan_to_num(0.0).double()
