@@ -394,7 +394,14 @@ def kernel_ops_markdown() -> str:
     out = ["The ops, from `vexact_kernels.OP_NAMES`, with the docstring of the exact CPU kernel "
            "(`kernels/cpu_exact.py`) that states each one's contract.", ""]
     for op in vexact_kernels.OP_NAMES:
-        out += [f"### `{op}`", "", f"::: kernels.cpu_exact.{op}", "    options:", "      show_root_heading: false", ""]
+        out += [f"### `{op}`", ""]
+        fn = getattr(vexact_kernels.cpu_exact, op, None)
+        module = getattr(fn, "__module__", "") or ""
+        if inspect.isfunction(fn) and module.startswith("vexact_kernels."):  # where mkdocstrings finds its source
+            path = "kernels." + module.removeprefix("vexact_kernels.") + "." + fn.__name__
+            out += [f"::: {path}", "    options:", "      show_root_heading: false", ""]
+        else:
+            out += [inspect.getdoc(fn) or "(no docstring)", ""] if fn is not None else ["(no exact CPU kernel)", ""]
     return "\n".join(out)
 
 
