@@ -464,6 +464,7 @@ def reductions(ttgir: str) -> dict[str, list]:
 
 
 def digest(text: str) -> str:
+    """sha256 hex digest of ``text``."""
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -471,8 +472,9 @@ def check_kernel(kernel: Any, launches: list[tuple[tuple, dict]], target: int) -
     """Compile ``kernel`` for every launch (one per row count) for ``target`` and read the compiled code.
 
     Returns ``binaries`` (distinct specialisations), ``same_reductions`` (every binary's reduction code equal),
-    ``atomics``, ``split``, ``cross_program`` (findings; empty lists pass), ``dots``, ``reduces``, ``num_warps``,
-    the digests of the first launch's code (``ttgir``, ``ptx``) and ``compile_s``."""
+    ``atomics``, ``split``, ``cross_program`` (findings; empty lists pass), ``dots``, ``reduces``,
+    ``has_reduction``, ``num_warps``, the digests of the first launch's code (``ttgir``, ``ptx``) and
+    ``compile_s``. ``violations`` turns it into a verdict."""
     start = time.perf_counter()
     compiled: dict[str, Any] = {}
     for args, kwargs in launches:
@@ -490,7 +492,7 @@ def check_kernel(kernel: Any, launches: list[tuple[tuple, dict]], target: int) -
         "split": sorted({f for c in compiled.values() for f in split_reductions(c.asm["ttir"])}),
         "cross_program": sorted(
             {f for c in compiled.values() for f in cross_program(c.asm["ttgir"], c.asm["ptx"], c.metadata)}
-        ),  # fmt: skip
+        ),
         "dots": [list(d) for d in found["dots"]],
         "reduces": [list(r) for r in found["reduces"]],
         "has_reduction": bool(found["dots"] or found["reduces"]),
@@ -527,7 +529,7 @@ def _worker() -> dict[str, Any]:
                 "dots": sorted(list(d) for d in variant.dots(te, dtype)),
                 "reduces": sorted(list(r) for r in variant.reduces(te, dtype)),
                 "num_warps": launches[0][1].get("num_warps", default_warps),
-            },  # fmt: skip
+            },
             "targets": {target: check_kernel(kernel, launches, cc) for target, cc in TARGETS.items()},
         }
     return {"triton": triton.__version__, "kernels": kernels, "row_counts": list(ROW_COUNTS), "variants": results}
@@ -592,7 +594,7 @@ def digests(result: dict[str, Any]) -> dict[str, Any]:
         "variants": {
             name: {t: {"ttgir": r["ttgir"], "ptx": r["ptx"]} for t, r in v["targets"].items()}
             for name, v in result["variants"].items()
-        },  # fmt: skip
+        },
     }
 
 
