@@ -3,8 +3,8 @@
 * every CLI flag (read back from each command's ``--help``), every config key (read back from a default config's
   ``to_dict`` and from the schema) and every registered metric key is on its generated page;
 * a tiny run (plain; corrected + injected + KL + triggered LR; verl's IS/RS in decoupled mode; IcePop with batch
-  normalisation), ``vexact measure`` and ``vexact compare`` write only registered keys, and every key the registry
-  says a run writes is written by one of those runs;
+  normalisation), ``vexact measure``, ``vexact compare`` and ``vexact.live.LiveMonitor`` write only registered keys,
+  and every key the registry says a run (or only the live monitor) writes is written by one of them;
 * the strict docs build (the real ``mkdocs.yml`` validation settings) fails on a broken link and a broken anchor.
 """
 
@@ -103,7 +103,7 @@ def test_the_registry_is_well_formed():
     assert len(names) == len(set(names))
     for key in metric_keys.KEYS:
         assert key.definition and key.unit and key.writers, key.name
-        assert set(key.writers) <= {"run", "measure", "compare"}, key.name
+        assert set(key.writers) <= set(metric_keys.WRITERS), key.name
         assert key.group in metric_keys.GROUPS, key.name
         assert (ROOT / "vexact" / key.source).is_file(), key.source
     assert metric_keys.find("mismatch/tokens_bucket/0.1-0.5").name == "mismatch/tokens_bucket/<lo>-<hi>"
@@ -183,14 +183,32 @@ def _compare_keys(tmp_path: Path) -> set[str]:
     return set(json.loads(out.read_text())["metrics"])
 
 
-def test_run_measure_and_compare_write_only_registered_keys(tmp_path):
+def _live_keys(tmp_path: Path) -> set[str]:
+    from vexact.live import RESERVED_KEYS, Gates, LiveMonitor
+
+    monitor = LiveMonitor(tmp_path / "live", gates=Gates(max_k3=1e-3))
+    roll = torch.tensor([[-0.5, -1.0, -2.0], [-0.25, 0.0, 0.0]])
+    train = torch.tensor([[-0.5, -1.5, -2.0], [-0.25, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    monitor.step(0, roll, train, mask)
+    monitor.step(1, roll.clone().fill_(float("nan")), train, mask)  # the non-finite row has its own keys
+    monitor.close()
+    keys = set().union(*(set(row) for row in read_metrics(tmp_path / "live" / "metrics.jsonl")))
+    return keys - set(RESERVED_KEYS) | {"step"}  # outcome, gates, by_position, map: structured fields
+
+
+def test_run_measure_compare_and_live_write_only_registered_keys(tmp_path):
     run, measured, compared = _run_keys(tmp_path), _measure_keys(tmp_path), _compare_keys(tmp_path)
-    assert metric_keys.unregistered(run | measured | compared) == []
+    live = _live_keys(tmp_path)
+    assert metric_keys.unregistered(run | measured | compared | live) == []
     # ... and the registry says who writes what: each writer's keys are entries naming that writer.
-    for writer, keys in (("run", run), ("measure", measured), ("compare", compared)):
+    for writer, keys in (("run", run), ("measure", measured), ("compare", compared), ("live", live)):
         assert [k for k in keys - {"step"} if writer not in metric_keys.find(k).writers] == [], writer
     assert any(k.startswith("mismatch/full_vocab_top") for k in compared)
     # The other direction: every entry the registry gives to `run` is written by one of the runs above.
+    for writer, keys in (("run", run), ("live", live)):
+        written = {metric_keys.find(k).name for k in keys - {"step"}}
+        assert [k.name for k in metric_keys.KEYS if k.writers == (writer,) and k.name not in written] == [], writer
     written = {metric_keys.find(k).name for k in run - {"step"}}
     assert [k.name for k in metric_keys.KEYS if "run" in k.writers and k.name not in written] == []
 

@@ -366,7 +366,8 @@ def metrics_markdown() -> str:
     from vexact import metric_keys
 
     out = ["Generated from the registry `vexact/metric_keys.py`. **writers**: `run` = a line of `metrics.jsonl`; "
-           "`measure` / `compare` = the `metrics` object of their `--json` report. **verl** ✓: verl's key and "
+           "`measure` / `compare` = the `metrics` object of their `--json` report; `live` = a row of "
+           "`vexact.live.LiveMonitor`'s `metrics.jsonl`. **verl** ✓: verl's key and "
            "definition. `<lo>-<hi>` is a token-probability bucket (0-0.01, 0.01-0.1, 0.1-0.5, 0.5-0.9, 0.9-1), "
            "`<option>` a `correction.rollout_rs` option, `<k>` the top-k size.", ""]
     by_group: dict[str, list] = {}

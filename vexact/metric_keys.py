@@ -7,7 +7,9 @@ A key that depends on a setting is one entry with a ``<placeholder>``: ``<lo>-<h
 ``<k>`` the top-k size of the full-vocabulary overlap.
 
 Writers: ``run`` is ``metrics.jsonl`` of ``vexact run`` (one line per step), ``measure`` and ``compare`` the
-``metrics`` object of those commands' ``--json`` report (and their printed tables).
+``metrics`` object of those commands' ``--json`` report (and their printed tables), ``live`` a row of
+``vexact.live.LiveMonitor``'s ``metrics.jsonl`` (compare's metrics once per step of the user's trainer; its
+structured fields ``outcome``, ``gates``, ``by_position``, ``map`` are not metrics).
 
 Adding a metric: add an entry here in the group it belongs to; the reference page and the test pick it up.
 """
@@ -18,10 +20,12 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-__all__ = ["GROUPS", "KEYS", "MetricKey", "find", "unregistered"]
+__all__ = ["GROUPS", "KEYS", "WRITERS", "MetricKey", "find", "unregistered"]
 
 RUN = ("run",)
-ALL = ("run", "measure", "compare")
+ALL = ("run", "measure", "compare", "live")
+WRITERS = ALL
+LIVE = ("live",)
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,14 @@ KEYS: tuple[MetricKey, ...] = (
        _CORR),
     _k("correction/rejected_seq_frac", "Fraction of non-empty sequences that lost every token", "fraction", RUN,
        _CORR),
+    # --- vexact.live: the user's own trainer, once per step ---------------------------------------------------------
+    _k("live/sequences", "Responses compared this step", "count", LIVE, "live.py"),
+    _k("live/mean_response_length", "Mean response length (masked tokens per response) this step", "tokens", LIVE,
+       "live.py"),
+    _k("live/gates_failed", "Gates that failed this step (all of them when the metrics could not be computed)",
+       "count", LIVE, "live.py"),
+    _k("live/nonfinite", "NaN or infinite log-probs this step (written when there were any; no metrics then)",
+       "count", LIVE, "live.py"),
     # --- injection, LR schedule ---------------------------------------------------------------------------------
     _k("inject/value", "The injection knob in effect this step (after `onset_step` / `ramp_steps`)", "knob", RUN,
        _TRAINER),
@@ -239,6 +251,7 @@ GROUPS: dict[str, str] = {
     "lr_schedule": "LR schedule",
     "eval": "Clean evaluation",
     "timing": "Timings",
+    "live": "vexact.live in your own trainer",
 }
 """One heading per key prefix, in the order the reference page lists them."""
 
