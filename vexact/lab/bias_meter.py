@@ -62,6 +62,9 @@ from ..rl.runlog import json_safe, write_json_atomic
 __all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_bias", "run_meter"]
 
 BOOTSTRAP = 500
+RESOLVED_SIGMAS = 2.0
+"""A cell's bias is *resolved* when ‖mean d‖ exceeds this many times its Monte-Carlo noise sqrt(tr Cov(d) / K);
+below it the plug-in ratio is mostly noise and only its upper interval end (an upper bound) means something."""
 BOOTSTRAP_SEED = 0
 SPEC_KEYS = {"name", "base", "horizons", "batches", "set", "sources", "output_dir"}
 
@@ -179,6 +182,7 @@ def bias_statistics(g: Tensor, d: Tensor, bootstrap: int = BOOTSTRAP) -> dict[st
         "bias_abs": est["bias_abs"], "bias_abs_noise": math.sqrt(max(float(d_trace), 0.0) / k),
         "grad_norm": est["grad_norm"], "grad_norm_noise": math.sqrt(max(float(g_trace), 0.0) / k),
         "exactly_zero": bool(torch.count_nonzero(d) == 0),
+        "resolved": est["bias_abs"] > RESOLVED_SIGMAS * math.sqrt(max(float(d_trace), 0.0) / k),
     }
 
 
@@ -208,13 +212,17 @@ def _percentiles(values: list[float]) -> list[float | None]:
 def fit_growth(cells: list[dict[str, Any]], key: str = "bias_ratio") -> dict[str, Any]:
     """Exponent β of ``key`` ∝ T^β over cells of one source (T = the mismatched batches' mean response length):
     least squares in log-log, with a 95% interval from the cells' own bootstrap intervals (each cell's log value
-    drawn from a normal matching its interval; ``BOOTSTRAP`` draws). Says which of 1, 1.5, 2 the interval holds."""
+    drawn from a normal matching its interval; ``BOOTSTRAP`` draws). Says which of 1, 1.5, 2 the interval holds.
+    Cells whose bias is not resolved (``RESOLVED_SIGMAS``) are left out and listed."""
+    unresolved = [c for c in cells if c.get("resolved") is False]
     pts = [(c["horizon_mean"], c[key], c.get(f"{key}_ci")) for c in cells
-           if _positive(c.get("horizon_mean")) and _positive(c.get(key))]
-    out: dict[str, Any] = {"metric": key, "exponent": None, "ci_low": None, "ci_high": None, "horizons": len(pts)}
+           if _positive(c.get("horizon_mean")) and _positive(c.get(key)) and c.get("resolved") is not False]
+    out: dict[str, Any] = {"metric": key, "exponent": None, "ci_low": None, "ci_high": None, "horizons": len(pts),
+                           "unresolved_horizons": [c.get("horizon") for c in unresolved]}
     if len({round(t, 6) for t, _, _ in pts}) < 2:
         return {**out, "status": "insufficient",
-                "note": f"{len(pts)} horizon(s) with a positive {key}: an exponent needs at least two"}
+                "note": f"{len(pts)} horizon(s) with a resolved positive {key} ({len(unresolved)} below the noise "
+                        "floor): an exponent needs at least two"}
     xs = [math.log(t) for t, _, _ in pts]
     beta = _slope(xs, [math.log(v) for _, v, _ in pts])
     rng = random.Random(BOOTSTRAP_SEED)
@@ -409,10 +417,27 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--output-dir", type=Path, default=None, help="override the meter file's output_dir")
 
 
+def meter_table(result: dict[str, Any]) -> str:
+    """The cells as a Markdown table, then one line per source with its growth fit."""
+    head = ("| L | T | source | realised k3 | bias ratio [95%] | debiased | resolved | cosine [95%] | "
+            "reward (exact) |")
+    lines = [head, "|---:|---:|:---|---:|---:|---:|:---|---:|---:|"]
+    for c in result["cells"]:
+        cos_ci = c["cosine_ci"]
+        cos = f"{c['cosine']:.4f}" + (f" [{cos_ci[0]:.4f}, {cos_ci[1]:.4f}]" if cos_ci[0] is not None else "")
+        deb = "—" if c["bias_ratio_debiased"] is None else f"{c['bias_ratio_debiased']:.3g}"
+        lines.append(f"| {c['horizon']} | {c['horizon_mean']:.1f} | {c['source']} | {c['k3_kl']:.2e} | "
+                     f"{c['bias_ratio']:.3g} {_ci_text(c['bias_ratio_ci'])} | {deb} | "
+                     f"{'yes' if c.get('resolved') else 'no'} | {cos} | {c['reward_mean_exact']:.2f} |")
+    lines.append("")
+    for source, fits in result["growth"].items():
+        lines.append(f"- {source}: {fits['bias_ratio']['note']}")
+    return "\n".join(lines) + "\n"
+
+
 def main(args: Any) -> int:
     spec = load_meter_spec(args.spec, args.output_dir)
     result = run_meter(spec)
-    for source, fits in result["growth"].items():
-        print(f"{source}: {fits['bias_ratio']['note']}")
+    print(meter_table(result), end="")
     print(f"meter written to {spec.output_dir}: meter.json, meter.png")
     return 0
