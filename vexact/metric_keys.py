@@ -212,6 +212,8 @@ KEYS: tuple[MetricKey, ...] = (
        "count", LIVE, "live.py"),
     _k("live/nonfinite", "NaN or infinite log-probs this step (written when there were any; no metrics then)",
        "count", LIVE, "live.py"),
+    _k("trl/global_step", "TRL's optimiser step when the batch was generated (the TRL hook's extra key; the row's "
+       "`step` counts generation batches)", "step", LIVE, "integrations/trl.py"),
     # --- injection, LR schedule ---------------------------------------------------------------------------------
     _k("inject/value", "The injection knob in effect this step (after `onset_step` / `ramp_steps`)", "knob", RUN,
        _TRAINER),
@@ -252,6 +254,7 @@ GROUPS: dict[str, str] = {
     "eval": "Clean evaluation",
     "timing": "Timings",
     "live": "vexact.live in your own trainer",
+    "trl": "The TRL hook (vexact.integrations.trl)",
 }
 """One heading per key prefix, in the order the reference page lists them."""
 
