@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -228,8 +229,7 @@ def _strict_build(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
               "markdown_extensions": ["toc"]}
     (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(tmp_path / "mkdocs.yml")],
-                          capture_output=True, text=True, timeout=120, env={"NO_MKDOCS_2_WARNING": "1",
-                                                                             "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
 
 
 @pytest.mark.needs_package("mkdocs", DOCS_PIP)
