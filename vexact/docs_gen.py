@@ -1,16 +1,17 @@
 """The documentation's reference pages, generated from the code so they cannot drift.
 
-Three pages are written from the objects that define them, never by hand:
+The reference pages are written from the objects that define them, never by hand:
 
 * the CLI reference, by walking ``vexact.cli.build_parser()`` (every subcommand and flag; ``vexact bench``'s
   benchmarks from their own ``add_arguments`` where the ``benchmarks`` package is importable);
 * the config reference, by walking the ``RunConfig`` dataclasses of ``vexact.rl.config`` (types, defaults, bounds;
   a field's description is the comment beside it in the source);
-* the metric reference, from the registry ``vexact.metric_keys``.
+* the metric reference, from the registry ``vexact.metric_keys``;
+* the kernel op contracts, one mkdocstrings block per op of ``vexact_kernels.OP_NAMES``.
 
 ``mkdocs build`` calls :func:`on_page_markdown` (this file is listed under ``hooks:`` in ``mkdocs.yml``), which
-replaces a marker line ``<!-- vexact-docs: cli -->`` (or ``config``, ``metrics``) with the generated text.
-``python -m vexact.docs_gen DIR`` writes the three pages as plain markdown, to read or diff them.
+replaces a marker line ``<!-- vexact-docs: cli -->`` (or another name of ``PAGES``) with the generated text.
+``python -m vexact.docs_gen DIR`` writes the pages as plain markdown, to read or diff them.
 ``tests/test_docs.py`` checks that every flag, key and metric appears.
 
 Imports are absolute: mkdocs loads this file by path, outside the package.
@@ -450,7 +451,8 @@ def on_config(config: Any, **_: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m vexact.docs_gen OUT_DIR  (writes cli.md, config.md, metrics.md)", file=sys.stderr)
+        print(f"usage: python -m vexact.docs_gen OUT_DIR  (writes {', '.join(f'{n}.md' for n in PAGES)})",
+              file=sys.stderr)
         return 2
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
