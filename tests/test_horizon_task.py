@@ -1,4 +1,4 @@
-"""The horizon task ``scratch`` (issue O): the horizon is a knob, the answer stays the same problem."""
+"""The horizon task ``horizon`` (issue O): the horizon is a knob, the answer stays the same problem."""
 
 from __future__ import annotations
 
@@ -22,20 +22,20 @@ from vexact.rl.tasks import (
 
 
 def test_registered_and_configurable():
-    assert "scratch" in TASK_NAMES
+    assert "horizon" in TASK_NAMES
     from vexact.rl.config import config_from_dict
 
-    cfg = config_from_dict({"task": {"name": "scratch", "min_len": 32, "max_len": 32}},
+    cfg = config_from_dict({"task": {"name": "horizon", "min_len": 32, "max_len": 32}},
                            [f"{k}={v}" for k, v in horizon_overrides(32).items()])
-    assert cfg.task.name == "scratch" and cfg.rollout.max_new_tokens == 40
+    assert cfg.task.name == "horizon" and cfg.rollout.max_new_tokens == 40
 
 
 @pytest.mark.parametrize("length", [8, 128])
 def test_horizon_is_set_and_answer_unchanged(length):
-    task = make_task("scratch", length, length)
+    task = make_task("horizon", length, length)
     problems = training_problems(task, 200, run_seed=0, step=0)
     for p in problems:
-        scratch, _, answer = p.worked.rpartition("=")
+        answer, _, scratch = p.worked.partition(":")
         assert len(scratch) == length and set(scratch) <= set(SCRATCH_ALPHABET)
         digits = p.prompt[2:-1]
         assert len(digits) == 3 and answer == p.answer == str(sum(map(int, digits)))
@@ -47,8 +47,8 @@ def test_horizon_is_set_and_answer_unchanged(length):
 
 def test_scratchpad_tokens_carry_entropy():
     """Random draws from the stated distribution, not deterministic filler."""
-    task = make_task("scratch", 64, 64)
-    counts = Counter("".join(p.worked.rpartition("=")[0] for p in training_problems(task, 300, 1, 0)))
+    task = make_task("horizon", 64, 64)
+    counts = Counter("".join(p.worked.partition(":")[2] for p in training_problems(task, 300, 1, 0)))
     total = sum(counts.values())
     for ch, prob in zip(SCRATCH_ALPHABET, SCRATCH_PROBS):
         assert counts[ch] / total == pytest.approx(prob, abs=0.01)
@@ -57,27 +57,28 @@ def test_scratchpad_tokens_carry_entropy():
 
 
 def test_reward_reads_only_the_answer():
-    task = make_task("scratch", 8, 8)
+    task = make_task("horizon", 8, 8)
     p = task.problem("314", "aaaaaaab")
     ids = task.tokenizer.encode
-    assert task.reward(p, ids("cc=8") + [EOS_ID]) == 1.0  # any scratchpad, any length
-    assert task.reward(p, ids("aaaaaaab=9") + [EOS_ID]) == 0.0
-    assert task.reward(p, ids("aaaaaaab=8")) == 0.0  # no EOS
-    assert task.reward(p, ids("aaaaaaab8") + [EOS_ID]) == 0.0  # no '='
+    assert task.reward(p, ids("8:cc") + [EOS_ID]) == 1.0  # any scratchpad, any length
+    assert task.reward(p, ids("8:") + [EOS_ID]) == 1.0
+    assert task.reward(p, ids("9:aaaaaaab") + [EOS_ID]) == 0.0
+    assert task.reward(p, ids("8:aaaaaaab")) == 0.0  # no EOS: rambling past the limit loses the reward
+    assert task.reward(p, ids("8") + [EOS_ID]) == 0.0  # no ':'
 
 
 def test_bad_problems_refused():
-    task = make_task("scratch", 8, 8)
+    task = make_task("horizon", 8, 8)
     with pytest.raises(ValueError, match="3 digits"):
         task.problem("12", "aaa")
     with pytest.raises(ValueError, match="scratchpad tokens"):
-        task.problem("123", "a=b")
+        task.problem("123", "a:b")
     with pytest.raises(ValueError, match="positive integer"):
         horizon_overrides(0)
 
 
 def test_deterministic_stream():
-    task = make_task("scratch", 16, 16)
+    task = make_task("horizon", 16, 16)
     assert training_problems(task, 5, 3, 7) == training_problems(task, 5, 3, 7)
     random.seed(123)  # global RNG state is not used
-    assert training_problems(task, 5, 3, 7) == training_problems(make_task("scratch", 16, 16), 5, 3, 7)
+    assert training_problems(task, 5, 3, 7) == training_problems(make_task("horizon", 16, 16), 5, 3, 7)

@@ -30,7 +30,7 @@ A meter file::
 
     name: horizon_meter
     base: horizon_scaling.yaml        # a run config (relative to this file): the policy, task, algorithm
-    horizons: [8, 16, 32, 64, 128]    # scratchpad lengths L of the ``scratch`` task (vexact.rl.horizon_task)
+    horizons: [8, 16, 32, 64, 128]    # scratchpad lengths L of the ``horizon`` task (vexact.rl.horizon_task)
     batches: 16                       # K batches of prompts_per_step x samples_per_prompt responses
     set: {threads: 1}                 # overrides for every cell (optional)
     sources:                          # name -> inject overrides

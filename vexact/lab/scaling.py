@@ -11,7 +11,7 @@
 The top level is the primary curve (old log-probs from the rollout, "bypass", when the sweep has it): the one
 ``compare --map`` reads.
 
-**Horizon.** A point's horizon group is its ``task.max_len`` (the scratchpad length L of ``scratch``, or the input
+**Horizon.** A point's horizon group is its ``task.max_len`` (the scratchpad length L of ``horizon``, or the input
 length of another task), set in the sweep's grid or in its variant's bundle; its horizon T is measured: the run
 mean of ``response_length/mean`` (tokens per response). A sweep that sets no ``task.max_len`` has no horizon axis.
 

@@ -1,20 +1,23 @@
 """A task whose response horizon is a knob and whose answer does not get harder with it (issue O).
 
 The longer ``sum`` trace is no horizon knob: a longer input makes the *answer* harder, so reward falls with T and
-one cannot tell a longer horizon from a harder problem. ``scratch`` separates the two:
+one cannot tell a longer horizon from a harder problem. ``horizon`` separates the two:
 
-    prompt    b:314=                       three random digits
-    response  aabacaaab...ab=8<eos>        a scratchpad of L tokens, then '=', the digit sum, EOS
+    prompt    b:314=                      three random digits
+    response  8:aabacaaab...ab<eos>       the digit sum, ':', then a scratchpad of L tokens and EOS
 
 The scratchpad's length ``L`` is the task's ``min_len .. max_len`` (set both to fix it), so the response horizon
-is T = L + 3 or 4 tokens while the answer (the sum of three digits) is the same problem at every L. Its tokens
-carry entropy like reasoning tokens do, rather than being deterministic filler: each is drawn independently from
+is T = L + 3 or 4 tokens while the answer (the sum of three digits) is the same problem, in the same context, at
+every L. (Measured first with the scratchpad *before* the answer: after a 300-step warm start the policy wrote
+the format perfectly at L = 16 but summed the digits right in 5% of samples, against 63% at L = 4 -- the random
+tokens in between made the answer harder, which is what a horizon knob must not do.) The scratchpad tokens carry
+entropy like reasoning tokens do, rather than being deterministic filler: each is drawn independently from
 ``SCRATCH_ALPHABET`` with probabilities ``SCRATCH_PROBS`` (entropy ``scratch_entropy()`` ≈ 0.80 nats per token),
-and the warm start imitates those random draws. The reward reads only the text after the response's last '='
-(plus EOS), like ``sum``: the scratchpad is free, so the length stays the policy's choice (the warm start teaches
-L) and a drifting policy can shorten, lengthen or ramble.
+and the warm start imitates those random draws. The reward is 1.0 for the right sum before the first ':' and an
+EOS anywhere after it, so the scratchpad is free but the response must end: a policy that drifts into rambling
+past ``max_new_tokens`` loses the reward, like a real one that never stops.
 
-Registered in ``vexact.rl.tasks`` (``_TASKS``), so configs name it ``task.name: scratch``.
+Registered in ``vexact.rl.tasks`` (``_TASKS``), so configs name it ``task.name: horizon``.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ def scratch_entropy() -> float:
 
 
 class ScratchpadTask(Task):
-    """A free scratchpad of ``L`` random tokens (``min_len <= L <= max_len``), then '=' and the digit sum of three
-    prompt digits (a trace task: the reward checks only what follows the last '=')."""
+    """The digit sum of three prompt digits, ':', then a free scratchpad of ``L`` random tokens
+    (``min_len <= L <= max_len``) and EOS; the reward checks only the text before the first ':' (and EOS)."""
 
-    name = "scratch"
+    name = "horizon"
     tag = "b"
 
     def problem(self, digits: str, scratch: str) -> Problem:
@@ -52,7 +55,7 @@ class ScratchpadTask(Task):
         if set(scratch) - set(SCRATCH_ALPHABET):
             raise ValueError(f"scratchpad tokens must come from {SCRATCH_ALPHABET!r}, got {scratch!r}")
         answer = str(sum(map(int, digits)))
-        return Problem(self._prompt(digits), answer, f"{scratch}={answer}")
+        return Problem(self._prompt(digits), answer, f"{answer}:{scratch}")
 
     def sample(self, rng: random.Random) -> Problem:
         digits = "".join(rng.choice("0123456789") for _ in range(ANSWER_DIGITS))
@@ -61,7 +64,7 @@ class ScratchpadTask(Task):
         return self.problem(digits, scratch)
 
     def final_answer(self, text: str) -> str:
-        return text.rpartition("=")[2] if "=" in text else "\0"  # no '=': no answer given
+        return text.partition(":")[0] if ":" in text else "\0"  # no ':': not the task's format
 
     def max_answer_len(self) -> int:
         return self.max_len + 1 + len(str(9 * ANSWER_DIGITS))
@@ -72,7 +75,7 @@ class ScratchpadTask(Task):
 
 def horizon_overrides(length: int) -> dict[str, int]:
     """Config overrides for a fixed scratchpad length ``L``: the task's lengths, room for the response (L + 8
-    tokens: '=', the answer, EOS and slack for a policy that writes a little longer) and the model's context."""
+    tokens: the answer, ':', EOS and slack for a policy that writes a little longer) and the model's context."""
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
         raise ValueError(f"a scratchpad length must be a positive integer, got {length!r}")
     return {"task.min_len": length, "task.max_len": length, "rollout.max_new_tokens": length + 8,
