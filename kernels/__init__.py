@@ -1,7 +1,7 @@
 """The folder ``kernels/`` is imported as ``vexact_kernels`` (why: see the end): vexact's kernel library.
 
-Every backend is a module exposing the same functions -- ``linear``, ``rms_norm``,
-``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs`` -- with the same
+Every backend is a module exposing the same functions -- ``OP_NAMES``: ``embedding``, ``linear``, ``rms_norm``,
+``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs``, ``entropy`` -- with the same
 signatures and semantics (``native.py`` is the plain-torch reference):
 
 - ``"native"``: plain torch ops; fast, realistic, and *not* batch-invariant.
@@ -24,7 +24,8 @@ from . import cpu_exact, native
 
 BACKENDS = ("exact", "native", "triton")
 EXACT_BACKENDS = ("exact", "triton")  # the backends whose rollout and training log-probs must agree bit for bit
-OP_NAMES = ("linear", "rms_norm", "silu_mul", "rope", "attention", "log_softmax", "token_logprobs")
+OP_NAMES = ("embedding", "linear", "rms_norm", "silu_mul", "rope", "attention", "log_softmax", "token_logprobs",
+            "entropy")
 
 
 def _triton() -> ModuleType:

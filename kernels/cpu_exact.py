@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .autograd import exact_forward_vjp, exact_linear
+from .autograd import exact_forward_vjp
 from .fixed_order import tree_sum as _tree_sum
 from .host_guard import HostGuard
 
@@ -63,12 +63,14 @@ NAME = "cpu_exact"
 ROW_BLOCKS = (4, 8, 16, 32, 64)  # GEMM tile heights: the smallest holding a call's rows, else 64-row tiles
 COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed MKL's threading)
 CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
+REDUCE_BLOCK = 256  # tokens per chunk of a weight gradient's reduction (backward; see _transposed_matmul)
 KEY_BLOCK = 64  # keys per attention tile, from position 0
 ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
 # The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
 HOST = HostGuard(ROW_BLOCKS)
 # What each op's invariance rests on besides construction (reported by ``host_report``).
-HOST_PROPERTIES = {"linear": ("gemm_rows",), "rms_norm": (), "silu_mul": ("elementwise_exp",), "rope": (),
+HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows",), "rms_norm": (), "silu_mul": ("elementwise_exp",),
+                   "rope": (), "entropy": ("elementwise_exp",),
                    "attention": ("gemm_rows", "elementwise_exp"),
                    "log_softmax": ("elementwise_exp", "elementwise_log"),
                    "token_logprobs": ("elementwise_exp", "elementwise_log")}
@@ -78,8 +80,9 @@ def _ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _row_block(rows: int) -> int:
-    """GEMM tile height for ``rows`` rows: the smallest of ROW_BLOCKS that holds them, else the largest.
+def _row_block(rows: int, heights: tuple[int, ...] = ROW_BLOCKS) -> int:
+    """GEMM tile height for ``rows`` rows: the smallest of ``heights`` (the guard's allowed heights for the GEMM's
+    shape class, a subset of ROW_BLOCKS) that holds them, else the largest.
 
     MKL gave every output row the same bits for tile heights 4..64 (measured with 1-16 threads,
     1-256 tiles per bmm, K up to 1536): a row's K-reduction does not depend on how many rows
@@ -88,14 +91,14 @@ def _row_block(rows: int) -> int:
     holds ``group`` real query rows (2 in the default model), and a 16-row tile multiplied
     zeros 8x over in the scores and P @ V GEMMs and their masks. (Measured on one host: on every
     host ``HOST`` probes it before relying on it.)"""
-    for block in ROW_BLOCKS:
+    for block in heights:
         if rows <= block:
             return block
-    return ROW_BLOCKS[-1]
+    return heights[-1]
 
 
 # --------------------------------------------------------------------------- building blocks
-def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor:
+def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> Tensor:
     """fp32 x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``_row_block(M)``.
 
     One ``host.bmm`` over ceil(M / R) row tiles (zero-padded), the (transposed, column-padded)
@@ -115,14 +118,14 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor:
     n_pad = _ceil_to(n, COL_BLOCK)
     w = _float(weight)
     w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else _aligned(w)
-    block = _row_block(rows)
+    operand = w.t().unsqueeze(0)  # [1, K, N_pad]
+    block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
     else:
         x = _aligned(x)
-    out = host.bmm(x.view(blocks, block, k), w.t().expand(blocks, k, n_pad), op="linear",
-                   shared_operand=True)
+    out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
@@ -162,6 +165,117 @@ def _float(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+def _reduction_block(rows: int) -> int:
+    """Rows per chunk of a backward reduction over tokens (``_transposed_matmul``): the smallest power of two from
+    64 holding ``rows``, else ``REDUCE_BLOCK``. A handful of fixed GEMM shapes, so the guard probes few classes."""
+    block = 64
+    while block < min(rows, REDUCE_BLOCK):
+        block *= 2
+    return block
+
+
+def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
+    """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
+
+    A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.
+    Rows are cut into chunks of ``_reduction_block(M)`` (zero-padded): each chunk is one ``_tiled_matmul`` whose
+    K-reduction has that fixed length (a probed shape class, or the fixed-order GEMM), and the chunks' partial
+    products are added by a halving tree in chunk order. So each output element depends only on the two
+    columns it reduces -- never on the thread count (or where thread boundaries fall)."""
+    rows = a.shape[0]
+    block = _reduction_block(rows)
+    chunks = -(-rows // block)
+    padded = chunks * block
+    if padded != rows:
+        a = torch.constant_pad_nd(a, (0, 0, 0, padded - rows))
+        b = torch.constant_pad_nd(b, (0, 0, 0, padded - rows))
+    # [chunks, N, block] and [chunks, K, block]: each chunk a contiguous, aligned [N, block] / [K, block] slab
+    a_t = a.view(chunks, block, a.shape[1]).transpose(1, 2).contiguous()
+    b_t = b.view(chunks, block, b.shape[1]).transpose(1, 2).contiguous()
+    parts = [_tiled_matmul(a_t[c], b_t[c], host, op) for c in range(chunks)]
+    return parts[0] if chunks == 1 else _tree_sum(torch.stack(parts), dim=0)
+
+
+def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
+    """fp32 a [B, M, K] @ b [B, K, N] -> [B, M, N] through the guard's GEMM on fixed tiles, thread-invariant.
+
+    For the attention backward, whose reductions run over queries or keys: rows are padded to tiles of
+    ``_row_block(M)`` rows, the reduction K to a multiple of ``COL_BLOCK`` and N to a multiple of ``COL_BLOCK``
+    (zeros add nothing); every tile of batch entry i multiplies i's own operand. One ``host.bmm`` call, whose
+    shape class is (K, N) padded: probed for every thread count it runs at, else the fixed-order GEMM."""
+    batch, rows, k = a.shape
+    n = b.shape[2]
+    k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
+    b = torch.constant_pad_nd(b, (0, n_pad - n, 0, k_pad - k))  # contiguous: the row-major layout
+    block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
+    row_tiles = -(-rows // block)
+    a = torch.constant_pad_nd(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
+    b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
+    out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
+    return out[:, :rows, :n]
+
+
+# --------------------------------------------------------------------------- embedding
+EMBEDDING_PAD_BUDGET = 1 << 16  # gradient rows laid out per chunk of the embedding backward (memory bound)
+
+
+def _embedding_forward(weight: Tensor, tokens: Tensor) -> Tensor:
+    return torch.nn.functional.embedding(tokens, weight)
+
+
+def _embedding_with_saved(weight: Tensor, tokens: Tensor) -> tuple[Tensor, tuple]:
+    return _embedding_forward(weight, tokens), (tokens, weight.shape[0], weight.dtype)
+
+
+def _embedding_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    tokens, vocab, dtype = saved
+    rows = _float(grad).reshape(-1, grad.shape[-1])
+    return (_sum_rows_by_token(tokens.reshape(-1), rows, vocab).to(dtype),)
+
+
+def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int) -> Tensor:
+    """out[v] = halving-tree sum, in position order, of the ``rows`` whose token is v; [vocab, D] fp32.
+
+    Each token's rows are laid side by side ([tokens, occurrences, D], zero-padded to the chunk's largest count)
+    and summed by ``tree_sum`` over the occurrences. Zero padding does not change a tree sum, so how tokens are
+    grouped into chunks (by count, to bound memory) does not change any bit: out[v] depends only on v's rows and
+    their order -- never on the thread count (unlike an ``index_add_``, whose order is the library's affair)."""
+    count = tokens.numel()
+    out = rows.new_zeros(vocab, rows.shape[1])
+    if count == 0:
+        return out
+    order = torch.argsort(tokens, stable=True)  # position order within each token
+    unique, counts = torch.unique_consecutive(tokens[order], return_counts=True)
+    group = torch.repeat_interleave(torch.arange(unique.numel()), counts)  # group of each sorted row
+    rank = torch.arange(count) - (counts.cumsum(0) - counts).repeat_interleave(counts)  # occurrence number
+    sorted_rows = rows[order]
+    by_count = torch.argsort(counts, descending=True, stable=True)
+    slot = torch.full((unique.numel(),), -1, dtype=torch.long)
+    start = 0
+    while start < by_count.numel():
+        width = int(counts[by_count[start]])
+        chosen = by_count[start : start + max(1, EMBEDDING_PAD_BUDGET // width)]
+        slot.fill_(-1)
+        slot[chosen] = torch.arange(chosen.numel())
+        member = slot[group] >= 0
+        laid = rows.new_zeros(chosen.numel(), width, rows.shape[1])
+        laid[slot[group][member], rank[member]] = sorted_rows[member]
+        out[unique[chosen]] = _tree_sum(laid, dim=1)
+        start += chosen.numel()
+    return out
+
+
+def embedding(tokens: Tensor, weight: Tensor, *, host: HostGuard = HOST) -> Tensor:
+    """Rows of ``weight`` [V, D] picked by ``tokens`` (int64 [...]) -> [..., D] in weight.dtype.
+
+    Invariance contract: a gather -- each output row is ``weight[token]`` bit for bit, whatever the batch.
+    Backward contract: grad_weight[v] is the halving-tree sum, in position order, of the gradient rows of the
+    positions holding token v (``_sum_rows_by_token``): it depends only on (tokens, grad), never on the thread
+    count. ``host`` is unused (nothing here rests on a host property); kept for the common op signature.
+    """
+    return exact_forward_vjp(_embedding_forward, _embedding_with_saved, _embedding_vjp, (weight,), (tokens,))
+
+
 # --------------------------------------------------------------------------- linear
 
 
@@ -174,6 +288,26 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGu
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _linear_with_saved(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> tuple[Tensor, tuple]:
+    return _linear_forward(x, weight, bias, host), (x, weight, bias is not None, host)
+
+
+def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """dx = g @ W (rows = tokens, like the forward), dW = g.T @ x and db = sum of g (reductions over tokens:
+    fixed chunks and a halving tree). fp32 inside, one rounding to each input's dtype."""
+    x, weight, has_bias, host = saved
+    g = _float(grad.reshape(-1, grad.shape[-1]))
+    grad_x = grad_w = grad_b = None
+    if needs[0]:
+        grad_x = _tiled_matmul(g, weight.t(), host, "linear").to(x.dtype).view(x.shape)
+    if needs[1]:
+        x2d = _float(x.reshape(-1, x.shape[-1]))
+        grad_w = _transposed_matmul(g, x2d, host, "linear").to(weight.dtype)
+    if has_bias and needs[2]:
+        grad_b = _tree_sum(g, dim=0)
+    return (grad_x, grad_w, grad_b)[: len(needs)]
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostGuard = HOST) -> Tensor:
     """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N] in x.dtype.
 
@@ -182,9 +316,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
     x.dtype. Tiling: rows in GEMM tiles of 4, 8, 16, 32 or 64 rows (``_row_block``), columns padded to
     a multiple of 16.
-    Backward: plain matmuls (deterministic run to run).
+    Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
+    grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
+    (``_transposed_matmul``) added by a halving tree.
     """
-    return exact_linear(partial(_linear_forward, host=host), x, weight, bias)
+    if bias is None:
+        return exact_forward_vjp(partial(_linear_forward, bias=None, host=host),
+                                 partial(_linear_with_saved, bias=None, host=host), _linear_vjp, (x, weight))
+    return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
 
 
 # --------------------------------------------------------------------------- row-wise ops
@@ -212,10 +351,10 @@ def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     grad_x = grad_w = None
     if needs[0]:
         gw = g * _float(weight)
-        dot = (gw * xf).mean(-1, keepdim=True)
+        dot = _tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
         grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(dtype)
     if needs[1]:
-        grad_w = (g * xf * inv_rms).reshape(-1, xf.shape[-1]).sum(0).to(weight.dtype)
+        grad_w = _tree_sum((g * xf * inv_rms).reshape(-1, xf.shape[-1]), dim=0).to(weight.dtype)
     return grad_x, grad_w
 
 
@@ -225,7 +364,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, host: HostGuard = HOST) -
     Invariance contract: each output row depends only on that input row, the weight and eps
     -- never on the number of rows, their order, padding or the thread count (halving-tree
     sum, exactly rounded sqrt/div; no rsqrt, whose vector and scalar paths round differently).
-    Backward: the analytic VJP from the saved fp32 x and 1/rms (deterministic run to run).
+    Backward contract: the analytic VJP from the saved fp32 x and 1/rms; grad_x row by row, grad_weight over the
+    rows, both by halving trees -- never dependent on the thread count.
     """
     return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
 
@@ -244,13 +384,15 @@ def _log_softmax_exact(logits: Tensor, host: HostGuard) -> Tensor:
 
 def _log_softmax_with_saved(logits: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
     out = _log_softmax_exact(logits, host)
-    return out, (out, logits.dtype)
+    return out, (out, logits.dtype, host)
 
 
 def _log_softmax_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """d logits = g - softmax * sum(g)."""
-    out, dtype = saved
-    return ((grad - out.exp() * grad.sum(-1, keepdim=True)).to(dtype),)
+    """d logits = g - softmax * sum(g) (chunked exp, halving-tree sum)."""
+    out, dtype, host = saved
+    g = _float(grad)
+    softmax = _unary("exp", out, host, "log_softmax")
+    return (g - softmax.mul_(_tree_sum(g).unsqueeze(-1))).to(dtype),
 
 
 def log_softmax(logits: Tensor, *, host: HostGuard = HOST) -> Tensor:
@@ -259,7 +401,8 @@ def log_softmax(logits: Tensor, *, host: HostGuard = HOST) -> Tensor:
     Invariance contract: each output row depends only on that logits row -- never on the
     number of rows, their order, the vocabulary being split into chunks, or thread count.
     Computed as (x - max) - log(tree_sum(exp(x - max))).
-    Backward: g - softmax * sum(g) from the saved output (deterministic run to run).
+    Backward contract: g - softmax * sum(g) from the saved output, row by row (chunked exp, halving-tree sum):
+    never dependent on the thread count.
     """
     return exact_forward_vjp(_log_softmax_exact, _log_softmax_with_saved, _log_softmax_vjp, (logits,), (host,))
 
@@ -276,14 +419,14 @@ def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> T
 def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
     shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "token_logprobs")
     out = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
-    return out, (shifted, log_normalizer, targets, logits.dtype)
+    return out, (shifted, log_normalizer, targets, logits.dtype, host)
 
 
 def _token_logprobs_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """d logits = g * (onehot(target) - softmax)."""
-    shifted, log_normalizer, targets, dtype = saved
-    g = grad.unsqueeze(-1)
-    grad_logits = (shifted - log_normalizer.unsqueeze(-1)).exp_().mul_(-g)
+    shifted, log_normalizer, targets, dtype, host = saved
+    g = _float(grad).unsqueeze(-1)
+    grad_logits = _unary("exp", shifted - log_normalizer.unsqueeze(-1), host, "token_logprobs", inplace=True).mul_(-g)
     grad_logits.scatter_add_(-1, targets.unsqueeze(-1), g)
     return (grad_logits.to(dtype),)
 
@@ -293,10 +436,37 @@ def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -
 
     Invariance contract: as ``log_softmax`` (and bitwise equal to ``log_softmax(x)[target]``):
     each value depends only on its own logits row and target.
-    Backward: g * (onehot - softmax) from the saved shifted logits (deterministic run to run).
+    Backward contract: g * (onehot - softmax) from the saved shifted logits, elementwise (chunked exp): never
+    dependent on the thread count.
     """
     return exact_forward_vjp(_token_logprobs_exact, _token_logprobs_with_saved, _token_logprobs_vjp, (logits,),
                              (targets, host))
+
+
+def _entropy_exact(log_probs: Tensor, host: HostGuard) -> Tensor:
+    lp = _float(log_probs)
+    return _tree_sum(_unary("exp", lp, host, "entropy").mul_(lp)).neg_()
+
+
+def _entropy_with_saved(log_probs: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    lp = _float(log_probs)
+    probs = _unary("exp", lp, host, "entropy")
+    return _tree_sum(probs * lp).neg_(), (probs, lp, log_probs.dtype)
+
+
+def _entropy_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d/d lp_i of -sum(exp(lp) lp) = -p_i (1 + lp_i)."""
+    probs, lp, dtype = saved
+    return ((lp + 1.0).mul_(probs).mul_(_float(grad).unsqueeze(-1)).neg_().to(dtype),)
+
+
+def entropy(log_probs: Tensor, *, host: HostGuard = HOST) -> Tensor:
+    """-sum(p log p) over the last dim of a ``log_softmax`` output: fp32 [..., V] -> [...].
+
+    Invariance contract: each value depends only on its own row (chunked exp, halving-tree sum) -- never on the
+    number of rows or the thread count. Backward contract: -g p (1 + log p), elementwise: the same.
+    """
+    return exact_forward_vjp(_entropy_exact, _entropy_with_saved, _entropy_vjp, (log_probs,), (host,))
 
 
 # --------------------------------------------------------------------------- elementwise ops
@@ -315,18 +485,24 @@ def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
 
 
 def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
-    silu = _silu(gate, host).to(gate.dtype)
-    return silu * up, (gate, silu, up)
+    out = _silu_mul_exact(gate, up, host)
+    return out, (gate, up, host)
 
 
 def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """d up = g * silu(gate); d gate = silu'(gate) * g * up (torch's fused silu_backward, as native autograd)."""
-    gate, silu, up = saved
+    """With s = sigmoid(gate) = 1 / (1 + exp(-gate)): d up = g * silu(gate) = g * gate * s and
+    d gate = g * up * s * (1 + gate * (1 - s)); fp32 from chunked exp and exactly rounded ops, one rounding."""
+    gate, up, host = saved
+    gf, g = _float(gate), _float(grad)
+    denom = _unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)  # 1 + exp(-gate), as the forward
     grad_gate = grad_up = None
     if needs[0]:
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        s = torch.reciprocal(denom)  # exactly rounded
+        ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)  # s * (1 + gate * (1 - s))
+        grad_gate = ds.mul_(g).mul_(_float(up)).to(gate.dtype)
     if needs[1]:
-        grad_up = grad * silu
+        silu = torch.div(gf, denom)  # the forward's silu, rounded to the gate's dtype as the forward does
+        grad_up = _float(silu.to(gate.dtype)).mul_(g).to(up.dtype)
     return grad_gate, grad_up
 
 
@@ -337,7 +513,8 @@ def silu_mul(gate: Tensor, up: Tensor, *, host: HostGuard = HOST) -> Tensor:
     elements -- not on the tensor's size or the element's position (torch's own ``silu`` /
     ``sigmoid`` round differently in their vector body and scalar tail; here silu is
     g / (1 + exp(-g)) with chunked exp and exactly rounded add/div).
-    Backward: the analytic VJP (torch's fused silu_backward; deterministic run to run).
+    Backward contract: the analytic VJP, elementwise from chunked exp and exactly rounded ops -- each gradient
+    element depends only on the matching gate, up and grad elements (not on the tensor's size or threads).
     """
     return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up), (host,))
 
@@ -369,7 +546,7 @@ class _AttentionTiles:
         self.batch, self.q_len, self.q_heads, self.head_dim, self.kv_heads = batch, q_len, q_heads, head_dim, kv_heads
         self.group = q_heads // kv_heads
         self.rows = q_len * self.group
-        self.block = _row_block(self.rows)
+        self.block = _row_block(self.rows, self._tile_heights(host, head_dim))
         self.row_blocks = -(-self.rows // self.block)
         self.row_len = self.row_blocks * self.block
         # Keys needed: up to the furthest query position, in whole tiles from position 0.
@@ -394,6 +571,15 @@ class _AttentionTiles:
         row_t = torch.arange(self.row_len, device=q.device) // self.group
         self.row_t = torch.where(row_t < q_len, row_t, 0)
         self.q_start = q_start
+
+    @staticmethod
+    def _tile_heights(host: HostGuard, head_dim: int) -> tuple[int, ...]:
+        """Row-tile heights allowed for both GEMMs of a tile: the scores (q rows against a key tile, transposed) and
+        P @ V (probabilities against a value tile, row-major)."""
+        key_tile = torch.empty(1, KEY_BLOCK, head_dim)
+        scores = host.tile_heights(torch.float32, key_tile.transpose(1, 2), False, "attention")
+        values = host.tile_heights(torch.float32, key_tile, False, "attention")
+        return tuple(h for h in scores if h in values)
 
     def _key_rows(self, cache: Tensor) -> Tensor:
         """[B, L, Hkv, hd] -> fp32 [B*Hkv, key_len, hd], zero-padded past the cache's end."""
@@ -504,12 +690,13 @@ def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tenso
 
 
 class _ExactAttention(torch.autograd.Function):
-    """Exact forward; backward from the forward's own (exact) probabilities with plain bmms.
+    """Exact forward; backward from the forward's own (exact) probabilities with fixed-tile GEMMs.
 
     Saves the normalised probabilities of the real rows and visible keys instead of
     recomputing a native attention: the gradients are the standard softmax-attention VJP
     (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,
-    dK = dS^T (scale * Q)) on fixed shapes, deterministic run to run."""
+    dK = dS^T (scale * Q)); every product runs through ``_batched_matmul`` (the guard's GEMM on padded
+    tiles) and the row sum through a halving tree, so no gradient depends on the thread count."""
 
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, q_start, scale, host):  # type: ignore[override]
@@ -529,17 +716,18 @@ class _ExactAttention(torch.autograd.Function):
         rows, vis = p.shape[1], tiles.visible
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         d_out = tiles.from_output(grad_out)[:, :rows]  # [BH, rows', hd]; padding rows are zero
+        bmm = partial(_batched_matmul, host=tiles.host, op="attention")
         out_rows = ctx.out_rows[:, :rows]
         grad_q = grad_k = grad_v = None
         if need_v:
-            grad_v = tiles.to_cache(torch.bmm(p.transpose(1, 2), d_out), ctx.dtypes[2])
+            grad_v = tiles.to_cache(bmm(p.transpose(1, 2), d_out), ctx.dtypes[2])
         if need_q or need_k:
-            d_p = torch.bmm(d_out, tiles.v[:, :vis].transpose(1, 2))
-            d_s = p * (d_p - (d_out * out_rows).sum(-1, keepdim=True))
+            d_p = bmm(d_out, tiles.v[:, :vis].transpose(1, 2))
+            d_s = p * (d_p - _tree_sum(d_out * out_rows).unsqueeze(-1))
             if need_q:
-                grad_q = tiles.to_output(torch.bmm(d_s, tiles.k[:, :vis]) * tiles.scale, ctx.dtypes[0])
+                grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis]) * tiles.scale, ctx.dtypes[0])
             if need_k:
-                grad_k = tiles.to_cache(torch.bmm(d_s.transpose(1, 2), tiles.q[:, :rows]), ctx.dtypes[1])
+                grad_k = tiles.to_cache(bmm(d_s.transpose(1, 2), tiles.q[:, :rows]), ctx.dtypes[1])
         ctx.p = ctx.out_rows = ctx.tiles = None
         return grad_q, grad_k, grad_v, None, None, None
 
@@ -567,7 +755,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     Masked scores give probability exactly 0, so
     tiles past a query's position add exact zeros to the position-ordered tree sums, and a
     short decode row reduces like a long prefill row.
-    Backward: the softmax-attention VJP from the saved exact probabilities (deterministic).
+    Backward contract: the softmax-attention VJP from the saved exact probabilities, through fixed-tile GEMMs
+    and halving trees: the gradients depend only on (q, k, v, grad), never on the thread count.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale, host)

@@ -79,12 +79,15 @@ class ProbeRecord:
     failure: str | None = None
     seconds: float = 0.0
     ops: set[str] = field(default_factory=set)
+    tile_heights: tuple[int, ...] = ()  # gemm_rows: the tile heights whose rows match the reference (the kernels
+    # use only these; every height on the fixed-order path)
     reference: Tensor | None = None  # the 1-thread reference outputs (kept to verify later thread counts)
     check: Callable[[], str | None] | None = None  # reruns the arrangements at the current thread count
 
     def as_dict(self) -> dict:
         return {"property": self.property, "shape_class": self.shape_class, "path": self.path,
                 "passed": self.passed, "threads_checked": sorted(self.threads_checked), "failure": self.failure,
+                **({"tile_heights": list(self.tile_heights)} if self.property == "gemm_rows" else {}),
                 "seconds": round(self.seconds, 4), "ops": sorted(self.ops)}
 
 
@@ -129,8 +132,20 @@ class HostGuard:
         self._records: dict[tuple, ProbeRecord] = {}
 
     # ------------------------------------------------------------------ the primitives
+    def tile_heights(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> tuple[int, ...]:
+        """The tile heights a kernel may use for GEMMs of this shape class (probed at first use): ``dtype`` is a's,
+        ``b`` the right operand [T, K, N] as it will be passed to ``bmm`` (or one tile of it, [1, K, N]).
+
+        On the library path: those of ``row_blocks`` whose rows the probe found bitwise equal to one 64-row tile
+        (some BLAS give small tiles another micro-kernel: MKL on an AVX-512 Xeon did for 4-row tiles at K >= 128
+        and 8-row tiles at K >= 256); on the fixed-order path every height (invariant by construction). A row's bits
+        are then the same for every allowed height, so the kernels may choose any of them."""
+        key = ("gemm_rows", dtype, b.shape[1], b.shape[2], _layout(b), shared_operand)
+        record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
+        return self.row_blocks if record.path == "fixed-order" else record.tile_heights
+
     def bmm(self, a: Tensor, b: Tensor, op: str, shared_operand: bool) -> Tensor:
-        """a [T, R, K] @ b [T, K, N] through the path chosen for this shape class (R in ``row_blocks``).
+        """a [T, R, K] @ b [T, K, N] through the path chosen for this shape class (R one of ``tile_heights``).
 
         ``shared_operand``: every tile multiplies the same (expanded) b, as a linear layer's weight;
         otherwise each tile has its own, as attention's key tiles. The class is (dtype, K, N, b's layout,
@@ -139,6 +154,9 @@ class HostGuard:
         record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
         if record.path == "fixed-order":
             return fixed_order.bmm(a, b)
+        if a.shape[1] not in record.tile_heights:
+            raise ValueError(f"HostGuard.bmm: tile height {a.shape[1]} is not one the probe allowed for "
+                             f"{record.shape_class} ({record.tile_heights}); ask tile_heights() first")
         return self._library_bmm(a, b)
 
     def elementwise(self, name: str, dtype: torch.dtype, op: str) -> Callable[..., Tensor]:
@@ -173,6 +191,7 @@ class HostGuard:
         form = "shared" if shared else "per-tile"
         record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}", "blas", op)
         if self.mode != "auto":
+            record.tile_heights = self.row_blocks
             return record
         gen = torch.Generator().manual_seed(PROBE_SEED)
         rows = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
@@ -183,9 +202,20 @@ class HostGuard:
             return self._library_bmm(a_tiles, _operand(cols, a_tiles.shape[0], shared, transposed))
 
         def run_arrangements() -> str | None:
-            """Each arrangement's rows, compared with the reference; the first failure, described."""
+            """Each arrangement's rows, compared with the reference; the first failure, described.
+
+            At the first probe a tile height whose rows differ from the reference is dropped from the class's
+            ``tile_heights`` (the kernels then use taller tiles); the class fails if the tallest tile differs, or
+            if within an allowed height a row's bits depend on its position or on the number of tiles."""
             ref = record.reference
-            for height in self.row_blocks:  # every tile height, tiles side by side in one call
+            if not record.tile_heights:  # first probe: which heights give the reference's bits
+                record.tile_heights = tuple(
+                    h for h in self.row_blocks
+                    if not _rows_differing(gemm(rows.view(PROBE_ROWS // h, h, k)).reshape(PROBE_ROWS, n), ref))
+                if self.row_blocks[-1] not in record.tile_heights:
+                    record.tile_heights = self.row_blocks
+                    return f"tile height {self.row_blocks[-1]} (the reference's own) differs from the reference"
+            for height in record.tile_heights:  # every allowed tile height, tiles side by side in one call
                 out = gemm(rows.view(PROBE_ROWS // height, height, k)).reshape(PROBE_ROWS, n)
                 if differing := _rows_differing(out, ref):
                     return f"tile height {height}: {differing}/{PROBE_ROWS} rows differ from one {PROBE_ROWS}-row tile"
@@ -194,7 +224,7 @@ class HostGuard:
                 if differing := _rows_differing(out, ref):
                     return f"tile height {height}, rows moved one place: {differing}/{PROBE_ROWS} rows differ"
             # many tiles per call (batch-parallel threading), the probe rows in the middle
-            smallest = self.row_blocks[0]
+            smallest = record.tile_heights[0]
             crowd = torch.cat([other, rows, other]).view(-1, smallest, k)
             out = gemm(crowd).reshape(-1, n)[PROBE_ROWS : 2 * PROBE_ROWS]
             if differing := _rows_differing(out, ref):

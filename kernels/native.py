@@ -15,6 +15,11 @@ from torch import Tensor
 NAME = "native"
 
 
+def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
+    """Rows of ``weight`` [V, D] picked by ``tokens`` (int64 [...]) -> [..., D] in weight.dtype."""
+    return F.embedding(tokens, weight)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N]."""
     return F.linear(x, weight, bias)
@@ -64,6 +69,11 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
 def log_softmax(logits: Tensor) -> Tensor:
     """log_softmax over the last dim, returned in fp32."""
     return F.log_softmax(logits.float(), dim=-1)
+
+
+def entropy(log_probs: Tensor) -> Tensor:
+    """-sum(p log p) over the last dim of a ``log_softmax`` output (fp32 [..., V] -> [...])."""
+    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

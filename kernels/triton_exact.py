@@ -268,6 +268,20 @@ def _linear_kernel(
     tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+def entropy(log_probs: Tensor) -> Tensor:
+    """-sum(p log p) of a ``log_softmax`` output: torch ops on the device (deterministic for a given device and
+    shape; the log-probs it reads are the exact kernel's)."""
+    return native.entropy(log_probs)
+
+
+def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
+    """Rows of ``weight`` [V, D] picked by ``tokens`` -> [..., D]: a gather, exact on every backend (torch's own).
+
+    Invariance contract: each output row is ``weight[token]`` bit for bit. Backward: torch's embedding backward
+    (on CUDA a sort-based segment sum: deterministic for a given device and token layout)."""
+    return native.embedding(tokens, weight)
+
+
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     _check_device(x, weight)
     n_inner = x.shape[-1]

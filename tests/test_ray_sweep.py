@@ -82,7 +82,9 @@ def _checkpoint(point) -> dict[str, torch.Tensor]:
 
 
 def test_ray_sweep_is_loopback_only_and_equals_local(tmp_path):
-    local_path = _sweep_file(tmp_path, "loc", grid={"seed": [0, 1]})
+    """Local points at 2 threads, Ray's at the default (1 CPU, 1 thread): the same bits (the exact backward is
+    thread-count invariant, so the executors need not agree on ``threads``)."""
+    local_path = _sweep_file(tmp_path, "loc", grid={"seed": [0, 1], "threads": [2]})
     ray_path = _sweep_file(tmp_path, "ray", grid={"seed": [0, 1]})
     run_sweep(load_sweep_spec(local_path), jobs=1)
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 import vexact_kernels
 
 # A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions
-# (``linear``, ``rms_norm``, ``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs``).
+# (``vexact_kernels.OP_NAMES``).
 KernelOps = Any
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -306,7 +306,7 @@ class Transformer(nn.Module):
         batch_index = torch.arange(batch, device=tokens.device)[:, None]
         scale = 1.0 / math.sqrt(c.head_dim)
 
-        x = self.embed_tokens(tokens)
+        x = ops.embedding(tokens, self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = ops.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)

@@ -93,5 +93,5 @@ def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[l
     entropy: list[Tensor] = []
     if with_entropy:
         full = ops.log_softmax(logits)
-        entropy = list((-(full.exp() * full).sum(-1)).split(lengths))
+        entropy = list(ops.entropy(full).split(lengths))
     return list(flat.split(lengths)), entropy

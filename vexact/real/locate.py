@@ -206,6 +206,12 @@ class OpRecorder:
         self._next = self._keep = None
 
     # The kernel op functions (the names and signatures of vexact_kernels' backends).
+    def embedding(self, tokens: Tensor, weight: Tensor) -> Tensor:
+        return self.ops.embedding(tokens, weight)  # a gather, exact on every backend: not a slot of the plan
+
+    def entropy(self, log_probs: Tensor) -> Tensor:
+        return self.ops.entropy(log_probs)  # not part of a forward's plan (scoring's entropy only)
+
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return self._run("linear", x, weight, bias)
 

@@ -158,8 +158,8 @@ def launch(nproc: int, python_args: list[str], threads: int | None = None) -> No
     temporary directory (no TCP store, which would listen on every interface) and gloo binds to ``lo``.
 
     ``threads``: torch threads per rank; default: this process's count, the one a single-process run here uses.
-    It is part of the numbers: the backward's matmuls (BLAS) may split their sums by thread, so a gradient is
-    deterministic for a given thread count, not across counts. Raises ``ChildFailedError`` if a rank exits
+    With the exact backend it changes no bit (forward, backward and update are thread-count invariant); with
+    ``native`` it does. Raises ``ChildFailedError`` if a rank exits
     non-zero."""
     import logging
     import sys

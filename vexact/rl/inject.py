@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from vexact_kernels import get_ops
+from vexact_kernels import OP_NAMES, get_ops
 
 from ..engine.model import KernelOps, resolve_dtype
 from ..engine.rollout import LogitsHook
@@ -76,8 +76,7 @@ def precision_ops(base: KernelOps, fmt: str, sites: list[str]) -> SimpleNamespac
     def rounded(fn: Callable) -> Callable:
         return lambda *args, **kwargs: round_to(fn(*args, **kwargs), fmt)
 
-    ops = {name: getattr(base, name) for name in ("linear", "rms_norm", "silu_mul", "rope", "attention",
-                                                   "log_softmax", "token_logprobs")}
+    ops = {name: getattr(base, name) for name in OP_NAMES}
     for site, op in (("linear", "linear"), ("attention", "attention"), ("norm", "rms_norm")):
         if site in sites:
             ops[op] = rounded(ops[op])

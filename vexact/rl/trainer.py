@@ -34,6 +34,7 @@ from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
+from .optim import ExactAdamW, clip_flat_gradient_
 from .rollouts import RolloutBatch, collect_rollouts, eval_metrics, eval_records, step_problems
 from .runlog import (
     MetricsWriter,
@@ -74,8 +75,7 @@ class Trainer:
         check_leaves(cfg.distributed.leaves, self.ranks.world_size)
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.run_dir = run_dir_for(cfg)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.threads or default_threads(cfg))
         self.tokenizer = CharTokenizer()
         self.task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit)
         self._check_lengths()
@@ -88,9 +88,8 @@ class Trainer:
         self.compute = self.master if self.compute_dtype == torch.float32 else self._copy_of(self.master,
                                                                                             self.compute_dtype)
         self.reference: Transformer | None = None
-        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.optimizer.lr,
-                                           betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
-                                           weight_decay=cfg.optimizer.weight_decay)
+        self.optimizer = ExactAdamW(self.master.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas),
+                                    eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay)
         self.schedule = LRSchedule(cfg.optimizer, cfg.lr_schedule, total_steps=cfg.steps,
                                    collapse=cfg.collapse)
         self.eval_problems = held_out_problems(self.task, cfg.task.eval_prompts)
@@ -265,16 +264,15 @@ class Trainer:
     def _apply_gradients(self, gradient: Tensor, used: list[bool]) -> float:
         """The summed flat gradient onto the fp32 master, clip, AdamW step, refresh the compute copy; the norm."""
         self.master.zero_grad(set_to_none=True)
+        max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip is not None else math.inf
+        grad_norm = clip_flat_gradient_(gradient, max_norm)  # thread-invariant (vexact.rl.optim)
+        if not math.isfinite(grad_norm):
+            raise RunStopped(f"non-finite gradient norm ({grad_norm})")
         offset = 0
         for param, has_grad in zip(self.master.parameters(), used):
             if has_grad:
                 param.grad = gradient[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
-        params = [p for p in self.master.parameters() if p.grad is not None]
-        max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(grad_norm):
-            raise RunStopped(f"non-finite gradient norm ({grad_norm})")
         self.optimizer.step()
         self._copy_master_to_compute()
         return grad_norm
@@ -483,12 +481,27 @@ class Trainer:
         return self._copy_of(start, self.compute_dtype)
 
 
-RESUME_SAFE_KEYS = ("steps", "logging.live", "logging.eval_every", "logging.checkpoint_every", "logging.backends",
-                    "logging.wandb_project", "logging.wandb_mode")
+SMALL_MODEL_WIDTH = 512  # hidden sizes below this run on 1 thread unless ``threads`` says otherwise
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()  # before any run in this process changed it
+
+
+def default_threads(cfg: RunConfig) -> int:
+    """Torch threads for a run whose config leaves ``threads`` unset: 1 for the small RL testbeds (hidden size below
+    ``SMALL_MODEL_WIDTH``), else torch's own default (the machine's cores).
+
+    Why: the testbeds' ops are tiny (a 64-wide model's GEMMs take microseconds), so a second thread buys little and
+    OpenMP's spin-waits between ops burn a core (measured on a loaded 2-core host: 6-9x the CPU per step at 2
+    threads). With the exact backend this choice changes no bit (forward, backward and update are thread-count
+    invariant), so it is purely a matter of speed and of leaving cores to other runs."""
+    return 1 if cfg.model.hidden_size < SMALL_MODEL_WIDTH else _TORCH_DEFAULT_THREADS
+
+
+RESUME_SAFE_KEYS = ("steps", "threads", "logging.live", "logging.eval_every", "logging.checkpoint_every",
+                    "logging.backends", "logging.wandb_project", "logging.wandb_mode")
 """Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers; ``steps`` extends
-or shortens the run (a cosine schedule's horizon moves). ``threads`` is not one: the forward kernels are
-thread-count invariant, but the backward's matmuls may split their sums by thread, so gradients are deterministic
-for one thread count only (measured: 1 and 2 threads give different weights after two updates)."""
+or shortens the run (a cosine schedule's horizon moves). ``threads`` is one since the exact backward and the update
+are thread-count invariant too (``tests/test_backward_threads.py`` runs a whole run at 1 and 2 threads). With the
+``native`` backend it still changes bits, as native's results depend on the batch and thread count anyway."""
 
 
 class _NoWriter:

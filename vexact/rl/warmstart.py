@@ -16,10 +16,11 @@ from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
 from .atomic import publish
 from .config import RunConfig, config_hash
+from .optim import ExactAdamW, clip_gradients_
 from .tasks import Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
-CACHE_VERSION = 2  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
+CACHE_VERSION = 3  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
 
 
 def warm_start_key(cfg: RunConfig) -> str:
@@ -90,7 +91,7 @@ def _load(model: Transformer, path: Path, log: Callable[[str], None], how: str) 
 def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
     ws = cfg.warm_start
     tokenizer = task.tokenizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    optimizer = ExactAdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.99), weight_decay=0.0)
     for step in range(ws.steps):
         problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
         prompts = [encode_prompt(tokenizer, p) for p in problems]
@@ -102,5 +103,5 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
         loss = -torch.cat(logprobs).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_gradients_(list(model.parameters()), 1.0)
         optimizer.step()
