@@ -200,6 +200,19 @@ def test_every_must_not_tear_file_goes_through_the_helper():
         assert ".write_text(" not in (ROOT / rel).read_text(), rel
 
 
+def test_config_yaml_and_measure_summaries_are_published_through_the_helper(tmp_path, monkeypatch):
+    from vexact.real.measure import write_report_json
+    from vexact.rl.config import load_config, save_config
+
+    published = []
+    monkeypatch.setattr(atomic, "_before_rename", lambda tmp, path: published.append(path.name))
+    save_config(load_config(EXPERIMENT), tmp_path / "config.yaml")
+    write_report_json({"k3": math.inf}, tmp_path / "summary.json")
+    assert published == ["config.yaml", "summary.json"]
+    assert load_config(tmp_path / "config.yaml") == load_config(EXPERIMENT)
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"k3": "inf"}
+
+
 # --------------------------------------------------------------------------- 3. one metrics.jsonl reader
 GOOD = [{"step": 0, "reward/mean": 0.5, "actor/grad_norm": "nan"}, {"step": 1, "reward/mean": 0.25,
                                                                      "actor/grad_norm": "inf"}]

@@ -45,6 +45,7 @@ import random
 import statistics
 from typing import Any
 
+from ..rl.atomic import publish
 from .report import SEED_KEY, PointData, SweepData, _fmt_value, _median
 
 METRIC = "rollout_corr/k3_kl"
@@ -258,7 +259,8 @@ def plot_dose_response(result: dict[str, Any], path: Any, title: str = "") -> An
     ax.set_title(f"{title}: collapse probability vs realised mismatch" if title else
                  "collapse probability vs realised mismatch")
     ax.grid(True, which="major", alpha=0.3)
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight" keeps the outside legend in the image
+    # "tight" keeps the outside legend in the image; published whole (atomic.publish)
+    publish(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return path
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import random
 import time
@@ -658,12 +657,11 @@ def write_json(result: MeasureResult, path: Path) -> Path:
 
 def write_report_json(summary: dict[str, Any], path: Path) -> Path:
     """A report summary as indented JSON (NaN/Inf as strings, see ``runlog.json_safe``); returns the path."""
-    from ..rl.runlog import json_safe
+    from ..rl.atomic import write_json_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
-    return path
+    return write_json_atomic(path, summary, sort_keys=False)
 
 
 def write_png(result: MeasureResult, path: Path) -> Path:
