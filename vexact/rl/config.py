@@ -33,6 +33,7 @@ import yaml
 import vexact_kernels
 
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
+from .atomic import write_text_atomic
 from .tasks import TASK_NAMES
 
 __all__ = [
@@ -870,7 +871,7 @@ def save_config(cfg: RunConfig, path: str | Path) -> None:
     """Write the fully resolved config (every field, defaults included) as YAML."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # a torn config.yaml blocks resume
 
 
 def dotted_items(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
