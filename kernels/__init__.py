@@ -1,7 +1,8 @@
 """The folder ``kernels/`` is imported as ``vexact_kernels`` (why: see the end): vexact's kernel library.
 
-Every backend is a module exposing the same functions -- ``OP_NAMES``: ``embedding``, ``linear``, ``rms_norm``,
-``silu_mul``, ``rope``, ``attention``, ``log_softmax``, ``token_logprobs``, ``entropy`` -- with the same
+Every backend is a module exposing the same functions -- the ``KernelOps`` contract (``contract.py``, whence
+``OP_NAMES``): ``embedding``, ``linear``, ``rms_norm``, ``silu_mul``, ``rope``, ``attention``, ``log_softmax``,
+``token_logprobs``, ``entropy`` -- with the same
 signatures and semantics (``native.py`` is the plain-torch reference):
 
 - ``"native"``: plain torch ops; fast, realistic, and *not* batch-invariant.
@@ -21,11 +22,10 @@ from types import ModuleType
 import torch
 
 from . import cpu_exact, native
+from .contract import OP_NAMES, KernelOps
 
 BACKENDS = ("exact", "native", "triton")
 EXACT_BACKENDS = ("exact", "triton")  # the backends whose rollout and training log-probs must agree bit for bit
-OP_NAMES = ("embedding", "linear", "rms_norm", "silu_mul", "rope", "attention", "log_softmax", "token_logprobs",
-            "entropy")
 
 
 def _triton() -> ModuleType:
@@ -65,4 +65,4 @@ def kernel_paths(backend: str, device: torch.device | str = "cpu") -> dict:
     return {"backend": backend, "kernels": ops.NAME, "ops": {op: {"path": path} for op in OP_NAMES}, "probes": []}
 
 
-__all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "get_ops", "kernel_paths", "cpu_exact", "native"]
+__all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "KernelOps", "get_ops", "kernel_paths", "cpu_exact", "native"]

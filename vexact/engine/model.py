@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 import vexact_kernels
 
-# A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions
-# (``vexact_kernels.OP_NAMES``).
-KernelOps = Any
+# A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions: the contract
+# ``vexact_kernels.KernelOps`` (a Protocol; ``tests/test_kernel_contract.py`` checks every backend against it).
+KernelOps = vexact_kernels.KernelOps
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """Short dtype names -> torch's names. The one table of dtype spellings: config keys (``dtype``,

@@ -1,0 +1,58 @@
+"""The kernel-op contract: the functions every backend provides, with their signatures -- the one source of op names.
+
+A backend is any object with these functions (a module such as ``native`` / ``cpu_exact`` / ``triton_exact``, a
+``cpu_exact.with_host(...)`` namespace, the injector's ``precision_ops``, ``locate``'s ``OpRecorder``).
+``OP_NAMES`` is derived from this class, so adding an op means adding it here, then to every backend: the test
+``tests/test_kernel_contract.py`` fails for a backend that lacks it or spells its signature differently.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class KernelOps(Protocol):
+    """The ops ``Transformer.forward`` / ``logits`` and scoring call (see each backend for its invariance contract)."""
+
+    def embedding(self, tokens: Tensor, weight: Tensor) -> Tensor:
+        """Rows of ``weight`` [V, D] picked by ``tokens`` -> [..., D]."""
+        ...
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [..., K] @ weight[N, K].T (+ bias) -> [..., N]."""
+        ...
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """Llama RMSNorm over the last dim."""
+        ...
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        """silu(gate) * up, elementwise."""
+        ...
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotary embedding (rotate-half)."""
+        ...
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+        """Causal grouped-query attention of new queries against a KV cache."""
+        ...
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        """log_softmax over the last dim, fp32."""
+        ...
+
+    def token_logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """log p(target) per row, fp32."""
+        ...
+
+    def entropy(self, log_probs: Tensor) -> Tensor:
+        """-sum(p log p) of a log_softmax output, per row."""
+        ...
+
+
+OP_NAMES: tuple[str, ...] = tuple(name for name in vars(KernelOps) if not name.startswith("_")
+                                  and callable(vars(KernelOps)[name]))
