@@ -43,9 +43,9 @@ def test_defaults_are_valid(tmp_path):
     assert cfg.model.num_kv_heads == 2 and cfg.task.name == "reverse"
     assert cfg.optimizer.betas == (0.9, 0.99) and cfg.algorithm.old_logprobs == "rollout"
     assert cfg.rollout.backend is None and cfg.optimizer.grad_clip == 1.0
-    # An empty file, and a section left empty in YAML ("model:"), both mean defaults.
-    (tmp_path / "empty.yaml").write_text("")
-    assert load_config(tmp_path / "empty.yaml") == cfg
+    # "{}", and a section left empty in YAML ("model:"), both mean defaults; an empty file is refused (below).
+    (tmp_path / "braces.yaml").write_text("{}  # every default\n")
+    assert load_config(tmp_path / "braces.yaml") == cfg
     (tmp_path / "name_only.yaml").write_text("name: tiny\nmodel:\n")
     assert load_config(tmp_path / "name_only.yaml") == dataclasses.replace(cfg, name="tiny")
 

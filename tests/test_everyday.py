@@ -203,7 +203,7 @@ def test_triton_override_and_small_runs_warn_with_the_estimate(tmp_path, interpr
     monkeypatch.delenv(triton_guard.ALLOW_ENV)
     tiny = load_config(EXPERIMENT, ["backend=triton", "steps=1", "warm_start.steps=0", "model.hidden_size=16",
                                     "model.num_layers=1", "rollout.prompts_per_step=1", "rollout.samples_per_prompt=2",
-                                    "task.eval_prompts=1"])
+                                    "task.eval_prompts=1", "distributed.leaves=1"])
     cost = triton_guard.check_interpreted_triton(tiny, _task(tiny), console)
     assert 0 < cost.total <= triton_guard.REFUSE_ABOVE_S and cost.warm_start == 0
 

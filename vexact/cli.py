@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -216,7 +217,8 @@ def _kernel_paths_table(paths: dict) -> Table:
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", epilog=exit_codes_help("run"),
                        help="run one RL experiment from a YAML config")
-    p.add_argument("config", type=Path, help="experiment YAML (see experiments/)")
+    p.add_argument("config", type=Path, help="experiment YAML (see experiments/), or with --resume a run directory "
+                   "(its own config.yaml is used: no --set to repeat)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optimizer.lr=1e-4 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its last intact checkpoint "
@@ -232,11 +234,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .rl.config import load_config
     from .rl.data_parallel import DataParallel, check_leaves
     from .rl.trainer import Trainer, run_dir_for
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _run_config(args)
+    _check_run_dir(args, cfg)
     console = make_console()
     if args.nproc > 1:
         check_leaves(cfg.distributed.leaves, args.nproc)  # before starting any rank
@@ -254,6 +256,68 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if ranks.is_main:
         _print_run_summary(cfg, summary, console)
     return {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+
+
+def _run_config(args: argparse.Namespace):
+    """The RunConfig of ``vexact run``: from CONFIG.yaml and --set, or, given a run directory with --resume, from the
+    config.yaml the run saved (the --set given now apply on top: with --allow-change, e.g. more steps)."""
+    import dataclasses
+
+    from .rl.config import load_config
+
+    if not args.config.is_dir():
+        return load_config(args.config, args.overrides)
+    run_dir = args.config
+    saved = run_dir / "config.yaml"
+    if not args.resume:
+        raise ValueError(f"{run_dir} is a run directory; to continue it: vexact run {shlex.quote(str(run_dir))} "
+                         f"--resume; to start a new run from its config: vexact run {shlex.quote(str(saved))} "
+                         f"--set name=NEW_NAME")
+    if not saved.exists():
+        raise ValueError(f"cannot resume {run_dir}: it holds no config.yaml, so it is not a vexact run directory (or "
+                         "its run was stopped before the warm start finished: start it again from its experiment "
+                         "YAML)")
+    return dataclasses.replace(load_config(saved, args.overrides), output_dir=str(run_dir))
+
+
+def _check_run_dir(args: argparse.Namespace, cfg) -> None:
+    """Before any work (and before any rank starts): ``--resume`` needs a run to resume, and a new run needs a
+    directory without one; each refusal spells out the commands that would work."""
+    from .rl.trainer import holds_results, holds_run, run_dir_for
+
+    run_dir = run_dir_for(cfg)
+    if args.resume and not holds_run(run_dir):
+        raise ValueError(f"cannot resume {run_dir}: there is no run there (no config.yaml, metrics.jsonl or "
+                         f"checkpoint); to start it: {_run_command(args, resume=False)}")
+    if not args.resume and holds_results(run_dir):
+        key, value = _free_run_name(cfg)
+        raise ValueError(f"{run_dir} already holds a run; to continue it: vexact run {shlex.quote(str(run_dir))} "
+                         f"--resume; to start another beside it: {_run_command(args, extra=f'{key}={value}')}")
+
+
+def _free_run_name(cfg) -> tuple[str, str]:
+    """The ``--set`` that gives a new run a free directory: name-2, name-3, ... (or output_dir-2, ... when the
+    config names its output_dir)."""
+    from .rl.trainer import holds_results
+
+    key, base = ("output_dir", cfg.output_dir) if cfg.output_dir else ("name", cfg.name)
+    parent = Path(".") if cfg.output_dir else Path("runs")
+    n = 2
+    while holds_results(parent / f"{base}-{n}"):
+        n += 1
+    return key, f"{base}-{n}"
+
+
+def _run_command(args: argparse.Namespace, resume: bool = True, extra: str | None = None) -> str:
+    """This ``vexact run`` command as a shell line (``extra``: one more --set, replacing any earlier one of its key)."""
+    overrides = list(args.overrides)
+    if extra is not None:
+        key = extra.partition("=")[0]
+        overrides = [o for o in overrides if o.partition("=")[0].strip() != key] + [extra]
+    words = ["vexact", "run", str(args.config), *(f"--set={o}" for o in overrides),
+             *(["--resume"] if resume and args.resume else []), *(f"--allow-change={k}" for k in args.allow_changes),
+             *([f"--nproc={args.nproc}"] if args.nproc > 1 else [])]
+    return shlex.join(words)
 
 
 def _launch_ranks(args: argparse.Namespace, cfg, console: Console) -> int:

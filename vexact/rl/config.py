@@ -1,6 +1,7 @@
 """Run configuration for ``vexact run CONFIG.yaml``: a dataclass schema, a loader/validator and ``--set`` overrides.
 
-The schema is the dataclasses below; every field has a default, so an empty YAML file is a valid config.
+The schema is the dataclasses below; every field has a default, so ``{}`` is a valid config (an empty file is refused:
+more likely a wrong or truncated file than a choice).
 Validation is generic: each value is checked against its field's type hint (``int``, ``float``, ``bool``, ``str``,
 ``X | None``, ``Literal[...]``, ``list[T]``, ``tuple[T, T]``, ``dict[str, Any]``, nested dataclasses) and against
 the numeric bounds declared in ``field(metadata=...)`` (``min``, ``gt``, ``max``, ``lt``). Checks that involve
@@ -273,6 +274,15 @@ class LoggingSection:
 
 InjectMode = Literal["none", "logit_noise", "logit_scale", "precision", "kernel", "logprob_only", "top_p", "top_k"]
 
+KNOB_MODES = {"logit_noise": "sigma of the noise added to the logits",
+              "logprob_only": "sigma of the noise added to the rollout's log-probs",
+              "logit_scale": "epsilon: logits x (1 + epsilon)", "top_p": "the nucleus p", "top_k": "k"}
+"""The inject modes whose magnitude is ``inject.value`` (precision and kernel have none): a config that names one of
+them must give the value (or ``inject.target`` to calibrate it), and a value needs one of them."""
+SOURCE_KEYS = {"precision": ("inject.precision", "inject.sites"),
+               "kernel": ("inject.kernel_backend", "inject.kernel_dtype")}
+"""The inject modes without a magnitude, and the keys that choose their mismatch instead."""
+
 
 @dataclass(kw_only=True)
 class TargetSection:
@@ -331,10 +341,11 @@ class DistributedSection:
 
     ``leaves``: each PPO mini-batch's gradient is the fixed-tree sum of this many equal leaves, each from its own
     backward. It fixes the numbers, so a run is bitwise the same for every N that is a power of two dividing it;
-    1 = one backward per mini-batch. ``reduce``: ``tree`` (that guarantee) or ``allreduce`` (the collective's own
+    1 = one backward per mini-batch. The default, 4, lets every shipped config run under ``--nproc`` 1, 2 and 4 as
+    it is (a mini-batch must then hold a multiple of 4 sequences). ``reduce``: ``tree`` (that guarantee) or ``allreduce`` (the collective's own
     summation order: results depend on N; for measuring the difference)."""
 
-    leaves: int = field(default=1, metadata=_bounds(min=1))
+    leaves: int = field(default=4, metadata=_bounds(min=1))
     reduce: Literal["tree", "allreduce"] = "tree"
 
 
@@ -402,7 +413,8 @@ class RunConfig:
         if per_minibatch % self.distributed.leaves:
             raise ConfigError(f"a mini-batch of {per_minibatch} sequences (rollout batch {batch} / "
                               f"algorithm.mini_batches {self.algorithm.mini_batches}) cannot be cut into "
-                              f"{self.distributed.leaves} equal leaves", "distributed.leaves")
+                              f"{self.distributed.leaves} equal leaves; set distributed.leaves to a divisor of "
+                              f"{per_minibatch} (each --nproc must divide it too)", "distributed.leaves")
 
     @property
     def policy_seed(self) -> int:
@@ -842,6 +854,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
                               "keep only one", key)
         origins[key] = item
     try:
+        _check_inject_knob(data.get("inject"))
         return _build(RunConfig, data, "")
     except ConfigError as e:
         # Point at the --set that produced the bad value, if any, or at the verl spelling the file used.
@@ -853,14 +866,37 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
         raise
 
 
+def _check_inject_knob(inject: Any) -> None:
+    """No silent no-op injection: a knob mode needs ``inject.value`` given (0 included: an explicit baseline) or
+    ``inject.target``; a non-zero value needs a knob mode. Checked on the raw mapping, where "not given" differs
+    from the default 0 (a saved config.yaml always gives both). Types are ``_build``'s to check."""
+    if not isinstance(inject, dict):
+        return
+    mode, value = inject.get("mode", "none"), inject.get("value")
+    if not isinstance(mode, str) or isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
+        return
+    knobs = " | ".join(KNOB_MODES)
+    if mode in KNOB_MODES and value is None and inject.get("target") is None:
+        raise ConfigError(f"mode {mode!r} needs inject.value ({KNOB_MODES[mode]}), which is not given: nothing would "
+                          f"be injected; set it (e.g. --set inject.value=...), or inject.target to calibrate it",
+                          "inject.mode")
+    if mode in SOURCE_KEYS and value:
+        raise ConfigError(f"{show_value(value)} is not used by mode {mode!r}, whose mismatch is set by "
+                          f"{' and '.join(SOURCE_KEYS[mode])}; remove inject.value", "inject.value")
+    if mode == "none" and value:
+        raise ConfigError(f"{show_value(value)} would inject nothing: no inject.mode is set; set inject.mode to one of "
+                          f"{knobs}, or remove inject.value", "inject.value")
+
+
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
     """Read a YAML config file, apply ``--set`` overrides (``a.b.c=value``) and validate it."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: '{path}'")
     data = read_yaml(path, "config file")
-    if data is None:  # empty file: all defaults
-        data = {}
+    if data is None:  # nothing but whitespace and comments: a wrong or truncated file, not a choice
+        raise ConfigError(f"config file '{path}' is empty; write the keys to change (e.g. name: my_run), or {{}} "
+                          "for a run with every default")
     if not isinstance(data, dict):
         raise ConfigError(f"'{path}' must contain a mapping of config keys at top level, "
                           f"got {type(data).__name__}: {show_value(data)}")

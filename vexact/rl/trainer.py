@@ -64,6 +64,18 @@ def run_dir_for(cfg: RunConfig) -> Path:
     return Path(cfg.output_dir) if cfg.output_dir else Path("runs") / cfg.name
 
 
+def holds_results(run_dir: Path) -> bool:
+    """Whether a run has written results to ``run_dir`` (a metric line's file or a checkpoint): a new run there is
+    refused, since it would mix with them."""
+    return (run_dir / "metrics.jsonl").exists() or bool(checkpoint_dirs(run_dir))
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run to resume: its config.yaml (written once the warm start is done) or results.
+    A directory a run was killed in before that holds nothing to resume (a fresh start there is allowed)."""
+    return (run_dir / "config.yaml").exists() or holds_results(run_dir)
+
+
 class Trainer:
     """Owns the policy, optimizer and run directory of one experiment.
 
@@ -320,9 +332,9 @@ class Trainer:
             elif changes and self.ranks.is_main:
                 _record_changes(run_dir, state["next_step"], changes)
                 save_config(cfg, run_dir / "config.yaml")
-        elif (run_dir / "metrics.jsonl").exists() or checkpoint_dirs(run_dir):
-            raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or choose another "
-                             "output_dir / name")
+        elif holds_results(run_dir):
+            raise ValueError(f"{run_dir} already holds a run; continue it with vexact run {run_dir} --resume, or "
+                             "choose another output_dir / name")
         self.ranks.barrier()  # every rank has read the run directory before rank 0 writes to it
         if state is None:
             # rank 0 trains and caches the warm start; then the other ranks load it from the cache

@@ -1,0 +1,155 @@
+"""Tried as a new user would (issue S): no silent misconfiguration, run directories that fit habits, and the shipped
+configs under ``--nproc`` 1, 2 and 4 as they are.
+
+Each misconfiguration used to run (exit 0) with no word said: a value without a mode injected nothing, a mode
+without a value injected zero, an empty file ran every default, and ``--resume`` of a run that never existed
+started a fresh one. Each is now one ``error:`` line (exit 2) naming what is missing.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vexact.cli import main
+from vexact.lab.sweep import load_sweep_spec
+from vexact.rl.config import ConfigError, config_from_dict, load_config
+from vexact.rl.data_parallel import check_leaves
+from vexact.rl.runlog import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = ROOT / "experiments" / "zero_mismatch.yaml"
+
+
+def _error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+# --------------------------------------------------------------------------- inject: a value needs a mode and back
+@pytest.mark.parametrize("overrides,key,words", [
+    (["inject.value=0.5"], "inject.value", ["would inject nothing", "no inject.mode", "logit_noise"]),
+    (["inject.mode=logit_noise"], "inject.mode", ["needs inject.value", "sigma", "inject.target"]),
+    (["inject.mode=logit_scale"], "inject.mode", ["needs inject.value", "epsilon"]),
+    (["inject.mode=top_k"], "inject.mode", ["needs inject.value"]),
+    (["inject.mode=precision", "inject.value=0.3"], "inject.value", ["not used by mode 'precision'",
+                                                                      "inject.precision"]),
+])
+def test_an_injection_that_would_do_nothing_is_refused(overrides, key, words):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({}, overrides)
+    assert err.value.key == key and all(w in str(err.value) for w in words), str(err.value)
+    assert f"(from --set {overrides[-1] if key == 'inject.value' else overrides[0]})" in str(err.value)
+
+
+def test_what_injection_configs_may_still_say():
+    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.value=0"]).inject.value == 0.0  # a baseline
+    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.target.value=0.01"]).inject.target.value == 0.01
+    assert config_from_dict({}, ["inject.mode=precision"]).inject.mode == "precision"  # no knob needed
+    assert config_from_dict({"inject": {"mode": "none", "value": 0.0}}).inject.mode == "none"  # as saved
+    saved = config_from_dict({}, ["inject.mode=top_p", "inject.value=0.9"]).to_dict()
+    assert config_from_dict(saved).inject.value == 0.9  # a saved config.yaml loads as it was
+
+
+def test_cli_injection_errors_are_one_line(tmp_path, capsys, one_torch_thread):
+    config = _tiny(tmp_path)
+    err = _error(["run", str(config), "--set", "inject.value=0.5"], capsys)
+    assert "inject.value" in err and "inject.mode" in err
+    err = _error(["run", str(config), "--set", "inject.mode=logit_noise"], capsys)
+    assert "needs inject.value" in err
+    assert not (tmp_path / "runs").exists()  # refused before any work
+
+
+# --------------------------------------------------------------------------- empty config file
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
+def test_an_empty_config_file_is_refused(tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(path)
+    err = _error(["run", str(path)], capsys)
+    assert str(path) in err and "{}" in err
+    (tmp_path / "braces.yaml").write_text("{}\n")  # the way to ask for every default
+    assert load_config(tmp_path / "braces.yaml").name == "run"
+
+
+# --------------------------------------------------------------------------- run directories
+def _tiny(tmp_path: Path) -> Path:
+    spec = yaml.safe_load(EXPERIMENT.read_text())
+    spec.update(steps=2, threads=1, output_dir=str(tmp_path / "runs" / "tiny"))
+    spec["warm_start"].update(steps=5, cache_dir=str(tmp_path / "cache"))
+    spec["rollout"].update(prompts_per_step=2, samples_per_prompt=2)
+    spec["task"]["eval_prompts"] = 4
+    spec["logging"].update(live=False, eval_every=1, checkpoint_every=1)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path, capsys):
+    config = _tiny(tmp_path)
+    never = tmp_path / "runs" / "never"
+    err = _error(["run", str(config), "--resume", f"--set=output_dir={never}"], capsys)
+    assert f"cannot resume {never}: there is no run there" in err
+    assert shlex.join(["vexact", "run", str(config), f"--set=output_dir={never}"]) in err  # the command to start it
+    assert not never.exists()  # refused before anything was written
+    never.mkdir(parents=True)  # a directory, but no run in it
+    assert "holds no config.yaml" in _error(["run", str(never), "--resume"], capsys)
+
+
+def test_run_directory_resume_collision_and_rename(tmp_path, capsys, one_torch_thread):
+    config = _tiny(tmp_path)
+    run_dir = tmp_path / "runs" / "tiny"
+    assert main(["run", str(config)]) == 0
+    capsys.readouterr()
+
+    # a second start into the same directory: the error spells out both ways on
+    err = _error(["run", str(config), "--set=seed=1"], capsys)
+    assert f"to continue it: vexact run {run_dir} --resume" in err
+    rename = shlex.join(["vexact", "run", str(config), "--set=seed=1", f"--set=output_dir={run_dir}-2"])
+    assert f"to start another beside it: {rename}" in err, err
+    assert main(shlex.split(rename)[1:]) == 0  # the suggested command works as printed
+    assert len(read_metrics(Path(f"{run_dir}-2") / "metrics.jsonl")) == 2
+    capsys.readouterr()
+
+    # the run directory alone resumes from its own config.yaml: no --set repeated; more steps with --allow-change
+    assert main(["run", str(run_dir), "--resume", "--set=steps=3", "--allow-change=steps"]) == 0
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    capsys.readouterr()
+    err = _error(["run", str(run_dir), "--resume", "--set=seed=5"], capsys)  # still the run's own config
+    assert "different config" in err and "seed" in err
+    err = _error(["run", str(run_dir)], capsys)  # a directory without --resume: say both commands
+    assert f"vexact run {run_dir} --resume" in err and f"vexact run {run_dir / 'config.yaml'} --set name=" in err
+
+
+# --------------------------------------------------------------------------- shipped configs under --nproc
+def _shipped_configs() -> list[tuple[str, object]]:
+    """Every run config and every sweep point the repository ships (experiments/ and the demo)."""
+    configs = []
+    for path in sorted((ROOT / "experiments").glob("*.yaml")) + [ROOT / "vexact" / "lab" / "demo_sweep.yaml"]:
+        raw = yaml.safe_load(path.read_text())
+        if {"grid", "variants"} & set(raw) and "horizons" not in raw:
+            configs += [(f"{path.name}:{p.name}", p.config) for p in load_sweep_spec(path).points]
+        elif "base" not in raw:
+            configs.append((path.name, load_config(path)))
+    return configs
+
+
+def test_shipped_configs_run_under_nproc_1_2_and_4_as_they_are():
+    configs = _shipped_configs()
+    assert len(configs) > 20 and any(name == "zero_mismatch.yaml" for name, _ in configs)
+    refused = []
+    for name, cfg in configs:  # loading checked that each mini-batch cuts into distributed.leaves leaves
+        for nproc in (1, 2, 4):
+            try:
+                check_leaves(cfg.distributed.leaves, nproc)
+            except ValueError:
+                refused.append(f"{name} --nproc {nproc}")
+    assert refused == []
+    with pytest.raises(ValueError, match="distributed.leaves"):  # what the old default (1) said to --nproc 2
+        check_leaves(1, 2)
