@@ -12,6 +12,22 @@ close together or in low-precision tails. ``mismatch_dynamics(data)`` answers, p
   rises as the policy sharpens.
 
 Steps with k3 <= 0 (exact, no mismatch) or non-finite values are skipped; a group without enough steps gets None.
+
+Across the length surge (issue R; "Beyond Precision" says the mismatch and the gradient noise grow once the
+response length surges), every group also gets ``surge`` (``surge_dynamics``), zero-mismatch groups included:
+
+- ``runs_surged``: runs whose collapse detector reported a ``length_surge_step``; ``surge_step`` its median;
+- ``length_surge_lead``: the runs' ``collapse_step - length_surge_step`` (collapses after a surge), and
+  ``collapsed_after_surge`` / ``collapsed_before_surge`` / ``collapsed_without_surge`` counts;
+- ``phases``: per quantity of ``SURGE_TRACKED``, the seed mean of each run's mean *before* (steps < s - w),
+  *during* (s - w <= step < s + w) and *after* (s + w <= step, up to the collapse) the surge step s, w being the
+  detector's window (``SURGE_WINDOW``, the ``collapse.length_surge_window`` default) -- the trailing window that
+  fired is "during", so "before" is the flat start; and ``after_before`` / ``during_before``, the seed means of
+  each run's ratio (None where a run's before-mean is 0, e.g. the k3 of an exact run).
+
+The sequence-level mismatch is ``rollout_corr/log_ppl_abs_diff_sum`` (the mean over sequences of
+``|sum_t (logp_train - logp_roll)|``: paper 003's eq. 8 summed, the spread of the sequence log-ratio), the per-token
+ones ``rollout_corr/k3_kl`` and ``rollout_corr/log_ppl_abs_diff`` (verl's per-token mean inside each sequence).
 """
 
 from __future__ import annotations
@@ -24,6 +40,13 @@ from .report import PointData, SweepData, _series
 
 K3 = "rollout_corr/k3_kl"
 TRACKED = {"entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "response_length": "response_length/mean"}
+SURGE_TRACKED = {"response_length": "response_length/mean", "reward": "reward/mean", "k3": K3,
+                 "log_ppl_abs_diff": "rollout_corr/log_ppl_abs_diff",
+                 "seq_log_ratio_abs": "rollout_corr/log_ppl_abs_diff_sum",
+                 "grad_norm": "actor/grad_norm", "entropy": "actor/entropy"}
+SURGE_WINDOW = 10  # the surge detector's default window (collapse.length_surge_window)
+PHASES = ("before", "during", "after")
+MIN_PHASE_STEPS = 3  # a phase with fewer steps than this has no mean
 WINDOW = 0.2  # early / late = first / last fifth of the steps before collapse
 MIN_STEPS = 10  # fewer usable steps than this: no statement about the run
 
@@ -63,7 +86,54 @@ def mismatch_dynamics(data: SweepData) -> list[dict[str, Any]]:
                 growth=statistics.fmean(r["growth"] for r in runs),
                 corr={name: _mean_or_none([r["corr"][name] for r in runs]) for name in TRACKED},
             )
+        entry["surge"] = surge_dynamics([p for p in points if p.has_result])
         out.append(entry)
+    return out
+
+
+def run_phases(point: PointData, window: int = SURGE_WINDOW) -> dict[str, dict[str, float | None]] | None:
+    """One run's mean of each ``SURGE_TRACKED`` quantity before / during / after its length surge (see the
+    module docstring); None when the run has no surge step. Steps from the collapse step on are left out."""
+    surge = point.collapse.get("length_surge_step")
+    if not isinstance(surge, int):
+        return None
+    end = point.collapse.get("collapse_step") if point.collapse.get("collapsed") else None
+    bounds = {"before": (-math.inf, surge - window), "during": (surge - window, surge + window),
+              "after": (surge + window, math.inf if end is None else end)}
+    out: dict[str, dict[str, float | None]] = {}
+    for name, key in SURGE_TRACKED.items():
+        steps, values = _series(point, key)
+        out[name] = {}
+        for phase, (lo, hi) in bounds.items():
+            vals = [v for s, v in zip(steps, values) if lo <= s < hi and math.isfinite(v)
+                    and (end is None or s < end)]
+            out[name][phase] = statistics.fmean(vals) if len(vals) >= MIN_PHASE_STEPS else None
+    return out
+
+
+def surge_dynamics(points: list[PointData], window: int = SURGE_WINDOW) -> dict[str, Any]:
+    """The group's surge statistics over its finished runs ``points`` (see the module docstring)."""
+    surged = [p for p in points if isinstance(p.collapse.get("length_surge_step"), int)]
+    leads = [p.collapse["length_surge_lead"] for p in surged if isinstance(p.collapse.get("length_surge_lead"), int)]
+    collapsed = [p for p in points if p.collapse.get("collapsed")]
+    after = sum(1 for p in collapsed if isinstance(p.collapse.get("length_surge_lead"), int))
+    no_surge = sum(1 for p in collapsed if not isinstance(p.collapse.get("length_surge_step"), int))
+    out: dict[str, Any] = {
+        "runs": len(points), "runs_surged": len(surged),
+        "surge_step": statistics.median(p.collapse["length_surge_step"] for p in surged) if surged else None,
+        "length_surge_lead": sorted(leads), "collapsed_after_surge": after,
+        "collapsed_before_surge": len(collapsed) - after - no_surge, "collapsed_without_surge": no_surge,
+    }
+    runs = [r for r in (run_phases(p, window) for p in surged) if r is not None]
+    phases: dict[str, dict[str, float | None]] = {}
+    for name in SURGE_TRACKED:
+        row: dict[str, float | None] = {ph: _mean_or_none([r[name][ph] for r in runs]) for ph in PHASES}
+        for ph in ("after", "during"):
+            row[f"{ph}_before"] = _mean_or_none([
+                r[name][ph] / r[name]["before"] for r in runs
+                if r[name][ph] is not None and r[name]["before"] not in (None, 0.0)])
+        phases[name] = row
+    out["phases"] = phases
     return out
 
 

@@ -17,6 +17,7 @@ from ..engine.scoring import score_tokens
 from .atomic import publish
 from .config import RunConfig, config_hash
 from .optim import ExactAdamW, clip_gradients_
+from .surge_task import mixed_targets
 from .tasks import Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
@@ -28,6 +29,8 @@ def warm_start_key(cfg: RunConfig) -> str:
     plain = cfg.to_dict()
     plain["warm_start"].pop("cache_dir", None)
     plain["warm_start"].pop("seed", None)  # folded into "seed" below
+    if plain["warm_start"].get("trace_fraction") is None:
+        plain["warm_start"].pop("trace_fraction", None)  # unset: the same key as before the knob existed
     plain["task"].pop("eval_prompts", None)
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
                         "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
@@ -94,6 +97,8 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
     optimizer = ExactAdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.99), weight_decay=0.0)
     for step in range(ws.steps):
         problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
+        if ws.trace_fraction is not None:
+            problems = mixed_targets(task, problems, ws.trace_fraction, step * ws.batch_size)
         prompts = [encode_prompt(tokenizer, p) for p in problems]
         targets = [encode_target(tokenizer, p) for p in problems]
         # Linear decay to 10% keeps the end of warm start calm.

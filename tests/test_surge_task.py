@@ -1,0 +1,74 @@
+"""The surge task (issue R): the reward reads only the final answer, the direct and the worked forms both earn
+it, and the warm start's mixture is exactly the fraction asked for."""
+
+from __future__ import annotations
+
+import pytest
+
+from vexact.rl.config import ConfigError, config_from_dict
+from vexact.rl.surge_task import SurgeTask, direct_problem, is_trace, mixed_targets
+from vexact.rl.tasks import (
+    EOS_ID,
+    TASK_NAMES,
+    CharTokenizer,
+    encode_target,
+    make_task,
+    max_answer_tokens,
+    sample_problems,
+)
+
+
+def _ids(text: str, eos: bool = True) -> list[int]:
+    return CharTokenizer().encode(text) + ([EOS_ID] if eos else [])
+
+
+def test_registered_and_reachable_from_a_config() -> None:
+    assert "surge" in TASK_NAMES
+    assert isinstance(make_task("surge", 4, 12), SurgeTask)
+    cfg = config_from_dict({"task": {"name": "surge"}, "warm_start": {"trace_fraction": 0.1}})
+    assert cfg.warm_start.trace_fraction == 0.1
+    with pytest.raises(ConfigError, match="trace_fraction"):
+        config_from_dict({"warm_start": {"trace_fraction": 1.5}})
+
+
+def test_reward_reads_only_the_final_answer() -> None:
+    task = make_task("surge", 5, 5)
+    p = task.problem("31415")
+    assert p.prompt == "c:31415=" and p.answer == "4" and p.worked == "34894=4"  # running sums mod 10
+    assert task.reward(p, _ids("34894=4")) == 1.0  # the worked trace
+    assert task.reward(p, _ids("=4")) == 1.0  # the direct answer: the same reward
+    assert task.reward(p, _ids("11111=4")) == 1.0  # a wrong trace with the right answer: the trace is free
+    assert task.reward(p, _ids("34894=9")) == 0.0  # wrong answer
+    assert task.reward(p, _ids("=4", eos=False)) == 0.0  # no EOS
+    assert task.reward(p, _ids("4")) == 0.0  # no '=': no answer given
+    assert task.reward(p, _ids("=4") + _ids("77")) == 1.0  # after EOS: ignored
+    assert task.problem("99").worked == "98=8" and task.problem("0").worked == "0=0"
+
+
+def test_direct_target_is_short_and_the_trace_long() -> None:
+    task = make_task("surge", 20, 20)
+    p = sample_problems(task, 1, seed=3)[0]
+    tok = task.tokenizer
+    direct = encode_target(tok, direct_problem(p))
+    worked = encode_target(tok, p)
+    assert len(direct) == 3 and len(worked) == 23  # '=' + answer + EOS vs one token per digit + '=' + answer + EOS
+    assert max_answer_tokens(task) == 23
+    assert task.reward(p, direct) == 1.0 and task.reward(p, worked) == 1.0
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.05, 0.1, 1 / 3, 1.0])
+def test_mixture_fraction_is_exact(fraction: float) -> None:
+    n = 600
+    traces = sum(is_trace(i, fraction) for i in range(n))
+    assert traces == round(n * fraction)
+    task = make_task("surge", 6, 6)
+    problems = sample_problems(task, 64, seed=1)
+    mixed = mixed_targets(task, problems, fraction, first_index=128)
+    assert [m.worked == p.worked for m, p in zip(mixed, problems)] == [is_trace(128 + i, fraction)
+                                                                       for i in range(64)]
+    assert all(m.worked == f"={m.answer}" for m, p in zip(mixed, problems) if m.worked != p.worked)
+
+
+def test_mixture_refuses_a_task_without_a_direct_form() -> None:
+    with pytest.raises(ValueError, match="trace_fraction needs task.name: surge"):
+        mixed_targets(make_task("sum", 2, 5), sample_problems(make_task("sum", 2, 5), 2, seed=0), 0.1, 0)

@@ -1,0 +1,77 @@
+"""A task where the response length is what RL learns (issue R: "the length surge, reproduced").
+
+In reasoning RL the mean response length *surges* ("Beyond Precision", paper 003: 1,000 -> 3,000-4,000 tokens in a
+few steps) because longer reasoning earns more reward. ``sum``'s trace earns nothing over a direct answer, so on it
+the length never moved. ``surge`` gives the long response the advantage. The answer is the digit sum mod 10:
+
+    prompt   c:31415=
+    direct   =4<eos>               3 tokens, the answer in one go: about chance (1 in 10) for long inputs
+    worked   34894=4<eos>          the running sums mod 10, one token per input digit, then '=' and the answer
+
+Both are the same problem, and the reward reads only the digit after the response's last ``=`` (plus EOS), as for
+``sum``: the response form is the policy's own choice. A small transformer cannot add a dozen digits mod 10 in one
+step (the direct answer needs the exact sum), but each step of the trace is one lookup: the previous running value
+plus the digit at the same offset in the prompt. So the worked trace is right far more often on long inputs, at a
+length of ``L + 3`` tokens against 3.
+
+The warm start (``warm_start.trace_fraction``) imitates the worked trace on that fraction of its examples and the
+direct answer on the rest, so the starting policy answers directly most of the time and is short; RL then finds
+that the trace pays, and the mean length grows several-fold: the surge. With short inputs (where the direct answer
+is right as often as the trace) nothing pays the trace and the length does not surge.
+
+``mixed_targets`` is the warm start's mixture; which examples get the trace is a fixed function of their index,
+so the warm start stays deterministic with no random draw. Registered in ``vexact.rl.tasks`` (``_TASKS``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .tasks import Problem, Task, _DigitStringTask
+
+__all__ = ["SurgeTask", "direct_problem", "is_trace", "mixed_targets"]
+
+
+class SurgeTask(_DigitStringTask):
+    """The digit sum mod 10 of ``L`` digits, answered directly (``=S``) or after the running sums mod 10 (one digit
+    per input digit, then ``=S``); the reward checks only what follows the last ``=``. ``Problem.worked`` is the
+    worked trace; ``direct_problem`` gives the direct form."""
+
+    name = "surge"
+    tag = "c"
+
+    def answer(self, digits: str) -> str:
+        return str(sum(map(int, digits)) % 10)
+
+    def problem(self, digits: str) -> Problem:
+        running = "".join(str(sum(map(int, digits[: i + 1])) % 10) for i in range(len(digits)))
+        return Problem(self._prompt(digits), self.answer(digits), f"{running}={self.answer(digits)}")
+
+    def final_answer(self, text: str) -> str:
+        return text.rpartition("=")[2] if "=" in text else "\0"  # no '=': no answer given
+
+    def max_answer_len(self) -> int:
+        return self.max_len + 2  # the trace, '=', one digit
+
+
+def direct_problem(problem: Problem) -> Problem:
+    """The same problem with the direct answer (``=`` + answer) as its supervised target."""
+    return Problem(problem.prompt, problem.answer, f"={problem.answer}")
+
+
+def is_trace(index: int, trace_fraction: float) -> bool:
+    """Whether example ``index`` (0, 1, 2, ... over the whole warm start) imitates the worked trace: exactly when
+    ``floor((index + 1) * f)`` steps past ``floor(index * f)``, so any ``n`` consecutive examples hold
+    ``n * f`` traces to within one and the long-run fraction is exactly ``f``."""
+    return math.floor((index + 1) * trace_fraction) > math.floor(index * trace_fraction)
+
+
+def mixed_targets(task: Task, problems: list[Problem], trace_fraction: float, first_index: int) -> list[Problem]:
+    """``problems`` with the direct answer as target except on the trace examples (``is_trace``), the ``i``-th
+    problem being example ``first_index + i``. Only ``surge`` has the two forms; any other task is refused."""
+    if not isinstance(task, SurgeTask):
+        raise ValueError(f"warm_start.trace_fraction needs task.name: {SurgeTask.name} (a task with a direct and a "
+                         f"worked answer), got task {task.name!r}")
+    if not 0.0 <= trace_fraction <= 1.0:
+        raise ValueError(f"warm_start.trace_fraction must be in [0, 1], got {trace_fraction!r}")
+    return [p if is_trace(first_index + i, trace_fraction) else direct_problem(p) for i, p in enumerate(problems)]
