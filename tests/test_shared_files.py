@@ -99,6 +99,32 @@ def test_racing_runs_train_the_warm_start_once_and_match_a_serial_run(tmp_path):
     assert cached.name == serial.name and cached.read_bytes() == serial.read_bytes()
 
 
+HOLD_LOCK_CHILD = """
+import sys, time
+from filelock import FileLock
+FileLock(sys.argv[1]).acquire()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_lock_holder_does_not_block_the_warm_start(tmp_path, capsys):
+    """The lock is the OS's (flock): when its holder is killed mid-training, the next process trains."""
+    from vexact.rl.config import load_config
+    from vexact.rl.warmstart import warm_start_lock_path
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cfg = load_config(EXPERIMENT, [*TINY_RUN, f"output_dir={tmp_path / 'run'}", f"warm_start.cache_dir={cache}"])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK_CHILD, str(warm_start_lock_path(cfg))],
+                              stdout=subprocess.PIPE, text=True, env=_child_env())
+    assert holder.stdout.readline().strip() == "holding"
+    holder.kill()
+    holder.wait()
+    assert main(_run_args(tmp_path / "run", cache)) == 0
+    assert "warm start: trained here and cached" in capsys.readouterr().out
+
+
 def test_a_parallel_sweep_trains_its_warm_start_once_and_says_which_point(tmp_path):
     """``vexact sweep --jobs 3`` (as ``vexact demo --jobs 3``): three points of one warm-start key; the sweep's log
     names the point that trained it and the points that loaded it."""
