@@ -74,7 +74,7 @@ SPEC_KEYS = {"name", "base", "horizons", "batches", "set", "sources", "output_di
 
 def _flat_gradient(trainer: Any, batch: Any) -> Tensor:
     """The policy gradient the trainer's first (on-policy) mini-batch pass would take from ``batch``: its
-    advantages, its old-log-prob anchors, the whole batch as one mini-batch; flat float64 (zeros for unused)."""
+    advantages, its old-log-prob anchors, the whole batch as one mini-batch; flat float32 (zeros for unused)."""
     alg = trainer.cfg.algorithm
     advantages = compute_advantages(batch.rewards, trainer.cfg.rollout.samples_per_prompt, alg.advantage,
                                     alg.std_normalize)
@@ -83,8 +83,8 @@ def _flat_gradient(trainer: Any, batch: Any) -> Tensor:
                                             anchors, check_exact=False)
     params = list(trainer.compute.parameters())
     grads = torch.autograd.grad(part.loss, params, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
-                      for g, p in zip(grads, params)])
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for g, p in zip(grads, params)])  # float32: the gradients' own precision, half the memory
 
 
 def _trainer_at_warm_start(cfg: RunConfig) -> Any:
@@ -140,7 +140,7 @@ def measure_bias(cfg: RunConfig, batches: int = 16, exact: _Gradients | None = N
     for k in range(batches):
         plan = trainer.injector.plan(k)
         batch = trainer.rollout(k, plan)
-        diffs.append(_flat_gradient(trainer, batch) - exact.grads[k])
+        diffs.append((_flat_gradient(trainer, batch).double() - exact.grads[k].double()).float())
         metrics = mismatch_metrics(trainer.objective.score(trainer.compute, batch), batch.logprobs)
         k3.append(metrics["rollout_corr/k3_kl"])
         abs_dlogp.append(metrics["mismatch/abs_dlogp_mean"])
@@ -159,6 +159,7 @@ def bias_statistics(g: Tensor, d: Tensor, bootstrap: int = BOOTSTRAP) -> dict[st
 
     ``g`` [K, P]: exact-path gradients; ``d`` [K, P]: mismatched minus exact, batch by batch."""
     k = g.shape[0]
+    g, d = g.double(), d.double()
     gg, dd, gd = g @ g.T, d @ d.T, g @ d.T
     full = {"gg": gg, "dd": dd, "gd": gd}
     est = _estimates(full, torch.full((k,), 1.0 / k, dtype=torch.float64))
