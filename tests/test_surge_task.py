@@ -69,6 +69,14 @@ def test_mixture_fraction_is_exact(fraction: float) -> None:
     assert all(m.worked == f"={m.answer}" for m, p in zip(mixed, problems) if m.worked != p.worked)
 
 
+def test_first_half_of_the_warm_start_is_all_traces() -> None:
+    total = 400
+    flags = [is_trace(i, 0.1, total) for i in range(total)]
+    assert all(flags[:200])  # the skill: every example a trace
+    assert sum(flags[200:]) == 20  # the choice: 10% traces
+    assert [is_trace(i, 0.1) for i in range(200, 400)] == flags[200:]
+
+
 def test_mixture_refuses_a_task_without_a_direct_form() -> None:
     with pytest.raises(ValueError, match="trace_fraction needs task.name: surge"):
         mixed_targets(make_task("sum", 2, 5), sample_problems(make_task("sum", 2, 5), 2, seed=0), 0.1, 0)

@@ -146,8 +146,8 @@ class WarmStartSection:
     # Seed of the starting policy (model init + warm-start data); None = the run's seed. Fix it to compare
     # RL seeds (rollout sampling, mini-batch order) from one starting policy.
     seed: int | None = field(default=None, metadata=_bounds(min=0))
-    # task surge only: imitate the worked trace on this fraction of examples, the direct answer on the rest
-    # (vexact.rl.surge_task); None = the task's one target
+    # task surge only: after an all-trace first half, imitate the worked trace on this fraction of examples and
+    # the direct answer on the rest (vexact.rl.surge_task); None = the task's one target
     trace_fraction: float | None = field(default=None, metadata=_bounds(min=0, max=1))
 
 

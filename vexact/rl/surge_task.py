@@ -14,8 +14,9 @@ step (the direct answer needs the exact sum), but each step of the trace is one 
 plus the digit at the same offset in the prompt. So the worked trace is right far more often on long inputs, at a
 length of ``L + 3`` tokens against 3.
 
-The warm start (``warm_start.trace_fraction``) imitates the worked trace on that fraction of its examples and the
-direct answer on the rest, so the starting policy answers directly most of the time and is short; RL then finds
+The warm start imitates the worked trace for its first half (the skill), then the trace on a fraction
+``warm_start.trace_fraction`` of its examples and the direct answer on the rest (the choice), so the starting
+policy can trace but answers directly most of the time and is short; RL then finds
 that the trace pays, and the mean length grows several-fold: the surge. With short inputs (where the direct answer
 is right as often as the trace) nothing pays the trace and the length does not surge.
 
@@ -59,19 +60,26 @@ def direct_problem(problem: Problem) -> Problem:
     return Problem(problem.prompt, problem.answer, f"={problem.answer}")
 
 
-def is_trace(index: int, trace_fraction: float) -> bool:
-    """Whether example ``index`` (0, 1, 2, ... over the whole warm start) imitates the worked trace: exactly when
-    ``floor((index + 1) * f)`` steps past ``floor(index * f)``, so any ``n`` consecutive examples hold
-    ``n * f`` traces to within one and the long-run fraction is exactly ``f``."""
+def is_trace(index: int, trace_fraction: float, total: int | None = None) -> bool:
+    """Whether example ``index`` (0, 1, 2, ... over the whole warm start of ``total`` examples) imitates the worked
+    trace. The first half of the warm start (``index < total // 2``) is all traces, so the policy learns the skill;
+    the second half mixes, so it learns to *choose* the trace with probability ``trace_fraction``: there example
+    ``index`` is a trace exactly when ``floor((index + 1) * f)`` steps past ``floor(index * f)``, so any ``n``
+    consecutive examples hold ``n * f`` traces to within one. ``total`` None: no all-trace half."""
+    if total is not None and index < total // 2:
+        return True
     return math.floor((index + 1) * trace_fraction) > math.floor(index * trace_fraction)
 
 
-def mixed_targets(task: Task, problems: list[Problem], trace_fraction: float, first_index: int) -> list[Problem]:
+def mixed_targets(task: Task, problems: list[Problem], trace_fraction: float, first_index: int,
+                  total: int | None = None) -> list[Problem]:
     """``problems`` with the direct answer as target except on the trace examples (``is_trace``), the ``i``-th
-    problem being example ``first_index + i``. Only ``surge`` has the two forms; any other task is refused."""
+    problem being example ``first_index + i`` of ``total``. Only ``surge`` has the two forms; any other task is
+    refused."""
     if not isinstance(task, SurgeTask):
         raise ValueError(f"warm_start.trace_fraction needs task.name: {SurgeTask.name} (a task with a direct and a "
                          f"worked answer), got task {task.name!r}")
     if not 0.0 <= trace_fraction <= 1.0:
         raise ValueError(f"warm_start.trace_fraction must be in [0, 1], got {trace_fraction!r}")
-    return [p if is_trace(first_index + i, trace_fraction) else direct_problem(p) for i, p in enumerate(problems)]
+    return [p if is_trace(first_index + i, trace_fraction, total) else direct_problem(p)
+            for i, p in enumerate(problems)]

@@ -98,7 +98,8 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
     for step in range(ws.steps):
         problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
         if ws.trace_fraction is not None:
-            problems = mixed_targets(task, problems, ws.trace_fraction, step * ws.batch_size)
+            problems = mixed_targets(task, problems, ws.trace_fraction, step * ws.batch_size,
+                                     ws.steps * ws.batch_size)
         prompts = [encode_prompt(tokenizer, p) for p in problems]
         targets = [encode_target(tokenizer, p) for p in problems]
         # Linear decay to 10% keeps the end of warm start calm.
