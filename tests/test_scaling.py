@@ -161,9 +161,11 @@ def test_place_on_map_bad_input(tmp_path):
 def test_bounds_only_map_says_so(tmp_path):
     files = write_scaling(_sweep(tmp_path, 1.0, lengths=(8, 64), safe_at=(8, 64)), tmp_path)[0]
     m = load_map(files[0])
-    p = place_on_map(m, 1e-6, 500.0)
+    p = place_on_map(m, 1e-6, 30.0)
     assert p["threshold_50"] is None and p["ratio"] is None
     assert p["verdict"].startswith("below every level tested")
+    far = place_on_map(m, 1e-6, 500.0)  # beyond the mapped horizons a bound says nothing without a law
+    assert far["verdict"].startswith("no verdict at this horizon") and far["extrapolation_factor"] > 1
 
 
 def test_default_map_loads():

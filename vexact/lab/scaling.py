@@ -418,9 +418,13 @@ def place_on_map(map_data: dict[str, Any], k3: float, horizon: float) -> dict[st
         return out
     safe = [h.get("lower_bound") for h in map_data.get("horizons", []) if h.get("status") == "above_range"]
     safe = [s for s in safe if _positive(s)]
-    if safe and k3 < min(safe):
+    if safe and k3 < min(safe) and factor == 1.0:
         out["verdict"] = (f"below every level tested (no collapse up to k3 = {min(safe):.2g} at any mapped "
                           "horizon); the map has no threshold to extrapolate")
+    elif safe and k3 < min(safe):
+        out["verdict"] = (f"no verdict at this horizon: nothing collapsed up to k3 = {min(safe):.2g} at the mapped "
+                          f"horizons (T = {t0:.0f} .. {t1:.0f}), above your k3, but the map has no law to carry that "
+                          f"{factor:.3g}x beyond them")
     else:
         out["verdict"] = f"unknown: the map has no fitted law ({map_data.get('status')}): {map_data.get('note')}"
     return out
