@@ -330,6 +330,7 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     cmap = plt.get_cmap("tab10")
     any_point = False
+    ys: list[float] = []
     for i, curve in enumerate(result["curves"]):
         colour = cmap(i % 10)
         for h in curve["horizons"]:
@@ -340,11 +341,13 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
                 ax.errorbar([h["horizon"]], [h["threshold_50"]], yerr=[[h["threshold_50"] - lo],
                             [hi - h["threshold_50"]]], color=colour, marker="o", capsize=3)
                 any_point = True
+                ys += [lo, hi]
             elif h["status"] in ("above_range", "below_range"):
                 up = h["status"] == "above_range"
                 y = h["lower_bound"] if up else h["upper_bound"]
                 ax.scatter([h["horizon"]], [y], color=colour, marker="^" if up else "v", s=70)
                 any_point = True
+                ys.append(y)
         label = f"{curve['curve']}: {curve['status']}"
         if curve["status"] == "fitted" and curve["horizon_range"]:
             t0, t1 = curve["horizon_range"]
@@ -356,9 +359,11 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
     if any_point:
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_ylim(min(ys) / 5, max(ys) * 5)  # at least a decade: bounds alone would zoom into noise
     ax.set_xlabel("horizon T (mean response length, tokens)")
     ax.set_ylabel(f"50% collapse threshold ({METRIC})")
-    ax.set_title((f"{title}: " if title else "") + "collapse threshold vs horizon (▲ lower bound, ▼ upper bound)")
+    ax.set_title((f"{title}\n" if title else "") + "collapse threshold vs horizon (▲ lower bound, ▼ upper bound)",
+                 fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
