@@ -18,11 +18,14 @@ from vexact.rl.trainer import Trainer
 
 
 def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **extra) -> Path:
-    spec = {"name": name, "base": str(EXPERIMENT), "output_dir": str(tmp_path / name),
-            "set": {"steps": 3, "warm_start.steps": 10, "warm_start.cache_dir": str(tmp_path / "cache"),
-                    "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4, "task.eval_prompts": 8,
-                    "logging.eval_every": 2, "logging.checkpoint_every": 1, "inject.mode": "logit_scale"},
-            "grid": grid or {"inject.value": [0.0, -0.5], "seed": [0, 1]}, **extra}
+    grid = grid or {"inject.value": [0.0, -0.5], "seed": [0, 1]}
+    fixed = {"steps": 3, "warm_start.steps": 10, "warm_start.cache_dir": str(tmp_path / "cache"),
+             "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4, "task.eval_prompts": 8,
+             "logging.eval_every": 2, "logging.checkpoint_every": 1, "inject.mode": "logit_scale"}
+    if "inject.value" not in grid:  # a knob mode needs its value (a grid without one: a fixed, non-zero value)
+        fixed["inject.value"] = -0.5
+    spec = {"name": name, "base": str(EXPERIMENT), "output_dir": str(tmp_path / name), "set": fixed, "grid": grid,
+            **extra}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
