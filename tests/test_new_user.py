@@ -8,17 +8,24 @@ started a fresh one. Each is now one ``error:`` line (exit 2) naming what is mis
 
 from __future__ import annotations
 
+import os
+import pickle
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from vexact.cli import main
 from vexact.lab.sweep import load_sweep_spec
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.data_parallel import check_leaves
-from vexact.rl.runlog import read_metrics
+from vexact.rl.runlog import latest_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments" / "zero_mismatch.yaml"
@@ -153,3 +160,101 @@ def test_shipped_configs_run_under_nproc_1_2_and_4_as_they_are():
     assert refused == []
     with pytest.raises(ValueError, match="distributed.leaves"):  # what the old default (1) said to --nproc 2
         check_leaves(1, 2)
+
+
+# --------------------------------------------------------------------------- faults that used to slip
+def _compare(capsys, *args: str) -> tuple[int, str]:
+    code = main(["compare", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_compare_refuses_a_positive_log_prob_naming_file_line_and_id(tmp_path, capsys):
+    """+0.7 is a probability of 2: not a log-prob. Up to +1e-3 (rounding of a near-certain token) is accepted."""
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"id": "a", "rollout_log_probs": [-0.5, -0.1], "old_log_probs": [-0.5, -0.1]}\n'
+                   '{"id": "b", "rollout_log_probs": [-0.2, 0.7], "old_log_probs": [-0.2, 0.7]}\n')
+    code, err = _compare(capsys, one)
+    assert code == 2 and err.startswith(f"error: {one}:2: id 'b': 'rollout_log_probs'[1] is 0.7: a log-prob is at "
+                                        "most 0 (accepted up to +0.001"), err
+    assert "probability of 2.014" in err and err.count("\n") == 1
+
+    roll, train = tmp_path / "roll.jsonl", tmp_path / "train.jsonl"
+    roll.write_text('{"id": 1, "logprobs": [-0.3, 0.0005]}\n')  # within the rounding tolerance
+    train.write_text('{"id": 1, "logprobs": [-0.3, 0.002]}\n')
+    code, err = _compare(capsys, roll, train)
+    assert code == 2 and f"{train}:1: id 1: 'logprobs'[1] is 0.002" in err, err
+    train.write_text('{"id": 1, "logprobs": [-0.3, 0.0005]}\n')
+    assert _compare(capsys, roll, train)[0] == 0
+
+    tensors = tmp_path / "batch.pt"
+    logp = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 3.5, -0.6]])
+    torch.save({"rollout_log_probs": logp, "old_log_probs": logp, "response_mask": torch.ones(2, 3)}, tensors)
+    code, err = _compare(capsys, tensors)
+    assert code == 2 and f"{tensors}: row 1: 'rollout_log_probs' at column 1 is 3.5: a log-prob" in err, err
+
+
+def test_a_hostile_torch_file_gets_the_error_line_and_nothing_before_it(tmp_path):
+    """torch's weights-only unpickler warns about the pickle protocol before refusing; that warning is noise."""
+    path = tmp_path / "hostile.pt"
+    path.write_bytes(pickle.dumps(_Hostile(), protocol=4))
+    done = subprocess.run([sys.executable, "-m", "vexact", "compare", str(path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert done.returncode == 2
+    assert done.stderr == f"error: refusing to unpickle {path}: not a plain tensor file\n", done.stderr
+
+
+class _Hostile:
+    def __reduce__(self):
+        return (os.system, ("echo owned",))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_die_with_a_sigkilled_launcher_and_a_rerun_resumes(tmp_path):
+    """kill -9 of `vexact run --nproc 2`: both ranks die with it (they used to write every remaining step and
+    summary.json), and the run directory takes a re-run at once (no rank holds its lock)."""
+    config = _tiny(tmp_path)
+    run_dir = tmp_path / "runs" / "tiny"
+    launcher = subprocess.Popen([sys.executable, "-m", "vexact", "run", str(config), "--nproc=2", "--set=steps=500",
+                                 "--set=logging.eval_every=100", "--set=distributed.leaves=4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir / "metrics.jsonl")) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2 and all(_alive(pid) for pid in ranks)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived its launcher"
+    finally:
+        for pid in [launcher.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    lines = len(read_metrics(run_dir / "metrics.jsonl"))
+    time.sleep(1.0)
+    assert len(read_metrics(run_dir / "metrics.jsonl")) == lines and not (run_dir / "summary.json").exists()
+
+    done = latest_checkpoint(run_dir)
+    assert done is not None
+    steps = int(done.name.rsplit("-", 1)[1]) + 2  # one step beyond the last checkpoint
+    rerun = subprocess.run([sys.executable, "-m", "vexact", "run", str(run_dir), "--resume", "--nproc=2",
+                            f"--set=steps={steps}", "--allow-change=steps"], capture_output=True, text=True,
+                           timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(steps))

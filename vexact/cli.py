@@ -238,10 +238,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .rl.trainer import Trainer, run_dir_for
 
     cfg = _run_config(args)
+    if args.nproc > 1:
+        check_leaves(cfg.distributed.leaves, args.nproc)  # before starting any rank
     _check_run_dir(args, cfg)
     console = make_console()
     if args.nproc > 1:
-        check_leaves(cfg.distributed.leaves, args.nproc)  # before starting any rank
         return _launch_ranks(args, cfg, console)
     ranks = DataParallel.from_environment(cfg.distributed.reduce)  # torchrun's ranks, or this process alone
     try:
@@ -283,9 +284,13 @@ def _run_config(args: argparse.Namespace):
 def _check_run_dir(args: argparse.Namespace, cfg) -> None:
     """Before any work (and before any rank starts): ``--resume`` needs a run to resume, and a new run needs a
     directory without one; each refusal spells out the commands that would work."""
+    from .rl.runlog import run_lock
     from .rl.trainer import holds_results, holds_run, run_dir_for
 
     run_dir = run_dir_for(cfg)
+    if run_dir.is_dir():
+        with run_lock(run_dir):  # a run in progress there: RunLocked names its pid (the checks below would not)
+            pass
     if args.resume and not holds_run(run_dir):
         raise ValueError(f"cannot resume {run_dir}: there is no run there (no config.yaml, metrics.jsonl or "
                          f"checkpoint); to start it: {_run_command(args, resume=False)}")

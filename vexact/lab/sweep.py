@@ -49,8 +49,6 @@ import itertools
 import json
 import os
 import re
-import signal
-import sys
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -66,6 +64,7 @@ from rich.markup import escape
 
 from ..rl.atomic import write_json_atomic, write_text_atomic
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml, show_value
+from ..rl.lifetime import die_with_parent
 from ..rl.runlog import RunLocked, run_lock
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
@@ -74,7 +73,6 @@ VARIANT_KEY = "variant"
 PER_POINT_KEYS = ("name", "output_dir")  # set by the sweep for every point
 MAX_POINTS = 10_000  # a grid this large is a typo (a long list where a short one was meant), not an experiment
 MAX_NAME_BYTES = 255  # a point name is a folder name
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WORKER_DIED = ("a worker process died abruptly (killed by a signal, or out of memory) while this point ran; the "
                "points running at that moment are recorded as failed, and a re-run resumes them")
 
@@ -296,20 +294,9 @@ def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, st
 def _worker_init(parent_pid: int) -> None:
     """Runs first in every worker process: die with the sweep's main process, however that dies (SIGKILL too).
 
-    ``PR_SET_PDEATHSIG`` sends SIGKILL when the thread that spawned this process exits; ProcessPoolExecutor spawns
-    its workers from the thread that calls ``submit`` (here the sweep's, alive until the pool is shut down). The
-    parent may have died before the prctl call: then this process was re-parented and exits at once. No-op off
-    Linux."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # no prctl in this libc: the ppid check below still helps
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
+    ``die_with_parent`` needs the spawning thread to live as long as the parent: ProcessPoolExecutor spawns its
+    workers from the thread that calls ``submit`` (here the sweep's, alive until the pool is shut down)."""
+    die_with_parent(parent_pid)
 
 
 def _run_point(config: dict, resume: bool, threads: int | None) -> dict:

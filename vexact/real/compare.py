@@ -71,6 +71,10 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 EXIT_GATE_FAILED = 1  # vexact.cli's EXIT_FAILED (this layer cannot import the CLI)
 LOG_SUM_EXP_TOLERANCE = 0.1
 """A full-vocabulary row must satisfy |log Σ_v exp(row_v)| ≤ this (log-probs sum to probability 1); logits fail."""
+MAX_LOGPROB = 1e-3
+"""The largest per-token log-prob accepted: a probability is at most 1, but rounding can leave a near-certain token's
+log-prob a little above 0 (a float32 log_softmax at logits of magnitude 50 is off by a few 4e-6 ulps). Above this
+(a probability above 1.001) the value is not a log-prob -- a logit, a probability, a sign error -- and is refused."""
 
 DESCRIPTION = """\
 Compare the per-token log-probs your rollout engine and your trainer wrote for the same tokens, and print
@@ -164,7 +168,7 @@ def _floats(value: Any, what: str, float32: bool) -> np.ndarray:
     except OverflowError:
         i = next(i for i, v in enumerate(value) if type(v) is int and abs(v) > 1.7e308)
         raise ValueError(f"{what}[{i}] is an integer too large for a float") from None
-    _require_finite(array, what)
+    _require_logprobs(array, what)
     return _rounded_to_float32(array, what) if float32 else array
 
 
@@ -180,11 +184,23 @@ def _rounded_to_float32(array: np.ndarray, what: str) -> np.ndarray:
     return rounded.astype(np.float64)
 
 
-def _require_finite(array: np.ndarray, what: str) -> None:
+def _require_logprobs(array: np.ndarray, what: str, columns: np.ndarray | None = None) -> None:
+    """Refuse values that are no log-prob: NaN, ±inf, or above ``MAX_LOGPROB``. The message names the value's index
+    (``columns``: the tensor column it came from) after ``what`` (file, line or row, id, key)."""
+    def place(i: int) -> str:
+        return f"{what}[{i}]" if columns is None else f"{what} at column {int(columns[i])}"
+
+    of = f"{array.size} values" if columns is None else f"the row's {array.size} masked values"
     if not np.isfinite(array).all():
         bad = np.flatnonzero(~np.isfinite(array))
-        raise ValueError(f"{what}[{int(bad[0])}] is {array[bad[0]]}: not a finite log-prob "
-                         f"({bad.size} of {array.size} values are NaN or infinite)")
+        raise ValueError(f"{place(int(bad[0]))} is {array[bad[0]]}: not a finite log-prob "
+                         f"({bad.size} of {of} are NaN or infinite)")
+    if array.size and array.max() > MAX_LOGPROB:
+        bad = np.flatnonzero(array > MAX_LOGPROB)
+        value = float(array[bad[0]])
+        raise ValueError(f"{place(int(bad[0]))} is {value:.9g}: a log-prob is at most 0 (accepted up to "
+                         f"+{MAX_LOGPROB:g} for rounding), this is a probability of {math.exp(min(value, 700)):.4g} "
+                         f"-- logits or probabilities instead of log-probs? ({bad.size} of {of} are above)")
 
 
 def _token_ids(value: Any, what: str) -> np.ndarray:
@@ -329,11 +345,7 @@ def _tensor_records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_
         record = Record(path, None, b, b, {}, columns=columns.numpy())
         for key, value in logprobs.items():
             array = value[b, columns].double().numpy()
-            if not np.isfinite(array).all():
-                bad = np.flatnonzero(~np.isfinite(array))
-                raise ValueError(f"{record.where}: {key!r} at column {int(columns[bad[0]])} is {array[bad[0]]}: not "
-                                 f"a finite log-prob ({bad.size} of the row's {array.size} masked values are NaN or "
-                                 "infinite)")
+            _require_logprobs(array, f"{record.where}: {key!r}", columns.numpy())
             record.values[key] = _rounded_to_float32(array, f"{record.where}: {key!r}") if s.float32 else array
         if tokens is not None:
             record.tokens = tokens[b, columns].long().numpy()

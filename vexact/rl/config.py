@@ -345,8 +345,8 @@ class DistributedSection:
     ``leaves``: each PPO mini-batch's gradient is the fixed-tree sum of this many equal leaves, each from its own
     backward. It fixes the numbers, so a run is bitwise the same for every N that is a power of two dividing it;
     1 = one backward per mini-batch. The default, 4, lets every shipped config run under ``--nproc`` 1, 2 and 4 as
-    it is (a mini-batch must then hold a multiple of 4 sequences). ``reduce``: ``tree`` (that guarantee) or ``allreduce`` (the collective's own
-    summation order: results depend on N; for measuring the difference)."""
+    it is (a mini-batch must then hold a multiple of 4 sequences). ``reduce``: ``tree`` (that guarantee) or
+    ``allreduce`` (the collective's own summation order: results depend on N; for measuring the difference)."""
 
     leaves: int = field(default=4, metadata=_bounds(min=1))
     reduce: Literal["tree", "allreduce"] = "tree"

@@ -34,8 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .lifetime import die_with_parent
+
 STORE_ENV = "VEXACT_DIST_STORE"
 """A file the ranks rendezvous through (set by ``vexact run --nproc``); without it, torchrun's env:// store."""
+LAUNCHER_ENV = "VEXACT_LAUNCHER_PID"
+"""The pid of the ``vexact run --nproc`` process that started the ranks: they die with it (``die_with_parent``: the
+elastic agent starts them from the launcher's main thread, which lives as long as the launcher)."""
 
 ReduceMode = Literal["tree", "allreduce"]
 
@@ -74,6 +79,8 @@ class DataParallel:
 
         gloo for CPU tensors, nccl for CUDA ones."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if LAUNCHER_ENV in os.environ:  # started by vexact run --nproc: never outlive it (kill -9 included)
+            die_with_parent(int(os.environ[LAUNCHER_ENV]))
         if world == 1:
             return cls(reduce=reduce)
         if not dist.is_initialized():
@@ -175,7 +182,7 @@ def launch(nproc: int, python_args: list[str], threads: int | None = None) -> No
     # starts a TCP store for the ranks, listening on every interface. Nothing else in vexact rendezvouses.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with tempfile.TemporaryDirectory(prefix="vexact-ranks-") as tmp:
-        rank_env = {STORE_ENV: os.path.join(tmp, "process_group"),
+        rank_env = {STORE_ENV: os.path.join(tmp, "process_group"), LAUNCHER_ENV: str(os.getpid()),
                     "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
                     "OMP_NUM_THREADS": str(threads or torch.get_num_threads())}
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,

@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,7 +139,12 @@ def load_tensor_file(path: Path) -> Any:
     are a ValueError naming the file too."""
     path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings(record=True) as said:  # torch's remarks on a file refused below are noise
+            warnings.simplefilter("always")
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        for w in said:  # a file that loaded: its warnings are news
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return data
     except pickle.UnpicklingError:
         raise UnsafeFileError(f"refusing to unpickle {path}: not a plain tensor file") from None
     except FileNotFoundError:
