@@ -178,22 +178,29 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
     """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
 
     A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.
-    Rows are cut into chunks of ``_reduction_block(M)`` (zero-padded): each chunk is one ``_tiled_matmul`` whose
-    K-reduction has that fixed length (a probed shape class, or the fixed-order GEMM), and the chunks' partial
-    products are added by a halving tree in chunk order. So each output element depends only on the two
-    columns it reduces -- never on the thread count (or where thread boundaries fall)."""
-    rows = a.shape[0]
+    Rows are cut into chunks of ``_reduction_block(M)`` (zero-padded). Each chunk is a GEMM tile product whose
+    K-reduction has that fixed length, [R, block] @ [block, K] for every R-row tile of the N output rows (one
+    ``host.bmm`` call for all chunks: a probed shape class, or the fixed-order GEMM), and the chunks' partial
+    products are added by a halving tree in chunk order. So each output element depends only on the two columns
+    it reduces -- never on the thread count (or where thread boundaries fall)."""
+    rows, n = a.shape
+    k = b.shape[1]
     block = _reduction_block(rows)
     chunks = -(-rows // block)
     padded = chunks * block
-    if padded != rows:
-        a = torch.constant_pad_nd(a, (0, 0, 0, padded - rows))
-        b = torch.constant_pad_nd(b, (0, 0, 0, padded - rows))
-    # [chunks, N, block] and [chunks, K, block]: each chunk a contiguous, aligned [N, block] / [K, block] slab
-    a_t = a.view(chunks, block, a.shape[1]).transpose(1, 2).contiguous()
-    b_t = b.view(chunks, block, b.shape[1]).transpose(1, 2).contiguous()
-    parts = [_tiled_matmul(a_t[c], b_t[c], host, op) for c in range(chunks)]
-    return parts[0] if chunks == 1 else _tree_sum(torch.stack(parts), dim=0)
+    k_pad = _ceil_to(k, COL_BLOCK)
+    # [chunks, N, block] and [chunks, K_pad, block]: the chunks' transposes, contiguous
+    a_t = torch.constant_pad_nd(a, (0, 0, 0, padded - rows)).view(chunks, block, n).transpose(1, 2)
+    b_t = torch.constant_pad_nd(b, (0, k_pad - k, 0, padded - rows)).view(chunks, block, k_pad).transpose(1, 2)
+    b_t = b_t.contiguous()
+    height = _row_block(n, host.tile_heights(a.dtype, b_t[:1].transpose(1, 2), False, op))
+    row_tiles = -(-n // height)
+    a_tiles = torch.constant_pad_nd(a_t, (0, 0, 0, row_tiles * height - n)).reshape(chunks * row_tiles, height, block)
+    # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's)
+    b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
+    out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
+    parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
+    return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
 
 def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
