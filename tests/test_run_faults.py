@@ -222,7 +222,7 @@ def test_resume_with_a_different_config_is_refused_with_the_diff(tmp_path, refer
     other = _cfg(tmp_path, reference, "cut", "seed=3", "optimizer.lr=1e-3")
     with pytest.raises(ValueError, match=r"different config: optimizer\.lr: 0\.0002 -> 0\.001; seed: 0 -> 3"):
         _run(other, resume=True)
-    with pytest.raises(ValueError, match=r"--allow-change seed: only steps, logging.live"):
+    with pytest.raises(ValueError, match=r"--allow-change seed: only steps, threads, logging.live"):
         _run(other, resume=True, allow=("seed",))
 
 
