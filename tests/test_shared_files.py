@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import require_optional
 from rich.console import Console
 from safetensors.torch import load_file
 from test_trainer import EXPERIMENT, _without_timing
@@ -421,7 +422,7 @@ def test_ray_executor_uses_only_public_ray_api():
 
 
 def test_ray_imported_in_cluster_mode_is_refused_for_a_private_instance(tmp_path):
-    pytest.importorskip("ray", reason="pip install 'vexact[ray]'")
+    require_optional("ray", "pip install 'vexact[ray]'")
     code = ("import ray\nfrom vexact.lab import ray_executor\ntry:\n    ray_executor.start(None)\n"
             "except ValueError as e:\n    print('refused:', e)\nprint('initialized', ray.is_initialized())")
     env = {k: v for k, v in _child_env().items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
