@@ -231,9 +231,10 @@ def _alpha_bounds(fitted: list[dict[str, Any]], bounded: list[dict[str, Any]]) -
 
 
 def _value(h: dict[str, Any], side: str) -> float | None:
-    """A bound on a horizon's threshold: a fitted threshold bounds it both ways (its point value)."""
+    """A bound on a horizon's threshold: a fitted threshold bounds it by its interval's ends (an open end: none),
+    never by its point value, which between two tested doses the data cannot place."""
     if h.get("status") == "fitted":
-        return h["threshold_50"]
+        return h.get("ci_low") if side == "lower" else h.get("ci_high")
     if side == "lower" and h.get("status") == "above_range":
         return h.get("lower_bound")
     if side == "upper" and h.get("status") == "below_range":
