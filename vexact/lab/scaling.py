@@ -56,8 +56,8 @@ PRIMARY_CURVE = ("algorithm.old_logprobs", "rollout")
 MAP_KEYS = ("horizon", "k3", "threshold_50", "ci_low", "ci_high", "ratio", "verdict", "extrapolation_factor")
 ASSUMPTIONS = (
     "the threshold follows the fitted power law threshold ∝ T^(−alpha) beyond the measured horizons",
-    "the map's testbed (a 0.5M-parameter decoder on CPU, on-policy GRPO, the map's old-log-prob mode, 200-step "
-    "runs) stands for your stack; model size, vocabulary, mini-batches and run length are not on the map",
+    "the map's testbed (a 0.5M-parameter decoder on CPU, on-policy GRPO, the map's old-log-prob mode and run "
+    "length) stands for your stack; model size, vocabulary, mini-batches and run length are not on the map",
     "k3 is the token mean of exp(r) − r − 1 over your dump (rollout_corr/k3_kl); the map's doses are run means of "
     "the same metric before collapse",
     "your horizon is your dump's mean response length (tokens per sequence)",
@@ -450,6 +450,9 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
                  f"(T = {t0:.0f} .. {t1:.0f})" if p["extrapolation_factor"] > 1 else
                  f"  T lies within the measured horizons (T = {t0:.0f} .. {t1:.0f})")
     lines.append("  assumptions: " + "; ".join(ASSUMPTIONS))
+    what = (map_data.get("provenance") or {}).get("what")
+    if what:
+        lines.append(f"  the map: {what}")
     return lines
 
 
