@@ -388,7 +388,8 @@ def load_map(path: str | Path | None = None) -> dict[str, Any]:
     if not isinstance(data, dict) or "status" not in data or "horizon_range" not in data:
         raise ValueError(f"map file '{path}' is not a scaling.json (no 'status' / 'horizon_range'); make one with "
                          "vexact report on a sweep over task.max_len")
-    data.setdefault("source", str(path))
+    data.setdefault("source", "the map shipped with vexact (vexact/lab/default_map.json)" if path == DEFAULT_MAP
+                    else str(path))
     return data
 
 
