@@ -79,11 +79,14 @@ def test_float_fields_accept_ints_and_yaml11_exponents(tmp_path):
 
 def test_shipped_experiments_load():
     """Every shipped run config validates, and so does every point of every shipped sweep."""
+    from vexact.lab.bias_meter import load_meter_spec
     from vexact.lab.sweep import load_sweep_spec
 
     for path in sorted(EXPERIMENTS.glob("*.yaml")):
         if "sweep" in path.stem:
             assert all(isinstance(p.config, RunConfig) for p in load_sweep_spec(path).points)
+        elif "meter" in path.stem:  # vexact meter's files (issue O)
+            load_meter_spec(path)
         else:
             assert isinstance(load_config(path), RunConfig)
     demo = Path(__file__).resolve().parents[1] / "vexact" / "lab" / "demo_sweep.yaml"
