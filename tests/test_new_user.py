@@ -227,7 +227,8 @@ def test_ranks_die_with_a_sigkilled_launcher_and_a_rerun_resumes(tmp_path):
     config = _tiny(tmp_path)
     run_dir = tmp_path / "runs" / "tiny"
     launcher = subprocess.Popen([sys.executable, "-m", "vexact", "run", str(config), "--nproc=2", "--set=steps=500",
-                                 "--set=logging.eval_every=100", "--set=distributed.leaves=4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 "--set=logging.eval_every=100", "--set=distributed.leaves=4"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 300
