@@ -390,12 +390,16 @@ def plot_meter(result: dict[str, Any], path: Path) -> Path:
         hi = [(c["bias_ratio_ci"][1] or c["bias_ratio"]) - c["bias_ratio"] for c in cells]
         ax.errorbar(ts, [c["bias_ratio"] for c in cells], yerr=[lo, hi], color=cmap(i % 10), marker="o",
                     capsize=3, label=label)
+        weak = [c for c in cells if not c.get("resolved")]  # hollow: below the noise floor (an upper bound)
+        ax.scatter([c["horizon_mean"] for c in weak], [c["bias_ratio"] for c in weak], s=36, zorder=3,
+                   facecolors="white", edgecolors=cmap(i % 10))
         bx.plot(ts, [c["cosine"] for c in cells], color=cmap(i % 10), marker="o", label=source)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("horizon T (mean response length)")
     ax.set_ylabel("||E g_mu - E g_pi|| / ||E g_pi||")
-    ax.set_title(f"{result['name']}: gradient bias vs horizon ({result['batches']} batches, 95% bootstrap)")
+    ax.set_title(f"{result['name']}: gradient bias vs horizon\n({result['batches']} batches, 95% bootstrap; "
+                 "hollow = not resolved)", fontsize=10)
     ax.legend(fontsize=7)
     bx.set_xscale("log")
     bx.set_xlabel("horizon T (mean response length)")
