@@ -26,6 +26,7 @@ import torch
 
 from vexact import ModelConfig
 from vexact.engine.model import DTYPES as MODEL_DTYPES
+from vexact.engine.presets import preset_config
 from vexact.rl.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
 
@@ -56,25 +57,21 @@ def _default_experiment_model() -> ModelConfig:
     """The policy of experiments/zero_mismatch.yaml: its model section on the task's 22-token vocabulary."""
     from vexact.rl.tasks import CharTokenizer
 
-    return ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, intermediate_size=176, max_seq_len=48)
+    return preset_config("testbed", vocab_size=CharTokenizer().vocab_size, max_seq_len=48)
 
 
 def shapes() -> dict[str, Shape]:
-    """Named shapes: ``default`` (the zero_mismatch experiment: 16 prompts x 8 samples, prompts of
-    7-11 tokens, 20 new tokens, training rows of up to ~30 tokens), ``llama100m`` (SmolLM-135M-like:
-    hidden 576, 30 layers, 9 heads / 3 KV heads, intermediate 1536, vocab 49152, tied embeddings;
-    batches small enough for 2 CPU cores) and ``tiny`` (smoke tests)."""
+    """Named shapes, each a model preset (``vexact.engine.presets``) with batch sizes: ``default`` (the
+    zero_mismatch experiment's ``testbed`` policy: 16 prompts x 8 samples, prompts of 7-11 tokens, 20 new tokens,
+    training rows of up to ~30 tokens), ``llama100m`` (SmolLM-135M-like; batches small enough for 2 CPU cores)
+    and ``tiny`` (smoke tests)."""
     return {
         "default": Shape("default", _default_experiment_model(), decode_batch=128, context=12, train_batch=128,
                          train_len=28, new_tokens=20, e2e_batch=128, e2e_prompt_len=0),
-        "llama100m": Shape("llama100m", ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-                                                    num_kv_heads=3, intermediate_size=1536, max_seq_len=2048,
-                                                    tie_embeddings=True),
+        "llama100m": Shape("llama100m", preset_config("llama100m"),
                            decode_batch=16, context=256, train_batch=2, train_len=128, new_tokens=8, e2e_batch=8,
                            e2e_prompt_len=32),
-        "tiny": Shape("tiny", ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                                          intermediate_size=48, max_seq_len=48),
+        "tiny": Shape("tiny", preset_config("tiny"),
                       decode_batch=4, context=5, train_batch=3, train_len=9, new_tokens=3, e2e_batch=3,
                       e2e_prompt_len=4),
     }

@@ -98,15 +98,23 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+_CHECK_SIZES = {"vocab_size": "vocabulary of the random model", "hidden_size": "hidden size of the random model",
+               "num_layers": "decoder layers of the random model", "num_heads": "attention heads",
+               "num_kv_heads": "key/value heads (grouped-query attention)",
+               "intermediate_size": "MLP intermediate size"}
+
+
 def _add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", epilog=exit_codes_help("check"),
                        help="verify rollout log-probs == training log-probs bit for bit on this machine")
-    p.add_argument("--vocab-size", type=_positive_int, default=256, help="vocabulary of the random model")
-    p.add_argument("--hidden-size", type=_positive_int, default=128, help="hidden size of the random model")
-    p.add_argument("--num-layers", type=_positive_int, default=2, help="decoder layers of the random model")
-    p.add_argument("--num-heads", type=_positive_int, default=4, help="attention heads")
-    p.add_argument("--num-kv-heads", type=_positive_int, default=2, help="key/value heads (grouped-query attention)")
-    p.add_argument("--intermediate-size", type=_positive_int, default=352, help="MLP intermediate size")
+    from .engine.presets import PRESET_NAMES
+    from .real.check import CHECK_PRESET
+
+    p.add_argument("--preset", choices=PRESET_NAMES, default=CHECK_PRESET,
+                   help=f"named shape of the random model (default {CHECK_PRESET}); size flags below win over it")
+    for flag, what in _CHECK_SIZES.items():
+        p.add_argument("--" + flag.replace("_", "-"), type=_positive_int, default=None, help=what + " (default: the "
+                       "preset's)")
     p.add_argument("--num-prompts", type=_positive_int, default=24, help="random prompts to generate from")
     p.add_argument("--max-prompt-len", type=_positive_int, default=40,
                    help="longest random prompt (lengths are 1..N, so batches are ragged)")
@@ -130,6 +138,19 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_check)
 
 
+def _check_shape(args: argparse.Namespace) -> dict:
+    """The random model's shape: ``--preset``'s sizes, with the size flags given explicitly winning."""
+    from .engine.presets import preset_values
+    from .real.check import CheckSettings
+
+    preset = preset_values(args.preset)
+    shape = {k: preset[k] for k in _CHECK_SIZES if k in preset}
+    shape["vocab_size"] = preset.get("vocab_size", CheckSettings.vocab_size)  # testbed has none: 256 ids
+    shape["tie_embeddings"] = preset.get("tie_embeddings", False)
+    shape.update({k: getattr(args, k) for k in _CHECK_SIZES if getattr(args, k) is not None})
+    return shape
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from .engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
     from .real.check import CheckSettings, run_check
@@ -142,9 +163,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
     rows = []
     for dtype in dtypes:
-        settings = CheckSettings(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                                 num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                                 intermediate_size=args.intermediate_size, num_prompts=args.num_prompts,
+        settings = CheckSettings(**_check_shape(args), num_prompts=args.num_prompts,
                                  max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,
                                  scoring_threads=args.scoring_threads,

@@ -188,6 +188,7 @@ _DESCRIPTIONS = {
     "steps": "RL steps",
     "output_dir": "run directory (null = runs/<name>)",
     "threads": "torch threads (null = torch's default); the backward is bitwise reproducible per thread count",
+    "model.preset": "named shape (vexact.engine.presets.MODEL_PRESETS); explicit model keys win over it",
     "model.hidden_size": "hidden size", "model.num_layers": "decoder layers", "model.num_heads": "attention heads",
     "model.num_kv_heads": "key/value heads (grouped-query attention)",
     "model.intermediate_size": "MLP intermediate size", "model.max_seq_len": "longest prompt + response",

@@ -16,19 +16,24 @@ import torch
 from vexact_kernels import kernel_paths
 
 from ..engine.model import ModelConfig, Transformer, resolve_dtype
+from ..engine.presets import MODEL_PRESETS
 from ..engine.rollout import generate
 from ..engine.scoring import token_logprobs
 from ..rl.metrics import mismatch_summary
 
+CHECK_PRESET = "small"
+_SHAPE = MODEL_PRESETS[CHECK_PRESET]  # the random model's default shape (max_seq_len: prompt + new tokens)
+
 
 @dataclass
 class CheckSettings:
-    vocab_size: int = 256
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 352
+    vocab_size: int = _SHAPE["vocab_size"]
+    hidden_size: int = _SHAPE["hidden_size"]
+    num_layers: int = _SHAPE["num_layers"]
+    num_heads: int = _SHAPE["num_heads"]
+    num_kv_heads: int = _SHAPE["num_kv_heads"]
+    intermediate_size: int = _SHAPE["intermediate_size"]
+    tie_embeddings: bool = _SHAPE.get("tie_embeddings", False)
     num_prompts: int = 24
     max_prompt_len: int = 40
     max_new_tokens: int = 32
@@ -49,6 +54,7 @@ def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "na
     cfg = ModelConfig(vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
                       num_layers=settings.num_layers, num_heads=settings.num_heads,
                       num_kv_heads=settings.num_kv_heads, intermediate_size=settings.intermediate_size,
+                      tie_embeddings=settings.tie_embeddings,
                       max_seq_len=settings.max_prompt_len + settings.max_new_tokens)
     rng = random.Random(settings.seed)
     prompts = [[rng.randrange(settings.vocab_size) for _ in range(rng.randint(1, settings.max_prompt_len))]

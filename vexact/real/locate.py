@@ -62,15 +62,18 @@ import vexact_kernels
 
 from ..engine.inputs import check_temperature, check_token_lists, pad_right
 from ..engine.model import KernelOps, ModelConfig, Transformer
+from ..engine.presets import MODEL_PRESETS
 from ..engine.rollout import CACHE_BLOCK, generate
 from ..rl.metrics import float_bits
+from .check import CHECK_PRESET
 from .measure import MeasureSettings, PathSpec, load_prompts, parse_path
 from .pretrained import build_model, load_tokenizer, model_config_from_hf, read_checkpoint, read_checkpoint_config
 
 KINDS = ("rollout", "train")
 DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
-# The tiny random model's shape when no --model is given (the same defaults as ``vexact check``).
-RANDOM_MODEL = dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
+# The tiny random model's shape when no --model is given: ``vexact check``'s preset (one size flag per key).
+RANDOM_MODEL = {k: MODEL_PRESETS[CHECK_PRESET][k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                                                            "num_kv_heads", "intermediate_size")}
 _PATH_FORMAT = ("expected BACKEND:DTYPE[:KIND] with BACKEND in exact, native, triton, DTYPE in fp32 (float32), bf16 "
                 "(bfloat16) and KIND in rollout, train")
 

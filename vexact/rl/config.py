@@ -34,6 +34,7 @@ import yaml
 import vexact_kernels
 
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
+from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
 from .atomic import write_text_atomic
 from .tasks import TASK_NAMES
 
@@ -85,16 +86,18 @@ def _bounds(**bounds: float) -> dict:
 # --- schema ------------------------------------------------------------------------------------------------
 
 
-MODEL_DEFAULTS = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 176,
-                  "max_seq_len": 64}
-"""The default policy: a tiny decoder that learns the synthetic tasks in minutes on a CPU."""
+DEFAULT_PRESET = "testbed"
+MODEL_DEFAULTS = preset_values(DEFAULT_PRESET)
+"""The default policy: the ``testbed`` preset, a tiny decoder that learns the synthetic tasks in minutes on a CPU."""
 
 
 def _model_section() -> type:
-    """``ModelSection``: the fields of ``ModelConfig`` (types, bounds, meaning) except ``vocab_size``, which
-    the task sets, with ``MODEL_DEFAULTS``. One source: a field added to ModelConfig is a config key here too."""
+    """``ModelSection``: ``preset`` (a name in ``vexact.engine.presets.MODEL_PRESETS``) and the fields of
+    ``ModelConfig`` (types, bounds, meaning) except ``vocab_size``, which the task sets, with ``MODEL_DEFAULTS``.
+    One source: a field added to ModelConfig is a config key here too. A preset's values are filled in where the
+    file and ``--set`` give none (``_expand_preset``): explicit model keys win over the preset."""
     hints = typing.get_type_hints(ModelConfig)
-    specs = []
+    specs = [("preset", PresetName | None, field(default=None))]
     for f in dataclasses.fields(ModelConfig):
         if f.name == "vocab_size":
             continue
@@ -109,7 +112,8 @@ def _model_section() -> type:
 
     def to_model_config(self, vocab_size: int) -> ModelConfig:
         """The engine's ModelConfig of this section for a vocabulary of ``vocab_size`` tokens."""
-        return ModelConfig(vocab_size=vocab_size, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return ModelConfig(vocab_size=vocab_size, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                                      if f.name != "preset"})
 
     section = dataclasses.make_dataclass("ModelSection", specs, namespace={
         "__doc__": "Shape of the policy Transformer: ``ModelConfig``'s fields (the vocabulary comes from the task).",
@@ -857,6 +861,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
                               "keep only one", key)
         origins[key] = item
     try:
+        _expand_preset(data.get("model"))
         _check_inject_knob(data.get("inject"))
         return _build(RunConfig, data, "")
     except ConfigError as e:
@@ -867,6 +872,21 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
         if e.key in written:
             raise ConfigError(f"{e.problem} (written as '{written[e.key]}')", e.key) from None
         raise
+
+
+def _expand_preset(model: Any) -> None:
+    """Fill ``model.preset``'s values into the raw model mapping where no key is given, in place: keys the file or
+    ``--set`` give explicitly win over the preset. An unknown name is one config error listing the presets. The
+    preset's ``vocab_size`` (if any) is not used: the task sets the vocabulary."""
+    if not isinstance(model, dict) or model.get("preset") is None:
+        return
+    name = model["preset"]
+    if not isinstance(name, str) or name not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset {show_value(name)}; expected one of {', '.join(PRESET_NAMES)}",
+                          "model.preset")
+    for key, value in preset_values(name).items():
+        if key != "vocab_size":
+            model.setdefault(key, value)
 
 
 def _check_inject_knob(inject: Any) -> None:

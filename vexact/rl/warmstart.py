@@ -32,6 +32,7 @@ def warm_start_key(cfg: RunConfig) -> str:
     if plain["warm_start"].get("trace_fraction") is None:
         plain["warm_start"].pop("trace_fraction", None)  # unset: the same key as before the knob existed
     plain["task"].pop("eval_prompts", None)
+    plain["model"].pop("preset", None)  # a name for values already in the other model keys
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
                         "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
 

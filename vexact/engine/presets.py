@@ -1,0 +1,54 @@
+"""Named model shapes (``model.preset``), the one table of model sizes the project uses.
+
+Like gpt-fast's ``transformer_configs``: the run config (``model.preset``), ``vexact check``, ``vexact locate``'s
+random model and the benchmarks all read their sizes here, so a shape is written once. A preset gives
+``ModelConfig`` keyword arguments; whoever uses it may pass more (the task's vocabulary, a longer
+``max_seq_len``), and what is passed explicitly wins over the preset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from .model import ModelConfig
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Smoke tests: the smallest shape that still has grouped-query attention.
+    "tiny": dict(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                 max_seq_len=48),
+    # The RL testbed: learns the synthetic tasks in minutes on a CPU (the run config's default shape; the
+    # vocabulary is the task's).
+    "testbed": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=176,
+                    max_seq_len=64),
+    # The random model of ``vexact check`` and ``vexact locate`` (twice the testbed's width, 256 token ids).
+    "small": dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352),
+    # SmolLM-135M-like: hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied embeddings.
+    "llama100m": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                      intermediate_size=1536, max_seq_len=2048, tie_embeddings=True),
+}
+"""Preset name -> ``ModelConfig`` keyword arguments. A preset without ``vocab_size`` (``testbed``) takes the
+vocabulary from its user (the task); one without ``max_seq_len`` (``small``) takes the length its user needs."""
+
+PRESET_NAMES = tuple(MODEL_PRESETS)
+PresetName = Literal[PRESET_NAMES]  # type: ignore[valid-type]  # derived from the table above
+
+
+class UnknownPresetError(ValueError):
+    """A preset name that is not in ``MODEL_PRESETS``."""
+
+    def __init__(self, name: object):
+        self.name = name
+        super().__init__(f"unknown model preset {name!r}; expected one of {', '.join(PRESET_NAMES)}")
+
+
+def preset_values(name: str) -> dict[str, Any]:
+    """A copy of preset ``name``'s ``ModelConfig`` keyword arguments (unknown name: ``UnknownPresetError``)."""
+    if name not in MODEL_PRESETS:
+        raise UnknownPresetError(name)
+    return dict(MODEL_PRESETS[name])
+
+
+def preset_config(name: str, **explicit: Any) -> ModelConfig:
+    """``ModelConfig`` of preset ``name``; keys in ``explicit`` win over the preset's (e.g. ``vocab_size`` from a
+    task, a longer ``max_seq_len``)."""
+    return ModelConfig(**{**preset_values(name), **explicit})
