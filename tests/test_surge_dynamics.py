@@ -48,7 +48,7 @@ def _run(tmp_path: Path, name: str) -> tuple[dict, list[dict]]:
         "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
                   "max_seq_len": 32},
         "task": {"name": "surge", "min_len": 8, "max_len": 8, "eval_prompts": 8},
-        "warm_start": {"steps": 120, "lr": 1e-2, "batch_size": 32, "trace_fraction": 0.1,
+        "warm_start": {"steps": 200, "lr": 1e-2, "batch_size": 32, "trace_fraction": 0.1,
                        "cache_dir": str(tmp_path / "cache")},
         "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 16},
         "optimizer": {"lr": 2e-4, "warmup_steps": 0},

@@ -33,16 +33,19 @@ def test_registered_and_reachable_from_a_config() -> None:
 
 def test_reward_reads_only_the_final_answer() -> None:
     task = make_task("surge", 5, 5)
-    p = task.problem("31415")
-    assert p.prompt == "c:31415=" and p.answer == "4" and p.worked == "34894=4"  # running sums mod 10
-    assert task.reward(p, _ids("34894=4")) == 1.0  # the worked trace
-    assert task.reward(p, _ids("=4")) == 1.0  # the direct answer: the same reward
-    assert task.reward(p, _ids("11111=4")) == 1.0  # a wrong trace with the right answer: the trace is free
-    assert task.reward(p, _ids("34894=9")) == 0.0  # wrong answer
-    assert task.reward(p, _ids("=4", eos=False)) == 0.0  # no EOS
-    assert task.reward(p, _ids("4")) == 0.0  # no '=': no answer given
-    assert task.reward(p, _ids("=4") + _ids("77")) == 1.0  # after EOS: ignored
-    assert task.problem("99").worked == "98=8" and task.problem("0").worked == "0=0"
+    p = task.problem("10110")
+    assert p.prompt == "c:10110=" and p.answer == "1" and p.worked == "11011=1"  # running parities
+    assert task.reward(p, _ids("11011=1")) == 1.0  # the worked trace
+    assert task.reward(p, _ids("=1")) == 1.0  # the direct answer: the same reward
+    assert task.reward(p, _ids("00000=1")) == 1.0  # a wrong trace with the right answer: the trace is free
+    assert task.reward(p, _ids("11011=0")) == 0.0  # wrong answer
+    assert task.reward(p, _ids("=1", eos=False)) == 0.0  # no EOS
+    assert task.reward(p, _ids("1")) == 0.0  # no '=': no answer given
+    assert task.reward(p, _ids("=1") + _ids("77")) == 1.0  # after EOS: ignored
+    assert task.problem("11").worked == "10=0" and task.problem("0").worked == "0=0"
+    with pytest.raises(ValueError, match="expected digits"):
+        task.problem("12")
+    assert all(set(q.prompt[2:-1]) <= {"0", "1"} for q in sample_problems(task, 50, seed=0))
 
 
 def test_direct_target_is_short_and_the_trace_long() -> None:

@@ -2,23 +2,24 @@
 
 In reasoning RL the mean response length *surges* ("Beyond Precision", paper 003: 1,000 -> 3,000-4,000 tokens in a
 few steps) because longer reasoning earns more reward. ``sum``'s trace earns nothing over a direct answer, so on it
-the length never moved. ``surge`` gives the long response the advantage. The answer is the digit sum mod 10:
+the length never moved. ``surge`` gives the long response the advantage. The answer is the parity of ``L`` bits:
 
-    prompt   c:31415=
-    direct   =4<eos>               3 tokens, the answer in one go: about chance (1 in 10) for long inputs
-    worked   34894=4<eos>          the running sums mod 10, one token per input digit, then '=' and the answer
+    prompt   c:10110=
+    direct   =1<eos>               3 tokens, the answer in one go: about a coin flip for long inputs
+    worked   11011=1<eos>          the running parities, one token per input bit, then '=' and the answer
 
 Both are the same problem, and the reward reads only the digit after the response's last ``=`` (plus EOS), as for
-``sum``: the response form is the policy's own choice. A small transformer cannot add a dozen digits mod 10 in one
-step (the direct answer needs the exact sum), but each step of the trace is one lookup: the previous running value
-plus the digit at the same offset in the prompt. So the worked trace is right far more often on long inputs, at a
-length of ``L + 3`` tokens against 3.
+``sum``: the response form is the policy's own choice. Parity is the textbook function a transformer does not
+compute in one step but computes step by step: each trace token is the previous one XOR the bit at a fixed
+offset in the prompt (fixed when ``min_len = max_len``). So the worked trace is right far more often than the
+direct answer, at a length of ``L + 3`` tokens against 3. (A sum mod 10 instead of mod 2 -- ``BASE`` -- was tried
+first: after the same warm start the trace was at chance, 9%, so it gave the trace no advantage.)
 
 The warm start imitates the worked trace for its first half (the skill), then the trace on a fraction
 ``warm_start.trace_fraction`` of its examples and the direct answer on the rest (the choice), so the starting
-policy can trace but answers directly most of the time and is short; RL then finds
-that the trace pays, and the mean length grows several-fold: the surge. With short inputs (where the direct answer
-is right as often as the trace) nothing pays the trace and the length does not surge.
+policy can trace but answers directly most of the time and is short; RL then finds that the trace pays, and the
+mean length grows several-fold: the surge. Where the trace earns nothing more than the direct answer, the length
+does not surge (the tests' counter-case).
 
 ``mixed_targets`` is the warm start's mixture; which examples get the trace is a fixed function of their index,
 so the warm start stays deterministic with no random draw. Registered in ``vexact.rl.tasks`` (``_TASKS``).
@@ -27,32 +28,46 @@ so the warm start stays deterministic with no random draw. Registered in ``vexac
 from __future__ import annotations
 
 import math
+import random
 
 from .tasks import Problem, Task, _DigitStringTask
 
 __all__ = ["SurgeTask", "direct_problem", "is_trace", "mixed_targets"]
 
 
+BASE = 2
+"""The input's digits are ``0 .. BASE - 1`` and the answer is their sum mod ``BASE``: 2 is parity, the textbook
+function a transformer cannot compute in one step but computes step by step (one XOR per token)."""
+
+
 class SurgeTask(_DigitStringTask):
-    """The digit sum mod 10 of ``L`` digits, answered directly (``=S``) or after the running sums mod 10 (one digit
-    per input digit, then ``=S``); the reward checks only what follows the last ``=``. ``Problem.worked`` is the
-    worked trace; ``direct_problem`` gives the direct form."""
+    """The sum mod ``BASE`` of ``L`` digits, answered directly (``=S``) or after the running sums mod ``BASE`` (one
+    digit per input digit, then ``=S``); the reward checks only what follows the last ``=``. ``Problem.worked`` is
+    the worked trace; ``direct_problem`` gives the direct form."""
 
     name = "surge"
     tag = "c"
 
     def answer(self, digits: str) -> str:
-        return str(sum(map(int, digits)) % 10)
+        return str(sum(map(int, digits)) % BASE)
 
     def problem(self, digits: str) -> Problem:
-        running = "".join(str(sum(map(int, digits[: i + 1])) % 10) for i in range(len(digits)))
+        if not digits or set(digits) - set(_ALPHABET):
+            raise ValueError(f"expected digits from {_ALPHABET!r}, got {digits!r}")
+        running = "".join(str(sum(map(int, digits[: i + 1])) % BASE) for i in range(len(digits)))
         return Problem(self._prompt(digits), self.answer(digits), f"{running}={self.answer(digits)}")
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self.problem("".join(rng.choice(_ALPHABET) for _ in range(rng.randint(self.min_len, self.max_len))))
 
     def final_answer(self, text: str) -> str:
         return text.rpartition("=")[2] if "=" in text else "\0"  # no '=': no answer given
 
     def max_answer_len(self) -> int:
         return self.max_len + 2  # the trace, '=', one digit
+
+
+_ALPHABET = "0123456789"[:BASE]
 
 
 def direct_problem(problem: Problem) -> Problem:
