@@ -4,6 +4,11 @@
 rollout response length (top), the rollout reward (middle) and the clean eval reward (bottom), with each run's
 ``length_surge_step`` (the collapse detector's rule, shared by the length-triggered LR schedule) marked, and one
 colour per group. Run: ``python -m vexact.lab.surge_plot SWEEP_DIR OUT.png``.
+
+``python -m vexact.lab.surge_plot SWEEP_DIR --table`` prints instead, as markdown, each group's surge statistics
+from ``vexact.lab.dynamics.surge_dynamics`` (what ``dynamics.json`` holds under ``surge``): runs surged, the
+median surge step, collapse leads, and each quantity's mean before / during / after the surge with the
+after/before ratio.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .dynamics import PHASES, SURGE_TRACKED, surge_dynamics
 from .report import _series, read_sweep_results
 
 PANELS = (("response_length/mean", "mean response length (tokens)"), ("reward/mean", "rollout reward"),
@@ -49,15 +55,44 @@ def plot_surge(sweep_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
+def surge_table(sweep_dir: str | Path) -> str:
+    """The markdown table of ``--table`` (see the module docstring)."""
+    data = read_sweep_results(Path(sweep_dir))
+    head = "| group | quantity | " + " | ".join(PHASES) + " | after/before |"
+    lines = []
+    for values, points in data.groups():
+        d = surge_dynamics([p for p in points if p.has_result])
+        label = data.group_label(values)
+        lines.append(f"**{label}**: {d['runs_surged']}/{d['runs']} runs surged, median surge step {d['surge_step']}, "
+                     f"collapses after / before / without a surge: {d['collapsed_after_surge']} / "
+                     f"{d['collapsed_before_surge']} / {d['collapsed_without_surge']}, leads {d['length_surge_lead']}")
+        lines.append("")
+        lines += [head, "|:---|:---|" + "---:|" * (len(PHASES) + 1)]
+        for name in SURGE_TRACKED:
+            row = d["phases"][name]
+            cells = [_fmt(row[ph]) for ph in PHASES] + [_fmt(row["after_before"], ratio=True)]
+            lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(v: float | None, ratio: bool = False) -> str:
+    if v is None:
+        return "—"
+    if ratio:
+        return f"{v:.2f}×"
+    return f"{v:.3g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m vexact.lab.surge_plot SWEEP_DIR OUT.png", file=sys.stderr)
+        print("usage: python -m vexact.lab.surge_plot SWEEP_DIR (OUT.png | --table)", file=sys.stderr)
         return 2
     if not (Path(args[0]) / "sweep.json").exists():
         print(f"error: {args[0]} is not a sweep directory (no sweep.json)", file=sys.stderr)
         return 2
-    print(plot_surge(args[0], args[1]))
+    print(surge_table(args[0]) if args[1] == "--table" else plot_surge(args[0], args[1]))
     return 0
 
 
