@@ -187,7 +187,7 @@ _DESCRIPTIONS = {
     "seed": "seed of everything random (keyed by seed and step)",
     "steps": "RL steps",
     "output_dir": "run directory (null = runs/<name>)",
-    "threads": "torch threads (null = torch's default); the backward is bitwise reproducible per thread count",
+    "threads": "torch threads (null = torch's default); a run gives the same bits at any thread count",
     "model.preset": "named shape (vexact.engine.presets.MODEL_PRESETS); explicit model keys win over it",
     "model.hidden_size": "hidden size", "model.num_layers": "decoder layers", "model.num_heads": "attention heads",
     "model.num_kv_heads": "key/value heads (grouped-query attention)",
