@@ -80,12 +80,12 @@ def measure_steps(nproc: int, steps: int) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.data_parallel") -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         _worker(int(argv[1]), int(argv[2]), argv[3])
         return 0
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", default="2,4", help="comma-separated rank counts, powers of two (default 2,4)")
     parser.add_argument("--numel", type=int, default=1_000_000, help="gradient size in floats (default 1M)")
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per mode (default 30)")

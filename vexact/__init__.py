@@ -27,7 +27,7 @@ _PUBLIC = {
 
 __all__ = ["GenerateOutput", "KVCache", "LiveMonitor", "ModelConfig", "Transformer", "from_pretrained", "generate",
            "token_logprobs"]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 if TYPE_CHECKING:
     from .engine.model import KVCache, ModelConfig, Transformer

@@ -56,15 +56,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def package_version() -> str:
-    """vexact's version: the installed distribution's metadata, else ``vexact.__version__`` (a source tree)."""
-    from importlib import metadata
+    """vexact's version: ``vexact.__version__``, the one place it is written (pyproject.toml reads it from there,
+    so installed metadata agrees; a stale editable install's metadata could not)."""
+    from . import __version__
 
-    try:
-        return metadata.version("vexact")
-    except metadata.PackageNotFoundError:
-        from . import __version__
-
-        return __version__
+    return __version__
 
 
 def make_console(stderr: bool = False) -> Console:
@@ -374,15 +370,18 @@ def _launch_ranks(args: argparse.Namespace, cfg, console: Console) -> int:
 def _print_run_summary(cfg, summary: dict, console: Console) -> None:
     from .rl.trainer import run_dir_for
 
-    keys = ("status", "reason", "steps_completed", "reward_first", "reward_last", "eval_reward_first",
-            "eval_reward_last", "eval_greedy_accuracy_first", "eval_greedy_accuracy_last", "mean_k3_kl",
-            "min_bitwise_equal_frac", "mean_step_seconds")
+    keys = ("status", "reason", "steps_completed", "collapse.initial_reward", "collapse.final_reward",
+            "eval_reward_first", "eval_reward_last", "eval_greedy_accuracy_first", "eval_greedy_accuracy_last",
+            "collapse.mean_k3_kl", "min_bitwise_equal_frac", "mean_step_seconds")
     table = Table(title=f"summary: {run_dir_for(cfg) / 'summary.json'}")
     table.add_column("key")
     table.add_column("value", justify="right")
     for key in keys:
-        if key in summary and summary[key] is not None:
-            value = summary[key]
+        section, _, name = key.rpartition(".")
+        value = (summary.get(section) or {} if section else summary).get(name)
+        if value is not None:
+            if section == "collapse" and name.endswith("_reward"):  # of the judged metric (collapse.metric)
+                key += f" ({(summary['collapse'].get('criteria') or {}).get('metric', '?')})"
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
 
@@ -524,16 +523,24 @@ def _benchmarks_module(name: str):
     return importlib.import_module(f"benchmarks.{name}")
 
 
+BENCHMARKS = {
+    "kernels": "op by op at model shapes, fp32/bf16, fwd and fwd+bwd, matmul GFLOP/s",
+    "end_to_end": "rollout, decode step, training fwd+bwd, RL step",
+    "host_guard": "the fixed-order fallback's cost against the probed fast path",
+    "data_parallel": "the fixed-tree gradient reduction against a plain all_reduce, and RL steps with --nproc",
+    "compare": "throughput and peak memory of vexact compare on a synthetic dump",
+    "tables": "markdown tables from their JSON files",
+}
+"""``vexact bench WHICH``: benchmarks.WHICH, each with what it measures (the choices and the help)."""
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", epilog=exit_codes_help("bench"),
                        help="the price of exactness: exact / native time ratios (kernels, end to end)",
                        description="Runs python -m benchmarks.<which> with the remaining options "
                                    "(vexact bench kernels --help lists them).")
-    p.add_argument("which", choices=("kernels", "end_to_end", "host_guard", "compare", "tables"),
-                   help="kernels: op by op at model shapes, fp32/bf16, fwd and fwd+bwd, matmul GFLOP/s; "
-                        "end_to_end: rollout, decode step, training fwd+bwd, RL step; "
-                        "host_guard: the fixed-order fallback's cost against the probed fast path; "
-                        "tables: markdown tables from their JSON files")
+    p.add_argument("which", choices=tuple(BENCHMARKS),
+                   help="; ".join(f"{name}: {what}" for name, what in BENCHMARKS.items()))
     p.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     p.set_defaults(func=_cmd_bench)
 

@@ -36,7 +36,8 @@ import vexact_kernels
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
 from .atomic import write_text_atomic
-from .tasks import TASK_NAMES
+from .metrics import LOG_RATIO_BOUND
+from .tasks import TASK_NAMES, make_task, max_answer_tokens, max_prompt_tokens
 
 __all__ = [
     "AlgorithmSection",
@@ -197,7 +198,8 @@ class CorrectionSection:
     threshold: float = field(default=2.0, metadata=_bounds(gt=1))  # C: TIS truncates at C, MIS masks above C
     band: tuple[float, float] | None = field(default=None, metadata=_bounds(gt=0))  # icepop / geo_rs [a, b]
     batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
-    log_ratio_bound: float = field(default=20.0, metadata=_bounds(gt=0))  # safety clamp of |log ρ| (verl: 20)
+    # clamp of |log ρ| in the IS weights, the χ² metrics and actor/ppo_kl (verl's SAFETY_BOUND: 20)
+    log_ratio_bound: float = field(default=LOG_RATIO_BOUND, metadata=_bounds(gt=0))
     # verl's vocabulary (algorithm.rollout_correction in verl 0.9.1)
     preset: str | None = None  # a RolloutCorrectionConfig factory name, e.g. decoupled_token_is, bypass_pg_is
     rollout_is: Literal["token", "sequence"] | None = None
@@ -422,6 +424,7 @@ class RunConfig:
                               f"algorithm.mini_batches {self.algorithm.mini_batches}) cannot be cut into "
                               f"{self.distributed.leaves} equal leaves; set distributed.leaves to a divisor of "
                               f"{per_minibatch} (each --nproc must divide it too)", "distributed.leaves")
+        check_lengths(self)
 
     @property
     def policy_seed(self) -> int:
@@ -431,6 +434,23 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""
         return _plain(self)
+
+
+def check_lengths(cfg: RunConfig) -> None:
+    """Every problem of the task fits: longest prompt + ``rollout.max_new_tokens`` <= ``model.max_seq_len``, and
+    ``rollout.max_new_tokens`` holds the longest answer + EOS. A ConfigError naming the key otherwise (checked when
+    a config is loaded, and again by the Trainer for a RunConfig built in Python)."""
+    try:
+        task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit)
+    except ValueError as e:
+        raise ConfigError(str(e), "task") from None
+    need = max_prompt_tokens(task) + cfg.rollout.max_new_tokens
+    if need > cfg.model.max_seq_len:
+        raise ConfigError(f"{cfg.model.max_seq_len} is too short for the longest prompt ({max_prompt_tokens(task)}) + "
+                          f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need}", "model.max_seq_len")
+    if cfg.rollout.max_new_tokens < max_answer_tokens(task):
+        raise ConfigError(f"{cfg.rollout.max_new_tokens} cannot hold the longest answer + EOS "
+                          f"({max_answer_tokens(task)} tokens)", "rollout.max_new_tokens")
 
 
 # --- errors ------------------------------------------------------------------------------------------------

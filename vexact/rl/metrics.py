@@ -50,7 +50,8 @@ def float_bits(value: Tensor) -> str:
 
 
 LOG_RATIO_BOUND = 20.0
-"""|log ρ| is clamped to this before exponentiating in the χ² metrics (verl's SAFETY_BOUND): ρ ≤ exp(20) ≈ 4.9e8."""
+"""Default of ``correction.log_ratio_bound``: |log ρ| is clamped to this before exponentiating in the χ² metrics,
+the IS weights and ``actor/ppo_kl`` (verl's SAFETY_BOUND): ρ ≤ exp(20) ≈ 4.9e8."""
 
 
 def mismatch_summary(logp_train: Tensor, logp_roll: Tensor) -> dict[str, float]:
@@ -83,7 +84,8 @@ def bucket_name(lo: float, hi: float) -> str:
 
 
 def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
-                     probs_buckets: Sequence[float] = DEFAULT_BUCKETS) -> dict[str, float]:
+                     probs_buckets: Sequence[float] = DEFAULT_BUCKETS,
+                     log_ratio_bound: float = LOG_RATIO_BOUND) -> dict[str, float]:
     """Training-vs-rollout mismatch metrics over a batch of sequences.
 
     ``logp_train[i]`` and ``logp_roll[i]`` are 1-D float tensors of equal length holding the per-token log-probs
@@ -100,11 +102,12 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     Token-level (``rollout_corr/``, verl's formulas)
       ``kl``          = token mean of (logp_roll - logp_train) = -mean(r)   (k1 estimate of KL(μ‖π); may be < 0)
       ``k3_kl``       = token mean of (exp(r) - r - 1)                       (k3 estimate, ≥ 0; not clamped)
-      ``chi2_token``  = token mean of ρ_t² - 1, ρ_t = exp(clamp(r_t, ±20))
+      ``chi2_token``  = token mean of ρ_t² - 1, ρ_t = exp(clamp(r_t, ±B)), B = ``log_ratio_bound`` (run:
+                        ``correction.log_ratio_bound``, default ``LOG_RATIO_BOUND`` = 20)
 
     Sequence-level (``rollout_corr/``)
-      ``chi2_seq``    = sequence mean of ρ_i² - 1, ρ_i = exp(clamp(Σ_t r_t, ±20)). The clamp (verl's safety
-                        bound, ``LOG_RATIO_BOUND``) keeps exp finite; it only bites when a ratio exceeds e^20.
+      ``chi2_seq``    = sequence mean of ρ_i² - 1, ρ_i = exp(clamp(Σ_t r_t, ±B)). The clamp (verl's safety
+                        bound) keeps exp finite; it only bites when a ratio exceeds e^B.
       ``training_log_ppl`` = sequence mean of (-(1/T_i) Σ_t logp_train)   (per-token log-perplexity)
       ``rollout_log_ppl``  = sequence mean of (-(1/T_i) Σ_t logp_roll)
       ``training_ppl`` / ``rollout_ppl`` = sequence mean of exp(log-perplexity_i) (per-sequence perplexities)
@@ -186,7 +189,7 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     roll_log_ppl = -roll_sum / length
     log_ppl_diff = train_log_ppl - roll_log_ppl
 
-    rho_seq_sq = torch.exp(2.0 * r_sum.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    rho_seq_sq = torch.exp(2.0 * r_sum.clamp(-log_ratio_bound, log_ratio_bound))
 
     # Token-level reductions one at a time, in place where possible, each temporary dropped before the next: the
     # same elementwise operations (so the same bits) as the one-expression forms in the docstring, at a peak of a
@@ -195,7 +198,7 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     k3_terms = torch.exp(r)
     k3 = float(k3_terms.sub_(r).sub_(1.0).mean())  # e^r - r - 1
     del k3_terms
-    rho_token_sq = r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp_().square_()
+    rho_token_sq = r.clamp(-log_ratio_bound, log_ratio_bound).exp_().square_()
     chi2_token = float(rho_token_sq.mean() - 1.0)
     del rho_token_sq, r
     p = torch.exp(train)  # the training-path probability of each token, for the buckets below
@@ -335,7 +338,7 @@ def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Te
 
 
 def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bool], logp_train: Sequence[Tensor],
-                          logp_roll: Sequence[Tensor]) -> dict[str, float]:
+                          logp_roll: Sequence[Tensor], log_ratio_bound: float = LOG_RATIO_BOUND) -> dict[str, float]:
     """A step's ``reward/*``, ``response_length/*`` and mismatch metrics (``mismatch_metrics``) of one batch.
 
     ``reward/accuracy`` is the fraction of full-credit (reward 1.0) responses; ``response_length/clip_ratio`` the
@@ -344,7 +347,7 @@ def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bo
     out["reward/accuracy"] = float((rewards == 1.0).float().mean())
     out.update(sequence_stats(torch.tensor(lengths, dtype=torch.float32), "response_length"))
     out["response_length/clip_ratio"] = sum(not f for f in finished) / len(finished)
-    out.update(mismatch_metrics(logp_train, logp_roll))
+    out.update(mismatch_metrics(logp_train, logp_roll, log_ratio_bound=log_ratio_bound))
     return out
 
 

@@ -218,8 +218,10 @@ class Objective:
         stats["actor/entropy"] = float(entropy.detach().mean())
         if ratio.numel():
             stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
-            # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to ±20
-            stats["actor/ppo_kl"] = float((old - logp.detach()).clamp(-20.0, 20.0).mean())
+            # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to
+            # ±correction.log_ratio_bound (verl's SAFETY_BOUND, 20 by default)
+            bound = self.correction.log_ratio_bound
+            stats["actor/ppo_kl"] = float((old - logp.detach()).clamp(-bound, bound).mean())
         return MinibatchLoss(loss, detached, stats)
 
     def _pg_loss(self, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,

@@ -76,13 +76,6 @@ class EvalRecord:
 
 
 @torch.no_grad()
-def evaluate_policy(model: Transformer, task: Task, tokenizer: CharTokenizer, problems: list[Problem],
-                    settings: RolloutSection, seed: int) -> dict[str, float]:
-    """``eval/*`` metrics: the policy itself on the training path (no injection), sampled and greedy."""
-    return eval_metrics(eval_records(model, task, tokenizer, problems, settings, seed))
-
-
-@torch.no_grad()
 def eval_records(model: Transformer, task: Task, tokenizer: CharTokenizer, problems: list[Problem],
                  settings: RolloutSection, seed: int, first_index: int = 0) -> list[EvalRecord]:
     """Per-problem evaluation of ``problems`` (``first_index``: the index of ``problems[0]`` among all of them)."""

@@ -29,7 +29,7 @@ import vexact_kernels
 
 from ..engine.model import Transformer, resolve_dtype
 from .collapse import detect_collapse
-from .config import RunConfig, dotted_items, load_config, save_config
+from .config import RunConfig, check_lengths, dotted_items, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
@@ -47,7 +47,7 @@ from .runlog import (
     write_json_atomic,
 )
 from .schedules import LRSchedule
-from .tasks import CharTokenizer, held_out_problems, make_task, max_answer_tokens, max_prompt_tokens, training_problems
+from .tasks import CharTokenizer, held_out_problems, make_task, training_problems
 from .triton_guard import check_interpreted_triton
 from .warmstart import warm_start
 
@@ -90,7 +90,7 @@ class Trainer:
         torch.set_num_threads(cfg.threads or default_threads(cfg))
         self.tokenizer = CharTokenizer()
         self.task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit)
-        self._check_lengths()
+        check_lengths(cfg)  # a ConfigError, also for a RunConfig built in Python (load_config checked it already)
         check_interpreted_triton(cfg, self.task, self.console)  # refuse hours in the Triton interpreter up front
         self.model_config = cfg.model.to_model_config(self.tokenizer.vocab_size)
         # fp32 master weights; a compute copy in the training dtype only when that is not fp32.
@@ -111,17 +111,6 @@ class Trainer:
         self.calibration: Calibration | None = None
 
     # ------------------------------------------------------------------ setup helpers
-    def _check_lengths(self) -> None:
-        cfg = self.cfg
-        need = max_prompt_tokens(self.task) + cfg.rollout.max_new_tokens
-        if need > cfg.model.max_seq_len:
-            raise ValueError(f"config error at 'model.max_seq_len': {cfg.model.max_seq_len} is too short for the "
-                             f"longest prompt ({max_prompt_tokens(self.task)}) + rollout.max_new_tokens "
-                             f"({cfg.rollout.max_new_tokens}) = {need}")
-        if cfg.rollout.max_new_tokens < max_answer_tokens(self.task):
-            raise ValueError(f"config error at 'rollout.max_new_tokens': {cfg.rollout.max_new_tokens} cannot hold "
-                             f"the longest answer + EOS ({max_answer_tokens(self.task)} tokens)")
-
     def _copy_of(self, model: Transformer, dtype: torch.dtype) -> Transformer:
         copy = Transformer(self.model_config, backend=self.cfg.backend, dtype=dtype, init_seed=None)
         with torch.no_grad():
@@ -201,7 +190,7 @@ class Trainer:
         train_logp = anchors.pre_update if anchors.pre_update is not None else first_pass_logp
         metrics: dict = {"step": step}
         metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
-                                             batch.logprobs))
+                                             batch.logprobs, log_ratio_bound=self.cfg.correction.log_ratio_bound))
         metrics["actor/lr"] = lr
         if self.injector.enabled:
             metrics["inject/value"] = plan.value
@@ -551,16 +540,15 @@ def _step_seed(seed: int, step: int) -> int:
 
 
 def _summarize(history: list[dict]) -> dict:
-    """Reward at start/end and the clean-eval curve ends, from the metrics written so far."""
+    """The clean-eval curve ends and run-wide numbers, from the metrics written so far. The reward at start/end
+    (of the judged metric, ``collapse.metric``) and the mean k3 KL are the collapse summary's
+    (``collapse.initial_reward`` / ``final_reward`` / ``mean_k3_kl``: one definition, ``collapse.detect_collapse``)."""
     if not history:
         return {"steps_completed": 0}
     evals = [m for m in history if "eval/reward_mean" in m]
     out = {
         "steps_completed": len(history),
-        "reward_first": history[0]["reward/mean"],
-        "reward_last": history[-1]["reward/mean"],
         "mean_step_seconds": sum(m.get("timing/step", 0.0) for m in history) / len(history),
-        "mean_k3_kl": sum(m["rollout_corr/k3_kl"] for m in history) / len(history),
         "min_bitwise_equal_frac": min(m["mismatch/bitwise_equal_frac"] for m in history),
     }
     if evals:
