@@ -63,8 +63,8 @@ __all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_b
 
 BOOTSTRAP = 500
 RESOLVED_SIGMAS = 2.0
-"""A cell's bias is *resolved* when ‖mean d‖ exceeds this many times its Monte-Carlo noise sqrt(tr Cov(d) / K);
-below it the plug-in ratio is mostly noise and only its upper interval end (an upper bound) means something."""
+"""A cell's ratio is *resolved* when ‖mean d‖ and ‖mean g_π‖ each exceed this many times their Monte-Carlo noise
+sqrt(tr Cov / K); otherwise the plug-in ratio is mostly noise and only its upper interval end means something."""
 BOOTSTRAP_SEED = 0
 SPEC_KEYS = {"name", "base", "horizons", "batches", "set", "sources", "output_dir"}
 
@@ -177,14 +177,21 @@ def bias_statistics(g: Tensor, d: Tensor, bootstrap: int = BOOTSTRAP) -> dict[st
     bias_sq = est["bias_abs"] ** 2 - float(d_trace) / k
     grad_sq = est["grad_norm"] ** 2 - float(g_trace) / k
     debiased = math.sqrt(max(bias_sq, 0.0) / grad_sq) if grad_sq > 0 else None
-    return {
+    out = {
         "bias_ratio": est["bias_ratio"], "bias_ratio_ci": _percentiles(ratios),
         "bias_ratio_debiased": debiased, "cosine": est["cosine"], "cosine_ci": _percentiles(cosines),
         "bias_abs": est["bias_abs"], "bias_abs_noise": math.sqrt(max(float(d_trace), 0.0) / k),
         "grad_norm": est["grad_norm"], "grad_norm_noise": math.sqrt(max(float(g_trace), 0.0) / k),
         "exactly_zero": bool(torch.count_nonzero(d) == 0),
-        "resolved": est["bias_abs"] > RESOLVED_SIGMAS * math.sqrt(max(float(d_trace), 0.0) / k),
     }
+    out["resolved"] = resolved(out)
+    return out
+
+
+def resolved(cell: dict[str, Any]) -> bool:
+    """Both norms of the ratio stand above their Monte-Carlo noise (``RESOLVED_SIGMAS``): ‖mean d‖ and ‖mean g_π‖."""
+    return (cell["bias_abs"] > RESOLVED_SIGMAS * cell["bias_abs_noise"]
+            and cell["grad_norm"] > RESOLVED_SIGMAS * cell["grad_norm_noise"])
 
 
 def _estimates(gram: dict[str, Tensor], w: Tensor) -> dict[str, float]:
@@ -215,9 +222,9 @@ def fit_growth(cells: list[dict[str, Any]], key: str = "bias_ratio") -> dict[str
     least squares in log-log, with a 95% interval from the cells' own bootstrap intervals (each cell's log value
     drawn from a normal matching its interval; ``BOOTSTRAP`` draws). Says which of 1, 1.5, 2 the interval holds.
     Cells whose bias is not resolved (``RESOLVED_SIGMAS``) are left out and listed."""
-    unresolved = [c for c in cells if c.get("resolved") is False]
+    unresolved = [c for c in cells if "bias_abs_noise" in c and not resolved(c)]
     pts = [(c["horizon_mean"], c[key], c.get(f"{key}_ci")) for c in cells
-           if _positive(c.get("horizon_mean")) and _positive(c.get(key)) and c.get("resolved") is not False]
+           if _positive(c.get("horizon_mean")) and _positive(c.get(key)) and c not in unresolved]
     out: dict[str, Any] = {"metric": key, "exponent": None, "ci_low": None, "ci_high": None, "horizons": len(pts),
                            "unresolved_horizons": [c.get("horizon") for c in unresolved]}
     if len({round(t, 6) for t, _, _ in pts}) < 2:
@@ -226,12 +233,16 @@ def fit_growth(cells: list[dict[str, Any]], key: str = "bias_ratio") -> dict[str
                         "floor): an exponent needs at least two"}
     xs = [math.log(t) for t, _, _ in pts]
     beta = _slope(xs, [math.log(v) for _, v, _ in pts])
+    if any(not (ci and _positive(ci[0]) and _positive(ci[1])) for _, _, ci in pts):
+        return {**out, "status": "fitted", "exponent": beta, "holds": [],
+                "note": f"{key} ∝ T^{beta:.2f} over {len(pts)} horizons, no interval: the cells carry no bootstrap "
+                        f"interval for {key}"}
     rng = random.Random(BOOTSTRAP_SEED)
     draws = []
     for _ in range(BOOTSTRAP):
         ys = []
         for _, v, ci in pts:
-            sd = (math.log(ci[1]) - math.log(ci[0])) / 3.92 if ci and _positive(ci[0]) and _positive(ci[1]) else 0.0
+            sd = (math.log(ci[1]) - math.log(ci[0])) / 3.92
             ys.append(math.log(v) + rng.gauss(0.0, sd))
         draws.append(_slope(xs, ys))
     low, high = _percentiles(draws)
@@ -356,6 +367,9 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
 def _result(spec: MeterSpec, cells: list[dict[str, Any]]) -> dict[str, Any]:
     order = {(h, s): i for i, (h, s) in enumerate((h, s) for h in spec.horizons for s in spec.sources)}
     cells = sorted(cells, key=lambda c: order.get((c["horizon"], c["source"]), len(order)))
+    for c in cells:  # one definition of "resolved", also for cells written by an earlier version
+        if "bias_abs_noise" in c:
+            c["resolved"] = resolved(c)
     fits = {s: {"bias_ratio": fit_growth([c for c in cells if c["source"] == s]),
                 "bias_abs": fit_growth([c for c in cells if c["source"] == s], "bias_abs")}
             for s in spec.sources}
@@ -390,7 +404,7 @@ def plot_meter(result: dict[str, Any], path: Path) -> Path:
         hi = [(c["bias_ratio_ci"][1] or c["bias_ratio"]) - c["bias_ratio"] for c in cells]
         ax.errorbar(ts, [c["bias_ratio"] for c in cells], yerr=[lo, hi], color=cmap(i % 10), marker="o",
                     capsize=3, label=label)
-        weak = [c for c in cells if not c.get("resolved")]  # hollow: below the noise floor (an upper bound)
+        weak = [c for c in cells if not resolved(c)]  # hollow: below the noise floor (an upper bound)
         ax.scatter([c["horizon_mean"] for c in weak], [c["bias_ratio"] for c in weak], s=36, zorder=3,
                    facecolors="white", edgecolors=cmap(i % 10))
         bx.plot(ts, [c["cosine"] for c in cells], color=cmap(i % 10), marker="o", label=source)
@@ -433,7 +447,7 @@ def meter_table(result: dict[str, Any]) -> str:
         deb = "—" if c["bias_ratio_debiased"] is None else f"{c['bias_ratio_debiased']:.3g}"
         lines.append(f"| {c['horizon']} | {c['horizon_mean']:.1f} | {c['source']} | {c['k3_kl']:.2e} | "
                      f"{c['bias_ratio']:.3g} {_ci_text(c['bias_ratio_ci'])} | {deb} | "
-                     f"{'yes' if c.get('resolved') else 'no'} | {cos} | {c['reward_mean_exact']:.2f} |")
+                     f"{'yes' if resolved(c) else 'no'} | {cos} | {c['reward_mean_exact']:.2f} |")
     lines.append("")
     for source, fits in result["growth"].items():
         lines.append(f"- {source}: {fits['bias_ratio']['note']}")
