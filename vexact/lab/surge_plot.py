@@ -8,7 +8,9 @@ colour per group. Run: ``python -m vexact.lab.surge_plot SWEEP_DIR OUT.png``.
 ``python -m vexact.lab.surge_plot SWEEP_DIR --table`` prints instead, as markdown, each group's surge statistics
 from ``vexact.lab.dynamics.surge_dynamics`` (what ``dynamics.json`` holds under ``surge``): runs surged, the
 median surge step, collapse leads, and each quantity's mean before / during / after the surge with the
-after/before ratio.
+after/before ratio; and per run the issue's contract: the start length (mean of the first ``EDGE`` steps), the top
+(the largest ``EDGE``-step trailing mean), their ratio, and the 10-90% rise time of the trailing mean (steps from
+its last value below start + 10% of the rise to its first value above start + 90%) as a fraction of the run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from .dynamics import PHASES, SURGE_TRACKED, surge_dynamics
 from .report import _series, read_sweep_results
 
+EDGE = 5  # steps averaged for the start length and the trailing mean of the rise
 PANELS = (("response_length/mean", "mean response length (tokens)"), ("reward/mean", "rollout reward"),
           ("eval/reward_mean", "clean eval reward"))
 
@@ -58,8 +61,19 @@ def plot_surge(sweep_dir: str | Path, out: str | Path) -> Path:
 def surge_table(sweep_dir: str | Path) -> str:
     """The markdown table of ``--table`` (see the module docstring)."""
     data = read_sweep_results(Path(sweep_dir))
+    lines = ["| run | start length | top length | top / start | 10-90% rise (steps) | rise / run | surge step | "
+             "eval reward first → peak |", "|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in data.points:
+        if not p.has_result:
+            continue
+        r = rise(p)
+        evals = _series(p, "eval/reward_mean")[1]
+        peak = p.collapse.get("peak_reward")
+        lines.append(f"| {p.name} | {r['start']:.2f} | {r['top']:.2f} | {r['top'] / r['start']:.2f}× | "
+                     f"{r['rise_steps']} | {r['rise_steps'] / p.run_length:.0%} | "
+                     f"{p.collapse.get('length_surge_step')} | {evals[0]:.3f} → {_fmt(peak)} |")
+    lines.append("")
     head = "| group | quantity | " + " | ".join(PHASES) + " | after/before |"
-    lines = []
     for values, points in data.groups():
         d = surge_dynamics([p for p in points if p.has_result])
         label = data.group_label(values)
@@ -74,6 +88,17 @@ def surge_table(sweep_dir: str | Path) -> str:
             lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def rise(point) -> dict:
+    """Start length, top length and the 10-90% rise time in steps of one run (see the module docstring)."""
+    steps, vals = _series(point, "response_length/mean")
+    trail = [sum(vals[max(0, i - EDGE + 1):i + 1]) / len(vals[max(0, i - EDGE + 1):i + 1]) for i in range(len(vals))]
+    start, top = sum(vals[:EDGE]) / len(vals[:EDGE]), max(trail)
+    lo, hi = start + 0.1 * (top - start), start + 0.9 * (top - start)
+    end = next(i for i, v in enumerate(trail) if v >= hi)
+    begin = max((i for i in range(end) if trail[i] <= lo), default=0)
+    return {"start": start, "top": top, "rise_steps": int(steps[end] - steps[begin])}
 
 
 def _fmt(v: float | None, ratio: bool = False) -> str:
