@@ -15,7 +15,8 @@ from vexact.rl.horizon_task import horizon_overrides
 
 TINY = {"threads": 1, "seed": 0, "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
                                             "intermediate_size": 64},
-        "task": {"name": "horizon", "eval_prompts": 4, "partial_credit": True}, "warm_start": {"steps": 40, "lr": 1e-2, "batch_size": 16},
+        "task": {"name": "horizon", "eval_prompts": 4, "partial_credit": True},
+        "warm_start": {"steps": 40, "lr": 1e-2, "batch_size": 16},
         "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4},
         "algorithm": {"old_logprobs": "rollout"}}
 
