@@ -15,11 +15,12 @@ def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys)
     rows = json.loads(out.read_text())
     assert {(r["backend"], r["dtype"]) for r in rows} == {(b, d) for b in ("exact", "native")
                                                           for d in ("float32", "bfloat16")}
-    for r in rows:
-        assert r["tokens_compared"] > 0
+    for r in rows:  # the keys of measure's and compare's --json reports
+        assert r["tokens"] > 0
         if r["backend"] == "exact":
-            assert r["tokens_mismatched"] == 0 and r["max_abs_dlogp"] == 0.0 and r["k3_kl"] == 0.0
-    assert sum(r["tokens_mismatched"] for r in rows if r["backend"] == "native") > 0
+            assert r["bitwise_equal"] == r["tokens"] and r["metrics"]["mismatch/abs_dlogp_max"] == 0.0
+            assert r["metrics"]["rollout_corr/k3_kl"] == 0.0
+    assert sum(r["tokens"] - r["bitwise_equal"] for r in rows if r["backend"] == "native") > 0
     exact_paths = next(r["kernel_paths"] for r in rows if r["backend"] == "exact")
     # every exact op says which path it took; probed ops name their probes, by-construction ops need none
     assert exact_paths["ops"]["rms_norm"]["path"] == "by construction"
@@ -39,7 +40,7 @@ def test_check_scores_at_other_thread_counts(tmp_path):
                  "160", "--backend", "exact", "--threads", "1", "--scoring-threads", "2,3", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["threads"] == 1 and row["scoring_threads"] == [2, 3]
-    assert row["tokens_compared"] == 6 * 8 * 3 * 3 * 2 and row["tokens_mismatched"] == 0
+    assert row["tokens"] == row["bitwise_equal"] == 6 * 8 * 3 * 3 * 2
 
 
 def test_check_bad_dtype_is_one_clear_error(capsys):

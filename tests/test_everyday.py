@@ -84,17 +84,16 @@ def test_check_accepts_short_dtype_and_ends_with_a_verdict(tmp_path, capsys):
                  "--hidden-size", "32", "--intermediate-size", "64", "--batch-sizes", "all,1",
                  "--micro-batch-sizes", "all", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
-    assert row["dtype"] == "bfloat16" and row["tokens_mismatched"] == 0
+    assert row["dtype"] == "bfloat16" and row["bitwise_equal"] == row["tokens"]
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("PASS: ") and "exact/bfloat16" in last and f"({row['tokens_compared']} of" in last
+    assert last.startswith("PASS: ") and "exact/bfloat16" in last and f"({row['tokens']} of" in last
 
 
 def test_check_verdict_fails_naming_the_exact_path():
-    ok = {"backend": "exact", "dtype": "float32", "tokens_compared": 10, "tokens_mismatched": 0,
-          "sampling_batch_invariant": True}
-    native = {**ok, "backend": "native", "tokens_mismatched": 7}
+    ok = {"backend": "exact", "dtype": "float32", "tokens": 10, "bitwise_equal": 10, "sampling_batch_invariant": True}
+    native = {**ok, "backend": "native", "bitwise_equal": 3}
     assert check_verdict([ok, native]).startswith("PASS: ")  # native makes no promise
-    bad = {**ok, "dtype": "bfloat16", "tokens_mismatched": 3}
+    bad = {**ok, "dtype": "bfloat16", "bitwise_equal": 7}
     verdict = check_verdict([ok, bad, native])
     assert verdict.startswith("FAIL: ") and "exact/bfloat16 (3 of 10 tokens differ)" in verdict
     assert "native" not in verdict and "\n" not in verdict

@@ -49,6 +49,31 @@ def test_each_package_imports_only_the_layers_below_it(path: Path) -> None:
     assert not upward, f"{path.relative_to(ROOT)} imports a higher layer: {upward}"
 
 
+def _imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level package) of every absolute import in the file; relative ones as '.'."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, "." if node.level else (node.module or "").split(".")[0]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "kernels").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_kernels_are_the_lowest_layer(path: Path) -> None:
+    """kernels/ (importable as ``vexact_kernels``) imports no vexact module, and itself only as ``vexact_kernels``
+    or relatively: it is the layer every other one builds on."""
+    bad = [(line, name) for line, name in _imports_of(path) if name in ("vexact", "kernels")]
+    assert not bad, f"{path.relative_to(ROOT)} imports above its layer (or itself as 'kernels'): {bad}"
+
+
+def test_the_kernel_layer_check_fails_on_an_upward_import(tmp_path: Path) -> None:
+    upward = tmp_path / "bad.py"
+    upward.write_text("from vexact.engine.model import Transformer\nimport kernels.native\n")
+    assert [name for _, name in _imports_of(upward)] == ["vexact", "kernels"]
+
+
 def test_the_engine_knows_nothing_of_rl() -> None:
     for path in (ROOT / "vexact" / "engine").glob("*.py"):
         assert all(name.startswith("engine") for _, name in _imported_vexact_modules(path)), path.name

@@ -85,3 +85,32 @@ def test_bench_choices_are_the_benchmark_modules():
     bench = next(a for a in parser._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "which")
     assert tuple(bench.choices) == tuple(BENCHMARKS)
     assert all(f"{name}:" in bench.help for name in BENCHMARKS)
+
+
+def test_measure_random_prompts_and_the_old_spelling():
+    import warnings
+
+    from vexact.cli import build_parser
+
+    parser = build_parser()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling does not warn
+        assert parser.parse_args(["measure", "--model", "m", "--random-prompts", "4"]).random_prompts == 4
+    with pytest.warns(FutureWarning, match="--random is deprecated; use --random-prompts"):
+        assert parser.parse_args(["measure", "--model", "m", "--random", "3"]).random_prompts == 3
+    with pytest.raises(SystemExit), pytest.warns(FutureWarning):  # one source of prompts: not both spellings
+        parser.parse_args(["measure", "--model", "m", "--random", "3", "--random-prompts", "4"])
+
+
+def test_check_and_check_paths_share_their_arrangements():
+    import inspect
+
+    from vexact.cli import build_parser
+    from vexact.real.check import DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES, CheckSettings
+    from vexact.testing import check_paths
+
+    kw = {n: p.default for n, p in inspect.signature(check_paths).parameters.items()}
+    assert kw["batch_sizes"] == DEFAULT_BATCH_SIZES == CheckSettings().batch_sizes
+    assert kw["micro_batch_sizes"] == DEFAULT_MICRO_BATCH_SIZES == CheckSettings().micro_batch_sizes
+    args = build_parser().parse_args(["check"])
+    assert (args.batch_sizes, args.micro_batch_sizes) == (DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES)

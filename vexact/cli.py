@@ -70,7 +70,7 @@ def make_console(stderr: bool = False) -> Console:
 
 
 def _batch_list(text: str) -> tuple[int | None, ...]:
-    """'all,1,7' -> (None, 1, 7)."""
+    """'all,1,3' -> (None, 1, 3)."""
     out: list[int | None] = []
     for item in text.split(","):
         item = item.strip()
@@ -83,9 +83,30 @@ def _batch_list(text: str) -> tuple[int | None, ...]:
     return tuple(out)
 
 
+def _batch_text(sizes: tuple[int | None, ...]) -> str:
+    """(None, 1, 3) -> 'all,1,3' (what ``_batch_list`` reads)."""
+    return ",".join("all" if s is None else str(s) for s in sizes)
+
+
 def _thread_list(text: str) -> tuple[int, ...]:
     """'1,3' -> (1, 3)."""
     return tuple(_positive_int(item.strip()) for item in text.split(","))
+
+
+class _DeprecatedFlag(argparse.Action):
+    """The old spelling of a flag: stores into the new flag's ``dest`` and warns (FutureWarning, as the config's
+    renamed keys do) that ``new`` replaces it."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values, option_string=None):
+        import warnings
+
+        # attributed to the command, not to argparse's source line
+        warnings.warn_explicit(f"{option_string} is deprecated; use {self.new}", FutureWarning, parser.prog, 0)
+        setattr(namespace, self.dest, values)
 
 
 def _positive_int(text: str) -> int:
@@ -104,7 +125,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", epilog=exit_codes_help("check"),
                        help="verify rollout log-probs == training log-probs bit for bit on this machine")
     from .engine.presets import PRESET_NAMES
-    from .real.check import CHECK_PRESET
+    from .real.check import CHECK_PRESET, CheckSettings
 
     p.add_argument("--preset", choices=PRESET_NAMES, default=CHECK_PRESET,
                    help=f"named shape of the random model (default {CHECK_PRESET}); size flags below win over it")
@@ -126,10 +147,12 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scoring-threads", type=_thread_list, default=(), metavar="N[,M...]",
                    help="torch threads for the training-path scoring, e.g. 1,3: every rollout is rescored at each "
                         "(default: the generation's)")
-    p.add_argument("--batch-sizes", type=_batch_list, default=(None, 1, 7),
-                   help="generation batch sizes, each a positive integer or all (default all,1,7)")
-    p.add_argument("--micro-batch-sizes", type=_batch_list, default=(None, 1, 5),
-                   help="scoring micro-batch sizes, each a positive integer or all (default all,1,5)")
+    p.add_argument("--batch-sizes", type=_batch_list, default=CheckSettings.batch_sizes,
+                   help="generation batch sizes, each a positive integer or all (default "
+                        f"{_batch_text(CheckSettings.batch_sizes)}, as vexact.testing.check_paths)")
+    p.add_argument("--micro-batch-sizes", type=_batch_list, default=CheckSettings.micro_batch_sizes,
+                   help="scoring micro-batch sizes, each a positive integer or all (default "
+                        f"{_batch_text(CheckSettings.micro_batch_sizes)}, as vexact.testing.check_paths)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     p.set_defaults(func=_cmd_check)
 
@@ -149,7 +172,7 @@ def _check_shape(args: argparse.Namespace) -> dict:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
-    from .real.check import CheckSettings, run_check
+    from .real.check import CheckSettings, mismatched, run_check
 
     dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
     for d in dtypes:
@@ -171,11 +194,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 "k3 KL", "batch-inv. sampling", "s"):
         table.add_column(col, justify="right")
     for r in rows:
-        style = "green" if r["tokens_mismatched"] == 0 else ("red" if r["backend"] != "native" else "yellow")
+        style = "green" if mismatched(r) == 0 else ("red" if r["backend"] != "native" else "yellow")
         threads = f"{r['threads']} / {','.join(map(str, r['scoring_threads']))}"
-        cells = [r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens_compared"],
-                 r["tokens_bitwise_equal"], f"[{style}]{r['tokens_mismatched']}[/]", f"{r['max_abs_dlogp']:.3g}",
-                 f"{r['k3_kl']:.3g}", r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
+        m = r["metrics"]
+        cells = [r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens"], r["bitwise_equal"],
+                 f"[{style}]{mismatched(r)}[/]", f"{m['mismatch/abs_dlogp_max']:.3g}", f"{m['rollout_corr/k3_kl']:.3g}",
+                 r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
     console = make_console()
     console.print(table)
@@ -185,7 +209,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
     exact_failures = [r for r in rows if r["backend"] != "native"
-                      and (r["tokens_mismatched"] or not r["sampling_batch_invariant"])]
+                      and (mismatched(r) or not r["sampling_batch_invariant"])]
     if exact_failures:
         Console(stderr=True).print("[red]exactness violated[/] for: "
                                    + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
@@ -196,16 +220,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def check_verdict(rows: list[dict]) -> str:
     """The last line of ``vexact check``: PASS when every exact backend's rollout log-probs equal its training
     log-probs bit for bit (and sampling is batch-invariant), else FAIL naming where; native makes no promise."""
+    from .real.check import mismatched
+
     exact = [r for r in rows if r["backend"] != "native"]
-    failed = [r for r in exact if r["tokens_mismatched"] or not r["sampling_batch_invariant"]]
+    failed = [r for r in exact if mismatched(r) or not r["sampling_batch_invariant"]]
     if failed:
-        where = ", ".join(f"{r['backend']}/{r['dtype']} ({r['tokens_mismatched']} of {r['tokens_compared']} tokens "
+        where = ", ".join(f"{r['backend']}/{r['dtype']} ({mismatched(r)} of {r['tokens']} tokens "
                           f"differ{'' if r['sampling_batch_invariant'] else ', sampling not batch-invariant'})"
                           for r in failed)
         return f"FAIL: exactness violated on this machine: {where}"
     if not exact:
         return "PASS (vacuous): only the native backend was checked, and it makes no bitwise promise"
-    tokens = sum(r["tokens_compared"] for r in exact)
+    tokens = sum(r["tokens"] for r in exact)
     paths = ", ".join(sorted({f"{r['backend']}/{r['dtype']}" for r in exact}))
     return f"PASS: rollout log-probs == training log-probs bit for bit on {paths} ({tokens} of {tokens} tokens)"
 
@@ -466,15 +492,18 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
                         "has a tokenizer, else whitespace-separated token ids")
-    source.add_argument("--random", type=_positive_int, metavar="N", help="N random token-id prompts")
+    source.add_argument("--random-prompts", type=_positive_int, metavar="N", help="N random token-id prompts "
+                        "(the flag vexact locate uses too, where --random is a random model)")
+    source.add_argument("--random", type=_positive_int, metavar="N", dest="random_prompts", action=_DeprecatedFlag,
+                        new="--random-prompts", help="deprecated spelling of --random-prompts")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens generated per prompt")
     p.add_argument("--rollout", default="native:bf16", help="path that generates: BACKEND:DTYPE with BACKEND in "
                    "exact, native, triton, hf and DTYPE in fp32 (float32), bf16 (bfloat16) (default native:bf16)")
     p.add_argument("--train", default="exact:fp32", help="path that rescores the tokens, BACKEND:DTYPE as for "
                    "--rollout (default exact:fp32)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the --random prompts and of sampling")
-    p.add_argument("--max-prompt-len", type=_positive_int, default=16, help="longest --random prompt")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --random-prompts prompts and of sampling")
+    p.add_argument("--max-prompt-len", type=_positive_int, default=16, help="longest --random-prompts prompt")
     p.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="generation batch size (default all)")
@@ -493,7 +522,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     from .real.measure import MeasureSettings, print_measure, run_measure, write_json, write_png
 
     settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
-                               random_prompts=args.random, max_prompt_len=args.max_prompt_len,
+                               random_prompts=args.random_prompts, max_prompt_len=args.max_prompt_len,
                                token_ids=args.token_ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
                                batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,

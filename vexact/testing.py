@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .engine.inputs import check_token_lists
+from .real.check import DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES  # the arrangements vexact check uses
 from .rl.metrics import BITS_VIEW, float_bits, mismatch_summary
 
 __all__ = ["LogprobComparison", "Mismatch", "assert_logprobs_equal", "check_paths", "compare_logprobs", "float_bits"]
@@ -326,8 +327,8 @@ class _Rollout:
 
 
 def check_paths(generate_fn: GenerateFn, score_fn: ScoreFn, prompts: Sequence[Sequence[int]], *,
-                batch_sizes: Sequence[int | None] = (None, 1, 3),
-                micro_batch_sizes: Sequence[int | None] = (None, 1, 5),
+                batch_sizes: Sequence[int | None] = DEFAULT_BATCH_SIZES,
+                micro_batch_sizes: Sequence[int | None] = DEFAULT_MICRO_BATCH_SIZES,
                 permute: bool = False, threads: Sequence[int] = ()) -> dict[str, Any]:
     """Check your rollout path against your training path, and each against itself under other batchings.
 

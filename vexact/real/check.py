@@ -21,6 +21,12 @@ from ..engine.rollout import generate
 from ..engine.scoring import token_logprobs
 from ..rl.metrics import mismatch_summary
 
+DEFAULT_BATCH_SIZES: tuple[int | None, ...] = (None, 1, 3)
+"""Generation arrangements checked by default (None: all at once): by ``vexact check`` and by
+``vexact.testing.check_paths``, which uses these."""
+DEFAULT_MICRO_BATCH_SIZES: tuple[int | None, ...] = (None, 1, 5)
+"""Scoring arrangements checked by default, by ``vexact check`` and ``vexact.testing.check_paths``."""
+
 CHECK_PRESET = "small"
 _SHAPE = MODEL_PRESETS[CHECK_PRESET]  # the random model's default shape (max_seq_len: prompt + new tokens)
 
@@ -42,8 +48,18 @@ class CheckSettings:
     seed: int = 0
     threads: int | None = None
     scoring_threads: tuple[int, ...] = ()  # thread counts the scoring runs at (empty: the generation's)
-    batch_sizes: tuple[int | None, ...] = (None, 1, 7)
-    micro_batch_sizes: tuple[int | None, ...] = (None, 1, 5)
+    batch_sizes: tuple[int | None, ...] = DEFAULT_BATCH_SIZES
+    micro_batch_sizes: tuple[int | None, ...] = DEFAULT_MICRO_BATCH_SIZES
+
+
+METRIC_KEYS = {"bitwise_equal_frac": "mismatch/bitwise_equal_frac", "abs_dlogp_mean": "mismatch/abs_dlogp_mean",
+               "abs_dlogp_max": "mismatch/abs_dlogp_max", "kl": "rollout_corr/kl", "k3_kl": "rollout_corr/k3_kl"}
+"""``mismatch_summary``'s name -> the metric key (``vexact.metric_keys``) a check row's ``metrics`` uses for it."""
+
+
+def mismatched(row: dict) -> int:
+    """Tokens of a check row whose rollout and training log-probs differ in any bit."""
+    return row["tokens"] - row["bitwise_equal"]
 
 
 def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "native")) -> list[dict]:
@@ -91,11 +107,10 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
         "dtype": str(model.dtype).removeprefix("torch."),
         "threads": generation_threads,
         "scoring_threads": list(scoring_threads),
-        "tokens_compared": stats["tokens"],
-        "tokens_bitwise_equal": stats["bitwise_equal"],
-        "tokens_mismatched": stats["tokens"] - stats["bitwise_equal"],
-        "max_abs_dlogp": stats["abs_dlogp_max"],
-        "k3_kl": stats["k3_kl"],
+        # the keys of vexact measure's and compare's --json report: token counts, then metrics by their full keys
+        "tokens": stats["tokens"],
+        "bitwise_equal": stats["bitwise_equal"],
+        "metrics": {key: stats[short] for short, key in METRIC_KEYS.items()},
         "sampling_batch_invariant": tokens_invariant,
         "seconds": round(time.perf_counter() - start, 3),
         # which path each op took, and (exact CPU kernels) what the host probes found

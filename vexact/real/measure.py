@@ -102,7 +102,7 @@ class MeasureSettings:
     train: str = "exact:fp32"
     prompts_file: Path | None = None
     random_prompts: int | None = None
-    max_prompt_len: int = 16  # for --random
+    max_prompt_len: int = 16  # for --random-prompts
     token_ids: bool = False  # read the prompts file as token ids even when the checkpoint has a tokenizer
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -128,18 +128,18 @@ class MeasureResult:
 
 # --------------------------------------------------------------------------- prompts
 def load_prompts(settings: MeasureSettings, vocab_size: int, tokenizer: Any | None) -> list[list[int]]:
-    """Token-id prompts from ``--prompts FILE`` or ``--random N``.
+    """Token-id prompts from ``--prompts FILE`` or ``--random-prompts N``.
 
     FILE holds one prompt per non-empty line: text (encoded with the checkpoint's tokenizer) when
     the checkpoint has one and ``token_ids`` is off, otherwise whitespace-separated token ids.
-    ``--random N``: N prompts of 1..max_prompt_len ids drawn uniformly (seeded) from the vocabulary
+    ``--random-prompts N``: N prompts of 1..max_prompt_len ids drawn uniformly (seeded) from the vocabulary
     (the tokenizer's part of it when there is one: rows past it are often untrained padding).
     """
     if (settings.prompts_file is None) == (settings.random_prompts is None):
-        raise ValueError("give exactly one of --prompts FILE and --random N")
+        raise ValueError("give exactly one of --prompts FILE and --random-prompts N")
     if settings.random_prompts is not None:
         if settings.random_prompts < 1 or settings.max_prompt_len < 1:
-            raise ValueError("--random and --max-prompt-len must be positive")
+            raise ValueError("--random-prompts and --max-prompt-len must be positive")
         high = min(vocab_size, len(tokenizer)) if tokenizer is not None else vocab_size
         rng = random.Random(settings.seed)
         return [[rng.randrange(high) for _ in range(rng.randint(1, settings.max_prompt_len))]
