@@ -50,6 +50,8 @@ def solve(prompt: str) -> str:
         return str(int(a) + int(b))
     if tag == "a":
         return str(sum(int(d) for d in body))
+    if tag == "b":  # horizon (issue O): the digit sum; the scratchpad after it is the length knob
+        return str(sum(int(d) for d in body))
     assert tag == "#"
     return str(body.count("a"))
 
@@ -100,6 +102,8 @@ def test_sampled_answers_are_right_and_lengths_respected(name):
         assert p.answer == solve(p.prompt)
         body = p.prompt[2:-1]
         n = max(len(x) for x in body.split("+")) if name == "add" else len(body)
+        if name == "horizon":
+            n = len(p.worked.partition(":")[2])  # the knob is the scratchpad's length, the input is 3 digits
         lengths.add(n)
         assert len(encode_prompt(TOK, p)) <= max_prompt_tokens(task)
         assert len(encode_target(TOK, p)) <= max_answer_tokens(task)
@@ -238,7 +242,7 @@ def test_held_out_set_fixed_and_distinct_from_training(name):
 
 # ---------------------------------------------------------------- make_task
 def test_make_task():
-    assert TASK_NAMES == ("reverse", "add", "sort", "count", "sum")
+    assert TASK_NAMES == ("reverse", "add", "sort", "count", "sum", "horizon", "surge")
     for name in TASK_NAMES:
         task = make_task(name, 2, 3, partial_credit=True)
         assert task.name == name and (task.min_len, task.max_len, task.partial_credit) == (2, 3, True)
