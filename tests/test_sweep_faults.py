@@ -117,7 +117,7 @@ def _bad_sweeps(tmp_path: Path) -> dict[str, tuple[Path, str, str]]:
         "base a number": ("b3.yaml", f"base: 3\n{good_grid}", "b3.yaml", "config error at 'base'"),
         "grid not a mapping": ("g1.yaml", "grid: [seed, 0]\n", "g1.yaml", "config error at 'grid': expected a mapping"),
         "grid value not a list": ("g2.yaml", "grid: {seed: 0}\n", "g2.yaml",
-                                  "config error at 'grid.seed': expected a non-empty list of values, got 0"),
+                                  "config error at 'grid.seed': expected a list of values, got 0"),
         "empty grid list": ("g3.yaml", "grid: {seed: []}\n", "g3.yaml", "'grid.seed': expected a non-empty list"),
         "no grid": ("g4.yaml", "name: x\n", "g4.yaml", "config error at 'grid'"),
         "grid key not a string": ("g5.yaml", "grid: {1: [0]}\n", "g5.yaml", "expected dotted config keys"),

@@ -44,6 +44,7 @@ abruptly (killed, out of memory) fails the points running at that moment; the sw
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -66,9 +67,27 @@ from ..rl.atomic import write_json_atomic, write_text_atomic
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml, show_value
 from ..rl.lifetime import die_with_parent
 from ..rl.runlog import RunLocked, run_lock
+from ..rl.validate import build, plain
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
-SWEEP_KEYS = {"name", "base", "set", "grid", "variants", "curves", "output_dir"}
+
+
+@dataclass
+class SweepFile:
+    """The keys of a sweep file, checked by the run config's validator (``vexact.rl.validate.build``: unknown keys,
+    types); the sweep's own rules (non-empty grid lists, no duplicate values, keys the sweep sets per point, plain
+    names) are ``load_sweep_spec``'s, which knows the file's path for its messages."""
+
+    grid: dict[str, list[Any]] | None = None  # dotted config key -> values (required: checked by _check_grid)
+    name: str | None = None  # the folder runs/sweeps/<name> (default: the file's stem)
+    base: str | dict[str, Any] | None = None  # a run config file (relative to the sweep file) or a mapping
+    set: dict[str, Any] | None = None  # dotted config keys every point sets
+    variants: dict[str, dict[str, Any]] | None = None  # name -> a bundle of dotted keys (grid key 'variant')
+    curves: list[str] | None = None  # grid keys that split the dose-response fit
+    output_dir: str | None = None
+
+
+SWEEP_KEYS = {f.name for f in dataclasses.fields(SweepFile)}
 VARIANT_KEY = "variant"
 PER_POINT_KEYS = ("name", "output_dir")  # set by the sweep for every point
 MAX_POINTS = 10_000  # a grid this large is a typo (a long list where a short one was meant), not an experiment
@@ -112,13 +131,12 @@ def _where(path: Path) -> str:
     return f" (in sweep file '{path}')"
 
 
-def _check_overrides(mapping: Any, key: str, path: Path) -> dict:
-    """A mapping of dotted config keys to values (``set`` or one variant); None is an empty one."""
+def _check_overrides(mapping: dict | None, key: str, path: Path) -> dict:
+    """A mapping of dotted config keys to values (``set`` or one variant; its type checked by ``SweepFile``); None
+    is an empty one."""
     where = _where(path)
     if mapping is None:
         return {}
-    if not isinstance(mapping, dict):
-        raise ConfigError(f"expected a mapping of dotted config keys to values, got {show_value(mapping)}{where}", key)
     for k in mapping:
         if not isinstance(k, str) or not k:
             raise ConfigError(f"expected dotted config keys (strings), got the key {show_value(k)}{where}", key)
@@ -133,9 +151,10 @@ def _same(a: Any, b: Any) -> bool:
     return (isinstance(a, bool), a) == (isinstance(b, bool), b)
 
 
-def _check_grid(grid: Any, path: Path) -> dict[str, list]:
+def _check_grid(grid: dict[str, list] | None, path: Path) -> dict[str, list]:
+    """The sweep's rules for a grid whose types ``SweepFile`` checked: given, non-empty lists, distinct values."""
     where = _where(path)
-    if not isinstance(grid, dict) or not grid:
+    if not grid:
         raise ConfigError(f"expected a mapping of dotted config keys to non-empty lists of values, got "
                           f"{show_value(grid)}{where}", "grid")
     for key, values in grid.items():
@@ -144,7 +163,7 @@ def _check_grid(grid: Any, path: Path) -> dict[str, list]:
         if key in PER_POINT_KEYS:
             raise ConfigError(f"'{key}' is set by the sweep for every point (points/<point name>){where}",
                               f"grid.{key}")
-        if not isinstance(values, list) or not values:
+        if not values:
             raise ConfigError(f"expected a non-empty list of values, got {show_value(values)}{where}", f"grid.{key}")
         for i, value in enumerate(values):
             if any(_same(value, earlier) for earlier in values[:i]):
@@ -168,15 +187,19 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
     Every problem is one ConfigError naming the sweep file (and the base config file, when that is the problem)."""
     path = Path(path)
     where = _where(path)
-    spec = read_yaml(path, "sweep file")
-    if not isinstance(spec, dict):
+    raw = read_yaml(path, "sweep file")
+    if not isinstance(raw, dict):
         raise ConfigError(f"sweep file '{path}' must contain a mapping with keys {', '.join(sorted(SWEEP_KEYS))}, "
-                          f"got {type(spec).__name__}: {show_value(spec)}")
-    unknown = sorted((k for k in spec if k not in SWEEP_KEYS), key=str)
-    if unknown:
-        raise ConfigError(f"unknown key (known keys: {', '.join(sorted(SWEEP_KEYS))}){where}", str(unknown[0]))
+                          f"got {type(raw).__name__}: {show_value(raw)}")
+    bad_key = next((k for k in raw if not isinstance(k, str)), None)
+    if bad_key is not None:
+        raise ConfigError(f"unknown key (known keys: {', '.join(sorted(SWEEP_KEYS))}){where}", str(bad_key))
+    try:  # the run config's validator: unknown keys and the type of every value
+        spec = plain(build(SweepFile, raw))
+    except ConfigError as err:
+        raise ConfigError(f"{err.problem}{where}", err.key) from None
     name = spec.get("name") or path.stem
-    if not isinstance(name, str) or name in (".", "..") or "/" in name or "\\" in name:
+    if name in (".", "..") or "/" in name or "\\" in name:
         raise ConfigError(f"expected a plain name (it names the folder runs/sweeps/<name>), got "
                           f"{show_value(name)}{where}", "name")
     base = spec.get("base")
@@ -184,7 +207,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         base_dict: dict = {}
     elif isinstance(base, dict):
         base_dict = base
-    elif isinstance(base, str) and base:
+    elif base:
         base_path = (path.parent / base).resolve()
         base_dict = read_yaml(base_path, "base config", f" (named in sweep file '{path}')")
         if base_dict is None:  # an empty file: all defaults
@@ -192,7 +215,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         if not isinstance(base_dict, dict):
             raise ConfigError(f"base config '{base_path}' (named in sweep file '{path}') must contain a mapping of "
                               f"config keys, got {type(base_dict).__name__}: {show_value(base_dict)}")
-    else:
+    else:  # an empty string
         raise ConfigError(f"expected the path of a run config (relative to the sweep file) or a mapping, got "
                           f"{show_value(base)}{where}", "base")
     common = _check_overrides(spec.get("set"), "set", path)
@@ -200,7 +223,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
     _check_plain(grid, "grid", path)
     variants = spec.get("variants")
     if variants is not None:
-        if not isinstance(variants, dict) or not variants:
+        if not variants:
             raise ConfigError(f"expected a mapping of variant names to mappings of dotted keys to values, got "
                               f"{show_value(variants)}{where}", "variants")
         for vname, bundle in variants.items():
@@ -214,14 +237,10 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         grid = {VARIANT_KEY: list(variants), **grid}
     curves = spec.get("curves")
     if curves is not None:
-        if not isinstance(curves, list) or not all(isinstance(k, str) for k in curves):
-            raise ConfigError(f"expected a list of grid keys, got {show_value(curves)}{where}", "curves")
         stray = [k for k in curves if k not in grid]
         if stray:
             raise ConfigError(f"{stray[0]!r} is not a grid key (grid keys: {', '.join(grid)}){where}", "curves")
     spec_out = spec.get("output_dir")
-    if spec_out is not None and not isinstance(spec_out, str):
-        raise ConfigError(f"expected a directory path, got {show_value(spec_out)}{where}", "output_dir")
     out = Path(output_dir or spec_out or Path("runs") / "sweeps" / name)
     n_points = 1
     for values in grid.values():

@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import re
 import types
 import typing
 import warnings
@@ -38,6 +36,8 @@ from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_val
 from .atomic import write_text_atomic
 from .metrics import LOG_RATIO_BOUND
 from .tasks import TASK_NAMES, make_task, max_answer_tokens, max_prompt_tokens
+from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
+from .validate import bounds as _bounds
 
 __all__ = [
     "AlgorithmSection",
@@ -69,19 +69,6 @@ VALUE_ALIASES: dict[str, str] = {
 }
 """Other spellings of ``Literal`` values: a string here is accepted by any Literal field that allows the value it
 maps to, and is stored (and saved to config.yaml) as that value, so a config written either way resumes as one."""
-
-
-_BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
-
-
-def _bounds(**bounds: float) -> dict:
-    """``field(metadata=...)`` for numeric bounds: min (>=), gt (>), max (<=), lt (<).
-
-    On a list/tuple field the bounds apply to every element."""
-    unknown = set(bounds) - set(_BOUND_OPS)
-    if unknown:  # a typo here would silently drop a constraint
-        raise TypeError(f"unknown bound(s) {sorted(unknown)}; expected {list(_BOUND_OPS)}")
-    return bounds
 
 
 # --- schema ------------------------------------------------------------------------------------------------
@@ -433,7 +420,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""
-        return _plain(self)
+        return plain(self)
 
 
 def check_lengths(cfg: RunConfig) -> None:
@@ -451,267 +438,6 @@ def check_lengths(cfg: RunConfig) -> None:
     if cfg.rollout.max_new_tokens < max_answer_tokens(task):
         raise ConfigError(f"{cfg.rollout.max_new_tokens} cannot hold the longest answer + EOS "
                           f"({max_answer_tokens(task)} tokens)", "rollout.max_new_tokens")
-
-
-# --- errors ------------------------------------------------------------------------------------------------
-
-
-class ConfigError(ValueError):
-    """An invalid config. ``key`` is the full dotted path (None for file-level problems)."""
-
-    def __init__(self, problem: str, key: str | None = None):
-        self.problem, self.key = problem, key
-        super().__init__(f"config error at '{key}': {problem}" if key else f"config error: {problem}")
-
-
-def _join(prefix: str, key: object) -> str:
-    return f"{prefix}.{key}" if prefix else str(key)
-
-
-def show_value(value: Any) -> str:
-    """A value as the user wrote it (YAML spelling for null and booleans), truncated."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def yaml_problem(e: yaml.YAMLError) -> str:
-    """PyYAML's multi-line parser message, condensed to one line with the position."""
-    mark = getattr(e, "problem_mark", None)
-    problem = getattr(e, "problem", None)
-    if problem and mark is not None:
-        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
-    return " ".join(str(e).split())
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last silently,
-    so ``grid: {seed: [0], seed: [1]}`` would quietly drop a list)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        if isinstance(node, yaml.MappingNode):
-            seen: set = set()
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    duplicate = key in seen
-                except TypeError:  # unhashable: the safe loader reports it below
-                    continue
-                if duplicate:
-                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
-                                                            f"found duplicate key {show_value(key)}",
-                                                            key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def read_yaml(path: Path, what: str, origin: str = "") -> Any:
-    """The parsed YAML of ``path`` (safe loading, a key given twice is an error); every way of failing is one
-    ConfigError naming the file ("{what} '{path}'{origin}")."""
-    name = f"{what} '{path}'{origin}"
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{name} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{name} is a directory, not a file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{name} is not a UTF-8 text file") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {name}: {e.strerror or e}") from None
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
-    except yaml.YAMLError as e:
-        raise ConfigError(f"invalid YAML in {name}: {yaml_problem(e)}") from None
-
-
-# --- generic checking from type hints ----------------------------------------------------------------------
-
-# YAML 1.1 (PyYAML) reads 1e-4, 3e-3 and 1.0e4 as strings; a float field accepts those spellings.
-_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-class _Mismatch(Exception):
-    """A value that does not fit a type; turned into a ConfigError with the description of what was expected."""
-
-
-def _describe(tp: Any, meta: dict) -> str:
-    """'an integer >= 1', 'one of 'a', 'b' or null', 'a list of 2 numbers >= 0 and < 1', ..."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a, meta) for a in args)
-    if tp is type(None):
-        return "null"
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (list, tuple):
-        count = "" if origin is list or args[-1] is Ellipsis else f"{len(args)} "
-        inner = _describe(args[0], meta) if args else "value"
-        return f"a list of {count}{_plural(inner)}"
-    if origin is dict or tp is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping of keys"
-    base = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, "a value")
-    return base + _describe_bounds(meta) if tp in (int, float) else base
-
-
-def _plural(description: str) -> str:
-    for article in ("an ", "a "):
-        if description.startswith(article):
-            noun, _, rest = description[len(article):].partition(" ")
-            return f"{noun}s {rest}".rstrip()
-    return description
-
-
-def _describe_bounds(meta: dict) -> str:
-    parts = [f"{op} {meta[k]}" for k, op in _BOUND_OPS.items() if k in meta]
-    return " " + " and ".join(parts) if parts else ""
-
-
-def _within_bounds(value: float, meta: dict) -> bool:
-    # Written as "not violated" so NaN (which compares False) fails every bound.
-    return all((
-        "min" not in meta or value >= meta["min"],
-        "gt" not in meta or value > meta["gt"],
-        "max" not in meta or value <= meta["max"],
-        "lt" not in meta or value < meta["lt"],
-    ))
-
-
-def _convert(value: Any, tp: Any, key: str, meta: dict) -> Any:
-    """Check ``value`` against type hint ``tp`` and return it in the schema's form (floats, tuples, dataclasses).
-
-    Raises ConfigError at ``key`` (or deeper, for nested sections and list elements)."""
-    try:
-        return _convert_inner(value, tp, key, meta)
-    except _Mismatch:
-        raise ConfigError(f"expected {_describe(tp, meta)}{_aliases_note(tp)}, got {show_value(value)}", key) from None
-
-
-def _aliases_note(tp: Any) -> str:
-    """The note `` (also spelled 'fp32', 'bf16')`` for a type whose Literal values have other spellings (VALUE_ALIASES),
-    so an error shows every accepted spelling; "" for other types."""
-    literals = [tp] if typing.get_origin(tp) is Literal else [a for a in typing.get_args(tp)
-                                                             if typing.get_origin(a) is Literal]
-    values = {v for lit in literals for v in typing.get_args(lit)}
-    aliases = [alias for alias, value in VALUE_ALIASES.items() if value in values]
-    return f" (also spelled {', '.join(map(repr, aliases))})" if aliases else ""
-
-
-def _convert_inner(value: Any, tp: Any, key: str, meta: dict) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        arms = [a for a in args if a is not type(None)]
-        if len(arms) == 1:  # X | None with a non-null value: X's own message is more precise
-            return _convert_inner(value, arms[0], key, meta)
-        for arm in arms:
-            try:
-                return _convert(value, arm, key, meta)
-            except ConfigError:
-                continue
-        raise _Mismatch
-    if origin is Literal:
-        # Compare type as well: True == 1, so Literal[1] must not accept true.
-        if any(value == a and type(value) is type(a) for a in args):
-            return value
-        if isinstance(value, str) and VALUE_ALIASES.get(value) in args:
-            return VALUE_ALIASES[value]
-        raise _Mismatch
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            value = _plain(value)
-        if value is None:  # a section left empty in YAML ("model:") means all defaults
-            value = {}
-        if not isinstance(value, dict):
-            raise _Mismatch
-        return _build(tp, value, key)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise _Mismatch
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise _Mismatch
-            item_types = args
-        else:
-            item_types = (args[0] if args else Any,) * len(value)
-        items = [_convert(v, t, f"{key}[{i}]", meta) for i, (v, t) in enumerate(zip(value, item_types))]
-        return tuple(items) if origin is tuple else items
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch
-        value_type = args[1] if args else Any
-        return {k: _convert(v, value_type, _join(key, k), {}) for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _Mismatch
-        return value
-    if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _Mismatch
-    elif tp is float:
-        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
-            value = float(value)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise _Mismatch
-        value = float(value)
-    elif tp is str:
-        if isinstance(value, os.PathLike):  # Python callers may pass a Path for a directory
-            value = os.fspath(value)
-        if not isinstance(value, str):
-            raise _Mismatch
-        return value
-    else:
-        raise TypeError(f"config schema at '{key}': unsupported type hint {tp!r}")
-    if not _within_bounds(value, meta):
-        raise _Mismatch
-    return value
-
-
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    """Build dataclass ``cls`` from mapping ``data``: unknown keys, per-field types and bounds, then ``check()``."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k in data:
-        if k not in fields:
-            raise ConfigError(f"unknown key (known keys: {', '.join(fields)})", _join(prefix, k))
-    required = [name for name, f in fields.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    for name in required:  # a field without a default (inject.target.value) must be given
-        if name not in data:
-            given = ", ".join(repr(k) for k in data) or "nothing"
-            raise ConfigError(f"required key missing: '{prefix}' needs {' and '.join(map(repr, required))} (it "
-                              f"has no default; got {given})", _join(prefix, name))
-    hints = typing.get_type_hints(cls)
-    kwargs = {name: _convert(data[name], hints[name], _join(prefix, name), dict(f.metadata))
-              for name, f in fields.items() if name in data}
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        try:
-            check()
-        except ConfigError as e:  # check() names keys relative to its section
-            raise ConfigError(e.problem, _join(prefix, e.key) if e.key else prefix or None) from None
-    return obj
-
-
-def _plain(obj: Any) -> Any:
-    """Dataclasses -> dicts, tuples -> lists, recursively (YAML/JSON-friendly, field order kept)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
 
 
 # --- renamed keys ------------------------------------------------------------------------------------------
@@ -836,7 +562,7 @@ def _apply_override(data: dict, item: str) -> str:
         if not last:
             tp = _section_type(tp)  # an optional section (inject.target: null by default) is a section too
             if not (dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict or tp in (dict, Any)):
-                raise ConfigError(f"'{path}' is not a section (it takes {_describe(tp, meta)}), so {key!r} does not "
+                raise ConfigError(f"'{path}' is not a section (it takes {describe(tp, meta)}), so {key!r} does not "
                                   f"exist; set it with --set {path}=VALUE (from --set {item})",
                                   ".".join(parts[: depth + 2]))
         if last:
@@ -845,7 +571,7 @@ def _apply_override(data: dict, item: str) -> str:
             if node.get(part) is None:  # absent, or left empty in YAML
                 node[part] = {}
             elif not isinstance(node[part], dict):
-                raise ConfigError(f"expected {_describe(tp, {})}, got {show_value(node[part])}", path)
+                raise ConfigError(f"expected {describe(tp, {})}, got {show_value(node[part])}", path)
             node = node[part]
     return key
 
@@ -868,7 +594,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
     """Validate a raw mapping (as read from YAML), apply ``--set`` overrides, and build the RunConfig."""
     if not isinstance(d, dict):
         raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
-    data = _plain(d)  # deep copy: overrides must not mutate the caller's dict
+    data = plain(d)  # deep copy: overrides must not mutate the caller's dict
     _move_renamed(data)
     written = _move_aliases(data)
     origins: dict[str, str] = {}
@@ -883,7 +609,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
     try:
         _expand_preset(data.get("model"))
         _check_inject_knob(data.get("inject"))
-        return _build(RunConfig, data, "")
+        return build(RunConfig, data, "", VALUE_ALIASES)
     except ConfigError as e:
         # Point at the --set that produced the bad value, if any, or at the verl spelling the file used.
         for key, item in origins.items():
@@ -912,7 +638,7 @@ def _expand_preset(model: Any) -> None:
 def _check_inject_knob(inject: Any) -> None:
     """No silent no-op injection: a knob mode needs ``inject.value`` given (0 included: an explicit baseline) or
     ``inject.target``; a non-zero value needs a knob mode. Checked on the raw mapping, where "not given" differs
-    from the default 0 (a saved config.yaml always gives both). Types are ``_build``'s to check."""
+    from the default 0 (a saved config.yaml always gives both). Types are ``validate.build``'s to check."""
     if not isinstance(inject, dict):
         return
     mode, value = inject.get("mode", "none"), inject.get("value")
@@ -966,5 +692,5 @@ def dotted_items(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_hash(section_or_dict: Any) -> str:
     """Stable sha256 hex digest of a dataclass or dict (canonical JSON: sorted keys, tuples as lists)."""
-    canonical = json.dumps(_plain(section_or_dict), sort_keys=True, separators=(",", ":"), default=str)
+    canonical = json.dumps(plain(section_or_dict), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()

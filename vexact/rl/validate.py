@@ -1,0 +1,307 @@
+"""The generic config validator: a YAML mapping -> a tree of dataclasses, checked against their type hints.
+
+Why its own module: the run config (``vexact.rl.config``) and sweep files (``vexact.lab.sweep``) are checked by
+the same rules, and the rules do not depend on any one schema. What it checks: unknown keys (listing the known
+ones), required keys, each value against its field's type hint (``int``, ``float``, ``str``, ``bool``,
+``Literal``, ``X | None``, ``list``/``tuple``, ``dict``, nested dataclasses) and numeric bounds (``bounds(min=...)``
+in a field's metadata), then each dataclass's own ``check()``. Every problem is one ``ConfigError`` naming the
+dotted key. ``VALUE_ALIASES`` (other spellings of Literal values) is passed in by the schema that has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = ["NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build", "convert", "describe", "join_key",
+           "plain", "read_yaml", "show_value", "yaml_problem"]
+
+_BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
+
+
+def bounds(**limits: float) -> dict:
+    """``field(metadata=...)`` for numeric bounds: min (>=), gt (>), max (<=), lt (<).
+
+    On a list/tuple field the bounds apply to every element."""
+    unknown = set(limits) - set(_BOUND_OPS)
+    if unknown:  # a typo here would silently drop a constraint
+        raise TypeError(f"unknown bound(s) {sorted(unknown)}; expected {list(_BOUND_OPS)}")
+    return limits
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """An invalid config. ``key`` is the full dotted path (None for file-level problems)."""
+
+    def __init__(self, problem: str, key: str | None = None):
+        self.problem, self.key = problem, key
+        super().__init__(f"config error at '{key}': {problem}" if key else f"config error: {problem}")
+
+
+def join_key(prefix: str, key: object) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def show_value(value: Any) -> str:
+    """A value as the user wrote it (YAML spelling for null and booleans), truncated."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line parser message, condensed to one line with the position."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(e).split())
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last silently,
+    so ``grid: {seed: [0], seed: [1]}`` would quietly drop a list)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # unhashable: the safe loader reports it below
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found duplicate key {show_value(key)}",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path, what: str, origin: str = "") -> Any:
+    """The parsed YAML of ``path`` (safe loading, a key given twice is an error); every way of failing is one
+    ConfigError naming the file ("{what} '{path}'{origin}")."""
+    name = f"{what} '{path}'{origin}"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{name} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{name} is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {name}: {e.strerror or e}") from None
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {name}: {yaml_problem(e)}") from None
+
+
+# --- generic checking from type hints ----------------------------------------------------------------------
+
+# YAML 1.1 (PyYAML) reads 1e-4, 3e-3 and 1.0e4 as strings; a float field accepts those spellings.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+NO_ALIASES: Mapping[str, str] = {}
+
+
+class _Mismatch(Exception):
+    """A value that does not fit a type; turned into a ConfigError with the description of what was expected."""
+
+
+def describe(tp: Any, meta: dict) -> str:
+    """'an integer >= 1', 'one of 'a', 'b' or null', 'a list of 2 numbers >= 0 and < 1', ..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(a, meta) for a in args)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple):
+        count = "" if origin is list or args[-1] is Ellipsis else f"{len(args)} "
+        inner = describe(args[0], meta) if args else "value"
+        return f"a list of {count}{_plural(inner)}"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of keys"
+    base = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, "a value")
+    return base + _describe_bounds(meta) if tp in (int, float) else base
+
+
+def _plural(description: str) -> str:
+    for article in ("an ", "a "):
+        if description.startswith(article):
+            noun, _, rest = description[len(article):].partition(" ")
+            return f"{noun}s {rest}".rstrip()
+    return description
+
+
+def _describe_bounds(meta: dict) -> str:
+    parts = [f"{op} {meta[k]}" for k, op in _BOUND_OPS.items() if k in meta]
+    return " " + " and ".join(parts) if parts else ""
+
+
+def _within_bounds(value: float, meta: dict) -> bool:
+    # Written as "not violated" so NaN (which compares False) fails every bound.
+    return all((
+        "min" not in meta or value >= meta["min"],
+        "gt" not in meta or value > meta["gt"],
+        "max" not in meta or value <= meta["max"],
+        "lt" not in meta or value < meta["lt"],
+    ))
+
+
+def convert(value: Any, tp: Any, key: str, meta: dict, aliases: Mapping[str, str] = NO_ALIASES) -> Any:
+    """Check ``value`` against type hint ``tp`` and return it in the schema's form (floats, tuples, dataclasses).
+
+    ``aliases``: other spellings of Literal values (spelling -> value), accepted and stored as the value.
+    Raises ConfigError at ``key`` (or deeper, for nested sections and list elements)."""
+    try:
+        return _convert_inner(value, tp, key, meta, aliases)
+    except _Mismatch:
+        raise ConfigError(f"expected {describe(tp, meta)}{_aliases_note(tp, aliases)}, got {show_value(value)}",
+                          key) from None
+
+
+def _aliases_note(tp: Any, aliases: Mapping[str, str]) -> str:
+    """The note `` (also spelled 'fp32', 'bf16')`` for a type whose Literal values have other spellings
+    (``aliases``), so an error shows every accepted spelling; "" for other types."""
+    literals = [tp] if typing.get_origin(tp) is Literal else [a for a in typing.get_args(tp)
+                                                             if typing.get_origin(a) is Literal]
+    values = {v for lit in literals for v in typing.get_args(lit)}
+    spellings = [alias for alias, value in aliases.items() if value in values]
+    return f" (also spelled {', '.join(map(repr, spellings))})" if spellings else ""
+
+
+def _convert_inner(value: Any, tp: Any, key: str, meta: dict, aliases: Mapping[str, str]) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        arms = [a for a in args if a is not type(None)]
+        if len(arms) == 1:  # X | None with a non-null value: X's own message is more precise
+            return _convert_inner(value, arms[0], key, meta, aliases)
+        for arm in arms:
+            try:
+                return convert(value, arm, key, meta, aliases)
+            except ConfigError:
+                continue
+        raise _Mismatch
+    if origin is Literal:
+        # Compare type as well: True == 1, so Literal[1] must not accept true.
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        if isinstance(value, str) and aliases.get(value) in args:
+            return aliases[value]
+        raise _Mismatch
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            value = plain(value)
+        if value is None:  # a section left empty in YAML ("model:") means all defaults
+            value = {}
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return build(tp, value, key, aliases)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise _Mismatch
+            item_types = args
+        else:
+            item_types = (args[0] if args else Any,) * len(value)
+        items = [convert(v, t, f"{key}[{i}]", meta, aliases) for i, (v, t) in enumerate(zip(value, item_types))]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        value_type = args[1] if args else Any
+        return {k: convert(v, value_type, join_key(key, k), {}, aliases) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _Mismatch
+        return value
+    if tp is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _Mismatch
+    elif tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            value = float(value)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _Mismatch
+        value = float(value)
+    elif tp is str:
+        if isinstance(value, os.PathLike):  # Python callers may pass a Path for a directory
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise _Mismatch
+        return value
+    else:
+        raise TypeError(f"config schema at '{key}': unsupported type hint {tp!r}")
+    if not _within_bounds(value, meta):
+        raise _Mismatch
+    return value
+
+
+def build(cls: type, data: dict, prefix: str = "", aliases: Mapping[str, str] = NO_ALIASES) -> Any:
+    """Build dataclass ``cls`` from mapping ``data``: unknown keys, per-field types and bounds, then ``check()``.
+
+    ``prefix``: the dotted key of ``data`` (errors name full keys); ``aliases``: as for ``convert``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in fields:
+            raise ConfigError(f"unknown key (known keys: {', '.join(fields)})", join_key(prefix, k))
+    required = [name for name, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:  # a field without a default (inject.target.value) must be given
+        if name not in data:
+            given = ", ".join(repr(k) for k in data) or "nothing"
+            raise ConfigError(f"required key missing: '{prefix}' needs {' and '.join(map(repr, required))} (it "
+                              f"has no default; got {given})", join_key(prefix, name))
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: convert(data[name], hints[name], join_key(prefix, name), dict(f.metadata), aliases)
+              for name, f in fields.items() if name in data}
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as e:  # check() names keys relative to its section
+            raise ConfigError(e.problem, join_key(prefix, e.key) if e.key else prefix or None) from None
+    return obj
+
+
+def plain(obj: Any) -> Any:
+    """Dataclasses -> dicts, tuples -> lists, recursively (YAML/JSON-friendly, field order kept)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
