@@ -71,7 +71,7 @@ def surge_table(sweep_dir: str | Path) -> str:
         peak = p.collapse.get("peak_reward")
         lines.append(f"| {p.name} | {r['start']:.2f} | {r['top']:.2f} | {r['top'] / r['start']:.2f}× | "
                      f"{r['rise_steps']} | {r['rise_steps'] / p.run_length:.0%} | "
-                     f"{p.collapse.get('length_surge_step')} | {evals[0]:.3f} → {_fmt(peak)} |")
+                     f"{p.collapse.get('length_surge_step')} | {_fmt(evals[0] if evals else None)} → {_fmt(peak)} |")
     lines.append("")
     head = "| group | quantity | " + " | ".join(PHASES) + " | after/before |"
     for values, points in data.groups():
