@@ -34,6 +34,7 @@ import vexact_kernels
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
 from .atomic import write_text_atomic
+from .inject_modes import INJECT_MODE_NAMES, INJECT_MODES, KNOB_MODES, SOURCE_KEYS
 from .metrics import LOG_RATIO_BOUND
 from .tasks import TASK_NAMES, make_task, max_answer_tokens, max_prompt_tokens
 from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
@@ -268,17 +269,7 @@ class LoggingSection:
                 raise ConfigError(f"{name!r} is listed twice", f"backends[{i}]")
 
 
-InjectMode = Literal["none", "logit_noise", "logit_scale", "precision", "kernel", "logprob_only", "top_p", "top_k"]
-
-KNOB_MODES = {"logit_noise": "sigma of the noise added to the logits",
-              "logprob_only": "sigma of the noise added to the rollout's log-probs",
-              "logit_scale": "epsilon: logits x (1 + epsilon)", "top_p": "the nucleus p", "top_k": "k"}
-"""The inject modes whose magnitude is ``inject.value`` (precision and kernel have none): a config that names one of
-them must give the value (or ``inject.target`` to calibrate it), and a value needs one of them."""
-SOURCE_KEYS = {"precision": ("inject.precision", "inject.sites"),
-               "kernel": ("inject.kernel_backend", "inject.kernel_dtype")}
-"""The inject modes without a magnitude, and the keys that choose their mismatch instead."""
-
+InjectMode = Literal[INJECT_MODE_NAMES]  # derived from the mode table (inject_modes.INJECT_MODES)
 
 @dataclass(kw_only=True)
 class TargetSection:
@@ -320,13 +311,11 @@ class InjectSection:
                 raise ConfigError(f"expected one of {', '.join(sorted(allowed))}, got {site!r}", f"sites[{i}]")
         if self.mode == "top_p" and not 0 < self.value <= 1 and self.target is None:
             raise ConfigError(f"top_p needs 0 < value <= 1, got {self.value}", "value")
-        if self.mode == "top_k" and (self.value < 0 or self.value != int(self.value)):
-            raise ConfigError(f"top_k needs a whole number >= 0 (0 = off), got {self.value}", "value")
-        if self.mode == "logit_scale" and self.value <= -1:
-            raise ConfigError(f"logit_scale needs value > -1 (logits x (1 + value)), got {self.value}", "value")
-        if self.mode in ("logit_noise", "logprob_only") and self.value < 0:
-            raise ConfigError(f"{self.mode} needs value (sigma) >= 0, got {self.value}", "value")
-        if self.target is not None and self.mode in ("none", "precision", "kernel"):
+        spec = INJECT_MODES[self.mode]
+        problem = spec.value_problem(self.value) if spec.value_problem else None
+        if problem:
+            raise ConfigError(problem, "value")
+        if self.target is not None and not spec.calibratable:
             raise ConfigError(f"mode {self.mode!r} has no continuous knob to calibrate; remove inject.target",
                               "target")
 
