@@ -29,6 +29,8 @@ def test_registered_and_reachable_from_a_config() -> None:
     assert cfg.warm_start.trace_fraction == 0.1
     with pytest.raises(ConfigError, match="trace_fraction"):
         config_from_dict({"warm_start": {"trace_fraction": 1.5}})
+    with pytest.raises(ConfigError, match="warm_start.trace_fraction.*needs task.name: surge"):
+        config_from_dict({"task": {"name": "sum"}, "warm_start": {"trace_fraction": 0.1}})
 
 
 def test_reward_reads_only_the_final_answer() -> None:

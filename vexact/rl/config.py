@@ -377,6 +377,9 @@ class RunConfig:
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def check(self) -> None:
+        if self.warm_start.trace_fraction is not None and self.task.name != "surge":
+            raise ConfigError(f"trace_fraction needs task.name: surge (a task with a direct and a worked answer), "
+                              f"got task {self.task.name!r}", "warm_start.trace_fraction")
         bypass = self.algorithm.old_logprobs == "rollout"
         from .corrections import plan_for  # corrections imports this module
 
