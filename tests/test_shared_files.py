@@ -30,10 +30,10 @@ from test_trainer import EXPERIMENT, _without_timing
 from vexact.cli import main
 from vexact.lab import ray_executor
 from vexact.lab import report as report_module
+from vexact.lab.markdown_table import markdown_table
 from vexact.lab.report import group_table, read_point, read_sweep_results, write_report
 from vexact.lab.report import markdown_table as report_markdown_table
 from vexact.lab.sweep import load_sweep_spec, run_sweep
-from vexact.markdown_table import markdown_table
 from vexact.rl import atomic, collapse, log_backends
 from vexact.rl.metrics_log import NON_FINITE, MetricsDamaged, decode_non_finite, read_metrics
 from vexact.rl.runlog import MetricsWriter, latest_checkpoint

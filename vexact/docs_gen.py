@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from vexact.markdown_table import markdown_table
+from vexact.lab.markdown_table import markdown_table
 
 __all__ = ["PAGES", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "metrics_markdown",
            "on_config", "on_page_markdown"]

@@ -36,11 +36,11 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
-from ..markdown_table import markdown_table as write_markdown_table
 from ..rl.atomic import publish, write_json_atomic, write_text_atomic
 from ..rl.collapse import trailing_mean
 from ..rl.config import CollapseSection, dotted_items
 from ..rl.metrics_log import decode_non_finite, read_metrics
+from .markdown_table import markdown_table as write_markdown_table
 
 SEED_KEY = "seed"
 RESULT_STATUSES = ("completed", "stopped")  # points that ran to a verdict (the collapse-rate denominator)
