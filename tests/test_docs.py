@@ -162,7 +162,7 @@ def _measure_keys(tmp_path: Path) -> set[str]:
     model = tmp_path / "tiny"
     make_tiny_checkpoint(model, arch="llama")
     out = tmp_path / "m.json"
-    assert _quiet_main(["measure", "--model", str(model), "--random", "4", "--max-prompt-len", "8",
+    assert _quiet_main(["measure", "--model", str(model), "--random-prompts", "4", "--max-prompt-len", "8",
                         "--max-new-tokens", "4", "--rollout", "native:bf16", "--train", "exact:fp32",
                         "--json", str(out)]) == 0
     return set(json.loads(out.read_text())["metrics"])
