@@ -53,6 +53,7 @@ MODES = ("auto", "fixed-order", "unguarded")
 ENV_MODES = ("auto", "fixed-order")  # what users may choose; "unguarded" is for tests that show what the guard prevents
 MODE_ENV = "VEXACT_CPU_EXACT_PATH"
 REFERENCE_THREADS = 1
+MACHINE_THREADS = max(torch.get_num_threads(), os.cpu_count() or 1)  # also probed at first use (see _run_probe)
 PROBE_ROWS = 64  # rows per probe: the tallest tile
 PROBE_SEED = 20261123
 PROBE_ELEMENTS = 4096
@@ -271,12 +272,22 @@ class HostGuard:
 
     def _run_probe(self, record: ProbeRecord, reference: Callable[[], Tensor],
                    arrangements: Callable[[], str | None]) -> ProbeRecord:
-        """The reference with 1 thread, every arrangement at the current thread count, then the verdict."""
+        """The reference with 1 thread, every arrangement at the current thread count and at the machine's
+        (``MACHINE_THREADS``), then the verdict.
+
+        Why the machine's count too: the thread count changes no bit of a run (it is even a resume-safe key), so a
+        class must not pass at 1 thread and fail later at another count once results exist (MKL on an AVX-512
+        Xeon splits a K = 1000 reduction between 2 threads). Checking both counts at first use decides the path
+        before any result of the class is computed."""
         start = time.perf_counter()
         with torch.no_grad():
             record.reference = _with_threads(REFERENCE_THREADS, reference)
             record.failure = arrangements()
-        record.threads_checked.append(torch.get_num_threads())
+            record.threads_checked.append(torch.get_num_threads())
+            if record.failure is None and MACHINE_THREADS not in record.threads_checked:
+                failure = _with_threads(MACHINE_THREADS, arrangements)
+                record.failure = None if failure is None else f"{failure} ({MACHINE_THREADS} threads vs 1)"
+                record.threads_checked.append(MACHINE_THREADS)
         record.check = arrangements
         record.seconds += time.perf_counter() - start
         self._decide(record)

@@ -22,7 +22,7 @@ from conftest import num_threads, random_prompts, tiny_model
 
 from vexact import generate, token_logprobs
 from vexact_kernels import cpu_exact, fixed_order, native
-from vexact_kernels.host_guard import MODE_ENV, HostGuard, mode_from_env
+from vexact_kernels.host_guard import MACHINE_THREADS, MODE_ENV, HostGuard, mode_from_env
 
 
 # --------------------------------------------------------------------------- broken primitives
@@ -113,19 +113,40 @@ def test_probe_catches_thread_dependent_gemm_at_first_use():
     assert torch.equal(at_one, at_two)
 
 
-def test_a_thread_count_seen_later_is_verified_before_use():
+def test_the_machines_thread_count_is_probed_at_first_use():
+    """First use at 1 thread: the probe also runs the arrangements at the machine's thread count, so a GEMM that is
+    right at 1 thread and wrong at more is caught before any result exists (threads then change no bit)."""
     x, w = _linear_inputs()
     guard = _guard(bmm=thread_dependent_bmm)
+    with num_threads(1), pytest.warns(RuntimeWarning, match=rf"{MACHINE_THREADS} threads vs 1"):
+        at_one = cpu_exact.with_host(guard).linear(x, w)
+    (probe,) = guard.report()["probes"]
+    assert probe["path"] == "fixed-order" and probe["threads_checked"] == [1, MACHINE_THREADS]
+    with num_threads(2):
+        assert torch.equal(cpu_exact.with_host(guard).linear(x, w), at_one)
+
+
+def test_a_thread_count_seen_later_is_verified_before_use():
+    """A count beyond the machine's (set by hand) is verified at its first use; a failure then switches the class
+    and says that earlier results are not comparable."""
+    x, w = _linear_inputs()
+    beyond = MACHINE_THREADS + 1
+
+    def broken_beyond_the_machine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = fixed_order.bmm(a, b)
+        return _nudge(out) if torch.get_num_threads() > MACHINE_THREADS else out
+
+    guard = _guard(bmm=broken_beyond_the_machine)
     ops = cpu_exact.with_host(guard)
     with num_threads(1):
-        ops.linear(x, w)  # at 1 thread the broken GEMM is still right: the probe passes
+        ops.linear(x, w)  # at 1 thread and at the machine's count the broken GEMM is still right: the probe passes
     assert guard.report()["probes"][0]["path"] == "blas"
-    with num_threads(2), pytest.warns(RuntimeWarning, match=r"2 threads vs 1.*not bitwise comparable"):
-        at_two = ops.linear(x, w)
+    with num_threads(beyond), pytest.warns(RuntimeWarning, match=rf"{beyond} threads vs 1.*not bitwise comparable"):
+        at_more = ops.linear(x, w)
     (probe,) = guard.report()["probes"]
-    assert probe["path"] == "fixed-order" and probe["threads_checked"] == [1, 2]
+    assert probe["path"] == "fixed-order" and probe["threads_checked"] == [1, MACHINE_THREADS, beyond]
     with num_threads(1):
-        assert torch.equal(ops.linear(x, w), at_two)  # from now on one path for every thread count
+        assert torch.equal(ops.linear(x, w), at_more)  # from now on one path for every thread count
 
 
 def test_probe_catches_position_dependent_exp():
