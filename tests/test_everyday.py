@@ -364,7 +364,7 @@ def test_every_flag_with_a_default_shows_it():
                 unshown.append(f"{name} {action.option_strings}")
     assert unshown == []
     check_help = _subcommands()["vexact check"].format_help()
-    assert "(default: 24)" in check_help and "(default all,1,7)" in check_help
+    assert "(default: 24)" in check_help and "(default all,1,3" in check_help  # the shared check_paths default
 
 
 def test_version(capsys):
