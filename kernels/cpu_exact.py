@@ -34,10 +34,11 @@ fallback. ``host_report()`` says which path each op took (``vexact check`` print
 environment variable ``VEXACT_CPU_EXACT_PATH=fixed-order`` forces the by-construction path everywhere.
 
 Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in
-fp32) and rounded once to the output dtype. Backward passes (``autograd.exact_linear``,
-``autograd.exact_forward_vjp``, ``_ExactAttention``) are analytic VJPs in plain torch ops on
-values the exact forward saved -- no second forward; the gradients are deterministic run to
-run (they need not be batch-invariant: only the forward is compared across paths).
+fp32) and rounded once to the output dtype. Backward passes (``autograd.exact_forward_vjp``,
+``_ExactAttention``) are analytic VJPs on values the exact forward saved -- no second forward -- built from
+the same blocks: guarded GEMM tiles (a weight gradient reduces over tokens in fixed chunks, ``_transposed_matmul``),
+halving trees and the chunked exp. So the gradients are thread-count invariant too (each op's "Backward
+contract"); they still depend on the batch they are computed over (only the forward is compared across paths).
 
 Speed (see ``benchmarks/`` and the README's "Benchmarks" section): the exact forward runs
 the same BLAS GEMMs as native ops, on padded tiles; what it adds is padding, the tree sums'
