@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from vexact.rl.horizon_task import SCRATCH_ALPHABET, SCRATCH_PROBS, horizon_overrides, scratch_entropy
 from vexact.rl.tasks import (
@@ -82,3 +83,35 @@ def test_deterministic_stream():
     assert training_problems(task, 5, 3, 7) == training_problems(task, 5, 3, 7)
     random.seed(123)  # global RNG state is not used
     assert training_problems(task, 5, 3, 7) == training_problems(make_task("horizon", 16, 16), 5, 3, 7)
+
+
+def test_free_span_is_the_scratchpad_and_the_warm_start_weighs_it_as_one_token():
+    from vexact.rl.tasks import task_has_free_span
+    from vexact.rl.warmstart import free_token_weights
+
+    task = make_task("horizon", 16, 16)
+    problem = training_problems(task, 1, run_seed=0, step=0)[0]
+    target = encode_target(task.tokenizer, problem)
+    start, end = task.free_span(problem)
+    assert task.tokenizer.decode(target[start:end]) == problem.target.partition(":")[2]
+    assert end - start == 16 and target[end] == EOS_ID
+    weights = free_token_weights(task, problem, len(target), 1.0)
+    assert float(weights[start:end].sum()) == pytest.approx(1.0)
+    assert torch.equal(weights[:start], torch.ones(start)) and float(weights[end]) == 1.0
+    assert task_has_free_span("horizon") and not task_has_free_span("sum") and not task_has_free_span("nope")
+
+
+def test_free_weight_is_checked_and_leaves_old_warm_start_keys_alone():
+    from vexact.rl.config import ConfigError, config_from_dict
+    from vexact.rl.warmstart import warm_start_key
+
+    with pytest.raises(ConfigError, match="warm_start.free_weight.*needs a task with a free span"):
+        config_from_dict({"task": {"name": "sum"}, "warm_start": {"free_weight": 1.0}})
+    with pytest.raises(ConfigError, match="free_weight"):
+        config_from_dict({"task": {"name": "horizon"}, "warm_start": {"free_weight": -1.0}})
+    plain = config_from_dict({"task": {"name": "horizon"}})
+    weighted = config_from_dict({"task": {"name": "horizon"}, "warm_start": {"free_weight": 1.0}})
+    assert warm_start_key(plain) != warm_start_key(weighted)
+    plain_dict = plain.to_dict()
+    plain_dict["warm_start"].pop("free_weight")  # a config written before the knob existed
+    assert warm_start_key(config_from_dict(plain_dict)) == warm_start_key(plain)

@@ -36,7 +36,7 @@ from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_val
 from .atomic import write_text_atomic
 from .inject_modes import INJECT_MODE_NAMES, INJECT_MODES, KNOB_MODES, SOURCE_KEYS
 from .metrics import LOG_RATIO_BOUND
-from .tasks import TASK_NAMES, make_task, max_answer_tokens, max_prompt_tokens
+from .tasks import TASK_NAMES, make_task, max_answer_tokens, max_prompt_tokens, task_has_free_span
 from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
 from .validate import bounds as _bounds
 
@@ -142,6 +142,10 @@ class WarmStartSection:
     # task surge only: after an all-trace first half, imitate the worked trace on this fraction of examples and
     # the direct answer on the rest (vexact.rl.surge_task); None = the task's one target
     trace_fraction: float | None = field(default=None, metadata=_bounds(min=0, max=1))
+    # Total loss weight of a target's free tokens (the span the reward does not read, Task.free_span: the horizon
+    # task's scratchpad), shared equally among them; None = every target token weighs 1 (a plain token mean).
+    # 1.0 makes the answer's share of the loss the same at every scratchpad length.
+    free_weight: float | None = field(default=None, metadata=_bounds(min=0))
 
 
 @dataclass
@@ -380,6 +384,9 @@ class RunConfig:
         if self.warm_start.trace_fraction is not None and self.task.name != "surge":
             raise ConfigError(f"trace_fraction needs task.name: surge (a task with a direct and a worked answer), "
                               f"got task {self.task.name!r}", "warm_start.trace_fraction")
+        if self.warm_start.free_weight is not None and not task_has_free_span(self.task.name):
+            raise ConfigError(f"free_weight needs a task with a free span the reward does not read (such as "
+                              f"horizon's scratchpad), got task {self.task.name!r}", "warm_start.free_weight")
         bypass = self.algorithm.old_logprobs == "rollout"
         from .corrections import plan_for  # corrections imports this module
 

@@ -66,6 +66,11 @@ class ScratchpadTask(Task):
     def final_answer(self, text: str) -> str:
         return text.partition(":")[0] if ":" in text else "\0"  # no ':': not the task's format
 
+    def free_span(self, problem: Problem) -> tuple[int, int]:
+        """The scratchpad: the target tokens after the answer and ':' and before EOS."""
+        start = problem.target.index(":") + 1
+        return start, len(problem.target)
+
     def max_answer_len(self) -> int:
         return self.max_len + 1 + len(str(9 * ANSWER_DIGITS))
 

@@ -50,6 +50,7 @@ __all__ = [
     "HELD_OUT_SEED",
     "PAD_ID",
     "TASK_NAMES",
+    "task_has_free_span",
     "AddTask",
     "CharTokenizer",
     "CountTask",
@@ -176,6 +177,11 @@ class Task(ABC):
     def final_answer(self, text: str) -> str:
         """The part of a response's text the reward checks: all of it (trace tasks override this)."""
         return text
+
+    def free_span(self, problem: Problem) -> tuple[int, int] | None:
+        """Target token positions ``[start, end)`` the reward does not read (a free scratchpad), or None. The
+        warm start can down-weight them (``warm_start.free_weight``)."""
+        return None
 
     def reward(self, problem: Problem, response_ids: Iterable[int]) -> float:
         """1.0 for the exact answer followed by EOS, else 0.0 (or the partial credit described in the module
@@ -337,6 +343,11 @@ def _digits(rng: random.Random, n: int) -> str:
 def _number(rng: random.Random, n_digits: int) -> int:
     """A uniform integer with exactly ``n_digits`` digits (0-9 for one digit)."""
     return rng.randint(0 if n_digits == 1 else 10 ** (n_digits - 1), 10**n_digits - 1)
+
+
+def task_has_free_span(name: str) -> bool:
+    """Whether task ``name`` overrides ``Task.free_span`` (has target tokens the reward does not read)."""
+    return name in _TASKS and _TASKS[name].free_span is not Task.free_span
 
 
 def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = False) -> Task:

@@ -18,7 +18,7 @@ from .atomic import publish
 from .config import RunConfig, config_hash
 from .optim import ExactAdamW, clip_gradients_
 from .surge_task import mixed_targets
-from .tasks import Task, encode_prompt, encode_target, training_problems
+from .tasks import Problem, Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
 CACHE_VERSION = 3  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
@@ -31,6 +31,8 @@ def warm_start_key(cfg: RunConfig) -> str:
     plain["warm_start"].pop("seed", None)  # folded into "seed" below
     if plain["warm_start"].get("trace_fraction") is None:
         plain["warm_start"].pop("trace_fraction", None)  # unset: the same key as before the knob existed
+    if plain["warm_start"].get("free_weight") is None:
+        plain["warm_start"].pop("free_weight", None)  # likewise
     plain["task"].pop("eval_prompts", None)
     plain["model"].pop("preset", None)  # a name for values already in the other model keys
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
@@ -86,6 +88,16 @@ def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[st
         lock.release()
 
 
+def free_token_weights(task: Task, problem: Problem, target_tokens: int, free_weight: float) -> torch.Tensor:
+    """Per-token loss weights of one warm-start target: 1 for every token the reward reads, and ``free_weight``
+    shared equally by the free span (``task.free_span``), so that span weighs the same whatever its length."""
+    weights = torch.ones(target_tokens)
+    span = task.free_span(problem)
+    if span is not None and span[1] > span[0]:
+        weights[span[0]:span[1]] = free_weight / (span[1] - span[0])
+    return weights
+
+
 def _load(model: Transformer, path: Path, log: Callable[[str], None], how: str) -> Path:
     model.load_state_dict(load_file(str(path)))
     log(f"warm start: {how} {path}")
@@ -107,7 +119,12 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
         for group in optimizer.param_groups:
             group["lr"] = ws.lr * (1.0 - 0.9 * step / max(ws.steps - 1, 1))
         logprobs, _ = score_tokens(model, prompts, targets)
-        loss = -torch.cat(logprobs).mean()
+        if ws.free_weight is None:
+            loss = -torch.cat(logprobs).mean()
+        else:
+            weights = torch.cat([free_token_weights(task, problem, len(target), ws.free_weight)
+                                 for problem, target in zip(problems, targets)])
+            loss = -(torch.cat(logprobs) * weights).sum() / weights.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip_gradients_(list(model.parameters()), 1.0)
