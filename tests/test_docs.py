@@ -134,6 +134,7 @@ RUN_VARIANTS = {
              "inject.mode=logit_scale", "inject.value=-0.3"],
     "icepop": ["correction.method=icepop", "correction.batch_normalize=true", "inject.mode=logit_noise",
                "inject.value=0.5"],
+    "tail": ["task.distractors=6"],  # the tail/* keys (vexact.rl.vocab_tail)
 }
 
 

@@ -51,6 +51,7 @@ def _k(name: str, definition: str, unit: str, writers: tuple[str, ...], source: 
 _METRICS = "rl/metrics.py"
 _TRAINER = "rl/trainer.py"
 _CORR = "rl/corrections.py"
+_TAIL = "rl/vocab_tail.py"
 
 KEYS: tuple[MetricKey, ...] = (
     # --- reward and length of the step's rollouts (rl/trainer.py via metrics.sequence_stats) -----------------------
@@ -214,6 +215,14 @@ KEYS: tuple[MetricKey, ...] = (
        "count", LIVE, "live.py"),
     _k("trl/global_step", "TRL's optimiser step when the batch was generated (the TRL hook's extra key; the row's "
        "`step` counts generation batches)", "step", LIVE, "integrations/trl.py"),
+    # --- the vocabulary tail (rl/vocab_tail.py; written when `task.distractors` > 0) -------------------------------
+    _k("tail/mass_mean", "Token mean over generated tokens of the rollout distribution's probability of the "
+       "distractor tokens (μ after injection and temperature)", "probability", RUN, _TAIL),
+    _k("tail/mass_max", "Largest distractor probability of the rollout distribution at one generated token",
+       "probability", RUN, _TAIL),
+    _k("tail/token_frac", "Fraction of generated tokens that are distractors", "fraction", RUN, _TAIL),
+    _k("tail/response_frac", "Fraction of responses holding a distractor (each earns reward 0)", "fraction", RUN,
+       _TAIL),
     # --- injection, LR schedule ---------------------------------------------------------------------------------
     _k("inject/value", "The injection knob in effect this step (after `onset_step` / `ramp_steps`)", "knob", RUN,
        _TRAINER),
@@ -249,6 +258,7 @@ GROUPS: dict[str, str] = {
     "training": "Probability differences (verl's names and definitions)",
     "mismatch": "Training–inference mismatch (vexact's own)",
     "correction": "Rollout correction: what the loss applied (vexact's own)",
+    "tail": "The vocabulary tail (`task.distractors`)",
     "inject": "Controlled mismatch",
     "lr_schedule": "LR schedule",
     "eval": "Clean evaluation",

@@ -45,7 +45,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ from ..rl.inject import Injector
 from ..rl.metrics import mismatch_metrics
 from ..rl.objective import compute_advantages
 from ..rl.runlog import json_safe, write_json_atomic
+from ..rl.vocab_tail import tail_metrics
 
 __all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_bias", "run_meter"]
 
@@ -107,6 +108,7 @@ class _Gradients:
     grads: list[Tensor]
     lengths: list[float]
     rewards: list[float]
+    tails: list[dict[str, float]] = field(default_factory=list)  # tail_metrics per batch (task.distractors > 0)
 
 
 def exact_gradients(cfg: RunConfig, batches: int, trainer: Any | None = None) -> _Gradients:
@@ -120,6 +122,8 @@ def exact_gradients(cfg: RunConfig, batches: int, trainer: Any | None = None) ->
         out.grads.append(_flat_gradient(trainer, batch))
         out.lengths.append(sum(batch.lengths) / len(batch.lengths))
         out.rewards.append(float(batch.rewards.mean()))
+        if batch.tail_mass is not None:
+            out.tails.append(tail_metrics(batch.tail_mass, batch.responses))
     return out
 
 
@@ -136,7 +140,7 @@ def measure_bias(cfg: RunConfig, batches: int = 16, exact: _Gradients | None = N
         exact = exact_gradients(cfg, batches, trainer)
     if len(exact.grads) < batches:
         raise ValueError(f"{len(exact.grads)} exact gradients for {batches} batches")
-    diffs, k3, abs_dlogp, lengths = [], [], [], []
+    diffs, k3, abs_dlogp, lengths, tails = [], [], [], [], []
     for k in range(batches):
         plan = trainer.injector.plan(k)
         batch = trainer.rollout(k, plan)
@@ -145,13 +149,29 @@ def measure_bias(cfg: RunConfig, batches: int = 16, exact: _Gradients | None = N
         k3.append(metrics["rollout_corr/k3_kl"])
         abs_dlogp.append(metrics["mismatch/abs_dlogp_mean"])
         lengths.append(sum(batch.lengths) / len(batch.lengths))
+        if batch.tail_mass is not None:
+            tails.append(tail_metrics(batch.tail_mass, batch.responses))
     stats = bias_statistics(torch.stack(exact.grads[:batches]), torch.stack(diffs))
+    tail = _tail_summary(tails, exact.tails[:batches]) if tails else {}  # no keys without a vocabulary tail
     return {**stats, "batches": batches, "k3_kl": sum(k3) / batches, "abs_dlogp_mean": sum(abs_dlogp) / batches,
             "horizon_mean": sum(lengths) / batches, "horizon_mean_exact": sum(exact.lengths[:batches]) / batches,
             "reward_mean_exact": sum(exact.rewards[:batches]) / batches,
             "old_logprobs": cfg.algorithm.old_logprobs, "inject_mode": cfg.inject.mode,
-            "inject_value": cfg.inject.value,
+            "inject_value": cfg.inject.value, **tail,
             "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _tail_summary(mismatched: list[dict[str, float]], exact: list[dict[str, float]]) -> dict[str, float]:
+    """Batch means of the rollouts' ``tail/*`` metrics (``vexact.rl.vocab_tail``): ``tail_mass_mean``,
+    ``tail_token_frac`` and ``tail_response_frac`` of the mismatched rollouts, and ``tail_mass_mean_exact`` of the
+    exact ones."""
+    def mean(rows: list[dict[str, float]], key: str) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    out = {f"tail_{k}": mean(mismatched, f"tail/{k}") for k in ("mass_mean", "token_frac", "response_frac")}
+    if exact:
+        out["tail_mass_mean_exact"] = mean(exact, "tail/mass_mean")
+    return out
 
 
 def bias_statistics(g: Tensor, d: Tensor, bootstrap: int = BOOTSTRAP) -> dict[str, Any]:
@@ -438,20 +458,29 @@ def add_arguments(parser: Any) -> None:
 
 def meter_table(result: dict[str, Any]) -> str:
     """The cells as a Markdown table, then one line per source with its growth fit."""
+    tail = any("tail_mass_mean" in c for c in result["cells"])  # a vocabulary tail: two more columns
     head = ("| L | T | source | realised k3 | bias ratio [95%] | debiased | resolved | cosine [95%] | "
-            "reward (exact) |")
-    lines = [head, "|---:|---:|:---|---:|---:|---:|:---|---:|---:|"]
+            "reward (exact) |" + (" tail mass μ (exact) | tail tokens |" if tail else ""))
+    lines = [head, "|---:|---:|:---|---:|---:|---:|:---|---:|---:|" + ("---:|---:|" if tail else "")]
     for c in result["cells"]:
         cos_ci = c["cosine_ci"]
         cos = f"{c['cosine']:.4f}" + (f" [{cos_ci[0]:.4f}, {cos_ci[1]:.4f}]" if cos_ci[0] is not None else "")
         deb = "—" if c["bias_ratio_debiased"] is None else f"{c['bias_ratio_debiased']:.3g}"
         lines.append(f"| {c['horizon']} | {c['horizon_mean']:.1f} | {c['source']} | {c['k3_kl']:.2e} | "
                      f"{c['bias_ratio']:.3g} {_ci_text(c['bias_ratio_ci'])} | {deb} | "
-                     f"{'yes' if resolved(c) else 'no'} | {cos} | {c['reward_mean_exact']:.2f} |")
+                     f"{'yes' if resolved(c) else 'no'} | {cos} | {c['reward_mean_exact']:.2f} |"
+                     + (_tail_cells(c) if tail else ""))
     lines.append("")
     for source, fits in result["growth"].items():
         lines.append(f"- {source}: {fits['bias_ratio']['note']}")
     return "\n".join(lines) + "\n"
+
+
+def _tail_cells(c: dict[str, Any]) -> str:
+    if "tail_mass_mean" not in c:
+        return " — | — |"
+    return (f" {c['tail_mass_mean']:.2e} ({c.get('tail_mass_mean_exact', math.nan):.2e}) | "
+            f"{c['tail_token_frac']:.2e} |")
 
 
 def main(args: Any) -> int:

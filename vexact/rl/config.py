@@ -122,6 +122,9 @@ class TaskSection:
     max_len: int = field(default=8, metadata=_bounds(min=1))
     partial_credit: bool = False
     eval_prompts: int = field(default=64, metadata=_bounds(min=1))  # size of the fixed held-out prompt set
+    # A vocabulary tail: this many distractor tokens after the 22 characters, in no prompt or target, so the warm
+    # start teaches the policy to avoid them; a response using one earns 0 (vexact.rl.vocab_tail). 0 = none.
+    distractors: int = field(default=0, metadata=_bounds(min=0, max=262_144))
 
     def check(self) -> None:
         if self.max_len < self.min_len:
@@ -427,7 +430,8 @@ def check_lengths(cfg: RunConfig) -> None:
     ``rollout.max_new_tokens`` holds the longest answer + EOS. A ConfigError naming the key otherwise (checked when
     a config is loaded, and again by the Trainer for a RunConfig built in Python)."""
     try:
-        task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit)
+        task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit,
+                         cfg.task.distractors)
     except ValueError as e:
         raise ConfigError(str(e), "task") from None
     need = max_prompt_tokens(task) + cfg.rollout.max_new_tokens

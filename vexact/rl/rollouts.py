@@ -13,6 +13,7 @@ from ..engine.rollout import generate
 from .config import RolloutSection
 from .inject import RolloutPlan
 from .tasks import EOS_ID, CharTokenizer, Problem, Task, encode_prompt, training_problems
+from .vocab_tail import tail_probe
 
 
 @dataclass
@@ -25,6 +26,7 @@ class RolloutBatch:
     logprobs: list[Tensor]  # as recorded by the rollout path
     finished: list[bool]  # True where EOS was produced
     rewards: Tensor  # [N] float32
+    tail_mass: list[Tensor] | None = None  # per token: the rollout's probability of the distractors (vocab_tail)
 
     @property
     def lengths(self) -> list[int]:
@@ -34,14 +36,16 @@ class RolloutBatch:
         """The sequences ``idx`` (in that order) as a batch of their own."""
         return RolloutBatch([self.problems[i] for i in idx], [self.prompts[i] for i in idx],
                             [self.responses[i] for i in idx], [self.logprobs[i] for i in idx],
-                            [self.finished[i] for i in idx], self.rewards[list(idx)])
+                            [self.finished[i] for i in idx], self.rewards[list(idx)],
+                            None if self.tail_mass is None else [self.tail_mass[i] for i in idx])
 
     @classmethod
     def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
         """The batches one after another (data-parallel shards, in rank order)."""
         return cls([x for b in parts for x in b.problems], [x for b in parts for x in b.prompts],
                    [x for b in parts for x in b.responses], [x for b in parts for x in b.logprobs],
-                   [x for b in parts for x in b.finished], torch.cat([b.rewards for b in parts]))
+                   [x for b in parts for x in b.finished], torch.cat([b.rewards for b in parts]),
+                   None if any(b.tail_mass is None for b in parts) else [x for b in parts for x in b.tail_mass])
 
 
 def step_problems(task: Task, settings: RolloutSection, run_seed: int, step: int) -> list[Problem]:
@@ -59,11 +63,14 @@ def collect_rollouts(model: Transformer, plan: RolloutPlan, task: Task, tokenize
     global sequence index, so the shares together are the one-process batch."""
     problems = [p for p in problems for _ in range(settings.samples_per_prompt)]
     prompts = [encode_prompt(tokenizer, p) for p in problems]
+    first = first_problem * settings.samples_per_prompt
+    hook, probe = tail_probe(tokenizer, plan.logits_hook, len(prompts), settings.max_new_tokens, first)
     out = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                   seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, logits_hook=plan.logits_hook,
-                   ops=plan.ops, first_index=first_problem * settings.samples_per_prompt)
+                   seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, logits_hook=hook,
+                   ops=plan.ops, first_index=first)
     rewards = torch.tensor([task.reward(p, r) for p, r in zip(problems, out.tokens)], dtype=torch.float32)
-    return RolloutBatch(problems, prompts, out.tokens, out.logprobs, out.finished, rewards)
+    return RolloutBatch(problems, prompts, out.tokens, out.logprobs, out.finished, rewards,
+                        None if probe is None else probe.per_sequence(out.tokens))
 
 
 @dataclass

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BOS_ID",
+    "CHAR_VOCAB_SIZE",
     "EOS_ID",
     "HELD_OUT_SEED",
     "PAD_ID",
@@ -76,6 +77,8 @@ EOS_ID = 2
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")
 CHARS = "0123456789abc+=:<>#"
 """Ordinary characters, ids ``3 ..``: digits, the count letters, separators and task tags."""
+CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARS)
+"""22: ids from here up are a vocabulary tail's distractors (``task.distractors``, ``vexact.rl.vocab_tail``)."""
 
 _SEED_BITS = 64
 _SEED_MASK = (1 << _SEED_BITS) - 1
@@ -190,6 +193,8 @@ class Task(ABC):
         terminated = EOS_ID in ids
         if terminated:
             ids = ids[: ids.index(EOS_ID)]
+        if any(CHAR_VOCAB_SIZE <= i < self.tokenizer.vocab_size for i in ids):
+            return 0.0  # a distractor (vexact.rl.vocab_tail) is no character: a response using one is malformed
         # PAD/BOS inside a response become "\0", which matches no answer character.
         text = "".join("\0" if i in (PAD_ID, BOS_ID) else self.tokenizer._char(i) for i in ids)
         text = self.final_answer(text)
@@ -350,11 +355,17 @@ def task_has_free_span(name: str) -> bool:
     return name in _TASKS and _TASKS[name].free_span is not Task.free_span
 
 
-def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = False) -> Task:
-    """The task called ``name`` (one of ``TASK_NAMES``) with input lengths in ``[min_len, max_len]``."""
+def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = False, distractors: int = 0) -> Task:
+    """The task called ``name`` (one of ``TASK_NAMES``) with input lengths in ``[min_len, max_len]``;
+    ``distractors`` > 0 gives it a vocabulary tail of that many tokens (``vexact.rl.vocab_tail``)."""
     if name not in _TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}")
-    return _TASKS[name](min_len, max_len, partial_credit)
+    task = _TASKS[name](min_len, max_len, partial_credit)
+    if distractors:
+        from .vocab_tail import tokenizer_for  # vocab_tail imports this module
+
+        task.tokenizer = tokenizer_for(distractors)
+    return task
 
 
 def encode_prompt(tokenizer: CharTokenizer, problem: Problem) -> list[int]:

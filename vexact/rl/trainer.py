@@ -47,8 +47,9 @@ from .runlog import (
     write_json_atomic,
 )
 from .schedules import LRSchedule
-from .tasks import CharTokenizer, held_out_problems, make_task, training_problems
+from .tasks import held_out_problems, make_task, training_problems
 from .triton_guard import check_interpreted_triton
+from .vocab_tail import tail_metrics
 from .warmstart import warm_start
 
 __all__ = ["CollapseConfirmed", "RunStopped", "Trainer", "run_dir_for"]
@@ -88,8 +89,9 @@ class Trainer:
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.run_dir = run_dir_for(cfg)
         torch.set_num_threads(cfg.threads or default_threads(cfg))
-        self.tokenizer = CharTokenizer()
-        self.task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit)
+        self.task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit,
+                              cfg.task.distractors)
+        self.tokenizer = self.task.tokenizer  # the characters, and a vocabulary tail when task.distractors > 0
         check_lengths(cfg)  # a ConfigError, also for a RunConfig built in Python (load_config checked it already)
         check_interpreted_triton(cfg, self.task, self.console)  # refuse hours in the Triton interpreter up front
         self.model_config = cfg.model.to_model_config(self.tokenizer.vocab_size)
@@ -191,6 +193,8 @@ class Trainer:
         metrics: dict = {"step": step}
         metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
                                              batch.logprobs, log_ratio_bound=self.cfg.correction.log_ratio_bound))
+        if batch.tail_mass is not None:  # task.distractors > 0: the rollout distribution's tail (vocab_tail)
+            metrics.update(tail_metrics(batch.tail_mass, batch.responses))
         metrics["actor/lr"] = lr
         if self.injector.enabled:
             metrics["inject/value"] = plan.value

@@ -34,6 +34,8 @@ def warm_start_key(cfg: RunConfig) -> str:
     if plain["warm_start"].get("free_weight") is None:
         plain["warm_start"].pop("free_weight", None)  # likewise
     plain["task"].pop("eval_prompts", None)
+    if not plain["task"].get("distractors"):
+        plain["task"].pop("distractors", None)  # no vocabulary tail: the same key as before the knob existed
     plain["model"].pop("preset", None)  # a name for values already in the other model keys
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
                         "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
