@@ -188,3 +188,24 @@ def test_the_meter_reports_the_tail_and_keeps_zero_bias_bitwise(tmp_path):
     plain = measure_bias(_cfg(0, *tiny), batches=2)  # no tail: no tail keys, the table as before
     assert not any(k.startswith("tail") for k in plain)
     assert "tail" not in meter_table({"cells": [{"horizon": 2, "source": "exact", **plain}], "growth": {}})
+
+
+def test_tail_compare_matches_cells_and_lists_the_rest(tmp_path, capsys):
+    from vexact.lab.tail_compare import main
+
+    def cell(h, s, ratio, k3, **tail):
+        return {"horizon": h, "source": s, "bias_ratio": ratio, "bias_ratio_ci": [ratio / 2, ratio * 2], "k3_kl": k3,
+                "bias_abs": 1.0, "bias_abs_noise": 0.1, "grad_norm": 1.0, "grad_norm_noise": 0.1,
+                "reward_mean_exact": 0.5, **tail}
+
+    tail = {"cells": [cell(1, "noise", 0.3, 1e-2, tail_mass_mean=2e-3, tail_mass_mean_exact=1e-3),
+                      cell(16, "noise", 0.4, 2e-2, tail_mass_mean=3e-3, tail_mass_mean_exact=1e-3)]}
+    base = {"cells": [cell(1, "noise", 0.1, 5e-3), cell(4, "noise", 0.2, 6e-3)]}
+    (tmp_path / "t.json").write_text(json.dumps(tail))
+    (tmp_path / "b.json").write_text(json.dumps(base))
+    assert main([str(tmp_path / "t.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | noise | 5.00e-03 | 1.00e-02 | 0.1 [0.05, 0.2] | 0.3 [0.15, 0.6] | 2.00e-03 | 1.00e-03 |" in out
+    assert "L = 4 noise (V = 22 only), L = 16 noise (tail only)" in out
+    assert main([str(tmp_path / "t.json"), str(tmp_path / "missing.json")]) == 2
+    assert "error:" in capsys.readouterr().err

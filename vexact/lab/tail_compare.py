@@ -1,0 +1,72 @@
+"""Meter cells with and without a vocabulary tail, side by side (issue O, item 6).
+
+``python -m vexact.lab.tail_compare TAIL_METER_JSON BASE_METER_JSON`` reads two ``meter.json`` files written by
+``vexact meter`` (one with ``task.distractors`` > 0, one on the character vocabulary) and prints one Markdown row
+per (horizon, source) cell present in both: realised k3, bias ratio with its 95% interval and whether it is
+resolved, for each vocabulary, and the tail's probability mass under the mismatched and the exact rollouts. Cells
+in only one file are listed below the table, never guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .bias_meter import resolved
+
+__all__ = ["compare_cells", "main"]
+
+
+def _load(path: Path) -> dict[tuple[int, str], dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+        return {(c["horizon"], c["source"]): c for c in data["cells"]}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a meter.json ({e})") from None
+
+
+def _ratio(c: dict[str, Any]) -> str:
+    lo, hi = c["bias_ratio_ci"]
+    ci = "[?]" if lo is None else f"[{lo:.3g}, {hi:.3g}]"
+    return f"{c['bias_ratio']:.3g} {ci}" + ("" if resolved(c) else " (not resolved)")
+
+
+def compare_cells(tail: dict[tuple[int, str], dict[str, Any]], base: dict[tuple[int, str], dict[str, Any]]) -> str:
+    """The Markdown table of the cells in both (in ``tail``'s order), then a line naming the cells in one only."""
+    lines = ["| L | source | k3 (V = 22) | k3 (tail) | bias ratio (V = 22) | bias ratio (tail) | "
+             "tail mass μ | tail mass (exact) | reward exact (V = 22 / tail) |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, t in tail.items():
+        if key not in base:
+            continue
+        b = base[key]
+        t_mass = t.get("tail_mass_mean")
+        mass = "—" if t_mass is None else f"{t_mass:.2e}"
+        exact = "—" if t.get("tail_mass_mean_exact") is None else f"{t['tail_mass_mean_exact']:.2e}"
+        lines.append(f"| {key[0]} | {key[1]} | {b['k3_kl']:.2e} | {t['k3_kl']:.2e} | {_ratio(b)} | {_ratio(t)} | "
+                     f"{mass} | {exact} | {b['reward_mean_exact']:.2f} / {t['reward_mean_exact']:.2f} |")
+    only = [f"L = {h} {s} ({'tail' if (h, s) in tail else 'V = 22'} only)"
+            for h, s in sorted(set(tail) ^ set(base))]
+    if only:
+        lines += ["", "Not compared: " + ", ".join(only)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vexact.lab.tail_compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("tail", type=Path, help="meter.json of the meter with a vocabulary tail")
+    parser.add_argument("base", type=Path, help="meter.json of the meter on the character vocabulary")
+    args = parser.parse_args(argv)
+    try:
+        print(compare_cells(_load(args.tail), _load(args.base)), end="")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
