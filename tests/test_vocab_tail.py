@@ -205,7 +205,8 @@ def test_tail_compare_matches_cells_and_lists_the_rest(tmp_path, capsys):
     (tmp_path / "b.json").write_text(json.dumps(base))
     assert main([str(tmp_path / "t.json"), str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
-    assert "| 1 | noise | 5.00e-03 | 1.00e-02 | 0.1 [0.05, 0.2] | 0.3 [0.15, 0.6] | 2.00e-03 | 1.00e-03 |" in out
+    assert ("| 1 | noise | 5.00e-03 | 1.00e-02 | 0.1 [0.05, 0.2] | 0.3 [0.15, 0.6] | 1 ± 0.1 / 1 ± 0.1 | "
+            "1 ± 0.1 / 1 ± 0.1 | 2.00e-03 | 1.00e-03 |") in out
     assert "L = 4 noise (V = 22 only), L = 16 noise (tail only)" in out
     assert main([str(tmp_path / "t.json"), str(tmp_path / "missing.json")]) == 2
     assert "error:" in capsys.readouterr().err

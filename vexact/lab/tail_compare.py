@@ -3,7 +3,8 @@
 ``python -m vexact.lab.tail_compare TAIL_METER_JSON BASE_METER_JSON`` reads two ``meter.json`` files written by
 ``vexact meter`` (one with ``task.distractors`` > 0, one on the character vocabulary) and prints one Markdown row
 per (horizon, source) cell present in both: realised k3, bias ratio with its 95% interval and whether it is
-resolved, for each vocabulary, and the tail's probability mass under the mismatched and the exact rollouts. Cells
+resolved, the bias ‖E d‖ and the exact gradient ‖E g_π‖ with their Monte-Carlo noise, for each vocabulary, and the
+tail's probability mass under the mismatched and the exact rollouts. Cells
 in only one file are listed below the table, never guessed.
 """
 
@@ -34,11 +35,17 @@ def _ratio(c: dict[str, Any]) -> str:
     return f"{c['bias_ratio']:.3g} {ci}" + ("" if resolved(c) else " (not resolved)")
 
 
+def _pair(b: dict[str, Any], t: dict[str, Any], key: str) -> str:
+    """``key`` of both cells with its Monte-Carlo noise: ``b ± noise / t ± noise``."""
+    return " / ".join(f"{c[key]:.3g} ± {c[key + '_noise']:.2g}" for c in (b, t))
+
+
 def compare_cells(tail: dict[tuple[int, str], dict[str, Any]], base: dict[tuple[int, str], dict[str, Any]]) -> str:
     """The Markdown table of the cells in both (in ``tail``'s order), then a line naming the cells in one only."""
     lines = ["| L | source | k3 (V = 22) | k3 (tail) | bias ratio (V = 22) | bias ratio (tail) | "
-             "tail mass μ | tail mass (exact) | reward exact (V = 22 / tail) |",
-             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
+             "‖E d‖ (V = 22 / tail) | ‖E g_π‖ (V = 22 / tail) | tail mass μ | tail mass (exact) | "
+             "reward exact (V = 22 / tail) |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, t in tail.items():
         if key not in base:
             continue
@@ -47,7 +54,8 @@ def compare_cells(tail: dict[tuple[int, str], dict[str, Any]], base: dict[tuple[
         mass = "—" if t_mass is None else f"{t_mass:.2e}"
         exact = "—" if t.get("tail_mass_mean_exact") is None else f"{t['tail_mass_mean_exact']:.2e}"
         lines.append(f"| {key[0]} | {key[1]} | {b['k3_kl']:.2e} | {t['k3_kl']:.2e} | {_ratio(b)} | {_ratio(t)} | "
-                     f"{mass} | {exact} | {b['reward_mean_exact']:.2f} / {t['reward_mean_exact']:.2f} |")
+                     f"{_pair(b, t, 'bias_abs')} | {_pair(b, t, 'grad_norm')} | {mass} | {exact} | "
+                     f"{b['reward_mean_exact']:.2f} / {t['reward_mean_exact']:.2f} |")
     only = [f"L = {h} {s} ({'tail' if (h, s) in tail else 'V = 22'} only)"
             for h, s in sorted(set(tail) ^ set(base))]
     if only:
