@@ -32,7 +32,7 @@ from torch import Tensor
 from .tasks import CHAR_VOCAB_SIZE, CharTokenizer
 
 __all__ = ["MAX_DISTRACTORS", "NO_CHARACTER", "TailProbe", "TailTokenizer", "check_distractors", "tail_metrics",
-           "tail_probe"]
+           "tail_probe", "tokenizer_for"]
 
 NO_CHARACTER = "\ufffd"
 """What a distractor decodes to: the Unicode replacement character, in no task's prompt, answer or format."""
