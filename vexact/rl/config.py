@@ -39,6 +39,7 @@ from .metrics import LOG_RATIO_BOUND
 from .tasks import TASK_NAMES, make_task, max_answer_tokens, max_prompt_tokens, task_has_free_span
 from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
 from .validate import bounds as _bounds
+from .vocab_tail import MAX_DISTRACTORS
 
 __all__ = [
     "AlgorithmSection",
@@ -124,7 +125,7 @@ class TaskSection:
     eval_prompts: int = field(default=64, metadata=_bounds(min=1))  # size of the fixed held-out prompt set
     # A vocabulary tail: this many distractor tokens after the 22 characters, in no prompt or target, so the warm
     # start teaches the policy to avoid them; a response using one earns 0 (vexact.rl.vocab_tail). 0 = none.
-    distractors: int = field(default=0, metadata=_bounds(min=0, max=262_144))
+    distractors: int = field(default=0, metadata=_bounds(min=0, max=MAX_DISTRACTORS))
 
     def check(self) -> None:
         if self.max_len < self.min_len:
