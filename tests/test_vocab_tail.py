@@ -210,3 +210,28 @@ def test_tail_compare_matches_cells_and_lists_the_rest(tmp_path, capsys):
     assert "L = 4 noise (V = 22 only), L = 16 noise (tail only)" in out
     assert main([str(tmp_path / "t.json"), str(tmp_path / "missing.json")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_sweep_tail_table_averages_seeds_and_skips_points_without_a_tail(tmp_path, capsys):
+    from vexact.lab.tail_compare import main
+
+    def point(name, overrides, rows, status="completed"):
+        d = tmp_path / "points" / name
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **r}) + "\n" for i, r in enumerate(rows)))
+        return {"dir": f"points/{name}", "name": name, "overrides": overrides, "status": status}
+
+    def tail(mass, frac):
+        return {"tail/mass_mean": mass, "tail/response_frac": frac}
+
+    points = [point("a0", {"inject.value": -0.3, "seed": 0}, [tail(0.1, 0.2), tail(0.3, 0.4)]),
+              point("a1", {"inject.value": -0.3, "seed": 1}, [tail(0.3, 0.0), tail(0.5, 1.0)]),
+              point("b0", {"inject.value": 0.0, "seed": 0}, [{"reward/mean": 1.0}]),  # no tail: left out
+              point("c0", {"inject.value": -0.5, "seed": 0}, [tail(0.9, 0.9)], status="running")]  # unfinished
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
+    assert main(["--sweep", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    # first step: mean(0.1, 0.3); last: mean(0.3, 0.5); run mean: mean(0.2, 0.4); fractions: 0.1 / 0.7
+    assert "| inject.value=-0.3 | 2 | 2 | 2.00e-01 | 4.00e-01 | 3.00e-01 | 0.100 / 0.700 |" in out
+    assert "inject.value=0.0" not in out and "inject.value=-0.5" not in out
+    assert main(["--sweep", str(tmp_path / "nope")]) == 2

@@ -1,5 +1,10 @@
 """Meter cells with and without a vocabulary tail, side by side (issue O, item 6).
 
+``python -m vexact.lab.tail_compare --sweep SWEEP_DIR`` instead prints, per group of a ``vexact sweep`` (its
+overrides but the seed), how the rollouts' tail evolved over training: the seed means of ``tail/mass_mean`` at the
+first and last step and over the run, and of ``tail/response_frac`` at the first and last step. Points without
+``tail/*`` keys (no vocabulary tail) and unfinished points are left out.
+
 ``python -m vexact.lab.tail_compare TAIL_METER_JSON BASE_METER_JSON`` reads two ``meter.json`` files written by
 ``vexact meter`` (one with ``task.distractors`` > 0, one on the character vocabulary) and prints one Markdown row
 per (horizon, source) cell present in both: realised k3, bias ratio with its 95% interval and whether it is
@@ -18,7 +23,7 @@ from typing import Any
 
 from .bias_meter import resolved
 
-__all__ = ["compare_cells", "main"]
+__all__ = ["compare_cells", "main", "sweep_tail_table"]
 
 
 def _load(path: Path) -> dict[tuple[int, str], dict[str, Any]]:
@@ -63,13 +68,50 @@ def compare_cells(tail: dict[tuple[int, str], dict[str, Any]], base: dict[tuple[
     return "\n".join(lines) + "\n"
 
 
+def sweep_tail_table(sweep_dir: Path) -> str:
+    """The tail over training, per group of finished points with ``tail/*`` keys (module docstring)."""
+    from ..rl.metrics_log import read_metrics
+
+    try:
+        points = json.loads((sweep_dir / "sweep.json").read_text())["points"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{sweep_dir}: not a vexact sweep directory ({e})") from None
+    groups: dict[str, list[list[dict[str, Any]]]] = {}
+    for point in points:
+        if point.get("status") not in ("completed", "stopped"):
+            continue
+        rows = [r for r in read_metrics(sweep_dir / point["dir"] / "metrics.jsonl") if "tail/mass_mean" in r]
+        if rows:
+            label = ", ".join(f"{k}={v}" for k, v in point["overrides"].items() if k != "seed")
+            groups.setdefault(label, []).append(rows)
+    lines = ["| group | seeds | steps | tail mass μ (first step) | tail mass μ (last step) | tail mass μ (run mean) | "
+             "responses with a distractor (first / last step) |", "|:---|---:|---:|---:|---:|---:|---:|"]
+    for label, runs in groups.items():
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values)
+
+        first, last = mean([r[0]["tail/mass_mean"] for r in runs]), mean([r[-1]["tail/mass_mean"] for r in runs])
+        whole = mean([mean([x["tail/mass_mean"] for x in r]) for r in runs])
+        frac = (mean([r[0]["tail/response_frac"] for r in runs]), mean([r[-1]["tail/response_frac"] for r in runs]))
+        steps = "/".join(sorted({str(len(r)) for r in runs}))
+        lines.append(f"| {label} | {len(runs)} | {steps} | {first:.2e} | {last:.2e} | {whole:.2e} | "
+                     f"{frac[0]:.3f} / {frac[1]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vexact.lab.tail_compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("tail", type=Path, help="meter.json of the meter with a vocabulary tail")
-    parser.add_argument("base", type=Path, help="meter.json of the meter on the character vocabulary")
+    parser.add_argument("tail", type=Path, nargs="?", help="meter.json of the meter with a vocabulary tail")
+    parser.add_argument("base", type=Path, nargs="?", help="meter.json of the meter on the character vocabulary")
+    parser.add_argument("--sweep", type=Path, default=None, help="a vexact sweep directory: the tail over training")
     args = parser.parse_args(argv)
+    if (args.sweep is None) == (args.tail is None or args.base is None):
+        parser.error("give either TAIL_METER_JSON BASE_METER_JSON or --sweep SWEEP_DIR")
     try:
-        print(compare_cells(_load(args.tail), _load(args.base)), end="")
+        if args.sweep is not None:
+            print(sweep_tail_table(args.sweep), end="")
+        else:
+            print(compare_cells(_load(args.tail), _load(args.base)), end="")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
