@@ -55,10 +55,12 @@ Everything returned is JSON-serializable (finite floats, ints, strings, None).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import CollapseSection
 from .metrics_log import non_finite_value
+
+if TYPE_CHECKING:  # the config imports the LR schedules, which import this module
+    from .config import CollapseSection
 
 GRAD_NORM = "actor/grad_norm"
 PG_LOSS = "actor/pg_loss"
