@@ -160,3 +160,18 @@ def test_registered_names_are_plain_strings_in_the_saved_config(tmp_path, regist
     cfg = config_from_dict(_tiny(tmp_path))
     assert type(cfg.task.name) is str and type(cfg.inject.mode) is str
     assert cfg.to_dict()["task"]["name"] == EchoTask.name
+
+
+def test_the_reference_lists_what_is_registered(registered):
+    """The docs' choices tables are read from the registries: an outside entry appears while it is registered."""
+    from vexact.docs_gen import choices_markdown
+
+    page = choices_markdown()
+    assert f"`{EchoTask.name}`" in page and f"`{FavourToken.name}`" in page
+    for name in (*TASKS.names(), *INJECT_MODES.names(), *CORRECTION_METHODS.names(), *LR_SCHEDULES.names()):
+        assert f"| `{name}` |" in page, name
+    TASKS.remove(EchoTask.name)
+    try:
+        assert f"`{EchoTask.name}`" not in choices_markdown()  # counter-case
+    finally:
+        vexact.register_task(EchoTask)
