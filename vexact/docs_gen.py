@@ -357,6 +357,12 @@ def config_markdown() -> str:
     if renamed:
         out += ["Deprecated keys (still read, with a `FutureWarning`):", "",
                 markdown_table(["old key", "new key"], [[_code(a), _code(k)] for a, k in renamed.items()]), ""]
+    deprecated = getattr(cfg, "DEPRECATED_VALUES", {})
+    if deprecated:
+        out += ["Deprecated values (still read, with a `FutureWarning`; the config stores the new one):", "",
+                markdown_table(["key", "old value", "new value"], [[_code(k), _code(a), _code(v)]
+                                                                   for k, m in deprecated.items()
+                                                                   for a, v in m.items()]), ""]
     values = getattr(cfg, "VALUE_ALIASES", {})
     if values:
         out += ["Other spellings of values (stored under the second):", "",

@@ -33,6 +33,7 @@ import vexact_kernels
 
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
+from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, LOG_PPL_ABS_DIFF
 from .atomic import write_text_atomic
 from .corrections import CORRECTION_METHODS, plan_for
 from .inject_modes import INJECT_MODES
@@ -239,7 +240,7 @@ class LRScheduleSection:
     gamma: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))
     decay_period: int | None = field(default=None, metadata=_bounds(min=1))  # triggered: halve every N steps ...
     decay_period_factor: float = field(default=1.8, metadata=_bounds(gt=0))  # ... or N = factor x trigger step
-    mismatch_metric: Literal["rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff"] = "rollout_corr/k3_kl"
+    mismatch_metric: Literal[K3_KL, LOG_PPL_ABS_DIFF] = K3_KL
     mismatch_threshold: float = field(default=0.1, metadata=_bounds(gt=0))  # verl warns at |kl| > 0.1
     mismatch_window: int = field(default=5, metadata=_bounds(min=1))  # trailing mean over N steps > threshold
 
@@ -287,7 +288,7 @@ class TargetSection:
 
     ``value`` has no default: a target is a magnitude the user chooses, so a ``target`` without it is an error."""
 
-    metric: Literal["k3_kl", "abs_dlogp_mean"] = "k3_kl"
+    metric: Literal[K3_KL, ABS_DLOGP_MEAN] = K3_KL  # a full metric key (k3_kl, abs_dlogp_mean: deprecated)
     value: float = field(metadata=_bounds(gt=0))
 
 
@@ -344,7 +345,7 @@ class DistributedSection:
 class CollapseSection:
     """Collapse detection on a (smoothed) reward series; see ``vexact/rl/collapse.py``."""
 
-    metric: str = "eval/reward_mean"  # judged on the clean evaluation by default
+    metric: str = EVAL_REWARD_MEAN  # judged on the clean evaluation by default
     smoothing: int = field(default=3, metadata=_bounds(min=1))  # trailing moving average, in points
     drop: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))  # fall below (1 - drop) x running peak
     min_peak: float = field(default=0.1, metadata=_bounds(min=0))  # ... after the peak exceeded this
@@ -479,6 +480,30 @@ def _move_renamed(data: dict) -> None:
         target[new_name] = value
 
 
+DEPRECATED_VALUES: dict[str, dict[str, str]] = {
+    "inject.target.metric": {"k3_kl": K3_KL, "abs_dlogp_mean": ABS_DLOGP_MEAN},
+}
+"""Config key -> {old spelling of a value: the value}. Keys that name a metric take its full key (as
+``lr_schedule.mismatch_metric`` and ``collapse.metric`` do); the short names still work, with a FutureWarning, and
+the config stores the full key."""
+
+
+def _modernize_values(data: dict) -> None:
+    """Replace deprecated spellings of values in the raw mapping, in place, warning once per replaced value."""
+    for key, spellings in DEPRECATED_VALUES.items():
+        *path, name = key.split(".")
+        node: Any = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        old = node.get(name)
+        if isinstance(old, str) and old in spellings:
+            node[name] = spellings[old]
+            warnings.warn(f"{key}: {old!r} is deprecated; use the full metric key {spellings[old]!r}", FutureWarning,
+                          stacklevel=3)
+
+
 # --- verl's spellings -------------------------------------------------------------------------------------
 
 KEY_ALIASES = {
@@ -605,6 +630,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
             raise ConfigError(f"--set {earlier} and --set {item} set the same key (verl's and vexact's spelling); "
                               "keep only one", key)
         origins[key] = item
+    _modernize_values(data)
     try:
         _expand_preset(data.get("model"))
         _check_inject_knob(data.get("inject"))

@@ -31,14 +31,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, ClassVar
 
+from ..metric_keys import RESPONSE_LENGTH_MEAN
 from ..registry import Registry
 from .collapse import surge_index, trailing_mean
 
 if TYPE_CHECKING:  # the config validates lr_schedule.kind against LR_SCHEDULES: it imports this module
     from .config import CollapseSection, LRScheduleSection, OptimizerSection
-
-LENGTH_METRIC = "response_length/mean"
-
 
 class ScheduleKind:
     """One ``lr_schedule.kind``: ``decay(s, step)``, the multiplier on the base LR before warmup (floor applied), of
@@ -119,7 +117,7 @@ class LengthTriggered(_Triggered):
     name = "length_triggered"
 
     def metric(self, s: LRSchedule) -> str:
-        return LENGTH_METRIC
+        return RESPONSE_LENGTH_MEAN
 
     def fired(self, s: LRSchedule, key: str) -> str | None:
         values, window, ratio = s.observed, s.surge_window, s.surge_ratio
