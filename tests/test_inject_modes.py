@@ -63,3 +63,20 @@ def test_registration_refuses_a_taken_name_and_a_calibratable_mode_without_knob(
     with pytest.raises(ValueError, match="no knob"):
         register_inject_mode(Broken())
     assert "broken_calibratable" not in INJECT_MODES
+
+
+def test_the_triton_guard_asks_the_mode_which_backends_it_runs(monkeypatch):
+    """kernel mode on triton is seen by the guard through the mode's ``backends``; on native it is not."""
+    from rich.console import Console
+
+    from vexact.rl import triton_guard
+    from vexact.rl.tasks import make_task
+
+    monkeypatch.setattr(triton_guard, "interpreting", lambda: True)
+    monkeypatch.setenv(triton_guard.ALLOW_ENV, "1")
+    for backend, seen in (("triton", True), ("native", False)):
+        cfg = config_from_dict({"steps": 1, "warm_start": {"steps": 0},
+                                "inject": {"mode": "kernel", "kernel_backend": backend}})
+        task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
+        cost = triton_guard.check_interpreted_triton(cfg, task, Console(quiet=True))
+        assert (cost is not None) == seen and (not seen or cost.rl > 0)

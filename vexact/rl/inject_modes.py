@@ -106,6 +106,10 @@ class InjectMode:
         """How calibration searches the knob (``sign``: the direction of a signed knob, from ``inject.value``)."""
         return KnobSearch()
 
+    def backends(self, cfg: InjectSection) -> tuple[str, ...]:
+        """Kernel backends the mode runs the rollout on besides the configured ones (the Triton guard asks)."""
+        return ()
+
 
 INJECT_MODES: Registry[InjectMode] = Registry("injection mode", "inject.mode", "vexact.register_inject_mode")
 """``inject.mode`` -> its mode, in the order the documentation lists them."""
@@ -311,6 +315,9 @@ class Kernel(InjectMode):
 
     name = "kernel"
     source_keys = ("inject.kernel_backend", "inject.kernel_dtype")
+
+    def backends(self, cfg: InjectSection) -> tuple[str, ...]:
+        return (cfg.kernel_backend,)
 
     def rollout_path(self, injector: Injector) -> RolloutPath:
         dtype = resolve_dtype(injector.cfg.kernel_dtype or injector.training_dtype)

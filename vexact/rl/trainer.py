@@ -310,6 +310,18 @@ class Trainer:
             return self._run(resume, tuple(allow_changes))
 
     def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
+        """The run in three stages: prepare (resume or warm start, calibration), the step loop, and the end (the
+        summary, agreed by every rank)."""
+        start = self._prepare(resume, allow_changes)
+        if isinstance(start, dict):  # a finished run, resumed with nothing to add: its summary
+            return start
+        summary, step, started, last = self._loop(start)
+        return self._end(summary, step, started, last)
+
+    def _prepare(self, resume: bool, allow_changes: tuple[str, ...]) -> int | dict:
+        """Everything before the first step: check (or resume) the run directory, warm start or restore the
+        checkpoint, calibrate the injector, build the KL reference. Returns the step to start from, or -- when
+        resuming a finished run that ``steps`` does not extend -- its summary (nothing to do)."""
         cfg = self.cfg
         run_dir = self.run_dir
         start_step = 0
@@ -348,7 +360,13 @@ class Trainer:
         self._calibrate(state)
         if cfg.algorithm.kl_coef > 0:
             self.reference = self._reference_from_start(run_dir)
+        return start_step
 
+    def _loop(self, start_step: int) -> tuple[dict, int, float, dict]:
+        """The steps from ``start_step``: step, evaluate, LR schedule, log, collapse stop, checkpoint. Returns the
+        summary so far (its status: how the loop ended), the last step reached, the start time and the last
+        step's metrics. Ctrl-C, a stopped run and a confirmed collapse end the loop here, as an outcome."""
+        cfg, run_dir = self.cfg, self.run_dir
         writer = (MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=start_step, config=cfg)
                   if self.ranks.is_main else _NoWriter())
         summary = {"name": cfg.name, "status": "running", "reason": None, "steps_planned": cfg.steps}
@@ -392,7 +410,11 @@ class Trainer:
             self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
         finally:
             writer.close()
-        # After Ctrl-C the ranks stop at different points, so no collective may follow: each returns its own.
+        return summary, step, started, last
+
+    def _end(self, summary: dict, step: int, started: float, last: dict) -> dict:
+        """Rank 0 completes and writes the summary (``_finish``) and every rank returns it. After Ctrl-C the ranks
+        stop at different points, so no collective may follow: each returns its own."""
         interrupted = summary["status"] == "interrupted"
         if not self.ranks.is_main:
             return summary if interrupted else self.ranks.broadcast(None)
