@@ -3,10 +3,12 @@
 The schema is the dataclasses below; every field has a default, so ``{}`` is a valid config (an empty file is refused:
 more likely a wrong or truncated file than a choice).
 Validation is generic: each value is checked against its field's type hint (``int``, ``float``, ``bool``, ``str``,
-``X | None``, ``Literal[...]``, ``list[T]``, ``tuple[T, T]``, ``dict[str, Any]``, nested dataclasses) and against
-the numeric bounds declared in ``field(metadata=...)`` (``min``, ``gt``, ``max``, ``lt``). Checks that involve
-several fields live in a section's ``check()`` method, which raises ``ConfigError`` with a key relative to the
-section. Every problem is reported as one ``ConfigError`` naming the full key path, before any work starts.
+``X | None``, ``Literal[...]``, a registry's names (``TaskName``, ``InjectModeName``, ...: checked against the registry
+when the config is validated, so entries registered later count), ``list[T]``, ``tuple[T, T]``, ``dict[str, Any]``,
+nested dataclasses) and against the numeric bounds declared in ``field(metadata=...)`` (``min``, ``gt``, ``max``,
+``lt``). Checks that involve several fields live in a section's ``check()`` method, which raises ``ConfigError`` with
+a key relative to the section. Every problem is reported as one ``ConfigError`` naming the full key path, before any
+work starts.
 
 Adding a section: write a dataclass (defaults for every field, optional ``check()``) and add a field of that type
 to ``RunConfig``. Loading, overrides, ``to_dict`` and ``save_config`` pick it up from the type hints.

@@ -3,7 +3,8 @@
 Why its own module: the run config (``vexact.rl.config``) and sweep files (``vexact.lab.sweep``) are checked by
 the same rules, and the rules do not depend on any one schema. What it checks: unknown keys (listing the known
 ones), required keys, each value against its field's type hint (``int``, ``float``, ``str``, ``bool``,
-``Literal``, ``X | None``, ``list``/``tuple``, ``dict``, nested dataclasses) and numeric bounds (``bounds(min=...)``
+``Literal``, a registry's ``name_type`` (``vexact.registry``: one of its names at validation time), ``X | None``,
+``list``/``tuple``, ``dict``, nested dataclasses) and numeric bounds (``bounds(min=...)``
 in a field's metadata), then each dataclass's own ``check()``. Every problem is one ``ConfigError`` naming the
 dotted key. ``VALUE_ALIASES`` (other spellings of Literal values) is passed in by the schema that has them.
 """
