@@ -52,13 +52,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject import Injector
 from ..rl.metrics import mismatch_metrics
 from ..rl.objective import compute_advantages
 from ..rl.runlog import json_safe, write_json_atomic
-from ..rl.vocab_tail import tail_metrics
 
 __all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_bias", "run_meter"]
 
@@ -123,7 +123,7 @@ def exact_gradients(cfg: RunConfig, batches: int, trainer: Any | None = None) ->
         out.lengths.append(sum(batch.lengths) / len(batch.lengths))
         out.rewards.append(float(batch.rewards.mean()))
         if batch.tail_mass is not None:
-            out.tails.append(tail_metrics(batch.tail_mass, batch.responses))
+            out.tails.append(batch.tail_metrics())
     return out
 
 
@@ -146,11 +146,11 @@ def measure_bias(cfg: RunConfig, batches: int = 16, exact: _Gradients | None = N
         batch = trainer.rollout(k, plan)
         diffs.append((_flat_gradient(trainer, batch).double() - exact.grads[k].double()).float())
         metrics = mismatch_metrics(trainer.objective.score(trainer.compute, batch), batch.logprobs)
-        k3.append(metrics["rollout_corr/k3_kl"])
-        abs_dlogp.append(metrics["mismatch/abs_dlogp_mean"])
+        k3.append(metrics[K3_KL])
+        abs_dlogp.append(metrics[ABS_DLOGP_MEAN])
         lengths.append(sum(batch.lengths) / len(batch.lengths))
         if batch.tail_mass is not None:
-            tails.append(tail_metrics(batch.tail_mass, batch.responses))
+            tails.append(batch.tail_metrics())
     stats = bias_statistics(torch.stack(exact.grads[:batches]), torch.stack(diffs))
     tail = _tail_summary(tails, exact.tails[:batches]) if tails else {}  # no keys without a vocabulary tail
     return {**stats, "batches": batches, "k3_kl": sum(k3) / batches, "abs_dlogp_mean": sum(abs_dlogp) / batches,
@@ -168,9 +168,11 @@ def _tail_summary(mismatched: list[dict[str, float]], exact: list[dict[str, floa
     def mean(rows: list[dict[str, float]], key: str) -> float:
         return sum(r[key] for r in rows) / len(rows)
 
-    out = {f"tail_{k}": mean(mismatched, f"tail/{k}") for k in ("mass_mean", "token_frac", "response_frac")}
+    keys = {"tail_mass_mean": TAIL_MASS_MEAN, "tail_token_frac": TAIL_TOKEN_FRAC,
+            "tail_response_frac": TAIL_RESPONSE_FRAC}
+    out = {name: mean(mismatched, key) for name, key in keys.items()}
     if exact:
-        out["tail_mass_mean_exact"] = mean(exact, "tail/mass_mean")
+        out["tail_mass_mean_exact"] = mean(exact, TAIL_MASS_MEAN)
     return out
 
 

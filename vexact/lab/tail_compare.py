@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..metric_keys import TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC
 from .bias_meter import resolved
 
 __all__ = ["compare_cells", "main", "sweep_tail_table"]
@@ -80,7 +81,7 @@ def sweep_tail_table(sweep_dir: Path) -> str:
     for point in points:
         if point.get("status") not in ("completed", "stopped"):
             continue
-        rows = [r for r in read_metrics(sweep_dir / point["dir"] / "metrics.jsonl") if "tail/mass_mean" in r]
+        rows = [r for r in read_metrics(sweep_dir / point["dir"] / "metrics.jsonl") if TAIL_MASS_MEAN in r]
         if rows:
             label = ", ".join(f"{k}={v}" for k, v in point["overrides"].items() if k != "seed")
             groups.setdefault(label, []).append(rows)
@@ -90,9 +91,9 @@ def sweep_tail_table(sweep_dir: Path) -> str:
         def mean(values: list[float]) -> float:
             return sum(values) / len(values)
 
-        first, last = mean([r[0]["tail/mass_mean"] for r in runs]), mean([r[-1]["tail/mass_mean"] for r in runs])
-        whole = mean([mean([x["tail/mass_mean"] for x in r]) for r in runs])
-        frac = (mean([r[0]["tail/response_frac"] for r in runs]), mean([r[-1]["tail/response_frac"] for r in runs]))
+        first, last = mean([r[0][TAIL_MASS_MEAN] for r in runs]), mean([r[-1][TAIL_MASS_MEAN] for r in runs])
+        whole = mean([mean([x[TAIL_MASS_MEAN] for x in r]) for r in runs])
+        frac = (mean([r[0][TAIL_RESPONSE_FRAC] for r in runs]), mean([r[-1][TAIL_RESPONSE_FRAC] for r in runs]))
         steps = "/".join(sorted({str(len(r)) for r in runs}))
         lines.append(f"| {label} | {len(runs)} | {steps} | {first:.2e} | {last:.2e} | {whole:.2e} | "
                      f"{frac[0]:.3f} / {frac[1]:.3f} |")

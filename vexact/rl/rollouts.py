@@ -10,10 +10,11 @@ from torch import Tensor
 
 from ..engine.model import Transformer
 from ..engine.rollout import generate
+from ..metric_keys import EVAL_GREEDY_ACCURACY, EVAL_REWARD_MEAN
 from .config import RolloutSection
 from .inject import RolloutPlan
 from .tasks import EOS_ID, CharTokenizer, Problem, Task, encode_prompt, training_problems
-from .vocab_tail import tail_probe
+from .vocab_tail import tail_metrics, tail_probe
 
 
 @dataclass
@@ -31,6 +32,10 @@ class RolloutBatch:
     @property
     def lengths(self) -> list[int]:
         return [len(r) for r in self.responses]
+
+    def tail_metrics(self) -> dict[str, float]:
+        """The ``tail/*`` metrics of the batch (``vocab_tail.tail_metrics``); none without a vocabulary tail."""
+        return {} if self.tail_mass is None else tail_metrics(self.tail_mass, self.responses)
 
     def subset(self, idx: list[int] | range) -> RolloutBatch:
         """The sequences ``idx`` (in that order) as a batch of their own."""
@@ -100,9 +105,9 @@ def eval_metrics(records: list[EvalRecord]) -> dict[str, float]:
     sampled_r = [r.sampled_reward for r in records]
     greedy_r = [r.greedy_reward for r in records]
     return {
-        "eval/reward_mean": sum(sampled_r) / len(sampled_r),
+        EVAL_REWARD_MEAN: sum(sampled_r) / len(sampled_r),
         "eval/accuracy": sum(r == 1.0 for r in sampled_r) / len(sampled_r),
         "eval/greedy_reward_mean": sum(greedy_r) / len(greedy_r),
-        "eval/greedy_accuracy": sum(r == 1.0 for r in greedy_r) / len(greedy_r),
+        EVAL_GREEDY_ACCURACY: sum(r == 1.0 for r in greedy_r) / len(greedy_r),
         "eval/response_length_mean": sum(r.sampled_length for r in records) / len(records),
     }

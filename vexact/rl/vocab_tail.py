@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..metric_keys import TAIL_MASS_MAX, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
 from .tasks import CHAR_VOCAB_SIZE, CharTokenizer
 
 __all__ = ["MAX_DISTRACTORS", "NO_CHARACTER", "TailProbe", "TailTokenizer", "check_distractors", "tail_metrics",
@@ -132,10 +133,10 @@ def tail_metrics(tail_mass: list[Tensor], responses: list[list[int]], first_tail
     if flat.numel() != len(tokens):
         raise ValueError(f"{flat.numel()} tail-mass values for {len(tokens)} generated tokens")
     if not tokens:
-        return {"tail/mass_mean": 0.0, "tail/mass_max": 0.0, "tail/token_frac": 0.0, "tail/response_frac": 0.0}
+        return {TAIL_MASS_MEAN: 0.0, TAIL_MASS_MAX: 0.0, TAIL_TOKEN_FRAC: 0.0, TAIL_RESPONSE_FRAC: 0.0}
     return {
-        "tail/mass_mean": float(flat.mean()),
-        "tail/mass_max": float(flat.max()),
-        "tail/token_frac": sum(t >= first_tail_id for t in tokens) / len(tokens),
-        "tail/response_frac": sum(any(t >= first_tail_id for t in r) for r in responses) / len(responses),
+        TAIL_MASS_MEAN: float(flat.mean()),
+        TAIL_MASS_MAX: float(flat.max()),
+        TAIL_TOKEN_FRAC: sum(t >= first_tail_id for t in tokens) / len(tokens),
+        TAIL_RESPONSE_FRAC: sum(any(t >= first_tail_id for t in r) for r in responses) / len(responses),
     }
