@@ -118,12 +118,12 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
     w = _float(weight)
-    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else _aligned(w)
+    w = _zero_padded(w, (0, 0, 0, n_pad - n)) if n_pad != n else _aligned(w)
     operand = w.t().unsqueeze(0)  # [1, K, N_pad]
     block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
-        x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
+        x = _zero_padded(x, (0, 0, 0, blocks * block - rows))
     else:
         x = _aligned(x)
     out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
@@ -137,6 +137,24 @@ def _aligned(t: Tensor) -> Tensor:
     if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def _zero_padded(x: Tensor, pad: tuple[int, ...]) -> Tensor:
+    """``torch.constant_pad_nd(x, pad)`` for zero padding after the data (``pad`` = (0, after_last, 0,
+    after_second_last, ...)): the same values, shape and strides (contiguous when anything is padded; the clone,
+    strides kept, when nothing is), but only the padding is zeroed -- ``constant_pad_nd`` first fills the whole
+    tensor, then copies the data over it, one pass over memory more on every GEMM tile operand."""
+    if not any(pad) or x.dim() > 3:  # beyond 3-D, constant_pad_nd may keep a channels-last layout: leave it to it
+        return torch.constant_pad_nd(x, pad)
+    if any(pad[0::2]):
+        raise ValueError(f"_zero_padded pads after the data only, got {pad}")
+    after = [0] * (x.dim() - len(pad) // 2) + list(pad[1::2])[::-1]  # per dim, first to last
+    out = x.new_empty([size + extra for size, extra in zip(x.shape, after)])
+    out[tuple(slice(0, size) for size in x.shape)].copy_(x)
+    for dim, (size, extra) in enumerate(zip(x.shape, after)):
+        if extra:
+            out.narrow(dim, size, extra).zero_()
+    return out
 
 
 def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False) -> Tensor:
@@ -183,25 +201,57 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
     K-reduction has that fixed length, [R, block] @ [block, K] for every R-row tile of the N output rows (one
     ``host.bmm`` call for all chunks: a probed shape class, or the fixed-order GEMM), and the chunks' partial
     products are added by a halving tree in chunk order. So each output element depends only on the two columns
-    it reduces -- never on the thread count (or where thread boundaries fall)."""
+    it reduces -- never on the thread count (or where thread boundaries fall).
+
+    The GEMM operands are laid out by ``_chunks_transposed`` in one copy each (the price of exactness is mostly such
+    passes over memory on small models); their values, shapes, strides and alignment are the ones a plain
+    pad-transpose-copy composition gives (``tests/test_exact_price_bits.py`` compares the two, call by call), so
+    the library call and every bit of its result are unchanged."""
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows)
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = _ceil_to(k, COL_BLOCK)
-    # [chunks, N, block] and [chunks, K_pad, block]: the chunks' transposes, contiguous
-    a_t = torch.constant_pad_nd(a, (0, 0, 0, padded - rows)).view(chunks, block, n).transpose(1, 2)
-    b_t = torch.constant_pad_nd(b, (0, k_pad - k, 0, padded - rows)).view(chunks, block, k_pad).transpose(1, 2)
-    b_t = b_t.contiguous()
-    height = _row_block(n, host.tile_heights(a.dtype, b_t[:1].transpose(1, 2), False, op))
+    # the right operand's shape class: [block, K_pad] per tile, transposed layout (K_pad rows of ``block`` tokens)
+    b_class = torch.empty(1, k_pad, block, dtype=b.dtype, device=b.device).transpose(1, 2)
+    height = _row_block(n, host.tile_heights(a.dtype, b_class, False, op))
     row_tiles = -(-n // height)
-    a_tiles = torch.constant_pad_nd(a_t, (0, 0, 0, row_tiles * height - n)).reshape(chunks * row_tiles, height, block)
+    if row_tiles * height == n:  # no padding rows: the chunks seen transposed (copied where reshape must)
+        contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
+        a_rows = a if contiguous else _zero_padded(a, (0, 0, 0, padded - rows))
+        a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
+    else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles
+        a_tiles = a.new_empty(chunks, row_tiles * height, block)
+        _chunks_transposed(a, block, a_tiles)
+        a_tiles = a_tiles.view(chunks * row_tiles, height, block)
     # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's)
-    b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
+    b_tiles = b.new_empty(chunks, row_tiles, k_pad, block)
+    _chunks_transposed(b, block, b_tiles[:, 0])
+    if row_tiles > 1:
+        b_tiles[:, 1:].copy_(b_tiles[:, :1].expand(chunks, row_tiles - 1, k_pad, block))
+    b_tiles = b_tiles.view(chunks * row_tiles, k_pad, block)
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+def _chunks_transposed(src: Tensor, block: int, out: Tensor) -> None:
+    """out[c, i, j] = src[c * block + j, i], zero where src has no such element: ``src`` [M, N] cut into ``block``-row
+    chunks, each written transposed into ``out`` [ceil(M / block), width >= N, block].
+
+    The values of zero-padding ``src`` to whole chunks and ``width`` columns and copying the chunks' transposes, in
+    one transposing copy that zeroes only the padding (padding first filled a whole tensor with zeros, then
+    copied the data twice)."""
+    rows, n = src.shape
+    full, tail = divmod(rows, block)
+    if full:
+        out[:full, :n].copy_(src[: full * block].view(full, block, n).transpose(1, 2))
+    if tail:
+        out[full, :n, :tail].copy_(src[full * block :].t())
+        out[full, :n, tail:].zero_()
+    if out.shape[1] > n:
+        out[:, n:].zero_()
 
 
 def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
@@ -214,10 +264,10 @@ def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     batch, rows, k = a.shape
     n = b.shape[2]
     k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
-    b = torch.constant_pad_nd(b, (0, n_pad - n, 0, k_pad - k))  # contiguous: the row-major layout
+    b = _zero_padded(b, (0, n_pad - n, 0, k_pad - k))  # contiguous where padded: the row-major layout
     block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
-    a = torch.constant_pad_nd(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
+    a = _zero_padded(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
     b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
     out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
     return out[:, :rows, :n]
@@ -568,7 +618,8 @@ class _AttentionTiles:
         # Queries: zero padding rows (finite; their outputs are dropped). The scale is applied
         # to q, not to the scores: for the power-of-two scales of head_dim 4^n (16, 64, 256)
         # both are exact, and the [rows x keys] tile is far larger than q.
-        q_rows = torch.zeros(batch, kv_heads, self.row_len, head_dim, dtype=torch.float32, device=q.device)
+        q_rows = torch.empty(batch, kv_heads, self.row_len, head_dim, dtype=torch.float32, device=q.device)
+        q_rows[:, :, self.rows :].zero_()
         torch.mul(q.view(batch, q_len, kv_heads, self.group, head_dim).permute(0, 2, 1, 3, 4), scale,
                   out=q_rows[:, :, : self.rows].view(batch, kv_heads, q_len, self.group, head_dim))
         self.q = q_rows.view(bh, self.row_len, head_dim)
@@ -579,6 +630,7 @@ class _AttentionTiles:
         row_t = torch.arange(self.row_len, device=q.device) // self.group
         self.row_t = torch.where(row_t < q_len, row_t, 0)
         self.q_start = q_start
+        self.uniform_start = batch == 1 or bool((q_start == q_start[0]).all())
 
     @staticmethod
     def _tile_heights(host: HostGuard, head_dim: int) -> tuple[int, ...]:
@@ -593,9 +645,9 @@ class _AttentionTiles:
         """[B, L, Hkv, hd] -> fp32 [B*Hkv, key_len, hd], zero-padded past the cache's end."""
         batch, kv_heads, head_dim = self.batch, self.kv_heads, self.head_dim
         kept = min(self.cache_len, self.key_len)
-        alloc = torch.zeros if kept < self.key_len else torch.empty
-        out = alloc(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
+        out = torch.empty(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
         out[:, :, :kept] = cache[:, :kept].permute(0, 2, 1, 3)
+        out[:, :, kept:].zero_()
         return out.view(batch * kv_heads, self.key_len, head_dim)
 
     def row_tiles(self, per_row: Tensor) -> Tensor:
@@ -617,16 +669,18 @@ class _AttentionTiles:
     def from_output(self, grad: Tensor) -> Tensor:
         """[B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] with zero padding rows (inverse of ``to_output``)."""
         b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
-        out = torch.zeros(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
+        out = torch.empty(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
         out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
+        out[:, :, self.rows :].zero_()
         return out.view(b * h, self.row_len, d)
 
     def to_cache(self, keys: Tensor, dtype: torch.dtype) -> Tensor:
         """[B*Hkv, n, hd] (the first n keys) -> [B, L, Hkv, hd] (the cache's shape; zero after n)."""
         b, h, d = self.batch, self.kv_heads, self.head_dim
-        out = torch.zeros(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
+        out = torch.empty(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
         kept = min(self.cache_len, keys.shape[1])
         out[:, :kept] = keys.view(b, h, keys.shape[1], d)[:, :, :kept].permute(0, 2, 1, 3)
+        out[:, kept:].zero_()
         return out
 
 
@@ -649,17 +703,25 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, RB, R, KB, C]
     real = tiles.rows if rb == 1 else block
     row_t = tiles.row_t.view(rb, block)[:, :real]
-    query_pos = tiles.q_start.view(b, 1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1, 1)
-    key_pos = torch.arange(tiles.key_len, device=scores.device).view(1, 1, 1, 1, kb, KEY_BLOCK)
-    # Mask (-inf: probability exactly 0) and lay out row-major [B, Hkv, RB, R', key_len] in one op.
-    masked = torch.empty(b, h, rb, real, kb, KEY_BLOCK, device=scores.device)
-    torch.where(key_pos <= query_pos, scores[:, :, :, :real], scores.new_full((), float("-inf")), out=masked)
-    masked = masked.view(b, h, rb, real, tiles.key_len)
-    row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
-    window = masked[..., :vis]
-    probs = _unary("exp", window - row_max, tiles.host, "attention")  # [B, Hkv, RB, R', vis]; masked: exactly 0
-    # Tree within each key tile, then across tiles in position order (zero tails are no-ops).
+    # One mask for the whole batch where every sequence starts at the same position (training): the same booleans.
+    starts = tiles.q_start[:1] if tiles.uniform_start else tiles.q_start
+    query_pos = starts.view(-1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1)
+    visible = torch.arange(vis, device=scores.device) <= query_pos  # [B or 1, 1, RB, R', vis]
+    # Mask (-inf: probability exactly 0) and lay out row-major [B, Hkv, RB, R', vis] in one op per key-tile range.
+    # Only the first ``vis`` keys: every later key is masked for every row (-inf), which changes no row's max.
     full_tiles, last = vis // KEY_BLOCK, vis % KEY_BLOCK
+    masked = torch.empty(b, h, rb, real, vis, device=scores.device)
+    neg_inf = scores.new_full((), float("-inf"))
+    if full_tiles:
+        span = (full_tiles, KEY_BLOCK)
+        torch.where(visible[..., : full_tiles * KEY_BLOCK].unflatten(-1, span), scores[:, :, :, :real, :full_tiles],
+                    neg_inf, out=masked[..., : full_tiles * KEY_BLOCK].unflatten(-1, span))
+    if last:
+        torch.where(visible[..., full_tiles * KEY_BLOCK :], scores[:, :, :, :real, full_tiles, :last], neg_inf,
+                    out=masked[..., full_tiles * KEY_BLOCK :])
+    row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
+    probs = _unary("exp", masked - row_max, tiles.host, "attention")  # [B, Hkv, RB, R', vis]; masked: exactly 0
+    # Tree within each key tile, then across tiles in position order (zero tails are no-ops).
     parts = []
     if full_tiles:
         parts.append(_tree_sum(probs[..., : full_tiles * KEY_BLOCK].reshape(b, h, rb, real, full_tiles, KEY_BLOCK)))
@@ -668,15 +730,16 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     per_tile = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [B, Hkv, RB, R', KB]
     denom = (_tree_sum(per_tile) if kb > 1 else per_tile[..., 0]).unsqueeze(-1)  # [B, Hkv, RB, R', 1]
 
-    # Probability tiles for P @ V: zeros outside the real rows and visible keys.
-    alloc = torch.empty if (real == block and vis == tiles.key_len) else torch.zeros
-    tiles_out = alloc(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
+    # Probability tiles for P @ V: zeros outside the real rows and visible keys (only those zeroed, the rest written).
+    tiles_out = torch.empty(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
+    tiles_out[:, :, :, :, real:].zero_()
     as_rows = tiles_out.permute(0, 1, 2, 4, 3, 5)[:, :, :, :real]  # [B, Hkv, RB, R', KB, C]
     if full_tiles:
         as_rows[..., :full_tiles, :] = probs[..., : full_tiles * KEY_BLOCK].view(b, h, rb, real, full_tiles,
                                                                                  KEY_BLOCK)
     if last:
         as_rows[..., full_tiles, :last] = probs[..., full_tiles * KEY_BLOCK :]
+        as_rows[..., full_tiles, last:].zero_()
     denom_rows = denom if real == block else torch.nn.functional.pad(denom, (0, 0, 0, block - real), value=1.0)
     return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs, denom
 
