@@ -225,12 +225,11 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
         a_tiles = a.new_empty(chunks, row_tiles * height, block)
         _chunks_transposed(a, block, a_tiles)
         a_tiles = a_tiles.view(chunks * row_tiles, height, block)
-    # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's)
-    b_tiles = b.new_empty(chunks, row_tiles, k_pad, block)
-    _chunks_transposed(b, block, b_tiles[:, 0])
-    if row_tiles > 1:
-        b_tiles[:, 1:].copy_(b_tiles[:, :1].expand(chunks, row_tiles - 1, k_pad, block))
-    b_tiles = b_tiles.view(chunks * row_tiles, k_pad, block)
+    # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
+    # one chunk: an expanded view, as reshape gives)
+    b_t = b.new_empty(chunks, k_pad, block)
+    _chunks_transposed(b, block, b_t)
+    b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
