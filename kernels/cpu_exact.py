@@ -407,11 +407,14 @@ def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     g = _float(grad)
     grad_x = grad_w = None
     if needs[0]:
+        # inv_rms * (gw - xf * (inv_rms * inv_rms) * dot): the same exactly rounded ops on the same operands, in
+        # the same order, written into one scratch tensor instead of a new tensor per step
         gw = g * _float(weight)
         dot = _tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
-        grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(dtype)
+        scratch = torch.mul(xf, inv_rms * inv_rms).mul_(dot)
+        grad_x = torch.mul(inv_rms, torch.sub(gw, scratch, out=scratch), out=scratch).to(dtype)
     if needs[1]:
-        grad_w = _tree_sum((g * xf * inv_rms).reshape(-1, xf.shape[-1]), dim=0).to(weight.dtype)
+        grad_w = _tree_sum(torch.mul(g, xf).mul_(inv_rms).reshape(-1, xf.shape[-1]), dim=0).to(weight.dtype)
     return grad_x, grad_w
 
 

@@ -175,11 +175,25 @@ def _attention_probs_reference(tiles):
     return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs, denom
 
 
+def _rms_norm_vjp_reference(saved, grad, needs):
+    xf, inv_rms, weight, dtype = saved
+    g = cpu_exact._float(grad)
+    grad_x = grad_w = None
+    if needs[0]:
+        gw = g * cpu_exact._float(weight)
+        dot = _tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
+        grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(dtype)
+    if needs[1]:
+        grad_w = _tree_sum((g * xf * inv_rms).reshape(-1, xf.shape[-1]), dim=0).to(weight.dtype)
+    return grad_x, grad_w
+
+
 def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put the reference compositions in place of the optimised ones (for the rest of the test)."""
     monkeypatch.setattr(cpu_exact, "_zero_padded", lambda x, pad: torch.constant_pad_nd(x, pad))
     monkeypatch.setattr(cpu_exact, "_transposed_matmul", _transposed_matmul_reference)
     monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
+    monkeypatch.setattr(cpu_exact, "_rms_norm_vjp", _rms_norm_vjp_reference)
     tiles = cpu_exact._AttentionTiles
     monkeypatch.setattr(tiles, "__init__", _tiles_init_reference)
     monkeypatch.setattr(tiles, "_key_rows", _key_rows_reference)
@@ -216,6 +230,16 @@ def _attention_case(dtype, batch, q_len, q_heads, kv_heads, head_dim, cache_len,
     return run
 
 
+def _rms_norm_case(dtype, shape, only):
+    def run(host):
+        x = _randn(*shape, dtype=dtype, seed=12).requires_grad_(only != "weight")
+        w = (_randn(shape[-1], dtype=dtype, seed=13) + 1.0).requires_grad_(only != "x")
+        y = cpu_exact.rms_norm(x, w, 1e-6, host=host)
+        inputs = [t for t in (x, w) if t.requires_grad]
+        return [y, *torch.autograd.grad(y, inputs, _randn(*y.shape, dtype=dtype, seed=14))]
+    return run
+
+
 def _transposed_case(rows, n, k, layout):
     """``_transposed_matmul`` on its own, with inputs of unusual layout (transposed, offset, sliced)."""
     def run(host):
@@ -239,6 +263,8 @@ CASES = {
                                                 (4, 3, 4, 2, 16, 64, [5, 60, 0, 30]), (2, 5, 3, 1, 32, 150, [100, 7]),
                                                 (1, 64, 2, 2, 16, 64, [0])]},
 }
+ROW_WISE = {f"rms_norm-{shape}-{only}": (_rms_norm_case, shape, only)
+            for shape in [(1, 64), (5, 7, 64), (300, 96), (2, 3, 1), (33, 576)] for only in ("both", "x", "weight")}
 TRANSPOSED = [(rows, n, k, layout) for rows, n, k in [(64, 64, 64), (300, 176, 64), (4000, 64, 176), (256, 1536, 64)]
               for layout in ("contiguous", "transposed", "offset", "sliced")]
 
@@ -285,6 +311,15 @@ def test_same_gemm_calls_and_bits_as_the_reference(case, dtype, monkeypatch):
     make, *shape = CASES[case]
     new, reference = _run_both(make(dtype, *shape), monkeypatch)
     assert new[0], "the case must make GEMM calls"
+    assert _differences(new, reference) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(ROW_WISE))
+def test_row_wise_backward_bits_as_the_reference(case, dtype, monkeypatch):
+    """The norm's backward writes its steps into one scratch tensor: the same ops in the same order, the same bits."""
+    make, *shape = ROW_WISE[case]
+    new, reference = _run_both(make(dtype, *shape), monkeypatch)
     assert _differences(new, reference) == []
 
 
