@@ -545,24 +545,28 @@ def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
 
 
 def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
-    out = _silu_mul_exact(gate, up, host)
-    return out, (gate, up, host)
+    """The forward's ops one by one (as ``_silu`` and ``_silu_mul_exact``), keeping 1 + exp(-gate) and silu(gate) for
+    the backward: it needs both, and computing them again cost a negation, a chunked exp, an add and a divide."""
+    g = _float(gate)
+    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    silu = torch.div(g, denom)
+    out = torch.mul(silu, up) if gate.dtype == torch.float32 and up.dtype == torch.float32 else silu.to(gate.dtype) * up
+    return out, (gate, up, denom, silu, host)
 
 
 def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """With s = sigmoid(gate) = 1 / (1 + exp(-gate)): d up = g * silu(gate) = g * gate * s and
-    d gate = g * up * s * (1 + gate * (1 - s)); fp32 from chunked exp and exactly rounded ops, one rounding."""
-    gate, up, host = saved
+    d gate = g * up * s * (1 + gate * (1 - s)); fp32 from the forward's 1 + exp(-gate) and silu (saved) and exactly
+    rounded ops, one rounding."""
+    gate, up, denom, silu, host = saved
     gf, g = _float(gate), _float(grad)
-    denom = _unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)  # 1 + exp(-gate), as the forward
     grad_gate = grad_up = None
     if needs[0]:
         s = torch.reciprocal(denom)  # exactly rounded
         ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)  # s * (1 + gate * (1 - s))
         grad_gate = ds.mul_(g).mul_(_float(up)).to(gate.dtype)
-    if needs[1]:
-        silu = torch.div(gf, denom)  # the forward's silu, rounded to the gate's dtype as the forward does
-        grad_up = _float(silu.to(gate.dtype)).mul_(g).to(up.dtype)
+    if needs[1]:  # the forward's silu, rounded to the gate's dtype as the forward does
+        grad_up = torch.mul(_float(silu.to(gate.dtype)), g).to(up.dtype)
     return grad_gate, grad_up
 
 

@@ -188,12 +188,33 @@ def _rms_norm_vjp_reference(saved, grad, needs):
     return grad_x, grad_w
 
 
+def _silu_mul_with_saved_reference(gate, up, host):
+    return cpu_exact._silu_mul_exact(gate, up, host), (gate, up, host)
+
+
+def _silu_mul_vjp_reference(saved, grad, needs):
+    gate, up, host = saved
+    gf, g = cpu_exact._float(gate), cpu_exact._float(grad)
+    denom = _unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    grad_gate = grad_up = None
+    if needs[0]:
+        s = torch.reciprocal(denom)
+        ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)
+        grad_gate = ds.mul_(g).mul_(cpu_exact._float(up)).to(gate.dtype)
+    if needs[1]:
+        silu = torch.div(gf, denom)
+        grad_up = cpu_exact._float(silu.to(gate.dtype)).mul_(g).to(up.dtype)
+    return grad_gate, grad_up
+
+
 def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put the reference compositions in place of the optimised ones (for the rest of the test)."""
     monkeypatch.setattr(cpu_exact, "_zero_padded", lambda x, pad: torch.constant_pad_nd(x, pad))
     monkeypatch.setattr(cpu_exact, "_transposed_matmul", _transposed_matmul_reference)
     monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
     monkeypatch.setattr(cpu_exact, "_rms_norm_vjp", _rms_norm_vjp_reference)
+    monkeypatch.setattr(cpu_exact, "_silu_mul_with_saved", _silu_mul_with_saved_reference)
+    monkeypatch.setattr(cpu_exact, "_silu_mul_vjp", _silu_mul_vjp_reference)
     tiles = cpu_exact._AttentionTiles
     monkeypatch.setattr(tiles, "__init__", _tiles_init_reference)
     monkeypatch.setattr(tiles, "_key_rows", _key_rows_reference)
@@ -240,6 +261,16 @@ def _rms_norm_case(dtype, shape, only):
     return run
 
 
+def _silu_mul_case(dtype, shape, only):
+    def run(host):
+        gate = _randn(*shape, dtype=dtype, seed=15, scale=4.0).requires_grad_(only != "up")
+        up = _randn(*shape, dtype=dtype, seed=16).requires_grad_(only != "gate")
+        y = cpu_exact.silu_mul(gate, up, host=host)
+        inputs = [t for t in (gate, up) if t.requires_grad]
+        return [y, *torch.autograd.grad(y, inputs, _randn(*y.shape, dtype=dtype, seed=17))]
+    return run
+
+
 def _transposed_case(rows, n, k, layout):
     """``_transposed_matmul`` on its own, with inputs of unusual layout (transposed, offset, sliced)."""
     def run(host):
@@ -265,6 +296,8 @@ CASES = {
 }
 ROW_WISE = {f"rms_norm-{shape}-{only}": (_rms_norm_case, shape, only)
             for shape in [(1, 64), (5, 7, 64), (300, 96), (2, 3, 1), (33, 576)] for only in ("both", "x", "weight")}
+ROW_WISE |= {f"silu_mul-{shape}-{only}": (_silu_mul_case, shape, only)
+             for shape in [(1, 176), (5, 7, 176), (300, 1536), (33,)] for only in ("both", "gate", "up")}
 TRANSPOSED = [(rows, n, k, layout) for rows, n, k in [(64, 64, 64), (300, 176, 64), (4000, 64, 176), (256, 1536, 64)]
               for layout in ("contiguous", "transposed", "offset", "sliced")]
 
@@ -317,7 +350,8 @@ def test_same_gemm_calls_and_bits_as_the_reference(case, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(ROW_WISE))
 def test_row_wise_backward_bits_as_the_reference(case, dtype, monkeypatch):
-    """The norm's backward writes its steps into one scratch tensor: the same ops in the same order, the same bits."""
+    """The norm's backward writes its steps into one scratch tensor, SwiGLU's keeps the forward's 1 + exp(-gate) and
+    silu instead of computing them again: the same ops in the same order on the same values, the same bits."""
     make, *shape = ROW_WISE[case]
     new, reference = _run_both(make(dtype, *shape), monkeypatch)
     assert _differences(new, reference) == []
