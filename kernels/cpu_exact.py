@@ -624,8 +624,7 @@ class _AttentionTiles:
         # Queries: zero padding rows (finite; their outputs are dropped). The scale is applied
         # to q, not to the scores: for the power-of-two scales of head_dim 4^n (16, 64, 256)
         # both are exact, and the [rows x keys] tile is far larger than q.
-        q_rows = torch.empty(batch, kv_heads, self.row_len, head_dim, dtype=torch.float32, device=q.device)
-        q_rows[:, :, self.rows :].zero_()
+        q_rows = torch.zeros(batch, kv_heads, self.row_len, head_dim, dtype=torch.float32, device=q.device)
         torch.mul(q.view(batch, q_len, kv_heads, self.group, head_dim).permute(0, 2, 1, 3, 4), scale,
                   out=q_rows[:, :, : self.rows].view(batch, kv_heads, q_len, self.group, head_dim))
         self.q = q_rows.view(bh, self.row_len, head_dim)
@@ -636,7 +635,9 @@ class _AttentionTiles:
         row_t = torch.arange(self.row_len, device=q.device) // self.group
         self.row_t = torch.where(row_t < q_len, row_t, 0)
         self.q_start = q_start
-        self.uniform_start = batch == 1 or bool((q_start == q_start[0]).all())
+        # Every sequence starting at one position (training, a prefill from 0): one mask serves the whole batch.
+        # Asked only for several queries per sequence; a decode step's mask is small.
+        self.uniform_start = batch == 1 or (q_len > 1 and bool((q_start == q_start[0]).all()))
 
     @staticmethod
     def _tile_heights(host: HostGuard, head_dim: int) -> tuple[int, ...]:
@@ -651,9 +652,9 @@ class _AttentionTiles:
         """[B, L, Hkv, hd] -> fp32 [B*Hkv, key_len, hd], zero-padded past the cache's end."""
         batch, kv_heads, head_dim = self.batch, self.kv_heads, self.head_dim
         kept = min(self.cache_len, self.key_len)
-        out = torch.empty(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
+        alloc = torch.zeros if kept < self.key_len else torch.empty
+        out = alloc(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
         out[:, :, :kept] = cache[:, :kept].permute(0, 2, 1, 3)
-        out[:, :, kept:].zero_()
         return out.view(batch * kv_heads, self.key_len, head_dim)
 
     def row_tiles(self, per_row: Tensor) -> Tensor:
@@ -677,7 +678,8 @@ class _AttentionTiles:
         b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
         out = torch.empty(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
         out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
-        out[:, :, self.rows :].zero_()
+        if self.rows < self.row_len:  # only the padding rows are zeroed (the rest is written)
+            out[:, :, self.rows :].zero_()
         return out.view(b * h, self.row_len, d)
 
     def to_cache(self, keys: Tensor, dtype: torch.dtype) -> Tensor:
@@ -686,7 +688,8 @@ class _AttentionTiles:
         out = torch.empty(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
         kept = min(self.cache_len, keys.shape[1])
         out[:, :kept] = keys.view(b, h, keys.shape[1], d)[:, :, :kept].permute(0, 2, 1, 3)
-        out[:, kept:].zero_()
+        if kept < self.cache_len:  # only the positions after the keys are zeroed (the rest is written)
+            out[:, kept:].zero_()
         return out
 
 
@@ -736,16 +739,15 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     per_tile = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # [B, Hkv, RB, R', KB]
     denom = (_tree_sum(per_tile) if kb > 1 else per_tile[..., 0]).unsqueeze(-1)  # [B, Hkv, RB, R', 1]
 
-    # Probability tiles for P @ V: zeros outside the real rows and visible keys (only those zeroed, the rest written).
-    tiles_out = torch.empty(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
-    tiles_out[:, :, :, :, real:].zero_()
+    # Probability tiles for P @ V: zeros outside the real rows and visible keys.
+    alloc = torch.empty if (real == block and vis == tiles.key_len) else torch.zeros
+    tiles_out = alloc(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
     as_rows = tiles_out.permute(0, 1, 2, 4, 3, 5)[:, :, :, :real]  # [B, Hkv, RB, R', KB, C]
     if full_tiles:
         as_rows[..., :full_tiles, :] = probs[..., : full_tiles * KEY_BLOCK].view(b, h, rb, real, full_tiles,
                                                                                  KEY_BLOCK)
     if last:
         as_rows[..., full_tiles, :last] = probs[..., full_tiles * KEY_BLOCK :]
-        as_rows[..., full_tiles, last:].zero_()
     denom_rows = denom if real == block else torch.nn.functional.pad(denom, (0, 0, 0, block - real), value=1.0)
     return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs, denom
 

@@ -1,12 +1,14 @@
-"""The exact CPU kernels' cheaper operand layout (issue Q, "the price") changed no bit.
+"""The exact CPU kernels' cheaper passes over memory (issue Q, "the price") changed no bit.
 
 What was optimised: the GEMM tile operands of ``cpu_exact`` (the weight gradient's transposed token chunks, the
 attention backward's padded tiles, a linear layer's padded rows) are laid out in one copy that zeroes only the
 padding, where a pad-then-copy composition filled whole tensors with zeros and copied the data twice; attention
-masks only the visible keys (one mask for a batch whose sequences all start at the same position) and zeroes only
-the padding of its tiles. The claim is stronger than "same outputs on this host": every GEMM call gets the same
-operands -- values, shapes, strides and 64-byte alignment -- as the straightforward composition the kernels used
-before (kept below as the reference, verbatim), so the library computes the same thing on any host.
+masks only the visible keys (one mask for a batch whose sequences all start at the same position) and its backward
+zeroes only padding; the norm's backward reuses one scratch tensor; SwiGLU's backward takes the forward's
+1 + exp(-gate) and silu instead of computing them again. The claim is stronger than "same outputs on this host":
+every GEMM call gets the same operands -- values, shapes, strides and 64-byte alignment -- as the straightforward
+composition the kernels used before (kept below as the reference, verbatim), so the library computes the same
+thing on any host.
 
 How it is checked, per op and dtype, forward and backward:
 - both versions run under a ``RecordingGuard`` (the process guard's fast paths, recording each GEMM call) and under
