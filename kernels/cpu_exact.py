@@ -118,12 +118,12 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
     w = _float(weight)
-    w = _zero_padded(w, (0, 0, 0, n_pad - n)) if n_pad != n else _aligned(w)
+    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else _aligned(w)
     operand = w.t().unsqueeze(0)  # [1, K, N_pad]
     block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
-        x = _zero_padded(x, (0, 0, 0, blocks * block - rows))
+        x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
     else:
         x = _aligned(x)
     out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
@@ -137,24 +137,6 @@ def _aligned(t: Tensor) -> Tensor:
     if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def _zero_padded(x: Tensor, pad: tuple[int, ...]) -> Tensor:
-    """``torch.constant_pad_nd(x, pad)`` for zero padding after the data (``pad`` = (0, after_last, 0,
-    after_second_last, ...)): the same values, shape and strides (contiguous when anything is padded; the clone,
-    strides kept, when nothing is), but only the padding is zeroed -- ``constant_pad_nd`` first fills the whole
-    tensor, then copies the data over it, one pass over memory more on every GEMM tile operand."""
-    if not any(pad) or x.dim() > 3:  # beyond 3-D, constant_pad_nd may keep a channels-last layout: leave it to it
-        return torch.constant_pad_nd(x, pad)
-    if any(pad[0::2]):
-        raise ValueError(f"_zero_padded pads after the data only, got {pad}")
-    after = [0] * (x.dim() - len(pad) // 2) + list(pad[1::2])[::-1]  # per dim, first to last
-    out = x.new_empty([size + extra for size, extra in zip(x.shape, after)])
-    out[tuple(slice(0, size) for size in x.shape)].copy_(x)
-    for dim, (size, extra) in enumerate(zip(x.shape, after)):
-        if extra:
-            out.narrow(dim, size, extra).zero_()
-    return out
 
 
 def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False) -> Tensor:
@@ -219,38 +201,33 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
     row_tiles = -(-n // height)
     if row_tiles * height == n:  # no padding rows: the chunks seen transposed (copied where reshape must)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
-        a_rows = a if contiguous else _zero_padded(a, (0, 0, 0, padded - rows))
+        a_rows = a if contiguous else torch.constant_pad_nd(a, (0, 0, 0, padded - rows))
         a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
     else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles
-        a_tiles = a.new_empty(chunks, row_tiles * height, block)
-        _chunks_transposed(a, block, a_tiles)
-        a_tiles = a_tiles.view(chunks * row_tiles, height, block)
+        a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
     # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
     # one chunk: an expanded view, as reshape gives)
-    b_t = b.new_empty(chunks, k_pad, block)
-    _chunks_transposed(b, block, b_t)
+    b_t = _chunks_transposed(b, block, chunks, k_pad)
     b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
 
-def _chunks_transposed(src: Tensor, block: int, out: Tensor) -> None:
-    """out[c, i, j] = src[c * block + j, i], zero where src has no such element: ``src`` [M, N] cut into ``block``-row
-    chunks, each written transposed into ``out`` [ceil(M / block), width >= N, block].
+def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tensor:
+    """[chunks, width, block]: ``src`` [M, N] cut into ``block``-row chunks, each transposed, zero where ``src`` has
+    no element (rows past M, columns from N to ``width``) -- out[c, i, j] = src[c * block + j, i].
 
-    The values of zero-padding ``src`` to whole chunks and ``width`` columns and copying the chunks' transposes, in
-    one transposing copy that zeroes only the padding (padding first filled a whole tensor with zeros, then
-    copied the data twice)."""
+    The values and layout of zero-padding ``src`` and copying its chunks' transposes (``constant_pad_nd`` then
+    ``contiguous``), with one transposing copy instead of a padded copy and then a transposing one."""
     rows, n = src.shape
+    out = src.new_zeros(chunks, width, block)
     full, tail = divmod(rows, block)
     if full:
         out[:full, :n].copy_(src[: full * block].view(full, block, n).transpose(1, 2))
     if tail:
         out[full, :n, :tail].copy_(src[full * block :].t())
-        out[full, :n, tail:].zero_()
-    if out.shape[1] > n:
-        out[:, n:].zero_()
+    return out
 
 
 def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
@@ -263,10 +240,10 @@ def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     batch, rows, k = a.shape
     n = b.shape[2]
     k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
-    b = _zero_padded(b, (0, n_pad - n, 0, k_pad - k))  # contiguous where padded: the row-major layout
+    b = torch.constant_pad_nd(b, (0, n_pad - n, 0, k_pad - k))  # contiguous: the row-major layout
     block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
-    a = _zero_padded(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
+    a = torch.constant_pad_nd(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
     b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
     out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
     return out[:, :rows, :n]
@@ -676,20 +653,16 @@ class _AttentionTiles:
     def from_output(self, grad: Tensor) -> Tensor:
         """[B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] with zero padding rows (inverse of ``to_output``)."""
         b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
-        out = torch.empty(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
+        out = torch.zeros(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
         out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
-        if self.rows < self.row_len:  # only the padding rows are zeroed (the rest is written)
-            out[:, :, self.rows :].zero_()
         return out.view(b * h, self.row_len, d)
 
     def to_cache(self, keys: Tensor, dtype: torch.dtype) -> Tensor:
         """[B*Hkv, n, hd] (the first n keys) -> [B, L, Hkv, hd] (the cache's shape; zero after n)."""
         b, h, d = self.batch, self.kv_heads, self.head_dim
-        out = torch.empty(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
+        out = torch.zeros(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
         kept = min(self.cache_len, keys.shape[1])
         out[:, :kept] = keys.view(b, h, keys.shape[1], d)[:, :, :kept].permute(0, 2, 1, 3)
-        if kept < self.cache_len:  # only the positions after the keys are zeroed (the rest is written)
-            out[:, kept:].zero_()
         return out
 
 
