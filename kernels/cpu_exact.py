@@ -199,11 +199,12 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
     b_class = torch.empty(1, k_pad, block, dtype=b.dtype, device=b.device).transpose(1, 2)
     height = _row_block(n, host.tile_heights(a.dtype, b_class, False, op))
     row_tiles = -(-n // height)
-    if row_tiles * height == n:  # no padding rows: the chunks seen transposed (copied where reshape must)
+    if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
+        # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
         a_rows = a if contiguous else torch.constant_pad_nd(a, (0, 0, 0, padded - rows))
         a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
-    else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles
+    else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles, contiguous
         a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
     # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
     # one chunk: an expanded view, as reshape gives)

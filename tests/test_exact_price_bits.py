@@ -242,7 +242,8 @@ ROW_WISE = {f"rms_norm-{shape}-{only}": (_rms_norm_case, shape, only)
             for shape in [(1, 64), (5, 7, 64), (300, 96), (2, 3, 1), (33, 576)] for only in ("both", "x", "weight")}
 ROW_WISE |= {f"silu_mul-{shape}-{only}": (_silu_mul_case, shape, only)
              for shape in [(1, 176), (5, 7, 176), (300, 1536), (33,)] for only in ("both", "gate", "up")}
-TRANSPOSED = [(rows, n, k, layout) for rows, n, k in [(64, 64, 64), (300, 176, 64), (4000, 64, 176), (256, 1536, 64)]
+TRANSPOSED = [(rows, n, k, layout) for rows, n, k in [(64, 64, 64), (300, 176, 64), (4000, 64, 176), (256, 1536, 64),
+                                                      (700, 128, 64), (512, 192, 40)]
               for layout in ("contiguous", "transposed", "offset", "sliced")]
 
 
