@@ -41,6 +41,7 @@ from vexact.engine.inputs import pad_right
 from vexact.engine.model import short_dtype_name
 from vexact.engine.rollout import CACHE_BLOCK
 from vexact.engine.scoring import token_logprobs
+from vexact.metric_keys import RESPONSE_LENGTH_MEAN
 
 from .common import (
     DTYPES,
@@ -176,7 +177,7 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
         def run() -> object:
             trainer.load_policy(start, opt_start)  # the same weights and optimizer state every repetition
             metrics = trainer.step(0)
-            tokens[name].append(round(metrics["response_length/mean"] * exact.cfg.rollout.prompts_per_step
+            tokens[name].append(round(metrics[RESPONSE_LENGTH_MEAN] * exact.cfg.rollout.prompts_per_step
                                       * exact.cfg.rollout.samples_per_prompt))
             return metrics
         return run

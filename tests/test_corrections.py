@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vexact.rl.config import ConfigError, CorrectionSection, config_from_dict
-from vexact.rl.corrections import METHODS, PRESETS, RejectOption, plan_for, rollout_correction
+from vexact.rl.corrections import CORRECTION_METHODS, PRESETS, RejectOption, plan_for, rollout_correction
 from vexact.rl.objective import ppo_token_loss
 
 # Two sequences: 3 tokens then 2 tokens. Token ratios ρ_t chosen by hand; logp_roll = 0 so logp_train = log ρ.
@@ -178,7 +178,7 @@ def test_bypass_loss_types():
     assert c.weights[2] == 0.0  # the IcePop-zeroed token: no loss, but it stays in the token-mean's denominator
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
+@pytest.mark.parametrize("method", [m for m in CORRECTION_METHODS.names() if m != "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_mismatch_every_correction_is_exact_no_op(method, dtype):
     """ρ ≡ 1 bit for bit ⇒ weights exactly 1, nothing rejected, and the loss and its gradient are bitwise those
@@ -239,7 +239,7 @@ def test_bad_inputs_and_config_errors():
     config_from_dict({"correction": {"preset": "decoupled_token_is"}, "algorithm": {"old_logprobs": "recompute"}})
 
 
-ZERO_CASES = ([CorrectionSection(method=m) for m in METHODS if m != "none"]
+ZERO_CASES = ([CorrectionSection(method=m) for m in CORRECTION_METHODS.names() if m != "none"]
               + [CorrectionSection(preset=p) for p in sorted(PRESETS) if p != "disabled"]
               + [CorrectionSection(rollout_is=level, rollout_rs=rs, rollout_rs_threshold=threshold)
                  for level in ("token", "sequence")

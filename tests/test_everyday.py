@@ -108,17 +108,18 @@ def test_dotted_key_below_a_value_says_it_is_not_a_section():
 
 
 def test_dotted_keys_create_an_optional_section():
-    overrides = ["inject.mode=logit_noise", "inject.target.metric=abs_dlogp_mean", "inject.target.value=1e-3"]
+    overrides = ["inject.mode=logit_noise", "inject.target.metric=mismatch/abs_dlogp_mean", "inject.target.value=1e-3"]
     target = config_from_dict({}, overrides).inject.target
-    assert (target.metric, target.value) == ("abs_dlogp_mean", 1e-3)
-    # value alone: metric has a default (k3_kl); an existing target is updated key by key
-    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.target.value=0.5"]).inject.target.metric == "k3_kl"
-    base = {"inject": {"mode": "logit_noise", "target": {"metric": "abs_dlogp_mean", "value": 0.1}}}
+    assert (target.metric, target.value) == ("mismatch/abs_dlogp_mean", 1e-3)
+    # value alone: metric has a default (rollout_corr/k3_kl); an existing target is updated key by key
+    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.target.value=0.5"]).inject.target.metric == \
+        "rollout_corr/k3_kl"
+    base = {"inject": {"mode": "logit_noise", "target": {"metric": "mismatch/abs_dlogp_mean", "value": 0.1}}}
     assert config_from_dict(base, ["inject.target.value=0.2"]).inject.target.value == 0.2
 
 
 def test_a_target_without_its_value_is_one_error():
-    err = _error({}, ["inject.mode=logit_noise", "inject.target.metric=k3_kl"])
+    err = _error({}, ["inject.mode=logit_noise", "inject.target.metric=rollout_corr/k3_kl"])
     assert err.key == "inject.target.value" and "required key missing: 'inject.target' needs 'value'" in str(err)
     assert _error({"inject": {"mode": "logit_noise", "target": {}}}).key == "inject.target.value"
     assert config_from_dict({"inject": {"target": None}}).inject.target is None  # null: no target at all
@@ -132,7 +133,8 @@ def _sweep(tmp_path: Path, **spec) -> Path:
 
 
 def test_sweep_grid_over_a_target_value_and_a_verl_key(tmp_path):
-    spec = load_sweep_spec(_sweep(tmp_path, set={"inject.mode": "logit_noise", "inject.target.metric": "k3_kl"},
+    target = {"inject.mode": "logit_noise", "inject.target.metric": "rollout_corr/k3_kl"}
+    spec = load_sweep_spec(_sweep(tmp_path, set=target,
                                   grid={"inject.target.value": [1e-3, 1e-2], "algorithm.clip_ratio_low": [0.1]}))
     assert [p.config.inject.target.value for p in spec.points] == [1e-3, 1e-2]
     assert all(p.config.algorithm.clip_low == 0.1 for p in spec.points)

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 import vexact_kernels
-from vexact.real.locate import OpRecorder
+from vexact.engine.model import ModelConfig, Transformer
+from vexact.real.locate import OpRecorder, _PlanTracer
 from vexact.rl.inject import precision_ops
 from vexact_kernels import OP_NAMES, KernelOps, cpu_exact, native
 from vexact_kernels.host_guard import HostGuard
@@ -43,7 +44,10 @@ def _backends() -> dict[str, object]:
     backends = {"native": native, "cpu_exact": cpu_exact,
                 "cpu_exact.with_host": cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="fixed-order")),
                 "precision_ops": precision_ops(cpu_exact, "bfloat16", ["linear", "attention", "norm"]),
-                "OpRecorder": OpRecorder(cpu_exact, [], rows=1)}
+                "OpRecorder": OpRecorder(cpu_exact, [], rows=1),
+                "op_plan's tracer": _PlanTracer(Transformer(ModelConfig(vocab_size=8, hidden_size=8, num_layers=1,
+                                                                        num_heads=2, num_kv_heads=1,
+                                                                        intermediate_size=8, max_seq_len=4)))}
     try:
         backends["triton_exact"] = vexact_kernels.get_ops("triton")
     except ImportError as err:  # triton is a dependency; only a broken install lacks it

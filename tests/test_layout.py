@@ -16,9 +16,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("engine", "rl", "lab", "real")  # lowest first; vexact/__init__.py and cli.py sit on top
+BASE = ("registry", "metric_keys")
+"""Top-level modules below every layer: the registries and metric-key constants every layer shares. At import they
+import nothing of vexact (``test_the_base_modules_import_nothing_of_vexact``)."""
 
 
 def _layer(package: str) -> int:
+    if package in BASE:
+        return -1
     return LAYERS.index(package) if package in LAYERS else len(LAYERS)
 
 
@@ -48,6 +53,15 @@ def test_each_package_imports_only_the_layers_below_it(path: Path) -> None:
     own = _layer(parts[1]) if len(parts) == 3 else len(LAYERS)
     upward = [(line, name) for line, name in _imported_vexact_modules(path) if _layer(name.split(".")[0]) > own]
     assert not upward, f"{path.relative_to(ROOT)} imports a higher layer: {upward}"
+
+
+@pytest.mark.parametrize("name", BASE)
+def test_the_base_modules_import_nothing_of_vexact(name: str) -> None:
+    """At module level: ``metric_keys`` reads ``corrections.RS_OPTIONS`` inside a function, when a key is matched."""
+    tree = ast.parse((ROOT / "vexact" / f"{name}.py").read_text())
+    imported = ["." if node.level else node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
+    imported += [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
+    assert not [m for m in imported if m == "." or m.split(".")[0] in ("vexact", "vexact_kernels")], imported
 
 
 def _imports_of(path: Path) -> list[tuple[int, str]]:
@@ -117,7 +131,9 @@ def _trainer_step_modules() -> set[str]:
                     and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
                     and node.value.attr in attribute_module):
                 modules.add(attribute_module[node.value.attr])
-    return modules - {"model"}  # the policy being trained: its weights are the Trainer's own state
+    # the policy being trained (its weights are the Trainer's own state); the base modules' names (metric-key
+    # constants) are data every stage shares, not a stage
+    return modules - {"model"} - set(BASE)
 
 
 def test_trainer_step_touches_at_most_six_modules() -> None:

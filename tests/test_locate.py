@@ -153,7 +153,7 @@ def test_a_forward_the_plan_does_not_describe_fails_loudly(plan_config, model_co
     model = Transformer(ModelConfig(**{**TINY, **model_config}), init_seed=0)
     recorder = OpRecorder(vexact_kernels.get_ops("exact"), op_plan(ModelConfig(**{**TINY, **plan_config})), 3)
     recorder.begin(1, 3, torch.zeros(3, dtype=torch.long), torch.arange(3), torch.arange(3))
-    with pytest.raises(OpStructureError, match="update vexact.real.locate.op_plan") as err, torch.no_grad():
+    with pytest.raises(OpStructureError, match="the plan was traced from") as err, torch.no_grad():
         model.logits(model(torch.tensor([[1, 2, 3]]), ops=recorder), ops=recorder)
         recorder.finish()
     assert message in str(err.value)
@@ -229,3 +229,27 @@ def test_bad_input_is_one_error_line(args, message, tmp_path, capsys):
     assert main(["locate", *sizes, *args, "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_the_op_plan_is_derived_from_the_forward(monkeypatch):
+    """op_plan traces the forward, so a change to the forward changes the plan (no mirror to keep in step): here
+    the head gains a second norm, and the plan gains its slot in the same place."""
+    config = ModelConfig(**{**TINY, "qk_norm": True})
+    plan = op_plan(config)
+    names = [slot.name for slot in plan]
+    assert names[:2] == ["embed", "layer 0 / input_norm"] and names[-3:] == ["layer 1 / resid_mlp", "final_norm",
+                                                                          "logits"]
+    by_name = {slot.name: slot for slot in plan}
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    assert by_name["layer 0 / q_proj"].feature_shape == (heads, head_dim)  # reported per head, as attention reads it
+    assert by_name["layer 0 / k_norm"].feature_shape == (kv_heads, head_dim)
+    assert by_name["layer 1 / resid_attn"].recorded == "input" and by_name["layer 1 / resid_attn"].group == "layer 1"
+    real_logits = Transformer.logits
+
+    def logits_with_an_extra_norm(self, hidden, ops=None):
+        ops = self.ops if ops is None else ops
+        return real_logits(self, ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps), ops=ops)
+
+    monkeypatch.setattr(Transformer, "logits", logits_with_an_extra_norm)
+    changed = [slot.name for slot in op_plan(config)]
+    assert changed == names[:-1] + ["final_norm", "logits"]

@@ -128,3 +128,34 @@ def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
         load_sweep_spec(_sweep_file(tmp_path, "b2", grid={"seed": [0]}, variants=["none"]))
     with pytest.raises(ConfigError, match="remove it from the grid"):
         load_sweep_spec(_sweep_file(tmp_path, "b3", grid={"variant": ["a"]}, variants={"a": {}}))
+
+
+def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
+    """``kill -INT <sweep>`` (not a terminal's Ctrl-C, which reaches the whole process group) must stop the points
+    that are running in worker processes, not wait for them to finish: the points here would run 5000 steps."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = _sweep_file(tmp_path, "sig", grid={"seed": [0, 1]}, **{})
+    spec_data = yaml.safe_load(path.read_text())
+    spec_data["set"].update({"steps": 5000, "logging.checkpoint_every": 1000, "logging.eval_every": 1000})
+    path.write_text(yaml.safe_dump(spec_data))
+    spec = load_sweep_spec(path)
+    sweep = subprocess.Popen([sys.executable, "-m", "vexact", "sweep", str(path), "--jobs", "2", "--no-report"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((p.run_dir / "metrics.jsonl").exists() for p in spec.points):
+            assert sweep.poll() is None and time.monotonic() < deadline, "the points never started"
+            time.sleep(0.5)
+        os.kill(sweep.pid, signal.SIGINT)  # the sweep's process only: its workers are not signalled by us
+        output, _ = sweep.communicate(timeout=90)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    assert sweep.returncode == 130, output[-2000:]
+    for point in spec.points:
+        assert len(read_metrics(point.run_dir / "metrics.jsonl")) < 5000

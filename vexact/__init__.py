@@ -4,6 +4,8 @@ Public API: ``ModelConfig``, ``Transformer``, ``generate`` (rollout path, KV cac
 ``token_logprobs`` (training path, full-sequence forward) and ``from_pretrained`` (a Hugging Face
 Llama/Mistral/Qwen2/Qwen3 checkpoint as a ``Transformer``); ``vexact.testing`` for users' own tests;
 ``LiveMonitor`` (``vexact.live``) for mismatch metrics and gates inside the user's own trainer, once per step.
+Extension points, registrable from outside the package: ``register_task`` (a ``Task`` subclass: ``task.name``) and
+``register_inject_mode`` (an ``InjectMode`` instance: ``inject.mode``).
 
 The names are imported on first use (PEP 562), so ``import vexact`` -- and the pytest plugin, which every
 pytest run in an environment with vexact loads -- does not pay for importing torch.
@@ -16,17 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
     "GenerateOutput": "vexact.engine.rollout",
+    "InjectMode": "vexact.rl.inject_modes",
     "KVCache": "vexact.engine.model",
     "LiveMonitor": "vexact.live",
     "ModelConfig": "vexact.engine.model",
     "Transformer": "vexact.engine.model",
     "from_pretrained": "vexact.real.pretrained",
     "generate": "vexact.engine.rollout",
+    "register_inject_mode": "vexact.rl.inject_modes",
+    "register_task": "vexact.rl.tasks",
+    "Task": "vexact.rl.tasks",
     "token_logprobs": "vexact.engine.scoring",
 }
 
-__all__ = ["GenerateOutput", "KVCache", "LiveMonitor", "ModelConfig", "Transformer", "from_pretrained", "generate",
-           "token_logprobs"]
+__all__ = ["GenerateOutput", "InjectMode", "KVCache", "LiveMonitor", "ModelConfig", "Task", "Transformer",
+           "from_pretrained", "generate", "register_inject_mode", "register_task", "token_logprobs"]
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 if TYPE_CHECKING:
@@ -35,6 +41,8 @@ if TYPE_CHECKING:
     from .engine.scoring import token_logprobs
     from .live import LiveMonitor
     from .real.pretrained import from_pretrained
+    from .rl.inject_modes import InjectMode, register_inject_mode
+    from .rl.tasks import Task, register_task
 
 
 def __getattr__(name: str) -> Any:

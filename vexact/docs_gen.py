@@ -5,7 +5,8 @@ The reference pages are written from the objects that define them, never by hand
 * the CLI reference, by walking ``vexact.cli.build_parser()`` (every subcommand and flag; ``vexact bench``'s
   benchmarks from their own ``add_arguments`` where the ``benchmarks`` package is importable);
 * the config reference, by walking the ``RunConfig`` dataclasses of ``vexact.rl.config`` (types, defaults, bounds;
-  a field's description is the comment beside it in the source);
+  a field's description is the comment beside it in the source), and the tables of registered choices (injection
+  modes, tasks, correction methods, LR schedules) from their registries;
 * the metric reference, from the registry ``vexact.metric_keys``;
 * the kernel op contracts, one mkdocstrings block per op of ``vexact_kernels.OP_NAMES``.
 
@@ -33,9 +34,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vexact.lab.markdown_table import markdown_table
+from vexact.registry import RegisteredName
 
-__all__ = ["PAGES", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "metrics_markdown",
-           "on_config", "on_page_markdown"]
+__all__ = ["PAGES", "choices_markdown", "cli_flags", "cli_markdown", "config_keys", "config_markdown",
+           "metrics_markdown", "on_config", "on_page_markdown"]
 
 MARKER = re.compile(r"^<!-- vexact-docs: (\w+) -->$", re.MULTILINE)
 
@@ -250,6 +252,8 @@ def _type_name(tp: Any) -> str:
     args = typing.get_args(tp)
     if origin is Literal:
         return " | ".join(_code(a) for a in args)
+    if isinstance(tp, type) and issubclass(tp, RegisteredName):  # the registry's names when the docs are built
+        return " | ".join(_code(a) for a in tp.registry.names())
     if origin in (typing.Union, types.UnionType):
         parts = [_type_name(a) for a in args if a is not type(None)]
         return " | ".join(parts) + (" | null" if type(None) in args else "")
@@ -353,11 +357,56 @@ def config_markdown() -> str:
     if renamed:
         out += ["Deprecated keys (still read, with a `FutureWarning`):", "",
                 markdown_table(["old key", "new key"], [[_code(a), _code(k)] for a, k in renamed.items()]), ""]
+    deprecated = getattr(cfg, "DEPRECATED_VALUES", {})
+    if deprecated:
+        out += ["Deprecated values (still read, with a `FutureWarning`; the config stores the new one):", "",
+                markdown_table(["key", "old value", "new value"], [[_code(k), _code(a), _code(v)]
+                                                                   for k, m in deprecated.items()
+                                                                   for a, v in m.items()]), ""]
     values = getattr(cfg, "VALUE_ALIASES", {})
     if values:
         out += ["Other spellings of values (stored under the second):", "",
                 ", ".join(f"`{a}` → `{v}`" for a, v in values.items()), ""]
     return "\n".join(out)
+
+
+def _first_line(obj: object) -> str:
+    return " ".join((inspect.getdoc(obj) or "").split("\n\n")[0].split())
+
+
+def choices_markdown() -> str:
+    """The registered choices of the config keys that name a registry entry: injection modes, tasks, correction
+    methods and LR schedules, one table each, read from the registries (``vexact.registry``)."""
+    from vexact.rl.corrections import CORRECTION_METHODS
+    from vexact.rl.inject_modes import INJECT_MODES
+    from vexact.rl.schedules import LR_SCHEDULES
+    from vexact.rl.tasks import TASKS
+
+    modes = [[_code(name), _cell(m.knob or ("set by " + ", ".join(_code(k) for k in m.source_keys)
+                                           if m.source_keys else "")),
+              "✓" if m.calibratable else "", _cell(_first_line(type(m)).partition(": ")[2] or _first_line(type(m)))]
+             for name, m in INJECT_MODES.items()]
+    tasks = [[_code(name), _code(cls.tag), _cell(_first_line(cls)), _code(f"{cls.__module__}.{cls.__name__}")]
+             for name, cls in TASKS.items()]
+    methods = [[_code(name), _cell(m.verl), _cell(m.effect), _code(list(m.band)) if m.band else ""]
+               for name, m in CORRECTION_METHODS.items()]
+    kinds = [[_code(name), "✓" if k.triggered else "", _cell(_first_line(type(k)).partition(": ")[2])]
+             for name, k in LR_SCHEDULES.items()]
+    return "\n".join([
+        "## Injection modes (`inject.mode`)", "",
+        "From the registry `vexact.rl.inject_modes.INJECT_MODES`; `vexact.register_inject_mode` adds one "
+        "([how](../howto/add_mode.md)).", "",
+        markdown_table(["mode", "`inject.value` is", "calibratable", "what the rollout does"], modes), "",
+        "## Tasks (`task.name`)", "",
+        "From the registry `vexact.rl.tasks.TASKS`; `vexact.register_task` adds one ([how](../howto/add_task.md)).",
+        "", markdown_table(["task", "tag", "description", "class"], tasks), "",
+        "## Correction methods (`correction.method`)", "",
+        "From the registry `vexact.rl.corrections.CORRECTION_METHODS`: vexact's shorthand and the verl keys it "
+        "stands for (C = `correction.threshold`, [a, b] = `correction.band`).", "",
+        markdown_table(["method", "verl equivalent", "effect", "default band"], methods), "",
+        "## LR schedules (`lr_schedule.kind`)", "",
+        "From the registry `vexact.rl.schedules.LR_SCHEDULES`.", "",
+        markdown_table(["kind", "triggered", "learning rate"], kinds), ""])
 
 
 # --- metric keys -------------------------------------------------------------------------------------------
@@ -408,7 +457,8 @@ def kernel_ops_markdown() -> str:
     return "\n".join(out)
 
 
-PAGES = {"cli": cli_markdown, "config": config_markdown, "metrics": metrics_markdown, "kernel_ops": kernel_ops_markdown}
+PAGES = {"cli": cli_markdown, "config": config_markdown, "choices": choices_markdown, "metrics": metrics_markdown,
+         "kernel_ops": kernel_ops_markdown}
 """Marker name -> generator. ``<!-- vexact-docs: NAME -->`` on a line of its own in a page is replaced."""
 
 

@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .metric_keys import K3_KL
 from .real.compare import check_gates
 from .real.measure import mismatch_report
 from .rl.atomic import write_text_atomic
@@ -208,7 +209,7 @@ class LiveMonitor:
                "gates": gates, "by_position": report["by_position"]}
         if self._map is not None:
             try:
-                row["map"] = self._map(report["metrics"]["rollout_corr/k3_kl"], row["live/mean_response_length"])
+                row["map"] = self._map(report["metrics"][K3_KL], row["live/mean_response_length"])
             except ValueError as err:  # the map cannot place this point: say so, keep training
                 row["map_error"] = str(err)
         return row

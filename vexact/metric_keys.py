@@ -12,6 +12,8 @@ Writers: ``run`` is ``metrics.jsonl`` of ``vexact run`` (one line per step), ``m
 structured fields ``outcome``, ``gates``, ``by_position``, ``map`` are not metrics).
 
 Adding a metric: add an entry here in the group it belongs to; the reference page and the test pick it up.
+Code that reads or writes a key by name uses the constants below (``K3_KL``, ...), not a bare string, so a renamed
+key is one change and a typo is a NameError; each constant is a registered key (``tests/test_metric_names.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,27 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-__all__ = ["GROUPS", "KEYS", "WRITERS", "MetricKey", "find", "unregistered"]
+__all__ = ["ABS_DLOGP_MAX", "ABS_DLOGP_MEAN", "BITWISE_EQUAL_FRAC", "CONSTANTS", "ENTROPY", "EVAL_GREEDY_ACCURACY",
+           "EVAL_REWARD_MEAN", "GRAD_NORM", "GROUPS", "K3_KL", "KEYS", "KL", "LOG_PPL_ABS_DIFF", "LR",
+           "RESPONSE_LENGTH_MEAN", "REWARD_MEAN", "WRITERS", "MetricKey", "find", "unregistered"]
+
+# --- the keys code names most often, as constants -----------------------------------------------------------------
+K3_KL = "rollout_corr/k3_kl"
+KL = "rollout_corr/kl"
+LOG_PPL_ABS_DIFF = "rollout_corr/log_ppl_abs_diff"
+ABS_DLOGP_MEAN = "mismatch/abs_dlogp_mean"
+ABS_DLOGP_MAX = "mismatch/abs_dlogp_max"
+BITWISE_EQUAL_FRAC = "mismatch/bitwise_equal_frac"
+REWARD_MEAN = "reward/mean"
+RESPONSE_LENGTH_MEAN = "response_length/mean"
+EVAL_REWARD_MEAN = "eval/reward_mean"
+EVAL_GREEDY_ACCURACY = "eval/greedy_accuracy"
+GRAD_NORM = "actor/grad_norm"
+ENTROPY = "actor/entropy"
+LR = "actor/lr"
+CONSTANTS = (K3_KL, KL, LOG_PPL_ABS_DIFF, ABS_DLOGP_MEAN, ABS_DLOGP_MAX, BITWISE_EQUAL_FRAC, REWARD_MEAN,
+             RESPONSE_LENGTH_MEAN, EVAL_REWARD_MEAN, EVAL_GREEDY_ACCURACY, GRAD_NORM, ENTROPY, LR)
+"""Every constant above (each must be a registered key)."""
 
 RUN = ("run",)
 ALL = ("run", "measure", "compare", "live")

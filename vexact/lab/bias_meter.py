@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..metric_keys import ABS_DLOGP_MEAN, K3_KL
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject import Injector
@@ -142,8 +143,8 @@ def measure_bias(cfg: RunConfig, batches: int = 16, exact: _Gradients | None = N
         batch = trainer.rollout(k, plan)
         diffs.append((_flat_gradient(trainer, batch).double() - exact.grads[k].double()).float())
         metrics = mismatch_metrics(trainer.objective.score(trainer.compute, batch), batch.logprobs)
-        k3.append(metrics["rollout_corr/k3_kl"])
-        abs_dlogp.append(metrics["mismatch/abs_dlogp_mean"])
+        k3.append(metrics[K3_KL])
+        abs_dlogp.append(metrics[ABS_DLOGP_MEAN])
         lengths.append(sum(batch.lengths) / len(batch.lengths))
     stats = bias_statistics(torch.stack(exact.grads[:batches]), torch.stack(diffs))
     return {**stats, "batches": batches, "k3_kl": sum(k3) / batches, "abs_dlogp_mean": sum(abs_dlogp) / batches,

@@ -45,10 +45,11 @@ import random
 import statistics
 from typing import Any
 
+from ..metric_keys import K3_KL
 from ..rl.atomic import publish
 from .report import SEED_KEY, PointData, SweepData, _fmt_value, _median
 
-METRIC = "rollout_corr/k3_kl"
+METRIC = K3_KL
 SUMMARY = "run mean of rollout_corr/k3_kl over the steps before collapse (the whole run without collapse)"
 DOSE_FIELDS = ("mean_k3_kl_before_collapse", "mean_k3_kl")  # the collapse summary's field, then the fallback
 RIDGE = 0.05  # penalty on the slope (per decade of k3, squared): keeps separated data finite, barely biases the rest

@@ -36,14 +36,14 @@ import math
 import statistics
 from typing import Any
 
+from ..metric_keys import ENTROPY, GRAD_NORM, K3_KL, LOG_PPL_ABS_DIFF, RESPONSE_LENGTH_MEAN, REWARD_MEAN
 from .report import PointData, SweepData, _series
 
-K3 = "rollout_corr/k3_kl"
-TRACKED = {"entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "response_length": "response_length/mean"}
-SURGE_TRACKED = {"response_length": "response_length/mean", "reward": "reward/mean", "k3": K3,
-                 "log_ppl_abs_diff": "rollout_corr/log_ppl_abs_diff",
+TRACKED = {"entropy": ENTROPY, "grad_norm": GRAD_NORM, "response_length": RESPONSE_LENGTH_MEAN}
+SURGE_TRACKED = {"response_length": RESPONSE_LENGTH_MEAN, "reward": REWARD_MEAN, "k3": K3_KL,
+                 "log_ppl_abs_diff": LOG_PPL_ABS_DIFF,
                  "seq_log_ratio_abs": "rollout_corr/log_ppl_abs_diff_sum",
-                 "grad_norm": "actor/grad_norm", "entropy": "actor/entropy"}
+                 "grad_norm": GRAD_NORM, "entropy": ENTROPY}
 SURGE_WINDOW = 10  # the surge detector's default window (collapse.length_surge_window)
 PHASES = ("before", "during", "after")
 MIN_PHASE_STEPS = 3  # a phase with fewer steps than this has no mean
@@ -55,7 +55,7 @@ def run_dynamics(point: PointData) -> dict[str, Any] | None:
     """One run's early/late k3 and correlations; None when it has fewer than ``MIN_STEPS`` usable steps."""
     end = point.collapse.get("collapse_step") if point.collapse.get("collapsed") else None
     rows = {}
-    for step, k3 in zip(*_series(point, K3)):
+    for step, k3 in zip(*_series(point, K3_KL)):
         if k3 > 0 and math.isfinite(k3) and (end is None or step < end):
             rows[step] = k3
     if len(rows) < MIN_STEPS:

@@ -36,6 +36,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
+from ..metric_keys import EVAL_REWARD_MEAN, K3_KL, REWARD_MEAN
 from ..rl.atomic import publish, write_json_atomic, write_text_atomic
 from ..rl.collapse import trailing_mean
 from ..rl.config import CollapseSection, dotted_items
@@ -618,9 +619,9 @@ def sweep_figures(data: SweepData) -> dict[str, Any]:
     figures = {}
 
     # reward curves ------------------------------------------------------------------------
-    metric = "eval/reward_mean"
+    metric = EVAL_REWARD_MEAN
     if not any(_is_num(m.get(metric)) for p in data.points for m in p.metrics):
-        metric = "reward/mean"  # no eval steps at all: fall back to the training reward
+        metric = REWARD_MEAN  # no eval steps at all: fall back to the training reward
     fig, ax = plt.subplots(figsize=(10, 5.5))
     drawn: set[str] = set()
     collapse_marks = False
@@ -655,14 +656,14 @@ def sweep_figures(data: SweepData) -> dict[str, Any]:
     for values, points in groups:
         key = _freeze(values)
         for p in points:
-            steps, ks = _series(p, "rollout_corr/k3_kl")
+            steps, ks = _series(p, K3_KL)
             keep = [(s, k) for s, k in zip(steps, ks) if k > 0 and math.isfinite(k)]
             if keep:
                 s = style(p)
                 ax.plot(*zip(*keep), color=s.colour, ls=dash(p), lw=s.linewidth * 0.8, marker=s.marker,
                         ms=s.markersize * 0.8, markevery=_mark_every(len(keep)), alpha=0.9, zorder=s.zorder)
                 drawn.add(key)
-        if key not in drawn and any(_series(p, "rollout_corr/k3_kl")[0] for p in points):
+        if key not in drawn and any(_series(p, K3_KL)[0] for p in points):
             zero_groups.append(label_of[key])
     handles = legend_handles(drawn)
     handles += [Line2D([], [], color="none", label=f"{label}: k3 KL = 0 throughout (not drawable on a log axis)")

@@ -25,6 +25,16 @@ from typing import Any
 
 from rich.console import Console
 
+from ..metric_keys import (
+    ABS_DLOGP_MEAN,
+    ENTROPY,
+    EVAL_REWARD_MEAN,
+    GRAD_NORM,
+    K3_KL,
+    LR,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+)
 from ..rl.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import CollapseSection, RunConfig, load_config
@@ -47,15 +57,15 @@ from .report import (
 
 RUN_FILES = ("metrics.jsonl", "summary.json")  # either one makes a directory a run directory
 TRACKED = {  # metric -> what it is, in words (report.json "series", the plot's panels)
-    "reward/mean": "training reward (rollouts)",
-    "eval/reward_mean": "clean evaluation reward",
-    "rollout_corr/k3_kl": "realised k3 KL",
-    "mismatch/abs_dlogp_mean": "realised |Δlogp|",
+    REWARD_MEAN: "training reward (rollouts)",
+    EVAL_REWARD_MEAN: "clean evaluation reward",
+    K3_KL: "realised k3 KL",
+    ABS_DLOGP_MEAN: "realised |Δlogp|",
     "rollout_corr/chi2_token": "chi2_token",
-    "actor/entropy": "policy entropy",
-    "response_length/mean": "response length",
-    "actor/lr": "learning rate",
-    "actor/grad_norm": "grad norm",
+    ENTROPY: "policy entropy",
+    RESPONSE_LENGTH_MEAN: "response length",
+    LR: "learning rate",
+    GRAD_NORM: "grad norm",
 }
 CHI2_NOTE = ("chi2_token estimates E[ρ²] − 1 (ρ = training / rollout token probability) as mean(ρ²) − 1 over "
              "each batch's tokens. Its expectation is >= 0, but the estimate can come out slightly negative when "
@@ -191,10 +201,10 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
          + (f"; before collapse {_fmt_sci(c['mean_k3_kl_before_collapse'])}" if c.get("collapsed") else "")),
         ("realised |Δlogp| (run mean)", _fmt_sci(c.get("mean_abs_dlogp"))),
         ("chi2_token (run mean) †", "—" if chi2 is None else f"{chi2['mean']:.3g} (min {chi2['min']:.3g})"),
-        ("policy entropy", first_last("actor/entropy", lambda v: f"{v:.3g}")),
-        ("response length", first_last("response_length/mean", lambda v: f"{v:.3g}")),
-        ("learning rate", first_last("actor/lr", lambda v: f"{v:.2e}")),
-        ("grad norm", first_last("actor/grad_norm", lambda v: f"{v:.3g}")),
+        ("policy entropy", first_last(ENTROPY, lambda v: f"{v:.3g}")),
+        ("response length", first_last(RESPONSE_LENGTH_MEAN, lambda v: f"{v:.3g}")),
+        ("learning rate", first_last(LR, lambda v: f"{v:.2e}")),
+        ("grad norm", first_last(GRAD_NORM, lambda v: f"{v:.3g}")),
     ]
     return [TextColumn("quantity", [k for k, _ in rows], justify="left", wrap=True, style="cyan"),
             TextColumn("value", [v for _, v in rows], justify="left", wrap=True)]
@@ -203,16 +213,16 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
 # ----------------------------------------------------------------------------- plot
 
 PANELS = (  # (title, [(metric, label, style)], log y)
-    ("reward", [("reward/mean", "training reward (rollouts)", {"color": "0.55", "lw": 1.0}),
-                ("eval/reward_mean", "clean evaluation reward", {"color": "tab:blue", "lw": 1.2, "marker": "o",
+    ("reward", [(REWARD_MEAN, "training reward (rollouts)", {"color": "0.55", "lw": 1.0}),
+                (EVAL_REWARD_MEAN, "clean evaluation reward", {"color": "tab:blue", "lw": 1.2, "marker": "o",
                                                                  "ms": 3.5})], False),
-    ("realised mismatch: k3 KL, rollout vs training log-probs", [("rollout_corr/k3_kl", "k3 KL",
+    ("realised mismatch: k3 KL, rollout vs training log-probs", [(K3_KL, "k3 KL",
                                                                   {"color": "tab:purple", "lw": 1.2})], True),
-    ("policy entropy", [("actor/entropy", "entropy", {"color": "tab:green", "lw": 1.2})], False),
-    ("mean response length (tokens)", [("response_length/mean", "response length",
+    ("policy entropy", [(ENTROPY, "entropy", {"color": "tab:green", "lw": 1.2})], False),
+    ("mean response length (tokens)", [(RESPONSE_LENGTH_MEAN, "response length",
                                         {"color": "tab:brown", "lw": 1.2})], False),
-    ("learning rate", [("actor/lr", "learning rate", {"color": "black", "lw": 1.2})], False),
-    ("grad norm", [("actor/grad_norm", "grad norm", {"color": "tab:olive", "lw": 1.0})], False),
+    ("learning rate", [(LR, "learning rate", {"color": "black", "lw": 1.2})], False),
+    ("grad norm", [(GRAD_NORM, "grad norm", {"color": "tab:olive", "lw": 1.0})], False),
 )
 MARKERS = {  # event -> (words, line style): drawn as vertical lines on every panel
     "collapse": ("collapse", {"color": "red", "ls": "-", "lw": 1.8}),
@@ -270,10 +280,10 @@ def run_figure(run: RunData, s: dict[str, Any]) -> Any:
             _surge_threshold(ax, p, run.collapse_settings, handles)
         if log and drawn:
             ax.set_yscale("log")
-        elif log and _series(p, "rollout_corr/k3_kl")[0]:
+        elif log and _series(p, K3_KL)[0]:
             ax.text(0.5, 0.5, "k3 KL = 0 at every step (exact)", transform=ax.transAxes, ha="center", va="center",
                     color="grey")
-        if not drawn and not (log and _series(p, "rollout_corr/k3_kl")[0]):
+        if not drawn and not (log and _series(p, K3_KL)[0]):
             ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="grey")
         for event, step in events.items():
             words, style = MARKERS[event]
@@ -313,7 +323,7 @@ def _reward_extras(ax: Any, p: PointData, s: dict[str, Any], handles: dict[str, 
 
 def _surge_threshold(ax: Any, p: PointData, settings: CollapseSection, handles: dict[str, Any]) -> None:
     """The level the response length must exceed to count as a surge (ratio x the first-window baseline)."""
-    values = [v for v in _series(p, "response_length/mean")[1] if math.isfinite(v)]
+    values = [v for v in _series(p, RESPONSE_LENGTH_MEAN)[1] if math.isfinite(v)]
     window = settings.length_surge_window
     if len(values) <= window:
         return

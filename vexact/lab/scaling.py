@@ -40,6 +40,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
 from .dose_response import METRIC, fit_threshold, run_dose
 from .report import SEED_KEY, PointData, SweepData
 
@@ -47,7 +48,7 @@ __all__ = ["BOOTSTRAP", "DEFAULT_MAP", "HORIZON_KEY", "fit_law", "load_map", "pl
            "scaling", "write_scaling"]
 
 HORIZON_KEY = "task.max_len"
-HORIZON_METRIC = "response_length/mean"
+HORIZON_METRIC = RESPONSE_LENGTH_MEAN
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
 REPLICATES_KEPT = 200  # replicates stored in scaling.json for the map's interval at a new T
@@ -464,5 +465,5 @@ def compare_map(summary: dict[str, Any], map_path: str | Path | None) -> tuple[d
     sequences, tokens = summary.get("sequences") or 0, summary.get("tokens") or 0
     if not sequences or not tokens:
         raise ValueError("the dump has no response lengths (no tokens): nothing to place on the map")
-    placed = place_on_map(map_data, summary["metrics"]["rollout_corr/k3_kl"], tokens / sequences)
+    placed = place_on_map(map_data, summary["metrics"][K3_KL], tokens / sequences)
     return {k: placed[k] for k in MAP_KEYS}, map_lines(placed, map_data)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..metric_keys import EVAL_REWARD_MEAN, RESPONSE_LENGTH_MEAN, REWARD_MEAN
 from .dynamics import PHASES, SURGE_TRACKED, surge_dynamics
 from .report import _series, read_sweep_results
 
 EDGE = 5  # steps averaged for the start length and the trailing mean of the rise
-PANELS = (("response_length/mean", "mean response length (tokens)"), ("reward/mean", "rollout reward"),
-          ("eval/reward_mean", "clean eval reward"))
+PANELS = ((RESPONSE_LENGTH_MEAN, "mean response length (tokens)"), (REWARD_MEAN, "rollout reward"),
+          (EVAL_REWARD_MEAN, "clean eval reward"))
 
 
 def plot_surge(sweep_dir: str | Path, out: str | Path) -> Path:
@@ -67,7 +68,7 @@ def surge_table(sweep_dir: str | Path) -> str:
         if not p.has_result:
             continue
         r = rise(p)
-        evals = _series(p, "eval/reward_mean")[1]
+        evals = _series(p, EVAL_REWARD_MEAN)[1]
         peak = p.collapse.get("peak_reward")
         lines.append(f"| {p.name} | {r['start']:.2f} | {r['top']:.2f} | {r['top'] / r['start']:.2f}× | "
                      f"{r['rise_steps']} | {r['rise_steps'] / p.run_length:.0%} | "
@@ -92,7 +93,7 @@ def surge_table(sweep_dir: str | Path) -> str:
 
 def rise(point) -> dict:
     """Start length, top length and the 10-90% rise time in steps of one run (see the module docstring)."""
-    steps, vals = _series(point, "response_length/mean")
+    steps, vals = _series(point, RESPONSE_LENGTH_MEAN)
     trail = [sum(vals[max(0, i - EDGE + 1):i + 1]) / len(vals[max(0, i - EDGE + 1):i + 1]) for i in range(len(vals))]
     start, top = sum(vals[:EDGE]) / len(vals[:EDGE]), max(trail)
     lo, hi = start + 0.1 * (top - start), start + 0.9 * (top - start)

@@ -44,12 +44,14 @@ abruptly (killed, out of memory) fails the points running at that moment; the sw
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
 import json
 import os
 import re
+import signal
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -479,10 +481,20 @@ def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish
             for future, result in results.items():
                 finish(running.pop(future), result)
     except KeyboardInterrupt:
+        _interrupt_workers(pool)
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
         pool.shutdown(wait=True)
+
+
+def _interrupt_workers(pool: ProcessPoolExecutor) -> None:
+    """Pass the sweep's SIGINT on to its workers. Ctrl-C in a terminal reaches every process of the group, but a
+    SIGINT sent to the sweep alone (``kill -INT``, a job scheduler) does not: without this, the sweep would wait
+    for every running point to finish before it stops. Each worker's point records itself as interrupted."""
+    for process in list((pool._processes or {}).values()):  # noqa: SLF001 -- the executor exposes no worker list
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGINT)
 
 
 def _result(future: Future) -> dict | None:

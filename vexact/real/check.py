@@ -19,6 +19,7 @@ from ..engine.model import ModelConfig, Transformer, resolve_dtype
 from ..engine.presets import MODEL_PRESETS
 from ..engine.rollout import generate
 from ..engine.scoring import token_logprobs
+from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, BITWISE_EQUAL_FRAC, K3_KL, KL
 from ..rl.metrics import mismatch_summary
 
 DEFAULT_BATCH_SIZES: tuple[int | None, ...] = (None, 1, 3)
@@ -52,8 +53,8 @@ class CheckSettings:
     micro_batch_sizes: tuple[int | None, ...] = DEFAULT_MICRO_BATCH_SIZES
 
 
-METRIC_KEYS = {"bitwise_equal_frac": "mismatch/bitwise_equal_frac", "abs_dlogp_mean": "mismatch/abs_dlogp_mean",
-               "abs_dlogp_max": "mismatch/abs_dlogp_max", "kl": "rollout_corr/kl", "k3_kl": "rollout_corr/k3_kl"}
+METRIC_KEYS = {"bitwise_equal_frac": BITWISE_EQUAL_FRAC, "abs_dlogp_mean": ABS_DLOGP_MEAN,
+               "abs_dlogp_max": ABS_DLOGP_MAX, "kl": KL, "k3_kl": K3_KL}
 """``mismatch_summary``'s name -> the metric key (``vexact.metric_keys``) a check row's ``metrics`` uses for it."""
 
 

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..metric_keys import ABS_DLOGP_MAX, K3_KL
 from ..rl.metrics import full_vocab_rows, full_vocab_summary
 from ..rl.runlog import load_tensor_file
 from .measure import mismatch_report, plot_report, print_report, write_report_json
@@ -556,8 +557,8 @@ def check_gates(summary: dict[str, Any], fail_on_mismatch: bool, max_k3: float |
         differ = summary["tokens"] - summary["bitwise_equal"]
         gates.append({"gate": "--fail-on-mismatch", "limit": 0, "value": differ, "passed": differ == 0,
                       "message": f"{differ} of {summary['tokens']} tokens are not bitwise equal"})
-    for flag, key, limit in (("--max-k3", "rollout_corr/k3_kl", max_k3),
-                             ("--max-abs-dlogp", "mismatch/abs_dlogp_max", max_abs_dlogp)):
+    for flag, key, limit in (("--max-k3", K3_KL, max_k3),
+                             ("--max-abs-dlogp", ABS_DLOGP_MAX, max_abs_dlogp)):
         if limit is not None:
             value = m[key]
             passed = value <= limit  # NaN fails

@@ -49,6 +49,7 @@ row per group -- ``embed``, ``layer 0`` ..., ``head`` -- ``group``, ``ops``, ``o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -145,41 +146,108 @@ class OpSlot:
 def op_plan(config: ModelConfig) -> list[OpSlot]:
     """Every tensor recorded in one ``Transformer.forward`` plus ``Transformer.logits``, in call order.
 
-    Mirrors the forward: per layer the input norm, q/k/v projections, (qk_norm) q/k norms, RoPE on q and k,
-    attention, o_proj, the residual after attention, the post-attention norm, gate/up projections, silu_mul,
-    down_proj; then the last residual, the final norm and the LM head. Keep it in step with ``forward``:
-    ``OpRecorder`` refuses any call that does not match."""
-    c, hidden = config, (config.hidden_size,)
-    plan = [OpSlot("embed", "rms_norm", "embed", hidden, "input")]
-    for i in range(c.num_layers):
-        if i > 0:  # the previous layer's output is this layer's input-norm input: named after the layer it left
-            plan.append(OpSlot(f"layer {i - 1} / resid_mlp", "rms_norm", f"layer {i - 1}", hidden, "input"))
-        plan += _layer_slots(c, f"layer {i}")
-    last = f"layer {c.num_layers - 1}"
-    plan += [OpSlot(f"{last} / resid_mlp", "rms_norm", last, hidden, "input"),
-             OpSlot("final_norm", "rms_norm", "head", hidden), OpSlot("logits", "linear", "head", (c.vocab_size,))]
-    return plan
+    Derived from the forward itself, not kept beside it: one forward of a weightless model (``meta`` device) over one
+    token runs through ``_PlanTracer``, which names each kernel op call by the parameter it uses (``layers.0.
+    self_attn.q_proj.weight`` -> ``layer 0 / q_proj``) or, for an op without one, by where its input came from
+    (RoPE on q_proj's output -> ``q_rope``). A norm that reads the residual stream also records that input, named by
+    the block whose output was added to it last (``resid_attn`` after o_proj, ``resid_mlp`` after down_proj;
+    ``embed`` for the embeddings). So a change to the forward changes the plan with it."""
+    with torch.device("meta"):
+        model = Transformer(config, backend="native", device="meta", init_seed=None)
+    tracer = _PlanTracer(model)
+    tokens = torch.zeros(1, 1, dtype=torch.long, device="meta")
+    model.logits(model(tokens, ops=tracer), ops=tracer)
+    return tracer.plan
 
 
-def _layer_slots(c: ModelConfig, group: str) -> list[OpSlot]:
-    """One decoder layer's slots, from its input norm to down_proj."""
-    q_heads, kv_heads, hidden, inner = (c.num_heads, c.head_dim), (c.num_kv_heads, c.head_dim), (c.hidden_size,), (
-        c.intermediate_size,)
-    names = [("input_norm", "rms_norm", hidden), ("q_proj", "linear", q_heads), ("k_proj", "linear", kv_heads),
-             ("v_proj", "linear", kv_heads)]
-    if c.qk_norm:
-        names += [("q_norm", "rms_norm", q_heads), ("k_norm", "rms_norm", kv_heads)]
-    names += [("q_rope", "rope", q_heads), ("k_rope", "rope", kv_heads), ("attention", "attention", q_heads),
-              ("o_proj", "linear", hidden), ("resid_attn", "rms_norm", hidden), ("post_norm", "rms_norm", hidden),
-              ("gate_proj", "linear", inner), ("up_proj", "linear", inner), ("silu_mul", "silu_mul", inner),
-              ("down_proj", "linear", hidden)]
-    return [OpSlot(f"{group} / {name}", op, group, shape, "input" if name == "resid_attn" else "output")
-            for name, op, shape in names]
+_SITE_NAMES = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_norm"}
+"""Parameter module names that read better shortened in a report; every other site keeps its module's name."""
+_RESIDUAL_AFTER = {"o_proj": "resid_attn", "down_proj": "resid_mlp"}
+"""The residual stream a norm reads, named by the block output that was added to it last."""
+
+
+class _PlanTracer:
+    """Kernel ops that compute nothing (empty outputs of the right shape, on ``meta``) and write ``plan``: one
+    ``OpSlot`` per call of the forward, named by ``op_plan``'s rules."""
+
+    def __init__(self, model: Transformer):
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.plan: list[OpSlot] = []
+        self.sources: dict[int, tuple[str, str]] = {}  # id(output) -> (group, site) of the op that made it
+        self.slot_of: dict[int, int] = {}  # id(output) -> its index in plan
+        self.outputs: list[Tensor] = []  # kept alive, so that no later tensor reuses an id above
+        self.last_block: tuple[str, str] | None = None  # (group, site) of the last linear, for the residual's name
+
+    def _site(self, weight: Tensor) -> tuple[str, str]:
+        """(group, site) of a parameter: ``layers.3.mlp.up_proj.weight`` -> ("layer 3", "up_proj")."""
+        parts = self.param_names[id(weight)].split(".")
+        if parts[0] == "layers":
+            return f"layer {parts[1]}", _SITE_NAMES.get(parts[-2], parts[-2])
+        return "head", "final_norm" if parts[0] == "norm" else "logits"
+
+    def _source(self, x: Tensor) -> tuple[str, str] | None:
+        return self.sources.get(id(x._base if x._base is not None else x))
+
+    def _emit(self, group: str, site: str, kernel_op: str, out: Tensor, recorded: str = "output",
+              *inputs: Tensor) -> Tensor:
+        for x in inputs:  # an input that is a per-head view of a recorded output: report that output per head
+            if x._base is not None and id(x._base) in self.slot_of:
+                slot = self.slot_of[id(x._base)]
+                self.plan[slot] = dataclasses.replace(self.plan[slot], feature_shape=tuple(x.shape[2:]))
+        name = site if group in ("head", "embed") else f"{group} / {site}"
+        self.plan.append(OpSlot(name, kernel_op, group, tuple(out.shape[2:]), recorded))
+        if recorded == "output":
+            self.outputs.append(out)
+            self.sources[id(out)] = (group, site)
+            self.slot_of[id(out)] = len(self.plan) - 1
+        return out
+
+    def embedding(self, tokens: Tensor, weight: Tensor) -> Tensor:
+        out = weight.new_empty(*tokens.shape, weight.shape[1])
+        self.outputs.append(out)
+        self.sources[id(out)] = ("embed", "embed")  # a gather, exact everywhere: no slot of its own
+        return out
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        group, site = self._site(weight)
+        self.last_block = (group, site)
+        return self._emit(group, site, "linear", x.new_empty(*x.shape[:-1], weight.shape[0]))
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        source = self._source(x)
+        if source is None or source == ("embed", "embed"):  # the residual stream: record what the norm reads
+            group, block = ("embed", "embed") if source else self.last_block
+            self._emit(group, block if source else _RESIDUAL_AFTER[block], "rms_norm", x, "input")
+        return self._emit(*self._site(weight), "rms_norm", torch.empty_like(x), "output", x)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        group, site = self._source(x)
+        return self._emit(group, f"{site[0]}_rope", "rope", torch.empty_like(x), "output", x)  # q_proj -> q_rope
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+        return self._emit(self._source(q)[0], "attention", "attention", torch.empty_like(q), "output", q, k_cache,
+                          v_cache)
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return self._emit(self._source(gate)[0], "silu_mul", "silu_mul", torch.empty_like(gate), "output", gate, up)
+
+    # Not called by a forward or its logits (scoring's ops): shapes only, no slot.
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        return torch.empty_like(logits)
+
+    def token_logprobs(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return logits.new_empty(targets.shape)
+
+    def entropy(self, log_probs: Tensor) -> Tensor:
+        return log_probs.new_empty(log_probs.shape[:-1])
 
 
 class OpStructureError(RuntimeError):
-    """The model called its ops in an order ``op_plan`` does not describe: ``Transformer.forward`` changed and
-    ``op_plan`` must follow it (a bug in vexact, not bad input)."""
+    """The model called its ops in an order its plan does not describe: the plan was traced from another config
+    than the model's, or the model's forward is not ``Transformer.forward`` (a bug in vexact, not bad input)."""
+
+
+_PLAN_MISMATCH = "the model's forward is not the one the plan was traced from (pass op_plan(model.config))"
 
 
 class OpRecorder:
@@ -205,7 +273,7 @@ class OpRecorder:
         if self._next != len(self.plan):
             missing = self.plan[self._next].name if self._next is not None else "(begin was not called)"
             raise OpStructureError(f"the forward ended before {missing!r} (slot {self._next} of {len(self.plan)}): "
-                                   "Transformer.forward changed; update vexact.real.locate.op_plan")
+                                   f"{_PLAN_MISMATCH}")
         self._next = self._keep = None
 
     # The kernel op functions (the names and signatures of vexact_kernels' backends).
@@ -250,12 +318,11 @@ class OpRecorder:
             raise OpStructureError(f"{kernel_op} called outside begin/finish")
         if self._next >= len(self.plan):
             raise OpStructureError(f"an extra {kernel_op} call after the last slot {self.plan[-1].name!r}: "
-                                   "Transformer.forward changed; update vexact.real.locate.op_plan")
+                                   f"{_PLAN_MISMATCH}")
         slot = self.plan[self._next]
         if slot.kernel_op != kernel_op:
             raise OpStructureError(f"the forward called {kernel_op} where op_plan expects {slot.kernel_op} for "
-                                   f"{slot.name!r} (slot {self._next}): Transformer.forward changed; update "
-                                   "vexact.real.locate.op_plan")
+                                   f"{slot.name!r} (slot {self._next}): {_PLAN_MISMATCH}")
         return slot
 
     def _record(self, tensor: Tensor) -> None:
@@ -264,7 +331,7 @@ class OpRecorder:
         if tensor.numel() != batch * length * slot.features:
             raise OpStructureError(f"{slot.name!r} (slot {self._next}) has shape {tuple(tensor.shape)}, op_plan "
                                    f"expects {slot.features} features for each of {batch}x{length} tokens: "
-                                   "Transformer.forward changed; update vexact.real.locate.op_plan")
+                                   f"{_PLAN_MISMATCH}")
         rows = tensor.detach().reshape(batch, length, slot.features)[keep_batch, keep_time]
         if slot.name not in self.store:
             self.store[slot.name] = torch.zeros(self.rows, slot.features, dtype=tensor.dtype)

@@ -52,6 +52,7 @@ from ..engine.inputs import check_temperature, check_token_lists, padded_with_ma
 from ..engine.model import DTYPES, Transformer, dtype_names_text, short_dtype_name
 from ..engine.rollout import generate
 from ..engine.scoring import full_logprobs, token_logprobs
+from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL, LOG_PPL_ABS_DIFF
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from .pretrained import (
     PARITY_PROMPTS,
@@ -603,12 +604,12 @@ def print_report(report: dict[str, Any], console: Any, title: str, caption: str)
     rows = [
         ("tokens compared", report["tokens"]),
         ("bitwise equal", f"{report['bitwise_equal']} ({m['mismatch/bitwise_equal_frac']:.1%})"),
-        ("k1 KL (rollout_corr/kl)", m["rollout_corr/kl"]),
-        ("k3 KL (rollout_corr/k3_kl)", m["rollout_corr/k3_kl"]),
-        ("|Δlogp| mean", m["mismatch/abs_dlogp_mean"]),
+        ("k1 KL (rollout_corr/kl)", m[KL]),
+        ("k3 KL (rollout_corr/k3_kl)", m[K3_KL]),
+        ("|Δlogp| mean", m[ABS_DLOGP_MEAN]),
         ("|Δlogp| p99", m["mismatch/abs_dlogp_p99"]),
-        ("|Δlogp| max", m["mismatch/abs_dlogp_max"]),
-        ("log_ppl_abs_diff", m["rollout_corr/log_ppl_abs_diff"]),
+        ("|Δlogp| max", m[ABS_DLOGP_MAX]),
+        ("log_ppl_abs_diff", m[LOG_PPL_ABS_DIFF]),
         ("χ² token †", m["rollout_corr/chi2_token"]),
         ("max |p_train − p_roll|", m["training/rollout_probs_diff_max"]),
     ]

@@ -55,16 +55,15 @@ Everything returned is JSON-serializable (finite floats, ints, strings, None).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import CollapseSection
+from ..metric_keys import ABS_DLOGP_MEAN, GRAD_NORM, K3_KL, RESPONSE_LENGTH_MEAN
 from .metrics_log import non_finite_value
 
-GRAD_NORM = "actor/grad_norm"
+if TYPE_CHECKING:  # the config imports the LR schedules, which import this module
+    from .config import CollapseSection
+
 PG_LOSS = "actor/pg_loss"
-K3_KL = "rollout_corr/k3_kl"
-ABS_DLOGP = "mismatch/abs_dlogp_mean"
-RESPONSE_LENGTH = "response_length/mean"
 
 # Tie-break among triggers at the same step (rule 4): earlier in this tuple wins.
 REASONS = ("reward_drop", "non_finite", "grad_norm", "k3_kl")
@@ -189,7 +188,7 @@ def surge_index(values: list[float], window: int, ratio: float) -> int | None:
 
 def length_surge_step(rows: list[tuple[int, dict]], window: int, ratio: float) -> int | None:
     """First step after the baseline window whose trailing-mean response length > ratio x baseline, rule 5."""
-    series = _finite_series(rows, RESPONSE_LENGTH)
+    series = _finite_series(rows, RESPONSE_LENGTH_MEAN)
     j = surge_index([value for _, value in series], window, ratio)
     return None if j is None else series[j][0]
 
@@ -233,7 +232,7 @@ def detect_collapse(history: list[dict], cfg: CollapseSection, stopped_reason: s
         "final_reward": series[-1][1] if series else None,
         "initial_reward": series[0][1] if series else None,
         "mean_k3_kl": _mean([v for _, v in k3]),
-        "mean_abs_dlogp": _mean([v for _, v in _finite_series(rows, ABS_DLOGP)]),
+        "mean_abs_dlogp": _mean([v for _, v in _finite_series(rows, ABS_DLOGP_MEAN)]),
         "mean_k3_kl_before_collapse": _mean([v for s, v in k3 if collapse_step is None or s < collapse_step]),
         "length_surge_step": surge_step,
         "length_surge_lead": lead,

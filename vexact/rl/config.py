@@ -3,10 +3,12 @@
 The schema is the dataclasses below; every field has a default, so ``{}`` is a valid config (an empty file is refused:
 more likely a wrong or truncated file than a choice).
 Validation is generic: each value is checked against its field's type hint (``int``, ``float``, ``bool``, ``str``,
-``X | None``, ``Literal[...]``, ``list[T]``, ``tuple[T, T]``, ``dict[str, Any]``, nested dataclasses) and against
-the numeric bounds declared in ``field(metadata=...)`` (``min``, ``gt``, ``max``, ``lt``). Checks that involve
-several fields live in a section's ``check()`` method, which raises ``ConfigError`` with a key relative to the
-section. Every problem is reported as one ``ConfigError`` naming the full key path, before any work starts.
+``X | None``, ``Literal[...]``, a registry's names (``TaskName``, ``InjectModeName``, ...: checked against the registry
+when the config is validated, so entries registered later count), ``list[T]``, ``tuple[T, T]``, ``dict[str, Any]``,
+nested dataclasses) and against the numeric bounds declared in ``field(metadata=...)`` (``min``, ``gt``, ``max``,
+``lt``). Checks that involve several fields live in a section's ``check()`` method, which raises ``ConfigError`` with
+a key relative to the section. Every problem is reported as one ``ConfigError`` naming the full key path, before any
+work starts.
 
 Adding a section: write a dataclass (defaults for every field, optional ``check()``) and add a field of that type
 to ``RunConfig``. Loading, overrides, ``to_dict`` and ``save_config`` pick it up from the type hints.
@@ -33,10 +35,13 @@ import vexact_kernels
 
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
+from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, LOG_PPL_ABS_DIFF
 from .atomic import write_text_atomic
-from .inject_modes import INJECT_MODE_NAMES, INJECT_MODES, KNOB_MODES, SOURCE_KEYS
+from .corrections import CORRECTION_METHODS, plan_for
+from .inject_modes import INJECT_MODES
 from .metrics import LOG_RATIO_BOUND
-from .tasks import TASK_NAMES, make_task, max_answer_tokens, max_prompt_tokens, task_has_free_span
+from .schedules import LR_SCHEDULES
+from .tasks import TASKS, make_task, max_answer_tokens, max_prompt_tokens, task_has_free_span
 from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
 from .validate import bounds as _bounds
 
@@ -61,6 +66,12 @@ __all__ = [
 ]
 
 Backend = Literal[vexact_kernels.BACKENDS]  # the kernel library's backend names
+# Names from a registry: checked against it when a config is validated (validate.py), so an entry registered after
+# import (vexact.register_task, vexact.register_inject_mode, ...) is accepted like a built-in.
+TaskName = TASKS.name_type  # tasks.TASKS
+InjectModeName = INJECT_MODES.name_type  # inject_modes.INJECT_MODES
+CorrectionMethodName = CORRECTION_METHODS.name_type  # corrections.CORRECTION_METHODS
+LRScheduleKind = LR_SCHEDULES.name_type  # schedules.LR_SCHEDULES
 DType = Literal["float32", "bfloat16"]  # also spelled fp32 / bf16 (VALUE_ALIASES); stored with these names
 
 VALUE_ALIASES: dict[str, str] = {
@@ -117,7 +128,7 @@ ModelSection = _model_section()
 class TaskSection:
     """The synthetic task the policy is trained on."""
 
-    name: Literal[TASK_NAMES] = "reverse"  # derived from the task registry (tasks._TASKS)
+    name: TaskName = "reverse"  # a name in the task registry (tasks.TASKS; vexact.register_task adds one)
     min_len: int = field(default=4, metadata=_bounds(min=1))
     max_len: int = field(default=8, metadata=_bounds(min=1))
     partial_credit: bool = False
@@ -186,7 +197,7 @@ class CorrectionSection:
     ``batch_normalize``), or verl 0.9.1's ``algorithm.rollout_correction`` keys (``preset`` and the ``rollout_*``
     keys, ``bypass_mode``, ``loss_type``; null = not given, so a preset's value or verl's default applies)."""
 
-    method: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs"] = "none"
+    method: CorrectionMethodName = "none"  # a name in corrections.CORRECTION_METHODS
     threshold: float = field(default=2.0, metadata=_bounds(gt=1))  # C: TIS truncates at C, MIS masks above C
     band: tuple[float, float] | None = field(default=None, metadata=_bounds(gt=0))  # icepop / geo_rs [a, b]
     batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
@@ -203,11 +214,10 @@ class CorrectionSection:
     loss_type: Literal["ppo_clip", "ppo_clip_is", "reinforce"] | None = None  # bypass mode's loss
 
     def check(self) -> None:
-        from .corrections import plan_for  # corrections imports this module
-
         if self.band is not None:
-            if self.method not in ("icepop", "geo_rs"):
-                raise ConfigError(f"band is used by icepop and geo_rs only, not by method {self.method!r}", "band")
+            if CORRECTION_METHODS[self.method].band is None:
+                banded = " and ".join(name for name, m in CORRECTION_METHODS.items() if m.band is not None)
+                raise ConfigError(f"band is used by {banded} only, not by method {self.method!r}", "band")
             if not self.band[0] < self.band[1]:
                 raise ConfigError(f"band needs lower < upper, got {list(self.band)}", "band")
         try:
@@ -225,14 +235,14 @@ class LRScheduleSection:
     ``length_triggered`` fires at the length surge defined once, in ``collapse.length_surge_window`` /
     ``collapse.length_surge_ratio`` (the collapse detector's early warning)."""
 
-    kind: Literal["constant", "cosine", "step", "length_triggered", "mismatch_triggered"] = "constant"
+    kind: LRScheduleKind = "constant"  # a name in schedules.LR_SCHEDULES
     min_lr_ratio: float = field(default=0.1, metadata=_bounds(min=0, max=1))  # floor = ratio x optimizer.lr
     total_steps: int | None = field(default=None, metadata=_bounds(min=1))  # cosine horizon (None = run steps)
     step_size: int = field(default=50, metadata=_bounds(min=1))  # step: multiply by gamma every step_size steps
     gamma: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))
     decay_period: int | None = field(default=None, metadata=_bounds(min=1))  # triggered: halve every N steps ...
     decay_period_factor: float = field(default=1.8, metadata=_bounds(gt=0))  # ... or N = factor x trigger step
-    mismatch_metric: Literal["rollout_corr/k3_kl", "rollout_corr/log_ppl_abs_diff"] = "rollout_corr/k3_kl"
+    mismatch_metric: Literal[K3_KL, LOG_PPL_ABS_DIFF] = K3_KL
     mismatch_threshold: float = field(default=0.1, metadata=_bounds(gt=0))  # verl warns at |kl| > 0.1
     mismatch_window: int = field(default=5, metadata=_bounds(min=1))  # trailing mean over N steps > threshold
 
@@ -273,7 +283,6 @@ class LoggingSection:
                 raise ConfigError(f"{name!r} is listed twice", f"backends[{i}]")
 
 
-InjectMode = Literal[INJECT_MODE_NAMES]  # derived from the mode table (inject_modes.INJECT_MODES)
 
 @dataclass(kw_only=True)
 class TargetSection:
@@ -281,7 +290,7 @@ class TargetSection:
 
     ``value`` has no default: a target is a magnitude the user chooses, so a ``target`` without it is an error."""
 
-    metric: Literal["k3_kl", "abs_dlogp_mean"] = "k3_kl"
+    metric: Literal[K3_KL, ABS_DLOGP_MEAN] = K3_KL  # a full metric key (k3_kl, abs_dlogp_mean: deprecated)
     value: float = field(metadata=_bounds(gt=0))
 
 
@@ -293,7 +302,7 @@ class InjectSection:
     p for top_p, k for top_k; unused by precision and kernel. ``value`` 0 (or mode none) is a bitwise no-op.
     """
 
-    mode: InjectMode = "none"
+    mode: InjectModeName = "none"
     value: float = 0.0
     precision: Literal["bfloat16", "float16", "fp8_e4m3"] = "bfloat16"  # precision mode: rounding format
     sites: list[str] = field(default_factory=lambda: ["logits"])  # precision mode: linear, attention, norm, logits
@@ -313,13 +322,9 @@ class InjectSection:
         for i, site in enumerate(self.sites):
             if site not in allowed:
                 raise ConfigError(f"expected one of {', '.join(sorted(allowed))}, got {site!r}", f"sites[{i}]")
-        if self.mode == "top_p" and not 0 < self.value <= 1 and self.target is None:
-            raise ConfigError(f"top_p needs 0 < value <= 1, got {self.value}", "value")
-        spec = INJECT_MODES[self.mode]
-        problem = spec.value_problem(self.value) if spec.value_problem else None
-        if problem:
-            raise ConfigError(problem, "value")
-        if self.target is not None and not spec.calibratable:
+        mode = INJECT_MODES[self.mode]
+        mode.check(self)  # the mode's own settings (value range, ...)
+        if self.target is not None and not mode.calibratable:
             raise ConfigError(f"mode {self.mode!r} has no continuous knob to calibrate; remove inject.target",
                               "target")
 
@@ -342,7 +347,7 @@ class DistributedSection:
 class CollapseSection:
     """Collapse detection on a (smoothed) reward series; see ``vexact/rl/collapse.py``."""
 
-    metric: str = "eval/reward_mean"  # judged on the clean evaluation by default
+    metric: str = EVAL_REWARD_MEAN  # judged on the clean evaluation by default
     smoothing: int = field(default=3, metadata=_bounds(min=1))  # trailing moving average, in points
     drop: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))  # fall below (1 - drop) x running peak
     min_peak: float = field(default=0.1, metadata=_bounds(min=0))  # ... after the peak exceeded this
@@ -388,8 +393,6 @@ class RunConfig:
             raise ConfigError(f"free_weight needs a task with a free span the reward does not read (such as "
                               f"horizon's scratchpad), got task {self.task.name!r}", "warm_start.free_weight")
         bypass = self.algorithm.old_logprobs == "rollout"
-        from .corrections import plan_for  # corrections imports this module
-
         plan = plan_for(self.correction)
         if plan.bypass_mode is not None and plan.bypass_mode != bypass:
             source = f"preset {self.correction.preset}" if self.correction.bypass_mode is None else "bypass_mode"
@@ -477,6 +480,30 @@ def _move_renamed(data: dict) -> None:
             raise ConfigError(f"deprecated key set to {show_value(value)} while '{new}' is "
                               f"{show_value(target[new_name])}; keep only '{new}'", old)
         target[new_name] = value
+
+
+DEPRECATED_VALUES: dict[str, dict[str, str]] = {
+    "inject.target.metric": {"k3_kl": K3_KL, "abs_dlogp_mean": ABS_DLOGP_MEAN},
+}
+"""Config key -> {old spelling of a value: the value}. Keys that name a metric take its full key (as
+``lr_schedule.mismatch_metric`` and ``collapse.metric`` do); the short names still work, with a FutureWarning, and
+the config stores the full key."""
+
+
+def _modernize_values(data: dict) -> None:
+    """Replace deprecated spellings of values in the raw mapping, in place, warning once per replaced value."""
+    for key, spellings in DEPRECATED_VALUES.items():
+        *path, name = key.split(".")
+        node: Any = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        old = node.get(name)
+        if isinstance(old, str) and old in spellings:
+            node[name] = spellings[old]
+            warnings.warn(f"{key}: {old!r} is deprecated; use the full metric key {spellings[old]!r}", FutureWarning,
+                          stacklevel=3)
 
 
 # --- verl's spellings -------------------------------------------------------------------------------------
@@ -605,6 +632,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
             raise ConfigError(f"--set {earlier} and --set {item} set the same key (verl's and vexact's spelling); "
                               "keep only one", key)
         origins[key] = item
+    _modernize_values(data)
     try:
         _expand_preset(data.get("model"))
         _check_inject_knob(data.get("inject"))
@@ -643,14 +671,15 @@ def _check_inject_knob(inject: Any) -> None:
     mode, value = inject.get("mode", "none"), inject.get("value")
     if not isinstance(mode, str) or isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
         return
-    knobs = " | ".join(KNOB_MODES)
-    if mode in KNOB_MODES and value is None and inject.get("target") is None:
-        raise ConfigError(f"mode {mode!r} needs inject.value ({KNOB_MODES[mode]}), which is not given: nothing would "
+    spec = INJECT_MODES[mode] if mode in INJECT_MODES else None  # an unknown name is build()'s error
+    knobs = " | ".join(name for name, m in INJECT_MODES.items() if m.knob is not None)
+    if spec is not None and spec.knob is not None and value is None and inject.get("target") is None:
+        raise ConfigError(f"mode {mode!r} needs inject.value ({spec.knob}), which is not given: nothing would "
                           f"be injected; set it (e.g. --set inject.value=...), or inject.target to calibrate it",
                           "inject.mode")
-    if mode in SOURCE_KEYS and value:
+    if spec is not None and spec.source_keys and value:
         raise ConfigError(f"{show_value(value)} is not used by mode {mode!r}, whose mismatch is set by "
-                          f"{' and '.join(SOURCE_KEYS[mode])}; remove inject.value", "inject.value")
+                          f"{' and '.join(spec.source_keys)}; remove inject.value", "inject.value")
     if mode == "none" and value:
         raise ConfigError(f"{show_value(value)} would inject nothing: no inject.mode is set; set inject.mode to one of "
                           f"{knobs}, or remove inject.value", "inject.value")

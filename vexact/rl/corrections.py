@@ -15,19 +15,11 @@ verl 0.9.1's terms (``algorithm.rollout_correction``), and only the plan is exec
   ``rollout_rs`` (a comma list of rejection options, all combined by AND) with ``rollout_rs_threshold`` (one
   value per option, or one shared), ``bypass_mode``, ``loss_type`` -- or a ``preset`` named as verl's
   ``RolloutCorrectionConfig`` factory methods (``PRESETS``), whose values explicit keys override;
-* vexact's shorthand ``method`` (with ``threshold`` C and ``band`` [a, b]), expanded by ``METHOD_PLANS``:
-
-=============  ==================================================  ===========================================
-method         verl equivalent                                      effect
-=============  ==================================================  ===========================================
-token_tis      rollout_is token, threshold C                        w_t = min(ρ_t, C)
-seq_tis        rollout_is sequence, threshold C                     w_t = min(ρ_seq, C)
-token_mis      token_tis + rollout_rs token_k1 "1/C_inf"            reject tokens with ρ_t > C
-seq_mis        seq_tis + rollout_rs seq_sum_k1 "1/C_inf"            reject sequences with ρ_seq > C
-icepop         rollout_is token, threshold "a_b" (default 0.5_5)    w_t = ρ_t inside [a, b], 0 outside
-geo_rs         rollout_rs seq_mean_k1 "1/b_1/a" (default band       reject sequences whose geometric-mean
-               [0.999, 1.001])                                      ratio exp(mean_t log ρ_t) is outside [a, b]
-=============  ==================================================  ===========================================
+* vexact's shorthand ``method`` (with ``threshold`` C and ``band`` [a, b]), expanded by its entry in the registry
+  ``CORRECTION_METHODS`` (``register_correction_method`` adds one): ``token_tis`` / ``seq_tis`` truncate the token /
+  sequence ratio at C, ``token_mis`` / ``seq_mis`` also reject above C, ``icepop`` zeroes token weights outside
+  [a, b], ``geo_rs`` rejects sequences whose geometric-mean ratio is outside [a, b]. The config's choices and the
+  table in the config reference (each method's verl equivalent and effect) are read from the registry.
 
 **Rejection options** (verl's ``rollout_rs``), on the clamped log-ratio s_t = clamp(r_t, ±B): the token
 statistics k1 = -s, k2 = s²/2, k3 = e^s - 1 - s; ``token_kX`` judges each token, ``seq_sum_kX`` /
@@ -59,17 +51,77 @@ nothing is rejected (for any threshold that admits 1), so each correction is an 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .config import CorrectionSection
+from ..registry import Registry
 from .metrics import is_weight_stats
 
-METHODS = ("none", "token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs")
-DEFAULT_BANDS = {"icepop": (0.5, 5.0), "geo_rs": (0.999, 1.001)}
-"""Default [a, b] per band method: IcePop's published band, and verl's geometric preset threshold."""
+if TYPE_CHECKING:  # the config validates ``correction.method`` against CORRECTION_METHODS: it imports this module
+    from .config import CorrectionSection
+
+
+@dataclass(frozen=True)
+class CorrectionMethod:
+    """One value of vexact's shorthand ``correction.method``: ``to_verl(cfg)`` gives the verl-vocabulary keys it
+    stands for (None for ``none``: no shorthand, verl's own keys apply); ``band``: the default [a, b] of a method
+    that takes ``correction.band`` (None: the method takes no band). ``verl`` / ``effect``: the docs' table."""
+
+    name: str
+    verl: str
+    effect: str
+    to_verl: Callable[[CorrectionSection], dict] | None = None
+    band: tuple[float, float] | None = None
+
+
+CORRECTION_METHODS: Registry[CorrectionMethod] = Registry("correction method", "correction.method",
+                                                          "vexact.rl.corrections.register_correction_method")
+"""``correction.method`` -> its expansion, in the order the documentation lists them."""
+
+
+def register_correction_method(method: CorrectionMethod, replace: bool = False) -> CorrectionMethod:
+    """Register a shorthand ``correction.method`` (a ``CorrectionMethod``); a name already taken is an error
+    unless ``replace``."""
+    if not isinstance(method, CorrectionMethod):
+        raise TypeError(f"register_correction_method needs a CorrectionMethod, got {method!r}")
+    return CORRECTION_METHODS.add(method.name, method, replace=replace)
+
+
+def _one_sided(C: float) -> str:
+    return f"{1.0 / C!r}_inf"  # k1 keeps -log ρ >= log(1/C), i.e. ρ <= C; no lower ratio bound
+
+
+def _icepop_keys(a: float, b: float) -> dict:
+    return {"rollout_is": "token", "rollout_is_threshold": f"{a!r}_{b!r}"}  # IcePop's band [a, b]
+
+
+def _geo_rs_keys(a: float, b: float) -> dict:
+    return {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": f"{1.0 / b!r}_{1.0 / a!r}"}  # k1 = -log ρ
+
+
+for _method in (
+    CorrectionMethod("none", "(no correction; verl's keys apply)", "w_t = 1"),
+    CorrectionMethod("token_tis", "rollout_is token, threshold C", "w_t = min(ρ_t, C)",
+                     lambda cfg: {"rollout_is": "token", "rollout_is_threshold": cfg.threshold}),
+    CorrectionMethod("seq_tis", "rollout_is sequence, threshold C", "w_t = min(ρ_seq, C)",
+                     lambda cfg: {"rollout_is": "sequence", "rollout_is_threshold": cfg.threshold}),
+    CorrectionMethod("token_mis", 'token_tis + rollout_rs token_k1 "1/C_inf"', "reject tokens with ρ_t > C",
+                     lambda cfg: {"rollout_is": "token", "rollout_is_threshold": cfg.threshold,
+                                  "rollout_rs": "token_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)}),
+    CorrectionMethod("seq_mis", 'seq_tis + rollout_rs seq_sum_k1 "1/C_inf"', "reject sequences with ρ_seq > C",
+                     lambda cfg: {"rollout_is": "sequence", "rollout_is_threshold": cfg.threshold,
+                                  "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)}),
+    CorrectionMethod("icepop", 'rollout_is token, threshold "a_b"', "w_t = ρ_t inside [a, b], 0 outside",
+                     lambda cfg: _icepop_keys(*band_for(cfg)), band=(0.5, 5.0)),  # IcePop's published band
+    CorrectionMethod("geo_rs", 'rollout_rs seq_mean_k1 "1/b_1/a"',
+                     "reject sequences whose geometric-mean ratio exp(mean_t log ρ_t) is outside [a, b]",
+                     lambda cfg: _geo_rs_keys(*band_for(cfg)), band=(0.999, 1.001)),  # verl geo preset threshold
+):
+    register_correction_method(_method)
 
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -233,27 +285,13 @@ def parse_rs(options: str, spec: float | str | None) -> tuple[RejectOption, ...]
 
 
 def _method_keys(cfg: CorrectionSection) -> dict:
-    """verl-vocabulary keys of vexact's shorthand ``method`` (see the table in the module docstring)."""
-    method, C = cfg.method, cfg.threshold
-    one_sided = f"{1.0 / C!r}_inf"  # k1 keeps -log ρ >= log(1/C), i.e. ρ <= C; no lower ratio bound
+    """verl-vocabulary keys of vexact's shorthand ``method`` (its ``CORRECTION_METHODS`` entry)."""
+    if cfg.method not in CORRECTION_METHODS:
+        raise ValueError(f"{CORRECTION_METHODS.unknown(cfg.method)} (correction.method)")
     keys: dict = {"rollout_is_batch_normalize": cfg.batch_normalize, "loss_type": "ppo_clip_is"}
-    if method == "token_tis":
-        keys.update(rollout_is="token", rollout_is_threshold=C)
-    elif method == "seq_tis":
-        keys.update(rollout_is="sequence", rollout_is_threshold=C)
-    elif method == "token_mis":
-        keys.update(rollout_is="token", rollout_is_threshold=C, rollout_rs="token_k1", rollout_rs_threshold=one_sided)
-    elif method == "seq_mis":
-        keys.update(rollout_is="sequence", rollout_is_threshold=C, rollout_rs="seq_sum_k1",
-                    rollout_rs_threshold=one_sided)
-    elif method == "icepop":
-        a, b = band_for(cfg)
-        keys.update(rollout_is="token", rollout_is_threshold=f"{a!r}_{b!r}")
-    elif method == "geo_rs":
-        a, b = band_for(cfg)
-        keys.update(rollout_rs="seq_mean_k1", rollout_rs_threshold=f"{1.0 / b!r}_{1.0 / a!r}")
-    elif method != "none":
-        raise ValueError(f"unknown correction method {method!r}; expected one of {', '.join(METHODS)}")
+    to_verl = CORRECTION_METHODS[cfg.method].to_verl
+    if to_verl is not None:
+        keys.update(to_verl(cfg))
     return keys
 
 
@@ -261,7 +299,10 @@ def band_for(cfg: CorrectionSection) -> tuple[float, float]:
     """The [a, b] band a band method uses: the configured one or the method's default."""
     if cfg.band is not None:
         return float(cfg.band[0]), float(cfg.band[1])
-    return DEFAULT_BANDS[cfg.method]
+    band = CORRECTION_METHODS[cfg.method].band
+    if band is None:
+        raise ValueError(f"correction method {cfg.method!r} takes no band")
+    return band
 
 
 def uses_verl_keys(cfg: CorrectionSection) -> bool:

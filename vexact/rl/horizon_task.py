@@ -17,7 +17,7 @@ and the warm start imitates those random draws. The reward is 1.0 for the right 
 EOS anywhere after it, so the scratchpad is free but the response must end: a policy that drifts into rambling
 past ``max_new_tokens`` loses the reward, like a real one that never stops.
 
-Registered in ``vexact.rl.tasks`` (``_TASKS``), so configs name it ``task.name: horizon``.
+Registered in ``vexact.rl.tasks`` (``TASKS``), so configs name it ``task.name: horizon``.
 """
 
 from __future__ import annotations

@@ -7,22 +7,13 @@ injection is batch-invariant and deterministic, and an injection of magnitude 0 
 
 The output is a value: ``Injector.plan(step)`` returns a ``RolloutPlan`` -- the kernel ops, the weight dtype
 and the logits hook the rollout path uses at that step -- and the trainer passes them to ``generate``; no
-model's backend is switched. A new mode is a change to this module (plus its name in ``InjectSection.mode``
-and its tests), not to the trainer.
+model's backend is switched. What each mode does is its own class in ``vexact.rl.inject_modes`` (the registry
+``INJECT_MODES``); this module applies what every mode shares and never branches on a mode's name:
 
-Modes (``inject.mode``), knob = ``inject.value``:
-- ``logit_noise``: rollout logits z + σ·N(0, 1) (unbiased drift).
-- ``logit_scale``: z · (1 + ε): sharper for ε > 0, flatter for ε < 0 (systematic bias).
-- ``precision``: the rollout forward rounds chosen activations (``sites``: linear outputs, attention
-  outputs, norm outputs, logits) to bf16 / fp16 / fp8-e4m3, like a low-precision engine.
-- ``kernel``: the rollout path runs another backend/dtype (e.g. native ops, bf16) -- natural TIM.
-- ``logprob_only``: sampling stays exact, the *recorded* log-probs come from z + σ·N: isolates the
-  importance-ratio channel from the sampling-distribution channel.
-- ``top_p`` / ``top_k``: the rollout samples from a truncated distribution (and records its
-  log-probs) while training scores the full one.
-Scope: every token (``all``), only vocabulary entries whose clean probability is below
-``prob_threshold`` (``low_prob``), or a random ``fraction`` of positions. Schedule: nothing before
-``onset_step``, then a linear ramp over ``ramp_steps`` to the full value.
+* the **schedule**: nothing before ``onset_step``, then a linear ramp over ``ramp_steps`` to the full value;
+* the **scope** of a logits perturbation (``Injector.scoped``): every token (``all``), only vocabulary entries
+  whose clean probability is below ``prob_threshold`` (``low_prob``), or a random ``fraction`` of positions;
+* the **calibration** of a knob to a target mismatch (``calibrate``), searched as the mode's ``knob_search`` says.
 """
 
 from __future__ import annotations
@@ -30,20 +21,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
-from vexact_kernels import OP_NAMES, get_ops
+from vexact_kernels import get_ops
 
 from ..engine.model import KernelOps, resolve_dtype
 from ..engine.rollout import LogitsHook
-from ..engine.sampling import counter_normal, counter_uniform
+from ..engine.sampling import counter_uniform
 from .config import InjectSection, RunConfig
+from .inject_modes import INJECT_MODES, InjectMode, _exact_probs, precision_ops, round_to
+
+__all__ = ["Calibration", "Injector", "RolloutPlan", "calibrate", "precision_ops", "round_to"]
 
 _SCOPE_SALT = 0x3C6EF372
-_NOISE_SALT = 0x6A09E667
 
 
 @dataclass(frozen=True)
@@ -59,37 +51,8 @@ class RolloutPlan:
     matches_training: bool = False  # ops and dtype are the training path's and nothing is injected
 
 
-def round_to(x: Tensor, fmt: str) -> Tensor:
-    """Round to a lower-precision format and back (emulation), saturating instead of overflowing."""
-    if fmt == "bfloat16":
-        return x.to(torch.bfloat16).to(x.dtype)
-    if fmt == "float16":
-        return x.clamp(-65504.0, 65504.0).to(torch.float16).to(x.dtype)
-    if fmt == "fp8_e4m3":
-        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-    raise ValueError(f"unknown precision format {fmt!r}")
-
-
-def precision_ops(base: KernelOps, fmt: str, sites: list[str]) -> SimpleNamespace:
-    """Kernel ops whose outputs at the chosen sites are rounded to ``fmt`` (rollout only)."""
-
-    def rounded(fn: Callable) -> Callable:
-        return lambda *args, **kwargs: round_to(fn(*args, **kwargs), fmt)
-
-    ops = {name: getattr(base, name) for name in OP_NAMES}
-    for site, op in (("linear", "linear"), ("attention", "attention"), ("norm", "rms_norm")):
-        if site in sites:
-            ops[op] = rounded(ops[op])
-    return SimpleNamespace(**ops)
-
-
-def _exact_probs(logits: Tensor) -> Tensor:
-    """Row-wise softmax through the exact kernels, so masks never depend on the batch."""
-    return get_ops("exact", logits.device).log_softmax(logits).exp()
-
-
 class Injector:
-    """Builds the per-step ``RolloutPlan`` from the ``inject`` config section.
+    """Builds the per-step ``RolloutPlan`` from the ``inject`` config section and the mode it names.
 
     ``rollout_backend`` / ``rollout_dtype``: the rollout path when nothing is injected (the ``rollout``
     section; None = the training path's); ``training_backend`` / ``training_dtype``: the training path."""
@@ -99,6 +62,7 @@ class Injector:
                  rollout_dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.seed = seed
+        self.mode: InjectMode = INJECT_MODES[cfg.mode]
         self.value = cfg.value  # replaced by calibration when cfg.target is set
         self.device = torch.device(device)
         self.training_backend = training_backend
@@ -106,8 +70,7 @@ class Injector:
         self.rollout_backend = rollout_backend or training_backend
         self.rollout_dtype = resolve_dtype(rollout_dtype or training_dtype)
         self.rollout_ops = get_ops(self.rollout_backend, self.device)
-        if cfg.mode == "precision":
-            self.precision_ops = precision_ops(self.rollout_ops, cfg.precision, list(cfg.sites))
+        self.path = self.mode.rollout_path(self)  # a path mode's rollout once injection starts; None for knobs
 
     @classmethod
     def for_run(cls, cfg: RunConfig, device: torch.device | str = "cpu") -> Injector:
@@ -116,7 +79,7 @@ class Injector:
 
     @property
     def enabled(self) -> bool:
-        return self.cfg.mode != "none"
+        return self.mode.injects
 
     def value_at(self, step: int) -> float:
         """The knob after the onset/ramp schedule (0 before onset)."""
@@ -129,15 +92,10 @@ class Injector:
 
     def plan(self, step: int) -> RolloutPlan:
         """The rollout path at ``step``."""
-        c = self.cfg
-        if not self.enabled or step < c.onset_step:
+        if not self.enabled or step < self.cfg.onset_step:
             return self._knob_plan(0.0, None)
-        if c.mode == "kernel":
-            dtype = resolve_dtype(c.kernel_dtype or self.training_dtype)
-            return RolloutPlan(1.0, get_ops(c.kernel_backend, self.device), dtype, active=True)
-        if c.mode == "precision":
-            hook = self._precision_logits_hook() if "logits" in c.sites else None
-            return RolloutPlan(1.0, self.precision_ops, self.rollout_dtype, hook, active=True)
+        if self.path is not None:
+            return RolloutPlan(1.0, self.path.ops, self.path.dtype, self.path.logits_hook, active=True)
         return self.plan_for_value(self.value_at(step), step)
 
     def plan_for_value(self, value: float, step: int) -> RolloutPlan:
@@ -149,35 +107,12 @@ class Injector:
         return RolloutPlan(value, self.rollout_ops, self.rollout_dtype, hook, active=hook is not None,
                            matches_training=same_path and hook is None)
 
-    # ------------------------------------------------------------------ logits hooks
     def logits_hook(self, value: float, step: int) -> LogitsHook | None:
-        """The hook for a knob mode at knob ``value``; None when it would change nothing."""
-        mode = self.cfg.mode
-        if mode == "top_p":
-            return None if value >= 1.0 else self._truncate_hook(top_p=value)
-        if mode == "top_k":
-            return None if value <= 0 else self._truncate_hook(top_k=int(round(value)))
-        if value == 0.0:
-            return None
-        noise_seed = (self.seed * 1_000_003 + step) ^ _NOISE_SALT
+        """The mode's hook at knob ``value``; None when it would change nothing."""
+        return self.mode.logits_hook(self, value, step)
 
-        def perturb(z: Tensor, seq: Tensor, pos: Tensor) -> Tensor:
-            if mode == "logit_scale":
-                changed = z * (1.0 + value)
-            else:  # logit_noise, logprob_only
-                changed = (z.double() + value * counter_normal(noise_seed, seq, pos, z.shape[-1])).float()
-            return self._scoped(z, changed, seq, pos, step)
-
-        if mode == "logprob_only":
-            return lambda z, seq, pos: (z, perturb(z, seq, pos))
-
-        def hook(z: Tensor, seq: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-            changed = perturb(z, seq, pos)
-            return changed, changed
-
-        return hook
-
-    def _scoped(self, clean: Tensor, changed: Tensor, seq: Tensor, pos: Tensor, step: int) -> Tensor:
+    def scoped(self, clean: Tensor, changed: Tensor, seq: Tensor, pos: Tensor, step: int) -> Tensor:
+        """``changed`` where ``inject.scope`` applies at ``step``, ``clean`` elsewhere (for perturbing modes)."""
         c = self.cfg
         if c.scope == "all":
             return changed
@@ -185,32 +120,6 @@ class Injector:
             return torch.where(_exact_probs(clean) < c.prob_threshold, changed, clean)
         chosen = counter_uniform((self.seed * 1_000_003 + step) ^ _SCOPE_SALT, seq, pos, 1) < c.fraction
         return torch.where(chosen, changed, clean)
-
-    def _precision_logits_hook(self) -> LogitsHook:
-        fmt = self.cfg.precision
-
-        def hook(z: Tensor, seq: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-            rounded = round_to(z, fmt)
-            return rounded, rounded
-
-        return hook
-
-    @staticmethod
-    def _truncate_hook(top_p: float | None = None, top_k: int | None = None) -> LogitsHook:
-        def hook(z: Tensor, seq: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-            order = torch.sort(z, dim=-1, descending=True, stable=True)
-            keep_sorted = torch.ones_like(z, dtype=torch.bool)
-            if top_k is not None:
-                keep_sorted[:, top_k:] = False
-            if top_p is not None:
-                probs = _exact_probs(order.values).double()
-                mass_before = torch.cumsum(probs, dim=-1) - probs
-                keep_sorted &= mass_before < top_p  # the smallest prefix reaching top_p (top-1 always kept)
-            keep = torch.zeros_like(keep_sorted).scatter(-1, order.indices, keep_sorted)
-            truncated = z.masked_fill(~keep, -math.inf)
-            return truncated, truncated
-
-        return hook
 
 
 @dataclass
@@ -221,14 +130,15 @@ class Calibration:
     evaluations: list[tuple[float, float]]  # (knob, metric) in the order tried
 
 
-def calibrate(measure: Callable[[float], float], mode: str, target: float, tolerance: float,
+def calibrate(measure: Callable[[float], float], mode: str | InjectMode, target: float, tolerance: float,
               sign: float = 1.0, vocab_size: int = 2, max_evals: int = 40) -> Calibration:
     """Find the knob whose measured mismatch metric is ``target`` (within ``tolerance``, relative).
 
-    ``measure(knob)`` runs the calibration batch. The search assumes the metric grows with the
-    perturbation: σ for noise modes, |ε| for logit_scale (direction ``sign``), 1 - p for top_p,
-    fewer kept tokens for top_k (integers, bisection over k). Returns the best knob tried.
+    ``measure(knob)`` runs the calibration batch. The search is the mode's ``knob_search``: it assumes the metric
+    grows with the perturbation (σ for noise modes, |ε| for logit_scale in direction ``sign``, 1 - p for top_p,
+    fewer kept tokens for top_k: integers, bisection over k). Returns the best knob tried.
     """
+    search = (INJECT_MODES[mode] if isinstance(mode, str) else mode).knob_search(sign, vocab_size)
     tried: list[tuple[float, float]] = []
 
     def run(knob: float) -> float:
@@ -239,16 +149,15 @@ def calibrate(measure: Callable[[float], float], mode: str, target: float, toler
     def close(metric: float) -> bool:
         return abs(metric - target) <= tolerance * target
 
-    if mode == "top_k":
-        lo, hi = 1, vocab_size  # metric(lo) is the largest, metric(hi) == 0
+    if search.integer:
+        lo, hi = search.low, search.high  # metric(lo) is the largest, metric(hi) == 0
         while hi - lo > 1 and len(tried) < max_evals:
             mid = (lo + hi) // 2
             if close(m := run(float(mid))):
                 break
             lo, hi = (mid, hi) if m > target else (lo, mid)
     else:
-        to_knob = {"top_p": lambda u: 1.0 - u, "logit_scale": lambda u: sign * u}.get(mode, lambda u: u)
-        upper = {"top_p": 1.0 - 1e-6, "logit_scale": 0.999 if sign < 0 else 1e3}.get(mode, 1e3)
+        to_knob, upper = search.to_knob, search.upper
         lo, hi = 0.0, min(0.1, upper)
         while not close(m := run(to_knob(hi))) and m < target and hi < upper and len(tried) < max_evals:
             lo, hi = hi, min(hi * 2.0, upper)

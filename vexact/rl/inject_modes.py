@@ -1,54 +1,328 @@
-"""The injection modes as data: each mode's name, what ``inject.value`` means for it (its knob) or which keys
-choose its mismatch instead, and the range its value must lie in.
+"""The injection modes: one small class per ``inject.mode``, registered in ``INJECT_MODES``.
 
-One table, so the config's ``inject.mode`` choices, the "needs a value" / "value unused" checks and the value
-ranges derive from it (``vexact.rl.config``); the rollout hooks themselves are ``vexact.rl.inject``'s.
-Below the config in the import order: it imports nothing of vexact.
+A mode says everything about itself in one place: its name, what ``inject.value`` means for it (its knob) or which
+keys choose its mismatch instead, the checks on its settings, what it does to the rollout path, and how
+``inject.target`` searches its knob. The config (``inject.mode`` choices, "needs a value" / "value unused" checks,
+value ranges), the injector (``vexact.rl.inject``), the calibration and the documentation's table all read the
+registry, so a new mode is one class here -- or, from outside the package, one class and
+``vexact.register_inject_mode(MyMode())`` -- plus its tests.
+
+What a mode changes reaches the rollout as pieces the injector assembles into a ``RolloutPlan``:
+
+* a **knob mode** (``knob`` set) returns a logits hook from ``logits_hook(injector, value, step)``: ``hook(z, seq,
+  pos) -> (sample_from, record)``, the logits the sampler draws from and the logits whose log-softmax is recorded.
+  None when the value changes nothing: no hook is what makes magnitude 0 a bitwise no-op. Random draws are keyed
+  by (seed, sequence, position) (``counter_normal`` / ``counter_uniform``), never from a global generator;
+* a **path mode** (no knob) returns a ``RolloutPath`` from ``rollout_path(injector)``: other kernel ops, another
+  weight dtype, an optional hook (``kernel``, ``precision``), applied from ``inject.onset_step`` on.
+
+Below the config in the import order (the config validates with it): it imports the engine, never the config.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor
+
+from vexact_kernels import OP_NAMES, get_ops
+
+from ..engine.model import KernelOps, resolve_dtype
+from ..engine.rollout import LogitsHook
+from ..engine.sampling import counter_normal
+from ..registry import Registry
+from .validate import ConfigError
+
+if TYPE_CHECKING:
+    from .config import InjectSection
+    from .inject import Injector
+
+__all__ = ["INJECT_MODES", "InjectMode", "KnobSearch", "RolloutPath", "precision_ops", "register_inject_mode",
+           "round_to"]
+
+_NOISE_SALT = 0x6A09E667
 
 
 @dataclass(frozen=True)
-class InjectModeSpec:
-    """One ``inject.mode``. ``knob``: what ``inject.value`` is (None: the mode has no magnitude); ``source_keys``:
-    the keys that choose its mismatch when it has no knob; ``value_problem(value)``: why a value is out of range
-    (None when it is fine); ``calibratable``: ``inject.target`` can search its knob."""
+class RolloutPath:
+    """What a path mode runs the rollout with: kernel ops, the weights' dtype, and an optional logits hook."""
 
-    name: str
-    knob: str | None = None
-    source_keys: tuple[str, ...] = ()
-    value_problem: Callable[[float], str | None] | None = None
-    calibratable: bool = False
+    ops: KernelOps
+    dtype: torch.dtype
+    logits_hook: LogitsHook | None = None
 
 
-def _sigma(mode: str) -> Callable[[float], str | None]:
-    return lambda v: f"{mode} needs value (sigma) >= 0, got {v}" if v < 0 else None
+@dataclass(frozen=True)
+class KnobSearch:
+    """How ``calibrate`` searches a knob. ``integer``: bisection over whole knobs in ``[low, high]`` (the metric is
+    largest at ``low``); otherwise a doubling-then-bisection search over a magnitude u in ``[0, upper]``, tried as
+    knob ``to_knob(u)``; the metric is assumed to grow with u."""
+
+    integer: bool = False
+    low: int = 1
+    high: int = 2
+    to_knob: Callable[[float], float] = float
+    upper: float = 1e3
 
 
-INJECT_MODES: dict[str, InjectModeSpec] = {m.name: m for m in (
-    InjectModeSpec("none"),
-    InjectModeSpec("logit_noise", "sigma of the noise added to the logits", value_problem=_sigma("logit_noise"),
-                   calibratable=True),
-    InjectModeSpec("logit_scale", "epsilon: logits x (1 + epsilon)", calibratable=True,
-                   value_problem=lambda v: (f"logit_scale needs value > -1 (logits x (1 + value)), got {v}"
-                                            if v <= -1 else None)),
-    InjectModeSpec("precision", source_keys=("inject.precision", "inject.sites")),
-    InjectModeSpec("kernel", source_keys=("inject.kernel_backend", "inject.kernel_dtype")),
-    InjectModeSpec("logprob_only", "sigma of the noise added to the rollout's log-probs",
-                   value_problem=_sigma("logprob_only"), calibratable=True),
-    InjectModeSpec("top_p", "the nucleus p", calibratable=True),  # 0 < p <= 1 unless calibrated: InjectSection
-    InjectModeSpec("top_k", "k", calibratable=True,
-                   value_problem=lambda v: (f"top_k needs a whole number >= 0 (0 = off), got {v}"
-                                            if v < 0 or v != int(v) else None)),
-)}
-"""``inject.mode`` name -> its spec, in the order the documentation lists them."""
+class InjectMode:
+    """One ``inject.mode``. Subclass it, set the class attributes, override what the mode does, and register an
+    instance (``register_inject_mode``).
 
-INJECT_MODE_NAMES = tuple(INJECT_MODES)
-KNOB_MODES = {name: m.knob for name, m in INJECT_MODES.items() if m.knob is not None}
-"""The modes whose magnitude is ``inject.value`` -> what the value is."""
-SOURCE_KEYS = {name: m.source_keys for name, m in INJECT_MODES.items() if m.source_keys}
-"""The modes without a magnitude -> the keys that choose their mismatch instead."""
+    ``knob``: what ``inject.value`` is (None: the mode has no magnitude, and ``source_keys`` name the keys that
+    choose its mismatch); ``calibratable``: ``inject.target`` may search the knob (``knob_search``); ``injects``:
+    False only for ``none``, the mode that leaves the rollout path as configured."""
+
+    name: ClassVar[str] = ""
+    injects: ClassVar[bool] = True
+    knob: ClassVar[str | None] = None
+    source_keys: ClassVar[tuple[str, ...]] = ()
+    calibratable: ClassVar[bool] = False
+
+    def check(self, cfg: InjectSection) -> None:
+        """Raise ``ConfigError(problem, key)`` (key relative to ``inject``) for settings this mode cannot run."""
+        problem = self.value_problem(cfg.value)
+        if problem:
+            raise ConfigError(problem, "value")
+
+    def value_problem(self, value: float) -> str | None:
+        """Why ``value`` is out of this mode's range (None when it is fine)."""
+        return None
+
+    def rollout_path(self, injector: Injector) -> RolloutPath | None:
+        """A path mode's rollout (built once per injector); None for knob modes."""
+        return None
+
+    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+        """A knob mode's hook at knob ``value`` and ``step``; None when it would change nothing."""
+        return None
+
+    def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
+        """How calibration searches the knob (``sign``: the direction of a signed knob, from ``inject.value``)."""
+        return KnobSearch()
+
+    def backends(self, cfg: InjectSection) -> tuple[str, ...]:
+        """Kernel backends the mode runs the rollout on besides the configured ones (the Triton guard asks)."""
+        return ()
+
+
+INJECT_MODES: Registry[InjectMode] = Registry("injection mode", "inject.mode", "vexact.register_inject_mode")
+"""``inject.mode`` -> its mode, in the order the documentation lists them."""
+
+
+def register_inject_mode(mode: InjectMode, replace: bool = False) -> InjectMode:
+    """Register an injection mode (an ``InjectMode`` instance) under its ``name``: ``inject.mode: NAME`` selects it
+    in configs, sweeps and ``--set``. A name already taken is an error unless ``replace``."""
+    if not isinstance(mode, InjectMode):
+        raise TypeError(f"register_inject_mode needs an InjectMode instance, got {mode!r}")
+    if mode.knob is None and mode.calibratable:
+        raise ValueError(f"injection mode {mode.name!r} is calibratable but has no knob")
+    return INJECT_MODES.add(mode.name, mode, replace=replace)
+
+
+# --- the built-in modes ---------------------------------------------------------------------------------------
+
+
+class NoInjection(InjectMode):
+    """``none``: the rollout path as configured (``rollout`` section), nothing injected."""
+
+    name = "none"
+    injects = False
+
+
+class _Perturb(InjectMode):
+    """A knob mode that changes the logits where ``inject.scope`` says: ``changed(z, value, noise_seed, seq, pos)``
+    gives the perturbed logits; value 0 installs no hook."""
+
+    calibratable = True
+
+    def changed(self, z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+        if value == 0.0:
+            return None
+        noise_seed = (injector.seed * 1_000_003 + step) ^ _NOISE_SALT
+
+        def hook(z: Tensor, seq: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+            changed = injector.scoped(z, self.changed(z, value, noise_seed, seq, pos), seq, pos, step)
+            return changed, changed
+
+        return hook
+
+
+def _noise(z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
+    return (z.double() + value * counter_normal(noise_seed, seq, pos, z.shape[-1])).float()
+
+
+def _sigma_problem(mode: str, value: float) -> str | None:
+    return f"{mode} needs value (sigma) >= 0, got {value}" if value < 0 else None
+
+
+class LogitNoise(_Perturb):
+    """``logit_noise``: rollout logits z + σ·N(0, 1) (unbiased drift)."""
+
+    name = "logit_noise"
+    knob = "sigma of the noise added to the logits"
+
+    def changed(self, z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
+        return _noise(z, value, noise_seed, seq, pos)
+
+    def value_problem(self, value: float) -> str | None:
+        return _sigma_problem(self.name, value)
+
+
+class LogitScale(_Perturb):
+    """``logit_scale``: z · (1 + ε): sharper for ε > 0, flatter for ε < 0 (systematic bias)."""
+
+    name = "logit_scale"
+    knob = "epsilon: logits x (1 + epsilon)"
+
+    def changed(self, z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
+        return z * (1.0 + value)
+
+    def value_problem(self, value: float) -> str | None:
+        return f"logit_scale needs value > -1 (logits x (1 + value)), got {value}" if value <= -1 else None
+
+    def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
+        return KnobSearch(to_knob=lambda u: sign * u, upper=0.999 if sign < 0 else 1e3)
+
+
+class LogprobOnly(LogitNoise):
+    """``logprob_only``: sampling stays exact, the *recorded* log-probs come from z + σ·N: isolates the
+    importance-ratio channel from the sampling-distribution channel."""
+
+    name = "logprob_only"
+    knob = "sigma of the noise added to the rollout's log-probs"
+
+    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+        both = super().logits_hook(injector, value, step)
+        if both is None:
+            return None
+        return lambda z, seq, pos: (z, both(z, seq, pos)[1])
+
+
+def _exact_probs(logits: Tensor) -> Tensor:
+    """Row-wise softmax through the exact kernels, so masks never depend on the batch."""
+    return get_ops("exact", logits.device).log_softmax(logits).exp()
+
+
+def _truncate_hook(top_p: float | None = None, top_k: int | None = None) -> LogitsHook:
+    """Sample from (and record) the truncated distribution: the top ``top_k`` tokens and/or the smallest prefix
+    reaching mass ``top_p`` (top-1 always kept); ties broken by a stable sort."""
+
+    def hook(z: Tensor, seq: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        order = torch.sort(z, dim=-1, descending=True, stable=True)
+        keep_sorted = torch.ones_like(z, dtype=torch.bool)
+        if top_k is not None:
+            keep_sorted[:, top_k:] = False
+        if top_p is not None:
+            probs = _exact_probs(order.values).double()
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            keep_sorted &= mass_before < top_p  # the smallest prefix reaching top_p (top-1 always kept)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order.indices, keep_sorted)
+        truncated = z.masked_fill(~keep, -math.inf)
+        return truncated, truncated
+
+    return hook
+
+
+class TopP(InjectMode):
+    """``top_p``: the rollout samples from the nucleus of mass p (and records its log-probs); training scores the
+    full distribution. Value 1 is no truncation."""
+
+    name = "top_p"
+    knob = "the nucleus p"
+    calibratable = True
+
+    def check(self, cfg: InjectSection) -> None:
+        if not 0 < cfg.value <= 1 and cfg.target is None:
+            raise ConfigError(f"top_p needs 0 < value <= 1, got {cfg.value}", "value")
+
+    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+        return None if value >= 1.0 else _truncate_hook(top_p=value)
+
+    def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
+        return KnobSearch(to_knob=lambda u: 1.0 - u, upper=1.0 - 1e-6)
+
+
+class TopK(InjectMode):
+    """``top_k``: the rollout samples from the k most likely tokens (and records their log-probs); 0 is off."""
+
+    name = "top_k"
+    knob = "k"
+    calibratable = True
+
+    def value_problem(self, value: float) -> str | None:
+        return f"top_k needs a whole number >= 0 (0 = off), got {value}" if value < 0 or value != int(value) else None
+
+    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+        return None if value <= 0 else _truncate_hook(top_k=int(round(value)))
+
+    def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
+        return KnobSearch(integer=True, low=1, high=vocab_size)  # metric(low) is the largest, metric(high) == 0
+
+
+def round_to(x: Tensor, fmt: str) -> Tensor:
+    """Round to a lower-precision format and back (emulation), saturating instead of overflowing."""
+    if fmt == "bfloat16":
+        return x.to(torch.bfloat16).to(x.dtype)
+    if fmt == "float16":
+        return x.clamp(-65504.0, 65504.0).to(torch.float16).to(x.dtype)
+    if fmt == "fp8_e4m3":
+        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+    raise ValueError(f"unknown precision format {fmt!r}")
+
+
+def precision_ops(base: KernelOps, fmt: str, sites: list[str]) -> SimpleNamespace:
+    """Kernel ops whose outputs at the chosen sites are rounded to ``fmt`` (rollout only)."""
+
+    def rounded(fn: Callable) -> Callable:
+        return lambda *args, **kwargs: round_to(fn(*args, **kwargs), fmt)
+
+    ops = {name: getattr(base, name) for name in OP_NAMES}
+    for site, op in (("linear", "linear"), ("attention", "attention"), ("norm", "rms_norm")):
+        if site in sites:
+            ops[op] = rounded(ops[op])
+    return SimpleNamespace(**ops)
+
+
+class Precision(InjectMode):
+    """``precision``: the rollout forward rounds chosen activations (``inject.sites``: linear outputs, attention
+    outputs, norm outputs, logits) to ``inject.precision`` (bf16 / fp16 / fp8-e4m3), like a low-precision engine."""
+
+    name = "precision"
+    source_keys = ("inject.precision", "inject.sites")
+
+    def rollout_path(self, injector: Injector) -> RolloutPath:
+        fmt = injector.cfg.precision
+        ops = precision_ops(injector.rollout_ops, fmt, list(injector.cfg.sites))
+        hook = None
+        if "logits" in injector.cfg.sites:
+            def hook(z: Tensor, seq: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+                rounded = round_to(z, fmt)
+                return rounded, rounded
+        return RolloutPath(ops, injector.rollout_dtype, hook)
+
+
+class Kernel(InjectMode):
+    """``kernel``: the rollout path runs another backend / dtype (e.g. native ops, bf16): natural mismatch."""
+
+    name = "kernel"
+    source_keys = ("inject.kernel_backend", "inject.kernel_dtype")
+
+    def backends(self, cfg: InjectSection) -> tuple[str, ...]:
+        return (cfg.kernel_backend,)
+
+    def rollout_path(self, injector: Injector) -> RolloutPath:
+        dtype = resolve_dtype(injector.cfg.kernel_dtype or injector.training_dtype)
+        return RolloutPath(get_ops(injector.cfg.kernel_backend, injector.device), dtype)
+
+
+for _mode in (NoInjection(), LogitNoise(), LogitScale(), Precision(), Kernel(), LogprobOnly(), TopP(), TopK()):
+    register_inject_mode(_mode)

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, BITWISE_EQUAL_FRAC, K3_KL, KL, LOG_PPL_ABS_DIFF
+
 DEFAULT_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
 """Edges of the token-probability buckets for ``mismatch/abs_dlogp_bucket/*`` (probability under the training path)."""
 
@@ -211,8 +213,8 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     del probs_diff, p_roll, train, roll, train_raw, roll_raw
 
     out: dict[str, float] = {
-        "rollout_corr/kl": kl,
-        "rollout_corr/k3_kl": k3,
+        KL: kl,
+        K3_KL: k3,
         "rollout_corr/chi2_token": chi2_token,
         "rollout_corr/chi2_seq": float(rho_seq_sq.mean() - 1.0),
         "rollout_corr/training_log_ppl": float(train_log_ppl.mean()),
@@ -223,7 +225,7 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
         "rollout_corr/log_ppl_diff": float(log_ppl_diff.mean()),
         "rollout_corr/log_ppl_diff_max": float(log_ppl_diff.max()),
         "rollout_corr/log_ppl_diff_min": float(log_ppl_diff.min()),
-        "rollout_corr/log_ppl_abs_diff": float(log_ppl_diff.abs().mean()),
+        LOG_PPL_ABS_DIFF: float(log_ppl_diff.abs().mean()),
         "rollout_corr/log_ppl_abs_diff_sum": float((train_sum - roll_sum).abs().mean()),
         "training/rollout_probs_diff_max": probs_diff_stats[0],
         "training/rollout_probs_diff_mean": probs_diff_stats[1],
@@ -231,9 +233,9 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
         "training/rollout_probs_diff_valid": 1,
         "training/rollout_actor_probs_pearson_corr": pearson,
         "mismatch/tokens": n,
-        "mismatch/bitwise_equal_frac": equal / n,
-        "mismatch/abs_dlogp_mean": float(abs_r.mean()),
-        "mismatch/abs_dlogp_max": float(abs_r.max()),
+        BITWISE_EQUAL_FRAC: equal / n,
+        ABS_DLOGP_MEAN: float(abs_r.mean()),
+        ABS_DLOGP_MAX: float(abs_r.max()),
         "mismatch/abs_dlogp_p99": quantile_linear(abs_r, 0.99),
     }
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
+from ..metric_keys import ENTROPY
 from .config import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
@@ -215,7 +216,7 @@ class Objective:
         if not torch.isfinite(loss):
             raise RunStopped(f"non-finite loss ({float(loss)})")
         stats["actor/pg_loss"] = float(pg_loss.detach())
-        stats["actor/entropy"] = float(entropy.detach().mean())
+        stats[ENTROPY] = float(entropy.detach().mean())
         if ratio.numel():
             stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
             # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to

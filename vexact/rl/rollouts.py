@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..engine.model import Transformer
 from ..engine.rollout import generate
+from ..metric_keys import EVAL_GREEDY_ACCURACY, EVAL_REWARD_MEAN
 from .config import RolloutSection
 from .inject import RolloutPlan
 from .tasks import EOS_ID, CharTokenizer, Problem, Task, encode_prompt, training_problems
@@ -93,9 +94,9 @@ def eval_metrics(records: list[EvalRecord]) -> dict[str, float]:
     sampled_r = [r.sampled_reward for r in records]
     greedy_r = [r.greedy_reward for r in records]
     return {
-        "eval/reward_mean": sum(sampled_r) / len(sampled_r),
+        EVAL_REWARD_MEAN: sum(sampled_r) / len(sampled_r),
         "eval/accuracy": sum(r == 1.0 for r in sampled_r) / len(sampled_r),
         "eval/greedy_reward_mean": sum(greedy_r) / len(greedy_r),
-        "eval/greedy_accuracy": sum(r == 1.0 for r in greedy_r) / len(greedy_r),
+        EVAL_GREEDY_ACCURACY: sum(r == 1.0 for r in greedy_r) / len(greedy_r),
         "eval/response_length_mean": sum(r.sampled_length for r in records) / len(records),
     }

@@ -18,6 +18,9 @@ Kinds (``lr_schedule.kind``):
   ``mismatch_window`` steps of ``mismatch_metric`` (``rollout_corr/k3_kl`` or ``rollout_corr/log_ppl_abs_diff``)
   exceeds ``mismatch_threshold``.
 
+Each kind is one class registered in ``LR_SCHEDULES`` (``register_lr_schedule`` adds one): the config's choices of
+``lr_schedule.kind`` and the docs' table read the registry, and ``LRSchedule`` never branches on a kind's name.
+
 A trigger seen after step s changes the LR from step s + 1 on (step s's update already happened). The trainer
 calls ``observe(step, metrics)`` after every step; it returns ``lr_schedule/*`` metrics to log and remembers the
 trigger step and its reason for ``summary.json``. ``state_dict`` holds everything needed to resume bit-identically.
@@ -26,11 +29,127 @@ trigger step and its reason for ``summary.json``. ``state_dict`` holds everythin
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, ClassVar
 
+from ..metric_keys import RESPONSE_LENGTH_MEAN
+from ..registry import Registry
 from .collapse import surge_index, trailing_mean
-from .config import CollapseSection, LRScheduleSection, OptimizerSection
 
-LENGTH_METRIC = "response_length/mean"
+if TYPE_CHECKING:  # the config validates lr_schedule.kind against LR_SCHEDULES: it imports this module
+    from .config import CollapseSection, LRScheduleSection, OptimizerSection
+
+class ScheduleKind:
+    """One ``lr_schedule.kind``: ``decay(s, step)``, the multiplier on the base LR before warmup (floor applied), of
+    schedule ``s`` (an ``LRSchedule``: its config ``s.cfg``, ``s.total_steps``, ``s.warmup_steps``, trigger state).
+
+    A triggered kind (``triggered``) watches one metric per step (``metric(s)``) and says when it fires
+    (``fired(s, key)``: the reason, or None); its decay then halves the LR every ``decay_period`` steps."""
+
+    name: ClassVar[str] = ""
+    triggered: ClassVar[bool] = False
+
+    def decay(self, s: LRSchedule, step: int) -> float:
+        return 1.0
+
+    def metric(self, s: LRSchedule) -> str:
+        raise NotImplementedError
+
+    def fired(self, s: LRSchedule, key: str) -> str | None:
+        raise NotImplementedError
+
+
+LR_SCHEDULES: Registry[ScheduleKind] = Registry("LR schedule", "lr_schedule.kind",
+                                                "vexact.rl.schedules.register_lr_schedule")
+"""``lr_schedule.kind`` -> its kind, in the order the documentation lists them."""
+
+
+def register_lr_schedule(kind: ScheduleKind, replace: bool = False) -> ScheduleKind:
+    """Register an LR schedule kind (a ``ScheduleKind`` instance) under its ``name``; a name already taken is an
+    error unless ``replace``."""
+    if not isinstance(kind, ScheduleKind):
+        raise TypeError(f"register_lr_schedule needs a ScheduleKind instance, got {kind!r}")
+    return LR_SCHEDULES.add(kind.name, kind, replace=replace)
+
+
+class Constant(ScheduleKind):
+    """``constant``: the base LR (after warmup)."""
+
+    name = "constant"
+
+
+class Cosine(ScheduleKind):
+    """``cosine``: from the base LR down to the floor over ``total_steps`` (default: the run's steps), after warmup."""
+
+    name = "cosine"
+
+    def decay(self, s: LRSchedule, step: int) -> float:
+        floor_ratio = s.cfg.min_lr_ratio
+        span = max(s.total_steps - s.warmup_steps, 1)
+        progress = min(max(step - s.warmup_steps, 0), span) / span
+        return floor_ratio + (1.0 - floor_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Step(ScheduleKind):
+    """``step``: x ``gamma`` every ``step_size`` steps, down to the floor."""
+
+    name = "step"
+
+    def decay(self, s: LRSchedule, step: int) -> float:
+        return max(s.cfg.gamma ** (step // s.cfg.step_size), s.cfg.min_lr_ratio)
+
+
+class _Triggered(ScheduleKind):
+    """Keep the LR until the trigger, then halve it at the multiples of ``decay_period`` after the trigger step."""
+
+    triggered = True
+
+    def decay(self, s: LRSchedule, step: int) -> float:
+        if s.trigger_step is None or step <= s.trigger_step:
+            return 1.0
+        period = s.decay_period
+        halvings = step // period - s.trigger_step // period
+        return max(0.5**halvings, s.cfg.min_lr_ratio)
+
+
+class LengthTriggered(_Triggered):
+    """``length_triggered``: fires at the length surge of the mean response length (``collapse.length_surge_*``)."""
+
+    name = "length_triggered"
+
+    def metric(self, s: LRSchedule) -> str:
+        return RESPONSE_LENGTH_MEAN
+
+    def fired(self, s: LRSchedule, key: str) -> str | None:
+        values, window, ratio = s.observed, s.surge_window, s.surge_ratio
+        j = surge_index(values, window, ratio)
+        if j is None or j != len(values) - 1:
+            return None
+        baseline = sum(values[:window]) / window
+        now = trailing_mean(values, window)[-1]
+        return f"{key} trailing mean {now:.3g} > {ratio:g} x baseline {baseline:.3g} (window {window})"
+
+
+class MismatchTriggered(_Triggered):
+    """``mismatch_triggered``: fires when the trailing mean of ``mismatch_metric`` over ``mismatch_window`` steps
+    exceeds ``mismatch_threshold``."""
+
+    name = "mismatch_triggered"
+
+    def metric(self, s: LRSchedule) -> str:
+        return s.cfg.mismatch_metric
+
+    def fired(self, s: LRSchedule, key: str) -> str | None:
+        c, values = s.cfg, s.observed
+        if len(values) < c.mismatch_window:
+            return None
+        now = trailing_mean(values, c.mismatch_window)[-1]
+        if now > c.mismatch_threshold:
+            return f"{key} trailing mean {now:.3g} > threshold {c.mismatch_threshold:g} (window {c.mismatch_window})"
+        return None
+
+
+for _kind in (Constant(), Cosine(), Step(), LengthTriggered(), MismatchTriggered()):
+    register_lr_schedule(_kind)
 
 
 class LRSchedule:
@@ -39,11 +158,14 @@ class LRSchedule:
     def __init__(self, opt: OptimizerSection, sched: LRScheduleSection | None = None, total_steps: int = 1,
                  collapse: CollapseSection | None = None):
         """``collapse``: where the length surge of ``length_triggered`` is set (default: its defaults)."""
+        from .config import CollapseSection, LRScheduleSection  # the config imports this module
+
         self.base_lr = opt.lr
         surge = collapse or CollapseSection()
         self.surge_window, self.surge_ratio = surge.length_surge_window, surge.length_surge_ratio
         self.warmup_steps = opt.warmup_steps
         self.cfg = sched or LRScheduleSection()
+        self.kind = LR_SCHEDULES[self.cfg.kind]
         self.total_steps = self.cfg.total_steps or total_steps
         self.floor = self.cfg.min_lr_ratio * self.base_lr
         self.observed: list[float] = []  # the trigger metric, one finite value per observed step
@@ -53,63 +175,28 @@ class LRSchedule:
 
     @property
     def triggered_kind(self) -> bool:
-        return self.cfg.kind in ("length_triggered", "mismatch_triggered")
+        return self.kind.triggered
 
     def lr(self, step: int) -> float:
         warm = (step + 1) / self.warmup_steps if self.warmup_steps and step < self.warmup_steps else 1.0
-        return self.base_lr * warm * self._decay(step)
-
-    def _decay(self, step: int) -> float:
-        """Multiplier on the base LR (floor applied), before warmup."""
-        c, floor_ratio = self.cfg, self.cfg.min_lr_ratio
-        if c.kind == "constant":
-            return 1.0
-        if c.kind == "cosine":
-            span = max(self.total_steps - self.warmup_steps, 1)
-            progress = min(max(step - self.warmup_steps, 0), span) / span
-            return floor_ratio + (1.0 - floor_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        if c.kind == "step":
-            return max(c.gamma ** (step // c.step_size), floor_ratio)
-        # triggered: halvings at the multiples of the period after the trigger step, up to this step
-        if self.trigger_step is None or step <= self.trigger_step:
-            return 1.0
-        period = self.decay_period
-        halvings = step // period - self.trigger_step // period
-        return max(0.5**halvings, floor_ratio)
+        return self.base_lr * warm * self.kind.decay(self, step)
 
     def observe(self, step: int, metrics: dict) -> dict[str, float]:
         """Feed one step's metrics; returns ``lr_schedule/*`` metrics for that step's log line."""
         if not self.triggered_kind:
             return {}
         if self.trigger_step is None:
-            key = LENGTH_METRIC if self.cfg.kind == "length_triggered" else self.cfg.mismatch_metric
+            key = self.kind.metric(self)
             value = metrics.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.observed.append(float(value))
-                reason = self._check_trigger(key)
+                reason = self.kind.fired(self, key)
                 if reason is not None:
                     self.trigger_step = step
                     self.trigger_reason = reason
                     self.decay_period = self.cfg.decay_period or max(
                         1, round(self.cfg.decay_period_factor * step))
         return {"lr_schedule/triggered": float(self.trigger_step is not None)}
-
-    def _check_trigger(self, key: str) -> str | None:
-        c, values = self.cfg, self.observed
-        if c.kind == "length_triggered":
-            window, ratio = self.surge_window, self.surge_ratio
-            j = surge_index(values, window, ratio)
-            if j is None or j != len(values) - 1:
-                return None
-            baseline = sum(values[:window]) / window
-            now = trailing_mean(values, window)[-1]
-            return f"{key} trailing mean {now:.3g} > {ratio:g} x baseline {baseline:.3g} (window {window})"
-        if len(values) < c.mismatch_window:
-            return None
-        now = trailing_mean(values, c.mismatch_window)[-1]
-        if now > c.mismatch_threshold:
-            return f"{key} trailing mean {now:.3g} > threshold {c.mismatch_threshold:g} (window {c.mismatch_window})"
-        return None
 
     def summary(self) -> dict:
         """For ``summary.json``: the kind and, for triggered kinds, when and why it fired."""

@@ -22,7 +22,7 @@ mean length grows several-fold: the surge. Where the trace earns nothing more th
 does not surge (the tests' counter-case).
 
 ``mixed_targets`` is the warm start's mixture; which examples get the trace is a fixed function of their index,
-so the warm start stays deterministic with no random draw. Registered in ``vexact.rl.tasks`` (``_TASKS``).
+so the warm start stays deterministic with no random draw. Registered in ``vexact.rl.tasks`` (``TASKS``).
 """
 
 from __future__ import annotations

@@ -39,16 +39,20 @@ where the problem space is small, individual held-out problems can also occur in
 
 from __future__ import annotations
 
+import inspect
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from ..registry import Registry
 
 __all__ = [
     "BOS_ID",
     "EOS_ID",
     "HELD_OUT_SEED",
     "PAD_ID",
+    "TASKS",
     "TASK_NAMES",
     "task_has_free_span",
     "AddTask",
@@ -63,6 +67,7 @@ __all__ = [
     "encode_target",
     "held_out_problems",
     "make_task",
+    "register_task",
     "max_answer_tokens",
     "max_prompt_tokens",
     "sample_problems",
@@ -321,9 +326,29 @@ class SumTask(_DigitStringTask):
 from .horizon_task import ScratchpadTask  # noqa: E402  (issue O: the horizon knob, in its own module)
 from .surge_task import SurgeTask  # noqa: E402  (issue R: the length surge, in its own module)
 
-_TASKS: dict[str, type[Task]] = {t.name: t for t in (ReverseTask, AddTask, SortTask, CountTask, SumTask,
-                                                     ScratchpadTask, SurgeTask)}
-TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
+TASKS: Registry[type[Task]] = Registry("task", "task.name", "vexact.register_task")
+"""``task.name`` -> its ``Task`` class: the one list of tasks (config validation and the docs read it)."""
+
+
+def register_task(cls: type[Task], replace: bool = False) -> type[Task]:
+    """Register a ``Task`` subclass under its ``name``, so ``task.name: NAME`` selects it (also usable as a class
+    decorator). Checked here, not at the first run: a concrete ``Task`` subclass with a non-empty ``name`` and a
+    ``tag`` the shared vocabulary can spell. A name already taken is an error unless ``replace``."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TypeError(f"register_task needs a subclass of vexact.rl.tasks.Task, got {cls!r}")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TypeError(f"task {cls.__name__} does not implement {missing}")
+    if not isinstance(cls.tag, str) or not cls.tag or set(cls.tag) - set(CHARS):
+        raise ValueError(f"task {cls.name!r} needs a tag of characters from the vocabulary {CHARS!r}, "
+                         f"got {cls.tag!r}")
+    return TASKS.add(cls.name, cls, replace=replace)
+
+
+for _task in (ReverseTask, AddTask, SortTask, CountTask, SumTask, ScratchpadTask, SurgeTask):
+    register_task(_task)
+TASK_NAMES: tuple[str, ...] = TASKS.names()
+"""The built-in tasks' names (``TASKS.names()`` also lists tasks registered later)."""
 
 
 def _check_lengths(min_len: int, max_len: int) -> None:
@@ -347,14 +372,14 @@ def _number(rng: random.Random, n_digits: int) -> int:
 
 def task_has_free_span(name: str) -> bool:
     """Whether task ``name`` overrides ``Task.free_span`` (has target tokens the reward does not read)."""
-    return name in _TASKS and _TASKS[name].free_span is not Task.free_span
+    return name in TASKS and TASKS[name].free_span is not Task.free_span
 
 
 def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = False) -> Task:
-    """The task called ``name`` (one of ``TASK_NAMES``) with input lengths in ``[min_len, max_len]``."""
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}")
-    return _TASKS[name](min_len, max_len, partial_credit)
+    """The task called ``name`` (a name in ``TASKS``) with input lengths in ``[min_len, max_len]``."""
+    if name not in TASKS:
+        raise ValueError(TASKS.unknown(name))
+    return TASKS[name](min_len, max_len, partial_credit)
 
 
 def encode_prompt(tokenizer: CharTokenizer, problem: Problem) -> list[int]:

@@ -28,6 +28,13 @@ from torch import Tensor
 import vexact_kernels
 
 from ..engine.model import Transformer, resolve_dtype
+from ..metric_keys import (
+    BITWISE_EQUAL_FRAC,
+    EVAL_GREEDY_ACCURACY,
+    EVAL_REWARD_MEAN,
+    GRAD_NORM,
+    LR,
+)
 from .collapse import detect_collapse
 from .config import RunConfig, check_lengths, dotted_items, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
@@ -191,7 +198,7 @@ class Trainer:
         metrics: dict = {"step": step}
         metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
                                              batch.logprobs, log_ratio_bound=self.cfg.correction.log_ratio_bound))
-        metrics["actor/lr"] = lr
+        metrics[LR] = lr
         if self.injector.enabled:
             metrics["inject/value"] = plan.value
             metrics["inject/active"] = float(plan.active)
@@ -225,11 +232,11 @@ class Trainer:
                 t = time.perf_counter()
                 gradient = self.ranks.sum_gradients(leaf_grads)
                 reduce_seconds += time.perf_counter() - t
-                part.stats["actor/grad_norm"] = self._apply_gradients(gradient, used)
+                part.stats[GRAD_NORM] = self._apply_gradients(gradient, used)
                 for k, v in part.stats.items():
                     sums.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in sums.items()}
-        out["actor/grad_norm_max"] = max(sums["actor/grad_norm"])
+        out["actor/grad_norm_max"] = max(sums[GRAD_NORM])
         out["timing/grad_reduce"] = reduce_seconds
         return out, first_pass_logp
 
@@ -303,6 +310,18 @@ class Trainer:
             return self._run(resume, tuple(allow_changes))
 
     def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
+        """The run in three stages: prepare (resume or warm start, calibration), the step loop, and the end (the
+        summary, agreed by every rank)."""
+        start = self._prepare(resume, allow_changes)
+        if isinstance(start, dict):  # a finished run, resumed with nothing to add: its summary
+            return start
+        summary, step, started, last = self._loop(start)
+        return self._end(summary, step, started, last)
+
+    def _prepare(self, resume: bool, allow_changes: tuple[str, ...]) -> int | dict:
+        """Everything before the first step: check (or resume) the run directory, warm start or restore the
+        checkpoint, calibrate the injector, build the KL reference. Returns the step to start from, or -- when
+        resuming a finished run that ``steps`` does not extend -- its summary (nothing to do)."""
         cfg = self.cfg
         run_dir = self.run_dir
         start_step = 0
@@ -341,7 +360,13 @@ class Trainer:
         self._calibrate(state)
         if cfg.algorithm.kl_coef > 0:
             self.reference = self._reference_from_start(run_dir)
+        return start_step
 
+    def _loop(self, start_step: int) -> tuple[dict, int, float, dict]:
+        """The steps from ``start_step``: step, evaluate, LR schedule, log, collapse stop, checkpoint. Returns the
+        summary so far (its status: how the loop ended), the last step reached, the start time and the last
+        step's metrics. Ctrl-C, a stopped run and a confirmed collapse end the loop here, as an outcome."""
+        cfg, run_dir = self.cfg, self.run_dir
         writer = (MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=start_step, config=cfg)
                   if self.ranks.is_main else _NoWriter())
         summary = {"name": cfg.name, "status": "running", "reason": None, "steps_planned": cfg.steps}
@@ -363,7 +388,7 @@ class Trainer:
                     writer.write(metrics)
                     last = metrics
                     progress(step, metrics)
-                    if cfg.collapse.stop_on_collapse and "eval/reward_mean" in metrics:
+                    if cfg.collapse.stop_on_collapse and EVAL_REWARD_MEAN in metrics:
                         collapsed = self.ranks.is_main and detect_collapse(read_metrics(run_dir / "metrics.jsonl"),
                                                                            cfg.collapse)["collapsed"]
                         if self.ranks.broadcast(collapsed):
@@ -385,7 +410,11 @@ class Trainer:
             self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
         finally:
             writer.close()
-        # After Ctrl-C the ranks stop at different points, so no collective may follow: each returns its own.
+        return summary, step, started, last
+
+    def _end(self, summary: dict, step: int, started: float, last: dict) -> dict:
+        """Rank 0 completes and writes the summary (``_finish``) and every rank returns it. After Ctrl-C the ranks
+        stop at different points, so no collective may follow: each returns its own."""
         interrupted = summary["status"] == "interrupted"
         if not self.ranks.is_main:
             return summary if interrupted else self.ranks.broadcast(None)
@@ -461,7 +490,7 @@ class Trainer:
             return
         c = self.cfg.inject
         problems = training_problems(self.task, c.calibration_prompts, self.cfg.seed + CALIBRATION_SEED_OFFSET, 0)
-        key = "rollout_corr/k3_kl" if target.metric == "k3_kl" else "mismatch/abs_dlogp_mean"
+        key = target.metric  # a full metric key of mismatch_metrics
 
         def measure(value: float) -> float:
             batch = self.rollout(0, self.injector.plan_for_value(value, step=0), problems)
@@ -545,18 +574,18 @@ def _summarize(history: list[dict]) -> dict:
     (``collapse.initial_reward`` / ``final_reward`` / ``mean_k3_kl``: one definition, ``collapse.detect_collapse``)."""
     if not history:
         return {"steps_completed": 0}
-    evals = [m for m in history if "eval/reward_mean" in m]
+    evals = [m for m in history if EVAL_REWARD_MEAN in m]
     out = {
         "steps_completed": len(history),
         "mean_step_seconds": sum(m.get("timing/step", 0.0) for m in history) / len(history),
-        "min_bitwise_equal_frac": min(m["mismatch/bitwise_equal_frac"] for m in history),
+        "min_bitwise_equal_frac": min(m[BITWISE_EQUAL_FRAC] for m in history),
     }
     if evals:
-        out["eval_reward_first"] = evals[0]["eval/reward_mean"]
-        out["eval_reward_last"] = evals[-1]["eval/reward_mean"]
-        out["eval_greedy_accuracy_first"] = evals[0]["eval/greedy_accuracy"]
-        out["eval_greedy_accuracy_last"] = evals[-1]["eval/greedy_accuracy"]
-        out["eval_reward_peak"] = max(m["eval/reward_mean"] for m in evals)
+        out["eval_reward_first"] = evals[0][EVAL_REWARD_MEAN]
+        out["eval_reward_last"] = evals[-1][EVAL_REWARD_MEAN]
+        out["eval_greedy_accuracy_first"] = evals[0][EVAL_GREEDY_ACCURACY]
+        out["eval_greedy_accuracy_last"] = evals[-1][EVAL_GREEDY_ACCURACY]
+        out["eval_reward_peak"] = max(m[EVAL_REWARD_MEAN] for m in evals)
     return out
 
 
@@ -581,11 +610,11 @@ class _progress:
     def _update(self, step: int, m: dict) -> None:
         info = (f"reward {m['reward/mean']:.3f}  len {m['response_length/mean']:.1f}  "
                 f"k3 {m['rollout_corr/k3_kl']:.2e}  bitwise {m['mismatch/bitwise_equal_frac']:.3f}")
-        if "eval/reward_mean" in m:
+        if EVAL_REWARD_MEAN in m:
             info += f"  eval {m['eval/reward_mean']:.3f}"
         if self.live:
             self.bar.update(self.task_id, completed=step + 1, info=info)
-        elif step % 10 == 0 or step == self.cfg.steps - 1 or "eval/reward_mean" in m:
+        elif step % 10 == 0 or step == self.cfg.steps - 1 or EVAL_REWARD_MEAN in m:
             self.console.print(f"step {step + 1}/{self.cfg.steps}  {info}  ({m['timing/step']:.2f}s)")
 
     def __exit__(self, *exc):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from .inject_modes import INJECT_MODES
 from .tasks import Task, max_answer_tokens, max_prompt_tokens
 from .warmstart import warm_start_cache_path
 
@@ -58,8 +59,7 @@ def estimate(cfg: RunConfig, task: Task) -> InterpreterEstimate:
     per_token = (a + b * cfg.model.hidden_size) * cfg.model.num_layers
     prompt, new = max_prompt_tokens(task), cfg.rollout.max_new_tokens
     training = cfg.backend == "triton"
-    rollout = (cfg.rollout.backend or cfg.backend) == "triton" or (
-        cfg.inject.mode == "kernel" and cfg.inject.kernel_backend == "triton")
+    rollout = (cfg.rollout.backend or cfg.backend) == "triton" or "triton" in _inject_backends(cfg)
     warm = 0.0
     if training and cfg.warm_start.steps and not warm_start_cache_path(cfg).exists():
         warm = cfg.warm_start.steps * cfg.warm_start.batch_size * (prompt + max_answer_tokens(task)) * per_token
@@ -71,6 +71,11 @@ def estimate(cfg: RunConfig, task: Task) -> InterpreterEstimate:
         tokens += sequences * (prompt + new) * passes
         tokens += cfg.task.eval_prompts * 2 * generated / cfg.logging.eval_every  # sampled + greedy evaluation
     return InterpreterEstimate(warm, cfg.steps * tokens * per_token)
+
+
+def _inject_backends(cfg: RunConfig) -> tuple[str, ...]:
+    """The backends the injection mode runs the rollout on (``kernel`` mode: ``inject.kernel_backend``)."""
+    return INJECT_MODES[cfg.inject.mode].backends(cfg.inject)
 
 
 def _duration(seconds: float) -> str:
@@ -85,8 +90,7 @@ def check_interpreted_triton(cfg: RunConfig, task: Task, console: Console | None
     """Before a run starts: None when no Triton kernel of the run is interpreted; else the estimate, after a warning
     on ``console``. Raises ValueError (before anything is written) when the estimate exceeds ``REFUSE_ABOVE_S`` and
     ``VEXACT_ALLOW_SLOW_TRITON=1`` is not set."""
-    uses_triton = "triton" in (cfg.backend, cfg.rollout.backend) or (
-        cfg.inject.mode == "kernel" and cfg.inject.kernel_backend == "triton")
+    uses_triton = "triton" in (cfg.backend, cfg.rollout.backend, *_inject_backends(cfg))
     if not uses_triton or not interpreting():
         return None
     cost = estimate(cfg, task)

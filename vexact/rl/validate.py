@@ -3,7 +3,8 @@
 Why its own module: the run config (``vexact.rl.config``) and sweep files (``vexact.lab.sweep``) are checked by
 the same rules, and the rules do not depend on any one schema. What it checks: unknown keys (listing the known
 ones), required keys, each value against its field's type hint (``int``, ``float``, ``str``, ``bool``,
-``Literal``, ``X | None``, ``list``/``tuple``, ``dict``, nested dataclasses) and numeric bounds (``bounds(min=...)``
+``Literal``, a registry's ``name_type`` (``vexact.registry``: one of its names at validation time), ``X | None``,
+``list``/``tuple``, ``dict``, nested dataclasses) and numeric bounds (``bounds(min=...)``
 in a field's metadata), then each dataclass's own ``check()``. Every problem is one ``ConfigError`` naming the
 dotted key. ``VALUE_ALIASES`` (other spellings of Literal values) is passed in by the schema that has them.
 """
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from ..registry import RegisteredName
 
 __all__ = ["NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build", "convert", "describe", "join_key",
            "plain", "read_yaml", "show_value", "yaml_problem"]
@@ -136,6 +139,9 @@ def describe(tp: Any, meta: dict) -> str:
         return "null"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
+    if _is_registered(tp):
+        reg = tp.registry
+        return f"a registered {reg.what} (one of {', '.join(map(repr, reg.names()))}; {reg.adder} adds one)"
     if origin in (list, tuple):
         count = "" if origin is list or args[-1] is Ellipsis else f"{len(args)} "
         inner = describe(args[0], meta) if args else "value"
@@ -146,6 +152,12 @@ def describe(tp: Any, meta: dict) -> str:
         return "a mapping of keys"
     base = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, "a value")
     return base + _describe_bounds(meta) if tp in (int, float) else base
+
+
+def _is_registered(tp: Any) -> bool:
+    """Whether ``tp`` names a registry (``Registry.name_type``): its values are checked against the registry's names
+    when a config is validated, so entries registered after import count."""
+    return isinstance(tp, type) and issubclass(tp, RegisteredName)
 
 
 def _plural(description: str) -> str:
@@ -215,6 +227,10 @@ def _convert_inner(value: Any, tp: Any, key: str, meta: dict, aliases: Mapping[s
             return value
         if isinstance(value, str) and aliases.get(value) in args:
             return aliases[value]
+        raise _Mismatch
+    if _is_registered(tp):
+        if isinstance(value, str) and value in tp.registry:
+            return str(value)
         raise _Mismatch
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
