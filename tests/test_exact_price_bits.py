@@ -3,7 +3,8 @@
 What was optimised: the weight gradient's GEMM operands (each token chunk transposed, zero-padded) are laid out in
 one transposing copy, or seen as a view where no padding is needed, where a pad-then-transpose composition copied
 the data twice; attention masks only the visible keys (one mask for a batch whose sequences all start at the same
-position); the norm's backward reuses one scratch tensor; SwiGLU's backward takes the forward's 1 + exp(-gate) and
+position) and its backward zeroes only the padding of the tensors it writes; the norm's backward reuses one
+scratch tensor; SwiGLU's backward takes the forward's 1 + exp(-gate) and
 silu instead of computing them again. The claim is stronger than "same outputs on this host":
 every GEMM call gets the same operands -- values, shapes, strides and 64-byte alignment -- as the straightforward
 composition the kernels used before (kept below as the reference, verbatim), so the library computes the same
@@ -89,6 +90,21 @@ def _transposed_matmul_reference(a, b, host, op):
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
 
+def _from_output_reference(self, grad):
+    b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
+    out = torch.zeros(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
+    out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
+    return out.view(b * h, self.row_len, d)
+
+
+def _to_cache_reference(self, keys, dtype):
+    b, h, d = self.batch, self.kv_heads, self.head_dim
+    out = torch.zeros(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
+    kept = min(self.cache_len, keys.shape[1])
+    out[:, :kept] = keys.view(b, h, keys.shape[1], d)[:, :, :kept].permute(0, 2, 1, 3)
+    return out
+
+
 def _attention_probs_reference(tiles):
     b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
         tiles.visible
@@ -162,6 +178,8 @@ def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_exact, "_transposed_matmul", _transposed_matmul_reference)
     monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
     monkeypatch.setattr(cpu_exact, "_rms_norm_vjp", _rms_norm_vjp_reference)
+    monkeypatch.setattr(cpu_exact._AttentionTiles, "from_output", _from_output_reference)
+    monkeypatch.setattr(cpu_exact._AttentionTiles, "to_cache", _to_cache_reference)
     monkeypatch.setattr(cpu_exact, "_silu_mul_with_saved", _silu_mul_with_saved_reference)
     monkeypatch.setattr(cpu_exact, "_silu_mul_vjp", _silu_mul_vjp_reference)
 
