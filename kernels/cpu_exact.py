@@ -183,25 +183,56 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
     K-reduction has that fixed length, [R, block] @ [block, K] for every R-row tile of the N output rows (one
     ``host.bmm`` call for all chunks: a probed shape class, or the fixed-order GEMM), and the chunks' partial
     products are added by a halving tree in chunk order. So each output element depends only on the two columns
-    it reduces -- never on the thread count (or where thread boundaries fall)."""
+    it reduces -- never on the thread count (or where thread boundaries fall).
+
+    The GEMM operands are laid out by ``_chunks_transposed`` in one copy each (the price of exactness is mostly such
+    passes over memory on small models); their values, shapes, strides and alignment are the ones a plain
+    pad-transpose-copy composition gives (``tests/test_exact_price_bits.py`` compares the two, call by call), so
+    the library call and every bit of its result are unchanged."""
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows)
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = _ceil_to(k, COL_BLOCK)
-    # [chunks, N, block] and [chunks, K_pad, block]: the chunks' transposes, contiguous
-    a_t = torch.constant_pad_nd(a, (0, 0, 0, padded - rows)).view(chunks, block, n).transpose(1, 2)
-    b_t = torch.constant_pad_nd(b, (0, k_pad - k, 0, padded - rows)).view(chunks, block, k_pad).transpose(1, 2)
-    b_t = b_t.contiguous()
-    height = _row_block(n, host.tile_heights(a.dtype, b_t[:1].transpose(1, 2), False, op))
+    # the right operand's shape class: [block, K_pad] per tile, transposed layout (K_pad rows of ``block`` tokens)
+    b_class = torch.empty(1, k_pad, block, dtype=b.dtype, device=b.device).transpose(1, 2)
+    height = _row_block(n, host.tile_heights(a.dtype, b_class, False, op))
     row_tiles = -(-n // height)
-    a_tiles = torch.constant_pad_nd(a_t, (0, 0, 0, row_tiles * height - n)).reshape(chunks * row_tiles, height, block)
-    # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's)
+    if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
+        # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
+        contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
+        a_rows = a if contiguous else torch.constant_pad_nd(a, (0, 0, 0, padded - rows))
+        a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
+    else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles, contiguous
+        a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
+    # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
+    # one chunk: an expanded view, as reshape gives)
+    b_t = _chunks_transposed(b, block, chunks, k_pad)
     b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tensor:
+    """[chunks, width, block]: ``src`` [M, N] cut into ``block``-row chunks, each transposed, zero where ``src`` has
+    no element (rows past M, columns from N to ``width``) -- out[c, i, j] = src[c * block + j, i].
+
+    The values and layout of zero-padding ``src`` and copying its chunks' transposes (``constant_pad_nd`` then
+    ``contiguous``), with one transposing copy instead of a padded copy and then a transposing one, and zeros
+    written only where the data is not (a whole-tensor zero fill cost as much as the copy on the loaded 2-core host)."""
+    rows, n = src.shape
+    out = src.new_empty(chunks, width, block)
+    full, tail = divmod(rows, block)
+    if full:
+        out[:full, :n].copy_(src[: full * block].view(full, block, n).transpose(1, 2))
+    if tail:
+        out[full, :n, :tail].copy_(src[full * block :].t())
+        out[full, :n, tail:].zero_()
+    if width > n:
+        out[:, n:].zero_()
+    return out
 
 
 def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
@@ -358,11 +389,14 @@ def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     g = _float(grad)
     grad_x = grad_w = None
     if needs[0]:
+        # inv_rms * (gw - xf * (inv_rms * inv_rms) * dot): the same exactly rounded ops on the same operands, in
+        # the same order, written into one scratch tensor instead of a new tensor per step
         gw = g * _float(weight)
         dot = _tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
-        grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(dtype)
+        scratch = torch.mul(xf, inv_rms * inv_rms).mul_(dot)
+        grad_x = torch.mul(inv_rms, torch.sub(gw, scratch, out=scratch), out=scratch).to(dtype)
     if needs[1]:
-        grad_w = _tree_sum((g * xf * inv_rms).reshape(-1, xf.shape[-1]), dim=0).to(weight.dtype)
+        grad_w = _tree_sum(torch.mul(g, xf).mul_(inv_rms).reshape(-1, xf.shape[-1]), dim=0).to(weight.dtype)
     return grad_x, grad_w
 
 
@@ -493,24 +527,28 @@ def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
 
 
 def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
-    out = _silu_mul_exact(gate, up, host)
-    return out, (gate, up, host)
+    """The forward's ops one by one (as ``_silu`` and ``_silu_mul_exact``), keeping 1 + exp(-gate) and silu(gate) for
+    the backward: it needs both, and computing them again cost a negation, a chunked exp, an add and a divide."""
+    g = _float(gate)
+    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    silu = torch.div(g, denom)
+    out = torch.mul(silu, up) if gate.dtype == torch.float32 and up.dtype == torch.float32 else silu.to(gate.dtype) * up
+    return out, (gate, up, denom, silu, host)
 
 
 def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """With s = sigmoid(gate) = 1 / (1 + exp(-gate)): d up = g * silu(gate) = g * gate * s and
-    d gate = g * up * s * (1 + gate * (1 - s)); fp32 from chunked exp and exactly rounded ops, one rounding."""
-    gate, up, host = saved
+    d gate = g * up * s * (1 + gate * (1 - s)); fp32 from the forward's 1 + exp(-gate) and silu (saved) and exactly
+    rounded ops, one rounding."""
+    gate, up, denom, silu, host = saved
     gf, g = _float(gate), _float(grad)
-    denom = _unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)  # 1 + exp(-gate), as the forward
     grad_gate = grad_up = None
     if needs[0]:
         s = torch.reciprocal(denom)  # exactly rounded
         ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)  # s * (1 + gate * (1 - s))
         grad_gate = ds.mul_(g).mul_(_float(up)).to(gate.dtype)
-    if needs[1]:
-        silu = torch.div(gf, denom)  # the forward's silu, rounded to the gate's dtype as the forward does
-        grad_up = _float(silu.to(gate.dtype)).mul_(g).to(up.dtype)
+    if needs[1]:  # the forward's silu, rounded to the gate's dtype as the forward does
+        grad_up = torch.mul(_float(silu.to(gate.dtype)), g).to(up.dtype)
     return grad_gate, grad_up
 
 
@@ -579,6 +617,9 @@ class _AttentionTiles:
         row_t = torch.arange(self.row_len, device=q.device) // self.group
         self.row_t = torch.where(row_t < q_len, row_t, 0)
         self.q_start = q_start
+        # Every sequence starting at one position (training, a prefill from 0): one mask serves the whole batch.
+        # Asked only for several queries per sequence; a decode step's mask is small.
+        self.uniform_start = batch == 1 or (q_len > 1 and bool((q_start == q_start[0]).all()))
 
     @staticmethod
     def _tile_heights(host: HostGuard, head_dim: int) -> tuple[int, ...]:
@@ -617,16 +658,20 @@ class _AttentionTiles:
     def from_output(self, grad: Tensor) -> Tensor:
         """[B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] with zero padding rows (inverse of ``to_output``)."""
         b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
-        out = torch.zeros(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
+        out = torch.empty(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
         out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
+        if self.rows < self.row_len:  # zeros only where the gradient is not written
+            out[:, :, self.rows :].zero_()
         return out.view(b * h, self.row_len, d)
 
     def to_cache(self, keys: Tensor, dtype: torch.dtype) -> Tensor:
         """[B*Hkv, n, hd] (the first n keys) -> [B, L, Hkv, hd] (the cache's shape; zero after n)."""
         b, h, d = self.batch, self.kv_heads, self.head_dim
-        out = torch.zeros(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
+        out = torch.empty(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
         kept = min(self.cache_len, keys.shape[1])
         out[:, :kept] = keys.view(b, h, keys.shape[1], d)[:, :, :kept].permute(0, 2, 1, 3)
+        if kept < self.cache_len:  # zeros only where no key is written (training: none)
+            out[:, kept:].zero_()
         return out
 
 
@@ -649,17 +694,25 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, RB, R, KB, C]
     real = tiles.rows if rb == 1 else block
     row_t = tiles.row_t.view(rb, block)[:, :real]
-    query_pos = tiles.q_start.view(b, 1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1, 1)
-    key_pos = torch.arange(tiles.key_len, device=scores.device).view(1, 1, 1, 1, kb, KEY_BLOCK)
-    # Mask (-inf: probability exactly 0) and lay out row-major [B, Hkv, RB, R', key_len] in one op.
-    masked = torch.empty(b, h, rb, real, kb, KEY_BLOCK, device=scores.device)
-    torch.where(key_pos <= query_pos, scores[:, :, :, :real], scores.new_full((), float("-inf")), out=masked)
-    masked = masked.view(b, h, rb, real, tiles.key_len)
-    row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
-    window = masked[..., :vis]
-    probs = _unary("exp", window - row_max, tiles.host, "attention")  # [B, Hkv, RB, R', vis]; masked: exactly 0
-    # Tree within each key tile, then across tiles in position order (zero tails are no-ops).
+    # One mask for the whole batch where every sequence starts at the same position (training): the same booleans.
+    starts = tiles.q_start[:1] if tiles.uniform_start else tiles.q_start
+    query_pos = starts.view(-1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1)
+    visible = torch.arange(vis, device=scores.device) <= query_pos  # [B or 1, 1, RB, R', vis]
+    # Mask (-inf: probability exactly 0) and lay out row-major [B, Hkv, RB, R', vis] in one op per key-tile range.
+    # Only the first ``vis`` keys: every later key is masked for every row (-inf), which changes no row's max.
     full_tiles, last = vis // KEY_BLOCK, vis % KEY_BLOCK
+    masked = torch.empty(b, h, rb, real, vis, device=scores.device)
+    neg_inf = scores.new_full((), float("-inf"))
+    if full_tiles:
+        span = (full_tiles, KEY_BLOCK)
+        torch.where(visible[..., : full_tiles * KEY_BLOCK].unflatten(-1, span), scores[:, :, :, :real, :full_tiles],
+                    neg_inf, out=masked[..., : full_tiles * KEY_BLOCK].unflatten(-1, span))
+    if last:
+        torch.where(visible[..., full_tiles * KEY_BLOCK :], scores[:, :, :, :real, full_tiles, :last], neg_inf,
+                    out=masked[..., full_tiles * KEY_BLOCK :])
+    row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
+    probs = _unary("exp", masked - row_max, tiles.host, "attention")  # [B, Hkv, RB, R', vis]; masked: exactly 0
+    # Tree within each key tile, then across tiles in position order (zero tails are no-ops).
     parts = []
     if full_tiles:
         parts.append(_tree_sum(probs[..., : full_tiles * KEY_BLOCK].reshape(b, h, rb, real, full_tiles, KEY_BLOCK)))

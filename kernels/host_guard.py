@@ -22,7 +22,11 @@ for the process:
   bitwise with one reference arrangement computed with 1 thread; a thread count seen later is
   verified against the same reference before it is used;
 - if every arrangement agrees, the op uses the fast library path (``blas`` / ``vectorised``);
-- if any differs, the op switches to the ``fixed-order`` path of ``fixed_order`` (slower,
+- if a GEMM differs only at more than one thread (MKL splits a long K reduction between threads) while every
+  arrangement agrees at 1 thread, the class takes the ``blas-1-thread`` path: the library GEMM, always called
+  with 1 torch thread, so its rows are the 1-thread reference's whatever the process's thread count (a run at 2
+  threads loses that class's parallelism, not its speed per thread);
+- if any other arrangement differs, the op switches to the ``fixed-order`` path of ``fixed_order`` (slower,
   invariant by construction) and a RuntimeWarning names the property, the shape class and the
   arrangement that failed. It is never silently wrong.
 
@@ -53,6 +57,7 @@ MODES = ("auto", "fixed-order", "unguarded")
 ENV_MODES = ("auto", "fixed-order")  # what users may choose; "unguarded" is for tests that show what the guard prevents
 MODE_ENV = "VEXACT_CPU_EXACT_PATH"
 REFERENCE_THREADS = 1
+SINGLE_THREAD_PATH = "blas-1-thread"  # a GEMM class right at 1 thread only: the library, called with 1 thread
 MACHINE_THREADS = max(torch.get_num_threads(), os.cpu_count() or 1)  # also probed at first use (see _run_probe)
 PROBE_ROWS = 64  # rows per probe: the tallest tile
 PROBE_SEED = 20261123
@@ -78,6 +83,7 @@ class ProbeRecord:
     passed: bool | None  # None: not probed (mode fixed-order or unguarded)
     threads_checked: list[int] = field(default_factory=list)
     failure: str | None = None
+    note: str | None = None  # why a class that failed somewhere runs the single-thread library path
     seconds: float = 0.0
     ops: set[str] = field(default_factory=set)
     tile_heights: tuple[int, ...] = ()  # gemm_rows: the tile heights whose rows match the reference (the kernels
@@ -89,6 +95,7 @@ class ProbeRecord:
         return {"property": self.property, "shape_class": self.shape_class, "path": self.path,
                 "passed": self.passed, "threads_checked": sorted(self.threads_checked), "failure": self.failure,
                 **({"tile_heights": list(self.tile_heights)} if self.property == "gemm_rows" else {}),
+                **({"note": self.note} if self.note else {}),
                 "seconds": round(self.seconds, 4), "ops": sorted(self.ops)}
 
 
@@ -158,6 +165,8 @@ class HostGuard:
         if a.shape[1] not in record.tile_heights:
             raise ValueError(f"HostGuard.bmm: tile height {a.shape[1]} is not one the probe allowed for "
                              f"{record.shape_class} ({record.tile_heights}); ask tile_heights() first")
+        if record.path == SINGLE_THREAD_PATH:
+            return _with_threads(REFERENCE_THREADS, lambda: self._library_bmm(a, b))
         return self._library_bmm(a, b)
 
     def elementwise(self, name: str, dtype: torch.dtype, op: str) -> Callable[..., Tensor]:
@@ -283,20 +292,39 @@ class HostGuard:
         with torch.no_grad():
             record.reference = _with_threads(REFERENCE_THREADS, reference)
             record.failure = arrangements()
-            record.threads_checked.append(torch.get_num_threads())
+            threads = torch.get_num_threads()
+            if record.failure is not None and threads != REFERENCE_THREADS:
+                record.failure = f"{record.failure} ({threads} threads vs {REFERENCE_THREADS})"
+            record.threads_checked.append(threads)
             if record.failure is None and MACHINE_THREADS not in record.threads_checked:
                 failure = _with_threads(MACHINE_THREADS, arrangements)
                 record.failure = None if failure is None else f"{failure} ({MACHINE_THREADS} threads vs 1)"
                 record.threads_checked.append(MACHINE_THREADS)
         record.check = arrangements
+        if record.failure is not None and record.property == "gemm_rows":
+            self._try_single_thread(record, arrangements)
         record.seconds += time.perf_counter() - start
         self._decide(record)
         return record
 
+    def _try_single_thread(self, record: ProbeRecord, arrangements: Callable[[], str | None]) -> None:
+        """A GEMM class that failed at some thread count: if every arrangement (tile heights chosen afresh) agrees
+        with the reference at 1 thread, take the single-thread library path instead of the fixed-order one."""
+        failure, heights = record.failure, record.tile_heights
+        record.tile_heights = ()
+        with torch.no_grad():
+            at_one = _with_threads(REFERENCE_THREADS, arrangements)
+        if at_one is None:
+            record.path, record.failure = SINGLE_THREAD_PATH, None
+            record.note = f"{failure}: the library GEMM is called with {REFERENCE_THREADS} thread"
+        else:
+            record.failure, record.tile_heights = failure, heights
+
     def _verify_threads(self, record: ProbeRecord) -> None:
         """A thread count not seen yet is checked against the 1-thread reference before it is used."""
         threads = torch.get_num_threads()
-        if record.check is None or record.path == "fixed-order" or threads in record.threads_checked:
+        if (record.check is None or record.path in ("fixed-order", SINGLE_THREAD_PATH)
+                or threads in record.threads_checked):
             return
         start = time.perf_counter()
         with torch.no_grad():
@@ -305,7 +333,9 @@ class HostGuard:
         record.seconds += time.perf_counter() - start
         if failure is not None:
             record.failure = f"{failure} ({threads} threads vs {REFERENCE_THREADS})"
-            self._decide(record, earlier_results=True)
+            if record.property == "gemm_rows":  # earlier results all equal the reference: no caveat if this holds
+                self._try_single_thread(record, record.check)
+            self._decide(record, earlier_results=record.path != SINGLE_THREAD_PATH)
 
     def _decide(self, record: ProbeRecord, earlier_results: bool = False) -> None:
         record.passed = record.failure is None

@@ -104,13 +104,34 @@ def test_probe_passes_a_correct_gemm_and_keeps_the_fast_path():
 
 
 def test_probe_catches_thread_dependent_gemm_at_first_use():
+    """A GEMM that is right at 1 thread and wrong at more: the class keeps the library GEMM, always called with 1
+    thread (``blas-1-thread``), so its rows are the 1-thread reference's at any thread count."""
     x, w = _linear_inputs()
     guard = _guard(bmm=thread_dependent_bmm)
-    with num_threads(2), pytest.warns(RuntimeWarning, match="gemm_rows"):
+    with num_threads(2), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to announce: the path is exact and fast
         at_two = cpu_exact.with_host(guard).linear(x, w)
     with num_threads(1):
         at_one = cpu_exact.with_host(guard).linear(x, w)
     assert torch.equal(at_one, at_two)
+    (probe,) = guard.report()["probes"]
+    assert probe["path"] == "blas-1-thread" and probe["passed"] is True and "2 threads vs 1" in probe["note"]
+    unguarded = cpu_exact.with_host(_guard(mode="unguarded", bmm=thread_dependent_bmm))
+    with num_threads(2):  # the counter-case: the same GEMM unguarded at 2 threads gives other bits
+        assert not torch.equal(unguarded.linear(x, w), at_one)
+
+
+def test_a_gemm_wrong_at_one_thread_too_still_falls_back_to_fixed_order():
+    """The single-thread path is only for a GEMM whose every arrangement is right at 1 thread."""
+    def thread_and_position_dependent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = position_dependent_bmm(a, b)
+        return _nudge(out) if torch.get_num_threads() > 1 else out
+
+    x, w = _linear_inputs()
+    guard = _guard(bmm=thread_and_position_dependent)
+    with num_threads(2), pytest.warns(RuntimeWarning, match="fixed-order"):
+        cpu_exact.with_host(guard).linear(x, w)
+    assert guard.report()["probes"][0]["path"] == "fixed-order"
 
 
 def test_the_machines_thread_count_is_probed_at_first_use():
@@ -118,17 +139,18 @@ def test_the_machines_thread_count_is_probed_at_first_use():
     right at 1 thread and wrong at more is caught before any result exists (threads then change no bit)."""
     x, w = _linear_inputs()
     guard = _guard(bmm=thread_dependent_bmm)
-    with num_threads(1), pytest.warns(RuntimeWarning, match=rf"{MACHINE_THREADS} threads vs 1"):
+    with num_threads(1):
         at_one = cpu_exact.with_host(guard).linear(x, w)
     (probe,) = guard.report()["probes"]
-    assert probe["path"] == "fixed-order" and probe["threads_checked"] == [1, MACHINE_THREADS]
+    assert probe["path"] == "blas-1-thread" and probe["threads_checked"] == [1, MACHINE_THREADS]
+    assert f"{MACHINE_THREADS} threads vs 1" in probe["note"]
     with num_threads(2):
         assert torch.equal(cpu_exact.with_host(guard).linear(x, w), at_one)
 
 
 def test_a_thread_count_seen_later_is_verified_before_use():
-    """A count beyond the machine's (set by hand) is verified at its first use; a failure then switches the class
-    and says that earlier results are not comparable."""
+    """A count beyond the machine's (set by hand) is verified at its first use; a failure there that 1 thread does
+    not show switches the class to the single-thread library path, whose rows are those computed before."""
     x, w = _linear_inputs()
     beyond = MACHINE_THREADS + 1
 
@@ -141,10 +163,13 @@ def test_a_thread_count_seen_later_is_verified_before_use():
     with num_threads(1):
         ops.linear(x, w)  # at 1 thread and at the machine's count the broken GEMM is still right: the probe passes
     assert guard.report()["probes"][0]["path"] == "blas"
-    with num_threads(beyond), pytest.warns(RuntimeWarning, match=rf"{beyond} threads vs 1.*not bitwise comparable"):
+    with num_threads(1):
+        before = ops.linear(x, w)
+    with num_threads(beyond):
         at_more = ops.linear(x, w)
     (probe,) = guard.report()["probes"]
-    assert probe["path"] == "fixed-order" and probe["threads_checked"] == [1, MACHINE_THREADS, beyond]
+    assert probe["path"] == "blas-1-thread" and probe["threads_checked"] == [1, MACHINE_THREADS, beyond]
+    assert torch.equal(at_more, before)
     with num_threads(1):
         assert torch.equal(ops.linear(x, w), at_more)  # from now on one path for every thread count
 

@@ -458,3 +458,21 @@ def test_report_of_a_directory_that_is_neither_a_run_nor_a_sweep(tmp_path: Path,
     assert main(["report", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "neither a sweep directory" in err
+
+
+def test_unconfirmed_drops_get_their_own_column_only_when_there_are_some(tmp_path: Path) -> None:
+    """A run that fell below the drop too late for the detector's patience is neither a collapse nor a survival:
+    the table counts it in its own column (absent while no run has one)."""
+    points = [_point(0.5, seed, False, 0.3, 0.5, 0.8, 0.2) for seed in (0, 1)] + [
+        _point(0.1, seed, False, 0.01, 0.1, 0.8, 0.8) for seed in (0, 1)]
+    points[1]["collapse"]["collapse_unconfirmed_step"] = 25
+    rows = {r["inject.value"]: r for r in group_table(read_sweep_results(
+        _make_sweep(tmp_path / "late", points, {"inject.value": [0.5, 0.1], "seed": [0, 1]})))}
+    assert rows[0.5]["unconfirmed"] == 1 and rows[0.5]["collapsed"] == 0 and rows[0.1]["unconfirmed"] == 0
+    write_report(tmp_path / "late", console=Console(file=io.StringIO()))
+    text = (tmp_path / "late" / "report" / "table.md").read_text()
+    assert "dropped, unconfirmed at the end" in text and "| 1/2 |" in text
+    points[1]["collapse"]["collapse_unconfirmed_step"] = None
+    _make_sweep(tmp_path / "none_late", points, {"inject.value": [0.5, 0.1], "seed": [0, 1]})
+    write_report(tmp_path / "none_late", console=Console(file=io.StringIO()))
+    assert "unconfirmed" not in (tmp_path / "none_late" / "report" / "table.md").read_text()

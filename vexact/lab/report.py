@@ -264,6 +264,10 @@ def group_table(data: SweepData) -> list[dict[str, Any]]:
             "realised_abs_dlogp": _mean(p.collapse.get("mean_abs_dlogp") for p in done),
             "collapse_rate": len(collapsed) / len(done) if done else None,
             "median_collapse_step": _median(p.collapse.get("collapse_step") for p in collapsed),
+            # runs that fell below the drop but ended before the detector's patience ran out (a late drop, or a run
+            # too short to confirm it): not collapses, and not survivals either; None when no run of the sweep has one
+            "unconfirmed": sum(p.collapse.get("collapse_unconfirmed_step") is not None for p in done
+                               if p not in collapsed),
             "peak_reward": _mean(reward_summary(p)["peak"] for p in done),  # one definition: reward_summary
             "final_reward": _mean(reward_summary(p)["final"] for p in done),
             "length_surge_lead_median": _median(p.collapse.get("length_surge_lead") for p in done),
@@ -328,6 +332,9 @@ _COLUMNS = [  # (row key, header, abbreviation for narrow terminals, formatter)
     ("realised_abs_dlogp", "realised |Δlogp|", "|Δlp|", lambda r: _fmt_sci(r["realised_abs_dlogp"])),
     ("collapse_rate", "collapse rate", "coll", lambda r: f"{r['collapsed']}/{r['seeds']}" if r["seeds"] else "—"),
     ("median_collapse_step", "median collapse step", "c.step", lambda r: _fmt_step(r["median_collapse_step"])),
+    # shown only when some run dropped without confirmation:
+    ("unconfirmed", "dropped, unconfirmed at the end", "unconf",
+     lambda r: "—" if r.get("unconfirmed") is None else f"{r['unconfirmed']}/{r['seeds']}"),
     ("peak_reward", "peak reward (smoothed)", "peak", lambda r: _fmt_float(r["peak_reward"])),
     ("final_reward", "final reward (smoothed)", "final", lambda r: _fmt_float(r["final_reward"])),
     ("length_surge_lead_median", "surge lead", "lead", lambda r: _fmt_step(r["length_surge_lead_median"])),
@@ -338,7 +345,12 @@ _COLUMNS = [  # (row key, header, abbreviation for narrow terminals, formatter)
      else f"{r['lr_decay_triggered']}/{r['seeds']}"),
     ("lr_trigger_step_median", "median trigger step", "t.step", lambda r: _fmt_step(r.get("lr_trigger_step_median"))),
 ]
-_OPTIONAL = {"lr_decay_triggered", "lr_trigger_step_median"}
+_OPTIONAL = {"lr_decay_triggered", "lr_trigger_step_median", "unconfirmed"}
+
+
+def _shown(value: Any, key: str) -> bool:
+    """Whether an optional column's cell asks for the column: any LR-schedule value, a non-zero unconfirmed count."""
+    return bool(value) if key == "unconfirmed" else value is not None
 
 
 @dataclass
@@ -358,7 +370,7 @@ class TextColumn:
 def _group_columns(rows: list[dict[str, Any]], group_keys: list[str]) -> list[TextColumn]:
     """The group table's columns (shared by the terminal and Markdown tables)."""
     show_failed = any(r.get("failed") for r in rows)
-    columns = [c for c in _COLUMNS[1:] if c[0] not in _OPTIONAL or any(r.get(c[0]) is not None for r in rows)]
+    columns = [c for c in _COLUMNS[1:] if c[0] not in _OPTIONAL or any(_shown(r.get(c[0]), c[0]) for r in rows)]
     tails = [k.rsplit(".", 1)[-1] for k in group_keys]
     out = [TextColumn(k, [_fmt_value(r.get(k)) for r in rows], short=tail if tails.count(tail) == 1 else k,
                       justify="left", style="cyan") for k, tail in zip(group_keys, tails)]

@@ -21,7 +21,8 @@ from .surge_task import mixed_targets
 from .tasks import Problem, Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
-CACHE_VERSION = 3  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
+CACHE_VERSION = 4  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
+# (4: a GEMM class right only at 1 thread takes the single-thread library path instead of the fixed-order one)
 
 
 def warm_start_key(cfg: RunConfig) -> str:

@@ -1,0 +1,340 @@
+"""The exact CPU kernels' cheaper passes over memory (issue Q, "the price") changed no bit.
+
+What was optimised: the weight gradient's GEMM operands (each token chunk transposed, zero-padded) are laid out in
+one transposing copy, or seen as a view where no padding is needed, where a pad-then-transpose composition copied
+the data twice; attention masks only the visible keys (one mask for a batch whose sequences all start at the same
+position) and its backward zeroes only the padding of the tensors it writes; the norm's backward reuses one
+scratch tensor; SwiGLU's backward takes the forward's 1 + exp(-gate) and
+silu instead of computing them again. The claim is stronger than "same outputs on this host":
+every GEMM call gets the same operands -- values, shapes, strides and 64-byte alignment -- as the straightforward
+composition the kernels used before (kept below as the reference, verbatim), so the library computes the same
+thing on any host.
+
+How it is checked, per op and dtype, forward and backward:
+- both versions run under a ``RecordingGuard`` (the process guard's fast paths, recording each GEMM call) and under
+  ``poisoned_allocations`` (every fresh float tensor starts as NaN: padding that is not explicitly zeroed shows);
+- the recorded calls must be equal field by field (``torch.equal`` on the operands), and so must every output and
+  gradient (``torch.equal``).
+A counter-test shows the check fails when the padding is left unzeroed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vexact_kernels import cpu_exact
+from vexact_kernels.cpu_exact import (
+    COL_BLOCK,
+    KEY_BLOCK,
+    _ceil_to,
+    _reduction_block,
+    _row_block,
+    _tree_sum,
+    _unary,
+)
+from vexact_kernels.host_guard import HostGuard
+
+DTYPES = (torch.float32, torch.bfloat16)
+_FRESH = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default,
+          torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_like.default}
+
+
+class poisoned_allocations(TorchDispatchMode):  # noqa: N801 (used as a context manager)
+    """Every fresh floating-point tensor (``empty`` and its variants) starts filled with NaN, so memory a kernel
+    reads without writing it first (e.g. padding it forgot to zero) cannot pass for zeros by luck."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _FRESH and out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+
+class RecordingGuard(HostGuard):
+    """The default guard (probes, torch's primitives) that also records every GEMM call's operands."""
+
+    def __init__(self) -> None:
+        super().__init__(cpu_exact.ROW_BLOCKS, mode="auto")
+        self.calls: list[tuple] = []
+
+    def bmm(self, a: torch.Tensor, b: torch.Tensor, op: str, shared_operand: bool) -> torch.Tensor:
+        self.calls.append((op, shared_operand, _operand(a), _operand(b)))
+        return super().bmm(a, b, op, shared_operand)
+
+
+def _operand(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.data_ptr() % cpu_exact.ALIGNMENT, t.detach().clone()
+
+
+# --------------------------------------------------------------------------- the reference (the kernels before)
+def _transposed_matmul_reference(a, b, host, op):
+    rows, n = a.shape
+    k = b.shape[1]
+    block = _reduction_block(rows)
+    chunks = -(-rows // block)
+    padded = chunks * block
+    k_pad = _ceil_to(k, COL_BLOCK)
+    a_t = torch.constant_pad_nd(a, (0, 0, 0, padded - rows)).view(chunks, block, n).transpose(1, 2)
+    b_t = torch.constant_pad_nd(b, (0, k_pad - k, 0, padded - rows)).view(chunks, block, k_pad).transpose(1, 2)
+    b_t = b_t.contiguous()
+    height = _row_block(n, host.tile_heights(a.dtype, b_t[:1].transpose(1, 2), False, op))
+    row_tiles = -(-n // height)
+    a_tiles = torch.constant_pad_nd(a_t, (0, 0, 0, row_tiles * height - n)).reshape(chunks * row_tiles, height, block)
+    b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
+    out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
+    parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
+    return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+def _from_output_reference(self, grad):
+    b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
+    out = torch.zeros(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
+    out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
+    return out.view(b * h, self.row_len, d)
+
+
+def _to_cache_reference(self, keys, dtype):
+    b, h, d = self.batch, self.kv_heads, self.head_dim
+    out = torch.zeros(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
+    kept = min(self.cache_len, keys.shape[1])
+    out[:, :kept] = keys.view(b, h, keys.shape[1], d)[:, :, :kept].permute(0, 2, 1, 3)
+    return out
+
+
+def _attention_probs_reference(tiles):
+    b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
+        tiles.visible
+    scores = tiles.host.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2), op="attention",
+                             shared_operand=False)
+    scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)
+    real = tiles.rows if rb == 1 else block
+    row_t = tiles.row_t.view(rb, block)[:, :real]
+    query_pos = tiles.q_start.view(b, 1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1, 1)
+    key_pos = torch.arange(tiles.key_len, device=scores.device).view(1, 1, 1, 1, kb, KEY_BLOCK)
+    masked = torch.empty(b, h, rb, real, kb, KEY_BLOCK, device=scores.device)
+    torch.where(key_pos <= query_pos, scores[:, :, :, :real], scores.new_full((), float("-inf")), out=masked)
+    masked = masked.view(b, h, rb, real, tiles.key_len)
+    row_max = masked.amax(dim=-1, keepdim=True)
+    window = masked[..., :vis]
+    probs = _unary("exp", window - row_max, tiles.host, "attention")
+    full_tiles, last = vis // KEY_BLOCK, vis % KEY_BLOCK
+    parts = []
+    if full_tiles:
+        parts.append(_tree_sum(probs[..., : full_tiles * KEY_BLOCK].reshape(b, h, rb, real, full_tiles, KEY_BLOCK)))
+    if last:
+        parts.append(_tree_sum(probs[..., full_tiles * KEY_BLOCK :]).unsqueeze(-1))
+    per_tile = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    denom = (_tree_sum(per_tile) if kb > 1 else per_tile[..., 0]).unsqueeze(-1)
+    alloc = torch.empty if (real == block and vis == tiles.key_len) else torch.zeros
+    tiles_out = alloc(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
+    as_rows = tiles_out.permute(0, 1, 2, 4, 3, 5)[:, :, :, :real]
+    if full_tiles:
+        as_rows[..., :full_tiles, :] = probs[..., : full_tiles * KEY_BLOCK].view(b, h, rb, real, full_tiles,
+                                                                                 KEY_BLOCK)
+    if last:
+        as_rows[..., full_tiles, :last] = probs[..., full_tiles * KEY_BLOCK :]
+    denom_rows = denom if real == block else torch.nn.functional.pad(denom, (0, 0, 0, block - real), value=1.0)
+    return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs, denom
+
+
+def _rms_norm_vjp_reference(saved, grad, needs):
+    xf, inv_rms, weight, dtype = saved
+    g = cpu_exact._float(grad)
+    grad_x = grad_w = None
+    if needs[0]:
+        gw = g * cpu_exact._float(weight)
+        dot = _tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
+        grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(dtype)
+    if needs[1]:
+        grad_w = _tree_sum((g * xf * inv_rms).reshape(-1, xf.shape[-1]), dim=0).to(weight.dtype)
+    return grad_x, grad_w
+
+
+def _silu_mul_with_saved_reference(gate, up, host):
+    return cpu_exact._silu_mul_exact(gate, up, host), (gate, up, host)
+
+
+def _silu_mul_vjp_reference(saved, grad, needs):
+    gate, up, host = saved
+    gf, g = cpu_exact._float(gate), cpu_exact._float(grad)
+    denom = _unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    grad_gate = grad_up = None
+    if needs[0]:
+        s = torch.reciprocal(denom)
+        ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)
+        grad_gate = ds.mul_(g).mul_(cpu_exact._float(up)).to(gate.dtype)
+    if needs[1]:
+        silu = torch.div(gf, denom)
+        grad_up = cpu_exact._float(silu.to(gate.dtype)).mul_(g).to(up.dtype)
+    return grad_gate, grad_up
+
+
+def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put the reference compositions in place of the optimised ones (for the rest of the test)."""
+    monkeypatch.setattr(cpu_exact, "_transposed_matmul", _transposed_matmul_reference)
+    monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
+    monkeypatch.setattr(cpu_exact, "_rms_norm_vjp", _rms_norm_vjp_reference)
+    monkeypatch.setattr(cpu_exact._AttentionTiles, "from_output", _from_output_reference)
+    monkeypatch.setattr(cpu_exact._AttentionTiles, "to_cache", _to_cache_reference)
+    monkeypatch.setattr(cpu_exact, "_silu_mul_with_saved", _silu_mul_with_saved_reference)
+    monkeypatch.setattr(cpu_exact, "_silu_mul_vjp", _silu_mul_vjp_reference)
+
+
+# --------------------------------------------------------------------------- the cases
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _linear_case(dtype, rows, k, n, bias):
+    def run(host):
+        x = _randn(rows, k, dtype=dtype, seed=1).requires_grad_(True)
+        w = _randn(n, k, dtype=dtype, seed=2, scale=0.1).requires_grad_(True)
+        b = _randn(n, dtype=dtype, seed=3).requires_grad_(True) if bias else None
+        y = cpu_exact.linear(x, w, b, host=host)
+        inputs = [t for t in (x, w, b) if t is not None]
+        return [y, *torch.autograd.grad(y, inputs, _randn(*y.shape, dtype=dtype, seed=4))]
+    return run
+
+
+def _attention_case(dtype, batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts):
+    def run(host):
+        q = _randn(batch, q_len, q_heads, head_dim, dtype=dtype, seed=5).requires_grad_(True)
+        k = _randn(batch, cache_len, kv_heads, head_dim, dtype=dtype, seed=6).requires_grad_(True)
+        v = _randn(batch, cache_len, kv_heads, head_dim, dtype=dtype, seed=7).requires_grad_(True)
+        y = cpu_exact.attention(q, k, v, torch.tensor(starts), head_dim**-0.5, host=host)
+        with torch.no_grad():
+            decode = cpu_exact.attention(q[:, -1:], k, v, torch.tensor(starts) + q_len - 1, head_dim**-0.5, host=host)
+        return [y, decode, *torch.autograd.grad(y, [q, k, v], _randn(*y.shape, dtype=dtype, seed=8))]
+    return run
+
+
+def _rms_norm_case(dtype, shape, only):
+    def run(host):
+        x = _randn(*shape, dtype=dtype, seed=12).requires_grad_(only != "weight")
+        w = (_randn(shape[-1], dtype=dtype, seed=13) + 1.0).requires_grad_(only != "x")
+        y = cpu_exact.rms_norm(x, w, 1e-6, host=host)
+        inputs = [t for t in (x, w) if t.requires_grad]
+        return [y, *torch.autograd.grad(y, inputs, _randn(*y.shape, dtype=dtype, seed=14))]
+    return run
+
+
+def _silu_mul_case(dtype, shape, only):
+    def run(host):
+        gate = _randn(*shape, dtype=dtype, seed=15, scale=4.0).requires_grad_(only != "up")
+        up = _randn(*shape, dtype=dtype, seed=16).requires_grad_(only != "gate")
+        y = cpu_exact.silu_mul(gate, up, host=host)
+        inputs = [t for t in (gate, up) if t.requires_grad]
+        return [y, *torch.autograd.grad(y, inputs, _randn(*y.shape, dtype=dtype, seed=17))]
+    return run
+
+
+def _transposed_case(rows, n, k, layout):
+    """``_transposed_matmul`` on its own, with inputs of unusual layout (transposed, offset, sliced)."""
+    def run(host):
+        a, b = _randn(rows, n, seed=9, dtype=torch.float32), _randn(rows, k, seed=10, dtype=torch.float32)
+        if layout == "transposed":
+            a, b = a.t().contiguous().t(), b.t().contiguous().t()
+        elif layout == "offset":  # contiguous, not 64-byte aligned
+            a, b = torch.cat([a.new_zeros(1), a.reshape(-1)])[1:].view(rows, n), b
+        elif layout == "sliced":
+            a = torch.cat([a, a], dim=1)[:, :n]
+        return [cpu_exact._transposed_matmul(a, b, host, "linear")]
+    return run
+
+
+CASES = {
+    **{f"linear-{rows}x{k}x{n}-{'bias' if bias else 'nobias'}": (_linear_case, rows, k, n, bias)
+       for rows, k, n, bias in [(1, 64, 64, False), (37, 176, 64, True), (130, 64, 22, False), (256, 64, 176, False),
+                                (300, 96, 32, True), (520, 64, 1536, False), (700, 40, 24, True)]},
+    **{f"attention-{b}x{t}x{hq}x{hkv}x{hd}x{cache}-{starts}": (_attention_case, b, t, hq, hkv, hd, cache, starts)
+       for b, t, hq, hkv, hd, cache, starts in [(3, 20, 4, 2, 16, 20, [0, 0, 0]), (2, 70, 9, 3, 64, 70, [0, 0]),
+                                                (4, 3, 4, 2, 16, 64, [5, 60, 0, 30]), (2, 5, 3, 1, 32, 150, [100, 7]),
+                                                (1, 64, 2, 2, 16, 64, [0])]},
+}
+ROW_WISE = {f"rms_norm-{shape}-{only}": (_rms_norm_case, shape, only)
+            for shape in [(1, 64), (5, 7, 64), (300, 96), (2, 3, 1), (33, 576)] for only in ("both", "x", "weight")}
+ROW_WISE |= {f"silu_mul-{shape}-{only}": (_silu_mul_case, shape, only)
+             for shape in [(1, 176), (5, 7, 176), (300, 1536), (33,)] for only in ("both", "gate", "up")}
+TRANSPOSED = [(rows, n, k, layout) for rows, n, k in [(64, 64, 64), (300, 176, 64), (4000, 64, 176), (256, 1536, 64),
+                                                      (700, 128, 64), (512, 192, 40)]
+              for layout in ("contiguous", "transposed", "offset", "sliced")]
+
+
+def _run_both(run, monkeypatch) -> tuple[tuple[list, list], tuple[list, list]]:
+    """(calls, outputs) of ``run`` with the optimised kernels, then with the reference compositions."""
+    results = []
+    for reference in (False, True):
+        with contextlib.ExitStack() as stack:
+            if reference:
+                patch = stack.enter_context(monkeypatch.context())
+                _use_reference(patch)
+            stack.enter_context(poisoned_allocations())
+            host = RecordingGuard()
+            outputs = run(host)
+        results.append((host.calls, [t.detach() for t in outputs]))
+    return results[0], results[1]
+
+
+def _differences(new: tuple[list, list], reference: tuple[list, list]) -> list[str]:
+    (calls, outputs), (ref_calls, ref_outputs) = new, reference
+    found = []
+    if len(calls) != len(ref_calls):
+        found.append(f"{len(calls)} GEMM calls, the reference made {len(ref_calls)}")
+    for i, (call, ref) in enumerate(zip(calls, ref_calls)):
+        for j, name in enumerate(("op", "shared_operand")):
+            if call[j] != ref[j]:
+                found.append(f"call {i}: {name} {call[j]} != {ref[j]}")
+        for side, got, want in (("a", call[2], ref[2]), ("b", call[3], ref[3])):
+            for field, g, w in zip(("shape", "strides", "alignment"), got[:3], want[:3]):
+                if g != w:
+                    found.append(f"call {i} operand {side}: {field} {g} != {w}")
+            if got[0] == want[0] and not torch.equal(got[3], want[3]):
+                found.append(f"call {i} operand {side}: values differ")
+    for i, (out, ref) in enumerate(zip(outputs, ref_outputs)):
+        if out.dtype != ref.dtype or out.shape != ref.shape or not torch.equal(out, ref):
+            found.append(f"output {i} differs")
+    return found
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_gemm_calls_and_bits_as_the_reference(case, dtype, monkeypatch):
+    make, *shape = CASES[case]
+    new, reference = _run_both(make(dtype, *shape), monkeypatch)
+    assert new[0], "the case must make GEMM calls"
+    assert _differences(new, reference) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(ROW_WISE))
+def test_row_wise_backward_bits_as_the_reference(case, dtype, monkeypatch):
+    """The norm's backward writes its steps into one scratch tensor, SwiGLU's keeps the forward's 1 + exp(-gate) and
+    silu instead of computing them again: the same ops in the same order on the same values, the same bits."""
+    make, *shape = ROW_WISE[case]
+    new, reference = _run_both(make(dtype, *shape), monkeypatch)
+    assert _differences(new, reference) == []
+
+
+@pytest.mark.parametrize("rows,n,k,layout", TRANSPOSED)
+def test_weight_gradient_layout_matches_the_reference(rows, n, k, layout, monkeypatch):
+    new, reference = _run_both(_transposed_case(rows, n, k, layout), monkeypatch)
+    assert _differences(new, reference) == []
+
+
+def test_the_check_catches_padding_left_unzeroed(monkeypatch):
+    """Counter-test: a layout that forgets to zero its padding differs from the reference (NaN in the operands)."""
+    def lazy(src, block, chunks, width):
+        out = src.new_empty(chunks, width, block)  # no zeros: padding keeps whatever the allocation held
+        full, tail = divmod(src.shape[0], block)
+        out[:full, : src.shape[1]].copy_(src[: full * block].view(full, block, src.shape[1]).transpose(1, 2))
+        if tail:
+            out[full, : src.shape[1], :tail].copy_(src[full * block :].t())
+        return out
+    monkeypatch.setattr(cpu_exact, "_chunks_transposed", lazy)
+    new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
+    assert any("operand" in found for found in _differences(new, reference))
