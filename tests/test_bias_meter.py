@@ -9,7 +9,14 @@ import math
 import pytest
 import torch
 
-from vexact.lab.bias_meter import bias_statistics, exact_gradients, fit_growth, load_meter_spec, measure_bias
+from vexact.lab.bias_meter import (
+    bias_statistics,
+    exact_gradients,
+    fit_growth,
+    load_meter_spec,
+    measure_bias,
+    plot_meter,
+)
 from vexact.rl.config import config_from_dict
 from vexact.rl.horizon_task import horizon_overrides
 
@@ -89,3 +96,15 @@ def test_bad_meter_files(tmp_path):
             load_meter_spec(spec)
     with pytest.raises(ValueError, match="not found"):
         load_meter_spec(tmp_path / "missing.yaml")
+
+
+def test_the_plot_takes_an_interval_beside_its_estimate(tmp_path):
+    """Seen in a real meter (L = 1, logit scale -0.1: ratio 0.0462, bootstrap interval [0.0467, 0.102]): a percentile
+    interval of a biased estimator need not contain the estimate; the plot must still be drawn."""
+    cell = {"source": "s", "horizon": 1, "horizon_mean": 4.8, "bias_ratio": 0.0462, "bias_ratio_ci": [0.0467, 0.102],
+            "cosine": 0.99, "cosine_ci": [0.98, 0.995], "bias_abs": 1.0, "bias_abs_noise": 0.1, "grad_norm": 2.0,
+            "grad_norm_noise": 0.1}
+    result = {"name": "m", "batches": 120, "sources": ["s"], "cells": [cell],
+              "growth": {"s": {"bias_ratio": {"status": "insufficient"}}}}
+    path = plot_meter(result, tmp_path / "meter.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -422,8 +422,9 @@ def plot_meter(result: dict[str, Any], path: Path) -> Path:
         fit = result["growth"][source]["bias_ratio"]
         label = source + (f" (β = {fit['exponent']:.2f} [{fit['ci_low']:.2f}, {fit['ci_high']:.2f}])"
                           if fit["status"] == "fitted" and fit["ci_low"] is not None else "")
-        lo = [c["bias_ratio"] - (c["bias_ratio_ci"][0] or c["bias_ratio"]) for c in cells]
-        hi = [(c["bias_ratio_ci"][1] or c["bias_ratio"]) - c["bias_ratio"] for c in cells]
+        # a bootstrap percentile interval of a biased estimator can lie beside its point estimate: clip at 0
+        lo = [max(c["bias_ratio"] - (c["bias_ratio_ci"][0] or c["bias_ratio"]), 0.0) for c in cells]
+        hi = [max((c["bias_ratio_ci"][1] or c["bias_ratio"]) - c["bias_ratio"], 0.0) for c in cells]
         ax.errorbar(ts, [c["bias_ratio"] for c in cells], yerr=[lo, hi], color=cmap(i % 10), marker="o",
                     capsize=3, label=label)
         weak = [c for c in cells if not resolved(c)]  # hollow: below the noise floor (an upper bound)
