@@ -159,3 +159,35 @@ def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
     assert sweep.returncode == 130, output[-2000:]
     for point in spec.points:
         assert len(read_metrics(point.run_dir / "metrics.jsonl")) < 5000
+
+
+def test_a_sweep_whose_steps_grew_extends_its_finished_points_bit_identically(tmp_path):
+    """Raising ``steps`` in the sweep file and running it again extends every point that ran to its planned end
+    (as --resume --set steps=N --allow-change steps would), with the bits of a sweep run that long from the start;
+    a point that stopped early on a confirmed collapse is left as it is."""
+    grid = {"seed": [0, 1]}
+    long = load_sweep_spec(_sweep_file(tmp_path, "long", grid=grid))
+    for point in long.points:
+        point.config.steps = 5
+    run_sweep(long, console=Console(quiet=True))
+
+    short_path = _sweep_file(tmp_path, "grow", grid=grid)
+    run_sweep(load_sweep_spec(short_path), console=Console(quiet=True))  # 3 steps
+    spec_data = yaml.safe_load(short_path.read_text())
+    spec_data["set"]["steps"] = 5
+    short_path.write_text(yaml.safe_dump(spec_data))
+    grown = load_sweep_spec(short_path)
+    assert run_sweep(grown, console=Console(quiet=True)) == {"seed=0": "completed", "seed=1": "completed"}
+    extended = _metrics(grown)
+    assert all(len(rows) == 5 for rows in extended.values())
+    assert extended == _metrics(long)  # the extension is the 5-step run, bit for bit
+
+    summary_path = grown.points[0].run_dir / "summary.json"  # a run that ended early keeps its outcome
+    summary = json.loads(summary_path.read_text())
+    summary.update(steps_planned=5, steps_completed=4)
+    summary_path.write_text(json.dumps(summary))
+    spec_data["set"]["steps"] = 7
+    short_path.write_text(yaml.safe_dump(spec_data))
+    run_sweep(load_sweep_spec(short_path), console=Console(quiet=True))
+    assert len(read_metrics(grown.points[0].run_dir / "metrics.jsonl")) == 5
+    assert len(read_metrics(grown.points[1].run_dir / "metrics.jsonl")) == 7

@@ -280,6 +280,19 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
     return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants, curves)
 
 
+def _extendable(point: SweepPoint) -> bool:
+    """A completed point whose run went to its planned end while the sweep's config now asks for more steps: it is
+    resumed with ``steps`` grown (as ``vexact run DIR --resume --set steps=N --allow-change steps``), which gives
+    the same bits as a run of N steps from the start. A run that ended early (a confirmed collapse with
+    ``collapse.stop_on_collapse``) keeps its outcome."""
+    try:
+        summary = json.loads((point.run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    planned, done = summary.get("steps_planned"), summary.get("steps_completed")
+    return isinstance(planned, int) and planned == done and point.config.steps > planned
+
+
 def point_status(point: SweepPoint) -> str:
     summary = point.run_dir / "summary.json"
     if summary.exists():
@@ -329,7 +342,9 @@ def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
     log = io.StringIO()  # the run's own log, not shown; its warm-start lines go back to the sweep
     try:
         cfg = config_from_dict(config)
-        summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(resume=resume)
+        # steps may grow on a resume (an extended sweep); no other key may change
+        summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(
+            resume=resume, allow_changes=("steps",) if resume else ())
         return {"status": summary["status"], "error": None, "warm_start": _warm_start_lines(log)}
     except KeyboardInterrupt:
         return {"status": "interrupted", "error": None}
@@ -386,10 +401,14 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
     except OSError as e:
         raise ValueError(f"sweep {spec.name}: cannot write {spec.output_dir / 'sweep.json'}: "
                          f"{e.strerror or e}") from None
-    todo = [p for p in spec.points if statuses[p.name] not in FINISHED]
+    extend = [p for p in spec.points if statuses[p.name] == "completed" and _extendable(p)]
+    todo = [p for p in spec.points if statuses[p.name] not in FINISHED or p in extend]
     done_before = len(spec.points) - len(todo)
     if done_before:
         console.print(f"sweep {spec.name}: {done_before} of {len(spec.points)} points already finished, skipped")
+    if extend:
+        console.print(f"sweep {spec.name}: {len(extend)} finished point(s) ran fewer steps than the sweep now asks "
+                      f"({extend[0].config.steps}); they are extended from their last checkpoint")
     threads = max(1, torch.get_num_threads() // jobs) if jobs > 1 else None
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
