@@ -173,9 +173,9 @@ class _PlanTracer:
     def __init__(self, model: Transformer):
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.plan: list[OpSlot] = []
-        self.sources: dict[int, tuple[str, str]] = {}  # id(output) -> (group, site) of the op that made it
-        self.slot_of: dict[int, int] = {}  # id(output) -> its index in plan
-        self.outputs: list[Tensor] = []  # kept alive, so that no later tensor reuses an id above
+        # id(output) -> (the output, kept alive so that no later tensor reuses its id; (group, site) of the op that
+        # made it; its index in plan, None for the embedding, which has no slot)
+        self.made: dict[int, tuple[Tensor, tuple[str, str], int | None]] = {}
         self.last_block: tuple[str, str] | None = None  # (group, site) of the last linear, for the residual's name
 
     def _site(self, weight: Tensor) -> tuple[str, str]:
@@ -186,26 +186,24 @@ class _PlanTracer:
         return "head", "final_norm" if parts[0] == "norm" else "logits"
 
     def _source(self, x: Tensor) -> tuple[str, str] | None:
-        return self.sources.get(id(x._base if x._base is not None else x))
+        made = self.made.get(id(x._base if x._base is not None else x))
+        return None if made is None else made[1]
 
     def _emit(self, group: str, site: str, kernel_op: str, out: Tensor, recorded: str = "output",
               *inputs: Tensor) -> Tensor:
         for x in inputs:  # an input that is a per-head view of a recorded output: report that output per head
-            if x._base is not None and id(x._base) in self.slot_of:
-                slot = self.slot_of[id(x._base)]
+            slot = self.made[id(x._base)][2] if x._base is not None and id(x._base) in self.made else None
+            if slot is not None:
                 self.plan[slot] = dataclasses.replace(self.plan[slot], feature_shape=tuple(x.shape[2:]))
         name = site if group in ("head", "embed") else f"{group} / {site}"
         self.plan.append(OpSlot(name, kernel_op, group, tuple(out.shape[2:]), recorded))
         if recorded == "output":
-            self.outputs.append(out)
-            self.sources[id(out)] = (group, site)
-            self.slot_of[id(out)] = len(self.plan) - 1
+            self.made[id(out)] = (out, (group, site), len(self.plan) - 1)
         return out
 
     def embedding(self, tokens: Tensor, weight: Tensor) -> Tensor:
         out = weight.new_empty(*tokens.shape, weight.shape[1])
-        self.outputs.append(out)
-        self.sources[id(out)] = ("embed", "embed")  # a gather, exact everywhere: no slot of its own
+        self.made[id(out)] = (out, ("embed", "embed"), None)  # a gather, exact everywhere: no slot of its own
         return out
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
