@@ -187,6 +187,24 @@ def test_a_locked_run_directory_is_refused_with_the_holders_pid(tmp_path, refere
     assert not (tmp_path / "busy" / "metrics.jsonl").exists()  # the refused run wrote nothing
 
 
+def test_only_rank_0_probes_the_run_lock(tmp_path, reference, monkeypatch):
+    """Every rank of ``vexact run --nproc`` / torchrun checks the run directory before it starts; if each also probed
+    the lock, two ranks probing at once would refuse each other (seen in CI). A rank other than 0 leaves the lock to
+    rank 0: here it passes the check while the directory is held, where rank 0 is refused."""
+    import argparse
+
+    from vexact.cli import _check_run_dir
+
+    cfg = _cfg(tmp_path, reference, "ranks")
+    args = argparse.Namespace(resume=False, config=tmp_path / "ranks.yaml", overrides=[])
+    with run_lock(tmp_path / "ranks"):
+        monkeypatch.setenv("RANK", "1")
+        _check_run_dir(args, cfg)
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(RunLocked):
+            _check_run_dir(args, cfg)
+
+
 def test_two_processes_into_one_run_directory(tmp_path, reference):
     """Two ``vexact run`` at once: one runs, the other exits 2 naming the holder; the run is not mixed. The first
     process waits inside its first step until the second has been refused, so the two really overlap."""

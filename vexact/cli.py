@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -329,7 +330,8 @@ def _check_run_dir(args: argparse.Namespace, cfg) -> None:
     from .rl.trainer import holds_results, holds_run, run_dir_for
 
     run_dir = run_dir_for(cfg)
-    if run_dir.is_dir():
+    # Only rank 0 probes the lock: ranks probing at once would each hold it for a moment and refuse one another.
+    if run_dir.is_dir() and os.environ.get("RANK", "0") == "0":
         with run_lock(run_dir):  # a run in progress there: RunLocked names its pid (the checks below would not)
             pass
     if args.resume and not holds_run(run_dir):
