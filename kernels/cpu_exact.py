@@ -118,17 +118,32 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
     w = _float(weight)
-    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else _aligned(w)
+    w = _zero_padded(w, (n_pad, w.shape[1])) if n_pad != n else _aligned(w)
     operand = w.t().unsqueeze(0)  # [1, K, N_pad]
     block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
-        x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
+        x = _zero_padded(x, (blocks * block, k))
     else:
         x = _aligned(x)
     out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
+
+
+def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``torch.constant_pad_nd(x, ...)`` with zeros after the end of each dim up to ``shape``: the same values and
+    layout (a fresh contiguous tensor; with nothing to pad, a clone, as constant_pad_nd gives), with zeros written
+    only where ``x`` is not -- constant_pad_nd fills the whole tensor first, a second pass over memory that cost as
+    much as the copy on small tensors."""
+    if tuple(shape) == tuple(x.shape):
+        return x.clone()
+    out = x.new_empty(shape)
+    out[tuple(slice(0, size) for size in x.shape)].copy_(x)
+    for dim, (size, total) in enumerate(zip(x.shape, shape)):
+        if total > size:  # this dim's padding, where every earlier dim holds data: each element zeroed once
+            out[(*(slice(0, s) for s in x.shape[:dim]), slice(size, total))].zero_()
+    return out
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -202,7 +217,7 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
-        a_rows = a if contiguous else torch.constant_pad_nd(a, (0, 0, 0, padded - rows))
+        a_rows = a if contiguous else _zero_padded(a, (padded, n))
         a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
     else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles, contiguous
         a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
@@ -245,10 +260,10 @@ def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     batch, rows, k = a.shape
     n = b.shape[2]
     k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
-    b = torch.constant_pad_nd(b, (0, n_pad - n, 0, k_pad - k))  # contiguous: the row-major layout
+    b = _zero_padded(b, (batch, k_pad, n_pad))  # contiguous (when padded): the row-major layout
     block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
-    a = torch.constant_pad_nd(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
+    a = _zero_padded(a, (batch, row_tiles * block, k_pad)).view(batch * row_tiles, block, k_pad)
     b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
     out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
     return out[:, :rows, :n]
@@ -602,14 +617,7 @@ class _AttentionTiles:
         self.cache_len = k_cache.shape[1]
         self.scale = scale
         self.host = host
-        bh = batch * kv_heads
-        # Queries: zero padding rows (finite; their outputs are dropped). The scale is applied
-        # to q, not to the scores: for the power-of-two scales of head_dim 4^n (16, 64, 256)
-        # both are exact, and the [rows x keys] tile is far larger than q.
-        q_rows = torch.zeros(batch, kv_heads, self.row_len, head_dim, dtype=torch.float32, device=q.device)
-        torch.mul(q.view(batch, q_len, kv_heads, self.group, head_dim).permute(0, 2, 1, 3, 4), scale,
-                  out=q_rows[:, :, : self.rows].view(batch, kv_heads, q_len, self.group, head_dim))
-        self.q = q_rows.view(bh, self.row_len, head_dim)
+        self.q = self._query_rows(q)
         self.k = self._key_rows(k_cache)
         self.v = self._key_rows(v_cache)
         # Query position of every row; padding rows act as the sequence's first query (at
@@ -620,6 +628,18 @@ class _AttentionTiles:
         # Every sequence starting at one position (training, a prefill from 0): one mask serves the whole batch.
         # Asked only for several queries per sequence; a decode step's mask is small.
         self.uniform_start = batch == 1 or (q_len > 1 and bool((q_start == q_start[0]).all()))
+
+    def _query_rows(self, q: Tensor) -> Tensor:
+        """[B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] times ``scale``, zero padding rows (finite; their outputs are
+        dropped). The scale is applied to q, not to the scores: for the power-of-two scales of head_dim 4^n (16, 64,
+        256) both are exact, and the [rows x keys] tile is far larger than q."""
+        b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
+        out = torch.empty(b, h, self.row_len, d, dtype=torch.float32, device=q.device)
+        torch.mul(q.view(b, t, h, g, d).permute(0, 2, 1, 3, 4), self.scale,
+                  out=out[:, :, : self.rows].view(b, h, t, g, d))
+        if self.rows < self.row_len:  # zeros only where no query is written
+            out[:, :, self.rows :].zero_()
+        return out.view(b * h, self.row_len, d)
 
     @staticmethod
     def _tile_heights(host: HostGuard, head_dim: int) -> tuple[int, ...]:
@@ -634,9 +654,10 @@ class _AttentionTiles:
         """[B, L, Hkv, hd] -> fp32 [B*Hkv, key_len, hd], zero-padded past the cache's end."""
         batch, kv_heads, head_dim = self.batch, self.kv_heads, self.head_dim
         kept = min(self.cache_len, self.key_len)
-        alloc = torch.zeros if kept < self.key_len else torch.empty
-        out = alloc(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
+        out = torch.empty(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
         out[:, :, :kept] = cache[:, :kept].permute(0, 2, 1, 3)
+        if kept < self.key_len:  # zeros only past the cache's end
+            out[:, :, kept:].zero_()
         return out.view(batch * kv_heads, self.key_len, head_dim)
 
     def row_tiles(self, per_row: Tensor) -> Tensor:
@@ -711,7 +732,13 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
         torch.where(visible[..., full_tiles * KEY_BLOCK :], scores[:, :, :, :real, full_tiles, :last], neg_inf,
                     out=masked[..., full_tiles * KEY_BLOCK :])
     row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
-    probs = _unary("exp", masked - row_max, tiles.host, "attention")  # [B, Hkv, RB, R', vis]; masked: exactly 0
+    # exp of the shifted scores, [B, Hkv, RB, R', vis]; masked keys: exactly +0.0, the value exp(-inf) has. They are
+    # written, not computed: the library exp (MKL's VML here) took a slow path for -inf and underflowing inputs
+    # (32704 elements half -inf: 65 us against 5 us, on the 2-core Xeon), and a causal mask hides about half the keys.
+    # A visible key's exp gets the same input as before, so the same bits (the probed property: exp is elementwise).
+    hidden = ~visible
+    shifted = masked.sub_(row_max).masked_fill_(hidden, 0.0)
+    probs = _unary("exp", shifted, tiles.host, "attention", inplace=True).masked_fill_(hidden, 0.0)
     # Tree within each key tile, then across tiles in position order (zero tails are no-ops).
     parts = []
     if full_tiles:
@@ -722,14 +749,21 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     denom = (_tree_sum(per_tile) if kb > 1 else per_tile[..., 0]).unsqueeze(-1)  # [B, Hkv, RB, R', 1]
 
     # Probability tiles for P @ V: zeros outside the real rows and visible keys.
-    alloc = torch.empty if (real == block and vis == tiles.key_len) else torch.zeros
-    tiles_out = alloc(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
+    # Zeros written only there (padding rows, the last visible tile's tail, the tiles after it), not over the whole
+    # tensor first: a fill of every tile cost as much as the copy of the probabilities.
+    tiles_out = torch.empty(b, h, rb, kb, block, KEY_BLOCK, device=scores.device)
     as_rows = tiles_out.permute(0, 1, 2, 4, 3, 5)[:, :, :, :real]  # [B, Hkv, RB, R', KB, C]
     if full_tiles:
         as_rows[..., :full_tiles, :] = probs[..., : full_tiles * KEY_BLOCK].view(b, h, rb, real, full_tiles,
                                                                                  KEY_BLOCK)
     if last:
         as_rows[..., full_tiles, :last] = probs[..., full_tiles * KEY_BLOCK :]
+        as_rows[..., full_tiles, last:].zero_()
+    used = full_tiles + (1 if last else 0)
+    if used < kb:
+        as_rows[..., used:, :].zero_()
+    if real < block:
+        tiles_out[..., real:, :].zero_()
     denom_rows = denom if real == block else torch.nn.functional.pad(denom, (0, 0, 0, block - real), value=1.0)
     return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs, denom
 

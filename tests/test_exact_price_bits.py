@@ -90,6 +90,54 @@ def _transposed_matmul_reference(a, b, host, op):
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
 
+def _tiled_matmul_reference(x, weight, host, op="linear"):
+    rows, k = x.shape
+    n = weight.shape[0]
+    n_pad = _ceil_to(n, COL_BLOCK)
+    w = cpu_exact._float(weight)
+    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else cpu_exact._aligned(w)
+    operand = w.t().unsqueeze(0)
+    block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
+    blocks = -(-rows // block)
+    if blocks * block != rows:
+        x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
+    else:
+        x = cpu_exact._aligned(x)
+    out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
+    out = out.view(blocks * block, n_pad)
+    return out[:rows] if n_pad == n else out[:rows, :n]
+
+
+def _batched_matmul_reference(a, b, host, op):
+    batch, rows, k = a.shape
+    n = b.shape[2]
+    k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
+    b = torch.constant_pad_nd(b, (0, n_pad - n, 0, k_pad - k))
+    block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
+    row_tiles = -(-rows // block)
+    a = torch.constant_pad_nd(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
+    b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
+    out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
+    return out[:, :rows, :n]
+
+
+def _query_rows_reference(self, q):
+    batch, q_len, kv_heads, head_dim = self.batch, self.q_len, self.kv_heads, self.head_dim
+    q_rows = torch.zeros(batch, kv_heads, self.row_len, head_dim, dtype=torch.float32, device=q.device)
+    torch.mul(q.view(batch, q_len, kv_heads, self.group, head_dim).permute(0, 2, 1, 3, 4), self.scale,
+              out=q_rows[:, :, : self.rows].view(batch, kv_heads, q_len, self.group, head_dim))
+    return q_rows.view(batch * kv_heads, self.row_len, head_dim)
+
+
+def _key_rows_reference(self, cache):
+    batch, kv_heads, head_dim = self.batch, self.kv_heads, self.head_dim
+    kept = min(self.cache_len, self.key_len)
+    alloc = torch.zeros if kept < self.key_len else torch.empty
+    out = alloc(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
+    out[:, :, :kept] = cache[:, :kept].permute(0, 2, 1, 3)
+    return out.view(batch * kv_heads, self.key_len, head_dim)
+
+
 def _from_output_reference(self, grad):
     b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
     out = torch.zeros(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
@@ -176,6 +224,10 @@ def _silu_mul_vjp_reference(saved, grad, needs):
 def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put the reference compositions in place of the optimised ones (for the rest of the test)."""
     monkeypatch.setattr(cpu_exact, "_transposed_matmul", _transposed_matmul_reference)
+    monkeypatch.setattr(cpu_exact, "_tiled_matmul", _tiled_matmul_reference)
+    monkeypatch.setattr(cpu_exact, "_batched_matmul", _batched_matmul_reference)
+    monkeypatch.setattr(cpu_exact._AttentionTiles, "_query_rows", _query_rows_reference)
+    monkeypatch.setattr(cpu_exact._AttentionTiles, "_key_rows", _key_rows_reference)
     monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
     monkeypatch.setattr(cpu_exact, "_rms_norm_vjp", _rms_norm_vjp_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "from_output", _from_output_reference)
@@ -338,3 +390,16 @@ def test_the_check_catches_padding_left_unzeroed(monkeypatch):
     monkeypatch.setattr(cpu_exact, "_chunks_transposed", lazy)
     new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
     assert any("operand" in found for found in _differences(new, reference))
+
+
+def test_the_check_catches_operand_padding_left_unzeroed(monkeypatch):
+    """Counter-test for ``_zero_padded`` (the linear, weight-gradient and attention-backward operands): padding it
+    forgets to zero shows as NaN operands and outputs that differ from constant_pad_nd's."""
+    def lazy(x, shape):
+        out = x.new_empty(shape)
+        out[tuple(slice(0, size) for size in x.shape)].copy_(x)
+        return out
+    monkeypatch.setattr(cpu_exact, "_zero_padded", lazy)
+    for make, *shape in (CASES["linear-37x176x64-bias"], CASES["attention-3x20x4x2x16x20-[0, 0, 0]"]):
+        new, reference = _run_both(make(torch.float32, *shape), monkeypatch)
+        assert any("operand" in found for found in _differences(new, reference))
