@@ -53,6 +53,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import native
 from .autograd import exact_forward_vjp
@@ -190,7 +191,7 @@ def _reduction_block(rows: int) -> int:
     return block
 
 
-def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
+def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
     """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
 
     A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.
@@ -203,7 +204,9 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
     The GEMM operands are laid out by ``_chunks_transposed`` in one copy each (the price of exactness is mostly such
     passes over memory on small models); their values, shapes, strides and alignment are the ones a plain
     pad-transpose-copy composition gives (``tests/test_exact_price_bits.py`` compares the two, call by call), so
-    the library call and every bit of its result are unchanged."""
+    the library call and every bit of its result are unchanged. ``b_source``: the tensor ``b`` was derived from (a
+    linear layer's saved input); layers that share an input (q, k and v; gate and up) then share b's layout
+    (``_reduction_operand``)."""
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows)
@@ -223,11 +226,34 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor
         a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
     # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
     # one chunk: an expanded view, as reshape gives)
-    b_t = _chunks_transposed(b, block, chunks, k_pad)
-    b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
+    b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+# The right operand of the last weight gradient per input tensor (weakly keyed: gone with the tensor), see below.
+_REDUCTION_OPERANDS = WeakIdKeyDictionary()
+
+
+def _reduction_operand(b: Tensor, block: int, chunks: int, k_pad: int, row_tiles: int,
+                       source: Tensor | None) -> Tensor:
+    """[chunks * row_tiles, K_pad, block]: each ``block``-row chunk of ``b`` [M, K] transposed (``_chunks_transposed``),
+    once per row tile of the left operand -- the right operand of ``_transposed_matmul``'s GEMM.
+
+    Laying it out is a transposing copy (and a copy per row tile), as long as the GEMM itself on the default model.
+    The layers that read one input (q, k and v; gate and up) need the same operand for their weight gradients, one
+    after the other in the backward, so it is kept per ``source`` (the input tensor ``b`` was derived from) and
+    reused while the source is unchanged (its version counter) and the layout asked for is the same. The values
+    are those of a fresh layout, so no bit changes; the entry goes when the source tensor is freed."""
+    key = (source._version, tuple(b.shape), b.dtype, block, k_pad, row_tiles) if source is not None else None
+    if key is not None and (hit := _REDUCTION_OPERANDS.get(source)) is not None and hit[0] == key:
+        return hit[1]
+    b_t = _chunks_transposed(b, block, chunks, k_pad)
+    tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
+    if key is not None:
+        _REDUCTION_OPERANDS[source] = (key, tiles)
+    return tiles
 
 
 def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tensor:
@@ -356,7 +382,7 @@ def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Te
         grad_x = _tiled_matmul(g, weight.t(), host, "linear").to(x.dtype).view(x.shape)
     if needs[1]:
         x2d = _float(x.reshape(-1, x.shape[-1]))
-        grad_w = _transposed_matmul(g, x2d, host, "linear").to(weight.dtype)
+        grad_w = _transposed_matmul(g, x2d, host, "linear", b_source=x).to(weight.dtype)
     if has_bias and needs[2]:
         grad_b = _tree_sum(g, dim=0)
     return (grad_x, grad_w, grad_b)[: len(needs)]

@@ -71,7 +71,7 @@ def _operand(t: torch.Tensor) -> tuple:
 
 
 # --------------------------------------------------------------------------- the reference (the kernels before)
-def _transposed_matmul_reference(a, b, host, op):
+def _transposed_matmul_reference(a, b, host, op, b_source=None):
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows)
@@ -403,3 +403,68 @@ def test_the_check_catches_operand_padding_left_unzeroed(monkeypatch):
     for make, *shape in (CASES["linear-37x176x64-bias"], CASES["attention-3x20x4x2x16x20-[0, 0, 0]"]):
         new, reference = _run_both(make(torch.float32, *shape), monkeypatch)
         assert any("operand" in found for found in _differences(new, reference))
+
+
+def _shared_input_case(dtype):
+    """Three linear layers on one input (q, k and v), then one on the same input changed in place: the weight
+    gradients reuse one laid-out operand while the input is unchanged, and lay it out afresh after the change."""
+    def run(host):
+        x = _randn(300, 64, dtype=dtype, seed=18)
+        leaf = x.clone().requires_grad_(True)
+        h = leaf * 1.0  # a non-leaf input, as a norm's output
+        weights = [_randn(n, 64, dtype=dtype, seed=19 + i, scale=0.1).requires_grad_(True)
+                   for i, n in enumerate((64, 32, 32))]
+        outs = [cpu_exact.linear(h, w, host=host) for w in weights]
+        loss = sum((o.float() * _randn(*o.shape, dtype=torch.float32, seed=30 + i)).sum() for i, o in enumerate(outs))
+        grads = torch.autograd.grad(loss, weights)
+        with torch.no_grad():
+            h.mul_(2.0)  # in place: the version counter moves on
+        w = weights[0]
+        y = cpu_exact.linear(h, w, host=host)
+        return [*grads, *torch.autograd.grad(y, [w], _randn(*y.shape, dtype=dtype, seed=40))]
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_shared_input_operand_reused_with_the_same_bits(dtype, monkeypatch):
+    """The weight gradients of layers sharing an input get the same GEMM operands and bits as a fresh layout per
+    layer (the reference), and the layout is reused: fewer transposing copies."""
+    new, reference = _run_both(_shared_input_case(dtype), monkeypatch)
+    assert _differences(new, reference) == []
+    calls, fresh, inside = [], [], []
+    real_operand, real_layout = cpu_exact._reduction_operand, cpu_exact._chunks_transposed
+
+    def operand(*args):
+        calls.append(args[0].shape)
+        inside.append(True)
+        try:
+            return real_operand(*args)
+        finally:
+            inside.pop()
+
+    def layout(src, *args):
+        if inside:  # a right operand laid out afresh
+            fresh.append(src.shape)
+        return real_layout(src, *args)
+    monkeypatch.setattr(cpu_exact, "_reduction_operand", operand)
+    monkeypatch.setattr(cpu_exact, "_chunks_transposed", layout)
+    _shared_input_case(dtype)(RecordingGuard())
+    assert len(calls) == 4  # four weight gradients
+    assert len(fresh) == 2  # the input laid out once for the three layers, once after the in-place change
+
+
+def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
+    """Counter-test: an operand kept whatever the version (a stale layout after the in-place change) is caught."""
+    real = cpu_exact._reduction_operand
+    stale = {}
+
+    def ignore_version(b, block, chunks, k_pad, row_tiles, source):
+        if source is not None and id(source) in stale:
+            return stale[id(source)]
+        out = real(b, block, chunks, k_pad, row_tiles, source)
+        if source is not None:
+            stale[id(source)] = out
+        return out
+    monkeypatch.setattr(cpu_exact, "_reduction_operand", ignore_version)
+    new, reference = _run_both(_shared_input_case(torch.float32), monkeypatch)
+    assert any("differs" in found for found in _differences(new, reference))
