@@ -141,10 +141,15 @@ def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
         return x.clone()
     out = x.new_empty(shape)
     out[tuple(slice(0, size) for size in x.shape)].copy_(x)
-    for dim, (size, total) in enumerate(zip(x.shape, shape)):
-        if total > size:  # this dim's padding, where every earlier dim holds data: each element zeroed once
-            out[(*(slice(0, s) for s in x.shape[:dim]), slice(size, total))].zero_()
+    _zero_outside(out, x.shape)
     return out
+
+
+def _zero_outside(out: Tensor, corner: tuple[int, ...]) -> None:
+    """Zero ``out`` everywhere but its leading ``corner`` (each element once)."""
+    for dim, (size, total) in enumerate(zip(corner, out.shape)):
+        if total > size:  # this dim's padding, where every earlier dim holds data
+            out[(*(slice(0, s) for s in corner[:dim]), slice(size, total))].zero_()
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -276,23 +281,42 @@ def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tens
     return out
 
 
-def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
+def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tensor | None = None,
+                    b_full: Tensor | None = None) -> Tensor:
     """fp32 a [B, M, K] @ b [B, K, N] -> [B, M, N] through the guard's GEMM on fixed tiles, thread-invariant.
 
     For the attention backward, whose reductions run over queries or keys: rows are padded to tiles of
     ``_row_block(M)`` rows, the reduction K to a multiple of ``COL_BLOCK`` and N to a multiple of ``COL_BLOCK``
     (zeros add nothing); every tile of batch entry i multiplies i's own operand. One ``host.bmm`` call, whose
-    shape class is (K, N) padded: probed for every thread count it runs at, else the fixed-order GEMM."""
+    shape class is (K, N) padded: probed for every thread count it runs at, else the fixed-order GEMM.
+    ``a_full`` / ``b_full``: a tensor the caller already holds whose leading corner is ``a`` / ``b`` and which is zero
+    elsewhere; where it has the padded operand's shape (contiguous, aligned), it is that operand (no copy)."""
     batch, rows, k = a.shape
     n = b.shape[2]
     k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
-    b = _zero_padded(b, (batch, k_pad, n_pad))  # contiguous (when padded): the row-major layout
+    b = _padded_operand(b, (batch, k_pad, n_pad), b_full)  # contiguous (when padded): the row-major layout
     block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
-    a = _zero_padded(a, (batch, row_tiles * block, k_pad)).view(batch * row_tiles, block, k_pad)
+    a = _padded_operand(a, (batch, row_tiles * block, k_pad), a_full).view(batch * row_tiles, block, k_pad)
     b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
     out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
     return out[:, :rows, :n]
+
+
+def _batched_rows(rows: int, k: int, n: int, host: HostGuard, op: str) -> int:
+    """The padded row count of ``_batched_matmul``'s left operand for [B, rows, k] @ [B, k, n]."""
+    operand = torch.empty(1, _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK))  # the class: its shape, row-major
+    block = _row_block(rows, host.tile_heights(torch.float32, operand, False, op))
+    return -(-rows // block) * block
+
+
+def _padded_operand(x: Tensor, shape: tuple[int, ...], full: Tensor | None) -> Tensor:
+    """``x`` zero-padded to ``shape``: ``full`` itself where it is that tensor already (the caller's zero-padded
+    buffer of which ``x`` is the leading corner, contiguous and aligned, as a fresh copy would be), else a copy."""
+    if (full is not None and tuple(full.shape) == tuple(shape) and full.is_contiguous()
+            and full.data_ptr() % ALIGNMENT == 0):
+        return full
+    return _zero_padded(x, shape)
 
 
 # --------------------------------------------------------------------------- embedding
@@ -874,19 +898,27 @@ class _ExactAttention(torch.autograd.Function):
         tiles, p = ctx.tiles, ctx.p
         rows, vis = p.shape[1], tiles.visible
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        d_out = tiles.from_output(grad_out)[:, :rows]  # [BH, rows', hd]; padding rows are zero
+        # The gradient rows and the queries are held zero-padded ([BH, row_len, hd]): where that is the padded
+        # operand of a GEMM below, it is passed as is instead of copied again (``_batched_matmul``'s a_full/b_full).
+        d_out_full = tiles.from_output(grad_out)
+        d_out = d_out_full[:, :rows]  # [BH, rows', hd]; padding rows are zero
         bmm = partial(_batched_matmul, host=tiles.host, op="attention")
         out_rows = ctx.out_rows[:, :rows]
         grad_q = grad_k = grad_v = None
         if need_v:
-            grad_v = tiles.to_cache(bmm(p.transpose(1, 2), d_out), ctx.dtypes[2])
+            grad_v = tiles.to_cache(bmm(p.transpose(1, 2), d_out, b_full=d_out_full), ctx.dtypes[2])
         if need_q or need_k:
-            d_p = bmm(d_out, tiles.v[:, :vis].transpose(1, 2))
-            d_s = p * (d_p - _tree_sum(d_out * out_rows).unsqueeze(-1))
+            d_p = bmm(d_out, tiles.v[:, :vis].transpose(1, 2), a_full=d_out_full)
+            # d_s written into its zero-padded layout for the dQ GEMM (the same ops, the same values)
+            head_dim = tiles.head_dim
+            d_s_full = p.new_empty(p.shape[0], _batched_rows(rows, vis, head_dim, tiles.host, "attention"),
+                                   _ceil_to(vis, COL_BLOCK))
+            d_s = torch.mul(p, d_p - _tree_sum(d_out * out_rows).unsqueeze(-1), out=d_s_full[:, :rows, :vis])
+            _zero_outside(d_s_full, d_s.shape)
             if need_q:
-                grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis]) * tiles.scale, ctx.dtypes[0])
+                grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis], a_full=d_s_full) * tiles.scale, ctx.dtypes[0])
             if need_k:
-                grad_k = tiles.to_cache(bmm(d_s.transpose(1, 2), tiles.q[:, :rows]), ctx.dtypes[1])
+                grad_k = tiles.to_cache(bmm(d_s.transpose(1, 2), tiles.q[:, :rows], b_full=tiles.q), ctx.dtypes[1])
         ctx.p = ctx.out_rows = ctx.tiles = None
         return grad_q, grad_k, grad_v, None, None, None
 

@@ -108,7 +108,7 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
-def _batched_matmul_reference(a, b, host, op):
+def _batched_matmul_reference(a, b, host, op, a_full=None, b_full=None):
     batch, rows, k = a.shape
     n = b.shape[2]
     k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
