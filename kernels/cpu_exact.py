@@ -340,66 +340,33 @@ def _embedding_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple
 def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int) -> Tensor:
     """out[v] = halving-tree sum, in position order, of the ``rows`` whose token is v; [vocab, D] fp32.
 
-    The sum is defined by the by-count layout: tokens sorted by count (descending) are taken in chunks (at most
-    ``EMBEDDING_PAD_BUDGET`` laid-out rows per chunk), each token's rows laid side by side and zero-padded to the
-    chunk's largest count, and summed by ``tree_sum`` over the occurrences. So out[v] depends only on v's rows, their
-    order and the counts -- never on the thread count (unlike an ``index_add_``, whose order is the library's affair).
-
-    Laying that out literally padded every token to the largest count (the padding token's, on a padded batch): most
-    of the memory written and summed was zeros. A tree over a row zero-padded from width w to a wider power of two P
-    equals the tree over the row's own power of two, each element first added to +0.0 (the padding levels; this only
-    turns -0.0 into +0.0), and that equals the tree's result plus +0.0. So tokens are laid out in groups of one power
-    of two (``_sum_rows_laid``), and the tokens whose chunk above was padded to a larger power get + 0.0: the same
-    bits, sign of zero included (``tests/test_exact_price_bits.py`` compares the two layouts bit for bit)."""
+    Each token's rows are laid side by side ([tokens, occurrences, D], zero-padded to the chunk's largest count)
+    and summed by ``tree_sum`` over the occurrences. Zero padding does not change a tree sum, so how tokens are
+    grouped into chunks (by count, to bound memory) does not change any bit: out[v] depends only on v's rows and
+    their order -- never on the thread count (unlike an ``index_add_``, whose order is the library's affair)."""
     count = tokens.numel()
     out = rows.new_zeros(vocab, rows.shape[1])
     if count == 0:
         return out
     order = torch.argsort(tokens, stable=True)  # position order within each token
     unique, counts = torch.unique_consecutive(tokens[order], return_counts=True)
+    group = torch.repeat_interleave(torch.arange(unique.numel()), counts)  # group of each sorted row
+    rank = torch.arange(count) - (counts.cumsum(0) - counts).repeat_interleave(counts)  # occurrence number
     sorted_rows = rows[order]
-    starts = counts.cumsum(0) - counts  # each token's first row in sorted_rows
-    # each token's chunk width in the by-count layout (its chunk's largest count)
     by_count = torch.argsort(counts, descending=True, stable=True)
-    sorted_counts = counts[by_count].tolist()
-    chunk_width = torch.empty_like(counts)
+    slot = torch.full((unique.numel(),), -1, dtype=torch.long)
     start = 0
-    while start < len(sorted_counts):
-        taken = max(1, EMBEDDING_PAD_BUDGET // sorted_counts[start])
-        chunk_width[by_count[start : start + taken]] = sorted_counts[start]
-        start += taken
-    level, chunk_level = _tree_width(counts), _tree_width(chunk_width)
-    for width in sorted(set(level.tolist()), reverse=True):
-        group = (level == width).nonzero().squeeze(1)
-        widest = int(counts[group].max())
-        step = max(1, EMBEDDING_PAD_BUDGET // widest)
-        for part in group.split(step):
-            sums = _sum_rows_laid(sorted_rows, starts[part], counts[part], widest)
-            out[unique[part]] = _plus_zero(sums, chunk_level[part] > width)
+    while start < by_count.numel():
+        width = int(counts[by_count[start]])
+        chosen = by_count[start : start + max(1, EMBEDDING_PAD_BUDGET // width)]
+        slot.fill_(-1)
+        slot[chosen] = torch.arange(chosen.numel())
+        member = slot[group] >= 0
+        laid = rows.new_zeros(chosen.numel(), width, rows.shape[1])
+        laid[slot[group][member], rank[member]] = sorted_rows[member]
+        out[unique[chosen]] = _tree_sum(laid, dim=1)
+        start += chosen.numel()
     return out
-
-
-def _plus_zero(sums: Tensor, padded: Tensor) -> Tensor:
-    """``sums`` with + 0.0 added to the rows marked ``padded`` (tokens whose chunk's tree had levels over zeros)."""
-    return torch.where(padded.unsqueeze(1), sums + 0.0, sums)
-
-
-def _tree_width(counts: Tensor) -> Tensor:
-    """The power of two a halving tree over ``counts`` elements pads to (1 for 1)."""
-    width = torch.ones_like(counts)
-    while bool((width < counts).any()):
-        width = torch.where(width < counts, width * 2, width)
-    return width
-
-
-def _sum_rows_laid(sorted_rows: Tensor, starts: Tensor, counts: Tensor, widest: int) -> Tensor:
-    """Tree sums of the row ranges [start, start + count) of ``sorted_rows``, laid side by side and zero-padded to
-    ``widest``: [len(starts), D]."""
-    members = torch.arange(starts.numel()).repeat_interleave(counts)
-    rank = torch.arange(members.numel()) - (counts.cumsum(0) - counts).repeat_interleave(counts)
-    laid = sorted_rows.new_zeros(starts.numel(), widest, sorted_rows.shape[1])
-    laid.view(-1, sorted_rows.shape[1])[members * widest + rank] = sorted_rows[starts[members] + rank]
-    return _tree_sum(laid, dim=1)
 
 
 def embedding(tokens: Tensor, weight: Tensor, *, host: HostGuard = HOST) -> Tensor:

@@ -221,32 +221,6 @@ def _silu_mul_vjp_reference(saved, grad, needs):
     return grad_gate, grad_up
 
 
-def _sum_rows_by_token_reference(tokens, rows, vocab):
-    count = tokens.numel()
-    out = rows.new_zeros(vocab, rows.shape[1])
-    if count == 0:
-        return out
-    order = torch.argsort(tokens, stable=True)
-    unique, counts = torch.unique_consecutive(tokens[order], return_counts=True)
-    group = torch.repeat_interleave(torch.arange(unique.numel()), counts)
-    rank = torch.arange(count) - (counts.cumsum(0) - counts).repeat_interleave(counts)
-    sorted_rows = rows[order]
-    by_count = torch.argsort(counts, descending=True, stable=True)
-    slot = torch.full((unique.numel(),), -1, dtype=torch.long)
-    start = 0
-    while start < by_count.numel():
-        width = int(counts[by_count[start]])
-        chosen = by_count[start : start + max(1, cpu_exact.EMBEDDING_PAD_BUDGET // width)]
-        slot.fill_(-1)
-        slot[chosen] = torch.arange(chosen.numel())
-        member = slot[group] >= 0
-        laid = rows.new_zeros(chosen.numel(), width, rows.shape[1])
-        laid[slot[group][member], rank[member]] = sorted_rows[member]
-        out[unique[chosen]] = _tree_sum(laid, dim=1)
-        start += chosen.numel()
-    return out
-
-
 def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put the reference compositions in place of the optimised ones (for the rest of the test)."""
     monkeypatch.setattr(cpu_exact, "_transposed_matmul", _transposed_matmul_reference)
@@ -507,47 +481,3 @@ def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
     monkeypatch.setattr(cpu_exact, "_reduction_operand", ignore_version)
     new, reference = _run_both(_shared_input_case(torch.float32), monkeypatch)
     assert any("differs" in found for found in _differences(new, reference))
-
-
-
-
-def _embedding_rows(case: str, count: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    if case == "padded":  # a padded batch: one token (the padding) far more frequent than the rest
-        tokens = torch.randint(0, vocab, (count,), generator=gen)
-        tokens[torch.rand(count, generator=gen) < 0.4] = 0
-    elif case == "zipf":
-        tokens = (torch.rand(count, generator=gen) ** 4 * vocab).long()
-    else:  # uniform
-        tokens = torch.randint(0, vocab, (count,), generator=gen)
-    rows = torch.randn(count, 16, generator=gen) * 10.0 ** torch.randint(-3, 4, (count, 1), generator=gen)
-    rows[torch.rand(count, 16, generator=gen) < 0.1] = -0.0
-    if count > 2 and vocab > 2:  # a rare token whose rows are all -0.0: a tree whose sign of zero shows
-        tokens[tokens == vocab - 1] = 0
-        tokens[:2] = vocab - 1
-        rows[:2] = -0.0
-    return tokens, rows
-
-
-@pytest.mark.parametrize("budget", [1, 7, 64, 1 << 16])
-@pytest.mark.parametrize("case,count,vocab", [("padded", 3968, 22), ("zipf", 3000, 40), ("uniform", 500, 300),
-                                              ("padded", 1, 5), ("zipf", 9, 3)])
-def test_embedding_gradient_bits_as_the_by_count_layout(case, count, vocab, budget, monkeypatch):
-    """The embedding backward laid out per power of two gives the bits of the by-count layout (the reference), -0.0
-    included, whatever the chunk budget."""
-    monkeypatch.setattr(cpu_exact, "EMBEDDING_PAD_BUDGET", budget)
-    tokens, rows = _embedding_rows(case, count, vocab, seed=count + vocab)
-    new = cpu_exact._sum_rows_by_token(tokens, rows, vocab)
-    reference = _sum_rows_by_token_reference(tokens, rows, vocab)
-    assert torch.equal(_bits(new), _bits(reference))
-    assert count <= 2 or bool((reference[vocab - 1] == 0).all())  # a sum of -0.0 rows: its sign of zero is compared
-
-
-def test_embedding_check_sees_the_sign_of_zero(monkeypatch):
-    """Counter-test: leaving out the + 0.0 of the tokens a wider chunk padded shows (a -0.0 where +0.0 is due)."""
-    monkeypatch.setattr(cpu_exact, "_plus_zero", lambda sums, padded: sums)
-    tokens, rows = _embedding_rows("padded", 3968, 22, seed=3990)
-    new = cpu_exact._sum_rows_by_token(tokens, rows, 22)
-    reference = _sum_rows_by_token_reference(tokens, rows, 22)
-    assert torch.equal(new, reference)  # equal as values (torch.equal: -0.0 == +0.0) ...
-    assert not torch.equal(_bits(new), _bits(reference))  # ... not as bits
