@@ -37,7 +37,7 @@ from ..metric_keys import (
 )
 from .collapse import detect_collapse
 from .config import RunConfig, check_lengths, dotted_items, load_config, save_config
-from .data_parallel import DataParallel, check_leaves
+from .data_parallel import DataParallel, check_leaves, tree_sum
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
@@ -247,27 +247,35 @@ class Trainer:
         """The mini-batch's loss stats, this rank's leaf gradients (flat fp32, in leaf order) and which
         parameters have a gradient.
 
-        The mini-batch is cut into ``distributed.leaves`` equal leaves. This rank runs the forward of its leaves;
-        the detached log-probs of all leaves are gathered, so the loss (and its stats) is evaluated on the whole
-        mini-batch, once per own leaf with only that leaf's log-probs carrying grad: its backward is the leaf's
-        gradient, the same on whichever rank computes it."""
+        The mini-batch is cut into ``distributed.leaves`` equal leaves, and each leaf into units of
+        ``algorithm.grad_unit`` sequences (unset: one unit, the leaf, forwarded in micro-batches). This rank runs
+        the forward of its leaves' units; the detached log-probs of all units are gathered, so the loss (and its
+        stats) is evaluated on the whole mini-batch, once per own unit with only that unit's log-probs carrying
+        grad: its backward is the unit's gradient, the same on whichever rank computes it. A leaf's gradient is the
+        fixed-tree sum (``tree_sum``) of its units', so with ``grad_unit`` set no bit depends on the micro-batching."""
         size = len(idx) // self.cfg.distributed.leaves
-        leaves = [idx[k * size : (k + 1) * size] for k in range(self.cfg.distributed.leaves)]
-        mine = self.ranks.block(len(leaves))
-        forwards = [self.objective.policy_forward(self.compute, batch, leaves[k]) for k in mine]
+        unit = self.objective.unit_size(size)
+        mine = self.ranks.block(self.cfg.distributed.leaves)
+        # positions in ``idx`` of each own leaf's units, in order
+        units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)] for k in mine]
+        forwards = [self.objective.policy_forward(self.compute, batch, idx[u], self.objective.gradient_micro_batch)
+                    for leaf in units for u in leaf]
         gathered = self.ranks.gather([([t.detach() for t in lp], [t.detach() for t in ent]) for lp, ent in forwards])
         all_logp = [t for lp, _ in gathered for t in lp]
         all_entropy = [t for _, ent in gathered for t in ent]
         params = list(self.compute.parameters())
         leaf_grads, used, part = [], [], None
-        for k, (logp, entropy) in zip(mine, forwards):
-            with_grad = slice(k * size, (k + 1) * size)
-            logp_list, entropy_list = list(all_logp), list(all_entropy)
-            logp_list[with_grad], entropy_list[with_grad] = logp, entropy
-            part = self.objective.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
-            grads = torch.autograd.grad(part.loss, params, allow_unused=True)
-            used = [g is not None for g in grads]
-            leaf_grads.append(torch.cat([g.float().reshape(-1) for g in grads if g is not None]))
+        own = iter(forwards)
+        for leaf in units:
+            unit_grads = []
+            for with_grad, (logp, entropy) in zip(leaf, own):
+                logp_list, entropy_list = list(all_logp), list(all_entropy)
+                logp_list[with_grad], entropy_list[with_grad] = logp, entropy
+                part = self.objective.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
+                grads = torch.autograd.grad(part.loss, params, allow_unused=True)
+                used = [g is not None for g in grads]
+                unit_grads.append(torch.cat([g.float().reshape(-1) for g in grads if g is not None]))
+            leaf_grads.append(tree_sum(unit_grads))
         assert part is not None  # every rank owns at least one leaf (check_leaves)
         return part, leaf_grads, used
 
