@@ -23,8 +23,9 @@ from test_data_parallel import _config_file, _result, _same, _vexact_run
 from vexact.engine.model import Transformer
 from vexact.engine.scoring import score_tokens
 from vexact.rl.config import ConfigError, config_from_dict, load_config
+from vexact.rl.data_parallel import tree_sum
 from vexact.rl.runlog import latest_checkpoint
-from vexact.rl.trainer import Trainer
+from vexact.rl.trainer import Trainer, _tree_sum_of
 
 # TINY's mini-batch is 8 sequences; 2 leaves of 4, so a unit of 2 puts two units in every leaf
 LEAVES = {"distributed.leaves": 2}
@@ -142,3 +143,15 @@ def test_a_sequence_gradient_in_a_shared_forward_depends_on_its_place():
     batch_logp, batched = gradient(straddles, prompts, responses)
     assert torch.equal(alone_logp, batch_logp)
     assert not all(torch.equal(a, b) for a, b in zip(alone, batched))
+
+
+def test_the_lazy_tree_is_tree_sum():
+    """A leaf's units are summed by ``tree_sum``'s own tree, made one unit at a time."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(64, generator=gen) * 10.0 ** torch.randint(-3, 4, (64,), generator=gen) for _ in range(9)]
+    made = []
+    for count in range(1, 10):
+        made.clear()
+        total = _tree_sum_of(count, lambda i: made.append(i) or parts[i])
+        assert torch.equal(total, tree_sum(parts[:count])) and made == list(range(count))
+    assert not torch.equal(tree_sum(parts), sum(parts[1:], parts[0]))  # the order shows in float32

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from ..metric_keys import (
 )
 from .collapse import detect_collapse
 from .config import RunConfig, check_lengths, dotted_items, load_config, save_config
-from .data_parallel import DataParallel, check_leaves, tree_sum
+from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
@@ -250,33 +251,41 @@ class Trainer:
         The mini-batch is cut into ``distributed.leaves`` equal leaves, and each leaf into units of
         ``algorithm.grad_unit`` sequences (unset: one unit, the leaf, forwarded in micro-batches). This rank runs
         the forward of its leaves' units; the detached log-probs of all units are gathered, so the loss (and its
-        stats) is evaluated on the whole mini-batch, once per own unit with only that unit's log-probs carrying
-        grad: its backward is the unit's gradient, the same on whichever rank computes it. A leaf's gradient is the
-        fixed-tree sum (``tree_sum``) of its units', so with ``grad_unit`` set no bit depends on the micro-batching."""
+        stats) is evaluated on the whole mini-batch, with this rank's log-probs carrying grad. Its gradient with
+        respect to them is elementwise up to their concatenation, so a unit's share is the same bits whichever
+        other units carry grad (on this rank or another); each unit's backward from its share is the unit's
+        gradient, and a leaf's gradient is the fixed-tree sum (``tree_sum``) of its units'. With ``grad_unit`` set,
+        no bit depends on the micro-batching; unset, the bits are those of one backward per leaf."""
         size = len(idx) // self.cfg.distributed.leaves
         unit = self.objective.unit_size(size)
         mine = self.ranks.block(self.cfg.distributed.leaves)
-        # positions in ``idx`` of each own leaf's units, in order
         units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)] for k in mine]
+        positions = [u for leaf in units for u in leaf]  # of this rank's units in ``idx``, in order
         forwards = [self.objective.policy_forward(self.compute, batch, idx[u], self.objective.gradient_micro_batch)
-                    for leaf in units for u in leaf]
+                    for u in positions]
         gathered = self.ranks.gather([([t.detach() for t in lp], [t.detach() for t in ent]) for lp, ent in forwards])
-        all_logp = [t for lp, _ in gathered for t in lp]
-        all_entropy = [t for _, ent in gathered for t in ent]
+        logp_list = [t for lp, _ in gathered for t in lp]
+        entropy_list = [t for _, ent in gathered for t in ent]
+        for u, (logp, entropy) in zip(positions, forwards):
+            logp_list[u], entropy_list[u] = logp, entropy
+        part = self.objective.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
+        outputs = [[t for t in (*logp, *entropy) if t.requires_grad] for logp, entropy in forwards]
+        upstream = iter(torch.autograd.grad(part.loss, [t for out in outputs for t in out], allow_unused=True))
+        shares = [[next(upstream) for _ in out] for out in outputs]  # None: an output the loss does not use
         params = list(self.compute.parameters())
-        leaf_grads, used, part = [], [], None
-        own = iter(forwards)
-        for leaf in units:
-            unit_grads = []
-            for with_grad, (logp, entropy) in zip(leaf, own):
-                logp_list, entropy_list = list(all_logp), list(all_entropy)
-                logp_list[with_grad], entropy_list[with_grad] = logp, entropy
-                part = self.objective.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
-                grads = torch.autograd.grad(part.loss, params, allow_unused=True)
-                used = [g is not None for g in grads]
-                unit_grads.append(torch.cat([g.float().reshape(-1) for g in grads if g is not None]))
-            leaf_grads.append(tree_sum(unit_grads))
-        assert part is not None  # every rank owns at least one leaf (check_leaves)
+        used: list[bool] = []
+
+        def unit_gradient(u: int) -> Tensor:
+            """Unit ``u``'s backward from its share: flat fp32 over the parameters that have a gradient."""
+            nonlocal used
+            roots = [(t, g) for t, g in zip(outputs[u], shares[u]) if g is not None]
+            grads = torch.autograd.grad([t for t, _ in roots], params, [g for _, g in roots], allow_unused=True)
+            used = [g is not None for g in grads]
+            return torch.cat([g.float().reshape(-1) for g in grads if g is not None])
+
+        counts = [len(leaf) for leaf in units]
+        firsts = [sum(counts[:k]) for k in range(len(counts))]
+        leaf_grads = [_tree_sum_of(n, unit_gradient, first) for n, first in zip(counts, firsts)]
         return part, leaf_grads, used
 
     def _apply_gradients(self, gradient: Tensor, used: list[bool]) -> float:
@@ -572,6 +581,15 @@ def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:
 def _record_changes(run_dir: Path, step: int, changes: dict) -> None:
     with open(run_dir / "config_changes.jsonl", "a") as f:
         f.write(json.dumps({"resumed_at_step": step, "changes": changes}, sort_keys=True) + "\n")
+
+
+def _tree_sum_of(count: int, part: Callable[[int], Tensor], start: int = 0) -> Tensor:
+    """``tree_sum([part(i) for i in range(start, start + count)])``, the same additions in the same order, with the
+    parts made one at a time (left to right) so that at most one per tree level is held, not ``count``."""
+    if count == 1:
+        return part(start)
+    mid = count // 2
+    return _tree_sum_of(mid, part, start) + _tree_sum_of(count - mid, part, start + mid)
 
 
 def _step_seed(seed: int, step: int) -> int:
