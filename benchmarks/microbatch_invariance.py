@@ -6,7 +6,8 @@
 ``algorithm.micro_batch_size`` / ``algorithm.grad_unit``, every repetition from the same weights and optimizer
 state, the settings alternating within each repetition (so a slow moment on a shared host hits them all). Prints
 the median seconds of the whole step and of its update part (``timing/update``: the gradient pass, reduction and
-AdamW), and each setting's ratio to the shipped one (``micro_batch_size`` null, ``grad_unit`` null).
+AdamW), each setting's ratio to the shipped one (``micro_batch_size`` null, ``grad_unit`` null), and whether the
+weights after the step are that one's, bit for bit.
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ def main(argv: list[str] | None = None) -> None:
             step_s[s].append(metrics["timing/step"])
             update_s[s].append(metrics["timing/update"])
     base = SETTINGS[0]
+    weights = {s: list(trainers[s].master.parameters()) for s in SETTINGS}  # after the last step
+    same = {s: all(torch.equal(a, b) for a, b in zip(weights[s], weights[base])) for s in SETTINGS}
     med = {s: (statistics.median(step_s[s][1:]), statistics.median(update_s[s][1:])) for s in SETTINGS}
     print(f"threads {torch.get_num_threads()}, {args.reps} repetitions, medians; ratio to the first row")
-    print("| setting | step s | update s | step ratio | update ratio |")
-    print("|---|---|---|---|---|")
+    print("| setting | step s | update s | step ratio | update ratio | weights = first row's |")
+    print("|---|---|---|---|---|---|")
     for s in SETTINGS:
         print(f"| {_label(*s)} | {med[s][0]:.3f} | {med[s][1]:.3f} | {med[s][0] / med[base][0]:.2f}x | "
-              f"{med[s][1] / med[base][1]:.2f}x |")
+              f"{med[s][1] / med[base][1]:.2f}x | {'yes' if same[s] else 'no'} |")
 
 
 def _yaml(value: int | None) -> str:

@@ -13,6 +13,8 @@ weight gradient's fixed reduction chunks), so a gradient unit must be a forward 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,15 @@ def test_a_unit_that_does_not_divide_a_leaf_is_one_config_error():
     with pytest.raises(ConfigError) as info:
         config_from_dict(base, ["algorithm.grad_unit=0"])
     assert info.value.key == "algorithm.grad_unit"
+
+
+def test_the_cli_refuses_a_bad_unit_with_exit_2(tmp_path):
+    config = _config_file(tmp_path, **LEAVES)
+    done = subprocess.run([sys.executable, "-m", "vexact", "run", str(config), f"--set=output_dir={tmp_path / 'run'}",
+                           "--set=algorithm.grad_unit=3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: config error at 'algorithm.grad_unit': a leaf of 4 sequences")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_sequence_gradient_in_a_shared_forward_depends_on_its_place():
