@@ -5,9 +5,10 @@
 ``Trainer.step`` of ``experiments/zero_mismatch.yaml`` (cached warm start, ``threads: 1``) for a few settings of
 ``algorithm.micro_batch_size`` / ``algorithm.grad_unit``, every repetition from the same weights and optimizer
 state, the settings alternating within each repetition (so a slow moment on a shared host hits them all). Prints
-the median seconds of the whole step and of its update part (``timing/update``: the gradient pass, reduction and
-AdamW), each setting's ratio to the shipped one (``micro_batch_size`` null, ``grad_unit`` null), and whether the
-weights after the step are that one's, bit for bit.
+the median seconds of the whole step, of its update part (``timing/update``: the gradient pass, reduction and
+AdamW) and the step's CPU time (``time.process_time``, steadier than wall time on a loaded host), the ratios to
+the shipped setting (``micro_batch_size`` null, ``grad_unit`` null), and whether the weights after the step are
+that setting's, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -48,23 +50,26 @@ def main(argv: list[str] | None = None) -> None:
     start = copy.deepcopy(first.master.state_dict())
     opt_start = copy.deepcopy(first.optimizer.state_dict())
     step_s: dict[tuple, list[float]] = {s: [] for s in SETTINGS}
+    cpu_s: dict[tuple, list[float]] = {s: [] for s in SETTINGS}
     update_s: dict[tuple, list[float]] = {s: [] for s in SETTINGS}
     for _ in range(args.reps + 1):  # the first repetition warms up and is dropped
         for s in SETTINGS:
             trainers[s].load_policy(start, opt_start)
+            cpu = time.process_time()
             metrics = trainers[s].step(0)
+            cpu_s[s].append(time.process_time() - cpu)
             step_s[s].append(metrics["timing/step"])
             update_s[s].append(metrics["timing/update"])
     base = SETTINGS[0]
     weights = {s: list(trainers[s].master.parameters()) for s in SETTINGS}  # after the last step
     same = {s: all(torch.equal(a, b) for a, b in zip(weights[s], weights[base])) for s in SETTINGS}
-    med = {s: (statistics.median(step_s[s][1:]), statistics.median(update_s[s][1:])) for s in SETTINGS}
+    med = {s: [statistics.median(x[s][1:]) for x in (step_s, update_s, cpu_s)] for s in SETTINGS}
     print(f"threads {torch.get_num_threads()}, {args.reps} repetitions, medians; ratio to the first row")
-    print("| setting | step s | update s | step ratio | update ratio | weights = first row's |")
-    print("|---|---|---|---|---|---|")
+    print("| setting | step s | update s | step CPU s | update ratio | step CPU ratio | weights = first row's |")
+    print("|---|---|---|---|---|---|---|")
     for s in SETTINGS:
-        print(f"| {_label(*s)} | {med[s][0]:.3f} | {med[s][1]:.3f} | {med[s][0] / med[base][0]:.2f}x | "
-              f"{med[s][1] / med[base][1]:.2f}x | {'yes' if same[s] else 'no'} |")
+        print(f"| {_label(*s)} | {med[s][0]:.3f} | {med[s][1]:.3f} | {med[s][2]:.3f} | "
+              f"{med[s][1] / med[base][1]:.2f}x | {med[s][2] / med[base][2]:.2f}x | {'yes' if same[s] else 'no'} |")
 
 
 def _yaml(value: int | None) -> str:
