@@ -214,7 +214,8 @@ _DESCRIPTIONS = {
     "algorithm.kl_coef": "k3 penalty against the step-0 policy, in the loss",
     "algorithm.entropy_coef": "entropy bonus", "algorithm.mini_batches": "PPO mini-batches per step",
     "algorithm.ppo_epochs": "passes over the step's batch",
-    "algorithm.micro_batch_size": "sequences per forward/backward (null = the whole mini-batch)",
+    "algorithm.micro_batch_size": "sequences per forward/backward within a leaf (null = the whole leaf); with "
+                                  "algorithm.grad_unit set it only batches the passes without grad",
     "optimizer.lr": "AdamW learning rate", "optimizer.betas": "AdamW betas", "optimizer.eps": "AdamW epsilon",
     "optimizer.weight_decay": "AdamW weight decay", "optimizer.warmup_steps": "linear warm-up steps",
     "optimizer.master_dtype": "dtype of the master weights AdamW updates (a bf16 dtype computes in a bf16 copy)",

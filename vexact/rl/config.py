@@ -191,6 +191,10 @@ class AlgorithmSection:
     mini_batches: int = field(default=1, metadata=_bounds(min=1))
     ppo_epochs: int = field(default=1, metadata=_bounds(min=1))
     micro_batch_size: int | None = field(default=None, metadata=_bounds(min=1))
+    # sequences per gradient graph (null = off: a leaf's micro-batches, whose grouping shows in the gradient's bits);
+    # set, each unit is one forward and backward and a leaf's gradient is their fixed-tree sum, so
+    # micro_batch_size changes no bit (it then only batches the no-grad scoring); must divide a leaf
+    grad_unit: int | None = field(default=None, metadata=_bounds(min=1))
 
 
 @dataclass
@@ -417,6 +421,11 @@ class RunConfig:
                               f"algorithm.mini_batches {self.algorithm.mini_batches}) cannot be cut into "
                               f"{self.distributed.leaves} equal leaves; set distributed.leaves to a divisor of "
                               f"{per_minibatch} (each --nproc must divide it too)", "distributed.leaves")
+        per_leaf = per_minibatch // self.distributed.leaves
+        if self.algorithm.grad_unit is not None and per_leaf % self.algorithm.grad_unit:
+            raise ConfigError(f"a leaf of {per_leaf} sequences (a mini-batch of {per_minibatch} / distributed.leaves "
+                              f"{self.distributed.leaves}) cannot be cut into units of {self.algorithm.grad_unit}; "
+                              f"set algorithm.grad_unit to a divisor of {per_leaf}, or null", "algorithm.grad_unit")
         check_lengths(self)
 
     @property

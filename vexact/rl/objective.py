@@ -157,15 +157,32 @@ class Objective:
         """The loss of sequences ``idx`` (training path with grad) and its ``actor/*`` / ``rollout_corr/*`` stats.
 
         Raises RunStopped on non-finite log-probs or loss, or (``check_exact``) when the ratio is not exactly 1."""
-        logp_list, entropy_list = self.policy_forward(model, batch, idx)
+        logp_list, entropy_list = self.policy_forward(model, batch, idx, self.alg.micro_batch_size)
         return self.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
 
-    def policy_forward(self, model: Transformer, batch: RolloutBatch, idx: list[int]
+    @property
+    def gradient_micro_batch(self) -> int | None:
+        """Sequences per forward of the gradient pass: ``micro_batch_size``, or None (each call forwarded whole)
+        when ``grad_unit`` is set, since a gradient unit must be one graph for its bits not to depend on the
+        micro-batching (``unit_size``)."""
+        return None if self.alg.grad_unit is not None else self.alg.micro_batch_size
+
+    def unit_size(self, leaf_size: int) -> int:
+        """Sequences per gradient unit of a leaf of ``leaf_size``: ``grad_unit``, else the whole leaf.
+
+        A unit's gradient is one backward through one forward (or, off, through the leaf's micro-batches). The
+        exact kernels' weight gradients reduce over every token of a forward (fixed chunks and trees over the
+        token rows), so a sequence's contribution is rounded differently in a bigger or differently padded
+        batch: the bits follow the grouping, which ``grad_unit`` fixes and ``micro_batch_size`` then leaves alone."""
+        return self.alg.grad_unit or leaf_size
+
+    def policy_forward(self, model: Transformer, batch: RolloutBatch, idx: list[int], micro_batch_size: int | None
                        ) -> tuple[list[Tensor], list[Tensor]]:
-        """Training-path log-probs and entropies of sequences ``idx``, with grad (one tensor per sequence)."""
+        """Training-path log-probs and entropies of sequences ``idx``, with grad (one tensor per sequence), in
+        forwards of ``micro_batch_size`` sequences (None = one forward)."""
         prompts = [batch.prompts[i] for i in idx]
         responses = [batch.responses[i] for i in idx]
-        logp_list, entropy_list = score_tokens(model, prompts, responses, self.temperature, self.alg.micro_batch_size,
+        logp_list, entropy_list = score_tokens(model, prompts, responses, self.temperature, micro_batch_size,
                                                with_entropy=True)
         assert entropy_list is not None
         return logp_list, entropy_list

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -247,28 +248,44 @@ class Trainer:
         """The mini-batch's loss stats, this rank's leaf gradients (flat fp32, in leaf order) and which
         parameters have a gradient.
 
-        The mini-batch is cut into ``distributed.leaves`` equal leaves. This rank runs the forward of its leaves;
-        the detached log-probs of all leaves are gathered, so the loss (and its stats) is evaluated on the whole
-        mini-batch, once per own leaf with only that leaf's log-probs carrying grad: its backward is the leaf's
-        gradient, the same on whichever rank computes it."""
+        The mini-batch is cut into ``distributed.leaves`` equal leaves, and each leaf into units of
+        ``algorithm.grad_unit`` sequences (unset: one unit, the leaf, forwarded in micro-batches). This rank runs
+        the forward of its leaves' units; the detached log-probs of all units are gathered, so the loss (and its
+        stats) is evaluated on the whole mini-batch, with this rank's log-probs carrying grad. Its gradient with
+        respect to them is elementwise up to their concatenation, so a unit's share is the same bits whichever
+        other units carry grad (on this rank or another); each unit's backward from its share is the unit's
+        gradient, and a leaf's gradient is the fixed-tree sum (``tree_sum``) of its units'. With ``grad_unit`` set,
+        no bit depends on the micro-batching; unset, the bits are those of one backward per leaf."""
         size = len(idx) // self.cfg.distributed.leaves
-        leaves = [idx[k * size : (k + 1) * size] for k in range(self.cfg.distributed.leaves)]
-        mine = self.ranks.block(len(leaves))
-        forwards = [self.objective.policy_forward(self.compute, batch, leaves[k]) for k in mine]
+        unit = self.objective.unit_size(size)
+        mine = self.ranks.block(self.cfg.distributed.leaves)
+        units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)] for k in mine]
+        positions = [u for leaf in units for u in leaf]  # of this rank's units in ``idx``, in order
+        forwards = [self.objective.policy_forward(self.compute, batch, idx[u], self.objective.gradient_micro_batch)
+                    for u in positions]
         gathered = self.ranks.gather([([t.detach() for t in lp], [t.detach() for t in ent]) for lp, ent in forwards])
-        all_logp = [t for lp, _ in gathered for t in lp]
-        all_entropy = [t for _, ent in gathered for t in ent]
+        logp_list = [t for lp, _ in gathered for t in lp]
+        entropy_list = [t for _, ent in gathered for t in ent]
+        for u, (logp, entropy) in zip(positions, forwards):
+            logp_list[u], entropy_list[u] = logp, entropy
+        part = self.objective.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
+        outputs = [[t for t in (*logp, *entropy) if t.requires_grad] for logp, entropy in forwards]
+        upstream = iter(torch.autograd.grad(part.loss, [t for out in outputs for t in out], allow_unused=True))
+        shares = [[next(upstream) for _ in out] for out in outputs]  # None: an output the loss does not use
         params = list(self.compute.parameters())
-        leaf_grads, used, part = [], [], None
-        for k, (logp, entropy) in zip(mine, forwards):
-            with_grad = slice(k * size, (k + 1) * size)
-            logp_list, entropy_list = list(all_logp), list(all_entropy)
-            logp_list[with_grad], entropy_list[with_grad] = logp, entropy
-            part = self.objective.loss_of(batch, idx, logp_list, entropy_list, advantages, anchors, check_exact)
-            grads = torch.autograd.grad(part.loss, params, allow_unused=True)
+        used: list[bool] = []
+
+        def unit_gradient(u: int) -> Tensor:
+            """Unit ``u``'s backward from its share: flat fp32 over the parameters that have a gradient."""
+            nonlocal used
+            roots = [(t, g) for t, g in zip(outputs[u], shares[u]) if g is not None]
+            grads = torch.autograd.grad([t for t, _ in roots], params, [g for _, g in roots], allow_unused=True)
             used = [g is not None for g in grads]
-            leaf_grads.append(torch.cat([g.float().reshape(-1) for g in grads if g is not None]))
-        assert part is not None  # every rank owns at least one leaf (check_leaves)
+            return torch.cat([g.float().reshape(-1) for g in grads if g is not None])
+
+        counts = [len(leaf) for leaf in units]
+        firsts = [sum(counts[:k]) for k in range(len(counts))]
+        leaf_grads = [_tree_sum_of(n, unit_gradient, first) for n, first in zip(counts, firsts)]
         return part, leaf_grads, used
 
     def _apply_gradients(self, gradient: Tensor, used: list[bool]) -> float:
@@ -564,6 +581,15 @@ def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:
 def _record_changes(run_dir: Path, step: int, changes: dict) -> None:
     with open(run_dir / "config_changes.jsonl", "a") as f:
         f.write(json.dumps({"resumed_at_step": step, "changes": changes}, sort_keys=True) + "\n")
+
+
+def _tree_sum_of(count: int, part: Callable[[int], Tensor], start: int = 0) -> Tensor:
+    """``tree_sum([part(i) for i in range(start, start + count)])``, the same additions in the same order, with the
+    parts made one at a time (left to right) so that at most one per tree level is held, not ``count``."""
+    if count == 1:
+        return part(start)
+    mid = count // 2
+    return _tree_sum_of(mid, part, start) + _tree_sum_of(count - mid, part, start + mid)
 
 
 def _step_seed(seed: int, step: int) -> int:
