@@ -222,6 +222,8 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source:
     b_class = torch.empty(1, k_pad, block, dtype=b.dtype, device=b.device).transpose(1, 2)
     height = _row_block(n, host.tile_heights(a.dtype, b_class, False, op))
     row_tiles = -(-n // height)
+    if chunks > 1 and row_tiles > 1:
+        return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
@@ -235,6 +237,55 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source:
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None,
+                                   block: int, height: int, k_pad: int) -> Tensor:
+    """``_transposed_matmul`` for several chunks and several row tiles: the same GEMM tiles (the same operands, tile
+    by tile) in one ``host.bmm`` call per row tile, over the chunks, then the same halving tree over the chunks.
+
+    One call for every (chunk, row tile) pair needs each chunk's right operand copied once per row tile (a
+    per-tile operand, as probed); per row tile, every chunk's operand appears once, so the laid-out operand is
+    passed as it is. On llama100m's LM head (768 row tiles) that copy was 768 times the operand. A tile's rows do
+    not depend on how many tiles share its call (a probed property the kernels rely on everywhere: a call's tile
+    count follows the batch), so no bit changes (``tests/test_exact_price_bits.py`` compares the tiles)."""
+    rows, n = a.shape
+    k = b.shape[1]
+    chunks = -(-rows // block)
+    row_tiles = -(-n // height)
+    a_tiles = _row_tiles_transposed(a, block, chunks, row_tiles, height)  # [row_tiles, chunks, height, block]
+    b_operand = _reduction_operand(b, block, chunks, k_pad, 1, b_source).transpose(1, 2)  # [chunks, block, K_pad]
+    out = a.new_empty(n, k)
+    for tile in range(row_tiles):
+        parts = host.bmm(a_tiles[tile], b_operand, op=op, shared_operand=False)  # [chunks, height, K_pad]
+        first = tile * height
+        last = min(n, first + height)
+        out[first:last] = _tree_sum(parts[:, : last - first, :k], dim=0)
+    return out
+
+
+def _row_tiles_transposed(a: Tensor, block: int, chunks: int, row_tiles: int, height: int) -> Tensor:
+    """[row_tiles, chunks, height, block]: out[r, c, i, j] = a[c * block + j, r * height + i], zero where ``a`` [M, N]
+    has no element -- the tiles of ``_chunks_transposed(a, block, chunks, row_tiles * height)``, row tile major, in
+    one strided copy per region (whole chunks and row tiles, the last partial chunk, the last partial row tile)."""
+    rows, n = a.shape
+    out = a.new_empty(row_tiles, chunks, height, block)
+    full, tail = divmod(rows, block)
+    whole, rest = divmod(n, height)
+    body, cut = full * block, whole * height  # the rows of whole chunks, the columns of whole row tiles
+    if full and whole:
+        out[:whole, :full].copy_(a[:body, :cut].view(full, block, whole, height).permute(2, 0, 3, 1))
+    if tail and whole:
+        out[:whole, full, :, :tail].copy_(a[body:, :cut].view(tail, whole, height).permute(1, 2, 0))
+        out[:whole, full, :, tail:].zero_()
+    if rest and full:
+        out[whole, :full, :rest].copy_(a[:body, cut:].view(full, block, rest).permute(0, 2, 1))
+    if rest and tail:
+        out[whole, full, :rest, :tail].copy_(a[body:, cut:].t())
+        out[whole, full, :rest, tail:].zero_()
+    if rest:
+        out[whole, :, rest:].zero_()
+    return out
 
 
 # The right operand of the last weight gradient per input tensor (weakly keyed: gone with the tensor), see below.

@@ -5,22 +5,30 @@ one transposing copy, or seen as a view where no padding is needed, where a pad-
 the data twice; attention masks only the visible keys (one mask for a batch whose sequences all start at the same
 position) and its backward zeroes only the padding of the tensors it writes; the norm's backward reuses one
 scratch tensor; SwiGLU's backward takes the forward's 1 + exp(-gate) and
-silu instead of computing them again. The claim is stronger than "same outputs on this host":
-every GEMM call gets the same operands -- values, shapes, strides and 64-byte alignment -- as the straightforward
+silu instead of computing them again. Then (benchmarks_price_fp32.md): the attention softmax writes exp's +0.0 for
+masked keys instead of computing exp(-inf) and widens its rows to a multiple of 16 keys; padding is zeroed only where
+it is (``_zero_padded``), and the attention backward passes its zero-padded buffers as GEMM operands; the weight
+gradients of layers sharing an input reuse its laid-out operand, and run one GEMM call per row tile instead of
+copying the operand per row tile. The claim is stronger than "same outputs on this host":
+every GEMM tile gets the same operands -- values, shapes, strides and 64-byte alignment -- as the straightforward
 composition the kernels used before (kept below as the reference, verbatim), so the library computes the same
-thing on any host.
+thing on any host where the guard's probes pass (a tile's rows not depending on how many tiles share its call is one
+of them).
 
 How it is checked, per op and dtype, forward and backward:
 - both versions run under a ``RecordingGuard`` (the process guard's fast paths, recording each GEMM call) and under
   ``poisoned_allocations`` (every fresh float tensor starts as NaN: padding that is not explicitly zeroed shows);
-- the recorded calls must be equal field by field (the operands' raw bits), and so must every output and
-  gradient (raw bits: torch.equal alone would call -0.0 and +0.0 equal, and NaN unequal to itself).
+- the GEMM tiles computed must be the same, tile by tile (each tile's operands: shapes, strides, alignment, raw bits;
+  how tiles are grouped into calls is left out, as a tile's rows do not depend on it -- a probed property), and so
+  must every output and gradient (raw bits: torch.equal alone would call -0.0 and +0.0 equal).
 A counter-test shows the check fails when the padding is left unzeroed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+from collections import Counter
 
 import pytest
 import torch
@@ -62,12 +70,16 @@ class RecordingGuard(HostGuard):
         self.calls: list[tuple] = []
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor, op: str, shared_operand: bool) -> torch.Tensor:
-        self.calls.append((op, shared_operand, _operand(a), _operand(b)))
+        self.calls.append([(op, shared_operand, _tile(a, t), _tile(b, t)) for t in range(a.shape[0])])
         return super().bmm(a, b, op, shared_operand)
 
 
-def _operand(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), t.data_ptr() % cpu_exact.ALIGNMENT, t.detach().clone()
+def _tile(operand: torch.Tensor, t: int) -> tuple:
+    """What the library sees of tile ``t`` of a bmm operand: its shape, strides, the operand's tile stride, its
+    64-byte alignment and its values (a digest of the raw bits)."""
+    tile = operand[t]
+    digest = hashlib.blake2b(_bits(tile.detach()).numpy().tobytes(), digest_size=16).hexdigest()
+    return tuple(tile.shape), tile.stride(), operand.stride(0), tile.data_ptr() % cpu_exact.ALIGNMENT, digest
 
 
 # --------------------------------------------------------------------------- the reference (the kernels before)
@@ -346,20 +358,17 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _differences(new: tuple[list, list], reference: tuple[list, list]) -> list[str]:
+    """What differs between two runs: the GEMM tiles computed (each tile's op, operand form, shapes, strides,
+    alignment and values, as a multiset: how tiles are grouped into calls is not compared -- a tile's rows do not
+    depend on it, a probed property) and the outputs (raw bits)."""
     (calls, outputs), (ref_calls, ref_outputs) = new, reference
     found = []
-    if len(calls) != len(ref_calls):
-        found.append(f"{len(calls)} GEMM calls, the reference made {len(ref_calls)}")
-    for i, (call, ref) in enumerate(zip(calls, ref_calls)):
-        for j, name in enumerate(("op", "shared_operand")):
-            if call[j] != ref[j]:
-                found.append(f"call {i}: {name} {call[j]} != {ref[j]}")
-        for side, got, want in (("a", call[2], ref[2]), ("b", call[3], ref[3])):
-            for field, g, w in zip(("shape", "strides", "alignment"), got[:3], want[:3]):
-                if g != w:
-                    found.append(f"call {i} operand {side}: {field} {g} != {w}")
-            if got[0] == want[0] and not _same_bits(got[3], want[3]):
-                found.append(f"call {i} operand {side}: values differ")
+    tiles = Counter(tile for call in calls for tile in call)
+    ref_tiles = Counter(tile for call in ref_calls for tile in call)
+    if tiles != ref_tiles:
+        extra, missing = tiles - ref_tiles, ref_tiles - tiles
+        found.append(f"GEMM operand tiles: {sum(extra.values())} not in the reference, {sum(missing.values())} of the "
+                     f"reference's missing (first: {next(iter(extra), None)} vs {next(iter(missing), None)})")
     for i, (out, ref) in enumerate(zip(outputs, ref_outputs)):
         if out.dtype != ref.dtype or out.shape != ref.shape or not _same_bits(out, ref):
             found.append(f"output {i} differs")
@@ -481,3 +490,19 @@ def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
     monkeypatch.setattr(cpu_exact, "_reduction_operand", ignore_version)
     new, reference = _run_both(_shared_input_case(torch.float32), monkeypatch)
     assert any("differs" in found for found in _differences(new, reference))
+
+
+def test_the_check_catches_a_row_tile_layout_left_unzeroed(monkeypatch):
+    """Counter-test for the weight gradient's one-call-per-row-tile path (several chunks and row tiles): a layout whose
+    last, partial row tile is not zero-padded shows as operand tiles the reference does not have."""
+    real = cpu_exact._row_tiles_transposed
+    used = []
+
+    def lazy(a, block, chunks, row_tiles, height):
+        used.append(True)
+        out = real(a, block, chunks, row_tiles, height)
+        out[-1, :, a.shape[1] % height :] = float("nan")
+        return out
+    monkeypatch.setattr(cpu_exact, "_row_tiles_transposed", lazy)
+    new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
+    assert used and any("operand" in found for found in _differences(new, reference))
