@@ -67,6 +67,9 @@ COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed
 CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
 REDUCE_BLOCK = 256  # tokens per chunk of a weight gradient's reduction (backward; see _transposed_matmul)
 KEY_BLOCK = 64  # keys per attention tile, from position 0
+# A weight gradient whose right operand would be copied once per row tile with more than this many extra elements
+# runs one GEMM call per row tile instead (the same tiles; below it, the extra calls cost more than the copy).
+ROW_TILE_CALLS_FROM = 1 << 20
 ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
 # The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
 HOST = HostGuard(ROW_BLOCKS)
@@ -222,7 +225,7 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source:
     b_class = torch.empty(1, k_pad, block, dtype=b.dtype, device=b.device).transpose(1, 2)
     height = _row_block(n, host.tile_heights(a.dtype, b_class, False, op))
     row_tiles = -(-n // height)
-    if chunks > 1 and row_tiles > 1:
+    if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
         return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
@@ -246,9 +249,10 @@ def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: st
 
     One call for every (chunk, row tile) pair needs each chunk's right operand copied once per row tile (a
     per-tile operand, as probed); per row tile, every chunk's operand appears once, so the laid-out operand is
-    passed as it is. On llama100m's LM head (768 row tiles) that copy was 768 times the operand. A tile's rows do
-    not depend on how many tiles share its call (a probed property the kernels rely on everywhere: a call's tile
-    count follows the batch), so no bit changes (``tests/test_exact_price_bits.py`` compares the tiles)."""
+    passed as it is. On llama100m's LM head (768 row tiles) that copy was 768 times the operand (taken from
+    ``ROW_TILE_CALLS_FROM`` extra elements: on the default model's RL leaves, the extra calls cost more). A tile's
+    rows do not depend on how many tiles share its call (a probed property the kernels rely on everywhere: a call's
+    tile count follows the batch), so no bit changes (``tests/test_exact_price_bits.py`` compares the tiles)."""
     rows, n = a.shape
     k = b.shape[1]
     chunks = -(-rows // block)

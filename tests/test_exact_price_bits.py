@@ -394,8 +394,12 @@ def test_row_wise_backward_bits_as_the_reference(case, dtype, monkeypatch):
     assert _differences(new, reference) == []
 
 
+@pytest.mark.parametrize("calls_from", [0, cpu_exact.ROW_TILE_CALLS_FROM], ids=["per-row-tile", "default"])
 @pytest.mark.parametrize("rows,n,k,layout", TRANSPOSED)
-def test_weight_gradient_layout_matches_the_reference(rows, n, k, layout, monkeypatch):
+def test_weight_gradient_layout_matches_the_reference(rows, n, k, layout, calls_from, monkeypatch):
+    """Both forms of the weight gradient over several chunks and row tiles (one GEMM call, or one per row tile) give
+    the reference's tiles and bits."""
+    monkeypatch.setattr(cpu_exact, "ROW_TILE_CALLS_FROM", calls_from)
     new, reference = _run_both(_transposed_case(rows, n, k, layout), monkeypatch)
     assert _differences(new, reference) == []
 
@@ -504,5 +508,6 @@ def test_the_check_catches_a_row_tile_layout_left_unzeroed(monkeypatch):
         out[-1, :, a.shape[1] % height :] = float("nan")
         return out
     monkeypatch.setattr(cpu_exact, "_row_tiles_transposed", lazy)
+    monkeypatch.setattr(cpu_exact, "ROW_TILE_CALLS_FROM", 0)
     new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
     assert used and any("operand" in found for found in _differences(new, reference))
