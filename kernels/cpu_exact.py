@@ -824,8 +824,8 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     starts = tiles.q_start[:1] if tiles.uniform_start else tiles.q_start
     query_pos = starts.view(-1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1)
     # Rows of ``vis`` keys widened to ``width``, a multiple of COL_BLOCK, with masked keys: the library's row max ran
-    # 6x faster on 32-wide rows than on 31-wide ones (a vector body with no scalar tail). The extra keys are masked for
-    # every row (-inf, probability exactly 0), which changes no row's max and, as zeros at a row's end, no tree sum.
+    # 5-6x faster on 32-wide rows than on 31-wide ones (a vector body with no scalar tail). The extra keys are masked
+    # for every row (-inf, probability exactly 0), which changes no row's max and, as zeros at a row's end, no tree sum.
     width = _ceil_to(vis, COL_BLOCK)
     visible = torch.arange(width, device=scores.device) <= query_pos  # [B or 1, 1, RB, R', width]
     # Mask (-inf: probability exactly 0) and lay out row-major [B, Hkv, RB, R', width] in one op per key-tile range.
@@ -844,7 +844,7 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     row_max = masked.amax(dim=-1, keepdim=True)  # max is exact in any order (contiguous rows: fast)
     # exp of the shifted scores; masked keys: exactly +0.0, the value exp(-inf) has. It is written, not computed: the
     # library exp (MKL's VML here) took a slow path for -inf and underflowing inputs (32704 elements half -inf: 65 us
-    # against 5 us, on the 2-core Xeon), and a causal mask hides about half the keys. Their input becomes 0 (exp: 1),
+    # against 5-7 us, on the 2-core Xeon), and a causal mask hides about half the keys. Their input becomes 0 (exp: 1),
     # and the product with the 0/1 mask zeroes them; a visible key's exp gets the same input as before and is
     # multiplied by 1.0 (exact), so the same bits (the probed property: exp is elementwise).
     shifted = torch.where(visible, masked.sub_(row_max), scores.new_zeros(()), out=masked)
