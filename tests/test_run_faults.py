@@ -344,3 +344,21 @@ def test_an_unwritable_output_dir_is_one_line(tmp_path, reference, capsys):
     assert main(["run", str(cfg_file)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- same_runs: a repeat, compared
+def test_same_runs_finds_a_repeat_identical_and_another_seed_different(tmp_path, reference, capsys):
+    """``python -m vexact.lab.same_runs``: the reference run repeated is identical (exit 0); a run with another seed
+    differs (exit 1, naming the first differing line); an odd number of runs or a non-run is a clear error."""
+    from vexact.lab.same_runs import main, same_run
+
+    _run(_cfg(tmp_path, reference, "again"))
+    _run(_cfg(tmp_path, reference, "other", "seed=1"))
+    assert same_run(reference, tmp_path / "again")[0]
+    assert main([str(reference), str(tmp_path / "again")]) == 0
+    assert main([str(reference), str(tmp_path / "again"), str(reference), str(tmp_path / "other")]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT" in out and "metric line" in out and out.strip().endswith("1 of 2 pairs identical")
+    assert main([str(reference), str(tmp_path / "nothing")]) == 2
+    with pytest.raises(SystemExit):
+        main([str(reference)])
