@@ -298,7 +298,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     ranks.close(wait=summary["status"] != "interrupted")
     if ranks.is_main:
         _print_run_summary(cfg, summary, console)
-    return {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+    code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+    if ranks.world_size > 1:
+        # A rank's work is written and fsynced by now. Interpreter finalization can still abort it (SIGABRT,
+        # "terminate called without an active exception": gloo worker threads torn down late), which turned a
+        # finished run into a failed rank now and then; a rank leaves without finalization instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run_config(args: argparse.Namespace):
