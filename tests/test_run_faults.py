@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from safetensors.torch import load_file
-from test_trainer import _short, _without_timing
+from test_trainer import _short
 
 from vexact.cli import main
+from vexact.lab.same_runs import same_run
 from vexact.rl import runlog
 from vexact.rl.runlog import RunLocked, checkpoint_dirs, latest_checkpoint, read_metrics, run_lock
 from vexact.rl.trainer import Trainer
@@ -36,15 +36,10 @@ def _run(cfg, resume: bool = False, allow: tuple[str, ...] = (), console: Consol
     return Trainer(cfg, console or Console(quiet=True)).run(resume=resume, allow_changes=allow)
 
 
-def _weights(run_dir: Path) -> dict:
-    return load_file(str(latest_checkpoint(run_dir) / "checkpoint.safetensors"))
-
-
 def _same_run(a: Path, b: Path) -> None:
-    """Bit-identical runs: every metric but timings, and the final weights."""
-    assert _without_timing(read_metrics(a / "metrics.jsonl")) == _without_timing(read_metrics(b / "metrics.jsonl"))
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    """Bit-identical runs: every metric but timings, and the final weights (``vexact.lab.same_runs``)."""
+    same, why = same_run(a, b)
+    assert same, why
 
 
 @pytest.fixture(scope="module")

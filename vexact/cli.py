@@ -334,12 +334,13 @@ def _run_config(args: argparse.Namespace):
 def _check_run_dir(args: argparse.Namespace, cfg) -> None:
     """Before any work (and before any rank starts): ``--resume`` needs a run to resume, and a new run needs a
     directory without one; each refusal spells out the commands that would work."""
+    from .rl.data_parallel import DataParallel
     from .rl.runlog import run_lock
     from .rl.trainer import holds_results, holds_run, run_dir_for
 
     run_dir = run_dir_for(cfg)
     # Only rank 0 probes the lock: ranks probing at once would each hold it for a moment and refuse one another.
-    if run_dir.is_dir() and os.environ.get("RANK", "0") == "0":
+    if run_dir.is_dir() and DataParallel.environment_rank() == 0:
         with run_lock(run_dir):  # a run in progress there: RunLocked names its pid (the checks below would not)
             pass
     if args.resume and not holds_run(run_dir):

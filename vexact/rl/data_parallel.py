@@ -73,6 +73,11 @@ class DataParallel:
     world_size: int = 1
     reduce: ReduceMode = "tree"
 
+    @staticmethod
+    def environment_rank() -> int:
+        """This process's rank as its launcher (torchrun, ``vexact run --nproc``) set it in ``RANK``; 0 when alone."""
+        return int(os.environ.get("RANK", "0"))
+
     @classmethod
     def from_environment(cls, reduce: ReduceMode = "tree", device: torch.device | str = "cpu") -> DataParallel:
         """Join the ranks that torchrun / ``vexact run --nproc`` started (WORLD_SIZE, RANK), or be alone.
@@ -87,7 +92,7 @@ class DataParallel:
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
             store_path = os.environ.get(STORE_ENV)
             if store_path:  # a file: no TCP store listening on every interface
-                rank = int(os.environ["RANK"])
+                rank = cls.environment_rank()
                 dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank,
                                         world_size=world)
             else:
