@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import end_to_end, host_guard, kernels, tables  # noqa: E402
+from benchmarks import end_to_end, host_guard, kernels, op_count, tables  # noqa: E402
 from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 
@@ -131,6 +131,22 @@ def test_vexact_bench_command_writes_json(tmp_path):
     record = json.loads(out.read_text())
     assert [r["op"] for r in record["results"]] == ["linear", "attention_decode"]
     assert record["machine"]["load_average_end"] is not None or sys.platform == "win32"
+
+
+def test_op_count_charges_every_call_to_a_function(tmp_path, capsys):
+    """Both backends' aten calls of one RL step, by function: the per-function counts add up to the total, the
+    exact backend's GEMM tiles issue some of them, and native runs no GEMM tile."""
+    out = tmp_path / "ops.json"
+    assert vexact_main(["bench", "op_count", "--top", "3", "--out", str(out),
+                        *[a for kv in TINY_RL for a in ("--rl-set", kv)]]) == 0
+    results = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    for r in results.values():
+        assert r["aten_calls"] > 0
+        assert sum(r["by_function"].values()) == sum(r["by_op"].values()) == r["aten_calls"]
+    assert results["exact"]["by_function"].get("kernels/cpu_exact.py:_tiled_matmul", 0) > 0
+    assert "kernels/cpu_exact.py:_tiled_matmul" not in results["native"]["by_function"]
+    assert "aten calls in one RL step" in capsys.readouterr().out
+    assert op_count.main(["--top", "0"]) == 2
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -569,6 +569,7 @@ BENCHMARKS = {
     "host_guard": "the fixed-order fallback's cost against the probed fast path",
     "data_parallel": "the fixed-tree gradient reduction against a plain all_reduce, and RL steps with --nproc",
     "compare": "throughput and peak memory of vexact compare on a synthetic dump",
+    "op_count": "aten calls of one RL step per vexact function, exact and native (where per-op overhead comes from)",
     "tables": "markdown tables from their JSON files",
 }
 """``vexact bench WHICH``: benchmarks.WHICH, each with what it measures (the choices and the help)."""
