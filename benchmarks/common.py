@@ -30,6 +30,8 @@ from vexact.engine.presets import preset_config
 from vexact.rl.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
 
+# The experiment whose RL step the end_to_end, op_count, data_parallel and microbatch_invariance benchmarks run.
+EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
 DTYPES = {name: MODEL_DTYPES[name] for name in ("float32", "bfloat16")}  # the model's dtypes, canonical names
 
 
@@ -357,6 +359,13 @@ def new_record(benchmark: str, device: torch.device, shape_names: list[str], dty
             "settings": {"shapes": [known[s].describe() for s in shape_names], "dtypes": dtype_names, "reps": reps,
                          "exact_backend": exact_backend, **settings},
             "results": []}
+
+
+def add_rl_step_arguments(p: argparse.ArgumentParser) -> None:
+    """``--rl-config`` and ``--rl-set``: which experiment's RL step a benchmark runs, and its overrides."""
+    p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
+    p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the RL step's config (repeatable)")
 
 
 def add_common_arguments(p: argparse.ArgumentParser, name: str, default_shape: str, default_reps: int) -> None:

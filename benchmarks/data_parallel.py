@@ -31,7 +31,8 @@ import torch
 from vexact.rl.data_parallel import DataParallel, launch
 from vexact.rl.runlog import read_metrics
 
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+from .common import EXPERIMENT
+
 MODES = ("tree", "allreduce")
 
 

@@ -45,8 +45,10 @@ from vexact.metric_keys import RESPONSE_LENGTH_MEAN
 
 from .common import (
     DTYPES,
+    EXPERIMENT,
     Shape,
     add_common_arguments,
+    add_rl_step_arguments,
     cli_main,
     compare,
     describe_run,
@@ -60,7 +62,6 @@ from .common import (
 )
 
 ITEMS = ("rollout", "decode_step", "train_fwd_bwd", "rl_step")
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
 
 
 def _prompts(shape: Shape) -> list[list[int]]:
@@ -246,9 +247,7 @@ def print_results(record: dict) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, "end_to_end", default_shape="default", default_reps=11)
     p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
-    p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
-    p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key of the RL step's config (repeatable)")
+    add_rl_step_arguments(p)
     p.add_argument("--no-warm-start", action="store_true", help="RL step from the random init, not the warm start")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile each item once per side (torch.profiler) and keep its top N ops")

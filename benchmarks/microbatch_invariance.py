@@ -17,7 +17,6 @@ import argparse
 import copy
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -26,7 +25,8 @@ from vexact.rl.config import load_config
 from vexact.rl.trainer import Trainer
 from vexact.rl.warmstart import warm_start
 
-EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "zero_mismatch.yaml"
+from .common import EXPERIMENT
+
 # (micro_batch_size, grad_unit); zero_mismatch's mini-batch is 128 sequences in 4 leaves of 32
 SETTINGS = ((None, None), (None, 32), (8, None), (8, 8), (1, None), (None, 1))
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .common import cli_main, machine_info, set_malloc
-from .end_to_end import EXPERIMENT  # the RL step end_to_end times is the one counted here
+from .common import add_rl_step_arguments, cli_main, machine_info, set_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN_CODE = (str(ROOT / "vexact") + "/", str(ROOT / "kernels") + "/")  # frames charged with the calls they issue
@@ -74,9 +73,7 @@ def count_rl_step(backend: str, config: Path, overrides: list[str]) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
-    p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key of the RL step's config (repeatable)")
+    add_rl_step_arguments(p)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     p.add_argument("--top", type=int, default=15, help="functions and ops printed per backend (default 15)")
     p.add_argument("--device", default="cpu", choices=("cpu",), help="cpu (the Trainer has no device option)")
