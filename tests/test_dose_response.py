@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vexact.lab.dose_response import dose_response, fit_threshold
+from vexact.lab.dose_response import dose_response, fit_threshold, threshold_words
 from vexact.lab.report import read_sweep_results, write_report
 from vexact.lab.sweep import load_sweep_spec
 from vexact.rl.config import ConfigError
@@ -81,6 +81,23 @@ def test_everything_collapsing_says_below_the_range(tmp_path: Path) -> None:
     data = read_sweep_results(_sweep(tmp_path, {("rollout", d): [True] * 4 for d in (1e-3, 1e-2)}))
     t = dose_response(data)["curves"][0]["threshold"]
     assert t["status"] == "below_range" and t["threshold_50"] is None and t["upper_bound"] == 1e-3
+
+
+def test_a_fitted_50_percent_point_outside_the_tested_doses_is_reported_as_a_side_not_a_number() -> None:
+    # The fp8 long sweep's shape: 1 of 4 runs collapsed, all near one dose. The nearly flat fit put its 50% point
+    # at k3 = 1.8e8, ten decades above the largest dose tested: an extrapolation, not a measurement.
+    runs = [(1.51e-2, False, 0), (1.74e-2, True, 1), (1.87e-2, False, 0), (1.78e-2, False, 1)]
+    t = fit_threshold(runs)
+    assert t["status"] == "above_range" and t["threshold_50"] is None and t["ci_low"] is None
+    assert t["lower_bound"] == 1.87e-2 and t["collapsed"] == 1 and t["runs"] == 4
+    assert "1 of 4 runs collapsed" in t["note"] and "above the largest value tested" in t["note"]
+    assert threshold_words(t) == "under 50% up to 1.9e-02 (1 of 4 collapsed)"
+    # mirrored: most runs collapsed and the fit puts its 50% point below the smallest dose
+    below = fit_threshold([(1.51e-2, True, 0), (1.70e-2, False, 1), (1.87e-2, True, 0), (1.78e-2, True, 1)])
+    assert below["status"] == "below_range" and below["upper_bound"] == 1.51e-2 and below["threshold_50"] is None
+    assert threshold_words(below) == "over 50% from 1.5e-02 (3 of 4 collapsed)"
+    # with nothing collapsed the words stay as they were
+    assert threshold_words(fit_threshold([(1e-3, False, 0), (1e-2, False, 0)])) == "no collapse up to 1.0e-02"
 
 
 def test_one_dose_level_or_falling_collapse_gives_no_threshold() -> None:

@@ -168,6 +168,15 @@ def test_bounds_only_map_says_so(tmp_path):
     assert far["verdict"].startswith("no verdict at this horizon") and far["extrapolation_factor"] > 1
 
 
+def test_a_bound_with_collapses_below_it_is_not_called_safe(tmp_path):
+    files = write_scaling(_sweep(tmp_path, 1.0, lengths=(8, 64), safe_at=(8, 64)), tmp_path)[0]
+    m = load_map(files[0])
+    assert place_on_map(m, 1e-6, 30.0)["verdict"].startswith("below every level tested")
+    for h in m["horizons"]:  # as when the fit puts the 50% point above the doses although one run collapsed
+        h["collapsed"] = 1
+    assert place_on_map(m, 1e-6, 30.0)["verdict"].startswith("unknown")
+
+
 def test_default_map_loads():
     m = load_map()
     assert m["horizon_range"] and m["status"]

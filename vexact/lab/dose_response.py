@@ -29,8 +29,10 @@ would claim more than was measured.
 **No made-up thresholds.** ``status`` says what could be estimated:
 
 - ``fitted``: some runs collapsed and some did not, over at least two dose levels, with a rising fit;
-- ``above_range``: nothing collapsed; ``threshold_50`` is None and ``lower_bound`` is the largest dose tested;
-- ``below_range``: everything collapsed; ``upper_bound`` is the smallest dose tested;
+- ``above_range``: the 50% point lies above the largest dose tested: nothing collapsed, or the fit puts it there
+  (fewer than half collapsed); ``threshold_50`` is None and ``lower_bound`` is the largest dose tested;
+- ``below_range``: the 50% point lies below the smallest dose tested: everything collapsed, or the fit puts it
+  there; ``upper_bound`` is the smallest dose tested;
 - ``not_monotone``: collapse did not become more likely with the dose (fitted slope <= 0);
 - ``insufficient``: fewer than two dose levels with a positive dose, or no run with a result.
 
@@ -143,6 +145,16 @@ def fit_threshold(runs: list[tuple[float, bool, Any]]) -> dict[str, Any]:
                 "note": "collapse did not become more likely with the realised mismatch (fitted slope <= 0)"}
     intercept, slope = fit
     threshold = 10 ** (-intercept / slope)
+    # A 50% point outside the tested doses is an extrapolation of a nearly flat fit (say 1 of 4 runs collapsed,
+    # all at one dose level): report the side it lies on, not the number.
+    if threshold > hi:
+        return {**out, "status": "above_range", "lower_bound": hi,
+                "note": f"{n_collapsed} of {len(runs)} runs collapsed, up to {METRIC} = {hi:.2e}; the fitted 50% point "
+                        "lies above the largest value tested"}
+    if threshold < lo:
+        return {**out, "status": "below_range", "upper_bound": lo,
+                "note": f"{n_collapsed} of {len(runs)} runs collapsed, from {METRIC} = {lo:.2e}; the fitted 50% point "
+                        "lies below the smallest value tested"}
     bracket_low = max((d for d, c, _ in runs if not c and d <= threshold), default=None)
     bracket_high = min((d for d, c, _ in runs if c and d >= threshold), default=None)
     low, high, note = _bootstrap(runs)
@@ -271,10 +283,15 @@ def threshold_words(t: dict[str, Any]) -> str:
     if t["status"] == "fitted":
         ci = f" [{_sci(t['ci_low'])}, {_sci(t['ci_high'])}]"
         return f"50% at k3 = {t['threshold_50']:.1e}{ci}"
+    collapsed, runs = t.get("collapsed", 0), t.get("runs", 0)
     if t["status"] == "above_range":
-        return f"no collapse up to {t['lower_bound']:.1e}"
+        if not collapsed:
+            return f"no collapse up to {t['lower_bound']:.1e}"
+        return f"under 50% up to {t['lower_bound']:.1e} ({collapsed} of {runs} collapsed)"
     if t["status"] == "below_range":
-        return f"all collapsed from {t['upper_bound']:.1e}"
+        if collapsed == runs:
+            return f"all collapsed from {t['upper_bound']:.1e}"
+        return f"over 50% from {t['upper_bound']:.1e} ({collapsed} of {runs} collapsed)"
     return t["status"].replace("_", " ")
 
 

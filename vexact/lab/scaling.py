@@ -17,7 +17,8 @@ mean of ``response_length/mean`` (tokens per response). A sweep that sets no ``t
 
 **Threshold per horizon.** ``dose_response.fit_threshold`` over that horizon's runs (dose = realised k3 before
 collapse, collapse or not, seed): ``threshold_50`` with its seed-bootstrap interval, or a bound
-(``above_range``: no collapse up to ``lower_bound``; ``below_range``: every run collapsed from ``upper_bound``).
+(``above_range``: the 50% point lies above ``lower_bound``, the largest dose tested; ``below_range``: below
+``upper_bound``, the smallest).
 
 **The law.** log10 threshold = log10 A − α·log10 T, least squares over the horizons with a fitted threshold
 (``status: fitted`` needs two or more). Interval of α: ``BOOTSTRAP`` refits, each horizon's log threshold drawn
@@ -424,7 +425,8 @@ def place_on_map(map_data: dict[str, Any], k3: float, horizon: float) -> dict[st
         else:
             out["verdict"] = "above the measured collapse range"
         return out
-    safe = [h.get("lower_bound") for h in map_data.get("horizons", []) if h.get("status") == "above_range"]
+    safe = [h.get("lower_bound") for h in map_data.get("horizons", [])
+            if h.get("status") == "above_range" and not h.get("collapsed")]  # nothing collapsed up to the bound
     safe = [s for s in safe if _positive(s)]
     if safe and k3 < min(safe) and factor == 1.0:
         out["verdict"] = (f"below every level tested (no collapse up to k3 = {min(safe):.2g} at any mapped "
