@@ -187,11 +187,25 @@ def inner_repeats(fn: Callable[[], object], device: torch.device | str = "cpu", 
     return max(1, min(limit, math.ceil(target_s / max(once, 1e-7))))
 
 
+# The aten ops that do matrix products: the exact path's GEMM tiles (bmm), native's GEMMs (mm, addmm, ...) and
+# native's fused attention (SDPA, whose kernels hold its QK^T and PV products).
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm")
+FUSED_ATTENTION_PREFIXES = ("aten::scaled_dot_product", "aten::_scaled_dot_product")
+
+
+def is_matrix_product(op: str) -> bool:
+    """An aten op of the "matrix products" part of a profile (``GEMM_OPS`` or a fused attention kernel)."""
+    return op in GEMM_OPS or op.startswith(FUSED_ATTENTION_PREFIXES)
+
+
 def profile_top(fn: Callable[[], object], top: int, calls: int = 3) -> dict:
-    """torch.profiler over ``calls`` calls of ``fn``: the ``top`` ops by self CPU time, with their share.
+    """torch.profiler over ``calls`` calls of ``fn``: the ``top`` ops by self CPU time, with their share, and the
+    split of the aten ops' self time into matrix products (``is_matrix_product``) and the rest.
 
     Self times under the profiler run slower than unprofiled (every op is recorded), so the shares,
-    not the milliseconds, are the evidence."""
+    not the milliseconds, are the evidence. ``total_self_ms_per_run`` minus ``aten_self_ms_per_run`` is the self time
+    of the non-aten ranges the profiler records (autograd nodes, custom Functions' Python); Python outside any
+    recorded range is in none of them."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -203,8 +217,12 @@ def profile_top(fn: Callable[[], object], top: int, calls: int = 3) -> dict:
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     ops = [{"op": e.key, "calls_per_run": e.count / calls, "self_ms_per_run": e.self_cpu_time_total / 1e3 / calls,
             "share": e.self_cpu_time_total / total} for e in events[:top]]
+    aten = [e for e in events if e.key.startswith("aten::")]
+    matmul = [e for e in aten if is_matrix_product(e.key)]
     return {"ops": ops, "total_self_ms_per_run": total / 1e3 / calls,
-            "aten_calls_per_run": sum(e.count for e in events if e.key.startswith("aten::")) / calls}
+            "aten_calls_per_run": sum(e.count for e in aten) / calls,
+            "aten_self_ms_per_run": sum(e.self_cpu_time_total for e in aten) / 1e3 / calls,
+            "matmul_self_ms_per_run": sum(e.self_cpu_time_total for e in matmul) / 1e3 / calls}
 
 
 # --------------------------------------------------------------------------- the record

@@ -242,6 +242,17 @@ def print_results(record: dict) -> None:
                   f"time (profiled run: {prof['total_self_ms_per_run']:.1f} ms, "
                   f"{prof['aten_calls_per_run']:.0f} aten calls)")
             print_table("", ["op", "calls", "self ms", "share"], rows)
+        print(f"\n{r['item']} {r['shape']} {short_dtype_name(r['dtype'])}, where the profiled time goes (self CPU ms "
+              "per run under torch.profiler, which slows both sides)")
+        split = {side: r["profile"][side] for side in ("exact", "native")}
+        parts = {side: (p["matmul_self_ms_per_run"], p["aten_self_ms_per_run"] - p["matmul_self_ms_per_run"],
+                        p["total_self_ms_per_run"] - p["aten_self_ms_per_run"], p["total_self_ms_per_run"])
+                 for side, p in split.items()}
+        names = ("matrix products (GEMMs, SDPA)", "other aten ops", "autograd nodes and other non-aten ranges",
+                 "total")
+        rows = [[name, f"{parts['exact'][i]:.1f}", f"{parts['native'][i]:.1f}",
+                 f"{parts['exact'][i] - parts['native'][i]:+.1f}"] for i, name in enumerate(names)]
+        print_table("", ["part", "exact", "native", "exact - native"], rows)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
