@@ -328,7 +328,7 @@ def test_a_hub_id_is_answered_with_how_to_get_a_local_copy(tmp_path, monkeypatch
 
 def test_measure_prints_the_chi2_footnote_with_long_dtype_names(tmp_path, capsys):
     model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=2, tokenizer=False)
-    assert main(["measure", "--model", str(model), "--random", "2", "--max-new-tokens", "4",
+    assert main(["measure", "--model", str(model), "--random-prompts", "2", "--max-new-tokens", "4",
                  "--rollout", "native:bfloat16", "--train", "exact:float32", "--no-full-vocab"]) == 0
     out = capsys.readouterr().out
     assert "native:bf16" in out and "exact:fp32" in out  # the long names name the same paths

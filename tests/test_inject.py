@@ -176,7 +176,8 @@ def test_injected_rollout_is_batch_invariant(setup):
     assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
 
 
-@pytest.mark.parametrize("mode,metric,target", [("logit_noise", "k3_kl", 0.05), ("logit_scale", "abs_dlogp_mean", 0.1)])
+@pytest.mark.parametrize("mode,metric,target", [("logit_noise", "rollout_corr/k3_kl", 0.05),
+                                                ("logit_scale", "mismatch/abs_dlogp_mean", 0.1)])
 def test_calibration_hits_target(tmp_path, mode, metric, target):
     cfg = load_config(EXPERIMENT, [f"output_dir={tmp_path / 'cal'}", f"warm_start.cache_dir={tmp_path / 'cache'}",
                                    "warm_start.steps=30", "rollout.prompts_per_step=4", f"inject.mode={mode}",
@@ -190,6 +191,15 @@ def test_calibration_hits_target(tmp_path, mode, metric, target):
     assert trainer.injector.value == cal.value
     if mode == "logit_scale":
         assert cal.value < 0  # direction kept from the configured sign
+
+
+@pytest.mark.parametrize("short,full", [("k3_kl", "rollout_corr/k3_kl"), ("abs_dlogp_mean", "mismatch/abs_dlogp_mean")])
+def test_a_short_target_metric_name_is_a_deprecated_alias_of_its_full_key(short, full):
+    with pytest.warns(FutureWarning, match=f"inject.target.metric: '{short}' is deprecated; use the full metric key "
+                                           f"'{full}'"):
+        cfg = load_config(EXPERIMENT, ["inject.mode=logit_noise", "inject.value=1.0",
+                                       f"inject.target={{metric: {short}, value: 0.05}}"])
+    assert cfg.inject.target.metric == full
 
 
 def test_plan_value_reports_the_magnitude():

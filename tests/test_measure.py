@@ -4,7 +4,7 @@ What must hold: exact vs exact is bitwise zero (fp32 and bf16); a bf16 native ro
 fp32 exact trainer is *not* zero (so the zero can fail); transformers' own generate/forward (``hf``)
 agrees with vexact fp32 to fp32 rounding (|Δlogp| <= HF_FP32_TOL) and samples from the untruncated
 distribution even when the checkpoint's generation_config.json asks for top-p and penalties;
-prompts come from text (with a tokenizer), token ids or ``--random``; bad input is one clear error.
+prompts come from text (with a tokenizer), token ids or ``--random-prompts``; bad input is one clear error.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def test_cli_token_id_prompts_and_fail_on_mismatch(qwen3_ids_dir, tmp_path):
     (["--prompts", "/nonexistent/prompts.txt"], "prompts file not found"),
 ])
 def test_cli_bad_input_is_one_clear_error(qwen3_ids_dir, capsys, args, message):
-    base = {"--model": str(qwen3_ids_dir), "--random": "2"}
+    base = {"--model": str(qwen3_ids_dir), "--random-prompts": "2"}
     if "--prompts" in args:
-        base.pop("--random")
+        base.pop("--random-prompts")
     merged = {**base, **dict(zip(args[::2], args[1::2]))}
     argv = ["measure", *[x for kv in merged.items() for x in kv], "--max-new-tokens", "2"]
     assert main(argv) == 2
@@ -132,7 +132,7 @@ def test_cli_rejects_text_for_a_checkpoint_without_tokenizer_and_unsupported_mod
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
                                                    "vocab_size": 64}))
-    assert main(["measure", "--model", str(other), "--random", "2", "--rollout", "exact:fp32"]) == 2
+    assert main(["measure", "--model", str(other), "--random-prompts", "2", "--rollout", "exact:fp32"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "model_type='gpt2'" in err and "Qwen3ForCausalLM" in err
 
@@ -175,8 +175,8 @@ def test_full_vocab_hf_path_agrees_with_vexact_fp32_and_can_be_switched_off(llam
 
 def test_cli_measure_prints_and_writes_the_full_vocab_comparison(qwen3_ids_dir, tmp_path, capsys):
     out = tmp_path / "m.json"
-    assert main(["measure", "--model", str(qwen3_ids_dir), "--random", "2", "--max-new-tokens", "3", "--ignore-eos",
-                 "--rollout", "exact:fp32", "--train", "exact:fp32", "--json", str(out)]) == 0
+    assert main(["measure", "--model", str(qwen3_ids_dir), "--random-prompts", "2", "--max-new-tokens", "3",
+                 "--ignore-eos", "--rollout", "exact:fp32", "--train", "exact:fp32", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [report["metrics"][k] for k in FULL_VOCAB_KEYS] == [6, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     printed = capsys.readouterr().out

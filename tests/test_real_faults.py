@@ -70,7 +70,7 @@ def _as_bin(directory, tensors):
 
 
 def _cli(capsys, directory, *args) -> tuple[int, str]:
-    code = main(["measure", "--model", str(directory), "--random", "2", "--max-new-tokens", "2", *args])
+    code = main(["measure", "--model", str(directory), "--random-prompts", "2", "--max-new-tokens", "2", *args])
     return code, " ".join(capsys.readouterr().err.split())  # rich wraps long lines
 
 
