@@ -30,7 +30,7 @@ from vexact.engine.presets import preset_config
 from vexact.rl.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
 
-# The experiment whose RL step the end_to_end, op_count, data_parallel and microbatch_invariance benchmarks run.
+# The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments).
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
 DTYPES = {name: MODEL_DTYPES[name] for name in ("float32", "bfloat16")}  # the model's dtypes, canonical names
 
