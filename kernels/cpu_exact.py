@@ -49,15 +49,15 @@ extra passes and Python dispatch of more, smaller ops. The fixed-order fallback 
 from __future__ import annotations
 
 from functools import partial
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import native
+from . import compiled_loops, native
 from .autograd import exact_forward_vjp
-from .fixed_order import tree_sum as _tree_sum
+from .compiled_loops import tree_sum as _tree_sum
 from .host_guard import HostGuard
 
 NAME = "cpu_exact"
@@ -801,7 +801,7 @@ class _AttentionTiles:
         return out
 
 
-def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Scores, masking and the row-wise softmax pieces of ``attention``.
 
     Returns (probability tiles [B*Hkv*RB*KB, R, C] for the P @ V GEMMs, their row sums
@@ -812,13 +812,23 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     real rows (a decode step has ``group`` of them per tile) and the first ``visible`` keys (keys
     after them are masked for every row): row-wise work gives the same bits on a sub-block, and a
     key tile's halving tree over its first ``w`` columns padded to a power of two equals the tree
-    over all 64 with zeros after ``w``."""
+    over all 64 with zeros after ``w``.
+
+    ``loops``: the compiled loops (``compiled_loops.library()``), which run the steps before and after the exp in one
+    pass each, with the same operations on the same values (the same bits; ``tests/test_compiled_loops.py``), or
+    None for the torch ops below."""
     b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
         tiles.visible
     scores = tiles.host.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2), op="attention",
                              shared_operand=False)
-    scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, RB, R, KB, C]
     real = tiles.rows if rb == 1 else block
+    width = _ceil_to(vis, COL_BLOCK)
+    if loops is not None:
+        shape = (b, h, rb, kb, block, real, width, KEY_BLOCK, tiles.q_start, tiles.row_t, tiles.uniform_start)
+        probs = _unary("exp", loops.attention_shifted(scores, *shape), tiles.host, "attention", inplace=True)
+        tiles_out, denom_rows, denom = loops.attention_tiles(probs, *shape)  # masks probs in place
+        return tiles_out, denom_rows, probs[..., :vis], denom
+    scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, RB, R, KB, C]
     row_t = tiles.row_t.view(rb, block)[:, :real]
     # One mask for the whole batch where every sequence starts at the same position (training): the same booleans.
     starts = tiles.q_start[:1] if tiles.uniform_start else tiles.q_start
@@ -826,7 +836,6 @@ def _attention_probs(tiles: _AttentionTiles) -> tuple[Tensor, Tensor, Tensor, Te
     # Rows of ``vis`` keys widened to ``width``, a multiple of COL_BLOCK, with masked keys: the library's row max ran
     # 5-6x faster on 32-wide rows than on 31-wide ones (a vector body with no scalar tail). The extra keys are masked
     # for every row (-inf, probability exactly 0), which changes no row's max and, as zeros at a row's end, no tree sum.
-    width = _ceil_to(vis, COL_BLOCK)
     visible = torch.arange(width, device=scores.device) <= query_pos  # [B or 1, 1, RB, R', width]
     # Mask (-inf: probability exactly 0) and lay out row-major [B, Hkv, RB, R', width] in one op per key-tile range.
     # Only the first ``width`` keys: every later key is masked for every row (-inf), which changes no row's max.
@@ -890,7 +899,7 @@ def _attention_forward(tiles: _AttentionTiles, prob_tiles: Tensor, denom: Tensor
 def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float,
                      host: HostGuard) -> Tensor:
     tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
-    prob_tiles, denom, _, _ = _attention_probs(tiles)
+    prob_tiles, denom, _, _ = _attention_probs(tiles, compiled_loops.library())
     return tiles.to_output(_attention_forward(tiles, prob_tiles, denom), q.dtype)
 
 
@@ -906,7 +915,7 @@ class _ExactAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, q_start, scale, host):  # type: ignore[override]
         tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
-        prob_tiles, denom, probs, real_denom = _attention_probs(tiles)
+        prob_tiles, denom, probs, real_denom = _attention_probs(tiles, compiled_loops.library())
         out_rows = _attention_forward(tiles, prob_tiles, denom)
         real = probs.shape[3]
         # [B*Hkv, rows', visible] normalised probabilities of the real rows
@@ -1004,4 +1013,4 @@ def host_report(host: HostGuard = HOST) -> dict:
             path = paths.pop() if len(paths) == 1 else "mixed"
         ops[op] = {"path": path, "relies_on": list(properties),
                    "shape_classes": [f"{p['property']}: {p['shape_class']}" for p in probes]}
-    return {**report, "ops": ops}
+    return {**report, "ops": ops, "loops": compiled_loops.status()}

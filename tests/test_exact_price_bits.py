@@ -165,7 +165,7 @@ def _to_cache_reference(self, keys, dtype):
     return out
 
 
-def _attention_probs_reference(tiles):
+def _attention_probs_reference(tiles, loops=None):  # torch ops only, whatever ``loops`` says
     b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
         tiles.visible
     scores = tiles.host.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2), op="attention",

@@ -241,6 +241,8 @@ def _kernel_paths_table(paths: dict) -> Table:
     """One row per op: the path it took on this host and, for probed ops, each shape class's verdict."""
     verdicts = {f"{p['property']}: {p['shape_class']}": p for p in paths["probes"]}
     mode = f", guard mode {paths['mode']}" if "mode" in paths else ""
+    if "loops" in paths:  # the exact CPU kernels' compiled loops (kernels/compiled_loops.py), or the torch ops
+        mode += f", loops: {paths['loops']['path']}"
     table = Table(title=f"{paths['backend']} backend ({paths['kernels']}{mode}): path per op")
     for col in ("op", "path", "host probes (shape class: verdict)"):
         table.add_column(col)

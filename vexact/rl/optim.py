@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from vexact_kernels.fixed_order import tree_sum
+from vexact_kernels.compiled_loops import tree_sum
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + CLIP_EPS)
 

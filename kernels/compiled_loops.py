@@ -1,0 +1,165 @@
+"""Compiled loops for the exact CPU kernels: the same bits as their torch-op compositions, fewer aten calls.
+
+On small models the exact path's price is mostly per-op cost, not arithmetic: a halving-tree sum is a dozen aten
+calls (views, adds, a scratch buffer), each with its own dispatch, allocation and TensorIterator set-up. The
+loops in ``csrc/exact_loops.cpp`` do the same exactly rounded IEEE operations, element by element, in one call
+(built with ``-ffp-contract=off`` and without ``-ffast-math``: no fused multiply-add, no reassociation), so they
+give the same bits *by construction*; ``tests/test_compiled_loops.py`` checks them against the torch-op versions
+bitwise, and a whole RL step's weights with and without them.
+
+The extension is built once per machine and source version with torch's C++ extension builder (a C++ compiler
+and ninja: the ``ninja`` pip package is a vexact dependency), on first use, into torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes import the built library
+directly. ``python -m vexact_kernels.compiled_loops`` builds it ahead of time and prints what it found.
+
+Modes, from the ``VEXACT_CPU_LOOPS`` environment variable (read once, at first use):
+
+- ``auto`` (default): the compiled loops where they build; where they do not (no compiler), the torch-op
+  versions, with one RuntimeWarning -- the same bits, only slower;
+- ``python``: never build; the torch-op versions everywhere (what tests compare the loops against);
+- ``compiled``: the compiled loops or an error (for CI, which must not silently measure the slow path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from . import fixed_order
+
+LOOPS_ENV = "VEXACT_CPU_LOOPS"
+MODES = ("auto", "python", "compiled")
+SOURCE = Path(__file__).parent / "csrc" / "exact_loops.cpp"
+# No -ffast-math (its reassociation and flush-to-zero would change bits); -ffp-contract=off: GCC fuses a * b + c
+# into one FMA (one rounding instead of two) by default where the target has FMA; never here.
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
+DTYPES = (torch.float32, torch.float64)  # what the loops are compiled for; anything else takes the torch ops
+
+_lock = threading.Lock()
+_state: dict = {}  # "module" (or None), "path", "reason", "build_seconds": filled on first use
+
+
+def mode_from_env() -> str:
+    """The mode named by ``VEXACT_CPU_LOOPS`` (default ``auto``); a bad value is an error."""
+    mode = os.environ.get(LOOPS_ENV, "auto").strip() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{LOOPS_ENV}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def _build_name() -> str:
+    """The library's name: a digest of what its bits depend on (source, flags, torch, Python)."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                 sys.version.split()[0].encode()):
+        digest.update(part)
+    return f"vexact_exact_loops_{digest.hexdigest()[:16]}"
+
+
+def _build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / name
+
+
+def _import_built(name: str, directory: Path) -> ModuleType | None:
+    """The library built by an earlier process (its ``complete`` marker is written after a successful build)."""
+    library = directory / f"{name}.so"
+    if not (directory / "complete").exists() or not library.exists():
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, str(library), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the pip package's binary may not be there (a venv's python run
+    without activating the venv), so its folder is appended."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # the pip package: its binary lives in ninja.BIN_DIR
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), ninja.BIN_DIR])
+
+
+def _build(name: str, directory: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    _ninja_on_path()
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"vexact: building the exact CPU kernels' compiled loops (once per machine and version) in {directory}",
+          file=sys.stderr)
+    module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(directory),
+                  verbose=False)
+    (directory / "complete").write_text("built\n")
+    return module
+
+
+def library() -> ModuleType | None:
+    """The compiled library, or None (mode ``python``, or ``auto`` where it does not build); once per process."""
+    with _lock:
+        if _state:
+            return _state["module"]
+        mode = mode_from_env()
+        _state.update(module=None, path="torch ops", reason=f"{LOOPS_ENV}=python", build_seconds=None, mode=mode)
+        if mode == "python":
+            return None
+        name = _build_name()
+        directory = _build_directory(name)
+        started = time.perf_counter()
+        try:
+            module = _import_built(name, directory) or _build(name, directory)
+        except Exception as error:  # noqa: BLE001 -- any build failure means: no compiled loops on this host
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            if mode == "compiled":
+                raise RuntimeError(f"{LOOPS_ENV}=compiled, but the compiled loops did not build ({reason})") from error
+            _state["reason"] = f"build failed ({reason})"
+            warnings.warn(f"vexact: the exact CPU kernels' compiled loops did not build ({reason}); using the "
+                          f"torch-op versions (the same bits, slower). Set {LOOPS_ENV}=python to skip the build.",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        _state.update(module=module, path="compiled", reason=name,
+                      build_seconds=round(time.perf_counter() - started, 3))
+        return module
+
+
+def status() -> dict:
+    """Which loops the exact CPU kernels use: ``{"path": "compiled" | "torch ops", "reason", "mode", ...}``."""
+    library()
+    return {k: v for k, v in _state.items() if k != "module"}
+
+
+def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
+    """``fixed_order.tree_sum(x, dim)``, the same bits: the compiled loop for fp32/fp64 widths >= 2, else the torch
+    ops. (The compiled result is a fresh contiguous tensor; the torch-op one may be a view of a scratch buffer.)"""
+    width = x.shape[dim] if x.dim() else 0
+    module = library() if width >= 2 and x.dtype in DTYPES and x.device.type == "cpu" else None
+    if module is None:
+        return fixed_order.tree_sum(x, dim)
+    return module.tree_sum(x, dim)
+
+
+def main() -> int:
+    """Build (or find) the compiled loops and print what the exact CPU kernels will use."""
+    found = status()
+    print(f"compiled loops: {found['path']} ({found['reason']}); mode {found['mode']}"
+          + (f"; loaded in {found['build_seconds']} s" if found["build_seconds"] is not None else ""))
+    return 0 if found["path"] == "compiled" or found["mode"] == "python" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The compiled loops' contract: the same bits as the torch-op compositions they replace (``compiled_loops``).
+
+Each loop is checked bitwise (the bit patterns, so -0.0 against +0.0 counts) against its torch-op version on
+random shapes, strides and special values, and a whole run is compared with and without the loops. Under CI
+(``CI=true``) the loops must have built: CI must not pass by testing only the torch-op path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import running_in_ci
+from test_data_parallel import _config_file, _result, _same, _vexact_run
+
+from vexact_kernels import compiled_loops, fixed_order
+
+DTYPES = (torch.float32, torch.float64)
+BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+@pytest.fixture(scope="module")
+def loops():
+    found = compiled_loops.status()
+    if found["path"] != "compiled":
+        if running_in_ci():
+            pytest.fail(f"the compiled loops did not load under CI: {found}", pytrace=False)
+        pytest.skip(f"no compiled loops on this host: {found['reason']}")
+    return compiled_loops.library()
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(BITS[x.dtype])
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values over many magnitudes (so the order of additions shows in the result), with signed zeros,
+    infinities and subnormals sprinkled in."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = x * 10.0 ** torch.randint(-6, 7, shape, generator=gen)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-310], dtype=torch.float64)
+    pick = torch.randint(0, 40, shape, generator=gen)
+    x = torch.where(pick < len(special), special[pick.clamp(max=len(special) - 1)], x)
+    return x.to(dtype)
+
+
+CASES = [  # (shape, dim, a view to take: how the operand's strides differ from a fresh tensor's)
+    ((2, 5, 3), 1, "plain"), ((3, 64), -1, "plain"), ((64,), 0, "plain"), ((1000,), 0, "plain"),
+    ((4, 9, 33), 0, "plain"), ((2, 3, 4, 5), 2, "plain"), ((7, 2), 1, "plain"), ((3, 6, 5), -1, "transposed"),
+    ((5, 4, 17), 1, "transposed"), ((6, 10, 12), 0, "sliced"), ((2, 3, 4, 64), -1, "permuted"),
+    ((3, 8, 4, 5), 1, "permuted"), ((0, 5), 1, "plain"), ((4, 0, 3), 0, "plain"),
+]
+
+
+def _view(x: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "transposed":
+        return x.transpose(0, -1)
+    if how == "sliced":
+        return x[:, 1:8, ::2]
+    if how == "permuted":
+        return x.permute(3, 1, 0, 2)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim,how", CASES)
+def test_tree_sum_is_the_torch_op_tree_bit_for_bit(loops, dtype, shape, dim, how):
+    x = _view(_values(shape, dtype, seed=len(shape) * 100 + abs(dim)), how)
+    if x.shape[dim % x.dim()] < 2:
+        pytest.skip("a width of 1 is a select, not a sum (taken by the torch ops)")
+    expected = fixed_order.tree_sum(x, dim)
+    got = loops.tree_sum(x, dim)
+    assert got.shape == expected.shape and got.is_contiguous()
+    assert torch.equal(_bits(got), _bits(expected))
+
+
+def test_tree_sum_propagates_nan_where_the_torch_ops_do(loops):
+    x = torch.randn(16, 37, generator=torch.Generator().manual_seed(1))
+    x[3, 5] = float("nan")
+    x[9, 36] = float("nan")
+    expected, got = fixed_order.tree_sum(x), loops.tree_sum(x, -1)
+    assert torch.equal(got.isnan(), expected.isnan()) and int(got.isnan().sum()) == 2
+    keep = ~expected.isnan()
+    assert torch.equal(_bits(got[keep]), _bits(expected[keep]))
+
+
+def test_tree_sum_keeps_the_order_visible(loops):
+    """The check above can fail: the sequential sum of the same values differs from the tree in fp32."""
+    x = _values((200, 64), torch.float32, seed=2)
+    tree, sequential = loops.tree_sum(x, -1), x.cumsum(-1)[:, -1]
+    assert not torch.equal(_bits(tree), _bits(sequential))
+
+
+def test_dispatch_takes_the_torch_ops_where_the_loops_do_not_apply(loops):
+    """Width 1 (a select), bf16 (not compiled) and fp32 all give the torch-op tree's values through ``tree_sum``."""
+    for x, dim in ((torch.randn(3, 1), -1), (torch.randn(4, 6, dtype=torch.bfloat16), -1), (torch.randn(5, 9), 0)):
+        assert torch.equal(compiled_loops.tree_sum(x, dim), fixed_order.tree_sum(x, dim))
+
+
+def test_bad_mode_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv(compiled_loops.LOOPS_ENV, "fast")
+    with pytest.raises(ValueError, match="VEXACT_CPU_LOOPS='fast'"):
+        compiled_loops.mode_from_env()
+
+
+def test_a_whole_run_is_the_same_bits_with_and_without_the_loops(loops, tmp_path, monkeypatch):
+    """Warm start, rollouts, scoring, the update and evaluation, once with the compiled loops and once with
+    ``VEXACT_CPU_LOOPS=python``: metrics (timing aside) and every checkpoint tensor bitwise equal."""
+    results = []
+    for mode in ("auto", "python"):
+        monkeypatch.setenv(compiled_loops.LOOPS_ENV, mode)
+        (tmp_path / mode).mkdir()
+        config = _config_file(tmp_path / mode, threads=1, **{"distributed.leaves": 1})
+        _vexact_run(config, tmp_path / f"run-{mode}")
+        results.append(_result(tmp_path / f"run-{mode}"))
+    metrics, _ = results[0]
+    assert all(row["actor/grad_norm"] > 0 for row in metrics if "actor/grad_norm" in row), "the policy must move"
+    assert _same(*results), "the compiled loops changed a bit of the run"
+
+
+ATTENTION_CASES = {  # (batch, q_len, q_heads, kv_heads, head_dim, cache_len, q_start per sequence)
+    "decode": (5, 1, 4, 2, 16, 48, [3, 17, 40, 0, 47]),
+    "prefill_ragged": (3, 9, 4, 2, 16, 40, [0, 5, 31]),
+    "prefill_uniform_two_key_tiles": (2, 70, 4, 2, 16, 70, [0, 0]),
+    "many_row_tiles_three_key_tiles": (2, 40, 8, 2, 16, 170, [100, 130]),
+    "no_grouping_wide_heads": (3, 2, 2, 2, 64, 20, [4, 0, 18]),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case):
+    """``_attention_probs`` with and without the loops: the probability tiles, both row sums and the masked
+    probabilities, bitwise (decode, ragged and uniform prefills, several row and key tiles)."""
+    from vexact_kernels import cpu_exact
+
+    batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    q = torch.randn(batch, q_len, q_heads, head_dim, generator=gen) * 3
+    k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen) * 3
+    v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen)
+    tiles = cpu_exact._AttentionTiles(q, k, v, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
+    expected = cpu_exact._attention_probs(tiles, None)
+    got = cpu_exact._attention_probs(tiles, loops)
+    for name, a, b in zip(("tiles", "row sums (padded)", "probabilities", "row sums"), got, expected):
+        assert a.shape == b.shape, name
+        assert torch.equal(_bits(a), _bits(b)), name
