@@ -111,6 +111,8 @@ def _build(name: str, directory: Path) -> ModuleType:
 
 def library() -> ModuleType | None:
     """The compiled library, or None (mode ``python``, or ``auto`` where it does not build); once per process."""
+    if _state:  # loaded (or given up) already: no lock needed to read it
+        return _state["module"]
     with _lock:
         if _state:
             return _state["module"]

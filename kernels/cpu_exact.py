@@ -74,7 +74,8 @@ ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU alloc
 # The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
 HOST = HostGuard(ROW_BLOCKS)
 # What each op's invariance rests on besides construction (reported by ``host_report``).
-HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows",), "rms_norm": (), "silu_mul": ("elementwise_exp",),
+HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows",), "rms_norm": ("elementwise_sqrt",),
+                   "silu_mul": ("elementwise_exp",),
                    "rope": (), "entropy": ("elementwise_exp",),
                    "attention": ("gemm_rows", "elementwise_exp"),
                    "log_softmax": ("elementwise_exp", "elementwise_log"),
@@ -142,6 +143,9 @@ def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     much as the copy on small tensors."""
     if tuple(shape) == tuple(x.shape):
         return x.clone()
+    loops = compiled_loops.library()
+    if loops is not None:  # the same copy in one pass (compiled_loops)
+        return loops.padded_copy(x, shape)
     out = x.new_empty(shape)
     out[tuple(slice(0, size) for size in x.shape)].copy_(x)
     _zero_outside(out, x.shape)
@@ -164,7 +168,7 @@ def _aligned(t: Tensor) -> Tensor:
 
 
 def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False) -> Tensor:
-    """Apply ``exp``, ``log`` or ``cos`` (the path ``host`` chose) chunk by chunk (see module docstring, point 3).
+    """Apply ``exp``, ``log``, ``cos`` or ``sqrt`` (the path ``host`` chose) chunk by chunk (module docstring, point 3).
 
     ``inplace``: ``x`` is a scratch tensor the caller gives up; the result may be written into it."""
     fn = host.elementwise(name, x.dtype, op)
@@ -181,7 +185,7 @@ def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False
 
 
 def elementwise(name: str, x: Tensor, *, host: HostGuard = HOST, op: str = "sampling") -> Tensor:
-    """``name`` (exp, log or cos) of every element of ``x`` (fp32 or fp64), each element's bits independent of
+    """``name`` (exp, log, cos or sqrt) of every element of ``x`` (fp32 or fp64), each element's bits independent of
     the tensor's size and the element's position (chunked, through the path ``host`` chose for this host)."""
     return _unary(name, x, host, op)
 
@@ -323,6 +327,9 @@ def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tens
     The values and layout of zero-padding ``src`` and copying its chunks' transposes (``constant_pad_nd`` then
     ``contiguous``), with one transposing copy instead of a padded copy and then a transposing one, and zeros
     written only where the data is not (a whole-tensor zero fill cost as much as the copy on the loaded 2-core host)."""
+    loops = compiled_loops.library()
+    if loops is not None:  # the same copy in one pass (compiled_loops)
+        return loops.chunks_transposed(src, block, chunks, width)
     rows, n = src.shape
     out = src.new_empty(chunks, width, block)
     full, tail = divmod(rows, block)
@@ -486,20 +493,25 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
 
 
 # --------------------------------------------------------------------------- row-wise ops
-def _rms_norm_parts(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(output, fp32 x, fp32 1/rms [..., 1])."""
+def _rms_norm_parts(x: Tensor, weight: Tensor, eps: float, host: HostGuard) -> tuple[Tensor, Tensor, Tensor]:
+    """(output, fp32 x, fp32 1/rms [..., 1]). The sqrt is the host's (a library function, probed like exp)."""
     xf = _float(x)
+    loops = compiled_loops.library()
+    if loops is not None and xf.numel():  # the same ops row by row, in one pass each side of the sqrt
+        mean_sq = loops.rms_norm_mean_square(xf, eps)
+        inv_rms = _unary("sqrt", mean_sq, host, "rms_norm", inplace=True).reciprocal_().unsqueeze(-1)
+        return loops.rms_norm_scale(xf, inv_rms, _float(weight)).to(x.dtype), xf, inv_rms
     mean_sq = _tree_sum(xf * xf).div_(x.shape[-1])
-    inv_rms = torch.sqrt_(mean_sq.add_(eps)).reciprocal_().unsqueeze(-1)  # exactly rounded; rsqrt is not
+    inv_rms = _unary("sqrt", mean_sq.add_(eps), host, "rms_norm", inplace=True).reciprocal_().unsqueeze(-1)
     return torch.mul(xf, inv_rms).mul_(_float(weight)).to(x.dtype), xf, inv_rms
 
 
-def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return _rms_norm_parts(x, weight, eps)[0]
+def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float, host: HostGuard) -> Tensor:
+    return _rms_norm_parts(x, weight, eps, host)[0]
 
 
-def _rms_norm_with_saved(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, tuple]:
-    out, xf, inv_rms = _rms_norm_parts(x, weight, eps)
+def _rms_norm_with_saved(x: Tensor, weight: Tensor, eps: float, host: HostGuard) -> tuple[Tensor, tuple]:
+    out, xf, inv_rms = _rms_norm_parts(x, weight, eps, host)
     return out, (xf, inv_rms, weight, x.dtype)
 
 
@@ -508,6 +520,10 @@ def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     xf, inv_rms, weight, dtype = saved
     g = _float(grad)
     grad_x = grad_w = None
+    loops = compiled_loops.library()
+    if loops is not None and xf.numel():  # the same ops row by row, in one pass (compiled_loops)
+        grad_x, grad_w = loops.rms_norm_backward(g, xf, inv_rms, _float(weight), needs[0], needs[1])
+        return grad_x.to(dtype) if needs[0] else None, grad_w.to(weight.dtype) if needs[1] else None
     if needs[0]:
         # inv_rms * (gw - xf * (inv_rms * inv_rms) * dot): the same exactly rounded ops on the same operands, in
         # the same order, written into one scratch tensor instead of a new tensor per step
@@ -525,11 +541,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, host: HostGuard = HOST) -
 
     Invariance contract: each output row depends only on that input row, the weight and eps
     -- never on the number of rows, their order, padding or the thread count (halving-tree
-    sum, exactly rounded sqrt/div; no rsqrt, whose vector and scalar paths round differently).
+    sum, the host's sqrt -- probed for position and thread independence, else ``fixed_order.sqrt`` -- and an
+    exactly rounded reciprocal; no rsqrt, whose vector and scalar paths round differently).
     Backward contract: the analytic VJP from the saved fp32 x and 1/rms; grad_x row by row, grad_weight over the
     rows, both by halving trees -- never dependent on the thread count.
     """
-    return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
+    return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps, host))
 
 
 def _shift_and_log_normalizer(logits: Tensor, host: HostGuard, op: str) -> tuple[Tensor, Tensor]:
@@ -1002,7 +1019,9 @@ def host_report(host: HostGuard = HOST) -> dict:
     report = host.report()
     ops = {}
     # the sampler's Gumbel noise (vexact.engine.sampling) also runs through this guard: fp64 log and cos
-    for op, properties in {**HOST_PROPERTIES, "sampling": ("elementwise_log", "elementwise_cos")}.items():
+    # and the optimizer's sqrt (vexact.rl.optim: the gradient norm, AdamW's denominator)
+    extra = {"sampling": ("elementwise_log", "elementwise_cos", "elementwise_sqrt"), "optimizer": ("elementwise_sqrt",)}
+    for op, properties in {**HOST_PROPERTIES, **extra}.items():
         probes = [p for p in report["probes"] if op in p["ops"]]
         paths = {"fixed-order" if p["path"] == "fixed-order" else "fast" for p in probes}
         if not properties:

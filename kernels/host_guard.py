@@ -6,10 +6,12 @@ exactness then rests on two *measured* properties of them, not on construction:
 - ``gemm_rows``: a batched GEMM (``torch.bmm``: MKL, OpenBLAS, Accelerate, ...) gives an output
   row the same bits whatever the tile height (``ROW_BLOCKS``), the row's position in its tile, the
   number of tiles in the call and the torch thread count;
-- ``elementwise_exp`` / ``elementwise_log`` / ``elementwise_cos``: the vectorised ``torch.exp`` /
-  ``torch.log`` / ``torch.cos`` give an element the same bits wherever it sits in a chunk (position,
-  alignment, chunk length, threads). (exp and log serve the kernels; log and cos in fp64 serve the
-  counter-based sampler, whose noise must not depend on the batch either.)
+- ``elementwise_exp`` / ``elementwise_log`` / ``elementwise_cos`` / ``elementwise_sqrt``: the vectorised
+  ``torch.exp`` / ``torch.log`` / ``torch.cos`` / ``torch.sqrt`` give an element the same bits wherever it sits in
+  a chunk (position, alignment, chunk length, threads). (exp and log serve the kernels; log, cos and sqrt in fp64
+  serve the counter-based sampler, whose noise must not depend on the batch either; sqrt in fp32 serves RMSNorm,
+  the gradient norm and AdamW. sqrt is a library function like the others, not an IEEE operation: torch 2.13's
+  CPU sqrt rounds 16% of random fp32 inputs other than the correctly rounded root, ``fixed_order.sqrt``.)
 
 Both held on the machines this project was built on, and both can fail elsewhere: another BLAS,
 another CPU generation (AVX-512 micro-kernels), another torch build. So a ``HostGuard`` probes a
@@ -120,14 +122,14 @@ def _rows_differing(a: Tensor, b: Tensor) -> int:
 class HostGuard:
     """Chooses, per shape class, between a host library primitive and its by-construction twin.
 
-    ``bmm``/``exp``/``log`` are the library primitives (torch's by default; tests pass
+    ``bmm``/``exp``/``log``/``cos``/``sqrt`` are the library primitives (torch's by default; tests pass
     deliberately broken ones to show the probe catches them). ``row_blocks`` are the tile heights
     the kernels use, which the GEMM probe must cover."""
 
     def __init__(self, row_blocks: tuple[int, ...], *, mode: str | None = None,
                  bmm: Callable[[Tensor, Tensor], Tensor] = torch.bmm,
                  exp: Callable[..., Tensor] = torch.exp, log: Callable[..., Tensor] = torch.log,
-                 cos: Callable[..., Tensor] = torch.cos):
+                 cos: Callable[..., Tensor] = torch.cos, sqrt: Callable[..., Tensor] = torch.sqrt):
         mode = mode_from_env() if mode is None else mode
         if mode not in MODES:
             raise ValueError(f"HostGuard mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -136,7 +138,7 @@ class HostGuard:
         self.mode = mode
         self.row_blocks = tuple(row_blocks)
         self._library_bmm = bmm
-        self._library_elementwise = {"exp": exp, "log": log, "cos": cos}
+        self._library_elementwise = {"exp": exp, "log": log, "cos": cos, "sqrt": sqrt}
         self._records: dict[tuple, ProbeRecord] = {}
 
     # ------------------------------------------------------------------ the primitives
@@ -170,9 +172,10 @@ class HostGuard:
         return self._library_bmm(a, b)
 
     def elementwise(self, name: str, dtype: torch.dtype, op: str) -> Callable[..., Tensor]:
-        """``fn(x, out=...)``: ``name`` (exp, log or cos) elementwise, through the path chosen for (name, dtype)."""
+        """``fn(x, out=...)``: ``name`` (exp, log, cos or sqrt) elementwise, through the path chosen for (name,
+        dtype)."""
         if name not in self._library_elementwise:
-            raise ValueError(f"HostGuard.elementwise: unknown function {name!r} (expected exp, log or cos)")
+            raise ValueError(f"HostGuard.elementwise: unknown function {name!r} (expected exp, log, cos or sqrt)")
         key = (f"elementwise_{name}", dtype)
         record = self._record_for(key, op, lambda: self._probe_elementwise(key, name, op))
         return getattr(fixed_order, name) if record.path == "fixed-order" else self._library_elementwise[name]
@@ -381,6 +384,9 @@ def _elementwise_probe_values(name: str, dtype: torch.dtype) -> Tensor:
     elif name == "log":  # row sums of exp (>= 1), uniforms in (0, 1) (sampling), any positive value
         values = [uniform(body // 2, 1.0, 1e4), uniform(body - body // 2, 1e-12, 1.0), torch.exp(uniform(240, -85, 85))]
         special = [1.0, 2.0, 0.5, torch.inf, 0.0, 1e-40, 3e38, 1.5]
+    elif name == "sqrt":  # mean squares (+ eps), Adam's second moments, squared norms, -2 log(u) of sampling
+        values = [torch.exp(uniform(body, -60.0, 60.0)), uniform(240, 0.0, 50.0)]
+        special = [0.0, -0.0, torch.inf, 1.0, 2.0, 4.0, 1e-40, 3e38]
     else:  # cos: sampling angles in [0, 2 pi]
         values = [uniform(body, 0.0, 2 * torch.pi), uniform(240, -100.0, 100.0)]
         special = [0.0, torch.pi / 2, torch.pi, 2 * torch.pi, -0.0, 1.0, 3.0, 6.0]

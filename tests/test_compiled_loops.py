@@ -54,6 +54,8 @@ CASES = [  # (shape, dim, a view to take: how the operand's strides differ from 
 def _view(x: torch.Tensor, how: str) -> torch.Tensor:
     if how == "transposed":
         return x.transpose(0, -1)
+    if how == "transposed_last":  # a batch of transposed matrices (the attention backward's GEMM operands)
+        return x.transpose(-1, -2)
     if how == "sliced":
         return x[:, 1:8, ::2]
     if how == "permuted":
@@ -143,3 +145,83 @@ def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case):
     for name, a, b in zip(("tiles", "row sums (padded)", "probabilities", "row sums"), got, expected):
         assert a.shape == b.shape, name
         assert torch.equal(_bits(a), _bits(b)), name
+
+
+LAYOUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+PAD_CASES = [  # (source shape, a view to take, padded shape)
+    ((5, 7), "plain", (8, 16)), ((5, 7), "transposed", (16, 5)), ((3, 4, 5), "plain", (3, 8, 16)),
+    ((6, 10, 12), "sliced", (8, 8, 16)), ((2, 3, 4, 64), "permuted", (64, 3, 2, 4)), ((1, 1), "plain", (4, 16)),
+    ((0, 3), "plain", (4, 16)), ((4, 3), "plain", (4, 3)), ((3, 5, 7), "transposed_last", (4, 8, 16)),
+    ((64, 56, 32), "transposed_last", (64, 32, 64)), ((2, 3, 40, 33), "transposed_last", (2, 4, 48, 48)),
+]
+
+
+@pytest.mark.parametrize("dtype", LAYOUT_DTYPES)
+@pytest.mark.parametrize("shape,how,padded", PAD_CASES)
+def test_padded_copy_is_the_torch_op_padding(loops, dtype, shape, how, padded):
+    x = _view(_values(shape, torch.float64, seed=sum(shape)).to(dtype), how)
+    expected = torch.constant_pad_nd(x, [p for size, full in zip(reversed(x.shape), reversed(padded))
+                                         for p in (0, full - size)])
+    got = loops.padded_copy(x, padded)
+    assert got.is_contiguous() and got.shape == expected.shape and got.dtype == dtype
+    assert torch.equal(got.view(torch.uint8), expected.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", LAYOUT_DTYPES)
+@pytest.mark.parametrize("rows,cols,block,width,how", [(230, 64, 256, 64, "plain"), (256, 22, 64, 32, "plain"),
+                                                        (70, 40, 64, 48, "transposed"), (5, 3, 4, 16, "sliced")])
+def test_chunks_transposed_is_the_torch_op_layout(loops, dtype, rows, cols, block, width, how):
+    """out[c, i, j] = src[c * block + j, i], zero elsewhere: the layout of padding the rows to whole chunks, then
+    each chunk's transpose (the torch-op composition ``cpu_exact._chunks_transposed`` replaces)."""
+    if how == "transposed":
+        src = _values((cols, rows), torch.float64, seed=rows).to(dtype).t()
+    elif how == "sliced":
+        src = _values((rows * 2, cols + 3), torch.float64, seed=rows).to(dtype)[::2, 1 : cols + 1]
+    else:
+        src = _values((rows, cols), torch.float64, seed=rows).to(dtype)
+    chunks = -(-rows // block)
+    padded = torch.constant_pad_nd(src, [0, width - cols, 0, chunks * block - rows])
+    expected = padded.view(chunks, block, width).transpose(1, 2).contiguous()
+    got = loops.chunks_transposed(src, block, chunks, width)
+    assert got.is_contiguous() and got.shape == expected.shape
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def _rms_norm_torch_ops(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """cpu_exact's RMSNorm forward as torch ops (its torch-op path, with the host's guarded sqrt): (output, fp32
+    1/rms [..., 1])."""
+    from vexact_kernels.cpu_exact import elementwise
+
+    xf = x.float()
+    mean_sq = fixed_order.tree_sum(xf * xf).div_(x.shape[-1])
+    inv_rms = elementwise("sqrt", mean_sq.add_(eps), op="rms_norm").reciprocal_().unsqueeze(-1)
+    return torch.mul(xf, inv_rms).mul_(weight.float()).to(x.dtype), inv_rms
+
+
+def _rms_norm_vjp_torch_ops(grad, xf, inv_rms, weight):
+    g, w = grad.float(), weight.float()
+    gw = g * w
+    dot = fixed_order.tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
+    grad_x = inv_rms * (gw - (xf * (inv_rms * inv_rms)) * dot)
+    grad_w = fixed_order.tree_sum(((g * xf) * inv_rms).reshape(-1, xf.shape[-1]), dim=0)
+    return grad_x, grad_w
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape", [(3, 17, 64), (1, 176), (230, 64), (2, 5, 4, 16), (4, 1)])
+def test_rms_norm_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape):
+    """Forward (output, 1/rms) and VJP (grad_x, grad_weight) of ``cpu_exact`` with the loops against the torch-op
+    formulas, bitwise, on values over many magnitudes."""
+    from vexact_kernels import cpu_exact
+
+    x = (_values(shape, torch.float64, seed=shape[-1]).clamp(-1e15, 1e15) + 0.5).to(dtype)
+    weight = torch.randn(shape[-1], generator=torch.Generator().manual_seed(3)).to(dtype)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out, xf, inv_rms = cpu_exact._rms_norm_parts(x, weight, 1e-6, cpu_exact.HOST)
+    expected_out, expected_inv = _rms_norm_torch_ops(x, weight, 1e-6)
+    assert torch.equal(_bits(out.float()), _bits(expected_out.float())) and torch.equal(_bits(inv_rms),
+                                                                                        _bits(expected_inv))
+    grad_x, grad_w = cpu_exact._rms_norm_vjp((xf, inv_rms, weight, dtype), grad, (True, True))
+    expected_x, expected_w = _rms_norm_vjp_torch_ops(grad, xf, inv_rms, weight)
+    assert torch.equal(_bits(grad_x.float()), _bits(expected_x.to(dtype).float()))
+    assert torch.equal(_bits(grad_w.float()), _bits(expected_w.to(dtype).float()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import num_threads, random_prompts, tiny_model
@@ -55,7 +56,15 @@ def position_dependent_exp(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-SOUND = dict(bmm=fixed_order.bmm, exp=fixed_order.exp, log=fixed_order.log, cos=fixed_order.cos)
+def position_dependent_sqrt(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A sqrt one ulp higher at odd element positions."""
+    fixed_order.sqrt(x, out=out)
+    out[1::2] = _nudge(out[1::2])
+    return out
+
+
+SOUND = dict(bmm=fixed_order.bmm, exp=fixed_order.exp, log=fixed_order.log, cos=fixed_order.cos,
+             sqrt=fixed_order.sqrt)
 
 
 def _guard(mode: str = "auto", **broken) -> HostGuard:
@@ -191,6 +200,40 @@ def test_probe_catches_position_dependent_exp():
     assert cpu_exact.host_report(guard)["ops"]["log_softmax"]["path"] == "mixed"  # exp fixed-order, log fast
 
 
+def test_probe_catches_position_dependent_sqrt():
+    """RMSNorm's sqrt is a library function (not the IEEE operation on every host): a position-dependent one breaks
+    the unguarded kernel's row independence; the guard catches it and falls back to ``fixed_order.sqrt``."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(33, 64, generator=g) * 3, torch.randn(64, generator=g)
+    unguarded = cpu_exact.with_host(_guard(sqrt=position_dependent_sqrt, mode="unguarded"))
+    full = unguarded.rms_norm(x, w, 1e-6)
+    assert any(not torch.equal(unguarded.rms_norm(x[i : i + 1], w, 1e-6)[0], full[i]) for i in range(33))
+
+    guard = _guard(sqrt=position_dependent_sqrt)
+    ops = cpu_exact.with_host(guard)
+    with pytest.warns(RuntimeWarning, match="elementwise_sqrt"):
+        full = ops.rms_norm(x, w, 1e-6)
+    for i in range(33):
+        assert torch.equal(ops.rms_norm(x[i : i + 1], w, 1e-6)[0], full[i])
+    torch.testing.assert_close(full, native.rms_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+    assert cpu_exact.host_report(guard)["ops"]["rms_norm"]["path"] == "fixed-order"
+
+
+def test_fixed_order_sqrt_is_correctly_rounded_in_fp32():
+    """fp32: every root the correctly rounded one (numpy's sqrt is the IEEE operation); fp64: within an ulp. Over
+    80 decades, subnormals and the special values. (torch's own CPU sqrt is not correctly rounded everywhere.)"""
+    g = torch.Generator().manual_seed(8)
+    for dtype, bits, ulps in ((torch.float32, torch.int32, 0), (torch.float64, torch.int64, 1)):
+        x = (torch.rand(300000, generator=g, dtype=torch.float64)
+             * 10.0 ** torch.randint(-40, 39, (300000,), generator=g).double()).to(dtype)
+        special = [0.0, -0.0, torch.inf, 1.0, 2.0, 4.0, 1e-45 if dtype == torch.float32 else 5e-324, 3e38]
+        x = torch.cat([x, torch.tensor(special, dtype=dtype)])
+        got, ieee = fixed_order.sqrt(x), torch.from_numpy(np.sqrt(x.numpy()))
+        assert int((got.view(bits) - ieee.view(bits)).abs().max()) <= ulps
+        assert torch.equal(torch.signbit(got), torch.signbit(ieee))
+    assert torch.isnan(fixed_order.sqrt(torch.tensor([-1.0, torch.nan]))).all()
+
+
 def test_probe_catches_a_broken_attention_gemm_and_decode_still_equals_prefill():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 70, h, 16, generator=g) for h in (4, 2, 2))
@@ -227,9 +270,9 @@ def _mismatched_tokens(model, prompts, threads_rollout: int = 1, threads_scoring
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rollout_equals_training_on_a_broken_host(dtype):
-    """Every GEMM and exp broken at once: the guarded model stays exact; unguarded and native do not."""
+    """Every GEMM, exp and sqrt broken at once: the guarded model stays exact; unguarded and native do not."""
     prompts = random_prompts(10, 30, seed=2)
-    broken = dict(bmm=position_dependent_bmm, exp=position_dependent_exp)
+    broken = dict(bmm=position_dependent_bmm, exp=position_dependent_exp, sqrt=position_dependent_sqrt)
     model = tiny_model("exact", dtype)
     assert _mismatched_tokens(model, prompts, ops=cpu_exact.with_host(_guard(mode="unguarded", **broken))) > 0
 
@@ -238,7 +281,8 @@ def test_rollout_equals_training_on_a_broken_host(dtype):
         warnings.simplefilter("ignore", RuntimeWarning)  # one per shape class; checked in the tests above
         assert _mismatched_tokens(model, prompts, ops=cpu_exact.with_host(guard)) == 0
     paths = {p["property"]: p["path"] for p in guard.report()["probes"]}
-    assert paths == {"gemm_rows": "fixed-order", "elementwise_exp": "fixed-order", "elementwise_log": "vectorised"}
+    assert paths == {"gemm_rows": "fixed-order", "elementwise_exp": "fixed-order", "elementwise_log": "vectorised",
+                     "elementwise_sqrt": "fixed-order"}
 
     assert _mismatched_tokens(tiny_model("native", dtype), prompts) > 0  # the arrangement can detect TIM
 

@@ -112,6 +112,224 @@ at::Tensor tree_sum(const at::Tensor& x, int64_t dim) {
   return out;
 }
 
+// ----------------------------------------------------------------------------------------------------- rms_norm
+// cpu_exact's RMSNorm, forward and VJP, row by row on fp32 values (the caller upcasts and rounds back): the same
+// exactly rounded operations in the same order. D = the row length.
+
+// forward, around the library sqrt (a probed host function, called by the caller between the two passes):
+// mean_square = tree(x * x) / D + eps per row ([rows]), then, with inv_rms = 1 / sqrt(mean_square), out =
+// (x * inv_rms) * w.
+at::Tensor rms_norm_mean_square(const at::Tensor& x, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm_mean_square: fp32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(d >= 1, "rms_norm_mean_square: rows of at least one element");
+  at::Tensor mean = at::empty(x.sizes().slice(0, x.dim() - 1), x.options());
+  const float* in = xc.data_ptr<float>();
+  float* m = mean.data_ptr<float>();
+  const float eps_f = static_cast<float>(eps), d_f = static_cast<float>(d);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / d), [&](int64_t first, int64_t last) {
+    std::vector<float> sq(d), buf(d);
+    for (int64_t row = first; row < last; ++row) {
+      const float* xr = in + row * d;
+      for (int64_t j = 0; j < d; ++j) sq[j] = xr[j] * xr[j];
+      float total = sq[0];
+      if (d > 1) tree_single(sq.data(), d, 1, buf.data(), &total);
+      m[row] = total / d_f + eps_f;
+    }
+  });
+  return mean;
+}
+
+at::Tensor rms_norm_scale(const at::Tensor& x, const at::Tensor& inv_rms, const at::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && inv_rms.scalar_type() == at::kFloat &&
+                  weight.scalar_type() == at::kFloat, "rms_norm_scale: fp32");
+  const at::Tensor xc = x.contiguous(), rc = inv_rms.contiguous(), wc = weight.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(rc.numel() == rows && wc.numel() == d, "rms_norm_scale: shapes");
+  at::Tensor out = at::empty_like(xc);
+  const float* in = xc.data_ptr<float>();
+  const float* r = rc.data_ptr<float>();
+  const float* w = wc.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / d), [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const float* xr = in + row * d;
+      float* orow = o + row * d;
+      for (int64_t j = 0; j < d; ++j) orow[j] = (xr[j] * r[row]) * w[j];
+    }
+  });
+  return out;
+}
+
+// VJP: gw = g * w, dot = tree(gw * x) / D, grad_x = inv * (gw - (x * (inv * inv)) * dot), and grad_w = the tree over
+// all rows (in row order) of (g * x) * inv. Returns (grad_x, grad_w); either may be skipped (an empty tensor).
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& inv_rms,
+                                          const at::Tensor& weight, bool need_x, bool need_w) {
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                  inv_rms.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "rms_norm_backward: fp32");
+  const at::Tensor gc = grad.contiguous(), xc = x.contiguous(), rc = inv_rms.contiguous(), wc = weight.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(gc.numel() == xc.numel() && rc.numel() == rows && wc.numel() == d, "rms_norm_backward: shapes");
+  at::Tensor grad_x = need_x ? at::empty_like(xc) : at::empty({0}, x.options());
+  at::Tensor terms = need_w ? at::empty({rows, d}, x.options()) : at::empty({0}, x.options());
+  const float* g = gc.data_ptr<float>();
+  const float* xs = xc.data_ptr<float>();
+  const float* r = rc.data_ptr<float>();
+  const float* w = wc.data_ptr<float>();
+  float* gx = need_x ? grad_x.data_ptr<float>() : nullptr;
+  float* tw = need_w ? terms.data_ptr<float>() : nullptr;
+  const float d_f = static_cast<float>(d);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / d), [&](int64_t first, int64_t last) {
+    std::vector<float> gw(d), prod(d), buf(d);
+    for (int64_t row = first; row < last; ++row) {
+      const float* grow = g + row * d;
+      const float* xrow = xs + row * d;
+      const float inv = r[row];
+      if (need_x) {
+        for (int64_t j = 0; j < d; ++j) gw[j] = grow[j] * w[j];
+        for (int64_t j = 0; j < d; ++j) prod[j] = gw[j] * xrow[j];
+        float dot = prod[0];
+        if (d > 1) tree_single(prod.data(), d, 1, buf.data(), &dot);
+        dot = dot / d_f;
+        const float inv_sq = inv * inv;
+        float* out = gx + row * d;
+        for (int64_t j = 0; j < d; ++j) out[j] = inv * (gw[j] - (xrow[j] * inv_sq) * dot);
+      }
+      if (need_w) {
+        float* trow = tw + row * d;
+        for (int64_t j = 0; j < d; ++j) trow[j] = (grow[j] * xrow[j]) * inv;
+      }
+    }
+  });
+  at::Tensor grad_w = at::empty({0}, x.options());
+  if (need_w) grad_w = rows > 1 ? tree_sum(terms, 0) : terms.select(0, 0);
+  return {grad_x, grad_w};
+}
+
+// ----------------------------------------------------------------------------------------------------- layouts
+// Copies that lay out GEMM operands (cpu_exact._zero_padded, _chunks_transposed): pure data movement, so the
+// same bits as the torch-op copies whatever the order; one call instead of an allocation, a copy per region
+// and a zero fill per padding region.
+
+namespace {
+
+// out[i * out_row + j] = in[j * in_row + i * in_col] for j < rows, i < cols: a transposing copy in 16 x 16 blocks,
+// so that both sides touch a few cache lines at a time (a column-by-column copy read one line per element).
+template <typename T>
+void transpose_into(const T* in, int64_t in_row, int64_t in_col, int64_t rows, int64_t cols, T* out,
+                    int64_t out_row) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t j0 = 0; j0 < rows; j0 += kBlock) {
+    const int64_t j1 = std::min(rows, j0 + kBlock);
+    for (int64_t i0 = 0; i0 < cols; i0 += kBlock) {
+      const int64_t i1 = std::min(cols, i0 + kBlock);
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* src = in + j * in_row;
+        for (int64_t i = i0; i < i1; ++i) out[i * out_row + j] = src[i * in_col];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// A fresh contiguous tensor of `shape` (same rank as src, each dim >= src's), src in its leading corner, zero
+// elsewhere (as torch.constant_pad_nd with zeros after each dim's end); src may have any strides.
+at::Tensor padded_copy(const at::Tensor& src, at::IntArrayRef shape) {
+  const int64_t nd = src.dim();
+  TORCH_CHECK(int64_t(shape.size()) == nd && nd >= 1, "padded_copy: shape of the same rank as src");
+  for (int64_t k = 0; k < nd; ++k) TORCH_CHECK(shape[k] >= src.size(k), "padded_copy: shape smaller than src");
+  at::Tensor out = at::empty(shape, src.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const int64_t cols = shape[nd - 1], src_cols = src.size(nd - 1), s_col = src.stride(nd - 1);
+  const int64_t rows = out.numel() / cols;
+  if (nd >= 2 && s_col != 1 && src.stride(nd - 2) == 1 && src.size(nd - 2) > 1) {
+    // the last two dims transposed (a .transpose(-1, -2) view): blocked transposes per matrix, then the zeros
+    const int64_t mat_rows = shape[nd - 2], src_rows = src.size(nd - 2), mats = out.numel() / (mat_rows * cols);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "padded_copy_t", [&] {
+      const scalar_t* base = src.data_ptr<scalar_t>();
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      at::parallel_for(0, mats, std::max<int64_t>(1, kGrain / (mat_rows * cols)), [&](int64_t first, int64_t last) {
+        for (int64_t mat = first; mat < last; ++mat) {
+          scalar_t* o = dst + mat * mat_rows * cols;
+          int64_t offset = 0, rest = mat;
+          bool inside = true;
+          for (int64_t k = nd - 3; k >= 0; --k) {
+            const int64_t index = rest % shape[k];
+            rest /= shape[k];
+            inside = inside && index < src.size(k);
+            offset += index * src.stride(k);
+          }
+          if (!inside) {
+            std::fill(o, o + mat_rows * cols, scalar_t(0));
+            continue;
+          }
+          // out row r, column c = src[r, c]: src rows are read along their stride-1 dim (nd - 2)
+          transpose_into(base + offset, s_col, 1, src_cols, src_rows, o, cols);
+          for (int64_t r = 0; r < src_rows; ++r) std::fill(o + r * cols + src_cols, o + (r + 1) * cols, scalar_t(0));
+          std::fill(o + src_rows * cols, o + mat_rows * cols, scalar_t(0));
+        }
+      });
+    });
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "padded_copy", [&] {
+    const scalar_t* base = src.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        scalar_t* o = dst + row * cols;
+        int64_t offset = 0, rest = row;
+        bool inside = true;
+        for (int64_t k = nd - 2; k >= 0; --k) {
+          const int64_t index = rest % shape[k];
+          rest /= shape[k];
+          inside = inside && index < src.size(k);
+          offset += index * src.stride(k);
+        }
+        int64_t copied = 0;
+        if (inside) {
+          const scalar_t* in = base + offset;
+          if (s_col == 1) {
+            std::copy(in, in + src_cols, o);
+          } else {
+            for (int64_t j = 0; j < src_cols; ++j) o[j] = in[j * s_col];
+          }
+          copied = src_cols;
+        }
+        std::fill(o + copied, o + cols, scalar_t(0));
+      }
+    });
+  });
+  return out;
+}
+
+// [chunks, width, block]: src [M, N] cut into `block`-row chunks, each transposed; out[c, i, j] = src[c * block + j,
+// i], zero where src has no element (rows past M, columns from N to width).
+at::Tensor chunks_transposed(const at::Tensor& src, int64_t block, int64_t chunks, int64_t width) {
+  TORCH_CHECK(src.dim() == 2, "chunks_transposed: a 2-D tensor");
+  const int64_t m = src.size(0), n = src.size(1), s_row = src.stride(0), s_col = src.stride(1);
+  TORCH_CHECK(chunks * block >= m && width >= n, "chunks_transposed: too few chunks or columns");
+  at::Tensor out = at::empty({chunks, width, block}, src.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "chunks_transposed", [&] {
+    const scalar_t* base = src.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, chunks, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width * block)),
+                     [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t rows = std::min(block, m - c * block);  // rows of src in this chunk
+        scalar_t* chunk = dst + c * width * block;
+        transpose_into(base + c * block * s_row, s_row, s_col, rows, n, chunk, block);
+        for (int64_t i = 0; i < n; ++i) std::fill(chunk + i * block + rows, chunk + (i + 1) * block, scalar_t(0));
+        std::fill(chunk + n * block, chunk + width * block, scalar_t(0));
+      }
+    });
+  });
+  return out;
+}
+
 // ----------------------------------------------------------------------------------------------------- attention
 // The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
@@ -243,6 +461,11 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_sum", &tree_sum, "fixed_order.tree_sum for width >= 2 (fp32/fp64, any strides), same bits");
+  m.def("rms_norm_mean_square", &rms_norm_mean_square, "cpu_exact's RMSNorm up to its sqrt, same bits");
+  m.def("rms_norm_scale", &rms_norm_scale, "cpu_exact's RMSNorm after its sqrt, same bits");
+  m.def("rms_norm_backward", &rms_norm_backward, "cpu_exact's RMSNorm VJP on fp32 rows, same bits");
+  m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
+  m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
 }

@@ -40,7 +40,7 @@ def counter_normal(seed: int, sequence_ids: Tensor, positions: Tensor, width: in
     """Standard normal float64 [B, width] keyed like ``counter_uniform`` (Box-Muller)."""
     u1 = counter_uniform(seed, sequence_ids, positions, width)
     u2 = counter_uniform(seed ^ 0x5BD1E995, sequence_ids, positions, width)
-    radius = torch.sqrt(-2.0 * elementwise("log", u1))  # sqrt is exactly rounded
+    radius = elementwise("sqrt", -2.0 * elementwise("log", u1))  # the host's sqrt, guarded like log and cos
     return radius * elementwise("cos", (2.0 * torch.pi) * u2)
 
 

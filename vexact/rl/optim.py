@@ -4,10 +4,11 @@ The exact kernels make every gradient independent of the torch thread count; the
 ``torch.nn.utils.clip_grad_norm_`` sums squares with the library's reductions (split between threads for large
 tensors), and ``torch.optim.AdamW`` uses ``lerp_`` / ``addcmul_`` / ``addcdiv_``, whose vectorised bodies may fuse a
 multiply and an add (one rounding) where their scalar tails do not (two): which elements fall in a tail depends on
-how a tensor is cut between threads. Here every step is one exactly rounded IEEE operation (mul, add, sub, div,
-sqrt) applied elementwise, and the only reduction is a halving tree, so the update's bits depend only on its
-inputs -- on any host and thread count. The state layout (``step``, ``exp_avg``, ``exp_avg_sq``) is torch's, so
-checkpoints load either way.
+how a tensor is cut between threads. Here every step is one exactly rounded IEEE operation (mul, add, sub, div)
+applied elementwise, or the host's sqrt (a library function like exp, probed by the exact kernels' guard for
+position and thread independence, else ``fixed_order.sqrt``), and the only reduction is a halving tree, so the
+update's bits depend only on its inputs -- on any host and thread count. The state layout (``step``, ``exp_avg``,
+``exp_avg_sq``) is torch's, so checkpoints load either way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from vexact_kernels.compiled_loops import tree_sum
+from vexact_kernels.cpu_exact import elementwise
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + CLIP_EPS)
 
@@ -27,7 +29,7 @@ def clip_flat_gradient_(gradient: Tensor, max_norm: float) -> float:
 
     The norm is sqrt of a halving-tree sum of squares; the coefficient is torch's, min(1, max_norm / (norm + 1e-6)).
     A non-finite norm is returned as is (the caller records it), the gradient left untouched."""
-    norm = float(torch.sqrt(tree_sum(gradient * gradient, dim=0)))
+    norm = float(elementwise("sqrt", tree_sum(gradient * gradient, dim=0), op="optimizer"))
     if math.isfinite(norm):
         coefficient = min(1.0, max_norm / (norm + CLIP_EPS))
         if coefficient < 1.0:
@@ -83,11 +85,12 @@ class ExactAdamW(torch.optim.AdamW):
 
 def _adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,
                   beta1: float, beta2: float, eps: float, decay: float) -> None:
-    """One AdamW step on one tensor; every tensor operation is a single exactly rounded elementwise op."""
+    """One AdamW step on one tensor; every tensor operation is a single exactly rounded elementwise op (sqrt: the
+    host's, guarded)."""
     if decay != 0.0:
         param.mul_(1.0 - lr * decay)
     exp_avg.add_((grad - exp_avg).mul_(1.0 - beta1))  # torch's lerp(exp_avg, grad, 1 - beta1), unfused
     exp_avg_sq.mul_(beta2).add_((grad * grad).mul_(1.0 - beta2))
     step_size = lr / (1.0 - beta1**step)
-    denom = exp_avg_sq.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(eps)
+    denom = elementwise("sqrt", exp_avg_sq, op="optimizer").div_(math.sqrt(1.0 - beta2**step)).add_(eps)
     param.sub_(exp_avg.div(denom).mul_(step_size))
