@@ -22,16 +22,19 @@ How this module gets exactness anyway -- three building blocks, each invariant:
    code), so the result depends only on the row's values -- invariant by construction.
    Zero padding at the end of a row does not change the result (x + 0 == x), which lets a
    decode step (short key row) and a prefill row (long, masked key row) sum identically.
-3. **Chunked transcendentals** (``_unary``): ``exp``/``log`` run over the flattened tensor in
+3. **Chunked library math** (``_unary``): ``exp``/``log``/``sqrt`` run over the flattened tensor in
    chunks of ``CHUNK`` elements, a multiple of 64 below ATen's default parallel grain size
    (32768): an op with a vectorised body and a scalar tail (whose rounding can differ, e.g.
-   Sleef's ``sigmoid``) then only ever runs the vectorised body. Whether the library's exp/log
+   Sleef's ``sigmoid``) then only ever runs the vectorised body. Whether the library's exp/log/sqrt
    give an element the same bits at every position is again a host property, probed by ``HOST``;
-   where it fails, ``fixed_order.exp`` / ``log`` (polynomials of exactly rounded ops) take over.
+   where it fails, ``fixed_order.exp`` / ``log`` / ``sqrt`` (from exactly rounded ops) take over. (torch's
+   CPU sqrt is such a library function, not the IEEE operation: it is not always correctly rounded.)
 
 So every op is exact on any host: by construction, or by a probed property with a by-construction
-fallback. ``host_report()`` says which path each op took (``vexact check`` prints it); the
-environment variable ``VEXACT_CPU_EXACT_PATH=fixed-order`` forces the by-construction path everywhere.
+fallback. ``host_report()`` says which path each op took (``vexact check`` prints it); the environment
+variable ``VEXACT_CPU_EXACT_PATH=fixed-order`` forces the by-construction path everywhere. The torch-op
+compositions around the library calls (tree sums, masks, operand layouts) also exist as compiled loops
+(``compiled_loops``): the same operations element by element, the same bits, fewer aten calls.
 
 Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in
 fp32) and rounded once to the output dtype. Backward passes (``autograd.exact_forward_vjp``,

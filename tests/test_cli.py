@@ -23,8 +23,8 @@ def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys)
     assert sum(r["tokens"] - r["bitwise_equal"] for r in rows if r["backend"] == "native") > 0
     exact_paths = next(r["kernel_paths"] for r in rows if r["backend"] == "exact")
     # every exact op says which path it took; probed ops name their probes, by-construction ops need none
-    assert exact_paths["ops"]["rms_norm"]["path"] == "by construction"
-    for op in ("linear", "attention", "silu_mul", "token_logprobs", "sampling"):
+    assert exact_paths["ops"]["embedding"]["path"] == "by construction"
+    for op in ("linear", "attention", "rms_norm", "silu_mul", "token_logprobs", "sampling"):
         assert exact_paths["ops"][op]["path"] in ("fast", "fixed-order", "mixed"), op
         assert exact_paths["ops"][op]["shape_classes"], op
     if exact_paths["mode"] == "auto":  # (VEXACT_CPU_EXACT_PATH=fixed-order: nothing is probed)

@@ -220,14 +220,15 @@ namespace {
 template <typename T>
 void transpose_into(const T* in, int64_t in_row, int64_t in_col, int64_t rows, int64_t cols, T* out,
                     int64_t out_row) {
-  constexpr int64_t kBlock = 16;
-  for (int64_t j0 = 0; j0 < rows; j0 += kBlock) {
-    const int64_t j1 = std::min(rows, j0 + kBlock);
-    for (int64_t i0 = 0; i0 < cols; i0 += kBlock) {
-      const int64_t i1 = std::min(cols, i0 + kBlock);
-      for (int64_t j = j0; j < j1; ++j) {
-        const T* src = in + j * in_row;
-        for (int64_t i = i0; i < i1; ++i) out[i * out_row + j] = src[i * in_col];
+  constexpr int64_t kBlock = 32;
+  for (int64_t i0 = 0; i0 < cols; i0 += kBlock) {
+    const int64_t i1 = std::min(cols, i0 + kBlock);
+    for (int64_t j0 = 0; j0 < rows; j0 += kBlock) {
+      const int64_t j1 = std::min(rows, j0 + kBlock);
+      for (int64_t i = i0; i < i1; ++i) {
+        T* dst = out + i * out_row;
+        const T* src = in + i * in_col;
+        for (int64_t j = j0; j < j1; ++j) dst[j] = src[j * in_row];
       }
     }
   }
@@ -375,19 +376,24 @@ at::Tensor attention_shifted(const at::Tensor& scores, int64_t batch, int64_t he
       const int64_t i = row % real, r = (row / real) % row_blocks, bh = row / (real * row_blocks);
       const int64_t b = bh / heads;
       const int64_t pos = query_position(s, st, rt, b, r, i);
-      // score of key j: tile j / C, column j % C, of this (bh, r) pair's tiles, row i
+      // score of key j: tile j / C, column j % C, of this (bh, r) pair's tiles, row i; keys from `limit` on are
+      // hidden (-inf, which changes no max)
       const float* tiles = src + (bh * row_blocks + r) * key_blocks * block * key_block + i * key_block;
+      const int64_t limit = std::min<int64_t>(width, std::max<int64_t>(pos + 1, 0));
       float* o = dst + row * width;
+      for (int64_t t = 0; t * key_block < limit; ++t) {
+        const int64_t cols = std::min(key_block, limit - t * key_block);
+        std::copy(tiles + t * block * key_block, tiles + t * block * key_block + cols, o + t * key_block);
+      }
       float m = neg_inf;  // the row max; NaN if any score is NaN (as amax)
       bool nan = false;
-      for (int64_t j = 0; j < width; ++j) {
-        const float v = j <= pos ? tiles[(j / key_block) * block * key_block + j % key_block] : neg_inf;
-        o[j] = v;
-        nan = nan || std::isnan(v);
-        m = v > m ? v : m;
+      for (int64_t j = 0; j < limit; ++j) {
+        nan = nan || std::isnan(o[j]);
+        m = o[j] > m ? o[j] : m;
       }
       if (nan) m = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t j = 0; j < width; ++j) o[j] = j <= pos ? o[j] - m : 0.0f;
+      for (int64_t j = 0; j < limit; ++j) o[j] = o[j] - m;
+      std::fill(o + limit, o + width, 0.0f);
     }
   });
   return out;
@@ -428,7 +434,10 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
       for (int64_t i = 0; i < real; ++i) {
         const int64_t pos = query_position(s, st, rt, b, r, i);
         float* row = p + (pair * real + i) * width;
-        for (int64_t j = 0; j < width; ++j) row[j] = row[j] * (j <= pos ? 1.0f : 0.0f);
+        const int64_t limit = std::min<int64_t>(width, std::max<int64_t>(pos + 1, 0));
+        // times 1.0 or 0.0, as the torch ops: a multiply, even by 1, flushes a subnormal where the FPU's
+        // denormals-are-zero mode is on
+        for (int64_t j = 0; j < width; ++j) row[j] = row[j] * (j < limit ? 1.0f : 0.0f);
         for (int64_t t = 0; t < used; ++t) {
           const int64_t cols = std::min(key_block, width - t * key_block);
           if (cols == 1) {
