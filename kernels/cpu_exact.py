@@ -128,6 +128,10 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     w = _float(weight)
     w = _zero_padded(w, (n_pad, w.shape[1])) if n_pad != n else _aligned(w)
     operand = w.t().unsqueeze(0)  # [1, K, N_pad]
+    loops = compiled_loops.library()
+    if loops is not None and (record := host.library_gemm(x.dtype, operand, True, op)) is not None:
+        # the library GEMM: the steps below in one compiled call, on the same operands
+        return loops.tiled_matmul(x, operand, _row_block(rows, record.tile_heights), n)
     block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
@@ -234,6 +238,11 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source:
     row_tiles = -(-n // height)
     if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
         return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
+    loops = compiled_loops.library()
+    if loops is not None and host.library_gemm(a.dtype, b_class, False, op) is not None:
+        # the library GEMM: the steps below in one compiled call, on the same operands
+        b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
+        return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k)
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0

@@ -154,6 +154,16 @@ class HostGuard:
         record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
         return self.row_blocks if record.path == "fixed-order" else record.tile_heights
 
+    def library_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord | None:
+        """The class's record where it runs torch's own GEMM (``torch.bmm``) as it is, verified at the current thread
+        count -- a caller may then call it itself on the same operands, with the same bits, in tiles of
+        ``record.tile_heights``; else None (the fixed-order or single-thread path, or a guard over another GEMM, as
+        tests build): go through ``bmm``. Asked per call, like ``bmm``: a class's path can change later."""
+        key = ("gemm_rows", dtype, b.shape[1], b.shape[2], _layout(b), shared_operand)
+        record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
+        plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm  # (no test's recording override)
+        return record if plain and is_library(record) else None
+
     def bmm(self, a: Tensor, b: Tensor, op: str, shared_operand: bool) -> Tensor:
         """a [T, R, K] @ b [T, K, N] through the path chosen for this shape class (R one of ``tile_heights``).
 
@@ -351,6 +361,12 @@ class HostGuard:
         warnings.warn(f"vexact exact CPU kernels: host property '{record.property}' failed for {record.shape_class} "
                       f"({record.failure}); ops {', '.join(sorted(record.ops))} now use the "
                       f"fixed-order path (slower, invariant by construction).{caveat}", RuntimeWarning, stacklevel=4)
+
+
+def is_library(record: ProbeRecord) -> bool:
+    """Whether a GEMM class runs the library GEMM at every thread count (its path can change later in the process: a
+    thread count verified after the first probe may send it to the fixed-order or the single-thread path)."""
+    return record.path not in ("fixed-order", SINGLE_THREAD_PATH)
 
 
 def _layout(b: Tensor) -> str:

@@ -225,3 +225,38 @@ def test_rms_norm_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape):
     expected_x, expected_w = _rms_norm_vjp_torch_ops(grad, xf, inv_rms, weight)
     assert torch.equal(_bits(grad_x.float()), _bits(expected_x.to(dtype).float()))
     assert torch.equal(_bits(grad_w.float()), _bits(expected_w.to(dtype).float()))
+
+
+LINEAR_CASES = [  # (rows, in features, out features): one chunk / several, padded columns, a row tile per call
+    (230, 64, 176), (230, 176, 64), (37, 64, 22), (600, 48, 40), (3, 16, 16), (1000, 64, 200),
+]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rows,k,n", LINEAR_CASES)
+def test_linear_through_the_compiled_gemm_steps_is_the_torch_op_path(loops, dtype, rows, k, n):
+    """``linear`` forward and backward where the guard's verdict is torch's GEMM (the compiled ``tiled_matmul`` and
+    ``transposed_matmul`` run the steps around it) against a guard over a wrapper of the same GEMM (which the
+    compiled path does not take: every step in torch ops): output and both gradients bitwise."""
+    from conftest import num_threads
+
+    from vexact_kernels import cpu_exact
+    from vexact_kernels.host_guard import HostGuard
+
+    torch_ops_guard = HostGuard(cpu_exact.ROW_BLOCKS, bmm=lambda a, b: torch.bmm(a, b))
+    gen = torch.Generator().manual_seed(rows + k + n)
+    x0 = torch.randn(rows, k, generator=gen).to(dtype)
+    w0 = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    grad = torch.randn(rows, n, generator=gen).to(dtype)
+    results = []
+    with num_threads(1):
+        for host in (cpu_exact.HOST, torch_ops_guard):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            out = cpu_exact.linear(x, w, host=host)
+            out.backward(grad)
+            results.append((out.detach(), x.grad, w.grad))
+    operand = torch.empty(16 * -(-n // 16), k).t().unsqueeze(0)  # the forward's class: which path each guard took
+    assert cpu_exact.HOST.library_gemm(torch.float32, operand, True, "linear") is not None
+    assert torch_ops_guard.library_gemm(torch.float32, operand, True, "linear") is None
+    for name, a, b in zip(("output", "grad_x", "grad_w"), *results):
+        assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), name

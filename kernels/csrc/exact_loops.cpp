@@ -331,6 +331,58 @@ at::Tensor chunks_transposed(const at::Tensor& src, int64_t block, int64_t chunk
   return out;
 }
 
+// ----------------------------------------------------------------------------------------------------- GEMM tiles
+// cpu_exact._tiled_matmul and _transposed_matmul after their plan (operand, tile heights) is made, for a shape class
+// whose guard verdict is the plain library GEMM: the same operand layouts, the same at::bmm call (the ATen op
+// torch.bmm is), the same views, so the same bits. What they save is the Python between those calls.
+namespace {
+
+constexpr int64_t kAlignment = 64;  // cpu_exact.ALIGNMENT
+
+bool aligned_contiguous(const at::Tensor& t) {
+  return t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % kAlignment == 0;
+}
+
+// cpu_exact._zero_padded: a clone (strides preserved) when nothing is padded, else the padded copy.
+at::Tensor zero_padded(const at::Tensor& x, at::IntArrayRef shape) {
+  return x.sizes() == shape ? x.clone() : padded_copy(x, shape);
+}
+
+}  // namespace
+
+// x [M, K] fp32 @ operand [1, K, N_pad] (shared by every tile) in `block`-row tiles -> [M, n] (a view).
+at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t block, int64_t n) {
+  const int64_t rows = x.size(0), k = x.size(1), n_pad = operand.size(2);
+  const int64_t blocks = (rows + block - 1) / block;
+  at::Tensor padded;
+  if (blocks * block != rows) {
+    padded = zero_padded(x, {blocks * block, k});
+  } else {
+    padded = aligned_contiguous(x) ? x : x.clone(at::MemoryFormat::Contiguous);
+  }
+  at::Tensor out = at::bmm(padded.view({blocks, block, k}), operand.expand({blocks, k, n_pad}));
+  out = out.view({blocks * block, n_pad});
+  return n_pad == n ? out.slice(0, 0, rows) : out.slice(0, 0, rows).slice(1, 0, n);
+}
+
+// a.T @ b for a [M, N], with b's chunk tiles laid out already (b_tiles [chunks * row_tiles, K_pad, block]):
+// _transposed_matmul's single-call form. Returns [N, K] (a view for one chunk).
+at::Tensor transposed_matmul(const at::Tensor& a, const at::Tensor& b_tiles, int64_t block, int64_t chunks,
+                             int64_t height, int64_t row_tiles, int64_t k) {
+  const int64_t rows = a.size(0), n = a.size(1), padded = chunks * block, k_pad = b_tiles.size(1);
+  at::Tensor a_tiles;
+  if (row_tiles * height == n && (chunks == 1 || row_tiles == 1)) {
+    const bool contiguous = padded == rows && aligned_contiguous(a);
+    const at::Tensor a_rows = contiguous ? a : zero_padded(a, {padded, n});
+    a_tiles = a_rows.view({chunks, block, n}).transpose(1, 2).reshape({chunks * row_tiles, height, block});
+  } else {
+    a_tiles = chunks_transposed(a, block, chunks, row_tiles * height).view({chunks * row_tiles, height, block});
+  }
+  at::Tensor out = at::bmm(a_tiles, b_tiles.transpose(1, 2));
+  at::Tensor parts = out.view({chunks, row_tiles * height, k_pad}).slice(1, 0, n).slice(2, 0, k);
+  return chunks == 1 ? parts.select(0, 0) : tree_sum(parts, 0);
+}
+
 // ----------------------------------------------------------------------------------------------------- attention
 // The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
@@ -475,6 +527,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_backward", &rms_norm_backward, "cpu_exact's RMSNorm VJP on fp32 rows, same bits");
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
+  m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
+  m.def("transposed_matmul", &transposed_matmul, "cpu_exact._transposed_matmul after its plan, same bits");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
 }
