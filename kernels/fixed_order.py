@@ -152,7 +152,7 @@ def _check_dtype(name: str, x: Tensor, supported: tuple[torch.dtype, ...]) -> No
 
 def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
     """fp32 sqrt(x) correctly rounded (as IEEE 754 requires, which the library's vectorised sqrt need not be:
-    torch 2.13's CPU sqrt rounds 16% of random fp32 inputs the other way), fp64 within one ulp; from exactly
+    torch 2.13's CPU sqrt rounds about 20% of uniform fp32 inputs the other way), fp64 within one ulp; from exactly
     rounded ops.
 
     The input is scaled by an even power of two into m in [1, 4) (exact), so subnormals and huge values need no

@@ -11,7 +11,7 @@ exactness then rests on two *measured* properties of them, not on construction:
   a chunk (position, alignment, chunk length, threads). (exp and log serve the kernels; log, cos and sqrt in fp64
   serve the counter-based sampler, whose noise must not depend on the batch either; sqrt in fp32 serves RMSNorm,
   the gradient norm and AdamW. sqrt is a library function like the others, not an IEEE operation: torch 2.13's
-  CPU sqrt rounds 16% of random fp32 inputs other than the correctly rounded root, ``fixed_order.sqrt``.)
+  CPU sqrt rounds about 20% of uniform fp32 inputs other than the correctly rounded root, ``fixed_order.sqrt``.)
 
 Both held on the machines this project was built on, and both can fail elsewhere: another BLAS,
 another CPU generation (AVX-512 micro-kernels), another torch build. So a ``HostGuard`` probes a
