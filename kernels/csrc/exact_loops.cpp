@@ -234,6 +234,19 @@ void transpose_into(const T* in, int64_t in_row, int64_t in_col, int64_t rows, i
   }
 }
 
+// Where the `index`-th combination of dims 0..last of an out tensor of `shape` (last dim fastest) sits in src:
+// its element offset, or -1 where it lies outside src (padding).
+int64_t src_offset(const at::Tensor& src, at::IntArrayRef shape, int64_t index, int64_t last) {
+  int64_t offset = 0;
+  for (int64_t k = last; k >= 0; --k) {
+    const int64_t i = index % shape[k];
+    index /= shape[k];
+    if (i >= src.size(k)) return -1;
+    offset += i * src.stride(k);
+  }
+  return offset;
+}
+
 }  // namespace
 
 // A fresh contiguous tensor of `shape` (same rank as src, each dim >= src's), src in its leading corner, zero
@@ -255,15 +268,8 @@ at::Tensor padded_copy(const at::Tensor& src, at::IntArrayRef shape) {
       at::parallel_for(0, mats, std::max<int64_t>(1, kGrain / (mat_rows * cols)), [&](int64_t first, int64_t last) {
         for (int64_t mat = first; mat < last; ++mat) {
           scalar_t* o = dst + mat * mat_rows * cols;
-          int64_t offset = 0, rest = mat;
-          bool inside = true;
-          for (int64_t k = nd - 3; k >= 0; --k) {
-            const int64_t index = rest % shape[k];
-            rest /= shape[k];
-            inside = inside && index < src.size(k);
-            offset += index * src.stride(k);
-          }
-          if (!inside) {
+          const int64_t offset = src_offset(src, shape, mat, nd - 3);
+          if (offset < 0) {
             std::fill(o, o + mat_rows * cols, scalar_t(0));
             continue;
           }
@@ -282,16 +288,9 @@ at::Tensor padded_copy(const at::Tensor& src, at::IntArrayRef shape) {
     at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t first, int64_t last) {
       for (int64_t row = first; row < last; ++row) {
         scalar_t* o = dst + row * cols;
-        int64_t offset = 0, rest = row;
-        bool inside = true;
-        for (int64_t k = nd - 2; k >= 0; --k) {
-          const int64_t index = rest % shape[k];
-          rest /= shape[k];
-          inside = inside && index < src.size(k);
-          offset += index * src.stride(k);
-        }
+        const int64_t offset = src_offset(src, shape, row, nd - 2);
         int64_t copied = 0;
-        if (inside) {
+        if (offset >= 0) {
           const scalar_t* in = base + offset;
           if (s_col == 1) {
             std::copy(in, in + src_cols, o);
