@@ -10,7 +10,7 @@ bitwise, and a whole RL step's weights with and without them.
 The extension is built once per machine and source version with torch's C++ extension builder (a C++ compiler
 and ninja: the ``ninja`` pip package is a vexact dependency), on first use, into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes import the built library
-directly. ``python -m vexact_kernels.compiled_loops`` builds it ahead of time and prints what it found.
+directly. ``python -m vexact_kernels.build_loops`` builds it ahead of time and prints what it found.
 
 Modes, from the ``VEXACT_CPU_LOOPS`` environment variable (read once, at first use):
 
@@ -162,6 +162,3 @@ def main() -> int:
           + (f"; loaded in {found['build_seconds']} s" if found["build_seconds"] is not None else ""))
     return 0 if found["path"] == "compiled" or found["mode"] == "python" else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
