@@ -99,6 +99,9 @@ def _ninja_on_path() -> None:
 def _build(name: str, directory: Path) -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None and shutil.which("g++") is None:  # torch's builder would fail noisily
+        raise RuntimeError(f"no C++ compiler on PATH (looked for {compiler} and g++)")
     _ninja_on_path()
     directory.mkdir(parents=True, exist_ok=True)
     print(f"vexact: building the exact CPU kernels' compiled loops (once per machine and version) in {directory}",
@@ -157,7 +160,11 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
 
 def main() -> int:
     """Build (or find) the compiled loops and print what the exact CPU kernels will use."""
-    found = status()
+    try:
+        found = status()
+    except RuntimeError as error:  # VEXACT_CPU_LOOPS=compiled and no build: one line, no traceback
+        print(f"compiled loops: {error}", file=sys.stderr)
+        return 1
     print(f"compiled loops: {found['path']} ({found['reason']}); mode {found['mode']}"
           + (f"; loaded in {found['build_seconds']} s" if found["build_seconds"] is not None else ""))
     return 0 if found["path"] == "compiled" or found["mode"] == "python" else 1

@@ -6,6 +6,10 @@ random shapes, strides and special values, and a whole run is compared with and 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import running_in_ci
@@ -260,3 +264,30 @@ def test_linear_through_the_compiled_gemm_steps_is_the_torch_op_path(loops, dtyp
     assert torch_ops_guard.library_gemm(torch.float32, operand, True, "linear") is None
     for name, a, b in zip(("output", "grad_x", "grad_w"), *results):
         assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), name
+
+
+def _without_a_compiler(tmp_path, code: list[str], mode: str) -> subprocess.CompletedProcess:
+    """``python`` with an empty PATH (no C++ compiler, no ninja) and an empty extension cache."""
+    env = {**os.environ, "PATH": str(tmp_path / "empty"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"),
+           compiled_loops.LOOPS_ENV: mode}
+    return subprocess.run([sys.executable, *code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_no_compiler_falls_back_to_the_torch_ops_with_one_warning(tmp_path):
+    code = ("import torch, warnings; from vexact_kernels import cpu_exact, compiled_loops\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    cpu_exact.rms_norm(torch.randn(4, 8), torch.randn(8), 1e-6)\n"
+            "    cpu_exact.rms_norm(torch.randn(4, 8), torch.randn(8), 1e-6)\n"
+            "warned = sum('compiled loops did not build' in str(w.message) for w in caught)\n"
+            "print(compiled_loops.status()['path'], warned)")
+    done = _without_a_compiler(tmp_path, ["-c", code], "auto")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["torch", "ops", "1"]
+
+
+def test_compiled_mode_without_a_compiler_is_one_clear_error(tmp_path):
+    done = _without_a_compiler(tmp_path, ["-m", "vexact_kernels.build_loops"], "compiled")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "VEXACT_CPU_LOOPS=compiled, but the compiled loops did not build" in done.stderr
+    assert "no C++ compiler on PATH" in done.stderr
