@@ -234,13 +234,14 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source:
     k_pad = _ceil_to(k, COL_BLOCK)
     # the right operand's shape class: [block, K_pad] per tile, transposed layout (K_pad rows of ``block`` tokens)
     b_class = torch.empty(1, k_pad, block, dtype=b.dtype, device=b.device).transpose(1, 2)
-    height = _row_block(n, host.tile_heights(a.dtype, b_class, False, op))
+    loops = compiled_loops.library()
+    record = host.library_gemm(a.dtype, b_class, False, op) if loops is not None else None
+    heights = record.tile_heights if record is not None else host.tile_heights(a.dtype, b_class, False, op)
+    height = _row_block(n, heights)
     row_tiles = -(-n // height)
     if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
         return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
-    loops = compiled_loops.library()
-    if loops is not None and host.library_gemm(a.dtype, b_class, False, op) is not None:
-        # the library GEMM: the steps below in one compiled call, on the same operands
+    if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
         b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
         return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k)
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):

@@ -150,8 +150,7 @@ class HostGuard:
         (some BLAS give small tiles another micro-kernel: MKL on an AVX-512 Xeon did for 4-row tiles at K >= 128
         and 8-row tiles at K >= 256); on the fixed-order path every height (invariant by construction). A row's bits
         are then the same for every allowed height, so the kernels may choose any of them."""
-        key = ("gemm_rows", dtype, b.shape[1], b.shape[2], _layout(b), shared_operand)
-        record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
         return self.row_blocks if record.path == "fixed-order" else record.tile_heights
 
     def library_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord | None:
@@ -159,8 +158,7 @@ class HostGuard:
         count -- a caller may then call it itself on the same operands, with the same bits, in tiles of
         ``record.tile_heights``; else None (the fixed-order or single-thread path, or a guard over another GEMM, as
         tests build): go through ``bmm``. Asked per call, like ``bmm``: a class's path can change later."""
-        key = ("gemm_rows", dtype, b.shape[1], b.shape[2], _layout(b), shared_operand)
-        record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
         plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm  # (no test's recording override)
         return record if plain and is_library(record) else None
 
@@ -170,8 +168,7 @@ class HostGuard:
         ``shared_operand``: every tile multiplies the same (expanded) b, as a linear layer's weight;
         otherwise each tile has its own, as attention's key tiles. The class is (dtype, K, N, b's layout,
         shared or not) -- never T or R, so every call of a class takes one path."""
-        key = ("gemm_rows", a.dtype, a.shape[2], b.shape[2], _layout(b), shared_operand)
-        record = self._record_for(key, op, lambda: self._probe_gemm(key, op))
+        record = self._gemm_record(a.dtype, a.shape[2], b, shared_operand, op)
         if record.path == "fixed-order":
             return fixed_order.bmm(a, b)
         if a.shape[1] not in record.tile_heights:
@@ -195,6 +192,11 @@ class HostGuard:
         return {"mode": self.mode, "probes": [r.as_dict() for r in self._records.values()]}
 
     # ------------------------------------------------------------------ probes
+    def _gemm_record(self, dtype: torch.dtype, k: int, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord:
+        """The record of the GEMM class (dtype, K, b's N and layout, shared operand or not), probed at first use."""
+        key = ("gemm_rows", dtype, k, b.shape[2], _layout(b), shared_operand)
+        return self._record_for(key, op, lambda: self._probe_gemm(key, op))
+
     def _record_for(self, key: tuple, op: str, probe: Callable[[], ProbeRecord]) -> ProbeRecord:
         """The class's record (probed at first use), verified for the current thread count, ``op`` noted."""
         record = self._records.get(key) or probe()
