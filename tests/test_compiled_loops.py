@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import running_in_ci
 from test_data_parallel import _config_file, _result, _same, _vexact_run
+from test_exact_price_bits import _bits, _rms_norm_vjp_reference
 
 from vexact_kernels import compiled_loops, fixed_order
 
 DTYPES = (torch.float32, torch.float64)
-BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,6 @@ def loops():
             pytest.fail(f"the compiled loops did not load under CI: {found}", pytrace=False)
         pytest.skip(f"no compiled loops on this host: {found['reason']}")
     return compiled_loops.library()
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(BITS[x.dtype])
 
 
 def _values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -168,7 +164,7 @@ def test_padded_copy_is_the_torch_op_padding(loops, dtype, shape, how, padded):
                                          for p in (0, full - size)])
     got = loops.padded_copy(x, padded)
     assert got.is_contiguous() and got.shape == expected.shape and got.dtype == dtype
-    assert torch.equal(got.view(torch.uint8), expected.contiguous().view(torch.uint8))
+    assert torch.equal(_bits(got), _bits(expected))
 
 
 @pytest.mark.parametrize("dtype", LAYOUT_DTYPES)
@@ -188,7 +184,7 @@ def test_chunks_transposed_is_the_torch_op_layout(loops, dtype, rows, cols, bloc
     expected = padded.view(chunks, block, width).transpose(1, 2).contiguous()
     got = loops.chunks_transposed(src, block, chunks, width)
     assert got.is_contiguous() and got.shape == expected.shape
-    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(_bits(got), _bits(expected))
 
 
 def _rms_norm_torch_ops(x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -200,15 +196,6 @@ def _rms_norm_torch_ops(x: torch.Tensor, weight: torch.Tensor, eps: float):
     mean_sq = fixed_order.tree_sum(xf * xf).div_(x.shape[-1])
     inv_rms = elementwise("sqrt", mean_sq.add_(eps), op="rms_norm").reciprocal_().unsqueeze(-1)
     return torch.mul(xf, inv_rms).mul_(weight.float()).to(x.dtype), inv_rms
-
-
-def _rms_norm_vjp_torch_ops(grad, xf, inv_rms, weight):
-    g, w = grad.float(), weight.float()
-    gw = g * w
-    dot = fixed_order.tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
-    grad_x = inv_rms * (gw - (xf * (inv_rms * inv_rms)) * dot)
-    grad_w = fixed_order.tree_sum(((g * xf) * inv_rms).reshape(-1, xf.shape[-1]), dim=0)
-    return grad_x, grad_w
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -223,12 +210,10 @@ def test_rms_norm_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape):
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
     out, xf, inv_rms = cpu_exact._rms_norm_parts(x, weight, 1e-6, cpu_exact.HOST)
     expected_out, expected_inv = _rms_norm_torch_ops(x, weight, 1e-6)
-    assert torch.equal(_bits(out.float()), _bits(expected_out.float())) and torch.equal(_bits(inv_rms),
-                                                                                        _bits(expected_inv))
+    assert torch.equal(_bits(out), _bits(expected_out)) and torch.equal(_bits(inv_rms), _bits(expected_inv))
     grad_x, grad_w = cpu_exact._rms_norm_vjp((xf, inv_rms, weight, dtype), grad, (True, True))
-    expected_x, expected_w = _rms_norm_vjp_torch_ops(grad, xf, inv_rms, weight)
-    assert torch.equal(_bits(grad_x.float()), _bits(expected_x.to(dtype).float()))
-    assert torch.equal(_bits(grad_w.float()), _bits(expected_w.to(dtype).float()))
+    expected_x, expected_w = _rms_norm_vjp_reference((xf, inv_rms, weight, dtype), grad, (True, True))
+    assert torch.equal(_bits(grad_x), _bits(expected_x)) and torch.equal(_bits(grad_w), _bits(expected_w))
 
 
 LINEAR_CASES = [  # (rows, in features, out features): one chunk / several, padded columns, a row tile per call
@@ -263,7 +248,7 @@ def test_linear_through_the_compiled_gemm_steps_is_the_torch_op_path(loops, dtyp
     assert cpu_exact.HOST.library_gemm(torch.float32, operand, True, "linear") is not None
     assert torch_ops_guard.library_gemm(torch.float32, operand, True, "linear") is None
     for name, a, b in zip(("output", "grad_x", "grad_w"), *results):
-        assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), name
+        assert torch.equal(_bits(a), _bits(b)), name
 
 
 def _without_a_compiler(tmp_path, code: list[str], mode: str) -> subprocess.CompletedProcess:
