@@ -73,11 +73,15 @@ KEY_BLOCK = 64  # keys per attention tile, from position 0
 # A weight gradient whose right operand would be copied once per row tile with more than this many extra elements
 # runs one GEMM call per row tile instead (the same tiles; below it, the extra calls cost more than the copy).
 ROW_TILE_CALLS_FROM = 1 << 20
+# A weight gradient runs on views (``_transposed_matmul_views``) only with at most this many partial-product elements
+# (chunks * N * K: 64 MiB of fp32; llama100m's LM head, 49152 x 576 per chunk, keeps its row tiles).
+VIEW_PARTIALS_MAX = 1 << 24
+VIEW_PROBE_CHUNKS, VIEW_PROBE_SEED = 4, 20261126  # the views probe: whole chunks per call (plus a partial one), seed
 ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
 # The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
 HOST = HostGuard(ROW_BLOCKS)
 # What each op's invariance rests on besides construction (reported by ``host_report``).
-HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows",), "rms_norm": ("elementwise_sqrt",),
+HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows", "same_bits"), "rms_norm": ("elementwise_sqrt",),
                    "silu_mul": ("elementwise_exp",),
                    "rope": (), "entropy": ("elementwise_exp",),
                    "attention": ("gemm_rows", "elementwise_exp"),
@@ -211,6 +215,58 @@ def _reduction_block(rows: int) -> int:
 
 
 def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
+    """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
+
+    The canonical arrangement is ``_transposed_matmul_tiles``. Where this GEMM class runs the library GEMM and the
+    guard found that ``_transposed_matmul_views`` (the same chunk GEMMs on views, without the transposing copies and
+    row tiles) gives its bits, that arrangement runs instead (``HostGuard.arrangement_agrees``): no bit changes."""
+    rows, n = a.shape
+    k = b.shape[1]
+    block = _reduction_block(rows)
+    chunks = -(-rows // block)
+    if chunks * n * k <= VIEW_PARTIALS_MAX and _views_agree(block, n, k, host, op):
+        return _transposed_matmul_views(a, b, block)
+    return _transposed_matmul_tiles(a, b, host, op, b_source)
+
+
+def _views_agree(block: int, n: int, k: int, host: HostGuard, op: str) -> bool:
+    """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``'s bits for this class on this host (a
+    probe at first use, on seeded inputs of ``VIEW_PROBE_CHUNKS`` whole chunks and a partial one)."""
+    b_class = torch.empty(1, _ceil_to(k, COL_BLOCK), block).transpose(1, 2)  # the tiles' GEMM class, as below
+    if host.library_gemm(torch.float32, b_class, False, op) is None:  # fixed-order or single-thread: the tiles
+        return False
+
+    def inputs() -> tuple[Tensor, Tensor]:
+        gen = torch.Generator().manual_seed(VIEW_PROBE_SEED)
+        rows = VIEW_PROBE_CHUNKS * block + block // 2 + 1
+        return torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
+
+    return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} float32",
+                                   lambda: _transposed_matmul_tiles(*inputs(), host, op),
+                                   lambda: _transposed_matmul_views(*inputs(), block), op)
+
+
+def _transposed_matmul_views(a: Tensor, b: Tensor, block: int) -> Tensor:
+    """``_transposed_matmul_tiles``'s chunk GEMMs, each [N, block] @ [block, K] in one call, on views: chunk c's
+    left operand is rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are;
+    only the last, partial chunk is copied (zero-padded to ``block`` rows). The partial products are added by the
+    same halving tree in chunk order. Used only where the guard found it gives the canonical bits."""
+    rows, n = a.shape
+    k = b.shape[1]
+    a, b = _aligned(a), _aligned(b)  # chunk starts are then aligned too (block * N * 4 bytes apart)
+    whole, tail = divmod(rows, block)
+    parts = a.new_empty(whole + (tail > 0), n, k)
+    if whole:
+        body = whole * block
+        torch.bmm(a[:body].view(whole, block, n).transpose(1, 2), b[:body].view(whole, block, k), out=parts[:whole])
+    if tail:
+        a_tail = _zero_padded(a[whole * block :], (block, n)).view(1, block, n)
+        b_tail = _zero_padded(b[whole * block :], (block, k)).view(1, block, k)
+        torch.bmm(a_tail.transpose(1, 2), b_tail, out=parts[whole:])
+    return parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
+
+
+def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
     """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
 
     A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.

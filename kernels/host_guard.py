@@ -13,6 +13,10 @@ exactness then rests on two *measured* properties of them, not on construction:
   the gradient norm and AdamW. sqrt is a library function like the others, not an IEEE operation: torch 2.13's
   CPU sqrt rounds about 20% of uniform fp32 inputs other than the correctly rounded root, ``fixed_order.sqrt``.)
 
+A third property only buys speed: ``same_bits`` -- a faster arrangement of the same library calls (a weight
+gradient's chunk GEMMs on views of its inputs instead of transposed, tiled copies) gives the bits of the kernels'
+own arrangement. Where it fails the kernels keep their own arrangement (``canonical``), so no bit ever depends on it.
+
 Both held on the machines this project was built on, and both can fail elsewhere: another BLAS,
 another CPU generation (AVX-512 micro-kernels), another torch build. So a ``HostGuard`` probes a
 property the first time an op needs it, for each *shape class* that matters (GEMM: K, N, the
@@ -60,6 +64,8 @@ ENV_MODES = ("auto", "fixed-order")  # what users may choose; "unguarded" is for
 MODE_ENV = "VEXACT_CPU_EXACT_PATH"
 REFERENCE_THREADS = 1
 SINGLE_THREAD_PATH = "blas-1-thread"  # a GEMM class right at 1 thread only: the library, called with 1 thread
+SAME_BITS = "same_bits"  # property: a faster arrangement of the same library calls gives the kernels' own bits
+FASTER_PATH, CANONICAL_PATH = "faster", "canonical"  # its two paths (neither one is less exact than the other)
 MACHINE_THREADS = max(torch.get_num_threads(), os.cpu_count() or 1)  # also probed at first use (see _run_probe)
 PROBE_ROWS = 64  # rows per probe: the tallest tile
 PROBE_SEED = 20261123
@@ -187,6 +193,19 @@ class HostGuard:
         record = self._record_for(key, op, lambda: self._probe_elementwise(key, name, op))
         return getattr(fixed_order, name) if record.path == "fixed-order" else self._library_elementwise[name]
 
+    def arrangement_agrees(self, name: str, shape_class: str, canonical: Callable[[], Tensor],
+                           faster: Callable[[], Tensor], op: str) -> bool:
+        """Whether ``faster`` -- another arrangement of the same library calls (other operand layouts, fewer copies)
+        -- gives the bits of ``canonical``, the kernels' own arrangement, for the class (``name``, ``shape_class``).
+
+        Both callables compute the class's probe inputs themselves, seeded. ``canonical`` with 1 thread is the
+        reference; ``faster`` is compared with it bitwise at the current and the machine's thread count (and at
+        each thread count seen later, before it is used). Where it differs the kernels keep the canonical
+        arrangement: slower, never other bits, so no warning. In mode ``fixed-order`` never; ``unguarded`` trusts."""
+        key = (SAME_BITS, name, shape_class)
+        record = self._record_for(key, op, lambda: self._probe_arrangement(key, canonical, faster, op))
+        return record.path == FASTER_PATH
+
     def report(self) -> dict:
         """Mode and every probe so far (property, shape class, path, verdict, threads checked, ops)."""
         return {"mode": self.mode, "probes": [r.as_dict() for r in self._records.values()]}
@@ -294,6 +313,22 @@ class HostGuard:
 
         return self._run_probe(record, lambda: apply(values), run_arrangements)
 
+    def _probe_arrangement(self, key: tuple, canonical: Callable[[], Tensor], faster: Callable[[], Tensor],
+                           op: str) -> ProbeRecord:
+        _, name, shape_class = key
+        record = self._new_record(key, f"{name}: {shape_class}", FASTER_PATH, op)
+        if self.mode != "auto":
+            return record
+
+        def run_arrangements() -> str | None:
+            out = faster()
+            if torch.equal(out, record.reference):
+                return None
+            differing = int((out != record.reference).sum())
+            return f"{differing}/{out.numel()} elements differ from the canonical arrangement"
+
+        return self._run_probe(record, canonical, run_arrangements)
+
     def _run_probe(self, record: ProbeRecord, reference: Callable[[], Tensor],
                    arrangements: Callable[[], str | None]) -> ProbeRecord:
         """The reference with 1 thread, every arrangement at the current thread count and at the machine's
@@ -338,7 +373,7 @@ class HostGuard:
     def _verify_threads(self, record: ProbeRecord) -> None:
         """A thread count not seen yet is checked against the 1-thread reference before it is used."""
         threads = torch.get_num_threads()
-        if (record.check is None or record.path in ("fixed-order", SINGLE_THREAD_PATH)
+        if (record.check is None or record.path in ("fixed-order", SINGLE_THREAD_PATH, CANONICAL_PATH)
                 or threads in record.threads_checked):
             return
         start = time.perf_counter()
@@ -356,8 +391,11 @@ class HostGuard:
         record.passed = record.failure is None
         if record.passed:
             return
-        record.path = "fixed-order"
         record.reference = None
+        if record.property == SAME_BITS:  # the kernels' own arrangement: every result so far has its bits
+            record.path = CANONICAL_PATH
+            return
+        record.path = "fixed-order"
         caveat = (" Results computed earlier in this process with the library path (at other thread counts) are "
                   "not bitwise comparable with later ones." if earlier_results else "")
         warnings.warn(f"vexact exact CPU kernels: host property '{record.property}' failed for {record.shape_class} "

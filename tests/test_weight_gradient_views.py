@@ -1,0 +1,142 @@
+"""A weight gradient on views: the same bits as the canonical tiles, or the tiles themselves.
+
+``cpu_exact._transposed_matmul`` (a linear layer's weight gradient, a reduction over tokens in 256-token chunks) has
+one canonical arrangement, ``_transposed_matmul_tiles``: transposed, zero-padded copies and 64-row tiles. Where the
+guard's ``same_bits`` probe found that ``_transposed_matmul_views`` (the same chunk GEMMs on views of the inputs)
+gives the canonical bits on this host, the views run; elsewhere the tiles do. Either way the result must be the
+canonical one, bit for bit: that is what these tests check, with the real GEMM and with a faster arrangement made
+wrong on purpose."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import num_threads
+from test_exact_price_bits import _same_bits
+
+from vexact_kernels import cpu_exact, fixed_order
+from vexact_kernels.host_guard import CANONICAL_PATH, FASTER_PATH, MACHINE_THREADS, HostGuard
+
+
+def _nudge(t: torch.Tensor) -> torch.Tensor:
+    """One ulp up at every other element."""
+    out = t.clone()
+    flat = out.view(-1)
+    flat[::2] = torch.nextafter(flat[::2], torch.full_like(flat[::2], float("inf")))
+    return out
+
+
+def _inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
+
+
+# --------------------------------------------------------------------------- the guard's same_bits probe
+def _probe(guard: HostGuard, faster) -> bool:
+    canonical = torch.arange(12.0).view(3, 4) / 7
+    return guard.arrangement_agrees("test", "3x4", lambda: canonical.clone(), lambda: faster(canonical), "linear")
+
+
+def test_an_agreeing_arrangement_is_taken_and_recorded():
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    assert _probe(guard, lambda c: c.clone()) is True
+    (probe,) = guard.report()["probes"]
+    assert probe["property"] == "same_bits" and probe["path"] == FASTER_PATH and probe["passed"] is True
+    assert probe["threads_checked"] == sorted({torch.get_num_threads(), MACHINE_THREADS})
+
+
+def test_a_differing_arrangement_keeps_the_canonical_one_without_a_warning():
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the canonical arrangement is exact: nothing to warn about
+        assert _probe(guard, _nudge) is False
+    (probe,) = guard.report()["probes"]
+    assert probe["path"] == CANONICAL_PATH and probe["passed"] is False and "differ" in probe["failure"]
+
+
+def test_an_arrangement_wrong_only_at_more_threads_is_caught_at_first_use():
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    with num_threads(1):  # first use at 1 thread: the machine's count is probed too
+        agrees = _probe(guard, lambda c: _nudge(c) if torch.get_num_threads() > 1 else c.clone())
+    assert agrees is (MACHINE_THREADS == 1)
+
+
+def test_a_thread_count_seen_later_is_checked_before_the_arrangement_is_used():
+    beyond = MACHINE_THREADS + 1
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+
+    def faster(c: torch.Tensor) -> torch.Tensor:
+        return _nudge(c) if torch.get_num_threads() > MACHINE_THREADS else c.clone()
+
+    with num_threads(1):
+        assert _probe(guard, faster) is True
+    with num_threads(beyond):
+        assert _probe(guard, faster) is False
+    (probe,) = guard.report()["probes"]
+    assert probe["path"] == CANONICAL_PATH and probe["threads_checked"][-1] == beyond
+    with num_threads(1):
+        assert _probe(guard, faster) is False  # from now on one arrangement at every thread count
+
+
+def test_fixed_order_mode_never_takes_a_faster_arrangement():
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="fixed-order")
+    assert _probe(guard, lambda c: c.clone()) is False
+
+
+# --------------------------------------------------------------------------- the weight gradient itself
+CASES = [(3968, 176, 64), (3968, 64, 176), (300, 22, 64), (512, 64, 64), (256, 40, 48), (100, 40, 48),
+         (70, 16, 16), (1, 32, 8)]
+
+
+@pytest.mark.parametrize("rows,n,k", CASES)
+def test_weight_gradient_is_the_canonical_arrangement_bit_for_bit(rows, n, k):
+    a, b = _inputs(rows, n, k)
+    expected = cpu_exact._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
+    assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    # inputs as they come from autograd: a transposed view, and a view that starts off the 64-byte boundary
+    a_t = a.t().contiguous().t()
+    b_off = torch.cat([torch.zeros(1), b.view(-1)])[1:].view(rows, k)
+    assert b_off.data_ptr() % cpu_exact.ALIGNMENT != 0
+    assert _same_bits(cpu_exact._transposed_matmul(a_t, b_off, cpu_exact.HOST, "linear"), expected)
+
+
+def test_weight_gradient_with_special_values_is_the_canonical_arrangement():
+    """Signed zeros (a masked token's gradient), infinities and NaN reach the weight gradient too."""
+    a, b = _inputs(600, 48, 32, seed=1)
+    a[:300] = -0.0
+    a[300, 3], b[301, 5], b[450, 7] = float("inf"), float("nan"), -float("inf")
+    expected = cpu_exact._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
+    assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+
+
+def test_a_views_arrangement_that_differs_is_not_used(monkeypatch):
+    """A host whose GEMM gave the views other bits: the probe sees it and the tiles run."""
+    real_views = cpu_exact._transposed_matmul_views
+    monkeypatch.setattr(cpu_exact, "_transposed_matmul_views", lambda a, b, block: _nudge(real_views(a, b, block)))
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    a, b = _inputs(700, 64, 48)
+    out = cpu_exact._transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+    views = [p for p in guard.report()["probes"] if p["property"] == "same_bits"]
+    assert [p["path"] for p in views] == [CANONICAL_PATH]
+    assert views[0]["shape_class"] == "weight gradient on views: block=256 N=64 K=48 float32"
+
+
+def test_a_guard_over_another_gemm_keeps_the_tiles():
+    """The views call torch.bmm itself: a guard over another GEMM (the fixed-order one here) never probes them."""
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", bmm=fixed_order.bmm)
+    a, b = _inputs(300, 32, 16)
+    out = cpu_exact._transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+    assert not [p for p in guard.report()["probes"] if p["property"] == "same_bits"]
+
+
+@pytest.mark.parametrize("threads", (1, 2, 3, 4))
+def test_weight_gradient_on_views_is_thread_invariant(threads):
+    a, b = _inputs(1000, 176, 64, seed=2)
+    with num_threads(1):
+        reference = cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear")
+    with num_threads(threads):
+        assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
