@@ -475,6 +475,9 @@ def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int) -> Tensor:
     and summed by ``tree_sum`` over the occurrences. Zero padding does not change a tree sum, so how tokens are
     grouped into chunks (by count, to bound memory) does not change any bit: out[v] depends only on v's rows and
     their order -- never on the thread count (unlike an ``index_add_``, whose order is the library's affair)."""
+    loops = compiled_loops.library()
+    if loops is not None and rows.dtype == torch.float32:  # the same chunks and trees in one call
+        return loops.sum_rows_by_token(tokens, rows, vocab, EMBEDDING_PAD_BUDGET)
     count = tokens.numel()
     out = rows.new_zeros(vocab, rows.shape[1])
     if count == 0:
@@ -725,7 +728,14 @@ def _silu(gate: Tensor, host: HostGuard) -> Tensor:
     return torch.div(g, denom, out=denom)
 
 
+def _silu_mul_loops(gate: Tensor, up: Tensor) -> ModuleType | None:
+    """The compiled loops where they take this SwiGLU (fp32 gate and up), else None: the torch ops."""
+    return compiled_loops.library() if gate.dtype == up.dtype == torch.float32 else None
+
+
 def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
+    if _silu_mul_loops(gate, up) is not None:  # one pass after the exp (its saved values are dropped)
+        return _silu_mul_with_saved(gate, up, host)[0]
     silu = _silu(gate, host)
     if gate.dtype == torch.float32 and up.dtype == torch.float32:
         return silu.mul_(up)
@@ -736,7 +746,11 @@ def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Ten
     """The forward's ops one by one (as ``_silu`` and ``_silu_mul_exact``), keeping 1 + exp(-gate) and silu(gate) for
     the backward: it needs both, and computing them again cost a negation, a chunked exp, an add and a divide."""
     g = _float(gate)
-    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True)
+    if (loops := _silu_mul_loops(gate, up)) is not None:  # the add, divide and multiply below in one pass
+        silu, out = loops.silu_mul_forward(g.contiguous(), denom, up.contiguous())
+        return out, (gate, up, denom, silu, host)
+    denom.add_(1.0)
     silu = torch.div(g, denom)
     out = torch.mul(silu, up) if gate.dtype == torch.float32 and up.dtype == torch.float32 else silu.to(gate.dtype) * up
     return out, (gate, up, denom, silu, host)
@@ -747,6 +761,10 @@ def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     d gate = g * up * s * (1 + gate * (1 - s)); fp32 from the forward's 1 + exp(-gate) and silu (saved) and exactly
     rounded ops, one rounding."""
     gate, up, denom, silu, host = saved
+    if (loops := _silu_mul_loops(gate, up)) is not None and grad.dtype == torch.float32:  # the ops below, one pass
+        grad_gate, grad_up = loops.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), denom,
+                                                     silu, needs[0], needs[1])
+        return (grad_gate if needs[0] else None), (grad_up if needs[1] else None)
     gf, g = _float(gate), _float(grad)
     grad_gate = grad_up = None
     if needs[0]:

@@ -17,7 +17,7 @@ A third property only buys speed: ``same_bits`` -- a faster arrangement of the s
 gradient's chunk GEMMs on views of its inputs instead of transposed, tiled copies) gives the bits of the kernels'
 own arrangement. Where it fails the kernels keep their own arrangement (``canonical``), so no bit ever depends on it.
 
-Both held on the machines this project was built on, and both can fail elsewhere: another BLAS,
+The first two held on the machines this project was built on, and both can fail elsewhere: another BLAS,
 another CPU generation (AVX-512 micro-kernels), another torch build. So a ``HostGuard`` probes a
 property the first time an op needs it, for each *shape class* that matters (GEMM: K, N, the
 operand layout and the compute dtype; elementwise: the function and dtype), and caches the verdict

@@ -216,6 +216,54 @@ def test_rms_norm_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape):
     assert torch.equal(_bits(grad_x), _bits(expected_x)) and torch.equal(_bits(grad_w), _bits(expected_w))
 
 
+@pytest.mark.parametrize("shape", [(3, 17, 176), (1, 5), (230, 64), (2, 5, 4, 16), (7,)])
+def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, shape, monkeypatch):
+    """SwiGLU forward (output, saved 1 + exp(-gate) and silu) and VJP (both gradients) with the loops against the
+    torch ops (``_silu_mul_loops`` answering None), bitwise, on values over many magnitudes and special values."""
+    from vexact_kernels import cpu_exact
+
+    gate = _values(shape, torch.float64, seed=sum(shape)).clamp(-1e30, 1e30).float()
+    up = _values(shape, torch.float64, seed=sum(shape) + 1).clamp(-1e30, 1e30).float()
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(cpu_exact, "_silu_mul_loops", lambda gate, up: None)
+        out, saved = cpu_exact._silu_mul_with_saved(gate, up, cpu_exact.HOST)
+        grads = cpu_exact._silu_mul_vjp(saved, grad, (True, True))
+        plain = cpu_exact._silu_mul_exact(gate, up, cpu_exact.HOST)
+        results.append((out, saved[2], saved[3], *grads, plain))
+    names = ("output", "1 + exp(-gate)", "silu", "grad_gate", "grad_up", "output without grad")
+    for name, a, b in zip(names, *results):
+        assert torch.equal(_bits(a), _bits(b)), name
+    assert torch.equal(_bits(results[0][0]), _bits(results[0][-1]))
+
+
+@pytest.mark.parametrize("budget", (1 << 16, 8, 1))
+@pytest.mark.parametrize("count,vocab,width", [(300, 22, 64), (50, 1000, 16), (1, 5, 3), (0, 7, 4), (40, 3, 1)])
+def test_embedding_backward_loop_is_the_torch_ops_bit_for_bit(loops, count, vocab, width, budget, monkeypatch):
+    """The embedding VJP (``_sum_rows_by_token``) with the loop against the torch ops, bitwise: skewed token counts,
+    chunk budgets that group tokens of different counts together (zero padding turns -0.0 into +0.0, so the chunk
+    width must be the torch ops' own), gradients with signed zeros and special values."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(count + vocab)
+    tokens = (torch.rand(count, generator=gen) ** 3 * vocab).long()  # a few tokens often, most rarely
+    rows = _values((count, width), torch.float64, seed=count + width).clamp(-1e30, 1e30).float()
+    if count:
+        rows[tokens == tokens[0]] = -0.0  # one token's gradient is all -0.0
+    monkeypatch.setattr(cpu_exact, "EMBEDDING_PAD_BUDGET", budget)
+    compiled = cpu_exact._sum_rows_by_token(tokens, rows, vocab)
+    monkeypatch.setattr(cpu_exact.compiled_loops, "library", lambda: None)
+    expected = cpu_exact._sum_rows_by_token(tokens, rows, vocab)
+    assert torch.equal(_bits(compiled), _bits(expected))
+
+
+def test_embedding_backward_loop_rejects_a_token_outside_the_vocabulary(loops):
+    with pytest.raises(RuntimeError, match="token 9 outside"):
+        loops.sum_rows_by_token(torch.tensor([1, 9]), torch.zeros(2, 4), 5, 1 << 16)
+
+
 LINEAR_CASES = [  # (rows, in features, out features): one chunk / several, padded columns, a row tile per call
     (230, 64, 176), (230, 176, 64), (37, 64, 22), (600, 48, 40), (3, 16, 16), (1000, 64, 200),
 ]

@@ -208,6 +208,125 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
   return {grad_x, grad_w};
 }
 
+// ----------------------------------------------------------------------------------------------------- SwiGLU
+// cpu_exact's SwiGLU around its exp (the library's, chunked, under the guard): the forward's add, divide and
+// multiply, and the VJP's chain, element by element in the torch ops' order. fp32 in and out.
+
+// From e = exp(-gate) (overwritten with 1 + e, which the backward needs): returns (silu = gate / (1 + e),
+// out = silu * up).
+std::vector<at::Tensor> silu_mul_forward(const at::Tensor& gate, at::Tensor& exp_neg, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && exp_neg.scalar_type() == at::kFloat &&
+                  up.scalar_type() == at::kFloat, "silu_mul_forward: fp32");
+  TORCH_CHECK(gate.is_contiguous() && exp_neg.is_contiguous() && up.is_contiguous() &&
+                  gate.numel() == exp_neg.numel() && gate.numel() == up.numel(), "silu_mul_forward: contiguous, same size");
+  at::Tensor silu = at::empty_like(gate), out = at::empty_like(gate);
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* e = exp_neg.data_ptr<float>();
+  float* s = silu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, gate.numel(), kGrain, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      e[i] = e[i] + 1.0f;
+      s[i] = g[i] / e[i];
+      o[i] = s[i] * u[i];
+    }
+  });
+  return {silu, out};
+}
+
+// The VJP with sig = 1 / denom: grad_gate = ((((1 - sig) * gate) + 1) * sig) * grad * up, grad_up = silu * grad;
+// either may be skipped (an empty tensor).
+std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                                          const at::Tensor& denom, const at::Tensor& silu, bool need_gate,
+                                          bool need_up) {
+  for (const at::Tensor* t : {&grad, &gate, &up, &denom, &silu}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == grad.numel(),
+                "silu_mul_backward: fp32, contiguous, same size");
+  }
+  at::Tensor grad_gate = need_gate ? at::empty_like(grad) : at::empty({0}, grad.options());
+  at::Tensor grad_up = need_up ? at::empty_like(grad) : at::empty({0}, grad.options());
+  const float* g = grad.data_ptr<float>();
+  const float* x = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  const float* d = denom.data_ptr<float>();
+  const float* s = silu.data_ptr<float>();
+  float* gg = need_gate ? grad_gate.data_ptr<float>() : nullptr;
+  float* gu = need_up ? grad_up.data_ptr<float>() : nullptr;
+  at::parallel_for(0, grad.numel(), kGrain, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      if (gg != nullptr) {
+        const float sig = 1.0f / d[i];
+        float t = 1.0f - sig;
+        t = t * x[i];
+        t = t + 1.0f;
+        t = t * sig;
+        t = t * g[i];
+        gg[i] = t * u[i];
+      }
+      if (gu != nullptr) gu[i] = s[i] * g[i];
+    }
+  });
+  return {grad_gate, grad_up};
+}
+
+// ----------------------------------------------------------------------------------------------------- embedding
+// cpu_exact._sum_rows_by_token (the embedding's VJP): out[v] = the halving tree, in position order, of the rows whose
+// token is v, zero-padded to the width of v's chunk. Chunks as there: the tokens that occur, by count descending
+// (ties by token id), max(1, budget / width) tokens per chunk, width = the count of the chunk's first token. (Zero
+// padding changes no value of a tree sum, only -0.0 into +0.0, so the width is kept exactly.) fp32 rows [count, D].
+at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, int64_t vocab, int64_t budget) {
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1, "sum_rows_by_token: int64 tokens [count]");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.size(0) == tokens.numel(),
+              "sum_rows_by_token: fp32 rows [count, D]");
+  const at::Tensor tc = tokens.contiguous(), rc = rows.contiguous();
+  const int64_t count = tc.numel(), d = rc.size(1);
+  at::Tensor out = at::zeros({vocab, d}, rc.options());
+  if (count == 0 || d == 0) return out;
+  const int64_t* tok = tc.data_ptr<int64_t>();
+  std::vector<int64_t> counts(vocab, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(tok[i] >= 0 && tok[i] < vocab, "sum_rows_by_token: token ", tok[i], " outside [0, ", vocab, ")");
+    ++counts[tok[i]];
+  }
+  std::vector<int64_t> first(vocab + 1, 0);  // token v's rows are members[first[v] .. first[v + 1]), in position order
+  for (int64_t v = 0; v < vocab; ++v) first[v + 1] = first[v] + counts[v];
+  std::vector<int64_t> members(count), filled(first.begin(), first.end() - 1);
+  for (int64_t i = 0; i < count; ++i) members[filled[tok[i]]++] = i;
+  std::vector<int64_t> present;
+  for (int64_t v = 0; v < vocab; ++v) {
+    if (counts[v] > 0) present.push_back(v);
+  }
+  std::stable_sort(present.begin(), present.end(), [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
+  std::vector<int64_t> width(vocab, 0);
+  for (size_t start = 0; start < present.size();) {
+    const int64_t w = counts[present[start]];
+    const size_t take = size_t(std::max<int64_t>(1, budget / w));
+    for (size_t k = start; k < std::min(present.size(), start + take); ++k) width[present[k]] = w;
+    start += take;
+  }
+  const float* in = rc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, int64_t(present.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> laid, buf;
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t v = present[p], w = width[v];
+      float* o = dst + v * d;
+      if (w == 1) {  // a width of one is the row itself (no + 0)
+        std::copy(in + members[first[v]] * d, in + (members[first[v]] + 1) * d, o);
+        continue;
+      }
+      laid.assign(w * d, 0.0f);
+      for (int64_t r = 0; r < counts[v]; ++r) {
+        std::copy(in + members[first[v] + r] * d, in + (members[first[v] + r] + 1) * d, laid.data() + r * d);
+      }
+      buf.resize(w * d);
+      tree_run<float>(laid.data(), w, d, d, 1, buf.data(), o);
+    }
+  });
+  return out;
+}
+
 // ----------------------------------------------------------------------------------------------------- layouts
 // Copies that lay out GEMM operands (cpu_exact._zero_padded, _chunks_transposed): pure data movement, so the
 // same bits as the torch-op copies whatever the order; one call instead of an allocation, a copy per region
@@ -524,6 +643,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_mean_square", &rms_norm_mean_square, "cpu_exact's RMSNorm up to its sqrt, same bits");
   m.def("rms_norm_scale", &rms_norm_scale, "cpu_exact's RMSNorm after its sqrt, same bits");
   m.def("rms_norm_backward", &rms_norm_backward, "cpu_exact's RMSNorm VJP on fp32 rows, same bits");
+  m.def("silu_mul_forward", &silu_mul_forward, "cpu_exact's SwiGLU after its exp (fp32), same bits");
+  m.def("silu_mul_backward", &silu_mul_backward, "cpu_exact's SwiGLU VJP (fp32), same bits");
+  m.def("sum_rows_by_token", &sum_rows_by_token, "cpu_exact._sum_rows_by_token (fp32), same bits");
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
