@@ -73,10 +73,11 @@ KEY_BLOCK = 64  # keys per attention tile, from position 0
 # A weight gradient whose right operand would be copied once per row tile with more than this many extra elements
 # runs one GEMM call per row tile instead (the same tiles; below it, the extra calls cost more than the copy).
 ROW_TILE_CALLS_FROM = 1 << 20
-# A weight gradient runs on views (``_transposed_matmul_views``) only with at most this many partial-product elements
-# (chunks * N * K: 64 MiB of fp32; llama100m's LM head, 49152 x 576 per chunk, keeps its row tiles).
+# A weight gradient on views (``_transposed_matmul_views``) cuts N into slabs of this many output rows, and runs only
+# with at most VIEW_PARTIALS_MAX partial-product elements per slab (chunks * slab * K: 64 MiB of fp32).
+VIEW_SLAB_ROWS = 4096
 VIEW_PARTIALS_MAX = 1 << 24
-VIEW_PROBE_CHUNKS, VIEW_PROBE_SEED = 4, 20261126  # the views probe: whole chunks per call (plus a partial one), seed
+VIEW_PROBE_CHUNKS, VIEW_PROBE_SEED = 2, 20261126  # the views probe: whole chunks per call (plus a partial one), seed
 ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
 # The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
 HOST = HostGuard(ROW_BLOCKS)
@@ -219,51 +220,80 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source:
 
     The canonical arrangement is ``_transposed_matmul_tiles``. Where this GEMM class runs the library GEMM and the
     guard found that ``_transposed_matmul_views`` (the same chunk GEMMs on views, without the transposing copies and
-    row tiles) gives its bits, that arrangement runs instead (``HostGuard.arrangement_agrees``): no bit changes."""
+    row tiles) gives its bits, that arrangement runs instead (``HostGuard.arrangement_agrees``): first with the
+    last, partial chunk's GEMM on its real rows only (a shorter reduction: it gives the padded one's bits on some
+    hosts for some lengths, so that is probed per length), else with that chunk zero-padded. No bit changes."""
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows)
     chunks = -(-rows // block)
-    if chunks * n * k <= VIEW_PARTIALS_MAX and _views_agree(block, n, k, host, op):
-        return _transposed_matmul_views(a, b, block)
+    if chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX and _library_reduction(block, k, host, op):
+        tail = rows % block
+        if tail and _views_agree(block, n, k, tail, host, op):
+            return _transposed_matmul_views(a, b, block, unpadded_tail=True)
+        if _views_agree(block, n, k, None, host, op):
+            return _transposed_matmul_views(a, b, block, unpadded_tail=False)
     return _transposed_matmul_tiles(a, b, host, op, b_source)
 
 
-def _views_agree(block: int, n: int, k: int, host: HostGuard, op: str) -> bool:
-    """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``'s bits for this class on this host (a
-    probe at first use, on seeded inputs of ``VIEW_PROBE_CHUNKS`` whole chunks and a partial one)."""
-    b_class = torch.empty(1, _ceil_to(k, COL_BLOCK), block).transpose(1, 2)  # the tiles' GEMM class, as below
-    if host.library_gemm(torch.float32, b_class, False, op) is None:  # fixed-order or single-thread: the tiles
-        return False
+def _library_reduction(block: int, k: int, host: HostGuard, op: str) -> bool:
+    """Whether ``_transposed_matmul_tiles``'s GEMM class runs torch's own GEMM (the views call it themselves)."""
+    b_class = torch.empty(1, _ceil_to(k, COL_BLOCK), block).transpose(1, 2)  # as in _transposed_matmul_tiles
+    return host.library_gemm(torch.float32, b_class, False, op) is not None
+
+
+def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str) -> bool:
+    """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``'s bits for this class on this host: with
+    the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded. A probe
+    at first use on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where
+    ``block`` is ``REDUCE_BLOCK``: there are several) and the partial one."""
+    whole = VIEW_PROBE_CHUNKS if block == REDUCE_BLOCK else 0
+    partial = block // 2 + 1 if tail is None else tail
 
     def inputs() -> tuple[Tensor, Tensor]:
         gen = torch.Generator().manual_seed(VIEW_PROBE_SEED)
-        rows = VIEW_PROBE_CHUNKS * block + block // 2 + 1
+        rows = whole * block + partial
         return torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
 
-    return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} float32",
+    form = "last chunk padded" if tail is None else f"last chunk of {tail} rows unpadded"
+    return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} {form} float32",
                                    lambda: _transposed_matmul_tiles(*inputs(), host, op),
-                                   lambda: _transposed_matmul_views(*inputs(), block), op)
+                                   lambda: _transposed_matmul_views(*inputs(), block, unpadded_tail=tail is not None),
+                                   op)
 
 
-def _transposed_matmul_views(a: Tensor, b: Tensor, block: int) -> Tensor:
-    """``_transposed_matmul_tiles``'s chunk GEMMs, each [N, block] @ [block, K] in one call, on views: chunk c's
-    left operand is rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are;
-    only the last, partial chunk is copied (zero-padded to ``block`` rows). The partial products are added by the
-    same halving tree in chunk order. Used only where the guard found it gives the canonical bits."""
+def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bool) -> Tensor:
+    """``_transposed_matmul_tiles``'s chunk GEMMs, each [N, block] @ [block, K], on views: chunk c's left operand is
+    rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are. The last,
+    partial chunk is zero-padded to ``block`` rows (a copy) or, ``unpadded_tail``, multiplied on its real rows, its
+    result + 0.0 (padding's zeros turn a -0.0 sum into +0.0). The partial products are added by the same halving
+    tree in chunk order. N is cut into slabs of ``VIEW_SLAB_ROWS`` output rows (llama's LM head: 49152), each its
+    own calls and tree, to bound the partial products' memory. Used only where the guard found the canonical bits."""
     rows, n = a.shape
     k = b.shape[1]
     a, b = _aligned(a), _aligned(b)  # chunk starts are then aligned too (block * N * 4 bytes apart)
     whole, tail = divmod(rows, block)
-    parts = a.new_empty(whole + (tail > 0), n, k)
-    if whole:
-        body = whole * block
-        torch.bmm(a[:body].view(whole, block, n).transpose(1, 2), b[:body].view(whole, block, k), out=parts[:whole])
-    if tail:
-        a_tail = _zero_padded(a[whole * block :], (block, n)).view(1, block, n)
-        b_tail = _zero_padded(b[whole * block :], (block, k)).view(1, block, k)
-        torch.bmm(a_tail.transpose(1, 2), b_tail, out=parts[whole:])
-    return parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
+    body = whole * block
+    if tail and not unpadded_tail:
+        a_tail, b_tail = _zero_padded(a[body:], (block, n)), _zero_padded(b[body:], (block, k))
+    else:
+        a_tail, b_tail = a[body:], b[body:]
+    out = a.new_empty(n, k) if n > VIEW_SLAB_ROWS else None
+    for first in range(0, n, VIEW_SLAB_ROWS):
+        last = min(n, first + VIEW_SLAB_ROWS)
+        parts = a.new_empty(whole + (tail > 0), last - first, k)
+        if whole:
+            chunks = a[:body].view(whole, block, n)[:, :, first:last].transpose(1, 2)
+            torch.bmm(chunks, b[:body].view(whole, block, k), out=parts[:whole])
+        if tail:
+            torch.bmm(a_tail[:, first:last].t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
+            if unpadded_tail:
+                parts[whole:].add_(0.0)
+        slab = parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
+        if out is None:
+            return slab
+        out[first:last] = slab
+    return out
 
 
 def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:

@@ -103,25 +103,75 @@ def test_weight_gradient_is_the_canonical_arrangement_bit_for_bit(rows, n, k):
 
 
 def test_weight_gradient_with_special_values_is_the_canonical_arrangement():
-    """Signed zeros (a masked token's gradient), infinities and NaN reach the weight gradient too."""
-    a, b = _inputs(600, 48, 32, seed=1)
-    a[:300] = -0.0
-    a[300, 3], b[301, 5], b[450, 7] = float("inf"), float("nan"), -float("inf")
+    """Signed zeros (a masked token's gradient), infinities and NaN reach the weight gradient too. Column 0 of ``a`` is
+    all -0.0 and column 5 of ``b`` positive, so every product for element (0, 5) is -0.0: the canonical result is
+    +0.0 (its last chunk's zero padding adds +0.0; MKL's sums start from +0.0 anyway), and so must the views' be (an
+    unpadded last chunk's sum gets + 0.0 for a BLAS that starts from the first product). 4 chunks: the tree adds no
+    + 0.0 of its own; 100 rows: one chunk, no tree."""
+    for rows in (856, 100):
+        _check_special_values(rows)
+
+
+def _check_special_values(rows: int) -> None:
+    a, b = _inputs(rows, 48, 32, seed=1)
+    a[:, 0] = -0.0
+    b[:, 5] = b[:, 5].abs() + 1.0
+    a[rows // 2, 3], b[rows // 2 + 1, 7], b[rows - 3, 9] = float("inf"), float("nan"), -float("inf")
     expected = cpu_exact._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
+    assert str(expected[0, 5].item()) == "0.0"
     assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
+def _views_probes(guard: HostGuard) -> list[tuple[str, str]]:
+    return [(p["shape_class"], p["path"]) for p in guard.report()["probes"] if p["property"] == "same_bits"]
+
+
 def test_a_views_arrangement_that_differs_is_not_used(monkeypatch):
-    """A host whose GEMM gave the views other bits: the probe sees it and the tiles run."""
+    """A host whose GEMM gave the views other bits: the probes see it and the tiles run."""
     real_views = cpu_exact._transposed_matmul_views
-    monkeypatch.setattr(cpu_exact, "_transposed_matmul_views", lambda a, b, block: _nudge(real_views(a, b, block)))
+    monkeypatch.setattr(cpu_exact, "_transposed_matmul_views",
+                        lambda a, b, block, unpadded_tail: _nudge(real_views(a, b, block, unpadded_tail)))
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     a, b = _inputs(700, 64, 48)
     out = cpu_exact._transposed_matmul(a, b, guard, "linear")
     assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
-    views = [p for p in guard.report()["probes"] if p["property"] == "same_bits"]
-    assert [p["path"] for p in views] == [CANONICAL_PATH]
-    assert views[0]["shape_class"] == "weight gradient on views: block=256 N=64 K=48 float32"
+    prefix = "weight gradient on views: block=256 N=64 K=48"
+    assert _views_probes(guard) == [(f"{prefix} last chunk of 188 rows unpadded float32", CANONICAL_PATH),
+                                    (f"{prefix} last chunk padded float32", CANONICAL_PATH)]
+
+
+def test_a_last_chunk_whose_short_reduction_differs_is_padded(monkeypatch):
+    """A host whose GEMM gives a 188-row reduction other bits than the zero-padded 256-row one (MKL on the AMD EPYC
+    development machine does for lengths over 128): that length's probe fails and the last chunk is padded."""
+    real_views = cpu_exact._transposed_matmul_views
+
+    def short_tail_differs(a, b, block, unpadded_tail):
+        out = real_views(a, b, block, unpadded_tail)
+        return _nudge(out) if unpadded_tail and a.shape[0] % block == 188 else out
+
+    monkeypatch.setattr(cpu_exact, "_transposed_matmul_views", short_tail_differs)
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    for rows in (700, 600):  # last chunks of 188 (probed: differs) and 88 rows (probed: agrees)
+        a, b = _inputs(rows, 64, 48)
+        out = cpu_exact._transposed_matmul(a, b, guard, "linear")
+        assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+    paths = dict(_views_probes(guard))
+    prefix = "weight gradient on views: block=256 N=64 K=48"
+    assert paths[f"{prefix} last chunk of 188 rows unpadded float32"] == CANONICAL_PATH
+    assert paths[f"{prefix} last chunk padded float32"] == FASTER_PATH
+    assert paths[f"{prefix} last chunk of 88 rows unpadded float32"] == FASTER_PATH
+
+
+def test_wide_weight_gradients_run_in_slabs_with_the_same_bits(monkeypatch):
+    """N beyond ``VIEW_SLAB_ROWS`` (the LM head's vocabulary) is cut into slabs: the canonical bits still."""
+    monkeypatch.setattr(cpu_exact, "VIEW_SLAB_ROWS", 160)
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    a, b = _inputs(300, 500, 16)
+    out = cpu_exact._transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+    # the probe ran the slabs (whatever it found): the views were considered for N = 500
+    assert [shape for shape, _ in _views_probes(guard)] == [
+        "weight gradient on views: block=256 N=500 K=16 last chunk of 44 rows unpadded float32"]
 
 
 def test_a_guard_over_another_gemm_keeps_the_tiles():
