@@ -586,7 +586,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     a multiple of 16.
     Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
     grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
-    (``_transposed_matmul``) added by a halving tree.
+    (``_transposed_matmul``) added by a halving tree (grad_weight's chunk GEMMs on views of grad and x where the
+    guard found that this gives the canonical tiles' bits: ``same_bits``).
     """
     if bias is None:
         return exact_forward_vjp(partial(_linear_forward, bias=None, host=host),
@@ -763,9 +764,17 @@ def _silu_mul_loops(gate: Tensor, up: Tensor) -> ModuleType | None:
     return compiled_loops.library() if gate.dtype == up.dtype == torch.float32 else None
 
 
+def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleType) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, 1 + exp(-gate), silu) of fp32 gate and up: the chunked exp, then the add, divide and multiply of
+    ``_silu_mul_with_saved`` in one compiled pass."""
+    denom = _unary("exp", gate.neg(), host, "silu_mul", inplace=True)
+    silu, out = loops.silu_mul_forward(gate.contiguous(), denom, up.contiguous())
+    return out, denom, silu
+
+
 def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
-    if _silu_mul_loops(gate, up) is not None:  # one pass after the exp (its saved values are dropped)
-        return _silu_mul_with_saved(gate, up, host)[0]
+    if (loops := _silu_mul_loops(gate, up)) is not None:
+        return _silu_mul_compiled(gate, up, host, loops)[0]
     silu = _silu(gate, host)
     if gate.dtype == torch.float32 and up.dtype == torch.float32:
         return silu.mul_(up)
@@ -775,12 +784,11 @@ def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
 def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
     """The forward's ops one by one (as ``_silu`` and ``_silu_mul_exact``), keeping 1 + exp(-gate) and silu(gate) for
     the backward: it needs both, and computing them again cost a negation, a chunked exp, an add and a divide."""
-    g = _float(gate)
-    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True)
     if (loops := _silu_mul_loops(gate, up)) is not None:  # the add, divide and multiply below in one pass
-        silu, out = loops.silu_mul_forward(g.contiguous(), denom, up.contiguous())
+        out, denom, silu = _silu_mul_compiled(gate, up, host, loops)
         return out, (gate, up, denom, silu, host)
-    denom.add_(1.0)
+    g = _float(gate)
+    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
     silu = torch.div(g, denom)
     out = torch.mul(silu, up) if gate.dtype == torch.float32 and up.dtype == torch.float32 else silu.to(gate.dtype) * up
     return out, (gate, up, denom, silu, host)
