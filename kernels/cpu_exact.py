@@ -76,6 +76,9 @@ ROW_TILE_CALLS_FROM = 1 << 20
 # A weight gradient on views (``_transposed_matmul_views``) cuts N into slabs of this many output rows, and runs only
 # with at most VIEW_PARTIALS_MAX partial-product elements per slab (chunks * slab * K: 64 MiB of fp32).
 VIEW_SLAB_ROWS = 4096
+# A linear layer's tiles run as one GEMM (``_stacked_matmul``) only up to this many multiply-adds: its same_bits
+# probe (per tile count) costs about three such GEMMs at first use.
+STACKED_MACS_MAX = 1 << 34
 VIEW_PARTIALS_MAX = 1 << 24
 VIEW_PROBE_CHUNKS, VIEW_PROBE_SEED = 2, 20261126  # the views probe: whole chunks per call (plus a partial one), seed
 ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
@@ -135,8 +138,13 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     operand = w.t().unsqueeze(0)  # [1, K, N_pad]
     loops = compiled_loops.library()
     if loops is not None and (record := host.library_gemm(x.dtype, operand, True, op)) is not None:
+        block = _row_block(rows, record.tile_heights)
+        blocks = -(-rows // block)
+        if blocks > 1 and blocks * block * k * n_pad <= STACKED_MACS_MAX and _stacked_agrees(blocks, block, operand,
+                                                                                          host, op):
+            return _stacked_matmul(x, operand, blocks * block, n)
         # the library GEMM: the steps below in one compiled call, on the same operands
-        return loops.tiled_matmul(x, operand, _row_block(rows, record.tile_heights), n)
+        return loops.tiled_matmul(x, operand, block, n)
     block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
@@ -146,6 +154,45 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
+
+
+def _stacked_agrees(blocks: int, block: int, operand: Tensor, host: HostGuard, op: str) -> bool:
+    """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
+    ``_tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad]) for this class on this host: a
+    ``same_bits`` probe at first use per (tile count, tile height, K, N_pad, operand layout), on seeded inputs.
+
+    The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
+    once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens). Where the library's result for a row
+    would depend on the stacked height, the probe sees it and the tiles run."""
+    k, n_pad = operand.shape[1], operand.shape[2]
+    transposed = operand.stride(1) == 1 and k > 1
+
+    def inputs() -> tuple[Tensor, Tensor]:
+        gen = torch.Generator().manual_seed(VIEW_PROBE_SEED)
+        x = torch.randn(blocks * block, k, generator=gen)
+        w = torch.randn(n_pad, k, generator=gen).t() if transposed else torch.randn(k, n_pad, generator=gen)
+        return x, w.unsqueeze(0)
+
+    def tiles() -> Tensor:
+        x, w = inputs()
+        return torch.bmm(x.view(blocks, block, k), w.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
+
+    def stacked() -> Tensor:
+        x, w = inputs()
+        return _stacked_matmul(x, w, blocks * block, n_pad)
+
+    layout = "transposed" if transposed else "row-major"
+    return host.arrangement_agrees("linear tiles stacked in one GEMM",
+                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout} float32", tiles, stacked, op)
+
+
+def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
+    """``_tiled_matmul``'s tiles as one GEMM: x zero-padded to ``padded_rows`` (the tiles' rows) @ operand[0], sliced
+    to [M, n]. Used only where ``_stacked_agrees`` found the tiles' bits."""
+    rows, k = x.shape
+    x = _zero_padded(x, (padded_rows, k)) if padded_rows != rows else _aligned(x)
+    out = torch.mm(x, operand[0])
+    return out[:rows] if out.shape[1] == n else out[:rows, :n]
 
 
 def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:

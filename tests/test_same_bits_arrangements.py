@@ -1,11 +1,16 @@
-"""A weight gradient on views: the same bits as the canonical tiles, or the tiles themselves.
+"""Faster arrangements of the exact kernels' library calls: the same bits as the canonical ones, or those themselves.
 
-``cpu_exact._transposed_matmul`` (a linear layer's weight gradient, a reduction over tokens in 256-token chunks) has
-one canonical arrangement, ``_transposed_matmul_tiles``: transposed, zero-padded copies and 64-row tiles. Where the
-guard's ``same_bits`` probe found that ``_transposed_matmul_views`` (the same chunk GEMMs on views of the inputs)
-gives the canonical bits on this host, the views run; elsewhere the tiles do. Either way the result must be the
-canonical one, bit for bit: that is what these tests check, with the real GEMM and with a faster arrangement made
-wrong on purpose."""
+Two arrangements of the exact CPU kernels run only where the guard's ``same_bits`` probe found that they give the
+bits of the kernels' own (canonical) arrangement on this host:
+
+- a linear layer's weight gradient (``cpu_exact._transposed_matmul``, a reduction over tokens in 256-token chunks):
+  canonically transposed, zero-padded copies in 64-row tiles (``_transposed_matmul_tiles``); faster, the same chunk
+  GEMMs on views of the inputs, the last chunk on its real rows (``_transposed_matmul_views``);
+- a linear layer's row tiles (``cpu_exact._tiled_matmul``): canonically one ``bmm`` of 64-row tiles sharing the
+  weight; faster, one GEMM over the stacked tiles (``_stacked_matmul``), which packs the weight once.
+
+Either way the result must be the canonical one, bit for bit: that is what these tests check, with the real GEMM
+and with a faster arrangement made wrong on purpose."""
 
 from __future__ import annotations
 
@@ -190,3 +195,47 @@ def test_weight_gradient_on_views_is_thread_invariant(threads):
         reference = cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear")
     with num_threads(threads):
         assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
+
+
+# --------------------------------------------------------------------------- a linear layer's tiles, stacked
+def _tiles_reference(x: torch.Tensor, weight: torch.Tensor, guard: HostGuard) -> torch.Tensor:
+    """``_tiled_matmul``'s canonical arrangement, written out: zero-padded rows in tiles, one bmm sharing the
+    (column-padded, transposed) weight."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    n_pad = -(-n // 16) * 16
+    w = torch.cat([weight, weight.new_zeros(n_pad - n, k)]) if n_pad != n else weight.contiguous()
+    operand = w.t().unsqueeze(0)
+    block = cpu_exact._row_block(rows, guard.tile_heights(torch.float32, operand, True, "linear"))
+    blocks = -(-rows // block)
+    padded = torch.cat([x, x.new_zeros(blocks * block - rows, k)])
+    out = torch.bmm(padded.view(blocks, block, k), operand.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
+    return out[:rows, :n]
+
+
+STACKED_CASES = [(3968, 64, 176), (3968, 176, 64), (312, 576, 192), (100, 64, 22), (700, 48, 40), (129, 16, 16),
+                 (64, 32, 32), (5, 8, 16)]
+
+
+@pytest.mark.parametrize("rows,k,n", STACKED_CASES)
+def test_linear_tiles_stacked_are_the_tiles_bit_for_bit(rows, k, n):
+    gen = torch.Generator().manual_seed(rows + k + n)
+    x = torch.randn(rows, k, generator=gen) * 10.0 ** torch.randint(-3, 4, (rows, k), generator=gen)
+    x[0] = -0.0
+    x[1, 0], x[2, 1] = float("inf"), float("nan")
+    weight = torch.randn(n, k, generator=gen)
+    out = cpu_exact._tiled_matmul(x, weight, cpu_exact.HOST)
+    assert _same_bits(out.contiguous(), _tiles_reference(x, weight, cpu_exact.HOST).contiguous())
+
+
+def test_a_stacked_gemm_that_differs_keeps_the_tiles(monkeypatch):
+    real_stacked = cpu_exact._stacked_matmul
+    monkeypatch.setattr(cpu_exact, "_stacked_matmul",
+                        lambda x, operand, rows, n: _nudge(real_stacked(x, operand, rows, n)))
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    gen = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(300, 48, generator=gen), torch.randn(24, 48, generator=gen)
+    out = cpu_exact._tiled_matmul(x, weight, guard)
+    assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
+    assert _views_probes(guard) == [("linear tiles stacked in one GEMM: 5x64 rows K=48 N=32 transposed float32",
+                                     CANONICAL_PATH)]
