@@ -133,15 +133,24 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = _ceil_to(n, COL_BLOCK)
+    loops = compiled_loops.library()
+    given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
+    if (loops is not None and n_pad == n and weight.dtype == torch.float32 and given.is_contiguous()
+            and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
+        canonical_class = torch.empty(1, n, k).transpose(1, 2)  # the canonical operand's layout, without the copy
+        if (record := host.library_gemm(x.dtype, canonical_class, True, op)) is not None:
+            block = _row_block(rows, record.tile_heights)
+            blocks = -(-rows // block)
+            if _stacked_agrees(blocks, block, k, n, True, True, host, op):
+                return _stacked_matmul(x, given.unsqueeze(0), blocks * block, n)
     w = _float(weight)
     w = _zero_padded(w, (n_pad, w.shape[1])) if n_pad != n else _aligned(w)
     operand = w.t().unsqueeze(0)  # [1, K, N_pad]
-    loops = compiled_loops.library()
     if loops is not None and (record := host.library_gemm(x.dtype, operand, True, op)) is not None:
         block = _row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
-        if blocks > 1 and blocks * block * k * n_pad <= STACKED_MACS_MAX and _stacked_agrees(blocks, block, operand,
-                                                                                          host, op):
+        if (blocks > 1 and blocks * block * k * n_pad <= STACKED_MACS_MAX
+                and _stacked_agrees(blocks, block, k, n_pad, _layout_is_transposed(operand), False, host, op)):
             return _stacked_matmul(x, operand, blocks * block, n)
         # the library GEMM: the steps below in one compiled call, on the same operands
         return loops.tiled_matmul(x, operand, block, n)
@@ -156,34 +165,42 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
-def _stacked_agrees(blocks: int, block: int, operand: Tensor, host: HostGuard, op: str) -> bool:
+def _layout_is_transposed(operand: Tensor) -> bool:
+    """A [T, K, N] GEMM operand in the transposed layout (K contiguous), as the guard classes it."""
+    return operand.stride(1) == 1 and operand.shape[1] > 1
+
+
+def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, transposed: bool, row_major: bool, host: HostGuard,
+                    op: str) -> bool:
     """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
-    ``_tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad]) for this class on this host: a
-    ``same_bits`` probe at first use per (tile count, tile height, K, N_pad, operand layout), on seeded inputs.
+    ``_tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major) for this
+    class on this host; ``row_major``: with the operand's values in the row-major layout (an input gradient's weight
+    as it is, where the canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile
+    count, tile height, K, N_pad, layouts), on seeded inputs.
 
     The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
-    once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens). Where the library's result for a row
-    would depend on the stacked height, the probe sees it and the tiles run."""
-    k, n_pad = operand.shape[1], operand.shape[2]
-    transposed = operand.stride(1) == 1 and k > 1
+    once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens), and the weight as it is saves a
+    transposing copy of it. Where the library's result for a row would differ, the probe sees it and the tiles
+    run."""
 
-    def inputs() -> tuple[Tensor, Tensor]:
+    def inputs(layout_transposed: bool) -> tuple[Tensor, Tensor]:
         gen = torch.Generator().manual_seed(VIEW_PROBE_SEED)
         x = torch.randn(blocks * block, k, generator=gen)
-        w = torch.randn(n_pad, k, generator=gen).t() if transposed else torch.randn(k, n_pad, generator=gen)
-        return x, w.unsqueeze(0)
+        w = torch.randn(n_pad, k, generator=gen)  # the weight's values, [N_pad, K]
+        return x, (w.t() if layout_transposed else w.t().contiguous()).unsqueeze(0)
 
     def tiles() -> Tensor:
-        x, w = inputs()
+        x, w = inputs(transposed)
         return torch.bmm(x.view(blocks, block, k), w.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
 
     def stacked() -> Tensor:
-        x, w = inputs()
+        x, w = inputs(transposed and not row_major)
         return _stacked_matmul(x, w, blocks * block, n_pad)
 
     layout = "transposed" if transposed else "row-major"
+    given = ", the weight as given (row-major)" if row_major else ""
     return host.arrangement_agrees("linear tiles stacked in one GEMM",
-                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout} float32", tiles, stacked, op)
+                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} float32", tiles, stacked, op)
 
 
 def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:

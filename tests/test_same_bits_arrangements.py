@@ -239,3 +239,15 @@ def test_a_stacked_gemm_that_differs_keeps_the_tiles(monkeypatch):
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     assert _views_probes(guard) == [("linear tiles stacked in one GEMM: 5x64 rows K=48 N=32 transposed float32",
                                      CANONICAL_PATH)]
+
+
+@pytest.mark.parametrize("rows,k,n", STACKED_CASES)
+def test_an_input_gradient_on_the_weight_as_given_is_the_tiles_bit_for_bit(rows, k, n):
+    """grad_x = grad @ W: ``_tiled_matmul(grad, W.t())``, whose canonical operand is a transposed copy of W; on the
+    weight as it is (row-major, no copy) where the probe agrees. Either way the tiles' bits."""
+    gen = torch.Generator().manual_seed(rows * k + n)
+    grad = torch.randn(rows, k, generator=gen)
+    grad[3] = -0.0
+    w = torch.randn(k, n, generator=gen)  # W [K, N] as a layer stores it; the kernel gets its transpose
+    out = cpu_exact._tiled_matmul(grad, w.t(), cpu_exact.HOST)
+    assert _same_bits(out.contiguous(), _tiles_reference(grad, w.t(), cpu_exact.HOST).contiguous())
