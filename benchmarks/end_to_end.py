@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -171,6 +172,7 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
     start = copy.deepcopy(exact.master.state_dict())
     opt_start = copy.deepcopy(exact.optimizer.state_dict())
     tokens: dict[str, list[int]] = {"exact": [], "native": []}
+    phases: dict[str, dict[str, list[float]]] = {"exact": {}, "native": {}}  # the step's own timing/ metrics
 
     def step(name: str):
         trainer = trainers[name]
@@ -180,6 +182,9 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
             metrics = trainer.step(0)
             tokens[name].append(round(metrics[RESPONSE_LENGTH_MEAN] * exact.cfg.rollout.prompts_per_step
                                       * exact.cfg.rollout.samples_per_prompt))
+            for key, value in metrics.items():
+                if key.startswith("timing/"):
+                    phases[name].setdefault(key.removeprefix("timing/"), []).append(value * 1e3)
             return metrics
         return run
     summary = _measure(step("exact"), step("native"), reps, torch.device("cpu"), profile)
@@ -189,7 +194,9 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
             "response_tokens_native": tokens["native"][-1], "config": str(config), "overrides": overrides,
             "warm_start": warm, "sequences": cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
             "exact_tokens_per_s": tokens["exact"][-1] / summary["exact_s_median"],
-            "native_tokens_per_s": tokens["native"][-1] / summary["native_s_median"], **summary}
+            "native_tokens_per_s": tokens["native"][-1] / summary["native_s_median"],
+            "phase_ms_median": {name: {key: statistics.median(values) for key, values in by_phase.items()}
+                                for name, by_phase in phases.items()}, **summary}
 
 
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int, device: torch.device,
