@@ -76,11 +76,11 @@ ROW_TILE_CALLS_FROM = 1 << 20
 # A weight gradient on views (``_transposed_matmul_views``) cuts N into slabs of this many output rows, and runs only
 # with at most VIEW_PARTIALS_MAX partial-product elements per slab (chunks * slab * K: 64 MiB of fp32).
 VIEW_SLAB_ROWS = 4096
+VIEW_PARTIALS_MAX = 1 << 24
+VIEW_PROBE_CHUNKS, VIEW_PROBE_SEED = 2, 20261126  # the same_bits probes: whole chunks per call (plus a partial), seed
 # A linear layer's tiles run as one GEMM (``_stacked_matmul``) only up to this many multiply-adds: its same_bits
 # probe (per tile count) costs about three such GEMMs at first use.
 STACKED_MACS_MAX = 1 << 34
-VIEW_PARTIALS_MAX = 1 << 24
-VIEW_PROBE_CHUNKS, VIEW_PROBE_SEED = 2, 20261126  # the views probe: whole chunks per call (plus a partial one), seed
 ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
 # The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
 HOST = HostGuard(ROW_BLOCKS)
@@ -137,11 +137,10 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
     if (loops is not None and n_pad == n and weight.dtype == torch.float32 and given.is_contiguous()
             and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
-        canonical_class = torch.empty(1, n, k).transpose(1, 2)  # the canonical operand's layout, without the copy
-        if (record := host.library_gemm(x.dtype, canonical_class, True, op)) is not None:
+        if (record := host.library_gemm(x.dtype, _transposed_class(k, n), True, op)) is not None:
             block = _row_block(rows, record.tile_heights)
             blocks = -(-rows // block)
-            if _stacked_agrees(blocks, block, k, n, True, True, host, op):
+            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op):
                 return _stacked_matmul(x, given.unsqueeze(0), blocks * block, n)
     w = _float(weight)
     w = _zero_padded(w, (n_pad, w.shape[1])) if n_pad != n else _aligned(w)
@@ -150,7 +149,8 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
         block = _row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
         if (blocks > 1 and blocks * block * k * n_pad <= STACKED_MACS_MAX
-                and _stacked_agrees(blocks, block, k, n_pad, _layout_is_transposed(operand), False, host, op)):
+                and _stacked_agrees(blocks, block, k, n_pad, transposed=_layout_is_transposed(operand),
+                                    row_major=False, host=host, op=op)):
             return _stacked_matmul(x, operand, blocks * block, n)
         # the library GEMM: the steps below in one compiled call, on the same operands
         return loops.tiled_matmul(x, operand, block, n)
@@ -165,13 +165,20 @@ def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear"
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
+def _transposed_class(k: int, n: int) -> Tensor:
+    """A [1, K, N] tensor with the transposed layout (K contiguous) of ``_tiled_matmul``'s canonical operand, to ask
+    the guard about its GEMM class without laying that operand out (llama's LM head: 113 MB). Overlapping strides
+    over k + n elements: only its shape and layout are read."""
+    return torch.empty(k + n).as_strided((1, k, n), (0, 1, 1))
+
+
 def _layout_is_transposed(operand: Tensor) -> bool:
     """A [T, K, N] GEMM operand in the transposed layout (K contiguous), as the guard classes it."""
     return operand.stride(1) == 1 and operand.shape[1] > 1
 
 
-def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, transposed: bool, row_major: bool, host: HostGuard,
-                    op: str) -> bool:
+def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
+                    host: HostGuard, op: str) -> bool:
     """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
     ``_tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major) for this
     class on this host; ``row_major``: with the operand's values in the row-major layout (an input gradient's weight
