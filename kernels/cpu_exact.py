@@ -307,10 +307,15 @@ def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source:
     return _transposed_matmul_tiles(a, b, host, op, b_source)
 
 
+def _reduction_class(block: int, k: int) -> Tensor:
+    """``_transposed_matmul_tiles``'s right operand's GEMM class: [block, K_pad] per tile, transposed layout (K_pad
+    rows of ``block`` tokens) -- a tensor of that shape and layout, to ask the guard about."""
+    return torch.empty(1, _ceil_to(k, COL_BLOCK), block).transpose(1, 2)
+
+
 def _library_reduction(block: int, k: int, host: HostGuard, op: str) -> bool:
     """Whether ``_transposed_matmul_tiles``'s GEMM class runs torch's own GEMM (the views call it themselves)."""
-    b_class = torch.empty(1, _ceil_to(k, COL_BLOCK), block).transpose(1, 2)  # as in _transposed_matmul_tiles
-    return host.library_gemm(torch.float32, b_class, False, op) is not None
+    return host.library_gemm(torch.float32, _reduction_class(block, k), False, op) is not None
 
 
 def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str) -> bool:
@@ -389,8 +394,7 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = _ceil_to(k, COL_BLOCK)
-    # the right operand's shape class: [block, K_pad] per tile, transposed layout (K_pad rows of ``block`` tokens)
-    b_class = torch.empty(1, k_pad, block, dtype=b.dtype, device=b.device).transpose(1, 2)
+    b_class = _reduction_class(block, k)
     loops = compiled_loops.library()
     record = host.library_gemm(a.dtype, b_class, False, op) if loops is not None else None
     heights = record.tile_heights if record is not None else host.tile_heights(a.dtype, b_class, False, op)

@@ -14,8 +14,9 @@ exactness then rests on two *measured* properties of them, not on construction:
   CPU sqrt rounds about 20% of uniform fp32 inputs other than the correctly rounded root, ``fixed_order.sqrt``.)
 
 A third property only buys speed: ``same_bits`` -- a faster arrangement of the same library calls (a weight
-gradient's chunk GEMMs on views of its inputs instead of transposed, tiled copies) gives the bits of the kernels'
-own arrangement. Where it fails the kernels keep their own arrangement (``canonical``), so no bit ever depends on it.
+gradient's chunk GEMMs on views of its inputs instead of transposed, tiled copies; a linear layer's row tiles as one
+GEMM; an input gradient on its weight as stored) gives the bits of the kernels' own arrangement. Where it fails
+the kernels keep their own arrangement (``canonical``), so no bit ever depends on it.
 
 The first two held on the machines this project was built on, and both can fail elsewhere: another BLAS,
 another CPU generation (AVX-512 micro-kernels), another torch build. So a ``HostGuard`` probes a
