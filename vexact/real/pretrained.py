@@ -775,6 +775,58 @@ def load_tokenizer(directory: str | Path) -> Any | None:
         raise ValueError(f"{directory}: cannot load its tokenizer ({type(err).__name__}: {first})") from None
 
 
+# --------------------------------------------------------------------------- export
+def _hf_config_of(config: ModelConfig, dtype: torch.dtype, eos_token_id: int | None) -> Any:
+    """The transformers config of the architecture whose math ``Transformer(config)`` runs: the inverse of
+    ``model_config_from_hf`` (Qwen3 for q/k norms, Qwen2 for q/k/v biases, else Llama)."""
+    import transformers
+
+    if config.qk_norm and config.qkv_bias:
+        raise ValueError("cannot export a model with both q/k/v biases and q/k norms: no supported architecture "
+                         f"has both ({_SUPPORTED_TEXT})")
+    model_type = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        rope = {**config.rope_scaling, "rope_theta": config.rope_theta}
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                  intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                  num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                  head_dim=config.head_dim, max_position_embeddings=config.max_seq_len,
+                  rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=config.tie_embeddings, hidden_act="silu",
+                  rope_parameters=rope, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
+    if model_type == "llama":
+        hf = transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    else:
+        hf = getattr(transformers, f"{'Qwen3' if model_type == 'qwen3' else 'Qwen2'}Config")(
+            **common, use_sliding_window=False)
+    hf.architectures = [SUPPORTED_ARCHITECTURES[model_type]]
+    hf.dtype = dtype
+    return hf
+
+
+def export_hf_checkpoint(model: Transformer, directory: str | Path, eos_token_id: int | None = None) -> Path:
+    """Write ``model`` as a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``, the
+    model's own dtype) that transformers, vLLM and ``from_pretrained`` load: the way to run another engine on a
+    vexact model's weights. The tensors are the model's parameters bit for bit, under transformers' names
+    (``model.`` prefix, ``lm_head.weight`` only when untied); ``max_position_embeddings`` is the model's
+    ``max_seq_len``. Returns ``directory``."""
+    from safetensors.torch import save_file
+
+    if not isinstance(model, Transformer):
+        raise ValueError(f"export_hf_checkpoint needs a vexact Transformer, got {type(model).__name__}")
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"cannot export to {directory}: it exists and is not a directory")
+    dtype = next(model.parameters()).dtype
+    hf_config = _hf_config_of(model.config, dtype, eos_token_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(directory)
+    tensors = {name if name == "lm_head.weight" else f"model.{name}": p.detach().cpu().contiguous().clone()
+               for name, p in model.named_parameters()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
 # --------------------------------------------------------------------------- tiny checkpoints
 def _tiny_hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, tie: bool | None,
                     rope_scaling: bool) -> Any:
