@@ -170,7 +170,7 @@ def generate_with_vllm(model: Path, prompts: list[list[int]], *, dtype: str = "f
         req.write_text(json.dumps(request))
         env = {**WORKER_ENV, **os.environ,
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the child imports what this process does
-        with open(log_path, "ab") as log:
+        with open(log_path, "wb") as log:
             code = _run_child([sys.executable, "-m", "vexact.integrations.vllm", "--worker", str(req), str(res)],
                               env, log, timeout_s)
         result = json.loads(res.read_text()) if res.is_file() else None
@@ -365,17 +365,9 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- the command
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from ..real.compare import _positive_int  # one parser of positive integers for vexact's commands
+
     parser = argparse.ArgumentParser(
         prog="python -m vexact.integrations.vllm", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Sample with vLLM on a Hugging Face checkpoint, rescore the tokens with vexact's exact path and "
@@ -406,16 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="training side's threads")
     parser.add_argument("--timeout", type=float, default=None, dest="timeout_s", metavar="S",
                         help="kill vLLM's process after S seconds")
-    parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # the child process
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"] and len(argv) == 3:
+    if argv[:1] == ["--worker"] and len(argv) == 3:  # vLLM's child process (generate_with_vllm)
         return _worker(argv[1], argv[2])
     args = vars(build_parser().parse_args(argv))
-    args.pop("worker")
     args["train"] = tuple(args["train"] or ())
     try:
         summary = run_vllm_dump(VllmDumpSettings(**args))
