@@ -59,18 +59,18 @@ ROW_TILE_CALLS_FROM = 1 << 20
 """Elements (4 MiB of fp32). The canonical weight gradient holds every (chunk, row tile) pair in one GEMM call, so it
 copies each chunk's right operand once per row tile: (row tiles - 1) x chunks x K_pad x chunk extra elements. Above
 this many, one call per row tile runs instead (the same tiles, ``_transposed_matmul_by_row_tile``); below it the
-extra calls cost more than the copy. The zero_mismatch model's gradients stay below it (at most 2 x 14 x 64 x 256 =
-458,752 for 3,600 tokens); llama100m's LM head is far above (767 x 2 x 576 x 256, about 2.3e8, for 312 tokens)."""
+extra calls cost more than the copy. The zero_mismatch model's widest layers (gate and up: N = 176, three row tiles,
+K = 64) add 2 x 64 x 256 = 32,768 elements per 256-token chunk, so they stay below it up to 31 chunks (7,936 tokens
+per gradient); llama100m's LM head is far above it (767 x 2 x 576 x 256, about 2.3e8, for 312 tokens)."""
 STACKED_MACS_MAX = 1 << 34
-"""Multiply-adds (about 1.7e10): the largest linear layer whose tiles may run as one GEMM. Its ``same_bits`` probe,
-per tile count, costs about three GEMMs of the layer's size at first use: beyond this, a minute or more on a small
-host, for a saving that a GEMM so large does not notice."""
+"""Multiply-adds (about 1.7e10): the largest linear layer whose tiles may run as one GEMM. Its ``same_bits`` probe
+(per tile count) costs about three GEMMs of the layer's size at first use, a one-time cost that this bounds."""
 VIEW_SLAB_ROWS = 4096
 """A weight gradient on views cuts its N output rows into slabs of this many, each its own GEMM calls and tree, to
 bound the partial products held at once (llama's LM head: N = 49152, 12 slabs)."""
 VIEW_PARTIALS_MAX = 1 << 24
-"""Partial-product elements per slab (chunks x slab rows x K: 64 MiB of fp32): a weight gradient with more runs the
-canonical tiles, whose partial products are per row tile."""
+"""Partial-product elements per slab (chunks x slab rows x K: 64 MiB of fp32), a memory bound: a weight gradient with
+more runs the canonical tiles instead."""
 
 # --------------------------------------------------------------------------- the same_bits probes' inputs
 ARRANGEMENT_PROBE_SEED = 20261126

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vexact.lab.report import PointData, SweepData
 from vexact.lab.scaling import MAP_KEYS, fit_law, load_map, place_on_map, scaling, write_scaling
+from vexact.lab.sweep_data import PointData, SweepData
 
 SEEDS = (0, 1, 2, 3)
 FACTORS = (0.25, 0.5, 2.0, 4.0)  # doses around the true threshold: the two below survive, the two above collapse

@@ -43,7 +43,7 @@ from typing import Any
 
 from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
 from .dose_response import METRIC, fit_threshold, run_dose
-from .report import SEED_KEY, PointData, SweepData
+from .sweep_data import SEED_KEY, PointData, SweepData
 
 __all__ = ["BOOTSTRAP", "DEFAULT_MAP", "HORIZON_KEY", "fit_law", "load_map", "place_on_map", "plot_scaling",
            "scaling", "write_scaling"]

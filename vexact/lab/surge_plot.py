@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..metric_keys import EVAL_REWARD_MEAN, RESPONSE_LENGTH_MEAN, REWARD_MEAN
 from .dynamics import PHASES, SURGE_TRACKED, surge_dynamics
-from .report import _series, read_sweep_results
+from .sweep_data import metric_series, read_sweep_results
 
 EDGE = 5  # steps averaged for the start length and the trailing mean of the rise
 PANELS = ((RESPONSE_LENGTH_MEAN, "mean response length (tokens)"), (REWARD_MEAN, "rollout reward"),
@@ -43,7 +43,7 @@ def plot_surge(sweep_dir: str | Path, out: str | Path) -> Path:
         for i, point in enumerate(p for p in points if p.metrics):
             surge = point.collapse.get("length_surge_step")
             for ax, (key, _) in zip(axes, PANELS):
-                steps, vals = _series(point, key)
+                steps, vals = metric_series(point, key)
                 ax.plot(steps, vals, color=colour, lw=1.2, alpha=0.8, label=label if i == 0 and ax is axes[0] else None)
                 if isinstance(surge, int):
                     ax.axvline(surge, color=colour, ls=":", lw=0.8)
@@ -68,7 +68,7 @@ def surge_table(sweep_dir: str | Path) -> str:
         if not p.has_result:
             continue
         r = rise(p)
-        evals = _series(p, EVAL_REWARD_MEAN)[1]
+        evals = metric_series(p, EVAL_REWARD_MEAN)[1]
         peak = p.collapse.get("peak_reward")
         lines.append(f"| {p.name} | {r['start']:.2f} | {r['top']:.2f} | {r['top'] / r['start']:.2f}× | "
                      f"{r['rise_steps']} | {r['rise_steps'] / p.run_length:.0%} | "
@@ -93,7 +93,7 @@ def surge_table(sweep_dir: str | Path) -> str:
 
 def rise(point) -> dict:
     """Start length, top length and the 10-90% rise time in steps of one run (see the module docstring)."""
-    steps, vals = _series(point, RESPONSE_LENGTH_MEAN)
+    steps, vals = metric_series(point, RESPONSE_LENGTH_MEAN)
     trail = [sum(vals[max(0, i - EDGE + 1):i + 1]) / len(vals[max(0, i - EDGE + 1):i + 1]) for i in range(len(vals))]
     start, top = sum(vals[:EDGE]) / len(vals[:EDGE]), max(trail)
     lo, hi = start + 0.1 * (top - start), start + 0.9 * (top - start)
