@@ -12,6 +12,7 @@ data flow (rollout + injector, scoring/rollout records, metrics, loss, LR schedu
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -293,3 +294,55 @@ def test_lab_modules_share_helpers_by_public_names() -> None:
                 if isinstance(node, ast.ImportFrom) for alias in node.names
                 if alias.name.startswith("_") and not alias.name.startswith("__")}
     assert borrowed == SHARED_PRIVATELY, borrowed - SHARED_PRIVATELY
+
+
+# --------------------------------------------------------------------------- the design page's map of the tree
+DESIGN = ROOT / "docs" / "explanation" / "design.md"
+
+
+def _layout_table(text: str) -> dict[str, set[str]]:
+    """folder -> every name in backticks in the modules column of its rows, from the "Code layout" table."""
+    table: dict[str, set[str]] = {}
+    for line in text.split("## Code layout", 1)[1].splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder_cell, modules_cell, *_ = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        folder = re.match(r"`([^`]+/)`", folder_cell)
+        assert folder, f"a layout row that names no folder: {line[:80]}"
+        table.setdefault(folder.group(1), set()).update(re.findall(r"`([^`]+)`", modules_cell))
+    return table
+
+
+def _tree() -> dict[str, set[str]]:
+    """folder -> its modules (a package's ``__init__`` is its row), for every package folder of vexact/ and kernels/."""
+    tree: dict[str, set[str]] = {}
+    for folder in ("vexact", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            modules = tree.setdefault(f"{path.parent.relative_to(ROOT)}/", set())
+            if path.stem != "__init__":
+                modules.add(path.stem)
+    return tree
+
+
+def _layout_differences(table: dict[str, set[str]]) -> list[str]:
+    tree = _tree()
+    found = [f"package {folder} is not in the table" for folder in sorted(tree.keys() - table.keys())]
+    found += [f"{folder} is in the table but is no package" for folder in sorted(table.keys() - tree.keys())]
+    for folder in sorted(tree.keys() & table.keys()):
+        named = {name for name in table[folder] if "." not in name}  # a module; with a suffix, another file
+        found += [f"{folder}{name}.py is not in the table" for name in sorted(tree[folder] - named)]
+        found += [f"{folder}{name}: no such file" for name in sorted(table[folder])
+                  if not (ROOT / folder / (name if "." in name else f"{name}.py")).is_file()]
+    return found
+
+
+def test_the_design_page_maps_every_module() -> None:
+    """design.md's layout table names every module of vexact/ and kernels/, and every name in it is a file."""
+    assert _layout_differences(_layout_table(DESIGN.read_text())) == []
+
+
+def test_the_map_check_sees_a_missing_and_a_stale_module() -> None:
+    text = DESIGN.read_text().replace("`same_runs`, ", "").replace("`surge_plot`", "`surge_plots`")
+    assert _layout_differences(_layout_table(text)) == [
+        "vexact/lab/studies/same_runs.py is not in the table", "vexact/lab/studies/surge_plot.py is not in the table",
+        "vexact/lab/studies/surge_plots: no such file"]
