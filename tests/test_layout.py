@@ -346,3 +346,25 @@ def test_the_map_check_sees_a_missing_and_a_stale_module() -> None:
     assert _layout_differences(_layout_table(text)) == [
         "vexact/lab/studies/same_runs.py is not in the table", "vexact/lab/studies/surge_plot.py is not in the table",
         "vexact/lab/studies/surge_plots: no such file"]
+
+
+# --------------------------------------------------------------------------- no issue letters
+ISSUE_LETTER = re.compile(r"\bissues? [A-Z]\b")  # "issue O", "(issue Q)", "issues O and R"
+WRITTEN = ("vexact", "kernels", "benchmarks", "docs", "tests", "README.md")
+
+
+def test_no_issue_letters_in_code_or_docs() -> None:
+    """Code, tests and docs cite no tracker letter ("issue O"): a reader of the repository cannot look one up, so a
+    text says what the thing is (the thread-invariant backward, the length surge) instead."""
+    paths = [ROOT / "README.md", *(path for folder in WRITTEN[:-1] for path in (ROOT / folder).rglob("*")
+                                   if path.suffix in (".py", ".md", ".cpp", ".yaml", ".yml"))]
+    cited = [f"{path.relative_to(ROOT)}:{number}: {line.strip()[:80]}" for path in paths
+             if path != Path(__file__).resolve()  # this file spells the pattern's examples
+             for number, line in enumerate(path.read_text().splitlines(), 1) if ISSUE_LETTER.search(line)]
+    assert not cited, "\n".join(cited)
+
+
+def test_the_issue_letter_pattern() -> None:
+    assert [bool(ISSUE_LETTER.search(text)) for text in
+            ("(issue Q)", "issue O: threshold", "issues O and R", "issue #12", "an issue. Fix", "issue tracker")] == [
+        True, True, True, False, False, False]

@@ -1,4 +1,4 @@
-"""Collapse scaling (issue O): the threshold-vs-horizon law, bounds, bad input, and placing a user on the map."""
+"""Collapse scaling: the threshold-vs-horizon law, bounds, bad input, and placing a user on the map."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""dynamics.json's ``surge`` block (issue R): each quantity before / during / after the length surge, the ratio,
+"""dynamics.json's ``surge`` block: each quantity before / during / after the length surge, the ratio,
 and the collapse lead, on synthetic runs whose answer is known."""
 
 from __future__ import annotations

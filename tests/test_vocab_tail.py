@@ -1,4 +1,4 @@
-"""The vocabulary tail (issue O, item 6): ``task.distractors`` adds tokens the warm start teaches the policy to
+"""The vocabulary tail: ``task.distractors`` adds tokens the warm start teaches the policy to
 avoid; a response using one earns 0; the ``tail/*`` metrics measure the rollout distribution's mass on them."""
 
 from __future__ import annotations

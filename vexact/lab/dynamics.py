@@ -13,7 +13,7 @@ close together or in low-precision tails. ``mismatch_dynamics(data)`` answers, p
 
 Steps with k3 <= 0 (exact, no mismatch) or non-finite values are skipped; a group without enough steps gets None.
 
-Across the length surge (issue R; "Beyond Precision" says the mismatch and the gradient noise grow once the
+Across the length surge ("Beyond Precision" says the mismatch and the gradient noise grow once the
 response length surges), every group also gets ``surge`` (``surge_dynamics``), zero-mismatch groups included:
 
 - ``runs_surged``: runs whose collapse detector reported a ``length_surge_step``; ``surge_step`` its median;

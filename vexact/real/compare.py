@@ -653,7 +653,7 @@ def main(args: argparse.Namespace) -> int:
     checked = f"; tokens checked on {s['sequences_with_tokens_checked']}" if settings.train is not None else ""
     print_report(s, console, title=escape(f"vexact compare: {sides}"),  # titles are rich markup; paths are not
                  caption=f"{s['sequences']} sequences ({s['mode']}{checked}); values compared exactly as float64")
-    if args.map is not None:  # issue O: where this k3 and horizon sit on the collapse map
+    if args.map is not None:  # where this k3 and horizon sit on the collapse map
         s["map"], map_text = compare_map(s, args.map)
         console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []

@@ -1,4 +1,4 @@
-"""How right each response form of the surge task is under a config's warm-started policy (issue R).
+"""How right each response form of the surge task is under a config's warm-started policy.
 
 The surge needs the worked trace to pay: this measures it. On the config's first ``N`` held-out problems it samples
 the policy (the config's warm start, loaded from its cache or trained) three ways at the config's temperature:

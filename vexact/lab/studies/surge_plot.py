@@ -1,4 +1,4 @@
-"""The length surge of a sweep's runs in one figure (issue R): mean response length and reward against the step.
+"""The length surge of a sweep's runs in one figure: mean response length and reward against the step.
 
 ``vexact report`` plots the clean eval reward; a surge is read from the length, so this draws, per run, the mean
 rollout response length (top), the rollout reward (middle) and the clean eval reward (bottom), with each run's

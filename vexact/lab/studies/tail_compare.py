@@ -1,4 +1,4 @@
-"""Meter cells with and without a vocabulary tail, side by side (issue O, item 6).
+"""Meter cells with and without a vocabulary tail, side by side.
 
 ``python -m vexact.lab.studies.tail_compare --sweep SWEEP_DIR`` instead prints, per group of a ``vexact sweep`` (its
 overrides but the seed), how the rollouts' tail evolved over training: the seed means of ``tail/mass_mean`` at the
