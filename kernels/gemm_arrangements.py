@@ -272,20 +272,17 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     k = b.shape[1]
     block = _reduction_block(rows)
     chunks = -(-rows // block)
-    if (chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX  # the views call torch's GEMM themselves:
-            and host.library_gemm(torch.float32, _reduction_class(block, k), False, op) is not None):
+    views_fit = chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX
+    # the views call torch's GEMM themselves: only where the canonical tiles' class runs it (their right operand,
+    # [block, K_pad] per tile: K_pad rows of ``block`` tokens, the transposed layout)
+    b_class = gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
+    if views_fit and host.library_gemm(torch.float32, b_class, False, op) is not None:
         tail = rows % block
         if tail and _views_agree(block, n, k, tail, host, op):
             return _transposed_matmul_views(a, b, block, unpadded_tail=True)
         if _views_agree(block, n, k, None, host, op):
             return _transposed_matmul_views(a, b, block, unpadded_tail=False)
     return _transposed_matmul_tiles(a, b, host, op, b_source)
-
-
-def _reduction_class(block: int, k: int) -> Tensor:
-    """The GEMM class of ``_transposed_matmul_tiles``' right operand: [block, K_pad] per tile, K_pad rows of ``block``
-    tokens (the transposed layout)."""
-    return gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
 
 
 def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
@@ -310,7 +307,7 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = ceil_to(k, COL_BLOCK)
-    b_class = _reduction_class(block, k)
+    b_class = gemm_class(block, k_pad, transposed=True)  # [block, K_pad] per tile: K_pad rows of ``block`` tokens
     loops = compiled_loops.library()
     record = host.library_gemm(a.dtype, b_class, False, op) if loops is not None else None
     heights = record.tile_heights if record is not None else host.tile_heights(a.dtype, b_class, False, op)
