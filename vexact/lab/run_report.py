@@ -1,7 +1,7 @@
 """Report on one run directory: ``vexact report RUN_DIR`` (a ``vexact run`` output, or one point of a sweep).
 
-The run is read by the sweep report's reader (``report.read_point``) and its reward summarised by the same
-``report.reward_summary``, so a run shows the same numbers alone as in its sweep's table. Written to
+The run is read by the sweep report's reader (``sweep_data.read_point``) and its reward summarised by the same
+``sweep_table.reward_summary``, so a run shows the same numbers alone as in its sweep's table. Written to
 ``RUN_DIR/report/``:
 
     run_curves.png   six panels against the RL step: reward (training rollouts, clean evaluation, and the smoothed

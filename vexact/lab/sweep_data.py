@@ -170,12 +170,15 @@ def damaged_points_error(where: Path, damaged: list[PointData]) -> ValueError:
 
 
 def metric_series(p: PointData, key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of metric ``key`` over the point's metrics lines: the lines holding a number for both, NaN
+    values left out (infinities kept)."""
     pairs = [(float(m["step"]), float(m[key])) for m in p.metrics if is_num(m.get("step")) and is_num(m.get(key))]
     pairs = [(s, v) for s, v in pairs if not math.isnan(v)]
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
 def is_num(v: Any) -> bool:
+    """An int or float, not a bool (JSON's numbers)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -184,14 +187,17 @@ def _finite(values: Any) -> list[float]:
 
 
 def mean(values: Any) -> float | None:
+    """The mean of the numbers among ``values`` (NaN and non-numbers left out); None when there are none."""
     vals = _finite(values)
     return sum(vals) / len(vals) if vals else None
 
 
 def median(values: Any) -> float | None:
+    """The median of the numbers among ``values`` (NaN and non-numbers left out); None when there are none."""
     vals = _finite(values)
     return statistics.median(vals) if vals else None
 
 
 def freeze(value: Any) -> str:
+    """A hashable key for a JSON-like value (a group's values, a seed): equal values, equal keys."""
     return json.dumps(value, sort_keys=True, default=str)

@@ -152,22 +152,26 @@ def _min_cell(cell: str, wrap: bool) -> int:
 
 
 def fmt_value(v: Any) -> str:
+    """A grid value as a cell: floats in their shortest form (``%g``), None as an em dash."""
     if isinstance(v, float):
         return f"{v:g}"
     return "—" if v is None else str(v)
 
 
 def fmt_sci(v: float | None) -> str:
+    """Two significant digits in scientific notation (a mismatch), 0 as 0, None as an em dash."""
     if v is None:
         return "—"
     return "0" if v == 0 else f"{v:.1e}"
 
 
 def fmt_float(v: float | None) -> str:
+    """Three decimals (a reward), None as an em dash."""
     return "—" if v is None else f"{v:.3f}"
 
 
 def fmt_step(v: float | None) -> str:
+    """A step (a median may be a half step), None as an em dash."""
     if v is None:
         return "—"
     return str(int(v)) if float(v).is_integer() else f"{v:.1f}"
