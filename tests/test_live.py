@@ -426,3 +426,18 @@ def test_wandb_offline_view_holds_every_row_scalar(tmp_path):
         for step in (0, 4):
             monitor.step(step, roll, train, mask, extra={"trainer/global_step": step})
     _assert_wandb_matches_jsonl(tmp_path)
+
+
+def test_the_docs_first_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/live_and_recipes.md's first example is complete and needs no optional package (no tensorboard view)."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "live_and_recipes.md"
+    code = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)[0]
+    assert "LiveMonitor(" in code and "tensorboard" not in code and "wandb" not in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(page), "exec"), {"__name__": "__docs__"})
+    rows = read_metrics(tmp_path / "runs" / "my_grpo" / "vexact" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["outcome"] == "ok" and r["live/gates_failed"] == 0 and r["mismatch/tokens"] == 22 for r in rows)
