@@ -68,7 +68,7 @@ import torch
 from torch import Tensor
 
 from .metric_keys import K3_KL
-from .real.compare import check_gates
+from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped map's name, as for --map
 from .real.measure import mismatch_report
 from .rl.atomic import write_text_atomic
 from .rl.config import ConfigError, LoggingSection
@@ -87,7 +87,6 @@ probabilities were passed."""
 RESERVED_KEYS = ("step", "outcome", "gates", "by_position", "map", "map_error")
 RESERVED_PREFIXES = ("rollout_corr/", "training/", "mismatch/", "live/")  # mismatch_metrics' families and ours
 
-DEFAULT_MAP = "default"  # scaling_map: the map shipped with vexact, as ``vexact compare --map default``
 
 OnGateFailure = Literal["record", "raise"]
 ON_GATE_FAILURE = ("record", "raise")
