@@ -258,14 +258,14 @@ def test_a_correction_absent_from_the_map_is_named_not_replaced(tmp_path):
 
 def test_outside_every_curve_is_one_sentence(tmp_path):
     m = _two_correction_map(tmp_path)
-    placed = scaling._placement(m, 1e-6, 5000.0, "bypass")
+    placed = scaling.placement(m, 1e-6, 5000.0, "bypass")
     assert placed["verdict"].startswith("far below the measured collapse range; extrapolated: T = 5000 lies")
     sentence = placed["outside_every_curve"]
     assert sentence == ("T = 5000 lies outside every curve's measured horizons (bypass: T = 8.0 .. 64; recompute: "
                         "T = 8.5 .. 83): every threshold the map gives at this T is an extrapolation")
     lines = scaling.map_lines(placed, m)
     assert f"  outside the map: {sentence}" in lines
-    inside = scaling._placement(m, 1e-4, 30.0, "bypass")
+    inside = scaling.placement(m, 1e-4, 30.0, "bypass")
     assert "outside_every_curve" not in inside and "extrapolated" not in inside["verdict"]
 
 

@@ -72,8 +72,8 @@ from .report import SEED_KEY, PointData, SweepData
 
 __all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES", "build_map",
            "choose_correction", "compare_shapes", "correction_from_config", "correction_name", "correction_names",
-           "curve_for", "fit_law", "load_map", "map_curves", "place_on_map", "plot_scaling", "resolve_correction",
-           "scaling", "write_scaling"]
+           "curve_for", "fit_law", "load_map", "map_curves", "place_on_map", "placement", "plot_scaling",
+           "resolve_correction", "scaling", "write_scaling"]
 
 HORIZON_KEY = "task.max_len"
 HORIZON_METRIC = RESPONSE_LENGTH_MEAN
@@ -768,11 +768,11 @@ def place_on_map(map_data: dict[str, Any], k3: float, horizon: float, correction
     ``MAP_KEYS``: the law's threshold (with its interval), ``ratio`` = k3 / threshold, a ``verdict`` in words,
     ``extrapolation_factor`` (how many times outside the curve's measured horizons T lies; 1.0 inside them) and
     ``correction``; on a curve without a law, the verdict says what its bounds say."""
-    placed = _placement(map_data, k3, horizon, correction)
+    placed = placement(map_data, k3, horizon, correction)
     return {k: placed[k] for k in MAP_KEYS}
 
 
-def _placement(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None) -> dict[str, Any]:
+def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None) -> dict[str, Any]:
     """``place_on_map``'s keys and what the printed lines add: ``correction_assumed``, ``uses_bound`` and
     ``outside_every_curve`` (the sentence when T is outside every curve's measured horizons)."""
     if not _number(k3) or k3 < 0:
@@ -891,7 +891,7 @@ def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] |
     sequences, tokens = summary.get("sequences") or 0, summary.get("tokens") or 0
     if not sequences or not tokens:
         raise ValueError("the dump has no response lengths (no tokens): nothing to place on the map")
-    placed = _placement(map_data, summary["metrics"][K3_KL], tokens / sequences, name)
+    placed = placement(map_data, summary["metrics"][K3_KL], tokens / sequences, name)
     return {k: placed[k] for k in MAP_KEYS}, map_lines(placed, map_data)
 
 
