@@ -439,7 +439,23 @@ def test_shape_is_in_scaling_json_and_printed(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("bypass: shape over 3 fitted horizons (T = 8 .. 48): power law α = 0.91")
 
 
-def test_presets_all_have_a_name():
-    for preset in PRESETS:
-        name = correction_name("recompute", CorrectionSection(preset=preset))
-        assert name in correction_names() or name.startswith("verl[") or name == "recompute", (preset, name)
+def test_every_verl_preset_has_one_name():
+    """Each of verl's presets, as an algorithm.rollout_correction block: its bypass_mode picks the prefix, its plan
+    the method; a plan no registry method spells is named from the plan (never silently a registry name)."""
+    expected = {
+        "disabled": "recompute", "decoupled_token_is": "token_tis", "decoupled_seq_is": "seq_tis",
+        "decoupled_token_icepop": "icepop", "decoupled_seq_is_rs": "seq_mis", "decoupled_geo_rs": "geo_rs",
+        "decoupled_geo_rs_seq_tis": "verl[rollout_is=sequence,rollout_rs=seq_mean_k1]",
+        "decoupled_geo_rs_token_tis": "verl[rollout_is=token,rollout_rs=seq_mean_k1]",
+        "decoupled_k3_rs": "verl[rollout_rs=seq_mean_k3]",
+        "decoupled_k3_rs_seq_tis": "verl[rollout_is=sequence,rollout_rs=seq_mean_k3]",
+        "decoupled_k3_rs_token_tis": "verl[rollout_is=token,rollout_rs=seq_mean_k3]",
+        "bypass_ppo_clip": "bypass", "bypass_ppo_clip_geo_rs": "bypass_geo_rs",
+        "bypass_ppo_clip_k3_rs": "bypass_verl[rollout_rs=seq_mean_k3]", "bypass_pg_is": "bypass_seq_tis",
+        "bypass_pg_token_icepop": "bypass_icepop", "bypass_pg_geo_rs": "bypass_geo_rs",
+        "bypass_pg_geo_rs_seq_tis": "bypass_verl[rollout_is=sequence,rollout_rs=seq_mean_k1]",
+        "bypass_pg_geo_rs_token_tis": "bypass_verl[rollout_is=token,rollout_rs=seq_mean_k1]",
+    }
+    assert set(expected) == set(PRESETS)
+    for preset, name in expected.items():
+        assert correction_from_config({"algorithm": {"rollout_correction": {"preset": preset}}}) == name, preset
