@@ -303,7 +303,7 @@ def test_scaling_map_refused_without_the_module(tmp_path, monkeypatch):
     ({"status": "fitted", "horizon_range": [0, 128.0], "log10_prefactor": -1.0, "alpha": 0.5},
      r"scaling_map cannot place a step: .*horizon"),
     ({"status": "fitted", "horizon_range": "8..128"},
-     r"scaling_map cannot place a step: the map has no measured horizons \(horizon_range\)"),
+     r"scaling_map cannot place a step: the map's bypass curve has no measured horizons \(horizon_range\)"),
     (42, r"scaling_map must be a map dict, the path of a scaling.json or 'default', got int"),
 ])
 def test_a_malformed_scaling_map_is_refused_at_construction(tmp_path, scaling_map, message):

@@ -42,12 +42,17 @@ Row keys: ``step``, ``outcome`` (``"ok"``), the metric keys above, ``live/sequen
 
 The map verdict: ``scaling_map`` (a map dict as ``vexact.lab.scaling.load_map`` returns it, a path it reads, or
 ``"default"`` for the shipped map) makes every ok row carry ``map`` -- the keys ``vexact compare --map`` writes,
-from ``vexact.lab.scaling.place_on_map(map, k3, horizon)`` with this step's ``rollout_corr/k3_kl`` and
+from ``vexact.lab.scaling.place_on_map(map, k3, horizon, correction)`` with this step's ``rollout_corr/k3_kl`` and
 ``live/mean_response_length``: where this level of mismatch sits against the collapse thresholds measured at
-that horizon. Without ``scaling_map`` (the default) rows have no ``map`` key,
-and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map`` with one ``ValueError`` at construction. A
-map dict is checked at construction too (the keys ``load_map`` requires, and one placement at the map's first
-horizon): one ``ValueError`` there, not a ``map_error`` on every row.
+that horizon, on the curve of ``correction`` -- the correction your trainer runs, as ``compare --correction``
+takes it: a name (``bypass``, ``recompute``, ``token_tis``, ...; ``vexact.lab.scaling.correction_names()``), a
+config file, verl's ``algorithm.rollout_correction`` block as a mapping, or a TRL ``GRPOConfig``. Without it the
+``bypass`` curve is assumed and every verdict says so; a correction the map has no curve for is refused at
+construction (never answered from another correction's curve). Without ``scaling_map`` (the default) rows have no
+``map`` key and ``correction`` is refused, and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map``
+with one ``ValueError`` at construction. A map dict is checked at construction too (the keys ``load_map``
+requires, and one placement at the map's first horizon): one ``ValueError`` there, not a ``map_error`` on every
+row.
 
 Restarts: a directory whose metrics.jsonl already holds rows is refused unless ``resume=True``; then the first
 ``step(s)`` drops the rows of steps >= s (your trainer recomputes them), keeps the rest, and rebuilds the live
@@ -152,7 +157,8 @@ class LiveMonitor:
     def __init__(self, out_dir: str | Path, gates: Gates | None = None, backends: Sequence[str] = ("jsonl",),
                  on_gate_failure: OnGateFailure = "record", resume: bool = False,
                  scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
-                 wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline"):
+                 wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline",
+                 correction: Any = None):
         self.out_dir = Path(out_dir)
         self.gates = Gates() if gates is None else gates
         if not isinstance(self.gates, Gates):
@@ -162,7 +168,7 @@ class LiveMonitor:
         self.on_gate_failure = on_gate_failure
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
-        self._map = _load_scaling_map(scaling_map)
+        self._map = _load_scaling_map(scaling_map, correction)
         self.metrics_path = self.out_dir / METRICS_FILE
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} exists and is not a directory")
@@ -262,10 +268,13 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
                                                                      wandb_mode=wandb_mode), settings)
 
 
-def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None) -> Any:
-    """``(k3, horizon) -> the map key`` as ``vexact compare --map`` writes it (``scaling.MAP_KEYS``), or None without a
-    map. ``"default"``, as for ``compare --map``, is the map shipped with vexact."""
+def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correction: Any = None) -> Any:
+    """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction`` writes it (``scaling.MAP_KEYS``), or
+    None without a map. ``"default"``, as for ``compare --map``, is the map shipped with vexact. The correction is
+    resolved and checked against the map here, once."""
     if scaling_map is None:
+        if correction is not None:
+            raise ValueError("correction chooses a curve of scaling_map: give scaling_map too, or leave correction out")
         return None
     try:
         from .lab import scaling
@@ -279,31 +288,42 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None) -> Any:
     else:
         raise ValueError(f"scaling_map must be a map dict, the path of a scaling.json or {DEFAULT_MAP!r}, got "
                          f"{type(scaling_map).__name__}")
+    _check_map_keys(data)
+    try:
+        name = scaling.choose_correction(data, correction)  # its ValueError (no such curve) is the user's answer
+    except (KeyError, TypeError, IndexError, AttributeError) as err:  # a malformed map dict
+        raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
 
     def place(k3: float, horizon: float) -> dict[str, Any]:
-        placed = scaling.place_on_map(data, k3, horizon)
+        placed = scaling.place_on_map(data, k3, horizon, name)
         return {key: placed[key] for key in scaling.MAP_KEYS}
 
     _check_map(data, place)
     return place
 
 
-def _check_map(data: dict[str, Any], place: Any) -> None:
-    """Refuse a map dict that no step could be placed on, now rather than as a ``map_error`` on every row: the keys
-    ``scaling.load_map`` requires of a file, then one placement (k3 = 0 at the first measured horizon), which reads
-    every field a placement needs."""
+def _check_map_keys(data: dict[str, Any]) -> None:
+    """The keys ``scaling.load_map`` requires of a map file, required of a map dict too."""
     missing = [key for key in ("status", "horizon_range") if key not in data]
     if missing:
         raise ValueError(f"scaling_map is not a map: no {' or '.join(map(repr, missing))} key (a map is what "
                          "vexact.lab.scaling.load_map returns for a scaling.json)")
+
+
+def _check_map(data: dict[str, Any], place: Any) -> None:
+    """Refuse a map that no step could be placed on, now rather than as a ``map_error`` on every row: one placement
+    (k3 = 0 at the map's first measured horizon) reads every field a placement needs."""
     horizons = data["horizon_range"]
     first = horizons[0] if isinstance(horizons, list) and horizons else None
     probe = first if isinstance(first, (int, float)) and not isinstance(first, bool) and first > 0 else 1.0
     try:  # a bad horizon_range is the placement's own error (not one about the probe's horizon)
         place(0.0, probe)
-    except (ValueError, KeyError, TypeError, IndexError, ArithmeticError) as err:
-        what = f"no {err}" if isinstance(err, KeyError) else str(err)
-        raise ValueError(f"scaling_map cannot place a step: {what}") from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ArithmeticError) as err:
+        raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
+
+
+def _problem(err: Exception) -> str:
+    return f"no {err}" if isinstance(err, KeyError) else str(err)
 
 
 def _keep_steps_below(path: Path, step: int) -> None:

@@ -697,6 +697,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="place the dump's k3 and mean response length on a collapse map (a scaling.json; "
                              "without FILE: the map shipped with vexact). Before the dumps, write --map=FILE or "
                              "--map last: a space-separated value is taken as the map file")
+    parser.add_argument("--correction", default=None, metavar="NAME|CONFIG",
+                        help="with --map: the correction your trainer runs, whose curve gives the verdict: a name "
+                             "(bypass, recompute, token_tis, ...) or a config file (.yaml/.json: verl's "
+                             "algorithm.rollout_correction, a TRL GRPOConfig, a vexact config); default: bypass, "
+                             "said so in the verdict")
+
 
 
 def _is_dump(path: Path) -> bool:
@@ -730,9 +736,14 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..lab.scaling import compare_map
+    from ..lab.scaling import choose_correction, compare_map, load_map
 
-    _check_paths_and_map(args)
+    _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
+    if args.correction is not None and args.map is None:
+        raise ValueError("--correction chooses a curve of the collapse map: give --map too")
+    if args.map is not None:  # the map and the correction are checked before the dumps are read
+        scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map)
+        correction = choose_correction(scaling_map, args.correction)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
                                rollout_full_key=args.rollout_full_key, train_full_key=args.train_full_key,
@@ -753,7 +764,7 @@ def main(args: argparse.Namespace) -> int:
         console.print("first mismatch: " + result.first_mismatch.describe(("rollout", "training")), markup=False,
                       highlight=False, soft_wrap=True)
     if args.map is not None:  # where this k3 and horizon sit on the collapse map
-        s["map"], map_text = compare_map(s, args.map)
+        s["map"], map_text = compare_map(s, scaling_map, correction)
         console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []
     if args.png:
