@@ -108,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: benchmarks.gpu_triton needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    from vexact_kernels import TRITON_PIP, triton_installed
+
+    if not triton_installed():
+        print(f"error: benchmarks.gpu_triton needs the triton package, which is not installed: {TRITON_PIP}",
+              file=sys.stderr)
+        return 2
     import triton
 
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
