@@ -63,9 +63,11 @@ def mismatched(row: dict) -> int:
     return row["tokens"] - row["bitwise_equal"]
 
 
-def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "native")) -> list[dict]:
+def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "native"),
+              device: torch.device | str = "cpu") -> list[dict]:
     """One result row per backend: tokens compared / bitwise equal, max |Δlogp|, k3 KL, batch invariance,
-    and ``kernel_paths``: the path each op took (for the exact CPU kernels: what the host probes found)."""
+    and ``kernel_paths``: the path each op took (for the exact CPU kernels: what the host probes found).
+    ``device``: where the model runs (``"cuda"``: the exact backend is then the compiled Triton kernels)."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     cfg = ModelConfig(vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
@@ -78,7 +80,8 @@ def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "na
                for _ in range(settings.num_prompts)]
     rows = []
     for backend in backends:
-        model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), init_seed=settings.seed)
+        model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), device=device,
+                            init_seed=settings.seed)
         rows.append(_check_backend(model, prompts, settings))
     return rows
 
