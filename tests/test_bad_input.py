@@ -167,7 +167,7 @@ def test_check_generates_at_one_thread_by_default_and_its_probes_still_cover_the
 
     before = torch.get_num_threads()
     try:
-        (row,) = run_check(settings, ("exact",), Recorder())
+        (row,) = run_check(settings, ("exact",), progress=Recorder())
     finally:
         torch.set_num_threads(before)
     assert seen.count("done") == check_units(settings) == 3 + 9

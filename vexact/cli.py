@@ -217,7 +217,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     # progress on stderr: stdout keeps the results and the verdict
     with Progress(make_console(stderr=True), "vexact check", total, quiet=args.quiet, min_interval=10) as progress:
         for one in settings:
-            rows += run_check(one, backends, progress)
+            rows += run_check(one, backends, progress=progress)
 
     table = Table(title="vexact check: rollout log-probs vs training log-probs")
     for col in ("backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched", "max |Δlogp|",

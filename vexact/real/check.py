@@ -72,9 +72,10 @@ def check_units(settings: CheckSettings) -> int:
 
 
 def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "native"),
-              progress: StepReporter | None = None) -> list[dict]:
+              device: torch.device | str = "cpu", progress: StepReporter | None = None) -> list[dict]:
     """One result row per backend: tokens compared / bitwise equal, max |Δlogp|, k3 KL, batch invariance,
     and ``kernel_paths``: the path each op took (for the exact CPU kernels: what the host probes found).
+    ``device``: where the model runs (``"cuda"``: the exact backend is then the compiled Triton kernels);
     ``progress`` hears of each of ``check_units`` units per backend (``vexact.progress``)."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
@@ -88,7 +89,8 @@ def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "na
                for _ in range(settings.num_prompts)]
     rows = []
     for backend in backends:
-        model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), init_seed=settings.seed)
+        model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), device=device,
+                            init_seed=settings.seed)
         rows.append(_check_backend(model, prompts, settings, progress or _Silent()))
     return rows
 
