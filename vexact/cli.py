@@ -130,6 +130,10 @@ _CHECK_SIZES = {"vocab_size": "vocabulary of the random model", "hidden_size": "
                "intermediate_size": "MLP intermediate size"}
 
 
+CHECK_THREADS = 1
+"""``vexact check``'s default generation threads."""
+
+
 def _add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", epilog=exit_codes_help("check"),
                        help="verify rollout log-probs == training log-probs bit for bit on this machine")
@@ -171,10 +175,6 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
                    "found (a table per exact backend) instead of one line per backend")
     _add_quiet(p)
     p.set_defaults(func=_cmd_check)
-
-
-CHECK_THREADS = 1
-"""``vexact check``'s default generation threads."""
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:
