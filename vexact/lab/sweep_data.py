@@ -109,8 +109,11 @@ def read_sweep_results(sweep_dir: str | Path) -> SweepData:
         name = str(entry.get("name", ""))
         point_dir = Path(entry.get("dir") or Path("points") / name)
         point_dir = point_dir if point_dir.is_absolute() else sweep_dir / point_dir
-        points.append(read_point(point_dir, name, dict(entry.get("overrides") or {}), entry.get("status"),
-                                 entry.get("error")))
+        status, error = entry.get("status"), entry.get("error")
+        if status == "failed" and str(error or "").startswith("RunLocked"):
+            # failed only because another process held its directory then: what that process finished counts
+            status = error = None
+        points.append(read_point(point_dir, name, dict(entry.get("overrides") or {}), status, error))
     if grid:
         group_keys = [k for k in grid if k != SEED_KEY]
     else:  # no grid recorded: group by every override except the seed
@@ -146,6 +149,10 @@ def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = No
         metrics = []
         damage.append(_first_line(e).replace(str(point_dir) + "/", ""))
     status = status or (summary or {}).get("status") or "pending"
+    claimed = (summary or {}).get("steps_completed")
+    if summary is not None and summary.get("status") in RESULT_STATUSES and not metrics and not damage \
+            and isinstance(claimed, int) and claimed > 0:  # a finished run's log is final: it cannot be empty
+        damage.append(f"metrics.jsonl holds no steps, but summary.json says {claimed} were completed")
     return PointData(name=name, dir=point_dir, overrides=dict(overrides or {}), status=str(status), error=error,
                      summary=summary, metrics=metrics, damage=damage)
 
