@@ -20,9 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("engine", "rl", "lab", "real")  # lowest first; vexact/__init__.py and cli.py sit on top
-BASE = ("registry", "metric_keys")
-"""Top-level modules below every layer: the registries and metric-key constants every layer shares. At import they
-import nothing of vexact (``test_the_base_modules_import_nothing_of_vexact``)."""
+BASE = ("registry", "metric_keys", "progress")
+"""Top-level modules below every layer: the registries, metric-key constants and progress display every layer
+shares. At import they import nothing of vexact (``test_the_base_modules_import_nothing_of_vexact``)."""
 
 
 def _layer(package: str) -> int:
