@@ -116,10 +116,46 @@ def test_the_registry_is_well_formed():
 
 
 def test_generated_markers_expand_and_unknown_ones_are_refused():
-    text = docs_gen.expand("# x\n\n<!-- vexact-docs: metrics -->\n")
-    assert "vexact-docs" not in text and "`rollout_corr/k3_kl`" in text
+    text = docs_gen.expand("# x\n\n<!-- vexact-docs: metrics -->\n\ntext after\n")  # a bare marker is filled
+    body = docs_gen.metrics_markdown().strip()
+    region = f"<!-- vexact-docs: metrics -->\n\n{body}\n\n<!-- end vexact-docs: metrics -->"
+    assert text == f"# x\n\n{region}\n\ntext after\n"
+    assert docs_gen.expand(text) == text  # a current region stays as it is
+    stale = text.replace("`rollout_corr/k3_kl`", "`rollout_corr/old_name`")
+    assert docs_gen.expand(stale) == text  # a stale one is rewritten, and only it
     with pytest.raises(ValueError, match="unknown generated page 'nope'"):
         docs_gen.expand("<!-- vexact-docs: nope -->")
+
+
+def test_the_committed_reference_pages_hold_what_the_generators_give_now():
+    """The generated pages are committed (readable on a code host, not only on the built site) and current: a flag,
+    key or metric changed without ``python -m vexact.docs_gen --update`` fails here. A fresh process, so that no
+    mode or task registered by another test shows up in the tables."""
+    pages = {p.relative_to(ROOT).as_posix() for p in docs_gen.pages_with_regions()}
+    assert {"docs/reference/cli.md", "docs/reference/config.md", "docs/reference/metrics.md"} <= pages
+    cli = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert "## `vexact run`" in cli and "`--nproc`" in cli and "<!-- end vexact-docs: cli -->" in cli
+    assert str(ROOT) not in cli  # a default path inside the repository is written relative to it
+    done = subprocess.run([sys.executable, "-m", "vexact.docs_gen", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_check_finds_a_stale_page_and_update_rewrites_it(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    (docs / "reference").mkdir(parents=True)
+    page = docs / "reference" / "metrics.md"
+    page.write_text("# Metric keys\n\nby hand\n\n<!-- vexact-docs: metrics -->\n\nold table\n\n"
+                    "<!-- end vexact-docs: metrics -->\n\nby hand too\n")
+    (docs / "other.md").write_text("# no region\n")
+    assert docs_gen.main(["--check", str(docs)]) == 1
+    assert f"{page}: a generated region differs" in capsys.readouterr().err
+    assert docs_gen.main(["--update", str(docs)]) == 0
+    text = page.read_text()
+    assert "old table" not in text and "`rollout_corr/k3_kl`" in text
+    assert text.startswith("# Metric keys\n\nby hand\n\n") and text.endswith("\n\nby hand too\n")
+    assert docs_gen.main(["--check", str(docs)]) == 0
+    assert docs_gen.main(["--check", str(tmp_path / "none")]) == 2
 
 
 # --------------------------------------------------------------------------- keys written by run / measure / compare
