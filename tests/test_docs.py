@@ -306,3 +306,19 @@ def test_the_verl_and_trl_tables_name_real_keys():
     dotted = [n for n in names if re.fullmatch(r"[a-z_]+\.[a-z_]+", n)]
     assert len(dotted) > 10 and [n for n in dotted if n not in config] == []
     assert len(metrics) > 10 and [n for n in metrics if metric_keys.find(n) is None] == []
+
+
+def test_every_results_page_says_which_cpu_and_what_carries_to_another_machine():
+    """Numbers on a results page were measured on one CPU: each page names it (or says it was not recorded) and
+    includes the one shared note on what carries to another machine (not typed per page)."""
+    snippet = ROOT / "docs" / "_snippets" / "per_machine.md"
+    text = snippet.read_text()
+    assert "per machine" in text and "collapse" in text and "bits" in text
+    include = '--8<-- "docs/_snippets/per_machine.md"'
+    pages = sorted((ROOT / "docs" / "results").glob("*.md"))
+    assert len(pages) >= 10
+    missing = [p.name for p in pages if include not in p.read_text()
+               or not re.search(r"^\s*CPU: .*(AMD EPYC|Intel Xeon|not recorded)", p.read_text(), re.MULTILINE)]
+    assert missing == []
+    assert [p.name for p in pages if text.splitlines()[0] in p.read_text()] == []  # included, never copied
+    assert "_snippets/" in yaml.safe_load((ROOT / "mkdocs.yml").read_text())["exclude_docs"]  # not a page itself
