@@ -297,6 +297,15 @@ def test_readme_is_short_keeps_the_quickstart_and_links_only_existing_pages():
         assert f"<!-- --8<-- [start:{section}] -->" in readme and f"<!-- --8<-- [end:{section}] -->" in readme
 
 
+def test_the_readme_test_command_says_what_it_skips_and_how_to_run_everything():
+    section = (ROOT / "README.md").read_text().split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
+    assert "`python -m pytest -q`" in section and "skips" in section and "-rs" in section
+    assert "`CI=true bash .ci/run`" in section
+    installed = re.search(r'pip install --quiet -e "(\.\[[^\]]+\])"', (ROOT / ".ci" / "run").read_text()).group(1)
+    assert f"`{installed}`" in section  # the extras CI installs, as .ci/run spells them now
+    assert "verl" in section and "smollm2" in section  # what .ci/run installs beside the extras
+
+
 def test_the_verl_and_trl_tables_name_real_keys():
     """The hand-written vocabulary tables: every vexact config key and metric key they name exists."""
     page = (ROOT / "docs" / "reference" / "verl_trl.md").read_text()
