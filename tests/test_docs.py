@@ -306,6 +306,19 @@ def test_the_readme_test_command_says_what_it_skips_and_how_to_run_everything():
     assert "verl" in section and "smollm2" in section  # what .ci/run installs beside the extras
 
 
+def _readme_section(name: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split(f"<!-- --8<-- [start:{name}] -->", 1)[1].split(f"<!-- --8<-- [end:{name}] -->", 1)[0]
+
+
+def test_the_demo_time_is_one_figure_from_one_named_measurement():
+    """The Quickstart points at the demo section's time instead of giving one of its own (they said two things)."""
+    about_demo = _readme_section("quickstart").split("`vexact demo`: ", 1)[1].split("runs/demo/", 1)[0]
+    assert "(#vexact-demo)" in about_demo and not re.search(r"\d ?(min|s)\b|idle", about_demo), about_demo
+    demo = _readme_section("demo")
+    assert len(re.findall(r"\d+ min \d+ s wall", demo)) == 1 and "`/usr/bin/time -v vexact demo`" in demo
+
+
 def test_the_verl_and_trl_tables_name_real_keys():
     """The hand-written vocabulary tables: every vexact config key and metric key they name exists."""
     page = (ROOT / "docs" / "reference" / "verl_trl.md").read_text()
