@@ -11,12 +11,16 @@ signatures and semantics (``native.py`` is the plain-torch reference):
 - ``"triton"``: the Triton kernels forced (on CPU through the Triton interpreter: slow,
   tiny models only).
 
+The Triton kernels need the optional ``triton`` package (``TRITON_PIP``); without it every backend works on CPU
+tensors except ``"triton"``, which is refused with one ValueError naming the pip line.
+
 Why not ``import kernels``: a PyPI package named ``kernels`` exists and transformers probes
 for it by distribution name, so this library is installed under ``vexact_kernels``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 import torch
@@ -28,7 +32,23 @@ BACKENDS = ("exact", "native", "triton")
 EXACT_BACKENDS = ("exact", "triton")  # the backends whose rollout and training log-probs must agree bit for bit
 
 
+TRITON_PIP = 'pip install "vexact[triton]"'
+"""How the optional triton package is installed (the ``triton`` extra: ~290 MB, so not a dependency of a CPU
+install); the one line every "triton is missing" message names."""
+
+
+def triton_installed() -> bool:
+    """Whether the triton package can be imported (found, not imported: importing triton is slow)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ValueError:  # sys.modules["triton"] is None: imports of it are blocked
+        return False
+
+
 def _triton() -> ModuleType:
+    if not triton_installed():
+        raise ValueError(f"the Triton kernels (backend 'triton', or 'exact' on a CUDA device) need the triton "
+                         f"package, which is not installed: {TRITON_PIP}")
     from . import triton_exact  # imported lazily: importing triton is slow
 
     return triton_exact
@@ -65,4 +85,5 @@ def kernel_paths(backend: str, device: torch.device | str = "cpu") -> dict:
     return {"backend": backend, "kernels": ops.NAME, "ops": {op: {"path": path} for op in OP_NAMES}, "probes": []}
 
 
-__all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "KernelOps", "get_ops", "kernel_paths", "cpu_exact", "native"]
+__all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "TRITON_PIP", "KernelOps", "get_ops", "kernel_paths",
+           "triton_installed", "cpu_exact", "native"]

@@ -1,52 +1,42 @@
-"""Exact CPU backend: batch-invariant, thread-count-invariant kernels built from torch ops.
+"""Exact CPU backend: the nine ops, batch-invariant and thread-count-invariant, built from torch ops.
 
-Why torch's own ops are not enough (measured on this project's CI machines): ``x @ W`` picks a
-different BLAS kernel for M = 1, for small M and for some thread counts, so a row's result depends
-on how many rows sit beside it; SDPA's last prefill row differs from a single-query decode; wide
-sums change with the thread count.
+Why torch's own ops are not enough: ``x @ W`` picks another BLAS kernel for M = 1, for small M and for some thread
+counts, so a row's result depends on how many rows sit beside it; SDPA's last prefill row differs from a
+single-query decode; wide sums change with the thread count.
 
-How this module gets exactness anyway -- three building blocks, each invariant:
+Three building blocks, each invariant:
 
-1. **Fixed-shape matmul tiles** (``_tiled_matmul``): rows are zero-padded to whole row tiles
-   (4, 8, 16, 32 or 64 rows: the smallest that holds them, 64-row tiles beyond) and the output width
-   to a multiple of ``COL_BLOCK`` (16); one batched GEMM then runs the same kernel for every tile,
-   whatever M is. Each output element's K-reduction therefore always runs through the same kernel
-   in the same order -- *if* the host BLAS gives a row the same bits for every tile height, position
-   in the tile, number of tiles and thread count. That is a measured property of the host (MKL on
-   x86-64 has it; numpy's OpenBLAS on an AVX-512 host did not), so it is never assumed: ``HOST``
-   (``host_guard.HostGuard``) probes it at first use for each shape class and, where it fails,
-   runs that class through ``fixed_order.bmm`` (a halving tree of exactly rounded products per
-   output element: invariant by construction, slower) and warns. Attention tiles its rows the same way.
-2. **Halving-tree sums** (``fixed_order.tree_sum``): a row is summed by repeatedly adding its two
-   halves. Each step is an elementwise IEEE add (exactly rounded, identical in vector and scalar
-   code), so the result depends only on the row's values -- invariant by construction.
-   Zero padding at the end of a row does not change the result (x + 0 == x), which lets a
-   decode step (short key row) and a prefill row (long, masked key row) sum identically.
-3. **Chunked library math** (``_unary``): ``exp``/``log``/``sqrt`` run over the flattened tensor in
-   chunks of ``CHUNK`` elements, a multiple of 64 below ATen's default parallel grain size
-   (32768): an op with a vectorised body and a scalar tail (whose rounding can differ, e.g.
-   Sleef's ``sigmoid``) then only ever runs the vectorised body. Whether the library's exp/log/sqrt
-   give an element the same bits at every position is again a host property, probed by ``HOST``;
-   where it fails, ``fixed_order.exp`` / ``log`` / ``sqrt`` (from exactly rounded ops) take over. (torch's
-   CPU sqrt is such a library function, not the IEEE operation: it is not always correctly rounded.)
+1. **Fixed-shape GEMM tiles** (``gemm_arrangements``): rows zero-padded to whole row tiles, output columns to a
+   multiple of 16, so every output element's reduction runs through the same GEMM kernel in the same order
+   whatever the batch -- *if* the host's BLAS gives a row the same bits for every tile height, position in the
+   tile, number of tiles and thread count. That is a measured property of the host, never assumed: ``HOST``
+   (``host_guard.HostGuard``) probes it at first use for each shape class and, where it fails, runs that class
+   through ``fixed_order.bmm`` (invariant by construction, slower) and warns. Attention tiles its rows the same way.
+2. **Halving-tree sums** (``fixed_order.tree_sum``): a row is summed by repeatedly adding its two halves, each step
+   an exactly rounded elementwise add, so the result depends only on the row's values. Zero padding at the end of
+   a row changes nothing (x + 0 == x), so a decode step (short key row) and a prefill row (long, masked key row)
+   sum identically.
+3. **Chunked library math** (``elementwise``): ``exp``/``log``/``cos``/``sqrt`` run over the flattened tensor in
+   chunks of ``CHUNK`` elements, so an op with a vectorised body and a scalar tail (whose rounding can differ) only
+   ever runs the vectorised body. That the library gives an element the same bits at every position is again a
+   host property, probed by ``HOST``; where it fails, ``fixed_order.exp`` / ``log`` / ``cos`` / ``sqrt`` take over.
+   (torch's CPU sqrt is such a library function, not the IEEE operation: it is not always correctly rounded.)
 
-So every op is exact on any host: by construction, or by a probed property with a by-construction
-fallback. ``host_report()`` says which path each op took (``vexact check`` prints it); the environment
-variable ``VEXACT_CPU_EXACT_PATH=fixed-order`` forces the by-construction path everywhere. The torch-op
-compositions around the library calls (tree sums, masks, operand layouts) also exist as compiled loops
-(``compiled_loops``): the same operations element by element, the same bits, fewer aten calls.
+So every op is exact on any host: by construction, or by a probed property with a by-construction fallback.
+``host_report()`` says which path each op took (``vexact check`` prints it); ``VEXACT_CPU_EXACT_PATH=fixed-order``
+forces the by-construction path everywhere. The torch-op compositions around the library calls (tree sums, masks,
+operand layouts) also exist as compiled loops (``compiled_loops``): the same operations element by element, the
+same bits, fewer aten calls.
 
-Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in
-fp32) and rounded once to the output dtype. Backward passes (``autograd.exact_forward_vjp``,
-``_ExactAttention``) are analytic VJPs on values the exact forward saved -- no second forward -- built from
-the same blocks: guarded GEMM tiles (a weight gradient reduces over tokens in fixed chunks, ``_transposed_matmul``),
-halving trees and the chunked exp. So the gradients are thread-count invariant too (each op's "Backward
-contract"); they still depend on the batch they are computed over (only the forward is compared across paths).
+Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in fp32) and rounded once
+to the output dtype. Backward passes (``autograd.exact_forward_vjp``, ``_ExactAttention``) are analytic VJPs on
+values the exact forward saved -- no second forward -- built from the same blocks, so the gradients are
+thread-count invariant too (each op's "Backward contract"); they still depend on the batch they are computed over
+(only the forward is compared across paths).
 
-Speed (see ``benchmarks/`` and the README's "Benchmarks" section): the exact forward runs
-the same BLAS GEMMs as native ops, on padded tiles; what it adds is padding, the tree sums'
-extra passes and Python dispatch of more, smaller ops. The fixed-order fallback is much slower
-(its GEMM does not use BLAS); ``benchmarks/host_guard.py`` measures the ratio.
+The ops follow one decoder's data flow: ``embedding``, ``rms_norm``, ``linear``, ``rope``, ``attention``,
+``silu_mul``, then the heads' ``log_softmax``, ``token_logprobs`` and ``entropy``; each section starts with the op
+and its contract. What exactness costs in time: ``benchmarks/`` and docs/results/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -56,198 +46,41 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops, native
+from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
+from .gemm_arrangements import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block, zero_outside
 from .host_guard import HostGuard
 
 NAME = "cpu_exact"
 
-ROW_BLOCKS = (4, 8, 16, 32, 64)  # GEMM tile heights: the smallest holding a call's rows, else 64-row tiles
-COL_BLOCK = 16  # output columns are padded to a multiple of this (odd N changed MKL's threading)
-CHUNK = 32704  # elements per transcendental call: < ATen GRAIN_SIZE (32768), multiple of 64
-REDUCE_BLOCK = 256  # tokens per chunk of a weight gradient's reduction (backward; see _transposed_matmul)
-KEY_BLOCK = 64  # keys per attention tile, from position 0
-# A weight gradient whose right operand would be copied once per row tile with more than this many extra elements
-# runs one GEMM call per row tile instead (the same tiles; below it, the extra calls cost more than the copy).
-ROW_TILE_CALLS_FROM = 1 << 20
-# A weight gradient on views (``_transposed_matmul_views``) cuts N into slabs of this many output rows, and runs only
-# with at most VIEW_PARTIALS_MAX partial-product elements per slab (chunks * slab * K: 64 MiB of fp32).
-VIEW_SLAB_ROWS = 4096
-VIEW_PARTIALS_MAX = 1 << 24
-VIEW_PROBE_CHUNKS, VIEW_PROBE_SEED = 2, 20261126  # the same_bits probes: whole chunks per call (plus a partial), seed
-# A linear layer's tiles run as one GEMM (``_stacked_matmul``) only up to this many multiply-adds: its same_bits
-# probe (per tile count) costs about three such GEMMs at first use.
-STACKED_MACS_MAX = 1 << 34
-ALIGNMENT = 64  # bytes: GEMM operands start on this boundary (torch's CPU allocator gives it to every new tensor)
-# The process's guard: probes the host properties the fast paths rely on (see host_guard), per shape class.
+CHUNK = 32704
+"""Elements per call of a library function (exp, log, cos, sqrt): a multiple of 64 (whole vectors of every width
+up to 64 lanes, so no scalar tail) below ATen's parallel grain size (32768), so one call never splits across
+threads."""
+VECTOR_MULTIPLE = 64
+"""A tensor's elements are zero-padded to a multiple of this before the chunked calls: its last chunk, too, is whole
+vectors."""
+KEY_BLOCK = 64
+"""Keys per attention tile, from position 0: a decode step's keys then fall in the tiles a prefill row's do."""
 HOST = HostGuard(ROW_BLOCKS)
-# What each op's invariance rests on besides construction (reported by ``host_report``).
+"""The process's guard: probes the host properties the fast paths rely on (``host_guard``), per shape class."""
 HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows", "same_bits"), "rms_norm": ("elementwise_sqrt",),
                    "silu_mul": ("elementwise_exp",),
                    "rope": (), "entropy": ("elementwise_exp",),
                    "attention": ("gemm_rows", "elementwise_exp"),
                    "log_softmax": ("elementwise_exp", "elementwise_log"),
                    "token_logprobs": ("elementwise_exp", "elementwise_log")}
+"""What each op's invariance rests on besides construction (reported by ``host_report``)."""
 
 
-def _ceil_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _row_block(rows: int, heights: tuple[int, ...] = ROW_BLOCKS) -> int:
-    """GEMM tile height for ``rows`` rows: the smallest of ``heights`` (the guard's allowed heights for the GEMM's
-    shape class, a subset of ROW_BLOCKS) that holds them, else the largest.
-
-    MKL gave every output row the same bits for tile heights 4..64 (measured with 1-16 threads,
-    1-256 tiles per bmm, K up to 1536): a row's K-reduction does not depend on how many rows
-    share its tile. Heights 1 and 2 do differ (a narrower kernel), hence 4 as the smallest.
-    Small tiles keep a decode step from paying for rows it does not have: its attention tile
-    holds ``group`` real query rows (2 in the default model), and a 16-row tile multiplied
-    zeros 8x over in the scores and P @ V GEMMs and their masks. (Measured on one host: on every
-    host ``HOST`` probes it before relying on it.)"""
-    for block in heights:
-        if rows <= block:
-            return block
-    return heights[-1]
-
-
-# --------------------------------------------------------------------------- building blocks
-def _tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> Tensor:
-    """fp32 x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``_row_block(M)``.
-
-    One ``host.bmm`` over ceil(M / R) row tiles (zero-padded), the (transposed, column-padded)
-    weight shared by every tile: each output element's K-reduction runs through the same GEMM
-    kernel whatever M is (BLAS where the probe passed, else the fixed-order GEMM).
-    N is padded to a multiple of ``COL_BLOCK`` (16, the AVX-512 width):
-    MKL splits the columns of a GEMM between threads, and with widths that are not multiples
-    of 16 (e.g. 8, 22, 24, 37, 100 with 3-4 threads) some columns ran through a narrower
-    kernel with other roundings; widths that are multiples of 16 gave the same bits as padding
-    to 64 (measured on 1-4 threads, K up to 1536).
-
-    Both operands are contiguous and start ``ALIGNMENT``-aligned (``_aligned``), as in the host probe: a
-    BLAS may take another path for a misaligned or strided operand (Intel documents alignment as a
-    source of differing results), so a view into a larger tensor never reaches the GEMM."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    n_pad = _ceil_to(n, COL_BLOCK)
-    loops = compiled_loops.library()
-    given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
-    if (loops is not None and n_pad == n and weight.dtype == torch.float32 and given.is_contiguous()
-            and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
-        if (record := host.library_gemm(x.dtype, _transposed_class(k, n), True, op)) is not None:
-            block = _row_block(rows, record.tile_heights)
-            blocks = -(-rows // block)
-            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op):
-                return _stacked_matmul(x, given.unsqueeze(0), blocks * block, n)
-    w = _float(weight)
-    w = _zero_padded(w, (n_pad, w.shape[1])) if n_pad != n else _aligned(w)
-    operand = w.t().unsqueeze(0)  # [1, K, N_pad]
-    if loops is not None and (record := host.library_gemm(x.dtype, operand, True, op)) is not None:
-        block = _row_block(rows, record.tile_heights)
-        blocks = -(-rows // block)
-        if (blocks > 1 and blocks * block * k * n_pad <= STACKED_MACS_MAX
-                and _stacked_agrees(blocks, block, k, n_pad, transposed=_layout_is_transposed(operand),
-                                    row_major=False, host=host, op=op)):
-            return _stacked_matmul(x, operand, blocks * block, n)
-        # the library GEMM: the steps below in one compiled call, on the same operands
-        return loops.tiled_matmul(x, operand, block, n)
-    block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
-    blocks = -(-rows // block)
-    if blocks * block != rows:
-        x = _zero_padded(x, (blocks * block, k))
-    else:
-        x = _aligned(x)
-    out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
-    out = out.view(blocks * block, n_pad)
-    return out[:rows] if n_pad == n else out[:rows, :n]
-
-
-def _transposed_class(k: int, n: int) -> Tensor:
-    """A [1, K, N] tensor with the transposed layout (K contiguous) of ``_tiled_matmul``'s canonical operand, to ask
-    the guard about its GEMM class without laying that operand out (llama's LM head: 113 MB). Overlapping strides
-    over k + n elements: only its shape and layout are read."""
-    return torch.empty(k + n).as_strided((1, k, n), (0, 1, 1))
-
-
-def _layout_is_transposed(operand: Tensor) -> bool:
-    """A [T, K, N] GEMM operand in the transposed layout (K contiguous), as the guard classes it."""
-    return operand.stride(1) == 1 and operand.shape[1] > 1
-
-
-def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
-                    host: HostGuard, op: str) -> bool:
-    """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
-    ``_tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major) for this
-    class on this host; ``row_major``: with the operand's values in the row-major layout (an input gradient's weight
-    as it is, where the canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile
-    count, tile height, K, N_pad, layouts), on seeded inputs.
-
-    The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
-    once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens), and the weight as it is saves a
-    transposing copy of it. Where the library's result for a row would differ, the probe sees it and the tiles
-    run."""
-
-    def inputs(layout_transposed: bool) -> tuple[Tensor, Tensor]:
-        gen = torch.Generator().manual_seed(VIEW_PROBE_SEED)
-        x = torch.randn(blocks * block, k, generator=gen)
-        w = torch.randn(n_pad, k, generator=gen)  # the weight's values, [N_pad, K]
-        return x, (w.t() if layout_transposed else w.t().contiguous()).unsqueeze(0)
-
-    def tiles() -> Tensor:
-        x, w = inputs(transposed)
-        return torch.bmm(x.view(blocks, block, k), w.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
-
-    def stacked() -> Tensor:
-        x, w = inputs(transposed and not row_major)
-        return _stacked_matmul(x, w, blocks * block, n_pad)
-
-    layout = "transposed" if transposed else "row-major"
-    given = ", the weight as given (row-major)" if row_major else ""
-    return host.arrangement_agrees("linear tiles stacked in one GEMM",
-                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} float32", tiles, stacked, op)
-
-
-def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
-    """``_tiled_matmul``'s tiles as one GEMM: x zero-padded to ``padded_rows`` (the tiles' rows) @ operand[0], sliced
-    to [M, n]. Used only where ``_stacked_agrees`` found the tiles' bits."""
-    rows, k = x.shape
-    x = _zero_padded(x, (padded_rows, k)) if padded_rows != rows else _aligned(x)
-    out = torch.mm(x, operand[0])
-    return out[:rows] if out.shape[1] == n else out[:rows, :n]
-
-
-def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``torch.constant_pad_nd(x, ...)`` with zeros after the end of each dim up to ``shape``: the same values and
-    layout (a fresh contiguous tensor; with nothing to pad, a clone, as constant_pad_nd gives), with zeros written
-    only where ``x`` is not -- constant_pad_nd fills the whole tensor first, a second pass over memory that cost as
-    much as the copy on small tensors."""
-    if tuple(shape) == tuple(x.shape):
-        return x.clone()
-    loops = compiled_loops.library()
-    if loops is not None:  # the same copy in one pass (compiled_loops)
-        return loops.padded_copy(x, shape)
-    out = x.new_empty(shape)
-    out[tuple(slice(0, size) for size in x.shape)].copy_(x)
-    _zero_outside(out, x.shape)
-    return out
-
-
-def _zero_outside(out: Tensor, corner: tuple[int, ...]) -> None:
-    """Zero ``out`` everywhere but its leading ``corner`` (each element once)."""
-    for dim, (size, total) in enumerate(zip(corner, out.shape)):
-        if total > size:  # this dim's padding, where every earlier dim holds data
-            out[(*(slice(0, s) for s in corner[:dim]), slice(size, total))].zero_()
-
-
-def _aligned(t: Tensor) -> Tensor:
-    """``t`` itself when contiguous and starting at an ``ALIGNMENT``-byte boundary (as every fresh torch CPU
-    allocation does), else a fresh contiguous copy."""
-    if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+# --------------------------------------------------------------------------- chunked library math
+def elementwise(name: str, x: Tensor, *, host: HostGuard = HOST, op: str = "sampling") -> Tensor:
+    """``name`` (exp, log, cos or sqrt) of every element of ``x`` (fp32 or fp64), each element's bits independent of
+    the tensor's size and the element's position (chunked, through the path ``host`` chose for this host)."""
+    return _unary(name, x, host, op)
 
 
 def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False) -> Tensor:
@@ -257,7 +90,7 @@ def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False
     fn = host.elementwise(name, x.dtype, op)
     flat = x.contiguous().view(-1)
     total = flat.numel()
-    padded = _ceil_to(max(total, 1), 64)
+    padded = ceil_to(max(total, 1), VECTOR_MULTIPLE)
     if padded != total:
         flat = torch.cat([flat, flat.new_zeros(padded - total)])
     fresh = flat.data_ptr() != x.data_ptr()  # a copy made here may be overwritten
@@ -267,296 +100,22 @@ def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False
     return out[:total].view(x.shape)
 
 
-def elementwise(name: str, x: Tensor, *, host: HostGuard = HOST, op: str = "sampling") -> Tensor:
-    """``name`` (exp, log, cos or sqrt) of every element of ``x`` (fp32 or fp64), each element's bits independent of
-    the tensor's size and the element's position (chunked, through the path ``host`` chose for this host)."""
-    return _unary(name, x, host, op)
-
-
-def _float(x: Tensor) -> Tensor:
-    return x if x.dtype == torch.float32 else x.float()
-
-
-def _reduction_block(rows: int) -> int:
-    """Rows per chunk of a backward reduction over tokens (``_transposed_matmul``): the smallest power of two from
-    64 holding ``rows``, else ``REDUCE_BLOCK``. A handful of fixed GEMM shapes, so the guard probes few classes."""
-    block = 64
-    while block < min(rows, REDUCE_BLOCK):
-        block *= 2
-    return block
-
-
-def _transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
-    """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
-
-    The canonical arrangement is ``_transposed_matmul_tiles``. Where this GEMM class runs the library GEMM and the
-    guard found that ``_transposed_matmul_views`` (the same chunk GEMMs on views, without the transposing copies and
-    row tiles) gives its bits, that arrangement runs instead (``HostGuard.arrangement_agrees``): first with the
-    last, partial chunk's GEMM on its real rows only (a shorter reduction: it gives the padded one's bits on some
-    hosts for some lengths, so that is probed per length), else with that chunk zero-padded. No bit changes."""
-    rows, n = a.shape
-    k = b.shape[1]
-    block = _reduction_block(rows)
-    chunks = -(-rows // block)
-    if chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX and _library_reduction(block, k, host, op):
-        tail = rows % block
-        if tail and _views_agree(block, n, k, tail, host, op):
-            return _transposed_matmul_views(a, b, block, unpadded_tail=True)
-        if _views_agree(block, n, k, None, host, op):
-            return _transposed_matmul_views(a, b, block, unpadded_tail=False)
-    return _transposed_matmul_tiles(a, b, host, op, b_source)
-
-
-def _reduction_class(block: int, k: int) -> Tensor:
-    """``_transposed_matmul_tiles``'s right operand's GEMM class: [block, K_pad] per tile, transposed layout (K_pad
-    rows of ``block`` tokens) -- a tensor of that shape and layout, to ask the guard about."""
-    return torch.empty(1, _ceil_to(k, COL_BLOCK), block).transpose(1, 2)
-
-
-def _library_reduction(block: int, k: int, host: HostGuard, op: str) -> bool:
-    """Whether ``_transposed_matmul_tiles``'s GEMM class runs torch's own GEMM (the views call it themselves)."""
-    return host.library_gemm(torch.float32, _reduction_class(block, k), False, op) is not None
-
-
-def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str) -> bool:
-    """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``'s bits for this class on this host: with
-    the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded. A probe
-    at first use on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where
-    ``block`` is ``REDUCE_BLOCK``: there are several) and the partial one."""
-    whole = VIEW_PROBE_CHUNKS if block == REDUCE_BLOCK else 0
-    partial = block // 2 + 1 if tail is None else tail
-
-    def inputs() -> tuple[Tensor, Tensor]:
-        gen = torch.Generator().manual_seed(VIEW_PROBE_SEED)
-        rows = whole * block + partial
-        return torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
-
-    form = "last chunk padded" if tail is None else f"last chunk of {tail} rows unpadded"
-    return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} {form} float32",
-                                   lambda: _transposed_matmul_tiles(*inputs(), host, op),
-                                   lambda: _transposed_matmul_views(*inputs(), block, unpadded_tail=tail is not None),
-                                   op)
-
-
-def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bool) -> Tensor:
-    """``_transposed_matmul_tiles``'s chunk GEMMs, each [N, block] @ [block, K], on views: chunk c's left operand is
-    rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are. The last,
-    partial chunk is zero-padded to ``block`` rows (a copy) or, ``unpadded_tail``, multiplied on its real rows, its
-    result + 0.0 (padding's zeros turn a -0.0 sum into +0.0). The partial products are added by the same halving
-    tree in chunk order. N is cut into slabs of ``VIEW_SLAB_ROWS`` output rows (llama's LM head: 49152), each its
-    own calls and tree, to bound the partial products' memory. Used only where the guard found the canonical bits."""
-    rows, n = a.shape
-    k = b.shape[1]
-    a, b = _aligned(a), _aligned(b)  # chunk starts are then aligned too (block * N * 4 bytes apart)
-    whole, tail = divmod(rows, block)
-    body = whole * block
-    if tail and not unpadded_tail:
-        a_tail, b_tail = _zero_padded(a[body:], (block, n)), _zero_padded(b[body:], (block, k))
-    else:
-        a_tail, b_tail = a[body:], b[body:]
-    out = a.new_empty(n, k) if n > VIEW_SLAB_ROWS else None
-    for first in range(0, n, VIEW_SLAB_ROWS):
-        last = min(n, first + VIEW_SLAB_ROWS)
-        parts = a.new_empty(whole + (tail > 0), last - first, k)
-        if whole:
-            chunks = a[:body].view(whole, block, n)[:, :, first:last].transpose(1, 2)
-            torch.bmm(chunks, b[:body].view(whole, block, k), out=parts[:whole])
-        if tail:
-            torch.bmm(a_tail[:, first:last].t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
-            if unpadded_tail:
-                parts[whole:].add_(0.0)
-        slab = parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
-        if out is None:
-            return slab
-        out[first:last] = slab
-    return out
-
-
-def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
-    """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
-
-    A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.
-    Rows are cut into chunks of ``_reduction_block(M)`` (zero-padded). Each chunk is a GEMM tile product whose
-    K-reduction has that fixed length, [R, block] @ [block, K] for every R-row tile of the N output rows (one
-    ``host.bmm`` call for all chunks: a probed shape class, or the fixed-order GEMM), and the chunks' partial
-    products are added by a halving tree in chunk order. So each output element depends only on the two columns
-    it reduces -- never on the thread count (or where thread boundaries fall).
-
-    The GEMM operands are laid out by ``_chunks_transposed`` in one copy each (the price of exactness is mostly such
-    passes over memory on small models); their values, shapes, strides and alignment are the ones a plain
-    pad-transpose-copy composition gives (``tests/test_exact_price_bits.py`` compares the two, call by call), so
-    the library call and every bit of its result are unchanged. ``b_source``: the tensor ``b`` was derived from (a
-    linear layer's saved input); layers that share an input (q, k and v; gate and up) then share b's layout
-    (``_reduction_operand``)."""
-    rows, n = a.shape
-    k = b.shape[1]
-    block = _reduction_block(rows)
-    chunks = -(-rows // block)
-    padded = chunks * block
-    k_pad = _ceil_to(k, COL_BLOCK)
-    b_class = _reduction_class(block, k)
-    loops = compiled_loops.library()
-    record = host.library_gemm(a.dtype, b_class, False, op) if loops is not None else None
-    heights = record.tile_heights if record is not None else host.tile_heights(a.dtype, b_class, False, op)
-    height = _row_block(n, heights)
-    row_tiles = -(-n // height)
-    if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
-        return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
-    if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
-        b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
-        return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k)
-    if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
-        # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
-        contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
-        a_rows = a if contiguous else _zero_padded(a, (padded, n))
-        a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
-    else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles, contiguous
-        a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
-    # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
-    # one chunk: an expanded view, as reshape gives)
-    b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
-    out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
-    parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
-    return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
-
-
-def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None,
-                                   block: int, height: int, k_pad: int) -> Tensor:
-    """``_transposed_matmul`` for several chunks and several row tiles: the same GEMM tiles (the same operands, tile
-    by tile) in one ``host.bmm`` call per row tile, over the chunks, then the same halving tree over the chunks.
-
-    One call for every (chunk, row tile) pair needs each chunk's right operand copied once per row tile (a
-    per-tile operand, as probed); per row tile, every chunk's operand appears once, so the laid-out operand is
-    passed as it is. On llama100m's LM head (768 row tiles) that copy was 768 times the operand (taken from
-    ``ROW_TILE_CALLS_FROM`` extra elements: on the default model's RL leaves, the extra calls cost more). A tile's
-    rows do not depend on how many tiles share its call (a probed property the kernels rely on everywhere: a call's
-    tile count follows the batch), so no bit changes (``tests/test_exact_price_bits.py`` compares the tiles)."""
-    rows, n = a.shape
-    k = b.shape[1]
-    chunks = -(-rows // block)
-    row_tiles = -(-n // height)
-    a_tiles = _row_tiles_transposed(a, block, chunks, row_tiles, height)  # [row_tiles, chunks, height, block]
-    b_operand = _reduction_operand(b, block, chunks, k_pad, 1, b_source).transpose(1, 2)  # [chunks, block, K_pad]
-    out = a.new_empty(n, k)
-    for tile in range(row_tiles):
-        parts = host.bmm(a_tiles[tile], b_operand, op=op, shared_operand=False)  # [chunks, height, K_pad]
-        first = tile * height
-        last = min(n, first + height)
-        out[first:last] = _tree_sum(parts[:, : last - first, :k], dim=0)
-    return out
-
-
-def _row_tiles_transposed(a: Tensor, block: int, chunks: int, row_tiles: int, height: int) -> Tensor:
-    """[row_tiles, chunks, height, block]: out[r, c, i, j] = a[c * block + j, r * height + i], zero where ``a`` [M, N]
-    has no element -- the tiles of ``_chunks_transposed(a, block, chunks, row_tiles * height)``, row tile major, in
-    one strided copy per region (whole chunks and row tiles, the last partial chunk, the last partial row tile)."""
-    rows, n = a.shape
-    out = a.new_empty(row_tiles, chunks, height, block)
-    full, tail = divmod(rows, block)
-    whole, rest = divmod(n, height)
-    body, cut = full * block, whole * height  # the rows of whole chunks, the columns of whole row tiles
-    if full and whole:
-        out[:whole, :full].copy_(a[:body, :cut].view(full, block, whole, height).permute(2, 0, 3, 1))
-    if tail and whole:
-        out[:whole, full, :, :tail].copy_(a[body:, :cut].view(tail, whole, height).permute(1, 2, 0))
-        out[:whole, full, :, tail:].zero_()
-    if rest and full:
-        out[whole, :full, :rest].copy_(a[:body, cut:].view(full, block, rest).permute(0, 2, 1))
-    if rest and tail:
-        out[whole, full, :rest, :tail].copy_(a[body:, cut:].t())
-        out[whole, full, :rest, tail:].zero_()
-    if rest:
-        out[whole, :, rest:].zero_()
-    return out
-
-
-# The right operand of the last weight gradient per input tensor (weakly keyed: gone with the tensor), see below.
-_REDUCTION_OPERANDS = WeakIdKeyDictionary()
-
-
-def _reduction_operand(b: Tensor, block: int, chunks: int, k_pad: int, row_tiles: int,
-                       source: Tensor | None) -> Tensor:
-    """[chunks * row_tiles, K_pad, block]: each ``block``-row chunk of ``b`` [M, K] transposed (``_chunks_transposed``),
-    once per row tile of the left operand -- the right operand of ``_transposed_matmul``'s GEMM.
-
-    Laying it out is a transposing copy (and a copy per row tile), as long as the GEMM itself on the default model.
-    The layers that read one input (q, k and v; gate and up) need the same operand for their weight gradients, one
-    after the other in the backward, so it is kept per ``source`` (the input tensor ``b`` was derived from) and
-    reused while the source is unchanged (its version counter) and the layout asked for is the same. The values
-    are those of a fresh layout, so no bit changes; the entry goes when the source tensor is freed."""
-    key = (source._version, tuple(b.shape), b.dtype, block, k_pad, row_tiles) if source is not None else None
-    if key is not None and (hit := _REDUCTION_OPERANDS.get(source)) is not None and hit[0] == key:
-        return hit[1]
-    b_t = _chunks_transposed(b, block, chunks, k_pad)
-    tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
-    if key is not None:
-        _REDUCTION_OPERANDS[source] = (key, tiles)
-    return tiles
-
-
-def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tensor:
-    """[chunks, width, block]: ``src`` [M, N] cut into ``block``-row chunks, each transposed, zero where ``src`` has
-    no element (rows past M, columns from N to ``width``) -- out[c, i, j] = src[c * block + j, i].
-
-    The values and layout of zero-padding ``src`` and copying its chunks' transposes (``constant_pad_nd`` then
-    ``contiguous``), with one transposing copy instead of a padded copy and then a transposing one, and zeros
-    written only where the data is not (a whole-tensor zero fill cost as much as the copy on the loaded 2-core host)."""
-    loops = compiled_loops.library()
-    if loops is not None:  # the same copy in one pass (compiled_loops)
-        return loops.chunks_transposed(src, block, chunks, width)
-    rows, n = src.shape
-    out = src.new_empty(chunks, width, block)
-    full, tail = divmod(rows, block)
-    if full:
-        out[:full, :n].copy_(src[: full * block].view(full, block, n).transpose(1, 2))
-    if tail:
-        out[full, :n, :tail].copy_(src[full * block :].t())
-        out[full, :n, tail:].zero_()
-    if width > n:
-        out[:, n:].zero_()
-    return out
-
-
-def _batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tensor | None = None,
-                    b_full: Tensor | None = None) -> Tensor:
-    """fp32 a [B, M, K] @ b [B, K, N] -> [B, M, N] through the guard's GEMM on fixed tiles, thread-invariant.
-
-    For the attention backward, whose reductions run over queries or keys: rows are padded to tiles of
-    ``_row_block(M)`` rows, the reduction K to a multiple of ``COL_BLOCK`` and N to a multiple of ``COL_BLOCK``
-    (zeros add nothing); every tile of batch entry i multiplies i's own operand. One ``host.bmm`` call, whose
-    shape class is (K, N) padded: probed for every thread count it runs at, else the fixed-order GEMM.
-    ``a_full`` / ``b_full``: a tensor the caller already holds whose leading corner is ``a`` / ``b`` and which is zero
-    elsewhere; where it has the padded operand's shape (contiguous, aligned), it is that operand (no copy)."""
-    batch, rows, k = a.shape
-    n = b.shape[2]
-    k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
-    b = _padded_operand(b, (batch, k_pad, n_pad), b_full)  # contiguous (when padded): the row-major layout
-    block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
-    row_tiles = -(-rows // block)
-    a = _padded_operand(a, (batch, row_tiles * block, k_pad), a_full).view(batch * row_tiles, block, k_pad)
-    b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
-    out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
-    return out[:, :rows, :n]
-
-
-def _batched_rows(rows: int, k: int, n: int, host: HostGuard, op: str) -> int:
-    """The padded row count of ``_batched_matmul``'s left operand for [B, rows, k] @ [B, k, n]."""
-    operand = torch.empty(1, _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK))  # the class: its shape, row-major
-    block = _row_block(rows, host.tile_heights(torch.float32, operand, False, op))
-    return -(-rows // block) * block
-
-
-def _padded_operand(x: Tensor, shape: tuple[int, ...], full: Tensor | None) -> Tensor:
-    """``x`` zero-padded to ``shape``: ``full`` itself where it is that tensor already (the caller's zero-padded
-    buffer of which ``x`` is the leading corner, contiguous and aligned, as a fresh copy would be), else a copy."""
-    if (full is not None and tuple(full.shape) == tuple(shape) and full.is_contiguous()
-            and full.data_ptr() % ALIGNMENT == 0):
-        return full
-    return _zero_padded(x, shape)
-
-
 # --------------------------------------------------------------------------- embedding
-EMBEDDING_PAD_BUDGET = 1 << 16  # gradient rows laid out per chunk of the embedding backward (memory bound)
+EMBEDDING_PAD_BUDGET = 1 << 16
+"""Gradient rows laid out per chunk of the embedding backward (``_sum_rows_by_token``): tokens are grouped so that
+a chunk holds at most this many (zero-padded) rows of D elements, to bound its memory. How tokens are grouped
+changes no bit (zero padding does not change a tree sum)."""
+
+
+def embedding(tokens: Tensor, weight: Tensor, *, host: HostGuard = HOST) -> Tensor:
+    """Rows of ``weight`` [V, D] picked by ``tokens`` (int64 [...]) -> [..., D] in weight.dtype.
+
+    Invariance contract: a gather -- each output row is ``weight[token]`` bit for bit, whatever the batch.
+    Backward contract: grad_weight[v] is the halving-tree sum, in position order, of the gradient rows of the
+    positions holding token v (``_sum_rows_by_token``): it depends only on (tokens, grad), never on the thread
+    count. ``host`` is unused (nothing here rests on a host property); kept for the common op signature.
+    """
+    return exact_forward_vjp(_embedding_forward, _embedding_with_saved, _embedding_vjp, (weight,), (tokens,))
 
 
 def _embedding_forward(weight: Tensor, tokens: Tensor) -> Tensor:
@@ -569,7 +128,7 @@ def _embedding_with_saved(weight: Tensor, tokens: Tensor) -> tuple[Tensor, tuple
 
 def _embedding_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     tokens, vocab, dtype = saved
-    rows = _float(grad).reshape(-1, grad.shape[-1])
+    rows = fp32(grad).reshape(-1, grad.shape[-1])
     return (_sum_rows_by_token(tokens.reshape(-1), rows, vocab).to(dtype),)
 
 
@@ -608,80 +167,31 @@ def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int) -> Tensor:
     return out
 
 
-def embedding(tokens: Tensor, weight: Tensor, *, host: HostGuard = HOST) -> Tensor:
-    """Rows of ``weight`` [V, D] picked by ``tokens`` (int64 [...]) -> [..., D] in weight.dtype.
+# --------------------------------------------------------------------------- rms_norm
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, host: HostGuard = HOST) -> Tensor:
+    """Llama RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, fp32 inside.
 
-    Invariance contract: a gather -- each output row is ``weight[token]`` bit for bit, whatever the batch.
-    Backward contract: grad_weight[v] is the halving-tree sum, in position order, of the gradient rows of the
-    positions holding token v (``_sum_rows_by_token``): it depends only on (tokens, grad), never on the thread
-    count. ``host`` is unused (nothing here rests on a host property); kept for the common op signature.
+    Invariance contract: each output row depends only on that input row, the weight and eps
+    -- never on the number of rows, their order, padding or the thread count (halving-tree
+    sum, the host's sqrt -- probed for position and thread independence, else ``fixed_order.sqrt`` -- and an
+    exactly rounded reciprocal; no rsqrt, whose vector and scalar paths round differently).
+    Backward contract: the analytic VJP from the saved fp32 x and 1/rms; grad_x row by row, grad_weight over the
+    rows, both by halving trees -- never dependent on the thread count.
     """
-    return exact_forward_vjp(_embedding_forward, _embedding_with_saved, _embedding_vjp, (weight,), (tokens,))
+    return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps, host))
 
 
-# --------------------------------------------------------------------------- linear
-
-
-def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
-    out = _tiled_matmul(_float(x.reshape(-1, x.shape[-1])), weight, host)
-    if bias is not None:
-        out = out + _float(bias)
-    if x.dtype != torch.float32:
-        out = out.to(x.dtype)
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def _linear_with_saved(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> tuple[Tensor, tuple]:
-    return _linear_forward(x, weight, bias, host), (x, weight, bias is not None, host)
-
-
-def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """dx = g @ W (rows = tokens, like the forward), dW = g.T @ x and db = sum of g (reductions over tokens:
-    fixed chunks and a halving tree). fp32 inside, one rounding to each input's dtype."""
-    x, weight, has_bias, host = saved
-    g = _float(grad.reshape(-1, grad.shape[-1]))
-    grad_x = grad_w = grad_b = None
-    if needs[0]:
-        grad_x = _tiled_matmul(g, weight.t(), host, "linear").to(x.dtype).view(x.shape)
-    if needs[1]:
-        x2d = _float(x.reshape(-1, x.shape[-1]))
-        grad_w = _transposed_matmul(g, x2d, host, "linear", b_source=x).to(weight.dtype)
-    if has_bias and needs[2]:
-        grad_b = _tree_sum(g, dim=0)
-    return (grad_x, grad_w, grad_b)[: len(needs)]
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostGuard = HOST) -> Tensor:
-    """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N] in x.dtype.
-
-    Invariance contract: each output row depends only on the same input row, the weight and
-    the bias -- never on how many rows there are, the row's position among them, padding
-    rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
-    x.dtype. Tiling: rows in GEMM tiles of 4, 8, 16, 32 or 64 rows (``_row_block``), columns padded to
-    a multiple of 16.
-    Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
-    grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
-    (``_transposed_matmul``) added by a halving tree (grad_weight's chunk GEMMs on views of grad and x where the
-    guard found that this gives the canonical tiles' bits: ``same_bits``).
-    """
-    if bias is None:
-        return exact_forward_vjp(partial(_linear_forward, bias=None, host=host),
-                                 partial(_linear_with_saved, bias=None, host=host), _linear_vjp, (x, weight))
-    return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
-
-
-# --------------------------------------------------------------------------- row-wise ops
 def _rms_norm_parts(x: Tensor, weight: Tensor, eps: float, host: HostGuard) -> tuple[Tensor, Tensor, Tensor]:
     """(output, fp32 x, fp32 1/rms [..., 1]). The sqrt is the host's (a library function, probed like exp)."""
-    xf = _float(x)
+    xf = fp32(x)
     loops = compiled_loops.library()
     if loops is not None and xf.numel():  # the same ops row by row, in one pass each side of the sqrt
         mean_sq = loops.rms_norm_mean_square(xf, eps)
         inv_rms = _unary("sqrt", mean_sq, host, "rms_norm", inplace=True).reciprocal_().unsqueeze(-1)
-        return loops.rms_norm_scale(xf, inv_rms, _float(weight)).to(x.dtype), xf, inv_rms
+        return loops.rms_norm_scale(xf, inv_rms, fp32(weight)).to(x.dtype), xf, inv_rms
     mean_sq = _tree_sum(xf * xf).div_(x.shape[-1])
     inv_rms = _unary("sqrt", mean_sq.add_(eps), host, "rms_norm", inplace=True).reciprocal_().unsqueeze(-1)
-    return torch.mul(xf, inv_rms).mul_(_float(weight)).to(x.dtype), xf, inv_rms
+    return torch.mul(xf, inv_rms).mul_(fp32(weight)).to(x.dtype), xf, inv_rms
 
 
 def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float, host: HostGuard) -> Tensor:
@@ -696,16 +206,16 @@ def _rms_norm_with_saved(x: Tensor, weight: Tensor, eps: float, host: HostGuard)
 def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """y = x * r * w with r = (mean(x^2) + eps)^-1/2: dx = r * (g w - x r^2 mean(g w x)), dw = sum(g x r)."""
     xf, inv_rms, weight, dtype = saved
-    g = _float(grad)
+    g = fp32(grad)
     grad_x = grad_w = None
     loops = compiled_loops.library()
     if loops is not None and xf.numel():  # the same ops row by row, in one pass (compiled_loops)
-        grad_x, grad_w = loops.rms_norm_backward(g, xf, inv_rms, _float(weight), needs[0], needs[1])
+        grad_x, grad_w = loops.rms_norm_backward(g, xf, inv_rms, fp32(weight), needs[0], needs[1])
         return grad_x.to(dtype) if needs[0] else None, grad_w.to(weight.dtype) if needs[1] else None
     if needs[0]:
         # inv_rms * (gw - xf * (inv_rms * inv_rms) * dot): the same exactly rounded ops on the same operands, in
         # the same order, written into one scratch tensor instead of a new tensor per step
-        gw = g * _float(weight)
+        gw = g * fp32(weight)
         dot = _tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
         scratch = torch.mul(xf, inv_rms * inv_rms).mul_(dot)
         grad_x = torch.mul(inv_rms, torch.sub(gw, scratch, out=scratch), out=scratch).to(dtype)
@@ -714,194 +224,56 @@ def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     return grad_x, grad_w
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, *, host: HostGuard = HOST) -> Tensor:
-    """Llama RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight, fp32 inside.
+# --------------------------------------------------------------------------- linear
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostGuard = HOST) -> Tensor:
+    """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N] in x.dtype.
 
-    Invariance contract: each output row depends only on that input row, the weight and eps
-    -- never on the number of rows, their order, padding or the thread count (halving-tree
-    sum, the host's sqrt -- probed for position and thread independence, else ``fixed_order.sqrt`` -- and an
-    exactly rounded reciprocal; no rsqrt, whose vector and scalar paths round differently).
-    Backward contract: the analytic VJP from the saved fp32 x and 1/rms; grad_x row by row, grad_weight over the
-    rows, both by halving trees -- never dependent on the thread count.
+    Invariance contract: each output row depends only on the same input row, the weight and
+    the bias -- never on how many rows there are, the row's position among them, padding
+    rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
+    x.dtype. Tiling: rows in GEMM tiles of 4, 8, 16, 32 or 64 rows (``gemm_arrangements.row_block``), columns padded to
+    a multiple of 16.
+    Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
+    grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
+    (``gemm_arrangements.transposed_matmul``) added by a halving tree (grad_weight's chunk GEMMs on views of grad and
+    x where the guard found that this gives the canonical tiles' bits: ``same_bits``).
     """
-    return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps, host))
+    if bias is None:
+        return exact_forward_vjp(partial(_linear_forward, bias=None, host=host),
+                                 partial(_linear_with_saved, bias=None, host=host), _linear_vjp, (x, weight))
+    return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
 
 
-def _shift_and_log_normalizer(logits: Tensor, host: HostGuard, op: str) -> tuple[Tensor, Tensor]:
-    xf = _float(logits)
-    row_max = xf.amax(dim=-1, keepdim=True)  # max is exact in any order
-    shifted = xf - row_max
-    return shifted, _unary("log", _tree_sum(_unary("exp", shifted, host, op)), host, op)
+def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
+    out = gemm.tiled_matmul(fp32(x.reshape(-1, x.shape[-1])), weight, host)
+    if bias is not None:
+        out = out + fp32(bias)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _log_softmax_exact(logits: Tensor, host: HostGuard) -> Tensor:
-    shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "log_softmax")
-    return shifted - log_normalizer.unsqueeze(-1)
+def _linear_with_saved(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> tuple[Tensor, tuple]:
+    return _linear_forward(x, weight, bias, host), (x, weight, bias is not None, host)
 
 
-def _log_softmax_with_saved(logits: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
-    out = _log_softmax_exact(logits, host)
-    return out, (out, logits.dtype, host)
-
-
-def _log_softmax_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """d logits = g - softmax * sum(g) (chunked exp, halving-tree sum)."""
-    out, dtype, host = saved
-    g = _float(grad)
-    softmax = _unary("exp", out, host, "log_softmax")
-    return (g - softmax.mul_(_tree_sum(g).unsqueeze(-1))).to(dtype),
-
-
-def log_softmax(logits: Tensor, *, host: HostGuard = HOST) -> Tensor:
-    """log_softmax over the last dim, fp32 result.
-
-    Invariance contract: each output row depends only on that logits row -- never on the
-    number of rows, their order, the vocabulary being split into chunks, or thread count.
-    Computed as (x - max) - log(tree_sum(exp(x - max))).
-    Backward contract: g - softmax * sum(g) from the saved output, row by row (chunked exp, halving-tree sum):
-    never dependent on the thread count.
-    """
-    return exact_forward_vjp(_log_softmax_exact, _log_softmax_with_saved, _log_softmax_vjp, (logits,), (host,))
-
-
-def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> Tensor:
-    xf = _float(logits)
-    shifted = xf - xf.amax(dim=-1, keepdim=True)  # max is exact in any order
-    picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    # exp in place: the same values as _shift_and_log_normalizer, one buffer fewer
-    op = "token_logprobs"
-    return picked - _unary("log", _tree_sum(_unary("exp", shifted, host, op, inplace=True)), host, op)
-
-
-def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
-    shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "token_logprobs")
-    out = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
-    return out, (shifted, log_normalizer, targets, logits.dtype, host)
-
-
-def _token_logprobs_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """d logits = g * (onehot(target) - softmax)."""
-    shifted, log_normalizer, targets, dtype, host = saved
-    g = _float(grad).unsqueeze(-1)
-    grad_logits = _unary("exp", shifted - log_normalizer.unsqueeze(-1), host, "token_logprobs", inplace=True).mul_(-g)
-    grad_logits.scatter_add_(-1, targets.unsqueeze(-1), g)
-    return (grad_logits.to(dtype),)
-
-
-def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -> Tensor:
-    """log p(target) per row: logits [..., V], targets [...] int64 -> fp32 [...].
-
-    Invariance contract: as ``log_softmax`` (and bitwise equal to ``log_softmax(x)[target]``):
-    each value depends only on its own logits row and target.
-    Backward contract: g * (onehot - softmax) from the saved shifted logits, elementwise (chunked exp): never
-    dependent on the thread count.
-    """
-    return exact_forward_vjp(_token_logprobs_exact, _token_logprobs_with_saved, _token_logprobs_vjp, (logits,),
-                             (targets, host))
-
-
-def _entropy_exact(log_probs: Tensor, host: HostGuard) -> Tensor:
-    lp = _float(log_probs)
-    return _tree_sum(_unary("exp", lp, host, "entropy").mul_(lp)).neg_()
-
-
-def _entropy_with_saved(log_probs: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
-    lp = _float(log_probs)
-    probs = _unary("exp", lp, host, "entropy")
-    return _tree_sum(probs * lp).neg_(), (probs, lp, log_probs.dtype)
-
-
-def _entropy_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """d/d lp_i of -sum(exp(lp) lp) = -p_i (1 + lp_i)."""
-    probs, lp, dtype = saved
-    return ((lp + 1.0).mul_(probs).mul_(_float(grad).unsqueeze(-1)).neg_().to(dtype),)
-
-
-def entropy(log_probs: Tensor, *, host: HostGuard = HOST) -> Tensor:
-    """-sum(p log p) over the last dim of a ``log_softmax`` output: fp32 [..., V] -> [...].
-
-    Invariance contract: each value depends only on its own row (chunked exp, halving-tree sum) -- never on the
-    number of rows or the thread count. Backward contract: -g p (1 + log p), elementwise: the same.
-    """
-    return exact_forward_vjp(_entropy_exact, _entropy_with_saved, _entropy_vjp, (log_probs,), (host,))
-
-
-# --------------------------------------------------------------------------- elementwise ops
-def _silu(gate: Tensor, host: HostGuard) -> Tensor:
-    """fp32 silu(gate) = g / (1 + exp(-g)) as a new tensor (chunked exp, exactly rounded add and div)."""
-    g = _float(gate)
-    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
-    return torch.div(g, denom, out=denom)
-
-
-def _silu_mul_loops(gate: Tensor, up: Tensor) -> ModuleType | None:
-    """The compiled loops where they take this SwiGLU (fp32 gate and up), else None: the torch ops."""
-    return compiled_loops.library() if gate.dtype == up.dtype == torch.float32 else None
-
-
-def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleType) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, 1 + exp(-gate), silu) of fp32 gate and up: the chunked exp, then the add, divide and multiply of
-    ``_silu_mul_with_saved`` in one compiled pass."""
-    denom = _unary("exp", gate.neg(), host, "silu_mul", inplace=True)
-    silu, out = loops.silu_mul_forward(gate.contiguous(), denom, up.contiguous())
-    return out, denom, silu
-
-
-def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
-    if (loops := _silu_mul_loops(gate, up)) is not None:
-        return _silu_mul_compiled(gate, up, host, loops)[0]
-    silu = _silu(gate, host)
-    if gate.dtype == torch.float32 and up.dtype == torch.float32:
-        return silu.mul_(up)
-    return silu.to(gate.dtype) * up
-
-
-def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
-    """The forward's ops one by one (as ``_silu`` and ``_silu_mul_exact``), keeping 1 + exp(-gate) and silu(gate) for
-    the backward: it needs both, and computing them again cost a negation, a chunked exp, an add and a divide."""
-    if (loops := _silu_mul_loops(gate, up)) is not None:  # the add, divide and multiply below in one pass
-        out, denom, silu = _silu_mul_compiled(gate, up, host, loops)
-        return out, (gate, up, denom, silu, host)
-    g = _float(gate)
-    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
-    silu = torch.div(g, denom)
-    out = torch.mul(silu, up) if gate.dtype == torch.float32 and up.dtype == torch.float32 else silu.to(gate.dtype) * up
-    return out, (gate, up, denom, silu, host)
-
-
-def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """With s = sigmoid(gate) = 1 / (1 + exp(-gate)): d up = g * silu(gate) = g * gate * s and
-    d gate = g * up * s * (1 + gate * (1 - s)); fp32 from the forward's 1 + exp(-gate) and silu (saved) and exactly
-    rounded ops, one rounding."""
-    gate, up, denom, silu, host = saved
-    if (loops := _silu_mul_loops(gate, up)) is not None and grad.dtype == torch.float32:  # the ops below, one pass
-        grad_gate, grad_up = loops.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), denom,
-                                                     silu, needs[0], needs[1])
-        return (grad_gate if needs[0] else None), (grad_up if needs[1] else None)
-    gf, g = _float(gate), _float(grad)
-    grad_gate = grad_up = None
+def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """dx = g @ W (rows = tokens, like the forward), dW = g.T @ x and db = sum of g (reductions over tokens:
+    fixed chunks and a halving tree). fp32 inside, one rounding to each input's dtype."""
+    x, weight, has_bias, host = saved
+    g = fp32(grad.reshape(-1, grad.shape[-1]))
+    grad_x = grad_w = grad_b = None
     if needs[0]:
-        s = torch.reciprocal(denom)  # exactly rounded
-        ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)  # s * (1 + gate * (1 - s))
-        grad_gate = ds.mul_(g).mul_(_float(up)).to(gate.dtype)
-    if needs[1]:  # the forward's silu, rounded to the gate's dtype as the forward does
-        grad_up = torch.mul(_float(silu.to(gate.dtype)), g).to(up.dtype)
-    return grad_gate, grad_up
+        grad_x = gemm.tiled_matmul(g, weight.t(), host, "linear").to(x.dtype).view(x.shape)
+    if needs[1]:
+        x2d = fp32(x.reshape(-1, x.shape[-1]))
+        grad_w = gemm.transposed_matmul(g, x2d, host, "linear", b_source=x).to(weight.dtype)
+    if has_bias and needs[2]:
+        grad_b = _tree_sum(g, dim=0)
+    return (grad_x, grad_w, grad_b)[: len(needs)]
 
 
-def silu_mul(gate: Tensor, up: Tensor, *, host: HostGuard = HOST) -> Tensor:
-    """SwiGLU activation silu(gate) * up, elementwise.
-
-    Invariance contract: each output element depends only on the matching gate and up
-    elements -- not on the tensor's size or the element's position (torch's own ``silu`` /
-    ``sigmoid`` round differently in their vector body and scalar tail; here silu is
-    g / (1 + exp(-g)) with chunked exp and exactly rounded add/div).
-    Backward contract: the analytic VJP, elementwise from chunked exp and exactly rounded ops -- each gradient
-    element depends only on the matching gate, up and grad elements (not on the tensor's size or threads).
-    """
-    return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up), (host,))
-
-
+# --------------------------------------------------------------------------- rope
 def rope(x: Tensor, cos: Tensor, sin: Tensor, *, host: HostGuard = HOST) -> Tensor:
     """Rotary embedding (rotate-half convention). x: [B, T, H, hd]; cos/sin: [B, T, hd/2] fp32.
 
@@ -913,6 +285,37 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, *, host: HostGuard = HOST) -> Tens
 
 
 # --------------------------------------------------------------------------- attention
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, *,
+              host: HostGuard = HOST) -> Tensor:
+    """Causal grouped-query attention of new queries against a KV cache (prefill and decode).
+
+    q: [B, T, Hq, hd]; k_cache, v_cache: [B, L, Hkv, hd]; q_start: [B] int64. Query t of
+    sequence b sits at position q_start[b] + t and sees cache positions 0 .. q_start[b] + t.
+
+    Invariance contract: a query's output depends only on its own vector and its own
+    sequence's keys/values at positions <= its position -- never on the batch, other
+    sequences, T (prefill vs decode), cache contents after its position (which must be
+    finite), or the thread count. So decode step t equals row t of a prefill bit for bit.
+
+    Tiling: per (sequence, KV head) the group's query heads are folded into rows and padded to
+    row tiles of 4, 8, 16, 32 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
+    64-key tiles from position 0; every (row tile, key tile) pair is one GEMM
+    ([R x hd] @ [hd x 64] for the scores, [R x 64] @ [64 x hd] for P @ V). A query row's
+    scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and the host
+    GEMM gives them the same bits for any tile height from 4 to 64 rows where ``HOST``'s probe
+    passed (else the fixed-order GEMM, invariant by construction, runs them;
+    ``tests/test_kernels.py`` checks decode == prefill, which compares 4-row with 64-row tiles).
+    Masked scores give probability exactly 0, so
+    tiles past a query's position add exact zeros to the position-ordered tree sums, and a
+    short decode row reduces like a long prefill row.
+    Backward contract: the softmax-attention VJP from the saved exact probabilities, through fixed-tile GEMMs
+    and halving trees: the gradients depend only on (q, k, v, grad), never on the thread count.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale, host)
+    return _attention_exact(q, k_cache, v_cache, q_start, scale, host)
+
+
 class _AttentionTiles:
     """The tile layout of one ``attention`` call (see ``attention``'s docstring).
 
@@ -929,12 +332,12 @@ class _AttentionTiles:
         self.batch, self.q_len, self.q_heads, self.head_dim, self.kv_heads = batch, q_len, q_heads, head_dim, kv_heads
         self.group = q_heads // kv_heads
         self.rows = q_len * self.group
-        self.block = _row_block(self.rows, self._tile_heights(host, head_dim))
+        self.block = row_block(self.rows, self._tile_heights(host, head_dim))
         self.row_blocks = -(-self.rows // self.block)
         self.row_len = self.row_blocks * self.block
         # Keys needed: up to the furthest query position, in whole tiles from position 0.
         self.visible = int(q_start.max()) + q_len
-        self.key_len = _ceil_to(self.visible, KEY_BLOCK)
+        self.key_len = ceil_to(self.visible, KEY_BLOCK)
         self.key_blocks = self.key_len // KEY_BLOCK
         self.cache_len = k_cache.shape[1]
         self.scale = scale
@@ -967,9 +370,8 @@ class _AttentionTiles:
     def _tile_heights(host: HostGuard, head_dim: int) -> tuple[int, ...]:
         """Row-tile heights allowed for both GEMMs of a tile: the scores (q rows against a key tile, transposed) and
         P @ V (probabilities against a value tile, row-major)."""
-        key_tile = torch.empty(1, KEY_BLOCK, head_dim)
-        scores = host.tile_heights(torch.float32, key_tile.transpose(1, 2), False, "attention")
-        values = host.tile_heights(torch.float32, key_tile, False, "attention")
+        scores = host.tile_heights(torch.float32, gemm_class(head_dim, KEY_BLOCK, transposed=True), False, "attention")
+        values = host.tile_heights(torch.float32, gemm_class(KEY_BLOCK, head_dim, transposed=False), False, "attention")
         return tuple(h for h in scores if h in values)
 
     def _key_rows(self, cache: Tensor) -> Tensor:
@@ -1039,7 +441,7 @@ def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None) ->
     scores = tiles.host.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2), op="attention",
                              shared_operand=False)
     real = tiles.rows if rb == 1 else block
-    width = _ceil_to(vis, COL_BLOCK)
+    width = ceil_to(vis, COL_BLOCK)
     if loops is not None:
         shape = (b, h, rb, kb, block, real, width, KEY_BLOCK, tiles.q_start, tiles.row_t, tiles.uniform_start)
         probs = _unary("exp", loops.attention_shifted(scores, *shape), tiles.host, "attention", inplace=True)
@@ -1126,7 +528,7 @@ class _ExactAttention(torch.autograd.Function):
     Saves the normalised probabilities of the real rows and visible keys instead of
     recomputing a native attention: the gradients are the standard softmax-attention VJP
     (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,
-    dK = dS^T (scale * Q)); every product runs through ``_batched_matmul`` (the guard's GEMM on padded
+    dK = dS^T (scale * Q)); every product runs through ``gemm_arrangements.batched_matmul`` (the guard's GEMM on padded
     tiles) and the row sum through a halving tree, so no gradient depends on the thread count."""
 
     @staticmethod
@@ -1147,10 +549,10 @@ class _ExactAttention(torch.autograd.Function):
         rows, vis = p.shape[1], tiles.visible
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         # The gradient rows and the queries are held zero-padded ([BH, row_len, hd]): where that is the padded
-        # operand of a GEMM below, it is passed as is instead of copied again (``_batched_matmul``'s a_full/b_full).
+        # operand of a GEMM below, it is passed as is instead of copied again (``batched_matmul``'s a_full/b_full).
         d_out_full = tiles.from_output(grad_out)
         d_out = d_out_full[:, :rows]  # [BH, rows', hd]; padding rows are zero
-        bmm = partial(_batched_matmul, host=tiles.host, op="attention")
+        bmm = partial(gemm.batched_matmul, host=tiles.host, op="attention")
         out_rows = ctx.out_rows[:, :rows]
         grad_q = grad_k = grad_v = None
         if need_v:
@@ -1159,10 +561,10 @@ class _ExactAttention(torch.autograd.Function):
             d_p = bmm(d_out, tiles.v[:, :vis].transpose(1, 2), a_full=d_out_full)
             # d_s written into its zero-padded layout for the dQ GEMM (the same ops, the same values)
             head_dim = tiles.head_dim
-            d_s_full = p.new_empty(p.shape[0], _batched_rows(rows, vis, head_dim, tiles.host, "attention"),
-                                   _ceil_to(vis, COL_BLOCK))
+            d_s_full = p.new_empty(p.shape[0], gemm.batched_rows(rows, vis, head_dim, tiles.host, "attention"),
+                                   ceil_to(vis, COL_BLOCK))
             d_s = torch.mul(p, d_p - _tree_sum(d_out * out_rows).unsqueeze(-1), out=d_s_full[:, :rows, :vis])
-            _zero_outside(d_s_full, d_s.shape)
+            zero_outside(d_s_full, d_s.shape)
             if need_q:
                 grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis], a_full=d_s_full) * tiles.scale, ctx.dtypes[0])
             if need_k:
@@ -1171,38 +573,185 @@ class _ExactAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, *,
-              host: HostGuard = HOST) -> Tensor:
-    """Causal grouped-query attention of new queries against a KV cache (prefill and decode).
+# --------------------------------------------------------------------------- silu_mul
+def silu_mul(gate: Tensor, up: Tensor, *, host: HostGuard = HOST) -> Tensor:
+    """SwiGLU activation silu(gate) * up, elementwise.
 
-    q: [B, T, Hq, hd]; k_cache, v_cache: [B, L, Hkv, hd]; q_start: [B] int64. Query t of
-    sequence b sits at position q_start[b] + t and sees cache positions 0 .. q_start[b] + t.
-
-    Invariance contract: a query's output depends only on its own vector and its own
-    sequence's keys/values at positions <= its position -- never on the batch, other
-    sequences, T (prefill vs decode), cache contents after its position (which must be
-    finite), or the thread count. So decode step t equals row t of a prefill bit for bit.
-
-    Tiling: per (sequence, KV head) the group's query heads are folded into rows and padded to
-    row tiles of 4, 8, 16, 32 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
-    64-key tiles from position 0; every (row tile, key tile) pair is one GEMM
-    ([R x hd] @ [hd x 64] for the scores, [R x 64] @ [64 x hd] for P @ V). A query row's
-    scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and the host
-    GEMM gives them the same bits for any tile height from 4 to 64 rows where ``HOST``'s probe
-    passed (else the fixed-order GEMM, invariant by construction, runs them;
-    ``tests/test_kernels.py`` checks decode == prefill, which compares 4-row with 64-row tiles).
-    Masked scores give probability exactly 0, so
-    tiles past a query's position add exact zeros to the position-ordered tree sums, and a
-    short decode row reduces like a long prefill row.
-    Backward contract: the softmax-attention VJP from the saved exact probabilities, through fixed-tile GEMMs
-    and halving trees: the gradients depend only on (q, k, v, grad), never on the thread count.
+    Invariance contract: each output element depends only on the matching gate and up
+    elements -- not on the tensor's size or the element's position (torch's own ``silu`` /
+    ``sigmoid`` round differently in their vector body and scalar tail; here silu is
+    g / (1 + exp(-g)) with chunked exp and exactly rounded add/div).
+    Backward contract: the analytic VJP, elementwise from chunked exp and exactly rounded ops -- each gradient
+    element depends only on the matching gate, up and grad elements (not on the tensor's size or threads).
     """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale, host)
-    return _attention_exact(q, k_cache, v_cache, q_start, scale, host)
+    return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up), (host,))
 
 
-# --------------------------------------------------------------------------- guard
+def _silu(gate: Tensor, host: HostGuard) -> Tensor:
+    """fp32 silu(gate) = g / (1 + exp(-g)) as a new tensor (chunked exp, exactly rounded add and div)."""
+    g = fp32(gate)
+    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    return torch.div(g, denom, out=denom)
+
+
+def _silu_mul_loops(gate: Tensor, up: Tensor) -> ModuleType | None:
+    """The compiled loops where they take this SwiGLU (fp32 gate and up), else None: the torch ops."""
+    return compiled_loops.library() if gate.dtype == up.dtype == torch.float32 else None
+
+
+def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleType) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, 1 + exp(-gate), silu) of fp32 gate and up: the chunked exp, then the add, divide and multiply of
+    ``_silu_mul_with_saved`` in one compiled pass."""
+    denom = _unary("exp", gate.neg(), host, "silu_mul", inplace=True)
+    silu, out = loops.silu_mul_forward(gate.contiguous(), denom, up.contiguous())
+    return out, denom, silu
+
+
+def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
+    if (loops := _silu_mul_loops(gate, up)) is not None:
+        return _silu_mul_compiled(gate, up, host, loops)[0]
+    silu = _silu(gate, host)
+    if gate.dtype == torch.float32 and up.dtype == torch.float32:
+        return silu.mul_(up)
+    return silu.to(gate.dtype) * up
+
+
+def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    """The forward's ops one by one (as ``_silu`` and ``_silu_mul_exact``), keeping 1 + exp(-gate) and silu(gate) for
+    the backward: it needs both, and computing them again cost a negation, a chunked exp, an add and a divide."""
+    if (loops := _silu_mul_loops(gate, up)) is not None:  # the add, divide and multiply below in one pass
+        out, denom, silu = _silu_mul_compiled(gate, up, host, loops)
+        return out, (gate, up, denom, silu, host)
+    g = fp32(gate)
+    denom = _unary("exp", g.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    silu = torch.div(g, denom)
+    out = torch.mul(silu, up) if gate.dtype == torch.float32 and up.dtype == torch.float32 else silu.to(gate.dtype) * up
+    return out, (gate, up, denom, silu, host)
+
+
+def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """With s = sigmoid(gate) = 1 / (1 + exp(-gate)): d up = g * silu(gate) = g * gate * s and
+    d gate = g * up * s * (1 + gate * (1 - s)); fp32 from the forward's 1 + exp(-gate) and silu (saved) and exactly
+    rounded ops, one rounding."""
+    gate, up, denom, silu, host = saved
+    if (loops := _silu_mul_loops(gate, up)) is not None and grad.dtype == torch.float32:  # the ops below, one pass
+        grad_gate, grad_up = loops.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), denom,
+                                                     silu, needs[0], needs[1])
+        return (grad_gate if needs[0] else None), (grad_up if needs[1] else None)
+    gf, g = fp32(gate), fp32(grad)
+    grad_gate = grad_up = None
+    if needs[0]:
+        s = torch.reciprocal(denom)  # exactly rounded
+        ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)  # s * (1 + gate * (1 - s))
+        grad_gate = ds.mul_(g).mul_(fp32(up)).to(gate.dtype)
+    if needs[1]:  # the forward's silu, rounded to the gate's dtype as the forward does
+        grad_up = torch.mul(fp32(silu.to(gate.dtype)), g).to(up.dtype)
+    return grad_gate, grad_up
+
+
+# --------------------------------------------------------------------------- log_softmax
+def log_softmax(logits: Tensor, *, host: HostGuard = HOST) -> Tensor:
+    """log_softmax over the last dim, fp32 result.
+
+    Invariance contract: each output row depends only on that logits row -- never on the
+    number of rows, their order, the vocabulary being split into chunks, or thread count.
+    Computed as (x - max) - log(tree_sum(exp(x - max))).
+    Backward contract: g - softmax * sum(g) from the saved output, row by row (chunked exp, halving-tree sum):
+    never dependent on the thread count.
+    """
+    return exact_forward_vjp(_log_softmax_exact, _log_softmax_with_saved, _log_softmax_vjp, (logits,), (host,))
+
+
+def _shift_and_log_normalizer(logits: Tensor, host: HostGuard, op: str) -> tuple[Tensor, Tensor]:
+    xf = fp32(logits)
+    row_max = xf.amax(dim=-1, keepdim=True)  # max is exact in any order
+    shifted = xf - row_max
+    return shifted, _unary("log", _tree_sum(_unary("exp", shifted, host, op)), host, op)
+
+
+def _log_softmax_exact(logits: Tensor, host: HostGuard) -> Tensor:
+    shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "log_softmax")
+    return shifted - log_normalizer.unsqueeze(-1)
+
+
+def _log_softmax_with_saved(logits: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    out = _log_softmax_exact(logits, host)
+    return out, (out, logits.dtype, host)
+
+
+def _log_softmax_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d logits = g - softmax * sum(g) (chunked exp, halving-tree sum)."""
+    out, dtype, host = saved
+    g = fp32(grad)
+    softmax = _unary("exp", out, host, "log_softmax")
+    return (g - softmax.mul_(_tree_sum(g).unsqueeze(-1))).to(dtype),
+
+
+# --------------------------------------------------------------------------- token_logprobs
+def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -> Tensor:
+    """log p(target) per row: logits [..., V], targets [...] int64 -> fp32 [...].
+
+    Invariance contract: as ``log_softmax`` (and bitwise equal to ``log_softmax(x)[target]``):
+    each value depends only on its own logits row and target.
+    Backward contract: g * (onehot - softmax) from the saved shifted logits, elementwise (chunked exp): never
+    dependent on the thread count.
+    """
+    return exact_forward_vjp(_token_logprobs_exact, _token_logprobs_with_saved, _token_logprobs_vjp, (logits,),
+                             (targets, host))
+
+
+def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> Tensor:
+    xf = fp32(logits)
+    shifted = xf - xf.amax(dim=-1, keepdim=True)  # max is exact in any order
+    picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # exp in place: the same values as _shift_and_log_normalizer, one buffer fewer
+    op = "token_logprobs"
+    return picked - _unary("log", _tree_sum(_unary("exp", shifted, host, op, inplace=True)), host, op)
+
+
+def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "token_logprobs")
+    out = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
+    return out, (shifted, log_normalizer, targets, logits.dtype, host)
+
+
+def _token_logprobs_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d logits = g * (onehot(target) - softmax)."""
+    shifted, log_normalizer, targets, dtype, host = saved
+    g = fp32(grad).unsqueeze(-1)
+    grad_logits = _unary("exp", shifted - log_normalizer.unsqueeze(-1), host, "token_logprobs", inplace=True).mul_(-g)
+    grad_logits.scatter_add_(-1, targets.unsqueeze(-1), g)
+    return (grad_logits.to(dtype),)
+
+
+# --------------------------------------------------------------------------- entropy
+def entropy(log_probs: Tensor, *, host: HostGuard = HOST) -> Tensor:
+    """-sum(p log p) over the last dim of a ``log_softmax`` output: fp32 [..., V] -> [...].
+
+    Invariance contract: each value depends only on its own row (chunked exp, halving-tree sum) -- never on the
+    number of rows or the thread count. Backward contract: -g p (1 + log p), elementwise: the same.
+    """
+    return exact_forward_vjp(_entropy_exact, _entropy_with_saved, _entropy_vjp, (log_probs,), (host,))
+
+
+def _entropy_exact(log_probs: Tensor, host: HostGuard) -> Tensor:
+    lp = fp32(log_probs)
+    return _tree_sum(_unary("exp", lp, host, "entropy").mul_(lp)).neg_()
+
+
+def _entropy_with_saved(log_probs: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    lp = fp32(log_probs)
+    probs = _unary("exp", lp, host, "entropy")
+    return _tree_sum(probs * lp).neg_(), (probs, lp, log_probs.dtype)
+
+
+def _entropy_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d/d lp_i of -sum(exp(lp) lp) = -p_i (1 + lp_i)."""
+    probs, lp, dtype = saved
+    return ((lp + 1.0).mul_(probs).mul_(fp32(grad).unsqueeze(-1)).neg_().to(dtype),)
+
+
+# --------------------------------------------------------------------------- another guard; what the guard found
 def with_host(host: HostGuard) -> SimpleNamespace:
     """This backend's ops bound to another ``HostGuard`` (e.g. ``HostGuard(ROW_BLOCKS, mode="fixed-order")``).
 

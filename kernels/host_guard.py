@@ -70,6 +70,9 @@ FASTER_PATH, CANONICAL_PATH = "faster", "canonical"  # its two paths (neither on
 MACHINE_THREADS = max(torch.get_num_threads(), os.cpu_count() or 1)  # also probed at first use (see _run_probe)
 PROBE_ROWS = 64  # rows per probe: the tallest tile
 PROBE_SEED = 20261123
+"""The seed of every probe's inputs. Any fixed seed would do: the values must be random (every mantissa bit in play,
+so another rounding shows) and the same in every process (a verdict must not depend on the run); the digits are the
+date the guard was written, nothing more."""
 PROBE_ELEMENTS = 4096
 ELEMENTWISE_SHIFTS = (1, 3, 7, 8, 15, 16, 31)  # positions/alignments tried: every residue class of 8 and 16 lanes
 
@@ -214,7 +217,7 @@ class HostGuard:
     # ------------------------------------------------------------------ probes
     def _gemm_record(self, dtype: torch.dtype, k: int, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord:
         """The record of the GEMM class (dtype, K, b's N and layout, shared operand or not), probed at first use."""
-        key = ("gemm_rows", dtype, k, b.shape[2], _layout(b), shared_operand)
+        key = ("gemm_rows", dtype, k, b.shape[2], operand_layout(b), shared_operand)
         return self._record_for(key, op, lambda: self._probe_gemm(key, op))
 
     def _record_for(self, key: tuple, op: str, probe: Callable[[], ProbeRecord]) -> ProbeRecord:
@@ -410,7 +413,7 @@ def is_library(record: ProbeRecord) -> bool:
     return record.path not in ("fixed-order", SINGLE_THREAD_PATH)
 
 
-def _layout(b: Tensor) -> str:
+def operand_layout(b: Tensor) -> str:
     """The memory layout class of a bmm right operand [T, K, N]: ``transposed`` (K contiguous, as a
     [N, K] weight seen as its transpose) or ``row-major``."""
     return "transposed" if b.stride(1) == 1 and b.shape[1] > 1 else "row-major"

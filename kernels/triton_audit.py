@@ -650,6 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the full results as JSON to PATH")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from . import TRITON_PIP, triton_installed
+
+    if not triton_installed():  # the audit compiles with Triton's own compiler
+        print(f"error: the Triton audit needs the triton package, which is not installed: {TRITON_PIP}",
+              file=sys.stderr)
+        return 2
     if args.worker:
         json.dump(_worker(), sys.stdout)
         return 0

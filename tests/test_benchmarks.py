@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
 from benchmarks import end_to_end, host_guard, kernels, op_count, tables  # noqa: E402
 from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
+from vexact_kernels import TRITON_PIP  # noqa: E402
 
 RATIO_KEYS = ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median", "repetitions")
 MACHINE_KEYS = ("cpu_model", "logical_cpus", "torch_threads", "torch_version", "load_average_start", "device",
@@ -84,6 +85,7 @@ def test_end_to_end_profile_records_top_ops():
     end_to_end.print_results(record)
 
 
+@pytest.mark.needs_package("triton", TRITON_PIP)
 def test_triton_exact_backend_runs_both_benchmarks(capsys):
     """``--exact-backend triton`` (the GPU path's kernels) runs every op and item; on CPU the interpreter
     makes it a functional check, which the table title says."""

@@ -1,4 +1,4 @@
-"""The gradient-bias meter (issue O): zero mismatch gives zero bias bit for bit; mismatch gives a bias; the growth
+"""The gradient-bias meter: zero mismatch gives zero bias bit for bit; mismatch gives a bias; the growth
 fit recovers a known exponent; bad meter files are one clear error."""
 
 from __future__ import annotations

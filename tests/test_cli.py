@@ -10,7 +10,7 @@ from vexact.cli import main
 def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys):
     out = tmp_path / "check.json"
     code = main(["check", "--num-prompts", "16", "--max-new-tokens", "24", "--hidden-size", "64",
-                 "--intermediate-size", "160", "--dtype", "all", "--json", str(out)])
+                 "--intermediate-size", "160", "--dtype", "all", "--json", str(out), "--verbose"])
     assert code == 0
     rows = json.loads(out.read_text())
     assert {(r["backend"], r["dtype"]) for r in rows} == {(b, d) for b in ("exact", "native")

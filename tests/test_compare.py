@@ -170,6 +170,70 @@ def test_json_and_png_outputs(tmp_path, capsys):
     assert "k3 KL" in out and "|Δlogp| by response position" in out
 
 
+def test_the_first_mismatch_is_named_by_id_and_position(tmp_path, capsys):
+    """Beside the aggregates, compare names the first mismatched token -- id, position (and tensor column), token,
+    both values with their bits, Δ -- as vexact.testing reports it (one ``Mismatch`` class), on screen and in the
+    JSON; pairs are read in TRAIN's order, so in the hand-built dump that is id 7's second token."""
+    rollout, train = _two_files(tmp_path)
+    code, out, _ = _run(capsys, rollout, train, "--json", tmp_path / "r.json")
+    assert code == 0
+    assert ("first mismatch: id 7, position 1, token 12: rollout -0.125 (0xbfc0000000000000) vs training -0.0625 "
+            "(0xbfb0000000000000), Δ = 0.0625") in out
+    assert json.loads((tmp_path / "r.json").read_text())["first_mismatch"] == {
+        "id": 7, "sequence": 0, "position": 1, "column": None, "token": 12, "rollout": -0.125, "train": -0.0625,
+        "rollout_bits": "0xbfc0000000000000", "train_bits": "0xbfb0000000000000", "delta": 0.0625}
+
+    # one mismatched token in a tensor dump with left-padded responses: its row, position and column
+    roll = torch.full((3, 5), -1.0)
+    train_side = roll.clone()
+    train_side[2, 3] = torch.nextafter(torch.tensor(-1.0), torch.tensor(0.0))  # one float32 ulp
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    save_file({"rollout_log_probs": roll, "old_log_probs": train_side, "response_mask": mask},
+              tmp_path / "one.safetensors")
+    code, out, _ = _run(capsys, tmp_path / "one.safetensors", "--json", tmp_path / "one.json")
+    report = json.loads((tmp_path / "one.json").read_text())
+    assert code == 0 and report["tokens"] - report["bitwise_equal"] == 1
+    assert "first mismatch: id 2, position 1 (column 3): rollout -1.0 (0xbff0000000000000) vs training " \
+           "-0.9999999403953552 (0xbfefffffe0000000), Δ = 5.96046e-08" in out
+    first = report["first_mismatch"]
+    assert (first["id"], first["position"], first["column"], first["token"]) == (2, 1, 3, None)
+
+    # every token equal (0.0 and -0.0 are equal values, as compare counts them): no first mismatch
+    _jsonl(tmp_path / "z_roll.jsonl", [{"id": "z", "logprobs": [0.0, -1.0]}])
+    _jsonl(tmp_path / "z_train.jsonl", [{"id": "z", "logprobs": [-0.0, -1.0]}])
+    code, out, _ = _run(capsys, tmp_path / "z_roll.jsonl", tmp_path / "z_train.jsonl", "--json", tmp_path / "z.json")
+    report = json.loads((tmp_path / "z.json").read_text())
+    assert code == 0 and report["bitwise_equal"] == 2 and report["first_mismatch"] is None
+    assert "first mismatch" not in out
+
+
+def test_map_before_the_dumps_does_not_take_a_dump_for_the_map(tmp_path, capsys):
+    """``--map`` takes an optional FILE, and argparse gives it the next word: ``--map R T`` used to read R as the
+    map. A dump given to --map is one error naming the order that works; --map last, --map FILE after the dumps and
+    --map=FILE anywhere keep working."""
+    from vexact.lab import scaling
+
+    rollout, train = _two_files(tmp_path)
+    save_file({"rollout_log_probs": _padded(ROLL), "old_log_probs": _padded(TRAIN), "response_mask": MASK},
+              tmp_path / "batch.safetensors")
+    for argv, dump in (([ "--map", rollout, train], rollout), (["--map", tmp_path / "batch.safetensors"],
+                                                               tmp_path / "batch.safetensors"),
+                       ([rollout, "--map", train], train)):
+        code, out, err = _run(capsys, *argv)
+        assert code == 2 and out == "", err
+        assert err.startswith(f"error: --map took {dump} as its map file, but it is a log-prob dump, not a "
+                              "scaling.json: for the map shipped with vexact put --map after the dumps (vexact "
+                              "compare ROLLOUT [TRAIN] --map)") and err.count("\n") == 1, err
+    code, _, err = _run(capsys, "--map", scaling.DEFAULT_MAP)
+    assert code == 2 and err.startswith(f"error: no ROLLOUT dump given (--map took {scaling.DEFAULT_MAP} as its map")
+    code, _, err = _run(capsys)
+    assert code == 2 and err == "error: no ROLLOUT dump given\n"
+
+    expected = _report(capsys, rollout, train, "--map", out=tmp_path / "last.json")["map"]
+    for argv in ([rollout, train, "--map", scaling.DEFAULT_MAP], [f"--map={scaling.DEFAULT_MAP}", rollout, train]):
+        assert _report(capsys, *argv, out=tmp_path / "m.json")["map"] == expected
+
+
 # --------------------------------------------------------------------------- bad input: one line, exit 2
 GOOD_ROLL = ['{"id": "a", "logprobs": [-0.5, -1.0], "tokens": [5, 6]}', '{"id": "b", "logprobs": [-0.25]}']
 GOOD_TRAIN = ['{"id": "b", "logprobs": [-0.25]}', '{"id": "a", "logprobs": [-0.5, -1.5], "tokens": [5, 6]}']

@@ -172,7 +172,7 @@ def test_padded_copy_is_the_torch_op_padding(loops, dtype, shape, how, padded):
                                                         (70, 40, 64, 48, "transposed"), (5, 3, 4, 16, "sliced")])
 def test_chunks_transposed_is_the_torch_op_layout(loops, dtype, rows, cols, block, width, how):
     """out[c, i, j] = src[c * block + j, i], zero elsewhere: the layout of padding the rows to whole chunks, then
-    each chunk's transpose (the torch-op composition ``cpu_exact._chunks_transposed`` replaces)."""
+    each chunk's transpose (the torch-op composition ``gemm_arrangements._chunks_transposed`` replaces)."""
     if how == "transposed":
         src = _values((cols, rows), torch.float64, seed=rows).to(dtype).t()
     elif how == "sliced":

@@ -85,7 +85,7 @@ def test_shipped_experiments_load():
     for path in sorted(EXPERIMENTS.glob("*.yaml")):
         if "sweep" in path.stem:
             assert all(isinstance(p.config, RunConfig) for p in load_sweep_spec(path).points)
-        elif "meter" in path.stem:  # vexact meter's files (issue O)
+        elif "meter" in path.stem:  # vexact meter's files
             load_meter_spec(path)
         else:
             assert isinstance(load_config(path), RunConfig)

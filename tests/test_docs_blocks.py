@@ -14,6 +14,8 @@ on the last non-blank line before its opening fence (invisible on the site and o
 * ``<!-- not-run: REASON -->``: not run, for the reason given (minutes or hours of work, a GPU, a package not
   installed, a placeholder to fill in). Where the work itself matters, a smaller equivalent is tested elsewhere and
   the reason says where.
+* ``<!-- run-by: tests/test_x.py::test_name -->``: run as written by that test, which checks more than an exit code
+  (this test checks that the test exists).
 * ``<!-- fragment -->`` (python only): part of a program (a method body, names defined by the reader's code).
 
 Every python block must parse, whatever its marker. A block without a marker, or with an unknown one, fails
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "bash", "python": "python", "py": "python"}
 TIMEOUT = 300
 """Seconds per runnable block: each takes seconds on an idle 2-core host; the margin is for a loaded CI host."""
-MARKER = re.compile(r"^\s*<!-- (runnable|not-run|fragment)(?::\s*(.*?))?\s*-->\s*$")
+MARKER = re.compile(r"^\s*<!-- (runnable|not-run|run-by|fragment)(?::\s*(.*?))?\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 OPTIONS = {"exit", "timeout", "expect", "file", "run"}
 
@@ -48,7 +50,7 @@ class Block:
     line: int  # of the opening fence, 1-based
     language: str  # bash or python
     code: str  # dedented
-    kind: str | None  # runnable, not-run, fragment; None when unmarked
+    kind: str | None  # runnable, not-run, run-by, fragment; None when unmarked
     argument: str  # the text after the colon: options, or the reason
 
     @property
@@ -105,12 +107,22 @@ def test_every_code_block_is_marked():
     assert len(ALL) > 50 and RUNNABLE_PAGES  # the scan finds the pages' blocks
     unmarked = [f"{b.where} ({b.language})" for b in ALL if b.kind is None]
     assert unmarked == [], ("a code block needs a marker on the line before it: <!-- runnable -->, "
-                            "<!-- not-run: REASON --> or (python) <!-- fragment -->; see tests/test_docs_blocks.py")
+                            "<!-- not-run: REASON -->, <!-- run-by: TEST --> or (python) <!-- fragment -->; see "
+                            "tests/test_docs_blocks.py")
     assert [b.where for b in ALL if b.kind == "not-run" and not b.argument.strip()] == []  # a reason is given
     assert [b.where for b in ALL if b.kind == "fragment" and b.language != "python"] == []
     for b in ALL:
         if b.kind == "runnable":
             b.options()  # raises naming the block
+    missing = []
+    for b in (b for b in ALL if b.kind == "run-by"):
+        path, _, name = b.argument.partition("::")
+        test = ROOT / path
+        if not (test.is_file() and name and f"def {name}(" in test.read_text()):
+            missing.append(f"{b.where}: {b.argument}")
+    assert missing == []  # the test that runs the block exists
+    named = {(b.where, path) for b in ALL if b.kind == "not-run" for path in re.findall(r"tests/\w+\.py", b.argument)}
+    assert [f"{where}: {path}" for where, path in sorted(named) if not (ROOT / path).is_file()] == []
 
 
 def test_every_python_block_parses():

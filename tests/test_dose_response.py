@@ -11,8 +11,9 @@ import pytest
 from rich.console import Console
 
 from vexact.lab.dose_response import dose_response, fit_threshold, threshold_words
-from vexact.lab.report import read_sweep_results, write_report
+from vexact.lab.report import write_report
 from vexact.lab.sweep import load_sweep_spec
+from vexact.lab.sweep_data import read_sweep_results
 from vexact.rl.config import ConfigError
 
 SEEDS = (0, 1, 2, 3)

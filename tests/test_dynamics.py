@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vexact.lab.dynamics import mismatch_dynamics, run_dynamics
-from vexact.lab.report import read_sweep_results
+from vexact.lab.sweep_data import read_sweep_results
 
 STEPS = 50
 

@@ -1,4 +1,4 @@
-"""The exact CPU kernels' cheaper passes over memory (issue Q, "the price") changed no bit.
+"""The exact CPU kernels' cheaper passes over memory ("the price" of exactness) changed no bit.
 
 What was optimised: the weight gradient's GEMM operands (each token chunk transposed, zero-padded) are laid out in
 one transposing copy, or seen as a view where no padding is needed, where a pad-then-transpose composition copied
@@ -34,16 +34,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vexact_kernels import cpu_exact
-from vexact_kernels.cpu_exact import (
-    COL_BLOCK,
-    KEY_BLOCK,
-    _ceil_to,
-    _reduction_block,
-    _row_block,
-    _tree_sum,
-    _unary,
-)
+from vexact_kernels import cpu_exact, gemm_arrangements
+from vexact_kernels.cpu_exact import KEY_BLOCK, _tree_sum, _unary
+from vexact_kernels.gemm_arrangements import COL_BLOCK, _reduction_block, ceil_to, fp32, row_block
 from vexact_kernels.host_guard import HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -79,7 +72,7 @@ def _tile(operand: torch.Tensor, t: int) -> tuple:
     64-byte alignment and its values (a digest of the raw bits)."""
     tile = operand[t]
     digest = hashlib.blake2b(_bits(tile.detach()).numpy().tobytes(), digest_size=16).hexdigest()
-    return tuple(tile.shape), tile.stride(), operand.stride(0), tile.data_ptr() % cpu_exact.ALIGNMENT, digest
+    return tuple(tile.shape), tile.stride(), operand.stride(0), tile.data_ptr() % gemm_arrangements.ALIGNMENT, digest
 
 
 # --------------------------------------------------------------------------- the reference (the kernels before)
@@ -89,11 +82,11 @@ def _transposed_matmul_reference(a, b, host, op, b_source=None):
     block = _reduction_block(rows)
     chunks = -(-rows // block)
     padded = chunks * block
-    k_pad = _ceil_to(k, COL_BLOCK)
+    k_pad = ceil_to(k, COL_BLOCK)
     a_t = torch.constant_pad_nd(a, (0, 0, 0, padded - rows)).view(chunks, block, n).transpose(1, 2)
     b_t = torch.constant_pad_nd(b, (0, k_pad - k, 0, padded - rows)).view(chunks, block, k_pad).transpose(1, 2)
     b_t = b_t.contiguous()
-    height = _row_block(n, host.tile_heights(a.dtype, b_t[:1].transpose(1, 2), False, op))
+    height = row_block(n, host.tile_heights(a.dtype, b_t[:1].transpose(1, 2), False, op))
     row_tiles = -(-n // height)
     a_tiles = torch.constant_pad_nd(a_t, (0, 0, 0, row_tiles * height - n)).reshape(chunks * row_tiles, height, block)
     b_tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
@@ -105,16 +98,16 @@ def _transposed_matmul_reference(a, b, host, op, b_source=None):
 def _tiled_matmul_reference(x, weight, host, op="linear"):
     rows, k = x.shape
     n = weight.shape[0]
-    n_pad = _ceil_to(n, COL_BLOCK)
-    w = cpu_exact._float(weight)
-    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else cpu_exact._aligned(w)
+    n_pad = ceil_to(n, COL_BLOCK)
+    w = fp32(weight)
+    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_arrangements._aligned(w)
     operand = w.t().unsqueeze(0)
-    block = _row_block(rows, host.tile_heights(x.dtype, operand, True, op))
+    block = row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
     else:
-        x = cpu_exact._aligned(x)
+        x = gemm_arrangements._aligned(x)
     out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
@@ -123,9 +116,9 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
 def _batched_matmul_reference(a, b, host, op, a_full=None, b_full=None):
     batch, rows, k = a.shape
     n = b.shape[2]
-    k_pad, n_pad = _ceil_to(k, COL_BLOCK), _ceil_to(n, COL_BLOCK)
+    k_pad, n_pad = ceil_to(k, COL_BLOCK), ceil_to(n, COL_BLOCK)
     b = torch.constant_pad_nd(b, (0, n_pad - n, 0, k_pad - k))
-    block = _row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
+    block = row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
     a = torch.constant_pad_nd(a, (0, k_pad - k, 0, row_tiles * block - rows)).view(batch * row_tiles, block, k_pad)
     b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
@@ -203,10 +196,10 @@ def _attention_probs_reference(tiles, loops=None):  # torch ops only, whatever `
 
 def _rms_norm_vjp_reference(saved, grad, needs):
     xf, inv_rms, weight, dtype = saved
-    g = cpu_exact._float(grad)
+    g = fp32(grad)
     grad_x = grad_w = None
     if needs[0]:
-        gw = g * cpu_exact._float(weight)
+        gw = g * fp32(weight)
         dot = _tree_sum(gw * xf).div_(xf.shape[-1]).unsqueeze(-1)
         grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(dtype)
     if needs[1]:
@@ -220,24 +213,24 @@ def _silu_mul_with_saved_reference(gate, up, host):
 
 def _silu_mul_vjp_reference(saved, grad, needs):
     gate, up, host = saved
-    gf, g = cpu_exact._float(gate), cpu_exact._float(grad)
+    gf, g = fp32(gate), fp32(grad)
     denom = _unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)
     grad_gate = grad_up = None
     if needs[0]:
         s = torch.reciprocal(denom)
         ds = (1.0 - s).mul_(gf).add_(1.0).mul_(s)
-        grad_gate = ds.mul_(g).mul_(cpu_exact._float(up)).to(gate.dtype)
+        grad_gate = ds.mul_(g).mul_(fp32(up)).to(gate.dtype)
     if needs[1]:
         silu = torch.div(gf, denom)
-        grad_up = cpu_exact._float(silu.to(gate.dtype)).mul_(g).to(up.dtype)
+        grad_up = fp32(silu.to(gate.dtype)).mul_(g).to(up.dtype)
     return grad_gate, grad_up
 
 
 def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put the reference compositions in place of the optimised ones (for the rest of the test)."""
-    monkeypatch.setattr(cpu_exact, "_transposed_matmul", _transposed_matmul_reference)
-    monkeypatch.setattr(cpu_exact, "_tiled_matmul", _tiled_matmul_reference)
-    monkeypatch.setattr(cpu_exact, "_batched_matmul", _batched_matmul_reference)
+    monkeypatch.setattr(gemm_arrangements, "transposed_matmul", _transposed_matmul_reference)
+    monkeypatch.setattr(gemm_arrangements, "tiled_matmul", _tiled_matmul_reference)
+    monkeypatch.setattr(gemm_arrangements, "batched_matmul", _batched_matmul_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "_query_rows", _query_rows_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "_key_rows", _key_rows_reference)
     monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
@@ -307,7 +300,7 @@ def _transposed_case(rows, n, k, layout):
             a, b = torch.cat([a.new_zeros(1), a.reshape(-1)])[1:].view(rows, n), b
         elif layout == "sliced":
             a = torch.cat([a, a], dim=1)[:, :n]
-        return [cpu_exact._transposed_matmul(a, b, host, "linear")]
+        return [gemm_arrangements.transposed_matmul(a, b, host, "linear")]
     return run
 
 
@@ -394,12 +387,12 @@ def test_row_wise_backward_bits_as_the_reference(case, dtype, monkeypatch):
     assert _differences(new, reference) == []
 
 
-@pytest.mark.parametrize("calls_from", [0, cpu_exact.ROW_TILE_CALLS_FROM], ids=["per-row-tile", "default"])
+@pytest.mark.parametrize("calls_from", [0, gemm_arrangements.ROW_TILE_CALLS_FROM], ids=["per-row-tile", "default"])
 @pytest.mark.parametrize("rows,n,k,layout", TRANSPOSED)
 def test_weight_gradient_layout_matches_the_reference(rows, n, k, layout, calls_from, monkeypatch):
     """Both forms of the weight gradient over several chunks and row tiles (one GEMM call, or one per row tile) give
     the reference's tiles and bits."""
-    monkeypatch.setattr(cpu_exact, "ROW_TILE_CALLS_FROM", calls_from)
+    monkeypatch.setattr(gemm_arrangements, "ROW_TILE_CALLS_FROM", calls_from)
     new, reference = _run_both(_transposed_case(rows, n, k, layout), monkeypatch)
     assert _differences(new, reference) == []
 
@@ -413,7 +406,7 @@ def test_the_check_catches_padding_left_unzeroed(monkeypatch):
         if tail:
             out[full, : src.shape[1], :tail].copy_(src[full * block :].t())
         return out
-    monkeypatch.setattr(cpu_exact, "_chunks_transposed", lazy)
+    monkeypatch.setattr(gemm_arrangements, "_chunks_transposed", lazy)
     new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
     assert any("operand" in found for found in _differences(new, reference))
 
@@ -425,7 +418,7 @@ def test_the_check_catches_operand_padding_left_unzeroed(monkeypatch):
         out = x.new_empty(shape)
         out[tuple(slice(0, size) for size in x.shape)].copy_(x)
         return out
-    monkeypatch.setattr(cpu_exact, "_zero_padded", lazy)
+    monkeypatch.setattr(gemm_arrangements, "_zero_padded", lazy)
     for make, *shape in (CASES["linear-37x176x64-bias"], CASES["attention-3x20x4x2x16x20-[0, 0, 0]"]):
         new, reference = _run_both(make(torch.float32, *shape), monkeypatch)
         assert any("operand" in found for found in _differences(new, reference))
@@ -458,7 +451,7 @@ def test_shared_input_operand_reused_with_the_same_bits(dtype, monkeypatch):
     new, reference = _run_both(_shared_input_case(dtype), monkeypatch)
     assert _differences(new, reference) == []
     calls, fresh, inside = [], [], []
-    real_operand, real_layout = cpu_exact._reduction_operand, cpu_exact._chunks_transposed
+    real_operand, real_layout = gemm_arrangements._reduction_operand, gemm_arrangements._chunks_transposed
 
     def operand(*args):
         calls.append(args[0].shape)
@@ -472,8 +465,8 @@ def test_shared_input_operand_reused_with_the_same_bits(dtype, monkeypatch):
         if inside:  # a right operand laid out afresh
             fresh.append(src.shape)
         return real_layout(src, *args)
-    monkeypatch.setattr(cpu_exact, "_reduction_operand", operand)
-    monkeypatch.setattr(cpu_exact, "_chunks_transposed", layout)
+    monkeypatch.setattr(gemm_arrangements, "_reduction_operand", operand)
+    monkeypatch.setattr(gemm_arrangements, "_chunks_transposed", layout)
     _shared_input_case(dtype)(RecordingGuard())
     assert len(calls) == 4  # four weight gradients
     assert len(fresh) == 2  # the input laid out once for the three layers, once after the in-place change
@@ -481,7 +474,7 @@ def test_shared_input_operand_reused_with_the_same_bits(dtype, monkeypatch):
 
 def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
     """Counter-test: an operand kept whatever the version (a stale layout after the in-place change) is caught."""
-    real = cpu_exact._reduction_operand
+    real = gemm_arrangements._reduction_operand
     stale = {}
 
     def ignore_version(b, block, chunks, k_pad, row_tiles, source):
@@ -491,7 +484,7 @@ def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
         if source is not None:
             stale[id(source)] = out
         return out
-    monkeypatch.setattr(cpu_exact, "_reduction_operand", ignore_version)
+    monkeypatch.setattr(gemm_arrangements, "_reduction_operand", ignore_version)
     new, reference = _run_both(_shared_input_case(torch.float32), monkeypatch)
     assert any("differs" in found for found in _differences(new, reference))
 
@@ -499,7 +492,7 @@ def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
 def test_the_check_catches_a_row_tile_layout_left_unzeroed(monkeypatch):
     """Counter-test for the weight gradient's one-call-per-row-tile path (several chunks and row tiles): a layout whose
     last, partial row tile is not zero-padded shows as operand tiles the reference does not have."""
-    real = cpu_exact._row_tiles_transposed
+    real = gemm_arrangements._row_tiles_transposed
     used = []
 
     def lazy(a, block, chunks, row_tiles, height):
@@ -507,7 +500,7 @@ def test_the_check_catches_a_row_tile_layout_left_unzeroed(monkeypatch):
         out = real(a, block, chunks, row_tiles, height)
         out[-1, :, a.shape[1] % height :] = float("nan")
         return out
-    monkeypatch.setattr(cpu_exact, "_row_tiles_transposed", lazy)
-    monkeypatch.setattr(cpu_exact, "ROW_TILE_CALLS_FROM", 0)
+    monkeypatch.setattr(gemm_arrangements, "_row_tiles_transposed", lazy)
+    monkeypatch.setattr(gemm_arrangements, "ROW_TILE_CALLS_FROM", 0)
     new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
     assert used and any("operand" in found for found in _differences(new, reference))

@@ -15,6 +15,7 @@ import torch
 from conftest import num_threads, random_prompts, tiny_model
 
 from vexact import generate, token_logprobs
+from vexact_kernels import TRITON_PIP
 
 EOS = 3
 
@@ -154,6 +155,7 @@ def test_training_path_is_differentiable_and_deterministic():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.needs_package("triton", TRITON_PIP)
 def test_triton_backend_end_to_end(dtype):
     """The Triton kernels (interpreted on CPU, compiled on a GPU) proven rollout == training on a
     tiny model, not only op by op."""

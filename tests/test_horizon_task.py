@@ -1,4 +1,4 @@
-"""The horizon task ``horizon`` (issue O): the horizon is a knob, the answer stays the same problem."""
+"""The horizon task ``horizon``: the horizon is a knob, the answer stays the same problem."""
 
 from __future__ import annotations
 

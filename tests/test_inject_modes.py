@@ -73,6 +73,7 @@ def test_the_triton_guard_asks_the_mode_which_backends_it_runs(monkeypatch):
     from vexact.rl.tasks import make_task
 
     monkeypatch.setattr(triton_guard, "interpreting", lambda: True)
+    monkeypatch.setattr(triton_guard, "triton_installed", lambda: True)  # the estimate needs no triton
     monkeypatch.setenv(triton_guard.ALLOW_ENV, "1")
     for backend, seen in (("triton", True), ("native", False)):
         cfg = config_from_dict({"steps": 1, "warm_start": {"steps": 0},

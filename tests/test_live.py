@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import require_optional
@@ -141,6 +142,51 @@ def test_extra_keys_may_not_shadow_the_rows_own(tmp_path, extra):
     assert monitor.step(0, roll, train, mask, extra={"my/epoch": 2})["my/epoch"] == 2
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({"loss": torch.tensor(0.5)}, r"extra\['loss'\] \(Tensor\) is not JSON"),
+    ({"lr": np.float32(1e-3)}, r"extra\['lr'\] \(float32\) is not JSON"),
+    ({"nested": [1, {"a": object()}]}, r"extra\['nested'\] \(list\) is not JSON"),
+    ({3: 1}, r"extra keys must be strings, got 3 \(int\)"),
+    ([("epoch", 1)], "extra must be a dict, got list"),
+])
+def test_extra_that_json_cannot_hold_is_a_value_error(tmp_path, extra, message):
+    """The docstring promises ValueError for a caller mistake: a tensor, a numpy scalar or any other non-JSON value in
+    ``extra`` is one (it was json's TypeError, from inside the writer), and nothing is written."""
+    roll, train, mask = _batch()
+    monitor = LiveMonitor(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        monitor.step(0, roll, train, mask, extra=extra)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    row = monitor.step(0, roll, train, mask, extra={"my/lr": float(np.float32(1e-3)), "my/nan": float("nan"),
+                                                    "my/tags": ["a", None, True]})
+    monitor.close()
+    assert row["my/tags"] == ["a", None, True]
+    written = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert written["my/lr"] == row["my/lr"] and written["my/tags"] == ["a", None, True]
+
+
+def test_numpy_arrays_are_read_as_tensors_of_their_dtype(tmp_path):
+    """numpy arrays (padded, with a numpy or torch mask, or as per-sequence items) give exactly the row of the same
+    values as tensors; an array that holds no numbers is one error naming the side."""
+    roll, train, mask = _batch(seed=2)
+    as_tensors = LiveMonitor(tmp_path / "t").step(0, roll, train, mask)
+    for r, t, m, where in ((roll.numpy(), train.numpy(), mask.numpy(), "np"),
+                           (roll.numpy(), train, mask.numpy().astype(bool), "mixed"),
+                           (roll.numpy(), train.numpy(), mask, "np_torch_mask")):
+        row = LiveMonitor(tmp_path / where).step(0, r, t, m)
+        differ = [k for k in as_tensors if not _same(row[k], as_tensors[k])]
+        assert differ == [], where
+    keep = mask.bool()
+    seqs = LiveMonitor(tmp_path / "seq").step(0, [roll[b][keep[b]].numpy() for b in range(len(mask))],
+                                              [train[b][keep[b]].numpy() for b in range(len(mask))])
+    assert seqs["rollout_corr/k3_kl"] == as_tensors["rollout_corr/k3_kl"]
+    with pytest.raises(ValueError, match=r"rollout_logprobs is a numpy array of dtype object, not numbers"):
+        LiveMonitor(tmp_path / "o").step(0, roll.numpy().astype(object), train, mask)
+    with pytest.raises(ValueError, match=r"train_logprobs must be a floating-point tensor of log-probs, got "
+                                         r"torch.int64"):
+        LiveMonitor(tmp_path / "i").step(0, roll, train.nan_to_num(0).numpy().astype(np.int64), mask)
+
+
 def test_positive_tolerance_is_the_boundary(tmp_path):
     roll, train, mask = _batch()
     train = train.nan_to_num(0.0).double()
@@ -248,6 +294,24 @@ def test_scaling_map_refused_without_the_module(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"scaling_map needs vexact.lab.scaling"):
         LiveMonitor(tmp_path, scaling_map={"status": "fitted"})
     LiveMonitor(tmp_path)  # without a map the monitor needs no such module
+
+
+@pytest.mark.parametrize("scaling_map, message", [
+    ({"status": "fitted"}, r"scaling_map is not a map: no 'horizon_range' key"),
+    ({"horizon_range": [8.0, 128.0]}, r"scaling_map is not a map: no 'status' key"),
+    ({"status": "fitted", "horizon_range": [8.0, 128.0]}, r"scaling_map cannot place a step: no 'log10_prefactor'"),
+    ({"status": "fitted", "horizon_range": [0, 128.0], "log10_prefactor": -1.0, "alpha": 0.5},
+     r"scaling_map cannot place a step: .*horizon"),
+    ({"status": "fitted", "horizon_range": "8..128"},
+     r"scaling_map cannot place a step: the map's bypass curve has no measured horizons \(horizon_range\)"),
+    (42, r"scaling_map must be a map dict, the path of a scaling.json or 'default', got int"),
+])
+def test_a_malformed_scaling_map_is_refused_at_construction(tmp_path, scaling_map, message):
+    """A map dict no step could be placed on is one ValueError when the monitor is built, not a ``map_error`` on
+    every row of the run."""
+    with pytest.raises(ValueError, match=message):
+        LiveMonitor(tmp_path, scaling_map=scaling_map)
+    assert not tmp_path.joinpath("metrics.jsonl").exists()
 
 
 FITTED_MAP = {"status": "fitted", "horizon_range": [8.0, 128.0], "log10_prefactor": -1.0, "alpha": 0.5,
@@ -362,3 +426,18 @@ def test_wandb_offline_view_holds_every_row_scalar(tmp_path):
         for step in (0, 4):
             monitor.step(step, roll, train, mask, extra={"trainer/global_step": step})
     _assert_wandb_matches_jsonl(tmp_path)
+
+
+def test_the_docs_first_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/live_and_recipes.md's first example is complete and needs no optional package (no tensorboard view)."""
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "live_and_recipes.md"
+    code = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)[0]
+    assert "LiveMonitor(" in code and "tensorboard" not in code and "wandb" not in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(page), "exec"), {"__name__": "__docs__"})
+    rows = read_metrics(tmp_path / "runs" / "my_grpo" / "vexact" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["outcome"] == "ok" and r["live/gates_failed"] == 0 and r["mismatch/tokens"] == 22 for r in rows)

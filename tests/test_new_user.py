@@ -1,4 +1,4 @@
-"""Tried as a new user would (issue S): no silent misconfiguration, run directories that fit habits, and the shipped
+"""Tried as a new user would: no silent misconfiguration, run directories that fit habits, and the shipped
 configs under ``--nproc`` 1, 2 and 4 as they are.
 
 Each misconfiguration used to run (exit 0) with no word said: a value without a mode injected nothing, a mode

@@ -11,20 +11,19 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vexact.lab.report import (
-    TextColumn,
+from vexact.lab.report import write_report
+from vexact.lab.sweep_data import read_sweep_results
+from vexact.lab.sweep_plots import sweep_figures
+from vexact.lab.sweep_table import (
     _table_cells,
+    group_markdown,
     group_table,
-    markdown_table,
-    print_table,
-    read_sweep_results,
     render_table,
     reward_definition,
     reward_summary,
-    sweep_figures,
-    write_report,
     write_summary_csv,
 )
+from vexact.lab.text_table import TextColumn, print_table
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 30
@@ -198,7 +197,7 @@ def test_empty_sweep_still_reports(tmp_path: Path) -> None:
     sweep = _make_sweep(tmp_path / "empty", points, {"inject.value": [1.0], "seed": [0, 1]})
     (row,) = write_report(sweep, console=Console(file=io.StringIO()))["rows"]
     assert (row["seeds"], row["failed"], row["incomplete"], row["collapse_rate"]) == (0, 1, 1, None)
-    assert "| 1 | 0 | 1 | — | — | — | — | — | — | — |" in markdown_table([row])
+    assert "| 1 | 0 | 1 | — | — | — | — | — | — | — |" in group_markdown([row])
     for png in ("reward_curves.png", "mismatch_vs_step.png", "collapse_vs_magnitude.png"):
         assert (sweep / "report" / png).read_bytes()[:8] == PNG_SIGNATURE
 
@@ -238,9 +237,9 @@ def test_variant_groups_with_lr_trigger_and_surge_columns(tmp_path: Path) -> Non
     assert none["group"] == "variant=none" and none["collapsed"] == 2 and none["surge_before_collapse"] == 1
     assert none["lr_decay_triggered"] is None
     assert decay["lr_decay_triggered"] == 1 and decay["lr_trigger_step_median"] == 30
-    text = markdown_table([none, decay])
+    text = group_markdown([none, decay])
     assert "LR decay fired" in text and "| none |" in text and "| 1/2 |" in text
-    plain = markdown_table([none])
+    plain = group_markdown([none])
     assert "LR decay fired" not in plain and "surge before collapse" in plain
 
 
@@ -274,7 +273,7 @@ def test_peak_and_final_reward_share_one_smoothed_definition(tmp_path: Path) -> 
 
 
 def test_peak_reward_without_metrics_falls_back_to_the_summary_peak() -> None:
-    from vexact.lab.report import PointData
+    from vexact.lab.sweep_data import PointData
 
     point = PointData(name="p", dir=Path("."), overrides={}, status="completed",
                       summary={"collapse": _collapse(False, 1e-3, 0.01, peak=0.55, final=0.9)})

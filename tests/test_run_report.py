@@ -12,7 +12,6 @@ from conftest import num_threads
 from rich.console import Console
 
 from vexact.cli import main
-from vexact.lab.report import read_point, reward_summary
 from vexact.lab.run_report import (
     CHI2_NOTE,
     _summary_columns,
@@ -22,6 +21,8 @@ from vexact.lab.run_report import (
     write_any_report,
     write_run_report,
 )
+from vexact.lab.sweep_data import read_point
+from vexact.lab.sweep_table import reward_summary
 from vexact.rl.collapse import detect_collapse
 from vexact.rl.config import CollapseSection, load_config
 from vexact.rl.runlog import read_metrics

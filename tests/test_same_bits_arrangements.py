@@ -3,10 +3,10 @@
 Two arrangements of the exact CPU kernels run only where the guard's ``same_bits`` probe found that they give the
 bits of the kernels' own (canonical) arrangement on this host:
 
-- a linear layer's weight gradient (``cpu_exact._transposed_matmul``, a reduction over tokens in 256-token chunks):
-  canonically transposed, zero-padded copies in 64-row tiles (``_transposed_matmul_tiles``); faster, the same chunk
-  GEMMs on views of the inputs, the last chunk on its real rows (``_transposed_matmul_views``);
-- a linear layer's row tiles (``cpu_exact._tiled_matmul``): canonically one ``bmm`` of 64-row tiles sharing the
+- a linear layer's weight gradient (``gemm_arrangements.transposed_matmul``, a reduction over tokens in 256-token
+  chunks): canonically transposed, zero-padded copies in 64-row tiles (``_transposed_matmul_tiles``); faster, the
+  same chunk GEMMs on views of the inputs, the last chunk on its real rows (``_transposed_matmul_views``);
+- a linear layer's row tiles (``gemm_arrangements.tiled_matmul``): canonically one ``bmm`` of 64-row tiles sharing the
   weight; faster, one GEMM over the stacked tiles (``_stacked_matmul``), which packs the weight once.
 
 Either way the result must be the canonical one, bit for bit: that is what these tests check, with the real GEMM
@@ -21,7 +21,7 @@ import torch
 from conftest import num_threads
 from test_exact_price_bits import _same_bits
 
-from vexact_kernels import cpu_exact, fixed_order
+from vexact_kernels import cpu_exact, fixed_order, gemm_arrangements
 from vexact_kernels.host_guard import CANONICAL_PATH, FASTER_PATH, MACHINE_THREADS, HostGuard
 
 
@@ -98,13 +98,13 @@ CASES = [(3968, 176, 64), (3968, 64, 176), (300, 22, 64), (512, 64, 64), (256, 4
 @pytest.mark.parametrize("rows,n,k", CASES)
 def test_weight_gradient_is_the_canonical_arrangement_bit_for_bit(rows, n, k):
     a, b = _inputs(rows, n, k)
-    expected = cpu_exact._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
-    assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    expected = gemm_arrangements._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
+    assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
     # inputs as they come from autograd: a transposed view, and a view that starts off the 64-byte boundary
     a_t = a.t().contiguous().t()
     b_off = torch.cat([torch.zeros(1), b.view(-1)])[1:].view(rows, k)
-    assert b_off.data_ptr() % cpu_exact.ALIGNMENT != 0
-    assert _same_bits(cpu_exact._transposed_matmul(a_t, b_off, cpu_exact.HOST, "linear"), expected)
+    assert b_off.data_ptr() % gemm_arrangements.ALIGNMENT != 0
+    assert _same_bits(gemm_arrangements.transposed_matmul(a_t, b_off, cpu_exact.HOST, "linear"), expected)
 
 
 def test_weight_gradient_with_special_values_is_the_canonical_arrangement():
@@ -122,9 +122,9 @@ def _check_special_values(rows: int) -> None:
     a[:, 0] = -0.0
     b[:, 5] = b[:, 5].abs() + 1.0
     a[rows // 2, 3], b[rows // 2 + 1, 7], b[rows - 3, 9] = float("inf"), float("nan"), -float("inf")
-    expected = cpu_exact._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
+    expected = gemm_arrangements._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
     assert str(expected[0, 5].item()) == "0.0"
-    assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
 def _views_probes(guard: HostGuard) -> list[tuple[str, str]]:
@@ -133,13 +133,13 @@ def _views_probes(guard: HostGuard) -> list[tuple[str, str]]:
 
 def test_a_views_arrangement_that_differs_is_not_used(monkeypatch):
     """A host whose GEMM gave the views other bits: the probes see it and the tiles run."""
-    real_views = cpu_exact._transposed_matmul_views
-    monkeypatch.setattr(cpu_exact, "_transposed_matmul_views",
+    real_views = gemm_arrangements._transposed_matmul_views
+    monkeypatch.setattr(gemm_arrangements, "_transposed_matmul_views",
                         lambda a, b, block, unpadded_tail: _nudge(real_views(a, b, block, unpadded_tail)))
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     a, b = _inputs(700, 64, 48)
-    out = cpu_exact._transposed_matmul(a, b, guard, "linear")
-    assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+    out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
     prefix = "weight gradient on views: block=256 N=64 K=48"
     assert _views_probes(guard) == [(f"{prefix} last chunk of 188 rows unpadded float32", CANONICAL_PATH),
                                     (f"{prefix} last chunk padded float32", CANONICAL_PATH)]
@@ -148,18 +148,18 @@ def test_a_views_arrangement_that_differs_is_not_used(monkeypatch):
 def test_a_last_chunk_whose_short_reduction_differs_is_padded(monkeypatch):
     """A host whose GEMM gives a 188-row reduction other bits than the zero-padded 256-row one (MKL on the AMD EPYC
     development machine does for lengths over 128): that length's probe fails and the last chunk is padded."""
-    real_views = cpu_exact._transposed_matmul_views
+    real_views = gemm_arrangements._transposed_matmul_views
 
     def short_tail_differs(a, b, block, unpadded_tail):
         out = real_views(a, b, block, unpadded_tail)
         return _nudge(out) if unpadded_tail and a.shape[0] % block == 188 else out
 
-    monkeypatch.setattr(cpu_exact, "_transposed_matmul_views", short_tail_differs)
+    monkeypatch.setattr(gemm_arrangements, "_transposed_matmul_views", short_tail_differs)
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     for rows in (700, 600):  # last chunks of 188 (probed: differs) and 88 rows (probed: agrees)
         a, b = _inputs(rows, 64, 48)
-        out = cpu_exact._transposed_matmul(a, b, guard, "linear")
-        assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+        out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
     paths = dict(_views_probes(guard))
     prefix = "weight gradient on views: block=256 N=64 K=48"
     assert paths[f"{prefix} last chunk of 188 rows unpadded float32"] == CANONICAL_PATH
@@ -169,11 +169,11 @@ def test_a_last_chunk_whose_short_reduction_differs_is_padded(monkeypatch):
 
 def test_wide_weight_gradients_run_in_slabs_with_the_same_bits(monkeypatch):
     """N beyond ``VIEW_SLAB_ROWS`` (the LM head's vocabulary) is cut into slabs: the canonical bits still."""
-    monkeypatch.setattr(cpu_exact, "VIEW_SLAB_ROWS", 160)
+    monkeypatch.setattr(gemm_arrangements, "VIEW_SLAB_ROWS", 160)
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     a, b = _inputs(300, 500, 16)
-    out = cpu_exact._transposed_matmul(a, b, guard, "linear")
-    assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+    out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
     # the probe ran the slabs (whatever it found): the views were considered for N = 500
     assert [shape for shape, _ in _views_probes(guard)] == [
         "weight gradient on views: block=256 N=500 K=16 last chunk of 44 rows unpadded float32"]
@@ -183,8 +183,8 @@ def test_a_guard_over_another_gemm_keeps_the_tiles():
     """The views call torch.bmm itself: a guard over another GEMM (the fixed-order one here) never probes them."""
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", bmm=fixed_order.bmm)
     a, b = _inputs(300, 32, 16)
-    out = cpu_exact._transposed_matmul(a, b, guard, "linear")
-    assert _same_bits(out, cpu_exact._transposed_matmul_tiles(a, b, guard, "linear"))
+    out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
     assert not [p for p in guard.report()["probes"] if p["property"] == "same_bits"]
 
 
@@ -192,21 +192,21 @@ def test_a_guard_over_another_gemm_keeps_the_tiles():
 def test_weight_gradient_on_views_is_thread_invariant(threads):
     a, b = _inputs(1000, 176, 64, seed=2)
     with num_threads(1):
-        reference = cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear")
+        reference = gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear")
     with num_threads(threads):
-        assert _same_bits(cpu_exact._transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
+        assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
 
 
 # --------------------------------------------------------------------------- a linear layer's tiles, stacked
 def _tiles_reference(x: torch.Tensor, weight: torch.Tensor, guard: HostGuard) -> torch.Tensor:
-    """``_tiled_matmul``'s canonical arrangement, written out: zero-padded rows in tiles, one bmm sharing the
+    """``tiled_matmul``'s canonical arrangement, written out: zero-padded rows in tiles, one bmm sharing the
     (column-padded, transposed) weight."""
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = -(-n // 16) * 16
     w = torch.cat([weight, weight.new_zeros(n_pad - n, k)]) if n_pad != n else weight.contiguous()
     operand = w.t().unsqueeze(0)
-    block = cpu_exact._row_block(rows, guard.tile_heights(torch.float32, operand, True, "linear"))
+    block = gemm_arrangements.row_block(rows, guard.tile_heights(torch.float32, operand, True, "linear"))
     blocks = -(-rows // block)
     padded = torch.cat([x, x.new_zeros(blocks * block - rows, k)])
     out = torch.bmm(padded.view(blocks, block, k), operand.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
@@ -224,18 +224,18 @@ def test_linear_tiles_stacked_are_the_tiles_bit_for_bit(rows, k, n):
     x[0] = -0.0
     x[1, 0], x[2, 1] = float("inf"), float("nan")
     weight = torch.randn(n, k, generator=gen)
-    out = cpu_exact._tiled_matmul(x, weight, cpu_exact.HOST)
+    out = gemm_arrangements.tiled_matmul(x, weight, cpu_exact.HOST)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, cpu_exact.HOST).contiguous())
 
 
 def test_a_stacked_gemm_that_differs_keeps_the_tiles(monkeypatch):
-    real_stacked = cpu_exact._stacked_matmul
-    monkeypatch.setattr(cpu_exact, "_stacked_matmul",
+    real_stacked = gemm_arrangements._stacked_matmul
+    monkeypatch.setattr(gemm_arrangements, "_stacked_matmul",
                         lambda x, operand, rows, n: _nudge(real_stacked(x, operand, rows, n)))
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     gen = torch.Generator().manual_seed(4)
     x, weight = torch.randn(300, 48, generator=gen), torch.randn(24, 48, generator=gen)
-    out = cpu_exact._tiled_matmul(x, weight, guard)
+    out = gemm_arrangements.tiled_matmul(x, weight, guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     assert _views_probes(guard) == [("linear tiles stacked in one GEMM: 5x64 rows K=48 N=32 transposed float32",
                                      CANONICAL_PATH)]
@@ -243,11 +243,11 @@ def test_a_stacked_gemm_that_differs_keeps_the_tiles(monkeypatch):
 
 @pytest.mark.parametrize("rows,k,n", STACKED_CASES)
 def test_an_input_gradient_on_the_weight_as_given_is_the_tiles_bit_for_bit(rows, k, n):
-    """grad_x = grad @ W: ``_tiled_matmul(grad, W.t())``, whose canonical operand is a transposed copy of W; on the
+    """grad_x = grad @ W: ``tiled_matmul(grad, W.t())``, whose canonical operand is a transposed copy of W; on the
     weight as it is (row-major, no copy) where the probe agrees. Either way the tiles' bits."""
     gen = torch.Generator().manual_seed(rows * k + n)
     grad = torch.randn(rows, k, generator=gen)
     grad[3] = -0.0
     w = torch.randn(k, n, generator=gen)  # W [K, N] as a layer stores it; the kernel gets its transpose
-    out = cpu_exact._tiled_matmul(grad, w.t(), cpu_exact.HOST)
+    out = gemm_arrangements.tiled_matmul(grad, w.t(), cpu_exact.HOST)
     assert _same_bits(out.contiguous(), _tiles_reference(grad, w.t(), cpu_exact.HOST).contiguous())

@@ -1,4 +1,4 @@
-"""Collapse scaling (issue O): the threshold-vs-horizon law, bounds, bad input, and placing a user on the map."""
+"""Collapse scaling: the threshold-vs-horizon law, bounds, bad input, and placing a user on the map."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vexact.lab.report import PointData, SweepData
 from vexact.lab.scaling import MAP_KEYS, fit_law, load_map, place_on_map, scaling, write_scaling
+from vexact.lab.sweep_data import PointData, SweepData
 
 SEEDS = (0, 1, 2, 3)
 FACTORS = (0.25, 0.5, 2.0, 4.0)  # doses around the true threshold: the two below survive, the two above collapse
@@ -109,7 +109,9 @@ def test_curves_split_by_mode_and_primary_is_bypass(tmp_path):
     data = SweepData(tmp_path, "two", a.grid, a.group_keys, a.points + b.points)
     r = scaling(data)
     assert len(r["curves"]) == 2
-    assert r["curve"] == "algorithm.old_logprobs=rollout" and r["alpha"] == pytest.approx(2.0, abs=0.05)
+    assert r["curve"] == "correction=bypass" and r["correction"] == "bypass"
+    assert r["alpha"] == pytest.approx(2.0, abs=0.05)
+    assert [c["correction"] for c in r["curves"]] == ["recompute", "bypass"]
 
 
 def test_write_scaling_files(tmp_path):
@@ -135,11 +137,11 @@ def test_place_on_map_known_k3_and_length(tmp_path):
     p = place_on_map(m, 1e-5, 800.0)
     assert p["threshold_50"] == pytest.approx(1e-3, rel=0.15)
     assert p["ratio"] == pytest.approx(1e-5 / p["threshold_50"])
-    assert p["verdict"] == "far below the measured collapse range"
+    assert p["verdict"].startswith("far below the measured collapse range; extrapolated")
     assert p["extrapolation_factor"] == pytest.approx(800.0 / 64.0)
     assert p["ci_low"] < p["threshold_50"] < p["ci_high"]
-    assert place_on_map(m, 5e-4, 800.0)["verdict"] == "near the measured collapse range"
-    assert place_on_map(m, 1e-1, 800.0)["verdict"] == "above the measured collapse range"
+    assert place_on_map(m, 5e-4, 800.0)["verdict"].startswith("near the measured collapse range;")
+    assert place_on_map(m, 1e-1, 800.0)["verdict"].startswith("above the measured collapse range;")
     inside = place_on_map(m, 1e-2, 20.0)
     assert inside["extrapolation_factor"] == 1.0
     assert place_on_map(m, 1e-2, 2.0)["extrapolation_factor"] == pytest.approx(4.0)
@@ -172,7 +174,7 @@ def test_a_bound_with_collapses_below_it_is_not_called_safe(tmp_path):
     files = write_scaling(_sweep(tmp_path, 1.0, lengths=(8, 64), safe_at=(8, 64)), tmp_path)[0]
     m = load_map(files[0])
     assert place_on_map(m, 1e-6, 30.0)["verdict"].startswith("below every level tested")
-    for h in m["horizons"]:  # as when the fit puts the 50% point above the doses although one run collapsed
+    for h in m["curves"][0]["horizons"]:  # as when the fit puts the 50% point above the doses although one collapsed
         h["collapsed"] = 1
     assert place_on_map(m, 1e-6, 30.0)["verdict"].startswith("unknown")
 

@@ -28,12 +28,12 @@ from safetensors.torch import load_file
 from test_trainer import EXPERIMENT, _without_timing
 
 from vexact.cli import main
-from vexact.lab import ray_executor
-from vexact.lab import report as report_module
+from vexact.lab import ray_executor, sweep_table
 from vexact.lab.markdown_table import markdown_table
-from vexact.lab.report import group_table, read_point, read_sweep_results, write_report
-from vexact.lab.report import markdown_table as report_markdown_table
+from vexact.lab.report import write_report
 from vexact.lab.sweep import load_sweep_spec, run_sweep
+from vexact.lab.sweep_data import read_point, read_sweep_results
+from vexact.lab.sweep_table import group_markdown, group_table
 from vexact.rl import atomic, collapse, log_backends
 from vexact.rl.metrics_log import NON_FINITE, MetricsDamaged, decode_non_finite, read_metrics
 from vexact.rl.runlog import MetricsWriter, latest_checkpoint
@@ -444,10 +444,21 @@ def test_one_markdown_table_writer():
 
 def test_the_sweep_table_comes_from_the_one_writer(tmp_path, monkeypatch):
     calls = []
-    real = report_module.write_markdown_table
-    monkeypatch.setattr(report_module, "write_markdown_table", lambda *a: calls.append(a) or real(*a))
-    text = report_markdown_table(group_table(read_sweep_results(_hand_sweep(tmp_path / "sweep"))), notes=[])
+    real = sweep_table.markdown_table
+    monkeypatch.setattr(sweep_table, "markdown_table", lambda *a: calls.append(a) or real(*a))
+    text = group_markdown(group_table(read_sweep_results(_hand_sweep(tmp_path / "sweep"))), notes=[])
     assert len(calls) == 1 and text.splitlines()[1].startswith("|:---|---:|")
+
+
+def test_one_function_named_markdown_table():
+    """The package defines ``markdown_table`` once (the sweep report's group table is ``group_markdown``, a caller of
+    it): one name, one writer."""
+    defined = [f"{path.relative_to(ROOT)}:{node.lineno}"
+               for path in [*(ROOT / "vexact").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"),
+                            *(ROOT / "benchmarks").glob("*.py")]
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.FunctionDef) and node.name == "markdown_table"]
+    assert defined == ["vexact/lab/markdown_table.py:18"], defined
 
 
 def test_no_second_markdown_table_writer():

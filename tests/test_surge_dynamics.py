@@ -1,4 +1,4 @@
-"""The surge mechanism on a reduced setting (issue R): RL grows the response length when the reward favours the
+"""The surge mechanism on a reduced setting: RL grows the response length when the reward favours the
 worked trace, and not when it does not.
 
 The real surge needs the warm-started policy to *learn* that the trace pays (a 3-layer model, minutes of CPU:

@@ -1,4 +1,4 @@
-"""dynamics.json's ``surge`` block (issue R): each quantity before / during / after the length surge, the ratio,
+"""dynamics.json's ``surge`` block: each quantity before / during / after the length surge, the ratio,
 and the collapse lead, on synthetic runs whose answer is known."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from vexact.lab.dynamics import mismatch_dynamics, run_phases
-from vexact.lab.report import read_sweep_results
-from vexact.lab.surge_plot import surge_table
+from vexact.lab.studies.surge_plot import surge_table
+from vexact.lab.sweep_data import read_sweep_results
 
 STEPS = 60
 SURGE = 30  # the detector's step: steps [20, 40) are "during", [0, 20) "before", [40, 60) "after"

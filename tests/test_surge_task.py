@@ -1,4 +1,4 @@
-"""The surge task (issue R): the reward reads only the final answer, the direct and the worked forms both earn
+"""The surge task: the reward reads only the final answer, the direct and the worked forms both earn
 it, and the warm start's mixture is exactly the fraction asked for."""
 
 from __future__ import annotations

@@ -50,9 +50,9 @@ def solve(prompt: str) -> str:
         return str(int(a) + int(b))
     if tag == "a":
         return str(sum(int(d) for d in body))
-    if tag == "b":  # horizon (issue O): the digit sum; the scratchpad after it is the length knob
+    if tag == "b":  # horizon: the digit sum; the scratchpad after it is the length knob
         return str(sum(int(d) for d in body))
-    if tag == "c":  # surge (issue R): the parity of the bits
+    if tag == "c":  # surge: the parity of the bits
         return str(sum(int(d) for d in body) % 2)
     assert tag == "#"
     return str(body.count("a"))

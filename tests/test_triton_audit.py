@@ -26,9 +26,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import triton
+from conftest import require_optional
 
-from vexact_kernels import triton_audit
+from vexact_kernels import TRITON_PIP, triton_audit
+
+require_optional("triton", TRITON_PIP)  # the optional triton extra: the whole module needs it
+import triton  # noqa: E402
 
 
 @pytest.fixture(scope="module")

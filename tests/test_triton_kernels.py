@@ -16,13 +16,15 @@ from __future__ import annotations
 import numpy
 import pytest
 import torch
+from conftest import require_optional
 
-# triton is a dependency of vexact, so it is imported, not skipped: a broken install fails here.
-import triton
-import triton.language as tl
+from vexact_kernels import TRITON_PIP, native
 
-from vexact_kernels import native
-from vexact_kernels import triton_exact as exact
+require_optional("triton", TRITON_PIP)  # the optional triton extra: the whole module needs it
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from vexact_kernels import triton_exact as exact  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16)

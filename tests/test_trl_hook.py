@@ -1,14 +1,19 @@
 """vexact.integrations.trl: a real TRL ``GRPOTrainer`` (tiny random Qwen2, tokenizer built here, CPU, no hub) with
 the live monitor mixed in.
 
-The rollout side comes from a ``rollout_func`` -- the hook TRL gives custom engines (SGLang, a server) -- that
-samples with transformers' ``generate`` (KV cache, one token at a time) and returns each sampled token's log-prob
-from the processed scores; the training side is TRL's full-sequence forward. So the two differ the way a real
-engine and trainer do, and the test checks that the hook hands the monitor exactly those tensors."""
+The rollout side comes from ``hf_generate_rollout``, a ``rollout_func`` -- the hook TRL gives custom engines
+(SGLang, a server) -- that samples with transformers' ``generate`` (KV cache, one token at a time) and returns each
+sampled token's log-prob from the raw scores / temperature; the training side is TRL's full-sequence forward. So the
+two differ the way a real engine and trainer do, and the tests check that the hook hands the monitor exactly those
+tensors, that a run resumed from a checkpoint keeps its rows, and that the docs' example runs as written."""
 
 from __future__ import annotations
 
 import math
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +21,8 @@ import torch
 from vexact.live import Gates, LiveMonitor
 from vexact.real.measure import mismatch_report
 from vexact.rl.runlog import read_metrics
+
+DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "live_and_recipes.md"
 
 pytestmark = [pytest.mark.needs_package("trl", "pip install 'vexact[trl]'"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]  # transformers 5's renames, inside TRL
@@ -54,29 +61,16 @@ def _model():
                                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1))
 
 
-class KVCacheRollout:
-    """TRL's ``rollout_func``: sample with ``generate`` and return each sampled token's log_softmax(raw logits / T)
-    -- what an engine reports after temperature (the HF recipe of docs/tutorials/own_engine.md; top-k/top-p off)."""
+class RecordingRollout:
+    """``hf_generate_rollout``, keeping what it returned (the rollout side the monitor must be handed)."""
 
-    def __init__(self, tokenizer, temperature: float = 1.0):
-        self.tokenizer, self.temperature, self.returned = tokenizer, temperature, []
+    def __init__(self):
+        self.returned = []
 
     def __call__(self, prompts, trainer):
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for prompt in prompts:
-            ids = self.tokenizer(prompt)["input_ids"]
-            attention = torch.ones(1, len(ids), dtype=torch.long)
-            with torch.no_grad():
-                gen = trainer.model.generate(torch.tensor([ids]), attention_mask=attention, do_sample=True,
-                                             max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
-                                             temperature=self.temperature, top_k=0, top_p=1.0, pad_token_id=0,
-                                             eos_token_id=1)
-            completion = gen.sequences[0, len(ids):]
-            logits = torch.stack(gen.logits)[:, 0].float() / self.temperature
-            logps = torch.log_softmax(logits, -1).gather(-1, completion[:, None])[:, 0].tolist()
-            out["prompt_ids"].append(ids)
-            out["completion_ids"].append(completion.tolist())
-            out["logprobs"].append(logps)
+        from vexact.integrations.trl import hf_generate_rollout
+
+        out = hf_generate_rollout(prompts, trainer)
         self.returned.append(out["logprobs"])
         return out
 
@@ -91,10 +85,11 @@ def _trainer(tmp_path, monitor, cls=None, **config):
     from vexact.integrations.trl import LiveGRPOTrainer
 
     tokenizer = _tokenizer()
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=6, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
-                      use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **config)
-    rollout = KVCacheRollout(tokenizer, config.get("temperature", 1.0))
+    settings = dict(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
+                    max_completion_length=6, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
+                    use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    args = GRPOConfig(**{**settings, **config})
+    rollout = RecordingRollout()
     trainer = (cls or LiveGRPOTrainer)(model=_model(), reward_funcs=lambda completions, **kw: [float(len(c)) for c in
                                                                                             completions],
                                        args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
@@ -133,27 +128,20 @@ def test_uses_trls_old_logprobs_when_trl_computes_them_and_the_dump_recipe(tmp_p
     """With generation ahead of optimisation (steps_per_generation 2 > gradient accumulation 1) TRL computes
     ``old_per_token_logps`` itself; the hook must pass that tensor, not a second forward of its own. The same trainer
     follows the TRL dump recipe of docs/live_and_recipes.md, and ``vexact compare`` on the dump gives the live row."""
-    from safetensors.torch import save_file
     from trl import GRPOTrainer
 
-    from vexact.integrations.trl import LiveMismatchMixin, batch_sides
+    from vexact.integrations.trl import LiveMismatchMixin, dump_batch
     from vexact.real.compare import CompareSettings, run_compare
 
     seen = []
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
+    dumps = tmp_path / "dumps" / "run1"  # not made here: dump_batch makes the folders
 
     class Capturing(LiveMismatchMixin, GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
             seen.append(output)
             if self.model.training and self.accelerator.is_main_process:  # the recipe, as documented
-                rollout, train, mask = batch_sides(self, output)
-                save_file({"rollout_log_probs": rollout.detach().cpu().contiguous(),
-                           "old_log_probs": train.detach().cpu().contiguous(),
-                           "response_mask": mask.cpu().contiguous(),
-                           "responses": output["completion_ids"].cpu().contiguous()},
-                          str(dumps / f"step{self.state.global_step}.safetensors"))
+                dump_batch(self, output, dumps / f"step{self.state.global_step}.safetensors")
             return output
 
     monitor = RecordingMonitor(tmp_path / "vexact")
@@ -182,3 +170,74 @@ def test_refuses_a_trainer_without_rollout_logprobs(tmp_path):
         LiveGRPOTrainer(model=_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=_tokenizer(),
                         live_monitor=LiveMonitor(tmp_path / "vexact"))
+
+
+def test_a_resumed_run_keeps_its_rows_and_continues_at_global_step(tmp_path, one_torch_thread):
+    """Train 4 steps with a checkpoint at step 3 (a run that died after step 3's row), then resume from that
+    checkpoint with ``LiveMonitor(..., resume=True)``: the rows of steps 0-2 stay as written, step 3 is written again
+    by the resumed trainer, step 4 follows, and every row's ``step`` is its ``trl/global_step``. (The counter the
+    mixin kept before restarted at 0 in the resumed trainer, so its first row dropped every earlier one.)"""
+    out = tmp_path / "vexact"
+    checkpoints = dict(save_strategy="steps", save_steps=3)
+    first = LiveMonitor(out)
+    trainer, _ = _trainer(tmp_path, first, max_steps=4, **checkpoints)
+    trainer.train()
+    first.close()
+    before = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in before] == [0, 1, 2, 3]
+    assert (tmp_path / "trl" / "checkpoint-3").is_dir()
+    shutil.rmtree(tmp_path / "trl" / "checkpoint-4")  # the final save: the run died after step 3's row, before it
+
+    second = LiveMonitor(out, resume=True)
+    resumed, _ = _trainer(tmp_path, second, max_steps=5, **checkpoints)
+    resumed.train(resume_from_checkpoint=True)
+    second.close()
+    after = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in after] == [0, 1, 2, 3, 4]
+    assert [r["trl/global_step"] for r in after] == [0, 1, 2, 3, 4]
+    assert after[:3] == before[:3]  # the history before the checkpoint, kept as written
+    assert all(r["outcome"] == "ok" and r["mismatch/tokens"] > 0 for r in after)
+
+
+@pytest.mark.parametrize("accumulation, per_generation, iterations, global_steps, expected", [
+    (1, 1, 1, [0, 1, 2], [0, 1, 2]),  # TRL's defaults: one generation batch per optimiser step
+    (1, 2, 1, [0, 2, 4], [0, 2, 4]),  # generation ahead of optimisation: a batch every other step
+    (4, 4, 2, [0, 2], [0, 2]),  # num_iterations 2: a batch every 2 optimiser steps
+    (2, 1, 1, [0, 0, 1, 1, 5, 5], [0, 1, 2, 3, 10, 11]),  # two batches per optimiser step (resumed at 5)
+    (3, 2, 1, [0, 0, 1, 2, 2], [0, 1, 2, 4, 5]),  # 2, 1, 2 batches per step: at most G = 2
+])
+def test_the_row_step_is_a_function_of_the_trainers_state(accumulation, per_generation, iterations, global_steps,
+                                                          expected):
+    """``global_step x G + j``: G = most generation batches one optimiser step makes (1 under TRL's defaults), j the
+    batch's index within its step -- so steps increase, and a resumed trainer's rows continue its own."""
+    from vexact.integrations.trl import LiveMismatchMixin
+
+    fake = SimpleNamespace(args=SimpleNamespace(gradient_accumulation_steps=accumulation,
+                                                steps_per_generation=per_generation),
+                           num_iterations=iterations, state=SimpleNamespace(global_step=0), _live_last=None)
+    steps = []
+    for global_step in global_steps:
+        fake.state.global_step = global_step
+        steps.append(LiveMismatchMixin._live_step(fake))
+    assert steps == expected
+
+
+def _docs_block(marker: str) -> str:
+    """The docs page's python block that holds ``marker``."""
+    blocks = re.findall(r"```python\n(.*?)```", DOCS_PAGE.read_text(), flags=re.S)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"{DOCS_PAGE}: {len(found)} python blocks hold {marker!r}"
+    return found[0]
+
+
+def test_the_docs_trl_example_runs_as_written(tmp_path, monkeypatch, one_torch_thread):
+    """docs/live_and_recipes.md's TRL example is complete: run as written (in a fresh folder) it trains 2 GRPO steps
+    on the CPU with ``hf_generate_rollout`` and writes one passing row per step."""
+    code = _docs_block("rollout_func=hf_generate_rollout")
+    assert "use_vllm" not in code and "..." not in code  # runnable as written: no placeholders, no vLLM
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    exec(compile(code, str(DOCS_PAGE), "exec"), {"__name__": "__docs__"})
+    rows = read_metrics(tmp_path / "out" / "vexact" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and [r["trl/global_step"] for r in rows] == [0, 1]
+    assert all(r["outcome"] == "ok" and r["live/gates_failed"] == 0 and r["gates"] for r in rows)

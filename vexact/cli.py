@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 FAILED_MEANS = {
     "check": "a bitwise mismatch on an exact backend",
     "run": "the run stopped itself (non-finite values, exactness violated); see summary.json",
@@ -26,12 +26,20 @@ FAILED_MEANS = {
 }
 
 
+RESUMED_BY = {"sweep": "re-running the same command resumes it", "demo": "re-running vexact demo resumes it",
+              "run": "--resume continues"}
+"""How a command's interrupted work is continued (for ``--help``); other commands keep nothing to continue."""
+
+
 def exit_codes_help(command: str | None = None) -> str:
-    """The exit-code scheme every command shares, for ``--help`` (and the README's "Failure behaviour")."""
+    """The exit-code scheme every command shares, for ``--help`` (and the docs' failure page)."""
     failed = FAILED_MEANS.get(command, "the command ran but its outcome is a failure (see each command's --help)")
+    resumed = RESUMED_BY.get(command, "vexact run --resume or re-running a sweep continues" if command is None
+                             else "finished output is kept")
     return (f"exit codes: {EXIT_OK} success; {EXIT_FAILED} {failed}; {EXIT_BAD_INPUT} bad input (config, files, "
-            f"a locked or mismatched run directory: one 'error:' line on stderr); {EXIT_INTERRUPTED} interrupted "
-            "(Ctrl-C; finished work is kept, --resume continues)")
+            f"a locked or mismatched run directory: one 'error:' line on stderr); {EXIT_ENVIRONMENT} the machine "
+            "failed the work (no space left on the disk, a file-size limit, an I/O error: one 'error:' line naming "
+            f"the file); {EXIT_INTERRUPTED} interrupted (Ctrl-C; finished work is kept; {resumed})")
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -122,6 +130,10 @@ _CHECK_SIZES = {"vocab_size": "vocabulary of the random model", "hidden_size": "
                "intermediate_size": "MLP intermediate size"}
 
 
+CHECK_THREADS = 1
+"""``vexact check``'s default generation threads."""
+
+
 def _add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", epilog=exit_codes_help("check"),
                        help="verify rollout log-probs == training log-probs bit for bit on this machine")
@@ -144,7 +156,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
                    help="comma list of backends: exact, native, triton (default exact,native; triton without a GPU "
                         "runs in the Triton interpreter: very slow)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random model, prompts and sampling")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_positive_int, default=CHECK_THREADS,
+                   help=f"torch threads for generation (default {CHECK_THREADS}: the check's small ops run fastest "
+                        "on one thread, above all on a busy host; the host probes verify the machine's thread count "
+                        "against 1 thread all the same, see --verbose)")
     p.add_argument("--scoring-threads", type=_thread_list, default=(), metavar="N[,M...]",
                    help="torch threads for the training-path scoring, e.g. 1,3: every rollout is rescored at each "
                         "(default: the generation's)")
@@ -154,8 +169,17 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-sizes", type=_batch_list, default=CheckSettings.micro_batch_sizes,
                    help="scoring micro-batch sizes, each a positive integer or all (default "
                         f"{_batch_text(CheckSettings.micro_batch_sizes)}, as vexact.testing.check_paths)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file (with every "
+                   "op's path and host probe)")
+    p.add_argument("--verbose", action="store_true", help="print the path each op took and what each host probe "
+                   "found (a table per exact backend) instead of one line per backend")
+    _add_quiet(p)
     p.set_defaults(func=_cmd_check)
+
+
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress output (on a terminal a progress bar, "
+                   "otherwise a [k/N] line now and then, with elapsed time and ETA)")
 
 
 def _check_shape(args: argparse.Namespace) -> dict:
@@ -173,7 +197,8 @@ def _check_shape(args: argparse.Namespace) -> dict:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
-    from .real.check import CheckSettings, mismatched, run_check
+    from .progress import Progress
+    from .real.check import CheckSettings, check_units, mismatched, run_check
 
     dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
     for d in dtypes:
@@ -181,14 +206,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
             raise ValueError(f"--dtype: unsupported dtype {d!r}; expected {dtype_names_text()} or all")
     dtypes = [canonical_dtype_name(d) for d in dtypes]
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
+    settings = [CheckSettings(**_check_shape(args), num_prompts=args.num_prompts,
+                              max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,
+                              scoring_threads=args.scoring_threads,
+                              batch_sizes=args.batch_sizes, micro_batch_sizes=args.micro_batch_sizes)
+                for dtype in dtypes]
+    total = sum(check_units(s) for s in settings) * len(backends)
     rows = []
-    for dtype in dtypes:
-        settings = CheckSettings(**_check_shape(args), num_prompts=args.num_prompts,
-                                 max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,
-                                 scoring_threads=args.scoring_threads,
-                                 batch_sizes=args.batch_sizes, micro_batch_sizes=args.micro_batch_sizes)
-        rows += run_check(settings, backends)
+    # progress on stderr: stdout keeps the results and the verdict
+    with Progress(make_console(stderr=True), "vexact check", total, quiet=args.quiet, min_interval=10) as progress:
+        for one in settings:
+            rows += run_check(one, backends, progress=progress)
 
     table = Table(title="vexact check: rollout log-probs vs training log-probs")
     for col in ("backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched", "max |Δlogp|",
@@ -205,7 +234,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     console = make_console()
     console.print(table)
     for paths in {r["backend"]: r["kernel_paths"] for r in rows if r["backend"] != "native"}.values():
-        console.print(_kernel_paths_table(paths))
+        if args.verbose:
+            console.print(_kernel_paths_table(paths))
+        else:
+            console.print(_kernel_paths_line(paths), soft_wrap=True, highlight=False, markup=False)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
@@ -235,6 +267,24 @@ def check_verdict(rows: list[dict]) -> str:
     tokens = sum(r["tokens"] for r in exact)
     paths = ", ".join(sorted({f"{r['backend']}/{r['dtype']}" for r in exact}))
     return f"PASS: rollout log-probs == training log-probs bit for bit on {paths} ({tokens} of {tokens} tokens)"
+
+
+def _kernel_paths_line(paths: dict) -> str:
+    """One line per exact backend: how many ops took each path, and what the host probes found at which thread
+    counts (the per-op table is ``--verbose``'s)."""
+    by_path: dict[str, int] = {}
+    for info in paths["ops"].values():
+        by_path[info["path"]] = by_path.get(info["path"], 0) + 1
+    line = f"{paths['backend']} backend ({paths['kernels']}): ops by path: " + ", ".join(
+        f"{path} {count}" for path, count in by_path.items())
+    probed = [p for p in paths["probes"] if p["passed"] is not None]
+    if probed:
+        failed = [p for p in probed if not p["passed"]]
+        threads = ",".join(map(str, sorted({t for p in probed for t in p["threads_checked"]})))
+        line += (f"; host probes: {len(probed) - len(failed)} of {len(probed)} passed (threads {threads})"
+                 + (f", failed: {', '.join(p['property'] + ': ' + p['shape_class'] for p in failed)}" if failed
+                    else ""))
+    return line + " (per op: --verbose)"
 
 
 def _kernel_paths_table(paths: dict) -> Table:
@@ -278,10 +328,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .rl.config import check_memory
     from .rl.data_parallel import DataParallel, check_leaves
     from .rl.trainer import Trainer, run_dir_for
 
     cfg = _run_config(args)
+    check_memory(cfg)  # before anything is allocated: an absurd model size is one error naming the sizes
     if args.nproc > 1:
         check_leaves(cfg.distributed.leaves, args.nproc)  # before starting any rank
     _check_run_dir(args, cfg)
@@ -317,11 +369,16 @@ def _run_config(args: argparse.Namespace):
     import dataclasses
 
     from .rl.config import load_config
+    from .rl.trainer import holds_run
 
     if not args.config.is_dir():
         return load_config(args.config, args.overrides)
     run_dir = args.config
     saved = run_dir / "config.yaml"
+    if not args.resume and not holds_run(run_dir):
+        raise ValueError(f"{run_dir} is a directory but not a vexact run: it holds no config.yaml, metrics.jsonl or "
+                         "checkpoints/; vexact run takes an experiment YAML (e.g. experiments/zero_mismatch.yaml), "
+                         "or with --resume the directory of a run it wrote")
     if not args.resume:
         raise ValueError(f"{run_dir} is a run directory; to continue it: vexact run {shlex.quote(str(run_dir))} "
                          f"--resume; to start a new run from its config: vexact run {shlex.quote(str(saved))} "
@@ -429,6 +486,10 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", epilog=exit_codes_help("sweep"),
                        help="run a grid of experiments (resumable); see experiments/*sweep*.yaml")
     p.add_argument("sweep", type=Path, help="sweep YAML: base config + grid")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value of every point, e.g. --set optimizer.lr=1e-4 (repeatable; as vexact "
+                        "run --set, applied over the sweep's base and set, under its grid and variants). Recorded in "
+                        "sweep.json: a re-run with other --set values is refused")
     p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--output-dir", type=Path, default=None, help="override the sweep's output_dir")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
@@ -438,24 +499,30 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None, metavar="ADDR",
                    help="with --executor ray: an existing cluster (auto or HOST:PORT); default: a private "
                         "single-node Ray bound to 127.0.0.1")
+    _add_quiet(p)
     p.set_defaults(func=_cmd_sweep)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from .lab.sweep import load_sweep_spec
 
-    return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir), args.jobs, not args.no_report,
-                             "vexact sweep [bold]{name}[/]: {n} points -> {out}", args.executor, args.address)
+    return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir, args.overrides), args.jobs,
+                             not args.no_report, "vexact sweep [bold]{name}[/]: {n} points -> {out}", args.executor,
+                             args.address, args.quiet)
 
 
 def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: str = "local",
-                      address: str | None = None) -> int:
+                      address: str | None = None, quiet: bool = False) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
     from .lab.sweep import run_sweep
+    from .rl.config import check_memory
 
+    for shape in {json.dumps(p.config.to_dict()["model"], sort_keys=True): p.config for p in spec.points}.values():
+        check_memory(shape)  # before any point allocates: an absurd model size is one error
     console = make_console()
-    console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
-    statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address)
+    if not quiet:
+        console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
+    statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address, quiet=quiet)
     if report:
         from .lab.report import write_report
 
@@ -487,6 +554,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo",
                    help="where the sweep's runs and report go (default runs/demo; re-running resumes it)")
     p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes, one run each (default 1)")
+    _add_quiet(p)
     p.set_defaults(func=_cmd_demo)
 
 
@@ -494,7 +562,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .lab.sweep import load_sweep_spec
 
     spec = load_sweep_spec(Path(__file__).resolve().parent / "lab" / "demo_sweep.yaml", args.output_dir)
-    return _sweep_and_report(spec, args.jobs, True, "vexact demo: {n} runs of logit-scale injection -> {out}")
+    return _sweep_and_report(spec, args.jobs, True, "vexact demo: {n} runs of logit-scale injection -> {out}",
+                             quiet=args.quiet)
 
 
 def _add_measure(sub: argparse._SubParsersAction) -> None:
@@ -646,9 +715,12 @@ def main(argv: list[str] | None = None) -> int:
         _error_line("error", str(err), "red")
         return EXIT_BAD_INPUT
     except OSError as err:  # a path that cannot be read or written (permissions, a file where a folder must be, ...)
+        from .rl.atomic import ENVIRONMENT_ERRNOS, WriteFailed
+
         where = f": {err.filename}" if err.filename else ""
-        _error_line("error", f"{err.strerror or err}{where}", "red")
-        return EXIT_BAD_INPUT
+        _error_line("error", str(err) if isinstance(err, WriteFailed) else f"{err.strerror or err}{where}", "red")
+        # a full disk or a file-size limit is the machine's failure, not the input's: its own exit code
+        return EXIT_ENVIRONMENT if err.errno in ENVIRONMENT_ERRNOS else EXIT_BAD_INPUT
     except KeyboardInterrupt:
         _error_line("interrupted", "", "yellow")
         return EXIT_INTERRUPTED

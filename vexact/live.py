@@ -18,18 +18,20 @@ position), applies ``compare``'s gates (``compare.check_gates``: ``--fail-on-mis
 Nothing here feeds back into training unless you ask: a failed gate is recorded in the row; with
 ``on_gate_failure="raise"`` the row is written and then ``GateFailed`` is raised, for a run that should stop.
 
-Inputs (per step): padded ``[B, T]`` floating-point tensors on any device, rollout side first, with a ``[B, T]``
-mask of the positions that hold response tokens (bool or 0/1; ``None``: every position), or two equal-length
-sequences of 1-D tensors (one per response, no mask). Only masked positions are read, so padding may hold
-anything. Each side is widened exactly to float64 and the two are compared as values (as ``compare`` reads
-tensor files): a bf16 rollout side against a float32 trainer is fine, and equal means equal values.
+Inputs (per step): padded ``[B, T]`` floating-point tensors on any device (or numpy arrays), rollout side first,
+with a ``[B, T]`` mask of the positions that hold response tokens (bool or 0/1, a tensor or a numpy array;
+``None``: every position), or two equal-length sequences of 1-D tensors or arrays (one per response, no mask). Only
+masked positions are read, so padding may hold anything. Each side is widened exactly to float64 and the two are
+compared as values (as ``compare`` reads tensor files): a bf16 rollout side against a float32 trainer is fine, and
+equal means equal values.
 
 What is an error and what is an outcome:
 
-* a caller mistake -- not tensors, an integer dtype, shapes or lengths that differ, a mask of another shape or
-  with values other than 0/1, a step that does not increase, a log-prob above ``POSITIVE_LOGPROB_TOLERANCE``
-  (a probability above 1: logits or probabilities were passed) -- is one ``ValueError`` naming the side, the
-  sequence and the position;
+* a caller mistake -- not tensors or arrays, an integer dtype, shapes or lengths that differ, a mask of another
+  shape or with values other than 0/1, a step that does not increase, a log-prob above
+  ``POSITIVE_LOGPROB_TOLERANCE`` (a probability above 1: logits or probabilities were passed), an ``extra`` key
+  that is not a string or whose value JSON cannot hold -- is one ``ValueError`` naming the side, the sequence and
+  the position (or the key);
 * what a training run can do -- NaN or ±Inf log-probs at masked positions, a step where every response is
   masked out -- is recorded: the row's ``outcome`` is ``"non-finite"`` or ``"no tokens"``, with the counts, no
   metrics, and every requested gate failed ("not computed").
@@ -40,10 +42,17 @@ Row keys: ``step``, ``outcome`` (``"ok"``), the metric keys above, ``live/sequen
 
 The map verdict: ``scaling_map`` (a map dict as ``vexact.lab.scaling.load_map`` returns it, a path it reads, or
 ``"default"`` for the shipped map) makes every ok row carry ``map`` -- the keys ``vexact compare --map`` writes,
-from ``vexact.lab.scaling.place_on_map(map, k3, horizon)`` with this step's ``rollout_corr/k3_kl`` and
+from ``vexact.lab.scaling.place_on_map(map, k3, horizon, correction)`` with this step's ``rollout_corr/k3_kl`` and
 ``live/mean_response_length``: where this level of mismatch sits against the collapse thresholds measured at
-that horizon. Without ``scaling_map`` (the default) rows have no ``map`` key,
-and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map`` with one ``ValueError`` at construction.
+that horizon, on the curve of ``correction`` -- the correction your trainer runs, as ``compare --correction``
+takes it: a name (``bypass``, ``recompute``, ``token_tis``, ...; ``vexact.lab.scaling.correction_names()``), a
+config file, verl's ``algorithm.rollout_correction`` block as a mapping, or a TRL ``GRPOConfig``. Without it the
+``bypass`` curve is assumed and every verdict says so; a correction the map has no curve for is refused at
+construction (never answered from another correction's curve). Without ``scaling_map`` (the default) rows have no
+``map`` key and ``correction`` is refused, and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map``
+with one ``ValueError`` at construction. A map dict is checked at construction too (the keys ``load_map``
+requires, and one placement at the map's first horizon): one ``ValueError`` there, not a ``map_error`` on every
+row.
 
 Restarts: a directory whose metrics.jsonl already holds rows is refused unless ``resume=True``; then the first
 ``step(s)`` drops the rows of steps >= s (your trainer recomputes them), keeps the rest, and rebuilds the live
@@ -59,11 +68,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .metric_keys import K3_KL
-from .real.compare import check_gates
+from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped map's name, as for --map
 from .real.measure import mismatch_report
 from .rl.atomic import write_text_atomic
 from .rl.config import ConfigError, LoggingSection
@@ -82,7 +92,6 @@ probabilities were passed."""
 RESERVED_KEYS = ("step", "outcome", "gates", "by_position", "map", "map_error")
 RESERVED_PREFIXES = ("rollout_corr/", "training/", "mismatch/", "live/")  # mismatch_metrics' families and ours
 
-DEFAULT_MAP = "default"  # scaling_map: the map shipped with vexact, as ``vexact compare --map default``
 
 OnGateFailure = Literal["record", "raise"]
 ON_GATE_FAILURE = ("record", "raise")
@@ -148,7 +157,8 @@ class LiveMonitor:
     def __init__(self, out_dir: str | Path, gates: Gates | None = None, backends: Sequence[str] = ("jsonl",),
                  on_gate_failure: OnGateFailure = "record", resume: bool = False,
                  scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
-                 wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline"):
+                 wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline",
+                 correction: Any = None):
         self.out_dir = Path(out_dir)
         self.gates = Gates() if gates is None else gates
         if not isinstance(self.gates, Gates):
@@ -158,7 +168,7 @@ class LiveMonitor:
         self.on_gate_failure = on_gate_failure
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
-        self._map = _load_scaling_map(scaling_map)
+        self._map = _load_scaling_map(scaling_map, correction)
         self.metrics_path = self.out_dir / METRICS_FILE
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} exists and is not a directory")
@@ -180,13 +190,10 @@ class LiveMonitor:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step {step} does not follow step {self._last_step}: steps must increase")
+        _check_extra(extra)
         train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask)
         row = self._row(step, train, roll, lengths, nonfinite)
         if extra:
-            clash = sorted(key for key in extra if key in RESERVED_KEYS or key.startswith(RESERVED_PREFIXES))
-            if clash:
-                raise ValueError(f"extra keys {clash} would shadow the row's own ({', '.join(RESERVED_PREFIXES)}*, "
-                                 f"{', '.join(RESERVED_KEYS)})")
             row.update(extra)
         self._write(step, row)
         if self.on_gate_failure == "raise" and row["live/gates_failed"]:
@@ -261,10 +268,13 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
                                                                      wandb_mode=wandb_mode), settings)
 
 
-def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None) -> Any:
-    """``(k3, horizon) -> the map key`` as ``vexact compare --map`` writes it (``scaling.MAP_KEYS``), or None without a
-    map. ``"default"``, as for ``compare --map``, is the map shipped with vexact."""
+def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correction: Any = None) -> Any:
+    """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction`` writes it (``scaling.MAP_KEYS``), or
+    None without a map. ``"default"``, as for ``compare --map``, is the map shipped with vexact. The correction is
+    resolved and checked against the map here, once."""
     if scaling_map is None:
+        if correction is not None:
+            raise ValueError("correction chooses a curve of scaling_map: give scaling_map too, or leave correction out")
         return None
     try:
         from .lab import scaling
@@ -273,14 +283,47 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None) -> Any:
                          "not have; leave scaling_map out") from None
     if isinstance(scaling_map, dict):
         data = scaling_map
-    else:
+    elif isinstance(scaling_map, (str, Path)):
         data = scaling.load_map(None if scaling_map == DEFAULT_MAP else Path(scaling_map))
+    else:
+        raise ValueError(f"scaling_map must be a map dict, the path of a scaling.json or {DEFAULT_MAP!r}, got "
+                         f"{type(scaling_map).__name__}")
+    _check_map_keys(data)
+    try:
+        name = scaling.choose_correction(data, correction)  # its ValueError (no such curve) is the user's answer
+    except (KeyError, TypeError, IndexError, AttributeError) as err:  # a malformed map dict
+        raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
 
     def place(k3: float, horizon: float) -> dict[str, Any]:
-        placed = scaling.place_on_map(data, k3, horizon)
+        placed = scaling.place_on_map(data, k3, horizon, name)
         return {key: placed[key] for key in scaling.MAP_KEYS}
 
+    _check_map(data, place)
     return place
+
+
+def _check_map_keys(data: dict[str, Any]) -> None:
+    """The keys ``scaling.load_map`` requires of a map file, required of a map dict too."""
+    missing = [key for key in ("status", "horizon_range") if key not in data]
+    if missing:
+        raise ValueError(f"scaling_map is not a map: no {' or '.join(map(repr, missing))} key (a map is what "
+                         "vexact.lab.scaling.load_map returns for a scaling.json)")
+
+
+def _check_map(data: dict[str, Any], place: Any) -> None:
+    """Refuse a map that no step could be placed on, now rather than as a ``map_error`` on every row: one placement
+    (k3 = 0 at the map's first measured horizon) reads every field a placement needs."""
+    horizons = data["horizon_range"]
+    first = horizons[0] if isinstance(horizons, list) and horizons else None
+    probe = first if isinstance(first, (int, float)) and not isinstance(first, bool) and first > 0 else 1.0
+    try:  # a bad horizon_range is the placement's own error (not one about the probe's horizon)
+        place(0.0, probe)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ArithmeticError) as err:
+        raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
+
+
+def _problem(err: Exception) -> str:
+    return f"no {err}" if isinstance(err, KeyError) else str(err)
 
 
 def _keep_steps_below(path: Path, step: int) -> None:
@@ -297,9 +340,11 @@ def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Ten
                 ) -> tuple[Tensor, Tensor, list[int], int]:
     """(training, rollout) masked values flattened as float64, the tokens per sequence, and how many positions are
     non-finite on either side. Refuses what cannot be compared (see the module docstring)."""
+    rollout, train = _from_numpy(rollout, "rollout_logprobs"), _from_numpy(train, "train_logprobs")
+    mask = _from_numpy(mask, "mask")
     if isinstance(rollout, Tensor) != isinstance(train, Tensor):
-        raise ValueError("rollout_logprobs and train_logprobs must both be [B, T] tensors or both sequences of 1-D "
-                         f"tensors, got {type(rollout).__name__} and {type(train).__name__}")
+        raise ValueError("rollout_logprobs and train_logprobs must both be [B, T] tensors (or numpy arrays) or both "
+                         f"sequences of 1-D tensors, got {type(rollout).__name__} and {type(train).__name__}")
     if isinstance(rollout, Tensor):
         rows_roll, rows_train = _padded_rows(rollout, train, mask)
     else:
@@ -313,9 +358,42 @@ def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Ten
     return flat_train, roll, lengths, nonfinite
 
 
+def _check_extra(extra: dict[str, Any] | None) -> None:
+    """``extra``: a dict of string keys that do not shadow the row's own, whose values JSON can hold."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra must be a dict, got {type(extra).__name__}")
+    for key, value in extra.items():
+        if not isinstance(key, str):
+            raise ValueError(f"extra keys must be strings, got {key!r} ({type(key).__name__})")
+        try:
+            json.dumps(json_safe(value), allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            raise ValueError(f"extra[{key!r}] ({type(value).__name__}) is not JSON, so a metrics.jsonl row cannot "
+                             "hold it: pass numbers, strings, bools, None, or lists and dicts of them (e.g. float(x) "
+                             "for a tensor or numpy scalar)") from None
+    clash = sorted(key for key in extra if key in RESERVED_KEYS or key.startswith(RESERVED_PREFIXES))
+    if clash:
+        raise ValueError(f"extra keys {clash} would shadow the row's own ({', '.join(RESERVED_PREFIXES)}*, "
+                         f"{', '.join(RESERVED_KEYS)})")
+
+
+def _from_numpy(value: Any, side: str) -> Any:
+    """A numpy array as a tensor of its own dtype (a sequence: each item); anything else as it is."""
+    if isinstance(value, np.ndarray):
+        try:
+            return torch.from_numpy(np.ascontiguousarray(value))
+        except TypeError:  # object, string, ... arrays: torch has no such dtype
+            raise ValueError(f"{side} is a numpy array of dtype {value.dtype}, not numbers") from None
+    if isinstance(value, (list, tuple)) and any(isinstance(item, np.ndarray) for item in value):
+        return [_from_numpy(item, f"{side}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
 def _check_tensor(side: str, value: Any) -> Tensor:
     if not isinstance(value, Tensor):
-        raise ValueError(f"{side} must be a torch tensor, got {type(value).__name__}")
+        raise ValueError(f"{side} must be a torch tensor or numpy array, got {type(value).__name__}")
     if not value.is_floating_point():
         raise ValueError(f"{side} must be a floating-point tensor of log-probs, got {value.dtype}")
     return value.detach().to("cpu", torch.float64)  # exact widening (float16/bf16/float32 -> float64)
@@ -330,7 +408,7 @@ def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None) -> tuple[l
         keep = torch.ones(roll.shape, dtype=torch.bool)
     else:
         if not isinstance(mask, Tensor):
-            raise ValueError(f"mask must be a torch tensor, got {type(mask).__name__}")
+            raise ValueError(f"mask must be a torch tensor or numpy array, got {type(mask).__name__}")
         if mask.shape != roll.shape:
             raise ValueError(f"mask has shape {list(mask.shape)} but the log-probs have {list(roll.shape)}")
         mask = mask.detach().cpu()

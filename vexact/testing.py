@@ -36,6 +36,7 @@ from torch import Tensor
 
 from .engine.inputs import check_token_lists
 from .real.check import DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES  # the arrangements vexact check uses
+from .real.compare import Mismatch  # one class for both: compare reports its first mismatch too
 from .rl.metrics import BITS_VIEW, float_bits, mismatch_summary
 
 __all__ = ["LogprobComparison", "Mismatch", "assert_logprobs_equal", "check_paths", "compare_logprobs", "float_bits"]
@@ -49,17 +50,6 @@ _MAX_FAILURES_DETAILED = 6  # check_paths reports this many failed checks in ful
 # --------------------------------------------------------------------------- bits and values as text
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _value_text(value: Tensor) -> str:
-    """The shortest decimal that reads back as this value in its own dtype (numpy's float formatting;
-    bfloat16 is printed as the float32 it widens to exactly)."""
-    import numpy as np
-
-    v = float(value)
-    if value.dtype == torch.float64:
-        return repr(v)
-    return str(np.float16(v)) if value.dtype == torch.float16 else str(np.float32(v))
 
 
 # --------------------------------------------------------------------------- inputs -> one tensor per sequence
@@ -146,29 +136,6 @@ def _token_lists(tokens: Any, mask: Any | None) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------- the comparison
-@dataclass(frozen=True)
-class Mismatch:
-    """One token whose two log-probs differ in their bits. ``position`` counts the sequence's compared tokens
-    from 0; ``column`` is the column of a padded input (None for lists); ``token`` is None without ``tokens``."""
-
-    sequence: int
-    position: int
-    column: int | None
-    token: int | None
-    rollout: Tensor
-    train: Tensor
-
-    def describe(self, names: tuple[str, str]) -> str:
-        where = f"sequence {self.sequence}, position {self.position}"
-        if self.column is not None and self.column != self.position:
-            where += f" (column {self.column})"
-        if self.token is not None:
-            where += f", token {self.token}"
-        delta = float(self.train.double() - self.rollout.double())
-        return (f"{where}: {names[0]} {_value_text(self.rollout)} ({float_bits(self.rollout)}) vs "
-                f"{names[1]} {_value_text(self.train)} ({float_bits(self.train)}), Δ = {delta:.6g}")
-
-
 @dataclass(frozen=True)
 class LogprobComparison:
     """What ``compare_logprobs`` found. ``equal``: every token bitwise equal. ``max_abs_diff`` and ``k3`` are

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -141,6 +142,75 @@ class ModelConfig:
         return cls(**values)
 
 
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters ``Transformer(config)`` has, by arithmetic (nothing is built)."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = 2 * h + 2 * q * h + 2 * kv * h + 3 * config.intermediate_size * h
+    layer += (q + 2 * kv) if config.qkv_bias else 0
+    layer += 2 * config.head_dim if config.qk_norm else 0
+    return config.vocab_size * h * (1 if config.tie_embeddings else 2) + h + config.num_layers * layer
+
+
+INIT_BYTES_PER_PARAMETER = 4  # ``Transformer`` creates its parameters in float32 on the CPU (then casts and moves)
+_ROPE_BYTES_PER_ENTRY = 3 * 8 + 2 * 4  # the float64 angles, cos and sin while computed, the float32 tables kept
+
+
+class ModelTooLarge(ValueError):
+    """A model whose estimated memory exceeds what this machine has available: refused before any allocation."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still get: /proc/meminfo's MemAvailable, lowered to the cgroup's free limit
+    (v2 memory.max, v1 memory.limit_in_bytes) when one is set; None where neither can be read (not Linux)."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    v1 = Path("/sys/fs/cgroup/memory")
+    for limit, usage in ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                         (v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes")):
+        try:
+            found.append(int(limit.read_text()) - int(usage.read_text()))
+        except (OSError, ValueError):  # absent, or "max" (no limit)
+            continue
+    return min(found) if found else None
+
+
+def memory_estimate(config: ModelConfig, bytes_per_parameter: int = INIT_BYTES_PER_PARAMETER) -> int:
+    """Bytes ``config``'s parameters (at ``bytes_per_parameter`` each) and RoPE tables take, by arithmetic."""
+    return parameter_count(config) * bytes_per_parameter + config.max_seq_len * (config.head_dim // 2) * \
+        _ROPE_BYTES_PER_ENTRY
+
+
+def _bytes_text(n: int) -> str:
+    """1.5 MiB, 954 GiB, 36 TiB: three significant digits in the largest binary unit below the number."""
+    units = ("bytes", "KiB", "MiB", "GiB", "TiB")
+    power = max(0, min(len(units) - 1, (max(n, 1).bit_length() - 1) // 10))
+    value = n / 2 ** (10 * power)
+    return f"{value:,.0f} {units[power]}" if value >= 100 else f"{value:.3g} {units[power]}"
+
+
+def check_fits(config: ModelConfig, bytes_per_parameter: int = INIT_BYTES_PER_PARAMETER,
+               what: str = "the float32 parameters", where: str = "ModelConfig", vocab: str | None = None) -> None:
+    """Refuse (``ModelTooLarge``, naming the size fields and both numbers) a model whose parameters would not fit
+    in the memory available now, before anything is allocated: otherwise the allocator fails deep inside torch,
+    or the machine swaps. ``where`` prefixes the field names (``model`` for a run config's section); ``vocab``
+    names the vocabulary where it is no field of that section (a run's comes from its task)."""
+    need = memory_estimate(config, bytes_per_parameter)
+    available = available_memory()
+    if available is None or need <= available:
+        return
+    sizes = ", ".join([f"{vocab or where + '.vocab_size'}={config.vocab_size:,}"] + [
+        f"{where}.{name}={getattr(config, name):,}"
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")])
+    raise ModelTooLarge(f"{sizes} make {parameter_count(config):,} parameters; {what} need about "
+                        f"{_bytes_text(need)}, but this machine has {_bytes_text(available)} of memory available: "
+                        "choose smaller sizes")
+
+
 def rope_inv_freq(c: ModelConfig) -> Tensor:
     """RoPE inverse frequencies [head_dim / 2] in float64, with Llama-3 scaling when configured.
 
@@ -227,6 +297,7 @@ class Transformer(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+        check_fits(config)  # before allocating: an absurd size is one error, not an allocator's
         self.config = config
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)

@@ -49,7 +49,8 @@ from typing import Any
 
 from ..metric_keys import K3_KL
 from ..rl.atomic import publish
-from .report import SEED_KEY, PointData, SweepData, _fmt_value, _median
+from .sweep_data import SEED_KEY, PointData, SweepData, median
+from .text_table import fmt_value
 
 METRIC = K3_KL
 SUMMARY = "run mean of rollout_corr/k3_kl over the steps before collapse (the whole run without collapse)"
@@ -82,7 +83,7 @@ def dose_response(data: SweepData, curve_keys: list[str] | None = None) -> dict[
     for values, points in data.groups():
         group = dict(zip(data.group_keys, values))
         curve_values = {k: group[k] for k in keys}
-        label = ", ".join(f"{k}={_fmt_value(v)}" for k, v in curve_values.items()) or "all"
+        label = ", ".join(f"{k}={fmt_value(v)}" for k, v in curve_values.items()) or "all"
         curve = curves.setdefault(label, {"curve": label, "keys": curve_values, "groups": []})
         curve["groups"].append((data.group_label(values), group, points))
     return {"metric": METRIC, "summary": SUMMARY, "curve_keys": keys,
@@ -102,7 +103,7 @@ def _curve(label: str, keys: dict[str, Any], groups: list[tuple[str, dict, list[
             "realised_k3_kl": statistics.fmean(d for _, d in with_dose) if with_dose else None,
             "collapsed": len(collapsed),
             "collapse_prob": len(collapsed) / len(with_dose) if with_dose else None,
-            "median_collapse_step": _median(p.collapse.get("collapse_step") for p in collapsed),
+            "median_collapse_step": median(p.collapse.get("collapse_step") for p in collapsed),
             "missing_metric": len(done) - len(with_dose),
             "without_result": len(points) - len(done),
         })

@@ -13,7 +13,7 @@ close together or in low-precision tails. ``mismatch_dynamics(data)`` answers, p
 
 Steps with k3 <= 0 (exact, no mismatch) or non-finite values are skipped; a group without enough steps gets None.
 
-Across the length surge (issue R; "Beyond Precision" says the mismatch and the gradient noise grow once the
+Across the length surge ("Beyond Precision" says the mismatch and the gradient noise grow once the
 response length surges), every group also gets ``surge`` (``surge_dynamics``), zero-mismatch groups included:
 
 - ``runs_surged``: runs whose collapse detector reported a ``length_surge_step``; ``surge_step`` its median;
@@ -37,7 +37,7 @@ import statistics
 from typing import Any
 
 from ..metric_keys import ENTROPY, GRAD_NORM, K3_KL, LOG_PPL_ABS_DIFF, RESPONSE_LENGTH_MEAN, REWARD_MEAN
-from .report import PointData, SweepData, _series
+from .sweep_data import PointData, SweepData, metric_series
 
 TRACKED = {"entropy": ENTROPY, "grad_norm": GRAD_NORM, "response_length": RESPONSE_LENGTH_MEAN}
 SURGE_TRACKED = {"response_length": RESPONSE_LENGTH_MEAN, "reward": REWARD_MEAN, "k3": K3_KL,
@@ -55,7 +55,7 @@ def run_dynamics(point: PointData) -> dict[str, Any] | None:
     """One run's early/late k3 and correlations; None when it has fewer than ``MIN_STEPS`` usable steps."""
     end = point.collapse.get("collapse_step") if point.collapse.get("collapsed") else None
     rows = {}
-    for step, k3 in zip(*_series(point, K3_KL)):
+    for step, k3 in zip(*metric_series(point, K3_KL)):
         if k3 > 0 and math.isfinite(k3) and (end is None or step < end):
             rows[step] = k3
     if len(rows) < MIN_STEPS:
@@ -66,7 +66,7 @@ def run_dynamics(point: PointData) -> dict[str, Any] | None:
     late = statistics.fmean(rows[s] for s in steps[-n:])
     corr = {}
     for name, key in TRACKED.items():
-        other = dict(zip(*_series(point, key)))
+        other = dict(zip(*metric_series(point, key)))
         pairs = [(math.log10(rows[s]), other[s]) for s in steps if s in other and math.isfinite(other[s])]
         corr[name] = _pearson(pairs)
     return {"k3_early": early, "k3_late": late, "growth": late / early, "corr": corr}
@@ -102,7 +102,7 @@ def run_phases(point: PointData, window: int = SURGE_WINDOW) -> dict[str, dict[s
               "after": (surge + window, math.inf if end is None else end)}
     out: dict[str, dict[str, float | None]] = {}
     for name, key in SURGE_TRACKED.items():
-        steps, values = _series(point, key)
+        steps, values = metric_series(point, key)
         out[name] = {}
         for phase, (lo, hi) in bounds.items():
             vals = [v for s, v in zip(steps, values) if lo <= s < hi and math.isfinite(v)

@@ -1,7 +1,7 @@
 """Report on one run directory: ``vexact report RUN_DIR`` (a ``vexact run`` output, or one point of a sweep).
 
-The run is read by the sweep report's reader (``report.read_point``) and its reward summarised by the same
-``report.reward_summary``, so a run shows the same numbers alone as in its sweep's table. Written to
+The run is read by the sweep report's reader (``sweep_data.read_point``) and its reward summarised by the same
+``sweep_table.reward_summary``, so a run shows the same numbers alone as in its sweep's table. Written to
 ``RUN_DIR/report/``:
 
     run_curves.png   six panels against the RL step: reward (training rollouts, clean evaluation, and the smoothed
@@ -38,22 +38,10 @@ from ..metric_keys import (
 from ..rl.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import CollapseSection, RunConfig, load_config
-from .report import (
-    REPORT_DIR,
-    PointData,
-    TextColumn,
-    _fmt_float,
-    _fmt_sci,
-    _is_num,
-    _series,
-    damaged_points_error,
-    print_table,
-    read_point,
-    reward_definition,
-    reward_summary,
-    write_report,
-    written_line,
-)
+from .report import REPORT_DIR, write_report, written_line
+from .sweep_data import PointData, damaged_points_error, is_num, metric_series, read_point
+from .sweep_table import reward_definition, reward_summary
+from .text_table import TextColumn, fmt_float, fmt_sci, print_table
 
 RUN_FILES = ("metrics.jsonl", "summary.json")  # either one makes a directory a run directory
 TRACKED = {  # metric -> what it is, in words (report.json "series", the plot's panels)
@@ -123,14 +111,14 @@ def lr_trigger_step(point: PointData) -> int | None:
     schedule = (point.summary or {}).get("lr_schedule") or {}
     if "trigger_step" in schedule:
         return schedule["trigger_step"]
-    for step, value in zip(*_series(point, "lr_schedule/triggered")):
+    for step, value in zip(*metric_series(point, "lr_schedule/triggered")):
         if value >= 1:
             return int(step)
     return None
 
 
 def _stats(point: PointData, key: str) -> dict[str, Any] | None:
-    steps, values = _series(point, key)
+    steps, values = metric_series(point, key)
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return None
@@ -193,13 +181,13 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
         ("response-length surge", surge),
         ("LR schedule", (lr["kind"] or "—") + (f", decay triggered at step {step(lr['trigger_step'])}"
                                                if lr["trigger_step"] is not None else "")),
-        ("peak reward (smoothed)", f"{_fmt_float(r['peak'])}" + (f" at step {step(r['peak_step'])}"
+        ("peak reward (smoothed)", f"{fmt_float(r['peak'])}" + (f" at step {step(r['peak_step'])}"
                                                                  if r["peak_step"] is not None else "")),
-        ("final reward (smoothed)", f"{_fmt_float(r['final'])}" + (f" at step {step(r['final_step'])}"
+        ("final reward (smoothed)", f"{fmt_float(r['final'])}" + (f" at step {step(r['final_step'])}"
                                                                    if r["final_step"] is not None else "")),
-        ("realised k3 KL (run mean)", _fmt_sci(c.get("mean_k3_kl"))
-         + (f"; before collapse {_fmt_sci(c['mean_k3_kl_before_collapse'])}" if c.get("collapsed") else "")),
-        ("realised |Δlogp| (run mean)", _fmt_sci(c.get("mean_abs_dlogp"))),
+        ("realised k3 KL (run mean)", fmt_sci(c.get("mean_k3_kl"))
+         + (f"; before collapse {fmt_sci(c['mean_k3_kl_before_collapse'])}" if c.get("collapsed") else "")),
+        ("realised |Δlogp| (run mean)", fmt_sci(c.get("mean_abs_dlogp"))),
         ("chi2_token (run mean) †", "—" if chi2 is None else f"{chi2['mean']:.3g} (min {chi2['min']:.3g})"),
         ("policy entropy", first_last(ENTROPY, lambda v: f"{v:.3g}")),
         ("response length", first_last(RESPONSE_LENGTH_MEAN, lambda v: f"{v:.3g}")),
@@ -238,7 +226,7 @@ def run_events(s: dict[str, Any]) -> dict[str, float]:
     events = {"collapse": c.get("collapse_step") if c.get("collapsed") else None,
               "unconfirmed": c.get("collapse_unconfirmed_step"), "surge": c.get("length_surge_step"),
               "lr_trigger": s["lr_schedule"]["trigger_step"]}
-    return {k: float(v) for k, v in events.items() if _is_num(v)}
+    return {k: float(v) for k, v in events.items() if is_num(v)}
 
 
 def plot_run(run: RunData, s: dict[str, Any], path: str | Path) -> Path:
@@ -268,7 +256,7 @@ def run_figure(run: RunData, s: dict[str, Any]) -> Any:
     for ax, (title, lines, log) in zip(axes.flat, PANELS):
         drawn = False
         for key, label, style in lines:
-            steps, values = _series(p, key)
+            steps, values = metric_series(p, key)
             pairs = [(x, v) for x, v in zip(steps, values) if math.isfinite(v) and (v > 0 or not log)]
             if pairs:
                 (line,) = ax.plot(*zip(*pairs), label=label, **style)
@@ -280,10 +268,10 @@ def run_figure(run: RunData, s: dict[str, Any]) -> Any:
             _surge_threshold(ax, p, run.collapse_settings, handles)
         if log and drawn:
             ax.set_yscale("log")
-        elif log and _series(p, K3_KL)[0]:
+        elif log and metric_series(p, K3_KL)[0]:
             ax.text(0.5, 0.5, "k3 KL = 0 at every step (exact)", transform=ax.transAxes, ha="center", va="center",
                     color="grey")
-        if not drawn and not (log and _series(p, K3_KL)[0]):
+        if not drawn and not (log and metric_series(p, K3_KL)[0]):
             ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="grey")
         for event, step in events.items():
             words, style = MARKERS[event]
@@ -306,7 +294,7 @@ def run_figure(run: RunData, s: dict[str, Any]) -> Any:
 def _reward_extras(ax: Any, p: PointData, s: dict[str, Any], handles: dict[str, Any]) -> bool:
     """The smoothed series collapse is judged on, and its peak (the table's "peak reward")."""
     r = s["reward"]
-    steps, values = _series(p, r["metric"])
+    steps, values = metric_series(p, r["metric"])
     pairs = sorted((x, v) for x, v in zip(steps, values) if math.isfinite(v))
     if not pairs:
         return False
@@ -323,7 +311,7 @@ def _reward_extras(ax: Any, p: PointData, s: dict[str, Any], handles: dict[str, 
 
 def _surge_threshold(ax: Any, p: PointData, settings: CollapseSection, handles: dict[str, Any]) -> None:
     """The level the response length must exceed to count as a surge (ratio x the first-window baseline)."""
-    values = [v for v in _series(p, RESPONSE_LENGTH_MEAN)[1] if math.isfinite(v)]
+    values = [v for v in metric_series(p, RESPONSE_LENGTH_MEAN)[1] if math.isfinite(v)]
     window = settings.length_surge_window
     if len(values) <= window:
         return

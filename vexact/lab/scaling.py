@@ -1,15 +1,25 @@
-"""Collapse scaling: how the 50% collapse threshold moves with the response horizon T, and where a user sits.
+"""Collapse scaling: how the 50% collapse threshold moves with the response horizon T, per correction, and where a
+user sits.
 
 ``scaling(data)`` turns a loaded sweep over (horizon, mismatch) into ``scaling.json`` (a contract)::
 
     {"metric": "rollout_corr/k3_kl", "horizon_key": "task.max_len", "horizon_metric": "response_length/mean",
-     "curve": ..., "status": ..., "note": "...", "alpha": .., "alpha_ci_low": .., "alpha_ci_high": ..,
-     "log10_prefactor": .., "horizon_range": [T_min, T_max], "replicates": [[log10 A, alpha], ...],
+     "curve": ..., "correction": ..., "status": ..., "note": "...", "alpha": .., "alpha_ci_low": ..,
+     "alpha_ci_high": .., "log10_prefactor": .., "horizon_range": [T_min, T_max], "replicates": [[log10 A, alpha], ...],
      "horizons": [{"horizon_value", "horizon", "threshold_50", "ci_low", "ci_high", "status", ...}, ...],
-     "curves": [ ... the same for every curve ... ]}
+     "shape": {...}, "curves": [ ... the same for every curve, each with its "correction" ... ]}
 
-The top level is the primary curve (old log-probs from the rollout, "bypass", when the sweep has it): the one
-``compare --map`` reads.
+The top level is the primary curve (the ``bypass`` one when the sweep has it). A map is such a file: ``compare
+--map`` and ``vexact.live`` read the curve of the user's correction from ``curves``.
+
+**Corrections.** Every run belongs to one correction, named by ``correction_name(old_logprobs, correction)`` from
+its ``algorithm.old_logprobs`` and ``correction`` section: ``bypass`` (old log-probs from the rollout, no
+correction), ``recompute`` (recomputed by the trainer, no correction), a method of the registry
+``vexact.rl.corrections.CORRECTION_METHODS`` (``token_tis``, ``seq_tis``, ``token_mis``, ...: recompute with that
+correction, verl's decoupled mode) or ``bypass_`` + that method. verl's own keys (``preset``, ``rollout_is``, ...)
+name the method whose plan they spell. ``correction_names()`` lists them; TRL's
+``vllm_importance_sampling_mode`` values (``TRL_MODES``) are read as the method each one is. The curves of a sweep
+are split by correction (never one fit over runs with different corrections) and by its other non-seed keys.
 
 **Horizon.** A point's horizon group is its ``task.max_len`` (the scratchpad length L of ``horizon``, or the input
 length of another task), set in the sweep's grid or in its variant's bundle; its horizon T is measured: the run
@@ -27,26 +37,43 @@ open: None). Horizons with only a bound never enter as numbers: the fit lists th
 respects them; with fewer than two fitted horizons, pairs of (threshold or bound) give bounds on α
 (``alpha_lower_bound``/``alpha_upper_bound``), ``status: bounds_only``. Other statuses: ``no_horizon``,
 ``single_horizon``, ``insufficient`` (points without the metrics), each with one sentence in ``note``.
+**The shape** (``compare_shapes``): the power law against a saturating threshold F + B/T, both fitted in log10 on
+the fitted horizons, compared by AIC and leave-one-out error (three fitted horizons or more).
 
-**Placing a user.** ``place_on_map(map_data, k3, horizon)`` evaluates the law at the user's T (its interval from
-the replicates), the ratio k3 / threshold, a verdict in words and how far T lies outside the measured horizons.
-``load_map(None)`` is the map shipped with vexact (``default_map.json``, from the docs' horizon sweeps).
+**Placing a user.** ``place_on_map(map_data, k3, horizon, correction)`` takes that correction's curve (None:
+``bypass``, and the verdict says it was assumed; a correction the map has no curve for is an error naming it,
+never another curve): the law at the user's T (its interval from the replicates), the ratio k3 / threshold, a
+verdict in words and how far T lies outside the measured horizons; on a curve of bounds only, "no collapse
+measured up to k3 X at T Y". ``load_map(None)`` is the map shipped with vexact (``default_map.json``, made by
+``python -m vexact.lab.scaling build-map``, which assembles one map from several sweeps' ``scaling.json``; a
+single-curve file from before corrections were recorded loads as a ``bypass`` curve).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import random
+import sys
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
-from .dose_response import METRIC, fit_threshold, run_dose
-from .report import SEED_KEY, PointData, SweepData
+import yaml
 
-__all__ = ["BOOTSTRAP", "DEFAULT_MAP", "HORIZON_KEY", "fit_law", "load_map", "place_on_map", "plot_scaling",
-           "scaling", "write_scaling"]
+from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
+from ..rl.config import AlgorithmSection, CorrectionSection
+from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
+from .dose_response import METRIC, fit_threshold, run_dose
+from .sweep_data import SEED_KEY, PointData, SweepData
+
+__all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES", "build_map",
+           "choose_correction", "compare_shapes", "correction_from_config", "correction_name", "correction_names",
+           "curve_for", "fit_law", "load_map", "map_curves", "place_on_map", "placement", "plot_scaling",
+           "resolve_correction", "scaling", "write_scaling"]
 
 HORIZON_KEY = "task.max_len"
 HORIZON_METRIC = RESPONSE_LENGTH_MEAN
@@ -54,16 +81,185 @@ BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
 REPLICATES_KEPT = 200  # replicates stored in scaling.json for the map's interval at a new T
 DEFAULT_MAP = Path(__file__).with_name("default_map.json")
-PRIMARY_CURVE = ("algorithm.old_logprobs", "rollout")
-MAP_KEYS = ("horizon", "k3", "threshold_50", "ci_low", "ci_high", "ratio", "verdict", "extrapolation_factor")
+MAP_KEYS = ("horizon", "k3", "threshold_50", "ci_low", "ci_high", "ratio", "verdict", "extrapolation_factor",
+            "correction")
 ASSUMPTIONS = (
     "the threshold follows the fitted power law threshold ∝ T^(−alpha) beyond the measured horizons",
-    "the map's testbed (a 0.5M-parameter decoder on CPU, on-policy GRPO, the map's old-log-prob mode and run "
-    "length) stands for your stack; model size, vocabulary, mini-batches and run length are not on the map",
+    "the map's testbed (a 0.5M-parameter decoder on CPU, on-policy GRPO, the curve's correction and run length) "
+    "stands for your stack; model size, vocabulary, mini-batches and run length are not on the map",
     "k3 is the token mean of exp(r) − r − 1 over your dump (rollout_corr/k3_kl); the map's doses are run means of "
     "the same metric before collapse",
     "your horizon is your dump's mean response length (tokens per sequence)",
 )
+BOUND_ASSUMPTION = ("a no-collapse bound measured at a horizon also holds at shorter ones (the threshold does not "
+                    "rise with T, as on the map's bypass curve)")
+SHAPE_MIN_HORIZONS = 3  # two 2-parameter shapes: three points leave one degree of freedom each
+
+
+# ----------------------------------------------------------------------------- corrections: which curve a run is on
+
+BYPASS, RECOMPUTE = "bypass", "recompute"
+DEFAULT_CORRECTION = BYPASS  # assumed, and said so, when the user names none: the map's best-measured curve
+BYPASS_PREFIX = "bypass_"  # a registry method run with old log-probs from the rollout
+OLD_LOGPROBS = typing.get_args(typing.get_type_hints(AlgorithmSection)["old_logprobs"])  # ("rollout", "recompute")
+TRL_MODES = {"token_truncate": "token_tis", "token_mask": "token_mis", "sequence_truncate": "seq_tis",
+             "sequence_mask": "seq_mis"}
+"""TRL's ``vllm_importance_sampling_mode`` (GRPOConfig) -> the registry method it is. TRL recomputes the old
+log-probs with the trainer, so each is the decoupled (recompute) form; ``token_mask`` with a lower bound
+``vllm_importance_sampling_clip_min`` zeroes the ratios outside [C_min, C_max]: ``TRL_BAND_METHOD``."""
+TRL_BAND_METHOD = "icepop"
+TRL_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask"}
+"""TRL 1.16's GRPOConfig defaults for the keys read here."""
+TRL_PREFIX = "vllm_importance_sampling_"
+VERL_BLOCK_KEYS = ("preset", *VERL_KEYS)  # the keys of verl's algorithm.rollout_correction that decide the correction
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _methods() -> list[str]:
+    """The registry's corrections: every method that expands into verl's keys (``none`` expands into nothing)."""
+    return [name for name, method in CORRECTION_METHODS.items() if method.to_verl is not None]
+
+
+def correction_names() -> tuple[str, ...]:
+    """Every correction name a curve can carry, read from ``CORRECTION_METHODS`` now (a method registered later is
+    in the next call's answer): bypass, recompute, each method (recompute with it) and ``bypass_`` + each method."""
+    methods = _methods()
+    return (BYPASS, RECOMPUTE, *methods, *(BYPASS_PREFIX + m for m in methods))
+
+
+def _signature(plan: CorrectionPlan) -> tuple[Any, ...]:
+    """What kind of correction a plan is (its thresholds aside): the IS level, whether it has a band, the RS options."""
+    return plan.rollout_is, plan.is_lower is not None, tuple(sorted(option.name for option in plan.reject))
+
+
+def _method_name(section: CorrectionSection) -> str | None:
+    """The registry method a correction section is (None: no correction). verl's keys name the method whose plan
+    they spell; a combination no method spells gets a name built from its plan (``verl[...]``)."""
+    if CORRECTION_METHODS[section.method].to_verl is not None:
+        return section.method
+    plan = plan_for(section)
+    if not plan.active:
+        return None
+    for name in _methods():
+        if _signature(plan_for(CorrectionSection(method=name))) == _signature(plan):
+            return name
+    parts = ([f"rollout_is={plan.rollout_is}" + ("_band" if plan.is_lower is not None else "")]
+             if plan.rollout_is else []) + [f"rollout_rs={option.name}" for option in plan.reject]
+    return "verl[" + ",".join(parts) + "]"
+
+
+def correction_name(old_logprobs: str, correction: CorrectionSection | None = None) -> str:
+    """The one name of a run's correction: from ``algorithm.old_logprobs`` and its ``correction`` section (module
+    docstring). ``vexact report`` labels curves with it; ``compare --map`` and ``vexact.live`` choose curves by it."""
+    if old_logprobs not in OLD_LOGPROBS:
+        raise ValueError(f"algorithm.old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {old_logprobs!r}")
+    method = _method_name(correction) if correction is not None else None
+    bypass = old_logprobs == "rollout"
+    if method is None:
+        return BYPASS if bypass else RECOMPUTE
+    return BYPASS_PREFIX + method if bypass else method
+
+
+def _section(block: Any, keys: tuple[str, ...], where: str) -> CorrectionSection:
+    """A ``CorrectionSection`` from the given keys of a config block (others are not about the correction)."""
+    if block is None:
+        block = {}
+    if not isinstance(block, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(block).__name__}")
+    given = {k: (tuple(v) if k == "band" and isinstance(v, list) else v) for k, v in block.items()
+             if k in keys and v is not None}
+    try:
+        section = CorrectionSection(**given)
+        section.check()
+    except KeyError as err:  # the registry's message for an unknown name
+        raise ValueError(f"{where}: {err.args[0]}") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    return section
+
+
+def _from_verl(block: Any, where: str) -> str:
+    section = _section(block, VERL_BLOCK_KEYS, where)
+    return correction_name("rollout" if plan_for(section).bypass_mode else "recompute", section)  # verl: decoupled
+
+
+def _from_trl(config: Mapping, where: str) -> str:
+    values = {**TRL_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    if not values["vllm_importance_sampling_correction"]:
+        return RECOMPUTE
+    mode = values["vllm_importance_sampling_mode"]
+    if mode not in TRL_MODES:
+        raise ValueError(f"{where}: vllm_importance_sampling_mode {mode!r} is none of TRL's {', '.join(TRL_MODES)}")
+    if mode == "token_mask" and values.get(TRL_PREFIX + "clip_min") is not None:
+        return TRL_BAND_METHOD
+    return TRL_MODES[mode]
+
+
+def _from_vexact(config: Mapping, where: str) -> str:
+    algorithm = config.get("algorithm") or {}
+    if not isinstance(algorithm, Mapping):
+        raise ValueError(f"{where}: algorithm must be a mapping, got {type(algorithm).__name__}")
+    old = algorithm.get("old_logprobs", AlgorithmSection.old_logprobs)
+    keys = tuple(f.name for f in dataclasses.fields(CorrectionSection))
+    return correction_name(old, _section(config.get("correction"), keys, f"{where}: correction"))
+
+
+def correction_from_config(config: Mapping, where: str = "the config") -> str:
+    """The correction a training config sets: verl's (``algorithm.rollout_correction``, or that block alone), a TRL
+    ``GRPOConfig`` as a mapping (``vllm_importance_sampling_*``), or vexact's (``algorithm.old_logprobs`` and
+    ``correction``). ``where`` names the config in errors."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{where} must be a mapping of config keys, got {type(config).__name__}")
+    algorithm = config.get("algorithm")
+    if isinstance(algorithm, Mapping) and "rollout_correction" in algorithm:
+        return _from_verl(algorithm["rollout_correction"], f"{where}: algorithm.rollout_correction")
+    if "rollout_correction" in config:
+        return _from_verl(config["rollout_correction"], f"{where}: rollout_correction")
+    if any(isinstance(k, str) and k.startswith(TRL_PREFIX) for k in config):
+        return _from_trl(config, where)
+    if (isinstance(algorithm, Mapping) and "old_logprobs" in algorithm) or "correction" in config:
+        return _from_vexact(config, where)
+    if any(k in config for k in VERL_BLOCK_KEYS):
+        return _from_verl(config, where)
+    raise ValueError(f"{where}: no correction setting found: expected verl's algorithm.rollout_correction, a TRL "
+                     f"GRPOConfig's {TRL_PREFIX}* keys, or a vexact config's algorithm.old_logprobs / correction")
+
+
+def correction_from_file(path: str | Path) -> str:
+    """``correction_from_config`` of a YAML or JSON file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"correction config file not found: '{path}'")
+    try:
+        config = yaml.safe_load(path.read_text())  # JSON is read as YAML too
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ValueError(f"correction config '{path}' is not valid YAML or JSON: {str(err).splitlines()[0]}") from None
+    return correction_from_config(config, f"correction config '{path}'")
+
+
+def resolve_correction(spec: Any, map_data: dict[str, Any] | None = None) -> str | None:
+    """The user's correction as a curve name: None stays None (the caller assumes ``bypass`` and says so); a name
+    (one of ``correction_names()``, a curve of ``map_data``, or TRL's mode name); a config file (.yaml, .yml,
+    .json) or a config mapping (``correction_from_config``); or a config object with ``to_dict`` (TRL's
+    GRPOConfig). An unknown name is one ValueError listing the known ones."""
+    if spec is None:
+        return None
+    if isinstance(spec, Path) or (isinstance(spec, str) and spec.lower().endswith(CONFIG_SUFFIXES)):
+        return correction_from_file(spec)
+    if isinstance(spec, Mapping):
+        return correction_from_config(spec, "the correction config")
+    if isinstance(spec, str):
+        name = TRL_MODES.get(spec, spec)
+        mapped = [c["correction"] for c in map_curves(map_data)] if map_data is not None else []
+        if name not in correction_names() and name not in mapped:
+            raise ValueError(f"unknown correction {spec!r}: expected one of {', '.join(correction_names())} (TRL's "
+                             f"{', '.join(TRL_MODES)} name {', '.join(dict.fromkeys(TRL_MODES.values()))}), or a "
+                             f"verl / TRL / vexact config file ({', '.join(CONFIG_SUFFIXES)})")
+        return name
+    to_dict = getattr(spec, "to_dict", None)
+    if callable(to_dict) and isinstance(to_dict(), Mapping):
+        return correction_from_config(to_dict(), type(spec).__name__)
+    raise ValueError(f"correction must be a name, a config file or a config mapping, got {type(spec).__name__}")
 
 
 # ----------------------------------------------------------------------------- reading a sweep
@@ -82,8 +278,7 @@ def horizon_value(point: PointData, variants: dict[str, dict[str, Any]]) -> Any:
     """The point's ``task.max_len``: from its overrides, else from its variant's bundle; None when neither sets it."""
     if HORIZON_KEY in point.overrides:
         return point.overrides[HORIZON_KEY]
-    bundle = variants.get(str(point.overrides.get("variant")), {})
-    return bundle.get(HORIZON_KEY) if isinstance(bundle, dict) else None
+    return _bundle(point, variants).get(HORIZON_KEY)
 
 
 def measured_horizon(point: PointData) -> float | None:
@@ -92,12 +287,40 @@ def measured_horizon(point: PointData) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+CORRECTION_KEYS = ("algorithm.old_logprobs", "correction.method")  # what the correction name says already
+
+
+def point_correction(point: PointData, variants: dict[str, dict[str, Any]]) -> str:
+    """The point's correction name: from the config the run saved (``config.yaml``), else from its overrides and its
+    variant's bundle (a point that never started); "unknown (...)" when its config cannot be read."""
+    path = point.dir / "config.yaml"
+    try:
+        if path.is_file():
+            config = yaml.safe_load(path.read_text())
+            if isinstance(config, Mapping):
+                return correction_from_config(config, str(path))
+        dotted = {**_bundle(point, variants), **point.overrides}
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in dotted.items():
+            section, _, name = str(key).partition(".")
+            if section in ("algorithm", "correction") and name and "." not in name:
+                nested.setdefault(section, {})[name] = value
+        return _from_vexact(nested, point.name)
+    except (OSError, yaml.YAMLError, ValueError) as err:
+        return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+
+
+def _bundle(point: PointData, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    bundle = variants.get(str(point.overrides.get("variant")), {})
+    return bundle if isinstance(bundle, dict) else {}
+
+
 def _curve_keys(data: SweepData, variants: dict[str, dict[str, Any]]) -> list[str]:
-    """Keys that split curves: every non-seed group key outside ``inject.*``, the horizon key and ``variant`` when
-    the variants carry the horizon (or inject settings)."""
+    """Keys that split curves besides the correction: every non-seed group key outside ``inject.*``, the horizon key,
+    ``CORRECTION_KEYS`` and ``variant`` when the variants carry the horizon (or inject settings)."""
     keys = []
     for k in data.group_keys:
-        if k in (SEED_KEY, HORIZON_KEY) or k.startswith("inject."):
+        if k in (SEED_KEY, HORIZON_KEY, *CORRECTION_KEYS) or k.startswith("inject."):
             continue
         if k == "variant" and variants and any(HORIZON_KEY in b or any(x.startswith("inject.") for x in b)
                                                for b in variants.values() if isinstance(b, dict)):
@@ -120,17 +343,18 @@ def scaling(data: SweepData) -> dict[str, Any]:
                 "note": f"the sweep sets no horizon key ({HORIZON_KEY} in its grid or its variants), so it has no "
                         "horizon axis: no scaling law"}
     keys = _curve_keys(data, variants)
-    curves: dict[str, list[PointData]] = {}
-    for p in with_h:
-        label = ", ".join(f"{k}={p.overrides.get(k)}" for k in keys) or "all"
-        curves.setdefault(label, []).append(p)
-    results = [_curve(label, points, variants) for label, points in curves.items()]
-    primary = next((c for c in results if f"{PRIMARY_CURVE[0]}={PRIMARY_CURVE[1]}" in c["curve"]), results[0])
-    return {**base, **{k: v for k, v in primary.items() if k != "curve"}, "curve": primary["curve"],
-            "curves": results}
+    curves: dict[tuple[str, str], list[PointData]] = {}
+    for p in with_h:  # one curve per correction (and per other curve key): never one fit over several corrections
+        correction = point_correction(p, variants)
+        label = ", ".join([f"correction={correction}", *(f"{k}={p.overrides.get(k)}" for k in keys)])
+        curves.setdefault((label, correction), []).append(p)
+    results = [_curve(label, correction, points, variants) for (label, correction), points in curves.items()]
+    primary = next((c for c in results if c["correction"] == DEFAULT_CORRECTION), results[0])
+    return {**base, **primary, "curves": results}
 
 
-def _curve(label: str, points: list[PointData], variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _curve(label: str, correction: str, points: list[PointData], variants: dict[str, dict[str, Any]]
+           ) -> dict[str, Any]:
     by_h: dict[Any, list[PointData]] = {}
     for p in points:
         by_h.setdefault(horizon_value(p, variants), []).append(p)
@@ -152,7 +376,7 @@ def _curve(label: str, points: list[PointData], variants: dict[str, dict[str, An
     law = fit_law(horizons)
     if missing:
         law["note"] += f"; {missing} run(s) without a realised {METRIC} or {HORIZON_METRIC} are left out"
-    return {"curve": label, **law, "horizons": horizons}
+    return {"curve": label, "correction": correction, **law, "horizons": horizons, "shape": compare_shapes(horizons)}
 
 
 def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
@@ -266,11 +490,106 @@ def _positive(v: Any) -> bool:
     return _number(v) and v > 0
 
 
+# ----------------------------------------------------------------------------- the law's shape
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+SATURATING_GRID = 100  # floor values tried before the golden-section refinement
+
+
+def compare_shapes(horizons: list[dict[str, Any]]) -> dict[str, Any]:
+    """Is the threshold still falling as a power of T, or levelling off? Over the horizons with a fitted threshold,
+    fit both in log10 by least squares -- the power law log10 A − α·log10 T and the saturating floor F + B/T
+    (F, B >= 0; F = 0 is the power law with α = 1) -- and compare them by AIC (n·ln(RSS/n) + 2k, k = 2 each) and
+    by leave-one-out error (each horizon predicted from a fit to the others). ΔAIC = AIC(power) − AIC(saturating):
+    above 2 the data prefer the floor, below −2 the power law, between them neither."""
+    pts = sorted((h["horizon"], h["threshold_50"]) for h in horizons if h.get("status") == "fitted"
+                 and _positive(h.get("horizon")) and _positive(h.get("threshold_50")))
+    n = len(pts)
+    if n < SHAPE_MIN_HORIZONS:
+        return {"status": "too_few", "horizons": n,
+                "note": f"{n} horizon(s) with a fitted threshold: comparing a power law with a saturating threshold "
+                        f"(two parameters each) needs at least {SHAPE_MIN_HORIZONS}"}
+    ts, ys = [t for t, _ in pts], [math.log10(v) for _, v in pts]
+    fits = {"power": _fit_power, "saturating": _fit_saturating}
+    out: dict[str, Any] = {"status": "compared", "horizons": n, "horizon_range": [ts[0], ts[-1]]}
+    for name, fit in fits.items():
+        params, predict = fit(ts, ys)
+        rss = sum((predict(t) - y) ** 2 for t, y in zip(ts, ys))
+        loo = []
+        for i in range(n):
+            _, predict_i = fit(ts[:i] + ts[i + 1:], ys[:i] + ys[i + 1:])
+            loo.append(predict_i(ts[i]) - ys[i])
+        out[name] = {**params, "rss": rss, "aic": n * math.log(max(rss, 1e-12) / n) + 2 * 2,
+                     "loo_rmse": math.sqrt(sum(e * e for e in loo) / n)}
+    delta = out["power"]["aic"] - out["saturating"]["aic"]
+    out["delta_aic"] = delta
+    out["preferred"] = "saturating" if delta > 2 else "power" if delta < -2 else None
+    p, f = out["power"], out["saturating"]
+    verdict = {"saturating": "the data prefer the saturating shape", "power": "the data prefer the power law",
+               None: "the two shapes cannot be told apart (|ΔAIC| < 2)"}[out["preferred"]]
+    out["note"] = (f"shape over {n} fitted horizons (T = {ts[0]:.0f} .. {ts[-1]:.0f}): power law α = {p['alpha']:.2f}, "
+                   f"RSS {p['rss']:.2g} dex², leave-one-out RMSE {p['loo_rmse']:.2g} dex; saturating "
+                   f"{f['floor']:.2g} + {f['scale']:.2g}/T, RSS {f['rss']:.2g} dex², leave-one-out RMSE "
+                   f"{f['loo_rmse']:.2g} dex; ΔAIC (power − saturating) = {delta:+.2f}: {verdict}"
+                   + (f" ({n} points for 2 parameters each: a weak test)" if n <= SHAPE_MIN_HORIZONS else ""))
+    return out
+
+
+def _fit_power(ts: list[float], ys: list[float]) -> tuple[dict[str, float], Any]:
+    slope, intercept = _line([math.log10(t) for t in ts], ys)
+    return {"alpha": -slope, "log10_prefactor": intercept}, lambda t: intercept + slope * math.log10(t)
+
+
+def _fit_saturating(ts: list[float], ys: list[float]) -> tuple[dict[str, float], Any]:
+    """F + B/T (F, B >= 0) by least squares in log10: for each floor F the best B (golden section in log10 B), over
+    F a grid on [0, max threshold] refined by golden section. Deterministic."""
+    top = max(10 ** y for y in ys)
+    u_lo = math.log10(min(10 ** y * t for t, y in zip(ts, ys))) - 4  # B/T spans the thresholds with room
+    u_hi = math.log10(max(10 ** y * t for t, y in zip(ts, ys))) + 4
+
+    def rss(floor: float, u: float) -> float:
+        return sum((math.log10(floor + 10 ** u / t) - y) ** 2 for t, y in zip(ts, ys))
+
+    def best_u(floor: float) -> float:
+        return _golden(lambda u: rss(floor, u), u_lo, u_hi)
+
+    def cost(floor: float) -> float:
+        return rss(floor, best_u(floor))
+
+    grid = [top * k / SATURATING_GRID for k in range(SATURATING_GRID + 1)]
+    costs = [cost(f) for f in grid]
+    k = min(range(len(grid)), key=costs.__getitem__)
+    floor = _golden(cost, grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)])
+    if cost(floor) > costs[k]:
+        floor = grid[k]
+    u = best_u(floor)
+    scale = 10 ** u
+    return {"floor": floor, "scale": scale}, lambda t: math.log10(floor + scale / t)
+
+
+def _golden(f: Any, lo: float, hi: float, steps: int = 60) -> float:
+    """The minimiser of a unimodal ``f`` on [lo, hi] by golden-section search."""
+    a, b = lo, hi
+    c, d = b - GOLDEN * (b - a), a + GOLDEN * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(steps):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - GOLDEN * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + GOLDEN * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
 # ----------------------------------------------------------------------------- report output
 
 
 def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
-    """``scaling.json`` and ``scaling.png`` in ``out`` (the report directory) and the line the report prints.
+    """``scaling.json`` and ``scaling.png`` in ``out`` (the report directory) and the lines the report prints (per
+    curve: its law and its shape).
 
     A sweep without a horizon axis (most sweeps) writes no file: the line says why there is no law."""
     from ..rl.runlog import json_safe
@@ -279,9 +598,10 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     meter_path = data.path / "meter.json"
     if meter_path.is_file() and result["status"] != "no_horizon":
         result["meter"] = against_meter(result, json.loads(meter_path.read_text()))
-    line = f"scaling ({result.get('curve', 'no curve')}): {result['status']}: {result['note']}"
     if result["status"] == "no_horizon":
         return [], f"scaling: {result['note']}"
+    line = "\n".join(f"scaling ({c['curve']}): {c['status']}: {c['note']}; {c['shape']['note']}"
+                     for c in result["curves"])
     path = out / "scaling.json"
     path.write_text(json.dumps(json_safe(result), indent=2) + "\n")
     files = [path]
@@ -379,7 +699,8 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
 
 
 def load_map(path: str | Path | None = None) -> dict[str, Any]:
-    """A map (a ``scaling.json``); None = the map shipped with vexact. One clear error on a bad file."""
+    """A map (a ``scaling.json``, or one made by ``build-map``); None = the map shipped with vexact. Its ``curves``
+    come back each with its ``correction`` (``map_curves``). One clear error on a bad file."""
     path = Path(path) if path is not None else DEFAULT_MAP
     if not path.is_file():
         raise ValueError(f"map file not found: '{path}'")
@@ -387,85 +708,266 @@ def load_map(path: str | Path | None = None) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"map file '{path}' is not valid JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"map file '{path}' is not valid JSON (not UTF-8 text)") from None
     if not isinstance(data, dict) or "status" not in data or "horizon_range" not in data:
         raise ValueError(f"map file '{path}' is not a scaling.json (no 'status' / 'horizon_range'); make one with "
                          "vexact report on a sweep over task.max_len")
+    data["curves"] = map_curves(data, f"map file '{path}'")
     data.setdefault("source", "the map shipped with vexact (vexact/lab/default_map.json)" if path == DEFAULT_MAP
                     else str(path))
     return data
 
 
-def place_on_map(map_data: dict[str, Any], k3: float, horizon: float) -> dict[str, Any]:
-    """The map's threshold at ``horizon`` (with its interval), ``ratio`` = k3 / threshold, a ``verdict`` in words,
-    and ``extrapolation_factor`` (how many times beyond the measured horizons T lies; 1.0 inside them)."""
+def map_curves(map_data: dict[str, Any] | None, where: str = "the map") -> list[dict[str, Any]]:
+    """The map's curves, each with its ``correction``. A file from before corrections were recorded is one curve,
+    its top level: ``bypass`` (``recompute`` when its label says ``algorithm.old_logprobs=recompute``). Two curves
+    for one correction are an error: a map answers with one curve per correction."""
+    if not map_data:
+        return []
+    curves = map_data.get("curves")
+    if isinstance(curves, list) and curves and all(isinstance(c, dict) and "correction" in c for c in curves):
+        seen: dict[str, str] = {}
+        for c in curves:
+            name = c["correction"]
+            if name in seen:
+                raise ValueError(f"{where} has two curves for correction {name!r} ({seen[name]!r} and "
+                                 f"{c.get('curve')!r}): a map holds one curve per correction")
+            seen[name] = str(c.get("curve"))
+        return curves
+    label = str(map_data.get("curve", ""))
+    legacy = RECOMPUTE if "algorithm.old_logprobs=recompute" in label else BYPASS
+    return [{**{k: v for k, v in map_data.items() if k not in ("curves", "source")}, "correction": legacy}]
+
+
+def curve_for(map_data: dict[str, Any], correction: str) -> dict[str, Any]:
+    """The map's curve for ``correction``; a correction it has no curve for is one ValueError naming it and the
+    curves there are (never another correction's curve in its place)."""
+    curves = map_curves(map_data)
+    for c in curves:
+        if c["correction"] == correction:
+            return c
+    names = ", ".join(c["correction"] for c in curves) or "none"
+    source = str(map_data.get("source", "the map"))
+    where = source if source.startswith("the map") else f"the map '{source}'"
+    raise ValueError(f"{where} has no curve for correction {correction!r}: it has {names}; another correction's "
+                     "threshold would not answer for yours")
+
+
+def choose_correction(map_data: dict[str, Any], spec: Any) -> str | None:
+    """``resolve_correction(spec)`` checked against the map: the map has that curve (or, with no correction given,
+    the ``bypass`` curve assumed). For callers that check once before placing many points."""
+    name = resolve_correction(spec, map_data)
+    curve_for(map_data, DEFAULT_CORRECTION if name is None else name)
+    return name
+
+
+def place_on_map(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None = None
+                 ) -> dict[str, Any]:
+    """The curve of ``correction`` (None: ``bypass``, assumed and said so in the verdict) at ``horizon``, as the
+    ``MAP_KEYS``: the law's threshold (with its interval), ``ratio`` = k3 / threshold, a ``verdict`` in words,
+    ``extrapolation_factor`` (how many times outside the curve's measured horizons T lies; 1.0 inside them) and
+    ``correction``; on a curve without a law, the verdict says what its bounds say."""
+    placed = placement(map_data, k3, horizon, correction)
+    return {k: placed[k] for k in MAP_KEYS}
+
+
+def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None) -> dict[str, Any]:
+    """``place_on_map``'s keys and what the printed lines add: ``correction_assumed``, ``uses_bound`` and
+    ``outside_every_curve`` (the sentence when T is outside every curve's measured horizons)."""
     if not _number(k3) or k3 < 0:
         raise ValueError(f"k3 must be a finite number >= 0, got {k3!r}")
     if not _positive(horizon):
         raise ValueError(f"the horizon (mean response length) must be a positive number, got {horizon!r}: the dump "
                          "has no response lengths to place on the map")
-    t_range = map_data.get("horizon_range")
+    name = resolve_correction(correction, map_data)
+    assumed = name is None
+    name = DEFAULT_CORRECTION if assumed else name
+    curve = curve_for(map_data, name)
+    t_range = curve.get("horizon_range")
     if not (isinstance(t_range, list) and len(t_range) == 2 and all(_positive(t) for t in t_range)):
-        raise ValueError("the map has no measured horizons (horizon_range): it cannot place a horizon")
+        raise ValueError(f"the map's {name} curve has no measured horizons (horizon_range): it cannot place a horizon")
     t0, t1 = t_range
     factor = horizon / t1 if horizon > t1 else t0 / horizon if horizon < t0 else 1.0
     out: dict[str, Any] = {"horizon": float(horizon), "k3": float(k3), "threshold_50": None, "ci_low": None,
-                           "ci_high": None, "ratio": None, "verdict": None, "extrapolation_factor": factor}
-    if map_data.get("status") == "fitted":
+                           "ci_high": None, "ratio": None, "verdict": None, "extrapolation_factor": factor,
+                           "correction": name, "correction_assumed": assumed, "uses_bound": False}
+    if curve.get("status") == "fitted":
         lt = math.log10(horizon)
-        thr = 10 ** (map_data["log10_prefactor"] - map_data["alpha"] * lt)
-        reps = sorted(10 ** (c - a * lt) for c, a in map_data.get("replicates") or [])
+        thr = 10 ** (curve["log10_prefactor"] - curve["alpha"] * lt)
+        reps = sorted(10 ** (c - a * lt) for c, a in curve.get("replicates") or [])
         lo = reps[int(0.025 * (len(reps) - 1))] if reps else None
         hi = reps[int(0.975 * (len(reps) - 1))] if reps else None
         out.update(threshold_50=thr, ci_low=lo, ci_high=hi, ratio=k3 / thr)
         low, high = lo or thr, hi or thr
         if k3 < low / 10:
-            out["verdict"] = "far below the measured collapse range"
+            verdict = "far below the measured collapse range"
         elif k3 < high:
-            out["verdict"] = "near the measured collapse range"
+            verdict = "near the measured collapse range"
         else:
-            out["verdict"] = "above the measured collapse range"
-        return out
-    safe = [h.get("lower_bound") for h in map_data.get("horizons", [])
-            if h.get("status") == "above_range" and not h.get("collapsed")]  # nothing collapsed up to the bound
-    safe = [s for s in safe if _positive(s)]
-    if safe and k3 < min(safe) and factor == 1.0:
-        out["verdict"] = (f"below every level tested (no collapse up to k3 = {min(safe):.2g} at any mapped "
-                          "horizon); the map has no threshold to extrapolate")
-    elif safe and k3 < min(safe):
-        out["verdict"] = (f"no verdict at this horizon: nothing collapsed up to k3 = {min(safe):.2g} at the mapped "
-                          f"horizons (T = {t0:.0f} .. {t1:.0f}), above your k3, but the map has no law to carry that "
-                          f"{factor:.3g}x beyond them")
+            verdict = "above the measured collapse range"
+        if factor > 1:
+            verdict += (f"; extrapolated: T = {_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
+                        f"horizons (T = {_t(t0)} .. {_t(t1)})")
     else:
-        out["verdict"] = f"unknown: the map has no fitted law ({map_data.get('status')}): {map_data.get('note')}"
+        verdict = _bound_verdict(curve, name, k3, horizon, (t0, t1))
+        out["uses_bound"] = verdict.startswith("below every level tested")
+    if assumed:
+        verdict += f"; correction assumed: {name} (none given: name the one you run)"
+    out["verdict"] = verdict
+    ranges = [(c["correction"], c.get("horizon_range")) for c in map_curves(map_data)]
+    ranges = [(c, r) for c, r in ranges if isinstance(r, list) and len(r) == 2 and all(_positive(t) for t in r)]
+    if ranges and all(not r[0] <= horizon <= r[1] for _, r in ranges):
+        out["outside_every_curve"] = (
+            f"T = {_t(horizon)} lies outside every curve's measured horizons ("
+            + "; ".join(f"{c}: T = {_t(r[0])} .. {_t(r[1])}" for c, r in ranges)
+            + "): every threshold the map gives at this T is an extrapolation")
     return out
+
+
+def _t(horizon: float) -> str:
+    """A horizon in words: whole tokens from 20 on, one decimal below."""
+    return f"{horizon:.0f}" if horizon >= 20 else f"{horizon:.1f}"
+
+
+def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, t_range: tuple[float, float]
+                   ) -> str:
+    """A curve without a law: what its no-collapse bounds say. A bound measured at a horizon at least as long as the
+    user's carries down to the user's T (``BOUND_ASSUMPTION``); beyond the longest one nothing carries."""
+    safe = [h for h in curve.get("horizons", []) if h.get("status") == "above_range" and not h.get("collapsed")
+            and _positive(h.get("lower_bound")) and _positive(h.get("horizon"))]  # nothing collapsed up to the bound
+    carried = [h for h in safe if h["horizon"] >= horizon]
+    if carried:
+        best = max(carried, key=lambda h: h["lower_bound"])
+        fact = f"no collapse measured up to k3 {best['lower_bound']:.2g} at T {_t(best['horizon'])} ({name})"
+        if k3 < best["lower_bound"]:
+            return f"below every level tested: {fact}; the curve has no threshold to compare with"
+        return (f"not placed: your k3 is at or above the largest level tested without collapse ({fact}); the {name} "
+                "curve does not say where this correction collapses")
+    if safe:
+        longest = max(safe, key=lambda h: h["horizon"])
+        return (f"no verdict at this horizon: T = {_t(horizon)} lies beyond the {name} curve's measured horizons "
+                f"(T = {_t(t_range[0])} .. {_t(t_range[1])}): no collapse measured up to k3 "
+                f"{longest['lower_bound']:.2g} at T {_t(longest['horizon'])} ({name}), and the curve has no law to "
+                "carry that further")
+    return f"unknown: the {name} curve has no fitted law ({curve.get('status')}): {curve.get('note')}"
 
 
 def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
     """The placement as printed lines, assumptions included."""
     p = placed
-    lines = [f"map ({map_data.get('source', 'map')}): k3 = {p['k3']:.3g} at T = {p['horizon']:.1f} tokens"]
+    curve = curve_for(map_data, p["correction"])
+    given = " (assumed: none given)" if p.get("correction_assumed") else ""
+    lines = [f"map ({map_data.get('source', 'map')}), correction {p['correction']}{given}: k3 = {p['k3']:.3g} at "
+             f"T = {p['horizon']:.1f} tokens"]
     if p["threshold_50"] is not None:
         ci = (f" [{p['ci_low']:.2g}, {p['ci_high']:.2g}]" if p["ci_low"] is not None else " [no interval]")
-        lines.append(f"  extrapolated 50% collapse threshold at this T: k3 = {p['threshold_50']:.2g}{ci} "
-                     f"(α = {map_data['alpha']:.2f}); ratio k3 / threshold = {p['ratio']:.2g}")
+        lines.append(f"  the law's 50% collapse threshold at this T: k3 = {p['threshold_50']:.2g}{ci} "
+                     f"(α = {curve['alpha']:.2f}); ratio k3 / threshold = {p['ratio']:.2g}")
     lines.append(f"  verdict: {p['verdict']}")
-    t0, t1 = map_data["horizon_range"]
-    lines.append(f"  extrapolation: T is {p['extrapolation_factor']:.3g}x beyond the measured horizons "
-                 f"(T = {t0:.0f} .. {t1:.0f})" if p["extrapolation_factor"] > 1 else
-                 f"  T lies within the measured horizons (T = {t0:.0f} .. {t1:.0f})")
-    lines.append("  assumptions: " + "; ".join(ASSUMPTIONS))
-    what = (map_data.get("provenance") or {}).get("what")
+    t0, t1 = curve["horizon_range"]
+    lines.append(f"  extrapolation: T is {p['extrapolation_factor']:.3g}x outside the {p['correction']} curve's "
+                 f"measured horizons (T = {t0:.0f} .. {t1:.0f})" if p["extrapolation_factor"] > 1 else
+                 f"  T lies within the {p['correction']} curve's measured horizons (T = {t0:.0f} .. {t1:.0f})")
+    if p.get("outside_every_curve"):
+        lines.append(f"  outside the map: {p['outside_every_curve']}")
+    assumptions = ASSUMPTIONS + ((BOUND_ASSUMPTION,) if p.get("uses_bound") else ())
+    lines.append("  assumptions: " + "; ".join(assumptions))
+    what = (curve.get("provenance") or map_data.get("provenance") or {}).get("what")
     if what:
-        lines.append(f"  the map: {what}")
+        lines.append(f"  the curve: {what}")
     return lines
 
 
-def compare_map(summary: dict[str, Any], map_path: str | Path | None) -> tuple[dict[str, Any], list[str]]:
-    """``vexact compare --map``: place a compare summary (its k3 and mean response length) on a map; returns the
-    ``map`` JSON object (``MAP_KEYS`` exactly) and the lines to print."""
-    map_data = load_map(None if map_path in (None, "default") else map_path)
+def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] | None, correction: Any = None
+                ) -> tuple[dict[str, Any], list[str]]:
+    """``vexact compare --map [--correction]``: place a compare summary (its k3 and mean response length) on the
+    curve of ``correction`` (a name or a config: ``resolve_correction``; None: bypass, assumed) of a map (a path,
+    "default"/None for the shipped one, or a loaded map); returns the ``map`` JSON object (``MAP_KEYS`` exactly)
+    and the lines to print."""
+    map_data = map_path if isinstance(map_path, dict) else load_map(None if map_path in (None, "default")
+                                                                    else map_path)
+    name = choose_correction(map_data, correction)
     sequences, tokens = summary.get("sequences") or 0, summary.get("tokens") or 0
     if not sequences or not tokens:
         raise ValueError("the dump has no response lengths (no tokens): nothing to place on the map")
-    placed = place_on_map(map_data, summary["metrics"][K3_KL], tokens / sequences)
+    placed = placement(map_data, summary["metrics"][K3_KL], tokens / sequences, name)
     return {k: placed[k] for k in MAP_KEYS}, map_lines(placed, map_data)
+
+
+# ----------------------------------------------------------------------------- assembling a map
+
+
+def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, Any]:
+    """One map from several ``scaling.json`` files (or maps): every curve of each, one per correction (two for one
+    correction are an error naming both files), ordered as ``correction_names()``; each keeps its provenance (its
+    file's, when it has none) and gets its shape comparison. The top level is the ``bypass`` curve (else the first)
+    so that readers of the single-curve format read it; ``provenance`` names the command and the files."""
+    if not paths:
+        raise ValueError("build-map needs at least one scaling.json")
+    curves: dict[str, tuple[dict[str, Any], str]] = {}
+    head: dict[str, Any] = {}
+    for path in paths:
+        data = load_map(path)
+        for key in ("metric", "horizon_key", "horizon_metric"):
+            if key in head and data.get(key) != head[key]:
+                raise ValueError(f"'{path}' has {key} {data.get(key)!r} but an earlier file has {head[key]!r}: one "
+                                 "map holds curves of one metric over one horizon")
+            head.setdefault(key, data.get(key))
+        for curve in data["curves"]:
+            name = curve["correction"]
+            if name in curves:
+                first, where = curves[name]
+                raise ValueError(f"two curves for correction {name!r}: '{where}' ({first.get('curve')}) and '{path}' "
+                                 f"({curve.get('curve')}): give one file per correction")
+            curve = dict(curve)
+            if "provenance" not in curve and isinstance(data.get("provenance"), dict):
+                curve["provenance"] = data["provenance"]
+            if "meter" not in curve and isinstance(data.get("meter"), dict) and curve.get("curve") == data.get("curve"):
+                curve["meter"] = data["meter"]  # the file's meter comparison belongs to its primary curve
+            curve["shape"] = compare_shapes(curve.get("horizons") or [])
+            curves[name] = (curve, str(path))
+    order = {name: i for i, name in enumerate(correction_names())}
+    ordered = [c for c, _ in sorted(curves.values(), key=lambda item: order.get(item[0]["correction"], len(order)))]
+    primary = next((c for c in ordered if c["correction"] == DEFAULT_CORRECTION), ordered[0])
+    provenance = {"made_by": made_by or "vexact.lab.scaling.build_map", "sources": [str(p) for p in paths],
+                  "curves": {c["correction"]: (c.get("provenance") or {}).get("what") for c in ordered}}
+    return {**head, **{k: v for k, v in primary.items() if k != "provenance"}, "curves": ordered,
+            "provenance": provenance}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from ..rl.runlog import json_safe
+
+    parser = argparse.ArgumentParser(prog="python -m vexact.lab.scaling", description=(
+        "build-map: assemble one collapse map (one curve per correction) from several sweeps' scaling.json; "
+        "shape: print the power-law / saturating comparison of each curve of a map."))
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build-map", help="write OUT from the curves of the given scaling.json files")
+    build.add_argument("out", type=Path, metavar="OUT")
+    build.add_argument("inputs", type=Path, nargs="+", metavar="SCALING_JSON")
+    shape = sub.add_parser("shape", help="print each curve's shape comparison (default: the shipped map)")
+    shape.add_argument("map", type=Path, nargs="?", default=None, metavar="MAP")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build-map":
+            command = "python -m vexact.lab.scaling build-map " + " ".join(
+                str(p) for p in [args.out, *args.inputs])
+            built = build_map(list(args.inputs), made_by=command)
+            if args.out.is_dir():
+                raise ValueError(f"'{args.out}' is a directory: give the map's file name")
+            args.out.write_text(json.dumps(json_safe(built), indent=1, ensure_ascii=False) + "\n")
+            print(f"wrote {args.out}: " + "; ".join(f"{c['correction']} ({c['status']}, "
+                                                     f"{len(c.get('horizons') or [])} horizons)"
+                                                     for c in built["curves"]))
+            return 0
+        for curve in load_map(args.map)["curves"]:
+            print(f"{curve['correction']}: {compare_shapes(curve.get('horizons') or [])['note']}")
+        return 0
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

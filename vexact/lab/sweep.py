@@ -53,6 +53,7 @@ import os
 import re
 import signal
 import traceback
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -65,8 +66,9 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from ..rl.atomic import write_json_atomic, write_text_atomic
-from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml, show_value
+from ..progress import Progress, StepReporter
+from ..rl.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
+from ..rl.config import KEY_ALIASES, RENAMED_KEYS, ConfigError, RunConfig, config_from_dict, read_yaml, show_value
 from ..rl.lifetime import die_with_parent
 from ..rl.runlog import RunLocked, run_lock
 from ..rl.validate import build, plain
@@ -117,6 +119,7 @@ class SweepSpec:
     points: list[SweepPoint]
     variants: dict[str, dict] | None = None
     curves: list[str] | None = None  # grid keys that split the dose-response fit (None: the report's default)
+    overrides: list[str] = dataclasses.field(default_factory=list)  # the command line's --set KEY=VALUE, in order
 
 
 def _format_value(value: Any) -> str:
@@ -183,11 +186,37 @@ def _check_plain(value: Any, key: str, path: Path) -> None:
                           f"{_where(path)}", key) from None
 
 
-def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> SweepSpec:
+def _canonical_key(key: str) -> str:
+    """vexact's spelling of a dotted config key (a renamed key's new name, verl's spelling mapped)."""
+    key = RENAMED_KEYS.get(key.strip(), key.strip())
+    return KEY_ALIASES.get(key, key)
+
+
+def _check_command_line_sets(overrides: list[str], grid: dict[str, list], variants: dict[str, dict] | None,
+                             path: Path) -> None:
+    """``vexact sweep --set KEY=VALUE`` changes the base of every point: a key the sweep sets per point (a grid key,
+    a variant's key, name, output_dir) would be overridden there, so it is refused instead of ignored."""
+    per_point = {_canonical_key(k): f"a grid key of sweep file '{path}'" for k in grid if k != VARIANT_KEY}
+    for vname, bundle in (variants or {}).items():
+        per_point.update({_canonical_key(k): f"set by variant {vname!r} of sweep file '{path}'" for k in bundle})
+    per_point.update({k: "set by the sweep for every point (points/<point name>; --output-dir moves them)"
+                      for k in PER_POINT_KEYS})
+    for item in overrides:
+        key = _canonical_key(item.partition("=")[0])
+        if key in per_point:
+            raise ConfigError(f"--set {item}: '{key}' is {per_point[key]}, so it differs per point; change it "
+                              "there, not with --set")
+
+
+def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
+                    overrides: Iterable[str] = ()) -> SweepSpec:
     """Read and validate a sweep file; every point's config is validated here, before any work.
 
+    ``overrides``: ``vexact sweep --set KEY=VALUE`` items, applied to every point's config after the file's ``base``
+    and ``set`` and before its variant and grid values (a key those set per point is refused).
     Every problem is one ConfigError naming the sweep file (and the base config file, when that is the problem)."""
     path = Path(path)
+    overrides = list(overrides)
     where = _where(path)
     raw = read_yaml(path, "sweep file")
     if not isinstance(raw, dict):
@@ -205,7 +234,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         raise ConfigError(f"expected a plain name (it names the folder runs/sweeps/<name>), got "
                           f"{show_value(name)}{where}", "name")
     base = spec.get("base")
-    if base is None:
+    if base is None:  # refused below, once the grid's own problems are reported (a file without content is refused)
         base_dict: dict = {}
     elif isinstance(base, dict):
         base_dict = base
@@ -242,6 +271,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         stray = [k for k in curves if k not in grid]
         if stray:
             raise ConfigError(f"{stray[0]!r} is not a grid key (grid keys: {', '.join(grid)}){where}", "curves")
+    _check_command_line_sets(overrides, grid, variants, path)
     spec_out = spec.get("output_dir")
     out = Path(output_dir or spec_out or Path("runs") / "sweeps" / name)
     n_points = 1
@@ -253,9 +283,9 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
     points = []
     dirs: dict[str, str] = {}  # folder name -> the point that has it
     for combo in itertools.product(*grid.values()):
-        overrides = dict(zip(grid.keys(), combo))
-        pname = point_name(overrides)
-        label = ",".join(f"{k}={_format_value(v)}" for k, v in overrides.items())
+        overrides_of_point = dict(zip(grid.keys(), combo))
+        pname = point_name(overrides_of_point)
+        label = ",".join(f"{k}={_format_value(v)}" for k, v in overrides_of_point.items())
         if pname in dirs:
             raise ConfigError(f"sweep file '{path}': points {dirs[pname]} and {label} would share the run directory "
                               f"{out / 'points' / pname} (characters other than letters, digits and ._=,+- become "
@@ -264,20 +294,27 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None) -> S
         if len(pname.encode()) > MAX_NAME_BYTES:
             raise ConfigError(f"sweep file '{path}': point {pname[:60]}... has a name of {len(pname.encode())} "
                               f"bytes, too long for its folder (at most {MAX_NAME_BYTES}); use shorter grid values")
-        config_overrides = dict(overrides)
+        config_overrides = dict(overrides_of_point)
         if variants is not None:
             config_overrides = {**variants[config_overrides.pop(VARIANT_KEY)], **config_overrides}
-        settings = {**common, **config_overrides, "output_dir": str(out / "points" / pname),
-                    "name": f"{name}/{pname}"}
-        settings.setdefault("logging.live", False)
-        items = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-                 for k, v in settings.items()]
+        per_point = {**config_overrides, "output_dir": str(out / "points" / pname), "name": f"{name}/{pname}"}
+        # later items win: the sweep's live-view default, the file's set, the command line's --set, the point's own
+        items = ["logging.live=false", *_items(common), *overrides, *_items(per_point)]
         try:
             cfg = config_from_dict(base_dict, items)
         except ConfigError as err:
             raise ConfigError(f"sweep point {pname} of '{path}': {err}") from None
-        points.append(SweepPoint(pname, overrides, cfg))
-    return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants, curves)
+        points.append(SweepPoint(pname, overrides_of_point, cfg))
+    if base is None:
+        raise ConfigError(f"no base config: give 'base: RUN.yaml' (a run config, relative to the sweep file) or a "
+                          f"mapping of config keys ('base: {{}}' for every default){where}", "base")
+    return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants, curves, overrides)
+
+
+def _items(settings: dict[str, Any]) -> list[str]:
+    """``{dotted key: value}`` as ``KEY=VALUE`` override items (values in YAML flow style)."""
+    return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for k, v in settings.items()]
 
 
 def _extendable(point: SweepPoint) -> bool:
@@ -320,9 +357,66 @@ def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, st
         "grid": spec.grid,
         "variants": spec.variants,
         "curves": spec.curves,
+        "set": spec.overrides,
         "points": [{"name": p.name, "dir": f"points/{p.name}", "overrides": p.overrides,
                     "status": statuses[p.name], "error": errors.get(p.name)} for p in spec.points],
     })
+
+
+@contextlib.contextmanager
+def sweep_lock(spec: SweepSpec) -> Iterator[None]:
+    """Hold the sweep directory for a whole ``run_sweep`` (``run_lock`` on ``output_dir``: released by the OS however
+    the process ends). A second sweep into the same directory -- the same command run twice at once -- is refused
+    with one error naming the holder, instead of starting the points the first one runs (which it would find
+    locked and record as failed)."""
+    lock = run_lock(spec.output_dir)
+    try:
+        lock.__enter__()
+    except RunLocked as err:
+        raise RunLocked(f"sweep {spec.name}: {err}; a sweep runs once at a time (re-running the same command "
+                        "afterwards resumes anything unfinished)") from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _sets(items: list[str]) -> dict[str, Any]:
+    """--set items as {vexact's key: parsed value}, so that spellings of one setting compare equal."""
+    parsed = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string; the config reads it as 0.001
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        parsed[_canonical_key(key)] = value
+    return parsed
+
+
+def _check_recorded_overrides(spec: SweepSpec) -> None:
+    """A sweep whose points have started is resumed with the command line's --set it was started with (recorded in
+    sweep.json): another --set would give its points another config than the one their runs began with. ``steps``
+    may differ: more steps extend the finished points (as an edited sweep file's would)."""
+    try:
+        recorded = json.loads((spec.output_dir / "sweep.json").read_text()).get("set") or []
+    except (OSError, ValueError, AttributeError):  # no sweep.json yet (or an unreadable one: rewritten below)
+        return
+    def compared(items: list[str]) -> dict[str, Any]:  # steps may grow: the sweep extends finished points then
+        return {k: v for k, v in _sets(items).items() if k != "steps"}
+
+    if not isinstance(recorded, list) or compared([str(x) for x in recorded]) == compared(spec.overrides):
+        return
+    if all(not p.run_dir.exists() for p in spec.points):  # nothing started: nothing to mix with
+        return
+    was = " ".join(f"--set {x}" for x in recorded) or "no --set"
+    now = " ".join(f"--set {x}" for x in spec.overrides) or "no --set"
+    raise ValueError(f"sweep {spec.name} in {spec.output_dir} was started with {was}, and is now given {now}: its "
+                     "points would resume with another config; repeat the first command's --set to resume it, or "
+                     "choose another --output-dir for the new settings")
 
 
 def _worker_init(parent_pid: int) -> None:
@@ -383,40 +477,46 @@ def _check_lock(point: SweepPoint) -> dict | None:
 
 
 def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, executor: str = "local",
-              address: str | None = None) -> dict[str, str]:
+              address: str | None = None, quiet: bool = False) -> dict[str, str]:
     """Run every unfinished point; returns {point name: status}.
 
     ``executor``: ``local`` (this process, or ``jobs`` worker processes) or ``ray`` (one Ray task per point on
-    the cluster at ``address``, or on a private loopback-only instance; ``vexact/lab/ray_executor.py``)."""
+    the cluster at ``address``, or on a private loopback-only instance; ``vexact/lab/ray_executor.py``).
+    Progress goes to ``console`` (``vexact.progress``: a bar on a terminal, a ``[k/N]`` line per point otherwise);
+    ``quiet``: only failed points are printed. The sweep directory is locked for the call (``sweep_lock``)."""
     if executor not in ("local", "ray"):
         raise ValueError(f"unknown executor {executor!r}; expected local or ray")
     if address and executor != "ray":
         raise ValueError("--address is the Ray cluster to use: it needs --executor ray")
     console = console or Console()
     _check_output_dirs(spec)
+    with sweep_lock(spec):
+        return _run_locked(spec, jobs, console, executor, address, quiet)
+
+
+def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, address: str | None,
+                quiet: bool) -> dict[str, str]:
+    _check_recorded_overrides(spec)
     statuses = {p.name: point_status(p) for p in spec.points}
     errors: dict[str, str | None] = {}
     try:
         _write_index(spec, statuses, errors)
     except OSError as e:
+        if e.errno in ENVIRONMENT_ERRNOS:  # the machine's failure (disk full, ...): not the sweep's input
+            raise
         raise ValueError(f"sweep {spec.name}: cannot write {spec.output_dir / 'sweep.json'}: "
                          f"{e.strerror or e}") from None
     extend = [p for p in spec.points if statuses[p.name] == "completed" and _extendable(p)]
     todo = [p for p in spec.points if statuses[p.name] not in FINISHED or p in extend]
     done_before = len(spec.points) - len(todo)
+    say = (lambda text: None) if quiet else console.print
     if done_before:
-        console.print(f"sweep {spec.name}: {done_before} of {len(spec.points)} points already finished, skipped")
+        say(f"sweep {spec.name}: {done_before} of {len(spec.points)} points already finished, skipped")
     if extend:
-        console.print(f"sweep {spec.name}: {len(extend)} finished point(s) ran fewer steps than the sweep now asks "
-                      f"({extend[0].config.steps}); they are extended from their last checkpoint")
+        say(f"sweep {spec.name}: {len(extend)} finished point(s) ran fewer steps than the sweep now asks "
+            f"({extend[0].config.steps}); they are extended from their last checkpoint")
     threads = max(1, torch.get_num_threads() // jobs) if jobs > 1 else None
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TextColumn("ETA"),
-                        TimeRemainingColumn(), TextColumn("{task.fields[current]}"), console=console,
-                        disable=not console.is_terminal)
+    progress = Progress(console, f"sweep {spec.name}", len(spec.points), done=done_before, quiet=quiet)
 
     def finish(point: SweepPoint, result: dict) -> None:
         statuses[point.name] = result["status"]
@@ -428,34 +528,32 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
             except OSError:  # the error is in sweep.json all the same
                 pass
         _write_index(spec, statuses, errors)
+        if not quiet:  # the warm start came first in the point's run: its lines come before the point's outcome
+            for said in result.get("warm_start") or []:
+                console.print(f"  {point.name} {said}", markup=False, highlight=False, soft_wrap=True)
         line = f"{point.name}: {result['status']}"
         if result.get("locked"):
-            console.print(f"[red]{line}[/] ({escape(result['error'].removeprefix('RunLocked: '))})")
+            line = f"[red]{line}[/] ({escape(result['error'].removeprefix('RunLocked: '))})"
         elif result["status"] == "failed":
-            console.print(f"[red]{line}[/] (see {point.run_dir / 'error.txt'})")
-        else:
-            console.print(line)
-        for said in result.get("warm_start") or []:
-            console.print(f"  {point.name} {said}", markup=False, highlight=False, soft_wrap=True)
-        progress.update(bar, advance=1)
+            line = f"[red]{line}[/] (see {escape(str(point.run_dir / 'error.txt'))})"
+        progress.advance(line, always=result["status"] == "failed")
 
     with progress:
-        bar = progress.add_task(f"sweep {spec.name}", total=len(spec.points), completed=done_before, current="")
         if executor == "ray":
             from . import ray_executor
 
             ray_executor.run_points(todo, finish, _check_lock, address,
-                                    on_running=lambda names: progress.update(bar, current=", ".join(names)))
+                                    on_running=lambda names: progress.running(", ".join(names)))
         elif jobs <= 1:
             for point in todo:
-                progress.update(bar, current=point.name)
+                progress.running(point.name)
                 resume = point.run_dir.exists()
                 result = _check_lock(point) or _run_point(point.config.to_dict(), resume, None)
                 finish(point, result)
                 if result["status"] == "interrupted":
                     raise KeyboardInterrupt
         else:
-            _run_parallel(todo, jobs, threads, finish, progress, bar)
+            _run_parallel(todo, jobs, threads, finish, progress)
     return statuses
 
 
@@ -464,7 +562,7 @@ def _new_pool(jobs: int) -> ProcessPoolExecutor:
                                initargs=(os.getpid(),))
 
 
-def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish, progress, bar) -> None:
+def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish, progress: StepReporter) -> None:
     pending = list(todo)
     running: dict[Future, SweepPoint] = {}
     pool = _new_pool(jobs)
@@ -487,7 +585,7 @@ def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish
                     pool = _new_pool(jobs)
             if not running:
                 continue
-            progress.update(bar, current=", ".join(p.name for p in running.values()))
+            progress.running(", ".join(p.name for p in running.values()))
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             results = {future: _result(future) for future in done}
             if any(result is None for result in results.values()):

@@ -15,11 +15,12 @@ import torch
 
 from vexact_kernels import kernel_paths
 
-from ..engine.model import ModelConfig, Transformer, resolve_dtype
+from ..engine.model import ModelConfig, Transformer, resolve_dtype, short_dtype_name
 from ..engine.presets import MODEL_PRESETS
 from ..engine.rollout import generate
 from ..engine.scoring import token_logprobs
 from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, BITWISE_EQUAL_FRAC, K3_KL, KL
+from ..progress import StepReporter
 from ..rl.metrics import mismatch_summary
 
 DEFAULT_BATCH_SIZES: tuple[int | None, ...] = (None, 1, 3)
@@ -63,9 +64,19 @@ def mismatched(row: dict) -> int:
     return row["tokens"] - row["bitwise_equal"]
 
 
-def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "native")) -> list[dict]:
+def check_units(settings: CheckSettings) -> int:
+    """Units of work ``run_check`` reports per backend: each generation arrangement, then each rescoring (a scoring
+    thread count x a rollout x a micro-batch arrangement)."""
+    rescorings = max(1, len(settings.scoring_threads)) * len(settings.batch_sizes) * len(settings.micro_batch_sizes)
+    return len(settings.batch_sizes) + rescorings
+
+
+def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "native"),
+              device: torch.device | str = "cpu", progress: StepReporter | None = None) -> list[dict]:
     """One result row per backend: tokens compared / bitwise equal, max |Δlogp|, k3 KL, batch invariance,
-    and ``kernel_paths``: the path each op took (for the exact CPU kernels: what the host probes found)."""
+    and ``kernel_paths``: the path each op took (for the exact CPU kernels: what the host probes found).
+    ``device``: where the model runs (``"cuda"``: the exact backend is then the compiled Triton kernels);
+    ``progress`` hears of each of ``check_units`` units per backend (``vexact.progress``)."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     cfg = ModelConfig(vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
@@ -78,15 +89,35 @@ def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "na
                for _ in range(settings.num_prompts)]
     rows = []
     for backend in backends:
-        model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), init_seed=settings.seed)
-        rows.append(_check_backend(model, prompts, settings))
+        model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), device=device,
+                            init_seed=settings.seed)
+        rows.append(_check_backend(model, prompts, settings, progress or _Silent()))
     return rows
 
 
-def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSettings) -> dict:
+class _Silent:
+    """The ``StepReporter`` of a check nobody watches."""
+
+    def running(self, text: str) -> None:
+        pass
+
+    def advance(self, said: str | None = None, always: bool = False) -> None:
+        pass
+
+
+def _arrangement(size: int | None) -> str:
+    return "all at once" if size is None else f"{size} at a time"
+
+
+def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSettings, progress: StepReporter) -> dict:
     start = time.perf_counter()
-    rollouts = [generate(model, prompts, max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=s.seed,
-                         batch_size=bs) for bs in s.batch_sizes]
+    path = f"{model.backend}/{short_dtype_name(model.dtype)}"
+    rollouts = []
+    for bs in s.batch_sizes:
+        progress.running(f"{path}: generating {_arrangement(bs)}")
+        rollouts.append(generate(model, prompts, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                                 seed=s.seed, batch_size=bs))
+        progress.advance()
     reference = rollouts[0]
     tokens_invariant = all(r.tokens == reference.tokens for r in rollouts)
     roll_all, train_all = [], []
@@ -96,11 +127,13 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
         torch.set_num_threads(threads)
         for rollout in rollouts:
             for mbs in s.micro_batch_sizes:
+                progress.running(f"{path}: rescoring {_arrangement(mbs)} at {threads} thread(s)")
                 with torch.no_grad():
                     scored = token_logprobs(model, prompts, rollout.tokens, temperature=s.temperature,
                                             micro_batch_size=mbs)
                 roll_all += rollout.logprobs
                 train_all += scored
+                progress.advance()
     torch.set_num_threads(generation_threads)
     stats = mismatch_summary(torch.cat(train_all), torch.cat(roll_all))
     return {

@@ -4,8 +4,11 @@
 the rollout engine's (vLLM, SGLang, transformers' ``generate``) and the trainer's recomputation (verl's
 ``old_log_probs``, an HF forward) -- and prints the same report: every ``rollout_corr/*``, ``training/*`` and
 ``mismatch/*`` key of ``vexact.rl.metrics.mismatch_metrics``, |Δlogp| by token probability and by response
-position (``measure.mismatch_report`` / ``print_report``, one source for both commands). With ``--fail-on-mismatch``,
-``--max-k3`` and ``--max-abs-dlogp`` it is a CI gate (exit 1, naming the gate and the numbers).
+position (``measure.mismatch_report`` / ``print_report``, one source for both commands), then the first mismatched token
+(``Mismatch``, the class ``vexact.testing`` reports with: id, position, column, token, both values and their bits;
+``first_mismatch`` in the JSON). With ``--fail-on-mismatch``, ``--max-k3`` and ``--max-abs-dlogp`` it is a CI gate
+(exit 1, naming the gate and the numbers). ``--map`` takes an optional FILE, so a bare ``--map`` goes after the dumps;
+a dump given as its FILE (``--map R.jsonl T.jsonl``) is refused, naming the order that works.
 
 Inputs (the format follows the file name: ``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` read with the
 weights-only unpickler, ``runlog.load_tensor_file``; anything else is JSON Lines):
@@ -60,7 +63,7 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import ABS_DLOGP_MAX, K3_KL
-from ..rl.metrics import full_vocab_rows, full_vocab_summary
+from ..rl.metrics import float_bits, full_vocab_rows, full_vocab_summary
 from ..rl.runlog import load_tensor_file
 from .measure import mismatch_report, plot_report, print_report, write_report_json
 
@@ -70,6 +73,7 @@ JSONL_TOKENS_KEY, TENSOR_TOKENS_KEY = "tokens", "responses"
 MASK_KEY, ATTENTION_MASK_KEY, NO_MASK = "response_mask", "attention_mask", "none"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 EXIT_GATE_FAILED = 1  # vexact.cli's EXIT_FAILED (this layer cannot import the CLI)
+DEFAULT_MAP = "default"  # --map without a file: the map shipped with vexact (vexact.lab.scaling.load_map(None))
 LOG_SUM_EXP_TOLERANCE = 0.1
 """A full-vocabulary row must satisfy |log Σ_v exp(row_v)| ≤ this (log-probs sum to probability 1); logits fail."""
 MAX_LOGPROB = 1e-3
@@ -119,6 +123,7 @@ class CompareResult:
     summary: dict[str, Any]
     logp_train: Tensor
     logp_roll: Tensor
+    first_mismatch: Mismatch | None = None  # also in ``summary["first_mismatch"]``, as JSON
 
 
 @dataclass(slots=True)  # one per held sequence: no per-instance __dict__
@@ -139,6 +144,64 @@ class Record:
     def where(self) -> str:
         """How error messages name the sequence: ``FILE:LINE: id X`` or ``FILE: row B``."""
         return f"{self.path}:{self.line}: id {self.id!r}" if self.row is None else f"{self.path}: row {self.row}"
+
+
+# --------------------------------------------------------------------------- the first mismatch
+def _value_text(value: Tensor) -> str:
+    """The shortest decimal that reads back as this value in its own dtype (numpy's float formatting;
+    bfloat16 is printed as the float32 it widens to exactly)."""
+    v = float(value)
+    if value.dtype == torch.float64:
+        return repr(v)
+    return str(np.float16(v)) if value.dtype == torch.float16 else str(np.float32(v))
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One token whose two log-probs differ: in their bits (``vexact.testing``) or as float64 values (``vexact
+    compare``, where -0.0 equals 0.0). ``position`` counts the sequence's compared tokens from 0; ``column`` is the
+    column of a padded input (None for lists); ``token`` is None without token ids; ``id`` is the sequence's id in a
+    compared file (None: the sequence is named by its index)."""
+
+    sequence: int
+    position: int
+    column: int | None
+    token: int | None
+    rollout: Tensor
+    train: Tensor
+    id: Hashable | None = None
+
+    def describe(self, names: tuple[str, str]) -> str:
+        where = f"sequence {self.sequence}" if self.id is None else f"id {self.id!r}"
+        where += f", position {self.position}"
+        if self.column is not None and self.column != self.position:
+            where += f" (column {self.column})"
+        if self.token is not None:
+            where += f", token {self.token}"
+        delta = float(self.train.double() - self.rollout.double())
+        return (f"{where}: {names[0]} {_value_text(self.rollout)} ({float_bits(self.rollout)}) vs "
+                f"{names[1]} {_value_text(self.train)} ({float_bits(self.train)}), Δ = {delta:.6g}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values (the two log-probs as floats and as their bits in hex)."""
+        return {"id": self.id, "sequence": self.sequence, "position": self.position, "column": self.column,
+                "token": self.token, "rollout": float(self.rollout), "train": float(self.train),
+                "rollout_bits": float_bits(self.rollout), "train_bits": float_bits(self.train),
+                "delta": float(self.train.double() - self.rollout.double())}
+
+
+def _first_mismatch(index: int, train: np.ndarray, roll: np.ndarray, records: tuple[Record, ...]) -> Mismatch | None:
+    """The first position where a pair's two float64 log-probs differ as values (as ``mismatch_metrics`` counts),
+    named by the sequence's id, its tensor column and its token where the files have them."""
+    differ = np.flatnonzero(train != roll)
+    if not differ.size:
+        return None
+    j = int(differ[0])
+    columns = next((r.columns for r in records if r.columns is not None), None)
+    tokens = next((r.tokens for r in records if r.tokens is not None), None)
+    return Mismatch(index, j, int(columns[j]) if columns is not None else None,
+                    int(tokens[j]) if tokens is not None else None, torch.tensor(roll[j]), torch.tensor(train[j]),
+                    id=records[0].id)
 
 
 # --------------------------------------------------------------------------- values
@@ -412,8 +475,12 @@ class _Pairs:
     roll: list[np.ndarray] = field(default_factory=list)
     full_rows: list[dict[str, Tensor]] = field(default_factory=list)
     tokens_checked: int = 0
+    first: Mismatch | None = None  # the first mismatched token, in pairing order
 
-    def add(self, train: np.ndarray, roll: np.ndarray) -> None:
+    def add(self, train: np.ndarray, roll: np.ndarray, *records: Record) -> None:
+        """One matched sequence (``records``: where it was read, the one that names it first)."""
+        if self.first is None:  # each pair is compared until the first mismatch is found
+            self.first = _first_mismatch(len(self.train), train, roll, records)
         self.train.append(train)
         self.roll.append(roll)
 
@@ -424,7 +491,7 @@ def _read_one_file(s: CompareSettings, rk: str, tk: str) -> _Pairs:
     seen: dict[Hashable, str] = {}
     for record in _records(s.rollout, (rk, tk), s, full_keys):
         _check_new_id(record, seen)
-        pairs.add(record.values[tk], record.values[rk])
+        pairs.add(record.values[tk], record.values[rk], record)
         if full_keys:
             pairs.full_rows.append(_full_vocab_pair(record.full[full_keys[1]], record.full[full_keys[0]],
                                                     record, s.full_vocab_top_k))
@@ -458,7 +525,7 @@ def _read_two_files(s: CompareSettings, rk: str, tk: str) -> _Pairs:
             raise ValueError(f"{record.where}: no sequence with this id in {s.rollout}")
         _check_pair(other, record, rk, tk)
         pairs.tokens_checked += other.tokens is not None and record.tokens is not None
-        pairs.add(record.values[tk], other.values[rk])
+        pairs.add(record.values[tk], other.values[rk], record, other)
         if roll_full and train_full:
             pairs.full_rows.append(_full_vocab_pair(record.full[train_full], other.full[roll_full], record,
                                                     s.full_vocab_top_k))
@@ -543,9 +610,10 @@ def run_compare(s: CompareSettings) -> CompareResult:
         "sequences": len(lengths),
         "sequences_with_tokens_checked": pairs.tokens_checked,
         **report,
+        "first_mismatch": pairs.first.to_json() if pairs.first is not None else None,
         "seconds": {"read": round(read_s, 3), "metrics": round(time.perf_counter() - start, 3)},
     }
-    return CompareResult(summary, train_flat, roll_flat)
+    return CompareResult(summary, train_flat, roll_flat, pairs.first)
 
 
 def check_gates(summary: dict[str, Any], fail_on_mismatch: bool, max_k3: float | None,
@@ -588,7 +656,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments (the CLI calls this)."""
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("rollout", type=Path, metavar="ROLLOUT",
+    parser.add_argument("rollout", type=Path, nargs="?", default=None, metavar="ROLLOUT",  # required: main says so
                         help="the rollout engine's dump (.jsonl, .safetensors, .pt); alone: a file holding both sides")
     parser.add_argument("train", type=Path, nargs="?", default=None, metavar="TRAIN",
                         help="the trainer's dump of the same sequences (omit when ROLLOUT holds both)")
@@ -625,9 +693,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gate: exit 1 if rollout_corr/k3_kl > X")
     parser.add_argument("--max-abs-dlogp", type=_limit, default=None, metavar="X",
                         help="gate: exit 1 if mismatch/abs_dlogp_max > X")
-    parser.add_argument("--map", nargs="?", const="default", default=None, metavar="FILE",
+    parser.add_argument("--map", nargs="?", const=DEFAULT_MAP, default=None, metavar="FILE",
                         help="place the dump's k3 and mean response length on a collapse map (a scaling.json; "
-                             "without FILE: the map shipped with vexact)")
+                             "without FILE: the map shipped with vexact). Before the dumps, write --map=FILE or "
+                             "--map last: a space-separated value is taken as the map file")
+    parser.add_argument("--correction", default=None, metavar="NAME|CONFIG",
+                        help="with --map: the correction your trainer runs, whose curve gives the verdict: a name "
+                             "(bypass, recompute, token_tis, ...) or a config file (.yaml/.json: verl's "
+                             "algorithm.rollout_correction, a TRL GRPOConfig, a vexact config); default: bypass, "
+                             "said so in the verdict")
+
+
+
+def _is_dump(path: Path) -> bool:
+    """Whether ``path`` is a log-prob dump (a tensor file, or JSON Lines whose first line is an object with an
+    ``id``) rather than a map (a ``scaling.json``: one JSON object, no ``id``)."""
+    if _is_tensor_file(path):
+        return True
+    try:
+        with open(path, "rb") as f:
+            first = next((line for line in f if line.strip()), b"")
+        row = json.loads(first)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(row, dict) and "id" in row
+
+
+def _check_paths_and_map(args: argparse.Namespace) -> None:
+    """ROLLOUT is given, and ``--map`` did not swallow a dump: ``--map R.jsonl T.jsonl`` parses R.jsonl as the map
+    file (argparse gives an optional value the next word) -- refused, with the order that means what was meant."""
+    fix = ("for the map shipped with vexact put --map after the dumps (vexact compare ROLLOUT [TRAIN] --map); name a "
+           "map file after the dumps (--map FILE) or as --map=FILE")
+    if args.map not in (None, DEFAULT_MAP) and Path(args.map).is_file() and _is_dump(Path(args.map)):
+        raise ValueError(f"--map took {args.map} as its map file, but it is a log-prob dump, not a scaling.json: {fix}")
+    if args.rollout is None:
+        raise ValueError("no ROLLOUT dump given" + (f" (--map took {args.map} as its map file: {fix})"
+                                                     if args.map not in (None, DEFAULT_MAP) else ""))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -635,8 +736,14 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..lab.scaling import compare_map
+    from ..lab.scaling import choose_correction, compare_map, load_map
 
+    _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
+    if args.correction is not None and args.map is None:
+        raise ValueError("--correction chooses a curve of the collapse map: give --map too")
+    if args.map is not None:  # the map and the correction are checked before the dumps are read
+        scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map)
+        correction = choose_correction(scaling_map, args.correction)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
                                rollout_full_key=args.rollout_full_key, train_full_key=args.train_full_key,
@@ -653,8 +760,11 @@ def main(args: argparse.Namespace) -> int:
     checked = f"; tokens checked on {s['sequences_with_tokens_checked']}" if settings.train is not None else ""
     print_report(s, console, title=escape(f"vexact compare: {sides}"),  # titles are rich markup; paths are not
                  caption=f"{s['sequences']} sequences ({s['mode']}{checked}); values compared exactly as float64")
-    if args.map is not None:  # issue O: where this k3 and horizon sit on the collapse map
-        s["map"], map_text = compare_map(s, args.map)
+    if result.first_mismatch is not None:  # which token to look at first, as vexact.testing reports it
+        console.print("first mismatch: " + result.first_mismatch.describe(("rollout", "training")), markup=False,
+                      highlight=False, soft_wrap=True)
+    if args.map is not None:  # where this k3 and horizon sit on the collapse map
+        s["map"], map_text = compare_map(s, scaling_map, correction)
         console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []
     if args.png:

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from ..engine.inputs import padded_with_mask
-from ..engine.model import ModelConfig, ModelConfigError, Transformer, resolve_dtype, short_dtype_name
+from ..engine.model import ModelConfig, ModelConfigError, Transformer, parameter_count, resolve_dtype, short_dtype_name
 from ..rl.runlog import load_tensor_file
 
 # model_type -> the causal-LM class transformers builds for it (config.json "architectures").
@@ -443,12 +443,7 @@ def _read_bin(path: Path) -> dict[str, Tensor]:
 
 def _param_count(config: ModelConfig) -> int:
     """Parameters ``Transformer(config)`` has, by arithmetic (nothing is built)."""
-    h, q, kv, inter = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
-        config.intermediate_size
-    layer = 2 * h + 2 * q * h + 2 * kv * h + 3 * inter * h
-    layer += (q + 2 * kv) if config.qkv_bias else 0
-    layer += 2 * config.head_dim if config.qk_norm else 0
-    return config.vocab_size * h * (1 if config.tie_embeddings else 2) + h + config.num_layers * layer
+    return parameter_count(config)
 
 
 def _config_sizes(config: ModelConfig) -> str:

@@ -8,10 +8,15 @@ new one, whole, never an empty or partial one; two writers at once each rename t
 wins) instead of one renaming the other's away; a crash before the rename leaves the old file untouched and at most
 a ``.NAME.*.tmp`` file beside it, which no reader looks at. The modes a new file gets are the usual
 ``0o666 & ~umask`` (``apply_umask``), also for writers like safetensors that create 0600 files.
+
+A write that fails is an ``OSError`` naming the file it was writing (``WriteFailed``): a full disk or a file-size
+limit says which file, with the OS's reason. ``ENVIRONMENT_ERRNOS`` are the failures of the machine rather than of
+the input (the CLI's exit code 3).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -21,6 +26,40 @@ from pathlib import Path
 from typing import Any
 
 TEMP_SUFFIX = ".tmp"
+
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.ENOMEM})
+"""OS errors that are the machine's, not the input's: no space left, a disk quota, a file-size limit (``ulimit -f``:
+Python ignores SIGXFSZ, so the write fails with EFBIG), an I/O error, no memory."""
+
+
+class WriteFailed(OSError):
+    """Writing ``filename`` failed: the OS error (errno, reason) with the file it was writing, so the one error line
+    says which file (an OSError from ``write`` carries no file name)."""
+
+    def __init__(self, path: str | Path, err: OSError, note: str = ""):
+        super().__init__(err.errno, err.strerror or str(err), str(path))
+        self.note = note
+
+    def __str__(self) -> str:
+        limit = " (the file-size limit: ulimit -f)" if self.errno == errno.EFBIG else ""
+        return f"cannot write {self.filename}: {self.strerror}{limit}{'; ' + self.note if self.note else ''}"
+
+
+def write_file(path: str | Path, data: bytes) -> None:
+    """Create ``path`` with ``data`` and fsync it; a failure is ``WriteFailed`` naming the file. Written with
+    unbuffered ``os.write`` calls, so that nothing is left in a buffer to fail a second time when the file is
+    closed."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise WriteFailed(path, e) from None
 
 
 def fsync_path(path: Path) -> None:
@@ -68,11 +107,14 @@ def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
     path = Path(path)
     tmp = temp_name(path)
     try:
-        write(tmp)
-        apply_umask(tmp)
-        fsync_path(tmp)
-        _before_rename(tmp, path)
-        os.replace(tmp, path)
+        try:
+            write(tmp)
+            apply_umask(tmp)
+            fsync_path(tmp)
+            _before_rename(tmp, path)
+            os.replace(tmp, path)
+        except OSError as e:  # named by the file being published (the temp file's name means nothing to a user)
+            raise WriteFailed(path, e) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -82,7 +124,7 @@ def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
     """``publish`` ``data`` as the whole content of ``path``."""
-    return publish(path, lambda tmp: tmp.write_bytes(data))
+    return publish(path, lambda tmp: write_file(tmp, data))
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

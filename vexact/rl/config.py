@@ -33,7 +33,7 @@ import yaml
 
 import vexact_kernels
 
-from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
+from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError, check_fits
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
 from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, LOG_PPL_ABS_DIFF
 from .atomic import write_text_atomic
@@ -169,7 +169,8 @@ class RolloutSection:
 
     prompts_per_step: int = field(default=16, metadata=_bounds(min=1))
     samples_per_prompt: int = field(default=8, metadata=_bounds(min=1))
-    temperature: float = field(default=1.0, metadata=_bounds(min=0))
+    # > 0: greedy rollouts (0) give every sample of a prompt the same response, hence the same reward: no advantage
+    temperature: float = field(default=1.0, metadata=_bounds(gt=0))
     max_new_tokens: int = field(default=20, metadata=_bounds(min=1))
     batch_size: int | None = field(default=None, metadata=_bounds(min=1))
     backend: Backend | None = None
@@ -183,7 +184,9 @@ class AlgorithmSection:
     old_logprobs: Literal["rollout", "recompute"] = "rollout"
     advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
     std_normalize: bool = True
-    clip_low: float = field(default=0.2, metadata=_bounds(min=0))
+    # the ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_low >= 1 puts the lower bound at or below 0, which no
+    # ratio is under: it could never clip
+    clip_low: float = field(default=0.2, metadata=_bounds(min=0, lt=1))
     clip_high: float = field(default=0.28, metadata=_bounds(min=0))
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     kl_coef: float = field(default=0.0, metadata=_bounds(min=0))
@@ -394,6 +397,7 @@ class RunConfig:
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def check(self) -> None:
+        check_run_name(self.name, self.output_dir)
         if self.warm_start.trace_fraction is not None and self.task.name != "surge":
             raise ConfigError(f"trace_fraction needs task.name: surge (a task with a direct and a worked answer), "
                               f"got task {self.task.name!r}", "warm_start.trace_fraction")
@@ -426,7 +430,28 @@ class RunConfig:
             raise ConfigError(f"a leaf of {per_leaf} sequences (a mini-batch of {per_minibatch} / distributed.leaves "
                               f"{self.distributed.leaves}) cannot be cut into units of {self.algorithm.grad_unit}; "
                               f"set algorithm.grad_unit to a divisor of {per_leaf}, or null", "algorithm.grad_unit")
+        self._check_learning_signal()
         check_lengths(self)
+
+    def _check_learning_signal(self) -> None:
+        """Settings each valid alone whose combination can never learn or never inject: refused, naming the key."""
+        group, advantage = self.rollout.samples_per_prompt, self.algorithm.advantage
+        if advantage in ("grpo", "rloo") and group < 2:
+            raise ConfigError(f"algorithm.advantage {advantage!r} compares the samples of one prompt with each other: "
+                              f"a group of {group} sample has advantage 0 at every step, so nothing is learned; set "
+                              "rollout.samples_per_prompt >= 2 (or algorithm.advantage: reinforce)",
+                              "rollout.samples_per_prompt")
+        if advantage == "reinforce" and self.rollout.prompts_per_step * group < 2:
+            raise ConfigError("algorithm.advantage 'reinforce' centres each reward on the batch mean: a batch of 1 "
+                              "sample has advantage 0 at every step; set rollout.prompts_per_step or "
+                              "rollout.samples_per_prompt above 1", "rollout.prompts_per_step")
+        inject = self.inject
+        mode = INJECT_MODES[inject.mode]
+        baseline = mode.knob is not None and inject.value == 0 and inject.target is None  # explicitly nothing
+        if mode.injects and not baseline and inject.onset_step >= self.steps:
+            raise ConfigError(f"{inject.onset_step} is not before the last step ({self.steps - 1}: steps is "
+                              f"{self.steps}), so mode {inject.mode!r} would inject nothing; lower it or raise steps",
+                              "inject.onset_step")
 
     @property
     def policy_seed(self) -> int:
@@ -436,6 +461,45 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""
         return plain(self)
+
+
+def check_run_name(name: str, output_dir: str | None) -> None:
+    """``name`` picks the run directory runs/<name> unless ``output_dir`` is given: then it must be one plain folder
+    name (no separator, not ``.`` or ``..``), so that a run cannot land outside runs/. With ``output_dir`` it is a
+    label (a sweep point's is ``<sweep>/<point>``), still a relative path without ``..``. A ConfigError at ``name``."""
+    expected = ("a relative label (output_dir is set, so the name names no folder)" if output_dir else
+                "a plain folder name (the run goes to runs/<name>; to write elsewhere, set output_dir)")
+    parts = name.replace("\\", "/").split("/")
+    if not name or not name.strip():
+        problem = "an empty name"
+    elif "\0" in name or any(ord(c) < 32 for c in name):
+        problem = "a control character"
+    elif "\\" in name:
+        problem = "a backslash (a path separator on Windows)"
+    elif name.startswith("/"):
+        problem = "an absolute path"
+    elif any(part in ("", ".", "..") for part in parts):
+        problem = "a path that leaves the runs directory" if ".." in parts else "an empty or '.' path segment"
+    elif not output_dir and len(parts) > 1:
+        problem = "a path separator"
+    else:
+        return
+    raise ConfigError(f"expected {expected}, got {show_value(name)}: {problem}", "name")
+
+
+RUN_BYTES_PER_PARAMETER = 16
+"""Memory a run needs per parameter at least: the float32 master weights, their gradient and AdamW's two moments."""
+
+
+def check_memory(cfg: RunConfig) -> None:
+    """Before a run (or a sweep) allocates anything: its model's parameters, at ``RUN_BYTES_PER_PARAMETER`` (plus a
+    bfloat16 compute copy), must fit in the memory this machine has available now (``engine.model.check_fits``).
+    Not part of loading a config, which stays valid on any machine (a report reads config.yaml anywhere)."""
+    task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit, cfg.task.distractors)
+    copy = 0 if cfg.dtype == "float32" else 2
+    check_fits(cfg.model.to_model_config(task.tokenizer.vocab_size), RUN_BYTES_PER_PARAMETER + copy,
+               f"a run's float32 weights, gradient and AdamW moments{' and bfloat16 copy' if copy else ''}",
+               where="model", vocab=f"the vocabulary of task {cfg.task.name}")
 
 
 def check_lengths(cfg: RunConfig) -> None:

@@ -1,4 +1,4 @@
-"""A task whose response horizon is a knob and whose answer does not get harder with it (issue O).
+"""A task whose response horizon is a knob and whose answer does not get harder with it.
 
 The longer ``sum`` trace is no horizon knob: a longer input makes the *answer* harder, so reward falls with T and
 one cannot tell a longer horizon from a harder problem. ``horizon`` separates the two:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -22,9 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 
-from .atomic import apply_umask, fsync_path, json_safe, write_json_atomic, write_text_atomic
+from .atomic import WriteFailed, apply_umask, fsync_path, json_safe, write_file, write_json_atomic, write_text_atomic
 from .log_backends import open_backends, scalars
 from .metrics_log import MetricsDamaged, complete_lines, parse_lines, read_metrics
 
@@ -166,7 +168,12 @@ class MetricsWriter:
         live_views = config is not None and any(name != "jsonl" for name in config.logging.backends)
         self._backends = open_backends(path.parent, config, read_metrics(path)) if live_views else []
         try:
-            self._file = open(path, "a")  # noqa: SIM115 -- closed in close()
+            # unbuffered: a write that fails (a full disk) fails once, naming the file, and leaves nothing in a
+            # buffer for close() to fail on again
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as e:
+            self._close_backends()
+            raise WriteFailed(path, e) from None
         except BaseException:
             self._close_backends()
             raise
@@ -189,9 +196,15 @@ class MetricsWriter:
         write_text_atomic(path, "".join(line + "\n" for line in lines[:next_step]))
 
     def write(self, metrics: dict) -> None:
-        self._file.write(json.dumps(json_safe(metrics), sort_keys=True) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """One line, appended and fsynced; a failure is ``WriteFailed`` naming metrics.jsonl (a part of the line
+        that reached the disk is a torn last line, which every reader and resume leave out)."""
+        line = memoryview((json.dumps(json_safe(metrics), sort_keys=True) + "\n").encode())
+        try:
+            while line:
+                line = line[os.write(self._fd, line):]
+            os.fsync(self._fd)
+        except OSError as e:
+            raise WriteFailed(self.path, e) from None
         if self._backends:  # after the fsync: the record is safe before any live view sees the step
             values = scalars(metrics)
             for backend in self._backends:
@@ -203,7 +216,7 @@ class MetricsWriter:
 
     def close(self) -> None:
         try:
-            self._file.close()
+            os.close(self._fd)
         finally:
             self._close_backends()
 
@@ -257,35 +270,33 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     state: dict) -> Path:
     """Publish checkpoint ``step-<state['next_step']>``: weights (safetensors), optimizer state (torch.save; read
-    back weights-only), trainer state (JSON) and a manifest of their hashes, renamed into place in one step."""
+    back weights-only), trainer state (JSON) and a manifest of their hashes, renamed into place in one step.
+
+    Every file is serialized in memory and written by ``atomic.write_file``, so a write that fails (a full disk, a
+    file-size limit) is one ``WriteFailed`` naming the file and the OS error, and the unpublished directory is
+    removed: the previous checkpoints stay as they were, and nothing partial is left."""
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteFailed(root, e) from None
     name = f"step-{int(state['next_step']):08d}"
     partial = root / f".partial-{name}"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir()
-    save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, str(partial / CHECKPOINT))
-    apply_umask(partial / CHECKPOINT)
-    fsync_path(partial / CHECKPOINT)
-    _write_boundary(CHECKPOINT)
-    files = [CHECKPOINT]
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), partial / OPTIMIZER)
-        fsync_path(partial / OPTIMIZER)
-        _write_boundary(OPTIMIZER)
-        files.append(OPTIMIZER)
-    (partial / TRAINER_STATE).write_text(json.dumps(json_safe(state), indent=2, sort_keys=True))
-    fsync_path(partial / TRAINER_STATE)
-    _write_boundary(TRAINER_STATE)
-    files.append(TRAINER_STATE)
-    manifest = {"format": CHECKPOINT_FORMAT, "next_step": int(state["next_step"]),
-                "sha256": {f: file_sha256(partial / f) for f in files}}
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    fsync_path(partial / MANIFEST)
-    fsync_path(partial)
-    _write_boundary(MANIFEST)
     final = root / name
+    try:
+        try:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir()
+            _write_checkpoint_files(partial, model, optimizer, state)
+        except OSError as e:  # named as the file of the checkpoint it would have been
+            where = final / Path(e.filename).name if e.filename and Path(e.filename).parent == partial else root
+            raise WriteFailed(where, e, "the checkpoint is not published (nothing partial is left); the earlier "
+                              "checkpoints are kept, and --resume continues from the newest once there is room") \
+                from None
+    except Exception:  # an error (not a kill, which tests stand in for with BaseException): leave nothing partial
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if final.exists():  # the same step saved again (e.g. a collapse stop on a checkpoint step): replace it
         stale = root / f".stale-{name}"
         os.replace(final, stale)
@@ -297,6 +308,30 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     for old in checkpoint_dirs(run_dir)[KEEP_CHECKPOINTS:] + leftovers:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_checkpoint_files(partial: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                            state: dict) -> None:
+    """The checkpoint's files in ``partial``, each written and fsynced, the manifest last."""
+    write_file(partial / CHECKPOINT, save_tensors({k: v.detach().contiguous()
+                                                   for k, v in model.state_dict().items()}))
+    apply_umask(partial / CHECKPOINT)
+    _write_boundary(CHECKPOINT)
+    files = [CHECKPOINT]
+    if optimizer is not None:
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        write_file(partial / OPTIMIZER, buffer.getvalue())
+        _write_boundary(OPTIMIZER)
+        files.append(OPTIMIZER)
+    write_file(partial / TRAINER_STATE, json.dumps(json_safe(state), indent=2, sort_keys=True).encode())
+    _write_boundary(TRAINER_STATE)
+    files.append(TRAINER_STATE)
+    manifest = {"format": CHECKPOINT_FORMAT, "next_step": int(state["next_step"]),
+                "sha256": {f: file_sha256(partial / f) for f in files}}
+    write_file(partial / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    fsync_path(partial)
+    _write_boundary(MANIFEST)
 
 
 def verify_checkpoint(directory: Path) -> str | None:

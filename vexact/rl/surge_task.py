@@ -1,4 +1,4 @@
-"""A task where the response length is what RL learns (issue R: "the length surge, reproduced").
+"""A task where the response length is what RL learns (the length surge, reproduced).
 
 In reasoning RL the mean response length *surges* ("Beyond Precision", paper 003: 1,000 -> 3,000-4,000 tokens in a
 few steps) because longer reasoning earns more reward. ``sum``'s trace earns nothing over a direct answer, so on it

@@ -328,8 +328,8 @@ class SumTask(_DigitStringTask):
         return len(sums) + self.max_len - 1 + 1 + len(str(9 * self.max_len))
 
 
-from .horizon_task import ScratchpadTask  # noqa: E402  (issue O: the horizon knob, in its own module)
-from .surge_task import SurgeTask  # noqa: E402  (issue R: the length surge, in its own module)
+from .horizon_task import ScratchpadTask  # noqa: E402  (the horizon knob, in its own module)
+from .surge_task import SurgeTask  # noqa: E402  (the length surge, in its own module)
 
 TASKS: Registry[type[Task]] = Registry("task", "task.name", "vexact.register_task")
 """``task.name`` -> its ``Task`` class: the one list of tasks (config validation and the docs read it)."""

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from vexact_kernels import TRITON_PIP, triton_installed
+
 from .inject_modes import INJECT_MODES
 from .tasks import Task, max_answer_tokens, max_prompt_tokens
 from .warmstart import warm_start_cache_path
@@ -91,6 +93,12 @@ def check_interpreted_triton(cfg: RunConfig, task: Task, console: Console | None
     on ``console``. Raises ValueError (before anything is written) when the estimate exceeds ``REFUSE_ABOVE_S`` and
     ``VEXACT_ALLOW_SLOW_TRITON=1`` is not set."""
     uses_triton = "triton" in (cfg.backend, cfg.rollout.backend, *_inject_backends(cfg))
+    if uses_triton and not triton_installed():  # before any estimate: without the package nothing runs at all
+        key = "backend" if cfg.backend == "triton" else "rollout.backend" if cfg.rollout.backend == "triton" else \
+            "inject.kernel_backend"
+        raise ValueError(f"config error at '{key}': triton asks for the Triton kernels, which need the triton "
+                         f"package, not installed here: {TRITON_PIP} (or backend: exact, the same bitwise guarantee "
+                         "on a CPU)")
     if not uses_triton or not interpreting():
         return None
     cost = estimate(cfg, task)

@@ -1,4 +1,4 @@
-"""A vocabulary tail: distractor tokens the policy learns to avoid (issue O, item 6; ``task.distractors``).
+"""A vocabulary tail: distractor tokens the policy learns to avoid (``task.distractors``).
 
 Real vocabularies hold 50k–150k tokens, and most of them are, at any position, very unlikely: a long tail of small
 probabilities. Mismatch lives there too (a flatter or noisier rollout distribution moves mass into the tail, and

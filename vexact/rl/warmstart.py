@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
-from .atomic import publish
+from .atomic import publish, write_file
 from .config import RunConfig, config_hash
 from .optim import ExactAdamW, clip_gradients_
 from .surge_task import mixed_targets
@@ -23,6 +24,12 @@ from .tasks import Problem, Task, encode_prompt, encode_target, training_problem
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
 CACHE_VERSION = 4  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
 # (4: a GEMM class right only at 1 thread takes the single-thread library path instead of the fixed-order one)
+
+
+def save_file(tensors: dict[str, torch.Tensor], filename: str) -> None:
+    """safetensors' ``save_file``, written by ``atomic.write_file``: a write that fails (a full disk, a file-size
+    limit) is an OSError naming the file, not the library's own error."""
+    write_file(filename, save_tensors(tensors))
 
 
 def warm_start_key(cfg: RunConfig) -> str:

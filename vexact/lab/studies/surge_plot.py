@@ -1,11 +1,11 @@
-"""The length surge of a sweep's runs in one figure (issue R): mean response length and reward against the step.
+"""The length surge of a sweep's runs in one figure: mean response length and reward against the step.
 
 ``vexact report`` plots the clean eval reward; a surge is read from the length, so this draws, per run, the mean
 rollout response length (top), the rollout reward (middle) and the clean eval reward (bottom), with each run's
 ``length_surge_step`` (the collapse detector's rule, shared by the length-triggered LR schedule) marked, and one
-colour per group. Run: ``python -m vexact.lab.surge_plot SWEEP_DIR OUT.png``.
+colour per group. Run: ``python -m vexact.lab.studies.surge_plot SWEEP_DIR OUT.png``.
 
-``python -m vexact.lab.surge_plot SWEEP_DIR --table`` prints instead, as markdown, each group's surge statistics
+``python -m vexact.lab.studies.surge_plot SWEEP_DIR --table`` prints instead, as markdown, each group's surge statistics
 from ``vexact.lab.dynamics.surge_dynamics`` (what ``dynamics.json`` holds under ``surge``): runs surged, the
 median surge step, collapse leads, and each quantity's mean before / during / after the surge with the
 after/before ratio; and per run the issue's contract: the start length (mean of the first ``EDGE`` steps), the top
@@ -18,9 +18,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..metric_keys import EVAL_REWARD_MEAN, RESPONSE_LENGTH_MEAN, REWARD_MEAN
-from .dynamics import PHASES, SURGE_TRACKED, surge_dynamics
-from .report import _series, read_sweep_results
+from ...metric_keys import EVAL_REWARD_MEAN, RESPONSE_LENGTH_MEAN, REWARD_MEAN
+from ..dynamics import PHASES, SURGE_TRACKED, surge_dynamics
+from ..sweep_data import metric_series, read_sweep_results
 
 EDGE = 5  # steps averaged for the start length and the trailing mean of the rise
 PANELS = ((RESPONSE_LENGTH_MEAN, "mean response length (tokens)"), (REWARD_MEAN, "rollout reward"),
@@ -43,7 +43,7 @@ def plot_surge(sweep_dir: str | Path, out: str | Path) -> Path:
         for i, point in enumerate(p for p in points if p.metrics):
             surge = point.collapse.get("length_surge_step")
             for ax, (key, _) in zip(axes, PANELS):
-                steps, vals = _series(point, key)
+                steps, vals = metric_series(point, key)
                 ax.plot(steps, vals, color=colour, lw=1.2, alpha=0.8, label=label if i == 0 and ax is axes[0] else None)
                 if isinstance(surge, int):
                     ax.axvline(surge, color=colour, ls=":", lw=0.8)
@@ -68,7 +68,7 @@ def surge_table(sweep_dir: str | Path) -> str:
         if not p.has_result:
             continue
         r = rise(p)
-        evals = _series(p, EVAL_REWARD_MEAN)[1]
+        evals = metric_series(p, EVAL_REWARD_MEAN)[1]
         peak = p.collapse.get("peak_reward")
         lines.append(f"| {p.name} | {r['start']:.2f} | {r['top']:.2f} | {r['top'] / r['start']:.2f}× | "
                      f"{r['rise_steps']} | {r['rise_steps'] / p.run_length:.0%} | "
@@ -93,7 +93,7 @@ def surge_table(sweep_dir: str | Path) -> str:
 
 def rise(point) -> dict:
     """Start length, top length and the 10-90% rise time in steps of one run (see the module docstring)."""
-    steps, vals = _series(point, RESPONSE_LENGTH_MEAN)
+    steps, vals = metric_series(point, RESPONSE_LENGTH_MEAN)
     trail = [sum(vals[max(0, i - EDGE + 1):i + 1]) / len(vals[max(0, i - EDGE + 1):i + 1]) for i in range(len(vals))]
     start, top = sum(vals[:EDGE]) / len(vals[:EDGE]), max(trail)
     lo, hi = start + 0.1 * (top - start), start + 0.9 * (top - start)
@@ -113,7 +113,7 @@ def _fmt(v: float | None, ratio: bool = False) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m vexact.lab.surge_plot SWEEP_DIR (OUT.png | --table)", file=sys.stderr)
+        print("usage: python -m vexact.lab.studies.surge_plot SWEEP_DIR (OUT.png | --table)", file=sys.stderr)
         return 2
     if not (Path(args[0]) / "sweep.json").exists():
         print(f"error: {args[0]} is not a sweep directory (no sweep.json)", file=sys.stderr)

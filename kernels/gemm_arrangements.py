@@ -1,0 +1,513 @@
+"""The exact CPU kernels' matrix products: fixed GEMM tile arrangements, and the faster ones the guard admits.
+
+Three products serve the ops of ``cpu_exact``:
+
+- ``tiled_matmul``: x @ W.T, a linear layer's forward and its input gradient (rows = tokens);
+- ``transposed_matmul``: a.T @ b, a linear layer's weight gradient (a reduction over the tokens);
+- ``batched_matmul``: a @ b per batch entry, attention's backward products.
+
+Each has a *canonical arrangement*: rows zero-padded to whole row tiles (``row_block``), output columns to a
+multiple of ``COL_BLOCK``, a reduction over tokens cut into fixed chunks added by a halving tree, every operand
+contiguous and ``ALIGNMENT``-aligned -- so an output element's reduction runs through the same GEMM kernel in the
+same order whatever the batch, provided the host's GEMM gives a row the same bits for every tile height, position
+and tile count (the guard's ``gemm_rows`` probe, per shape class; where it fails, ``host.bmm`` runs the fixed-order
+GEMM). Why these tile shapes, with the measurements behind them: docs/reference/kernels.md, "Why these tiles".
+
+A *faster arrangement* of the same library calls (fewer copies, one GEMM instead of many) runs only where the
+guard's ``same_bits`` probe found that it gives the canonical arrangement's bits for the class
+(``HostGuard.arrangement_agrees``), so no result depends on it:
+
+- ``tiled_matmul``'s tiles stacked into one GEMM (``_stacked_matmul``), with the weight as stored where it is an
+  input gradient's (no transposing copy);
+- ``transposed_matmul``'s chunk GEMMs on views of its inputs (``_transposed_matmul_views``), the last chunk on its
+  real rows where that length agrees too.
+
+A third form is no arrangement of its own but the same tiles grouped into other calls (``transposed_matmul``'s
+tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers.
+Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
+around the GEMM run in one compiled call on the same operands (``compiled_loops``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import compiled_loops
+from .compiled_loops import tree_sum as _tree_sum
+from .host_guard import HostGuard, operand_layout
+
+# --------------------------------------------------------------------------- the tile shapes
+ROW_BLOCKS = (4, 8, 16, 32, 64)
+"""GEMM tile heights: a call's rows are padded to the smallest that holds them, else to 64-row tiles. Small tiles
+keep a decode step from multiplying rows it does not have; heights 1 and 2 are left out because they ran a narrower
+kernel with other bits on MKL, and 64 is the tallest tile the guard's probe covers (``host_guard.PROBE_ROWS``)."""
+COL_BLOCK = 16
+"""Output columns (and attention's reductions) are zero-padded to a multiple of this: the fp32 width of an AVX-512
+register. MKL ran columns of widths that are not multiples of 16 through a narrower kernel at some thread counts."""
+ALIGNMENT = 64
+"""Bytes: every GEMM operand starts on this boundary, as every fresh tensor from torch's CPU allocator does (the
+guard probes fresh tensors): a BLAS may take another path for a misaligned operand."""
+MIN_REDUCE_BLOCK, REDUCE_BLOCK = 64, 256
+"""Tokens per chunk of a weight gradient's reduction: the smallest power of two from ``MIN_REDUCE_BLOCK`` holding the
+tokens, at most ``REDUCE_BLOCK`` (``_reduction_block``). Three fixed chunk lengths, so the guard probes few classes,
+and a batch of up to 256 tokens is one chunk (no tree)."""
+
+# --------------------------------------------------------------------------- where an arrangement pays
+ROW_TILE_CALLS_FROM = 1 << 20
+"""Elements (4 MiB of fp32). The canonical weight gradient holds every (chunk, row tile) pair in one GEMM call, so it
+copies each chunk's right operand once per row tile: (row tiles - 1) x chunks x K_pad x chunk extra elements. Above
+this many, one call per row tile runs instead (the same tiles, ``_transposed_matmul_by_row_tile``); below it the
+extra calls cost more than the copy. The zero_mismatch model's widest layers (gate and up: N = 176, three row tiles,
+K = 64) add 2 x 64 x 256 = 32,768 elements per 256-token chunk, so they stay below it up to 31 chunks (7,936 tokens
+per gradient); llama100m's LM head is far above it (767 x 2 x 576 x 256, about 2.3e8, for 312 tokens)."""
+STACKED_MACS_MAX = 1 << 34
+"""Multiply-adds (about 1.7e10): the largest linear layer whose tiles may run as one GEMM. Its ``same_bits`` probe
+(per tile count) costs about three GEMMs of the layer's size at first use, a one-time cost that this bounds."""
+VIEW_SLAB_ROWS = 4096
+"""A weight gradient on views cuts its N output rows into slabs of this many, each its own GEMM calls and tree, to
+bound the partial products held at once (llama's LM head: N = 49152, 12 slabs)."""
+VIEW_PARTIALS_MAX = 1 << 24
+"""Partial-product elements per slab (chunks x slab rows x K: 64 MiB of fp32), a memory bound: a weight gradient with
+more runs the canonical tiles instead."""
+
+# --------------------------------------------------------------------------- the same_bits probes' inputs
+ARRANGEMENT_PROBE_SEED = 20261126
+"""The seed of the same_bits probes' inputs. Any fixed seed would do: the values must be random (every mantissa bit
+in play, so another rounding shows) and the same in every process (a verdict must not depend on the run); the
+digits are the date the probe was written, nothing more."""
+VIEW_PROBE_CHUNKS = 2
+"""Whole chunks in a views probe (where the chunk is ``REDUCE_BLOCK``, so there are several), plus a partial one."""
+
+
+# --------------------------------------------------------------------------- operands
+def fp32(x: Tensor) -> Tensor:
+    """``x`` in fp32 (itself when it is): the kernels compute in fp32 and round once to the output dtype."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def row_block(rows: int, heights: tuple[int, ...] = ROW_BLOCKS) -> int:
+    """GEMM tile height for ``rows`` rows: the smallest of ``heights`` (the guard's allowed heights for the GEMM's
+    shape class, a subset of ``ROW_BLOCKS``) that holds them, else the largest."""
+    for block in heights:
+        if rows <= block:
+            return block
+    return heights[-1]
+
+
+def gemm_class(k: int, n: int, *, transposed: bool) -> Tensor:
+    """A [1, K, N] tensor with the shape and layout of a GEMM's right operand, to ask the guard about the GEMM's class
+    (``HostGuard.tile_heights`` and ``library_gemm`` read only an operand's shape and layout, never its values).
+
+    ``transposed``: K contiguous, as a weight [N, K] seen transposed -- overlapping strides over k + n elements, so
+    a class as large as llama's LM head (113 MB) is asked about without laying the operand out. Else row-major: a
+    fresh [1, K, N] tensor."""
+    if transposed:
+        return torch.empty(k + n).as_strided((1, k, n), (0, 1, 1))
+    return torch.empty(1, k, n)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself when contiguous and starting at an ``ALIGNMENT``-byte boundary (as every fresh torch CPU
+    allocation does), else a fresh contiguous copy."""
+    if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``torch.constant_pad_nd(x, ...)`` with zeros after the end of each dim up to ``shape``: the same values and
+    layout (a fresh contiguous tensor; with nothing to pad, a clone, as constant_pad_nd gives), with zeros written
+    only where ``x`` is not -- constant_pad_nd fills the whole tensor first, a second pass over memory that cost as
+    much as the copy on small tensors."""
+    if tuple(shape) == tuple(x.shape):
+        return x.clone()
+    loops = compiled_loops.library()
+    if loops is not None:  # the same copy in one pass (compiled_loops)
+        return loops.padded_copy(x, shape)
+    out = x.new_empty(shape)
+    out[tuple(slice(0, size) for size in x.shape)].copy_(x)
+    zero_outside(out, x.shape)
+    return out
+
+
+def _padded_or_aligned(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A GEMM operand: ``x`` zero-padded to ``shape`` (a fresh copy), or ``x`` contiguous and aligned where it has
+    that shape already (``_aligned``: itself, or a contiguous copy)."""
+    return _aligned(x) if tuple(shape) == tuple(x.shape) else _zero_padded(x, shape)
+
+
+def _padded_operand(x: Tensor, shape: tuple[int, ...], full: Tensor | None) -> Tensor:
+    """``x`` zero-padded to ``shape``: ``full`` itself where it is that tensor already (the caller's zero-padded
+    buffer of which ``x`` is the leading corner, contiguous and aligned, as a fresh copy would be), else a copy
+    (``_zero_padded``: with nothing to pad, a clone that keeps ``x``'s strides, whose layout the guard then
+    classes)."""
+    if (full is not None and tuple(full.shape) == tuple(shape) and full.is_contiguous()
+            and full.data_ptr() % ALIGNMENT == 0):
+        return full
+    return _zero_padded(x, shape)
+
+
+def zero_outside(out: Tensor, corner: tuple[int, ...]) -> None:
+    """Zero ``out`` everywhere but its leading ``corner`` (each element once)."""
+    for dim, (size, total) in enumerate(zip(corner, out.shape)):
+        if total > size:  # this dim's padding, where every earlier dim holds data
+            out[(*(slice(0, s) for s in corner[:dim]), slice(size, total))].zero_()
+
+
+def _seeded_randn(*shapes: tuple[int, ...]) -> list[Tensor]:
+    """Standard normal tensors of ``shapes``, drawn in order from one generator seeded ``ARRANGEMENT_PROBE_SEED``."""
+    gen = torch.Generator().manual_seed(ARRANGEMENT_PROBE_SEED)
+    return [torch.randn(*shape, generator=gen) for shape in shapes]
+
+
+# --------------------------------------------------------------------------- x @ W.T: a linear layer's rows
+def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> Tensor:
+    """fp32 x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``row_block(M)``.
+
+    Canonically one ``host.bmm`` over ceil(M / R) zero-padded row tiles, the (transposed, column-padded) weight
+    shared by every tile: each output element's K-reduction runs through the same GEMM kernel whatever M is (BLAS
+    where the probe passed, else the fixed-order GEMM). Both operands are contiguous and aligned, as in the probe,
+    so a view into a larger tensor never reaches the GEMM.
+
+    Where the class runs torch's own GEMM: the tiles stacked into one GEMM where the guard found their bits
+    (``_stacked_agrees``) -- first on the weight as given, where it is row-major already (an input gradient's W,
+    whose canonical operand is its transposed copy) -- else the canonical steps in one compiled call."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    n_pad = ceil_to(n, COL_BLOCK)
+    loops = compiled_loops.library()
+    given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
+    if (loops is not None and n_pad == n and weight.dtype == torch.float32 and given.is_contiguous()
+            and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
+        if (record := host.library_gemm(x.dtype, gemm_class(k, n, transposed=True), True, op)) is not None:
+            block = row_block(rows, record.tile_heights)
+            blocks = -(-rows // block)
+            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op):
+                return _stacked_matmul(x, given.unsqueeze(0), blocks * block, n)
+    w = fp32(weight)
+    w = _padded_or_aligned(w, (n_pad, w.shape[1]))
+    operand = w.t().unsqueeze(0)  # [1, K, N_pad]
+    if loops is not None and (record := host.library_gemm(x.dtype, operand, True, op)) is not None:
+        block = row_block(rows, record.tile_heights)
+        blocks = -(-rows // block)
+        if (blocks > 1 and blocks * block * k * n_pad <= STACKED_MACS_MAX
+                and _stacked_agrees(blocks, block, k, n_pad, transposed=operand_layout(operand) == "transposed",
+                                    row_major=False, host=host, op=op)):
+            return _stacked_matmul(x, operand, blocks * block, n)
+        # the library GEMM: the steps below in one compiled call, on the same operands
+        return loops.tiled_matmul(x, operand, block, n)
+    block = row_block(rows, host.tile_heights(x.dtype, operand, True, op))
+    blocks = -(-rows // block)
+    x = _padded_or_aligned(x, (blocks * block, k))
+    out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
+    out = out.view(blocks * block, n_pad)
+    return out[:rows] if n_pad == n else out[:rows, :n]
+
+
+def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
+                    host: HostGuard, op: str) -> bool:
+    """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
+    ``tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major) for this
+    class on this host; ``row_major``: with the operand's values in the row-major layout (an input gradient's weight
+    as it is, where the canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile
+    count, tile height, K, N_pad, layouts), on seeded inputs.
+
+    The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
+    once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens), and the weight as it is saves a
+    transposing copy of it. Where the library's result for a row would differ, the probe sees it and the tiles
+    run."""
+
+    def inputs(layout_transposed: bool) -> tuple[Tensor, Tensor]:
+        x, w = _seeded_randn((blocks * block, k), (n_pad, k))  # w: the weight's values, [N_pad, K]
+        return x, (w.t() if layout_transposed else w.t().contiguous()).unsqueeze(0)
+
+    def tiles() -> Tensor:
+        x, w = inputs(transposed)
+        return torch.bmm(x.view(blocks, block, k), w.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
+
+    def stacked() -> Tensor:
+        x, w = inputs(transposed and not row_major)
+        return _stacked_matmul(x, w, blocks * block, n_pad)
+
+    layout = "transposed" if transposed else "row-major"
+    given = ", the weight as given (row-major)" if row_major else ""
+    return host.arrangement_agrees("linear tiles stacked in one GEMM",
+                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} float32", tiles, stacked, op)
+
+
+def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
+    """``tiled_matmul``'s tiles as one GEMM: x zero-padded to ``padded_rows`` (the tiles' rows) @ operand[0], sliced
+    to [M, n]. Used only where ``_stacked_agrees`` found the tiles' bits."""
+    rows, k = x.shape
+    out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand[0])
+    return out[:rows] if out.shape[1] == n else out[:rows, :n]
+
+
+# --------------------------------------------------------------------------- a.T @ b: a weight gradient
+def _reduction_block(rows: int) -> int:
+    """Rows per chunk of a reduction over ``rows`` tokens: the smallest power of two from ``MIN_REDUCE_BLOCK`` holding
+    them, else ``REDUCE_BLOCK``."""
+    block = MIN_REDUCE_BLOCK
+    while block < min(rows, REDUCE_BLOCK):
+        block *= 2
+    return block
+
+
+def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
+    """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
+
+    The canonical arrangement is ``_transposed_matmul_tiles``. Where this GEMM class runs the library GEMM and the
+    guard found that ``_transposed_matmul_views`` (the same chunk GEMMs on views, without the transposing copies and
+    row tiles) gives its bits, that arrangement runs instead (``HostGuard.arrangement_agrees``): first with the
+    last, partial chunk's GEMM on its real rows only (a shorter reduction: it gives the padded one's bits on some
+    hosts for some lengths, so that is probed per length), else with that chunk zero-padded. No bit changes.
+    ``b_source``: the tensor ``b`` was derived from (``_reduction_operand``)."""
+    rows, n = a.shape
+    k = b.shape[1]
+    block = _reduction_block(rows)
+    chunks = -(-rows // block)
+    views_fit = chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX
+    # the views call torch's GEMM themselves: only where the canonical tiles' class runs it (their right operand,
+    # [block, K_pad] per tile: K_pad rows of ``block`` tokens, the transposed layout)
+    b_class = gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
+    if views_fit and host.library_gemm(torch.float32, b_class, False, op) is not None:
+        tail = rows % block
+        if tail and _views_agree(block, n, k, tail, host, op):
+            return _transposed_matmul_views(a, b, block, unpadded_tail=True)
+        if _views_agree(block, n, k, None, host, op):
+            return _transposed_matmul_views(a, b, block, unpadded_tail=False)
+    return _transposed_matmul_tiles(a, b, host, op, b_source)
+
+
+def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
+    """The canonical arrangement of ``transposed_matmul``.
+
+    A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.
+    Rows are cut into chunks of ``_reduction_block(M)`` (zero-padded). Each chunk is a GEMM tile product whose
+    K-reduction has that fixed length, [R, block] @ [block, K] for every R-row tile of the N output rows (one
+    ``host.bmm`` call for all chunks: a probed shape class, or the fixed-order GEMM), and the chunks' partial
+    products are added by a halving tree in chunk order. So each output element depends only on the two columns
+    it reduces -- never on the thread count (or where thread boundaries fall).
+
+    The GEMM operands are laid out by ``_chunks_transposed`` in one copy each (the price of exactness is mostly such
+    passes over memory on small models); their values, shapes, strides and alignment are the ones a plain
+    pad-transpose-copy composition gives (``tests/test_exact_price_bits.py`` compares the two, call by call), so
+    the library call and every bit of its result are unchanged. ``b_source``: the tensor ``b`` was derived from (a
+    linear layer's saved input); layers that share an input (q, k and v; gate and up) then share b's layout
+    (``_reduction_operand``)."""
+    rows, n = a.shape
+    k = b.shape[1]
+    block = _reduction_block(rows)
+    chunks = -(-rows // block)
+    padded = chunks * block
+    k_pad = ceil_to(k, COL_BLOCK)
+    b_class = gemm_class(block, k_pad, transposed=True)  # [block, K_pad] per tile: K_pad rows of ``block`` tokens
+    loops = compiled_loops.library()
+    record = host.library_gemm(a.dtype, b_class, False, op) if loops is not None else None
+    heights = record.tile_heights if record is not None else host.tile_heights(a.dtype, b_class, False, op)
+    height = row_block(n, heights)
+    row_tiles = -(-n // height)
+    if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
+        return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
+    if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
+        b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
+        return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k)
+    if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
+        # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
+        contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
+        a_rows = a if contiguous else _zero_padded(a, (padded, n))
+        a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
+    else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles, contiguous
+        a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
+    # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
+    # one chunk: an expanded view, as reshape gives)
+    b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
+    out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
+    parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
+    return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None,
+                                   block: int, height: int, k_pad: int) -> Tensor:
+    """``_transposed_matmul_tiles`` for several chunks and several row tiles: the same GEMM tiles (the same operands,
+    tile by tile) in one ``host.bmm`` call per row tile, over the chunks, then the same halving tree over the chunks.
+
+    One call for every (chunk, row tile) pair needs each chunk's right operand copied once per row tile (a
+    per-tile operand, as probed); per row tile, every chunk's operand appears once, so the laid-out operand is
+    passed as it is (``ROW_TILE_CALLS_FROM`` says where that pays). A tile's rows do not depend on how many tiles
+    share its call (a probed property the kernels rely on everywhere: a call's tile count follows the batch), so no
+    bit changes (``tests/test_exact_price_bits.py`` compares the tiles)."""
+    rows, n = a.shape
+    k = b.shape[1]
+    chunks = -(-rows // block)
+    row_tiles = -(-n // height)
+    a_tiles = _row_tiles_transposed(a, block, chunks, row_tiles, height)  # [row_tiles, chunks, height, block]
+    b_operand = _reduction_operand(b, block, chunks, k_pad, 1, b_source).transpose(1, 2)  # [chunks, block, K_pad]
+    out = a.new_empty(n, k)
+    for tile in range(row_tiles):
+        parts = host.bmm(a_tiles[tile], b_operand, op=op, shared_operand=False)  # [chunks, height, K_pad]
+        first = tile * height
+        last = min(n, first + height)
+        out[first:last] = _tree_sum(parts[:, : last - first, :k], dim=0)
+    return out
+
+
+def _row_tiles_transposed(a: Tensor, block: int, chunks: int, row_tiles: int, height: int) -> Tensor:
+    """[row_tiles, chunks, height, block]: out[r, c, i, j] = a[c * block + j, r * height + i], zero where ``a`` [M, N]
+    has no element -- the tiles of ``_chunks_transposed(a, block, chunks, row_tiles * height)``, row tile major, in
+    one strided copy per region (whole chunks and row tiles, the last partial chunk, the last partial row tile)."""
+    rows, n = a.shape
+    out = a.new_empty(row_tiles, chunks, height, block)
+    full, tail = divmod(rows, block)
+    whole, rest = divmod(n, height)
+    body, cut = full * block, whole * height  # the rows of whole chunks, the columns of whole row tiles
+    if full and whole:
+        out[:whole, :full].copy_(a[:body, :cut].view(full, block, whole, height).permute(2, 0, 3, 1))
+    if tail and whole:
+        out[:whole, full, :, :tail].copy_(a[body:, :cut].view(tail, whole, height).permute(1, 2, 0))
+        out[:whole, full, :, tail:].zero_()
+    if rest and full:
+        out[whole, :full, :rest].copy_(a[:body, cut:].view(full, block, rest).permute(0, 2, 1))
+    if rest and tail:
+        out[whole, full, :rest, :tail].copy_(a[body:, cut:].t())
+        out[whole, full, :rest, tail:].zero_()
+    if rest:
+        out[whole, :, rest:].zero_()
+    return out
+
+
+# The right operand of the last weight gradient per input tensor (weakly keyed: gone with the tensor), see below.
+_REDUCTION_OPERANDS = WeakIdKeyDictionary()
+
+
+def _reduction_operand(b: Tensor, block: int, chunks: int, k_pad: int, row_tiles: int,
+                       source: Tensor | None) -> Tensor:
+    """[chunks * row_tiles, K_pad, block]: each ``block``-row chunk of ``b`` [M, K] transposed (``_chunks_transposed``),
+    once per row tile of the left operand -- the right operand of ``_transposed_matmul_tiles``' GEMM.
+
+    Laying it out is a transposing copy (and a copy per row tile), as long as the GEMM itself on the default model.
+    The layers that read one input (q, k and v; gate and up) need the same operand for their weight gradients, one
+    after the other in the backward, so it is kept per ``source`` (the input tensor ``b`` was derived from) and
+    reused while the source is unchanged (its version counter) and the layout asked for is the same. The values
+    are those of a fresh layout, so no bit changes; the entry goes when the source tensor is freed."""
+    key = (source._version, tuple(b.shape), b.dtype, block, k_pad, row_tiles) if source is not None else None
+    if key is not None and (hit := _REDUCTION_OPERANDS.get(source)) is not None and hit[0] == key:
+        return hit[1]
+    b_t = _chunks_transposed(b, block, chunks, k_pad)
+    tiles = b_t.unsqueeze(1).expand(chunks, row_tiles, k_pad, block).reshape(chunks * row_tiles, k_pad, block)
+    if key is not None:
+        _REDUCTION_OPERANDS[source] = (key, tiles)
+    return tiles
+
+
+def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tensor:
+    """[chunks, width, block]: ``src`` [M, N] cut into ``block``-row chunks, each transposed, zero where ``src`` has
+    no element (rows past M, columns from N to ``width``) -- out[c, i, j] = src[c * block + j, i].
+
+    The values and layout of zero-padding ``src`` and copying its chunks' transposes (``constant_pad_nd`` then
+    ``contiguous``), with one transposing copy instead of a padded copy and then a transposing one, and zeros
+    written only where the data is not (a whole-tensor zero fill cost as much as the copy on the loaded 2-core host)."""
+    loops = compiled_loops.library()
+    if loops is not None:  # the same copy in one pass (compiled_loops)
+        return loops.chunks_transposed(src, block, chunks, width)
+    rows, n = src.shape
+    out = src.new_empty(chunks, width, block)
+    full, tail = divmod(rows, block)
+    if full:
+        out[:full, :n].copy_(src[: full * block].view(full, block, n).transpose(1, 2))
+    if tail:
+        out[full, :n, :tail].copy_(src[full * block :].t())
+        out[full, :n, tail:].zero_()
+    if width > n:
+        out[:, n:].zero_()
+    return out
+
+
+def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str) -> bool:
+    """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``' bits for this class on this host: with
+    the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded. A probe
+    at first use on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where
+    ``block`` is ``REDUCE_BLOCK``: there are several) and a partial one (``tail`` rows, or just over half a chunk)."""
+    whole = VIEW_PROBE_CHUNKS if block == REDUCE_BLOCK else 0
+    partial = block // 2 + 1 if tail is None else tail
+
+    def inputs() -> list[Tensor]:
+        rows = whole * block + partial
+        return _seeded_randn((rows, n), (rows, k))
+
+    form = "last chunk padded" if tail is None else f"last chunk of {tail} rows unpadded"
+    return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} {form} float32",
+                                   lambda: _transposed_matmul_tiles(*inputs(), host, op),
+                                   lambda: _transposed_matmul_views(*inputs(), block, unpadded_tail=tail is not None),
+                                   op)
+
+
+def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bool) -> Tensor:
+    """``_transposed_matmul_tiles``' chunk GEMMs, each [N, block] @ [block, K], on views: chunk c's left operand is
+    rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are. The last,
+    partial chunk is zero-padded to ``block`` rows (a copy) or, ``unpadded_tail``, multiplied on its real rows, its
+    result + 0.0 (padding's zeros turn a -0.0 sum into +0.0). The partial products are added by the same halving
+    tree in chunk order. N is cut into slabs of ``VIEW_SLAB_ROWS`` output rows, each its own calls and tree. Used
+    only where the guard found the canonical bits."""
+    rows, n = a.shape
+    k = b.shape[1]
+    a, b = _aligned(a), _aligned(b)  # chunk starts are then aligned too (block * N * 4 bytes apart)
+    whole, tail = divmod(rows, block)
+    body = whole * block
+    if tail and not unpadded_tail:
+        a_tail, b_tail = _zero_padded(a[body:], (block, n)), _zero_padded(b[body:], (block, k))
+    else:
+        a_tail, b_tail = a[body:], b[body:]
+    out = a.new_empty(n, k) if n > VIEW_SLAB_ROWS else None
+    for first in range(0, n, VIEW_SLAB_ROWS):
+        last = min(n, first + VIEW_SLAB_ROWS)
+        parts = a.new_empty(whole + (tail > 0), last - first, k)
+        if whole:
+            chunks = a[:body].view(whole, block, n)[:, :, first:last].transpose(1, 2)
+            torch.bmm(chunks, b[:body].view(whole, block, k), out=parts[:whole])
+        if tail:
+            torch.bmm(a_tail[:, first:last].t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
+            if unpadded_tail:
+                parts[whole:].add_(0.0)
+        slab = parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
+        if out is None:
+            return slab
+        out[first:last] = slab
+    return out
+
+
+# --------------------------------------------------------------------------- a @ b per batch entry (attention)
+def batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tensor | None = None,
+                   b_full: Tensor | None = None) -> Tensor:
+    """fp32 a [B, M, K] @ b [B, K, N] -> [B, M, N] through the guard's GEMM on fixed tiles, thread-invariant.
+
+    For the attention backward, whose reductions run over queries or keys: rows are padded to tiles of
+    ``row_block(M)`` rows, the reduction K to a multiple of ``COL_BLOCK`` and N to a multiple of ``COL_BLOCK``
+    (zeros add nothing); every tile of batch entry i multiplies i's own operand. One ``host.bmm`` call, whose
+    shape class is (K, N) padded: probed for every thread count it runs at, else the fixed-order GEMM.
+    ``a_full`` / ``b_full``: a tensor the caller already holds whose leading corner is ``a`` / ``b`` and which is zero
+    elsewhere; where it has the padded operand's shape (contiguous, aligned), it is that operand (no copy)."""
+    batch, rows, k = a.shape
+    n = b.shape[2]
+    k_pad, n_pad = ceil_to(k, COL_BLOCK), ceil_to(n, COL_BLOCK)
+    b = _padded_operand(b, (batch, k_pad, n_pad), b_full)  # contiguous (when padded): the row-major layout
+    block = row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
+    row_tiles = -(-rows // block)
+    a = _padded_operand(a, (batch, row_tiles * block, k_pad), a_full).view(batch * row_tiles, block, k_pad)
+    b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
+    out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
+    return out[:, :rows, :n]
+
+
+def batched_rows(rows: int, k: int, n: int, host: HostGuard, op: str) -> int:
+    """The padded row count of ``batched_matmul``'s left operand for fp32 [B, rows, k] @ [B, k, n] with a row-major
+    right operand (a caller that writes that operand into its padded layout itself)."""
+    operand = gemm_class(ceil_to(k, COL_BLOCK), ceil_to(n, COL_BLOCK), transposed=False)
+    block = row_block(rows, host.tile_heights(torch.float32, operand, False, op))
+    return -(-rows // block) * block

@@ -1,0 +1,461 @@
+"""The collapse map per correction: which correction a run (or a user's config) is, curves split by it, a verdict
+from the user's own correction's curve only, bound-only curves, the assembled map, and the law's shape."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from vexact.lab import scaling
+from vexact.lab.scaling import (
+    MAP_KEYS,
+    build_map,
+    compare_shapes,
+    correction_from_config,
+    correction_name,
+    correction_names,
+    load_map,
+    place_on_map,
+    resolve_correction,
+    write_scaling,
+)
+from vexact.lab.sweep_data import PointData, SweepData
+from vexact.rl.config import CorrectionSection
+from vexact.rl.corrections import CORRECTION_METHODS, PRESETS, CorrectionMethod, register_correction_method
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+SEEDS = (0, 1, 2)
+FACTORS = (0.25, 0.5, 2.0, 4.0)
+# the recompute sweep of docs/results/horizon.md, as bounds: no collapse up to k3 X at T (L = 4, 16, 80)
+RECOMPUTE_BOUNDS = {4: (8.5, 0.37), 16: (19.7, 0.051), 80: (83.0, 0.037)}
+
+
+def _point(tmp: Path, name: str, length: int, horizon: float, dose: float, collapsed: bool, seed: int,
+           overrides: dict | None = None, config: dict | None = None) -> PointData:
+    """A finished point; ``config``: what the run saved in its config.yaml (None: it saved none)."""
+    folder = tmp / "points" / f"{name},seed={seed}"
+    if config is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    metrics = [{"step": s, "response_length/mean": horizon} for s in range(3)]
+    summary = {"status": "completed", "collapse": {"collapsed": collapsed, "mean_k3_kl_before_collapse": dose}}
+    return PointData(folder.name, folder, {"task.max_len": length, "seed": seed, **(overrides or {})}, "completed",
+                     summary=summary, metrics=metrics)
+
+
+def _bypass_points(tmp: Path, config: dict | None = None, overrides: dict | None = None) -> list[PointData]:
+    """Bypass runs whose 50% threshold is 0.1 (T/8)^-1 at T = 8, 16, 32, 64."""
+    points = []
+    for length in (8, 16, 32, 64):
+        thr = 0.1 * (length / 8.0) ** -1.0
+        for seed in SEEDS:
+            for f in FACTORS:
+                points.append(_point(tmp, f"b_L{length}_{f}", length, float(length), thr * f * (1 + 0.01 * seed),
+                                     f > 1, seed, overrides, config))
+    return points
+
+
+def _recompute_points(tmp: Path, config: dict | None = None, overrides: dict | None = None) -> list[PointData]:
+    """Recompute runs that never collapse, up to the bounds of ``RECOMPUTE_BOUNDS``."""
+    points = []
+    for length, (t, top) in RECOMPUTE_BOUNDS.items():
+        for seed in SEEDS:
+            for f in (0.25, 0.5, 1.0):
+                points.append(_point(tmp, f"r_L{length}_{f}", length, t, top * f, False, seed, overrides, config))
+    return points
+
+
+def _sweep(tmp: Path, points: list[PointData], keys: list[str]) -> SweepData:
+    return SweepData(tmp, "synthetic", {k: [] for k in keys + ["seed"]}, keys, points)
+
+
+def _two_correction_map(tmp: Path) -> dict:
+    """A map of two curves: bypass (fitted, α = 1) and recompute (bounds only), through write_scaling + build_map."""
+    files = []
+    for name, points in (("bypass", _bypass_points(tmp / "b")), ("recompute", _recompute_points(
+            tmp / "r", overrides={"algorithm.old_logprobs": "recompute"}))):
+        out = tmp / name
+        out.mkdir(parents=True, exist_ok=True)
+        files.append(write_scaling(_sweep(tmp / name, points, ["task.max_len"]), out)[0][0])
+    built = build_map(files)
+    path = tmp / "map.json"
+    path.write_text(json.dumps(built))
+    return load_map(path)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def test_correction_names_come_from_the_registry():
+    names = correction_names()
+    methods = [m for m, entry in CORRECTION_METHODS.items() if entry.to_verl is not None]
+    assert names == ("bypass", "recompute", *methods, *(f"bypass_{m}" for m in methods))
+    assert "none" not in names and "token_tis" in names and "bypass_token_tis" in names
+    extra = CorrectionMethod("test_tis", "rollout_is token", "w = min(rho, C)",
+                             lambda cfg: {"rollout_is": "token", "rollout_is_threshold": cfg.threshold})
+    register_correction_method(extra)
+    try:
+        assert "test_tis" in correction_names() and "bypass_test_tis" in correction_names()
+    finally:
+        CORRECTION_METHODS.remove("test_tis")
+    assert set(scaling.TRL_MODES.values()) | {scaling.TRL_BAND_METHOD} <= set(names)
+
+
+def test_one_function_names_every_run_config():
+    assert correction_name("rollout") == "bypass"
+    assert correction_name("recompute", CorrectionSection()) == "recompute"
+    for method in ("token_tis", "seq_tis", "token_mis", "seq_mis", "icepop", "geo_rs"):
+        assert correction_name("recompute", CorrectionSection(method=method)) == method
+        assert correction_name("rollout", CorrectionSection(method=method)) == f"bypass_{method}"
+    # verl's own keys name the method whose plan they spell (thresholds aside)
+    expected = {"disabled": "recompute", "decoupled_token_is": "token_tis", "decoupled_seq_is": "seq_tis",
+                "decoupled_token_icepop": "icepop", "decoupled_geo_rs": "geo_rs", "decoupled_seq_is_rs": "seq_mis"}
+    for preset, name in expected.items():
+        assert correction_name("recompute", CorrectionSection(preset=preset)) == name, preset
+    assert correction_name("recompute", CorrectionSection(rollout_is="token", rollout_is_threshold=5.0)) == "token_tis"
+    combo = correction_name("recompute", CorrectionSection(preset="decoupled_geo_rs_token_tis"))
+    assert combo == "verl[rollout_is=token,rollout_rs=seq_mean_k1]"  # no registry method spells it: its plan names it
+    with pytest.raises(ValueError, match="old_logprobs"):
+        correction_name("both")
+
+
+def test_configs_of_verl_trl_and_vexact():
+    verl = {"algorithm": {"adv_estimator": "grpo", "rollout_correction": {
+        "rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None, "bypass_mode": False,
+        "rollout_token_veto_threshold": None}}}  # keys that do not decide the correction are left alone
+    assert correction_from_config(verl) == "token_tis"
+    assert correction_from_config({"rollout_is": "sequence", "bypass_mode": True}) == "bypass_seq_tis"  # the block
+    assert correction_from_config({"algorithm": {"rollout_correction": {"preset": "bypass_ppo_clip"}}}) == "bypass"
+    assert correction_from_config({"algorithm": {"rollout_correction": {}}}) == "recompute"  # verl: decoupled
+    # TRL's GRPOConfig: old log-probs recomputed; its defaults (correction on, sequence_mask) are seq_mis
+    assert correction_from_config({"use_vllm": True, "vllm_importance_sampling_mode": None,
+                                   "vllm_importance_sampling_correction": True}) == "seq_mis"
+    for mode, name in (("token_truncate", "token_tis"), ("token_mask", "token_mis"),
+                       ("sequence_truncate", "seq_tis"), ("sequence_mask", "seq_mis")):
+        assert correction_from_config({"vllm_importance_sampling_mode": mode}) == name
+    assert correction_from_config({"vllm_importance_sampling_mode": "token_mask",
+                                   "vllm_importance_sampling_clip_min": 0.5}) == "icepop"
+    assert correction_from_config({"vllm_importance_sampling_correction": False}) == "recompute"
+    # vexact's own config
+    assert correction_from_config({"algorithm": {"old_logprobs": "recompute"}}) == "recompute"
+    assert correction_from_config({"algorithm": {"old_logprobs": "rollout"},
+                                   "correction": {"method": "token_tis", "threshold": 3.0}}) == "bypass_token_tis"
+
+
+def test_bad_correction_configs_are_one_sentence_each(tmp_path):
+    with pytest.raises(ValueError, match=r"no correction setting found"):
+        correction_from_config({"trainer": {"epochs": 1}}, "cfg.yaml")
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode 'tok' is none of TRL's"):
+        correction_from_config({"vllm_importance_sampling_mode": "tok"})
+    with pytest.raises(ValueError, match=r"algorithm.rollout_correction: .*rollout_is_threshold"):
+        correction_from_config({"algorithm": {"rollout_correction": {"rollout_is": "token",
+                                                                     "rollout_is_threshold": "x_y"}}})
+    with pytest.raises(ValueError, match=r"correction: .*unknown correction method 'tis'"):
+        correction_from_config({"correction": {"method": "tis"}})
+    with pytest.raises(ValueError, match=r"unknown correction 'tis': expected one of bypass, recompute, token_tis"):
+        resolve_correction("tis")
+    with pytest.raises(ValueError, match="correction config file not found"):
+        resolve_correction(str(tmp_path / "absent.yaml"))
+    (tmp_path / "bad.yaml").write_text("a: [1\n")
+    with pytest.raises(ValueError, match="is not valid YAML or JSON"):
+        resolve_correction(tmp_path / "bad.yaml")
+
+
+def test_resolve_names_aliases_files_and_objects(tmp_path):
+    assert resolve_correction(None) is None
+    assert resolve_correction("recompute") == "recompute"
+    assert resolve_correction("token_mask") == "token_mis"  # TRL's name for it
+    (tmp_path / "verl.yaml").write_text(yaml.safe_dump({"algorithm": {"rollout_correction": {
+        "rollout_is": "token", "rollout_is_threshold": "0.5_5.0"}}}))
+    assert resolve_correction(str(tmp_path / "verl.yaml")) == "icepop"
+    (tmp_path / "trl.json").write_text(json.dumps({"vllm_importance_sampling_mode": "token_truncate"}))
+    assert resolve_correction(tmp_path / "trl.json") == "token_tis"
+
+    class GRPOConfigLike:  # TRL's GRPOConfig has to_dict()
+        def to_dict(self) -> dict:
+            return {"use_vllm": True, "vllm_importance_sampling_correction": True,
+                    "vllm_importance_sampling_mode": "token_mask"}
+
+    assert resolve_correction(GRPOConfigLike()) == "token_mis"
+    assert resolve_correction({"algorithm": {"old_logprobs": "recompute"}}) == "recompute"
+
+
+# ----------------------------------------------------------------------------- the report groups by correction
+
+
+def test_report_splits_curves_by_the_correction_each_run_saved(tmp_path):
+    """The correction is set outside the grid (the sweep's ``set``), so only each run's config.yaml says it: the
+    report must not fit one curve over both (the old report did: one curve, 'all')."""
+    points = (_bypass_points(tmp_path, config={"algorithm": {"old_logprobs": "rollout"}})
+              + _recompute_points(tmp_path, config={"algorithm": {"old_logprobs": "recompute"}}))
+    result = scaling.scaling(_sweep(tmp_path, points, ["task.max_len"]))
+    assert [c["correction"] for c in result["curves"]] == ["bypass", "recompute"]
+    assert result["correction"] == "bypass" and result["curve"] == "correction=bypass"
+    assert result["alpha"] == pytest.approx(1.0, abs=0.05)
+    recompute = result["curves"][1]
+    assert recompute["status"] == "bounds_only" and recompute["alpha"] is None
+    bounds = {h["horizon_value"]: (h["status"], h["lower_bound"], h["collapsed"]) for h in recompute["horizons"]}
+    assert bounds == {4: ("above_range", 0.37, 0), 16: ("above_range", 0.051, 0), 80: ("above_range", 0.037, 0)}
+
+
+def test_report_labels_a_curve_with_its_correction_and_other_keys(tmp_path):
+    grid_points = (_bypass_points(tmp_path, overrides={"correction.method": "none", "lr": 1})
+                   + _bypass_points(tmp_path / "tis", overrides={"correction.method": "token_tis", "lr": 1}))
+    result = scaling.scaling(_sweep(tmp_path, grid_points, ["task.max_len", "correction.method", "lr"]))
+    assert [c["curve"] for c in result["curves"]] == ["correction=bypass, lr=1", "correction=bypass_token_tis, lr=1"]
+    files, line = write_scaling(_sweep(tmp_path, grid_points, ["task.max_len", "correction.method", "lr"]), tmp_path)
+    assert line.count("scaling (correction=") == 2 and "shape over 4 fitted horizons" in line
+
+
+# ----------------------------------------------------------------------------- the verdict from the user's curve
+
+
+def test_recompute_dump_at_k3_0025_t8_is_not_near_the_collapse_range(tmp_path):
+    """The live monitor inside a TRL run (old log-probs recomputed) used to mark k3 0.025 at T ≈ 8 "near the
+    measured collapse range" from the bypass curve, where recompute collapsed nothing up to k3 0.37 there."""
+    m = _two_correction_map(tmp_path)
+    p = place_on_map(m, 0.025, 8.0, "recompute")
+    assert list(p) == list(MAP_KEYS) and p["correction"] == "recompute"
+    assert "near the measured collapse range" not in p["verdict"]
+    assert p["verdict"].startswith("below every level tested: no collapse measured up to k3 0.37 at T 8.5 "
+                                   "(recompute)")
+    assert p["threshold_50"] is None and p["ratio"] is None  # never the bypass curve's threshold
+    bypass = place_on_map(m, 0.025, 8.0, "bypass")
+    assert bypass["threshold_50"] == pytest.approx(0.1, rel=0.3)  # the same point on the bypass curve has one
+    assert bypass["verdict"].startswith("near the measured collapse range")
+    # above every recompute bound carried to this T: not placed, and still no bypass threshold
+    above = place_on_map(m, 0.5, 8.0, "recompute")
+    assert above["verdict"].startswith("not placed") and above["threshold_50"] is None
+    # a shorter horizon's bound does not carry to a longer one: at T = 500 nothing was measured
+    far = place_on_map(m, 0.001, 500.0, "recompute")
+    assert far["verdict"].startswith("no verdict at this horizon: T = 500 lies beyond the recompute curve's")
+    assert "no collapse measured up to k3 0.037 at T 83" in far["verdict"]
+
+
+def test_no_correction_given_says_bypass_was_assumed(tmp_path):
+    m = _two_correction_map(tmp_path)
+    p = place_on_map(m, 0.025, 8.0)
+    assert p["correction"] == "bypass" and "correction assumed: bypass (none given" in p["verdict"]
+    assert "correction assumed" not in place_on_map(m, 0.025, 8.0, "bypass")["verdict"]
+
+
+def test_a_correction_absent_from_the_map_is_named_not_replaced(tmp_path):
+    m = _two_correction_map(tmp_path)
+    with pytest.raises(ValueError) as err:
+        place_on_map(m, 0.025, 8.0, "token_tis")
+    message = str(err.value)
+    assert "no curve for correction 'token_tis'" in message and "it has bypass, recompute" in message
+    assert "\n" not in message
+    with pytest.raises(ValueError, match="unknown correction 'tis'"):
+        place_on_map(m, 0.025, 8.0, "tis")
+
+
+def test_outside_every_curve_is_one_sentence(tmp_path):
+    m = _two_correction_map(tmp_path)
+    placed = scaling.placement(m, 1e-6, 5000.0, "bypass")
+    assert placed["verdict"].startswith("far below the measured collapse range; extrapolated: T = 5000 lies")
+    sentence = placed["outside_every_curve"]
+    assert sentence == ("T = 5000 lies outside every curve's measured horizons (bypass: T = 8.0 .. 64; recompute: "
+                        "T = 8.5 .. 83): every threshold the map gives at this T is an extrapolation")
+    lines = scaling.map_lines(placed, m)
+    assert f"  outside the map: {sentence}" in lines
+    inside = scaling.placement(m, 1e-4, 30.0, "bypass")
+    assert "outside_every_curve" not in inside and "extrapolated" not in inside["verdict"]
+
+
+def _dump(tmp: Path, r: float = 0.22, length: int = 8, sequences: int = 4) -> tuple[Path, Path]:
+    """Sequences of ``length`` tokens whose training log-prob exceeds the rollout's by ``r``: k3 = e^r − r − 1."""
+    roll, train = tmp / "roll.jsonl", tmp / "train.jsonl"
+    with roll.open("w") as fr, train.open("w") as ft:
+        for i in range(sequences):
+            fr.write(json.dumps({"id": i, "logprobs": [-1.0] * length}) + "\n")
+            ft.write(json.dumps({"id": i, "logprobs": [-1.0 + r] * length}) + "\n")
+    return roll, train
+
+
+def test_compare_map_correction_cli(tmp_path, capsys):
+    from vexact.cli import main
+
+    m = _two_correction_map(tmp_path)
+    map_file = tmp_path / "map.json"
+    roll, train = _dump(tmp_path)
+    out = tmp_path / "out.json"
+    assert main(["compare", str(roll), str(train), "--map", str(map_file), "--correction", "recompute",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["map"]
+    assert list(data) == list(MAP_KEYS) and data["correction"] == "recompute" and data["horizon"] == 8.0
+    assert data["k3"] == pytest.approx(math.exp(0.22) - 1.22, rel=1e-6)
+    assert data["verdict"].startswith("below every level tested: no collapse measured up to k3 0.37")
+    text = capsys.readouterr().out
+    assert "correction recompute: k3 = 0.0261" in text and BOUND in text
+    # a verl config file names the correction too
+    (tmp_path / "verl.yaml").write_text(yaml.safe_dump({"algorithm": {"rollout_correction": {"bypass_mode": True}}}))
+    assert main(["compare", str(roll), str(train), "--map", str(map_file), "--correction",
+                 str(tmp_path / "verl.yaml"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["map"]["correction"] == "bypass"
+    assert m["curves"][0]["correction"] == "bypass"
+
+
+BOUND = "a no-collapse bound measured at a horizon also holds at shorter ones"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--correction", "token_tis"], "has no curve for correction 'token_tis': it has bypass, recompute"),
+    (["--correction", "tis"], "unknown correction 'tis'"),
+    (["--correction", "MISSING.yaml"], "correction config file not found"),
+])
+def test_compare_bad_correction_is_one_error_line(tmp_path, capsys, argv, expected):
+    from vexact.cli import main
+
+    _two_correction_map(tmp_path)
+    roll, train = _dump(tmp_path)
+    assert main(["compare", str(roll), str(train), "--map", str(tmp_path / "map.json"), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error:") and len(captured.err.strip().splitlines()) == 1
+    assert expected in captured.err
+    assert "map (" not in captured.out  # refused before the dump was read: no report, no verdict
+
+
+def test_compare_correction_without_map(tmp_path, capsys):
+    from vexact.cli import main
+
+    roll, train = _dump(tmp_path)
+    assert main(["compare", str(roll), str(train), "--correction", "recompute"]) == 2
+    assert "give --map too" in capsys.readouterr().err
+
+
+def test_live_monitor_takes_the_correction(tmp_path):
+    from vexact.live import LiveMonitor
+
+    _two_correction_map(tmp_path)
+    map_file = tmp_path / "map.json"
+    roll = torch.full((4, 8), -1.0)
+    train = roll + 0.22
+    summary = {"sequences": 4, "tokens": 32, "metrics": {"rollout_corr/k3_kl": math.exp(0.22) - 1.22}}
+    expected, _ = scaling.compare_map(summary, map_file, "recompute")
+    with LiveMonitor(tmp_path / "live", scaling_map=map_file, correction="recompute") as monitor:
+        row = monitor.step(0, roll, train)
+    assert row["map"]["correction"] == "recompute" and list(row["map"]) == list(MAP_KEYS)
+    assert row["map"]["verdict"] == expected["verdict"]
+    assert row["map"]["k3"] == pytest.approx(expected["k3"], rel=1e-5)  # float32 tensors here
+    assert "near the measured collapse range" not in row["map"]["verdict"]
+    with pytest.raises(ValueError, match="no curve for correction 'token_tis'"):
+        LiveMonitor(tmp_path / "live2", scaling_map=map_file, correction="token_tis")
+    with pytest.raises(ValueError, match="unknown correction 'tis'"):
+        LiveMonitor(tmp_path / "live3", scaling_map=map_file, correction="tis")
+    with pytest.raises(ValueError, match="give scaling_map too"):
+        LiveMonitor(tmp_path / "live4", correction="recompute")
+    with LiveMonitor(tmp_path / "live5", scaling_map=map_file) as monitor:  # none given: bypass, said so
+        assert "correction assumed: bypass" in monitor.step(0, roll, train)["map"]["verdict"]
+
+
+# ----------------------------------------------------------------------------- the map file
+
+
+def test_a_single_curve_file_loads_as_bypass(tmp_path):
+    """A scaling.json written before corrections were recorded (no ``correction`` anywhere) is a bypass curve."""
+    legacy = {"metric": "rollout_corr/k3_kl", "status": "fitted", "horizon_range": [8.0, 64.0], "alpha": 1.0,
+              "log10_prefactor": math.log10(0.8), "replicates": [], "horizons": [], "curve": "all",
+              "curves": [{"curve": "all", "status": "fitted"}]}
+    (tmp_path / "old.json").write_text(json.dumps(legacy))
+    m = load_map(tmp_path / "old.json")
+    assert [c["correction"] for c in m["curves"]] == ["bypass"]
+    assert m["curves"][0]["horizon_range"] == [8.0, 64.0]
+    assert place_on_map(m, 1e-3, 16.0, "bypass")["threshold_50"] == pytest.approx(0.05)
+    legacy["curve"] = "algorithm.old_logprobs=recompute"
+    (tmp_path / "old_r.json").write_text(json.dumps(legacy))
+    assert [c["correction"] for c in load_map(tmp_path / "old_r.json")["curves"]] == ["recompute"]
+
+
+def test_build_map_one_curve_per_correction(tmp_path):
+    m = _two_correction_map(tmp_path)
+    assert [c["correction"] for c in m["curves"]] == ["bypass", "recompute"]
+    assert m["correction"] == "bypass" and m["status"] == "fitted"  # the top level stays the bypass curve
+    assert all("shape" in c for c in m["curves"])
+    with pytest.raises(ValueError, match=r"two curves for correction 'bypass'"):
+        build_map([tmp_path / "bypass" / "scaling.json", tmp_path / "map.json"])
+    dup = json.loads((tmp_path / "map.json").read_text())
+    dup["curves"].append(dict(dup["curves"][0]))
+    (tmp_path / "dup.json").write_text(json.dumps(dup))
+    with pytest.raises(ValueError, match="has two curves for correction 'bypass'"):
+        load_map(tmp_path / "dup.json")
+
+
+def test_build_map_cli(tmp_path, capsys):
+    _two_correction_map(tmp_path)
+    out = tmp_path / "built.json"
+    files = [str(tmp_path / "bypass" / "scaling.json"), str(tmp_path / "recompute" / "scaling.json")]
+    assert scaling._main(["build-map", str(out), *files]) == 0
+    built = json.loads(out.read_text())
+    assert built["provenance"]["made_by"] == f"python -m vexact.lab.scaling build-map {out} {' '.join(files)}"
+    assert "bypass (fitted, 4 horizons); recompute (bounds_only, 3 horizons)" in capsys.readouterr().out
+    assert scaling._main(["build-map", str(out), str(tmp_path / "absent.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: map file not found") and len(err.strip().splitlines()) == 1
+
+
+def test_the_shipped_map_is_made_by_build_map():
+    m = load_map()
+    assert m["provenance"]["made_by"].startswith("python -m vexact.lab.scaling build-map vexact/lab/default_map.json ")
+    assert [c["correction"] for c in m["curves"]] == ["bypass"]
+    rebuilt = build_map([scaling.DEFAULT_MAP])  # the command is idempotent on its own output
+    assert rebuilt["curves"] == json.loads(scaling.DEFAULT_MAP.read_text())["curves"]
+    placed = place_on_map(m, 4.98e-5, 1000.0, "bypass")
+    assert placed["threshold_50"] == pytest.approx(0.0012, rel=0.05)  # docs/results/horizon.md's example
+
+
+# ----------------------------------------------------------------------------- the shape of the law
+
+
+def _fitted(values: dict[float, float]) -> list[dict]:
+    return [{"status": "fitted", "horizon": t, "threshold_50": v} for t, v in values.items()]
+
+
+def test_shape_comparison_tells_a_floor_from_a_power_law():
+    ts = (8, 16, 32, 64, 128, 256)
+    floor = compare_shapes(_fitted({t: 0.02 + 0.5 / t for t in ts}))
+    power = compare_shapes(_fitted({t: 0.5 * t ** -0.6 for t in ts}))
+    assert floor["preferred"] == "saturating" and floor["delta_aic"] > 2
+    assert floor["saturating"]["floor"] == pytest.approx(0.02, rel=1e-3)
+    assert floor["saturating"]["loo_rmse"] < floor["power"]["loo_rmse"]
+    assert power["preferred"] == "power" and power["delta_aic"] < -2
+    assert power["power"]["alpha"] == pytest.approx(0.6, abs=1e-9)
+    assert power["power"]["loo_rmse"] < power["saturating"]["loo_rmse"]
+    assert "the data prefer the saturating shape" in floor["note"]
+    too_few = compare_shapes(_fitted({8: 0.1, 16: 0.05}) + [{"status": "above_range", "horizon": 32}])
+    assert too_few["status"] == "too_few" and "needs at least 3" in too_few["note"]
+
+
+def test_shape_is_in_scaling_json_and_printed(tmp_path, capsys):
+    result = scaling.scaling(_sweep(tmp_path, _bypass_points(tmp_path), ["task.max_len"]))
+    assert result["shape"]["status"] == "compared" and result["curves"][0]["shape"] == result["shape"]
+    assert scaling._main(["shape"]) == 0
+    assert capsys.readouterr().out.startswith("bypass: shape over 3 fitted horizons (T = 8 .. 48): power law α = 0.91")
+
+
+def test_every_verl_preset_has_one_name():
+    """Each of verl's presets, as an algorithm.rollout_correction block: its bypass_mode picks the prefix, its plan
+    the method; a plan no registry method spells is named from the plan (never silently a registry name)."""
+    expected = {
+        "disabled": "recompute", "decoupled_token_is": "token_tis", "decoupled_seq_is": "seq_tis",
+        "decoupled_token_icepop": "icepop", "decoupled_seq_is_rs": "seq_mis", "decoupled_geo_rs": "geo_rs",
+        "decoupled_geo_rs_seq_tis": "verl[rollout_is=sequence,rollout_rs=seq_mean_k1]",
+        "decoupled_geo_rs_token_tis": "verl[rollout_is=token,rollout_rs=seq_mean_k1]",
+        "decoupled_k3_rs": "verl[rollout_rs=seq_mean_k3]",
+        "decoupled_k3_rs_seq_tis": "verl[rollout_is=sequence,rollout_rs=seq_mean_k3]",
+        "decoupled_k3_rs_token_tis": "verl[rollout_is=token,rollout_rs=seq_mean_k3]",
+        "bypass_ppo_clip": "bypass", "bypass_ppo_clip_geo_rs": "bypass_geo_rs",
+        "bypass_ppo_clip_k3_rs": "bypass_verl[rollout_rs=seq_mean_k3]", "bypass_pg_is": "bypass_seq_tis",
+        "bypass_pg_token_icepop": "bypass_icepop", "bypass_pg_geo_rs": "bypass_geo_rs",
+        "bypass_pg_geo_rs_seq_tis": "bypass_verl[rollout_is=sequence,rollout_rs=seq_mean_k1]",
+        "bypass_pg_geo_rs_token_tis": "bypass_verl[rollout_is=token,rollout_rs=seq_mean_k1]",
+    }
+    assert set(expected) == set(PRESETS)
+    for preset, name in expected.items():
+        assert correction_from_config({"algorithm": {"rollout_correction": {"preset": preset}}}) == name, preset

@@ -1,0 +1,89 @@
+"""The map against published runs: the docs tables are the command's output, and the map columns are computed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from test_map_corrections import _two_correction_map
+
+from vexact.lab import published, scaling
+from vexact.lab.published import PublishedPoint, agreement, horizon_at, load_published, points_table
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "results" / "published_runs.md"
+
+
+def _blocks(text: str) -> dict[str, str]:
+    found = re.findall(r"<!-- generated: (.+?) -->\n(.*?)\n<!-- end generated -->", text, flags=re.S)
+    return {command: body for command, body in found}
+
+
+def test_the_page_tables_are_the_command_output(capsys):
+    assert published.main([]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    first, second = printed.split("\n\n")
+    blocks = _blocks(PAGE.read_text())
+    assert blocks["python -m vexact.lab.published (first table)"] == first
+    assert blocks["python -m vexact.lab.published (second table)"] == second
+    assert scaling._main(["shape"]) == 0
+    shape = capsys.readouterr().out.rstrip("\n")
+    assert blocks["python -m vexact.lab.scaling shape"] == f"```\n{shape}\n```"
+
+
+def test_every_point_is_on_the_table_with_its_source():
+    points, bars = load_published()
+    table = points_table(scaling.load_map(), points)
+    assert len(table.splitlines()) == 2 + len(points)
+    for p in points:
+        assert p.source in table
+    assert {p.outcome for p in points} <= set(published.OUTCOMES)
+    assert len(bars) >= 4
+
+
+def test_the_map_columns_are_computed_not_typed(tmp_path):
+    """A map with a recompute curve of bounds and a fitted bypass curve: the same data gives other cells."""
+    m = _two_correction_map(tmp_path)
+    survived = PublishedPoint("a", "src A", "model", "k3 0.025", "survived", k3=0.025, horizon=8.0,
+                              correction="recompute")
+    collapsed = PublishedPoint("b", "src B", "model", "k3 1e-6", "collapsed", k3=1e-6, horizon=30.0,
+                               correction="bypass")
+    table = points_table(m, [survived, collapsed]).splitlines()
+    assert "below every level tested: no collapse measured up to k3 0.37 at T 8.5 (recompute)" in table[2]
+    assert table[2].endswith("| agrees |")
+    assert "far below the measured collapse range (threshold" in table[3] and table[3].endswith("| disagrees |")
+    shipped = points_table(scaling.load_map(), [survived]).splitlines()[2]
+    assert "no recompute curve on the map" in shipped and "bypass law" in shipped  # never the bypass verdict as theirs
+
+
+def test_agreement_and_horizon_at():
+    assert agreement("collapsed", "above the measured collapse range") == "agrees"
+    assert agreement("survived", "above the measured collapse range; extrapolated") == "disagrees"
+    assert agreement("survived", "near the measured collapse range").startswith("consistent")
+    assert agreement("collapsed", "far below the measured collapse range") == "disagrees"
+    assert agreement("survived", "below every level tested: no collapse measured up to k3 0.37") == "agrees"
+    assert agreement("not stated", "above").startswith("cannot test")
+    assert agreement("collapsed", "no verdict at this horizon").startswith("cannot test")
+    curve = scaling.curve_for(scaling.load_map(), "bypass")
+    t = horizon_at(curve, 0.013)
+    assert scaling.place_on_map(scaling.load_map(), 0.013, t, "bypass")["threshold_50"] == pytest.approx(0.013)
+    assert horizon_at({"status": "bounds_only"}, 0.01) is None
+
+
+def test_bad_data_is_one_sentence(tmp_path):
+    entry = {"id": "x", "source": "s", "model": "m", "published": "p", "outcome": "exploded"}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"points": [entry]}))
+    with pytest.raises(ValueError, match=r"points\[0\] \(x\): outcome 'exploded' is none of collapsed"):
+        load_published(path)
+    path.write_text(yaml.safe_dump({"points": [{**entry, "outcome": "survived", "correction": "tis"}]}))
+    with pytest.raises(ValueError, match="correction 'tis' is none of bypass"):
+        load_published(path)
+    path.write_text(yaml.safe_dump({"points": [{**entry, "outcome": "survived", "k3": -1}]}))
+    with pytest.raises(ValueError, match="k3 must be a positive number"):
+        load_published(path)
+    path.write_text(yaml.safe_dump({"points": [{**entry, "colour": "red"}]}))
+    with pytest.raises(ValueError, match=r"points\[0\]: .*colour"):
+        load_published(path)
