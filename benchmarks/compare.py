@@ -5,9 +5,10 @@
 
 The dump is seeded: each sequence has a length drawn uniformly from 1..``--max-len``, rollout log-probs log(U) in
 float32, token ids, and training log-probs equal to the rollout's except on a ``--mismatch-frac`` share of tokens,
-where float32 noise of std 0.01 is added (a bf16-like mismatch). JSON numbers are written as ``json.dumps`` of the
-float32 values' ``tolist()`` (the repr of their float64 value, up to 17 significant digits: what a user's
-``json.dumps(t.tolist())`` writes). Formats:
+where float32 noise of std 0.01 is added (a bf16-like mismatch) and the sum reflected at 0 (``-|x|``), so every value
+stays a log-prob (at most 0: ``vexact compare`` refuses one above +1e-3). JSON numbers are written as
+``json.dumps`` of the float32 values' ``tolist()`` (the repr of their float64 value, up to 17 significant digits:
+what a user's ``json.dumps(t.tolist())`` writes). Formats:
 
 - ``two-files``: rollout.jsonl in id order and train.jsonl in a shuffled order (so matching by id is exercised);
 - ``one-file``: one dump.jsonl with ``rollout_log_probs`` / ``old_log_probs`` per line;
@@ -66,7 +67,8 @@ def synthetic(sequences: int, max_len: int, mismatch_frac: float, seed: int) -> 
     roll = np.log(1.0 - rng.random(total)).astype(np.float32)  # 1 - U in (0, 1]: finite log-probs
     train = roll.copy()
     perturbed = rng.random(total) < mismatch_frac
-    train[perturbed] += rng.normal(0.0, 0.01, int(perturbed.sum())).astype(np.float32)
+    noise = rng.normal(0.0, 0.01, int(perturbed.sum())).astype(np.float32)
+    train[perturbed] = -np.abs(roll[perturbed] + noise)  # reflected at 0: near-certain tokens stay log-probs
     tokens = rng.integers(0, 50_000, size=total)
     return {"lengths": lengths, "roll": roll, "train": train, "tokens": tokens,
             "equal": np.array(int((roll == train).sum()))}
@@ -122,7 +124,10 @@ def _child(stats: Path, args: list[str]) -> dict:
                           stderr=subprocess.PIPE, text=True)
     if done.returncode != 0 or not stats.exists():
         raise RuntimeError(f"vexact compare subprocess failed ({done.returncode}): {done.stderr.strip()[-400:]}")
-    return json.loads(stats.read_text())
+    result = json.loads(stats.read_text())
+    if result["exit_code"] not in (None, 0):  # compare refused the dump: say why, not a missing report later
+        raise RuntimeError(f"vexact compare exited {result['exit_code']}: {done.stderr.strip()[-400:]}")
+    return result
 
 
 def bench_format(data: dict[str, np.ndarray], fmt: str, directory: Path, reps: int, seed: int,

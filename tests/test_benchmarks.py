@@ -213,3 +213,19 @@ def test_data_parallel_benchmark_schema(tmp_path, capsys):
     assert reduce["ratio"] == reduce["tree_s"] / reduce["allreduce_s"] and record["steps"] == []
     assert data_parallel.main(["--nproc", "3", "--no-steps", "--out", str(out)]) == 2
     assert "powers of two" in capsys.readouterr().err
+
+
+def test_compare_benchmark_writes_dumps_that_compare_accepts(tmp_path, capsys):
+    """``python -m benchmarks.compare`` (named in the own-engine tutorial): its synthetic training log-probs are
+    log-probs (the noise on a near-certain token used to push some above 0, which compare refuses), and a small
+    run counts every token right."""
+    from benchmarks import compare
+
+    data = compare.synthetic(2000, 20, 0.3, seed=0)
+    assert data["roll"].max() <= 0 and data["train"].max() <= 0
+    assert 0 < int(data["equal"]) < int(data["lengths"].sum())  # the perturbed share differs, the rest is equal
+    out = tmp_path / "compare.json"
+    assert compare.main(["--sequences", "300", "--max-len", "20", "--formats", "two-files", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["exit_code"] == 0 and row["correct"] and row["report_tokens"] == row["tokens"]
+    assert "counts right" in capsys.readouterr().out

@@ -116,10 +116,46 @@ def test_the_registry_is_well_formed():
 
 
 def test_generated_markers_expand_and_unknown_ones_are_refused():
-    text = docs_gen.expand("# x\n\n<!-- vexact-docs: metrics -->\n")
-    assert "vexact-docs" not in text and "`rollout_corr/k3_kl`" in text
+    text = docs_gen.expand("# x\n\n<!-- vexact-docs: metrics -->\n\ntext after\n")  # a bare marker is filled
+    body = docs_gen.metrics_markdown().strip()
+    region = f"<!-- vexact-docs: metrics -->\n\n{body}\n\n<!-- end vexact-docs: metrics -->"
+    assert text == f"# x\n\n{region}\n\ntext after\n"
+    assert docs_gen.expand(text) == text  # a current region stays as it is
+    stale = text.replace("`rollout_corr/k3_kl`", "`rollout_corr/old_name`")
+    assert docs_gen.expand(stale) == text  # a stale one is rewritten, and only it
     with pytest.raises(ValueError, match="unknown generated page 'nope'"):
         docs_gen.expand("<!-- vexact-docs: nope -->")
+
+
+def test_the_committed_reference_pages_hold_what_the_generators_give_now():
+    """The generated pages are committed (readable on a code host, not only on the built site) and current: a flag,
+    key or metric changed without ``python -m vexact.docs_gen --update`` fails here. A fresh process, so that no
+    mode or task registered by another test shows up in the tables."""
+    pages = {p.relative_to(ROOT).as_posix() for p in docs_gen.pages_with_regions()}
+    assert {"docs/reference/cli.md", "docs/reference/config.md", "docs/reference/metrics.md"} <= pages
+    cli = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert "## `vexact run`" in cli and "`--nproc`" in cli and "<!-- end vexact-docs: cli -->" in cli
+    assert str(ROOT) not in cli  # a default path inside the repository is written relative to it
+    done = subprocess.run([sys.executable, "-m", "vexact.docs_gen", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_check_finds_a_stale_page_and_update_rewrites_it(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    (docs / "reference").mkdir(parents=True)
+    page = docs / "reference" / "metrics.md"
+    page.write_text("# Metric keys\n\nby hand\n\n<!-- vexact-docs: metrics -->\n\nold table\n\n"
+                    "<!-- end vexact-docs: metrics -->\n\nby hand too\n")
+    (docs / "other.md").write_text("# no region\n")
+    assert docs_gen.main(["--check", str(docs)]) == 1
+    assert f"{page}: a generated region differs" in capsys.readouterr().err
+    assert docs_gen.main(["--update", str(docs)]) == 0
+    text = page.read_text()
+    assert "old table" not in text and "`rollout_corr/k3_kl`" in text
+    assert text.startswith("# Metric keys\n\nby hand\n\n") and text.endswith("\n\nby hand too\n")
+    assert docs_gen.main(["--check", str(docs)]) == 0
+    assert docs_gen.main(["--check", str(tmp_path / "none")]) == 2
 
 
 # --------------------------------------------------------------------------- keys written by run / measure / compare
@@ -261,6 +297,28 @@ def test_readme_is_short_keeps_the_quickstart_and_links_only_existing_pages():
         assert f"<!-- --8<-- [start:{section}] -->" in readme and f"<!-- --8<-- [end:{section}] -->" in readme
 
 
+def test_the_readme_test_command_says_what_it_skips_and_how_to_run_everything():
+    section = (ROOT / "README.md").read_text().split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
+    assert "`python -m pytest -q`" in section and "skips" in section and "-rs" in section
+    assert "`CI=true bash .ci/run`" in section
+    installed = re.search(r'pip install --quiet -e "(\.\[[^\]]+\])"', (ROOT / ".ci" / "run").read_text()).group(1)
+    assert f"`{installed}`" in section  # the extras CI installs, as .ci/run spells them now
+    assert "verl" in section and "smollm2" in section  # what .ci/run installs beside the extras
+
+
+def _readme_section(name: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split(f"<!-- --8<-- [start:{name}] -->", 1)[1].split(f"<!-- --8<-- [end:{name}] -->", 1)[0]
+
+
+def test_the_demo_time_is_one_figure_from_one_named_measurement():
+    """The Quickstart points at the demo section's time instead of giving one of its own (they said two things)."""
+    about_demo = _readme_section("quickstart").split("`vexact demo`: ", 1)[1].split("runs/demo/", 1)[0]
+    assert "(#vexact-demo)" in about_demo and not re.search(r"\d ?(min|s)\b|idle", about_demo), about_demo
+    demo = _readme_section("demo")
+    assert len(re.findall(r"\d+ min \d+ s wall", demo)) == 1 and "`/usr/bin/time -v vexact demo`" in demo
+
+
 def test_the_verl_and_trl_tables_name_real_keys():
     """The hand-written vocabulary tables: every vexact config key and metric key they name exists."""
     page = (ROOT / "docs" / "reference" / "verl_trl.md").read_text()
@@ -270,3 +328,19 @@ def test_the_verl_and_trl_tables_name_real_keys():
     dotted = [n for n in names if re.fullmatch(r"[a-z_]+\.[a-z_]+", n)]
     assert len(dotted) > 10 and [n for n in dotted if n not in config] == []
     assert len(metrics) > 10 and [n for n in metrics if metric_keys.find(n) is None] == []
+
+
+def test_every_results_page_says_which_cpu_and_what_carries_to_another_machine():
+    """Numbers on a results page were measured on one CPU: each page names it (or says it was not recorded) and
+    includes the one shared note on what carries to another machine (not typed per page)."""
+    snippet = ROOT / "docs" / "_snippets" / "per_machine.md"
+    text = snippet.read_text()
+    assert "per machine" in text and "collapse" in text and "bits" in text
+    include = '--8<-- "docs/_snippets/per_machine.md"'
+    pages = sorted((ROOT / "docs" / "results").glob("*.md"))
+    assert len(pages) >= 10
+    missing = [p.name for p in pages if include not in p.read_text()
+               or not re.search(r"^\s*(CPU|GPU): \S", p.read_text(), re.MULTILINE)]
+    assert missing == []
+    assert [p.name for p in pages if text.splitlines()[0] in p.read_text()] == []  # included, never copied
+    assert "_snippets/" in yaml.safe_load((ROOT / "mkdocs.yml").read_text())["exclude_docs"]  # not a page itself

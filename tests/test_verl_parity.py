@@ -29,6 +29,8 @@ from vexact.rl.metrics import mismatch_metrics
 from vexact.rl.objective import Objective, aggregate, ppo_token_loss
 
 VERL_VERSION = "0.9.1"
+VERL_PIP = f"pip install --no-deps verl=={VERL_VERSION} (.ci/run does)"
+pytestmark = pytest.mark.needs_package("verl", VERL_PIP)  # without verl: one skip for the file (tests/conftest.py)
 REL, ABS = 1e-7, 1e-9  # float64 inputs; sums in another order (verl's padded rows, vexact's flat tokens)
 MASKS = {"int_mask": torch.int64, "float_mask": torch.float64}  # int64: what verl's pipeline passes
 # scales of the rollout's log-prob noise: 0 is zero mismatch (rollout == training bit for bit)
@@ -36,7 +38,7 @@ SCALES = [(0.0, "int_mask"), (1e-6, "int_mask"), (0.05, "int_mask"), (0.4, "int_
 
 
 def _verl_dir() -> Path:
-    require_optional("verl", f"pip install --no-deps verl=={VERL_VERSION} (.ci/run does)")
+    require_optional("verl", VERL_PIP)
     spec = importlib.util.find_spec("verl")  # finds the package without running its __init__
     root = Path(next(iter(spec.submodule_search_locations)))
     version = (root / "version" / "version").read_text().strip()

@@ -10,10 +10,15 @@ The reference pages are written from the objects that define them, never by hand
 * the metric reference, from the registry ``vexact.metric_keys``;
 * the kernel op contracts, one mkdocstrings block per op of ``vexact_kernels.OP_NAMES``.
 
-``mkdocs build`` calls :func:`on_page_markdown` (this file is listed under ``hooks:`` in ``mkdocs.yml``), which
-replaces a marker line ``<!-- vexact-docs: cli -->`` (or another name of ``PAGES``) with the generated text.
-``python -m vexact.docs_gen DIR`` writes the pages as plain markdown, to read or diff them.
-``tests/test_docs.py`` checks that every flag, key and metric appears.
+The generated text is committed, so the pages read whole on a code host too: in a page, a region
+``<!-- vexact-docs: NAME -->`` ... ``<!-- end vexact-docs: NAME -->`` (``NAME`` one of ``PAGES``) holds the text
+the generator gives now. ``python -m vexact.docs_gen --update`` rewrites every region under ``docs/``;
+``python -m vexact.docs_gen --check`` exits 1 naming each stale region (``tests/test_docs.py`` runs it, so a change
+of a flag, key or metric that leaves its page behind fails the tests). ``mkdocs build`` calls
+:func:`on_page_markdown` (this file is listed under ``hooks:`` in ``mkdocs.yml``), which refreshes the regions the
+same way (a bare start marker, without its end, is filled too). ``python -m vexact.docs_gen DIR`` writes the pages
+as plain markdown files, to read or diff them. ``tests/test_docs.py`` also checks that every flag, key and metric
+appears.
 
 Imports are absolute: mkdocs loads this file by path, outside the package.
 """
@@ -36,10 +41,13 @@ from typing import Any, Literal
 from vexact.lab.markdown_table import markdown_table
 from vexact.registry import RegisteredName
 
-__all__ = ["PAGES", "choices_markdown", "cli_flags", "cli_markdown", "config_keys", "config_markdown",
-           "metrics_markdown", "on_config", "on_page_markdown"]
+__all__ = ["PAGES", "choices_markdown", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "expand",
+           "metrics_markdown", "on_config", "on_page_markdown", "stale_pages", "update_pages"]
 
 MARKER = re.compile(r"^<!-- vexact-docs: (\w+) -->$", re.MULTILINE)
+END = "<!-- end vexact-docs: {} -->"
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
 
 
 def _cell(text: object) -> str:
@@ -98,7 +106,10 @@ def _default(action: argparse.Action) -> str:
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
                            argparse._VersionAction)) or action.default in (None, argparse.SUPPRESS, [], ()):
         return ""
-    return _code(action.default)
+    default = action.default
+    if isinstance(default, Path) and default.is_absolute() and default.is_relative_to(REPO):
+        default = default.relative_to(REPO)  # a repository file: the same text in every checkout
+    return _code(default)
 
 
 def _flag_rows(parser: argparse.ArgumentParser) -> list[list[str]]:
@@ -130,8 +141,9 @@ def _parsers() -> Iterator[tuple[str, argparse.ArgumentParser, str]]:
 
 def cli_markdown() -> str:
     """The CLI reference: every command's usage and a table of its flags (default, choices, help)."""
-    out = ["Generated from `vexact.cli.build_parser()` when the docs are built; `vexact COMMAND --help` prints "
-           "the same. Exit codes: see [Failure behaviour](failure.md).", ""]
+    out = ["Generated from `vexact.cli.build_parser()` by `python -m vexact.docs_gen --update` (a test fails when "
+           "this page is stale); `vexact COMMAND --help` prints the same. Exit codes: see "
+           "[Failure behaviour](failure.md).", ""]
     for path, parser, text in _parsers():
         out += [f"## `{path}`", ""]
         if text:
@@ -464,18 +476,49 @@ PAGES = {"cli": cli_markdown, "config": config_markdown, "choices": choices_mark
 
 
 def expand(markdown: str) -> str:
-    """``markdown`` with every marker line replaced by its generated text (an unknown name is an error)."""
-    def replace(match: re.Match[str]) -> str:
+    """``markdown`` with every generated region holding the generator's text now: the start marker, the text and
+    the end marker. A start marker without its end (before the next start marker) is filled as a new region; an
+    unknown name is an error."""
+    out: list[str] = []
+    rest = markdown
+    while (match := MARKER.search(rest)) is not None:
         name = match.group(1)
         if name not in PAGES:
             raise ValueError(f"unknown generated page {name!r}; expected one of {', '.join(PAGES)}")
-        return PAGES[name]()
+        out.append(rest[:match.start()])
+        after = rest[match.end():]
+        end = after.find("\n" + END.format(name))
+        following = MARKER.search(after)
+        if end < 0 or (following is not None and following.start() < end):  # a bare marker: nothing to replace
+            tail = after
+        else:
+            tail = after[end + 1 + len(END.format(name)):]
+        out.append(f"{match.group(0)}\n\n{PAGES[name]().strip()}\n\n{END.format(name)}")  # blank lines: Markdown blocks
+        rest = tail
+    out.append(rest)
+    return "".join(out)
 
-    return MARKER.sub(replace, markdown)
+
+def pages_with_regions(docs: Path = DOCS) -> list[Path]:
+    """The markdown files under ``docs`` that hold a generated region, sorted."""
+    return sorted(p for p in docs.rglob("*.md") if MARKER.search(p.read_text(encoding="utf-8")))
+
+
+def stale_pages(docs: Path = DOCS) -> list[Path]:
+    """The pages under ``docs`` whose generated regions differ from what the generators give now."""
+    return [p for p in pages_with_regions(docs) if expand(text := p.read_text(encoding="utf-8")) != text]
+
+
+def update_pages(docs: Path = DOCS) -> list[Path]:
+    """Rewrite the generated regions of every page under ``docs``; the pages that changed."""
+    changed = stale_pages(docs)
+    for page in changed:
+        page.write_text(expand(page.read_text(encoding="utf-8")), encoding="utf-8")
+    return changed
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
-    """mkdocs hook: expand the markers of every page."""
+    """mkdocs hook: refresh the generated regions of every page."""
     return expand(markdown)
 
 
@@ -500,11 +543,30 @@ def on_config(config: Any, **_: Any) -> Any:
     return config
 
 
+USAGE = (f"usage: python -m vexact.docs_gen OUT_DIR  (writes {', '.join(f'{n}.md' for n in PAGES)})\n"
+         "       python -m vexact.docs_gen --update [DOCS_DIR]  (refresh the generated regions of the pages; "
+         "default: the repository's docs/)\n"
+         "       python -m vexact.docs_gen --check [DOCS_DIR]   (exit 1 if a region is stale)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print(f"usage: python -m vexact.docs_gen OUT_DIR  (writes {', '.join(f'{n}.md' for n in PAGES)})",
-              file=sys.stderr)
+    if args[:1] in (["--update"], ["--check"]) and len(args) <= 2:
+        docs = Path(args[1]) if len(args) == 2 else DOCS
+        if not docs.is_dir():
+            print(f"error: {docs} is not a directory", file=sys.stderr)
+            return 2
+        if args[0] == "--update":
+            for page in update_pages(docs):
+                print(f"updated {page}")
+            return 0
+        stale = stale_pages(docs)
+        for page in stale:
+            print(f"{page}: a generated region differs from the code; run python -m vexact.docs_gen --update",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    if len(args) != 1 or args[0].startswith("-"):
+        print(USAGE, file=sys.stderr)
         return 2
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)
