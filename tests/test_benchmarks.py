@@ -148,8 +148,8 @@ def test_op_count_charges_every_call_to_a_function(tmp_path, capsys):
     for r in results.values():
         assert r["aten_calls"] > 0
         assert sum(r["by_function"].values()) == sum(r["by_op"].values()) == r["aten_calls"]
-    assert results["exact"]["by_function"].get("kernels/cpu_exact.py:_tiled_matmul", 0) > 0
-    assert "kernels/cpu_exact.py:_tiled_matmul" not in results["native"]["by_function"]
+    assert results["exact"]["by_function"].get("kernels/gemm_arrangements.py:tiled_matmul", 0) > 0
+    assert "kernels/gemm_arrangements.py:tiled_matmul" not in results["native"]["by_function"]
     assert "aten calls in one RL step" in capsys.readouterr().out
     assert op_count.main(["--top", "0"]) == 2
 
