@@ -40,6 +40,7 @@ from .atomic import write_text_atomic
 from .corrections import CORRECTION_METHODS, plan_for
 from .inject_modes import INJECT_MODES
 from .metrics import LOG_RATIO_BOUND
+from .plugins import load_plugins
 from .schedules import LR_SCHEDULES
 from .tasks import TASKS, make_task, max_answer_tokens, max_prompt_tokens, task_has_free_span
 from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
@@ -380,6 +381,8 @@ class RunConfig:
     backend: Backend = "exact"  # training-path backend
     dtype: DType = "float32"  # compute dtype of the model
     threads: int | None = field(default=None, metadata=_bounds(min=1))
+    # modules imported before the config is validated: outside extensions (vexact.rl.plugins)
+    plugins: list[str] = field(default_factory=list)
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
@@ -638,7 +641,20 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
     _move_renamed(data)
     written = _move_aliases(data)
     origins: dict[str, str] = {}
+    overrides = list(overrides)
+    # The plugins first (--set plugins=..., else the file's key): the other overrides may name keys they register.
+    plugin_sets = [item for item in overrides if item.partition("=")[0].strip() == "plugins"]
+    for item in plugin_sets:
+        origins[_apply_override(data, item)] = item
+    try:  # the entry points' plugins too; a plugins value of another type is build()'s error to report
+        load_plugins(data["plugins"] if isinstance(data.get("plugins"), list) else [])
+    except ConfigError as e:
+        if not plugin_sets:
+            raise
+        raise ConfigError(f"{e.problem} (from --set {plugin_sets[-1]})", e.key) from None
     for item in overrides:
+        if item in plugin_sets:
+            continue
         key = _apply_override(data, item)
         earlier = origins.get(key)
         spellings = {earlier.partition("=")[0].strip() if earlier else key, item.partition("=")[0].strip()}
