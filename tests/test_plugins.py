@@ -23,11 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "outside_ext"
 
 PLUGIN_SOURCE = '''
-"""An outside extension: a task, an injection mode and an LR schedule, registered on import."""
+"""An outside extension: a task, an injection mode and an LR schedule with their own settings, registered on import."""
 import random
+from dataclasses import dataclass, field
 
 import vexact
 from vexact.rl.tasks import Problem
+from vexact.rl.validate import bounds
 
 
 class EchoTask(vexact.Task):
@@ -47,36 +49,49 @@ class EchoTask(vexact.Task):
         return self.max_len
 
 
+@dataclass
+class FavourSettings:
+    favoured_token: int = field(default=3, metadata=bounds(min=0))  # the token whose logit gets the bonus
+
+
 class FavourToken(vexact.InjectMode):
-    """Add ``value`` to token 3's logit on the rollout path."""
+    """Add ``value`` to one token's logit (``inject.favoured_token``) on the rollout path."""
 
     name = "favour_plugin"
-    knob = "logit bonus of token 3"
+    knob = "logit bonus of the favoured token"
+    settings = FavourSettings
 
     def logits_hook(self, injector, value, step):
         if value == 0.0:
             return None
+        token = injector.cfg.favoured_token
 
         def hook(z, seq, pos):
             changed = z.clone()
-            changed[..., 3] += value
+            changed[..., token] += value
             return changed, changed
 
         return hook
 
 
-class HalfFromStepOne(vexact.ScheduleKind):
-    """Half the base LR from step 1 on."""
+@dataclass
+class HalfSettings:
+    half_from: int = field(default=1, metadata=bounds(min=0))  # the first step at half the base LR
+
+
+class HalfFrom(vexact.ScheduleKind):
+    """Half the base LR from step ``lr_schedule.half_from`` on."""
 
     name = "half_plugin"
+    settings = HalfSettings
 
     def decay(self, s, step):
-        return 0.5 if step >= 1 else 1.0
+        return 0.5 if step >= s.cfg.half_from else 1.0
 
 
 vexact.register_task(EchoTask)
 vexact.register_inject_mode(FavourToken())
-vexact.register_lr_schedule(HalfFromStepOne())
+vexact.register_lr_schedule(HalfFrom())
 '''
 
 RUN = {"name": "plugin_run", "seed": 0, "steps": 2, "threads": 1,
@@ -85,7 +100,7 @@ RUN = {"name": "plugin_run", "seed": 0, "steps": 2, "threads": 1,
        "warm_start": {"steps": 0},
        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 6},
        "inject": {"mode": "favour_plugin", "value": 2.0},
-       "lr_schedule": {"kind": "half_plugin"},
+       "lr_schedule": {"kind": "half_plugin", "half_from": 1},
        "optimizer": {"warmup_steps": 0},
        "distributed": {"leaves": 1},
        "logging": {"live": False, "eval_every": 1, "checkpoint_every": 1}}
@@ -107,10 +122,12 @@ def _vexact(*args: str, path: Path | None = None, cwd: Path = ROOT) -> subproces
                           timeout=600)
 
 
-def _check_plugin_run(run_dir: Path) -> None:
-    """The run used the outside task, mode and schedule: the knob was on, and the LR halved at step 1."""
+def _check_plugin_run(run_dir: Path, favoured: int = 3) -> None:
+    """The run used the outside task, mode and schedule, with their settings: the knob was on, and the LR halved at
+    step 1 (``lr_schedule.half_from``)."""
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["plugins"] == [PLUGIN] and saved["task"]["name"] == "echo_plugin"
+    assert saved["inject"]["favoured_token"] == favoured and saved["lr_schedule"]["half_from"] == 1
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["inject/active"] == 1.0 and r["inject/value"] == 2.0 for r in rows)
@@ -121,9 +138,10 @@ def test_vexact_run_and_report_import_the_plugins_key(tmp_path):
     folder = _plugin_dir(tmp_path)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"plugins": [PLUGIN], **RUN, "output_dir": str(tmp_path / "run")}))
-    done = _vexact("run", str(config), path=folder)
+    # the plugin's own key on the command line: the plugins load before the --set overrides are applied
+    done = _vexact("run", str(config), "--set", "inject.favoured_token=5", path=folder)
     assert done.returncode == 0, done.stderr
-    _check_plugin_run(tmp_path / "run")
+    _check_plugin_run(tmp_path / "run", favoured=5)
     report = _vexact("report", str(tmp_path / "run"), path=folder)  # reads config.yaml: imports the plugin again
     assert report.returncode == 0, report.stderr
     assert (tmp_path / "run" / "report" / "report.json").is_file()
@@ -146,6 +164,16 @@ def test_vexact_sweep_with_two_workers_imports_the_sweep_files_plugins(tmp_path)
         _check_plugin_run(point)
     report = _vexact("report", str(tmp_path / "sweep"), path=folder)
     assert report.returncode == 0, report.stderr
+
+
+def test_a_plugins_setting_is_validated_under_its_own_key(tmp_path):
+    folder = _plugin_dir(tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"plugins": [PLUGIN], **RUN, "output_dir": str(tmp_path / "run")}))
+    done = _vexact("run", str(config), "--set", "lr_schedule.half_from=-1", path=folder)
+    assert done.returncode == 2
+    assert done.stderr == ("error: config error at 'lr_schedule.half_from': expected an integer >= 0, got -1 (from "
+                           "--set lr_schedule.half_from=-1)\n")
 
 
 def test_a_plugin_that_cannot_be_imported_is_one_error_line(tmp_path):

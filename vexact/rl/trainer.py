@@ -37,7 +37,7 @@ from ..metric_keys import (
     LR,
 )
 from .collapse import detect_collapse
-from .config import RunConfig, check_lengths, dotted_items, load_config, save_config
+from .config import RunConfig, dotted_items, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
@@ -55,7 +55,7 @@ from .runlog import (
     write_json_atomic,
 )
 from .schedules import LRSchedule
-from .tasks import held_out_problems, make_task, training_problems
+from .tasks import check_lengths, held_out_problems, make_task, training_problems
 from .triton_guard import check_interpreted_triton
 from .warmstart import warm_start
 
@@ -189,7 +189,7 @@ class Trainer:
         t2 = time.perf_counter()
         lr = self.schedule.lr(step)
         advantages = compute_advantages(batch.rewards, cfg.rollout.samples_per_prompt, alg.advantage,
-                                        alg.std_normalize)
+                                        alg.std_normalize, alg)
         update, first_pass_logp = self._update(step, batch, advantages, anchors, self.objective.expects_exact(plan),
                                                lr)
         timings["timing/update"] = time.perf_counter() - t2
