@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from ..live import LiveMonitor
+from ..metric_keys import TRL_GLOBAL_STEP
 
 __all__ = ["LiveMismatchMixin", "batch_sides"]  # and LiveGRPOTrainer, built on first use (``__getattr__``)
 
@@ -68,7 +69,7 @@ class LiveMismatchMixin:
         if self.model.training and self.accelerator.is_main_process:
             rollout, train, mask = batch_sides(self, output)
             self.live_monitor.step(self._live_batches, rollout, train, mask,
-                                   extra={"trl/global_step": int(self.state.global_step)})
+                                   extra={TRL_GLOBAL_STEP: int(self.state.global_step)})
             self._live_batches += 1
         return output
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
-from ..metric_keys import ENTROPY
+from ..metric_keys import ENTROPY, FIRST_MINIBATCH_RATIO_EXACT, KL_LOSS, PG_LOSS, PPO_KL
 from .advantages import ADVANTAGE_EPS, ADVANTAGE_ESTIMATORS
 from .config import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
@@ -215,7 +215,7 @@ class Objective:
         stats: dict[str, float] = {}
         if check_exact:
             exact = torch.equal(logp.detach(), old)
-            stats["mismatch/first_minibatch_ratio_exact"] = float(exact)
+            stats[FIRST_MINIBATCH_RATIO_EXACT] = float(exact)
             if not exact:
                 raise RunStopped("exactness violated: first mini-batch ratio != 1 although the old log-probs "
                                  "come from the exact training path")
@@ -231,7 +231,7 @@ class Objective:
         if alg.kl_coef > 0 and anchors.reference is not None:
             kl = k3_penalty(logp, torch.cat([anchors.reference[i] for i in idx]))
             per_token = per_token + alg.kl_coef * kl
-            stats["actor/kl_loss"] = float(kl.detach().mean())
+            stats[KL_LOSS] = float(kl.detach().mean())
         if correction is not None and correction.rejects_any:  # rejected tokens leave numerator and denominator
             keep = correction.keep
             lengths = [int(k.sum()) for k in keep.split(lengths)]
@@ -242,14 +242,14 @@ class Objective:
         loss = pg_loss - alg.entropy_coef * entropy.mean() if alg.entropy_coef > 0 else pg_loss
         if not torch.isfinite(loss):
             raise RunStopped(f"non-finite loss ({float(loss)})")
-        stats["actor/pg_loss"] = float(pg_loss.detach())
+        stats[PG_LOSS] = float(pg_loss.detach())
         stats[ENTROPY] = float(entropy.detach().mean())
         if ratio.numel():
             stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
             # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to
             # ±correction.log_ratio_bound (verl's SAFETY_BOUND, 20 by default)
             bound = self.correction.log_ratio_bound
-            stats["actor/ppo_kl"] = float((old - logp.detach()).clamp(-bound, bound).mean())
+            stats[PPO_KL] = float((old - logp.detach()).clamp(-bound, bound).mean())
         return MinibatchLoss(loss, detached, stats)
 
     def _pg_loss(self, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from ..metric_keys import K3_KL, LOG_PPL_ABS_DIFF, RESPONSE_LENGTH_MEAN
+from ..metric_keys import K3_KL, LOG_PPL_ABS_DIFF, LR_SCHEDULE_TRIGGERED, RESPONSE_LENGTH_MEAN
 from .collapse import surge_index, trailing_mean
 from .config import CollapseSection, LRScheduleSection
 from .registries import LR_SCHEDULES
@@ -232,7 +232,7 @@ class LRSchedule:
                     self.trigger_reason = reason
                     self.decay_period = self.cfg.decay_period or max(
                         1, round(self.cfg.decay_period_factor * step))
-        return {"lr_schedule/triggered": float(self.trigger_step is not None)}
+        return {LR_SCHEDULE_TRIGGERED: float(self.trigger_step is not None)}
 
     def summary(self) -> dict:
         """For ``summary.json``: the kind and, for triggered kinds, when and why it fired."""
