@@ -80,29 +80,24 @@ def _value_at(cfg: Any, key: str) -> Any:
 
 
 def _check_owners(cfg: RunConfig, registry: Registry) -> None:
-    """A setting whose class says ``requires_owner`` keeps its default unless an entry declaring it is selected."""
+    """A key of a settings class that says ``requires_owner`` keeps its default unless an entry that declares the
+    key is the one the config selects (``registry.key``; for a list of names, one of them)."""
     chosen = _value_at(cfg, registry.key)
     chosen = set(chosen) if isinstance(chosen, (list, tuple)) else {chosen}
-    checked: set[int] = set()
-    for _, entry in registry.items():
-        settings = getattr(entry, "settings", None)
-        if settings is None or not getattr(settings, "requires_owner", False) or id(settings) in checked:
-            continue
-        checked.add(id(settings))
-        section = registry.settings_section(settings)
-        for key, mount in mounts(type(_value_at(cfg, section))).items():
-            if settings not in [s for _, s in mount.owners]:
+    declared = [getattr(entry, "settings", None) for _, entry in registry.items()]
+    strict = {settings for settings in declared if getattr(settings, "requires_owner", False)}
+    for section_name in dict.fromkeys(registry.settings_section(s) for s in strict):
+        section = _value_at(cfg, section_name)
+        for key, mount in mounts(type(section)).items():
+            if not strict & {s for _, s in mount.owners}:
                 continue
-            owners = [o for o, s in mount.owners]
-            names = [n for n in registry.names() if registry.owner(n) in owners]
-            if chosen & set(names):
-                continue
-            value, default = getattr(_value_at(cfg, section), key), _default(mount.field)
-            if value != default:
-                raise ConfigError(f"{show_value(value)} is a setting of {registry.what} {' or '.join(names)} only: "
-                                  f"it needs {registry.key}: {' or '.join(names)}, got {registry.key} "
-                                  f"{show_value(_value_at(cfg, registry.key))} (leave {key} at "
-                                  f"{show_value(default)})", f"{section}.{key}")
+            owners = [n for n in registry.names() if registry.owner(n) in mount.owner_names]
+            value, default = getattr(section, key), _default(mount.field)
+            if value != default and not chosen & set(owners):
+                raise ConfigError(f"{show_value(value)} is a setting of {registry.what} {' or '.join(owners)} only: "
+                                  f"it needs {registry.key}: {' or '.join(owners)}, got {registry.key} "
+                                  f"{show_value(_value_at(cfg, registry.key))} (leave {key} at {show_value(default)})",
+                                  f"{section_name}.{key}")
 
 
 def _default(f: dataclasses.Field) -> Any:
