@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from vexact.metric_keys import TIMING_GRAD_REDUCE, TIMING_STEP
 from vexact.rl.data_parallel import DataParallel, launch
 from vexact.rl.runlog import read_metrics
 
@@ -74,8 +75,8 @@ def measure_steps(nproc: int, steps: int) -> dict:
                             "--set=threads=1", f"--set=output_dir={run_dir}", "--set=logging.eval_every=1000"],
                            check=True, capture_output=True)
             rows = read_metrics(run_dir / "metrics.jsonl")[1:]
-            result[f"{mode}_step_s"] = statistics.mean(m["timing/step"] for m in rows)
-            result[f"{mode}_reduce_s"] = statistics.mean(m["timing/grad_reduce"] for m in rows)
+            result[f"{mode}_step_s"] = statistics.mean(m[TIMING_STEP] for m in rows)
+            result[f"{mode}_reduce_s"] = statistics.mean(m[TIMING_GRAD_REDUCE] for m in rows)
     result["step_ratio"] = result["tree_step_s"] / result["allreduce_step_s"]
     result["reduce_ratio"] = result["tree_reduce_s"] / result["allreduce_reduce_s"]
     return result

@@ -21,6 +21,7 @@ import time
 import torch
 from rich.console import Console
 
+from vexact.metric_keys import TIMING_STEP, TIMING_UPDATE
 from vexact.rl.config import load_config
 from vexact.rl.trainer import Trainer
 from vexact.rl.warmstart import warm_start
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
             cpu = time.process_time()
             metrics = trainers[s].step(0)
             cpu_s[s].append(time.process_time() - cpu)
-            step_s[s].append(metrics["timing/step"])
-            update_s[s].append(metrics["timing/update"])
+            step_s[s].append(metrics[TIMING_STEP])
+            update_s[s].append(metrics[TIMING_UPDATE])
     base = SETTINGS[0]
     weights = {s: list(trainers[s].master.parameters()) for s in SETTINGS}  # after the last step
     same = {s: all(torch.equal(a, b) for a, b in zip(weights[s], weights[base])) for s in SETTINGS}

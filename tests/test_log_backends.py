@@ -265,7 +265,9 @@ def test_default_is_jsonl_only():
 
 
 @pytest.mark.parametrize("logging,key,expected", [
-    ({"backends": ["jsonl", "tb"]}, "logging.backends[1]", "expected one of 'jsonl', 'tensorboard', 'wandb', got 'tb'"),
+    ({"backends": ["jsonl", "tb"]}, "logging.backends[1]",
+     "expected a registered log backend (one of 'jsonl', 'tensorboard', 'wandb'; vexact.register_log_backend adds "
+     "one), got 'tb'"),
     ({"backends": "tensorboard"}, "logging.backends", "expected a list of"),
     ({"backends": []}, "logging.backends", "must include 'jsonl'"),
     ({"backends": ["tensorboard"]}, "logging.backends", "must include 'jsonl' (metrics.jsonl is what resume and"),
@@ -283,7 +285,7 @@ def test_config_errors(logging, key, expected):
 def test_missing_package_names_the_extra(backend, tmp_path, monkeypatch):
     """Refused when the run opens its log, before the first step and before metrics.jsonl exists (so the same
     command works once the extra is installed); the config itself loads anywhere."""
-    monkeypatch.setitem(log_backends.PACKAGES, backend, "vexact_no_such_package")
+    monkeypatch.setattr(type(log_backends.LOG_BACKENDS[backend]), "package", "vexact_no_such_package")
     cfg = _cfg(tmp_path, "missing", ["jsonl", backend], "warm_start.steps=0")
     with pytest.raises(ConfigError) as info:
         _run(cfg)

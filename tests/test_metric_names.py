@@ -35,16 +35,28 @@ def _bare_strings(source: str, names: set[str]) -> list[tuple[int, str]]:
     return found
 
 
-def test_modules_name_the_constant_keys_through_the_constants():
-    names = set(metric_keys.CONSTANTS)
+def test_modules_name_registered_keys_through_the_constants():
+    """No registered key (one without a placeholder) is a bare string in package or benchmark code: a module that
+    writes or reads one by name uses its constant in ``vexact.metric_keys``."""
+    names = {key.name for key in metric_keys.KEYS if "<" not in key.name}
+    assert set(metric_keys.CONSTANTS) <= names
     bare = {str(p.relative_to(ROOT)): hits for p in _SOURCES if (hits := _bare_strings(p.read_text(), names))}
     assert bare == {}
 
 
+def test_the_constants_are_every_upper_case_string_of_the_module():
+    """``CONSTANTS`` and ``__all__`` are derived from the definitions (one list: the constants themselves)."""
+    defined = {v for n, v in vars(metric_keys).items() if n.isupper() and not n.startswith("_") and isinstance(v, str)}
+    assert set(metric_keys.CONSTANTS) == defined and len(metric_keys.CONSTANTS) == len(defined)
+    assert {n for n in metric_keys.__all__ if isinstance(getattr(metric_keys, n), str)} == {
+        n for n, v in vars(metric_keys).items() if isinstance(v, str) and v in defined and n.isupper()}
+
+
 def test_the_bare_string_check_finds_one():
     """Counter-case: the check above does find a bare key (and not one inside a longer string or a docstring)."""
-    code = 'x = m["rollout_corr/k3_kl"]\ny = "see rollout_corr/k3_kl"\n"""rollout_corr/k3_kl"""\n'
-    assert _bare_strings(code, set(metric_keys.CONSTANTS)) == [(1, "rollout_corr/k3_kl")]
+    code = 'x = m["rollout_corr/k3_kl"]\ny = "see rollout_corr/k3_kl"\n"""rollout_corr/k3_kl"""\nz = "actor/ppo_kl"\n'
+    names = {key.name for key in metric_keys.KEYS if "<" not in key.name}
+    assert _bare_strings(code, names) == [(1, "rollout_corr/k3_kl"), (4, "actor/ppo_kl")]
 
 
 def _target(metric: str) -> dict:

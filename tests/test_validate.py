@@ -41,7 +41,7 @@ def test_the_run_config_uses_the_validator():
 
 
 def test_sweep_files_go_through_the_validator(tmp_path):
-    assert SWEEP_KEYS == {"name", "base", "set", "grid", "variants", "curves", "output_dir"}
+    assert SWEEP_KEYS == {"name", "base", "set", "grid", "variants", "curves", "output_dir", "plugins"}
     assert build(SweepFile, {"grid": {"seed": [0, 1]}, "curves": ["seed"]}).curves == ["seed"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("grid: {seed: [0]}\ncurves: 3\n")

@@ -4,8 +4,14 @@ Public API: ``ModelConfig``, ``Transformer``, ``generate`` (rollout path, KV cac
 ``token_logprobs`` (training path, full-sequence forward) and ``from_pretrained`` (a Hugging Face
 Llama/Mistral/Qwen2/Qwen3 checkpoint as a ``Transformer``); ``vexact.testing`` for users' own tests;
 ``LiveMonitor`` (``vexact.live``) for mismatch metrics and gates inside the user's own trainer, once per step.
-Extension points, registrable from outside the package: ``register_task`` (a ``Task`` subclass: ``task.name``) and
-``register_inject_mode`` (an ``InjectMode`` instance: ``inject.mode``).
+Extension points, registrable from outside the package: ``register_task`` (a ``Task`` subclass: ``task.name``),
+``register_inject_mode`` (an ``InjectMode`` instance: ``inject.mode``), ``register_lr_schedule`` (a ``ScheduleKind``
+instance: ``lr_schedule.kind``), ``register_correction_method`` (a ``CorrectionMethod``: ``correction.method``),
+``register_advantage_estimator`` (an ``AdvantageEstimator`` instance: ``algorithm.advantage``) and
+``register_log_backend`` (a ``LogBackendKind`` instance: ``logging.backends``); each may bring its own settings (a
+dataclass whose fields become config keys).
+A module that registers them is named in a config's ``plugins:`` key (or the ``vexact.plugins`` entry-point group)
+for ``vexact run`` / ``sweep`` / ``report`` to import it (``vexact.rl.plugins``).
 
 The names are imported on first use (PEP 562), so ``import vexact`` -- and the pytest plugin, which every
 pytest run in an environment with vexact loads -- does not pay for importing torch.
@@ -17,22 +23,32 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
+    "AdvantageEstimator": "vexact.rl.advantages",
+    "CorrectionMethod": "vexact.rl.corrections",
     "GenerateOutput": "vexact.engine.rollout",
     "InjectMode": "vexact.rl.inject_modes",
     "KVCache": "vexact.engine.model",
     "LiveMonitor": "vexact.live",
+    "LogBackendKind": "vexact.rl.log_backends",
     "ModelConfig": "vexact.engine.model",
     "Transformer": "vexact.engine.model",
     "from_pretrained": "vexact.real.pretrained",
     "generate": "vexact.engine.rollout",
+    "register_advantage_estimator": "vexact.rl.advantages",
+    "register_correction_method": "vexact.rl.corrections",
     "register_inject_mode": "vexact.rl.inject_modes",
+    "register_log_backend": "vexact.rl.log_backends",
+    "register_lr_schedule": "vexact.rl.schedules",
     "register_task": "vexact.rl.tasks",
+    "ScheduleKind": "vexact.rl.schedules",
     "Task": "vexact.rl.tasks",
     "token_logprobs": "vexact.engine.scoring",
 }
 
-__all__ = ["GenerateOutput", "InjectMode", "KVCache", "LiveMonitor", "ModelConfig", "Task", "Transformer",
-           "from_pretrained", "generate", "register_inject_mode", "register_task", "token_logprobs"]
+__all__ = ["AdvantageEstimator", "CorrectionMethod", "GenerateOutput", "InjectMode", "KVCache", "LiveMonitor",
+           "LogBackendKind", "ModelConfig", "ScheduleKind", "Task", "Transformer", "from_pretrained", "generate",
+           "register_advantage_estimator", "register_correction_method", "register_inject_mode",
+           "register_log_backend", "register_lr_schedule", "register_task", "token_logprobs"]
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 if TYPE_CHECKING:
@@ -41,7 +57,11 @@ if TYPE_CHECKING:
     from .engine.scoring import token_logprobs
     from .live import LiveMonitor
     from .real.pretrained import from_pretrained
+    from .rl.advantages import AdvantageEstimator, register_advantage_estimator
+    from .rl.corrections import CorrectionMethod, register_correction_method
     from .rl.inject_modes import InjectMode, register_inject_mode
+    from .rl.log_backends import LogBackendKind, register_log_backend
+    from .rl.schedules import ScheduleKind, register_lr_schedule
     from .rl.tasks import Task, register_task
 
 

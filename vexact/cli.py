@@ -328,8 +328,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .rl.config import check_memory
     from .rl.data_parallel import DataParallel, check_leaves
+    from .rl.tasks import check_memory
     from .rl.trainer import Trainer, run_dir_for
 
     cfg = _run_config(args)
@@ -515,7 +515,7 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
                       address: str | None = None, quiet: bool = False) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
     from .lab.sweep import run_sweep
-    from .rl.config import check_memory
+    from .rl.tasks import check_memory
 
     for shape in {json.dumps(p.config.to_dict()["model"], sort_keys=True): p.config for p in spec.points}.values():
         check_memory(shape)  # before any point allocates: an absurd model size is one error

@@ -5,8 +5,9 @@ The reference pages are written from the objects that define them, never by hand
 * the CLI reference, by walking ``vexact.cli.build_parser()`` (every subcommand and flag; ``vexact bench``'s
   benchmarks from their own ``add_arguments`` where the ``benchmarks`` package is importable);
 * the config reference, by walking the ``RunConfig`` dataclasses of ``vexact.rl.config`` (types, defaults, bounds;
-  a field's description is the comment beside it in the source), and the tables of registered choices (injection
-  modes, tasks, correction methods, LR schedules) from their registries;
+  a field's description is the comment beside it in the source, for a key an extension's settings brought the
+  comment in the settings class, with the entries it comes from), and the tables of registered choices (every
+  registry of ``vexact.rl.registries``, with the keys each entry's settings bring);
 * the metric reference, from the registry ``vexact.metric_keys``;
 * the kernel op contracts, one mkdocstrings block per op of ``vexact_kernels.OP_NAMES``.
 
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vexact.lab.markdown_table import markdown_table
-from vexact.registry import RegisteredName
+from vexact.registry import RegisteredName, mounts
 
 __all__ = ["PAGES", "choices_markdown", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "expand",
            "metrics_markdown", "on_config", "on_page_markdown", "stale_pages", "update_pages"]
@@ -234,8 +235,7 @@ _DESCRIPTIONS = {
     "logging.checkpoint_every": "checkpoint every N steps (and at the end; the newest two are kept)",
     "logging.live": "rich progress bar with ETA, reward, length, k3 KL, bitwise-equal fraction",
     "logging.eval_every": "clean evaluation every N steps",
-    "logging.backends": "jsonl (required) plus live views: tensorboard, wandb",
-    "logging.wandb_project": "W&B project of the wandb backend",
+    "logging.backends": "jsonl (required) plus live views (the log backends below)",
     "inject.mode": "how the rollout path is perturbed (none = exact)",
     "inject.value": "the mode's knob (σ, ε, p or k); 0 is a bitwise no-op",
     "inject.scope": "which vocabulary entries or positions are perturbed",
@@ -246,8 +246,6 @@ _DESCRIPTIONS = {
     "correction.rollout_is": "verl: importance-sampling level", "correction.rollout_is_batch_normalize":
     "verl: divide the weights by their mean",
     "lr_schedule.kind": "schedule on top of optimizer.lr and its warm-up",
-    "lr_schedule.gamma": "step: factor every step_size steps",
-    "lr_schedule.mismatch_metric": "mismatch_triggered: the metric whose trailing mean is compared",
     "distributed.leaves": "each mini-batch gradient is the fixed-tree sum of this many leaves",
     "distributed.reduce": "tree (bitwise equal for every rank count) or allreduce",
 }
@@ -351,10 +349,15 @@ def config_markdown() -> str:
             out += [" ".join(doc.split("\n\n")[0].split()), ""]
         hints = typing.get_type_hints(cls)
         comments = _field_comments(_comment_source(cls))
+        mounted = mounts(cls)
         rows = []
         for f in dataclasses.fields(cls):
             key = prefix + f.name
-            text = comments.get(f.name) or _DESCRIPTIONS.get(key, "")
+            if f.name in mounted:  # a key an extension's settings brought: documented beside its declaration
+                text = _field_comments(mounted[f.name].declared_in).get(f.name) or _DESCRIPTIONS.get(key, "")
+                text = f"{text} (from {', '.join(mounted[f.name].owner_names)})".lstrip()
+            else:
+                text = comments.get(f.name) or _DESCRIPTIONS.get(key, "")
             inner = [a for a in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(a)]
             if inner:
                 text = f"{text}; see [`{key}`](#{_slug(key)})".lstrip("; ")
@@ -387,39 +390,78 @@ def _first_line(obj: object) -> str:
     return " ".join((inspect.getdoc(obj) or "").split("\n\n")[0].split())
 
 
+def _settings_keys(registry: Any, entry: object) -> str:
+    """The config keys an entry's settings bring (``vexact.registry``), as code spans; "" for none."""
+    settings = getattr(entry, "settings", None)
+    if settings is None:
+        return ""
+    section = registry.settings_section(settings)
+    return ", ".join(_code(f"{section}.{f.name}") for f in dataclasses.fields(settings))
+
+
+def _what(obj: object) -> str:
+    """A registered entry's description: its docstring's first line after "``name``: "."""
+    text = _first_line(obj if inspect.isfunction(obj) or isinstance(obj, type) else type(obj))
+    return _cell(text.partition(": ")[2] or text)
+
+
 def choices_markdown() -> str:
-    """The registered choices of the config keys that name a registry entry: injection modes, tasks, correction
-    methods and LR schedules, one table each, read from the registries (``vexact.registry``)."""
-    from vexact.rl.corrections import CORRECTION_METHODS
-    from vexact.rl.inject_modes import INJECT_MODES
-    from vexact.rl.schedules import LR_SCHEDULES
-    from vexact.rl.tasks import TASKS
+    """The registered choices of the config keys that name a registry entry, one table each, read from the
+    registries (``vexact.rl.registries``), with the config keys each entry's own settings bring."""
+    from vexact.rl.registries import (
+        ADVANTAGE_ESTIMATORS,
+        BYPASS_LOSSES,
+        CORRECTION_METHODS,
+        INJECT_MODES,
+        LOG_BACKENDS,
+        LOSS_AGGREGATIONS,
+        LR_SCHEDULES,
+        TASKS,
+    )
 
     modes = [[_code(name), _cell(m.knob or ("set by " + ", ".join(_code(k) for k in m.source_keys)
                                            if m.source_keys else "")),
-              "✓" if m.calibratable else "", _cell(_first_line(type(m)).partition(": ")[2] or _first_line(type(m)))]
+              "✓" if m.calibratable else "", _what(m), _settings_keys(INJECT_MODES, m)]
              for name, m in INJECT_MODES.items()]
-    tasks = [[_code(name), _code(cls.tag), _cell(_first_line(cls)), _code(f"{cls.__module__}.{cls.__name__}")]
-             for name, cls in TASKS.items()]
-    methods = [[_code(name), _cell(m.verl), _cell(m.effect), _code(list(m.band)) if m.band else ""]
-               for name, m in CORRECTION_METHODS.items()]
-    kinds = [[_code(name), "✓" if k.triggered else "", _cell(_first_line(type(k)).partition(": ")[2])]
+    tasks = [[_code(name), _code(cls.tag), _cell(_first_line(cls)), _code(f"{cls.__module__}.{cls.__name__}"),
+              _settings_keys(TASKS, cls)] for name, cls in TASKS.items()]
+    methods = [[_code(name), _cell(m.verl), _cell(m.effect), _code(list(m.band)) if m.band else "",
+                _settings_keys(CORRECTION_METHODS, m)] for name, m in CORRECTION_METHODS.items()]
+    kinds = [[_code(name), "✓" if k.triggered else "", _what(k), _settings_keys(LR_SCHEDULES, k)]
              for name, k in LR_SCHEDULES.items()]
+
+    def plain(registry: Any) -> list[list[str]]:
+        return [[_code(name), _what(e), _settings_keys(registry, e)] for name, e in registry.items()]
+
+    backends = [[_code(name), _code(b.package) if b.package else "", _what(b), _settings_keys(LOG_BACKENDS, b)]
+                for name, b in LOG_BACKENDS.items()]
     return "\n".join([
         "## Injection modes (`inject.mode`)", "",
-        "From the registry `vexact.rl.inject_modes.INJECT_MODES`; `vexact.register_inject_mode` adds one "
-        "([how](../howto/add_mode.md)).", "",
-        markdown_table(["mode", "`inject.value` is", "calibratable", "what the rollout does"], modes), "",
+        "From the registry `INJECT_MODES`; `vexact.register_inject_mode` adds one ([how](../howto/add_mode.md)).", "",
+        markdown_table(["mode", "`inject.value` is", "calibratable", "what the rollout does", "its settings"],
+                       modes), "",
         "## Tasks (`task.name`)", "",
-        "From the registry `vexact.rl.tasks.TASKS`; `vexact.register_task` adds one ([how](../howto/add_task.md)).",
-        "", markdown_table(["task", "tag", "description", "class"], tasks), "",
+        "From the registry `TASKS`; `vexact.register_task` adds one ([how](../howto/add_task.md)).",
+        "", markdown_table(["task", "tag", "description", "class", "its settings"], tasks), "",
         "## Correction methods (`correction.method`)", "",
-        "From the registry `vexact.rl.corrections.CORRECTION_METHODS`: vexact's shorthand and the verl keys it "
-        "stands for (C = `correction.threshold`, [a, b] = `correction.band`).", "",
-        markdown_table(["method", "verl equivalent", "effect", "default band"], methods), "",
+        "From the registry `CORRECTION_METHODS`: vexact's shorthand and the verl keys it stands for (C = "
+        "`correction.threshold`, [a, b] = `correction.band`); `vexact.register_correction_method` adds one.", "",
+        markdown_table(["method", "verl equivalent", "effect", "default band", "its settings"], methods), "",
+        "## Bypass losses (`correction.loss_type`)", "",
+        "From the registry `BYPASS_LOSSES` (`vexact.rl.objective.register_bypass_loss` adds one).", "",
+        markdown_table(["loss type", "loss", "its settings"], plain(BYPASS_LOSSES)), "",
         "## LR schedules (`lr_schedule.kind`)", "",
-        "From the registry `vexact.rl.schedules.LR_SCHEDULES`.", "",
-        markdown_table(["kind", "triggered", "learning rate"], kinds), ""])
+        "From the registry `LR_SCHEDULES`; `vexact.register_lr_schedule` adds one.", "",
+        markdown_table(["kind", "triggered", "learning rate", "its settings"], kinds), "",
+        "## Advantage estimators (`algorithm.advantage`)", "",
+        "From the registry `ADVANTAGE_ESTIMATORS`; `vexact.register_advantage_estimator` adds one.", "",
+        markdown_table(["estimator", "advantage", "its settings"], plain(ADVANTAGE_ESTIMATORS)), "",
+        "## Loss aggregations (`algorithm.loss_agg`)", "",
+        "From the registry `LOSS_AGGREGATIONS` (`vexact.rl.objective.register_loss_aggregation` adds one).", "",
+        markdown_table(["aggregation", "loss", "its settings"], plain(LOSS_AGGREGATIONS)), "",
+        "## Log backends (`logging.backends`)", "",
+        "From the registry `LOG_BACKENDS`; `vexact.register_log_backend` adds one.", "",
+        markdown_table(["backend", "package", "what it writes", "its settings"], backends), ""])
 
 
 # --- metric keys -------------------------------------------------------------------------------------------

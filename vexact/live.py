@@ -72,7 +72,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .metric_keys import K3_KL
+from .metric_keys import (
+    K3_KL,
+    LIVE_GATES_FAILED,
+    LIVE_MEAN_RESPONSE_LENGTH,
+    LIVE_NONFINITE,
+    LIVE_SEQUENCES,
+    MISMATCH_TOKENS,
+)
 from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped map's name, as for --map
 from .real.measure import mismatch_report
 from .rl.atomic import write_text_atomic
@@ -196,27 +203,27 @@ class LiveMonitor:
         if extra:
             row.update(extra)
         self._write(step, row)
-        if self.on_gate_failure == "raise" and row["live/gates_failed"]:
+        if self.on_gate_failure == "raise" and row[LIVE_GATES_FAILED]:
             raise GateFailed(row)
         return row
 
     def _row(self, step: int, train: Tensor, roll: Tensor, lengths: list[int], nonfinite: int) -> dict[str, Any]:
         tokens = sum(lengths)
-        head = {"step": step, "live/sequences": len(lengths), "mismatch/tokens": tokens,  # horizon as compare --map
-                "live/mean_response_length": tokens / len(lengths) if lengths else 0.0}
+        head = {"step": step, LIVE_SEQUENCES: len(lengths), MISMATCH_TOKENS: tokens,  # horizon as compare --map
+                LIVE_MEAN_RESPONSE_LENGTH: tokens / len(lengths) if lengths else 0.0}
         if nonfinite or not tokens:
             outcome = "non-finite" if nonfinite else "no tokens"
             why = f"{nonfinite} of {tokens} log-probs are NaN or infinite" if nonfinite else "every response is masked"
             gates = self.gates.not_computed(why)
-            return {**head, "outcome": outcome, "live/nonfinite": nonfinite, "live/gates_failed": len(gates),
+            return {**head, "outcome": outcome, LIVE_NONFINITE: nonfinite, LIVE_GATES_FAILED: len(gates),
                     "gates": gates}
         report = mismatch_report(train, roll, lengths, max(lengths))
         gates = self.gates.check(report)
-        row = {**head, "outcome": "ok", **report["metrics"], "live/gates_failed": sum(not g["passed"] for g in gates),
+        row = {**head, "outcome": "ok", **report["metrics"], LIVE_GATES_FAILED: sum(not g["passed"] for g in gates),
                "gates": gates, "by_position": report["by_position"]}
         if self._map is not None:
             try:
-                row["map"] = self._map(report["metrics"][K3_KL], row["live/mean_response_length"])
+                row["map"] = self._map(report["metrics"][K3_KL], row[LIVE_MEAN_RESPONSE_LENGTH])
             except ValueError as err:  # the map cannot place this point: say so, keep training
                 row["map_error"] = str(err)
         return row

@@ -22,12 +22,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-__all__ = ["ABS_DLOGP_MAX", "ABS_DLOGP_MEAN", "BITWISE_EQUAL_FRAC", "CONSTANTS", "ENTROPY", "EVAL_GREEDY_ACCURACY",
-           "EVAL_REWARD_MEAN", "GRAD_NORM", "GROUPS", "K3_KL", "KEYS", "KL", "LOG_PPL_ABS_DIFF", "LR",
-           "RESPONSE_LENGTH_MEAN", "REWARD_MEAN", "TAIL_MASS_MAX", "TAIL_MASS_MEAN", "TAIL_RESPONSE_FRAC",
-           "TAIL_TOKEN_FRAC", "WRITERS", "MetricKey", "find", "unregistered"]
-
-# --- the keys code names most often, as constants -----------------------------------------------------------------
+# --- the keys code names, as constants (a module writing or reading a key by name uses these) -------------------------
 K3_KL = "rollout_corr/k3_kl"
 KL = "rollout_corr/kl"
 LOG_PPL_ABS_DIFF = "rollout_corr/log_ppl_abs_diff"
@@ -45,10 +40,67 @@ TAIL_MASS_MEAN = "tail/mass_mean"
 TAIL_MASS_MAX = "tail/mass_max"
 TAIL_TOKEN_FRAC = "tail/token_frac"
 TAIL_RESPONSE_FRAC = "tail/response_frac"
-CONSTANTS = (K3_KL, KL, LOG_PPL_ABS_DIFF, ABS_DLOGP_MEAN, ABS_DLOGP_MAX, BITWISE_EQUAL_FRAC, REWARD_MEAN,
-             RESPONSE_LENGTH_MEAN, EVAL_REWARD_MEAN, EVAL_GREEDY_ACCURACY, GRAD_NORM, ENTROPY, LR, TAIL_MASS_MEAN,
-             TAIL_MASS_MAX, TAIL_TOKEN_FRAC, TAIL_RESPONSE_FRAC)
-"""Every constant above (each must be a registered key)."""
+PG_CLIPFRAC = "actor/pg_clipfrac"
+PG_CLIPFRAC_HIGH = "actor/pg_clipfrac_high"
+PG_CLIPFRAC_LOW = "actor/pg_clipfrac_low"
+RATIO_MAX = "actor/ratio_max"
+RATIO_MEAN = "actor/ratio_mean"
+RATIO_MIN = "actor/ratio_min"
+PG_LOSS = "actor/pg_loss"
+KL_LOSS = "actor/kl_loss"
+PPO_KL = "actor/ppo_kl"
+GRAD_NORM_MAX = "actor/grad_norm_max"
+REWARD_ACCURACY = "reward/accuracy"
+RESPONSE_LENGTH_CLIP_RATIO = "response_length/clip_ratio"
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_GREEDY_REWARD_MEAN = "eval/greedy_reward_mean"
+EVAL_RESPONSE_LENGTH_MEAN = "eval/response_length_mean"
+ABS_DLOGP_P99 = "mismatch/abs_dlogp_p99"
+MISMATCH_TOKENS = "mismatch/tokens"
+FULL_VOCAB_ARGMAX_FLIP_FRAC = "mismatch/full_vocab_argmax_flip_frac"
+FULL_VOCAB_KL_MAX = "mismatch/full_vocab_kl_max"
+FULL_VOCAB_KL_MEAN = "mismatch/full_vocab_kl_mean"
+FULL_VOCAB_POSITIONS = "mismatch/full_vocab_positions"
+FULL_VOCAB_TV_MAX = "mismatch/full_vocab_tv_max"
+FULL_VOCAB_TV_MEAN = "mismatch/full_vocab_tv_mean"
+FIRST_MINIBATCH_RATIO_EXACT = "mismatch/first_minibatch_ratio_exact"
+CHI2_SEQ = "rollout_corr/chi2_seq"
+CHI2_TOKEN = "rollout_corr/chi2_token"
+LOG_PPL_ABS_DIFF_SUM = "rollout_corr/log_ppl_abs_diff_sum"
+LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
+LOG_PPL_DIFF_MAX = "rollout_corr/log_ppl_diff_max"
+LOG_PPL_DIFF_MIN = "rollout_corr/log_ppl_diff_min"
+PPL_RATIO = "rollout_corr/ppl_ratio"
+ROLLOUT_LOG_PPL = "rollout_corr/rollout_log_ppl"
+ROLLOUT_PPL = "rollout_corr/rollout_ppl"
+TRAINING_LOG_PPL = "rollout_corr/training_log_ppl"
+TRAINING_PPL = "rollout_corr/training_ppl"
+ROLLOUT_ACTOR_PROBS_PEARSON_CORR = "training/rollout_actor_probs_pearson_corr"
+ROLLOUT_PROBS_DIFF_MAX = "training/rollout_probs_diff_max"
+ROLLOUT_PROBS_DIFF_MEAN = "training/rollout_probs_diff_mean"
+ROLLOUT_PROBS_DIFF_STD = "training/rollout_probs_diff_std"
+ROLLOUT_PROBS_DIFF_VALID = "training/rollout_probs_diff_valid"
+INJECT_ACTIVE = "inject/active"
+INJECT_VALUE = "inject/value"
+LR_SCHEDULE_TRIGGERED = "lr_schedule/triggered"
+TIMING_EVAL = "timing/eval"
+TIMING_GRAD_REDUCE = "timing/grad_reduce"
+TIMING_OLD_LOGPROBS = "timing/old_logprobs"
+TIMING_ROLLOUT = "timing/rollout"
+TIMING_STEP = "timing/step"
+TIMING_UPDATE = "timing/update"
+LIVE_GATES_FAILED = "live/gates_failed"
+LIVE_MEAN_RESPONSE_LENGTH = "live/mean_response_length"
+LIVE_NONFINITE = "live/nonfinite"
+LIVE_SEQUENCES = "live/sequences"
+TRL_GLOBAL_STEP = "trl/global_step"
+
+_CONSTANT_NAMES = tuple(name for name, value in dict(globals()).items()
+                        if name.isupper() and not name.startswith("_") and isinstance(value, str))
+CONSTANTS = tuple(globals()[name] for name in _CONSTANT_NAMES)
+"""Every constant above (each must be a registered key; ``tests/test_metric_names.py``)."""
+
+__all__ = ["CONSTANTS", "GROUPS", "KEYS", "WRITERS", "MetricKey", "find", "unregistered", *_CONSTANT_NAMES]
 
 RUN = ("run",)
 ALL = ("run", "measure", "compare", "live")

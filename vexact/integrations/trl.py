@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from ..live import LiveMonitor
+from ..metric_keys import TRL_GLOBAL_STEP
 
 __all__ = ["LiveMismatchMixin", "batch_sides", "dump_batch", "hf_generate_rollout"]  # and LiveGRPOTrainer, built on
 # first use (``__getattr__``)
@@ -90,7 +91,7 @@ class LiveMismatchMixin:
         if self.model.training and self.accelerator.is_main_process:
             rollout, train, mask = batch_sides(self, output)
             self.live_monitor.step(self._live_step(), rollout, train, mask,
-                                   extra={"trl/global_step": int(self.state.global_step)})
+                                   extra={TRL_GLOBAL_STEP: int(self.state.global_step)})
         return output
 
 

@@ -78,7 +78,7 @@ def _flat_gradient(trainer: Any, batch: Any) -> Tensor:
     advantages, its old-log-prob anchors, the whole batch as one mini-batch; flat float32 (zeros for unused)."""
     alg = trainer.cfg.algorithm
     advantages = compute_advantages(batch.rewards, trainer.cfg.rollout.samples_per_prompt, alg.advantage,
-                                    alg.std_normalize)
+                                    alg.std_normalize, alg)
     anchors = trainer.objective.anchors(trainer.compute, batch, lambda: trainer.compute)
     part = trainer.objective.minibatch_loss(trainer.compute, batch, list(range(len(batch.responses))), advantages,
                                             anchors, check_exact=False)

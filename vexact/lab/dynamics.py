@@ -36,13 +36,21 @@ import math
 import statistics
 from typing import Any
 
-from ..metric_keys import ENTROPY, GRAD_NORM, K3_KL, LOG_PPL_ABS_DIFF, RESPONSE_LENGTH_MEAN, REWARD_MEAN
+from ..metric_keys import (
+    ENTROPY,
+    GRAD_NORM,
+    K3_KL,
+    LOG_PPL_ABS_DIFF,
+    LOG_PPL_ABS_DIFF_SUM,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
+)
 from .sweep_data import PointData, SweepData, metric_series
 
 TRACKED = {"entropy": ENTROPY, "grad_norm": GRAD_NORM, "response_length": RESPONSE_LENGTH_MEAN}
 SURGE_TRACKED = {"response_length": RESPONSE_LENGTH_MEAN, "reward": REWARD_MEAN, "k3": K3_KL,
                  "log_ppl_abs_diff": LOG_PPL_ABS_DIFF,
-                 "seq_log_ratio_abs": "rollout_corr/log_ppl_abs_diff_sum",
+                 "seq_log_ratio_abs": LOG_PPL_ABS_DIFF_SUM,
                  "grad_norm": GRAD_NORM, "entropy": ENTROPY}
 SURGE_WINDOW = 10  # the surge detector's default window (collapse.length_surge_window)
 PHASES = ("before", "during", "after")

@@ -75,11 +75,14 @@ def start(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
-def _run_in(cwd: str, config: dict, resume: bool, threads: int | None) -> dict:
-    """A task's body: the driver's working directory (relative run and cache paths), then the local runner."""
+def _run_in(cwd: str, path: list[str], config: dict, resume: bool, threads: int | None) -> dict:
+    """A task's body: the driver's working directory (relative run and cache paths) and its import path (so the
+    point's ``plugins`` import here as they did there, as a local worker process inherits both), then the local
+    runner."""
     from .sweep import _run_point
 
     os.chdir(cwd)
+    sys.path.extend(entry for entry in path if entry not in sys.path)
     return _run_point(config, resume, threads)
 
 
@@ -97,7 +100,8 @@ def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Call
                 continue
             cpus = point.config.threads or 1
             task = ray.remote(num_cpus=cpus, max_retries=0)(_run_in)
-            refs[task.remote(os.getcwd(), point.config.to_dict(), point.run_dir.exists(), cpus)] = point
+            refs[task.remote(os.getcwd(), list(sys.path), point.config.to_dict(), point.run_dir.exists(),
+                             cpus)] = point
         while refs:
             on_running([p.name for p in refs.values()])
             done, _ = ray.wait(list(refs), num_returns=1)

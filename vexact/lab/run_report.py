@@ -27,11 +27,13 @@ from rich.console import Console
 
 from ..metric_keys import (
     ABS_DLOGP_MEAN,
+    CHI2_TOKEN,
     ENTROPY,
     EVAL_REWARD_MEAN,
     GRAD_NORM,
     K3_KL,
     LR,
+    LR_SCHEDULE_TRIGGERED,
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
 )
@@ -49,7 +51,7 @@ TRACKED = {  # metric -> what it is, in words (report.json "series", the plot's 
     EVAL_REWARD_MEAN: "clean evaluation reward",
     K3_KL: "realised k3 KL",
     ABS_DLOGP_MEAN: "realised |Δlogp|",
-    "rollout_corr/chi2_token": "chi2_token",
+    CHI2_TOKEN: "chi2_token",
     ENTROPY: "policy entropy",
     RESPONSE_LENGTH_MEAN: "response length",
     LR: "learning rate",
@@ -111,7 +113,7 @@ def lr_trigger_step(point: PointData) -> int | None:
     schedule = (point.summary or {}).get("lr_schedule") or {}
     if "trigger_step" in schedule:
         return schedule["trigger_step"]
-    for step, value in zip(*metric_series(point, "lr_schedule/triggered")):
+    for step, value in zip(*metric_series(point, LR_SCHEDULE_TRIGGERED)):
         if value >= 1:
             return int(step)
     return None
@@ -172,7 +174,7 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
     if c.get("length_surge_lead") is not None:
         surge += f" ({step(c['length_surge_lead'])} steps before the collapse)"
     lr = s["lr_schedule"]
-    chi2 = series.get("rollout_corr/chi2_token")
+    chi2 = series.get(CHI2_TOKEN)
     rows = [
         ("status", s["status"] + (f": {s['reason']}" if s.get("reason") else "")),
         ("steps", f"{s['steps_completed']}" + (f" of {s['steps_planned']}" if s.get("steps_planned") else "")),

@@ -22,6 +22,9 @@ Optional ``curves`` names the grid keys (``variant`` included) that split the do
 into curves (``dose_response.json``): ``curves: [algorithm.old_logprobs]`` fits one collapse-vs-mismatch curve per
 old-log-prob mode over every source and magnitude. Default: every non-seed grid key outside ``inject.*``.
 
+Optional ``plugins`` lists modules to import before the points are validated (outside modes, tasks, schedules:
+``vexact.rl.plugins``); they join each point's own ``plugins``, so every worker process imports them too.
+
 Every point's config is built and validated before anything runs. Points run in grid order,
 sequentially or in ``--jobs N`` worker processes. The sweep is resumable: a point whose
 ``summary.json`` says completed/stopped is skipped, an unfinished one resumes from its last
@@ -70,6 +73,7 @@ from ..progress import Progress, StepReporter
 from ..rl.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..rl.config import KEY_ALIASES, RENAMED_KEYS, ConfigError, RunConfig, config_from_dict, read_yaml, show_value
 from ..rl.lifetime import die_with_parent
+from ..rl.plugins import load_plugins
 from ..rl.runlog import RunLocked, run_lock
 from ..rl.validate import build, plain
 
@@ -89,6 +93,7 @@ class SweepFile:
     variants: dict[str, dict[str, Any]] | None = None  # name -> a bundle of dotted keys (grid key 'variant')
     curves: list[str] | None = None  # grid keys that split the dose-response fit
     output_dir: str | None = None
+    plugins: list[str] | None = None  # modules every point imports first (vexact.rl.plugins); added to the base's
 
 
 SWEEP_KEYS = {f.name for f in dataclasses.fields(SweepFile)}
@@ -249,6 +254,11 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
     else:  # an empty string
         raise ConfigError(f"expected the path of a run config (relative to the sweep file) or a mapping, got "
                           f"{show_value(base)}{where}", "base")
+    plugins = spec.get("plugins") or []
+    try:  # before the points are validated: their keys may name what the plugins register
+        load_plugins(plugins)
+    except ConfigError as err:
+        raise ConfigError(f"{err.problem}{where}", err.key) from None
     common = _check_overrides(spec.get("set"), "set", path)
     grid = _check_grid(spec.get("grid"), path)
     _check_plain(grid, "grid", path)
@@ -298,6 +308,9 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
         if variants is not None:
             config_overrides = {**variants[config_overrides.pop(VARIANT_KEY)], **config_overrides}
         per_point = {**config_overrides, "output_dir": str(out / "points" / pname), "name": f"{name}/{pname}"}
+        if plugins:  # the sweep's plugins join the point's own (from the base, set or a variant)
+            own = {**common, **per_point}.get("plugins", base_dict.get("plugins"))
+            per_point["plugins"] = list(dict.fromkeys([*(own if isinstance(own, list) else []), *plugins]))
         # later items win: the sweep's live-view default, the file's set, the command line's --set, the point's own
         items = ["logging.live=false", *_items(common), *overrides, *_items(per_point)]
         try:

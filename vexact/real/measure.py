@@ -52,7 +52,23 @@ from ..engine.inputs import check_temperature, check_token_lists, padded_with_ma
 from ..engine.model import DTYPES, Transformer, dtype_names_text, short_dtype_name
 from ..engine.rollout import generate
 from ..engine.scoring import full_logprobs, token_logprobs
-from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL, LOG_PPL_ABS_DIFF
+from ..metric_keys import (
+    ABS_DLOGP_MAX,
+    ABS_DLOGP_MEAN,
+    ABS_DLOGP_P99,
+    CHI2_TOKEN,
+    FULL_VOCAB_ARGMAX_FLIP_FRAC,
+    FULL_VOCAB_KL_MAX,
+    FULL_VOCAB_KL_MEAN,
+    FULL_VOCAB_POSITIONS,
+    FULL_VOCAB_TV_MAX,
+    FULL_VOCAB_TV_MEAN,
+    K3_KL,
+    KL,
+    LOG_PPL_ABS_DIFF,
+    MISMATCH_TOKENS,
+    ROLLOUT_PROBS_DIFF_MAX,
+)
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from .pretrained import (
     PARITY_PROMPTS,
@@ -427,7 +443,7 @@ def mismatch_report(logp_train: Tensor, logp_roll: Tensor, lengths: list[int], m
         by_position.append({"positions": f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}", "tokens": count,
                             "abs_dlogp_mean": float(abs_r[in_bin].mean()) if count else None,
                             "abs_dlogp_max": float(abs_r[in_bin].max()) if count else None})
-    return {"tokens": int(metrics["mismatch/tokens"]), "bitwise_equal": int((logp_train == logp_roll).sum()),
+    return {"tokens": int(metrics[MISMATCH_TOKENS]), "bitwise_equal": int((logp_train == logp_roll).sum()),
             "metrics": metrics, "by_probability": by_probability, "by_position": by_position}
 
 
@@ -607,11 +623,11 @@ def print_report(report: dict[str, Any], console: Any, title: str, caption: str)
         ("k1 KL (rollout_corr/kl)", m[KL]),
         ("k3 KL (rollout_corr/k3_kl)", m[K3_KL]),
         ("|Δlogp| mean", m[ABS_DLOGP_MEAN]),
-        ("|Δlogp| p99", m["mismatch/abs_dlogp_p99"]),
+        ("|Δlogp| p99", m[ABS_DLOGP_P99]),
         ("|Δlogp| max", m[ABS_DLOGP_MAX]),
         ("log_ppl_abs_diff", m[LOG_PPL_ABS_DIFF]),
-        ("χ² token †", m["rollout_corr/chi2_token"]),
-        ("max |p_train − p_roll|", m["training/rollout_probs_diff_max"]),
+        ("χ² token †", m[CHI2_TOKEN]),
+        ("max |p_train − p_roll|", m[ROLLOUT_PROBS_DIFF_MAX]),
     ]
     for name, value in rows:
         table.add_row(name, _fmt(value))
@@ -630,7 +646,7 @@ def print_report(report: dict[str, Any], console: Any, title: str, caption: str)
         positions.add_row(row["positions"], str(row["tokens"]), _fmt(row["abs_dlogp_mean"]), _fmt(row["abs_dlogp_max"]))
     console.print(buckets)
     console.print(positions)
-    if "mismatch/full_vocab_positions" in m:
+    if FULL_VOCAB_POSITIONS in m:
         console.print(_full_vocab_table(m))
 
 
@@ -642,10 +658,10 @@ def _full_vocab_table(m: dict[str, Any]) -> Any:
     table.add_column("value", justify="right")
     overlap = next(key for key in m if key.startswith("mismatch/full_vocab_top") and key.endswith("_overlap_mean"))
     k = overlap.removeprefix("mismatch/full_vocab_top").removesuffix("_overlap_mean")
-    rows = (("positions", "mismatch/full_vocab_positions"), ("KL(μ‖π) mean", "mismatch/full_vocab_kl_mean"),
-            ("KL(μ‖π) max", "mismatch/full_vocab_kl_max"), ("total variation mean", "mismatch/full_vocab_tv_mean"),
-            ("total variation max", "mismatch/full_vocab_tv_max"),
-            ("argmax flip fraction", "mismatch/full_vocab_argmax_flip_frac"), (f"top-{k} overlap mean", overlap))
+    rows = (("positions", FULL_VOCAB_POSITIONS), ("KL(μ‖π) mean", FULL_VOCAB_KL_MEAN),
+            ("KL(μ‖π) max", FULL_VOCAB_KL_MAX), ("total variation mean", FULL_VOCAB_TV_MEAN),
+            ("total variation max", FULL_VOCAB_TV_MAX),
+            ("argmax flip fraction", FULL_VOCAB_ARGMAX_FLIP_FRAC), (f"top-{k} overlap mean", overlap))
     for name, key in rows:
         table.add_row(name, _fmt(m[key]))
     return table

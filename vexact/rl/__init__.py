@@ -7,4 +7,6 @@ log-probs, advantages, ``corrections``, PPO loss) -> update (in ``trainer``) -> 
 makes the starting policy. Imports only ``vexact.engine`` and ``vexact_kernels``.
 """
 
-from . import tasks as _tasks  # noqa: E402, F401  (the task registry first: vexact.rl.horizon_task imports it)
+from .plugins import load_builtins
+
+load_builtins()  # the built-in tasks, modes, schedules, ... register themselves, as a plugin's extensions do

@@ -57,13 +57,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..metric_keys import ABS_DLOGP_MEAN, GRAD_NORM, K3_KL, RESPONSE_LENGTH_MEAN
+from ..metric_keys import ABS_DLOGP_MEAN, GRAD_NORM, K3_KL, PG_LOSS, RESPONSE_LENGTH_MEAN
 from .metrics_log import non_finite_value
 
 if TYPE_CHECKING:  # the config imports the LR schedules, which import this module
     from .config import CollapseSection
 
-PG_LOSS = "actor/pg_loss"
+PG_LOSS = PG_LOSS
 
 # Tie-break among triggers at the same step (rule 4): earlier in this tuple wins.
 REASONS = ("reward_drop", "non_finite", "grad_norm", "k3_kl")

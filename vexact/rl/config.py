@@ -13,6 +13,13 @@ work starts.
 Adding a section: write a dataclass (defaults for every field, optional ``check()``) and add a field of that type
 to ``RunConfig``. Loading, overrides, ``to_dict`` and ``save_config`` pick it up from the type hints.
 
+Extensions own their settings: this module imports none of them. A section marked ``@extensible("inject")`` holds
+the options every mode shares; a registered injection mode, task, LR schedule, correction method, advantage
+estimator or log backend adds its own keys to it from a settings dataclass next to its code (``vexact.registry``:
+``inject.sites`` is the ``precision`` mode's), and checks that need an extension's code run as registered run checks
+(``vexact.rl.registries``). The built-ins register when the ``vexact.rl`` package is imported, a plugin when the
+config's ``plugins`` are loaded (``vexact.rl.plugins``), both before the config is validated.
+
 Constructing the dataclasses directly in Python skips validation; go through ``config_from_dict`` to validate.
 """
 
@@ -33,18 +40,26 @@ import yaml
 
 import vexact_kernels
 
-from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError, check_fits
+from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
-from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, LOG_PPL_ABS_DIFF
+from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL
+from ..registry import extensible
 from .atomic import write_text_atomic
-from .corrections import CORRECTION_METHODS, plan_for
-from .inject_modes import INJECT_MODES
 from .metrics import LOG_RATIO_BOUND
-from .schedules import LR_SCHEDULES
-from .tasks import TASKS, make_task, max_answer_tokens, max_prompt_tokens, task_has_free_span
+from .plugins import load_plugins
+from .registries import (
+    ADVANTAGE_ESTIMATORS,
+    BYPASS_LOSSES,
+    CORRECTION_METHODS,
+    INJECT_MODES,
+    LOG_BACKENDS,
+    LOSS_AGGREGATIONS,
+    LR_SCHEDULES,
+    TASKS,
+    check_run,
+)
 from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
 from .validate import bounds as _bounds
-from .vocab_tail import MAX_DISTRACTORS
 
 __all__ = [
     "AlgorithmSection",
@@ -69,11 +84,19 @@ __all__ = [
 Backend = Literal[vexact_kernels.BACKENDS]  # the kernel library's backend names
 # Names from a registry: checked against it when a config is validated (validate.py), so an entry registered after
 # import (vexact.register_task, vexact.register_inject_mode, ...) is accepted like a built-in.
-TaskName = TASKS.name_type  # tasks.TASKS
-InjectModeName = INJECT_MODES.name_type  # inject_modes.INJECT_MODES
-CorrectionMethodName = CORRECTION_METHODS.name_type  # corrections.CORRECTION_METHODS
-LRScheduleKind = LR_SCHEDULES.name_type  # schedules.LR_SCHEDULES
+TaskName = TASKS.name_type
+InjectModeName = INJECT_MODES.name_type
+CorrectionMethodName = CORRECTION_METHODS.name_type
+BypassLossName = BYPASS_LOSSES.name_type
+LRScheduleKind = LR_SCHEDULES.name_type
+AdvantageEstimatorName = ADVANTAGE_ESTIMATORS.name_type
+LossAggregationName = LOSS_AGGREGATIONS.name_type
+LogBackendName = LOG_BACKENDS.name_type
 DType = Literal["float32", "bfloat16"]  # also spelled fp32 / bf16 (VALUE_ALIASES); stored with these names
+
+MAX_DISTRACTORS = 262_144
+"""Upper bound of ``task.distractors`` (vexact.rl.vocab_tail: a vocabulary beyond real ones, 150k, with room to
+spare); a larger value is more likely a typo than a plan, and would allocate an embedding of that many rows."""
 
 VALUE_ALIASES: dict[str, str] = {
     **DTYPE_ALIASES,  # bf16 -> bfloat16, fp32 -> float32, fp16 -> float16 (the engine's one table)
@@ -125,6 +148,7 @@ def _model_section() -> type:
 ModelSection = _model_section()
 
 
+@extensible("task")
 @dataclass
 class TaskSection:
     """The synthetic task the policy is trained on."""
@@ -143,6 +167,7 @@ class TaskSection:
             raise ConfigError(f"expected max_len >= min_len ({self.min_len}), got {self.max_len}", "max_len")
 
 
+@extensible("warm_start")
 @dataclass
 class WarmStartSection:
     """Supervised warm start before RL (cached by config hash)."""
@@ -154,9 +179,6 @@ class WarmStartSection:
     # Seed of the starting policy (model init + warm-start data); None = the run's seed. Fix it to compare
     # RL seeds (rollout sampling, mini-batch order) from one starting policy.
     seed: int | None = field(default=None, metadata=_bounds(min=0))
-    # task surge only: after an all-trace first half, imitate the worked trace on this fraction of examples and
-    # the direct answer on the rest (vexact.rl.surge_task); None = the task's one target
-    trace_fraction: float | None = field(default=None, metadata=_bounds(min=0, max=1))
     # Total loss weight of a target's free tokens (the span the reward does not read, Task.free_span: the horizon
     # task's scratchpad), shared equally among them; None = every target token weighs 1 (a plain token mean).
     # 1.0 makes the answer's share of the loss the same at every scratchpad length.
@@ -177,18 +199,19 @@ class RolloutSection:
     dtype: DType | None = None
 
 
+@extensible("algorithm")
 @dataclass
 class AlgorithmSection:
     """The policy-gradient objective (PPO-style clipped surrogate)."""
 
     old_logprobs: Literal["rollout", "recompute"] = "rollout"
-    advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
+    advantage: AdvantageEstimatorName = "grpo"
     std_normalize: bool = True
     # the ratio is clipped to [1 - clip_low, 1 + clip_high]; clip_low >= 1 puts the lower bound at or below 0, which no
     # ratio is under: it could never clip
     clip_low: float = field(default=0.2, metadata=_bounds(min=0, lt=1))
     clip_high: float = field(default=0.28, metadata=_bounds(min=0))
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    loss_agg: LossAggregationName = "token_mean"
     kl_coef: float = field(default=0.0, metadata=_bounds(min=0))
     entropy_coef: float = field(default=0.0, metadata=_bounds(min=0))
     mini_batches: int = field(default=1, metadata=_bounds(min=1))
@@ -200,6 +223,7 @@ class AlgorithmSection:
     grad_unit: int | None = field(default=None, metadata=_bounds(min=1))
 
 
+@extensible("correction")
 @dataclass
 class CorrectionSection:
     """Rollout correction on ρ_t = π_old/μ (importance weights / rejection); see ``vexact/rl/corrections.py``.
@@ -208,9 +232,7 @@ class CorrectionSection:
     ``batch_normalize``), or verl 0.9.1's ``algorithm.rollout_correction`` keys (``preset`` and the ``rollout_*``
     keys, ``bypass_mode``, ``loss_type``; null = not given, so a preset's value or verl's default applies)."""
 
-    method: CorrectionMethodName = "none"  # a name in corrections.CORRECTION_METHODS
-    threshold: float = field(default=2.0, metadata=_bounds(gt=1))  # C: TIS truncates at C, MIS masks above C
-    band: tuple[float, float] | None = field(default=None, metadata=_bounds(gt=0))  # icepop / geo_rs [a, b]
+    method: CorrectionMethodName = "none"  # a name in registries.CORRECTION_METHODS
     batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
     # clamp of |log ρ| in the IS weights, the χ² metrics and actor/ppo_kl (verl's SAFETY_BOUND: 20)
     log_ratio_bound: float = field(default=LOG_RATIO_BOUND, metadata=_bounds(gt=0))
@@ -222,23 +244,10 @@ class CorrectionSection:
     rollout_rs: str | None = None  # comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3
     rollout_rs_threshold: float | str | None = None  # one per option or one shared; k1: "lower_upper" ratios
     bypass_mode: bool | None = None  # true = algorithm.old_logprobs rollout, false = recompute (must agree)
-    loss_type: Literal["ppo_clip", "ppo_clip_is", "reinforce"] | None = None  # bypass mode's loss
-
-    def check(self) -> None:
-        if self.band is not None:
-            if CORRECTION_METHODS[self.method].band is None:
-                banded = " and ".join(name for name, m in CORRECTION_METHODS.items() if m.band is not None)
-                raise ConfigError(f"band is used by {banded} only, not by method {self.method!r}", "band")
-            if not self.band[0] < self.band[1]:
-                raise ConfigError(f"band needs lower < upper, got {list(self.band)}", "band")
-        try:
-            plan_for(self)
-        except ValueError as err:  # the message names the key it is about; point the error there
-            text = str(err)
-            keys = ("method", "rollout_rs_threshold", "rollout_is_threshold", "rollout_rs", "preset", "loss_type")
-            raise ConfigError(text, next((k for k in keys if k in text), None)) from None
+    loss_type: BypassLossName | None = None  # bypass mode's loss
 
 
+@extensible("lr_schedule")
 @dataclass
 class LRScheduleSection:
     """Learning-rate schedule on top of ``optimizer.lr`` and its warmup; see ``vexact/rl/schedules.py``.
@@ -246,16 +255,8 @@ class LRScheduleSection:
     ``length_triggered`` fires at the length surge defined once, in ``collapse.length_surge_window`` /
     ``collapse.length_surge_ratio`` (the collapse detector's early warning)."""
 
-    kind: LRScheduleKind = "constant"  # a name in schedules.LR_SCHEDULES
+    kind: LRScheduleKind = "constant"  # a name in registries.LR_SCHEDULES
     min_lr_ratio: float = field(default=0.1, metadata=_bounds(min=0, max=1))  # floor = ratio x optimizer.lr
-    total_steps: int | None = field(default=None, metadata=_bounds(min=1))  # cosine horizon (None = run steps)
-    step_size: int = field(default=50, metadata=_bounds(min=1))  # step: multiply by gamma every step_size steps
-    gamma: float = field(default=0.5, metadata=_bounds(gt=0, lt=1))
-    decay_period: int | None = field(default=None, metadata=_bounds(min=1))  # triggered: halve every N steps ...
-    decay_period_factor: float = field(default=1.8, metadata=_bounds(gt=0))  # ... or N = factor x trigger step
-    mismatch_metric: Literal[K3_KL, LOG_PPL_ABS_DIFF] = K3_KL
-    mismatch_threshold: float = field(default=0.1, metadata=_bounds(gt=0))  # verl warns at |kl| > 0.1
-    mismatch_window: int = field(default=5, metadata=_bounds(min=1))  # trailing mean over N steps > threshold
 
 
 @dataclass
@@ -271,17 +272,17 @@ class OptimizerSection:
     master_dtype: Literal["float32"] = "float32"
 
 
+@extensible("logging")
 @dataclass
 class LoggingSection:
     """Where a run's metrics go. ``backends``: metrics.jsonl (``jsonl``, required: resume and report read it) plus
-    optional live views with the same keys and steps, ``tensorboard`` and ``wandb`` (extras; see log_backends)."""
+    optional live views with the same keys and steps, such as ``tensorboard`` and ``wandb`` (extras; see
+    log_backends)."""
 
     checkpoint_every: int = field(default=20, metadata=_bounds(min=1))
     live: bool = True
     eval_every: int = field(default=10, metadata=_bounds(min=1))
-    backends: list[Literal["jsonl", "tensorboard", "wandb"]] = field(default_factory=lambda: ["jsonl"])
-    wandb_project: str = "vexact"
-    wandb_mode: Literal["offline", "online"] = "offline"  # offline: no network or account; `wandb sync` later
+    backends: list[LogBackendName] = field(default_factory=lambda: ["jsonl"])
 
     def check(self) -> None:
         # Whether a backend's package is installed is checked when the run opens its log, not here: a config stays
@@ -305,20 +306,18 @@ class TargetSection:
     value: float = field(metadata=_bounds(gt=0))
 
 
+@extensible("inject")
 @dataclass
 class InjectSection:
     """Controlled mismatch, applied to the rollout path only (the training path stays exact).
 
     ``value`` is the raw knob: σ for logit_noise / logprob_only, ε for logit_scale (logits × (1+ε)),
-    p for top_p, k for top_k; unused by precision and kernel. ``value`` 0 (or mode none) is a bitwise no-op.
+    p for top_p, k for top_k; unused by precision and kernel, whose settings (``precision``, ``sites``;
+    ``kernel_backend``, ``kernel_dtype``) the modes bring. ``value`` 0 (or mode none) is a bitwise no-op.
     """
 
     mode: InjectModeName = "none"
     value: float = 0.0
-    precision: Literal["bfloat16", "float16", "fp8_e4m3"] = "bfloat16"  # precision mode: rounding format
-    sites: list[str] = field(default_factory=lambda: ["logits"])  # precision mode: linear, attention, norm, logits
-    kernel_backend: Backend = "native"  # kernel mode: the rollout path's backend ...
-    kernel_dtype: DType | None = None  # ... and dtype (None = training dtype)
     scope: Literal["all", "low_prob", "fraction"] = "all"
     prob_threshold: float = field(default=0.1, metadata=_bounds(gt=0, max=1))  # scope low_prob
     fraction: float = field(default=0.5, metadata=_bounds(min=0, max=1))  # scope fraction
@@ -329,10 +328,6 @@ class InjectSection:
     calibration_tolerance: float = field(default=0.05, metadata=_bounds(gt=0, lt=1))  # relative
 
     def check(self) -> None:
-        allowed = {"linear", "attention", "norm", "logits"}
-        for i, site in enumerate(self.sites):
-            if site not in allowed:
-                raise ConfigError(f"expected one of {', '.join(sorted(allowed))}, got {site!r}", f"sites[{i}]")
         mode = INJECT_MODES[self.mode]
         mode.check(self)  # the mode's own settings (value range, ...)
         if self.target is not None and not mode.calibratable:
@@ -383,6 +378,8 @@ class RunConfig:
     backend: Backend = "exact"  # training-path backend
     dtype: DType = "float32"  # compute dtype of the model
     threads: int | None = field(default=None, metadata=_bounds(min=1))
+    # modules imported before the config is validated: outside extensions (vexact.rl.plugins)
+    plugins: list[str] = field(default_factory=list)
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
@@ -398,22 +395,6 @@ class RunConfig:
 
     def check(self) -> None:
         check_run_name(self.name, self.output_dir)
-        if self.warm_start.trace_fraction is not None and self.task.name != "surge":
-            raise ConfigError(f"trace_fraction needs task.name: surge (a task with a direct and a worked answer), "
-                              f"got task {self.task.name!r}", "warm_start.trace_fraction")
-        if self.warm_start.free_weight is not None and not task_has_free_span(self.task.name):
-            raise ConfigError(f"free_weight needs a task with a free span the reward does not read (such as "
-                              f"horizon's scratchpad), got task {self.task.name!r}", "warm_start.free_weight")
-        bypass = self.algorithm.old_logprobs == "rollout"
-        plan = plan_for(self.correction)
-        if plan.bypass_mode is not None and plan.bypass_mode != bypass:
-            source = f"preset {self.correction.preset}" if self.correction.bypass_mode is None else "bypass_mode"
-            raise ConfigError(f"{source} means verl's {'bypass' if plan.bypass_mode else 'decoupled'} mode: set "
-                              f"algorithm.old_logprobs: {'rollout' if plan.bypass_mode else 'recompute'} (it is "
-                              f"{self.algorithm.old_logprobs!r})", "correction.bypass_mode")
-        if self.correction.loss_type is not None and not bypass:
-            raise ConfigError("loss_type chooses the loss of bypass mode (algorithm.old_logprobs: rollout); in "
-                              "decoupled mode the IS weights multiply the clipped loss", "correction.loss_type")
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if batch % self.algorithm.mini_batches:
             raise ConfigError(f"the rollout batch of {batch} samples (rollout.prompts_per_step x "
@@ -431,7 +412,7 @@ class RunConfig:
                               f"{self.distributed.leaves}) cannot be cut into units of {self.algorithm.grad_unit}; "
                               f"set algorithm.grad_unit to a divisor of {per_leaf}, or null", "algorithm.grad_unit")
         self._check_learning_signal()
-        check_lengths(self)
+        check_run(self)  # what the extensions check: the task's lengths, the correction's plan, ...
 
     def _check_learning_signal(self) -> None:
         """Settings each valid alone whose combination can never learn or never inject: refused, naming the key."""
@@ -485,39 +466,6 @@ def check_run_name(name: str, output_dir: str | None) -> None:
     else:
         return
     raise ConfigError(f"expected {expected}, got {show_value(name)}: {problem}", "name")
-
-
-RUN_BYTES_PER_PARAMETER = 16
-"""Memory a run needs per parameter at least: the float32 master weights, their gradient and AdamW's two moments."""
-
-
-def check_memory(cfg: RunConfig) -> None:
-    """Before a run (or a sweep) allocates anything: its model's parameters, at ``RUN_BYTES_PER_PARAMETER`` (plus a
-    bfloat16 compute copy), must fit in the memory this machine has available now (``engine.model.check_fits``).
-    Not part of loading a config, which stays valid on any machine (a report reads config.yaml anywhere)."""
-    task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit, cfg.task.distractors)
-    copy = 0 if cfg.dtype == "float32" else 2
-    check_fits(cfg.model.to_model_config(task.tokenizer.vocab_size), RUN_BYTES_PER_PARAMETER + copy,
-               f"a run's float32 weights, gradient and AdamW moments{' and bfloat16 copy' if copy else ''}",
-               where="model", vocab=f"the vocabulary of task {cfg.task.name}")
-
-
-def check_lengths(cfg: RunConfig) -> None:
-    """Every problem of the task fits: longest prompt + ``rollout.max_new_tokens`` <= ``model.max_seq_len``, and
-    ``rollout.max_new_tokens`` holds the longest answer + EOS. A ConfigError naming the key otherwise (checked when
-    a config is loaded, and again by the Trainer for a RunConfig built in Python)."""
-    try:
-        task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit,
-                         cfg.task.distractors)
-    except ValueError as e:
-        raise ConfigError(str(e), "task") from None
-    need = max_prompt_tokens(task) + cfg.rollout.max_new_tokens
-    if need > cfg.model.max_seq_len:
-        raise ConfigError(f"{cfg.model.max_seq_len} is too short for the longest prompt ({max_prompt_tokens(task)}) + "
-                          f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need}", "model.max_seq_len")
-    if cfg.rollout.max_new_tokens < max_answer_tokens(task):
-        raise ConfigError(f"{cfg.rollout.max_new_tokens} cannot hold the longest answer + EOS "
-                          f"({max_answer_tokens(task)} tokens)", "rollout.max_new_tokens")
 
 
 # --- renamed keys ------------------------------------------------------------------------------------------
@@ -702,7 +650,20 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
     _move_renamed(data)
     written = _move_aliases(data)
     origins: dict[str, str] = {}
+    overrides = list(overrides)
+    # The plugins first (--set plugins=..., else the file's key): the other overrides may name keys they register.
+    plugin_sets = [item for item in overrides if item.partition("=")[0].strip() == "plugins"]
+    for item in plugin_sets:
+        origins[_apply_override(data, item)] = item
+    try:  # the entry points' plugins too; a plugins value of another type is build()'s error to report
+        load_plugins(data["plugins"] if isinstance(data.get("plugins"), list) else [])
+    except ConfigError as e:
+        if not plugin_sets:
+            raise
+        raise ConfigError(f"{e.problem} (from --set {plugin_sets[-1]})", e.key) from None
     for item in overrides:
+        if item in plugin_sets:
+            continue
         key = _apply_override(data, item)
         earlier = origins.get(key)
         spellings = {earlier.partition("=")[0].strip() if earlier else key, item.partition("=")[0].strip()}

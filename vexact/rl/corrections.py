@@ -15,8 +15,9 @@ verl 0.9.1's terms (``algorithm.rollout_correction``), and only the plan is exec
   ``rollout_rs`` (a comma list of rejection options, all combined by AND) with ``rollout_rs_threshold`` (one
   value per option, or one shared), ``bypass_mode``, ``loss_type`` -- or a ``preset`` named as verl's
   ``RolloutCorrectionConfig`` factory methods (``PRESETS``), whose values explicit keys override;
-* vexact's shorthand ``method`` (with ``threshold`` C and ``band`` [a, b]), expanded by its entry in the registry
-  ``CORRECTION_METHODS`` (``register_correction_method`` adds one): ``token_tis`` / ``seq_tis`` truncate the token /
+* vexact's shorthand ``method`` (with ``threshold`` C and ``band`` [a, b], settings the methods that use them bring:
+  ``ThresholdSettings``, ``BandSettings``), expanded by its entry in the registry ``CORRECTION_METHODS``
+  (``register_correction_method`` adds one): ``token_tis`` / ``seq_tis`` truncate the token /
   sequence ratio at C, ``token_mis`` / ``seq_mis`` also reject above C, ``icepop`` zeroes token weights outside
   [a, b], ``geo_rs`` rejects sequences whose geometric-mean ratio is outside [a, b]. The config's choices and the
   table in the config reference (each method's verl equivalent and effect) are read from the registry.
@@ -52,35 +53,53 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..registry import Registry
 from .metrics import is_weight_stats
+from .registries import BYPASS_LOSSES, CORRECTION_METHODS, register_run_check
+from .validate import ConfigError, bounds
 
-if TYPE_CHECKING:  # the config validates ``correction.method`` against CORRECTION_METHODS: it imports this module
-    from .config import CorrectionSection
+if TYPE_CHECKING:
+    from .config import CorrectionSection, RunConfig
 
 
 @dataclass(frozen=True)
 class CorrectionMethod:
     """One value of vexact's shorthand ``correction.method``: ``to_verl(cfg)`` gives the verl-vocabulary keys it
     stands for (None for ``none``: no shorthand, verl's own keys apply); ``band``: the default [a, b] of a method
-    that takes ``correction.band`` (None: the method takes no band). ``verl`` / ``effect``: the docs' table."""
+    that takes ``correction.band`` (None: the method takes no band); ``settings``: the dataclass of the
+    ``correction.*`` keys the method reads (``ThresholdSettings``, ``BandSettings``). ``verl`` / ``effect``: the
+    docs' table."""
 
     name: str
     verl: str
     effect: str
     to_verl: Callable[[CorrectionSection], dict] | None = None
     band: tuple[float, float] | None = None
+    settings: type | None = None
 
 
-CORRECTION_METHODS: Registry[CorrectionMethod] = Registry("correction method", "correction.method",
-                                                          "vexact.rl.corrections.register_correction_method")
-"""``correction.method`` -> its expansion, in the order the documentation lists them."""
+@dataclass
+class ThresholdSettings:
+    """The truncating and masking methods' setting (``correction`` section)."""
+
+    threshold: float = field(default=2.0, metadata=bounds(gt=1))  # C: TIS truncates at C, MIS masks above C
+
+
+@dataclass
+class BandSettings:
+    """The band methods' setting (``correction`` section); it needs one of them as ``correction.method``."""
+
+    requires_owner: ClassVar[bool] = True
+    band: tuple[float, float] | None = field(default=None, metadata=bounds(gt=0))  # icepop / geo_rs [a, b]
+
+    def check(self) -> None:
+        if self.band is not None and not self.band[0] < self.band[1]:
+            raise ConfigError(f"band needs lower < upper, got {list(self.band)}", "band")
 
 
 def register_correction_method(method: CorrectionMethod, replace: bool = False) -> CorrectionMethod:
@@ -103,31 +122,34 @@ def _geo_rs_keys(a: float, b: float) -> dict:
     return {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": f"{1.0 / b!r}_{1.0 / a!r}"}  # k1 = -log ρ
 
 
+_C = ThresholdSettings
 for _method in (
     CorrectionMethod("none", "(no correction; verl's keys apply)", "w_t = 1"),
     CorrectionMethod("token_tis", "rollout_is token, threshold C", "w_t = min(ρ_t, C)",
-                     lambda cfg: {"rollout_is": "token", "rollout_is_threshold": cfg.threshold}),
+                     lambda cfg: {"rollout_is": "token", "rollout_is_threshold": cfg.threshold}, settings=_C),
     CorrectionMethod("seq_tis", "rollout_is sequence, threshold C", "w_t = min(ρ_seq, C)",
-                     lambda cfg: {"rollout_is": "sequence", "rollout_is_threshold": cfg.threshold}),
+                     lambda cfg: {"rollout_is": "sequence", "rollout_is_threshold": cfg.threshold}, settings=_C),
     CorrectionMethod("token_mis", 'token_tis + rollout_rs token_k1 "1/C_inf"', "reject tokens with ρ_t > C",
                      lambda cfg: {"rollout_is": "token", "rollout_is_threshold": cfg.threshold,
-                                  "rollout_rs": "token_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)}),
+                                  "rollout_rs": "token_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)},
+                     settings=_C),
     CorrectionMethod("seq_mis", 'seq_tis + rollout_rs seq_sum_k1 "1/C_inf"', "reject sequences with ρ_seq > C",
                      lambda cfg: {"rollout_is": "sequence", "rollout_is_threshold": cfg.threshold,
-                                  "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)}),
+                                  "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)},
+                     settings=_C),
     CorrectionMethod("icepop", 'rollout_is token, threshold "a_b"', "w_t = ρ_t inside [a, b], 0 outside",
-                     lambda cfg: _icepop_keys(*band_for(cfg)), band=(0.5, 5.0)),  # IcePop's published band
+                     lambda cfg: _icepop_keys(*band_for(cfg)), band=(0.5, 5.0),  # IcePop's published band
+                     settings=BandSettings),
     CorrectionMethod("geo_rs", 'rollout_rs seq_mean_k1 "1/b_1/a"',
                      "reject sequences whose geometric-mean ratio exp(mean_t log ρ_t) is outside [a, b]",
-                     lambda cfg: _geo_rs_keys(*band_for(cfg)), band=(0.999, 1.001)),  # verl geo preset threshold
+                     lambda cfg: _geo_rs_keys(*band_for(cfg)), band=(0.999, 1.001),  # verl geo preset threshold
+                     settings=BandSettings),
 ):
     register_correction_method(_method)
 
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 """verl's rejection-sampling options (``rollout_rs``)."""
-
-LOSS_TYPES = ("ppo_clip", "ppo_clip_is", "reinforce")
 
 _GEO = "0.999_1.001"
 PRESETS: dict[str, dict] = {
@@ -205,7 +227,7 @@ class CorrectionPlan:
     is_lower: float | None  # IcePop's lower bound (None: TIS)
     batch_normalize: bool
     reject: tuple[RejectOption, ...]
-    loss_type: str  # bypass mode's loss: ppo_clip | ppo_clip_is | reinforce
+    loss_type: str  # bypass mode's loss: a name in BYPASS_LOSSES (ppo_clip, ppo_clip_is, reinforce)
     bypass_mode: bool | None  # what the configuration says (None: follow algorithm.old_logprobs)
 
     @property
@@ -327,11 +349,36 @@ def plan_for(cfg: CorrectionSection) -> CorrectionPlan:
     rs = keys.get("rollout_rs")
     reject = parse_rs(rs, keys.get("rollout_rs_threshold")) if rs is not None else ()
     loss_type = keys.get("loss_type") or "ppo_clip"
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+    if loss_type not in BYPASS_LOSSES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(BYPASS_LOSSES.names())}")
     return CorrectionPlan(rollout_is=rollout_is, is_upper=is_upper, is_lower=is_lower,
                           batch_normalize=bool(keys.get("rollout_is_batch_normalize") or False), reject=reject,
                           loss_type=loss_type, bypass_mode=keys.get("bypass_mode"))
+
+
+_PLAN_KEYS = ("method", "rollout_rs_threshold", "rollout_is_threshold", "rollout_rs", "preset", "loss_type")
+
+
+@register_run_check
+def _check_correction(cfg: RunConfig) -> None:
+    """The correction's run check: its keys expand to a plan (``plan_for``), which agrees with
+    ``algorithm.old_logprobs`` (verl's bypass or decoupled mode)."""
+    c = cfg.correction
+    try:
+        plan = plan_for(c)
+    except ValueError as err:  # the message names the key it is about; point the error there
+        text = str(err)
+        key = next((k for k in _PLAN_KEYS if k in text), None)
+        raise ConfigError(text, f"correction.{key}" if key else "correction") from None
+    bypass = cfg.algorithm.old_logprobs == "rollout"
+    if plan.bypass_mode is not None and plan.bypass_mode != bypass:
+        source = f"preset {c.preset}" if c.bypass_mode is None else "bypass_mode"
+        raise ConfigError(f"{source} means verl's {'bypass' if plan.bypass_mode else 'decoupled'} mode: set "
+                          f"algorithm.old_logprobs: {'rollout' if plan.bypass_mode else 'recompute'} (it is "
+                          f"{cfg.algorithm.old_logprobs!r})", "correction.bypass_mode")
+    if c.loss_type is not None and not bypass:
+        raise ConfigError("loss_type chooses the loss of bypass mode (algorithm.old_logprobs: rollout); in "
+                          "decoupled mode the IS weights multiply the clipped loss", "correction.loss_type")
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The injection modes: one small class per ``inject.mode``, registered in ``INJECT_MODES``.
 
 A mode says everything about itself in one place: its name, what ``inject.value`` means for it (its knob) or which
-keys choose its mismatch instead, the checks on its settings, what it does to the rollout path, and how
-``inject.target`` searches its knob. The config (``inject.mode`` choices, "needs a value" / "value unused" checks,
+keys choose its mismatch instead, its own settings (a dataclass whose fields become ``inject.*`` keys:
+``vexact.registry``), the checks on its settings, what it does to the rollout path, and how ``inject.target``
+searches its knob. The config (``inject.mode`` choices, "needs a value" / "value unused" checks,
 value ranges), the injector (``vexact.rl.inject``), the calibration and the documentation's table all read the
 registry, so a new mode is one class here -- or, from outside the package, one class and
 ``vexact.register_inject_mode(MyMode())`` -- plus its tests.
@@ -16,16 +17,19 @@ What a mode changes reaches the rollout as pieces the injector assembles into a 
 * a **path mode** (no knob) returns a ``RolloutPath`` from ``rollout_path(injector)``: other kernel ops, another
   weight dtype, an optional hook (``kernel``, ``precision``), applied from ``inject.onset_step`` on.
 
-Below the config in the import order (the config validates with it): it imports the engine, never the config.
+Above the config in the import order: the config validates ``inject.mode`` against the registry
+(``vexact.rl.registries``), never importing this module; the ``vexact.rl`` package imports it, which registers the
+built-in modes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -35,15 +39,16 @@ from vexact_kernels import OP_NAMES, get_ops
 from ..engine.model import KernelOps, resolve_dtype
 from ..engine.rollout import LogitsHook
 from ..engine.sampling import counter_normal
-from ..registry import Registry
+from .config import Backend, DType
+from .registries import INJECT_MODES
 from .validate import ConfigError
 
 if TYPE_CHECKING:
     from .config import InjectSection
     from .inject import Injector
 
-__all__ = ["INJECT_MODES", "InjectMode", "KnobSearch", "RolloutPath", "precision_ops", "register_inject_mode",
-           "round_to"]
+__all__ = ["INJECT_MODES", "PRECISION_FORMATS", "PRECISION_SITES", "InjectMode", "KernelSettings", "KnobSearch",
+           "PrecisionSettings", "RolloutPath", "precision_ops", "register_inject_mode", "round_to"]
 
 _NOISE_SALT = 0x6A09E667
 
@@ -75,14 +80,23 @@ class InjectMode:
     instance (``register_inject_mode``).
 
     ``knob``: what ``inject.value`` is (None: the mode has no magnitude, and ``source_keys`` name the keys that
-    choose its mismatch); ``calibratable``: ``inject.target`` may search the knob (``knob_search``); ``injects``:
-    False only for ``none``, the mode that leaves the rollout path as configured."""
+    choose its mismatch: by default the keys of its ``settings``); ``settings``: a dataclass of the mode's own
+    options, mounted as ``inject.<field>`` keys while the mode is registered; ``calibratable``: ``inject.target``
+    may search the knob (``knob_search``); ``injects``: False only for ``none``, the mode that leaves the rollout
+    path as configured."""
 
     name: ClassVar[str] = ""
     injects: ClassVar[bool] = True
     knob: ClassVar[str | None] = None
+    settings: ClassVar[type | None] = None
     source_keys: ClassVar[tuple[str, ...]] = ()
     calibratable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # a path mode's mismatch is chosen by its settings: one list of the keys, theirs
+        if cls.knob is None and cls.settings is not None and "source_keys" not in cls.__dict__:
+            cls.source_keys = tuple(f"inject.{f.name}" for f in dataclasses.fields(cls.settings))
 
     def check(self, cfg: InjectSection) -> None:
         """Raise ``ConfigError(problem, key)`` (key relative to ``inject``) for settings this mode cannot run."""
@@ -109,10 +123,6 @@ class InjectMode:
     def backends(self, cfg: InjectSection) -> tuple[str, ...]:
         """Kernel backends the mode runs the rollout on besides the configured ones (the Triton guard asks)."""
         return ()
-
-
-INJECT_MODES: Registry[InjectMode] = Registry("injection mode", "inject.mode", "vexact.register_inject_mode")
-"""``inject.mode`` -> its mode, in the order the documentation lists them."""
 
 
 def register_inject_mode(mode: InjectMode, replace: bool = False) -> InjectMode:
@@ -268,15 +278,27 @@ class TopK(InjectMode):
         return KnobSearch(integer=True, low=1, high=vocab_size)  # metric(low) is the largest, metric(high) == 0
 
 
+PRECISION_FORMATS: dict[str, tuple[torch.dtype, float | None]] = {
+    "bfloat16": (torch.bfloat16, None),
+    "float16": (torch.float16, 65504.0),
+    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+}
+"""``inject.precision`` -> the dtype the rollout rounds to and its largest finite value (saturated to; None: the
+format has float32's range)."""
+
+PRECISION_SITES: dict[str, str | None] = {"linear": "linear", "attention": "attention", "norm": "rms_norm",
+                                          "logits": None}
+"""``inject.sites`` -> the kernel op whose output is rounded there (``logits``: the logits hook rounds them)."""
+
+
 def round_to(x: Tensor, fmt: str) -> Tensor:
     """Round to a lower-precision format and back (emulation), saturating instead of overflowing."""
-    if fmt == "bfloat16":
-        return x.to(torch.bfloat16).to(x.dtype)
-    if fmt == "float16":
-        return x.clamp(-65504.0, 65504.0).to(torch.float16).to(x.dtype)
-    if fmt == "fp8_e4m3":
-        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-    raise ValueError(f"unknown precision format {fmt!r}")
+    if fmt not in PRECISION_FORMATS:
+        raise ValueError(f"unknown precision format {fmt!r}")
+    dtype, largest = PRECISION_FORMATS[fmt]
+    if largest is not None:
+        x = x.clamp(-largest, largest)
+    return x.to(dtype).to(x.dtype)
 
 
 def precision_ops(base: KernelOps, fmt: str, sites: list[str]) -> SimpleNamespace:
@@ -286,10 +308,19 @@ def precision_ops(base: KernelOps, fmt: str, sites: list[str]) -> SimpleNamespac
         return lambda *args, **kwargs: round_to(fn(*args, **kwargs), fmt)
 
     ops = {name: getattr(base, name) for name in OP_NAMES}
-    for site, op in (("linear", "linear"), ("attention", "attention"), ("norm", "rms_norm")):
-        if site in sites:
+    for site, op in PRECISION_SITES.items():
+        if op is not None and site in sites:
             ops[op] = rounded(ops[op])
     return SimpleNamespace(**ops)
+
+
+@dataclass
+class PrecisionSettings:
+    """The ``precision`` mode's settings (``inject`` section)."""
+
+    precision: Literal[tuple(PRECISION_FORMATS)] = "bfloat16"  # precision mode: rounding format
+    # precision mode: where the rollout rounds: linear, attention, norm outputs, logits
+    sites: list[Literal[tuple(PRECISION_SITES)]] = field(default_factory=lambda: ["logits"])
 
 
 class Precision(InjectMode):
@@ -297,7 +328,7 @@ class Precision(InjectMode):
     outputs, norm outputs, logits) to ``inject.precision`` (bf16 / fp16 / fp8-e4m3), like a low-precision engine."""
 
     name = "precision"
-    source_keys = ("inject.precision", "inject.sites")
+    settings = PrecisionSettings
 
     def rollout_path(self, injector: Injector) -> RolloutPath:
         fmt = injector.cfg.precision
@@ -310,11 +341,19 @@ class Precision(InjectMode):
         return RolloutPath(ops, injector.rollout_dtype, hook)
 
 
+@dataclass
+class KernelSettings:
+    """The ``kernel`` mode's settings (``inject`` section)."""
+
+    kernel_backend: Backend = "native"  # kernel mode: the rollout path's backend ...
+    kernel_dtype: DType | None = None  # ... and dtype (None = training dtype)
+
+
 class Kernel(InjectMode):
     """``kernel``: the rollout path runs another backend / dtype (e.g. native ops, bf16): natural mismatch."""
 
     name = "kernel"
-    source_keys = ("inject.kernel_backend", "inject.kernel_dtype")
+    settings = KernelSettings
 
     def backends(self, cfg: InjectSection) -> tuple[str, ...]:
         return (cfg.kernel_backend,)

@@ -19,29 +19,32 @@ The packages are extras (``pip install 'vexact[tensorboard]'``, ``'vexact[wandb]
 missing is a ConfigError with that pip line when the run opens its log -- before the first step and before
 metrics.jsonl exists, so the same command works once the extra is installed. It is not a load-time check: a
 config.yaml stays readable (by a report, say) on a machine without the extras.
+
+Each backend is one ``LogBackendKind`` registered in ``LOG_BACKENDS`` (``register_log_backend`` adds one): its name
+in ``logging.backends``, the package it needs, its own settings (``wandb_project``, ``wandb_mode``: ``logging.*``
+keys) and how it opens a writer.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from .config import ConfigError
 from .metrics_log import non_finite_value
+from .registries import LOG_BACKENDS
 
 if TYPE_CHECKING:
     from .config import RunConfig
 
-__all__ = ["TENSORBOARD_DIR", "WANDB_DIR", "LogBackend", "missing_package", "open_backends", "scalars"]
+__all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackend", "LogBackendKind", "WandbSettings",
+           "missing_package", "open_backends", "register_log_backend", "scalars"]
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # wandb.init(dir=run_dir) writes run_dir/wandb/
-
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""Backend -> the module it imports; the extra of the same name installs it."""
-
 
 
 class LogBackend(Protocol):
@@ -50,11 +53,32 @@ class LogBackend(Protocol):
     def close(self) -> None: ...
 
 
+class LogBackendKind:
+    """One ``logging.backends`` entry: ``package``, the module it imports (the extra of the same name installs it;
+    None: nothing to install); ``settings``, a dataclass of its own ``logging.*`` keys; ``open(run_dir, cfg)``, its
+    writer (None for ``jsonl``, metrics.jsonl itself, which the run log writes)."""
+
+    name: ClassVar[str] = ""
+    package: ClassVar[str | None] = None
+    settings: ClassVar[type | None] = None
+
+    def open(self, run_dir: Path, cfg: RunConfig) -> LogBackend | None:
+        raise NotImplementedError
+
+
+def register_log_backend(kind: LogBackendKind, replace: bool = False) -> LogBackendKind:
+    """Register a log backend (a ``LogBackendKind`` instance) under its ``name``: ``logging.backends: [jsonl, NAME]``
+    selects it. A name already taken is an error unless ``replace``."""
+    if not isinstance(kind, LogBackendKind):
+        raise TypeError(f"register_log_backend needs a LogBackendKind instance, got {kind!r}")
+    return LOG_BACKENDS.add(kind.name, kind, replace=replace)
+
+
 def missing_package(backend: str) -> str | None:
     """Why ``backend`` cannot run here (its package is not installed, with the pip line), or None.
 
     ``find_spec`` only looks the package up: the check costs no import."""
-    module = PACKAGES.get(backend)
+    module = LOG_BACKENDS[backend].package if backend in LOG_BACKENDS else None
     if module is None or importlib.util.find_spec(module) is not None:
         return None
     return f"backend {backend!r} needs the {module!r} package, which is not installed: pip install 'vexact[{backend}]'"
@@ -116,6 +140,51 @@ class WandbBackend:
         self._run.finish()
 
 
+class Jsonl(LogBackendKind):
+    """``jsonl``: metrics.jsonl, the record (required: resume and report read it)."""
+
+    name = "jsonl"
+
+    def open(self, run_dir: Path, cfg: RunConfig) -> LogBackend | None:
+        return None  # the run log writes it
+
+
+class TensorBoard(LogBackendKind):
+    """``tensorboard``: TensorBoard event files in ``tensorboard/``."""
+
+    name = "tensorboard"
+    package = "tensorboard"
+
+    def open(self, run_dir: Path, cfg: RunConfig) -> LogBackend:
+        return TensorBoardBackend(run_dir / TENSORBOARD_DIR)
+
+
+@dataclass
+class WandbSettings:
+    """The ``wandb`` backend's settings (``logging`` section)."""
+
+    wandb_project: str = "vexact"  # W&B project of the wandb backend
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: no network or account; `wandb sync` later
+
+
+class Wandb(LogBackendKind):
+    """``wandb``: one W&B run per session in ``wandb/`` (offline by default)."""
+
+    name = "wandb"
+    package = "wandb"
+    settings = WandbSettings
+
+    def open(self, run_dir: Path, cfg: RunConfig) -> LogBackend:
+        return WandbBackend(run_dir, cfg)
+
+
+for _kind in (Jsonl(), TensorBoard(), Wandb()):
+    register_log_backend(_kind)
+
+PACKAGES = {name: kind.package for name, kind in LOG_BACKENDS.items() if kind.package is not None}
+"""The built-in backends that need a package -> the module each imports (``LOG_BACKENDS`` has later ones too)."""
+
+
 def open_backends(run_dir: Path, cfg: RunConfig, history: Iterable[dict[str, Any]]) -> list[LogBackend]:
     """Open ``cfg.logging.backends`` other than jsonl (which the caller writes) and replay ``history``, the rows
     already in metrics.jsonl, into each. A missing package is a ConfigError at ``logging.backends`` with the pip
@@ -129,12 +198,11 @@ def open_backends(run_dir: Path, cfg: RunConfig, history: Iterable[dict[str, Any
     opened: list[LogBackend] = []
     try:
         for name in names:
-            if name == "tensorboard":
-                opened.append(TensorBoardBackend(run_dir / TENSORBOARD_DIR))
-            elif name == "wandb":
-                opened.append(WandbBackend(run_dir, cfg))
-            else:
-                raise ConfigError(f"unknown backend {name!r}; expected jsonl, tensorboard or wandb", "logging.backends")
+            if name not in LOG_BACKENDS:
+                raise ConfigError(LOG_BACKENDS.unknown(name), "logging.backends")
+            backend = LOG_BACKENDS[name].open(run_dir, cfg)
+            if backend is not None:
+                opened.append(backend)
         rows = list(history)
         for backend in opened:
             for row in rows:

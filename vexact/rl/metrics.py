@@ -31,7 +31,46 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, BITWISE_EQUAL_FRAC, K3_KL, KL, LOG_PPL_ABS_DIFF
+from ..metric_keys import (
+    ABS_DLOGP_MAX,
+    ABS_DLOGP_MEAN,
+    ABS_DLOGP_P99,
+    BITWISE_EQUAL_FRAC,
+    CHI2_SEQ,
+    CHI2_TOKEN,
+    FULL_VOCAB_ARGMAX_FLIP_FRAC,
+    FULL_VOCAB_KL_MAX,
+    FULL_VOCAB_KL_MEAN,
+    FULL_VOCAB_POSITIONS,
+    FULL_VOCAB_TV_MAX,
+    FULL_VOCAB_TV_MEAN,
+    K3_KL,
+    KL,
+    LOG_PPL_ABS_DIFF,
+    LOG_PPL_ABS_DIFF_SUM,
+    LOG_PPL_DIFF,
+    LOG_PPL_DIFF_MAX,
+    LOG_PPL_DIFF_MIN,
+    MISMATCH_TOKENS,
+    PG_CLIPFRAC,
+    PG_CLIPFRAC_HIGH,
+    PG_CLIPFRAC_LOW,
+    PPL_RATIO,
+    RATIO_MAX,
+    RATIO_MEAN,
+    RATIO_MIN,
+    RESPONSE_LENGTH_CLIP_RATIO,
+    REWARD_ACCURACY,
+    ROLLOUT_ACTOR_PROBS_PEARSON_CORR,
+    ROLLOUT_LOG_PPL,
+    ROLLOUT_PPL,
+    ROLLOUT_PROBS_DIFF_MAX,
+    ROLLOUT_PROBS_DIFF_MEAN,
+    ROLLOUT_PROBS_DIFF_STD,
+    ROLLOUT_PROBS_DIFF_VALID,
+    TRAINING_LOG_PPL,
+    TRAINING_PPL,
+)
 
 DEFAULT_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
 """Edges of the token-probability buckets for ``mismatch/abs_dlogp_bucket/*`` (probability under the training path)."""
@@ -215,28 +254,28 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     out: dict[str, float] = {
         KL: kl,
         K3_KL: k3,
-        "rollout_corr/chi2_token": chi2_token,
-        "rollout_corr/chi2_seq": float(rho_seq_sq.mean() - 1.0),
-        "rollout_corr/training_log_ppl": float(train_log_ppl.mean()),
-        "rollout_corr/rollout_log_ppl": float(roll_log_ppl.mean()),
-        "rollout_corr/training_ppl": float(torch.exp(train_log_ppl).mean()),
-        "rollout_corr/rollout_ppl": float(torch.exp(roll_log_ppl).mean()),
-        "rollout_corr/ppl_ratio": float(torch.exp(log_ppl_diff).mean()),
-        "rollout_corr/log_ppl_diff": float(log_ppl_diff.mean()),
-        "rollout_corr/log_ppl_diff_max": float(log_ppl_diff.max()),
-        "rollout_corr/log_ppl_diff_min": float(log_ppl_diff.min()),
+        CHI2_TOKEN: chi2_token,
+        CHI2_SEQ: float(rho_seq_sq.mean() - 1.0),
+        TRAINING_LOG_PPL: float(train_log_ppl.mean()),
+        ROLLOUT_LOG_PPL: float(roll_log_ppl.mean()),
+        TRAINING_PPL: float(torch.exp(train_log_ppl).mean()),
+        ROLLOUT_PPL: float(torch.exp(roll_log_ppl).mean()),
+        PPL_RATIO: float(torch.exp(log_ppl_diff).mean()),
+        LOG_PPL_DIFF: float(log_ppl_diff.mean()),
+        LOG_PPL_DIFF_MAX: float(log_ppl_diff.max()),
+        LOG_PPL_DIFF_MIN: float(log_ppl_diff.min()),
         LOG_PPL_ABS_DIFF: float(log_ppl_diff.abs().mean()),
-        "rollout_corr/log_ppl_abs_diff_sum": float((train_sum - roll_sum).abs().mean()),
-        "training/rollout_probs_diff_max": probs_diff_stats[0],
-        "training/rollout_probs_diff_mean": probs_diff_stats[1],
-        "training/rollout_probs_diff_std": probs_diff_stats[2],
-        "training/rollout_probs_diff_valid": 1,
-        "training/rollout_actor_probs_pearson_corr": pearson,
-        "mismatch/tokens": n,
+        LOG_PPL_ABS_DIFF_SUM: float((train_sum - roll_sum).abs().mean()),
+        ROLLOUT_PROBS_DIFF_MAX: probs_diff_stats[0],
+        ROLLOUT_PROBS_DIFF_MEAN: probs_diff_stats[1],
+        ROLLOUT_PROBS_DIFF_STD: probs_diff_stats[2],
+        ROLLOUT_PROBS_DIFF_VALID: 1,
+        ROLLOUT_ACTOR_PROBS_PEARSON_CORR: pearson,
+        MISMATCH_TOKENS: n,
         BITWISE_EQUAL_FRAC: equal / n,
         ABS_DLOGP_MEAN: float(abs_r.mean()),
         ABS_DLOGP_MAX: float(abs_r.max()),
-        "mismatch/abs_dlogp_p99": quantile_linear(abs_r, 0.99),
+        ABS_DLOGP_P99: quantile_linear(abs_r, 0.99),
     }
 
     for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
@@ -330,12 +369,12 @@ def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Te
     low = (advantages < 0) & (ratio < 1.0 - clip_low)
     ratio64 = ratio.double()
     return {
-        "actor/pg_clipfrac": int((high | low).sum()) / n,
-        "actor/pg_clipfrac_high": int(high.sum()) / n,
-        "actor/pg_clipfrac_low": int(low.sum()) / n,
-        "actor/ratio_mean": float(ratio64.mean()),
-        "actor/ratio_max": float(ratio64.max()),
-        "actor/ratio_min": float(ratio64.min()),
+        PG_CLIPFRAC: int((high | low).sum()) / n,
+        PG_CLIPFRAC_HIGH: int(high.sum()) / n,
+        PG_CLIPFRAC_LOW: int(low.sum()) / n,
+        RATIO_MEAN: float(ratio64.mean()),
+        RATIO_MAX: float(ratio64.max()),
+        RATIO_MIN: float(ratio64.min()),
     }
 
 
@@ -346,9 +385,9 @@ def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bo
     ``reward/accuracy`` is the fraction of full-credit (reward 1.0) responses; ``response_length/clip_ratio`` the
     fraction that hit the length limit without EOS."""
     out = sequence_stats(rewards, "reward")
-    out["reward/accuracy"] = float((rewards == 1.0).float().mean())
+    out[REWARD_ACCURACY] = float((rewards == 1.0).float().mean())
     out.update(sequence_stats(torch.tensor(lengths, dtype=torch.float32), "response_length"))
-    out["response_length/clip_ratio"] = sum(not f for f in finished) / len(finished)
+    out[RESPONSE_LENGTH_CLIP_RATIO] = sum(not f for f in finished) / len(finished)
     out.update(mismatch_metrics(logp_train, logp_roll, log_ratio_bound=log_ratio_bound))
     return out
 
@@ -422,12 +461,12 @@ def full_vocab_summary(rows: dict[str, Tensor], top_k: int) -> dict[str, float]:
     if n == 0:
         raise ValueError("no positions for the full-vocabulary comparison")
     return {
-        "mismatch/full_vocab_positions": n,
-        "mismatch/full_vocab_kl_mean": float(rows["kl"].mean()),
-        "mismatch/full_vocab_kl_max": float(rows["kl"].max()),
-        "mismatch/full_vocab_tv_mean": float(rows["tv"].mean()),
-        "mismatch/full_vocab_tv_max": float(rows["tv"].max()),
-        "mismatch/full_vocab_argmax_flip_frac": int(rows["argmax_flip"].sum()) / n,
+        FULL_VOCAB_POSITIONS: n,
+        FULL_VOCAB_KL_MEAN: float(rows["kl"].mean()),
+        FULL_VOCAB_KL_MAX: float(rows["kl"].max()),
+        FULL_VOCAB_TV_MEAN: float(rows["tv"].mean()),
+        FULL_VOCAB_TV_MAX: float(rows["tv"].max()),
+        FULL_VOCAB_ARGMAX_FLIP_FRAC: int(rows["argmax_flip"].sum()) / n,
         f"mismatch/full_vocab_top{top_k}_overlap_mean": float(rows["topk_overlap"].mean()),
     }
 

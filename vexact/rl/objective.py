@@ -1,7 +1,10 @@
 """The objective: GRPO-family advantages, the anchors of the PPO ratio, rollout corrections, the loss.
 
 The plain functions (``compute_advantages``, ``ppo_token_loss``, ``aggregate``, ``k3_penalty``) take tensors, so
-they can be tested on hand-built numbers. ``Objective`` composes them for one run's ``algorithm`` and
+they can be tested on hand-built numbers. The choices are registered entries: the advantage estimators
+(``vexact.rl.advantages``), the loss aggregations of ``algorithm.loss_agg`` and the bypass losses of
+``correction.loss_type`` (here, in ``LOSS_AGGREGATIONS`` / ``BYPASS_LOSSES``; ``register_loss_aggregation``,
+``register_bypass_loss`` add one). ``Objective`` composes them for one run's ``algorithm`` and
 ``correction`` sections and owns the decisions about them:
 
 * where the ratio's anchor ("old log-probs") comes from: the training path, recomputed before the update
@@ -20,55 +23,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
-from ..metric_keys import ENTROPY
+from ..metric_keys import ENTROPY, FIRST_MINIBATCH_RATIO_EXACT, KL_LOSS, PG_LOSS, PPO_KL
+from .advantages import ADVANTAGE_EPS, ADVANTAGE_ESTIMATORS
 from .config import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
 from .metrics import ratio_stats
+from .registries import BYPASS_LOSSES, LOSS_AGGREGATIONS
 from .rollouts import RolloutBatch
 
-ADVANTAGE_EPS = 1e-6
+__all__ = ["ADVANTAGE_EPS", "Anchors", "MinibatchLoss", "Objective", "RunStopped", "aggregate", "compute_advantages",
+           "k3_penalty", "ppo_token_loss", "register_bypass_loss", "register_loss_aggregation"]
 
 
-def compute_advantages(rewards: Tensor, group_size: int, kind: Literal["grpo", "rloo", "reinforce"],
-                       std_normalize: bool = True) -> Tensor:
-    """One advantage per sequence; ``rewards`` [N] with each prompt's ``group_size`` samples adjacent.
-
-    - ``grpo``: (r - group mean), divided by (group std + eps) if ``std_normalize``.
-    - ``rloo``: r - mean of the *other* samples of the group (leave-one-out baseline).
-    - ``reinforce``: r - batch mean (a single baseline for the whole batch).
-    ``std_normalize`` divides by the std of the same scope (group, or batch for reinforce);
-    std is the unbiased sample std, as in verl's GRPO.
-    """
+def compute_advantages(rewards: Tensor, group_size: int, kind: str, std_normalize: bool = True,
+                       alg: Any = None) -> Tensor:
+    """One advantage per sequence; ``rewards`` [N] with each prompt's ``group_size`` samples adjacent, by the
+    estimator ``kind`` (a name in ``ADVANTAGE_ESTIMATORS``: ``grpo``, ``rloo``, ``reinforce``; see
+    ``vexact.rl.advantages``). ``alg``: the ``algorithm`` section, for an estimator with settings of its own."""
     rewards = rewards.double()
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    if kind == "reinforce":
-        centred = rewards - rewards.mean()
-        scale = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(0.0)
-        out = centred / (scale + ADVANTAGE_EPS) if std_normalize else centred
-        return out.float()
-    groups = rewards.view(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    if kind == "grpo":
-        centred = groups - mean
-    elif kind == "rloo":
-        if group_size < 2:
-            raise ValueError("rloo needs at least 2 samples per prompt")
-        centred = (groups - mean) * group_size / (group_size - 1)
-    else:
+    if kind not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage kind {kind!r}")
-    if std_normalize:
-        std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
-        centred = centred / (std + ADVANTAGE_EPS)
-    return centred.reshape(-1).float()
+    return ADVANTAGE_ESTIMATORS[kind].advantages(rewards, group_size, std_normalize, alg).float()
 
 
 def ppo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float,
@@ -86,14 +71,39 @@ def ppo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low:
     return torch.maximum(unclipped, clipped), ratio
 
 
-def aggregate(per_token: Tensor, lengths: list[int], mode: Literal["token_mean", "seq_mean"]) -> Tensor:
-    """Reduce a flat per-token loss: mean over all tokens, or mean over sequences of their token mean."""
-    if mode == "token_mean":
-        return per_token.sum() / max(per_token.numel(), 1)
-    if mode == "seq_mean":
-        parts = [p.mean() for p in per_token.split(lengths) if p.numel()]
-        return torch.stack(parts).mean() if parts else per_token.sum() * 0.0
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+LossAggregation = Callable[[Tensor, list[int]], Tensor]
+"""``(per_token, lengths) -> loss``: how ``algorithm.loss_agg`` reduces a flat per-token loss."""
+
+
+def register_loss_aggregation(name: str, fn: LossAggregation, replace: bool = False) -> LossAggregation:
+    """Register a loss aggregation under ``name`` (``algorithm.loss_agg: NAME``); its docstring is its
+    documentation. A name already taken is an error unless ``replace``."""
+    if not callable(fn):
+        raise TypeError(f"register_loss_aggregation needs a function (per_token, lengths) -> loss, got {fn!r}")
+    return LOSS_AGGREGATIONS.add(name, fn, replace=replace)
+
+
+def _token_mean(per_token: Tensor, lengths: list[int]) -> Tensor:
+    """``token_mean``: the mean over all tokens of the batch."""
+    return per_token.sum() / max(per_token.numel(), 1)
+
+
+def _seq_mean(per_token: Tensor, lengths: list[int]) -> Tensor:
+    """``seq_mean``: the mean over sequences of their token mean."""
+    parts = [p.mean() for p in per_token.split(lengths) if p.numel()]
+    return torch.stack(parts).mean() if parts else per_token.sum() * 0.0
+
+
+register_loss_aggregation("token_mean", _token_mean)
+register_loss_aggregation("seq_mean", _seq_mean)
+
+
+def aggregate(per_token: Tensor, lengths: list[int], mode: str) -> Tensor:
+    """Reduce a flat per-token loss by the aggregation ``mode`` (a name in ``LOSS_AGGREGATIONS``): mean over all
+    tokens (``token_mean``), or mean over sequences of their token mean (``seq_mean``)."""
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return LOSS_AGGREGATIONS[mode](per_token, lengths)
 
 
 def k3_penalty(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -205,7 +215,7 @@ class Objective:
         stats: dict[str, float] = {}
         if check_exact:
             exact = torch.equal(logp.detach(), old)
-            stats["mismatch/first_minibatch_ratio_exact"] = float(exact)
+            stats[FIRST_MINIBATCH_RATIO_EXACT] = float(exact)
             if not exact:
                 raise RunStopped("exactness violated: first mini-batch ratio != 1 although the old log-probs "
                                  "come from the exact training path")
@@ -221,7 +231,7 @@ class Objective:
         if alg.kl_coef > 0 and anchors.reference is not None:
             kl = k3_penalty(logp, torch.cat([anchors.reference[i] for i in idx]))
             per_token = per_token + alg.kl_coef * kl
-            stats["actor/kl_loss"] = float(kl.detach().mean())
+            stats[KL_LOSS] = float(kl.detach().mean())
         if correction is not None and correction.rejects_any:  # rejected tokens leave numerator and denominator
             keep = correction.keep
             lengths = [int(k.sum()) for k in keep.split(lengths)]
@@ -232,14 +242,14 @@ class Objective:
         loss = pg_loss - alg.entropy_coef * entropy.mean() if alg.entropy_coef > 0 else pg_loss
         if not torch.isfinite(loss):
             raise RunStopped(f"non-finite loss ({float(loss)})")
-        stats["actor/pg_loss"] = float(pg_loss.detach())
+        stats[PG_LOSS] = float(pg_loss.detach())
         stats[ENTROPY] = float(entropy.detach().mean())
         if ratio.numel():
             stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
             # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to
             # ±correction.log_ratio_bound (verl's SAFETY_BOUND, 20 by default)
             bound = self.correction.log_ratio_bound
-            stats["actor/ppo_kl"] = float((old - logp.detach()).clamp(-bound, bound).mean())
+            stats[PPO_KL] = float((old - logp.detach()).clamp(-bound, bound).mean())
         return MinibatchLoss(loss, detached, stats)
 
     def _pg_loss(self, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,
@@ -253,17 +263,48 @@ class Objective:
         if alg.old_logprobs == "recompute":  # decoupled: the weight scales the clipped loss from outside
             per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
             return per_token * weights, ratio
-        loss_type = correction.plan.loss_type
-        if loss_type == "ppo_clip":  # verl's bypass PPO: the ratio π_θ/μ is the correction; weights: metrics only
-            return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
-        if loss_type == "reinforce":  # verl's bypass REINFORCE: -A · w · log π_θ, no clip
-            return -adv * weights * logp, torch.exp(logp.detach() - old)
-        # ppo_clip_is: the weight replaces the mismatch factor π_old/μ inside the ratio; a zeroed weight (IcePop)
-        # leaves the token in the denominator with no loss
-        per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high, ratio_weight=weights)
-        return torch.where(weights > 0, per_token, torch.zeros_like(per_token)), ratio
+        return BYPASS_LOSSES[correction.plan.loss_type](alg, logp, old, adv, pre, weights)
 
     def score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
         """The training path's log-probs of the batch's responses (no grad), as the anchors use them."""
         with torch.no_grad():
             return score_tokens(model, batch.prompts, batch.responses, self.temperature, self.alg.micro_batch_size)[0]
+
+
+BypassLoss = Callable[[AlgorithmSection, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""``(alg, logp, old, adv, pre, weights) -> (loss per token, ratio per token)``: bypass mode's loss with the
+correction's IS ``weights`` (``correction.loss_type``); ``old``: the rollout's log-probs, ``pre``: the training
+path's before the update."""
+
+
+def register_bypass_loss(name: str, fn: BypassLoss, replace: bool = False) -> BypassLoss:
+    """Register a bypass-mode loss under ``name`` (``correction.loss_type: NAME``); its docstring is its
+    documentation. A name already taken is an error unless ``replace``."""
+    if not callable(fn):
+        raise TypeError(f"register_bypass_loss needs a function {BypassLoss}, got {fn!r}")
+    return BYPASS_LOSSES.add(name, fn, replace=replace)
+
+
+def _bypass_ppo_clip(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor,
+                     weights: Tensor) -> tuple[Tensor, Tensor]:
+    """``ppo_clip`` (verl's bypass PPO): the ratio π_θ/μ is the correction; the weights are metrics only."""
+    return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+
+
+def _bypass_ppo_clip_is(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor,
+                        weights: Tensor) -> tuple[Tensor, Tensor]:
+    """``ppo_clip_is`` (vexact's): the weight replaces the mismatch factor π_old/μ inside the ratio; a zeroed
+    weight (IcePop) leaves the token in the denominator with no loss."""
+    per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high, ratio_weight=weights)
+    return torch.where(weights > 0, per_token, torch.zeros_like(per_token)), ratio
+
+
+def _bypass_reinforce(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor,
+                      weights: Tensor) -> tuple[Tensor, Tensor]:
+    """``reinforce`` (verl's bypass REINFORCE): -A · w · log π_θ, no clip."""
+    return -adv * weights * logp, torch.exp(logp.detach() - old)
+
+
+register_bypass_loss("ppo_clip", _bypass_ppo_clip)
+register_bypass_loss("ppo_clip_is", _bypass_ppo_clip_is)
+register_bypass_loss("reinforce", _bypass_reinforce)

@@ -10,7 +10,13 @@ from torch import Tensor
 
 from ..engine.model import Transformer
 from ..engine.rollout import generate
-from ..metric_keys import EVAL_GREEDY_ACCURACY, EVAL_REWARD_MEAN
+from ..metric_keys import (
+    EVAL_ACCURACY,
+    EVAL_GREEDY_ACCURACY,
+    EVAL_GREEDY_REWARD_MEAN,
+    EVAL_RESPONSE_LENGTH_MEAN,
+    EVAL_REWARD_MEAN,
+)
 from .config import RolloutSection
 from .inject import RolloutPlan
 from .tasks import EOS_ID, CharTokenizer, Problem, Task, encode_prompt, training_problems
@@ -106,8 +112,8 @@ def eval_metrics(records: list[EvalRecord]) -> dict[str, float]:
     greedy_r = [r.greedy_reward for r in records]
     return {
         EVAL_REWARD_MEAN: sum(sampled_r) / len(sampled_r),
-        "eval/accuracy": sum(r == 1.0 for r in sampled_r) / len(sampled_r),
-        "eval/greedy_reward_mean": sum(greedy_r) / len(greedy_r),
+        EVAL_ACCURACY: sum(r == 1.0 for r in sampled_r) / len(sampled_r),
+        EVAL_GREEDY_REWARD_MEAN: sum(greedy_r) / len(greedy_r),
         EVAL_GREEDY_ACCURACY: sum(r == 1.0 for r in greedy_r) / len(greedy_r),
-        "eval/response_length_mean": sum(r.sampled_length for r in records) / len(records),
+        EVAL_RESPONSE_LENGTH_MEAN: sum(r.sampled_length for r in records) / len(records),
     }

@@ -18,8 +18,10 @@ Kinds (``lr_schedule.kind``):
   ``mismatch_window`` steps of ``mismatch_metric`` (``rollout_corr/k3_kl`` or ``rollout_corr/log_ppl_abs_diff``)
   exceeds ``mismatch_threshold``.
 
-Each kind is one class registered in ``LR_SCHEDULES`` (``register_lr_schedule`` adds one): the config's choices of
-``lr_schedule.kind`` and the docs' table read the registry, and ``LRSchedule`` never branches on a kind's name.
+Each kind is one class registered in ``LR_SCHEDULES`` (``register_lr_schedule`` adds one), with its own settings
+(a dataclass whose fields become ``lr_schedule.*`` keys: ``step``'s ``step_size`` and ``gamma``): the config's
+choices of ``lr_schedule.kind`` and the docs' table read the registry, and ``LRSchedule`` never branches on a
+kind's name.
 
 A trigger seen after step s changes the LR from step s + 1 on (step s's update already happened). The trainer
 calls ``observe(step, metrics)`` after every step; it returns ``lr_schedule/*`` metrics to log and remembers the
@@ -29,24 +31,29 @@ trigger step and its reason for ``summary.json``. ``state_dict`` holds everythin
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from ..metric_keys import RESPONSE_LENGTH_MEAN
-from ..registry import Registry
+from ..metric_keys import K3_KL, LOG_PPL_ABS_DIFF, LR_SCHEDULE_TRIGGERED, RESPONSE_LENGTH_MEAN
 from .collapse import surge_index, trailing_mean
+from .config import CollapseSection, LRScheduleSection
+from .registries import LR_SCHEDULES
+from .validate import bounds
 
-if TYPE_CHECKING:  # the config validates lr_schedule.kind against LR_SCHEDULES: it imports this module
-    from .config import CollapseSection, LRScheduleSection, OptimizerSection
+if TYPE_CHECKING:
+    from .config import OptimizerSection
 
 class ScheduleKind:
     """One ``lr_schedule.kind``: ``decay(s, step)``, the multiplier on the base LR before warmup (floor applied), of
     schedule ``s`` (an ``LRSchedule``: its config ``s.cfg``, ``s.total_steps``, ``s.warmup_steps``, trigger state).
 
     A triggered kind (``triggered``) watches one metric per step (``metric(s)``) and says when it fires
-    (``fired(s, key)``: the reason, or None); its decay then halves the LR every ``decay_period`` steps."""
+    (``fired(s, key)``: the reason, or None); its decay then halves the LR every ``decay_period`` steps.
+    ``settings``: a dataclass of the kind's own options, mounted as ``lr_schedule.<field>`` keys."""
 
     name: ClassVar[str] = ""
     triggered: ClassVar[bool] = False
+    settings: ClassVar[type | None] = None
 
     def decay(self, s: LRSchedule, step: int) -> float:
         return 1.0
@@ -56,11 +63,6 @@ class ScheduleKind:
 
     def fired(self, s: LRSchedule, key: str) -> str | None:
         raise NotImplementedError
-
-
-LR_SCHEDULES: Registry[ScheduleKind] = Registry("LR schedule", "lr_schedule.kind",
-                                                "vexact.rl.schedules.register_lr_schedule")
-"""``lr_schedule.kind`` -> its kind, in the order the documentation lists them."""
 
 
 def register_lr_schedule(kind: ScheduleKind, replace: bool = False) -> ScheduleKind:
@@ -77,10 +79,18 @@ class Constant(ScheduleKind):
     name = "constant"
 
 
+@dataclass
+class CosineSettings:
+    """The ``cosine`` kind's setting (``lr_schedule`` section)."""
+
+    total_steps: int | None = field(default=None, metadata=bounds(min=1))  # cosine horizon (None = run steps)
+
+
 class Cosine(ScheduleKind):
     """``cosine``: from the base LR down to the floor over ``total_steps`` (default: the run's steps), after warmup."""
 
     name = "cosine"
+    settings = CosineSettings
 
     def decay(self, s: LRSchedule, step: int) -> float:
         floor_ratio = s.cfg.min_lr_ratio
@@ -89,19 +99,46 @@ class Cosine(ScheduleKind):
         return floor_ratio + (1.0 - floor_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass
+class StepSettings:
+    """The ``step`` kind's settings (``lr_schedule`` section)."""
+
+    step_size: int = field(default=50, metadata=bounds(min=1))  # step: multiply by gamma every step_size steps
+    gamma: float = field(default=0.5, metadata=bounds(gt=0, lt=1))  # step: factor every step_size steps
+
+
 class Step(ScheduleKind):
     """``step``: x ``gamma`` every ``step_size`` steps, down to the floor."""
 
     name = "step"
+    settings = StepSettings
 
     def decay(self, s: LRSchedule, step: int) -> float:
         return max(s.cfg.gamma ** (step // s.cfg.step_size), s.cfg.min_lr_ratio)
+
+
+@dataclass
+class TriggeredSettings:
+    """The triggered kinds' settings (``lr_schedule`` section)."""
+
+    decay_period: int | None = field(default=None, metadata=bounds(min=1))  # triggered: halve every N steps ...
+    decay_period_factor: float = field(default=1.8, metadata=bounds(gt=0))  # ... or N = factor x trigger step
+
+
+@dataclass
+class MismatchTriggeredSettings(TriggeredSettings):
+    """``mismatch_triggered``'s settings (``lr_schedule`` section): the decay's and its trigger's."""
+
+    mismatch_metric: Literal[K3_KL, LOG_PPL_ABS_DIFF] = K3_KL  # the metric whose trailing mean is compared
+    mismatch_threshold: float = field(default=0.1, metadata=bounds(gt=0))  # verl warns at |kl| > 0.1
+    mismatch_window: int = field(default=5, metadata=bounds(min=1))  # trailing mean over N steps > threshold
 
 
 class _Triggered(ScheduleKind):
     """Keep the LR until the trigger, then halve it at the multiples of ``decay_period`` after the trigger step."""
 
     triggered = True
+    settings = TriggeredSettings
 
     def decay(self, s: LRSchedule, step: int) -> float:
         if s.trigger_step is None or step <= s.trigger_step:
@@ -134,6 +171,7 @@ class MismatchTriggered(_Triggered):
     exceeds ``mismatch_threshold``."""
 
     name = "mismatch_triggered"
+    settings = MismatchTriggeredSettings
 
     def metric(self, s: LRSchedule) -> str:
         return s.cfg.mismatch_metric
@@ -158,8 +196,6 @@ class LRSchedule:
     def __init__(self, opt: OptimizerSection, sched: LRScheduleSection | None = None, total_steps: int = 1,
                  collapse: CollapseSection | None = None):
         """``collapse``: where the length surge of ``length_triggered`` is set (default: its defaults)."""
-        from .config import CollapseSection, LRScheduleSection  # the config imports this module
-
         self.base_lr = opt.lr
         surge = collapse or CollapseSection()
         self.surge_window, self.surge_ratio = surge.length_surge_window, surge.length_surge_ratio
@@ -196,7 +232,7 @@ class LRSchedule:
                     self.trigger_reason = reason
                     self.decay_period = self.cfg.decay_period or max(
                         1, round(self.cfg.decay_period_factor * step))
-        return {"lr_schedule/triggered": float(self.trigger_step is not None)}
+        return {LR_SCHEDULE_TRIGGERED: float(self.trigger_step is not None)}
 
     def summary(self) -> dict:
         """For ``summary.json``: the kind and, for triggered kinds, when and why it fired."""

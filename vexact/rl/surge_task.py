@@ -22,22 +22,37 @@ mean length grows several-fold: the surge. Where the trace earns nothing more th
 does not surge (the tests' counter-case).
 
 ``mixed_targets`` is the warm start's mixture; which examples get the trace is a fixed function of their index,
-so the warm start stays deterministic with no random draw. Registered in ``vexact.rl.tasks`` (``TASKS``).
+so the warm start stays deterministic with no random draw. Registered in ``vexact.rl.tasks`` (``TASKS``), with its
+setting ``warm_start.trace_fraction`` (``SurgeWarmStart``).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from .tasks import Problem, Task, _DigitStringTask
+from .validate import bounds
 
-__all__ = ["SurgeTask", "direct_problem", "is_trace", "mixed_targets"]
+__all__ = ["SurgeTask", "SurgeWarmStart", "direct_problem", "is_trace", "mixed_targets"]
 
 
 BASE = 2
 """The input's digits are ``0 .. BASE - 1`` and the answer is their sum mod ``BASE``: 2 is parity, the textbook
 function a transformer cannot compute in one step but computes step by step (one XOR per token)."""
+
+
+@dataclass
+class SurgeWarmStart:
+    """The ``surge`` task's setting, in the ``warm_start`` section; it needs ``task.name: surge``."""
+
+    section: ClassVar[str] = "warm_start"
+    requires_owner: ClassVar[bool] = True
+    # task surge only: after an all-trace first half, imitate the worked trace on this fraction of examples and
+    # the direct answer on the rest (vexact.rl.surge_task); None = the task's one target
+    trace_fraction: float | None = field(default=None, metadata=bounds(min=0, max=1))
 
 
 class SurgeTask(_DigitStringTask):
@@ -47,6 +62,14 @@ class SurgeTask(_DigitStringTask):
 
     name = "surge"
     tag = "c"
+    settings = SurgeWarmStart
+
+    def warm_start_problems(self, problems: list[Problem], warm_start: Any, first_index: int,
+                            total: int) -> list[Problem]:
+        """The worked trace or the direct answer, mixed by ``warm_start.trace_fraction`` (``mixed_targets``)."""
+        if warm_start.trace_fraction is None:
+            return problems
+        return mixed_targets(self, problems, warm_start.trace_fraction, first_index, total)
 
     def answer(self, digits: str) -> str:
         return str(sum(map(int, digits)) % BASE)

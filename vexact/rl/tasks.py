@@ -44,8 +44,14 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from ..registry import Registry
+from ..engine.model import check_fits
+from .registries import TASKS, register_run_check
+from .validate import ConfigError
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = [
     "BOS_ID",
@@ -55,6 +61,8 @@ __all__ = [
     "PAD_ID",
     "TASKS",
     "TASK_NAMES",
+    "check_lengths",
+    "check_memory",
     "task_has_free_span",
     "AddTask",
     "CharTokenizer",
@@ -154,10 +162,14 @@ class Problem:
 
 
 class Task(ABC):
-    """A family of problems with a difficulty knob (input length in ``[min_len, max_len]``) and a verifier."""
+    """A family of problems with a difficulty knob (input length in ``[min_len, max_len]``) and a verifier.
+
+    ``settings``: a dataclass of the task's own options, mounted as config keys while the task is registered (in
+    ``task``, or the section its ``section`` class variable names: ``surge``'s ``warm_start.trace_fraction``)."""
 
     name: str = ""
     tag: str = ""
+    settings: type | None = None
 
     def __init__(self, min_len: int, max_len: int, partial_credit: bool = False):
         _check_lengths(min_len, max_len)
@@ -190,6 +202,12 @@ class Task(ABC):
         """Target token positions ``[start, end)`` the reward does not read (a free scratchpad), or None. The
         warm start can down-weight them (``warm_start.free_weight``)."""
         return None
+
+    def warm_start_problems(self, problems: list[Problem], warm_start: Any, first_index: int,
+                            total: int) -> list[Problem]:
+        """The supervised warm start's examples, examples ``first_index ..`` of ``total``: ``problems`` as drawn,
+        unless the task's settings in the ``warm_start`` section (``warm_start``) choose other targets."""
+        return problems
 
     def reward(self, problem: Problem, response_ids: Iterable[int]) -> float:
         """1.0 for the exact answer followed by EOS, else 0.0 (or the partial credit described in the module
@@ -331,9 +349,6 @@ class SumTask(_DigitStringTask):
 from .horizon_task import ScratchpadTask  # noqa: E402  (the horizon knob, in its own module)
 from .surge_task import SurgeTask  # noqa: E402  (the length surge, in its own module)
 
-TASKS: Registry[type[Task]] = Registry("task", "task.name", "vexact.register_task")
-"""``task.name`` -> its ``Task`` class: the one list of tasks (config validation and the docs read it)."""
-
 
 def register_task(cls: type[Task], replace: bool = False) -> type[Task]:
     """Register a ``Task`` subclass under its ``name``, so ``task.name: NAME`` selects it (also usable as a class
@@ -391,6 +406,49 @@ def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = Fals
 
         task.tokenizer = tokenizer_for(distractors)
     return task
+
+
+def check_lengths(cfg: RunConfig) -> None:
+    """Every problem of the task fits: longest prompt + ``rollout.max_new_tokens`` <= ``model.max_seq_len``, and
+    ``rollout.max_new_tokens`` holds the longest answer + EOS. A ConfigError naming the key otherwise (checked when
+    a config is loaded, and again by the Trainer for a RunConfig built in Python)."""
+    try:
+        task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit,
+                         cfg.task.distractors)
+    except ValueError as e:
+        raise ConfigError(str(e), "task") from None
+    need = max_prompt_tokens(task) + cfg.rollout.max_new_tokens
+    if need > cfg.model.max_seq_len:
+        raise ConfigError(f"{cfg.model.max_seq_len} is too short for the longest prompt ({max_prompt_tokens(task)}) + "
+                          f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need}", "model.max_seq_len")
+    if cfg.rollout.max_new_tokens < max_answer_tokens(task):
+        raise ConfigError(f"{cfg.rollout.max_new_tokens} cannot hold the longest answer + EOS "
+                          f"({max_answer_tokens(task)} tokens)", "rollout.max_new_tokens")
+
+
+RUN_BYTES_PER_PARAMETER = 16
+"""Memory a run needs per parameter at least: the float32 master weights, their gradient and AdamW's two moments."""
+
+
+def check_memory(cfg: RunConfig) -> None:
+    """Before a run (or a sweep) allocates anything: its model's parameters, at ``RUN_BYTES_PER_PARAMETER`` (plus a
+    bfloat16 compute copy), must fit in the memory this machine has available now (``engine.model.check_fits``).
+    Not part of loading a config, which stays valid on any machine (a report reads config.yaml anywhere)."""
+    task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit, cfg.task.distractors)
+    copy = 0 if cfg.dtype == "float32" else 2
+    check_fits(cfg.model.to_model_config(task.tokenizer.vocab_size), RUN_BYTES_PER_PARAMETER + copy,
+               f"a run's float32 weights, gradient and AdamW moments{' and bfloat16 copy' if copy else ''}",
+               where="model", vocab=f"the vocabulary of task {cfg.task.name}")
+
+
+
+@register_run_check
+def _check_task(cfg: RunConfig) -> None:
+    """The task's run check: a free-span weight needs a task with a free span; every problem fits."""
+    if cfg.warm_start.free_weight is not None and not task_has_free_span(cfg.task.name):
+        raise ConfigError(f"free_weight needs a task with a free span the reward does not read (such as "
+                          f"horizon's scratchpad), got task {cfg.task.name!r}", "warm_start.free_weight")
+    check_lengths(cfg)
 
 
 def encode_prompt(tokenizer: CharTokenizer, problem: Problem) -> list[int]:

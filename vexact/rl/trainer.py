@@ -34,10 +34,19 @@ from ..metric_keys import (
     EVAL_GREEDY_ACCURACY,
     EVAL_REWARD_MEAN,
     GRAD_NORM,
+    GRAD_NORM_MAX,
+    INJECT_ACTIVE,
+    INJECT_VALUE,
     LR,
+    TIMING_EVAL,
+    TIMING_GRAD_REDUCE,
+    TIMING_OLD_LOGPROBS,
+    TIMING_ROLLOUT,
+    TIMING_STEP,
+    TIMING_UPDATE,
 )
 from .collapse import detect_collapse
-from .config import RunConfig, check_lengths, dotted_items, load_config, save_config
+from .config import RunConfig, dotted_items, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .metrics import mismatch_metrics, rollout_batch_metrics
@@ -55,7 +64,7 @@ from .runlog import (
     write_json_atomic,
 )
 from .schedules import LRSchedule
-from .tasks import held_out_problems, make_task, training_problems
+from .tasks import check_lengths, held_out_problems, make_task, training_problems
 from .triton_guard import check_interpreted_triton
 from .warmstart import warm_start
 
@@ -178,22 +187,22 @@ class Trainer:
         t0 = time.perf_counter()
         plan = self.injector.plan(step)
         batch = self.rollout(step, plan)
-        timings["timing/rollout"] = time.perf_counter() - t0
+        timings[TIMING_ROLLOUT] = time.perf_counter() - t0
         if not all(torch.isfinite(lp).all() for lp in batch.logprobs):
             raise RunStopped(f"non-finite rollout log-probs (logits) at step {step}")
 
         t1 = time.perf_counter()
         anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score)
-        timings["timing/old_logprobs"] = time.perf_counter() - t1
+        timings[TIMING_OLD_LOGPROBS] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
         lr = self.schedule.lr(step)
         advantages = compute_advantages(batch.rewards, cfg.rollout.samples_per_prompt, alg.advantage,
-                                        alg.std_normalize)
+                                        alg.std_normalize, alg)
         update, first_pass_logp = self._update(step, batch, advantages, anchors, self.objective.expects_exact(plan),
                                                lr)
-        timings["timing/update"] = time.perf_counter() - t2
-        timings["timing/grad_reduce"] = update.pop("timing/grad_reduce")
+        timings[TIMING_UPDATE] = time.perf_counter() - t2
+        timings[TIMING_GRAD_REDUCE] = update.pop(TIMING_GRAD_REDUCE)
 
         # The mismatch is between the two paths at the same (pre-update) weights.
         train_logp = anchors.pre_update if anchors.pre_update is not None else first_pass_logp
@@ -203,10 +212,10 @@ class Trainer:
         metrics.update(batch.tail_metrics())  # task.distractors > 0: the rollout distribution's tail (vocab_tail)
         metrics[LR] = lr
         if self.injector.enabled:
-            metrics["inject/value"] = plan.value
-            metrics["inject/active"] = float(plan.active)
+            metrics[INJECT_VALUE] = plan.value
+            metrics[INJECT_ACTIVE] = float(plan.active)
         metrics.update(update)
-        timings["timing/step"] = time.perf_counter() - t0
+        timings[TIMING_STEP] = time.perf_counter() - t0
         metrics.update(timings)
         return metrics
 
@@ -239,8 +248,8 @@ class Trainer:
                 for k, v in part.stats.items():
                     sums.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in sums.items()}
-        out["actor/grad_norm_max"] = max(sums[GRAD_NORM])
-        out["timing/grad_reduce"] = reduce_seconds
+        out[GRAD_NORM_MAX] = max(sums[GRAD_NORM])
+        out[TIMING_GRAD_REDUCE] = reduce_seconds
         return out, first_pass_logp
 
     def _minibatch_gradients(self, batch: RolloutBatch, idx: list[int], advantages: Tensor, anchors: Anchors,
@@ -399,7 +408,7 @@ class Trainer:
                     if step % cfg.logging.eval_every == 0 or step == cfg.steps - 1:
                         t = time.perf_counter()
                         metrics.update(self.evaluate(step))
-                        metrics["timing/eval"] = time.perf_counter() - t
+                        metrics[TIMING_EVAL] = time.perf_counter() - t
                     metrics.update(self.schedule.observe(step, metrics))
                     if self.schedule.trigger_step == step:
                         self._log(f"[yellow]LR decay triggered at step {step}:[/] {self.schedule.trigger_reason}; "
@@ -605,7 +614,7 @@ def _summarize(history: list[dict]) -> dict:
     evals = [m for m in history if EVAL_REWARD_MEAN in m]
     out = {
         "steps_completed": len(history),
-        "mean_step_seconds": sum(m.get("timing/step", 0.0) for m in history) / len(history),
+        "mean_step_seconds": sum(m.get(TIMING_STEP, 0.0) for m in history) / len(history),
         "min_bitwise_equal_frac": min(m[BITWISE_EQUAL_FRAC] for m in history),
     }
     if evals:

@@ -5,7 +5,8 @@ the same rules, and the rules do not depend on any one schema. What it checks: u
 ones), required keys, each value against its field's type hint (``int``, ``float``, ``str``, ``bool``,
 ``Literal``, a registry's ``name_type`` (``vexact.registry``: one of its names at validation time), ``X | None``,
 ``list``/``tuple``, ``dict``, nested dataclasses) and numeric bounds (``bounds(min=...)``
-in a field's metadata), then each dataclass's own ``check()``. Every problem is one ``ConfigError`` naming the
+in a field's metadata), then each dataclass's own ``check()`` and that of each settings class an extension mounted
+into it (``vexact.registry``). Every problem is one ``ConfigError`` naming the
 dotted key. ``VALUE_ALIASES`` (other spellings of Literal values) is passed in by the schema that has them.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..registry import RegisteredName
+from ..registry import RegisteredName, settings_classes
 
 __all__ = ["NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build", "convert", "describe", "join_key",
            "plain", "read_yaml", "show_value", "yaml_problem"]
@@ -198,9 +199,9 @@ def convert(value: Any, tp: Any, key: str, meta: dict, aliases: Mapping[str, str
 def _aliases_note(tp: Any, aliases: Mapping[str, str]) -> str:
     """The note `` (also spelled 'fp32', 'bf16')`` for a type whose Literal values have other spellings
     (``aliases``), so an error shows every accepted spelling; "" for other types."""
-    literals = [tp] if typing.get_origin(tp) is Literal else [a for a in typing.get_args(tp)
-                                                             if typing.get_origin(a) is Literal]
-    values = {v for lit in literals for v in typing.get_args(lit)}
+    arms = [tp, *typing.get_args(tp)]
+    values = {v for arm in arms if typing.get_origin(arm) is Literal for v in typing.get_args(arm)}
+    values |= {v for arm in arms if _is_registered(arm) for v in arm.registry.names()}
     spellings = [alias for alias, value in aliases.items() if value in values]
     return f" (also spelled {', '.join(map(repr, spellings))})" if spellings else ""
 
@@ -231,6 +232,8 @@ def _convert_inner(value: Any, tp: Any, key: str, meta: dict, aliases: Mapping[s
     if _is_registered(tp):
         if isinstance(value, str) and value in tp.registry:
             return str(value)
+        if isinstance(value, str) and aliases.get(value) in tp.registry:
+            return aliases[value]
         raise _Mismatch
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -301,8 +304,13 @@ def build(cls: type, data: dict, prefix: str = "", aliases: Mapping[str, str] = 
     kwargs = {name: convert(data[name], hints[name], join_key(prefix, name), dict(f.metadata), aliases)
               for name, f in fields.items() if name in data}
     obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
+    # the section's own check, then each mounted settings class's on its keys' values (vexact.registry)
+    checks = [getattr(obj, "check", None)]
+    checks += [getattr(s(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(s)}), "check", None)
+               for s in settings_classes(cls)]
+    for check in checks:
+        if check is None:
+            continue
         try:
             check()
         except ConfigError as e:  # check() names keys relative to its section

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import TAIL_MASS_MAX, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
+from .config import MAX_DISTRACTORS
 from .tasks import CHAR_VOCAB_SIZE, CharTokenizer
 
 __all__ = ["MAX_DISTRACTORS", "NO_CHARACTER", "TailProbe", "TailTokenizer", "check_distractors", "tail_metrics",
@@ -37,9 +38,6 @@ __all__ = ["MAX_DISTRACTORS", "NO_CHARACTER", "TailProbe", "TailTokenizer", "che
 
 NO_CHARACTER = "\ufffd"
 """What a distractor decodes to: the Unicode replacement character, in no task's prompt, answer or format."""
-MAX_DISTRACTORS = 262_144
-"""Upper bound of ``task.distractors`` (a vocabulary beyond real ones, 150k, with room to spare); a larger value is
-more likely a typo than a plan, and would allocate an embedding of that many rows."""
 
 Hook = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 

@@ -5,8 +5,10 @@ at once (``warm_start``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock, Timeout
@@ -15,10 +17,10 @@ from safetensors.torch import save as save_tensors
 
 from ..engine.model import Transformer
 from ..engine.scoring import score_tokens
+from ..registry import mounts
 from .atomic import publish, write_file
 from .config import RunConfig, config_hash
 from .optim import ExactAdamW, clip_gradients_
-from .surge_task import mixed_targets
 from .tasks import Problem, Task, encode_prompt, encode_target, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
@@ -37,8 +39,10 @@ def warm_start_key(cfg: RunConfig) -> str:
     plain = cfg.to_dict()
     plain["warm_start"].pop("cache_dir", None)
     plain["warm_start"].pop("seed", None)  # folded into "seed" below
-    if plain["warm_start"].get("trace_fraction") is None:
-        plain["warm_start"].pop("trace_fraction", None)  # unset: the same key as before the knob existed
+    for section in ("task", "warm_start"):  # an extension's setting at its default: the key of a tree without it
+        for key, mount in mounts(type(getattr(cfg, section))).items():
+            if plain[section].get(key) == _saved_default(mount.field):
+                plain[section].pop(key, None)
     if plain["warm_start"].get("free_weight") is None:
         plain["warm_start"].pop("free_weight", None)  # likewise
     plain["task"].pop("eval_prompts", None)
@@ -47,6 +51,12 @@ def warm_start_key(cfg: RunConfig) -> str:
     plain["model"].pop("preset", None)  # a name for values already in the other model keys
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
                         "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
+
+
+def _saved_default(f: dataclasses.Field) -> Any:
+    """A field's default as ``to_dict`` writes it (lists, not tuples)."""
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return list(value) if isinstance(value, tuple) else value
 
 
 def warm_start_cache_path(cfg: RunConfig) -> Path:
@@ -120,9 +130,7 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
     optimizer = ExactAdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.99), weight_decay=0.0)
     for step in range(ws.steps):
         problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
-        if ws.trace_fraction is not None:
-            problems = mixed_targets(task, problems, ws.trace_fraction, step * ws.batch_size,
-                                     ws.steps * ws.batch_size)
+        problems = task.warm_start_problems(problems, ws, step * ws.batch_size, ws.steps * ws.batch_size)
         prompts = [encode_prompt(tokenizer, p) for p in problems]
         targets = [encode_target(tokenizer, p) for p in problems]
         # Linear decay to 10% keeps the end of warm start calm.

@@ -1,0 +1,98 @@
+"""Advantage estimators (``algorithm.advantage``): one class each, registered in ``ADVANTAGE_ESTIMATORS``.
+
+An estimator turns a step's rewards (float64, each prompt's ``group_size`` samples adjacent) into one advantage per
+sequence. The built-ins differ only in their baseline:
+
+- ``grpo``: r - group mean, divided by (group std + eps) if ``algorithm.std_normalize``;
+- ``rloo``: r - mean of the *other* samples of the group (leave-one-out baseline);
+- ``reinforce``: r - batch mean (one baseline for the whole batch).
+
+``std_normalize`` divides by the std of the same scope (group, or batch for reinforce); std is the unbiased sample
+std, as in verl's GRPO. A new estimator is one class (``register_advantage_estimator(MyEstimator())``), with its own
+settings as ``algorithm.*`` keys if it has any (a dataclass in ``settings``; it reads them from the ``algorithm``
+section passed as ``alg``). ``vexact.rl.objective.compute_advantages`` is the one caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .registries import ADVANTAGE_ESTIMATORS
+
+__all__ = ["ADVANTAGE_EPS", "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "register_advantage_estimator"]
+
+ADVANTAGE_EPS = 1e-6
+
+
+class AdvantageEstimator:
+    """One ``algorithm.advantage``: ``advantages(rewards, group_size, std_normalize, alg)`` -> one advantage per
+    sequence (float64, like ``rewards``); ``alg`` is the ``algorithm`` section (its settings), or None.
+    ``settings``: a dataclass of the estimator's own options, mounted as ``algorithm.<field>`` keys."""
+
+    name: ClassVar[str] = ""
+    settings: ClassVar[type | None] = None
+
+    def advantages(self, rewards: Tensor, group_size: int, std_normalize: bool, alg: Any) -> Tensor:
+        raise NotImplementedError
+
+
+def register_advantage_estimator(estimator: AdvantageEstimator, replace: bool = False) -> AdvantageEstimator:
+    """Register an advantage estimator (an ``AdvantageEstimator`` instance) under its ``name``:
+    ``algorithm.advantage: NAME`` selects it. A name already taken is an error unless ``replace``."""
+    if not isinstance(estimator, AdvantageEstimator):
+        raise TypeError(f"register_advantage_estimator needs an AdvantageEstimator instance, got {estimator!r}")
+    return ADVANTAGE_ESTIMATORS.add(estimator.name, estimator, replace=replace)
+
+
+class _GroupBaseline(AdvantageEstimator):
+    """A baseline per prompt group (``centred``), then the group's std if ``std_normalize``."""
+
+    def centred(self, groups: Tensor, mean: Tensor, group_size: int) -> Tensor:
+        raise NotImplementedError
+
+    def advantages(self, rewards: Tensor, group_size: int, std_normalize: bool, alg: Any) -> Tensor:
+        groups = rewards.view(-1, group_size)
+        mean = groups.mean(dim=1, keepdim=True)
+        centred = self.centred(groups, mean, group_size)
+        if std_normalize:
+            std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+            centred = centred / (std + ADVANTAGE_EPS)
+        return centred.reshape(-1)
+
+
+class GRPO(_GroupBaseline):
+    """``grpo``: r - group mean (GRPO)."""
+
+    name = "grpo"
+
+    def centred(self, groups: Tensor, mean: Tensor, group_size: int) -> Tensor:
+        return groups - mean
+
+
+class RLOO(_GroupBaseline):
+    """``rloo``: r - the mean of the group's other samples (leave-one-out)."""
+
+    name = "rloo"
+
+    def centred(self, groups: Tensor, mean: Tensor, group_size: int) -> Tensor:
+        if group_size < 2:
+            raise ValueError("rloo needs at least 2 samples per prompt")
+        return (groups - mean) * group_size / (group_size - 1)
+
+
+class Reinforce(AdvantageEstimator):
+    """``reinforce``: r - batch mean (one baseline for the batch)."""
+
+    name = "reinforce"
+
+    def advantages(self, rewards: Tensor, group_size: int, std_normalize: bool, alg: Any) -> Tensor:
+        centred = rewards - rewards.mean()
+        scale = rewards.std() if rewards.numel() > 1 else rewards.new_tensor(0.0)
+        return centred / (scale + ADVANTAGE_EPS) if std_normalize else centred
+
+
+for _estimator in (GRPO(), RLOO(), Reinforce()):
+    register_advantage_estimator(_estimator)

@@ -1,0 +1,104 @@
+"""The RL loop's extension points: one registry per kind of extension, and the checks extensions add to a config.
+
+Each registry maps a config value to its entry (``vexact.registry.Registry``): the config schema
+(``vexact.rl.config``) types its key with the registry's ``name_type`` and validates against whatever is registered
+when a config is loaded, and entries bring their own settings (mounted into the config section of the registry's
+key). The registries live here, apart from their built-in entries, so that the schema imports no extension: the
+built-ins register themselves when their modules are imported (``vexact.rl.plugins.BUILTINS``, imported with the
+``vexact.rl`` package), exactly as a plugin's do.
+
+A check that needs an extension's own code (does every problem of the task fit the model? do the correction keys
+expand to a valid plan?) is registered here by the module that has that code (``register_run_check``) and runs
+when a ``RunConfig`` is validated, after the sections' own checks.
+
+This module imports only ``vexact.registry`` and the validator's error type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..registry import Registry, mounts
+from .validate import ConfigError, show_value
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "BYPASS_LOSSES", "CORRECTION_METHODS", "INJECT_MODES", "LOG_BACKENDS",
+           "LOSS_AGGREGATIONS", "LR_SCHEDULES", "REGISTRIES", "TASKS", "check_run", "register_run_check"]
+
+TASKS: Registry = Registry("task", "task.name", "vexact.register_task")
+"""``task.name`` -> its ``Task`` class (``vexact.rl.tasks``)."""
+INJECT_MODES: Registry = Registry("injection mode", "inject.mode", "vexact.register_inject_mode")
+"""``inject.mode`` -> its ``InjectMode`` (``vexact.rl.inject_modes``)."""
+CORRECTION_METHODS: Registry = Registry("correction method", "correction.method",
+                                        "vexact.register_correction_method")
+"""``correction.method`` -> its ``CorrectionMethod`` (``vexact.rl.corrections``)."""
+BYPASS_LOSSES: Registry = Registry("bypass loss", "correction.loss_type", "vexact.rl.objective.register_bypass_loss")
+"""``correction.loss_type`` -> the bypass-mode loss it names (``vexact.rl.objective``)."""
+LR_SCHEDULES: Registry = Registry("LR schedule", "lr_schedule.kind", "vexact.register_lr_schedule")
+"""``lr_schedule.kind`` -> its ``ScheduleKind`` (``vexact.rl.schedules``)."""
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.advantage",
+                                          "vexact.register_advantage_estimator")
+"""``algorithm.advantage`` -> its ``AdvantageEstimator`` (``vexact.rl.advantages``)."""
+LOSS_AGGREGATIONS: Registry = Registry("loss aggregation", "algorithm.loss_agg",
+                                       "vexact.rl.objective.register_loss_aggregation")
+"""``algorithm.loss_agg`` -> how a per-token loss is reduced (``vexact.rl.objective``)."""
+LOG_BACKENDS: Registry = Registry("log backend", "logging.backends", "vexact.register_log_backend")
+"""``logging.backends`` -> its ``LogBackendKind`` (``vexact.rl.log_backends``)."""
+
+REGISTRIES: tuple[Registry, ...] = (TASKS, INJECT_MODES, CORRECTION_METHODS, BYPASS_LOSSES, LR_SCHEDULES,
+                                    ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, LOG_BACKENDS)
+"""Every extension point, in the order the documentation lists them."""
+
+_RUN_CHECKS: list[Callable[[RunConfig], None]] = []
+
+
+def register_run_check(check: Callable[[RunConfig], None]) -> Callable[[RunConfig], None]:
+    """Run ``check(cfg)`` whenever a ``RunConfig`` is validated (after its sections' own checks); it raises
+    ``ConfigError(problem, full.dotted.key)``. Registering the same function twice is a no-op."""
+    if check not in _RUN_CHECKS:
+        _RUN_CHECKS.append(check)
+    return check
+
+
+def check_run(cfg: RunConfig) -> None:
+    """The checks extensions add to a run's config: settings that need their entry selected, then each registered
+    run check, in registration order."""
+    for registry in REGISTRIES:
+        _check_owners(cfg, registry)
+    for check in _RUN_CHECKS:
+        check(cfg)
+
+
+def _value_at(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check_owners(cfg: RunConfig, registry: Registry) -> None:
+    """A key of a settings class that says ``requires_owner`` keeps its default unless an entry that declares the
+    key is the one the config selects (``registry.key``; for a list of names, one of them)."""
+    chosen = _value_at(cfg, registry.key)
+    chosen = set(chosen) if isinstance(chosen, (list, tuple)) else {chosen}
+    declared = [getattr(entry, "settings", None) for _, entry in registry.items()]
+    strict = {settings for settings in declared if getattr(settings, "requires_owner", False)}
+    for section_name in dict.fromkeys(registry.settings_section(s) for s in strict):
+        section = _value_at(cfg, section_name)
+        for key, mount in mounts(type(section)).items():
+            if not strict & {s for _, s in mount.owners}:
+                continue
+            owners = [n for n in registry.names() if registry.owner(n) in mount.owner_names]
+            value, default = getattr(section, key), _default(mount.field)
+            if value != default and not chosen & set(owners):
+                raise ConfigError(f"{show_value(value)} is a setting of {registry.what} {' or '.join(owners)} only: "
+                                  f"it needs {registry.key}: {' or '.join(owners)}, got {registry.key} "
+                                  f"{show_value(_value_at(cfg, registry.key))} (leave {key} at {show_value(default)})",
+                                  f"{section_name}.{key}")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
