@@ -459,3 +459,16 @@ def test_every_verl_preset_has_one_name():
     assert set(expected) == set(PRESETS)
     for preset, name in expected.items():
         assert correction_from_config({"algorithm": {"rollout_correction": {"preset": preset}}}) == name, preset
+
+
+@pytest.mark.parametrize("old_logprobs, method, expected", [("rollout", "none", "bypass"),
+                                                            ("recompute", "none", "recompute"),
+                                                            ("recompute", "token_tis", "token_tis")])
+def test_a_saved_run_config_names_its_correction(tmp_path, old_logprobs, method, expected):
+    """What ``vexact report`` reads from each point: the config.yaml a real run saved (every key, as written)."""
+    from vexact.rl.config import config_from_dict, save_config
+
+    cfg = config_from_dict({}, [f"algorithm.old_logprobs={old_logprobs}", f"correction.method={method}"])
+    save_config(cfg, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert correction_from_config(saved, "config.yaml") == expected

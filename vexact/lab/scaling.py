@@ -170,7 +170,7 @@ def _section(block: Any, keys: tuple[str, ...], where: str) -> CorrectionSection
              if k in keys and v is not None}
     try:
         section = CorrectionSection(**given)
-        section.check()
+        plan_for(section)  # the correction's own check: its keys expand to a plan
     except KeyError as err:  # the registry's message for an unknown name
         raise ValueError(f"{where}: {err.args[0]}") from None
     except (TypeError, ValueError) as err:
