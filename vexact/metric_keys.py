@@ -24,8 +24,8 @@ from functools import cache
 
 __all__ = ["ABS_DLOGP_MAX", "ABS_DLOGP_MEAN", "BITWISE_EQUAL_FRAC", "CONSTANTS", "ENTROPY", "EVAL_GREEDY_ACCURACY",
            "EVAL_REWARD_MEAN", "GRAD_NORM", "GROUPS", "K3_KL", "KEYS", "KL", "LOG_PPL_ABS_DIFF", "LR",
-           "RESPONSE_LENGTH_MEAN", "REWARD_MEAN", "TAIL_MASS_MAX", "TAIL_MASS_MEAN", "TAIL_RESPONSE_FRAC",
-           "TAIL_TOKEN_FRAC", "WRITERS", "MetricKey", "find", "unregistered"]
+           "RESPONSE_LENGTH_MEAN", "REWARD_MEAN", "ROUTING_FLIP_RATE", "ROUTING_TOKEN_FLIP_FRAC", "TAIL_MASS_MAX",
+           "TAIL_MASS_MEAN", "TAIL_RESPONSE_FRAC", "TAIL_TOKEN_FRAC", "WRITERS", "MetricKey", "find", "unregistered"]
 
 # --- the keys code names most often, as constants -----------------------------------------------------------------
 K3_KL = "rollout_corr/k3_kl"
@@ -45,9 +45,11 @@ TAIL_MASS_MEAN = "tail/mass_mean"
 TAIL_MASS_MAX = "tail/mass_max"
 TAIL_TOKEN_FRAC = "tail/token_frac"
 TAIL_RESPONSE_FRAC = "tail/response_frac"
+ROUTING_FLIP_RATE = "routing/flip_rate"
+ROUTING_TOKEN_FLIP_FRAC = "routing/token_flip_frac"
 CONSTANTS = (K3_KL, KL, LOG_PPL_ABS_DIFF, ABS_DLOGP_MEAN, ABS_DLOGP_MAX, BITWISE_EQUAL_FRAC, REWARD_MEAN,
              RESPONSE_LENGTH_MEAN, EVAL_REWARD_MEAN, EVAL_GREEDY_ACCURACY, GRAD_NORM, ENTROPY, LR, TAIL_MASS_MEAN,
-             TAIL_MASS_MAX, TAIL_TOKEN_FRAC, TAIL_RESPONSE_FRAC)
+             TAIL_MASS_MAX, TAIL_TOKEN_FRAC, TAIL_RESPONSE_FRAC, ROUTING_FLIP_RATE, ROUTING_TOKEN_FLIP_FRAC)
 """Every constant above (each must be a registered key)."""
 
 RUN = ("run",)
@@ -251,6 +253,12 @@ KEYS: tuple[MetricKey, ...] = (
     _k(TAIL_TOKEN_FRAC, "Fraction of generated tokens that are distractors", "fraction", RUN, _TAIL),
     _k(TAIL_RESPONSE_FRAC, "Fraction of responses holding a distractor (each earns reward 0)", "fraction", RUN,
        _TAIL),
+    # --- MoE routing: rollout vs training path (rl/metrics.py; written for MoE models) ---------------------------
+    _k(ROUTING_FLIP_RATE, "Fraction of router decisions (token x MoE layer, every position the forward reads) whose "
+       "expert set differs between the rollout and the training path's own router (pre-update weights)", "fraction",
+       RUN, _METRICS),
+    _k(ROUTING_TOKEN_FLIP_FRAC, "Fraction of positions whose expert set differs between rollout and training in at "
+       "least one MoE layer", "fraction", RUN, _METRICS),
     # --- injection, LR schedule ---------------------------------------------------------------------------------
     _k("inject/value", "The injection knob in effect this step (after `onset_step` / `ramp_steps`)", "knob", RUN,
        _TRAINER),
@@ -287,6 +295,7 @@ GROUPS: dict[str, str] = {
     "mismatch": "Training–inference mismatch (vexact's own)",
     "correction": "Rollout correction: what the loss applied (vexact's own)",
     "tail": "The vocabulary tail (`task.distractors`)",
+    "routing": "Mixture-of-experts routing (`model.num_experts` > 0)",
     "inject": "Controlled mismatch",
     "lr_schedule": "LR schedule",
     "eval": "Clean evaluation",

@@ -38,7 +38,7 @@ from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_val
 from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, LOG_PPL_ABS_DIFF
 from .atomic import write_text_atomic
 from .corrections import CORRECTION_METHODS, plan_for
-from .inject_modes import INJECT_MODES
+from .inject_modes import FLIP_KINDS, INJECT_MODES
 from .metrics import LOG_RATIO_BOUND
 from .schedules import LR_SCHEDULES
 from .tasks import TASKS, make_task, max_answer_tokens, max_prompt_tokens, task_has_free_span
@@ -195,6 +195,9 @@ class AlgorithmSection:
     # set, each unit is one forward and backward and a leaf's gradient is their fixed-tree sum, so
     # micro_batch_size changes no bit (it then only batches the no-grad scoring); must divide a leaf
     grad_unit: int | None = field(default=None, metadata=_bounds(min=1))
+    # router replay (R3, MoE models): the training path uses the experts the rollout's router chose at every
+    # position and layer (the weights stay the training router's probabilities of them)
+    router_replay: bool = False
 
 
 @dataclass
@@ -316,6 +319,7 @@ class InjectSection:
     sites: list[str] = field(default_factory=lambda: ["logits"])  # precision mode: linear, attention, norm, logits
     kernel_backend: Backend = "native"  # kernel mode: the rollout path's backend ...
     kernel_dtype: DType | None = None  # ... and dtype (None = training dtype)
+    flip_kind: Literal[FLIP_KINDS] = "near_tie"  # routing_flip: swap the k-th expert for the (k+1)-th, or random
     scope: Literal["all", "low_prob", "fraction"] = "all"
     prob_threshold: float = field(default=0.1, metadata=_bounds(gt=0, max=1))  # scope low_prob
     fraction: float = field(default=0.5, metadata=_bounds(min=0, max=1))  # scope fraction
@@ -394,6 +398,13 @@ class RunConfig:
     distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def check(self) -> None:
+        model = self.model.to_model_config(vocab_size=1)
+        problem = INJECT_MODES[self.inject.mode].model_problem(model)
+        if problem:
+            raise ConfigError(problem, "inject.mode")
+        if self.algorithm.router_replay and not model.moe_layers:
+            raise ConfigError("router replay reuses the rollout's MoE routing, and a dense model records none: set "
+                              "model.num_experts > 0, or router_replay: false", "algorithm.router_replay")
         if self.warm_start.trace_fraction is not None and self.task.name != "surge":
             raise ConfigError(f"trace_fraction needs task.name: surge (a task with a direct and a worked answer), "
                               f"got task {self.task.name!r}", "warm_start.trace_fraction")
