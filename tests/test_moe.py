@@ -310,5 +310,7 @@ def test_router_replay_without_recorded_routing_is_one_clear_error():
         token_logprobs(dense, [[5, 6]], [[7, 8]], routing=[torch.zeros(2, 2, 2, dtype=torch.long)])
     with pytest.raises(ValueError, match=r"shape \(2, 2, 2\), expected \(3, 2, 2\)"):
         token_logprobs(moe_model(), [[5, 6]], [[7, 8]], routing=[torch.zeros(2, 2, 2, dtype=torch.long)])
+    with pytest.raises(ValueError, match="names one expert twice"):
+        token_logprobs(moe_model(), [[5, 6]], [[7, 8]], routing=[torch.zeros(3, 2, 2, dtype=torch.long)])
     with pytest.raises(ValueError, match="no MoE layers"):
         generate(dense, [[5]], max_new_tokens=2, routing_hook=flip_hook(0.5, "near_tie", 0))

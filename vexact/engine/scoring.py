@@ -57,6 +57,10 @@ def check_routing(model: Transformer, prompts: list[list[int]], responses: list[
                              "response - 1, MoE layers, num_experts_per_tok)")
         if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= cfg.num_experts):
             raise ValueError(f"routing of sequence {i} names experts outside [0, {cfg.num_experts})")
+        ordered = chosen.sort(dim=-1).values
+        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+            raise ValueError(f"routing of sequence {i} names one expert twice at a position (each position's "
+                             f"{cfg.num_experts_per_tok} experts must differ)")
 
 
 def _positions_read(prompt: list[int], response: list[int]) -> int:
