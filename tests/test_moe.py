@@ -305,6 +305,9 @@ def test_router_replay_without_recorded_routing_is_one_clear_error():
     batch = RolloutBatch([None], [[5, 6]], [[7]], [torch.zeros(1)], [True], torch.zeros(1))  # routing not recorded
     with pytest.raises(ValueError, match="recorded no routing"):
         objective.score(moe_model(), batch)
+    # calibration measures the source before the remedy: scoring without replay needs no recorded routing
+    assert torch.equal(objective.score(moe_model(), batch, replay=False)[0], token_logprobs(moe_model(), [[5, 6]],
+                                                                                            [[7]])[0])
     dense = moe_model(num_experts=0)
     with pytest.raises(ValueError, match="no MoE layers"):
         token_logprobs(dense, [[5, 6]], [[7, 8]], routing=[torch.zeros(2, 2, 2, dtype=torch.long)])
@@ -314,3 +317,12 @@ def test_router_replay_without_recorded_routing_is_one_clear_error():
         token_logprobs(moe_model(), [[5, 6]], [[7, 8]], routing=[torch.zeros(3, 2, 2, dtype=torch.long)])
     with pytest.raises(ValueError, match="no MoE layers"):
         generate(dense, [[5]], max_new_tokens=2, routing_hook=flip_hook(0.5, "near_tie", 0))
+
+
+def test_locate_refuses_an_moe_model_with_one_clear_error():
+    """locate compares paths op by op along a fixed plan of calls; an MoE forward's expert calls follow the routing."""
+    from vexact.real.locate import op_plan
+
+    with pytest.raises(ValueError, match="mixture-of-experts model \\(4 experts\\)"):
+        op_plan(ModelConfig(**MOE))
+    assert op_plan(ModelConfig(**{**MOE, "num_experts": 0}))  # counter-case: the dense model has its plan

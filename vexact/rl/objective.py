@@ -280,8 +280,11 @@ class Objective:
         rollout's routing is compared with (``routing/*`` metrics)."""
         return token_routing(model, batch.prompts, batch.responses, self.alg.micro_batch_size)
 
-    def score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
-        """The training path's log-probs of the batch's responses (no grad), as the anchors use them."""
+    def score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
+        """The training path's log-probs of the batch's responses (no grad), as the anchors use them; ``replay``
+        False scores with the router's own routing even under ``algorithm.router_replay`` (calibration measures the
+        source's mismatch, not what replay leaves of it)."""
+        routing = self.replayed(batch, range(len(batch.responses))) if replay else None
         with torch.no_grad():
             return score_tokens(model, batch.prompts, batch.responses, self.temperature, self.alg.micro_batch_size,
-                                routing=self.replayed(batch, range(len(batch.responses))))[0]
+                                routing=routing)[0]

@@ -165,12 +165,13 @@ class Trainer:
                                  first_problem=mine.start)
         return local if self.ranks.world_size == 1 else RolloutBatch.concat(self.ranks.gather([local]))
 
-    def _score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
-        """Training-path log-probs of the whole batch (no grad); each rank scores its share of the sequences."""
+    def _score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
+        """Training-path log-probs of the whole batch (no grad); each rank scores its share of the sequences.
+        ``replay``: with ``algorithm.router_replay``, reuse the rollout's routing (False: the router's own)."""
         if self.ranks.world_size == 1:
-            return self.objective.score(model, batch)
+            return self.objective.score(model, batch, replay)
         mine = self.ranks.block(len(batch.responses))
-        return self.ranks.gather(self.objective.score(model, batch.subset(mine)))
+        return self.ranks.gather(self.objective.score(model, batch.subset(mine), replay))
 
     def _training_routing(self, batch: RolloutBatch) -> list[Tensor]:
         """The experts the training path's own router picks for the batch (MoE), at the pre-update weights; each
@@ -528,8 +529,9 @@ class Trainer:
         key = target.metric  # a full metric key of mismatch_metrics
 
         def measure(value: float) -> float:
+            # the source's mismatch, before any remedy: without router replay, which would remove a routing flip's
             batch = self.rollout(0, self.injector.plan_for_value(value, step=0), problems)
-            return mismatch_metrics(self._score(self.compute, batch), batch.logprobs)[key]
+            return mismatch_metrics(self._score(self.compute, batch, replay=False), batch.logprobs)[key]
 
         self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
                                      sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)
