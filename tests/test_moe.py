@@ -247,7 +247,8 @@ def test_a_training_run_records_flips_and_replay_removes_their_mismatch(tmp_path
                                     "model.preset=tiny", "model.max_seq_len=64", "model.num_experts=4",
                                     "warm_start.steps=5", "steps=2", "rollout.prompts_per_step=4",
                                     "rollout.samples_per_prompt=4", "task.eval_prompts=4", "logging.live=false",
-                                    "threads=1", *overrides])
+                                    *(overrides if any(o.startswith("threads=") for o in overrides) else
+                                      ("threads=1", *overrides))])
         summary = Trainer(cfg, Console(quiet=True)).run()
         assert summary["status"] == "completed", summary
         return read_metrics(tmp_path / name / "metrics.jsonl")
@@ -256,6 +257,9 @@ def test_a_training_run_records_flips_and_replay_removes_their_mismatch(tmp_path
     assert all(r["routing/flip_rate"] == 0.0 and r["rollout_corr/k3_kl"] == 0.0 for r in clean)
     flipped = run("flip", "inject.mode=routing_flip", "inject.value=0.2")
     assert all(r["routing/flip_rate"] > 0.1 and r["rollout_corr/k3_kl"] > 0 for r in flipped)
+    again = run("flip_again", "inject.mode=routing_flip", "inject.value=0.2", "threads=2")  # same config and seed
+    assert [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in again] == [
+        {k: v for k, v in r.items() if not k.startswith("timing/")} for r in flipped]
     replayed = run("r3", "inject.mode=routing_flip", "inject.value=0.2", "algorithm.router_replay=true")
     assert all(r["routing/flip_rate"] > 0.1 and r["mismatch/bitwise_equal_frac"] == 1.0 for r in replayed)
     assert replayed[0]["routing/flip_rate"] == flipped[0]["routing/flip_rate"]  # same rollout at step 0
