@@ -200,6 +200,12 @@ class ModelConfig:
         return cls(**values)
 
 
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers", "shared_expert_intermediate_size")
+"""The ``ModelConfig`` fields of the mixture of experts: unused by a dense model (``num_experts`` 0), whose cache keys
+leave them out (``vexact.rl.warmstart``), so a dense model's keys are those from before MoE existed."""
+
+
 def parameter_count(config: ModelConfig) -> int:
     """Parameters ``Transformer(config)`` has, by arithmetic (nothing is built)."""
     h, q, kv, inter = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
@@ -272,10 +278,6 @@ def check_fits(config: ModelConfig, bytes_per_parameter: int = INIT_BYTES_PER_PA
     raise ModelTooLarge(f"{sizes} make {parameter_count(config):,} parameters; {what} need about "
                         f"{_bytes_text(need)}, but this machine has {_bytes_text(available)} of memory available: "
                         "choose smaller sizes")
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-              "mlp_only_layers", "shared_expert_intermediate_size")
-"""The ``ModelConfig`` fields of the mixture of experts: unused by a dense model (``num_experts`` 0), whose cache keys
-leave them out (``vexact.rl.warmstart``), so a dense model's keys are those from before MoE existed."""
 
 
 def rope_inv_freq(c: ModelConfig) -> Tensor:
