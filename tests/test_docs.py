@@ -171,6 +171,7 @@ RUN_VARIANTS = {
     "icepop": ["correction.method=icepop", "correction.batch_normalize=true", "inject.mode=logit_noise",
                "inject.value=0.5"],
     "tail": ["task.distractors=6"],  # the tail/* keys (vexact.rl.vocab_tail)
+    "moe": ["model.num_experts=4", "inject.mode=routing_flip", "inject.value=0.2"],  # the routing/* keys
 }
 
 

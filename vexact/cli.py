@@ -127,7 +127,11 @@ def _positive_int(text: str) -> int:
 _CHECK_SIZES = {"vocab_size": "vocabulary of the random model", "hidden_size": "hidden size of the random model",
                "num_layers": "decoder layers of the random model", "num_heads": "attention heads",
                "num_kv_heads": "key/value heads (grouped-query attention)",
-               "intermediate_size": "MLP intermediate size"}
+               "intermediate_size": "MLP intermediate size",
+               "num_experts": "experts per MoE layer: a mixture-of-experts model (the preset small_moe has 4)",
+               "num_experts_per_tok": "experts each token is routed to (top-k; with --num-experts)",
+               "moe_intermediate_size": "an expert's intermediate size (with --num-experts; default: "
+                                        "--intermediate-size)"}
 
 
 CHECK_THREADS = 1
@@ -220,16 +224,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
             rows += run_check(one, backends, progress=progress)
 
     table = Table(title="vexact check: rollout log-probs vs training log-probs")
+    moe = any(r.get("routing_flip_rate") is not None for r in rows)
     for col in ("backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched", "max |Δlogp|",
-                "k3 KL", "batch-inv. sampling", "s"):
+                "k3 KL", *(("routing flips",) if moe else ()), "batch-inv. sampling", "s"):
         table.add_column(col, justify="right")
     for r in rows:
         style = "green" if mismatched(r) == 0 else ("red" if r["backend"] != "native" else "yellow")
         threads = f"{r['threads']} / {','.join(map(str, r['scoring_threads']))}"
         m = r["metrics"]
+        flips = (f"{r['routing_flip_rate']:.3g}",) if moe else ()
         cells = [r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens"], r["bitwise_equal"],
                  f"[{style}]{mismatched(r)}[/]", f"{m['mismatch/abs_dlogp_max']:.3g}", f"{m['rollout_corr/k3_kl']:.3g}",
-                 r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
+                 *flips, r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
     console = make_console()
     console.print(table)
@@ -242,7 +248,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
     exact_failures = [r for r in rows if r["backend"] != "native"
-                      and (mismatched(r) or not r["sampling_batch_invariant"])]
+                      and (mismatched(r) or not r["sampling_batch_invariant"] or r.get("routing_flip_rate"))]
     if exact_failures:
         Console(stderr=True).print("[red]exactness violated[/] for: "
                                    + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
@@ -256,10 +262,11 @@ def check_verdict(rows: list[dict]) -> str:
     from .real.check import mismatched
 
     exact = [r for r in rows if r["backend"] != "native"]
-    failed = [r for r in exact if mismatched(r) or not r["sampling_batch_invariant"]]
+    failed = [r for r in exact if mismatched(r) or not r["sampling_batch_invariant"] or r.get("routing_flip_rate")]
     if failed:
         where = ", ".join(f"{r['backend']}/{r['dtype']} ({mismatched(r)} of {r['tokens']} tokens "
-                          f"differ{'' if r['sampling_batch_invariant'] else ', sampling not batch-invariant'})"
+                          f"differ{'' if r['sampling_batch_invariant'] else ', sampling not batch-invariant'}"
+                          f"{', MoE routing differs' if r.get('routing_flip_rate') else ''})"
                           for r in failed)
         return f"FAIL: exactness violated on this machine: {where}"
     if not exact:

@@ -94,6 +94,8 @@ LIVE_MEAN_RESPONSE_LENGTH = "live/mean_response_length"
 LIVE_NONFINITE = "live/nonfinite"
 LIVE_SEQUENCES = "live/sequences"
 TRL_GLOBAL_STEP = "trl/global_step"
+ROUTING_FLIP_RATE = "routing/flip_rate"
+ROUTING_TOKEN_FLIP_FRAC = "routing/token_flip_frac"
 
 _CONSTANT_NAMES = tuple(name for name, value in dict(globals()).items()
                         if name.isupper() and not name.startswith("_") and isinstance(value, str))
@@ -303,6 +305,12 @@ KEYS: tuple[MetricKey, ...] = (
     _k(TAIL_TOKEN_FRAC, "Fraction of generated tokens that are distractors", "fraction", RUN, _TAIL),
     _k(TAIL_RESPONSE_FRAC, "Fraction of responses holding a distractor (each earns reward 0)", "fraction", RUN,
        _TAIL),
+    # --- MoE routing: rollout vs training path (rl/metrics.py; written for MoE models) ---------------------------
+    _k(ROUTING_FLIP_RATE, "Fraction of router decisions (token x MoE layer, every position the forward reads) whose "
+       "expert set differs between the rollout and the training path's own router (pre-update weights)", "fraction",
+       RUN, _METRICS),
+    _k(ROUTING_TOKEN_FLIP_FRAC, "Fraction of positions whose expert set differs between rollout and training in at "
+       "least one MoE layer", "fraction", RUN, _METRICS),
     # --- injection, LR schedule ---------------------------------------------------------------------------------
     _k("inject/value", "The injection knob in effect this step (after `onset_step` / `ramp_steps`)", "knob", RUN,
        _TRAINER),
@@ -339,6 +347,7 @@ GROUPS: dict[str, str] = {
     "mismatch": "Training–inference mismatch (vexact's own)",
     "correction": "Rollout correction: what the loss applied (vexact's own)",
     "tail": "The vocabulary tail (`task.distractors`)",
+    "routing": "Mixture-of-experts routing (`model.num_experts` > 0)",
     "inject": "Controlled mismatch",
     "lr_schedule": "LR schedule",
     "eval": "Clean evaluation",

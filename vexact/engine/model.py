@@ -8,11 +8,20 @@ paths produce bit-identical logits for the same token at the same position.
 
 Parameter names follow Hugging Face's Llama/Qwen layout (``embed_tokens``,
 ``layers.N.self_attn.q_proj`` ...) so that checkpoints map over one to one.
+
+With ``num_experts`` > 0 the MLP of (some) layers is a mixture of experts, Qwen3-MoE / Mixtral style (router
+``mlp.gate``, experts ``mlp.experts.E.{gate,up,down}_proj``, optional Qwen2-MoE shared expert): each token goes to
+its ``num_experts_per_tok`` best experts. Routing is exact too (``vexact_kernels.moe_exact``): router logits through
+the exact linear, a top-k whose ties go to the lowest expert index, weights and combination from exactly rounded
+elementwise ops in expert-index order, each expert's rows through the exact linear -- so a token's output never
+depends on which other tokens share its experts. How a forward routes is a value passed in (``Routing``): the
+rollout's injected routing mismatch, router replay, and where the chosen experts are recorded.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -20,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 import vexact_kernels
+from vexact_kernels import moe_exact
 
 # A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions: the contract
 # ``vexact_kernels.KernelOps`` (a Protocol; ``tests/test_kernel_contract.py`` checks every backend against it).
@@ -97,6 +107,14 @@ class ModelConfig:
     # Llama-3-style RoPE frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"}; None = plain RoPE.
     rope_scaling: dict | None = None
+    # Mixture of experts (names as in HF's Qwen3-MoE / Qwen2-MoE configs); num_experts 0 = the dense model.
+    num_experts: int = field(default=0, metadata={"min": 0})
+    num_experts_per_tok: int = field(default=2, metadata=_POSITIVE)  # top-k: experts per token
+    moe_intermediate_size: int | None = field(default=None, metadata=_POSITIVE)  # an expert's; None = intermediate_size
+    norm_topk_prob: bool = True  # divide the top-k routing weights by their sum
+    decoder_sparse_step: int = field(default=1, metadata=_POSITIVE)  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = field(default=(), metadata={"min": 0})  # ... and i is not listed here
+    shared_expert_intermediate_size: int = field(default=0, metadata={"min": 0})  # Qwen2-MoE shared expert; 0 = none
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -129,9 +147,49 @@ class ModelConfig:
             if self.rope_scaling["rope_type"] != "llama3":
                 raise ModelConfigError("rope_scaling", f"rope_scaling: only rope_type 'llama3' is supported, "
                                                        f"got {self.rope_scaling['rope_type']!r}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelConfigError(name, f"{name} must be a non-negative integer (0 = none), got {value!r}")
+        for name in ("num_experts_per_tok", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelConfigError(name, f"{name} must be a positive integer, got {value!r}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ModelConfigError("num_experts_per_tok", f"num_experts_per_tok (top-k: experts per token) must be "
+                                                          f"between 1 and num_experts ({self.num_experts}), got "
+                                                          f"{self.num_experts_per_tok}")
+        size = self.moe_intermediate_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ModelConfigError("moe_intermediate_size", f"moe_intermediate_size must be a positive integer or "
+                                                            f"None (= intermediate_size), got {size!r}")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if bad:
+            raise ModelConfigError("mlp_only_layers", f"mlp_only_layers must hold layer indices in [0, "
+                                                      f"{self.num_layers}), got {bad[0]!r}")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose MLP is a mixture of experts (HF's rule: ``num_experts`` > 0, (i + 1) a
+        multiple of ``decoder_sparse_step``, i not in ``mlp_only_layers``); () for the dense model."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers)
+                     if (i + 1) % self.decoder_sparse_step == 0 and i not in self.mlp_only_layers)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """An expert's intermediate size: ``moe_intermediate_size``, else ``intermediate_size``."""
+        return self.intermediate_size if self.moe_intermediate_size is None else self.moe_intermediate_size
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        values["mlp_only_layers"] = list(values["mlp_only_layers"])  # YAML/JSON-friendly
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
@@ -142,13 +200,24 @@ class ModelConfig:
         return cls(**values)
 
 
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers", "shared_expert_intermediate_size")
+"""The ``ModelConfig`` fields of the mixture of experts: unused by a dense model (``num_experts`` 0), whose cache keys
+leave them out (``vexact.rl.warmstart``), so a dense model's keys are those from before MoE existed."""
+
+
 def parameter_count(config: ModelConfig) -> int:
     """Parameters ``Transformer(config)`` has, by arithmetic (nothing is built)."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    layer = 2 * h + 2 * q * h + 2 * kv * h + 3 * config.intermediate_size * h
+    h, q, kv, inter = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.intermediate_size
+    layer = 2 * h + 2 * q * h + 2 * kv * h
     layer += (q + 2 * kv) if config.qkv_bias else 0
     layer += 2 * config.head_dim if config.qk_norm else 0
-    return config.vocab_size * h * (1 if config.tie_embeddings else 2) + h + config.num_layers * layer
+    moe = len(config.moe_layers)
+    moe_mlp = (config.num_experts * (1 + 3 * config.expert_intermediate_size) * h
+               + (3 * config.shared_expert_intermediate_size + 1) * h * bool(config.shared_expert_intermediate_size))
+    return (config.vocab_size * h * (1 if config.tie_embeddings else 2) + h + config.num_layers * layer
+            + (config.num_layers - moe) * 3 * inter * h + moe * moe_mlp)
 
 
 INIT_BYTES_PER_PARAMETER = 4  # ``Transformer`` creates its parameters in float32 on the CPU (then casts and moves)
@@ -266,20 +335,56 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, intermediate_size: int | None = None):
+        super().__init__()
+        size = c.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, c.hidden_size, bias=False)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router ``gate`` [E, D], experts ``experts.E`` (SwiGLU MLPs of ``expert_intermediate_size``) and, with
+    ``shared_expert_intermediate_size``, Qwen2-MoE's shared expert and its sigmoid gate."""
+
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(c, c.expert_intermediate_size) for _ in range(c.num_experts))
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = MLP(c, c.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, moe: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = SparseMoeBlock(c) if moe else MLP(c)
+
+
+RouteHook = Callable[[Tensor, int, Tensor, Tensor, int], Tensor]
+"""(ranked experts [B, T, E] (best first), k, sequence ids [B], positions [B, T], MoE layer number) -> the k experts
+to use [B, T, k]: how the rollout's routing is changed on purpose (the injector's ``routing_flip``)."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How the MoE layers of one forward choose their experts, and where the choices go: a value passed in
+    (``Transformer.forward(..., routing=...)``); None routes by the router's own top-k and records nothing.
+
+    ``replay``: [B, T, n_moe_layers, k] int64 expert ids to use at every position instead of the router's top-k
+    (router replay, "R3": the trainer reuses the rollout's routing; the weights are still the router's
+    probabilities of those experts, so gradients reach the router). ``hook``: changes the top-k (``RouteHook``),
+    with ``sequence_ids`` [B] keying its random draws. ``record``: a list each MoE layer appends the experts it
+    used to, [B, T, k] in ascending order (the rollout records its routing this way)."""
+
+    replay: Tensor | None = None
+    hook: RouteHook | None = None
+    sequence_ids: Tensor | None = None
+    record: list[Tensor] | None = None
 
 
 class Transformer(nn.Module):
@@ -301,7 +406,8 @@ class Transformer(nn.Module):
         self.config = config
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        moe_layers = set(c.moe_layers)
+        self.layers = nn.ModuleList(DecoderLayer(c, i in moe_layers) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if not c.tie_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -357,7 +463,7 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ the forward
     def forward(self, tokens: Tensor, q_start: Tensor | None = None, cache: KVCache | None = None,
-                ops: KernelOps | None = None) -> Tensor:
+                ops: KernelOps | None = None, routing: Routing | None = None) -> Tensor:
         """Hidden states after the final norm, [B, T, D], for ``tokens`` [B, T].
 
         Row b holds tokens at absolute positions q_start[b] .. q_start[b] + T - 1 (default
@@ -365,7 +471,8 @@ class Transformer(nn.Module):
         cache their keys/values are written into it at those positions and attention
         reads positions 0 .. own position from it (rollout path: prefill, then decode).
         Rows are independent: padding tokens in a row affect only that row's padded slots.
-        ``ops``: the kernel op module to run (default ``self.ops``).
+        ``ops``: the kernel op module to run (default ``self.ops``). ``routing``: how MoE layers route
+        (``Routing``; default: the router's top-k, nothing recorded).
         """
         ops, c = self.ops if ops is None else ops, self.config
         batch, length = tokens.shape
@@ -377,6 +484,7 @@ class Transformer(nn.Module):
         scale = 1.0 / math.sqrt(c.head_dim)
 
         x = ops.embedding(tokens, self.embed_tokens.weight)
+        moe_number = 0  # the MoE layers' count so far: the index into a routing replay
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = ops.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
@@ -396,12 +504,60 @@ class Transformer(nn.Module):
             o = ops.attention(q, keys, values, q_start, scale).reshape(batch, length, c.num_heads * c.head_dim)
             x = x + ops.linear(o, attn.o_proj.weight)
             h = ops.rms_norm(x, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-            mlp = layer.mlp
-            gated = ops.silu_mul(ops.linear(h, mlp.gate_proj.weight), ops.linear(h, mlp.up_proj.weight))
-            x = x + ops.linear(gated, mlp.down_proj.weight)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                x = x + self._moe(h, layer.mlp, ops, routing, moe_number, positions)
+                moe_number += 1
+            else:
+                x = x + _mlp(h, layer.mlp, ops)
         return ops.rms_norm(x, self.norm.weight, c.rms_norm_eps)
+
+    def _moe(self, h: Tensor, block: SparseMoeBlock, ops: KernelOps, routing: Routing | None, number: int,
+             positions: Tensor) -> Tensor:
+        """The MoE MLP of normed hidden states ``h`` [B, T, D] (MoE layer ``number``), in the model dtype.
+
+        Each token's output depends only on its own row of ``h`` (and the replayed or hooked routing of its own
+        position): router logits by the exact linear, its top-k by ``moe_exact.rank_experts`` (ties: lowest
+        expert index), weights by ``moe_exact.routing_weights``; every expert runs the exact linear on the rows
+        routed to it (each row's result independent of the others), and ``moe_exact.combine`` adds the k outputs
+        in expert-index order."""
+        c = self.config
+        batch, length, width = h.shape
+        k = c.num_experts_per_tok
+        log_probs = ops.log_softmax(ops.linear(h, block.gate.weight))  # fp32 [B, T, E]
+        if routing is not None and routing.replay is not None:
+            chosen = routing.replay[:, :, number].to(h.device)
+        else:
+            ranked = moe_exact.rank_experts(log_probs)
+            chosen = ranked[..., :k]
+            if routing is not None and routing.hook is not None:
+                chosen = routing.hook(ranked, k, routing.sequence_ids, positions, number)
+        experts = chosen.sort(dim=-1).values  # expert-index order: the order the weights are summed and combined in
+        if routing is not None and routing.record is not None:
+            routing.record.append(experts)
+        weights = moe_exact.routing_weights(log_probs, experts, c.norm_topk_prob)
+        rows = h.reshape(-1, width)
+        flat = experts.reshape(-1)  # (token, slot) pairs, token-major
+        outputs, slots = [], []
+        for e, expert in enumerate(block.experts):
+            slot = (flat == e).nonzero().squeeze(-1)
+            if slot.numel():
+                outputs.append(_mlp(rows[slot // k], expert, ops))
+                slots.append(slot)
+        # every (token, slot) pair is in exactly one expert's list: put the outputs back in (token, slot) order
+        order = torch.cat(slots).argsort()
+        out = moe_exact.combine(weights.reshape(-1, k), torch.cat(outputs)[order].view(-1, k, width))  # fp32
+        if c.shared_expert_intermediate_size:
+            gate = moe_exact.sigmoid(ops.linear(rows, block.shared_expert_gate.weight))  # fp32 [N, 1]
+            out = out + gate * _mlp(rows, block.shared_expert, ops).float()
+        return out.to(h.dtype).view(batch, length, width)  # one rounding to the model dtype
 
     def logits(self, hidden: Tensor, ops: KernelOps | None = None) -> Tensor:
         """LM head: hidden [..., D] -> logits [..., V] (model dtype), on ``ops`` (default ``self.ops``)."""
         head = self.embed_tokens.weight if self.config.tie_embeddings else self.lm_head.weight
         return (self.ops if ops is None else ops).linear(hidden, head)
+
+
+def _mlp(h: Tensor, mlp: MLP, ops: KernelOps) -> Tensor:
+    """SwiGLU MLP: down(silu(gate(h)) * up(h)), in the dtype of ``h``."""
+    return ops.linear(ops.silu_mul(ops.linear(h, mlp.gate_proj.weight), ops.linear(h, mlp.up_proj.weight)),
+                      mlp.down_proj.weight)

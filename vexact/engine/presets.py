@@ -22,6 +22,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                     max_seq_len=64),
     # The random model of ``vexact check`` and ``vexact locate`` (twice the testbed's width, 256 token ids).
     "small": dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352),
+    # The MoE check model (``vexact check --preset small_moe``): ``small`` with each MLP a mixture of 4 experts, top-2,
+    # each expert half the dense MLP's width (the same active MLP width per token).
+    "small_moe": dict(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=176),
+    # The MoE RL testbed (experiments/moe_testbed.yaml): the realistic testbed's width and depth, 8 experts top-2.
+    "moe_testbed": dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=352,
+                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=176),
     # SmolLM-135M-like: hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied embeddings.
     "llama100m": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                       intermediate_size=1536, max_seq_len=2048, tie_embeddings=True),

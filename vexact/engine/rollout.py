@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
-from .model import KernelOps, Transformer
+from .model import KernelOps, RouteHook, Routing, Transformer
 from .sampling import sample_tokens
 
 CACHE_BLOCK = 64  # cache length rounded up to whole attention tiles
@@ -29,13 +29,16 @@ class GenerateOutput:
     tokens: list[list[int]]
     logprobs: list[Tensor]
     finished: list[bool] = field(default_factory=list)  # True where EOS was produced
+    # MoE models: per sequence, the experts each MoE layer used at every position the model read (prompt, then
+    # each generated token but the last), int64 [positions, n_moe_layers, k] ascending; None for a dense model
+    routing: list[Tensor] | None = None
 
 
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 1.0,
              seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None,
-             logits_hook: LogitsHook | None = None, ops: KernelOps | None = None, first_index: int = 0
-             ) -> GenerateOutput:
+             logits_hook: LogitsHook | None = None, ops: KernelOps | None = None, first_index: int = 0,
+             routing_hook: RouteHook | None = None) -> GenerateOutput:
     """Sample continuations of ``prompts`` with a KV cache.
 
     Sampling is counter-based (see ``vexact.engine.sampling``): prompt i's tokens depend only on
@@ -48,6 +51,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     ``RolloutPlan`` carries them, so the model itself is never switched.
     ``first_index``: the index of ``prompts[0]`` in the whole batch, when this call generates one shard of it
     (data-parallel ranks): prompt i is keyed as ``first_index + i``, so the shards give the whole batch's tokens.
+    ``routing_hook`` (MoE models; rollout-side routing mismatch, see ``vexact.rl.inject_modes``) changes the experts
+    the router chose; its draws are keyed by (sequence index, position, layer). An MoE model's routing is recorded
+    in ``GenerateOutput.routing`` (what router replay gives the training path: ``token_logprobs(..., routing=)``).
     """
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
@@ -65,22 +71,30 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
 
+    if routing_hook is not None and not cfg.moe_layers:
+        raise ValueError("routing_hook changes an MoE model's routing, but this model has no MoE layers "
+                         "(ModelConfig.num_experts is 0)")
     step = batch_size or len(prompts)
     tokens: list[list[int]] = []
     logprobs: list[Tensor] = []
     finished: list[bool] = []
+    routing: list[Tensor] | None = [] if cfg.moe_layers else None
     for start in range(0, len(prompts), step):
         chunk = _generate_batch(model, prompts[start : start + step], first_index + start, max_new_tokens,
-                                temperature, seed, eos_token_id, logits_hook, model.ops if ops is None else ops)
+                                temperature, seed, eos_token_id, logits_hook, model.ops if ops is None else ops,
+                                routing_hook)
         tokens += chunk.tokens
         logprobs += chunk.logprobs
         finished += chunk.finished
-    return GenerateOutput(tokens, logprobs, finished)
+        if routing is not None and chunk.routing is not None:
+            routing += chunk.routing
+    return GenerateOutput(tokens, logprobs, finished, routing)
 
 
 def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: int, max_new_tokens: int,
                     temperature: float, seed: int, eos_token_id: int | None,
-                    logits_hook: LogitsHook | None, ops: KernelOps) -> GenerateOutput:
+                    logits_hook: LogitsHook | None, ops: KernelOps, routing_hook: RouteHook | None = None
+                    ) -> GenerateOutput:
     device = model.device
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
@@ -88,9 +102,17 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
     cache_len = -(-(int(lengths.max()) + max_new_tokens) // CACHE_BLOCK) * CACHE_BLOCK
     cache = model.new_cache(batch, cache_len)
     rows = torch.arange(batch, device=device)
+    moe = bool(model.config.moe_layers)
+    records: list[list[Tensor]] = []  # per forward (prefill, then each decode step): each MoE layer's experts
+
+    def routing() -> Routing | None:
+        if not moe:
+            return None
+        records.append([])
+        return Routing(hook=routing_hook, sequence_ids=sequence_ids, record=records[-1])
 
     # Prefill: the whole (right-padded) prompts; logits only at each prompt's last token.
-    hidden = model(pad_right(prompts, device), cache=cache, ops=ops)
+    hidden = model(pad_right(prompts, device), cache=cache, ops=ops, routing=routing())
     last_hidden = hidden[rows, lengths - 1]
 
     out_tokens = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
@@ -112,7 +134,7 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
             done |= token == eos_token_id
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        last_hidden = model(token[:, None], q_start=lengths + t, cache=cache, ops=ops)[:, 0]
+        last_hidden = model(token[:, None], q_start=lengths + t, cache=cache, ops=ops, routing=routing())[:, 0]
 
     tokens, logprobs, finished = [], [], []
     for b in range(batch):
@@ -123,4 +145,11 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
         tokens.append(seq[:n])
         logprobs.append(out_logprobs[b, :n].clone())
         finished.append(eos_token_id is not None and n > 0 and seq[n - 1] == eos_token_id)
-    return GenerateOutput(tokens, logprobs, finished)
+    if not moe:
+        return GenerateOutput(tokens, logprobs, finished)
+    # [B, positions read, n_moe_layers, k]: the prefill's positions, then one per decode step
+    read = torch.cat([torch.stack(layers, dim=2) for layers in records], dim=1)
+    prompt_len = read.shape[1] - (len(records) - 1)  # the padded prompt length
+    routing = [torch.cat([read[b, : len(p)], read[b, prompt_len : prompt_len + max(len(seq) - 1, 0)]])
+               for b, (p, seq) in enumerate(zip(prompts, tokens))]
+    return GenerateOutput(tokens, logprobs, finished, routing)

@@ -7,17 +7,19 @@ import torch
 from torch import Tensor
 
 from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
-from .model import KernelOps, Transformer
+from .model import KernelOps, Routing, Transformer
 
 
 def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
-                   temperature: float = 1.0, micro_batch_size: int | None = None, ops: KernelOps | None = None
-                   ) -> list[Tensor]:
+                   temperature: float = 1.0, micro_batch_size: int | None = None, ops: KernelOps | None = None,
+                   routing: list[Tensor] | None = None) -> list[Tensor]:
     """log p(response[i][j] | prompt[i], response[i][:j]) for every response token, float32.
 
     One forward per micro-batch of ``micro_batch_size`` sequences (None = all at once) over
     prompt + response; ``temperature`` scales logits as in ``generate`` (0 = unscaled);
     ``ops``: the kernel ops to run (default ``model.ops``).
+    ``routing`` (MoE models: router replay): per sequence, the experts every MoE layer uses at each position the
+    forward reads, as ``GenerateOutput.routing`` records them, instead of the router's own choice.
     Returns one tensor per sequence (empty for an empty response).
     """
     cfg = model.config
@@ -32,21 +34,54 @@ def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list
             raise ValueError(f"sequence {i}: prompt ({len(p)}) + response ({len(r)}) exceeds max_seq_len "
                              f"({cfg.max_seq_len})")
 
-    return score_tokens(model, prompts, responses, temperature, micro_batch_size, ops=ops)[0]
+    return score_tokens(model, prompts, responses, temperature, micro_batch_size, ops=ops, routing=routing)[0]
+
+
+def check_routing(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
+                  routing: list[Tensor] | None) -> None:
+    """A ValueError naming what is wrong unless ``routing`` (router replay) fits the model and the sequences: one
+    [positions read, n_moe_layers, k] tensor of expert ids per sequence."""
+    if routing is None:
+        return
+    cfg = model.config
+    if not cfg.moe_layers:
+        raise ValueError("routing (router replay) was given, but the model has no MoE layers "
+                         "(ModelConfig.num_experts is 0)")
+    if len(routing) != len(prompts):
+        raise ValueError(f"routing holds {len(routing)} sequences, expected one per prompt ({len(prompts)})")
+    for i, (p, r, chosen) in enumerate(zip(prompts, responses, routing)):
+        want = (_positions_read(p, r), len(cfg.moe_layers), cfg.num_experts_per_tok)
+        if not isinstance(chosen, Tensor) or tuple(chosen.shape) != want:
+            got = tuple(chosen.shape) if isinstance(chosen, Tensor) else type(chosen).__name__
+            raise ValueError(f"routing of sequence {i} has shape {got}, expected {want} (positions read = prompt + "
+                             "response - 1, MoE layers, num_experts_per_tok)")
+        if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= cfg.num_experts):
+            raise ValueError(f"routing of sequence {i} names experts outside [0, {cfg.num_experts})")
+        ordered = chosen.sort(dim=-1).values
+        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+            raise ValueError(f"routing of sequence {i} names one expert twice at a position (each position's "
+                             f"{cfg.num_experts_per_tok} experts must differ)")
+
+
+def _positions_read(prompt: list[int], response: list[int]) -> int:
+    """Positions the training forward reads: the prompt and every response token but the last (only a target)."""
+    return len(prompt) + max(len(response) - 1, 0)
 
 
 def score_tokens(model: Transformer, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
-                 micro_batch_size: int | None = None, with_entropy: bool = False, ops: KernelOps | None = None
-                 ) -> tuple[list[Tensor], list[Tensor] | None]:
+                 micro_batch_size: int | None = None, with_entropy: bool = False, ops: KernelOps | None = None,
+                 routing: list[Tensor] | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
     """``token_logprobs`` (inputs already validated) plus, optionally, the entropy of the
     temperature-scaled distribution at every response position (for ``actor/entropy``)."""
+    check_routing(model, prompts, responses, routing)
     step = micro_batch_size or len(prompts)
     ops = model.ops if ops is None else ops
     logprobs: list[Tensor] = []
     entropies: list[Tensor] | None = [] if with_entropy else None
     for start in range(0, len(prompts), step):
+        part = None if routing is None else routing[start : start + step]
         lp, ent = _score_batch(model, prompts[start : start + step], responses[start : start + step], temperature,
-                               with_entropy, ops)
+                               with_entropy, ops, part)
         logprobs += lp
         if entropies is not None:
             entropies += ent
@@ -65,13 +100,45 @@ def full_logprobs(model: Transformer, prompts: list[list[int]], responses: list[
     return ops.log_softmax(logits)
 
 
+def token_routing(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
+                  micro_batch_size: int | None = None, ops: KernelOps | None = None) -> list[Tensor]:
+    """The experts the training path's own router chooses (MoE models): per sequence, int64 [positions read,
+    n_moe_layers, k], ascending, laid out as ``GenerateOutput.routing`` -- to compare with the rollout's routing."""
+    if not model.config.moe_layers:
+        raise ValueError("token_routing needs an MoE model; this one has no MoE layers (ModelConfig.num_experts is 0)")
+    ops = model.ops if ops is None else ops
+    step = micro_batch_size or len(prompts)
+    out: list[Tensor] = []
+    with torch.no_grad():
+        for start in range(0, len(prompts), step):
+            inputs = [p + r[:-1] for p, r in zip(prompts[start : start + step], responses[start : start + step])]
+            record: list[Tensor] = []
+            model(pad_right(inputs, model.device), ops=ops, routing=Routing(record=record))
+            chosen = torch.stack(record, dim=2)  # [B, T, n_moe_layers, k]
+            out += [chosen[b, : len(seq)] for b, seq in enumerate(inputs)]
+    return out
+
+
+def _replay(routing: list[Tensor], lengths: list[int], k: int, device: torch.device) -> Tensor:
+    """[B, T, n_moe_layers, k] replay tensor of per-sequence routing, right-padded with experts 0..k-1 (padding
+    positions only change padding rows)."""
+    layers = routing[0].shape[1]
+    replay = torch.arange(k, device=device).expand(len(routing), max(lengths), layers, k).clone()
+    for b, chosen in enumerate(routing):
+        replay[b, : chosen.shape[0]] = chosen.to(device=device, dtype=torch.long)
+    return replay
+
+
 def _response_logits(model: Transformer, prompts: list[list[int]], responses: list[list[int]], temperature: float,
-                     ops: KernelOps) -> Tensor | None:
+                     ops: KernelOps, routing: list[Tensor] | None = None) -> Tensor | None:
     """Scaled logits [N, V] predicting every response token, in order; None when there are none."""
     device = model.device
     # The last response token is only a target, never an input.
     inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
-    hidden = model(pad_right(inputs, device), ops=ops)
+    replay = None
+    if routing is not None:
+        replay = Routing(replay=_replay(routing, [len(s) for s in inputs], model.config.num_experts_per_tok, device))
+    hidden = model(pad_right(inputs, device), ops=ops, routing=replay)
     # Response token j of sequence b is predicted at position len(prompt_b) - 1 + j.
     rows = [(b, len(p) - 1 + j) for b, (p, r) in enumerate(zip(prompts, responses)) for j in range(len(r))]
     if not rows:
@@ -81,9 +148,10 @@ def _response_logits(model: Transformer, prompts: list[list[int]], responses: li
 
 
 def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
-                 temperature: float, with_entropy: bool, ops: KernelOps) -> tuple[list[Tensor], list[Tensor]]:
+                 temperature: float, with_entropy: bool, ops: KernelOps, routing: list[Tensor] | None = None
+                 ) -> tuple[list[Tensor], list[Tensor]]:
     device = model.device
-    logits = _response_logits(model, prompts, responses, temperature, ops)
+    logits = _response_logits(model, prompts, responses, temperature, ops, routing)
     if logits is None:
         empty = [torch.zeros(0, device=device) for _ in prompts]
         return empty, empty

@@ -3,6 +3,8 @@
 Builds a random model, generates from random ragged prompts in several batch arrangements,
 rescores in several micro-batch arrangements, and compares every generated token's rollout
 log-prob with its training log-prob -- for the exact backend and, side by side, native.
+With a mixture-of-experts model (``--preset small_moe`` or ``--num-experts N``) it also compares the experts the
+rollout routed every position to with the training path's own routing (``routing_flip_rate``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from vexact_kernels import kernel_paths
 from ..engine.model import ModelConfig, Transformer, resolve_dtype, short_dtype_name
 from ..engine.presets import MODEL_PRESETS
 from ..engine.rollout import generate
-from ..engine.scoring import token_logprobs
-from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, BITWISE_EQUAL_FRAC, K3_KL, KL
+from ..engine.scoring import token_logprobs, token_routing
+from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, BITWISE_EQUAL_FRAC, K3_KL, KL, ROUTING_FLIP_RATE
 from ..progress import StepReporter
-from ..rl.metrics import mismatch_summary
+from ..rl.metrics import mismatch_summary, routing_metrics
 
 DEFAULT_BATCH_SIZES: tuple[int | None, ...] = (None, 1, 3)
 """Generation arrangements checked by default (None: all at once): by ``vexact check`` and by
@@ -42,6 +44,9 @@ class CheckSettings:
     num_kv_heads: int = _SHAPE["num_kv_heads"]
     intermediate_size: int = _SHAPE["intermediate_size"]
     tie_embeddings: bool = _SHAPE.get("tie_embeddings", False)
+    num_experts: int = _SHAPE.get("num_experts", 0)  # > 0: a mixture-of-experts model (preset small_moe)
+    num_experts_per_tok: int = _SHAPE.get("num_experts_per_tok", 2)
+    moe_intermediate_size: int | None = _SHAPE.get("moe_intermediate_size")
     num_prompts: int = 24
     max_prompt_len: int = 40
     max_new_tokens: int = 32
@@ -82,7 +87,9 @@ def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "na
     cfg = ModelConfig(vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
                       num_layers=settings.num_layers, num_heads=settings.num_heads,
                       num_kv_heads=settings.num_kv_heads, intermediate_size=settings.intermediate_size,
-                      tie_embeddings=settings.tie_embeddings,
+                      tie_embeddings=settings.tie_embeddings, num_experts=settings.num_experts,
+                      num_experts_per_tok=settings.num_experts_per_tok,
+                      moe_intermediate_size=settings.moe_intermediate_size,
                       max_seq_len=settings.max_prompt_len + settings.max_new_tokens)
     rng = random.Random(settings.seed)
     prompts = [[rng.randrange(settings.vocab_size) for _ in range(rng.randint(1, settings.max_prompt_len))]
@@ -121,6 +128,7 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
     reference = rollouts[0]
     tokens_invariant = all(r.tokens == reference.tokens for r in rollouts)
     roll_all, train_all = [], []
+    routed_roll, routed_train = [], []  # MoE: the experts of every position read, rollout vs training router
     generation_threads = torch.get_num_threads()
     scoring_threads = s.scoring_threads or (generation_threads,)
     for threads in scoring_threads:
@@ -133,9 +141,13 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
                                             micro_batch_size=mbs)
                 roll_all += rollout.logprobs
                 train_all += scored
+                if rollout.routing is not None:
+                    routed_roll += rollout.routing
+                    routed_train += token_routing(model, prompts, rollout.tokens, micro_batch_size=mbs)
                 progress.advance()
     torch.set_num_threads(generation_threads)
     stats = mismatch_summary(torch.cat(train_all), torch.cat(roll_all))
+    flips = routing_metrics(routed_roll, routed_train)[ROUTING_FLIP_RATE] if routed_roll else None
     return {
         "backend": model.backend,
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -146,6 +158,8 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
         "bitwise_equal": stats["bitwise_equal"],
         "metrics": {key: stats[short] for short, key in METRIC_KEYS.items()},
         "sampling_batch_invariant": tokens_invariant,
+        # MoE models: fraction of router decisions (position x MoE layer) whose experts differ; None when dense
+        "routing_flip_rate": flips,
         "seconds": round(time.perf_counter() - start, 3),
         # which path each op took, and (exact CPU kernels) what the host probes found
         "kernel_paths": kernel_paths(model.backend, model.device),

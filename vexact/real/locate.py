@@ -151,7 +151,13 @@ def op_plan(config: ModelConfig) -> list[OpSlot]:
     self_attn.q_proj.weight`` -> ``layer 0 / q_proj``) or, for an op without one, by where its input came from
     (RoPE on q_proj's output -> ``q_rope``). A norm that reads the residual stream also records that input, named by
     the block whose output was added to it last (``resid_attn`` after o_proj, ``resid_mlp`` after down_proj;
-    ``embed`` for the embeddings). So a change to the forward changes the plan with it."""
+    ``embed`` for the embeddings). So a change to the forward changes the plan with it.
+    A mixture-of-experts model is refused (ValueError): which expert ops run, and on how many rows, depends on the
+    routing, so its forward has no fixed plan of op calls to compare path by path."""
+    if config.moe_layers:
+        raise ValueError(f"locate compares two paths op by op along a fixed plan of op calls, and a mixture-of-experts "
+                         f"model ({config.num_experts} experts) has none: its expert calls depend on the routing; "
+                         "compare its paths' log-probs with vexact measure instead")
     with torch.device("meta"):
         model = Transformer(config, backend="native", device="meta", init_seed=None)
     tracer = _PlanTracer(model)

@@ -1,4 +1,4 @@
-"""Load Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3) into vexact's ``Transformer``.
+"""Load Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE) into vexact's ``Transformer``.
 
 Why: vexact must diagnose users' real models, not only toy ones. ``Transformer`` already uses
 Hugging Face's parameter names, so loading is a name check plus a copy -- but only for
@@ -67,6 +67,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",  # mixture of experts with a shared expert
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # mixture of experts (Qwen3-30B-A3B)
 }
 _SUPPORTED_TEXT = ", ".join(f"{arch} (model_type {mt!r})" for mt, arch in SUPPORTED_ARCHITECTURES.items())
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -115,7 +117,11 @@ def _positive_number(value: Any, key: str, source: str) -> float:
 # vexact's ModelConfig field -> the config.json key it comes from (for ModelConfig's own refusals).
 _HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-            "intermediate_size": "intermediate_size", "head_dim": "head_dim"}
+            "intermediate_size": "intermediate_size", "head_dim": "head_dim", "num_experts": "num_experts",
+            "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
+            "decoder_sparse_step": "decoder_sparse_step", "mlp_only_layers": "mlp_only_layers",
+            "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
+_MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 
 
 def model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None, *,
@@ -161,7 +167,7 @@ def _model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None, source: s
         raise _unsupported("hidden_act", act, "'silu' (SwiGLU MLP)")
     if hf.get("mlp_bias"):
         raise _unsupported("mlp_bias", True, "MLPs without bias")
-    if model_type != "qwen2" and hf.get("attention_bias"):
+    if model_type not in ("qwen2", "qwen2_moe") and hf.get("attention_bias"):
         raise _unsupported("attention_bias", True, "q/k/v biases only as in Qwen2 (no o_proj bias)")
 
     sizes = {key: _positive_int(hf, key, source) for key in ("vocab_size", "hidden_size", "num_hidden_layers",
@@ -191,10 +197,31 @@ def _model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None, source: s
         rope_theta=theta,
         rms_norm_eps=_positive_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling=rope_scaling,
+        **(_moe_from_hf(hf, model_type, source) if model_type in _MOE_TYPES else {}),
     )
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """ModelConfig's MoE fields from a Qwen2-MoE / Qwen3-MoE config (HF's names; ``num_local_experts`` is how
+    transformers 5 writes ``num_experts``), with HF's defaults where a key is absent."""
+    experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    layers = hf.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ValueError(f"{source}: mlp_only_layers must be a list of layer indices, got {_short(layers)}")
+    shared = hf.get("shared_expert_intermediate_size", 5632 if model_type == "qwen2_moe" else 0)
+    if model_type == "qwen3_moe" and shared:
+        raise _unsupported("shared_expert_intermediate_size", shared, "Qwen3-MoE without a shared expert")
+    return dict(num_experts=_positive_int(hf, experts_key, source),
+                num_experts_per_tok=_positive_int(hf, "num_experts_per_tok", source),
+                moe_intermediate_size=_positive_int(hf, "moe_intermediate_size", source),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=_positive_int(hf, "decoder_sparse_step", source, default=1),
+                mlp_only_layers=tuple(layers),
+                shared_expert_intermediate_size=_positive_int(hf, "shared_expert_intermediate_size", source,
+                                                              default=shared) if shared else 0)
 
 
 def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
@@ -237,7 +264,7 @@ def _sliding_window(hf: dict[str, Any], model_type: str, source: str) -> int | N
         return None
     if model_type == "mistral":
         return _positive_int(hf, "sliding_window", source)
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", *_MOE_TYPES) and hf.get("use_sliding_window"):
         layer_types = hf.get("layer_types") or []
         if not isinstance(layer_types, list):
             raise ValueError(f"{source}: layer_types must be a list, got {_short(layer_types)}")
@@ -485,9 +512,7 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tu
     Computed, not built: nothing is allocated (``tests/test_real_faults.py`` checks it against ``Transformer``)."""
     vocab, hidden, inter, head = ("vocab_size",), ("hidden_size",), ("intermediate_size",), ("head_dim",)
     q, kv = ("num_attention_heads", "head_dim"), ("num_key_value_heads", "head_dim")
-    values = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "head_dim": config.head_dim,
-              "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_heads,
-              "num_key_value_heads": config.num_kv_heads}
+    values = _config_values(config)
     layer: list[tuple[str, tuple[tuple[str, ...], ...]]] = [
         ("input_layernorm.weight", (hidden,)),
         ("self_attn.q_proj.weight", (q, hidden)), ("self_attn.k_proj.weight", (kv, hidden)),
@@ -496,11 +521,24 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tu
         layer += [("self_attn.q_proj.bias", (q,)), ("self_attn.k_proj.bias", (kv,)), ("self_attn.v_proj.bias", (kv,))]
     if config.qk_norm:
         layer += [("self_attn.q_norm.weight", (head,)), ("self_attn.k_norm.weight", (head,))]
-    layer += [("post_attention_layernorm.weight", (hidden,)), ("mlp.gate_proj.weight", (inter, hidden)),
-              ("mlp.up_proj.weight", (inter, hidden)), ("mlp.down_proj.weight", (hidden, inter))]
+    layer += [("post_attention_layernorm.weight", (hidden,))]
+    dense = [("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
+             ("mlp.down_proj.weight", (hidden, inter))]
+    moe = [("mlp.gate.weight", (("num_experts",), hidden))]
+    expert = ("moe_intermediate_size",)
+    for e in range(config.num_experts):
+        moe += [(f"mlp.experts.{e}.gate_proj.weight", (expert, hidden)), (f"mlp.experts.{e}.up_proj.weight",
+                (expert, hidden)), (f"mlp.experts.{e}.down_proj.weight", (hidden, expert))]
+    if config.shared_expert_intermediate_size:
+        shared = ("shared_expert_intermediate_size",)
+        moe += [("mlp.shared_expert.gate_proj.weight", (shared, hidden)),
+                ("mlp.shared_expert.up_proj.weight", (shared, hidden)),
+                ("mlp.shared_expert.down_proj.weight", (hidden, shared)),
+                ("mlp.shared_expert_gate.weight", ((), hidden))]
     dims: dict[str, tuple[tuple[str, ...], ...]] = {"embed_tokens.weight": (vocab, hidden)}
+    moe_layers = set(config.moe_layers)
     for i in range(config.num_layers):
-        dims.update((f"layers.{i}.{name}", d) for name, d in layer)
+        dims.update((f"layers.{i}.{name}", d) for name, d in layer + (moe if i in moe_layers else dense))
     dims["norm.weight"] = (hidden,)
     if not config.tie_embeddings:
         dims["lm_head.weight"] = (vocab, hidden)
@@ -529,7 +567,7 @@ def _plan(config: ModelConfig, infos: dict[str, _TensorInfo], source: str, confi
         held = f"tensors of layers 0..{present - 1}" if present else "no layer tensors"
         raise ValueError(f"{config_name}: num_hidden_layers={config.num_layers} disagrees with the weights: "
                          f"{source} holds {held}")
-    per_layer = 9 + 3 * config.qkv_bias + 2 * config.qk_norm
+    per_layer = 9 + 3 * config.qkv_bias + 2 * config.qk_norm + 3 * config.num_experts
     if config.num_layers * per_layer > 4 * len(kept) + 1000:  # a hostile layer index: never enumerate billions
         raise ValueError(f"{source} does not match its config: {config_name} implies "
                          f"{config.num_layers * per_layer:,}+ tensors, the weights hold {len(kept):,}")
@@ -541,9 +579,7 @@ def _plan(config: ModelConfig, infos: dict[str, _TensorInfo], source: str, confi
                  + (" ..." if names[5:] else "")
                  for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
         raise ValueError(f"{source} does not match its config: {'; '.join(parts)}")
-    values = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "head_dim": config.head_dim,
-              "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_heads,
-              "num_key_value_heads": config.num_kv_heads}
+    values = _config_values(config)
     for name, (shape, dims) in expected.items():
         info = infos[kept[name]]
         if info.shape != shape:
@@ -558,6 +594,15 @@ def _plan(config: ModelConfig, infos: dict[str, _TensorInfo], source: str, confi
                              f"floating-point weights ({', '.join(_WEIGHT_DTYPES)}), not integer, boolean or 8-bit "
                              "(quantised) tensors")
     return kept
+
+
+def _config_values(config: ModelConfig) -> dict[str, int]:
+    """The config.json sizes a tensor's shape is a product of, by their HF keys."""
+    return {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "head_dim": config.head_dim,
+            "intermediate_size": config.intermediate_size, "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads, "num_experts": config.num_experts,
+            "moe_intermediate_size": config.expert_intermediate_size,
+            "shared_expert_intermediate_size": config.shared_expert_intermediate_size}
 
 
 def _check_finite(tensor: Tensor, stored: str, where: str) -> None:
@@ -637,7 +682,7 @@ def _checkpoint_of_model(hf_model: Any, max_seq_len: int | None) -> Checkpoint:
     config = model_config_from_hf({**hf_model.config.to_dict(), "architectures": [class_name]}, max_seq_len,
                                   source=config_name)
     _check_rope_table(config, config_name)
-    state = hf_model.state_dict()
+    state = _per_expert(hf_model.state_dict())
     infos = {name: _TensorInfo(source, _TORCH_DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape))
              for name, t in state.items()}
     plan = _plan(config, infos, source, config_name)
@@ -646,6 +691,26 @@ def _checkpoint_of_model(hf_model: Any, max_seq_len: int | None) -> Checkpoint:
     for name, tensor in tensors.items():
         _check_finite(tensor, origin[name][1], source)
     return Checkpoint(config, tensors, origin, source)
+
+
+def _per_expert(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A transformers (5.x) MoE model's state dict with its fused expert tensors -- ``mlp.experts.gate_up_proj``
+    [E, 2I, D] (gate rows first, then up), ``mlp.experts.down_proj`` [E, D, I] -- split into the per-expert names its
+    checkpoints store (``mlp.experts.N.gate_proj.weight`` ...), which ``Transformer`` uses; other tensors unchanged."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition("mlp.experts.")
+        if leaf == "gate_up_proj" and tensor.dim() == 3:
+            size = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = tensor[e, :size]
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = tensor[e, size:]
+        elif leaf == "down_proj" and tensor.dim() == 3:
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out
 
 
 def _load_weights(model: Transformer, tensors: dict[str, Tensor], source: str) -> None:
@@ -843,6 +908,14 @@ def _tiny_hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: in
         return transformers.Qwen2Config(**common, tie_word_embeddings=bool(tie))
     if arch == "qwen3":  # explicit head_dim != hidden_size / heads, as in real Qwen3 models
         return transformers.Qwen3Config(**common, head_dim=2 * hidden_size // 4, tie_word_embeddings=bool(tie))
+    if arch == "qwen3_moe":  # 4 experts, top-2, renormalised; the last layer a dense MLP (mlp_only_layers)
+        return transformers.Qwen3MoeConfig(**common, head_dim=2 * hidden_size // 4, tie_word_embeddings=bool(tie),
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                                           norm_topk_prob=True, mlp_only_layers=[num_layers - 1])
+    if arch == "qwen2_moe":  # 4 experts, top-2, weights not renormalised, a shared expert with its sigmoid gate
+        return transformers.Qwen2MoeConfig(**common, tie_word_embeddings=bool(tie), num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                                           shared_expert_intermediate_size=hidden_size, norm_topk_prob=False)
     raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
@@ -877,6 +950,8 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "qwen2-moe": ("qwen2_moe", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
 }
 PARITY_PROMPTS: list[list[int]] = [[5, 6, 7, 8, 9], [40], list(range(10, 50)), [100, 3, 99, 4, 98, 5, 97]]
 

@@ -221,6 +221,9 @@ class AlgorithmSection:
     # set, each unit is one forward and backward and a leaf's gradient is their fixed-tree sum, so
     # micro_batch_size changes no bit (it then only batches the no-grad scoring); must divide a leaf
     grad_unit: int | None = field(default=None, metadata=_bounds(min=1))
+    # router replay (R3, MoE models): the training path uses the experts the rollout's router chose at every
+    # position and layer (the weights stay the training router's probabilities of them)
+    router_replay: bool = False
 
 
 @extensible("correction")
@@ -395,6 +398,9 @@ class RunConfig:
 
     def check(self) -> None:
         check_run_name(self.name, self.output_dir)
+        if self.algorithm.router_replay and not self.model.to_model_config(vocab_size=1).moe_layers:
+            raise ConfigError("router replay reuses the rollout's MoE routing, and a dense model records none: set "
+                              "model.num_experts > 0, or router_replay: false", "algorithm.router_replay")
         batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if batch % self.algorithm.mini_batches:
             raise ConfigError(f"the rollout batch of {batch} samples (rollout.prompts_per_step x "

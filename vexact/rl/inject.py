@@ -27,7 +27,7 @@ from torch import Tensor
 
 from vexact_kernels import get_ops
 
-from ..engine.model import KernelOps, resolve_dtype
+from ..engine.model import KernelOps, RouteHook, resolve_dtype
 from ..engine.rollout import LogitsHook
 from ..engine.sampling import counter_uniform
 from .config import InjectSection, RunConfig
@@ -40,8 +40,9 @@ _SCOPE_SALT = 0x3C6EF372
 
 @dataclass(frozen=True)
 class RolloutPlan:
-    """What the rollout path runs at one step: the kernel ops, the dtype of the weights, and the
-    logits hook. ``generate(model_in_dtype, ..., ops=plan.ops, logits_hook=plan.logits_hook)``."""
+    """What the rollout path runs at one step: the kernel ops, the dtype of the weights, the logits hook and (MoE
+    models) the route hook. ``generate(model_in_dtype, ..., ops=plan.ops, logits_hook=plan.logits_hook,
+    routing_hook=plan.routing_hook)``."""
 
     value: float  # effective knob after onset/ramp (0 when inactive)
     ops: KernelOps  # kernel op module (precision mode: one whose outputs at the chosen sites are rounded)
@@ -49,6 +50,7 @@ class RolloutPlan:
     logits_hook: LogitsHook | None = None
     active: bool = False  # the injector changed the rollout path at this step
     matches_training: bool = False  # ops and dtype are the training path's and nothing is injected
+    routing_hook: RouteHook | None = None  # changes the MoE router's choices (routing_flip)
 
 
 class Injector:
@@ -100,12 +102,14 @@ class Injector:
 
     def plan_for_value(self, value: float, step: int) -> RolloutPlan:
         """The rollout path of a knob mode at knob ``value`` (calibration tries several)."""
-        return self._knob_plan(value, self.logits_hook(value, step))
+        return self._knob_plan(value, self.logits_hook(value, step), self.mode.routing_hook(self, value, step))
 
-    def _knob_plan(self, value: float, hook: LogitsHook | None) -> RolloutPlan:
+    def _knob_plan(self, value: float, hook: LogitsHook | None, routing_hook: RouteHook | None = None
+                   ) -> RolloutPlan:
         same_path = self.rollout_backend == self.training_backend and self.rollout_dtype == self.training_dtype
-        return RolloutPlan(value, self.rollout_ops, self.rollout_dtype, hook, active=hook is not None,
-                           matches_training=same_path and hook is None)
+        untouched = hook is None and routing_hook is None
+        return RolloutPlan(value, self.rollout_ops, self.rollout_dtype, hook, active=not untouched,
+                           matches_training=same_path and untouched, routing_hook=routing_hook)
 
     def logits_hook(self, value: float, step: int) -> LogitsHook | None:
         """The mode's hook at knob ``value``; None when it would change nothing."""

@@ -15,7 +15,10 @@ What a mode changes reaches the rollout as pieces the injector assembles into a 
   None when the value changes nothing: no hook is what makes magnitude 0 a bitwise no-op. Random draws are keyed
   by (seed, sequence, position) (``counter_normal`` / ``counter_uniform``), never from a global generator;
 * a **path mode** (no knob) returns a ``RolloutPath`` from ``rollout_path(injector)``: other kernel ops, another
-  weight dtype, an optional hook (``kernel``, ``precision``), applied from ``inject.onset_step`` on.
+  weight dtype, an optional hook (``kernel``, ``precision``), applied from ``inject.onset_step`` on;
+* a **routing mode** (a knob mode for mixture-of-experts models: ``routing_flip``) returns a route hook from
+  ``routing_hook(injector, value, step)`` (``vexact.engine.model.RouteHook``): it changes which experts the rollout's
+  router uses, keyed by (seed, sequence, position, layer); ``model_problem`` refuses a model it cannot act on.
 
 Above the config in the import order: the config validates ``inject.mode`` against the registry
 (``vexact.rl.registries``), never importing this module; the ``vexact.rl`` package imports it, which registers the
@@ -36,21 +39,23 @@ from torch import Tensor
 
 from vexact_kernels import OP_NAMES, get_ops
 
-from ..engine.model import KernelOps, resolve_dtype
+from ..engine.model import KernelOps, ModelConfig, RouteHook, resolve_dtype
 from ..engine.rollout import LogitsHook
-from ..engine.sampling import counter_normal
+from ..engine.sampling import counter_normal, counter_uniform
 from .config import Backend, DType
-from .registries import INJECT_MODES
+from .registries import INJECT_MODES, register_run_check
 from .validate import ConfigError
 
 if TYPE_CHECKING:
-    from .config import InjectSection
+    from .config import InjectSection, RunConfig
     from .inject import Injector
 
-__all__ = ["INJECT_MODES", "PRECISION_FORMATS", "PRECISION_SITES", "InjectMode", "KernelSettings", "KnobSearch",
-           "PrecisionSettings", "RolloutPath", "precision_ops", "register_inject_mode", "round_to"]
+__all__ = ["FLIP_KINDS", "INJECT_MODES", "PRECISION_FORMATS", "PRECISION_SITES", "InjectMode", "KernelSettings",
+           "KnobSearch", "PrecisionSettings", "RolloutPath", "RoutingFlipSettings", "flip_hook", "precision_ops",
+           "register_inject_mode", "round_to"]
 
 _NOISE_SALT = 0x6A09E667
+_ROUTING_SALT = 0x510E527F
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,15 @@ class InjectMode:
 
     def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
         """A knob mode's hook at knob ``value`` and ``step``; None when it would change nothing."""
+        return None
+
+    def routing_hook(self, injector: Injector, value: float, step: int) -> RouteHook | None:
+        """A routing mode's route hook at knob ``value`` and ``step``; None when it would change nothing."""
+        return None
+
+    def model_problem(self, model: ModelConfig) -> str | None:
+        """Why this mode cannot act on a policy of shape ``model`` (None when it can; the config reports it at
+        ``inject.mode``)."""
         return None
 
     def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
@@ -363,5 +377,89 @@ class Kernel(InjectMode):
         return RolloutPath(get_ops(injector.cfg.kernel_backend, injector.device), dtype)
 
 
-for _mode in (NoInjection(), LogitNoise(), LogitScale(), Precision(), Kernel(), LogprobOnly(), TopP(), TopK()):
+FLIP_KINDS = ("near_tie", "random")
+"""``inject.flip_kind``: which expert a flipped router decision takes (``flip_hook``)."""
+
+
+def flip_hook(rate: float, kind: str, seed: int) -> RouteHook:
+    """A route hook that changes each (token, MoE layer) router decision with probability ``rate``, keyed by (seed,
+    sequence, position, layer) -- batch-invariant, like sampling:
+
+    * ``near_tie``: the k-th expert is swapped for the (k+1)-th, the flip a rounding difference between two
+      nearly tied router scores causes;
+    * ``random``: a random one of the k chosen experts is replaced by a random unchosen one."""
+    if kind not in FLIP_KINDS:
+        raise ValueError(f"unknown flip kind {kind!r}; expected one of {', '.join(FLIP_KINDS)}")
+
+    def hook(ranked: Tensor, k: int, seq: Tensor, pos: Tensor, layer: int) -> Tensor:
+        batch, length, experts = ranked.shape
+        if experts <= k:
+            raise ValueError(f"routing_flip needs more experts ({experts}) than experts per token ({k})")
+        rows = ranked.reshape(-1, experts)
+        draws = counter_uniform((seed + 0x2545F491 * (layer + 1)) & 0x7FFFFFFFFFFF,
+                                seq[:, None].expand(batch, length).reshape(-1), pos.reshape(-1), 3)
+        flip = draws[:, 0] < rate
+        chosen = rows[:, :k].clone()
+        if kind == "near_tie":
+            slot = torch.full_like(flip, k - 1, dtype=torch.long)
+            replacement = rows[:, k]
+        else:
+            slot = (draws[:, 1] * k).long().clamp_(max=k - 1)
+            pick = k + (draws[:, 2] * (experts - k)).long().clamp_(max=experts - k - 1)
+            replacement = rows.gather(1, pick[:, None]).squeeze(1)
+        current = chosen.gather(1, slot[:, None]).squeeze(1)
+        chosen.scatter_(1, slot[:, None], torch.where(flip, replacement, current)[:, None])
+        return chosen.view(batch, length, k)
+
+    return hook
+
+
+@dataclass
+class RoutingFlipSettings:
+    """The ``routing_flip`` mode's settings (``inject`` section)."""
+
+    flip_kind: Literal[FLIP_KINDS] = "near_tie"  # routing_flip: swap the k-th expert for the (k+1)-th, or random
+
+
+class RoutingFlip(InjectMode):
+    """``routing_flip`` (MoE models): the rollout's router decisions differ from the trainer's at rate ``value`` (the
+    flip rate, in [0, 1]): per token and MoE layer, with that probability, the rollout uses another expert set
+    (``inject.flip_kind``: ``near_tie`` swaps the k-th expert for the (k+1)-th, ``random`` replaces a random chosen
+    expert by a random unchosen one); everything else exact. ``routing/flip_rate`` records the realised rate."""
+
+    name = "routing_flip"
+    settings = RoutingFlipSettings
+    knob = "the flip rate: the fraction of the rollout's router decisions (token x MoE layer) changed, in [0, 1]"
+    calibratable = True
+
+    def value_problem(self, value: float) -> str | None:
+        return None if 0 <= value <= 1 else f"routing_flip needs value (the flip rate) in [0, 1], got {value}"
+
+    def routing_hook(self, injector: Injector, value: float, step: int) -> RouteHook | None:
+        if value == 0.0:
+            return None
+        return flip_hook(value, injector.cfg.flip_kind, (injector.seed * 1_000_003 + step) ^ _ROUTING_SALT)
+
+    def model_problem(self, model: ModelConfig) -> str | None:
+        if not model.moe_layers:
+            return "routing_flip changes an MoE model's routing, but the model is dense: set model.num_experts > 0"
+        if model.num_experts <= model.num_experts_per_tok:
+            return (f"routing_flip needs an unchosen expert to flip to: model.num_experts ({model.num_experts}) must "
+                    f"exceed model.num_experts_per_tok ({model.num_experts_per_tok})")
+        return None
+
+    def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
+        return KnobSearch(upper=1.0)
+
+
+for _mode in (NoInjection(), LogitNoise(), LogitScale(), Precision(), Kernel(), LogprobOnly(), TopP(), TopK(),
+              RoutingFlip()):
     register_inject_mode(_mode)
+
+
+@register_run_check
+def check_mode_fits_model(cfg: RunConfig) -> None:
+    """The selected mode can act on the run's policy (``InjectMode.model_problem``): routing_flip needs an MoE model."""
+    problem = INJECT_MODES[cfg.inject.mode].model_problem(cfg.model.to_model_config(vocab_size=1))
+    if problem:
+        raise ConfigError(problem, "inject.mode")

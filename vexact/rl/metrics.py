@@ -68,6 +68,8 @@ from ..metric_keys import (
     ROLLOUT_PROBS_DIFF_MEAN,
     ROLLOUT_PROBS_DIFF_STD,
     ROLLOUT_PROBS_DIFF_VALID,
+    ROUTING_FLIP_RATE,
+    ROUTING_TOKEN_FLIP_FRAC,
     TRAINING_LOG_PPL,
     TRAINING_PPL,
 )
@@ -490,3 +492,23 @@ def full_vocab_metrics(logp_train_full: Tensor, logp_roll_full: Tensor, top_k: i
     that are not two equal [N, V], N = 0, or top_k outside [1, V].
     """
     return full_vocab_summary(full_vocab_rows(logp_train_full, logp_roll_full, top_k), top_k)
+
+
+def routing_metrics(routing_roll: Sequence[Tensor], routing_train: Sequence[Tensor]) -> dict[str, float]:
+    """``routing/*``: how often the rollout's MoE router decisions differ from the training path's.
+
+    Per sequence, int [positions, n_moe_layers, k] expert ids in ascending order (``GenerateOutput.routing``,
+    ``vexact.engine.scoring.token_routing``): a decision (position x layer) differs when its expert set does."""
+    if len(routing_roll) != len(routing_train):
+        raise ValueError(f"got routing for {len(routing_roll)} rollout sequences but {len(routing_train)} training "
+                         "sequences")
+    roll = torch.cat([r.reshape(-1, *r.shape[1:]) for r in routing_roll])
+    train = torch.cat([t.reshape(-1, *t.shape[1:]) for t in routing_train]).to(roll.device)
+    if roll.shape != train.shape:
+        raise ValueError(f"rollout routing {tuple(roll.shape)} and training routing {tuple(train.shape)} differ in "
+                         "shape")
+    differs = (roll != train).any(dim=-1)  # [positions, layers]
+    if not differs.numel():
+        return {ROUTING_FLIP_RATE: 0.0, ROUTING_TOKEN_FLIP_FRAC: 0.0}
+    return {ROUTING_FLIP_RATE: float(differs.double().mean()),
+            ROUTING_TOKEN_FLIP_FRAC: float(differs.any(dim=-1).double().mean())}

@@ -13,7 +13,9 @@ they can be tested on hand-built numbers. The choices are registered entries: th
   training path or from a rollout path identical to it): a violation stops the run;
 * how a correction (``vexact.rl.corrections``) enters the loss: its weight replaces the mismatch factor inside
   the ratio (bypass) or scales the clipped loss from outside (recompute, "decoupled"); rejected tokens leave
-  numerator and denominator.
+  numerator and denominator;
+* router replay (``algorithm.router_replay``, MoE models): every training-path forward uses the experts the
+  rollout chose (``RolloutBatch.routing``), passed in as a value (``score_tokens(..., routing=)``).
 
 Notation: ``logp`` = current training-path log-probs (with grad), ``old_logp`` = the behaviour log-probs the
 ratio is taken against, ratio = exp(logp - old_logp) per token.
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..engine.model import Transformer
-from ..engine.scoring import score_tokens
+from ..engine.scoring import score_tokens, token_routing
 from ..metric_keys import ENTROPY, FIRST_MINIBATCH_RATIO_EXACT, KL_LOSS, PG_LOSS, PPO_KL
 from .advantages import ADVANTAGE_EPS, ADVANTAGE_ESTIMATORS
 from .config import AlgorithmSection, CorrectionSection
@@ -193,9 +195,19 @@ class Objective:
         prompts = [batch.prompts[i] for i in idx]
         responses = [batch.responses[i] for i in idx]
         logp_list, entropy_list = score_tokens(model, prompts, responses, self.temperature, micro_batch_size,
-                                               with_entropy=True)
+                                               with_entropy=True, routing=self.replayed(batch, idx))
         assert entropy_list is not None
         return logp_list, entropy_list
+
+    def replayed(self, batch: RolloutBatch, idx: list[int] | range) -> list[Tensor] | None:
+        """The rollout's routing of sequences ``idx`` when ``algorithm.router_replay`` is on (the training path then
+        uses it), else None. A ValueError when replay is on and the batch recorded no routing."""
+        if not self.alg.router_replay:
+            return None
+        if batch.routing is None:
+            raise ValueError("algorithm.router_replay is on, but the rollout batch recorded no routing (a dense "
+                             "model records none): set model.num_experts > 0, or router_replay: false")
+        return [batch.routing[i] for i in idx]
 
     def loss_of(self, batch: RolloutBatch, idx: list[int], logp_list: list[Tensor], entropy_list: list[Tensor],
                 advantages: Tensor, anchors: Anchors, check_exact: bool) -> MinibatchLoss:
@@ -265,10 +277,19 @@ class Objective:
             return per_token * weights, ratio
         return BYPASS_LOSSES[correction.plan.loss_type](alg, logp, old, adv, pre, weights)
 
-    def score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
-        """The training path's log-probs of the batch's responses (no grad), as the anchors use them."""
+    def training_routing(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
+        """The experts the training path's own router chooses for the batch (MoE models; no replay): what the
+        rollout's routing is compared with (``routing/*`` metrics)."""
+        return token_routing(model, batch.prompts, batch.responses, self.alg.micro_batch_size)
+
+    def score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
+        """The training path's log-probs of the batch's responses (no grad), as the anchors use them; ``replay``
+        False scores with the router's own routing even under ``algorithm.router_replay`` (calibration measures the
+        source's mismatch, not what replay leaves of it)."""
+        routing = self.replayed(batch, range(len(batch.responses))) if replay else None
         with torch.no_grad():
-            return score_tokens(model, batch.prompts, batch.responses, self.temperature, self.alg.micro_batch_size)[0]
+            return score_tokens(model, batch.prompts, batch.responses, self.temperature, self.alg.micro_batch_size,
+                                routing=routing)[0]
 
 
 BypassLoss = Callable[[AlgorithmSection, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]

@@ -34,6 +34,8 @@ class RolloutBatch:
     finished: list[bool]  # True where EOS was produced
     rewards: Tensor  # [N] float32
     tail_mass: list[Tensor] | None = None  # per token: the rollout's probability of the distractors (vocab_tail)
+    # MoE models: per sequence, the experts the rollout's MoE layers used (GenerateOutput.routing); None when dense
+    routing: list[Tensor] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -48,7 +50,8 @@ class RolloutBatch:
         return RolloutBatch([self.problems[i] for i in idx], [self.prompts[i] for i in idx],
                             [self.responses[i] for i in idx], [self.logprobs[i] for i in idx],
                             [self.finished[i] for i in idx], self.rewards[list(idx)],
-                            None if self.tail_mass is None else [self.tail_mass[i] for i in idx])
+                            None if self.tail_mass is None else [self.tail_mass[i] for i in idx],
+                            None if self.routing is None else [self.routing[i] for i in idx])
 
     @classmethod
     def concat(cls, parts: list[RolloutBatch]) -> RolloutBatch:
@@ -56,7 +59,8 @@ class RolloutBatch:
         return cls([x for b in parts for x in b.problems], [x for b in parts for x in b.prompts],
                    [x for b in parts for x in b.responses], [x for b in parts for x in b.logprobs],
                    [x for b in parts for x in b.finished], torch.cat([b.rewards for b in parts]),
-                   None if any(b.tail_mass is None for b in parts) else [x for b in parts for x in b.tail_mass])
+                   None if any(b.tail_mass is None for b in parts) else [x for b in parts for x in b.tail_mass],
+                   None if any(b.routing is None for b in parts) else [x for b in parts for x in b.routing])
 
 
 def step_problems(task: Task, settings: RolloutSection, run_seed: int, step: int) -> list[Problem]:
@@ -78,10 +82,10 @@ def collect_rollouts(model: Transformer, plan: RolloutPlan, task: Task, tokenize
     hook, probe = tail_probe(tokenizer, plan.logits_hook, len(prompts), settings.max_new_tokens, first)
     out = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                    seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, logits_hook=hook,
-                   ops=plan.ops, first_index=first)
+                   ops=plan.ops, first_index=first, routing_hook=plan.routing_hook)
     rewards = torch.tensor([task.reward(p, r) for p, r in zip(problems, out.tokens)], dtype=torch.float32)
     return RolloutBatch(problems, prompts, out.tokens, out.logprobs, out.finished, rewards,
-                        None if probe is None else probe.per_sequence(out.tokens))
+                        None if probe is None else probe.per_sequence(out.tokens), out.routing)
 
 
 @dataclass

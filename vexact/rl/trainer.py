@@ -49,7 +49,7 @@ from .collapse import detect_collapse
 from .config import RunConfig, dotted_items, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
-from .metrics import mismatch_metrics, rollout_batch_metrics
+from .metrics import mismatch_metrics, rollout_batch_metrics, routing_metrics
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
 from .optim import ExactAdamW, clip_flat_gradient_
 from .rollouts import RolloutBatch, collect_rollouts, eval_metrics, eval_records, step_problems
@@ -174,12 +174,21 @@ class Trainer:
                                  first_problem=mine.start)
         return local if self.ranks.world_size == 1 else RolloutBatch.concat(self.ranks.gather([local]))
 
-    def _score(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
-        """Training-path log-probs of the whole batch (no grad); each rank scores its share of the sequences."""
+    def _score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
+        """Training-path log-probs of the whole batch (no grad); each rank scores its share of the sequences.
+        ``replay``: with ``algorithm.router_replay``, reuse the rollout's routing (False: the router's own)."""
         if self.ranks.world_size == 1:
-            return self.objective.score(model, batch)
+            return self.objective.score(model, batch, replay)
         mine = self.ranks.block(len(batch.responses))
-        return self.ranks.gather(self.objective.score(model, batch.subset(mine)))
+        return self.ranks.gather(self.objective.score(model, batch.subset(mine), replay))
+
+    def _training_routing(self, batch: RolloutBatch) -> list[Tensor]:
+        """The experts the training path's own router picks for the batch (MoE), at the pre-update weights; each
+        rank routes a share of the sequences."""
+        if self.ranks.world_size == 1:
+            return self.objective.training_routing(self.compute, batch)
+        mine = self.ranks.block(len(batch.responses))
+        return self.ranks.gather(self.objective.training_routing(self.compute, batch.subset(mine)))
 
     def step(self, step: int) -> dict:
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -194,6 +203,8 @@ class Trainer:
         t1 = time.perf_counter()
         anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score)
         timings[TIMING_OLD_LOGPROBS] = time.perf_counter() - t1
+        # MoE: how often the rollout's routing differs from the training router's own (before the update)
+        routing = {} if batch.routing is None else routing_metrics(batch.routing, self._training_routing(batch))
 
         t2 = time.perf_counter()
         lr = self.schedule.lr(step)
@@ -210,6 +221,7 @@ class Trainer:
         metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
                                              batch.logprobs, log_ratio_bound=self.cfg.correction.log_ratio_bound))
         metrics.update(batch.tail_metrics())  # task.distractors > 0: the rollout distribution's tail (vocab_tail)
+        metrics.update(routing)
         metrics[LR] = lr
         if self.injector.enabled:
             metrics[INJECT_VALUE] = plan.value
@@ -282,13 +294,18 @@ class Trainer:
         upstream = iter(torch.autograd.grad(part.loss, [t for out in outputs for t in out], allow_unused=True))
         shares = [[next(upstream) for _ in out] for out in outputs]  # None: an output the loss does not use
         params = list(self.compute.parameters())
+        experts = [".experts." in name for name, _ in self.compute.named_parameters()]
         used: list[bool] = []
 
         def unit_gradient(u: int) -> Tensor:
-            """Unit ``u``'s backward from its share: flat fp32 over the parameters that have a gradient."""
+            """Unit ``u``'s backward from its share: flat fp32 over the parameters that have a gradient. An MoE
+            expert no token of the unit was routed to has none here but may in another unit (or on another rank):
+            its gradient is zeros, so every unit's flat layout is the same (a dense model uses every parameter in
+            every unit, so its layout and bits are unchanged)."""
             nonlocal used
             roots = [(t, g) for t, g in zip(outputs[u], shares[u]) if g is not None]
             grads = torch.autograd.grad([t for t, _ in roots], params, [g for _, g in roots], allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None and expert else g for g, p, expert in zip(grads, params, experts)]
             used = [g is not None for g in grads]
             return torch.cat([g.float().reshape(-1) for g in grads if g is not None])
 
@@ -521,8 +538,9 @@ class Trainer:
         key = target.metric  # a full metric key of mismatch_metrics
 
         def measure(value: float) -> float:
+            # the source's mismatch, before any remedy: without router replay, which would remove a routing flip's
             batch = self.rollout(0, self.injector.plan_for_value(value, step=0), problems)
-            return mismatch_metrics(self._score(self.compute, batch), batch.logprobs)[key]
+            return mismatch_metrics(self._score(self.compute, batch, replay=False), batch.logprobs)[key]
 
         self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
                                      sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)

@@ -15,7 +15,7 @@ from filelock import FileLock, Timeout
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
-from ..engine.model import Transformer
+from ..engine.model import MOE_FIELDS, Transformer
 from ..engine.scoring import score_tokens
 from ..registry import mounts
 from .atomic import publish, write_file
@@ -49,6 +49,9 @@ def warm_start_key(cfg: RunConfig) -> str:
     if not plain["task"].get("distractors"):
         plain["task"].pop("distractors", None)  # no vocabulary tail: the same key as before the knob existed
     plain["model"].pop("preset", None)  # a name for values already in the other model keys
+    if not plain["model"].get("num_experts"):
+        for key in MOE_FIELDS:  # a dense model: the same key as before the MoE knobs existed
+            plain["model"].pop(key, None)
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
                         "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
 

@@ -1,0 +1,97 @@
+"""Exact routing for mixture-of-experts layers: the expert ranking, the routing weights and the combination.
+
+A token's MoE output must depend only on its own hidden row -- never on which other tokens share its experts, the
+batch arrangement or the thread count -- so that rollout and training route and combine it identically. The expert
+matmuls already have that property (``linear``'s invariance contract: each output row depends only on its input
+row, whatever the number of rows); what routing adds is done here, from comparisons and exactly rounded elementwise
+operations only:
+
+- **ranking** (``rank_experts``): the experts of a row by descending score with a fixed tie-break -- among equal
+  scores the *lowest expert index* wins -- a stable sort, pure comparisons (no arithmetic, so no rounding);
+- **weights** (``routing_weights``): p_e = exp(log p_e) of the chosen experts (``exp``: the host-guarded, chunked
+  exp of the exact CPU kernels, position-invariant), optionally divided by their sum (``norm_topk_prob``); the sum
+  is taken in expert-index order by elementwise adds, so a row's weights depend only on that row;
+- **combination** (``combine``): sum over the chosen experts, in expert-index order, of weight x expert output, in
+  fp32 (the caller rounds once to the model dtype).
+
+The routing (ranking, weights, combination) is the same code for every kernel backend, like the sampler's Gumbel
+noise: backends differ in the ops the MoE block runs through them (the router's linear and log-softmax, the
+experts), which is where a native backend's routing differs from the exact one's.
+Backward: the exp's VJP is grad x exp(x) (one exactly rounded product); the rest is torch's elementwise and
+gather/scatter autograd on distinct indices -- each gradient element written once, so no result depends on the
+thread count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .cpu_exact import elementwise
+
+OP = "moe_routing"  # the op name the host guard's probes record for the routing's exp
+
+
+def rank_experts(scores: Tensor) -> Tensor:
+    """Expert indices of each row of ``scores`` [..., E], best first: descending score, ties to the lower index.
+
+    A stable descending sort, which keeps equal scores in index order: comparisons only, so a row's ranking depends
+    on nothing but that row."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+
+
+class _Exp(torch.autograd.Function):
+    """exp with a position-invariant forward (``cpu_exact.elementwise``) and the VJP grad x exp(x)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        out = elementwise("exp", x, op=OP)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+
+def exp(x: Tensor) -> Tensor:
+    """fp32 exp of every element of ``x``, each element's bits independent of the tensor's size, the element's
+    position and the thread count; differentiable."""
+    x = x.float()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Exp.apply(x)
+    return elementwise("exp", x, op=OP)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """fp32 1 / (1 + exp(-x)) elementwise (position-invariant exp, exactly rounded add and divide); differentiable."""
+    return torch.reciprocal(exp(-x.float()) + 1.0)
+
+
+def ordered_sum(parts: Tensor) -> Tensor:
+    """Sum over the last dim of ``parts`` [..., k], left to right: one exactly rounded add per element and step, so
+    an element's sum depends only on its own k values (no reduction kernel whose order could vary)."""
+    total = parts[..., 0]
+    for j in range(1, parts.shape[-1]):
+        total = total + parts[..., j]
+    return total
+
+
+def routing_weights(log_probs: Tensor, experts: Tensor, normalize: bool) -> Tensor:
+    """fp32 weights [..., k] of the chosen ``experts`` [..., k] (int64, ascending) from the router's fp32 log-softmax
+    ``log_probs`` [..., E]: p = exp(log p) of each chosen expert, divided by the sum of the k (in expert-index order)
+    when ``normalize`` (``norm_topk_prob``)."""
+    probs = exp(log_probs.gather(-1, experts))
+    return probs / ordered_sum(probs).unsqueeze(-1) if normalize else probs
+
+
+def combine(weights: Tensor, outputs: Tensor) -> Tensor:
+    """fp32 sum_j weights[..., j] x outputs[..., j, :], left to right over the slots (exactly rounded products and
+    adds, so a row's result depends only on its own weights and outputs).
+
+    ``weights`` [..., k] fp32; ``outputs`` [..., k, D] (each chosen expert's output for the row, slot by slot)."""
+    out = weights[..., 0, None] * outputs[..., 0, :].float()
+    for j in range(1, weights.shape[-1]):
+        out = out + weights[..., j, None] * outputs[..., j, :].float()
+    return out
