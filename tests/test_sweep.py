@@ -191,3 +191,23 @@ def test_a_sweep_whose_steps_grew_extends_its_finished_points_bit_identically(tm
     run_sweep(load_sweep_spec(short_path), console=Console(quiet=True))
     assert len(read_metrics(grown.points[0].run_dir / "metrics.jsonl")) == 5
     assert len(read_metrics(grown.points[1].run_dir / "metrics.jsonl")) == 7
+
+
+def test_only_runs_a_round_of_the_grid_and_a_later_round_adds_the_rest(tmp_path):
+    """--only KEY=V1,V2 selects points by grid value; the rest of the grid runs later into the same directory,
+    the finished round is skipped, and a bad key or value is one clear error (exit code 2)."""
+    path = _sweep_file(tmp_path, "only", grid={"inject.value": [0.0, -0.5], "seed": [0, 1]})
+    assert main(["sweep", str(path), "--only", "inject.value=-0.5", "--only", "seed=1", "--no-report",
+                 "--quiet"]) == 0
+    spec = load_sweep_spec(path)
+    ran = sorted(p.name for p in spec.points if (p.run_dir / "summary.json").exists())
+    assert ran == ["inject.value=-0.5,seed=1"]
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert [point["name"] for point in index["points"] if point["status"] == "completed"] == ran
+    first = (spec.output_dir / "points" / ran[0] / "metrics.jsonl").read_bytes()
+    assert main(["sweep", str(path), "--no-report", "--quiet"]) == 0
+    assert all((p.run_dir / "summary.json").exists() for p in spec.points)
+    assert (spec.output_dir / "points" / ran[0] / "metrics.jsonl").read_bytes() == first  # skipped, not re-run
+    assert main(["sweep", str(path), "--only", "seed=7"]) == 2
+    assert main(["sweep", str(path), "--only", "inject.valu=0.0"]) == 2
+    assert main(["sweep", str(path), "--only", "seed"]) == 2

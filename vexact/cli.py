@@ -499,6 +499,10 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
                         "sweep.json: a re-run with other --set values is refused")
     p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--output-dir", type=Path, default=None, help="override the sweep's output_dir")
+    p.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
+                   help="run only the points whose grid key KEY (variant included) has one of these values "
+                        "(repeatable: every KEY must match). An adaptive round: the rest runs later into the "
+                        "same directory, finished points are skipped")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this machine's processes (default); ray: one Ray task per point, CPUs per task = "
@@ -515,21 +519,24 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir, args.overrides), args.jobs,
                              not args.no_report, "vexact sweep [bold]{name}[/]: {n} points -> {out}", args.executor,
-                             args.address, args.quiet)
+                             args.address, args.quiet, args.only)
 
 
 def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: str = "local",
-                      address: str | None = None, quiet: bool = False) -> int:
+                      address: str | None = None, quiet: bool = False, only: list[str] | None = None) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
-    from .lab.sweep import run_sweep
+    from .lab.sweep import run_sweep, select_points
     from .rl.tasks import check_memory
+
+    select_points(spec, only)  # a bad --only is one error before anything is printed or run
 
     for shape in {json.dumps(p.config.to_dict()["model"], sort_keys=True): p.config for p in spec.points}.values():
         check_memory(shape)  # before any point allocates: an absurd model size is one error
     console = make_console()
     if not quiet:
         console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
-    statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address, quiet=quiet)
+    statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address, quiet=quiet,
+                         only=only)
     if report:
         from .lab.report import write_report
 

@@ -324,6 +324,32 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
     return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants, curves, overrides)
 
 
+def select_points(spec: SweepSpec, only: list[str] | None) -> list[SweepPoint]:
+    """The points a ``--only KEY=V1,V2`` round runs (every point when ``only`` is empty).
+
+    An adaptive bracket runs part of a grid first (say the two largest magnitudes) and the rest later into the same
+    directory: finished points are skipped either way. Each item names one grid key (``variant`` included) and the
+    values to keep, as they are written in point names; a point runs when every named key has one of its values."""
+    wanted: dict[str, set[str]] = {}
+    for item in only or []:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not values.strip():
+            raise ValueError(f"--only {item!r}: expected KEY=VALUE[,VALUE...], e.g. --only inject.value=0.1,0.3")
+        if key not in spec.grid:
+            raise ValueError(f"--only {item!r}: {key!r} is not a grid key of sweep {spec.name} "
+                             f"(grid keys: {', '.join(spec.grid)})")
+        known = [_format_value(v) for v in spec.grid[key]]
+        chosen = [v.strip() for v in values.split(",")]
+        stray = [v for v in chosen if v not in known]
+        if stray:
+            raise ValueError(f"--only {item!r}: {stray[0]!r} is not a value of grid key {key!r} "
+                             f"(values: {', '.join(known)})")
+        wanted.setdefault(key, set()).update(chosen)
+    return [p for p in spec.points
+            if all(_format_value(p.overrides[k]) in values for k, values in wanted.items())]
+
+
 def _items(settings: dict[str, Any]) -> list[str]:
     """``{dotted key: value}`` as ``KEY=VALUE`` override items (values in YAML flow style)."""
     return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
@@ -490,8 +516,8 @@ def _check_lock(point: SweepPoint) -> dict | None:
 
 
 def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, executor: str = "local",
-              address: str | None = None, quiet: bool = False) -> dict[str, str]:
-    """Run every unfinished point; returns {point name: status}.
+              address: str | None = None, quiet: bool = False, only: list[str] | None = None) -> dict[str, str]:
+    """Run every unfinished point (of ``select_points(spec, only)``); returns {point name: status}.
 
     ``executor``: ``local`` (this process, or ``jobs`` worker processes) or ``ray`` (one Ray task per point on
     the cluster at ``address``, or on a private loopback-only instance; ``vexact/lab/ray_executor.py``).
@@ -502,13 +528,14 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
     if address and executor != "ray":
         raise ValueError("--address is the Ray cluster to use: it needs --executor ray")
     console = console or Console()
+    selected = select_points(spec, only)
     _check_output_dirs(spec)
     with sweep_lock(spec):
-        return _run_locked(spec, jobs, console, executor, address, quiet)
+        return _run_locked(spec, jobs, console, executor, address, quiet, selected)
 
 
 def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, address: str | None,
-                quiet: bool) -> dict[str, str]:
+                quiet: bool, selected: list[SweepPoint]) -> dict[str, str]:
     _check_recorded_overrides(spec)
     statuses = {p.name: point_status(p) for p in spec.points}
     errors: dict[str, str | None] = {}
@@ -519,17 +546,19 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
             raise
         raise ValueError(f"sweep {spec.name}: cannot write {spec.output_dir / 'sweep.json'}: "
                          f"{e.strerror or e}") from None
-    extend = [p for p in spec.points if statuses[p.name] == "completed" and _extendable(p)]
-    todo = [p for p in spec.points if statuses[p.name] not in FINISHED or p in extend]
-    done_before = len(spec.points) - len(todo)
+    extend = [p for p in selected if statuses[p.name] == "completed" and _extendable(p)]
+    todo = [p for p in selected if statuses[p.name] not in FINISHED or p in extend]
+    done_before = len(selected) - len(todo)
     say = (lambda text: None) if quiet else console.print
+    if len(selected) < len(spec.points):
+        say(f"sweep {spec.name}: --only selects {len(selected)} of {len(spec.points)} points")
     if done_before:
-        say(f"sweep {spec.name}: {done_before} of {len(spec.points)} points already finished, skipped")
+        say(f"sweep {spec.name}: {done_before} of {len(selected)} points already finished, skipped")
     if extend:
         say(f"sweep {spec.name}: {len(extend)} finished point(s) ran fewer steps than the sweep now asks "
             f"({extend[0].config.steps}); they are extended from their last checkpoint")
     threads = max(1, torch.get_num_threads() // jobs) if jobs > 1 else None
-    progress = Progress(console, f"sweep {spec.name}", len(spec.points), done=done_before, quiet=quiet)
+    progress = Progress(console, f"sweep {spec.name}", len(selected), done=done_before, quiet=quiet)
 
     def finish(point: SweepPoint, result: dict) -> None:
         statuses[point.name] = result["status"]
