@@ -1,8 +1,9 @@
 """The code layout is a contract: packages are layers, no module-level import circle, and ``Trainer.step`` reads as
 the data flow.
 
-Layers, lowest first: ``vexact_kernels`` (the folder kernels/), ``vexact.engine``, ``vexact.rl``, ``vexact.lab``,
-``vexact.real``, then ``vexact`` itself (``__init__``, ``cli``). A module may import its own package and the
+Layers, lowest first: ``vexact_kernels`` (the folder kernels/), ``vexact.records`` (the files a run writes and
+reads), ``vexact.engine``, ``vexact.rl``, ``vexact.lab``, ``vexact.real``, then ``vexact`` itself (``__init__``,
+``cli``). A module may import its own package and the
 layers below it, never one above. Within and across layers, the modules' module-level imports form no circle (the
 known remaining ones are listed in ``KNOWN_CIRCLES``). ``Trainer.step`` -- with the Trainer methods it calls -- uses
 at most six vexact modules besides the policy it trains (``engine.model``'s ``Transformer``): one per stage of the
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("engine", "rl", "lab", "real")  # lowest first; vexact/__init__.py and cli.py sit on top
+LAYERS = ("records", "engine", "rl", "lab", "real")  # lowest first; vexact/__init__.py and cli.py sit on top
 BASE = ("registry", "metric_keys", "progress")
 """Top-level modules below every layer: the registries, metric-key constants and progress display every layer
 shares. At import they import nothing of vexact (``test_the_base_modules_import_nothing_of_vexact``)."""
