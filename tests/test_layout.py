@@ -146,6 +146,17 @@ def test_trainer_step_touches_at_most_six_modules() -> None:
     assert modules == {"inject", "rollouts", "objective", "schedules", "metrics", "optim"}, modules
 
 
+def test_pyproject_installs_every_package() -> None:
+    """A wheel holds only the packages pyproject.toml lists: each package folder of vexact/ and kernels/ is there."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    listed = set(read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"])
+    folders = {".".join(("vexact_kernels" if path.parts[0] == "kernels" else path.parts[0], *path.parts[1:]))
+               for init in (*(ROOT / "vexact").rglob("__init__.py"), *(ROOT / "kernels").rglob("__init__.py"))
+               for path in [init.parent.relative_to(ROOT)]}
+    assert listed == folders, f"not installed: {sorted(folders - listed)}; no such package: {sorted(listed - folders)}"
+
+
 # --------------------------------------------------------------------------- import circles
 PACKAGES = {"vexact": "vexact", "vexact_kernels": "kernels"}  # import name -> folder
 
