@@ -22,7 +22,8 @@ config.yaml stays readable (by a report, say) on a machine without the extras.
 
 Each backend is one ``LogBackendKind`` registered in ``LOG_BACKENDS`` (``register_log_backend`` adds one): its name
 in ``logging.backends``, the package it needs, its own settings (``wandb_project``, ``wandb_mode``: ``logging.*``
-keys) and how it opens a writer.
+keys) and how it opens a writer (a ``LogBackend``: ``vexact.records.runlog``, whose ``MetricsWriter`` feeds it).
+``live_views(run_dir, cfg)`` is what a run hands that writer: the run's config stays up here, out of the file layer.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from .registries import LOG_BACKENDS
 if TYPE_CHECKING:
     from .config import RunConfig
 
-__all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackend", "LogBackendKind", "WandbSettings",
-           "live_views", "missing_package", "open_backends", "register_log_backend"]
+__all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackendKind", "WandbSettings", "live_views",
+           "missing_package", "open_backends", "register_log_backend"]
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # wandb.init(dir=run_dir) writes run_dir/wandb/
