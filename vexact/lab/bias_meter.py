@@ -53,12 +53,12 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
+from ..records.runlog import json_safe, write_json_atomic
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject import Injector
 from ..rl.metrics import mismatch_metrics
 from ..rl.objective import compute_advantages
-from ..rl.runlog import json_safe, write_json_atomic
 
 __all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_bias", "noise_bias_split",
            "noise_bias_table", "run_meter", "split_cell"]

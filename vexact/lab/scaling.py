@@ -606,7 +606,7 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     curve: its law and its shape).
 
     A sweep without a horizon axis (most sweeps) writes no file: the line says why there is no law."""
-    from ..rl.runlog import json_safe
+    from ..records.runlog import json_safe
 
     result = scaling(data)
     meter_path = data.path / "meter.json"
@@ -1167,7 +1167,7 @@ def build_lines(built: dict[str, Any]) -> list[str]:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from ..rl.runlog import json_safe
+    from ..records.runlog import json_safe
 
     parser = argparse.ArgumentParser(prog="python -m vexact.lab.scaling", description=(
         "build-map: assemble one collapse map (one curve per correction) from sweep directories (their runs of one "
