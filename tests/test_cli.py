@@ -1,10 +1,23 @@
-"""``vexact check`` end to end through the console entry point."""
+"""``vexact check`` end to end through the console entry point; what ``--help`` imports."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
-from vexact.cli import main
+import pytest
+
+from vexact.cli import COMMANDS, build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What a command imports to do its work, never to print a help: the trainer, the report, the sweep, the kernels,
+# torch (and rich, which prints results)
+HEAVY = ("torch", "vexact.rl.trainer", "vexact.lab.report", "vexact.lab.sweep", "vexact_kernels", "vexact.real.check",
+         "rich")
 
 
 def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys):
@@ -47,3 +60,37 @@ def test_check_bad_dtype_is_one_clear_error(capsys):
     assert main(["check", "--dtype", "fp8"]) == 2
     err = capsys.readouterr().err
     assert "unsupported dtype 'fp8'" in err and "Traceback" not in err
+
+
+def _imported(*args: str) -> set[str]:
+    """The modules ``python -X importtime -m vexact ARGS`` imports (its import-time lines name each one)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "vexact", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: vexact" in done.stdout
+    return {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("args", [("--help",), ("run", "--help")], ids=["vexact", "run"])
+def test_help_imports_only_what_it_prints(args):
+    modules = _imported(*args)
+    assert {"vexact.cli", "argparse"} <= modules  # the lines were read: a module list, not an empty set
+    heavy = sorted(m for m in modules if m.partition(".")[0] in HEAVY or m in HEAVY)
+    assert heavy == [], f"vexact {' '.join(args)} imported {heavy}"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_lazy_subcommand_parses_and_helps_as_the_full_one(name):
+    """``main``'s parser adds a subcommand's arguments on first use; its help and parse are the full parser's."""
+    def command(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+    lazy, full = build_parser(lazy=True), build_parser()
+    assert command(lazy).format_help() == command(full).format_help()
+    words = {"check": [], "run": ["x.yaml"], "sweep": ["s.yaml"], "report": ["d"], "demo": [],
+             "measure": ["--model", "m", "--random-prompts", "2"], "compare": ["a.pt", "b.pt"],
+             "locate": ["--random"], "meter": ["m.yaml"], "bench": ["kernels"]}[name]
+    lazy_args = vars(build_parser(lazy=True).parse_args([name, *words]))
+    full_args = vars(full.parse_args([name, *words]))
+    assert lazy_args.keys() == full_args.keys()
+    assert {k: v for k, v in lazy_args.items() if k != "func"} == {k: v for k, v in full_args.items() if k != "func"}

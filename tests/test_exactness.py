@@ -15,6 +15,8 @@ import torch
 from conftest import num_threads, random_prompts, tiny_model
 
 from vexact import generate, token_logprobs
+from vexact.engine.inputs import pad_right
+from vexact.engine.rollout import decode_one_token, prefill
 from vexact_kernels import TRITON_PIP
 
 EOS = 3
@@ -91,6 +93,26 @@ def test_decode_step_equals_prefill_row(dtype):
     for t in range(30, 100):
         step = model(seq[:, t : t + 1], q_start=torch.tensor([t]), cache=cache)
         assert torch.equal(step[0, 0], prefill[0, t]), f"decode step {t} != prefill row {t}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_generation_steps_equal_training_logits(dtype):
+    """``prefill`` and ``decode_one_token``, the named steps ``generate`` loops over, give each row the logits
+    the training forward gives at that position, bit for bit, for ragged right-padded prompts."""
+    model = tiny_model("exact", dtype)
+    prompts = random_prompts(5, 20, seed=6)
+    continuation = random_prompts(5, 6, seed=7, min_len=6)
+    lengths = torch.tensor([len(p) for p in prompts])
+    cache = model.new_cache(len(prompts), 64)
+    logits = prefill(model, pad_right(prompts, model.device), lengths, cache, model.ops)
+    for t in range(7):
+        for b, (p, c) in enumerate(zip(prompts, continuation)):
+            seq = p + c[:t]
+            trained = model.logits(model(torch.tensor([seq]))[0, -1])
+            assert torch.equal(logits[b], trained), f"step {t}, row {b}: generation step != training logits"
+        if t < 6:
+            token = torch.tensor([c[t] for c in continuation])
+            logits = decode_one_token(model, token, lengths + t, cache, model.ops)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -235,6 +235,33 @@ def test_an_outside_estimator_reads_its_settings_from_the_algorithm_section():
     assert "advantage_scale" not in RunConfig().to_dict()["algorithm"]
 
 
+def test_an_outside_estimator_says_which_rollouts_it_cannot_learn_from():
+    """The config asks the selected estimator (``signal_problem``), so a new group-baseline estimator is refused at
+    one sample per prompt as ``grpo`` is, with no name list in the config to edit."""
+
+    class GroupMax(vexact.AdvantageEstimator):
+        """``group_max_outside``: r - the group's best reward."""
+
+        name = "group_max_outside"
+
+        def advantages(self, rewards, group_size, std_normalize, alg):
+            groups = rewards.view(-1, group_size)
+            return (groups - groups.max(dim=1, keepdim=True).values).reshape(-1)
+
+        def signal_problem(self, group_size, prompts_per_step):
+            return ("a group of 1 has nothing to compare", "rollout.samples_per_prompt") if group_size < 2 else None
+
+    vexact.register_advantage_estimator(GroupMax())
+    try:
+        with pytest.raises(ConfigError) as err:
+            config_from_dict({"algorithm": {"advantage": "group_max_outside"}, "rollout": {"samples_per_prompt": 1}})
+        assert err.value.key == "rollout.samples_per_prompt"
+        assert err.value.problem == "a group of 1 has nothing to compare"
+        config_from_dict({"algorithm": {"advantage": "group_max_outside"}, "rollout": {"samples_per_prompt": 2}})
+    finally:
+        ADVANTAGE_ESTIMATORS.remove("group_max_outside")
+
+
 def test_an_outside_log_backend_is_opened_with_its_settings(tmp_path):
     written: list[tuple[int, dict]] = []
 
@@ -265,6 +292,10 @@ def test_an_outside_log_backend_is_opened_with_its_settings(tmp_path):
         cfg = config_from_dict({"logging": {"backends": ["jsonl", "list_outside"], "list_label": "mine"}})
         backends = open_backends(tmp_path, cfg, [{"step": 0, "actor/lr": 0.5}])
         assert len(backends) == 1 and written == [(0, {"mine": {"actor/lr": 0.5}})]
+        # the user's own trainer's monitor takes it as well: its backends are the registry's, read when it starts
+        with vexact.LiveMonitor(tmp_path / "live", backends=("jsonl", "list_outside")) as monitor:
+            monitor.step(0, [torch.tensor([-0.5, -1.0])], [torch.tensor([-0.5, -1.0])])
+        assert written[1][0] == 0 and written[1][1]["run"]["mismatch/bitwise_equal_frac"] == 1.0
     finally:
         LOG_BACKENDS.remove("list_outside")
 

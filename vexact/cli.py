@@ -7,10 +7,13 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # rich is imported by the commands that print, not by --help
+    from rich.console import Console
+    from rich.table import Table
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 FAILED_MEANS = {
@@ -57,11 +60,32 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """vexact's parsers (the subcommands' too: argparse builds them with the parent's class): defaults in --help."""
+    """vexact's parsers (the subcommands' too: argparse builds them with the parent's class): defaults in --help.
+
+    ``arguments``: a function that adds the parser's arguments, called on first parse or help (``build_parser(lazy=
+    True)``): a command's arguments may need its module (and torch), which only that command should import."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
+        self.arguments: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def _complete(self) -> None:
+        if self.arguments is not None:
+            arguments, self.arguments = self.arguments, None
+            arguments(self)
+
+    def parse_known_args(self, args=None, namespace=None):  # argparse hands a subcommand its words here
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._complete()
+        return super().format_usage()
 
 
 def package_version() -> str:
@@ -74,6 +98,8 @@ def package_version() -> str:
 
 def make_console(stderr: bool = False) -> Console:
     """Rich console; wide when output is not a terminal (logs, CI) so lines don't wrap."""
+    from rich.console import Console
+
     probe = Console(stderr=stderr)
     return probe if probe.is_terminal else Console(stderr=stderr, width=160)
 
@@ -138,9 +164,7 @@ CHECK_THREADS = 1
 """``vexact check``'s default generation threads."""
 
 
-def _add_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", epilog=exit_codes_help("check"),
-                       help="verify rollout log-probs == training log-probs bit for bit on this machine")
+def _check_arguments(p: argparse.ArgumentParser) -> None:
     from .engine.presets import PRESET_NAMES
     from .real.check import CHECK_PRESET, CheckSettings
 
@@ -200,6 +224,9 @@ def _check_shape(args: argparse.Namespace) -> dict:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from .engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
     from .progress import Progress
     from .real.check import CheckSettings, check_units, mismatched, run_check
@@ -296,6 +323,8 @@ def _kernel_paths_line(paths: dict) -> str:
 
 def _kernel_paths_table(paths: dict) -> Table:
     """One row per op: the path it took on this host and, for probed ops, each shape class's verdict."""
+    from rich.table import Table
+
     verdicts = {f"{p['property']}: {p['shape_class']}": p for p in paths["probes"]}
     mode = f", guard mode {paths['mode']}" if "mode" in paths else ""
     if "loops" in paths:  # the exact CPU kernels' compiled loops (kernels/compiled_loops.py), or the torch ops
@@ -315,9 +344,7 @@ def _kernel_paths_table(paths: dict) -> Table:
     return table
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", epilog=exit_codes_help("run"),
-                       help="run one RL experiment from a YAML config")
+def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="experiment YAML (see experiments/), or with --resume a run directory "
                    "(its own config.yaml is used: no --set to repeat)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -471,6 +498,8 @@ def _launch_ranks(args: argparse.Namespace, cfg, console: Console) -> int:
 
 
 def _print_run_summary(cfg, summary: dict, console: Console) -> None:
+    from rich.table import Table
+
     from .rl.trainer import run_dir_for
 
     keys = ("status", "reason", "steps_completed", "collapse.initial_reward", "collapse.final_reward",
@@ -489,9 +518,7 @@ def _print_run_summary(cfg, summary: dict, console: Console) -> None:
     console.print(table)
 
 
-def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", epilog=exit_codes_help("sweep"),
-                       help="run a grid of experiments (resumable); see experiments/*sweep*.yaml")
+def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", type=Path, help="sweep YAML: base config + grid")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value of every point, e.g. --set optimizer.lr=1e-4 (repeatable; as vexact "
@@ -544,10 +571,7 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
     return EXIT_FAILED if any(status == "failed" for status in statuses.values()) else EXIT_OK
 
 
-def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", epilog=exit_codes_help("report"),
-                       help="tables and plots for a sweep directory (DIR/report/: summary.csv, table.md, ...) or "
-                            "a single run directory (DIR/report/: report.json, run_curves.png)")
+def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", type=Path, metavar="DIR",
                    help="a vexact sweep output (has sweep.json) or a vexact run output (has metrics.jsonl)")
     p.add_argument("--skip-damaged", action="store_true",
@@ -562,9 +586,7 @@ def _cmd_report(directory: Path, skip_damaged: bool = False) -> int:
     return EXIT_OK
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", epilog=exit_codes_help("demo"),
-                       help="a small injected-mismatch sweep with its report (a few minutes on 2 cores)")
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo",
                    help="where the sweep's runs and report go (default runs/demo; re-running resumes it)")
     p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes, one run each (default 1)")
@@ -580,9 +602,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                              quiet=args.quiet)
 
 
-def _add_measure(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("measure", epilog=exit_codes_help("measure"),
-                       help="measure natural TIM between two computation paths on a local HF checkpoint")
+def _measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="checkpoint directory (config.json + "
                    "safetensors); python -m vexact.real.measure --make-tiny-checkpoint DIR writes a tiny one")
     source = p.add_mutually_exclusive_group(required=True)
@@ -615,6 +635,8 @@ def _add_measure(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_measure(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from .real.measure import MeasureSettings, print_measure, run_measure, write_json, write_png
 
     settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
@@ -660,11 +682,9 @@ BENCHMARKS = {
 """``vexact bench WHICH``: benchmarks.WHICH, each with what it measures (the choices and the help)."""
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", epilog=exit_codes_help("bench"),
-                       help="the price of exactness: exact / native time ratios (kernels, end to end)",
-                       description="Runs python -m benchmarks.<which> with the remaining options "
-                                   "(vexact bench kernels --help lists them).")
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Runs python -m benchmarks.<which> with the remaining options (vexact bench kernels --help "
+                     "lists them).")
     p.add_argument("which", choices=tuple(BENCHMARKS),
                    help="; ".join(f"{name}: {what}" for name, what in BENCHMARKS.items()))
     p.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
@@ -675,54 +695,64 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _benchmarks_module(args.which).main(args.options, prog=f"vexact bench {args.which}")
 
 
-def _add_compare(sub: argparse._SubParsersAction) -> None:
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
     from .real import compare
 
-    p = sub.add_parser("compare", epilog=exit_codes_help("compare"),
-                       help="compare log-probs dumped by your own rollout engine and trainer (a CI gate)")
     compare.add_arguments(p)
     p.set_defaults(func=compare.main)
 
 
-def _add_locate(sub: argparse._SubParsersAction) -> None:
+def _locate_arguments(p: argparse.ArgumentParser) -> None:
     from .real import locate
 
-    p = sub.add_parser("locate", epilog=exit_codes_help("locate"),
-                       help="find the first op whose output differs between two computation paths")
     locate.add_arguments(p)
     p.set_defaults(func=locate.main)
 
 
-def _add_meter(sub: argparse._SubParsersAction) -> None:
+def _meter_arguments(p: argparse.ArgumentParser) -> None:
     from .lab import bias_meter
 
-    p = sub.add_parser("meter", epilog=exit_codes_help("meter"),
-                       help="gradient bias of mismatched rollouts vs exact ones, per horizon and source (no training)")
     bias_meter.add_arguments(p)
     p.set_defaults(func=bias_meter.main)
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "check": ("verify rollout log-probs == training log-probs bit for bit on this machine", _check_arguments),
+    "run": ("run one RL experiment from a YAML config", _run_arguments),
+    "sweep": ("run a grid of experiments (resumable); see experiments/*sweep*.yaml", _sweep_arguments),
+    "report": ("tables and plots for a sweep directory (DIR/report/: summary.csv, table.md, ...) or a single run "
+               "directory (DIR/report/: report.json, run_curves.png)", _report_arguments),
+    "demo": ("a small injected-mismatch sweep with its report (a few minutes on 2 cores)", _demo_arguments),
+    "measure": ("measure natural TIM between two computation paths on a local HF checkpoint", _measure_arguments),
+    "compare": ("compare log-probs dumped by your own rollout engine and trainer (a CI gate)", _compare_arguments),
+    "locate": ("find the first op whose output differs between two computation paths", _locate_arguments),
+    "meter": ("gradient bias of mismatched rollouts vs exact ones, per horizon and source (no training)",
+              _meter_arguments),
+    "bench": ("the price of exactness: exact / native time ratios (kernels, end to end)", _bench_arguments),
+}
+"""The subcommands, in ``--help``'s order: {name: (the one-line help, the function that adds its arguments)}."""
+
+
+def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
+    """The ``vexact`` parser. ``lazy``: add a subcommand's arguments only when that subcommand parses or prints its
+    help (what ``main`` uses, so ``vexact --help`` and ``vexact run --help`` import no command's module); else
+    every subcommand is complete now (the docs and tests walk its arguments)."""
     parser = _Parser(prog="vexact", description="Training-inference mismatch diagnostics for LLM RL.",
                      epilog=exit_codes_help())
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
                         help="print vexact's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_check(sub)
-    _add_run(sub)
-    _add_sweep(sub)
-    _add_report(sub)
-    _add_demo(sub)
-    _add_measure(sub)
-    _add_compare(sub)
-    _add_locate(sub)
-    _add_meter(sub)
-    _add_bench(sub)
+    for name, (help_text, arguments) in COMMANDS.items():
+        command = sub.add_parser(name, epilog=exit_codes_help(name), help=help_text)
+        if lazy:
+            command.arguments = arguments
+        else:
+            arguments(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(lazy=True).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as err:  # bad input: one clear line, no traceback
@@ -742,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _error_line(label: str, message: str, colour: str) -> None:
     """One unwrapped stderr line; the message is printed as is (no markup: paths and lists contain brackets)."""
+    from rich.console import Console
+
     console = Console(stderr=True, soft_wrap=True)
     console.print(f"[{colour}]{label}[/]" + (":" if message else ""), end=" " if message else "\n")
     if message:

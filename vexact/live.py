@@ -85,12 +85,11 @@ from .real.measure import mismatch_report
 from .records.atomic import write_text_atomic
 from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError, LoggingSection
-from .rl.log_backends import PACKAGES, live_views, missing_package
+from .rl.log_backends import LOG_BACKENDS, live_views, missing_package
 
 __all__ = ["POSITIVE_LOGPROB_TOLERANCE", "GateFailed", "Gates", "LiveMonitor", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
-BACKENDS = ("jsonl", *PACKAGES)  # the run log's registry: jsonl plus its live views
 POSITIVE_LOGPROB_TOLERANCE = 1e-6
 """A log-prob above this is refused: log p <= 0 for any probability, and a log_softmax computed in float32 or
 bf16 never rounds above 0 by more than a few ulps of 0 (far below this); a value like +0.7 means logits or
@@ -259,8 +258,8 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
                 gates: Gates, on_gate_failure: str) -> _LogConfig:
     """The backends checked now (names, duplicates, installed packages), so a bad choice fails before step 0."""
     for backend in backends:
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; expected some of {list(BACKENDS)}")
+        if backend not in LOG_BACKENDS:  # read now: a backend registered after import counts too
+            raise ValueError(f"unknown backend {backend!r}; expected some of {list(LOG_BACKENDS.names())}")
     if "jsonl" not in backends:
         backends = ["jsonl", *backends]  # metrics.jsonl is the record; the others are copies of it
     if len(set(backends)) != len(backends):

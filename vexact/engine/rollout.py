@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
-from .model import KernelOps, RouteHook, Routing, Transformer
+from .model import KernelOps, KVCache, RouteHook, Routing, Transformer
 from .sampling import sample_tokens
 
 CACHE_BLOCK = 64  # cache length rounded up to whole attention tiles
@@ -91,17 +91,55 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     return GenerateOutput(tokens, logprobs, finished, routing)
 
 
+def prefill(model: Transformer, prompts: Tensor, lengths: Tensor, cache: KVCache, ops: KernelOps,
+            routing: Routing | None = None) -> Tensor:
+    """The prompts' forward: fills ``cache`` and gives the first next-token logits.
+
+    Takes the right-padded prompts [B, T] (int64), each prompt's length ``lengths`` [B], a fresh ``cache`` of at
+    least T positions, the kernel ``ops`` and the MoE ``routing`` of this forward (None for a dense model). Writes
+    every prompt position's keys and values into ``cache`` (a padded slot only into its own row, where the decode
+    overwrites it) and returns the logits [B, V] (model dtype, unscaled) at each prompt's last token.
+
+    Bit-identical to the training path because it is the training path's forward: the same
+    ``Transformer.forward`` and ``Transformer.logits`` on the same ops, whose every op gives a row the same bits
+    whatever the other rows, the batch size and the sequence length hold (the exact ops' contract); the cache
+    only stores the keys and values the forward computed.
+    """
+    hidden = model(prompts, cache=cache, ops=ops, routing=routing)
+    last = hidden[torch.arange(len(lengths), device=hidden.device), lengths - 1]
+    return model.logits(last, ops)
+
+
+def decode_one_token(model: Transformer, token: Tensor, positions: Tensor, cache: KVCache, ops: KernelOps,
+                     routing: Routing | None = None) -> Tensor:
+    """One token's forward from the cache: gives the logits of the token after it.
+
+    Takes the token just sampled per row, ``token`` [B] (int64), its absolute position ``positions`` [B], the
+    ``cache`` the prefill and earlier decode steps filled, the kernel ``ops`` and this forward's MoE ``routing``.
+    Writes the token's keys and values at ``positions`` and returns the logits [B, V] (model dtype, unscaled)
+    for the token after it.
+
+    Bit-identical to the training path for the same reason as ``prefill``: it is the same
+    ``Transformer.forward`` (a query length of 1 and ``q_start=positions``) and ``Transformer.logits``; the exact
+    attention sums over fixed key tiles from position 0 and masks every position after the query's, so a token's
+    logits do not depend on whether its context came from the cache or from the same forward, nor on the
+    cache's length.
+    """
+    hidden = model(token[:, None], q_start=positions, cache=cache, ops=ops, routing=routing)[:, 0]
+    return model.logits(hidden, ops)
+
+
 def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: int, max_new_tokens: int,
                     temperature: float, seed: int, eos_token_id: int | None,
                     logits_hook: LogitsHook | None, ops: KernelOps, routing_hook: RouteHook | None = None
                     ) -> GenerateOutput:
+    """One batch of ``generate``: ``prefill``, then sample and ``decode_one_token`` until every row stopped."""
     device = model.device
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     sequence_ids = torch.arange(first_index, first_index + batch, device=device)
     cache_len = -(-(int(lengths.max()) + max_new_tokens) // CACHE_BLOCK) * CACHE_BLOCK
     cache = model.new_cache(batch, cache_len)
-    rows = torch.arange(batch, device=device)
     moe = bool(model.config.moe_layers)
     records: list[list[Tensor]] = []  # per forward (prefill, then each decode step): each MoE layer's experts
 
@@ -111,16 +149,13 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
         records.append([])
         return Routing(hook=routing_hook, sequence_ids=sequence_ids, record=records[-1])
 
-    # Prefill: the whole (right-padded) prompts; logits only at each prompt's last token.
-    hidden = model(pad_right(prompts, device), cache=cache, ops=ops, routing=routing())
-    last_hidden = hidden[rows, lengths - 1]
-
     out_tokens = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
     out_logprobs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     n_steps = 0
+    next_logits = prefill(model, pad_right(prompts, device), lengths, cache, ops, routing())
     for t in range(max_new_tokens):
-        logits = scale_logits(model.logits(last_hidden, ops), temperature)
+        logits = scale_logits(next_logits, temperature)
         positions = torch.full((batch,), t, dtype=torch.long, device=device)
         sample_logits = record_logits = logits
         if logits_hook is not None:
@@ -134,18 +169,23 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
             done |= token == eos_token_id
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        last_hidden = model(token[:, None], q_start=lengths + t, cache=cache, ops=ops, routing=routing())[:, 0]
+        next_logits = decode_one_token(model, token, lengths + t, cache, ops, routing())
+    return _outputs(prompts, out_tokens[:, :n_steps], out_logprobs, eos_token_id, records if moe else None)
 
+
+def _outputs(prompts: list[list[int]], out_tokens: Tensor, out_logprobs: Tensor, eos_token_id: int | None,
+             records: list[list[Tensor]] | None) -> GenerateOutput:
+    """Each row's tokens and log-probs up to and including its EOS, and (MoE) the routing of the positions read."""
     tokens, logprobs, finished = [], [], []
-    for b in range(batch):
-        seq = out_tokens[b, :n_steps].tolist()
+    for b in range(len(prompts)):
+        seq = out_tokens[b].tolist()
         n = len(seq)
         if eos_token_id is not None and eos_token_id in seq:
             n = seq.index(eos_token_id) + 1
         tokens.append(seq[:n])
         logprobs.append(out_logprobs[b, :n].clone())
         finished.append(eos_token_id is not None and n > 0 and seq[n - 1] == eos_token_id)
-    if not moe:
+    if records is None:
         return GenerateOutput(tokens, logprobs, finished)
     # [B, positions read, n_moe_layers, k]: the prefill's positions, then one per decode step
     read = torch.cat([torch.stack(layers, dim=2) for layers in records], dim=1)

@@ -10,7 +10,8 @@ sequence. The built-ins differ only in their baseline:
 ``std_normalize`` divides by the std of the same scope (group, or batch for reinforce); std is the unbiased sample
 std, as in verl's GRPO. A new estimator is one class (``register_advantage_estimator(MyEstimator())``), with its own
 settings as ``algorithm.*`` keys if it has any (a dataclass in ``settings``; it reads them from the ``algorithm``
-section passed as ``alg``). ``vexact.rl.objective.compute_advantages`` is the one caller.
+section passed as ``alg``), and ``signal_problem`` if some rollout sizes give it nothing to learn from.
+``vexact.rl.objective.compute_advantages`` is the one caller.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ class AdvantageEstimator:
     def advantages(self, rewards: Tensor, group_size: int, std_normalize: bool, alg: Any) -> Tensor:
         raise NotImplementedError
 
+    def signal_problem(self, group_size: int, prompts_per_step: int) -> tuple[str, str] | None:
+        """Why every advantage is 0 at every step for rollouts of ``prompts_per_step`` prompts x ``group_size``
+        samples, so nothing is learned: (the problem, the config key to change), which the config reports when it
+        is loaded; None when the estimator can learn from them."""
+        return None
+
 
 def register_advantage_estimator(estimator: AdvantageEstimator, replace: bool = False) -> AdvantageEstimator:
     """Register an advantage estimator (an ``AdvantageEstimator`` instance) under its ``name``:
@@ -52,6 +59,13 @@ class _GroupBaseline(AdvantageEstimator):
 
     def centred(self, groups: Tensor, mean: Tensor, group_size: int) -> Tensor:
         raise NotImplementedError
+
+    def signal_problem(self, group_size: int, prompts_per_step: int) -> tuple[str, str] | None:
+        if group_size >= 2:
+            return None
+        return (f"algorithm.advantage {self.name!r} compares the samples of one prompt with each other: a group of "
+                f"{group_size} sample has advantage 0 at every step, so nothing is learned; set "
+                "rollout.samples_per_prompt >= 2 (or algorithm.advantage: reinforce)", "rollout.samples_per_prompt")
 
     def advantages(self, rewards: Tensor, group_size: int, std_normalize: bool, alg: Any) -> Tensor:
         groups = rewards.view(-1, group_size)
@@ -87,6 +101,13 @@ class Reinforce(AdvantageEstimator):
     """``reinforce``: r - batch mean (one baseline for the batch)."""
 
     name = "reinforce"
+
+    def signal_problem(self, group_size: int, prompts_per_step: int) -> tuple[str, str] | None:
+        if prompts_per_step * group_size >= 2:
+            return None
+        return (f"algorithm.advantage {self.name!r} centres each reward on the batch mean: a batch of 1 sample has "
+                "advantage 0 at every step; set rollout.prompts_per_step or rollout.samples_per_prompt above 1",
+                "rollout.prompts_per_step")
 
     def advantages(self, rewards: Tensor, group_size: int, std_normalize: bool, alg: Any) -> Tensor:
         centred = rewards - rewards.mean()

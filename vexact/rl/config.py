@@ -422,16 +422,10 @@ class RunConfig:
 
     def _check_learning_signal(self) -> None:
         """Settings each valid alone whose combination can never learn or never inject: refused, naming the key."""
-        group, advantage = self.rollout.samples_per_prompt, self.algorithm.advantage
-        if advantage in ("grpo", "rloo") and group < 2:
-            raise ConfigError(f"algorithm.advantage {advantage!r} compares the samples of one prompt with each other: "
-                              f"a group of {group} sample has advantage 0 at every step, so nothing is learned; set "
-                              "rollout.samples_per_prompt >= 2 (or algorithm.advantage: reinforce)",
-                              "rollout.samples_per_prompt")
-        if advantage == "reinforce" and self.rollout.prompts_per_step * group < 2:
-            raise ConfigError("algorithm.advantage 'reinforce' centres each reward on the batch mean: a batch of 1 "
-                              "sample has advantage 0 at every step; set rollout.prompts_per_step or "
-                              "rollout.samples_per_prompt above 1", "rollout.prompts_per_step")
+        estimator = ADVANTAGE_ESTIMATORS[self.algorithm.advantage]  # each estimator knows what it cannot learn from
+        problem = estimator.signal_problem(self.rollout.samples_per_prompt, self.rollout.prompts_per_step)
+        if problem is not None:
+            raise ConfigError(*problem)
         inject = self.inject
         mode = INJECT_MODES[inject.mode]
         baseline = mode.knob is not None and inject.value == 0 and inject.target is None  # explicitly nothing
