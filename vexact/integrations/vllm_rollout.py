@@ -129,10 +129,10 @@ class VllmEngine(RolloutEngine):
     settings = VllmRolloutSettings
 
     def check(self, world_size: int) -> None:
-        super().check(world_size)
         if world_size != 1:
             raise ConfigError(f"rollout.engine vllm runs one vLLM engine for the run, not one per rank: run it in one "
                               f"process (got {world_size} ranks)", "rollout.engine")
+        super().check(world_size)
 
     def open(self, cfg: RunConfig, run_dir: Path, world_size: int) -> _VllmSession:
         self.check(world_size)
