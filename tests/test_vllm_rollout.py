@@ -17,7 +17,7 @@ from rich.console import Console
 from vexact.integrations import vllm_rollout as vr
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, GRAD_NORM, K3_KL, TIMING_WEIGHT_SYNC
 from vexact.rl import rollout_engines
-from vexact.rl.config import ConfigError, config_from_dict
+from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.runlog import read_metrics
 from vexact.rl.tasks import EOS_ID
 from vexact.rl.trainer import Trainer, _step_seed
@@ -240,3 +240,8 @@ def test_vllm_dying_is_one_error_naming_its_log(stub_vllm, monkeypatch):
     with pytest.raises(ValueError, match=r"vLLM's process exited with code 3; last line of .*vllm\.log: engine core "
                                          r"died"):
         run(stub_vllm)
+
+
+def test_the_shipped_config_runs_vllm_on_a_head_size_it_supports():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "experiments" / "vllm_rollout.yaml")
+    assert cfg.rollout.engine == "vllm" and cfg.model.to_model_config(vocab_size=1).head_dim in vr.VLLM_CPU_HEAD_DIMS
