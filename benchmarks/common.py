@@ -27,7 +27,7 @@ import torch
 from vexact import ModelConfig
 from vexact.engine.model import DTYPES as MODEL_DTYPES
 from vexact.engine.presets import preset_config
-from vexact.rl.runlog import write_json_atomic
+from vexact.records.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
 
 # The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments).

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from vexact.metric_keys import TIMING_GRAD_REDUCE, TIMING_STEP
+from vexact.records.runlog import read_metrics
 from vexact.rl.data_parallel import DataParallel, launch
-from vexact.rl.runlog import read_metrics
 
 from .common import EXPERIMENT
 

@@ -32,8 +32,8 @@ from vexact.lab.report import read_sweep_results
 from vexact.lab.sweep import load_sweep_spec, run_sweep, sweep_lock
 from vexact.progress import Progress
 from vexact.real.check import CheckSettings, check_units, run_check
+from vexact.records.runlog import RunLocked, checkpoint_dirs, read_metrics
 from vexact.rl.config import ConfigError, config_from_dict, load_config
-from vexact.rl.runlog import RunLocked, checkpoint_dirs, read_metrics
 from vexact.rl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,9 @@ from vexact.lab.bias_meter import (
     fit_growth,
     load_meter_spec,
     measure_bias,
+    noise_bias_split,
     plot_meter,
+    split_cell,
 )
 from vexact.rl.config import config_from_dict
 from vexact.rl.horizon_task import horizon_overrides
@@ -108,3 +110,65 @@ def test_the_plot_takes_an_interval_beside_its_estimate(tmp_path):
               "growth": {"s": {"bias_ratio": {"status": "insufficient"}}}}
     path = plot_meter(result, tmp_path / "meter.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- noise against bias
+
+def _deviations(bias_norm: float, sigma: float, k: int = 400, p: int = 50) -> torch.Tensor:
+    """K per-batch deviations d_k = b + σ z_k: known bias ‖b‖ and noise tr Σ = p σ²."""
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randn(p, generator=gen, dtype=torch.float64)
+    b = b / b.norm() * bias_norm
+    return b + sigma * torch.randn(k, p, generator=gen, dtype=torch.float64)
+
+
+def test_noise_bias_split_recovers_known_parts():
+    """‖b‖² = 1, tr Σ = 50 · 0.1² = 0.5, K = 400. Standard errors (Gaussian rows): bias_sq sqrt(4σ²‖b‖²/K +
+    2pσ⁴/K²) ≈ 0.010, noise_sq tr Σ · sqrt(2/(p(K−1))) ≈ 0.0050: tolerances of 5 standard errors."""
+    split = noise_bias_split(_deviations(1.0, 0.1))
+    assert split["bias_sq"] == pytest.approx(1.0, abs=0.05)
+    assert split["noise_sq"] == pytest.approx(0.5, abs=0.025)
+    assert split["crossover_batches"] == pytest.approx(0.5, abs=0.05)
+    fit = split["by_count_fit"]  # the 1/N check over block means: noisier, but the same two terms
+    assert [n for n, _ in split["by_count"]] == [1, 2, 4, 8]
+    assert fit["bias_sq"] == pytest.approx(1.0, abs=0.1) and fit["noise_sq"] == pytest.approx(0.5, abs=0.15)
+
+
+def test_noise_bias_split_tells_noise_from_bias():
+    """Counter-cases: pure noise has no bias (within 5 standard errors: sqrt(2pσ⁴/K²) = 0.0025 at σ = 0.1), a pure
+    bias has no noise at all, and the two are not swapped."""
+    noise = noise_bias_split(_deviations(0.0, 0.1))
+    assert abs(noise["bias_sq"]) < 0.0125 and noise["noise_sq"] == pytest.approx(0.5, abs=0.025)
+    bias = noise_bias_split(_deviations(1.0, 0.0))
+    assert bias["noise_sq"] == pytest.approx(0.0, abs=1e-12) and bias["bias_sq"] == pytest.approx(1.0, rel=1e-9)
+    assert bias["crossover_batches"] == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="K >= 2 batches"):
+        noise_bias_split(_deviations(1.0, 0.1)[:1])
+
+
+def test_split_cell_reads_the_same_split_from_a_cells_norms():
+    """meter.json keeps norms, not the deviations: the split from them equals the split from the deviations."""
+    d, g = _deviations(1.0, 0.1), _deviations(2.0, 0.1)
+    stats = {**bias_statistics(g, d, bootstrap=1), "batches": d.shape[0]}
+    cell, direct = split_cell(stats), noise_bias_split(d)
+    assert cell["bias_sq"] == pytest.approx(direct["bias_sq"], rel=1e-9)
+    assert cell["noise_sq"] == pytest.approx(direct["noise_sq"], rel=1e-9)
+    assert cell["bias_ratio_debiased"] == pytest.approx(stats["bias_ratio_debiased"], rel=1e-9)
+    assert cell["noise_ratio"] == pytest.approx(math.sqrt(0.5 / 4.0), rel=0.1)  # sqrt(tr Σ / ‖E g‖²)
+
+
+def test_noise_bias_cli(tmp_path, capsys):
+    from vexact.lab.bias_meter import _main
+
+    d, g = _deviations(1.0, 0.1, k=16), _deviations(2.0, 0.1, k=16)
+    cells = [{**bias_statistics(g, d * scale, bootstrap=1), "batches": 16, "horizon": h, "source": "s",
+              "horizon_mean": float(h), "k3_kl": 0.01, "noise_bias": noise_bias_split(d * scale)}
+             for h, scale in ((4, 1.0), (16, 2.0))]
+    (tmp_path / "meter.json").write_text(json.dumps({"cells": cells}))
+    assert _main(["noise-bias", str(tmp_path / "meter.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| 4 | 4.0 | s | 1.00e-02 |" in out and "- s: bias ∝ T^0.50, noise ∝ T^0.50" in out  # both doubled
+    (tmp_path / "bad.json").write_text(json.dumps({"cells": [{"horizon": 4}]}))
+    assert _main(["noise-bias", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "not a vexact meter result" in err and len(err.strip().splitlines()) == 1

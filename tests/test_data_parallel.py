@@ -20,9 +20,9 @@ from rich.console import Console
 from safetensors.torch import load_file
 from test_sweep import EXPERIMENT, _without_timing
 
+from vexact.records.runlog import latest_checkpoint, read_metrics
 from vexact.rl.config import load_config
 from vexact.rl.data_parallel import DataParallel, check_leaves, launch, tree_sum
-from vexact.rl.runlog import latest_checkpoint, read_metrics
 from vexact.rl.trainer import Trainer
 
 # no ``threads``: ranks and the plain Trainer take the default; test_runs_are_bitwise_identical_on_1_2_and_4_ranks runs

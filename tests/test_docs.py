@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 from vexact import docs_gen, metric_keys
 from vexact.cli import build_parser, main
+from vexact.records.runlog import read_metrics
 from vexact.rl.config import config_from_dict, load_config
-from vexact.rl.runlog import read_metrics
 from vexact.rl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py

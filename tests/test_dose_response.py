@@ -174,8 +174,8 @@ def test_realistic_sweeps_ship_and_one_uses_a_realistic_source() -> None:
 
 
 def test_realistic_testbed_runs_and_its_response_lengths_vary(tmp_path: Path) -> None:
+    from vexact.records.runlog import read_metrics
     from vexact.rl.config import load_config
-    from vexact.rl.runlog import read_metrics
     from vexact.rl.trainer import Trainer
 
     overrides = ["steps=2", "warm_start.steps=5", "model.hidden_size=32", "model.num_layers=1",

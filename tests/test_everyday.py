@@ -22,7 +22,9 @@ from vexact.lab.sweep import load_sweep_spec
 from vexact.real.locate import parse_locate_path
 from vexact.real.measure import parse_path
 from vexact.real.pretrained import make_tiny_checkpoint, read_checkpoint_config
-from vexact.rl import runlog, triton_guard
+from vexact.records import runlog
+from vexact.records.runlog import discard_if_interrupted_early, save_checkpoint
+from vexact.rl import triton_guard
 from vexact.rl.config import (
     KEY_ALIASES,
     ConfigError,
@@ -32,7 +34,6 @@ from vexact.rl.config import (
     load_config,
     save_config,
 )
-from vexact.rl.runlog import discard_if_interrupted_early, save_checkpoint
 from vexact.rl.tasks import make_task
 from vexact.rl.trainer import Trainer
 

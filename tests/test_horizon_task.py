@@ -12,7 +12,7 @@ import torch
 from vexact.rl.horizon_task import SCRATCH_ALPHABET, SCRATCH_PROBS, horizon_overrides, scratch_entropy
 from vexact.rl.tasks import (
     EOS_ID,
-    TASK_NAMES,
+    TASKS,
     encode_prompt,
     encode_target,
     make_task,
@@ -23,7 +23,7 @@ from vexact.rl.tasks import (
 
 
 def test_registered_and_configurable():
-    assert "horizon" in TASK_NAMES
+    assert "horizon" in TASKS
     from vexact.rl.config import config_from_dict
 
     cfg = config_from_dict({"task": {"name": "horizon", "min_len": 32, "max_len": 32}},

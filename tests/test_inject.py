@@ -11,9 +11,9 @@ from test_trainer import EXPERIMENT, _short, _without_timing
 
 from vexact import generate, token_logprobs
 from vexact.engine.model import Transformer
+from vexact.records.runlog import read_metrics
 from vexact.rl.config import config_from_dict, load_config
 from vexact.rl.inject import Injector, RolloutPlan, round_to
-from vexact.rl.runlog import read_metrics
 from vexact.rl.trainer import Trainer
 from vexact_kernels import get_ops
 

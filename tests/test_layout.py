@@ -1,11 +1,11 @@
 """The code layout is a contract: packages are layers, no module-level import circle, and ``Trainer.step`` reads as
 the data flow.
 
-Layers, lowest first: ``vexact_kernels`` (the folder kernels/), ``vexact.engine``, ``vexact.rl``, ``vexact.lab``,
-``vexact.real``, then ``vexact`` itself (``__init__``, ``cli``). A module may import its own package and the
-layers below it, never one above. Within and across layers, the modules' module-level imports form no circle (the
-known remaining ones are listed in ``KNOWN_CIRCLES``). ``Trainer.step`` -- with the Trainer methods it calls -- uses
-at most six vexact modules besides the policy it trains (``engine.model``'s ``Transformer``): one per stage of the
+Layers, lowest first: ``vexact_kernels`` (the folder kernels/), ``vexact.records`` (the files a run writes and
+reads), ``vexact.engine``, ``vexact.rl``, ``vexact.lab``, ``vexact.real``, then ``vexact`` itself (``__init__``,
+``cli``). A module may import its own package and the layers below it, never one above. Within and across layers,
+the modules' module-level imports form no circle. ``Trainer.step`` -- with the Trainer methods it calls -- uses at
+most six vexact modules besides the policy it trains (``engine.model``'s ``Transformer``): one per stage of the
 data flow (rollout + injector, scoring/rollout records, metrics, loss, LR schedule, update).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("engine", "rl", "lab", "real")  # lowest first; vexact/__init__.py and cli.py sit on top
+LAYERS = ("records", "engine", "rl", "lab", "real")  # lowest first; vexact/__init__.py and cli.py sit on top
 BASE = ("registry", "metric_keys", "progress")
 """Top-level modules below every layer: the registries, metric-key constants and progress display every layer
 shares. At import they import nothing of vexact (``test_the_base_modules_import_nothing_of_vexact``)."""
@@ -146,15 +146,19 @@ def test_trainer_step_touches_at_most_six_modules() -> None:
     assert modules == {"inject", "rollouts", "objective", "schedules", "metrics", "optim"}, modules
 
 
+def test_pyproject_installs_every_package() -> None:
+    """A wheel holds only the packages pyproject.toml lists: each package folder of vexact/ and kernels/ is there."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    listed = set(read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"])
+    folders = {".".join(("vexact_kernels" if path.parts[0] == "kernels" else path.parts[0], *path.parts[1:]))
+               for init in (*(ROOT / "vexact").rglob("__init__.py"), *(ROOT / "kernels").rglob("__init__.py"))
+               for path in [init.parent.relative_to(ROOT)]}
+    assert listed == folders, f"not installed: {sorted(folders - listed)}; no such package: {sorted(listed - folders)}"
+
+
 # --------------------------------------------------------------------------- import circles
 PACKAGES = {"vexact": "vexact", "vexact_kernels": "kernels"}  # import name -> folder
-KNOWN_CIRCLES = (
-    # tasks.py imports the horizon and surge tasks at its end (after Task, which they subclass) to register them:
-    # goes when each task module registers itself
-    frozenset({"vexact.rl.tasks", "vexact.rl.horizon_task", "vexact.rl.surge_task"}),
-)
-"""The module-level import circles that remain, each as the set of its modules: the circle check accepts a circle
-within one of them (a smaller one is progress) and fails once one no longer exists (shrink the list)."""
 
 
 def _module_files(root: Path, packages: dict[str, str]) -> dict[str, Path]:
@@ -253,16 +257,10 @@ def _cycle(graph: dict[str, set[str]], members: set[str]) -> list[str]:
 
 
 def test_no_import_circle() -> None:
-    """No module-level import circle in vexact/ and kernels/ beyond the known ones (``KNOWN_CIRCLES``)."""
-    unknown = [cycle for cycle in circles(import_graph()) if not any(set(cycle) <= known for known in KNOWN_CIRCLES)]
-    assert not unknown, "import circles: " + "; ".join(" -> ".join(cycle) for cycle in unknown)
-
-
-def test_every_known_circle_still_exists() -> None:
-    """A known circle that is gone leaves the list: it must not hide a new circle among the same modules later."""
-    found = [set(cycle) for cycle in circles(import_graph())]
-    gone = [sorted(known) for known in KNOWN_CIRCLES if not any(cycle <= known for cycle in found)]
-    assert not gone, f"no longer an import circle, remove from KNOWN_CIRCLES: {gone}"
+    """No module-level import circle in vexact/ and kernels/: a module that registers built-ins imports the registry,
+    never the other way round (``vexact.rl.plugins.BUILTINS`` imports the built-in modules)."""
+    found = circles(import_graph())
+    assert not found, "import circles: " + "; ".join(" -> ".join(cycle) for cycle in found)
 
 
 def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:

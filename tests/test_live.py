@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from vexact import metric_keys
 from vexact.live import POSITIVE_LOGPROB_TOLERANCE, GateFailed, Gates, LiveMonitor
 from vexact.real.compare import CompareSettings, check_gates, run_compare
-from vexact.rl.log_backends import scalars
-from vexact.rl.runlog import read_metrics
+from vexact.records.metrics_log import scalars
+from vexact.records.runlog import read_metrics
 
 
 def _batch(seed: int = 0, b: int = 6, t: int = 12, noise: float = 1e-3) -> tuple[torch.Tensor, ...]:

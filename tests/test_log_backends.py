@@ -19,9 +19,10 @@ import torch
 from conftest import num_threads, require_optional
 from rich.console import Console
 
+from vexact.records import metrics_log
+from vexact.records.runlog import MetricsWriter, read_metrics
 from vexact.rl import log_backends
 from vexact.rl.config import ConfigError, config_from_dict, load_config
-from vexact.rl.runlog import MetricsWriter, read_metrics
 from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
@@ -75,7 +76,7 @@ def _jsonl_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     """metrics.jsonl as {key: {step: value}}, numbers only, "nan"/"inf" strings back to floats."""
     out: dict[str, dict[int, float]] = {}
     for row in read_metrics(run_dir / "metrics.jsonl"):
-        for key, value in log_backends.scalars(row).items():
+        for key, value in metrics_log.scalars(row).items():
             out.setdefault(key, {})[row["step"]] = value
     return out
 
@@ -242,7 +243,7 @@ def test_non_finite_and_non_numeric_values(tmp_path):
     """NaN/Inf are kept (a diverged run is an outcome); strings, lists and None are not scalars and are skipped."""
     require_optional("tensorboard", TENSORBOARD_PIP)
     cfg = config_from_dict({"logging": {"backends": ["jsonl", "tensorboard"]}})
-    writer = MetricsWriter(tmp_path / "metrics.jsonl", config=cfg)
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", live_views=log_backends.live_views(tmp_path, cfg))
     writer.write({"step": 0, "a/loss": math.nan, "a/up": math.inf, "a/down": -math.inf, "a/n": 3, "a/flag": True,
                   "a/name": "x", "a/list": [1, 2], "a/none": None})
     writer.write({"step": 1, "a/loss": 0.1, "a/up": 1e40, "a/down": -2.5, "a/n": 4, "a/flag": False})
@@ -252,7 +253,18 @@ def test_non_finite_and_non_numeric_values(tmp_path):
     assert set(shown) == {"a/loss", "a/up", "a/down", "a/n", "a/flag"}
     assert math.isnan(shown["a/loss"][0]) and shown["a/up"][0] == math.inf and shown["a/down"][0] == -math.inf
     assert shown["a/up"][1] == math.inf  # 1e40 overflows float32: TensorBoard's own limit, not a crash
-    assert log_backends.scalars({"step": 7, "x": "nan", "y": "-inf", "z": "inf", "w": "fast"}).keys() == {"x", "y", "z"}
+    assert metrics_log.scalars({"step": 7, "x": "nan", "y": "-inf", "z": "inf", "w": "fast"}).keys() == {"x", "y", "z"}
+
+
+def test_jsonl_alone_opens_no_live_view(tmp_path, monkeypatch):
+    """With only ``jsonl`` there is nothing to open: ``live_views`` is None, and the writer does not read
+    metrics.jsonl back (a damaged old line is no concern of a writer that replays nothing)."""
+    cfg = config_from_dict({})
+    assert log_backends.live_views(tmp_path, cfg) is None
+    (tmp_path / "metrics.jsonl").write_text("not json\n")
+    MetricsWriter(tmp_path / "metrics.jsonl", live_views=log_backends.live_views(tmp_path, cfg)).close()
+    with pytest.raises(metrics_log.MetricsDamaged):  # a view to rebuild reads the log back first
+        MetricsWriter(tmp_path / "metrics.jsonl", live_views=lambda rows: [])
 
 
 # --- config ----------------------------------------------------------------------------------------------------

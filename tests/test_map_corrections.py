@@ -378,7 +378,7 @@ def test_build_map_one_curve_per_correction(tmp_path):
     assert [c["correction"] for c in m["curves"]] == ["bypass", "recompute"]
     assert m["correction"] == "bypass" and m["status"] == "fitted"  # the top level stays the bypass curve
     assert all("shape" in c for c in m["curves"])
-    with pytest.raises(ValueError, match=r"two curves for correction 'bypass'"):
+    with pytest.raises(ValueError, match=r"two sources hold correction 'bypass' at task\.max_len = 8"):
         build_map([tmp_path / "bypass" / "scaling.json", tmp_path / "map.json"])
     dup = json.loads((tmp_path / "map.json").read_text())
     dup["curves"].append(dict(dup["curves"][0]))

@@ -24,9 +24,9 @@ from test_data_parallel import _config_file, _result, _same, _vexact_run
 
 from vexact.engine.model import Transformer
 from vexact.engine.scoring import score_tokens
+from vexact.records.runlog import latest_checkpoint
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.data_parallel import tree_sum
-from vexact.rl.runlog import latest_checkpoint
 from vexact.rl.trainer import Trainer, _tree_sum_of
 
 # TINY's mini-batch is 8 sequences; 2 leaves of 4, so a unit of 2 puts two units in every leaf

@@ -249,7 +249,7 @@ def test_the_routing_flip_mode_plans_a_route_hook():
 
 def test_a_training_run_records_flips_and_replay_removes_their_mismatch(tmp_path):
     def run(name: str, *overrides: str) -> list[dict]:
-        from vexact.rl.runlog import read_metrics
+        from vexact.records.runlog import read_metrics
         from vexact.rl.trainer import Trainer
 
         cfg = config_from_dict({}, [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={tmp_path / 'cache'}",

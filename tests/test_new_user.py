@@ -23,9 +23,9 @@ import yaml
 
 from vexact.cli import main
 from vexact.lab.sweep import load_sweep_spec
+from vexact.records.runlog import latest_checkpoint, read_metrics
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.data_parallel import check_leaves
-from vexact.rl.runlog import latest_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments" / "zero_mismatch.yaml"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vexact.records.runlog import read_metrics
 from vexact.rl import plugins
 from vexact.rl.config import config_from_dict
-from vexact.rl.runlog import read_metrics
 from vexact.rl.validate import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

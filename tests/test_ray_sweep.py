@@ -22,7 +22,7 @@ from test_sweep import _metrics, _sweep_file, interrupt_sweep
 
 from vexact.lab import ray_executor
 from vexact.lab.sweep import load_sweep_spec, run_sweep
-from vexact.rl.runlog import latest_checkpoint
+from vexact.records.runlog import latest_checkpoint
 
 # Ray itself is imported by ray_executor (which sets its loopback mode first), never at this module's top.
 pytestmark = pytest.mark.needs_package("ray", "pip install 'vexact[ray]' (.ci/run does)")

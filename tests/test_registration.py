@@ -11,10 +11,10 @@ from rich.console import Console
 from torch import Tensor
 
 import vexact
+from vexact.records.runlog import read_metrics
 from vexact.rl.config import config_from_dict
 from vexact.rl.corrections import CORRECTION_METHODS
 from vexact.rl.inject_modes import INJECT_MODES
-from vexact.rl.runlog import read_metrics
 from vexact.rl.schedules import LR_SCHEDULES
 from vexact.rl.tasks import TASKS, Problem
 from vexact.rl.trainer import Trainer

@@ -21,8 +21,8 @@ from test_trainer import _short
 
 from vexact.cli import main
 from vexact.lab.studies.same_runs import same_run
-from vexact.rl import runlog
-from vexact.rl.runlog import RunLocked, checkpoint_dirs, latest_checkpoint, read_metrics, run_lock
+from vexact.records import runlog
+from vexact.records.runlog import RunLocked, checkpoint_dirs, latest_checkpoint, read_metrics, run_lock
 from vexact.rl.trainer import Trainer
 
 BOUNDARIES = ("checkpoint.safetensors", "optimizer.pt", "trainer_state.json", "manifest.json", "publish")
@@ -85,7 +85,7 @@ def test_sigkill_between_weights_and_trainer_state_resumes_bit_identically(tmp_p
     cfg_file = tmp_path / "cut.yaml"
     cfg = _cfg(tmp_path, reference, "cut")
     cfg_file.write_text(json.dumps(cfg.to_dict()))  # JSON is YAML
-    script = ("import os, sys\nfrom vexact.rl import runlog\nfrom vexact.cli import main\n"
+    script = ("import os, sys\nfrom vexact.records import runlog\nfrom vexact.cli import main\n"
               "count = []\n"
               "def boundary(name):\n"
               "    count.append(name)\n"

@@ -23,9 +23,9 @@ from vexact.lab.run_report import (
 )
 from vexact.lab.sweep_data import read_point
 from vexact.lab.sweep_table import reward_summary
+from vexact.records.runlog import read_metrics
 from vexact.rl.collapse import detect_collapse
 from vexact.rl.config import CollapseSection, load_config
-from vexact.rl.runlog import read_metrics
 from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"

@@ -34,9 +34,10 @@ from vexact.lab.report import write_report
 from vexact.lab.sweep import load_sweep_spec, run_sweep
 from vexact.lab.sweep_data import read_point, read_sweep_results
 from vexact.lab.sweep_table import group_markdown, group_table
-from vexact.rl import atomic, collapse, log_backends
-from vexact.rl.metrics_log import NON_FINITE, MetricsDamaged, decode_non_finite, read_metrics
-from vexact.rl.runlog import MetricsWriter, latest_checkpoint
+from vexact.records import atomic, metrics_log
+from vexact.records.metrics_log import NON_FINITE, MetricsDamaged, decode_non_finite, read_metrics
+from vexact.records.runlog import MetricsWriter, latest_checkpoint
+from vexact.rl import collapse
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["steps=2", "warm_start.steps=6", "warm_start.batch_size=8", "rollout.prompts_per_step=2",
@@ -195,7 +196,7 @@ def test_atomic_write_fsyncs_the_file_and_its_directory(tmp_path, monkeypatch):
 
 CRASH_CHILD = """
 import os, sys
-from vexact.rl import atomic
+from vexact.records import atomic
 atomic._before_rename = lambda tmp, path: os._exit(9)  # killed between write and rename
 atomic.write_json_atomic(sys.argv[1], {"version": "new", "padding": "x" * 100000})
 """
@@ -286,11 +287,11 @@ def test_one_table_of_non_finite_spellings():
         for text in (spelling, spelling.upper(), spelling.capitalize()):
             decoded = decode_non_finite({"x": text})["x"]
             from_collapse = collapse.as_float(text)
-            from_views = log_backends.scalars({"step": 0, "x": text})["x"]
+            from_views = metrics_log.scalars({"step": 0, "x": text})["x"]
             for got in (decoded, from_collapse, from_views):
                 assert (math.isnan(got) and math.isnan(value)) or got == value, (text, got)
     for text in ("fast", "1.5", "nanometre", ""):
-        assert collapse.as_float(text) is None and "x" not in log_backends.scalars({"x": text})
+        assert collapse.as_float(text) is None and "x" not in metrics_log.scalars({"x": text})
         assert decode_non_finite(text) == text
 
 

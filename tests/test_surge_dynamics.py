@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from vexact.records.runlog import read_metrics
 from vexact.rl.config import config_from_dict
-from vexact.rl.runlog import read_metrics
 from vexact.rl.surge_task import SurgeTask
 from vexact.rl.tasks import EOS_ID, Problem
 from vexact.rl.trainer import Trainer

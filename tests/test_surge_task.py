@@ -9,7 +9,7 @@ from vexact.rl.config import ConfigError, config_from_dict
 from vexact.rl.surge_task import SurgeTask, direct_problem, is_trace, mixed_targets
 from vexact.rl.tasks import (
     EOS_ID,
-    TASK_NAMES,
+    TASKS,
     CharTokenizer,
     encode_target,
     make_task,
@@ -23,7 +23,7 @@ def _ids(text: str, eos: bool = True) -> list[int]:
 
 
 def test_registered_and_reachable_from_a_config() -> None:
-    assert "surge" in TASK_NAMES
+    assert "surge" in TASKS
     assert isinstance(make_task("surge", 4, 12), SurgeTask)
     cfg = config_from_dict({"task": {"name": "surge"}, "warm_start": {"trace_fraction": 0.1}})
     assert cfg.warm_start.trace_fraction == 0.1

@@ -12,8 +12,8 @@ from test_trainer import EXPERIMENT, _without_timing
 
 from vexact.cli import main
 from vexact.lab.sweep import load_sweep_spec, run_sweep
+from vexact.records.runlog import read_metrics
 from vexact.rl.config import ConfigError
-from vexact.rl.runlog import read_metrics
 from vexact.rl.trainer import Trainer
 
 

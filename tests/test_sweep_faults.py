@@ -24,8 +24,8 @@ from test_trainer import EXPERIMENT
 from vexact.cli import main
 from vexact.lab import sweep as sweep_module
 from vexact.lab.sweep import load_sweep_spec, run_sweep
+from vexact.records.runlog import run_lock
 from vexact.rl.config import ConfigError
-from vexact.rl.runlog import run_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 _REAL_RUN_POINT = sweep_module._run_point

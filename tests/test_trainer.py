@@ -12,8 +12,8 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from vexact.cli import main
+from vexact.records.runlog import latest_checkpoint, read_metrics
 from vexact.rl.config import config_from_dict, load_config
-from vexact.rl.runlog import latest_checkpoint, read_metrics
 from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"

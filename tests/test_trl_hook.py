@@ -20,7 +20,7 @@ import torch
 
 from vexact.live import Gates, LiveMonitor
 from vexact.real.measure import mismatch_report
-from vexact.rl.runlog import read_metrics
+from vexact.records.runlog import read_metrics
 
 DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "live_and_recipes.md"
 

@@ -16,9 +16,9 @@ from rich.console import Console
 
 from vexact.integrations import vllm_rollout as vr
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, GRAD_NORM, K3_KL, TIMING_WEIGHT_SYNC
+from vexact.records.runlog import read_metrics
 from vexact.rl import rollout_engines
 from vexact.rl.config import ConfigError, config_from_dict, load_config
-from vexact.rl.runlog import read_metrics
 from vexact.rl.tasks import EOS_ID
 from vexact.rl.trainer import Trainer, _step_seed
 

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from vexact.integrations.vllm import VLLM_INSTALL
 from vexact.metric_keys import ABS_DLOGP_MAX, BITWISE_EQUAL_FRAC, K3_KL, TIMING_WEIGHT_SYNC
+from vexact.records.runlog import read_metrics
 from vexact.rl.config import load_config
-from vexact.rl.runlog import read_metrics
 from vexact.rl.trainer import Trainer
 
 require_optional("vllm", VLLM_INSTALL)

@@ -400,8 +400,8 @@ def _run_config(args: argparse.Namespace):
 def _check_run_dir(args: argparse.Namespace, cfg) -> None:
     """Before any work (and before any rank starts): ``--resume`` needs a run to resume, and a new run needs a
     directory without one; each refusal spells out the commands that would work."""
+    from .records.runlog import run_lock
     from .rl.data_parallel import DataParallel
-    from .rl.runlog import run_lock
     from .rl.trainer import holds_results, holds_run, run_dir_for
 
     run_dir = run_dir_for(cfg)
@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         _error_line("error", str(err), "red")
         return EXIT_BAD_INPUT
     except OSError as err:  # a path that cannot be read or written (permissions, a file where a folder must be, ...)
-        from .rl.atomic import ENVIRONMENT_ERRNOS, WriteFailed
+        from .records.atomic import ENVIRONMENT_ERRNOS, WriteFailed
 
         where = f": {err.filename}" if err.filename else ""
         _error_line("error", str(err) if isinstance(err, WriteFailed) else f"{err.strerror or err}{where}", "red")

@@ -82,10 +82,10 @@ from .metric_keys import (
 )
 from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped map's name, as for --map
 from .real.measure import mismatch_report
-from .rl.atomic import write_text_atomic
+from .records.atomic import write_text_atomic
+from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError, LoggingSection
-from .rl.log_backends import PACKAGES, missing_package
-from .rl.runlog import MetricsWriter, json_safe, read_metrics
+from .rl.log_backends import PACKAGES, live_views, missing_package
 
 __all__ = ["POSITIVE_LOGPROB_TOLERANCE", "GateFailed", "Gates", "LiveMonitor", "METRICS_FILE"]
 
@@ -146,7 +146,7 @@ class GateFailed(RuntimeError):
 
 @dataclass
 class _LogConfig:
-    """What ``log_backends.open_backends`` reads of a run's config (``name``, ``logging``, ``to_dict``): here the
+    """What ``log_backends.live_views`` reads of a run's config (``name``, ``logging``, ``to_dict``): here the
     monitor's own settings, so a W&B run records these and not a vexact training config."""
 
     name: str
@@ -233,7 +233,8 @@ class LiveMonitor:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             _keep_steps_below(self.metrics_path, step)  # fresh: only a torn fragment can be there; resume: the tail
             try:
-                self._writer = MetricsWriter(self.metrics_path, config=self._log_config)
+                self._writer = MetricsWriter(self.metrics_path,
+                                             live_views=live_views(self.out_dir, self._log_config))
             except ConfigError as err:
                 raise ValueError(f"vexact.live: {err.problem}") from None
         self._writer.write(row)

@@ -53,14 +53,15 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
+from ..records.runlog import json_safe, write_json_atomic
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject import Injector
 from ..rl.metrics import mismatch_metrics
 from ..rl.objective import compute_advantages
-from ..rl.runlog import json_safe, write_json_atomic
 
-__all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_bias", "run_meter"]
+__all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_bias", "noise_bias_split",
+           "noise_bias_table", "run_meter", "split_cell"]
 
 BOOTSTRAP = 500
 RESOLVED_SIGMAS = 2.0
@@ -151,13 +152,16 @@ def measure_bias(cfg: RunConfig, batches: int = 16, exact: _Gradients | None = N
         lengths.append(sum(batch.lengths) / len(batch.lengths))
         if batch.tail_mass is not None:
             tails.append(batch.tail_metrics())
-    stats = bias_statistics(torch.stack(exact.grads[:batches]), torch.stack(diffs))
+    d = torch.stack(diffs)
+    stats = bias_statistics(torch.stack(exact.grads[:batches]), d)
     tail = _tail_summary(tails, exact.tails[:batches]) if tails else {}  # no keys without a vocabulary tail
     return {**stats, "batches": batches, "k3_kl": sum(k3) / batches, "abs_dlogp_mean": sum(abs_dlogp) / batches,
             "horizon_mean": sum(lengths) / batches, "horizon_mean_exact": sum(exact.lengths[:batches]) / batches,
             "reward_mean_exact": sum(exact.rewards[:batches]) / batches,
             "old_logprobs": cfg.algorithm.old_logprobs, "inject_mode": cfg.inject.mode,
             "inject_value": cfg.inject.value, **tail,
+            "responses_per_batch": cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+            "noise_bias": noise_bias_split(d),
             "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -284,6 +288,116 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 def _positive(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+# ----------------------------------------------------------------------------- noise against bias
+
+SPLIT_BLOCKS = (1, 2, 4, 8)
+"""Batch counts n of the block-mean check of ``noise_bias_split`` (those with at least two disjoint blocks)."""
+
+
+def noise_bias_split(d: Tensor) -> dict[str, Any]:
+    """Split the gradient deviation of K batches into the part that averages out with more samples (noise) and the
+    part that does not (bias).
+
+    ``d`` [K, P]: per-batch gradient deviations d_k = g_μ,k − g_π,k (common random numbers), independent draws of
+    one distribution with mean b (the bias: E g_μ − E g_π) and covariance Σ. The deviation of the mean gradient over
+    n batches then has ``E ‖mean_n d‖² = ‖b‖² + tr Σ / n`` -- d(N)² = b² + s²/N with N = n batches and s² = tr Σ
+    the spread of one batch's deviation. The estimator is the pair of moments that is unbiased for the two terms
+    from all K batches at once:
+
+    - ``noise_sq`` = tr S, S the sample covariance of the rows (divisor K − 1): unbiased for s² = tr Σ;
+    - ``bias_sq`` = ‖mean d‖² − tr S / K: unbiased for ‖b‖² (it can come out negative when b is buried in noise).
+
+    Chosen over fitting d(N)² at several N because it uses every pair of batches (a fit over block means uses only
+    pairs inside a block, and its points share data); the fit is kept as a check that the noise really falls as
+    1/N: ``by_count`` lists, for n in ``SPLIT_BLOCKS`` with at least two blocks, the mean of ‖block mean‖² over
+    ⌊K/n⌋ disjoint blocks of n consecutive batches, and ``by_count_fit`` is the least-squares line D(n) = b² + s²/n
+    through them (weights equal). ``crossover_batches`` = noise_sq / bias_sq is the batch count whose mean carries
+    as much noise as bias: averaging more batches than that leaves the deviation mostly bias (None when bias_sq
+    <= 0). Norms are in the gradient's units; divide by ‖E g_π‖ for ratios (``bias_statistics`` does)."""
+    if d.dim() != 2 or d.shape[0] < 2:
+        raise ValueError(f"noise_bias_split needs a [K, P] tensor with K >= 2 batches, got shape {tuple(d.shape)}")
+    d = d.double()
+    k = d.shape[0]
+    gram = d @ d.T
+    mean_sq = float(gram.sum()) / k ** 2
+    noise_sq = (float(torch.diagonal(gram).sum()) - k * mean_sq) / (k - 1)
+    bias_sq = mean_sq - noise_sq / k
+    by_count = []
+    for n in SPLIT_BLOCKS:
+        blocks = k // n
+        if blocks < 2:
+            break
+        sums = [float(gram[i * n:(i + 1) * n, i * n:(i + 1) * n].sum()) / n ** 2 for i in range(blocks)]
+        by_count.append([n, sum(sums) / blocks])
+    fit = None
+    if len(by_count) >= 2:
+        slope, intercept = _line([1.0 / n for n, _ in by_count], [v for _, v in by_count])
+        fit = {"bias_sq": intercept, "noise_sq": slope}
+    return {"batches": k, "bias_sq": bias_sq, "noise_sq": noise_sq,
+            "crossover_batches": noise_sq / bias_sq if bias_sq > 0 else None,
+            "by_count": by_count, "by_count_fit": fit}
+
+
+def split_cell(cell: dict[str, Any]) -> dict[str, Any]:
+    """``noise_bias_split``'s two terms, relative to ‖E g_π‖, from a meter cell's stored statistics (cells written
+    before the split was recorded carry what it needs: ``bias_abs`` = ‖mean d‖, ``bias_abs_noise`` = sqrt(tr S / K),
+    ``grad_norm`` and ``grad_norm_noise`` likewise for g_π, ``batches`` = K). ``bias_ratio_debiased`` and
+    ``noise_ratio`` (one batch's deviation spread over ‖E g_π‖, debiased) and ``crossover_batches``."""
+    k = cell["batches"]
+    noise_sq = cell["bias_abs_noise"] ** 2 * k
+    bias_sq = cell["bias_abs"] ** 2 - cell["bias_abs_noise"] ** 2
+    grad_sq = cell["grad_norm"] ** 2 - cell["grad_norm_noise"] ** 2
+    ok = grad_sq > 0
+    return {"bias_sq": bias_sq, "noise_sq": noise_sq, "grad_sq": grad_sq,
+            "bias_ratio_debiased": math.sqrt(max(bias_sq, 0.0) / grad_sq) if ok else None,
+            "noise_ratio": math.sqrt(noise_sq / grad_sq) if ok else None,
+            "crossover_batches": noise_sq / bias_sq if bias_sq > 0 else None}
+
+
+def noise_bias_table(result: dict[str, Any]) -> str:
+    """The meter's cells split into bias and noise (``split_cell``) as a Markdown table: ‖E d‖ (debiased) and one
+    batch's noise sqrt(tr Cov d) in gradient units, the crossover batch count, the 1/N check where the cell kept it
+    (``noise_bias.by_count_fit``), and both parts over ‖E g_π‖ only where that norm is resolved (above twice its
+    noise; else the ratios are mostly the denominator's noise). Then per source the growth of each part with T
+    (log-log slope over the horizons where the part is positive; no interval)."""
+    lines = ["| L | T | source | realised k3 | bias ‖E d‖ | noise per batch | crossover (batches) | "
+             "1/N check: bias, noise | bias ratio | noise ratio |",
+             "|---:|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    for c in result["cells"]:
+        s = split_cell(c)
+        bias, noise = math.sqrt(max(s["bias_sq"], 0.0)), math.sqrt(max(s["noise_sq"], 0.0))
+        rows.setdefault(c["source"], []).append((c["horizon_mean"], bias, noise))
+        fit = (c.get("noise_bias") or {}).get("by_count_fit")
+        check = (f"{math.sqrt(max(fit['bias_sq'], 0.0)):.3g}, {math.sqrt(max(fit['noise_sq'], 0.0)):.3g}"
+                 if fit else "—")
+        signal = c["grad_norm"] > RESOLVED_SIGMAS * c["grad_norm_noise"]
+        lines.append(f"| {c['horizon']} | {c['horizon_mean']:.1f} | {c['source']} | {c['k3_kl']:.2e} | {bias:.3g} | "
+                     f"{noise:.3g} | {_num(s['crossover_batches'])} | {check} | "
+                     f"{_num(s['bias_ratio_debiased'] if signal else None)} | "
+                     f"{_num(s['noise_ratio'] if signal else None)} |")
+    lines.append("")
+    for source, pts in rows.items():
+        parts = []
+        for i, name in ((1, "bias"), (2, "noise")):
+            xy = [(math.log(p[0]), math.log(p[i])) for p in pts if _positive(p[i]) and _positive(p[0])]
+            parts.append(f"{name} ∝ T^{_slope([x for x, _ in xy], [y for _, y in xy]):.2f}"
+                         if len({x for x, _ in xy}) >= 2 else f"{name}: fewer than two horizons")
+        lines.append(f"- {source}: " + ", ".join(parts) + f" ({len(pts)} horizons, no interval)")
+    return "\n".join(lines) + "\n"
+
+
+def _num(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3g}"
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope, my - slope * mx
 
 
 # ----------------------------------------------------------------------------- meter files and the grid
@@ -492,3 +606,40 @@ def main(args: Any) -> int:
     print(meter_table(result), end="")
     print(f"meter written to {spec.output_dir}: meter.json, meter.png")
     return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m vexact.lab.bias_meter noise-bias METER_JSON``: the noise / bias table of a meter's cells."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m vexact.lab.bias_meter", description=(
+        "noise-bias: split each meter cell's gradient deviation into bias (does not average out) and noise "
+        "(falls as 1/N with N batches), from meter.json"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    split = sub.add_parser("noise-bias", help="print the noise / bias table of a meter.json")
+    split.add_argument("meter", type=Path, metavar="METER_JSON")
+    args = parser.parse_args(argv)
+    try:
+        if not args.meter.is_file():
+            raise ValueError(f"meter file not found: '{args.meter}'")
+        try:
+            result = json.loads(args.meter.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"'{args.meter}' is not valid JSON: {err}") from None
+        needed = ("horizon", "source", "batches", "bias_abs", "bias_abs_noise", "grad_norm", "grad_norm_noise",
+                  "horizon_mean", "k3_kl")
+        cells = result.get("cells") if isinstance(result, dict) else None
+        if not isinstance(cells, list) or not cells or not all(isinstance(c, dict) and all(k in c for k in needed)
+                                                               for c in cells):
+            raise ValueError(f"'{args.meter}' is not a vexact meter result: expected 'cells' each with "
+                             f"{', '.join(needed)}")
+        print(noise_bias_table(result), end="")
+        return 0
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

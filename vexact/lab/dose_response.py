@@ -48,7 +48,7 @@ import statistics
 from typing import Any
 
 from ..metric_keys import K3_KL
-from ..rl.atomic import publish
+from ..records.atomic import publish
 from .sweep_data import SEED_KEY, PointData, SweepData, median
 from .text_table import fmt_value
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from rich.console import Console
 
-from ..rl.atomic import write_json_atomic, write_text_atomic
+from ..records.atomic import write_json_atomic, write_text_atomic
 from .dose_response import dose_response, plot_dose_response, threshold_words
 from .dynamics import mismatch_dynamics
 from .scaling import write_scaling

@@ -37,7 +37,7 @@ from ..metric_keys import (
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
 )
-from ..rl.atomic import publish, write_json_atomic
+from ..records.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import CollapseSection, RunConfig, load_config
 from .report import REPORT_DIR, write_report, written_line

@@ -45,8 +45,12 @@ the fitted horizons, compared by AIC and leave-one-out error (three fitted horiz
 never another curve): the law at the user's T (its interval from the replicates), the ratio k3 / threshold, a
 verdict in words and how far T lies outside the measured horizons; on a curve of bounds only, "no collapse
 measured up to k3 X at T Y". ``load_map(None)`` is the map shipped with vexact (``default_map.json``, made by
-``python -m vexact.lab.scaling build-map``, which assembles one map from several sweeps' ``scaling.json``; a
-single-curve file from before corrections were recorded loads as a ``bypass`` curve).
+``python -m vexact.lab.scaling build-map``; a single-curve file from before corrections were recorded loads as a
+``bypass`` curve).
+
+**Assembling a map** (``build_map``): from sweep directories, whose runs of one (correction, horizon) are merged
+into one dose-response fit when their resolved configs agree (``RUN_KEYS`` and ``BOOKKEEPING_KEYS`` aside), and from
+``scaling.json`` files, whose curves join horizon by horizon; α is refitted per correction over all its horizons.
 """
 
 from __future__ import annotations
@@ -65,10 +69,11 @@ from typing import Any
 import yaml
 
 from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
-from ..rl.config import AlgorithmSection, CorrectionSection
+from ..rl.config import AlgorithmSection, CorrectionSection, RunConfig
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
+from ..rl.horizon_task import horizon_overrides
 from .dose_response import METRIC, fit_threshold, run_dose
-from .sweep_data import SEED_KEY, PointData, SweepData
+from .sweep_data import SEED_KEY, PointData, SweepData, read_sweep_results
 
 __all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES", "build_map",
            "choose_correction", "compare_shapes", "correction_from_config", "correction_name", "correction_names",
@@ -348,18 +353,27 @@ def scaling(data: SweepData) -> dict[str, Any]:
         correction = point_correction(p, variants)
         label = ", ".join([f"correction={correction}", *(f"{k}={p.overrides.get(k)}" for k in keys)])
         curves.setdefault((label, correction), []).append(p)
-    results = [_curve(label, correction, points, variants) for (label, correction), points in curves.items()]
+    results = [_curve(label, correction, _by_horizon(points, variants)) for (label, correction), points
+               in curves.items()]
     primary = next((c for c in results if c["correction"] == DEFAULT_CORRECTION), results[0])
     return {**base, **primary, "curves": results}
 
 
-def _curve(label: str, correction: str, points: list[PointData], variants: dict[str, dict[str, Any]]
-           ) -> dict[str, Any]:
+def _by_horizon(points: list[PointData], variants: dict[str, dict[str, Any]]) -> dict[Any, list[PointData]]:
     by_h: dict[Any, list[PointData]] = {}
     for p in points:
         by_h.setdefault(horizon_value(p, variants), []).append(p)
+    return by_h
+
+
+def _horizon_order(value: Any) -> tuple[bool, Any]:
+    return not _number(value), value if _number(value) else str(value)
+
+
+def _curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> dict[str, Any]:
+    """One curve from its runs grouped by horizon value: a threshold (or bound) per horizon, the law, the shape."""
     horizons, missing = [], 0
-    for value in sorted(by_h, key=lambda v: (not _number(v), v if _number(v) else str(v))):
+    for value in sorted(by_h, key=_horizon_order):
         done = [p for p in by_h[value] if p.has_result]
         runs, lengths = [], []
         for p in done:
@@ -592,7 +606,7 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     curve: its law and its shape).
 
     A sweep without a horizon axis (most sweeps) writes no file: the line says why there is no law."""
-    from ..rl.runlog import json_safe
+    from ..records.runlog import json_safe
 
     result = scaling(data)
     meter_path = data.path / "meter.json"
@@ -871,6 +885,9 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
                  f"  T lies within the {p['correction']} curve's measured horizons (T = {t0:.0f} .. {t1:.0f})")
     if p.get("outside_every_curve"):
         lines.append(f"  outside the map: {p['outside_every_curve']}")
+    bounds = bound_lines(curve)
+    if bounds:
+        lines.append(f"  the {p['correction']} curve's bounds (measured, not in its fit): " + "; ".join(bounds))
     assumptions = ASSUMPTIONS + ((BOUND_ASSUMPTION,) if p.get("uses_bound") else ())
     lines.append("  assumptions: " + "; ".join(assumptions))
     what = (curve.get("provenance") or map_data.get("provenance") or {}).get("what")
@@ -898,37 +915,240 @@ def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] |
 # ----------------------------------------------------------------------------- assembling a map
 
 
+RUN_KEYS = ("name", "output_dir", SEED_KEY, "inject.value")
+"""Config keys that differ between the runs of one dose-response by design: the run's name and directory, its seed
+and the injected magnitude."""
+BOOKKEEPING_KEYS = ("threads", "warm_start.cache_dir", "logging.checkpoint_every", "logging.live",
+                    "logging.backends", "logging.wandb_project", "logging.wandb_mode")
+"""Config keys that say where a run writes, what it shows while running and how many threads it uses; a run's bits
+do not depend on them."""
+HORIZON_SETTINGS = tuple(horizon_overrides(1))
+"""The keys that set a horizon of the horizon testbed (the scratchpad length and the room to write it): they differ
+between the horizons of one curve, and nowhere else."""
+
+
+@dataclasses.dataclass
+class _Run:
+    """One point of a sweep directory given to build-map, with its resolved config (dotted keys)."""
+
+    sweep: str
+    point: PointData
+    config: dict[str, Any]
+
+
+def flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
+    """A nested run config as dotted keys (``algorithm.old_logprobs``), lists kept as values."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flat_config(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _default_config() -> dict[str, Any]:
+    """The defaults of every run config key: what a config saved before a key existed ran with."""
+    return flat_config(dataclasses.asdict(RunConfig()))
+
+
+def _sweep_runs(path: Path) -> dict[str, dict[Any, list[_Run]]]:
+    """The points of one sweep directory as {correction: {horizon value: runs}}; a finished point without its
+    config.yaml, or a sweep without a horizon axis, is one error naming it."""
+    data = read_sweep_results(path)
+    variants = _variants(data)
+    out: dict[str, dict[Any, list[_Run]]] = {}
+    for p in data.points:
+        value = horizon_value(p, variants)
+        if value is None:
+            continue
+        saved = p.dir / "config.yaml"
+        if not saved.is_file() and not p.has_result:
+            continue  # not started: its correction is not known yet (the sweep's ``set`` is not in sweep.json)
+        try:
+            loaded = yaml.safe_load(saved.read_text()) if saved.is_file() else None
+        except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ValueError(f"'{saved}' cannot be read ({str(err).splitlines()[0]}): build-map compares the "
+                             "configs of the runs it merges") from None
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"point '{p.name}' of sweep '{path}' has a result but no config.yaml (a mapping) in "
+                             f"'{p.dir}': build-map compares the configs of the runs it merges")
+        name = correction_from_config(loaded, str(saved))
+        out.setdefault(name, {}).setdefault(value, []).append(_Run(str(path), p, flat_config(loaded)))
+    if not out:
+        raise ValueError(f"sweep '{path}' sets no horizon key ({HORIZON_KEY} in its grid or its variants): it has "
+                         "no points for a map")
+    return out
+
+
+def _config_difference(a: dict[str, Any], b: dict[str, Any], exempt: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+    """(key, value in a, value in b) for every non-exempt key where the two configs differ; a key one of them lacks
+    (saved before it existed) counts as its default."""
+    defaults = _default_config()
+    missing = object()
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        if key in exempt or any(key.startswith(e + ".") for e in exempt):
+            continue
+        va, vb = a.get(key, defaults.get(key, missing)), b.get(key, defaults.get(key, missing))
+        if va != vb:
+            diffs.append((key, "(absent)" if va is missing else va, "(absent)" if vb is missing else vb))
+    return diffs
+
+
+def _run_label(run: _Run) -> str:
+    return f"'{run.sweep}' point '{run.point.name}'"
+
+
+def _check_testbed(reference: _Run, run: _Run, exempt: tuple[str, ...], what: str) -> None:
+    """One error naming the first key where ``run``'s config leaves ``reference``'s testbed (and how many more)."""
+    diffs = _config_difference(reference.config, run.config, exempt)
+    if diffs:
+        key, a, b = diffs[0]
+        more = (f" (and {len(diffs) - 1} more key(s): {', '.join(k for k, _, _ in diffs[1:4])})"
+                if len(diffs) > 1 else "")
+        raise ValueError(f"{what}: {_run_label(reference)} and {_run_label(run)} differ in {key} ({a!r} vs {b!r})"
+                         f"{more}: their runs are not one testbed, so they cannot share one dose-response fit")
+
+
+def _sweep_curve(correction: str, by_h: dict[Any, list[_Run]]) -> dict[str, Any]:
+    """One correction's curve from the runs of several sweeps: the runs of one horizon (task.max_len) merged into one
+    dose-response fit when their configs agree apart from ``RUN_KEYS`` and ``BOOKKEEPING_KEYS``; the horizons of the
+    curve agree apart from ``HORIZON_SETTINGS`` too."""
+    per_run = RUN_KEYS + BOOKKEEPING_KEYS
+    curve_reference: tuple[Any, _Run] | None = None  # (its horizon value, the run)
+    for value in sorted(by_h, key=_horizon_order):
+        configured = by_h[value]
+        for run in configured[1:]:
+            _check_testbed(configured[0], run, per_run, f"correction {correction!r} at {HORIZON_KEY} = {value}")
+        if configured and curve_reference is None:
+            curve_reference = value, configured[0]
+        elif configured and curve_reference is not None:
+            _check_testbed(curve_reference[1], configured[0], per_run + HORIZON_SETTINGS,
+                           f"correction {correction!r}, horizons {HORIZON_KEY} = {curve_reference[0]} and {value}")
+    curve = _curve(f"correction={correction}", correction, {v: [r.point for r in runs] for v, runs in by_h.items()})
+    for h in curve["horizons"]:
+        counts: dict[str, int] = {}
+        for run in by_h[h["horizon_value"]]:
+            counts[run.sweep] = counts.get(run.sweep, 0) + 1
+        h["sweeps"] = counts
+    curve["provenance"] = {"what": f"the runs of {', '.join(sorted({r.sweep for rs in by_h.values() for r in rs}))} "
+                                   f"({HORIZON_KEY} = {', '.join(str(v) for v in sorted(by_h, key=_horizon_order))})"}
+    if curve_reference is not None:
+        curve["testbed"] = {k: v for k, v in sorted(curve_reference[1].config.items())
+                            if k not in per_run + HORIZON_SETTINGS and not any(k.startswith(e + ".") for e in per_run)}
+    return curve
+
+
+def bound_lines(curve: dict[str, Any]) -> list[str]:
+    """The curve's horizons that give only a bound, in words: "no collapse measured up to k3 X at T Y" where no run
+    collapsed; the side of a 50% point the data could not place otherwise. Bounds never enter the law's fit."""
+    lines = []
+    for h in curve.get("horizons") or []:
+        status, t = h.get("status"), h.get("horizon")
+        at = f"T {_t(t)}" if _positive(t) else f"{HORIZON_KEY} = {h.get('horizon_value')}"
+        if status == "above_range" and _positive(h.get("lower_bound")):
+            if not h.get("collapsed"):
+                lines.append(f"no collapse measured up to k3 {h['lower_bound']:.2g} at {at}")
+            else:
+                lines.append(f"threshold above k3 {h['lower_bound']:.2g} at {at} ({h['collapsed']} of "
+                             f"{h.get('runs')} runs collapsed, the fitted 50% point lies above every dose tested)")
+        elif status == "below_range" and _positive(h.get("upper_bound")):
+            lines.append(f"threshold below k3 {h['upper_bound']:.2g} at {at} (every run collapsed, from the "
+                         "smallest dose tested)")
+    return lines
+
+
+def _merge_sources(name: str, file_curves: list[tuple[dict[str, Any], str]], swept: dict[str, Any] | None
+                   ) -> dict[str, Any]:
+    """One correction's curve from the curves of map files and (``swept``) the curve fitted to sweep directories'
+    runs. A single source stays as it is; several are merged horizon by horizon (one horizon in two sources is an
+    error: a file holds thresholds, not runs) and the law refitted over all of them."""
+    sources: list[tuple[dict[str, Any], str]] = list(file_curves) + ([(swept, "sweep directories")] if swept else [])
+    if len(sources) == 1:
+        return dict(sources[0][0])
+    seen: dict[Any, str] = {}
+    horizons = []
+    for curve, where in sources:
+        for h in curve.get("horizons") or []:
+            key = h.get("horizon_value")
+            if key in seen:
+                raise ValueError(f"two sources hold correction {name!r} at {HORIZON_KEY} = {key}: {seen[key]} and "
+                                 f"{where}: a scaling.json holds thresholds, not runs, so only sweep directories "
+                                 "can be merged at one horizon (give that sweep's directory instead of its file)")
+            seen[key] = f"'{where}'" if where != "sweep directories" else "the sweep directories"
+            horizons.append({**h, "sweeps": h.get("sweeps") or {where: h.get("runs_total")}})
+    testbeds = [(c["testbed"], w) for c, w in sources if isinstance(c.get("testbed"), dict)]
+    for (a, wa), (b, wb) in zip(testbeds, testbeds[1:]):
+        diffs = _config_difference(a, b, HORIZON_SETTINGS)
+        if diffs:
+            key, va, vb = diffs[0]
+            raise ValueError(f"correction {name!r}: the curves of '{wa}' and '{wb}' come from different testbeds: "
+                             f"{key} is {va!r} vs {vb!r}")
+    unchecked = [w for c, w in sources if not isinstance(c.get("testbed"), dict)]
+    horizons.sort(key=lambda h: _horizon_order(h.get("horizon_value")))
+    law = fit_law(horizons)
+    whats = [str((c.get("provenance") or {}).get("what") or f"the curve of '{w}'") for c, w in sources]
+    merged = {"curve": f"correction={name}", "correction": name, **law, "horizons": horizons,
+              "shape": compare_shapes(horizons),
+              "provenance": {"what": "Merged, horizon by horizon: " + " + ".join(f"[{w}]" for w in whats),
+                             "testbed_unchecked": [w for w in unchecked if w != "sweep directories"]}}
+    if testbeds:
+        merged["testbed"] = testbeds[0][0]
+    return merged
+
+
 def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, Any]:
-    """One map from several ``scaling.json`` files (or maps): every curve of each, one per correction (two for one
-    correction are an error naming both files), ordered as ``correction_names()``; each keeps its provenance (its
-    file's, when it has none) and gets its shape comparison. The top level is the ``bypass`` curve (else the first)
-    so that readers of the single-curve format read it; ``provenance`` names the command and the files."""
+    """One map from sweep directories (their runs) and ``scaling.json`` files or maps (their curves), one curve per
+    correction, ordered as ``correction_names()``.
+
+    The runs of one (correction, horizon) from several sweep directories are merged into one dose-response fit when
+    their resolved configs agree apart from ``RUN_KEYS`` and ``BOOKKEEPING_KEYS`` (else one error naming the key
+    that differs); a curve's horizons must agree apart from ``HORIZON_SETTINGS`` too. A file's curve joins them
+    horizon by horizon (its configs are unknown: the curve's provenance lists it under ``testbed_unchecked``). α is
+    refitted over every horizon of a correction; a horizon where nothing collapsed is a bound, kept in the curve,
+    never a threshold in the fit. Each curve gets its shape comparison. The top level is the ``bypass`` curve (else
+    the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs."""
     if not paths:
-        raise ValueError("build-map needs at least one scaling.json")
-    curves: dict[str, tuple[dict[str, Any], str]] = {}
+        raise ValueError("build-map needs at least one sweep directory or scaling.json")
+    file_curves: dict[str, list[tuple[dict[str, Any], str]]] = {}
+    swept: dict[str, dict[Any, list[_Run]]] = {}
     head: dict[str, Any] = {}
     for path in paths:
-        data = load_map(path)
+        path = Path(path)
+        if path.is_dir():
+            if not (path / "sweep.json").is_file():
+                raise ValueError(f"'{path}' is a directory without sweep.json: give a sweep directory or a "
+                                 "scaling.json file")
+            for name, by_h in _sweep_runs(path).items():
+                for value, runs in by_h.items():
+                    swept.setdefault(name, {}).setdefault(value, []).extend(runs)
+            data = {"metric": METRIC, "horizon_key": HORIZON_KEY, "horizon_metric": HORIZON_METRIC}
+            curves: list[dict[str, Any]] = []
+        else:
+            data = load_map(path)
+            curves = data["curves"]
         for key in ("metric", "horizon_key", "horizon_metric"):
             if key in head and data.get(key) != head[key]:
-                raise ValueError(f"'{path}' has {key} {data.get(key)!r} but an earlier file has {head[key]!r}: one "
+                raise ValueError(f"'{path}' has {key} {data.get(key)!r} but an earlier input has {head[key]!r}: one "
                                  "map holds curves of one metric over one horizon")
             head.setdefault(key, data.get(key))
-        for curve in data["curves"]:
-            name = curve["correction"]
-            if name in curves:
-                first, where = curves[name]
-                raise ValueError(f"two curves for correction {name!r}: '{where}' ({first.get('curve')}) and '{path}' "
-                                 f"({curve.get('curve')}): give one file per correction")
+        for curve in curves:
             curve = dict(curve)
             if "provenance" not in curve and isinstance(data.get("provenance"), dict):
                 curve["provenance"] = data["provenance"]
             if "meter" not in curve and isinstance(data.get("meter"), dict) and curve.get("curve") == data.get("curve"):
                 curve["meter"] = data["meter"]  # the file's meter comparison belongs to its primary curve
-            curve["shape"] = compare_shapes(curve.get("horizons") or [])
-            curves[name] = (curve, str(path))
+            file_curves.setdefault(curve["correction"], []).append((curve, str(path)))
+    built = []
+    for name in dict.fromkeys([*file_curves, *swept]):
+        curve = _merge_sources(name, file_curves.get(name, []),
+                               _sweep_curve(name, swept[name]) if name in swept else None)
+        curve["shape"] = compare_shapes(curve.get("horizons") or [])
+        built.append(curve)
     order = {name: i for i, name in enumerate(correction_names())}
-    ordered = [c for c, _ in sorted(curves.values(), key=lambda item: order.get(item[0]["correction"], len(order)))]
+    ordered = sorted(built, key=lambda c: order.get(c["correction"], len(order)))
     primary = next((c for c in ordered if c["correction"] == DEFAULT_CORRECTION), ordered[0])
     provenance = {"made_by": made_by or "vexact.lab.scaling.build_map", "sources": [str(p) for p in paths],
                   "curves": {c["correction"]: (c.get("provenance") or {}).get("what") for c in ordered}}
@@ -936,16 +1156,28 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
             "provenance": provenance}
 
 
+def build_lines(built: dict[str, Any]) -> list[str]:
+    """What build-map prints per curve: its law (or why none), its shape comparison, and its bounds."""
+    lines = []
+    for c in built["curves"]:
+        lines.append(f"{c['correction']} ({c['status']}, {len(c.get('horizons') or [])} horizons): {c['note']}")
+        lines.append(f"  shape: {c['shape']['note']}")
+        lines += [f"  bound (not in the fit): {b}" for b in bound_lines(c)]
+    return lines
+
+
 def _main(argv: list[str] | None = None) -> int:
-    from ..rl.runlog import json_safe
+    from ..records.runlog import json_safe
 
     parser = argparse.ArgumentParser(prog="python -m vexact.lab.scaling", description=(
-        "build-map: assemble one collapse map (one curve per correction) from several sweeps' scaling.json; "
+        "build-map: assemble one collapse map (one curve per correction) from sweep directories (their runs of one "
+        "correction and horizon merged into one fit) and scaling.json files; "
         "shape: print the power-law / saturating comparison of each curve of a map."))
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build-map", help="write OUT from the curves of the given scaling.json files")
+    build = sub.add_parser("build-map", help="write OUT from the runs of sweep directories and the curves of "
+                                             "scaling.json files")
     build.add_argument("out", type=Path, metavar="OUT")
-    build.add_argument("inputs", type=Path, nargs="+", metavar="SCALING_JSON")
+    build.add_argument("inputs", type=Path, nargs="+", metavar="SWEEP_DIR_OR_SCALING_JSON")
     shape = sub.add_parser("shape", help="print each curve's shape comparison (default: the shipped map)")
     shape.add_argument("map", type=Path, nargs="?", default=None, metavar="MAP")
     args = parser.parse_args(argv)
@@ -960,6 +1192,7 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}: " + "; ".join(f"{c['correction']} ({c['status']}, "
                                                      f"{len(c.get('horizons') or [])} horizons)"
                                                      for c in built["curves"]))
+            print("\n".join(build_lines(built)))
             return 0
         for curve in load_map(args.map)["curves"]:
             print(f"{curve['correction']}: {compare_shapes(curve.get('horizons') or [])['note']}")

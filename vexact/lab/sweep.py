@@ -38,7 +38,7 @@ twice in the sweep file, a ``grid`` that is not a mapping of non-empty lists, du
 and ``a_b`` collide), an output path that exists as a file, a damaged ``summary.json``. Worker processes die
 with the sweep's main process, however it dies (``PR_SET_PDEATHSIG`` on Linux), so a killed sweep leaves
 nothing running that could write next to a re-run. The trainer holds an exclusive lock on its run directory for
-the whole run (``vexact.rl.runlog.run_lock``); the sweep checks that lock just before it starts a point, and a
+the whole run (``vexact.records.runlog.run_lock``); the sweep checks that lock just before it starts a point, and a
 point whose directory is in use by another vexact process is recorded as failed with that message (no
 ``error.txt`` is written into the other process's directory) and the sweep goes on. A worker that dies
 abruptly (killed, out of memory) fails the points running at that moment; the sweep goes on in fresh workers.
@@ -70,11 +70,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..progress import Progress, StepReporter
-from ..rl.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
+from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
+from ..records.runlog import RunLocked, run_lock
 from ..rl.config import KEY_ALIASES, RENAMED_KEYS, ConfigError, RunConfig, config_from_dict, read_yaml, show_value
 from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
-from ..rl.runlog import RunLocked, run_lock
 from ..rl.validate import build, plain
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome

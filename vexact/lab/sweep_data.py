@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..rl.metrics_log import decode_non_finite, read_metrics
+from ..records.metrics_log import decode_non_finite, read_metrics
 from .text_table import fmt_value
 
 SEED_KEY = "seed"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..metric_keys import EVAL_REWARD_MEAN, K3_KL, REWARD_MEAN
-from ..rl.atomic import publish
+from ..records.atomic import publish
 from .sweep_data import SEED_KEY, SweepData, freeze, is_num, metric_series
 from .sweep_table import group_table, reward_summary
 

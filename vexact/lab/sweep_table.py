@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..rl.atomic import write_text_atomic
+from ..records.atomic import write_text_atomic
 from ..rl.collapse import trailing_mean
 from ..rl.config import CollapseSection, dotted_items
 from .markdown_table import markdown_table

@@ -63,8 +63,8 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import ABS_DLOGP_MAX, K3_KL
+from ..records.runlog import load_tensor_file
 from ..rl.metrics import float_bits, full_vocab_rows, full_vocab_summary
-from ..rl.runlog import load_tensor_file
 from .measure import mismatch_report, plot_report, print_report, write_report_json
 
 ONE_FILE_KEYS = ("rollout_log_probs", "old_log_probs")  # verl's batch keys: rollout engine, actor recompute

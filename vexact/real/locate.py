@@ -645,7 +645,7 @@ def print_locate(result: LocateResult, console: Any) -> None:
 
 def write_json(result: LocateResult, path: Path) -> Path:
     """The summary as JSON (NaN/Inf as strings, see ``runlog.write_json_atomic``)."""
-    from ..rl.runlog import write_json_atomic
+    from ..records.runlog import write_json_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

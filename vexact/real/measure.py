@@ -674,7 +674,7 @@ def write_json(result: MeasureResult, path: Path) -> Path:
 
 def write_report_json(summary: dict[str, Any], path: Path) -> Path:
     """A report summary as indented JSON (NaN/Inf as strings, see ``runlog.json_safe``); returns the path."""
-    from ..rl.atomic import write_json_atomic
+    from ..records.atomic import write_json_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

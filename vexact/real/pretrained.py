@@ -30,7 +30,7 @@ allocates, and every refusal is one ValueError naming the file (and the tensor o
   (in two shards, or as ``model.x`` and ``x``).
 - ``.bin``: pickles cannot be inspected without unpickling, so first the config's parameter count
   must fit the files (16 bits each) and no zip archive may unpack to more than 8 bytes per
-  parameter (plus 16 MiB); then ``vexact.rl.runlog.load_tensor_file`` (weights-only: a pickle
+  parameter (plus 16 MiB); then ``vexact.records.runlog.load_tensor_file`` (weights-only: a pickle
   that would run code or build objects is "refusing to unpickle FILE: not a plain tensor file");
   then the content must be a dict of dense tensors, checked like a safetensors header before the
   model is built.
@@ -59,7 +59,7 @@ from torch import Tensor
 
 from ..engine.inputs import padded_with_mask
 from ..engine.model import ModelConfig, ModelConfigError, Transformer, parameter_count, resolve_dtype, short_dtype_name
-from ..rl.runlog import load_tensor_file
+from ..records.runlog import load_tensor_file
 
 # model_type -> the causal-LM class transformers builds for it (config.json "architectures").
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -277,7 +277,7 @@ def _sliding_window(hf: dict[str, Any], model_type: str, source: str) -> int | N
 # Everything below checks what it can before allocating anything: a checkpoint is a user's file, possibly broken,
 # possibly hostile. Safetensors headers give every tensor's dtype and shape without reading the data; pickled
 # ``.bin`` files cannot be inspected without unpickling, so they are bounded by their size first and unpickled
-# with ``vexact.rl.runlog.load_tensor_file`` (the weights-only unpickler; anything else is refused).
+# with ``vexact.records.runlog.load_tensor_file`` (the weights-only unpickler; anything else is refused).
 _MAX_JSON_BYTES = 64 << 20  # config.json / index.json: a few KiB (a 400B model's index is under 1 MiB)
 _MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
 _MAX_ROPE_ELEMENTS = 1 << 28  # positions x head_dim / 2: a 4M-position, head_dim-128 table (2 GiB fp32) fits

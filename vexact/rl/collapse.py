@@ -58,7 +58,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from ..metric_keys import ABS_DLOGP_MEAN, GRAD_NORM, K3_KL, PG_LOSS, RESPONSE_LENGTH_MEAN
-from .metrics_log import non_finite_value
+from ..records.metrics_log import non_finite_value
 
 if TYPE_CHECKING:  # the config imports the LR schedules, which import this module
     from .config import CollapseSection

@@ -43,8 +43,8 @@ import vexact_kernels
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
 from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL
+from ..records.atomic import write_text_atomic
 from ..registry import extensible
-from .atomic import write_text_atomic
 from .metrics import LOG_RATIO_BOUND
 from .plugins import load_plugins
 from .registries import (

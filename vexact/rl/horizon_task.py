@@ -17,7 +17,8 @@ and the warm start imitates those random draws. The reward is 1.0 for the right 
 EOS anywhere after it, so the scratchpad is free but the response must end: a policy that drifts into rambling
 past ``max_new_tokens`` loses the reward, like a real one that never stops.
 
-Registered in ``vexact.rl.tasks`` (``TASKS``), so configs name it ``task.name: horizon``.
+Registers itself in ``TASKS`` when imported (the ``vexact.rl`` package imports it: ``vexact.rl.plugins.BUILTINS``),
+so configs name it ``task.name: horizon``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 
-from .tasks import Problem, Task
+from .tasks import Problem, Task, register_task
 
 __all__ = ["ANSWER_DIGITS", "SCRATCH_ALPHABET", "SCRATCH_PROBS", "ScratchpadTask", "horizon_overrides",
            "scratch_entropy"]
@@ -76,6 +77,9 @@ class ScratchpadTask(Task):
 
     def max_input_len(self) -> int:
         return ANSWER_DIGITS
+
+
+register_task(ScratchpadTask)
 
 
 def horizon_overrides(length: int) -> dict[str, int]:

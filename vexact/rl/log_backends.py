@@ -22,35 +22,32 @@ config.yaml stays readable (by a report, say) on a machine without the extras.
 
 Each backend is one ``LogBackendKind`` registered in ``LOG_BACKENDS`` (``register_log_backend`` adds one): its name
 in ``logging.backends``, the package it needs, its own settings (``wandb_project``, ``wandb_mode``: ``logging.*``
-keys) and how it opens a writer.
+keys) and how it opens a writer (a ``LogBackend``: ``vexact.records.runlog``, whose ``MetricsWriter`` feeds it).
+``live_views(run_dir, cfg)`` is what a run hands that writer: the run's config stays up here, out of the file layer.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from ..records.metrics_log import scalars
+from ..records.runlog import LiveViews, LogBackend
 from .config import ConfigError
-from .metrics_log import non_finite_value
 from .registries import LOG_BACKENDS
 
 if TYPE_CHECKING:
     from .config import RunConfig
 
-__all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackend", "LogBackendKind", "WandbSettings",
-           "missing_package", "open_backends", "register_log_backend", "scalars"]
+__all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackendKind", "WandbSettings", "live_views",
+           "missing_package", "open_backends", "register_log_backend"]
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # wandb.init(dir=run_dir) writes run_dir/wandb/
-
-
-class LogBackend(Protocol):
-    def write(self, step: int, values: dict[str, float]) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class LogBackendKind:
@@ -82,22 +79,6 @@ def missing_package(backend: str) -> str | None:
     if module is None or importlib.util.find_spec(module) is not None:
         return None
     return f"backend {backend!r} needs the {module!r} package, which is not installed: pip install 'vexact[{backend}]'"
-
-
-def scalars(row: dict[str, Any]) -> dict[str, float]:
-    """The numbers of one metrics row under their JSONL keys, as floats; ``step`` (the x axis) and anything
-    non-numeric are left out. NaN/Inf are kept -- a diverged run is an outcome to see -- whether they come as
-    floats (a live step) or as json_safe's strings "nan"/"inf"/"-inf" (a row read back from metrics.jsonl), so a
-    replayed row and a live one give the same values."""
-    out = {}
-    for key, value in row.items():
-        if key == "step":
-            continue
-        if isinstance(value, (bool, int, float)):
-            out[key] = float(value)
-        elif isinstance(value, str) and non_finite_value(value) is not None:  # metrics_log's one table
-            out[key] = non_finite_value(value)
-    return out
 
 
 class TensorBoardBackend:
@@ -212,3 +193,11 @@ def open_backends(run_dir: Path, cfg: RunConfig, history: Iterable[dict[str, Any
             backend.close()
         raise
     return opened
+
+
+def live_views(run_dir: Path, cfg: RunConfig) -> LiveViews | None:
+    """What ``MetricsWriter(live_views=...)`` calls to open ``cfg.logging.backends`` besides jsonl in ``run_dir``
+    (``open_backends``); None when jsonl is the only one, so that metrics.jsonl is not read back for nothing."""
+    if not any(name != "jsonl" for name in cfg.logging.backends):
+        return None
+    return functools.partial(open_backends, Path(run_dir), cfg)

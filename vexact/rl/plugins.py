@@ -33,9 +33,9 @@ from .validate import ConfigError, show_value
 
 __all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "load_builtins", "load_entry_points", "load_plugins"]
 
-BUILTINS = ("vexact.rl.tasks", "vexact.rl.inject_modes", "vexact.rl.corrections", "vexact.rl.schedules",
-            "vexact.rl.advantages", "vexact.rl.objective", "vexact.rl.log_backends", "vexact.rl.rollout_engines",
-            "vexact.integrations.vllm_rollout")
+BUILTINS = ("vexact.rl.tasks", "vexact.rl.horizon_task", "vexact.rl.surge_task", "vexact.rl.inject_modes",
+            "vexact.rl.corrections", "vexact.rl.schedules", "vexact.rl.advantages", "vexact.rl.objective",
+            "vexact.rl.log_backends", "vexact.rl.rollout_engines", "vexact.integrations.vllm_rollout")
 """The modules that register the built-in tasks, injection modes, correction methods, LR schedules, advantage
 estimators, loss aggregations and bypass losses, log backends and rollout engines (``vexact.rl.registries``)."""
 

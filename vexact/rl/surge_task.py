@@ -22,8 +22,9 @@ mean length grows several-fold: the surge. Where the trace earns nothing more th
 does not surge (the tests' counter-case).
 
 ``mixed_targets`` is the warm start's mixture; which examples get the trace is a fixed function of their index,
-so the warm start stays deterministic with no random draw. Registered in ``vexact.rl.tasks`` (``TASKS``), with its
-setting ``warm_start.trace_fraction`` (``SurgeWarmStart``).
+so the warm start stays deterministic with no random draw. The task registers itself in ``TASKS`` when imported
+(the ``vexact.rl`` package imports it: ``vexact.rl.plugins.BUILTINS``), with its setting
+``warm_start.trace_fraction`` (``SurgeWarmStart``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .tasks import Problem, Task, _DigitStringTask
+from .tasks import Problem, Task, _DigitStringTask, register_task
 from .validate import bounds
 
 __all__ = ["SurgeTask", "SurgeWarmStart", "direct_problem", "is_trace", "mixed_targets"]
@@ -89,6 +90,8 @@ class SurgeTask(_DigitStringTask):
     def max_answer_len(self) -> int:
         return self.max_len + 2  # the trace, '=', one digit
 
+
+register_task(SurgeTask)
 
 _ALPHABET = "0123456789"[:BASE]
 

@@ -6,7 +6,7 @@
 3. ``objective``: the anchors of the PPO ratio (old log-probs recomputed by the training path, or the rollout's),
    then per mini-batch the loss (advantages, rollout correction, clipped surrogate, KL, entropy);
 4. the update, here: backward, fp32 master gradients, clipping, AdamW at the ``schedules`` LR;
-5. ``metrics``: one JSON line in metrics.jsonl (``runlog``); periodic clean evaluation and checkpoints.
+5. ``metrics``: one JSON line in metrics.jsonl (``vexact.records.runlog``); periodic clean evaluation and checkpoints.
 Everything random is keyed by (seed, step), so the same config gives bit-identical metrics.
 
 With several ranks (``data_parallel``), each rank rolls out, scores and evaluates a share of the sequences, the
@@ -46,17 +46,7 @@ from ..metric_keys import (
     TIMING_STEP,
     TIMING_UPDATE,
 )
-from .collapse import detect_collapse
-from .config import RunConfig, dotted_items, load_config, save_config
-from .data_parallel import DataParallel, check_leaves
-from .inject import Calibration, Injector, RolloutPlan, calibrate
-from .metrics import mismatch_metrics, rollout_batch_metrics, routing_metrics
-from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
-from .optim import ExactAdamW, clip_flat_gradient_
-from .registries import ROLLOUT_ENGINES
-from .rollout_engines import RolloutSession
-from .rollouts import RolloutBatch, eval_metrics, eval_records, step_problems
-from .runlog import (
+from ..records.runlog import (
     MetricsWriter,
     checkpoint_dirs,
     discard_if_interrupted_early,
@@ -66,6 +56,17 @@ from .runlog import (
     save_checkpoint,
     write_json_atomic,
 )
+from .collapse import detect_collapse
+from .config import RunConfig, dotted_items, load_config, save_config
+from .data_parallel import DataParallel, check_leaves
+from .inject import Calibration, Injector, RolloutPlan, calibrate
+from .log_backends import live_views
+from .metrics import mismatch_metrics, rollout_batch_metrics, routing_metrics
+from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
+from .optim import ExactAdamW, clip_flat_gradient_
+from .registries import ROLLOUT_ENGINES
+from .rollout_engines import RolloutSession
+from .rollouts import RolloutBatch, eval_metrics, eval_records, step_problems
 from .schedules import LRSchedule
 from .tasks import check_lengths, held_out_problems, make_task, training_problems
 from .triton_guard import check_interpreted_triton
@@ -433,7 +434,8 @@ class Trainer:
         summary so far (its status: how the loop ended), the last step reached, the start time and the last
         step's metrics. Ctrl-C, a stopped run and a confirmed collapse end the loop here, as an outcome."""
         cfg, run_dir = self.cfg, self.run_dir
-        writer = (MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=start_step, config=cfg)
+        writer = (MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=start_step,
+                                live_views=live_views(run_dir, cfg))
                   if self.ranks.is_main else _NoWriter())
         summary = {"name": cfg.name, "status": "running", "reason": None, "steps_planned": cfg.steps}
         started = time.perf_counter()

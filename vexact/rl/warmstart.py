@@ -17,8 +17,8 @@ from safetensors.torch import save as save_tensors
 
 from ..engine.model import MOE_FIELDS, Transformer
 from ..engine.scoring import score_tokens
+from ..records.atomic import publish, write_file
 from ..registry import mounts
-from .atomic import publish, write_file
 from .config import RunConfig, config_hash
 from .optim import ExactAdamW, clip_gradients_
 from .tasks import Problem, Task, encode_prompt, encode_target, training_problems

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ...rl.runlog import latest_checkpoint, read_metrics
+from ...records.runlog import latest_checkpoint, read_metrics
 
 
 def _metrics(run_dir: Path, ignore: tuple[str, ...], eval_steps: set[int]) -> list[dict]:

@@ -71,7 +71,7 @@ def compare_cells(tail: dict[tuple[int, str], dict[str, Any]], base: dict[tuple[
 
 def sweep_tail_table(sweep_dir: Path) -> str:
     """The tail over training, per group of finished points with ``tail/*`` keys (module docstring)."""
-    from ...rl.metrics_log import read_metrics
+    from ...records.metrics_log import read_metrics
 
     try:
         points = json.loads((sweep_dir / "sweep.json").read_text())["points"]

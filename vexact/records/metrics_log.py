@@ -14,6 +14,7 @@ rows, or the same error:
 - **NaN/Inf** are written by ``json_safe`` as the strings "nan", "inf", "-inf". Reading turns every spelling in
   ``NON_FINITE`` (any case) back into a float, and so do ``decode_non_finite`` / ``non_finite_value`` for anyone
   who holds a value from elsewhere (summary.json). JSON's own ``NaN`` / ``Infinity`` tokens parse as floats too.
+  ``scalars`` gives a row's numbers as the live views plot them, by the same table.
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ def decode_non_finite(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_non_finite(v) for v in value]
     return value
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one metrics row under their JSONL keys, as floats; ``step`` (the x axis) and anything
+    non-numeric are left out. NaN/Inf are kept -- a diverged run is an outcome to see -- whether they come as
+    floats (a live step) or as json_safe's strings "nan"/"inf"/"-inf" (a row read back from metrics.jsonl), so a
+    replayed row and a live one give the same values."""
+    out = {}
+    for key, value in row.items():
+        if key == "step":
+            continue
+        if isinstance(value, (bool, int, float)):
+            out[key] = float(value)
+        elif isinstance(value, str) and non_finite_value(value) is not None:
+            out[key] = non_finite_value(value)
+    return out
 
 
 def complete_lines(text: str) -> list[str]:

@@ -20,20 +20,16 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from .atomic import WriteFailed, apply_umask, fsync_path, json_safe, write_file, write_json_atomic, write_text_atomic
-from .log_backends import open_backends, scalars
-from .metrics_log import MetricsDamaged, complete_lines, parse_lines, read_metrics
+from .metrics_log import MetricsDamaged, complete_lines, parse_lines, read_metrics, scalars
 
 __all__ = ["MetricsDamaged", "apply_umask", "json_safe", "read_metrics", "write_json_atomic"]  # re-exported
-
-if TYPE_CHECKING:
-    from .config import RunConfig
 
 
 LOCK_FILE = ".lock"
@@ -156,17 +152,29 @@ def load_tensor_file(path: Path) -> Any:
         raise ValueError(f"{path}: not a readable torch tensor file ({first[:120]})") from None
 
 
-class MetricsWriter:
-    """Appends one JSON line per step to metrics.jsonl, flushed and fsynced; with ``config``, also to the live
-    views in its ``logging.backends`` (TensorBoard, W&B: see log_backends), which are rebuilt from the kept lines
-    first so that they match metrics.jsonl after a resume."""
+class LogBackend(Protocol):
+    """A live view of metrics.jsonl (TensorBoard, W&B): gets each step's numbers after the line is on disk."""
 
-    def __init__(self, path: Path, keep_steps_below: int | None = None, config: RunConfig | None = None):
+    def write(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+LiveViews = Callable[[list[dict[str, Any]]], list[LogBackend]]
+"""Opens a run's live views given the rows metrics.jsonl already holds, replayed into each first
+(``vexact.rl.log_backends.live_views`` makes one from a run's config)."""
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to metrics.jsonl, flushed and fsynced; with ``live_views``, also to the views
+    it opens (TensorBoard, W&B), which are rebuilt from the kept lines first so that they match metrics.jsonl after
+    a resume."""
+
+    def __init__(self, path: Path, keep_steps_below: int | None = None, live_views: LiveViews | None = None):
         self.path = path
         if keep_steps_below is not None:
             self._truncate(keep_steps_below)
-        live_views = config is not None and any(name != "jsonl" for name in config.logging.backends)
-        self._backends = open_backends(path.parent, config, read_metrics(path)) if live_views else []
+        self._backends = live_views(read_metrics(path)) if live_views is not None else []
         try:
             # unbuffered: a write that fails (a full disk) fails once, naming the file, and leaves nothing in a
             # buffer for close() to fail on again

@@ -1,0 +1,174 @@
+"""build-map over sweep directories: the runs of one (correction, horizon) from several sweeps merged into one
+dose-response fit when their configs agree (else one error naming the key), α refitted over every horizon, the
+shape printed, and horizons without a collapse kept as bounds (never thresholds) that ``compare --map`` shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vexact.lab import scaling
+from vexact.lab.scaling import bound_lines, build_map, compare_map, load_map, write_scaling
+from vexact.lab.sweep_data import read_sweep_results
+from vexact.metric_keys import K3_KL
+from vexact.rl.config import RunConfig
+from vexact.rl.horizon_task import horizon_overrides
+
+SEEDS = (0, 1, 2)
+LOW, HIGH = (0.25, 0.5), (2.0, 4.0)  # dose factors around the true threshold: below survive, above collapse
+
+
+def _threshold(length: int) -> float:
+    return 0.1 * (length / 8.0) ** -1.0  # the true 50% threshold: α = 1
+
+
+def _config(length: int, value: float, seed: int, **changes) -> dict:
+    """A resolved run config as a run saves it (config.yaml), at scratchpad length ``length``."""
+    config = dataclasses.asdict(RunConfig())
+    for key, v in {**horizon_overrides(length), "inject.mode": "logit_scale", "inject.value": value, "seed": seed,
+                   "name": f"L{length}_{value}_{seed}", **changes}.items():
+        section = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            section = section[part]
+        section[leaf] = v
+    return config
+
+
+def _sweep(root: Path, name: str, cells: list[tuple[int, tuple[float, ...]]], never: tuple[int, ...] = (),
+           pending: int = 0, **changes) -> Path:
+    """A sweep directory as `vexact sweep` leaves it: one variant per (L, factor), 3 seeds each, every point with
+    its config.yaml, summary.json and metrics.jsonl (T = L). Runs above the threshold collapse unless L is in
+    ``never``; ``pending`` more points that never started (no files)."""
+    path = root / name
+    points, variants = [], {}
+    for length, factors in cells:
+        for f in factors:
+            variant = f"L{length}_x{f}"
+            variants[variant] = {**horizon_overrides(length), "inject.value": -f}
+            for seed in SEEDS:
+                point = f"variant={variant},seed={seed}"
+                folder = path / "points" / point
+                folder.mkdir(parents=True)
+                (folder / "config.yaml").write_text(yaml.safe_dump(_config(length, -f, seed, **changes)))
+                dose = _threshold(length) * f * (1 + 0.01 * seed)
+                collapse = {"collapsed": f > 1 and length not in never, "mean_k3_kl_before_collapse": dose}
+                (folder / "summary.json").write_text(json.dumps({"status": "completed", "collapse": collapse}))
+                (folder / "metrics.jsonl").write_text("".join(
+                    json.dumps({"step": s, "response_length/mean": float(length)}) + "\n" for s in range(3)))
+                points.append({"name": point, "dir": f"points/{point}", "status": "completed",
+                               "overrides": {"variant": variant, "seed": seed}})
+    for i in range(pending):
+        points.append({"name": f"variant=later,seed={i}", "dir": f"points/variant=later,seed={i}",
+                       "status": "pending", "overrides": {"variant": "later", "seed": i}})
+    variants["later"] = {**horizon_overrides(8), "inject.value": -9.0}
+    (path / "sweep.json").write_text(json.dumps({"name": name, "grid": {"seed": list(SEEDS),
+                                                                        "variant": list(variants)},
+                                                 "variants": variants, "set": [], "curves": [], "points": points}))
+    return path
+
+
+def _two_rounds(tmp_path: Path, **changes) -> tuple[Path, Path]:
+    """Round 1 ran L = 8 below its threshold and L = 16 across it; round 2 ran L = 8 above it and L = 32 across it:
+    L = 8 has a threshold only once both rounds are merged."""
+    a = _sweep(tmp_path, "round1", [(8, LOW), (16, LOW + HIGH)], pending=2)
+    b = _sweep(tmp_path, "round2", [(8, HIGH), (32, LOW + HIGH)], **changes)
+    return a, b
+
+
+def test_runs_of_one_horizon_from_two_sweeps_make_one_fit(tmp_path):
+    a, b = _two_rounds(tmp_path)
+    for one in (a, b):  # each round alone gives L = 8 only a bound
+        alone = scaling.scaling(read_sweep_results(one))
+        assert {h["horizon_value"]: h["status"] for h in alone["horizons"]}[8] in ("above_range", "below_range")
+    built = build_map([a, b])
+    (curve,) = built["curves"]
+    assert curve["correction"] == "bypass" and curve["status"] == "fitted"
+    by_l = {h["horizon_value"]: h for h in curve["horizons"]}
+    assert list(by_l) == [8, 16, 32] and all(h["status"] == "fitted" for h in by_l.values())
+    assert by_l[8]["runs"] == 12 and by_l[8]["sweeps"] == {str(a): 6, str(b): 6}  # the pending points left out
+    for length, h in by_l.items():
+        assert 0.5 * _threshold(length) <= h["threshold_50"] <= 2.2 * _threshold(length)
+    assert curve["alpha"] == pytest.approx(1.0, abs=0.05)  # refitted over the three horizons of both sweeps
+    assert curve["shape"]["status"] == "compared" and "ΔAIC" in curve["shape"]["note"]
+    assert curve["testbed"]["inject.mode"] == "logit_scale" and "inject.value" not in curve["testbed"]
+    assert built["alpha"] == curve["alpha"]  # the top level is the bypass curve
+
+
+def test_exempt_keys_may_differ_but_a_testbed_key_may_not(tmp_path):
+    # threads and checkpoints do not change a run's bits: the rounds still merge
+    assert build_map(list(_two_rounds(tmp_path / "ok", **{"threads": 2, "logging.checkpoint_every": 7})))
+    a, b = _two_rounds(tmp_path / "steps", steps=130)
+    with pytest.raises(ValueError, match=r"at task\.max_len = 8: .*round1.* and .*round2.* differ in steps "
+                                         r"\(100 vs 130\).*not one testbed"):
+        build_map([a, b])
+
+
+def test_the_horizons_of_one_curve_share_a_testbed(tmp_path):
+    a = _sweep(tmp_path, "lr3", [(8, LOW + HIGH)])
+    b = _sweep(tmp_path, "lr4", [(16, LOW + HIGH)], **{"optimizer.lr": 1e-4})
+    with pytest.raises(ValueError, match=r"horizons task\.max_len = 8 and 16: .* differ in optimizer\.lr"):
+        build_map([a, b])
+
+
+def test_a_finished_point_without_its_config_is_named(tmp_path):
+    a, b = _two_rounds(tmp_path)
+    missing = next((b / "points").iterdir()) / "config.yaml"
+    missing.unlink()
+    with pytest.raises(ValueError, match=r"has a result but no config\.yaml"):
+        build_map([a, b])
+
+
+def test_a_horizon_without_collapse_is_a_bound_kept_and_shown(tmp_path):
+    a = _sweep(tmp_path, "bypass", [(8, LOW + HIGH), (16, LOW + HIGH), (32, LOW + HIGH), (64, LOW + HIGH)],
+               never=(64,))
+    built = build_map([a])
+    (curve,) = built["curves"]
+    h64 = curve["horizons"][-1]
+    assert h64["status"] == "above_range" and h64["threshold_50"] is None and h64["collapsed"] == 0
+    assert curve["alpha"] == pytest.approx(1.0, abs=0.05)  # from the three thresholds; the bound is not a number
+    top = max(_threshold(64) * f * 1.02 for f in LOW + HIGH)
+    assert bound_lines(curve) == [f"no collapse measured up to k3 {top:.2g} at T 64"]
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(built))
+    assert load_map(path)["curves"][0]["horizons"][-1]["status"] == "above_range"  # kept in the map
+    summary = {"sequences": 4, "tokens": 4 * 20, "metrics": {K3_KL: 1e-3}}
+    _, lines = compare_map(summary, path, "bypass")
+    assert any(line.startswith("  the bypass curve's bounds (measured, not in its fit): no collapse measured up to "
+                               f"k3 {top:.2g} at T 64") for line in lines)
+
+
+def test_a_file_curve_joins_sweep_horizons_but_never_at_the_same_horizon(tmp_path):
+    old = _sweep(tmp_path, "old", [(8, LOW + HIGH), (16, LOW + HIGH)])
+    report = tmp_path / "report"
+    report.mkdir()
+    file = write_scaling(read_sweep_results(old), report)[0][0]
+    new = _sweep(tmp_path, "new", [(32, LOW + HIGH)])
+    built = build_map([file, new])
+    (curve,) = built["curves"]
+    assert [h["horizon_value"] for h in curve["horizons"]] == [8, 16, 32] and curve["status"] == "fitted"
+    assert curve["alpha"] == pytest.approx(1.0, abs=0.05)
+    assert curve["provenance"]["testbed_unchecked"] == [str(file)]  # a scaling.json records no config
+    again = _sweep(tmp_path, "again", [(16, LOW + HIGH)])
+    with pytest.raises(ValueError, match=r"two sources hold correction 'bypass' at task\.max_len = 16"):
+        build_map([file, again])
+
+
+def test_build_map_cli_prints_the_shape_and_bounds(tmp_path, capsys):
+    a, b = _two_rounds(tmp_path)
+    out = tmp_path / "map.json"
+    assert scaling._main(["build-map", str(out), str(a), str(b)]) == 0
+    text = capsys.readouterr().out
+    assert "bypass (fitted, 3 horizons)" in text and "shape: shape over 3 fitted horizons" in text
+    assert "ΔAIC (power − saturating)" in text
+    assert load_map(out)["provenance"]["made_by"] == f"python -m vexact.lab.scaling build-map {out} {a} {b}"
+    c, d = _two_rounds(tmp_path / "bad", steps=130)
+    assert scaling._main(["build-map", str(out), str(c), str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: correction 'bypass' at task.max_len = 8") and len(err.strip().splitlines()) == 1
+    assert scaling._main(["build-map", str(out), str(tmp_path)]) == 2  # a directory that is no sweep
+    assert "without sweep.json" in capsys.readouterr().err
