@@ -14,7 +14,8 @@ trainer must not inherit). Its output goes to
 to it: written as one safetensors file, read by the child and loaded with the worker's in-place
 ``reload_weights`` (``llm.collective_rpc``), then ``reset_prefix_cache`` -- the route that works on vLLM's CPU
 backend (the model's own ``load_weights`` fails there: its linear layers repack their weights after loading). The
-sync's seconds are the step's ``timing/weight_sync``. The engine is stopped when the run ends (or its process
+sync's seconds are the step's ``timing/weight_sync``. The clean evaluation stays on vexact's path (it measures the
+policy, not the engine). The engine is stopped when the run ends (or its process
 group killed, on a timeout or if the trainer dies).
 
 What vLLM is asked: ``LLM(model, skip_tokenizer_init=True, dtype=<rollout dtype>, enforce_eager=True,
