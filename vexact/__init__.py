@@ -7,9 +7,10 @@ Llama/Mistral/Qwen2/Qwen3 checkpoint as a ``Transformer``); ``vexact.testing`` f
 Extension points, registrable from outside the package: ``register_task`` (a ``Task`` subclass: ``task.name``),
 ``register_inject_mode`` (an ``InjectMode`` instance: ``inject.mode``), ``register_lr_schedule`` (a ``ScheduleKind``
 instance: ``lr_schedule.kind``), ``register_correction_method`` (a ``CorrectionMethod``: ``correction.method``),
-``register_advantage_estimator`` (an ``AdvantageEstimator`` instance: ``algorithm.advantage``) and
-``register_log_backend`` (a ``LogBackendKind`` instance: ``logging.backends``); each may bring its own settings (a
-dataclass whose fields become config keys).
+``register_advantage_estimator`` (an ``AdvantageEstimator`` instance: ``algorithm.advantage``),
+``register_log_backend`` (a ``LogBackendKind`` instance: ``logging.backends``) and ``register_rollout_engine`` (a
+``RolloutEngine`` instance: ``rollout.engine``); each may bring its own settings (a dataclass whose fields become
+config keys).
 A module that registers them is named in a config's ``plugins:`` key (or the ``vexact.plugins`` entry-point group)
 for ``vexact run`` / ``sweep`` / ``report`` to import it (``vexact.rl.plugins``).
 
@@ -39,6 +40,8 @@ _PUBLIC = {
     "register_inject_mode": "vexact.rl.inject_modes",
     "register_log_backend": "vexact.rl.log_backends",
     "register_lr_schedule": "vexact.rl.schedules",
+    "register_rollout_engine": "vexact.rl.rollout_engines",
+    "RolloutEngine": "vexact.rl.rollout_engines",
     "register_task": "vexact.rl.tasks",
     "ScheduleKind": "vexact.rl.schedules",
     "Task": "vexact.rl.tasks",
@@ -46,9 +49,11 @@ _PUBLIC = {
 }
 
 __all__ = ["AdvantageEstimator", "CorrectionMethod", "GenerateOutput", "InjectMode", "KVCache", "LiveMonitor",
-           "LogBackendKind", "ModelConfig", "ScheduleKind", "Task", "Transformer", "from_pretrained", "generate",
+           "LogBackendKind", "ModelConfig", "RolloutEngine", "ScheduleKind", "Task", "Transformer", "from_pretrained",
+           "generate",
            "register_advantage_estimator", "register_correction_method", "register_inject_mode",
-           "register_log_backend", "register_lr_schedule", "register_task", "token_logprobs"]
+           "register_log_backend", "register_lr_schedule", "register_rollout_engine", "register_task",
+           "token_logprobs"]
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 if TYPE_CHECKING:
@@ -61,6 +66,7 @@ if TYPE_CHECKING:
     from .rl.corrections import CorrectionMethod, register_correction_method
     from .rl.inject_modes import InjectMode, register_inject_mode
     from .rl.log_backends import LogBackendKind, register_log_backend
+    from .rl.rollout_engines import RolloutEngine, register_rollout_engine
     from .rl.schedules import ScheduleKind, register_lr_schedule
     from .rl.tasks import Task, register_task
 

@@ -416,6 +416,7 @@ def choices_markdown() -> str:
         LOG_BACKENDS,
         LOSS_AGGREGATIONS,
         LR_SCHEDULES,
+        ROLLOUT_ENGINES,
         TASKS,
     )
 
@@ -435,6 +436,8 @@ def choices_markdown() -> str:
 
     backends = [[_code(name), _code(b.package) if b.package else "", _what(b), _settings_keys(LOG_BACKENDS, b)]
                 for name, b in LOG_BACKENDS.items()]
+    engines = [[_code(name), _code(e.package) if e.package else "", _what(e), _settings_keys(ROLLOUT_ENGINES, e)]
+               for name, e in ROLLOUT_ENGINES.items()]
     return "\n".join([
         "## Injection modes (`inject.mode`)", "",
         "From the registry `INJECT_MODES`; `vexact.register_inject_mode` adds one ([how](../howto/add_mode.md)).", "",
@@ -461,7 +464,10 @@ def choices_markdown() -> str:
         markdown_table(["aggregation", "loss", "its settings"], plain(LOSS_AGGREGATIONS)), "",
         "## Log backends (`logging.backends`)", "",
         "From the registry `LOG_BACKENDS`; `vexact.register_log_backend` adds one.", "",
-        markdown_table(["backend", "package", "what it writes", "its settings"], backends), ""])
+        markdown_table(["backend", "package", "what it writes", "its settings"], backends), "",
+        "## Rollout engines (`rollout.engine`)", "",
+        "From the registry `ROLLOUT_ENGINES`; `vexact.register_rollout_engine` adds one.", "",
+        markdown_table(["engine", "package", "who samples", "its settings"], engines), ""])
 
 
 # --- metric keys -------------------------------------------------------------------------------------------

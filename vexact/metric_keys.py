@@ -89,6 +89,7 @@ TIMING_OLD_LOGPROBS = "timing/old_logprobs"
 TIMING_ROLLOUT = "timing/rollout"
 TIMING_STEP = "timing/step"
 TIMING_UPDATE = "timing/update"
+TIMING_WEIGHT_SYNC = "timing/weight_sync"
 LIVE_GATES_FAILED = "live/gates_failed"
 LIVE_MEAN_RESPONSE_LENGTH = "live/mean_response_length"
 LIVE_NONFINITE = "live/nonfinite"
@@ -335,6 +336,8 @@ KEYS: tuple[MetricKey, ...] = (
        RUN, _TRAINER),
     _k("timing/step", "Seconds of the whole step", "s", RUN, _TRAINER, True),
     _k("timing/eval", "Seconds spent on the clean evaluation (evaluation steps only)", "s", RUN, _TRAINER, True),
+    _k("timing/weight_sync", "Seconds of the rollout spent syncing the policy's weights to an outside engine "
+       "(rollout.engine vllm; part of timing/rollout)", "s", RUN, "integrations/vllm_rollout.py"),
 )
 """The registry: one entry per key (or per family of keys with a ``<placeholder>``)."""
 

@@ -881,10 +881,16 @@ def export_hf_checkpoint(model: Transformer, directory: str | Path, eos_token_id
     hf_config = _hf_config_of(model.config, dtype, eos_token_id)
     directory.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(directory)
-    tensors = {name if name == "lm_head.weight" else f"model.{name}": p.detach().cpu().contiguous().clone()
-               for name, p in model.named_parameters()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_tensors(model), str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def hf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """``model``'s parameters under transformers' names (``model.`` prefix, ``lm_head.weight`` only when untied),
+    bit for bit, as detached contiguous CPU copies: the tensors of ``export_hf_checkpoint`` and of a weight update
+    sent to another engine."""
+    return {name if name == "lm_head.weight" else f"model.{name}": p.detach().cpu().contiguous().clone()
+            for name, p in model.named_parameters()}
 
 
 # --------------------------------------------------------------------------- tiny checkpoints

@@ -55,6 +55,7 @@ from .registries import (
     LOG_BACKENDS,
     LOSS_AGGREGATIONS,
     LR_SCHEDULES,
+    ROLLOUT_ENGINES,
     TASKS,
     check_run,
 )
@@ -92,6 +93,7 @@ LRScheduleKind = LR_SCHEDULES.name_type
 AdvantageEstimatorName = ADVANTAGE_ESTIMATORS.name_type
 LossAggregationName = LOSS_AGGREGATIONS.name_type
 LogBackendName = LOG_BACKENDS.name_type
+RolloutEngineName = ROLLOUT_ENGINES.name_type
 DType = Literal["float32", "bfloat16"]  # also spelled fp32 / bf16 (VALUE_ALIASES); stored with these names
 
 MAX_DISTRACTORS = 262_144
@@ -185,6 +187,7 @@ class WarmStartSection:
     free_weight: float | None = field(default=None, metadata=_bounds(min=0))
 
 
+@extensible("rollout")
 @dataclass
 class RolloutSection:
     """Sampling of the rollout batch. backend/dtype None = same as the training path."""
@@ -197,6 +200,9 @@ class RolloutSection:
     batch_size: int | None = field(default=None, metadata=_bounds(min=1))
     backend: Backend | None = None
     dtype: DType | None = None
+    # who samples: vexact's own rollout path (the default), or a registered outside engine such as vllm
+    # (vexact.rl.rollout_engines); an engine's own settings are rollout.* keys too
+    engine: RolloutEngineName = "vexact"
 
 
 @extensible("algorithm")

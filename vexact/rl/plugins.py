@@ -35,9 +35,9 @@ __all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "load_builtins", "load_entry_points"
 
 BUILTINS = ("vexact.rl.tasks", "vexact.rl.horizon_task", "vexact.rl.surge_task", "vexact.rl.inject_modes",
             "vexact.rl.corrections", "vexact.rl.schedules", "vexact.rl.advantages", "vexact.rl.objective",
-            "vexact.rl.log_backends")
+            "vexact.rl.log_backends", "vexact.rl.rollout_engines", "vexact.integrations.vllm_rollout")
 """The modules that register the built-in tasks, injection modes, correction methods, LR schedules, advantage
-estimators, loss aggregations and bypass losses, and log backends (``vexact.rl.registries``)."""
+estimators, loss aggregations and bypass losses, log backends and rollout engines (``vexact.rl.registries``)."""
 
 ENTRY_POINT_GROUP = "vexact.plugins"
 """The entry-point group whose entries every vexact process loads before it validates a config."""

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from .config import RunConfig
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "BYPASS_LOSSES", "CORRECTION_METHODS", "INJECT_MODES", "LOG_BACKENDS",
-           "LOSS_AGGREGATIONS", "LR_SCHEDULES", "REGISTRIES", "TASKS", "check_run", "register_run_check"]
+           "LOSS_AGGREGATIONS", "LR_SCHEDULES", "REGISTRIES", "ROLLOUT_ENGINES", "TASKS", "check_run",
+           "register_run_check"]
 
 TASKS: Registry = Registry("task", "task.name", "vexact.register_task")
 """``task.name`` -> its ``Task`` class (``vexact.rl.tasks``)."""
@@ -48,9 +49,11 @@ LOSS_AGGREGATIONS: Registry = Registry("loss aggregation", "algorithm.loss_agg",
 """``algorithm.loss_agg`` -> how a per-token loss is reduced (``vexact.rl.objective``)."""
 LOG_BACKENDS: Registry = Registry("log backend", "logging.backends", "vexact.register_log_backend")
 """``logging.backends`` -> its ``LogBackendKind`` (``vexact.rl.log_backends``)."""
+ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine", "vexact.register_rollout_engine")
+"""``rollout.engine`` -> its ``RolloutEngine`` (``vexact.rl.rollout_engines``): who samples the rollout batch."""
 
 REGISTRIES: tuple[Registry, ...] = (TASKS, INJECT_MODES, CORRECTION_METHODS, BYPASS_LOSSES, LR_SCHEDULES,
-                                    ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, LOG_BACKENDS)
+                                    ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, LOG_BACKENDS, ROLLOUT_ENGINES)
 """Every extension point, in the order the documentation lists them."""
 
 _RUN_CHECKS: list[Callable[[RunConfig], None]] = []

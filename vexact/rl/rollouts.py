@@ -3,7 +3,7 @@ ops and weights) -> rewards. Also the clean evaluation, which samples the same w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -36,6 +36,8 @@ class RolloutBatch:
     tail_mass: list[Tensor] | None = None  # per token: the rollout's probability of the distractors (vocab_tail)
     # MoE models: per sequence, the experts the rollout's MoE layers used (GenerateOutput.routing); None when dense
     routing: list[Tensor] | None = None
+    # seconds of the engine's own stages (``timing/*`` keys: an outside engine's weight sync); step metrics
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def lengths(self) -> list[int]:

@@ -16,6 +16,7 @@ the run is bitwise the same for any number of ranks. Rank 0 writes the run direc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -63,7 +64,9 @@ from .log_backends import live_views
 from .metrics import mismatch_metrics, rollout_batch_metrics, routing_metrics
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
 from .optim import ExactAdamW, clip_flat_gradient_
-from .rollouts import RolloutBatch, collect_rollouts, eval_metrics, eval_records, step_problems
+from .registries import ROLLOUT_ENGINES
+from .rollout_engines import RolloutSession
+from .rollouts import RolloutBatch, eval_metrics, eval_records, step_problems
 from .schedules import LRSchedule
 from .tasks import check_lengths, held_out_problems, make_task, training_problems
 from .triton_guard import check_interpreted_triton
@@ -128,6 +131,10 @@ class Trainer:
         self.objective = Objective(cfg.algorithm, cfg.correction, cfg.rollout.temperature,
                                    exact_training=cfg.backend in vexact_kernels.EXACT_BACKENDS)
         self.calibration: Calibration | None = None
+        # who samples (rollout.engine); its session opens at the first rollout and closes when the run ends
+        self.engine = ROLLOUT_ENGINES[cfg.rollout.engine]
+        self.engine.check(self.ranks.world_size)  # e.g. its package missing: one error now, not after the warm start
+        self._session: RolloutSession | None = None
 
     # ------------------------------------------------------------------ setup helpers
     def _copy_of(self, model: Transformer, dtype: torch.dtype) -> Transformer:
@@ -170,10 +177,18 @@ class Trainer:
         if problems is None:
             problems = step_problems(self.task, cfg.rollout, cfg.seed, step)
         mine = self.ranks.block(len(problems))
-        local = collect_rollouts(self._weights_in(plan.dtype), plan, self.task, self.tokenizer,
-                                 problems[mine.start : mine.stop], cfg.rollout, _step_seed(cfg.seed, step),
-                                 first_problem=mine.start)
+        if self._session is None:
+            self._session = self.engine.open(cfg, self.run_dir, self.ranks.world_size)
+        local = self._session.collect(self._weights_in(plan.dtype), plan, self.task, self.tokenizer,
+                                      problems[mine.start : mine.stop], cfg.rollout, _step_seed(cfg.seed, step),
+                                      first_problem=mine.start)
         return local if self.ranks.world_size == 1 else RolloutBatch.concat(self.ranks.gather([local]))
+
+    def close(self) -> None:
+        """Close the rollout engine's session (an outside engine's process); ``run`` does it when it ends."""
+        if self._session is not None:
+            session, self._session = self._session, None
+            session.close()
 
     def _score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
         """Training-path log-probs of the whole batch (no grad); each rank scores its share of the sequences.
@@ -196,8 +211,11 @@ class Trainer:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         plan = self.injector.plan(step)
+        if not self.engine.runs_training_path:  # an outside engine's rollout is never the training path's bits
+            plan = dataclasses.replace(plan, matches_training=False)
         batch = self.rollout(step, plan)
         timings[TIMING_ROLLOUT] = time.perf_counter() - t0
+        timings.update(batch.timings)  # the engine's own stages (an outside engine's weight sync)
         if not all(torch.isfinite(lp).all() for lp in batch.logprobs):
             raise RunStopped(f"non-finite rollout log-probs (logits) at step {step}")
 
@@ -350,10 +368,13 @@ class Trainer:
         changes are recorded in config_changes.jsonl. Resuming a finished run does nothing (and says so) unless
         ``steps`` grew: then it is extended. With several ranks, rank 0 holds the lock and writes; every rank
         returns rank 0's summary."""
-        if not self.ranks.is_main:
-            return self._run(resume, tuple(allow_changes))
-        with discard_if_interrupted_early(self.run_dir, log=self._log), run_lock(self.run_dir):
-            return self._run(resume, tuple(allow_changes))
+        try:
+            if not self.ranks.is_main:
+                return self._run(resume, tuple(allow_changes))
+            with discard_if_interrupted_early(self.run_dir, log=self._log), run_lock(self.run_dir):
+                return self._run(resume, tuple(allow_changes))
+        finally:
+            self.close()
 
     def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
         """The run in three stages: prepare (resume or warm start, calibration), the step loop, and the end (the
