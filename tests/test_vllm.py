@@ -106,10 +106,7 @@ def test_cli_refuses_top_p_with_one_line(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- a stub vLLM in the child process
-STUB = '''
-import json, os
-__version__ = "0.0.stub"
-
+STUB_TYPES = '''
 class Logprob:
     def __init__(self, logprob):
         self.logprob = logprob
@@ -125,6 +122,14 @@ class _Completion:
 class _Output:
     def __init__(self, completion):
         self.outputs = [completion]
+'''
+"""The output types a stub vLLM returns (``tests/test_vllm_rollout.py``'s stub has them too)."""
+
+STUB = '''
+import json, os
+__version__ = "0.0.stub"
+
+''' + STUB_TYPES + '''
 
 class LLM:
     def __init__(self, model, **kwargs):
@@ -150,16 +155,22 @@ class LLM:
 '''
 
 
+def install_stub_vllm(source: str, tmp_path, monkeypatch, calls) -> None:
+    """Make ``source`` the ``vllm`` package this process and its children import first, in mode ``ok``, recording
+    its calls in the file ``calls``."""
+    root = tmp_path / "stub"
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("VEXACT_VLLM_STUB", "ok")
+    monkeypatch.setenv("VEXACT_VLLM_STUB_CALLS", str(calls))
+
+
 @pytest.fixture
 def stub_vllm(tmp_path, monkeypatch):
     """A ``vllm`` package that records what it was asked and answers in vLLM's shapes; the child process finds it
     first (``generate_with_vllm`` passes this process's sys.path on)."""
-    root = tmp_path / "stub"
-    (root / "vllm").mkdir(parents=True)
-    (root / "vllm" / "__init__.py").write_text(textwrap.dedent(STUB))
-    monkeypatch.syspath_prepend(str(root))
-    monkeypatch.setenv("VEXACT_VLLM_STUB", "ok")
-    monkeypatch.setenv("VEXACT_VLLM_STUB_CALLS", str(tmp_path / "calls.json"))
+    install_stub_vllm(STUB, tmp_path, monkeypatch, calls=tmp_path / "calls.json")
     make_tiny_checkpoint(tmp_path / "ckpt", "llama", tokenizer=False)
     return tmp_path
 

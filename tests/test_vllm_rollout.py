@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 from pathlib import Path
 
 import pytest
 from rich.console import Console
+from test_vllm import STUB_TYPES, install_stub_vllm
 
 from vexact.integrations import vllm_rollout as vr
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, GRAD_NORM, K3_KL, TIMING_WEIGHT_SYNC
@@ -97,22 +97,7 @@ from vexact.real.pretrained import from_pretrained
 
 __version__ = "0.0.stub"
 
-class Logprob:
-    def __init__(self, logprob):
-        self.logprob = logprob
-
-class SamplingParams:
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-
-class _Completion:
-    def __init__(self, token_ids, logprobs):
-        self.token_ids, self.logprobs = token_ids, logprobs
-
-class _Output:
-    def __init__(self, completion):
-        self.outputs = [completion]
-
+''' + STUB_TYPES + '''
 def _record(entry):
     with open(os.environ["VEXACT_VLLM_STUB_CALLS"], "a") as f:
         f.write(json.dumps(entry) + "\\n")
@@ -153,12 +138,7 @@ class LLM:
 @pytest.fixture
 def stub_vllm(tmp_path, monkeypatch):
     """A ``vllm`` package the engine's child process finds first (the session passes this process's sys.path on)."""
-    root = tmp_path / "stub"
-    (root / "vllm").mkdir(parents=True)
-    (root / "vllm" / "__init__.py").write_text(textwrap.dedent(STUB))
-    monkeypatch.syspath_prepend(str(root))
-    monkeypatch.setenv("VEXACT_VLLM_STUB", "ok")
-    monkeypatch.setenv("VEXACT_VLLM_STUB_CALLS", str(tmp_path / "calls.jsonl"))
+    install_stub_vllm(STUB, tmp_path, monkeypatch, calls=tmp_path / "calls.jsonl")
     return tmp_path
 
 
