@@ -206,6 +206,29 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "(empty)"
 
 
+def start_llm(model: str, dtype: str, max_model_len: int, logprobs_mode: str, seed: int) -> Any:
+    """``vllm.LLM`` as vexact's children run it: token-id prompts (no tokenizer), eager mode, the checkpoint's own
+    sampling defaults ignored (``generation_config="vllm"``), one engine seed."""
+    from vllm import LLM
+
+    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+               logprobs_mode=logprobs_mode, generation_config="vllm", seed=seed)
+
+
+def sampled(outputs: list[Any]) -> tuple[list[list[int]], list[list[float]]]:
+    """Each request's sampled token ids and their log-probs (``SamplingParams(logprobs=0)``: the sampled token's)."""
+    tokens = [list(out.outputs[0].token_ids) for out in outputs]
+    logprobs = [[float(step[t].logprob) for step, t in zip(out.outputs[0].logprobs, ids)]
+                for out, ids in zip(outputs, tokens)]
+    return tokens, logprobs
+
+
+def error_line(err: Exception) -> str:
+    """An exception in one line for the parent: its type and its message's first non-empty line (300 characters)."""
+    first = next((line for line in str(err).splitlines() if line.strip()), "")[:300]
+    return f"{type(err).__name__}: {first}"
+
+
 def _worker(request_path: str, result_path: str) -> int:
     """The child: build ``vllm.LLM``, generate, write tokens and log-probs (JSON floats: a float32 log-prob written as
     its float64 repr reads back exactly). Any exception becomes ``{"error": first line}``."""
@@ -214,13 +237,12 @@ def _worker(request_path: str, result_path: str) -> int:
     try:
         start = time.perf_counter()
         import vllm
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
         seconds["import"] = time.perf_counter() - start
         start = time.perf_counter()
-        llm = LLM(model=request["model"], skip_tokenizer_init=True, dtype=request["dtype"], enforce_eager=True,
-                  max_model_len=request["max_model_len"], logprobs_mode=request["logprobs_mode"],
-                  generation_config="vllm", seed=request["seed"])
+        llm = start_llm(request["model"], request["dtype"], request["max_model_len"], request["logprobs_mode"],
+                        request["seed"])
         seconds["engine_start"] = time.perf_counter() - start
         params = [SamplingParams(temperature=request["temperature"], top_p=request["top_p"], top_k=request["top_k"],
                                  max_tokens=request["max_tokens"], ignore_eos=True, logprobs=0, detokenize=False,
@@ -229,16 +251,10 @@ def _worker(request_path: str, result_path: str) -> int:
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in request["prompts"]], params, use_tqdm=False)
         seconds["generate"] = time.perf_counter() - start
-        tokens, logprobs = [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)
-            tokens.append(ids)
-            logprobs.append([float(step[t].logprob) for step, t in zip(completion.logprobs, ids)])
+        tokens, logprobs = sampled(outputs)
         result = {"tokens": tokens, "logprobs": logprobs, "vllm_version": vllm.__version__, "seconds": seconds}
     except Exception as err:  # vLLM raises many kinds (ValueError, RuntimeError, pydantic's ValidationError...)
-        first = next((line for line in str(err).splitlines() if line.strip()), "")[:300]
-        result = {"error": f"{type(err).__name__}: {first}"}
+        result = {"error": error_line(err)}
     Path(result_path).write_text(json.dumps(result))
     return 0
 

@@ -56,7 +56,7 @@ from ..rl.config import ConfigError
 from ..rl.registries import register_run_check
 from ..rl.rollout_engines import RolloutEngine, register_rollout_engine
 from ..rl.validate import bounds
-from .vllm import VLLM_INSTALL, WORKER_ENV, _last_line
+from .vllm import VLLM_INSTALL, WORKER_ENV, _last_line, error_line, sampled, start_llm
 
 if TYPE_CHECKING:
     from ..engine.model import Transformer
@@ -297,20 +297,15 @@ def _serve(in_fd: int, out_fd: int, request: dict[str, Any]) -> int:
         writer.write((json.dumps(message) + "\n").encode())
         writer.flush()
 
-    def failed(err: Exception) -> dict[str, str]:
-        first = next((line for line in str(err).splitlines() if line.strip()), "")[:300]
-        return {"error": f"{type(err).__name__}: {first}"}
-
     try:
         import vllm
         from safetensors.torch import load_file
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
-        llm = LLM(model=request["model"], skip_tokenizer_init=True, dtype=request["dtype"], enforce_eager=True,
-                  max_model_len=request["max_model_len"], logprobs_mode="processed_logprobs",
-                  generation_config="vllm", seed=request["seed"])
+        llm = start_llm(request["model"], request["dtype"], request["max_model_len"], "processed_logprobs",
+                        request["seed"])
     except Exception as err:  # vLLM raises many kinds (ValueError, RuntimeError, pydantic's ValidationError...)
-        reply(failed(err))
+        reply({"error": error_line(err)})
         return 0
     reply({"vllm_version": vllm.__version__})
     for line in reader:
@@ -330,14 +325,12 @@ def _serve(in_fd: int, out_fd: int, request: dict[str, Any]) -> int:
                                          logprobs=0, detokenize=False, seed=s) for s in message["seeds"]]
                 outputs = llm.generate([{"prompt_token_ids": p} for p in message["prompts"]], params,
                                        use_tqdm=False)
-                tokens = [list(out.outputs[0].token_ids) for out in outputs]
-                logprobs = [[float(step[t].logprob) for step, t in zip(out.outputs[0].logprobs, ids)]
-                            for out, ids in zip(outputs, tokens)]
+                tokens, logprobs = sampled(outputs)
                 reply({"tokens": tokens, "logprobs": logprobs})
             else:
                 reply({"error": f"unknown op {message['op']!r}"})
         except Exception as err:  # noqa: BLE001 -- reported to the trainer, which stops the run with it
-            reply(failed(err))
+            reply({"error": error_line(err)})
     return 0
 
 
