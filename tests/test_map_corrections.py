@@ -403,7 +403,11 @@ def test_build_map_cli(tmp_path, capsys):
 def test_the_shipped_map_is_made_by_build_map():
     m = load_map()
     assert m["provenance"]["made_by"].startswith("python -m vexact.lab.scaling build-map vexact/lab/default_map.json ")
-    assert [c["correction"] for c in m["curves"]] == ["bypass", "recompute", "token_tis"]
+    assert [c["correction"] for c in m["curves"] if c["source"] == "logit_scale"] == ["bypass", "recompute",
+                                                                                       "token_tis"]
+    assert scaling.map_sources(m)[0] == "logit_scale"  # the default source: a placement without one uses it
+    routing = scaling.curve_for(m, "bypass", "routing_flip:near_tie")  # MoE routing: its own curve, one horizon
+    assert routing["status"] == "single_horizon" and routing["horizons"][0]["status"] == "fitted"
     rebuilt = build_map([scaling.DEFAULT_MAP])  # the command is idempotent on its own output
     assert rebuilt["curves"] == json.loads(scaling.DEFAULT_MAP.read_text())["curves"]
     placed = place_on_map(m, 4.98e-5, 1000.0, "bypass")

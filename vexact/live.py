@@ -48,7 +48,9 @@ that horizon, on the curve of ``correction`` -- the correction your trainer runs
 takes it: a name (``bypass``, ``recompute``, ``token_tis``, ...; ``vexact.lab.scaling.correction_names()``), a
 config file, verl's ``algorithm.rollout_correction`` block as a mapping, or a TRL ``GRPOConfig``. Without it the
 ``bypass`` curve is assumed and every verdict says so; a correction the map has no curve for is refused at
-construction (never answered from another correction's curve). Without ``scaling_map`` (the default) rows have no
+construction (never answered from another correction's curve). ``source`` picks the curves of another mismatch
+source the map carries (``vexact.lab.scaling.map_sources``: e.g. ``routing_flip:near_tie`` for MoE routing
+mismatch); without it, the map's default source. Without ``scaling_map`` (the default) rows have no
 ``map`` key and ``correction`` is refused, and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map``
 with one ``ValueError`` at construction. A map dict is checked at construction too (the keys ``load_map``
 requires, and one placement at the map's first horizon): one ``ValueError`` there, not a ``map_error`` on every
@@ -164,7 +166,7 @@ class LiveMonitor:
                  on_gate_failure: OnGateFailure = "record", resume: bool = False,
                  scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
                  wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline",
-                 correction: Any = None):
+                 correction: Any = None, source: str | None = None):
         self.out_dir = Path(out_dir)
         self.gates = Gates() if gates is None else gates
         if not isinstance(self.gates, Gates):
@@ -174,7 +176,7 @@ class LiveMonitor:
         self.on_gate_failure = on_gate_failure
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
-        self._map = _load_scaling_map(scaling_map, correction)
+        self._map = _load_scaling_map(scaling_map, correction, source)
         self.metrics_path = self.out_dir / METRICS_FILE
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} exists and is not a directory")
@@ -275,13 +277,15 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
                                                                      wandb_mode=wandb_mode), settings)
 
 
-def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correction: Any = None) -> Any:
-    """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction`` writes it (``scaling.MAP_KEYS``), or
-    None without a map. ``"default"``, as for ``compare --map``, is the map shipped with vexact. The correction is
-    resolved and checked against the map here, once."""
+def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correction: Any = None,
+                      source: str | None = None) -> Any:
+    """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction --source`` writes it
+    (``scaling.MAP_KEYS``), or None without a map. ``"default"``, as for ``compare --map``, is the map shipped with
+    vexact. The correction and source are resolved and checked against the map here, once."""
     if scaling_map is None:
-        if correction is not None:
-            raise ValueError("correction chooses a curve of scaling_map: give scaling_map too, or leave correction out")
+        if correction is not None or source is not None:
+            raise ValueError("correction and source choose a curve of scaling_map: give scaling_map too, or leave "
+                             "them out")
         return None
     try:
         from .lab import scaling
@@ -297,12 +301,12 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correctio
                          f"{type(scaling_map).__name__}")
     _check_map_keys(data)
     try:
-        name = scaling.choose_correction(data, correction)  # its ValueError (no such curve) is the user's answer
+        name = scaling.choose_correction(data, correction, source)  # its ValueError (no such curve) is the answer
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # a malformed map dict
         raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
 
     def place(k3: float, horizon: float) -> dict[str, Any]:
-        placed = scaling.place_on_map(data, k3, horizon, name)
+        placed = scaling.place_on_map(data, k3, horizon, name, source)
         return {key: placed[key] for key in scaling.MAP_KEYS}
 
     _check_map(data, place)

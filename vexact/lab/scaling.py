@@ -72,13 +72,14 @@ from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
 from ..rl.config import AlgorithmSection, CorrectionSection, RunConfig
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.horizon_task import horizon_overrides
+from ..rl.inject_modes import INJECT_MODES
 from .dose_response import METRIC, fit_threshold, run_dose
 from .sweep_data import SEED_KEY, PointData, SweepData, read_sweep_results
 
 __all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES", "build_map",
            "choose_correction", "compare_shapes", "correction_from_config", "correction_name", "correction_names",
            "curve_for", "fit_law", "load_map", "map_curves", "place_on_map", "placement", "plot_scaling",
-           "resolve_correction", "scaling", "write_scaling"]
+           "resolve_correction", "scaling", "source_name", "write_scaling"]
 
 HORIZON_KEY = "task.max_len"
 HORIZON_METRIC = RESPONSE_LENGTH_MEAN
@@ -87,7 +88,7 @@ BOOTSTRAP_SEED = 0
 REPLICATES_KEPT = 200  # replicates stored in scaling.json for the map's interval at a new T
 DEFAULT_MAP = Path(__file__).with_name("default_map.json")
 MAP_KEYS = ("horizon", "k3", "threshold_50", "ci_low", "ci_high", "ratio", "verdict", "extrapolation_factor",
-            "correction")
+            "correction", "source")
 ASSUMPTIONS = (
     "the threshold follows the fitted power law threshold ∝ T^(−alpha) beyond the measured horizons",
     "the map's testbed (a 0.5M-parameter decoder on CPU, on-policy GRPO, the curve's correction and run length) "
@@ -98,6 +99,7 @@ ASSUMPTIONS = (
 )
 BOUND_ASSUMPTION = ("a no-collapse bound measured at a horizon also holds at shorter ones (the threshold does not "
                     "rise with T, as on the map's bypass curve)")
+SAME_HORIZON = 1.5  # a curve measured at one horizon answers within this factor of it, and nowhere else
 SHAPE_MIN_HORIZONS = 3  # two 2-parameter shapes: three points leave one degree of freedom each
 
 
@@ -267,6 +269,27 @@ def resolve_correction(spec: Any, map_data: dict[str, Any] | None = None) -> str
     raise ValueError(f"correction must be a name, a config file or a config mapping, got {type(spec).__name__}")
 
 
+# ----------------------------------------------------------------------------- sources: which mismatch a run had
+
+SOURCE_SEPARATOR = ":"
+
+
+def source_name(config: Mapping[str, Any]) -> str:
+    """The mismatch source a run injected, from its flat config (dotted keys; a key it lacks counts as its
+    default): ``inject.mode``, then the values of that mode's own settings (its ``settings`` dataclass in the
+    registry ``INJECT_MODES``), joined by ``SOURCE_SEPARATOR``: ``logit_scale``, ``routing_flip:near_tie``. A map
+    never merges runs of two sources into one curve: one correction's threshold differs between them (a flattened
+    rollout against flipped MoE routing)."""
+    defaults = _default_config()
+    mode = config.get("inject.mode", defaults.get("inject.mode"))
+    settings = INJECT_MODES[mode].settings if mode in INJECT_MODES else None
+    values = []
+    for f in dataclasses.fields(settings) if settings is not None else ():
+        value = config.get(f"inject.{f.name}", defaults.get(f"inject.{f.name}"))
+        values.append("+".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
+    return SOURCE_SEPARATOR.join([str(mode), *values])
+
+
 # ----------------------------------------------------------------------------- reading a sweep
 
 
@@ -315,6 +338,19 @@ def point_correction(point: PointData, variants: dict[str, dict[str, Any]]) -> s
         return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
 
 
+def point_source(point: PointData, variants: dict[str, dict[str, Any]]) -> str:
+    """The point's source (``source_name``): from the config the run saved, else from its overrides and its
+    variant's bundle (a point that never started)."""
+    path = point.dir / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        config = None
+    if isinstance(config, Mapping):
+        return source_name(flat_config(config))
+    return source_name({**_bundle(point, variants), **point.overrides})
+
+
 def _bundle(point: PointData, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     bundle = variants.get(str(point.overrides.get("variant")), {})
     return bundle if isinstance(bundle, dict) else {}
@@ -348,13 +384,16 @@ def scaling(data: SweepData) -> dict[str, Any]:
                 "note": f"the sweep sets no horizon key ({HORIZON_KEY} in its grid or its variants), so it has no "
                         "horizon axis: no scaling law"}
     keys = _curve_keys(data, variants)
-    curves: dict[tuple[str, str], list[PointData]] = {}
-    for p in with_h:  # one curve per correction (and per other curve key): never one fit over several corrections
+    sources = {p.name: point_source(p, variants) for p in with_h}
+    several = len(set(sources.values())) > 1
+    curves: dict[tuple[str, str, str], list[PointData]] = {}
+    for p in with_h:  # one curve per correction and source (and other curve key): never one fit over several
         correction = point_correction(p, variants)
-        label = ", ".join([f"correction={correction}", *(f"{k}={p.overrides.get(k)}" for k in keys)])
-        curves.setdefault((label, correction), []).append(p)
-    results = [_curve(label, correction, _by_horizon(points, variants)) for (label, correction), points
-               in curves.items()]
+        label = ", ".join([f"correction={correction}", *([f"source={sources[p.name]}"] if several else []),
+                           *(f"{k}={p.overrides.get(k)}" for k in keys)])
+        curves.setdefault((label, correction, sources[p.name]), []).append(p)
+    results = [{**_curve(label, correction, _by_horizon(points, variants)), "source": source}
+               for (label, correction, source), points in curves.items()]
     primary = next((c for c in results if c["correction"] == DEFAULT_CORRECTION), results[0])
     return {**base, **primary, "curves": results}
 
@@ -405,8 +444,12 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     ts = [h["horizon"] for h in usable]
     out["horizon_range"] = [min(ts), max(ts)]
     if len(usable) < 2:
+        h = usable[0]
+        found = (f"; its 50% threshold: k3 {h['threshold_50']:.2g}" + (f" [{h['ci_low']:.2g}, {h['ci_high']:.2g}]" if
+                 _positive(h.get("ci_low")) and _positive(h.get("ci_high")) else "")
+                 if h.get("status") == "fitted" and _positive(h.get("threshold_50")) else "")
         return {**out, "status": "single_horizon",
-                "note": f"one horizon (T = {ts[0]:.1f}): a law in T needs at least two"}
+                "note": f"one horizon (T = {ts[0]:.1f}): a law in T needs at least two{found}"}
     fitted = [h for h in usable if h.get("status") == "fitted"]
     bounded = [h for h in usable if h.get("status") in ("above_range", "below_range")]
     if len(fitted) < 2:
@@ -728,65 +771,107 @@ def load_map(path: str | Path | None = None) -> dict[str, Any]:
         raise ValueError(f"map file '{path}' is not a scaling.json (no 'status' / 'horizon_range'); make one with "
                          "vexact report on a sweep over task.max_len")
     data["curves"] = map_curves(data, f"map file '{path}'")
-    data.setdefault("source", "the map shipped with vexact (vexact/lab/default_map.json)" if path == DEFAULT_MAP
-                    else str(path))
+    data["origin"] = ("the map shipped with vexact (vexact/lab/default_map.json)" if path == DEFAULT_MAP
+                      else str(path))
     return data
 
 
 def map_curves(map_data: dict[str, Any] | None, where: str = "the map") -> list[dict[str, Any]]:
-    """The map's curves, each with its ``correction``. A file from before corrections were recorded is one curve,
-    its top level: ``bypass`` (``recompute`` when its label says ``algorithm.old_logprobs=recompute``). Two curves
-    for one correction are an error: a map answers with one curve per correction."""
+    """The map's curves, each with its ``correction`` and ``source`` (the injected mismatch its runs had:
+    ``source_name``; a curve saved without one takes it from its testbed, else None). A file from before corrections
+    were recorded is one curve, its top level: ``bypass`` (``recompute`` when its label says
+    ``algorithm.old_logprobs=recompute``). Two curves for one (correction, source) are an error: a map answers with
+    one curve per correction and source."""
     if not map_data:
         return []
     curves = map_data.get("curves")
     if isinstance(curves, list) and curves and all(isinstance(c, dict) and "correction" in c for c in curves):
-        seen: dict[str, str] = {}
+        seen: dict[tuple[str, Any], str] = {}
+        out = []
         for c in curves:
-            name = c["correction"]
-            if name in seen:
-                raise ValueError(f"{where} has two curves for correction {name!r} ({seen[name]!r} and "
-                                 f"{c.get('curve')!r}): a map holds one curve per correction")
-            seen[name] = str(c.get("curve"))
-        return curves
+            c = c if "source" in c else {**c, "source": _curve_source(c)}
+            key = (c["correction"], c["source"])
+            if key in seen:
+                raise ValueError(f"{where} has two curves for correction {key[0]!r} and source {key[1]!r} "
+                                 f"({seen[key]!r} and {c.get('curve')!r}): a map holds one curve per correction and "
+                                 "source")
+            seen[key] = str(c.get("curve"))
+            out.append(c)
+        return out
     label = str(map_data.get("curve", ""))
     legacy = RECOMPUTE if "algorithm.old_logprobs=recompute" in label else BYPASS
-    return [{**{k: v for k, v in map_data.items() if k not in ("curves", "source")}, "correction": legacy}]
+    legacy_curve = {k: v for k, v in map_data.items() if k not in ("curves", "origin")}
+    return [{**legacy_curve, "correction": legacy, "source": _curve_source(legacy_curve)}]
 
 
-def curve_for(map_data: dict[str, Any], correction: str) -> dict[str, Any]:
-    """The map's curve for ``correction``; a correction it has no curve for is one ValueError naming it and the
-    curves there are (never another correction's curve in its place)."""
+def _curve_source(curve: dict[str, Any]) -> str | None:
+    """A curve's source: its own ``source``, else the one its ``testbed`` (flat config) injected, else None."""
+    if curve.get("source") is not None:
+        return str(curve["source"])
+    testbed = curve.get("testbed")
+    return source_name(testbed) if isinstance(testbed, dict) and "inject.mode" in testbed else None
+
+
+def default_source(map_data: dict[str, Any]) -> str | None:
+    """The source a placement uses when the user names none: the map's primary curve's (its top level: the
+    ``bypass`` curve of the map's main source)."""
     curves = map_curves(map_data)
+    top = _curve_source(map_data) if "testbed" in map_data or "source" in map_data else None
+    return top if top is not None or not curves else curves[0]["source"]
+
+
+def map_sources(map_data: dict[str, Any]) -> list[str]:
+    """The sources the map has curves for, the default first."""
+    first = default_source(map_data)
+    rest = [c["source"] for c in map_curves(map_data) if c["source"] is not None and c["source"] != first]
+    return [s for s in dict.fromkeys([first, *rest]) if s is not None]
+
+
+def curve_for(map_data: dict[str, Any], correction: str, source: str | None = None) -> dict[str, Any]:
+    """The map's curve for ``correction`` and ``source`` (None: ``default_source``); a correction or source it has
+    no curve for is one ValueError naming it and the curves there are (never another correction's or source's curve
+    in its place)."""
+    curves = map_curves(map_data)
+    wanted = default_source(map_data) if source is None else source
     for c in curves:
-        if c["correction"] == correction:
+        if c["correction"] == correction and c["source"] == wanted:
             return c
-    names = ", ".join(c["correction"] for c in curves) or "none"
-    source = str(map_data.get("source", "the map"))
-    where = source if source.startswith("the map") else f"the map '{source}'"
-    raise ValueError(f"{where} has no curve for correction {correction!r}: it has {names}; another correction's "
+    origin = str(map_data.get("origin", "the map"))
+    where = origin if origin.startswith("the map") else f"the map '{origin}'"
+    same_source = [c["correction"] for c in curves if c["source"] == wanted]
+    if source is not None and not same_source:
+        raise ValueError(f"{where} has no curves for source {source!r}: its sources are "
+                         f"{', '.join(map(repr, map_sources(map_data))) or 'none'}")
+    names = ", ".join(same_source) or "none"
+    elsewhere = [c["source"] for c in curves if c["correction"] == correction and c["source"] != wanted]
+    hint = (f" (source {wanted!r}; the map has {correction} for source(s) {', '.join(map(repr, elsewhere))}: name "
+            "one with --source / source=)") if elsewhere else ""
+    raise ValueError(f"{where} has no curve for correction {correction!r}: it has {names}{hint}; another correction's "
                      "threshold would not answer for yours")
 
 
-def choose_correction(map_data: dict[str, Any], spec: Any) -> str | None:
+def choose_correction(map_data: dict[str, Any], spec: Any, source: str | None = None) -> str | None:
     """``resolve_correction(spec)`` checked against the map: the map has that curve (or, with no correction given,
-    the ``bypass`` curve assumed). For callers that check once before placing many points."""
+    the ``bypass`` curve assumed), for ``source`` (None: the map's default). For callers that check once before
+    placing many points."""
     name = resolve_correction(spec, map_data)
-    curve_for(map_data, DEFAULT_CORRECTION if name is None else name)
+    curve_for(map_data, DEFAULT_CORRECTION if name is None else name, source)
     return name
 
 
-def place_on_map(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None = None
-                 ) -> dict[str, Any]:
-    """The curve of ``correction`` (None: ``bypass``, assumed and said so in the verdict) at ``horizon``, as the
-    ``MAP_KEYS``: the law's threshold (with its interval), ``ratio`` = k3 / threshold, a ``verdict`` in words,
-    ``extrapolation_factor`` (how many times outside the curve's measured horizons T lies; 1.0 inside them) and
-    ``correction``; on a curve without a law, the verdict says what its bounds say."""
-    placed = placement(map_data, k3, horizon, correction)
+def place_on_map(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None = None,
+                 source: str | None = None) -> dict[str, Any]:
+    """The curve of ``correction`` (None: ``bypass``, assumed and said so in the verdict) and ``source`` (None: the
+    map's default source, ``default_source``) at ``horizon``, as the ``MAP_KEYS``: the law's threshold (with its
+    interval), ``ratio`` = k3 / threshold, a ``verdict`` in words, ``extrapolation_factor`` (how many times outside
+    the curve's measured horizons T lies; 1.0 inside them), ``correction`` and ``source``; on a curve without a law,
+    the verdict says what its threshold at its one horizon or its bounds say."""
+    placed = placement(map_data, k3, horizon, correction, source)
     return {k: placed[k] for k in MAP_KEYS}
 
 
-def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None) -> dict[str, Any]:
+def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None,
+              source: str | None = None) -> dict[str, Any]:
     """``place_on_map``'s keys and what the printed lines add: ``correction_assumed``, ``uses_bound`` and
     ``outside_every_curve`` (the sentence when T is outside every curve's measured horizons)."""
     if not _number(k3) or k3 < 0:
@@ -797,7 +882,7 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     name = resolve_correction(correction, map_data)
     assumed = name is None
     name = DEFAULT_CORRECTION if assumed else name
-    curve = curve_for(map_data, name)
+    curve = curve_for(map_data, name, source)
     t_range = curve.get("horizon_range")
     if not (isinstance(t_range, list) and len(t_range) == 2 and all(_positive(t) for t in t_range)):
         raise ValueError(f"the map's {name} curve has no measured horizons (horizon_range): it cannot place a horizon")
@@ -805,7 +890,8 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     factor = horizon / t1 if horizon > t1 else t0 / horizon if horizon < t0 else 1.0
     out: dict[str, Any] = {"horizon": float(horizon), "k3": float(k3), "threshold_50": None, "ci_low": None,
                            "ci_high": None, "ratio": None, "verdict": None, "extrapolation_factor": factor,
-                           "correction": name, "correction_assumed": assumed, "uses_bound": False}
+                           "correction": name, "source": curve["source"], "correction_assumed": assumed,
+                           "uses_bound": False}
     if curve.get("status") == "fitted":
         lt = math.log10(horizon)
         thr = 10 ** (curve["log10_prefactor"] - curve["alpha"] * lt)
@@ -829,7 +915,7 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     if assumed:
         verdict += f"; correction assumed: {name} (none given: name the one you run)"
     out["verdict"] = verdict
-    ranges = [(c["correction"], c.get("horizon_range")) for c in map_curves(map_data)]
+    ranges = [(c["correction"], c.get("horizon_range")) for c in map_curves(map_data) if c["source"] == curve["source"]]
     ranges = [(c, r) for c, r in ranges if isinstance(r, list) and len(r) == 2 and all(_positive(t) for t in r)]
     if ranges and all(not r[0] <= horizon <= r[1] for _, r in ranges):
         out["outside_every_curve"] = (
@@ -864,15 +950,28 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
                 f"(T = {_t(t_range[0])} .. {_t(t_range[1])}): no collapse measured up to k3 "
                 f"{longest['lower_bound']:.2g} at T {_t(longest['horizon'])} ({name}), and the curve has no law to "
                 "carry that further")
+    measured = [h for h in curve.get("horizons", []) if h.get("status") == "fitted" and _positive(h.get("horizon"))
+                and _positive(h.get("threshold_50"))]
+    if len(measured) == 1:  # one horizon with a threshold: an answer at that T only, no law to carry it
+        h = measured[0]
+        lo, hi = h.get("ci_low"), h.get("ci_high")
+        fact = (f"50% collapse threshold k3 {h['threshold_50']:.2g}" + (f" [{lo:.2g}, {hi:.2g}]" if _positive(lo)
+                and _positive(hi) else "") + f" measured at T {_t(h['horizon'])} only ({name})")
+        if not h["horizon"] / SAME_HORIZON <= horizon <= h["horizon"] * SAME_HORIZON:
+            return (f"no verdict at this horizon: the {name} curve has one horizon ({fact}) and no law to carry it "
+                    f"to T = {_t(horizon)}")
+        low, high = (lo, hi) if _positive(lo) and _positive(hi) else (h["threshold_50"], h["threshold_50"])
+        where = ("far below" if k3 < low / 10 else "near" if k3 < high else "above")
+        return f"{where} the measured collapse range: {fact}"
     return f"unknown: the {name} curve has no fitted law ({curve.get('status')}): {curve.get('note')}"
 
 
 def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
     """The placement as printed lines, assumptions included."""
     p = placed
-    curve = curve_for(map_data, p["correction"])
+    curve = curve_for(map_data, p["correction"], p.get("source"))
     given = " (assumed: none given)" if p.get("correction_assumed") else ""
-    lines = [f"map ({map_data.get('source', 'map')}), correction {p['correction']}{given}: k3 = {p['k3']:.3g} at "
+    lines = [f"map ({map_data.get('origin', 'map')}), correction {p['correction']}{given}: k3 = {p['k3']:.3g} at "
              f"T = {p['horizon']:.1f} tokens"]
     if p["threshold_50"] is not None:
         ci = (f" [{p['ci_low']:.2g}, {p['ci_high']:.2g}]" if p["ci_low"] is not None else " [no interval]")
@@ -893,22 +992,26 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
     what = (curve.get("provenance") or map_data.get("provenance") or {}).get("what")
     if what:
         lines.append(f"  the curve: {what}")
+    others = [s for s in map_sources(map_data) if s != p.get("source")]
+    if others:
+        lines.append(f"  source: {p.get('source')} (the mismatch the curve's runs injected); the map's other sources "
+                     f"(--source): {', '.join(others)}")
     return lines
 
 
-def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] | None, correction: Any = None
-                ) -> tuple[dict[str, Any], list[str]]:
-    """``vexact compare --map [--correction]``: place a compare summary (its k3 and mean response length) on the
-    curve of ``correction`` (a name or a config: ``resolve_correction``; None: bypass, assumed) of a map (a path,
-    "default"/None for the shipped one, or a loaded map); returns the ``map`` JSON object (``MAP_KEYS`` exactly)
-    and the lines to print."""
+def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] | None, correction: Any = None,
+                source: str | None = None) -> tuple[dict[str, Any], list[str]]:
+    """``vexact compare --map [--correction] [--source]``: place a compare summary (its k3 and mean response length)
+    on the curve of ``correction`` (a name or a config: ``resolve_correction``; None: bypass, assumed) and
+    ``source`` (None: the map's default) of a map (a path, "default"/None for the shipped one, or a loaded map);
+    returns the ``map`` JSON object (``MAP_KEYS`` exactly) and the lines to print."""
     map_data = map_path if isinstance(map_path, dict) else load_map(None if map_path in (None, "default")
                                                                     else map_path)
-    name = choose_correction(map_data, correction)
+    name = choose_correction(map_data, correction, source)
     sequences, tokens = summary.get("sequences") or 0, summary.get("tokens") or 0
     if not sequences or not tokens:
         raise ValueError("the dump has no response lengths (no tokens): nothing to place on the map")
-    placed = placement(map_data, summary["metrics"][K3_KL], tokens / sequences, name)
+    placed = placement(map_data, summary["metrics"][K3_KL], tokens / sequences, name, source)
     return {k: placed[k] for k in MAP_KEYS}, map_lines(placed, map_data)
 
 
@@ -953,16 +1056,23 @@ def _default_config() -> dict[str, Any]:
     return flat_config(dataclasses.asdict(RunConfig()))
 
 
-def _sweep_runs(path: Path) -> dict[str, dict[Any, list[_Run]]]:
-    """The points of one sweep directory as {correction: {horizon value: runs}}; a finished point without its
-    config.yaml, or a sweep without a horizon axis, is one error naming it."""
+CurveKey = tuple[str, str]  # (correction, source): one curve of a map
+
+
+def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]:
+    """The points of one sweep directory as {(correction, source): {horizon value: runs}}, and how many runs with
+    router replay were left out; a finished point without its config.yaml, or a sweep without runs, is one error
+    naming it.
+
+    A point's horizon value is its ``task.max_len`` from the sweep's grid or variant, else from its saved config (a
+    sweep that does not vary the horizon gives a curve of one horizon). Runs with ``algorithm.router_replay`` are
+    left out: replay removes the routing mismatch, so their realised k3 is another source's (the rest of the
+    rollout's mismatch), not the swept one."""
     data = read_sweep_results(path)
     variants = _variants(data)
-    out: dict[str, dict[Any, list[_Run]]] = {}
+    out: dict[CurveKey, dict[Any, list[_Run]]] = {}
+    replayed = 0
     for p in data.points:
-        value = horizon_value(p, variants)
-        if value is None:
-            continue
         saved = p.dir / "config.yaml"
         if not saved.is_file() and not p.has_result:
             continue  # not started: its correction is not known yet (the sweep's ``set`` is not in sweep.json)
@@ -974,12 +1084,20 @@ def _sweep_runs(path: Path) -> dict[str, dict[Any, list[_Run]]]:
         if not isinstance(loaded, Mapping):
             raise ValueError(f"point '{p.name}' of sweep '{path}' has a result but no config.yaml (a mapping) in "
                              f"'{p.dir}': build-map compares the configs of the runs it merges")
-        name = correction_from_config(loaded, str(saved))
-        out.setdefault(name, {}).setdefault(value, []).append(_Run(str(path), p, flat_config(loaded)))
+        config = flat_config(loaded)
+        if config.get("algorithm.router_replay"):
+            replayed += 1
+            continue
+        value = horizon_value(p, variants)
+        value = config.get(HORIZON_KEY) if value is None else value
+        if value is None:
+            continue
+        key = (correction_from_config(loaded, str(saved)), source_name(config))
+        out.setdefault(key, {}).setdefault(value, []).append(_Run(str(path), p, config))
     if not out:
-        raise ValueError(f"sweep '{path}' sets no horizon key ({HORIZON_KEY} in its grid or its variants): it has "
-                         "no points for a map")
-    return out
+        raise ValueError(f"sweep '{path}' has no started runs with a horizon ({HORIZON_KEY}) outside router replay: "
+                         "it has no points for a map")
+    return out, replayed
 
 
 def _config_difference(a: dict[str, Any], b: dict[str, Any], exempt: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
@@ -1012,10 +1130,11 @@ def _check_testbed(reference: _Run, run: _Run, exempt: tuple[str, ...], what: st
                          f"{more}: their runs are not one testbed, so they cannot share one dose-response fit")
 
 
-def _sweep_curve(correction: str, by_h: dict[Any, list[_Run]]) -> dict[str, Any]:
+def _sweep_curve(key: CurveKey, by_h: dict[Any, list[_Run]]) -> dict[str, Any]:
     """One correction's curve from the runs of several sweeps: the runs of one horizon (task.max_len) merged into one
     dose-response fit when their configs agree apart from ``RUN_KEYS`` and ``BOOKKEEPING_KEYS``; the horizons of the
     curve agree apart from ``HORIZON_SETTINGS`` too."""
+    correction, source = key
     per_run = RUN_KEYS + BOOKKEEPING_KEYS
     curve_reference: tuple[Any, _Run] | None = None  # (its horizon value, the run)
     for value in sorted(by_h, key=_horizon_order):
@@ -1027,7 +1146,8 @@ def _sweep_curve(correction: str, by_h: dict[Any, list[_Run]]) -> dict[str, Any]
         elif configured and curve_reference is not None:
             _check_testbed(curve_reference[1], configured[0], per_run + HORIZON_SETTINGS,
                            f"correction {correction!r}, horizons {HORIZON_KEY} = {curve_reference[0]} and {value}")
-    curve = _curve(f"correction={correction}", correction, {v: [r.point for r in runs] for v, runs in by_h.items()})
+    curve = _curve(_label(key), correction, {v: [r.point for r in runs] for v, runs in by_h.items()})
+    curve["source"] = source
     for h in curve["horizons"]:
         counts: dict[str, int] = {}
         for run in by_h[h["horizon_value"]]:
@@ -1039,6 +1159,10 @@ def _sweep_curve(correction: str, by_h: dict[Any, list[_Run]]) -> dict[str, Any]
         curve["testbed"] = {k: v for k, v in sorted(curve_reference[1].config.items())
                             if k not in per_run + HORIZON_SETTINGS and not any(k.startswith(e + ".") for e in per_run)}
     return curve
+
+
+def _label(key: CurveKey) -> str:
+    return f"correction={key[0]}, source={key[1]}"
 
 
 def bound_lines(curve: dict[str, Any]) -> list[str]:
@@ -1060,11 +1184,12 @@ def bound_lines(curve: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _merge_sources(name: str, file_curves: list[tuple[dict[str, Any], str]], swept: dict[str, Any] | None
+def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], str]], swept: dict[str, Any] | None
                    ) -> dict[str, Any]:
-    """One correction's curve from the curves of map files and (``swept``) the curve fitted to sweep directories'
-    runs. A single source stays as it is; several are merged horizon by horizon (one horizon in two sources is an
-    error: a file holds thresholds, not runs) and the law refitted over all of them."""
+    """One (correction, source)'s curve from the curves of map files and (``swept``) the curve fitted to sweep
+    directories' runs. A single input stays as it is; several are merged horizon by horizon (one horizon in two
+    inputs is an error: a file holds thresholds, not runs) and the law refitted over all of them."""
+    name = curve_key[0]
     sources: list[tuple[dict[str, Any], str]] = list(file_curves) + ([(swept, "sweep directories")] if swept else [])
     if len(sources) == 1:
         return dict(sources[0][0])
@@ -1090,7 +1215,7 @@ def _merge_sources(name: str, file_curves: list[tuple[dict[str, Any], str]], swe
     horizons.sort(key=lambda h: _horizon_order(h.get("horizon_value")))
     law = fit_law(horizons)
     whats = [str((c.get("provenance") or {}).get("what") or f"the curve of '{w}'") for c, w in sources]
-    merged = {"curve": f"correction={name}", "correction": name, **law, "horizons": horizons,
+    merged = {"curve": _label(curve_key), "correction": name, "source": curve_key[1], **law, "horizons": horizons,
               "shape": compare_shapes(horizons),
               "provenance": {"what": "Merged, horizon by horizon: " + " + ".join(f"[{w}]" for w in whats),
                              "testbed_unchecked": [w for w in unchecked if w != "sweep directories"]}}
@@ -1112,18 +1237,21 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
     the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs."""
     if not paths:
         raise ValueError("build-map needs at least one sweep directory or scaling.json")
-    file_curves: dict[str, list[tuple[dict[str, Any], str]]] = {}
-    swept: dict[str, dict[Any, list[_Run]]] = {}
+    file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
+    swept: dict[CurveKey, dict[Any, list[_Run]]] = {}
     head: dict[str, Any] = {}
+    replayed = 0
     for path in paths:
         path = Path(path)
         if path.is_dir():
             if not (path / "sweep.json").is_file():
                 raise ValueError(f"'{path}' is a directory without sweep.json: give a sweep directory or a "
                                  "scaling.json file")
-            for name, by_h in _sweep_runs(path).items():
+            runs_of, left_out = _sweep_runs(path)
+            replayed += left_out
+            for key, by_h in runs_of.items():
                 for value, runs in by_h.items():
-                    swept.setdefault(name, {}).setdefault(value, []).extend(runs)
+                    swept.setdefault(key, {}).setdefault(value, []).extend(runs)
             data = {"metric": METRIC, "horizon_key": HORIZON_KEY, "horizon_metric": HORIZON_METRIC}
             curves: list[dict[str, Any]] = []
         else:
@@ -1140,27 +1268,38 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
                 curve["provenance"] = data["provenance"]
             if "meter" not in curve and isinstance(data.get("meter"), dict) and curve.get("curve") == data.get("curve"):
                 curve["meter"] = data["meter"]  # the file's meter comparison belongs to its primary curve
-            file_curves.setdefault(curve["correction"], []).append((curve, str(path)))
+            file_curves.setdefault((curve["correction"], curve["source"]), []).append((curve, str(path)))
     built = []
-    for name in dict.fromkeys([*file_curves, *swept]):
-        curve = _merge_sources(name, file_curves.get(name, []),
-                               _sweep_curve(name, swept[name]) if name in swept else None)
+    for key in dict.fromkeys([*file_curves, *swept]):
+        curve = _merge_sources(key, file_curves.get(key, []),
+                               _sweep_curve(key, swept[key]) if key in swept else None)
         curve["shape"] = compare_shapes(curve.get("horizons") or [])
         built.append(curve)
+    # the first input's sources first (a map rebuilt from itself keeps its default source), then corrections in
+    # registry order
+    sources = list(dict.fromkeys(c["source"] for c in built))
     order = {name: i for i, name in enumerate(correction_names())}
-    ordered = sorted(built, key=lambda c: order.get(c["correction"], len(order)))
+    ordered = sorted(built, key=lambda c: (sources.index(c["source"]), order.get(c["correction"], len(order))))
     primary = next((c for c in ordered if c["correction"] == DEFAULT_CORRECTION), ordered[0])
     provenance = {"made_by": made_by or "vexact.lab.scaling.build_map", "sources": [str(p) for p in paths],
-                  "curves": {c["correction"]: (c.get("provenance") or {}).get("what") for c in ordered}}
+                  "curves": {c["curve"]: (c.get("provenance") or {}).get("what") for c in ordered},
+                  "router_replay_runs_left_out": replayed}
     return {**head, **{k: v for k, v in primary.items() if k != "provenance"}, "curves": ordered,
             "provenance": provenance}
+
+
+def _curve_name(curve: dict[str, Any], curves: list[dict[str, Any]]) -> str:
+    """A curve in printed lines: its correction, and its source where the map has several."""
+    several = len({c.get("source") for c in curves}) > 1
+    return f"{curve['correction']} / {curve.get('source')}" if several else curve["correction"]
 
 
 def build_lines(built: dict[str, Any]) -> list[str]:
     """What build-map prints per curve: its law (or why none), its shape comparison, and its bounds."""
     lines = []
     for c in built["curves"]:
-        lines.append(f"{c['correction']} ({c['status']}, {len(c.get('horizons') or [])} horizons): {c['note']}")
+        lines.append(f"{_curve_name(c, built['curves'])} ({c['status']}, {len(c.get('horizons') or [])} horizons): "
+                     f"{c['note']}")
         lines.append(f"  shape: {c['shape']['note']}")
         lines += [f"  bound (not in the fit): {b}" for b in bound_lines(c)]
     return lines
@@ -1189,13 +1328,14 @@ def _main(argv: list[str] | None = None) -> int:
             if args.out.is_dir():
                 raise ValueError(f"'{args.out}' is a directory: give the map's file name")
             args.out.write_text(json.dumps(json_safe(built), indent=1, ensure_ascii=False) + "\n")
-            print(f"wrote {args.out}: " + "; ".join(f"{c['correction']} ({c['status']}, "
+            print(f"wrote {args.out}: " + "; ".join(f"{_curve_name(c, built['curves'])} ({c['status']}, "
                                                      f"{len(c.get('horizons') or [])} horizons)"
                                                      for c in built["curves"]))
             print("\n".join(build_lines(built)))
             return 0
-        for curve in load_map(args.map)["curves"]:
-            print(f"{curve['correction']}: {compare_shapes(curve.get('horizons') or [])['note']}")
+        curves = load_map(args.map)["curves"]
+        for curve in curves:
+            print(f"{_curve_name(curve, curves)}: {compare_shapes(curve.get('horizons') or [])['note']}")
         return 0
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -702,6 +702,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(bypass, recompute, token_tis, ...) or a config file (.yaml/.json: verl's "
                              "algorithm.rollout_correction, a TRL GRPOConfig, a vexact config); default: bypass, "
                              "said so in the verdict")
+    parser.add_argument("--source", default=None, metavar="NAME",
+                        help="with --map: the mismatch source whose curves give the verdict, one of the map's "
+                             "sources (e.g. routing_flip:near_tie, MoE routing mismatch); default: the map's first "
+                             "(logit_scale on the shipped map)")
 
 
 
@@ -739,11 +743,12 @@ def main(args: argparse.Namespace) -> int:
     from ..lab.scaling import choose_correction, compare_map, load_map
 
     _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
-    if args.correction is not None and args.map is None:
-        raise ValueError("--correction chooses a curve of the collapse map: give --map too")
-    if args.map is not None:  # the map and the correction are checked before the dumps are read
+    for flag, value in (("--correction", args.correction), ("--source", args.source)):
+        if value is not None and args.map is None:
+            raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
+    if args.map is not None:  # the map, the correction and the source are checked before the dumps are read
         scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map)
-        correction = choose_correction(scaling_map, args.correction)
+        correction = choose_correction(scaling_map, args.correction, args.source)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
                                rollout_full_key=args.rollout_full_key, train_full_key=args.train_full_key,
@@ -764,7 +769,7 @@ def main(args: argparse.Namespace) -> int:
         console.print("first mismatch: " + result.first_mismatch.describe(("rollout", "training")), markup=False,
                       highlight=False, soft_wrap=True)
     if args.map is not None:  # where this k3 and horizon sit on the collapse map
-        s["map"], map_text = compare_map(s, scaling_map, correction)
+        s["map"], map_text = compare_map(s, scaling_map, correction, args.source)
         console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []
     if args.png:
