@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check in one call: the Triton kernels' op contracts and the MoE Triton tests compiled on CUDA, then
 # benchmarks.gpu_triton (exactness of the dense `small` and the MoE `small_moe` presets, triton and native, fp32
-# and bf16; speed at small, small_moe and llama100m). For a lent GPU machine with no network: nothing is installed,
+# and bf16; speed at small and llama100m). For a lent GPU machine with no network: nothing is installed,
 # the repository is put on PYTHONPATH. Everything goes under $OUT (default runs/gpu_check): env.txt, pytest.log,
 # pytest.xml, gpu_triton.log, gpu_triton.json, summary.txt. Each part has a time limit, so the whole run ends
-# within about 5 minutes whatever hangs.
+# within about 5 minutes whatever hangs (GPU_CHECK_PYTEST_S, default 110, and GPU_CHECK_BENCH_S, default 190, set the
+# limits; GPU_CHECK_SPEED_PRESETS, default small,llama100m, the presets timed).
 #
 #     bash benchmarks/gpu_check.sh                                  # on the GPU machine
 #     VEXACT_GPU_CHECK_REHEARSE=1 bash benchmarks/gpu_check.sh      # rehearsal without a GPU: Triton interpreter,
@@ -38,7 +39,7 @@ if [ "$REHEARSE" = 1 ]; then
            --max-new-tokens 2 --presets small_moe --reps 1 --batch 2 --prompt-len 3 --new-tokens 2)
 elif python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     TESTS=()
-    BENCH=(--check-presets small,small_moe --presets small,small_moe,llama100m --reps 3)
+    BENCH=(--check-presets small,small_moe --presets "${GPU_CHECK_SPEED_PRESETS:-small,llama100m}" --reps 3)
 else
     echo "error: no CUDA device here (torch.cuda.is_available() is False); VEXACT_GPU_CHECK_REHEARSE=1 rehearses"
     exit 2

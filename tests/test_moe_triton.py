@@ -41,7 +41,7 @@ def test_triton_exp_is_elementwise_invariant_and_correct():
     assert torch.equal(exact.exp(x[2:3, 5:6, 13:14]), full[2:3, 5:6, 13:14])  # one element alone
     assert torch.equal(exact.exp(x[1]), full[1])  # a slice of the rows
     assert torch.equal(exact.exp(x.flip(-1)), full.flip(-1))  # every element at another position
-    torch.testing.assert_close(full, x.exp(), atol=0, rtol=2e-6)  # correctness, not exactness: a few ulps
+    torch.testing.assert_close(full, x.exp(), atol=0, rtol=1e-5)  # correctness, not exactness: a few ulps
     with pytest.raises(ValueError, match="expected a float32 tensor"):
         exact.exp(x.double())
 
