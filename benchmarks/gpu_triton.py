@@ -6,12 +6,18 @@ Three parts, each printed and recorded in ``--out``:
 
 1. **Exactness, compiled.** The ``vexact check`` procedure (``vexact.real.check.run_check``: random ragged prompts,
    generation at batch arrangements all/1/3, rescoring at micro-batches all/1/5) on a CUDA model, for the Triton
-   backend and, for contrast, native (cuBLAS, SDPA), fp32 and bf16. Triton must give 0 mismatched tokens.
+   backend and, for contrast, native (cuBLAS, SDPA), fp32 and bf16, for each of ``--check-presets`` (default the
+   dense ``small`` and the mixture-of-experts ``small_moe``, whose rows also give the routing flip rate). Triton
+   must give 0 mismatched tokens (and, MoE, 0 routing flips).
 2. **Speed.** One decode step (KV-cache generation, per token) and one training forward+backward
    (``token_logprobs`` of full sequences), Triton against native, at the ``small`` and ``llama100m`` presets' shapes:
    medians of ``--reps`` timed repeats after warm-up, CUDA-synchronised, in one process (so the ratio is measured
    under one set of conditions).
 3. The environment: GPU, torch, triton.
+
+``--device cpu`` (with tiny sizes) runs the same code in the Triton interpreter: a rehearsal of the script, not a
+measurement (``benchmarks/gpu_check.sh`` with ``VEXACT_GPU_CHECK_REHEARSE=1``). ``--out`` is written after each
+part, so a run cut short keeps what it measured.
 
 The op-level contracts run separately on the same machine: ``python -m pytest tests/test_triton_kernels.py``
 (with CUDA present it runs on CUDA tensors with the compiled kernels).
@@ -35,31 +41,49 @@ from vexact.engine.scoring import token_logprobs
 from vexact.real.check import METRIC_KEYS, CheckSettings, mismatched, run_check
 
 
-def exactness(dtypes: list[str]) -> list[dict]:
+def check_settings(preset: str, dtype: str, **sizes: int) -> CheckSettings:
+    """``vexact check --preset PRESET``'s settings (the preset's model sizes that ``CheckSettings`` has), with
+    ``sizes`` (num_prompts, max_prompt_len, max_new_tokens) overriding the check's defaults."""
+    shape = {k: v for k, v in MODEL_PRESETS[preset].items() if k in CheckSettings.__dataclass_fields__}
+    return CheckSettings(**shape, **sizes, dtype=dtype)
+
+
+def exactness(presets: list[str], dtypes: list[str], device: str, **sizes: int) -> list[dict]:
     rows = []
-    for dtype in dtypes:
-        for row in run_check(CheckSettings(dtype=dtype), backends=("triton", "native"), device="cuda"):
-            row["mismatched"] = mismatched(row)
-            rows.append(row)
-            print(f"{row['backend']:>7} {dtype:>9}: {row['tokens']} tokens, {row['mismatched']} mismatched, "
-                  f"max |dlogp| {row['metrics'][METRIC_KEYS['abs_dlogp_max']]:.2e}  ({row['seconds']} s)", flush=True)
+    for preset in presets:
+        for dtype in dtypes:
+            for row in run_check(check_settings(preset, dtype, **sizes), backends=("triton", "native"), device=device):
+                row["preset"] = preset
+                row["mismatched"] = mismatched(row)
+                rows.append(row)
+                flip_rate = row["routing_flip_rate"]
+                flips = "" if flip_rate is None else f", routing flip rate {flip_rate:.2e}"
+                print(f"{preset:>9} {row['backend']:>7} {dtype:>9}: {row['tokens']} tokens, {row['mismatched']} "
+                      f"mismatched, max |dlogp| {row['metrics'][METRIC_KEYS['abs_dlogp_max']]:.2e}{flips}  "
+                      f"({row['seconds']} s)", flush=True)
     return rows
 
 
-def _median_seconds(fn, reps: int) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_seconds(fn, reps: int, device: str) -> float:
     fn()  # warm-up: compiles the kernels for these shapes
-    torch.cuda.synchronize()
+    _sync(device)
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync(device)
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def speed(presets: list[str], dtypes: list[str], reps: int, batch: int, prompt_len: int, new_tokens: int) -> list[dict]:
+def speed(presets: list[str], dtypes: list[str], reps: int, batch: int, prompt_len: int, new_tokens: int,
+          device: str = "cuda") -> list[dict]:
     rows = []
     for preset in presets:
         shape = {k: v for k, v in MODEL_PRESETS[preset].items() if k in ModelConfig.__dataclass_fields__}
@@ -70,7 +94,7 @@ def speed(presets: list[str], dtypes: list[str], reps: int, batch: int, prompt_l
         for dtype in dtypes:
             seconds = {}
             for backend in ("triton", "native"):
-                model = Transformer(cfg, backend=backend, dtype=dtype, device="cuda", init_seed=0)
+                model = Transformer(cfg, backend=backend, dtype=dtype, device=device, init_seed=0)
 
                 def decode(model=model, prompts=prompts):
                     with torch.no_grad():
@@ -81,15 +105,15 @@ def speed(presets: list[str], dtypes: list[str], reps: int, batch: int, prompt_l
                     logps = token_logprobs(model, prompts, responses)
                     torch.stack([lp.sum() for lp in logps]).sum().backward()
 
-                seconds[backend] = {"decode_step": _median_seconds(decode, reps) / new_tokens,
-                                    "train_fwd_bwd": _median_seconds(train, reps)}
+                seconds[backend] = {"decode_step": _median_seconds(decode, reps, device) / new_tokens,
+                                    "train_fwd_bwd": _median_seconds(train, reps, device)}
             for part in ("decode_step", "train_fwd_bwd"):
                 row = {"preset": preset, "dtype": dtype, "part": part, "batch": batch, "prompt_len": prompt_len,
                        "new_tokens": new_tokens, "triton_ms": 1e3 * seconds["triton"][part],
                        "native_ms": 1e3 * seconds["native"][part]}
                 row["triton_over_native"] = row["triton_ms"] / row["native_ms"]
                 rows.append(row)
-                print(f"{preset:>8} {dtype:>9} {part:>13}: triton {row['triton_ms']:.3f} ms, native "
+                print(f"{preset:>9} {dtype:>9} {part:>13}: triton {row['triton_ms']:.3f} ms, native "
                       f"{row['native_ms']:.3f} ms, ratio {row['triton_over_native']:.2f}x", flush=True)
     return rows
 
@@ -98,15 +122,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma list (default float32,bfloat16)")
+    parser.add_argument("--check-presets", default="small,small_moe",
+                        help="model presets of the exactness check (default small,small_moe)")
+    parser.add_argument("--num-prompts", type=int, default=CheckSettings.num_prompts, help="exactness: prompts")
+    parser.add_argument("--max-prompt-len", type=int, default=CheckSettings.max_prompt_len,
+                        help="exactness: longest prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=CheckSettings.max_new_tokens,
+                        help="exactness: tokens generated per prompt")
     parser.add_argument("--presets", default="small,llama100m", help="model presets timed (default small,llama100m)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (default); cpu runs the Triton interpreter: a rehearsal with tiny sizes only")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: benchmarks.gpu_triton needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: benchmarks.gpu_triton needs a CUDA GPU (torch.cuda.is_available() is False; --device cpu "
+              "rehearses it in the Triton interpreter)", file=sys.stderr)
+        return 2
+    check_presets = [p.strip() for p in args.check_presets.split(",") if p.strip()]
+    unknown = [p for p in check_presets + args.presets.split(",") if p.strip() and p.strip() not in MODEL_PRESETS]
+    if unknown:
+        print(f"error: unknown model preset(s) {', '.join(unknown)}; expected some of {', '.join(MODEL_PRESETS)}",
+              file=sys.stderr)
         return 2
     from vexact_kernels import TRITON_PIP, triton_installed
 
@@ -117,21 +157,31 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
-    env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-           "cuda": torch.version.cuda}
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none (--device cpu: Triton interpreter)"
+    env = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
     print(json.dumps(env), flush=True)
-    result = {"environment": env, "exactness": exactness(dtypes)}
+    result: dict = {"environment": env}
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1, default=str))
+
+    sizes = dict(num_prompts=args.num_prompts, max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens)
+    result["exactness"] = exactness(check_presets, dtypes, args.device, **sizes)
+    save()
     if not args.skip_speed:
         presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-        result["speed"] = speed(presets, dtypes, args.reps, args.batch, args.prompt_len, args.new_tokens)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, default=str))
-    failed = [r for r in result["exactness"] if r["backend"] == "triton" and r["mismatched"]]
+        result["speed"] = speed(presets, dtypes, args.reps, args.batch, args.prompt_len, args.new_tokens, args.device)
+        save()
+    failed = [r for r in result["exactness"]
+              if r["backend"] == "triton" and (r["mismatched"] or r["routing_flip_rate"])]
     if failed:
-        print("FAIL: triton rollout != training on " + ", ".join(r["dtype"] for r in failed), file=sys.stderr)
+        print("FAIL: triton rollout != training on " + ", ".join(f"{r['preset']} {r['dtype']}" for r in failed),
+              file=sys.stderr)
         return 1
-    print("PASS: triton rollout log-probs == training log-probs bit for bit (compiled, on CUDA)")
+    where = "compiled, on CUDA" if args.device == "cuda" else "Triton interpreter, on CPU: a rehearsal"
+    print(f"PASS: triton rollout log-probs == training log-probs bit for bit ({where})")
     return 0
 
 

@@ -8,8 +8,9 @@ operations only:
 
 - **ranking** (``rank_experts``): the experts of a row by descending score with a fixed tie-break -- among equal
   scores the *lowest expert index* wins -- a stable sort, pure comparisons (no arithmetic, so no rounding);
-- **weights** (``routing_weights``): p_e = exp(log p_e) of the chosen experts (``exp``: the host-guarded, chunked
-  exp of the exact CPU kernels, position-invariant), optionally divided by their sum (``norm_topk_prob``); the sum
+- **weights** (``routing_weights``): p_e = exp(log p_e) of the chosen experts (``exp``, position-invariant: on CPU
+  tensors the host-guarded, chunked exp of the exact CPU kernels; on CUDA tensors the elementwise Triton kernel
+  ``triton_exact.exp``), optionally divided by their sum (``norm_topk_prob``); the sum
   is taken in expert-index order by elementwise adds, so a row's weights depend only on that row;
 - **combination** (``combine``): sum over the chosen experts, in expert-index order, of weight x expert output, in
   fp32 (the caller rounds once to the model dtype).
@@ -40,12 +41,22 @@ def rank_experts(scores: Tensor) -> Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
+def _exp_forward(x: Tensor) -> Tensor:
+    """The position-invariant fp32 exp for ``x``'s device: the Triton kernel on CUDA tensors (the CPU kernels'
+    host guard probes the CPU's library, not the GPU's), the exact CPU kernels' chunked exp elsewhere."""
+    if x.is_cuda:
+        from . import _triton  # imported at first use: importing triton is slow, and it is optional on CPU
+
+        return _triton().exp(x)
+    return elementwise("exp", x, op=OP)
+
+
 class _Exp(torch.autograd.Function):
-    """exp with a position-invariant forward (``cpu_exact.elementwise``) and the VJP grad x exp(x)."""
+    """exp with a position-invariant forward (``_exp_forward``) and the VJP grad x exp(x)."""
 
     @staticmethod
     def forward(ctx, x):  # type: ignore[override]
-        out = elementwise("exp", x, op=OP)
+        out = _exp_forward(x)
         ctx.save_for_backward(out)
         return out
 
@@ -61,7 +72,7 @@ def exp(x: Tensor) -> Tensor:
     x = x.float()
     if torch.is_grad_enabled() and x.requires_grad:
         return _Exp.apply(x)
-    return elementwise("exp", x, op=OP)
+    return _exp_forward(x)
 
 
 def sigmoid(x: Tensor) -> Tensor:

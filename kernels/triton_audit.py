@@ -192,6 +192,12 @@ def _silu_mul_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
     return (gate, up, out, n), dict(BLOCK=te._ELEMENTWISE_BLOCK, **te._COMPILE_OPTIONS)
 
 
+def _exp_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    n = rows * SHAPE["hidden"]
+    x, out = (_empty(n, dtype=dtype) for _ in range(2))
+    return (x, out, n), dict(BLOCK=te._ELEMENTWISE_BLOCK, **te._COMPILE_OPTIONS)
+
+
 def _rope_launch(heads_key: str) -> Callable:
     def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
         import torch
@@ -218,7 +224,7 @@ def _row_block(count: int) -> Callable:
 
 def variants() -> list[Variant]:
     """Every audited variant: each kernel of triton_exact x fp32/bf16 (linear with and without bias, rope for the
-    query and the key head count, whose BLOCK_H differ)."""
+    query and the key head count, whose BLOCK_H differ; exp, the MoE routing weights' exp, is fp32 only)."""
     kinds = [
         ("linear", "_linear_kernel", _linear_launch(False), _linear_dots, _none),
         ("linear+bias", "_linear_kernel", _linear_launch(True), _linear_dots, _none),
@@ -231,7 +237,8 @@ def variants() -> list[Variant]:
         ("rope(k)", "_rope_kernel", _rope_launch("kv_heads"), _none, _none),
     ]
     return [Variant(f"{name}/{dtype}", kernel, dtype, launch, dots, reduces)
-            for name, kernel, launch, dots, reduces in kinds for dtype in DTYPES]  # fmt: skip
+            for name, kernel, launch, dots, reduces in kinds for dtype in DTYPES] + [
+        Variant("exp/fp32", "_exp_kernel", "fp32", _exp_launch, _none, _none)]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- compiling

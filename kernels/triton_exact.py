@@ -402,6 +402,33 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
 
 
+# --------------------------------------------------------------------------- exp (the MoE routing weights)
+@triton.jit
+def _exp_kernel(x_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    tl.store(out_ptr + offsets, tl.exp(tl.load(x_ptr + offsets, mask=mask, other=0.0)), mask=mask)
+
+
+def exp(x: Tensor) -> Tensor:
+    """fp32 exp of every element of the fp32 tensor ``x`` (forward only; ``moe_exact.exp`` adds the VJP). Not a
+    ``KernelOps`` op: the exp of the MoE routing weights on CUDA tensors (``moe_exact``), which are the same code
+    for every backend.
+
+    Invariance contract: each output element depends only on the matching input element -- not on the tensor's
+    size, shape or the element's position. Tiling: the flattened tensor in fixed BLOCK-wide chunks, one program
+    each; no reductions."""
+    _check_device(x)
+    if x.dtype != torch.float32:
+        raise ValueError(f"triton_exact.exp: expected a float32 tensor, got {x.dtype}")
+    flat = x.contiguous().view(-1)
+    out = torch.empty_like(flat)
+    if flat.numel():
+        grid = (triton.cdiv(flat.numel(), _ELEMENTWISE_BLOCK),)
+        _exp_kernel[grid](flat, out, flat.numel(), BLOCK=_ELEMENTWISE_BLOCK, **_COMPILE_OPTIONS)
+    return out.view(x.shape)
+
+
 # --------------------------------------------------------------------------- rope
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, half_dim, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):

@@ -59,8 +59,9 @@ def test_every_kernel_variant_passes_the_audit(cli):
     # What the contract needs, stated once more on the results themselves (problems() must not be vacuous).
     assert set(result["kernels"]) == {v["kernel"] for v in result["variants"].values()}
     assert set(result["kernels"]) >= {"_linear_kernel", "_attention_kernel", "_rms_norm_kernel", "_log_softmax_kernel",
-                                      "_token_logprobs_kernel", "_silu_mul_kernel", "_rope_kernel"}  # fmt: skip
-    assert len(result["variants"]) == 18
+                                      "_token_logprobs_kernel", "_silu_mul_kernel", "_rope_kernel",
+                                      "_exp_kernel"}  # fmt: skip
+    assert len(result["variants"]) == 19  # 9 kinds x fp32/bf16, and exp (fp32 only)
     for name, variant in result["variants"].items():
         assert set(variant["targets"]) == {"sm_80", "sm_90"}, name
         for target, res in variant["targets"].items():
