@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ABSENT_ENV, require_optional
+from conftest import ABSENT_ENV, CI_SECOND_VENV, require_optional
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -96,3 +96,30 @@ def test_a_file_whose_every_test_needs_the_package_is_one_skip():
     assert skipped.returncode == 0, skipped.stdout[-3000:]
     assert skipped.stdout.splitlines()[-1].startswith("1 skipped"), skipped.stdout[-3000:]
     assert "verl is not installed: pip install --no-deps verl==0.9.1" in skipped.stdout
+
+
+def test_a_package_ci_installs_in_a_second_venv_skips_in_the_main_one_naming_it(monkeypatch):
+    (module, script), *_ = CI_SECOND_VENV.items()
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setenv(ABSENT_ENV, module)
+    with pytest.raises(pytest.skip.Exception, match=rf"{module} is not installed: pip x \(CI runs this test in a "
+                                                    rf"second venv: \.ci/run starts {re.escape(script)}\)"):
+        require_optional(module, "pip x")
+
+
+def _files_needing(module: str) -> list[str]:
+    pattern = rf"(?:require_optional|needs_package)\(\s*[\"']{re.escape(module)}[\"']"
+    return sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py") if re.search(pattern, p.read_text()))
+
+
+@pytest.mark.parametrize("module", sorted(CI_SECOND_VENV))
+def test_every_file_needing_a_second_venv_package_runs_there_and_ci_starts_it(module):
+    """The main venv skips these files under CI=true; the second venv's script must run each of them, and .ci/run must
+    start that script, or CI would pass without ever running them."""
+    script = CI_SECOND_VENV[module]
+    text = (ROOT / script).read_text()
+    run_line = text.split('"$py" -m pytest', 1)[1].split("\n\n", 1)[0]
+    named = sorted(set(re.findall(r"tests/test_\w+\.py", run_line)))
+    assert _files_needing(module) and named == _files_needing(module), (named, _files_needing(module))
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^setsid bash {re.escape(script)} .*&$", ci, re.M) and 'wait "$vllm_pid"' in ci
