@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from .markdown_table import markdown_table
-from .scaling import BYPASS, correction_names, curve_for, load_map, map_curves, placement
+from .scaling import BYPASS, correction_names, curve_for, default_source, load_map, map_curves, placement
 
 __all__ = ["POINTS_FILE", "Bar", "PublishedPoint", "agreement", "bars_table", "horizon_at", "load_published",
            "points_table"]
@@ -156,7 +156,8 @@ def _at_horizon(t: float | None) -> str:
 
 def _assess(point: PublishedPoint, map_data: dict[str, Any]) -> tuple[str, str, str]:
     """(their correction's curve, the bypass law, agrees?) for one point."""
-    names = {c["correction"] for c in map_curves(map_data)}
+    default = default_source(map_data)  # published points are placed on the map's default source's curves
+    names = {c["correction"] for c in map_curves(map_data) if c["source"] == default}
     own = own_verdict = None
     if point.k3 is None:
         return "no k3", "no k3", "cannot test: no k3"
@@ -210,7 +211,8 @@ def points_table(map_data: dict[str, Any], points: list[PublishedPoint]) -> str:
 
 def bars_table(map_data: dict[str, Any], bars: list[Bar]) -> str:
     """Published bars with the T at which the bypass law's threshold falls to each (Markdown)."""
-    names = {c["correction"] for c in map_curves(map_data)}
+    default = default_source(map_data)
+    names = {c["correction"] for c in map_curves(map_data) if c["source"] == default}
     rows = []
     for b in bars:
         if b.k3 is None:
