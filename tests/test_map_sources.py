@@ -128,3 +128,37 @@ def test_live_monitor_takes_the_source(tmp_path):
         LiveMonitor(tmp_path / "live2", scaling_map=built, source="nope")
     with pytest.raises(ValueError, match="give scaling_map too"):
         LiveMonitor(tmp_path / "live3", source="routing_flip:near_tie")
+
+
+def test_a_map_grows_by_rebuilding_it_from_itself_and_the_same_sweep_directories(tmp_path):
+    """A horizon a map file got from a sweep directory is superseded when that directory is given again (it now holds
+    more runs); a horizon from elsewhere in the same file stays, and two files at one horizon are still an error."""
+    first = _sweep(tmp_path, "long", [(8, LOW)])  # round 1: below the threshold only -> a bound
+    map_path = tmp_path / "map.json"
+    map_path.write_text(json.dumps(build_map([first, _sweep(tmp_path, "other", [(16, LOW + HIGH)])])))
+    before = {h["horizon_value"]: h for h in curve_for(json.loads(map_path.read_text()), "bypass")["horizons"]}
+    assert before[8]["status"] == "above_range" and before[8]["runs_total"] == 6
+    _sweep(tmp_path / "round2", "long", [(8, HIGH)])  # round 2 lands in the same directory
+    for point in (tmp_path / "round2" / "long" / "points").iterdir():
+        point.rename(first / "points" / point.name)
+    spec = json.loads((first / "sweep.json").read_text())
+    spec["points"] += json.loads((tmp_path / "round2" / "long" / "sweep.json").read_text())["points"]
+    (first / "sweep.json").write_text(json.dumps(spec))
+    rebuilt = build_map([map_path, first])
+    after = {h["horizon_value"]: h for h in curve_for(rebuilt, "bypass")["horizons"]}
+    assert after[8]["status"] == "fitted" and after[8]["runs_total"] == 12  # the directory's runs, both rounds
+    assert after[16] == before[16]  # the file's other horizon, kept as it was
+    with pytest.raises(ValueError, match="two sources hold correction 'bypass' at task.max_len = 8"):
+        build_map([map_path, map_path])
+
+
+def test_a_config_saved_before_a_list_key_existed_matches_one_saved_with_its_default(tmp_path):
+    """A run saved before ``model.mlp_only_layers`` existed (its default: an empty tuple) and one saved with it as
+    ``[]`` (YAML has no tuples) are one testbed."""
+    old = _sweep(tmp_path, "old", [(8, LOW)])
+    for config in old.glob("points/*/config.yaml"):
+        saved = yaml.safe_load(config.read_text())
+        del saved["model"]["mlp_only_layers"]
+        config.write_text(yaml.safe_dump(saved))
+    new = _sweep(tmp_path, "new", [(8, HIGH)])
+    assert curve_for(build_map([old, new]), "bypass")["horizons"][0]["status"] == "fitted"

@@ -1052,8 +1052,9 @@ def flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _default_config() -> dict[str, Any]:
-    """The defaults of every run config key: what a config saved before a key existed ran with."""
-    return flat_config(dataclasses.asdict(RunConfig()))
+    """The defaults of every run config key: what a config saved before a key existed ran with (tuples as lists, as
+    a saved config.yaml holds them)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in flat_config(dataclasses.asdict(RunConfig())).items()}
 
 
 CurveKey = tuple[str, str]  # (correction, source): one curve of a map
@@ -1184,12 +1185,19 @@ def bound_lines(curve: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], str]], swept: dict[str, Any] | None
-                   ) -> dict[str, Any]:
+def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], str]], swept: dict[str, Any] | None,
+                   given_dirs: frozenset[str] = frozenset()) -> dict[str, Any]:
     """One (correction, source)'s curve from the curves of map files and (``swept``) the curve fitted to sweep
     directories' runs. A single input stays as it is; several are merged horizon by horizon (one horizon in two
-    inputs is an error: a file holds thresholds, not runs) and the law refitted over all of them."""
+    inputs is an error: a file holds thresholds, not runs) and the law refitted over all of them. A file's horizon
+    that was fitted from sweep directories given again (``given_dirs``: its ``sweeps`` name only those) is superseded
+    by their runs, which now hold more points: a map grows by rebuilding it from itself and the same directories."""
     name = curve_key[0]
+    swept_values = {h.get("horizon_value") for h in (swept or {}).get("horizons") or []}
+    file_curves = [({**curve, "horizons": [h for h in curve.get("horizons") or []
+                                           if not (h.get("horizon_value") in swept_values and h.get("sweeps")
+                                                   and set(h["sweeps"]) <= given_dirs)]}, where)
+                   for curve, where in file_curves]
     sources: list[tuple[dict[str, Any], str]] = list(file_curves) + ([(swept, "sweep directories")] if swept else [])
     if len(sources) == 1:
         return dict(sources[0][0])
@@ -1239,6 +1247,7 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
         raise ValueError("build-map needs at least one sweep directory or scaling.json")
     file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
     swept: dict[CurveKey, dict[Any, list[_Run]]] = {}
+    given_dirs = frozenset(str(Path(p)) for p in paths if Path(p).is_dir())
     head: dict[str, Any] = {}
     replayed = 0
     for path in paths:
@@ -1272,7 +1281,7 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
     built = []
     for key in dict.fromkeys([*file_curves, *swept]):
         curve = _merge_sources(key, file_curves.get(key, []),
-                               _sweep_curve(key, swept[key]) if key in swept else None)
+                               _sweep_curve(key, swept[key]) if key in swept else None, given_dirs)
         curve["shape"] = compare_shapes(curve.get("horizons") or [])
         built.append(curve)
     # the first input's sources first (a map rebuilt from itself keeps its default source), then corrections in
