@@ -499,7 +499,10 @@ def batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tenso
     b = _padded_operand(b, (batch, k_pad, n_pad), b_full)  # contiguous (when padded): the row-major layout
     block = row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
-    a = _padded_operand(a, (batch, row_tiles * block, k_pad), a_full).view(batch * row_tiles, block, k_pad)
+    # reshape, not view: with nothing to pad the operand is a clone with ``a``'s strides, which a transposed ``a``
+    # (attention's p.T) cannot merge into row tiles once there are several -- then a contiguous copy, the layout
+    # every padded operand has; wherever a view exists, reshape returns that view (the same operand as before)
+    a = _padded_operand(a, (batch, row_tiles * block, k_pad), a_full).reshape(batch * row_tiles, block, k_pad)
     b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
     out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
     return out[:, :rows, :n]

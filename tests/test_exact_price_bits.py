@@ -504,3 +504,18 @@ def test_the_check_catches_a_row_tile_layout_left_unzeroed(monkeypatch):
     monkeypatch.setattr(gemm_arrangements, "ROW_TILE_CALLS_FROM", 0)
     new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
     assert used and any("operand" in found for found in _differences(new, reference))
+
+
+def test_batched_matmul_takes_a_transposed_operand_with_nothing_to_pad():
+    """Regression: attention's backward multiplies p.T (a transposed view); with rows a multiple of the 64-row tile
+    (several tiles) and K a multiple of 16 there is nothing to pad, the operand kept p.T's strides, and merging it
+    into row tiles raised (a run at 512 positions failed in its first update). The result is bitwise the one of
+    the same values laid out contiguously, and close to torch's."""
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="fixed-order")
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(2, 48, 128, generator=gen)  # [batch, keys, queries]: p.T has 128 rows = two 64-row tiles
+    d_out = torch.randn(2, 48, 32, generator=gen)
+    transposed = p.transpose(1, 2)
+    out = gemm_arrangements.batched_matmul(transposed, d_out, host, "attention")
+    assert torch.equal(out, gemm_arrangements.batched_matmul(transposed.contiguous(), d_out, host, "attention"))
+    torch.testing.assert_close(out, torch.bmm(transposed, d_out), rtol=1e-5, atol=1e-5)  # fp32 reordering only
