@@ -1061,9 +1061,9 @@ CurveKey = tuple[str, str]  # (correction, source): one curve of a map
 
 
 def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]:
-    """The points of one sweep directory as {(correction, source): {horizon value: runs}}, and how many runs with
-    router replay were left out; a finished point without its config.yaml, or a sweep without runs, is one error
-    naming it.
+    """The finished points of one sweep directory as {(correction, source): {horizon value: runs}}, and how many runs
+    with router replay were left out; a finished point without its config.yaml, or a sweep without finished runs, is
+    one error naming it.
 
     A point's horizon value is its ``task.max_len`` from the sweep's grid or variant, else from its saved config (a
     sweep that does not vary the horizon gives a curve of one horizon). Runs with ``algorithm.router_replay`` are
@@ -1075,8 +1075,8 @@ def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]
     replayed = 0
     for p in data.points:
         saved = p.dir / "config.yaml"
-        if not saved.is_file() and not p.has_result:
-            continue  # not started: its correction is not known yet (the sweep's ``set`` is not in sweep.json)
+        if not p.has_result:
+            continue  # not finished (never started, running or failed): no dose or outcome to fit
         try:
             loaded = yaml.safe_load(saved.read_text()) if saved.is_file() else None
         except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
@@ -1096,7 +1096,7 @@ def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]
         key = (correction_from_config(loaded, str(saved)), source_name(config))
         out.setdefault(key, {}).setdefault(value, []).append(_Run(str(path), p, config))
     if not out:
-        raise ValueError(f"sweep '{path}' has no started runs with a horizon ({HORIZON_KEY}) outside router replay: "
+        raise ValueError(f"sweep '{path}' has no finished runs with a horizon ({HORIZON_KEY}) outside router replay: "
                          "it has no points for a map")
     return out, replayed
 
