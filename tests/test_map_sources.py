@@ -148,6 +148,10 @@ def test_a_map_grows_by_rebuilding_it_from_itself_and_the_same_sweep_directories
     after = {h["horizon_value"]: h for h in curve_for(rebuilt, "bypass")["horizons"]}
     assert after[8]["status"] == "fitted" and after[8]["runs_total"] == 12  # the directory's runs, both rounds
     assert after[16] == before[16]  # the file's other horizon, kept as it was
+    what = curve_for(rebuilt, "bypass")["provenance"]["what"]
+    again = curve_for(build_map([map_path, first, tmp_path / "other"]), "bypass")["provenance"]["what"]
+    assert what.count("Merged") == 1  # flat: the file's sentence and the directory's, not a merge inside a merge
+    assert again.count(str(first)) == 1 and again.count("Merged") == 0  # both inputs given again: their runs only
     with pytest.raises(ValueError, match="two sources hold correction 'bypass' at task.max_len = 8"):
         build_map([map_path, map_path])
 

@@ -1154,7 +1154,7 @@ def _sweep_curve(key: CurveKey, by_h: dict[Any, list[_Run]]) -> dict[str, Any]:
         for run in by_h[h["horizon_value"]]:
             counts[run.sweep] = counts.get(run.sweep, 0) + 1
         h["sweeps"] = counts
-    curve["provenance"] = {"what": f"the runs of {', '.join(sorted({r.sweep for rs in by_h.values() for r in rs}))} "
+    curve["provenance"] = {"what": f"{RUNS_OF}{', '.join(sorted({r.sweep for rs in by_h.values() for r in rs}))} "
                                    f"({HORIZON_KEY} = {', '.join(str(v) for v in sorted(by_h, key=_horizon_order))})"}
     if curve_reference is not None:
         curve["testbed"] = {k: v for k, v in sorted(curve_reference[1].config.items())
@@ -1183,6 +1183,31 @@ def bound_lines(curve: dict[str, Any]) -> list[str]:
             lines.append(f"threshold below k3 {h['upper_bound']:.2g} at {at} (every run collapsed, from the "
                          "smallest dose tested)")
     return lines
+
+
+MERGED = "Merged, horizon by horizon: "
+RUNS_OF = "the runs of "
+
+
+def _what_parts(what: str) -> list[str]:
+    """A curve's provenance sentence as its inputs' sentences: a merged one ("Merged, horizon by horizon: [a] + [b]",
+    nested when a map was rebuilt from itself) flattened into [a, b, ...], anything else as itself."""
+    if not (what.startswith(MERGED + "[") and what.endswith("]")):
+        return [what]
+    inner, parts, depth, start = what[len(MERGED):], [], 0, 0
+    for i, char in enumerate(inner):  # split on " + " between top-level brackets
+        depth += (char == "[") - (char == "]")
+        if depth == 0 and char == "]":
+            parts.extend(_what_parts(inner[start + 1:i]))
+            start = i + 4  # past "] + ["'s "] + "
+    return parts
+
+
+def _runs_of(part: str) -> list[str]:
+    """The sweep directories a "the runs of A, B (task.max_len = ...)" sentence names (none for other sentences)."""
+    if not part.startswith(RUNS_OF) or " (" not in part:
+        return []
+    return [d.strip() for d in part[len(RUNS_OF):part.index(" (")].split(",")]
 
 
 def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], str]], swept: dict[str, Any] | None,
@@ -1222,10 +1247,15 @@ def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], 
     unchecked = [w for c, w in sources if not isinstance(c.get("testbed"), dict)]
     horizons.sort(key=lambda h: _horizon_order(h.get("horizon_value")))
     law = fit_law(horizons)
-    whats = [str((c.get("provenance") or {}).get("what") or f"the curve of '{w}'") for c, w in sources]
+    parts: list[str] = []
+    for c, w in sources:
+        for part in _what_parts(str((c.get("provenance") or {}).get("what") or f"the curve of '{w}'")):
+            superseded = w != "sweep directories" and set(_runs_of(part)) <= given_dirs and _runs_of(part)
+            if not superseded and part not in parts:  # a directory given again speaks for itself, once
+                parts.append(part)
     merged = {"curve": _label(curve_key), "correction": name, "source": curve_key[1], **law, "horizons": horizons,
               "shape": compare_shapes(horizons),
-              "provenance": {"what": "Merged, horizon by horizon: " + " + ".join(f"[{w}]" for w in whats),
+              "provenance": {"what": parts[0] if len(parts) == 1 else MERGED + " + ".join(f"[{p}]" for p in parts),
                              "testbed_unchecked": [w for w in unchecked if w != "sweep directories"]}}
     if testbeds:
         merged["testbed"] = testbeds[0][0]
