@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dose_response import run_dose
+from ..markdown_table import markdown_table
 from ..run_report import read_run
 from ..scaling import load_map, measured_horizon, place_on_map, resolve_correction
 from ..sweep_table import reward_summary
@@ -63,16 +64,15 @@ def _threshold(p: dict[str, Any]) -> str:
     return fmt_sci(p["threshold_50"]) + interval
 
 
-def table(rows: list[dict[str, Any]]) -> list[str]:
+def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of ``run_on_map`` results, one row per run."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    cells = []
     for p in rows:
         final = "—" if p["final_reward"] is None else f"{p['final_reward']:.3f}"
         ratio = "—" if p["ratio"] is None else fmt_sci(p["ratio"])
-        cells = (p["run"], str(p["engine"]), str(p["dtype"]), str(p["max_len"]), f"{p['horizon']:.1f}",
-                 fmt_sci(p["k3"]), "yes" if p["collapsed"] else "no", final, _threshold(p), ratio, p["verdict"])
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        cells.append((p["run"], str(p["engine"]), str(p["dtype"]), str(p["max_len"]), f"{p['horizon']:.1f}",
+                      fmt_sci(p["k3"]), "yes" if p["collapsed"] else "no", final, _threshold(p), ratio, p["verdict"]))
+    return markdown_table(COLUMNS, cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print("\n".join(table(rows)))
+    print(table(rows))
     sources = sorted({str(p["source"]) for p in rows})
     print(f"\ncurve: {', '.join(sorted({p['correction'] for p in rows}))}, source {', '.join(sources)} (the "
           "mismatch the map's runs injected). A run of another source sits at the same k3 with another gradient "
