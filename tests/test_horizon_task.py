@@ -115,3 +115,34 @@ def test_free_weight_is_checked_and_leaves_old_warm_start_keys_alone():
     plain_dict = plain.to_dict()
     plain_dict["warm_start"].pop("free_weight")  # a config written before the knob existed
     assert warm_start_key(config_from_dict(plain_dict)) == warm_start_key(plain)
+
+
+def test_hold_length_pays_only_a_full_scratchpad():
+    """``task.hold_length``: the reward also asks for min_len scratchpad tokens, so RL cannot shorten T."""
+    from vexact.rl.config import config_from_dict
+    from vexact.rl.tasks import task_of
+
+    held = task_of(config_from_dict({"task": {"name": "horizon", "min_len": 8, "max_len": 8, "hold_length": True}},
+                                    [f"{k}={v}" for k, v in horizon_overrides(8).items()]))
+    free = task_of(config_from_dict({"task": {"name": "horizon", "min_len": 8, "max_len": 8}},
+                                    [f"{k}={v}" for k, v in horizon_overrides(8).items()]))
+    p = held.problem("314", "aaaaaaab")
+    ids = held.tokenizer.encode
+    for short in ("8:", "8:cc", "8:aaaaaab"):  # 0, 2 and 7 scratchpad tokens: cut short
+        assert held.reward(p, ids(short) + [EOS_ID]) == 0.0
+        assert free.reward(p, ids(short) + [EOS_ID]) == 1.0
+    assert held.reward(p, ids("8:aaaaaaab") + [EOS_ID]) == 1.0
+    assert held.reward(p, ids("8:aaaaaaabcc") + [EOS_ID]) == 1.0  # longer is fine
+    assert held.reward(p, ids("9:aaaaaaab") + [EOS_ID]) == 0.0
+
+
+def test_hold_length_needs_the_horizon_task_and_leaves_the_warm_start_alone():
+    from vexact.rl.config import ConfigError, config_from_dict
+    from vexact.rl.warmstart import warm_start_key
+
+    with pytest.raises(ConfigError, match="hold_length.*task.name: horizon"):
+        config_from_dict({"task": {"name": "sum", "hold_length": True}})
+    plain = config_from_dict({"task": {"name": "horizon"}})
+    held = config_from_dict({"task": {"name": "horizon", "hold_length": True}})
+    assert held.task.hold_length and not plain.task.hold_length
+    assert warm_start_key(held) == warm_start_key(plain)  # reward-only: one cached warm start serves both

@@ -17,6 +17,11 @@ and the warm start imitates those random draws. The reward is 1.0 for the right 
 EOS anywhere after it, so the scratchpad is free but the response must end: a policy that drifts into rambling
 past ``max_new_tokens`` loses the reward, like a real one that never stops.
 
+Under RL the free scratchpad shortens (at L = 160 the mean response fell from 154 to 8 tokens within 70 steps),
+so the measured horizon T of a run is far below L. ``task.hold_length: true`` (``HorizonSettings``) also asks for
+a scratchpad of at least ``min_len`` tokens before the reward pays, so T stays L + 3 or 4 for the whole run: the
+long-horizon points of the map need it.
+
 Registers itself in ``TASKS`` when imported (the ``vexact.rl`` package imports it: ``vexact.rl.plugins.BUILTINS``),
 so configs name it ``task.name: horizon``.
 """
@@ -25,11 +30,13 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from .tasks import Problem, Task, register_task
 
-__all__ = ["ANSWER_DIGITS", "SCRATCH_ALPHABET", "SCRATCH_PROBS", "ScratchpadTask", "horizon_overrides",
-           "scratch_entropy"]
+__all__ = ["ANSWER_DIGITS", "SCRATCH_ALPHABET", "SCRATCH_PROBS", "HorizonSettings", "ScratchpadTask",
+           "horizon_overrides", "scratch_entropy"]
 
 SCRATCH_ALPHABET = "abc"
 SCRATCH_PROBS = (0.7, 0.2, 0.1)
@@ -43,12 +50,30 @@ def scratch_entropy() -> float:
     return -sum(p * math.log(p) for p in SCRATCH_PROBS)
 
 
+@dataclass
+class HorizonSettings:
+    """The ``horizon`` task's setting, in the ``task`` section; it needs ``task.name: horizon``."""
+
+    requires_owner: ClassVar[bool] = True
+    reward_only: ClassVar[bool] = True
+    """Read by the reward alone: the warm start imitates the same targets whatever it says (its cache key skips it)."""
+    # task horizon only: the reward also asks for a scratchpad of at least task.min_len tokens, so RL cannot
+    # shorten the response horizon below L; false = the scratchpad's length is free
+    hold_length: bool = False
+
+
 class ScratchpadTask(Task):
     """The digit sum of three prompt digits, ':', then a free scratchpad of ``L`` random tokens
     (``min_len <= L <= max_len``) and EOS; the reward checks only the text before the first ':' (and EOS)."""
 
     name = "horizon"
     tag = "b"
+    settings = HorizonSettings
+    hold_length = False
+
+    def use_settings(self, section: Any) -> None:
+        """Reads ``task.hold_length`` from the run config's ``task`` section."""
+        self.hold_length = section.hold_length
 
     def problem(self, digits: str, scratch: str) -> Problem:
         if len(digits) != ANSWER_DIGITS or not digits.isdigit():
@@ -65,7 +90,12 @@ class ScratchpadTask(Task):
         return self.problem(digits, scratch)
 
     def final_answer(self, text: str) -> str:
-        return text.partition(":")[0] if ":" in text else "\0"  # no ':': not the task's format
+        answer, colon, scratch = text.partition(":")
+        if not colon:
+            return "\0"  # no ':': not the task's format
+        if self.hold_length and len(scratch) < self.min_len:
+            return "\0"  # a scratchpad cut short earns nothing when the length is held
+        return answer
 
     def free_span(self, problem: Problem) -> tuple[int, int]:
         """The scratchpad: the target tokens after the answer and ':' and before EOS."""

@@ -75,6 +75,7 @@ __all__ = [
     "encode_target",
     "held_out_problems",
     "make_task",
+    "task_of",
     "register_task",
     "max_answer_tokens",
     "max_prompt_tokens",
@@ -201,6 +202,9 @@ class Task(ABC):
         """Target token positions ``[start, end)`` the reward does not read (a free scratchpad), or None. The
         warm start can down-weight them (``warm_start.free_weight``)."""
         return None
+
+    def use_settings(self, section: Any) -> None:
+        """Reads the task's own settings (``settings``, mounted in the run config's ``task`` section): none here."""
 
     def warm_start_problems(self, problems: list[Problem], warm_start: Any, first_index: int,
                             total: int) -> list[Problem]:
@@ -402,13 +406,19 @@ def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = Fals
     return task
 
 
+def task_of(cfg: RunConfig) -> Task:
+    """The task a run config names, with its lengths, vocabulary tail and the task's own settings."""
+    task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit, cfg.task.distractors)
+    task.use_settings(cfg.task)
+    return task
+
+
 def check_lengths(cfg: RunConfig) -> None:
     """Every problem of the task fits: longest prompt + ``rollout.max_new_tokens`` <= ``model.max_seq_len``, and
     ``rollout.max_new_tokens`` holds the longest answer + EOS. A ConfigError naming the key otherwise (checked when
     a config is loaded, and again by the Trainer for a RunConfig built in Python)."""
     try:
-        task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit,
-                         cfg.task.distractors)
+        task = task_of(cfg)
     except ValueError as e:
         raise ConfigError(str(e), "task") from None
     need = max_prompt_tokens(task) + cfg.rollout.max_new_tokens
@@ -428,7 +438,7 @@ def check_memory(cfg: RunConfig) -> None:
     """Before a run (or a sweep) allocates anything: its model's parameters, at ``RUN_BYTES_PER_PARAMETER`` (plus a
     bfloat16 compute copy), must fit in the memory this machine has available now (``engine.model.check_fits``).
     Not part of loading a config, which stays valid on any machine (a report reads config.yaml anywhere)."""
-    task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit, cfg.task.distractors)
+    task = task_of(cfg)
     copy = 0 if cfg.dtype == "float32" else 2
     check_fits(cfg.model.to_model_config(task.tokenizer.vocab_size), RUN_BYTES_PER_PARAMETER + copy,
                f"a run's float32 weights, gradient and AdamW moments{' and bfloat16 copy' if copy else ''}",

@@ -68,7 +68,7 @@ from .registries import ROLLOUT_ENGINES
 from .rollout_engines import RolloutSession
 from .rollouts import RolloutBatch, eval_metrics, eval_records, step_problems
 from .schedules import LRSchedule
-from .tasks import check_lengths, held_out_problems, make_task, training_problems
+from .tasks import check_lengths, held_out_problems, task_of, training_problems
 from .triton_guard import check_interpreted_triton
 from .warmstart import warm_start
 
@@ -109,8 +109,7 @@ class Trainer:
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.run_dir = run_dir_for(cfg)
         torch.set_num_threads(cfg.threads or default_threads(cfg))
-        self.task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit,
-                              cfg.task.distractors)
+        self.task = task_of(cfg)
         self.tokenizer = self.task.tokenizer  # the characters, and a vocabulary tail when task.distractors > 0
         check_lengths(cfg)  # a ConfigError, also for a RunConfig built in Python (load_config checked it already)
         check_interpreted_triton(cfg, self.task, self.console)  # refuse hours in the Triton interpreter up front

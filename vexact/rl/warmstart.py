@@ -41,7 +41,7 @@ def warm_start_key(cfg: RunConfig) -> str:
     plain["warm_start"].pop("seed", None)  # folded into "seed" below
     for section in ("task", "warm_start"):  # an extension's setting at its default: the key of a tree without it
         for key, mount in mounts(type(getattr(cfg, section))).items():
-            if plain[section].get(key) == _saved_default(mount.field):
+            if plain[section].get(key) == _saved_default(mount.field) or _reward_only(mount):
                 plain[section].pop(key, None)
     if plain["warm_start"].get("free_weight") is None:
         plain["warm_start"].pop("free_weight", None)  # likewise
@@ -54,6 +54,12 @@ def warm_start_key(cfg: RunConfig) -> str:
             plain["model"].pop(key, None)
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
                         "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
+
+
+def _reward_only(mount: Any) -> bool:
+    """Whether every settings class that declares this key says ``reward_only``: read by the reward alone, so the
+    warm start (imitation of the task's targets) is the same whatever the key says."""
+    return all(getattr(settings, "reward_only", False) for _, settings in mount.owners)
 
 
 def _saved_default(f: dataclasses.Field) -> Any:
