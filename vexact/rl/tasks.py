@@ -205,6 +205,7 @@ class Task(ABC):
 
     def use_settings(self, section: Any) -> None:
         """Reads the task's own settings (``settings``, mounted in the run config's ``task`` section): none here."""
+        return None
 
     def warm_start_problems(self, problems: list[Problem], warm_start: Any, first_index: int,
                             total: int) -> list[Problem]:
