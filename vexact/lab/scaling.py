@@ -274,13 +274,14 @@ def resolve_correction(spec: Any, map_data: dict[str, Any] | None = None) -> str
 SOURCE_SEPARATOR = ":"
 
 
-def source_name(config: Mapping[str, Any]) -> str:
+def source_name(config: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> str:
     """The mismatch source a run injected, from its flat config (dotted keys; a key it lacks counts as its
     default): ``inject.mode``, then the values of that mode's own settings (its ``settings`` dataclass in the
     registry ``INJECT_MODES``), joined by ``SOURCE_SEPARATOR``: ``logit_scale``, ``routing_flip:near_tie``. A map
     never merges runs of two sources into one curve: one correction's threshold differs between them (a flattened
-    rollout against flipped MoE routing)."""
-    defaults = _default_config()
+    rollout against flipped MoE routing). ``defaults``: ``_default_config()``, computed once by a caller that names
+    many runs' sources (None: computed here)."""
+    defaults = _default_config() if defaults is None else defaults
     mode = config.get("inject.mode", defaults.get("inject.mode"))
     settings = INJECT_MODES[mode].settings if mode in INJECT_MODES else None
     values = []
@@ -318,37 +319,34 @@ def measured_horizon(point: PointData) -> float | None:
 CORRECTION_KEYS = ("algorithm.old_logprobs", "correction.method")  # what the correction name says already
 
 
-def point_correction(point: PointData, variants: dict[str, dict[str, Any]]) -> str:
-    """The point's correction name: from the config the run saved (``config.yaml``), else from its overrides and its
-    variant's bundle (a point that never started); "unknown (...)" when its config cannot be read."""
+def point_setup(point: PointData, variants: dict[str, dict[str, Any]], defaults: Mapping[str, Any]
+                ) -> tuple[str, str]:
+    """The point's correction name and source (``source_name``), from the config the run saved (``config.yaml``,
+    read once), else from its overrides and its variant's bundle (a point that never started). The correction is
+    "unknown (...)" when the saved config cannot be read or names none; ``defaults``: ``_default_config()``."""
     path = point.dir / "config.yaml"
-    try:
-        if path.is_file():
-            config = yaml.safe_load(path.read_text())
-            if isinstance(config, Mapping):
-                return correction_from_config(config, str(path))
-        dotted = {**_bundle(point, variants), **point.overrides}
-        nested: dict[str, dict[str, Any]] = {}
-        for key, value in dotted.items():
-            section, _, name = str(key).partition(".")
-            if section in ("algorithm", "correction") and name and "." not in name:
-                nested.setdefault(section, {})[name] = value
-        return _from_vexact(nested, point.name)
-    except (OSError, yaml.YAMLError, ValueError) as err:
-        return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-
-
-def point_source(point: PointData, variants: dict[str, dict[str, Any]]) -> str:
-    """The point's source (``source_name``): from the config the run saved, else from its overrides and its
-    variant's bundle (a point that never started)."""
-    path = point.dir / "config.yaml"
+    dotted = {**_bundle(point, variants), **point.overrides}
     try:
         config = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        config = None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
+        return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})", source_name(dotted,
+                                                                                                          defaults)
     if isinstance(config, Mapping):
-        return source_name(flat_config(config))
-    return source_name({**_bundle(point, variants), **point.overrides})
+        return _correction_or_unknown(lambda: correction_from_config(config, str(path))), source_name(
+            flat_config(config), defaults)
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in dotted.items():
+        section, _, name = str(key).partition(".")
+        if section in ("algorithm", "correction") and name and "." not in name:
+            nested.setdefault(section, {})[name] = value
+    return _correction_or_unknown(lambda: _from_vexact(nested, point.name)), source_name(dotted, defaults)
+
+
+def _correction_or_unknown(resolve: Any) -> str:
+    try:
+        return resolve()
+    except ValueError as err:
+        return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
 
 
 def _bundle(point: PointData, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -384,14 +382,15 @@ def scaling(data: SweepData) -> dict[str, Any]:
                 "note": f"the sweep sets no horizon key ({HORIZON_KEY} in its grid or its variants), so it has no "
                         "horizon axis: no scaling law"}
     keys = _curve_keys(data, variants)
-    sources = {p.name: point_source(p, variants) for p in with_h}
-    several = len(set(sources.values())) > 1
+    defaults = _default_config()
+    setups = [point_setup(p, variants, defaults) for p in with_h]  # (correction, source) of each point
+    several = len({source for _, source in setups}) > 1
     curves: dict[tuple[str, str, str], list[PointData]] = {}
-    for p in with_h:  # one curve per correction and source (and other curve key): never one fit over several
-        correction = point_correction(p, variants)
-        label = ", ".join([f"correction={correction}", *([f"source={sources[p.name]}"] if several else []),
+    for p, (correction, source) in zip(with_h, setups):  # one curve per correction and source (and other curve
+        # key): never one fit over several
+        label = ", ".join([f"correction={correction}", *([f"source={source}"] if several else []),
                            *(f"{k}={p.overrides.get(k)}" for k in keys)])
-        curves.setdefault((label, correction, sources[p.name]), []).append(p)
+        curves.setdefault((label, correction, source), []).append(p)
     results = [{**_curve(label, correction, _by_horizon(points, variants)), "source": source}
                for (label, correction, source), points in curves.items()]
     primary = next((c for c in results if c["correction"] == DEFAULT_CORRECTION), results[0])
@@ -1025,9 +1024,10 @@ BOOKKEEPING_KEYS = ("threads", "warm_start.cache_dir", "logging.checkpoint_every
                     "logging.backends", "logging.wandb_project", "logging.wandb_mode")
 """Config keys that say where a run writes, what it shows while running and how many threads it uses; a run's bits
 do not depend on them."""
-HORIZON_SETTINGS = tuple(horizon_overrides(1))
-"""The keys that set a horizon of the horizon testbed (the scratchpad length and the room to write it): they differ
-between the horizons of one curve, and nowhere else."""
+HORIZON_SETTINGS = (*horizon_overrides(1), "task.hold_length")
+"""The keys that set a horizon of the horizon testbed (the scratchpad length, the room to write it, and whether the
+reward holds that length: a free scratchpad shortens under RL, so the longest horizons hold it to keep T near L):
+they differ between the horizons of one curve, and nowhere else."""
 
 
 @dataclasses.dataclass
@@ -1071,6 +1071,7 @@ def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]
     rollout's mismatch), not the swept one."""
     data = read_sweep_results(path)
     variants = _variants(data)
+    defaults = _default_config()
     out: dict[CurveKey, dict[Any, list[_Run]]] = {}
     replayed = 0
     for p in data.points:
@@ -1093,7 +1094,7 @@ def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]
         value = config.get(HORIZON_KEY) if value is None else value
         if value is None:
             continue
-        key = (correction_from_config(loaded, str(saved)), source_name(config))
+        key = (correction_from_config(loaded, str(saved)), source_name(config, defaults))
         out.setdefault(key, {}).setdefault(value, []).append(_Run(str(path), p, config))
     if not out:
         raise ValueError(f"sweep '{path}' has no finished runs with a horizon ({HORIZON_KEY}) outside router replay: "
