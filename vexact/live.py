@@ -50,7 +50,9 @@ config file, verl's ``algorithm.rollout_correction`` block as a mapping, or a TR
 ``bypass`` curve is assumed and every verdict says so; a correction the map has no curve for is refused at
 construction (never answered from another correction's curve). ``source`` picks the curves of another mismatch
 source the map carries (``vexact.lab.scaling.map_sources``: e.g. ``routing_flip:near_tie`` for MoE routing
-mismatch); without it, the map's default source. Without ``scaling_map`` (the default) rows have no
+mismatch); without it, the map's default source. ``vocab`` (your model's vocabulary size) with ``"default"``
+picks the shipped map nearest it (``vexact.lab.scaling.shipped_map_for``: the tail map, 1,024 tokens, for any
+real LLM vocabulary; without it, the main map's 22 tokens). Without ``scaling_map`` (the default) rows have no
 ``map`` key and ``correction`` is refused, and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map``
 with one ``ValueError`` at construction. A map dict is checked at construction too (the keys ``load_map``
 requires, and one placement at the map's first horizon): one ``ValueError`` there, not a ``map_error`` on every
@@ -166,7 +168,7 @@ class LiveMonitor:
                  on_gate_failure: OnGateFailure = "record", resume: bool = False,
                  scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
                  wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline",
-                 correction: Any = None, source: str | None = None):
+                 correction: Any = None, source: str | None = None, vocab: int | None = None):
         self.out_dir = Path(out_dir)
         self.gates = Gates() if gates is None else gates
         if not isinstance(self.gates, Gates):
@@ -176,7 +178,7 @@ class LiveMonitor:
         self.on_gate_failure = on_gate_failure
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
-        self._map = _load_scaling_map(scaling_map, correction, source)
+        self._map = _load_scaling_map(scaling_map, correction, source, vocab)
         self.metrics_path = self.out_dir / METRICS_FILE
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} exists and is not a directory")
@@ -278,14 +280,15 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
 
 
 def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correction: Any = None,
-                      source: str | None = None) -> Any:
-    """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction --source`` writes it
+                      source: str | None = None, vocab: int | None = None) -> Any:
+    """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction --source --vocab`` writes it
     (``scaling.MAP_KEYS``), or None without a map. ``"default"``, as for ``compare --map``, is the map shipped with
-    vexact. The correction and source are resolved and checked against the map here, once."""
+    vexact for ``vocab`` (``scaling.shipped_map_for``: the tail map for a real vocabulary; None: the main map). The
+    correction and source are resolved and checked against the map here, once."""
     if scaling_map is None:
-        if correction is not None or source is not None:
-            raise ValueError("correction and source choose a curve of scaling_map: give scaling_map too, or leave "
-                             "them out")
+        if correction is not None or source is not None or vocab is not None:
+            raise ValueError("correction, source and vocab choose a curve of scaling_map: give scaling_map too, or "
+                             "leave them out")
         return None
     try:
         from .lab import scaling
@@ -295,7 +298,7 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correctio
     if isinstance(scaling_map, dict):
         data = scaling_map
     elif isinstance(scaling_map, (str, Path)):
-        data = scaling.load_map(None if scaling_map == DEFAULT_MAP else Path(scaling_map))
+        data = scaling.load_map(scaling.shipped_map_for(vocab) if scaling_map == DEFAULT_MAP else Path(scaling_map))
     else:
         raise ValueError(f"scaling_map must be a map dict, the path of a scaling.json or {DEFAULT_MAP!r}, got "
                          f"{type(scaling_map).__name__}")

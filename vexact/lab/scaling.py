@@ -73,13 +73,15 @@ from ..rl.config import AlgorithmSection, CorrectionSection, RunConfig
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject_modes import INJECT_MODES
+from ..rl.vocab_tail import tokenizer_for
 from .dose_response import METRIC, fit_threshold, run_dose
 from .sweep_data import SEED_KEY, PointData, SweepData, read_sweep_results
 
-__all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES", "build_map",
-           "choose_correction", "compare_shapes", "correction_from_config", "correction_name", "correction_names",
-           "curve_for", "fit_law", "load_map", "map_curves", "place_on_map", "placement", "plot_scaling",
-           "resolve_correction", "scaling", "source_name", "write_scaling"]
+__all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "DEFAULT_TAIL_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES",
+           "build_map", "choose_correction", "compare_shapes", "correction_from_config", "correction_name",
+           "correction_names", "curve_for", "fit_law", "load_map", "map_curves", "map_vocab", "place_on_map",
+           "placement", "plot_scaling", "resolve_correction", "scaling", "shipped_map_for", "source_name",
+           "write_scaling"]
 
 HORIZON_KEY = "task.max_len"
 HORIZON_METRIC = RESPONSE_LENGTH_MEAN
@@ -87,12 +89,18 @@ BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
 REPLICATES_KEPT = 200  # replicates stored in scaling.json for the map's interval at a new T
 DEFAULT_MAP = Path(__file__).with_name("default_map.json")
+DEFAULT_TAIL_MAP = Path(__file__).with_name("default_tail_map.json")
+SHIPPED_MAPS = {DEFAULT_MAP: "the map shipped with vexact (vexact/lab/default_map.json)",
+                DEFAULT_TAIL_MAP: "the tail map shipped with vexact (vexact/lab/default_tail_map.json)"}
+"""The maps vexact ships, one per testbed vocabulary (``map_vocab``): the main map, on the task's characters, and the
+tail map, the same testbed with a tail of distractor tokens. ``shipped_map_for(vocab)`` picks one for a user."""
 MAP_KEYS = ("horizon", "k3", "threshold_50", "ci_low", "ci_high", "ratio", "verdict", "extrapolation_factor",
-            "correction", "source")
+            "correction", "source", "vocab")
 ASSUMPTIONS = (
     "the threshold follows the fitted power law threshold ∝ T^(−alpha) beyond the measured horizons",
     "the map's testbed (a 0.5M-parameter decoder on CPU, on-policy GRPO, the curve's correction and run length) "
-    "stands for your stack; model size, vocabulary, mini-batches and run length are not on the map",
+    "stands for your stack; model size, mini-batches and run length are not on the map, and the vocabulary only as "
+    "the testbed's (vocab: 22 characters, or 1,024 with the tail map)",
     "k3 is the token mean of exp(r) − r − 1 over your dump (rollout_corr/k3_kl); the map's doses are run means of "
     "the same metric before collapse",
     "your horizon is your dump's mean response length (tokens per sequence)",
@@ -770,9 +778,34 @@ def load_map(path: str | Path | None = None) -> dict[str, Any]:
         raise ValueError(f"map file '{path}' is not a scaling.json (no 'status' / 'horizon_range'); make one with "
                          "vexact report on a sweep over task.max_len")
     data["curves"] = map_curves(data, f"map file '{path}'")
-    data["origin"] = ("the map shipped with vexact (vexact/lab/default_map.json)" if path == DEFAULT_MAP
-                      else str(path))
+    data["origin"] = SHIPPED_MAPS.get(path, str(path))
     return data
+
+
+def map_vocab(map_data: dict[str, Any]) -> int | None:
+    """The vocabulary size of a map's testbed: the task's characters plus its ``task.distractors`` (the vocabulary
+    tail, ``vexact.rl.vocab_tail``); None for a map without a testbed."""
+    testbed = map_data.get("testbed")
+    if not isinstance(testbed, dict):
+        return None
+    return tokenizer_for(int(testbed.get("task.distractors") or 0)).vocab_size
+
+
+def shipped_map_for(vocab: int | None, maps: Mapping[Path, str] | None = None) -> Path:
+    """The shipped map (``SHIPPED_MAPS``, or ``maps``) whose testbed vocabulary is nearest ``vocab`` on a log scale;
+    None: the main map. The main map's 22 characters and the tail map's 1,024 tokens meet at ~150, so every real
+    LLM vocabulary (32k to 256k) gets the tail map: k3 over a vocabulary with a tail is not k3 over 22 tokens (the
+    same flattening gives ~4x the k3 with the tail)."""
+    candidates = [Path(p) for p in (maps or SHIPPED_MAPS)]
+    if vocab is None:
+        return candidates[0]
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
+        raise ValueError(f"a vocabulary size must be an integer >= 2, got {vocab!r}")
+    sizes = {path: map_vocab(load_map(path)) for path in candidates if path.is_file()}
+    sizes = {path: size for path, size in sizes.items() if size}
+    if not sizes:
+        return candidates[0]
+    return min(sizes, key=lambda path: (abs(math.log(sizes[path] / vocab)), candidates.index(path)))
 
 
 def map_curves(map_data: dict[str, Any] | None, where: str = "the map") -> list[dict[str, Any]]:
@@ -836,7 +869,7 @@ def curve_for(map_data: dict[str, Any], correction: str, source: str | None = No
         if c["correction"] == correction and c["source"] == wanted:
             return c
     origin = str(map_data.get("origin", "the map"))
-    where = origin if origin.startswith("the map") else f"the map '{origin}'"
+    where = origin if origin in (*SHIPPED_MAPS.values(), "the map") else f"the map '{origin}'"
     same_source = [c["correction"] for c in curves if c["source"] == wanted]
     if source is not None and not same_source:
         raise ValueError(f"{where} has no curves for source {source!r}: its sources are "
@@ -889,7 +922,8 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     factor = horizon / t1 if horizon > t1 else t0 / horizon if horizon < t0 else 1.0
     out: dict[str, Any] = {"horizon": float(horizon), "k3": float(k3), "threshold_50": None, "ci_low": None,
                            "ci_high": None, "ratio": None, "verdict": None, "extrapolation_factor": factor,
-                           "correction": name, "source": curve["source"], "correction_assumed": assumed,
+                           "correction": name, "source": curve["source"], "vocab": map_vocab(map_data),
+                           "correction_assumed": assumed,
                            "uses_bound": False}
     if curve.get("status") == "fitted":
         lt = math.log10(horizon)
@@ -999,19 +1033,50 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
 
 
 def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] | None, correction: Any = None,
-                source: str | None = None) -> tuple[dict[str, Any], list[str]]:
-    """``vexact compare --map [--correction] [--source]``: place a compare summary (its k3 and mean response length)
-    on the curve of ``correction`` (a name or a config: ``resolve_correction``; None: bypass, assumed) and
+                source: str | None = None, vocab: int | None = None) -> tuple[dict[str, Any], list[str]]:
+    """``vexact compare --map [--correction] [--source] [--vocab]``: place a compare summary (its k3 and mean response
+    length) on the curve of ``correction`` (a name or a config: ``resolve_correction``; None: bypass, assumed) and
     ``source`` (None: the map's default) of a map (a path, "default"/None for the shipped one, or a loaded map);
-    returns the ``map`` JSON object (``MAP_KEYS`` exactly) and the lines to print."""
-    map_data = map_path if isinstance(map_path, dict) else load_map(None if map_path in (None, "default")
-                                                                    else map_path)
+    ``vocab``, the user's vocabulary size, picks the shipped map for it (``shipped_map_for``: the tail map for any
+    real vocabulary) when no map file is named. Returns the ``map`` JSON object (``MAP_KEYS`` exactly) and the lines
+    to print."""
+    map_data = map_path if isinstance(map_path, dict) else load_map(
+        shipped_map_for(vocab) if map_path in (None, "default", DEFAULT_MAP) else map_path)
     name = choose_correction(map_data, correction, source)
     sequences, tokens = summary.get("sequences") or 0, summary.get("tokens") or 0
     if not sequences or not tokens:
         raise ValueError("the dump has no response lengths (no tokens): nothing to place on the map")
-    placed = placement(map_data, summary["metrics"][K3_KL], tokens / sequences, name, source)
-    return {k: placed[k] for k in MAP_KEYS}, map_lines(placed, map_data)
+    k3, horizon = summary["metrics"][K3_KL], tokens / sequences
+    placed = placement(map_data, k3, horizon, name, source)
+    lines = map_lines(placed, map_data) + vocab_lines(placed, map_data, vocab)
+    if placed["verdict"].startswith("no verdict") and map_data.get("origin") == SHIPPED_MAPS[DEFAULT_TAIL_MAP]:
+        lines += _main_map_reference(k3, horizon, name, placed["source"])
+    return {k: placed[k] for k in MAP_KEYS}, lines
+
+
+def vocab_lines(placed: dict[str, Any], map_data: dict[str, Any], vocab: int | None) -> list[str]:
+    """What the verdict's vocabulary is: the map's testbed's, against the user's (``--vocab``) when given."""
+    theirs = placed.get("vocab")
+    if theirs is None:
+        return []
+    if vocab is None:
+        return [f"  vocabulary: the map's testbed has {theirs:,} tokens; yours was not given (--vocab N picks the "
+                "shipped map nearest it: the tail map for any real LLM vocabulary)"]
+    return [f"  vocabulary: yours {vocab:,} tokens; the map's testbed {theirs:,} (the shipped map nearest yours on a "
+            "log scale)" if map_data.get("origin") in SHIPPED_MAPS.values() else
+            f"  vocabulary: yours {vocab:,} tokens; this map's testbed {theirs:,}"]
+
+
+def _main_map_reference(k3: float, horizon: float, correction: str, source: str | None) -> list[str]:
+    """The main map's verdict for the same point, printed (never returned as the verdict) when a shipped map with
+    another vocabulary has none at this horizon."""
+    main = load_map(DEFAULT_MAP)
+    try:
+        other = placement(main, k3, horizon, correction, source)
+    except ValueError as err:
+        return [f"  the main map (22 tokens) cannot place it either: {err}"]
+    return [f"  for reference, the main map (its testbed's {other['vocab']} tokens, no tail): {other['verdict']}; a "
+            "tail moves the k3 threshold (docs/results/vocab_tail.md), so this is no verdict for your vocabulary"]
 
 
 # ----------------------------------------------------------------------------- assembling a map

@@ -646,6 +646,12 @@ def _limit(text: str) -> float:
     return value
 
 
+def _vocab_size(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"expected a vocabulary size (an integer >= 2), got {text!r}")
+    return int(text)
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -706,6 +712,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --map: the mismatch source whose curves give the verdict, one of the map's "
                              "sources (e.g. routing_flip:near_tie, MoE routing mismatch); default: the map's first "
                              "(logit_scale on the shipped map)")
+    parser.add_argument("--vocab", type=_vocab_size, default=None, metavar="N",
+                        help="with --map (no FILE): your model's vocabulary size; picks the shipped map whose "
+                             "testbed vocabulary is nearest (the tail map, 1,024 tokens, for any real LLM "
+                             "vocabulary; the main map, 22 tokens, otherwise); default: the main map, said so")
 
 
 
@@ -740,14 +750,14 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..lab.scaling import choose_correction, compare_map, load_map
+    from ..lab.scaling import choose_correction, compare_map, load_map, shipped_map_for
 
     _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
-    for flag, value in (("--correction", args.correction), ("--source", args.source)):
+    for flag, value in (("--correction", args.correction), ("--source", args.source), ("--vocab", args.vocab)):
         if value is not None and args.map is None:
             raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
     if args.map is not None:  # the map, the correction and the source are checked before the dumps are read
-        scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map)
+        scaling_map = load_map(shipped_map_for(args.vocab) if args.map == DEFAULT_MAP else args.map)
         correction = choose_correction(scaling_map, args.correction, args.source)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
@@ -769,7 +779,7 @@ def main(args: argparse.Namespace) -> int:
         console.print("first mismatch: " + result.first_mismatch.describe(("rollout", "training")), markup=False,
                       highlight=False, soft_wrap=True)
     if args.map is not None:  # where this k3 and horizon sit on the collapse map
-        s["map"], map_text = compare_map(s, scaling_map, correction, args.source)
+        s["map"], map_text = compare_map(s, scaling_map, correction, args.source, args.vocab)
         console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []
     if args.png:

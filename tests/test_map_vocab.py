@@ -1,0 +1,95 @@
+"""The vocabulary on the map: vexact ships a main map (the task's 22 characters) and a tail map (the same testbed
+with 1,002 distractor tokens, V = 1,024); a user's vocabulary size picks the shipped map nearest it on a log scale,
+so any real LLM vocabulary gets the tail map, and the verdict says which vocabulary it is for. Where the tail map
+has no verdict at the user's horizon, the main map's is printed for reference, never returned as the verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_build_map import HIGH, LOW, _sweep
+
+from vexact.cli import main
+from vexact.lab import scaling
+from vexact.lab.scaling import build_map, compare_map, map_vocab, place_on_map, shipped_map_for
+
+TAIL = {"task.distractors": 1002}
+
+
+def _maps(tmp_path: Path) -> tuple[Path, Path]:
+    """A main map (α = 1 over L = 8, 16, 32) and a tail map with one horizon (L = 16)."""
+    main_map, tail_map = tmp_path / "main.json", tmp_path / "tail.json"
+    main_map.write_text(json.dumps(build_map([_sweep(tmp_path, "main", [(8, LOW + HIGH), (16, LOW + HIGH),
+                                                                          (32, LOW + HIGH)])])))
+    tail_map.write_text(json.dumps(build_map([_sweep(tmp_path, "tail", [(16, LOW + HIGH)], **TAIL)])))
+    return main_map, tail_map
+
+
+def test_map_vocab_is_the_testbeds_characters_plus_its_tail(tmp_path):
+    main_map, tail_map = _maps(tmp_path)
+    assert map_vocab(scaling.load_map(main_map)) == 22
+    assert map_vocab(scaling.load_map(tail_map)) == 1024
+    assert map_vocab({"status": "fitted"}) is None  # no testbed: unknown
+
+
+def test_a_vocabulary_picks_the_shipped_map_nearest_it_on_a_log_scale(tmp_path):
+    main_map, tail_map = _maps(tmp_path)
+    maps = {main_map: "main", tail_map: "tail"}
+    assert shipped_map_for(None, maps) == main_map  # not given: the main map (and the verdict says so)
+    for vocab in (2, 22, 100, 149):  # sqrt(22 * 1024) = 150: the two testbeds meet there
+        assert shipped_map_for(vocab, maps) == main_map
+    for vocab in (151, 1024, 32_000, 151_936):
+        assert shipped_map_for(vocab, maps) == tail_map
+    for bad in (0, 1, -5, 2.5, True, "50000"):
+        with pytest.raises(ValueError, match="a vocabulary size must be an integer >= 2"):
+            shipped_map_for(bad, maps)
+
+
+def test_the_placement_names_the_maps_vocabulary(tmp_path):
+    main_map, tail_map = _maps(tmp_path)
+    assert place_on_map(scaling.load_map(main_map), 0.01, 16.0)["vocab"] == 22
+    assert place_on_map(scaling.load_map(tail_map), 0.01, 16.0)["vocab"] == 1024
+    assert set(place_on_map(scaling.load_map(tail_map), 0.01, 16.0)) == set(scaling.MAP_KEYS)
+
+
+def test_compare_with_a_vocab_uses_the_tail_map_and_refers_to_the_main_one_only_without_a_verdict(
+        tmp_path, monkeypatch):
+    main_map, tail_map = _maps(tmp_path)
+    monkeypatch.setattr(scaling, "DEFAULT_MAP", main_map)
+    monkeypatch.setattr(scaling, "DEFAULT_TAIL_MAP", tail_map)
+    monkeypatch.setattr(scaling, "SHIPPED_MAPS", {main_map: "the map shipped with vexact",
+                                                  tail_map: "the tail map shipped with vexact"})
+    near = {"sequences": 2, "tokens": 32, "metrics": {"rollout_corr/k3_kl": 0.01}}  # T = 16: the tail map's horizon
+    placed, lines = compare_map(near, None, "bypass", vocab=151_936)
+    assert placed["vocab"] == 1024 and not placed["verdict"].startswith("no verdict")
+    assert any("vocabulary: yours 151,936 tokens; the map's testbed 1,024" in line for line in lines)
+    assert not any("for reference, the main map" in line for line in lines)
+    far = {"sequences": 2, "tokens": 2000, "metrics": {"rollout_corr/k3_kl": 0.01}}  # T = 1000: the tail map is mute
+    placed, lines = compare_map(far, None, "bypass", vocab=151_936)
+    assert placed["vocab"] == 1024 and placed["verdict"].startswith("no verdict at this horizon")
+    reference = [line for line in lines if "for reference, the main map" in line]
+    assert len(reference) == 1 and "extrapolated" in reference[0]  # the main map's law, labelled, not the verdict
+    placed, lines = compare_map(far, None, "bypass")  # no vocabulary given: the main map, and it says so
+    assert placed["vocab"] == 22 and "extrapolated" in placed["verdict"]
+    assert any("yours was not given (--vocab N" in line for line in lines)
+
+
+def test_vocab_needs_the_map_and_a_size(capsys):
+    assert main(["compare", "--vocab", "50000", "r.jsonl"]) == 2
+    assert "--vocab chooses a curve of the collapse map: give --map too" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compare", "r.jsonl", "--map", "--vocab", "1"])
+    assert "expected a vocabulary size (an integer >= 2), got '1'" in capsys.readouterr().err
+
+
+def test_live_monitor_takes_the_vocab(tmp_path, monkeypatch):
+    from vexact.live import LiveMonitor
+
+    main_map, tail_map = _maps(tmp_path)
+    monkeypatch.setattr(scaling, "SHIPPED_MAPS", {main_map: "main", tail_map: "tail"})
+    monitor = LiveMonitor(tmp_path / "live", scaling_map="default", correction="bypass", vocab=128_256)
+    assert monitor._map(0.01, 16.0)["vocab"] == 1024
+    with pytest.raises(ValueError, match="give scaling_map too"):
+        LiveMonitor(tmp_path / "live2", vocab=128_256)
