@@ -64,7 +64,8 @@ class HorizonSettings:
 
 class ScratchpadTask(Task):
     """The digit sum of three prompt digits, ':', then a free scratchpad of ``L`` random tokens
-    (``min_len <= L <= max_len``) and EOS; the reward checks only the text before the first ':' (and EOS)."""
+    (``min_len <= L <= max_len``) and EOS; the reward checks only the text before the first ':' (and EOS), and with
+    ``task.hold_length`` that the scratchpad has at least ``min_len`` tokens."""
 
     name = "horizon"
     tag = "b"
