@@ -78,12 +78,12 @@ LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd
 
 
 def target_mark(row: dict) -> str:
-    """``✓`` when the row's median ratio is within its item's target, ``✗`` when not, ``""`` for an item without
-    one."""
+    """``✓`` when the row's median ratio, as the tables print it (two decimals), is within its item's target, ``✗``
+    when not, ``""`` for an item without one (so a printed 1.00× never reads as over a 1.00× target)."""
     target = TARGETS.get(row["item"])
     if target is None:
         return ""
-    return "✓" if row["ratio_median"] <= target else "✗"
+    return "✓" if round(row["ratio_median"], 2) <= target else "✗"
 
 
 def _thread_label(threads: int) -> str:

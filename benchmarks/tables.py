@@ -29,8 +29,9 @@ def _markdown(columns: list[str], rows: list[list[str]], right_from: int = 1) ->
 
 def _machine(record: dict) -> str:
     m = record["machine"]
-    threads = ", ".join(map(str, thread_counts(record)))
-    return (f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs, {threads} torch threads, torch "
+    counts = thread_counts(record)
+    threads = ", ".join(map(str, counts)) + (" torch thread" if counts == [1] else " torch threads")
+    return (f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs, {threads}, torch "
             f"{m['torch_version']}, malloc {m.get('malloc', 'default')}, commit {m.get('git_commit')}, load average "
             f"{m.get('load_average_start')} -> {m.get('load_average_end')}")
 
