@@ -290,7 +290,9 @@ def write_json(payload: dict, out: Path | None, default_name: str) -> Path:
 def describe_run(record: dict) -> str:
     """The machine (and a forced exact backend) for table titles."""
     m = record["machine"]
-    where = f"{m['cpu_model']}, {m['torch_threads']} threads, torch {m['torch_version']}"
+    counts = thread_counts(record)
+    threads = ", ".join(map(str, counts)) + (" thread" if counts == [1] else " threads")
+    where = f"{m['cpu_model']}, {threads}, torch {m['torch_version']}"
     where += f", {m['gpu']}" if "gpu" in m else ""
     backend = record["settings"].get("exact_backend", "exact")
     if backend != "exact":
@@ -386,14 +388,46 @@ def add_rl_step_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a key of the RL step's config (repeatable)")
 
 
-def add_common_arguments(p: argparse.ArgumentParser, name: str, default_shape: str, default_reps: int) -> None:
+def parse_threads(value: str | int | list[int] | None) -> list[int | None]:
+    """``--threads``: None (torch's count), one count, or a comma list ``1,2`` -> the counts to run at, in order;
+    anything else is one ValueError."""
+    if value is None:
+        return [None]
+    items = value.split(",") if isinstance(value, str) else [value] if isinstance(value, int) else list(value)
+    counts = []
+    for item in items:
+        try:
+            count = int(str(item).strip())
+        except ValueError:
+            count = 0
+        if count < 1 or isinstance(item, bool):
+            raise ValueError(f"threads must be a comma list of positive integers (e.g. 1,2), got {value!r}")
+        counts.append(count)
+    if not counts or len(set(counts)) != len(counts):
+        raise ValueError(f"threads must be a comma list of distinct positive integers (e.g. 1,2), got {value!r}")
+    return counts
+
+
+def thread_counts(record: dict) -> list[int]:
+    """The torch thread counts a record's figures were measured at (a record without ``settings.threads``: the
+    machine's one count)."""
+    return record["settings"].get("threads") or [record["machine"]["torch_threads"]]
+
+
+def add_common_arguments(p: argparse.ArgumentParser, name: str, default_shape: str, default_reps: int,
+                         thread_list: bool = False) -> None:
     """The options both benchmarks take: shapes, dtypes, repetitions, threads, device, exact backend,
-    allocator mode and the JSON path."""
+    allocator mode and the JSON path. ``thread_list``: ``--threads`` takes a comma list (every figure at each
+    count) instead of one count."""
     p.add_argument("--shape", default=default_shape, help="comma list of: " + ", ".join(shapes()))
     p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
     p.add_argument("--reps", type=int, default=default_reps,
                    help=f"interleaved repetitions per figure (default {default_reps})")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    if thread_list:
+        p.add_argument("--threads", default=None, metavar="N[,N...]",
+                       help="torch threads, or a comma list (e.g. 1,2): every figure at each count (default: torch's)")
+    else:
+        p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--exact-backend", default="exact",
                    help="exact (Triton on CUDA, the CPU kernels on CPU; default) or triton (the Triton kernels "

@@ -2,6 +2,8 @@
 
     python -m benchmarks.end_to_end                       # default shape, fp32 + bf16, RL step included
     python -m benchmarks.end_to_end --shape default,llama100m --dtype float32 --reps 5
+    python -m benchmarks.end_to_end --shape default,llama100m --dtype all --threads 1,2 \
+        --items decode_step,train_fwd_bwd,rl_step        # the targets table: every figure at 1 and 2 threads
 
 Every figure is exact / native on the same model (identical weights) and the same batch:
 
@@ -21,6 +23,10 @@ Every figure is exact / native on the same model (identical weights) and the sam
 For the ``default`` shape the prompts are the zero_mismatch task's (16 problems x 8 samples); other
 shapes use random prompts of ``e2e_prompt_len`` tokens (``llama100m``: 8 prompts of 32 tokens, 8 new
 tokens -- what 2 CPU cores manage in a few seconds per repetition).
+
+``--threads 1,2`` measures every figure at each thread count in turn (the RL step's trainer too: its config's
+``threads`` is set to the count, as a small model's trainer would otherwise run on 1 thread). Each row records the
+count it ran at, and the tables mark each figure against ``TARGETS`` (exact / native, median).
 
 ``--profile N`` also runs every item once more per side under torch.profiler and records the N ops
 with the most self CPU time and their share (the evidence for where the remaining cost sits).
@@ -57,15 +63,71 @@ from .common import (
     inner_repeats,
     new_record,
     parse_list,
+    parse_threads,
     print_table,
     profile_top,
     shapes,
 )
 
 ITEMS = ("rollout", "decode_step", "train_fwd_bwd", "rl_step")
+TARGETS = {"decode_step": 1.0, "train_fwd_bwd": 1.1, "rl_step": 1.05}
+"""The exact / native median each item should stay at or under, at every thread count, shape and dtype (the one
+definition: the printed table and ``benchmarks.tables``, which writes the docs' tables, both read it)."""
+LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd": "training fwd+bwd",
+          "rollout": "rollout"}
 
 
-def _prompts(shape: Shape) -> list[list[int]]:
+def target_mark(row: dict) -> str:
+    """``✓`` when the row's median ratio, as the tables print it (two decimals), is within its item's target, ``✗``
+    when not, ``""`` for an item without one (so a printed 1.00× never reads as over a 1.00× target)."""
+    target = TARGETS.get(row["item"])
+    if target is None:
+        return ""
+    return "✓" if round(row["ratio_median"], 2) <= target else "✗"
+
+
+def _thread_label(threads: int) -> str:
+    return f"{threads} thread" + ("" if threads == 1 else "s")
+
+
+def combos(rows: list[dict]) -> list[tuple[str, int]]:
+    """The (dtype, threads) pairs of end-to-end rows: dtypes in the order measured, thread counts ascending."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    return sorted(dict.fromkeys((r["dtype"], r["threads"]) for r in rows), key=lambda c: (dtypes.index(c[0]), c[1]))
+
+
+def combo_label(dtype: str, threads: int) -> str:
+    return f"{short_dtype_name(dtype)}, {_thread_label(threads)}"
+
+
+def target_matrix(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
+    """The targets table of end-to-end rows: one line per (shape, item), one column per (dtype, threads) with the
+    median ratio (min–max) and its mark, the target last; plus one summary sentence per (dtype, threads) column
+    naming the figures over target. Returns (columns, rows, summary)."""
+    pairs = combos(rows)
+    keyed = {(r["item"], r["shape"], r["dtype"], r["threads"]): r for r in rows}
+    lines = []
+    for item, shape in dict.fromkeys((r["item"], r["shape"]) for r in rows):
+        line = [f"{shape}: {LABELS.get(item, item)}"]
+        for dtype, threads in pairs:
+            r = keyed.get((item, shape, dtype, threads))
+            line.append(f"{fmt_ratio(r)} {target_mark(r)}".rstrip() if r else "—")
+        line.append(f"≤ {TARGETS[item]:.2f}×" if item in TARGETS else "—")
+        lines.append(line)
+    summary = []
+    for dtype, threads in pairs:
+        judged = [r for r in rows if (r["dtype"], r["threads"]) == (dtype, threads) and r["item"] in TARGETS]
+        missed = [f"{r['shape']} {LABELS.get(r['item'], r['item'])} {r['ratio_median']:.2f}×" for r in judged
+                  if target_mark(r) == "✗"]
+        summary.append(f"{combo_label(dtype, threads)}: targets met in {len(judged) - len(missed)} of {len(judged)}"
+                       + (f"; over: {', '.join(missed)}" if missed else ""))
+    columns = ["exact / native", *[combo_label(d, t) for d, t in pairs], "target"]
+    return columns, lines, summary
+
+
+def prompts_of(shape: Shape) -> list[list[int]]:
+    """The shape's end-to-end prompts: the zero_mismatch task's (``e2e_prompt_len`` 0) or ``e2e_batch`` random ones
+    of ``e2e_prompt_len`` tokens (seed 0)."""
     if shape.e2e_prompt_len == 0:  # the default experiment's own prompts: 16 problems x 8 samples
         from vexact.rl.tasks import CharTokenizer, encode_prompt, make_task, training_problems
 
@@ -96,7 +158,7 @@ def _measure(exact, native, reps: int, device: torch.device, profile: int, inner
 
 
 def _row(item: str, shape: str, dtype: str, summary: dict, tokens: int, **extra: object) -> dict:
-    return {"item": item, "shape": shape, "dtype": dtype, "tokens": tokens,
+    return {"item": item, "shape": shape, "dtype": dtype, "threads": torch.get_num_threads(), "tokens": tokens,
             "exact_tokens_per_s": tokens / summary["exact_s_median"],
             "native_tokens_per_s": tokens / summary["native_s_median"], **extra, **summary}
 
@@ -106,7 +168,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
     """rollout, decode_step and train_fwd_bwd rows for one shape and dtype."""
     dtype = DTYPES[dtype_name]
     models = _models(shape, dtype, device, exact_backend)
-    prompts = _prompts(shape)
+    prompts = prompts_of(shape)
     n_new = shape.new_tokens
     rows = []
 
@@ -163,7 +225,8 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
     from vexact.rl.trainer import Trainer
     from vexact.rl.warmstart import warm_start
 
-    base = [f"dtype={dtype_name}", "logging.live=false", *overrides]
+    # the process's thread count for the trainer too (its config's default gives a small model 1 thread)
+    base = [f"dtype={dtype_name}", f"threads={torch.get_num_threads()}", "logging.live=false", *overrides]
     trainers = {name: Trainer(load_config(config, [f"backend={name}", *base]), Console(quiet=True))
                 for name in ("exact", "native")}
     exact = trainers["exact"]
@@ -189,7 +252,7 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
         return run
     summary = _measure(step("exact"), step("native"), reps, torch.device("cpu"), profile)
     cfg = exact.cfg
-    return {"item": "rl_step", "shape": Path(config).stem, "dtype": dtype_name,
+    return {"item": "rl_step", "shape": Path(config).stem, "dtype": dtype_name, "threads": torch.get_num_threads(),
             "tokens": tokens["exact"][-1], "response_tokens_exact": tokens["exact"][-1],
             "response_tokens_native": tokens["native"][-1], "config": str(config), "overrides": overrides,
             "warm_start": warm, "sequences": cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
@@ -200,57 +263,69 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
 
 
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int, device: torch.device,
-        threads: int | None = None, rl_config: Path = EXPERIMENT, rl_overrides: list[str] | None = None,
+        threads: int | list[int] | None = None, rl_config: Path = EXPERIMENT, rl_overrides: list[str] | None = None,
         warm: bool = True, profile: int = 0, exact_backend: str = "exact",
         malloc: str = "steady") -> dict:
     """Run the end-to-end benchmarks; returns the JSON-ready record (``profile`` > 0: top ops per item).
 
+    ``threads``: one torch thread count, a list of them (every figure at each, in turn) or None (torch's).
     ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
     on CPU through the interpreter, which checks that the GPU path runs but times nothing useful)."""
-    record = new_record("end_to_end", device, shape_names, dtype_names, reps, threads, exact_backend, malloc,
+    counts = parse_threads(threads)
+    record = new_record("end_to_end", device, shape_names, dtype_names, reps, counts[0], exact_backend, malloc,
                         items=items, profile_top=profile)
+    record["settings"]["threads"] = [count or torch.get_num_threads() for count in counts]
     record["skipped"] = []
     known = shapes()
-    for dtype_name in dtype_names:
-        for shape_name in shape_names:
-            record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device, profile,
-                                             exact_backend)
-        if "rl_step" in items:
-            if device.type != "cpu":
-                record["skipped"].append({"item": "rl_step", "dtype": dtype_name,
-                                          "reason": "the Trainer runs on CPU only"})
-            elif exact_backend != "exact":
-                record["skipped"].append({"item": "rl_step", "dtype": dtype_name,
-                                          "reason": "the RL step compares the experiment's backends (exact, native)"})
-            else:
-                record["results"].append(bench_rl_step(dtype_name, reps, rl_config, rl_overrides or [], warm,
-                                                       profile))
+    for count in record["settings"]["threads"]:
+        for dtype_name in dtype_names:
+            torch.set_num_threads(count)
+            for shape_name in shape_names:
+                record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device, profile,
+                                                 exact_backend)
+            if "rl_step" in items:
+                if device.type != "cpu":
+                    record["skipped"].append({"item": "rl_step", "dtype": dtype_name, "threads": count,
+                                              "reason": "the Trainer runs on CPU only"})
+                elif exact_backend != "exact":
+                    record["skipped"].append({"item": "rl_step", "dtype": dtype_name, "threads": count,
+                                              "reason": "the RL step compares the experiment's backends "
+                                                        "(exact, native)"})
+                else:
+                    record["results"].append(bench_rl_step(dtype_name, reps, rl_config, rl_overrides or [], warm,
+                                                           profile))
     return record
 
 
 def print_results(record: dict) -> None:
     where = describe_run(record)
-    rows = [[r["item"], r["shape"], short_dtype_name(r["dtype"]), str(r["tokens"]), fmt_ratio(r),
-             f"{r['exact_s_median'] * 1e3:.1f}", f"{r['native_s_median'] * 1e3:.1f}",
-             f"{r['exact_tokens_per_s']:.0f}", f"{r['native_tokens_per_s']:.0f}"] for r in record["results"]]
+    rows = [[r["item"], r["shape"], short_dtype_name(r["dtype"]), str(r["threads"]), str(r["tokens"]),
+             f"{fmt_ratio(r)} {target_mark(r)}".rstrip(), f"{r['exact_s_median'] * 1e3:.1f}",
+             f"{r['native_s_median'] * 1e3:.1f}", f"{r['exact_tokens_per_s']:.0f}", f"{r['native_tokens_per_s']:.0f}"]
+            for r in record["results"]]
     print_table(f"end to end, exact / native ({where})",
-                ["item", "shape", "dtype", "tokens", "ratio median (min–max)", "exact ms", "native ms",
+                ["item", "shape", "dtype", "threads", "tokens", "ratio median (min–max)", "exact ms", "native ms",
                  "exact tok/s", "native tok/s"], rows)
     for s in record["skipped"]:
-        print(f"skipped {s['item']} ({s['dtype']}): {s['reason']}")
+        print(f"skipped {s['item']} ({s['dtype']}, {s['threads']} threads): {s['reason']}")
+    if any(r["item"] in TARGETS for r in record["results"]):
+        columns, lines, summary = target_matrix(record["results"])
+        print_table("against the targets (✓: median within target)", columns, lines)
+        for line in summary:
+            print(line)
     for r in record["results"]:
         if "profile" not in r:
             continue
+        what = f"{r['item']} {r['shape']} {short_dtype_name(r['dtype'])} {_thread_label(r['threads'])}"
         for side in ("exact", "native"):
             prof = r["profile"][side]
             rows = [[o["op"][:60], f"{o['calls_per_run']:.0f}", f"{o['self_ms_per_run']:.2f}", f"{o['share']:.1%}"]
                     for o in prof["ops"]]
-            print(f"\n{r['item']} {r['shape']} {short_dtype_name(r['dtype'])} {side}: top ops by self CPU "
-                  f"time (profiled run: {prof['total_self_ms_per_run']:.1f} ms, "
+            print(f"\n{what} {side}: top ops by self CPU time (profiled run: {prof['total_self_ms_per_run']:.1f} ms, "
                   f"{prof['aten_calls_per_run']:.0f} aten calls)")
             print_table("", ["op", "calls", "self ms", "share"], rows)
-        print(f"\n{r['item']} {r['shape']} {short_dtype_name(r['dtype'])}, where the profiled time goes (self CPU ms "
-              "per run under torch.profiler, which slows both sides)")
+        print(f"\n{what}, where the profiled time goes (self CPU ms per run under torch.profiler, which slows both "
+              "sides)")
         split = {side: r["profile"][side] for side in ("exact", "native")}
         parts = {side: (p["matmul_self_ms_per_run"], p["aten_self_ms_per_run"] - p["matmul_self_ms_per_run"],
                         p["total_self_ms_per_run"] - p["aten_self_ms_per_run"], p["total_self_ms_per_run"])
@@ -263,7 +338,7 @@ def print_results(record: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, "end_to_end", default_shape="default", default_reps=11)
+    add_common_arguments(p, "end_to_end", default_shape="default", default_reps=11, thread_list=True)
     p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
     add_rl_step_arguments(p)
     p.add_argument("--no-warm-start", action="store_true", help="RL step from the random init, not the warm start")

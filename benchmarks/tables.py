@@ -2,8 +2,8 @@
 
     python -m benchmarks.tables runs/bench/e2e-default.json runs/bench/kernels.json runs/bench/e2e-llama100m.json
 
-Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels`` or ``host_guard``); the tables are
-printed in the order of the files, so the README's numbers are copied from this output, not typed.
+Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels``, ``host_guard`` or ``peer_decode``);
+the tables are printed in the order of the files, so the README's numbers are copied from this output, not typed.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 from vexact.engine.model import short_dtype_name
 from vexact.lab.markdown_table import markdown_table
 
-from .common import fmt_ratio
-
-E2E_LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd": "training fwd+bwd",
-              "rollout": "rollout"}
+from .common import fmt_ratio, thread_counts
+from .end_to_end import LABELS as E2E_LABELS
+from .end_to_end import combo_label, combos, target_matrix
+from .peer_decode import rows_of as peer_rows
 
 
 def _markdown(columns: list[str], rows: list[list[str]], right_from: int = 1) -> str:
@@ -29,13 +29,18 @@ def _markdown(columns: list[str], rows: list[list[str]], right_from: int = 1) ->
 
 def _machine(record: dict) -> str:
     m = record["machine"]
-    return (f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['torch_threads']} torch threads, torch "
+    counts = thread_counts(record)
+    threads = ", ".join(map(str, counts)) + (" torch thread" if counts == [1] else " torch threads")
+    return (f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs, {threads}, torch "
             f"{m['torch_version']}, malloc {m.get('malloc', 'default')}, commit {m.get('git_commit')}, load average "
             f"{m.get('load_average_start')} -> {m.get('load_average_end')}")
 
 
 def end_to_end_table(record: dict) -> str:
-    """One row per item and shape: the ratio per dtype, and exact / native tokens/s per dtype."""
+    """One row per item and shape: the ratio per dtype, and exact / native tokens/s per dtype (a record that names
+    its thread counts: ``targets_table``)."""
+    if "threads" in record["settings"]:
+        return targets_table(record)
     dtypes = list(dict.fromkeys(r["dtype"] for r in record["results"]))
     keyed = {(r["item"], r["shape"], r["dtype"]): r for r in record["results"]}
     rows = []
@@ -52,6 +57,23 @@ def end_to_end_table(record: dict) -> str:
     return _markdown(["exact / native", *short, *[f"exact / native tokens/s ({d})" for d in short]], rows)
 
 
+def targets_table(record: dict) -> str:
+    """The ratio per (dtype, threads) against ``end_to_end.TARGETS`` (✓ within, ✗ over), one sentence per column
+    saying how many targets it meets, then exact / native tokens/s per (dtype, threads)."""
+    columns, rows, summary = target_matrix(record["results"])
+    pairs = combos(record["results"])
+    keyed = {(r["item"], r["shape"], r["dtype"], r["threads"]): r for r in record["results"]}
+    speed_rows = []
+    for item, shape in dict.fromkeys((r["item"], r["shape"]) for r in record["results"]):
+        cells = [keyed.get((item, shape, dtype, threads)) for dtype, threads in pairs]
+        tokens = next(r for r in cells if r)["tokens"]
+        speed_rows.append([f"{shape}: {E2E_LABELS.get(item, item)} ({tokens} tokens)",
+                           *[f"{r['exact_tokens_per_s']:.0f} / {r['native_tokens_per_s']:.0f}" if r else "—"
+                             for r in cells]])
+    return "\n\n".join([_markdown(columns, rows), "\n".join(f"- {line}" for line in summary),
+                         _markdown(["exact / native tokens/s", *[combo_label(*c) for c in pairs]], speed_rows)])
+
+
 def profile_lines(record: dict, top: int = 4) -> str:
     """Where the time goes per item (records made with --profile N)."""
     lines = []
@@ -63,7 +85,9 @@ def profile_lines(record: dict, top: int = 4) -> str:
             p = r["profile"][side]
             ops = ", ".join(f"{o['op'].removeprefix('aten::')} {o['share']:.0%}" for o in p["ops"][:top])
             sides.append(f"{side} {p['total_self_ms_per_run']:.1f} ms in {p['aten_calls_per_run']:.0f} ops ({ops})")
-        lines.append(f"- {r['item']} {short_dtype_name(r['dtype'])}: " + "; ".join(sides))
+        what = (f"{r['item']} {r['shape']} {combo_label(r['dtype'], r['threads'])}" if "threads" in r
+                else f"{r['item']} {short_dtype_name(r['dtype'])}")  # records from before thread lists
+        lines.append(f"- {what}: " + "; ".join(sides))
     return "\n".join(lines)
 
 
@@ -122,6 +146,8 @@ def tables(record: dict) -> str:
         parts = [matmul_table(record) if record.get("matmul") else "", kernel_table(record)]
     elif record.get("benchmark") == "host_guard":
         parts = [host_guard_table(record)]
+    elif record.get("benchmark") == "peer_decode":
+        parts = [_markdown(*peer_rows(record), right_from=2)]
     else:
         raise ValueError(f"not a benchmark record (benchmark = {record.get('benchmark')!r})")
     return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)

@@ -179,7 +179,7 @@ def test_markdown_tables_from_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| tiny | q_proj | 27 × 32 × 32 |" in out  # matmul table
     assert "| attention_decode | tiny |" in out and "| — |" in out  # no backward for decode
-    assert "| decode step (tiny, 3 tokens) |" in out and "- decode_step fp32: exact" in out
+    assert "| tiny: decode step |" in out and "| ≤ 1.00× |" in out and "- decode_step tiny fp32, 1 thread: exact" in out
     assert vexact_main(["bench", "tables", str(paths[0])]) == 0
     (tmp_path / "bad.json").write_text(json.dumps({"benchmark": "other"}))
     assert tables.main([str(tmp_path / "bad.json")]) == 2

@@ -677,6 +677,7 @@ BENCHMARKS = {
     "data_parallel": "the fixed-tree gradient reduction against a plain all_reduce, and RL steps with --nproc",
     "compare": "throughput and peak memory of vexact compare on a synthetic dump",
     "op_count": "aten calls of one RL step per vexact function, exact and native (where per-op overhead comes from)",
+    "peer_decode": "decode tokens/s of vexact's rollout (exact, native) beside vLLM's CPU build on the same model",
     "tables": "markdown tables from their JSON files",
 }
 """``vexact bench WHICH``: benchmarks.WHICH, each with what it measures (the choices and the help)."""
