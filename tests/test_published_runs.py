@@ -61,6 +61,23 @@ def test_the_map_columns_are_computed_not_typed(tmp_path):
     assert "no collapse measured up to" in shipped and "(recompute)" in shipped and shipped.endswith("| agrees |")
 
 
+def test_the_tail_column_is_what_compare_vocab_answers(tmp_path):
+    """Every published run has a real vocabulary, so ``compare --map --vocab`` answers from the tail map: its column
+    is that map's verdict, on their correction's curve when it has one, else on its bypass curve, named."""
+    from test_build_map import HIGH, LOW, _sweep
+
+    tail = scaling.build_map([_sweep(tmp_path, "tail", [(16, LOW + HIGH)], **{"task.distractors": 1002})])
+    far = PublishedPoint("a", "src A", "model", "k3 0.01", "survived", k3=0.01, horizon=100_000.0,
+                         correction="recompute")
+    near = PublishedPoint("b", "src B", "model", "k3 0.5", "collapsed", k3=0.5, horizon=16.0, correction="bypass")
+    table = points_table(_two_correction_map(tmp_path), [far, near], tail).splitlines()
+    assert table[0].endswith("| tail map (V = 1,024, what --vocab picks) |")
+    assert table[2].endswith("| bypass curve: no verdict at T = 100,000 (measured at T = 16 .. 16) |")
+    assert table[3].endswith("| above the measured collapse range: 50% collapse threshold k3 0.05 [0.026, 0.1] "
+                             "measured at T 16.0 only (bypass) |")  # their correction's curve: no label
+    assert len(points_table(_two_correction_map(tmp_path / "m"), [far]).splitlines()[0].split("|")) == 12  # no tail
+
+
 def test_agreement_and_horizon_at():
     assert agreement("collapsed", "above the measured collapse range") == "agrees"
     assert agreement("survived", "above the measured collapse range; extrapolated") == "disagrees"

@@ -24,7 +24,17 @@ from typing import Any
 import yaml
 
 from .markdown_table import markdown_table
-from .scaling import BYPASS, correction_names, curve_for, default_source, load_map, map_curves, placement
+from .scaling import (
+    BYPASS,
+    DEFAULT_TAIL_MAP,
+    correction_names,
+    curve_for,
+    default_source,
+    load_map,
+    map_curves,
+    map_vocab,
+    placement,
+)
 
 __all__ = ["POINTS_FILE", "Bar", "PublishedPoint", "agreement", "bars_table", "horizon_at", "load_published",
            "points_table"]
@@ -195,8 +205,33 @@ def _assess(point: PublishedPoint, map_data: dict[str, Any]) -> tuple[str, str, 
     return own, bypass, agrees
 
 
-def points_table(map_data: dict[str, Any], points: list[PublishedPoint]) -> str:
-    """The published points with what the map says (Markdown)."""
+def _tail_cell(point: PublishedPoint, tail_map: dict[str, Any]) -> str:
+    """What the tail map (the map ``compare --map --vocab`` picks for a real vocabulary) says for a point: on their
+    correction's curve when the tail map has it, else on its bypass curve, named."""
+    if point.k3 is None or point.horizon is None:
+        return "no k3" if point.k3 is None else "no T"
+    default = default_source(tail_map)
+    names = {c["correction"] for c in map_curves(tail_map) if c["source"] == default}
+    name = point.correction if point.correction in names else BYPASS if BYPASS in names else None
+    if name is None:
+        return "no curve"
+    ends = [point.k3] + ([point.k3_high] if point.k3_high is not None else [])
+    placed = [placement(tail_map, k3, point.horizon, name) for k3 in ends]
+    texts = []
+    for p in placed:
+        if p["verdict"].startswith("no verdict"):
+            t0, t1 = curve_for(tail_map, name)["horizon_range"]
+            texts.append(f"no verdict at T = {_num(point.horizon)} (measured at T = {_num(t0)} .. {_num(t1)})")
+        else:
+            texts.append(_short(p))
+    label = "" if name == point.correction else f"{name} curve: "
+    return label + _cells(texts, ends)
+
+
+def points_table(map_data: dict[str, Any], points: list[PublishedPoint], tail_map: dict[str, Any] | None = None
+                 ) -> str:
+    """The published points with what the map says (Markdown); with ``tail_map``, what it says too (every published
+    run has a real vocabulary, so ``compare --map --vocab`` answers from it)."""
     rows = []
     for p in points:
         own, bypass, agrees = _assess(p, map_data)
@@ -204,9 +239,11 @@ def points_table(map_data: dict[str, Any], points: list[PublishedPoint]) -> str:
         rows.append([
             p.source, p.model, p.published, _k3_text(p), horizon + (f" ({p.horizon_text})" if p.horizon_text else ""),
             (p.correction or "not stated") + (f" ({p.correction_text})" if p.correction_text else ""),
-            p.outcome + (f": {p.outcome_text}" if p.outcome_text else ""), own, bypass, agrees])
+            p.outcome + (f": {p.outcome_text}" if p.outcome_text else ""), own, bypass, agrees,
+            *([_tail_cell(p, tail_map)] if tail_map is not None else [])])
+    tail = [f"tail map (V = {map_vocab(tail_map):,}, what --vocab picks)"] if tail_map is not None else []
     return markdown_table(["source", "model", "as published", "k3 placed", "T (tokens)", "correction", "outcome",
-                           "map: their correction's curve", "map: the bypass law", "agrees?"], rows)
+                           "map: their correction's curve", "map: the bypass law", "agrees?", *tail], rows)
 
 
 def bars_table(map_data: dict[str, Any], bars: list[Bar]) -> str:
@@ -229,16 +266,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vexact.lab.published",
                                      description="print the published-runs tables with what the map says")
     parser.add_argument("--map", type=Path, default=None, metavar="FILE", help="a map (default: the shipped one)")
+    parser.add_argument("--tail-map", type=Path, default=None, metavar="FILE",
+                        help="a map with a vocabulary tail, for its own column (default: the shipped tail map, when "
+                             "there is one)")
     parser.add_argument("--points", type=Path, default=None, metavar="FILE",
                         help="the points (default: vexact/lab/published_runs.yaml)")
     args = parser.parse_args(argv)
     try:
         map_data = load_map(args.map)
+        tail_path = args.tail_map or (DEFAULT_TAIL_MAP if DEFAULT_TAIL_MAP.is_file() else None)
+        tail_map = load_map(tail_path) if tail_path is not None else None
         points, bars = load_published(args.points)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(points_table(map_data, points))
+    print(points_table(map_data, points, tail_map))
     print()
     print(bars_table(map_data, bars))
     return 0
