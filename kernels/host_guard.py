@@ -20,7 +20,7 @@ another accumulation order than the fp32 GEMM's, so other bits than computing in
 computes in fp32 from upcast operands (``UPCAST_PATH``: the fp32 class's own path, exact products and one rounding
 of the result, what every bf16 GEMM did before), never the fixed-order GEMM in bf16. A bf16 output rounds away most
 accumulation-order differences (about 1 in 10^4 outputs shows one on random data), so its probe's rows make them
-show: half of them cancel pairwise, so that those outputs are the accumulation's rounding errors themselves
+show: their products cancel pairwise, so that the outputs are the accumulation's rounding errors themselves
 (``order_revealing``).
 
 A third property only buys speed: ``same_bits`` -- a faster arrangement of the same library calls (a weight
@@ -487,15 +487,21 @@ def order_revealing(rows: Tensor, cols: Tensor, seed: int) -> tuple[Tensor, Tens
     """fp32 probe operands rows [R, K] and cols [N, K] (standard normal) remade so that a GEMM's low-precision output
     (bf16: the fp32 accumulator rounded to 8 bits, which hides another accumulation order in all but about 1 in
     10^4 outputs of random data) shows its accumulation order: every value scaled by 2^-8 .. 2^8 (seeded ``seed``:
-    partial sums far larger than the small products, which the accumulation then rounds), and in every other row
-    a second half that repeats the first while every column negates its own -- those products cancel pairwise, so
-    the outputs are the accumulator's rounding errors themselves (exactly 0 in exact arithmetic), and another order
-    shows in most of them. Deterministic: the same operands for the same inputs and seed."""
+    partial sums far larger than the small products, which the accumulation then rounds), and the K positions paired
+    at random: in every row a position repeats its partner's value while every column negates its partner's -- the
+    products cancel pairwise, so the outputs are the accumulator's rounding errors themselves (0, or the one
+    unpaired product of an odd K, in exact arithmetic), and another order shows in most of them. Pairs at random,
+    not at a fixed distance: an accumulator whose first step adds exactly the partners (a bf16 dot-pair
+    instruction: neighbours; a halving tree: K/2 apart) would cancel them exactly, in every order. Every row, not
+    some: a defect tied to row positions must not miss them all. Deterministic: the same operands for the same
+    inputs and seed."""
     gen = torch.Generator().manual_seed(seed)
     rows, cols = (t * 2.0 ** torch.randint(-8, 9, t.shape, generator=gen) for t in (rows, cols))
-    half = rows.shape[1] // 2
-    cols[:, half : 2 * half] = -cols[:, :half]
-    rows[0::2, half : 2 * half] = rows[0::2, :half]
+    k = rows.shape[1]
+    order = torch.randperm(k, generator=gen)
+    first, second = order[: k // 2], order[k // 2 : 2 * (k // 2)]
+    cols[:, second] = -cols[:, first]
+    rows[:, second] = rows[:, first]
     return rows, cols
 
 
