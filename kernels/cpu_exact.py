@@ -29,7 +29,9 @@ operand layouts) also exist as compiled loops (``compiled_loops``): the same ope
 same bits, fewer aten calls.
 
 Everything is computed in fp32 (bf16 inputs are upcast: a bf16 x bf16 product is exact in fp32) and rounded once
-to the output dtype. Backward passes (``autograd.exact_forward_vjp``, ``_ExactAttention``) are analytic VJPs on
+to the output dtype -- except a bf16 linear layer's GEMMs (no bias) where the guard found the host's bf16 GEMM
+invariant for the shape class: they run it (exact products, fp32 accumulation in the library's order, one rounding).
+Backward passes (``autograd.exact_forward_vjp``, ``_ExactAttention``) are analytic VJPs on
 values the exact forward saved -- no second forward -- built from the same blocks, so the gradients are
 thread-count invariant too (each op's "Backward contract"); they still depend on the batch they are computed over
 (only the forward is compared across paths).
@@ -52,7 +54,7 @@ from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
 from .gemm_arrangements import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block, zero_outside
-from .host_guard import HostGuard
+from .host_guard import UPCAST_PATH, HostGuard
 
 NAME = "cpu_exact"
 
@@ -231,7 +233,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     Invariance contract: each output row depends only on the same input row, the weight and
     the bias -- never on how many rows there are, the row's position among them, padding
     rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
-    x.dtype. Tiling: rows in GEMM tiles of 4, 8, 16, 32 or 64 rows (``gemm_arrangements.row_block``), columns padded to
+    x.dtype. bf16 x and weight without a bias: the host's bf16 GEMM (fp32 accumulation in its own order, one
+    rounding) where ``HOST`` found it invariant for the shape class -- the one path of that class for every call
+    (``gemm_arrangements.tiled_dtype``) -- else fp32 from upcast operands.
+    Tiling: rows in GEMM tiles of 4, 8, 16, 32 or 64 rows (``gemm_arrangements.row_block``), columns padded to
     a multiple of 16.
     Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
     grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
@@ -245,7 +250,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
 
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
-    out = gemm.tiled_matmul(fp32(x.reshape(-1, x.shape[-1])), weight, host)
+    x2d = x.reshape(-1, x.shape[-1])
+    # a bias is added in fp32 before the one rounding: a bf16 GEMM's output is rounded already
+    dtype = torch.float32 if bias is not None else gemm.tiled_dtype(x2d, weight, host)
+    out = gemm.tiled_matmul(x2d.to(dtype), weight, host)
     if bias is not None:
         out = out + fp32(bias)
     if x.dtype != torch.float32:
@@ -259,17 +267,29 @@ def _linear_with_saved(x: Tensor, weight: Tensor, bias: Tensor | None, host: Hos
 
 def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """dx = g @ W (rows = tokens, like the forward), dW = g.T @ x and db = sum of g (reductions over tokens:
-    fixed chunks and a halving tree). fp32 inside, one rounding to each input's dtype."""
+    fixed chunks and a halving tree). fp32 inside, one rounding to each input's dtype; bf16 GEMMs where the guard
+    admitted the class (``gemm_arrangements.tiled_dtype``, ``transposed_dtype``)."""
     x, weight, has_bias, host = saved
-    g = fp32(grad.reshape(-1, grad.shape[-1]))
+    g2d = grad.reshape(-1, grad.shape[-1])
+    upcast: list[Tensor] = []
+
+    def g_in(dtype: torch.dtype) -> Tensor:  # the gradient in a GEMM's compute dtype, upcast at most once
+        if dtype == g2d.dtype:
+            return g2d
+        if not upcast:
+            upcast.append(fp32(g2d))
+        return upcast[0]
+
     grad_x = grad_w = grad_b = None
     if needs[0]:
-        grad_x = gemm.tiled_matmul(g, weight.t(), host, "linear").to(x.dtype).view(x.shape)
+        dtype = gemm.tiled_dtype(g2d, weight.t(), host)
+        grad_x = gemm.tiled_matmul(g_in(dtype), weight.t(), host, "linear").to(x.dtype).view(x.shape)
     if needs[1]:
-        x2d = fp32(x.reshape(-1, x.shape[-1]))
-        grad_w = gemm.transposed_matmul(g, x2d, host, "linear", b_source=x).to(weight.dtype)
+        x2d = x.reshape(-1, x.shape[-1])
+        dtype = gemm.transposed_dtype(g2d, x2d, host, "linear")
+        grad_w = gemm.transposed_matmul(g_in(dtype), x2d.to(dtype), host, "linear", b_source=x).to(weight.dtype)
     if has_bias and needs[2]:
-        grad_b = _tree_sum(g, dim=0)
+        grad_b = _tree_sum(g_in(torch.float32), dim=0)
     return (grad_x, grad_w, grad_b)[: len(needs)]
 
 
@@ -764,7 +784,10 @@ def host_report(host: HostGuard = HOST) -> dict:
     """Which path each op takes on this host and what the probes found (``vexact check`` prints it).
 
     An op's path: ``by construction`` (it relies on no host property), ``fast`` / ``fixed-order`` (all its
-    probed shape classes took that path), ``mixed``, or ``not used yet`` (no probe has run for it)."""
+    probed shape classes took that path), ``mixed``, or ``not used yet`` (no probe has run for it). A bf16 GEMM class
+    that computes in fp32 (``fp32-upcast``) runs the fp32 class's path, listed too, so it counts as neither.
+    ``library_dtype_gemm``: each bf16 GEMM class and its path -- ``blas`` / ``blas-1-thread`` (the host's bf16 GEMM)
+    or ``fp32-upcast``."""
     report = host.report()
     ops = {}
     # the sampler's Gumbel noise (vexact.engine.sampling) also runs through this guard: fp64 log and cos
@@ -772,13 +795,15 @@ def host_report(host: HostGuard = HOST) -> dict:
     extra = {"sampling": ("elementwise_log", "elementwise_cos", "elementwise_sqrt"), "optimizer": ("elementwise_sqrt",)}
     for op, properties in {**HOST_PROPERTIES, **extra}.items():
         probes = [p for p in report["probes"] if op in p["ops"]]
-        paths = {"fixed-order" if p["path"] == "fixed-order" else "fast" for p in probes}
+        paths = {"fixed-order" if p["path"] == "fixed-order" else "fast" for p in probes if p["path"] != UPCAST_PATH}
         if not properties:
             path = "by construction"
-        elif not probes:
+        elif not paths:
             path = "not used yet"
         else:
             path = paths.pop() if len(paths) == 1 else "mixed"
         ops[op] = {"path": path, "relies_on": list(properties),
                    "shape_classes": [f"{p['property']}: {p['shape_class']}" for p in probes]}
-    return {**report, "ops": ops, "loops": compiled_loops.status()}
+    classes = [{"shape_class": p["shape_class"], "path": p["path"]} for p in report["probes"]
+               if p.get("fallback") == UPCAST_PATH]
+    return {**report, "ops": ops, "library_dtype_gemm": classes, "loops": compiled_loops.status()}

@@ -22,6 +22,11 @@ guard's ``same_bits`` probe found that it gives the canonical arrangement's bits
 - ``transposed_matmul``'s chunk GEMMs on views of its inputs (``_transposed_matmul_views``), the last chunk on its
   real rows where that length agrees too.
 
+bf16 operands: where the guard admitted the host's bf16 GEMM for the class (``HostGuard.compute_dtype``, asked through
+``tiled_dtype`` / ``transposed_dtype``), ``tiled_matmul`` and ``transposed_matmul`` run their canonical arrangement on
+the bf16 operands as they are, each output rounded once to bf16 by the GEMM; elsewhere the caller upcasts them and
+they compute in fp32. The faster arrangements below are probed in fp32 and run for fp32 only.
+
 A third form is no arrangement of its own but the same tiles grouped into other calls (``transposed_matmul``'s
 tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers.
 Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
@@ -36,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops
 from .compiled_loops import tree_sum as _tree_sum
-from .host_guard import HostGuard, operand_layout
+from .host_guard import HostGuard, operand_layout, order_revealing
 
 # --------------------------------------------------------------------------- the tile shapes
 ROW_BLOCKS = (4, 8, 16, 32, 64)
@@ -85,6 +90,10 @@ VIEW_PROBE_CHUNKS = 2
 def fp32(x: Tensor) -> Tensor:
     """``x`` in fp32 (itself when it is): the kernels compute in fp32 and round once to the output dtype."""
     return x if x.dtype == torch.float32 else x.float()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def ceil_to(n: int, multiple: int) -> int:
@@ -160,6 +169,15 @@ def zero_outside(out: Tensor, corner: tuple[int, ...]) -> None:
             out[(*(slice(0, s) for s in corner[:dim]), slice(size, total))].zero_()
 
 
+def _probe_operands(dtype: torch.dtype, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Seeded probe operands [R, K] and [N, K] in ``dtype``: standard normal (``_seeded_randn``) for fp32; for bf16
+    made ``host_guard.order_revealing`` (a bf16 output otherwise hides another accumulation order)."""
+    a, b = _seeded_randn(rows, cols)
+    if dtype != torch.float32:
+        a, b = order_revealing(a, b, ARRANGEMENT_PROBE_SEED)
+    return a.to(dtype), b.to(dtype)
+
+
 def _seeded_randn(*shapes: tuple[int, ...]) -> list[Tensor]:
     """Standard normal tensors of ``shapes``, drawn in order from one generator seeded ``ARRANGEMENT_PROBE_SEED``."""
     gen = torch.Generator().manual_seed(ARRANGEMENT_PROBE_SEED)
@@ -167,8 +185,19 @@ def _seeded_randn(*shapes: tuple[int, ...]) -> list[Tensor]:
 
 
 # --------------------------------------------------------------------------- x @ W.T: a linear layer's rows
+def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> torch.dtype:
+    """The dtype ``tiled_matmul`` computes x [M, K] @ weight [N, K].T in, for x and weight in their own dtypes: theirs
+    where both are bf16 and the guard admitted the host's bf16 GEMM for the canonical class (K, N padded, the weight
+    transposed and shared by every tile), else fp32. The caller passes x in that dtype."""
+    if x.dtype != weight.dtype:
+        return torch.float32
+    return host.compute_dtype(x.dtype, gemm_class(x.shape[1], ceil_to(weight.shape[0], COL_BLOCK), transposed=True),
+                              True, op)
+
+
 def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> Tensor:
-    """fp32 x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``row_block(M)``.
+    """x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``row_block(M)``, in x's dtype:
+    fp32, or bf16 where ``tiled_dtype`` says so (the weight is cast to it; a bf16 GEMM rounds each output once).
 
     Canonically one ``host.bmm`` over ceil(M / R) zero-padded row tiles, the (transposed, column-padded) weight
     shared by every tile: each output element's K-reduction runs through the same GEMM kernel whatever M is (BLAS
@@ -183,22 +212,23 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
     n_pad = ceil_to(n, COL_BLOCK)
     loops = compiled_loops.library()
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
-    if (loops is not None and n_pad == n and weight.dtype == torch.float32 and given.is_contiguous()
+    if (loops is not None and n_pad == n and x.dtype == weight.dtype and given.is_contiguous()
             and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
         if (record := host.library_gemm(x.dtype, gemm_class(k, n, transposed=True), True, op)) is not None:
             block = row_block(rows, record.tile_heights)
             blocks = -(-rows // block)
-            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op):
+            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=x.dtype):
                 return _stacked_matmul(x, given.unsqueeze(0), blocks * block, n)
-    w = fp32(weight)
+    w = weight.to(x.dtype)
     w = _padded_or_aligned(w, (n_pad, w.shape[1]))
     operand = w.t().unsqueeze(0)  # [1, K, N_pad]
     if loops is not None and (record := host.library_gemm(x.dtype, operand, True, op)) is not None:
         block = row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
-        if (blocks > 1 and blocks * block * k * n_pad <= STACKED_MACS_MAX
+        # bf16: one tile too (the host's bf16 bmm took 4x as long as its matmul on a shared, transposed operand)
+        if ((blocks > 1 or x.dtype != torch.float32) and blocks * block * k * n_pad <= STACKED_MACS_MAX
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=operand_layout(operand) == "transposed",
-                                    row_major=False, host=host, op=op)):
+                                    row_major=False, host=host, op=op, dtype=x.dtype)):
             return _stacked_matmul(x, operand, blocks * block, n)
         # the library GEMM: the steps below in one compiled call, on the same operands
         return loops.tiled_matmul(x, operand, block, n)
@@ -211,12 +241,12 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
 
 
 def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
-                    host: HostGuard, op: str) -> bool:
+                    host: HostGuard, op: str, dtype: torch.dtype = torch.float32) -> bool:
     """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
     ``tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major) for this
     class on this host; ``row_major``: with the operand's values in the row-major layout (an input gradient's weight
     as it is, where the canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile
-    count, tile height, K, N_pad, layouts), on seeded inputs.
+    count, tile height, K, N_pad, layouts, ``dtype``: fp32 or bf16), on seeded inputs (``_probe_operands``).
 
     The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
     once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens), and the weight as it is saves a
@@ -224,7 +254,7 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
     run."""
 
     def inputs(layout_transposed: bool) -> tuple[Tensor, Tensor]:
-        x, w = _seeded_randn((blocks * block, k), (n_pad, k))  # w: the weight's values, [N_pad, K]
+        x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))  # w: the weight's values, [N_pad, K]
         return x, (w.t() if layout_transposed else w.t().contiguous()).unsqueeze(0)
 
     def tiles() -> Tensor:
@@ -238,7 +268,8 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
     layout = "transposed" if transposed else "row-major"
     given = ", the weight as given (row-major)" if row_major else ""
     return host.arrangement_agrees("linear tiles stacked in one GEMM",
-                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} float32", tiles, stacked, op)
+                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} {_name(dtype)}", tiles,
+                                   stacked, op)
 
 
 def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
@@ -259,8 +290,22 @@ def _reduction_block(rows: int) -> int:
     return block
 
 
+def transposed_dtype(a: Tensor, b: Tensor, host: HostGuard, op: str) -> torch.dtype:
+    """The dtype ``transposed_matmul`` computes a.T @ b in, for a [M, N] and b [M, K] in their own dtypes: theirs
+    where both are bf16, the reduction is one chunk (M <= ``REDUCE_BLOCK``: the GEMM's rounded output is the result;
+    several chunks add fp32 partial products, which a bf16 GEMM does not give) and the guard admitted the host's bf16
+    GEMM for the class (the chunk, K padded, per-tile operands), else fp32. The caller passes a and b in that dtype.
+    (A weight gradient is never compared across rollout and training, so how many tokens it reduces may choose.)"""
+    rows = a.shape[0]
+    if a.dtype != b.dtype or rows > REDUCE_BLOCK:
+        return torch.float32
+    b_class = gemm_class(_reduction_block(rows), ceil_to(b.shape[1], COL_BLOCK), transposed=True)
+    return host.compute_dtype(a.dtype, b_class, False, op)
+
+
 def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
-    """fp32 a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant.
+    """a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant, in a's and b's
+    dtype: fp32, or bf16 where ``transposed_dtype`` says so (one chunk, the canonical tiles).
 
     The canonical arrangement is ``_transposed_matmul_tiles``. Where this GEMM class runs the library GEMM and the
     guard found that ``_transposed_matmul_views`` (the same chunk GEMMs on views, without the transposing copies and
@@ -276,11 +321,11 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     # the views call torch's GEMM themselves: only where the canonical tiles' class runs it (their right operand,
     # [block, K_pad] per tile: K_pad rows of ``block`` tokens, the transposed layout)
     b_class = gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
-    if views_fit and host.library_gemm(torch.float32, b_class, False, op) is not None:
+    if views_fit and host.library_gemm(a.dtype, b_class, False, op) is not None:
         tail = rows % block
-        if tail and _views_agree(block, n, k, tail, host, op):
+        if tail and _views_agree(block, n, k, tail, host, op, a.dtype):
             return _transposed_matmul_views(a, b, block, unpadded_tail=True)
-        if _views_agree(block, n, k, None, host, op):
+        if _views_agree(block, n, k, None, host, op, a.dtype):
             return _transposed_matmul_views(a, b, block, unpadded_tail=False)
     return _transposed_matmul_tiles(a, b, host, op, b_source)
 
@@ -429,20 +474,25 @@ def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tens
     return out
 
 
-def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str) -> bool:
+def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str,
+                 dtype: torch.dtype = torch.float32) -> bool:
     """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``' bits for this class on this host: with
     the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded. A probe
     at first use on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where
-    ``block`` is ``REDUCE_BLOCK``: there are several) and a partial one (``tail`` rows, or just over half a chunk)."""
-    whole = VIEW_PROBE_CHUNKS if block == REDUCE_BLOCK else 0
+    ``block`` is ``REDUCE_BLOCK``: there are several; bf16, which reduces one chunk only: none) and a partial one
+    (``tail`` rows, or just over half a chunk). ``dtype``: fp32 or bf16 (``_probe_operands``, over the tokens)."""
+    whole = VIEW_PROBE_CHUNKS if block == REDUCE_BLOCK and dtype == torch.float32 else 0
     partial = block // 2 + 1 if tail is None else tail
 
     def inputs() -> list[Tensor]:
         rows = whole * block + partial
-        return _seeded_randn((rows, n), (rows, k))
+        if dtype == torch.float32:
+            return _seeded_randn((rows, n), (rows, k))
+        a_t, b_t = _probe_operands(dtype, (n, rows), (k, rows))  # the reduction over the tokens is their K
+        return [a_t.t().contiguous(), b_t.t().contiguous()]
 
     form = "last chunk padded" if tail is None else f"last chunk of {tail} rows unpadded"
-    return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} {form} float32",
+    return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} {form} {_name(dtype)}",
                                    lambda: _transposed_matmul_tiles(*inputs(), host, op),
                                    lambda: _transposed_matmul_views(*inputs(), block, unpadded_tail=tail is not None),
                                    op)

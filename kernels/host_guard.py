@@ -13,6 +13,16 @@ exactness then rests on two *measured* properties of them, not on construction:
   the gradient norm and AdamW. sqrt is a library function like the others, not an IEEE operation: torch 2.13's
   CPU sqrt rounds about 20% of uniform fp32 inputs other than the correctly rounded root, ``fixed_order.sqrt``.)
 
+The GEMM classes of a low-precision dtype (``LIBRARY_DTYPES``: bf16) are probed the same way, on the host's GEMM
+in that dtype (oneDNN's bf16 GEMM on x86: exact products, fp32 accumulation, one rounding of each output to bf16).
+Where it holds, a bf16 class runs it (``blas``, or ``blas-1-thread``) -- the speed of the host's bf16 GEMM, with
+another accumulation order than the fp32 GEMM's, so other bits than computing in fp32; where it fails, the class
+computes in fp32 from upcast operands (``UPCAST_PATH``: the fp32 class's own path, exact products and one rounding
+of the result, what every bf16 GEMM did before), never the fixed-order GEMM in bf16. A bf16 output rounds away most
+accumulation-order differences (about 1 in 10^4 outputs shows one on random data), so its probe's rows make them
+show: their products cancel pairwise, so that the outputs are the accumulation's rounding errors themselves
+(``order_revealing``).
+
 A third property only buys speed: ``same_bits`` -- a faster arrangement of the same library calls (a weight
 gradient's chunk GEMMs on views of its inputs instead of transposed, tiled copies; a linear layer's row tiles as one
 GEMM; an input gradient on its weight as stored) gives the bits of the kernels' own arrangement. Where it fails
@@ -33,7 +43,8 @@ for the process:
   arrangement agrees at 1 thread, the class takes the ``blas-1-thread`` path: the library GEMM, always called
   with 1 torch thread, so its rows are the 1-thread reference's whatever the process's thread count (a run at 2
   threads loses that class's parallelism, not its speed per thread);
-- if any other arrangement differs, the op switches to the ``fixed-order`` path of ``fixed_order`` (slower,
+- if any other arrangement differs, a bf16 class computes in fp32 (``UPCAST_PATH``: slower, never less exact, so
+  no warning); any other class of ``fixed_order`` (slower,
   invariant by construction) and a RuntimeWarning names the property, the shape class and the
   arrangement that failed. It is never silently wrong.
 
@@ -43,7 +54,8 @@ and what the probes found (``vexact check`` prints it).
 
 Modes (``HostGuard(mode=...)``, default from the ``VEXACT_CPU_EXACT_PATH`` environment variable, which
 accepts the first two): ``auto`` (probe, fall back where needed), ``fixed-order`` (always the
-by-construction path: no library property is relied on at all) and ``unguarded`` (trust the library
+by-construction path: no library property is relied on at all; bf16 GEMM classes compute in fp32 on it) and
+``unguarded`` (trust the library
 without probing -- what vexact did before the guard; only for tests that show what the guard prevents).
 """
 
@@ -61,6 +73,10 @@ from torch import Tensor
 from . import fixed_order
 
 MODES = ("auto", "fixed-order", "unguarded")
+LIBRARY_DTYPES = (torch.bfloat16,)
+"""Operand dtypes whose GEMM classes may run the host's GEMM in that dtype where the probe finds it invariant; every
+other dtype (and a class whose probe fails) computes in fp32 from upcast operands."""
+UPCAST_PATH = "fp32-upcast"  # a LIBRARY_DTYPES class that computes in fp32 (operands upcast, one rounding)
 ENV_MODES = ("auto", "fixed-order")  # what users may choose; "unguarded" is for tests that show what the guard prevents
 MODE_ENV = "VEXACT_CPU_EXACT_PATH"
 REFERENCE_THREADS = 1
@@ -98,6 +114,7 @@ class ProbeRecord:
     note: str | None = None  # why a class that failed somewhere runs the single-thread library path
     seconds: float = 0.0
     ops: set[str] = field(default_factory=set)
+    fallback: str = "fixed-order"  # the path a failed probe sends the class to (a bf16 GEMM class: UPCAST_PATH)
     tile_heights: tuple[int, ...] = ()  # gemm_rows: the tile heights whose rows match the reference (the kernels
     # use only these; every height on the fixed-order path)
     reference: Tensor | None = None  # the 1-thread reference outputs (kept to verify later thread counts)
@@ -107,6 +124,7 @@ class ProbeRecord:
         return {"property": self.property, "shape_class": self.shape_class, "path": self.path,
                 "passed": self.passed, "threads_checked": sorted(self.threads_checked), "failure": self.failure,
                 **({"tile_heights": list(self.tile_heights)} if self.property == "gemm_rows" else {}),
+                **({"fallback": self.fallback} if self.fallback == UPCAST_PATH else {}),
                 **({"note": self.note} if self.note else {}),
                 "seconds": round(self.seconds, 4), "ops": sorted(self.ops)}
 
@@ -172,6 +190,17 @@ class HostGuard:
         plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm  # (no test's recording override)
         return record if plain and is_library(record) else None
 
+    def compute_dtype(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> torch.dtype:
+        """The dtype a GEMM of ``dtype`` operands of this shape class computes in (``b`` as for ``tile_heights``):
+        ``dtype`` itself where it is one of ``LIBRARY_DTYPES`` and its class's probe found the host's GEMM in that
+        dtype invariant (the kernels then pass the operands as they are, and get the output rounded to ``dtype``);
+        else fp32 (the kernels upcast the operands: the fp32 class's path). Probed at first use; asked per call,
+        like ``library_gemm``: a class's path can change later (a thread count verified after the first probe)."""
+        if dtype not in LIBRARY_DTYPES:
+            return torch.float32
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
+        return torch.float32 if record.path == UPCAST_PATH else dtype
+
     def bmm(self, a: Tensor, b: Tensor, op: str, shared_operand: bool) -> Tensor:
         """a [T, R, K] @ b [T, K, N] through the path chosen for this shape class (R one of ``tile_heights``).
 
@@ -179,6 +208,9 @@ class HostGuard:
         otherwise each tile has its own, as attention's key tiles. The class is (dtype, K, N, b's layout,
         shared or not) -- never T or R, so every call of a class takes one path."""
         record = self._gemm_record(a.dtype, a.shape[2], b, shared_operand, op)
+        if record.path == UPCAST_PATH:
+            raise ValueError(f"HostGuard.bmm: {record.shape_class} computes in fp32 on this host; upcast the operands "
+                             "(ask compute_dtype() first)")
         if record.path == "fixed-order":
             return fixed_order.bmm(a, b)
         if a.shape[1] not in record.tile_heights:
@@ -227,9 +259,11 @@ class HostGuard:
         record.ops.add(op)
         return record
 
-    def _new_record(self, key: tuple, shape_class: str, fast_path: str, op: str) -> ProbeRecord:
-        path = "fixed-order" if self.mode == "fixed-order" else fast_path
-        record = ProbeRecord(property=key[0], shape_class=shape_class, path=path, passed=None, ops={op})
+    def _new_record(self, key: tuple, shape_class: str, fast_path: str, op: str,
+                    fallback: str = "fixed-order") -> ProbeRecord:
+        path = fallback if self.mode == "fixed-order" else fast_path
+        record = ProbeRecord(property=key[0], shape_class=shape_class, path=path, passed=None, ops={op},
+                             fallback=fallback)
         self._records[key] = record
         return record
 
@@ -237,14 +271,12 @@ class HostGuard:
         _, dtype, k, n, layout, shared = key
         transposed = layout == "transposed"
         form = "shared" if shared else "per-tile"
-        record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}", "blas", op)
+        fallback = UPCAST_PATH if dtype in LIBRARY_DTYPES else "fixed-order"
+        record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}", "blas", op, fallback)
         if self.mode != "auto":
             record.tile_heights = self.row_blocks
             return record
-        gen = torch.Generator().manual_seed(PROBE_SEED)
-        rows = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
-        other = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)  # neighbours that are not zero
-        cols = torch.randn(n, k, generator=gen).to(dtype)  # b's columns, [N, K]
+        rows, other, cols = _gemm_probe_inputs(dtype, k, n)
 
         def gemm(a_tiles: Tensor) -> Tensor:
             return self._library_bmm(a_tiles, _operand(cols, a_tiles.shape[0], shared, transposed))
@@ -377,7 +409,7 @@ class HostGuard:
     def _verify_threads(self, record: ProbeRecord) -> None:
         """A thread count not seen yet is checked against the 1-thread reference before it is used."""
         threads = torch.get_num_threads()
-        if (record.check is None or record.path in ("fixed-order", SINGLE_THREAD_PATH, CANONICAL_PATH)
+        if (record.check is None or record.path in ("fixed-order", SINGLE_THREAD_PATH, CANONICAL_PATH, UPCAST_PATH)
                 or threads in record.threads_checked):
             return
         start = time.perf_counter()
@@ -399,9 +431,17 @@ class HostGuard:
         if record.property == SAME_BITS:  # the kernels' own arrangement: every result so far has its bits
             record.path = CANONICAL_PATH
             return
-        record.path = "fixed-order"
+        record.path = record.fallback
         caveat = (" Results computed earlier in this process with the library path (at other thread counts) are "
                   "not bitwise comparable with later ones." if earlier_results else "")
+        if record.fallback == UPCAST_PATH:
+            # the fp32 GEMM of upcast operands: slower, as exact -- worth a warning only where bits changed mid-run
+            record.note = f"{record.failure}: the class computes in fp32 (operands upcast)"
+            if earlier_results:
+                warnings.warn(f"vexact exact CPU kernels: the host's {record.shape_class} GEMM failed "
+                              f"'{record.property}' ({record.failure}); ops {', '.join(sorted(record.ops))} now "
+                              f"compute it in fp32.{caveat}", RuntimeWarning, stacklevel=4)
+            return
         warnings.warn(f"vexact exact CPU kernels: host property '{record.property}' failed for {record.shape_class} "
                       f"({record.failure}); ops {', '.join(sorted(record.ops))} now use the "
                       f"fixed-order path (slower, invariant by construction).{caveat}", RuntimeWarning, stacklevel=4)
@@ -410,7 +450,7 @@ class HostGuard:
 def is_library(record: ProbeRecord) -> bool:
     """Whether a GEMM class runs the library GEMM at every thread count (its path can change later in the process: a
     thread count verified after the first probe may send it to the fixed-order or the single-thread path)."""
-    return record.path not in ("fixed-order", SINGLE_THREAD_PATH)
+    return record.path not in ("fixed-order", SINGLE_THREAD_PATH, UPCAST_PATH)
 
 
 def operand_layout(b: Tensor) -> str:
@@ -428,6 +468,41 @@ def _operand(cols: Tensor, tiles: int, shared: bool, transposed: bool) -> Tensor
     if transposed:
         return cols.expand(tiles, *cols.shape).contiguous().transpose(1, 2)
     return expanded.contiguous()
+
+
+def _gemm_probe_inputs(dtype: torch.dtype, k: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The GEMM probe's rows [64, K], their neighbours [64, K] and b's columns [N, K], seeded ``PROBE_SEED``: standard
+    normal values, made ``order_revealing`` for ``LIBRARY_DTYPES``."""
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    rows = torch.randn(PROBE_ROWS, k, generator=gen)
+    other = torch.randn(PROBE_ROWS, k, generator=gen)  # neighbours that are not zero
+    cols = torch.randn(n, k, generator=gen)  # b's columns, [N, K]
+    if dtype not in LIBRARY_DTYPES:
+        return rows.to(dtype), other.to(dtype), cols.to(dtype)
+    (rows, cols), (other, _) = order_revealing(rows, cols, PROBE_SEED), order_revealing(other, cols, PROBE_SEED)
+    return rows.to(dtype), other.to(dtype), cols.to(dtype)
+
+
+def order_revealing(rows: Tensor, cols: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """fp32 probe operands rows [R, K] and cols [N, K] (standard normal) remade so that a GEMM's low-precision output
+    (bf16: the fp32 accumulator rounded to 8 bits, which hides another accumulation order in all but about 1 in
+    10^4 outputs of random data) shows its accumulation order: every value scaled by 2^-8 .. 2^8 (seeded ``seed``:
+    partial sums far larger than the small products, which the accumulation then rounds), and the K positions paired
+    at random: in every row a position repeats its partner's value while every column negates its partner's -- the
+    products cancel pairwise, so the outputs are the accumulator's rounding errors themselves (0, or the one
+    unpaired product of an odd K, in exact arithmetic), and another order shows in most of them. Pairs at random,
+    not at a fixed distance: an accumulator whose first step adds exactly the partners (a bf16 dot-pair
+    instruction: neighbours; a halving tree: K/2 apart) would cancel them exactly, in every order. Every row, not
+    some: a defect tied to row positions must not miss them all. Deterministic: the same operands for the same
+    inputs and seed."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = (t * 2.0 ** torch.randint(-8, 9, t.shape, generator=gen) for t in (rows, cols))
+    k = rows.shape[1]
+    order = torch.randperm(k, generator=gen)
+    first, second = order[: k // 2], order[k // 2 : 2 * (k // 2)]
+    cols[:, second] = -cols[:, first]
+    rows[:, second] = rows[:, first]
+    return rows, cols
 
 
 def _elementwise_probe_values(name: str, dtype: torch.dtype) -> Tensor:

@@ -99,7 +99,7 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
-    w = fp32(weight)
+    w = weight.to(x.dtype)  # x's dtype is the GEMM's (fp32, or bf16 where the guard admits the host's bf16 GEMM)
     w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_arrangements._aligned(w)
     operand = w.t().unsqueeze(0)
     block = row_block(rows, host.tile_heights(x.dtype, operand, True, op))

@@ -360,3 +360,165 @@ def test_mode_comes_from_the_environment(monkeypatch):
         mode_from_env()
     with pytest.raises(ValueError, match="unknown function 'tanh'"):
         _guard(mode="auto").elementwise("tanh", torch.float32, op="x")
+
+
+# --------------------------------------------------------------------------- bf16 GEMM classes
+# A bf16 GEMM class runs the host's GEMM in bf16 (exact products, fp32 accumulation, one rounding) where its probe
+# finds it invariant; elsewhere it computes in fp32 from upcast operands (``fp32-upcast``), never the host's bf16
+# GEMM. The fakes below are fp32-accumulating bf16 GEMMs (``fixed_order.bmm`` of the upcast operands, rounded once)
+# with one defect each, and record which dtypes reached them.
+def _bf16_gemm(seen: list | None = None, defect=None):
+    """A bmm that is ``fixed_order.bmm`` for fp32 operands and, for bf16 ones, the same in fp32 rounded once to bf16
+    (``defect(a, b)`` instead where given); ``seen`` collects the operand dtype of every call."""
+    def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if seen is not None:
+            seen.append(a.dtype)
+        if a.dtype != torch.bfloat16:
+            return fixed_order.bmm(a, b)
+        out = defect(a, b) if defect is not None else fixed_order.bmm(a.float(), b.float())
+        return out.to(torch.bfloat16)
+    return bmm
+
+
+def _height_dependent_accumulation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 accumulation whose order depends on the tile height: tiles of fewer than 64 rows add K's first third and
+    the rest separately, as a micro-kernel for short tiles with another K blocking would. Rounded to bf16, this changes
+    about 1 in 10^4 outputs of random data -- and most of the probe's order-revealing ones."""
+    a, b = a.float(), b.float()
+    if a.shape[1] == 64:
+        return fixed_order.bmm(a, b)
+    cut = a.shape[2] // 3
+    return fixed_order.bmm(a[:, :, :cut], b[:, :cut]) + fixed_order.bmm(a[:, :, cut:], b[:, cut:])
+
+
+def _position_dependent_accumulation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 accumulation whose order depends on a row's position in its tile: rows 2-3 of every 4 add K's first
+    third and the rest separately. Rounded to bf16, this changes about 1 in 10^4 outputs of random data."""
+    a, b = a.float(), b.float()
+    out = fixed_order.bmm(a, b)
+    cut = a.shape[2] // 3
+    moved = (torch.arange(a.shape[1]) // 2) % 2 == 1
+    rows = a[:, moved]
+    out[:, moved] = fixed_order.bmm(rows[:, :, :cut], b[:, :cut]) + fixed_order.bmm(rows[:, :, cut:], b[:, cut:])
+    return out
+
+
+def _thread_dependent_accumulation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Right at 1 thread; at more, K's first third and the rest are added separately (as a BLAS that splits a
+    reduction between threads): rounded to bf16, a change in few outputs of random data."""
+    a, b = a.float(), b.float()
+    if torch.get_num_threads() == 1:
+        return fixed_order.bmm(a, b)
+    cut = a.shape[2] // 3
+    return fixed_order.bmm(a[:, :, :cut], b[:, :cut]) + fixed_order.bmm(a[:, :, cut:], b[:, cut:])
+
+
+def _bf16_paths(guard: HostGuard) -> set[str]:
+    return {c["path"] for c in cpu_exact.host_report(guard)["library_dtype_gemm"]}
+
+
+def _order_revealing_linear_inputs(rows: int = 64, k: int = 48, n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    from vexact_kernels.host_guard import order_revealing
+
+    g = torch.Generator().manual_seed(11)
+    x, w = order_revealing(torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), 11)
+    return x.bfloat16(), w.bfloat16()
+
+
+def test_bf16_gemm_invariant_host_runs_the_bf16_gemm_and_rollout_equals_training():
+    seen: list = []
+    guard = _guard(bmm=_bf16_gemm(seen))
+    model = tiny_model("exact", torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing failed: nothing to announce
+        assert _mismatched_tokens(model, random_prompts(10, 30, seed=4), ops=cpu_exact.with_host(guard)) == 0
+    assert torch.bfloat16 in seen  # the host's bf16 GEMM ran
+    assert _bf16_paths(guard) == {"blas"}
+    assert all(p["passed"] for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast")
+
+
+def test_bf16_gemm_with_a_position_dependent_accumulation_order_falls_back_to_fp32_and_stays_exact():
+    x, w = _order_revealing_linear_inputs()
+    unguarded = cpu_exact.with_host(_guard(mode="unguarded", bmm=_bf16_gemm(defect=_position_dependent_accumulation)))
+    revealed = _rows_alone_vs_batch(unguarded.linear, x, w)
+    assert revealed > 0, "the defect must break the unguarded bf16 kernel"
+    # on plain random data the same defect shows in hardly any bf16 output: why the probe reveals the order
+    plain_x, plain_w = (t.bfloat16() for t in _linear_inputs(rows=64))
+    assert _rows_alone_vs_batch(unguarded.linear, plain_x, plain_w) < revealed
+
+    seen: list = []
+    guard = _guard(bmm=_bf16_gemm(seen, defect=_position_dependent_accumulation))
+    ops = cpu_exact.with_host(guard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fp32 from upcast operands is as exact: no warning
+        full = ops.linear(x, w)
+    assert _rows_alone_vs_batch(ops.linear, x, w) == 0
+    assert torch.equal(full, cpu_exact.with_host(_guard(mode="fixed-order")).linear(x, w))  # today's fp32 path
+    (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
+    assert bf16_class["path"] == "fp32-upcast" and bf16_class["passed"] is False
+    assert "rows" in bf16_class["failure"] and "computes in fp32" in bf16_class["note"]
+    assert cpu_exact.host_report(guard)["ops"]["linear"]["path"] == "fast"  # the fp32 class's own path
+    probes_seen = len(seen)
+    ops.linear(x, w)
+    assert torch.bfloat16 not in seen[probes_seen:]  # after the probe, the bf16 GEMM never runs
+
+    model = tiny_model("exact", torch.bfloat16)
+    guard = _guard(bmm=_bf16_gemm(defect=_position_dependent_accumulation))
+    assert _mismatched_tokens(model, random_prompts(10, 30, seed=5), ops=cpu_exact.with_host(guard)) == 0
+    assert _bf16_paths(guard) == {"fp32-upcast"}
+
+
+def test_bf16_gemm_whose_short_tiles_accumulate_otherwise_keeps_the_tall_tiles():
+    """A bf16 GEMM right in 64-row tiles only: as for fp32, the class keeps the tile heights whose rows equal the
+    reference's (here 64 alone) and runs the host's bf16 GEMM in those."""
+    x, w = _order_revealing_linear_inputs()
+    guard = _guard(bmm=_bf16_gemm(defect=_height_dependent_accumulation))
+    ops = cpu_exact.with_host(guard)
+    ops.linear(x, w)
+    assert _rows_alone_vs_batch(ops.linear, x, w) == 0
+    (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
+    assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [64]
+
+
+def test_bf16_gemm_right_only_at_one_thread_runs_at_one_thread_and_stays_exact():
+    guard = _guard(bmm=_bf16_gemm(defect=_thread_dependent_accumulation))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _mismatched_tokens(tiny_model("exact", torch.bfloat16), random_prompts(10, 30, seed=6),
+                                  ops=cpu_exact.with_host(guard)) == 0
+    assert _bf16_paths(guard) == {"blas-1-thread"}
+
+
+def test_fixed_order_mode_never_runs_the_bf16_gemm():
+    seen: list = []
+    guard = _guard(mode="fixed-order", bmm=_bf16_gemm(seen))
+    x, w = _order_revealing_linear_inputs()
+    x.requires_grad_(), w.requires_grad_()
+    cpu_exact.with_host(guard).linear(x, w).sum().backward()
+    assert not seen and _bf16_paths(guard) == {"fp32-upcast"}  # fixed_order.bmm itself, in fp32
+
+
+def test_bf16_linear_with_a_bias_computes_in_fp32():
+    """A bias is added in fp32 before the one rounding; a bf16 GEMM's output is rounded already."""
+    seen: list = []
+    guard = _guard(bmm=_bf16_gemm(seen))
+    x, w = _order_revealing_linear_inputs()
+    bias = torch.randn(w.shape[0]).bfloat16()
+    cpu_exact.with_host(guard).linear(x, w, bias)
+    assert torch.bfloat16 not in seen
+
+
+def test_bf16_gradients_are_thread_invariant_on_the_bf16_gemm():
+    """Forward, input and weight gradients on the host's own bf16 GEMM (torch's): the same bits at 1 and 2 threads;
+    the weight gradient of one 256-token chunk too."""
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    ops = cpu_exact.with_host(guard)
+    results = []
+    for threads in (1, 2):
+        x, w = (t.detach().requires_grad_() for t in _order_revealing_linear_inputs(rows=200, k=64, n=48))
+        with num_threads(threads):
+            out = ops.linear(x, w)
+            out.backward(torch.ones_like(out))
+        results.append((out.detach(), x.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert _bf16_paths(guard) <= {"blas", "blas-1-thread", "fp32-upcast"}

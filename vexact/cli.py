@@ -318,6 +318,9 @@ def _kernel_paths_line(paths: dict) -> str:
         line += (f"; host probes: {len(probed) - len(failed)} of {len(probed)} passed (threads {threads})"
                  + (f", failed: {', '.join(p['property'] + ': ' + p['shape_class'] for p in failed)}" if failed
                     else ""))
+    if low := paths.get("library_dtype_gemm"):  # the exact CPU kernels' bf16 GEMM classes: the host's GEMM or fp32
+        on_host = sum(c["path"] != "fp32-upcast" for c in low)
+        line += f"; bf16 GEMM classes: {on_host} on the host's bf16 GEMM, {len(low) - on_host} in fp32"
     return line + " (per op: --verbose)"
 
 
@@ -338,7 +341,8 @@ def _kernel_paths_table(paths: dict) -> Table:
             p = verdicts[shape_class]
             verdict = "not probed" if p["passed"] is None else ("passed" if p["passed"] else f"FAILED: {p['failure']}")
             threads = ",".join(map(str, p["threads_checked"]))
-            probes.append(f"{shape_class}: {verdict}" + (f" (threads {threads})" if threads else ""))
+            path = f", path {p['path']}" if "fallback" in p else ""  # a bf16 GEMM class: which GEMM it runs
+            probes.append(f"{shape_class}: {verdict}" + (f" (threads {threads}{path})" if threads else path))
         style = "yellow" if info["path"] in ("fixed-order", "mixed") else ""
         table.add_row(op, f"[{style}]{info['path']}[/]" if style else info["path"], "\n".join(probes) or "-")
     return table
