@@ -93,3 +93,29 @@ def test_live_monitor_takes_the_vocab(tmp_path, monkeypatch):
     assert monitor._map(0.01, 16.0)["vocab"] == 1024
     with pytest.raises(ValueError, match="give scaling_map too"):
         LiveMonitor(tmp_path / "live2", vocab=128_256)
+
+
+def test_build_map_only_takes_one_vocabulary_out_of_a_sweep_that_varies_it(tmp_path):
+    """The tail sweep varies task.distractors (0 and 1002): its two vocabularies are two testbeds, so build-map
+    refuses to merge them, and ``--only task.distractors=1002`` builds the tail map from the one."""
+    import shutil
+
+    both = _sweep(tmp_path, "both", [(16, LOW + HIGH)], **TAIL)
+    plain = _sweep(tmp_path, "plain", [(16, LOW + HIGH)])
+    spec = json.loads((both / "sweep.json").read_text())
+    for point in json.loads((plain / "sweep.json").read_text())["points"]:
+        name = point["name"] + ",task.distractors=0"
+        shutil.copytree(plain / point["dir"], both / "points" / name)
+        spec["points"].append({**point, "name": name, "dir": f"points/{name}"})
+    (both / "sweep.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="differ in task.distractors"):
+        build_map([both])
+    tail = build_map([both], only=scaling.parse_only(["task.distractors=1002"]))
+    assert map_vocab(tail) == 1024 and tail["provenance"]["only"] == {"task.distractors": [1002]}
+    assert sum(h["runs_total"] for h in tail["horizons"]) == 12  # the tail's 12 runs, none of the plain ones
+    assert scaling._main(["build-map", str(tmp_path / "t.json"), str(both), "--only", "task.distractors=1002"]) == 0
+    for bad, said in ((["nope=1"], "'nope' is not a run config key"), (["task.distractors"], "expected KEY=VALUE")):
+        with pytest.raises(ValueError, match=said):
+            scaling.parse_only(bad)
+    with pytest.raises(ValueError, match=r"no finished runs with task.distractors in \[7\]"):
+        build_map([both], only=scaling.parse_only(["task.distractors=7"]))

@@ -1125,7 +1125,24 @@ def _default_config() -> dict[str, Any]:
 CurveKey = tuple[str, str]  # (correction, source): one curve of a map
 
 
-def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]:
+def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
+    """``KEY=VALUE[,VALUE...]`` items (build-map's ``--only``) as {config key: allowed values}, each value read as
+    YAML (``1002``, ``true``, ``recompute``); a key that is no run config key is one error naming it."""
+    defaults = _default_config()
+    wanted: dict[str, list[Any]] = {}
+    for item in items or []:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not values.strip():
+            raise ValueError(f"--only {item!r}: expected KEY=VALUE[,VALUE...], e.g. --only task.distractors=1002")
+        if key not in defaults:
+            raise ValueError(f"--only {item!r}: {key!r} is not a run config key")
+        wanted.setdefault(key, []).extend(yaml.safe_load(v.strip()) for v in values.split(","))
+    return wanted
+
+
+def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
+                ) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]:
     """The finished points of one sweep directory as {(correction, source): {horizon value: runs}}, and how many runs
     with router replay were left out; a finished point without its config.yaml, or a sweep without finished runs, is
     one error naming it.
@@ -1133,7 +1150,9 @@ def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]
     A point's horizon value is its ``task.max_len`` from the sweep's grid or variant, else from its saved config (a
     sweep that does not vary the horizon gives a curve of one horizon). Runs with ``algorithm.router_replay`` are
     left out: replay removes the routing mismatch, so their realised k3 is another source's (the rest of the
-    rollout's mismatch), not the swept one."""
+    rollout's mismatch), not the swept one. ``only`` ({config key: values}, ``parse_only``) keeps the runs whose
+    saved config holds one of the values at every key: one testbed out of a sweep that varies it (the tail sweep's
+    two vocabularies)."""
     data = read_sweep_results(path)
     variants = _variants(data)
     defaults = _default_config()
@@ -1152,6 +1171,8 @@ def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]
             raise ValueError(f"point '{p.name}' of sweep '{path}' has a result but no config.yaml (a mapping) in "
                              f"'{p.dir}': build-map compares the configs of the runs it merges")
         config = flat_config(loaded)
+        if only and any(config.get(key, defaults.get(key)) not in values for key, values in only.items()):
+            continue
         if config.get("algorithm.router_replay"):
             replayed += 1
             continue
@@ -1162,8 +1183,9 @@ def _sweep_runs(path: Path) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]
         key = (correction_from_config(loaded, str(saved)), source_name(config, defaults))
         out.setdefault(key, {}).setdefault(value, []).append(_Run(str(path), p, config))
     if not out:
-        raise ValueError(f"sweep '{path}' has no finished runs with a horizon ({HORIZON_KEY}) outside router replay: "
-                         "it has no points for a map")
+        kept = f" with {' and '.join(f'{k} in {v}' for k, v in only.items())}" if only else ""
+        raise ValueError(f"sweep '{path}' has no finished runs{kept} with a horizon ({HORIZON_KEY}) outside router "
+                         "replay: it has no points for a map")
     return out, replayed
 
 
@@ -1328,7 +1350,8 @@ def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], 
     return merged
 
 
-def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, Any]:
+def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[str, list[Any]] | None = None
+              ) -> dict[str, Any]:
     """One map from sweep directories (their runs) and ``scaling.json`` files or maps (their curves), one curve per
     correction, ordered as ``correction_names()``.
 
@@ -1338,7 +1361,8 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
     horizon by horizon (its configs are unknown: the curve's provenance lists it under ``testbed_unchecked``). α is
     refitted over every horizon of a correction; a horizon where nothing collapsed is a bound, kept in the curve,
     never a threshold in the fit. Each curve gets its shape comparison. The top level is the ``bypass`` curve (else
-    the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs."""
+    the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs.
+    ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values."""
     if not paths:
         raise ValueError("build-map needs at least one sweep directory or scaling.json")
     file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
@@ -1352,7 +1376,7 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
             if not (path / "sweep.json").is_file():
                 raise ValueError(f"'{path}' is a directory without sweep.json: give a sweep directory or a "
                                  "scaling.json file")
-            runs_of, left_out = _sweep_runs(path)
+            runs_of, left_out = _sweep_runs(path, only)
             replayed += left_out
             for key, by_h in runs_of.items():
                 for value, runs in by_h.items():
@@ -1388,7 +1412,7 @@ def build_map(paths: list[str | Path], made_by: str | None = None) -> dict[str, 
     primary = next((c for c in ordered if c["correction"] == DEFAULT_CORRECTION), ordered[0])
     provenance = {"made_by": made_by or "vexact.lab.scaling.build_map", "sources": [str(p) for p in paths],
                   "curves": {c["curve"]: (c.get("provenance") or {}).get("what") for c in ordered},
-                  "router_replay_runs_left_out": replayed}
+                  "router_replay_runs_left_out": replayed, **({"only": only} if only else {})}
     return {**head, **{k: v for k, v in primary.items() if k != "provenance"}, "curves": ordered,
             "provenance": provenance}
 
@@ -1422,14 +1446,17 @@ def _main(argv: list[str] | None = None) -> int:
                                              "scaling.json files")
     build.add_argument("out", type=Path, metavar="OUT")
     build.add_argument("inputs", type=Path, nargs="+", metavar="SWEEP_DIR_OR_SCALING_JSON")
+    build.add_argument("--only", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
+                       help="keep the sweep directories' runs whose saved config holds one of the values (repeat for "
+                            "more keys), e.g. --only task.distractors=1002")
     shape = sub.add_parser("shape", help="print each curve's shape comparison (default: the shipped map)")
     shape.add_argument("map", type=Path, nargs="?", default=None, metavar="MAP")
     args = parser.parse_args(argv)
     try:
         if args.command == "build-map":
             command = "python -m vexact.lab.scaling build-map " + " ".join(
-                str(p) for p in [args.out, *args.inputs])
-            built = build_map(list(args.inputs), made_by=command)
+                [str(p) for p in [args.out, *args.inputs]] + [f"--only {item}" for item in args.only])
+            built = build_map(list(args.inputs), made_by=command, only=parse_only(args.only))
             if args.out.is_dir():
                 raise ValueError(f"'{args.out}' is a directory: give the map's file name")
             args.out.write_text(json.dumps(json_safe(built), indent=1, ensure_ascii=False) + "\n")
