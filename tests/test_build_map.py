@@ -172,3 +172,23 @@ def test_build_map_cli_prints_the_shape_and_bounds(tmp_path, capsys):
     assert err.startswith("error: correction 'bypass' at task.max_len = 8") and len(err.strip().splitlines()) == 1
     assert scaling._main(["build-map", str(out), str(tmp_path)]) == 2  # a directory that is no sweep
     assert "without sweep.json" in capsys.readouterr().err
+
+
+def test_a_horizon_with_one_run_does_not_stretch_the_measured_range(tmp_path):
+    """One collapsed run at a long horizon is neither a threshold nor a bound (too few runs): the curve's
+    horizon_range stays that of the horizons that measured something, so a verdict there says it extrapolates."""
+    base = _sweep(tmp_path, "base", [(8, LOW + HIGH), (16, LOW + HIGH)])
+    built = build_map([base])
+    one = tmp_path / "one"
+    spec = json.loads((base / "sweep.json").read_text())
+    (one / "points").mkdir(parents=True)
+    long = [p for p in json.loads((_sweep(tmp_path, "long", [(500, HIGH)]) / "sweep.json").read_text())["points"]][:1]
+    import shutil
+
+    shutil.copytree(tmp_path / "long" / long[0]["dir"], one / long[0]["dir"])
+    (one / "sweep.json").write_text(json.dumps({**spec, "variants": {"L500_x2.0": {"task.max_len": 500}},
+                                                "points": long}))
+    merged = build_map([base, one])
+    statuses = {h["horizon_value"]: h["status"] for h in merged["horizons"]}
+    assert statuses[500] == "insufficient"
+    assert merged["horizon_range"] == built["horizon_range"] == [8.0, 16.0]

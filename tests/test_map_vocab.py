@@ -119,3 +119,24 @@ def test_build_map_only_takes_one_vocabulary_out_of_a_sweep_that_varies_it(tmp_p
             scaling.parse_only(bad)
     with pytest.raises(ValueError, match=r"no finished runs with task.distractors in \[7\]"):
         build_map([both], only=scaling.parse_only(["task.distractors=7"]))
+
+
+def test_a_curve_with_one_threshold_and_a_bound_answers_at_the_thresholds_horizon(tmp_path):
+    """The tail map's shape: no collapse at L = 1 (a bound) and one fitted threshold at L = 16, no law. At the
+    threshold's horizon the verdict is that threshold's; far beyond both it is no verdict."""
+    tail = build_map([_sweep(tmp_path, "tail", [(1, LOW + HIGH), (16, LOW + HIGH)], never=(1,), **TAIL)])
+    assert tail["status"] == "bounds_only"
+    at = place_on_map(tail, 0.5, 16.0)
+    assert at["verdict"].startswith("above the measured collapse range: 50% collapse threshold")
+    assert place_on_map(tail, 1e-5, 16.0)["verdict"].startswith("far below the measured collapse range")
+    assert place_on_map(tail, 0.5, 1000.0)["verdict"].startswith("no verdict at this horizon")
+    assert place_on_map(tail, 1e-5, 1.0)["verdict"].startswith("below every level tested")
+
+
+def test_the_shipped_tail_map_is_made_by_build_map_and_picked_for_a_real_vocabulary():
+    tail = scaling.load_map(scaling.DEFAULT_TAIL_MAP)
+    assert map_vocab(tail) == 1024 and map_vocab(scaling.load_map()) == 22
+    assert tail["provenance"]["made_by"].endswith("--only task.distractors=1002")
+    assert tail["origin"] == scaling.SHIPPED_MAPS[scaling.DEFAULT_TAIL_MAP]
+    assert shipped_map_for(151_936) == scaling.DEFAULT_TAIL_MAP and shipped_map_for(22) == scaling.DEFAULT_MAP
+    assert build_map([scaling.DEFAULT_TAIL_MAP])["curves"] == json.loads(scaling.DEFAULT_TAIL_MAP.read_text())["curves"]

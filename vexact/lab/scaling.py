@@ -448,7 +448,10 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     if not usable:
         return {**out, "status": "insufficient",
                 "note": f"no horizon has runs with a realised {METRIC} and {HORIZON_METRIC}: nothing to fit"}
-    ts = [h["horizon"] for h in usable]
+    # the measured horizons: a horizon whose runs give neither a threshold nor a bound (too few runs) measured
+    # nothing, so it does not stretch the range a verdict counts as measured
+    said = [h for h in usable if h.get("status") in ("fitted", "above_range", "below_range")]
+    ts = [h["horizon"] for h in said or usable]
     out["horizon_range"] = [min(ts), max(ts)]
     if len(usable) < 2:
         h = usable[0]
@@ -977,12 +980,6 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
             return f"below every level tested: {fact}; the curve has no threshold to compare with"
         return (f"not placed: your k3 is at or above the largest level tested without collapse ({fact}); the {name} "
                 "curve does not say where this correction collapses")
-    if safe:
-        longest = max(safe, key=lambda h: h["horizon"])
-        return (f"no verdict at this horizon: T = {_t(horizon)} lies beyond the {name} curve's measured horizons "
-                f"(T = {_t(t_range[0])} .. {_t(t_range[1])}): no collapse measured up to k3 "
-                f"{longest['lower_bound']:.2g} at T {_t(longest['horizon'])} ({name}), and the curve has no law to "
-                "carry that further")
     measured = [h for h in curve.get("horizons", []) if h.get("status") == "fitted" and _positive(h.get("horizon"))
                 and _positive(h.get("threshold_50"))]
     if len(measured) == 1:  # one horizon with a threshold: an answer at that T only, no law to carry it
@@ -991,11 +988,19 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
         fact = (f"50% collapse threshold k3 {h['threshold_50']:.2g}" + (f" [{lo:.2g}, {hi:.2g}]" if _positive(lo)
                 and _positive(hi) else "") + f" measured at T {_t(h['horizon'])} only ({name})")
         if not h["horizon"] / SAME_HORIZON <= horizon <= h["horizon"] * SAME_HORIZON:
-            return (f"no verdict at this horizon: the {name} curve has one horizon ({fact}) and no law to carry it "
-                    f"to T = {_t(horizon)}")
-        low, high = (lo, hi) if _positive(lo) and _positive(hi) else (h["threshold_50"], h["threshold_50"])
-        where = ("far below" if k3 < low / 10 else "near" if k3 < high else "above")
-        return f"{where} the measured collapse range: {fact}"
+            if not safe:
+                return (f"no verdict at this horizon: the {name} curve has one horizon ({fact}) and no law to carry "
+                        f"it to T = {_t(horizon)}")
+        else:
+            low, high = (lo, hi) if _positive(lo) and _positive(hi) else (h["threshold_50"], h["threshold_50"])
+            where = ("far below" if k3 < low / 10 else "near" if k3 < high else "above")
+            return f"{where} the measured collapse range: {fact}"
+    if safe:
+        longest = max(safe, key=lambda h: h["horizon"])
+        return (f"no verdict at this horizon: T = {_t(horizon)} lies beyond the {name} curve's measured horizons "
+                f"(T = {_t(t_range[0])} .. {_t(t_range[1])}): no collapse measured up to k3 "
+                f"{longest['lower_bound']:.2g} at T {_t(longest['horizon'])} ({name}), and the curve has no law to "
+                "carry that further")
     return f"unknown: the {name} curve has no fitted law ({curve.get('status')}): {curve.get('note')}"
 
 
