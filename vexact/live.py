@@ -298,7 +298,7 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correctio
     if isinstance(scaling_map, dict):
         data = scaling_map
     elif isinstance(scaling_map, (str, Path)):
-        data = scaling.load_map(scaling.shipped_map_for(vocab) if scaling_map == DEFAULT_MAP else Path(scaling_map))
+        data = scaling.load_map(None if scaling_map == DEFAULT_MAP else Path(scaling_map), vocab)
     else:
         raise ValueError(f"scaling_map must be a map dict, the path of a scaling.json or {DEFAULT_MAP!r}, got "
                          f"{type(scaling_map).__name__}")

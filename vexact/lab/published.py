@@ -164,10 +164,16 @@ def _at_horizon(t: float | None) -> str:
     return "above the threshold at every T ≥ 1" if t < 1 else f"the threshold falls to it at T ≈ {_num(t)}"
 
 
+def _default_source_corrections(map_data: dict[str, Any]) -> set[str]:
+    """The corrections a map has curves for on its default source: published points are placed on those curves (none
+    of them names its source as one of the map's)."""
+    default = default_source(map_data)
+    return {c["correction"] for c in map_curves(map_data) if c["source"] == default}
+
+
 def _assess(point: PublishedPoint, map_data: dict[str, Any]) -> tuple[str, str, str]:
     """(their correction's curve, the bypass law, agrees?) for one point."""
-    default = default_source(map_data)  # published points are placed on the map's default source's curves
-    names = {c["correction"] for c in map_curves(map_data) if c["source"] == default}
+    names = _default_source_corrections(map_data)
     own = own_verdict = None
     if point.k3 is None:
         return "no k3", "no k3", "cannot test: no k3"
@@ -210,8 +216,7 @@ def _tail_cell(point: PublishedPoint, tail_map: dict[str, Any]) -> str:
     correction's curve when the tail map has it, else on its bypass curve, named."""
     if point.k3 is None or point.horizon is None:
         return "no k3" if point.k3 is None else "no T"
-    default = default_source(tail_map)
-    names = {c["correction"] for c in map_curves(tail_map) if c["source"] == default}
+    names = _default_source_corrections(tail_map)
     name = point.correction if point.correction in names else BYPASS if BYPASS in names else None
     if name is None:
         return "no curve"
@@ -248,8 +253,7 @@ def points_table(map_data: dict[str, Any], points: list[PublishedPoint], tail_ma
 
 def bars_table(map_data: dict[str, Any], bars: list[Bar]) -> str:
     """Published bars with the T at which the bypass law's threshold falls to each (Markdown)."""
-    default = default_source(map_data)
-    names = {c["correction"] for c in map_curves(map_data) if c["source"] == default}
+    names = _default_source_corrections(map_data)
     rows = []
     for b in bars:
         if b.k3 is None:

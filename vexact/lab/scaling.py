@@ -337,8 +337,7 @@ def point_setup(point: PointData, variants: dict[str, dict[str, Any]], defaults:
     try:
         config = yaml.safe_load(path.read_text()) if path.is_file() else None
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
-        return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})", source_name(dotted,
-                                                                                                          defaults)
+        return _unknown(err), source_name(dotted, defaults)
     if isinstance(config, Mapping):
         return _correction_or_unknown(lambda: correction_from_config(config, str(path))), source_name(
             flat_config(config), defaults)
@@ -354,7 +353,12 @@ def _correction_or_unknown(resolve: Any) -> str:
     try:
         return resolve()
     except ValueError as err:
-        return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        return _unknown(err)
+
+
+def _unknown(err: Exception) -> str:
+    """A correction that cannot be named: "unknown (" + the error's first line + ")"."""
+    return f"unknown ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
 
 
 def _bundle(point: PointData, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -765,10 +769,11 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
 # ----------------------------------------------------------------------------- the map
 
 
-def load_map(path: str | Path | None = None) -> dict[str, Any]:
-    """A map (a ``scaling.json``, or one made by ``build-map``); None = the map shipped with vexact. Its ``curves``
+def load_map(path: str | Path | None = None, vocab: int | None = None) -> dict[str, Any]:
+    """A map (a ``scaling.json``, or one made by ``build-map``); None = the map shipped with vexact for ``vocab``
+    (``shipped_map_for``: the main map without one; a named file is read whatever ``vocab`` says). Its ``curves``
     come back each with its ``correction`` (``map_curves``). One clear error on a bad file."""
-    path = Path(path) if path is not None else DEFAULT_MAP
+    path = Path(path) if path is not None else shipped_map_for(vocab)
     if not path.is_file():
         raise ValueError(f"map file not found: '{path}'")
     try:
@@ -1046,7 +1051,7 @@ def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] |
     real vocabulary) when no map file is named. Returns the ``map`` JSON object (``MAP_KEYS`` exactly) and the lines
     to print."""
     map_data = map_path if isinstance(map_path, dict) else load_map(
-        shipped_map_for(vocab) if map_path in (None, "default", DEFAULT_MAP) else map_path)
+        None if map_path in (None, "default", DEFAULT_MAP) else map_path, vocab)
     name = choose_correction(map_data, correction, source)
     sequences, tokens = summary.get("sequences") or 0, summary.get("tokens") or 0
     if not sequences or not tokens:
