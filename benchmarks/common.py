@@ -252,6 +252,20 @@ def load_average() -> list[float] | None:
         return None
 
 
+def code_locations() -> dict:
+    """Where the harness and its kernel library were imported from. They must be one checkout (or one install):
+    a second editable install elsewhere can shadow ``vexact_kernels`` alone, and a benchmark would then time old
+    kernels under the new harness's commit."""
+    import vexact
+    import vexact_kernels
+
+    harness, kernels = (Path(m.__file__).resolve().parent for m in (vexact, vexact_kernels))
+    if harness.parent != kernels.parent:
+        raise ValueError(f"vexact ({harness}) and its kernel library vexact_kernels ({kernels}) come from different "
+                         "checkouts: reinstall this one (pip install -e .) in this environment")
+    return {"vexact_path": str(harness.parent)}
+
+
 def machine_info(device: torch.device | str = "cpu") -> dict:
     """What the numbers were measured on: CPU model, cores, torch threads and build, GPU if used, load."""
     info = {
@@ -265,6 +279,7 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
         "platform": platform.platform(),
         "load_average_start": load_average(),
         "git_commit": _git_commit(),
+        **code_locations(),
         "device": str(device),
     }
     if torch.device(device).type == "cuda":

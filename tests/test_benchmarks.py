@@ -229,3 +229,16 @@ def test_compare_benchmark_writes_dumps_that_compare_accepts(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["results"]
     assert row["exit_code"] == 0 and row["correct"] and row["report_tokens"] == row["tokens"]
     assert "counts right" in capsys.readouterr().out
+
+
+def test_a_kernel_library_from_another_checkout_is_refused(monkeypatch, tmp_path):
+    """A benchmark records where vexact was imported from, and refuses a vexact_kernels imported from elsewhere
+    (a second editable install shadowing it: old kernels timed under the new harness's commit)."""
+    import vexact_kernels
+
+    from benchmarks.common import code_locations, machine_info
+
+    assert machine_info()["vexact_path"] == str(Path(vexact_kernels.__file__).resolve().parent.parent)
+    monkeypatch.setattr(vexact_kernels, "__file__", str(tmp_path / "elsewhere" / "kernels" / "__init__.py"))
+    with pytest.raises(ValueError, match="come from different checkouts"):
+        code_locations()
