@@ -235,7 +235,6 @@ def test_a_kernel_library_from_another_checkout_is_refused(monkeypatch, tmp_path
     """A benchmark records where vexact was imported from, and refuses a vexact_kernels imported from elsewhere
     (a second editable install shadowing it: old kernels timed under the new harness's commit)."""
     import vexact_kernels
-
     from benchmarks.common import code_locations, machine_info
 
     assert machine_info()["vexact_path"] == str(Path(vexact_kernels.__file__).resolve().parent.parent)
