@@ -58,6 +58,12 @@ MIN_REDUCE_BLOCK, REDUCE_BLOCK = 64, 256
 """Tokens per chunk of a weight gradient's reduction: the smallest power of two from ``MIN_REDUCE_BLOCK`` holding the
 tokens, at most ``REDUCE_BLOCK`` (``_reduction_block``). Three fixed chunk lengths, so the guard probes few classes,
 and a batch of up to 256 tokens is one chunk (no tree)."""
+LIBRARY_REDUCE_MAX = 1024
+"""Tokens a bf16 weight gradient reduces in one chunk on the host's bf16 GEMM, its length padded to a multiple of
+``REDUCE_BLOCK`` (512, 768 or 1024 above 256 tokens). A bf16 GEMM rounds its output once, so it cannot return the fp32
+partial sums that chunks add: up to this many tokens one chunk holds them all (one rounding, as native bf16 has);
+beyond it the chunks run in fp32. A weight gradient is never compared across rollout and training, so its chunking
+may follow the dtype; the few lengths keep the guard's classes few."""
 
 # --------------------------------------------------------------------------- where an arrangement pays
 ROW_TILE_CALLS_FROM = 1 << 20
@@ -281,9 +287,12 @@ def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Ten
 
 
 # --------------------------------------------------------------------------- a.T @ b: a weight gradient
-def _reduction_block(rows: int) -> int:
+def _reduction_block(rows: int, dtype: torch.dtype = torch.float32) -> int:
     """Rows per chunk of a reduction over ``rows`` tokens: the smallest power of two from ``MIN_REDUCE_BLOCK`` holding
-    them, else ``REDUCE_BLOCK``."""
+    them, else ``REDUCE_BLOCK``; in bf16 (the dtype the GEMM computes in) up to ``LIBRARY_REDUCE_MAX`` tokens, one
+    chunk of them padded to a multiple of ``REDUCE_BLOCK``."""
+    if dtype != torch.float32 and REDUCE_BLOCK < rows <= LIBRARY_REDUCE_MAX:
+        return ceil_to(rows, REDUCE_BLOCK)
     block = MIN_REDUCE_BLOCK
     while block < min(rows, REDUCE_BLOCK):
         block *= 2
@@ -292,14 +301,15 @@ def _reduction_block(rows: int) -> int:
 
 def transposed_dtype(a: Tensor, b: Tensor, host: HostGuard, op: str) -> torch.dtype:
     """The dtype ``transposed_matmul`` computes a.T @ b in, for a [M, N] and b [M, K] in their own dtypes: theirs
-    where both are bf16, the reduction is one chunk (M <= ``REDUCE_BLOCK``: the GEMM's rounded output is the result;
-    several chunks add fp32 partial products, which a bf16 GEMM does not give) and the guard admitted the host's bf16
-    GEMM for the class (the chunk, K padded, per-tile operands), else fp32. The caller passes a and b in that dtype.
-    (A weight gradient is never compared across rollout and training, so how many tokens it reduces may choose.)"""
+    where both are bf16, the reduction is one chunk (M <= ``LIBRARY_REDUCE_MAX``: the GEMM's rounded output is the
+    result; several chunks add fp32 partial products, which a bf16 GEMM does not give) and the guard admitted the
+    host's bf16 GEMM for the class (the chunk, K padded, per-tile operands), else fp32. The caller passes a and b in
+    that dtype. (A weight gradient is never compared across rollout and training, so how many tokens it reduces may
+    choose.)"""
     rows = a.shape[0]
-    if a.dtype != b.dtype or rows > REDUCE_BLOCK:
+    if a.dtype != b.dtype or rows > LIBRARY_REDUCE_MAX:
         return torch.float32
-    b_class = gemm_class(_reduction_block(rows), ceil_to(b.shape[1], COL_BLOCK), transposed=True)
+    b_class = gemm_class(_reduction_block(rows, a.dtype), ceil_to(b.shape[1], COL_BLOCK), transposed=True)
     return host.compute_dtype(a.dtype, b_class, False, op)
 
 
@@ -315,7 +325,7 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     ``b_source``: the tensor ``b`` was derived from (``_reduction_operand``)."""
     rows, n = a.shape
     k = b.shape[1]
-    block = _reduction_block(rows)
+    block = _reduction_block(rows, a.dtype)
     chunks = -(-rows // block)
     views_fit = chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX
     # the views call torch's GEMM themselves: only where the canonical tiles' class runs it (their right operand,
@@ -348,7 +358,7 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     (``_reduction_operand``)."""
     rows, n = a.shape
     k = b.shape[1]
-    block = _reduction_block(rows)
+    block = _reduction_block(rows, a.dtype)
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = ceil_to(k, COL_BLOCK)

@@ -79,7 +79,7 @@ def _tile(operand: torch.Tensor, t: int) -> tuple:
 def _transposed_matmul_reference(a, b, host, op, b_source=None):
     rows, n = a.shape
     k = b.shape[1]
-    block = _reduction_block(rows)
+    block = _reduction_block(rows, a.dtype)  # bf16: one chunk up to LIBRARY_REDUCE_MAX tokens
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = ceil_to(k, COL_BLOCK)

@@ -522,3 +522,30 @@ def test_bf16_gradients_are_thread_invariant_on_the_bf16_gemm():
         results.append((out.detach(), x.grad, w.grad))
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert _bf16_paths(guard) <= {"blas", "blas-1-thread", "fp32-upcast"}
+
+
+@pytest.mark.parametrize("rows, chunk, gemm_dtype", [(300, 512, torch.bfloat16), (700, 768, torch.bfloat16),
+                                                     (1100, 256, torch.float32)])
+def test_a_bf16_weight_gradient_is_one_chunk_up_to_library_reduce_max(rows, chunk, gemm_dtype):
+    """A bf16 weight gradient of up to ``LIBRARY_REDUCE_MAX`` tokens reduces them in one chunk on the host's bf16 GEMM
+    (its length padded to a multiple of 256: one rounding, as native bf16); beyond, 256-token chunks in fp32, whose
+    partial sums a bf16 GEMM could not return. (``test_linear_backward_contract`` checks the thread invariance of a
+    700-token bf16 weight gradient on torch's own GEMM.)"""
+    from vexact_kernels.gemm_arrangements import LIBRARY_REDUCE_MAX
+
+    calls: list = []
+
+    def recording(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls.append((a.dtype, a.shape[-1]))
+        return _bf16_gemm()(a, b)
+
+    guard = _guard(bmm=recording)
+    x, w = (t.detach().requires_grad_() for t in _order_revealing_linear_inputs(rows=rows, k=48, n=40))
+    out = cpu_exact.with_host(guard).linear(x, w)
+    grad = torch.ones_like(out)
+    calls.clear()
+    out.backward(grad)
+    reductions = {(dtype, k) for dtype, k in calls if k in (256, 512, 768, 1024)}  # the weight gradient's K: tokens
+    assert reductions == {(gemm_dtype, chunk)}, reductions
+    assert (rows <= LIBRARY_REDUCE_MAX) == (gemm_dtype == torch.bfloat16)
+    assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad).all()
