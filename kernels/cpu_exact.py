@@ -241,7 +241,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
     grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
     (``gemm_arrangements.transposed_matmul``) added by a halving tree (grad_weight's chunk GEMMs on views of grad and
-    x where the guard found that this gives the canonical tiles' bits: ``same_bits``).
+    x where the guard found that this gives the canonical tiles' bits: ``same_bits``); in bf16 on the host's bf16
+    GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding).
     """
     if bias is None:
         return exact_forward_vjp(partial(_linear_forward, bias=None, host=host),
