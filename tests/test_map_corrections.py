@@ -443,6 +443,20 @@ def test_shape_comparison_tells_a_floor_from_a_power_law():
     assert too_few["status"] == "too_few" and "needs at least 3" in too_few["note"]
 
 
+def test_a_bound_tests_each_shape():
+    """A horizon with only a bound stays out of both fits and says which shape it rules out: a floor at k3 0.02
+    cannot pass under an upper bound of 0.015 at T = 1000, where the power law fitted to the same points (α 0.38)
+    is at 0.011; a lower bound of 1e-4 rules out neither."""
+    ts = (8, 16, 32, 64, 128, 256)
+    below = {"status": "below_range", "horizon": 1000, "horizon_value": 1000, "upper_bound": 0.015}
+    above = {"status": "above_range", "horizon": 900, "horizon_value": 900, "lower_bound": 1e-4}
+    shapes = compare_shapes(_fitted({t: 0.02 + 0.5 / t for t in ts}) + [below, above])
+    assert shapes["saturating"]["bounds_violated"] == [1000] and shapes["power"]["bounds_violated"] == []
+    assert shapes["saturating"]["floor"] == pytest.approx(0.02, rel=1e-3)  # the bounds did not enter the fit
+    assert "the bound at T 900 (threshold above k3 0.0001): both shapes respect it" in shapes["note"]
+    assert "the bound at T 1000 (threshold below k3 0.015): it rules out the saturating shape" in shapes["note"]
+
+
 def test_shape_is_in_scaling_json_and_printed(tmp_path, capsys):
     result = scaling.scaling(_sweep(tmp_path, _bypass_points(tmp_path), ["task.max_len"]))
     assert result["shape"]["status"] == "compared" and result["curves"][0]["shape"] == result["shape"]

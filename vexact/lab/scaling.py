@@ -540,10 +540,15 @@ def _value(h: dict[str, Any], side: str) -> float | None:
 
 
 def _respects(h: dict[str, Any], intercept: float, slope: float) -> bool:
-    line = 10 ** (intercept + slope * math.log10(h["horizon"]))
+    return _respects_value(h, 10 ** (intercept + slope * math.log10(h["horizon"])))
+
+
+def _respects_value(h: dict[str, Any], predicted: float) -> bool:
+    """Does a threshold ``predicted`` at a bounded horizon agree with its bound (above a lower bound, below an
+    upper one)?"""
     if h["status"] == "above_range":
-        return line >= h["lower_bound"]
-    return line <= h["upper_bound"]
+        return predicted >= h["lower_bound"]
+    return predicted <= h["upper_bound"]
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -572,7 +577,9 @@ def compare_shapes(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     fit both in log10 by least squares -- the power law log10 A − α·log10 T and the saturating floor F + B/T
     (F, B >= 0; F = 0 is the power law with α = 1) -- and compare them by AIC (n·ln(RSS/n) + 2k, k = 2 each) and
     by leave-one-out error (each horizon predicted from a fit to the others). ΔAIC = AIC(power) − AIC(saturating):
-    above 2 the data prefer the floor, below −2 the power law, between them neither."""
+    above 2 the data prefer the floor, below −2 the power law, between them neither. The horizons with only a bound
+    (no collapse up to X, or collapse from the smallest dose) stay out of both fits and test them: each shape lists
+    the bounds its curve violates (``bounds_violated``, horizon values), and the note names them."""
     pts = sorted((h["horizon"], h["threshold_50"]) for h in horizons if h.get("status") == "fitted"
                  and _positive(h.get("horizon")) and _positive(h.get("threshold_50")))
     n = len(pts)
@@ -581,6 +588,9 @@ def compare_shapes(horizons: list[dict[str, Any]]) -> dict[str, Any]:
                 "note": f"{n} horizon(s) with a fitted threshold: comparing a power law with a saturating threshold "
                         f"(two parameters each) needs at least {SHAPE_MIN_HORIZONS}"}
     ts, ys = [t for t, _ in pts], [math.log10(v) for _, v in pts]
+    bounded = [h for h in horizons if _positive(h.get("horizon")) and (
+        (h.get("status") == "above_range" and _positive(h.get("lower_bound")))
+        or (h.get("status") == "below_range" and _positive(h.get("upper_bound"))))]
     fits = {"power": _fit_power, "saturating": _fit_saturating}
     out: dict[str, Any] = {"status": "compared", "horizons": n, "horizon_range": [ts[0], ts[-1]]}
     for name, fit in fits.items():
@@ -592,6 +602,8 @@ def compare_shapes(horizons: list[dict[str, Any]]) -> dict[str, Any]:
             loo.append(predict_i(ts[i]) - ys[i])
         out[name] = {**params, "rss": rss, "aic": n * math.log(max(rss, 1e-12) / n) + 2 * 2,
                      "loo_rmse": math.sqrt(sum(e * e for e in loo) / n)}
+        out[name]["bounds_violated"] = [h["horizon_value"] for h in bounded if not _respects_value(
+            h, 10 ** predict(h["horizon"]))]
     delta = out["power"]["aic"] - out["saturating"]["aic"]
     out["delta_aic"] = delta
     out["preferred"] = "saturating" if delta > 2 else "power" if delta < -2 else None
@@ -602,8 +614,22 @@ def compare_shapes(horizons: list[dict[str, Any]]) -> dict[str, Any]:
                    f"RSS {p['rss']:.2g} dex², leave-one-out RMSE {p['loo_rmse']:.2g} dex; saturating "
                    f"{f['floor']:.2g} + {f['scale']:.2g}/T, RSS {f['rss']:.2g} dex², leave-one-out RMSE "
                    f"{f['loo_rmse']:.2g} dex; ΔAIC (power − saturating) = {delta:+.2f}: {verdict}"
-                   + (f" ({n} points for 2 parameters each: a weak test)" if n <= SHAPE_MIN_HORIZONS else ""))
+                   + (f" ({n} points for 2 parameters each: a weak test)" if n <= SHAPE_MIN_HORIZONS else "")
+                   + _bounds_against_shapes(bounded, out))
     return out
+
+
+def _bounds_against_shapes(bounded: list[dict[str, Any]], shapes: dict[str, Any]) -> str:
+    """One clause per bound: which shapes it rules out (their curve crosses it), or that both respect it."""
+    clauses = []
+    for h in bounded:
+        side = (f"above k3 {h['lower_bound']:.2g}" if h["status"] == "above_range"
+                else f"below k3 {h['upper_bound']:.2g}")
+        against = [name for name in ("power", "saturating") if h["horizon_value"] in shapes[name]["bounds_violated"]]
+        verdict = ("both shapes respect it" if not against else "both shapes violate it" if len(against) == 2
+                   else f"it rules out the {'power law' if against == ['power'] else 'saturating shape'}")
+        clauses.append(f"the bound at T {h['horizon']:.0f} (threshold {side}): {verdict}")
+    return ("; " + "; ".join(clauses)) if clauses else ""
 
 
 def _fit_power(ts: list[float], ys: list[float]) -> tuple[dict[str, float], Any]:
