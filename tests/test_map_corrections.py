@@ -421,6 +421,33 @@ def test_the_shipped_map_is_made_by_build_map():
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
 
 
+def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
+    """The law (α = 1 through T = 8 .. 64) is not fitted to the horizons that give only a bound, and may cross them:
+    every run at T = 256 collapsed from k3 0.001, where the law says 0.0031; nothing collapsed up to k3 5 at T = 2,
+    where it says 0.4. Near those horizons the verdict is the measurement's, with the assumption it rests on."""
+    points = _bypass_points(tmp_path)
+    points += [_point(tmp_path, f"b_L256_{f}", 256, 256.0, 0.001 * f, True, seed) for seed in SEEDS for f in (1, 2, 4)]
+    points += [_point(tmp_path, f"b_L2_{f}", 2, 2.0, 5.0 * f, False, seed) for seed in SEEDS for f in (0.25, 0.5, 1)]
+    write_scaling(_sweep(tmp_path, points, ["task.max_len"]), tmp_path)
+    m = load_map(tmp_path / "scaling.json")
+    assert m["status"] == "fitted" and m["alpha"] == pytest.approx(1.0, abs=0.05) and m["bounds_violated"] == [2, 256]
+
+    above = scaling.placement(m, 0.002, 300.0, "bypass")  # the law alone: near its threshold 0.0027
+    assert above["verdict"].startswith("above the measured collapse range: every run collapsed from k3 0.001 at T 256")
+    assert above["threshold_50"] == pytest.approx(0.1 * 8 / 300, rel=0.05)  # the law's number is still reported
+    below = scaling.placement(m, 1e-5, 300.0, "bypass")  # the law alone: far below
+    assert below["verdict"].startswith("below k3 0.001 (100x), where runs collapsed")
+    assert "cannot say how far below" in below["verdict"] and "far below the measured" not in below["verdict"]
+    assert scaling.COLLAPSE_BOUND_ASSUMPTION in "\n".join(scaling.map_lines(below, m))
+    far = scaling.placement(m, 1e-5, 100.0, "bypass")  # T = 256 is more than 1.5x longer: the law answers
+    assert far["verdict"] == "far below the measured collapse range"
+    survived = scaling.placement(m, 1.0, 2.0, "bypass")  # the law alone: above its threshold 0.4
+    assert survived["verdict"].startswith("below every level tested: no collapse measured up to k3 5 at T 2.0")
+    assert scaling.BOUND_ASSUMPTION in "\n".join(scaling.map_lines(survived, m))
+    untested = scaling.placement(m, 6.0, 2.0, "bypass")  # above the survival, and the law crosses it: unknown
+    assert untested["verdict"].startswith("not placed: your k3 is above the largest level tested without collapse")
+
+
 # ----------------------------------------------------------------------------- the shape of the law
 
 

@@ -107,6 +107,8 @@ ASSUMPTIONS = (
 )
 BOUND_ASSUMPTION = ("a no-collapse bound measured at a horizon also holds at shorter ones (the threshold does not "
                     "rise with T, as on the map's bypass curve)")
+COLLAPSE_BOUND_ASSUMPTION = ("a collapse measured at a horizon also happens at longer ones (the threshold does not "
+                             "rise with T, as on the map's bypass curve)")
 SAME_HORIZON = 1.5  # a curve measured at one horizon answers within this factor of it, and nowhere else
 SHAPE_MIN_HORIZONS = 3  # two 2-parameter shapes: three points leave one degree of freedom each
 
@@ -973,6 +975,11 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
             verdict = "near the measured collapse range"
         else:
             verdict = "above the measured collapse range"
+        measured = _measured_over_law(curve, name, k3, horizon, thr, verdict)
+        if measured is not None:
+            verdict, assumption = measured
+            out["uses_bound"] = assumption == BOUND_ASSUMPTION
+            out["uses_collapse_bound"] = assumption == COLLAPSE_BOUND_ASSUMPTION
         if factor > 1:
             verdict += (f"; extrapolated: T = {_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
                         f"horizons (T = {_t(t0)} .. {_t(t1)})")
@@ -995,6 +1002,45 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
 def _t(horizon: float) -> str:
     """A horizon in words: whole tokens from 20 on, one decimal below."""
     return f"{horizon:.0f}" if horizon >= 20 else f"{horizon:.1f}"
+
+
+def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: float, thr: float, verdict: str
+                       ) -> tuple[str, str] | None:
+    """Where a horizon with only a bound speaks for the user's T, the measurement wins over the law (which was not
+    fitted to it, and may cross it): (the verdict, the assumption it rests on), or None to keep the law's verdict.
+
+    - Every run collapsed, from k3 D, at T_b <= 1.5 T (so at or near the user's T, or shorter): k3 >= D is above
+      a measured collapse; k3 < D where the law's threshold lies above D: the law is wrong there, and the map can
+      only say "below D, where runs collapsed".
+    - Nothing collapsed up to k3 D at T_b >= T / 1.5: k3 <= D where the law says near or above is below every
+      level tested there; k3 > D where the law's threshold lies below D is not placed (the law is wrong there, and
+      nothing was measured above D)."""
+    for h in curve.get("horizons") or []:
+        t_b = h.get("horizon")
+        if not _positive(t_b):
+            continue
+        at = f"T {_t(t_b)} ({name})"
+        if h.get("status") == "below_range" and _positive(h.get("upper_bound")) and t_b <= horizon * SAME_HORIZON:
+            dose = h["upper_bound"]
+            fact = f"every run collapsed from k3 {dose:.2g} at {at}"
+            if k3 >= dose:
+                return f"above the measured collapse range: {fact}", COLLAPSE_BOUND_ASSUMPTION
+            if thr > dose:
+                return (f"below k3 {dose:.2g} ({dose / k3:.3g}x), where runs collapsed: {fact}; the law's threshold at this T "
+                        f"(k3 {thr:.2g}) lies above that measured collapse, so the map cannot say how far below the "
+                        "threshold you are", COLLAPSE_BOUND_ASSUMPTION)
+        if (h.get("status") == "above_range" and not h.get("collapsed") and _positive(h.get("lower_bound"))
+                and t_b >= horizon / SAME_HORIZON):
+            dose = h["lower_bound"]
+            fact = f"no collapse measured up to k3 {dose:.2g} at {at}"
+            if k3 <= dose and not verdict.startswith("far below"):
+                return (f"below every level tested: {fact}; the law's threshold at this T (k3 {thr:.2g}) lies below "
+                        "that measured survival", BOUND_ASSUMPTION)
+            if k3 > dose and thr < dose:
+                return (f"not placed: your k3 is above the largest level tested without collapse ({fact}), and the "
+                        f"law's threshold at this T (k3 {thr:.2g}) lies below that measured survival: the map does "
+                        "not know where this collapses", BOUND_ASSUMPTION)
+    return None
 
 
 def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, t_range: tuple[float, float]
@@ -1056,7 +1102,8 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
     bounds = bound_lines(curve)
     if bounds:
         lines.append(f"  the {p['correction']} curve's bounds (measured, not in its fit): " + "; ".join(bounds))
-    assumptions = ASSUMPTIONS + ((BOUND_ASSUMPTION,) if p.get("uses_bound") else ())
+    assumptions = (ASSUMPTIONS + ((BOUND_ASSUMPTION,) if p.get("uses_bound") else ())
+                   + ((COLLAPSE_BOUND_ASSUMPTION,) if p.get("uses_collapse_bound") else ()))
     lines.append("  assumptions: " + "; ".join(assumptions))
     what = (curve.get("provenance") or map_data.get("provenance") or {}).get("what")
     if what:
