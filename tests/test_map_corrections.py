@@ -439,6 +439,7 @@ def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
     assert below["verdict"].startswith("below k3 0.001 (100x), where runs collapsed")
     assert "cannot say how far below" in below["verdict"] and "far below the measured" not in below["verdict"]
     assert scaling.COLLAPSE_BOUND_ASSUMPTION in "\n".join(scaling.map_lines(below, m))
+    assert scaling.placement(m, 0.0, 300.0, "bypass")["verdict"].startswith("below k3 0.001, where runs collapsed")
     far = scaling.placement(m, 1e-5, 100.0, "bypass")  # T = 256 is more than 1.5x longer: the law answers
     assert far["verdict"] == "far below the measured collapse range"
     survived = scaling.placement(m, 1.0, 2.0, "bypass")  # the law alone: above its threshold 0.4

@@ -1026,7 +1026,8 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
             if k3 >= dose:
                 return f"above the measured collapse range: {fact}", COLLAPSE_BOUND_ASSUMPTION
             if thr > dose:
-                return (f"below k3 {dose:.2g} ({dose / k3:.3g}x), where runs collapsed: {fact}; the law's threshold at this T "
+                times = f" ({dose / k3:.3g}x)" if k3 > 0 else ""
+                return (f"below k3 {dose:.2g}{times}, where runs collapsed: {fact}; the law's threshold at this T "
                         f"(k3 {thr:.2g}) lies above that measured collapse, so the map cannot say how far below the "
                         "threshold you are", COLLAPSE_BOUND_ASSUMPTION)
         if (h.get("status") == "above_range" and not h.get("collapsed") and _positive(h.get("lower_bound"))
