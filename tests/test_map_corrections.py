@@ -204,6 +204,17 @@ def test_report_splits_curves_by_the_correction_each_run_saved(tmp_path):
     assert bounds == {4: ("above_range", 0.37, 0), 16: ("above_range", 0.051, 0), 80: ("above_range", 0.037, 0)}
 
 
+def test_a_point_that_never_started_starts_no_curve(tmp_path):
+    """A point not yet run has no saved config, so its correction comes from its overrides alone (sweep.json keeps
+    no `set:` block): it may join a curve of started runs, never start one that names the wrong correction."""
+    pending = PointData("pending", tmp_path / "points" / "pending", {"task.max_len": 8, "seed": 0}, "pending")
+    stray = PointData("stray", tmp_path / "points" / "stray",
+                      {"task.max_len": 8, "seed": 0, "algorithm.old_logprobs": "recompute"}, "pending")
+    result = scaling.scaling(_sweep(tmp_path, _bypass_points(tmp_path) + [pending, stray], ["task.max_len"]))
+    assert [c["correction"] for c in result["curves"]] == ["bypass"]
+    assert result["horizons"][0]["runs_total"] == len(SEEDS) * len(FACTORS) + 1  # the pending bypass point joined
+
+
 def test_report_labels_a_curve_with_its_correction_and_other_keys(tmp_path):
     grid_points = (_bypass_points(tmp_path, overrides={"correction.method": "none", "lr": 1})
                    + _bypass_points(tmp_path / "tis", overrides={"correction.method": "token_tis", "lr": 1}))

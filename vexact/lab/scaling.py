@@ -400,11 +400,20 @@ def scaling(data: SweepData) -> dict[str, Any]:
     setups = [point_setup(p, variants, defaults) for p in with_h]  # (correction, source) of each point
     several = len({source for _, source in setups}) > 1
     curves: dict[tuple[str, str, str], list[PointData]] = {}
+    unstarted = []
     for p, (correction, source) in zip(with_h, setups):  # one curve per correction and source (and other curve
         # key): never one fit over several
         label = ", ".join([f"correction={correction}", *([f"source={source}"] if several else []),
                            *(f"{k}={p.overrides.get(k)}" for k in keys)])
-        curves.setdefault((label, correction, source), []).append(p)
+        if p.has_result or (p.dir / "config.yaml").is_file():
+            curves.setdefault((label, correction, source), []).append(p)
+        else:  # named from its overrides alone (sweep.json keeps no `set:` block): it joins a curve, never starts one
+            unstarted.append(((label, correction, source), p))
+    for key, p in unstarted:
+        if key in curves:
+            curves[key].append(p)
+    if not curves:
+        curves = {key: [p for k, p in unstarted if k == key] for key, _ in unstarted}
     results = [{**_curve(label, correction, _by_horizon(points, variants)), "source": source}
                for (label, correction, source), points in curves.items()]
     primary = next((c for c in results if c["correction"] == DEFAULT_CORRECTION), results[0])
