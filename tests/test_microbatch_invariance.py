@@ -102,6 +102,17 @@ def test_bf16_with_kl_and_recompute_is_micro_batch_invariant_too(tmp_path):
     assert _identical(results[1], results[0]) and _identical(results[2], results[0])
 
 
+def test_activation_checkpointing_changes_no_bit(tmp_path, runs):
+    """``algorithm.activation_checkpointing`` forwards each gradient unit twice (first without a graph, then with
+    one right before its backward): a memory knob, the same run bit for bit, with units and without."""
+    on = {"algorithm.activation_checkpointing": True}
+    assert _identical(_run(tmp_path / "leaf", **on), runs[None, None])
+    assert _identical(_run(tmp_path / "u2_m1", **on, **{"algorithm.grad_unit": 2, "algorithm.micro_batch_size": 1}),
+                      runs[2, None])
+    bf16 = {**BF16_KL, "algorithm.grad_unit": 1}
+    assert _identical(_run(tmp_path / "bf16_on", **bf16, **on), _run(tmp_path / "bf16_off", **bf16))
+
+
 def test_ranks_still_do_not_change_the_bits(tmp_path, runs):
     """Units live inside leaves, so ``--nproc 2`` (one leaf per rank) gives the one-process run."""
     config = _config_file(tmp_path, threads=1, **LEAVES, **{"algorithm.grad_unit": 2, "algorithm.micro_batch_size": 1})

@@ -72,7 +72,16 @@ from rich.markup import escape
 from ..progress import Progress, StepReporter
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
-from ..rl.config import KEY_ALIASES, RENAMED_KEYS, ConfigError, RunConfig, config_from_dict, read_yaml, show_value
+from ..rl.config import (
+    KEY_ALIASES,
+    MEMORY_KEYS,
+    RENAMED_KEYS,
+    ConfigError,
+    RunConfig,
+    config_from_dict,
+    read_yaml,
+    show_value,
+)
 from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
 from ..rl.validate import build, plain
@@ -475,9 +484,9 @@ def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
     log = io.StringIO()  # the run's own log, not shown; its warm-start lines go back to the sweep
     try:
         cfg = config_from_dict(config)
-        # steps may grow on a resume (an extended sweep); no other key may change
+        # steps may grow on a resume (an extended sweep), and a memory knob may change (no bit does); no other key
         summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(
-            resume=resume, allow_changes=("steps",) if resume else ())
+            resume=resume, allow_changes=("steps", *MEMORY_KEYS) if resume else ())
         return {"status": summary["status"], "error": None, "warm_start": _warm_start_lines(log)}
     except KeyboardInterrupt:
         return {"status": "interrupted", "error": None}

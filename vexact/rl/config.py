@@ -227,9 +227,19 @@ class AlgorithmSection:
     # set, each unit is one forward and backward and a leaf's gradient is their fixed-tree sum, so
     # micro_batch_size changes no bit (it then only batches the no-grad scoring); must divide a leaf
     grad_unit: int | None = field(default=None, metadata=_bounds(min=1))
+    # activation checkpointing per gradient unit: the gradient pass forwards every unit without a graph first (for
+    # the loss), then each unit again, with grad, right before its own backward. Memory holds one unit's graph
+    # instead of all of them (a long-horizon mini-batch's attention is what fills it); one more forward per unit;
+    # no bit changes (the exact forward is deterministic, and the second forward is checked against the first)
+    activation_checkpointing: bool = False
     # router replay (R3, MoE models): the training path uses the experts the rollout's router chose at every
     # position and layer (the weights stay the training router's probabilities of them)
     router_replay: bool = False
+
+
+MEMORY_KEYS = ("algorithm.activation_checkpointing",)
+"""Config keys that trade memory for time and change no bit: a run may resume with them changed, and runs that
+differ only in them are one testbed (``build-map``)."""
 
 
 @extensible("correction")

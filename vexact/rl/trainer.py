@@ -57,7 +57,7 @@ from ..records.runlog import (
     write_json_atomic,
 )
 from .collapse import detect_collapse
-from .config import RunConfig, dotted_items, load_config, save_config
+from .config import MEMORY_KEYS, RunConfig, dotted_items, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .log_backends import live_views
@@ -300,8 +300,18 @@ class Trainer:
         mine = self.ranks.block(self.cfg.distributed.leaves)
         units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)] for k in mine]
         positions = [u for leaf in units for u in leaf]  # of this rank's units in ``idx``, in order
-        forwards = [self.objective.policy_forward(self.compute, batch, idx[u], self.objective.gradient_micro_batch)
-                    for u in positions]
+        checkpointed = self.cfg.algorithm.activation_checkpointing
+
+        def forward(u: slice) -> tuple[list[Tensor], list[Tensor]]:
+            return self.objective.policy_forward(self.compute, batch, idx[u], self.objective.gradient_micro_batch)
+
+        if checkpointed:  # no graph kept: the loss's inputs become leaves, each unit forwards again in its backward
+            with torch.no_grad():
+                values = [forward(u) for u in positions]
+            forwards = [([t.requires_grad_(True) for t in lp], [t.requires_grad_(True) for t in ent])
+                        for lp, ent in values]
+        else:
+            forwards = [forward(u) for u in positions]
         gathered = self.ranks.gather([([t.detach() for t in lp], [t.detach() for t in ent]) for lp, ent in forwards])
         logp_list = [t for lp, _ in gathered for t in lp]
         entropy_list = [t for _, ent in gathered for t in ent]
@@ -322,6 +332,14 @@ class Trainer:
             every unit, so its layout and bits are unchanged)."""
             nonlocal used
             roots = [(t, g) for t, g in zip(outputs[u], shares[u]) if g is not None]
+            if checkpointed:
+                logp, entropy = forward(positions[u])
+                live = [t for t in (*logp, *entropy) if t.requires_grad]
+                if len(live) != len(outputs[u]) or not all(torch.equal(a.detach(), b.detach())
+                                                           for a, b in zip(live, outputs[u])):
+                    raise RuntimeError("algorithm.activation_checkpointing: the gradient pass's second forward of a "
+                                       "unit differs from its first, so its gradient would not be the loss's")
+                roots = [(t, g) for t, g in zip(live, shares[u]) if g is not None]
             grads = torch.autograd.grad([t for t, _ in roots], params, [g for _, g in roots], allow_unused=True)
             grads = [torch.zeros_like(p) if g is None and expert else g for g, p, expert in zip(grads, params, experts)]
             used = [g is not None for g in grads]
@@ -595,7 +613,7 @@ def default_threads(cfg: RunConfig) -> int:
 
 
 RESUME_SAFE_KEYS = ("steps", "threads", "logging.live", "logging.eval_every", "logging.checkpoint_every",
-                    "logging.backends", "logging.wandb_project", "logging.wandb_mode")
+                    "logging.backends", "logging.wandb_project", "logging.wandb_mode", *MEMORY_KEYS)
 """Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers; ``steps`` extends
 or shortens the run (a cosine schedule's horizon moves). ``threads`` is one since the exact backward and the update
 are thread-count invariant too (``tests/test_backward_threads.py`` runs a whole run at 1 and 2 threads). With the
