@@ -204,6 +204,24 @@ def test_report_splits_curves_by_the_correction_each_run_saved(tmp_path):
     assert bounds == {4: ("above_range", 0.37, 0), 16: ("above_range", 0.051, 0), 80: ("above_range", 0.037, 0)}
 
 
+def test_a_bound_over_runs_that_dropped_unconfirmed_says_so(tmp_path):
+    """A run whose reward fell below half its peak too late for the detector's patience is no collapse in the fit,
+    but no clean survival either: the bound over it counts it, in the map's lines and in a verdict."""
+    points = _recompute_points(tmp_path, overrides={"algorithm.old_logprobs": "recompute"})
+    late = next(p for p in points if p.overrides["task.max_len"] == 80)
+    late.summary["collapse"]["collapse_unconfirmed_step"] = 110
+    result = scaling.scaling(_sweep(tmp_path, points, ["task.max_len"]))
+    curve = result["curves"][0]
+    assert curve["correction"] == "recompute" and [h["dropped_unconfirmed"] for h in curve["horizons"]] == [0, 0, 1]
+    assert scaling.bound_lines(curve)[2] == ("no collapse measured up to k3 0.037 at T 83 (1 of 9 runs dropped below "
+                                             "half their peak, unconfirmed by the run's end)")
+    at_60 = place_on_map(result, 0.01, 60.0, "recompute")["verdict"]  # only L = 80's bound reaches T = 60
+    assert at_60.startswith("below every level tested: no collapse measured up to k3 0.037 at T 83 (recompute) "
+                            "(1 of 9 runs dropped")
+    at_15 = place_on_map(result, 0.01, 15.0, "recompute")["verdict"]  # the largest bound at T >= 15: L = 16's
+    assert "no collapse measured up to k3 0.051 at T 19.7 (recompute);" in at_15 and "dropped" not in at_15
+
+
 def test_a_point_that_never_started_starts_no_curve(tmp_path):
     """A point not yet run has no saved config, so its correction comes from its overrides alone (sweep.json keeps
     no `set:` block): it may join a curve of started runs, never start one that names the wrong correction."""

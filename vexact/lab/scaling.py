@@ -446,8 +446,13 @@ def _curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> dic
             if dose > 0:
                 runs.append((dose, p.collapse.get("collapsed") is True, p.overrides.get(SEED_KEY)))
         threshold = fit_threshold(runs)
+        # a run that fell below half its peak without the detector's patience left to confirm it: not a collapse in
+        # the fit, and not a clean survival either, so a bound over such runs says so
+        dropped = sum(p.collapse.get("collapse_unconfirmed_step") is not None
+                      and p.collapse.get("collapsed") is not True for p in done)
         horizons.append({"horizon_value": value, "horizon": sum(lengths) / len(lengths) if lengths else None,
-                         "runs_total": len(by_h[value]), "runs_with_result": len(done), **threshold})
+                         "runs_total": len(by_h[value]), "runs_with_result": len(done), **threshold,
+                         "dropped_unconfirmed": dropped})
     law = fit_law(horizons)
     if missing:
         law["note"] += f"; {missing} run(s) without a realised {METRIC} or {HORIZON_METRIC} are left out"
@@ -1042,7 +1047,7 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
         if (h.get("status") == "above_range" and not h.get("collapsed") and _positive(h.get("lower_bound"))
                 and t_b >= horizon / SAME_HORIZON):
             dose = h["lower_bound"]
-            fact = f"no collapse measured up to k3 {dose:.2g} at {at}"
+            fact = _no_collapse_fact(h, at)
             if k3 <= dose and not verdict.startswith("far below"):
                 return (f"below every level tested: {fact}; the law's threshold at this T (k3 {thr:.2g}) lies below "
                         "that measured survival", BOUND_ASSUMPTION)
@@ -1062,7 +1067,7 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
     carried = [h for h in safe if h["horizon"] >= horizon]
     if carried:
         best = max(carried, key=lambda h: h["lower_bound"])
-        fact = f"no collapse measured up to k3 {best['lower_bound']:.2g} at T {_t(best['horizon'])} ({name})"
+        fact = _no_collapse_fact(best, f"T {_t(best['horizon'])} ({name})")
         if k3 < best["lower_bound"]:
             return f"below every level tested: {fact}; the curve has no threshold to compare with"
         return (f"not placed: your k3 is at or above the largest level tested without collapse ({fact}); the {name} "
@@ -1084,10 +1089,10 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
             return f"{where} the measured collapse range: {fact}"
     if safe:
         longest = max(safe, key=lambda h: h["horizon"])
+        at = f"T {_t(longest['horizon'])} ({name})"
         return (f"no verdict at this horizon: T = {_t(horizon)} lies beyond the {name} curve's measured horizons "
-                f"(T = {_t(t_range[0])} .. {_t(t_range[1])}): no collapse measured up to k3 "
-                f"{longest['lower_bound']:.2g} at T {_t(longest['horizon'])} ({name}), and the curve has no law to "
-                "carry that further")
+                f"(T = {_t(t_range[0])} .. {_t(t_range[1])}): {_no_collapse_fact(longest, at)}, and the curve has "
+                "no law to carry that further")
     return f"unknown: the {name} curve has no fitted law ({curve.get('status')}): {curve.get('note')}"
 
 
@@ -1348,6 +1353,15 @@ def _label(key: CurveKey) -> str:
     return f"correction={key[0]}, source={key[1]}"
 
 
+def _no_collapse_fact(h: dict[str, Any], at: str) -> str:
+    """"no collapse measured up to k3 X at ``at``", and how many of those runs dropped below half their peak too late
+    for the detector to confirm it (they are not collapses, and not clean survivals either)."""
+    dropped = h.get("dropped_unconfirmed") or 0
+    return (f"no collapse measured up to k3 {h['lower_bound']:.2g} at {at}"
+            + (f" ({dropped} of {h.get('runs')} runs dropped below half their peak, unconfirmed by the run's end)"
+               if dropped else ""))
+
+
 def bound_lines(curve: dict[str, Any]) -> list[str]:
     """The curve's horizons that give only a bound, in words: "no collapse measured up to k3 X at T Y" where no run
     collapsed; the side of a 50% point the data could not place otherwise. Bounds never enter the law's fit."""
@@ -1357,7 +1371,7 @@ def bound_lines(curve: dict[str, Any]) -> list[str]:
         at = f"T {_t(t)}" if _positive(t) else f"{HORIZON_KEY} = {h.get('horizon_value')}"
         if status == "above_range" and _positive(h.get("lower_bound")):
             if not h.get("collapsed"):
-                lines.append(f"no collapse measured up to k3 {h['lower_bound']:.2g} at {at}")
+                lines.append(_no_collapse_fact(h, at))
             else:
                 lines.append(f"threshold above k3 {h['lower_bound']:.2g} at {at} ({h['collapsed']} of "
                              f"{h.get('runs')} runs collapsed, the fitted 50% point lies above every dose tested)")
