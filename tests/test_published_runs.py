@@ -10,7 +10,15 @@ import yaml
 from test_map_corrections import _two_correction_map
 
 from vexact.lab import published, scaling
-from vexact.lab.published import PublishedPoint, agreement, horizon_at, load_published, points_table
+from vexact.lab.published import (
+    PublishedPoint,
+    _horizon_text,
+    agreement,
+    horizon_at,
+    load_published,
+    measured_horizon_at,
+    points_table,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results" / "published_runs.md"
@@ -90,6 +98,14 @@ def test_agreement_and_horizon_at():
     t = horizon_at(curve, 0.013)
     assert scaling.place_on_map(scaling.load_map(), 0.013, t, "bypass")["threshold_50"] == pytest.approx(0.013)
     assert horizon_at({"status": "bounds_only"}, 0.01) is None
+    # a horizon whose runs all collapsed from k3 0.003 at T = 400, where the law (0.1 at T = 1, α = 0.5) says 0.005
+    measured = {"status": "fitted", "log10_prefactor": -1.0, "alpha": 0.5,
+                "horizons": [{"status": "below_range", "horizon": 400.0, "upper_bound": 0.003}]}
+    assert measured_horizon_at(measured, 0.004) == (400.0, 0.003) and measured_horizon_at(measured, 0.002) is None
+    assert _horizon_text(measured, 0.004) == ("the threshold is below it by T ≈ 400 (measured: every run there "
+                                              "collapsed from k3 0.003); the law says T ≈ 625")
+    assert _horizon_text(measured, 0.02) == "the threshold falls to it at T ≈ 25"  # the law says earlier: it stands
+    assert _horizon_text(measured, 0.002) == "the threshold falls to it at T ≈ 2,500"  # nothing measured at 0.002
 
 
 def test_bad_data_is_one_sentence(tmp_path):

@@ -8,6 +8,8 @@ map says, computed here with ``vexact.lab.scaling`` -- so the map's columns are 
   it, gives its T, and the map has that curve;
 * **the bypass law**: the bypass curve's verdict at the point's T, or, without a T, the horizon at which the law's
   50% threshold falls to the point's k3 (``horizon_at``): above that T the law calls this k3 a collapse level;
+  a horizon whose runs all collapsed from a dose <= k3 puts it earlier when the law says later
+  (``measured_horizon_at``);
 * **agrees?**: the outcome against the verdict of their correction's curve (``agreement``), else against the bypass
   law, labelled as such; "cannot test" where the map has no verdict for the point (no k3, no T, no outcome).
 """
@@ -37,6 +39,7 @@ from .scaling import (
 )
 
 __all__ = ["POINTS_FILE", "Bar", "PublishedPoint", "agreement", "bars_table", "horizon_at", "load_published",
+           "measured_horizon_at",
            "points_table"]
 
 POINTS_FILE = Path(__file__).with_name("published_runs.yaml")
@@ -117,6 +120,15 @@ def horizon_at(curve: dict[str, Any], k3: float) -> float | None:
     return 10 ** ((curve["log10_prefactor"] - math.log10(k3)) / curve["alpha"])
 
 
+def measured_horizon_at(curve: dict[str, Any], k3: float) -> tuple[float, float] | None:
+    """(T_b, D) of the shortest horizon whose runs all collapsed, from a dose D <= ``k3``: the threshold is below
+    ``k3`` there already, whatever the law says (None when no such horizon was measured)."""
+    below = [(h["horizon"], h["upper_bound"]) for h in curve.get("horizons") or []
+             if h.get("status") == "below_range" and isinstance(h.get("horizon"), (int, float))
+             and isinstance(h.get("upper_bound"), (int, float)) and h["upper_bound"] <= k3]
+    return min(below) if below else None
+
+
 def agreement(outcome: str, verdict: str) -> str:
     """A published outcome against a verdict: a collapse agrees with "above" / "near", a survival with "far below"
     / "below every level tested"; a survival "near" the range is consistent with it; anything else cannot test."""
@@ -164,6 +176,18 @@ def _at_horizon(t: float | None) -> str:
     return "above the threshold at every T ≥ 1" if t < 1 else f"the threshold falls to it at T ≈ {_num(t)}"
 
 
+def _horizon_text(curve: dict[str, Any], k3: float) -> str:
+    """Where the threshold falls to ``k3``: the law's T, unless a measured collapse at a lower dose puts it earlier
+    (a horizon whose runs all collapsed is a measurement the law was not fitted to, and it wins)."""
+    t = horizon_at(curve, k3)
+    measured = measured_horizon_at(curve, k3)
+    if measured is not None and (t is None or t > measured[0]):
+        t_b, dose = measured
+        return (f"the threshold is below it by T ≈ {_num(t_b)} (measured: every run there collapsed from k3 "
+                f"{dose:.2g})" + (f"; the law says T ≈ {_num(t)}" if t is not None else ""))
+    return _at_horizon(t)
+
+
 def _default_source_corrections(map_data: dict[str, Any]) -> set[str]:
     """The corrections a map has curves for on its default source: published points are placed on those curves (none
     of them names its source as one of the map's)."""
@@ -197,7 +221,7 @@ def _assess(point: PublishedPoint, map_data: dict[str, Any]) -> tuple[str, str, 
             bypass_verdict = placed[-1 if point.outcome == "collapsed" else 0]["verdict"]
         elif curve.get("status") == "fitted":
             t0, t1 = curve["horizon_range"]
-            bypass = _cells([_at_horizon(horizon_at(curve, k3)) for k3 in ends], ends) + (
+            bypass = _cells([_horizon_text(curve, k3) for k3 in ends], ends) + (
                 f" (measured: T = {t0:.0f} .. {t1:.0f})")
         else:
             bypass = f"no law on the bypass curve ({curve.get('status')})"
@@ -261,7 +285,7 @@ def bars_table(map_data: dict[str, Any], bars: list[Bar]) -> str:
         elif BYPASS not in names:
             says = "no bypass curve on the map"
         else:
-            says = _at_horizon(horizon_at(curve_for(map_data, BYPASS), b.k3))
+            says = _horizon_text(curve_for(map_data, BYPASS), b.k3)
         rows.append([b.source, b.bar, "—" if b.k3 is None else f"{b.k3:.2g}", says])
     return markdown_table(["source", "bar", "k3 placed", "map: the bypass law"], rows)
 
