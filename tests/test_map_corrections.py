@@ -478,6 +478,19 @@ def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
     assert untested["verdict"].startswith("not placed: your k3 is above the largest level tested without collapse")
 
 
+def test_a_law_whose_interval_spans_decades_gives_no_verdict():
+    """Two horizons with wide intervals fit a line whose interval at a far T spans many decades: "near" would be
+    true of any k3 there, so the verdict says the curve does not pin the threshold (and the law's numbers stay)."""
+    curve = {"curve": "bypass", "correction": "bypass", "source": "logit_scale", "status": "fitted",
+             "log10_prefactor": -0.5, "alpha": 1.0, "horizon_range": [6.0, 48.0], "horizons": [],
+             "replicates": [[-0.5 + d, 1.0 + d / 2] for d in (-4, -2, 0, 2, 4)] * 40}
+    wide = place_on_map(curve, 1e-4, 1000.0, "bypass")
+    assert wide["verdict"].startswith("no verdict: the law's 95% interval at this T spans k3")
+    assert wide["threshold_50"] == pytest.approx(10 ** -3.5) and wide["ci_high"] / wide["ci_low"] > 1e3
+    narrow = {**curve, "replicates": [[-0.5 + d / 100, 1.0] for d in (-4, -2, 0, 2, 4)] * 40}
+    assert place_on_map(narrow, 1e-6, 1000.0, "bypass")["verdict"].startswith("far below")
+
+
 # ----------------------------------------------------------------------------- the shape of the law
 
 

@@ -136,7 +136,8 @@ def test_a_curve_with_one_threshold_and_a_bound_answers_at_the_thresholds_horizo
 def test_the_shipped_tail_map_is_made_by_build_map_and_picked_for_a_real_vocabulary():
     tail = scaling.load_map(scaling.DEFAULT_TAIL_MAP)
     assert map_vocab(tail) == 1024 and map_vocab(scaling.load_map()) == 22
-    assert tail["provenance"]["made_by"].endswith("--only task.distractors=1002")
+    # L = 80's tail runs are left out until their late drops are confirmed (docs/results/vocab_tail.md)
+    assert tail["provenance"]["made_by"].endswith("--only task.distractors=1002 --only task.max_len=1,16")
     assert tail["origin"] == scaling.SHIPPED_MAPS[scaling.DEFAULT_TAIL_MAP]
     assert shipped_map_for(151_936) == scaling.DEFAULT_TAIL_MAP and shipped_map_for(22) == scaling.DEFAULT_MAP
     assert build_map([scaling.DEFAULT_TAIL_MAP])["curves"] == json.loads(scaling.DEFAULT_TAIL_MAP.read_text())["curves"]

@@ -110,6 +110,7 @@ BOUND_ASSUMPTION = ("a no-collapse bound measured at a horizon also holds at sho
 COLLAPSE_BOUND_ASSUMPTION = ("a collapse measured at a horizon also happens at longer ones (the threshold does not "
                              "rise with T, as on the map's bypass curve)")
 SAME_HORIZON = 1.5  # a curve measured at one horizon answers within this factor of it, and nowhere else
+WIDEST_INTERVAL_DECADES = 3.0  # a law whose interval at the user's T spans more decades than this pins nothing there
 SHAPE_MIN_HORIZONS = 3  # two 2-parameter shapes: three points leave one degree of freedom each
 
 
@@ -983,7 +984,11 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         hi = reps[int(0.975 * (len(reps) - 1))] if reps else None
         out.update(threshold_50=thr, ci_low=lo, ci_high=hi, ratio=k3 / thr)
         low, high = lo or thr, hi or thr
-        if k3 < low / 10:
+        if math.log10(high / low) > WIDEST_INTERVAL_DECADES:
+            verdict = (f"no verdict: the law's 95% interval at this T spans k3 {low:.2g} .. {high:.2g} "
+                       f"({math.log10(high / low):.0f} decades), so the {name} curve's horizons do not pin the "
+                       "threshold here")
+        elif k3 < low / 10:
             verdict = "far below the measured collapse range"
         elif k3 < high:
             verdict = "near the measured collapse range"
