@@ -27,6 +27,7 @@ from vexact.engine.scoring import score_tokens
 from vexact.records.runlog import latest_checkpoint
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.data_parallel import tree_sum
+from vexact.rl.objective import Objective
 from vexact.rl.trainer import Trainer, _tree_sum_of
 
 # TINY's mini-batch is 8 sequences; 2 leaves of 4, so a unit of 2 puts two units in every leaf
@@ -111,6 +112,21 @@ def test_activation_checkpointing_changes_no_bit(tmp_path, runs):
                       runs[2, None])
     bf16 = {**BF16_KL, "algorithm.grad_unit": 1}
     assert _identical(_run(tmp_path / "bf16_on", **bf16, **on), _run(tmp_path / "bf16_off", **bf16))
+
+
+def test_activation_checkpointing_stops_a_run_whose_second_forward_differs(tmp_path, monkeypatch):
+    """The guard can fire: a forward that is not deterministic (here a nudge on the forward that carries grad) would
+    give gradients that are not the loss's, so the run stops with the reason, as an outcome."""
+    original = Objective.policy_forward
+
+    def nudged(self, model, batch, idx, micro_batch_size):
+        logp, entropy = original(self, model, batch, idx, micro_batch_size)
+        return ([t + 1e-3 for t in logp] if torch.is_grad_enabled() else logp), entropy
+
+    monkeypatch.setattr(Objective, "policy_forward", nudged)
+    config = _config_file(tmp_path, threads=1, **LEAVES, **{"algorithm.activation_checkpointing": True})
+    summary = Trainer(load_config(config, [f"output_dir={tmp_path / 'run'}"]), console=Console(quiet=True)).run()
+    assert summary["status"] == "stopped" and "activation_checkpointing" in summary["reason"]
 
 
 def test_ranks_still_do_not_change_the_bits(tmp_path, runs):

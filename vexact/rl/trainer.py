@@ -331,15 +331,15 @@ class Trainer:
             its gradient is zeros, so every unit's flat layout is the same (a dense model uses every parameter in
             every unit, so its layout and bits are unchanged)."""
             nonlocal used
-            roots = [(t, g) for t, g in zip(outputs[u], shares[u]) if g is not None]
-            if checkpointed:
+            sources = outputs[u]  # what the loss's gradient (``shares``) flows into
+            if checkpointed:  # the unit's graph, made now: its outputs must be the loss's leaves, bit for bit
                 logp, entropy = forward(positions[u])
-                live = [t for t in (*logp, *entropy) if t.requires_grad]
-                if len(live) != len(outputs[u]) or not all(torch.equal(a.detach(), b.detach())
-                                                           for a, b in zip(live, outputs[u])):
-                    raise RuntimeError("algorithm.activation_checkpointing: the gradient pass's second forward of a "
-                                       "unit differs from its first, so its gradient would not be the loss's")
-                roots = [(t, g) for t, g in zip(live, shares[u]) if g is not None]
+                sources = [t for t in (*logp, *entropy) if t.requires_grad]
+                if len(sources) != len(outputs[u]) or not all(torch.equal(a.detach(), b.detach())
+                                                              for a, b in zip(sources, outputs[u])):
+                    raise RunStopped("exactness violated: with algorithm.activation_checkpointing, a unit's second "
+                                     "forward differs from its first, so its gradient would not be the loss's")
+            roots = [(t, g) for t, g in zip(sources, shares[u]) if g is not None]
             grads = torch.autograd.grad([t for t, _ in roots], params, [g for _, g in roots], allow_unused=True)
             grads = [torch.zeros_like(p) if g is None and expert else g for g, p, expert in zip(grads, params, experts)]
             used = [g is not None for g in grads]
