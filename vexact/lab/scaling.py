@@ -400,21 +400,17 @@ def scaling(data: SweepData) -> dict[str, Any]:
     defaults = _default_config()
     setups = [point_setup(p, variants, defaults) for p in with_h]  # (correction, source) of each point
     several = len({source for _, source in setups}) > 1
-    curves: dict[tuple[str, str, str], list[PointData]] = {}
-    unstarted = []
+    started: dict[tuple[str, str, str], list[PointData]] = {}
+    pending: dict[tuple[str, str, str], list[PointData]] = {}
     for p, (correction, source) in zip(with_h, setups):  # one curve per correction and source (and other curve
         # key): never one fit over several
         label = ", ".join([f"correction={correction}", *([f"source={source}"] if several else []),
                            *(f"{k}={p.overrides.get(k)}" for k in keys)])
-        if p.has_result or (p.dir / "config.yaml").is_file():
-            curves.setdefault((label, correction, source), []).append(p)
-        else:  # named from its overrides alone (sweep.json keeps no `set:` block): it joins a curve, never starts one
-            unstarted.append(((label, correction, source), p))
-    for key, p in unstarted:
-        if key in curves:
-            curves[key].append(p)
-    if not curves:
-        curves = {key: [p for k, p in unstarted if k == key] for key, _ in unstarted}
+        # a point never started is named from its overrides alone (sweep.json keeps no `set:` block), which may
+        # name the wrong correction: it joins a curve of started runs, never starts one
+        group = started if p.has_result or (p.dir / "config.yaml").is_file() else pending
+        group.setdefault((label, correction, source), []).append(p)
+    curves = {key: points + pending.get(key, []) for key, points in started.items()} or pending
     results = [{**_curve(label, correction, _by_horizon(points, variants)), "source": source}
                for (label, correction, source), points in curves.items()]
     primary = next((c for c in results if c["correction"] == DEFAULT_CORRECTION), results[0])
@@ -447,13 +443,10 @@ def _curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> dic
             if dose > 0:
                 runs.append((dose, p.collapse.get("collapsed") is True, p.overrides.get(SEED_KEY)))
         threshold = fit_threshold(runs)
-        # a run that fell below half its peak without the detector's patience left to confirm it: not a collapse in
-        # the fit, and not a clean survival either, so a bound over such runs says so
-        dropped = sum(p.collapse.get("collapse_unconfirmed_step") is not None
-                      and p.collapse.get("collapsed") is not True for p in done)
         horizons.append({"horizon_value": value, "horizon": sum(lengths) / len(lengths) if lengths else None,
                          "runs_total": len(by_h[value]), "runs_with_result": len(done), **threshold,
-                         "dropped_unconfirmed": dropped})
+                         # not collapses in the fit, and not clean survivals: a bound over them says so
+                         "dropped_unconfirmed": sum(p.dropped_unconfirmed for p in done)})
     law = fit_law(horizons)
     if missing:
         law["note"] += f"; {missing} run(s) without a realised {METRIC} or {HORIZON_METRIC} are left out"
@@ -955,8 +948,9 @@ def place_on_map(map_data: dict[str, Any], k3: float, horizon: float, correction
 
 def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None,
               source: str | None = None) -> dict[str, Any]:
-    """``place_on_map``'s keys and what the printed lines add: ``correction_assumed``, ``uses_bound`` and
-    ``outside_every_curve`` (the sentence when T is outside every curve's measured horizons)."""
+    """``place_on_map``'s keys and what the printed lines add: ``correction_assumed``, ``bound_assumption`` (the
+    assumption a verdict from a measured bound rests on, or None) and ``outside_every_curve`` (the sentence when T is
+    outside every curve's measured horizons)."""
     if not _number(k3) or k3 < 0:
         raise ValueError(f"k3 must be a finite number >= 0, got {k3!r}")
     if not _positive(horizon):
@@ -975,7 +969,7 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
                            "ci_high": None, "ratio": None, "verdict": None, "extrapolation_factor": factor,
                            "correction": name, "source": curve["source"], "vocab": map_vocab(map_data),
                            "correction_assumed": assumed,
-                           "uses_bound": False}
+                           "bound_assumption": None}
     if curve.get("status") == "fitted":
         lt = math.log10(horizon)
         thr = 10 ** (curve["log10_prefactor"] - curve["alpha"] * lt)
@@ -996,15 +990,14 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
             verdict = "above the measured collapse range"
         measured = _measured_over_law(curve, name, k3, horizon, thr, verdict)
         if measured is not None:
-            verdict, assumption = measured
-            out["uses_bound"] = assumption == BOUND_ASSUMPTION
-            out["uses_collapse_bound"] = assumption == COLLAPSE_BOUND_ASSUMPTION
+            verdict, out["bound_assumption"] = measured
         if factor > 1:
             verdict += (f"; extrapolated: T = {_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
                         f"horizons (T = {_t(t0)} .. {_t(t1)})")
     else:
         verdict = _bound_verdict(curve, name, k3, horizon, (t0, t1))
-        out["uses_bound"] = verdict.startswith("below every level tested")
+        if verdict.startswith("below every level tested"):
+            out["bound_assumption"] = BOUND_ASSUMPTION
     if assumed:
         verdict += f"; correction assumed: {name} (none given: name the one you run)"
     out["verdict"] = verdict
@@ -1122,8 +1115,7 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
     bounds = bound_lines(curve)
     if bounds:
         lines.append(f"  the {p['correction']} curve's bounds (measured, not in its fit): " + "; ".join(bounds))
-    assumptions = (ASSUMPTIONS + ((BOUND_ASSUMPTION,) if p.get("uses_bound") else ())
-                   + ((COLLAPSE_BOUND_ASSUMPTION,) if p.get("uses_collapse_bound") else ()))
+    assumptions = ASSUMPTIONS + ((p["bound_assumption"],) if p.get("bound_assumption") else ())
     lines.append("  assumptions: " + "; ".join(assumptions))
     what = (curve.get("provenance") or map_data.get("provenance") or {}).get("what")
     if what:

@@ -46,6 +46,12 @@ class PointData:
         return self.status in RESULT_STATUSES and self.summary is not None
 
     @property
+    def dropped_unconfirmed(self) -> bool:
+        """The run fell below the detector's drop without the patience left to confirm it (a late drop, or a run
+        too short): not a collapse, and not a clean survival either."""
+        return self.collapse.get("collapse_unconfirmed_step") is not None and self.collapse.get("collapsed") is not True
+
+    @property
     def run_length(self) -> int:
         """Steps the point ran: summary's steps_completed, else the metrics history length."""
         steps = (self.summary or {}).get("steps_completed")

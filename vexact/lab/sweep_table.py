@@ -93,8 +93,7 @@ def group_table(data: SweepData) -> list[dict[str, Any]]:
             "median_collapse_step": median(p.collapse.get("collapse_step") for p in collapsed),
             # runs that fell below the drop but ended before the detector's patience ran out (a late drop, or a run
             # too short to confirm it): not collapses, and not survivals either; None when no run of the sweep has one
-            "unconfirmed": sum(p.collapse.get("collapse_unconfirmed_step") is not None for p in done
-                               if p not in collapsed),
+            "unconfirmed": sum(p.dropped_unconfirmed for p in done),
             "peak_reward": mean(reward_summary(p)["peak"] for p in done),  # one definition: reward_summary
             "final_reward": mean(reward_summary(p)["final"] for p in done),
             "length_surge_lead_median": median(p.collapse.get("length_surge_lead") for p in done),
