@@ -36,14 +36,14 @@ def _run(root: Path, old_logprobs: str = "rollout", collapse: bool = True, k3: b
     return root
 
 
-def test_dose_is_the_mean_before_collapse_and_t_the_mean_length(tmp_path: Path) -> None:
+def test_dose_and_t_are_the_means_before_collapse(tmp_path: Path) -> None:
     run = _run(tmp_path / "run")
     map_data = load_map(None)
     placed = run_on_map(run, map_data)
     assert placed["collapsed"] is True
     assert placed["k3"] == pytest.approx(math.fsum(K3[:30]) / 30, rel=1e-12)  # the steps before collapse (step 30)
     assert placed["k3"] != pytest.approx(math.fsum(K3) / 40, rel=1e-3)
-    assert placed["horizon"] == (18.0 * 20 + 22.0 * 20) / 40
+    assert placed["horizon"] == (18.0 * 20 + 22.0 * 10) / 30  # the same steps as the dose
     assert placed["correction"] == "bypass" and placed["dtype"] == "bfloat16" and placed["max_len"] == 16
     assert placed["engine"] == "vexact" and placed["final_reward"] == pytest.approx(0.05)
     expected = place_on_map(map_data, placed["k3"], placed["horizon"], "bypass")
@@ -54,6 +54,7 @@ def test_a_run_without_collapse_takes_its_whole_mean_and_its_own_correction(tmp_
     map_data = load_map(None)
     kept = run_on_map(_run(tmp_path / "kept", collapse=False), map_data)
     assert kept["collapsed"] is False and kept["k3"] == pytest.approx(math.fsum(K3) / 40, rel=1e-12)
+    assert kept["horizon"] == (18.0 * 20 + 22.0 * 20) / 40
     recompute = run_on_map(_run(tmp_path / "recompute", old_logprobs="recompute", collapse=False), map_data)
     assert recompute["correction"] == "recompute"
     assert run_on_map(tmp_path / "recompute", map_data, correction="bypass")["correction"] == "bypass"
@@ -64,7 +65,7 @@ def test_cli_table_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main([str(run)]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith(f"| {run} "))
-    assert "| bfloat16 | 16 | 20.0 | 1.6e-02 | yes |" in row and "k3 alone does not set the harm" in out
+    assert "| bfloat16 | 16 | 19.3 | 1.6e-02 | yes |" in row and "k3 alone does not set the harm" in out
     assert main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "not a run directory" in err[0]

@@ -242,3 +242,21 @@ def test_against_meter(tmp_path):
     (tmp_path / "meter.json").write_text(json.dumps({"cells": cells[:2]}))
     files, _ = write_scaling(data, tmp_path)
     assert "no comparison" in json.loads(files[0].read_text())["meter"]["note"]
+
+
+def test_the_horizon_is_measured_over_the_dose_window(tmp_path):
+    """A run's T is the mean response length over the steps its dose is (before collapse): a collapsed policy's
+    short answers after the collapse step do not shorten the horizon its mismatch acted over."""
+    from vexact.lab.scaling import measured_horizon
+
+    lengths = [500.0, 480.0, 460.0, 90.0, 60.0]  # steps 0..4; collapse at step 3
+    metrics = [{"step": s, "response_length/mean": t} for s, t in enumerate(lengths)]
+
+    def point(collapse: dict) -> PointData:
+        return PointData("p", tmp_path, {}, "completed", summary={"status": "completed", "collapse": collapse},
+                         metrics=metrics)
+
+    assert measured_horizon(point({"collapsed": True, "collapse_step": 3})) == pytest.approx(480.0)
+    assert measured_horizon(point({"collapsed": False})) == pytest.approx(sum(lengths) / 5)  # no collapse: all
+    # an unconfirmed drop is no collapse: its window is the whole run, as its dose's is
+    assert measured_horizon(point({"collapsed": False, "collapse_unconfirmed_step": 3})) == pytest.approx(318.0)

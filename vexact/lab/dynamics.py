@@ -61,7 +61,7 @@ MIN_STEPS = 10  # fewer usable steps than this: no statement about the run
 
 def run_dynamics(point: PointData) -> dict[str, Any] | None:
     """One run's early/late k3 and correlations; None when it has fewer than ``MIN_STEPS`` usable steps."""
-    end = point.collapse.get("collapse_step") if point.collapse.get("collapsed") else None
+    end = point.collapse_step
     rows = {}
     for step, k3 in zip(*metric_series(point, K3_KL)):
         if k3 > 0 and math.isfinite(k3) and (end is None or step < end):
@@ -105,7 +105,7 @@ def run_phases(point: PointData, window: int = SURGE_WINDOW) -> dict[str, dict[s
     surge = point.collapse.get("length_surge_step")
     if not isinstance(surge, int):
         return None
-    end = point.collapse.get("collapse_step") if point.collapse.get("collapsed") else None
+    end = point.collapse_step
     bounds = {"before": (-math.inf, surge - window), "during": (surge - window, surge + window),
               "after": (surge + window, math.inf if end is None else end)}
     out: dict[str, dict[str, float | None]] = {}

@@ -23,7 +23,8 @@ are split by correction (never one fit over runs with different corrections) and
 
 **Horizon.** A point's horizon group is its ``task.max_len`` (the scratchpad length L of ``horizon``, or the input
 length of another task), set in the sweep's grid or in its variant's bundle; its horizon T is measured: the run
-mean of ``response_length/mean`` (tokens per response). A sweep that sets no ``task.max_len`` has no horizon axis.
+mean of ``response_length/mean`` (tokens per response) over the steps before collapse, the window of the dose. A
+sweep that sets no ``task.max_len`` has no horizon axis.
 
 **Threshold per horizon.** ``dose_response.fit_threshold`` over that horizon's runs (dose = realised k3 before
 collapse, collapse or not, seed): ``threshold_50`` with its seed-bootstrap interval, or a bound
@@ -322,8 +323,12 @@ def horizon_value(point: PointData, variants: dict[str, dict[str, Any]]) -> Any:
 
 
 def measured_horizon(point: PointData) -> float | None:
-    """The run mean of ``response_length/mean`` (None without it)."""
-    values = [m[HORIZON_METRIC] for m in point.metrics if _number(m.get(HORIZON_METRIC))]
+    """The run mean of ``response_length/mean`` over the steps before collapse (the whole run without collapse;
+    None without the metric): the window of the run's dose, so the horizon is the one its mismatch acted over, not
+    the collapsed policy's shorter (or longer) answers after it."""
+    end = point.collapse_step
+    values = [m[HORIZON_METRIC] for m in point.metrics if _number(m.get(HORIZON_METRIC))
+              and (end is None or not _number(m.get("step")) or m["step"] < end)]
     return sum(values) / len(values) if values else None
 
 

@@ -42,6 +42,13 @@ class PointData:
         return (self.summary or {}).get("collapse") or {}
 
     @property
+    def collapse_step(self) -> int | float | None:
+        """The step the run collapsed at (None when it did not): the end of its "before collapse" window, which
+        the collapse summary's ``mean_k3_kl_before_collapse`` (the run's dose) and the horizon it is measured at
+        share."""
+        return self.collapse.get("collapse_step") if self.collapse.get("collapsed") else None
+
+    @property
     def has_result(self) -> bool:
         return self.status in RESULT_STATUSES and self.summary is not None
 

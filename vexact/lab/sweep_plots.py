@@ -116,7 +116,7 @@ def sweep_figures(data: SweepData) -> dict[str, Any]:
         ax.plot(steps, values, color=s.colour, ls=dash(p), lw=s.linewidth, marker=s.marker, ms=s.markersize,
                 markevery=_mark_every(len(steps)), alpha=0.9, zorder=s.zorder)
         drawn.add(freeze(data.group_values(p)))
-        cstep = p.collapse.get("collapse_step") if p.collapse.get("collapsed") else None
+        cstep = p.collapse_step
         if is_num(cstep):
             ax.plot([cstep], [_value_at(steps, values, cstep)], marker="X", ms=11, mew=1.2, color=s.colour,
                     markeredgecolor="black", linestyle="none", zorder=10)

@@ -3,16 +3,16 @@
     python -m vexact.lab.studies.run_on_map RUN_DIR [RUN_DIR ...] [--map FILE] [--correction NAME] [--source NAME]
                                             [--json]
 
-A run of any mismatch source (vLLM's rollouts, a real engine) is placed the way the map's own runs were measured:
-its dose is the run mean of ``rollout_corr/k3_kl`` over the steps before collapse (the whole run without one:
-``dose_response.run_dose``) and its T the run mean of ``response_length/mean`` (``scaling.measured_horizon``), on the
-curve of the run's own correction (from its config: ``algorithm.old_logprobs`` and ``correction``; ``--correction``
-overrides it) and the map's default source unless ``--source`` names one (``scaling.place_on_map``). One markdown row
-per run: its rollout engine, dtype, L (``task.max_len``), T, realised k3, whether it collapsed (the run's own
-detector), its final reward (smoothed, as ``vexact report`` prints it), the map's 50% threshold at T with its
-interval, k3 / threshold and the verdict. The run's source is usually not the curve's (a flattened rollout on the
-shipped map): k3 alone does not set the harm, so the verdict is an order of magnitude. Exit 2 with one ``error:``
-line for a directory that is not a run or a run without those metrics.
+A run of any mismatch source (vLLM's rollouts, a real engine) is placed the way the map's own runs were measured: its
+dose is the run mean of ``rollout_corr/k3_kl`` over the steps before collapse (the whole run without one:
+``dose_response.run_dose``) and its T the run mean of ``response_length/mean`` over the same steps
+(``scaling.measured_horizon``), on the curve of the run's own correction (from its config: ``algorithm.old_logprobs``
+and ``correction``; ``--correction`` overrides it) and the map's default source unless ``--source`` names one
+(``scaling.place_on_map``). One markdown row per run: its rollout engine, dtype, L (``task.max_len``), T, realised k3,
+whether it collapsed (the run's own detector), its final reward (smoothed, as ``vexact report`` prints it), the map's
+50% threshold at T with its interval, k3 / threshold and the verdict. The run's source is usually not the curve's (a
+flattened rollout on the shipped map): k3 alone does not set the harm, so the verdict is an order of magnitude. Exit 2
+with one ``error:`` line for a directory that is not a run or a run without those metrics.
 """
 
 from __future__ import annotations
