@@ -41,7 +41,7 @@ from ..records.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import CollapseSection, RunConfig, load_config
 from .report import REPORT_DIR, write_report, written_line
-from .sweep_data import PointData, damaged_points_error, is_num, metric_series, read_point
+from .sweep_data import PointData, collapse_step_of, damaged_points_error, is_num, metric_series, read_point
 from .sweep_table import reward_definition, reward_summary
 from .text_table import TextColumn, fmt_float, fmt_sci, print_table
 
@@ -225,7 +225,7 @@ MARKERS = {  # event -> (words, line style): drawn as vertical lines on every pa
 def run_events(s: dict[str, Any]) -> dict[str, float]:
     """The marked steps of a run summary: event name -> step (events the run does not have are left out)."""
     c = s["collapse"]
-    events = {"collapse": c.get("collapse_step") if c.get("collapsed") else None,
+    events = {"collapse": collapse_step_of(c),
               "unconfirmed": c.get("collapse_unconfirmed_step"), "surge": c.get("length_surge_step"),
               "lr_trigger": s["lr_schedule"]["trigger_step"]}
     return {k: float(v) for k, v in events.items() if is_num(v)}

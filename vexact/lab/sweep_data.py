@@ -46,7 +46,7 @@ class PointData:
         """The step the run collapsed at (None when it did not): the end of its "before collapse" window, which
         the collapse summary's ``mean_k3_kl_before_collapse`` (the run's dose) and the horizon it is measured at
         share."""
-        return self.collapse.get("collapse_step") if self.collapse.get("collapsed") else None
+        return collapse_step_of(self.collapse)
 
     @property
     def has_result(self) -> bool:
@@ -101,6 +101,12 @@ class SweepData:
             options = [freeze(v) for v in self.grid.get(key, [])]
             index.append(options.index(freeze(value)) if freeze(value) in options else len(options))
         return tuple(index)
+
+
+def collapse_step_of(collapse: dict[str, Any]) -> int | float | None:
+    """A collapse summary's collapse step when the run collapsed, else None (a drop the detector never confirmed
+    is no collapse)."""
+    return collapse.get("collapse_step") if collapse.get("collapsed") else None
 
 
 def read_sweep_results(sweep_dir: str | Path) -> SweepData:
