@@ -16,8 +16,10 @@ import importlib.util
 import inspect
 import json
 import re
+import shutil
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -159,9 +161,11 @@ def test_gguf_names_map_to_llama_names_and_others_are_refused():
 
 # --------------------------------------------------------------------------- with the extra: the real model
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    """One real conversion for the module (about 20 s: dequantise 135M parameters, write 540 MB)."""
-    return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2")
+def converted(tmp_path_factory) -> Iterator[Path]:
+    """One real conversion for the module (about 20 s: dequantise 135M parameters, write 540 MB), deleted after it."""
+    directory = tmp_path_factory.mktemp("smollm2")
+    yield convert_smollm2(directory / "smollm2")
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @needs_extra
