@@ -29,6 +29,7 @@ from vexact.engine.model import DTYPES as MODEL_DTYPES
 from vexact.engine.presets import preset_config
 from vexact.records.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
+from vexact_kernels.host_guard import host_cpu
 
 # The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments).
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
@@ -226,16 +227,6 @@ def profile_top(fn: Callable[[], object], top: int, calls: int = 3) -> dict:
 
 
 # --------------------------------------------------------------------------- the record
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -269,7 +260,8 @@ def code_locations() -> dict:
 def machine_info(device: torch.device | str = "cpu") -> dict:
     """What the numbers were measured on: CPU model, cores, torch threads and build, GPU if used, load."""
     info = {
-        "cpu_model": _cpu_model(),
+        "cpu_model": host_cpu()["model"],
+        "cpu_flags": host_cpu()["flags"],  # the features that change a BLAS's micro-kernels (AMX, AVX-512 bf16)
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,

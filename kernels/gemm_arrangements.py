@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops
 from .compiled_loops import tree_sum as _tree_sum
-from .host_guard import HostGuard, operand_layout, order_revealing
+from .host_guard import LIBRARY_DTYPES, HostGuard, operand_layout, order_revealing
 
 # --------------------------------------------------------------------------- the tile shapes
 ROW_BLOCKS = (4, 8, 16, 32, 64)
@@ -63,7 +63,8 @@ LIBRARY_REDUCE_MAX = 1024
 ``REDUCE_BLOCK`` (512, 768 or 1024 above 256 tokens). A bf16 GEMM rounds its output once, so it cannot return the fp32
 partial sums that chunks add: up to this many tokens one chunk holds them all (one rounding, as native bf16 has);
 beyond it the chunks run in fp32. A weight gradient is never compared across rollout and training, so its chunking
-may follow the dtype; the few lengths keep the guard's classes few."""
+may follow the dtype; the few lengths keep the guard's classes few. Each such chunk GEMM runs with 1 thread, by
+construction (``one_thread_reduction``)."""
 
 # --------------------------------------------------------------------------- where an arrangement pays
 ROW_TILE_CALLS_FROM = 1 << 20
@@ -287,6 +288,18 @@ def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Ten
 
 
 # --------------------------------------------------------------------------- a.T @ b: a weight gradient
+def one_thread_reduction(dtype: torch.dtype) -> bool:
+    """Whether a weight gradient's chunk GEMMs in ``dtype`` call the library with 1 thread, by construction
+    (``HostGuard``'s ``one_thread`` classes): in a low-precision dtype (``LIBRARY_DTYPES``), yes. A weight gradient's
+    GEMM has a long reduction (its chunk: up to ``LIBRARY_REDUCE_MAX`` tokens) and a small output (a row tile by the
+    layer's input width), the shape a BLAS parallelises by splitting the reduction between threads; oneDNN's AMX
+    kernels on an Intel Xeon did so for a 768-token chunk in three row tiles at 2 threads, but not in the guard's
+    probe arrangements, and not in a fresh process -- a choice no probe can cover. With 1 thread there is no choice.
+    The price: at 2 threads the bf16 weight gradients lose their GEMMs' parallelism (``benchmarks/``). fp32 chunks
+    are at most ``REDUCE_BLOCK`` tokens and keep the probed path."""
+    return dtype in LIBRARY_DTYPES
+
+
 def _reduction_block(rows: int, dtype: torch.dtype = torch.float32) -> int:
     """Rows per chunk of a reduction over ``rows`` tokens: the smallest power of two from ``MIN_REDUCE_BLOCK`` holding
     them, else ``REDUCE_BLOCK``; in bf16 (the dtype the GEMM computes in) up to ``LIBRARY_REDUCE_MAX`` tokens, one
@@ -310,7 +323,7 @@ def transposed_dtype(a: Tensor, b: Tensor, host: HostGuard, op: str) -> torch.dt
     if a.dtype != b.dtype or rows > LIBRARY_REDUCE_MAX:
         return torch.float32
     b_class = gemm_class(_reduction_block(rows, a.dtype), ceil_to(b.shape[1], COL_BLOCK), transposed=True)
-    return host.compute_dtype(a.dtype, b_class, False, op)
+    return host.compute_dtype(a.dtype, b_class, False, op, one_thread=one_thread_reduction(a.dtype))
 
 
 def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
@@ -331,7 +344,8 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     # the views call torch's GEMM themselves: only where the canonical tiles' class runs it (their right operand,
     # [block, K_pad] per tile: K_pad rows of ``block`` tokens, the transposed layout)
     b_class = gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
-    if views_fit and host.library_gemm(a.dtype, b_class, False, op) is not None:
+    if views_fit and host.library_gemm(a.dtype, b_class, False, op,
+                                       one_thread=one_thread_reduction(a.dtype)) is not None:
         tail = rows % block
         if tail and _views_agree(block, n, k, tail, host, op, a.dtype):
             return _transposed_matmul_views(a, b, block, unpadded_tail=True)
@@ -363,9 +377,11 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     padded = chunks * block
     k_pad = ceil_to(k, COL_BLOCK)
     b_class = gemm_class(block, k_pad, transposed=True)  # [block, K_pad] per tile: K_pad rows of ``block`` tokens
+    one_thread = one_thread_reduction(a.dtype)
     loops = compiled_loops.library()
-    record = host.library_gemm(a.dtype, b_class, False, op) if loops is not None else None
-    heights = record.tile_heights if record is not None else host.tile_heights(a.dtype, b_class, False, op)
+    record = host.library_gemm(a.dtype, b_class, False, op, one_thread=one_thread) if loops is not None else None
+    heights = (record.tile_heights if record is not None
+               else host.tile_heights(a.dtype, b_class, False, op, one_thread=one_thread))
     height = row_block(n, heights)
     row_tiles = -(-n // height)
     if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
@@ -383,7 +399,7 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     # every row tile of a chunk multiplies that chunk's [block, K_pad] operand (a transposed layout, as the probe's;
     # one chunk: an expanded view, as reshape gives)
     b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
-    out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False)
+    out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False, one_thread=one_thread)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
@@ -406,7 +422,8 @@ def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: st
     b_operand = _reduction_operand(b, block, chunks, k_pad, 1, b_source).transpose(1, 2)  # [chunks, block, K_pad]
     out = a.new_empty(n, k)
     for tile in range(row_tiles):
-        parts = host.bmm(a_tiles[tile], b_operand, op=op, shared_operand=False)  # [chunks, height, K_pad]
+        parts = host.bmm(a_tiles[tile], b_operand, op=op, shared_operand=False,  # [chunks, height, K_pad]
+                         one_thread=one_thread_reduction(a.dtype))
         first = tile * height
         last = min(n, first + height)
         out[first:last] = _tree_sum(parts[:, : last - first, :k], dim=0)

@@ -43,6 +43,11 @@ for the process:
   arrangement agrees at 1 thread, the class takes the ``blas-1-thread`` path: the library GEMM, always called
   with 1 torch thread, so its rows are the 1-thread reference's whatever the process's thread count (a run at 2
   threads loses that class's parallelism, not its speed per thread);
+- a class its kernel declares ``one_thread`` (a bf16 weight gradient's long reduction chunk: ``gemm_arrangements``)
+  takes the ``blas-1-thread`` path by construction, probed at 1 thread only: a BLAS may split a long reduction
+  between threads where a call's tiles leave a thread idle (oneDNN's AMX kernels on an Intel Xeon did for a
+  768-token chunk in three row tiles at 2 threads), a choice that follows the call's tile count and the process's
+  history, which no probe can cover; called with 1 thread, the GEMM has no such choice to make;
 - if any other arrangement differs, a bf16 class computes in fp32 (``UPCAST_PATH``: slower, never less exact, so
   no warning); any other class of ``fixed_order`` (slower,
   invariant by construction) and a RuntimeWarning names the property, the shape class and the
@@ -53,7 +58,9 @@ take the same path, so they stay bitwise comparable. ``report()`` says which pat
 and what the probes found (``vexact check`` prints it).
 
 Modes (``HostGuard(mode=...)``, default from the ``VEXACT_CPU_EXACT_PATH`` environment variable, which
-accepts the first two): ``auto`` (probe, fall back where needed), ``fixed-order`` (always the
+accepts the first three): ``auto`` (probe, fall back where needed), ``canonical`` (probe the library properties as
+``auto`` does, but take no ``same_bits`` arrangement: what a host whose ``same_bits`` probes all fail gets, to
+measure that host's speed on any host), ``fixed-order`` (always the
 by-construction path: no library property is relied on at all; bf16 GEMM classes compute in fp32 on it) and
 ``unguarded`` (trust the library
 without probing -- what vexact did before the guard; only for tests that show what the guard prevents).
@@ -62,22 +69,26 @@ without probing -- what vexact did before the guard; only for tests that show wh
 from __future__ import annotations
 
 import os
+import platform
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 from torch import Tensor
 
 from . import fixed_order
 
-MODES = ("auto", "fixed-order", "unguarded")
+MODES = ("auto", "canonical", "fixed-order", "unguarded")
+PROBING_MODES = ("auto", "canonical")  # the modes that probe the library properties
 LIBRARY_DTYPES = (torch.bfloat16,)
 """Operand dtypes whose GEMM classes may run the host's GEMM in that dtype where the probe finds it invariant; every
 other dtype (and a class whose probe fails) computes in fp32 from upcast operands."""
 UPCAST_PATH = "fp32-upcast"  # a LIBRARY_DTYPES class that computes in fp32 (operands upcast, one rounding)
-ENV_MODES = ("auto", "fixed-order")  # what users may choose; "unguarded" is for tests that show what the guard prevents
+ENV_MODES = ("auto", "canonical", "fixed-order")  # what users may choose; "unguarded" is for tests that show what
+# the guard prevents
 MODE_ENV = "VEXACT_CPU_EXACT_PATH"
 REFERENCE_THREADS = 1
 SINGLE_THREAD_PATH = "blas-1-thread"  # a GEMM class right at 1 thread only: the library, called with 1 thread
@@ -91,6 +102,31 @@ so another rounding shows) and the same in every process (a verdict must not dep
 date the guard was written, nothing more."""
 PROBE_ELEMENTS = 4096
 ELEMENTWISE_SHIFTS = (1, 3, 7, 8, 15, 16, 31)  # positions/alignments tried: every residue class of 8 and 16 lanes
+
+
+CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+"""CPU features that change which GEMM micro-kernels a BLAS runs (and so the bits of a probe): recorded with every
+result so that a result names the kind of host it came from."""
+
+
+@cache
+def host_cpu() -> dict:
+    """The host's CPU: its model name, architecture and the features of ``CPU_FLAGS_OF_NOTE`` it has (from
+    /proc/cpuinfo where there is one). Hosts of one kind differ here (an AMD EPYC; an Intel Xeon with AMX-bf16)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model or platform.processor() or platform.machine(), "machine": platform.machine(),
+            "flags": [f for f in CPU_FLAGS_OF_NOTE if f in flags]}
 
 
 def mode_from_env() -> str:
@@ -170,27 +206,31 @@ class HostGuard:
         self._records: dict[tuple, ProbeRecord] = {}
 
     # ------------------------------------------------------------------ the primitives
-    def tile_heights(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> tuple[int, ...]:
+    def tile_heights(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
+                     one_thread: bool = False) -> tuple[int, ...]:
         """The tile heights a kernel may use for GEMMs of this shape class (probed at first use): ``dtype`` is a's,
         ``b`` the right operand [T, K, N] as it will be passed to ``bmm`` (or one tile of it, [1, K, N]).
 
         On the library path: those of ``row_blocks`` whose rows the probe found bitwise equal to one 64-row tile
         (some BLAS give small tiles another micro-kernel: MKL on an AVX-512 Xeon did for 4-row tiles at K >= 128
         and 8-row tiles at K >= 256); on the fixed-order path every height (invariant by construction). A row's bits
-        are then the same for every allowed height, so the kernels may choose any of them."""
-        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
+        are then the same for every allowed height, so the kernels may choose any of them. ``one_thread``: the
+        kernel's class always calls the library with 1 thread (``bmm``)."""
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op, one_thread)
         return self.row_blocks if record.path == "fixed-order" else record.tile_heights
 
-    def library_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord | None:
+    def library_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
+                     one_thread: bool = False) -> ProbeRecord | None:
         """The class's record where it runs torch's own GEMM (``torch.bmm``) as it is, verified at the current thread
         count -- a caller may then call it itself on the same operands, with the same bits, in tiles of
         ``record.tile_heights``; else None (the fixed-order or single-thread path, or a guard over another GEMM, as
         tests build): go through ``bmm``. Asked per call, like ``bmm``: a class's path can change later."""
-        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op, one_thread)
         plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm  # (no test's recording override)
         return record if plain and is_library(record) else None
 
-    def compute_dtype(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> torch.dtype:
+    def compute_dtype(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
+                      one_thread: bool = False) -> torch.dtype:
         """The dtype a GEMM of ``dtype`` operands of this shape class computes in (``b`` as for ``tile_heights``):
         ``dtype`` itself where it is one of ``LIBRARY_DTYPES`` and its class's probe found the host's GEMM in that
         dtype invariant (the kernels then pass the operands as they are, and get the output rounded to ``dtype``);
@@ -198,16 +238,17 @@ class HostGuard:
         like ``library_gemm``: a class's path can change later (a thread count verified after the first probe)."""
         if dtype not in LIBRARY_DTYPES:
             return torch.float32
-        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op, one_thread)
         return torch.float32 if record.path == UPCAST_PATH else dtype
 
-    def bmm(self, a: Tensor, b: Tensor, op: str, shared_operand: bool) -> Tensor:
+    def bmm(self, a: Tensor, b: Tensor, op: str, shared_operand: bool, *, one_thread: bool = False) -> Tensor:
         """a [T, R, K] @ b [T, K, N] through the path chosen for this shape class (R one of ``tile_heights``).
 
         ``shared_operand``: every tile multiplies the same (expanded) b, as a linear layer's weight;
         otherwise each tile has its own, as attention's key tiles. The class is (dtype, K, N, b's layout,
-        shared or not) -- never T or R, so every call of a class takes one path."""
-        record = self._gemm_record(a.dtype, a.shape[2], b, shared_operand, op)
+        shared or not, and ``one_thread``: a class its kernel runs with 1 thread by construction, whatever the
+        probes find) -- never T or R, so every call of a class takes one path."""
+        record = self._gemm_record(a.dtype, a.shape[2], b, shared_operand, op, one_thread)
         if record.path == UPCAST_PATH:
             raise ValueError(f"HostGuard.bmm: {record.shape_class} computes in fp32 on this host; upcast the operands "
                              "(ask compute_dtype() first)")
@@ -243,13 +284,16 @@ class HostGuard:
         return record.path == FASTER_PATH
 
     def report(self) -> dict:
-        """Mode and every probe so far (property, shape class, path, verdict, threads checked, ops)."""
-        return {"mode": self.mode, "probes": [r.as_dict() for r in self._records.values()]}
+        """Mode, the host's CPU (``host_cpu``) and every probe so far (property, shape class, path, verdict, threads
+        checked, ops)."""
+        return {"mode": self.mode, "host": host_cpu(), "probes": [r.as_dict() for r in self._records.values()]}
 
     # ------------------------------------------------------------------ probes
-    def _gemm_record(self, dtype: torch.dtype, k: int, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord:
-        """The record of the GEMM class (dtype, K, b's N and layout, shared operand or not), probed at first use."""
-        key = ("gemm_rows", dtype, k, b.shape[2], operand_layout(b), shared_operand)
+    def _gemm_record(self, dtype: torch.dtype, k: int, b: Tensor, shared_operand: bool, op: str,
+                     one_thread: bool = False) -> ProbeRecord:
+        """The record of the GEMM class (dtype, K, b's N and layout, shared operand or not, one thread by
+        construction or not), probed at first use."""
+        key = ("gemm_rows", dtype, k, b.shape[2], operand_layout(b), shared_operand, one_thread)
         return self._record_for(key, op, lambda: self._probe_gemm(key, op))
 
     def _record_for(self, key: tuple, op: str, probe: Callable[[], ProbeRecord]) -> ProbeRecord:
@@ -268,12 +312,16 @@ class HostGuard:
         return record
 
     def _probe_gemm(self, key: tuple, op: str) -> ProbeRecord:
-        _, dtype, k, n, layout, shared = key
+        _, dtype, k, n, layout, shared, one_thread = key
         transposed = layout == "transposed"
         form = "shared" if shared else "per-tile"
         fallback = UPCAST_PATH if dtype in LIBRARY_DTYPES else "fixed-order"
-        record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}", "blas", op, fallback)
-        if self.mode != "auto":
+        fast_path = SINGLE_THREAD_PATH if one_thread else "blas"
+        record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}"
+                                  + (" one-thread" if one_thread else ""), fast_path, op, fallback)
+        if one_thread and record.path == SINGLE_THREAD_PATH:
+            record.note = f"the library GEMM is called with {REFERENCE_THREADS} thread by construction"
+        if self.mode not in PROBING_MODES:
             record.tile_heights = self.row_blocks
             return record
         rows, other, cols = _gemm_probe_inputs(dtype, k, n)
@@ -303,21 +351,23 @@ class HostGuard:
                 out = gemm(shifted).roll(-1, dims=1).reshape(PROBE_ROWS, n)
                 if differing := _rows_differing(out, ref):
                     return f"tile height {height}, rows moved one place: {differing}/{PROBE_ROWS} rows differ"
-            # many tiles per call (batch-parallel threading), the probe rows in the middle
-            smallest = record.tile_heights[0]
-            crowd = torch.cat([other, rows, other]).view(-1, smallest, k)
-            out = gemm(crowd).reshape(-1, n)[PROBE_ROWS : 2 * PROBE_ROWS]
-            if differing := _rows_differing(out, ref):
-                return f"{crowd.shape[0]} tiles of {smallest} rows in one call: {differing}/{PROBE_ROWS} rows differ"
+            # many tiles per call (batch-parallel threading), the probe rows in the middle; and three of the tallest
+            # tiles, a count no thread count above 1 divides evenly, 3 excepted (a BLAS may then split each tile's
+            # work between threads instead of giving each thread whole tiles)
+            for height in dict.fromkeys((record.tile_heights[0], record.tile_heights[-1])):
+                crowd = torch.cat([other, rows, other]).view(-1, height, k)
+                out = gemm(crowd).reshape(-1, n)[PROBE_ROWS : 2 * PROBE_ROWS]
+                if differing := _rows_differing(out, ref):
+                    return f"{crowd.shape[0]} tiles of {height} rows in one call: {differing}/{PROBE_ROWS} rows differ"
             return None
 
         return self._run_probe(record, lambda: gemm(rows.view(1, PROBE_ROWS, k)).reshape(PROBE_ROWS, n),
-                               run_arrangements)
+                               run_arrangements, one_thread=one_thread)
 
     def _probe_elementwise(self, key: tuple, name: str, op: str) -> ProbeRecord:
         _, dtype = key
         record = self._new_record(key, f"{name} {_dtype_name(dtype)}", "vectorised", op)
-        if self.mode != "auto":
+        if self.mode not in PROBING_MODES:
             return record
         fn = self._library_elementwise[name]
         values = _elementwise_probe_values(name, dtype)
@@ -352,7 +402,9 @@ class HostGuard:
     def _probe_arrangement(self, key: tuple, canonical: Callable[[], Tensor], faster: Callable[[], Tensor],
                            op: str) -> ProbeRecord:
         _, name, shape_class = key
-        record = self._new_record(key, f"{name}: {shape_class}", FASTER_PATH, op)
+        # canonical mode: what a host whose every same_bits probe fails gets (for measuring that host's speed anywhere)
+        record = self._new_record(key, f"{name}: {shape_class}", CANONICAL_PATH if self.mode == "canonical"
+                                  else FASTER_PATH, op)
         if self.mode != "auto":
             return record
 
@@ -366,9 +418,10 @@ class HostGuard:
         return self._run_probe(record, canonical, run_arrangements)
 
     def _run_probe(self, record: ProbeRecord, reference: Callable[[], Tensor],
-                   arrangements: Callable[[], str | None]) -> ProbeRecord:
+                   arrangements: Callable[[], str | None], one_thread: bool = False) -> ProbeRecord:
         """The reference with 1 thread, every arrangement at the current thread count and at the machine's
-        (``MACHINE_THREADS``), then the verdict.
+        (``MACHINE_THREADS``), then the verdict. ``one_thread``: a class that always runs with 1 thread is probed at
+        1 thread only.
 
         Why the machine's count too: the thread count changes no bit of a run (it is even a resume-safe key), so a
         class must not pass at 1 thread and fail later at another count once results exist (MKL on an AVX-512
@@ -377,6 +430,12 @@ class HostGuard:
         start = time.perf_counter()
         with torch.no_grad():
             record.reference = _with_threads(REFERENCE_THREADS, reference)
+            if one_thread:
+                record.failure = _with_threads(REFERENCE_THREADS, arrangements)
+                record.threads_checked.append(REFERENCE_THREADS)
+                record.seconds += time.perf_counter() - start
+                self._decide(record)
+                return record
             record.failure = arrangements()
             threads = torch.get_num_threads()
             if record.failure is not None and threads != REFERENCE_THREADS:

@@ -62,9 +62,10 @@ class RecordingGuard(HostGuard):
         super().__init__(cpu_exact.ROW_BLOCKS, mode="auto")
         self.calls: list[tuple] = []
 
-    def bmm(self, a: torch.Tensor, b: torch.Tensor, op: str, shared_operand: bool) -> torch.Tensor:
+    def bmm(self, a: torch.Tensor, b: torch.Tensor, op: str, shared_operand: bool, *,
+            one_thread: bool = False) -> torch.Tensor:
         self.calls.append([(op, shared_operand, _tile(a, t), _tile(b, t)) for t in range(a.shape[0])])
-        return super().bmm(a, b, op, shared_operand)
+        return super().bmm(a, b, op, shared_operand, one_thread=one_thread)
 
 
 def _tile(operand: torch.Tensor, t: int) -> tuple:

@@ -67,6 +67,33 @@ SOUND = dict(bmm=fixed_order.bmm, exp=fixed_order.exp, log=fixed_order.log, cos=
              sqrt=fixed_order.sqrt)
 
 
+SPLIT_K_FROM = 512
+
+
+def intel_amx_like_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An emulated Intel Xeon (AMX-bf16) host's GEMM: fp32 operands as ``fixed_order.bmm``; bf16 operands with exact
+    products, fp32 accumulation and one rounding to bf16 -- but at more than one thread, where the reduction is long
+    (K >= ``SPLIT_K_FROM``) and the call's tiles do not divide evenly among the threads (three tiles at 2 threads),
+    each tile's reduction is split between the threads (K's first third and the rest, added afterwards), as oneDNN's
+    AMX kernels did there for a 768-token weight-gradient chunk in three row tiles. The guard's probe arrangements
+    (1, 2, 4, ..., 48 tiles) never hit that case at 2 threads; a real call can."""
+    if a.dtype != torch.bfloat16:
+        return fixed_order.bmm(a, b)
+    a, b = a.float(), b.float()
+    threads, tiles, k = torch.get_num_threads(), a.shape[0], a.shape[2]
+    if threads > 1 and k >= SPLIT_K_FROM and tiles > 1 and tiles % threads:
+        cut = k // 3
+        out = fixed_order.bmm(a[:, :, :cut], b[:, :cut]) + fixed_order.bmm(a[:, :, cut:], b[:, cut:])
+    else:
+        out = fixed_order.bmm(a, b)
+    return out.to(torch.bfloat16)
+
+
+EMULATED_HOSTS = {"intel-amx": dict(SOUND, bmm=intel_amx_like_bmm)}
+"""Hosts the exactness tests also run on, on any CPU: a guard over each one's primitives
+(``HostGuard(**primitives)``)."""
+
+
 def _guard(mode: str = "auto", **broken) -> HostGuard:
     """A guard over sound by-construction primitives, with the ``broken`` ones swapped in (mode given
     explicitly: these tests must not follow VEXACT_CPU_EXACT_PATH)."""
@@ -287,6 +314,17 @@ def test_rollout_equals_training_on_a_broken_host(dtype):
     assert _mismatched_tokens(tiny_model("native", dtype), prompts) > 0  # the arrangement can detect TIM
 
 
+@pytest.mark.parametrize("host", list(EMULATED_HOSTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rollout_equals_training_on_each_emulated_host(dtype, host):
+    """Rollout at 1 and 2 threads, scoring at 2 and 1, on an emulated host's primitives (guard in auto): exact."""
+    model = tiny_model("exact", dtype)
+    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **EMULATED_HOSTS[host]))
+    for rollout_threads, scoring_threads in ((1, 2), (2, 1)):
+        assert _mismatched_tokens(model, random_prompts(10, 30, seed=8), threads_rollout=rollout_threads,
+                                  threads_scoring=scoring_threads, ops=ops) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fixed_order_mode_is_exact_end_to_end(dtype):
     """``VEXACT_CPU_EXACT_PATH=fixed-order``: no host property relied on at all, still bit for bit."""
@@ -352,14 +390,40 @@ def test_fixed_order_bmm_is_invariant_by_construction():
 def test_mode_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(MODE_ENV, "fixed-order")
     assert mode_from_env() == "fixed-order"
+    monkeypatch.setenv(MODE_ENV, "canonical")
+    assert mode_from_env() == "canonical"
     monkeypatch.setenv(MODE_ENV, "fast")
-    with pytest.raises(ValueError, match=f"{MODE_ENV}='fast': expected one of auto, fixed-order$"):
+    with pytest.raises(ValueError, match=f"{MODE_ENV}='fast': expected one of auto, canonical, fixed-order$"):
         mode_from_env()
     monkeypatch.setenv(MODE_ENV, "unguarded")  # tests only: not a user's choice
-    with pytest.raises(ValueError, match="expected one of auto, fixed-order"):
+    with pytest.raises(ValueError, match="expected one of auto, canonical, fixed-order"):
         mode_from_env()
     with pytest.raises(ValueError, match="unknown function 'tanh'"):
         _guard(mode="auto").elementwise("tanh", torch.float32, op="x")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_canonical_mode_probes_the_library_but_takes_no_same_bits_arrangement(dtype):
+    """``VEXACT_CPU_EXACT_PATH=canonical``: the library properties are probed as in auto, every ``same_bits``
+    arrangement is declined (what a host whose same_bits probes fail gets), and the bits are auto's: a forward and
+    backward of a linear layer large enough for the faster arrangements, and rollout == training end to end."""
+    results, reports = {}, {}
+    for mode in ("auto", "canonical"):
+        guard = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+        ops = cpu_exact.with_host(guard)
+        g = torch.Generator().manual_seed(12)
+        x = torch.randn(300, 96, generator=g).to(dtype).requires_grad_()
+        w = (torch.randn(176, 96, generator=g) * 0.1).to(dtype).requires_grad_()
+        out = ops.linear(x, w)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype))
+        results[mode] = (out.detach(), x.grad, w.grad)
+        reports[mode] = guard.report()["probes"]
+        assert _mismatched_tokens(tiny_model("exact", dtype), random_prompts(6, 20, seed=9), ops=ops) == 0
+    assert all(torch.equal(a, b) for a, b in zip(results["auto"], results["canonical"]))
+    canonical = reports["canonical"]
+    assert all(p["path"] == "canonical" and p["passed"] is None for p in canonical if p["property"] == "same_bits")
+    assert any(p["property"] == "same_bits" for p in canonical), "the shapes must reach a same_bits arrangement"
+    assert all(p["passed"] is not None for p in canonical if p["property"] != "same_bits"), "probed as in auto"
 
 
 # --------------------------------------------------------------------------- bf16 GEMM classes

@@ -28,6 +28,7 @@ from rich.console import Console
 from torch import Tensor
 
 import vexact_kernels
+from vexact_kernels.host_guard import host_cpu
 
 from ..engine.model import Transformer, resolve_dtype
 from ..metric_keys import (
@@ -517,6 +518,7 @@ class Trainer:
         summary["stopped_at_step"] = step if summary["status"] != "completed" else None
         summary["wall_seconds_this_session"] = round(time.perf_counter() - started, 3)
         summary["lr_schedule"] = self.schedule.summary()
+        summary["host_cpu"] = host_cpu()  # which kind of host the bits came from (hosts of one kind differ)
         summary["last_step_metrics"] = {k: v for k, v in last.items() if not k.startswith("timing/")}
         if self.injector.enabled:
             summary["inject"] = {"mode": cfg.inject.mode, "value": self.injector.value}
