@@ -79,12 +79,14 @@ from typing import Any
 import yaml
 
 from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
-from ..rl.config import MEMORY_KEYS, AlgorithmSection, CorrectionSection, RunConfig
+from ..rl.collapse import detect_collapse
+from ..rl.config import MEMORY_KEYS, AlgorithmSection, CollapseSection, CorrectionSection, RunConfig
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject_modes import INJECT_MODES
 from ..rl.vocab_tail import tokenizer_for
 from .dose_response import METRIC, fit_threshold, run_dose
+from .failure import horizon_failure_words, horizon_failures
 from .sweep_data import SEED_KEY, PointData, SweepData, read_sweep_results
 
 __all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "DEFAULT_TAIL_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES",
@@ -490,6 +492,7 @@ def _curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> dic
         horizons.append({"horizon_value": value, "horizon": sum(lengths) / len(lengths) if lengths else None,
                          "runs_total": len(by_h[value]), "runs_with_result": len(done), **threshold,
                          "runs_per_dose": per_dose, "single_run_per_dose": bool(per_dose) and max(per_dose) == 1,
+                         **horizon_failures(done),
                          # not collapses in the fit, and not clean survivals: a bound over them says so
                          "dropped_unconfirmed": sum(p.dropped_unconfirmed for p in done)})
     law = fit_law(horizons)
@@ -825,7 +828,7 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     if result["status"] == "no_horizon":
         return [], f"scaling: {result['note']}"
     line = "\n".join(f"scaling ({c['curve']}): {c['status']}: {c['note']}; {c['shape']['note']}"
-                     for c in result["curves"])
+                     + "".join(f"\n  failure: {f}" for f in failure_lines(c)) for c in result["curves"])
     path = out / "scaling.json"
     path.write_text(json.dumps(json_safe(result), indent=2) + "\n")
     files = [path]
@@ -1432,7 +1435,7 @@ def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
     return wanted
 
 
-def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
+def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: dict[str, Any] | None = None
                 ) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]:
     """The finished points of one sweep directory as {(correction, source): {horizon value: runs}}, and how many runs
     with router replay were left out; a finished point without its config.yaml, or a sweep without finished runs, is
@@ -1443,7 +1446,8 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
     left out: replay removes the routing mismatch, so their realised k3 is another source's (the rest of the
     rollout's mismatch), not the swept one. ``only`` ({config key: values}, ``parse_only``) keeps the runs whose
     saved config holds one of the values at every key: one testbed out of a sweep that varies it (the tail sweep's
-    two vocabularies)."""
+    two vocabularies). ``detector`` ({collapse setting: value}, e.g. patience and drop) judges every run again from
+    its logged metrics with its own saved ``collapse`` settings so changed (``redetect``)."""
     data = read_sweep_results(path)
     variants = _variants(data)
     defaults = _default_config()
@@ -1467,6 +1471,8 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
         if config.get("algorithm.router_replay"):
             replayed += 1
             continue
+        if detector:
+            redetect(p, loaded, detector)
         value = horizon_value(p, variants)
         value = config.get(HORIZON_KEY) if value is None else value
         if value is None:
@@ -1478,6 +1484,18 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
         raise ValueError(f"sweep '{path}' has no finished runs{kept} with a horizon ({HORIZON_KEY}) outside router "
                          "replay: it has no points for a map")
     return out, replayed
+
+
+def redetect(point: PointData, config: Mapping, settings: dict[str, Any]) -> None:
+    """Judge a finished run again from its logged metrics: its saved ``collapse`` section with ``settings`` (say
+    ``patience`` and ``drop``) changed; the run's collapse summary (its verdict, collapse step and dose) is replaced
+    in memory, never on disk."""
+    saved = config.get("collapse") if isinstance(config.get("collapse"), Mapping) else {}
+    known = {f.name for f in dataclasses.fields(CollapseSection)}
+    section = CollapseSection(**{k: v for k, v in {**saved, **settings}.items() if k in known})
+    summary = point.summary or {}
+    point.summary = {**summary, "collapse": detect_collapse(point.metrics, section, summary.get("reason"),
+                                                            summary.get("stopped_at_step"))}
 
 
 def _config_difference(a: dict[str, Any], b: dict[str, Any], exempt: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
@@ -1656,8 +1674,8 @@ def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], 
     return merged
 
 
-def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[str, list[Any]] | None = None
-              ) -> dict[str, Any]:
+def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[str, list[Any]] | None = None,
+              detector: dict[str, Any] | None = None) -> dict[str, Any]:
     """One map from sweep directories (their runs) and ``scaling.json`` files or maps (their curves), one curve per
     correction, ordered as ``correction_names()``.
 
@@ -1668,7 +1686,8 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
     refitted over every horizon of a correction; a horizon where nothing collapsed is a bound, kept in the curve,
     never a threshold in the fit. Each curve gets its shape comparison. The top level is the ``bypass`` curve (else
     the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs.
-    ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values."""
+    ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values;
+    ``detector`` judges their runs again under other collapse settings (``redetect``; ``sensitivity``)."""
     if not paths:
         raise ValueError("build-map needs at least one sweep directory or scaling.json")
     file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
@@ -1682,7 +1701,7 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
             if not (path / "sweep.json").is_file():
                 raise ValueError(f"'{path}' is a directory without sweep.json: give a sweep directory or a "
                                  "scaling.json file")
-            runs_of, left_out = _sweep_runs(path, only)
+            runs_of, left_out = _sweep_runs(path, only, detector)
             replayed += left_out
             for key, by_h in runs_of.items():
                 for value, runs in by_h.items():
@@ -1723,10 +1742,81 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
             "provenance": provenance}
 
 
+SENSITIVITY_PATIENCE = (10, 20, 30)  # steps the reward must stay down: the runs' own 20 and either side
+SENSITIVITY_DROP = (0.4, 0.5, 0.6)  # fraction of the peak lost: the runs' own 0.5 and either side
+
+
+def sensitivity(paths: list[str | Path], patiences: tuple[int, ...] = SENSITIVITY_PATIENCE,
+                drops: tuple[float, ...] = SENSITIVITY_DROP, correction: str = DEFAULT_CORRECTION,
+                source: str | None = None, only: dict[str, list[Any]] | None = None) -> list[dict[str, Any]]:
+    """The collapse detector's sensitivity: the map rebuilt (``build_map``) with every run of the sweep directories
+    judged again from its logged metrics under each (``patience``, ``drop``) (``redetect``), one row each: α with
+    its interval and each horizon of the curve of ``correction`` and ``source`` (None: the map's default). Horizons
+    a map file brings (no runs behind them) keep their thresholds: ``from_runs`` says which horizons were judged
+    again."""
+    rows = []
+    for patience in patiences:
+        for drop in drops:
+            built = build_map(paths, only=only, detector={"patience": patience, "drop": drop})
+            curve = curve_for(built, correction, source)
+            rows.append({"patience": patience, "drop": drop, "status": curve.get("status"),
+                         "alpha": curve.get("alpha"), "alpha_ci_low": curve.get("alpha_ci_low"),
+                         "alpha_ci_high": curve.get("alpha_ci_high"),
+                         "horizons": [{k: h.get(k) for k in ("horizon_value", "horizon", "status", "threshold_50",
+                                                             "ci_low", "ci_high", "lower_bound", "upper_bound",
+                                                             "collapsed", "runs")}
+                                      for h in curve.get("horizons") or []],
+                         "from_runs": [h.get("horizon_value") for h in curve.get("horizons") or []
+                                       if any(Path(s).is_dir() for s in (h.get("sweeps") or {}))]})
+    return rows
+
+
+def _horizon_cell(h: dict[str, Any]) -> str:
+    """One horizon's threshold or bound in a sensitivity line, with its collapse count."""
+    count = f" ({h.get('collapsed')}/{h.get('runs')})"
+    if h.get("status") == "fitted" and _positive(h.get("threshold_50")):
+        ci = (f" [{h['ci_low']:.2g}, {h['ci_high']:.2g}]" if _positive(h.get("ci_low")) and _positive(h.get("ci_high"))
+              else "")
+        return f"{h['threshold_50']:.2g}{ci}{count}"
+    if h.get("status") == "above_range" and _positive(h.get("lower_bound")):
+        return f"above {h['lower_bound']:.2g}{count}"
+    if h.get("status") == "below_range" and _positive(h.get("upper_bound")):
+        return f"below {h['upper_bound']:.2g}{count}"
+    return f"{h.get('status')}{count}"
+
+
+def sensitivity_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The sensitivity rows as printed lines: per (patience, drop), α and the horizons judged again."""
+    lines = []
+    for r in rows:
+        alpha = (f"α {r['alpha']:.2f}" + (f" [{r['alpha_ci_low']:.2f}, {r['alpha_ci_high']:.2f}]"
+                                          if _number(r.get("alpha_ci_low")) else
+                                          " (no interval: a horizon's threshold interval is open)")
+                 if _number(r.get("alpha")) else f"no α ({r['status']})")
+        cells = [f"L = {h['horizon_value']}: {_horizon_cell(h)}" for h in r["horizons"]
+                 if h["horizon_value"] in r["from_runs"]]
+        lines.append(f"patience {r['patience']}, drop {r['drop']}: {alpha}; " + "; ".join(cells))
+    return lines
+
+
 def _curve_name(curve: dict[str, Any], curves: list[dict[str, Any]]) -> str:
     """A curve in printed lines: its correction, and its source where the map has several."""
     several = len({c.get("source") for c in curves}) > 1
     return f"{curve['correction']} / {curve.get('source')}" if several else curve["correction"]
+
+
+def failure_lines(curve: dict[str, Any]) -> list[str]:
+    """Per horizon of a curve, which failure its collapses are (``vexact.lab.failure``), so which failure its
+    threshold or bound measures, and whether a length surge came first; horizons without the record say so."""
+    lines = []
+    for h in curve.get("horizons") or []:
+        t = f" (T {_t(h['horizon'])})" if _positive(h.get("horizon")) else ""
+        words = horizon_failure_words(h)
+        if not h.get("collapsed") and not h.get("collapsed_classified"):
+            continue  # nothing collapsed: no failure to name
+        lines.append(f"{HORIZON_KEY} = {h.get('horizon_value')}{t}: its collapses, what its threshold or bound "
+                     "measures: " + (words or "not classified (the horizon came from a file without its runs)"))
+    return lines
 
 
 def band_lines(curve: dict[str, Any]) -> list[str]:
@@ -1753,8 +1843,20 @@ def build_lines(built: dict[str, Any]) -> list[str]:
                      f"{c['note']}")
         lines.append(f"  shape: {c['shape']['note']}")
         lines += [f"  band: {b}" for b in band_lines(c)]
+        lines += [f"  failure: {b}" for b in failure_lines(c)]
         lines += [f"  bound (not in the fit): {b}" for b in bound_lines(c)]
     return lines
+
+
+def _parse_list(text: str, kind: type, flag: str) -> list[Any]:
+    """A comma-separated list of numbers of one kind; one error naming the flag otherwise."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -1772,6 +1874,18 @@ def _main(argv: list[str] | None = None) -> int:
     build.add_argument("--only", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
                        help="keep the sweep directories' runs whose saved config holds one of the values (repeat for "
                             "more keys), e.g. --only task.distractors=1002")
+    sens = sub.add_parser("sensitivity", help="the collapse detector's sensitivity: α and each horizon's threshold "
+                                               "with every run of the sweep directories judged again under each "
+                                               "recovery window (patience) and drop fraction")
+    sens.add_argument("inputs", type=Path, nargs="+", metavar="SWEEP_DIR_OR_SCALING_JSON")
+    sens.add_argument("--patience", default=",".join(map(str, SENSITIVITY_PATIENCE)), metavar="STEPS[,STEPS...]",
+                      help="recovery windows, in steps (default: %(default)s)")
+    sens.add_argument("--drop", default=",".join(map(str, SENSITIVITY_DROP)), metavar="FRACTION[,FRACTION...]",
+                      help="drop fractions of the peak (default: %(default)s)")
+    sens.add_argument("--correction", default=DEFAULT_CORRECTION, help="the curve to show (default: %(default)s)")
+    sens.add_argument("--source", default=None, help="its source (default: the map's first)")
+    sens.add_argument("--only", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
+                      help="as build-map's --only")
     shape = sub.add_parser("shape", help="print each curve's shape comparison and its fitted horizons against the "
                                          "law's 95%% band (default: the shipped map)")
     shape.add_argument("map", type=Path, nargs="?", default=None, metavar="MAP")
@@ -1789,6 +1903,15 @@ def _main(argv: list[str] | None = None) -> int:
                                                      for c in built["curves"]))
             print("\n".join(build_lines(built)))
             return 0
+        if args.command == "sensitivity":
+            patiences = tuple(_parse_list(args.patience, int, "--patience"))
+            drops = tuple(_parse_list(args.drop, float, "--drop"))
+            if any(p < 0 for p in patiences) or any(not 0 < d < 1 for d in drops):
+                raise ValueError("--patience takes steps >= 0 and --drop fractions strictly between 0 and 1")
+            rows = sensitivity(list(args.inputs), patiences, drops, args.correction, args.source,
+                               parse_only(args.only))
+            print("\n".join(sensitivity_lines(rows)))
+            return 0
         curves = load_map(args.map)["curves"]
         for curve in curves:
             print(f"{_curve_name(curve, curves)}: {compare_shapes(curve.get('horizons') or [])['note']}")
@@ -1796,6 +1919,8 @@ def _main(argv: list[str] | None = None) -> int:
                 print(f"  law: {curve['note']} ({curve.get('alpha_ci_method') or 'interval method not recorded'})")
             for line in band_lines(curve):
                 print(f"  band: {line}")
+            for line in failure_lines(curve):
+                print(f"  failure: {line}")
         return 0
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
