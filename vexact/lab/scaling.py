@@ -61,6 +61,10 @@ corrections were recorded loads as a ``bypass`` curve).
 **Assembling a map** (``build_map``): from sweep directories, whose runs of one (correction, horizon) are merged
 into one dose-response fit when their resolved configs agree (``RUN_KEYS`` and ``BOOKKEEPING_KEYS`` aside), and from
 ``scaling.json`` files, whose curves join horizon by horizon; α is refitted per correction over all its horizons.
+Each horizon fitted from runs carries what its collapses were (``failure_kinds``, ``vexact.lab.failure``: length lost,
+limit overrun, reward lost at intact length) and whether a length surge came first. **The detector's sensitivity**
+(``sensitivity``, ``python -m vexact.lab.scaling sensitivity INPUT...``): the map rebuilt with every run of the sweep
+directories judged again from its logged metrics under other recovery windows (``patience``) and drop fractions.
 """
 
 from __future__ import annotations
