@@ -192,3 +192,68 @@ def test_a_horizon_with_one_run_does_not_stretch_the_measured_range(tmp_path):
     statuses = {h["horizon_value"]: h["status"] for h in merged["horizons"]}
     assert statuses[500] == "insufficient"
     assert merged["horizon_range"] == built["horizon_range"] == [8.0, 16.0]
+
+
+# ----------------------------------------------------------------------------- the detector's sensitivity (issue AC)
+
+
+def _dip_sweep(root: Path) -> Path:
+    """L = 8 and 16 around their thresholds; every run above its threshold loses its reward for 15 steps (steps
+    40-55) and recovers: a collapse for a 10-step recovery window, none for the runs' own 20. Each summary is the
+    detector's verdict under the saved settings, as a run writes it."""
+    from vexact.rl.collapse import detect_collapse
+    from vexact.rl.config import CollapseSection
+
+    path = root / "dips"
+    points, variants = [], {}
+    for length in (8, 16):
+        for f in LOW + HIGH:
+            variant = f"L{length}_x{f}"
+            variants[variant] = {**horizon_overrides(length), "inject.value": -f}
+            for seed in SEEDS:
+                point = f"variant={variant},seed={seed}"
+                folder = path / "points" / point
+                folder.mkdir(parents=True)
+                (folder / "config.yaml").write_text(yaml.safe_dump(_config(length, -f, seed)))
+                dose = _threshold(length) * f * (1 + 0.01 * seed)
+                metrics = [{"step": s, "response_length/mean": float(length), K3_KL: dose,
+                            "eval/reward_mean": 0.1 if f > 1 and 40 <= s <= 55 else 0.8} for s in range(0, 101, 5)]
+                summary = {"status": "completed", "collapse": detect_collapse(metrics, CollapseSection())}
+                (folder / "summary.json").write_text(json.dumps(summary))
+                (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+                points.append({"name": point, "dir": f"points/{point}", "status": "completed",
+                               "overrides": {"variant": variant, "seed": seed}})
+    (path / "sweep.json").write_text(json.dumps({"name": "dips", "grid": {"seed": list(SEEDS),
+                                                                          "variant": list(variants)},
+                                                 "variants": variants, "set": [], "curves": [], "points": points}))
+    return path
+
+
+def test_detector_sensitivity_judges_runs_again(tmp_path):
+    sweep = _dip_sweep(tmp_path)
+    as_run = build_map([sweep])
+    assert [h["status"] for h in as_run["horizons"]] == ["above_range", "above_range"]  # the dips recovered
+    rows = scaling.sensitivity([sweep], patiences=(10, 20), drops=(0.5,))
+    short, own = rows
+    assert (short["patience"], own["patience"]) == (10, 20)
+    assert [h["status"] for h in own["horizons"]] == ["above_range", "above_range"]  # the saved settings: as run
+    assert own["horizons"] == [{k: h.get(k) for k in own["horizons"][0]} for h in as_run["horizons"]]
+    assert [h["status"] for h in short["horizons"]] == ["fitted", "fitted"]  # a 10-step window: the dips collapse
+    assert short["alpha"] == pytest.approx(1.0, abs=0.1) and own["alpha"] is None
+    assert short["from_runs"] == [8, 16]
+    lines = scaling.sensitivity_lines(rows)
+    assert lines[0].startswith("patience 10, drop 0.5: α 1.0") and "L = 8: " in lines[0] and "(6/12)" in lines[0]
+    assert lines[1].startswith("patience 20, drop 0.5: no α (bounds_only); L = 8: above ")
+    assert json.loads((sweep / "points" / "variant=L8_x2.0,seed=0" / "summary.json").read_text())["collapse"][
+        "collapsed"] is False  # judged again in memory only
+
+
+def test_sensitivity_cli(tmp_path, capsys):
+    sweep = _dip_sweep(tmp_path)
+    assert scaling._main(["sensitivity", str(sweep), "--patience", "10", "--drop", "0.5"]) == 0
+    assert capsys.readouterr().out.startswith("patience 10, drop 0.5: α 1.0")
+    assert scaling._main(["sensitivity", str(sweep), "--patience", "ten"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --patience 'ten': expected comma-separated int values") and err.count("\n") == 1
+    assert scaling._main(["sensitivity", str(sweep), "--drop", "1.5"]) == 2
+    assert "strictly between 0 and 1" in capsys.readouterr().err

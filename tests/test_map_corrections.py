@@ -275,12 +275,15 @@ def test_no_correction_given_says_bypass_was_assumed(tmp_path):
 
 
 def test_a_correction_absent_from_the_map_is_named_not_replaced(tmp_path):
+    """A correction the map has no curve for is one sentence as the verdict (issue AC: not a refusal), never another
+    curve's threshold."""
     m = _two_correction_map(tmp_path)
-    with pytest.raises(ValueError) as err:
-        place_on_map(m, 0.025, 8.0, "token_tis")
-    message = str(err.value)
-    assert "no curve for correction 'token_tis'" in message and "it has bypass, recompute" in message
-    assert "\n" not in message
+    p = place_on_map(m, 0.025, 8.0, "token_tis")
+    assert p["threshold_50"] is None and p["ratio"] is None and p["correction"] == "token_tis"
+    assert p["verdict"].startswith("no verdict: the map ") and "\n" not in p["verdict"]
+    assert p["verdict"].endswith(" has no curve for your correction (recompute + token_tis: old log-probs recomputed "
+                                 "by the trainer, corrected by w_t = min(ρ_t, C)) on source none (its curves there: "
+                                 "bypass, recompute), and another correction's threshold would not answer for yours")
     with pytest.raises(ValueError, match="unknown correction 'tis'"):
         place_on_map(m, 0.025, 8.0, "tis")
 
@@ -331,11 +334,59 @@ def test_compare_map_correction_cli(tmp_path, capsys):
     assert m["curves"][0]["correction"] == "bypass"
 
 
-BOUND = "a no-collapse bound measured at a horizon also holds at shorter ones"
+def _tis_map(tmp_path: Path) -> dict:
+    """The two-correction map with its recompute curve relabelled ``token_tis``: a map with a recompute + token TIS
+    curve and no bypass + token TIS one, as the shipped map's logit_scale source."""
+    m = _two_correction_map(tmp_path)
+    m["curves"] = [c if c["correction"] == "bypass" else {**c, "correction": "token_tis"} for c in m["curves"]]
+    return m
+
+
+VERL_BYPASS_TIS = {"algorithm": {"rollout_correction": {"bypass_mode": True, "rollout_is": "token",
+                                                        "rollout_is_threshold": 2.0}}}
+
+
+def test_bypass_tis_never_gets_the_recompute_tis_curve(tmp_path):
+    """Issue AC: TIS in bypass mode (verl's bypass + rollout_is token) is bypass_token_tis, not token_tis (recompute
+    + TIS); on a map with only the recompute + TIS curve its verdict is one sentence saying there is no curve for it,
+    never the recompute curve's bound ("below every level tested")."""
+    m = _tis_map(tmp_path)
+    assert scaling.resolve_correction(VERL_BYPASS_TIS, m) == "bypass_token_tis"
+    assert scaling.resolve_correction({"algorithm": {"rollout_correction": {"rollout_is": "token"}}}, m) == "token_tis"
+    recompute_tis = place_on_map(m, 0.025, 8.0, "token_tis")
+    assert recompute_tis["verdict"].startswith("below every level tested")  # the curve exists for recompute + TIS
+    assert recompute_tis["verdict"].endswith("; curve: recompute + token_tis: old log-probs recomputed by the "
+                                             "trainer, corrected by w_t = min(ρ_t, C)")
+    for spec in (VERL_BYPASS_TIS, "bypass_token_tis"):
+        p = place_on_map(m, 0.025, 8.0, spec)
+        assert p["correction"] == "bypass_token_tis" and p["threshold_50"] is None
+        assert p["verdict"].startswith("no verdict: the map") and "below every level" not in p["verdict"]
+        assert "(bypass + token_tis: old log-probs from the rollout, corrected by w_t = min(ρ_t, C))" in p["verdict"]
+        assert "\n" not in p["verdict"] and "routing" not in p["verdict"]  # no unrelated source suggested
+
+
+def test_compare_cli_bypass_tis_config_gets_one_sentence(tmp_path, capsys):
+    """A valid verl config with bypass + token TIS is answered (exit 0) with one sentence, not refused."""
+    from vexact.cli import main
+
+    m = _tis_map(tmp_path)
+    map_file = tmp_path / "tis_map.json"
+    map_file.write_text(json.dumps({k: v for k, v in m.items() if k != "origin"}))
+    (tmp_path / "verl.yaml").write_text(yaml.safe_dump(VERL_BYPASS_TIS))
+    roll, train = _dump(tmp_path)
+    out = tmp_path / "out.json"
+    assert main(["compare", str(roll), str(train), "--map", str(map_file), "--correction",
+                 str(tmp_path / "verl.yaml"), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["map"]
+    assert data["correction"] == "bypass_token_tis" and data["threshold_50"] is None
+    assert "has no curve for your correction (bypass + token_tis" in data["verdict"]
+    assert "your correction: bypass + token_tis: old log-probs from the rollout" in capsys.readouterr().out
+
+
+BOUND = "a no-collapse bound measured at a horizon holds within 1.5x of it, and is carried no further"
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--correction", "token_tis"], "has no curve for correction 'token_tis': it has bypass, recompute"),
     (["--correction", "tis"], "unknown correction 'tis'"),
     (["--correction", "MISSING.yaml"], "correction config file not found"),
 ])
@@ -374,8 +425,11 @@ def test_live_monitor_takes_the_correction(tmp_path):
     assert row["map"]["verdict"] == expected["verdict"]
     assert row["map"]["k3"] == pytest.approx(expected["k3"], rel=1e-5)  # float32 tensors here
     assert "near the measured collapse range" not in row["map"]["verdict"]
-    with pytest.raises(ValueError, match="no curve for correction 'token_tis'"):
-        LiveMonitor(tmp_path / "live2", scaling_map=map_file, correction="token_tis")
+    with LiveMonitor(tmp_path / "live2", scaling_map=map_file, correction="token_tis") as monitor:  # no curve: said
+        absent = monitor.step(0, roll, train)["map"]
+    assert absent["verdict"].startswith("no verdict: the map")
+    assert "has no curve for your correction" in absent["verdict"]
+    assert absent["threshold_50"] is None
     with pytest.raises(ValueError, match="unknown correction 'tis'"):
         LiveMonitor(tmp_path / "live3", scaling_map=map_file, correction="tis")
     with pytest.raises(ValueError, match="give scaling_map too"):
@@ -470,7 +524,8 @@ def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
     assert scaling.COLLAPSE_BOUND_ASSUMPTION in "\n".join(scaling.map_lines(below, m))
     assert scaling.placement(m, 0.0, 300.0, "bypass")["verdict"].startswith("below k3 0.001, where runs collapsed")
     far = scaling.placement(m, 1e-5, 100.0, "bypass")  # T = 256 is more than 1.5x longer: the law answers
-    assert far["verdict"] == "far below the measured collapse range"
+    assert far["verdict"] == ("far below the measured collapse range; curve: bypass: old log-probs from the rollout, "
+                              "no correction")
     survived = scaling.placement(m, 1.0, 2.0, "bypass")  # the law alone: above its threshold 0.4
     assert survived["verdict"].startswith("below every level tested: no collapse measured up to k3 5 at T 2.0")
     assert scaling.BOUND_ASSUMPTION in "\n".join(scaling.map_lines(survived, m))

@@ -156,7 +156,7 @@ def test_write_report(sweep: Path) -> None:
     names = {p.name for p in result["files"]}
     assert names == {"summary.csv", "table.json", "table.md", "reward_curves.png", "mismatch_vs_step.png",
                      "collapse_vs_magnitude.png", "outcome_vs_realised_k3.png", "dose_response.json",
-                     "dose_response.png", "dynamics.json"}
+                     "dose_response.png", "dynamics.json", "failures.json"}  # issue AC: each collapse's failure
     for png in ("reward_curves.png", "mismatch_vs_step.png", "collapse_vs_magnitude.png",
                 "outcome_vs_realised_k3.png"):
         _check_png(report / png)
@@ -174,6 +174,10 @@ def test_write_report(sweep: Path) -> None:
     text = console.export_text()
     assert "tim-test" in text and "2/2" in text and "3.0e-03" in text and "CUDA out of memory" in text
     assert text.count("report written to") == 1 and "reward_curves.png" in text
+    failures = json.loads((report / "failures.json").read_text())  # each collapse classified, and said
+    assert len(failures) == 2 and {f["kind"] for f in failures} <= {"length_lost", "limit_overrun",
+                                                                     "reward_lost_at_intact_length"}
+    assert "failure kinds of 2 collapse(s)" in text
 
 
 def test_no_collapse_and_zero_mismatch_group(tmp_path: Path) -> None:

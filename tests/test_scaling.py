@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vexact.lab.scaling import MAP_KEYS, fit_law, load_map, place_on_map, scaling, write_scaling
+from vexact.lab.scaling import MAP_KEYS, compare_shapes, fit_law, load_map, place_on_map, scaling, write_scaling
 from vexact.lab.sweep_data import PointData, SweepData
 
 SEEDS = (0, 1, 2, 3)
@@ -163,20 +163,24 @@ def test_place_on_map_bad_input(tmp_path):
 def test_bounds_only_map_says_so(tmp_path):
     files = write_scaling(_sweep(tmp_path, 1.0, lengths=(8, 64), safe_at=(8, 64)), tmp_path)[0]
     m = load_map(files[0])
-    p = place_on_map(m, 1e-6, 30.0)
+    p = place_on_map(m, 1e-6, 50.0)  # within 1.5x of the bound at T = 64
     assert p["threshold_50"] is None and p["ratio"] is None
     assert p["verdict"].startswith("below every level tested")
     far = place_on_map(m, 1e-6, 500.0)  # beyond the mapped horizons a bound says nothing without a law
     assert far["verdict"].startswith("no verdict at this horizon") and far["extrapolation_factor"] > 1
+    # between the bounds, more than 1.5x from both: the bound at T = 64 is not carried down to T = 30 (the
+    # threshold is not monotone in T: the monotone assumption is gone)
+    between = place_on_map(m, 1e-6, 30.0)
+    assert between["verdict"].startswith("no verdict at this horizon: T = 30 is more than 1.5x from every horizon")
 
 
 def test_a_bound_with_collapses_below_it_is_not_called_safe(tmp_path):
     files = write_scaling(_sweep(tmp_path, 1.0, lengths=(8, 64), safe_at=(8, 64)), tmp_path)[0]
     m = load_map(files[0])
-    assert place_on_map(m, 1e-6, 30.0)["verdict"].startswith("below every level tested")
+    assert place_on_map(m, 1e-6, 50.0)["verdict"].startswith("below every level tested")
     for h in m["curves"][0]["horizons"]:  # as when the fit puts the 50% point above the doses although one collapsed
         h["collapsed"] = 1
-    assert place_on_map(m, 1e-6, 30.0)["verdict"].startswith("unknown")
+    assert place_on_map(m, 1e-6, 50.0)["verdict"].startswith("unknown")
 
 
 def test_default_map_loads():
@@ -260,3 +264,70 @@ def test_the_horizon_is_measured_over_the_dose_window(tmp_path):
     assert measured_horizon(point({"collapsed": False})) == pytest.approx(sum(lengths) / 5)  # no collapse: all
     # an unconfirmed drop is no collapse: its window is the whole run, as its dose's is
     assert measured_horizon(point({"collapsed": False, "collapse_unconfirmed_step": 3})) == pytest.approx(318.0)
+
+
+# ----------------------------------------------------------------------------- honest intervals (issue AC)
+
+
+def _horizons(thresholds: dict[float, float], spread: float = 1.3) -> list[dict]:
+    """Fitted horizons at T with the given thresholds, each with the interval [thr / spread, thr * spread]."""
+    return [{"horizon_value": int(t), "horizon": t, "status": "fitted", "threshold_50": v, "ci_low": v / spread,
+             "ci_high": v * spread} for t, v in thresholds.items()]
+
+
+def test_scatter_about_the_line_widens_the_alpha_interval():
+    """Two curves with the same α and the same per-horizon intervals: one whose points lie on the line, one whose
+    points scatter about it. The interval must carry the scatter (redrawing each point within its own interval, the
+    method before, gave both the same width)."""
+    ts = (8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+    on_line = fit_law(_horizons({t: 0.1 * (t / 8) ** -1.0 for t in ts}))
+    wiggle = (2.5, 0.4, 1.0, 1.0, 0.4, 2.5)  # orthogonal to log T: the slope stays 1
+    scattered = fit_law(_horizons({t: 0.1 * (t / 8) ** -1.0 * w for t, w in zip(ts, wiggle)}))
+    assert on_line["alpha"] == pytest.approx(1.0, abs=1e-9) and scattered["alpha"] == pytest.approx(1.0, abs=0.05)
+    width_on = on_line["alpha_ci_high"] - on_line["alpha_ci_low"]
+    width_scattered = scattered["alpha_ci_high"] - scattered["alpha_ci_low"]
+    assert width_scattered > 2 * width_on
+    assert scattered["alpha_ci_method"] == on_line["alpha_ci_method"] and "residual" in on_line["alpha_ci_method"]
+    assert on_line["band_misses"] == []
+    assert set(scattered["alpha_leave_one_out"]) == {str(int(t)) for t in ts}
+
+
+def _saturating_curve() -> dict:
+    """A curve whose thresholds level off at 1e-3 (1e-3 + 0.8 / T, T = 8 .. 128, tight intervals): the power law and
+    the saturating shape part far beyond T = 128."""
+    horizons = _horizons({t: 1e-3 + 0.8 / t for t in (8.0, 16.0, 32.0, 64.0, 128.0)}, spread=1.05)
+    law = fit_law(horizons)
+    return {"curve": "bypass", "correction": "bypass", "source": "logit_scale", **law, "horizons": horizons,
+            "shape": compare_shapes(horizons)}
+
+
+def test_a_verdict_far_beyond_the_data_spans_both_shapes():
+    curve = _saturating_curve()
+    t = 1e5
+    floor = curve["shape"]["saturating"]["floor"] + curve["shape"]["saturating"]["scale"] / t
+    placed = place_on_map(curve, 1e-4, t, "bypass")
+    assert placed["ci_high"] < floor  # the power law's interval alone lies below the saturating shape here
+    assert placed["range_low"] <= placed["ci_low"] and placed["range_high"] == pytest.approx(floor)
+    k3 = (placed["ci_high"] * floor) ** 0.5  # above the power law's interval, below the saturating shape
+    assert k3 > placed["ci_high"]  # the interval alone would call it "above the measured collapse range"
+    near = place_on_map(curve, k3, t, "bypass")
+    assert near["verdict"].startswith("near the measured collapse range; extrapolated")
+    assert "the saturating shape's" in near["verdict"] and "may lie anywhere in k3" in near["verdict"]
+    assert place_on_map(curve, floor * 2, t, "bypass")["verdict"].startswith("above the measured collapse range")
+    inside = place_on_map(curve, k3, 50.0, "bypass")  # within the measured horizons: no range, no shape
+    assert inside["range_low"] is None and "saturating" not in inside["verdict"]
+
+
+def test_one_run_per_dose_is_flagged(tmp_path):
+    """A horizon whose dose levels hold one run each says so in the map file and in every verdict from the law."""
+    data = _sweep(tmp_path, 1.0)
+    single = [p for p in data.points if p.overrides["task.max_len"] != 64 or p.overrides["seed"] == 0]
+    result = scaling(SweepData(tmp_path, "s", data.grid, data.group_keys, single))
+    by_len = {h["horizon_value"]: h for h in result["horizons"]}
+    assert by_len[64]["single_run_per_dose"] is True and by_len[64]["runs_per_dose"] == [1, 1, 1, 1]
+    assert by_len[8]["single_run_per_dose"] is False and by_len[8]["runs_per_dose"] == [4, 4, 4, 4]
+    assert result["single_run_horizons"] == [64] and "one run per dose: task.max_len = 64" in result["note"]
+    verdict = place_on_map(result, 1e-3, 30.0, "bypass")["verdict"]
+    assert "the law rests on horizon(s) fitted from one run per dose (task.max_len = 64)" in verdict
+    full = scaling(data)
+    assert "single_run_horizons" not in full and "one run per dose" not in place_on_map(full, 1e-3, 30.0)["verdict"]

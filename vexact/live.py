@@ -47,16 +47,16 @@ from ``vexact.lab.scaling.place_on_map(map, k3, horizon, correction)`` with this
 that horizon, on the curve of ``correction`` -- the correction your trainer runs, as ``compare --correction``
 takes it: a name (``bypass``, ``recompute``, ``token_tis``, ...; ``vexact.lab.scaling.correction_names()``), a
 config file, verl's ``algorithm.rollout_correction`` block as a mapping, or a TRL ``GRPOConfig``. Without it the
-``bypass`` curve is assumed and every verdict says so; a correction the map has no curve for is refused at
-construction (never answered from another correction's curve). ``source`` picks the curves of another mismatch
-source the map carries (``vexact.lab.scaling.map_sources``: e.g. ``routing_flip:near_tie`` for MoE routing
-mismatch); without it, the map's default source. ``vocab`` (your model's vocabulary size) with ``"default"``
-picks the shipped map nearest it (``vexact.lab.scaling.shipped_map_for``: the tail map, 1,024 tokens, for any
-real LLM vocabulary; without it, the main map's 22 tokens). Without ``scaling_map`` (the default) rows have no
-``map`` key and ``correction`` is refused, and a vexact without ``vexact.lab.scaling`` refuses a ``scaling_map``
-with one ``ValueError`` at construction. A map dict is checked at construction too (the keys ``load_map``
-requires, and one placement at the map's first horizon): one ``ValueError`` there, not a ``map_error`` on every
-row.
+``bypass`` curve is assumed and every verdict says so; a correction the map has no curve for gets one sentence
+saying so as its verdict (never another correction's curve); an unknown name is refused at construction. ``source``
+picks the curves of another mismatch source the map carries (``vexact.lab.scaling.map_sources``: e.g.
+``routing_flip:near_tie`` for MoE routing mismatch); without it, the map's default source. ``vocab`` (your model's
+vocabulary size) with ``"default"`` picks the shipped map nearest it (``vexact.lab.scaling.shipped_map_for``: the
+tail map, 1,024 tokens, for any real LLM vocabulary; without it, the main map's 22 tokens). Without ``scaling_map``
+(the default) rows have no ``map`` key and ``correction`` is refused, and a vexact without ``vexact.lab.scaling``
+refuses a ``scaling_map`` with one ``ValueError`` at construction. A map dict is checked at construction too (the
+keys ``load_map`` requires, and one placement at the map's first horizon): one ``ValueError`` there, not a
+``map_error`` on every row.
 
 Restarts: a directory whose metrics.jsonl already holds rows is refused unless ``resume=True``; then the first
 ``step(s)`` drops the rows of steps >= s (your trainer recomputes them), keeps the rest, and rebuilds the live
@@ -304,7 +304,7 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correctio
                          f"{type(scaling_map).__name__}")
     _check_map_keys(data)
     try:
-        name = scaling.choose_correction(data, correction, source)  # its ValueError (no such curve) is the answer
+        name = scaling.choose_correction(data, correction, source)  # an unknown name or source: its ValueError
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # a malformed map dict
         raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
 

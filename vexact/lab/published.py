@@ -155,11 +155,17 @@ def _num(x: float) -> str:
 
 
 def _short(placed: dict[str, Any]) -> str:
-    """A verdict in a table cell: its first clause, the threshold, and how far T was extrapolated."""
+    """A verdict in a table cell: its first clause, the threshold, the range the two shapes allow beyond the measured
+    horizons, how far T was extrapolated, and whether the law rests on horizons of one run per dose."""
     core = placed["verdict"].split(";")[0]
     parts = [f"threshold {placed['threshold_50']:.2g}"] if placed["threshold_50"] is not None else []
+    if placed.get("range_low") is not None:
+        parts.append(f"range {placed['range_low']:.2g} .. {placed['range_high']:.2g}")
     if placed["extrapolation_factor"] > 1:
         parts.append(f"T {_num(placed['extrapolation_factor'])}x outside the curve")
+    if "the law rests on horizon(s) fitted from one run per dose" in placed["verdict"]:
+        parts.append("the law rests on one run per dose at its longest horizon" if placed["extrapolation_factor"] > 1
+                     else "the law rests on one run per dose at some horizons")
     return core + (f" ({', '.join(parts)})" if parts else "")
 
 

@@ -13,6 +13,8 @@
     dynamics.json               does the realised k3 grow during runs, and what it moves with
                                 (``vexact/lab/dynamics.py``)
     scaling.json / .png         the collapse threshold against the response horizon (``vexact/lab/scaling.py``)
+    failures.json               each collapse's failure: length lost, limit overrun or reward lost at intact length
+                                (``vexact/lab/failure.py``)
 
 and prints the tables (``text_table.print_table``: they fit the terminal without ever cutting a number). A single
 run directory is reported by ``vexact/lab/run_report.py``.
@@ -28,6 +30,7 @@ from rich.console import Console
 from ..records.atomic import write_json_atomic, write_text_atomic
 from .dose_response import dose_response, plot_dose_response, threshold_words
 from .dynamics import mismatch_dynamics
+from .failure import failure_summary, failure_table, failure_words
 from .scaling import write_scaling
 from .sweep_data import damage_list, damaged_points_error, read_sweep_results
 from .sweep_plots import plot_sweep
@@ -76,6 +79,12 @@ def write_report(sweep_dir: str | Path, console: Console | None = None, skip_dam
     for curve in doses["curves"]:
         console.print(f"dose-response {curve['curve']}: {threshold_words(curve['threshold'])}")
         console.print(f"  {curve['threshold']['note']}", soft_wrap=True)
+    failures = failure_table([p for p in data.points if p.has_result])
+    write_json_atomic(out / "failures.json", failures, sort_keys=False)
+    files.append(out / "failures.json")
+    console.print(failure_summary(failures), markup=False, soft_wrap=True)
+    for f in failures:
+        console.print(f"  {f['point']}: {failure_words(f)}", markup=False, highlight=False, soft_wrap=True)
     scaling_files, scaling_text = write_scaling(data, out)
     files += scaling_files
     console.print(scaling_text, markup=False, soft_wrap=True)

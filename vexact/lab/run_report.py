@@ -9,7 +9,9 @@ The run is read by the sweep report's reader (``sweep_data.read_point``) and its
                      response length (with the surge threshold), learning rate and grad norm; every panel marks
                      the collapse step, an unconfirmed collapse candidate, the response-length surge and the
                      LR-decay trigger, where the run has them
-    report.json      what the terminal table shows, plus first/last/mean/min/max of each tracked metric
+    report.json      what the terminal table shows, plus first/last/mean/min/max of each tracked metric, and a
+                     collapsed run's ``failure`` (``vexact/lab/failure.py``: length lost, limit overrun, or reward
+                     lost at intact length)
 
 The verdict is summary.json's ``collapse`` (what the trainer decided). A run without summary.json (still running,
 or killed) is judged here by ``detect_collapse`` with its config.yaml's ``collapse`` settings, and the report says
@@ -40,6 +42,7 @@ from ..metric_keys import (
 from ..records.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import CollapseSection, RunConfig, load_config
+from .failure import failure_of, failure_words
 from .report import REPORT_DIR, write_report, written_line
 from .sweep_data import PointData, collapse_step_of, damaged_points_error, is_num, metric_series, read_point
 from .sweep_table import reward_definition, reward_summary
@@ -148,6 +151,7 @@ def run_summary(run: RunData) -> dict[str, Any]:
                                                  "length_surge_lead", "mean_k3_kl", "mean_k3_kl_before_collapse",
                                                  "mean_abs_dlogp", "criteria")},
         "collapse_source": run.collapse_source,
+        "failure": failure_of(p),
         "reward": {**reward, "definition": reward_definition([p])},
         "lr_schedule": {"kind": schedule.get("kind") or (run.config.lr_schedule.kind if run.config else None),
                         "trigger_step": lr_trigger_step(p)},
@@ -180,6 +184,7 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
         ("steps", f"{s['steps_completed']}" + (f" of {s['steps_planned']}" if s.get("steps_planned") else "")),
         ("collapsed", verdict),
         ("unconfirmed collapse candidate", step(c.get("collapse_unconfirmed_step"))),
+        ("failure", failure_words(s["failure"]) if s.get("failure") else "—"),
         ("response-length surge", surge),
         ("LR schedule", (lr["kind"] or "—") + (f", decay triggered at step {step(lr['trigger_step'])}"
                                                if lr["trigger_step"] is not None else "")),

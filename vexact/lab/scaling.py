@@ -32,26 +32,39 @@ collapse, collapse or not, seed): ``threshold_50`` with its seed-bootstrap inter
 ``upper_bound``, the smallest).
 
 **The law.** log10 threshold = log10 A − α·log10 T, least squares over the horizons with a fitted threshold
-(``status: fitted`` needs two or more). Interval of α: ``BOOTSTRAP`` refits, each horizon's log threshold drawn
-from a normal whose 95% range is its bootstrap interval (a horizon with an open interval end leaves α's interval
-open: None). Horizons with only a bound never enter as numbers: the fit lists them and says whether the line
-respects them; with fewer than two fitted horizons, pairs of (threshold or bound) give bounds on α
-(``alpha_lower_bound``/``alpha_upper_bound``), ``status: bounds_only``. Other statuses: ``no_horizon``,
-``single_horizon``, ``insufficient`` (points without the metrics), each with one sentence in ``note``.
-**The shape** (``compare_shapes``): the power law against a saturating threshold F + B/T, both fitted in log10 on
-the fitted horizons, compared by AIC and leave-one-out error (three fitted horizons or more).
+(``status: fitted`` needs two or more). Interval of α (``alpha_ci_method``: ``ALPHA_CI_METHOD``): a regression
+interval by residual bootstrap, ``BOOTSTRAP`` refits to the fitted values plus resampled residuals plus each
+horizon's own threshold noise (a normal whose 95% range is its interval), so the scatter of the horizons about the
+line widens it (a horizon with an open interval end leaves α's interval open: None). The replicates give the law's
+95% band at any T (``law_band``); ``band_misses`` lists the fitted horizons whose threshold lies outside it, and
+``alpha_leave_one_out`` α without each horizon (how much the law leans on one). A horizon whose dose levels each
+hold one run (``runs_per_dose``, ``single_run_per_dose``: no seed scatter behind its interval) is named in
+``single_run_horizons`` and in every verdict from the law. Horizons with only a bound never enter as numbers: the
+fit lists them and says whether the line respects them; with fewer than two fitted horizons, pairs of (threshold or
+bound) give bounds on α (``alpha_lower_bound``/``alpha_upper_bound``), ``status: bounds_only``. Other statuses:
+``no_horizon``, ``single_horizon``, ``insufficient`` (points without the metrics), each with one sentence in
+``note``. **The shape** (``compare_shapes``): the power law against a saturating threshold F + B/T, both fitted in
+log10 on the fitted horizons, compared by AIC and leave-one-out error (three fitted horizons or more).
 
 **Placing a user.** ``place_on_map(map_data, k3, horizon, correction)`` takes that correction's curve (None:
-``bypass``, and the verdict says it was assumed; a correction the map has no curve for is an error naming it,
+``bypass``, and the verdict says it was assumed; a correction the map has no curve for gets one sentence saying so,
 never another curve): the law at the user's T (its interval from the replicates), the ratio k3 / threshold, a
-verdict in words and how far T lies outside the measured horizons; on a curve of bounds only, "no collapse
-measured up to k3 X at T Y". ``load_map(None)`` is the map shipped with vexact (``default_map.json``, made by
-``python -m vexact.lab.scaling build-map``; a single-curve file from before corrections were recorded loads as a
-``bypass`` curve).
+verdict in words and how far T lies outside the measured horizons. Beyond them the verdict weighs the range the
+law's interval and the saturating shape allow there (``range_low`` .. ``range_high``): "near" wherever that range
+spans the k3. A bound (no collapse up to X, or every run collapsed from X) speaks within 1.5x of its own horizon
+only: the threshold is not monotone in T. On a curve of bounds only, "no collapse measured up to k3 X at T Y". Every
+verdict ends by naming the curve as the user runs it (``correction_words``: ``token_tis`` is recompute + token-level
+TIS, ``bypass_token_tis`` the same on the rollout's log-probs). ``load_map(None)`` is the map shipped with vexact
+(``default_map.json``, made by ``python -m vexact.lab.scaling build-map``; a single-curve file from before
+corrections were recorded loads as a ``bypass`` curve).
 
 **Assembling a map** (``build_map``): from sweep directories, whose runs of one (correction, horizon) are merged
 into one dose-response fit when their resolved configs agree (``RUN_KEYS`` and ``BOOKKEEPING_KEYS`` aside), and from
 ``scaling.json`` files, whose curves join horizon by horizon; α is refitted per correction over all its horizons.
+Each horizon fitted from runs carries what its collapses were (``failure_kinds``, ``vexact.lab.failure``: length lost,
+limit overrun, reward lost at intact length) and whether a length surge came first. **The detector's sensitivity**
+(``sensitivity``, ``python -m vexact.lab.scaling sensitivity INPUT...``): the map rebuilt with every run of the sweep
+directories judged again from its logged metrics under other recovery windows (``patience``) and drop fractions.
 """
 
 from __future__ import annotations
@@ -70,12 +83,14 @@ from typing import Any
 import yaml
 
 from ..metric_keys import K3_KL, RESPONSE_LENGTH_MEAN
-from ..rl.config import MEMORY_KEYS, AlgorithmSection, CorrectionSection, RunConfig
+from ..rl.collapse import detect_collapse
+from ..rl.config import MEMORY_KEYS, AlgorithmSection, CollapseSection, CorrectionSection, RunConfig
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject_modes import INJECT_MODES
 from ..rl.vocab_tail import tokenizer_for
 from .dose_response import METRIC, fit_threshold, run_dose
+from .failure import horizon_failure_words, horizon_failures
 from .sweep_data import SEED_KEY, PointData, SweepData, read_sweep_results
 
 __all__ = ["BOOTSTRAP", "BYPASS", "DEFAULT_MAP", "DEFAULT_TAIL_MAP", "HORIZON_KEY", "RECOMPUTE", "TRL_MODES",
@@ -88,7 +103,13 @@ HORIZON_KEY = "task.max_len"
 HORIZON_METRIC = RESPONSE_LENGTH_MEAN
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
-REPLICATES_KEPT = 200  # replicates stored in scaling.json for the map's interval at a new T
+ALPHA_CI_METHOD = ("regression interval by residual bootstrap: the line's fitted values plus the residuals resampled "
+                   "with replacement (scaled by sqrt(n/(n-2))) plus each horizon's threshold redrawn within its own "
+                   "95% interval")
+"""How α's interval (and the replicates a verdict's interval at a new T comes from) is made: ``alpha_ci_method``
+in a curve. It carries the scatter of the horizons about the line, which redrawing each threshold within its own
+interval alone (the method before) left out."""
+REPLICATES_KEPT = BOOTSTRAP  # replicates stored in scaling.json: the law's band at a new T (a verdict, a plot)
 DEFAULT_MAP = Path(__file__).with_name("default_map.json")
 DEFAULT_TAIL_MAP = Path(__file__).with_name("default_tail_map.json")
 SHIPPED_MAPS = {DEFAULT_MAP: "the map shipped with vexact (vexact/lab/default_map.json)",
@@ -96,9 +117,12 @@ SHIPPED_MAPS = {DEFAULT_MAP: "the map shipped with vexact (vexact/lab/default_ma
 """The maps vexact ships, one per testbed vocabulary (``map_vocab``): the main map, on the task's characters, and the
 tail map, the same testbed with a tail of distractor tokens. ``shipped_map_for(vocab)`` picks one for a user."""
 MAP_KEYS = ("horizon", "k3", "threshold_50", "ci_low", "ci_high", "ratio", "verdict", "extrapolation_factor",
-            "correction", "source", "vocab")
+            "correction", "source", "vocab", "range_low", "range_high")
+"""``range_low`` / ``range_high``: beyond a fitted curve's measured horizons, the range the power law's interval and
+the saturating shape allow there (None inside them, or without a law)."""
 ASSUMPTIONS = (
-    "the threshold follows the fitted power law threshold ∝ T^(−alpha) beyond the measured horizons",
+    "beyond the measured horizons the threshold lies where the fitted power law threshold ∝ T^(−alpha) (within its "
+    "interval) or the saturating shape F + B/T puts it: the data do not tell the two apart",
     "the map's testbed (a 0.5M-parameter decoder on CPU, on-policy GRPO, the curve's correction and run length) "
     "stands for your stack; model size, mini-batches and run length are not on the map, and the vocabulary only as "
     "the testbed's (vocab: 22 characters, or 1,024 with the tail map)",
@@ -106,11 +130,13 @@ ASSUMPTIONS = (
     "the same metric before collapse",
     "your horizon is your dump's mean response length (tokens per sequence)",
 )
-BOUND_ASSUMPTION = ("a no-collapse bound measured at a horizon also holds at shorter ones (the threshold does not "
-                    "rise with T, as on the map's bypass curve)")
-COLLAPSE_BOUND_ASSUMPTION = ("a collapse measured at a horizon also happens at longer ones (the threshold does not "
-                             "rise with T, as on the map's bypass curve)")
-SAME_HORIZON = 1.5  # a curve measured at one horizon answers within this factor of it, and nowhere else
+BOUND_ASSUMPTION = ("a no-collapse bound measured at a horizon holds within 1.5x of it, and is carried no further: "
+                    "the threshold does not fall monotonically with T (on the map's bypass curve it rises from one "
+                    "horizon to the next twice)")
+COLLAPSE_BOUND_ASSUMPTION = ("a collapse measured at a horizon also happens within 1.5x of it, and is carried no "
+                             "further: the threshold does not fall monotonically with T (on the map's bypass curve "
+                             "it rises from one horizon to the next twice)")
+SAME_HORIZON = 1.5  # a horizon's threshold or bound answers within this factor of it, and nowhere else
 WIDEST_INTERVAL_DECADES = 3.0  # a law whose interval at the user's T spans more decades than this pins nothing there
 SHAPE_MIN_HORIZONS = 3  # two 2-parameter shapes: three points leave one degree of freedom each
 
@@ -177,6 +203,23 @@ def correction_name(old_logprobs: str, correction: CorrectionSection | None = No
     if method is None:
         return BYPASS if bypass else RECOMPUTE
     return BYPASS_PREFIX + method if bypass else method
+
+
+OLD_LOGPROB_WORDS = {BYPASS: "old log-probs from the rollout", RECOMPUTE: "old log-probs recomputed by the trainer"}
+
+
+def correction_words(name: str) -> str:
+    """A correction name as what the user runs, the old log-probs' source and the correction both:
+    ``token_tis`` is "recompute + token_tis" (verl's decoupled mode), ``bypass_token_tis`` "bypass + token_tis" (the
+    same correction on the rollout's own log-probs: verl's bypass mode with ``rollout_is: token``)."""
+    if name in OLD_LOGPROB_WORDS:
+        return f"{name}: {OLD_LOGPROB_WORDS[name]}, no correction"
+    bypass = name.startswith(BYPASS_PREFIX) and name[len(BYPASS_PREFIX):] in CORRECTION_METHODS
+    method = name[len(BYPASS_PREFIX):] if bypass else name
+    if method not in CORRECTION_METHODS:
+        return name
+    old = BYPASS if bypass else RECOMPUTE
+    return f"{old} + {method}: {OLD_LOGPROB_WORDS[old]}, corrected by {CORRECTION_METHODS[method].effect}"
 
 
 def _section(block: Any, keys: tuple[str, ...], where: str) -> CorrectionSection:
@@ -438,7 +481,7 @@ def _curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> dic
     horizons, missing = [], 0
     for value in sorted(by_h, key=_horizon_order):
         done = [p for p in by_h[value] if p.has_result]
-        runs, lengths = [], []
+        runs, lengths, levels = [], [], {}
         for p in done:
             dose, t = run_dose(p), measured_horizon(p)
             if dose is None or t is None:
@@ -447,9 +490,13 @@ def _curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> dic
             lengths.append(t)
             if dose > 0:
                 runs.append((dose, p.collapse.get("collapsed") is True, p.overrides.get(SEED_KEY)))
+                levels[_dose_level(p)] = levels.get(_dose_level(p), 0) + 1
         threshold = fit_threshold(runs)
+        per_dose = [levels[k] for k in sorted(levels, key=str)]
         horizons.append({"horizon_value": value, "horizon": sum(lengths) / len(lengths) if lengths else None,
                          "runs_total": len(by_h[value]), "runs_with_result": len(done), **threshold,
+                         "runs_per_dose": per_dose, "single_run_per_dose": bool(per_dose) and max(per_dose) == 1,
+                         **horizon_failures(done),
                          # not collapses in the fit, and not clean survivals: a bound over them says so
                          "dropped_unconfirmed": sum(p.dropped_unconfirmed for p in done)})
     law = fit_law(horizons)
@@ -458,11 +505,18 @@ def _curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> dic
     return {"curve": label, "correction": correction, **law, "horizons": horizons, "shape": compare_shapes(horizons)}
 
 
+def _dose_level(point: PointData) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The dose level a run belongs to: its sweep and its overrides but the seed (the seeds of one level are its
+    replicates; a horizon whose levels each hold one run has no seed scatter to bootstrap)."""
+    return str(point.dir.parent.parent), tuple(sorted((str(k), str(v)) for k, v in point.overrides.items()
+                                                      if k != SEED_KEY))
+
+
 def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     """α of threshold ∝ T^(−α) over per-horizon threshold dicts (``horizon`` = measured T; the threshold fields of
     ``dose_response.fit_threshold``), with its interval, or bounds on α, or why neither (module docstring)."""
     out: dict[str, Any] = {"metric": METRIC, "alpha": None, "alpha_ci_low": None, "alpha_ci_high": None,
-                           "log10_prefactor": None, "replicates": [], "horizon_range": None}
+                           "log10_prefactor": None, "replicates": [], "horizon_range": None, "band_misses": []}
     usable = [h for h in horizons if _positive(h.get("horizon"))]
     if not usable:
         return {**out, "status": "insufficient",
@@ -492,26 +546,91 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
         lo, hi = h.get("ci_low"), h.get("ci_high")
         sds.append((math.log10(hi) - math.log10(lo)) / 3.92 if _positive(lo) and _positive(hi) else None)
     open_ends = [h["horizon_value"] for h, sd in zip(fitted, sds) if sd is None]
+    out["alpha_ci_method"] = ALPHA_CI_METHOD
     if not open_ends:
-        rng = random.Random(BOOTSTRAP_SEED)
-        reps = []
-        for _ in range(BOOTSTRAP):
-            s, c = _line(xs, [y + rng.gauss(0.0, sd) for y, sd in zip(ys, sds)])
-            reps.append((c, -s))
+        reps = _residual_bootstrap(xs, ys, [sd or 0.0 for sd in sds])
         alphas = sorted(a for _, a in reps)
-        out["alpha_ci_low"], out["alpha_ci_high"] = alphas[int(0.025 * (BOOTSTRAP - 1))], alphas[
-            int(0.975 * (BOOTSTRAP - 1))]
+        out["alpha_ci_low"], out["alpha_ci_high"] = _percentile(alphas, 0.025), _percentile(alphas, 0.975)
         out["replicates"] = [[round(c, 6), round(a, 6)] for c, a in reps[:REPLICATES_KEPT]]
+        out["band_misses"] = band_misses(fitted, reps)
     violated = [h["horizon_value"] for h in bounded if not _respects(h, intercept, slope)]
-    note = (f"threshold ∝ T^(−{-slope:.2f})" + (f" [α in {out['alpha_ci_low']:.2f} .. {out['alpha_ci_high']:.2f}]"
-                                               if not open_ends else
+    note = (f"threshold ∝ T^(−{-slope:.2f})" + (f" [α in {out['alpha_ci_low']:.2f} .. {out['alpha_ci_high']:.2f}, "
+                                               "a regression interval]" if not open_ends else
                                                f" (no interval: horizon(s) {open_ends} have an open threshold "
                                                "interval)")
             + f" over {len(fitted)} horizons with a fitted threshold (T = {min(ts):.0f} .. {max(ts):.0f})")
+    out["alpha_leave_one_out"] = leave_one_out_alphas(fitted)
+    if out["alpha_leave_one_out"]:
+        loo = out["alpha_leave_one_out"]
+        low_key, high_key = min(loo, key=loo.__getitem__), max(loo, key=loo.__getitem__)
+        note += (f"; α without one horizon: {loo[low_key]:.2f} (without {HORIZON_KEY} = {low_key}) .. "
+                 f"{loo[high_key]:.2f} (without {high_key})")
+    if out.get("band_misses"):
+        note += (f"; the law's 95% band misses the threshold of {len(out['band_misses'])} of {len(fitted)} "
+                 f"({HORIZON_KEY} = {', '.join(map(str, out['band_misses']))})")
+    single = [h["horizon_value"] for h in fitted if h.get("single_run_per_dose")]
+    if single:
+        out["single_run_horizons"] = single
+        note += f"; fitted from one run per dose: {HORIZON_KEY} = {', '.join(map(str, single))}"
     if bounded:
         note += (f"; {len(bounded)} horizon(s) give only a bound and are not in the fit"
                  + (f" (the line violates the bound at {violated})" if violated else " (the line respects them)"))
     return {**out, "status": "fitted", "note": note, "bounds_violated": violated}
+
+
+def _residual_bootstrap(xs: list[float], ys: list[float], sds: list[float]) -> list[tuple[float, float]]:
+    """``BOOTSTRAP`` replicate lines (log10 A, α) of the law (``ALPHA_CI_METHOD``): a regression interval by
+    bootstrap. Each replicate refits the line to its fitted values plus the residuals resampled with replacement
+    (scaled by √(n/(n−2)): the line took two degrees of freedom) plus each horizon's own threshold noise (a normal
+    whose 95% range is its interval). The residuals carry the horizons' scatter about the line into α's interval;
+    on points that lie on the line it is their own intervals' alone. Deterministic (``BOOTSTRAP_SEED``)."""
+    slope, intercept = _line(xs, ys)
+    n = len(xs)
+    residuals = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
+    inflate = math.sqrt(n / (n - 2)) if n > 2 else 1.0  # two points: the line passes through both, no residual
+    rng = random.Random(BOOTSTRAP_SEED)
+    reps = []
+    for _ in range(BOOTSTRAP):
+        drawn = [intercept + slope * x + inflate * rng.choice(residuals) + rng.gauss(0.0, sd) for x, sd in zip(xs, sds)]
+        s, c = _line(xs, drawn)
+        reps.append((c, -s))
+    return reps
+
+
+def leave_one_out_alphas(fitted: list[dict[str, Any]]) -> dict[str, float]:
+    """α refitted without each fitted horizon ({horizon value as text: α}; three fitted horizons or more): how much
+    the law leans on any one of them."""
+    if len(fitted) < 3:
+        return {}
+    out = {}
+    for i, h in enumerate(fitted):
+        rest = fitted[:i] + fitted[i + 1:]
+        out[str(h["horizon_value"])] = -_line([math.log10(r["horizon"]) for r in rest],
+                                              [math.log10(r["threshold_50"]) for r in rest])[0]
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values`` (the lower neighbour, as every interval here)."""
+    return values[int(q * (len(values) - 1))]
+
+
+def law_band(replicates: list[Any], horizon: float) -> tuple[float, float] | None:
+    """The law's 95% band at ``horizon``: the 2.5/97.5 percentiles of the replicate lines' thresholds there (None
+    without replicates)."""
+    lt = math.log10(horizon)
+    values = sorted(10 ** (c - a * lt) for c, a in replicates or [])
+    return (_percentile(values, 0.025), _percentile(values, 0.975)) if values else None
+
+
+def band_misses(fitted: list[dict[str, Any]], replicates: list[Any]) -> list[Any]:
+    """The horizon values of the fitted horizons whose threshold lies outside the law's 95% band at their T."""
+    misses = []
+    for h in fitted:
+        band = law_band(replicates, h["horizon"])
+        if band is not None and not band[0] <= h["threshold_50"] <= band[1]:
+            misses.append(h["horizon_value"])
+    return misses
 
 
 def _alpha_bounds(fitted: list[dict[str, Any]], bounded: list[dict[str, Any]]) -> dict[str, Any]:
@@ -713,7 +832,7 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     if result["status"] == "no_horizon":
         return [], f"scaling: {result['note']}"
     line = "\n".join(f"scaling ({c['curve']}): {c['status']}: {c['note']}; {c['shape']['note']}"
-                     for c in result["curves"])
+                     + "".join(f"\n  failure: {f}" for f in failure_lines(c)) for c in result["curves"])
     path = out / "scaling.json"
     path.write_text(json.dumps(json_safe(result), indent=2) + "\n")
     files = [path]
@@ -756,7 +875,8 @@ def against_meter(result: dict[str, Any], meter: dict[str, Any]) -> dict[str, An
 
 
 def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
-    """Threshold (with interval) against T, log-log, one colour per curve; bounds as arrows; the fitted law."""
+    """Threshold (with interval) against T, log-log, one colour per curve; bounds as arrows; the fitted law with its
+    95% band (the legend names the points the band misses)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -789,7 +909,12 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
             xs = [t0 * (t1 / t0) ** (k / 50) for k in range(51)]
             ax.plot(xs, [10 ** (curve["log10_prefactor"] - curve["alpha"] * math.log10(x)) for x in xs],
                     color=colour, lw=1.2)
+            bands = [law_band(curve.get("replicates") or [], x) for x in xs]
+            if all(b is not None for b in bands):  # the law's 95% band, drawn with the points it should hold
+                ax.fill_between(xs, [b[0] for b in bands], [b[1] for b in bands], color=colour, alpha=0.12, lw=0)
             label += f", α = {curve['alpha']:.2f}"
+            if curve.get("band_misses"):
+                label += f" (band misses {HORIZON_KEY} = {', '.join(map(str, curve['band_misses']))})"
         ax.plot([], [], color=colour, label=label)
     if any_point:
         ax.set_xscale("log")
@@ -931,12 +1056,56 @@ def curve_for(map_data: dict[str, Any], correction: str, source: str | None = No
                      "threshold would not answer for yours")
 
 
+def find_curve(map_data: dict[str, Any], correction: str, source: str | None = None) -> dict[str, Any] | None:
+    """The map's curve for ``correction`` and ``source`` (None: ``default_source``), or None when it has none; a
+    source the map has no curves for at all is one ValueError naming its sources (a bad input, not a gap)."""
+    curves = map_curves(map_data)
+    wanted = default_source(map_data) if source is None else source
+    if source is not None and not any(c["source"] == wanted for c in curves):
+        raise ValueError(f"{_map_where(map_data)} has no curves for source {source!r}: its sources are "
+                         f"{', '.join(map(repr, map_sources(map_data))) or 'none'}")
+    return next((c for c in curves if c["correction"] == correction and c["source"] == wanted), None)
+
+
+def _map_where(map_data: dict[str, Any]) -> str:
+    origin = str(map_data.get("origin", "the map"))
+    return origin if origin in (*SHIPPED_MAPS.values(), "the map") else f"the map '{origin}'"
+
+
+def no_curve_sentence(map_data: dict[str, Any], correction: str, source: str | None = None) -> str:
+    """One sentence: the map has no curve for this correction (and source), so no verdict; never another
+    correction's or another source's curve in its place."""
+    wanted = default_source(map_data) if source is None else source
+    there = [c["correction"] for c in map_curves(map_data) if c["source"] == wanted]
+    return (f"no verdict: {_map_where(map_data)} has no curve for your correction ({correction_words(correction)}) "
+            f"on source {wanted} (its curves there: {', '.join(there) or 'none'}), "
+            "and another correction's threshold would not answer for yours")
+
+
+def _no_curve_placement(map_data: dict[str, Any], k3: float, horizon: float, name: str, source: str | None,
+                        assumed: bool) -> dict[str, Any]:
+    return {"horizon": float(horizon), "k3": float(k3), "threshold_50": None, "ci_low": None, "ci_high": None,
+            "ratio": None, "verdict": no_curve_sentence(map_data, name, source), "extrapolation_factor": 1.0,
+            "correction": name, "source": default_source(map_data) if source is None else source,
+            "vocab": map_vocab(map_data), "range_low": None, "range_high": None, "correction_assumed": assumed,
+            "bound_assumption": None, "no_curve": True}
+
+
+def saturating_at(shape: dict[str, Any], horizon: float) -> float | None:
+    """The saturating shape's threshold F + B/T at ``horizon`` (None: the curve's shapes were not compared)."""
+    fit = shape.get("saturating") if shape.get("status") == "compared" else None
+    if not isinstance(fit, dict) or not _number(fit.get("floor")) or not _number(fit.get("scale")):
+        return None
+    value = fit["floor"] + fit["scale"] / horizon
+    return value if value > 0 else None
+
+
 def choose_correction(map_data: dict[str, Any], spec: Any, source: str | None = None) -> str | None:
-    """``resolve_correction(spec)`` checked against the map: the map has that curve (or, with no correction given,
-    the ``bypass`` curve assumed), for ``source`` (None: the map's default). For callers that check once before
-    placing many points."""
+    """``resolve_correction(spec)`` checked against the map: a known name (or config) and a source the map has
+    (None: the map's default), for callers that check once before placing many points. A correction the map has no
+    curve for is no error: its verdict is one sentence saying so (``no_curve_sentence``)."""
     name = resolve_correction(spec, map_data)
-    curve_for(map_data, DEFAULT_CORRECTION if name is None else name, source)
+    find_curve(map_data, DEFAULT_CORRECTION if name is None else name, source)
     return name
 
 
@@ -964,7 +1133,9 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     name = resolve_correction(correction, map_data)
     assumed = name is None
     name = DEFAULT_CORRECTION if assumed else name
-    curve = curve_for(map_data, name, source)
+    curve = find_curve(map_data, name, source)
+    if curve is None:
+        return _no_curve_placement(map_data, k3, horizon, name, source, assumed)
     t_range = curve.get("horizon_range")
     if not (isinstance(t_range, list) and len(t_range) == 2 and all(_positive(t) for t in t_range)):
         raise ValueError(f"the map's {name} curve has no measured horizons (horizon_range): it cannot place a horizon")
@@ -973,18 +1144,24 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     out: dict[str, Any] = {"horizon": float(horizon), "k3": float(k3), "threshold_50": None, "ci_low": None,
                            "ci_high": None, "ratio": None, "verdict": None, "extrapolation_factor": factor,
                            "correction": name, "source": curve["source"], "vocab": map_vocab(map_data),
-                           "correction_assumed": assumed,
+                           "range_low": None, "range_high": None, "correction_assumed": assumed,
                            "bound_assumption": None}
     if curve.get("status") == "fitted":
-        lt = math.log10(horizon)
-        thr = 10 ** (curve["log10_prefactor"] - curve["alpha"] * lt)
-        reps = sorted(10 ** (c - a * lt) for c, a in curve.get("replicates") or [])
-        lo = reps[int(0.025 * (len(reps) - 1))] if reps else None
-        hi = reps[int(0.975 * (len(reps) - 1))] if reps else None
+        thr = 10 ** (curve["log10_prefactor"] - curve["alpha"] * math.log10(horizon))
+        band = law_band(curve.get("replicates") or [], horizon)
+        lo, hi = band if band is not None else (None, None)
         out.update(threshold_50=thr, ci_low=lo, ci_high=hi, ratio=k3 / thr)
         low, high = lo or thr, hi or thr
+        shape = None
+        if factor > 1:  # beyond the measured horizons: the range both shapes and the law's interval allow
+            shape = saturating_at(curve.get("shape") or {}, horizon)
+            if shape is not None:
+                low, high = min(low, shape), max(high, shape)
+            out.update(range_low=low, range_high=high)
         if math.log10(high / low) > WIDEST_INTERVAL_DECADES:
-            verdict = (f"no verdict: the law's 95% interval at this T spans k3 {low:.2g} .. {high:.2g} "
+            what = ("the law's 95% interval" if shape is None else
+                    "the range the law's interval and the saturating shape allow")
+            verdict = (f"no verdict: {what} at this T spans k3 {low:.2g} .. {high:.2g} "
                        f"({math.log10(high / low):.0f} decades), so the {name} curve's horizons do not pin the "
                        "threshold here")
         elif k3 < low / 10:
@@ -998,14 +1175,21 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
             verdict, out["bound_assumption"] = measured
         if factor > 1:
             verdict += (f"; extrapolated: T = {_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
-                        f"horizons (T = {_t(t0)} .. {_t(t1)})")
+                        f"horizons (T = {_t(t0)} .. {_t(t1)}), where the threshold may lie anywhere in k3 "
+                        f"{low:.2g} .. {high:.2g} (the power law's 95% interval"
+                        + (f" [{lo:.2g}, {hi:.2g}]" if lo is not None else " (none)")
+                        + (f" and the saturating shape's {shape:.2g}" if shape is not None else "") + ")")
+        single = curve.get("single_run_horizons") or []
+        if single:
+            verdict += (f"; the law rests on horizon(s) fitted from one run per dose ({HORIZON_KEY} = "
+                        f"{', '.join(map(str, single))})")
     else:
         verdict = _bound_verdict(curve, name, k3, horizon, (t0, t1))
         if verdict.startswith("below every level tested"):
             out["bound_assumption"] = BOUND_ASSUMPTION
     if assumed:
         verdict += f"; correction assumed: {name} (none given: name the one you run)"
-    out["verdict"] = verdict
+    out["verdict"] = verdict + f"; curve: {correction_words(name)}"
     ranges = [(c["correction"], c.get("horizon_range")) for c in map_curves(map_data) if c["source"] == curve["source"]]
     ranges = [(c, r) for c, r in ranges if isinstance(r, list) and len(r) == 2 and all(_positive(t) for t in r)]
     if ranges and all(not r[0] <= horizon <= r[1] for _, r in ranges):
@@ -1026,20 +1210,23 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
     """Where a horizon with only a bound speaks for the user's T, the measurement wins over the law (which was not
     fitted to it, and may cross it): (the verdict, the assumption it rests on), or None to keep the law's verdict.
 
-    - Every run collapsed, from k3 D, at T_b <= 1.5 T (so at or near the user's T, or shorter): k3 >= D is above
-      a measured collapse; k3 < D where the law's threshold lies above D: the law is wrong there, and the map can
-      only say "below D, where runs collapsed".
-    - Nothing collapsed up to k3 D at T_b >= T / 1.5: k3 <= D where the law says near or above is below every
-      level tested there; k3 > D where the law's threshold lies below D is not placed (the law is wrong there, and
+    Only a horizon within 1.5x of the user's T speaks (``SAME_HORIZON``): the threshold is not monotone in T.
+
+    - Every run collapsed, from k3 D, at T_b: k3 >= D is above a measured collapse; k3 < D where the law's threshold
+      lies above D: the law is wrong there, and the map can only say "below D, where runs collapsed".
+    - Nothing collapsed up to k3 D at T_b: k3 <= D where the law says near or above is below every level tested
+      there; k3 > D where the law's threshold lies below D is not placed (the law is wrong there, and
       nothing was measured above D)."""
     for h in curve.get("horizons") or []:
         t_b = h.get("horizon")
         if not _positive(t_b):
             continue
         at = f"T {_t(t_b)} ({name})"
-        if h.get("status") == "below_range" and _positive(h.get("upper_bound")) and t_b <= horizon * SAME_HORIZON:
+        if not horizon / SAME_HORIZON <= t_b <= horizon * SAME_HORIZON:
+            continue  # a bound speaks for its own horizon only: the threshold is not monotone in T
+        if h.get("status") == "below_range" and _positive(h.get("upper_bound")):
             dose = h["upper_bound"]
-            fact = f"every run collapsed from k3 {dose:.2g} at {at}"
+            fact = f"every run collapsed from k3 {dose:.2g} at {at}" + _one_run(h)
             if k3 >= dose:
                 return f"above the measured collapse range: {fact}", COLLAPSE_BOUND_ASSUMPTION
             if thr > dose:
@@ -1047,8 +1234,7 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
                 return (f"below k3 {dose:.2g}{times}, where runs collapsed: {fact}; the law's threshold at this T "
                         f"(k3 {thr:.2g}) lies above that measured collapse, so the map cannot say how far below the "
                         "threshold you are", COLLAPSE_BOUND_ASSUMPTION)
-        if (h.get("status") == "above_range" and not h.get("collapsed") and _positive(h.get("lower_bound"))
-                and t_b >= horizon / SAME_HORIZON):
+        if h.get("status") == "above_range" and not h.get("collapsed") and _positive(h.get("lower_bound")):
             dose = h["lower_bound"]
             fact = _no_collapse_fact(h, at)
             if k3 <= dose and not verdict.startswith("far below"):
@@ -1063,11 +1249,11 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
 
 def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, t_range: tuple[float, float]
                    ) -> str:
-    """A curve without a law: what its no-collapse bounds say. A bound measured at a horizon at least as long as the
-    user's carries down to the user's T (``BOUND_ASSUMPTION``); beyond the longest one nothing carries."""
+    """A curve without a law: what its no-collapse bounds say. A bound measured within 1.5x of the user's T speaks
+    for it (``BOUND_ASSUMPTION``); none is carried further, up or down (the threshold is not monotone in T)."""
     safe = [h for h in curve.get("horizons", []) if h.get("status") == "above_range" and not h.get("collapsed")
             and _positive(h.get("lower_bound")) and _positive(h.get("horizon"))]  # nothing collapsed up to the bound
-    carried = [h for h in safe if h["horizon"] >= horizon]
+    carried = [h for h in safe if horizon / SAME_HORIZON <= h["horizon"] <= horizon * SAME_HORIZON]
     if carried:
         best = max(carried, key=lambda h: h["lower_bound"])
         fact = _no_collapse_fact(best, f"T {_t(best['horizon'])} ({name})")
@@ -1091,25 +1277,36 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
             where = ("far below" if k3 < low / 10 else "near" if k3 < high else "above")
             return f"{where} the measured collapse range: {fact}"
     if safe:
-        longest = max(safe, key=lambda h: h["horizon"])
-        at = f"T {_t(longest['horizon'])} ({name})"
-        return (f"no verdict at this horizon: T = {_t(horizon)} lies beyond the {name} curve's measured horizons "
-                f"(T = {_t(t_range[0])} .. {_t(t_range[1])}): {_no_collapse_fact(longest, at)}, and the curve has "
-                "no law to carry that further")
+        nearest = min(safe, key=lambda h: abs(math.log(h["horizon"] / horizon)))
+        at = f"T {_t(nearest['horizon'])} ({name})"
+        where = (f"lies {'beyond' if horizon > t_range[1] else 'below'} the {name} curve's measured horizons "
+                 f"(T = {_t(t_range[0])} .. {_t(t_range[1])})" if not t_range[0] <= horizon <= t_range[1] else
+                 f"is more than {SAME_HORIZON}x from every horizon of the {name} curve")
+        return (f"no verdict at this horizon: T = {_t(horizon)} {where}: the nearest bound, "
+                f"{_no_collapse_fact(nearest, at)}, is not carried to another T (the threshold is not monotone in T) "
+                "and the curve has no law")
     return f"unknown: the {name} curve has no fitted law ({curve.get('status')}): {curve.get('note')}"
 
 
 def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
     """The placement as printed lines, assumptions included."""
     p = placed
-    curve = curve_for(map_data, p["correction"], p.get("source"))
     given = " (assumed: none given)" if p.get("correction_assumed") else ""
     lines = [f"map ({map_data.get('origin', 'map')}), correction {p['correction']}{given}: k3 = {p['k3']:.3g} at "
-             f"T = {p['horizon']:.1f} tokens"]
+             f"T = {p['horizon']:.1f} tokens", f"  your correction: {correction_words(p['correction'])}"]
+    if p.get("no_curve"):
+        return [*lines, f"  verdict: {p['verdict']}"]
+    curve = curve_for(map_data, p["correction"], p.get("source"))
     if p["threshold_50"] is not None:
         ci = (f" [{p['ci_low']:.2g}, {p['ci_high']:.2g}]" if p["ci_low"] is not None else " [no interval]")
+        alpha_ci = (f" [{curve['alpha_ci_low']:.2f}, {curve['alpha_ci_high']:.2f}]"
+                    if _number(curve.get("alpha_ci_low")) and _number(curve.get("alpha_ci_high")) else "")
         lines.append(f"  the law's 50% collapse threshold at this T: k3 = {p['threshold_50']:.2g}{ci} "
-                     f"(α = {curve['alpha']:.2f}); ratio k3 / threshold = {p['ratio']:.2g}")
+                     f"(α = {curve['alpha']:.2f}{alpha_ci}); ratio k3 / threshold = {p['ratio']:.2g}")
+        if p.get("range_low") is not None:
+            lines.append(f"  beyond the measured horizons: the threshold may lie anywhere in k3 "
+                         f"{p['range_low']:.2g} .. {p['range_high']:.2g} (the power law's interval and the "
+                         "saturating shape)")
     lines.append(f"  verdict: {p['verdict']}")
     t0, t1 = curve["horizon_range"]
     lines.append(f"  extrapolation: T is {p['extrapolation_factor']:.3g}x outside the {p['correction']} curve's "
@@ -1242,7 +1439,7 @@ def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
     return wanted
 
 
-def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
+def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: dict[str, Any] | None = None
                 ) -> tuple[dict[CurveKey, dict[Any, list[_Run]]], int]:
     """The finished points of one sweep directory as {(correction, source): {horizon value: runs}}, and how many runs
     with router replay were left out; a finished point without its config.yaml, or a sweep without finished runs, is
@@ -1253,7 +1450,8 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
     left out: replay removes the routing mismatch, so their realised k3 is another source's (the rest of the
     rollout's mismatch), not the swept one. ``only`` ({config key: values}, ``parse_only``) keeps the runs whose
     saved config holds one of the values at every key: one testbed out of a sweep that varies it (the tail sweep's
-    two vocabularies)."""
+    two vocabularies). ``detector`` ({collapse setting: value}, e.g. patience and drop) judges every run again from
+    its logged metrics with its own saved ``collapse`` settings so changed (``redetect``)."""
     data = read_sweep_results(path)
     variants = _variants(data)
     defaults = _default_config()
@@ -1277,6 +1475,8 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
         if config.get("algorithm.router_replay"):
             replayed += 1
             continue
+        if detector:
+            redetect(p, loaded, detector)
         value = horizon_value(p, variants)
         value = config.get(HORIZON_KEY) if value is None else value
         if value is None:
@@ -1288,6 +1488,18 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None
         raise ValueError(f"sweep '{path}' has no finished runs{kept} with a horizon ({HORIZON_KEY}) outside router "
                          "replay: it has no points for a map")
     return out, replayed
+
+
+def redetect(point: PointData, config: Mapping, settings: dict[str, Any]) -> None:
+    """Judge a finished run again from its logged metrics: its saved ``collapse`` section with ``settings`` (say
+    ``patience`` and ``drop``) changed; the run's collapse summary (its verdict, collapse step and dose) is replaced
+    in memory, never on disk."""
+    saved = config.get("collapse") if isinstance(config.get("collapse"), Mapping) else {}
+    known = {f.name for f in dataclasses.fields(CollapseSection)}
+    section = CollapseSection(**{k: v for k, v in {**saved, **settings}.items() if k in known})
+    summary = point.summary or {}
+    point.summary = {**summary, "collapse": detect_collapse(point.metrics, section, summary.get("reason"),
+                                                            summary.get("stopped_at_step"))}
 
 
 def _config_difference(a: dict[str, Any], b: dict[str, Any], exempt: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
@@ -1361,7 +1573,12 @@ def _no_collapse_fact(h: dict[str, Any], at: str) -> str:
     dropped = h.get("dropped_unconfirmed") or 0
     return (f"no collapse measured up to k3 {h['lower_bound']:.2g} at {at}"
             + (f" ({dropped} of {h.get('runs')} runs dropped below half their peak, unconfirmed by the run's end)"
-               if dropped else ""))
+               if dropped else "") + _one_run(h))
+
+
+def _one_run(h: dict[str, Any]) -> str:
+    """" (one run per dose)" for a horizon whose dose levels hold one run each (no seed scatter behind it)."""
+    return " (one run per dose)" if h.get("single_run_per_dose") else ""
 
 
 def bound_lines(curve: dict[str, Any]) -> list[str]:
@@ -1376,10 +1593,11 @@ def bound_lines(curve: dict[str, Any]) -> list[str]:
                 lines.append(_no_collapse_fact(h, at))
             else:
                 lines.append(f"threshold above k3 {h['lower_bound']:.2g} at {at} ({h['collapsed']} of "
-                             f"{h.get('runs')} runs collapsed, the fitted 50% point lies above every dose tested)")
+                             f"{h.get('runs')} runs collapsed, the fitted 50% point lies above every dose tested)"
+                             + _one_run(h))
         elif status == "below_range" and _positive(h.get("upper_bound")):
             lines.append(f"threshold below k3 {h['upper_bound']:.2g} at {at} (every run collapsed, from the "
-                         "smallest dose tested)")
+                         f"smallest dose tested){_one_run(h)}")
     return lines
 
 
@@ -1460,8 +1678,8 @@ def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], 
     return merged
 
 
-def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[str, list[Any]] | None = None
-              ) -> dict[str, Any]:
+def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[str, list[Any]] | None = None,
+              detector: dict[str, Any] | None = None) -> dict[str, Any]:
     """One map from sweep directories (their runs) and ``scaling.json`` files or maps (their curves), one curve per
     correction, ordered as ``correction_names()``.
 
@@ -1472,7 +1690,8 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
     refitted over every horizon of a correction; a horizon where nothing collapsed is a bound, kept in the curve,
     never a threshold in the fit. Each curve gets its shape comparison. The top level is the ``bypass`` curve (else
     the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs.
-    ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values."""
+    ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values;
+    ``detector`` judges their runs again under other collapse settings (``redetect``; ``sensitivity``)."""
     if not paths:
         raise ValueError("build-map needs at least one sweep directory or scaling.json")
     file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
@@ -1486,7 +1705,7 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
             if not (path / "sweep.json").is_file():
                 raise ValueError(f"'{path}' is a directory without sweep.json: give a sweep directory or a "
                                  "scaling.json file")
-            runs_of, left_out = _sweep_runs(path, only)
+            runs_of, left_out = _sweep_runs(path, only, detector)
             replayed += left_out
             for key, by_h in runs_of.items():
                 for value, runs in by_h.items():
@@ -1527,10 +1746,97 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
             "provenance": provenance}
 
 
+SENSITIVITY_PATIENCE = (10, 20, 30)  # steps the reward must stay down: the runs' own 20 and either side
+SENSITIVITY_DROP = (0.4, 0.5, 0.6)  # fraction of the peak lost: the runs' own 0.5 and either side
+
+
+def sensitivity(paths: list[str | Path], patiences: tuple[int, ...] = SENSITIVITY_PATIENCE,
+                drops: tuple[float, ...] = SENSITIVITY_DROP, correction: str = DEFAULT_CORRECTION,
+                source: str | None = None, only: dict[str, list[Any]] | None = None) -> list[dict[str, Any]]:
+    """The collapse detector's sensitivity: the map rebuilt (``build_map``) with every run of the sweep directories
+    judged again from its logged metrics under each (``patience``, ``drop``) (``redetect``), one row each: α with
+    its interval and each horizon of the curve of ``correction`` and ``source`` (None: the map's default). Horizons
+    a map file brings (no runs behind them) keep their thresholds: ``from_runs`` says which horizons were judged
+    again."""
+    rows = []
+    for patience in patiences:
+        for drop in drops:
+            built = build_map(paths, only=only, detector={"patience": patience, "drop": drop})
+            curve = curve_for(built, correction, source)
+            rows.append({"patience": patience, "drop": drop, "status": curve.get("status"),
+                         "alpha": curve.get("alpha"), "alpha_ci_low": curve.get("alpha_ci_low"),
+                         "alpha_ci_high": curve.get("alpha_ci_high"),
+                         "horizons": [{k: h.get(k) for k in ("horizon_value", "horizon", "status", "threshold_50",
+                                                             "ci_low", "ci_high", "lower_bound", "upper_bound",
+                                                             "collapsed", "runs")}
+                                      for h in curve.get("horizons") or []],
+                         "from_runs": [h.get("horizon_value") for h in curve.get("horizons") or []
+                                       if any(Path(s).is_dir() for s in (h.get("sweeps") or {}))]})
+    return rows
+
+
+def _horizon_cell(h: dict[str, Any]) -> str:
+    """One horizon's threshold or bound in a sensitivity line, with its collapse count."""
+    count = f" ({h.get('collapsed')}/{h.get('runs')})"
+    if h.get("status") == "fitted" and _positive(h.get("threshold_50")):
+        ci = (f" [{h['ci_low']:.2g}, {h['ci_high']:.2g}]" if _positive(h.get("ci_low")) and _positive(h.get("ci_high"))
+              else "")
+        return f"{h['threshold_50']:.2g}{ci}{count}"
+    if h.get("status") == "above_range" and _positive(h.get("lower_bound")):
+        return f"above {h['lower_bound']:.2g}{count}"
+    if h.get("status") == "below_range" and _positive(h.get("upper_bound")):
+        return f"below {h['upper_bound']:.2g}{count}"
+    return f"{h.get('status')}{count}"
+
+
+def sensitivity_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The sensitivity rows as printed lines: per (patience, drop), α and the horizons judged again."""
+    lines = []
+    for r in rows:
+        alpha = (f"α {r['alpha']:.2f}" + (f" [{r['alpha_ci_low']:.2f}, {r['alpha_ci_high']:.2f}]"
+                                          if _number(r.get("alpha_ci_low")) else
+                                          " (no interval: a horizon's threshold interval is open)")
+                 if _number(r.get("alpha")) else f"no α ({r['status']})")
+        cells = [f"L = {h['horizon_value']}: {_horizon_cell(h)}" for h in r["horizons"]
+                 if h["horizon_value"] in r["from_runs"]]
+        lines.append(f"patience {r['patience']}, drop {r['drop']}: {alpha}; " + "; ".join(cells))
+    return lines
+
+
 def _curve_name(curve: dict[str, Any], curves: list[dict[str, Any]]) -> str:
     """A curve in printed lines: its correction, and its source where the map has several."""
     several = len({c.get("source") for c in curves}) > 1
     return f"{curve['correction']} / {curve.get('source')}" if several else curve["correction"]
+
+
+def failure_lines(curve: dict[str, Any]) -> list[str]:
+    """Per horizon of a curve, which failure its collapses are (``vexact.lab.failure``), so which failure its
+    threshold or bound measures, and whether a length surge came first; horizons without the record say so."""
+    lines = []
+    for h in curve.get("horizons") or []:
+        t = f" (T {_t(h['horizon'])})" if _positive(h.get("horizon")) else ""
+        words = horizon_failure_words(h)
+        if not h.get("collapsed") and not h.get("collapsed_classified"):
+            continue  # nothing collapsed: no failure to name
+        lines.append(f"{HORIZON_KEY} = {h.get('horizon_value')}{t}: its collapses, what its threshold or bound "
+                     "measures: " + (words or "not classified (the horizon came from a file without its runs)"))
+    return lines
+
+
+def band_lines(curve: dict[str, Any]) -> list[str]:
+    """Each fitted horizon of a fitted curve against the law's 95% band at its T: inside, or which side it misses."""
+    lines = []
+    for h in curve.get("horizons") or []:
+        band = law_band(curve.get("replicates") or [], h["horizon"]) if _positive(h.get("horizon")) else None
+        if h.get("status") != "fitted" or band is None:
+            continue
+        ci = (f" [{h['ci_low']:.2g}, {h['ci_high']:.2g}]" if _positive(h.get("ci_low")) and _positive(h.get("ci_high"))
+              else "")
+        where = ("inside" if band[0] <= h["threshold_50"] <= band[1] else
+                 "MISSED (above)" if h["threshold_50"] > band[1] else "MISSED (below)")
+        lines.append(f"{HORIZON_KEY} = {h['horizon_value']} (T {_t(h['horizon'])}): threshold {h['threshold_50']:.2g}"
+                     f"{ci}{_one_run(h)}; the law's 95% band {band[0]:.2g} .. {band[1]:.2g}: {where}")
+    return lines
 
 
 def build_lines(built: dict[str, Any]) -> list[str]:
@@ -1540,8 +1846,21 @@ def build_lines(built: dict[str, Any]) -> list[str]:
         lines.append(f"{_curve_name(c, built['curves'])} ({c['status']}, {len(c.get('horizons') or [])} horizons): "
                      f"{c['note']}")
         lines.append(f"  shape: {c['shape']['note']}")
+        lines += [f"  band: {b}" for b in band_lines(c)]
+        lines += [f"  failure: {b}" for b in failure_lines(c)]
         lines += [f"  bound (not in the fit): {b}" for b in bound_lines(c)]
     return lines
+
+
+def _parse_list(text: str, kind: type, flag: str) -> list[Any]:
+    """A comma-separated list of numbers of one kind; one error naming the flag otherwise."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated {kind.__name__} values") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -1559,7 +1878,20 @@ def _main(argv: list[str] | None = None) -> int:
     build.add_argument("--only", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
                        help="keep the sweep directories' runs whose saved config holds one of the values (repeat for "
                             "more keys), e.g. --only task.distractors=1002")
-    shape = sub.add_parser("shape", help="print each curve's shape comparison (default: the shipped map)")
+    sens = sub.add_parser("sensitivity", help="the collapse detector's sensitivity: α and each horizon's threshold "
+                                               "with every run of the sweep directories judged again under each "
+                                               "recovery window (patience) and drop fraction")
+    sens.add_argument("inputs", type=Path, nargs="+", metavar="SWEEP_DIR_OR_SCALING_JSON")
+    sens.add_argument("--patience", default=",".join(map(str, SENSITIVITY_PATIENCE)), metavar="STEPS[,STEPS...]",
+                      help="recovery windows, in steps (default: %(default)s)")
+    sens.add_argument("--drop", default=",".join(map(str, SENSITIVITY_DROP)), metavar="FRACTION[,FRACTION...]",
+                      help="drop fractions of the peak (default: %(default)s)")
+    sens.add_argument("--correction", default=DEFAULT_CORRECTION, help="the curve to show (default: %(default)s)")
+    sens.add_argument("--source", default=None, help="its source (default: the map's first)")
+    sens.add_argument("--only", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
+                      help="as build-map's --only")
+    shape = sub.add_parser("shape", help="print each curve's shape comparison and its fitted horizons against the "
+                                         "law's 95%% band (default: the shipped map)")
     shape.add_argument("map", type=Path, nargs="?", default=None, metavar="MAP")
     args = parser.parse_args(argv)
     try:
@@ -1575,9 +1907,24 @@ def _main(argv: list[str] | None = None) -> int:
                                                      for c in built["curves"]))
             print("\n".join(build_lines(built)))
             return 0
+        if args.command == "sensitivity":
+            patiences = tuple(_parse_list(args.patience, int, "--patience"))
+            drops = tuple(_parse_list(args.drop, float, "--drop"))
+            if any(p < 0 for p in patiences) or any(not 0 < d < 1 for d in drops):
+                raise ValueError("--patience takes steps >= 0 and --drop fractions strictly between 0 and 1")
+            rows = sensitivity(list(args.inputs), patiences, drops, args.correction, args.source,
+                               parse_only(args.only))
+            print("\n".join(sensitivity_lines(rows)))
+            return 0
         curves = load_map(args.map)["curves"]
         for curve in curves:
             print(f"{_curve_name(curve, curves)}: {compare_shapes(curve.get('horizons') or [])['note']}")
+            if curve.get("status") == "fitted":
+                print(f"  law: {curve['note']} ({curve.get('alpha_ci_method') or 'interval method not recorded'})")
+            for line in band_lines(curve):
+                print(f"  band: {line}")
+            for line in failure_lines(curve):
+                print(f"  failure: {line}")
         return 0
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -705,9 +705,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--map last: a space-separated value is taken as the map file")
     parser.add_argument("--correction", default=None, metavar="NAME|CONFIG",
                         help="with --map: the correction your trainer runs, whose curve gives the verdict: a name "
-                             "(bypass, recompute, token_tis, ...) or a config file (.yaml/.json: verl's "
+                             "(bypass, recompute, token_tis = recompute + token-level TIS, bypass_token_tis = "
+                             "bypass + token-level TIS, ...) or a config file (.yaml/.json: verl's "
                              "algorithm.rollout_correction, a TRL GRPOConfig, a vexact config); default: bypass, "
-                             "said so in the verdict")
+                             "said so in the verdict; a correction the map has no curve for gets one sentence saying "
+                             "so")
     parser.add_argument("--source", default=None, metavar="NAME",
                         help="with --map: the mismatch source whose curves give the verdict, one of the map's "
                              "sources (e.g. routing_flip:near_tie, MoE routing mismatch); default: the map's first "
