@@ -84,7 +84,7 @@ from ..rl.config import (
 )
 from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
-from ..rl.validate import build, plain
+from ..rl.validate import build, parse_yaml, plain
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
 
@@ -435,7 +435,7 @@ def _sets(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, _, raw = item.partition("=")
         try:
-            value = yaml.safe_load(raw)
+            value = parse_yaml(raw)
         except yaml.YAMLError:
             value = raw
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string; the config reads it as 0.001

@@ -59,7 +59,7 @@ from .registries import (
     TASKS,
     check_run,
 )
-from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
+from .validate import ConfigError, build, describe, parse_yaml, plain, read_yaml, show_value, yaml_problem
 from .validate import bounds as _bounds
 
 __all__ = [
@@ -605,7 +605,7 @@ def _apply_override(data: dict, item: str) -> str:
     key = KEY_ALIASES.get(key, key)
     parts = key.split(".")
     try:
-        value = yaml.safe_load(raw)
+        value = parse_yaml(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse value {raw!r} as YAML (from --set {item}): {yaml_problem(e)}", key) from None
 
