@@ -8,6 +8,7 @@ and a torn metrics line under ``--allow-change``. Tiny runs (no warm start, 2 st
 from __future__ import annotations
 
 import errno
+import importlib.util
 import io
 import json
 import os
@@ -430,3 +431,101 @@ def test_a_torn_last_metrics_line_does_not_block_a_resume_that_changes_an_allowe
     summary = Trainer(longer, Console(quiet=True)).run(resume=True, allow_changes=("steps", "logging.eval_every"))
     assert summary["status"] == "completed" and summary["steps_completed"] == 4
     assert [r["step"] for r in read_metrics(tmp_path / "torn" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------- what a newcomer's bad input met
+@pytest.mark.parametrize("model, key", [({"num_experts": 4, "decoder_sparse_step": 5}, "decoder_sparse_step"),
+                                        ({"num_experts": 4, "mlp_only_layers": [0, 1]}, "mlp_only_layers")])
+def test_experts_with_no_moe_layer_are_one_error_not_a_silent_dense_run(model, key):
+    """``num_experts: 4`` on the 2-layer testbed with ``decoder_sparse_step: 5`` made no layer MoE: a dense run
+    that looked like an MoE one. routing_flip on it said "set num_experts > 0", which it was."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": model})
+    assert e.value.key == f"model.{key}" and "no layer is a mixture of experts" in e.value.problem
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": model, "inject": {"mode": "routing_flip", "value": 0.1}})
+    assert e.value.key == f"model.{key}" and "set model.num_experts > 0" not in str(e.value)
+    assert config_from_dict({"model": {"num_experts": 4, "decoder_sparse_step": 2}}).model.num_experts == 4
+
+
+@pytest.mark.parametrize("flag", ["--num-experts-per-tok", "--moe-intermediate-size"])
+def test_check_expert_flags_without_experts_are_one_error_before_the_check(flag, capsys, monkeypatch):
+    def no_check(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr("vexact.real.check.run_check", no_check)
+    line = _cli_error(capsys, monkeypatch, "check", flag, "2")
+    assert f"{flag} sets the mixture of experts, but the model has none: give --num-experts" in line
+
+
+def test_check_json_to_an_unwritable_path_fails_before_the_check(tmp_path, capsys, monkeypatch):
+    def no_check(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr("vexact.real.check.run_check", no_check)
+    (tmp_path / "a_file").write_text("")
+    line = _cli_error(capsys, monkeypatch, "check", "--json", str(tmp_path / "a_file" / "check.json"))
+    assert f"--json: cannot write {tmp_path / 'a_file' / 'check.json'}" in line
+
+
+def test_the_memory_error_of_an_expert_count_names_num_experts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(model_module, "available_memory", lambda: 16 << 30)  # a laptop's 16 GiB, on any machine
+    line = _cli_error(capsys, monkeypatch, "run", str(_write_config(tmp_path, "moe")), "--set",
+                      "model.num_experts=100000")
+    assert "model.num_experts=100,000" in line and "model.hidden_size=64" in line
+    assert not (tmp_path / "moe").exists()
+
+
+def test_a_run_named_like_the_warm_start_cache_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"name": ".warmstart_cache"})
+    assert e.value.key == "name" and "the warm-start cache" in e.value.problem
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"output_dir": str(tmp_path / "c"), "warm_start": {"cache_dir": str(tmp_path / "c")}})
+    assert e.value.key == "output_dir"
+    assert config_from_dict({"name": "warmstart_cache"}).name == "warmstart_cache"
+
+
+def test_an_output_dir_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_path, capsys, monkeypatch):
+    config = _write_config(tmp_path, "x")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes\n")
+    line = _cli_error(capsys, monkeypatch, "run", str(config), "--set", f"output_dir={mine}")
+    assert f"{mine} is not empty and not a vexact run directory (it holds notes.txt)" in line
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # no .lock, no run file
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _cli_error(capsys, monkeypatch, "run", str(config), "--set", f"output_dir={empty}", "--resume")
+    assert "there is no run there" in line and list(empty.iterdir()) == []  # a refusal leaves no .lock behind
+
+
+def test_rollout_engine_vllm_says_vllm_is_missing_before_what_it_could_not_run(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    odd_heads = {"rollout": {"engine": "vllm"}, "model": {"hidden_size": 72, "num_heads": 4, "num_kv_heads": 2}}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(odd_heads)
+    assert e.value.key == "rollout.engine" and "needs the 'vllm' package, which is not installed" in e.value.problem
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError) as e:  # installed: the head size is the problem
+        config_from_dict(odd_heads)
+    assert e.value.key == "model.head_dim"
+
+
+def test_a_sweep_points_bad_value_names_the_variant_grid_or_set_it_came_from(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("base: {steps: 2}\ngrid: {seed: [0]}\nvariants: {good: {optimizer.lr: 0.001}, bad: "
+                    "{optimizer.lr: -1}}\n")
+    with pytest.raises(ConfigError, match=r"got -1 \(from variants\.bad\.optimizer\.lr\)") as e:
+        load_sweep_spec(path)
+    assert "--set" not in str(e.value)
+    path.write_text("base: {steps: 2}\ngrid: {optimizer.lr: [-1]}\n")
+    with pytest.raises(ConfigError, match=r"got -1 \(from the grid's optimizer\.lr\)"):
+        load_sweep_spec(path)
+    path.write_text("base: {steps: 2}\ngrid: {seed: [0]}\nset: {optimizer.eps: 0}\n")
+    with pytest.raises(ConfigError, match=r"got 0 \(from set\.optimizer\.eps\)"):
+        load_sweep_spec(path)
+    path.write_text("base: {steps: 2}\ngrid: {seed: [0]}\n")
+    with pytest.raises(ConfigError, match=r"got 0 \(from --set optimizer\.eps=0\)"):  # the command line's own
+        load_sweep_spec(path, overrides=["optimizer.eps=0"])

@@ -295,6 +295,20 @@ def test_bad_one_file_and_empty_sequences(tmp_path, capsys):
     assert _run(capsys, tmp_path / "missing.jsonl")[2] == f"error: {tmp_path / 'missing.jsonl'}: file not found\n"
 
 
+@pytest.mark.parametrize("map_flags", [(), ("--map",)], ids=["report", "--map"])
+def test_a_log_prob_of_minus_1e308_is_one_error_naming_the_token_before_any_report(tmp_path, capsys, map_flags):
+    """-1e308 (a mask's fill value, say) made k3 = e^r - r - 1 overflow: the report printed k3 = inf (stored in the
+    JSON as the string "inf"), and --map failed after the report with "k3 must be finite", no cause named."""
+    one = _jsonl(tmp_path / "one.jsonl", [
+        {"id": "s", "rollout_log_probs": [-0.5, -1e308], "old_log_probs": [-0.5, -1.0]},
+        {"id": "t", "rollout_log_probs": [-0.2], "old_log_probs": [-0.3]}])
+    code, out, err = _run(capsys, one, *map_flags, "--json", tmp_path / "r.json")
+    assert code == 2 and out == "" and not (tmp_path / "r.json").exists()
+    assert err.startswith("error: rollout_corr/k3_kl overflowed float64 (rollout_corr/k3_kl = inf): "
+                          f"{one}:1: id 's', position 1 has the training log-prob -1 and the rollout log-prob "
+                          "-1e+308;") and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's note on the hostile pickle below
 def test_bad_tensor_input(tmp_path, capsys):
     path = tmp_path / "b.pt"

@@ -298,6 +298,16 @@ def test_readme_is_short_keeps_the_quickstart_and_links_only_existing_pages():
         assert f"<!-- --8<-- [start:{section}] -->" in readme and f"<!-- --8<-- [end:{section}] -->" in readme
 
 
+def test_the_quickstart_says_how_to_get_torchs_cpu_build_on_a_plain_index():
+    """On PyPI's plain index ``pip install torch==2.13.0`` pulls the CUDA build; the Quickstart names PyTorch's CPU
+    wheel index (as torch's own install docs do), and its two command lines stay as CI runs them."""
+    quickstart = _readme_section("quickstart")
+    assert "```bash\npip install torch==2.13.0 && pip install -e \".[dev]\" && vexact demo\npython -m pytest -q\n```" \
+        in quickstart
+    assert "`pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu`" in quickstart
+    assert "so no CUDA build gets pulled in" not in quickstart
+
+
 def test_the_readme_test_command_says_what_it_skips_and_how_to_run_everything():
     section = (ROOT / "README.md").read_text().split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
     assert "`python -m pytest -q`" in section and "skips" in section and "-rs" in section

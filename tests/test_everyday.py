@@ -371,6 +371,28 @@ def test_every_flag_with_a_default_shows_it():
     assert "(default: 24)" in check_help and "(default all,1,3" in check_help  # the shared check_paths default
 
 
+def test_defaults_read_as_typed_and_help_says_each_thing_once(monkeypatch):
+    """The help nits a newcomer found: a default shown as ``(None, 1, 3)`` in the CLI reference, "finished work is
+    kept; finished output is kept", an unwrapped epilogue in ``compare --help``, and ``--only``'s help saying every
+    KEY must match where a KEY given twice merges its values."""
+    from vexact.docs_gen import _default
+
+    commands = _subcommands()
+    check = commands["vexact check"]
+    sizes = {a.dest: a for a in check._actions if a.dest in ("batch_sizes", "micro_batch_sizes")}
+    assert [_default(a) for a in sizes.values()] == ["`all,1,3`", "`all,1,5`"]  # the CLI reference's cells
+    assert check.parse_args([]).batch_sizes == (None, 1, 3)  # still parsed by the flag's type
+    for name, p in commands.items():
+        assert "finished output is kept" not in p.format_help() and p.epilog.count("is kept") == 1, name
+    monkeypatch.setenv("COLUMNS", "100")
+    text = commands["vexact compare"].format_help()
+    epilog = text[text.index("exit codes:"):]
+    assert len(epilog.splitlines()) > 1 and max(map(len, epilog.splitlines())) <= 100
+    assert "  vexact compare dump.jsonl                    one file holding both sides" in text  # laid out by hand
+    only = next(a for a in commands["vexact sweep"]._actions if a.dest == "only")
+    assert "every KEY must match" not in only.help and "a KEY given twice keeps the values of both" in only.help
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])

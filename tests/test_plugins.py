@@ -187,6 +187,20 @@ def test_a_plugin_that_cannot_be_imported_is_one_error_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_plugin_that_calls_sys_exit_is_one_error_line_naming_it(tmp_path):
+    """A plugin that calls ``sys.exit(3)`` while imported made vexact exit 3 with no word; now it is bad input."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "exiting_ext.py").write_text("import sys\n\nsys.exit(3)\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"plugins": ["exiting_ext"], **RUN, "output_dir": str(tmp_path / "run")}))
+    done = _vexact("run", str(config), path=folder)
+    assert done.returncode == 2
+    assert done.stderr == ("error: config error at 'plugins[0]': plugin 'exiting_ext' failed while being imported: it "
+                           "called sys.exit(3)\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_entry_point_loads_the_plugin_without_a_plugins_key(tmp_path):
     """An installed distribution's ``vexact.plugins`` entry point is loaded before a config is validated."""
     folder = _plugin_dir(tmp_path)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import pytest
+import yaml
+from test_sweep_faults import _cli_error
 
 from vexact.lab.sweep import SWEEP_KEYS, SweepFile, load_sweep_spec
 from vexact.rl import config as run_config
-from vexact.rl.validate import ConfigError, bounds, build
+from vexact.rl.validate import MAX_YAML_DEPTH, MAX_YAML_VALUES, ConfigError, bounds, build, parse_yaml
 
 
 @dataclass
@@ -51,3 +54,62 @@ def test_sweep_files_go_through_the_validator(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("grid: {seed: [0]}\ncurves: [seed]\nbase: {steps: 2}\n")
     assert [p.name for p in load_sweep_spec(good, tmp_path / "out").points] == ["seed=0"]
+
+
+# --- hostile YAML: one guarded reader for every YAML input ---------------------------------------------------
+
+
+def _alias_bomb(levels: int = 6, width: int = 9) -> str:
+    """"Billion laughs": each anchor lists the previous one ``width`` times, so ``levels`` lines expand to
+    width**levels values (531,441 here: over the budget, yet small enough for the unguarded loader to finish)."""
+    names = [f"l{i}" for i in range(levels + 1)]
+    lines = [f"  - &{names[0]} [" + ", ".join(["lol"] * width) + "]"]
+    lines += [f"  - &{names[i]} [" + ", ".join([f"*{names[i - 1]}"] * width) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("key", ["lulz", "plugins"])
+def test_an_alias_bomb_is_one_error_before_any_value_is_expanded(tmp_path, key):
+    """An alias bomb under an unknown top-level key, or as the value of ``plugins:``, used to be expanded by the
+    config's deep copy before any key was checked (a hang while memory grew); now the reader refuses it."""
+    assert 9 ** 6 > MAX_YAML_VALUES
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"{key}:\n{_alias_bomb()}")
+    with pytest.raises(ConfigError, match=r"aliases expand this value to more than 100,000 values \(an alias "
+                                          r"bomb\?\).*\(line \d+, column \d+\)") as e:
+        run_config.load_config(path)
+    assert str(path) in str(e.value)
+    with pytest.raises(ConfigError, match="alias bomb"):  # a sweep file too
+        load_sweep_spec(path)
+
+
+def test_aliases_within_the_budget_still_work_and_a_self_reference_is_refused():
+    assert parse_yaml("a: &a [1, 2]\nb: [*a, *a]\nc: {k: *a}") == {"a": [1, 2], "b": [[1, 2], [1, 2]],
+                                                                      "c": {"k": [1, 2]}}
+    with pytest.raises(yaml.YAMLError, match="refers to a node that contains it"):
+        parse_yaml("a: &a [*a]")
+    half = MAX_YAML_DEPTH // 2  # each value nests half the limit as written; the alias nests one in the other
+    text = f"a: &a {'[' * half}x{']' * half}\nb: {'[' * half}*a{']' * half}\n"
+    with pytest.raises(yaml.YAMLError, match=f"aliases nest it deeper than {MAX_YAML_DEPTH} levels"):
+        parse_yaml(text)
+    assert parse_yaml(text.partition("\nb")[0])["a"][0][0]  # half the limit alone is fine
+
+
+DEEP = "[" * 20_000 + "]" * 20_000
+
+
+def _deep_file(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv", [
+    lambda tmp: ["run", _deep_file(tmp, "run.yaml", f"model: {DEEP}\n")],
+    lambda tmp: ["sweep", _deep_file(tmp, "sweep.yaml", f"grid: {{seed: {DEEP}}}\n")],
+    lambda tmp: ["run", _deep_file(tmp, "ok.yaml", "steps: 1\n"), "--set", f"model={DEEP}"],
+    lambda tmp: ["compare", str(tmp / "rollout.jsonl"), "--map", "--correction", _deep_file(tmp, "c.yaml", DEEP)],
+], ids=["run config", "sweep file", "--set", "--correction"])
+def test_nesting_20000_deep_is_one_error_not_a_recursion_error(tmp_path, capsys, monkeypatch, argv):
+    line = _cli_error(capsys, monkeypatch, *argv(tmp_path))
+    assert f"nested deeper than {MAX_YAML_DEPTH} levels (line 1, column" in line

@@ -53,7 +53,11 @@ def config(tmp_path, **over) -> dict:
     ({"rollout.backend": "native"}, "rollout.backend", "leave rollout.backend null"),
     ({"task.distractors": 8}, "task.distractors", "set task.distractors: 0"),
 ], ids=["head-dim-16", "head-dim-48", "moe", "inject", "backend", "distractors"])
-def test_what_vllm_cannot_run_is_one_error_naming_the_key(tmp_path, over, key, needle):
+def test_what_vllm_cannot_run_is_one_error_naming_the_key(tmp_path, monkeypatch, over, key, needle):
+    # as where vLLM is installed: without it, its missing package is the error said first
+    real = rollout_engines.importlib.util.find_spec
+    monkeypatch.setattr(rollout_engines.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real(name, *a))
     with pytest.raises(ConfigError) as err:
         config_from_dict(config(tmp_path, **over))
     assert err.value.key == key and needle in err.value.problem and "\n" not in str(err.value)

@@ -38,11 +38,12 @@ def exit_codes_help(command: str | None = None) -> str:
     """The exit-code scheme every command shares, for ``--help`` (and the docs' failure page)."""
     failed = FAILED_MEANS.get(command, "the command ran but its outcome is a failure (see each command's --help)")
     resumed = RESUMED_BY.get(command, "vexact run --resume or re-running a sweep continues" if command is None
-                             else "finished output is kept")
+                             else None)
     return (f"exit codes: {EXIT_OK} success; {EXIT_FAILED} {failed}; {EXIT_BAD_INPUT} bad input (config, files, "
             f"a locked or mismatched run directory: one 'error:' line on stderr); {EXIT_ENVIRONMENT} the machine "
             "failed the work (no space left on the disk, a file-size limit, an I/O error: one 'error:' line naming "
-            f"the file); {EXIT_INTERRUPTED} interrupted (Ctrl-C; finished work is kept; {resumed})")
+            f"the file); {EXIT_INTERRUPTED} interrupted (Ctrl-C; finished work is kept"
+            + (f"; {resumed})" if resumed else ")"))
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -57,6 +58,16 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         if "default" in text.lower() or empty or flag or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
+
+
+class _LaidOutDescription(_DefaultsFormatter):
+    """For a command whose description is laid out by hand (examples in columns): text of several lines is kept as
+    written, a one-paragraph text (the exit codes' epilog) is wrapped as every other command's."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text.strip():
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -191,10 +202,11 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scoring-threads", type=_thread_list, default=(), metavar="N[,M...]",
                    help="torch threads for the training-path scoring, e.g. 1,3: every rollout is rescored at each "
                         "(default: the generation's)")
-    p.add_argument("--batch-sizes", type=_batch_list, default=CheckSettings.batch_sizes,
+    # defaults as the flag's own text (argparse parses it with the flag's type), so --help and the docs show it so
+    p.add_argument("--batch-sizes", type=_batch_list, default=_batch_text(CheckSettings.batch_sizes),
                    help="generation batch sizes, each a positive integer or all (default "
                         f"{_batch_text(CheckSettings.batch_sizes)}, as vexact.testing.check_paths)")
-    p.add_argument("--micro-batch-sizes", type=_batch_list, default=CheckSettings.micro_batch_sizes,
+    p.add_argument("--micro-batch-sizes", type=_batch_list, default=_batch_text(CheckSettings.micro_batch_sizes),
                    help="scoring micro-batch sizes, each a positive integer or all (default "
                         f"{_batch_text(CheckSettings.micro_batch_sizes)}, as vexact.testing.check_paths)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file (with every "
@@ -203,6 +215,20 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
                    "found (a table per exact backend) instead of one line per backend")
     _add_quiet(p)
     p.set_defaults(func=_cmd_check)
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """A ValueError naming ``flag`` unless ``path`` can be written (its folders are made; a file this probe creates is
+    removed again): a command that writes its results at the end finds out before its work, not after it."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
+    if not existed:
+        path.unlink()
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:
@@ -220,6 +246,11 @@ def _check_shape(args: argparse.Namespace) -> dict:
     shape["vocab_size"] = preset.get("vocab_size", CheckSettings.vocab_size)  # testbed has none: 256 ids
     shape["tie_embeddings"] = preset.get("tie_embeddings", False)
     shape.update({k: getattr(args, k) for k in _CHECK_SIZES if getattr(args, k) is not None})
+    if not shape.get("num_experts"):  # an expert flag on a dense model would be silently unused
+        for k in ("num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(args, k) is not None:
+                raise ValueError(f"--{k.replace('_', '-')} sets the mixture of experts, but the model has none: give "
+                                 f"--num-experts too (or --preset small_moe)")
     return shape
 
 
@@ -231,6 +262,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .real.check import CheckSettings, check_units, mismatched, run_check
 
+    if args.json:  # before the check's minutes of work, not after them
+        check_writable(args.json, "--json")
     dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
     for d in dtypes:
         if d not in DTYPES:
@@ -431,13 +464,18 @@ def _run_config(args: argparse.Namespace):
 def _check_run_dir(args: argparse.Namespace, cfg) -> None:
     """Before any work (and before any rank starts): ``--resume`` needs a run to resume, and a new run needs a
     directory without one; each refusal spells out the commands that would work."""
-    from .records.runlog import run_lock
+    from .records.runlog import LOCK_FILE, run_lock
     from .rl.data_parallel import DataParallel
-    from .rl.trainer import holds_results, holds_run, run_dir_for
+    from .rl.trainer import foreign_entries, holds_results, holds_run, run_dir_for
 
     run_dir = run_dir_for(cfg)
+    if stray := foreign_entries(run_dir):  # the user's own folder: a run's files would mix with theirs
+        shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
+        raise ValueError(f"{run_dir} is not empty and not a vexact run directory (it holds {shown}): a run there "
+                         "would mix its files with them; choose a new or empty directory (output_dir / name)")
     # Only rank 0 probes the lock: ranks probing at once would each hold it for a moment and refuse one another.
-    if run_dir.is_dir() and DataParallel.environment_rank() == 0:
+    # Only a lock file that exists is probed: the probe creates none, so a refused directory is left as it was.
+    if (run_dir / LOCK_FILE).is_file() and DataParallel.environment_rank() == 0:
         with run_lock(run_dir):  # a run in progress there: RunLocked names its pid (the checks below would not)
             pass
     if args.resume and not holds_run(run_dir):
@@ -532,7 +570,8 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=None, help="override the sweep's output_dir")
     p.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
                    help="run only the points whose grid key KEY (variant included) has one of these values "
-                        "(repeatable: every KEY must match). An adaptive round: the rest runs later into the "
+                        "(repeatable: a point must match each KEY named; a KEY given twice keeps the values of "
+                        "both). An adaptive round: the rest runs later into the "
                         "same directory, finished points are skipped")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
@@ -704,6 +743,7 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     from .real import compare
 
     compare.add_arguments(p)
+    p.formatter_class = _LaidOutDescription
     p.set_defaults(func=compare.main)
 
 

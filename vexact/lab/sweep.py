@@ -84,7 +84,7 @@ from ..rl.config import (
 )
 from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
-from ..rl.validate import build, plain
+from ..rl.validate import build, parse_yaml, plain
 
 FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
 
@@ -314,16 +314,22 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
             raise ConfigError(f"sweep file '{path}': point {pname[:60]}... has a name of {len(pname.encode())} "
                               f"bytes, too long for its folder (at most {MAX_NAME_BYTES}); use shorter grid values")
         config_overrides = dict(overrides_of_point)
+        origin = {k: f"the grid's {k}" for k in config_overrides}  # where each key's value comes from, for errors
         if variants is not None:
-            config_overrides = {**variants[config_overrides.pop(VARIANT_KEY)], **config_overrides}
+            vname = config_overrides.pop(VARIANT_KEY)
+            origin.update({k: f"variants.{vname}.{k}" for k in variants[vname]})
+            config_overrides = {**variants[vname], **config_overrides}
         per_point = {**config_overrides, "output_dir": str(out / "points" / pname), "name": f"{name}/{pname}"}
         if plugins:  # the sweep's plugins join the point's own (from the base, set or a variant)
             own = {**common, **per_point}.get("plugins", base_dict.get("plugins"))
             per_point["plugins"] = list(dict.fromkeys([*(own if isinstance(own, list) else []), *plugins]))
         # later items win: the sweep's live-view default, the file's set, the command line's --set, the point's own
         items = ["logging.live=false", *_items(common), *overrides, *_items(per_point)]
+        origins = ["the sweep's default logging.live=false", *(f"set.{k}" for k in common),
+                   *(f"--set {item}" for item in overrides),
+                   *(origin.get(k, f"the sweep's {k} of point {pname}") for k in per_point)]
         try:
-            cfg = config_from_dict(base_dict, items)
+            cfg = config_from_dict(base_dict, items, origins)
         except ConfigError as err:
             raise ConfigError(f"sweep point {pname} of '{path}': {err}") from None
         points.append(SweepPoint(pname, overrides_of_point, cfg))
@@ -435,7 +441,7 @@ def _sets(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, _, raw = item.partition("=")
         try:
-            value = yaml.safe_load(raw)
+            value = parse_yaml(raw)
         except yaml.YAMLError:
             value = raw
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string; the config reads it as 0.001

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..metric_keys import ABS_DLOGP_MAX, K3_KL
+from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL
 from ..records.runlog import load_tensor_file
 from ..rl.metrics import float_bits, full_vocab_rows, full_vocab_summary
 from .measure import mismatch_report, plot_report, print_report, write_report_json
@@ -476,6 +476,7 @@ class _Pairs:
     full_rows: list[dict[str, Tensor]] = field(default_factory=list)
     tokens_checked: int = 0
     first: Mismatch | None = None  # the first mismatched token, in pairing order
+    where: list[str] = field(default_factory=list)  # how errors name each sequence (``Record.where``)
 
     def add(self, train: np.ndarray, roll: np.ndarray, *records: Record) -> None:
         """One matched sequence (``records``: where it was read, the one that names it first)."""
@@ -483,6 +484,7 @@ class _Pairs:
             self.first = _first_mismatch(len(self.train), train, roll, records)
         self.train.append(train)
         self.roll.append(roll)
+        self.where.append(records[0].where)
 
 
 def _read_one_file(s: CompareSettings, rk: str, tk: str) -> _Pairs:
@@ -597,6 +599,7 @@ def run_compare(s: CompareSettings) -> CompareResult:
     roll_flat = torch.from_numpy(np.concatenate(pairs.roll))
     pairs.roll = []
     report = mismatch_report(train_flat, roll_flat, lengths, max(lengths))
+    _require_finite_metrics(report["metrics"], train_flat, roll_flat, lengths, pairs.where)
     if pairs.full_rows:
         merged = {key: torch.cat([rows[key] for rows in pairs.full_rows]) for key in pairs.full_rows[0]}
         if merged["kl"].numel():
@@ -614,6 +617,26 @@ def run_compare(s: CompareSettings) -> CompareResult:
         "seconds": {"read": round(read_s, 3), "metrics": round(time.perf_counter() - start, 3)},
     }
     return CompareResult(summary, train_flat, roll_flat, pairs.first)
+
+
+FINITE_METRICS = (K3_KL, KL, ABS_DLOGP_MEAN, ABS_DLOGP_MAX)
+"""Metrics that finite log-probs of a sane size keep finite: an infinite one means a log-prob no token can have."""
+
+
+def _require_finite_metrics(metrics: dict[str, float], train: Tensor, roll: Tensor, lengths: list[int],
+                            where: list[str]) -> None:
+    """One ValueError, before any report is printed, when a metric overflowed float64 (k3's e^r for a log-ratio r
+    above 709, sums of values near 1e308), naming the token with the largest |Δlogp| and both of its values."""
+    bad = [key for key in FINITE_METRICS if not math.isfinite(metrics[key])]
+    if not bad:
+        return
+    i = int((train - roll).abs().argmax())
+    sequence = int(np.searchsorted(np.cumsum(lengths), i, side="right"))
+    position = i - int(sum(lengths[:sequence]))
+    raise ValueError(f"{', '.join(bad)} overflowed float64 ({bad[0]} = {metrics[bad[0]]}): {where[sequence]}, position "
+                     f"{position} has the training log-prob {float(train[i]):.6g} and the rollout log-prob "
+                     f"{float(roll[i]):.6g}; a log-prob that far below 0 is a probability no sampled token has -- a "
+                     "mask's fill value (e.g. torch.finfo(dtype).min) instead of a log-prob?")
 
 
 def check_gates(summary: dict[str, Any], fail_on_mismatch: bool, max_k3: float | None,
@@ -660,8 +683,7 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments (the CLI calls this)."""
-    parser.description = DESCRIPTION
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = DESCRIPTION  # laid out by hand: the CLI keeps its lines (and wraps the epilog)
     parser.add_argument("rollout", type=Path, nargs="?", default=None, metavar="ROLLOUT",  # required: main says so
                         help="the rollout engine's dump (.jsonl, .safetensors, .pt); alone: a file holding both sides")
     parser.add_argument("train", type=Path, nargs="?", default=None, metavar="TRAIN",
@@ -752,7 +774,8 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..lab.scaling import choose_correction, compare_map, load_map
+    from ..lab.scaling import CONFIG_SUFFIXES, choose_correction, compare_map, load_map
+    from ..rl.validate import read_yaml
 
     _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
     for flag, value in (("--correction", args.correction), ("--source", args.source), ("--vocab", args.vocab)):
@@ -760,6 +783,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
     if args.map is not None:  # the map, the correction and the source are checked before the dumps are read
         scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map, args.vocab)
+        if args.correction is not None and args.correction.lower().endswith(CONFIG_SUFFIXES):
+            read_yaml(Path(args.correction), "correction config")  # the guarded reader: nesting and alias limits
         correction = choose_correction(scaling_map, args.correction, args.source)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,

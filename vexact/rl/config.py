@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import types
 import typing
 import warnings
@@ -59,7 +60,7 @@ from .registries import (
     TASKS,
     check_run,
 )
-from .validate import ConfigError, build, describe, plain, read_yaml, show_value, yaml_problem
+from .validate import ConfigError, build, describe, parse_yaml, plain, read_yaml, show_value, yaml_problem
 from .validate import bounds as _bounds
 
 __all__ = [
@@ -177,7 +178,7 @@ class WarmStartSection:
     steps: int = field(default=180, metadata=_bounds(min=0))  # 0 = no warm start
     lr: float = field(default=1e-2, metadata=_bounds(gt=0))
     batch_size: int = field(default=64, metadata=_bounds(min=1))
-    cache_dir: str | None = None  # None = runs/.warmstart_cache
+    cache_dir: str | None = None  # None = runs/.warmstart_cache; shared by runs, so no run directory may be it
     # Seed of the starting policy (model init + warm-start data); None = the run's seed. Fix it to compare
     # RL seeds (rollout sampling, mini-batch order) from one starting policy.
     seed: int | None = field(default=None, metadata=_bounds(min=0))
@@ -414,6 +415,7 @@ class RunConfig:
 
     def check(self) -> None:
         check_run_name(self.name, self.output_dir)
+        self._check_not_in_cache()
         if self.algorithm.router_replay and not self.model.to_model_config(vocab_size=1).moe_layers:
             raise ConfigError("router replay reuses the rollout's MoE routing, and a dense model records none: set "
                               "model.num_experts > 0, or router_replay: false", "algorithm.router_replay")
@@ -435,6 +437,16 @@ class RunConfig:
                               f"set algorithm.grad_unit to a divisor of {per_leaf}, or null", "algorithm.grad_unit")
         self._check_learning_signal()
         check_run(self)  # what the extensions check: the task's lengths, the correction's plan, ...
+
+    def _check_not_in_cache(self) -> None:
+        """The run directory (``output_dir``, else runs/<name>) is not the warm-start cache folder: a run's files
+        would mix with every run's cached warm starts."""
+        run_dir = Path(os.path.abspath(self.output_dir or Path("runs") / self.name))
+        cache = Path(os.path.abspath(self.warm_start.cache_dir or DEFAULT_WARMSTART_CACHE))
+        if run_dir == cache:
+            key = "output_dir" if self.output_dir else "name"
+            raise ConfigError(f"the run would write into the warm-start cache {cache} (warm_start.cache_dir, default "
+                              f"{DEFAULT_WARMSTART_CACHE}), which every run shares; choose another {key}", key)
 
     def _check_learning_signal(self) -> None:
         """Settings each valid alone whose combination can never learn or never inject: refused, naming the key."""
@@ -458,6 +470,10 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""
         return plain(self)
+
+
+DEFAULT_WARMSTART_CACHE = Path("runs") / ".warmstart_cache"
+"""Where warm starts are cached unless ``warm_start.cache_dir`` says otherwise: shared by every run."""
 
 
 def check_run_name(name: str, output_dir: str | None) -> None:
@@ -592,8 +608,10 @@ def _move_aliases(data: dict) -> dict[str, str]:
 # --- overrides ---------------------------------------------------------------------------------------------
 
 
-def _apply_override(data: dict, item: str) -> str:
-    """Apply one ``a.b.c=value`` override to the raw mapping ``data`` in place; returns the dotted key."""
+def _apply_override(data: dict, item: str, origin: str | None = None) -> str:
+    """Apply one ``a.b.c=value`` override to the raw mapping ``data`` in place; returns the dotted key. ``origin``:
+    where the item came from, for errors (default ``--set ITEM``)."""
+    origin = origin or f"--set {item}"
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -605,9 +623,9 @@ def _apply_override(data: dict, item: str) -> str:
     key = KEY_ALIASES.get(key, key)
     parts = key.split(".")
     try:
-        value = yaml.safe_load(raw)
+        value = parse_yaml(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"cannot parse value {raw!r} as YAML (from --set {item}): {yaml_problem(e)}", key) from None
+        raise ConfigError(f"cannot parse value {raw!r} as YAML (from {origin}): {yaml_problem(e)}", key) from None
 
     # Walk the schema, not the data, so a typo is caught even when the YAML file never mentions the section.
     tp: Any = RunConfig
@@ -620,7 +638,7 @@ def _apply_override(data: dict, item: str) -> str:
             hints = typing.get_type_hints(tp)
             if part not in hints:
                 known = ", ".join(f.name for f in dataclasses.fields(tp))
-                raise ConfigError(f"unknown key (known keys: {known}) (from --set {item})", path)
+                raise ConfigError(f"unknown key (known keys: {known}) (from {origin})", path)
             meta = next(dict(f.metadata) for f in dataclasses.fields(tp) if f.name == part)
             tp = hints[part]
         elif typing.get_origin(tp) is dict or tp is dict:  # free-form mapping: any key below it
@@ -631,7 +649,7 @@ def _apply_override(data: dict, item: str) -> str:
             tp = _section_type(tp)  # an optional section (inject.target: null by default) is a section too
             if not (dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict or tp in (dict, Any)):
                 raise ConfigError(f"'{path}' is not a section (it takes {describe(tp, meta)}), so {key!r} does not "
-                                  f"exist; set it with --set {path}=VALUE (from --set {item})",
+                                  f"exist; set it with --set {path}=VALUE (from {origin})",
                                   ".".join(parts[: depth + 2]))
         if last:
             node[part] = value
@@ -658,35 +676,41 @@ def _section_type(tp: Any) -> Any:
 # --- public API --------------------------------------------------------------------------------------------
 
 
-def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
-    """Validate a raw mapping (as read from YAML), apply ``--set`` overrides, and build the RunConfig."""
+def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[str] | None = None) -> RunConfig:
+    """Validate a raw mapping (as read from YAML), apply ``--set`` overrides, and build the RunConfig.
+
+    ``origins``: where each override came from, in the same order, for errors about its value (default ``--set
+    ITEM``; a sweep names its ``set``, grid or variant)."""
     if not isinstance(d, dict):
         raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
     data = plain(d)  # deep copy: overrides must not mutate the caller's dict
     _move_renamed(data)
     written = _move_aliases(data)
-    origins: dict[str, str] = {}
     overrides = list(overrides)
+    labels = [f"--set {item}" for item in overrides] if origins is None else list(origins)
+    if len(labels) != len(overrides):
+        raise TypeError(f"config_from_dict: {len(labels)} origins for {len(overrides)} overrides")
+    applied: dict[str, tuple[str, str]] = {}  # dotted key -> (the item that set it last, where that came from)
     # The plugins first (--set plugins=..., else the file's key): the other overrides may name keys they register.
-    plugin_sets = [item for item in overrides if item.partition("=")[0].strip() == "plugins"]
-    for item in plugin_sets:
-        origins[_apply_override(data, item)] = item
+    plugin_sets = [i for i, item in enumerate(overrides) if item.partition("=")[0].strip() == "plugins"]
+    for i in plugin_sets:
+        applied[_apply_override(data, overrides[i], labels[i])] = overrides[i], labels[i]
     try:  # the entry points' plugins too; a plugins value of another type is build()'s error to report
         load_plugins(data["plugins"] if isinstance(data.get("plugins"), list) else [])
     except ConfigError as e:
         if not plugin_sets:
             raise
-        raise ConfigError(f"{e.problem} (from --set {plugin_sets[-1]})", e.key) from None
-    for item in overrides:
-        if item in plugin_sets:
+        raise ConfigError(f"{e.problem} (from {labels[plugin_sets[-1]]})", e.key) from None
+    for i, item in enumerate(overrides):
+        if i in plugin_sets:
             continue
-        key = _apply_override(data, item)
-        earlier = origins.get(key)
+        key = _apply_override(data, item, labels[i])
+        earlier, earlier_label = applied.get(key, (None, None))
         spellings = {earlier.partition("=")[0].strip() if earlier else key, item.partition("=")[0].strip()}
         if earlier is not None and len(spellings) > 1 and spellings & set(KEY_ALIASES):
-            raise ConfigError(f"--set {earlier} and --set {item} set the same key (verl's and vexact's spelling); "
+            raise ConfigError(f"{earlier_label} and {labels[i]} set the same key (verl's and vexact's spelling); "
                               "keep only one", key)
-        origins[key] = item
+        applied[key] = item, labels[i]
     _modernize_values(data)
     try:
         _expand_preset(data.get("model"))
@@ -694,9 +718,9 @@ def config_from_dict(d: dict, overrides: Iterable[str] = ()) -> RunConfig:
         return build(RunConfig, data, "", VALUE_ALIASES)
     except ConfigError as e:
         # Point at the --set that produced the bad value, if any, or at the verl spelling the file used.
-        for key, item in origins.items():
+        for key, (_, label) in applied.items():
             if e.key and (e.key == key or e.key.startswith((key + ".", key + "["))):
-                raise ConfigError(f"{e.problem} (from --set {item})", e.key) from None
+                raise ConfigError(f"{e.problem} (from {label})", e.key) from None
         if e.key in written:
             raise ConfigError(f"{e.problem} (written as '{written[e.key]}')", e.key) from None
         raise

@@ -442,7 +442,8 @@ class RoutingFlip(InjectMode):
 
     def model_problem(self, model: ModelConfig) -> str | None:
         if not model.moe_layers:
-            return "routing_flip changes an MoE model's routing, but the model is dense: set model.num_experts > 0"
+            return ("routing_flip changes an MoE model's routing, but the model is dense (no MoE layer): set "
+                    "model.num_experts > 0")
         if model.num_experts <= model.num_experts_per_tok:
             return (f"routing_flip needs an unchosen expert to flip to: model.num_experts ({model.num_experts}) must "
                     f"exceed model.num_experts_per_tok ({model.num_experts_per_tok})")

@@ -63,9 +63,9 @@ def load_entry_points() -> None:
             loaded = entry.load()
             if inspect.isfunction(loaded):
                 loaded()
-        except Exception as e:  # noqa: BLE001 -- any failure of outside code is reported the same way, once
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- any failure of outside code is reported the same way
             raise ConfigError(f"the {ENTRY_POINT_GROUP} entry point {entry.name!r} = {entry.value!r} of {dist} "
-                              f"failed to load: {type(e).__name__}: {e}") from None
+                              f"failed to load: {_failure(e)}") from None
     _entry_points_loaded = True
 
 
@@ -84,6 +84,13 @@ def load_plugins(names: Iterable[str], key: str = "plugins") -> None:
         except ImportError as e:
             raise ConfigError(f"plugin {name!r} cannot be imported: {type(e).__name__}: {e} (is it installed, or on "
                               "PYTHONPATH?)", f"{key}[{i}]") from None
-        except Exception as e:  # noqa: BLE001 -- the plugin's own code failed while it registered its extensions
-            raise ConfigError(f"plugin {name!r} failed while being imported: {type(e).__name__}: {e}",
-                              f"{key}[{i}]") from None
+        except (Exception, SystemExit) as e:  # noqa: BLE001 -- the plugin's own code failed while it registered
+            raise ConfigError(f"plugin {name!r} failed while being imported: {_failure(e)}", f"{key}[{i}]") from None
+
+
+def _failure(e: BaseException) -> str:
+    """How outside code failed, for one error line: its exception, or the ``sys.exit`` it called (which would
+    otherwise end vexact with the plugin's exit code and no word)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {e}"

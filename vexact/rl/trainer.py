@@ -48,6 +48,7 @@ from ..metric_keys import (
     TIMING_UPDATE,
 )
 from ..records.runlog import (
+    UNFINISHED,
     MetricsWriter,
     checkpoint_dirs,
     discard_if_interrupted_early,
@@ -96,6 +97,14 @@ def holds_run(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a run to resume: its config.yaml (written once the warm start is done) or results.
     A directory a run was killed in before that holds nothing to resume (a fresh start there is allowed)."""
     return (run_dir / "config.yaml").exists() or holds_results(run_dir)
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """The entries of ``run_dir`` that no vexact run writes before its results (``UNFINISHED``), sorted; [] for a
+    directory that is absent, empty, or holds a run. A new run there would mix its files with someone else's."""
+    if not run_dir.is_dir() or holds_run(run_dir):
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in UNFINISHED)
 
 
 class Trainer:

@@ -25,8 +25,8 @@ import yaml
 
 from ..registry import RegisteredName, settings_classes
 
-__all__ = ["NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build", "convert", "describe", "join_key",
-           "plain", "read_yaml", "show_value", "yaml_problem"]
+__all__ = ["MAX_YAML_DEPTH", "MAX_YAML_VALUES", "NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build",
+           "convert", "describe", "join_key", "parse_yaml", "plain", "read_yaml", "show_value", "yaml_problem"]
 
 _BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
 
@@ -75,9 +75,42 @@ def yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(str(e).split())
 
 
+MAX_YAML_DEPTH = 100
+"""Deepest nesting of mappings and lists a YAML input may have (a config needs a handful of levels): deeper input
+would exhaust Python's recursion limit in the parser and in every walk over the values."""
+
+MAX_YAML_VALUES = 100_000
+"""Most values a YAML input's aliases may expand to: anchors and aliases (``&a`` / ``*a``) share one node, and a few
+lines of nested aliases expand to billions of values ("billion laughs"), which every copy of the config would build."""
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last silently,
-    so ``grid: {seed: [0], seed: [1]}`` would quietly drop a list)."""
+    so ``grid: {seed: [0], seed: [1]}`` would quietly drop a list), and so are nesting deeper than
+    ``MAX_YAML_DEPTH`` and aliases that expand to more than ``MAX_YAML_VALUES`` values or refer to themselves."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._aliased = False
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            self._aliased = True
+        elif self._depth >= MAX_YAML_DEPTH:  # before the recursion that would end in a RecursionError
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                              self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        if self._aliased:
+            _check_expansion(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         if isinstance(node, yaml.MappingNode):
@@ -98,6 +131,52 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _check_expansion(root: yaml.Node) -> None:
+    """A ComposerError if the node graph, aliases expanded, holds more than ``MAX_YAML_VALUES`` values, nests deeper
+    than ``MAX_YAML_DEPTH`` or contains itself. Each shared node is walked once (its size and height memoized), so
+    the check costs the size of the text, not of the expansion."""
+    done: dict[int, tuple[int, int]] = {}  # id(node) -> (values, height) with aliases expanded
+    active: set[int] = set()
+
+    def walk(node: yaml.Node, depth: int) -> tuple[int, int]:
+        key = id(node)
+        if key in done:
+            values, height = done[key]
+        elif key in active:
+            raise yaml.composer.ComposerError(None, None, "an alias refers to a node that contains it (a recursive "
+                                              "structure)", node.start_mark)
+        else:
+            if depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"aliases nest it deeper than {MAX_YAML_DEPTH} levels",
+                                                  node.start_mark)
+            active.add(key)
+            children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                        else node.value if isinstance(node, yaml.SequenceNode) else [])
+            values, height = 1, 1
+            for child in children:
+                child_values, child_height = walk(child, depth + 1)
+                values, height = values + child_values, max(height, child_height + 1)
+                if values > MAX_YAML_VALUES:
+                    raise yaml.composer.ComposerError(None, None, f"aliases expand this value to more "
+                                                      f"than {MAX_YAML_VALUES:,} values (an alias bomb?); write the "
+                                                      "values out, or use fewer aliases", node.start_mark)
+            active.discard(key)
+            done[key] = values, height
+        if depth + height - 1 > MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"aliases nest it deeper than {MAX_YAML_DEPTH} levels",
+                                              node.start_mark)
+        return values, height
+
+    walk(root, 1)
+
+
+def parse_yaml(text: str) -> Any:
+    """The one YAML reader of user input (config and sweep files, ``--set`` values, correction configs): safe
+    loading with ``UniqueKeyLoader``'s guards. Raises ``yaml.YAMLError`` (every guard's error is one, with its
+    position); ``yaml_problem`` condenses it to a line."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
 def read_yaml(path: Path, what: str, origin: str = "") -> Any:
     """The parsed YAML of ``path`` (safe loading, a key given twice is an error); every way of failing is one
     ConfigError naming the file ("{what} '{path}'{origin}")."""
@@ -113,7 +192,7 @@ def read_yaml(path: Path, what: str, origin: str = "") -> Any:
     except OSError as e:
         raise ConfigError(f"cannot read {name}: {e.strerror or e}") from None
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+        return parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"invalid YAML in {name}: {yaml_problem(e)}") from None
 

@@ -19,7 +19,7 @@ from ..engine.model import MOE_FIELDS, Transformer
 from ..engine.scoring import score_tokens
 from ..records.atomic import publish, write_file
 from ..registry import mounts
-from .config import RunConfig, config_hash
+from .config import DEFAULT_WARMSTART_CACHE, RunConfig, config_hash
 from .optim import ExactAdamW, clip_gradients_
 from .tasks import Problem, Task, encode_prompt, encode_target, training_problems
 
@@ -70,7 +70,7 @@ def _saved_default(f: dataclasses.Field) -> Any:
 
 def warm_start_cache_path(cfg: RunConfig) -> Path:
     """Where the warm start of ``cfg`` is cached (whether or not it is there yet)."""
-    cache_dir = Path(cfg.warm_start.cache_dir or Path("runs") / ".warmstart_cache")
+    cache_dir = Path(cfg.warm_start.cache_dir or DEFAULT_WARMSTART_CACHE)
     return cache_dir / f"warmstart-{warm_start_key(cfg)}.safetensors"
 
 
