@@ -30,6 +30,7 @@ import yaml
 
 from ..metric_keys import EVAL_RESPONSE_LENGTH_MEAN, RESPONSE_LENGTH_CLIP_RATIO
 from ..rl.config import CollapseSection
+from ..rl.validate import parse_yaml
 from .sweep_data import PointData, collapse_step_of, is_num
 
 FAILURE_KINDS = ("length_lost", "limit_overrun", "reward_lost_at_intact_length")
@@ -50,7 +51,7 @@ def _series(point: PointData, key: str) -> list[tuple[float, float]]:
 def _config(point: PointData) -> dict[str, Any]:
     try:
         path = point.dir / "config.yaml"
-        loaded = yaml.safe_load(path.read_text()) if path.is_file() else {}
+        loaded = parse_yaml(path.read_text()) if path.is_file() else {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return {}
     return loaded if isinstance(loaded, dict) else {}

@@ -88,6 +88,7 @@ from ..rl.config import MEMORY_KEYS, AlgorithmSection, CollapseSection, Correcti
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject_modes import INJECT_MODES
+from ..rl.validate import parse_yaml
 from ..rl.vocab_tail import tokenizer_for
 from .dose_response import METRIC, fit_threshold, run_dose
 from .failure import horizon_failure_words, horizon_failures
@@ -293,7 +294,7 @@ def correction_from_file(path: str | Path) -> str:
     if not path.is_file():
         raise ValueError(f"correction config file not found: '{path}'")
     try:
-        config = yaml.safe_load(path.read_text())  # JSON is read as YAML too
+        config = parse_yaml(path.read_text())  # JSON is read as YAML too
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ValueError(f"correction config '{path}' is not valid YAML or JSON: {str(err).splitlines()[0]}") from None
     return correction_from_config(config, f"correction config '{path}'")
@@ -386,7 +387,7 @@ def point_setup(point: PointData, variants: dict[str, dict[str, Any]], defaults:
     path = point.dir / "config.yaml"
     dotted = {**_bundle(point, variants), **point.overrides}
     try:
-        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+        config = parse_yaml(path.read_text()) if path.is_file() else None
     except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
         return _unknown(err), source_name(dotted, defaults)
     if isinstance(config, Mapping):
@@ -1435,7 +1436,7 @@ def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
             raise ValueError(f"--only {item!r}: expected KEY=VALUE[,VALUE...], e.g. --only task.distractors=1002")
         if key not in defaults:
             raise ValueError(f"--only {item!r}: {key!r} is not a run config key")
-        wanted.setdefault(key, []).extend(yaml.safe_load(v.strip()) for v in values.split(","))
+        wanted.setdefault(key, []).extend(parse_yaml(v.strip()) for v in values.split(","))
     return wanted
 
 
@@ -1462,7 +1463,7 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: 
         if not p.has_result:
             continue  # not finished (never started, running or failed): no dose or outcome to fit
         try:
-            loaded = yaml.safe_load(saved.read_text()) if saved.is_file() else None
+            loaded = parse_yaml(saved.read_text()) if saved.is_file() else None
         except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
             raise ValueError(f"'{saved}' cannot be read ({str(err).splitlines()[0]}): build-map compares the "
                              "configs of the runs it merges") from None
