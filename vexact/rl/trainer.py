@@ -9,6 +9,15 @@
 5. ``metrics``: one JSON line in metrics.jsonl (``vexact.records.runlog``); periodic clean evaluation and checkpoints.
 Everything random is keyed by (seed, step), so the same config gives bit-identical metrics.
 
+Policy lag (``rollout.policy_lag`` = k > 0, asynchronous RL): step s samples from the weights the policy had at the
+start of step s - k (the starting weights while s < k), kept in a ring of the last k steps' weights that the
+checkpoint saves, so a resumed run is the uninterrupted one bit for bit. The rollout records the lagged policy's
+log-probs; bypass anchors the ratio on them (current / rollout-recorded, verl's bypass); recompute anchors it on the
+current policy before the update, as verl's decoupled mode and AReaL's proximal policy do (neither trainer keeps old
+weights), so a correction's weight π_old / μ sees the lag's drift as well as the mismatch. The lagged policy is also
+scored on the training path, for the metrics that split the total k3: ``rollout_corr/lag_k3_kl`` (lagged vs
+current, both training path) and ``rollout_corr/tim_k3_kl`` (rollout vs lagged on the training path).
+
 With several ranks (``data_parallel``), each rank rolls out, scores and evaluates a share of the sequences, the
 shares are gathered, and each mini-batch's gradient is the fixed-tree sum of ``distributed.leaves`` leaves, so
 the run is bitwise the same for any number of ranks. Rank 0 writes the run directory.
