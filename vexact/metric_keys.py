@@ -338,7 +338,8 @@ KEYS: tuple[MetricKey, ...] = (
        _TRAINER),
     # --- wall-clock timings (excluded from determinism checks) ----------------------------------------------------
     _k("timing/rollout", "Seconds spent generating the step's rollouts", "s", RUN, _TRAINER, True),
-    _k("timing/old_logprobs", "Seconds spent on the old log-probs (recompute, or taken from the rollout)", "s", RUN,
+    _k("timing/old_logprobs", "Seconds spent on the old log-probs (recompute, or taken from the rollout; with "
+       "`rollout.policy_lag` > 0 also scoring the behaviour policy on the training path)", "s", RUN,
        _TRAINER, True),
     _k("timing/update", "Seconds spent on the PPO update", "s", RUN, _TRAINER, True),
     _k("timing/grad_reduce", "Seconds of the update spent summing gradients across ranks (0 on one process)", "s",

@@ -273,6 +273,9 @@ class Trainer:
 
         t1 = time.perf_counter()
         anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score)
+        lagged = behaviour is not self.master
+        # the lag's drift and the TIM apart: the behaviour policy on the training path, before the update
+        behaviour_logp = self._score(self._weights_in(self.compute_dtype, behaviour), batch) if lagged else None
         timings[TIMING_OLD_LOGPROBS] = time.perf_counter() - t1
         # MoE: how often the rollout's routing differs from the training router's own (before the update)
         routing = {} if batch.routing is None else routing_metrics(batch.routing, self._training_routing(batch))
@@ -281,9 +284,6 @@ class Trainer:
         lr = self.schedule.lr(step)
         advantages = compute_advantages(batch.rewards, cfg.rollout.samples_per_prompt, alg.advantage,
                                         alg.std_normalize, alg)
-        lagged = behaviour is not self.master
-        # the lag's drift and the TIM apart: the behaviour policy on the training path, before the update
-        behaviour_logp = self._score(self._weights_in(self.compute_dtype, behaviour), batch) if lagged else None
         update, first_pass_logp = self._update(step, batch, advantages, anchors,
                                                self.objective.expects_exact(plan, lagged), lr)
         timings[TIMING_UPDATE] = time.perf_counter() - t2
@@ -499,6 +499,9 @@ class Trainer:
             start_step = state["next_step"]
             self.schedule.load_state_dict(state.get("schedule", {}))
             if cfg.rollout.policy_lag:
+                if "snapshots" not in state and start_step > 0:
+                    raise ValueError(f"cannot resume {run_dir} with rollout.policy_lag {cfg.rollout.policy_lag}: its "
+                                     "checkpoint holds no policy-lag weight snapshots (snapshots.safetensors)")
                 self._restore_snapshots(state.get("snapshots", {}))
             self._log(f"resuming {run_dir} at step {start_step}")
         self._copy_master_to_compute()
