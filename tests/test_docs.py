@@ -164,7 +164,8 @@ RUN_VARIANTS = {
     "plain": [],
     "corrected": ["correction.method=token_tis", "inject.mode=logit_noise", "inject.value=0.1",
                   "algorithm.kl_coef=0.01", "lr_schedule.kind=mismatch_triggered",
-                  "lr_schedule.mismatch_threshold=1e-9", "lr_schedule.mismatch_window=1"],
+                  "lr_schedule.mismatch_threshold=1e-9", "lr_schedule.mismatch_window=1",
+                  "rollout.policy_lag=1"],  # the lag drift and the TIM apart (rollout_corr/lag_k3_kl, tim_k3_kl)
     "verl": ["correction.rollout_is=sequence", "correction.rollout_rs=token_k1",
              "correction.rollout_rs_threshold=0.5_2.0", "algorithm.old_logprobs=recompute",
              "inject.mode=logit_scale", "inject.value=-0.3"],
@@ -231,6 +232,7 @@ def _live_keys(tmp_path: Path) -> set[str]:
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     monitor.step(0, roll, train, mask)
     monitor.step(1, roll.clone().fill_(float("nan")), train, mask)  # the non-finite row has its own keys
+    monitor.step(2, roll, train, mask, behaviour_logprobs=roll)  # policy lag: the drift and the TIM apart
     monitor.close()
     keys = set().union(*(set(row) for row in read_metrics(tmp_path / "live" / "metrics.jsonl")))
     return keys - set(RESERVED_KEYS) | {"step"}  # outcome, gates, by_position, map: structured fields

@@ -58,6 +58,17 @@ refuses a ``scaling_map`` with one ``ValueError`` at construction. A map dict is
 keys ``load_map`` requires, and one placement at the map's first horizon): one ``ValueError`` there, not a
 ``map_error`` on every row.
 
+Policy lag (asynchronous RL: the rollout policy some optimizer steps behind the trained one): ``policy_lag=K``
+takes the verdict from the map's curve measured at lag K, as ``vexact compare --map --policy-lag K`` does (a lag the
+map has no curve for is refused at construction, one ``ValueError`` saying so; 0, the default, is on-policy). The
+k3 your trainer logs then holds two things: the lag's off-policy drift and the training-inference mismatch (TIM).
+Pass ``behaviour_logprobs`` to ``step`` -- your trainer's log-probs of the same tokens under the behaviour policy
+(the weights that sampled them), with ``train_logprobs`` the current policy's -- and the row carries them apart
+(``vexact.rl.metrics.lag_split_metrics``): ``rollout_corr/lag_k3_kl`` (behaviour vs current, both your trainer's)
+and ``rollout_corr/tim_k3_kl`` (the rollout's recorded log-probs vs the behaviour policy's), beside the total
+``rollout_corr/k3_kl`` (rollout vs current). ``behaviour_logprobs`` has the form of ``train_logprobs`` (and the same
+mask); a NaN in it is a non-finite step like one in the other sides.
+
 Restarts: a directory whose metrics.jsonl already holds rows is refused unless ``resume=True``; then the first
 ``step(s)`` drops the rows of steps >= s (your trainer recomputes them), keeps the rest, and rebuilds the live
 views from them (``log_backends``' rule), so metrics.jsonl never holds a step twice.
@@ -90,6 +101,7 @@ from .records.atomic import write_text_atomic
 from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError, LoggingSection
 from .rl.log_backends import LOG_BACKENDS, live_views, missing_package
+from .rl.metrics import lag_split_metrics
 
 __all__ = ["POSITIVE_LOGPROB_TOLERANCE", "GateFailed", "Gates", "LiveMonitor", "METRICS_FILE"]
 
@@ -168,8 +180,13 @@ class LiveMonitor:
                  on_gate_failure: OnGateFailure = "record", resume: bool = False,
                  scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
                  wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline",
-                 correction: Any = None, source: str | None = None, vocab: int | None = None):
+                 correction: Any = None, source: str | None = None, vocab: int | None = None,
+                 policy_lag: int = 0):
         self.out_dir = Path(out_dir)
+        if isinstance(policy_lag, bool) or not isinstance(policy_lag, int) or policy_lag < 0:
+            raise ValueError(f"policy_lag must be an integer >= 0 (optimizer steps the rollout policy is behind the "
+                             f"trained one), got {policy_lag!r}")
+        self.policy_lag = policy_lag
         self.gates = Gates() if gates is None else gates
         if not isinstance(self.gates, Gates):
             raise ValueError(f"gates must be a vexact.live.Gates, got {type(self.gates).__name__}")
@@ -178,7 +195,7 @@ class LiveMonitor:
         self.on_gate_failure = on_gate_failure
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
-        self._map = _load_scaling_map(scaling_map, correction, source, vocab)
+        self._map = _load_scaling_map(scaling_map, correction, source, vocab, policy_lag)
         self.metrics_path = self.out_dir / METRICS_FILE
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} exists and is not a directory")
@@ -191,9 +208,12 @@ class LiveMonitor:
 
     # ----------------------------------------------------------------------------------------------- per step
     def step(self, step: int, rollout_logprobs: Tensor | Sequence[Tensor], train_logprobs: Tensor | Sequence[Tensor],
-             mask: Tensor | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+             mask: Tensor | None = None, extra: dict[str, Any] | None = None,
+             behaviour_logprobs: Tensor | Sequence[Tensor] | None = None) -> dict[str, Any]:
         """Compare one step's rollout-side and training-side log-probs of the same tokens; write and return the
         row (``extra``: more keys for it, e.g. the trainer's own step counter; they may not shadow the row's).
+        ``behaviour_logprobs``: the trainer's log-probs under the policy that sampled the tokens (policy lag), in the
+        form of ``train_logprobs``: the row then carries the lag's drift and the TIM apart (module docstring).
         Raises ValueError on a caller mistake (nothing written), ``GateFailed`` after writing a row whose gate
         failed when ``on_gate_failure="raise"``."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -202,7 +222,14 @@ class LiveMonitor:
             raise ValueError(f"step {step} does not follow step {self._last_step}: steps must increase")
         _check_extra(extra)
         train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask)
-        row = self._row(step, train, roll, lengths, nonfinite)
+        behaviour = None
+        if behaviour_logprobs is not None:
+            behaviour, _, behaviour_lengths, behaviour_nonfinite = _flat_sides(rollout_logprobs, behaviour_logprobs,
+                                                                               mask, "behaviour_logprobs")
+            if behaviour_lengths != lengths:
+                raise ValueError("behaviour_logprobs and train_logprobs hold different response lengths")
+            nonfinite = max(nonfinite, behaviour_nonfinite)
+        row = self._row(step, train, roll, lengths, nonfinite, behaviour)
         if extra:
             row.update(extra)
         self._write(step, row)
@@ -210,7 +237,8 @@ class LiveMonitor:
             raise GateFailed(row)
         return row
 
-    def _row(self, step: int, train: Tensor, roll: Tensor, lengths: list[int], nonfinite: int) -> dict[str, Any]:
+    def _row(self, step: int, train: Tensor, roll: Tensor, lengths: list[int], nonfinite: int,
+             behaviour: Tensor | None = None) -> dict[str, Any]:
         tokens = sum(lengths)
         head = {"step": step, LIVE_SEQUENCES: len(lengths), MISMATCH_TOKENS: tokens,  # horizon as compare --map
                 LIVE_MEAN_RESPONSE_LENGTH: tokens / len(lengths) if lengths else 0.0}
@@ -224,6 +252,8 @@ class LiveMonitor:
         gates = self.gates.check(report)
         row = {**head, "outcome": "ok", **report["metrics"], LIVE_GATES_FAILED: sum(not g["passed"] for g in gates),
                "gates": gates, "by_position": report["by_position"]}
+        if behaviour is not None:  # the lag's drift and the TIM apart; the total is report's k3
+            row.update(lag_split_metrics([train], [behaviour], [roll]))
         if self._map is not None:
             try:
                 row["map"] = self._map(report["metrics"][K3_KL], row[LIVE_MEAN_RESPONSE_LENGTH])
@@ -280,7 +310,7 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
 
 
 def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correction: Any = None,
-                      source: str | None = None, vocab: int | None = None) -> Any:
+                      source: str | None = None, vocab: int | None = None, policy_lag: int = 0) -> Any:
     """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction --source --vocab`` writes it
     (``scaling.MAP_KEYS``), or None without a map. ``"default"``, as for ``compare --map``, is the map shipped with
     vexact for ``vocab`` (``scaling.shipped_map_for``: the tail map for a real vocabulary; None: the main map). The
@@ -304,12 +334,12 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correctio
                          f"{type(scaling_map).__name__}")
     _check_map_keys(data)
     try:
-        name = scaling.choose_correction(data, correction, source)  # an unknown name or source: its ValueError
+        name = scaling.choose_correction(data, correction, source, policy_lag)  # an unknown name, source or lag
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # a malformed map dict
         raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
 
     def place(k3: float, horizon: float) -> dict[str, Any]:
-        placed = scaling.place_on_map(data, k3, horizon, name, source)
+        placed = scaling.place_on_map(data, k3, horizon, name, source, policy_lag)
         return {key: placed[key] for key in scaling.MAP_KEYS}
 
     _check_map(data, place)
@@ -350,21 +380,22 @@ def _keep_steps_below(path: Path, step: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Tensor], mask: Tensor | None
-                ) -> tuple[Tensor, Tensor, list[int], int]:
+def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Tensor], mask: Tensor | None,
+                train_side: str = "train_logprobs") -> tuple[Tensor, Tensor, list[int], int]:
     """(training, rollout) masked values flattened as float64, the tokens per sequence, and how many positions are
-    non-finite on either side. Refuses what cannot be compared (see the module docstring)."""
-    rollout, train = _from_numpy(rollout, "rollout_logprobs"), _from_numpy(train, "train_logprobs")
+    non-finite on either side. Refuses what cannot be compared (see the module docstring). ``train_side``: the
+    training side's name in errors (``behaviour_logprobs`` for the behaviour policy's)."""
+    rollout, train = _from_numpy(rollout, "rollout_logprobs"), _from_numpy(train, train_side)
     mask = _from_numpy(mask, "mask")
     if isinstance(rollout, Tensor) != isinstance(train, Tensor):
-        raise ValueError("rollout_logprobs and train_logprobs must both be [B, T] tensors (or numpy arrays) or both "
+        raise ValueError(f"rollout_logprobs and {train_side} must both be [B, T] tensors (or numpy arrays) or both "
                          f"sequences of 1-D tensors, got {type(rollout).__name__} and {type(train).__name__}")
     if isinstance(rollout, Tensor):
-        rows_roll, rows_train = _padded_rows(rollout, train, mask)
+        rows_roll, rows_train = _padded_rows(rollout, train, mask, train_side)
     else:
         if mask is not None:
             raise ValueError("mask is for padded [B, T] tensors; sequences of 1-D tensors hold only response tokens")
-        rows_roll, rows_train = _sequence_rows(rollout, train)
+        rows_roll, rows_train = _sequence_rows(rollout, train, train_side)
     lengths = [int(r.numel()) for r in rows_roll]
     roll = torch.cat(rows_roll) if rows_roll else torch.zeros(0, dtype=torch.float64)
     flat_train = torch.cat(rows_train) if rows_train else torch.zeros(0, dtype=torch.float64)
@@ -413,10 +444,11 @@ def _check_tensor(side: str, value: Any) -> Tensor:
     return value.detach().to("cpu", torch.float64)  # exact widening (float16/bf16/float32 -> float64)
 
 
-def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None) -> tuple[list[Tensor], list[Tensor]]:
-    roll, tr = _check_tensor("rollout_logprobs", rollout), _check_tensor("train_logprobs", train)
+def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None, train_side: str = "train_logprobs"
+                 ) -> tuple[list[Tensor], list[Tensor]]:
+    roll, tr = _check_tensor("rollout_logprobs", rollout), _check_tensor(train_side, train)
     if roll.dim() != 2 or roll.shape != tr.shape:
-        raise ValueError(f"rollout_logprobs {list(roll.shape)} and train_logprobs {list(tr.shape)} must be [B, T] "
+        raise ValueError(f"rollout_logprobs {list(roll.shape)} and {train_side} {list(tr.shape)} must be [B, T] "
                          "tensors of one shape")
     if mask is None:
         keep = torch.ones(roll.shape, dtype=torch.bool)
@@ -432,7 +464,7 @@ def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None) -> tuple[l
     rows_roll, rows_train = [], []
     for b in range(roll.shape[0]):
         columns = keep[b].nonzero().flatten()
-        for side, values, rows in (("rollout_logprobs", roll, rows_roll), ("train_logprobs", tr, rows_train)):
+        for side, values, rows in (("rollout_logprobs", roll, rows_roll), (train_side, tr, rows_train)):
             row = values[b, columns]
             j = _first_positive(row)
             if j is not None:
@@ -441,16 +473,17 @@ def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None) -> tuple[l
     return rows_roll, rows_train
 
 
-def _sequence_rows(rollout: Sequence[Tensor], train: Sequence[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+def _sequence_rows(rollout: Sequence[Tensor], train: Sequence[Tensor], train_side: str = "train_logprobs"
+                   ) -> tuple[list[Tensor], list[Tensor]]:
     if len(rollout) != len(train):
         raise ValueError(f"got {len(rollout)} rollout sequences but {len(train)} training sequences")
     rows_roll, rows_train = [], []
     for i, (r, t) in enumerate(zip(rollout, train)):
-        r, t = _check_tensor(f"rollout_logprobs[{i}]", r), _check_tensor(f"train_logprobs[{i}]", t)
+        r, t = _check_tensor(f"rollout_logprobs[{i}]", r), _check_tensor(f"{train_side}[{i}]", t)
         if r.dim() != 1 or r.shape != t.shape:
             raise ValueError(f"sequence {i}: rollout log-probs {list(r.shape)} and training log-probs "
                              f"{list(t.shape)} must be 1-D of one length")
-        for side, row, rows in (("rollout_logprobs", r, rows_roll), ("train_logprobs", t, rows_train)):
+        for side, row, rows in (("rollout_logprobs", r, rows_roll), (train_side, t, rows_train)):
             j = _first_positive(row)
             if j is not None:
                 raise _positive_error(f"{side}[{i}][{j}]", row)

@@ -24,6 +24,8 @@ from functools import cache
 
 # --- the keys code names, as constants (a module writing or reading a key by name uses these) -------------------------
 K3_KL = "rollout_corr/k3_kl"
+LAG_K3_KL = "rollout_corr/lag_k3_kl"
+TIM_K3_KL = "rollout_corr/tim_k3_kl"
 KL = "rollout_corr/kl"
 LOG_PPL_ABS_DIFF = "rollout_corr/log_ppl_abs_diff"
 ABS_DLOGP_MEAN = "mismatch/abs_dlogp_mean"
@@ -169,6 +171,13 @@ KEYS: tuple[MetricKey, ...] = (
     _k("rollout_corr/kl", "k1 KL(μ‖π): token mean of logp_roll − logp_train", "nats", ALL, _METRICS, True),
     _k("rollout_corr/k3_kl", "k3 KL: token mean of exp(r) − r − 1 (≥ 0; 0 exactly when every token agrees)",
        "nats", ALL, _METRICS, True),
+    _k("rollout_corr/lag_k3_kl", "Policy lag's off-policy drift: k3 between the lagged behaviour policy and the "
+       "current one, both on the training path (r = logp_train(current) − logp_train(behaviour)); written with "
+       "`rollout.policy_lag` > 0, or by the live monitor given the behaviour policy's training log-probs", "nats",
+       ("run", "live"), _METRICS),
+    _k("rollout_corr/tim_k3_kl", "Training–inference mismatch alone under policy lag: k3 between the rollout's "
+       "recorded log-probs and the behaviour policy's on the training path; `rollout_corr/k3_kl` is the total "
+       "(rollout vs current)", "nats", ("run", "live"), _METRICS),
     _k("rollout_corr/chi2_token", "χ² of the token ratio ρ = exp(r): mean(ρ²) − 1 (log ρ clamped to ±20, as verl)",
        "ratio", ALL, _METRICS, True),
     _k("rollout_corr/chi2_seq", "χ² of the sequence ratio: mean over sequences of ρ_seq² − 1, "
@@ -329,7 +338,8 @@ KEYS: tuple[MetricKey, ...] = (
        _TRAINER),
     # --- wall-clock timings (excluded from determinism checks) ----------------------------------------------------
     _k("timing/rollout", "Seconds spent generating the step's rollouts", "s", RUN, _TRAINER, True),
-    _k("timing/old_logprobs", "Seconds spent on the old log-probs (recompute, or taken from the rollout)", "s", RUN,
+    _k("timing/old_logprobs", "Seconds spent on the old log-probs (recompute, or taken from the rollout; with "
+       "`rollout.policy_lag` > 0 also scoring the behaviour policy on the training path)", "s", RUN,
        _TRAINER, True),
     _k("timing/update", "Seconds spent on the PPO update", "s", RUN, _TRAINER, True),
     _k("timing/grad_reduce", "Seconds of the update spent summing gradients across ranks (0 on one process)", "s",

@@ -118,9 +118,11 @@ SHIPPED_MAPS = {DEFAULT_MAP: "the map shipped with vexact (vexact/lab/default_ma
 """The maps vexact ships, one per testbed vocabulary (``map_vocab``): the main map, on the task's characters, and the
 tail map, the same testbed with a tail of distractor tokens. ``shipped_map_for(vocab)`` picks one for a user."""
 MAP_KEYS = ("horizon", "k3", "threshold_50", "ci_low", "ci_high", "ratio", "verdict", "extrapolation_factor",
-            "correction", "source", "vocab", "range_low", "range_high")
+            "correction", "source", "vocab", "range_low", "range_high", "policy_lag")
 """``range_low`` / ``range_high``: beyond a fitted curve's measured horizons, the range the power law's interval and
 the saturating shape allow there (None inside them, or without a law)."""
+POLICY_LAG_KEY = "rollout.policy_lag"  # a curve's policy lag: its runs' rollout.policy_lag (0: on-policy, every curve
+# from before the key existed)
 ASSUMPTIONS = (
     "beyond the measured horizons the threshold lies where the fitted power law threshold ∝ T^(−alpha) (within its "
     "interval) or the saturating shape F + B/T puts it: the data do not tell the two apart",
@@ -401,6 +403,21 @@ def point_setup(point: PointData, variants: dict[str, dict[str, Any]], defaults:
     return _correction_or_unknown(lambda: _from_vexact(nested, point.name)), source_name(dotted, defaults)
 
 
+def point_policy_lag(point: PointData, variants: dict[str, dict[str, Any]]) -> int:
+    """The point's ``rollout.policy_lag``: from the config the run saved, else its overrides and its variant's bundle;
+    0 where none sets it (on-policy, as every run before the key existed)."""
+    path = point.dir / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        config = None
+    if isinstance(config, Mapping):
+        lag = flat_config(config).get(POLICY_LAG_KEY)
+    else:
+        lag = {**_bundle(point, variants), **point.overrides}.get(POLICY_LAG_KEY)
+    return int(lag) if isinstance(lag, int) and not isinstance(lag, bool) else 0
+
+
 def _correction_or_unknown(resolve: Any) -> str:
     try:
         return resolve()
@@ -449,19 +466,19 @@ def scaling(data: SweepData) -> dict[str, Any]:
     defaults = _default_config()
     setups = [point_setup(p, variants, defaults) for p in with_h]  # (correction, source) of each point
     several = len({source for _, source in setups}) > 1
-    started: dict[tuple[str, str, str], list[PointData]] = {}
-    pending: dict[tuple[str, str, str], list[PointData]] = {}
-    for p, (correction, source) in zip(with_h, setups):  # one curve per correction and source (and other curve
-        # key): never one fit over several
+    started: dict[tuple[str, str, str, int], list[PointData]] = {}
+    pending: dict[tuple[str, str, str, int], list[PointData]] = {}
+    for p, (correction, source) in zip(with_h, setups):  # one curve per correction, source and lag (and other
+        # curve key): never one fit over several
         label = ", ".join([f"correction={correction}", *([f"source={source}"] if several else []),
                            *(f"{k}={p.overrides.get(k)}" for k in keys)])
         # a point never started is named from its overrides alone (sweep.json keeps no `set:` block), which may
         # name the wrong correction: it joins a curve of started runs, never starts one
         group = started if p.has_result or (p.dir / "config.yaml").is_file() else pending
-        group.setdefault((label, correction, source), []).append(p)
+        group.setdefault((label, correction, source, point_policy_lag(p, variants)), []).append(p)
     curves = {key: points + pending.get(key, []) for key, points in started.items()} or pending
-    results = [{**_curve(label, correction, _by_horizon(points, variants)), "source": source}
-               for (label, correction, source), points in curves.items()]
+    results = [{**_curve(label, correction, _by_horizon(points, variants)), "source": source, "policy_lag": lag}
+               for (label, correction, source, lag), points in curves.items()]
     primary = next((c for c in results if c["correction"] == DEFAULT_CORRECTION), results[0])
     return {**base, **primary, "curves": results}
 
@@ -993,22 +1010,24 @@ def map_curves(map_data: dict[str, Any] | None, where: str = "the map") -> list[
         return []
     curves = map_data.get("curves")
     if isinstance(curves, list) and curves and all(isinstance(c, dict) and "correction" in c for c in curves):
-        seen: dict[tuple[str, Any], str] = {}
+        seen: dict[tuple[str, Any, Any], str] = {}
         out = []
         for c in curves:
             c = c if "source" in c else {**c, "source": _curve_source(c)}
-            key = (c["correction"], c["source"])
+            c = c if "policy_lag" in c else {**c, "policy_lag": 0}  # a curve from before the lag axis: on-policy
+            key = (c["correction"], c["source"], c["policy_lag"])
             if key in seen:
-                raise ValueError(f"{where} has two curves for correction {key[0]!r} and source {key[1]!r} "
-                                 f"({seen[key]!r} and {c.get('curve')!r}): a map holds one curve per correction and "
-                                 "source")
+                raise ValueError(f"{where} has two curves for correction {key[0]!r} and source {key[1]!r} at policy "
+                                 f"lag {key[2]} ({seen[key]!r} and {c.get('curve')!r}): a map holds one curve per "
+                                 "correction, source and policy lag")
             seen[key] = str(c.get("curve"))
             out.append(c)
         return out
     label = str(map_data.get("curve", ""))
     legacy = RECOMPUTE if "algorithm.old_logprobs=recompute" in label else BYPASS
     legacy_curve = {k: v for k, v in map_data.items() if k not in ("curves", "origin")}
-    return [{**legacy_curve, "correction": legacy, "source": _curve_source(legacy_curve)}]
+    return [{**legacy_curve, "correction": legacy, "source": _curve_source(legacy_curve),
+             "policy_lag": legacy_curve.get("policy_lag", 0)}]
 
 
 def _curve_source(curve: dict[str, Any]) -> str | None:
@@ -1034,17 +1053,17 @@ def map_sources(map_data: dict[str, Any]) -> list[str]:
     return [s for s in dict.fromkeys([first, *rest]) if s is not None]
 
 
-def curve_for(map_data: dict[str, Any], correction: str, source: str | None = None) -> dict[str, Any]:
-    """The map's curve for ``correction`` and ``source`` (None: ``default_source``); a correction or source it has
-    no curve for is one ValueError naming it and the curves there are (never another correction's or source's curve
-    in its place)."""
-    curves = map_curves(map_data)
+def curve_for(map_data: dict[str, Any], correction: str, source: str | None = None, policy_lag: int = 0
+              ) -> dict[str, Any]:
+    """The map's curve for ``correction`` and ``source`` (None: ``default_source``) at ``policy_lag`` (the user's
+    ``rollout.policy_lag``: 0 on-policy); a correction, source or lag it has no curve for is one ValueError naming it
+    and the curves there are (never another correction's, source's or lag's curve in its place)."""
+    curves = _curves_at_lag(map_data, policy_lag)
+    where = _map_where(map_data)
     wanted = default_source(map_data) if source is None else source
     for c in curves:
         if c["correction"] == correction and c["source"] == wanted:
             return c
-    origin = str(map_data.get("origin", "the map"))
-    where = origin if origin in (*SHIPPED_MAPS.values(), "the map") else f"the map '{origin}'"
     same_source = [c["correction"] for c in curves if c["source"] == wanted]
     if source is not None and not same_source:
         raise ValueError(f"{where} has no curves for source {source!r}: its sources are "
@@ -1057,10 +1076,12 @@ def curve_for(map_data: dict[str, Any], correction: str, source: str | None = No
                      "threshold would not answer for yours")
 
 
-def find_curve(map_data: dict[str, Any], correction: str, source: str | None = None) -> dict[str, Any] | None:
-    """The map's curve for ``correction`` and ``source`` (None: ``default_source``), or None when it has none; a
-    source the map has no curves for at all is one ValueError naming its sources (a bad input, not a gap)."""
-    curves = map_curves(map_data)
+def find_curve(map_data: dict[str, Any], correction: str, source: str | None = None, policy_lag: int = 0
+               ) -> dict[str, Any] | None:
+    """The map's curve for ``correction`` and ``source`` (None: ``default_source``) at ``policy_lag``, or None when
+    it has none for that correction; a source or a lag the map has no curves for at all is one ValueError naming what
+    it has (a bad input, not a gap)."""
+    curves = _curves_at_lag(map_data, policy_lag)
     wanted = default_source(map_data) if source is None else source
     if source is not None and not any(c["source"] == wanted for c in curves):
         raise ValueError(f"{_map_where(map_data)} has no curves for source {source!r}: its sources are "
@@ -1068,27 +1089,43 @@ def find_curve(map_data: dict[str, Any], correction: str, source: str | None = N
     return next((c for c in curves if c["correction"] == correction and c["source"] == wanted), None)
 
 
+def _curves_at_lag(map_data: dict[str, Any], policy_lag: int) -> list[dict[str, Any]]:
+    """The map's curves measured at ``policy_lag``; a lag it has no curve at is one ValueError naming its lags."""
+    if isinstance(policy_lag, bool) or not isinstance(policy_lag, int) or policy_lag < 0:
+        raise ValueError(f"a policy lag is a number of optimizer steps, an integer >= 0, got {policy_lag!r}")
+    curves = map_curves(map_data)
+    lags = sorted({c["policy_lag"] for c in curves})
+    if policy_lag not in lags:
+        raise ValueError(f"{_map_where(map_data)} has no curve at policy lag {policy_lag} (its curves are at lag "
+                         f"{', '.join(map(str, lags)) or 'none'}): another lag's threshold would not answer for "
+                         f"rollouts {policy_lag} optimizer step(s) behind the trained policy")
+    return [c for c in curves if c["policy_lag"] == policy_lag]
+
+
 def _map_where(map_data: dict[str, Any]) -> str:
     origin = str(map_data.get("origin", "the map"))
     return origin if origin in (*SHIPPED_MAPS.values(), "the map") else f"the map '{origin}'"
 
 
-def no_curve_sentence(map_data: dict[str, Any], correction: str, source: str | None = None) -> str:
-    """One sentence: the map has no curve for this correction (and source), so no verdict; never another
-    correction's or another source's curve in its place."""
+def no_curve_sentence(map_data: dict[str, Any], correction: str, source: str | None = None, policy_lag: int = 0
+                      ) -> str:
+    """One sentence: the map has no curve for this correction (and source, at this lag), so no verdict; never
+    another correction's or another source's curve in its place."""
     wanted = default_source(map_data) if source is None else source
-    there = [c["correction"] for c in map_curves(map_data) if c["source"] == wanted]
+    there = [c["correction"] for c in _curves_at_lag(map_data, policy_lag) if c["source"] == wanted]
+    lag = f" at policy lag {policy_lag}" if policy_lag else ""
     return (f"no verdict: {_map_where(map_data)} has no curve for your correction ({correction_words(correction)}) "
-            f"on source {wanted} (its curves there: {', '.join(there) or 'none'}), "
+            f"on source {wanted}{lag} (its curves there: {', '.join(there) or 'none'}), "
             "and another correction's threshold would not answer for yours")
 
 
 def _no_curve_placement(map_data: dict[str, Any], k3: float, horizon: float, name: str, source: str | None,
-                        assumed: bool) -> dict[str, Any]:
+                        assumed: bool, policy_lag: int) -> dict[str, Any]:
     return {"horizon": float(horizon), "k3": float(k3), "threshold_50": None, "ci_low": None, "ci_high": None,
-            "ratio": None, "verdict": no_curve_sentence(map_data, name, source), "extrapolation_factor": 1.0,
-            "correction": name, "source": default_source(map_data) if source is None else source,
-            "vocab": map_vocab(map_data), "range_low": None, "range_high": None, "correction_assumed": assumed,
+            "ratio": None, "verdict": no_curve_sentence(map_data, name, source, policy_lag),
+            "extrapolation_factor": 1.0, "correction": name,
+            "source": default_source(map_data) if source is None else source, "vocab": map_vocab(map_data),
+            "range_low": None, "range_high": None, "policy_lag": policy_lag, "correction_assumed": assumed,
             "bound_assumption": None, "no_curve": True}
 
 
@@ -1101,28 +1138,30 @@ def saturating_at(shape: dict[str, Any], horizon: float) -> float | None:
     return value if value > 0 else None
 
 
-def choose_correction(map_data: dict[str, Any], spec: Any, source: str | None = None) -> str | None:
-    """``resolve_correction(spec)`` checked against the map: a known name (or config) and a source the map has
-    (None: the map's default), for callers that check once before placing many points. A correction the map has no
-    curve for is no error: its verdict is one sentence saying so (``no_curve_sentence``)."""
+def choose_correction(map_data: dict[str, Any], spec: Any, source: str | None = None, policy_lag: int = 0
+                      ) -> str | None:
+    """``resolve_correction(spec)`` checked against the map: a known name (or config), a source the map has (None:
+    the map's default) and a policy lag it has curves at, for callers that check once before placing many points. A
+    correction the map has no curve for is no error: its verdict is one sentence saying so (``no_curve_sentence``)."""
     name = resolve_correction(spec, map_data)
-    find_curve(map_data, DEFAULT_CORRECTION if name is None else name, source)
+    find_curve(map_data, DEFAULT_CORRECTION if name is None else name, source, policy_lag)
     return name
 
 
 def place_on_map(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None = None,
-                 source: str | None = None) -> dict[str, Any]:
+                 source: str | None = None, policy_lag: int = 0) -> dict[str, Any]:
     """The curve of ``correction`` (None: ``bypass``, assumed and said so in the verdict) and ``source`` (None: the
     map's default source, ``default_source``) at ``horizon``, as the ``MAP_KEYS``: the law's threshold (with its
     interval), ``ratio`` = k3 / threshold, a ``verdict`` in words, ``extrapolation_factor`` (how many times outside
     the curve's measured horizons T lies; 1.0 inside them), ``correction`` and ``source``; on a curve without a law,
-    the verdict says what its threshold at its one horizon or its bounds say."""
-    placed = placement(map_data, k3, horizon, correction, source)
+    the verdict says what its threshold at its one horizon or its bounds say. ``policy_lag``: the user's lag; the
+    curve measured at it, or one ValueError saying the map has none (``curve_for``)."""
+    placed = placement(map_data, k3, horizon, correction, source, policy_lag)
     return {k: placed[k] for k in MAP_KEYS}
 
 
 def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: str | None,
-              source: str | None = None) -> dict[str, Any]:
+              source: str | None = None, policy_lag: int = 0) -> dict[str, Any]:
     """``place_on_map``'s keys and what the printed lines add: ``correction_assumed``, ``bound_assumption`` (the
     assumption a verdict from a measured bound rests on, or None) and ``outside_every_curve`` (the sentence when T is
     outside every curve's measured horizons)."""
@@ -1134,9 +1173,9 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     name = resolve_correction(correction, map_data)
     assumed = name is None
     name = DEFAULT_CORRECTION if assumed else name
-    curve = find_curve(map_data, name, source)
+    curve = find_curve(map_data, name, source, policy_lag)
     if curve is None:
-        return _no_curve_placement(map_data, k3, horizon, name, source, assumed)
+        return _no_curve_placement(map_data, k3, horizon, name, source, assumed, policy_lag)
     t_range = curve.get("horizon_range")
     if not (isinstance(t_range, list) and len(t_range) == 2 and all(_positive(t) for t in t_range)):
         raise ValueError(f"the map's {name} curve has no measured horizons (horizon_range): it cannot place a horizon")
@@ -1145,7 +1184,8 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     out: dict[str, Any] = {"horizon": float(horizon), "k3": float(k3), "threshold_50": None, "ci_low": None,
                            "ci_high": None, "ratio": None, "verdict": None, "extrapolation_factor": factor,
                            "correction": name, "source": curve["source"], "vocab": map_vocab(map_data),
-                           "range_low": None, "range_high": None, "correction_assumed": assumed,
+                           "range_low": None, "range_high": None, "policy_lag": curve["policy_lag"],
+                           "correction_assumed": assumed,
                            "bound_assumption": None}
     if curve.get("status") == "fitted":
         thr = 10 ** (curve["log10_prefactor"] - curve["alpha"] * math.log10(horizon))
@@ -1297,7 +1337,7 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
              f"T = {p['horizon']:.1f} tokens", f"  your correction: {correction_words(p['correction'])}"]
     if p.get("no_curve"):
         return [*lines, f"  verdict: {p['verdict']}"]
-    curve = curve_for(map_data, p["correction"], p.get("source"))
+    curve = curve_for(map_data, p["correction"], p.get("source"), p.get("policy_lag", 0))
     if p["threshold_50"] is not None:
         ci = (f" [{p['ci_low']:.2g}, {p['ci_high']:.2g}]" if p["ci_low"] is not None else " [no interval]")
         alpha_ci = (f" [{curve['alpha_ci_low']:.2f}, {curve['alpha_ci_high']:.2f}]"
@@ -1331,7 +1371,8 @@ def map_lines(placed: dict[str, Any], map_data: dict[str, Any]) -> list[str]:
 
 
 def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] | None, correction: Any = None,
-                source: str | None = None, vocab: int | None = None) -> tuple[dict[str, Any], list[str]]:
+                source: str | None = None, vocab: int | None = None, policy_lag: int = 0
+                ) -> tuple[dict[str, Any], list[str]]:
     """``vexact compare --map [--correction] [--source] [--vocab]``: place a compare summary (its k3 and mean response
     length) on the curve of ``correction`` (a name or a config: ``resolve_correction``; None: bypass, assumed) and
     ``source`` (None: the map's default) of a map (a path, "default"/None for the shipped one, or a loaded map);
@@ -1340,12 +1381,12 @@ def compare_map(summary: dict[str, Any], map_path: str | Path | dict[str, Any] |
     to print."""
     map_data = map_path if isinstance(map_path, dict) else load_map(
         None if map_path in (None, "default", DEFAULT_MAP) else map_path, vocab)
-    name = choose_correction(map_data, correction, source)
+    name = choose_correction(map_data, correction, source, policy_lag)
     sequences, tokens = summary.get("sequences") or 0, summary.get("tokens") or 0
     if not sequences or not tokens:
         raise ValueError("the dump has no response lengths (no tokens): nothing to place on the map")
     k3, horizon = summary["metrics"][K3_KL], tokens / sequences
-    placed = placement(map_data, k3, horizon, name, source)
+    placed = placement(map_data, k3, horizon, name, source, policy_lag)
     lines = map_lines(placed, map_data) + vocab_lines(placed, map_data, vocab)
     if placed["verdict"].startswith("no verdict") and map_data.get("origin") == SHIPPED_MAPS[DEFAULT_TAIL_MAP]:
         lines += _main_map_reference(k3, horizon, name, placed["source"])
@@ -1421,7 +1462,7 @@ def _default_config() -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in flat_config(dataclasses.asdict(RunConfig())).items()}
 
 
-CurveKey = tuple[str, str]  # (correction, source): one curve of a map
+CurveKey = tuple[str, str, int]  # (correction, source, policy lag): one curve of a map
 
 
 def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
@@ -1482,7 +1523,8 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: 
         value = config.get(HORIZON_KEY) if value is None else value
         if value is None:
             continue
-        key = (correction_from_config(loaded, str(saved)), source_name(config, defaults))
+        key = (correction_from_config(loaded, str(saved)), source_name(config, defaults),
+               int(config.get(POLICY_LAG_KEY) or 0))
         out.setdefault(key, {}).setdefault(value, []).append(_Run(str(path), p, config))
     if not out:
         kept = f" with {' and '.join(f'{k} in {v}' for k, v in only.items())}" if only else ""
@@ -1537,7 +1579,7 @@ def _sweep_curve(key: CurveKey, by_h: dict[Any, list[_Run]]) -> dict[str, Any]:
     """One correction's curve from the runs of several sweeps: the runs of one horizon (task.max_len) merged into one
     dose-response fit when their configs agree apart from ``RUN_KEYS`` and ``BOOKKEEPING_KEYS``; the horizons of the
     curve agree apart from ``HORIZON_SETTINGS`` too."""
-    correction, source = key
+    correction, source, lag = key
     per_run = RUN_KEYS + BOOKKEEPING_KEYS
     curve_reference: tuple[Any, _Run] | None = None  # (its horizon value, the run)
     for value in sorted(by_h, key=_horizon_order):
@@ -1550,7 +1592,7 @@ def _sweep_curve(key: CurveKey, by_h: dict[Any, list[_Run]]) -> dict[str, Any]:
             _check_testbed(curve_reference[1], configured[0], per_run + HORIZON_SETTINGS,
                            f"correction {correction!r}, horizons {HORIZON_KEY} = {curve_reference[0]} and {value}")
     curve = _curve(_label(key), correction, {v: [r.point for r in runs] for v, runs in by_h.items()})
-    curve["source"] = source
+    curve["source"], curve["policy_lag"] = source, lag
     for h in curve["horizons"]:
         counts: dict[str, int] = {}
         for run in by_h[h["horizon_value"]]:
@@ -1565,7 +1607,7 @@ def _sweep_curve(key: CurveKey, by_h: dict[Any, list[_Run]]) -> dict[str, Any]:
 
 
 def _label(key: CurveKey) -> str:
-    return f"correction={key[0]}, source={key[1]}"
+    return f"correction={key[0]}, source={key[1]}" + (f", policy_lag={key[2]}" if key[2] else "")
 
 
 def _no_collapse_fact(h: dict[str, Any], at: str) -> str:
@@ -1670,7 +1712,8 @@ def _merge_sources(curve_key: CurveKey, file_curves: list[tuple[dict[str, Any], 
             superseded = w != "sweep directories" and set(_runs_of(part)) <= given_dirs and _runs_of(part)
             if not superseded and part not in parts:  # a directory given again speaks for itself, once
                 parts.append(part)
-    merged = {"curve": _label(curve_key), "correction": name, "source": curve_key[1], **law, "horizons": horizons,
+    merged = {"curve": _label(curve_key), "correction": name, "source": curve_key[1], "policy_lag": curve_key[2],
+              **law, "horizons": horizons,
               "shape": compare_shapes(horizons),
               "provenance": {"what": parts[0] if len(parts) == 1 else MERGED + " + ".join(f"[{p}]" for p in parts),
                              "testbed_unchecked": [w for w in unchecked if w != "sweep directories"]}}
@@ -1727,7 +1770,8 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
                 curve["provenance"] = data["provenance"]
             if "meter" not in curve and isinstance(data.get("meter"), dict) and curve.get("curve") == data.get("curve"):
                 curve["meter"] = data["meter"]  # the file's meter comparison belongs to its primary curve
-            file_curves.setdefault((curve["correction"], curve["source"]), []).append((curve, str(path)))
+            file_curves.setdefault((curve["correction"], curve["source"], curve["policy_lag"]), []).append(
+                (curve, str(path)))
     built = []
     for key in dict.fromkeys([*file_curves, *swept]):
         curve = _merge_sources(key, file_curves.get(key, []),
@@ -1738,7 +1782,8 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
     # registry order
     sources = list(dict.fromkeys(c["source"] for c in built))
     order = {name: i for i, name in enumerate(correction_names())}
-    ordered = sorted(built, key=lambda c: (sources.index(c["source"]), order.get(c["correction"], len(order))))
+    ordered = sorted(built, key=lambda c: (sources.index(c["source"]), c["policy_lag"],
+                                           order.get(c["correction"], len(order))))
     primary = next((c for c in ordered if c["correction"] == DEFAULT_CORRECTION), ordered[0])
     provenance = {"made_by": made_by or "vexact.lab.scaling.build_map", "sources": [str(p) for p in paths],
                   "curves": {c["curve"]: (c.get("provenance") or {}).get("what") for c in ordered},

@@ -675,6 +675,12 @@ def _vocab_size(text: str) -> int:
     return int(text)
 
 
+def _policy_lag(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a policy lag (optimizer steps, an integer >= 0), got {text!r}")
+    return int(text)
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -740,6 +746,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --map (no FILE): your model's vocabulary size; picks the shipped map whose "
                              "testbed vocabulary is nearest (the tail map, 1,024 tokens, for any real LLM "
                              "vocabulary; the main map, 22 tokens, otherwise); default: the main map, said so")
+    parser.add_argument("--policy-lag", type=_policy_lag, default=None, metavar="K",
+                        help="with --map: how many optimizer steps your rollouts' policy is behind the trained one "
+                             "(asynchronous RL); the verdict comes from the curve measured at that lag, and a lag the "
+                             "map has no curve for is an error saying so; default: 0 (on-policy)")
 
 
 
@@ -778,14 +788,15 @@ def main(args: argparse.Namespace) -> int:
     from ..rl.validate import read_yaml
 
     _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
-    for flag, value in (("--correction", args.correction), ("--source", args.source), ("--vocab", args.vocab)):
+    for flag, value in (("--correction", args.correction), ("--source", args.source), ("--vocab", args.vocab),
+                        ("--policy-lag", args.policy_lag)):
         if value is not None and args.map is None:
             raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
     if args.map is not None:  # the map, the correction and the source are checked before the dumps are read
         scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map, args.vocab)
         if args.correction is not None and args.correction.lower().endswith(CONFIG_SUFFIXES):
             read_yaml(Path(args.correction), "correction config")  # the guarded reader: nesting and alias limits
-        correction = choose_correction(scaling_map, args.correction, args.source)
+        correction = choose_correction(scaling_map, args.correction, args.source, args.policy_lag or 0)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
                                rollout_full_key=args.rollout_full_key, train_full_key=args.train_full_key,
@@ -806,7 +817,7 @@ def main(args: argparse.Namespace) -> int:
         console.print("first mismatch: " + result.first_mismatch.describe(("rollout", "training")), markup=False,
                       highlight=False, soft_wrap=True)
     if args.map is not None:  # where this k3 and horizon sit on the collapse map
-        s["map"], map_text = compare_map(s, scaling_map, correction, args.source, args.vocab)
+        s["map"], map_text = compare_map(s, scaling_map, correction, args.source, args.vocab, args.policy_lag or 0)
         console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []
     if args.png:

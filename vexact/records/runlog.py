@@ -241,6 +241,7 @@ CHECKPOINTS = "checkpoints"
 CHECKPOINT = "checkpoint.safetensors"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
+SNAPSHOTS = "snapshots.safetensors"  # extra tensors a run keeps between steps (rollout.policy_lag's weights)
 MANIFEST = "manifest.json"
 KEEP_CHECKPOINTS = 2
 CHECKPOINT_FORMAT = 1
@@ -276,9 +277,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    state: dict) -> Path:
+                    state: dict, snapshots: dict[str, torch.Tensor] | None = None) -> Path:
     """Publish checkpoint ``step-<state['next_step']>``: weights (safetensors), optimizer state (torch.save; read
-    back weights-only), trainer state (JSON) and a manifest of their hashes, renamed into place in one step.
+    back weights-only), trainer state (JSON), ``snapshots`` when given (safetensors: e.g. the policy-lag weight
+    snapshots; ``load_checkpoint`` returns them as ``state["snapshots"]``) and a manifest of their hashes, renamed
+    into place in one step.
 
     Every file is serialized in memory and written by ``atomic.write_file``, so a write that fails (a full disk, a
     file-size limit) is one ``WriteFailed`` naming the file and the OS error, and the unpublished directory is
@@ -296,7 +299,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir()
-            _write_checkpoint_files(partial, model, optimizer, state)
+            _write_checkpoint_files(partial, model, optimizer, state, snapshots)
         except OSError as e:  # named as the file of the checkpoint it would have been
             where = final / Path(e.filename).name if e.filename and Path(e.filename).parent == partial else root
             raise WriteFailed(where, e, "the checkpoint is not published (nothing partial is left); the earlier "
@@ -319,7 +322,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
 
 
 def _write_checkpoint_files(partial: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                            state: dict) -> None:
+                            state: dict, snapshots: dict[str, torch.Tensor] | None = None) -> None:
     """The checkpoint's files in ``partial``, each written and fsynced, the manifest last."""
     write_file(partial / CHECKPOINT, save_tensors({k: v.detach().contiguous()
                                                    for k, v in model.state_dict().items()}))
@@ -332,6 +335,11 @@ def _write_checkpoint_files(partial: Path, model: torch.nn.Module, optimizer: to
         write_file(partial / OPTIMIZER, buffer.getvalue())
         _write_boundary(OPTIMIZER)
         files.append(OPTIMIZER)
+    if snapshots:
+        write_file(partial / SNAPSHOTS, save_tensors({k: v.detach().contiguous() for k, v in snapshots.items()}))
+        apply_umask(partial / SNAPSHOTS)
+        _write_boundary(SNAPSHOTS)
+        files.append(SNAPSHOTS)
     write_file(partial / TRAINER_STATE, json.dumps(json_safe(state), indent=2, sort_keys=True).encode())
     _write_boundary(TRAINER_STATE)
     files.append(TRAINER_STATE)
@@ -395,6 +403,12 @@ def _load_files(directory: Path, model: torch.nn.Module, optimizer: torch.optim.
     if optimizer is not None and (directory / OPTIMIZER).exists():
         optimizer.load_state_dict(load_tensor_file(directory / OPTIMIZER))
     try:
-        return json.loads((directory / TRAINER_STATE).read_text())
+        state = json.loads((directory / TRAINER_STATE).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{directory / TRAINER_STATE}: not JSON ({e.msg})") from None
+    if (directory / SNAPSHOTS).is_file():
+        try:
+            state["snapshots"] = load_file(str(directory / SNAPSHOTS))
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"{directory / SNAPSHOTS}: not a readable safetensors file ({e})") from None
+    return state

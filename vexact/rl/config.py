@@ -101,6 +101,10 @@ MAX_DISTRACTORS = 262_144
 """Upper bound of ``task.distractors`` (vexact.rl.vocab_tail: a vocabulary beyond real ones, 150k, with room to
 spare); a larger value is more likely a typo than a plan, and would allocate an embedding of that many rows."""
 
+MAX_POLICY_LAG = 1024
+"""Upper bound of ``rollout.policy_lag``: the trainer holds that many copies of the weights; a larger lag is more
+likely a typo than a plan."""
+
 VALUE_ALIASES: dict[str, str] = {
     **DTYPE_ALIASES,  # bf16 -> bfloat16, fp32 -> float32, fp16 -> float16 (the engine's one table)
     "token-mean": "token_mean",  # verl's loss_agg_mode spellings of vexact's algorithm.loss_agg
@@ -204,6 +208,11 @@ class RolloutSection:
     # who samples: vexact's own rollout path (the default), or a registered outside engine such as vllm
     # (vexact.rl.rollout_engines); an engine's own settings are rollout.* keys too
     engine: RolloutEngineName = "vexact"
+    # policy lag (asynchronous RL: verl's async mode, AReaL, prime-rl): the step's rollouts are sampled from the
+    # policy as it was this many optimizer steps before the trained one (the first steps: the starting policy).
+    # 0 = on-policy. The trainer keeps the last k weight snapshots (checkpointed); old log-probs recomputed
+    # (algorithm.old_logprobs: recompute) are the current policy's, as verl's and AReaL's proximal policy
+    policy_lag: int = field(default=0, metadata=_bounds(min=0, max=MAX_POLICY_LAG))
 
 
 @extensible("algorithm")

@@ -46,6 +46,7 @@ from ..metric_keys import (
     FULL_VOCAB_TV_MEAN,
     K3_KL,
     KL,
+    LAG_K3_KL,
     LOG_PPL_ABS_DIFF,
     LOG_PPL_ABS_DIFF_SUM,
     LOG_PPL_DIFF,
@@ -70,6 +71,7 @@ from ..metric_keys import (
     ROLLOUT_PROBS_DIFF_VALID,
     ROUTING_FLIP_RATE,
     ROUTING_TOKEN_FLIP_FRAC,
+    TIM_K3_KL,
     TRAINING_LOG_PPL,
     TRAINING_PPL,
 )
@@ -512,3 +514,21 @@ def routing_metrics(routing_roll: Sequence[Tensor], routing_train: Sequence[Tens
         return {ROUTING_FLIP_RATE: 0.0, ROUTING_TOKEN_FLIP_FRAC: 0.0}
     return {ROUTING_FLIP_RATE: float(differs.double().mean()),
             ROUTING_TOKEN_FLIP_FRAC: float(differs.any(dim=-1).double().mean())}
+
+
+def lag_split_metrics(logp_current: Sequence[Tensor], logp_behaviour: Sequence[Tensor],
+                      logp_roll: Sequence[Tensor]) -> dict[str, float]:
+    """Policy lag's drift and the training–inference mismatch (TIM), apart, for tokens sampled by a lagged policy.
+
+    ``logp_current``: the training path's log-probs under the policy being trained; ``logp_behaviour``: the training
+    path's under the (lagged) behaviour policy that sampled the tokens; ``logp_roll``: what the rollout recorded
+    (the behaviour policy on the rollout path). Per token, r_total = r_lag + r_tim with
+
+      ``rollout_corr/lag_k3_kl`` = token mean of e^a − a − 1, a = logp_current − logp_behaviour (off-policy drift)
+      ``rollout_corr/tim_k3_kl`` = token mean of e^b − b − 1, b = logp_behaviour − logp_roll (TIM)
+
+    and ``rollout_corr/k3_kl`` of ``mismatch_metrics(logp_current, logp_roll)`` is the total a user logs. For small
+    log-ratios k3 ≈ r²/2, so the total ≈ lag + TIM + mean(a·b): the sum of the two where the drift and the mismatch
+    of a token are uncorrelated. Each value is ``mismatch_metrics``' k3 (float64), so no TIM gives exactly 0."""
+    return {LAG_K3_KL: mismatch_metrics(logp_current, logp_behaviour)[K3_KL],
+            TIM_K3_KL: mismatch_metrics(logp_behaviour, logp_roll)[K3_KL]}

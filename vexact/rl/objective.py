@@ -159,10 +159,11 @@ class Objective:
         ref = score(reference(), batch) if alg.kl_coef > 0 else None
         return Anchors(pre_update if alg.old_logprobs == "recompute" else batch.logprobs, pre_update, ref)
 
-    def expects_exact(self, plan: RolloutPlan) -> bool:
+    def expects_exact(self, plan: RolloutPlan, lagged: bool = False) -> bool:
         """Whether the first mini-batch's ratio must be exactly 1: the anchor comes from the exact training path,
-        recomputed, or recorded by a rollout path identical to it."""
-        return self.exact_training and (self.alg.old_logprobs == "recompute" or plan.matches_training)
+        recomputed, or recorded by a rollout path identical to it from the current weights (``lagged``: the rollout
+        sampled an older policy, ``rollout.policy_lag``, so its log-probs are not the current policy's)."""
+        return self.exact_training and (self.alg.old_logprobs == "recompute" or (plan.matches_training and not lagged))
 
     def minibatch_loss(self, model: Transformer, batch: RolloutBatch, idx: list[int], advantages: Tensor,
                        anchors: Anchors, check_exact: bool) -> MinibatchLoss:

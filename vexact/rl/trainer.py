@@ -9,6 +9,15 @@
 5. ``metrics``: one JSON line in metrics.jsonl (``vexact.records.runlog``); periodic clean evaluation and checkpoints.
 Everything random is keyed by (seed, step), so the same config gives bit-identical metrics.
 
+Policy lag (``rollout.policy_lag`` = k > 0, asynchronous RL): step s samples from the weights the policy had at the
+start of step s - k (the starting weights while s < k), kept in a ring of the last k steps' weights that the
+checkpoint saves, so a resumed run is the uninterrupted one bit for bit. The rollout records the lagged policy's
+log-probs; bypass anchors the ratio on them (current / rollout-recorded, verl's bypass); recompute anchors it on the
+current policy before the update, as verl's decoupled mode and AReaL's proximal policy do (neither trainer keeps old
+weights), so a correction's weight π_old / μ sees the lag's drift as well as the mismatch. The lagged policy is also
+scored on the training path, for the metrics that split the total k3: ``rollout_corr/lag_k3_kl`` (lagged vs
+current, both training path) and ``rollout_corr/tim_k3_kl`` (rollout vs lagged on the training path).
+
 With several ranks (``data_parallel``), each rank rolls out, scores and evaluates a share of the sequences, the
 shares are gathered, and each mini-batch's gradient is the fixed-tree sum of ``distributed.leaves`` leaves, so
 the run is bitwise the same for any number of ranks. Rank 0 writes the run directory.
@@ -20,6 +29,7 @@ import dataclasses
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,7 +73,7 @@ from .config import MEMORY_KEYS, RunConfig, dotted_items, load_config, save_conf
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .log_backends import live_views
-from .metrics import mismatch_metrics, rollout_batch_metrics, routing_metrics
+from .metrics import lag_split_metrics, mismatch_metrics, rollout_batch_metrics, routing_metrics
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
 from .optim import ExactAdamW, clip_flat_gradient_
 from .registries import ROLLOUT_ENGINES
@@ -144,6 +154,10 @@ class Trainer:
         self.engine = ROLLOUT_ENGINES[cfg.rollout.engine]
         self.engine.check(self.ranks.world_size)  # e.g. its package missing: one error now, not after the warm start
         self._session: RolloutSession | None = None
+        # rollout.policy_lag = k: the master weights at the start of the last k steps, oldest first (the behaviour
+        # policy is the oldest), and an fp32 model the behaviour weights are loaded into
+        self._snapshots: deque[list[Tensor]] = deque(maxlen=cfg.rollout.policy_lag or None)
+        self._behaviour: Transformer | None = None
 
     # ------------------------------------------------------------------ setup helpers
     def _copy_of(self, model: Transformer, dtype: torch.dtype) -> Transformer:
@@ -166,9 +180,45 @@ class Trainer:
             self.optimizer.load_state_dict(optimizer_state)
         self._copy_master_to_compute()
 
-    def _weights_in(self, dtype: torch.dtype) -> Transformer:
-        """The policy's current weights in ``dtype``: the compute model, or a fresh copy of the master."""
-        return self.compute if dtype == self.compute_dtype else self._copy_of(self.master, dtype)
+    def _weights_in(self, dtype: torch.dtype, master: Transformer | None = None) -> Transformer:
+        """The policy's weights in ``dtype``: the compute model, or a fresh copy of the master. ``master``: other fp32
+        weights (the lagged behaviour policy) instead of the current ones."""
+        if master is None or master is self.master:
+            return self.compute if dtype == self.compute_dtype else self._copy_of(self.master, dtype)
+        return master if dtype == torch.float32 else self._copy_of(master, dtype)
+
+    def _behaviour_policy(self) -> Transformer:
+        """The fp32 weights this step's rollouts are sampled from, and the step's snapshot taken.
+
+        On-policy (``rollout.policy_lag`` 0): the master itself. With lag k: the master as it was k steps ago (the
+        starting policy during the first k steps), from the ring of the last k steps' weights, which then takes
+        this step's (pre-update) weights."""
+        if not self.cfg.rollout.policy_lag:
+            return self.master
+        behaviour = self.master
+        if self._snapshots:
+            if self._behaviour is None:
+                self._behaviour = Transformer(self.model_config, backend=self.cfg.backend, dtype=torch.float32,
+                                              init_seed=None)
+            with torch.no_grad():
+                for dst, src in zip(self._behaviour.parameters(), self._snapshots[0]):
+                    dst.copy_(src)
+            behaviour = self._behaviour
+        self._snapshots.append([p.detach().clone() for p in self.master.parameters()])
+        return behaviour
+
+    def _snapshot_tensors(self) -> dict[str, Tensor]:
+        """The policy-lag ring as named tensors (``<i>.<parameter>``, 0 oldest) for the checkpoint."""
+        names = [name for name, _ in self.master.named_parameters()]
+        return {f"{i}.{name}": t for i, snap in enumerate(self._snapshots) for name, t in zip(names, snap)}
+
+    def _restore_snapshots(self, tensors: dict[str, Tensor]) -> None:
+        """The policy-lag ring from a checkpoint's tensors (``_snapshot_tensors``)."""
+        names = [name for name, _ in self.master.named_parameters()]
+        count = len({key.split(".", 1)[0] for key in tensors})
+        self._snapshots.clear()
+        for i in range(count):
+            self._snapshots.append([tensors[f"{i}.{name}"].to(self.master.device) for name in names])
 
     def _reference(self) -> Transformer:
         if self.reference is None:  # frozen copy of the starting policy
@@ -179,16 +229,18 @@ class Trainer:
         self.console.print(text)
 
     # ------------------------------------------------------------------ one step
-    def rollout(self, step: int, plan: RolloutPlan, problems: list | None = None) -> RolloutBatch:
+    def rollout(self, step: int, plan: RolloutPlan, problems: list | None = None,
+                policy: Transformer | None = None) -> RolloutBatch:
         """The rollout batch of ``step`` (its training problems unless ``problems`` is given) on ``plan``'s path;
-        each rank samples its share of the problems, and every rank gets the whole batch."""
+        each rank samples its share of the problems, and every rank gets the whole batch. ``policy``: the fp32
+        weights to sample from (the lagged behaviour policy; None: the current one)."""
         cfg = self.cfg
         if problems is None:
             problems = step_problems(self.task, cfg.rollout, cfg.seed, step)
         mine = self.ranks.block(len(problems))
         if self._session is None:
             self._session = self.engine.open(cfg, self.run_dir, self.ranks.world_size)
-        local = self._session.collect(self._weights_in(plan.dtype), plan, self.task, self.tokenizer,
+        local = self._session.collect(self._weights_in(plan.dtype, policy), plan, self.task, self.tokenizer,
                                       problems[mine.start : mine.stop], cfg.rollout, _step_seed(cfg.seed, step),
                                       first_problem=mine.start)
         return local if self.ranks.world_size == 1 else RolloutBatch.concat(self.ranks.gather([local]))
@@ -222,7 +274,8 @@ class Trainer:
         plan = self.injector.plan(step)
         if not self.engine.runs_training_path:  # an outside engine's rollout is never the training path's bits
             plan = dataclasses.replace(plan, matches_training=False)
-        batch = self.rollout(step, plan)
+        behaviour = self._behaviour_policy()
+        batch = self.rollout(step, plan, policy=behaviour)
         timings[TIMING_ROLLOUT] = time.perf_counter() - t0
         timings.update(batch.timings)  # the engine's own stages (an outside engine's weight sync)
         if not all(torch.isfinite(lp).all() for lp in batch.logprobs):
@@ -230,6 +283,9 @@ class Trainer:
 
         t1 = time.perf_counter()
         anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score)
+        lagged = behaviour is not self.master
+        # the lag's drift and the TIM apart: the behaviour policy on the training path, before the update
+        behaviour_logp = self._score(self._weights_in(self.compute_dtype, behaviour), batch) if lagged else None
         timings[TIMING_OLD_LOGPROBS] = time.perf_counter() - t1
         # MoE: how often the rollout's routing differs from the training router's own (before the update)
         routing = {} if batch.routing is None else routing_metrics(batch.routing, self._training_routing(batch))
@@ -238,8 +294,8 @@ class Trainer:
         lr = self.schedule.lr(step)
         advantages = compute_advantages(batch.rewards, cfg.rollout.samples_per_prompt, alg.advantage,
                                         alg.std_normalize, alg)
-        update, first_pass_logp = self._update(step, batch, advantages, anchors, self.objective.expects_exact(plan),
-                                               lr)
+        update, first_pass_logp = self._update(step, batch, advantages, anchors,
+                                               self.objective.expects_exact(plan, lagged), lr)
         timings[TIMING_UPDATE] = time.perf_counter() - t2
         timings[TIMING_GRAD_REDUCE] = update.pop(TIMING_GRAD_REDUCE)
 
@@ -248,6 +304,9 @@ class Trainer:
         metrics: dict = {"step": step}
         metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
                                              batch.logprobs, log_ratio_bound=self.cfg.correction.log_ratio_bound))
+        if cfg.rollout.policy_lag:
+            split = lag_split_metrics(train_logp, behaviour_logp if lagged else train_logp, batch.logprobs)
+            metrics.update(split)
         metrics.update(batch.tail_metrics())  # task.distractors > 0: the rollout distribution's tail (vocab_tail)
         metrics.update(routing)
         metrics[LR] = lr
@@ -449,6 +508,11 @@ class Trainer:
         else:
             start_step = state["next_step"]
             self.schedule.load_state_dict(state.get("schedule", {}))
+            if cfg.rollout.policy_lag:
+                if "snapshots" not in state and start_step > 0:
+                    raise ValueError(f"cannot resume {run_dir} with rollout.policy_lag {cfg.rollout.policy_lag}: its "
+                                     "checkpoint holds no policy-lag weight snapshots (snapshots.safetensors)")
+                self._restore_snapshots(state.get("snapshots", {}))
             self._log(f"resuming {run_dir} at step {start_step}")
         self._copy_master_to_compute()
         self._calibrate(state)
@@ -574,7 +638,8 @@ class Trainer:
             return
         save_checkpoint(self.run_dir, self.master, self.optimizer,
                         {"next_step": step + 1, "schedule": self.schedule.state_dict(),
-                         "inject_value": self.injector.value})
+                         "inject_value": self.injector.value},
+                        snapshots=self._snapshot_tensors() if self.cfg.rollout.policy_lag else None)
 
     def _calibrate(self, state: dict | None) -> None:
         """Set the injector's knob from ``inject.target`` (restored from the checkpoint on resume)."""
