@@ -88,7 +88,7 @@ from ..rl.config import MEMORY_KEYS, AlgorithmSection, CollapseSection, Correcti
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject_modes import INJECT_MODES
-from ..rl.validate import parse_yaml
+from ..rl.validate import parse_yaml, yaml_problem
 from ..rl.vocab_tail import tokenizer_for
 from .dose_response import METRIC, fit_threshold, run_dose
 from .failure import horizon_failure_words, horizon_failures
@@ -297,8 +297,10 @@ def correction_from_file(path: str | Path) -> str:
         raise ValueError(f"correction config file not found: '{path}'")
     try:
         config = parse_yaml(path.read_text())  # JSON is read as YAML too
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ValueError(f"correction config '{path}' is not valid YAML or JSON: {str(err).splitlines()[0]}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"correction config '{path}' is not valid YAML or JSON: {yaml_problem(err)}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"correction config '{path}' is not a UTF-8 text file") from None
     return correction_from_config(config, f"correction config '{path}'")
 
 

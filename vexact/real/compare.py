@@ -784,8 +784,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..lab.scaling import CONFIG_SUFFIXES, choose_correction, compare_map, load_map
-    from ..rl.validate import read_yaml
+    from ..lab.scaling import choose_correction, compare_map, load_map
 
     _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
     for flag, value in (("--correction", args.correction), ("--source", args.source), ("--vocab", args.vocab),
@@ -794,8 +793,6 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
     if args.map is not None:  # the map, the correction and the source are checked before the dumps are read
         scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map, args.vocab)
-        if args.correction is not None and args.correction.lower().endswith(CONFIG_SUFFIXES):
-            read_yaml(Path(args.correction), "correction config")  # the guarded reader: nesting and alias limits
         correction = choose_correction(scaling_map, args.correction, args.source, args.policy_lag or 0)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
