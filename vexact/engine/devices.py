@@ -55,10 +55,9 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
     if device.type == "cuda":
         count = cuda_device_count()
         if not count:
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
             raise DeviceError(key, f"{name!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
-                                   f"(torch {torch.__version__}, "
-                                   f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); use cpu "
-                                   "or auto")
+                                   f"(torch {torch.__version__}, {build}); use cpu or auto")
         if device.index is not None and device.index >= count:
             raise DeviceError(key, f"{name!r} names GPU {device.index}, but this machine has {count} CUDA "
                                    f"device(s): cuda:0 .. cuda:{count - 1}")
