@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one call: the Triton kernels' op contracts and the MoE Triton tests compiled on CUDA, then
 # benchmarks.gpu_triton (exactness of the dense `small` and the MoE `small_moe` presets, triton and native, fp32
-# and bf16; speed at small and llama100m), then the real-size parts of benchmarks.gpu_real (issue AA: exactness at
+# and bf16; speed at small and llama100m), then the real-size parts of benchmarks.gpu_real (exactness at
 # qwen3_1_7b bf16, 16 prompts inside a batch of 64 / alone / in 3s, rescored at micro-batches 8 and 3; peak memory
 # and tokens/s of prefill, decode at positions 0/512/1023 and training fwd+bwd; kernel launches per decode step;
 # `vexact run --device cuda` 10 RL steps at qwen3_0_6b at 0 mismatch; the MoE path at qwen3_30b_a3b, 2 layers).

@@ -1,4 +1,4 @@
-"""vexact on a GPU at the size users train (issue AA item 4): one part per call, its JSON merged into ``--out``.
+"""vexact on a GPU at the size users train: one part per call, its JSON merged into ``--out``.
 
     python -m benchmarks.gpu_real --part exactness --out runs/gpu_check/gpu_real.json     # on the GPU machine
     python -m benchmarks.gpu_real --part exactness --out X.json --rehearse --device cpu   # CPU rehearsal
@@ -207,7 +207,7 @@ def part_speed(device: torch.device, rehearse: bool, s: dict) -> dict:
             row["train_fwd_bwd"] = {"tokens_per_s": s["train_batch"] * (s["train_prompt_len"] +
                                                                        s["train_response_len"]) / seconds,
                                     "peak_bytes": peak}
-        except torch.OutOfMemoryError as err:  # recorded as what it is: the memory work of issue AA item 3
+        except torch.OutOfMemoryError as err:  # recorded as what it is (the chunked scoring's memory work)
             row["train_fwd_bwd"] = {"out_of_memory": str(err).splitlines()[0]}
         model.zero_grad(set_to_none=True)
         rows.append(row)

@@ -1,4 +1,4 @@
-"""The ``device`` setting (issue AA): the default keeps the CPU's runs and bits, ``auto`` is the CPU here, a CUDA
+"""The ``device`` setting: the default keeps the CPU's runs and bits, ``auto`` is the CPU here, a CUDA
 device where there is none is one error (exit 2), and parallel workers share GPUs by index mod device count."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The device script's CPU rehearsal (issue AA item 4): every real-size part of ``benchmarks.gpu_real`` runs at tiny
-sizes on the CPU, its JSON is written after each part, what only a GPU has is skipped with its reason, and
-``benchmarks/gpu_check.sh`` records a part that ran out of its time limit. Quick: about a minute on 2 cores."""
+"""The device script's CPU rehearsal: every real-size part of ``benchmarks.gpu_real`` runs at tiny sizes on the CPU,
+its JSON is written after each part, what only a GPU has is skipped with its reason, and ``benchmarks/gpu_check.sh``
+records a part that ran out of its time limit. Quick: about two minutes on a loaded 2-core host."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ DEFAULT_DEVICE = "cpu"
 DEVICE_NAMES = ("cpu", "cuda", "cuda:N", "auto")
 """The accepted spellings (``cuda:N``: GPU number N), for messages and ``--help``."""
 
-DEVICE_HELP = ("where the models, optimizer state and rollouts live: cpu, cuda, cuda:N or auto (CUDA when "
-               "available, else cpu)")
+DEVICE_HELP = "where the models compute: cpu, cuda, cuda:N or auto (CUDA when available, else cpu)"
 
 _PATTERN = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 

@@ -32,7 +32,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # SmolLM-135M-like: hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied embeddings.
     "llama100m": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                       intermediate_size=1536, max_seq_len=2048, tie_embeddings=True),
-    # Real sizes (issue AA): the shapes of the public Hugging Face configs of Qwen3-0.6B, Qwen3-1.7B and
+    # Real sizes: the shapes of the public Hugging Face configs of Qwen3-0.6B, Qwen3-1.7B and
     # Qwen3-30B-A3B (vocabulary 151,936, head_dim 128 apart from hidden / heads, q/k RMSNorm, RoPE theta 1e6),
     # random weights (init on the device); ``num_layers`` overrides the depth for smaller runs.
     "qwen3_0_6b": dict(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,

@@ -398,7 +398,8 @@ class RunConfig:
     backend: Backend = "exact"  # training-path backend
     dtype: DType = "float32"  # compute dtype of the model
     threads: int | None = field(default=None, metadata=_bounds(min=1))
-    device: str = DEFAULT_DEVICE  # cpu | cuda | cuda:N | auto (vexact.engine.devices); cpu: today's runs, their bits
+    # where the policy, reference, optimizer state and rollouts live: cpu, cuda, cuda:N or auto (CUDA when available)
+    device: str = DEFAULT_DEVICE
     # modules imported before the config is validated: outside extensions (vexact.rl.plugins)
     plugins: list[str] = field(default_factory=list)
     model: ModelSection = field(default_factory=ModelSection)
