@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device is resolved: --help (which spells the names) needs none
+    import torch
 
 DEFAULT_DEVICE = "cpu"
 DEVICE_NAMES = ("cpu", "cuda", "cuda:N", "auto")
@@ -41,12 +43,16 @@ def check_device_name(name: object, key: str = "device") -> str:
 
 def cuda_device_count() -> int:
     """GPUs torch can use here (0 without CUDA). Its own function so tests can pretend to have several."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def resolve_device(name: str, key: str = "device") -> torch.device:
     """The torch device ``name`` means on this machine: ``auto`` is CUDA when available, else the CPU. A CUDA
     device where there is none (or a GPU number past the last) is one ``DeviceError`` naming ``key`` and CUDA."""
+    import torch
+
     check_device_name(name, key)
     if name == "auto":
         return torch.device("cuda" if cuda_device_count() else "cpu")
@@ -65,6 +71,8 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
 
 def device_kind(name: str) -> str:
     """``cpu`` or ``cuda``: the kind of device setting ``name`` (``auto``: what it resolves to here)."""
+    import torch
+
     return ("cuda" if cuda_device_count() else "cpu") if name == "auto" else torch.device(name).type
 
 
