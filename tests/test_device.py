@@ -127,7 +127,11 @@ def test_bad_device_names_are_config_errors(bad):
 @pytest.mark.skipif(not NO_CUDA, reason="needs a machine without CUDA")
 @pytest.mark.parametrize("argv", [["run", str(EXPERIMENT), "--device", "cuda"],
                                   ["run", str(EXPERIMENT), "--set", "device=cuda"],
-                                  ["check", "--device", "cuda"]])
+                                  ["check", "--device", "cuda"],
+                                  ["sweep", str(EXPERIMENT.parent / "collapse_sweep.yaml"), "--device", "cuda"],
+                                  ["demo", "--device", "cuda"],
+                                  ["locate", "--device", "cuda"],
+                                  ["meter", str(EXPERIMENT.parent / "horizon_scaling_meter.yaml"), "--device", "cuda"]])
 def test_cli_cuda_without_cuda_exits_2_with_one_line(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
