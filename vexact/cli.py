@@ -277,10 +277,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 for dtype in dtypes]
     total = sum(check_units(s) for s in settings) * len(backends)
     rows = []
-    # progress on stderr: stdout keeps the results and the verdict
     from .engine.devices import resolve_device
 
     device = resolve_device(args.device or "cpu", "--device")  # no CUDA for --device cuda: one error, before work
+    # progress on stderr: stdout keeps the results and the verdict
     with Progress(make_console(stderr=True), "vexact check", total, quiet=args.quiet, min_interval=10) as progress:
         for one in settings:
             rows += run_check(one, backends, device=device, progress=progress)
