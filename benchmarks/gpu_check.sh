@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check in one call: the Triton kernels' op contracts and the MoE Triton tests compiled on CUDA, then
 # benchmarks.gpu_triton (exactness of the dense `small` and the MoE `small_moe` presets, triton and native, fp32
-# and bf16; speed at small and llama100m). For a lent GPU machine with no network: nothing is installed,
-# the repository is put on PYTHONPATH. Everything goes under $OUT (default runs/gpu_check): env.txt, pytest.log,
-# pytest.xml, gpu_triton.log, gpu_triton.json, summary.txt. Each part has a time limit, so the whole run ends
-# within about 5 minutes whatever hangs (GPU_CHECK_PYTEST_S, default 110, and GPU_CHECK_BENCH_S, default 190, set the
-# limits; GPU_CHECK_SPEED_PRESETS, default small,llama100m, the presets timed).
+# and bf16; speed at small and llama100m), then the real-size parts of benchmarks.gpu_real (exactness at
+# qwen3_1_7b bf16, 16 prompts inside a batch of 64 / alone / in 3s, rescored at micro-batches 8 and 3; peak memory
+# and tokens/s of prefill, decode at positions 0/512/1023 and training fwd+bwd; kernel launches per decode step;
+# `vexact run --device cuda` 10 RL steps at qwen3_0_6b at 0 mismatch; the MoE path at qwen3_30b_a3b, 2 layers).
+# For a lent GPU machine with no network: nothing is installed, the repository is put on PYTHONPATH. Everything
+# goes under $OUT (default runs/gpu_check): env.txt, pytest.log, pytest.xml, gpu_triton.log, gpu_triton.json,
+# gpu_real.json (written after each part), gpu_real_<part>.log, summary.txt. Each part has a time limit, so the run
+# ends whatever hangs: GPU_CHECK_PYTEST_S (default 110) and GPU_CHECK_BENCH_S (default 190) for the small-shape
+# parts, GPU_CHECK_<PART>_S for each real-size part (defaults below: about 7 minutes together);
+# GPU_CHECK_SPEED_PRESETS (default small,llama100m) the presets timed. GPU_CHECK_ONLY: all (default), small (the
+# small-shape parts) or real (the real-size parts); GPU_CHECK_REAL_PARTS (default all five, in order) which
+# real-size parts run.
 #
 #     bash benchmarks/gpu_check.sh                                  # on the GPU machine
 #     VEXACT_GPU_CHECK_REHEARSE=1 bash benchmarks/gpu_check.sh      # rehearsal without a GPU: Triton interpreter,
@@ -23,6 +30,12 @@ mkdir -p "$OUT"
 REHEARSE="${VEXACT_GPU_CHECK_REHEARSE:-0}"
 PYTEST_LIMIT="${GPU_CHECK_PYTEST_S:-110}"
 BENCH_LIMIT="${GPU_CHECK_BENCH_S:-190}"
+ONLY="${GPU_CHECK_ONLY:-all}"
+REAL_PARTS="${GPU_CHECK_REAL_PARTS:-exactness speed launches rl_run moe}"
+declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-120}" [speed]="${GPU_CHECK_SPEED_S:-75}"
+                       [launches]="${GPU_CHECK_LAUNCHES_S:-45}" [rl_run]="${GPU_CHECK_RL_RUN_S:-120}"
+                       [moe]="${GPU_CHECK_MOE_S:-75}")
+case "$ONLY" in all|small|real) ;; *) echo "error: GPU_CHECK_ONLY must be all, small or real, got '$ONLY'"; exit 2;; esac
 START=$(date +%s)
 
 python - <<'EOF' 2>&1 | tee "$OUT/env.txt"
@@ -37,29 +50,60 @@ if [ "$REHEARSE" = 1 ]; then
     TESTS=(-k "exp or rollout_logprobs_equal and triton-fp32")
     BENCH=(--device cpu --check-presets small_moe --dtype float32 --num-prompts 2 --max-prompt-len 3
            --max-new-tokens 2 --presets small_moe --reps 1 --batch 2 --prompt-len 3 --new-tokens 2)
+    REAL=(--device cpu --rehearse)
 elif python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     TESTS=()
     BENCH=(--check-presets small,small_moe --presets "${GPU_CHECK_SPEED_PRESETS:-small,llama100m}" --reps 3)
+    REAL=(--device cuda)
 else
     echo "error: no CUDA device here (torch.cuda.is_available() is False); VEXACT_GPU_CHECK_REHEARSE=1 rehearses"
     exit 2
 fi
 
-echo "== op contracts and MoE tests (limit ${PYTEST_LIMIT}s)"
-timeout "$PYTEST_LIMIT" python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-    tests/test_moe_triton.py --junitxml="$OUT/pytest.xml" "${TESTS[@]}" >"$OUT/pytest.log" 2>&1
-PYTEST_RC=$?
-tail -n 3 "$OUT/pytest.log"
+PYTEST_RC=0
+BENCH_RC=0
+if [ "$ONLY" != real ]; then
+    echo "== op contracts and MoE tests (limit ${PYTEST_LIMIT}s)"
+    timeout "$PYTEST_LIMIT" python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+        tests/test_moe_triton.py --junitxml="$OUT/pytest.xml" "${TESTS[@]}" >"$OUT/pytest.log" 2>&1
+    PYTEST_RC=$?
+    tail -n 3 "$OUT/pytest.log"
 
-echo "== benchmarks.gpu_triton (limit ${BENCH_LIMIT}s)"
-timeout "$BENCH_LIMIT" python -m benchmarks.gpu_triton --out "$OUT/gpu_triton.json" "${BENCH[@]}" \
-    >"$OUT/gpu_triton.log" 2>&1
-BENCH_RC=$?
-cat "$OUT/gpu_triton.log" | grep -v "^ *$" | tail -n 40
+    echo "== benchmarks.gpu_triton (limit ${BENCH_LIMIT}s)"
+    timeout "$BENCH_LIMIT" python -m benchmarks.gpu_triton --out "$OUT/gpu_triton.json" "${BENCH[@]}" \
+        >"$OUT/gpu_triton.log" 2>&1
+    BENCH_RC=$?
+    cat "$OUT/gpu_triton.log" | grep -v "^ *$" | tail -n 40
+fi
+
+# The real-size parts: one process each (a hung or out-of-memory part cannot take the others with it); the part
+# writes its result into gpu_real.json, and a part cut off by its limit is recorded there as timed out.
+REAL_RC=0
+REAL_LINES=()
+if [ "$ONLY" != small ]; then
+    rm -f "$OUT/gpu_real.json"
+    for PART in $REAL_PARTS; do
+        LIMIT="${REAL_LIMIT[$PART]:-}"
+        [ -n "$LIMIT" ] || { echo "error: unknown real-size part '$PART' (GPU_CHECK_REAL_PARTS)"; exit 2; }
+        echo "== benchmarks.gpu_real --part $PART (limit ${LIMIT}s)"
+        timeout "$LIMIT" python -m benchmarks.gpu_real --part "$PART" --out "$OUT/gpu_real.json" "${REAL[@]}" \
+            >"$OUT/gpu_real_$PART.log" 2>&1
+        RC=$?
+        if [ $RC -eq 124 ]; then
+            python -m benchmarks.gpu_real --timed-out "$PART" --limit-s "$LIMIT" --out "$OUT/gpu_real.json"
+        fi
+        tail -n 1 "$OUT/gpu_real_$PART.log"
+        REAL_LINES+=("gpu_real $PART: exit $RC$([ $RC -eq 124 ] && echo " (timed out after ${LIMIT}s)")")
+        [ $RC -eq 0 ] || REAL_RC=1
+    done
+fi
 
 {
-    echo "pytest: exit $PYTEST_RC ($(tail -n 1 "$OUT/pytest.log"))"
-    echo "benchmarks.gpu_triton: exit $BENCH_RC$([ $BENCH_RC -eq 124 ] && echo ' (timed out: gpu_triton.json has the parts done)')"
+    if [ "$ONLY" != real ]; then
+        echo "pytest: exit $PYTEST_RC ($(tail -n 1 "$OUT/pytest.log"))"
+        echo "benchmarks.gpu_triton: exit $BENCH_RC$([ $BENCH_RC -eq 124 ] && echo ' (timed out: gpu_triton.json has the parts done)')"
+    fi
+    for LINE in "${REAL_LINES[@]}"; do echo "$LINE"; done
     echo "elapsed: $(( $(date +%s) - START )) s"
 } | tee "$OUT/summary.txt"
-[ $PYTEST_RC -eq 0 ] && [ $BENCH_RC -eq 0 ]
+[ $PYTEST_RC -eq 0 ] && [ $BENCH_RC -eq 0 ] && [ $REAL_RC -eq 0 ]

@@ -65,3 +65,64 @@ def test_check_locate_and_benchmarks_read_the_table():
     assert named["llama100m"].model == preset_config("llama100m")
     default = named["default"].model
     assert default == ModelConfig(**{**preset_values("testbed"), "vocab_size": default.vocab_size, "max_seq_len": 48})
+
+
+# The public model cards' figures (Qwen3-0.6B, Qwen3-1.7B, Qwen3-30B-A3B on Hugging Face), in billions: total
+# parameters, non-embedding parameters, and (MoE) activated per token. The cards round (and 3.35B activated reads
+# 3.3B there), so the counts are compared within CARD_TOLERANCE.
+QWEN3_CARDS = {"qwen3_0_6b": (0.6, 0.44, None), "qwen3_1_7b": (1.7, 1.4, None), "qwen3_30b_a3b": (30.5, 29.9, 3.3)}
+CARD_TOLERANCE = 0.02  # relative
+
+
+@pytest.mark.parametrize("name", list(QWEN3_CARDS))
+def test_real_size_presets_match_the_public_counts(name):
+    """Arithmetic (``parameter_count``) at the full depth against the model card; then the model itself built with
+    num_layers=1 on the meta device (shapes only: no memory, the 151,936-token embedding included) has exactly that
+    count's parameters, and the shapes the public config gives."""
+    from vexact.engine.model import Transformer, parameter_count
+
+    config = preset_config(name)
+    total, non_embedding, active = QWEN3_CARDS[name]
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
+    count = parameter_count(config)
+    assert count / 1e9 == pytest.approx(total, rel=CARD_TOLERANCE)
+    assert (count - embeddings) / 1e9 == pytest.approx(non_embedding, rel=CARD_TOLERANCE)
+    if active is not None:  # all but top-k of each layer's experts idle
+        idle = len(config.moe_layers) * (config.num_experts - config.num_experts_per_tok) * 3 * \
+            config.expert_intermediate_size * config.hidden_size
+        assert (count - idle) / 1e9 == pytest.approx(active, rel=CARD_TOLERANCE)
+
+    one = preset_config(name, num_layers=1)
+    model = Transformer(one, device="meta")
+    assert model.device.type == "meta"
+    assert sum(p.numel() for p in model.parameters()) == parameter_count(one)
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (one.num_heads * 128, one.hidden_size)  # head_dim 128, apart from hidden
+    assert attn.k_proj.weight.shape == (one.num_kv_heads * 128, one.hidden_size)
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (128,)  # qk-norm
+    assert model.embed_tokens.weight.shape == (151936, one.hidden_size)
+    assert hasattr(model, "lm_head") == (name == "qwen3_30b_a3b")  # the dense two tie their embeddings
+    assert one.rope_theta == 1e6
+    if one.num_experts:
+        block = model.layers[0].mlp
+        assert len(block.experts) == 128 and one.num_experts_per_tok == 8 and one.norm_topk_prob
+        assert block.experts[0].gate_proj.weight.shape == (768, one.hidden_size)
+        assert block.gate.weight.shape == (128, one.hidden_size)
+
+
+def test_real_size_preset_structure_is_exact_on_cpu():
+    """The presets' structure (qk-norm, head_dim apart from hidden / heads, tied head, MoE top-8 of many) computes
+    exactly on the CPU: narrowed to a small vocabulary and one layer, the rollout's and the training path's
+    log-probs are equal bit for bit."""
+    from vexact.real.check import CheckSettings, mismatched, run_check
+
+    for name in ("qwen3_0_6b", "qwen3_30b_a3b"):
+        shape = {k: v for k, v in preset_values(name).items() if k in CheckSettings.__dataclass_fields__}
+        shape.update(vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                     intermediate_size=64)
+        if shape.get("num_experts"):
+            shape.update(num_experts=16, moe_intermediate_size=16)
+        settings = CheckSettings(**shape, num_prompts=4, max_prompt_len=5, max_new_tokens=3, batch_sizes=(None, 1),
+                                 micro_batch_sizes=(None, 3))
+        (row,) = run_check(settings, backends=("exact",))
+        assert row["tokens"] > 0 and mismatched(row) == 0, name

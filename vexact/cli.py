@@ -171,6 +171,9 @@ _CHECK_SIZES = {"vocab_size": "vocabulary of the random model", "hidden_size": "
                                         "--intermediate-size)"}
 
 
+_CHECK_PRESET_ONLY = ("head_dim", "qk_norm", "rope_theta", "norm_topk_prob")
+"""Shape keys ``vexact check`` takes from ``--preset`` only (no flag of their own)."""
+
 CHECK_THREADS = 1
 """``vexact check``'s default generation threads."""
 
@@ -211,6 +214,7 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
                         f"{_batch_text(CheckSettings.micro_batch_sizes)}, as vexact.testing.check_paths)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file (with every "
                    "op's path and host probe)")
+    _add_device(p, "cpu; cuda runs the exact backend as the compiled Triton kernels")
     p.add_argument("--verbose", action="store_true", help="print the path each op took and what each host probe "
                    "found (a table per exact backend) instead of one line per backend")
     _add_quiet(p)
@@ -231,6 +235,33 @@ def check_writable(path: Path, flag: str) -> None:
         path.unlink()
 
 
+DEVICE_COMMANDS = ("run", "sweep", "demo", "check", "measure", "locate", "meter", "bench")
+"""The commands that take ``--device`` (``_add_device``)."""
+
+
+def _device_name(text: str) -> str:
+    from .engine.devices import DeviceError, check_device_name
+
+    try:
+        return check_device_name(text, "--device")
+    except DeviceError as err:
+        raise argparse.ArgumentTypeError(err.problem) from None
+
+
+def _add_device(p: argparse.ArgumentParser, default: str) -> None:
+    """``--device`` (one helper for every command in ``DEVICE_COMMANDS``); ``default`` says what its absence
+    means for the command. Unset it is None: the command keeps its own default (a run: the config's ``device``)."""
+    from .engine.devices import DEVICE_HELP
+
+    p.add_argument("--device", type=_device_name, default=None, metavar="DEVICE",
+                   help=f"{DEVICE_HELP}; cuda where there is no CUDA is an error (default: {default})")
+
+
+def _device_overrides(args: argparse.Namespace) -> list[str]:
+    """``--set`` items for a config-driven command: ``--device X`` is ``--set device=X``."""
+    return [f"device={args.device}"] if args.device else []
+
+
 def _add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output (on a terminal a progress bar, "
                    "otherwise a [k/N] line now and then, with elapsed time and ETA)")
@@ -245,6 +276,7 @@ def _check_shape(args: argparse.Namespace) -> dict:
     shape = {k: preset[k] for k in _CHECK_SIZES if k in preset}
     shape["vocab_size"] = preset.get("vocab_size", CheckSettings.vocab_size)  # testbed has none: 256 ids
     shape["tie_embeddings"] = preset.get("tie_embeddings", False)
+    shape.update({k: preset[k] for k in _CHECK_PRESET_ONLY if k in preset})  # a real-size preset's other shape
     shape.update({k: getattr(args, k) for k in _CHECK_SIZES if getattr(args, k) is not None})
     if not shape.get("num_experts"):  # an expert flag on a dense model would be silently unused
         for k in ("num_experts_per_tok", "moe_intermediate_size"):
@@ -278,10 +310,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 for dtype in dtypes]
     total = sum(check_units(s) for s in settings) * len(backends)
     rows = []
+    from .engine.devices import resolve_device
+
+    device = resolve_device(args.device or "cpu", "--device")  # no CUDA for --device cuda: one error, before work
     # progress on stderr: stdout keeps the results and the verdict
     with Progress(make_console(stderr=True), "vexact check", total, quiet=args.quiet, min_interval=10) as progress:
         for one in settings:
-            rows += run_check(one, backends, progress=progress)
+            rows += run_check(one, backends, device=device, progress=progress)
 
     table = Table(title="vexact check: rollout log-probs vs training log-probs")
     moe = any(r.get("routing_flip_rate") is not None for r in rows)
@@ -394,16 +429,21 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="data-parallel ranks on this machine, launched by torch.distributed's elastic launcher "
                         "(default 1: this process). N must be a power of two dividing distributed.leaves; the "
-                        "results are bitwise those of N=1. On several machines use torchrun -m vexact run")
+                        "results are bitwise those of N=1; on GPUs one rank per GPU over NCCL. On several machines "
+                        "use torchrun -m vexact run")
+    _add_device(p, "the config's device key, itself cpu by default")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .engine.devices import rank_device
     from .rl.data_parallel import DataParallel, check_leaves
     from .rl.tasks import check_memory
     from .rl.trainer import Trainer, run_dir_for
 
+    args.overrides = [*args.overrides, *_device_overrides(args)]  # the ranks get it as a --set too
     cfg = _run_config(args)
+    device = rank_device(cfg.device)  # no CUDA for device: cuda is one error here, before any rank starts
     check_memory(cfg)  # before anything is allocated: an absurd model size is one error naming the sizes
     if args.nproc > 1:
         check_leaves(cfg.distributed.leaves, args.nproc)  # before starting any rank
@@ -411,7 +451,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     console = make_console()
     if args.nproc > 1:
         return _launch_ranks(args, cfg, console)
-    ranks = DataParallel.from_environment(cfg.distributed.reduce)  # torchrun's ranks, or this process alone
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)  # NCCL's collectives run on this rank's own GPU
+    # torchrun's ranks (gloo on the CPU, NCCL on GPUs), or this process alone
+    ranks = DataParallel.from_environment(cfg.distributed.reduce, device)
     try:
         if ranks.is_main:
             console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}"
@@ -574,6 +619,7 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "both). An adaptive round: the rest runs later into the "
                         "same directory, finished points are skipped")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
+    _add_device(p, "each point's device key; with cuda and --jobs N on several GPUs each worker its own GPU")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="local: this machine's processes (default); ray: one Ray task per point, CPUs per task = "
                         "the config's threads (default 1); needs pip install 'vexact[ray]'")
@@ -587,7 +633,8 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from .lab.sweep import load_sweep_spec
 
-    return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir, args.overrides), args.jobs,
+    overrides = [*args.overrides, *_device_overrides(args)]
+    return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir, overrides), args.jobs,
                              not args.no_report, "vexact sweep [bold]{name}[/]: {n} points -> {out}", args.executor,
                              args.address, args.quiet, args.only)
 
@@ -602,6 +649,10 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
 
     for shape in {json.dumps(p.config.to_dict()["model"], sort_keys=True): p.config for p in spec.points}.values():
         check_memory(shape)  # before any point allocates: an absurd model size is one error
+    from .engine.devices import resolve_device
+
+    for device in sorted({p.config.device for p in spec.points}):
+        resolve_device(device)  # device: cuda where there is none: one error before any point runs
     console = make_console()
     if not quiet:
         console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
@@ -633,6 +684,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo",
                    help="where the sweep's runs and report go (default runs/demo; re-running resumes it)")
     p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes, one run each (default 1)")
+    _add_device(p, "cpu, the demo's own")
     _add_quiet(p)
     p.set_defaults(func=_cmd_demo)
 
@@ -640,7 +692,8 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .lab.sweep import load_sweep_spec
 
-    spec = load_sweep_spec(Path(__file__).resolve().parent / "lab" / "demo_sweep.yaml", args.output_dir)
+    spec = load_sweep_spec(Path(__file__).resolve().parent / "lab" / "demo_sweep.yaml", args.output_dir,
+                           _device_overrides(args))
     return _sweep_and_report(spec, args.jobs, True, "vexact demo: {n} runs of logit-scale injection -> {out}",
                              quiet=args.quiet)
 
@@ -671,6 +724,7 @@ def _measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
     p.add_argument("--png", type=Path, default=None, help="also plot Δlogp histogram and |Δlogp| vs probability")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 unless every token is bitwise equal")
+    _add_device(p, "cpu")
     p.add_argument("--no-full-vocab", dest="full_vocab", action="store_false",
                    help="skip the full next-token distribution comparison (mismatch/full_vocab_*: one more forward "
                         "per path)")
@@ -687,7 +741,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                                token_ids=args.token_ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
                                batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                               threads=args.threads, full_vocab=args.full_vocab)
+                               threads=args.threads, full_vocab=args.full_vocab, device=args.device or "cpu")
     result = run_measure(settings)
     console = make_console()
     print_measure(result, console)
@@ -731,12 +785,15 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                      "lists them).")
     p.add_argument("which", choices=tuple(BENCHMARKS),
                    help="; ".join(f"{name}: {what}" for name, what in BENCHMARKS.items()))
+    _add_device(p, "the benchmark's own: cuda when available for kernels and end_to_end; written before WHICH, "
+                   "or after it as that benchmark's --device")
     p.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    return _benchmarks_module(args.which).main(args.options, prog=f"vexact bench {args.which}")
+    options = [*args.options, *(["--device", args.device] if args.device else [])]
+    return _benchmarks_module(args.which).main(options, prog=f"vexact bench {args.which}")
 
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
@@ -751,6 +808,7 @@ def _locate_arguments(p: argparse.ArgumentParser) -> None:
     from .real import locate
 
     locate.add_arguments(p)
+    _add_device(p, "cpu")
     p.set_defaults(func=locate.main)
 
 
@@ -758,6 +816,7 @@ def _meter_arguments(p: argparse.ArgumentParser) -> None:
     from .lab import bias_meter
 
     bias_meter.add_arguments(p)
+    _add_device(p, "the base config's device key")
     p.set_defaults(func=bias_meter.main)
 
 

@@ -20,6 +20,7 @@ rollout's injected routing mismatch, router replay, and where the chosen experts
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -276,13 +277,14 @@ def _bytes_text(n: int) -> str:
 
 
 def check_fits(config: ModelConfig, bytes_per_parameter: int = INIT_BYTES_PER_PARAMETER,
-               what: str = "the float32 parameters", where: str = "ModelConfig", vocab: str | None = None) -> None:
+               what: str = "the float32 parameters", where: str = "ModelConfig", vocab: str | None = None,
+               available: int | None = None, machine: str = "this machine has") -> None:
     """Refuse (``ModelTooLarge``, naming the size fields and both numbers) a model whose parameters would not fit
     in the memory available now, before anything is allocated: otherwise the allocator fails deep inside torch,
     or the machine swaps. ``where`` prefixes the field names (``model`` for a run config's section); ``vocab``
     names the vocabulary where it is no field of that section (a run's comes from its task)."""
     need = memory_estimate(config, bytes_per_parameter)
-    available = available_memory()
+    available = available_memory() if available is None else available
     if available is None or need <= available:
         return
     sizes = ", ".join([f"{vocab or where + '.vocab_size'}={config.vocab_size:,}"] + [
@@ -290,8 +292,18 @@ def check_fits(config: ModelConfig, bytes_per_parameter: int = INIT_BYTES_PER_PA
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len")
         + (MOE_SIZES if config.num_experts else ()) if getattr(config, name)])
     raise ModelTooLarge(f"{sizes} make {parameter_count(config):,} parameters; {what} need about "
-                        f"{_bytes_text(need)}, but this machine has {_bytes_text(available)} of memory available: "
+                        f"{_bytes_text(need)}, but {machine} {_bytes_text(available)} of memory available: "
                         "choose smaller sizes")
+
+
+def check_fits_on(config: ModelConfig, device: torch.device) -> None:
+    """``check_fits`` for a model about to be built on ``device``: the host's memory on the CPU, the GPU's free
+    memory on CUDA; a meta-device model (shapes only) takes none."""
+    if device.type == "cpu":
+        check_fits(config)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        check_fits(config, available=free, machine=f"GPU {device} has")
 
 
 def rope_inv_freq(c: ModelConfig) -> Tensor:
@@ -416,16 +428,21 @@ class Transformer(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
-        check_fits(config)  # before allocating: an absurd size is one error, not an allocator's
+        device = torch.device(device)
+        check_fits_on(config, device)  # before allocating: an absurd size is one error, not an allocator's
         self.config = config
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        moe_layers = set(c.moe_layers)
-        self.layers = nn.ModuleList(DecoderLayer(c, i in moe_layers) for i in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if not c.tie_embeddings:
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        # RoPE on the CPU whatever the device: every device indexes the same table.
         angles = torch.arange(c.max_seq_len, dtype=torch.float64)[:, None] * rope_inv_freq(c)[None, :]
+        # Off the CPU the parameters are created where they live (a real-size model is never built on the host
+        # and copied); on the CPU exactly as always (the same bits).
+        with contextlib.nullcontext() if device.type == "cpu" else device:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            moe_layers = set(c.moe_layers)
+            self.layers = nn.ModuleList(DecoderLayer(c, i in moe_layers) for i in range(c.num_layers))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            if not c.tie_embeddings:
+                self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         # Computed once: every path indexes the same table, so RoPE cannot differ between them.
         self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
         self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
@@ -437,8 +454,12 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ setup
     def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Deterministic GPT-style init: N(0, std) matrices, ones for norms, zero biases."""
-        gen = torch.Generator().manual_seed(seed)
+        """Deterministic GPT-style init: N(0, std) matrices, ones for norms, zero biases. Drawn on the parameters'
+        device from a generator there (on the CPU the bits of all earlier runs; a GPU draws its own stream, the same
+        for the same seed); a model on the meta device (shapes only) has nothing to draw."""
+        if self.device.type == "meta":
+            return
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight") or "layernorm" in name:
@@ -448,7 +469,7 @@ class Transformer(nn.Module):
                 else:
                     scale = std / math.sqrt(2 * self.config.num_layers) if name.endswith(("o_proj.weight",
                                                                                          "down_proj.weight")) else std
-                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
+                    p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * scale)
 
     @property
     def backend(self) -> str:

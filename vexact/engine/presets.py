@@ -32,6 +32,21 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # SmolLM-135M-like: hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied embeddings.
     "llama100m": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                       intermediate_size=1536, max_seq_len=2048, tie_embeddings=True),
+    # Real sizes: the shapes of the public Hugging Face configs of Qwen3-0.6B, Qwen3-1.7B and
+    # Qwen3-30B-A3B (vocabulary 151,936, head_dim 128 apart from hidden / heads, q/k RMSNorm, RoPE theta 1e6),
+    # random weights (init on the device); ``num_layers`` overrides the depth for smaller runs.
+    "qwen3_0_6b": dict(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, intermediate_size=3072, max_seq_len=40960, rope_theta=1e6, qk_norm=True,
+                       tie_embeddings=True),
+    "qwen3_1_7b": dict(vocab_size=151936, hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, intermediate_size=6144, max_seq_len=40960, rope_theta=1e6, qk_norm=True,
+                       tie_embeddings=True),
+    # every layer a mixture of 128 experts (decoder_sparse_step 1, no mlp_only_layers), top-8, normalised top-k
+    # weights; intermediate_size is the dense MLP width of the public config, unused by its all-MoE layers
+    "qwen3_30b_a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                          head_dim=128, intermediate_size=6144, max_seq_len=40960, rope_theta=1e6, qk_norm=True,
+                          tie_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True),
 }
 """Preset name -> ``ModelConfig`` keyword arguments. A preset without ``vocab_size`` (``testbed``) takes the
 vocabulary from its user (the task); one without ``max_seq_len`` (``small``) takes the length its user needs."""

@@ -602,6 +602,11 @@ def _tail_cells(c: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     spec = load_meter_spec(args.spec, args.output_dir)
+    if getattr(args, "device", None):  # --device X: every cell's config gets device: X
+        from ..engine.devices import resolve_device
+
+        resolve_device(args.device, "--device")  # no CUDA for --device cuda: one error before any work
+        spec.common["device"] = args.device
     result = run_meter(spec)
     print(meter_table(result), end="")
     print(f"meter written to {spec.output_dir}: meter.json, meter.png")

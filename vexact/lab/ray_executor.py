@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..engine.devices import device_kind
+
 LOCAL_HOST = "127.0.0.1"
 
 
@@ -86,6 +88,18 @@ def _run_in(cwd: str, path: list[str], config: dict, resume: bool, threads: int 
     return _run_point(config, resume, threads)
 
 
+def task_resources(threads: int | None, device: str) -> dict[str, int]:
+    """What one point's Ray task asks for: ``num_cpus`` its torch threads (default 1) and, when its device is CUDA,
+    ``num_gpus`` 1 (Ray then gives the task a GPU of its own and shows it that one alone)."""
+    return {"num_cpus": threads or 1, "num_gpus": int(device_kind(device) == "cuda")}
+
+
+def task_config(config: dict) -> dict:
+    """A point's config as its Ray task runs it: a CUDA device becomes ``cuda``, the one GPU Ray lets it see
+    (``cuda:3`` would name a GPU hidden from it)."""
+    return {**config, "device": "cuda"} if device_kind(config["device"]) == "cuda" else config
+
+
 def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Callable[[Any], dict | None],
                address: str | None, on_running: Callable[[list], None] = lambda names: None) -> None:
     """Submit every point in ``todo`` as a Ray task and ``finish(point, result)`` each as it completes."""
@@ -98,10 +112,10 @@ def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Call
             if locked:
                 finish(point, locked)
                 continue
-            cpus = point.config.threads or 1
-            task = ray.remote(num_cpus=cpus, max_retries=0)(_run_in)
-            refs[task.remote(os.getcwd(), list(sys.path), point.config.to_dict(), point.run_dir.exists(),
-                             cpus)] = point
+            resources = task_resources(point.config.threads, point.config.device)
+            task = ray.remote(**resources, max_retries=0)(_run_in)
+            refs[task.remote(os.getcwd(), list(sys.path), task_config(point.config.to_dict()),
+                             point.run_dir.exists(), resources["num_cpus"])] = point
         while refs:
             on_running([p.name for p in refs.values()])
             done, _ = ray.wait(list(refs), num_returns=1)

@@ -69,6 +69,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from ..engine.devices import worker_device
 from ..progress import Progress, StepReporter
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
@@ -614,6 +615,15 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
     return statuses
 
 
+def point_config(point: SweepPoint, slot: int, device_count: int | None = None) -> dict:
+    """The config a worker in ``slot`` runs ``point`` with: on a machine with several GPUs a ``cuda`` point runs on
+    GPU ``slot mod device_count`` (``worker_device``), so the ``--jobs`` workers each have their own; otherwise the
+    point's config as it is (the CPU's bits unchanged)."""
+    config = point.config.to_dict()
+    config["device"] = worker_device(config["device"], slot, device_count)
+    return config
+
+
 def _new_pool(jobs: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"), initializer=_worker_init,
                                initargs=(os.getpid(),))
@@ -622,6 +632,7 @@ def _new_pool(jobs: int) -> ProcessPoolExecutor:
 def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish, progress: StepReporter) -> None:
     pending = list(todo)
     running: dict[Future, SweepPoint] = {}
+    slots: dict[Future, int] = {}  # the worker slot (0 .. jobs - 1) each running point holds: its GPU
     pool = _new_pool(jobs)
     try:
         while pending or running:
@@ -632,8 +643,10 @@ def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish
                 if locked:
                     finish(point, locked)
                     continue
+                slot = min(set(range(jobs)) - set(slots.values()))
                 try:
-                    running[pool.submit(_run_point, point.config.to_dict(), resume, threads)] = point
+                    future = pool.submit(_run_point, point_config(point, slot), resume, threads)
+                    running[future], slots[future] = point, slot
                 except BrokenProcessPool:  # a worker died while idle; the running points' futures say so too
                     pending.insert(0, point)
                     if running:
@@ -653,6 +666,7 @@ def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish
                 pool.shutdown(wait=True)
                 pool = _new_pool(jobs)
             for future, result in results.items():
+                slots.pop(future, None)
                 finish(running.pop(future), result)
     except KeyboardInterrupt:
         _interrupt_workers(pool)

@@ -47,6 +47,11 @@ class CheckSettings:
     num_experts: int = _SHAPE.get("num_experts", 0)  # > 0: a mixture-of-experts model (preset small_moe)
     num_experts_per_tok: int = _SHAPE.get("num_experts_per_tok", 2)
     moe_intermediate_size: int | None = _SHAPE.get("moe_intermediate_size")
+    # what the real-size presets (qwen3_*) set too; the defaults are ModelConfig's (the small presets' shapes)
+    head_dim: int | None = None
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    norm_topk_prob: bool = True
     num_prompts: int = 24
     max_prompt_len: int = 40
     max_new_tokens: int = 32
@@ -89,7 +94,9 @@ def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "na
                       num_kv_heads=settings.num_kv_heads, intermediate_size=settings.intermediate_size,
                       tie_embeddings=settings.tie_embeddings, num_experts=settings.num_experts,
                       num_experts_per_tok=settings.num_experts_per_tok,
-                      moe_intermediate_size=settings.moe_intermediate_size,
+                      moe_intermediate_size=settings.moe_intermediate_size, head_dim=settings.head_dim,
+                      qk_norm=settings.qk_norm, rope_theta=settings.rope_theta,
+                      norm_topk_prob=settings.norm_topk_prob,
                       max_seq_len=settings.max_prompt_len + settings.max_new_tokens)
     rng = random.Random(settings.seed)
     prompts = [[rng.randrange(settings.vocab_size) for _ in range(rng.randint(1, settings.max_prompt_len))]

@@ -61,6 +61,7 @@ from torch import Tensor
 
 import vexact_kernels
 
+from ..engine.devices import resolve_device
 from ..engine.inputs import check_temperature, check_token_lists, pad_right
 from ..engine.model import KernelOps, ModelConfig, Transformer
 from ..engine.presets import MODEL_PRESETS
@@ -473,6 +474,7 @@ class LocateSettings:
     prefill: int | None = None
     positions: str | None = None
     threads: int | None = None
+    device: str = "cpu"  # where the models run (``vexact.engine.devices``)
 
 
 @dataclass
@@ -491,15 +493,17 @@ class _Models:
         self.settings, self.max_seq_len = settings, max_seq_len
         self._checkpoint = read_checkpoint(settings.model, max_seq_len) if settings.model is not None else None
         self._built: dict[torch.dtype, Transformer] = {}
+        self.device = resolve_device(settings.device, "--device")
 
     def get(self, spec: PathSpec) -> Transformer:
         if spec.dtype not in self._built:
             if self._checkpoint is not None:
-                self._built[spec.dtype] = build_model(self._checkpoint, backend=spec.backend, dtype=spec.dtype)
+                self._built[spec.dtype] = build_model(self._checkpoint, backend=spec.backend, dtype=spec.dtype,
+                                                      device=self.device)
             else:
                 config = ModelConfig(**{**RANDOM_MODEL, **self.settings.random_model, "max_seq_len": self.max_seq_len})
                 self._built[spec.dtype] = Transformer(config, backend=spec.backend, dtype=spec.dtype,
-                                                      init_seed=self.settings.seed)
+                                                      device=self.device, init_seed=self.settings.seed)
         return self._built[spec.dtype]
 
 
@@ -775,7 +779,8 @@ def settings_from_args(args: argparse.Namespace) -> LocateSettings:
                           prompts_file=args.prompts, random_prompts=args.random_prompts,
                           max_prompt_len=args.max_prompt_len, token_ids=args.token_ids,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                          prefill=args.prefill, positions=args.positions, threads=args.threads)
+                          prefill=args.prefill, positions=args.positions, threads=args.threads,
+                          device=getattr(args, "device", None) or "cpu")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ from torch import Tensor
 
 import vexact_kernels
 
+from ..engine.devices import resolve_device
 from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
 from ..engine.model import DTYPES, Transformer, dtype_names_text, short_dtype_name
 from ..engine.rollout import generate
@@ -130,6 +131,7 @@ class MeasureSettings:
     threads: int | None = None
     full_vocab: bool = True  # also compare the full next-token distributions (``full_vocab_comparison``)
     full_vocab_top_k: int = 5
+    device: str = "cpu"  # where the models run (``vexact.engine.devices``: cpu, cuda, cuda:N, auto)
 
 
 @dataclass
@@ -307,8 +309,8 @@ class _Loader:
     absurd config never reaches transformers' loader either; ``paths`` builds vexact models first and drops the
     checked tensors before transformers reads the files, so the two never sit in memory together."""
 
-    def __init__(self, directory: Path, max_seq_len: int | None = None):
-        self.directory, self.max_seq_len = directory, max_seq_len
+    def __init__(self, directory: Path, max_seq_len: int | None = None, device: torch.device | str = "cpu"):
+        self.directory, self.max_seq_len, self.device = directory, max_seq_len, torch.device(device)
         self._checkpoint: Checkpoint | None = None
         self._checked = False
         self._models: dict[tuple[str, torch.dtype], Any] = {}
@@ -336,7 +338,8 @@ class _Loader:
         key = (kind, spec.dtype)
         if key not in self._models:
             if kind == "vexact":
-                self._models[key] = build_model(self.checkpoint(), backend=spec.backend, dtype=spec.dtype)
+                self._models[key] = build_model(self.checkpoint(), backend=spec.backend, dtype=spec.dtype,
+                                                device=self.device)
             else:
                 if not self._checked:
                     self.checkpoint()
@@ -352,7 +355,7 @@ class _Loader:
         hf_logging.disable_progress_bar()  # keep the report readable
         try:
             model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=spec.dtype, local_files_only=True,
-                                                         trust_remote_code=False).eval()
+                                                         trust_remote_code=False).eval().to(self.device)
         except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as err:
             first = (str(err).strip().splitlines() or [""])[0][:160]
             raise ValueError(f"{spec.name} path: transformers could not load {self.directory} "
@@ -516,7 +519,7 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    loader = _Loader(directory, max_seq_len=min(needed, limit))
+    loader = _Loader(directory, max_seq_len=min(needed, limit), device=resolve_device(settings.device, "--device"))
     rollout, train = loader.paths(rollout_spec, train_spec)
     seconds["load"] = time.perf_counter() - start
 

@@ -41,6 +41,7 @@ import yaml
 
 import vexact_kernels
 
+from ..engine.devices import DEFAULT_DEVICE, DeviceError, check_device_name
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
 from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL
@@ -407,6 +408,8 @@ class RunConfig:
     backend: Backend = "exact"  # training-path backend
     dtype: DType = "float32"  # compute dtype of the model
     threads: int | None = field(default=None, metadata=_bounds(min=1))
+    # where the policy, reference, optimizer state and rollouts live: cpu, cuda, cuda:N or auto (CUDA when available)
+    device: str = DEFAULT_DEVICE
     # modules imported before the config is validated: outside extensions (vexact.rl.plugins)
     plugins: list[str] = field(default_factory=list)
     model: ModelSection = field(default_factory=ModelSection)
@@ -425,6 +428,10 @@ class RunConfig:
     def check(self) -> None:
         check_run_name(self.name, self.output_dir)
         self._check_not_in_cache()
+        try:  # the spelling only: whether this machine has the device is checked when the run starts
+            check_device_name(self.device)
+        except DeviceError as e:
+            raise ConfigError(e.problem, "device") from None
         if self.algorithm.router_replay and not self.model.to_model_config(vocab_size=1).moe_layers:
             raise ConfigError("router replay reuses the rollout's MoE routing, and a dense model records none: set "
                               "model.num_experts > 0, or router_replay: false", "algorithm.router_replay")

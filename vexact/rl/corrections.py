@@ -406,15 +406,18 @@ class Correction:
 class _Rows:
     """Per-sequence reductions of flat per-token values (``lengths`` tokens per row, in order; rows may be empty)."""
 
-    def __init__(self, lengths: list[int]):
+    def __init__(self, lengths: list[int], device: torch.device | str = "cpu"):
         self.n_rows = len(lengths)
-        self.seq_id = torch.repeat_interleave(torch.arange(self.n_rows), torch.tensor(lengths, dtype=torch.long))
-        self.counts = torch.tensor(lengths, dtype=torch.float64)
-        self.denominators = verl_count(torch.tensor(lengths, dtype=torch.int64))
+        self.device = device  # the log-probs' (a GPU run's): the reductions run beside them
+        self.seq_id = torch.repeat_interleave(torch.arange(self.n_rows, device=device),
+                                              torch.tensor(lengths, dtype=torch.long, device=device))
+        self.counts = torch.tensor(lengths, dtype=torch.float64, device=device)
+        self.denominators = verl_count(torch.tensor(lengths, dtype=torch.int64, device=device))
         self.nonempty = self.counts > 0
 
     def sum(self, values: Tensor) -> Tensor:
-        return torch.zeros(self.n_rows, dtype=torch.float64).index_add_(0, self.seq_id, values.double())
+        return torch.zeros(self.n_rows, dtype=torch.float64, device=self.device).index_add_(0, self.seq_id,
+                                                                                           values.double())
 
     def mean(self, values: Tensor) -> Tensor:
         """Row means as verl's masked mean (``verl_count``): sum / count, and an empty row gives 0."""
@@ -422,7 +425,7 @@ class _Rows:
 
     def max(self, values: Tensor) -> Tensor:
         """Row maxima; an empty row gives 0 (as verl's ``_sequence_max``)."""
-        out = torch.full((self.n_rows,), float("-inf"), dtype=torch.float64)
+        out = torch.full((self.n_rows,), float("-inf"), dtype=torch.float64, device=self.device)
         out = out.scatter_reduce(0, self.seq_id, values.double(), reduce="amax")
         return torch.where(torch.isinf(out) & (out < 0), torch.zeros_like(out), out)
 
@@ -455,7 +458,7 @@ def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int]
         raise ValueError("no tokens to correct")
     bound = cfg.log_ratio_bound
     log_ratio = logp_train.detach().double() - logp_roll.detach().double()  # r_t = log(π/μ), unclamped
-    rows = _Rows(lengths)
+    rows = _Rows(lengths, log_ratio.device)
     metrics: dict[str, float] = {}
 
     weights = torch.ones_like(log_ratio)

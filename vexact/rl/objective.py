@@ -221,7 +221,7 @@ class Objective:
         lengths = [len(batch.responses[i]) for i in idx]
         logp = torch.cat(logp_list)
         old = torch.cat([anchors.old[i] for i in idx]).to(logp.device)
-        adv = torch.cat([advantages[i].expand(length) for i, length in zip(idx, lengths)])
+        adv = torch.cat([advantages[i].expand(length) for i, length in zip(idx, lengths)]).to(logp.device)
         detached = [lp.detach() for lp in logp_list]
         if not torch.isfinite(logp).all():
             raise RunStopped("non-finite training log-probs (logits)")

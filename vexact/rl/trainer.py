@@ -40,6 +40,7 @@ from torch import Tensor
 import vexact_kernels
 from vexact_kernels.host_guard import host_cpu
 
+from ..engine.devices import rank_device, same_device_kind
 from ..engine.model import Transformer, resolve_dtype
 from ..metric_keys import (
     BITWISE_EQUAL_FRAC,
@@ -134,8 +135,11 @@ class Trainer:
         check_lengths(cfg)  # a ConfigError, also for a RunConfig built in Python (load_config checked it already)
         check_interpreted_triton(cfg, self.task, self.console)  # refuse hours in the Triton interpreter up front
         self.model_config = cfg.model.to_model_config(self.tokenizer.vocab_size)
+        # the run's device (``device``; under --nproc each rank its own GPU): policy, reference, optimizer state,
+        # injector and rollouts live there
+        self.device = rank_device(cfg.device)
         # fp32 master weights; a compute copy in the training dtype only when that is not fp32.
-        self.master = Transformer(self.model_config, backend=cfg.backend, dtype=torch.float32,
+        self.master = Transformer(self.model_config, backend=cfg.backend, dtype=torch.float32, device=self.device,
                                   init_seed=cfg.policy_seed)
         self.compute_dtype = resolve_dtype(cfg.dtype)
         self.compute = self.master if self.compute_dtype == torch.float32 else self._copy_of(self.master,
@@ -161,7 +165,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _copy_of(self, model: Transformer, dtype: torch.dtype) -> Transformer:
-        copy = Transformer(self.model_config, backend=self.cfg.backend, dtype=dtype, init_seed=None)
+        copy = Transformer(self.model_config, backend=self.cfg.backend, dtype=dtype, device=self.device,
+                           init_seed=None)
         with torch.no_grad():
             for dst, src in zip(copy.parameters(), model.parameters()):
                 dst.copy_(src)
@@ -621,7 +626,8 @@ class Trainer:
         saved = dotted_items(load_config(saved_path).to_dict())
         now = dotted_items(self.cfg.to_dict())
         changes = {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now))
-                   if k != "output_dir" and saved.get(k) != now.get(k)}
+                   if k != "output_dir" and saved.get(k) != now.get(k)
+                   and not (k == "device" and same_device_kind(saved[k], now[k]))}  # cuda:0 or cuda:1: one kind
         refused = {k: v for k, v in changes.items() if k not in allow_changes}
         if refused:
             diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
@@ -667,7 +673,7 @@ class Trainer:
 
     def _reference_from_start(self, run_dir: Path) -> Transformer:
         """The KL reference is the policy at step 0 (warm start), rebuilt identically on resume."""
-        start = Transformer(self.model_config, backend=self.cfg.backend, dtype=torch.float32,
+        start = Transformer(self.model_config, backend=self.cfg.backend, dtype=torch.float32, device=self.device,
                             init_seed=self.cfg.policy_seed)
         warm_start(start, self.cfg, self.task, log=lambda _: None)
         return self._copy_of(start, self.compute_dtype)

@@ -15,6 +15,7 @@ from filelock import FileLock, Timeout
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
+from ..engine.devices import device_kind
 from ..engine.model import MOE_FIELDS, Transformer
 from ..engine.scoring import score_tokens
 from ..records.atomic import publish, write_file
@@ -52,8 +53,11 @@ def warm_start_key(cfg: RunConfig) -> str:
     if not plain["model"].get("num_experts"):
         for key in MOE_FIELDS:  # a dense model: the same key as before the MoE knobs existed
             plain["model"].pop(key, None)
+    # a GPU trains other bits than the CPU: its own entry (a CPU run's key is the one from before devices existed)
+    kind = device_kind(cfg.device)
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
-                        "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend})[:16]
+                        "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend,
+                        **({} if kind == "cpu" else {"device": kind})})[:16]
 
 
 def _reward_only(mount: Any) -> bool:
@@ -151,6 +155,7 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
         else:
             weights = torch.cat([free_token_weights(task, problem, len(target), ws.free_weight)
                                  for problem, target in zip(problems, targets)])
+            weights = weights.to(model.device)  # built on the CPU; the model may be on a GPU
             loss = -(torch.cat(logprobs) * weights).sum() / weights.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,0 +1,353 @@
+"""vexact on a GPU at the size users train: one part per call, its JSON merged into ``--out``.
+
+    python -m benchmarks.gpu_real --part exactness --out runs/gpu_check/gpu_real.json     # on the GPU machine
+    python -m benchmarks.gpu_real --part exactness --out X.json --rehearse --device cpu   # CPU rehearsal
+
+``benchmarks/gpu_check.sh`` runs every part in ``PARTS`` with its own time limit; a part that ran out of time is
+recorded by ``--timed-out PART``. The parts:
+
+- ``exactness``: ``qwen3_1_7b`` in bf16, random weights: 16 prompts generated inside a batch of 64, alone and in
+  batches of 3 (256 new tokens), then rescored by the training path at micro-batches 8 and 3. Per backend: the
+  tokens mismatched between rollout and training log-probs (the exact backend must give 0; native's count is
+  recorded) and whether the three arrangements generated the same bits.
+- ``speed``: peak GPU memory and tokens/s of prefill, of one decode step at positions 0, 512 and 1,023, and of a
+  training forward + backward (``token_logprobs``), exact and native.
+- ``launches``: GPU kernel launches per decode step (torch.profiler's CUDA kernel events), exact and native.
+- ``rl_run``: ``vexact run experiments/gpu_qwen3_0_6b.yaml --device cuda``, 10 RL steps at ``qwen3_0_6b``; passes
+  when every step's ``mismatch/bitwise_equal_frac`` is 1.0.
+- ``moe``: the ``vexact check`` procedure at ``qwen3_30b_a3b`` with ``num_layers`` reduced (128 experts, top-8):
+  0 mismatched tokens and 0 routing flips on the exact backend.
+
+``--rehearse`` runs each part at tiny sizes (one narrow layer, a small vocabulary, a few tokens) on the CPU: the
+code path, not a measurement. What only a GPU has (peak GPU memory, kernel launches) is then recorded as skipped
+with the reason, never estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vexact.engine.devices import resolve_device
+from vexact.engine.model import ModelConfig, Transformer
+from vexact.engine.presets import preset_values
+from vexact.engine.rollout import generate
+from vexact.engine.scoring import token_logprobs
+
+EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_qwen3_0_6b.yaml"
+
+TINY = dict(vocab_size=512, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+            intermediate_size=64)
+"""The rehearsal's narrowing of a real-size preset (its structure kept: qk-norm, tying, MoE, top-k)."""
+TINY_MOE = dict(num_experts=16, moe_intermediate_size=16)
+
+SIZES = {
+    "exactness": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "batch": 64, "prompts": 16, "max_prompt_len": 64,
+                  "new_tokens": 256, "batch_of": 3, "micro_batches": (8, 3)},
+    "speed": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "prefill_batch": 16, "prefill_len": 1024,
+              "decode_batch": 16, "cache_len": 1024, "positions": (0, 512, 1023), "train_batch": 4,
+              "train_prompt_len": 512, "train_response_len": 512, "reps": 3},
+    "launches": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 16, "cache_len": 1024,
+                 "position": 512},
+    "rl_run": {"steps": 10},
+    "moe": {"preset": "qwen3_30b_a3b", "dtype": "bfloat16", "num_layers": 2, "num_prompts": 8, "max_prompt_len": 32,
+            "max_new_tokens": 32},
+}
+"""Each part's sizes on the GPU (the issue's)."""
+
+REHEARSAL = {
+    "exactness": {"batch": 8, "prompts": 4, "max_prompt_len": 6, "new_tokens": 4},
+    "speed": {"prefill_batch": 2, "prefill_len": 8, "decode_batch": 2, "cache_len": 16, "positions": (0, 8, 15),
+              "train_batch": 2, "train_prompt_len": 4, "train_response_len": 4, "reps": 1},
+    "launches": {"decode_batch": 2, "cache_len": 16, "position": 8},
+    "rl_run": {"steps": 2},
+    "moe": {"num_layers": 1, "num_prompts": 3, "max_prompt_len": 4, "max_new_tokens": 3},
+}
+"""What the CPU rehearsal changes (with ``TINY`` shapes)."""
+
+REHEARSAL_RUN = ["model.hidden_size=64", "model.num_layers=1", "model.num_heads=4", "model.num_kv_heads=2",
+                 "model.head_dim=16", "model.intermediate_size=64", "task.distractors=0", "warm_start.steps=2",
+                 "rollout.prompts_per_step=2", "task.eval_prompts=2", "dtype=float32"]
+"""``--set`` items of the rehearsal's RL run (one narrow layer, no vocabulary tail, fp32: the CPU's exact bf16
+GEMM depends on the host's library)."""
+
+
+def _model_config(preset: str, rehearse: bool, max_seq_len: int, **extra: int) -> ModelConfig:
+    values = preset_values(preset)
+    if rehearse:
+        values.update(TINY, **(TINY_MOE if values.get("num_experts") else {}))
+    return ModelConfig(**{**values, **extra, "max_seq_len": max_seq_len})
+
+
+def _backends(device: torch.device) -> tuple[str, ...]:
+    """exact (Triton, compiled, on CUDA; the exact CPU kernels on the CPU) and, for contrast, native."""
+    return ("exact", "native")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, reps: int = 1) -> float:
+    """Median seconds of ``reps`` calls after one warm-up call (CUDA-synchronised)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _peak(device: torch.device, fn: Callable[[], object]) -> tuple[object, int | None]:
+    """``fn()`` and the GPU's peak allocated bytes during it (None on the CPU: a process high-water mark there
+    cannot be reset per measurement, so none is given)."""
+    if device.type != "cuda":
+        return fn(), None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    return out, torch.cuda.max_memory_allocated(device)
+
+
+def _prompts(n: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
+
+
+def _mismatched(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
+    """Tokens whose two log-probs differ in any bit."""
+    return sum(int((x.cpu().view(torch.int32) != y.cpu().view(torch.int32)).sum()) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- the parts
+def part_exactness(device: torch.device, rehearse: bool, s: dict) -> dict:
+    cfg = _model_config(s["preset"], rehearse, s["max_prompt_len"] + s["new_tokens"])
+    prompts = _prompts(s["batch"], s["max_prompt_len"], cfg.vocab_size)
+    ours = prompts[: s["prompts"]]  # the prompts compared: the first ones of the big batch, ids 0 .. prompts - 1
+    rows = []
+    for backend in _backends(device):
+        model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
+        with torch.no_grad():
+            inside = generate(model, prompts, max_new_tokens=s["new_tokens"], seed=0)
+            arrangements = {"inside_batch": (inside.tokens[: s["prompts"]], inside.logprobs[: s["prompts"]])}
+            for name, size in (("alone", 1), (f"batches_of_{s['batch_of']}", s["batch_of"])):
+                out = generate(model, ours, max_new_tokens=s["new_tokens"], seed=0, batch_size=size)
+                arrangements[name] = (out.tokens, out.logprobs)
+            tokens, roll = arrangements["inside_batch"]
+            invariant = all(t == tokens and _mismatched(lp, roll) == 0 for t, lp in arrangements.values())
+            rescored = {mb: _mismatched(token_logprobs(model, ours, tokens, micro_batch_size=mb), roll)
+                        for mb in s["micro_batches"]}
+        rows.append({"backend": backend, "tokens": sum(len(t) for t in tokens),
+                     "mismatched_by_micro_batch": {str(mb): n for mb, n in rescored.items()},
+                     "generation_batch_invariant": invariant})
+        del model
+    exact = next(r for r in rows if r["backend"] == "exact")
+    passed = exact["generation_batch_invariant"] and not any(exact["mismatched_by_micro_batch"].values())
+    return {"status": "passed" if passed else "failed", "rows": rows}
+
+
+def _decode_inputs(cfg: ModelConfig, batch: int, position: int, device: torch.device):
+    tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(1)).to(device)
+    return tokens, torch.full((batch,), position, dtype=torch.long, device=device)
+
+
+def part_speed(device: torch.device, rehearse: bool, s: dict) -> dict:
+    length = max(s["prefill_len"], s["cache_len"], s["train_prompt_len"] + s["train_response_len"])
+    cfg = _model_config(s["preset"], rehearse, length)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for backend in _backends(device):
+        model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
+        row: dict = {"backend": backend}
+        prefill = torch.randint(0, cfg.vocab_size, (s["prefill_batch"], s["prefill_len"]), generator=gen).to(device)
+
+        def run_prefill(model=model, prefill=prefill):
+            with torch.no_grad():
+                model.logits(model(prefill, cache=model.new_cache(s["prefill_batch"], s["prefill_len"]))[:, -1])
+
+        seconds = _timed(run_prefill, device, s["reps"])
+        _, peak = _peak(device, run_prefill)
+        row["prefill"] = {"tokens_per_s": s["prefill_batch"] * s["prefill_len"] / seconds, "peak_bytes": peak}
+        cache = model.new_cache(s["decode_batch"], s["cache_len"])
+        row["decode"] = {}
+        for position in s["positions"]:
+            tokens, q_start = _decode_inputs(cfg, s["decode_batch"], position, device)
+
+            def step(model=model, tokens=tokens, q_start=q_start, cache=cache):
+                with torch.no_grad():
+                    model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
+
+            seconds = _timed(step, device, s["reps"])
+            _, peak = _peak(device, step)
+            row["decode"][str(position)] = {"tokens_per_s": s["decode_batch"] / seconds, "peak_bytes": peak}
+        del cache
+        prompts = torch.randint(0, cfg.vocab_size, (s["train_batch"], s["train_prompt_len"]), generator=gen).tolist()
+        responses = torch.randint(0, cfg.vocab_size, (s["train_batch"], s["train_response_len"]),
+                                  generator=gen).tolist()
+
+        def train(model=model, prompts=prompts, responses=responses):
+            model.zero_grad(set_to_none=True)
+            torch.stack([lp.sum() for lp in token_logprobs(model, prompts, responses)]).sum().backward()
+
+        try:
+            seconds = _timed(train, device, s["reps"])
+            _, peak = _peak(device, train)
+            row["train_fwd_bwd"] = {"tokens_per_s": s["train_batch"] * (s["train_prompt_len"] +
+                                                                       s["train_response_len"]) / seconds,
+                                    "peak_bytes": peak}
+        except torch.OutOfMemoryError as err:  # recorded as what it is (the chunked scoring's memory work)
+            row["train_fwd_bwd"] = {"out_of_memory": str(err).splitlines()[0]}
+        model.zero_grad(set_to_none=True)
+        rows.append(row)
+        del model
+    out = {"status": "passed", "rows": rows, "sizes": {k: v for k, v in s.items() if k != "preset"}}
+    if device.type != "cuda":
+        out["peak_memory_skipped"] = "no CUDA: peak GPU memory exists only on a GPU (CPU rehearsal)"
+    return out
+
+
+def part_launches(device: torch.device, rehearse: bool, s: dict) -> dict:
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "no CUDA: kernel launches are counted from the profiler's CUDA "
+                                               "kernel events, which only a GPU has"}
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = _model_config(s["preset"], rehearse, s["cache_len"])
+    rows = []
+    for backend in _backends(device):
+        model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
+        cache = model.new_cache(s["decode_batch"], s["cache_len"])
+        tokens, q_start = _decode_inputs(cfg, s["decode_batch"], s["position"], device)
+        with torch.no_grad():
+            model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])  # warm-up: compile, autotune
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
+                torch.cuda.synchronize(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        rows.append({"backend": backend, "kernel_launches_per_decode_step": len(kernels)})
+        del model, cache
+    return {"status": "passed", "rows": rows, "note": "forward + lm_head of one decode step (no sampling)"}
+
+
+def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) -> dict:
+    from vexact.cli import main as vexact_main
+    from vexact.records.runlog import read_metrics
+
+    run_dir = out_dir / "rl_run"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)  # a fresh run each time the script runs
+    sets = [f"output_dir={run_dir}", f"warm_start.cache_dir={out_dir / 'warmstart_cache'}", f"steps={s['steps']}",
+            *(REHEARSAL_RUN if rehearse else [])]
+    argv = ["run", str(EXPERIMENT), "--device", str(device), *(f"--set={x}" for x in sets)]
+    code = vexact_main(argv)
+    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    fractions = [r["mismatch/bitwise_equal_frac"] for r in rows]
+    k3 = [r["rollout_corr/k3_kl"] for r in rows]
+    passed = code == 0 and len(rows) == s["steps"] and all(f == 1.0 for f in fractions) and all(k == 0.0 for k in k3)
+    return {"status": "passed" if passed else "failed", "command": "vexact " + " ".join(argv), "exit_code": code,
+            "steps": len(rows), "bitwise_equal_frac_by_step": fractions, "k3_kl_by_step": k3,
+            "seconds_by_step": [r.get("timing/step") for r in rows]}
+
+
+def part_moe(device: torch.device, rehearse: bool, s: dict) -> dict:
+    from vexact.real.check import CheckSettings, mismatched, run_check
+
+    values = preset_values(s["preset"])
+    if rehearse:
+        values.update(TINY, **TINY_MOE)
+    shape = {k: v for k, v in values.items() if k in CheckSettings.__dataclass_fields__}
+    shape["num_layers"] = s["num_layers"]
+    settings = CheckSettings(**shape, num_prompts=s["num_prompts"], max_prompt_len=s["max_prompt_len"],
+                             max_new_tokens=s["max_new_tokens"], dtype=s["dtype"], batch_sizes=(None, 1, 3),
+                             micro_batch_sizes=(None, 3))
+    rows = [{"backend": r["backend"], "tokens": r["tokens"], "mismatched": mismatched(r),
+             "routing_flip_rate": r["routing_flip_rate"], "sampling_batch_invariant": r["sampling_batch_invariant"]}
+            for r in run_check(settings, backends=_backends(device), device=device)]
+    exact = next(r for r in rows if r["backend"] == "exact")
+    passed = exact["mismatched"] == 0 and not exact["routing_flip_rate"] and exact["sampling_batch_invariant"]
+    return {"status": "passed" if passed else "failed", "num_layers": s["num_layers"], "rows": rows}
+
+
+PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "speed": part_speed,
+                                        "launches": part_launches, "rl_run": part_rl_run, "moe": part_moe}
+"""The parts, in the order ``gpu_check.sh`` runs them."""
+
+
+# --------------------------------------------------------------------------- the record
+def record(path: Path, part: str, result: dict) -> None:
+    """Merge one part's result into the JSON at ``path`` (written whole each time: a later part that is cut short
+    leaves the earlier ones in place)."""
+    data = json.loads(path.read_text()) if path.exists() else {"parts": {}}
+    data["parts"][part] = result
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def machine(device: torch.device, rehearse: bool) -> dict:
+    info = {"device": str(device), "torch": torch.__version__, "rehearsal": rehearse,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=tuple(PARTS), help="the part to run")
+    parser.add_argument("--out", type=Path, required=True, help="the JSON the part's result is merged into")
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu with --rehearse")
+    parser.add_argument("--rehearse", action="store_true", help="tiny sizes: the code path, not a measurement")
+    parser.add_argument("--timed-out", metavar="PART", choices=tuple(PARTS),
+                        help="record that PART ran out of its time limit (gpu_check.sh calls this)")
+    parser.add_argument("--limit-s", type=int, default=None, help="with --timed-out: the limit it had")
+    args = parser.parse_args(argv)
+    if args.timed_out:
+        record(args.out, args.timed_out, {"status": "timed out", "limit_s": args.limit_s})
+        return 0
+    if args.part is None:
+        parser.error("--part or --timed-out is required")
+    try:
+        device = resolve_device(args.device, "--device")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if device.type != "cuda" and not args.rehearse:
+        print("error: without a GPU only --rehearse runs (tiny sizes, not a measurement)", file=sys.stderr)
+        return 2
+    sizes = {**SIZES[args.part], **(REHEARSAL[args.part] if args.rehearse else {})}
+    start = time.perf_counter()
+    extra = {"out_dir": args.out.parent} if args.part == "rl_run" else {}
+    try:
+        result = PARTS[args.part](device, args.rehearse, sizes, **extra)
+    except torch.OutOfMemoryError as err:
+        result = {"status": "failed", "out_of_memory": str(err).splitlines()[0]}
+    result = {**result, "seconds": round(time.perf_counter() - start, 3), "machine": machine(device, args.rehearse)}
+    record(args.out, args.part, result)
+    print(f"{args.part}: {result['status']}" + (f" ({result['reason']})" if "reason" in result else "")
+          + f", {result['seconds']:.1f} s", flush=True)
+    return 0 if result["status"] in ("passed", "skipped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
