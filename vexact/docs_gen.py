@@ -51,6 +51,22 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 
 
+def _load_own_extensions() -> None:
+    """Import the modules vexact itself lists in the ``vexact.plugins`` entry-point group (its built-in extensions
+    above ``vexact.rl``: ``rollout.engine: vllm``), so the reference shows the product as installed, and no other
+    distribution's plugins, whatever this environment holds."""
+    from importlib.metadata import entry_points
+
+    from vexact.rl.plugins import ENTRY_POINT_GROUP
+
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        if getattr(entry.dist, "name", None) == "vexact":
+            entry.load()
+
+
+_load_own_extensions()
+
+
 def _cell(text: object) -> str:
     """Text for one table cell on one line (``markdown_table``, the one table writer, escapes ``|``)."""
     return " ".join(str(text).split())
