@@ -16,9 +16,10 @@ import yaml
 from rich.console import Console
 from test_trainer import EXPERIMENT, _short
 
-from vexact.cli import build_parser, check_verdict, main
+from vexact.cli import build_parser, main
 from vexact.engine.model import DTYPE_ALIASES, resolve_dtype
 from vexact.lab.sweep import load_sweep_spec
+from vexact.real.check_report import check_verdict
 from vexact.real.locate import parse_locate_path
 from vexact.real.measure import parse_path
 from vexact.real.pretrained import make_tiny_checkpoint, read_checkpoint_config

@@ -2,7 +2,7 @@
 ``Trainer.step`` reads as the data flow.
 
 Layers, lowest first: ``vexact_kernels`` (the folder kernels/); the base modules every layer shares
-(``registry``, ``metric_keys``, ``progress``); ``vexact.records`` (the files a run writes and reads),
+(``registry``, ``metric_keys``, ``progress``, ``cli_base``); ``vexact.records`` (the files a run writes and reads),
 ``vexact.engine``, ``vexact.rl``, ``vexact.lab``, ``vexact.real``; the top-level modules over the real-model tools
 (``live``, ``testing``, ``pytest_plugin``); ``vexact.integrations``; then ``vexact`` itself (``__init__``,
 ``__main__``, ``cli``). A module may import its own layer and the layers below it, never one above, and every
@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("registry", "metric_keys", "progress"),  # the base: registries, metric-key constants, the progress display
+    ("registry", "metric_keys", "progress", "cli_base"),  # the base: registries, metric keys, progress, exit codes
     ("records",),
     ("engine",),
     ("rl",),

@@ -188,16 +188,16 @@ def test_only_rank_0_probes_the_run_lock(tmp_path, reference, monkeypatch):
     rank 0: here it passes the check while the directory is held, where rank 0 is refused."""
     import argparse
 
-    from vexact.cli import _check_run_dir
+    from vexact.rl.run_launch import check_run_dir
 
     cfg = _cfg(tmp_path, reference, "ranks")
     args = argparse.Namespace(resume=False, config=tmp_path / "ranks.yaml", overrides=[])
     with run_lock(tmp_path / "ranks"):
         monkeypatch.setenv("RANK", "1")
-        _check_run_dir(args, cfg)
+        check_run_dir(args, cfg)
         monkeypatch.setenv("RANK", "0")
         with pytest.raises(RunLocked):
-            _check_run_dir(args, cfg)
+            check_run_dir(args, cfg)
 
 
 def test_two_processes_into_one_run_directory(tmp_path, reference):
