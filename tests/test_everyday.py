@@ -22,7 +22,8 @@ from vexact.lab.sweep import load_sweep_spec
 from vexact.real.check_report import check_verdict
 from vexact.real.locate import parse_locate_path
 from vexact.real.measure import parse_path
-from vexact.real.pretrained import make_tiny_checkpoint, read_checkpoint_config
+from vexact.real.pretrained import read_checkpoint_config
+from vexact.real.tiny import make_tiny_checkpoint
 from vexact.records import runlog
 from vexact.records.runlog import discard_if_interrupted_early, save_checkpoint
 from vexact.rl import triton_guard

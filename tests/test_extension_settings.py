@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vexact
-from vexact import docs_gen
+from tools import docs_gen
 from vexact.registry import mounts
 from vexact.rl import BUILTINS
 from vexact.rl.config import InjectSection, RunConfig, config_from_dict

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("real",),
     ("live", "testing", "pytest_plugin"),  # vexact inside other code: the live monitor, the test helpers
     ("integrations",),
-    ("__init__", "__main__", "cli", "docs_gen"),  # the package's face: its API and its command line (and docs hook)
+    ("__init__", "__main__", "cli"),  # the package's face: its API and its command line
 )
 """Each layer's members, lowest first: a package of ``vexact`` (its folder) or a top-level module (its file's stem).
 Every package and top-level module is in one (``test_every_package_and_module_has_a_layer``)."""
@@ -209,6 +209,17 @@ def test_trainer_step_touches_at_most_six_modules() -> None:
     assert modules == {"inject", "rollouts", "objective", "schedules", "metrics", "optim"}, modules
 
 
+@pytest.mark.parametrize("path", sorted((*(ROOT / "vexact").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"))),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_package_imports_no_tool(path: Path) -> None:
+    """tools/ is not installed: a module of the package that imported it (in any way) would fail outside a checkout."""
+    text = path.read_text()
+    imported = [name for _, name in _imports_of(path) if name == "tools"]
+    imported += [n.value for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                 and re.fullmatch(r"tools(\.\w+)+", n.value)]
+    assert not imported, f"{path.relative_to(ROOT)} imports tools/: {imported}"
+
+
 def test_pyproject_installs_every_package() -> None:
     """A wheel holds only the packages pyproject.toml lists: each package folder of vexact/ and kernels/ is there."""
     from setuptools.config.pyprojecttoml import read_configuration
@@ -372,9 +383,10 @@ def _layout_table(text: str) -> dict[str, set[str]]:
 
 
 def _tree() -> dict[str, set[str]]:
-    """folder -> its modules (a package's ``__init__`` is its row), for every package folder of vexact/ and kernels/."""
+    """folder -> its modules (a package's ``__init__`` is its row), for every package folder of vexact/, kernels/
+    and tools/."""
     tree: dict[str, set[str]] = {}
-    for folder in ("vexact", "kernels"):
+    for folder in ("vexact", "kernels", "tools"):
         for path in (ROOT / folder).rglob("*.py"):
             modules = tree.setdefault(f"{path.parent.relative_to(ROOT)}/", set())
             if path.stem != "__init__":
@@ -395,15 +407,15 @@ def _layout_differences(table: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_design_page_maps_every_module() -> None:
-    """design.md's layout table names every module of vexact/ and kernels/, and every name in it is a file."""
+    """design.md's layout table names every module of vexact/, kernels/ and tools/, and every name in it is a file."""
     assert _layout_differences(_layout_table(DESIGN.read_text())) == []
 
 
 def test_the_map_check_sees_a_missing_and_a_stale_module() -> None:
     text = DESIGN.read_text().replace("`same_runs`, ", "").replace("`surge_plot`", "`surge_plots`")
     assert _layout_differences(_layout_table(text)) == [
-        "vexact/lab/studies/same_runs.py is not in the table", "vexact/lab/studies/surge_plot.py is not in the table",
-        "vexact/lab/studies/surge_plots: no such file"]
+        "tools/studies/same_runs.py is not in the table", "tools/studies/surge_plot.py is not in the table",
+        "tools/studies/surge_plots: no such file"]
 
 
 # --------------------------------------------------------------------------- no issue letters

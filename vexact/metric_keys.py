@@ -1,6 +1,6 @@
 """Every metric key vexact writes, as data: name, definition, unit and who writes it.
 
-One registry, so the documentation's metric reference is generated from it (``vexact.docs_gen``) and a test
+One registry, so the documentation's metric reference is generated from it (``tools.docs_gen``) and a test
 (``tests/test_docs.py``) fails when a run, ``vexact measure`` or ``vexact compare`` writes a key that is not here.
 A key that depends on a setting is one entry with a ``<placeholder>``: ``<lo>-<hi>`` is a token-probability bucket
 (``vexact.rl.metrics.bucket_name``), ``<option>`` one of verl's rejection options (``RS_OPTIONS``, defined here and

@@ -1,6 +1,6 @@
 """The map against published runs: each operating point a public source pins down, and what the map says for it.
 
-``python -m vexact.lab.published [--map FILE]`` prints the tables of docs/results/published_runs.md: the points and
+``python -m tools.published [--map FILE]`` prints the tables of docs/results/published_runs.md: the points and
 bars of ``published_runs.yaml`` (the data: source, what it logged, k3, T, correction, model, outcome) with what the
 map says, computed here with ``vexact.lab.scaling`` -- so the map's columns are generated, never typed:
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from .markdown_table import markdown_table
-from .scaling import (
+from vexact.lab.markdown_table import markdown_table
+from vexact.lab.scaling import (
     BYPASS,
     DEFAULT_TAIL_MAP,
     correction_names,
@@ -291,14 +291,14 @@ def bars_table(map_data: dict[str, Any], bars: list[Bar]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vexact.lab.published",
+    parser = argparse.ArgumentParser(prog="python -m tools.published",
                                      description="print the published-runs tables with what the map says")
     parser.add_argument("--map", type=Path, default=None, metavar="FILE", help="a map (default: the shipped one)")
     parser.add_argument("--tail-map", type=Path, default=None, metavar="FILE",
                         help="a map with a vocabulary tail, for its own column (default: the shipped tail map, when "
                              "there is one)")
     parser.add_argument("--points", type=Path, default=None, metavar="FILE",
-                        help="the points (default: vexact/lab/published_runs.yaml)")
+                        help="the points (default: tools/published_runs.yaml)")
     args = parser.parse_args(argv)
     try:
         map_data = load_map(args.map)
