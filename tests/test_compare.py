@@ -455,7 +455,7 @@ def test_hf_recipe_dumps_compare_as_expected(tmp_path, capsys):
     test_measure); a bf16 trainer does not (|Δlogp| > 1e-3): the gate passes for one and fails for the other."""
     import copy
 
-    from vexact.real.pretrained import make_tiny_hf_model
+    from vexact.real.tiny import make_tiny_hf_model
 
     model = make_tiny_hf_model("llama", seed=0)
     prompts = [[5, 6, 7, 8], [40, 41], [100, 3, 99, 4, 98, 5]]

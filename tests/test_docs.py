@@ -26,7 +26,8 @@ import yaml
 from rich.console import Console
 from safetensors.torch import save_file
 
-from vexact import docs_gen, metric_keys
+from tools import docs_gen
+from vexact import metric_keys
 from vexact.cli import build_parser, main
 from vexact.records.runlog import read_metrics
 from vexact.rl.config import config_from_dict, load_config
@@ -129,14 +130,14 @@ def test_generated_markers_expand_and_unknown_ones_are_refused():
 
 def test_the_committed_reference_pages_hold_what_the_generators_give_now():
     """The generated pages are committed (readable on a code host, not only on the built site) and current: a flag,
-    key or metric changed without ``python -m vexact.docs_gen --update`` fails here. A fresh process, so that no
+    key or metric changed without ``python -m tools.docs_gen --update`` fails here. A fresh process, so that no
     mode or task registered by another test shows up in the tables."""
     pages = {p.relative_to(ROOT).as_posix() for p in docs_gen.pages_with_regions()}
     assert {"docs/reference/cli.md", "docs/reference/config.md", "docs/reference/metrics.md"} <= pages
     cli = (ROOT / "docs" / "reference" / "cli.md").read_text()
     assert "## `vexact run`" in cli and "`--nproc`" in cli and "<!-- end vexact-docs: cli -->" in cli
     assert str(ROOT) not in cli  # a default path inside the repository is written relative to it
-    done = subprocess.run([sys.executable, "-m", "vexact.docs_gen", "--check"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "tools.docs_gen", "--check"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
@@ -196,7 +197,7 @@ def _quiet_main(argv: list[str]) -> int:
 
 
 def _measure_keys(tmp_path: Path) -> set[str]:
-    from vexact.real.pretrained import make_tiny_checkpoint
+    from vexact.real.tiny import make_tiny_checkpoint
 
     model = tmp_path / "tiny"
     make_tiny_checkpoint(model, arch="llama")

@@ -16,12 +16,14 @@ import yaml
 from rich.console import Console
 from test_trainer import EXPERIMENT, _short
 
-from vexact.cli import build_parser, check_verdict, main
+from vexact.cli import build_parser, main
 from vexact.engine.model import DTYPE_ALIASES, resolve_dtype
 from vexact.lab.sweep import load_sweep_spec
+from vexact.real.check_report import check_verdict
 from vexact.real.locate import parse_locate_path
 from vexact.real.measure import parse_path
-from vexact.real.pretrained import make_tiny_checkpoint, read_checkpoint_config
+from vexact.real.pretrained import read_checkpoint_config
+from vexact.real.tiny import make_tiny_checkpoint
 from vexact.records import runlog
 from vexact.records.runlog import discard_if_interrupted_early, save_checkpoint
 from vexact.rl import triton_guard
@@ -375,7 +377,7 @@ def test_defaults_read_as_typed_and_help_says_each_thing_once(monkeypatch):
     """The help nits a newcomer found: a default shown as ``(None, 1, 3)`` in the CLI reference, "finished work is
     kept; finished output is kept", an unwrapped epilogue in ``compare --help``, and ``--only``'s help saying every
     KEY must match where a KEY given twice merges its values."""
-    from vexact.docs_gen import _default
+    from tools.docs_gen import _default
 
     commands = _subcommands()
     check = commands["vexact check"]

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import vexact
-from vexact import docs_gen
+from tools import docs_gen
 from vexact.registry import mounts
+from vexact.rl import BUILTINS
 from vexact.rl.config import InjectSection, RunConfig, config_from_dict
 from vexact.rl.log_backends import LOG_BACKENDS, open_backends
 from vexact.rl.objective import compute_advantages
-from vexact.rl.plugins import BUILTINS
 from vexact.rl.registries import ADVANTAGE_ESTIMATORS, INJECT_MODES, REGISTRIES, TASKS
 from vexact.rl.validate import ConfigError, bounds
 from vexact.rl.warmstart import warm_start_key

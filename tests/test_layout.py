@@ -1,12 +1,16 @@
-"""The code layout is a contract: packages are layers, no module-level import circle, and ``Trainer.step`` reads as
-the data flow.
+"""The code layout is a contract: packages and top-level modules are layers, no import cycle of any kind, and
+``Trainer.step`` reads as the data flow.
 
-Layers, lowest first: ``vexact_kernels`` (the folder kernels/), ``vexact.records`` (the files a run writes and
-reads), ``vexact.engine``, ``vexact.rl``, ``vexact.lab``, ``vexact.real``, then ``vexact`` itself (``__init__``,
-``cli``). A module may import its own package and the layers below it, never one above. Within and across layers,
-the modules' module-level imports form no circle. ``Trainer.step`` -- with the Trainer methods it calls -- uses at
-most six vexact modules besides the policy it trains (``engine.model``'s ``Transformer``): one per stage of the
-data flow (rollout + injector, scoring/rollout records, metrics, loss, LR schedule, update).
+Layers, lowest first: ``vexact_kernels`` (the folder kernels/); the base modules every layer shares
+(``registry``, ``metric_keys``, ``progress``, ``cli_base``); ``vexact.records`` (the files a run writes and reads),
+``vexact.engine``, ``vexact.rl``, ``vexact.lab``, ``vexact.real``; the top-level modules over the real-model tools
+(``live``, ``testing``, ``pytest_plugin``); ``vexact.integrations``; then ``vexact`` itself (``__init__``,
+``__main__``, ``cli``). A module may import its own layer and the layers below it, never one above, and every
+import counts: at module load, inside a function, under ``if TYPE_CHECKING:``, or by name (a string that names a
+vexact module, as ``importlib.import_module`` takes it). Within and across layers those imports form no cycle.
+``Trainer.step`` -- with the Trainer methods it calls -- uses at most six vexact modules besides the policy it trains
+(``engine.model``'s ``Transformer``): one per stage of the data flow (rollout + injector, scoring/rollout records,
+metrics, loss, LR schedule, update).
 """
 
 from __future__ import annotations
@@ -19,53 +23,112 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("records", "engine", "rl", "lab", "real")  # lowest first; vexact/__init__.py and cli.py sit on top
-BASE = ("registry", "metric_keys", "progress")
-"""Top-level modules below every layer: the registries, metric-key constants and progress display every layer
-shares. At import they import nothing of vexact (``test_the_base_modules_import_nothing_of_vexact``)."""
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("registry", "metric_keys", "progress", "cli_base"),  # the base: registries, metric keys, progress, exit codes
+    ("records",),
+    ("engine",),
+    ("rl",),
+    ("lab",),
+    ("real",),
+    ("live", "testing", "pytest_plugin"),  # vexact inside other code: the live monitor, the test helpers
+    ("integrations",),
+    ("__init__", "__main__", "cli"),  # the package's face: its API and its command line
+)
+"""Each layer's members, lowest first: a package of ``vexact`` (its folder) or a top-level module (its file's stem).
+Every package and top-level module is in one (``test_every_package_and_module_has_a_layer``)."""
+BASE = LAYERS[0]
+"""Top-level modules below every layer: they import nothing of vexact, in any way
+(``test_the_base_modules_import_nothing_of_vexact``)."""
 
 
-def _layer(package: str) -> int:
-    if package in BASE:
-        return -1
-    return LAYERS.index(package) if package in LAYERS else len(LAYERS)
+def _layer(unit: str) -> int:
+    """The layer of a package or top-level module of ``vexact`` ('rl', 'metric_keys'; the package: '__init__')."""
+    return next(i for i, members in enumerate(LAYERS) if unit in members)
 
 
-def _imported_vexact_modules(path: Path) -> list[tuple[int, str]]:
-    """(line, 'pkg.module' or 'pkg') of every vexact import in the file, relative ones resolved."""
+def _unit(name: str) -> str:
+    """The layer member of a module: 'vexact.rl.tasks' -> 'rl', 'vexact.cli' -> 'cli', 'vexact' -> '__init__'."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _names_of_modules(tree: ast.Module, modules: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, name) of every string constant in ``tree`` that is exactly the name of one of ``modules``: an import by
+    name (``importlib.import_module``, an entry in a list of modules to load). The root packages themselves
+    ('vexact', the distribution's name too) are not counted."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules
+                and "." in node.value):
+            yield node.lineno, node.value
+
+
+def _imported_vexact_modules(path: Path, text: str | None = None) -> list[tuple[int, str]]:
+    """(line, 'vexact.pkg.module', 'vexact.pkg' or 'vexact') of every vexact import in the file (``text``, else the
+    file's): anywhere in it (module level, functions, ``if TYPE_CHECKING:``), relative ones resolved, and imports by
+    name."""
     parts = path.relative_to(ROOT).with_suffix("").parts  # ('vexact', 'rl', 'trainer')
+    tree = ast.parse(path.read_text() if text is None else text)
+    modules = set(_module_files(ROOT, {"vexact": "vexact"}))
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = list(parts[: len(parts) - node.level])
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            # from a package, a name that is no module of it (``from . import __version__``) is the package's
+            names = [target] if node.module else [
+                f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
             continue
-        found += [(node.lineno, n.removeprefix("vexact.")) for n in names if n.startswith("vexact.")]
-    return found
+        found += [(node.lineno, n.removesuffix(".__init__")) for n in names if n == "vexact" or n.startswith("vexact.")]
+    return found + list(_names_of_modules(tree, modules))
+
+
+def _own_unit(path: Path) -> str:
+    """The layer member of a file of vexact/: its package's folder, or a top-level module's stem."""
+    parts = path.relative_to(ROOT / "vexact").with_suffix("").parts  # ('lab', 'studies', 'same_runs'): 'lab'
+    return parts[0]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "vexact").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_each_package_imports_only_the_layers_below_it(path: Path) -> None:
-    parts = path.relative_to(ROOT).parts  # ('vexact', 'lab', 'studies', 'same_runs.py'): layer 'lab'
-    own = _layer(parts[1]) if len(parts) >= 3 else len(LAYERS)
-    upward = [(line, name) for line, name in _imported_vexact_modules(path) if _layer(name.split(".")[0]) > own]
+    own = _layer(_own_unit(path))
+    upward = [(line, name) for line, name in _imported_vexact_modules(path) if _layer(_unit(name)) > own]
     assert not upward, f"{path.relative_to(ROOT)} imports a higher layer: {upward}"
+
+
+def test_every_package_and_module_has_a_layer() -> None:
+    """No package or top-level module of vexact/ falls outside ``LAYERS`` (and so silently on top)."""
+    units = {path.stem if path.parent == ROOT / "vexact" else path.relative_to(ROOT / "vexact").parts[0]
+             for path in (ROOT / "vexact").rglob("*.py")}
+    placed = {unit for members in LAYERS for unit in members}
+    assert units == placed, f"no layer: {sorted(units - placed)}; no such module: {sorted(placed - units)}"
+
+
+def test_the_layer_check_sees_every_kind_of_import() -> None:
+    """Counter-test: a base module's upward imports under TYPE_CHECKING, inside a function and by name are all found
+    (what ``metric_keys`` and ``rl/plugins.py`` once did, unseen by a check of module-level imports)."""
+    text = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .rl.config import RunConfig\n"
+            "def f():\n    from .rl.corrections import RS_OPTIONS\n"
+            "BUILTINS = ('vexact.integrations.vllm_rollout',)\n")
+    found = _imported_vexact_modules(ROOT / "vexact" / "metric_keys.py", text)
+    assert [name for _, name in found] == ["vexact.rl.config", "vexact.rl.corrections",
+                                          "vexact.integrations.vllm_rollout"]
+    assert all(_layer(_unit(name)) > _layer("metric_keys") for _, name in found)
 
 
 @pytest.mark.parametrize("name", BASE)
 def test_the_base_modules_import_nothing_of_vexact(name: str) -> None:
-    """At module level: ``metric_keys`` reads ``corrections.RS_OPTIONS`` inside a function, when a key is matched."""
-    tree = ast.parse((ROOT / "vexact" / f"{name}.py").read_text())
-    imported = ["." if node.level else node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
-    imported += [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
-    assert not [m for m in imported if m == "." or m.split(".")[0] in ("vexact", "vexact_kernels")], imported
+    """Anywhere in the file, in any way: ``metric_keys`` holds the rejection options its key patterns name
+    (``RS_OPTIONS``) rather than reading them from ``vexact.rl.corrections`` when a key is matched."""
+    path = ROOT / "vexact" / f"{name}.py"
+    imported = [name for _, name in _imported_vexact_modules(path)]
+    imported += [m for _, m in _imports_of(path) if m in (".", "vexact_kernels")]
+    assert not imported, imported
 
 
 def _imports_of(path: Path) -> list[tuple[int, str]]:
@@ -95,7 +158,7 @@ def test_the_kernel_layer_check_fails_on_an_upward_import(tmp_path: Path) -> Non
 
 def test_the_engine_knows_nothing_of_rl() -> None:
     for path in (ROOT / "vexact" / "engine").glob("*.py"):
-        assert all(name.startswith("engine") for _, name in _imported_vexact_modules(path)), path.name
+        assert all(_unit(name) == "engine" for _, name in _imported_vexact_modules(path)), path.name
 
 
 def _trainer_step_modules() -> set[str]:
@@ -146,6 +209,17 @@ def test_trainer_step_touches_at_most_six_modules() -> None:
     assert modules == {"inject", "rollouts", "objective", "schedules", "metrics", "optim"}, modules
 
 
+@pytest.mark.parametrize("path", sorted((*(ROOT / "vexact").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"))),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_package_imports_no_tool(path: Path) -> None:
+    """tools/ is not installed: a module of the package that imported it (in any way) would fail outside a checkout."""
+    text = path.read_text()
+    imported = [name for _, name in _imports_of(path) if name == "tools"]
+    imported += [n.value for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                 and re.fullmatch(r"tools(\.\w+)+", n.value)]
+    assert not imported, f"{path.relative_to(ROOT)} imports tools/: {imported}"
+
+
 def test_pyproject_installs_every_package() -> None:
     """A wheel holds only the packages pyproject.toml lists: each package folder of vexact/ and kernels/ is there."""
     from setuptools.config.pyprojecttoml import read_configuration
@@ -171,29 +245,25 @@ def _module_files(root: Path, packages: dict[str, str]) -> dict[str, Path]:
     return found
 
 
-def _module_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
-    """The imports a module runs when it is imported: its body's, inside if/try blocks too, but not under
-    ``if TYPE_CHECKING:`` and not inside functions or classes (those run later, if ever)."""
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop(0)
+def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, wherever it is: at module level, inside if/try blocks, functions and
+    classes, and under ``if TYPE_CHECKING:`` -- a cycle counts whichever kind of import closes it."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-            todo[:0] = [*node.body, *node.orelse]
-        elif isinstance(node, ast.Try):
-            todo[:0] = [*node.body, *(s for h in node.handlers for s in h.body), *node.orelse, *node.finalbody]
 
 
 def import_graph(root: Path = ROOT, packages: dict[str, str] = PACKAGES) -> dict[str, set[str]]:
-    """module -> the package modules it imports at module level (``from . import x``: module x where x is one, else
-    the package; ``from .m import name``: m, and m.name where that is a module)."""
+    """module -> the package modules it imports, in any way (``_imports``; ``from . import x``: module x where x is
+    one, else the package; ``from .m import name``: m, and m.name where that is a module) or by name (a string that
+    is a module's dotted name, ``_names_of_modules``)."""
     files = _module_files(root, packages)
     graph = {}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        targets = set()
-        for node in _module_level_imports(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        targets = {module for _, module in _names_of_modules(tree, set(files))}
+        for node in _imports(tree):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names if a.name in files}
                 continue
@@ -257,16 +327,17 @@ def _cycle(graph: dict[str, set[str]], members: set[str]) -> list[str]:
 
 
 def test_no_import_circle() -> None:
-    """No module-level import circle in vexact/ and kernels/: a module that registers built-ins imports the registry,
-    never the other way round (``vexact.rl.plugins.BUILTINS`` imports the built-in modules)."""
+    """No import cycle of any kind in vexact/ and kernels/ (at load, in a function, for types, by name): a module
+    that registers built-ins imports the registry, never the other way round (``vexact.rl.BUILTINS`` names
+    the built-in modules of ``vexact.rl``; a higher layer's built-ins are entry points)."""
     found = circles(import_graph())
     assert not found, "import circles: " + "; ".join(" -> ".join(cycle) for cycle in found)
 
 
 def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     """Counter-test: a package whose modules import each other at module level, in a ring of three (relative and
-    absolute imports, one through ``from . import``), is found and named; a function-level import and an import
-    under TYPE_CHECKING are not circles."""
+    absolute imports, one through ``from . import``), is found and named; so are a ring closed by an import under
+    TYPE_CHECKING and one inside a function, and one closed by a module's name in a string."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -276,22 +347,22 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
     (pkg / "c.py").write_text("from . import a\n")
     (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import e\n")
     (pkg / "e.py").write_text("def f():\n    from . import d\n")
+    (pkg / "f.py").write_text("import importlib\nMODULES = ('pkg.g',)\n")
+    (pkg / "g.py").write_text("from .f import MODULES\n")
     graph = import_graph(tmp_path, {"pkg": "pkg"})
-    assert circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
-
-
-SHARED_PRIVATELY = {("vexact/lab/ray_executor.py", "_run_point")}  # a Ray worker runs the sweep's own point runner
-"""(file, name): the private names a vexact/lab module takes from another module, each with its reason."""
+    assert circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"], ["pkg.d", "pkg.e", "pkg.d"],
+                              ["pkg.f", "pkg.g", "pkg.f"]]
 
 
 def test_lab_modules_share_helpers_by_public_names() -> None:
     """The report modules' shared helpers (loading, values, cell formats) live in modules every report imports
-    (``sweep_data``, ``text_table``) under public names: no lab module borrows another's private helper."""
+    (``sweep_data``, ``text_table``) under public names: no lab module borrows another's private helper (the Ray
+    executor is handed the sweep's point runner; it takes nothing from the sweep)."""
     borrowed = {(str(path.relative_to(ROOT)), alias.name)
                 for path in (ROOT / "vexact" / "lab").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
                 if isinstance(node, ast.ImportFrom) for alias in node.names
                 if alias.name.startswith("_") and not alias.name.startswith("__")}
-    assert borrowed == SHARED_PRIVATELY, borrowed - SHARED_PRIVATELY
+    assert not borrowed, borrowed
 
 
 # --------------------------------------------------------------------------- the design page's map of the tree
@@ -312,9 +383,10 @@ def _layout_table(text: str) -> dict[str, set[str]]:
 
 
 def _tree() -> dict[str, set[str]]:
-    """folder -> its modules (a package's ``__init__`` is its row), for every package folder of vexact/ and kernels/."""
+    """folder -> its modules (a package's ``__init__`` is its row), for every package folder of vexact/, kernels/
+    and tools/."""
     tree: dict[str, set[str]] = {}
-    for folder in ("vexact", "kernels"):
+    for folder in ("vexact", "kernels", "tools"):
         for path in (ROOT / folder).rglob("*.py"):
             modules = tree.setdefault(f"{path.parent.relative_to(ROOT)}/", set())
             if path.stem != "__init__":
@@ -335,15 +407,15 @@ def _layout_differences(table: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_design_page_maps_every_module() -> None:
-    """design.md's layout table names every module of vexact/ and kernels/, and every name in it is a file."""
+    """design.md's layout table names every module of vexact/, kernels/ and tools/, and every name in it is a file."""
     assert _layout_differences(_layout_table(DESIGN.read_text())) == []
 
 
 def test_the_map_check_sees_a_missing_and_a_stale_module() -> None:
     text = DESIGN.read_text().replace("`same_runs`, ", "").replace("`surge_plot`", "`surge_plots`")
     assert _layout_differences(_layout_table(text)) == [
-        "vexact/lab/studies/same_runs.py is not in the table", "vexact/lab/studies/surge_plot.py is not in the table",
-        "vexact/lab/studies/surge_plots: no such file"]
+        "tools/studies/same_runs.py is not in the table", "tools/studies/surge_plot.py is not in the table",
+        "tools/studies/surge_plots: no such file"]
 
 
 # --------------------------------------------------------------------------- no issue letters

@@ -20,7 +20,7 @@ import vexact_kernels
 from vexact import ModelConfig, Transformer
 from vexact.cli import main
 from vexact.real.locate import LocateSettings, OpRecorder, OpStructureError, capture, op_plan, run_locate
-from vexact.real.pretrained import make_tiny_checkpoint
+from vexact.real.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

@@ -16,7 +16,7 @@ import torch
 
 from vexact.cli import main
 from vexact.real.measure import MeasureSettings, parse_path, position_bins, run_measure
-from vexact.real.pretrained import make_tiny_checkpoint
+from vexact.real.tiny import make_tiny_checkpoint
 
 HF_FP32_TOL = 1e-4
 

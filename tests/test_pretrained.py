@@ -24,14 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from vexact import from_pretrained, generate, token_logprobs
 from vexact.engine.model import rope_inv_freq
-from vexact.real.pretrained import (
+from vexact.real.pretrained import SUPPORTED_ARCHITECTURES, load_tokenizer, model_config_from_hf
+from vexact.real.tiny import (
     PARITY_PROMPTS,
-    SUPPORTED_ARCHITECTURES,
     TINY_VARIANTS,
-    load_tokenizer,
     make_tiny_checkpoint,
     make_tiny_hf_model,
-    model_config_from_hf,
     parity_with_transformers,
 )
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from test_map_corrections import _two_correction_map
 
-from vexact.lab import published, scaling
-from vexact.lab.published import (
+from tools import published
+from tools.published import (
     PublishedPoint,
     _horizon_text,
     agreement,
@@ -19,6 +19,7 @@ from vexact.lab.published import (
     measured_horizon_at,
     points_table,
 )
+from vexact.lab import scaling
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results" / "published_runs.md"
@@ -34,8 +35,8 @@ def test_the_page_tables_are_the_command_output(capsys):
     printed = capsys.readouterr().out.rstrip("\n")
     first, second = printed.split("\n\n")
     blocks = _blocks(PAGE.read_text())
-    assert blocks["python -m vexact.lab.published (first table)"] == first
-    assert blocks["python -m vexact.lab.published (second table)"] == second
+    assert blocks["python -m tools.published (first table)"] == first
+    assert blocks["python -m tools.published (second table)"] == second
     assert scaling._main(["shape"]) == 0
     shape = capsys.readouterr().out.rstrip("\n")
     assert blocks["python -m vexact.lab.scaling shape"] == f"```\n{shape}\n```"

@@ -21,13 +21,8 @@ from vexact import Transformer, from_pretrained
 from vexact.cli import main
 from vexact.real import pretrained
 from vexact.real.measure import MeasureSettings, run_measure
-from vexact.real.pretrained import (
-    TINY_VARIANTS,
-    load_tokenizer,
-    make_tiny_checkpoint,
-    make_tiny_hf_model,
-    model_config_from_hf,
-)
+from vexact.real.pretrained import load_tokenizer, model_config_from_hf
+from vexact.real.tiny import TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

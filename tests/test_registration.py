@@ -164,7 +164,7 @@ def test_registered_names_are_plain_strings_in_the_saved_config(tmp_path, regist
 
 def test_the_reference_lists_what_is_registered(registered):
     """The docs' choices tables are read from the registries: an outside entry appears while it is registered."""
-    from vexact.docs_gen import choices_markdown
+    from tools.docs_gen import choices_markdown
 
     page = choices_markdown()
     assert f"`{EchoTask.name}`" in page and f"`{FavourToken.name}`" in page

@@ -19,8 +19,8 @@ import torch
 from rich.console import Console
 from test_trainer import _short
 
+from tools.studies.same_runs import same_run
 from vexact.cli import main
-from vexact.lab.studies.same_runs import same_run
 from vexact.records import runlog
 from vexact.records.runlog import RunLocked, checkpoint_dirs, latest_checkpoint, read_metrics, run_lock
 from vexact.rl.trainer import Trainer
@@ -37,7 +37,7 @@ def _run(cfg, resume: bool = False, allow: tuple[str, ...] = (), console: Consol
 
 
 def _same_run(a: Path, b: Path) -> None:
-    """Bit-identical runs: every metric but timings, and the final weights (``vexact.lab.studies.same_runs``)."""
+    """Bit-identical runs: every metric but timings, and the final weights (``tools.studies.same_runs``)."""
     same, why = same_run(a, b)
     assert same, why
 
@@ -188,16 +188,16 @@ def test_only_rank_0_probes_the_run_lock(tmp_path, reference, monkeypatch):
     rank 0: here it passes the check while the directory is held, where rank 0 is refused."""
     import argparse
 
-    from vexact.cli import _check_run_dir
+    from vexact.rl.run_launch import check_run_dir
 
     cfg = _cfg(tmp_path, reference, "ranks")
     args = argparse.Namespace(resume=False, config=tmp_path / "ranks.yaml", overrides=[])
     with run_lock(tmp_path / "ranks"):
         monkeypatch.setenv("RANK", "1")
-        _check_run_dir(args, cfg)
+        check_run_dir(args, cfg)
         monkeypatch.setenv("RANK", "0")
         with pytest.raises(RunLocked):
-            _check_run_dir(args, cfg)
+            check_run_dir(args, cfg)
 
 
 def test_two_processes_into_one_run_directory(tmp_path, reference):
@@ -343,9 +343,9 @@ def test_an_unwritable_output_dir_is_one_line(tmp_path, reference, capsys):
 
 # --------------------------------------------------------------------------- same_runs: a repeat, compared
 def test_same_runs_finds_a_repeat_identical_and_another_seed_different(tmp_path, reference, capsys):
-    """``python -m vexact.lab.studies.same_runs``: the reference run repeated is identical (exit 0); a run with another
+    """``python -m tools.studies.same_runs``: the reference run repeated is identical (exit 0); a run with another
     seed differs (exit 1, naming the first differing line); an odd number of runs or a non-run is a clear error."""
-    from vexact.lab.studies.same_runs import main, same_run
+    from tools.studies.same_runs import main, same_run
 
     _run(_cfg(tmp_path, reference, "again"))
     _run(_cfg(tmp_path, reference, "other", "seed=1"))

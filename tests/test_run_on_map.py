@@ -1,4 +1,4 @@
-"""``python -m vexact.lab.studies.run_on_map``: a finished run's realised k3 (before collapse) and T on the map."""
+"""``python -m tools.studies.run_on_map``: a finished run's realised k3 (before collapse) and T on the map."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.studies.run_on_map import main, run_on_map
 from vexact.lab.scaling import load_map, place_on_map
-from vexact.lab.studies.run_on_map import main, run_on_map
 from vexact.rl.collapse import detect_collapse
 from vexact.rl.config import CollapseSection
 

@@ -354,9 +354,9 @@ def test_safetensors_headers_are_checked_by_safe_open(tmp_path, monkeypatch):
     would have found nothing wrong (here: safe_open is made to refuse a good file)."""
     import safetensors
 
-    from vexact.real import pretrained
+    from vexact.real import pretrained, tiny
 
-    ckpt = pretrained.make_tiny_checkpoint(tmp_path / "ckpt", "llama", seed=1, tokenizer=False)
+    ckpt = tiny.make_tiny_checkpoint(tmp_path / "ckpt", "llama", seed=1, tokenizer=False)
     infos = pretrained._safetensors_header(ckpt / "model.safetensors")
     assert infos["model.embed_tokens.weight"].dtype == "F32" and infos["model.embed_tokens.weight"].shape == (128, 64)
 
@@ -456,7 +456,7 @@ def test_one_function_named_markdown_table():
     it): one name, one writer."""
     defined = [f"{path.relative_to(ROOT)}:{node.lineno}"
                for path in [*(ROOT / "vexact").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"),
-                            *(ROOT / "benchmarks").glob("*.py")]
+                            *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tools").rglob("*.py")]
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.FunctionDef) and node.name == "markdown_table"]
     assert defined == ["vexact/lab/markdown_table.py:18"], defined
@@ -464,7 +464,8 @@ def test_one_function_named_markdown_table():
 
 def test_no_second_markdown_table_writer():
     """No other module joins table cells itself (docs_gen.py, the docs helper's reference-page generator, aside)."""
-    for path in [*(ROOT / "vexact").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+    for path in [*(ROOT / "vexact").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+                 *(ROOT / "tools").rglob("*.py")]:
         if path.name in ("markdown_table.py", "docs_gen.py"):
             continue
         assert '"| " + " | ".join' not in path.read_text(), path  # how a table row is built

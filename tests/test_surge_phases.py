@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.studies.surge_plot import surge_table
 from vexact.lab.dynamics import mismatch_dynamics, run_phases
-from vexact.lab.studies.surge_plot import surge_table
 from vexact.lab.sweep_data import read_sweep_results
 
 STEPS = 60

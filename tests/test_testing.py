@@ -311,7 +311,7 @@ def test_check_paths_fails_on_the_native_backend_and_says_where(one_torch_thread
 
 def test_check_paths_fails_on_transformers_generate_vs_forward(one_torch_thread):
     from vexact.real.measure import HFPath, MeasureSettings
-    from vexact.real.pretrained import make_tiny_hf_model
+    from vexact.real.tiny import make_tiny_hf_model
 
     hf = HFPath(make_tiny_hf_model("llama", vocab_size=128))
     unused = Path(".")  # MeasureSettings wants a checkpoint path; HFPath never reads it

@@ -16,7 +16,8 @@ from vexact import ModelConfig, Transformer
 from vexact.engine.scoring import token_logprobs
 from vexact.integrations import vllm as vx
 from vexact.real.compare import CompareSettings, run_compare
-from vexact.real.pretrained import export_hf_checkpoint, from_pretrained, make_tiny_checkpoint
+from vexact.real.pretrained import export_hf_checkpoint, from_pretrained
+from vexact.real.tiny import make_tiny_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

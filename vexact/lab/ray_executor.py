@@ -1,10 +1,10 @@
 """Sweep points as Ray tasks: ``vexact sweep SWEEP --executor ray [--address ADDR]``.
 
-One Ray task per unfinished point, each asking Ray for ``threads`` CPUs (the point's ``threads`` config key, 1
-when unset) and running the same ``_run_point`` as the local executor, so a point's results are the same bits
-wherever it runs. Ray only schedules; what to run, what to skip and what to resume is decided here, exactly as
-for local workers: finished points are skipped, a point whose run directory exists resumes from its last
-checkpoint, and ``sweep.json`` is rewritten as each point finishes.
+One Ray task per unfinished point, each asking Ray for ``threads`` CPUs (the point's ``threads`` config key, 1 when
+unset) and running the same point runner as the local executor (the sweep hands it in: this module imports nothing
+of the sweep), so a point's results are the same bits wherever it runs. Ray only schedules; what to run, what to
+skip and what to resume is decided here, exactly as for local workers: finished points are skipped, a point whose
+run directory exists resumes from its last checkpoint, and ``sweep.json`` is rewritten as each point finishes.
 
 Without ``--address`` a private single-node Ray instance is started on this machine, bound to 127.0.0.1, with no
 dashboard and no usage statistics, and shut down at the end. With ``--address`` (``auto``, or ``HOST:PORT`` of
@@ -77,15 +77,18 @@ def start(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
-def _run_in(cwd: str, path: list[str], config: dict, resume: bool, threads: int | None) -> dict:
+PointRunner = Callable[[dict, bool, "int | None"], dict]
+"""``run_point(config, resume, threads) -> summary``: the sweep's runner of one point, the local workers' too."""
+
+
+def _run_in(cwd: str, path: list[str], run_point: PointRunner, config: dict, resume: bool,
+            threads: int | None) -> dict:
     """A task's body: the driver's working directory (relative run and cache paths) and its import path (so the
     point's ``plugins`` import here as they did there, as a local worker process inherits both), then the local
-    runner."""
-    from .sweep import _run_point
-
+    runner (a module-level function: Ray pickles it by reference, and the task imports its module)."""
     os.chdir(cwd)
     sys.path.extend(entry for entry in path if entry not in sys.path)
-    return _run_point(config, resume, threads)
+    return run_point(config, resume, threads)
 
 
 def task_resources(threads: int | None, device: str) -> dict[str, int]:
@@ -101,8 +104,10 @@ def task_config(config: dict) -> dict:
 
 
 def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Callable[[Any], dict | None],
-               address: str | None, on_running: Callable[[list], None] = lambda names: None) -> None:
-    """Submit every point in ``todo`` as a Ray task and ``finish(point, result)`` each as it completes."""
+               address: str | None, run_point: PointRunner,
+               on_running: Callable[[list], None] = lambda names: None) -> None:
+    """Submit every point in ``todo`` as a Ray task running ``run_point`` and ``finish(point, result)`` each as it
+    completes."""
     ray = _ray(private=not address)
     started = start(address)
     try:
@@ -114,7 +119,7 @@ def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Call
                 continue
             resources = task_resources(point.config.threads, point.config.device)
             task = ray.remote(**resources, max_retries=0)(_run_in)
-            refs[task.remote(os.getcwd(), list(sys.path), task_config(point.config.to_dict()),
+            refs[task.remote(os.getcwd(), list(sys.path), run_point, task_config(point.config.to_dict()),
                              point.run_dir.exists(), resources["num_cpus"])] = point
         while refs:
             on_running([p.name for p in refs.values()])

@@ -600,7 +600,7 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
         if executor == "ray":
             from . import ray_executor
 
-            ray_executor.run_points(todo, finish, _check_lock, address,
+            ray_executor.run_points(todo, finish, _check_lock, address, _run_point,
                                     on_running=lambda names: progress.running(", ".join(names)))
         elif jobs <= 1:
             for point in todo:

@@ -62,6 +62,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..cli_base import EXIT_FAILED, EXIT_OK, positive_int
 from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL
 from ..records.runlog import load_tensor_file
 from ..rl.metrics import float_bits, full_vocab_rows, full_vocab_summary
@@ -72,7 +73,6 @@ TWO_FILE_KEY = "logprobs"
 JSONL_TOKENS_KEY, TENSOR_TOKENS_KEY = "tokens", "responses"
 MASK_KEY, ATTENTION_MASK_KEY, NO_MASK = "response_mask", "attention_mask", "none"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-EXIT_GATE_FAILED = 1  # vexact.cli's EXIT_FAILED (this layer cannot import the CLI)
 DEFAULT_MAP = "default"  # --map without a file: the map shipped with vexact (vexact.lab.scaling.load_map(None))
 LOG_SUM_EXP_TOLERANCE = 0.1
 """A full-vocabulary row must satisfy |log Σ_v exp(row_v)| ≤ this (log-probs sum to probability 1); logits fail."""
@@ -681,12 +681,6 @@ def _policy_lag(text: str) -> int:
     return int(text)
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments (the CLI calls this)."""
     parser.description = DESCRIPTION  # laid out by hand: the CLI keeps its lines (and wraps the epilog)
@@ -710,12 +704,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor files: rollout full-vocabulary log-probs [B, T, V] (adds mismatch/full_vocab_*)")
     parser.add_argument("--train-full-key", default=None, metavar="KEY",
                         help="tensor files: training full-vocabulary log-probs [B, T, V]")
-    parser.add_argument("--full-vocab-top-k", type=_positive_int, default=5, metavar="K",
+    parser.add_argument("--full-vocab-top-k", type=positive_int, default=5, metavar="K",
                         help="k of mismatch/full_vocab_top{k}_overlap_mean (default 5)")
     parser.add_argument("--float32", action="store_true",
                         help="round every value to the nearest float32 before comparing: for float32 log-probs "
                              "written in different formats (repr, %%.9g, numpy's shortest float32 repr)")
-    parser.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--threads", type=positive_int, default=1, metavar="N",
                         help="torch threads for the metrics (default 1: elementwise passes and short sums, which "
                              "more threads barely speed up and, on a busy machine, can slow down many times over)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the report to this JSON")
@@ -829,4 +823,4 @@ def main(args: argparse.Namespace) -> int:
     err = Console(stderr=True, soft_wrap=True)
     for gate in failed:
         err.print(f"gate failed: {gate['gate']}: {gate['message']}", markup=False, highlight=False)
-    return EXIT_GATE_FAILED if failed else 0
+    return EXIT_FAILED if failed else EXIT_OK

@@ -61,6 +61,7 @@ from torch import Tensor
 
 import vexact_kernels
 
+from ..cli_base import EXIT_FAILED, EXIT_OK, make_console, positive_int
 from ..engine.devices import resolve_device
 from ..engine.inputs import check_temperature, check_token_lists, pad_right
 from ..engine.model import KernelOps, ModelConfig, Transformer
@@ -713,12 +714,6 @@ def _token_list(text: str) -> list[int]:
     return [int(item) for item in items]
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def _count(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
@@ -739,7 +734,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint directory from_pretrained can load")
     source.add_argument("--random", action="store_true", help="a tiny random model (the default; size flags below)")
     for flag, default in RANDOM_MODEL.items():
-        parser.add_argument("--" + flag.replace("_", "-"), type=_positive_int, default=None,
+        parser.add_argument("--" + flag.replace("_", "-"), type=positive_int, default=None,
                             help=f"random model only (default {default})")
     parser.add_argument("--qk-norm", action="store_true", help="random model only: q/k norms (Qwen3 style)")
     parser.add_argument("--qkv-bias", action="store_true", help="random model only: q/k/v biases (Qwen2 style)")
@@ -749,19 +744,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="one prompt of token ids, e.g. '5 6 7' (repeatable)")
     prompts.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
                          "has a tokenizer, else whitespace-separated token ids")
-    prompts.add_argument("--random-prompts", type=_positive_int, metavar="N",
+    prompts.add_argument("--random-prompts", type=positive_int, metavar="N",
                          help="N seeded random prompts (the default: 2)")
-    parser.add_argument("--max-prompt-len", type=_positive_int, default=16, help="longest --random-prompts prompt")
+    parser.add_argument("--max-prompt-len", type=positive_int, default=16, help="longest --random-prompts prompt")
     parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
     parser.add_argument("--max-new-tokens", type=_count, default=8, help="tokens path a generates after each prompt "
                         "before both paths run the sequences: the rollout path decodes them (default 8; 0 = none)")
-    parser.add_argument("--prefill", type=_positive_int, default=None, metavar="N", help="rollout paths prefill the "
+    parser.add_argument("--prefill", type=positive_int, default=None, metavar="N", help="rollout paths prefill the "
                         "first N tokens of each sequence and decode the rest (default: the prompt; 1 decodes all)")
     parser.add_argument("--positions", default=None, metavar="LIST",
                         help="compare only these positions, e.g. 0-7,12,30- (default all)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the generation")
     parser.add_argument("--seed", type=int, default=0, help="random model, random prompts and sampling")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the report as JSON")
     parser.add_argument("--png", type=Path, default=None, metavar="OUT", help="also plot max |Δ| per op (log scale)")
     parser.add_argument("--fail-on-divergence", action="store_true", help="exit 1 if the paths diverge anywhere")
@@ -788,13 +783,12 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     result = run_locate(settings_from_args(args))
-    probe = Console()  # as vexact.cli.make_console (not importable from this layer): wide when not a terminal
-    console = probe if probe.is_terminal else Console(width=160)
+    console = make_console()
     print_locate(result, console)
     written = [f(result, path) for f, path in ((write_json, args.json), (write_png, args.png)) if path]
     if written:
         console.print("wrote " + ", ".join(str(path) for path in written))
     if args.fail_on_divergence and result.summary["diverged"]:
         Console(stderr=True).print(f"diverged: first at {result.summary['first_divergence']['op']}", markup=False)
-        return 1  # vexact.cli.EXIT_FAILED
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK

@@ -72,20 +72,16 @@ from ..metric_keys import (
 )
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from .pretrained import (
-    PARITY_PROMPTS,
     SUPPORTED_ARCHITECTURES,
-    TINY_VARIANTS,
     Checkpoint,
     build_model,
     from_pretrained,
     load_tokenizer,
-    make_tiny_checkpoint,
-    make_tiny_hf_model,
     model_config_from_hf,
-    parity_with_transformers,
     read_checkpoint,
     read_checkpoint_config,
 )
+from .tiny import PARITY_PROMPTS, TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model, parity_with_transformers
 
 PATH_BACKENDS = ("exact", "native", "triton", "hf")
 

@@ -8,6 +8,17 @@ log-probs, advantages, ``corrections``, PPO loss) -> update (in ``trainer``) -> 
 ``vexact.records`` and ``vexact_kernels``.
 """
 
-from .plugins import load_builtins
+# The built-in tasks, modes, schedules, ... register themselves when imported, as a plugin's extensions do; the
+# package imports them, so the config schema imports none of them. In this order: a registry lists its entries in
+# the order they registered (the reference's tables, the choices an error names). A higher layer's built-ins
+# (rollout.engine: vllm) are entry points of the vexact.plugins group instead (vexact.rl.plugins).
+# isort: off
+from . import tasks, horizon_task, surge_task, inject_modes, corrections, schedules, advantages, objective
+from . import log_backends, rollout_engines
+# isort: on
 
-load_builtins()  # the built-in tasks, modes, schedules, ... register themselves, as a plugin's extensions do
+BUILTINS: tuple[str, ...] = tuple(module.__name__ for module in (
+    tasks, horizon_task, surge_task, inject_modes, corrections, schedules, advantages, objective, log_backends,
+    rollout_engines))
+"""The modules that register the built-in tasks, injection modes, correction methods, LR schedules, advantage
+estimators, loss aggregations and bypass losses, log backends and rollout engines (``vexact.rl.registries``)."""

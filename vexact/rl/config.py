@@ -63,6 +63,7 @@ from .registries import (
 )
 from .validate import ConfigError, build, describe, parse_yaml, plain, read_yaml, show_value, yaml_problem
 from .validate import bounds as _bounds
+from .vocab import MAX_DISTRACTORS
 
 __all__ = [
     "AlgorithmSection",
@@ -97,10 +98,6 @@ LossAggregationName = LOSS_AGGREGATIONS.name_type
 LogBackendName = LOG_BACKENDS.name_type
 RolloutEngineName = ROLLOUT_ENGINES.name_type
 DType = Literal["float32", "bfloat16"]  # also spelled fp32 / bf16 (VALUE_ALIASES); stored with these names
-
-MAX_DISTRACTORS = 262_144
-"""Upper bound of ``task.distractors`` (vexact.rl.vocab_tail: a vocabulary beyond real ones, 150k, with room to
-spare); a larger value is more likely a typo than a plan, and would allocate an embedding of that many rows."""
 
 MAX_POLICY_LAG = 1024
 """Upper bound of ``rollout.policy_lag``: the trainer holds that many copies of the weights; a larger lag is more

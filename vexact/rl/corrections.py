@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from ..metric_keys import RS_OPTIONS  # verl's rejection options name metric keys too: defined there
 from .metrics import is_weight_stats
 from .registries import BYPASS_LOSSES, CORRECTION_METHODS, register_run_check
 from .validate import ConfigError, bounds
@@ -146,10 +147,6 @@ for _method in (
                      settings=BandSettings),
 ):
     register_correction_method(_method)
-
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-"""verl's rejection-sampling options (``rollout_rs``)."""
 
 _GEO = "0.999_1.001"
 PRESETS: dict[str, dict] = {

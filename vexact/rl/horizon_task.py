@@ -22,7 +22,7 @@ so the measured horizon T of a run is far below L. ``task.hold_length: true`` (`
 a scratchpad of at least ``min_len`` tokens before the reward pays, so T stays L + 3 or 4 for the whole run: the
 long-horizon points of the map need it.
 
-Registers itself in ``TASKS`` when imported (the ``vexact.rl`` package imports it: ``vexact.rl.plugins.BUILTINS``),
+Registers itself in ``TASKS`` when imported (the ``vexact.rl`` package imports it: ``vexact.rl.BUILTINS``),
 so configs name it ``task.name: horizon``.
 """
 

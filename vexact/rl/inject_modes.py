@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -48,11 +48,25 @@ from .validate import ConfigError
 
 if TYPE_CHECKING:
     from .config import InjectSection, RunConfig
-    from .inject import Injector
 
-__all__ = ["FLIP_KINDS", "INJECT_MODES", "PRECISION_FORMATS", "PRECISION_SITES", "InjectMode", "KernelSettings",
-           "KnobSearch", "PrecisionSettings", "RolloutPath", "RoutingFlipSettings", "flip_hook", "precision_ops",
-           "register_inject_mode", "round_to"]
+__all__ = ["FLIP_KINDS", "INJECT_MODES", "PRECISION_FORMATS", "PRECISION_SITES", "InjectMode", "InjectorView",
+           "KernelSettings", "KnobSearch", "PrecisionSettings", "RolloutPath", "RoutingFlipSettings", "flip_hook",
+           "precision_ops", "register_inject_mode", "round_to"]
+
+
+class InjectorView(Protocol):
+    """What a mode reads of the run's injector (``vexact.rl.inject.Injector``, which imports this module: named here
+    by its shape, not its class, so no import of any kind runs back to it)."""
+
+    cfg: InjectSection
+    seed: int
+    device: torch.device
+    training_dtype: torch.dtype
+    rollout_dtype: torch.dtype
+    rollout_ops: KernelOps
+
+    def scoped(self, clean: Tensor, changed: Tensor, seq: Tensor, pos: Tensor, step: int) -> Tensor: ...
+
 
 _NOISE_SALT = 0x6A09E667
 _ROUTING_SALT = 0x510E527F
@@ -113,15 +127,15 @@ class InjectMode:
         """Why ``value`` is out of this mode's range (None when it is fine)."""
         return None
 
-    def rollout_path(self, injector: Injector) -> RolloutPath | None:
+    def rollout_path(self, injector: InjectorView) -> RolloutPath | None:
         """A path mode's rollout (built once per injector); None for knob modes."""
         return None
 
-    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+    def logits_hook(self, injector: InjectorView, value: float, step: int) -> LogitsHook | None:
         """A knob mode's hook at knob ``value`` and ``step``; None when it would change nothing."""
         return None
 
-    def routing_hook(self, injector: Injector, value: float, step: int) -> RouteHook | None:
+    def routing_hook(self, injector: InjectorView, value: float, step: int) -> RouteHook | None:
         """A routing mode's route hook at knob ``value`` and ``step``; None when it would change nothing."""
         return None
 
@@ -168,7 +182,7 @@ class _Perturb(InjectMode):
     def changed(self, z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+    def logits_hook(self, injector: InjectorView, value: float, step: int) -> LogitsHook | None:
         if value == 0.0:
             return None
         noise_seed = (injector.seed * 1_000_003 + step) ^ _NOISE_SALT
@@ -224,7 +238,7 @@ class LogprobOnly(LogitNoise):
     name = "logprob_only"
     knob = "sigma of the noise added to the rollout's log-probs"
 
-    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+    def logits_hook(self, injector: InjectorView, value: float, step: int) -> LogitsHook | None:
         both = super().logits_hook(injector, value, step)
         if both is None:
             return None
@@ -268,7 +282,7 @@ class TopP(InjectMode):
         if not 0 < cfg.value <= 1 and cfg.target is None:
             raise ConfigError(f"top_p needs 0 < value <= 1, got {cfg.value}", "value")
 
-    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+    def logits_hook(self, injector: InjectorView, value: float, step: int) -> LogitsHook | None:
         return None if value >= 1.0 else _truncate_hook(top_p=value)
 
     def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
@@ -285,7 +299,7 @@ class TopK(InjectMode):
     def value_problem(self, value: float) -> str | None:
         return f"top_k needs a whole number >= 0 (0 = off), got {value}" if value < 0 or value != int(value) else None
 
-    def logits_hook(self, injector: Injector, value: float, step: int) -> LogitsHook | None:
+    def logits_hook(self, injector: InjectorView, value: float, step: int) -> LogitsHook | None:
         return None if value <= 0 else _truncate_hook(top_k=int(round(value)))
 
     def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
@@ -344,7 +358,7 @@ class Precision(InjectMode):
     name = "precision"
     settings = PrecisionSettings
 
-    def rollout_path(self, injector: Injector) -> RolloutPath:
+    def rollout_path(self, injector: InjectorView) -> RolloutPath:
         fmt = injector.cfg.precision
         ops = precision_ops(injector.rollout_ops, fmt, list(injector.cfg.sites))
         hook = None
@@ -372,7 +386,7 @@ class Kernel(InjectMode):
     def backends(self, cfg: InjectSection) -> tuple[str, ...]:
         return (cfg.kernel_backend,)
 
-    def rollout_path(self, injector: Injector) -> RolloutPath:
+    def rollout_path(self, injector: InjectorView) -> RolloutPath:
         dtype = resolve_dtype(injector.cfg.kernel_dtype or injector.training_dtype)
         return RolloutPath(get_ops(injector.cfg.kernel_backend, injector.device), dtype)
 
@@ -435,7 +449,7 @@ class RoutingFlip(InjectMode):
     def value_problem(self, value: float) -> str | None:
         return None if 0 <= value <= 1 else f"routing_flip needs value (the flip rate) in [0, 1], got {value}"
 
-    def routing_hook(self, injector: Injector, value: float, step: int) -> RouteHook | None:
+    def routing_hook(self, injector: InjectorView, value: float, step: int) -> RouteHook | None:
         if value == 0.0:
             return None
         return flip_hook(value, injector.cfg.flip_kind, (injector.seed * 1_000_003 + step) ^ _ROUTING_SALT)

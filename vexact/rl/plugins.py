@@ -15,8 +15,11 @@ processes and Ray tasks) and ``vexact report`` are told which modules to import 
 A module that cannot be imported is one ``ConfigError`` at ``plugins`` naming the module and the import error, before
 any work; an entry point that fails to load names the distribution and the entry point.
 
-The built-in extensions are registered the same way: ``BUILTINS`` names their modules, and the ``vexact.rl``
-package imports them (``load_builtins``), so the config schema itself imports none of them.
+The built-in extensions are registered the same way: the ``vexact.rl`` package imports the modules of ``vexact.rl``
+that register them (``vexact.rl.BUILTINS``), so the config schema itself imports none of them. A built-in extension
+that lives in a higher layer (``vexact.integrations.vllm_rollout``: ``rollout.engine: vllm``) is an entry point of
+vexact's own pyproject.toml in the ``vexact.plugins`` group, loaded as an installed plugin's is: naming it in
+``vexact.rl`` would make ``import vexact.rl`` import the layer above it.
 
 Layer: this module imports only the validator's error type (``vexact.rl.validate``); the config calls it.
 """
@@ -31,25 +34,13 @@ from collections.abc import Iterable
 
 from .validate import ConfigError, show_value
 
-__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "load_builtins", "load_entry_points", "load_plugins"]
-
-BUILTINS = ("vexact.rl.tasks", "vexact.rl.horizon_task", "vexact.rl.surge_task", "vexact.rl.inject_modes",
-            "vexact.rl.corrections", "vexact.rl.schedules", "vexact.rl.advantages", "vexact.rl.objective",
-            "vexact.rl.log_backends", "vexact.rl.rollout_engines", "vexact.integrations.vllm_rollout")
-"""The modules that register the built-in tasks, injection modes, correction methods, LR schedules, advantage
-estimators, loss aggregations and bypass losses, log backends and rollout engines (``vexact.rl.registries``)."""
+__all__ = ["ENTRY_POINT_GROUP", "load_entry_points", "load_plugins"]
 
 ENTRY_POINT_GROUP = "vexact.plugins"
 """The entry-point group whose entries every vexact process loads before it validates a config."""
 
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _entry_points_loaded = False
-
-
-def load_builtins() -> None:
-    """Import the built-in extensions' modules (``BUILTINS``); the ``vexact.rl`` package does, once."""
-    for name in BUILTINS:
-        importlib.import_module(name)
 
 
 def load_entry_points() -> None:

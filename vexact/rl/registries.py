@@ -4,27 +4,25 @@ Each registry maps a config value to its entry (``vexact.registry.Registry``): t
 (``vexact.rl.config``) types its key with the registry's ``name_type`` and validates against whatever is registered
 when a config is loaded, and entries bring their own settings (mounted into the config section of the registry's
 key). The registries live here, apart from their built-in entries, so that the schema imports no extension: the
-built-ins register themselves when their modules are imported (``vexact.rl.plugins.BUILTINS``, imported with the
+built-ins register themselves when their modules are imported (``vexact.rl.BUILTINS``, imported with the
 ``vexact.rl`` package), exactly as a plugin's do.
 
 A check that needs an extension's own code (does every problem of the task fit the model? do the correction keys
 expand to a valid plan?) is registered here by the module that has that code (``register_run_check``) and runs
 when a ``RunConfig`` is validated, after the sections' own checks.
 
-This module imports only ``vexact.registry`` and the validator's error type.
+This module imports only ``vexact.registry`` and the validator's error type (not the config schema, which imports
+it: a run check receives the ``RunConfig`` untyped).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..registry import Registry, mounts
 from .validate import ConfigError, show_value
-
-if TYPE_CHECKING:
-    from .config import RunConfig
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "BYPASS_LOSSES", "CORRECTION_METHODS", "INJECT_MODES", "LOG_BACKENDS",
            "LOSS_AGGREGATIONS", "LR_SCHEDULES", "REGISTRIES", "ROLLOUT_ENGINES", "TASKS", "check_run",
@@ -56,10 +54,14 @@ REGISTRIES: tuple[Registry, ...] = (TASKS, INJECT_MODES, CORRECTION_METHODS, BYP
                                     ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, LOG_BACKENDS, ROLLOUT_ENGINES)
 """Every extension point, in the order the documentation lists them."""
 
-_RUN_CHECKS: list[Callable[[RunConfig], None]] = []
+RunCheck = Callable[[Any], None]
+"""A run check: called with the ``vexact.rl.config.RunConfig`` being validated. Typed ``Any`` because the config
+schema imports this module: naming its class here, even for types only, would close an import cycle."""
+
+_RUN_CHECKS: list[RunCheck] = []
 
 
-def register_run_check(check: Callable[[RunConfig], None]) -> Callable[[RunConfig], None]:
+def register_run_check(check: RunCheck) -> RunCheck:
     """Run ``check(cfg)`` whenever a ``RunConfig`` is validated (after its sections' own checks); it raises
     ``ConfigError(problem, full.dotted.key)``. Registering the same function twice is a no-op."""
     if check not in _RUN_CHECKS:
@@ -67,7 +69,7 @@ def register_run_check(check: Callable[[RunConfig], None]) -> Callable[[RunConfi
     return check
 
 
-def check_run(cfg: RunConfig) -> None:
+def check_run(cfg: Any) -> None:
     """The checks extensions add to a run's config: settings that need their entry selected, then each registered
     run check, in registration order."""
     for registry in REGISTRIES:
@@ -82,7 +84,7 @@ def _value_at(cfg: Any, key: str) -> Any:
     return cfg
 
 
-def _check_owners(cfg: RunConfig, registry: Registry) -> None:
+def _check_owners(cfg: Any, registry: Registry) -> None:
     """A key of a settings class that says ``requires_owner`` keeps its default unless an entry that declares the
     key is the one the config selects (``registry.key``; for a list of names, one of them)."""
     chosen = _value_at(cfg, registry.key)

@@ -23,7 +23,7 @@ does not surge (the tests' counter-case).
 
 ``mixed_targets`` is the warm start's mixture; which examples get the trace is a fixed function of their index,
 so the warm start stays deterministic with no random draw. The task registers itself in ``TASKS`` when imported
-(the ``vexact.rl`` package imports it: ``vexact.rl.plugins.BUILTINS``), with its setting
+(the ``vexact.rl`` package imports it: ``vexact.rl.BUILTINS``), with its setting
 ``warm_start.trace_fraction`` (``SurgeWarmStart``).
 """
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine.model import check_fits
 from .registries import TASKS, register_run_check
 from .validate import ConfigError
+from .vocab import BOS_ID, CHAR_VOCAB_SIZE, CHARS, EOS_ID, PAD_ID, CharTokenizer, tokenizer_for
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -84,15 +85,6 @@ __all__ = [
     "training_seed",
 ]
 
-PAD_ID = 0
-BOS_ID = 1
-EOS_ID = 2
-SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")
-CHARS = "0123456789abc+=:<>#"
-"""Ordinary characters, ids ``3 ..``: digits, the count letters, separators and task tags."""
-CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARS)
-"""22: ids from here up are a vocabulary tail's distractors (``task.distractors``, ``vexact.rl.vocab_tail``)."""
-
 _SEED_BITS = 64
 _SEED_MASK = (1 << _SEED_BITS) - 1
 _TRAINING_STREAM = 1
@@ -100,50 +92,6 @@ _HELD_OUT_STREAM = 2
 HELD_OUT_SEED = _HELD_OUT_STREAM << (2 * _SEED_BITS)
 """Seed of the evaluation set. Training seeds are ``(1 << 128) | run_seed << 64 | step`` (64-bit fields), which
 lie in ``[2**128, 2**129)``, so they never equal this one (``2 << 128``) whatever the run seed and step."""
-
-
-class CharTokenizer:
-    """One id per character; ids 0-2 are PAD, BOS and EOS. The same vocabulary serves every task."""
-
-    pad_id = PAD_ID
-    bos_id = BOS_ID
-    eos_id = EOS_ID
-
-    def __init__(self) -> None:
-        self.tokens: tuple[str, ...] = SPECIAL_TOKENS + tuple(CHARS)
-        self._ids = {c: i + len(SPECIAL_TOKENS) for i, c in enumerate(CHARS)}
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of the characters of ``text`` (no BOS/EOS added). Unknown characters raise ``ValueError``."""
-        try:
-            return [self._ids[c] for c in text]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in the vocabulary {CHARS!r}") from None
-
-    def decode(self, ids: Iterable[int], stop_at_eos: bool = True) -> str:
-        """Text of ``ids``: PAD and BOS are skipped; decoding stops at the first EOS (or skips EOS if
-        ``stop_at_eos`` is False). Ids outside the vocabulary raise ``ValueError``."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID and stop_at_eos:
-                break
-            if i in (PAD_ID, BOS_ID, EOS_ID):
-                continue
-            out.append(self._char(i))
-        return "".join(out)
-
-    def _char(self, i: int) -> str:
-        if not 0 <= i < self.vocab_size:
-            raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
-        return self.tokens[i]
-
-    def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
 @dataclass(frozen=True)
@@ -401,8 +349,6 @@ def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = Fals
         raise ValueError(TASKS.unknown(name))
     task = TASKS[name](min_len, max_len, partial_credit)
     if distractors:
-        from .vocab_tail import tokenizer_for  # vocab_tail imports this module
-
         task.tokenizer = tokenizer_for(distractors)
     return task
 

@@ -30,52 +30,20 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import TAIL_MASS_MAX, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
-from .config import MAX_DISTRACTORS
-from .tasks import CHAR_VOCAB_SIZE, CharTokenizer
+from .vocab import (  # the tail's tokenizer lives with the character vocabulary; named here too
+    CHAR_VOCAB_SIZE,
+    MAX_DISTRACTORS,
+    NO_CHARACTER,
+    CharTokenizer,
+    TailTokenizer,
+    check_distractors,
+    tokenizer_for,
+)
 
 __all__ = ["MAX_DISTRACTORS", "NO_CHARACTER", "TailProbe", "TailTokenizer", "check_distractors", "tail_metrics",
            "tail_probe", "tokenizer_for"]
 
-NO_CHARACTER = "\ufffd"
-"""What a distractor decodes to: the Unicode replacement character, in no task's prompt, answer or format."""
-
 Hook = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
-def check_distractors(n: object) -> int:
-    """``n`` if it is a valid distractor count (an int in ``[0, MAX_DISTRACTORS]``), else ``ValueError``."""
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_DISTRACTORS:
-        raise ValueError(f"distractors must be an integer in [0, {MAX_DISTRACTORS}], got {n!r}")
-    return n
-
-
-class TailTokenizer(CharTokenizer):
-    """The character vocabulary followed by ``distractors`` tokens ``<d0> .. <dN-1>`` that decode to
-    ``NO_CHARACTER``. Encoding is the character vocabulary's: no text encodes to a distractor."""
-
-    def __init__(self, distractors: int) -> None:
-        super().__init__()
-        self.distractors = check_distractors(distractors)
-        self.tokens = self.tokens + tuple(f"<d{k}>" for k in range(distractors))
-
-    @property
-    def first_distractor(self) -> int:
-        """Id of the first distractor (the character vocabulary's size)."""
-        return CHAR_VOCAB_SIZE
-
-    def is_distractor(self, i: int) -> bool:
-        return CHAR_VOCAB_SIZE <= int(i) < self.vocab_size
-
-    def _char(self, i: int) -> str:
-        return NO_CHARACTER if self.is_distractor(i) else super()._char(i)
-
-    def __repr__(self) -> str:
-        return f"TailTokenizer(vocab_size={self.vocab_size}, distractors={self.distractors})"
-
-
-def tokenizer_for(distractors: int) -> CharTokenizer:
-    """The character vocabulary (``distractors`` 0: the very same tokenizer as before the knob) or a tail."""
-    return CharTokenizer() if check_distractors(distractors) == 0 else TailTokenizer(distractors)
 
 
 class TailProbe:

@@ -1,6 +1,6 @@
 """Where do finished runs sit on the collapse map? Each run's realised k3 and horizon T, placed on a map's curve.
 
-    python -m vexact.lab.studies.run_on_map RUN_DIR [RUN_DIR ...] [--map FILE] [--correction NAME] [--source NAME]
+    python -m tools.studies.run_on_map RUN_DIR [RUN_DIR ...] [--map FILE] [--correction NAME] [--source NAME]
                                             [--json]
 
 A run of any mismatch source (vLLM's rollouts, a real engine) is placed the way the map's own runs were measured: its
@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..dose_response import run_dose
-from ..markdown_table import markdown_table
-from ..run_report import read_run
-from ..scaling import load_map, measured_horizon, place_on_map, resolve_correction
-from ..sweep_table import reward_summary
-from ..text_table import fmt_sci
+from vexact.lab.dose_response import run_dose
+from vexact.lab.markdown_table import markdown_table
+from vexact.lab.run_report import read_run
+from vexact.lab.scaling import load_map, measured_horizon, place_on_map, resolve_correction
+from vexact.lab.sweep_table import reward_summary
+from vexact.lab.text_table import fmt_sci
 
 COLUMNS = ("run", "engine", "dtype", "L", "T", "realised k3", "collapsed", "final reward", "threshold at T",
            "k3 / threshold", "verdict")
@@ -76,7 +76,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vexact.lab.studies.run_on_map",
+    parser = argparse.ArgumentParser(prog="python -m tools.studies.run_on_map",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--map", default=None, help="a scaling.json or map (default: the map shipped with vexact)")

@@ -3,9 +3,9 @@
 ``vexact report`` plots the clean eval reward; a surge is read from the length, so this draws, per run, the mean
 rollout response length (top), the rollout reward (middle) and the clean eval reward (bottom), with each run's
 ``length_surge_step`` (the collapse detector's rule, shared by the length-triggered LR schedule) marked, and one
-colour per group. Run: ``python -m vexact.lab.studies.surge_plot SWEEP_DIR OUT.png``.
+colour per group. Run: ``python -m tools.studies.surge_plot SWEEP_DIR OUT.png``.
 
-``python -m vexact.lab.studies.surge_plot SWEEP_DIR --table`` prints instead, as markdown, each group's surge statistics
+``python -m tools.studies.surge_plot SWEEP_DIR --table`` prints instead, as markdown, each group's surge statistics
 from ``vexact.lab.dynamics.surge_dynamics`` (what ``dynamics.json`` holds under ``surge``): runs surged, the
 median surge step, collapse leads, and each quantity's mean before / during / after the surge with the
 after/before ratio; and per run the issue's contract: the start length (mean of the first ``EDGE`` steps), the top
@@ -18,9 +18,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ...metric_keys import EVAL_REWARD_MEAN, RESPONSE_LENGTH_MEAN, REWARD_MEAN
-from ..dynamics import PHASES, SURGE_TRACKED, surge_dynamics
-from ..sweep_data import metric_series, read_sweep_results
+from vexact.lab.dynamics import PHASES, SURGE_TRACKED, surge_dynamics
+from vexact.lab.sweep_data import metric_series, read_sweep_results
+from vexact.metric_keys import EVAL_REWARD_MEAN, RESPONSE_LENGTH_MEAN, REWARD_MEAN
 
 EDGE = 5  # steps averaged for the start length and the trailing mean of the rise
 PANELS = ((RESPONSE_LENGTH_MEAN, "mean response length (tokens)"), (REWARD_MEAN, "rollout reward"),
@@ -113,7 +113,7 @@ def _fmt(v: float | None, ratio: bool = False) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m vexact.lab.studies.surge_plot SWEEP_DIR (OUT.png | --table)", file=sys.stderr)
+        print("usage: python -m tools.studies.surge_plot SWEEP_DIR (OUT.png | --table)", file=sys.stderr)
         return 2
     if not (Path(args[0]) / "sweep.json").exists():
         print(f"error: {args[0]} is not a sweep directory (no sweep.json)", file=sys.stderr)

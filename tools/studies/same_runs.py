@@ -1,6 +1,6 @@
 """Are two runs the same bits? Their metrics step for step and their newest checkpoints' weights, compared exactly.
 
-    python -m vexact.lab.studies.same_runs RUN_A RUN_B [RUN_A2 RUN_B2 ...] [--ignore inject/] [--ignore-eval-at 99]
+    python -m tools.studies.same_runs RUN_A RUN_B [RUN_A2 RUN_B2 ...] [--ignore inject/] [--ignore-eval-at 99]
 
 Determinism is a contract of vexact (same config + seed => identical bits), and this is how a results page shows it
 held across commits or sessions: a run repeated later is compared with the earlier one. Metric keys under
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ...records.runlog import latest_checkpoint, read_metrics
+from vexact.records.runlog import latest_checkpoint, read_metrics
 
 
 def _metrics(run_dir: Path, ignore: tuple[str, ...], eval_steps: set[int]) -> list[dict]:
@@ -59,7 +59,7 @@ def same_run(a: str | Path, b: str | Path, ignore: tuple[str, ...] = (), ignore_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vexact.lab.studies.same_runs",
+    parser = argparse.ArgumentParser(prog="python -m tools.studies.same_runs",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories, in pairs: A B [A2 B2 ...]")
     parser.add_argument("--ignore", action="append", default=[], metavar="PREFIX",

@@ -1,6 +1,6 @@
 """The map against published runs: each operating point a public source pins down, and what the map says for it.
 
-``python -m vexact.lab.published [--map FILE]`` prints the tables of docs/results/published_runs.md: the points and
+``python -m tools.published [--map FILE]`` prints the tables of docs/results/published_runs.md: the points and
 bars of ``published_runs.yaml`` (the data: source, what it logged, k3, T, correction, model, outcome) with what the
 map says, computed here with ``vexact.lab.scaling`` -- so the map's columns are generated, never typed:
 
@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rl.validate import parse_yaml
-from .markdown_table import markdown_table
-from .scaling import (
+from vexact.lab.markdown_table import markdown_table
+from vexact.lab.scaling import (
     BYPASS,
     DEFAULT_TAIL_MAP,
     correction_names,
@@ -36,6 +35,7 @@ from .scaling import (
     map_vocab,
     placement,
 )
+from vexact.rl.validate import parse_yaml
 
 __all__ = ["POINTS_FILE", "Bar", "PublishedPoint", "agreement", "bars_table", "horizon_at", "load_published",
            "measured_horizon_at",
@@ -296,14 +296,14 @@ def bars_table(map_data: dict[str, Any], bars: list[Bar]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vexact.lab.published",
+    parser = argparse.ArgumentParser(prog="python -m tools.published",
                                      description="print the published-runs tables with what the map says")
     parser.add_argument("--map", type=Path, default=None, metavar="FILE", help="a map (default: the shipped one)")
     parser.add_argument("--tail-map", type=Path, default=None, metavar="FILE",
                         help="a map with a vocabulary tail, for its own column (default: the shipped tail map, when "
                              "there is one)")
     parser.add_argument("--points", type=Path, default=None, metavar="FILE",
-                        help="the points (default: vexact/lab/published_runs.yaml)")
+                        help="the points (default: tools/published_runs.yaml)")
     args = parser.parse_args(argv)
     try:
         map_data = load_map(args.map)

@@ -1,11 +1,11 @@
 """Meter cells with and without a vocabulary tail, side by side.
 
-``python -m vexact.lab.studies.tail_compare --sweep SWEEP_DIR`` instead prints, per group of a ``vexact sweep`` (its
+``python -m tools.studies.tail_compare --sweep SWEEP_DIR`` instead prints, per group of a ``vexact sweep`` (its
 overrides but the seed), how the rollouts' tail evolved over training: the seed means of ``tail/mass_mean`` at the
 first and last step and over the run, and of ``tail/response_frac`` at the first and last step. Points without
 ``tail/*`` keys (no vocabulary tail) and unfinished points are left out.
 
-``python -m vexact.lab.studies.tail_compare TAIL_METER_JSON BASE_METER_JSON`` reads two ``meter.json`` files written by
+``python -m tools.studies.tail_compare TAIL_METER_JSON BASE_METER_JSON`` reads two ``meter.json`` files written by
 ``vexact meter`` (one with ``task.distractors`` > 0, one on the character vocabulary) and prints one Markdown row
 per (horizon, source) cell present in both: realised k3, bias ratio with its 95% interval and whether it is
 resolved, the bias ‖E d‖ and the exact gradient ‖E g_π‖ with their Monte-Carlo noise, for each vocabulary, and the
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...metric_keys import TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC
-from ..bias_meter import resolved
+from vexact.lab.bias_meter import resolved
+from vexact.metric_keys import TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC
 
 __all__ = ["compare_cells", "main", "sweep_tail_table"]
 
@@ -71,7 +71,7 @@ def compare_cells(tail: dict[tuple[int, str], dict[str, Any]], base: dict[tuple[
 
 def sweep_tail_table(sweep_dir: Path) -> str:
     """The tail over training, per group of finished points with ``tail/*`` keys (module docstring)."""
-    from ...records.metrics_log import read_metrics
+    from vexact.records.metrics_log import read_metrics
 
     try:
         points = json.loads((sweep_dir / "sweep.json").read_text())["points"]
@@ -101,7 +101,7 @@ def sweep_tail_table(sweep_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vexact.lab.studies.tail_compare",
+    parser = argparse.ArgumentParser(prog="python -m tools.studies.tail_compare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("tail", type=Path, nargs="?", help="meter.json of the meter with a vocabulary tail")
     parser.add_argument("base", type=Path, nargs="?", help="meter.json of the meter on the character vocabulary")

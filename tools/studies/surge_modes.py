@@ -4,7 +4,7 @@ The surge needs the worked trace to pay: this measures it. On the config's first
 the policy (the config's warm start, loaded from its cache or trained) three ways at the config's temperature:
 free (the policy's own choice; the share that starts a trace), forced direct (the response starts with ``=``),
 and forced trace (the response starts with the trace's first token), and prints the reward of each and the mean
-length. Run: ``python -m vexact.lab.studies.surge_modes CONFIG.yaml [N]``.
+length. Run: ``python -m tools.studies.surge_modes CONFIG.yaml [N]``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sys
 import torch
 from rich.console import Console
 
-from ...engine.model import Transformer
-from ...engine.rollout import generate
-from ...rl.config import ConfigError, load_config
-from ...rl.tasks import EOS_ID, encode_prompt, held_out_problems, make_task
-from ...rl.warmstart import warm_start
+from vexact.engine.model import Transformer
+from vexact.engine.rollout import generate
+from vexact.rl.config import ConfigError, load_config
+from vexact.rl.tasks import EOS_ID, encode_prompt, held_out_problems, make_task
+from vexact.rl.warmstart import warm_start
 
 
 def form_rewards(config_path: str, n: int = 128, seed: int = 1) -> dict[str, dict[str, float]]:
@@ -50,7 +50,7 @@ def form_rewards(config_path: str, n: int = 128, seed: int = 1) -> dict[str, dic
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2):
-        print("usage: python -m vexact.lab.studies.surge_modes CONFIG.yaml [N]", file=sys.stderr)
+        print("usage: python -m tools.studies.surge_modes CONFIG.yaml [N]", file=sys.stderr)
         return 2
     try:
         rows = form_rewards(args[0], int(args[1]) if len(args) == 2 else 128)

@@ -13,11 +13,11 @@ The reference pages are written from the objects that define them, never by hand
 
 The generated text is committed, so the pages read whole on a code host too: in a page, a region
 ``<!-- vexact-docs: NAME -->`` ... ``<!-- end vexact-docs: NAME -->`` (``NAME`` one of ``PAGES``) holds the text
-the generator gives now. ``python -m vexact.docs_gen --update`` rewrites every region under ``docs/``;
-``python -m vexact.docs_gen --check`` exits 1 naming each stale region (``tests/test_docs.py`` runs it, so a change
+the generator gives now. ``python -m tools.docs_gen --update`` rewrites every region under ``docs/``;
+``python -m tools.docs_gen --check`` exits 1 naming each stale region (``tests/test_docs.py`` runs it, so a change
 of a flag, key or metric that leaves its page behind fails the tests). ``mkdocs build`` calls
 :func:`on_page_markdown` (this file is listed under ``hooks:`` in ``mkdocs.yml``), which refreshes the regions the
-same way (a bare start marker, without its end, is filled too). ``python -m vexact.docs_gen DIR`` writes the pages
+same way (a bare start marker, without its end, is filled too). ``python -m tools.docs_gen DIR`` writes the pages
 as plain markdown files, to read or diff them. ``tests/test_docs.py`` also checks that every flag, key and metric
 appears.
 
@@ -49,6 +49,22 @@ MARKER = re.compile(r"^<!-- vexact-docs: (\w+) -->$", re.MULTILINE)
 END = "<!-- end vexact-docs: {} -->"
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
+
+
+def _load_own_extensions() -> None:
+    """Import the modules vexact itself lists in the ``vexact.plugins`` entry-point group (its built-in extensions
+    above ``vexact.rl``: ``rollout.engine: vllm``), so the reference shows the product as installed, and no other
+    distribution's plugins, whatever this environment holds."""
+    from importlib.metadata import entry_points
+
+    from vexact.rl.plugins import ENTRY_POINT_GROUP
+
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        if getattr(entry.dist, "name", None) == "vexact":
+            entry.load()
+
+
+_load_own_extensions()
 
 
 def _cell(text: object) -> str:
@@ -142,7 +158,7 @@ def _parsers() -> Iterator[tuple[str, argparse.ArgumentParser, str]]:
 
 def cli_markdown() -> str:
     """The CLI reference: every command's usage and a table of its flags (default, choices, help)."""
-    out = ["Generated from `vexact.cli.build_parser()` by `python -m vexact.docs_gen --update` (a test fails when "
+    out = ["Generated from `vexact.cli.build_parser()` by `python -m tools.docs_gen --update` (a test fails when "
            "this page is stale); `vexact COMMAND --help` prints the same. Exit codes: see "
            "[Failure behaviour](failure.md).", ""]
     for path, parser, text in _parsers():
@@ -591,10 +607,10 @@ def on_config(config: Any, **_: Any) -> Any:
     return config
 
 
-USAGE = (f"usage: python -m vexact.docs_gen OUT_DIR  (writes {', '.join(f'{n}.md' for n in PAGES)})\n"
-         "       python -m vexact.docs_gen --update [DOCS_DIR]  (refresh the generated regions of the pages; "
+USAGE = (f"usage: python -m tools.docs_gen OUT_DIR  (writes {', '.join(f'{n}.md' for n in PAGES)})\n"
+         "       python -m tools.docs_gen --update [DOCS_DIR]  (refresh the generated regions of the pages; "
          "default: the repository's docs/)\n"
-         "       python -m vexact.docs_gen --check [DOCS_DIR]   (exit 1 if a region is stale)")
+         "       python -m tools.docs_gen --check [DOCS_DIR]   (exit 1 if a region is stale)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -610,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         stale = stale_pages(docs)
         for page in stale:
-            print(f"{page}: a generated region differs from the code; run python -m vexact.docs_gen --update",
+            print(f"{page}: a generated region differs from the code; run python -m tools.docs_gen --update",
                   file=sys.stderr)
         return 1 if stale else 0
     if len(args) != 1 or args[0].startswith("-"):

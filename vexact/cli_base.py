@@ -1,0 +1,52 @@
+"""What vexact's commands share, below every layer: the exit codes, the console and the positive-integer argument.
+
+``vexact.cli`` only parses; the modules that do a command's work (``vexact.real.check_report``,
+``vexact.rl.run_launch``, the ``add_arguments`` and ``main`` of ``real/compare.py``, ``real/locate.py`` and
+``integrations/vllm.py``) sit in layers below the CLI and cannot import it, so what they share with it is here, once.
+Imports nothing of vexact (and rich only when a console is made).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # rich is imported by the commands that print, not by --help
+    from rich.console import Console
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "check_writable",
+           "make_console", "positive_int"]
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+"""Every command's exit codes: success; the command ran but its outcome is a failure; bad input; the machine failed
+the work (a full disk, an I/O error); interrupted."""
+
+
+def make_console(stderr: bool = False) -> Console:
+    """Rich console; wide when output is not a terminal (logs, CI) so lines don't wrap."""
+    from rich.console import Console
+
+    probe = Console(stderr=stderr)
+    return probe if probe.is_terminal else Console(stderr=stderr, width=160)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer, else the one error argparse prints with the flag's name."""
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """A ValueError naming ``flag`` unless ``path`` can be written (its folders are made; a file this probe creates is
+    removed again): a command that writes its results at the end finds out before its work, not after it."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
+    if not existed:
+        path.unlink()
