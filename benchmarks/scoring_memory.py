@@ -3,9 +3,9 @@
 Peak memory is a process-wide high-water mark, so each case runs in its own child process: it builds the model,
 reads its peak resident set (``resource.getrusage``: ``ru_maxrss``), runs ``token_logprobs`` over ``batch``
 sequences of ``tokens`` response tokens with grad and the backward of their sum, and reports how far the peak rose.
-The default case is issue AA's: 4 x 1,000 response tokens, Qwen3's vocabulary (151,936), one layer 64 wide, the
-exact backend, fp32, CPU. What the growth would be if the logits of the whole batch were held at once is printed
-beside it (``logits_bytes``: tokens x vocabulary x 4 bytes).
+The default case is the one measured when this was built: 4 x 1,000 response tokens, Qwen3's vocabulary (151,936),
+one layer 64 wide, the exact backend, fp32, CPU. What the growth would be if the logits of the whole batch were held
+at once is printed beside it (``logits_bytes``: tokens x vocabulary x 4 bytes).
 
 ``--warm`` also runs the pass a second time and reports its peak over the resident set before it: what the pass
 itself holds, without the first pass's one-time costs (the exact kernels' host-guard probes of each new GEMM
