@@ -52,11 +52,19 @@ class _ExactLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x, weight = ctx.saved_tensors
+        grad_x, grad_w = matmul_linear_backward(x, weight, grad_out, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = (g2d @ weight).view(x.shape) if ctx.needs_input_grad[1] else None
-        grad_w = g2d.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
         grad_b = g2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return None, grad_x, grad_w, grad_b
+
+
+def matmul_linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool
+                           ) -> tuple[Tensor | None, Tensor | None]:
+    """A bias-free linear layer's VJP with plain matmuls: (grad @ W, grad.T @ x) -- or None where not needed."""
+    g2d = grad.reshape(-1, grad.shape[-1])
+    grad_x = (g2d @ weight).view(x.shape) if need_x else None
+    grad_w = g2d.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+    return grad_x, grad_w
 
 
 def exact_linear(linear_forward: Callable, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

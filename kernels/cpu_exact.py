@@ -250,6 +250,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
 
 
+def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool, *, host: HostGuard = HOST
+                    ) -> tuple[Tensor | None, Tensor | None]:
+    """``linear``'s VJP (no bias) without its forward: (grad_x, grad_weight) as its autograd computes them (the same
+    calls, the same bits), None where not needed. What a backward that recomputes its logits calls
+    (``vexact.engine.head``)."""
+    grads = _linear_vjp((x, weight, False, host), grad, (need_x, need_w))
+    return grads[0], grads[1]
+
+
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     # a bias is added in fp32 before the one rounding: a bf16 GEMM's output is rounded already
@@ -777,7 +786,7 @@ def with_host(host: HostGuard) -> SimpleNamespace:
     """This backend's ops bound to another ``HostGuard`` (e.g. ``HostGuard(ROW_BLOCKS, mode="fixed-order")``).
 
     Same names and signatures as the module's own ops, so it can stand wherever an op module does."""
-    ops = {name: partial(globals()[name], host=host) for name in HOST_PROPERTIES}
+    ops = {name: partial(globals()[name], host=host) for name in (*HOST_PROPERTIES, "linear_backward")}
     return SimpleNamespace(NAME=f"{NAME}[{host.mode}]", host=host, **ops)
 
 

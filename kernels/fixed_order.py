@@ -23,6 +23,7 @@ depends on an unchecked property of the host.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -57,6 +58,28 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
         half //= 2
         buf = buf.narrow(dim, 0, half).add_(buf.narrow(dim, half, half))
     return buf.select(dim, 0)
+
+
+def tree_sum_of(count: int, part: Callable[[int], Tensor]) -> Tensor:
+    """``tree_sum(torch.stack([part(i) for i in range(count)]), dim=0)``, the same additions, with the parts made
+    one at a time so that at most one per tree level is held, not ``count`` (a weight gradient streamed over token
+    chunks: each part a [N, K] partial product).
+
+    The halving tree adds x[i] and x[i + P/2] first (P: ``count`` rounded up to a power of two), so the node of
+    the indices congruent to r modulo m is node(r, 2m) + node(r + m, 2m); evaluated depth first, the parts are
+    asked for in bit-reversed index order (0, P/2, P/4, 3P/4, ...). A missing partner at the first level adds
+    0.0, as ``tree_sum`` does."""
+    if count == 1:
+        return part(0)
+    top = 1 << (count - 1).bit_length()
+
+    def node(r: int, m: int) -> Tensor:
+        if 2 * m == top:  # the first level: leaves r and r + P/2
+            left = part(r)
+            return left + part(r + m) if r + m < count else left + 0.0
+        return node(r, 2 * m) + node(r + m, 2 * m)
+
+    return node(0, 1)
 
 
 def bmm(a: Tensor, b: Tensor) -> Tensor:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .autograd import matmul_linear_backward
+
 NAME = "native"
 
 
@@ -23,6 +25,13 @@ def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ weight.T (+ bias). x: [..., K], weight: [N, K], bias: [N] -> [..., N]."""
     return F.linear(x, weight, bias)
+
+
+def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool
+                    ) -> tuple[Tensor | None, Tensor | None]:
+    """``linear``'s VJP (no bias) without its forward: (grad @ weight, grad.T @ x), None where not needed. What a
+    backward that recomputes its logits calls (``vexact.engine.head``)."""
+    return matmul_linear_backward(x, weight, grad, need_x, need_w)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .autograd import exact_forward, exact_linear
+from .autograd import exact_forward, exact_linear, matmul_linear_backward
 
 # Compile-only: the GPU code paths and tiles without a device, so that the kernels can be compiled for CUDA
 # targets and their code audited (vexact_kernels.triton_audit sets it in its own worker process). Launching
@@ -320,6 +320,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     products (``_block_dot``), not np.matmul: invariance does not rest on the host BLAS.
     """
     return exact_linear(_linear_forward, x, weight, bias)
+
+
+def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool
+                    ) -> tuple[Tensor | None, Tensor | None]:
+    """``linear``'s VJP (no bias) without its forward, as its autograd has it: plain, deterministic matmuls."""
+    return matmul_linear_backward(x, weight, grad, need_x, need_w)
 
 
 # --------------------------------------------------------------------------- rms_norm

@@ -586,10 +586,14 @@ class Transformer(nn.Module):
             out = out + gate * _mlp(rows, block.shared_expert, ops).float()
         return out.to(h.dtype).view(batch, length, width)  # one rounding to the model dtype
 
+    @property
+    def head_weight(self) -> Tensor:
+        """The LM head's weight [V, D]: the embedding's where they are tied."""
+        return self.embed_tokens.weight if self.config.tie_embeddings else self.lm_head.weight
+
     def logits(self, hidden: Tensor, ops: KernelOps | None = None) -> Tensor:
         """LM head: hidden [..., D] -> logits [..., V] (model dtype), on ``ops`` (default ``self.ops``)."""
-        head = self.embed_tokens.weight if self.config.tie_embeddings else self.lm_head.weight
-        return (self.ops if ops is None else ops).linear(hidden, head)
+        return (self.ops if ops is None else ops).linear(hidden, self.head_weight)
 
 
 def _mlp(h: Tensor, mlp: MLP, ops: KernelOps) -> Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .head import head_scores
 from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
 from .model import KernelOps, Routing, Transformer
 
@@ -132,6 +133,13 @@ def _replay(routing: list[Tensor], lengths: list[int], k: int, device: torch.dev
 def _response_logits(model: Transformer, prompts: list[list[int]], responses: list[list[int]], temperature: float,
                      ops: KernelOps, routing: list[Tensor] | None = None) -> Tensor | None:
     """Scaled logits [N, V] predicting every response token, in order; None when there are none."""
+    hidden = _response_hidden(model, prompts, responses, ops, routing)
+    return None if hidden is None else scale_logits(model.logits(hidden, ops), temperature)
+
+
+def _response_hidden(model: Transformer, prompts: list[list[int]], responses: list[list[int]], ops: KernelOps,
+                     routing: list[Tensor] | None = None) -> Tensor | None:
+    """The final hidden states [N, D] predicting every response token, in order; None when there are none."""
     device = model.device
     # The last response token is only a target, never an input.
     inputs = [p + r[:-1] for p, r in zip(prompts, responses)]
@@ -144,22 +152,20 @@ def _response_logits(model: Transformer, prompts: list[list[int]], responses: li
     if not rows:
         return None
     index = torch.tensor(rows, dtype=torch.long, device=device)
-    return scale_logits(model.logits(hidden[index[:, 0], index[:, 1]], ops), temperature)
+    return hidden[index[:, 0], index[:, 1]]
 
 
 def _score_batch(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
                  temperature: float, with_entropy: bool, ops: KernelOps, routing: list[Tensor] | None = None
                  ) -> tuple[list[Tensor], list[Tensor]]:
+    """One forward's log-probs and (optionally) entropies, per sequence. The head and its log-softmax run over
+    row passes (``head.head_scores``): memory bounded whatever the vocabulary and length, the same bits."""
     device = model.device
-    logits = _response_logits(model, prompts, responses, temperature, ops, routing)
-    if logits is None:
+    hidden = _response_hidden(model, prompts, responses, ops, routing)
+    if hidden is None:
         empty = [torch.zeros(0, device=device) for _ in prompts]
         return empty, empty
     lengths = [len(r) for r in responses]
     targets = torch.tensor([t for r in responses for t in r], dtype=torch.long, device=device)
-    flat = ops.token_logprobs(logits, targets)
-    entropy: list[Tensor] = []
-    if with_entropy:
-        full = ops.log_softmax(logits)
-        entropy = list(ops.entropy(full).split(lengths))
-    return list(flat.split(lengths)), entropy
+    flat, entropy = head_scores(hidden, model.head_weight, targets, temperature, ops, with_entropy)
+    return list(flat.split(lengths)), list(entropy.split(lengths)) if entropy is not None else []

@@ -1,0 +1,121 @@
+"""Peak memory of the training path's scoring pass: ``token_logprobs`` + backward, measured in a fresh process.
+
+Peak memory is a process-wide high-water mark, so each case runs in its own child process: it builds the model,
+reads its peak resident set (``resource.getrusage``: ``ru_maxrss``), runs ``token_logprobs`` over ``batch``
+sequences of ``tokens`` response tokens with grad and the backward of their sum, and reports how far the peak rose.
+The default case is the one measured when this was built: 4 x 1,000 response tokens, Qwen3's vocabulary (151,936),
+one layer 64 wide, the exact backend, fp32, CPU. What the growth would be if the logits of the whole batch were held
+at once is printed beside it (``logits_bytes``: tokens x vocabulary x 4 bytes).
+
+``--warm`` also runs the pass a second time and reports its peak over the resident set before it: what the pass
+itself holds, without the first pass's one-time costs (the exact kernels' host-guard probes of each new GEMM
+class, whose inputs are vocabulary-sized for the LM head).
+
+Run:  python -m benchmarks.scoring_memory [--vocab 151936] [--tokens 1000] [--batch 4] [--dtype float32] [--warm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+PROMPT_LEN = 8
+"""Prompt tokens per sequence: the scoring pass reads the prompt and predicts every response token."""
+
+
+def measure(vocab: int, tokens: int, batch: int, hidden: int, layers: int, dtype: str, backend: str,
+            threads: int, warm: bool = False) -> dict:
+    """One case in this process (call it in a fresh one): the peak-memory growth of scoring + backward; ``warm``:
+    also that of a second pass (Linux: ``/proc/self/clear_refs``)."""
+    import torch
+
+    from vexact import ModelConfig, Transformer
+    from vexact.engine.scoring import token_logprobs
+
+    torch.set_num_threads(threads)
+    config = ModelConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
+                         intermediate_size=hidden * 2, max_seq_len=PROMPT_LEN + tokens)
+    model = Transformer(config, backend=backend, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
+    responses = [torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(batch)]
+    def scoring_pass() -> None:
+        logp = token_logprobs(model, prompts, responses)
+        torch.cat(logp).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    start = time.perf_counter()
+    scoring_pass()
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    record = {"vocab": vocab, "tokens": tokens, "batch": batch, "hidden": hidden, "layers": layers, "dtype": dtype,
+              "backend": backend, "threads": threads, "peak_before_bytes": before, "peak_after_bytes": after,
+              "growth_bytes": after - before, "logits_bytes": batch * tokens * vocab * 4, "seconds": seconds,
+              "second_pass_growth_bytes": None}
+    if warm:  # the same pass again, its peak over the resident set before it (the first pass's one-time costs,
+        # such as the exact kernels' host-guard probes of new GEMM classes, already paid)
+        resident = _status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident set (Linux)
+            f.write("5")
+        scoring_pass()
+        record["second_pass_growth_bytes"] = _status_bytes("VmHWM") - resident
+    return record
+
+
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` memory field (kB) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def run_case(vocab: int, tokens: int, batch: int, hidden: int = 64, layers: int = 1, dtype: str = "float32",
+             backend: str = "exact", threads: int = 1, warm: bool = False) -> dict:
+    """``measure`` in a fresh Python process (its own high-water mark); the child's record."""
+    args = [sys.executable, "-m", "benchmarks.scoring_memory", "--child", "--vocab", str(vocab), "--tokens",
+            str(tokens), "--batch", str(batch), "--hidden", str(hidden), "--layers", str(layers), "--dtype", dtype,
+            "--backend", backend, "--threads", str(threads)] + (["--warm"] if warm else [])
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"scoring_memory child failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--tokens", type=int, default=1000, help="response tokens per sequence")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--backend", default="exact")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warm", action="store_true", help="also measure a second pass (Linux)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    case = dict(vocab=args.vocab, tokens=args.tokens, batch=args.batch, hidden=args.hidden, layers=args.layers,
+                dtype=args.dtype, backend=args.backend, threads=args.threads, warm=args.warm)
+    if args.child:
+        print(json.dumps(measure(**case)))
+        return 0
+    record = run_case(**case)
+    gib = 1 << 30
+    print(json.dumps(record))
+    print(f"{args.batch} x {args.tokens} tokens, vocab {args.vocab}, {args.layers} layer(s) x {args.hidden}, "
+          f"{args.backend} {args.dtype}: peak memory grew by {record['growth_bytes'] / gib:.2f} GiB in "
+          f"{record['seconds']:.1f} s (all logits at once: {record['logits_bytes'] / gib:.2f} GiB)")
+    if record["second_pass_growth_bytes"] is not None:
+        print(f"second pass: peak {record['second_pass_growth_bytes'] / gib:.2f} GiB over the resident set before it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
