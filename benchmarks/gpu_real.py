@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_triton import median_seconds
 from vexact.engine.devices import resolve_device
 from vexact.engine.model import ModelConfig, Transformer
 from vexact.engine.presets import preset_values
@@ -91,22 +92,9 @@ def _backends(device: torch.device) -> tuple[str, ...]:
     return ("exact", "native")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], object], device: torch.device, reps: int = 1) -> float:
-    """Median seconds of ``reps`` calls after one warm-up call (CUDA-synchronised)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of ``reps`` calls after one warm-up call (device-synchronised)."""
+    return median_seconds(fn, reps, device)
 
 
 def _peak(device: torch.device, fn: Callable[[], object]) -> tuple[object, int | None]:

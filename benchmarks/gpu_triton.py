@@ -64,20 +64,22 @@ def exactness(presets: list[str], dtypes: list[str], device: str, **sizes: int) 
     return rows
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued kernels (a no-op on the CPU), so a timer reads the work, not its launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, reps: int, device: str) -> float:
+def median_seconds(fn, reps: int, device: str | torch.device) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call, device-synchronised."""
     fn()  # warm-up: compiles the kernels for these shapes
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(reps):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -105,8 +107,8 @@ def speed(presets: list[str], dtypes: list[str], reps: int, batch: int, prompt_l
                     logps = token_logprobs(model, prompts, responses)
                     torch.stack([lp.sum() for lp in logps]).sum().backward()
 
-                seconds[backend] = {"decode_step": _median_seconds(decode, reps, device) / new_tokens,
-                                    "train_fwd_bwd": _median_seconds(train, reps, device)}
+                seconds[backend] = {"decode_step": median_seconds(decode, reps, device) / new_tokens,
+                                    "train_fwd_bwd": median_seconds(train, reps, device)}
             for part in ("decode_step", "train_fwd_bwd"):
                 row = {"preset": preset, "dtype": dtype, "part": part, "batch": batch, "prompt_len": prompt_len,
                        "new_tokens": new_tokens, "triton_ms": 1e3 * seconds["triton"][part],
