@@ -41,6 +41,7 @@ from vexact.engine.model import ModelConfig, Transformer
 from vexact.engine.presets import preset_values
 from vexact.engine.rollout import generate
 from vexact.engine.scoring import token_logprobs
+from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL
 
 EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_qwen3_0_6b.yaml"
 
@@ -244,8 +245,8 @@ def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) ->
     argv = ["run", str(EXPERIMENT), "--device", str(device), *(f"--set={x}" for x in sets)]
     code = vexact_main(argv)
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    fractions = [r["mismatch/bitwise_equal_frac"] for r in rows]
-    k3 = [r["rollout_corr/k3_kl"] for r in rows]
+    fractions = [r[BITWISE_EQUAL_FRAC] for r in rows]
+    k3 = [r[K3_KL] for r in rows]
     passed = code == 0 and len(rows) == s["steps"] and all(f == 1.0 for f in fractions) and all(k == 0.0 for k in k3)
     return {"status": "passed" if passed else "failed", "command": "vexact " + " ".join(argv), "exit_code": code,
             "steps": len(rows), "bitwise_equal_frac_by_step": fractions, "k3_kl_by_step": k3,
