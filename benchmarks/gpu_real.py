@@ -41,7 +41,7 @@ from vexact.engine.model import ModelConfig, Transformer
 from vexact.engine.presets import preset_values
 from vexact.engine.rollout import generate
 from vexact.engine.scoring import token_logprobs
-from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL
+from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL, TIMING_STEP
 
 EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_qwen3_0_6b.yaml"
 
@@ -250,7 +250,7 @@ def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) ->
     passed = code == 0 and len(rows) == s["steps"] and all(f == 1.0 for f in fractions) and all(k == 0.0 for k in k3)
     return {"status": "passed" if passed else "failed", "command": "vexact " + " ".join(argv), "exit_code": code,
             "steps": len(rows), "bitwise_equal_frac_by_step": fractions, "k3_kl_by_step": k3,
-            "seconds_by_step": [r.get("timing/step") for r in rows]}
+            "seconds_by_step": [r.get(TIMING_STEP) for r in rows]}
 
 
 def part_moe(device: torch.device, rehearse: bool, s: dict) -> dict:
