@@ -106,7 +106,7 @@ def test_compare_reports_raw_ratios_in_json_and_table(tmp_path, capsys):
     m = json.loads((tmp_path / "out.json").read_text())["metrics"]
     assert m[raw_ratio_affected_key("token_tis")] == 4 / 9 and m[raw_ratio_affected_key("icepop")] == 2 / 9
     np.testing.assert_allclose(m[RAW_RATIO_MAX], 6.0, rtol=1e-12)
-    assert "raw ratio" in out and "tokens token_tis truncates or masks" in out and "44.44%" in out
+    assert "raw ratio" in out and "token_tis: tokens truncated or masked" in out and "44.44%" in out
 
 
 def test_live_monitor_row_has_raw_ratios(tmp_path):

@@ -668,10 +668,10 @@ def _raw_ratio_table(m: dict[str, Any]) -> Any:
     rows = [("min", RAW_RATIO_MIN), *((f"p{round(q * 100):02d}", raw_ratio_quantile_key(q))
                                      for q in RAW_RATIO_QUANTILES), ("max", RAW_RATIO_MAX)]
     for name, key in rows:
-        table.add_row(name, _fmt(m[key]))
+        table.add_row(name, f"{m[key]:.9g}")  # 9 digits: a ratio 1 ± 1e-7 must not print as 1
     prefix = raw_ratio_affected_key("")
     for key in (k for k in m if k.startswith(prefix)):
-        table.add_row(f"tokens {key.removeprefix(prefix)} truncates or masks", f"{m[key]:.2%}")
+        table.add_row(f"{key.removeprefix(prefix)}: tokens truncated or masked", f"{m[key]:.2%}")
     return table
 
 
