@@ -9,6 +9,10 @@ position (``measure.mismatch_report`` / ``print_report``, one source for both co
 ``first_mismatch`` in the JSON). With ``--fail-on-mismatch``, ``--max-k3`` and ``--max-abs-dlogp`` it is a CI gate
 (exit 1, naming the gate and the numbers). ``--map`` takes an optional FILE, so a bare ``--map`` goes after the dumps;
 a dump given as its FILE (``--map R.jsonl T.jsonl``) is refused, naming the order that works.
+The report also has the raw importance ratios before any clamp or mask (``mismatch/ratio_*``,
+``vexact.rl.raw_ratios``). ``--floor DUMP`` adds the trainer's own noise floor: DUMP is the trainer's second scoring of
+the same sequences in another batch arrangement (read under the training key, matched by id), and the report says
+whether the k3 is distinguishable from k3(train vs DUMP) (``vexact.real.floor``: the rule and why).
 
 Inputs (the format follows the file name: ``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` read with the
 weights-only unpickler, ``runlog.load_tensor_file``; anything else is JSON Lines):
