@@ -7,7 +7,7 @@ corrections start from, so a run, ``vexact compare`` and the live monitor show h
 of it each correction would cut, whichever one (if any) the trainer runs.
 
 * ``mismatch/ratio_min``, ``mismatch/ratio_max``, ``mismatch/ratio_p<q>`` (``RAW_RATIO_QUANTILES``): over tokens,
-  of ρ_t = exp(logp_train − logp_roll) in float64, unclamped (``metrics.quantile_linear``: linear interpolation
+  of ρ_t = exp(logp_train − logp_roll) in float64, unclamped (``metrics.quantile_sorted``: linear interpolation
   between order statistics, numpy's default);
 * ``mismatch/ratio_affected_frac/<method>``: for each ``correction.method`` of the registry (``CORRECTION_METHODS``)
   but ``none``, at its default setting (``threshold`` 2, the method's own band), the fraction of tokens whose loss
@@ -29,7 +29,7 @@ from ..metric_keys import (
 )
 from .config import CorrectionSection
 from .corrections import rollout_correction
-from .metrics import quantile_linear
+from .metrics import quantile_sorted
 from .registries import CORRECTION_METHODS
 
 NO_CORRECTION = "none"
@@ -45,10 +45,10 @@ def raw_ratio_metrics(logp_train: Tensor, logp_roll: Tensor, lengths: list[int])
         raise ValueError("no tokens to compare")
     train = logp_train.detach().cpu().double()
     roll = logp_roll.detach().cpu().double()
-    ratio = torch.exp(train - roll)  # unclamped: an overflow to inf is what the raw ratio is
-    out: dict[str, float] = {RAW_RATIO_MIN: float(ratio.min()), RAW_RATIO_MAX: float(ratio.max())}
-    for q in RAW_RATIO_QUANTILES:
-        out[raw_ratio_quantile_key(q)] = quantile_linear(ratio, q)
+    ratio = torch.exp(train - roll).sort().values  # unclamped: an overflow to inf is what the raw ratio is
+    out: dict[str, float] = {RAW_RATIO_MIN: float(ratio[0]), RAW_RATIO_MAX: float(ratio[-1])}
+    for q in RAW_RATIO_QUANTILES:  # one sort for every quantile
+        out[raw_ratio_quantile_key(q)] = quantile_sorted(ratio, q)
     del ratio
     for name in CORRECTION_METHODS.names():
         if name != NO_CORRECTION:
