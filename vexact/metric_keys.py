@@ -4,7 +4,8 @@ One registry, so the documentation's metric reference is generated from it (``to
 (``tests/test_docs.py``) fails when a run, ``vexact measure`` or ``vexact compare`` writes a key that is not here.
 A key that depends on a setting is one entry with a ``<placeholder>``: ``<lo>-<hi>`` is a token-probability bucket
 (``vexact.rl.metrics.bucket_name``), ``<option>`` one of verl's rejection options (``RS_OPTIONS``, defined here and
-validated against by ``vexact.rl.corrections``) and ``<k>`` the top-k size of the full-vocabulary overlap.
+validated against by ``vexact.rl.corrections``), ``<k>`` the top-k size of the full-vocabulary overlap and ``<method>``
+a registered ``correction.method``.
 
 Writers: ``run`` is ``metrics.jsonl`` of ``vexact run`` (one line per step), ``measure`` and ``compare`` the
 ``metrics`` object of those commands' ``--json`` report (and their printed tables), ``live`` a row of
@@ -26,6 +27,19 @@ RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "s
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 """verl's rejection-sampling options (``rollout_rs``): each names its ``rollout_corr/rollout_rs_<option>_*`` keys,
 so the list lives here, in the base layer, and ``vexact.rl.corrections`` takes it from here."""
+
+RAW_RATIO_QUANTILES = (0.01, 0.5, 0.99)
+"""The quantiles of the raw token ratio written as ``mismatch/ratio_p<q>`` (``raw_ratio_quantile_key``)."""
+
+
+def raw_ratio_quantile_key(q: float) -> str:
+    """``mismatch/ratio_p01`` for q = 0.01: the key of one of ``RAW_RATIO_QUANTILES``."""
+    return f"mismatch/ratio_p{round(q * 100):02d}"
+
+
+def raw_ratio_affected_key(method: str) -> str:
+    """``mismatch/ratio_affected_frac/<method>`` for one ``correction.method``."""
+    return f"mismatch/ratio_affected_frac/{method}"
 
 # --- the keys code names, as constants (a module writing or reading a key by name uses these) -------------------------
 K3_KL = "rollout_corr/k3_kl"
@@ -63,6 +77,8 @@ EVAL_ACCURACY = "eval/accuracy"
 EVAL_GREEDY_REWARD_MEAN = "eval/greedy_reward_mean"
 EVAL_RESPONSE_LENGTH_MEAN = "eval/response_length_mean"
 ABS_DLOGP_P99 = "mismatch/abs_dlogp_p99"
+RAW_RATIO_MIN = "mismatch/ratio_min"
+RAW_RATIO_MAX = "mismatch/ratio_max"
 MISMATCH_TOKENS = "mismatch/tokens"
 FULL_VOCAB_ARGMAX_FLIP_FRAC = "mismatch/full_vocab_argmax_flip_frac"
 FULL_VOCAB_KL_MAX = "mismatch/full_vocab_kl_max"
@@ -110,7 +126,8 @@ _CONSTANT_NAMES = tuple(name for name, value in dict(globals()).items()
 CONSTANTS = tuple(globals()[name] for name in _CONSTANT_NAMES)
 """Every constant above (each must be a registered key; ``tests/test_metric_names.py``)."""
 
-__all__ = ["CONSTANTS", "GROUPS", "KEYS", "RS_OPTIONS", "WRITERS", "MetricKey", "find", "unregistered",
+__all__ = ["CONSTANTS", "GROUPS", "KEYS", "RAW_RATIO_QUANTILES", "RS_OPTIONS", "WRITERS", "MetricKey", "find",
+           "raw_ratio_affected_key", "raw_ratio_quantile_key", "unregistered",
            *_CONSTANT_NAMES]
 
 RUN = ("run",)
@@ -143,6 +160,7 @@ _METRICS = "rl/metrics.py"
 _TRAINER = "rl/trainer.py"
 _CORR = "rl/corrections.py"
 _TAIL = "rl/vocab_tail.py"
+_RAW = "rl/raw_ratios.py"
 
 KEYS: tuple[MetricKey, ...] = (
     # --- reward and length of the step's rollouts (rl/trainer.py via metrics.sequence_stats) -----------------------
@@ -222,6 +240,16 @@ KEYS: tuple[MetricKey, ...] = (
     _k("mismatch/abs_dlogp_max", "Largest |r|", "nats", ALL, _METRICS),
     _k("mismatch/abs_dlogp_p99", "99th percentile of |r|", "nats", ALL, _METRICS),
     _k("mismatch/tokens", "Number of tokens compared", "count", ALL, _METRICS),
+    # --- the raw token ratio ρ_t = exp(r) before any clamp or mask (rl/raw_ratios.py) ------------------------------
+    _k(RAW_RATIO_MIN, "Smallest raw token ratio ρ_t = exp(r), unclamped (float64)", "ratio", ALL, _RAW),
+    _k(RAW_RATIO_MAX, "Largest raw token ratio ρ_t = exp(r), unclamped (inf when r > 709)", "ratio", ALL, _RAW),
+    *(_k(raw_ratio_quantile_key(q), f"{q:g}-quantile of the raw token ratio ρ_t = exp(r), unclamped (linear "
+         "interpolation between order statistics, numpy's default)", "ratio", ALL, _RAW)
+      for q in RAW_RATIO_QUANTILES),
+    _k(raw_ratio_affected_key("<method>"), "Fraction of tokens whose loss term `correction.method: <method>` (each "
+       "registered method but `none`, at its default threshold / band) would change: weight truncated (TIS), zeroed "
+       "(IcePop) or token rejected (MIS, geo-RS); computed by the shipped correction on the raw ratios", "fraction",
+       ALL, _RAW),
     _k("mismatch/abs_dlogp_bucket/<lo>-<hi>", "Mean |r| over tokens whose training-path probability lies in "
        "[lo, hi) (last bucket closed); written for non-empty buckets only", "nats", ALL, _METRICS),
     _k("mismatch/tokens_bucket/<lo>-<hi>", "Number of tokens whose training-path probability lies in [lo, hi)",
@@ -382,7 +410,8 @@ _NUMBER = r"[0-9][0-9.e+\-]*"
 @cache
 def _placeholders() -> dict[str, str]:
     return {"<lo>-<hi>": f"{_NUMBER}-{_NUMBER}", "<option>": "(?:" + "|".join(map(re.escape, RS_OPTIONS)) + ")",
-            "<k>": "[0-9]+"}
+            "<k>": "[0-9]+",
+            "<method>": "[a-z0-9_]+"}
 
 
 @cache

@@ -9,6 +9,10 @@ position (``measure.mismatch_report`` / ``print_report``, one source for both co
 ``first_mismatch`` in the JSON). With ``--fail-on-mismatch``, ``--max-k3`` and ``--max-abs-dlogp`` it is a CI gate
 (exit 1, naming the gate and the numbers). ``--map`` takes an optional FILE, so a bare ``--map`` goes after the dumps;
 a dump given as its FILE (``--map R.jsonl T.jsonl``) is refused, naming the order that works.
+The report also has the raw importance ratios before any clamp or mask (``mismatch/ratio_*``,
+``vexact.rl.raw_ratios``). ``--floor DUMP`` adds the trainer's own noise floor: DUMP is the trainer's second scoring of
+the same sequences in another batch arrangement (read under the training key, matched by id), and the report says
+whether the k3 is distinguishable from k3(train vs DUMP) (``vexact.real.floor``: the rule and why).
 
 Inputs (the format follows the file name: ``.safetensors``; ``.pt`` / ``.pth`` / ``.bin`` read with the
 weights-only unpickler, ``runlog.load_tensor_file``; anything else is JSON Lines):
@@ -66,6 +70,7 @@ from ..cli_base import EXIT_FAILED, EXIT_OK, positive_int
 from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL
 from ..records.runlog import load_tensor_file
 from ..rl.metrics import float_bits, full_vocab_rows, full_vocab_summary
+from .floor import floor_verdict
 from .measure import mismatch_report, plot_report, print_report, write_report_json
 
 ONE_FILE_KEYS = ("rollout_log_probs", "old_log_probs")  # verl's batch keys: rollout engine, actor recompute
@@ -114,6 +119,7 @@ class CompareSettings:
     full_vocab_top_k: int = 5
     float32: bool = False  # round every parsed value to float32 before comparing (``_rounded_to_float32``)
     threads: int | None = None  # torch threads to set for the metrics (None: leave them; the CLI's default is 1)
+    floor: Path | None = None  # a second dump of the trainer's log-probs of the same tokens (``--floor``)
 
 
 @dataclass
@@ -477,6 +483,10 @@ class _Pairs:
     tokens_checked: int = 0
     first: Mismatch | None = None  # the first mismatched token, in pairing order
     where: list[str] = field(default_factory=list)  # how errors name each sequence (``Record.where``)
+    keep_tokens: bool = False  # ``--floor``: hold each pair's id, tokens and columns to match the floor dump to
+    ids: list[Hashable] = field(default_factory=list)
+    tokens: list[np.ndarray | None] = field(default_factory=list)
+    columns: list[np.ndarray | None] = field(default_factory=list)
 
     def add(self, train: np.ndarray, roll: np.ndarray, *records: Record) -> None:
         """One matched sequence (``records``: where it was read, the one that names it first)."""
@@ -485,10 +495,14 @@ class _Pairs:
         self.train.append(train)
         self.roll.append(roll)
         self.where.append(records[0].where)
+        if self.keep_tokens:
+            self.ids.append(records[0].id)
+            self.tokens.append(next((r.tokens for r in records if r.tokens is not None), None))
+            self.columns.append(records[0].columns)
 
 
 def _read_one_file(s: CompareSettings, rk: str, tk: str) -> _Pairs:
-    pairs = _Pairs()
+    pairs = _Pairs(keep_tokens=s.floor is not None)
     full_keys = _full_keys(s)
     seen: dict[Hashable, str] = {}
     for record in _records(s.rollout, (rk, tk), s, full_keys):
@@ -518,7 +532,7 @@ def _read_two_files(s: CompareSettings, rk: str, tk: str) -> _Pairs:
         _check_new_id(record, first_seen)
         held[record.id] = record
     del first_seen
-    pairs = _Pairs()
+    pairs = _Pairs(keep_tokens=s.floor is not None)
     seen: dict[Hashable, str] = {}
     for record in _records(s.train, (tk,), s, (train_full,) if train_full else ()):
         _check_new_id(record, seen)
@@ -536,6 +550,40 @@ def _read_two_files(s: CompareSettings, rk: str, tk: str) -> _Pairs:
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         raise ValueError(f"{first.where}: no sequence with this id in {s.train}{more}")
     return pairs
+
+
+def _read_floor(s: CompareSettings, tk: str, pairs: _Pairs) -> Tensor:
+    """``--floor``: the trainer's second scoring of the same sequences, matched by id to the compared pairs and in
+    their order, as one flat float64 tensor. Read under the training key (``tk``) in either format; every sequence
+    must be there with the same tokens (length, token ids where both have them, masked columns of tensor rows)."""
+    assert s.floor is not None
+    index = {ident: i for i, ident in enumerate(pairs.ids)}
+    found: list[np.ndarray | None] = [None] * len(pairs.ids)
+    seen: dict[Hashable, str] = {}
+    for record in _records(s.floor, (tk,), s, ()):
+        _check_new_id(record, seen)
+        i = index.get(record.id)
+        if i is None:
+            raise ValueError(f"{record.where}: --floor dump has a sequence that is not among the compared ones "
+                             "(the floor must score the same tokens)")
+        values, there = record.values[tk], pairs.where[i]
+        if len(values) != len(pairs.train[i]):
+            raise ValueError(f"{record.where}: --floor dump has {len(values)} log-probs here but {there} has "
+                             f"{len(pairs.train[i])} (the floor must score the same tokens)")
+        mine = pairs.tokens[i]
+        if record.tokens is not None and mine is not None and not np.array_equal(record.tokens, mine):
+            j = int(np.flatnonzero(record.tokens != mine)[0])
+            raise ValueError(f"{record.where}: --floor dump's tokens differ from {there} at position {j} "
+                             f"({int(record.tokens[j])} here, {int(mine[j])} there)")
+        columns = pairs.columns[i]
+        if record.columns is not None and columns is not None and not np.array_equal(record.columns, columns):
+            raise ValueError(f"{record.where}: --floor dump's mask selects other positions than {there}")
+        found[i] = values
+    missing = [i for i, values in enumerate(found) if values is None]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{pairs.where[missing[0]]}: no sequence with this id in the --floor dump {s.floor}{more}")
+    return torch.from_numpy(np.concatenate(found))  # type: ignore[arg-type]
 
 
 def _check_pair(roll: Record, train: Record, rk: str, tk: str) -> None:
@@ -594,6 +642,7 @@ def run_compare(s: CompareSettings) -> CompareResult:
     sources = str(s.rollout) if s.train is None else f"{s.rollout} and {s.train}"
     if sum(lengths) == 0:
         raise ValueError(f"{sources}: no tokens to compare: every sequence is empty")
+    floor_flat = _read_floor(s, tk, pairs) if s.floor is not None else None
     train_flat = torch.from_numpy(np.concatenate(pairs.train))
     pairs.train = []  # the flat copy replaces the per-sequence arrays
     roll_flat = torch.from_numpy(np.concatenate(pairs.roll))
@@ -614,6 +663,8 @@ def run_compare(s: CompareSettings) -> CompareResult:
         "sequences_with_tokens_checked": pairs.tokens_checked,
         **report,
         "first_mismatch": pairs.first.to_json() if pairs.first is not None else None,
+        **({"floor": floor_verdict(train_flat, roll_flat, floor_flat, lengths, s.floor)}
+           if floor_flat is not None else {}),
         "seconds": {"read": round(read_s, 3), "metrics": round(time.perf_counter() - start, 3)},
     }
     return CompareResult(summary, train_flat, roll_flat, pairs.first)
@@ -712,6 +763,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, metavar="N",
                         help="torch threads for the metrics (default 1: elementwise passes and short sums, which "
                              "more threads barely speed up and, on a busy machine, can slow down many times over)")
+    parser.add_argument("--floor", type=Path, default=None, metavar="DUMP",
+                        help="the stack's noise floor: a second dump of your trainer's log-probs of the same tokens "
+                             "in another batch arrangement (batch size, order, padding), read under the training key; "
+                             "reports k3 between the two trainer scorings and whether your k3 is distinguishable "
+                             "from it (a paired bootstrap over sequences, one-sided 95%%)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the report to this JSON")
     parser.add_argument("--png", type=Path, default=None, metavar="OUT",
                         help="also plot the Δlogp histogram and |Δlogp| vs probability")
@@ -792,7 +848,7 @@ def main(args: argparse.Namespace) -> int:
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
                                rollout_full_key=args.rollout_full_key, train_full_key=args.train_full_key,
                                full_vocab_top_k=args.full_vocab_top_k, float32=args.float32,
-                               threads=args.threads)
+                               threads=args.threads, floor=args.floor)
     result = run_compare(settings)
     s = result.summary
     gates = check_gates(s, args.fail_on_mismatch, args.max_k3, args.max_abs_dlogp)
@@ -807,6 +863,8 @@ def main(args: argparse.Namespace) -> int:
     if result.first_mismatch is not None:  # which token to look at first, as vexact.testing reports it
         console.print("first mismatch: " + result.first_mismatch.describe(("rollout", "training")), markup=False,
                       highlight=False, soft_wrap=True)
+    if "floor" in s:  # the user's k3 against the trainer's own noise
+        console.print(s["floor"]["verdict"], markup=False, highlight=False, soft_wrap=True)
     if args.map is not None:  # where this k3 and horizon sit on the collapse map
         s["map"], map_text = compare_map(s, scaling_map, correction, args.source, args.vocab, args.policy_lag or 0)
         console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)

@@ -68,9 +68,15 @@ from ..metric_keys import (
     KL,
     LOG_PPL_ABS_DIFF,
     MISMATCH_TOKENS,
+    RAW_RATIO_MAX,
+    RAW_RATIO_MIN,
+    RAW_RATIO_QUANTILES,
     ROLLOUT_PROBS_DIFF_MAX,
+    raw_ratio_affected_key,
+    raw_ratio_quantile_key,
 )
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
+from ..rl.raw_ratios import raw_ratio_metrics
 from .pretrained import (
     SUPPORTED_ARCHITECTURES,
     Checkpoint,
@@ -416,7 +422,8 @@ class _Pieces(Sequence[Tensor]):
 
 def mismatch_report(logp_train: Tensor, logp_roll: Tensor, lengths: list[int], max_len: int) -> dict[str, Any]:
     """The report ``measure`` and ``compare`` share: ``tokens``, ``bitwise_equal``, ``metrics`` (every key of
-    ``vexact.rl.metrics.mismatch_metrics``), ``by_probability`` and ``by_position``.
+    ``vexact.rl.metrics.mismatch_metrics`` and of ``vexact.rl.raw_ratios.raw_ratio_metrics``), ``by_probability``
+    and ``by_position``.
 
     ``logp_train`` / ``logp_roll``: every response token's log-prob, sequences concatenated (flat tensors of one
     dtype, compared as they are: ``bitwise_equal`` counts ``==``); ``lengths``: the tokens of each sequence.
@@ -428,6 +435,7 @@ def mismatch_report(logp_train: Tensor, logp_roll: Tensor, lengths: list[int], m
         raise ValueError(f"log-probs of {tuple(logp_train.shape)} (training) and {tuple(logp_roll.shape)} (rollout) "
                          f"do not match {len(lengths)} sequences of {sum(lengths)} tokens")
     metrics = mismatch_metrics(_Pieces(logp_train, lengths), _Pieces(logp_roll, lengths))
+    metrics.update(raw_ratio_metrics(logp_train, logp_roll, lengths))
     by_probability = []
     for lo, hi in zip(DEFAULT_BUCKETS, DEFAULT_BUCKETS[1:]):
         name = bucket_name(lo, hi)
@@ -645,8 +653,26 @@ def print_report(report: dict[str, Any], console: Any, title: str, caption: str)
         positions.add_row(row["positions"], str(row["tokens"]), _fmt(row["abs_dlogp_mean"]), _fmt(row["abs_dlogp_max"]))
     console.print(buckets)
     console.print(positions)
+    console.print(_raw_ratio_table(m))
     if FULL_VOCAB_POSITIONS in m:
         console.print(_full_vocab_table(m))
+
+
+def _raw_ratio_table(m: dict[str, Any]) -> Any:
+    """The raw token ratio ρ = π_train / μ_roll before any clamp or mask, and what each correction would cut."""
+    from rich.table import Table
+
+    table = Table(title="raw ratio ρ = exp(logp_train − logp_roll), before any clamp or mask")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [("min", RAW_RATIO_MIN), *((f"p{round(q * 100):02d}", raw_ratio_quantile_key(q))
+                                     for q in RAW_RATIO_QUANTILES), ("max", RAW_RATIO_MAX)]
+    for name, key in rows:
+        table.add_row(name, f"{m[key]:.9g}")  # 9 digits: a ratio 1 ± 1e-7 must not print as 1
+    prefix = raw_ratio_affected_key("")
+    for key in (k for k in m if k.startswith(prefix)):
+        table.add_row(f"{key.removeprefix(prefix)}: tokens truncated or masked", f"{m[key]:.2%}")
+    return table
 
 
 def _full_vocab_table(m: dict[str, Any]) -> Any:

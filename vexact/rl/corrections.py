@@ -389,6 +389,7 @@ class Correction:
     keep: Tensor
     metrics: dict[str, float]
     plan: CorrectionPlan
+    truncated: Tensor | None = None  # True where TIS truncated the token's weight (None: not recorded)
 
     @property
     def reweights(self) -> bool:
@@ -469,7 +470,8 @@ def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int]
         metrics.update(rs_metrics)
     weights = torch.where(keep, weights, torch.zeros_like(weights))
     metrics.update(_own_metrics(weights, keep, truncated, rows, plan))
-    return Correction(weights=weights.to(logp_train.dtype), keep=keep, metrics=metrics, plan=plan)
+    return Correction(weights=weights.to(logp_train.dtype), keep=keep, metrics=metrics, plan=plan,
+                      truncated=truncated)
 
 
 def _importance_weights(log_ratio: Tensor, rows: _Rows, plan: CorrectionPlan,

@@ -300,9 +300,13 @@ def quantile_linear(values: Tensor, q: float) -> float:
     This is the definition of ``torch.quantile(..., interpolation="linear")`` (and numpy's default), without
     torch.quantile's input-size limit.
     """
+    return quantile_sorted(values.detach().flatten().double().sort().values, q)
+
+
+def quantile_sorted(v: Tensor, q: float) -> float:
+    """``quantile_linear`` of values already sorted ascending (1-D): several quantiles of one tensor, one sort."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile must be in [0, 1], got {q}")
-    v = values.detach().flatten().double().sort().values
     if v.numel() == 0:
         raise ValueError("quantile of an empty tensor")
     h = q * (v.numel() - 1)
