@@ -38,6 +38,7 @@ from .config import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
 from .metrics import ratio_stats
+from .raw_ratios import raw_ratio_metrics
 from .registries import BYPASS_LOSSES, LOSS_AGGREGATIONS
 from .rollouts import RolloutBatch
 
@@ -158,6 +159,13 @@ class Objective:
             pre_update = score(model, batch)
         ref = score(reference(), batch) if alg.kl_coef > 0 else None
         return Anchors(pre_update if alg.old_logprobs == "recompute" else batch.logprobs, pre_update, ref)
+
+    @staticmethod
+    def ratio_metrics(logp_train: list[Tensor], logp_roll: list[Tensor]) -> dict[str, float]:
+        """The step's raw importance ratios before any correction and what each shipped correction would truncate
+        or mask of them (``raw_ratios.raw_ratio_metrics``: the ratios the objective's corrections start from)."""
+        return raw_ratio_metrics(torch.cat(list(logp_train)), torch.cat(list(logp_roll)),
+                                 [int(t.numel()) for t in logp_train])
 
     def expects_exact(self, plan: RolloutPlan, lagged: bool = False) -> bool:
         """Whether the first mini-batch's ratio must be exactly 1: the anchor comes from the exact training path,

@@ -77,7 +77,6 @@ from .log_backends import live_views
 from .metrics import lag_split_metrics, mismatch_metrics, rollout_batch_metrics, routing_metrics
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
 from .optim import ExactAdamW, clip_flat_gradient_
-from .raw_ratios import raw_ratio_metrics
 from .registries import ROLLOUT_ENGINES
 from .rollout_engines import RolloutSession
 from .rollouts import RolloutBatch, eval_metrics, eval_records, step_problems
@@ -310,8 +309,7 @@ class Trainer:
         metrics: dict = {"step": step}
         metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
                                              batch.logprobs, log_ratio_bound=self.cfg.correction.log_ratio_bound))
-        metrics.update(raw_ratio_metrics(torch.cat(list(train_logp)), torch.cat(list(batch.logprobs)),
-                                         [int(t.numel()) for t in train_logp]))
+        metrics.update(self.objective.ratio_metrics(train_logp, batch.logprobs))
         if cfg.rollout.policy_lag:
             split = lag_split_metrics(train_logp, behaviour_logp if lagged else train_logp, batch.logprobs)
             metrics.update(split)
