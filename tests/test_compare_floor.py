@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
+from conftest import random_prompts, tiny_model
 from safetensors.torch import save_file
 
-from tests.conftest import random_prompts, tiny_model
 from vexact.cli import main
 from vexact.engine.scoring import token_logprobs
 from vexact.real.floor import FLOOR_QUANTILE
