@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_real
+from vexact_kernels import TRITON_PIP
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = not torch.cuda.is_available()
@@ -67,6 +68,7 @@ def test_without_a_gpu_only_the_rehearsal_runs(tmp_path, capsys):
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+@pytest.mark.needs_package("triton", TRITON_PIP)  # the script checks that torch and triton import before any part
 def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     """The script's own plumbing, rehearsed: a part over its limit (1 s: less than Python's start) is recorded as
     timed out and fails the script; a part that cannot run on the CPU is skipped with its reason."""
