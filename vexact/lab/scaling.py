@@ -1060,17 +1060,13 @@ def curve_for(map_data: dict[str, Any], correction: str, source: str | None = No
     """The map's curve for ``correction`` and ``source`` (None: ``default_source``) at ``policy_lag`` (the user's
     ``rollout.policy_lag``: 0 on-policy); a correction, source or lag it has no curve for is one ValueError naming it
     and the curves there are (never another correction's, source's or lag's curve in its place)."""
+    curve = find_curve(map_data, correction, source, policy_lag)  # a lag or source it has none at: its error
+    if curve is not None:
+        return curve
     curves = _curves_at_lag(map_data, policy_lag)
     where = _map_where(map_data)
     wanted = default_source(map_data) if source is None else source
-    for c in curves:
-        if c["correction"] == correction and c["source"] == wanted:
-            return c
-    same_source = [c["correction"] for c in curves if c["source"] == wanted]
-    if source is not None and not same_source:
-        raise ValueError(f"{where} has no curves for source {source!r}: its sources are "
-                         f"{', '.join(map(repr, map_sources(map_data))) or 'none'}")
-    names = ", ".join(same_source) or "none"
+    names = ", ".join(c["correction"] for c in curves if c["source"] == wanted) or "none"
     elsewhere = [c["source"] for c in curves if c["correction"] == correction and c["source"] != wanted]
     hint = (f" (source {wanted!r}; the map has {correction} for source(s) {', '.join(map(repr, elsewhere))}: name "
             "one with --source / source=)") if elsewhere else ""
