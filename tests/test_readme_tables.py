@@ -4,6 +4,7 @@ with ``python -m benchmarks.readme_tables --check`` after ``vexact demo``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from benchmarks import readme_tables
@@ -57,3 +58,44 @@ def test_a_block_without_a_generator_or_output_is_one_error(tmp_path, capsys):
     readme.write_text("<!-- generated: vexact demo -->\n|x|\n<!-- end generated -->\n")
     assert readme_tables.main(["--check", "--readme", str(readme), "--demo-dir", str(tmp_path / "none")]) == 2
     assert "run `vexact demo`" in capsys.readouterr().err
+
+
+DEMO_TABLE = """### demo
+
+| inject.value | seeds | realised k3 KL | realised \\|Δlogp\\| | collapse rate | final reward (smoothed) |
+|:---|---:|---:|---:|---:|---:|
+| 0 | 2 | 0 | 0 | 0/2 | 0.500 |
+| -0.5 | 2 | 4.7e-01 | 9.1e-01 | 2/2 | 0.023 |
+"""
+AMD = {"model": "AMD EPYC", "machine": "x86_64", "flags": ["avx2", "avx512f", "avx512_bf16"]}
+INTEL = {"model": "Intel(R) Xeon(R) Platinum", "machine": "x86_64", "flags": ["avx512f", "amx_bf16"]}
+
+
+def _demo_on(tmp_path: Path, host: dict, table: str) -> Path:
+    demo = _demo_dir(tmp_path, table)
+    (demo / "points" / "p0").mkdir(parents=True, exist_ok=True)
+    (demo / "points" / "p0" / "summary.json").write_text(json.dumps({"host_cpu": host}))
+    return demo
+
+
+def test_a_block_names_its_host_and_another_host_checks_what_carries(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- generated: vexact demo -->\n|x|\n<!-- end generated -->\n")
+    args = ["--readme", str(readme), "--demo-dir", str(_demo_on(tmp_path, AMD, DEMO_TABLE))]
+    assert readme_tables.main(args) == 0
+    assert readme.read_text().startswith("<!-- generated: vexact demo; host: AMD EPYC (avx2, avx512f, avx512_bf16) -->")
+    assert readme_tables.main(["--check", *args]) == 0
+    # another host: other rewards, other k3 and another outcome under injection -- what carries is unchanged
+    other = DEMO_TABLE.replace("0.500", "0.410").replace("4.7e-01", "3.9e-01").replace("2/2 | 0.023", "1/2 | 0.2")
+    _demo_on(tmp_path, INTEL, other)
+    capsys.readouterr()
+    assert readme_tables.main(["--check", *args]) == 0
+    assert "compared what carries across hosts" in capsys.readouterr().out
+    # ... but mismatch without injection, or another set of rows, is a difference on any host
+    _demo_on(tmp_path, INTEL, other.replace("| 0 | 2 | 0 | 0 | 0/2 |", "| 0 | 2 | 1.0e-09 | 0 | 0/2 |"))
+    assert readme_tables.main(["--check", *args]) == 1
+    _demo_on(tmp_path, INTEL, other.replace("| -0.5 | 2 |", "| -0.4 | 2 |"))
+    assert readme_tables.main(["--check", *args]) == 1
+    # on the table's own host every cell counts
+    _demo_on(tmp_path, AMD, other)
+    assert readme_tables.main(["--check", *args]) == 1
