@@ -46,7 +46,8 @@ def test_the_old_scaling_names_resolve_to_their_new_homes(fresh) -> None:
                             ("fit_law", "vexact.map.fit", fit.fit_law),
                             ("correction_names", "vexact.map.naming", naming.correction_names),
                             ("DEFAULT_MAP", "vexact.map.verdict", verdict.DEFAULT_MAP)]:
-        with pytest.warns(DeprecationWarning, match=rf"vexact\.lab\.scaling\.{name} is deprecated: use {home}\.{name}$"):
+        message = rf"vexact\.lab\.scaling\.{name} is deprecated: use {home}\.{name}$"
+        with pytest.warns(DeprecationWarning, match=message):
             assert getattr(scaling, name) is obj
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         scaling.no_such_name  # noqa: B018
@@ -54,7 +55,8 @@ def test_the_old_scaling_names_resolve_to_their_new_homes(fresh) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         from vexact.lab.scaling import scaling as old_scaling  # a from-import of an old name works too
     assert old_scaling is fit.scaling
-    assert all(hasattr(importlib.import_module(scaling.HOME[n]), n) for n in scaling.__all__)  # every old name has a home
+    # every old public name has a home
+    assert all(hasattr(importlib.import_module(scaling.HOME[n]), n) for n in scaling.__all__)
 
 
 def test_python_m_vexact_lab_scaling_runs_the_map_command() -> None:
