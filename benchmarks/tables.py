@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from vexact.engine.model import short_dtype_name
-from vexact.lab.markdown_table import markdown_table
+from vexact.sweeps.markdown_table import markdown_table
 
 from .common import fmt_ratio, thread_counts
 from .end_to_end import LABELS as E2E_LABELS

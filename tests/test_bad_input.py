@@ -28,14 +28,14 @@ from test_trainer import EXPERIMENT
 from vexact.cli import EXIT_ENVIRONMENT, main
 from vexact.engine import model as model_module
 from vexact.engine.model import ModelConfig, ModelTooLarge, Transformer, parameter_count
-from vexact.lab import sweep as sweep_module
-from vexact.lab.report import read_sweep_results
-from vexact.lab.sweep import load_sweep_spec, run_sweep, sweep_lock
 from vexact.progress import Progress
 from vexact.real.check import CheckSettings, check_units, run_check
 from vexact.records.runlog import RunLocked, checkpoint_dirs, read_metrics
+from vexact.reports.sweep_report import read_sweep_results
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.trainer import Trainer
+from vexact.sweeps import sweep as sweep_module
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep, sweep_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = [f"{k}={v}" for k, v in FAST.items()] + ["threads=1", "logging.live=false", "logging.checkpoint_every=1"]

@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from vexact.lab.bias_meter import (
+from vexact.rl.config import config_from_dict
+from vexact.rl.horizon_task import horizon_overrides
+from vexact.sweeps.bias_meter import (
     bias_statistics,
     exact_gradients,
     fit_growth,
@@ -19,8 +21,6 @@ from vexact.lab.bias_meter import (
     plot_meter,
     split_cell,
 )
-from vexact.rl.config import config_from_dict
-from vexact.rl.horizon_task import horizon_overrides
 
 TINY = {"threads": 1, "seed": 0, "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
                                             "intermediate_size": 64},
@@ -158,7 +158,7 @@ def test_split_cell_reads_the_same_split_from_a_cells_norms():
 
 
 def test_noise_bias_cli(tmp_path, capsys):
-    from vexact.lab.bias_meter import _main
+    from vexact.sweeps.bias_meter import _main
 
     d, g = _deviations(1.0, 0.1, k=16), _deviations(2.0, 0.1, k=16)
     cells = [{**bias_statistics(g, d * scale, bootstrap=1), "batches": 16, "horizon": h, "source": "s",

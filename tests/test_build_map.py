@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vexact.lab import scaling
-from vexact.lab.scaling import bound_lines, build_map, compare_map, load_map, write_scaling
-from vexact.lab.sweep_data import read_sweep_results
+from vexact.map import build, fit
+from vexact.map.build import build_map
+from vexact.map.scaling_report import write_scaling
+from vexact.map.verdict import bound_lines, compare_map, load_map
 from vexact.metric_keys import K3_KL
 from vexact.rl.config import RunConfig
 from vexact.rl.horizon_task import horizon_overrides
+from vexact.sweeps.sweep_data import read_sweep_results
 
 SEEDS = (0, 1, 2)
 LOW, HIGH = (0.25, 0.5), (2.0, 4.0)  # dose factors around the true threshold: below survive, above collapse
@@ -83,7 +85,7 @@ def _two_rounds(tmp_path: Path, **changes) -> tuple[Path, Path]:
 def test_runs_of_one_horizon_from_two_sweeps_make_one_fit(tmp_path):
     a, b = _two_rounds(tmp_path)
     for one in (a, b):  # each round alone gives L = 8 only a bound
-        alone = scaling.scaling(read_sweep_results(one))
+        alone = fit.scaling(read_sweep_results(one))
         assert {h["horizon_value"]: h["status"] for h in alone["horizons"]}[8] in ("above_range", "below_range")
     built = build_map([a, b])
     (curve,) = built["curves"]
@@ -161,16 +163,16 @@ def test_a_file_curve_joins_sweep_horizons_but_never_at_the_same_horizon(tmp_pat
 def test_build_map_cli_prints_the_shape_and_bounds(tmp_path, capsys):
     a, b = _two_rounds(tmp_path)
     out = tmp_path / "map.json"
-    assert scaling._main(["build-map", str(out), str(a), str(b)]) == 0
+    assert build.main(["build-map", str(out), str(a), str(b)]) == 0
     text = capsys.readouterr().out
     assert "bypass (fitted, 3 horizons)" in text and "shape: shape over 3 fitted horizons" in text
     assert "ΔAIC (power − saturating)" in text
-    assert load_map(out)["provenance"]["made_by"] == f"python -m vexact.lab.scaling build-map {out} {a} {b}"
+    assert load_map(out)["provenance"]["made_by"] == f"python -m vexact.map build-map {out} {a} {b}"
     c, d = _two_rounds(tmp_path / "bad", steps=130)
-    assert scaling._main(["build-map", str(out), str(c), str(d)]) == 2
+    assert build.main(["build-map", str(out), str(c), str(d)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: correction 'bypass' at task.max_len = 8") and len(err.strip().splitlines()) == 1
-    assert scaling._main(["build-map", str(out), str(tmp_path)]) == 2  # a directory that is no sweep
+    assert build.main(["build-map", str(out), str(tmp_path)]) == 2  # a directory that is no sweep
     assert "without sweep.json" in capsys.readouterr().err
 
 
@@ -233,7 +235,7 @@ def test_detector_sensitivity_judges_runs_again(tmp_path):
     sweep = _dip_sweep(tmp_path)
     as_run = build_map([sweep])
     assert [h["status"] for h in as_run["horizons"]] == ["above_range", "above_range"]  # the dips recovered
-    rows = scaling.sensitivity([sweep], patiences=(10, 20), drops=(0.5,))
+    rows = build.sensitivity([sweep], patiences=(10, 20), drops=(0.5,))
     short, own = rows
     assert (short["patience"], own["patience"]) == (10, 20)
     assert [h["status"] for h in own["horizons"]] == ["above_range", "above_range"]  # the saved settings: as run
@@ -241,7 +243,7 @@ def test_detector_sensitivity_judges_runs_again(tmp_path):
     assert [h["status"] for h in short["horizons"]] == ["fitted", "fitted"]  # a 10-step window: the dips collapse
     assert short["alpha"] == pytest.approx(1.0, abs=0.1) and own["alpha"] is None
     assert short["from_runs"] == [8, 16]
-    lines = scaling.sensitivity_lines(rows)
+    lines = build.sensitivity_lines(rows)
     assert lines[0].startswith("patience 10, drop 0.5: α 1.0") and "L = 8: " in lines[0] and "(6/12)" in lines[0]
     assert lines[1].startswith("patience 20, drop 0.5: no α (bounds_only); L = 8: above ")
     assert json.loads((sweep / "points" / "variant=L8_x2.0,seed=0" / "summary.json").read_text())["collapse"][
@@ -250,10 +252,10 @@ def test_detector_sensitivity_judges_runs_again(tmp_path):
 
 def test_sensitivity_cli(tmp_path, capsys):
     sweep = _dip_sweep(tmp_path)
-    assert scaling._main(["sensitivity", str(sweep), "--patience", "10", "--drop", "0.5"]) == 0
+    assert build.main(["sensitivity", str(sweep), "--patience", "10", "--drop", "0.5"]) == 0
     assert capsys.readouterr().out.startswith("patience 10, drop 0.5: α 1.0")
-    assert scaling._main(["sensitivity", str(sweep), "--patience", "ten"]) == 2
+    assert build.main(["sensitivity", str(sweep), "--patience", "ten"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --patience 'ten': expected comma-separated int values") and err.count("\n") == 1
-    assert scaling._main(["sensitivity", str(sweep), "--drop", "1.5"]) == 2
+    assert build.main(["sensitivity", str(sweep), "--drop", "1.5"]) == 2
     assert "strictly between 0 and 1" in capsys.readouterr().err

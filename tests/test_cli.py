@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # What a command imports to do its work, never to print a help: the trainer, the report, the sweep, the kernels,
 # torch (and rich, which prints results)
-HEAVY = ("torch", "vexact.rl.trainer", "vexact.lab.report", "vexact.lab.sweep", "vexact_kernels", "vexact.real.check",
-         "rich")
+HEAVY = ("torch", "vexact.rl.trainer", "vexact.reports.sweep_report", "vexact.sweeps.sweep", "vexact_kernels",
+         "vexact.real.check", "rich")
 
 
 def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys):

@@ -211,8 +211,7 @@ def test_map_before_the_dumps_does_not_take_a_dump_for_the_map(tmp_path, capsys)
     """``--map`` takes an optional FILE, and argparse gives it the next word: ``--map R T`` used to read R as the
     map. A dump given to --map is one error naming the order that works; --map last, --map FILE after the dumps and
     --map=FILE anywhere keep working."""
-    from vexact.lab import scaling
-
+    from vexact.map import verdict
     rollout, train = _two_files(tmp_path)
     save_file({"rollout_log_probs": _padded(ROLL), "old_log_probs": _padded(TRAIN), "response_mask": MASK},
               tmp_path / "batch.safetensors")
@@ -224,13 +223,13 @@ def test_map_before_the_dumps_does_not_take_a_dump_for_the_map(tmp_path, capsys)
         assert err.startswith(f"error: --map took {dump} as its map file, but it is a log-prob dump, not a "
                               "scaling.json: for the map shipped with vexact put --map after the dumps (vexact "
                               "compare ROLLOUT [TRAIN] --map)") and err.count("\n") == 1, err
-    code, _, err = _run(capsys, "--map", scaling.DEFAULT_MAP)
-    assert code == 2 and err.startswith(f"error: no ROLLOUT dump given (--map took {scaling.DEFAULT_MAP} as its map")
+    code, _, err = _run(capsys, "--map", verdict.DEFAULT_MAP)
+    assert code == 2 and err.startswith(f"error: no ROLLOUT dump given (--map took {verdict.DEFAULT_MAP} as its map")
     code, _, err = _run(capsys)
     assert code == 2 and err == "error: no ROLLOUT dump given\n"
 
     expected = _report(capsys, rollout, train, "--map", out=tmp_path / "last.json")["map"]
-    for argv in ([rollout, train, "--map", scaling.DEFAULT_MAP], [f"--map={scaling.DEFAULT_MAP}", rollout, train]):
+    for argv in ([rollout, train, "--map", verdict.DEFAULT_MAP], [f"--map={verdict.DEFAULT_MAP}", rollout, train]):
         assert _report(capsys, *argv, out=tmp_path / "m.json")["map"] == expected
 
 

@@ -79,8 +79,8 @@ def test_float_fields_accept_ints_and_yaml11_exponents(tmp_path):
 
 def test_shipped_experiments_load():
     """Every shipped run config validates, and so does every point of every shipped sweep."""
-    from vexact.lab.bias_meter import load_meter_spec
-    from vexact.lab.sweep import load_sweep_spec
+    from vexact.sweeps.bias_meter import load_meter_spec
+    from vexact.sweeps.sweep import load_sweep_spec
 
     for path in sorted(EXPERIMENTS.glob("*.yaml")):
         if "sweep" in path.stem:
@@ -89,7 +89,7 @@ def test_shipped_experiments_load():
             load_meter_spec(path)
         else:
             assert isinstance(load_config(path), RunConfig)
-    demo = Path(__file__).resolve().parents[1] / "vexact" / "lab" / "demo_sweep.yaml"
+    demo = Path(__file__).resolve().parents[1] / "vexact" / "sweeps" / "demo_sweep.yaml"
     assert len(load_sweep_spec(demo).points) == 6
 
 

@@ -22,12 +22,12 @@ from vexact.engine.devices import (
     worker_device,
 )
 from vexact.engine.model import ModelConfig, Transformer
-from vexact.lab.ray_executor import task_config, task_resources
-from vexact.lab.sweep import SweepPoint, point_config
 from vexact.records.runlog import latest_checkpoint, read_metrics
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.trainer import Trainer
 from vexact.rl.warmstart import warm_start_key
+from vexact.sweeps.ray_executor import task_config, task_resources
+from vexact.sweeps.sweep import SweepPoint, point_config
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
 NO_CUDA = not torch.cuda.is_available()

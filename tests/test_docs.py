@@ -350,11 +350,11 @@ def written_shipped_paths(text: str) -> list[str]:
 def test_no_documented_command_overwrites_a_shipped_file():
     """A command a reader copies from the docs writes to a scratch path (runs/, /tmp), never over a file the
     package ships (a rebuilt map once overwrote vexact/lab/default_map.json with a one-curve map)."""
-    assert written_shipped_paths("```bash\npython -m vexact.lab.scaling build-map vexact/lab/default_map.json \\\n"
+    assert written_shipped_paths("```bash\npython -m vexact.map build-map vexact/map/default_map.json \\\n"
                                  "    runs/x\ngit show A:f > vexact/lab/x.json\n```\n") == [
-        "vexact/lab/default_map.json", "vexact/lab/x.json"]
-    assert written_shipped_paths("```bash\npython -m vexact.lab.scaling build-map runs/map.json "
-                                 "vexact/lab/default_map.json\n```\n") == []
+        "vexact/map/default_map.json", "vexact/lab/x.json"]
+    assert written_shipped_paths("```bash\npython -m vexact.map build-map runs/map.json "
+                                 "vexact/map/default_map.json\n```\n") == []
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     found = [f"{page.relative_to(ROOT)}: {path}" for page in pages for path in written_shipped_paths(page.read_text())]
     assert found == []

@@ -1,4 +1,4 @@
-"""vexact.lab.dose_response on hand-built sweep directories: the fitted 50% threshold, its bootstrap interval,
+"""vexact.sweeps.dose_response on hand-built sweep directories: the fitted 50% threshold, its bootstrap interval,
 and the cases where no threshold can be given (nothing collapsed, everything collapsed, missing metrics)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vexact.lab.dose_response import dose_response, fit_threshold, threshold_words
-from vexact.lab.report import write_report
-from vexact.lab.sweep import load_sweep_spec
-from vexact.lab.sweep_data import read_sweep_results
+from vexact.reports.sweep_report import write_report
 from vexact.rl.config import ConfigError
+from vexact.sweeps.dose_response import dose_response, fit_threshold, threshold_words
+from vexact.sweeps.sweep import load_sweep_spec
+from vexact.sweeps.sweep_data import read_sweep_results
 
 SEEDS = (0, 1, 2, 3)
 

@@ -1,4 +1,4 @@
-"""vexact.lab.dynamics: growth of the realised mismatch during a run and what it moves with."""
+"""vexact.sweeps.dynamics: growth of the realised mismatch during a run and what it moves with."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vexact.lab.dynamics import mismatch_dynamics, run_dynamics
-from vexact.lab.sweep_data import read_sweep_results
+from vexact.sweeps.dynamics import mismatch_dynamics, run_dynamics
+from vexact.sweeps.sweep_data import read_sweep_results
 
 STEPS = 50
 

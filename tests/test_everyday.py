@@ -18,7 +18,6 @@ from test_trainer import EXPERIMENT, _short
 
 from vexact.cli import build_parser, main
 from vexact.engine.model import DTYPE_ALIASES, resolve_dtype
-from vexact.lab.sweep import load_sweep_spec
 from vexact.real.check_report import check_verdict
 from vexact.real.locate import parse_locate_path
 from vexact.real.measure import parse_path
@@ -38,6 +37,7 @@ from vexact.rl.config import (
 )
 from vexact.rl.tasks import make_task
 from vexact.rl.trainer import Trainer
+from vexact.sweeps.sweep import load_sweep_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

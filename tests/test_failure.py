@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from vexact.lab.failure import (
+from vexact.sweeps.failure import (
     failure_of,
     failure_summary,
     failure_table,
@@ -15,7 +15,7 @@ from vexact.lab.failure import (
     horizon_failure_words,
     horizon_failures,
 )
-from vexact.lab.sweep_data import PointData
+from vexact.sweeps.sweep_data import PointData
 
 STEPS = range(0, 101, 10)
 FALL = 60  # the raw reward falls here; the detector confirms at COLLAPSE

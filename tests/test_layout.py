@@ -3,11 +3,12 @@
 
 Layers, lowest first: ``vexact_kernels`` (the folder kernels/); the base modules every layer shares
 (``registry``, ``metric_keys``, ``progress``, ``cli_base``); ``vexact.records`` (the files a run writes and reads),
-``vexact.engine``, ``vexact.rl``, ``vexact.lab``, ``vexact.real``; the top-level modules over the real-model tools
-(``live``, ``testing``, ``pytest_plugin``); ``vexact.integrations``; then ``vexact`` itself (``__init__``,
-``__main__``, ``cli``). A module may import its own layer and the layers below it, never one above, and every
-import counts: at module load, inside a function, under ``if TYPE_CHECKING:``, or by name (a string that names a
-vexact module, as ``importlib.import_module`` takes it). Within and across layers those imports form no cycle.
+``vexact.engine``, ``vexact.rl``, ``vexact.sweeps``, ``vexact.map``, ``vexact.reports``, ``vexact.real``; the
+top-level modules over the real-model tools (``live``, ``testing``, ``pytest_plugin``); ``vexact.integrations``; then
+``vexact`` itself (``__init__``, ``__main__``, ``cli``); on top ``vexact.lab``, the deprecated old paths. A module
+may import its own layer and the layers below it, never one above, and every import counts: at module load, inside
+a function, under ``if TYPE_CHECKING:``, or by name (a string that names a vexact module, as
+``importlib.import_module`` takes it). Within and across layers those imports form no cycle.
 ``Trainer.step`` -- with the Trainer methods it calls -- uses at most six vexact modules besides the policy it trains
 (``engine.model``'s ``Transformer``): one per stage of the data flow (rollout + injector, scoring/rollout records,
 metrics, loss, LR schedule, update).
@@ -28,11 +29,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("records",),
     ("engine",),
     ("rl",),
-    ("lab",),
+    ("sweeps",),  # grids of runs: running a sweep, reading its results, their analyses, the meter
+    ("map",),  # the collapse map: fits, verdicts, building it
+    ("reports",),  # vexact report: a sweep's and a run's report
     ("real",),
     ("live", "testing", "pytest_plugin"),  # vexact inside other code: the live monitor, the test helpers
     ("integrations",),
     ("__init__", "__main__", "cli"),  # the package's face: its API and its command line
+    ("lab",),  # old import paths of the sweeps, reports and map, kept with a DeprecationWarning: nothing imports them
 )
 """Each layer's members, lowest first: a package of ``vexact`` (its folder) or a top-level module (its file's stem).
 Every package and top-level module is in one (``test_every_package_and_module_has_a_layer``)."""
@@ -90,7 +94,7 @@ def _imported_vexact_modules(path: Path, text: str | None = None) -> list[tuple[
 
 def _own_unit(path: Path) -> str:
     """The layer member of a file of vexact/: its package's folder, or a top-level module's stem."""
-    parts = path.relative_to(ROOT / "vexact").with_suffix("").parts  # ('lab', 'studies', 'same_runs'): 'lab'
+    parts = path.relative_to(ROOT / "vexact").with_suffix("").parts  # ('map', 'build'): 'map'
     return parts[0]
 
 
@@ -354,12 +358,15 @@ def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
                               ["pkg.f", "pkg.g", "pkg.f"]]
 
 
-def test_lab_modules_share_helpers_by_public_names() -> None:
-    """The report modules' shared helpers (loading, values, cell formats) live in modules every report imports
-    (``sweep_data``, ``text_table``) under public names: no lab module borrows another's private helper (the Ray
-    executor is handed the sweep's point runner; it takes nothing from the sweep)."""
+@pytest.mark.parametrize("package", ["sweeps", "map", "reports"])
+def test_modules_share_helpers_by_public_names(package: str) -> None:
+    """The sweep, map and report modules' shared helpers (loading, values, cell formats, the map's number checks)
+    live in modules the others import (``sweep_data``, ``text_table``, ``map.points``) under public names: no module
+    borrows another's private helper (the Ray executor is handed the sweep's point runner; it takes nothing from the
+    sweep)."""
     borrowed = {(str(path.relative_to(ROOT)), alias.name)
-                for path in (ROOT / "vexact" / "lab").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                for path in (ROOT / "vexact" / package).rglob("*.py")
+                for node in ast.walk(ast.parse(path.read_text()))
                 if isinstance(node, ast.ImportFrom) for alias in node.names
                 if alias.name.startswith("_") and not alias.name.startswith("__")}
     assert not borrowed, borrowed

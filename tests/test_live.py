@@ -284,18 +284,6 @@ def test_tensorboard_view_holds_the_rows(tmp_path):
     assert scalars[0].value == pytest.approx(rows[0]["rollout_corr/k3_kl"], rel=1e-6)  # stored as float32
 
 
-def test_scaling_map_refused_without_the_module(tmp_path, monkeypatch):
-    import sys
-
-    import vexact.lab
-
-    monkeypatch.setitem(sys.modules, "vexact.lab.scaling", None)  # as on a vexact without the module
-    monkeypatch.delattr(vexact.lab, "scaling", raising=False)
-    with pytest.raises(ValueError, match=r"scaling_map needs vexact.lab.scaling"):
-        LiveMonitor(tmp_path, scaling_map={"status": "fitted"})
-    LiveMonitor(tmp_path)  # without a map the monitor needs no such module
-
-
 @pytest.mark.parametrize("scaling_map, message", [
     ({"status": "fitted"}, r"scaling_map is not a map: no 'horizon_range' key"),
     ({"horizon_range": [8.0, 128.0]}, r"scaling_map is not a map: no 'status' key"),
@@ -320,20 +308,17 @@ FITTED_MAP = {"status": "fitted", "horizon_range": [8.0, 128.0], "log10_prefacto
 
 
 def test_scaling_map_verdict_or_clear_refusal(tmp_path):
-    """With ``vexact.lab.scaling`` present every ok row carries its ``place_on_map`` verdict for the step's k3 and
-    mean response length; without the module a map is refused at construction. Rows never carry ``map`` unless a
-    map was given (test_row_equals_compare_on_the_same_tensors)."""
+    """Every ok row carries its ``place_on_map`` verdict (``vexact.map.verdict``) for the step's k3 and mean
+    response length. Rows never carry ``map`` unless a map was given (test_row_equals_compare_on_the_same_tensors)."""
     roll, train, mask = _batch()
     map_file = tmp_path / "scaling.json"
     map_file.write_text(json.dumps(FITTED_MAP))
-    try:
-        from vexact.lab import scaling
-    except ImportError:
-        pytest.skip("this vexact has no vexact.lab.scaling (test_scaling_map_refused_without_the_module covers it)")
+    from vexact.map import verdict
+
     summary = _dump(tmp_path, roll, train, mask)
-    expected, _ = scaling.compare_map(summary, map_file)  # what `vexact compare BATCH --map FILE --json` writes
+    expected, _ = verdict.compare_map(summary, map_file)  # what `vexact compare BATCH --map FILE --json` writes
     assert summary["tokens"] / summary["sequences"] == int(mask.sum()) / len(mask)
-    for given in (map_file, scaling.load_map(map_file)):  # a path (read with load_map) or a loaded map
+    for given in (map_file, verdict.load_map(map_file)):  # a path (read with load_map) or a loaded map
         with LiveMonitor(tmp_path / f"live_{type(given).__name__}", scaling_map=given) as monitor:
             row = monitor.step(0, roll, train, mask)
         assert row["map"] == expected and row["map"]["verdict"]

@@ -11,22 +11,15 @@ import pytest
 import torch
 import yaml
 
-from vexact.lab import scaling
-from vexact.lab.scaling import (
-    MAP_KEYS,
-    build_map,
-    compare_shapes,
-    correction_from_config,
-    correction_name,
-    correction_names,
-    load_map,
-    place_on_map,
-    resolve_correction,
-    write_scaling,
-)
-from vexact.lab.sweep_data import PointData, SweepData
+from vexact.map import build, fit, naming, verdict
+from vexact.map.build import build_map
+from vexact.map.naming import correction_from_config, correction_name, correction_names
+from vexact.map.scaling_report import write_scaling
+from vexact.map.shapes import compare_shapes
+from vexact.map.verdict import MAP_KEYS, load_map, place_on_map, resolve_correction
 from vexact.rl.config import CorrectionSection
 from vexact.rl.corrections import CORRECTION_METHODS, PRESETS, CorrectionMethod, register_correction_method
+from vexact.sweeps.sweep_data import PointData, SweepData
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -104,7 +97,7 @@ def test_correction_names_come_from_the_registry():
         assert "test_tis" in correction_names() and "bypass_test_tis" in correction_names()
     finally:
         CORRECTION_METHODS.remove("test_tis")
-    assert set(scaling.TRL_MODES.values()) | {scaling.TRL_BAND_METHOD} <= set(names)
+    assert set(naming.TRL_MODES.values()) | {naming.TRL_BAND_METHOD} <= set(names)
 
 
 def test_one_function_names_every_run_config():
@@ -194,7 +187,7 @@ def test_report_splits_curves_by_the_correction_each_run_saved(tmp_path):
     report must not fit one curve over both (the old report did: one curve, 'all')."""
     points = (_bypass_points(tmp_path, config={"algorithm": {"old_logprobs": "rollout"}})
               + _recompute_points(tmp_path, config={"algorithm": {"old_logprobs": "recompute"}}))
-    result = scaling.scaling(_sweep(tmp_path, points, ["task.max_len"]))
+    result = fit.scaling(_sweep(tmp_path, points, ["task.max_len"]))
     assert [c["correction"] for c in result["curves"]] == ["bypass", "recompute"]
     assert result["correction"] == "bypass" and result["curve"] == "correction=bypass"
     assert result["alpha"] == pytest.approx(1.0, abs=0.05)
@@ -210,10 +203,10 @@ def test_a_bound_over_runs_that_dropped_unconfirmed_says_so(tmp_path):
     points = _recompute_points(tmp_path, overrides={"algorithm.old_logprobs": "recompute"})
     late = next(p for p in points if p.overrides["task.max_len"] == 80)
     late.summary["collapse"]["collapse_unconfirmed_step"] = 110
-    result = scaling.scaling(_sweep(tmp_path, points, ["task.max_len"]))
+    result = fit.scaling(_sweep(tmp_path, points, ["task.max_len"]))
     curve = result["curves"][0]
     assert curve["correction"] == "recompute" and [h["dropped_unconfirmed"] for h in curve["horizons"]] == [0, 0, 1]
-    assert scaling.bound_lines(curve)[2] == ("no collapse measured up to k3 0.037 at T 83 (1 of 9 runs dropped below "
+    assert verdict.bound_lines(curve)[2] == ("no collapse measured up to k3 0.037 at T 83 (1 of 9 runs dropped below "
                                              "half their peak, unconfirmed by the run's end)")
     at_60 = place_on_map(result, 0.01, 60.0, "recompute")["verdict"]  # only L = 80's bound reaches T = 60
     assert at_60.startswith("below every level tested: no collapse measured up to k3 0.037 at T 83 (recompute) "
@@ -228,7 +221,7 @@ def test_a_point_that_never_started_starts_no_curve(tmp_path):
     pending = PointData("pending", tmp_path / "points" / "pending", {"task.max_len": 8, "seed": 0}, "pending")
     stray = PointData("stray", tmp_path / "points" / "stray",
                       {"task.max_len": 8, "seed": 0, "algorithm.old_logprobs": "recompute"}, "pending")
-    result = scaling.scaling(_sweep(tmp_path, _bypass_points(tmp_path) + [pending, stray], ["task.max_len"]))
+    result = fit.scaling(_sweep(tmp_path, _bypass_points(tmp_path) + [pending, stray], ["task.max_len"]))
     assert [c["correction"] for c in result["curves"]] == ["bypass"]
     assert result["horizons"][0]["runs_total"] == len(SEEDS) * len(FACTORS) + 1  # the pending bypass point joined
 
@@ -236,7 +229,7 @@ def test_a_point_that_never_started_starts_no_curve(tmp_path):
 def test_report_labels_a_curve_with_its_correction_and_other_keys(tmp_path):
     grid_points = (_bypass_points(tmp_path, overrides={"correction.method": "none", "lr": 1})
                    + _bypass_points(tmp_path / "tis", overrides={"correction.method": "token_tis", "lr": 1}))
-    result = scaling.scaling(_sweep(tmp_path, grid_points, ["task.max_len", "correction.method", "lr"]))
+    result = fit.scaling(_sweep(tmp_path, grid_points, ["task.max_len", "correction.method", "lr"]))
     assert [c["curve"] for c in result["curves"]] == ["correction=bypass, lr=1", "correction=bypass_token_tis, lr=1"]
     files, line = write_scaling(_sweep(tmp_path, grid_points, ["task.max_len", "correction.method", "lr"]), tmp_path)
     assert line.count("scaling (correction=") == 2 and "shape over 4 fitted horizons" in line
@@ -290,14 +283,14 @@ def test_a_correction_absent_from_the_map_is_named_not_replaced(tmp_path):
 
 def test_outside_every_curve_is_one_sentence(tmp_path):
     m = _two_correction_map(tmp_path)
-    placed = scaling.placement(m, 1e-6, 5000.0, "bypass")
+    placed = verdict.placement(m, 1e-6, 5000.0, "bypass")
     assert placed["verdict"].startswith("far below the measured collapse range; extrapolated: T = 5000 lies")
     sentence = placed["outside_every_curve"]
     assert sentence == ("T = 5000 lies outside every curve's measured horizons (bypass: T = 8.0 .. 64; recompute: "
                         "T = 8.5 .. 83): every threshold the map gives at this T is an extrapolation")
-    lines = scaling.map_lines(placed, m)
+    lines = verdict.map_lines(placed, m)
     assert f"  outside the map: {sentence}" in lines
-    inside = scaling.placement(m, 1e-4, 30.0, "bypass")
+    inside = verdict.placement(m, 1e-4, 30.0, "bypass")
     assert "outside_every_curve" not in inside and "extrapolated" not in inside["verdict"]
 
 
@@ -351,8 +344,8 @@ def test_bypass_tis_never_gets_the_recompute_tis_curve(tmp_path):
     + TIS); on a map with only the recompute + TIS curve its verdict is one sentence saying there is no curve for it,
     never the recompute curve's bound ("below every level tested")."""
     m = _tis_map(tmp_path)
-    assert scaling.resolve_correction(VERL_BYPASS_TIS, m) == "bypass_token_tis"
-    assert scaling.resolve_correction({"algorithm": {"rollout_correction": {"rollout_is": "token"}}}, m) == "token_tis"
+    assert verdict.resolve_correction(VERL_BYPASS_TIS, m) == "bypass_token_tis"
+    assert verdict.resolve_correction({"algorithm": {"rollout_correction": {"rollout_is": "token"}}}, m) == "token_tis"
     recompute_tis = place_on_map(m, 0.025, 8.0, "token_tis")
     assert recompute_tis["verdict"].startswith("below every level tested")  # the curve exists for recompute + TIS
     assert recompute_tis["verdict"].endswith("; curve: recompute + token_tis: old log-probs recomputed by the "
@@ -418,7 +411,7 @@ def test_live_monitor_takes_the_correction(tmp_path):
     roll = torch.full((4, 8), -1.0)
     train = roll + 0.22
     summary = {"sequences": 4, "tokens": 32, "metrics": {"rollout_corr/k3_kl": math.exp(0.22) - 1.22}}
-    expected, _ = scaling.compare_map(summary, map_file, "recompute")
+    expected, _ = verdict.compare_map(summary, map_file, "recompute")
     with LiveMonitor(tmp_path / "live", scaling_map=map_file, correction="recompute") as monitor:
         row = monitor.step(0, roll, train)
     assert row["map"]["correction"] == "recompute" and list(row["map"]) == list(MAP_KEYS)
@@ -474,25 +467,26 @@ def test_build_map_cli(tmp_path, capsys):
     _two_correction_map(tmp_path)
     out = tmp_path / "built.json"
     files = [str(tmp_path / "bypass" / "scaling.json"), str(tmp_path / "recompute" / "scaling.json")]
-    assert scaling._main(["build-map", str(out), *files]) == 0
+    assert build.main(["build-map", str(out), *files]) == 0
     built = json.loads(out.read_text())
-    assert built["provenance"]["made_by"] == f"python -m vexact.lab.scaling build-map {out} {' '.join(files)}"
+    assert built["provenance"]["made_by"] == f"python -m vexact.map build-map {out} {' '.join(files)}"
     assert "bypass (fitted, 4 horizons); recompute (bounds_only, 3 horizons)" in capsys.readouterr().out
-    assert scaling._main(["build-map", str(out), str(tmp_path / "absent.json")]) == 2
+    assert build.main(["build-map", str(out), str(tmp_path / "absent.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: map file not found") and len(err.strip().splitlines()) == 1
 
 
 def test_the_shipped_map_is_made_by_build_map():
     m = load_map()
+    # recorded when the map was built, before the map moved from vexact.lab.scaling (that command still runs)
     assert m["provenance"]["made_by"].startswith("python -m vexact.lab.scaling build-map vexact/lab/default_map.json ")
     corrections = [c["correction"] for c in m["curves"] if c["source"] == "logit_scale"]
     assert corrections[:3] == ["bypass", "recompute", "token_tis"]  # then the corrections sweep's later rounds
-    assert scaling.map_sources(m)[0] == "logit_scale"  # the default source: a placement without one uses it
-    routing = scaling.curve_for(m, "bypass", "routing_flip:near_tie")  # MoE routing: its own curve, one horizon
+    assert verdict.map_sources(m)[0] == "logit_scale"  # the default source: a placement without one uses it
+    routing = verdict.curve_for(m, "bypass", "routing_flip:near_tie")  # MoE routing: its own curve, one horizon
     assert routing["status"] == "single_horizon" and routing["horizons"][0]["status"] == "fitted"
-    rebuilt = build_map([scaling.DEFAULT_MAP])  # the command is idempotent on its own output
-    assert rebuilt["curves"] == json.loads(scaling.DEFAULT_MAP.read_text())["curves"]
+    rebuilt = build_map([verdict.DEFAULT_MAP])  # the command is idempotent on its own output
+    assert rebuilt["curves"] == json.loads(verdict.DEFAULT_MAP.read_text())["curves"]
     placed = place_on_map(m, 4.98e-5, 1000.0, "bypass")
     assert placed["threshold_50"] == pytest.approx(0.0029, rel=0.05)  # docs/results/horizon.md's example
     for correction in ("recompute", "token_tis"):  # the corrections sweep collapsed none: bounds, never a threshold
@@ -515,21 +509,21 @@ def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
     m = load_map(tmp_path / "scaling.json")
     assert m["status"] == "fitted" and m["alpha"] == pytest.approx(1.0, abs=0.05) and m["bounds_violated"] == [2, 256]
 
-    above = scaling.placement(m, 0.002, 300.0, "bypass")  # the law alone: near its threshold 0.0027
+    above = verdict.placement(m, 0.002, 300.0, "bypass")  # the law alone: near its threshold 0.0027
     assert above["verdict"].startswith("above the measured collapse range: every run collapsed from k3 0.001 at T 256")
     assert above["threshold_50"] == pytest.approx(0.1 * 8 / 300, rel=0.05)  # the law's number is still reported
-    below = scaling.placement(m, 1e-5, 300.0, "bypass")  # the law alone: far below
+    below = verdict.placement(m, 1e-5, 300.0, "bypass")  # the law alone: far below
     assert below["verdict"].startswith("below k3 0.001 (100x), where runs collapsed")
     assert "cannot say how far below" in below["verdict"] and "far below the measured" not in below["verdict"]
-    assert scaling.COLLAPSE_BOUND_ASSUMPTION in "\n".join(scaling.map_lines(below, m))
-    assert scaling.placement(m, 0.0, 300.0, "bypass")["verdict"].startswith("below k3 0.001, where runs collapsed")
-    far = scaling.placement(m, 1e-5, 100.0, "bypass")  # T = 256 is more than 1.5x longer: the law answers
+    assert verdict.COLLAPSE_BOUND_ASSUMPTION in "\n".join(verdict.map_lines(below, m))
+    assert verdict.placement(m, 0.0, 300.0, "bypass")["verdict"].startswith("below k3 0.001, where runs collapsed")
+    far = verdict.placement(m, 1e-5, 100.0, "bypass")  # T = 256 is more than 1.5x longer: the law answers
     assert far["verdict"] == ("far below the measured collapse range; curve: bypass: old log-probs from the rollout, "
                               "no correction")
-    survived = scaling.placement(m, 1.0, 2.0, "bypass")  # the law alone: above its threshold 0.4
+    survived = verdict.placement(m, 1.0, 2.0, "bypass")  # the law alone: above its threshold 0.4
     assert survived["verdict"].startswith("below every level tested: no collapse measured up to k3 5 at T 2.0")
-    assert scaling.BOUND_ASSUMPTION in "\n".join(scaling.map_lines(survived, m))
-    untested = scaling.placement(m, 6.0, 2.0, "bypass")  # above the survival, and the law crosses it: unknown
+    assert verdict.BOUND_ASSUMPTION in "\n".join(verdict.map_lines(survived, m))
+    untested = verdict.placement(m, 6.0, 2.0, "bypass")  # above the survival, and the law crosses it: unknown
     assert untested["verdict"].startswith("not placed: your k3 is above the largest level tested without collapse")
 
 
@@ -583,10 +577,10 @@ def test_a_bound_tests_each_shape():
 
 
 def test_shape_is_in_scaling_json_and_printed(tmp_path, capsys):
-    result = scaling.scaling(_sweep(tmp_path, _bypass_points(tmp_path), ["task.max_len"]))
+    result = fit.scaling(_sweep(tmp_path, _bypass_points(tmp_path), ["task.max_len"]))
     assert result["shape"]["status"] == "compared" and result["curves"][0]["shape"] == result["shape"]
-    assert scaling._main(["shape"]) == 0
-    bypass = scaling.curve_for(scaling.load_map(None), "bypass")  # the shipped map's, as the command prints it
+    assert build.main(["shape"]) == 0
+    bypass = verdict.curve_for(verdict.load_map(None), "bypass")  # the shipped map's, as the command prints it
     assert capsys.readouterr().out.startswith(f"bypass / logit_scale: {bypass['shape']['note'][:40]}")
 
 

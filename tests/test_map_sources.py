@@ -13,7 +13,9 @@ import pytest
 import yaml
 from test_build_map import HIGH, LOW, _sweep, _threshold
 
-from vexact.lab.scaling import build_map, compare_map, curve_for, map_sources, place_on_map, source_name
+from vexact.map.build import build_map
+from vexact.map.naming import source_name
+from vexact.map.verdict import compare_map, curve_for, map_sources, place_on_map
 from vexact.rl.config import RunConfig
 
 ROUTING = {"inject.mode": "routing_flip", "inject.flip_kind": "near_tie"}

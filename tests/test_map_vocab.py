@@ -12,8 +12,9 @@ import pytest
 from test_build_map import HIGH, LOW, _sweep
 
 from vexact.cli import main
-from vexact.lab import scaling
-from vexact.lab.scaling import build_map, compare_map, map_vocab, place_on_map, shipped_map_for
+from vexact.map import build, verdict
+from vexact.map.build import build_map
+from vexact.map.verdict import compare_map, map_vocab, place_on_map, shipped_map_for
 
 TAIL = {"task.distractors": 1002}
 
@@ -29,8 +30,8 @@ def _maps(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_map_vocab_is_the_testbeds_characters_plus_its_tail(tmp_path):
     main_map, tail_map = _maps(tmp_path)
-    assert map_vocab(scaling.load_map(main_map)) == 22
-    assert map_vocab(scaling.load_map(tail_map)) == 1024
+    assert map_vocab(verdict.load_map(main_map)) == 22
+    assert map_vocab(verdict.load_map(tail_map)) == 1024
     assert map_vocab({"status": "fitted"}) is None  # no testbed: unknown
 
 
@@ -49,17 +50,17 @@ def test_a_vocabulary_picks_the_shipped_map_nearest_it_on_a_log_scale(tmp_path):
 
 def test_the_placement_names_the_maps_vocabulary(tmp_path):
     main_map, tail_map = _maps(tmp_path)
-    assert place_on_map(scaling.load_map(main_map), 0.01, 16.0)["vocab"] == 22
-    assert place_on_map(scaling.load_map(tail_map), 0.01, 16.0)["vocab"] == 1024
-    assert set(place_on_map(scaling.load_map(tail_map), 0.01, 16.0)) == set(scaling.MAP_KEYS)
+    assert place_on_map(verdict.load_map(main_map), 0.01, 16.0)["vocab"] == 22
+    assert place_on_map(verdict.load_map(tail_map), 0.01, 16.0)["vocab"] == 1024
+    assert set(place_on_map(verdict.load_map(tail_map), 0.01, 16.0)) == set(verdict.MAP_KEYS)
 
 
 def test_compare_with_a_vocab_uses_the_tail_map_and_refers_to_the_main_one_only_without_a_verdict(
         tmp_path, monkeypatch):
     main_map, tail_map = _maps(tmp_path)
-    monkeypatch.setattr(scaling, "DEFAULT_MAP", main_map)
-    monkeypatch.setattr(scaling, "DEFAULT_TAIL_MAP", tail_map)
-    monkeypatch.setattr(scaling, "SHIPPED_MAPS", {main_map: "the map shipped with vexact",
+    monkeypatch.setattr(verdict, "DEFAULT_MAP", main_map)
+    monkeypatch.setattr(verdict, "DEFAULT_TAIL_MAP", tail_map)
+    monkeypatch.setattr(verdict, "SHIPPED_MAPS", {main_map: "the map shipped with vexact",
                                                   tail_map: "the tail map shipped with vexact"})
     near = {"sequences": 2, "tokens": 32, "metrics": {"rollout_corr/k3_kl": 0.01}}  # T = 16: the tail map's horizon
     placed, lines = compare_map(near, None, "bypass", vocab=151_936)
@@ -88,7 +89,7 @@ def test_live_monitor_takes_the_vocab(tmp_path, monkeypatch):
     from vexact.live import LiveMonitor
 
     main_map, tail_map = _maps(tmp_path)
-    monkeypatch.setattr(scaling, "SHIPPED_MAPS", {main_map: "main", tail_map: "tail"})
+    monkeypatch.setattr(verdict, "SHIPPED_MAPS", {main_map: "main", tail_map: "tail"})
     monitor = LiveMonitor(tmp_path / "live", scaling_map="default", correction="bypass", vocab=128_256)
     assert monitor._map(0.01, 16.0)["vocab"] == 1024
     with pytest.raises(ValueError, match="give scaling_map too"):
@@ -110,15 +111,15 @@ def test_build_map_only_takes_one_vocabulary_out_of_a_sweep_that_varies_it(tmp_p
     (both / "sweep.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="differ in task.distractors"):
         build_map([both])
-    tail = build_map([both], only=scaling.parse_only(["task.distractors=1002"]))
+    tail = build_map([both], only=build.parse_only(["task.distractors=1002"]))
     assert map_vocab(tail) == 1024 and tail["provenance"]["only"] == {"task.distractors": [1002]}
     assert sum(h["runs_total"] for h in tail["horizons"]) == 12  # the tail's 12 runs, none of the plain ones
-    assert scaling._main(["build-map", str(tmp_path / "t.json"), str(both), "--only", "task.distractors=1002"]) == 0
+    assert build.main(["build-map", str(tmp_path / "t.json"), str(both), "--only", "task.distractors=1002"]) == 0
     for bad, said in ((["nope=1"], "'nope' is not a run config key"), (["task.distractors"], "expected KEY=VALUE")):
         with pytest.raises(ValueError, match=said):
-            scaling.parse_only(bad)
+            build.parse_only(bad)
     with pytest.raises(ValueError, match=r"no finished runs with task.distractors in \[7\]"):
-        build_map([both], only=scaling.parse_only(["task.distractors=7"]))
+        build_map([both], only=build.parse_only(["task.distractors=7"]))
 
 
 def test_a_curve_with_one_threshold_and_a_bound_answers_at_the_thresholds_horizon(tmp_path):
@@ -134,10 +135,10 @@ def test_a_curve_with_one_threshold_and_a_bound_answers_at_the_thresholds_horizo
 
 
 def test_the_shipped_tail_map_is_made_by_build_map_and_picked_for_a_real_vocabulary():
-    tail = scaling.load_map(scaling.DEFAULT_TAIL_MAP)
-    assert map_vocab(tail) == 1024 and map_vocab(scaling.load_map()) == 22
+    tail = verdict.load_map(verdict.DEFAULT_TAIL_MAP)
+    assert map_vocab(tail) == 1024 and map_vocab(verdict.load_map()) == 22
     # L = 80's tail runs are left out until their late drops are confirmed (docs/results/vocab_tail.md)
     assert tail["provenance"]["made_by"].endswith("--only task.distractors=1002 --only task.max_len=1,16")
-    assert tail["origin"] == scaling.SHIPPED_MAPS[scaling.DEFAULT_TAIL_MAP]
-    assert shipped_map_for(151_936) == scaling.DEFAULT_TAIL_MAP and shipped_map_for(22) == scaling.DEFAULT_MAP
-    assert build_map([scaling.DEFAULT_TAIL_MAP])["curves"] == json.loads(scaling.DEFAULT_TAIL_MAP.read_text())["curves"]
+    assert tail["origin"] == verdict.SHIPPED_MAPS[verdict.DEFAULT_TAIL_MAP]
+    assert shipped_map_for(151_936) == verdict.DEFAULT_TAIL_MAP and shipped_map_for(22) == verdict.DEFAULT_MAP
+    assert build_map([verdict.DEFAULT_TAIL_MAP])["curves"] == json.loads(verdict.DEFAULT_TAIL_MAP.read_text())["curves"]

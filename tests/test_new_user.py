@@ -22,10 +22,10 @@ import torch
 import yaml
 
 from vexact.cli import main
-from vexact.lab.sweep import load_sweep_spec
 from vexact.records.runlog import latest_checkpoint, read_metrics
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.data_parallel import check_leaves
+from vexact.sweeps.sweep import load_sweep_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments" / "zero_mismatch.yaml"
@@ -138,7 +138,7 @@ def test_run_directory_resume_collision_and_rename(tmp_path, capsys, one_torch_t
 def _shipped_configs() -> list[tuple[str, object]]:
     """Every run config and every sweep point the repository ships (experiments/ and the demo)."""
     configs = []
-    for path in sorted((ROOT / "experiments").glob("*.yaml")) + [ROOT / "vexact" / "lab" / "demo_sweep.yaml"]:
+    for path in sorted((ROOT / "experiments").glob("*.yaml")) + [ROOT / "vexact" / "sweeps" / "demo_sweep.yaml"]:
         raw = yaml.safe_load(path.read_text())
         if {"grid", "variants"} & set(raw) and "horizons" not in raw:
             configs += [(f"{path.name}:{p.name}", p.config) for p in load_sweep_spec(path).points]

@@ -276,8 +276,8 @@ def plugin_on_sys_path(tmp_path, monkeypatch):
 def test_ray_tasks_import_the_plugins_from_the_drivers_path(tmp_path, plugin_on_sys_path):
     """A Ray task runs in a worker process Ray started, not one this process spawned: the driver's import path
     travels with the task, so the plugin that this process imports from its ``sys.path`` imports there too."""
-    from vexact.lab import ray_executor
-    from vexact.lab.sweep import load_sweep_spec, run_sweep
+    from vexact.sweeps import ray_executor
+    from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(RUN))
     sweep = tmp_path / "sweep.yaml"

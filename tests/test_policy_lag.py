@@ -212,7 +212,7 @@ def test_live_monitor_refuses_a_bad_lag(tmp_path, lag):
 def _lag_sweep(tmp: Path):
     """Two curves of one correction and source, at policy lag 0 (threshold 0.1 at T 8, alpha 1) and lag 4 (a tenth
     of it), the lag read from each point's config (here: its overrides, as a sweep grid sets it)."""
-    from vexact.lab.sweep_data import PointData, SweepData
+    from vexact.sweeps.sweep_data import PointData, SweepData
 
     points = []
     for lag, thr8 in ((0, 1e-1), (4, 1e-2)):
@@ -232,7 +232,8 @@ def _lag_sweep(tmp: Path):
 
 
 def test_map_curves_carry_their_lag_and_a_verdict_takes_the_users(tmp_path):
-    from vexact.lab.scaling import MAP_KEYS, load_map, place_on_map, scaling
+    from vexact.map.fit import scaling
+    from vexact.map.verdict import MAP_KEYS, load_map, place_on_map
 
     result = scaling(_lag_sweep(tmp_path))
     lags = {c["policy_lag"]: c for c in result["curves"]}
@@ -256,7 +257,7 @@ def test_compare_map_policy_lag_flag(tmp_path, capsys):
     import json
 
     from vexact.cli import main
-    from vexact.lab.scaling import write_scaling
+    from vexact.map.scaling_report import write_scaling
 
     m = tmp_path / "m"
     m.mkdir()
@@ -281,8 +282,8 @@ def test_compare_map_policy_lag_flag(tmp_path, capsys):
 
 
 def test_live_monitor_verdict_at_the_users_lag(tmp_path):
-    from vexact.lab.scaling import scaling
     from vexact.live import LiveMonitor
+    from vexact.map.fit import scaling
 
     result = scaling(_lag_sweep(tmp_path / "sweep"))
     roll, behaviour, current = _sides()

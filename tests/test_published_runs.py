@@ -19,7 +19,7 @@ from tools.published import (
     measured_horizon_at,
     points_table,
 )
-from vexact.lab import scaling
+from vexact.map import build, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "results" / "published_runs.md"
@@ -37,14 +37,14 @@ def test_the_page_tables_are_the_command_output(capsys):
     blocks = _blocks(PAGE.read_text())
     assert blocks["python -m tools.published (first table)"] == first
     assert blocks["python -m tools.published (second table)"] == second
-    assert scaling._main(["shape"]) == 0
+    assert build.main(["shape"]) == 0
     shape = capsys.readouterr().out.rstrip("\n")
-    assert blocks["python -m vexact.lab.scaling shape"] == f"```\n{shape}\n```"
+    assert blocks["python -m vexact.map shape"] == f"```\n{shape}\n```"
 
 
 def test_every_point_is_on_the_table_with_its_source():
     points, bars = load_published()
-    table = points_table(scaling.load_map(), points)
+    table = points_table(verdict.load_map(), points)
     assert len(table.splitlines()) == 2 + len(points)
     for p in points:
         assert p.source in table
@@ -66,7 +66,7 @@ def test_the_map_columns_are_computed_not_typed(tmp_path):
     bypass_only = {**m, "curves": [c for c in m["curves"] if c["correction"] == "bypass"]}
     missing = points_table(bypass_only, [survived]).splitlines()[2]
     assert "no recompute curve on the map" in missing and "bypass law" in missing  # never the bypass verdict as theirs
-    shipped = points_table(scaling.load_map(), [survived]).splitlines()[2]  # the shipped map has a recompute curve
+    shipped = points_table(verdict.load_map(), [survived]).splitlines()[2]  # the shipped map has a recompute curve
     assert "no collapse measured up to" in shipped and "(recompute)" in shipped and shipped.endswith("| agrees |")
 
 
@@ -75,7 +75,7 @@ def test_the_tail_column_is_what_compare_vocab_answers(tmp_path):
     is that map's verdict, on their correction's curve when it has one, else on its bypass curve, named."""
     from test_build_map import HIGH, LOW, _sweep
 
-    tail = scaling.build_map([_sweep(tmp_path, "tail", [(16, LOW + HIGH)], **{"task.distractors": 1002})])
+    tail = build.build_map([_sweep(tmp_path, "tail", [(16, LOW + HIGH)], **{"task.distractors": 1002})])
     far = PublishedPoint("a", "src A", "model", "k3 0.01", "survived", k3=0.01, horizon=100_000.0,
                          correction="recompute")
     near = PublishedPoint("b", "src B", "model", "k3 0.5", "collapsed", k3=0.5, horizon=16.0, correction="bypass")
@@ -95,9 +95,9 @@ def test_agreement_and_horizon_at():
     assert agreement("survived", "below every level tested: no collapse measured up to k3 0.37") == "agrees"
     assert agreement("not stated", "above").startswith("cannot test")
     assert agreement("collapsed", "no verdict at this horizon").startswith("cannot test")
-    curve = scaling.curve_for(scaling.load_map(), "bypass")
+    curve = verdict.curve_for(verdict.load_map(), "bypass")
     t = horizon_at(curve, 0.013)
-    assert scaling.place_on_map(scaling.load_map(), 0.013, t, "bypass")["threshold_50"] == pytest.approx(0.013)
+    assert verdict.place_on_map(verdict.load_map(), 0.013, t, "bypass")["threshold_50"] == pytest.approx(0.013)
     assert horizon_at({"status": "bounds_only"}, 0.01) is None
     # a horizon whose runs all collapsed from k3 0.003 at T = 400, where the law (0.1 at T = 1, α = 0.5) says 0.005
     measured = {"status": "fitted", "log10_prefactor": -1.0, "alpha": 0.5,

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 from test_sweep import _metrics, _sweep_file, interrupt_sweep
 
-from vexact.lab import ray_executor
-from vexact.lab.sweep import load_sweep_spec, run_sweep
 from vexact.records.runlog import latest_checkpoint
+from vexact.sweeps import ray_executor
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 
 # Ray itself is imported by ray_executor (which sets its loopback mode first), never at this module's top.
 pytestmark = pytest.mark.needs_package("ray", "pip install 'vexact[ray]' (.ci/run does)")

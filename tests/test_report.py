@@ -1,4 +1,4 @@
-"""vexact.lab.report on hand-built sweep directories (no training runs)."""
+"""vexact.reports.sweep_report on hand-built sweep directories (no training runs)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vexact.lab.report import write_report
-from vexact.lab.sweep_data import read_sweep_results
-from vexact.lab.sweep_plots import sweep_figures
-from vexact.lab.sweep_table import (
+from vexact.reports.sweep_plots import sweep_figures
+from vexact.reports.sweep_report import write_report
+from vexact.reports.sweep_table import (
     _table_cells,
     group_markdown,
     group_table,
@@ -23,7 +22,8 @@ from vexact.lab.sweep_table import (
     reward_summary,
     write_summary_csv,
 )
-from vexact.lab.text_table import TextColumn, print_table
+from vexact.sweeps.sweep_data import read_sweep_results
+from vexact.sweeps.text_table import TextColumn, print_table
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 30
@@ -277,7 +277,7 @@ def test_peak_and_final_reward_share_one_smoothed_definition(tmp_path: Path) -> 
 
 
 def test_peak_reward_without_metrics_falls_back_to_the_summary_peak() -> None:
-    from vexact.lab.sweep_data import PointData
+    from vexact.sweeps.sweep_data import PointData
 
     point = PointData(name="p", dir=Path("."), overrides={}, status="completed",
                       summary={"collapse": _collapse(False, 1e-3, 0.01, peak=0.55, final=0.9)})
@@ -451,7 +451,7 @@ def test_cli_report_prints_the_written_line_once(sweep: Path, capsys: pytest.Cap
 def test_report_of_a_directory_that_is_neither_a_run_nor_a_sweep(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     from vexact.cli import main
-    from vexact.lab.run_report import write_any_report
+    from vexact.reports.run_report import write_any_report
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="neither a sweep directory .* nor a run directory"):

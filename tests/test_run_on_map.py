@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tools.studies.run_on_map import main, run_on_map
-from vexact.lab.scaling import load_map, place_on_map
+from vexact.map.verdict import load_map, place_on_map
 from vexact.rl.collapse import detect_collapse
 from vexact.rl.config import CollapseSection
 

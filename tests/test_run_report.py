@@ -1,4 +1,4 @@
-"""vexact.lab.run_report: `vexact report RUN_DIR` on a tiny real run and on hand-built run directories."""
+"""vexact.reports.run_report: `vexact report RUN_DIR` on a tiny real run and on hand-built run directories."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from conftest import num_threads
 from rich.console import Console
 
 from vexact.cli import main
-from vexact.lab.run_report import (
+from vexact.records.runlog import read_metrics
+from vexact.reports.run_report import (
     CHI2_NOTE,
     _summary_columns,
     read_run,
@@ -21,12 +22,11 @@ from vexact.lab.run_report import (
     write_any_report,
     write_run_report,
 )
-from vexact.lab.sweep_data import read_point
-from vexact.lab.sweep_table import reward_summary
-from vexact.records.runlog import read_metrics
+from vexact.reports.sweep_table import reward_summary
 from vexact.rl.collapse import detect_collapse
 from vexact.rl.config import CollapseSection, load_config
 from vexact.rl.trainer import Trainer
+from vexact.sweeps.sweep_data import read_point
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

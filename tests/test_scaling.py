@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from vexact.lab.scaling import MAP_KEYS, compare_shapes, fit_law, load_map, place_on_map, scaling, write_scaling
-from vexact.lab.sweep_data import PointData, SweepData
+from vexact.map.fit import fit_law, scaling
+from vexact.map.scaling_report import write_scaling
+from vexact.map.shapes import compare_shapes
+from vexact.map.verdict import MAP_KEYS, load_map, place_on_map
+from vexact.sweeps.sweep_data import PointData, SweepData
 
 SEEDS = (0, 1, 2, 3)
 FACTORS = (0.25, 0.5, 2.0, 4.0)  # doses around the true threshold: the two below survive, the two above collapse
@@ -251,7 +254,7 @@ def test_against_meter(tmp_path):
 def test_the_horizon_is_measured_over_the_dose_window(tmp_path):
     """A run's T is the mean response length over the steps its dose is (before collapse): a collapsed policy's
     short answers after the collapse step do not shorten the horizon its mismatch acted over."""
-    from vexact.lab.scaling import measured_horizon
+    from vexact.map.points import measured_horizon
 
     lengths = [500.0, 480.0, 460.0, 90.0, 60.0]  # steps 0..4; collapse at step 3
     metrics = [{"step": s, "response_length/mean": t} for s, t in enumerate(lengths)]

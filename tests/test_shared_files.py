@@ -28,16 +28,17 @@ from safetensors.torch import load_file
 from test_trainer import EXPERIMENT, _without_timing
 
 from vexact.cli import main
-from vexact.lab import ray_executor, sweep_table
-from vexact.lab.markdown_table import markdown_table
-from vexact.lab.report import write_report
-from vexact.lab.sweep import load_sweep_spec, run_sweep
-from vexact.lab.sweep_data import read_point, read_sweep_results
-from vexact.lab.sweep_table import group_markdown, group_table
 from vexact.records import atomic, metrics_log
 from vexact.records.metrics_log import NON_FINITE, MetricsDamaged, decode_non_finite, read_metrics
 from vexact.records.runlog import MetricsWriter, latest_checkpoint
+from vexact.reports import sweep_table
+from vexact.reports.sweep_report import write_report
+from vexact.reports.sweep_table import group_markdown, group_table
 from vexact.rl import collapse
+from vexact.sweeps import ray_executor
+from vexact.sweeps.markdown_table import markdown_table
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep
+from vexact.sweeps.sweep_data import read_point, read_sweep_results
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["steps=2", "warm_start.steps=6", "warm_start.batch_size=8", "rollout.prompts_per_step=2",
@@ -224,7 +225,8 @@ def test_every_must_not_tear_file_goes_through_the_helper():
             if '+ ".tmp"' in line or "'.tmp'" in line or 'name + ".tmp"' in line:
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert offenders == []
-    for rel in ("vexact/lab/sweep.py", "vexact/lab/report.py", "vexact/lab/run_report.py", "vexact/rl/warmstart.py"):
+    for rel in ("vexact/sweeps/sweep.py", "vexact/reports/sweep_report.py", "vexact/reports/run_report.py",
+                "vexact/rl/warmstart.py"):
         assert ".write_text(" not in (ROOT / rel).read_text(), rel
 
 
@@ -424,7 +426,7 @@ def test_ray_executor_uses_only_public_ray_api():
 
 def test_ray_imported_in_cluster_mode_is_refused_for_a_private_instance(tmp_path):
     require_optional("ray", "pip install 'vexact[ray]'")
-    code = ("import ray\nfrom vexact.lab import ray_executor\ntry:\n    ray_executor.start(None)\n"
+    code = ("import ray\nfrom vexact.sweeps import ray_executor\ntry:\n    ray_executor.start(None)\n"
             "except ValueError as e:\n    print('refused:', e)\nprint('initialized', ray.is_initialized())")
     env = {k: v for k, v in _child_env().items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -459,7 +461,7 @@ def test_one_function_named_markdown_table():
                             *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tools").rglob("*.py")]
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.FunctionDef) and node.name == "markdown_table"]
-    assert defined == ["vexact/lab/markdown_table.py:18"], defined
+    assert defined == ["vexact/sweeps/markdown_table.py:18"], defined
 
 
 def test_no_second_markdown_table_writer():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tools.studies.surge_plot import surge_table
-from vexact.lab.dynamics import mismatch_dynamics, run_phases
-from vexact.lab.sweep_data import read_sweep_results
+from vexact.sweeps.dynamics import mismatch_dynamics, run_phases
+from vexact.sweeps.sweep_data import read_sweep_results
 
 STEPS = 60
 SURGE = 30  # the detector's step: steps [20, 40) are "during", [0, 20) "before", [40, 60) "after"

@@ -11,10 +11,10 @@ from rich.console import Console
 from test_trainer import EXPERIMENT, _without_timing
 
 from vexact.cli import main
-from vexact.lab.sweep import load_sweep_spec, run_sweep
 from vexact.records.runlog import read_metrics
 from vexact.rl.config import ConfigError
 from vexact.rl.trainer import Trainer
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 
 
 def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **extra) -> Path:

@@ -22,10 +22,10 @@ from rich.console import Console
 from test_trainer import EXPERIMENT
 
 from vexact.cli import main
-from vexact.lab import sweep as sweep_module
-from vexact.lab.sweep import load_sweep_spec, run_sweep
 from vexact.records.runlog import run_lock
 from vexact.rl.config import ConfigError
+from vexact.sweeps import sweep as sweep_module
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 _REAL_RUN_POINT = sweep_module._run_point
@@ -232,7 +232,7 @@ def test_a_dying_worker_fails_its_points_and_the_sweep_goes_on_in_fresh_workers(
 
 _INIT_PROBE = """
 import ctypes, sys
-from vexact.lab.sweep import _worker_init
+from vexact.sweeps.sweep import _worker_init
 _worker_init(int(sys.argv[1]))
 signal = ctypes.c_int()
 ctypes.CDLL(None).prctl(2, ctypes.byref(signal))  # PR_GET_PDEATHSIG

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from test_sweep_faults import _cli_error
 
-from vexact.lab.sweep import SWEEP_KEYS, SweepFile, load_sweep_spec
 from vexact.rl import config as run_config
 from vexact.rl.validate import MAX_YAML_DEPTH, MAX_YAML_VALUES, ConfigError, bounds, build, parse_yaml
+from vexact.sweeps.sweep import SWEEP_KEYS, SweepFile, load_sweep_spec
 
 
 @dataclass

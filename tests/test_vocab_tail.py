@@ -173,7 +173,7 @@ def test_zero_distractors_is_the_old_behaviour_bitwise(monkeypatch):
 
 
 def test_the_meter_reports_the_tail_and_keeps_zero_bias_bitwise(tmp_path):
-    from vexact.lab.bias_meter import exact_gradients, measure_bias, meter_table
+    from vexact.sweeps.bias_meter import exact_gradients, measure_bias, meter_table
 
     tiny = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
             "model.intermediate_size=64", "warm_start.steps=3", "warm_start.batch_size=4",

@@ -39,8 +39,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from vexact.lab.markdown_table import markdown_table
 from vexact.registry import RegisteredName, mounts
+from vexact.sweeps.markdown_table import markdown_table
 
 __all__ = ["PAGES", "choices_markdown", "cli_flags", "cli_markdown", "config_keys", "config_markdown", "expand",
            "metrics_markdown", "on_config", "on_page_markdown", "stale_pages", "update_pages"]

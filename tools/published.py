@@ -2,7 +2,7 @@
 
 ``python -m tools.published [--map FILE]`` prints the tables of docs/results/published_runs.md: the points and
 bars of ``published_runs.yaml`` (the data: source, what it logged, k3, T, correction, model, outcome) with what the
-map says, computed here with ``vexact.lab.scaling`` -- so the map's columns are generated, never typed:
+map says, computed here with ``vexact.map`` -- so the map's columns are generated, never typed:
 
 * **their correction's curve**: ``place_on_map`` on the curve of the point's own correction, when the source names
   it, gives its T, and the map has that curve;
@@ -23,19 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vexact.lab.markdown_table import markdown_table
-from vexact.lab.scaling import (
-    BYPASS,
-    DEFAULT_TAIL_MAP,
-    correction_names,
-    curve_for,
-    default_source,
-    load_map,
-    map_curves,
-    map_vocab,
-    placement,
-)
+from vexact.map.naming import BYPASS, correction_names
+from vexact.map.verdict import DEFAULT_TAIL_MAP, curve_for, default_source, load_map, map_curves, map_vocab, placement
 from vexact.rl.validate import parse_yaml
+from vexact.sweeps.markdown_table import markdown_table
 
 __all__ = ["POINTS_FILE", "Bar", "PublishedPoint", "agreement", "bars_table", "horizon_at", "load_published",
            "measured_horizon_at",

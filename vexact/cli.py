@@ -318,7 +318,7 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .lab.sweep import load_sweep_spec
+    from .sweeps.sweep import load_sweep_spec
 
     overrides = [*args.overrides, *_device_overrides(args)]
     return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir, overrides), args.jobs,
@@ -329,8 +329,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: str = "local",
                       address: str | None = None, quiet: bool = False, only: list[str] | None = None) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
-    from .lab.sweep import run_sweep, select_points
     from .rl.tasks import check_memory
+    from .sweeps.sweep import run_sweep, select_points
 
     select_points(spec, only)  # a bad --only is one error before anything is printed or run
 
@@ -346,7 +346,7 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
     statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address, quiet=quiet,
                          only=only)
     if report:
-        from .lab.report import write_report
+        from .reports.sweep_report import write_report
 
         write_report(spec.output_dir, console)
     return EXIT_FAILED if any(status == "failed" for status in statuses.values()) else EXIT_OK
@@ -361,7 +361,7 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_report(directory: Path, skip_damaged: bool = False) -> int:
-    from .lab.run_report import write_any_report
+    from .reports.run_report import write_any_report
 
     write_any_report(directory, make_console(), skip_damaged)  # prints the one "report written to" line itself
     return EXIT_OK
@@ -377,9 +377,9 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .lab.sweep import load_sweep_spec
+    from .sweeps.sweep import load_sweep_spec
 
-    spec = load_sweep_spec(Path(__file__).resolve().parent / "lab" / "demo_sweep.yaml", args.output_dir,
+    spec = load_sweep_spec(Path(__file__).resolve().parent / "sweeps" / "demo_sweep.yaml", args.output_dir,
                            _device_overrides(args))
     return _sweep_and_report(spec, args.jobs, True, "vexact demo: {n} runs of logit-scale injection -> {out}",
                              quiet=args.quiet)
@@ -500,7 +500,7 @@ def _locate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _meter_arguments(p: argparse.ArgumentParser) -> None:
-    from .lab import bias_meter
+    from .sweeps import bias_meter
 
     bias_meter.add_arguments(p)
     _add_device(p, "the base config's device key")

@@ -40,21 +40,20 @@ Row keys: ``step``, ``outcome`` (``"ok"``), the metric keys above, ``live/sequen
 ``live/mean_response_length`` (tokens / sequences: the horizon T, as ``compare --map`` takes it),
 ``live/gates_failed``, ``gates`` (``check_gates``' dicts), ``by_position``, and ``map`` when a scaling map was given.
 
-The map verdict: ``scaling_map`` (a map dict as ``vexact.lab.scaling.load_map`` returns it, a path it reads, or
+The map verdict: ``scaling_map`` (a map dict as ``vexact.map.verdict.load_map`` returns it, a path it reads, or
 ``"default"`` for the shipped map) makes every ok row carry ``map`` -- the keys ``vexact compare --map`` writes,
-from ``vexact.lab.scaling.place_on_map(map, k3, horizon, correction)`` with this step's ``rollout_corr/k3_kl`` and
+from ``vexact.map.verdict.place_on_map(map, k3, horizon, correction)`` with this step's ``rollout_corr/k3_kl`` and
 ``live/mean_response_length``: where this level of mismatch sits against the collapse thresholds measured at
 that horizon, on the curve of ``correction`` -- the correction your trainer runs, as ``compare --correction``
-takes it: a name (``bypass``, ``recompute``, ``token_tis``, ...; ``vexact.lab.scaling.correction_names()``), a
+takes it: a name (``bypass``, ``recompute``, ``token_tis``, ...; ``vexact.map.naming.correction_names()``), a
 config file, verl's ``algorithm.rollout_correction`` block as a mapping, or a TRL ``GRPOConfig``. Without it the
 ``bypass`` curve is assumed and every verdict says so; a correction the map has no curve for gets one sentence
 saying so as its verdict (never another correction's curve); an unknown name is refused at construction. ``source``
-picks the curves of another mismatch source the map carries (``vexact.lab.scaling.map_sources``: e.g.
+picks the curves of another mismatch source the map carries (``vexact.map.verdict.map_sources``: e.g.
 ``routing_flip:near_tie`` for MoE routing mismatch); without it, the map's default source. ``vocab`` (your model's
-vocabulary size) with ``"default"`` picks the shipped map nearest it (``vexact.lab.scaling.shipped_map_for``: the
+vocabulary size) with ``"default"`` picks the shipped map nearest it (``vexact.map.verdict.shipped_map_for``: the
 tail map, 1,024 tokens, for any real LLM vocabulary; without it, the main map's 22 tokens). Without ``scaling_map``
-(the default) rows have no ``map`` key and ``correction`` is refused, and a vexact without ``vexact.lab.scaling``
-refuses a ``scaling_map`` with one ``ValueError`` at construction. A map dict is checked at construction too (the
+(the default) rows have no ``map`` key and ``correction`` is refused. A map dict is checked at construction too (the
 keys ``load_map`` requires, and one placement at the map's first horizon): one ``ValueError`` there, not a
 ``map_error`` on every row.
 
@@ -312,46 +311,42 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
 def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correction: Any = None,
                       source: str | None = None, vocab: int | None = None, policy_lag: int = 0) -> Any:
     """``(k3, horizon) -> the map key`` as ``vexact compare --map --correction --source --vocab`` writes it
-    (``scaling.MAP_KEYS``), or None without a map. ``"default"``, as for ``compare --map``, is the map shipped with
-    vexact for ``vocab`` (``scaling.shipped_map_for``: the tail map for a real vocabulary; None: the main map). The
+    (``verdict.MAP_KEYS``), or None without a map. ``"default"``, as for ``compare --map``, is the map shipped with
+    vexact for ``vocab`` (``verdict.shipped_map_for``: the tail map for a real vocabulary; None: the main map). The
     correction and source are resolved and checked against the map here, once."""
     if scaling_map is None:
         if correction is not None or source is not None or vocab is not None:
             raise ValueError("correction, source and vocab choose a curve of scaling_map: give scaling_map too, or "
                              "leave them out")
         return None
-    try:
-        from .lab import scaling
-    except ImportError:
-        raise ValueError("scaling_map needs vexact.lab.scaling (the collapse-scaling map), which this vexact does "
-                         "not have; leave scaling_map out") from None
+    from .map import verdict
     if isinstance(scaling_map, dict):
         data = scaling_map
     elif isinstance(scaling_map, (str, Path)):
-        data = scaling.load_map(None if scaling_map == DEFAULT_MAP else Path(scaling_map), vocab)
+        data = verdict.load_map(None if scaling_map == DEFAULT_MAP else Path(scaling_map), vocab)
     else:
         raise ValueError(f"scaling_map must be a map dict, the path of a scaling.json or {DEFAULT_MAP!r}, got "
                          f"{type(scaling_map).__name__}")
     _check_map_keys(data)
     try:
-        name = scaling.choose_correction(data, correction, source, policy_lag)  # an unknown name, source or lag
+        name = verdict.choose_correction(data, correction, source, policy_lag)  # an unknown name, source or lag
     except (KeyError, TypeError, IndexError, AttributeError) as err:  # a malformed map dict
         raise ValueError(f"scaling_map cannot place a step: {_problem(err)}") from None
 
     def place(k3: float, horizon: float) -> dict[str, Any]:
-        placed = scaling.place_on_map(data, k3, horizon, name, source, policy_lag)
-        return {key: placed[key] for key in scaling.MAP_KEYS}
+        placed = verdict.place_on_map(data, k3, horizon, name, source, policy_lag)
+        return {key: placed[key] for key in verdict.MAP_KEYS}
 
     _check_map(data, place)
     return place
 
 
 def _check_map_keys(data: dict[str, Any]) -> None:
-    """The keys ``scaling.load_map`` requires of a map file, required of a map dict too."""
+    """The keys ``verdict.load_map`` requires of a map file, required of a map dict too."""
     missing = [key for key in ("status", "horizon_range") if key not in data]
     if missing:
         raise ValueError(f"scaling_map is not a map: no {' or '.join(map(repr, missing))} key (a map is what "
-                         "vexact.lab.scaling.load_map returns for a scaling.json)")
+                         "vexact.map.verdict.load_map returns for a scaling.json)")
 
 
 def _check_map(data: dict[str, Any], place: Any) -> None:

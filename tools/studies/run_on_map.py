@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vexact.lab.dose_response import run_dose
-from vexact.lab.markdown_table import markdown_table
-from vexact.lab.run_report import read_run
-from vexact.lab.scaling import load_map, measured_horizon, place_on_map, resolve_correction
-from vexact.lab.sweep_table import reward_summary
-from vexact.lab.text_table import fmt_sci
+from vexact.map.points import measured_horizon
+from vexact.map.verdict import load_map, place_on_map, resolve_correction
+from vexact.reports.run_report import read_run
+from vexact.reports.sweep_table import reward_summary
+from vexact.sweeps.dose_response import run_dose
+from vexact.sweeps.markdown_table import markdown_table
+from vexact.sweeps.text_table import fmt_sci
 
 COLUMNS = ("run", "engine", "dtype", "L", "T", "realised k3", "collapsed", "final reward", "threshold at T",
            "k3 / threshold", "verdict")

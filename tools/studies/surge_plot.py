@@ -6,7 +6,7 @@ rollout response length (top), the rollout reward (middle) and the clean eval re
 colour per group. Run: ``python -m tools.studies.surge_plot SWEEP_DIR OUT.png``.
 
 ``python -m tools.studies.surge_plot SWEEP_DIR --table`` prints instead, as markdown, each group's surge statistics
-from ``vexact.lab.dynamics.surge_dynamics`` (what ``dynamics.json`` holds under ``surge``): runs surged, the
+from ``vexact.sweeps.dynamics.surge_dynamics`` (what ``dynamics.json`` holds under ``surge``): runs surged, the
 median surge step, collapse leads, and each quantity's mean before / during / after the surge with the
 after/before ratio; and per run the issue's contract: the start length (mean of the first ``EDGE`` steps), the top
 (the largest ``EDGE``-step trailing mean), their ratio, and the 10-90% rise time of the trailing mean (steps from
@@ -18,9 +18,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from vexact.lab.dynamics import PHASES, SURGE_TRACKED, surge_dynamics
-from vexact.lab.sweep_data import metric_series, read_sweep_results
 from vexact.metric_keys import EVAL_REWARD_MEAN, RESPONSE_LENGTH_MEAN, REWARD_MEAN
+from vexact.sweeps.dynamics import PHASES, SURGE_TRACKED, surge_dynamics
+from vexact.sweeps.sweep_data import metric_series, read_sweep_results
 
 EDGE = 5  # steps averaged for the start length and the trailing mean of the rise
 PANELS = ((RESPONSE_LENGTH_MEAN, "mean response length (tokens)"), (REWARD_MEAN, "rollout reward"),

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vexact.lab.bias_meter import resolved
 from vexact.metric_keys import TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC
+from vexact.sweeps.bias_meter import resolved
 
 __all__ = ["compare_cells", "main", "sweep_tail_table"]
 

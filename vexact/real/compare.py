@@ -78,7 +78,7 @@ TWO_FILE_KEY = "logprobs"
 JSONL_TOKENS_KEY, TENSOR_TOKENS_KEY = "tokens", "responses"
 MASK_KEY, ATTENTION_MASK_KEY, NO_MASK = "response_mask", "attention_mask", "none"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-DEFAULT_MAP = "default"  # --map without a file: the map shipped with vexact (vexact.lab.scaling.load_map(None))
+DEFAULT_MAP = "default"  # --map without a file: the map shipped with vexact (vexact.map.verdict.load_map(None))
 LOG_SUM_EXP_TOLERANCE = 0.1
 """A full-vocabulary row must satisfy |log Σ_v exp(row_v)| ≤ this (log-probs sum to probability 1); logits fail."""
 MAX_LOGPROB = 1e-3
@@ -834,7 +834,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from ..lab.scaling import choose_correction, compare_map, load_map
+    from ..map.verdict import choose_correction, compare_map, load_map
 
     _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
     for flag, value in (("--correction", args.correction), ("--source", args.source), ("--vocab", args.vocab),

@@ -1,6 +1,6 @@
 """The generic config validator: a YAML mapping -> a tree of dataclasses, checked against their type hints.
 
-Why its own module: the run config (``vexact.rl.config``) and sweep files (``vexact.lab.sweep``) are checked by
+Why its own module: the run config (``vexact.rl.config``) and sweep files (``vexact.sweeps.sweep``) are checked by
 the same rules, and the rules do not depend on any one schema. What it checks: unknown keys (listing the known
 ones), required keys, each value against its field's type hint (``int``, ``float``, ``str``, ``bool``,
 ``Literal``, a registry's ``name_type`` (``vexact.registry``: one of its names at validation time), ``X | None``,

@@ -1,0 +1,4 @@
+"""Grids of runs and what their results say: ``sweep`` (a grid of RL runs, resumable, on worker processes or Ray:
+``ray_executor``), ``sweep_data`` (reading a sweep's results), the analyses over them (``dose_response``,
+``dynamics``, ``failure``), the gradient-bias meter (``bias_meter``: a grid of cells measured without training)
+and the table formats they print (``text_table``, ``markdown_table``). Imports ``vexact.rl`` and below."""

@@ -1,0 +1,147 @@
+"""Sweep points as Ray tasks: ``vexact sweep SWEEP --executor ray [--address ADDR]``.
+
+One Ray task per unfinished point, each asking Ray for ``threads`` CPUs (the point's ``threads`` config key, 1 when
+unset) and running the same point runner as the local executor (the sweep hands it in: this module imports nothing
+of the sweep), so a point's results are the same bits wherever it runs. Ray only schedules; what to run, what to
+skip and what to resume is decided here, exactly as for local workers: finished points are skipped, a point whose
+run directory exists resumes from its last checkpoint, and ``sweep.json`` is rewritten as each point finishes.
+
+Without ``--address`` a private single-node Ray instance is started on this machine, bound to 127.0.0.1, with no
+dashboard and no usage statistics, and shut down at the end. With ``--address`` (``auto``, or ``HOST:PORT`` of
+an existing cluster's head) the tasks go to that cluster; every node must see the sweep's output directory and
+the warm-start cache at the same path (a shared filesystem), since each task works in the driver's working
+directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.devices import device_kind
+
+LOCAL_HOST = "127.0.0.1"
+
+
+# Ray picks its node address in two ways. On a cluster it asks the OS for the host's routable address and binds
+# its servers to all interfaces; on a single machine (Ray's Windows/macOS mode, chosen by this variable being 0)
+# it uses the loopback address and binds its servers to it. A private instance wants the second, and the
+# variable must be set before Ray is imported, since Ray reads it once at import.
+_SINGLE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+_QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DASHBOARD_ENABLED": "0"}
+
+
+def _ray(private: bool) -> Any:
+    """Import Ray; for a private instance, in its single-machine (loopback) mode.
+
+    Ray reads the mode once, at import, and offers no public way to ask which mode it is in, so it is checked on
+    what decides it: the variable must say single-machine (``"0"``, which this sets unless the user did), and if Ray
+    was imported before this call, the variable must already have said so then (as when an earlier call here
+    imported it). Otherwise one ValueError: the instance would listen beyond loopback."""
+    imported_before = "ray" in sys.modules
+    said_before = {key: os.environ.get(key) for key in _SINGLE_MACHINE}
+    for key, value in {**_QUIET, **(_SINGLE_MACHINE if private else {})}.items():
+        os.environ.setdefault(key, value)
+    if private:
+        cluster = [key for key, value in _SINGLE_MACHINE.items()
+                   if os.environ[key] != value or (imported_before and said_before[key] != value)]
+        if cluster:
+            raise ValueError(
+                "a private Ray instance must listen on 127.0.0.1 only, but Ray is or was imported in cluster mode: "
+                f"set {cluster[0]}=0 before Ray is imported, or pass --address of a cluster")
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--executor ray needs Ray: pip install 'vexact[ray]'") from None
+    return ray
+
+
+def start(address: str | None, num_cpus: int | None = None) -> bool:
+    """Connect to Ray at ``address``, or start a private instance that listens on 127.0.0.1 only.
+
+    Returns True if this call started Ray (the caller shuts it down). Raises ValueError if a private instance
+    would not be loopback-only (Ray imported earlier in cluster mode, or the variable overridden)."""
+    ray = _ray(private=not address)
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        return False
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if ray.util.get_node_ip_address() != LOCAL_HOST:
+        ray.shutdown()
+        raise ValueError(f"the private Ray instance took node address {ray.util.get_node_ip_address()}, "
+                         f"not {LOCAL_HOST}: refusing to run it")
+    return True
+
+
+PointRunner = Callable[[dict, bool, "int | None"], dict]
+"""``run_point(config, resume, threads) -> summary``: the sweep's runner of one point, the local workers' too."""
+
+
+def _run_in(cwd: str, path: list[str], run_point: PointRunner, config: dict, resume: bool,
+            threads: int | None) -> dict:
+    """A task's body: the driver's working directory (relative run and cache paths) and its import path (so the
+    point's ``plugins`` import here as they did there, as a local worker process inherits both), then the local
+    runner (a module-level function: Ray pickles it by reference, and the task imports its module)."""
+    os.chdir(cwd)
+    sys.path.extend(entry for entry in path if entry not in sys.path)
+    return run_point(config, resume, threads)
+
+
+def task_resources(threads: int | None, device: str) -> dict[str, int]:
+    """What one point's Ray task asks for: ``num_cpus`` its torch threads (default 1) and, when its device is CUDA,
+    ``num_gpus`` 1 (Ray then gives the task a GPU of its own and shows it that one alone)."""
+    return {"num_cpus": threads or 1, "num_gpus": int(device_kind(device) == "cuda")}
+
+
+def task_config(config: dict) -> dict:
+    """A point's config as its Ray task runs it: a CUDA device becomes ``cuda``, the one GPU Ray lets it see
+    (``cuda:3`` would name a GPU hidden from it)."""
+    return {**config, "device": "cuda"} if device_kind(config["device"]) == "cuda" else config
+
+
+def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Callable[[Any], dict | None],
+               address: str | None, run_point: PointRunner,
+               on_running: Callable[[list], None] = lambda names: None) -> None:
+    """Submit every point in ``todo`` as a Ray task running ``run_point`` and ``finish(point, result)`` each as it
+    completes."""
+    ray = _ray(private=not address)
+    started = start(address)
+    try:
+        refs: dict[Any, Any] = {}
+        for point in todo:
+            locked = check_lock(point)
+            if locked:
+                finish(point, locked)
+                continue
+            resources = task_resources(point.config.threads, point.config.device)
+            task = ray.remote(**resources, max_retries=0)(_run_in)
+            refs[task.remote(os.getcwd(), list(sys.path), run_point, task_config(point.config.to_dict()),
+                             point.run_dir.exists(), resources["num_cpus"])] = point
+        while refs:
+            on_running([p.name for p in refs.values()])
+            done, _ = ray.wait(list(refs), num_returns=1)
+            point = refs.pop(done[0])
+            try:
+                result = ray.get(done[0])
+            except ray.exceptions.RayError as err:  # the task's process died: recorded, a re-run resumes it
+                result = {"status": "failed", "error": f"Ray task failed: {type(err).__name__}: {err}"}
+            finish(point, result)
+    except KeyboardInterrupt:
+        for ref in list(refs):
+            ray.cancel(ref, force=True)
+        raise
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def stop() -> None:
+    """Shut down this process's Ray connection (and a private instance it started); a no-op without Ray."""
+    import sys
+
+    if "ray" in sys.modules:
+        sys.modules["ray"].shutdown()
