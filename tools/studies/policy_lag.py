@@ -29,13 +29,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from vexact.lab.dose_response import run_dose
-from vexact.lab.markdown_table import markdown_table
-from vexact.lab.scaling import resolve_correction
-from vexact.lab.sweep_data import PointData, read_sweep_results
-from vexact.lab.text_table import fmt_sci
+from vexact.map.verdict import resolve_correction
 from vexact.metric_keys import LAG_K3_KL, TIM_K3_KL
 from vexact.rl.validate import parse_yaml
+from vexact.sweeps.dose_response import run_dose
+from vexact.sweeps.markdown_table import markdown_table
+from vexact.sweeps.sweep_data import PointData, read_sweep_results
+from vexact.sweeps.text_table import fmt_sci
 
 DOSE_COLUMNS = ("L", "correction", "lag k", "injected", "runs", "collapsed", "total k3", "lag k3", "TIM k3",
                 "total / (lag + TIM)")
