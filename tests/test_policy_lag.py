@@ -295,3 +295,16 @@ def test_live_monitor_verdict_at_the_users_lag(tmp_path):
     assert lagged["threshold_50"] < on_policy["threshold_50"]
     with pytest.raises(ValueError, match="no curve at policy lag 4"):
         LiveMonitor(tmp_path / "c", scaling_map="default", policy_lag=4)
+
+
+def test_build_map_names_a_lagged_curve_by_its_lag(tmp_path, capsys):
+    from vexact.map.build import main as map_main
+    from vexact.map.scaling_report import write_scaling
+
+    m = tmp_path / "m"
+    m.mkdir()
+    scaling_file = write_scaling(_lag_sweep(m), m)[0][0]
+    assert map_main(["build-map", str(tmp_path / "map.json"), str(scaling_file)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("bypass / policy lag 4 (fitted") for line in lines)
+    assert any(line.startswith("bypass (fitted") for line in lines)  # lag 0: no lag named

@@ -419,9 +419,11 @@ def sensitivity_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _curve_name(curve: dict[str, Any], curves: list[dict[str, Any]]) -> str:
-    """A curve in printed lines: its correction, and its source where the map has several."""
+    """A curve in printed lines: its correction, its source where the map has several, and its policy lag where
+    it is not 0."""
     several = len({c.get("source") for c in curves}) > 1
-    return f"{curve['correction']} / {curve.get('source')}" if several else curve["correction"]
+    name = f"{curve['correction']} / {curve.get('source')}" if several else curve["correction"]
+    return f"{name} / policy lag {curve['policy_lag']}" if curve.get("policy_lag") else name
 
 
 def band_lines(curve: dict[str, Any]) -> list[str]:
