@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 
 from vexact import Transformer, generate
+from vexact.engine.generation import CACHE_BLOCK
 from vexact.engine.inputs import pad_right
 from vexact.engine.model import short_dtype_name
-from vexact.engine.rollout import CACHE_BLOCK
 from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import RESPONSE_LENGTH_MEAN
 

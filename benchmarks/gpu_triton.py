@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from vexact.engine.generation import generate
 from vexact.engine.model import ModelConfig, Transformer
 from vexact.engine.presets import MODEL_PRESETS
-from vexact.engine.rollout import generate
 from vexact.engine.scoring import token_logprobs
 from vexact.real.check import METRIC_KEYS, CheckSettings, mismatched, run_check
 

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 import vexact_kernels
+from vexact.engine.generation import CACHE_BLOCK
 from vexact.engine.model import short_dtype_name
-from vexact.engine.rollout import CACHE_BLOCK
 
 from .common import (
     DTYPES,

@@ -15,8 +15,8 @@ import torch
 from conftest import num_threads, random_prompts, tiny_model
 
 from vexact import generate, token_logprobs
+from vexact.engine.generation import decode_one_token, prefill
 from vexact.engine.inputs import pad_right
-from vexact.engine.rollout import decode_one_token, prefill
 from vexact_kernels import TRITON_PIP
 
 EOS = 3

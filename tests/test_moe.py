@@ -18,12 +18,12 @@ from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact.engine.model import MOE_FIELDS, ModelConfigError, Routing, parameter_count
 from vexact.engine.sampling import counter_uniform
 from vexact.engine.scoring import token_routing
+from vexact.rl.collect import RolloutBatch
 from vexact.rl.config import config_from_dict
 from vexact.rl.inject import Injector
 from vexact.rl.inject_modes import INJECT_MODES, flip_hook
 from vexact.rl.metrics import routing_metrics
 from vexact.rl.objective import Objective
-from vexact.rl.rollouts import RolloutBatch
 from vexact.rl.validate import ConfigError
 from vexact_kernels import moe_exact
 

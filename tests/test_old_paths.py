@@ -5,6 +5,7 @@ DeprecationWarning that names the new path."""
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 import warnings
@@ -69,3 +70,16 @@ def test_python_m_vexact_lab_scaling_runs_the_map_command() -> None:
     assert old.stdout == new.stdout and "bypass" in new.stdout
     assert "python -m vexact.lab.scaling is deprecated: use python -m vexact.map" in old.stderr
     assert "deprecated" not in new.stderr
+
+
+@pytest.mark.parametrize("old, new", [("vexact.engine.rollout", "vexact.engine.generation"),
+                                      ("vexact.rl.rollouts", "vexact.rl.collect")])
+def test_a_renamed_rollout_module_is_the_new_module_with_a_warning(old: str, new: str, monkeypatch) -> None:
+    """The three modules once called rollout are named by job: KV-cache generation (``engine.generation``), the RL
+    step's rollout stage (``rl.collect``), who samples (``rl.rollout_engines``); the old paths still import."""
+    parent, _, leaf = old.rpartition(".")
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    monkeypatch.delattr(importlib.import_module(parent), leaf, raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)} is deprecated: use {re.escape(new)}$"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)

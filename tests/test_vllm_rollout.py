@@ -96,7 +96,7 @@ def test_one_engine_for_the_run_not_one_per_rank():
 STUB = '''
 import json, os
 import torch
-from vexact.engine.rollout import generate
+from vexact.engine.generation import generate
 from vexact.real.pretrained import from_pretrained
 
 __version__ = "0.0.stub"

@@ -10,11 +10,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from vexact.engine.rollout import generate
+from vexact.engine.generation import generate
 from vexact.engine.scoring import full_logprobs
+from vexact.rl.collect import collect_rollouts, step_problems
 from vexact.rl.config import ConfigError, config_from_dict
 from vexact.rl.horizon_task import horizon_overrides
-from vexact.rl.rollouts import collect_rollouts, step_problems
 from vexact.rl.tasks import (
     CHAR_VOCAB_SIZE,
     EOS_ID,

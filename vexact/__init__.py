@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 _PUBLIC = {
     "AdvantageEstimator": "vexact.rl.advantages",
     "CorrectionMethod": "vexact.rl.corrections",
-    "GenerateOutput": "vexact.engine.rollout",
+    "GenerateOutput": "vexact.engine.generation",
     "InjectMode": "vexact.rl.inject_modes",
     "KVCache": "vexact.engine.model",
     "LiveMonitor": "vexact.live",
@@ -34,7 +34,7 @@ _PUBLIC = {
     "ModelConfig": "vexact.engine.model",
     "Transformer": "vexact.engine.model",
     "from_pretrained": "vexact.real.pretrained",
-    "generate": "vexact.engine.rollout",
+    "generate": "vexact.engine.generation",
     "register_advantage_estimator": "vexact.rl.advantages",
     "register_correction_method": "vexact.rl.corrections",
     "register_inject_mode": "vexact.rl.inject_modes",
@@ -57,8 +57,8 @@ __all__ = ["AdvantageEstimator", "CorrectionMethod", "GenerateOutput", "InjectMo
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 if TYPE_CHECKING:
+    from .engine.generation import GenerateOutput, generate
     from .engine.model import KVCache, ModelConfig, Transformer
-    from .engine.rollout import GenerateOutput, generate
     from .engine.scoring import token_logprobs
     from .live import LiveMonitor
     from .real.pretrained import from_pretrained

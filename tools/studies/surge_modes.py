@@ -14,8 +14,8 @@ import sys
 import torch
 from rich.console import Console
 
+from vexact.engine.generation import generate
 from vexact.engine.model import Transformer
-from vexact.engine.rollout import generate
 from vexact.rl.config import ConfigError, load_config
 from vexact.rl.tasks import EOS_ID, encode_prompt, held_out_problems, make_task
 from vexact.rl.warmstart import warm_start

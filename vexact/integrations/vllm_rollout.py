@@ -61,9 +61,9 @@ from .vllm import VLLM_INSTALL, WORKER_ENV, _last_line, error_line, sampled, sta
 
 if TYPE_CHECKING:
     from ..engine.model import Transformer
+    from ..rl.collect import RolloutBatch
     from ..rl.config import RolloutSection, RunConfig
     from ..rl.inject import RolloutPlan
-    from ..rl.rollouts import RolloutBatch
     from ..rl.tasks import CharTokenizer, Problem, Task
 
 __all__ = ["LOG_FILE", "VLLM_CPU_HEAD_DIMS", "VllmEngine", "VllmRolloutSettings", "request_seed"]
@@ -171,7 +171,7 @@ class _VllmSession:
                 ) -> RolloutBatch:
         import torch
 
-        from ..rl.rollouts import RolloutBatch
+        from ..rl.collect import RolloutBatch
         from ..rl.tasks import EOS_ID, encode_prompt
 
         dtype = str(plan.dtype).removeprefix("torch.")

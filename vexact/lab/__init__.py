@@ -5,8 +5,11 @@ before they became ``vexact.sweeps``, ``vexact.reports`` and ``vexact.map``. Eac
 from __future__ import annotations
 
 import importlib
-import sys
 import warnings
+
+from ..moved import deprecated, moved
+
+__all__ = ["MOVED", "alias", "deprecated", "run_moved"]
 
 MOVED = {
     "sweep": "vexact.sweeps.sweep", "ray_executor": "vexact.sweeps.ray_executor",
@@ -19,17 +22,9 @@ MOVED = {
 """Old module of ``vexact.lab`` -> the module it now is."""
 
 
-def deprecated(old: str, new: str) -> None:
-    """Warn that ``old`` (a module path or command) is deprecated in favour of ``new``."""
-    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=3)
-
-
 def alias(name: str) -> None:
-    """Make the old module ``name`` (``vexact.lab.sweep``) the module it moved to, with a DeprecationWarning: one
-    module under two names, so attributes, private helpers and patches are shared."""
-    new = MOVED[name.rsplit(".", 1)[1]]
-    deprecated(name, new)
-    sys.modules[name] = importlib.import_module(new)
+    """Make the old module ``name`` (``vexact.lab.sweep``) the module it moved to (``vexact.moved.moved``)."""
+    moved(name, MOVED[name.rsplit(".", 1)[1]])
 
 
 def run_moved(name: str) -> int:

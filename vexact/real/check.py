@@ -17,9 +17,9 @@ import torch
 
 from vexact_kernels import kernel_paths
 
+from ..engine.generation import generate
 from ..engine.model import ModelConfig, Transformer, resolve_dtype, short_dtype_name
 from ..engine.presets import MODEL_PRESETS
-from ..engine.rollout import generate
 from ..engine.scoring import token_logprobs, token_routing
 from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, BITWISE_EQUAL_FRAC, K3_KL, KL, ROUTING_FLIP_RATE
 from ..progress import StepReporter

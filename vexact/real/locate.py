@@ -63,10 +63,10 @@ import vexact_kernels
 
 from ..cli_base import EXIT_FAILED, EXIT_OK, make_console, positive_int
 from ..engine.devices import resolve_device
+from ..engine.generation import CACHE_BLOCK, generate
 from ..engine.inputs import check_temperature, check_token_lists, pad_right
 from ..engine.model import KernelOps, ModelConfig, Transformer
 from ..engine.presets import MODEL_PRESETS
-from ..engine.rollout import CACHE_BLOCK, generate
 from ..rl.metrics import float_bits
 from .check import CHECK_PRESET
 from .measure import MeasureSettings, PathSpec, load_prompts, parse_path

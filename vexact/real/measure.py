@@ -18,7 +18,7 @@ The ``hf`` rollout samples with transformers' ``generate`` (multinomial sampling
 processor switched off, and records log_softmax(raw logits / temperature) of each sampled token
 from ``output_logits``; a guard checks that the processed scores it sampled from are exactly those
 raw logits / temperature (so nothing truncated the distribution). vexact paths sample with
-vexact's counter-based Gumbel sampler (``vexact.engine.rollout.generate``).
+vexact's counter-based Gumbel sampler (``vexact.engine.generation.generate``).
 
 Broken or hostile checkpoints: the checkpoint is read and checked once by
 ``pretrained.read_checkpoint`` (see its module docstring: weights-only unpickling, config sizes
@@ -49,9 +49,9 @@ from torch import Tensor
 import vexact_kernels
 
 from ..engine.devices import resolve_device
+from ..engine.generation import generate
 from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
 from ..engine.model import DTYPES, Transformer, dtype_names_text, short_dtype_name
-from ..engine.rollout import generate
 from ..engine.scoring import full_logprobs, token_logprobs
 from ..metric_keys import (
     ABS_DLOGP_MAX,

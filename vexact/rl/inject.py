@@ -27,8 +27,8 @@ from torch import Tensor
 
 from vexact_kernels import get_ops
 
+from ..engine.generation import LogitsHook
 from ..engine.model import KernelOps, RouteHook, resolve_dtype
-from ..engine.rollout import LogitsHook
 from ..engine.sampling import counter_uniform
 from .config import InjectSection, RunConfig
 from .inject_modes import INJECT_MODES, InjectMode, _exact_probs, precision_ops, round_to

@@ -39,8 +39,8 @@ from torch import Tensor
 
 from vexact_kernels import OP_NAMES, get_ops
 
+from ..engine.generation import LogitsHook
 from ..engine.model import KernelOps, ModelConfig, RouteHook, resolve_dtype
-from ..engine.rollout import LogitsHook
 from ..engine.sampling import counter_normal, counter_uniform
 from .config import Backend, DType
 from .registries import INJECT_MODES, register_run_check

@@ -34,13 +34,13 @@ from ..engine.model import Transformer
 from ..engine.scoring import score_tokens, token_routing
 from ..metric_keys import ENTROPY, FIRST_MINIBATCH_RATIO_EXACT, KL_LOSS, PG_LOSS, PPO_KL
 from .advantages import ADVANTAGE_EPS, ADVANTAGE_ESTIMATORS
+from .collect import RolloutBatch
 from .config import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
 from .metrics import ratio_stats
 from .raw_ratios import raw_ratio_metrics
 from .registries import BYPASS_LOSSES, LOSS_AGGREGATIONS
-from .rollouts import RolloutBatch
 
 __all__ = ["ADVANTAGE_EPS", "Anchors", "MinibatchLoss", "Objective", "RunStopped", "aggregate", "compute_advantages",
            "k3_penalty", "ppo_token_loss", "register_bypass_loss", "register_loss_aggregation"]

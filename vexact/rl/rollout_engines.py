@@ -22,9 +22,9 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from .collect import RolloutBatch, collect_rollouts
 from .config import ConfigError
 from .registries import ROLLOUT_ENGINES
-from .rollouts import RolloutBatch, collect_rollouts
 
 if TYPE_CHECKING:
     from ..engine.model import Transformer

@@ -70,6 +70,7 @@ from ..records.runlog import (
     write_json_atomic,
 )
 from .collapse import detect_collapse
+from .collect import RolloutBatch, eval_metrics, eval_records, step_problems
 from .config import MEMORY_KEYS, RunConfig, dotted_items, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
@@ -79,7 +80,6 @@ from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_ad
 from .optim import ExactAdamW, clip_flat_gradient_
 from .registries import ROLLOUT_ENGINES
 from .rollout_engines import RolloutSession
-from .rollouts import RolloutBatch, eval_metrics, eval_records, step_problems
 from .schedules import LRSchedule
 from .tasks import check_lengths, held_out_problems, task_of, training_problems
 from .triton_guard import check_interpreted_triton
