@@ -247,6 +247,11 @@ class LiveMonitor:
         _check_extra(extra)
         return self._step(step, rollout_logprobs, train_logprobs, mask, extra, behaviour_logprobs)
 
+    @property
+    def sampling(self) -> bool:
+        """Whether ``step_sampled`` compares less than every response of every step."""
+        return self.sample_fraction < 1 or self.every > 1
+
     def sample(self, step: int, n_sequences: int) -> list[int] | None:
         """The rows of a step of ``n_sequences`` responses whose training-side log-probs to compute (ascending,
         ``sample_fraction`` of them rounded, at least one; deterministic in ``seed`` and ``step``), or None when
