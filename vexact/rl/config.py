@@ -392,7 +392,9 @@ class MonitorSection:
     mode scores every sequence anyway (its anchors), so it refuses other values, and a bypass correction with several
     mini-batches or epochs needs every token's pre-update log-prob, so it refuses them too."""
 
+    # fraction of each step's sequences rescored for the mismatch metrics (bypass); 1.0 = all
     sample_fraction: float = field(default=1.0, metadata=_bounds(gt=0, max=1))
+    # rescore on every this many steps (0, k, 2k, ...); the others log no mismatch metric
     every: int = field(default=1, metadata=_bounds(min=1))
 
     @property
