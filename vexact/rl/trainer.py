@@ -266,8 +266,8 @@ class Trainer:
         ``replay``: with ``algorithm.router_replay``, reuse the rollout's routing (False: the router's own)."""
         if self.ranks.world_size == 1:
             return self.objective.score(model, batch, replay)
-        mine = self.ranks.block(len(batch.responses))
-        return self.ranks.gather(self.objective.score(model, batch.subset(mine), replay))
+        mine = self.ranks.block(len(batch.responses))  # empty on some ranks for a monitor sample under world size
+        return self.ranks.gather(self.objective.score(model, batch.subset(mine), replay) if len(mine) else [])
 
     def _training_routing(self, batch: RolloutBatch) -> list[Tensor]:
         """The experts the training path's own router picks for the batch (MoE), at the pre-update weights; each
