@@ -222,6 +222,8 @@ class LiveMonitor:
         self.on_gate_failure = on_gate_failure
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
+        if self.sampling:  # a W&B run records what its rows were computed on
+            self._log_config.settings["live"].update(sample_fraction=sample_fraction, every=every, seed=seed)
         self._map = _load_scaling_map(scaling_map, correction, source, vocab, policy_lag)
         self.metrics_path = self.out_dir / METRICS_FILE
         if self.out_dir.exists() and not self.out_dir.is_dir():
