@@ -233,6 +233,30 @@ def test_map_before_the_dumps_does_not_take_a_dump_for_the_map(tmp_path, capsys)
         assert _report(capsys, *argv, out=tmp_path / "m.json")["map"] == expected
 
 
+def test_map_prints_one_verdict_line_and_the_details_under_verbose(tmp_path, capsys):
+    """``--map`` prints one short line (the point, the correction, the verdict's first clause, the extrapolation said
+    once); ``--verbose`` prints the whole placement; the JSON's map is the same either way; --verbose without --map
+    is refused."""
+    rollout, train = tmp_path / "roll.jsonl", tmp_path / "train.jsonl"
+    _jsonl(rollout, [{"id": i, "logprobs": [-1.0] * 1000} for i in range(4)])  # T = 1000: beyond every curve
+    _jsonl(train, [{"id": i, "logprobs": [-0.99] * 1000} for i in range(4)])
+    code, short, err = _run(capsys, rollout, train, "--map", "--json", tmp_path / "short.json")
+    assert code == 0, err
+    map_lines = [x for x in short[short.index("map: "):].strip().splitlines() if not x.startswith("wrote ")]
+    assert len(map_lines) == 1 and len(map_lines[0]) < 300, map_lines
+    line = map_lines[0]
+    assert line.startswith("map: k3 = 5.02e-05 at T = 1000.0 tokens, correction bypass (assumed: --correction "
+                           "names yours): ") and line.endswith("(--verbose: the details)")
+    assert line.count("outside the curve's measured horizons") == 1 and "assumptions" not in line
+    code, verbose, err = _run(capsys, rollout, train, "--map", "--verbose", "--json", tmp_path / "verbose.json")
+    assert code == 0, err
+    assert "  assumptions: " in verbose and "  verdict: " in verbose and "map: k3" not in verbose
+    assert json.loads((tmp_path / "short.json").read_text())["map"] == json.loads(
+        (tmp_path / "verbose.json").read_text())["map"]
+    code, out, err = _run(capsys, rollout, train, "--verbose")
+    assert code == 2 and out == "" and err == "error: --verbose prints the --map placement in full: give --map too\n"
+
+
 # --------------------------------------------------------------------------- bad input: one line, exit 2
 GOOD_ROLL = ['{"id": "a", "logprobs": [-0.5, -1.0], "tokens": [5, 6]}', '{"id": "b", "logprobs": [-0.25]}']
 GOOD_TRAIN = ['{"id": "b", "logprobs": [-0.25]}', '{"id": "a", "logprobs": [-0.5, -1.5], "tokens": [5, 6]}']

@@ -103,6 +103,16 @@ def test_runs_are_bitwise_identical_on_1_2_and_4_ranks(tmp_path):
     assert not _same(_result(tmp_path / "allreduce"), reference)
 
 
+def test_a_sampled_monitor_is_the_same_on_1_and_4_ranks(tmp_path):
+    """monitor.sample_fraction 0.1 of 16 sequences: 2 rescored, so two of four ranks score none of them."""
+    config = _config_file(tmp_path, **{"correction.method": "none", "monitor.sample_fraction": 0.1})
+    _vexact_run(config, tmp_path / "n1")
+    _vexact_run(config, tmp_path / "n4", "--nproc=4")
+    one = _result(tmp_path / "n1")
+    assert _same(_result(tmp_path / "n4"), one)
+    assert all(row["monitor/sampled_sequences"] == 2 and "rollout_corr/k3_kl" in row for row in one[0])
+
+
 def test_resume_on_another_number_of_ranks_continues_the_same_run(tmp_path):
     """Two steps on 2 ranks, then extended to 3 steps on 4 ranks: the run of 3 steps in one process."""
     config = _config_file(tmp_path)

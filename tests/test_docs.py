@@ -174,6 +174,7 @@ RUN_VARIANTS = {
                "inject.value=0.5"],
     "tail": ["task.distractors=6"],  # the tail/* keys (vexact.rl.vocab_tail)
     "moe": ["model.num_experts=4", "inject.mode=routing_flip", "inject.value=0.2"],  # the routing/* keys
+    "sampled": ["monitor.sample_fraction=0.5", "algorithm.mini_batches=2", "distributed.leaves=2"],  # monitor/*
 }
 
 
@@ -234,6 +235,7 @@ def _live_keys(tmp_path: Path) -> set[str]:
     monitor.step(0, roll, train, mask)
     monitor.step(1, roll.clone().fill_(float("nan")), train, mask)  # the non-finite row has its own keys
     monitor.step(2, roll, train, mask, behaviour_logprobs=roll)  # policy lag: the drift and the TIM apart
+    monitor.step_sampled(3, roll, lambda rows: train[rows], mask)  # a sampled step: live/sampled_* (all rows here)
     monitor.close()
     keys = set().union(*(set(row) for row in read_metrics(tmp_path / "live" / "metrics.jsonl")))
     return keys - set(RESERVED_KEYS) | {"step"}  # outcome, gates, by_position, map: structured fields

@@ -426,3 +426,141 @@ def test_the_docs_first_example_runs_as_written(tmp_path, monkeypatch):
     rows = read_metrics(tmp_path / "runs" / "my_grpo" / "vexact" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["outcome"] == "ok" and r["live/gates_failed"] == 0 and r["mismatch/tokens"] == 22 for r in rows)
+
+
+# --------------------------------------------------------------------------- sampled rescoring (bypass / async)
+def _metrics(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k.startswith(("rollout_corr/", "training/", "mismatch/"))}
+
+
+def test_step_sampled_is_step_on_the_sampled_rows(tmp_path):
+    roll, train, mask = _batch(b=10)
+    calls = []
+
+    def score(rows):
+        calls.append(rows)
+        return train[rows]
+
+    with LiveMonitor(tmp_path / "sampled", sample_fraction=0.3, seed=5) as monitor:
+        row = monitor.step_sampled(0, roll, score, mask)
+        rows = monitor.sample(0, 10)
+    assert calls == [rows] and len(rows) == 3 and rows == sorted(rows)
+    with LiveMonitor(tmp_path / "plain") as plain:
+        expected = plain.step(0, roll[rows], train[rows], mask[rows])
+    assert _metrics(row) and all(_same(row[k], v) for k, v in _metrics(expected).items())
+    assert _metrics(row).keys() == _metrics(expected).keys()
+    assert row[metric_keys.LIVE_SAMPLED_SEQUENCES] == 3 and row[metric_keys.LIVE_SAMPLE_FRACTION] == 0.3
+    assert row[metric_keys.LIVE_SEQUENCES] == 3
+    assert metric_keys.LIVE_SAMPLED_SEQUENCES not in expected  # a plain step is not a sampled one
+    written = read_metrics(tmp_path / "sampled" / "metrics.jsonl")
+    assert [r["step"] for r in written] == [0]
+    # the sample is the run's rule (vexact.rl.monitor.sample_rows), keyed by seed and step
+    from vexact.rl.monitor import sample_rows
+    assert rows == sample_rows(10, 0.3, 1, 5, 0) and LiveMonitor(tmp_path / "x", sample_fraction=0.3,
+                                                                   seed=6).sample(0, 10) != rows
+
+
+def test_step_sampled_sequences_and_skipped_steps(tmp_path):
+    roll, train, mask = _batch(b=8)
+    roll_seqs = [roll[i, mask[i].bool()] for i in range(8)]
+    train_seqs = [train[i, mask[i].bool()] for i in range(8)]
+    calls = []
+
+    def score(rows):
+        calls.append(rows)
+        return [train_seqs[i] for i in rows]
+
+    with LiveMonitor(tmp_path / "live", sample_fraction=0.5, every=2) as monitor:
+        assert monitor.step_sampled(1, roll_seqs, score) is None and calls == []  # skipped: nothing scored
+        row = monitor.step_sampled(2, roll_seqs, score)
+        assert monitor.sample(3, 8) is None
+    assert len(calls) == 1 and row[metric_keys.LIVE_SAMPLED_SEQUENCES] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "live" / "metrics.jsonl")] == [2]
+    with LiveMonitor(tmp_path / "full") as full:  # the defaults: every row, every step
+        everything = full.step_sampled(0, roll, lambda rows: train[rows], mask)
+        same = full.step(1, roll, train, mask)
+    assert everything[metric_keys.LIVE_SAMPLE_FRACTION] == 1.0
+    assert all(_same(everything[k], v) for k, v in _metrics(same).items())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"sample_fraction": 0.0}, "sample_fraction must be a number in"),
+    ({"sample_fraction": 1.5}, "sample_fraction must be a number in"),
+    ({"sample_fraction": "0.1"}, "sample_fraction must be a number in"),
+    ({"every": 0}, "every must be an integer >= 1"),
+    ({"every": 1.5}, "every must be an integer >= 1"),
+    ({"seed": "x"}, "seed must be an integer"),
+])
+def test_sampling_settings_refused(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LiveMonitor(tmp_path, **kwargs)
+
+
+def test_step_sampled_refusals(tmp_path):
+    roll, train, mask = _batch(b=6)
+    monitor = LiveMonitor(tmp_path, sample_fraction=0.5)
+    with pytest.raises(ValueError, match="score_fn must be a function"):
+        monitor.step_sampled(0, roll, "not a function", mask)
+    with pytest.raises(ValueError, match=r"score_fn\(rows\) \[6, 12\] must be"):
+        monitor.step_sampled(0, roll, lambda rows: train, mask)  # every row returned, not the sample's
+    with pytest.raises(ValueError, match="mask has shape"):
+        monitor.step_sampled(0, roll, lambda rows: train[rows], mask[:, :3])
+    with pytest.raises(ValueError, match="n_sequences must be an integer >= 1"):
+        monitor.sample(0, 0)
+    with pytest.raises(ValueError, match="rollout_logprobs must be a"):
+        monitor.step_sampled(0, roll[0], lambda rows: train[rows])
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_verl_bypass_batch_sampled(tmp_path, monkeypatch):
+    """verl's bypass mode: the batch's old_log_probs are the rollout's; observe_batch with a score_fn rescores the
+    sampled rows only, and actor_logprobs runs verl's recompute on them (select_idxs, padded to the world size)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from vexact.integrations.verl import actor_logprobs, observe_batch
+
+    batch = _verl_batch()
+    actor = batch["old_log_probs"]
+    bypass = {**batch, "old_log_probs": batch["rollout_log_probs"]}  # apply_bypass_mode
+
+    class FakeDataProto:  # what actor_logprobs reads of verl's DataProto
+        def __init__(self, tensors):
+            self.batch = tensors
+
+        def select_idxs(self, rows):
+            return FakeDataProto({k: v[rows] for k, v in self.batch.items()})
+
+    protocol = ModuleType("verl.protocol")
+
+    def pad(data, divisor):
+        n = len(data.batch["responses"])
+        extra = -n % divisor
+        return FakeDataProto({k: torch.cat([v, v[:extra]]) for k, v in data.batch.items()}), extra
+
+    protocol.pad_dataproto_to_divisor = pad
+    protocol.unpad_dataproto = lambda data, extra: FakeDataProto(
+        {k: v[: len(v) - extra] for k, v in data.batch.items()})
+    monkeypatch.setitem(sys.modules, "verl", ModuleType("verl"))
+    monkeypatch.setitem(sys.modules, "verl.protocol", protocol)
+    scored = []
+
+    def compute_old_log_prob(data):  # the actor: the rows' own log-probs (the fake batch keeps the row order)
+        scored.append(len(data.batch["responses"]))
+        index = [next(i for i in range(len(actor)) if torch.equal(r, batch["rollout_log_probs"][i]))
+                 for r in data.batch["rollout_log_probs"]]
+        return FakeDataProto({"old_log_probs": actor[index]}), 0.0
+
+    trainer = SimpleNamespace(actor_rollout_wg=SimpleNamespace(world_size=4),
+                              _compute_old_log_prob=compute_old_log_prob)
+    data = FakeDataProto(bypass)
+    with LiveMonitor(tmp_path / "live", sample_fraction=0.5, seed=1) as monitor:
+        rows = monitor.sample(3, 6)
+        row = observe_batch(monitor, data, 3, score_fn=actor_logprobs(trainer, data))
+        with pytest.raises(ValueError, match="not both"):
+            observe_batch(monitor, data, 4, old_log_prob=SimpleNamespace(batch={"old_log_probs": actor}),
+                          score_fn=actor_logprobs(trainer, data))
+    assert scored == [4] and len(rows) == 3  # 3 rows padded to the world size, not the batch of 6
+    with LiveMonitor(tmp_path / "plain") as plain:
+        expected = plain.step(0, batch["rollout_log_probs"][rows], actor[rows], batch["response_mask"][rows])
+    assert all(_same(row[k], v) for k, v in _metrics(expected).items()) and row[metric_keys.LIVE_SAMPLED_SEQUENCES] == 3

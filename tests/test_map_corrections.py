@@ -312,7 +312,7 @@ def test_compare_map_correction_cli(tmp_path, capsys):
     roll, train = _dump(tmp_path)
     out = tmp_path / "out.json"
     assert main(["compare", str(roll), str(train), "--map", str(map_file), "--correction", "recompute",
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--verbose"]) == 0
     data = json.loads(out.read_text())["map"]
     assert list(data) == list(MAP_KEYS) and data["correction"] == "recompute" and data["horizon"] == 8.0
     assert data["k3"] == pytest.approx(math.exp(0.22) - 1.22, rel=1e-6)
@@ -369,7 +369,7 @@ def test_compare_cli_bypass_tis_config_gets_one_sentence(tmp_path, capsys):
     roll, train = _dump(tmp_path)
     out = tmp_path / "out.json"
     assert main(["compare", str(roll), str(train), "--map", str(map_file), "--correction",
-                 str(tmp_path / "verl.yaml"), "--json", str(out)]) == 0
+                 str(tmp_path / "verl.yaml"), "--json", str(out), "--verbose"]) == 0
     data = json.loads(out.read_text())["map"]
     assert data["correction"] == "bypass_token_tis" and data["threshold_50"] is None
     assert "has no curve for your correction (bypass + token_tis" in data["verdict"]

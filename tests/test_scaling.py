@@ -212,7 +212,7 @@ def test_compare_map_cli(tmp_path, capsys):
     seqs = [([-1.0] * 100, [-0.99] * 100) for _ in range(4)]
     roll, train = _dump(tmp_path, seqs)
     out = tmp_path / "out.json"
-    assert main(["compare", str(roll), str(train), "--map", str(map_file), "--json", str(out)]) == 0
+    assert main(["compare", str(roll), str(train), "--map", str(map_file), "--json", str(out), "--verbose"]) == 0
     data = json.loads(out.read_text())["map"]
     assert list(data) == list(MAP_KEYS)
     r = -0.99 - (-1.0)

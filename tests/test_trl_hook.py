@@ -157,6 +157,40 @@ def test_uses_trls_old_logprobs_when_trl_computes_them_and_the_dump_recipe(tmp_p
     assert summary["tokens"] == rows[0]["mismatch/tokens"] > 0
 
 
+def test_a_sampled_monitor_scores_only_its_sample(tmp_path, one_torch_thread):
+    """``LiveMonitor(sample_fraction=0.5)``: the mixin's extra no-grad forward covers the sampled rows only, and each
+    row is the full comparison's metrics over those rows."""
+    from vexact.integrations.trl import LiveGRPOTrainer
+
+    no_grad_rows, outputs = [], []
+
+    class Spying(LiveGRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                no_grad_rows.append(int(input_ids.shape[0]))
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            outputs.append(output)
+            return output
+
+    monitor = LiveMonitor(tmp_path / "vexact", sample_fraction=0.5, seed=3)
+    trainer, _ = _trainer(tmp_path, monitor, cls=Spying)
+    trainer.train()
+    monitor.close()
+    rows = read_metrics(tmp_path / "vexact" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and no_grad_rows == [2, 2]  # 2 of each step's 4 completions
+    from vexact.integrations.trl import batch_sides
+
+    for step, (row, output) in enumerate(zip(rows, outputs)):
+        assert row["live/sampled_sequences"] == 2 and row["live/sample_fraction"] == 0.5
+        picked = monitor.sample(step, 4)
+        roll, _, mask = batch_sides(trainer, {**output, "old_per_token_logps": output["sampling_per_token_logps"]})
+        keep = mask[picked].bool()
+        assert row["mismatch/tokens"] == int(keep.sum()) > 0 and row["live/sequences"] == 2
+
+
 def test_refuses_a_trainer_without_rollout_logprobs(tmp_path):
     """TRL's transformers-generate path keeps no generation log-probs: nothing to compare, so one clear error."""
     from datasets import Dataset

@@ -68,6 +68,26 @@ and ``rollout_corr/tim_k3_kl`` (the rollout's recorded log-probs vs the behaviou
 ``rollout_corr/k3_kl`` (rollout vs current). ``behaviour_logprobs`` has the form of ``train_logprobs`` (and the same
 mask); a NaN in it is a non-finite step like one in the other sides.
 
+Bypass and async mode (the old log-probs come from the rollout, so your trainer computes no log-probs of its own
+before the update, and there is nothing to compare with): ``LiveMonitor(..., sample_fraction=0.1, every=1)`` and
+``step_sampled`` pay for a sample only::
+
+    monitor = LiveMonitor("runs/my_grpo/vexact", sample_fraction=0.1, every=1, seed=0)
+    row = monitor.step_sampled(step, batch["rollout_log_probs"], lambda rows: my_logprobs(batch, rows),
+                               batch["response_mask"])
+
+``step_sampled`` draws the step's rows (``sample(step, n_sequences)``: whole responses, ``sample_fraction`` of them
+rounded to the nearest and at least one, ascending, a function of ``seed`` and ``step`` alone, so every process and
+a restarted run draw the same), calls ``score_fn(rows)`` for your trainer's log-probs of those rows only -- in the
+form of ``rollout_logprobs[rows]``: a ``[len(rows), T]`` tensor, or one 1-D tensor per row -- and writes the row of
+``step`` on them, with ``live/sampled_sequences`` (rows scored) and ``live/sample_fraction`` (of the step's
+responses). On a step that is not a multiple of ``every`` it calls nothing, writes nothing and returns None: no
+metric is written for a step that was not measured. ``sample`` is there for a trainer that scores the rows in its
+own way and passes both sides to ``step``. The cost is your trainer's forward over ``len(rows)`` responses instead of
+all of them; the metrics are those of ``step`` over the same responses, bit for bit, when your trainer's scoring is
+batch-invariant (the same log-probs for a response whatever else is in the forward), and a sample's otherwise.
+``vexact run``'s ``monitor.sample_fraction`` / ``monitor.every`` use the same rule (``vexact.rl.monitor``).
+
 Restarts: a directory whose metrics.jsonl already holds rows is refused unless ``resume=True``; then the first
 ``step(s)`` drops the rows of steps >= s (your trainer recomputes them), keeps the rest, and rebuilds the live
 views from them (``log_backends``' rule), so metrics.jsonl never holds a step twice.
@@ -77,7 +97,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -91,6 +111,8 @@ from .metric_keys import (
     LIVE_GATES_FAILED,
     LIVE_MEAN_RESPONSE_LENGTH,
     LIVE_NONFINITE,
+    LIVE_SAMPLE_FRACTION,
+    LIVE_SAMPLED_SEQUENCES,
     LIVE_SEQUENCES,
     MISMATCH_TOKENS,
 )
@@ -101,6 +123,7 @@ from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError, LoggingSection
 from .rl.log_backends import LOG_BACKENDS, live_views, missing_package
 from .rl.metrics import lag_split_metrics
+from .rl.monitor import check_sampling, sample_rows
 
 __all__ = ["POSITIVE_LOGPROB_TOLERANCE", "GateFailed", "Gates", "LiveMonitor", "METRICS_FILE"]
 
@@ -180,8 +203,12 @@ class LiveMonitor:
                  scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
                  wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline",
                  correction: Any = None, source: str | None = None, vocab: int | None = None,
-                 policy_lag: int = 0):
+                 policy_lag: int = 0, sample_fraction: float = 1.0, every: int = 1, seed: int = 0):
         self.out_dir = Path(out_dir)
+        check_sampling(sample_fraction, every)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer (it keys the sampled rows with the step), got {seed!r}")
+        self.sample_fraction, self.every, self.seed = sample_fraction, every, seed
         if isinstance(policy_lag, bool) or not isinstance(policy_lag, int) or policy_lag < 0:
             raise ValueError(f"policy_lag must be an integer >= 0 (optimizer steps the rollout policy is behind the "
                              f"trained one), got {policy_lag!r}")
@@ -194,6 +221,8 @@ class LiveMonitor:
         self.on_gate_failure = on_gate_failure
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
+        if self.sampling:  # a W&B run records what its rows were computed on
+            self._log_config.settings["live"].update(sample_fraction=sample_fraction, every=every, seed=seed)
         self._map = _load_scaling_map(scaling_map, correction, source, vocab, policy_lag)
         self.metrics_path = self.out_dir / METRICS_FILE
         if self.out_dir.exists() and not self.out_dir.is_dir():
@@ -215,12 +244,77 @@ class LiveMonitor:
         form of ``train_logprobs``: the row then carries the lag's drift and the TIM apart (module docstring).
         Raises ValueError on a caller mistake (nothing written), ``GateFailed`` after writing a row whose gate
         failed when ``on_gate_failure="raise"``."""
+        self._check_step(step)
+        _check_extra(extra)
+        return self._step(step, rollout_logprobs, train_logprobs, mask, extra, behaviour_logprobs)
+
+    @property
+    def sampling(self) -> bool:
+        """Whether ``step_sampled`` compares less than every response of every step."""
+        return self.sample_fraction < 1 or self.every > 1
+
+    def sample(self, step: int, n_sequences: int) -> list[int] | None:
+        """The rows of a step of ``n_sequences`` responses whose training-side log-probs to compute (ascending,
+        ``sample_fraction`` of them rounded, at least one; deterministic in ``seed`` and ``step``), or None when
+        ``step`` is not a multiple of ``every`` (skip the step: nothing to compute, no row)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if isinstance(n_sequences, bool) or not isinstance(n_sequences, int) or n_sequences < 1:
+            raise ValueError(f"n_sequences must be an integer >= 1 (the step's responses), got {n_sequences!r}")
+        return sample_rows(n_sequences, self.sample_fraction, self.every, self.seed, step)
+
+    def step_sampled(self, step: int, rollout_logprobs: Tensor | Sequence[Tensor],
+                     score_fn: Callable[[list[int]], Tensor | Sequence[Tensor]], mask: Tensor | None = None,
+                     extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """``step`` on a sample of the step's responses, for a trainer that does not compute its own log-probs of
+        them (bypass / async mode): ``score_fn(rows)`` returns the training side of those rows only (``sample``'s
+        list), in the form of ``rollout_logprobs[rows]`` (a ``[len(rows), T]`` tensor, or one 1-D tensor per row).
+        Returns the row written (its metrics are the sample's; ``live/sampled_sequences``, ``live/sample_fraction``
+        say how many), or None on a step ``every`` skips (``score_fn`` is not called, nothing is written)."""
+        self._check_step(step)
+        _check_extra(extra)
+        if not callable(score_fn):
+            raise ValueError(f"score_fn must be a function rows -> training log-probs, got {type(score_fn).__name__}")
+        rollout_logprobs, mask = _from_numpy(rollout_logprobs, "rollout_logprobs"), _from_numpy(mask, "mask")
+        if isinstance(rollout_logprobs, Tensor):
+            if rollout_logprobs.dim() != 2:
+                raise ValueError(f"rollout_logprobs must be a [B, T] tensor, got shape {list(rollout_logprobs.shape)}")
+            n = int(rollout_logprobs.shape[0])
+        elif isinstance(rollout_logprobs, (list, tuple)):
+            n = len(rollout_logprobs)
+        else:
+            raise ValueError(f"rollout_logprobs must be a [B, T] tensor (or numpy array) or a sequence of 1-D tensors, "
+                             f"got {type(rollout_logprobs).__name__}")
+        if n == 0:
+            raise ValueError("rollout_logprobs holds no responses")
+        rows = self.sample(step, n)
+        if rows is None:
+            return None
+        if isinstance(rollout_logprobs, Tensor):
+            index = torch.tensor(rows, device=rollout_logprobs.device)
+            rollout_rows = rollout_logprobs.index_select(0, index)
+            if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == n:
+                mask = mask.index_select(0, index.to(mask.device))
+            elif mask is not None:  # the shape error, named as step names it
+                _padded_rows(rollout_logprobs, rollout_logprobs, mask)
+        else:
+            rollout_rows = [rollout_logprobs[i] for i in rows]
+        train = _from_numpy(score_fn(list(rows)), "score_fn(rows)")
+        return self._step(step, rollout_rows, train, mask, extra, None, (len(rows), n))
+
+    def _check_step(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step {step} does not follow step {self._last_step}: steps must increase")
-        _check_extra(extra)
-        train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask)
+
+    def _step(self, step: int, rollout_logprobs: Tensor | Sequence[Tensor], train_logprobs: Tensor | Sequence[Tensor],
+              mask: Tensor | None, extra: dict[str, Any] | None,
+              behaviour_logprobs: Tensor | Sequence[Tensor] | None, sampled: tuple[int, int] | None = None
+              ) -> dict[str, Any]:
+        """``step`` after the checks of the step and ``extra``; ``sampled``: (rows scored, responses of the step)."""
+        side = "train_logprobs" if sampled is None else "score_fn(rows)"
+        train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask, side)
         behaviour = None
         if behaviour_logprobs is not None:
             behaviour, _, behaviour_lengths, behaviour_nonfinite = _flat_sides(rollout_logprobs, behaviour_logprobs,
@@ -229,6 +323,8 @@ class LiveMonitor:
                 raise ValueError("behaviour_logprobs and train_logprobs hold different response lengths")
             nonfinite = max(nonfinite, behaviour_nonfinite)
         row = self._row(step, train, roll, lengths, nonfinite, behaviour)
+        if sampled is not None:
+            row[LIVE_SAMPLED_SEQUENCES], row[LIVE_SAMPLE_FRACTION] = sampled[0], sampled[0] / sampled[1]
         if extra:
             row.update(extra)
         self._write(step, row)

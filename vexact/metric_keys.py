@@ -109,6 +109,9 @@ LR_SCHEDULE_TRIGGERED = "lr_schedule/triggered"
 TIMING_EVAL = "timing/eval"
 TIMING_GRAD_REDUCE = "timing/grad_reduce"
 TIMING_OLD_LOGPROBS = "timing/old_logprobs"
+TIMING_MONITOR = "timing/monitor"
+MONITOR_SAMPLED_SEQUENCES = "monitor/sampled_sequences"
+MONITOR_SAMPLE_FRACTION = "monitor/sample_fraction"
 TIMING_ROLLOUT = "timing/rollout"
 TIMING_STEP = "timing/step"
 TIMING_UPDATE = "timing/update"
@@ -117,6 +120,8 @@ LIVE_GATES_FAILED = "live/gates_failed"
 LIVE_MEAN_RESPONSE_LENGTH = "live/mean_response_length"
 LIVE_NONFINITE = "live/nonfinite"
 LIVE_SEQUENCES = "live/sequences"
+LIVE_SAMPLED_SEQUENCES = "live/sampled_sequences"
+LIVE_SAMPLE_FRACTION = "live/sample_fraction"
 TRL_GLOBAL_STEP = "trl/global_step"
 ROUTING_FLIP_RATE = "routing/flip_rate"
 ROUTING_TOKEN_FLIP_FRAC = "routing/token_flip_frac"
@@ -339,6 +344,11 @@ KEYS: tuple[MetricKey, ...] = (
        "count", LIVE, "live.py"),
     _k("live/nonfinite", "NaN or infinite log-probs this step (written when there were any; no metrics then)",
        "count", LIVE, "live.py"),
+    _k(LIVE_SAMPLED_SEQUENCES, "Responses whose training-side log-probs were scored this step, of a sampled "
+       "step (`LiveMonitor(sample_fraction=, every=)`, `step_sampled`): the row's metrics are theirs", "count", LIVE,
+       "live.py"),
+    _k(LIVE_SAMPLE_FRACTION, "Fraction of the step's responses scored (`live/sampled_sequences` / the batch's "
+       "responses), of a sampled step", "fraction", LIVE, "live.py"),
     _k("trl/global_step", "TRL's optimiser step when the batch was generated (the TRL hook's extra key; the row's "
        "`step` counts generation batches)", "step", LIVE, "integrations/trl.py"),
     # --- the vocabulary tail (rl/vocab_tail.py; written when `task.distractors` > 0) -------------------------------
@@ -370,11 +380,21 @@ KEYS: tuple[MetricKey, ...] = (
        _TRAINER),
     _k("eval/response_length_mean", "Mean response length on the held-out prompts (sampled)", "tokens", RUN,
        _TRAINER),
+    # --- sampled rescoring in bypass mode (rl/trainer.py; written when `monitor.sample_fraction` < 1 or
+    # `monitor.every` > 1) -----------------------------------------------------------------------------------------
+    _k(MONITOR_SAMPLED_SEQUENCES, "Sequences rescored on the training path for the mismatch metrics this step (0 on "
+       "a step `monitor.every` skips: it logs no mismatch metric); the `rollout_corr/*`, `training/*` and "
+       "`mismatch/*` metrics are theirs", "count", RUN, _TRAINER),
+    _k(MONITOR_SAMPLE_FRACTION, "`monitor/sampled_sequences` / the step's sequences (0 on a skipped step)",
+       "fraction", RUN, _TRAINER),
     # --- wall-clock timings (excluded from determinism checks) ----------------------------------------------------
     _k("timing/rollout", "Seconds spent generating the step's rollouts", "s", RUN, _TRAINER, True),
     _k("timing/old_logprobs", "Seconds spent on the old log-probs (recompute, or taken from the rollout; with "
        "`rollout.policy_lag` > 0 also scoring the behaviour policy on the training path)", "s", RUN,
        _TRAINER, True),
+    _k(TIMING_MONITOR, "Seconds spent rescoring the monitor's sample on the training path before the update "
+       "(`monitor.sample_fraction` < 1 or `monitor.every` > 1; with `rollout.policy_lag` > 0 the behaviour policy's "
+       "scoring of it too); not part of timing/old_logprobs", "s", RUN, _TRAINER),
     _k("timing/update", "Seconds spent on the PPO update", "s", RUN, _TRAINER, True),
     _k("timing/grad_reduce", "Seconds of the update spent summing gradients across ranks (0 on one process)", "s",
        RUN, _TRAINER),
@@ -395,6 +415,7 @@ GROUPS: dict[str, str] = {
     "correction": "Rollout correction: what the loss applied (vexact's own)",
     "tail": "The vocabulary tail (`task.distractors`)",
     "routing": "Mixture-of-experts routing (`model.num_experts` > 0)",
+    "monitor": "Sampled rescoring in bypass mode (`monitor.*`)",
     "inject": "Controlled mismatch",
     "lr_schedule": "LR schedule",
     "eval": "Clean evaluation",

@@ -37,6 +37,11 @@ metrics.jsonl at the checkpoint's step: the rows before it are kept, the rows fr
 several generation batches per optimiser step (``steps_per_generation x num_iterations`` below
 ``gradient_accumulation_steps``; never under TRL's defaults) it is ``global_step x G + j``, ``G`` the most batches one
 optimiser step can generate and ``j`` the batch's index within its step; ``trl/global_step`` is in every row.
+A monitor built with ``sample_fraction`` < 1 or ``every`` > 1 (``LiveMonitor(..., sample_fraction=0.1)``: TRL runs
+without TRL's importance-sampling correction, so nothing recomputes the log-probs, as in verl's bypass mode) compares
+its sample only (``LiveMonitor.step_sampled``): the mixin's extra forward covers the sampled rows instead of the
+whole batch, and a step the monitor skips costs none; where TRL computed ``old_per_token_logps`` itself the sample
+reads them.
 Only training batches are monitored (not evaluation), and only on the main process: with several processes a row
 covers process 0's share of the batch. With ``on_gate_failure="raise"`` a failed gate stops ``trainer.train()``
 with ``vexact.live.GateFailed`` after the row is written.
@@ -89,14 +94,19 @@ class LiveMismatchMixin:
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         if self.model.training and self.accelerator.is_main_process:
-            rollout, train, mask = batch_sides(self, output)
-            self.live_monitor.step(self._live_step(), rollout, train, mask,
-                                   extra={TRL_GLOBAL_STEP: int(self.state.global_step)})
+            step, extra = self._live_step(), {TRL_GLOBAL_STEP: int(self.state.global_step)}
+            if self.live_monitor.sampling:  # the trainer's side of the monitor's sample only
+                rollout, mask = _rollout_side(output)
+                self.live_monitor.step_sampled(step, rollout, lambda rows: _training_side(self, output, rows), mask,
+                                               extra=extra)
+            else:
+                rollout, train, mask = batch_sides(self, output)
+                self.live_monitor.step(step, rollout, train, mask, extra=extra)
         return output
 
 
-def batch_sides(trainer: Any, output: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
-    """(rollout, training, mask) [B, C] of one ``_generate_and_score_completions`` output (see the module doc)."""
+def _rollout_side(output: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """(rollout log-probs, mask) [B, C] of one ``_generate_and_score_completions`` output."""
     rollout = output.get("sampling_per_token_logps")
     if rollout is None:
         raise ValueError("this GRPOTrainer batch has no 'sampling_per_token_logps' (the generation engine's "
@@ -104,15 +114,31 @@ def batch_sides(trainer: Any, output: dict[str, Any]) -> tuple[Tensor, Tensor, T
     mask = output["completion_mask"]
     if output.get("tool_mask") is not None:
         mask = mask * output["tool_mask"]
+    return rollout, mask
+
+
+def _training_side(trainer: Any, output: dict[str, Any], rows: list[int] | None = None) -> Tensor:
+    """The trainer's log-probs [B, C] (``rows``: of those rows only, [len(rows), C]): TRL's ``old_per_token_logps``
+    when it computed them, else one no-grad forward of TRL's own ``_get_per_token_logps_and_entropies`` over the
+    rows."""
     train = output.get("old_per_token_logps")
-    if train is None:
-        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with torch.no_grad():
-            train, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1),
-                batch_size=trainer.args.per_device_train_batch_size)
-    return rollout, train, mask
+    if train is not None:
+        return train if rows is None else train[rows]
+    prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    if rows is not None:
+        prompt_completion_ids, attention_mask = prompt_completion_ids[rows], attention_mask[rows]
+    with torch.no_grad():
+        train, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1),
+            batch_size=trainer.args.per_device_train_batch_size)
+    return train
+
+
+def batch_sides(trainer: Any, output: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """(rollout, training, mask) [B, C] of one ``_generate_and_score_completions`` output (see the module doc)."""
+    rollout, mask = _rollout_side(output)
+    return rollout, _training_side(trainer, output), mask
 
 
 def dump_batch(trainer: Any, output: dict[str, Any], path: str | Path) -> Path:

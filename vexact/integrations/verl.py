@@ -37,12 +37,28 @@ builds ``RayPPOTrainer``. ``fit`` runs on the driver only, so there is one write
 resumed from a verl checkpoint continue the same metrics.jsonl (the rows from the resumed step on are replaced).
 In bypass mode (``algorithm.rollout_correction.bypass_mode=True``) verl skips ``_compute_old_log_prob`` and sets
 ``old_log_probs`` to ``rollout_log_probs`` itself: there is no training-side recomputation to compare with, and
-``observe_batch`` refuses a batch whose two sides are one tensor rather than report a mismatch of zero.
+``observe_batch`` refuses a batch whose two sides are one tensor rather than report a mismatch of zero. To measure
+the mismatch there anyway, pay for a sample: give the monitor ``sample_fraction`` (and ``every``) and
+``observe_batch`` a ``score_fn``; ``actor_logprobs(trainer, batch)`` is one that runs verl's own recompute
+(``_compute_old_log_prob``) on the sampled rows only (``DataProto.select_idxs``, padded to the actor's world size
+as verl pads). Call it before the update changes the weights::
+
+    class MonitoredRayPPOTrainer(RayPPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.live_monitor = LiveMonitor("outputs/vexact_live", sample_fraction=0.1, every=1, resume=True)
+
+        def _update_actor(self, batch):
+            observe_batch(self.live_monitor, batch, self.global_steps, score_fn=actor_logprobs(self, batch))
+            return super()._update_actor(batch)
+
+The row is ``LiveMonitor.step_sampled``'s: the sample's metrics, ``live/sampled_sequences`` and
+``live/sample_fraction``; a step ``every`` skips writes nothing and scores nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -50,7 +66,7 @@ from torch import Tensor
 from ..live import LiveMonitor
 from ..real.compare import ATTENTION_MASK_KEY, MASK_KEY, ONE_FILE_KEYS
 
-__all__ = ["observe_batch", "verl_sides"]
+__all__ = ["actor_logprobs", "observe_batch", "verl_sides"]
 
 ROLLOUT_KEY, TRAIN_KEY = ONE_FILE_KEYS  # verl's batch keys: rollout engine, actor recompute
 RESPONSES_KEY = "responses"
@@ -64,12 +80,25 @@ def _tensors(batch: Any) -> Any:
     return inner
 
 
+def _rollout_side(tensors: Any) -> tuple[Tensor, Tensor]:
+    """(rollout log-probs, response mask) [B, T] of verl's batch tensors."""
+    keys = set(tensors.keys())
+    if ROLLOUT_KEY not in keys:
+        raise ValueError(f"the batch has no {ROLLOUT_KEY!r} (the rollout engine's log-probs): set "
+                         "actor_rollout_ref.rollout.calculate_log_probs=True")
+    rollout = tensors[ROLLOUT_KEY]
+    if MASK_KEY in keys:
+        return rollout, tensors[MASK_KEY]
+    if ATTENTION_MASK_KEY in keys:  # verl's compute_response_mask: the last T columns
+        return rollout, tensors[ATTENTION_MASK_KEY][:, -rollout.shape[1]:]
+    raise ValueError(f"the batch has neither {MASK_KEY!r} nor {ATTENTION_MASK_KEY!r}")
+
+
 def verl_sides(batch: Any, old_log_prob: Any = None) -> tuple[Tensor, Tensor, Tensor]:
     """(rollout, training, mask) [B, T] from verl's batch; ``old_log_prob``: what ``_compute_old_log_prob``
     returned (its ``old_log_probs`` is used), else the batch's own ``old_log_probs``."""
     tensors = _tensors(batch)
-    keys = set(tensors.keys())
-    if ROLLOUT_KEY not in keys:
+    if ROLLOUT_KEY not in set(tensors.keys()):
         raise ValueError(f"the batch has no {ROLLOUT_KEY!r} (the rollout engine's log-probs): set "
                          "actor_rollout_ref.rollout.calculate_log_probs=True")
     source = tensors if old_log_prob is None else _tensors(old_log_prob)
@@ -81,16 +110,37 @@ def verl_sides(batch: Any, old_log_prob: Any = None) -> tuple[Tensor, Tensor, Te
     if rollout is train or (rollout.data_ptr() == train.data_ptr() and rollout.shape == train.shape):
         raise ValueError(f"{TRAIN_KEY!r} is {ROLLOUT_KEY!r} itself (verl's bypass mode): there is no training-side "
                          "recomputation to compare with")
-    if MASK_KEY in keys:
-        mask = tensors[MASK_KEY]
-    elif ATTENTION_MASK_KEY in keys:  # verl's compute_response_mask: the last T columns
-        mask = tensors[ATTENTION_MASK_KEY][:, -rollout.shape[1]:]
-    else:
-        raise ValueError(f"the batch has neither {MASK_KEY!r} nor {ATTENTION_MASK_KEY!r}")
+    _, mask = _rollout_side(tensors)
     return rollout, train, mask
 
 
-def observe_batch(monitor: LiveMonitor, batch: Any, step: int, old_log_prob: Any = None) -> dict[str, Any]:
-    """One ``monitor.step`` on verl's batch at ``step`` (verl's ``self.global_steps``); returns the row."""
-    rollout, train, mask = verl_sides(batch, old_log_prob)
-    return monitor.step(step, rollout, train, mask)
+def observe_batch(monitor: LiveMonitor, batch: Any, step: int, old_log_prob: Any = None,
+                  score_fn: Callable[[list[int]], Tensor] | None = None) -> dict[str, Any] | None:
+    """One ``monitor.step`` on verl's batch at ``step`` (verl's ``self.global_steps``); returns the row.
+
+    ``score_fn`` (bypass mode, where the batch's ``old_log_probs`` are the rollout's): ``rows -> [len(rows), T]``
+    actor log-probs of the rows the monitor samples (``actor_logprobs``); the row is then
+    ``monitor.step_sampled``'s (None on a step the monitor's ``every`` skips)."""
+    if score_fn is None:
+        rollout, train, mask = verl_sides(batch, old_log_prob)
+        return monitor.step(step, rollout, train, mask)
+    if old_log_prob is not None:
+        raise ValueError("give old_log_prob (the actor's recompute of every row) or score_fn (of a sample), not both")
+    rollout, mask = _rollout_side(_tensors(batch))
+    return monitor.step_sampled(step, rollout, score_fn, mask)
+
+
+def actor_logprobs(trainer: Any, batch: Any) -> Callable[[list[int]], Tensor]:
+    """A ``score_fn`` for ``observe_batch``: the actor's log-probs of the batch's rows ``rows`` at its current
+    weights, by verl's own recompute (``trainer._compute_old_log_prob``) of ``batch.select_idxs(rows)``, padded to a
+    multiple of the actor worker group's world size (``verl.protocol.pad_dataproto_to_divisor``) and unpadded."""
+
+    def score(rows: list[int]) -> Tensor:
+        from verl.protocol import pad_dataproto_to_divisor, unpad_dataproto
+
+        sample = batch.select_idxs(rows)
+        padded, pad = pad_dataproto_to_divisor(sample, trainer.actor_rollout_wg.world_size)
+        old_log_prob, _ = trainer._compute_old_log_prob(padded)
+        return _tensors(unpad_dataproto(old_log_prob, pad))[TRAIN_KEY]
+
+    return score

@@ -781,6 +781,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="place the dump's k3 and mean response length on a collapse map (a scaling.json; "
                              "without FILE: the map shipped with vexact). Before the dumps, write --map=FILE or "
                              "--map last: a space-separated value is taken as the map file")
+    parser.add_argument("--verbose", action="store_true",
+                        help="with --map: print the placement in full (the threshold and its interval, the "
+                             "extrapolation, the curve's bounds, the assumptions, the curve); default: one verdict "
+                             "line (the --json report holds the map's keys either way)")
     parser.add_argument("--correction", default=None, metavar="NAME|CONFIG",
                         help="with --map: the correction your trainer runs, whose curve gives the verdict: a name "
                              "(bypass, recompute, token_tis = recompute + token-level TIS, bypass_token_tis = "
@@ -801,6 +805,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(asynchronous RL); the verdict comes from the curve measured at that lag, and a lag the "
                              "map has no curve for is an error saying so; default: 0 (on-policy)")
 
+
+
+def map_verdict_line(placed: dict[str, Any]) -> str:
+    """``compare --map``'s one line without ``--verbose``: the point, the correction and the verdict's first clause
+    (its qualifications, the curve and the assumptions are ``--verbose``'s), and the extrapolation once, where the
+    horizon lies beyond the curve's measured ones and the clause does not say so already."""
+    verdict = str(placed["verdict"])
+    head = verdict.split("; ")[0]
+    assumed = " (assumed: --correction names yours)" if "correction assumed" in verdict else ""
+    line = (f"map: k3 = {placed['k3']:.3g} at T = {placed['horizon']:.1f} tokens, correction "
+            f"{placed['correction']}{assumed}: {head}")
+    factor = placed.get("extrapolation_factor")
+    if isinstance(factor, (int, float)) and factor > 1 and "extrapolat" not in head:
+        line += f"; extrapolated: T is {factor:.3g}x outside the curve's measured horizons"
+    return line + " (--verbose: the details)"
 
 
 def _is_dump(path: Path) -> bool:
@@ -841,6 +860,8 @@ def main(args: argparse.Namespace) -> int:
                         ("--policy-lag", args.policy_lag)):
         if value is not None and args.map is None:
             raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
+    if args.verbose and args.map is None:
+        raise ValueError("--verbose prints the --map placement in full: give --map too")
     if args.map is not None:  # the map, the correction and the source are checked before the dumps are read
         scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map, args.vocab)
         correction = choose_correction(scaling_map, args.correction, args.source, args.policy_lag or 0)
@@ -867,7 +888,8 @@ def main(args: argparse.Namespace) -> int:
         console.print(s["floor"]["verdict"], markup=False, highlight=False, soft_wrap=True)
     if args.map is not None:  # where this k3 and horizon sit on the collapse map
         s["map"], map_text = compare_map(s, scaling_map, correction, args.source, args.vocab, args.policy_lag or 0)
-        console.print("\n".join(map_text), markup=False, highlight=False, soft_wrap=True)
+        console.print("\n".join(map_text) if args.verbose else map_verdict_line(s["map"]), markup=False,
+                      highlight=False, soft_wrap=True)
     written = [write_report_json(s, args.json)] if args.json else []
     if args.png:
         written.append(plot_report(result.logp_train, result.logp_roll, args.png,

@@ -74,6 +74,7 @@ __all__ = [
     "LRScheduleSection",
     "LoggingSection",
     "ModelSection",
+    "MonitorSection",
     "OptimizerSection",
     "RolloutSection",
     "RunConfig",
@@ -377,6 +378,32 @@ class DistributedSection:
 
 
 @dataclass
+class MonitorSection:
+    """Mismatch metrics in bypass mode (``algorithm.old_logprobs: rollout``) at a chosen cost; see
+    ``vexact/rl/monitor.py``.
+
+    Bypass anchors the ratio on the rollout's log-probs, so the training path's pre-update log-probs serve only the
+    ``rollout_corr/*``, ``training/*`` and ``mismatch/*`` metrics: with one pass (one mini-batch, one epoch) the
+    update's first pass gives them for free; with several, the whole batch is scored once more before the update.
+    ``sample_fraction`` < 1 rescores only that fraction of each step's sequences (whole sequences, at least one, a
+    deterministic sample keyed by the run's seed and the step) and the mismatch metrics come from them; ``every``
+    rescores on every that many steps only (other steps log no mismatch metric). The defaults rescore every
+    sequence every step (the run's bits do not depend on this section: only which metrics are written). Recompute
+    mode scores every sequence anyway (its anchors), so it refuses other values, and a bypass correction with several
+    mini-batches or epochs needs every token's pre-update log-prob, so it refuses them too."""
+
+    # fraction of each step's sequences rescored for the mismatch metrics (bypass); 1.0 = all
+    sample_fraction: float = field(default=1.0, metadata=_bounds(gt=0, max=1))
+    # rescore on every this many steps (0, k, 2k, ...); the others log no mismatch metric
+    every: int = field(default=1, metadata=_bounds(min=1))
+
+    @property
+    def sampling(self) -> bool:
+        """Whether a step rescores less than its whole batch (a fraction, or not every step)."""
+        return self.sample_fraction < 1 or self.every > 1
+
+
+@dataclass
 class CollapseSection:
     """Collapse detection on a (smoothed) reward series; see ``vexact/rl/collapse.py``."""
 
@@ -421,6 +448,7 @@ class RunConfig:
     correction: CorrectionSection = field(default_factory=CorrectionSection)
     lr_schedule: LRScheduleSection = field(default_factory=LRScheduleSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
 
     def check(self) -> None:
         check_run_name(self.name, self.output_dir)
@@ -449,6 +477,12 @@ class RunConfig:
                               f"{self.distributed.leaves}) cannot be cut into units of {self.algorithm.grad_unit}; "
                               f"set algorithm.grad_unit to a divisor of {per_leaf}, or null", "algorithm.grad_unit")
         self._check_learning_signal()
+        if self.monitor.sampling and self.algorithm.old_logprobs == "recompute":
+            key = "monitor.sample_fraction" if self.monitor.sample_fraction < 1 else "monitor.every"
+            raise ConfigError("algorithm.old_logprobs: recompute scores every sequence before the update (the ratio's "
+                              "anchor), so its mismatch metrics cost no extra pass and there is nothing to sample: "
+                              "sampled rescoring is for bypass (algorithm.old_logprobs: rollout); leave "
+                              "monitor.sample_fraction at 1.0 and monitor.every at 1", key)
         check_run(self)  # what the extensions check: the task's lengths, the correction's plan, ...
 
     def _check_not_in_cache(self) -> None:

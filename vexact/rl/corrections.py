@@ -376,6 +376,17 @@ def _check_correction(cfg: RunConfig) -> None:
     if c.loss_type is not None and not bypass:
         raise ConfigError("loss_type chooses the loss of bypass mode (algorithm.old_logprobs: rollout); in "
                           "decoupled mode the IS weights multiply the clipped loss", "correction.loss_type")
+    monitor, alg = cfg.monitor, cfg.algorithm
+    if plan.active and bypass and monitor.sampling and (alg.mini_batches > 1 or alg.ppo_epochs > 1):
+        key = "monitor.sample_fraction" if monitor.sample_fraction < 1 else "monitor.every"
+        value = monitor.sample_fraction if monitor.sample_fraction < 1 else monitor.every
+        given = [f"correction.{k} {getattr(c, k)!r}" for k in ("method", "preset", "rollout_is", "rollout_rs")
+                 if getattr(c, k) not in (None, "none")]
+        raise ConfigError(f"{key} {value} rescores only part of the steps' sequences, but the correction "
+                          f"({', '.join(given)}) weighs every token by its training-path log-prob before the update, "
+                          "which bypass mode with several mini-batches or epochs scores for the whole batch anyway: "
+                          "leave monitor.sample_fraction at 1.0 and monitor.every at 1 (the metrics then cost nothing "
+                          "more), or set correction.method: none", key)
 
 
 @dataclass

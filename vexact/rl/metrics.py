@@ -386,17 +386,20 @@ def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Te
     }
 
 
-def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bool], logp_train: Sequence[Tensor],
-                          logp_roll: Sequence[Tensor], log_ratio_bound: float = LOG_RATIO_BOUND) -> dict[str, float]:
+def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bool],
+                          logp_train: Sequence[Tensor] | None, logp_roll: Sequence[Tensor] | None,
+                          log_ratio_bound: float = LOG_RATIO_BOUND) -> dict[str, float]:
     """A step's ``reward/*``, ``response_length/*`` and mismatch metrics (``mismatch_metrics``) of one batch.
 
     ``reward/accuracy`` is the fraction of full-credit (reward 1.0) responses; ``response_length/clip_ratio`` the
-    fraction that hit the length limit without EOS."""
+    fraction that hit the length limit without EOS. The log-probs may be of a sample of the batch's sequences
+    (``monitor.sample_fraction``), or None (no mismatch metrics: a step the monitor skips)."""
     out = sequence_stats(rewards, "reward")
     out[REWARD_ACCURACY] = float((rewards == 1.0).float().mean())
     out.update(sequence_stats(torch.tensor(lengths, dtype=torch.float32), "response_length"))
     out[RESPONSE_LENGTH_CLIP_RATIO] = sum(not f for f in finished) / len(finished)
-    out.update(mismatch_metrics(logp_train, logp_roll, log_ratio_bound=log_ratio_bound))
+    if logp_train is not None and logp_roll is not None:
+        out.update(mismatch_metrics(logp_train, logp_roll, log_ratio_bound=log_ratio_bound))
     return out
 
 

@@ -147,16 +147,19 @@ class Objective:
         self.exact_training = exact_training  # the training path runs bit-deterministic kernels
 
     def anchors(self, model: Transformer, batch: RolloutBatch, reference: Callable[[], Transformer],
-                score: Callable[[Transformer, RolloutBatch], list[Tensor]] | None = None) -> Anchors:
+                score: Callable[[Transformer, RolloutBatch], list[Tensor]] | None = None,
+                rescore_all: bool = True) -> Anchors:
         """Score what the update needs before it changes the weights (``reference`` builds the KL reference).
 
-        ``score``: how to score a batch (default ``self.score``; data-parallel ranks score a share each)."""
+        ``score``: how to score a batch (default ``self.score``; data-parallel ranks score a share each).
+        ``rescore_all``: in bypass mode with several passes and no correction, the pre-update scoring serves only
+        the mismatch metrics; False leaves it out (``monitor.sample_fraction``: the trainer scores its sample)."""
         alg = self.alg
         score = score or self.score
         one_pass = alg.mini_batches == 1 and alg.ppo_epochs == 1
         pre_update = None
-        if alg.old_logprobs == "recompute" or not one_pass:  # else the single update pass scores at θ_old
-            pre_update = score(model, batch)
+        if alg.old_logprobs == "recompute" or (not one_pass and (rescore_all or self.plan.active)):
+            pre_update = score(model, batch)  # else the single update pass scores at θ_old (or the sample does)
         ref = score(reference(), batch) if alg.kl_coef > 0 else None
         return Anchors(pre_update if alg.old_logprobs == "recompute" else batch.logprobs, pre_update, ref)
 

@@ -50,9 +50,13 @@ from ..metric_keys import (
     GRAD_NORM_MAX,
     INJECT_ACTIVE,
     INJECT_VALUE,
+    K3_KL,
     LR,
+    MONITOR_SAMPLE_FRACTION,
+    MONITOR_SAMPLED_SEQUENCES,
     TIMING_EVAL,
     TIMING_GRAD_REDUCE,
+    TIMING_MONITOR,
     TIMING_OLD_LOGPROBS,
     TIMING_ROLLOUT,
     TIMING_STEP,
@@ -76,6 +80,7 @@ from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .log_backends import live_views
 from .metrics import lag_split_metrics, mismatch_metrics, rollout_batch_metrics, routing_metrics
+from .monitor import sample_rows
 from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
 from .optim import ExactAdamW, clip_flat_gradient_
 from .registries import ROLLOUT_ENGINES
@@ -261,8 +266,8 @@ class Trainer:
         ``replay``: with ``algorithm.router_replay``, reuse the rollout's routing (False: the router's own)."""
         if self.ranks.world_size == 1:
             return self.objective.score(model, batch, replay)
-        mine = self.ranks.block(len(batch.responses))
-        return self.ranks.gather(self.objective.score(model, batch.subset(mine), replay))
+        mine = self.ranks.block(len(batch.responses))  # empty on some ranks for a monitor sample under world size
+        return self.ranks.gather(self.objective.score(model, batch.subset(mine), replay) if len(mine) else [])
 
     def _training_routing(self, batch: RolloutBatch) -> list[Tensor]:
         """The experts the training path's own router picks for the batch (MoE), at the pre-update weights; each
@@ -287,11 +292,21 @@ class Trainer:
             raise RunStopped(f"non-finite rollout log-probs (logits) at step {step}")
 
         t1 = time.perf_counter()
-        anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score)
+        sampling = cfg.monitor.sampling
+        anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score,
+                                         rescore_all=not sampling)
         lagged = behaviour is not self.master
         # the lag's drift and the TIM apart: the behaviour policy on the training path, before the update
-        behaviour_logp = self._score(self._weights_in(self.compute_dtype, behaviour), batch) if lagged else None
+        behaviour_logp = None
+        if lagged and not sampling:
+            behaviour_logp = self._score(self._weights_in(self.compute_dtype, behaviour), batch)
         timings[TIMING_OLD_LOGPROBS] = time.perf_counter() - t1
+        rows, sampled = None, None
+        if sampling:  # monitor.*: the pre-update log-probs the metrics need, of a sample of the sequences only
+            t = time.perf_counter()
+            rows = sample_rows(len(batch.responses), cfg.monitor.sample_fraction, cfg.monitor.every, cfg.seed, step)
+            sampled = self._rescore_sample(batch, anchors, rows, behaviour if lagged else None)
+            timings[TIMING_MONITOR] = time.perf_counter() - t
         # MoE: how often the rollout's routing differs from the training router's own (before the update)
         routing = {} if batch.routing is None else routing_metrics(batch.routing, self._training_routing(batch))
 
@@ -306,13 +321,23 @@ class Trainer:
 
         # The mismatch is between the two paths at the same (pre-update) weights.
         train_logp = anchors.pre_update if anchors.pre_update is not None else first_pass_logp
+        roll_logp = batch.logprobs
+        if sampling:  # the sample's sequences only; none on a step the monitor skips
+            roll_logp = None if rows is None else [batch.logprobs[i] for i in rows]
+            train_logp, behaviour_logp = (None, None) if rows is None else sampled
+            if train_logp is None and rows is not None:  # bypass, one pass: the update's first pass, at θ_old
+                train_logp = [first_pass_logp[i] for i in rows]
         metrics: dict = {"step": step}
         metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
-                                             batch.logprobs, log_ratio_bound=self.cfg.correction.log_ratio_bound))
-        metrics.update(self.objective.ratio_metrics(train_logp, batch.logprobs))
-        if cfg.rollout.policy_lag:
-            split = lag_split_metrics(train_logp, behaviour_logp if lagged else train_logp, batch.logprobs)
-            metrics.update(split)
+                                             roll_logp, log_ratio_bound=self.cfg.correction.log_ratio_bound))
+        if roll_logp is not None:
+            metrics.update(self.objective.ratio_metrics(train_logp, roll_logp))
+            if cfg.rollout.policy_lag:
+                split = lag_split_metrics(train_logp, behaviour_logp if lagged else train_logp, roll_logp)
+                metrics.update(split)
+        if sampling:
+            metrics[MONITOR_SAMPLED_SEQUENCES] = 0 if rows is None else len(rows)
+            metrics[MONITOR_SAMPLE_FRACTION] = 0.0 if rows is None else len(rows) / len(batch.responses)
         metrics.update(batch.tail_metrics())  # task.distractors > 0: the rollout distribution's tail (vocab_tail)
         metrics.update(routing)
         metrics[LR] = lr
@@ -323,6 +348,24 @@ class Trainer:
         timings[TIMING_STEP] = time.perf_counter() - t0
         metrics.update(timings)
         return metrics
+
+    def _rescore_sample(self, batch: RolloutBatch, anchors: Anchors, rows: list[int] | None,
+                        behaviour: Transformer | None) -> tuple[list[Tensor] | None, list[Tensor] | None]:
+        """The pre-update training-path log-probs of the sequences ``rows`` (``monitor.*``; None: a step the monitor
+        skips): (current policy's, or None where the update's single pass scores them for free; the behaviour
+        policy's under policy lag, else None). Batch-invariant scoring: a sequence's log-probs are the bits a
+        whole-batch scoring gives it."""
+        if not rows:
+            return None, None
+        sample = batch.subset(rows)
+        if anchors.pre_update is not None:
+            current = [anchors.pre_update[i] for i in rows]
+        elif self.cfg.algorithm.mini_batches == 1 and self.cfg.algorithm.ppo_epochs == 1:
+            current = None
+        else:
+            current = self._score(self.compute, sample)
+        lagged = None if behaviour is None else self._score(self._weights_in(self.compute_dtype, behaviour), sample)
+        return current, lagged
 
     def _update(self, step: int, batch: RolloutBatch, advantages: Tensor, anchors: Anchors, expect_exact: bool,
                 lr: float) -> tuple[dict, list[Tensor]]:
@@ -756,8 +799,10 @@ def _summarize(history: list[dict]) -> dict:
     out = {
         "steps_completed": len(history),
         "mean_step_seconds": sum(m.get(TIMING_STEP, 0.0) for m in history) / len(history),
-        "min_bitwise_equal_frac": min(m[BITWISE_EQUAL_FRAC] for m in history),
     }
+    measured = [m[BITWISE_EQUAL_FRAC] for m in history if BITWISE_EQUAL_FRAC in m]  # monitor.every skips some
+    if measured:
+        out["min_bitwise_equal_frac"] = min(measured)
     if evals:
         out["eval_reward_first"] = evals[0][EVAL_REWARD_MEAN]
         out["eval_reward_last"] = evals[-1][EVAL_REWARD_MEAN]
@@ -786,8 +831,9 @@ class _progress:
         return self._update
 
     def _update(self, step: int, m: dict) -> None:
-        info = (f"reward {m['reward/mean']:.3f}  len {m['response_length/mean']:.1f}  "
-                f"k3 {m['rollout_corr/k3_kl']:.2e}  bitwise {m['mismatch/bitwise_equal_frac']:.3f}")
+        info = f"reward {m['reward/mean']:.3f}  len {m['response_length/mean']:.1f}"
+        if K3_KL in m:  # a step monitor.every skips has no mismatch metric
+            info += f"  k3 {m[K3_KL]:.2e}  bitwise {m[BITWISE_EQUAL_FRAC]:.3f}"
         if EVAL_REWARD_MEAN in m:
             info += f"  eval {m['eval/reward_mean']:.3f}"
         if self.live:
