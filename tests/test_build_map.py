@@ -110,6 +110,21 @@ def test_exempt_keys_may_differ_but_a_testbed_key_may_not(tmp_path):
         build_map([a, b])
 
 
+def test_a_key_saved_only_by_later_runs_is_the_same_testbed_at_its_default(tmp_path):
+    """An extension's key (the vllm engine's ``rollout.vllm_timeout_s``) that older runs' config.yaml lacks counts as
+    its default, as a built-in key's does: the shipped map's own rebuild merges such rounds. Monitor sampling
+    (``monitor.*``) changes no bit: runs that differ in it merge too."""
+    a, b = _two_rounds(tmp_path / "added", **{"rollout.vllm_timeout_s": 900.0, "monitor.sample_fraction": 0.5})
+    for saved in a.glob("points/*/config.yaml"):  # round 1 was saved before the key existed
+        config = yaml.safe_load(saved.read_text())
+        config["rollout"].pop("vllm_timeout_s", None)
+        saved.write_text(yaml.safe_dump(config))
+    assert build_map([a, b])["curves"][0]["status"] == "fitted"
+    a, b = _two_rounds(tmp_path / "changed", **{"rollout.vllm_timeout_s": 60.0})
+    with pytest.raises(ValueError, match=r"differ in rollout\.vllm_timeout_s \(900\.0 vs 60\.0\)"):
+        build_map([a, b])
+
+
 def test_the_horizons_of_one_curve_share_a_testbed(tmp_path):
     a = _sweep(tmp_path, "lr3", [(8, LOW + HIGH)])
     b = _sweep(tmp_path, "lr4", [(16, LOW + HIGH)], **{"optimizer.lr": 1e-4})

@@ -46,10 +46,10 @@ RUN_KEYS = ("name", "output_dir", SEED_KEY, "inject.value")
 """Config keys that differ between the runs of one dose-response by design: the run's name and directory, its seed
 and the injected magnitude."""
 BOOKKEEPING_KEYS = ("threads", "warm_start.cache_dir", "logging.checkpoint_every", "logging.live",
-                    "logging.backends", "logging.wandb_project", "logging.wandb_mode", *MEMORY_KEYS)
-"""Config keys that say where a run writes, what it shows while running, how many threads it uses and whether it
-recomputes activations to save memory; a run's bits do not depend on them (the last:
-``test_activation_checkpointing_changes_no_bit``)."""
+                    "logging.backends", "logging.wandb_project", "logging.wandb_mode", "monitor", *MEMORY_KEYS)
+"""Config keys that say where a run writes, what it shows while running, how many threads it uses, which sequences
+it rescores for its mismatch metrics (``monitor.*``) and whether it recomputes activations to save memory; a run's
+bits do not depend on them (``test_activation_checkpointing_changes_no_bit``, ``tests/test_monitor_sampling.py``)."""
 HORIZON_SETTINGS = (*horizon_overrides(1), "task.hold_length")
 """The keys that set a horizon of the horizon testbed (the scratchpad length, the room to write it, and whether the
 reward holds that length: a free scratchpad shortens under RL, so the longest horizons hold it to keep T near L):

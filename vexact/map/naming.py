@@ -26,6 +26,7 @@ import yaml
 from ..rl.config import AlgorithmSection, CorrectionSection, RunConfig
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.inject_modes import INJECT_MODES
+from ..rl.plugins import load_entry_points
 from ..rl.validate import parse_yaml, yaml_problem
 
 BYPASS, RECOMPUTE = "bypass", "recompute"
@@ -220,5 +221,8 @@ def flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
 
 def default_config() -> dict[str, Any]:
     """The defaults of every run config key: what a config saved before a key existed ran with (tuples as lists, as
-    a saved config.yaml holds them)."""
+    a saved config.yaml holds them). The entry points' extensions are loaded first, so that their keys (``rollout.
+    vllm_timeout_s`` of the vllm engine) have defaults too: a key added after older runs were saved is the same
+    testbed at its default."""
+    load_entry_points()
     return {k: list(v) if isinstance(v, tuple) else v for k, v in flat_config(dataclasses.asdict(RunConfig())).items()}
