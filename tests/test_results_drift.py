@@ -58,7 +58,8 @@ def generated_blocks(page: Path) -> list[tuple[str, str]]:
 
 
 def _pages() -> list[Path]:
-    return [p for p in sorted(RESULTS.glob("*.md")) if p.name not in SKIPPED_PAGES]
+    """The results pages, and the reference page that carries the map's worked ``compare --map`` example."""
+    return [p for p in sorted(RESULTS.glob("*.md")) if p.name not in SKIPPED_PAGES] + [ROOT / "docs/reference/map.md"]
 
 
 def _tarball_holding(sweep: str) -> Path | None:
