@@ -18,8 +18,9 @@ This test regenerates every block whose command is cheap and deterministic from 
 * ``python -m vexact.lab.bias_meter noise-bias ...`` on the shipped ``horizon_scaling_noise_bias_meter.json``;
 * ``python -m tools.studies.tail_compare --sweep runs/sweeps/horizon_scaling_tail_sweep`` (the kept tail logs);
 * ``python (the block above)``: what the runnable python block right above the marker prints;
-* ``vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map ...`` on the synthetic dumps the page's own runnable
-  block writes (horizon.md).
+* ``vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map ...`` on the synthetic dumps that the runnable block of
+  docs/reference/map.md writes (that page's worked example is checked too); qualifiers ``(last lines)`` and
+  ``(verdict and reference lines)``.
 
 Every other generated block is listed in ``NOT_REGENERATED`` with the reason (its run directories are not kept:
 the sweeps, meters and GPU runs behind them take minutes to hours, or a GPU). :func:`test_every_generated_block_is_
@@ -146,6 +147,9 @@ def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
         if qualifier == "last lines":  # the block shows the output's last lines, fenced
             shown = len(body.splitlines()) - 2
             printed = "\n".join(printed.splitlines()[-shown:])
+        elif qualifier == "verdict and reference lines":
+            printed = "\n".join(line for line in printed.splitlines()
+                                 if line.startswith(("  verdict:", "  vocabulary:", "  for reference")))
         return f"```\n{printed}\n```"
     return None
 
@@ -164,10 +168,11 @@ def _run_python_above(page: Path, command: str) -> str:
 
 
 def _compare(page: Path, argv: list[str], tmp: Path) -> str:
-    """``vexact compare`` on the dumps the page's runnable python block writes (to ``tmp`` instead of /tmp)."""
-    text = page.read_text()
+    """``vexact compare`` on the synthetic dumps of the map's worked example (docs/reference/map.md's runnable python
+    block writes them; here to ``tmp`` instead of /tmp)."""
+    text = (ROOT / "docs" / "reference" / "map.md").read_text()
     writer = [b for b in re.findall(r"<!-- runnable -->\n```python\n(.*?)```", text, re.S) if "/tmp/roll.jsonl" in b]
-    assert len(writer) == 1, f"{page.name}: one runnable block writes /tmp/roll.jsonl"
+    assert len(writer) == 1, "docs/reference/map.md: one runnable block writes /tmp/roll.jsonl"
     if not (tmp / "roll.jsonl").exists():
         exec(compile(writer[0].replace("/tmp/", f"{tmp}/"), f"{page.name}: the dumps' block", "exec"), {})
     args = [a.replace("/tmp/", f"{tmp}/") for a in argv]
