@@ -109,10 +109,11 @@ def _pages() -> list[Path]:
 
 
 def _tarball_holding(sweep: str) -> Path | None:
-    for path in sorted(DATA.glob("*.tar.gz")):
-        if sweep in _top_dirs(path):
-            return path
-    return None
+    """The kept logs of ``sweep``: ``SWEEP.tar.gz`` (the page's tar command), else the first tarball holding it."""
+    named = DATA / f"{sweep}.tar.gz"
+    if named.is_file():
+        return named
+    return next((path for path in sorted(DATA.glob("*.tar.gz")) if sweep in _top_dirs(path)), None)
 
 
 _TOPS: dict[Path, set[str]] = {}
