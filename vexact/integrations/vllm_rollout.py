@@ -26,7 +26,7 @@ sampled from, over the whole vocabulary, which is what the trainer scores (no tr
 ``vexact.integrations.vllm``). A response ends with EOS (included, as vexact's own rollout does) or at
 ``max_new_tokens``. Sequence i of a step samples with its own seed, (step seed x 1000003 + i) mod 2^63, so the
 same config gives the same requests; whether the same bits come back is vLLM's to keep (measured in
-docs/results/vllm.md: fp32 and bf16 on the CPU build, one engine, same batch).
+docs/results/vllm_rl.md: fp32 and bf16 on the CPU build, one engine, same batch).
 
 Refused when the config is loaded, one sentence each naming the key: a head size vLLM's CPU build cannot run
 (``model.head_dim``), an MoE model (``model.num_experts``), an injection mode (``inject.mode``: it changes vexact's
