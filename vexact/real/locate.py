@@ -6,8 +6,12 @@ position, and reports the first op in forward order whose bits differ -- with th
 both values and their bit patterns -- and how |Δ| grows op by op and layer by layer after it.
 
 **Paths** are ``BACKEND:DTYPE[:KIND]``. ``BACKEND:DTYPE`` is ``measure``'s spec (``measure.parse_path``) with
-BACKEND ``exact``, ``native`` or ``triton``; ``hf`` is refused (transformers' modules do not run through vexact's
-kernel ops, so there is nothing to record op by op: ``vexact measure`` compares an ``hf`` path's log-probs).
+BACKEND ``exact``, ``native`` or ``triton`` (recorded op by op through vexact's kernel ops), ``hf`` (transformers'
+own forward on the same weights -- ``--model``, or the random model exported with ``export_hf_checkpoint`` --
+recorded by forward hooks at the same site names, ``vexact.real.sites``) or ``vllm`` (refused with one error: locate
+cannot follow vLLM's worker yet). Either side may be any backend; the sites both sides record are compared, in the
+order of the side that records more (vexact's op plan against an hf path, whose RoPE has no module). A path may
+also be a directory written by ``--dump`` (then both are), and the two dumps are compared without running a model.
 KIND is
 
 - ``rollout``: the KV-cache path of ``generate``: each sequence's first tokens (its prompt, or ``prefill``
@@ -18,8 +22,9 @@ KIND defaults to ``rollout`` for path a and ``train`` for path b, so the default
 exact:fp32 train -- is vexact's guarantee itself and reports no divergence.
 
 **Tokens.** The prompts, plus (``max_new_tokens`` > 0) a continuation that path a's model and ops generate first
-with ``generate`` (EOS ignored, so every continuation has ``max_new_tokens`` tokens). Both paths then run the
-same sequences; rows of one batch are right-padded, and padded slots are never compared.
+with ``generate`` (EOS ignored, so every continuation has ``max_new_tokens`` tokens; ``exact:fp32`` generates it
+when path a is an hf path), or (``tokens_from``) the sequences, prefill and positions of an earlier dump. Both
+paths then run the same sequences; rows of one batch are right-padded, and padded slots are never compared.
 
 **Op names** come from call order. ``Transformer.forward`` runs every op through the ``ops`` value it is given;
 ``OpRecorder`` wraps a backend's ops, runs each call on them unchanged and keeps its output under the name
@@ -39,11 +44,16 @@ ModelConfig), ``tokens`` (the sequences), ``prompt_lengths``, ``prefill``, ``pos
 per sequence and position), ``max_new_tokens``, ``temperature``, ``seed``, ``threads``, ``diverged``,
 ``first_divergence`` (None, or ``op``, ``index``, ``group``, ``sequence``, ``position``, ``feature``,
 ``feature_index``, ``a``, ``b``, ``a_bits``, ``b_bits``, ``abs_diff``, ``elements_differing``,
-``positions_differing``), ``ops`` (one row per op in forward order: ``index``, ``name``, ``group``, ``kernel_op``,
-``recorded``, ``features``, ``elements``, ``elements_differing``, ``positions_differing``, ``bitwise_equal``,
-``abs_diff_max``, ``abs_diff_mean``, ``rel_diff_max`` = abs_diff_max / max |b|, ``max_at``), ``layers`` (one
-row per group -- ``embed``, ``layer 0`` ..., ``head`` -- ``group``, ``ops``, ``ops_differing``,
-``abs_diff_max``, ``output``, ``output_abs_diff_max``, ``output_abs_diff_mean``) and ``seconds``.
+``positions_differing``), ``ops`` (one row per op in forward order: ``index``, ``name``, ``group``, ``kernel_op``
+(the op, or an hf module's class; ``A | B`` when the sides differ), ``recorded``, ``features``, ``elements``,
+``elements_differing``, ``positions_differing``, ``bitwise_equal``, ``abs_diff_max``, ``abs_diff_mean``,
+``rel_diff_max`` = abs_diff_max / max |b|, ``max_at``), ``layers`` (one row per group -- ``embed``, ``layer 0`` ...,
+``head`` -- ``group``, ``ops``, ``ops_differing``, ``abs_diff_max``, ``output``, ``output_abs_diff_max``,
+``output_abs_diff_mean``), ``compared_by`` (``bits``; ``hash`` for a dump without tensors: then the |Δ| and count
+fields of a differing site are None and ``first_divergence`` names the site only), ``sites_only_in_a``,
+``sites_only_in_b`` and ``seconds``; ``first_divergence`` also has ``by`` (``bits`` or ``hash``). With ``hash``,
+each ``ops`` row has ``a_sha256`` and ``b_sha256`` (``sites.site_hash``); comparing dumps adds ``dumps``
+(each side's directory).
 """
 
 from __future__ import annotations
