@@ -5,7 +5,9 @@ What must hold: hooking changes no bit of transformers' forward and keeps the te
 the final norm, the embedding, checked against the model run by hand); hf sites carry the op plan's names (RoPE
 aside) and the first divergence is the first shared site, in the plan's order, whose tensors are not
 ``torch.equal``; a site hash is equal exactly when the float32 bits are; a dump holds the tensors it was given and
-two dumps written by two processes compare (by bits, or by hash); bad input is one error line.
+two dumps written by two processes compare (by bits, or by hash); bad input is one error line. ``vexact.testing``'s
+``record_sites`` / ``assert_sites_equal`` pass on vexact's guarantee and name the first divergent site, found by
+hand, when a switch breaks, from recordings or dumps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vexact.cli import main
 from vexact.real.locate import LocateSettings, op_plan, run_dump, run_locate
 from vexact.real.sites import DUMP_FILE, TENSORS_FILE, capture_hf, read_dump, site_hash
 from vexact.real.tiny import make_tiny_checkpoint, make_tiny_hf_model
+from vexact.testing import assert_sites_equal, record_sites
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -172,3 +175,68 @@ def test_bad_input_is_one_error_line(dumps, args, message, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert message.replace("D/", f"{dumps}/") in err, err
+
+
+# --------------------------------------------------------------------------- vexact.testing: a certified switch
+SEQUENCES = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    return make_tiny_hf_model("llama", seed=0).float()
+
+
+def test_record_sites_of_a_vexact_model_and_a_transformers_model(tiny_hf):
+    from vexact.real.pretrained import from_pretrained
+
+    engine = from_pretrained(tiny_hf, backend="exact")
+    sites = record_sites(engine, SEQUENCES, kind="rollout", prefill=[2, 1])
+    assert sites.names == [slot.name for slot in op_plan(engine.config)] and len(sites.rows) == 9
+    hf = record_sites(tiny_hf, SEQUENCES)
+    with torch.no_grad():
+        logits = tiny_hf(input_ids=torch.tensor(SEQUENCES[0:1])).logits[0]
+    assert torch.equal(hf.tensors["logits"][:6], logits)  # sequence 0's rows; batch 1 vs 2 may differ, not here
+    assert assert_sites_equal(sites, record_sites(engine, SEQUENCES)) is None  # vexact's guarantee: every site
+
+
+def test_assert_sites_equal_names_the_first_divergent_site(tiny_hf, tmp_path):
+    from vexact.real.pretrained import from_pretrained
+    from vexact.real.sites import write_dump
+
+    trainer = record_sites(from_pretrained(tiny_hf, backend="exact"), SEQUENCES)
+    engine = record_sites(from_pretrained(tiny_hf, backend="native"), SEQUENCES, kind="rollout", prefill=2)
+    first = next(n for n in trainer.names if not torch.equal(engine.tensors[n], trainer.tensors[n]))
+    with pytest.raises(AssertionError) as err:
+        assert_sites_equal(lambda: engine, lambda: trainer)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("sites are not bitwise equal: ")
+    assert "(engine vexact native:float32:rollout vs trainer vexact exact:float32:train" in lines[0]
+    assert lines[1].startswith(f"first divergence: {first} at sequence ")
+    assert len(lines) == 3 + len(trainer.names)
+    # the same from two dumps, one of them hashes only: the site, by hash
+    write_dump(engine, tmp_path / "engine", tensors=True)
+    write_dump(trainer, tmp_path / "trainer", tensors=False)
+    with pytest.raises(AssertionError, match=f"first divergence: {first} \\(its hashes differ"):
+        assert_sites_equal(tmp_path / "engine", str(tmp_path / "trainer"))
+    write_dump(record_sites(from_pretrained(tiny_hf, backend="exact"), SEQUENCES, kind="rollout", prefill=2),
+               tmp_path / "exact", tensors=False)
+    assert assert_sites_equal(tmp_path / "exact", tmp_path / "trainer") is None
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: record_sites(m, SEQUENCES, kind="decode"), "kind must be one of rollout, train, got 'decode'"),
+    (lambda m: record_sites(m, SEQUENCES, kind="rollout", prefill=4), "prefill must be an int or one int per "
+                                                                      "sequence, each in [1, the sequence's length]"),
+    (lambda m: record_sites(m, [[]]), "sequences must be a non-empty list of non-empty token lists"),
+    (lambda m: record_sites(object(), SEQUENCES), "record_sites needs a vexact Transformer or a transformers causal "
+                                                  "LM, got object"),
+    (lambda m: assert_sites_equal(record_sites(m, SEQUENCES), 3), "trainer must be a record_sites(...) recording, "
+                                                                  "a dump directory or a callable returning one"),
+    (lambda m: assert_sites_equal(record_sites(m, SEQUENCES), record_sites(m, SEQUENCES[:1])),
+     "ran different token sequences (2 vs 1 sequences)"),
+    (lambda m: assert_sites_equal("nowhere", record_sites(m, SEQUENCES)), "engine: dump directory nowhere not found"),
+])
+def test_certified_switch_bad_input_is_one_value_error(tiny_hf, call, message):
+    with pytest.raises(ValueError) as err:
+        call(tiny_hf)
+    assert message in str(err.value)
