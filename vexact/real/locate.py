@@ -804,8 +804,8 @@ def verdict(summary: dict[str, Any]) -> str:
         return (f"no divergence: all {len(s['ops'])} compared sites bitwise equal at all {s['positions']} positions "
                 f"({s['a']} vs {s['b']}{', by hash' if s.get('compared_by') == 'hash' else ''})")
     if first.get("by") == "hash":
-        return (f"first divergence: {first['op']} (its hashes differ; a dump with tensors says where and by how "
-                f"much) ({s['a']} vs {s['b']})")
+        return (f"first divergence: {first['op']}: its hashes differ ({s['a']} vs {s['b']}; dumps with tensors say "
+                "where and by how much)")
     return (f"first divergence: {first['op']} at {_where(first)}: a = {first['a']:.9g} "
             f"({first['a_bits']}), b = {first['b']:.9g} ({first['b_bits']}), |Δ| {first['abs_diff']:.3g}; "
             f"{first['positions_differing']} of {s['positions']} positions differ there")
