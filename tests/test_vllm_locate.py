@@ -10,6 +10,11 @@ dump on an earlier dump's tokens compares with it; a vllm rollout as path b is o
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import require_optional
@@ -56,3 +61,15 @@ def test_a_vllm_dump_compares_with_a_dump_of_the_trainer(tiny, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --b: 'vllm:bf16:rollout': a vllm rollout samples its own continuation, so it runs "
                           "as --a"), err
+
+
+def test_the_documented_certified_switch_runs(tiny, tmp_path):
+    """docs/howto/certified_switch.md's vLLM example runs as written: both its tests pass, and the failure it prints
+    names a site of layer 0."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "howto" / "certified_switch.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "record_vllm_sites(" in b]
+    (tmp_path / "test_vllm_switch.py").write_text(code)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
+                          "test_vllm_switch.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "first divergence: layer 0 / " in run.stdout

@@ -8,7 +8,8 @@ environment that has vexact can ask for it -- no import, no conftest::
         vexact_exact.assert_logprobs_equal(rollout_logprobs, train_logprobs, tokens=tokens)
 
 The fixture's methods are ``vexact.testing``'s functions (same arguments, same errors, see that module):
-``assert_logprobs_equal``, ``compare_logprobs``, ``check_paths``, ``record_sites`` and ``assert_sites_equal``.
+``assert_logprobs_equal``, ``compare_logprobs``, ``check_paths``, ``record_sites``, ``record_vllm_sites`` and
+``assert_sites_equal``.
 Two additions: a failure's traceback ends at the test's own line, and ``check_paths``'s report is attached to
 the test as the property ``vexact_check_paths`` (``record_property``: it appears in ``--junitxml`` reports).
 
@@ -60,6 +61,12 @@ class VexactExact:
 
         return record_sites(model, sequences, **options)
 
+    def record_vllm_sites(self, model_dir: Any, sequences: Any, **options: Any) -> Any:
+        """``vexact.testing.record_vllm_sites``: every named site of vLLM's forward (needs vLLM)."""
+        from vexact.testing import record_vllm_sites
+
+        return record_vllm_sites(model_dir, sequences, **options)
+
     def assert_sites_equal(self, a: Any, b: Any, **options: Any) -> None:
         """``vexact.testing.assert_sites_equal``: None if every shared site is bitwise equal, else AssertionError
         naming the first divergent site."""
@@ -72,5 +79,5 @@ class VexactExact:
 @pytest.fixture
 def vexact_exact(record_property: Callable[[str, object], None]) -> VexactExact:
     """Bitwise rollout-vs-training checks: ``.assert_logprobs_equal``, ``.compare_logprobs``, ``.check_paths``,
-    ``.record_sites``, ``.assert_sites_equal`` (see ``vexact.testing``)."""
+    ``.record_sites``, ``.record_vllm_sites``, ``.assert_sites_equal`` (see ``vexact.testing``)."""
     return VexactExact(record_property)

@@ -19,6 +19,7 @@ of ``vexact.pytest_plugin`` hands out the same ones):
     transformers model; ``assert_sites_equal`` takes two recordings, two ``vexact locate --dump`` directories or
     callables returning either, and raises ``AssertionError`` naming the first divergent site (sequence,
     position, feature, both values and bits) and |Δ| site by site. A certified zero-mismatch switch in CI.
+    ``record_vllm_sites(model_dir, sequences, ...)`` records vLLM's forward (its CPU build) at the same sites.
 
 Bitwise means bit patterns: ``-0.0`` and ``0.0`` differ, and two NaNs are equal exactly when their bits
 are (NaNs and infinities are counted in the report). Tensors are compared in the dtype they come in; the
@@ -48,7 +49,7 @@ from .real.sites import Sites
 from .rl.metrics import BITS_VIEW, float_bits, mismatch_summary
 
 __all__ = ["LogprobComparison", "Mismatch", "Sites", "assert_logprobs_equal", "assert_sites_equal", "check_paths",
-           "compare_logprobs", "float_bits", "record_sites"]
+           "compare_logprobs", "float_bits", "record_sites", "record_vllm_sites"]
 
 _DTYPE_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float64: "float64"}
@@ -517,6 +518,38 @@ def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = 
                          f"{type(model).__name__}")
     return make_sites(name or label, specs, store, rows, tokens=seqs, prompt_lengths=[len(s) for s in seqs],
                       prefill=prefills, model=type(model).__name__, config=config.to_dict())
+
+
+def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], *, dtype: str = "bf16",
+                      kind: str = "train", max_new_tokens: int = 0, temperature: float = 1.0, seed: int = 0,
+                      timeout_s: float | None = None) -> Sites:
+    """Record every named site of vLLM's forward on checkpoint directory ``model_dir`` (vLLM's CPU build, its
+    modules hooked inside its worker; ``vexact.integrations.vllm_sites``). ``kind`` ``train``: each sequence in one
+    prefill. ``rollout``: ``sequences`` are prompts; vLLM prefills each and samples ``max_new_tokens`` more
+    (``temperature``, seed ``seed + i`` for prompt i), and the recording's ``tokens`` are those sequences -- score
+    them with your trainer (``record_sites(trainer, engine.tokens)``). ``dtype``: fp32 | bf16. Raises ValueError
+    when vLLM is not installed (naming the pip line) or cannot run the model."""
+    from pathlib import Path
+
+    from .integrations.vllm_sites import record_vllm
+    from .real.locate import KINDS, op_plan
+    from .real.pretrained import model_config_from_hf, read_checkpoint_config
+    from .real.sites import SiteSpec, make_sites
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    seqs = [list(map(int, s)) for s in sequences]
+    if not seqs or any(not s for s in seqs):
+        raise ValueError("sequences must be a non-empty list of non-empty token lists")
+    config = model_config_from_hf(read_checkpoint_config(Path(model_dir)))
+    op_plan(config)  # a mixture-of-experts model is refused here
+    ran, specs, store = record_vllm(Path(model_dir), dtype, kind, seqs, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed, timeout_s=timeout_s)
+    rows = [(b, p) for b, s in enumerate(ran) for p in range(len(s))]
+    return make_sites(f"vllm {dtype}:{kind}", [SiteSpec(s["name"], s["group"], s["module"], s["recorded"],
+                                                        tuple(s["feature_shape"])) for s in specs], store, rows,
+                      tokens=ran, prompt_lengths=[len(s) for s in seqs], prefill=[len(s) for s in seqs],
+                      model=str(model_dir), config=config.to_dict())
 
 
 def _as_sites(x: Any, name: str) -> Sites:

@@ -8,10 +8,12 @@ both values and their bit patterns -- and how |Δ| grows op by op and layer by l
 **Paths** are ``BACKEND:DTYPE[:KIND]``. ``BACKEND:DTYPE`` is ``measure``'s spec (``measure.parse_path``) with
 BACKEND ``exact``, ``native`` or ``triton`` (recorded op by op through vexact's kernel ops), ``hf`` (transformers'
 own forward on the same weights -- ``--model``, or the random model exported with ``export_hf_checkpoint`` --
-recorded by forward hooks at the same site names, ``vexact.real.sites``) or ``vllm`` (refused with one error: locate
-cannot follow vLLM's worker yet). Either side may be any backend; the sites both sides record are compared, in the
-order of the side that records more (vexact's op plan against an hf path, whose RoPE has no module). A path may
-also be a directory written by ``--dump`` (then both are), and the two dumps are compared without running a model.
+recorded by forward hooks at the same site names, ``vexact.real.sites``) or ``vllm`` (vLLM's CPU build, its modules
+hooked inside its worker, ``vexact.integrations.vllm_sites``; without vllm installed, one error naming the pip line;
+a vllm ``rollout`` samples its own continuation, so it is path a). Either side may be any backend; the sites both
+sides record are compared, in the order of the side that records more (vexact's op plan against an hf path, whose
+RoPE has no module). A path may also be a directory written by ``--dump`` (then both are), and the two dumps are
+compared without running a model.
 KIND is
 
 - ``rollout``: the KV-cache path of ``generate``: each sequence's first tokens (its prompt, or ``prefill``
