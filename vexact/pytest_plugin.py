@@ -8,9 +8,10 @@ environment that has vexact can ask for it -- no import, no conftest::
         vexact_exact.assert_logprobs_equal(rollout_logprobs, train_logprobs, tokens=tokens)
 
 The fixture's methods are ``vexact.testing``'s functions (same arguments, same errors, see that module):
-``assert_logprobs_equal``, ``compare_logprobs`` and ``check_paths``. Two additions: a failure's traceback ends
-at the test's own line, and ``check_paths``'s report is attached to the test as the property
-``vexact_check_paths`` (``record_property``: it appears in ``--junitxml`` reports).
+``assert_logprobs_equal``, ``compare_logprobs``, ``check_paths``, ``record_sites``, ``record_vllm_sites`` and
+``assert_sites_equal``.
+Two additions: a failure's traceback ends at the test's own line, and ``check_paths``'s report is attached to
+the test as the property ``vexact_check_paths`` (``record_property``: it appears in ``--junitxml`` reports).
 
 This module imports neither torch nor ``vexact.testing``: the fixture imports them when a test asks for it, so
 the plugin costs other test runs nothing beyond importing the ``vexact`` package. Disable it with
@@ -54,9 +55,29 @@ class VexactExact:
         self._record_property("vexact_check_paths", report)
         return report
 
+    def record_sites(self, model: Any, sequences: Any, **options: Any) -> Any:
+        """``vexact.testing.record_sites``: every named site of one forward path of ``model``."""
+        from vexact.testing import record_sites
+
+        return record_sites(model, sequences, **options)
+
+    def record_vllm_sites(self, model_dir: Any, sequences: Any, **options: Any) -> Any:
+        """``vexact.testing.record_vllm_sites``: every named site of vLLM's forward (needs vLLM)."""
+        from vexact.testing import record_vllm_sites
+
+        return record_vllm_sites(model_dir, sequences, **options)
+
+    def assert_sites_equal(self, a: Any, b: Any, **options: Any) -> None:
+        """``vexact.testing.assert_sites_equal``: None if every shared site is bitwise equal, else AssertionError
+        naming the first divergent site."""
+        __tracebackhide__ = True
+        from vexact.testing import assert_sites_equal
+
+        assert_sites_equal(a, b, **options)
+
 
 @pytest.fixture
 def vexact_exact(record_property: Callable[[str, object], None]) -> VexactExact:
-    """Bitwise rollout-vs-training log-prob checks: ``.assert_logprobs_equal``, ``.compare_logprobs``,
-    ``.check_paths`` (see ``vexact.testing``)."""
+    """Bitwise rollout-vs-training checks: ``.assert_logprobs_equal``, ``.compare_logprobs``, ``.check_paths``,
+    ``.record_sites``, ``.record_vllm_sites``, ``.assert_sites_equal`` (see ``vexact.testing``)."""
     return VexactExact(record_property)

