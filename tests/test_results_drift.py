@@ -18,6 +18,7 @@ This test regenerates every block whose command is cheap and deterministic from 
 * ``python -m vexact.map sensitivity vexact/map/default_map.json runs/sweeps/...`` on the kept logs of those sweeps;
 * ``python -m vexact.sweeps.bias_meter noise-bias ...`` on the shipped ``horizon_scaling_noise_bias_meter.json``;
 * ``python -m tools.studies.tail_compare --sweep runs/sweeps/horizon_scaling_tail_sweep`` (the kept tail logs);
+* ``python -m tools.studies.policy_lag runs/sweeps/NAME`` (the kept logs of a policy-lag sweep);
 * ``python (the block above)``: what the runnable python block right above the marker prints;
 * ``vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map ...`` on the synthetic dumps that the runnable block of
   docs/reference/map.md writes (that page's worked example is checked too); qualifiers ``(last lines)`` and
@@ -172,6 +173,7 @@ def regenerable(command: str) -> bool:
             or bare.startswith(("python -m vexact.sweeps.bias_meter noise-bias ",
                                 "python -m vexact.map sensitivity vexact/map/default_map.json runs/sweeps/",
                                 "python -m tools.studies.tail_compare --sweep runs/sweeps/",
+                                "python -m tools.studies.policy_lag runs/sweeps/",
                                 "vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map"))
             or (bare == "python" and qualifier == "the block above"))
 
@@ -214,6 +216,10 @@ def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
 
         sweep = _extract(words[-1].removeprefix("runs/sweeps/"), tmp)
         return _printed(tail_compare.main, ["--sweep", str(sweep)])
+    if bare.startswith("python -m tools.studies.policy_lag runs/sweeps/"):
+        from tools.studies import policy_lag
+
+        return _printed(policy_lag.main, [str(_extract(words[-1].removeprefix("runs/sweeps/"), tmp))])
     if bare == "python" and qualifier == "the block above":
         return f"```\n{_run_python_above(page, command)}\n```"
     if bare.startswith("vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map"):

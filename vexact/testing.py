@@ -531,10 +531,11 @@ def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], 
     when vLLM is not installed (naming the pip line) or cannot run the model."""
     from pathlib import Path
 
-    from .integrations.vllm_sites import record_vllm
     from .real.locate import KINDS, op_plan
     from .real.pretrained import model_config_from_hf, read_checkpoint_config
-    from .real.sites import SiteSpec, make_sites
+    from .real.sites import SiteSpec, make_sites, site_recorder
+
+    record_vllm = site_recorder("vllm")  # vexact.integrations.vllm_sites, registered through the entry points
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..real.sites import register_site_recorder
 from .vllm import VLLM_DTYPES, WORKER_ENV, _last_line, _run_child, error_line, require_vllm, start_llm
 
 _STATE: dict[str, Any] = {}  # the worker's recorder (the worker runs in vLLM's engine process)
@@ -220,6 +221,8 @@ def record_vllm(model: Path, dtype: str, kind: str, sequences: list[list[int]], 
     result["seconds"] = time.perf_counter() - start
     return result["sequences"], result["specs"], store
 
+
+register_site_recorder("vllm", record_vllm)  # loaded through the vexact.plugins entry points (pyproject.toml)
 
 if __name__ == "__main__":
     sys.exit(_worker(sys.argv[1], sys.argv[2]))

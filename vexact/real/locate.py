@@ -9,7 +9,8 @@ both values and their bit patterns -- and how |Δ| grows op by op and layer by l
 BACKEND ``exact``, ``native`` or ``triton`` (recorded op by op through vexact's kernel ops), ``hf`` (transformers'
 own forward on the same weights -- ``--model``, or the random model exported with ``export_hf_checkpoint`` --
 recorded by forward hooks at the same site names, ``vexact.real.sites``) or ``vllm`` (vLLM's CPU build, its modules
-hooked inside its worker, ``vexact.integrations.vllm_sites``; without vllm installed, one error naming the pip line;
+hooked inside its worker, ``vexact.integrations.vllm_sites``, registered through the ``vexact.plugins`` entry
+points as ``sites.SITE_RECORDERS['vllm']``; without vllm installed, one error naming the pip line;
 a vllm ``rollout`` samples its own continuation, so it is path a). Either side may be any backend; the sites both
 sides record are compared, in the order of the side that records more (vexact's op plan against an hf path, whose
 RoPE has no module). A path may also be a directory written by ``--dump`` (then both are), and the two dumps are
@@ -662,8 +663,9 @@ def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefi
 def _vllm(path: LocatePath, models: _Models, sequences: list[list[int]],
           settings: LocateSettings) -> tuple[list[list[int]], list[SiteSpec], dict[str, Tensor]]:
     from ..engine.model import short_dtype_name
-    from ..integrations.vllm_sites import record_vllm
+    from .sites import site_recorder
 
+    record_vllm = site_recorder("vllm")  # vexact.integrations.vllm_sites, registered through the entry points
     run, specs, store = record_vllm(models.directory(), short_dtype_name(path.spec.dtype), path.kind, sequences,
                                     max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                     seed=settings.seed)

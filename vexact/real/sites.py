@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from ..engine.inputs import padded_with_mask
+from ..rl.plugins import load_entry_points
 
 DUMP_FILE = "locate.json"
 TENSORS_FILE = "sites.safetensors"
@@ -101,6 +102,28 @@ class Sites:
     @property
     def names(self) -> list[str]:
         return [spec.name for spec in self.specs]
+
+
+SiteRecorder = Callable[..., tuple[list[list[int]], list[dict[str, Any]], dict[str, Tensor]]]
+"""An outside engine's recorder: ``(checkpoint_dir, dtype, kind, sequences, **options)`` -> (the sequences run, site
+specs in forward order, site name -> rows of every position)."""
+SITE_RECORDERS: dict[str, SiteRecorder] = {}
+"""Engine name -> its recorder. Engines that live above this layer (``vllm``: ``vexact.integrations.vllm_sites``)
+register through the ``vexact.plugins`` entry-point group, as the vLLM rollout engine does."""
+
+
+def register_site_recorder(engine: str, recorder: SiteRecorder) -> None:
+    """Make ``engine``'s recorder available to ``vexact locate`` and ``vexact.testing``."""
+    SITE_RECORDERS[engine] = recorder
+
+
+def site_recorder(engine: str) -> SiteRecorder:
+    """``engine``'s registered recorder (the entry points loaded first); ValueError naming the engines known."""
+    load_entry_points()
+    if engine not in SITE_RECORDERS:
+        known = ", ".join(sorted(SITE_RECORDERS)) or "none"
+        raise ValueError(f"no site recorder for engine {engine!r} (registered: {known})")
+    return SITE_RECORDERS[engine]
 
 
 def site_hash(tensor: Tensor) -> str:
