@@ -369,6 +369,25 @@ def test_rollout_equals_training_on_each_emulated_host(dtype, host, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_gemm_accumulating_by_rows_in_the_call_keeps_the_canonical_tiles(dtype, monkeypatch):
+    """The rows-in-call host (as the Intel AMX Xeon): its ``same_bits`` probe of a linear layer's tiles stacked in one
+    GEMM fails, so the guard (mode auto) keeps the canonical tiles -- whose rows are this host's canonical bits (mode
+    ``canonical`` before the defect is emulated), alone or in a batch; trusted (``unguarded``), the stacked GEMM
+    gives other bits (the defect is real)."""
+    x, w = (t.to(dtype) for t in _linear_inputs(rows=150, k=64, n=48))  # three 64-row tiles
+    reference = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")).linear(x, w)
+    guard = emulated_guard("rows-in-call", monkeypatch)
+    ops = cpu_exact.with_host(guard)
+    assert torch.equal(ops.linear(x, w), reference)
+    assert _rows_alone_vs_batch(ops.linear, x, w) == 0
+    stacked = [p for p in guard.report()["probes"] if p["shape_class"].startswith("linear tiles stacked")
+               and p["shape_class"].split(": ")[1].startswith("3x64")]
+    assert stacked and all(p["path"] == "canonical" and p["passed"] is False for p in stacked), stacked
+    trusted = cpu_exact.with_host(emulated_guard("rows-in-call", monkeypatch, mode="unguarded"))
+    assert not torch.equal(trusted.linear(x, w), reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fixed_order_mode_is_exact_end_to_end(dtype):
     """``VEXACT_CPU_EXACT_PATH=fixed-order``: no host property relied on at all, still bit for bit."""
     guard = _guard(mode="fixed-order")
