@@ -13,6 +13,12 @@ same order whatever the batch, provided the host's GEMM gives a row the same bit
 and tile count (the guard's ``gemm_rows`` probe, per shape class; where it fails, ``host.bmm`` runs the fixed-order
 GEMM). Why these tile shapes, with the measurements behind them: docs/reference/kernels.md, "Why these tiles".
 
+The canonical arrangement copies no weight per call: each copy it needs of a weight (an input gradient's W.T made
+contiguous, a padded or cast weight, and in bf16 the contiguous copy oneDNN's ``bmm`` makes of the shared, transposed
+operand before its GEMM: ``bmm_copies_operand``) is laid out once per weight version and kept (``arranged_weight``,
+bounded by ``ARRANGED_BYTES_MAX``); the bf16 tiles then run on the copy as ``bmm`` lays it out (``_laid_out_tiles``).
+The same GEMM calls on the same values in the same layout, so no bit changes (``tests/test_arranged_weights.py``).
+
 A *faster arrangement* of the same library calls (fewer copies, one GEMM instead of many) runs only where the
 guard's ``same_bits`` probe found that it gives the canonical arrangement's bits for the class
 (``HostGuard.arrangement_agrees``), so no result depends on it:
