@@ -13,6 +13,12 @@ same order whatever the batch, provided the host's GEMM gives a row the same bit
 and tile count (the guard's ``gemm_rows`` probe, per shape class; where it fails, ``host.bmm`` runs the fixed-order
 GEMM). Why these tile shapes, with the measurements behind them: docs/reference/kernels.md, "Why these tiles".
 
+The canonical arrangement copies no weight per call: each copy it needs of a weight (an input gradient's W.T made
+contiguous, a padded or cast weight, and in bf16 the contiguous copy oneDNN's ``bmm`` makes of the shared, transposed
+operand before its GEMM: ``bmm_copies_operand``) is laid out once per weight version and kept (``arranged_weight``,
+bounded by ``ARRANGED_BYTES_MAX``); the bf16 tiles then run on the copy as ``bmm`` lays it out (``_laid_out_tiles``).
+The same GEMM calls on the same values in the same layout, so no bit changes (``tests/test_arranged_weights.py``).
+
 A *faster arrangement* of the same library calls (fewer copies, one GEMM instead of many) runs only where the
 guard's ``same_bits`` probe found that it gives the canonical arrangement's bits for the class
 (``HostGuard.arrangement_agrees``), so no result depends on it:
@@ -35,13 +41,17 @@ around the GEMM run in one compiled call on the same operands (``compiled_loops`
 
 from __future__ import annotations
 
+import os
+import platform
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops
 from .compiled_loops import tree_sum as _tree_sum
-from .host_guard import LIBRARY_DTYPES, HostGuard, operand_layout, order_revealing
+from .host_guard import LIBRARY_DTYPES, HostGuard, order_revealing
 
 # --------------------------------------------------------------------------- the tile shapes
 ROW_BLOCKS = (4, 8, 16, 32, 64)
@@ -226,19 +236,21 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
             blocks = -(-rows // block)
             if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=x.dtype):
                 return _stacked_matmul(x, given.unsqueeze(0), blocks * block, n)
-    w = weight.to(x.dtype)
-    w = _padded_or_aligned(w, (n_pad, w.shape[1]))
-    operand = w.t().unsqueeze(0)  # [1, K, N_pad]
-    if loops is not None and (record := host.library_gemm(x.dtype, operand, True, op)) is not None:
+    # the class of the canonical operand [1, K, N_pad]: the weight transposed (and padded, cast), a K-contiguous view
+    if (record := host.library_gemm(x.dtype, gemm_class(k, n_pad, transposed=True), True, op)) is not None:
         block = row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
         # bf16: one tile too (the host's bf16 bmm took 4x as long as its matmul on a shared, transposed operand)
-        if ((blocks > 1 or x.dtype != torch.float32) and blocks * block * k * n_pad <= STACKED_MACS_MAX
-                and _stacked_agrees(blocks, block, k, n_pad, transposed=operand_layout(operand) == "transposed",
-                                    row_major=False, host=host, op=op, dtype=x.dtype)):
-            return _stacked_matmul(x, operand, blocks * block, n)
-        # the library GEMM: the steps below in one compiled call, on the same operands
-        return loops.tiled_matmul(x, operand, block, n)
+        if (loops is not None and (blocks > 1 or x.dtype != torch.float32)
+                and blocks * block * k * n_pad <= STACKED_MACS_MAX
+                and _stacked_agrees(blocks, block, k, n_pad, transposed=k > 1, row_major=False, host=host, op=op,
+                                    dtype=x.dtype)):
+            return _stacked_matmul(x, canonical_operand(weight, x.dtype, n_pad), blocks * block, n)
+        if bmm_copies_operand(x.dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, x.dtype):
+            return _laid_out_tiles(x, laid_out_operand(weight, x.dtype, n_pad), block, blocks, n)
+        if loops is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
+            return loops.tiled_matmul(x, canonical_operand(weight, x.dtype, n_pad), block, n)
+    operand = canonical_operand(weight, x.dtype, n_pad)
     block = row_block(rows, host.tile_heights(x.dtype, operand, True, op))
     blocks = -(-rows // block)
     x = _padded_or_aligned(x, (blocks * block, k))
@@ -285,6 +297,135 @@ def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Ten
     rows, k = x.shape
     out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand[0])
     return out[:rows] if out.shape[1] == n else out[:rows, :n]
+
+
+# --------------------------------------------------------------------------- weights laid out once per version
+ARRANGED_BYTES_MAX = 1 << 32
+"""Bytes (4 GiB): the most that laid-out weight operands (``arranged_weight``) hold at once in a process. A laid-out
+operand is a copy of a weight (transposed, column-padded, cast to the GEMM's dtype, or contiguous as the bf16 GEMM
+takes it): at most one per weight and form, so training a model holds at most one extra copy of each linear
+weight (in bf16: the forward's transposed copy; the input gradient's operand is the weight itself), about the
+model's linear weights' size again. Beyond this bound new operands are laid out per call as before (slower, the
+same bits): a 30B-parameter model's weights are not doubled silently."""
+
+# weight (the tensor owning its storage: a view's base) -> {form: (version, operand)}; weakly keyed: gone with it
+_ARRANGED = WeakIdKeyDictionary()
+
+
+def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> Tensor:
+    """``make()``, a GEMM operand laid out from ``weight`` (a copy), kept and reused while the weight is unchanged.
+
+    Kept per weight and ``form`` (what ``make`` lays out), with the weight's view (shape, strides, offset, dtype,
+    data pointer) and version counter (``Tensor._version``: every in-place write through autograd-visible ops bumps
+    it: the optimizer's update, ``load_state_dict``, a ``copy_`` under no_grad) -- one version per form, the
+    older one replaced. The operand's values are those of a fresh ``make()`` (the same copy made earlier), so no bit
+    changes. Not seen: a write that bypasses the version counter (``param.data.copy_(...)``, which vexact never
+    does); an inference tensor has no version counter and is laid out per call. ``make`` returning a view of the
+    weight (nothing to copy) is not kept. Bounded by ``ARRANGED_BYTES_MAX``."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor: no version counter to follow
+        return make()
+    owner = weight if weight._base is None else weight._base
+    key = (form, tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype, weight.data_ptr())
+    entries = _ARRANGED.get(owner)
+    if entries is not None and (hit := entries.get(key)) is not None and hit[0] == version:
+        return hit[1]
+    with torch.no_grad():
+        out = make()
+    if out.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        return out  # a view of the weight: nothing laid out
+    if entries is not None:
+        entries.pop(key, None)  # an older version's operand
+    held = sum(t.nbytes for kept in _ARRANGED.values() for _, t in kept.values())
+    if held + out.nbytes <= ARRANGED_BYTES_MAX:
+        if entries is None:
+            entries = _ARRANGED[owner] = {}
+        entries[key] = (version, out)
+    return out
+
+
+def canonical_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
+    """``tiled_matmul``'s canonical right operand [1, K, N_pad]: ``weight`` [N, K] cast to ``dtype``, zero-padded to
+    ``n_pad`` rows, contiguous and aligned (``_padded_or_aligned``), seen transposed -- a view of the weight where
+    nothing needs copying (a linear layer's forward), else laid out once per weight version (``arranged_weight``: an
+    input gradient's W.T, a padded or cast weight)."""
+
+    def make() -> Tensor:
+        w = weight.detach().to(dtype)
+        return _padded_or_aligned(w, (n_pad, w.shape[1]))
+
+    return arranged_weight(weight, ("canonical", dtype, n_pad), make).t().unsqueeze(0)
+
+
+def bmm_copies_operand(dtype: torch.dtype, block: int, k: int, n_pad: int) -> bool:
+    """Whether torch's CPU ``bmm`` of [T, block, K] tiles and the canonical operand (a shared [1, K, N_pad] seen
+    transposed, expanded to T tiles) first copies that operand into a contiguous [T, K, N_pad] and multiplies the
+    copy: torch 2.13's bf16 ``bmm`` runs oneDNN's matmul (oneDNN enabled, a CPU with its bf16 support, x86, the
+    GEMM larger than 16^3 multiply-adds, no ``TORCH_MKLDNN_MATMUL_MIN_*`` threshold set), which copies a right
+    operand that is neither contiguous nor a transposed batch ([T, K, N] with strides (K N, 1, K)) -- and the
+    canonical operand's batch stride is never K N. That copy is the weight copied per call (most of a bf16 decode
+    step's time on llama100m); where this holds, ``_laid_out_tiles`` runs the same oneDNN call on the copy laid
+    out once (``laid_out_operand``), checked at first use per class (``_laid_out_agrees``)."""
+    return (dtype == torch.bfloat16 and platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and not any(os.environ.get(f"TORCH_MKLDNN_MATMUL_MIN_{what}") for what in ("DIM", "SIZE"))
+            and block * k * n_pad > 16**3)
+
+
+def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
+    """The canonical operand as ``bmm`` lays it out for one tile (``bmm_copies_operand``): [1, K, N_pad], contiguous --
+    ``weight.t()`` itself where that is it already (an input gradient's W: contiguous, aligned, nothing to pad or
+    cast), else laid out once per weight version (``arranged_weight``: a linear layer's forward, W.T)."""
+    given = weight.t()
+    if (given.dtype == dtype and given.shape[1] == n_pad and given.is_contiguous()
+            and given.data_ptr() % ALIGNMENT == 0):
+        return given.unsqueeze(0)
+
+    def make() -> Tensor:
+        w = weight.detach().to(dtype)
+        return _padded_or_aligned(w, (n_pad, w.shape[1])).t().contiguous().unsqueeze(0)
+
+    return arranged_weight(weight, ("laid out", dtype, n_pad), make)
+
+
+def _laid_out_tiles(x: Tensor, laid: Tensor, block: int, blocks: int, n: int) -> Tensor:
+    """``tiled_matmul``'s canonical tiles on the operand as ``bmm`` lays it out (``laid_out_operand``): one ``bmm``
+    per tile, [1, block, K] @ [1, K, N_pad], into its rows of one output. One tile: the canonical call itself, minus
+    its copy of the operand. Several (of the tallest height, 64 rows): one call each, as the guard's ``gemm_rows``
+    probe computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have."""
+    rows, k = x.shape
+    n_pad = laid.shape[2]
+    padded = _padded_or_aligned(x, (blocks * block, k))
+    if blocks == 1:
+        out = torch.bmm(padded.view(1, block, k), laid).view(block, n_pad)
+    else:
+        out = x.new_empty(blocks, block, n_pad)
+        for tile in range(blocks):
+            torch.bmm(padded[tile * block : (tile + 1) * block].unsqueeze(0), laid, out=out[tile : tile + 1])
+        out = out.view(blocks * block, n_pad)
+    return out[:rows] if n_pad == n else out[:rows, :n]
+
+
+_LAID_OUT_CHECKS: dict[tuple, bool] = {}
+
+
+def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype) -> bool:
+    """Whether ``_laid_out_tiles`` gives the canonical call's bits for this class here: checked once per (class,
+    tile height, thread count) on seeded order-revealing operands (``_probe_operands``), one tile, or two 64-row
+    tiles where a call has several. ``bmm_copies_operand`` says the two are the same oneDNN call; this catches a
+    torch whose ``bmm`` no longer does what it says (then the canonical call runs, with its copy)."""
+    key = (dtype, block, k, n_pad, torch.get_num_threads())
+    if (known := _LAID_OUT_CHECKS.get(key)) is not None:
+        return known
+    blocks = 1 if block < ROW_BLOCKS[-1] else 2
+    x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
+    operand = w.t().unsqueeze(0)
+    canonical = torch.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
+    laid = _laid_out_tiles(x, operand.contiguous(), block, blocks, n_pad)
+    _LAID_OUT_CHECKS[key] = agrees = torch.equal(canonical, laid)
+    return agrees
 
 
 # --------------------------------------------------------------------------- a.T @ b: a weight gradient

@@ -6,8 +6,9 @@ and backward. The shapes are large enough that the library would split work betw
 grain of 32768 elements, GEMMs with hundreds of rows). The update (``vexact.rl.optim``: clipping and AdamW) is
 checked the same way.
 
-The linear and attention contracts also run on an emulated host (``test_host_guard.EMULATED_HOSTS``: an Intel
-Xeon whose bf16 GEMM splits a long reduction between threads when a call's tiles leave a thread idle), on any CPU.
+The linear and attention contracts also run on emulated hosts (``test_host_guard.EMULATED_HOSTS``: an Intel
+Xeon whose bf16 GEMM splits a long reduction between threads when a call's tiles leave a thread idle; one whose
+GEMM accumulates by the number of rows in the call), on any CPU.
 
 Counter-tests show the checks can fail: a GEMM that is one ulp off whenever more than one thread runs breaks the
 gradients of an unguarded kernel, and the guard catches it (fallback to the fixed-order GEMM, bits equal again).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_host_guard import EMULATED_HOSTS, SOUND, intel_amx_like_bmm, thread_dependent_bmm
+from test_host_guard import EMULATED_HOSTS, SOUND, emulated_guard, intel_amx_like_bmm, thread_dependent_bmm
 
 from vexact.rl.optim import ExactAdamW, clip_flat_gradient_
 from vexact_kernels import cpu_exact
@@ -28,12 +29,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 HOSTS = ("this-host", *EMULATED_HOSTS)
 
 
-def _ops(host: str):
+def _ops(host: str, monkeypatch: pytest.MonkeyPatch):
     """The exact CPU ops on this machine's own libraries (the process's guard), or over an emulated host's
-    primitives (a fresh guard, mode auto)."""
+    primitives (a fresh guard, mode auto; ``emulated_guard``)."""
     if host == "this-host":
         return cpu_exact
-    return cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **EMULATED_HOSTS[host]))
+    return cpu_exact.with_host(emulated_guard(host, monkeypatch))
 
 
 def _gradients(loss_of, inputs: list[torch.Tensor], threads: int) -> list[torch.Tensor]:
@@ -75,10 +76,10 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -
 @pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_backward_contract(dtype, bias, host):
+def test_linear_backward_contract(dtype, bias, host, monkeypatch):
     """grad_x, grad_weight (a reduction over 700 tokens: three 256-token chunks in fp32; one 768-token chunk on a
     bf16 GEMM the guard admits, in three row tiles) and grad_bias."""
-    ops = _ops(host)
+    ops = _ops(host, monkeypatch)
     inputs = [_randn(2, 350, 96, dtype=dtype), _randn(176, 96, dtype=dtype, seed=1, scale=0.1)]
     if bias:
         inputs.append(_randn(176, dtype=dtype, seed=2))
@@ -111,17 +112,17 @@ def test_the_probe_alone_also_catches_the_emulated_intel_host(monkeypatch):
     from vexact_kernels import gemm_arrangements
 
     monkeypatch.setattr(gemm_arrangements, "one_thread_reduction", lambda dtype: False)
-    ops = _ops("intel-amx")
+    ops = _ops("intel-amx", monkeypatch)
     inputs = [_randn(2, 350, 96, dtype=torch.bfloat16), _randn(176, 96, dtype=torch.bfloat16, seed=1, scale=0.1)]
     _same_at_every_thread_count(ops.linear, inputs)
     (chunk,) = [p for p in ops.host.report()["probes"] if p["shape_class"].startswith("K=768")]
     assert chunk["path"] == "blas-1-thread" and "3 tiles of 64 rows" in chunk["note"], chunk
 
 
-def test_a_bf16_weight_gradient_runs_its_gemm_with_one_thread_by_construction():
+def test_a_bf16_weight_gradient_runs_its_gemm_with_one_thread_by_construction(monkeypatch):
     """On the emulated host the bf16 weight gradient's chunk class takes ``blas-1-thread`` by construction (probed at
     1 thread only), whatever the probes at other thread counts would find."""
-    ops = _ops("intel-amx")
+    ops = _ops("intel-amx", monkeypatch)
     inputs = [_randn(2, 350, 96, dtype=torch.bfloat16), _randn(176, 96, dtype=torch.bfloat16, seed=1, scale=0.1)]
     _gradients(ops.linear, inputs, 2)
     reductions = [p for p in ops.host.report()["probes"] if p["shape_class"].endswith("one-thread")]
@@ -143,9 +144,9 @@ def test_silu_mul_backward_contract(dtype):
 
 @pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_backward_contract(dtype, host):
+def test_attention_backward_contract(dtype, host, monkeypatch):
     """Prefill of 4 sequences x 90 positions, 4 query / 2 KV heads: reductions over queries and 2 key tiles."""
-    ops = _ops(host)
+    ops = _ops(host, monkeypatch)
     q, k, v = _randn(4, 90, 4, 16, dtype=dtype), _randn(4, 90, 2, 16, dtype=dtype, seed=1), \
         _randn(4, 90, 2, 16, dtype=dtype, seed=2)
     q_start = torch.zeros(4, dtype=torch.long)

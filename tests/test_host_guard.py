@@ -15,6 +15,7 @@ Exactness is asserted with torch.equal; accuracy of the fallback math against to
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from conftest import num_threads, random_prompts, tiny_model
 
 from vexact import generate, token_logprobs
 from vexact_kernels import cpu_exact, fixed_order, native
-from vexact_kernels.host_guard import MACHINE_THREADS, MODE_ENV, HostGuard, mode_from_env
+from vexact_kernels.host_guard import MACHINE_THREADS, MODE_ENV, PROBE_ROWS, HostGuard, mode_from_env
 
 
 # --------------------------------------------------------------------------- broken primitives
@@ -89,9 +90,51 @@ def intel_amx_like_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.to(torch.bfloat16)
 
 
-EMULATED_HOSTS = {"intel-amx": dict(SOUND, bmm=intel_amx_like_bmm)}
-"""Hosts the exactness tests also run on, on any CPU: a guard over each one's primitives
-(``HostGuard(**primitives)``)."""
+_TORCH_BMM, _TORCH_MM = torch.bmm, torch.mm  # torch's own GEMMs, which the row-count host's wrap
+
+
+def _rows_in_call_defect(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out`` one ulp higher, in place, where a GEMM call (or a batch entry) has more than ``PROBE_ROWS`` rows."""
+    if rows > PROBE_ROWS:
+        out.copy_(_nudge(out))
+    return out
+
+
+def rows_in_call_bmm(a: torch.Tensor, b: torch.Tensor, **kwargs) -> torch.Tensor:
+    """torch's bmm on an emulated host whose GEMM accumulates by the number of rows in the call (as an Intel Xeon's
+    AMX-bf16 GEMM did: the guard's ``same_bits`` probe of linear tiles stacked in one GEMM failed there): rows of a
+    batch entry of more than 64 rows come out one ulp higher. Tiles of at most 64 rows, the kernels' own, are
+    torch's bits; so the ``gemm_rows`` probe passes and the faster arrangements' ``same_bits`` probes fail."""
+    return _rows_in_call_defect(_TORCH_BMM(a, b, **kwargs), a.shape[1])
+
+
+def rows_in_call_mm(a: torch.Tensor, b: torch.Tensor, **kwargs) -> torch.Tensor:
+    """torch's mm on the same emulated host: a call of more than 64 rows one ulp higher."""
+    return _rows_in_call_defect(_TORCH_MM(a, b, **kwargs), a.shape[0])
+
+
+@dataclass(frozen=True)
+class EmulatedHost:
+    """An emulated host: the guard's primitives (``HostGuard(**primitives)``), and torch's own GEMMs replaced
+    (``torch_gemms``: name -> function) where the host's library GEMM is what is emulated -- the kernels call
+    torch's GEMM themselves there (``HostGuard.library_gemm``), so the guard's bmm is torch's (replaced) one."""
+
+    primitives: dict = field(default_factory=dict)
+    torch_gemms: dict = field(default_factory=dict)
+
+
+EMULATED_HOSTS = {"intel-amx": EmulatedHost(dict(SOUND, bmm=intel_amx_like_bmm)),
+                  "rows-in-call": EmulatedHost(torch_gemms={"bmm": rows_in_call_bmm, "mm": rows_in_call_mm})}
+"""Hosts the exactness tests also run on, on any CPU (``emulated_guard``)."""
+
+
+def emulated_guard(name: str, monkeypatch: pytest.MonkeyPatch, mode: str = "auto") -> HostGuard:
+    """A guard over the emulated host ``name``; its torch GEMMs replaced for the rest of the test (``monkeypatch``)."""
+    host = EMULATED_HOSTS[name]
+    for function, replacement in host.torch_gemms.items():
+        monkeypatch.setattr(torch, function, replacement)
+    library = {"bmm": torch.bmm} if "bmm" in host.torch_gemms else {}
+    return HostGuard(cpu_exact.ROW_BLOCKS, mode=mode, **{**host.primitives, **library})
 
 
 def _guard(mode: str = "auto", **broken) -> HostGuard:
@@ -316,13 +359,32 @@ def test_rollout_equals_training_on_a_broken_host(dtype):
 
 @pytest.mark.parametrize("host", list(EMULATED_HOSTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rollout_equals_training_on_each_emulated_host(dtype, host):
+def test_rollout_equals_training_on_each_emulated_host(dtype, host, monkeypatch):
     """Rollout at 1 and 2 threads, scoring at 2 and 1, on an emulated host's primitives (guard in auto): exact."""
     model = tiny_model("exact", dtype)
-    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **EMULATED_HOSTS[host]))
+    ops = cpu_exact.with_host(emulated_guard(host, monkeypatch))
     for rollout_threads, scoring_threads in ((1, 2), (2, 1)):
         assert _mismatched_tokens(model, random_prompts(10, 30, seed=8), threads_rollout=rollout_threads,
                                   threads_scoring=scoring_threads, ops=ops) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_gemm_accumulating_by_rows_in_the_call_keeps_the_canonical_tiles(dtype, monkeypatch):
+    """The rows-in-call host (as the Intel AMX Xeon): its ``same_bits`` probe of a linear layer's tiles stacked in one
+    GEMM fails, so the guard (mode auto) keeps the canonical tiles -- whose rows are this host's canonical bits (mode
+    ``canonical`` before the defect is emulated), alone or in a batch; trusted (``unguarded``), the stacked GEMM
+    gives other bits (the defect is real)."""
+    x, w = (t.to(dtype) for t in _linear_inputs(rows=150, k=64, n=48))  # three 64-row tiles
+    reference = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")).linear(x, w)
+    guard = emulated_guard("rows-in-call", monkeypatch)
+    ops = cpu_exact.with_host(guard)
+    assert torch.equal(ops.linear(x, w), reference)
+    assert _rows_alone_vs_batch(ops.linear, x, w) == 0
+    stacked = [p for p in guard.report()["probes"] if p["shape_class"].startswith("linear tiles stacked")
+               and p["shape_class"].split(": ")[1].startswith("3x64")]
+    assert stacked and all(p["path"] == "canonical" and p["passed"] is False for p in stacked), stacked
+    trusted = cpu_exact.with_host(emulated_guard("rows-in-call", monkeypatch, mode="unguarded"))
+    assert not torch.equal(trusted.linear(x, w), reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
