@@ -478,8 +478,10 @@ def test_build_map_cli(tmp_path, capsys):
 
 def test_the_shipped_map_is_made_by_build_map():
     m = load_map()
-    # recorded when the map was built, before the map moved from vexact.lab.scaling (that command still runs)
-    assert m["provenance"]["made_by"].startswith("python -m vexact.lab.scaling build-map vexact/lab/default_map.json ")
+    # the last build added the policy-lag sweep's lagged curves to the map before it (whose own curves it keeps)
+    assert m["provenance"]["made_by"] == ("python -m vexact.map build-map vexact/map/default_map.json "
+                                          "vexact/map/default_map.json runs/sweeps/policy_lag_sweep "
+                                          "--only rollout.policy_lag=1,4,8")
     corrections = [c["correction"] for c in m["curves"] if c["source"] == "logit_scale"]
     assert corrections[:3] == ["bypass", "recompute", "token_tis"]  # then the corrections sweep's later rounds
     assert verdict.map_sources(m)[0] == "logit_scale"  # the default source: a placement without one uses it
