@@ -246,13 +246,13 @@ def test_map_curves_carry_their_lag_and_a_verdict_takes_the_users(tmp_path):
     assert lagged["threshold_50"] < on_policy["threshold_50"] / 3
     with pytest.raises(ValueError, match="no curve at policy lag 1 .*lag 0, 4"):
         place_on_map(result, 1e-3, 32.0, policy_lag=1)
-    shipped = load_map()  # on-policy curves, and bypass at lags 1, 4 and 8 (experiments/policy_lag_sweep.yaml, T ~ 8)
+    shipped = load_map()  # on-policy curves; bypass and recompute at lags 1, 4, 8 (policy_lag_sweep.yaml, T ~ 8)
     assert {c["policy_lag"] for c in shipped["curves"]} == {0, 1, 4, 8}
     assert place_on_map(shipped, 1e-3, 100.0)["policy_lag"] == 0
     lagged = place_on_map(shipped, 0.1, 8.0, policy_lag=4)
     assert lagged["policy_lag"] == 4 and lagged["correction"] == "bypass" and lagged["threshold_50"] is None
     assert "no collapse measured up to k3 0.43" in lagged["verdict"]  # a bound: no lagged run collapsed
-    assert "has no curve for your correction" in place_on_map(shipped, 0.1, 8.0, "recompute", policy_lag=4)["verdict"]
+    assert "has no curve for your correction" in place_on_map(shipped, 0.1, 8.0, "token_tis", policy_lag=4)["verdict"]
     with pytest.raises(ValueError, match="no curve at policy lag 2"):
         place_on_map(shipped, 1e-3, 100.0, policy_lag=2)
 
