@@ -67,6 +67,21 @@ so that it cannot grow silently (tests/test_optional_packages.py checks that eac
 in its script)."""
 
 
+def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list:
+    """Patch ``owner.name`` to record what each call returns (in call order, into the list returned); the calls
+    themselves run unchanged."""
+    seen: list = []
+    real = getattr(owner, name)
+
+    def recording(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(owner, name, recording)
+    return seen
+
+
 def running_in_ci() -> bool:
     """CI sets ``CI=true`` (so do GitHub Actions and GitLab); there a missing optional package is a failure."""
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import recorded_returns
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -61,33 +62,12 @@ def test_default_monitor_is_todays_run_bit_for_bit(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _recorded_anchors(monkeypatch) -> list:
-    """Every ``Objective.anchors`` result, in call order."""
-    seen = []
-    real = Objective.anchors
-
-    def recording(self, *args, **kwargs):
-        anchors = real(self, *args, **kwargs)
-        seen.append(anchors)
-        return anchors
-
-    monkeypatch.setattr(Objective, "anchors", recording)
-    return seen
-
-
 @pytest.mark.parametrize("extra", [(), ("rollout.policy_lag=1",)], ids=["on_policy", "lag1"])
 def test_sampled_metrics_are_the_full_metrics_of_the_same_sequences(tmp_path, monkeypatch, extra):
     """The sampled run trains the same bits as the full one, and each step's mismatch metrics are exactly the full
     run's pre-update log-probs' metrics over the sampled rows (scoring is batch-invariant, so no tolerance)."""
-    batches, anchors = [], _recorded_anchors(monkeypatch)
-    real_rollout = Trainer.rollout
-
-    def recording(self, *args, **kwargs):
-        batch = real_rollout(self, *args, **kwargs)
-        batches.append(batch)
-        return batch
-
-    monkeypatch.setattr(Trainer, "rollout", recording)
+    anchors = recorded_returns(monkeypatch, Objective, "anchors")
+    batches = recorded_returns(monkeypatch, Trainer, "rollout")
     full = Trainer(_cfg(tmp_path, "full", *extra), Console(quiet=True))
     full.run()
     fraction = 0.25

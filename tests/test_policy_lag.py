@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import recorded_returns
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -53,15 +54,8 @@ def test_rollouts_come_from_the_policy_k_steps_back(tmp_path, monkeypatch, lag):
     starting weights during the first k steps)."""
     lagged = Trainer(_cfg(tmp_path, "lagged", f"rollout.policy_lag={lag}", "steps=5"), Console(quiet=True))
     assert lagged._prepare(False, ()) == 0
-    weights, batches = [], []
-    real_rollout = Trainer.rollout
-
-    def recording(self, *args, **kwargs):
-        batch = real_rollout(self, *args, **kwargs)
-        batches.append(batch)
-        return batch
-
-    monkeypatch.setattr(Trainer, "rollout", recording)
+    real_rollout = Trainer.rollout  # restored below, for the on-policy reference
+    weights, batches = [], recorded_returns(monkeypatch, Trainer, "rollout")
     for step in range(5):
         weights.append({k: v.clone() for k, v in lagged.master.state_dict().items()})
         lagged.step(step)
