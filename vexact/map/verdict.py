@@ -16,13 +16,13 @@ recorded loads as a ``bypass`` curve).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..metric_keys import K3_KL
+from ..records.json_file import read_json
 from ..rl.vocab_tail import tokenizer_for
 from .fit import law_band
 from .naming import (
@@ -101,12 +101,7 @@ def load_map(path: str | Path | None = None, vocab: int | None = None) -> dict[s
     path = Path(path) if path is not None else shipped_map_for(vocab)
     if not path.is_file():
         raise ValueError(f"map file not found: '{path}'")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"map file '{path}' is not valid JSON: {e}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"map file '{path}' is not valid JSON (not UTF-8 text)") from None
+    data = read_json(path, f"map file '{path}'")
     if not isinstance(data, dict) or "status" not in data or "horizon_range" not in data:
         raise ValueError(f"map file '{path}' is not a scaling.json (no 'status' / 'horizon_range'); make one with "
                          "vexact report on a sweep over task.max_len")

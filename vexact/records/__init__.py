@@ -1,7 +1,8 @@
 """The files a run writes and reads, below the RL loop and the real-model tools that both use them.
 
-``atomic`` (a file published whole: temp file, fsync, rename, fsync of the directory) -> ``metrics_log`` (the one
-reader of metrics.jsonl, and how NaN/Inf are spelled in it) -> ``runlog`` (a run directory: its lock, the
-metrics writer, checkpoints, weights-only tensor files). Imports nothing of vexact: what a run's config asks of
+``atomic`` (a file published whole: temp file, fsync, rename, fsync of the directory), ``json_file`` (one reader
+of a JSON file, one error for a damaged one) -> ``metrics_log`` (the one reader of metrics.jsonl, and how NaN/Inf
+are spelled in it) -> ``runlog`` (a run directory: its lock, the metrics writer, checkpoints, weights-only tensor
+files). Imports nothing of vexact: what a run's config asks of
 these files (which live views to open) is passed in by the caller.
 """

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..records.json_file import read_json
 from ..records.metrics_log import decode_non_finite, read_metrics
 from .text_table import fmt_value
 
@@ -115,10 +116,7 @@ def read_sweep_results(sweep_dir: str | Path) -> SweepData:
     spec_path = sweep_dir / "sweep.json"
     if not spec_path.is_file():
         raise ValueError(f"{sweep_dir} is not a sweep directory: {spec_path} not found")
-    try:
-        spec = json.loads(spec_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{spec_path} is not valid JSON: {e}") from e
+    spec = read_json(spec_path, str(spec_path))
     if not isinstance(spec, dict) or not isinstance(spec.get("points"), list):
         raise ValueError(f"{spec_path} is not a sweep spec (no 'points' list)")
 
