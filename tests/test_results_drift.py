@@ -30,7 +30,7 @@ regenerated_or_listed` fails on a block in neither set, so a new page cannot add
 * reports of sweeps whose run directories are not kept (their runs take hours): collapse_sweep.md; how_low.md
   (both); remedies.md (both); horizon.md's bias sweep and horizon_corrections.md's recompute and
   fp8 sweeps; surge.md's calibration table and its
-  sources, recompute and remedies reports; what_mismatch_is_safe.md (all four);
+  sources and recompute reports; surge_remedies.md's report; what_mismatch_is_safe.md (all four);
 * meters whose cells are not kept: horizon_meter.md's bias-ratio meter, vocab_tail.md's tail meter and its
   comparison with the 22-token meter;
 * surge.md's ``surge_modes`` table (it trains an 800-step warm start: minutes);
@@ -82,8 +82,8 @@ NOT_REGENERATED: dict[str, dict[str, str]] = {
         "python -m tools.studies.surge_plot runs/sweeps/surge_calibration_sweep --table": NOT_KEPT,
         "vexact report runs/sweeps/surge_sources_sweep": NOT_KEPT,
         "vexact report runs/sweeps/surge_sources_recompute_sweep": NOT_KEPT,
-        "vexact report runs/sweeps/surge_remedies_sweep": NOT_KEPT,
     },
+    "surge_remedies.md": {"vexact report runs/sweeps/surge_remedies_sweep": NOT_KEPT},
     "vllm_rl.md": {
         "python -m tools.studies.run_on_map runs/vllm_horizon/* runs/vllm_surge/*":
             "vLLM runs: they need vLLM's CPU build in its own venv, and their run directories are not kept",
