@@ -28,7 +28,7 @@ Not regenerated (``NOT_REGENERATED`` holds each block with its reason; :func:`te
 regenerated_or_listed` fails on a block in neither set, so a new page cannot add an unchecked block silently):
 
 * reports of sweeps whose run directories are not kept (their runs take hours): collapse_sweep.md; how_low.md
-  (both); remedies.md (both); horizon.md's bias sweep and horizon_corrections.md's recompute and
+  (both); remedies.md (both); horizon_sweeps.md's bias sweep and horizon_corrections.md's recompute and
   fp8 sweeps; surge.md's calibration table and its
   sources and recompute reports; surge_remedies.md's report; what_mismatch_is_safe.md (all four);
 * meters whose cells are not kept: horizon_meter.md's bias-ratio meter, vocab_tail.md's tail meter and its
@@ -63,7 +63,7 @@ NOT_KEPT = "the sweep's run directories are not kept in the repository (its runs
 # page -> {command as marked: why this test cannot regenerate it}
 NOT_REGENERATED: dict[str, dict[str, str]] = {
     "collapse_sweep.md": {"vexact report runs/sweeps/collapse_sweep": NOT_KEPT},
-    "horizon.md": {
+    "horizon_sweeps.md": {
         "vexact report runs/sweeps/horizon_scaling_bias_sweep": NOT_KEPT + "; its thresholds are in the shipped map",
     },
     "horizon_corrections.md": {
