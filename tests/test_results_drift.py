@@ -221,7 +221,7 @@ def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
 
         return _printed(policy_lag.main, [str(_extract(words[-1].removeprefix("runs/sweeps/"), tmp))])
     if bare == "python" and qualifier == "the block above":
-        return f"```\n{_run_python_above(page, command)}\n```"
+        return f"```\n{_run_python_above(page, command, body)}\n```"
     if bare.startswith("vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map"):
         printed = _compare(page, words[2:], tmp)
         if qualifier == "last lines":  # the block shows the output's last lines, fenced
@@ -234,10 +234,11 @@ def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
     return None
 
 
-def _run_python_above(page: Path, command: str) -> str:
-    """What the runnable python block right above the marker prints (run as test_docs_blocks runs it)."""
+def _run_python_above(page: Path, command: str, body: str) -> str:
+    """What the runnable python block right above the marker (of the block holding ``body``: a page may have several
+    such blocks) prints (run as test_docs_blocks runs it)."""
     text = page.read_text()
-    above = text[:text.index(f"<!-- generated: {command} -->")]
+    above = text[:text.index(f"<!-- generated: {command} -->\n{body}")]
     *_, code = above.split("<!-- runnable -->\n```python\n")
     code, after = code.split("```", 1)
     assert not after.strip(), f"{page.name}: no runnable python block right above `{command}`"
