@@ -34,7 +34,7 @@ regenerated_or_listed` fails on a block in neither set, so a new page cannot add
 * meters whose cells are not kept: horizon_meter.md's bias-ratio meter, vocab_tail.md's tail meter and its
   comparison with the 22-token meter;
 * surge.md's ``surge_modes`` table (it trains an 800-step warm start: minutes);
-* vllm_rl.md's two map tables (vLLM runs, in vLLM's own venv, not kept).
+* vllm_map.md's two tables (vLLM runs, in vLLM's own venv, not kept).
 
 Skipped pages: ``benchmarks.md``, ``benchmarks_price_fp32.md`` and ``gpu_triton.md`` (timings of one machine).
 """
@@ -84,7 +84,7 @@ NOT_REGENERATED: dict[str, dict[str, str]] = {
         "vexact report runs/sweeps/surge_sources_recompute_sweep": NOT_KEPT,
     },
     "surge_remedies.md": {"vexact report runs/sweeps/surge_remedies_sweep": NOT_KEPT},
-    "vllm_rl.md": {
+    "vllm_map.md": {
         "python -m tools.studies.run_on_map runs/vllm_horizon/* runs/vllm_surge/*":
             "vLLM runs: they need vLLM's CPU build in its own venv, and their run directories are not kept",
         "the second table's python": "the same vLLM runs' metrics.jsonl, not kept",
