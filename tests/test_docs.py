@@ -342,11 +342,16 @@ WRITES = re.compile(r"(?:build-map|>|--output-dir|--out|--json|--png|-o)\s+(?P<p
 SHIPPED = ("vexact/", "kernels/", "experiments/", "benchmarks/", "tools/")
 
 
+INLINE = re.compile(r"`[^`\n]+(?:\n[^`\n]+)*`")  # a code span in prose, which may wrap onto the next lines
+
+
 def written_shipped_paths(text: str) -> list[str]:
-    """The shipped paths (package, kernels, experiments, tools) that a page's shell blocks write to."""
+    """The shipped paths (package, kernels, experiments, tools) that a page's shell blocks, or the commands its prose
+    quotes in code spans, write to."""
     blocks = "\n".join(m.group("body").replace("\\\n", " ") for m in FENCE.finditer(text)
                        if m.group("lang") in ("", "bash", "sh", "shell", "console"))
-    return [m.group("path") for m in WRITES.finditer(blocks) if m.group("path").startswith(SHIPPED)]
+    spans = "\n".join(m.group(0).replace("\n", " ") for m in INLINE.finditer(FENCE.sub("", text)))
+    return [m.group("path") for m in WRITES.finditer(blocks + "\n" + spans) if m.group("path").startswith(SHIPPED)]
 
 
 def test_no_documented_command_overwrites_a_shipped_file():
@@ -357,6 +362,9 @@ def test_no_documented_command_overwrites_a_shipped_file():
         "vexact/map/default_map.json", "vexact/lab/x.json"]
     assert written_shipped_paths("```bash\npython -m vexact.map build-map runs/map.json "
                                  "vexact/map/default_map.json\n```\n") == []
+    assert written_shipped_paths("Then `python -m vexact.map build-map\nvexact/map/default_map.json runs/x` added "
+                                 "curves; `build-map runs/map.json vexact/map/default_map.json` does not.\n") == [
+        "vexact/map/default_map.json"]
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     found = [f"{page.relative_to(ROOT)}: {path}" for page in pages for path in written_shipped_paths(page.read_text())]
     assert found == []

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
 SEEDS = (0, 1, 2)
 FACTORS = (0.25, 0.5, 2.0, 4.0)
-# the recompute sweep of docs/results/horizon.md, as bounds: no collapse up to k3 X at T (L = 4, 16, 80)
+# the recompute sweep of docs/results/horizon_corrections.md, as bounds: no collapse up to k3 X at T (L = 4, 16, 80)
 RECOMPUTE_BOUNDS = {4: (8.5, 0.37), 16: (19.7, 0.051), 80: (83.0, 0.037)}
 
 

@@ -28,15 +28,16 @@ Not regenerated (``NOT_REGENERATED`` holds each block with its reason; :func:`te
 regenerated_or_listed` fails on a block in neither set, so a new page cannot add an unchecked block silently):
 
 * reports of sweeps whose run directories are not kept (their runs take hours): collapse_sweep.md; how_low.md
-  (both); remedies.md (both); horizon.md's bias sweep and horizon_corrections.md's recompute and
+  (both); remedies.md (both); horizon_sweeps.md's bias sweep and horizon_corrections.md's recompute and
   fp8 sweeps; surge.md's calibration table and its
-  sources, recompute and remedies reports; what_mismatch_is_safe.md (all four);
+  sources and recompute reports; surge_remedies.md's report; what_mismatch_is_safe.md (all four);
 * meters whose cells are not kept: horizon_meter.md's bias-ratio meter, vocab_tail.md's tail meter and its
   comparison with the 22-token meter;
 * surge.md's ``surge_modes`` table (it trains an 800-step warm start: minutes);
-* vllm_rl.md's two map tables (vLLM runs, in vLLM's own venv, not kept).
+* vllm_map.md's two tables (vLLM runs, in vLLM's own venv, not kept).
 
-Skipped pages: ``benchmarks.md``, ``benchmarks_price_fp32.md`` and ``gpu_triton.md`` (timings of one machine).
+Skipped pages: ``benchmarks.md`` and ``benchmarks_price_fp32.md`` (timings of one machine; gpu_triton.md's tables are
+printed from its kept raw output, so they are regenerated).
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ RESULTS = ROOT / "docs" / "results"
 DATA = RESULTS / "data"
 GENERATED = re.compile(r"<!-- generated: (?P<command>.+?) -->\n(?P<body>.*?)\n\s*<!-- end generated -->", re.S)
 QUALIFIER = re.compile(r"^(?P<command>.*?)(?: \((?P<qualifier>[^()]*)\))?$")
-SKIPPED_PAGES = {"benchmarks.md", "benchmarks_price_fp32.md", "gpu_triton.md"}  # timings: their own tests
+SKIPPED_PAGES = {"benchmarks.md", "benchmarks_price_fp32.md"}  # timings of one machine: their own tests
 
 NOT_KEPT = "the sweep's run directories are not kept in the repository (its runs take hours)"
 # page -> {command as marked: why this test cannot regenerate it}
 NOT_REGENERATED: dict[str, dict[str, str]] = {
     "collapse_sweep.md": {"vexact report runs/sweeps/collapse_sweep": NOT_KEPT},
-    "horizon.md": {
+    "horizon_sweeps.md": {
         "vexact report runs/sweeps/horizon_scaling_bias_sweep": NOT_KEPT + "; its thresholds are in the shipped map",
     },
     "horizon_corrections.md": {
@@ -82,9 +83,9 @@ NOT_REGENERATED: dict[str, dict[str, str]] = {
         "python -m tools.studies.surge_plot runs/sweeps/surge_calibration_sweep --table": NOT_KEPT,
         "vexact report runs/sweeps/surge_sources_sweep": NOT_KEPT,
         "vexact report runs/sweeps/surge_sources_recompute_sweep": NOT_KEPT,
-        "vexact report runs/sweeps/surge_remedies_sweep": NOT_KEPT,
     },
-    "vllm_rl.md": {
+    "surge_remedies.md": {"vexact report runs/sweeps/surge_remedies_sweep": NOT_KEPT},
+    "vllm_map.md": {
         "python -m tools.studies.run_on_map runs/vllm_horizon/* runs/vllm_surge/*":
             "vLLM runs: they need vLLM's CPU build in its own venv, and their run directories are not kept",
         "the second table's python": "the same vLLM runs' metrics.jsonl, not kept",
@@ -221,7 +222,7 @@ def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
 
         return _printed(policy_lag.main, [str(_extract(words[-1].removeprefix("runs/sweeps/"), tmp))])
     if bare == "python" and qualifier == "the block above":
-        return f"```\n{_run_python_above(page, command)}\n```"
+        return f"```\n{_run_python_above(page, command, body)}\n```"
     if bare.startswith("vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map"):
         printed = _compare(page, words[2:], tmp)
         if qualifier == "last lines":  # the block shows the output's last lines, fenced
@@ -234,10 +235,11 @@ def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
     return None
 
 
-def _run_python_above(page: Path, command: str) -> str:
-    """What the runnable python block right above the marker prints (run as test_docs_blocks runs it)."""
+def _run_python_above(page: Path, command: str, body: str) -> str:
+    """What the runnable python block right above the marker (of the block holding ``body``: a page may have several
+    such blocks) prints (run as test_docs_blocks runs it)."""
     text = page.read_text()
-    above = text[:text.index(f"<!-- generated: {command} -->")]
+    above = text[:text.index(f"<!-- generated: {command} -->\n{body}")]
     *_, code = above.split("<!-- runnable -->\n```python\n")
     code, after = code.split("```", 1)
     assert not after.strip(), f"{page.name}: no runnable python block right above `{command}`"
