@@ -387,8 +387,9 @@ def config_markdown() -> str:
                 ""]
     renamed = getattr(cfg, "RENAMED_KEYS", {})
     if renamed:
-        out += ["Deprecated keys (still read, with a `FutureWarning`):", "",
-                markdown_table(["old key", "new key"], [[_code(a), _code(k)] for a, k in renamed.items()]), ""]
+        out += ["Deprecated keys (still read, with a `FutureWarning`; the config stores the new key):", "",
+                markdown_table(["old key", "new key", "why"], [[_code(a), _code(r.new), _cell(r.why)]
+                                                               for a, r in renamed.items()]), ""]
     deprecated = getattr(cfg, "DEPRECATED_VALUES", {})
     if deprecated:
         out += ["Deprecated values (still read, with a `FutureWarning`; the config stores the new one):", "",

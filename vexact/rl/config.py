@@ -83,6 +83,7 @@ __all__ = [
     "config_from_dict",
     "config_hash",
     "load_config",
+    "move_renamed_keys",
     "save_config",
 ]
 
@@ -258,7 +259,8 @@ class CorrectionSection:
 
     Two vocabularies for one implementation: vexact's shorthand ``method`` (with ``threshold``, ``band``,
     ``batch_normalize``), or verl 0.9.1's ``algorithm.rollout_correction`` keys (``preset`` and the ``rollout_*``
-    keys, ``bypass_mode``, ``loss_type``; null = not given, so a preset's value or verl's default applies)."""
+    keys, ``loss_type``; null = not given, so a preset's value or verl's default applies). verl's ``bypass_mode``
+    is ``algorithm.old_logprobs`` here (``RENAMED_KEYS``): the one key for where the old log-probs come from."""
 
     method: CorrectionMethodName = "none"  # a name in registries.CORRECTION_METHODS
     batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
@@ -271,7 +273,6 @@ class CorrectionSection:
     rollout_is_batch_normalize: bool | None = None
     rollout_rs: str | None = None  # comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3
     rollout_rs_threshold: float | str | None = None  # one per option or one shared; k1: "lower_upper" ratios
-    bypass_mode: bool | None = None  # true = algorithm.old_logprobs rollout, false = recompute (must agree)
     loss_type: BypassLossName | None = None  # bypass mode's loss
 
 
@@ -549,41 +550,76 @@ def check_run_name(name: str, output_dir: str | None) -> None:
 
 # --- renamed keys ------------------------------------------------------------------------------------------
 
-RENAMED_KEYS = {
-    "lr_schedule.length_window": "collapse.length_surge_window",
-    "lr_schedule.length_ratio": "collapse.length_surge_ratio",
+_DROP = object()
+"""What a renamed key's ``null`` becomes when its values are translated: nothing (the key was not given)."""
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """A deprecated config key: the key that replaced it, why (said in the FutureWarning), and, when the old key
+    spelled its values otherwise too, ``values``: {old value: new value}; its ``null`` then means "not given"."""
+
+    new: str
+    why: str
+    values: dict[Any, Any] | None = None
+
+    def translate(self, old: str, value: Any) -> Any:
+        """``value`` of key ``old`` as the new key's value (``_DROP`` for a translated key's null)."""
+        if self.values is None:
+            return value
+        if value is None:
+            return _DROP
+        for was, now in self.values.items():
+            if type(value) is type(was) and value == was:  # True is not 1: a typed match
+                return now
+        raise ConfigError(f"expected {' or '.join(show_value(v) for v in self.values)} (or null), got "
+                          f"{show_value(value)}", old)
+
+
+_LENGTH_SURGE = "the length-triggered LR decay and the collapse detector share one length-surge rule"
+RENAMED_KEYS: dict[str, Renamed] = {
+    "lr_schedule.length_window": Renamed("collapse.length_surge_window", _LENGTH_SURGE),
+    "lr_schedule.length_ratio": Renamed("collapse.length_surge_ratio", _LENGTH_SURGE),
+    # verl's algorithm.rollout_correction.bypass_mode: where the old log-probs come from, said once
+    "correction.bypass_mode": Renamed("algorithm.old_logprobs", "verl's bypass_mode: true is old_logprobs rollout "
+                                      "(verl's bypass mode), false is recompute (verl's decoupled mode)",
+                                      values={True: "rollout", False: "recompute"}),
 }
-"""Deprecated key -> the key that replaced it. The old spelling still works, with a FutureWarning."""
+"""Deprecated key -> how it is read now (``Renamed``). The old spelling still works, with a FutureWarning; the
+config stores the new key. The one registry of renamed keys: files, ``--set``, sweep grids and the config
+reference read it."""
 
 
 def _renamed(key: str) -> str:
     """The current spelling of a dotted key (warning when ``key`` is a deprecated one)."""
-    new = RENAMED_KEYS.get(key)
-    if new is None:
+    renamed = RENAMED_KEYS.get(key)
+    if renamed is None:
         return key
-    warnings.warn(f"config key '{key}' is deprecated; use '{new}' (the length-triggered LR decay and the collapse "
-                  "detector share one length-surge rule)", FutureWarning, stacklevel=4)
-    return new
+    warnings.warn(f"config key '{key}' is deprecated; use '{renamed.new}' ({renamed.why})", FutureWarning,
+                  stacklevel=4)
+    return renamed.new
 
 
-def _move_renamed(data: dict) -> None:
+def move_renamed_keys(data: dict) -> None:
     """Move deprecated keys of a raw mapping to their new place, in place; both set differently is an error."""
-    for old, new in RENAMED_KEYS.items():
+    for old, renamed in RENAMED_KEYS.items():
         old_section, old_name = old.split(".")
         section = data.get(old_section)
         if not isinstance(section, dict) or old_name not in section:
             continue
-        value = section.pop(old_name)
+        value = renamed.translate(old, section.pop(old_name))
+        if value is _DROP:  # a translated key's null: not given (what configs saved before the rename hold)
+            continue
         _renamed(old)
-        new_section, new_name = new.split(".")
+        new_section, new_name = renamed.new.split(".")
         target = data.get(new_section)
         if target is None:
             target = data[new_section] = {}
         if not isinstance(target, dict):
             continue  # the section's own type error is reported when it is built
         if new_name in target and target[new_name] != value:
-            raise ConfigError(f"deprecated key set to {show_value(value)} while '{new}' is "
-                              f"{show_value(target[new_name])}; keep only '{new}'", old)
+            raise ConfigError(f"deprecated key set to {show_value(value)} while '{renamed.new}' is "
+                              f"{show_value(target[new_name])}; keep only '{renamed.new}'", old)
         target[new_name] = value
 
 
@@ -666,13 +702,21 @@ def _apply_override(data: dict, item: str, origin: str | None = None) -> str:
     parts = key.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"malformed override {item!r}: empty key segment in {key!r}")
-    key = _renamed(key)
-    key = KEY_ALIASES.get(key, key)
-    parts = key.split(".")
+    renamed = RENAMED_KEYS.get(key)
     try:
         value = parse_yaml(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse value {raw!r} as YAML (from {origin}): {yaml_problem(e)}", key) from None
+    if renamed is not None:
+        try:
+            value = renamed.translate(key, value)
+        except ConfigError as e:
+            raise ConfigError(f"{e.problem} (from {origin})", e.key) from None
+        if value is _DROP:
+            return renamed.new
+    key = _renamed(key)
+    key = KEY_ALIASES.get(key, key)
+    parts = key.split(".")
 
     # Walk the schema, not the data, so a typo is caught even when the YAML file never mentions the section.
     tp: Any = RunConfig
@@ -731,7 +775,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
     if not isinstance(d, dict):
         raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
     data = plain(d)  # deep copy: overrides must not mutate the caller's dict
-    _move_renamed(data)
+    move_renamed_keys(data)
     written = _move_aliases(data)
     overrides = list(overrides)
     labels = [f"--set {item}" for item in overrides] if origins is None else list(origins)
@@ -754,9 +798,9 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
         key = _apply_override(data, item, labels[i])
         earlier, earlier_label = applied.get(key, (None, None))
         spellings = {earlier.partition("=")[0].strip() if earlier else key, item.partition("=")[0].strip()}
-        if earlier is not None and len(spellings) > 1 and spellings & set(KEY_ALIASES):
-            raise ConfigError(f"{earlier_label} and {labels[i]} set the same key (verl's and vexact's spelling); "
-                              "keep only one", key)
+        if earlier is not None and len(spellings) > 1 and spellings & {*KEY_ALIASES, *RENAMED_KEYS}:
+            which = "verl's and vexact's spelling" if spellings & set(KEY_ALIASES) else "a deprecated spelling"
+            raise ConfigError(f"{earlier_label} and {labels[i]} set the same key ({which}); keep only one", key)
         applied[key] = item, labels[i]
     _modernize_values(data)
     try:

@@ -203,7 +203,8 @@ def _check_plain(value: Any, key: str, path: Path) -> None:
 
 def _canonical_key(key: str) -> str:
     """vexact's spelling of a dotted config key (a renamed key's new name, verl's spelling mapped)."""
-    key = RENAMED_KEYS.get(key.strip(), key.strip())
+    key = key.strip()
+    key = RENAMED_KEYS[key].new if key in RENAMED_KEYS else key
     return KEY_ALIASES.get(key, key)
 
 
