@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..rl.config import RENAMED_KEYS, AlgorithmSection, CorrectionSection, RunConfig, move_renamed_keys
+from ..rl.config import RENAMED_KEYS, AlgorithmSection, CorrectionSection, RunConfig, knob_key, move_renamed_keys
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.inject_modes import INJECT_MODES
 from ..rl.plugins import load_entry_points
@@ -215,6 +215,17 @@ def source_name(config: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
         value = config.get(f"inject.{f.name}", defaults.get(f"inject.{f.name}"))
         values.append("+".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
     return SOURCE_SEPARATOR.join([str(mode), *values])
+
+
+def knob_as_value(config: dict[str, Any]) -> dict[str, Any]:
+    """A flat saved config with its injection knob under ``inject.value`` however the run saved it: runs saved
+    before modes named their knobs hold ``inject.value``, later ones the mode's key (``inject.sigma``, ...); the map
+    compares, exempts and filters one key."""
+    mode = config.get("inject.mode")
+    key = f"inject.{knob_key(mode)}" if isinstance(mode, str) else "inject.value"
+    if key == "inject.value" or key not in config:
+        return config
+    return {("inject.value" if k == key else k): v for k, v in config.items()}
 
 
 def flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:

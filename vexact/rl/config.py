@@ -82,6 +82,8 @@ __all__ = [
     "WarmStartSection",
     "config_from_dict",
     "config_hash",
+    "knob_key",
+    "knob_keys",
     "load_config",
     "move_renamed_keys",
     "save_config",
@@ -327,7 +329,8 @@ class LoggingSection:
 
 @dataclass(kw_only=True)
 class TargetSection:
-    """Calibrate ``inject.value`` so that a mismatch metric on a calibration batch hits ``value``.
+    """Calibrate the mode's knob (``inject.sigma``, ...) so that a mismatch metric on a calibration batch hits
+    ``value``.
 
     ``value`` has no default: a target is a magnitude the user chooses, so a ``target`` without it is an error."""
 
@@ -340,9 +343,12 @@ class TargetSection:
 class InjectSection:
     """Controlled mismatch, applied to the rollout path only (the training path stays exact).
 
-    ``value`` is the raw knob: σ for logit_noise / logprob_only, ε for logit_scale (logits × (1+ε)),
-    p for top_p, k for top_k; unused by precision and kernel, whose settings (``precision``, ``sites``;
-    ``kernel_backend``, ``kernel_dtype``) the modes bring. ``value`` 0 (or mode none) is a bitwise no-op.
+    The knob is set by the key its mode names (``inject_modes``: ``knob_name``): ``inject.sigma`` for logit_noise /
+    logprob_only, ``inject.epsilon`` for logit_scale (logits × (1+ε)), ``inject.top_p``, ``inject.top_k``,
+    ``inject.flip_rate`` for routing_flip; precision and kernel have none, their settings (``precision``, ``sites``;
+    ``kernel_backend``, ``kernel_dtype``) choose their mismatch. ``value`` is the knob whatever the mode calls it
+    (what the injector reads; ``inject.value`` in a file or ``--set`` is the old spelling, read with a FutureWarning
+    naming the mode's key). A knob of 0 (or mode none) is a bitwise no-op.
     """
 
     mode: InjectModeName = "none"
@@ -516,8 +522,38 @@ class RunConfig:
         return self.seed if self.warm_start.seed is None else self.warm_start.seed
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""
-        return plain(self)
+        """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``. The
+        injection knob is stored under its mode's name for it (``inject.sigma``, ...: ``knob_key``)."""
+        out = plain(self)
+        out["inject"] = _named_knob(out["inject"])
+        return out
+
+
+def knob_key(mode: str) -> str:
+    """The config key (relative to ``inject``) of injection mode ``mode``'s knob: the name the mode declares
+    (``knob_name``: ``sigma``, ``epsilon``, ``top_p``, ``top_k``, ``flip_rate``), else ``value``."""
+    return INJECT_MODES[mode].knob_key if mode in INJECT_MODES else "value"
+
+
+def knob_keys() -> dict[str, tuple[str, ...]]:
+    """{knob name: the modes that declare it}, read from the registry ``INJECT_MODES`` now."""
+    names: dict[str, tuple[str, ...]] = {}
+    for name, mode in INJECT_MODES.items():
+        if mode.knob_name is not None:
+            names[mode.knob_name] = (*names.get(mode.knob_name, ()), name)
+    return names
+
+
+def _named_knob(inject: dict[str, Any]) -> dict[str, Any]:
+    """A plain ``inject`` mapping with ``value`` stored as its mode's knob key (in place of ``value``, same order); a
+    mode without a knob stores none (its value is 0: the config refuses another)."""
+    mode = INJECT_MODES[inject["mode"]] if inject.get("mode") in INJECT_MODES else None
+    if mode is None or mode.knob_key == "value" and mode.knob is not None:
+        return inject
+    if mode.knob is None and inject.get("value") != 0:
+        return inject  # built in Python without validation: kept as given, for config_from_dict to judge
+    return {(mode.knob_key if k == "value" else k): v for k, v in inject.items()
+            if k != "value" or mode.knob is not None}
 
 
 DEFAULT_WARMSTART_CACHE = Path("runs") / ".warmstart_cache"
@@ -717,6 +753,11 @@ def _apply_override(data: dict, item: str, origin: str | None = None) -> str:
     key = _renamed(key)
     key = KEY_ALIASES.get(key, key)
     parts = key.split(".")
+    if len(parts) == 2 and parts[0] == "inject" and parts[1] in knob_keys():  # a mode's knob: _resolve_knob's
+        if not isinstance(data.setdefault("inject", {}), dict):
+            raise ConfigError(f"expected a mapping, got {show_value(data['inject'])}", "inject")
+        data["inject"][parts[1]] = value
+        return key
 
     # Walk the schema, not the data, so a typo is caught even when the YAML file never mentions the section.
     tp: Any = RunConfig
@@ -805,6 +846,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
     _modernize_values(data)
     try:
         _expand_preset(data.get("model"))
+        _resolve_knob(data.get("inject"))
         _check_inject_knob(data.get("inject"))
         return build(RunConfig, data, "", VALUE_ALIASES)
     except ConfigError as e:
@@ -832,6 +874,36 @@ def _expand_preset(model: Any) -> None:
             model.setdefault(key, value)
 
 
+def _resolve_knob(inject: Any) -> None:
+    """Read the injection knob of a raw ``inject`` mapping into ``value``, in place: the mode's own key
+    (``inject.sigma``, ...) is the spelling, ``inject.value`` the old one (a FutureWarning naming the mode's key).
+    A knob key of another mode, or both spellings, is one config error."""
+    if not isinstance(inject, dict):
+        return
+    mode = inject.get("mode", "none")
+    names = knob_keys()
+    given = [name for name in names if name in inject]
+    if not isinstance(mode, str) or mode not in INJECT_MODES:
+        return  # an unknown or mistyped mode is build()'s error (the knob key then is one too)
+    own = INJECT_MODES[mode].knob_name
+    for name in given:
+        if name != own:
+            takes = (f"its knob is inject.{own}" if own else "its knob is inject.value" if INJECT_MODES[mode].knob
+                     else "it has no knob")
+            raise ConfigError(f"is the knob of mode {' / '.join(names[name])}, not of inject.mode {mode!r} ({takes})",
+                              f"inject.{name}")
+    if own is None:
+        return
+    if "value" in inject:
+        if own in inject:
+            raise ConfigError(f"is the old spelling of inject.{own}, which is given too; keep only inject.{own}",
+                              "inject.value")
+        warnings.warn(f"config key 'inject.value' is deprecated for inject.mode {mode!r}; use 'inject.{own}' "
+                      f"({INJECT_MODES[mode].knob})", FutureWarning, stacklevel=3)
+    elif own in inject:
+        inject["value"] = inject.pop(own)
+
+
 def _check_inject_knob(inject: Any) -> None:
     """No silent no-op injection: a knob mode needs ``inject.value`` given (0 included: an explicit baseline) or
     ``inject.target``; a non-zero value needs a knob mode. Checked on the raw mapping, where "not given" differs
@@ -844,8 +916,9 @@ def _check_inject_knob(inject: Any) -> None:
     spec = INJECT_MODES[mode] if mode in INJECT_MODES else None  # an unknown name is build()'s error
     knobs = " | ".join(name for name, m in INJECT_MODES.items() if m.knob is not None)
     if spec is not None and spec.knob is not None and value is None and inject.get("target") is None:
-        raise ConfigError(f"mode {mode!r} needs inject.value ({spec.knob}), which is not given: nothing would "
-                          f"be injected; set it (e.g. --set inject.value=...), or inject.target to calibrate it",
+        key = f"inject.{spec.knob_key}"
+        raise ConfigError(f"mode {mode!r} needs {key} ({spec.knob}), which is not given: nothing would "
+                          f"be injected; set it (e.g. --set {key}=...), or inject.target to calibrate it",
                           "inject.mode")
     if spec is not None and spec.source_keys and value:
         raise ConfigError(f"{show_value(value)} is not used by mode {mode!r}, whose mismatch is set by "

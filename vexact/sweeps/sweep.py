@@ -6,7 +6,7 @@ A sweep file::
     base: zero_mismatch.yaml          # a run config, relative to this file
     set: {inject.mode: logit_noise}   # overrides applied to every point (optional)
     grid:                             # the cartesian product of these is run
-      inject.value: [0, 1.0, 2.0]
+      inject.sigma: [0, 1.0, 2.0]       # the mode's knob (inject.value: the old spelling)
       seed: [0, 1, 2]
     output_dir: runs/sweeps/noise_sweep   # optional; default runs/sweeps/<name>
 
