@@ -446,16 +446,22 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+BENCHMARKS_PACKAGE = "vexact_benchmarks"
+"""The benchmarks as installed (the checkout's benchmarks/, as vexact_kernels is its kernels/): ``vexact bench``
+imports them from there, wherever it runs; ``python -m benchmarks.NAME`` still runs them from a checkout."""
+
+
 def _benchmarks_module(name: str):
-    """``benchmarks.<name>`` from the source checkout (benchmarks/ sits next to vexact/ and is not installed)."""
+    """``vexact_benchmarks.<name>``: the benchmark the CLI runs, from the installed package (no checkout needed)."""
     import importlib
 
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "__init__.py").exists():
-        raise ValueError(f"vexact bench needs a source checkout: {root / 'benchmarks'} not found")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module(f"benchmarks.{name}")
+    try:
+        return importlib.import_module(f"{BENCHMARKS_PACKAGE}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != BENCHMARKS_PACKAGE:
+            raise
+        raise ValueError(f"vexact bench needs the {BENCHMARKS_PACKAGE} package, which this installation lacks "
+                         "(installed before it shipped): reinstall vexact (pip install -e . in a checkout)") from None
 
 
 BENCHMARKS = {
