@@ -148,3 +148,26 @@ def test_the_triton_guard_asks_the_mode_which_backends_it_runs(monkeypatch):
         task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
         cost = triton_guard.check_interpreted_triton(cfg, task, Console(quiet=True))
         assert (cost is not None) == seen and (not seen or cost.rl > 0)
+
+
+def test_a_run_s_own_config_saved_before_the_renames_resumes_silently(tmp_path):
+    """A config.yaml saved before the knobs were named (``inject.value``) and before ``correction.bypass_mode`` was
+    read into ``algorithm.old_logprobs`` is the run's record: resume and reports read it (``saved=True``) as the same
+    config, without the FutureWarning meant for the files users write (which still get it)."""
+    import warnings
+
+    import yaml
+
+    from vexact.rl.config import load_config
+
+    old = config_from_dict({"inject": {"mode": "logit_noise", "sigma": 0.5}}).to_dict()
+    old["inject"]["value"] = old["inject"].pop("sigma")
+    old["correction"]["bypass_mode"] = None
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(path, saved=True)
+    assert cfg.inject.value == 0.5 and cfg.to_dict()["inject"]["sigma"] == 0.5
+    with pytest.warns(FutureWarning, match="use 'inject.sigma'"):
+        assert load_config(path) == cfg

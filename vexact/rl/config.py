@@ -928,8 +928,15 @@ def _check_inject_knob(inject: Any) -> None:
                           f"{knobs}, or remove inject.value", "inject.value")
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read a YAML config file, apply ``--set`` overrides (``a.b.c=value``) and validate it."""
+def load_config(path: str | Path, overrides: Iterable[str] = (), saved: bool = False) -> RunConfig:
+    """Read a YAML config file, apply ``--set`` overrides (``a.b.c=value``) and validate it.
+
+    ``saved``: the file is a run's own config.yaml, a record the run wrote (resume, reports): the old spellings one
+    written before a rename holds are read without their FutureWarning, which is for the files users write."""
+    if saved:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return load_config(path, overrides)
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: '{path}'")

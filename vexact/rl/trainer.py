@@ -667,7 +667,7 @@ class Trainer:
                 raise ValueError(f"cannot resume {self.run_dir}: {saved_path} is missing, so the config the run was "
                                  "started with cannot be checked; restore it or start a new run")
             return {}
-        saved = dotted_items(load_config(saved_path).to_dict())
+        saved = dotted_items(load_config(saved_path, saved=True).to_dict())
         now = dotted_items(self.cfg.to_dict())
         changes = {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now))
                    if k != "output_dir" and saved.get(k) != now.get(k)
