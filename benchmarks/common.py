@@ -31,8 +31,11 @@ from vexact.records.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
 from vexact_kernels.host_guard import host_cpu
 
-# The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments).
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+# The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments): the
+# checkout's experiments/zero_mismatch.yaml, else (an installed package, vexact_benchmarks) the copy shipped beside
+# this module, which in the checkout is a link to that file: one source.
+_CHECKOUT_EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+EXPERIMENT = _CHECKOUT_EXPERIMENT if _CHECKOUT_EXPERIMENT.is_file() else Path(__file__).parent / "zero_mismatch.yaml"
 DTYPES = {name: MODEL_DTYPES[name] for name in ("float32", "bfloat16")}  # the model's dtypes, canonical names
 
 

@@ -59,7 +59,8 @@ def _worker(numel: int, reps: int, out: str) -> None:
 def measure_reduce(nproc: int, numel: int, reps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "reduce.json")
-        launch(nproc, ["-m", "benchmarks.data_parallel", "--worker", str(numel), str(reps), out], threads=1)
+        # this module under the name it was imported by: benchmarks (a checkout) or vexact_benchmarks (installed)
+        launch(nproc, ["-m", __spec__.name, "--worker", str(numel), str(reps), out], threads=1)
         medians = json.loads(Path(out).read_text())
     return {"nproc": nproc, "numel": numel, "reps": reps, "tree_s": medians["tree"],
             "allreduce_s": medians["allreduce"], "ratio": medians["tree"] / medians["allreduce"]}

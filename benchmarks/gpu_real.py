@@ -35,13 +35,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_triton import median_seconds
 from vexact.engine.devices import resolve_device
 from vexact.engine.generation import generate
 from vexact.engine.model import ModelConfig, Transformer
 from vexact.engine.presets import preset_values
 from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL, TIMING_STEP
+
+from .gpu_triton import median_seconds
 
 EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_qwen3_0_6b.yaml"
 

@@ -79,7 +79,8 @@ def _status_bytes(key: str) -> int:
 def run_case(vocab: int, tokens: int, batch: int, hidden: int = 64, layers: int = 1, dtype: str = "float32",
              backend: str = "exact", threads: int = 1, warm: bool = False) -> dict:
     """``measure`` in a fresh Python process (its own high-water mark); the child's record."""
-    args = [sys.executable, "-m", "benchmarks.scoring_memory", "--child", "--vocab", str(vocab), "--tokens",
+    # this module under the name it was imported by: benchmarks (a checkout) or vexact_benchmarks (installed)
+    args = [sys.executable, "-m", __spec__.name, "--child", "--vocab", str(vocab), "--tokens",
             str(tokens), "--batch", str(batch), "--hidden", str(hidden), "--layers", str(layers), "--dtype", dtype,
             "--backend", backend, "--threads", str(threads)] + (["--warm"] if warm else [])
     done = subprocess.run(args, capture_output=True, text=True, check=False)

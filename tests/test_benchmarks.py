@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -241,3 +242,15 @@ def test_a_kernel_library_from_another_checkout_is_refused(monkeypatch, tmp_path
     monkeypatch.setattr(vexact_kernels, "__file__", str(tmp_path / "elsewhere" / "kernels" / "__init__.py"))
     with pytest.raises(ValueError, match="come from different checkouts"):
         code_locations()
+
+
+def test_vexact_bench_imports_the_installed_benchmarks_from_any_folder(tmp_path):
+    """``vexact bench`` needs no checkout: it imports ``vexact_benchmarks`` (installed, as the kernels are), here
+    from a folder outside the repository with the repository's root off ``sys.path`` (``python -I``), and puts
+    nothing on ``sys.path``."""
+    code = ("import sys; before = list(sys.path); from vexact.cli import _benchmarks_module; "
+            "m = _benchmarks_module('tables'); import vexact_benchmarks.common as c; "
+            "print(m.__name__, 'benchmarks' in sys.modules, sys.path == before, c.EXPERIMENT.is_file())")
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["vexact_benchmarks.tables", "False", "True", "True"]

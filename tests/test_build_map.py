@@ -125,6 +125,39 @@ def test_a_key_saved_only_by_later_runs_is_the_same_testbed_at_its_default(tmp_p
         build_map([a, b])
 
 
+def test_runs_saved_before_bypass_mode_was_renamed_merge_with_later_ones(tmp_path):
+    """Configs saved before verl's ``correction.bypass_mode`` became ``algorithm.old_logprobs`` hold it at null; later
+    ones lack it: one testbed. Saved at true it is another value, a testbed key like any other."""
+    a, b = _two_rounds(tmp_path / "renamed")
+    for saved in a.glob("points/*/config.yaml"):  # round 1 was saved before the rename
+        config = yaml.safe_load(saved.read_text())
+        config["correction"]["bypass_mode"] = None
+        saved.write_text(yaml.safe_dump(config))
+    assert build_map([a, b])["curves"][0]["status"] == "fitted"
+    for saved in a.glob("points/*/config.yaml"):
+        config = yaml.safe_load(saved.read_text())
+        config["correction"]["bypass_mode"] = True
+        saved.write_text(yaml.safe_dump(config))
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match=r"differ in correction\.bypass_mode \(True vs "
+                                                                      r"None\)"):
+        build_map([a, b])
+
+
+def test_runs_saving_the_knob_under_its_mode_s_key_merge_with_runs_saving_inject_value(tmp_path):
+    """Runs saved after modes named their knobs hold ``inject.epsilon`` (logit_scale), earlier ones ``inject.value``:
+    the knob is one per-run key however it was saved, so the rounds merge into one fit (the same fit as when both
+    saved ``inject.value``)."""
+    a, b = _two_rounds(tmp_path / "old")
+    before = build_map([a, b])
+    a, b = _two_rounds(tmp_path / "new")
+    for saved in a.glob("points/*/config.yaml"):  # round 1 saved by the newer code
+        config = yaml.safe_load(saved.read_text())
+        config["inject"]["epsilon"] = config["inject"].pop("value")
+        saved.write_text(yaml.safe_dump(config))
+    after = build_map([a, b])
+    assert after["curves"][0]["status"] == "fitted" and after["alpha"] == before["alpha"]
+
+
 def test_the_horizons_of_one_curve_share_a_testbed(tmp_path):
     a = _sweep(tmp_path, "lr3", [(8, LOW + HIGH)])
     b = _sweep(tmp_path, "lr4", [(16, LOW + HIGH)], **{"optimizer.lr": 1e-4})

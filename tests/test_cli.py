@@ -94,3 +94,12 @@ def test_lazy_subcommand_parses_and_helps_as_the_full_one(name):
     full_args = vars(full.parse_args([name, *words]))
     assert lazy_args.keys() == full_args.keys()
     assert {k: v for k, v in lazy_args.items() if k != "func"} == {k: v for k, v in full_args.items() if k != "func"}
+
+
+def test_measure_and_meter_each_say_what_they_do_and_point_to_the_other():
+    """Two names that sound alike, two unrelated jobs (both names are contracts): each one's help names the other."""
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices
+    assert "log-prob mismatch" in COMMANDS["measure"][0] and "not meter" in COMMANDS["measure"][0]
+    assert "gradient bias" in COMMANDS["meter"][0] and "not measure" in COMMANDS["meter"][0]
+    assert "see vexact meter" in sub["measure"].description and "see vexact measure" in sub["meter"].description

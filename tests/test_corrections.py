@@ -232,7 +232,7 @@ def test_bad_inputs_and_config_errors():
         config_from_dict({"correction": {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": "0.1_0.2"}})
     with pytest.raises(ConfigError, match="correction.preset.*unknown preset"):
         config_from_dict({"correction": {"preset": "tis"}})
-    with pytest.raises(ConfigError, match="correction.bypass_mode.*old_logprobs: recompute"):
+    with pytest.raises(ConfigError, match="correction.preset.*old_logprobs: recompute"):
         config_from_dict({"correction": {"preset": "decoupled_token_is"}})  # the default anchor is bypass
     with pytest.raises(ConfigError, match="correction.loss_type.*bypass"):
         config_from_dict({"correction": {"loss_type": "reinforce"}, "algorithm": {"old_logprobs": "recompute"}})
@@ -265,3 +265,46 @@ def test_zero_mismatch_gives_every_dispersion_statistic_exactly_zero(cfg):
     assert {k: v for k, v in spread.items() if v != 0.0} == {}
     means = {k: v for k, v in c.metrics.items() if k.startswith("rollout_corr/rollout_is") and k.endswith("mean")}
     assert all(v == 1.0 for v in means.values()), means
+
+
+def test_old_logprobs_is_the_one_key_and_verls_bypass_mode_is_read_into_it():
+    """Where the old log-probs come from is ``algorithm.old_logprobs`` alone; verl's ``correction.bypass_mode`` (file,
+    ``--set``) is read into it with a FutureWarning naming the key, its null is "not given" (configs saved before
+    the rename hold it), and the config stores only the canonical key."""
+    import warnings
+
+    from vexact.map.naming import correction_from_config
+    from vexact.rl.config import RENAMED_KEYS
+
+    assert RENAMED_KEYS["correction.bypass_mode"].new == "algorithm.old_logprobs"
+    for bypass, old in ((True, "rollout"), (False, "recompute")):
+        with pytest.warns(FutureWarning, match="'correction.bypass_mode' is deprecated; use 'algorithm.old_logprobs'"):
+            cfg = config_from_dict({"correction": {"bypass_mode": bypass}})
+        assert cfg.algorithm.old_logprobs == old and "bypass_mode" not in cfg.to_dict()["correction"]
+        with pytest.warns(FutureWarning, match="deprecated"):
+            assert config_from_dict({}, [f"correction.bypass_mode={str(bypass).lower()}"]).algorithm.old_logprobs == old
+        with pytest.warns(FutureWarning):  # both keys, agreeing: accepted
+            assert config_from_dict({"correction": {"bypass_mode": bypass},
+                                     "algorithm": {"old_logprobs": old}}).algorithm.old_logprobs == old
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a saved config.yaml from before the rename: null, no warning
+        assert config_from_dict({"correction": {"bypass_mode": None}}) == config_from_dict({})
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="correction.bypass_mode.*keep only"):
+        config_from_dict({"correction": {"bypass_mode": True}, "algorithm": {"old_logprobs": "recompute"}})
+    with pytest.raises(ConfigError, match="'correction.bypass_mode': expected true or false .or null., got 'yes'"):
+        config_from_dict({"correction": {"bypass_mode": "yes"}})
+    with pytest.raises(ConfigError, match="'correction.bypass_mode': expected true or false.*got 1.*--set"):
+        config_from_dict({}, ["correction.bypass_mode=1"])
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="same key"):
+        config_from_dict({}, ["correction.bypass_mode=false", "algorithm.old_logprobs=recompute"])
+    with pytest.warns(FutureWarning):  # a preset's mode is held to the canonical key, spelled either way
+        config_from_dict({"correction": {"preset": "decoupled_token_is", "bypass_mode": False}})
+    # the map names a run from either spelling the same way; verl's own block keeps verl's key
+    with pytest.warns(FutureWarning):
+        assert correction_from_config({"correction": {"bypass_mode": False}}) == "recompute"
+    assert correction_from_config({"algorithm": {"old_logprobs": "recompute"}, "correction": {"bypass_mode": None}}
+                                  ) == "recompute"
+    assert correction_from_config({"algorithm": {"rollout_correction": {"bypass_mode": True}}}) == "bypass"
+    assert correction_from_config({"algorithm": {"rollout_correction": {"rollout_is": "token"}}}) == "token_tis"
+    with pytest.raises(ValueError, match="bypass_mode must be true or false"):
+        correction_from_config({"algorithm": {"rollout_correction": {"bypass_mode": "yes"}}})

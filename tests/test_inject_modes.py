@@ -23,11 +23,69 @@ def test_config_choices_are_the_registry():
 
 @pytest.mark.parametrize("mode, value, says", [("logit_noise", -0.1, "sigma"), ("logprob_only", -1.0, "sigma"),
                                                ("logit_scale", -1.0, "> -1"), ("top_k", 2.5, "whole number"),
-                                               ("top_p", 1.5, "0 < value <= 1")])
+                                               ("top_p", 1.5, "0 < p <= 1")])
 def test_each_mode_checks_its_value(mode, value, says):
+    key = f"inject.{INJECT_MODES[mode].knob_name}"
     with pytest.raises(ConfigError) as e:
+        config_from_dict({"inject": {"mode": mode, key.split(".")[1]: value}})
+    assert e.value.key == key and says in str(e.value)
+    with pytest.warns(FutureWarning, match=f"use '{key}'"), pytest.raises(ConfigError) as e:  # the old spelling
         config_from_dict({"inject": {"mode": mode, "value": value}})
-    assert e.value.key == "inject.value" and says in str(e.value)
+    assert e.value.key == key and says in str(e.value)
+
+
+KNOB_NAMES = {"logit_noise": "sigma", "logprob_only": "sigma", "logit_scale": "epsilon", "top_p": "top_p",
+              "top_k": "top_k", "routing_flip": "flip_rate"}
+
+
+def test_each_knob_mode_names_its_knob_and_inject_value_is_the_old_spelling(tmp_path):
+    """The knob's key is the mode's own (one registry: each mode declares it); ``inject.value`` still reads, with a
+    FutureWarning naming the mode's key, to the same config; both, or a key of another mode, is one error; the
+    config stores the mode's key, so a saved config reloads without a warning."""
+    import warnings
+
+    from vexact.rl.config import knob_key, knob_keys, load_config
+
+    assert {n: m.knob_name for n, m in INJECT_MODES.items() if m.knob is not None} == KNOB_NAMES
+    assert knob_keys() == {"sigma": ("logit_noise", "logprob_only"), "epsilon": ("logit_scale",), "top_p": ("top_p",),
+                           "top_k": ("top_k",), "flip_rate": ("routing_flip",)}
+    assert knob_key("none") == knob_key("precision") == "value" and knob_key("logit_scale") == "epsilon"
+    moe = {"num_experts": 4, "num_experts_per_tok": 2}
+    for mode, name in KNOB_NAMES.items():
+        base = {"model": moe} if mode == "routing_flip" else {}
+        value = {"top_k": 3.0, "top_p": 0.9}.get(mode, 0.25)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            new = config_from_dict({**base, "inject": {"mode": mode, name: value}})
+            assert new == config_from_dict(base, [f"inject.mode={mode}", f"inject.{name}={value}"])
+            saved = new.to_dict()
+            assert saved["inject"][name] == value and "value" not in saved["inject"]
+            assert config_from_dict(saved) == new  # a saved config.yaml: no warning
+        assert new.inject.value == value
+        with pytest.warns(FutureWarning, match=f"'inject.value' is deprecated for inject.mode '{mode}'; "
+                                               f"use 'inject.{name}'"):
+            assert config_from_dict({**base, "inject": {"mode": mode, "value": value}}) == new
+        with pytest.raises(ConfigError, match=f"'inject.value'.*old spelling of inject.{name}.*keep only"):
+            config_from_dict({**base, "inject": {"mode": mode, "value": value, name: value}})
+        with pytest.raises(ConfigError, match=f"'inject.value'.*old spelling of inject.{name}"):
+            config_from_dict(base, [f"inject.mode={mode}", f"inject.{name}={value}", f"inject.value={value}"])
+    with pytest.raises(ConfigError, match=r"'inject.top_k': is the knob of mode top_k, not of inject.mode "
+                                          r"'logit_noise' \(its knob is inject.sigma\)"):
+        config_from_dict({"inject": {"mode": "logit_noise", "top_k": 3}})
+    with pytest.raises(ConfigError, match=r"'inject.sigma': is the knob of mode logit_noise / logprob_only, not of "
+                                          r"inject.mode 'precision' \(it has no knob\)"):
+        config_from_dict({}, ["inject.mode=precision", "inject.sigma=0.1"])
+    with pytest.raises(ConfigError, match=r"'inject.sigma'.*inject.mode 'none'"):
+        config_from_dict({}, ["inject.sigma=0.1"])
+    with pytest.raises(ConfigError, match="needs inject.epsilon"):
+        config_from_dict({"inject": {"mode": "logit_scale"}})
+    with warnings.catch_warnings():  # mode none and the path modes store no knob; a saved 0 reads silently
+        warnings.simplefilter("error")
+        assert "value" not in config_from_dict({}).to_dict()["inject"]
+        assert config_from_dict({"inject": {"mode": "none", "value": 0.0}}) == config_from_dict({})
+    path = tmp_path / "c.yaml"
+    path.write_text("inject:\n  mode: logit_scale\n  epsilon: -0.2\n")
+    assert load_config(path).inject.value == -0.2
 
 
 def test_a_knob_mode_needs_its_value_and_a_source_mode_refuses_one():
@@ -37,7 +95,7 @@ def test_a_knob_mode_needs_its_value_and_a_source_mode_refuses_one():
         config_from_dict({"inject": {"mode": "precision", "value": 0.1}})
     with pytest.raises(ConfigError, match="no continuous knob"):
         config_from_dict({"inject": {"mode": "kernel", "target": {"value": 0.1}}})
-    assert config_from_dict({"inject": {"mode": "top_k", "value": 3}}).inject.value == 3.0  # counter-case
+    assert config_from_dict({"inject": {"mode": "top_k", "top_k": 3}}).inject.value == 3.0  # counter-case
 
 
 @pytest.mark.parametrize("mode, sign, expect", [("logit_noise", 1.0, 0.4), ("logit_scale", -1.0, -0.4),
@@ -63,6 +121,15 @@ def test_registration_refuses_a_taken_name_and_a_calibratable_mode_without_knob(
     with pytest.raises(ValueError, match="no knob"):
         register_inject_mode(Broken())
     assert "broken_calibratable" not in INJECT_MODES
+    for name in ("value", "flip_kind", "not a name"):  # the knob's key: a new identifier, no setting's name
+
+        class BadName(type(INJECT_MODES["routing_flip"])):
+            knob_name = name
+
+        BadName.name = "bad_knob_name"
+        with pytest.raises(ValueError, match=f"knob_name {name!r}"):
+            register_inject_mode(BadName())
+    assert "bad_knob_name" not in INJECT_MODES
 
 
 def test_the_triton_guard_asks_the_mode_which_backends_it_runs(monkeypatch):
@@ -81,3 +148,26 @@ def test_the_triton_guard_asks_the_mode_which_backends_it_runs(monkeypatch):
         task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len)
         cost = triton_guard.check_interpreted_triton(cfg, task, Console(quiet=True))
         assert (cost is not None) == seen and (not seen or cost.rl > 0)
+
+
+def test_a_run_s_own_config_saved_before_the_renames_resumes_silently(tmp_path):
+    """A config.yaml saved before the knobs were named (``inject.value``) and before ``correction.bypass_mode`` was
+    read into ``algorithm.old_logprobs`` is the run's record: resume and reports read it (``saved=True``) as the same
+    config, without the FutureWarning meant for the files users write (which still get it)."""
+    import warnings
+
+    import yaml
+
+    from vexact.rl.config import load_config
+
+    old = config_from_dict({"inject": {"mode": "logit_noise", "sigma": 0.5}}).to_dict()
+    old["inject"]["value"] = old["inject"].pop("sigma")
+    old["correction"]["bypass_mode"] = None
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(path, saved=True)
+    assert cfg.inject.value == 0.5 and cfg.to_dict()["inject"]["sigma"] == 0.5
+    with pytest.warns(FutureWarning, match="use 'inject.sigma'"):
+        assert load_config(path) == cfg

@@ -228,15 +228,43 @@ def test_the_package_imports_no_tool(path: Path) -> None:
     assert not imported, f"{path.relative_to(ROOT)} imports tools/: {imported}"
 
 
+INSTALLED_AS = {"vexact": "vexact", "kernels": "vexact_kernels", "benchmarks": "vexact_benchmarks"}
+"""Folder of the checkout -> the package it is installed as (pyproject.toml's package-dir)."""
+
+
 def test_pyproject_installs_every_package() -> None:
-    """A wheel holds only the packages pyproject.toml lists: each package folder of vexact/ and kernels/ is there."""
+    """A wheel holds only the packages pyproject.toml lists: each package folder of vexact/, kernels/ and
+    benchmarks/ (vexact bench runs them from an installed package) is there, under its installed name."""
     from setuptools.config.pyprojecttoml import read_configuration
 
-    listed = set(read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"])
-    folders = {".".join(("vexact_kernels" if path.parts[0] == "kernels" else path.parts[0], *path.parts[1:]))
-               for init in (*(ROOT / "vexact").rglob("__init__.py"), *(ROOT / "kernels").rglob("__init__.py"))
+    setuptools = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    folders = {".".join((INSTALLED_AS[path.parts[0]], *path.parts[1:]))
+               for folder in INSTALLED_AS for init in (ROOT / folder).rglob("__init__.py")
                for path in [init.parent.relative_to(ROOT)]}
     assert listed == folders, f"not installed: {sorted(folders - listed)}; no such package: {sorted(listed - folders)}"
+    assert {v: k for k, v in INSTALLED_AS.items()} == setuptools["package-dir"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_benchmark_imports_its_siblings_relatively_and_no_tool(path: Path) -> None:
+    """Installed, benchmarks/ is vexact_benchmarks: an absolute ``benchmarks.`` import (or a ``-m benchmarks.X``
+    string) would find no such package there, and tools/ is not installed at all."""
+    imported = [(line, name) for line, name in _imports_of(path) if name in ("benchmarks", "tools")]
+    named = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
+             and isinstance(n.value, str) and re.fullmatch(r"(benchmarks|tools)(\.\w+)+", n.value)]
+    assert not imported and not named, f"{path.relative_to(ROOT)}: {imported or named}"
+
+
+def test_the_benchmarks_ship_their_rl_config_as_one_file() -> None:
+    """The RL step's default config ships in the package (package-data) as a link to experiments/zero_mismatch.yaml:
+    the wheel copies its content, the checkout keeps one file."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    shipped = ROOT / "benchmarks" / "zero_mismatch.yaml"
+    assert shipped.is_symlink() and shipped.resolve() == (ROOT / "experiments" / "zero_mismatch.yaml").resolve()
+    data = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-data"]
+    assert data["vexact_benchmarks"] == [shipped.name]
 
 
 # --------------------------------------------------------------------------- import circles

@@ -295,14 +295,14 @@ def test_an_expert_count_or_top_k_that_does_not_fit_is_one_clear_error(fields, f
 
 def test_a_flip_rate_outside_0_1_and_routing_flip_on_a_dense_model_are_config_errors():
     for value in (-0.1, 1.5):
-        with pytest.raises(ConfigError, match=r"flip rate\) in \[0, 1\]") as e:
-            config_from_dict({"model": {"num_experts": 4}, "inject": {"mode": "routing_flip", "value": value}})
-        assert e.value.key == "inject.value"
+        with pytest.raises(ConfigError, match=r"flip_rate in \[0, 1\]") as e:
+            config_from_dict({"model": {"num_experts": 4}, "inject": {"mode": "routing_flip", "flip_rate": value}})
+        assert e.value.key == "inject.flip_rate"
     with pytest.raises(ConfigError, match="dense") as e:
-        config_from_dict({"inject": {"mode": "routing_flip", "value": 0.1}})
+        config_from_dict({"inject": {"mode": "routing_flip", "flip_rate": 0.1}})
     assert e.value.key == "inject.mode"
     with pytest.raises(ConfigError, match="unchosen expert"):
-        config_from_dict({"model": {"num_experts": 2}, "inject": {"mode": "routing_flip", "value": 0.1}})
+        config_from_dict({"model": {"num_experts": 2}, "inject": {"mode": "routing_flip", "flip_rate": 0.1}})
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"num_experts": 4}, "inject": {"mode": "routing_flip", "value": 0.1,
                                                                   "flip_kind": "worst"}})

@@ -41,9 +41,9 @@ def _error(argv: list[str], capsys) -> str:
 # --------------------------------------------------------------------------- inject: a value needs a mode and back
 @pytest.mark.parametrize("overrides,key,words", [
     (["inject.value=0.5"], "inject.value", ["would inject nothing", "no inject.mode", "logit_noise"]),
-    (["inject.mode=logit_noise"], "inject.mode", ["needs inject.value", "sigma", "inject.target"]),
-    (["inject.mode=logit_scale"], "inject.mode", ["needs inject.value", "epsilon"]),
-    (["inject.mode=top_k"], "inject.mode", ["needs inject.value"]),
+    (["inject.mode=logit_noise"], "inject.mode", ["needs inject.sigma", "sigma", "inject.target"]),
+    (["inject.mode=logit_scale"], "inject.mode", ["needs inject.epsilon", "epsilon"]),
+    (["inject.mode=top_k"], "inject.mode", ["needs inject.top_k"]),
     (["inject.mode=precision", "inject.value=0.3"], "inject.value", ["not used by mode 'precision'",
                                                                       "inject.precision"]),
 ])
@@ -55,11 +55,11 @@ def test_an_injection_that_would_do_nothing_is_refused(overrides, key, words):
 
 
 def test_what_injection_configs_may_still_say():
-    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.value=0"]).inject.value == 0.0  # a baseline
+    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.sigma=0"]).inject.value == 0.0  # a baseline
     assert config_from_dict({}, ["inject.mode=logit_noise", "inject.target.value=0.01"]).inject.target.value == 0.01
     assert config_from_dict({}, ["inject.mode=precision"]).inject.mode == "precision"  # no knob needed
     assert config_from_dict({"inject": {"mode": "none", "value": 0.0}}).inject.mode == "none"  # as saved
-    saved = config_from_dict({}, ["inject.mode=top_p", "inject.value=0.9"]).to_dict()
+    saved = config_from_dict({}, ["inject.mode=top_p", "inject.top_p=0.9"]).to_dict()
     assert config_from_dict(saved).inject.value == 0.9  # a saved config.yaml loads as it was
 
 
@@ -68,7 +68,7 @@ def test_cli_injection_errors_are_one_line(tmp_path, capsys, one_torch_thread):
     err = _error(["run", str(config), "--set", "inject.value=0.5"], capsys)
     assert "inject.value" in err and "inject.mode" in err
     err = _error(["run", str(config), "--set", "inject.mode=logit_noise"], capsys)
-    assert "needs inject.value" in err
+    assert "needs inject.sigma" in err
     assert not (tmp_path / "runs").exists()  # refused before any work
 
 

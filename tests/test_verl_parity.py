@@ -205,10 +205,10 @@ def test_presets_match_verls_factories(verl, name):
         verl.algorithm.RolloutCorrectionConfig, name)
     theirs = factory()
     fields = {k: getattr(theirs, k) for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
-                                              "rollout_rs", "rollout_rs_threshold", "bypass_mode", "loss_type")}
-    if name == "disabled":  # verl's mode default (decoupled) is not implied: vexact's anchor setting decides
-        fields["bypass_mode"] = None
-    assert plan_for(CorrectionSection(preset=name)) == plan_for(CorrectionSection(**fields))
+                                              "rollout_rs", "rollout_rs_threshold", "loss_type")}
+    # verl's mode default (decoupled) is not implied by "disabled": vexact's algorithm.old_logprobs decides
+    bypass_mode = None if name == "disabled" else theirs.bypass_mode
+    assert plan_for(CorrectionSection(preset=name)) == plan_for(CorrectionSection(**fields), bypass_mode)
 
 
 def _actor_config(verl) -> types.SimpleNamespace:

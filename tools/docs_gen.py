@@ -253,7 +253,10 @@ _DESCRIPTIONS = {
     "logging.eval_every": "clean evaluation every N steps",
     "logging.backends": "jsonl (required) plus live views (the log backends below)",
     "inject.mode": "how the rollout path is perturbed (none = exact)",
-    "inject.value": "the mode's knob (σ, ε, p or k); 0 is a bitwise no-op",
+    "inject.value": "the old spelling of the mode's knob: set it by the mode's own key (`inject.sigma`, "
+                    "`inject.epsilon`, `inject.top_p`, `inject.top_k`, `inject.flip_rate`: the injection modes "
+                    "table), which the config stores; `inject.value` still reads, with a `FutureWarning`; "
+                    "0 is a bitwise no-op",
     "inject.scope": "which vocabulary entries or positions are perturbed",
     "inject.calibration_prompts": "prompts of the calibration batch (with target)",
     "inject.target.metric": "the metric the calibration aims at",
@@ -387,8 +390,9 @@ def config_markdown() -> str:
                 ""]
     renamed = getattr(cfg, "RENAMED_KEYS", {})
     if renamed:
-        out += ["Deprecated keys (still read, with a `FutureWarning`):", "",
-                markdown_table(["old key", "new key"], [[_code(a), _code(k)] for a, k in renamed.items()]), ""]
+        out += ["Deprecated keys (still read, with a `FutureWarning`; the config stores the new key):", "",
+                markdown_table(["old key", "new key", "why"], [[_code(a), _code(r.new), _cell(r.why)]
+                                                               for a, r in renamed.items()]), ""]
     deprecated = getattr(cfg, "DEPRECATED_VALUES", {})
     if deprecated:
         out += ["Deprecated values (still read, with a `FutureWarning`; the config stores the new one):", "",
@@ -436,8 +440,8 @@ def choices_markdown() -> str:
         TASKS,
     )
 
-    modes = [[_code(name), _cell(m.knob or ("set by " + ", ".join(_code(k) for k in m.source_keys)
-                                           if m.source_keys else "")),
+    modes = [[_code(name), (_code(f"inject.{m.knob_key}") + ": " if m.knob else "")
+              + _cell(m.knob or ("set by " + ", ".join(_code(k) for k in m.source_keys) if m.source_keys else "")),
               "✓" if m.calibratable else "", _what(m), _settings_keys(INJECT_MODES, m)]
              for name, m in INJECT_MODES.items()]
     tasks = [[_code(name), _code(cls.tag), _cell(_first_line(cls)), _code(f"{cls.__module__}.{cls.__name__}"),
@@ -457,7 +461,7 @@ def choices_markdown() -> str:
     return "\n".join([
         "## Injection modes (`inject.mode`)", "",
         "From the registry `INJECT_MODES`; `vexact.register_inject_mode` adds one ([how](../howto/add_mode.md)).", "",
-        markdown_table(["mode", "`inject.value` is", "calibratable", "what the rollout does", "its settings"],
+        markdown_table(["mode", "its knob (key: what it is)", "calibratable", "what the rollout does", "its settings"],
                        modes), "",
         "## Tasks (`task.name`)", "",
         "From the registry `TASKS`; `vexact.register_task` adds one ([how](../howto/add_task.md)).",

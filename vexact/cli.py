@@ -386,6 +386,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _measure_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Generates with one computation path of a local checkpoint, rescores the same tokens with "
+                     "another and reports their per-token log-prob mismatch (k3 KL, |Δlogp|, bitwise-equal "
+                     "fraction). No training and no gradient: for how much a mismatch moves the RL policy gradient, "
+                     "see vexact meter.")
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="checkpoint directory (config.json + "
                    "safetensors); python -m vexact.real.measure --make-tiny-checkpoint DIR writes a tiny one")
     source = p.add_mutually_exclusive_group(required=True)
@@ -442,16 +446,22 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+BENCHMARKS_PACKAGE = "vexact_benchmarks"
+"""The benchmarks as installed (the checkout's benchmarks/, as vexact_kernels is its kernels/): ``vexact bench``
+imports them from there, wherever it runs; ``python -m benchmarks.NAME`` still runs them from a checkout."""
+
+
 def _benchmarks_module(name: str):
-    """``benchmarks.<name>`` from the source checkout (benchmarks/ sits next to vexact/ and is not installed)."""
+    """``vexact_benchmarks.<name>``: the benchmark the CLI runs, from the installed package (no checkout needed)."""
     import importlib
 
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "__init__.py").exists():
-        raise ValueError(f"vexact bench needs a source checkout: {root / 'benchmarks'} not found")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module(f"benchmarks.{name}")
+    try:
+        return importlib.import_module(f"{BENCHMARKS_PACKAGE}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != BENCHMARKS_PACKAGE:
+            raise
+        raise ValueError(f"vexact bench needs the {BENCHMARKS_PACKAGE} package, which this installation lacks "
+                         "(installed before it shipped): reinstall vexact (pip install -e . in a checkout)") from None
 
 
 BENCHMARKS = {
@@ -502,6 +512,10 @@ def _locate_arguments(p: argparse.ArgumentParser) -> None:
 def _meter_arguments(p: argparse.ArgumentParser) -> None:
     from .sweeps import bias_meter
 
+    p.description = ("Measures how far a mismatched rollout path (an inject source of the testbed) moves the RL "
+                     "policy gradient against exact rollouts, per horizon and source, at a warm-started policy "
+                     "(no training). For the log-prob mismatch of your own checkpoint's two paths, see vexact "
+                     "measure.")
     bias_meter.add_arguments(p)
     _add_device(p, "the base config's device key")
     p.set_defaults(func=bias_meter.main)
@@ -514,11 +528,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "report": ("tables and plots for a sweep directory (DIR/report/: summary.csv, table.md, ...) or a single run "
                "directory (DIR/report/: report.json, run_curves.png)", _report_arguments),
     "demo": ("a small injected-mismatch sweep with its report (a few minutes on 2 cores)", _demo_arguments),
-    "measure": ("measure natural TIM between two computation paths on a local HF checkpoint", _measure_arguments),
+    "measure": ("measure natural TIM between two computation paths on a local HF checkpoint: per-token log-prob "
+                "mismatch, no RL (not meter, the RL gradient bias of an injected mismatch)", _measure_arguments),
     "compare": ("compare log-probs dumped by your own rollout engine and trainer (a CI gate)", _compare_arguments),
     "locate": ("find the first op whose output differs between two computation paths", _locate_arguments),
-    "meter": ("gradient bias of mismatched rollouts vs exact ones, per horizon and source (no training)",
-              _meter_arguments),
+    "meter": ("gradient bias of mismatched rollouts vs exact ones, per horizon and source (no training; not "
+              "measure, the log-prob mismatch of a real checkpoint)", _meter_arguments),
     "bench": ("the price of exactness: exact / native time ratios (kernels, end to end)", _bench_arguments),
 }
 """The subcommands, in ``--help``'s order: {name: (the one-line help, the function that adds its arguments)}."""

@@ -35,6 +35,7 @@ from .naming import (
     correction_names,
     default_config,
     flat_config,
+    knob_as_value,
     source_name,
 )
 from .points import HORIZON_KEY, HORIZON_METRIC, POLICY_LAG_KEY, finite, horizon_value, positive, sweep_variants
@@ -114,7 +115,7 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: 
         if not isinstance(loaded, Mapping):
             raise ValueError(f"point '{p.name}' of sweep '{path}' has a result but no config.yaml (a mapping) in "
                              f"'{p.dir}': build-map compares the configs of the runs it merges")
-        config = flat_config(loaded)
+        config = knob_as_value(flat_config(loaded))
         if only and any(config.get(key, defaults.get(key)) not in values for key, values in only.items()):
             continue
         if config.get("algorithm.router_replay"):

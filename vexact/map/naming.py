@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..rl.config import AlgorithmSection, CorrectionSection, RunConfig
+from ..rl.config import RENAMED_KEYS, AlgorithmSection, CorrectionSection, RunConfig, knob_key, move_renamed_keys
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.inject_modes import INJECT_MODES
 from ..rl.plugins import load_entry_points
@@ -42,7 +42,8 @@ TRL_BAND_METHOD = "icepop"
 TRL_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask"}
 """TRL 1.16's GRPOConfig defaults for the keys read here."""
 TRL_PREFIX = "vllm_importance_sampling_"
-VERL_BLOCK_KEYS = ("preset", *VERL_KEYS)  # the keys of verl's algorithm.rollout_correction that decide the correction
+VERL_MODE_KEY = "bypass_mode"  # verl's algorithm.old_logprobs: true = rollout (bypass), false/null = decoupled
+VERL_BLOCK_KEYS = ("preset", *VERL_KEYS, VERL_MODE_KEY)  # the keys of verl's rollout_correction that decide it
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -127,8 +128,12 @@ def _section(block: Any, keys: tuple[str, ...], where: str) -> CorrectionSection
 
 
 def _from_verl(block: Any, where: str) -> str:
-    section = _section(block, VERL_BLOCK_KEYS, where)
-    return correction_name("rollout" if plan_for(section).bypass_mode else "recompute", section)  # verl: decoupled
+    section = _section(block, ("preset", *VERL_KEYS), where)
+    mode = block.get(VERL_MODE_KEY) if isinstance(block, Mapping) else None
+    if mode is not None and not isinstance(mode, bool):
+        raise ValueError(f"{where}: {VERL_MODE_KEY} must be true or false, got {mode!r}")
+    bypass = plan_for(section, mode).bypass_mode  # the block's own, else its preset's; neither: verl's decoupled
+    return correction_name("rollout" if bypass else "recompute", section)
 
 
 def _from_trl(config: Mapping, where: str) -> str:
@@ -144,6 +149,11 @@ def _from_trl(config: Mapping, where: str) -> str:
 
 
 def correction_from_vexact(config: Mapping, where: str) -> str:
+    config = {k: dict(v) if isinstance(v, Mapping) else v for k, v in config.items()}
+    try:  # a deprecated spelling (verl's correction.bypass_mode) read as the config reads it
+        move_renamed_keys(config)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     algorithm = config.get("algorithm") or {}
     if not isinstance(algorithm, Mapping):
         raise ValueError(f"{where}: algorithm must be a mapping, got {type(algorithm).__name__}")
@@ -207,6 +217,17 @@ def source_name(config: Mapping[str, Any], defaults: Mapping[str, Any] | None = 
     return SOURCE_SEPARATOR.join([str(mode), *values])
 
 
+def knob_as_value(config: dict[str, Any]) -> dict[str, Any]:
+    """A flat saved config with its injection knob under ``inject.value`` however the run saved it: runs saved
+    before modes named their knobs hold ``inject.value``, later ones the mode's key (``inject.sigma``, ...); the map
+    compares, exempts and filters one key."""
+    mode = config.get("inject.mode")
+    key = f"inject.{knob_key(mode)}" if isinstance(mode, str) else "inject.value"
+    if key == "inject.value" or key not in config:
+        return config
+    return {("inject.value" if k == key else k): v for k, v in config.items()}
+
+
 def flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
     """A nested run config as dotted keys (``algorithm.old_logprobs``), lists kept as values."""
     out: dict[str, Any] = {}
@@ -225,4 +246,8 @@ def default_config() -> dict[str, Any]:
     vllm_timeout_s`` of the vllm engine) have defaults too: a key added after older runs were saved is the same
     testbed at its default."""
     load_entry_points()
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in flat_config(dataclasses.asdict(RunConfig())).items()}
+    # a renamed key whose null means "not given" (verl's correction.bypass_mode): configs saved before the rename
+    # hold it at null, those saved after lack it; both are the same testbed
+    retired = {old: None for old, renamed in RENAMED_KEYS.items() if renamed.values is not None}
+    return {**retired, **{k: list(v) if isinstance(v, tuple) else v
+                          for k, v in flat_config(dataclasses.asdict(RunConfig())).items()}}

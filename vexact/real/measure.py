@@ -1,5 +1,8 @@
 """``vexact measure``: natural TIM between two computation paths on a real checkpoint.
 
+Not to be confused with ``vexact meter`` (``vexact.sweeps.bias_meter``), which measures what an injected mismatch
+does to the RL policy gradient on the testbed; ``measure`` measures the log-probs' mismatch itself, no RL.
+
 ``vexact check`` proves the guarantee on a random model; ``measure`` answers the user's question
 "how much mismatch does *my* stack have?": load a checkpoint, generate with the rollout path,
 rescore the same tokens with the training path, and report the mismatch metrics of

@@ -94,7 +94,7 @@ def read_run(run_dir: str | Path) -> RunData:
     config = None
     if (run_dir / "config.yaml").is_file():
         try:
-            config = load_config(run_dir / "config.yaml")
+            config = load_config(run_dir / "config.yaml", saved=True)
         except (ValueError, OSError) as e:  # an old or hand-edited config: report without it
             notes.append(f"config.yaml not used ({str(e).splitlines()[0][:160]}); collapse defaults assumed")
     point = read_point(run_dir, name="", status=None)

@@ -82,7 +82,10 @@ __all__ = [
     "WarmStartSection",
     "config_from_dict",
     "config_hash",
+    "knob_key",
+    "knob_keys",
     "load_config",
+    "move_renamed_keys",
     "save_config",
 ]
 
@@ -258,7 +261,8 @@ class CorrectionSection:
 
     Two vocabularies for one implementation: vexact's shorthand ``method`` (with ``threshold``, ``band``,
     ``batch_normalize``), or verl 0.9.1's ``algorithm.rollout_correction`` keys (``preset`` and the ``rollout_*``
-    keys, ``bypass_mode``, ``loss_type``; null = not given, so a preset's value or verl's default applies)."""
+    keys, ``loss_type``; null = not given, so a preset's value or verl's default applies). verl's ``bypass_mode``
+    is ``algorithm.old_logprobs`` here (``RENAMED_KEYS``): the one key for where the old log-probs come from."""
 
     method: CorrectionMethodName = "none"  # a name in registries.CORRECTION_METHODS
     batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
@@ -271,7 +275,6 @@ class CorrectionSection:
     rollout_is_batch_normalize: bool | None = None
     rollout_rs: str | None = None  # comma list: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/k3
     rollout_rs_threshold: float | str | None = None  # one per option or one shared; k1: "lower_upper" ratios
-    bypass_mode: bool | None = None  # true = algorithm.old_logprobs rollout, false = recompute (must agree)
     loss_type: BypassLossName | None = None  # bypass mode's loss
 
 
@@ -326,7 +329,8 @@ class LoggingSection:
 
 @dataclass(kw_only=True)
 class TargetSection:
-    """Calibrate ``inject.value`` so that a mismatch metric on a calibration batch hits ``value``.
+    """Calibrate the mode's knob (``inject.sigma``, ...) so that a mismatch metric on a calibration batch hits
+    ``value``.
 
     ``value`` has no default: a target is a magnitude the user chooses, so a ``target`` without it is an error."""
 
@@ -339,9 +343,12 @@ class TargetSection:
 class InjectSection:
     """Controlled mismatch, applied to the rollout path only (the training path stays exact).
 
-    ``value`` is the raw knob: σ for logit_noise / logprob_only, ε for logit_scale (logits × (1+ε)),
-    p for top_p, k for top_k; unused by precision and kernel, whose settings (``precision``, ``sites``;
-    ``kernel_backend``, ``kernel_dtype``) the modes bring. ``value`` 0 (or mode none) is a bitwise no-op.
+    The knob is set by the key its mode names (``inject_modes``: ``knob_name``): ``inject.sigma`` for logit_noise /
+    logprob_only, ``inject.epsilon`` for logit_scale (logits × (1+ε)), ``inject.top_p``, ``inject.top_k``,
+    ``inject.flip_rate`` for routing_flip; precision and kernel have none, their settings (``precision``, ``sites``;
+    ``kernel_backend``, ``kernel_dtype``) choose their mismatch. ``value`` is the knob whatever the mode calls it
+    (what the injector reads; ``inject.value`` in a file or ``--set`` is the old spelling, read with a FutureWarning
+    naming the mode's key). A knob of 0 (or mode none) is a bitwise no-op.
     """
 
     mode: InjectModeName = "none"
@@ -515,8 +522,38 @@ class RunConfig:
         return self.seed if self.warm_start.seed is None else self.warm_start.seed
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``."""
-        return plain(self)
+        """Plain nested dict (lists, not tuples): YAML-serializable, round-trips through ``config_from_dict``. The
+        injection knob is stored under its mode's name for it (``inject.sigma``, ...: ``knob_key``)."""
+        out = plain(self)
+        out["inject"] = _named_knob(out["inject"])
+        return out
+
+
+def knob_key(mode: str) -> str:
+    """The config key (relative to ``inject``) of injection mode ``mode``'s knob: the name the mode declares
+    (``knob_name``: ``sigma``, ``epsilon``, ``top_p``, ``top_k``, ``flip_rate``), else ``value``."""
+    return INJECT_MODES[mode].knob_key if mode in INJECT_MODES else "value"
+
+
+def knob_keys() -> dict[str, tuple[str, ...]]:
+    """{knob name: the modes that declare it}, read from the registry ``INJECT_MODES`` now."""
+    names: dict[str, tuple[str, ...]] = {}
+    for name, mode in INJECT_MODES.items():
+        if mode.knob_name is not None:
+            names[mode.knob_name] = (*names.get(mode.knob_name, ()), name)
+    return names
+
+
+def _named_knob(inject: dict[str, Any]) -> dict[str, Any]:
+    """A plain ``inject`` mapping with ``value`` stored as its mode's knob key (in place of ``value``, same order); a
+    mode without a knob stores none (its value is 0: the config refuses another)."""
+    mode = INJECT_MODES[inject["mode"]] if inject.get("mode") in INJECT_MODES else None
+    if mode is None or mode.knob_key == "value" and mode.knob is not None:
+        return inject
+    if mode.knob is None and inject.get("value") != 0:
+        return inject  # built in Python without validation: kept as given, for config_from_dict to judge
+    return {(mode.knob_key if k == "value" else k): v for k, v in inject.items()
+            if k != "value" or mode.knob is not None}
 
 
 DEFAULT_WARMSTART_CACHE = Path("runs") / ".warmstart_cache"
@@ -549,41 +586,76 @@ def check_run_name(name: str, output_dir: str | None) -> None:
 
 # --- renamed keys ------------------------------------------------------------------------------------------
 
-RENAMED_KEYS = {
-    "lr_schedule.length_window": "collapse.length_surge_window",
-    "lr_schedule.length_ratio": "collapse.length_surge_ratio",
+_DROP = object()
+"""What a renamed key's ``null`` becomes when its values are translated: nothing (the key was not given)."""
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """A deprecated config key: the key that replaced it, why (said in the FutureWarning), and, when the old key
+    spelled its values otherwise too, ``values``: {old value: new value}; its ``null`` then means "not given"."""
+
+    new: str
+    why: str
+    values: dict[Any, Any] | None = None
+
+    def translate(self, old: str, value: Any) -> Any:
+        """``value`` of key ``old`` as the new key's value (``_DROP`` for a translated key's null)."""
+        if self.values is None:
+            return value
+        if value is None:
+            return _DROP
+        for was, now in self.values.items():
+            if type(value) is type(was) and value == was:  # True is not 1: a typed match
+                return now
+        raise ConfigError(f"expected {' or '.join(show_value(v) for v in self.values)} (or null), got "
+                          f"{show_value(value)}", old)
+
+
+_LENGTH_SURGE = "the length-triggered LR decay and the collapse detector share one length-surge rule"
+RENAMED_KEYS: dict[str, Renamed] = {
+    "lr_schedule.length_window": Renamed("collapse.length_surge_window", _LENGTH_SURGE),
+    "lr_schedule.length_ratio": Renamed("collapse.length_surge_ratio", _LENGTH_SURGE),
+    # verl's algorithm.rollout_correction.bypass_mode: where the old log-probs come from, said once
+    "correction.bypass_mode": Renamed("algorithm.old_logprobs", "verl's bypass_mode: true is old_logprobs rollout "
+                                      "(verl's bypass mode), false is recompute (verl's decoupled mode)",
+                                      values={True: "rollout", False: "recompute"}),
 }
-"""Deprecated key -> the key that replaced it. The old spelling still works, with a FutureWarning."""
+"""Deprecated key -> how it is read now (``Renamed``). The old spelling still works, with a FutureWarning; the
+config stores the new key. The one registry of renamed keys: files, ``--set``, sweep grids and the config
+reference read it."""
 
 
 def _renamed(key: str) -> str:
     """The current spelling of a dotted key (warning when ``key`` is a deprecated one)."""
-    new = RENAMED_KEYS.get(key)
-    if new is None:
+    renamed = RENAMED_KEYS.get(key)
+    if renamed is None:
         return key
-    warnings.warn(f"config key '{key}' is deprecated; use '{new}' (the length-triggered LR decay and the collapse "
-                  "detector share one length-surge rule)", FutureWarning, stacklevel=4)
-    return new
+    warnings.warn(f"config key '{key}' is deprecated; use '{renamed.new}' ({renamed.why})", FutureWarning,
+                  stacklevel=4)
+    return renamed.new
 
 
-def _move_renamed(data: dict) -> None:
+def move_renamed_keys(data: dict) -> None:
     """Move deprecated keys of a raw mapping to their new place, in place; both set differently is an error."""
-    for old, new in RENAMED_KEYS.items():
+    for old, renamed in RENAMED_KEYS.items():
         old_section, old_name = old.split(".")
         section = data.get(old_section)
         if not isinstance(section, dict) or old_name not in section:
             continue
-        value = section.pop(old_name)
+        value = renamed.translate(old, section.pop(old_name))
+        if value is _DROP:  # a translated key's null: not given (what configs saved before the rename hold)
+            continue
         _renamed(old)
-        new_section, new_name = new.split(".")
+        new_section, new_name = renamed.new.split(".")
         target = data.get(new_section)
         if target is None:
             target = data[new_section] = {}
         if not isinstance(target, dict):
             continue  # the section's own type error is reported when it is built
         if new_name in target and target[new_name] != value:
-            raise ConfigError(f"deprecated key set to {show_value(value)} while '{new}' is "
-                              f"{show_value(target[new_name])}; keep only '{new}'", old)
+            raise ConfigError(f"deprecated key set to {show_value(value)} while '{renamed.new}' is "
+                              f"{show_value(target[new_name])}; keep only '{renamed.new}'", old)
         target[new_name] = value
 
 
@@ -666,13 +738,26 @@ def _apply_override(data: dict, item: str, origin: str | None = None) -> str:
     parts = key.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"malformed override {item!r}: empty key segment in {key!r}")
-    key = _renamed(key)
-    key = KEY_ALIASES.get(key, key)
-    parts = key.split(".")
+    renamed = RENAMED_KEYS.get(key)
     try:
         value = parse_yaml(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse value {raw!r} as YAML (from {origin}): {yaml_problem(e)}", key) from None
+    if renamed is not None:
+        try:
+            value = renamed.translate(key, value)
+        except ConfigError as e:
+            raise ConfigError(f"{e.problem} (from {origin})", e.key) from None
+        if value is _DROP:
+            return renamed.new
+    key = _renamed(key)
+    key = KEY_ALIASES.get(key, key)
+    parts = key.split(".")
+    if len(parts) == 2 and parts[0] == "inject" and parts[1] in knob_keys():  # a mode's knob: _resolve_knob's
+        if not isinstance(data.setdefault("inject", {}), dict):
+            raise ConfigError(f"expected a mapping, got {show_value(data['inject'])}", "inject")
+        data["inject"][parts[1]] = value
+        return key
 
     # Walk the schema, not the data, so a typo is caught even when the YAML file never mentions the section.
     tp: Any = RunConfig
@@ -731,7 +816,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
     if not isinstance(d, dict):
         raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
     data = plain(d)  # deep copy: overrides must not mutate the caller's dict
-    _move_renamed(data)
+    move_renamed_keys(data)
     written = _move_aliases(data)
     overrides = list(overrides)
     labels = [f"--set {item}" for item in overrides] if origins is None else list(origins)
@@ -754,13 +839,14 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
         key = _apply_override(data, item, labels[i])
         earlier, earlier_label = applied.get(key, (None, None))
         spellings = {earlier.partition("=")[0].strip() if earlier else key, item.partition("=")[0].strip()}
-        if earlier is not None and len(spellings) > 1 and spellings & set(KEY_ALIASES):
-            raise ConfigError(f"{earlier_label} and {labels[i]} set the same key (verl's and vexact's spelling); "
-                              "keep only one", key)
+        if earlier is not None and len(spellings) > 1 and spellings & {*KEY_ALIASES, *RENAMED_KEYS}:
+            which = "verl's and vexact's spelling" if spellings & set(KEY_ALIASES) else "a deprecated spelling"
+            raise ConfigError(f"{earlier_label} and {labels[i]} set the same key ({which}); keep only one", key)
         applied[key] = item, labels[i]
     _modernize_values(data)
     try:
         _expand_preset(data.get("model"))
+        _resolve_knob(data.get("inject"))
         _check_inject_knob(data.get("inject"))
         return build(RunConfig, data, "", VALUE_ALIASES)
     except ConfigError as e:
@@ -788,6 +874,36 @@ def _expand_preset(model: Any) -> None:
             model.setdefault(key, value)
 
 
+def _resolve_knob(inject: Any) -> None:
+    """Read the injection knob of a raw ``inject`` mapping into ``value``, in place: the mode's own key
+    (``inject.sigma``, ...) is the spelling, ``inject.value`` the old one (a FutureWarning naming the mode's key).
+    A knob key of another mode, or both spellings, is one config error."""
+    if not isinstance(inject, dict):
+        return
+    mode = inject.get("mode", "none")
+    names = knob_keys()
+    given = [name for name in names if name in inject]
+    if not isinstance(mode, str) or mode not in INJECT_MODES:
+        return  # an unknown or mistyped mode is build()'s error (the knob key then is one too)
+    own = INJECT_MODES[mode].knob_name
+    for name in given:
+        if name != own:
+            takes = (f"its knob is inject.{own}" if own else "its knob is inject.value" if INJECT_MODES[mode].knob
+                     else "it has no knob")
+            raise ConfigError(f"is the knob of mode {' / '.join(names[name])}, not of inject.mode {mode!r} ({takes})",
+                              f"inject.{name}")
+    if own is None:
+        return
+    if "value" in inject:
+        if own in inject:
+            raise ConfigError(f"is the old spelling of inject.{own}, which is given too; keep only inject.{own}",
+                              "inject.value")
+        warnings.warn(f"config key 'inject.value' is deprecated for inject.mode {mode!r}; use 'inject.{own}' "
+                      f"({INJECT_MODES[mode].knob})", FutureWarning, stacklevel=3)
+    elif own in inject:
+        inject["value"] = inject.pop(own)
+
+
 def _check_inject_knob(inject: Any) -> None:
     """No silent no-op injection: a knob mode needs ``inject.value`` given (0 included: an explicit baseline) or
     ``inject.target``; a non-zero value needs a knob mode. Checked on the raw mapping, where "not given" differs
@@ -800,8 +916,9 @@ def _check_inject_knob(inject: Any) -> None:
     spec = INJECT_MODES[mode] if mode in INJECT_MODES else None  # an unknown name is build()'s error
     knobs = " | ".join(name for name, m in INJECT_MODES.items() if m.knob is not None)
     if spec is not None and spec.knob is not None and value is None and inject.get("target") is None:
-        raise ConfigError(f"mode {mode!r} needs inject.value ({spec.knob}), which is not given: nothing would "
-                          f"be injected; set it (e.g. --set inject.value=...), or inject.target to calibrate it",
+        key = f"inject.{spec.knob_key}"
+        raise ConfigError(f"mode {mode!r} needs {key} ({spec.knob}), which is not given: nothing would "
+                          f"be injected; set it (e.g. --set {key}=...), or inject.target to calibrate it",
                           "inject.mode")
     if spec is not None and spec.source_keys and value:
         raise ConfigError(f"{show_value(value)} is not used by mode {mode!r}, whose mismatch is set by "
@@ -811,8 +928,15 @@ def _check_inject_knob(inject: Any) -> None:
                           f"{knobs}, or remove inject.value", "inject.value")
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read a YAML config file, apply ``--set`` overrides (``a.b.c=value``) and validate it."""
+def load_config(path: str | Path, overrides: Iterable[str] = (), saved: bool = False) -> RunConfig:
+    """Read a YAML config file, apply ``--set`` overrides (``a.b.c=value``) and validate it.
+
+    ``saved``: the file is a run's own config.yaml, a record the run wrote (resume, reports): the old spellings one
+    written before a rename holds are read without their FutureWarning, which is for the files users write."""
+    if saved:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return load_config(path, overrides)
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: '{path}'")

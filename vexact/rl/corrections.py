@@ -13,7 +13,7 @@ verl 0.9.1's terms (``algorithm.rollout_correction``), and only the plan is exec
 * verl's keys: ``rollout_is`` (null | token | sequence) with ``rollout_is_threshold`` (a number C: truncate
   at C, "TIS"; a string "a_b": zero the weights outside [a, b], "IcePop"), ``rollout_is_batch_normalize``,
   ``rollout_rs`` (a comma list of rejection options, all combined by AND) with ``rollout_rs_threshold`` (one
-  value per option, or one shared), ``bypass_mode``, ``loss_type`` -- or a ``preset`` named as verl's
+  value per option, or one shared), ``loss_type`` -- or a ``preset`` named as verl's
   ``RolloutCorrectionConfig`` factory methods (``PRESETS``), whose values explicit keys override;
 * vexact's shorthand ``method`` (with ``threshold`` C and ``band`` [a, b], settings the methods that use them bring:
   ``ThresholdSettings``, ``BandSettings``), expanded by its entry in the registry ``CORRECTION_METHODS``
@@ -187,8 +187,10 @@ PRESETS: dict[str, dict] = {
 """verl 0.9.1's ``RolloutCorrectionConfig`` presets with their default arguments, as verl-vocabulary keys."""
 
 VERL_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
-             "rollout_rs_threshold", "bypass_mode", "loss_type")
-"""The ``correction`` keys that spell verl's ``algorithm.rollout_correction`` (plus ``preset``)."""
+             "rollout_rs_threshold", "loss_type")
+"""The ``correction`` keys that spell verl's ``algorithm.rollout_correction`` (plus ``preset``). verl's
+``bypass_mode`` is vexact's ``algorithm.old_logprobs`` (the config reads it there: ``config.RENAMED_KEYS``); a verl
+block's own is passed to ``plan_for`` as ``bypass_mode``."""
 
 VERL_EPS = 1e-8
 """verl's masked mean divides by (count + 1e-8); under verl's names vexact does the same (``verl_count``)."""
@@ -225,7 +227,7 @@ class CorrectionPlan:
     batch_normalize: bool
     reject: tuple[RejectOption, ...]
     loss_type: str  # bypass mode's loss: a name in BYPASS_LOSSES (ppo_clip, ppo_clip_is, reinforce)
-    bypass_mode: bool | None  # what the configuration says (None: follow algorithm.old_logprobs)
+    bypass_mode: bool | None  # what the preset (or a verl block's bypass_mode) says; None: algorithm.old_logprobs
 
     @property
     def active(self) -> bool:
@@ -328,8 +330,11 @@ def uses_verl_keys(cfg: CorrectionSection) -> bool:
     return cfg.preset is not None or any(getattr(cfg, key) is not None for key in VERL_KEYS)
 
 
-def plan_for(cfg: CorrectionSection) -> CorrectionPlan:
-    """Resolve a correction section into verl's terms. Raises ValueError naming the offending key."""
+def plan_for(cfg: CorrectionSection, bypass_mode: bool | None = None) -> CorrectionPlan:
+    """Resolve a correction section into verl's terms. Raises ValueError naming the offending key.
+
+    ``bypass_mode``: a verl ``rollout_correction`` block's own (it overrides its preset's, as verl's keys do); a
+    vexact config says it as ``algorithm.old_logprobs``, which ``_check_correction`` holds the plan to."""
     if cfg.method != "none" and uses_verl_keys(cfg):
         given = ["preset"] * (cfg.preset is not None) + [k for k in VERL_KEYS if getattr(cfg, k) is not None]
         raise ValueError(f"method {cfg.method!r} is vexact's shorthand; it cannot be combined with verl's keys "
@@ -350,7 +355,8 @@ def plan_for(cfg: CorrectionSection) -> CorrectionPlan:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(BYPASS_LOSSES.names())}")
     return CorrectionPlan(rollout_is=rollout_is, is_upper=is_upper, is_lower=is_lower,
                           batch_normalize=bool(keys.get("rollout_is_batch_normalize") or False), reject=reject,
-                          loss_type=loss_type, bypass_mode=keys.get("bypass_mode"))
+                          loss_type=loss_type,
+                          bypass_mode=keys.get("bypass_mode") if bypass_mode is None else bypass_mode)
 
 
 _PLAN_KEYS = ("method", "rollout_rs_threshold", "rollout_is_threshold", "rollout_rs", "preset", "loss_type")
@@ -368,11 +374,10 @@ def _check_correction(cfg: RunConfig) -> None:
         key = next((k for k in _PLAN_KEYS if k in text), None)
         raise ConfigError(text, f"correction.{key}" if key else "correction") from None
     bypass = cfg.algorithm.old_logprobs == "rollout"
-    if plan.bypass_mode is not None and plan.bypass_mode != bypass:
-        source = f"preset {c.preset}" if c.bypass_mode is None else "bypass_mode"
-        raise ConfigError(f"{source} means verl's {'bypass' if plan.bypass_mode else 'decoupled'} mode: set "
-                          f"algorithm.old_logprobs: {'rollout' if plan.bypass_mode else 'recompute'} (it is "
-                          f"{cfg.algorithm.old_logprobs!r})", "correction.bypass_mode")
+    if plan.bypass_mode is not None and plan.bypass_mode != bypass:  # only a preset says a mode
+        raise ConfigError(f"preset {c.preset} means verl's {'bypass' if plan.bypass_mode else 'decoupled'} mode: "
+                          f"set algorithm.old_logprobs: {'rollout' if plan.bypass_mode else 'recompute'} (it is "
+                          f"{cfg.algorithm.old_logprobs!r})", "correction.preset")
     if c.loss_type is not None and not bypass:
         raise ConfigError("loss_type chooses the loss of bypass mode (algorithm.old_logprobs: rollout); in "
                           "decoupled mode the IS weights multiply the clipped loss", "correction.loss_type")

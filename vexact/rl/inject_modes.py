@@ -1,12 +1,12 @@
 """The injection modes: one small class per ``inject.mode``, registered in ``INJECT_MODES``.
 
-A mode says everything about itself in one place: its name, what ``inject.value`` means for it (its knob) or which
-keys choose its mismatch instead, its own settings (a dataclass whose fields become ``inject.*`` keys:
-``vexact.registry``), the checks on its settings, what it does to the rollout path, and how ``inject.target``
-searches its knob. The config (``inject.mode`` choices, "needs a value" / "value unused" checks,
-value ranges), the injector (``vexact.rl.inject``), the calibration and the documentation's table all read the
-registry, so a new mode is one class here -- or, from outside the package, one class and
-``vexact.register_inject_mode(MyMode())`` -- plus its tests.
+A mode says everything about itself in one place: its name, its knob (what it is, and the ``inject.*`` key that sets
+it: ``knob_name``, e.g. ``inject.sigma``) or which keys choose its mismatch instead, its own settings (a dataclass
+whose fields become ``inject.*`` keys: ``vexact.registry``), the checks on its settings, what it does to the
+rollout path, and how ``inject.target`` searches its knob. The config (``inject.mode`` choices, its knob's key,
+"needs a value" / "value unused" checks, value ranges), the injector (``vexact.rl.inject``), the calibration and
+the documentation's table all read the registry, so a new mode is one class here -- or, from outside the
+package, one class and ``vexact.register_inject_mode(MyMode())`` -- plus its tests.
 
 What a mode changes reaches the rollout as pieces the injector assembles into a ``RolloutPlan``:
 
@@ -98,8 +98,11 @@ class InjectMode:
     """One ``inject.mode``. Subclass it, set the class attributes, override what the mode does, and register an
     instance (``register_inject_mode``).
 
-    ``knob``: what ``inject.value`` is (None: the mode has no magnitude, and ``source_keys`` name the keys that
-    choose its mismatch: by default the keys of its ``settings``); ``settings``: a dataclass of the mode's own
+    ``knob``: what the mode's magnitude is (None: the mode has none, and ``source_keys`` name the keys that choose
+    its mismatch: by default the keys of its ``settings``); ``knob_name``: the config key that sets it,
+    ``inject.<knob_name>`` (``sigma``, ``epsilon``, ...; None: ``inject.value``, the spelling every knob mode had
+    before modes named their knobs, still read for them with a FutureWarning); the config stores it there and the
+    injector reads it as ``InjectSection.value``; ``settings``: a dataclass of the mode's own
     options, mounted as ``inject.<field>`` keys while the mode is registered; ``calibratable``: ``inject.target``
     may search the knob (``knob_search``); ``injects``: False only for ``none``, the mode that leaves the rollout
     path as configured."""
@@ -107,6 +110,7 @@ class InjectMode:
     name: ClassVar[str] = ""
     injects: ClassVar[bool] = True
     knob: ClassVar[str | None] = None
+    knob_name: ClassVar[str | None] = None
     settings: ClassVar[type | None] = None
     source_keys: ClassVar[tuple[str, ...]] = ()
     calibratable: ClassVar[bool] = False
@@ -121,7 +125,12 @@ class InjectMode:
         """Raise ``ConfigError(problem, key)`` (key relative to ``inject``) for settings this mode cannot run."""
         problem = self.value_problem(cfg.value)
         if problem:
-            raise ConfigError(problem, "value")
+            raise ConfigError(problem, self.knob_key)
+
+    @property
+    def knob_key(self) -> str:
+        """The key of this mode's knob relative to ``inject``: ``knob_name``, else ``value``."""
+        return self.knob_name or "value"
 
     def value_problem(self, value: float) -> str | None:
         """Why ``value`` is out of this mode's range (None when it is fine)."""
@@ -160,6 +169,12 @@ def register_inject_mode(mode: InjectMode, replace: bool = False) -> InjectMode:
         raise TypeError(f"register_inject_mode needs an InjectMode instance, got {mode!r}")
     if mode.knob is None and mode.calibratable:
         raise ValueError(f"injection mode {mode.name!r} is calibratable but has no knob")
+    if mode.knob_name is not None:
+        taken = {f.name for f in dataclasses.fields(mode.settings)} if mode.settings is not None else set()
+        if mode.knob is None or not mode.knob_name.isidentifier() or mode.knob_name == "value" or \
+                mode.knob_name in taken:
+            raise ValueError(f"injection mode {mode.name!r}: knob_name {mode.knob_name!r} must name the mode's knob "
+                             "(knob set) as a new identifier, not 'value' nor one of its settings")
     return INJECT_MODES.add(mode.name, mode, replace=replace)
 
 
@@ -199,7 +214,7 @@ def _noise(z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -
 
 
 def _sigma_problem(mode: str, value: float) -> str | None:
-    return f"{mode} needs value (sigma) >= 0, got {value}" if value < 0 else None
+    return f"{mode} needs sigma >= 0, got {value}" if value < 0 else None
 
 
 class LogitNoise(_Perturb):
@@ -207,6 +222,7 @@ class LogitNoise(_Perturb):
 
     name = "logit_noise"
     knob = "sigma of the noise added to the logits"
+    knob_name = "sigma"
 
     def changed(self, z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
         return _noise(z, value, noise_seed, seq, pos)
@@ -220,12 +236,13 @@ class LogitScale(_Perturb):
 
     name = "logit_scale"
     knob = "epsilon: logits x (1 + epsilon)"
+    knob_name = "epsilon"
 
     def changed(self, z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
         return z * (1.0 + value)
 
     def value_problem(self, value: float) -> str | None:
-        return f"logit_scale needs value > -1 (logits x (1 + value)), got {value}" if value <= -1 else None
+        return f"logit_scale needs epsilon > -1 (logits x (1 + epsilon)), got {value}" if value <= -1 else None
 
     def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
         return KnobSearch(to_knob=lambda u: sign * u, upper=0.999 if sign < 0 else 1e3)
@@ -237,6 +254,7 @@ class LogprobOnly(LogitNoise):
 
     name = "logprob_only"
     knob = "sigma of the noise added to the rollout's log-probs"
+    knob_name = "sigma"
 
     def logits_hook(self, injector: InjectorView, value: float, step: int) -> LogitsHook | None:
         both = super().logits_hook(injector, value, step)
@@ -276,11 +294,12 @@ class TopP(InjectMode):
 
     name = "top_p"
     knob = "the nucleus p"
+    knob_name = "top_p"
     calibratable = True
 
     def check(self, cfg: InjectSection) -> None:
         if not 0 < cfg.value <= 1 and cfg.target is None:
-            raise ConfigError(f"top_p needs 0 < value <= 1, got {cfg.value}", "value")
+            raise ConfigError(f"top_p needs 0 < p <= 1, got {cfg.value}", self.knob_key)
 
     def logits_hook(self, injector: InjectorView, value: float, step: int) -> LogitsHook | None:
         return None if value >= 1.0 else _truncate_hook(top_p=value)
@@ -294,6 +313,7 @@ class TopK(InjectMode):
 
     name = "top_k"
     knob = "k"
+    knob_name = "top_k"
     calibratable = True
 
     def value_problem(self, value: float) -> str | None:
@@ -436,18 +456,20 @@ class RoutingFlipSettings:
 
 
 class RoutingFlip(InjectMode):
-    """``routing_flip`` (MoE models): the rollout's router decisions differ from the trainer's at rate ``value`` (the
-    flip rate, in [0, 1]): per token and MoE layer, with that probability, the rollout uses another expert set
-    (``inject.flip_kind``: ``near_tie`` swaps the k-th expert for the (k+1)-th, ``random`` replaces a random chosen
-    expert by a random unchosen one); everything else exact. ``routing/flip_rate`` records the realised rate."""
+    """``routing_flip`` (MoE models): the rollout's router decisions differ from the trainer's at rate
+    ``inject.flip_rate`` (in [0, 1]): per token and MoE layer, with that probability, the rollout uses another
+    expert set (``inject.flip_kind``: ``near_tie`` swaps the k-th expert for the (k+1)-th, ``random`` replaces a
+    random chosen expert by a random unchosen one); everything else exact. ``routing/flip_rate`` records the realised
+    rate."""
 
     name = "routing_flip"
     settings = RoutingFlipSettings
     knob = "the flip rate: the fraction of the rollout's router decisions (token x MoE layer) changed, in [0, 1]"
+    knob_name = "flip_rate"
     calibratable = True
 
     def value_problem(self, value: float) -> str | None:
-        return None if 0 <= value <= 1 else f"routing_flip needs value (the flip rate) in [0, 1], got {value}"
+        return None if 0 <= value <= 1 else f"routing_flip needs flip_rate in [0, 1], got {value}"
 
     def routing_hook(self, injector: InjectorView, value: float, step: int) -> RouteHook | None:
         if value == 0.0:

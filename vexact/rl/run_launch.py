@@ -87,7 +87,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         raise ValueError(f"cannot resume {run_dir}: it holds no config.yaml, so it is not a vexact run directory (or "
                          "its run was stopped before the warm start finished: start it again from its experiment "
                          "YAML)")
-    return dataclasses.replace(load_config(saved, args.overrides), output_dir=str(run_dir))
+    # the run's own record: its old spellings read silently, unless --set items (the user's) come with it
+    return dataclasses.replace(load_config(saved, args.overrides, saved=not args.overrides), output_dir=str(run_dir))
 
 
 def check_run_dir(args: argparse.Namespace, cfg: RunConfig) -> None:

@@ -75,7 +75,7 @@ from ..records.runlog import (
 )
 from .collapse import detect_collapse
 from .collect import RolloutBatch, eval_metrics, eval_records, step_problems
-from .config import MEMORY_KEYS, RunConfig, dotted_items, load_config, save_config
+from .config import MEMORY_KEYS, RunConfig, dotted_items, knob_key, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .log_backends import live_views
@@ -667,7 +667,7 @@ class Trainer:
                 raise ValueError(f"cannot resume {self.run_dir}: {saved_path} is missing, so the config the run was "
                                  "started with cannot be checked; restore it or start a new run")
             return {}
-        saved = dotted_items(load_config(saved_path).to_dict())
+        saved = dotted_items(load_config(saved_path, saved=True).to_dict())
         now = dotted_items(self.cfg.to_dict())
         changes = {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now))
                    if k != "output_dir" and saved.get(k) != now.get(k)
@@ -711,8 +711,8 @@ class Trainer:
         self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
                                      sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)
         self.injector.value = self.calibration.value
-        self._log(f"calibrated inject.value = {self.calibration.value:.6g} for {target.metric} = "
-                  f"{self.calibration.achieved:.4g} (target {target.value:g}, "
+        self._log(f"calibrated inject.{knob_key(self.cfg.inject.mode)} = {self.calibration.value:.6g} for "
+                  f"{target.metric} = {self.calibration.achieved:.4g} (target {target.value:g}, "
                   f"{len(self.calibration.evaluations)} calibration batches)")
 
     def _reference_from_start(self, run_dir: Path) -> Transformer:

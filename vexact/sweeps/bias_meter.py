@@ -1,5 +1,8 @@
 """The gradient-bias meter: how far a mismatched rollout path moves the policy gradient, measured without training.
 
+``vexact meter`` runs it. Not to be confused with ``vexact measure`` (``vexact.real.measure``), which reports the
+per-token log-prob mismatch between two paths of a real checkpoint, with no gradient and no RL.
+
 Collapse under mismatch is slow to observe (hundreds of steps, many seeds); its mechanism is not. At a fixed
 (warm-started) policy θ the meter estimates two expected policy gradients, exactly as the trainer forms them:
 

@@ -6,7 +6,7 @@ A sweep file::
     base: zero_mismatch.yaml          # a run config, relative to this file
     set: {inject.mode: logit_noise}   # overrides applied to every point (optional)
     grid:                             # the cartesian product of these is run
-      inject.value: [0, 1.0, 2.0]
+      inject.sigma: [0, 1.0, 2.0]       # the mode's knob (inject.value: the old spelling)
       seed: [0, 1, 2]
     output_dir: runs/sweeps/noise_sweep   # optional; default runs/sweeps/<name>
 
@@ -203,7 +203,8 @@ def _check_plain(value: Any, key: str, path: Path) -> None:
 
 def _canonical_key(key: str) -> str:
     """vexact's spelling of a dotted config key (a renamed key's new name, verl's spelling mapped)."""
-    key = RENAMED_KEYS.get(key.strip(), key.strip())
+    key = key.strip()
+    key = RENAMED_KEYS[key].new if key in RENAMED_KEYS else key
     return KEY_ALIASES.get(key, key)
 
 
