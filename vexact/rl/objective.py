@@ -123,14 +123,13 @@ class Objective:
         self.plan = plan_for(correction)
         self.temperature = temperature
         self.exact_training = exact_training  # the training path runs bit-deterministic kernels
-        self.scorer = Scorer(alg, temperature)  # this process's scoring (a run's: ``Scorer.for_ranks``)
+        self.scorer = Scorer(alg, temperature, self.plan.active)  # this process's (a run's: ``Scorer.for_run``)
 
     def anchors(self, model: Transformer, batch: RolloutBatch, reference: Callable[[], Transformer],
                 rescore_all: bool = True) -> Anchors:
         """The anchors of one process's step (``Scorer.anchors``; ``reference`` builds the KL reference, called
         when ``kl_coef`` > 0)."""
-        return self.scorer.anchors(model, batch, reference() if self.alg.kl_coef > 0 else None, self.alg,
-                                   self.plan.active, rescore_all)
+        return self.scorer.anchors(model, batch, reference() if self.alg.kl_coef > 0 else None, rescore_all)
 
     @staticmethod
     def ratio_metrics(logp_train: list[Tensor], logp_roll: list[Tensor]) -> dict[str, float]:

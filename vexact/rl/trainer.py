@@ -1,12 +1,17 @@
-"""The RL loop: config -> rollout (+ injector) -> scoring -> metrics -> loss -> update -> logs.
+"""The RL loop: config -> rollout (+ injector) -> score -> advantages -> loss -> update -> metrics -> logs.
 
-``Trainer.step`` reads as that data flow, one module per stage:
+``Trainer.step`` reads as that data flow, one module per stage, each visited once:
 1. ``inject``: the step's ``RolloutPlan`` (the ops, weight dtype and logits hook of the rollout path);
-2. ``rollouts``: ``prompts_per_step`` problems x ``samples_per_prompt`` responses on that path, and rewards;
-3. ``objective``: the anchors of the PPO ratio (old log-probs recomputed by the training path, or the rollout's),
-   then per mini-batch the loss (advantages, rollout correction, clipped surrogate, KL, entropy);
-4. the update, here: backward, fp32 master gradients, clipping, AdamW at the ``schedules`` LR;
-5. ``metrics``: one JSON line in metrics.jsonl (``vexact.records.runlog``); periodic clean evaluation and checkpoints.
+   ``collect`` / ``rollout_engines``: ``prompts_per_step`` problems x ``samples_per_prompt`` responses on that
+   path, and rewards;
+2. ``scoring``: what the training path scores before the update (``Scorer.before_update``): the anchors of the PPO
+   ratio (old log-probs recomputed by the training path, or the rollout's), the KL reference, the lagged policy,
+   the monitor's sample, MoE routing;
+3. ``advantages``: one advantage per sequence;
+4. ``objective``: per mini-batch the loss (rollout correction, clipped surrogate, KL, entropy); the update, here:
+   backward, fp32 master gradients, clipping and AdamW (``optim``) at the ``schedules`` LR;
+5. ``step_metrics``: one JSON line in metrics.jsonl (``vexact.records.runlog``); periodic clean evaluation and
+   checkpoints.
 Everything random is keyed by (seed, step), so the same config gives bit-identical metrics.
 
 Policy lag (``rollout.policy_lag`` = k > 0, asynchronous RL): step s samples from the weights the policy had at the
@@ -18,9 +23,10 @@ weights), so a correction's weight π_old / μ sees the lag's drift as well as t
 scored on the training path, for the metrics that split the total k3: ``rollout_corr/lag_k3_kl`` (lagged vs
 current, both training path) and ``rollout_corr/tim_k3_kl`` (rollout vs lagged on the training path).
 
-With several ranks (``data_parallel``), each rank rolls out, scores and evaluates a share of the sequences, the
-shares are gathered, and each mini-batch's gradient is the fixed-tree sum of ``distributed.leaves`` leaves, so
-the run is bitwise the same for any number of ranks. Rank 0 writes the run directory.
+With several ranks (``data_parallel``), each rank rolls out, scores (the run's scorer is a ``ShardedScorer``) and
+evaluates a share of the sequences, the shares are gathered, and each mini-batch's gradient is the fixed-tree sum
+of ``distributed.leaves`` leaves, so the run is bitwise the same for any number of ranks. Rank 0 writes the run
+directory.
 """
 
 from __future__ import annotations
@@ -154,7 +160,7 @@ class Trainer:
         self.objective = Objective(cfg.algorithm, cfg.correction, cfg.rollout.temperature,
                                    exact_training=cfg.backend in vexact_kernels.EXACT_BACKENDS)
         # the training path's scoring before the update: on several ranks, each scores a block of the sequences
-        self.scorer = Scorer.for_ranks(cfg.algorithm, cfg.rollout.temperature, self.ranks)
+        self.scorer = Scorer.for_run(cfg, self.ranks)
         self.calibration: Calibration | None = None
         # who samples (rollout.engine); its session opens at the first rollout and closes when the run ends
         self.engine = ROLLOUT_ENGINES[cfg.rollout.engine]
@@ -284,10 +290,8 @@ class Trainer:
         if not all(torch.isfinite(lp).all() for lp in batch.logprobs):
             raise RunStopped(f"non-finite rollout log-probs (logits) at step {step}")
 
-        scored = self.scorer.before_update(
-            self.compute, batch, alg=alg, monitor=cfg.monitor, correcting=self.objective.plan.active,
-            reference=self._reference() if alg.kl_coef > 0 else None,
-            behaviour=self._weights_in(self.compute_dtype, behaviour) if lagged else None, seed=cfg.seed, step=step)
+        scored = self.scorer.before_update(self.compute, batch, self._reference() if alg.kl_coef > 0 else None,
+                                           self._weights_in(self.compute_dtype, behaviour) if lagged else None, step)
         timings.update(scored.timings)
 
         t2 = time.perf_counter()
