@@ -133,6 +133,7 @@ class Trainer:
         self.cfg = cfg
         self.ranks = ranks or DataParallel(reduce=cfg.distributed.reduce)
         check_leaves(cfg.distributed.leaves, self.ranks.world_size)
+        self._my_leaves = self.ranks.block(cfg.distributed.leaves)  # of each mini-batch's gradient leaves
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.run_dir = run_dir_for(cfg)
         torch.set_num_threads(cfg.threads or default_threads(cfg))
@@ -357,8 +358,8 @@ class Trainer:
         no bit depends on the micro-batching; unset, the bits are those of one backward per leaf."""
         size = len(idx) // self.cfg.distributed.leaves
         unit = self.objective.unit_size(size)
-        mine = self.ranks.block(self.cfg.distributed.leaves)
-        units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)] for k in mine]
+        units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)]
+                 for k in self._my_leaves]
         positions = [u for leaf in units for u in leaf]  # of this rank's units in ``idx``, in order
         checkpointed = self.cfg.algorithm.activation_checkpointing
 
