@@ -210,11 +210,13 @@ def _trainer_step_modules() -> set[str]:
 
 
 def test_trainer_step_touches_only_its_stage_modules() -> None:
-    """One module per stage of the step: the plan (inject), the rollout (collect), the loss (objective), the
-    learning rate (schedules), the update (optim: clipping and AdamW, thread-invariant), the metrics (metrics, and
-    monitor: which sequences a bypass step rescores for them)."""
+    """One module per stage of the step: the plan (inject), the rollout (collect), the scoring before the update
+    (scoring: anchors, lagged policy, the monitor's sample, routing), the advantages (advantages), the loss
+    (objective), the learning rate (schedules), the update (optim: clipping and AdamW, thread-invariant), the
+    metrics (step_metrics)."""
     modules = _trainer_step_modules()
-    assert modules == {"inject", "collect", "objective", "schedules", "metrics", "monitor", "optim"}, modules
+    assert modules == {"inject", "collect", "scoring", "advantages", "objective", "schedules", "optim",
+                       "step_metrics"}, modules
 
 
 @pytest.mark.parametrize("path", sorted((*(ROOT / "vexact").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"))),

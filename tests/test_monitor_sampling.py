@@ -23,8 +23,8 @@ from vexact.records.runlog import latest_checkpoint, read_metrics
 from vexact.rl.config import ConfigError, load_config
 from vexact.rl.metrics import lag_split_metrics, mismatch_metrics
 from vexact.rl.monitor import sample_rows, sample_size
-from vexact.rl.objective import Objective
 from vexact.rl.raw_ratios import raw_ratio_metrics
+from vexact.rl.scoring import Scorer
 from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
@@ -66,7 +66,7 @@ def test_default_monitor_is_todays_run_bit_for_bit(tmp_path):
 def test_sampled_metrics_are_the_full_metrics_of_the_same_sequences(tmp_path, monkeypatch, extra):
     """The sampled run trains the same bits as the full one, and each step's mismatch metrics are exactly the full
     run's pre-update log-probs' metrics over the sampled rows (scoring is batch-invariant, so no tolerance)."""
-    anchors = recorded_returns(monkeypatch, Objective, "anchors")
+    anchors = recorded_returns(monkeypatch, Scorer, "anchors")
     batches = recorded_returns(monkeypatch, Trainer, "rollout")
     full = Trainer(_cfg(tmp_path, "full", *extra), Console(quiet=True))
     full.run()
@@ -105,23 +105,26 @@ def test_sampled_metrics_are_the_full_metrics_of_the_same_sequences(tmp_path, mo
 def test_sampled_lag_split_is_the_full_lag_split_of_the_same_sequences(tmp_path, monkeypatch):
     """Under policy lag the behaviour policy is scored for the sample only: its split equals the full scoring's."""
     scored = []
-    real = Trainer._score
+    real = Scorer.__call__
 
     def recording(self, model, batch, replay=True):
         out = real(self, model, batch, replay)
-        scored.append((model is self.compute, len(batch.responses), out))
+        scored.append((model, len(batch.responses), out))
         return out
 
-    monkeypatch.setattr(Trainer, "_score", recording)
-    Trainer(_cfg(tmp_path, "full", "rollout.policy_lag=1", "steps=3"), Console(quiet=True)).run()
-    full_scored = list(scored)
+    monkeypatch.setattr(Scorer, "__call__", recording)
+    full = Trainer(_cfg(tmp_path, "full", "rollout.policy_lag=1", "steps=3"), Console(quiet=True))
+    full.run()
+    full_scored = [(model is full.compute, size, out) for model, size, out in scored]
     scored.clear()
-    Trainer(_cfg(tmp_path, "sampled", "rollout.policy_lag=1", "steps=3", "monitor.sample_fraction=0.5"),
-            Console(quiet=True)).run()
+    sampled = Trainer(_cfg(tmp_path, "sampled", "rollout.policy_lag=1", "steps=3", "monitor.sample_fraction=0.5"),
+                      Console(quiet=True))
+    sampled.run()
+    sampled_scored = [(model is sampled.compute, size, out) for model, size, out in scored]
     n = 16
-    # full run: per step the current policy's whole batch, then the behaviour policy's (a copy, not self.compute)
+    # full run: per step the current policy's whole batch, then the behaviour policy's (a copy, not the compute model)
     full_behaviour = [out for current, size, out in full_scored if not current and size == n]
-    sampled_behaviour = [(size, out) for current, size, out in scored if not current]
+    sampled_behaviour = [(size, out) for current, size, out in sampled_scored if not current]
     assert [size for size, _ in sampled_behaviour] == [8, 8] and len(full_behaviour) == 2  # step 0 is not lagged
     for step, (behaviour_full, (_, behaviour_sample)) in enumerate(zip(full_behaviour, sampled_behaviour), start=1):
         rows = sample_rows(n, 0.5, 1, 0, step)

@@ -218,3 +218,54 @@ def test_warm_start_seed_fixes_the_starting_policy_across_run_seeds():
     assert fixed1.policy_seed == 0 and plain1.policy_seed == 1
     a, b = Trainer(fixed1, Console(quiet=True)), Trainer(plain0, Console(quiet=True))
     assert all(torch.equal(x, y) for x, y in zip(a.master.state_dict().values(), b.master.state_dict().values()))
+
+
+def _step_path(trainer: Trainer, step: int) -> list[str]:
+    """The vexact/rl modules ``trainer.step(step)`` enters, in order: each call from trainer.py into another rl
+    module, or from another module back into trainer.py, once per call site (a loop's later passes repeat it);
+    consecutive calls into one module are one visit. data_parallel's rank primitives are left out: the ranks object
+    serves the rollout's share, the gradient pass's gather and the leaves' sum, as a value every stage holds."""
+    import sys
+
+    rl = str(Path(__file__).resolve().parents[1] / "vexact" / "rl") + "/"
+    seen, path = set(), []
+
+    def rl_caller(frame):
+        while frame is not None and not frame.f_code.co_filename.startswith(rl):
+            frame = frame.f_back
+        return frame
+
+    def profile(frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(rl):
+            return
+        caller = rl_caller(frame.f_back)
+        callee, origin = Path(frame.f_code.co_filename).stem, caller and Path(caller.f_code.co_filename).stem
+        if caller is None or origin == callee or "trainer" not in (origin, callee) or callee == "data_parallel":
+            return
+        if (caller.f_code, caller.f_lineno, frame.f_code) not in seen:
+            seen.add((caller.f_code, caller.f_lineno, frame.f_code))
+            if not path or path[-1] != callee:
+                path.append(callee)
+
+    sys.setprofile(profile)
+    try:
+        trainer.step(step)
+    finally:
+        sys.setprofile(None)
+    return path
+
+
+def test_the_step_enters_each_stage_module_once_in_data_flow_order(tmp_path):
+    """rollout -> score -> advantages -> loss -> update -> metrics, with every decision the step takes on (recompute
+    anchors, a correction, the KL reference, policy lag, several mini-batches): no module is entered twice and
+    nothing calls back into the trainer (scoring is a value the trainer holds, data-parallel or not)."""
+    cfg = _short(tmp_path, "flow", "warm_start.steps=5", "algorithm.old_logprobs=recompute",
+                 "correction.method=token_tis", "inject.mode=logit_noise", "inject.value=0.05",
+                 "algorithm.mini_batches=2", "rollout.policy_lag=1", "algorithm.kl_coef=0.05", "threads=1")
+    trainer = Trainer(cfg, Console(quiet=True))
+    trainer._prepare(False, ())
+    trainer.step(0)  # step 1 samples from the lagged policy
+    path = _step_path(trainer, 1)
+    trainer.close()
+    assert path == ["inject", "collect", "rollout_engines", "scoring", "advantages", "schedules", "objective", "optim",
+                    "step_metrics"], path

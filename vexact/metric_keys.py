@@ -163,20 +163,22 @@ def _k(name: str, definition: str, unit: str, writers: tuple[str, ...], source: 
 
 _METRICS = "rl/metrics.py"
 _TRAINER = "rl/trainer.py"
+_STEP = "rl/step_metrics.py"  # the step's line, composed from the stages' values
+_SCORING = "rl/scoring.py"
 _CORR = "rl/corrections.py"
 _TAIL = "rl/vocab_tail.py"
 _RAW = "rl/raw_ratios.py"
 
 KEYS: tuple[MetricKey, ...] = (
-    # --- reward and length of the step's rollouts (rl/trainer.py via metrics.sequence_stats) -----------------------
-    *(_k(f"reward/{s}", f"{w} of the task reward over the step's responses", "reward", RUN, _TRAINER, True)
+    # --- reward and length of the step's rollouts (rl/step_metrics.py via metrics.sequence_stats) ------------------
+    *(_k(f"reward/{s}", f"{w} of the task reward over the step's responses", "reward", RUN, _STEP, True)
       for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 0)"), ("max", "Maximum"), ("min", "Minimum"))),
-    _k("reward/accuracy", "Fraction of the step's responses whose answer is exactly right", "fraction", RUN, _TRAINER),
+    _k("reward/accuracy", "Fraction of the step's responses whose answer is exactly right", "fraction", RUN, _STEP),
     *(_k(f"response_length/{s}", f"{w} of the response length (EOS included) over the step's responses", "tokens",
-         RUN, _TRAINER, True)
+         RUN, _STEP, True)
       for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 0)"), ("max", "Maximum"), ("min", "Minimum"))),
     _k("response_length/clip_ratio", "Fraction of responses cut at `rollout.max_new_tokens` without EOS", "fraction",
-       RUN, _TRAINER, True),
+       RUN, _STEP, True),
     # --- the update (rl/objective.py, rl/trainer.py) -------------------------------------------------------------
     _k("actor/entropy", "Token-mean entropy of the training-path distribution over the step's responses", "nats",
        RUN, _TRAINER, True),
@@ -185,7 +187,7 @@ KEYS: tuple[MetricKey, ...] = (
     _k("actor/grad_norm", "Gradient L2 norm before clipping, mean over the step's mini-batches", "norm", RUN,
        _TRAINER, True),
     _k("actor/grad_norm_max", "Largest pre-clip gradient norm of the step's mini-batches", "norm", RUN, _TRAINER),
-    _k("actor/lr", "Learning rate of the step (warm-up and `lr_schedule` applied)", "lr", RUN, _TRAINER, True),
+    _k("actor/lr", "Learning rate of the step (warm-up and `lr_schedule` applied)", "lr", RUN, _STEP, True),
     _k("actor/pg_clipfrac", "Fraction of tokens whose ratio was clipped (either side)", "fraction", RUN, _TRAINER,
        True),
     _k("actor/pg_clipfrac_low", "Fraction of tokens clipped at 1 − `clip_low`", "fraction", RUN, _TRAINER, True),
@@ -367,8 +369,8 @@ KEYS: tuple[MetricKey, ...] = (
        "least one MoE layer", "fraction", RUN, _METRICS),
     # --- injection, LR schedule ---------------------------------------------------------------------------------
     _k("inject/value", "The injection knob in effect this step (after `onset_step` / `ramp_steps`)", "knob", RUN,
-       _TRAINER),
-    _k("inject/active", "1 when the injector changed the rollout this step", "flag", RUN, _TRAINER),
+       _STEP),
+    _k("inject/active", "1 when the injector changed the rollout this step", "flag", RUN, _STEP),
     _k("lr_schedule/triggered", "1 once a triggered LR schedule (`length_triggered`, `mismatch_triggered`) fired",
        "flag", RUN, "rl/schedules.py"),
     # --- clean evaluation (every `logging.eval_every` steps, exact path) ------------------------------------------
@@ -380,21 +382,21 @@ KEYS: tuple[MetricKey, ...] = (
        _TRAINER),
     _k("eval/response_length_mean", "Mean response length on the held-out prompts (sampled)", "tokens", RUN,
        _TRAINER),
-    # --- sampled rescoring in bypass mode (rl/trainer.py; written when `monitor.sample_fraction` < 1 or
+    # --- sampled rescoring in bypass mode (rl/step_metrics.py; written when `monitor.sample_fraction` < 1 or
     # `monitor.every` > 1) -----------------------------------------------------------------------------------------
     _k(MONITOR_SAMPLED_SEQUENCES, "Sequences rescored on the training path for the mismatch metrics this step (0 on "
        "a step `monitor.every` skips: it logs no mismatch metric); the `rollout_corr/*`, `training/*` and "
-       "`mismatch/*` metrics are theirs", "count", RUN, _TRAINER),
+       "`mismatch/*` metrics are theirs", "count", RUN, _STEP),
     _k(MONITOR_SAMPLE_FRACTION, "`monitor/sampled_sequences` / the step's sequences (0 on a skipped step)",
-       "fraction", RUN, _TRAINER),
+       "fraction", RUN, _STEP),
     # --- wall-clock timings (excluded from determinism checks) ----------------------------------------------------
     _k("timing/rollout", "Seconds spent generating the step's rollouts", "s", RUN, _TRAINER, True),
     _k("timing/old_logprobs", "Seconds spent on the old log-probs (recompute, or taken from the rollout; with "
        "`rollout.policy_lag` > 0 also scoring the behaviour policy on the training path)", "s", RUN,
-       _TRAINER, True),
+       _SCORING, True),
     _k(TIMING_MONITOR, "Seconds spent rescoring the monitor's sample on the training path before the update "
        "(`monitor.sample_fraction` < 1 or `monitor.every` > 1; with `rollout.policy_lag` > 0 the behaviour policy's "
-       "scoring of it too); not part of timing/old_logprobs", "s", RUN, _TRAINER),
+       "scoring of it too); not part of timing/old_logprobs", "s", RUN, _SCORING),
     _k("timing/update", "Seconds spent on the PPO update", "s", RUN, _TRAINER, True),
     _k("timing/grad_reduce", "Seconds of the update spent summing gradients across ranks (0 on one process)", "s",
        RUN, _TRAINER),

@@ -11,7 +11,7 @@ sequence. The built-ins differ only in their baseline:
 std, as in verl's GRPO. A new estimator is one class (``register_advantage_estimator(MyEstimator())``), with its own
 settings as ``algorithm.*`` keys if it has any (a dataclass in ``settings``; it reads them from the ``algorithm``
 section passed as ``alg``), and ``signal_problem`` if some rollout sizes give it nothing to learn from.
-``vexact.rl.objective.compute_advantages`` is the one caller.
+``compute_advantages`` is the one caller (a step's advantages stage; ``vexact.rl.objective`` re-exports it).
 """
 
 from __future__ import annotations
@@ -23,9 +23,23 @@ from torch import Tensor
 
 from .registries import ADVANTAGE_ESTIMATORS
 
-__all__ = ["ADVANTAGE_EPS", "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "register_advantage_estimator"]
+__all__ = ["ADVANTAGE_EPS", "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "compute_advantages",
+           "register_advantage_estimator"]
 
 ADVANTAGE_EPS = 1e-6
+
+
+def compute_advantages(rewards: Tensor, group_size: int, kind: str, std_normalize: bool = True,
+                       alg: Any = None) -> Tensor:
+    """One advantage per sequence; ``rewards`` [N] with each prompt's ``group_size`` samples adjacent, by the
+    estimator ``kind`` (a name in ``ADVANTAGE_ESTIMATORS``: ``grpo``, ``rloo``, ``reinforce``). ``alg``: the
+    ``algorithm`` section, for an estimator with settings of its own."""
+    rewards = rewards.double()
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if kind not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage kind {kind!r}")
+    return ADVANTAGE_ESTIMATORS[kind].advantages(rewards, group_size, std_normalize, alg).float()
 
 
 class AdvantageEstimator:

@@ -1,20 +1,19 @@
-"""The objective: GRPO-family advantages, the anchors of the PPO ratio, rollout corrections, the loss.
+"""The objective: the loss of a step's PPO mini-batches, with rollout corrections.
 
-The plain functions (``compute_advantages``, ``ppo_token_loss``, ``aggregate``, ``k3_penalty``) take tensors, so
-they can be tested on hand-built numbers. The choices are registered entries: the advantage estimators
-(``vexact.rl.advantages``), the loss aggregations of ``algorithm.loss_agg`` and the bypass losses of
-``correction.loss_type`` (here, in ``LOSS_AGGREGATIONS`` / ``BYPASS_LOSSES``; ``register_loss_aggregation``,
-``register_bypass_loss`` add one). ``Objective`` composes them for one run's ``algorithm`` and
-``correction`` sections and owns the decisions about them:
+The plain functions (``ppo_token_loss``, ``aggregate``, ``k3_penalty``) take tensors, so they can be tested on
+hand-built numbers. The choices are registered entries: the loss aggregations of ``algorithm.loss_agg`` and the
+bypass losses of ``correction.loss_type`` (here, in ``LOSS_AGGREGATIONS`` / ``BYPASS_LOSSES``;
+``register_loss_aggregation``, ``register_bypass_loss`` add one). The loss takes the step's advantages
+(``vexact.rl.advantages.compute_advantages``, re-exported here) and the anchors of the PPO ratio, scored before the
+update (``vexact.rl.scoring``: where the "old log-probs" come from, ``Anchors``). ``Objective`` composes them for
+one run's ``algorithm`` and ``correction`` sections and owns the decisions about them:
 
-* where the ratio's anchor ("old log-probs") comes from: the training path, recomputed before the update
-  (``recompute``), or the log-probs the rollout path recorded (``rollout``, "bypass");
 * when the first mini-batch's ratio must be exactly 1 (exact training kernels, and the anchor from the exact
   training path or from a rollout path identical to it): a violation stops the run;
 * how a correction (``vexact.rl.corrections``) enters the loss: its weight replaces the mismatch factor inside
   the ratio (bypass) or scales the clipped loss from outside (recompute, "decoupled"); rejected tokens leave
   numerator and denominator;
-* router replay (``algorithm.router_replay``, MoE models): every training-path forward uses the experts the
+* router replay (``algorithm.router_replay``, MoE models): the gradient pass's forward uses the experts the
   rollout chose (``RolloutBatch.routing``), passed in as a value (``score_tokens(..., routing=)``).
 
 Notation: ``logp`` = current training-path log-probs (with grad), ``old_logp`` = the behaviour log-probs the
@@ -25,38 +24,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..engine.model import Transformer
-from ..engine.scoring import score_tokens, token_routing
+from ..engine.scoring import score_tokens
 from ..metric_keys import ENTROPY, FIRST_MINIBATCH_RATIO_EXACT, KL_LOSS, PG_LOSS, PPO_KL
-from .advantages import ADVANTAGE_EPS, ADVANTAGE_ESTIMATORS
+from .advantages import ADVANTAGE_EPS, compute_advantages
 from .collect import RolloutBatch
 from .config import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
 from .metrics import ratio_stats
-from .raw_ratios import raw_ratio_metrics
+from .raw_ratios import sequence_ratio_metrics
 from .registries import BYPASS_LOSSES, LOSS_AGGREGATIONS
+from .scoring import Anchors, Scorer, replayed
 
 __all__ = ["ADVANTAGE_EPS", "Anchors", "MinibatchLoss", "Objective", "RunStopped", "aggregate", "compute_advantages",
            "k3_penalty", "ppo_token_loss", "register_bypass_loss", "register_loss_aggregation"]
-
-
-def compute_advantages(rewards: Tensor, group_size: int, kind: str, std_normalize: bool = True,
-                       alg: Any = None) -> Tensor:
-    """One advantage per sequence; ``rewards`` [N] with each prompt's ``group_size`` samples adjacent, by the
-    estimator ``kind`` (a name in ``ADVANTAGE_ESTIMATORS``: ``grpo``, ``rloo``, ``reinforce``; see
-    ``vexact.rl.advantages``). ``alg``: the ``algorithm`` section, for an estimator with settings of its own."""
-    rewards = rewards.double()
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    if kind not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage kind {kind!r}")
-    return ADVANTAGE_ESTIMATORS[kind].advantages(rewards, group_size, std_normalize, alg).float()
 
 
 def ppo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float,
@@ -120,15 +106,6 @@ class RunStopped(Exception):
 
 
 @dataclass
-class Anchors:
-    """Per-sequence log-probs the loss is anchored on, fixed before the update."""
-
-    old: list[Tensor]  # the PPO ratio's anchor
-    pre_update: list[Tensor] | None  # training path at the pre-update weights, when scored before the update
-    reference: list[Tensor] | None  # the KL reference policy (``kl_coef`` > 0)
-
-
-@dataclass
 class MinibatchLoss:
     loss: Tensor  # scalar, with grad
     logprobs: list[Tensor]  # this pass's training-path log-probs per sequence, detached
@@ -136,7 +113,8 @@ class MinibatchLoss:
 
 
 class Objective:
-    """The loss of one run: ``anchors`` once per step, then ``minibatch_loss`` per PPO mini-batch."""
+    """The loss of one run: ``minibatch_loss`` (or ``policy_forward`` then ``loss_of``) per PPO mini-batch, on the
+    step's advantages and ``Anchors``."""
 
     def __init__(self, alg: AlgorithmSection, correction: CorrectionSection, temperature: float,
                  exact_training: bool):
@@ -145,30 +123,19 @@ class Objective:
         self.plan = plan_for(correction)
         self.temperature = temperature
         self.exact_training = exact_training  # the training path runs bit-deterministic kernels
+        self.scorer = Scorer(alg, temperature, self.plan.active)  # this process's (a run's: ``Scorer.for_run``)
 
     def anchors(self, model: Transformer, batch: RolloutBatch, reference: Callable[[], Transformer],
-                score: Callable[[Transformer, RolloutBatch], list[Tensor]] | None = None,
                 rescore_all: bool = True) -> Anchors:
-        """Score what the update needs before it changes the weights (``reference`` builds the KL reference).
-
-        ``score``: how to score a batch (default ``self.score``; data-parallel ranks score a share each).
-        ``rescore_all``: in bypass mode with several passes and no correction, the pre-update scoring serves only
-        the mismatch metrics; False leaves it out (``monitor.sample_fraction``: the trainer scores its sample)."""
-        alg = self.alg
-        score = score or self.score
-        one_pass = alg.mini_batches == 1 and alg.ppo_epochs == 1
-        pre_update = None
-        if alg.old_logprobs == "recompute" or (not one_pass and (rescore_all or self.plan.active)):
-            pre_update = score(model, batch)  # else the single update pass scores at θ_old (or the sample does)
-        ref = score(reference(), batch) if alg.kl_coef > 0 else None
-        return Anchors(pre_update if alg.old_logprobs == "recompute" else batch.logprobs, pre_update, ref)
+        """The anchors of one process's step (``Scorer.anchors``; ``reference`` builds the KL reference, called
+        when ``kl_coef`` > 0)."""
+        return self.scorer.anchors(model, batch, reference() if self.alg.kl_coef > 0 else None, rescore_all)
 
     @staticmethod
     def ratio_metrics(logp_train: list[Tensor], logp_roll: list[Tensor]) -> dict[str, float]:
         """The step's raw importance ratios before any correction and what each shipped correction would truncate
         or mask of them (``raw_ratios.raw_ratio_metrics``: the ratios the objective's corrections start from)."""
-        return raw_ratio_metrics(torch.cat(list(logp_train)), torch.cat(list(logp_roll)),
-                                 [int(t.numel()) for t in logp_train])
+        return sequence_ratio_metrics(logp_train, logp_roll)
 
     def expects_exact(self, plan: RolloutPlan, lagged: bool = False) -> bool:
         """Whether the first mini-batch's ratio must be exactly 1: the anchor comes from the exact training path,
@@ -212,14 +179,9 @@ class Objective:
         return logp_list, entropy_list
 
     def replayed(self, batch: RolloutBatch, idx: list[int] | range) -> list[Tensor] | None:
-        """The rollout's routing of sequences ``idx`` when ``algorithm.router_replay`` is on (the training path then
-        uses it), else None. A ValueError when replay is on and the batch recorded no routing."""
-        if not self.alg.router_replay:
-            return None
-        if batch.routing is None:
-            raise ValueError("algorithm.router_replay is on, but the rollout batch recorded no routing (a dense "
-                             "model records none): set model.num_experts > 0, or router_replay: false")
-        return [batch.routing[i] for i in idx]
+        """The rollout's routing of sequences ``idx`` under ``algorithm.router_replay``, else None
+        (``scoring.replayed``)."""
+        return replayed(batch, idx, self.alg.router_replay)
 
     def loss_of(self, batch: RolloutBatch, idx: list[int], logp_list: list[Tensor], entropy_list: list[Tensor],
                 advantages: Tensor, anchors: Anchors, check_exact: bool) -> MinibatchLoss:
@@ -290,18 +252,12 @@ class Objective:
         return BYPASS_LOSSES[correction.plan.loss_type](alg, logp, old, adv, pre, weights)
 
     def training_routing(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
-        """The experts the training path's own router chooses for the batch (MoE models; no replay): what the
-        rollout's routing is compared with (``routing/*`` metrics)."""
-        return token_routing(model, batch.prompts, batch.responses, self.alg.micro_batch_size)
+        """The experts the training path's own router chooses for the batch (``Scorer.routing``)."""
+        return self.scorer.routing(model, batch)
 
     def score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
-        """The training path's log-probs of the batch's responses (no grad), as the anchors use them; ``replay``
-        False scores with the router's own routing even under ``algorithm.router_replay`` (calibration measures the
-        source's mismatch, not what replay leaves of it)."""
-        routing = self.replayed(batch, range(len(batch.responses))) if replay else None
-        with torch.no_grad():
-            return score_tokens(model, batch.prompts, batch.responses, self.temperature, self.alg.micro_batch_size,
-                                routing=routing)[0]
+        """The training path's log-probs of the batch's responses, no grad (``Scorer``)."""
+        return self.scorer(model, batch, replay)
 
 
 BypassLoss = Callable[[AlgorithmSection, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]

@@ -56,6 +56,12 @@ def raw_ratio_metrics(logp_train: Tensor, logp_roll: Tensor, lengths: list[int])
     return out
 
 
+def sequence_ratio_metrics(logp_train: list[Tensor], logp_roll: list[Tensor]) -> dict[str, float]:
+    """``raw_ratio_metrics`` of per-sequence log-probs (training path first, rollout second)."""
+    return raw_ratio_metrics(torch.cat(list(logp_train)), torch.cat(list(logp_roll)),
+                             [int(t.numel()) for t in logp_train])
+
+
 def affected_fraction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int], method: str) -> float:
     """The fraction of tokens whose loss term ``correction.method: <method>`` (default settings) changes: weight
     truncated, weight zeroed, or token rejected."""

@@ -1,12 +1,17 @@
-"""The RL loop: config -> rollout (+ injector) -> scoring -> metrics -> loss -> update -> logs.
+"""The RL loop: config -> rollout (+ injector) -> score -> advantages -> loss -> update -> metrics -> logs.
 
-``Trainer.step`` reads as that data flow, one module per stage:
+``Trainer.step`` reads as that data flow, one module per stage, each visited once:
 1. ``inject``: the step's ``RolloutPlan`` (the ops, weight dtype and logits hook of the rollout path);
-2. ``rollouts``: ``prompts_per_step`` problems x ``samples_per_prompt`` responses on that path, and rewards;
-3. ``objective``: the anchors of the PPO ratio (old log-probs recomputed by the training path, or the rollout's),
-   then per mini-batch the loss (advantages, rollout correction, clipped surrogate, KL, entropy);
-4. the update, here: backward, fp32 master gradients, clipping, AdamW at the ``schedules`` LR;
-5. ``metrics``: one JSON line in metrics.jsonl (``vexact.records.runlog``); periodic clean evaluation and checkpoints.
+   ``collect`` / ``rollout_engines``: ``prompts_per_step`` problems x ``samples_per_prompt`` responses on that
+   path, and rewards;
+2. ``scoring``: what the training path scores before the update (``Scorer.before_update``): the anchors of the PPO
+   ratio (old log-probs recomputed by the training path, or the rollout's), the KL reference, the lagged policy,
+   the monitor's sample, MoE routing;
+3. ``advantages``: one advantage per sequence;
+4. ``objective``: per mini-batch the loss (rollout correction, clipped surrogate, KL, entropy); the update, here:
+   backward, fp32 master gradients, clipping and AdamW (``optim``) at the ``schedules`` LR;
+5. ``step_metrics``: one JSON line in metrics.jsonl (``vexact.records.runlog``); periodic clean evaluation and
+   checkpoints.
 Everything random is keyed by (seed, step), so the same config gives bit-identical metrics.
 
 Policy lag (``rollout.policy_lag`` = k > 0, asynchronous RL): step s samples from the weights the policy had at the
@@ -18,9 +23,10 @@ weights), so a correction's weight π_old / μ sees the lag's drift as well as t
 scored on the training path, for the metrics that split the total k3: ``rollout_corr/lag_k3_kl`` (lagged vs
 current, both training path) and ``rollout_corr/tim_k3_kl`` (rollout vs lagged on the training path).
 
-With several ranks (``data_parallel``), each rank rolls out, scores and evaluates a share of the sequences, the
-shares are gathered, and each mini-batch's gradient is the fixed-tree sum of ``distributed.leaves`` leaves, so
-the run is bitwise the same for any number of ranks. Rank 0 writes the run directory.
+With several ranks (``data_parallel``), each rank rolls out, scores (the run's scorer is a ``ShardedScorer``) and
+evaluates a share of the sequences, the shares are gathered, and each mini-batch's gradient is the fixed-tree sum
+of ``distributed.leaves`` leaves, so the run is bitwise the same for any number of ranks. Rank 0 writes the run
+directory.
 """
 
 from __future__ import annotations
@@ -48,16 +54,9 @@ from ..metric_keys import (
     EVAL_REWARD_MEAN,
     GRAD_NORM,
     GRAD_NORM_MAX,
-    INJECT_ACTIVE,
-    INJECT_VALUE,
     K3_KL,
-    LR,
-    MONITOR_SAMPLE_FRACTION,
-    MONITOR_SAMPLED_SEQUENCES,
     TIMING_EVAL,
     TIMING_GRAD_REDUCE,
-    TIMING_MONITOR,
-    TIMING_OLD_LOGPROBS,
     TIMING_ROLLOUT,
     TIMING_STEP,
     TIMING_UPDATE,
@@ -73,19 +72,21 @@ from ..records.runlog import (
     save_checkpoint,
     write_json_atomic,
 )
+from .advantages import compute_advantages
 from .collapse import detect_collapse
 from .collect import RolloutBatch, eval_metrics, eval_records, step_problems
 from .config import MEMORY_KEYS, RunConfig, dotted_items, knob_key, load_config, save_config
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .log_backends import live_views
-from .metrics import lag_split_metrics, mismatch_metrics, rollout_batch_metrics, routing_metrics
-from .monitor import sample_rows
-from .objective import Anchors, MinibatchLoss, Objective, RunStopped, compute_advantages
+from .metrics import mismatch_metrics
+from .objective import MinibatchLoss, Objective, RunStopped
 from .optim import ExactAdamW, clip_flat_gradient_
 from .registries import ROLLOUT_ENGINES
 from .rollout_engines import RolloutSession
 from .schedules import LRSchedule
+from .scoring import Anchors, Scorer
+from .step_metrics import step_metrics
 from .tasks import check_lengths, held_out_problems, task_of, training_problems
 from .triton_guard import check_interpreted_triton
 from .warmstart import warm_start
@@ -132,6 +133,7 @@ class Trainer:
         self.cfg = cfg
         self.ranks = ranks or DataParallel(reduce=cfg.distributed.reduce)
         check_leaves(cfg.distributed.leaves, self.ranks.world_size)
+        self._my_leaves = self.ranks.block(cfg.distributed.leaves)  # of each mini-batch's gradient leaves
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.run_dir = run_dir_for(cfg)
         torch.set_num_threads(cfg.threads or default_threads(cfg))
@@ -158,6 +160,8 @@ class Trainer:
         self.injector = Injector.for_run(cfg, self.master.device)
         self.objective = Objective(cfg.algorithm, cfg.correction, cfg.rollout.temperature,
                                    exact_training=cfg.backend in vexact_kernels.EXACT_BACKENDS)
+        # the training path's scoring before the update: on several ranks, each scores a block of the sequences
+        self.scorer = Scorer.for_run(cfg, self.ranks)
         self.calibration: Calibration | None = None
         # who samples (rollout.engine); its session opens at the first rollout and closes when the run ends
         self.engine = ROLLOUT_ENGINES[cfg.rollout.engine]
@@ -261,111 +265,50 @@ class Trainer:
             session, self._session = self._session, None
             session.close()
 
-    def _score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
-        """Training-path log-probs of the whole batch (no grad); each rank scores its share of the sequences.
-        ``replay``: with ``algorithm.router_replay``, reuse the rollout's routing (False: the router's own)."""
-        if self.ranks.world_size == 1:
-            return self.objective.score(model, batch, replay)
-        mine = self.ranks.block(len(batch.responses))  # empty on some ranks for a monitor sample under world size
-        return self.ranks.gather(self.objective.score(model, batch.subset(mine), replay) if len(mine) else [])
-
-    def _training_routing(self, batch: RolloutBatch) -> list[Tensor]:
-        """The experts the training path's own router picks for the batch (MoE), at the pre-update weights; each
-        rank routes a share of the sequences."""
-        if self.ranks.world_size == 1:
-            return self.objective.training_routing(self.compute, batch)
-        mine = self.ranks.block(len(batch.responses))
-        return self.ranks.gather(self.objective.training_routing(self.compute, batch.subset(mine)))
-
     def step(self, step: int) -> dict:
+        """One step, in the order its data flows, each stage's module visited once:
+
+        1. rollout (``inject``, ``rollout_engines``): the step's plan, the behaviour policy (``rollout.policy_lag``),
+           the batch and its rewards;
+        2. score (``scoring``): what the training path scores at the pre-update weights -- the ratio's anchors, the
+           KL reference, the lagged policy, the monitor's sample, MoE routing -- by ``self.scorer``, the run's
+           scorer, data-parallel or not;
+        3. advantages (``advantages``);
+        4. loss (``objective``), per PPO mini-batch, and the update (``schedules``' LR; ``optim``: clip, AdamW);
+        5. metrics (``step_metrics``): the step's line."""
         cfg, alg = self.cfg, self.cfg.algorithm
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         plan = self.injector.plan(step)
+        injected = plan if self.injector.enabled else None
         if not self.engine.runs_training_path:  # an outside engine's rollout is never the training path's bits
             plan = dataclasses.replace(plan, matches_training=False)
         behaviour = self._behaviour_policy()
+        lagged = behaviour is not self.master
         batch = self.rollout(step, plan, policy=behaviour)
         timings[TIMING_ROLLOUT] = time.perf_counter() - t0
         timings.update(batch.timings)  # the engine's own stages (an outside engine's weight sync)
         if not all(torch.isfinite(lp).all() for lp in batch.logprobs):
             raise RunStopped(f"non-finite rollout log-probs (logits) at step {step}")
 
-        t1 = time.perf_counter()
-        sampling = cfg.monitor.sampling
-        anchors = self.objective.anchors(self.compute, batch, self._reference, score=self._score,
-                                         rescore_all=not sampling)
-        lagged = behaviour is not self.master
-        # the lag's drift and the TIM apart: the behaviour policy on the training path, before the update
-        behaviour_logp = None
-        if lagged and not sampling:
-            behaviour_logp = self._score(self._weights_in(self.compute_dtype, behaviour), batch)
-        timings[TIMING_OLD_LOGPROBS] = time.perf_counter() - t1
-        rows, sampled = None, None
-        if sampling:  # monitor.*: the pre-update log-probs the metrics need, of a sample of the sequences only
-            t = time.perf_counter()
-            rows = sample_rows(len(batch.responses), cfg.monitor.sample_fraction, cfg.monitor.every, cfg.seed, step)
-            sampled = self._rescore_sample(batch, anchors, rows, behaviour if lagged else None)
-            timings[TIMING_MONITOR] = time.perf_counter() - t
-        # MoE: how often the rollout's routing differs from the training router's own (before the update)
-        routing = {} if batch.routing is None else routing_metrics(batch.routing, self._training_routing(batch))
+        scored = self.scorer.before_update(self.compute, batch, self._reference() if alg.kl_coef > 0 else None,
+                                           self._weights_in(self.compute_dtype, behaviour) if lagged else None, step)
+        timings.update(scored.timings)
 
         t2 = time.perf_counter()
-        lr = self.schedule.lr(step)
         advantages = compute_advantages(batch.rewards, cfg.rollout.samples_per_prompt, alg.advantage,
                                         alg.std_normalize, alg)
-        update, first_pass_logp = self._update(step, batch, advantages, anchors,
+        lr = self.schedule.lr(step)
+        update, first_pass_logp = self._update(step, batch, advantages, scored.anchors,
                                                self.objective.expects_exact(plan, lagged), lr)
         timings[TIMING_UPDATE] = time.perf_counter() - t2
         timings[TIMING_GRAD_REDUCE] = update.pop(TIMING_GRAD_REDUCE)
 
-        # The mismatch is between the two paths at the same (pre-update) weights.
-        train_logp = anchors.pre_update if anchors.pre_update is not None else first_pass_logp
-        roll_logp = batch.logprobs
-        if sampling:  # the sample's sequences only; none on a step the monitor skips
-            roll_logp = None if rows is None else [batch.logprobs[i] for i in rows]
-            train_logp, behaviour_logp = (None, None) if rows is None else sampled
-            if train_logp is None and rows is not None:  # bypass, one pass: the update's first pass, at θ_old
-                train_logp = [first_pass_logp[i] for i in rows]
-        metrics: dict = {"step": step}
-        metrics.update(rollout_batch_metrics(batch.rewards, batch.lengths, batch.finished, train_logp,
-                                             roll_logp, log_ratio_bound=self.cfg.correction.log_ratio_bound))
-        if roll_logp is not None:
-            metrics.update(self.objective.ratio_metrics(train_logp, roll_logp))
-            if cfg.rollout.policy_lag:
-                split = lag_split_metrics(train_logp, behaviour_logp if lagged else train_logp, roll_logp)
-                metrics.update(split)
-        if sampling:
-            metrics[MONITOR_SAMPLED_SEQUENCES] = 0 if rows is None else len(rows)
-            metrics[MONITOR_SAMPLE_FRACTION] = 0.0 if rows is None else len(rows) / len(batch.responses)
-        metrics.update(batch.tail_metrics())  # task.distractors > 0: the rollout distribution's tail (vocab_tail)
-        metrics.update(routing)
-        metrics[LR] = lr
-        if self.injector.enabled:
-            metrics[INJECT_VALUE] = plan.value
-            metrics[INJECT_ACTIVE] = float(plan.active)
-        metrics.update(update)
+        metrics = step_metrics(step, batch, scored, first_pass_logp, update, lr=lr, injected=injected,
+                               policy_lag=cfg.rollout.policy_lag, log_ratio_bound=cfg.correction.log_ratio_bound)
         timings[TIMING_STEP] = time.perf_counter() - t0
         metrics.update(timings)
         return metrics
-
-    def _rescore_sample(self, batch: RolloutBatch, anchors: Anchors, rows: list[int] | None,
-                        behaviour: Transformer | None) -> tuple[list[Tensor] | None, list[Tensor] | None]:
-        """The pre-update training-path log-probs of the sequences ``rows`` (``monitor.*``; None: a step the monitor
-        skips): (current policy's, or None where the update's single pass scores them for free; the behaviour
-        policy's under policy lag, else None). Batch-invariant scoring: a sequence's log-probs are the bits a
-        whole-batch scoring gives it."""
-        if not rows:
-            return None, None
-        sample = batch.subset(rows)
-        if anchors.pre_update is not None:
-            current = [anchors.pre_update[i] for i in rows]
-        elif self.cfg.algorithm.mini_batches == 1 and self.cfg.algorithm.ppo_epochs == 1:
-            current = None
-        else:
-            current = self._score(self.compute, sample)
-        lagged = None if behaviour is None else self._score(self._weights_in(self.compute_dtype, behaviour), sample)
-        return current, lagged
 
     def _update(self, step: int, batch: RolloutBatch, advantages: Tensor, anchors: Anchors, expect_exact: bool,
                 lr: float) -> tuple[dict, list[Tensor]]:
@@ -415,8 +358,8 @@ class Trainer:
         no bit depends on the micro-batching; unset, the bits are those of one backward per leaf."""
         size = len(idx) // self.cfg.distributed.leaves
         unit = self.objective.unit_size(size)
-        mine = self.ranks.block(self.cfg.distributed.leaves)
-        units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)] for k in mine]
+        units = [[slice(start, start + unit) for start in range(k * size, (k + 1) * size, unit)]
+                 for k in self._my_leaves]
         positions = [u for leaf in units for u in leaf]  # of this rank's units in ``idx``, in order
         checkpointed = self.cfg.algorithm.activation_checkpointing
 
@@ -706,7 +649,7 @@ class Trainer:
         def measure(value: float) -> float:
             # the source's mismatch, before any remedy: without router replay, which would remove a routing flip's
             batch = self.rollout(0, self.injector.plan_for_value(value, step=0), problems)
-            return mismatch_metrics(self._score(self.compute, batch, replay=False), batch.logprobs)[key]
+            return mismatch_metrics(self.scorer(self.compute, batch, replay=False), batch.logprobs)[key]
 
         self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
                                      sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)
