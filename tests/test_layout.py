@@ -9,9 +9,9 @@ top-level modules over the real-model tools (``live``, ``testing``, ``pytest_plu
 may import its own layer and the layers below it, never one above, and every import counts: at module load, inside
 a function, under ``if TYPE_CHECKING:``, or by name (a string that names a vexact module, as
 ``importlib.import_module`` takes it). Within and across layers those imports form no cycle.
-``Trainer.step`` -- with the Trainer methods it calls -- uses at most six vexact modules besides the policy it trains
-(``engine.model``'s ``Transformer``): one per stage of the data flow (rollout + injector, scoring/rollout records,
-metrics, loss, LR schedule, update).
+``Trainer.step`` -- with the Trainer methods it calls -- uses one vexact module per stage of the data flow besides
+the policy it trains (``engine.model``'s ``Transformer``): the plan and rollout, the scoring before the update, the
+advantages, the loss, the LR schedule, the update, the step's metrics.
 """
 
 from __future__ import annotations
