@@ -517,7 +517,8 @@ def metrics_markdown() -> str:
             "From `RENAMED_METRICS`. vexact's own metrics live under `mismatch/`; `rollout_corr/*` and `training/*` "
             "hold verl's names only. For a deprecation period `vexact run` and `LiveMonitor` write each renamed key "
             "under its old name too (metrics.jsonl and its TensorBoard / W&B views), so a dashboard on the old name "
-            "keeps working: move it to the new name, the old one will go. Every reader of metrics.jsonl (reports, "
+            "keeps working: move it to the new name, the old one will go (the `measure` / `compare` reports carry "
+            "the new names only). Every reader of metrics.jsonl (reports, "
             "resume, `read_metrics`) reads an old file's keys under the new names; `collapse.metric` given an old "
             "name takes the new one, with a FutureWarning.", "",
             markdown_table(["deprecated key", "key now"],
