@@ -166,7 +166,7 @@ RUN_VARIANTS = {
     "corrected": ["correction.method=token_tis", "inject.mode=logit_noise", "inject.value=0.1",
                   "algorithm.kl_coef=0.01", "lr_schedule.kind=mismatch_triggered",
                   "lr_schedule.mismatch_threshold=1e-9", "lr_schedule.mismatch_window=1",
-                  "rollout.policy_lag=1"],  # the lag drift and the TIM apart (rollout_corr/lag_k3_kl, tim_k3_kl)
+                  "rollout.policy_lag=1"],  # the lag drift and the TIM apart (mismatch/lag_k3_kl, tim_k3_kl)
     "verl": ["correction.rollout_is=sequence", "correction.rollout_rs=token_k1",
              "correction.rollout_rs_threshold=0.5_2.0", "algorithm.old_logprobs=recompute",
              "inject.mode=logit_scale", "inject.value=-0.3"],

@@ -71,7 +71,7 @@ def test_log_ppl_metrics(m):
     assert m["rollout_corr/log_ppl_diff_min"] == pytest.approx(-0.125)
     # verl's per-token-mean form vs Beyond Precision's sequence-sum form.
     assert m["rollout_corr/log_ppl_abs_diff"] == pytest.approx((0.125 + 1 / 6) / 3)
-    assert m["rollout_corr/log_ppl_abs_diff_sum"] == pytest.approx((0.25 + 0.5) / 3)
+    assert m["mismatch/log_ppl_abs_diff_sum"] == pytest.approx((0.25 + 0.5) / 3)
 
 
 def test_probability_differences(m):
@@ -112,7 +112,7 @@ def test_exact_key_set(m):
         "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
         "rollout_corr/training_log_ppl", "rollout_corr/rollout_log_ppl", "rollout_corr/log_ppl_diff",
         "rollout_corr/log_ppl_diff_max", "rollout_corr/log_ppl_diff_min", "rollout_corr/log_ppl_abs_diff",
-        "rollout_corr/log_ppl_abs_diff_sum", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+        "mismatch/log_ppl_abs_diff_sum", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
         "training/rollout_probs_diff_std", "rollout_corr/training_ppl", "rollout_corr/rollout_ppl",
         "rollout_corr/ppl_ratio", "training/rollout_probs_diff_valid", "training/rollout_actor_probs_pearson_corr",
         "mismatch/tokens", "mismatch/bitwise_equal_frac",
@@ -143,7 +143,7 @@ def test_zero_mismatch_is_exactly_zero():
     zero_keys = [
         "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
         "rollout_corr/log_ppl_diff", "rollout_corr/log_ppl_diff_max", "rollout_corr/log_ppl_diff_min",
-        "rollout_corr/log_ppl_abs_diff", "rollout_corr/log_ppl_abs_diff_sum", "training/rollout_probs_diff_max",
+        "rollout_corr/log_ppl_abs_diff", "mismatch/log_ppl_abs_diff_sum", "training/rollout_probs_diff_max",
         "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std", "mismatch/abs_dlogp_mean",
         "mismatch/abs_dlogp_max", "mismatch/abs_dlogp_p99",
     ]

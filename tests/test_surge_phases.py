@@ -23,7 +23,7 @@ def _rows(seed: int) -> list[dict]:
         length = 4.0 if s < 25 else 12.0
         out.append({"step": s, "response_length/mean": length, "reward/mean": 0.5 if s < 25 else 0.9,
                     "rollout_corr/k3_kl": 1e-3 * (1 + 0.01 * seed), "rollout_corr/log_ppl_abs_diff": 0.01,
-                    "rollout_corr/log_ppl_abs_diff_sum": 0.01 * length, "actor/grad_norm": 1.0,
+                    "mismatch/log_ppl_abs_diff_sum": 0.01 * length, "actor/grad_norm": 1.0,
                     "actor/entropy": 0.3 if s < 25 else 0.1})
     return out
 

@@ -513,6 +513,16 @@ def metrics_markdown() -> str:
                 markdown_table(["key", "definition", "unit", "writers", "verl", "computed in"],
                                [[_code(k.name), _cell(k.definition), k.unit, ", ".join(k.writers),
                                  "✓" if k.verl else "", _code(f"vexact/{k.source}")] for k in keys]), ""]
+    out += ["## Renamed keys (deprecated names)", "",
+            "From `RENAMED_METRICS`. vexact's own metrics live under `mismatch/`; `rollout_corr/*` and `training/*` "
+            "hold verl's names only. For a deprecation period `vexact run` and `LiveMonitor` write each renamed key "
+            "under its old name too (metrics.jsonl and its TensorBoard / W&B views), so a dashboard on the old name "
+            "keeps working: move it to the new name, the old one will go (the `measure` / `compare` reports carry "
+            "the new names only). Every reader of metrics.jsonl (reports, "
+            "resume, `read_metrics`) reads an old file's keys under the new names; `collapse.metric` given an old "
+            "name takes the new one, with a FutureWarning.", "",
+            markdown_table(["deprecated key", "key now"],
+                           [[_code(old), _code(new)] for old, new in metric_keys.RENAMED_METRICS.items()]), ""]
     return "\n".join(out)
 
 

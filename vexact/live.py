@@ -63,8 +63,8 @@ map has no curve for is refused at construction, one ``ValueError`` saying so; 0
 k3 your trainer logs then holds two things: the lag's off-policy drift and the training-inference mismatch (TIM).
 Pass ``behaviour_logprobs`` to ``step`` -- your trainer's log-probs of the same tokens under the behaviour policy
 (the weights that sampled them), with ``train_logprobs`` the current policy's -- and the row carries them apart
-(``vexact.rl.metrics.lag_split_metrics``): ``rollout_corr/lag_k3_kl`` (behaviour vs current, both your trainer's)
-and ``rollout_corr/tim_k3_kl`` (the rollout's recorded log-probs vs the behaviour policy's), beside the total
+(``vexact.rl.metrics.lag_split_metrics``): ``mismatch/lag_k3_kl`` (behaviour vs current, both your trainer's)
+and ``mismatch/tim_k3_kl`` (the rollout's recorded log-probs vs the behaviour policy's), beside the total
 ``rollout_corr/k3_kl`` (rollout vs current). ``behaviour_logprobs`` has the form of ``train_logprobs`` (and the same
 mask); a NaN in it is a non-finite step like one in the other sides.
 
@@ -115,6 +115,7 @@ from .metric_keys import (
     LIVE_SAMPLED_SEQUENCES,
     LIVE_SEQUENCES,
     MISMATCH_TOKENS,
+    with_deprecated_names,
 )
 from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped map's name, as for --map
 from .real.measure import mismatch_report
@@ -467,7 +468,9 @@ def _keep_steps_below(path: Path, step: int) -> None:
     kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] < step]
     if len(kept) == len(rows) and (not path.exists() or path.read_bytes().endswith(b"\n")):
         return
-    write_text_atomic(path, "".join(json.dumps(json_safe(row), sort_keys=True) + "\n" for row in kept))
+    # rewritten as MetricsWriter wrote them: a renamed key under its old name too (metric_keys.RENAMED_METRICS)
+    write_text_atomic(path, "".join(json.dumps(json_safe(with_deprecated_names(row)), sort_keys=True) + "\n"
+                                    for row in kept))
 
 
 # ----------------------------------------------------------------------------------------------------- inputs

@@ -15,6 +15,8 @@ structured fields ``outcome``, ``gates``, ``by_position``, ``map`` are not metri
 Adding a metric: add an entry here in the group it belongs to; the reference page and the test pick it up.
 Code that reads or writes a key by name uses the constants below (``K3_KL``, ...), not a bare string, so a renamed
 key is one change and a typo is a NameError; each constant is a registered key (``tests/test_metric_names.py``).
+Renaming a key: the constant takes the new name and ``RENAMED_METRICS`` maps the old one to it (old files read under
+the new name; the logged stream carries the old name too for a deprecation period).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def raw_ratio_affected_key(method: str) -> str:
 
 # --- the keys code names, as constants (a module writing or reading a key by name uses these) -------------------------
 K3_KL = "rollout_corr/k3_kl"
-LAG_K3_KL = "rollout_corr/lag_k3_kl"
-TIM_K3_KL = "rollout_corr/tim_k3_kl"
+LAG_K3_KL = "mismatch/lag_k3_kl"
+TIM_K3_KL = "mismatch/tim_k3_kl"
 KL = "rollout_corr/kl"
 LOG_PPL_ABS_DIFF = "rollout_corr/log_ppl_abs_diff"
 ABS_DLOGP_MEAN = "mismatch/abs_dlogp_mean"
@@ -89,7 +91,7 @@ FULL_VOCAB_TV_MEAN = "mismatch/full_vocab_tv_mean"
 FIRST_MINIBATCH_RATIO_EXACT = "mismatch/first_minibatch_ratio_exact"
 CHI2_SEQ = "rollout_corr/chi2_seq"
 CHI2_TOKEN = "rollout_corr/chi2_token"
-LOG_PPL_ABS_DIFF_SUM = "rollout_corr/log_ppl_abs_diff_sum"
+LOG_PPL_ABS_DIFF_SUM = "mismatch/log_ppl_abs_diff_sum"
 LOG_PPL_DIFF = "rollout_corr/log_ppl_diff"
 LOG_PPL_DIFF_MAX = "rollout_corr/log_ppl_diff_max"
 LOG_PPL_DIFF_MIN = "rollout_corr/log_ppl_diff_min"
@@ -131,8 +133,9 @@ _CONSTANT_NAMES = tuple(name for name, value in dict(globals()).items()
 CONSTANTS = tuple(globals()[name] for name in _CONSTANT_NAMES)
 """Every constant above (each must be a registered key; ``tests/test_metric_names.py``)."""
 
-__all__ = ["CONSTANTS", "GROUPS", "KEYS", "RAW_RATIO_QUANTILES", "RS_OPTIONS", "WRITERS", "MetricKey", "find",
-           "raw_ratio_affected_key", "raw_ratio_quantile_key", "unregistered",
+__all__ = ["CONSTANTS", "GROUPS", "KEYS", "RAW_RATIO_QUANTILES", "RENAMED_METRICS", "RS_OPTIONS", "WRITERS",
+           "MetricKey", "current_names", "find", "raw_ratio_affected_key", "raw_ratio_quantile_key", "unregistered",
+           "with_deprecated_names",
            *_CONSTANT_NAMES]
 
 RUN = ("run",)
@@ -202,21 +205,12 @@ KEYS: tuple[MetricKey, ...] = (
     _k("rollout_corr/kl", "k1 KL(μ‖π): token mean of logp_roll − logp_train", "nats", ALL, _METRICS, True),
     _k("rollout_corr/k3_kl", "k3 KL: token mean of exp(r) − r − 1 (≥ 0; 0 exactly when every token agrees)",
        "nats", ALL, _METRICS, True),
-    _k("rollout_corr/lag_k3_kl", "Policy lag's off-policy drift: k3 between the lagged behaviour policy and the "
-       "current one, both on the training path (r = logp_train(current) − logp_train(behaviour)); written with "
-       "`rollout.policy_lag` > 0, or by the live monitor given the behaviour policy's training log-probs", "nats",
-       ("run", "live"), _METRICS),
-    _k("rollout_corr/tim_k3_kl", "Training–inference mismatch alone under policy lag: k3 between the rollout's "
-       "recorded log-probs and the behaviour policy's on the training path; `rollout_corr/k3_kl` is the total "
-       "(rollout vs current)", "nats", ("run", "live"), _METRICS),
     _k("rollout_corr/chi2_token", "χ² of the token ratio ρ = exp(r): mean(ρ²) − 1 (log ρ clamped to ±20, as verl)",
        "ratio", ALL, _METRICS, True),
     _k("rollout_corr/chi2_seq", "χ² of the sequence ratio: mean over sequences of ρ_seq² − 1, "
        "ρ_seq = exp(clamp(Σr, ±20))", "ratio", ALL, _METRICS, True),
     _k("rollout_corr/log_ppl_abs_diff", "verl's per-token-mean |log ppl_train − log ppl_roll|, mean over sequences",
        "nats", ALL, _METRICS, True),
-    _k("rollout_corr/log_ppl_abs_diff_sum", "Sequence-sum form: mean over sequences of |Σ r| (paper 003, eq. 8)",
-       "nats", ALL, _METRICS),
     _k("rollout_corr/training_log_ppl", "Mean over sequences of the training path's per-token-mean −logp", "nats",
        ALL, _METRICS, True),
     _k("rollout_corr/rollout_log_ppl", "Mean over sequences of the rollout's per-token-mean −logp", "nats", ALL,
@@ -241,6 +235,15 @@ KEYS: tuple[MetricKey, ...] = (
        ALL, _METRICS, True),
     _k("training/rollout_actor_probs_pearson_corr", "Pearson correlation of p_train and p_roll over the tokens",
        "correlation", ALL, _METRICS, True),
+    _k(LAG_K3_KL, "Policy lag's off-policy drift: k3 between the lagged behaviour policy and the "
+       "current one, both on the training path (r = logp_train(current) − logp_train(behaviour)); written with "
+       "`rollout.policy_lag` > 0, or by the live monitor given the behaviour policy's training log-probs", "nats",
+       ("run", "live"), _METRICS),
+    _k(TIM_K3_KL, "Training–inference mismatch alone under policy lag: k3 between the rollout's "
+       "recorded log-probs and the behaviour policy's on the training path; `rollout_corr/k3_kl` is the total "
+       "(rollout vs current)", "nats", ("run", "live"), _METRICS),
+    _k(LOG_PPL_ABS_DIFF_SUM, "Sequence-sum form: mean over sequences of |Σ r| (paper 003, eq. 8)",
+       "nats", ALL, _METRICS),
     _k("mismatch/bitwise_equal_frac", "Fraction of tokens whose two log-probs are bitwise equal", "fraction", ALL,
        _METRICS),
     _k("mismatch/abs_dlogp_mean", "Token mean of |r|", "nats", ALL, _METRICS),
@@ -406,6 +409,42 @@ KEYS: tuple[MetricKey, ...] = (
        "(rollout.engine vllm; part of timing/rollout)", "s", RUN, "integrations/vllm_rollout.py"),
 )
 """The registry: one entry per key (or per family of keys with a ``<placeholder>``)."""
+
+RENAMED_METRICS: dict[str, str] = {
+    "rollout_corr/lag_k3_kl": LAG_K3_KL,
+    "rollout_corr/tim_k3_kl": TIM_K3_KL,
+    "rollout_corr/log_ppl_abs_diff_sum": LOG_PPL_ABS_DIFF_SUM,
+}
+"""Old key -> its key now. vexact's own metrics once sat under verl's ``rollout_corr/`` prefix; they live under
+``mismatch/`` (``rollout_corr/*`` and ``training/*`` hold verl's names only). For a deprecation period the logged
+stream (``metrics.jsonl`` of ``vexact run`` and ``LiveMonitor``, and their TensorBoard / W&B views) carries the old
+name beside the new one (``with_deprecated_names``), so dashboards built on it keep working; the reference page
+lists the old names as deprecated. Readers of metrics.jsonl (``records.metrics_log.read_metrics``) see the new names
+only, from old files too (``current_names``). A config value naming an old key (``collapse.metric``) still works,
+with a FutureWarning."""
+
+
+def current_names(row: dict) -> dict:
+    """``row`` with every old key of ``RENAMED_METRICS`` under its key now (a row that has both, as the deprecation
+    period writes them, keeps the new one: the two hold the same value)."""
+    if not any(old in row for old in RENAMED_METRICS):
+        return row
+    out = {}
+    for key, value in row.items():
+        new = RENAMED_METRICS.get(key)
+        if new is None:
+            out[key] = value
+        elif new not in row:
+            out[new] = value
+    return out
+
+
+def with_deprecated_names(row: dict) -> dict:
+    """``row`` plus, for each renamed key it holds, the same value under the old key (the deprecation period's
+    copy for dashboards that read the old name)."""
+    old = {o: row[n] for o, n in RENAMED_METRICS.items() if n in row}
+    return {**row, **old} if old else row
+
 
 GROUPS: dict[str, str] = {
     "reward": "Reward of the step's rollouts",

@@ -8,8 +8,8 @@ two markdown tables:
 * **per dose**: one row per (L, correction, lag k, injected value): runs, collapses, and three run means over the
   steps before collapse (the whole run without one; the window of the run's dose, ``dose_response.run_dose``):
   the total ``rollout_corr/k3_kl`` (what users log: rollout log-probs against the current policy on the training
-  path), its lag part ``rollout_corr/lag_k3_kl`` (the lagged policy against the current one, both on the training
-  path: off-policy drift) and its TIM part ``rollout_corr/tim_k3_kl`` (the rollout against the lagged policy on the
+  path), its lag part ``mismatch/lag_k3_kl`` (the lagged policy against the current one, both on the training
+  path: off-policy drift) and its TIM part ``mismatch/tim_k3_kl`` (the rollout against the lagged policy on the
   training path), and total / (lag + TIM): 1 where the two parts add, below 1 where they partly cancel;
 * **per lag**: for each (L, correction, lag k), the collapse bracket over the injected doses, in TIM k3: the largest
   TIM k3 of a run that held and the smallest of a run that collapsed (lag 0 logs no split: its TIM k3 is its total).

@@ -15,6 +15,9 @@ rows, or the same error:
   ``NON_FINITE`` (any case) back into a float, and so do ``decode_non_finite`` / ``non_finite_value`` for anyone
   who holds a value from elsewhere (summary.json). JSON's own ``NaN`` / ``Infinity`` tokens parse as floats too.
   ``scalars`` gives a row's numbers as the live views plot them, by the same table.
+- **Renamed keys** (``vexact.metric_keys.RENAMED_METRICS``) read under their names now, from a file written before
+  the rename as from one that carries both names (the deprecation period's copy), so a report of old runs and of
+  new ones names one key.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from ..metric_keys import current_names
 
 NON_FINITE: dict[str, float] = {"nan": math.nan, "+nan": math.nan, "-nan": math.nan, "inf": math.inf,
                                 "+inf": math.inf, "-inf": -math.inf, "infinity": math.inf, "+infinity": math.inf,
@@ -95,7 +100,7 @@ def parse_line(path: Path, number: int, line: str) -> dict | None:
         raise MetricsDamaged(path, number, "not a JSON line (nested too deeply)") from None
     if not isinstance(row, dict):
         raise MetricsDamaged(path, number, f"expected a JSON object per line, got {type(row).__name__}")
-    return decode_non_finite(row)
+    return current_names(decode_non_finite(row))
 
 
 def parse_lines(path: Path, lines: list[str]) -> list[dict]:

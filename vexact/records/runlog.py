@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
+from ..metric_keys import with_deprecated_names
 from .atomic import WriteFailed, apply_umask, fsync_path, json_safe, write_file, write_json_atomic, write_text_atomic
 from .metrics_log import MetricsDamaged, complete_lines, parse_lines, read_metrics, scalars
 
@@ -174,7 +175,9 @@ class MetricsWriter:
         self.path = path
         if keep_steps_below is not None:
             self._truncate(keep_steps_below)
-        self._backends = live_views(read_metrics(path)) if live_views is not None else []
+        # the kept lines replay as they were written: new and deprecated names (metric_keys.RENAMED_METRICS)
+        self._backends = live_views([with_deprecated_names(r) for r in read_metrics(path)]) \
+            if live_views is not None else []
         try:
             # unbuffered: a write that fails (a full disk) fails once, naming the file, and leaves nothing in a
             # buffer for close() to fail on again
@@ -205,7 +208,9 @@ class MetricsWriter:
 
     def write(self, metrics: dict) -> None:
         """One line, appended and fsynced; a failure is ``WriteFailed`` naming metrics.jsonl (a part of the line
-        that reached the disk is a torn last line, which every reader and resume leave out)."""
+        that reached the disk is a torn last line, which every reader and resume leave out). A renamed key is
+        written under its old name too, for the deprecation period (``metric_keys.RENAMED_METRICS``)."""
+        metrics = with_deprecated_names(metrics)
         line = memoryview((json.dumps(json_safe(metrics), sort_keys=True) + "\n").encode())
         try:
             while line:

@@ -44,7 +44,7 @@ import vexact_kernels
 from ..engine.devices import DEFAULT_DEVICE, DeviceError, check_device_name
 from ..engine.model import DTYPE_ALIASES, ModelConfig, ModelConfigError
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, PresetName, preset_values
-from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL
+from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, RENAMED_METRICS
 from ..records.atomic import write_text_atomic
 from ..registry import extensible
 from .metrics import LOG_RATIO_BOUND
@@ -661,10 +661,11 @@ def move_renamed_keys(data: dict) -> None:
 
 DEPRECATED_VALUES: dict[str, dict[str, str]] = {
     "inject.target.metric": {"k3_kl": K3_KL, "abs_dlogp_mean": ABS_DLOGP_MEAN},
+    "collapse.metric": dict(RENAMED_METRICS),  # any key: one renamed since (metric_keys.RENAMED_METRICS)
 }
 """Config key -> {old spelling of a value: the value}. Keys that name a metric take its full key (as
 ``lr_schedule.mismatch_metric`` and ``collapse.metric`` do); the short names still work, with a FutureWarning, and
-the config stores the full key."""
+the config stores the full key. So do renamed metric keys, where a key can name one."""
 
 
 def _modernize_values(data: dict) -> None:

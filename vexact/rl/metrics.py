@@ -531,8 +531,8 @@ def lag_split_metrics(logp_current: Sequence[Tensor], logp_behaviour: Sequence[T
     path's under the (lagged) behaviour policy that sampled the tokens; ``logp_roll``: what the rollout recorded
     (the behaviour policy on the rollout path). Per token, r_total = r_lag + r_tim with
 
-      ``rollout_corr/lag_k3_kl`` = token mean of e^a − a − 1, a = logp_current − logp_behaviour (off-policy drift)
-      ``rollout_corr/tim_k3_kl`` = token mean of e^b − b − 1, b = logp_behaviour − logp_roll (TIM)
+      ``mismatch/lag_k3_kl`` = token mean of e^a − a − 1, a = logp_current − logp_behaviour (off-policy drift)
+      ``mismatch/tim_k3_kl`` = token mean of e^b − b − 1, b = logp_behaviour − logp_roll (TIM)
 
     and ``rollout_corr/k3_kl`` of ``mismatch_metrics(logp_current, logp_roll)`` is the total a user logs. For small
     log-ratios k3 ≈ r²/2, so the total ≈ lag + TIM + mean(a·b): the sum of the two where the drift and the mismatch

@@ -20,8 +20,8 @@ checkpoint saves, so a resumed run is the uninterrupted one bit for bit. The rol
 log-probs; bypass anchors the ratio on them (current / rollout-recorded, verl's bypass); recompute anchors it on the
 current policy before the update, as verl's decoupled mode and AReaL's proximal policy do (neither trainer keeps old
 weights), so a correction's weight π_old / μ sees the lag's drift as well as the mismatch. The lagged policy is also
-scored on the training path, for the metrics that split the total k3: ``rollout_corr/lag_k3_kl`` (lagged vs
-current, both training path) and ``rollout_corr/tim_k3_kl`` (rollout vs lagged on the training path).
+scored on the training path, for the metrics that split the total k3: ``mismatch/lag_k3_kl`` (lagged vs
+current, both training path) and ``mismatch/tim_k3_kl`` (rollout vs lagged on the training path).
 
 With several ranks (``data_parallel``), each rank rolls out, scores (the run's scorer is a ``ShardedScorer``) and
 evaluates a share of the sequences, the shares are gathered, and each mini-batch's gradient is the fixed-tree sum

@@ -25,7 +25,7 @@ response length surges), every group also gets ``surge`` (``surge_dynamics``), z
   fired is "during", so "before" is the flat start; and ``after_before`` / ``during_before``, the seed means of
   each run's ratio (None where a run's before-mean is 0, e.g. the k3 of an exact run).
 
-The sequence-level mismatch is ``rollout_corr/log_ppl_abs_diff_sum`` (the mean over sequences of
+The sequence-level mismatch is ``mismatch/log_ppl_abs_diff_sum`` (the mean over sequences of
 ``|sum_t (logp_train - logp_roll)|``: paper 003's eq. 8 summed, the spread of the sequence log-ratio), the per-token
 ones ``rollout_corr/k3_kl`` and ``rollout_corr/log_ppl_abs_diff`` (verl's per-token mean inside each sequence).
 """
