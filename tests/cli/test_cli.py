@@ -12,7 +12,7 @@ import pytest
 
 from vexact.cli import COMMANDS, build_parser, main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # What a command imports to do its work, never to print a help: the trainer, the report, the sweep, the kernels,
 # torch (and rich, which prints results)

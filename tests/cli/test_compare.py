@@ -563,7 +563,7 @@ def test_full_vocab_metrics_refuses_bad_shapes_and_k():
 
 # --------------------------------------------------------------------------- the benchmark
 def test_compare_benchmark_smoke(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     from benchmarks import compare as bench

@@ -16,7 +16,7 @@ import torch
 from benchmarks import gpu_real
 from vexact_kernels import TRITON_PIP
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA = not torch.cuda.is_available()
 
 

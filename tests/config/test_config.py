@@ -19,7 +19,7 @@ from vexact.rl.config import (
     save_config,
 )
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
 def write_yaml(path: Path, data) -> Path:
@@ -89,7 +89,7 @@ def test_shipped_experiments_load():
             load_meter_spec(path)
         else:
             assert isinstance(load_config(path), RunConfig)
-    demo = Path(__file__).resolve().parents[1] / "vexact" / "sweeps" / "demo_sweep.yaml"
+    demo = Path(__file__).resolve().parents[2] / "vexact" / "sweeps" / "demo_sweep.yaml"
     assert len(load_sweep_spec(demo).points) == 6
 
 

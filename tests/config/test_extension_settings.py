@@ -25,7 +25,7 @@ from vexact.rl.registries import ADVANTAGE_ESTIMATORS, INJECT_MODES, REGISTRIES,
 from vexact.rl.validate import ConfigError, bounds
 from vexact.rl.warmstart import warm_start_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- the schema imports no extension ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from vexact import metric_keys
 from vexact.rl.config import DEPRECATED_VALUES, config_from_dict, load_config, save_config
 from vexact.rl.validate import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _SOURCES = [p for p in sorted((ROOT / "vexact").rglob("*.py")) if p.name != "metric_keys.py"] + sorted(
     (ROOT / "benchmarks").glob("*.py"))
 

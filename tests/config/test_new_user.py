@@ -27,7 +27,7 @@ from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.data_parallel import check_leaves
 from vexact.sweeps.sweep import load_sweep_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT = ROOT / "experiments" / "zero_mismatch.yaml"
 
 

@@ -19,7 +19,7 @@ from vexact.rl import plugins
 from vexact.rl.config import config_from_dict
 from vexact.rl.validate import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = "outside_ext"
 
 PLUGIN_SOURCE = '''

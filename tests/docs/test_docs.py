@@ -35,7 +35,7 @@ from vexact.rl.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT = ROOT / "experiments" / "zero_mismatch.yaml"
 DOCS_PIP = "pip install -e '.[docs]'"
 

@@ -14,8 +14,8 @@ on the last non-blank line before its opening fence (invisible on the site and o
 * ``<!-- not-run: REASON -->``: not run, for the reason given (minutes or hours of work, a GPU, a package not
   installed, a placeholder to fill in). Where the work itself matters, a smaller equivalent is tested elsewhere and
   the reason says where.
-* ``<!-- run-by: tests/test_x.py::test_name -->``: run as written by that test, which checks more than an exit code
-  (this test checks that the test exists).
+* ``<!-- run-by: tests/SUBJECT/test_x.py::test_name -->``: run as written by that test, which checks more than an exit
+  code (this test checks that the test exists).
 * ``<!-- fragment -->`` (python only): part of a program (a method body, names defined by the reader's code).
 
 Every python block must parse, whatever its marker. A block without a marker, or with an unknown one, fails
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "bash", "python": "python", "py": "python"}
 TIMEOUT = 300
 """Seconds per runnable block: each takes seconds on an idle 2-core host; the margin is for a loaded CI host."""
@@ -108,7 +108,7 @@ def test_every_code_block_is_marked():
     unmarked = [f"{b.where} ({b.language})" for b in ALL if b.kind is None]
     assert unmarked == [], ("a code block needs a marker on the line before it: <!-- runnable -->, "
                             "<!-- not-run: REASON -->, <!-- run-by: TEST --> or (python) <!-- fragment -->; see "
-                            "tests/test_docs_blocks.py")
+                            "tests/docs/test_docs_blocks.py")
     assert [b.where for b in ALL if b.kind == "not-run" and not b.argument.strip()] == []  # a reason is given
     assert [b.where for b in ALL if b.kind == "fragment" and b.language != "python"] == []
     for b in ALL:
@@ -121,7 +121,8 @@ def test_every_code_block_is_marked():
         if not (test.is_file() and name and f"def {name}(" in test.read_text()):
             missing.append(f"{b.where}: {b.argument}")
     assert missing == []  # the test that runs the block exists
-    named = {(b.where, path) for b in ALL if b.kind == "not-run" for path in re.findall(r"tests/\w+\.py", b.argument)}
+    named = {(b.where, path) for b in ALL if b.kind == "not-run"
+             for path in re.findall(r"tests/\w+/\w+\.py", b.argument)}
     assert [f"{where}: {path}" for where, path in sorted(named) if not (ROOT / path).is_file()] == []
 
 

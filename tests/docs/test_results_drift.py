@@ -52,7 +52,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 DATA = RESULTS / "data"
 GENERATED = re.compile(r"<!-- generated: (?P<command>.+?) -->\n(?P<body>.*?)\n\s*<!-- end generated -->", re.S)

@@ -29,7 +29,7 @@ from vexact.rl.warmstart import warm_start_key
 from vexact.sweeps.ray_executor import task_config, task_resources
 from vexact.sweeps.sweep import SweepPoint, point_config
 
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
 NO_CUDA = not torch.cuda.is_available()
 
 

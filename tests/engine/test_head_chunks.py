@@ -25,7 +25,7 @@ from vexact_kernels import fixed_order
 from vexact_kernels.compiled_loops import tree_sum
 from vexact_kernels.gemm_arrangements import LIBRARY_REDUCE_MAX, REDUCE_BLOCK
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1000
 EOS = 3
 

@@ -402,7 +402,7 @@ def test_verl_names_are_verl_0_9_1s():
 
 def test_wandb_offline_view_holds_every_row_scalar(tmp_path):
     """W&B (offline: no network, no account) gets each row's numbers under the row's keys and step, exactly as
-    metrics.jsonl holds them (the reader of tests/test_log_backends.py)."""
+    metrics.jsonl holds them (the reader of tests/integrations/test_log_backends.py)."""
     require_optional("wandb", "pip install 'vexact[wandb]'")
     from test_log_backends import _assert_wandb_matches_jsonl
 
@@ -418,7 +418,7 @@ def test_the_docs_first_example_runs_as_written(tmp_path, monkeypatch):
     import re
     from pathlib import Path
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "live_and_recipes.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "live_and_recipes.md"
     code = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)[0]
     assert "LiveMonitor(" in code and "tensorboard" not in code and "wandb" not in code
     monkeypatch.chdir(tmp_path)

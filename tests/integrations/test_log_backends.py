@@ -25,7 +25,7 @@ from vexact.rl import log_backends
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.trainer import Trainer
 
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
 HAVE_WANDB = log_backends.missing_package("wandb") is None
 TENSORBOARD_PIP = "pip install 'vexact[tensorboard]'"
 

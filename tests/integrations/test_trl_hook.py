@@ -22,7 +22,7 @@ from vexact.live import Gates, LiveMonitor
 from vexact.real.measure import mismatch_report
 from vexact.records.runlog import read_metrics
 
-DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "live_and_recipes.md"
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "live_and_recipes.md"
 
 pytestmark = [pytest.mark.needs_package("trl", "pip install 'vexact[trl]'"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]  # transformers 5's renames, inside TRL

@@ -1,6 +1,6 @@
 """vexact.integrations.vllm without vLLM: the HF export of a vexact model, the sampling-settings checks, the missing
 package, and the dump's plumbing through a stub ``vllm`` package that runs in the same child process vLLM would
-(its arguments recorded, its failures reported). The real engine: tests/test_vllm_engine.py."""
+(its arguments recorded, its failures reported). The real engine: tests/integrations/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class _Output:
     def __init__(self, completion):
         self.outputs = [completion]
 '''
-"""The output types a stub vLLM returns (``tests/test_vllm_rollout.py``'s stub has them too)."""
+"""The output types a stub vLLM returns (``tests/integrations/test_vllm_rollout.py``'s stub has them too)."""
 
 STUB = '''
 import json, os

@@ -66,7 +66,7 @@ def test_a_vllm_dump_compares_with_a_dump_of_the_trainer(tiny, tmp_path, capsys)
 def test_the_documented_certified_switch_runs(tiny, tmp_path):
     """docs/howto/certified_switch.md's vLLM example runs as written: both its tests pass, and the failure it prints
     names a site of layer 0."""
-    page = (Path(__file__).resolve().parents[1] / "docs" / "howto" / "certified_switch.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "howto" / "certified_switch.md").read_text()
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "record_vllm_sites(" in b]
     (tmp_path / "test_vllm_switch.py").write_text(code)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",

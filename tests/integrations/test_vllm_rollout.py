@@ -2,7 +2,7 @@
 ``vllm`` package that runs in the same child process vLLM would, answering with vexact's own exact rollout path. As
 the stub's numbers are vexact's, every step's rollout must equal the training path bit for bit -- which holds only
 if the weights reach the engine every step (the sync), and the stub records what it was asked. The real engine:
-tests/test_vllm_rollout_engine.py."""
+tests/integrations/test_vllm_rollout_engine.py."""
 
 from __future__ import annotations
 
@@ -227,5 +227,5 @@ def test_vllm_dying_is_one_error_naming_its_log(stub_vllm, monkeypatch):
 
 
 def test_the_shipped_config_runs_vllm_on_a_head_size_it_supports():
-    cfg = load_config(Path(__file__).resolve().parents[1] / "experiments" / "vllm_rollout.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "experiments" / "vllm_rollout.yaml")
     assert cfg.rollout.engine == "vllm" and cfg.model.to_model_config(vocab_size=1).head_dim in vr.VLLM_CPU_HEAD_DIMS

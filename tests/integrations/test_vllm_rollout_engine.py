@@ -2,8 +2,8 @@
 skipped without it outside CI, see conftest.require_optional; CI runs it in a venv of its own, .ci/vllm_tests).
 ``rollout.engine: vllm``: three runs of 3 steps of the shipped config at a smaller batch, one vLLM engine each
 (~3-5 min on 2 loaded cores): fp32 twice with one seed, bf16 once. The plumbing (what vLLM is asked, the sync's
-effect, the errors) is tested without vLLM in tests/test_vllm_rollout.py. TRL's GRPOTrainer on vLLM: the docs
-example, 2 steps (~1 min)."""
+effect, the errors) is tested without vLLM in tests/integrations/test_vllm_rollout.py. TRL's GRPOTrainer on vLLM: the
+docs example, 2 steps (~1 min)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from vexact.rl.trainer import Trainer
 
 require_optional("vllm", VLLM_INSTALL)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALLER = ["steps=3", "warm_start.steps=40", "rollout.prompts_per_step=4", "task.eval_prompts=8",
            "logging.eval_every=100"]

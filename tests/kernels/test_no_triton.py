@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import all_test_files
 
 import vexact_kernels
 from vexact.rl import triton_guard
@@ -21,14 +22,14 @@ from vexact.rl.config import config_from_dict
 from vexact.rl.tasks import make_task
 from vexact_kernels import TRITON_PIP
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = "import sys; sys.modules['triton'] = None; "  # every `import triton` now raises ImportError
 TRITON_TESTS = [  # every test that needs triton: whole modules, and single tests (with their parameter counts)
-    ("tests/test_triton_kernels.py", 0),
-    ("tests/test_triton_audit.py", 0),
-    ("tests/test_kernel_contract.py::test_backend_satisfies_the_kernel_ops_contract[triton_exact]", 1),
-    ("tests/test_exactness.py::test_triton_backend_end_to_end", 2),
-    ("tests/test_benchmarks.py::test_triton_exact_backend_runs_both_benchmarks", 1),
+    ("tests/kernels/test_triton_kernels.py", 0),
+    ("tests/kernels/test_triton_audit.py", 0),
+    ("tests/kernels/test_kernel_contract.py::test_backend_satisfies_the_kernel_ops_contract[triton_exact]", 1),
+    ("tests/engine/test_exactness.py::test_triton_backend_end_to_end", 2),
+    ("tests/cli/test_benchmarks.py::test_triton_exact_backend_runs_both_benchmarks", 1),
 ]
 
 
@@ -125,7 +126,7 @@ def test_every_module_level_import_of_triton_in_the_tests_is_guarded():
     """A test module that imports triton at its top calls ``require_optional("triton", ...)`` before it (else the
     module cannot even be collected without triton); a test that uses the Triton kernels is listed above."""
     unguarded = []
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in all_test_files():
         text = path.read_text()
         first_import = re.search(r"^(import triton|from triton)\b", text, flags=re.M)
         if first_import is None:
@@ -133,6 +134,6 @@ def test_every_module_level_import_of_triton_in_the_tests_is_guarded():
         guard = re.search(r'^require_optional\("triton", TRITON_PIP\)', text, flags=re.M)
         if guard is None or guard.start() > first_import.start():
             unguarded.append(path.name)
-        if not any(p == f"tests/{path.name}" for p, _ in TRITON_TESTS):
+        if not any(p == path.relative_to(ROOT).as_posix() for p, _ in TRITON_TESTS):
             unguarded.append(f"{path.name} (not in TRITON_TESTS)")
     assert unguarded == []

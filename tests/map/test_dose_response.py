@@ -159,7 +159,7 @@ def test_sweep_file_curves_must_name_grid_keys(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the shipped realistic study
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
 
 def test_realistic_sweeps_ship_and_one_uses_a_realistic_source() -> None:

@@ -42,7 +42,7 @@ def test_growing_mismatch_is_reported_with_what_it_tracks(tmp_path: Path) -> Non
     assert bf["growth"] == pytest.approx(2 ** 0.8, rel=0.05)  # last fifth vs first fifth of a doubling
     assert bf["corr"]["entropy"] == pytest.approx(-1.0, abs=1e-6)  # log k3 is linear in step, entropy too
     assert abs(bf["corr"]["response_length"]) < 0.5
-    none = {k: v for k, v in by_group["src=none"].items() if k != "surge"}  # surge: tests/test_surge_phases.py
+    none = {k: v for k, v in by_group["src=none"].items() if k != "surge"}  # surge: tests/map/test_surge_phases.py
     assert none == {"group": "src=none", "runs": 0}  # k3 = 0 throughout: no statement
     assert by_group["src=none"]["surge"]["runs_surged"] == 0  # flat length: no surge
 

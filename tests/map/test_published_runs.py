@@ -21,7 +21,7 @@ from tools.published import (
 )
 from vexact.map import build, verdict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "results" / "published_runs.md"
 
 

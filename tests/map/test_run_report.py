@@ -28,7 +28,7 @@ from vexact.rl.config import CollapseSection, load_config
 from vexact.rl.trainer import Trainer
 from vexact.sweeps.sweep_data import read_point
 
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PANEL_TITLES = ["reward", "realised mismatch: k3 KL, rollout vs training log-probs", "policy entropy",
                 "mean response length (tokens)", "learning rate", "grad norm"]

@@ -27,7 +27,7 @@ from vexact.rl.config import ConfigError
 from vexact.sweeps import sweep as sweep_module
 from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _REAL_RUN_POINT = sweep_module._run_point
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("registry", "metric_keys", "progress", "cli_base", "moved"),  # the base: registries, metric keys, progress,
     # exit codes, old import paths

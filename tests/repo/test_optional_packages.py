@@ -11,12 +11,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import ABSENT_ENV, CI_SECOND_VENV, require_optional
+from conftest import ABSENT_ENV, CI_SECOND_VENV, TESTS, all_test_files, require_optional
 
-TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 ABSENT = "vexact_no_such_package_xyz"
 
@@ -56,9 +54,9 @@ def _pytest(*args: str, ci: bool, hidden: str) -> subprocess.CompletedProcess:
 
 # (test file, one cheap test in it, the module it needs, the pip line its skip names)
 REAL_FILES = [
-    ("tests/test_verl_parity.py", "test_presets_match_verls_factories and disabled", "verl",
+    ("tests/integrations/test_verl_parity.py", "test_presets_match_verls_factories and disabled", "verl",
      "pip install --no-deps verl==0.9.1"),  # a fixture calls require_optional
-    ("tests/test_log_backends.py", "test_wandb_offline_run_holds_every_jsonl_scalar", "wandb",
+    ("tests/integrations/test_log_backends.py", "test_wandb_offline_run_holds_every_jsonl_scalar", "wandb",
      "pip install 'vexact[wandb]'"),  # the needs_package marker on a test
 ]
 
@@ -80,10 +78,8 @@ def test_no_test_skips_on_a_missing_package_by_itself():
     """The rule has one home: no test module tests for a package with its own skip (importorskip, or a skipif on
     find_spec), which would skip under CI too."""
     own = []
-    for path in sorted(TESTS.glob("*.py")):
+    for path in all_test_files():
         text = path.read_text()
-        if path.name == "conftest.py":
-            continue
         for pattern in (r"(?<!``)pytest\.importorskip\(", r"skipif\([^)]*find_spec"):  # code, not prose
             own += [f"{path.name}: {m.group(0)}" for m in re.finditer(pattern, text)]
     assert own == [], own
@@ -92,7 +88,7 @@ def test_no_test_skips_on_a_missing_package_by_itself():
 def test_a_file_whose_every_test_needs_the_package_is_one_skip():
     """Without verl the parity file is one skip naming the pip line, not one per parametrised case (there were 1017,
     which buried every other skip reason); under CI each case still fails (above)."""
-    skipped = _pytest("tests/test_verl_parity.py", ci=False, hidden="verl")
+    skipped = _pytest("tests/integrations/test_verl_parity.py", ci=False, hidden="verl")
     assert skipped.returncode == 0, skipped.stdout[-3000:]
     assert skipped.stdout.splitlines()[-1].startswith("1 skipped"), skipped.stdout[-3000:]
     assert "verl is not installed: pip install --no-deps verl==0.9.1" in skipped.stdout
@@ -109,7 +105,7 @@ def test_a_package_ci_installs_in_a_second_venv_skips_in_the_main_one_naming_it(
 
 def _files_needing(module: str) -> list[str]:
     pattern = rf"(?:require_optional|needs_package)\(\s*[\"']{re.escape(module)}[\"']"
-    return sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py") if re.search(pattern, p.read_text()))
+    return sorted(p.relative_to(ROOT).as_posix() for p in all_test_files() if re.search(pattern, p.read_text()))
 
 
 @pytest.mark.parametrize("module", sorted(CI_SECOND_VENV))
@@ -119,7 +115,7 @@ def test_every_file_needing_a_second_venv_package_runs_there_and_ci_starts_it(mo
     script = CI_SECOND_VENV[module]
     text = (ROOT / script).read_text()
     run_line = text.split('"$py" -m pytest', 1)[1].split("\n\n", 1)[0]
-    named = sorted(set(re.findall(r"tests/test_\w+\.py", run_line)))
+    named = sorted(set(re.findall(r"tests/\w+/test_\w+\.py", run_line)))
     assert _files_needing(module) and named == _files_needing(module), (named, _files_needing(module))
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(rf"^setsid bash {re.escape(script)} .*&$", ci, re.M) and 'wait "$vllm_pid"' in ci

@@ -254,7 +254,8 @@ ZERO_CASES = [c for c in ZERO_CASES if plan_for(c).active]  # bypass_ppo_clip co
 def test_zero_mismatch_gives_every_dispersion_statistic_exactly_zero(cfg):
     """ρ ≡ 1 bit for bit: every rollout_corr/* std and deviation is 0.0, not ~sqrt(1e-8 / N) (what dividing by
     count + 1e-8 in float64 gives: 3.3e-6 at 934 tokens). verl's pipeline passes an integer response mask, so its
-    count + 1e-8 is float32 and equals the count; vexact computes it so (tests/test_verl_parity.py compares)."""
+    count + 1e-8 is float32 and equals the count; vexact computes it so (tests/integrations/test_verl_parity.py
+    compares)."""
     gen = torch.Generator().manual_seed(1)
     lengths = [500, 1, 299, 134]  # 934 tokens, no empty row (verl counts an empty row's mean as 0: not a no-op)
     roll = -torch.rand(sum(lengths), generator=gen) * 3

@@ -163,9 +163,10 @@ ranks.close()
 
 
 def test_ranks_listen_on_loopback_only(tmp_path):
+    import test_ray_sweep  # the rank processes import its socket reader from its folder
     from test_ray_sweep import _is_loopback
 
-    launch(2, ["-c", RANK_SOCKETS.format(tests=str(Path(__file__).parent), out=str(tmp_path))])
+    launch(2, ["-c", RANK_SOCKETS.format(tests=str(Path(test_ray_sweep.__file__).parent), out=str(tmp_path))])
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["world"] == 2 and r["total"] == [3.0] * 5 for r in reports)
     listening = [a for r in reports for a in r["listening"]]

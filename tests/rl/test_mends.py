@@ -67,7 +67,7 @@ def test_version_has_one_source():
     import vexact
     from vexact.cli import package_version
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     project = read_configuration(root / "pyproject.toml")["project"]
     assert project["version"] == vexact.__version__ == package_version()
     assert 'dynamic = ["version"]' in (root / "pyproject.toml").read_text()  # no second literal version

@@ -27,7 +27,7 @@ from vexact.rl.objective import Objective
 from vexact.rl.raw_ratios import raw_ratio_metrics
 from vexact.rl.trainer import Trainer
 
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
 NOISE = ("inject.mode=logit_noise", "inject.value=0.05")  # a mismatch to measure
 MISMATCH_PREFIXES = ("rollout_corr/", "training/", "mismatch/")
 

@@ -17,7 +17,7 @@ from vexact.rl.config import ConfigError, load_config
 from vexact.rl.metrics import lag_split_metrics, mismatch_metrics
 from vexact.rl.trainer import Trainer
 
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
 
 
 def _cfg(tmp_path: Path, name: str, *overrides: str):

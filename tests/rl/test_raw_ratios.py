@@ -126,7 +126,7 @@ def test_run_metrics_have_raw_ratios(tmp_path):
     from vexact.rl.config import load_config
     from vexact.rl.trainer import Trainer
 
-    experiment = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+    experiment = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
     cfg = load_config(experiment, [f"output_dir={tmp_path / 'run'}", f"warm_start.cache_dir={tmp_path / 'cache'}",
                                    "warm_start.steps=5", "steps=1", "rollout.prompts_per_step=2",
                                    "rollout.samples_per_prompt=2", "task.eval_prompts=4", "logging.eval_every=1",

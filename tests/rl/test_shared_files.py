@@ -40,7 +40,7 @@ from vexact.sweeps.markdown_table import markdown_table
 from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 from vexact.sweeps.sweep_data import read_point, read_sweep_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN = ["steps=2", "warm_start.steps=6", "warm_start.batch_size=8", "rollout.prompts_per_step=2",
             "rollout.samples_per_prompt=2", "task.eval_prompts=4", "logging.eval_every=1",
             "logging.checkpoint_every=1", "logging.live=false", "threads=1"]

@@ -16,7 +16,7 @@ from vexact.records.runlog import latest_checkpoint, read_metrics
 from vexact.rl.config import config_from_dict, load_config
 from vexact.rl.trainer import Trainer
 
-EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
+EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
 
 
 def _short(tmp_path: Path, name: str, *overrides: str):
