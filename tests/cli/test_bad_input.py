@@ -289,6 +289,7 @@ def test_a_full_disk_is_one_line_naming_the_file_exit_code_3_and_no_partial_chec
     assert [r["step"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")] == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_names_the_file_with_exit_code_3(tmp_path):
     """A real RLIMIT_FSIZE (ulimit -f) in a child process: writing the checkpoint exceeds it."""
     config = _write_config(tmp_path, "limited")

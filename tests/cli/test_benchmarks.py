@@ -202,6 +202,7 @@ def test_parse_list():
     assert end_to_end.main(["--items", "nope"]) == 2
 
 
+@pytest.mark.slow
 def test_data_parallel_benchmark_schema(tmp_path, capsys):
     from benchmarks import data_parallel
 

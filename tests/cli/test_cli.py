@@ -71,6 +71,7 @@ def _imported(*args: str) -> set[str]:
     return {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("--help",), ("run", "--help")], ids=["vexact", "run"])
 def test_help_imports_only_what_it_prints(args):
     modules = _imported(*args)

@@ -16,6 +16,8 @@ import torch
 from benchmarks import gpu_real
 from vexact_kernels import TRITON_PIP
 
+pytestmark = pytest.mark.slow  # the device script's parts and the script itself: about two minutes
+
 ROOT = Path(__file__).resolve().parents[2]
 NO_CUDA = not torch.cuda.is_available()
 

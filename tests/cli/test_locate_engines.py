@@ -106,6 +106,7 @@ def test_a_site_hash_is_equal_exactly_when_the_bits_are():
     assert site_hash(x) != site_hash(x.float().nextafter(torch.tensor(9.0)))
 
 
+@pytest.mark.slow
 def test_dumps_written_by_two_processes_compare(tmp_path):
     base = ["locate", *SIZE_ARGS, "--prompt-tokens", "5 17 3 90 41", "--prompt-tokens", "60 1 44",
             "--max-new-tokens", "3"]

@@ -147,6 +147,7 @@ def _shipped_configs() -> list[tuple[str, object]]:
     return configs
 
 
+@pytest.mark.slow
 def test_shipped_configs_run_under_nproc_1_2_and_4_as_they_are():
     configs = _shipped_configs()
     assert len(configs) > 20 and any(name == "zero_mismatch.yaml" for name, _ in configs)
@@ -193,6 +194,7 @@ def test_compare_refuses_a_positive_log_prob_naming_file_line_and_id(tmp_path, c
     assert code == 2 and f"{tensors}: row 1: 'rollout_log_probs' at column 1 is 3.5: a log-prob" in err, err
 
 
+@pytest.mark.slow
 def test_a_hostile_torch_file_gets_the_error_line_and_nothing_before_it(tmp_path):
     """torch's weights-only unpickler warns about the pickle protocol before refusing; that warning is noise."""
     path = tmp_path / "hostile.pt"
@@ -233,6 +235,7 @@ def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ranks_die_with_a_sigkilled_launcher_and_a_rerun_resumes(tmp_path):
     """kill -9 of `vexact run --nproc 2`: both ranks die with it (they used to write every remaining step and

@@ -134,6 +134,7 @@ def _check_plugin_run(run_dir: Path, favoured: int = 3) -> None:
     assert rows[1]["actor/lr"] == rows[0]["actor/lr"] / 2
 
 
+@pytest.mark.slow
 def test_vexact_run_and_report_import_the_plugins_key(tmp_path):
     folder = _plugin_dir(tmp_path)
     config = tmp_path / "run.yaml"
@@ -147,6 +148,7 @@ def test_vexact_run_and_report_import_the_plugins_key(tmp_path):
     assert (tmp_path / "run" / "report" / "report.json").is_file()
 
 
+@pytest.mark.slow
 def test_vexact_sweep_with_two_workers_imports_the_sweep_files_plugins(tmp_path):
     """The sweep file names the plugin (its base config does not): every point's config carries it, so each
     spawned worker imports it before it validates the point's config."""
@@ -166,6 +168,7 @@ def test_vexact_sweep_with_two_workers_imports_the_sweep_files_plugins(tmp_path)
     assert report.returncode == 0, report.stderr
 
 
+@pytest.mark.slow
 def test_a_plugins_setting_is_validated_under_its_own_key(tmp_path):
     folder = _plugin_dir(tmp_path)
     config = tmp_path / "run.yaml"
@@ -176,6 +179,7 @@ def test_a_plugins_setting_is_validated_under_its_own_key(tmp_path):
                            "--set lr_schedule.half_from=-1)\n")
 
 
+@pytest.mark.slow
 def test_a_plugin_that_cannot_be_imported_is_one_error_line(tmp_path):
     """Without the plugin's folder on the path: exit code 2 and one line naming the module and the ImportError."""
     config = tmp_path / "run.yaml"
@@ -187,6 +191,7 @@ def test_a_plugin_that_cannot_be_imported_is_one_error_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_plugin_that_calls_sys_exit_is_one_error_line_naming_it(tmp_path):
     """A plugin that calls ``sys.exit(3)`` while imported made vexact exit 3 with no word; now it is bad input."""
     folder = tmp_path / "outside"
@@ -201,6 +206,7 @@ def test_a_plugin_that_calls_sys_exit_is_one_error_line_naming_it(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_an_entry_point_loads_the_plugin_without_a_plugins_key(tmp_path):
     """An installed distribution's ``vexact.plugins`` entry point is loaded before a config is validated."""
     folder = _plugin_dir(tmp_path)
@@ -272,6 +278,7 @@ def plugin_on_sys_path(tmp_path, monkeypatch):
     sys.modules.pop(PLUGIN, None)
 
 
+@pytest.mark.slow
 @pytest.mark.needs_package("ray", "pip install 'vexact[ray]' (.ci/run does)")
 def test_ray_tasks_import_the_plugins_from_the_drivers_path(tmp_path, plugin_on_sys_path):
     """A Ray task runs in a worker process Ray started, not one this process spawned: the driver's import path

@@ -61,6 +61,7 @@ def _missing_flags(page: str) -> list[str]:
     return missing
 
 
+@pytest.mark.slow
 def test_cli_reference_lists_every_command_and_flag():
     page = docs_gen.cli_markdown()
     assert _missing_flags(page) == []
@@ -70,6 +71,7 @@ def test_cli_reference_lists_every_command_and_flag():
     assert "`--nproc`" in page and "`--fail-on-mismatch`" in page and "## `vexact bench kernels`" in page
 
 
+@pytest.mark.slow
 def test_cli_check_fails_on_a_page_missing_a_flag():
     page = docs_gen.cli_markdown()
     doctored = page.replace("`--nproc`", "`--nprocs`")
@@ -128,6 +130,7 @@ def test_generated_markers_expand_and_unknown_ones_are_refused():
         docs_gen.expand("<!-- vexact-docs: nope -->")
 
 
+@pytest.mark.slow
 def test_the_committed_reference_pages_hold_what_the_generators_give_now():
     """The generated pages are committed (readable on a code host, not only on the built site) and current: a flag,
     key or metric changed without ``python -m tools.docs_gen --update`` fails here. A fresh process, so that no
@@ -275,6 +278,7 @@ def _strict_build(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
 
 
+@pytest.mark.slow
 @pytest.mark.needs_package("mkdocs", DOCS_PIP)
 @pytest.mark.parametrize("link,problem", [
     ("other.md#a-section", None),

@@ -184,6 +184,7 @@ def run_block(block: Block, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
 def test_runnable_blocks_run_as_written(page, tmp_path):
     (tmp_path / "experiments").symlink_to(ROOT / "experiments")

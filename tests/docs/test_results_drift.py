@@ -262,6 +262,7 @@ def _compare(page: Path, argv: list[str], tmp: Path) -> str:
     return done.stdout.rstrip("\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_generated_blocks_are_what_their_commands_print_now(page, tmp_path):
     checked = 0
@@ -289,6 +290,7 @@ def test_every_generated_block_is_regenerated_or_listed():
     assert sum(regenerable(command) for p in pages for command, _ in generated_blocks(p)) >= 10
 
 
+@pytest.mark.slow
 def test_a_stale_block_is_found(tmp_path):
     """The comparison can fail: a published-bars table with one cell changed is not what the command prints."""
     page = RESULTS / "published_runs.md"

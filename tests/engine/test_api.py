@@ -13,6 +13,7 @@ from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact_kernels import get_ops
 
 
+@pytest.mark.slow
 def test_kernels_folder_is_not_importable_as_kernels(tmp_path):
     """transformers probes for a PyPI package called 'kernels'; ours must not answer to it.
 

@@ -41,7 +41,8 @@ VARIANTS = TINY_VARIANTS
 PROMPTS = PARITY_PROMPTS
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),  # see conftest.py
+              pytest.mark.slow]  # real-model loading: Hugging Face checkpoints against transformers
 
 
 @pytest.fixture(scope="module")

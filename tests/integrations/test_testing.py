@@ -335,6 +335,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_vexact_testing_imports_without_pytest():
     no_pytest = "import sys; sys.modules['pytest'] = None; "  # any 'import pytest' now raises ImportError
     assert _python(no_pytest + "import vexact.testing").returncode == 0
@@ -342,6 +343,7 @@ def test_vexact_testing_imports_without_pytest():
     assert blocked.returncode != 0 and "ModuleNotFoundError" in blocked.stderr
 
 
+@pytest.mark.slow
 def test_plugin_is_registered_and_imports_nothing_heavy_itself():
     found = {e.name: e.value for e in entry_points(group="pytest11")}
     assert found.get("vexact") == "vexact.pytest_plugin", "run `pip install -e .` to register the pytest11 entry point"
@@ -349,6 +351,7 @@ def test_plugin_is_registered_and_imports_nothing_heavy_itself():
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 
 
+@pytest.mark.slow
 def test_fixture_through_the_plugin(tmp_path):
     (tmp_path / "test_user.py").write_text(textwrap.dedent("""
         import torch

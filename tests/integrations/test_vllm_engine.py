@@ -15,6 +15,8 @@ from vexact.engine.scoring import token_logprobs
 from vexact.integrations import vllm as vx
 from vexact.real.pretrained import export_hf_checkpoint
 
+pytestmark = pytest.mark.slow  # real vLLM engines
+
 TEMPERATURE = 0.7
 CONFIG = dict(vocab_size=128, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=272,
               max_seq_len=64)  # head_dim 32: vLLM's CPU attention supports 32, 64, 80, ... (not 16)

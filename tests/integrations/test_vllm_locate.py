@@ -25,6 +25,8 @@ from vexact.real.locate import LocateSettings, op_plan, run_dump, run_locate
 from vexact.real.pretrained import model_config_from_hf, read_checkpoint_config
 from vexact.real.tiny import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # real vLLM engines
+
 PROMPTS = [[5, 17, 3, 90, 41], [60, 1, 44]]
 
 

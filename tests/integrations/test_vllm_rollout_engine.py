@@ -24,6 +24,8 @@ from vexact.rl.trainer import Trainer
 
 require_optional("vllm", VLLM_INSTALL)
 
+pytestmark = pytest.mark.slow  # real vLLM engines
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SMALLER = ["steps=3", "warm_start.steps=40", "rollout.prompts_per_step=4", "task.eval_prompts=8",

@@ -294,6 +294,7 @@ RUN_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", RUN_CASES)
 def test_a_whole_run_is_the_same_bits_at_1_and_2_threads(tmp_path, case):
     """Warm start (each run trains its own), rollouts, scoring, the update and evaluation at ``threads: 1`` and

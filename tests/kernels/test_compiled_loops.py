@@ -104,6 +104,7 @@ def test_bad_mode_is_one_clear_error(monkeypatch):
         compiled_loops.mode_from_env()
 
 
+@pytest.mark.slow
 def test_a_whole_run_is_the_same_bits_with_and_without_the_loops(loops, tmp_path, monkeypatch):
     """Warm start, rollouts, scoring, the update and evaluation, once with the compiled loops and once with
     ``VEXACT_CPU_LOOPS=python``: metrics (timing aside) and every checkpoint tensor bitwise equal."""
@@ -306,6 +307,7 @@ def _without_a_compiler(tmp_path, code: list[str], mode: str) -> subprocess.Comp
     return subprocess.run([sys.executable, *code], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_no_compiler_falls_back_to_the_torch_ops_with_one_warning(tmp_path):
     code = ("import torch, warnings; from vexact_kernels import cpu_exact, compiled_loops\n"
             "with warnings.catch_warnings(record=True) as caught:\n"
@@ -319,6 +321,7 @@ def test_no_compiler_falls_back_to_the_torch_ops_with_one_warning(tmp_path):
     assert done.stdout.split() == ["torch", "ops", "1"]
 
 
+@pytest.mark.slow
 def test_compiled_mode_without_a_compiler_is_one_clear_error(tmp_path):
     done = _without_a_compiler(tmp_path, ["-m", "vexact_kernels.build_loops"], "compiled")
     assert done.returncode == 1 and "Traceback" not in done.stderr

@@ -23,6 +23,8 @@ from vexact.engine.scoring import token_routing  # noqa: E402
 from vexact_kernels import moe_exact  # noqa: E402
 from vexact_kernels import triton_exact as exact  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the Triton interpreter
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the routing exp's GPU path)")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -71,6 +71,7 @@ def test_a_run_on_triton_without_triton_is_refused_before_the_estimate(monkeypat
     assert triton_guard.check_interpreted_triton(native, task) is None  # exact/native: triton never asked for
 
 
+@pytest.mark.slow
 def test_the_package_and_the_cli_work_without_triton(tmp_path):
     """In a fresh interpreter where triton cannot be imported: vexact and every module the CLI names import,
     ``vexact check`` passes on the exact CPU kernels, and ``--backend triton`` / the Triton audit are one error naming
@@ -98,6 +99,7 @@ def test_the_package_and_the_cli_work_without_triton(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_tests_that_need_triton_skip_without_it_and_fail_under_ci():
     """Each test that needs triton goes through ``conftest.require_optional``: without triton (imports really failing)
     it is skipped naming the pip line -- no collection error from a module-level ``import triton`` -- and under

@@ -33,6 +33,8 @@ from vexact_kernels import TRITON_PIP, triton_audit
 require_optional("triton", TRITON_PIP)  # the optional triton extra: the whole module needs it
 import triton  # noqa: E402
 
+pytestmark = pytest.mark.slow  # compiles every Triton kernel variant; the CLI in subprocesses
+
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:

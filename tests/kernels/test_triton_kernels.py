@@ -26,6 +26,8 @@ import triton.language as tl  # noqa: E402
 
 from vexact_kernels import triton_exact as exact  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the Triton interpreter
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16)
 # Correctness vs native. fp32: only the summation order differs. bf16: both sides round the

@@ -99,6 +99,7 @@ def test_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
     assert index["points"][1]["error"].startswith("RuntimeError: boom")
 
 
+@pytest.mark.slow
 def test_parallel_workers_and_report(tmp_path):
     path = _sweep_file(tmp_path, "par", grid={"inject.value": [0.0, -0.5]})
     assert main(["sweep", str(path), "--jobs", "2"]) == 0
@@ -130,6 +131,7 @@ def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
         load_sweep_spec(_sweep_file(tmp_path, "b3", grid={"variant": ["a"]}, variants={"a": {}}))
 
 
+@pytest.mark.slow
 def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
     """``kill -INT <sweep>`` (not a terminal's Ctrl-C, which reaches the whole process group) must stop the points
     that are running in worker processes, not wait for them to finish: the points here would run 5000 steps."""

@@ -189,6 +189,7 @@ def test_a_damaged_point_summary_is_one_line_naming_it(tmp_path, capsys, monkeyp
 
 # --- a locked point: recorded as failed, the sweep goes on ------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_point_whose_run_directory_is_locked_is_recorded_and_the_sweep_goes_on(tmp_path):
     spec = load_sweep_spec(_sweep_file(tmp_path, "lock", grid={"seed": [0, 1, 2]}))
     held = spec.points[1].run_dir
@@ -216,6 +217,7 @@ def _die_on_seed_1(config: dict, resume: bool, threads: int | None) -> dict:
     return _REAL_RUN_POINT(config, resume, threads)
 
 
+@pytest.mark.slow
 def test_a_dying_worker_fails_its_points_and_the_sweep_goes_on_in_fresh_workers(tmp_path, monkeypatch):
     spec = load_sweep_spec(_sweep_file(tmp_path, "die", grid={"seed": [0, 1, 2, 3]}))
     monkeypatch.setattr(sweep_module, "_run_point", _die_on_seed_1)  # pickled by reference: workers run it
@@ -240,6 +242,7 @@ print("alive", signal.value)
 """
 
 
+@pytest.mark.slow
 def test_worker_init_sets_the_parent_death_signal_and_exits_if_the_parent_is_gone():
     alive = subprocess.run([sys.executable, "-c", _INIT_PROBE, str(os.getpid())], capture_output=True, text=True,
                            timeout=120)
@@ -269,6 +272,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has finished; reaping it is init's business
 
 
+@pytest.mark.slow
 def test_sigkilled_sweep_takes_its_workers_with_it(tmp_path):
     path = _sweep_file(tmp_path, "kill", grid={"seed": [0, 1]}, steps=10_000)
     metrics = [tmp_path / "kill" / "points" / f"seed={s}" / "metrics.jsonl" for s in (0, 1)]

@@ -8,6 +8,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs .ci/clean_tmp in subprocesses
+
 ROOT = Path(__file__).resolve().parents[2]
 FOUR_HOURS = 4 * 3600
 

@@ -60,6 +60,7 @@ def test_the_old_scaling_names_resolve_to_their_new_homes(fresh) -> None:
     assert all(hasattr(importlib.import_module(scaling.HOME[n]), n) for n in scaling.__all__)
 
 
+@pytest.mark.slow
 def test_python_m_vexact_lab_scaling_runs_the_map_command() -> None:
     """The documented command still runs (``shape`` prints the shipped map's curves) and warns on stderr; its output
     is the new command's."""

@@ -61,6 +61,7 @@ REAL_FILES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,selection,module,pip_line", REAL_FILES)
 def test_a_real_test_file_skips_without_the_package_and_fails_under_ci(path, selection, module, pip_line):
     skipped = _pytest(path, "-k", selection, ci=False, hidden=module)
@@ -85,6 +86,7 @@ def test_no_test_skips_on_a_missing_package_by_itself():
     assert own == [], own
 
 
+@pytest.mark.slow
 def test_a_file_whose_every_test_needs_the_package_is_one_skip():
     """Without verl the parity file is one skip naming the pip line, not one per parametrised case (there were 1017,
     which buried every other skip reason); under CI each case still fails (above)."""

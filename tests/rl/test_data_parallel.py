@@ -78,6 +78,7 @@ def test_tree_sum_is_the_fixed_halving_tree():
     assert torch.equal(tree_sum([x, y, z]), x + (y + z))  # odd counts split at len // 2
 
 
+@pytest.mark.slow
 def test_rank_shares_and_leaf_checks():
     assert [list(DataParallel(rank=r, world_size=3).block(7)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
     check_leaves(8, 4)
@@ -87,6 +88,7 @@ def test_rank_shares_and_leaf_checks():
         check_leaves(2, 4)
 
 
+@pytest.mark.slow
 def test_runs_are_bitwise_identical_on_1_2_and_4_ranks(tmp_path):
     config = _config_file(tmp_path)
     alone = tmp_path / "alone"
@@ -103,6 +105,7 @@ def test_runs_are_bitwise_identical_on_1_2_and_4_ranks(tmp_path):
     assert not _same(_result(tmp_path / "allreduce"), reference)
 
 
+@pytest.mark.slow
 def test_a_sampled_monitor_is_the_same_on_1_and_4_ranks(tmp_path):
     """monitor.sample_fraction 0.1 of 16 sequences: 2 rescored, so two of four ranks score none of them."""
     config = _config_file(tmp_path, **{"correction.method": "none", "monitor.sample_fraction": 0.1})
@@ -113,6 +116,7 @@ def test_a_sampled_monitor_is_the_same_on_1_and_4_ranks(tmp_path):
     assert all(row["monitor/sampled_sequences"] == 2 and "rollout_corr/k3_kl" in row for row in one[0])
 
 
+@pytest.mark.slow
 def test_resume_on_another_number_of_ranks_continues_the_same_run(tmp_path):
     """Two steps on 2 ranks, then extended to 3 steps on 4 ranks: the run of 3 steps in one process."""
     config = _config_file(tmp_path)
@@ -128,6 +132,7 @@ def test_resume_on_another_number_of_ranks_continues_the_same_run(tmp_path):
     assert json.loads((tmp_path / "split" / "summary.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_bad_rank_counts_are_one_clear_error(tmp_path):
     config = _config_file(tmp_path)
     for nproc, message in ((3, "power of two"), (8, "'distributed.leaves'.*multiple of --nproc")):
@@ -162,6 +167,7 @@ ranks.close()
 """
 
 
+@pytest.mark.slow
 def test_ranks_listen_on_loopback_only(tmp_path):
     import test_ray_sweep  # the rank processes import its socket reader from its folder
     from test_ray_sweep import _is_loopback

@@ -129,6 +129,7 @@ def test_activation_checkpointing_stops_a_run_whose_second_forward_differs(tmp_p
     assert summary["status"] == "stopped" and "activation_checkpointing" in summary["reason"]
 
 
+@pytest.mark.slow
 def test_ranks_still_do_not_change_the_bits(tmp_path, runs):
     """Units live inside leaves, so ``--nproc 2`` (one leaf per rank) gives the one-process run."""
     config = _config_file(tmp_path, threads=1, **LEAVES, **{"algorithm.grad_unit": 2, "algorithm.micro_batch_size": 1})
@@ -149,6 +150,7 @@ def test_a_unit_that_does_not_divide_a_leaf_is_one_config_error():
     assert info.value.key == "algorithm.grad_unit"
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_a_bad_unit_with_exit_2(tmp_path):
     config = _config_file(tmp_path, **LEAVES)
     done = subprocess.run([sys.executable, "-m", "vexact", "run", str(config), f"--set=output_dir={tmp_path / 'run'}",

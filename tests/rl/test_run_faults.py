@@ -79,6 +79,7 @@ def test_a_kill_at_every_checkpoint_write_boundary_loses_nothing(tmp_path, refer
     assert not list((tmp_path / "cut" / "checkpoints").glob(".partial-*"))
 
 
+@pytest.mark.slow
 def test_sigkill_between_weights_and_trainer_state_resumes_bit_identically(tmp_path, reference):
     """The reported failure, for real: a process killed (os._exit) after the new weights landed but before the
     trainer state. Resume must not mix the new weights with the old state."""
@@ -182,6 +183,7 @@ def test_a_locked_run_directory_is_refused_with_the_holders_pid(tmp_path, refere
     assert not (tmp_path / "busy" / "metrics.jsonl").exists()  # the refused run wrote nothing
 
 
+@pytest.mark.slow
 def test_only_rank_0_probes_the_run_lock(tmp_path, reference, monkeypatch):
     """Every rank of ``vexact run --nproc`` / torchrun checks the run directory before it starts; if each also probed
     the lock, two ranks probing at once would refuse each other (seen in CI). A rank other than 0 leaves the lock to
@@ -200,6 +202,7 @@ def test_only_rank_0_probes_the_run_lock(tmp_path, reference, monkeypatch):
             check_run_dir(args, cfg)
 
 
+@pytest.mark.slow
 def test_two_processes_into_one_run_directory(tmp_path, reference):
     """Two ``vexact run`` at once: one runs, the other exits 2 naming the holder; the run is not mixed. The first
     process waits inside its first step until the second has been refused, so the two really overlap."""

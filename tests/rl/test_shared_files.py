@@ -78,6 +78,7 @@ def _same_bits(a: Path, b: Path) -> None:
 
 
 # --------------------------------------------------------------------------- 1. one warm start per key
+@pytest.mark.slow
 def test_racing_runs_train_the_warm_start_once_and_match_a_serial_run(tmp_path):
     """Three ``vexact run``s of one warm-start key start together with a slow writer: all succeed, exactly one
     trains (its log says so), the others say they wait and then load, and every run is bitwise the serial one."""
@@ -111,6 +112,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_lock_holder_does_not_block_the_warm_start(tmp_path, capsys):
     """The lock is the OS's (flock): when its holder is killed mid-training, the next process trains."""
     from vexact.rl.config import load_config
@@ -128,6 +130,7 @@ def test_a_killed_lock_holder_does_not_block_the_warm_start(tmp_path, capsys):
     assert "warm start: trained here and cached" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_parallel_sweep_trains_its_warm_start_once_and_says_which_point(tmp_path):
     """``vexact sweep --jobs 3`` (as ``vexact demo --jobs 3``): three points of one warm-start key; the sweep's log
     names the point that trained it and the points that loaded it."""
@@ -203,6 +206,7 @@ atomic.write_json_atomic(sys.argv[1], {"version": "new", "padding": "x" * 100000
 """
 
 
+@pytest.mark.slow
 def test_a_crash_between_write_and_rename_leaves_the_old_file(tmp_path):
     path = tmp_path / "sweep.json"
     atomic.write_json_atomic(path, {"version": "old"})
@@ -398,6 +402,7 @@ def test_hub_cache_lookup_follows_refs_main_not_the_newest_snapshot(tmp_path, mo
         read_checkpoint_config(Path("org/tiny"))
 
 
+@pytest.mark.slow
 def test_hub_cache_lookup_honours_hf_home(tmp_path):
     repo = _hub_cache(tmp_path / "home", {"ccc333": 1_000_000})
     (repo / "refs" / "main").write_text("ccc333")
@@ -424,6 +429,7 @@ def test_ray_executor_uses_only_public_ray_api():
     assert private == []
 
 
+@pytest.mark.slow
 def test_ray_imported_in_cluster_mode_is_refused_for_a_private_instance(tmp_path):
     require_optional("ray", "pip install 'vexact[ray]'")
     code = ("import ray\nfrom vexact.sweeps import ray_executor\ntry:\n    ray_executor.start(None)\n"
