@@ -299,7 +299,8 @@ def test_checkpoint_files_get_the_umask_mode(tmp_path, umask):
 def test_warm_start_cache_and_run_checkpoints_get_the_umask_mode(tmp_path):
     old = os.umask(0o022)
     try:
-        Trainer(_short(tmp_path, "run", "steps=1", "warm_start.steps=2"), Console(quiet=True)).run()
+        Trainer(_short(tmp_path, "run", "steps=1", "warm_start.steps=2", f"warm_start.cache_dir={tmp_path / 'cache'}"),
+                Console(quiet=True)).run()  # a cache of its own: the entry is written here, under this umask
     finally:
         os.umask(old)
     (cached,) = (tmp_path / "cache").glob("*.safetensors")

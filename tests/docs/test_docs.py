@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import warm_start_cache
 from rich.console import Console
 from safetensors.torch import save_file
 
@@ -182,7 +183,7 @@ RUN_VARIANTS = {
 
 
 def _run_keys(tmp_path: Path) -> set[str]:
-    base = [f"warm_start.cache_dir={tmp_path / 'cache'}", "warm_start.steps=2", "steps=2",
+    base = [f"warm_start.cache_dir={warm_start_cache(tmp_path)}", "warm_start.steps=2", "steps=2",
             "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "task.eval_prompts=2",
             "logging.eval_every=1", "logging.checkpoint_every=2", "logging.live=false", "rollout.max_new_tokens=9"]
     keys: set[str] = set()

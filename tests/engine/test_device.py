@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import warm_start_cache
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -42,7 +43,8 @@ def gpus(monkeypatch):
 
 
 def _short(tmp_path: Path, name: str, *overrides: str):
-    base = [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={tmp_path / 'cache'}", "warm_start.steps=10",
+    base = [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={warm_start_cache(tmp_path)}",
+            "warm_start.steps=10",
             "steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "task.eval_prompts=4",
             "logging.eval_every=1", "logging.checkpoint_every=2", "logging.live=false"]
     return load_config(EXPERIMENT, base + list(overrides))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import num_threads, require_optional
+from conftest import num_threads, require_optional, warm_start_cache
 from rich.console import Console
 
 from vexact.records import metrics_log
@@ -32,9 +32,9 @@ TENSORBOARD_PIP = "pip install 'vexact[tensorboard]'"
 
 def _cfg(root: Path, name: str, backends: list[str], *overrides: str):
     # threads=1: tiny models gain nothing from two, and a busy 2-core machine makes OpenMP's barriers crawl
-    base = ["threads=1", f"output_dir={root / name}", f"warm_start.cache_dir={root / 'cache'}", "warm_start.steps=30",
-            "steps=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task.eval_prompts=16",
-            "logging.eval_every=3", "logging.checkpoint_every=2", "logging.live=false",
+    base = ["threads=1", f"output_dir={root / name}", f"warm_start.cache_dir={warm_start_cache(root)}",
+            "warm_start.steps=30", "steps=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+            "task.eval_prompts=16", "logging.eval_every=3", "logging.checkpoint_every=2", "logging.live=false",
             f"logging.backends=[{', '.join(backends)}]"]
     return load_config(EXPERIMENT, base + list(overrides))
 

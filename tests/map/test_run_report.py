@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import num_threads
+from conftest import num_threads, warm_start_cache
 from rich.console import Console
 
 from vexact.cli import main
@@ -40,7 +40,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     schedule fires at step 1, so the run has markers to draw."""
     root = tmp_path_factory.mktemp("run")
     cfg = load_config(EXPERIMENT, [
-        f"output_dir={root / 'tiny'}", f"warm_start.cache_dir={root / 'cache'}", "warm_start.steps=30", "steps=6",
+        f"output_dir={root / 'tiny'}", f"warm_start.cache_dir={warm_start_cache(root)}", "warm_start.steps=30",
+        "steps=6",
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task.eval_prompts=16",
         "logging.eval_every=3", "logging.checkpoint_every=2", "logging.live=false",
         "inject.mode=logit_scale", "inject.value=-0.3", "collapse.k3_kl_max=1e-3",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import warm_start_cache
 from rich.console import Console
 from test_trainer import EXPERIMENT, _without_timing
 
@@ -19,7 +20,7 @@ from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 
 def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **extra) -> Path:
     grid = grid or {"inject.value": [0.0, -0.5], "seed": [0, 1]}
-    fixed = {"steps": 3, "warm_start.steps": 10, "warm_start.cache_dir": str(tmp_path / "cache"),
+    fixed = {"steps": 3, "warm_start.steps": 10, "warm_start.cache_dir": str(warm_start_cache(tmp_path)),
              "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4, "task.eval_prompts": 8,
              "logging.eval_every": 2, "logging.checkpoint_every": 1, "inject.mode": "logit_scale"}
     if "inject.value" not in grid:  # a knob mode needs its value (a grid without one: a fixed, non-zero value)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import warm_start_cache
 from rich.console import Console
 from safetensors.torch import load_file
 from test_sweep import EXPERIMENT, _without_timing
@@ -35,9 +36,9 @@ TINY = {"steps": 3, "warm_start.steps": 10, "rollout.prompts_per_step": 4,
 
 
 def _config_file(tmp_path: Path, **changes) -> Path:
-    """The zero-mismatch experiment, shrunk (TINY), with a shared warm-start cache."""
+    """The zero-mismatch experiment, shrunk (TINY), with the pytest run's warm-start cache."""
     spec = yaml.safe_load(EXPERIMENT.read_text())
-    for key, value in {**TINY, "warm_start.cache_dir": str(tmp_path / "cache"), **changes}.items():
+    for key, value in {**TINY, "warm_start.cache_dir": str(warm_start_cache(tmp_path)), **changes}.items():
         section = spec
         *parents, leaf = key.split(".")
         for part in parents:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts, tiny_model
+from conftest import random_prompts, tiny_model, warm_start_cache
 from rich.console import Console
 from test_trainer import EXPERIMENT, _short, _without_timing
 
@@ -179,8 +179,9 @@ def test_injected_rollout_is_batch_invariant(setup):
 @pytest.mark.parametrize("mode,metric,target", [("logit_noise", "rollout_corr/k3_kl", 0.05),
                                                 ("logit_scale", "mismatch/abs_dlogp_mean", 0.1)])
 def test_calibration_hits_target(tmp_path, mode, metric, target):
-    cfg = load_config(EXPERIMENT, [f"output_dir={tmp_path / 'cal'}", f"warm_start.cache_dir={tmp_path / 'cache'}",
-                                   "warm_start.steps=30", "rollout.prompts_per_step=4", f"inject.mode={mode}",
+    cfg = load_config(EXPERIMENT, [f"output_dir={tmp_path / 'cal'}",
+                                   f"warm_start.cache_dir={warm_start_cache(tmp_path)}", "warm_start.steps=30",
+                                   "rollout.prompts_per_step=4", f"inject.mode={mode}",
                                    "inject.value=-0.1" if mode == "logit_scale" else "inject.value=1.0",
                                    f"inject.target={{metric: {metric}, value: {target}}}",
                                    "inject.calibration_prompts=8", "inject.calibration_tolerance=0.05"])

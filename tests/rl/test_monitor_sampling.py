@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import recorded_returns
+from conftest import recorded_returns, warm_start_cache
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -33,10 +33,10 @@ MISMATCH_PREFIXES = ("rollout_corr/", "training/", "mismatch/")
 
 
 def _cfg(tmp_path: Path, name: str, *overrides: str):
-    base = [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={tmp_path / 'cache'}", "warm_start.steps=20",
-            "steps=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task.eval_prompts=8",
-            "logging.eval_every=2", "logging.checkpoint_every=4", "logging.live=false", "optimizer.lr=2e-3",
-            "optimizer.warmup_steps=0", "task.partial_credit=true", "algorithm.mini_batches=2",
+    base = [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={warm_start_cache(tmp_path)}",
+            "warm_start.steps=20", "steps=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+            "task.eval_prompts=8", "logging.eval_every=2", "logging.checkpoint_every=4", "logging.live=false",
+            "optimizer.lr=2e-3", "optimizer.warmup_steps=0", "task.partial_credit=true", "algorithm.mini_batches=2",
             "distributed.leaves=2", *NOISE]
     return load_config(EXPERIMENT, base + list(overrides))
 

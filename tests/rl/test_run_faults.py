@@ -51,8 +51,9 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _cfg(tmp_path: Path, reference: Path, name: str, *overrides: str):
-    """The reference's config in a new directory, sharing its warm-start cache (so no warm start is redone)."""
-    return _short(tmp_path, name, f"warm_start.cache_dir={reference.parent / 'cache'}", *overrides)
+    """The reference's config in a new directory, sharing its warm-start cache, the pytest run's (so no warm start is
+    redone)."""
+    return _short(tmp_path, name, *overrides)
 
 
 # --------------------------------------------------------------------------- kills during a checkpoint

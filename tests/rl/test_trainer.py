@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import warm_start_cache
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -20,9 +21,9 @@ EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatc
 
 
 def _short(tmp_path: Path, name: str, *overrides: str):
-    base = [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={tmp_path / 'cache'}", "warm_start.steps=30",
-            "steps=6", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task.eval_prompts=16",
-            "logging.eval_every=3", "logging.checkpoint_every=2", "logging.live=false"]
+    base = [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={warm_start_cache(tmp_path)}",
+            "warm_start.steps=30", "steps=6", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+            "task.eval_prompts=16", "logging.eval_every=3", "logging.checkpoint_every=2", "logging.live=false"]
     return load_config(EXPERIMENT, base + list(overrides))
 
 
@@ -141,7 +142,7 @@ def test_native_backend_shows_mismatch(tmp_path):
 
 def test_cli_run_and_config_errors(tmp_path, capsys):
     args = ["run", str(EXPERIMENT), "--set", f"output_dir={tmp_path / 'cli'}", "--set",
-            f"warm_start.cache_dir={tmp_path / 'cache'}", "--set", "warm_start.steps=5", "--set", "steps=1",
+            f"warm_start.cache_dir={warm_start_cache(tmp_path)}", "--set", "warm_start.steps=5", "--set", "steps=1",
             "--set", "task.eval_prompts=4", "--set", "rollout.prompts_per_step=2"]
     assert main(args) == 0
     assert (tmp_path / "cli" / "summary.json").exists()
