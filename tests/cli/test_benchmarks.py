@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
     sys.path.insert(0, str(ROOT))
 
+
 from benchmarks import end_to_end, host_guard, kernels, op_count, tables  # noqa: E402
 from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
@@ -242,3 +243,17 @@ def test_a_kernel_library_from_another_checkout_is_refused(monkeypatch, tmp_path
     monkeypatch.setattr(vexact_kernels, "__file__", str(tmp_path / "elsewhere" / "kernels" / "__init__.py"))
     with pytest.raises(ValueError, match="come from different checkouts"):
         code_locations()
+
+
+def test_bench_choices_are_the_benchmark_modules():
+    import inspect
+
+    from vexact.cli import BENCHMARKS, _benchmarks_module, build_parser
+
+    assert {"data_parallel", "compare"} <= set(BENCHMARKS)
+    for name in BENCHMARKS:
+        assert "prog" in inspect.signature(_benchmarks_module(name).main).parameters, name
+    parser = build_parser()
+    bench = next(a for a in parser._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "which")
+    assert tuple(bench.choices) == tuple(BENCHMARKS)
+    assert all(f"{name}:" in bench.help for name in BENCHMARKS)

@@ -95,3 +95,29 @@ def test_lazy_subcommand_parses_and_helps_as_the_full_one(name):
     full_args = vars(full.parse_args([name, *words]))
     assert lazy_args.keys() == full_args.keys()
     assert {k: v for k, v in lazy_args.items() if k != "func"} == {k: v for k, v in full_args.items() if k != "func"}
+
+
+def test_version_has_one_source():
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import vexact
+    from vexact.cli import package_version
+
+    root = Path(__file__).resolve().parents[2]
+    project = read_configuration(root / "pyproject.toml")["project"]
+    assert project["version"] == vexact.__version__ == package_version()
+    assert 'dynamic = ["version"]' in (root / "pyproject.toml").read_text()  # no second literal version
+
+
+def test_check_and_check_paths_share_their_arrangements():
+    import inspect
+
+    from vexact.cli import build_parser
+    from vexact.real.check import DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES, CheckSettings
+    from vexact.testing import check_paths
+
+    kw = {n: p.default for n, p in inspect.signature(check_paths).parameters.items()}
+    assert kw["batch_sizes"] == DEFAULT_BATCH_SIZES == CheckSettings().batch_sizes
+    assert kw["micro_batch_sizes"] == DEFAULT_MICRO_BATCH_SIZES == CheckSettings().micro_batch_sizes
+    args = build_parser().parse_args(["check"])
+    assert (args.batch_sizes, args.micro_batch_sizes) == (DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES)

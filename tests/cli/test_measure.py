@@ -181,3 +181,18 @@ def test_cli_measure_prints_and_writes_the_full_vocab_comparison(qwen3_ids_dir, 
     assert [report["metrics"][k] for k in FULL_VOCAB_KEYS] == [6, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     printed = capsys.readouterr().out
     assert "full-vocabulary comparison" in printed and "top-5 overlap mean" in printed
+
+
+def test_measure_random_prompts_and_the_old_spelling():
+    import warnings
+
+    from vexact.cli import build_parser
+
+    parser = build_parser()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling does not warn
+        assert parser.parse_args(["measure", "--model", "m", "--random-prompts", "4"]).random_prompts == 4
+    with pytest.warns(FutureWarning, match="--random is deprecated; use --random-prompts"):
+        assert parser.parse_args(["measure", "--model", "m", "--random", "3"]).random_prompts == 3
+    with pytest.raises(SystemExit), pytest.warns(FutureWarning):  # one source of prompts: not both spellings
+        parser.parse_args(["measure", "--model", "m", "--random", "3", "--random-prompts", "4"])

@@ -222,3 +222,21 @@ def test_config_error_is_value_error():
     assert issubclass(ConfigError, ValueError)
     err = ConfigError("expected a number > 0, got -1", "optimizer.lr")
     assert err.key == "optimizer.lr" and err.problem == "expected a number > 0, got -1"
+
+
+def test_lengths_are_config_errors_at_load_and_in_the_trainer():
+    from vexact.rl.config import ConfigError, RunConfig, config_from_dict
+    from vexact.rl.trainer import Trainer
+
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"max_seq_len": 10}})
+    assert e.value.key == "model.max_seq_len" and "too short" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"rollout": {"max_new_tokens": 3}})
+    assert e.value.key == "rollout.max_new_tokens"
+    cfg = RunConfig()  # built in Python: never validated by load_config
+    cfg.model.max_seq_len = 10
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg)
+    assert e.value.key == "model.max_seq_len"
+    config_from_dict({})  # counter-case: the defaults fit

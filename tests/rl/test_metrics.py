@@ -10,6 +10,7 @@ import torch
 
 from vexact.rl.metrics import (
     DEFAULT_BUCKETS,
+    LOG_RATIO_BOUND,
     bucket_name,
     is_weight_stats,
     mismatch_metrics,
@@ -361,3 +362,18 @@ def test_ratio_stats_errors():
         ratio_stats(f32(1.0, 1.0), 0.2, 0.2, f32(1.0))
     with pytest.raises(ValueError):
         ratio_stats(f32(), 0.2, 0.2, f32())
+
+
+def _chi2(bound: float) -> dict[str, float]:
+    train, roll = [torch.tensor([0.0, -1.0], dtype=torch.float64)], [torch.tensor([-30.0, -1.0], dtype=torch.float64)]
+    return mismatch_metrics(train, roll, log_ratio_bound=bound)
+
+
+def test_log_ratio_bound_reaches_the_chi2_metrics():
+    default = mismatch_metrics([torch.tensor([0.0, -1.0], dtype=torch.float64)],
+                               [torch.tensor([-30.0, -1.0], dtype=torch.float64)])
+    assert default == _chi2(LOG_RATIO_BOUND)  # the default is the config's default
+    five = _chi2(5.0)
+    assert five["rollout_corr/chi2_token"] == pytest.approx((math.exp(10.0) + 1.0) / 2 - 1.0, rel=1e-12)
+    assert five["rollout_corr/chi2_seq"] == pytest.approx(math.exp(10.0) - 1.0, rel=1e-12)
+    assert five["rollout_corr/chi2_token"] != default["rollout_corr/chi2_token"]  # counter-case: the bound bites

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vexact.rl.objective import aggregate, compute_advantages, k3_penalty, ppo_token_loss
+from vexact.rl.config import AlgorithmSection, CorrectionSection
+from vexact.rl.metrics import LOG_RATIO_BOUND
+from vexact.rl.objective import Anchors, Objective, aggregate, compute_advantages, k3_penalty, ppo_token_loss
 
 
 def test_grpo_advantages_hand_computed():
@@ -60,3 +63,17 @@ def test_k3_penalty_zero_at_equality_and_positive_otherwise():
     assert torch.equal(k3_penalty(a, a), torch.zeros(2))
     d = 0.3
     assert float(k3_penalty(torch.tensor([0.0]), torch.tensor([d]))) == pytest.approx(math.exp(d) - d - 1)
+
+
+def _ppo_kl(bound: float) -> float:
+    objective = Objective(AlgorithmSection(), CorrectionSection(log_ratio_bound=bound), 1.0, exact_training=False)
+    logp = torch.tensor([-30.0, -1.0], requires_grad=True)
+    old = torch.tensor([0.0, -1.0])
+    batch = SimpleNamespace(responses=[[1, 2]], logprobs=[old])
+    out = objective.loss_of(batch, [0], [logp], [torch.zeros(2)], torch.ones(1), Anchors([old], None, None), False)
+    return out.stats["actor/ppo_kl"]
+
+
+def test_log_ratio_bound_reaches_ppo_kl():
+    assert _ppo_kl(LOG_RATIO_BOUND) == pytest.approx(20.0 / 2)
+    assert _ppo_kl(5.0) == pytest.approx(5.0 / 2)
