@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from vexact.cli import COMMANDS, build_parser, main
+from vexact.real.check_report import check_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,3 +123,93 @@ def test_check_and_check_paths_share_their_arrangements():
     assert kw["micro_batch_sizes"] == DEFAULT_MICRO_BATCH_SIZES == CheckSettings().micro_batch_sizes
     args = build_parser().parse_args(["check"])
     assert (args.batch_sizes, args.micro_batch_sizes) == (DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES)
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_check_accepts_short_dtype_and_ends_with_a_verdict(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    assert main(["check", "--dtype", "bf16", "--backend", "exact", "--num-prompts", "3", "--max-new-tokens", "4",
+                 "--hidden-size", "32", "--intermediate-size", "64", "--batch-sizes", "all,1",
+                 "--micro-batch-sizes", "all", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["dtype"] == "bfloat16" and row["bitwise_equal"] == row["tokens"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("PASS: ") and "exact/bfloat16" in last and f"({row['tokens']} of" in last
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_check_verdict_fails_naming_the_exact_path():
+    ok = {"backend": "exact", "dtype": "float32", "tokens": 10, "bitwise_equal": 10, "sampling_batch_invariant": True}
+    native = {**ok, "backend": "native", "bitwise_equal": 3}
+    assert check_verdict([ok, native]).startswith("PASS: ")  # native makes no promise
+    bad = {**ok, "dtype": "bfloat16", "bitwise_equal": 7}
+    verdict = check_verdict([ok, bad, native])
+    assert verdict.startswith("FAIL: ") and "exact/bfloat16 (3 of 10 tokens differ)" in verdict
+    assert "native" not in verdict and "\n" not in verdict
+    assert "sampling not batch-invariant" in check_verdict([{**ok, "sampling_batch_invariant": False}])
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"vexact": parser, **{f"vexact {name}": p for name, p in sub.choices.items()}}
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_every_subcommand_and_every_flag_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {c.dest: bool(c.help) for c in sub._choices_actions} == dict.fromkeys(sub.choices, True)
+    missing = [f"{name} {action.option_strings or action.dest}" for name, p in _subcommands().items()
+               for action in p._actions
+               if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+               and not (action.help or "").strip()]
+    assert missing == []
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_every_flag_with_a_default_shows_it():
+    unshown = []
+    for name, p in _subcommands().items():
+        formatter = p._get_formatter()
+        for action in p._actions:
+            default = action.default
+            if (not action.option_strings or default is None or isinstance(default, bool) or default == []
+                    or default is argparse.SUPPRESS):
+                continue
+            if "default" not in formatter._get_help_string(action).lower():
+                unshown.append(f"{name} {action.option_strings}")
+    assert unshown == []
+    check_help = _subcommands()["vexact check"].format_help()
+    assert "(default: 24)" in check_help and "(default all,1,3" in check_help  # the shared check_paths default
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_defaults_read_as_typed_and_help_says_each_thing_once(monkeypatch):
+    """The help nits a newcomer found: a default shown as ``(None, 1, 3)`` in the CLI reference, "finished work is
+    kept; finished output is kept", an unwrapped epilogue in ``compare --help``, and ``--only``'s help saying every
+    KEY must match where a KEY given twice merges its values."""
+    from tools.docs_gen import _default
+
+    commands = _subcommands()
+    check = commands["vexact check"]
+    sizes = {a.dest: a for a in check._actions if a.dest in ("batch_sizes", "micro_batch_sizes")}
+    assert [_default(a) for a in sizes.values()] == ["`all,1,3`", "`all,1,5`"]  # the CLI reference's cells
+    assert check.parse_args([]).batch_sizes == (None, 1, 3)  # still parsed by the flag's type
+    for name, p in commands.items():
+        assert "finished output is kept" not in p.format_help() and p.epilog.count("is kept") == 1, name
+    monkeypatch.setenv("COLUMNS", "100")
+    text = commands["vexact compare"].format_help()
+    epilog = text[text.index("exit codes:"):]
+    assert len(epilog.splitlines()) > 1 and max(map(len, epilog.splitlines())) <= 100
+    assert "  vexact compare dump.jsonl                    one file holding both sides" in text  # laid out by hand
+    only = next(a for a in commands["vexact sweep"]._actions if a.dest == "only")
+    assert "every KEY must match" not in only.help and "a KEY given twice keeps the values of both" in only.help
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vexact {importlib.metadata.version('vexact')}"

@@ -14,7 +14,9 @@ import json
 import pytest
 import torch
 
-from vexact.cli import main
+from vexact.cli import build_parser, main
+from vexact.engine.model import DTYPE_ALIASES, resolve_dtype
+from vexact.real.locate import parse_locate_path
 from vexact.real.measure import MeasureSettings, parse_path, position_bins, run_measure
 from vexact.real.tiny import make_tiny_checkpoint
 
@@ -186,7 +188,6 @@ def test_cli_measure_prints_and_writes_the_full_vocab_comparison(qwen3_ids_dir, 
 def test_measure_random_prompts_and_the_old_spelling():
     import warnings
 
-    from vexact.cli import build_parser
 
     parser = build_parser()
     with warnings.catch_warnings():
@@ -196,3 +197,22 @@ def test_measure_random_prompts_and_the_old_spelling():
         assert parser.parse_args(["measure", "--model", "m", "--random", "3"]).random_prompts == 3
     with pytest.raises(SystemExit), pytest.warns(FutureWarning):  # one source of prompts: not both spellings
         parser.parse_args(["measure", "--model", "m", "--random", "3", "--random-prompts", "4"])
+
+
+def test_engine_and_path_specs_take_both_spellings():
+    for short, long in DTYPE_ALIASES.items():
+        if long in ("float32", "bfloat16"):
+            assert resolve_dtype(short) == resolve_dtype(long) == getattr(torch, long)
+            assert parse_path(f"native:{short}") == parse_path(f"native:{long}")
+            assert parse_locate_path(f"exact:{long}:train", "rollout").spec == parse_path(f"exact:{short}")
+    with pytest.raises(ValueError, match=r"DTYPE in float32 \(fp32\), bfloat16 \(bf16\)"):
+        parse_path("native:fp16")
+
+
+def test_measure_prints_the_chi2_footnote_with_long_dtype_names(tmp_path, capsys):
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=2, tokenizer=False)
+    assert main(["measure", "--model", str(model), "--random-prompts", "2", "--max-new-tokens", "4",
+                 "--rollout", "native:bfloat16", "--train", "exact:float32", "--no-full-vocab"]) == 0
+    out = capsys.readouterr().out
+    assert "native:bf16" in out and "exact:fp32" in out  # the long names name the same paths
+    assert "χ² token †" in out and "† χ² token: the token mean of ρ² − 1" in out and "slightly negative" in out

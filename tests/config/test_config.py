@@ -7,17 +7,22 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_trainer import EXPERIMENT
 
 from vexact.rl.config import (
+    KEY_ALIASES,
     AlgorithmSection,
     ConfigError,
     OptimizerSection,
     RunConfig,
     config_from_dict,
     config_hash,
+    dotted_items,
     load_config,
     save_config,
 )
+from vexact.rl.trainer import Trainer
+from vexact.sweeps.sweep import load_sweep_spec
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 
@@ -226,7 +231,6 @@ def test_config_error_is_value_error():
 
 def test_lengths_are_config_errors_at_load_and_in_the_trainer():
     from vexact.rl.config import ConfigError, RunConfig, config_from_dict
-    from vexact.rl.trainer import Trainer
 
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"max_seq_len": 10}})
@@ -240,3 +244,108 @@ def test_lengths_are_config_errors_at_load_and_in_the_trainer():
         Trainer(cfg)
     assert e.value.key == "model.max_seq_len"
     config_from_dict({})  # counter-case: the defaults fit
+
+
+def _error(d: dict, overrides: list[str] = ()) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(d, overrides)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_short_and_long_dtype_names_are_one_config(tmp_path):
+    short = config_from_dict({"dtype": "bf16", "rollout": {"dtype": "fp32"},
+                              "inject": {"mode": "kernel", "kernel_dtype": "bf16", "precision": "fp16"}})
+    long = config_from_dict({"dtype": "bfloat16", "rollout": {"dtype": "float32"},
+                             "inject": {"mode": "kernel", "kernel_dtype": "bfloat16", "precision": "float16"}})
+    assert (short.dtype, short.rollout.dtype, short.inject.kernel_dtype, short.inject.precision) == (
+        "bfloat16", "float32", "bfloat16", "float16")
+    assert short == long and config_hash(short) == config_hash(long)
+    save_config(short, tmp_path / "config.yaml")  # what --resume compares against: the long names
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["dtype"] == "bfloat16" and saved["rollout"]["dtype"] == "float32"
+    assert load_config(tmp_path / "config.yaml") == short
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_override_with_short_dtype_and_error_lists_both_spellings():
+    assert config_from_dict({}, ["dtype=bf16"]).dtype == "bfloat16"
+    err = _error({}, ["dtype=fp16"])  # the model computes in fp32 or bf16 only
+    assert err.key == "dtype"
+    assert "'float32', 'bfloat16' (also spelled 'fp32', 'bf16'), got 'fp16'" in str(err)
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_dotted_key_below_a_value_says_it_is_not_a_section():
+    err = _error({"steps": 200}, ["steps.x=1"])
+    assert str(err).startswith("config error at 'steps.x': 'steps' is not a section (it takes an integer >= 1)")
+    assert "expected an integer" not in str(err)
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_dotted_keys_create_an_optional_section():
+    overrides = ["inject.mode=logit_noise", "inject.target.metric=mismatch/abs_dlogp_mean", "inject.target.value=1e-3"]
+    target = config_from_dict({}, overrides).inject.target
+    assert (target.metric, target.value) == ("mismatch/abs_dlogp_mean", 1e-3)
+    # value alone: metric has a default (rollout_corr/k3_kl); an existing target is updated key by key
+    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.target.value=0.5"]).inject.target.metric == \
+        "rollout_corr/k3_kl"
+    base = {"inject": {"mode": "logit_noise", "target": {"metric": "mismatch/abs_dlogp_mean", "value": 0.1}}}
+    assert config_from_dict(base, ["inject.target.value=0.2"]).inject.target.value == 0.2
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_a_target_without_its_value_is_one_error():
+    err = _error({}, ["inject.mode=logit_noise", "inject.target.metric=rollout_corr/k3_kl"])
+    assert err.key == "inject.target.value" and "required key missing: 'inject.target' needs 'value'" in str(err)
+    assert _error({"inject": {"mode": "logit_noise", "target": {}}}).key == "inject.target.value"
+    assert config_from_dict({"inject": {"target": None}}).inject.target is None  # null: no target at all
+
+
+def _sweep(tmp_path: Path, **spec) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": str(EXPERIMENT), "output_dir": str(tmp_path / "out"),
+                                    **spec}))
+    return path
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_sweep_grid_over_a_target_value_and_a_verl_key(tmp_path):
+    target = {"inject.mode": "logit_noise", "inject.target.metric": "rollout_corr/k3_kl"}
+    spec = load_sweep_spec(_sweep(tmp_path, set=target,
+                                  grid={"inject.target.value": [1e-3, 1e-2], "algorithm.clip_ratio_low": [0.1]}))
+    assert [p.config.inject.target.value for p in spec.points] == [1e-3, 1e-2]
+    assert all(p.config.algorithm.clip_low == 0.1 for p in spec.points)
+    with pytest.raises(ConfigError, match="verl's and vexact's spelling"):
+        load_sweep_spec(_sweep(tmp_path, set={"algorithm.clip_low": 0.2}, grid={"algorithm.clip_ratio_low": [0.1]}))
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_verl_spellings_are_stored_as_vexact_keys():
+    cfg = config_from_dict({"rollout": {"n": 4, "response_length": 24},
+                            "algorithm": {"clip_ratio_low": 0.1, "clip_ratio_high": 0.3, "entropy_coeff": 0.01,
+                                          "loss_agg_mode": "seq-mean-token-mean", "adv_estimator": "rloo",
+                                          "norm_adv_by_std_in_grpo": False, "kl_loss_coef": 0.05},
+                            "optimizer": {"lr_warmup_steps": 3}})
+    assert (cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens) == (4, 24)
+    a = cfg.algorithm
+    assert (a.clip_low, a.clip_high, a.entropy_coef, a.loss_agg, a.advantage, a.std_normalize, a.kl_coef) == (
+        0.1, 0.3, 0.01, "seq_mean", "rloo", False, 0.05)
+    assert cfg.optimizer.warmup_steps == 3
+    saved = cfg.to_dict()
+    assert "clip_ratio_low" not in saved["algorithm"] and saved["algorithm"]["loss_agg"] == "seq_mean"
+    assert config_from_dict({}, ["algorithm.clip_ratio_high=0.4", "rollout.n=2"]).rollout.samples_per_prompt == 2
+    keys = dotted_items(config_from_dict({}).to_dict())
+    for alias, key in KEY_ALIASES.items():  # every alias names a real key and shadows none
+        assert key in keys and alias not in keys
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_both_spellings_of_one_key_are_an_error():
+    err = _error({"algorithm": {"clip_ratio_low": 0.1, "clip_low": 0.2}})
+    assert err.key == "algorithm.clip_ratio_low" and "keep only one" in str(err)
+    err = _error({}, ["algorithm.clip_low=0.2", "algorithm.clip_ratio_low=0.1"])
+    assert "--set algorithm.clip_low=0.2 and --set algorithm.clip_ratio_low=0.1 set the same key" in str(err)
+    err = _error({"algorithm": {"clip_ratio_low": -1}})  # a bad value names the spelling the file used
+    assert err.key == "algorithm.clip_low" and "(written as 'algorithm.clip_ratio_low')" in str(err)

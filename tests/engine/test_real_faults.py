@@ -12,7 +12,9 @@ import os
 import shutil
 import struct
 import zipfile
+from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,7 +23,7 @@ from vexact import Transformer, from_pretrained
 from vexact.cli import main
 from vexact.real import pretrained
 from vexact.real.measure import MeasureSettings, run_measure
-from vexact.real.pretrained import load_tokenizer, model_config_from_hf
+from vexact.real.pretrained import load_tokenizer, model_config_from_hf, read_checkpoint_config
 from vexact.real.tiny import TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -395,3 +397,25 @@ def test_expected_shapes_are_the_transformers_parameters(variant):
     assert {n: s for n, (s, _) in pretrained._expected_shapes(config).items()} == {
         n: tuple(p.shape) for n, p in model.named_parameters()}
     assert pretrained._param_count(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_hub_id_is_answered_with_how_to_get_a_local_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at its import
+    with pytest.raises(ValueError) as info:
+        read_checkpoint_config(Path("Qwen/Qwen2.5-0.5B"))
+    message = str(info.value)
+    assert message.startswith("checkpoint directory not found: Qwen/Qwen2.5-0.5B")
+    assert "downloads nothing at run time" in message
+    assert "huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir models/Qwen2.5-0.5B" in message
+    assert "--model models/Qwen2.5-0.5B" in message and "cache" not in message
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")  # what huggingface_hub writes with a download
+    with pytest.raises(ValueError, match=f"a copy is in your Hugging Face cache: --model {snapshot}"):
+        read_checkpoint_config(Path("Qwen/Qwen2.5-0.5B"))
+    with pytest.raises(ValueError) as info:  # an absolute path is no hub id
+        read_checkpoint_config(tmp_path / "missing")
+    assert str(info.value) == f"checkpoint directory not found: {tmp_path / 'missing'}"

@@ -7,6 +7,7 @@ Each case asserts that nothing finished is lost and the resumed run is bit-ident
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -22,7 +23,14 @@ from test_trainer import _short
 from tools.studies.same_runs import same_run
 from vexact.cli import main
 from vexact.records import runlog
-from vexact.records.runlog import RunLocked, checkpoint_dirs, latest_checkpoint, read_metrics, run_lock
+from vexact.records.runlog import (
+    RunLocked,
+    checkpoint_dirs,
+    discard_if_interrupted_early,
+    latest_checkpoint,
+    read_metrics,
+    run_lock,
+)
 from vexact.rl.trainer import Trainer
 
 BOUNDARIES = ("checkpoint.safetensors", "optimizer.pt", "trainer_state.json", "manifest.json", "publish")
@@ -189,7 +197,6 @@ def test_only_rank_0_probes_the_run_lock(tmp_path, reference, monkeypatch):
     """Every rank of ``vexact run --nproc`` / torchrun checks the run directory before it starts; if each also probed
     the lock, two ranks probing at once would refuse each other (seen in CI). A rank other than 0 leaves the lock to
     rank 0: here it passes the check while the directory is held, where rank 0 is refused."""
-    import argparse
 
     from vexact.rl.run_launch import check_run_dir
 
@@ -361,3 +368,57 @@ def test_same_runs_finds_a_repeat_identical_and_another_seed_different(tmp_path,
     assert main([str(reference), str(tmp_path / "nothing")]) == 2
     with pytest.raises(SystemExit):
         main([str(reference)])
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_interrupt_during_warm_start_removes_the_new_run_dir(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vexact.rl.trainer.warm_start", interrupted)
+    cfg = _short(tmp_path, "run")
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, Console(quiet=True)).run()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_interrupt_in_the_first_step_removes_it_too_but_a_finished_step_is_kept(tmp_path, monkeypatch):
+    real_step = Trainer.step
+    calls = []
+
+    def step(self, number):
+        calls.append(number)
+        if len(calls) > stop_after:
+            raise KeyboardInterrupt
+        return real_step(self, number)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    stop_after = 0
+    summary = Trainer(_short(tmp_path, "none", "warm_start.steps=0"), Console(quiet=True)).run()
+    assert summary["status"] == "interrupted" and not (tmp_path / "none").exists()
+    stop_after, calls[:] = 1, []
+    summary = Trainer(_short(tmp_path, "one", "warm_start.steps=0"), Console(quiet=True)).run()
+    assert summary["status"] == "interrupted" and summary["steps_completed"] == 1
+    assert len(runlog.read_metrics(tmp_path / "one" / "metrics.jsonl")) == 1  # finished: kept for --resume
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_discard_keeps_existing_dirs_and_anything_finished(tmp_path):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(KeyboardInterrupt), discard_if_interrupted_early(existing, log=lambda _: None):
+        raise KeyboardInterrupt
+    assert existing.is_dir()  # not created by this run
+    for name, content in (("metrics.jsonl", '{"step": 0}\n'), ("notes.txt", "mine")):
+        run = tmp_path / name
+        with pytest.raises(KeyboardInterrupt), discard_if_interrupted_early(run, log=lambda _: None):
+            run.mkdir()
+            (run / "config.yaml").write_text("{}")
+            (run / name).write_text(content)
+            raise KeyboardInterrupt
+        assert (run / name).read_text() == content
+    fresh = tmp_path / "fresh"
+    with discard_if_interrupted_early(fresh, log=lambda _: None):  # no interrupt: nothing is removed
+        fresh.mkdir()
+    assert fresh.is_dir()

@@ -19,22 +19,26 @@ import threading
 import time
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 import yaml
 from conftest import require_optional
 from rich.console import Console
 from safetensors.torch import load_file
-from test_trainer import EXPERIMENT, _without_timing
+from test_trainer import EXPERIMENT, _short, _without_timing
 
 from vexact.cli import main
+from vexact.real.pretrained import read_checkpoint_config
 from vexact.records import atomic, metrics_log
 from vexact.records.metrics_log import NON_FINITE, MetricsDamaged, decode_non_finite, read_metrics
-from vexact.records.runlog import MetricsWriter, latest_checkpoint
+from vexact.records.runlog import MetricsWriter, latest_checkpoint, save_checkpoint
 from vexact.reports import sweep_table
 from vexact.reports.sweep_report import write_report
 from vexact.reports.sweep_table import group_markdown, group_table
 from vexact.rl import collapse
+from vexact.rl.config import load_config, save_config
+from vexact.rl.trainer import Trainer
 from vexact.sweeps import ray_executor
 from vexact.sweeps.markdown_table import markdown_table
 from vexact.sweeps.sweep import load_sweep_spec, run_sweep
@@ -115,7 +119,6 @@ time.sleep(600)
 @pytest.mark.slow
 def test_a_killed_lock_holder_does_not_block_the_warm_start(tmp_path, capsys):
     """The lock is the OS's (flock): when its holder is killed mid-training, the next process trains."""
-    from vexact.rl.config import load_config
     from vexact.rl.warmstart import warm_start_lock_path
 
     cache = tmp_path / "cache"
@@ -236,7 +239,6 @@ def test_every_must_not_tear_file_goes_through_the_helper():
 
 def test_config_yaml_and_measure_summaries_are_published_through_the_helper(tmp_path, monkeypatch):
     from vexact.real.measure import write_report_json
-    from vexact.rl.config import load_config, save_config
 
     published = []
     monkeypatch.setattr(atomic, "_before_rename", lambda tmp, path: published.append(path.name))
@@ -389,9 +391,7 @@ def _hub_cache(root: Path, revisions: dict[str, float]) -> Path:
 
 
 def test_hub_cache_lookup_follows_refs_main_not_the_newest_snapshot(tmp_path, monkeypatch):
-    import huggingface_hub.constants
 
-    from vexact.real.pretrained import read_checkpoint_config
 
     repo = _hub_cache(tmp_path, {"aaa111": 1_000_000, "bbb222": 2_000_000})
     (repo / "refs" / "main").write_text("aaa111")  # main is the older snapshot
@@ -477,3 +477,29 @@ def test_no_second_markdown_table_writer():
         if path.name in ("markdown_table.py", "docs_gen.py"):
             continue
         assert '"| " + " | ".join' not in path.read_text(), path  # how a table row is built
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+@pytest.mark.parametrize("umask", [0o027, 0o002])
+def test_checkpoint_files_get_the_umask_mode(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        model = torch.nn.Linear(2, 2)
+        directory = save_checkpoint(tmp_path, model, torch.optim.AdamW(model.parameters()), {"next_step": 1})
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in directory.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask) and "checkpoint.safetensors" in modes
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_warm_start_cache_and_run_checkpoints_get_the_umask_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        Trainer(_short(tmp_path, "run", "steps=1", "warm_start.steps=2", f"warm_start.cache_dir={tmp_path / 'cache'}"),
+                Console(quiet=True)).run()  # a cache of its own: the entry is written here, under this umask
+    finally:
+        os.umask(old)
+    (cached,) = (tmp_path / "cache").glob("*.safetensors")
+    (checkpoint,) = (tmp_path / "run" / "checkpoints").glob("*/checkpoint.safetensors")
+    assert cached.stat().st_mode & 0o777 == checkpoint.stat().st_mode & 0o777 == 0o644
