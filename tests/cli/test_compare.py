@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
+import subprocess
 import sys
 from pathlib import Path
 
@@ -573,3 +575,49 @@ def test_compare_benchmark_smoke(tmp_path):
     assert record["benchmark"] == "compare" and [r["format"] for r in record["results"]] == formats
     for row in record["results"]:
         assert row["correct"] and row["exit_code"] == 0 and row["tokens_per_s"] > 0 and row["peak_rss_mb"] > 0
+
+
+def _compare(capsys, *args: str) -> tuple[int, str]:
+    code = main(["compare", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_compare_refuses_a_positive_log_prob_naming_file_line_and_id(tmp_path, capsys):
+    """+0.7 is a probability of 2: not a log-prob. Up to +1e-3 (rounding of a near-certain token) is accepted."""
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"id": "a", "rollout_log_probs": [-0.5, -0.1], "old_log_probs": [-0.5, -0.1]}\n'
+                   '{"id": "b", "rollout_log_probs": [-0.2, 0.7], "old_log_probs": [-0.2, 0.7]}\n')
+    code, err = _compare(capsys, one)
+    assert code == 2 and err.startswith(f"error: {one}:2: id 'b': 'rollout_log_probs'[1] is 0.7: a log-prob is at "
+                                        "most 0 (accepted up to +0.001"), err
+    assert "probability of 2.014" in err and err.count("\n") == 1
+
+    roll, train = tmp_path / "roll.jsonl", tmp_path / "train.jsonl"
+    roll.write_text('{"id": 1, "logprobs": [-0.3, 0.0005]}\n')  # within the rounding tolerance
+    train.write_text('{"id": 1, "logprobs": [-0.3, 0.002]}\n')
+    code, err = _compare(capsys, roll, train)
+    assert code == 2 and f"{train}:1: id 1: 'logprobs'[1] is 0.002" in err, err
+    train.write_text('{"id": 1, "logprobs": [-0.3, 0.0005]}\n')
+    assert _compare(capsys, roll, train)[0] == 0
+
+    tensors = tmp_path / "batch.pt"
+    logp = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 3.5, -0.6]])
+    torch.save({"rollout_log_probs": logp, "old_log_probs": logp, "response_mask": torch.ones(2, 3)}, tensors)
+    code, err = _compare(capsys, tensors)
+    assert code == 2 and f"{tensors}: row 1: 'rollout_log_probs' at column 1 is 3.5: a log-prob" in err, err
+
+
+@pytest.mark.slow
+def test_a_hostile_torch_file_gets_the_error_line_and_nothing_before_it(tmp_path):
+    """torch's weights-only unpickler warns about the pickle protocol before refusing; that warning is noise."""
+    path = tmp_path / "hostile.pt"
+    path.write_bytes(pickle.dumps(_Hostile(), protocol=4))
+    done = subprocess.run([sys.executable, "-m", "vexact", "compare", str(path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert done.returncode == 2
+    assert done.stderr == f"error: refusing to unpickle {path}: not a plain tensor file\n", done.stderr
+
+
+class _Hostile:
+    def __reduce__(self):
+        return (os.system, ("echo owned",))

@@ -349,3 +349,27 @@ def test_both_spellings_of_one_key_are_an_error():
     assert "--set algorithm.clip_low=0.2 and --set algorithm.clip_ratio_low=0.1 set the same key" in str(err)
     err = _error({"algorithm": {"clip_ratio_low": -1}})  # a bad value names the spelling the file used
     assert err.key == "algorithm.clip_low" and "(written as 'algorithm.clip_ratio_low')" in str(err)
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    (["inject.value=0.5"], "inject.value", ["would inject nothing", "no inject.mode", "logit_noise"]),
+    (["inject.mode=logit_noise"], "inject.mode", ["needs inject.value", "sigma", "inject.target"]),
+    (["inject.mode=logit_scale"], "inject.mode", ["needs inject.value", "epsilon"]),
+    (["inject.mode=top_k"], "inject.mode", ["needs inject.value"]),
+    (["inject.mode=precision", "inject.value=0.3"], "inject.value", ["not used by mode 'precision'",
+                                                                      "inject.precision"]),
+])
+def test_an_injection_that_would_do_nothing_is_refused(overrides, key, words):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({}, overrides)
+    assert err.value.key == key and all(w in str(err.value) for w in words), str(err.value)
+    assert f"(from --set {overrides[-1] if key == 'inject.value' else overrides[0]})" in str(err.value)
+
+
+def test_what_injection_configs_may_still_say():
+    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.value=0"]).inject.value == 0.0  # a baseline
+    assert config_from_dict({}, ["inject.mode=logit_noise", "inject.target.value=0.01"]).inject.target.value == 0.01
+    assert config_from_dict({}, ["inject.mode=precision"]).inject.mode == "precision"  # no knob needed
+    assert config_from_dict({"inject": {"mode": "none", "value": 0.0}}).inject.mode == "none"  # as saved
+    saved = config_from_dict({}, ["inject.mode=top_p", "inject.value=0.9"]).to_dict()
+    assert config_from_dict(saved).inject.value == 0.9  # a saved config.yaml loads as it was

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import warm_start_cache
 from rich.console import Console
 from safetensors.torch import load_file
 
 from vexact.cli import main
 from vexact.records.runlog import latest_checkpoint, read_metrics
-from vexact.rl.config import config_from_dict, load_config
+from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
@@ -219,3 +221,79 @@ def test_warm_start_seed_fixes_the_starting_policy_across_run_seeds():
     assert fixed1.policy_seed == 0 and plain1.policy_seed == 1
     a, b = Trainer(fixed1, Console(quiet=True)), Trainer(plain0, Console(quiet=True))
     assert all(torch.equal(x, y) for x, y in zip(a.master.state_dict().values(), b.master.state_dict().values()))
+
+
+def _error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_cli_injection_errors_are_one_line(tmp_path, capsys, one_torch_thread):
+    config = _tiny(tmp_path)
+    err = _error(["run", str(config), "--set", "inject.value=0.5"], capsys)
+    assert "inject.value" in err and "inject.mode" in err
+    err = _error(["run", str(config), "--set", "inject.mode=logit_noise"], capsys)
+    assert "needs inject.value" in err
+    assert not (tmp_path / "runs").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n"])
+def test_an_empty_config_file_is_refused(tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(path)
+    err = _error(["run", str(path)], capsys)
+    assert str(path) in err and "{}" in err
+    (tmp_path / "braces.yaml").write_text("{}\n")  # the way to ask for every default
+    assert load_config(tmp_path / "braces.yaml").name == "run"
+
+
+def _tiny(tmp_path: Path) -> Path:
+    spec = yaml.safe_load(EXPERIMENT.read_text())
+    spec.update(steps=2, threads=1, output_dir=str(tmp_path / "runs" / "tiny"))
+    spec["warm_start"].update(steps=5, cache_dir=str(tmp_path / "cache"))
+    spec["rollout"].update(prompts_per_step=2, samples_per_prompt=2)
+    spec["task"]["eval_prompts"] = 4
+    spec["logging"].update(live=False, eval_every=1, checkpoint_every=1)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_resume_of_a_run_that_does_not_exist_is_refused(tmp_path, capsys):
+    config = _tiny(tmp_path)
+    never = tmp_path / "runs" / "never"
+    err = _error(["run", str(config), "--resume", f"--set=output_dir={never}"], capsys)
+    assert f"cannot resume {never}: there is no run there" in err
+    assert shlex.join(["vexact", "run", str(config), f"--set=output_dir={never}"]) in err  # the command to start it
+    assert not never.exists()  # refused before anything was written
+    never.mkdir(parents=True)  # a directory, but no run in it
+    assert "holds no config.yaml" in _error(["run", str(never), "--resume"], capsys)
+
+
+def test_run_directory_resume_collision_and_rename(tmp_path, capsys, one_torch_thread):
+    config = _tiny(tmp_path)
+    run_dir = tmp_path / "runs" / "tiny"
+    assert main(["run", str(config)]) == 0
+    capsys.readouterr()
+
+    # a second start into the same directory: the error spells out both ways on
+    err = _error(["run", str(config), "--set=seed=1"], capsys)
+    assert f"to continue it: vexact run {run_dir} --resume" in err
+    rename = shlex.join(["vexact", "run", str(config), "--set=seed=1", f"--set=output_dir={run_dir}-2"])
+    assert f"to start another beside it: {rename}" in err, err
+    assert main(shlex.split(rename)[1:]) == 0  # the suggested command works as printed
+    assert len(read_metrics(Path(f"{run_dir}-2") / "metrics.jsonl")) == 2
+    capsys.readouterr()
+
+    # the run directory alone resumes from its own config.yaml: no --set repeated; more steps with --allow-change
+    assert main(["run", str(run_dir), "--resume", "--set=steps=3", "--allow-change=steps"]) == 0
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    capsys.readouterr()
+    err = _error(["run", str(run_dir), "--resume", "--set=seed=5"], capsys)  # still the run's own config
+    assert "different config" in err and "seed" in err
+    err = _error(["run", str(run_dir)], capsys)  # a directory without --resume: say both commands
+    assert f"vexact run {run_dir} --resume" in err and f"vexact run {run_dir / 'config.yaml'} --set name=" in err
