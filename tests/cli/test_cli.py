@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from test_run_faults import _write_config
+from test_sweep_faults import _cli_error
 
 from vexact.cli import COMMANDS, build_parser, main
+from vexact.engine import model as model_module
+from vexact.real.check import CheckSettings, check_units, run_check
 from vexact.real.check_report import check_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,3 +219,64 @@ def test_version(capsys):
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"vexact {importlib.metadata.version('vexact')}"
+
+
+def test_check_generates_at_one_thread_by_default_and_its_probes_still_cover_the_machines_threads():
+    from vexact.cli import build_parser
+    from vexact_kernels.host_guard import MACHINE_THREADS
+
+    assert build_parser().parse_args(["check"]).threads == 1
+    settings = CheckSettings(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, num_prompts=2, max_prompt_len=4, max_new_tokens=3, threads=1)
+    seen = []
+
+    class Recorder:
+        def running(self, text: str) -> None:
+            seen.append(text)
+
+        def advance(self, said: str | None = None, always: bool = False) -> None:
+            seen.append("done")
+
+    before = torch.get_num_threads()
+    try:
+        (row,) = run_check(settings, ("exact",), progress=Recorder())
+    finally:
+        torch.set_num_threads(before)
+    assert seen.count("done") == check_units(settings) == 3 + 9
+    assert seen[0] == "exact/fp32: generating all at once"
+    assert row["threads"] == 1
+    # Every probe that passed (so its faster path is in use) was checked at the machine's thread count too. The
+    # report lists every class this process probed, also those earlier tests probed at another count and the check
+    # never used, so "checked at 1 thread" holds only for the classes probed first here.
+    # A class that calls the library with 1 thread by construction (bf16 weight gradients: "one-thread") is probed at
+    # 1 thread only: no other count ever runs it.
+    passed = [p for p in row["kernel_paths"]["probes"] if p["passed"] and not p["shape_class"].endswith("one-thread")]
+    assert all(MACHINE_THREADS in p["threads_checked"] for p in passed)  # (fixed-order mode probes nothing)
+
+
+@pytest.mark.parametrize("flag", ["--num-experts-per-tok", "--moe-intermediate-size"])
+def test_check_expert_flags_without_experts_are_one_error_before_the_check(flag, capsys, monkeypatch):
+    def no_check(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr("vexact.real.check.run_check", no_check)
+    line = _cli_error(capsys, monkeypatch, "check", flag, "2")
+    assert f"{flag} sets the mixture of experts, but the model has none: give --num-experts" in line
+
+
+def test_check_json_to_an_unwritable_path_fails_before_the_check(tmp_path, capsys, monkeypatch):
+    def no_check(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr("vexact.real.check.run_check", no_check)
+    (tmp_path / "a_file").write_text("")
+    line = _cli_error(capsys, monkeypatch, "check", "--json", str(tmp_path / "a_file" / "check.json"))
+    assert f"--json: cannot write {tmp_path / 'a_file' / 'check.json'}" in line
+
+
+def test_the_memory_error_of_an_expert_count_names_num_experts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(model_module, "available_memory", lambda: 16 << 30)  # a laptop's 16 GiB, on any machine
+    line = _cli_error(capsys, monkeypatch, "run", str(_write_config(tmp_path, "moe")), "--set",
+                      "model.num_experts=100000")
+    assert "model.num_experts=100,000" in line and "model.hidden_size=64" in line
+    assert not (tmp_path / "moe").exists()

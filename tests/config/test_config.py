@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_sweep_faults import _cli_error
 from test_trainer import EXPERIMENT
 
 from vexact.rl.config import (
@@ -373,3 +374,53 @@ def test_what_injection_configs_may_still_say():
     assert config_from_dict({"inject": {"mode": "none", "value": 0.0}}).inject.mode == "none"  # as saved
     saved = config_from_dict({}, ["inject.mode=top_p", "inject.value=0.9"]).to_dict()
     assert config_from_dict(saved).inject.value == 0.9  # a saved config.yaml loads as it was
+
+
+@pytest.mark.parametrize("name,problem", [("../elsewhere", "leaves the runs directory"), ("a/b", "a path separator"),
+                                          ("/tmp/abs", "an absolute path"), ("a\\b", "a backslash"),
+                                          ("..", "leaves the runs directory"), ("", "an empty name")])
+def test_run_names_that_leave_the_runs_directory_are_refused(name, problem):
+    with pytest.raises(ConfigError, match=f"config error at 'name': expected a plain folder name .*: .*{problem}"):
+        config_from_dict({"name": name})
+
+
+def test_a_name_is_a_label_when_output_dir_is_set_but_never_leaves_with_dot_dot(tmp_path):
+    assert config_from_dict({"name": "sweep/point", "output_dir": str(tmp_path)}).name == "sweep/point"
+    with pytest.raises(ConfigError, match="config error at 'name': expected a relative label"):
+        config_from_dict({"name": "../x", "output_dir": str(tmp_path)})
+
+
+def test_a_run_name_with_dot_dot_is_one_cli_error_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.yaml"
+    config.write_text("name: ../outside\nsteps: 1\n")
+    line = _cli_error(capsys, monkeypatch, "run", str(config))
+    assert "config error at 'name'" in line and "'../outside'" in line
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("raw,key,says", [
+    ({"algorithm": {"clip_low": 1.0}}, "algorithm.clip_low", "expected a number >= 0 and < 1, got 1.0"),
+    ({"algorithm": {"clip_ratio_low": 1.5}}, "algorithm.clip_low", "< 1, got 1.5 (written as"),
+    ({"algorithm": {"clip_high": -0.1}}, "algorithm.clip_high", "expected a number >= 0"),
+    ({"rollout": {"samples_per_prompt": 1}}, "rollout.samples_per_prompt", "'grpo' compares the samples"),
+    ({"rollout": {"samples_per_prompt": 1}, "algorithm": {"advantage": "rloo"}}, "rollout.samples_per_prompt",
+     "a group of 1 sample has advantage 0"),
+    ({"rollout": {"samples_per_prompt": 1, "prompts_per_step": 1}, "algorithm": {"advantage": "reinforce"},
+      "distributed": {"leaves": 1}}, "rollout.prompts_per_step", "a batch of 1 sample has advantage 0"),
+    ({"rollout": {"temperature": 0}}, "rollout.temperature", "expected a number > 0, got 0"),
+    ({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.5, "onset_step": 10}}, "inject.onset_step",
+     "would inject nothing"),
+    ({"steps": 10, "inject": {"mode": "precision", "onset_step": 12}}, "inject.onset_step", "would inject nothing"),
+])
+def test_settings_that_can_never_learn_or_inject_are_refused_naming_the_key(raw, key, says):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw)
+    assert str(err.value).startswith(f"config error at '{key}': ") and says in str(err.value)
+
+
+def test_the_meaningful_neighbours_are_accepted():
+    config_from_dict({"rollout": {"samples_per_prompt": 1}, "algorithm": {"advantage": "reinforce"}})
+    config_from_dict({"algorithm": {"clip_low": 0.0, "clip_high": 0.0}})
+    config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.0, "onset_step": 50}})  # a baseline
+    config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.5, "onset_step": 9}})

@@ -113,3 +113,21 @@ def _deep_file(tmp_path: Path, name: str, text: str) -> str:
 def test_nesting_20000_deep_is_one_error_not_a_recursion_error(tmp_path, capsys, monkeypatch, argv):
     line = _cli_error(capsys, monkeypatch, *argv(tmp_path))
     assert f"nested deeper than {MAX_YAML_DEPTH} levels (line 1, column" in line
+
+
+def test_a_sweep_points_bad_value_names_the_variant_grid_or_set_it_came_from(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("base: {steps: 2}\ngrid: {seed: [0]}\nvariants: {good: {optimizer.lr: 0.001}, bad: "
+                    "{optimizer.lr: -1}}\n")
+    with pytest.raises(ConfigError, match=r"got -1 \(from variants\.bad\.optimizer\.lr\)") as e:
+        load_sweep_spec(path)
+    assert "--set" not in str(e.value)
+    path.write_text("base: {steps: 2}\ngrid: {optimizer.lr: [-1]}\n")
+    with pytest.raises(ConfigError, match=r"got -1 \(from the grid's optimizer\.lr\)"):
+        load_sweep_spec(path)
+    path.write_text("base: {steps: 2}\ngrid: {seed: [0]}\nset: {optimizer.eps: 0}\n")
+    with pytest.raises(ConfigError, match=r"got 0 \(from set\.optimizer\.eps\)"):
+        load_sweep_spec(path)
+    path.write_text("base: {steps: 2}\ngrid: {seed: [0]}\n")
+    with pytest.raises(ConfigError, match=r"got 0 \(from --set optimizer\.eps=0\)"):  # the command line's own
+        load_sweep_spec(path, overrides=["optimizer.eps=0"])

@@ -8,8 +8,12 @@ import sys
 import pytest
 import torch
 from conftest import random_prompts, tiny_model
+from test_run_faults import _write_config
+from test_sweep_faults import _cli_error, _sweep_file
 
 from vexact import ModelConfig, Transformer, generate, token_logprobs
+from vexact.engine import model as model_module
+from vexact.engine.model import ModelTooLarge, parameter_count
 from vexact_kernels import get_ops
 
 
@@ -138,3 +142,36 @@ def test_unknown_backend_and_dtype():
     with pytest.raises(ValueError, match="unknown backend"):
         model.backend = "nope"
     assert model.backend == "exact"
+
+
+@pytest.mark.parametrize("sizes", [{"hidden_size": 10**6, "num_heads": 4}, {"num_layers": 10**5},
+                                   {"vocab_size": 10**9}])
+def test_absurd_model_sizes_are_refused_before_allocating(sizes, monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated")
+
+    monkeypatch.setattr(model_module, "available_memory", lambda: 16 << 30)  # a laptop's 16 GiB, on any machine
+
+    config = ModelConfig(**{"vocab_size": 97, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                            "intermediate_size": 176, **sizes})
+    monkeypatch.setattr(torch.nn.Embedding, "__init__", no_allocation)
+    with pytest.raises(ModelTooLarge) as err:
+        Transformer(config)
+    message = str(err.value)
+    for name, value in sizes.items():
+        assert f"ModelConfig.{name}={value:,}" in message
+    assert f"{parameter_count(config):,} parameters" in message and "of memory available" in message
+
+
+def test_a_model_that_does_not_fit_the_available_memory_is_one_error_naming_the_sizes(tmp_path, capsys,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(model_module, "available_memory", lambda: 64 << 10)  # a machine with 64 KiB free
+    with pytest.raises(ModelTooLarge, match=r"need about \d+ KiB, but this machine has 64 KiB of memory available"):
+        Transformer(ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=176))
+    line = _cli_error(capsys, monkeypatch, "run", str(_write_config(tmp_path, "big")))
+    assert "model.hidden_size=64" in line and "the vocabulary of task reverse=" in line
+    assert "AdamW moments need about" in line
+    assert not (tmp_path / "big").exists()  # refused before anything was written
+    line = _cli_error(capsys, monkeypatch, "sweep", str(_sweep_file(tmp_path, "sbig", grid={"seed": [0]})))
+    assert "model.hidden_size=64" in line and not (tmp_path / "sbig").exists()

@@ -18,12 +18,14 @@ from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact.engine.model import MOE_FIELDS, ModelConfigError, Routing, parameter_count
 from vexact.engine.sampling import counter_uniform
 from vexact.engine.scoring import token_routing
+from vexact.records.runlog import read_metrics
 from vexact.rl.collect import RolloutBatch
 from vexact.rl.config import config_from_dict
 from vexact.rl.inject import Injector
 from vexact.rl.inject_modes import INJECT_MODES, flip_hook
 from vexact.rl.metrics import routing_metrics
 from vexact.rl.objective import Objective
+from vexact.rl.trainer import Trainer
 from vexact.rl.validate import ConfigError
 from vexact_kernels import moe_exact
 
@@ -249,9 +251,6 @@ def test_the_routing_flip_mode_plans_a_route_hook():
 
 def test_a_training_run_records_flips_and_replay_removes_their_mismatch(tmp_path):
     def run(name: str, *overrides: str) -> list[dict]:
-        from vexact.records.runlog import read_metrics
-        from vexact.rl.trainer import Trainer
-
         cfg = config_from_dict({}, [f"output_dir={tmp_path / name}", f"warm_start.cache_dir={tmp_path / 'cache'}",
                                     "model.preset=tiny", "model.max_seq_len=64", "model.num_experts=4",
                                     "warm_start.steps=5", "steps=2", "rollout.prompts_per_step=4",
@@ -339,3 +338,17 @@ def test_locate_refuses_an_moe_model_with_one_clear_error():
     with pytest.raises(ValueError, match="mixture-of-experts model \\(4 experts\\)"):
         op_plan(ModelConfig(**MOE))
     assert op_plan(ModelConfig(**{**MOE, "num_experts": 0}))  # counter-case: the dense model has its plan
+
+
+@pytest.mark.parametrize("model, key", [({"num_experts": 4, "decoder_sparse_step": 5}, "decoder_sparse_step"),
+                                        ({"num_experts": 4, "mlp_only_layers": [0, 1]}, "mlp_only_layers")])
+def test_experts_with_no_moe_layer_are_one_error_not_a_silent_dense_run(model, key):
+    """``num_experts: 4`` on the 2-layer testbed with ``decoder_sparse_step: 5`` made no layer MoE: a dense run
+    that looked like an MoE one. routing_flip on it said "set num_experts > 0", which it was."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": model})
+    assert e.value.key == f"model.{key}" and "no layer is a mixture of experts" in e.value.problem
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": model, "inject": {"mode": "routing_flip", "value": 0.1}})
+    assert e.value.key == f"model.{key}" and "set model.num_experts > 0" not in str(e.value)
+    assert config_from_dict({"model": {"num_experts": 4, "decoder_sparse_step": 2}}).model.num_experts == 4

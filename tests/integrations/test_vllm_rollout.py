@@ -6,6 +6,7 @@ tests/integrations/test_vllm_rollout_engine.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from rich.console import Console
 from test_vllm import STUB_TYPES, install_stub_vllm
 
+from vexact.cli import main
 from vexact.integrations import vllm_rollout as vr
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, GRAD_NORM, K3_KL, TIMING_WEIGHT_SYNC
 from vexact.records.runlog import read_metrics
@@ -72,7 +74,6 @@ def test_the_engines_settings_need_the_engine(tmp_path):
 
 
 def test_missing_vllm_is_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
-    from vexact.cli import main
 
     real = rollout_engines.importlib.util.find_spec
     monkeypatch.setattr(rollout_engines.importlib.util, "find_spec",
@@ -207,7 +208,6 @@ def test_same_seed_same_run_and_bf16(stub_vllm, one_torch_thread):
 
 
 def test_vllm_refusing_the_model_is_one_line(stub_vllm, monkeypatch, capsys):
-    from vexact.cli import main
 
     monkeypatch.setenv("VEXACT_VLLM_STUB", "refuse")
     path = stub_vllm / "run.yaml"
@@ -229,3 +229,16 @@ def test_vllm_dying_is_one_error_naming_its_log(stub_vllm, monkeypatch):
 def test_the_shipped_config_runs_vllm_on_a_head_size_it_supports():
     cfg = load_config(Path(__file__).resolve().parents[2] / "experiments" / "vllm_rollout.yaml")
     assert cfg.rollout.engine == "vllm" and cfg.model.to_model_config(vocab_size=1).head_dim in vr.VLLM_CPU_HEAD_DIMS
+
+
+def test_rollout_engine_vllm_says_vllm_is_missing_before_what_it_could_not_run(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    odd_heads = {"rollout": {"engine": "vllm"}, "model": {"hidden_size": 72, "num_heads": 4, "num_kv_heads": 2}}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(odd_heads)
+    assert e.value.key == "rollout.engine" and "needs the 'vllm' package, which is not installed" in e.value.problem
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError) as e:  # installed: the head size is the problem
+        config_from_dict(odd_heads)
+    assert e.value.key == "model.head_dim"

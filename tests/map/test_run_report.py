@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import num_threads, warm_start_cache
 from rich.console import Console
+from test_sweep_faults import _cli_error
 
 from vexact.cli import main
 from vexact.records.runlog import read_metrics
@@ -183,3 +184,13 @@ def test_unreadable_config_is_noted_not_fatal(tmp_path: Path) -> None:
     (run_dir / "config.yaml").write_text("steps: [not, a, number]\n")
     s = write_run_report(run_dir, Console(file=io.StringIO()))["summary"]
     assert any(n.startswith("config.yaml not used") for n in s["notes"]) and s["collapse"]["collapsed"]
+
+
+def test_report_on_a_finished_run_whose_log_is_empty_says_it_has_no_steps(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps_completed": 4,
+                                                      "steps_planned": 4}))
+    line = _cli_error(capsys, monkeypatch, "report", str(run_dir))
+    assert "metrics.jsonl holds no steps, but summary.json says 4 were completed" in line

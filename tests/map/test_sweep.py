@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import warm_start_cache
 from rich.console import Console
+from test_sweep_faults import _cli_error
+from test_sweep_faults import _sweep_file as _fast_sweep_file  # tiny runs, no warm start
 from test_trainer import EXPERIMENT, _without_timing
 
 from vexact.cli import main
 from vexact.records.runlog import read_metrics
 from vexact.rl.config import ConfigError
 from vexact.rl.trainer import Trainer
+from vexact.sweeps import sweep as sweep_module
 from vexact.sweeps.sweep import load_sweep_spec, run_sweep
 
 
@@ -136,10 +142,7 @@ def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
 def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
     """``kill -INT <sweep>`` (not a terminal's Ctrl-C, which reaches the whole process group) must stop the points
     that are running in worker processes, not wait for them to finish: the points here would run 5000 steps."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
     path = _sweep_file(tmp_path, "sig", grid={"seed": [0, 1]}, **{})
@@ -214,3 +217,42 @@ def test_only_runs_a_round_of_the_grid_and_a_later_round_adds_the_rest(tmp_path)
     assert main(["sweep", str(path), "--only", "seed=7"]) == 2
     assert main(["sweep", str(path), "--only", "inject.valu=0.0"]) == 2
     assert main(["sweep", str(path), "--only", "seed"]) == 2
+
+
+def test_sweep_set_changes_every_point_and_is_recorded_and_checked_on_a_rerun(tmp_path, capsys, monkeypatch):
+    path = _fast_sweep_file(tmp_path, "s", grid={"seed": [0, 1]})
+    spec = load_sweep_spec(path, overrides=["optimizer.lr=1e-3", "algorithm.clip_ratio_low=0.1"])
+    assert [p.config.optimizer.lr for p in spec.points] == [1e-3, 1e-3]
+    assert [p.config.algorithm.clip_low for p in spec.points] == [0.1, 0.1]
+    assert [p.config.seed for p in spec.points] == [0, 1]  # the grid still sets each point
+    with pytest.raises(ConfigError, match="'seed' is a grid key"):
+        load_sweep_spec(path, overrides=["seed=3"])
+    with pytest.raises(ConfigError, match="'output_dir' is set by the sweep for every point"):
+        load_sweep_spec(path, overrides=["output_dir=x"])
+    with pytest.raises(ConfigError, match=r"expected a number > 0, got -1 \(from --set optimizer.lr=-1\)"):
+        load_sweep_spec(path, overrides=["optimizer.lr=-1"])
+
+    monkeypatch.setattr(sweep_module, "_run_point", lambda config, resume, threads: {
+        "status": "completed", "error": None})
+    assert main(["sweep", str(path), "--set", "optimizer.lr=1e-3", "--no-report", "--quiet"]) == 0
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text())["set"] == ["optimizer.lr=1e-3"]
+    for point in spec.points:  # (the fake run leaves only the folder a real run would have)
+        point.run_dir.mkdir(parents=True, exist_ok=True)
+    line = _cli_error(capsys, monkeypatch, "sweep", str(path), "--set", "optimizer.lr=2e-3")
+    assert "was started with --set optimizer.lr=1e-3, and is now given --set optimizer.lr=2e-3" in line
+    assert main(["sweep", str(path), "--set", "optimizer.lr=0.001", "--no-report", "--quiet"]) == 0  # same value
+    # steps may grow (the sweep extends its finished points)
+    assert main(["sweep", str(path), "--set", "optimizer.lr=1e-3", "--set", "steps=3", "--no-report",
+                 "--quiet"]) == 0
+
+
+def test_sweep_help_names_no_resume_flag_it_does_not_have(capsys):
+    for command in ("sweep", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--resume" not in text, command
+        assert "re-running" in text and "--quiet" in text
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    assert "--set KEY=VALUE" in capsys.readouterr().out

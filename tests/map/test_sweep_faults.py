@@ -22,10 +22,11 @@ from rich.console import Console
 from test_trainer import EXPERIMENT
 
 from vexact.cli import main
-from vexact.records.runlog import run_lock
+from vexact.records.runlog import RunLocked, run_lock
+from vexact.reports.sweep_report import read_sweep_results
 from vexact.rl.config import ConfigError
 from vexact.sweeps import sweep as sweep_module
-from vexact.sweeps.sweep import load_sweep_spec, run_sweep
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep, sweep_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 _REAL_RUN_POINT = sweep_module._run_point
@@ -303,3 +304,39 @@ def test_sigkilled_sweep_takes_its_workers_with_it(tmp_path):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.stderr.close()
+
+
+def test_a_sweep_file_without_base_is_refused(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "nobase.yaml"
+    path.write_text("grid: {seed: [0, 1]}\n")
+    line = _cli_error(capsys, monkeypatch, "sweep", str(path), "--output-dir", str(tmp_path / "out"))
+    assert "config error at 'base': no base config" in line and str(path) in line
+    assert not (tmp_path / "out").exists()
+    path.write_text("base: {}\ngrid: {seed: [0, 1]}\n")  # every default, said explicitly
+    assert len(load_sweep_spec(path).points) == 2
+
+
+def test_a_second_sweep_of_one_directory_is_refused_and_lock_failures_do_not_stay_failed(tmp_path, capsys,
+                                                                                        monkeypatch):
+    path = _sweep_file(tmp_path, "twice", grid={"seed": [0, 1]})
+    spec = load_sweep_spec(path)
+    with sweep_lock(spec):  # stands for the same sweep running in another process
+        line = _cli_error(capsys, monkeypatch, "sweep", str(path))
+        with pytest.raises(RunLocked):
+            run_sweep(spec, console=Console(quiet=True))
+    assert "sweep twice:" in line and "is in use by another vexact process" in line
+    assert not any(p.run_dir.exists() for p in spec.points)  # neither point was touched
+
+    # An older sweep.json recorded a point as failed only because another process held it; that process completed
+    # the point since: the report counts its outcome, not the lost lock.
+    spec.output_dir.mkdir(exist_ok=True)
+    done = spec.points[1].run_dir
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text(json.dumps({"status": "completed", "steps_completed": 1}))
+    (done / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    (spec.output_dir / "sweep.json").write_text(json.dumps({"name": "twice", "grid": {"seed": [0, 1]}, "points": [
+        {"name": "seed=0", "dir": "points/seed=0", "overrides": {"seed": 0}, "status": "pending", "error": None},
+        {"name": "seed=1", "dir": "points/seed=1", "overrides": {"seed": 1}, "status": "failed",
+         "error": "RunLocked: ... is in use by another vexact process (pid 1)"}]}))
+    points = read_sweep_results(spec.output_dir).points
+    assert [(p.status, p.error) for p in points] == [("pending", None), ("completed", None)]

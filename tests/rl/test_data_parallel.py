@@ -32,6 +32,7 @@ from vexact.rl.trainer import Trainer
 from vexact.sweeps.sweep import load_sweep_spec
 
 ROOT = Path(__file__).resolve().parents[2]
+
 # no ``threads``: ranks and the plain Trainer take the default; test_runs_are_bitwise_identical_on_1_2_and_4_ranks runs
 # one rank count at 2 threads, since the exact backward is thread-count invariant
 TINY = {"steps": 3, "warm_start.steps": 10, "rollout.prompts_per_step": 4,

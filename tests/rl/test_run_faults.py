@@ -8,8 +8,10 @@ Each case asserts that nothing finished is lost and the resumed run is bit-ident
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -17,11 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from rich.console import Console
-from test_trainer import _short
+from test_sweep_faults import FAST, _cli_error
+from test_trainer import EXPERIMENT, _short
 
 from tools.studies.same_runs import same_run
-from vexact.cli import main
+from vexact.cli import EXIT_ENVIRONMENT, main
 from vexact.records import runlog
 from vexact.records.runlog import (
     RunLocked,
@@ -31,6 +35,7 @@ from vexact.records.runlog import (
     read_metrics,
     run_lock,
 )
+from vexact.rl.config import load_config
 from vexact.rl.trainer import Trainer
 
 BOUNDARIES = ("checkpoint.safetensors", "optimizer.pt", "trainer_state.json", "manifest.json", "publish")
@@ -422,3 +427,113 @@ def test_discard_keeps_existing_dirs_and_anything_finished(tmp_path):
     with discard_if_interrupted_early(fresh, log=lambda _: None):  # no interrupt: nothing is removed
         fresh.mkdir()
     assert fresh.is_dir()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+TINY_RUN = [f"{k}={v}" for k, v in FAST.items()] + ["threads=1", "logging.live=false", "logging.checkpoint_every=1"]
+
+
+def _tiny(tmp_path: Path, name: str, *overrides: str):
+    return load_config(EXPERIMENT, [*TINY_RUN, f"output_dir={tmp_path / name}", *overrides])
+
+
+def _write_config(tmp_path: Path, name: str, *overrides: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(_tiny(tmp_path, name, *overrides).to_dict()))
+    return path
+
+
+def _fail_fsync_of(monkeypatch, name: str, code: int) -> None:
+    """os.fsync fails with ``code`` for a file called ``name`` (as it does on a full disk): the data did not fit."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/" + name):
+            raise OSError(code, os.strerror(code))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+@pytest.mark.parametrize("name,says", [("metrics.jsonl", "metrics.jsonl: No space left on device"),
+                                       ("checkpoint.safetensors", "step-00000001/checkpoint.safetensors: No space "
+                                                                  "left on device; the checkpoint is not published")])
+def test_a_full_disk_is_one_line_naming_the_file_exit_code_3_and_no_partial_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                                       name, says):
+    config = _write_config(tmp_path, "full")
+    _fail_fsync_of(monkeypatch, name, errno.ENOSPC)
+    monkeypatch.setenv("COLUMNS", "10000")
+    assert main(["run", str(config)]) == EXIT_ENVIRONMENT == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: cannot write ") and says in err[0], err
+    checkpoints = tmp_path / "full" / "checkpoints"
+    assert not checkpoints.exists() or list(checkpoints.iterdir()) == []  # nothing partial, nothing published
+    monkeypatch.undo()  # room again: the same run resumes
+    monkeypatch.setenv("COLUMNS", "10000")
+    assert main(["run", str(tmp_path / "full"), "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_names_the_file_with_exit_code_3(tmp_path):
+    """A real RLIMIT_FSIZE (ulimit -f) in a child process: writing the checkpoint exceeds it."""
+    config = _write_config(tmp_path, "limited")
+    limit = 48 * 1024  # above config.yaml and a metrics line, below the model's weights (about 360 KB)
+
+    def set_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run([sys.executable, "-m", "vexact", "run", str(config)], cwd=ROOT, preexec_fn=set_limit,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "10000"})
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert len(err) == 1 and "Traceback" not in done.stderr
+    assert err[0].startswith(f"error: cannot write {tmp_path / 'limited' / 'checkpoints' / 'step-00000001'}"
+                             "/checkpoint.safetensors: File too large (the file-size limit: ulimit -f)")
+    assert list((tmp_path / "limited" / "checkpoints").iterdir()) == []
+
+
+def test_vexact_run_on_a_directory_that_holds_no_run_says_so(tmp_path, capsys, monkeypatch):
+    (tmp_path / "notes").mkdir()
+    line = _cli_error(capsys, monkeypatch, "run", str(tmp_path / "notes"))
+    assert "is a directory but not a vexact run: it holds no config.yaml, metrics.jsonl or checkpoints/" in line
+
+
+def test_a_torn_last_metrics_line_does_not_block_a_resume_that_changes_an_allowed_key(tmp_path):
+    cfg = _tiny(tmp_path, "torn", "steps=3")
+    real_step = Trainer.step
+
+    def interrupted(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    Trainer.step = interrupted
+    try:
+        assert Trainer(cfg, Console(quiet=True)).run()["status"] == "interrupted"
+    finally:
+        Trainer.step = real_step
+    with open(tmp_path / "torn" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward/me')  # the kill came mid-write
+    assert [d.name for d in checkpoint_dirs(tmp_path / "torn")] == ["step-00000002", "step-00000001"]
+    longer = _tiny(tmp_path, "torn", "steps=4", "logging.eval_every=2")
+    summary = Trainer(longer, Console(quiet=True)).run(resume=True, allow_changes=("steps", "logging.eval_every"))
+    assert summary["status"] == "completed" and summary["steps_completed"] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "torn" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_an_output_dir_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_path, capsys, monkeypatch):
+    config = _write_config(tmp_path, "x")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes\n")
+    line = _cli_error(capsys, monkeypatch, "run", str(config), "--set", f"output_dir={mine}")
+    assert f"{mine} is not empty and not a vexact run directory (it holds notes.txt)" in line
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]  # no .lock, no run file
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _cli_error(capsys, monkeypatch, "run", str(config), "--set", f"output_dir={empty}", "--resume")
+    assert "there is no run there" in line and list(empty.iterdir()) == []  # a refusal leaves no .lock behind

@@ -37,7 +37,7 @@ from vexact.reports import sweep_table
 from vexact.reports.sweep_report import write_report
 from vexact.reports.sweep_table import group_markdown, group_table
 from vexact.rl import collapse
-from vexact.rl.config import load_config, save_config
+from vexact.rl.config import ConfigError, config_from_dict, load_config, save_config
 from vexact.rl.trainer import Trainer
 from vexact.sweeps import ray_executor
 from vexact.sweeps.markdown_table import markdown_table
@@ -503,3 +503,13 @@ def test_warm_start_cache_and_run_checkpoints_get_the_umask_mode(tmp_path):
     (cached,) = (tmp_path / "cache").glob("*.safetensors")
     (checkpoint,) = (tmp_path / "run" / "checkpoints").glob("*/checkpoint.safetensors")
     assert cached.stat().st_mode & 0o777 == checkpoint.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_run_named_like_the_warm_start_cache_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"name": ".warmstart_cache"})
+    assert e.value.key == "name" and "the warm-start cache" in e.value.problem
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"output_dir": str(tmp_path / "c"), "warm_start": {"cache_dir": str(tmp_path / "c")}})
+    assert e.value.key == "output_dir"
+    assert config_from_dict({"name": "warmstart_cache"}).name == "warmstart_cache"
