@@ -14,7 +14,7 @@ from conftest import require_optional
 
 import vexact_kernels
 from vexact.engine.model import ModelConfig, Transformer
-from vexact.real.locate import OpRecorder, _PlanTracer
+from vexact.real.op_plan import OpRecorder, _PlanTracer
 from vexact.rl.inject import precision_ops
 from vexact_kernels import OP_NAMES, KernelOps, cpu_exact, native
 from vexact_kernels.host_guard import HostGuard
