@@ -1,4 +1,5 @@
-"""Shared helpers: tiny random models (no downloads), a thread-count context, and the optional-package rule."""
+"""Shared helpers: tiny random models (no downloads), a thread-count context, the pytest run's warm-start cache, the
+optional-package rule and the ``slow`` marker (``python -m pytest -m "not slow"``: the quick run)."""
 
 from __future__ import annotations
 
