@@ -449,3 +449,18 @@ def test_the_issue_letter_pattern() -> None:
     assert [bool(ISSUE_LETTER.search(text)) for text in
             ("(issue Q)", "issue O: threshold", "issues O and R", "issue #12", "an issue. Fix", "issue tracker")] == [
         True, True, True, False, False, False]
+
+
+# --------------------------------------------------------------------------- the tests' own layout
+def test_every_test_file_is_in_one_subject_folder() -> None:
+    """tests/ holds conftest.py and one folder per subject; every test file lies in one of them, under a name no
+    other test file has (a test module's name is its file's name: no ``__init__.py``), and no folder has a
+    conftest.py or ``__init__.py`` of its own (a second ``conftest`` module would shadow ``from conftest import``)."""
+    tests = ROOT / "tests"
+    assert sorted(p.name for p in tests.glob("*.py")) == ["conftest.py"]
+    files = sorted(tests.glob("*/test_*.py"))
+    names = [p.name for p in files]
+    assert len(files) > 90 and len(set(names)) == len(names), sorted({n for n in names if names.count(n) > 1})
+    stray = [p.relative_to(ROOT).as_posix() for p in tests.rglob("*.py")
+             if p.name in ("conftest.py", "__init__.py") and p.parent != tests]
+    assert stray == [] and not any(p.parent.parent != tests for p in tests.rglob("test_*.py")), stray
