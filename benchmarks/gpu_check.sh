@@ -64,8 +64,8 @@ PYTEST_RC=0
 BENCH_RC=0
 if [ "$ONLY" != real ]; then
     echo "== op contracts and MoE tests (limit ${PYTEST_LIMIT}s)"
-    timeout "$PYTEST_LIMIT" python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-        tests/test_moe_triton.py --junitxml="$OUT/pytest.xml" "${TESTS[@]}" >"$OUT/pytest.log" 2>&1
+    timeout "$PYTEST_LIMIT" python -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
+        tests/kernels/test_moe_triton.py --junitxml="$OUT/pytest.xml" "${TESTS[@]}" >"$OUT/pytest.log" 2>&1
     PYTEST_RC=$?
     tail -n 3 "$OUT/pytest.log"
 

@@ -19,7 +19,7 @@ Three parts, each printed and recorded in ``--out``:
 measurement (``benchmarks/gpu_check.sh`` with ``VEXACT_GPU_CHECK_REHEARSE=1``). ``--out`` is written after each
 part, so a run cut short keeps what it measured.
 
-The op-level contracts run separately on the same machine: ``python -m pytest tests/test_triton_kernels.py``
+The op-level contracts run separately on the same machine: ``python -m pytest tests/kernels/test_triton_kernels.py``
 (with CUDA present it runs on CUDA tensors with the compiled kernels).
 """
 

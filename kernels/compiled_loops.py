@@ -4,7 +4,7 @@ On small models the exact path's price is mostly per-op cost, not arithmetic: a 
 calls (views, adds, a scratch buffer), each with its own dispatch, allocation and TensorIterator set-up. The
 loops in ``csrc/exact_loops.cpp`` do the same exactly rounded IEEE operations, element by element, in one call
 (built with ``-ffp-contract=off`` and without ``-ffast-math``: no fused multiply-add, no reassociation), so they
-give the same bits *by construction*; ``tests/test_compiled_loops.py`` checks them against the torch-op versions
+give the same bits *by construction*; ``tests/kernels/test_compiled_loops.py`` checks them against the torch-op versions
 bitwise, and a whole RL step's weights with and without them.
 
 The extension is built once per machine and source version with torch's C++ extension builder (a C++ compiler

@@ -3,7 +3,7 @@
 A backend is any object with these functions (a module such as ``native`` / ``cpu_exact`` / ``triton_exact``, a
 ``cpu_exact.with_host(...)`` namespace, the injector's ``precision_ops``, ``locate``'s ``OpRecorder``).
 ``OP_NAMES`` is derived from this class, so adding an op means adding it here, then to every backend: the test
-``tests/test_kernel_contract.py`` fails for a backend that lacks it or spells its signature differently.
+``tests/kernels/test_kernel_contract.py`` fails for a backend that lacks it or spells its signature differently.
 """
 
 from __future__ import annotations

@@ -334,7 +334,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and the host
     GEMM gives them the same bits for any tile height from 4 to 64 rows where ``HOST``'s probe
     passed (else the fixed-order GEMM, invariant by construction, runs them;
-    ``tests/test_kernels.py`` checks decode == prefill, which compares 4-row with 64-row tiles).
+    ``tests/kernels/test_kernels.py`` checks decode == prefill, which compares 4-row with 64-row tiles).
     Masked scores give probability exactly 0, so
     tiles past a query's position add exact zeros to the position-ordered tree sums, and a
     short decode row reduces like a long prefill row.
@@ -464,7 +464,7 @@ def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None) ->
     over all 64 with zeros after ``w``.
 
     ``loops``: the compiled loops (``compiled_loops.library()``), which run the steps before and after the exp in one
-    pass each, with the same operations on the same values (the same bits; ``tests/test_compiled_loops.py``), or
+    pass each, with the same operations on the same values (the same bits; ``tests/kernels/test_compiled_loops.py``), or
     None for the torch ops below."""
     b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
         tiles.visible

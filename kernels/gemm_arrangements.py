@@ -17,7 +17,8 @@ The canonical arrangement copies no weight per call: each copy it needs of a wei
 contiguous, a padded or cast weight, and in bf16 the contiguous copy oneDNN's ``bmm`` makes of the shared, transposed
 operand before its GEMM: ``bmm_copies_operand``) is laid out once per weight version and kept (``arranged_weight``,
 bounded by ``ARRANGED_BYTES_MAX``); the bf16 tiles then run on the copy as ``bmm`` lays it out (``_laid_out_tiles``).
-The same GEMM calls on the same values in the same layout, so no bit changes (``tests/test_arranged_weights.py``).
+The same GEMM calls on the same values in the same layout, so no bit changes
+(``tests/kernels/test_arranged_weights.py``).
 
 A *faster arrangement* of the same library calls (fewer copies, one GEMM instead of many) runs only where the
 guard's ``same_bits`` probe found that it gives the canonical arrangement's bits for the class
@@ -507,7 +508,7 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
 
     The GEMM operands are laid out by ``_chunks_transposed`` in one copy each (the price of exactness is mostly such
     passes over memory on small models); their values, shapes, strides and alignment are the ones a plain
-    pad-transpose-copy composition gives (``tests/test_exact_price_bits.py`` compares the two, call by call), so
+    pad-transpose-copy composition gives (``tests/kernels/test_exact_price_bits.py`` compares the two, call by call), so
     the library call and every bit of its result are unchanged. ``b_source``: the tensor ``b`` was derived from (a
     linear layer's saved input); layers that share an input (q, k and v; gate and up) then share b's layout
     (``_reduction_operand``)."""
@@ -554,7 +555,7 @@ def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: st
     per-tile operand, as probed); per row tile, every chunk's operand appears once, so the laid-out operand is
     passed as it is (``ROW_TILE_CALLS_FROM`` says where that pays). A tile's rows do not depend on how many tiles
     share its call (a probed property the kernels rely on everywhere: a call's tile count follows the batch), so no
-    bit changes (``tests/test_exact_price_bits.py`` compares the tiles)."""
+    bit changes (``tests/kernels/test_exact_price_bits.py`` compares the tiles)."""
     rows, n = a.shape
     k = b.shape[1]
     chunks = -(-rows // block)

@@ -25,7 +25,7 @@ and the compiled code is checked:
   ``triton_exact`` (``_MATMUL_TILES``, ``_ATTENTION_TILES``, ``_ROW_BLOCK``), and the warp count is the table's.
 * **digests**: sha256 of each variant's TTGIR (locations stripped) and PTX (debug lines and sections stripped),
   recorded in ``kernels/triton_audit.json`` with the triton version, so that a toolchain or kernel change that
-  alters the compiled code shows in ``tests/test_triton_audit.py``; re-record after a deliberate change.
+  alters the compiled code shows in ``tests/kernels/test_triton_audit.py``; re-record after a deliberate change.
 
 The launch arguments mirror the wrappers in ``triton_exact`` (``_linear_forward``, ``_attention_exact``, ...) at
 one model shape (``SHAPE``: SmolLM-135M-like, the benchmarks' ``llama100m``); tiles and options are read from

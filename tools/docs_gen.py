@@ -14,11 +14,11 @@ The reference pages are written from the objects that define them, never by hand
 The generated text is committed, so the pages read whole on a code host too: in a page, a region
 ``<!-- vexact-docs: NAME -->`` ... ``<!-- end vexact-docs: NAME -->`` (``NAME`` one of ``PAGES``) holds the text
 the generator gives now. ``python -m tools.docs_gen --update`` rewrites every region under ``docs/``;
-``python -m tools.docs_gen --check`` exits 1 naming each stale region (``tests/test_docs.py`` runs it, so a change
+``python -m tools.docs_gen --check`` exits 1 naming each stale region (``tests/docs/test_docs.py`` runs it, so a change
 of a flag, key or metric that leaves its page behind fails the tests). ``mkdocs build`` calls
 :func:`on_page_markdown` (this file is listed under ``hooks:`` in ``mkdocs.yml``), which refreshes the regions the
 same way (a bare start marker, without its end, is filled too). ``python -m tools.docs_gen DIR`` writes the pages
-as plain markdown files, to read or diff them. ``tests/test_docs.py`` also checks that every flag, key and metric
+as plain markdown files, to read or diff them. ``tests/docs/test_docs.py`` also checks that every flag, key and metric
 appears.
 
 Imports are absolute: mkdocs loads this file by path, outside the package.

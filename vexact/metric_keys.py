@@ -1,7 +1,7 @@
 """Every metric key vexact writes, as data: name, definition, unit and who writes it.
 
 One registry, so the documentation's metric reference is generated from it (``tools.docs_gen``) and a test
-(``tests/test_docs.py``) fails when a run, ``vexact measure`` or ``vexact compare`` writes a key that is not here.
+(``tests/docs/test_docs.py``) fails when a run, ``vexact measure`` or ``vexact compare`` writes a key that is not here.
 A key that depends on a setting is one entry with a ``<placeholder>``: ``<lo>-<hi>`` is a token-probability bucket
 (``vexact.rl.metrics.bucket_name``), ``<option>`` one of verl's rejection options (``RS_OPTIONS``, defined here and
 validated against by ``vexact.rl.corrections``), ``<k>`` the top-k size of the full-vocabulary overlap and ``<method>``
@@ -14,7 +14,7 @@ structured fields ``outcome``, ``gates``, ``by_position``, ``map`` are not metri
 
 Adding a metric: add an entry here in the group it belongs to; the reference page and the test pick it up.
 Code that reads or writes a key by name uses the constants below (``K3_KL``, ...), not a bare string, so a renamed
-key is one change and a typo is a NameError; each constant is a registered key (``tests/test_metric_names.py``).
+key is one change and a typo is a NameError; each constant is a registered key (``tests/config/test_metric_names.py``).
 Renaming a key: the constant takes the new name and ``RENAMED_METRICS`` maps the old one to it (old files read under
 the new name; the logged stream carries the old name too for a deprecation period).
 """
@@ -131,7 +131,7 @@ ROUTING_TOKEN_FLIP_FRAC = "routing/token_flip_frac"
 _CONSTANT_NAMES = tuple(name for name, value in dict(globals()).items()
                         if name.isupper() and not name.startswith("_") and isinstance(value, str))
 CONSTANTS = tuple(globals()[name] for name in _CONSTANT_NAMES)
-"""Every constant above (each must be a registered key; ``tests/test_metric_names.py``)."""
+"""Every constant above (each must be a registered key; ``tests/config/test_metric_names.py``)."""
 
 __all__ = ["CONSTANTS", "GROUPS", "KEYS", "RAW_RATIO_QUANTILES", "RENAMED_METRICS", "RS_OPTIONS", "WRITERS",
            "MetricKey", "current_names", "find", "raw_ratio_affected_key", "raw_ratio_quantile_key", "unregistered",

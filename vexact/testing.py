@@ -487,7 +487,7 @@ def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = 
     Raises ValueError for an unknown ``kind``, a ``prefill`` that does not fit, empty sequences, or a model that is
     neither (or a mixture-of-experts model: its sites depend on the routing)."""
     from .engine.model import Transformer
-    from .real.locate import KINDS, capture, op_plan
+    from .real.op_plan import KINDS, capture, op_plan
     from .real.pretrained import model_config_from_hf
     from .real.sites import SiteSpec, capture_hf, make_sites
 
@@ -531,7 +531,7 @@ def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], 
     when vLLM is not installed (naming the pip line) or cannot run the model."""
     from pathlib import Path
 
-    from .real.locate import KINDS, op_plan
+    from .real.op_plan import KINDS, op_plan
     from .real.pretrained import model_config_from_hf, read_checkpoint_config
     from .real.sites import SiteSpec, make_sites, site_recorder
 
@@ -579,7 +579,8 @@ def assert_sites_equal(a: Any, b: Any, *, names: tuple[str, str] = ("engine", "t
     feature, both values and their bits), then every shared site with its positions differing and max |Δ|.
     Raises ValueError when the two ran different models or token sequences, or share no site."""
     __tracebackhide__ = True
-    from .real.locate import compare_sites, verdict
+    from .real.locate import compare_sites
+    from .real.locate_report import verdict
 
     sa, sb = _as_sites(a, names[0]), _as_sites(b, names[1])
     result = compare_sites(sa, sb)

@@ -33,7 +33,7 @@ import vexact_kernels
 from vexact_kernels import moe_exact
 
 # A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions: the contract
-# ``vexact_kernels.KernelOps`` (a Protocol; ``tests/test_kernel_contract.py`` checks every backend against it).
+# ``vexact_kernels.KernelOps`` (a Protocol; ``tests/kernels/test_kernel_contract.py`` checks every backend against it).
 KernelOps = vexact_kernels.KernelOps
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -15,7 +15,8 @@ These are the keys ``vexact compare`` reads by default from a one-file dump (``c
 ``compare.MASK_KEY``): ``observe_batch`` passes the same three tensors to ``LiveMonitor.step``, so a live row and
 ``vexact compare`` on a dump of that batch agree exactly.
 
-The recipe (verl cannot run on a CPU-only machine; ``tests/test_live.py`` runs ``observe_batch`` on such a batch)::
+The recipe (verl cannot run on a CPU-only machine; ``tests/integrations/test_live.py`` runs ``observe_batch`` on such
+a batch)::
 
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from vexact.integrations.verl import observe_batch

@@ -50,7 +50,7 @@ BOOKKEEPING_KEYS = ("threads", "warm_start.cache_dir", "logging.checkpoint_every
                     "logging.backends", "logging.wandb_project", "logging.wandb_mode", "monitor", *MEMORY_KEYS)
 """Config keys that say where a run writes, what it shows while running, how many threads it uses, which sequences
 it rescores for its mismatch metrics (``monitor.*``) and whether it recomputes activations to save memory; a run's
-bits do not depend on them (``test_activation_checkpointing_changes_no_bit``, ``tests/test_monitor_sampling.py``)."""
+bits do not depend on them (``test_activation_checkpointing_changes_no_bit``, ``tests/rl/test_monitor_sampling.py``)."""
 HORIZON_SETTINGS = (*horizon_overrides(1), "task.hold_length")
 """The keys that set a horizon of the horizon testbed (the scratchpad length, the room to write it, and whether the
 reward holds that length: a free scratchpad shortens under RL, so the longest horizons hold it to keep T near L):

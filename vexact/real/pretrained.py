@@ -507,7 +507,8 @@ def _check_rope_table(config: ModelConfig, config_name: str) -> None:
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[tuple[str, ...], ...]]]:
     """``Transformer(config)``'s parameters by name: (shape, for each dimension the config keys whose product it is).
-    Computed, not built: nothing is allocated (``tests/test_real_faults.py`` checks it against ``Transformer``)."""
+    Computed, not built: nothing is allocated (``tests/engine/test_real_faults.py`` checks it against
+    ``Transformer``)."""
     vocab, hidden, inter, head = ("vocab_size",), ("hidden_size",), ("intermediate_size",), ("head_dim",)
     q, kv = ("num_attention_heads", "head_dim"), ("num_key_value_heads", "head_dim")
     values = _config_values(config)

@@ -1,6 +1,6 @@
 """Named sites of a forward recorded outside vexact's kernel ops, content hashes, and locate dumps.
 
-``vexact locate`` records vexact's own paths op by op (``locate.OpRecorder``). A transformers model runs its own
+``vexact locate`` records vexact's own paths op by op (``op_plan.OpRecorder``). A transformers model runs its own
 modules, so this module records it with forward hooks at the **same site names** wherever the model has a module
 (or a module's input) that holds the same tensor:
 
@@ -187,7 +187,7 @@ def _hf_sites(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str, s
 
 class _HookRecorder:
     """Forward hooks on every site of ``_hf_sites``: each call keeps the rows ``begin`` asked for, in the same
-    [rows, features] layout ``locate.OpRecorder`` stores, and the first forward fixes the sites' order."""
+    [rows, features] layout ``op_plan.OpRecorder`` stores, and the first forward fixes the sites' order."""
 
     def __init__(self, model: torch.nn.Module, rows: int):
         self.rows = rows
@@ -236,7 +236,7 @@ class _HookRecorder:
 def capture_hf(model: torch.nn.Module, kind: str, sequences: list[list[int]], prefill: list[int],
                rows: list[tuple[int, int]]) -> tuple[list[SiteSpec], dict[str, Tensor]]:
     """Every site of a transformers causal LM on ``sequences``: (specs in forward order, name -> [len(rows),
-    features]), row i = (sequence, position) ``rows[i]``, the layout of ``locate.capture``.
+    features]), row i = (sequence, position) ``rows[i]``, the layout of ``op_plan.capture``.
 
     ``train``: one forward over all sequences, right-padded with an attention mask, no cache. ``rollout``: each
     sequence on its own: its first ``prefill[b]`` tokens in one forward that fills transformers' KV cache, then

@@ -685,8 +685,8 @@ RESUME_SAFE_KEYS = ("steps", "threads", "logging.live", "logging.eval_every", "l
                     "logging.backends", "logging.wandb_project", "logging.wandb_mode", *MEMORY_KEYS)
 """Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers; ``steps`` extends
 or shortens the run (a cosine schedule's horizon moves). ``threads`` is one since the exact backward and the update
-are thread-count invariant too (``tests/test_backward_threads.py`` runs a whole run at 1 and 2 threads). With the
-``native`` backend it still changes bits, as native's results depend on the batch and thread count anyway."""
+are thread-count invariant too (``tests/kernels/test_backward_threads.py`` runs a whole run at 1 and 2 threads). With
+the ``native`` backend it still changes bits, as native's results depend on the batch and thread count anyway."""
 
 
 class _NoWriter:

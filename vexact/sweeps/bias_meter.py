@@ -25,7 +25,7 @@ does, and ``loss_agg: token_mean`` divides by the token count, so its exponent i
 summed loss (paper 003's bound is for the sum).
 
 A zero mismatch gives a zero bias bit for bit: both paths are the same computation, so every ``d_k`` is exactly 0
-(``tests/test_bias_meter.py``). ``vexact meter SPEC.yaml`` runs a grid of horizons x sources (a meter file, below),
+(``tests/map/test_bias_meter.py``). ``vexact meter SPEC.yaml`` runs a grid of horizons x sources (a meter file, below),
 writes ``meter.json`` after every cell (a re-run skips finished cells) and ``meter.png``, and fits the growth with T
 per source (``fit_growth``): the exponent β of bias_ratio ∝ T^β with a bootstrap interval.
 

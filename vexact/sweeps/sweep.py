@@ -42,7 +42,7 @@ the whole run (``vexact.records.runlog.run_lock``); the sweep checks that lock j
 point whose directory is in use by another vexact process is recorded as failed with that message (no
 ``error.txt`` is written into the other process's directory) and the sweep goes on. A worker that dies
 abruptly (killed, out of memory) fails the points running at that moment; the sweep goes on in fresh workers.
-(All in ``tests/test_sweep_faults.py``.)
+(All in ``tests/map/test_sweep_faults.py``.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,272 @@
+"""Smoke test of the benchmarks (``benchmarks/``, ``vexact bench``): tiny shapes, one repetition.
+
+Checks that every benchmark runs, that its JSON record has the documented schema and that every
+ratio is finite and positive. No timing is asserted: speed is what the benchmarks measure, on
+whatever machine runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
+    sys.path.insert(0, str(ROOT))
+
+
+from benchmarks import end_to_end, host_guard, kernels, op_count, tables  # noqa: E402
+from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
+from vexact.cli import main as vexact_main  # noqa: E402
+from vexact_kernels import TRITON_PIP  # noqa: E402
+
+RATIO_KEYS = ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median", "repetitions")
+MACHINE_KEYS = ("cpu_model", "logical_cpus", "torch_threads", "torch_version", "load_average_start", "device",
+                "malloc")
+TINY_RL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=10",
+           "task.eval_prompts=2", "warm_start.steps=0"]
+
+
+def _check_ratios(row: dict) -> None:
+    for key in RATIO_KEYS:
+        assert key in row, key
+    assert row["repetitions"] == len(row["exact_s"]) == len(row["native_s"])
+    for key in ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median"):
+        assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+    assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+
+
+def test_kernel_benchmark_schema(tmp_path):
+    record = kernels.run(["tiny"], ["float32", "bfloat16"], list(kernels.OPS), list(kernels.MODES), reps=1,
+                         device=torch.device("cpu"), threads=1)
+    assert record["benchmark"] == "kernels"
+    assert all(key in record["machine"] for key in MACHINE_KEYS)
+    seen = {(r["op"], r["dtype"], r["mode"]) for r in record["results"]}
+    for op in kernels.OPS:
+        for dtype in ("float32", "bfloat16"):
+            assert (op, dtype, "fwd") in seen
+            assert ((op, dtype, "fwd+bwd") in seen) == (op not in kernels.NO_BACKWARD)
+    for row in record["results"]:
+        _check_ratios(row)
+    assert {r["matmul"] for r in record["matmul"]} == {"q_proj", "k_proj", "mlp_up", "mlp_down", "lm_head"}
+    for row in record["matmul"]:
+        _check_ratios(row)
+        assert row["exact_gflops"] > 0 and row["torch_mm_gflops"] > 0 and row["fraction_of_torch_mm"] > 0
+    kernels.print_results(record)
+
+
+def test_end_to_end_benchmark_schema():
+    record = end_to_end.run(["tiny"], ["float32"], list(end_to_end.ITEMS), reps=1, device=torch.device("cpu"),
+                            threads=1, rl_overrides=TINY_RL, warm=False)
+    assert record["benchmark"] == "end_to_end" and not record["skipped"]
+    assert [r["item"] for r in record["results"]] == list(end_to_end.ITEMS)
+    for row in record["results"]:
+        _check_ratios(row)
+        assert row["tokens"] > 0 and row["exact_tokens_per_s"] > 0 and row["native_tokens_per_s"] > 0
+    rollout = record["results"][0]
+    assert rollout["tokens"] == shapes()["tiny"].e2e_batch * shapes()["tiny"].new_tokens
+    end_to_end.print_results(record)
+
+
+def test_end_to_end_profile_records_top_ops():
+    record = end_to_end.run(["tiny"], ["float32"], ["decode_step"], reps=1, device=torch.device("cpu"), threads=1,
+                            profile=3)
+    row = record["results"][0]
+    for side in ("exact", "native"):
+        prof = row["profile"][side]
+        assert 0 < len(prof["ops"]) <= 3 and all(0 < op["share"] <= 1 for op in prof["ops"])
+        assert prof["aten_calls_per_run"] > 0 and prof["total_self_ms_per_run"] > 0
+        assert 0 < prof["matmul_self_ms_per_run"] < prof["aten_self_ms_per_run"]
+        assert prof["aten_self_ms_per_run"] <= prof["total_self_ms_per_run"] * (1 + 1e-9)  # two summation orders
+    end_to_end.print_results(record)
+
+
+@pytest.mark.needs_package("triton", TRITON_PIP)
+def test_triton_exact_backend_runs_both_benchmarks(capsys):
+    """``--exact-backend triton`` (the GPU path's kernels) runs every op and item; on CPU the interpreter
+    makes it a functional check, which the table title says."""
+    ops = ["linear", "attention_prefill", "attention_decode", "token_logprobs"]
+    record = kernels.run(["tiny"], ["float32"], ops, list(kernels.MODES), reps=1, device=torch.device("cpu"),
+                         threads=1, matmul=False, exact_backend="triton")
+    assert record["settings"]["exact_backend"] == "triton"
+    assert [r["op"] for r in record["results"] if r["mode"] == "fwd"] == ops
+    for row in record["results"]:
+        _check_ratios(row)
+        assert row["inner_calls"] == 1  # interpreted: not grouped into ~20 ms samples
+    kernels.print_results(record)
+    e2e = end_to_end.run(["tiny"], ["float32"], list(end_to_end.ITEMS), reps=1, device=torch.device("cpu"),
+                         threads=1, exact_backend="triton")
+    assert [r["item"] for r in e2e["results"]] == ["rollout", "decode_step", "train_fwd_bwd"]
+    assert [s["item"] for s in e2e["skipped"]] == ["rl_step"]
+    for row in e2e["results"]:
+        _check_ratios(row)
+    end_to_end.print_results(e2e)
+    assert "NOT a speed" in capsys.readouterr().out
+
+
+def test_host_guard_benchmark_schema(tmp_path, capsys):
+    """fixed-order / fast for every op and the model's rollout and scoring, plus the probes' cost."""
+    out = tmp_path / "g.json"
+    assert vexact_main(["bench", "host_guard", "--shape", "tiny", "--dtype", "fp32", "--reps", "1", "--threads", "1",
+                        "--device", "cpu", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "host_guard"
+    assert [r["item"] for r in record["results"]] == [*kernels.OPS, *host_guard.MODEL_ITEMS]
+    for row in record["results"]:
+        assert row["repetitions"] == 1 and row["ratio_median"] > 0 and row["fixed_order_s_median"] > 0
+    (cost,) = record["probe_cost"]
+    assert cost["shape_classes"] > 0 and cost["probe_s"] > 0 and cost["first_call_s"] >= cost["probe_s"]
+    assert record["host_report"]["mode"] == record["settings"]["fast_guard_mode"]
+    assert "fixed-order / fast" in capsys.readouterr().out
+    assert tables.main([str(out)]) == 0
+    assert "| linear | tiny |" in capsys.readouterr().out
+    assert host_guard.main(["--device", "cpu", "--exact-backend", "triton"]) == 2
+    assert "exact CPU kernels" in capsys.readouterr().err
+
+
+def test_vexact_bench_command_writes_json(tmp_path):
+    out = tmp_path / "k.json"
+    code = vexact_main(["bench", "kernels", "--shape", "tiny", "--dtype", "fp32", "--ops", "linear,attention_decode",
+                        "--modes", "fwd", "--reps", "1", "--no-matmul", "--device", "cpu", "--out", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert [r["op"] for r in record["results"]] == ["linear", "attention_decode"]
+    assert record["machine"]["load_average_end"] is not None or sys.platform == "win32"
+
+
+def test_op_count_charges_every_call_to_a_function(tmp_path, capsys):
+    """Both backends' aten calls of one RL step, by function: the per-function counts add up to the total, the
+    exact backend's GEMM tiles issue some of them, and native runs no GEMM tile."""
+    out = tmp_path / "ops.json"
+    assert vexact_main(["bench", "op_count", "--top", "3", "--out", str(out),
+                        *[a for kv in TINY_RL for a in ("--rl-set", kv)]]) == 0
+    results = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    for r in results.values():
+        assert r["aten_calls"] > 0
+        assert sum(r["by_function"].values()) == sum(r["by_op"].values()) == r["aten_calls"]
+    assert results["exact"]["by_function"].get("kernels/gemm_arrangements.py:tiled_matmul", 0) > 0
+    assert "kernels/gemm_arrangements.py:tiled_matmul" not in results["native"]["by_function"]
+    assert "aten calls in one RL step" in capsys.readouterr().out
+    assert op_count.main(["--top", "0"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "huge"], "unknown shape 'huge'"),
+    (["--dtype", "float16"], "unknown dtype 'float16'"),
+    (["--ops", "conv"], "unknown op 'conv'"),
+    (["--reps", "0"], "reps must be >= 1"),
+    (["--exact-backend", "cuda"], "unknown exact backend 'cuda'"),
+])
+def test_bad_input_is_one_clear_error(argv, message, capsys):
+    assert kernels.main(["--shape", "tiny", *argv] if argv[0] != "--shape" else argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_markdown_tables_from_json(tmp_path, capsys):
+    k = kernels.run(["tiny"], ["float32", "bfloat16"], ["linear", "attention_decode"], list(kernels.MODES), reps=1,
+                    device=torch.device("cpu"), threads=1)
+    e = end_to_end.run(["tiny"], ["float32"], ["decode_step"], reps=1, device=torch.device("cpu"), threads=1,
+                       profile=2)
+    paths = []
+    for name, record in (("k.json", k), ("e.json", e)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(record))
+    assert tables.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | q_proj | 27 × 32 × 32 |" in out  # matmul table
+    assert "| attention_decode | tiny |" in out and "| — |" in out  # no backward for decode
+    assert "| tiny: decode step |" in out and "| ≤ 1.00× |" in out and "- decode_step tiny fp32, 1 thread: exact" in out
+    assert vexact_main(["bench", "tables", str(paths[0])]) == 0
+    (tmp_path / "bad.json").write_text(json.dumps({"benchmark": "other"}))
+    assert tables.main([str(tmp_path / "bad.json")]) == 2
+    assert "not a benchmark record" in capsys.readouterr().err
+
+
+def test_malloc_modes():
+    assert set_malloc("default") == "default"
+    steady = set_malloc("steady")  # glibc: thresholds set; elsewhere: says it could not
+    assert steady.startswith("steady (glibc") or steady.startswith("default (")
+    with pytest.raises(ValueError, match="unknown malloc mode 'huge'"):
+        set_malloc("huge")
+
+
+def test_parse_list():
+    assert parse_list("all", ["a", "b"], "x") == ["a", "b"]
+    assert parse_list("bf16,fp32", ["float32", "bfloat16"], "dtype") == ["bfloat16", "float32"]
+    with pytest.raises(ValueError, match="unknown item 'c'"):
+        parse_list("a,c", ["a", "b"], "item")
+    assert end_to_end.main(["--items", "nope"]) == 2
+
+
+@pytest.mark.slow
+def test_data_parallel_benchmark_schema(tmp_path, capsys):
+    from benchmarks import data_parallel
+
+    out = tmp_path / "dp.json"
+    assert data_parallel.main(["--nproc", "2", "--numel", "1000", "--reps", "2", "--no-steps", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    (reduce,) = record["reduce"]
+    assert reduce["nproc"] == 2 and reduce["tree_s"] > 0 and reduce["allreduce_s"] > 0
+    assert reduce["ratio"] == reduce["tree_s"] / reduce["allreduce_s"] and record["steps"] == []
+    assert data_parallel.main(["--nproc", "3", "--no-steps", "--out", str(out)]) == 2
+    assert "powers of two" in capsys.readouterr().err
+
+
+def test_compare_benchmark_writes_dumps_that_compare_accepts(tmp_path, capsys):
+    """``python -m benchmarks.compare`` (named in the own-engine tutorial): its synthetic training log-probs are
+    log-probs (the noise on a near-certain token used to push some above 0, which compare refuses), and a small
+    run counts every token right."""
+    from benchmarks import compare
+
+    data = compare.synthetic(2000, 20, 0.3, seed=0)
+    assert data["roll"].max() <= 0 and data["train"].max() <= 0
+    assert 0 < int(data["equal"]) < int(data["lengths"].sum())  # the perturbed share differs, the rest is equal
+    out = tmp_path / "compare.json"
+    assert compare.main(["--sequences", "300", "--max-len", "20", "--formats", "two-files", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["exit_code"] == 0 and row["correct"] and row["report_tokens"] == row["tokens"]
+    assert "counts right" in capsys.readouterr().out
+
+
+def test_a_kernel_library_from_another_checkout_is_refused(monkeypatch, tmp_path):
+    """A benchmark records where vexact was imported from, and refuses a vexact_kernels imported from elsewhere
+    (a second editable install shadowing it: old kernels timed under the new harness's commit)."""
+    import vexact_kernels
+    from benchmarks.common import code_locations, machine_info
+
+    assert machine_info()["vexact_path"] == str(Path(vexact_kernels.__file__).resolve().parent.parent)
+    monkeypatch.setattr(vexact_kernels, "__file__", str(tmp_path / "elsewhere" / "kernels" / "__init__.py"))
+    with pytest.raises(ValueError, match="come from different checkouts"):
+        code_locations()
+
+
+def test_vexact_bench_imports_the_installed_benchmarks_from_any_folder(tmp_path):
+    """``vexact bench`` needs no checkout: it imports ``vexact_benchmarks`` (installed, as the kernels are), here
+    from a folder outside the repository with the repository's root off ``sys.path`` (``python -I``), and puts
+    nothing on ``sys.path``."""
+    code = ("import sys; before = list(sys.path); from vexact.cli import _benchmarks_module; "
+            "m = _benchmarks_module('tables'); import vexact_benchmarks.common as c; "
+            "print(m.__name__, 'benchmarks' in sys.modules, sys.path == before, c.EXPERIMENT.is_file())")
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["vexact_benchmarks.tables", "False", "True", "True"]
+
+
+def test_bench_choices_are_the_benchmark_modules():
+    import inspect
+
+    from vexact.cli import BENCHMARKS, _benchmarks_module, build_parser
+
+    assert {"data_parallel", "compare"} <= set(BENCHMARKS)
+    for name in BENCHMARKS:
+        assert "prog" in inspect.signature(_benchmarks_module(name).main).parameters, name
+    parser = build_parser()
+    bench = next(a for a in parser._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "which")
+    assert tuple(bench.choices) == tuple(BENCHMARKS)
+    assert all(f"{name}:" in bench.help for name in BENCHMARKS)

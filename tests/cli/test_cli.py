@@ -1,0 +1,291 @@
+"""``vexact check`` end to end through the console entry point; what ``--help`` imports."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_run_faults import _write_config
+from test_sweep_faults import _cli_error
+
+from vexact.cli import COMMANDS, build_parser, main
+from vexact.engine import model as model_module
+from vexact.real.check import CheckSettings, check_units, run_check
+from vexact.real.check_report import check_verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# What a command imports to do its work, never to print a help: the trainer, the report, the sweep, the kernels,
+# torch (and rich, which prints results)
+HEAVY = ("torch", "vexact.rl.trainer", "vexact.reports.sweep_report", "vexact.sweeps.sweep", "vexact_kernels",
+         "vexact.real.check", "rich")
+
+
+def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    code = main(["check", "--num-prompts", "16", "--max-new-tokens", "24", "--hidden-size", "64",
+                 "--intermediate-size", "160", "--dtype", "all", "--json", str(out), "--verbose"])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert {(r["backend"], r["dtype"]) for r in rows} == {(b, d) for b in ("exact", "native")
+                                                          for d in ("float32", "bfloat16")}
+    for r in rows:  # the keys of measure's and compare's --json reports
+        assert r["tokens"] > 0
+        if r["backend"] == "exact":
+            assert r["bitwise_equal"] == r["tokens"] and r["metrics"]["mismatch/abs_dlogp_max"] == 0.0
+            assert r["metrics"]["rollout_corr/k3_kl"] == 0.0
+    assert sum(r["tokens"] - r["bitwise_equal"] for r in rows if r["backend"] == "native") > 0
+    exact_paths = next(r["kernel_paths"] for r in rows if r["backend"] == "exact")
+    # every exact op says which path it took; probed ops name their probes, by-construction ops need none
+    assert exact_paths["ops"]["embedding"]["path"] == "by construction"
+    for op in ("linear", "attention", "rms_norm", "silu_mul", "token_logprobs", "sampling"):
+        assert exact_paths["ops"][op]["path"] in ("fast", "fixed-order", "mixed"), op
+        assert exact_paths["ops"][op]["shape_classes"], op
+    if exact_paths["mode"] == "auto":  # (VEXACT_CPU_EXACT_PATH=fixed-order: nothing is probed)
+        assert all(p["passed"] is not None and p["threads_checked"] for p in exact_paths["probes"])
+    out = capsys.readouterr().out
+    assert "vexact check" in out and "path per op" in out and "gemm_rows" in out
+
+
+def test_check_scores_at_other_thread_counts(tmp_path):
+    """Rollout at 1 thread, every rollout rescored at 2 and at 3: still 0 mismatched exact tokens."""
+    out = tmp_path / "check.json"
+    assert main(["check", "--num-prompts", "6", "--max-new-tokens", "8", "--hidden-size", "64", "--intermediate-size",
+                 "160", "--backend", "exact", "--threads", "1", "--scoring-threads", "2,3", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["threads"] == 1 and row["scoring_threads"] == [2, 3]
+    assert row["tokens"] == row["bitwise_equal"] == 6 * 8 * 3 * 3 * 2
+
+
+def test_check_bad_dtype_is_one_clear_error(capsys):
+    assert main(["check", "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported dtype 'fp8'" in err and "Traceback" not in err
+
+
+def _imported(*args: str) -> set[str]:
+    """The modules ``python -X importtime -m vexact ARGS`` imports (its import-time lines name each one)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "vexact", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: vexact" in done.stdout
+    return {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [("--help",), ("run", "--help")], ids=["vexact", "run"])
+def test_help_imports_only_what_it_prints(args):
+    modules = _imported(*args)
+    assert {"vexact.cli", "argparse"} <= modules  # the lines were read: a module list, not an empty set
+    heavy = sorted(m for m in modules if m.partition(".")[0] in HEAVY or m in HEAVY)
+    assert heavy == [], f"vexact {' '.join(args)} imported {heavy}"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_lazy_subcommand_parses_and_helps_as_the_full_one(name):
+    """``main``'s parser adds a subcommand's arguments on first use; its help and parse are the full parser's."""
+    def command(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+    lazy, full = build_parser(lazy=True), build_parser()
+    assert command(lazy).format_help() == command(full).format_help()
+    words = {"check": [], "run": ["x.yaml"], "sweep": ["s.yaml"], "report": ["d"], "demo": [],
+             "measure": ["--model", "m", "--random-prompts", "2"], "compare": ["a.pt", "b.pt"],
+             "locate": ["--random"], "meter": ["m.yaml"], "bench": ["kernels"]}[name]
+    lazy_args = vars(build_parser(lazy=True).parse_args([name, *words]))
+    full_args = vars(full.parse_args([name, *words]))
+    assert lazy_args.keys() == full_args.keys()
+    assert {k: v for k, v in lazy_args.items() if k != "func"} == {k: v for k, v in full_args.items() if k != "func"}
+
+
+def test_measure_and_meter_each_say_what_they_do_and_point_to_the_other():
+    """Two names that sound alike, two unrelated jobs (both names are contracts): each one's help names the other."""
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices
+    assert "log-prob mismatch" in COMMANDS["measure"][0] and "not meter" in COMMANDS["measure"][0]
+    assert "gradient bias" in COMMANDS["meter"][0] and "not measure" in COMMANDS["meter"][0]
+    assert "see vexact meter" in sub["measure"].description and "see vexact measure" in sub["meter"].description
+
+
+def test_version_has_one_source():
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import vexact
+    from vexact.cli import package_version
+
+    root = Path(__file__).resolve().parents[2]
+    project = read_configuration(root / "pyproject.toml")["project"]
+    assert project["version"] == vexact.__version__ == package_version()
+    assert 'dynamic = ["version"]' in (root / "pyproject.toml").read_text()  # no second literal version
+
+
+def test_check_and_check_paths_share_their_arrangements():
+    import inspect
+
+    from vexact.cli import build_parser
+    from vexact.real.check import DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES, CheckSettings
+    from vexact.testing import check_paths
+
+    kw = {n: p.default for n, p in inspect.signature(check_paths).parameters.items()}
+    assert kw["batch_sizes"] == DEFAULT_BATCH_SIZES == CheckSettings().batch_sizes
+    assert kw["micro_batch_sizes"] == DEFAULT_MICRO_BATCH_SIZES == CheckSettings().micro_batch_sizes
+    args = build_parser().parse_args(["check"])
+    assert (args.batch_sizes, args.micro_batch_sizes) == (DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES)
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_check_accepts_short_dtype_and_ends_with_a_verdict(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    assert main(["check", "--dtype", "bf16", "--backend", "exact", "--num-prompts", "3", "--max-new-tokens", "4",
+                 "--hidden-size", "32", "--intermediate-size", "64", "--batch-sizes", "all,1",
+                 "--micro-batch-sizes", "all", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["dtype"] == "bfloat16" and row["bitwise_equal"] == row["tokens"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("PASS: ") and "exact/bfloat16" in last and f"({row['tokens']} of" in last
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_check_verdict_fails_naming_the_exact_path():
+    ok = {"backend": "exact", "dtype": "float32", "tokens": 10, "bitwise_equal": 10, "sampling_batch_invariant": True}
+    native = {**ok, "backend": "native", "bitwise_equal": 3}
+    assert check_verdict([ok, native]).startswith("PASS: ")  # native makes no promise
+    bad = {**ok, "dtype": "bfloat16", "bitwise_equal": 7}
+    verdict = check_verdict([ok, bad, native])
+    assert verdict.startswith("FAIL: ") and "exact/bfloat16 (3 of 10 tokens differ)" in verdict
+    assert "native" not in verdict and "\n" not in verdict
+    assert "sampling not batch-invariant" in check_verdict([{**ok, "sampling_batch_invariant": False}])
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"vexact": parser, **{f"vexact {name}": p for name, p in sub.choices.items()}}
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_every_subcommand_and_every_flag_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {c.dest: bool(c.help) for c in sub._choices_actions} == dict.fromkeys(sub.choices, True)
+    missing = [f"{name} {action.option_strings or action.dest}" for name, p in _subcommands().items()
+               for action in p._actions
+               if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))
+               and not (action.help or "").strip()]
+    assert missing == []
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_every_flag_with_a_default_shows_it():
+    unshown = []
+    for name, p in _subcommands().items():
+        formatter = p._get_formatter()
+        for action in p._actions:
+            default = action.default
+            if (not action.option_strings or default is None or isinstance(default, bool) or default == []
+                    or default is argparse.SUPPRESS):
+                continue
+            if "default" not in formatter._get_help_string(action).lower():
+                unshown.append(f"{name} {action.option_strings}")
+    assert unshown == []
+    check_help = _subcommands()["vexact check"].format_help()
+    assert "(default: 24)" in check_help and "(default all,1,3" in check_help  # the shared check_paths default
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_defaults_read_as_typed_and_help_says_each_thing_once(monkeypatch):
+    """The help nits a newcomer found: a default shown as ``(None, 1, 3)`` in the CLI reference, "finished work is
+    kept; finished output is kept", an unwrapped epilogue in ``compare --help``, and ``--only``'s help saying every
+    KEY must match where a KEY given twice merges its values."""
+    from tools.docs_gen import _default
+
+    commands = _subcommands()
+    check = commands["vexact check"]
+    sizes = {a.dest: a for a in check._actions if a.dest in ("batch_sizes", "micro_batch_sizes")}
+    assert [_default(a) for a in sizes.values()] == ["`all,1,3`", "`all,1,5`"]  # the CLI reference's cells
+    assert check.parse_args([]).batch_sizes == (None, 1, 3)  # still parsed by the flag's type
+    for name, p in commands.items():
+        assert "finished output is kept" not in p.format_help() and p.epilog.count("is kept") == 1, name
+    monkeypatch.setenv("COLUMNS", "100")
+    text = commands["vexact compare"].format_help()
+    epilog = text[text.index("exit codes:"):]
+    assert len(epilog.splitlines()) > 1 and max(map(len, epilog.splitlines())) <= 100
+    assert "  vexact compare dump.jsonl                    one file holding both sides" in text  # laid out by hand
+    only = next(a for a in commands["vexact sweep"]._actions if a.dest == "only")
+    assert "every KEY must match" not in only.help and "a KEY given twice keeps the values of both" in only.help
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vexact {importlib.metadata.version('vexact')}"
+
+
+def test_check_generates_at_one_thread_by_default_and_its_probes_still_cover_the_machines_threads():
+    from vexact.cli import build_parser
+    from vexact_kernels.host_guard import MACHINE_THREADS
+
+    assert build_parser().parse_args(["check"]).threads == 1
+    settings = CheckSettings(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, num_prompts=2, max_prompt_len=4, max_new_tokens=3, threads=1)
+    seen = []
+
+    class Recorder:
+        def running(self, text: str) -> None:
+            seen.append(text)
+
+        def advance(self, said: str | None = None, always: bool = False) -> None:
+            seen.append("done")
+
+    before = torch.get_num_threads()
+    try:
+        (row,) = run_check(settings, ("exact",), progress=Recorder())
+    finally:
+        torch.set_num_threads(before)
+    assert seen.count("done") == check_units(settings) == 3 + 9
+    assert seen[0] == "exact/fp32: generating all at once"
+    assert row["threads"] == 1
+    # Every probe that passed (so its faster path is in use) was checked at the machine's thread count too. The
+    # report lists every class this process probed, also those earlier tests probed at another count and the check
+    # never used, so "checked at 1 thread" holds only for the classes probed first here.
+    # A class that calls the library with 1 thread by construction (bf16 weight gradients: "one-thread") is probed at
+    # 1 thread only: no other count ever runs it.
+    passed = [p for p in row["kernel_paths"]["probes"] if p["passed"] and not p["shape_class"].endswith("one-thread")]
+    assert all(MACHINE_THREADS in p["threads_checked"] for p in passed)  # (fixed-order mode probes nothing)
+
+
+@pytest.mark.parametrize("flag", ["--num-experts-per-tok", "--moe-intermediate-size"])
+def test_check_expert_flags_without_experts_are_one_error_before_the_check(flag, capsys, monkeypatch):
+    def no_check(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr("vexact.real.check.run_check", no_check)
+    line = _cli_error(capsys, monkeypatch, "check", flag, "2")
+    assert f"{flag} sets the mixture of experts, but the model has none: give --num-experts" in line
+
+
+def test_check_json_to_an_unwritable_path_fails_before_the_check(tmp_path, capsys, monkeypatch):
+    def no_check(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr("vexact.real.check.run_check", no_check)
+    (tmp_path / "a_file").write_text("")
+    line = _cli_error(capsys, monkeypatch, "check", "--json", str(tmp_path / "a_file" / "check.json"))
+    assert f"--json: cannot write {tmp_path / 'a_file' / 'check.json'}" in line
+
+
+def test_the_memory_error_of_an_expert_count_names_num_experts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(model_module, "available_memory", lambda: 16 << 30)  # a laptop's 16 GiB, on any machine
+    line = _cli_error(capsys, monkeypatch, "run", str(_write_config(tmp_path, "moe")), "--set",
+                      "model.num_experts=100000")
+    assert "model.num_experts=100,000" in line and "model.hidden_size=64" in line
+    assert not (tmp_path / "moe").exists()

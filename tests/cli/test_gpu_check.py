@@ -1,0 +1,92 @@
+"""The device script's CPU rehearsal: every real-size part of ``benchmarks.gpu_real`` runs at tiny sizes on the CPU,
+its JSON is written after each part, what only a GPU has is skipped with its reason, and ``benchmarks/gpu_check.sh``
+records a part that ran out of its time limit. Quick: about two minutes on a loaded 2-core host."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu_real
+from vexact_kernels import TRITON_PIP
+
+pytestmark = pytest.mark.slow  # the device script's parts and the script itself: about two minutes
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_CUDA = not torch.cuda.is_available()
+
+
+def _rehearse(part: str, out: Path) -> int:
+    return gpu_real.main(["--part", part, "--out", str(out), "--rehearse", "--device", "cpu"])
+
+
+def test_rehearsal_runs_every_part_and_records_each(tmp_path):
+    out = tmp_path / "gpu_real.json"
+    done = []
+    for part in gpu_real.PARTS:
+        assert _rehearse(part, out) == 0, part
+        done.append(part)
+        assert list(json.loads(out.read_text())["parts"]) == done  # written after each part, earlier ones kept
+    parts = json.loads(out.read_text())["parts"]
+    assert all(p["machine"]["rehearsal"] and p["machine"]["device"] == "cpu" for p in parts.values())
+
+    exactness = {r["backend"]: r for r in parts["exactness"]["rows"]}
+    assert parts["exactness"]["status"] == "passed"
+    assert exactness["exact"]["tokens"] > 0 and exactness["exact"]["generation_batch_invariant"]
+    assert exactness["exact"]["mismatched_by_micro_batch"] == {"8": 0, "3": 0}
+    assert all(isinstance(n, int) for n in exactness["native"]["mismatched_by_micro_batch"].values())  # recorded
+
+    speed = parts["speed"]
+    assert speed["status"] == "passed" and "GPU" in speed["peak_memory_skipped"]
+    for row in speed["rows"]:
+        assert set(row["decode"]) == {"0", "8", "15"}
+        for measured in (row["prefill"], row["train_fwd_bwd"], *row["decode"].values()):
+            assert measured["tokens_per_s"] > 0 and measured["peak_bytes"] is None  # not faked on the CPU
+
+    assert parts["launches"]["status"] == "skipped" and "CUDA" in parts["launches"]["reason"]
+
+    rl = parts["rl_run"]
+    assert rl["status"] == "passed" and rl["exit_code"] == 0 and "--device cpu" in rl["command"]
+    assert rl["steps"] == 2 and rl["bitwise_equal_frac_by_step"] == [1.0, 1.0] and rl["k3_kl_by_step"] == [0.0, 0.0]
+
+    moe = {r["backend"]: r for r in parts["moe"]["rows"]}
+    assert parts["moe"]["status"] == "passed" and moe["exact"]["mismatched"] == 0
+    assert moe["exact"]["routing_flip_rate"] == 0.0
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="needs a machine without CUDA")
+def test_without_a_gpu_only_the_rehearsal_runs(tmp_path, capsys):
+    assert gpu_real.main(["--part", "exactness", "--out", str(tmp_path / "x.json"), "--device", "cpu"]) == 2
+    assert gpu_real.main(["--part", "exactness", "--out", str(tmp_path / "x.json")]) == 2  # default cuda
+    err = capsys.readouterr().err
+    assert "--rehearse" in err and "CUDA" in err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+@pytest.mark.needs_package("triton", TRITON_PIP)  # the script checks that torch and triton import before any part
+def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
+    """The script's own plumbing, rehearsed: a part over its limit (1 s: less than Python's start) is recorded as
+    timed out and fails the script; a part that cannot run on the CPU is skipped with its reason."""
+    env = {**os.environ, "OUT": str(tmp_path), "VEXACT_GPU_CHECK_REHEARSE": "1", "GPU_CHECK_ONLY": "real",
+           "GPU_CHECK_REAL_PARTS": "launches exactness", "GPU_CHECK_EXACTNESS_S": "1"}
+    link = ROOT / "vexact_kernels"  # the script links it for a bare copy of the tree; a test leaves none behind
+    made = not link.exists() and not link.is_symlink()
+    try:
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        if made and link.is_symlink():
+            link.unlink()
+    assert done.returncode == 1, done.stdout + done.stderr
+    parts = json.loads((tmp_path / "gpu_real.json").read_text())["parts"]
+    assert parts["exactness"] == {"status": "timed out", "limit_s": 1}
+    assert parts["launches"]["status"] == "skipped"
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "gpu_real exactness: exit 124 (timed out after 1s)" in summary and "gpu_real launches: exit 0" in summary

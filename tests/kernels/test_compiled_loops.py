@@ -1,0 +1,329 @@
+"""The compiled loops' contract: the same bits as the torch-op compositions they replace (``compiled_loops``).
+
+Each loop is checked bitwise (the bit patterns, so -0.0 against +0.0 counts) against its torch-op version on
+random shapes, strides and special values, and a whole run is compared with and without the loops. Under CI
+(``CI=true``) the loops must have built: CI must not pass by testing only the torch-op path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import running_in_ci
+from test_data_parallel import _config_file, _result, _same, _vexact_run
+from test_exact_price_bits import _bits, _rms_norm_vjp_reference
+
+from vexact_kernels import compiled_loops, fixed_order
+
+DTYPES = (torch.float32, torch.float64)
+
+
+@pytest.fixture(scope="module")
+def loops():
+    found = compiled_loops.status()
+    if found["path"] != "compiled":
+        if running_in_ci():
+            pytest.fail(f"the compiled loops did not load under CI: {found}", pytrace=False)
+        pytest.skip(f"no compiled loops on this host: {found['reason']}")
+    return compiled_loops.library()
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values over many magnitudes (so the order of additions shows in the result), with signed zeros,
+    infinities and subnormals sprinkled in."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = x * 10.0 ** torch.randint(-6, 7, shape, generator=gen)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-310], dtype=torch.float64)
+    pick = torch.randint(0, 40, shape, generator=gen)
+    x = torch.where(pick < len(special), special[pick.clamp(max=len(special) - 1)], x)
+    return x.to(dtype)
+
+
+CASES = [  # (shape, dim, a view to take: how the operand's strides differ from a fresh tensor's)
+    ((2, 5, 3), 1, "plain"), ((3, 64), -1, "plain"), ((64,), 0, "plain"), ((1000,), 0, "plain"),
+    ((4, 9, 33), 0, "plain"), ((2, 3, 4, 5), 2, "plain"), ((7, 2), 1, "plain"), ((3, 6, 5), -1, "transposed"),
+    ((5, 4, 17), 1, "transposed"), ((6, 10, 12), 0, "sliced"), ((2, 3, 4, 64), -1, "permuted"),
+    ((3, 8, 4, 5), 1, "permuted"), ((0, 5), 1, "plain"), ((4, 0, 3), 0, "plain"),
+]
+
+
+def _view(x: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "transposed":
+        return x.transpose(0, -1)
+    if how == "transposed_last":  # a batch of transposed matrices (the attention backward's GEMM operands)
+        return x.transpose(-1, -2)
+    if how == "sliced":
+        return x[:, 1:8, ::2]
+    if how == "permuted":
+        return x.permute(3, 1, 0, 2)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim,how", CASES)
+def test_tree_sum_is_the_torch_op_tree_bit_for_bit(loops, dtype, shape, dim, how):
+    x = _view(_values(shape, dtype, seed=len(shape) * 100 + abs(dim)), how)
+    if x.shape[dim % x.dim()] < 2:
+        pytest.skip("a width of 1 is a select, not a sum (taken by the torch ops)")
+    expected = fixed_order.tree_sum(x, dim)
+    got = loops.tree_sum(x, dim)
+    assert got.shape == expected.shape and got.is_contiguous()
+    assert torch.equal(_bits(got), _bits(expected))
+
+
+def test_tree_sum_propagates_nan_where_the_torch_ops_do(loops):
+    x = torch.randn(16, 37, generator=torch.Generator().manual_seed(1))
+    x[3, 5] = float("nan")
+    x[9, 36] = float("nan")
+    expected, got = fixed_order.tree_sum(x), loops.tree_sum(x, -1)
+    assert torch.equal(got.isnan(), expected.isnan()) and int(got.isnan().sum()) == 2
+    keep = ~expected.isnan()
+    assert torch.equal(_bits(got[keep]), _bits(expected[keep]))
+
+
+def test_tree_sum_keeps_the_order_visible(loops):
+    """The check above can fail: the sequential sum of the same values differs from the tree in fp32."""
+    x = _values((200, 64), torch.float32, seed=2)
+    tree, sequential = loops.tree_sum(x, -1), x.cumsum(-1)[:, -1]
+    assert not torch.equal(_bits(tree), _bits(sequential))
+
+
+def test_dispatch_takes_the_torch_ops_where_the_loops_do_not_apply(loops):
+    """Width 1 (a select), bf16 (not compiled) and fp32 all give the torch-op tree's values through ``tree_sum``."""
+    for x, dim in ((torch.randn(3, 1), -1), (torch.randn(4, 6, dtype=torch.bfloat16), -1), (torch.randn(5, 9), 0)):
+        assert torch.equal(compiled_loops.tree_sum(x, dim), fixed_order.tree_sum(x, dim))
+
+
+def test_bad_mode_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv(compiled_loops.LOOPS_ENV, "fast")
+    with pytest.raises(ValueError, match="VEXACT_CPU_LOOPS='fast'"):
+        compiled_loops.mode_from_env()
+
+
+@pytest.mark.slow
+def test_a_whole_run_is_the_same_bits_with_and_without_the_loops(loops, tmp_path, monkeypatch):
+    """Warm start, rollouts, scoring, the update and evaluation, once with the compiled loops and once with
+    ``VEXACT_CPU_LOOPS=python``: metrics (timing aside) and every checkpoint tensor bitwise equal."""
+    results = []
+    for mode in ("auto", "python"):
+        monkeypatch.setenv(compiled_loops.LOOPS_ENV, mode)
+        (tmp_path / mode).mkdir()
+        config = _config_file(tmp_path / mode, threads=1, **{"distributed.leaves": 1})
+        _vexact_run(config, tmp_path / f"run-{mode}")
+        results.append(_result(tmp_path / f"run-{mode}"))
+    metrics, _ = results[0]
+    assert all(row["actor/grad_norm"] > 0 for row in metrics if "actor/grad_norm" in row), "the policy must move"
+    assert _same(*results), "the compiled loops changed a bit of the run"
+
+
+ATTENTION_CASES = {  # (batch, q_len, q_heads, kv_heads, head_dim, cache_len, q_start per sequence)
+    "decode": (5, 1, 4, 2, 16, 48, [3, 17, 40, 0, 47]),
+    "prefill_ragged": (3, 9, 4, 2, 16, 40, [0, 5, 31]),
+    "prefill_uniform_two_key_tiles": (2, 70, 4, 2, 16, 70, [0, 0]),
+    "many_row_tiles_three_key_tiles": (2, 40, 8, 2, 16, 170, [100, 130]),
+    "no_grouping_wide_heads": (3, 2, 2, 2, 64, 20, [4, 0, 18]),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case):
+    """``_attention_probs`` with and without the loops: the probability tiles, both row sums and the masked
+    probabilities, bitwise (decode, ragged and uniform prefills, several row and key tiles)."""
+    from vexact_kernels import cpu_exact
+
+    batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    q = torch.randn(batch, q_len, q_heads, head_dim, generator=gen) * 3
+    k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen) * 3
+    v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen)
+    tiles = cpu_exact._AttentionTiles(q, k, v, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
+    expected = cpu_exact._attention_probs(tiles, None)
+    got = cpu_exact._attention_probs(tiles, loops)
+    for name, a, b in zip(("tiles", "row sums (padded)", "probabilities", "row sums"), got, expected):
+        assert a.shape == b.shape, name
+        assert torch.equal(_bits(a), _bits(b)), name
+
+
+LAYOUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+PAD_CASES = [  # (source shape, a view to take, padded shape)
+    ((5, 7), "plain", (8, 16)), ((5, 7), "transposed", (16, 5)), ((3, 4, 5), "plain", (3, 8, 16)),
+    ((6, 10, 12), "sliced", (8, 8, 16)), ((2, 3, 4, 64), "permuted", (64, 3, 2, 4)), ((1, 1), "plain", (4, 16)),
+    ((0, 3), "plain", (4, 16)), ((4, 3), "plain", (4, 3)), ((3, 5, 7), "transposed_last", (4, 8, 16)),
+    ((64, 56, 32), "transposed_last", (64, 32, 64)), ((2, 3, 40, 33), "transposed_last", (2, 4, 48, 48)),
+]
+
+
+@pytest.mark.parametrize("dtype", LAYOUT_DTYPES)
+@pytest.mark.parametrize("shape,how,padded", PAD_CASES)
+def test_padded_copy_is_the_torch_op_padding(loops, dtype, shape, how, padded):
+    x = _view(_values(shape, torch.float64, seed=sum(shape)).to(dtype), how)
+    expected = torch.constant_pad_nd(x, [p for size, full in zip(reversed(x.shape), reversed(padded))
+                                         for p in (0, full - size)])
+    got = loops.padded_copy(x, padded)
+    assert got.is_contiguous() and got.shape == expected.shape and got.dtype == dtype
+    assert torch.equal(_bits(got), _bits(expected))
+
+
+@pytest.mark.parametrize("dtype", LAYOUT_DTYPES)
+@pytest.mark.parametrize("rows,cols,block,width,how", [(230, 64, 256, 64, "plain"), (256, 22, 64, 32, "plain"),
+                                                        (70, 40, 64, 48, "transposed"), (5, 3, 4, 16, "sliced")])
+def test_chunks_transposed_is_the_torch_op_layout(loops, dtype, rows, cols, block, width, how):
+    """out[c, i, j] = src[c * block + j, i], zero elsewhere: the layout of padding the rows to whole chunks, then
+    each chunk's transpose (the torch-op composition ``gemm_arrangements._chunks_transposed`` replaces)."""
+    if how == "transposed":
+        src = _values((cols, rows), torch.float64, seed=rows).to(dtype).t()
+    elif how == "sliced":
+        src = _values((rows * 2, cols + 3), torch.float64, seed=rows).to(dtype)[::2, 1 : cols + 1]
+    else:
+        src = _values((rows, cols), torch.float64, seed=rows).to(dtype)
+    chunks = -(-rows // block)
+    padded = torch.constant_pad_nd(src, [0, width - cols, 0, chunks * block - rows])
+    expected = padded.view(chunks, block, width).transpose(1, 2).contiguous()
+    got = loops.chunks_transposed(src, block, chunks, width)
+    assert got.is_contiguous() and got.shape == expected.shape
+    assert torch.equal(_bits(got), _bits(expected))
+
+
+def _rms_norm_torch_ops(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """cpu_exact's RMSNorm forward as torch ops (its torch-op path, with the host's guarded sqrt): (output, fp32
+    1/rms [..., 1])."""
+    from vexact_kernels.cpu_exact import elementwise
+
+    xf = x.float()
+    mean_sq = fixed_order.tree_sum(xf * xf).div_(x.shape[-1])
+    inv_rms = elementwise("sqrt", mean_sq.add_(eps), op="rms_norm").reciprocal_().unsqueeze(-1)
+    return torch.mul(xf, inv_rms).mul_(weight.float()).to(x.dtype), inv_rms
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape", [(3, 17, 64), (1, 176), (230, 64), (2, 5, 4, 16), (4, 1)])
+def test_rms_norm_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape):
+    """Forward (output, 1/rms) and VJP (grad_x, grad_weight) of ``cpu_exact`` with the loops against the torch-op
+    formulas, bitwise, on values over many magnitudes."""
+    from vexact_kernels import cpu_exact
+
+    x = (_values(shape, torch.float64, seed=shape[-1]).clamp(-1e15, 1e15) + 0.5).to(dtype)
+    weight = torch.randn(shape[-1], generator=torch.Generator().manual_seed(3)).to(dtype)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out, xf, inv_rms = cpu_exact._rms_norm_parts(x, weight, 1e-6, cpu_exact.HOST)
+    expected_out, expected_inv = _rms_norm_torch_ops(x, weight, 1e-6)
+    assert torch.equal(_bits(out), _bits(expected_out)) and torch.equal(_bits(inv_rms), _bits(expected_inv))
+    grad_x, grad_w = cpu_exact._rms_norm_vjp((xf, inv_rms, weight, dtype), grad, (True, True))
+    expected_x, expected_w = _rms_norm_vjp_reference((xf, inv_rms, weight, dtype), grad, (True, True))
+    assert torch.equal(_bits(grad_x), _bits(expected_x)) and torch.equal(_bits(grad_w), _bits(expected_w))
+
+
+@pytest.mark.parametrize("shape", [(3, 17, 176), (1, 5), (230, 64), (2, 5, 4, 16), (7,)])
+def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, shape, monkeypatch):
+    """SwiGLU forward (output, saved 1 + exp(-gate) and silu) and VJP (both gradients) with the loops against the
+    torch ops (``_silu_mul_loops`` answering None), bitwise, on values over many magnitudes and special values."""
+    from vexact_kernels import cpu_exact
+
+    gate = _values(shape, torch.float64, seed=sum(shape)).clamp(-1e30, 1e30).float()
+    up = _values(shape, torch.float64, seed=sum(shape) + 1).clamp(-1e30, 1e30).float()
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(cpu_exact, "_silu_mul_loops", lambda gate, up: None)
+        out, saved = cpu_exact._silu_mul_with_saved(gate, up, cpu_exact.HOST)
+        grads = cpu_exact._silu_mul_vjp(saved, grad, (True, True))
+        plain = cpu_exact._silu_mul_exact(gate, up, cpu_exact.HOST)
+        results.append((out, saved[2], saved[3], *grads, plain))
+    names = ("output", "1 + exp(-gate)", "silu", "grad_gate", "grad_up", "output without grad")
+    for name, a, b in zip(names, *results):
+        assert torch.equal(_bits(a), _bits(b)), name
+    assert torch.equal(_bits(results[0][0]), _bits(results[0][-1]))
+
+
+@pytest.mark.parametrize("budget", (1 << 16, 8, 1))
+@pytest.mark.parametrize("count,vocab,width", [(300, 22, 64), (50, 1000, 16), (1, 5, 3), (0, 7, 4), (40, 3, 1)])
+def test_embedding_backward_loop_is_the_torch_ops_bit_for_bit(loops, count, vocab, width, budget, monkeypatch):
+    """The embedding VJP (``_sum_rows_by_token``) with the loop against the torch ops, bitwise: skewed token counts,
+    chunk budgets that group tokens of different counts together (zero padding turns -0.0 into +0.0, so the chunk
+    width must be the torch ops' own), gradients with signed zeros and special values."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(count + vocab)
+    tokens = (torch.rand(count, generator=gen) ** 3 * vocab).long()  # a few tokens often, most rarely
+    rows = _values((count, width), torch.float64, seed=count + width).clamp(-1e30, 1e30).float()
+    if count:
+        rows[tokens == tokens[0]] = -0.0  # one token's gradient is all -0.0
+    monkeypatch.setattr(cpu_exact, "EMBEDDING_PAD_BUDGET", budget)
+    compiled = cpu_exact._sum_rows_by_token(tokens, rows, vocab)
+    monkeypatch.setattr(cpu_exact.compiled_loops, "library", lambda: None)
+    expected = cpu_exact._sum_rows_by_token(tokens, rows, vocab)
+    assert torch.equal(_bits(compiled), _bits(expected))
+
+
+def test_embedding_backward_loop_rejects_a_token_outside_the_vocabulary(loops):
+    with pytest.raises(RuntimeError, match="token 9 outside"):
+        loops.sum_rows_by_token(torch.tensor([1, 9]), torch.zeros(2, 4), 5, 1 << 16)
+
+
+LINEAR_CASES = [  # (rows, in features, out features): one chunk / several, padded columns, a row tile per call
+    (230, 64, 176), (230, 176, 64), (37, 64, 22), (600, 48, 40), (3, 16, 16), (1000, 64, 200),
+]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rows,k,n", LINEAR_CASES)
+def test_linear_through_the_compiled_gemm_steps_is_the_torch_op_path(loops, dtype, rows, k, n):
+    """``linear`` forward and backward where the guard's verdict is torch's GEMM (the compiled ``tiled_matmul`` and
+    ``transposed_matmul`` run the steps around it) against a guard over a wrapper of the same GEMM (which the
+    compiled path does not take: every step in torch ops): output and both gradients bitwise."""
+    from conftest import num_threads
+
+    from vexact_kernels import cpu_exact
+    from vexact_kernels.host_guard import HostGuard
+
+    torch_ops_guard = HostGuard(cpu_exact.ROW_BLOCKS, bmm=lambda a, b: torch.bmm(a, b))
+    gen = torch.Generator().manual_seed(rows + k + n)
+    x0 = torch.randn(rows, k, generator=gen).to(dtype)
+    w0 = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    grad = torch.randn(rows, n, generator=gen).to(dtype)
+    results = []
+    with num_threads(1):
+        for host in (cpu_exact.HOST, torch_ops_guard):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            out = cpu_exact.linear(x, w, host=host)
+            out.backward(grad)
+            results.append((out.detach(), x.grad, w.grad))
+    operand = torch.empty(16 * -(-n // 16), k).t().unsqueeze(0)  # the forward's class: which path each guard took
+    assert cpu_exact.HOST.library_gemm(torch.float32, operand, True, "linear") is not None
+    assert torch_ops_guard.library_gemm(torch.float32, operand, True, "linear") is None
+    for name, a, b in zip(("output", "grad_x", "grad_w"), *results):
+        assert torch.equal(_bits(a), _bits(b)), name
+
+
+def _without_a_compiler(tmp_path, code: list[str], mode: str) -> subprocess.CompletedProcess:
+    """``python`` with an empty PATH (no C++ compiler, no ninja) and an empty extension cache."""
+    env = {**os.environ, "PATH": str(tmp_path / "empty"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache"),
+           compiled_loops.LOOPS_ENV: mode}
+    return subprocess.run([sys.executable, *code], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_no_compiler_falls_back_to_the_torch_ops_with_one_warning(tmp_path):
+    code = ("import torch, warnings; from vexact_kernels import cpu_exact, compiled_loops\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    cpu_exact.rms_norm(torch.randn(4, 8), torch.randn(8), 1e-6)\n"
+            "    cpu_exact.rms_norm(torch.randn(4, 8), torch.randn(8), 1e-6)\n"
+            "warned = sum('compiled loops did not build' in str(w.message) for w in caught)\n"
+            "print(compiled_loops.status()['path'], warned)")
+    done = _without_a_compiler(tmp_path, ["-c", code], "auto")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["torch", "ops", "1"]
+
+
+@pytest.mark.slow
+def test_compiled_mode_without_a_compiler_is_one_clear_error(tmp_path):
+    done = _without_a_compiler(tmp_path, ["-m", "vexact_kernels.build_loops"], "compiled")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "VEXACT_CPU_LOOPS=compiled, but the compiled loops did not build" in done.stderr
+    assert "no C++ compiler on PATH" in done.stderr

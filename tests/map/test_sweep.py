@@ -1,0 +1,258 @@
+"""Sweeps: grid expansion, validation, resume after an interrupt, failing points, workers, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import warm_start_cache
+from rich.console import Console
+from test_sweep_faults import _cli_error
+from test_sweep_faults import _sweep_file as _fast_sweep_file  # tiny runs, no warm start
+from test_trainer import EXPERIMENT, _without_timing
+
+from vexact.cli import main
+from vexact.records.runlog import read_metrics
+from vexact.rl.config import ConfigError
+from vexact.rl.trainer import Trainer
+from vexact.sweeps import sweep as sweep_module
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep
+
+
+def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **extra) -> Path:
+    grid = grid or {"inject.value": [0.0, -0.5], "seed": [0, 1]}
+    fixed = {"steps": 3, "warm_start.steps": 10, "warm_start.cache_dir": str(warm_start_cache(tmp_path)),
+             "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4, "task.eval_prompts": 8,
+             "logging.eval_every": 2, "logging.checkpoint_every": 1, "inject.mode": "logit_scale"}
+    if "inject.value" not in grid:  # a knob mode needs its value (a grid without one: a fixed, non-zero value)
+        fixed["inject.value"] = -0.5
+    spec = {"name": name, "base": str(EXPERIMENT), "output_dir": str(tmp_path / name), "set": fixed, "grid": grid,
+            **extra}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def interrupt_sweep(monkeypatch, spec, at_step_call: int) -> None:
+    """Run ``spec`` locally and raise KeyboardInterrupt (Ctrl-C) in its ``at_step_call``-th training step; the
+    steps are restored afterwards."""
+    real_step, calls = Trainer.step, {"n": 0}
+
+    def killed(self, step):
+        calls["n"] += 1
+        if calls["n"] == at_step_call:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, console=Console(quiet=True))
+    monkeypatch.setattr(Trainer, "step", real_step)
+
+
+def _metrics(spec) -> dict[str, list[dict]]:
+    return {p.name: _without_timing(read_metrics(p.run_dir / "metrics.jsonl")) for p in spec.points}
+
+
+def test_grid_expansion_and_validation(tmp_path):
+    spec = load_sweep_spec(_sweep_file(tmp_path))
+    assert [p.name for p in spec.points] == ["inject.value=0.0,seed=0", "inject.value=0.0,seed=1",
+                                             "inject.value=-0.5,seed=0", "inject.value=-0.5,seed=1"]
+    assert spec.points[3].config.inject.value == -0.5 and spec.points[3].config.seed == 1
+    with pytest.raises(ConfigError, match="sweep point inject.valu=0.0.*unknown key"):
+        load_sweep_spec(_sweep_file(tmp_path, "bad", grid={"inject.valu": [0.0]}))
+    with pytest.raises(ConfigError, match="grid"):
+        load_sweep_spec(_sweep_file(tmp_path, "bad2", grid={"seed": []}))
+
+
+def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, monkeypatch):
+    reference = load_sweep_spec(_sweep_file(tmp_path, "ref"))
+    run_sweep(reference, console=Console(quiet=True))
+    expected = _metrics(reference)
+
+    spec = load_sweep_spec(_sweep_file(tmp_path, "cut"))
+    interrupt_sweep(monkeypatch, spec, at_step_call=8)  # Ctrl-C in the middle of the third point
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert [p["status"] for p in index["points"]] == ["completed", "completed", "interrupted", "pending"]
+    finished_mtime = (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns
+
+    statuses = run_sweep(load_sweep_spec(_sweep_file(tmp_path, "cut")), console=Console(quiet=True))
+    assert list(statuses.values()) == ["completed"] * 4
+    assert (spec.points[0].run_dir / "metrics.jsonl").stat().st_mtime_ns == finished_mtime  # skipped, not rerun
+    assert _metrics(spec) == expected  # nothing lost, nothing duplicated, bit-identical
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert len(index["points"]) == 4 and {p["name"] for p in index["points"]} == set(expected)
+
+
+def test_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    real_init = Trainer.__init__
+
+    def fragile(self, cfg, console=None):
+        if cfg.seed == 1:
+            raise RuntimeError("boom")
+        real_init(self, cfg, console)
+
+    monkeypatch.setattr(Trainer, "__init__", fragile)
+    spec = load_sweep_spec(_sweep_file(tmp_path, grid={"seed": [0, 1, 2]}))
+    statuses = run_sweep(spec, console=Console(quiet=True))
+    assert statuses == {"seed=0": "completed", "seed=1": "failed", "seed=2": "completed"}
+    assert "RuntimeError: boom" in (spec.points[1].run_dir / "error.txt").read_text()
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert index["points"][1]["error"].startswith("RuntimeError: boom")
+
+
+@pytest.mark.slow
+def test_parallel_workers_and_report(tmp_path):
+    path = _sweep_file(tmp_path, "par", grid={"inject.value": [0.0, -0.5]})
+    assert main(["sweep", str(path), "--jobs", "2"]) == 0
+    spec = load_sweep_spec(path)
+    for point in spec.points:
+        summary = json.loads((point.run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and "collapsed" in summary["collapse"]
+    report = spec.output_dir / "report"
+    assert {"summary.csv", "table.md", "table.json", "reward_curves.png"} <= {p.name for p in report.iterdir()}
+    assert main(["report", str(spec.output_dir)]) == 0
+    assert main(["report", str(tmp_path)]) == 2  # not a sweep directory: one clear error
+
+
+def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
+    variants = {"none": {}, "tis_decay": {"correction.method": "token_tis", "lr_schedule.kind": "length_triggered"}}
+    spec = load_sweep_spec(_sweep_file(tmp_path, "v", grid={"seed": [0, 1]}, variants=variants))
+    assert [p.name for p in spec.points] == ["variant=none,seed=0", "variant=none,seed=1",
+                                             "variant=tis_decay,seed=0", "variant=tis_decay,seed=1"]
+    assert spec.grid == {"variant": ["none", "tis_decay"], "seed": [0, 1]}
+    plain, remedy = spec.points[1].config, spec.points[3].config
+    assert plain.correction.method == "none" and plain.lr_schedule.kind == "constant" and plain.seed == 1
+    assert remedy.correction.method == "token_tis" and remedy.lr_schedule.kind == "length_triggered"
+    assert remedy.seed == 1 and remedy.inject.mode == "logit_scale"  # the common settings still apply
+    with pytest.raises(ConfigError, match="variant=bad,seed=0.*correction.method"):
+        load_sweep_spec(_sweep_file(tmp_path, "b1", grid={"seed": [0]}, variants={"bad": {"correction.method": "x"}}))
+    with pytest.raises(ConfigError, match="'variants'"):
+        load_sweep_spec(_sweep_file(tmp_path, "b2", grid={"seed": [0]}, variants=["none"]))
+    with pytest.raises(ConfigError, match="remove it from the grid"):
+        load_sweep_spec(_sweep_file(tmp_path, "b3", grid={"variant": ["a"]}, variants={"a": {}}))
+
+
+@pytest.mark.slow
+def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
+    """``kill -INT <sweep>`` (not a terminal's Ctrl-C, which reaches the whole process group) must stop the points
+    that are running in worker processes, not wait for them to finish: the points here would run 5000 steps."""
+    import signal
+    import time
+
+    path = _sweep_file(tmp_path, "sig", grid={"seed": [0, 1]}, **{})
+    spec_data = yaml.safe_load(path.read_text())
+    spec_data["set"].update({"steps": 5000, "logging.checkpoint_every": 1000, "logging.eval_every": 1000})
+    path.write_text(yaml.safe_dump(spec_data))
+    spec = load_sweep_spec(path)
+    sweep = subprocess.Popen([sys.executable, "-m", "vexact", "sweep", str(path), "--jobs", "2", "--no-report"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((p.run_dir / "metrics.jsonl").exists() for p in spec.points):
+            assert sweep.poll() is None and time.monotonic() < deadline, "the points never started"
+            time.sleep(0.5)
+        os.kill(sweep.pid, signal.SIGINT)  # the sweep's process only: its workers are not signalled by us
+        output, _ = sweep.communicate(timeout=90)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    assert sweep.returncode == 130, output[-2000:]
+    for point in spec.points:
+        assert len(read_metrics(point.run_dir / "metrics.jsonl")) < 5000
+
+
+def test_a_sweep_whose_steps_grew_extends_its_finished_points_bit_identically(tmp_path):
+    """Raising ``steps`` in the sweep file and running it again extends every point that ran to its planned end
+    (as --resume --set steps=N --allow-change steps would), with the bits of a sweep run that long from the start;
+    a point that stopped early on a confirmed collapse is left as it is."""
+    grid = {"seed": [0, 1]}
+    long = load_sweep_spec(_sweep_file(tmp_path, "long", grid=grid))
+    for point in long.points:
+        point.config.steps = 5
+    run_sweep(long, console=Console(quiet=True))
+
+    short_path = _sweep_file(tmp_path, "grow", grid=grid)
+    run_sweep(load_sweep_spec(short_path), console=Console(quiet=True))  # 3 steps
+    spec_data = yaml.safe_load(short_path.read_text())
+    spec_data["set"]["steps"] = 5
+    short_path.write_text(yaml.safe_dump(spec_data))
+    grown = load_sweep_spec(short_path)
+    assert run_sweep(grown, console=Console(quiet=True)) == {"seed=0": "completed", "seed=1": "completed"}
+    extended = _metrics(grown)
+    assert all(len(rows) == 5 for rows in extended.values())
+    assert extended == _metrics(long)  # the extension is the 5-step run, bit for bit
+
+    summary_path = grown.points[0].run_dir / "summary.json"  # a run that ended early keeps its outcome
+    summary = json.loads(summary_path.read_text())
+    summary.update(steps_planned=5, steps_completed=4)
+    summary_path.write_text(json.dumps(summary))
+    spec_data["set"]["steps"] = 7
+    short_path.write_text(yaml.safe_dump(spec_data))
+    run_sweep(load_sweep_spec(short_path), console=Console(quiet=True))
+    assert len(read_metrics(grown.points[0].run_dir / "metrics.jsonl")) == 5
+    assert len(read_metrics(grown.points[1].run_dir / "metrics.jsonl")) == 7
+
+
+def test_only_runs_a_round_of_the_grid_and_a_later_round_adds_the_rest(tmp_path):
+    """--only KEY=V1,V2 selects points by grid value; the rest of the grid runs later into the same directory,
+    the finished round is skipped, and a bad key or value is one clear error (exit code 2)."""
+    path = _sweep_file(tmp_path, "only", grid={"inject.value": [0.0, -0.5], "seed": [0, 1]})
+    assert main(["sweep", str(path), "--only", "inject.value=-0.5", "--only", "seed=1", "--no-report",
+                 "--quiet"]) == 0
+    spec = load_sweep_spec(path)
+    ran = sorted(p.name for p in spec.points if (p.run_dir / "summary.json").exists())
+    assert ran == ["inject.value=-0.5,seed=1"]
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert [point["name"] for point in index["points"] if point["status"] == "completed"] == ran
+    first = (spec.output_dir / "points" / ran[0] / "metrics.jsonl").read_bytes()
+    assert main(["sweep", str(path), "--no-report", "--quiet"]) == 0
+    assert all((p.run_dir / "summary.json").exists() for p in spec.points)
+    assert (spec.output_dir / "points" / ran[0] / "metrics.jsonl").read_bytes() == first  # skipped, not re-run
+    assert main(["sweep", str(path), "--only", "seed=7"]) == 2
+    assert main(["sweep", str(path), "--only", "inject.valu=0.0"]) == 2
+    assert main(["sweep", str(path), "--only", "seed"]) == 2
+
+
+def test_sweep_set_changes_every_point_and_is_recorded_and_checked_on_a_rerun(tmp_path, capsys, monkeypatch):
+    path = _fast_sweep_file(tmp_path, "s", grid={"seed": [0, 1]})
+    spec = load_sweep_spec(path, overrides=["optimizer.lr=1e-3", "algorithm.clip_ratio_low=0.1"])
+    assert [p.config.optimizer.lr for p in spec.points] == [1e-3, 1e-3]
+    assert [p.config.algorithm.clip_low for p in spec.points] == [0.1, 0.1]
+    assert [p.config.seed for p in spec.points] == [0, 1]  # the grid still sets each point
+    with pytest.raises(ConfigError, match="'seed' is a grid key"):
+        load_sweep_spec(path, overrides=["seed=3"])
+    with pytest.raises(ConfigError, match="'output_dir' is set by the sweep for every point"):
+        load_sweep_spec(path, overrides=["output_dir=x"])
+    with pytest.raises(ConfigError, match=r"expected a number > 0, got -1 \(from --set optimizer.lr=-1\)"):
+        load_sweep_spec(path, overrides=["optimizer.lr=-1"])
+
+    monkeypatch.setattr(sweep_module, "_run_point", lambda config, resume, threads: {
+        "status": "completed", "error": None})
+    assert main(["sweep", str(path), "--set", "optimizer.lr=1e-3", "--no-report", "--quiet"]) == 0
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text())["set"] == ["optimizer.lr=1e-3"]
+    for point in spec.points:  # (the fake run leaves only the folder a real run would have)
+        point.run_dir.mkdir(parents=True, exist_ok=True)
+    line = _cli_error(capsys, monkeypatch, "sweep", str(path), "--set", "optimizer.lr=2e-3")
+    assert "was started with --set optimizer.lr=1e-3, and is now given --set optimizer.lr=2e-3" in line
+    assert main(["sweep", str(path), "--set", "optimizer.lr=0.001", "--no-report", "--quiet"]) == 0  # same value
+    # steps may grow (the sweep extends its finished points)
+    assert main(["sweep", str(path), "--set", "optimizer.lr=1e-3", "--set", "steps=3", "--no-report",
+                 "--quiet"]) == 0
+
+
+def test_sweep_help_names_no_resume_flag_it_does_not_have(capsys):
+    for command in ("sweep", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--resume" not in text, command
+        assert "re-running" in text and "--quiet" in text
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    assert "--set KEY=VALUE" in capsys.readouterr().out

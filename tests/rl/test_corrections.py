@@ -1,0 +1,311 @@
+"""Rollout corrections on hand-built ratios: each method's weights, masks and metrics, and the zero-mismatch no-op."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vexact.rl.config import ConfigError, CorrectionSection, config_from_dict
+from vexact.rl.corrections import CORRECTION_METHODS, PRESETS, RejectOption, plan_for, rollout_correction
+from vexact.rl.objective import ppo_token_loss
+
+# Two sequences: 3 tokens then 2 tokens. Token ratios ρ_t chosen by hand; logp_roll = 0 so logp_train = log ρ.
+RHO = [1.0, 3.0, 0.25, 1.5, 0.5]
+LENGTHS = [3, 2]
+RHO_SEQ = [1.0 * 3.0 * 0.25, 1.5 * 0.5]  # 0.75, 0.75
+
+
+def _correct(method: str, **kw) -> tuple[list[float], list[bool], dict]:
+    train = torch.tensor(RHO, dtype=torch.float64).log()
+    roll = torch.zeros(5, dtype=torch.float64)
+    c = rollout_correction(train, roll, LENGTHS, CorrectionSection(method=method, **kw))
+    return c.weights.tolist(), c.keep.tolist(), c.metrics
+
+
+def test_token_tis_truncates_each_token_at_threshold():
+    w, keep, m = _correct("token_tis", threshold=2.0)
+    assert w == pytest.approx([1.0, 2.0, 0.25, 1.5, 0.5], rel=1e-12)
+    assert all(keep)
+    assert m["correction/truncated_token_frac"] == 1 / 5
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)  # raw 3.0 > 2
+    assert m["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 5)  # raw 0.25 < 1/2
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(5.25 / 5)
+    ws = torch.tensor([1.0, 2.0, 0.25, 1.5, 0.5], dtype=torch.float64)
+    ess = 1.0 / float((ws / (ws.mean() + 1e-8)).square().mean())  # verl's form: 1 / E[(w / (E[w] + eps))²]
+    assert m["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(ess, rel=1e-8)
+    assert m["correction/weight_eff_sample_size"] == pytest.approx(float(ws.sum() ** 2 / (5 * ws.square().sum())))
+    assert m["correction/rejected_token_frac"] == 0.0
+    # per-row mean weights: (1 + 2 + 0.25) / 3 and (1.5 + 0.5) / 2; std over rows with ddof 1, as torch.std
+    rows = torch.tensor([3.25 / 3, 1.0], dtype=torch.float64)
+    assert m["rollout_corr/rollout_is_seq_mean"] == pytest.approx(float(rows.mean()))
+    assert m["rollout_corr/rollout_is_seq_std"] == pytest.approx(float(rows.std(correction=1)))
+    assert not any(k.startswith("rollout_corr/rollout_rs") for k in m)  # no rejection configured
+
+
+def test_seq_tis_uses_the_product_per_sequence():
+    train = torch.tensor([2.0, 2.0, 2.0, 0.5, 1.0], dtype=torch.float64).log()  # ρ_seq = 8 and 0.5
+    c = rollout_correction(train, torch.zeros(5, dtype=torch.float64), LENGTHS,
+                           CorrectionSection(method="seq_tis", threshold=3.0))
+    assert c.weights.tolist() == pytest.approx([3.0, 3.0, 3.0, 0.5, 0.5], rel=1e-12)
+    assert c.metrics["correction/truncated_token_frac"] == 3 / 5  # the three tokens of the truncated seq
+    assert c.metrics["rollout_corr/rollout_is_max"] == pytest.approx(8.0)  # verl: the raw sequence ratio
+    assert c.metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 2)  # counted over sequences
+    assert c.metrics["rollout_corr/rollout_is_mean"] == pytest.approx(10.0 / 5)  # token mean of applied weights
+
+
+def test_sequence_ratio_clamps_only_the_sum():
+    """verl clamps Σ_t r_t to ±20, not each r_t: +100 and -100 cancel to a ratio of exactly 1."""
+    train = torch.tensor([100.0, -100.0], dtype=torch.float64)
+    c = rollout_correction(train, torch.zeros(2, dtype=torch.float64), [2],
+                           CorrectionSection(rollout_is="sequence", rollout_is_threshold=2.0))
+    assert c.weights.tolist() == [1.0, 1.0]
+    assert c.metrics["rollout_corr/rollout_is_max"] == pytest.approx(1.0)
+
+
+def test_token_mis_masks_tokens_above_threshold():
+    w, keep, m = _correct("token_mis", threshold=2.0)
+    assert keep == [True, False, True, True, True]
+    assert w == pytest.approx([1.0, 0.0, 0.25, 1.5, 0.5], rel=1e-12)  # kept tokens keep ρ, masked get 0
+    assert m["correction/rejected_token_frac"] == 1 / 5
+    assert m["correction/rejected_seq_frac"] == 0.0  # no sequence lost every token
+    # verl: the fraction of sequences with any masked token
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+    # verl's IS stats run over all tokens, the rejected one counting with its truncated weight 2.0
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(5.25 / 5)
+
+
+def test_seq_mis_rejects_whole_sequences():
+    train = torch.tensor([2.0, 2.0, 2.0, 0.5, 1.0], dtype=torch.float64).log()
+    c = rollout_correction(train, torch.zeros(5, dtype=torch.float64), LENGTHS,
+                           CorrectionSection(method="seq_mis", threshold=2.0))
+    assert c.keep.tolist() == [False, False, False, True, True]
+    assert c.weights.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.5, 0.5], rel=1e-12)
+    assert c.metrics["correction/rejected_seq_frac"] == 0.5
+    assert c.metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(3 / 5)
+    assert c.metrics["rollout_corr/rollout_rs_seq_sum_k1_seq_max"] == pytest.approx(math.log(2.0))  # -log 0.5
+
+
+def test_icepop_zeroes_weights_outside_the_band_and_keeps_the_tokens():
+    w, keep, m = _correct("icepop")  # default band [0.5, 5.0]: 0.25 is out, 3.0 in
+    assert all(keep)  # verl: IcePop zeroes the weight; the token stays in the loss's denominator
+    assert w == pytest.approx([1.0, 3.0, 0.0, 1.5, 0.5], rel=1e-12)
+    assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(1 / 5)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(6.0 / 5)  # the zero counts
+    assert m["correction/zeroed_token_frac"] == 1 / 5
+    w, _, _ = _correct("icepop", band=(0.6, 2.0))
+    assert w == pytest.approx([1.0, 0.0, 0.0, 1.5, 0.0], rel=1e-12)
+
+
+def test_geo_rs_rejects_on_the_geometric_mean():
+    # seq 0: geometric mean (0.75)^(1/3) ≈ 0.909; seq 1: sqrt(0.75) ≈ 0.866
+    w, keep, m = _correct("geo_rs", band=(0.9, 1.1))
+    assert keep == [True, True, True, False, False]
+    assert w == [1.0, 1.0, 1.0, 0.0, 0.0]  # rejection only: no importance weight on the kept tokens
+    assert m["correction/rejected_seq_frac"] == 0.5
+    _, keep, _ = _correct("geo_rs")  # default band [0.999, 1.001] rejects both
+    assert not any(keep)
+
+
+def test_batch_normalize_gives_mean_one_and_logs_the_factor():
+    w, keep, m = _correct("token_tis", threshold=2.0, batch_normalize=True)
+    assert sum(w) / len(w) == pytest.approx(1.0, rel=1e-12)
+    assert m["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(5.25 / 5)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(5.25 / 5)  # verl logs it before normalising
+    assert m["correction/weight_mean"] == pytest.approx(1.0, rel=1e-12)  # vexact: what the loss applied
+
+
+def test_verl_vocabulary_and_presets_resolve_to_one_plan():
+    assert plan_for(CorrectionSection(method="token_tis", threshold=3.0)) == plan_for(CorrectionSection(
+        rollout_is="token", rollout_is_threshold=3.0, rollout_is_batch_normalize=False, loss_type="ppo_clip_is"))
+    icepop = plan_for(CorrectionSection(preset="decoupled_token_icepop"))
+    assert (icepop.rollout_is, icepop.is_lower, icepop.is_upper, icepop.bypass_mode) == ("token", 0.5, 5.0, False)
+    k3 = plan_for(CorrectionSection(preset="bypass_ppo_clip_k3_rs", rollout_rs_threshold=0.05))  # key overrides
+    assert k3.reject == (RejectOption("seq_mean_k3", None, 0.05),) and k3.loss_type == "ppo_clip"
+    rs = plan_for(CorrectionSection(rollout_rs="token_k1, seq_max_k2,token_k1", rollout_rs_threshold="0.5_2,0.1"))
+    assert rs.reject == (RejectOption("token_k1", 0.5, 2.0), RejectOption("seq_max_k2", None, 0.1))
+    assert plan_for(CorrectionSection(rollout_rs="seq_sum_k1", rollout_rs_threshold=4)).reject == (
+        RejectOption("seq_sum_k1", 0.25, 4.0),)  # one number U on a k1 option: ratio bounds [1/U, U]
+    assert set(PRESETS) >= {"decoupled_token_is", "decoupled_geo_rs", "bypass_pg_is", "bypass_ppo_clip"}
+
+
+def test_rejection_options_combine_by_and():
+    # token_k2 keeps (log ρ)²/2 <= 0.2: rejects ρ = 3.0 (0.60), 0.25 (0.96) and 0.5 (0.24); seq_max_k3 <= 0.5
+    # rejects the first sequence (max k3 = 3 - 1 - log 3 ≈ 0.90) and keeps the second (max k3 ≈ 0.19 at ρ = 0.5)
+    train = torch.tensor(RHO, dtype=torch.float64).log()
+    c = rollout_correction(train, torch.zeros(5, dtype=torch.float64), LENGTHS,
+                           CorrectionSection(rollout_rs="token_k2,seq_max_k3", rollout_rs_threshold="0.2,0.5"))
+    assert c.keep.tolist() == [False, False, False, True, False]
+    m = c.metrics
+    assert m["rollout_corr/rollout_rs_token_k2_masked_fraction"] == pytest.approx(3 / 5)
+    assert m["rollout_corr/rollout_rs_seq_max_k3_masked_fraction"] == pytest.approx(3 / 5)
+    assert m["rollout_corr/rollout_rs_seq_max_k3_max"] == pytest.approx(2.0 - math.log(3.0))
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(4 / 5)
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1.0)
+    assert not c.reweights and c.weights.tolist() == [0.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_bypass_loss_types():
+    """ppo_clip ignores the IS weights (verl: the ratio π_θ/μ is the correction), reinforce is -A·w·log π_θ,
+    ppo_clip_is puts w inside the ratio; decoupled multiplies the clipped loss by w."""
+    from vexact.rl.config import AlgorithmSection
+    from vexact.rl.objective import Objective
+
+    train = torch.tensor(RHO, dtype=torch.float64).log()
+    logp = train + 0.1
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
+    roll = torch.zeros(5, dtype=torch.float64)
+    plain, _ = ppo_token_loss(logp, roll, adv, 0.2, 0.28)
+    for loss_type, old_logprobs in (("ppo_clip", "rollout"), ("reinforce", "rollout"), ("ppo_clip_is", "rollout"),
+                                    (None, "recompute")):
+        cfg = CorrectionSection(rollout_is="token", rollout_is_threshold="0.5_5.0", loss_type=loss_type)
+        objective = Objective(AlgorithmSection(old_logprobs=old_logprobs), cfg, 1.0, exact_training=True)
+        c = rollout_correction(train, roll, LENGTHS, cfg)
+        anchor = roll if old_logprobs == "rollout" else train
+        per_token, _ = objective._pg_loss(logp, anchor, adv, train, c)
+        if loss_type == "ppo_clip":
+            expected = plain
+        elif loss_type == "reinforce":
+            expected = -adv * c.weights * logp
+        elif loss_type == "ppo_clip_is":
+            inside, _ = ppo_token_loss(logp, train, adv, 0.2, 0.28, ratio_weight=c.weights)
+            expected = torch.where(c.weights > 0, inside, torch.zeros_like(inside))
+        else:
+            expected = ppo_token_loss(logp, train, adv, 0.2, 0.28)[0] * c.weights
+        assert torch.equal(per_token, expected), loss_type
+    assert c.weights[2] == 0.0  # the IcePop-zeroed token: no loss, but it stays in the token-mean's denominator
+
+
+@pytest.mark.parametrize("method", [m for m in CORRECTION_METHODS.names() if m != "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_mismatch_every_correction_is_exact_no_op(method, dtype):
+    """ρ ≡ 1 bit for bit ⇒ weights exactly 1, nothing rejected, and the loss and its gradient are bitwise those
+    of no correction, in both the decoupled (weight outside) and bypass (weight inside the ratio) forms."""
+    if method == "geo_rs":
+        kwargs = {"band": (0.999, 1.001)}
+    else:
+        kwargs = {}
+    gen = torch.Generator().manual_seed(0)
+    lengths = [500, 1, 0, 299]  # > 256 tokens: a bf16 running sum of ones would no longer be exact
+    roll = -torch.rand(800, generator=gen).to(dtype) * 3
+    c = rollout_correction(roll.clone(), roll, lengths, CorrectionSection(method=method, batch_normalize=True,
+                                                                          **kwargs))
+    assert torch.equal(c.weights, torch.ones_like(roll)) and bool(c.keep.all())
+    adv = torch.randn(800, generator=gen).to(dtype)
+    logp = (roll + 0.01 * torch.randn(800, generator=gen).to(dtype)).requires_grad_()
+    plain, _ = ppo_token_loss(logp, roll, adv, 0.2, 0.28)
+    (g_plain,) = torch.autograd.grad(plain.sum(), logp)
+    bypass, _ = ppo_token_loss(logp, roll.clone(), adv, 0.2, 0.28, ratio_weight=c.weights)
+    (g_bypass,) = torch.autograd.grad(bypass.sum(), logp)
+    decoupled = ppo_token_loss(logp, roll, adv, 0.2, 0.28)[0] * c.weights
+    (g_decoupled,) = torch.autograd.grad(decoupled.sum(), logp)
+    for loss, grad in ((bypass, g_bypass), (decoupled, g_decoupled)):
+        assert torch.equal(loss, plain) and torch.equal(grad, g_plain)
+
+
+def test_bad_inputs_and_config_errors():
+    with pytest.raises(ValueError, match="lengths sum to 4"):
+        rollout_correction(torch.zeros(5), torch.zeros(5), [4], CorrectionSection(method="token_tis"))
+    with pytest.raises(ValueError, match="one shape"):
+        rollout_correction(torch.zeros(5), torch.zeros(4), [5], CorrectionSection(method="token_tis"))
+    with pytest.raises(ConfigError, match="correction.band"):
+        config_from_dict({"correction": {"method": "token_tis", "band": [0.5, 2.0]}})
+    with pytest.raises(ConfigError, match="lower < upper"):
+        config_from_dict({"correction": {"method": "icepop", "band": [2.0, 0.5]}})
+    with pytest.raises(ConfigError, match="correction.threshold"):
+        config_from_dict({"correction": {"method": "token_tis", "threshold": 0.5}})
+    with pytest.raises(ConfigError, match="correction.method"):
+        config_from_dict({"correction": {"method": "tis"}})
+    with pytest.raises(ConfigError, match="correction.method.*one vocabulary"):
+        config_from_dict({"correction": {"method": "icepop", "rollout_is": "token"}})
+    with pytest.raises(ConfigError, match="correction.rollout_is_threshold.*lower_upper"):
+        config_from_dict({"correction": {"rollout_is": "token", "rollout_is_threshold": "a_b"}})
+    with pytest.raises(ConfigError, match="correction.rollout_rs.*token_k9"):
+        config_from_dict({"correction": {"rollout_rs": "token_k9", "rollout_rs_threshold": 1.0}})
+    with pytest.raises(ConfigError, match="correction.rollout_rs_threshold.*needs"):
+        config_from_dict({"correction": {"rollout_rs": "token_k1"}})
+    with pytest.raises(ConfigError, match="correction.rollout_rs_threshold.*3 values for 2"):
+        config_from_dict({"correction": {"rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "1,2,3"}})
+    with pytest.raises(ConfigError, match="correction.rollout_rs_threshold.*seq_mean_k3"):
+        config_from_dict({"correction": {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": "0.1_0.2"}})
+    with pytest.raises(ConfigError, match="correction.preset.*unknown preset"):
+        config_from_dict({"correction": {"preset": "tis"}})
+    with pytest.raises(ConfigError, match="correction.preset.*old_logprobs: recompute"):
+        config_from_dict({"correction": {"preset": "decoupled_token_is"}})  # the default anchor is bypass
+    with pytest.raises(ConfigError, match="correction.loss_type.*bypass"):
+        config_from_dict({"correction": {"loss_type": "reinforce"}, "algorithm": {"old_logprobs": "recompute"}})
+    config_from_dict({"correction": {"preset": "decoupled_token_is"}, "algorithm": {"old_logprobs": "recompute"}})
+
+
+ZERO_CASES = ([CorrectionSection(method=m) for m in CORRECTION_METHODS.names() if m != "none"]
+              + [CorrectionSection(preset=p) for p in sorted(PRESETS) if p != "disabled"]
+              + [CorrectionSection(rollout_is=level, rollout_rs=rs, rollout_rs_threshold=threshold)
+                 for level in ("token", "sequence")
+                 for rs, threshold in (("token_k1,token_k2,token_k3", "0.8_1.25,0.02,0.02"),
+                                       ("seq_sum_k1,seq_sum_k2,seq_sum_k3", "0.5_2.0,0.1,0.1"),
+                                       ("seq_mean_k1,seq_mean_k2,seq_mean_k3", "0.9_1.1,0.01,0.01"),
+                                       ("seq_max_k2,seq_max_k3", "0.05,0.05"))])
+ZERO_CASES = [c for c in ZERO_CASES if plan_for(c).active]  # bypass_ppo_clip corrects nothing: no statistics
+
+
+@pytest.mark.parametrize("cfg", ZERO_CASES, ids=lambda c: c.method if c.method != "none" else c.preset or c.rollout_rs)
+def test_zero_mismatch_gives_every_dispersion_statistic_exactly_zero(cfg):
+    """ρ ≡ 1 bit for bit: every rollout_corr/* std and deviation is 0.0, not ~sqrt(1e-8 / N) (what dividing by
+    count + 1e-8 in float64 gives: 3.3e-6 at 934 tokens). verl's pipeline passes an integer response mask, so its
+    count + 1e-8 is float32 and equals the count; vexact computes it so (tests/integrations/test_verl_parity.py
+    compares)."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [500, 1, 299, 134]  # 934 tokens, no empty row (verl counts an empty row's mean as 0: not a no-op)
+    roll = -torch.rand(sum(lengths), generator=gen) * 3
+    c = rollout_correction(roll.clone(), roll, lengths, cfg)
+    spread = {k: v for k, v in c.metrics.items()
+              if k.startswith("rollout_corr/") and (k.endswith("_std") or k.endswith("_deviation"))}
+    assert spread, "no dispersion statistic logged: the check would pass vacuously"
+    assert {k: v for k, v in spread.items() if v != 0.0} == {}
+    means = {k: v for k, v in c.metrics.items() if k.startswith("rollout_corr/rollout_is") and k.endswith("mean")}
+    assert all(v == 1.0 for v in means.values()), means
+
+
+def test_old_logprobs_is_the_one_key_and_verls_bypass_mode_is_read_into_it():
+    """Where the old log-probs come from is ``algorithm.old_logprobs`` alone; verl's ``correction.bypass_mode`` (file,
+    ``--set``) is read into it with a FutureWarning naming the key, its null is "not given" (configs saved before
+    the rename hold it), and the config stores only the canonical key."""
+    import warnings
+
+    from vexact.map.naming import correction_from_config
+    from vexact.rl.config import RENAMED_KEYS
+
+    assert RENAMED_KEYS["correction.bypass_mode"].new == "algorithm.old_logprobs"
+    for bypass, old in ((True, "rollout"), (False, "recompute")):
+        with pytest.warns(FutureWarning, match="'correction.bypass_mode' is deprecated; use 'algorithm.old_logprobs'"):
+            cfg = config_from_dict({"correction": {"bypass_mode": bypass}})
+        assert cfg.algorithm.old_logprobs == old and "bypass_mode" not in cfg.to_dict()["correction"]
+        with pytest.warns(FutureWarning, match="deprecated"):
+            assert config_from_dict({}, [f"correction.bypass_mode={str(bypass).lower()}"]).algorithm.old_logprobs == old
+        with pytest.warns(FutureWarning):  # both keys, agreeing: accepted
+            assert config_from_dict({"correction": {"bypass_mode": bypass},
+                                     "algorithm": {"old_logprobs": old}}).algorithm.old_logprobs == old
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a saved config.yaml from before the rename: null, no warning
+        assert config_from_dict({"correction": {"bypass_mode": None}}) == config_from_dict({})
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="correction.bypass_mode.*keep only"):
+        config_from_dict({"correction": {"bypass_mode": True}, "algorithm": {"old_logprobs": "recompute"}})
+    with pytest.raises(ConfigError, match="'correction.bypass_mode': expected true or false .or null., got 'yes'"):
+        config_from_dict({"correction": {"bypass_mode": "yes"}})
+    with pytest.raises(ConfigError, match="'correction.bypass_mode': expected true or false.*got 1.*--set"):
+        config_from_dict({}, ["correction.bypass_mode=1"])
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="same key"):
+        config_from_dict({}, ["correction.bypass_mode=false", "algorithm.old_logprobs=recompute"])
+    with pytest.warns(FutureWarning):  # a preset's mode is held to the canonical key, spelled either way
+        config_from_dict({"correction": {"preset": "decoupled_token_is", "bypass_mode": False}})
+    # the map names a run from either spelling the same way; verl's own block keeps verl's key
+    with pytest.warns(FutureWarning):
+        assert correction_from_config({"correction": {"bypass_mode": False}}) == "recompute"
+    assert correction_from_config({"algorithm": {"old_logprobs": "recompute"}, "correction": {"bypass_mode": None}}
+                                  ) == "recompute"
+    assert correction_from_config({"algorithm": {"rollout_correction": {"bypass_mode": True}}}) == "bypass"
+    assert correction_from_config({"algorithm": {"rollout_correction": {"rollout_is": "token"}}}) == "token_tis"
+    with pytest.raises(ValueError, match="bypass_mode must be true or false"):
+        correction_from_config({"algorithm": {"rollout_correction": {"bypass_mode": "yes"}}})
