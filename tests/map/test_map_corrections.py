@@ -478,10 +478,12 @@ def test_build_map_cli(tmp_path, capsys):
 
 def test_the_shipped_map_is_made_by_build_map():
     m = load_map()
-    # the last build added the policy-lag sweep's lagged curves to the map before it (whose own curves it keeps)
+    # the last build gave the held-length sweeps' directories again (L = 500 gained a run): their horizons were
+    # refitted from the runs, the map before it kept its other curves
     assert m["provenance"]["made_by"] == ("python -m vexact.map build-map vexact/map/default_map.json "
-                                          "vexact/map/default_map.json runs/sweeps/policy_lag_sweep "
-                                          "--only rollout.policy_lag=1,4,8")
+                                          "vexact/map/default_map.json runs/sweeps/horizon_scaling_held_control "
+                                          "runs/sweeps/horizon_scaling_held_sweep "
+                                          "runs/sweeps/horizon_scaling_long_sweep")
     corrections = [c["correction"] for c in m["curves"] if c["source"] == "logit_scale"]
     assert corrections[:3] == ["bypass", "recompute", "token_tis"]  # then the corrections sweep's later rounds
     assert verdict.map_sources(m)[0] == "logit_scale"  # the default source: a placement without one uses it
