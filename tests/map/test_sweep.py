@@ -256,3 +256,20 @@ def test_sweep_help_names_no_resume_flag_it_does_not_have(capsys):
     with pytest.raises(SystemExit):
         main(["sweep", "--help"])
     assert "--set KEY=VALUE" in capsys.readouterr().out
+
+
+def test_a_sweep_file_names_the_knob_inject_value_without_the_run_configs_warning(tmp_path):
+    """In a sweep file ``inject.value`` names the mode's knob and its points' folders (so sweeps written before the
+    per-mode names resume): the demo's sweep loads without a FutureWarning, its points keep their names and values,
+    while the same key in a run config still warns."""
+    import warnings
+
+    from vexact.rl.config import config_from_dict
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        spec = load_sweep_spec(Path(sweep_module.__file__).parent / "demo_sweep.yaml", tmp_path / "demo")
+    assert [p.name for p in spec.points][:2] == ["inject.value=0.0,seed=0", "inject.value=0.0,seed=1"]
+    assert sorted({p.config.inject.value for p in spec.points}) == [-0.5, -0.25, 0.0]
+    with pytest.warns(FutureWarning, match="use 'inject.epsilon'"):
+        config_from_dict({"inject": {"mode": "logit_scale"}}, ["inject.value=-0.25"])

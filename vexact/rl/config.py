@@ -875,6 +875,11 @@ def _expand_preset(model: Any) -> None:
             model.setdefault(key, value)
 
 
+INJECT_VALUE_DEPRECATED = "config key 'inject.value' is deprecated"
+"""How the FutureWarning for ``inject.value`` in a run config begins (a sweep file, where ``inject.value`` names
+the mode's knob and its points' folders, reads it without the warning: ``vexact.sweeps.sweep``)."""
+
+
 def _resolve_knob(inject: Any) -> None:
     """Read the injection knob of a raw ``inject`` mapping into ``value``, in place: the mode's own key
     (``inject.sigma``, ...) is the spelling, ``inject.value`` the old one (a FutureWarning naming the mode's key).
@@ -899,7 +904,7 @@ def _resolve_knob(inject: Any) -> None:
         if own in inject:
             raise ConfigError(f"is the old spelling of inject.{own}, which is given too; keep only inject.{own}",
                               "inject.value")
-        warnings.warn(f"config key 'inject.value' is deprecated for inject.mode {mode!r}; use 'inject.{own}' "
+        warnings.warn(f"{INJECT_VALUE_DEPRECATED} for inject.mode {mode!r}; use 'inject.{own}' "
                       f"({INJECT_MODES[mode].knob})", FutureWarning, stacklevel=3)
     elif own in inject:
         inject["value"] = inject.pop(own)
