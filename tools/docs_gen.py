@@ -255,8 +255,8 @@ _DESCRIPTIONS = {
     "inject.mode": "how the rollout path is perturbed (none = exact)",
     "inject.value": "the old spelling of the mode's knob: set it by the mode's own key (`inject.sigma`, "
                     "`inject.epsilon`, `inject.top_p`, `inject.top_k`, `inject.flip_rate`: the injection modes "
-                    "table), which the config stores; `inject.value` still reads, with a `FutureWarning`; "
-                    "0 is a bitwise no-op",
+                    "table), which the config stores; `inject.value` still reads, with a `FutureWarning` (in a "
+                    "sweep file without one: it names the points' folders); 0 is a bitwise no-op",
     "inject.scope": "which vocabulary entries or positions are perturbed",
     "inject.calibration_prompts": "prompts of the calibration batch (with target)",
     "inject.target.metric": "the metric the calibration aims at",
