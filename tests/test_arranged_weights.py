@@ -219,8 +219,8 @@ def test_a_laid_out_arrangement_that_differs_keeps_the_canonical_call(monkeypatc
     expected = _weight_gradient(312, 200, 96, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
     real = gemm_arrangements._laid_out_row_tiles
 
-    def off(a_tiles, operand):
-        out = real(a_tiles, operand)
+    def off(*args):
+        out = real(*args)
         return torch.nextafter(out, torch.full_like(out, float("inf")))
     monkeypatch.setattr(gemm_arrangements, "_laid_out_row_tiles", off)
     monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_REDUCTION_CHECKS", {})
@@ -273,10 +273,11 @@ def test_row_tiles_split_between_threads_are_the_one_thread_bits(threads, monkey
         expected = _weight_gradient(312, 1000, 96, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
     monkeypatch.setattr(gemm_arrangements, "SPLIT_MACS_FROM", 0)
     _laid_out_calls(monkeypatch, laid_out=True)
-    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+    calls = _recorded_bmm_threads(monkeypatch)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical", bmm=torch.bmm)  # its library GEMM the recorded one
     with num_threads(threads):
         _weight_gradient(312, 1000, 96, host)  # first use: the probes and the check, outside the record
-        calls = _recorded_bmm_threads(monkeypatch)
+        calls.clear()
         out = _weight_gradient(312, 1000, 96, host)
     assert torch.equal(_bits(out), _bits(expected))
     assert len(calls) == 16 and all(count == 1 for _, count in calls), calls  # 1000 rows: 16 row tiles
@@ -293,11 +294,12 @@ def test_a_worker_not_at_one_thread_leaves_its_tiles_to_the_caller(monkeypatch):
     monkeypatch.setattr(gemm_arrangements, "_ONE_THREAD_WORKERS", gemm_arrangements._OneThreadWorkers())
     monkeypatch.setattr(gemm_arrangements, "SPLIT_MACS_FROM", 0)
     _laid_out_calls(monkeypatch, laid_out=True)
-    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+    calls = _recorded_bmm_threads(monkeypatch)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical", bmm=torch.bmm)
     with num_threads(1):
         expected = _weight_gradient(312, 1000, 96, host)
     with num_threads(2):
-        calls = _recorded_bmm_threads(monkeypatch)
+        calls.clear()
         out = _weight_gradient(312, 1000, 96, host)
     assert torch.equal(_bits(out), _bits(expected))
     assert len(calls) == 16 and {name for name, _ in calls} == {threading.current_thread().name}, calls
