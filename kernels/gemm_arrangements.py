@@ -637,11 +637,6 @@ class _OneThreadWorkers:
     thread count clears oneDNN's computation cache): ``pool`` waits until every worker has started."""
 
     def __init__(self) -> None:
-        self._forget()
-        # a forked child has none of the parent's threads (and may hold a copy of a held lock): it starts afresh
-        os.register_at_fork(after_in_child=self._forget)
-
-    def _forget(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._size = 0
         self._lock = threading.Lock()
