@@ -34,10 +34,7 @@ the bf16 operands as they are, each output rounded once to bf16 by the GEMM; els
 they compute in fp32. The faster arrangements below are probed in fp32 and run for fp32 only.
 
 A third form is no arrangement of its own but the same tiles grouped into other calls (``transposed_matmul``'s
-tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers; in
-bf16, where ``bmm`` would copy a weight gradient's chunk once per row tile (``bmm_copies_operand``), one call per row
-tile on the chunk laid out once as ``bmm`` lays it out (``_transposed_matmul_laid_out``, checked at first use per
-class: ``_laid_out_reduction_agrees``), its row tiles split between the process's threads, each call with 1 thread.
+tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers.
 Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
 around the GEMM run in one compiled call on the same operands (``compiled_loops``).
 """
@@ -46,9 +43,7 @@ from __future__ import annotations
 
 import os
 import platform
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -89,12 +84,6 @@ this many, one call per row tile runs instead (the same tiles, ``_transposed_mat
 extra calls cost more than the copy. The zero_mismatch model's widest layers (gate and up: N = 176, three row tiles,
 K = 64) add 2 x 64 x 256 = 32,768 elements per 256-token chunk, so they stay below it up to 31 chunks (7,936 tokens
 per gradient); llama100m's LM head is far above it (767 x 2 x 576 x 256, about 2.3e8, for 312 tokens)."""
-SPLIT_MACS_FROM = 1 << 26
-"""Multiply-adds (about 6.7e7): the smallest one-chunk bf16 weight gradient whose row tiles are split between the
-process's threads (``_transposed_matmul_laid_out``); below it handing a run of tiles to another thread cost more
-than it saved (the zero_mismatch model's layers, 3 row tiles of 64 x 512 x 64: 6.3e6, ran slower split at 2
-threads). llama100m's k and v projections (3 tiles x 64 x 512 x 576: 5.7e7) stay whole; its q, o, gate, up and down
-(9 to 24 tiles) are split."""
 STACKED_MACS_MAX = 1 << 34
 """Multiply-adds (about 1.7e10): the largest linear layer whose tiles may run as one GEMM. Its ``same_bits`` probe
 (per tile count) costs about three GEMMs of the layer's size at first use, a one-time cost that this bounds."""
@@ -447,9 +436,8 @@ def one_thread_reduction(dtype: torch.dtype) -> bool:
     layer's input width), the shape a BLAS parallelises by splitting the reduction between threads; oneDNN's AMX
     kernels on an Intel Xeon did so for a 768-token chunk in three row tiles at 2 threads, but not in the guard's
     probe arrangements, and not in a fresh process -- a choice no probe can cover. With 1 thread there is no choice.
-    The price: at 2 threads the bf16 weight gradients lose their GEMMs' parallelism (``benchmarks/``), except where
-    their row tiles are split between threads, one 1-thread call per tile (``_transposed_matmul_laid_out``). fp32
-    chunks are at most ``REDUCE_BLOCK`` tokens and keep the probed path."""
+    The price: at 2 threads the bf16 weight gradients lose their GEMMs' parallelism (``benchmarks/``). fp32 chunks
+    are at most ``REDUCE_BLOCK`` tokens and keep the probed path."""
     return dtype in LIBRARY_DTYPES
 
 
@@ -574,92 +562,24 @@ def _transposed_matmul_laid_out(a: Tensor, b: Tensor, block: int, height: int, k
     zero-padded, row-major (``_laid_out_reduction_operand``, shared by the layers that read one input), and the row
     tiles contiguous (``_chunks_transposed``) -- the same oneDNN GEMM on the same values in the same layout, a call
     per tile instead of one for all (a tile's rows do not depend on how many tiles share its call: the ``gemm_rows``
-    probe). Runs only where ``_laid_out_reduction_agrees`` found the canonical call's bits for the class.
-
-    At several torch threads the row tiles are split between that many threads, each calling the GEMM with 1
-    thread (``_laid_out_row_tiles``): every call is the same 1-thread call on the same operands whichever thread
-    issues it, so the bits do not depend on the thread count, and the GEMMs regain the parallelism the one-thread
-    rule (``one_thread_reduction``) took from them."""
+    probe). Runs only where ``_laid_out_reduction_agrees`` found the canonical call's bits for the class."""
     rows, n = a.shape
     k = b.shape[1]
     row_tiles = -(-n // height)
-    threads = min(torch.get_num_threads(), row_tiles) if row_tiles * height * block * k_pad >= SPLIT_MACS_FROM else 1
     a_tiles = _chunks_transposed(a, block, 1, row_tiles * height).view(row_tiles, height, block)
     operand = _laid_out_reduction_operand(b, block, k_pad, b_source)
-    out = _with_threads(1, lambda: _laid_out_row_tiles(a_tiles, operand, threads))
+    out = _with_threads(1, lambda: _laid_out_row_tiles(a_tiles, operand))
     out = out.view(row_tiles * height, k_pad)
     return out[:n] if k_pad == k else out[:n, :k]
 
 
-def _laid_out_row_tiles(a_tiles: Tensor, operand: Tensor, threads: int = 1) -> Tensor:
+def _laid_out_row_tiles(a_tiles: Tensor, operand: Tensor) -> Tensor:
     """[T, height, K_pad]: one ``bmm`` per row tile of ``a_tiles`` [T, height, block] (contiguous) with ``operand``
-    [1, block, K_pad] (contiguous), each into its own rows of one output; called with the process at 1 torch thread.
-
-    ``threads`` > 1: the tiles cut into that many runs of consecutive tiles, the first run on this thread, each other
-    on a worker thread of ``_ONE_THREAD_WORKERS`` (whose torch thread count is 1: checked in the worker before it
-    runs a tile; a worker that finds another count leaves its run to this thread). Each call is the same call
-    wherever it runs."""
-    tiles = a_tiles.shape[0]
-    out = a_tiles.new_empty(tiles, a_tiles.shape[1], operand.shape[2])
-
-    def run(first: int, last: int) -> bool:
-        if torch.get_num_threads() != 1:
-            return False
-        for tile in range(first, last):
-            torch.bmm(a_tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
-        return True
-
-    bounds = [tiles * i // threads for i in range(threads + 1)]
-    runs = list(zip(bounds[:-1], bounds[1:]))
-    if threads == 1:
-        run(0, tiles)
-        return out
-    inference = torch.is_inference_mode_enabled()
-
-    def in_worker(first: int, last: int) -> bool:
-        with torch.inference_mode(inference), torch.no_grad():
-            return run(first, last)
-
-    pending = [(bounds, _ONE_THREAD_WORKERS.pool(threads - 1).submit(in_worker, *bounds)) for bounds in runs[1:]]
-    run(*runs[0])
-    for bounds, done in pending:
-        if not done.result():
-            run(*bounds)
+    [1, block, K_pad] (contiguous), each into its own rows of one output."""
+    out = a_tiles.new_empty(a_tiles.shape[0], a_tiles.shape[1], operand.shape[2])
+    for tile in range(a_tiles.shape[0]):
+        torch.bmm(a_tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
     return out
-
-
-class _OneThreadWorkers:
-    """Worker threads whose torch thread count is 1 (``_laid_out_row_tiles``).
-
-    torch's thread count is per OS thread (OpenMP's), set in a new thread from the process's count the first time
-    the thread asks for it; each worker asks for it and then sets 1 when it starts, and nothing sets it there again.
-    Workers start only while the caller holds the process at 1 torch thread and has no GEMM running (setting a
-    thread count clears oneDNN's computation cache): ``pool`` waits until every worker has started."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._size = 0
-        self._lock = threading.Lock()
-
-    def pool(self, workers: int) -> ThreadPoolExecutor:
-        """A pool of at least ``workers`` started workers."""
-        with self._lock:
-            if self._pool is None or self._size < workers:
-                if self._pool is not None:
-                    self._pool.shutdown(wait=True)
-                self._pool = ThreadPoolExecutor(workers, thread_name_prefix="vexact-gemm", initializer=_one_thread)
-                self._size = workers
-                started = threading.Barrier(workers)
-                list(self._pool.map(lambda _: started.wait(), range(workers)))  # every worker holds a task at once
-            return self._pool
-
-
-def _one_thread() -> None:
-    torch.get_num_threads()  # torch's lazy per-thread set-up first (it would set the process's count later)
-    torch.set_num_threads(1)
-
-
-_ONE_THREAD_WORKERS = _OneThreadWorkers()
 
 
 # The laid-out right operand of the last one-chunk weight gradient per input tensor (weakly keyed), see below.

@@ -24,8 +24,6 @@ the profiler seeing no per-tile copy.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from conftest import num_threads
@@ -250,56 +248,3 @@ def test_laid_out_row_tiles_copy_no_operand_per_tile():
                 and e.input_shapes and list(e.input_shapes[0])[1:] == [512, 96]]
     assert copies(laid_out=False) == [[4, 512, 96]]
     assert copies(laid_out=True) == []
-
-
-def _recorded_bmm_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """(OS thread name, torch thread count) of every ``torch.bmm`` call from now on."""
-    calls = []
-    real = torch.bmm
-
-    def recorded(*args, **kwargs):
-        calls.append((threading.current_thread().name, torch.get_num_threads()))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(torch, "bmm", recorded)
-    return calls
-
-
-@pytest.mark.parametrize("threads", [2, 3])
-def test_row_tiles_split_between_threads_are_the_one_thread_bits(threads, monkeypatch):
-    """At several threads the laid-out row tiles are split between that many OS threads (every split, here), each
-    GEMM call made with 1 torch thread: the bits of the canonical call at 1 thread."""
-    with num_threads(1), pytest.MonkeyPatch.context() as canonical:
-        _laid_out_calls(canonical, laid_out=False)
-        expected = _weight_gradient(312, 1000, 96, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
-    monkeypatch.setattr(gemm_arrangements, "SPLIT_MACS_FROM", 0)
-    _laid_out_calls(monkeypatch, laid_out=True)
-    calls = _recorded_bmm_threads(monkeypatch)
-    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical", bmm=torch.bmm)  # its library GEMM the recorded one
-    with num_threads(threads):
-        _weight_gradient(312, 1000, 96, host)  # first use: the probes and the check, outside the record
-        calls.clear()
-        out = _weight_gradient(312, 1000, 96, host)
-    assert torch.equal(_bits(out), _bits(expected))
-    assert len(calls) == 16 and all(count == 1 for _, count in calls), calls  # 1000 rows: 16 row tiles
-    # the caller and workers (a worker done with its run may take the next one before another worker wakes)
-    assert 1 < len({name for name, _ in calls}) <= threads, calls
-
-
-def test_a_worker_not_at_one_thread_leaves_its_tiles_to_the_caller(monkeypatch):
-    """Counter-test: workers whose torch thread count is not 1 run no GEMM; the caller runs their tiles (1 thread)."""
-    def two_threads() -> None:
-        torch.get_num_threads()
-        torch.set_num_threads(2)
-    monkeypatch.setattr(gemm_arrangements, "_one_thread", two_threads)
-    monkeypatch.setattr(gemm_arrangements, "_ONE_THREAD_WORKERS", gemm_arrangements._OneThreadWorkers())
-    monkeypatch.setattr(gemm_arrangements, "SPLIT_MACS_FROM", 0)
-    _laid_out_calls(monkeypatch, laid_out=True)
-    calls = _recorded_bmm_threads(monkeypatch)
-    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical", bmm=torch.bmm)
-    with num_threads(1):
-        expected = _weight_gradient(312, 1000, 96, host)
-    with num_threads(2):
-        calls.clear()
-        out = _weight_gradient(312, 1000, 96, host)
-    assert torch.equal(_bits(out), _bits(expected))
-    assert len(calls) == 16 and {name for name, _ in calls} == {threading.current_thread().name}, calls
