@@ -34,7 +34,10 @@ the bf16 operands as they are, each output rounded once to bf16 by the GEMM; els
 they compute in fp32. The faster arrangements below are probed in fp32 and run for fp32 only.
 
 A third form is no arrangement of its own but the same tiles grouped into other calls (``transposed_matmul``'s
-tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers.
+tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers; in
+bf16, where ``bmm`` would copy a weight gradient's chunk once per row tile (``bmm_copies_operand``), one call per row
+tile on the chunk laid out once as ``bmm`` lays it out (``_transposed_matmul_laid_out``, checked at first use per
+class against the canonical call: ``_laid_out_reduction_agrees``).
 Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
 around the GEMM run in one compiled call on the same operands (``compiled_loops``).
 """
