@@ -35,7 +35,10 @@ the bf16 operands as they are, each output rounded once to bf16 by the GEMM; els
 they compute in fp32. The faster arrangements below are probed in fp32 and run for fp32 only.
 
 A third form is no arrangement of its own but the same tiles grouped into other calls (``transposed_matmul``'s
-tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers.
+tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers; in
+bf16, where ``bmm`` would copy a weight gradient's chunk once per row tile (``bmm_copies_operand``), one call per row
+tile on the chunk laid out once as ``bmm`` lays it out (``_transposed_matmul_laid_out``, checked at first use per
+class against the canonical call: ``_laid_out_reduction_agrees``).
 Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
 around the GEMM run in one compiled call on the same operands (``compiled_loops``).
 """
@@ -52,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops
 from .compiled_loops import tree_sum as _tree_sum
-from .host_guard import LIBRARY_DTYPES, HostGuard, order_revealing
+from .host_guard import LIBRARY_DTYPES, HostGuard, _with_threads, order_revealing
 
 # --------------------------------------------------------------------------- the tile shapes
 ROW_BLOCKS = (4, 8, 16, 32, 64)
@@ -531,6 +534,10 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
         b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
         return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k)
+    if (chunks == 1 and row_tiles > 1 and bmm_copies_operand(a.dtype, height, block, k_pad)
+            and host.single_thread_gemm(a.dtype, b_class, False, op, one_thread=one_thread) is not None
+            and _laid_out_reduction_agrees(height, block, k_pad, a.dtype)):
+        return _transposed_matmul_laid_out(a, b, block, height, k_pad, b_source)
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
@@ -544,6 +551,90 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False, one_thread=one_thread)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+def _transposed_matmul_laid_out(a: Tensor, b: Tensor, block: int, height: int, k_pad: int,
+                                b_source: Tensor | None) -> Tensor:
+    """``_transposed_matmul_tiles`` for one chunk and several row tiles on a class that runs the library GEMM with 1
+    thread (a bf16 weight gradient), on the operands as ``bmm`` lays them out: one ``bmm`` per row tile, [1, height,
+    block] @ [1, block, K_pad], with 1 thread, into its rows of one output.
+
+    The canonical call passes every row tile the chunk's operand expanded (a stride-0 batch, its [block, K_pad]
+    transposed), which oneDNN's bf16 ``bmm`` copies, once per row tile, into a contiguous [row tiles, block, K_pad]
+    before its GEMM (``bmm_copies_operand``; 24 copies of a 512 x 576 chunk per gate or up projection of llama100m),
+    and the row tiles (a strided view) into a contiguous copy. Here each is laid out once in that layout: the chunk
+    zero-padded, row-major (``_laid_out_reduction_operand``, shared by the layers that read one input), and the row
+    tiles contiguous (``_chunks_transposed``) -- the same oneDNN GEMM on the same values in the same layout, a call
+    per tile instead of one for all (a tile's rows do not depend on how many tiles share its call: the ``gemm_rows``
+    probe). Runs only where ``_laid_out_reduction_agrees`` found the canonical call's bits for the class."""
+    rows, n = a.shape
+    k = b.shape[1]
+    row_tiles = -(-n // height)
+    a_tiles = _chunks_transposed(a, block, 1, row_tiles * height).view(row_tiles, height, block)
+    operand = _laid_out_reduction_operand(b, block, k_pad, b_source)
+    out = _with_threads(1, lambda: _laid_out_row_tiles(a_tiles, operand))
+    out = out.view(row_tiles * height, k_pad)
+    return out[:n] if k_pad == k else out[:n, :k]
+
+
+def _laid_out_row_tiles(a_tiles: Tensor, operand: Tensor) -> Tensor:
+    """[T, height, K_pad]: one ``bmm`` per row tile of ``a_tiles`` [T, height, block] (contiguous) with ``operand``
+    [1, block, K_pad] (contiguous), each into its own rows of one output."""
+    out = a_tiles.new_empty(a_tiles.shape[0], a_tiles.shape[1], operand.shape[2])
+    for tile in range(a_tiles.shape[0]):
+        torch.bmm(a_tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
+    return out
+
+
+# The laid-out right operand of the last one-chunk weight gradient per input tensor (weakly keyed), see below.
+_LAID_OUT_REDUCTION_OPERANDS = WeakIdKeyDictionary()
+
+
+def _laid_out_reduction_operand(b: Tensor, block: int, k_pad: int, source: Tensor | None) -> Tensor:
+    """[1, block, K_pad]: ``b`` [M, K] (M <= block) zero-padded to ``block`` rows and ``k_pad`` columns, contiguous and
+    aligned (``b`` itself where it is that already) -- one chunk's right operand as oneDNN's ``bmm`` lays out the
+    canonical one (``_transposed_matmul_laid_out``). Kept per ``source`` while it is unchanged, as
+    ``_reduction_operand`` keeps its layout: q, k and v (gate and up) read one input."""
+    key = (source._version, tuple(b.shape), b.dtype, block, k_pad) if source is not None else None
+    if key is not None and (hit := _LAID_OUT_REDUCTION_OPERANDS.get(source)) is not None and hit[0] == key:
+        return hit[1]
+    operand = _padded_or_aligned(b, (block, k_pad)).unsqueeze(0)
+    if key is not None:
+        _LAID_OUT_REDUCTION_OPERANDS[source] = (key, operand)
+    return operand
+
+
+_LAID_OUT_REDUCTION_CHECKS: dict[tuple, bool] = {}
+LAID_OUT_CHECK_ROW_TILES = 3
+"""Row tiles in ``_laid_out_reduction_agrees``' canonical call: several, as the calls it stands for have."""
+
+
+def _laid_out_reduction_agrees(height: int, block: int, k_pad: int, dtype: torch.dtype) -> bool:
+    """Whether ``_transposed_matmul_laid_out`` gives the canonical call's bits (``_transposed_matmul_tiles``' one
+    ``bmm`` over every row tile, with 1 thread) for this class here: checked once per (dtype, tile height, chunk,
+    K_pad) on seeded order-revealing operands (``_probe_operands``: the reduction over the chunk's tokens is their
+    K), ``LAID_OUT_CHECK_ROW_TILES`` row tiles, in both forms of the canonical call (its row tiles a strided view of
+    the output rows, where they are whole tiles; else a zero-padded copy). ``bmm_copies_operand`` says the two are the
+    same oneDNN GEMM; this catches a torch whose ``bmm`` no longer does what it says (then the canonical call runs,
+    with its copies)."""
+    key = (dtype, height, block, k_pad)
+    if (known := _LAID_OUT_REDUCTION_CHECKS.get(key)) is not None:
+        return known
+    tiles = LAID_OUT_CHECK_ROW_TILES
+    a_t, b_t = _probe_operands(dtype, (tiles * height, block), (k_pad, block))
+    a = a_t.t().contiguous()  # [block, N]: the chunk's tokens by the output rows
+    b_tiles = b_t.unsqueeze(0).expand(tiles, k_pad, block).transpose(1, 2)  # the canonical, shared operand
+
+    def canonical(a_tiles: Tensor) -> Tensor:
+        return _with_threads(1, lambda: torch.bmm(a_tiles, b_tiles)).view(tiles * height, k_pad)
+
+    laid = _with_threads(1, lambda: _laid_out_row_tiles(
+        _chunks_transposed(a, block, 1, tiles * height).view(tiles, height, block),
+        b_t.t().contiguous().unsqueeze(0))).view(tiles * height, k_pad)
+    strided = a.view(1, block, tiles * height).transpose(1, 2).reshape(tiles, height, block)
+    agrees = torch.equal(canonical(strided), laid) and torch.equal(canonical(strided.contiguous()), laid)
+    _LAID_OUT_REDUCTION_CHECKS[key] = agrees
+    return agrees
 
 
 def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None,

@@ -229,6 +229,16 @@ class HostGuard:
         plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm  # (no test's recording override)
         return record if plain and is_library(record) else None
 
+    def single_thread_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
+                           one_thread: bool = False) -> ProbeRecord | None:
+        """The class's record where it runs torch's own GEMM (``torch.bmm``) with 1 thread (``blas-1-thread``) -- a
+        caller may then call it itself, with 1 thread, on the same operands, with the same bits, in tiles of
+        ``record.tile_heights``; else None (any other path, or a guard over another GEMM). Asked per call, like
+        ``library_gemm``."""
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op, one_thread)
+        plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm
+        return record if plain and record.path == SINGLE_THREAD_PATH else None
+
     def compute_dtype(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
                       one_thread: bool = False) -> torch.dtype:
         """The dtype a GEMM of ``dtype`` operands of this shape class computes in (``b`` as for ``tile_heights``):
