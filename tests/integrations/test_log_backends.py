@@ -19,6 +19,7 @@ import torch
 from conftest import num_threads, require_optional, warm_start_cache
 from rich.console import Console
 
+from vexact.metric_keys import with_deprecated_names
 from vexact.records import metrics_log
 from vexact.records.runlog import MetricsWriter, read_metrics
 from vexact.rl import log_backends
@@ -73,10 +74,11 @@ def runs(tmp_path_factory):
 
 
 def _jsonl_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """metrics.jsonl as {key: {step: value}}, numbers only, "nan"/"inf" strings back to floats."""
+    """metrics.jsonl as the live views get it, {key: {step: value}}: numbers only, "nan"/"inf" strings back to
+    floats, and a renamed key's value under its old name too (the deprecation period's copy, ``RENAMED_METRICS``)."""
     out: dict[str, dict[int, float]] = {}
     for row in read_metrics(run_dir / "metrics.jsonl"):
-        for key, value in metrics_log.scalars(row).items():
+        for key, value in metrics_log.scalars(with_deprecated_names(row)).items():
             out.setdefault(key, {})[row["step"]] = value
     return out
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = {"steps": 3, "warm_start.steps": 10, "rollout.prompts_per_step": 4,
         "rollout.samples_per_prompt": 4, "task.eval_prompts": 6, "logging.eval_every": 2,
         "logging.checkpoint_every": 1, "distributed.leaves": 4,
-        "algorithm.mini_batches": 2, "algorithm.ppo_epochs": 2, "inject.mode": "logit_noise", "inject.value": 0.05,
+        "algorithm.mini_batches": 2, "algorithm.ppo_epochs": 2, "inject.mode": "logit_noise", "inject.sigma": 0.05,
         "correction.method": "token_tis", "task.partial_credit": True, "algorithm.entropy_coef": 0.01}
 
 
@@ -152,7 +152,7 @@ def test_bad_rank_counts_are_one_clear_error(tmp_path):
 
 RANK_SOCKETS = """
 import json, os, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {conftest!r}]  # test_ray_sweep's folder, and tests/ (its conftest helpers)
 from test_ray_sweep import _listening_sockets
 from vexact.rl.data_parallel import DataParallel
 import torch
@@ -180,7 +180,8 @@ def test_ranks_listen_on_loopback_only(tmp_path):
     import test_ray_sweep  # the rank processes import its socket reader from its folder
     from test_ray_sweep import _is_loopback
 
-    launch(2, ["-c", RANK_SOCKETS.format(tests=str(Path(test_ray_sweep.__file__).parent), out=str(tmp_path))])
+    launch(2, ["-c", RANK_SOCKETS.format(tests=str(Path(test_ray_sweep.__file__).parent),
+                                          conftest=str(Path(test_ray_sweep.__file__).parents[1]), out=str(tmp_path))])
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["world"] == 2 and r["total"] == [3.0] * 5 for r in reports)
     listening = [a for r in reports for a in r["listening"]]
