@@ -110,6 +110,22 @@ def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) ->
     return seen
 
 
+def interrupt_trainer_at(monkeypatch: pytest.MonkeyPatch, step: int):
+    """Patch ``Trainer.step`` to raise KeyboardInterrupt (Ctrl-C) when the run reaches ``step``; returns the real
+    ``Trainer.step``, for the test to put back before it resumes the run."""
+    from vexact.rl.trainer import Trainer
+
+    real_step = Trainer.step
+
+    def interrupted(self, at):
+        if at == step:
+            raise KeyboardInterrupt
+        return real_step(self, at)
+
+    monkeypatch.setattr(Trainer, "step", interrupted)
+    return real_step
+
+
 def running_in_ci() -> bool:
     """CI sets ``CI=true`` (so do GitHub Actions and GitLab); there a missing optional package is a failure."""
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")

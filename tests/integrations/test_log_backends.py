@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import num_threads, require_optional, warm_start_cache
+from conftest import interrupt_trainer_at, num_threads, require_optional, warm_start_cache
 from rich.console import Console
 
 from vexact.metric_keys import with_deprecated_names
@@ -216,14 +216,7 @@ def test_resume_rebuilds_the_views_without_duplicates(runs, monkeypatch):
     """Interrupted after step 2 (checkpoint after step 1), resumed: the views hold steps 0..3 once each."""
     backends = ["jsonl", "tensorboard"] + (["wandb"] if HAVE_WANDB else [])
     cfg = _cfg(runs, "cut", backends)
-    real_step = Trainer.step
-
-    def interrupted(self, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "step", interrupted)
+    real_step = interrupt_trainer_at(monkeypatch, 3)
     assert _run(cfg)["status"] == "interrupted"
     run_dir = runs / "cut"
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]

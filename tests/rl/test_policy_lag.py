@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import recorded_returns, warm_start_cache
+from conftest import interrupt_trainer_at, recorded_returns, warm_start_cache
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -103,14 +103,7 @@ def test_resume_keeps_the_lag_snapshots(tmp_path, monkeypatch):
     _run(_cfg(tmp_path, "full", "rollout.policy_lag=2"))
     reference = _rows(tmp_path, "full")
     cfg = _cfg(tmp_path, "cut", "rollout.policy_lag=2")
-    real_step = Trainer.step
-
-    def interrupted(self, step):
-        if step == 5:
-            raise KeyboardInterrupt
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "step", interrupted)
+    real_step = interrupt_trainer_at(monkeypatch, 5)
     assert _run(cfg)["status"] == "interrupted"
     monkeypatch.setattr(Trainer, "step", real_step)
     snapshots = load_file(str(latest_checkpoint(tmp_path / "cut") / "snapshots.safetensors"))

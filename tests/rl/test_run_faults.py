@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import interrupt_trainer_at
 from rich.console import Console
 from test_sweep_faults import FAST, _cli_error
 from test_trainer import EXPERIMENT, _short
@@ -118,14 +119,7 @@ def test_sigkill_between_weights_and_trainer_state_resumes_bit_identically(tmp_p
 def _cut_after_step(tmp_path: Path, reference: Path, monkeypatch, name: str = "cut", step: int = 5):
     """A run interrupted during ``step`` (Ctrl-C): checkpoints after steps 1 and 3 exist."""
     cfg = _cfg(tmp_path, reference, name)
-    real_step = Trainer.step
-
-    def interrupted(self, s):
-        if s == step:
-            raise KeyboardInterrupt
-        return real_step(self, s)
-
-    monkeypatch.setattr(Trainer, "step", interrupted)
+    real_step = interrupt_trainer_at(monkeypatch, step)
     assert _run(cfg)["status"] == "interrupted"
     monkeypatch.setattr(Trainer, "step", real_step)
     return cfg

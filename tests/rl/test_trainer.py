@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import warm_start_cache
+from conftest import interrupt_trainer_at, warm_start_cache
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -77,14 +77,7 @@ def test_resume_after_interrupt_loses_nothing(tmp_path, monkeypatch):
     reference = _without_timing(read_metrics(tmp_path / "full" / "metrics.jsonl"))
 
     cfg = _short(tmp_path, "cut")
-    real_step = Trainer.step
-
-    def interrupted(self, step):
-        if step == 5:
-            raise KeyboardInterrupt
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "step", interrupted)
+    real_step = interrupt_trainer_at(monkeypatch, 5)
     summary = _run(cfg)
     assert summary["status"] == "interrupted" and summary["steps_completed"] == 5
     monkeypatch.setattr(Trainer, "step", real_step)
