@@ -4,6 +4,12 @@
 
 Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels``, ``host_guard`` or ``peer_decode``);
 the tables are printed in the order of the files, so the README's numbers are copied from this output, not typed.
+
+    python -m benchmarks.tables --by-mode runs/bench/ab-auto.json runs/bench/ab-canonical.json
+
+puts end-to-end runs of the same items made in different CPU guard modes (``VEXACT_CPU_EXACT_PATH``, recorded as
+``machine.exact_path``) in one table, the modes interleaved, and says per cell how far each later mode is from the
+first (the benchmarks page's table).
 """
 
 from __future__ import annotations
@@ -153,17 +159,65 @@ def tables(record: dict) -> str:
     return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)
 
 
+MODE_GAP_LIMIT = 1.05
+"""How far a guard mode's exact / native median may sit above the first mode's before ``modes_table`` names the cell
+(issue AB: ``canonical`` within 5% of ``auto``)."""
+
+
+def modes_table(records: list[dict]) -> str:
+    """End-to-end runs of the same items in different guard modes as one targets table: a row per (shape, item) and
+    mode, then one sentence per later mode naming the cells more than ``MODE_GAP_LIMIT`` over the first mode's."""
+    modes = []
+    for record in records:
+        if record.get("benchmark") != "end_to_end" or "threads" not in record.get("settings", {}):
+            raise ValueError("--by-mode takes end_to_end records made with a thread list (--threads)")
+        mode = record["machine"].get("exact_path")
+        if mode is None:
+            raise ValueError("a record does not say its guard mode (machine.exact_path: records from before it was "
+                             "kept); re-run it")
+        if mode in modes:
+            raise ValueError(f"two records in guard mode {mode!r}: --by-mode takes one per mode")
+        modes.append(mode)
+    columns, _, _ = target_matrix([r for record in records for r in record["results"]])
+    by_label = []  # per mode: row label -> {column: cell}
+    for record in records:
+        mode_columns, mode_rows, _ = target_matrix(record["results"])
+        by_label.append({row[0]: dict(zip(mode_columns, row, strict=True)) for row in mode_rows})
+    labels = list(dict.fromkeys(label for rows in by_label for label in rows))
+    lines = [[label, mode, *[rows.get(label, {}).get(c, "—") for c in columns[1:]]]
+             for label in labels for mode, rows in zip(modes, by_label, strict=True)]
+    keyed = [{(r["item"], r["shape"], r["dtype"], r["threads"]): r for r in record["results"]} for record in records]
+    gaps = []
+    for mode, cells in zip(modes[1:], keyed[1:], strict=True):
+        over = [f"{shape} {E2E_LABELS.get(item, item)} {combo_label(dtype, threads)} "
+                f"{r['ratio_median'] / keyed[0][key]['ratio_median']:.2f}×"
+                for key, r in cells.items() for item, shape, dtype, threads in [key]
+                if key in keyed[0] and r["ratio_median"] > MODE_GAP_LIMIT * keyed[0][key]["ratio_median"]]
+        gaps.append(f"- {mode} / {modes[0]}: " + (f"over {MODE_GAP_LIMIT:.2f}× in {len(over)} of {len(cells)} cells: "
+                                                  + ", ".join(over) if over else
+                                                  f"within {MODE_GAP_LIMIT:.2f}× in every cell"))
+    table = _markdown([columns[0], "mode", *columns[1:]], lines, right_from=2)
+    return "\n\n".join([table, "\n".join(gaps)])
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.tables") -> int:
     """Command-line entry point; an unreadable or foreign JSON file exits 2 with one line."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", type=Path, help="JSON written by benchmarks.kernels / end_to_end")
+    parser.add_argument("--by-mode", action="store_true",
+                        help="end-to-end runs made in different guard modes (VEXACT_CPU_EXACT_PATH) as one table")
     args = parser.parse_args(argv)
     try:
+        records = []
         for path in args.files:
             try:
-                record = json.loads(path.read_text())
+                records.append(json.loads(path.read_text()))
             except (OSError, json.JSONDecodeError) as err:
                 raise ValueError(f"{path}: cannot read benchmark JSON ({err})") from None
+        if args.by_mode:
+            print(f"Measured on: {_machine(records[0])}\n\n{modes_table(records)}")
+            return 0
+        for path, record in zip(args.files, records, strict=True):
             print(f"## {path}\n\n{tables(record)}\n")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

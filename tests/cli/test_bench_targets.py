@@ -4,6 +4,7 @@ No timing is asserted: the rows are made up, except in the one test that checks 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -166,3 +167,47 @@ def test_peer_decode_table_against_vllm():
     text = tables.tables(record)
     assert "| vexact exact | fp32 | 1 | 4 × 16 | 32.0 | 2.00 (2.00–4.00) | 0.50× |" in text
     assert "| vLLM (CPU build) | fp32 | 1 | 4 × 16 | 64.0 | 1.00 (1.00–2.00) | 1.00× |" in text
+
+
+def _mode_record(mode: str | None, ratio: float) -> dict:
+    rows = [fake_row(item, "default", "float32", threads, ratio) for threads in (1, 2)
+            for item in ("decode_step", "train_fwd_bwd")]
+    record = fake_record(rows)
+    if mode is not None:
+        record["machine"]["exact_path"] = mode
+    return record
+
+
+def test_by_mode_interleaves_the_modes_and_names_the_cells_over_the_first(tmp_path, capsys):
+    auto, canonical = _mode_record("auto", 1.0), _mode_record("canonical", 1.0)
+    canonical["results"][1]["ratio_median"] = 1.06  # train_fwd_bwd, 1 thread: 6% over auto's
+    canonical["results"][2]["ratio_median"] = 1.04  # decode step, 2 threads: within 5%
+    paths = []
+    for name, record in (("auto", auto), ("canonical", canonical)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(record))
+    assert tables.main(["--by-mode", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "| exact / native | mode | fp32, 1 thread | fp32, 2 threads | target |" in out
+    lines = [line for line in out.splitlines() if line.startswith("| default: decode step |")]
+    assert [line.split(" | ")[1] for line in lines] == ["auto", "canonical"]
+    assert "- canonical / auto: over 1.05× in 1 of 4 cells: default training fwd+bwd fp32, 1 thread 1.06×" in out
+
+
+def test_by_mode_needs_each_record_to_name_its_mode(tmp_path, capsys):
+    paths = []
+    for name, record in (("auto", _mode_record("auto", 1.0)), ("old", _mode_record(None, 1.0))):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(record))
+    assert tables.main(["--by-mode", *map(str, paths)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "machine.exact_path" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_record_keeps_the_guard_mode_it_ran_in(monkeypatch):
+    from benchmarks.common import machine_info
+
+    monkeypatch.setenv("VEXACT_CPU_EXACT_PATH", "canonical")
+    assert machine_info()["exact_path"] == "canonical"
+    monkeypatch.delenv("VEXACT_CPU_EXACT_PATH")
+    assert machine_info()["exact_path"] == "auto"
