@@ -171,3 +171,27 @@ def test_a_run_s_own_config_saved_before_the_renames_resumes_silently(tmp_path):
     assert cfg.inject.value == 0.5 and cfg.to_dict()["inject"]["sigma"] == 0.5
     with pytest.warns(FutureWarning, match="use 'inject.sigma'"):
         assert load_config(path) == cfg
+
+
+def test_quiet_reads_the_named_keys_old_spellings_without_their_warning():
+    """Which deprecated spellings warn is a value passed in (``config_from_dict(quiet=...)``), never a warnings filter
+    set around the call: a sweep's points read ``inject.value`` quietly and still warn for a renamed key; a record
+    vexact wrote (``DEPRECATED_SPELLINGS``) reads every old spelling quietly; the global filters are untouched."""
+    import warnings
+
+    from vexact.rl.config import DEPRECATED_SPELLINGS, RENAMED_KEYS
+
+    raw = {"inject": {"mode": "logit_scale", "value": -0.1}, "correction": {"bypass_mode": True}}
+    assert "correction.bypass_mode" in RENAMED_KEYS and "inject.value" in DEPRECATED_SPELLINGS
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        loud = config_from_dict(raw)
+        assert sorted(str(w.message).split(" ")[2] for w in said) == ["'correction.bypass_mode'", "'inject.value'"]
+        said.clear()
+        assert config_from_dict(raw, quiet={"inject.value"}) == loud
+        assert [str(w.message).split(" ")[2] for w in said] == ["'correction.bypass_mode'"]
+        said.clear()
+        assert config_from_dict(raw, quiet=DEPRECATED_SPELLINGS) == loud
+        assert said == []
+    assert warnings.filters == filters

@@ -32,7 +32,7 @@ import os
 import types
 import typing
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -80,6 +80,7 @@ __all__ = [
     "RunConfig",
     "TaskSection",
     "WarmStartSection",
+    "DEPRECATED_SPELLINGS",
     "config_from_dict",
     "config_hash",
     "knob_key",
@@ -626,18 +627,25 @@ config stores the new key. The one registry of renamed keys: files, ``--set``, s
 reference read it."""
 
 
-def _renamed(key: str) -> str:
-    """The current spelling of a dotted key (warning when ``key`` is a deprecated one)."""
+def _warn_deprecated(key: str, message: str, quiet: Collection[str], stacklevel: int) -> None:
+    """The FutureWarning for a deprecated spelling of ``key`` (its old name or an old value), unless the reader
+    passed ``key`` in ``quiet`` (a record vexact wrote itself, or a sweep file's ``inject.value``)."""
+    if key not in quiet:
+        warnings.warn(message, FutureWarning, stacklevel=stacklevel + 1)
+
+
+def _renamed(key: str, quiet: Collection[str] = ()) -> str:
+    """The current spelling of a dotted key (warning when ``key`` is a deprecated one not in ``quiet``)."""
     renamed = RENAMED_KEYS.get(key)
     if renamed is None:
         return key
-    warnings.warn(f"config key '{key}' is deprecated; use '{renamed.new}' ({renamed.why})", FutureWarning,
-                  stacklevel=4)
+    _warn_deprecated(key, f"config key '{key}' is deprecated; use '{renamed.new}' ({renamed.why})", quiet, 4)
     return renamed.new
 
 
-def move_renamed_keys(data: dict) -> None:
-    """Move deprecated keys of a raw mapping to their new place, in place; both set differently is an error."""
+def move_renamed_keys(data: dict, quiet: Collection[str] = ()) -> None:
+    """Move deprecated keys of a raw mapping to their new place, in place; both set differently is an error.
+    ``quiet``: deprecated keys read without their FutureWarning (``config_from_dict``)."""
     for old, renamed in RENAMED_KEYS.items():
         old_section, old_name = old.split(".")
         section = data.get(old_section)
@@ -646,7 +654,7 @@ def move_renamed_keys(data: dict) -> None:
         value = renamed.translate(old, section.pop(old_name))
         if value is _DROP:  # a translated key's null: not given (what configs saved before the rename hold)
             continue
-        _renamed(old)
+        _renamed(old, quiet)
         new_section, new_name = renamed.new.split(".")
         target = data.get(new_section)
         if target is None:
@@ -668,8 +676,9 @@ DEPRECATED_VALUES: dict[str, dict[str, str]] = {
 the config stores the full key. So do renamed metric keys, where a key can name one."""
 
 
-def _modernize_values(data: dict) -> None:
-    """Replace deprecated spellings of values in the raw mapping, in place, warning once per replaced value."""
+def _modernize_values(data: dict, quiet: Collection[str] = ()) -> None:
+    """Replace deprecated spellings of values in the raw mapping, in place, warning once per replaced value (not for
+    the keys in ``quiet``)."""
     for key, spellings in DEPRECATED_VALUES.items():
         *path, name = key.split(".")
         node: Any = data
@@ -680,8 +689,8 @@ def _modernize_values(data: dict) -> None:
         old = node.get(name)
         if isinstance(old, str) and old in spellings:
             node[name] = spellings[old]
-            warnings.warn(f"{key}: {old!r} is deprecated; use the full metric key {spellings[old]!r}", FutureWarning,
-                          stacklevel=3)
+            _warn_deprecated(key, f"{key}: {old!r} is deprecated; use the full metric key {spellings[old]!r}",
+                             quiet, 3)
 
 
 # --- verl's spellings -------------------------------------------------------------------------------------
@@ -728,9 +737,9 @@ def _move_aliases(data: dict) -> dict[str, str]:
 # --- overrides ---------------------------------------------------------------------------------------------
 
 
-def _apply_override(data: dict, item: str, origin: str | None = None) -> str:
+def _apply_override(data: dict, item: str, origin: str | None = None, quiet: Collection[str] = ()) -> str:
     """Apply one ``a.b.c=value`` override to the raw mapping ``data`` in place; returns the dotted key. ``origin``:
-    where the item came from, for errors (default ``--set ITEM``)."""
+    where the item came from, for errors (default ``--set ITEM``); ``quiet``: as ``config_from_dict``'s."""
     origin = origin or f"--set {item}"
     key, sep, raw = item.partition("=")
     key = key.strip()
@@ -751,7 +760,7 @@ def _apply_override(data: dict, item: str, origin: str | None = None) -> str:
             raise ConfigError(f"{e.problem} (from {origin})", e.key) from None
         if value is _DROP:
             return renamed.new
-    key = _renamed(key)
+    key = _renamed(key, quiet)
     key = KEY_ALIASES.get(key, key)
     parts = key.split(".")
     if len(parts) == 2 and parts[0] == "inject" and parts[1] in knob_keys():  # a mode's knob: _resolve_knob's
@@ -809,15 +818,18 @@ def _section_type(tp: Any) -> Any:
 # --- public API --------------------------------------------------------------------------------------------
 
 
-def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[str] | None = None) -> RunConfig:
+def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[str] | None = None,
+                     quiet: Collection[str] = ()) -> RunConfig:
     """Validate a raw mapping (as read from YAML), apply ``--set`` overrides, and build the RunConfig.
 
     ``origins``: where each override came from, in the same order, for errors about its value (default ``--set
-    ITEM``; a sweep names its ``set``, grid or variant)."""
+    ITEM``; a sweep names its ``set``, grid or variant). ``quiet``: config keys whose deprecated spelling is read
+    without its FutureWarning, which is for the files users write: ``DEPRECATED_SPELLINGS`` for a record vexact
+    wrote itself (``load_config(saved=True)``), ``{"inject.value"}`` for a sweep's points."""
     if not isinstance(d, dict):
         raise ConfigError(f"expected a mapping of config keys, got {type(d).__name__}")
     data = plain(d)  # deep copy: overrides must not mutate the caller's dict
-    move_renamed_keys(data)
+    move_renamed_keys(data, quiet)
     written = _move_aliases(data)
     overrides = list(overrides)
     labels = [f"--set {item}" for item in overrides] if origins is None else list(origins)
@@ -827,7 +839,7 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
     # The plugins first (--set plugins=..., else the file's key): the other overrides may name keys they register.
     plugin_sets = [i for i, item in enumerate(overrides) if item.partition("=")[0].strip() == "plugins"]
     for i in plugin_sets:
-        applied[_apply_override(data, overrides[i], labels[i])] = overrides[i], labels[i]
+        applied[_apply_override(data, overrides[i], labels[i], quiet)] = overrides[i], labels[i]
     try:  # the entry points' plugins too; a plugins value of another type is build()'s error to report
         load_plugins(data["plugins"] if isinstance(data.get("plugins"), list) else [])
     except ConfigError as e:
@@ -837,17 +849,17 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
     for i, item in enumerate(overrides):
         if i in plugin_sets:
             continue
-        key = _apply_override(data, item, labels[i])
+        key = _apply_override(data, item, labels[i], quiet)
         earlier, earlier_label = applied.get(key, (None, None))
         spellings = {earlier.partition("=")[0].strip() if earlier else key, item.partition("=")[0].strip()}
         if earlier is not None and len(spellings) > 1 and spellings & {*KEY_ALIASES, *RENAMED_KEYS}:
             which = "verl's and vexact's spelling" if spellings & set(KEY_ALIASES) else "a deprecated spelling"
             raise ConfigError(f"{earlier_label} and {labels[i]} set the same key ({which}); keep only one", key)
         applied[key] = item, labels[i]
-    _modernize_values(data)
+    _modernize_values(data, quiet)
     try:
         _expand_preset(data.get("model"))
-        _resolve_knob(data.get("inject"))
+        _resolve_knob(data.get("inject"), quiet)
         _check_inject_knob(data.get("inject"))
         return build(RunConfig, data, "", VALUE_ALIASES)
     except ConfigError as e:
@@ -877,10 +889,15 @@ def _expand_preset(model: Any) -> None:
 
 INJECT_VALUE_DEPRECATED = "config key 'inject.value' is deprecated"
 """How the FutureWarning for ``inject.value`` in a run config begins (a sweep file, where ``inject.value`` names
-the mode's knob and its points' folders, reads it without the warning: ``vexact.sweeps.sweep``)."""
+the mode's knob and its points' folders, reads it without the warning: ``vexact.sweeps.sweep`` passes the key in
+``config_from_dict``'s ``quiet``)."""
+
+DEPRECATED_SPELLINGS: tuple[str, ...] = (*RENAMED_KEYS, *DEPRECATED_VALUES, "inject.value")
+"""Every config key with a deprecated spelling (an old name, old values, the knob's old name): what a record vexact
+wrote itself is read with, quietly (``load_config(saved=True)``)."""
 
 
-def _resolve_knob(inject: Any) -> None:
+def _resolve_knob(inject: Any, quiet: Collection[str] = ()) -> None:
     """Read the injection knob of a raw ``inject`` mapping into ``value``, in place: the mode's own key
     (``inject.sigma``, ...) is the spelling, ``inject.value`` the old one (a FutureWarning naming the mode's key).
     A knob key of another mode, or both spellings, is one config error."""
@@ -904,8 +921,8 @@ def _resolve_knob(inject: Any) -> None:
         if own in inject:
             raise ConfigError(f"is the old spelling of inject.{own}, which is given too; keep only inject.{own}",
                               "inject.value")
-        warnings.warn(f"{INJECT_VALUE_DEPRECATED} for inject.mode {mode!r}; use 'inject.{own}' "
-                      f"({INJECT_MODES[mode].knob})", FutureWarning, stacklevel=3)
+        _warn_deprecated("inject.value", f"{INJECT_VALUE_DEPRECATED} for inject.mode {mode!r}; use 'inject.{own}' "
+                         f"({INJECT_MODES[mode].knob})", quiet, 3)
     elif own in inject:
         inject["value"] = inject.pop(own)
 
@@ -939,10 +956,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), saved: bool = F
 
     ``saved``: the file is a run's own config.yaml, a record the run wrote (resume, reports): the old spellings one
     written before a rename holds are read without their FutureWarning, which is for the files users write."""
-    if saved:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return load_config(path, overrides)
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: '{path}'")
@@ -953,7 +966,7 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), saved: bool = F
     if not isinstance(data, dict):
         raise ConfigError(f"'{path}' must contain a mapping of config keys at top level, "
                           f"got {type(data).__name__}: {show_value(data)}")
-    return config_from_dict(data, overrides)
+    return config_from_dict(data, overrides, quiet=DEPRECATED_SPELLINGS if saved else ())
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -56,7 +56,6 @@ import os
 import re
 import signal
 import traceback
-import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -75,7 +74,6 @@ from ..progress import Progress, StepReporter
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
 from ..rl.config import (
-    INJECT_VALUE_DEPRECATED,
     KEY_ALIASES,
     MEMORY_KEYS,
     RENAMED_KEYS,
@@ -333,11 +331,9 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
                    *(f"--set {item}" for item in overrides),
                    *(origin.get(k, f"the sweep's {k} of point {pname}") for k in per_point)]
         try:
-            with warnings.catch_warnings():
-                # in a sweep file inject.value names the mode's knob, whatever the mode, and the points' folders
-                # (so sweeps written before the per-mode names resume): read it without the run config's warning
-                warnings.filterwarnings("ignore", message=re.escape(INJECT_VALUE_DEPRECATED), category=FutureWarning)
-                cfg = config_from_dict(base_dict, items, origins)
+            # in a sweep file inject.value names the mode's knob, whatever the mode, and the points' folders (so
+            # sweeps written before the per-mode names resume): it is read without the run config's warning
+            cfg = config_from_dict(base_dict, items, origins, quiet={"inject.value"})
         except ConfigError as err:
             raise ConfigError(f"sweep point {pname} of '{path}': {err}") from None
         points.append(SweepPoint(pname, overrides_of_point, cfg))
