@@ -65,6 +65,8 @@ threads."""
 VECTOR_MULTIPLE = 64
 """A tensor's elements are zero-padded to a multiple of this before the chunked calls: its last chunk, too, is whole
 vectors."""
+UNARY_CODES = {"exp": 0, "log": 1, "cos": 2, "sqrt": 3}
+"""The compiled loops' code for each library function (``compiled_loops``' ``unary_chunked``)."""
 KEY_BLOCK = 64
 """Keys per attention tile, from position 0: a decode step's keys then fall in the tiles a prefill row's do."""
 HOST = HostGuard(ROW_BLOCKS)
@@ -90,6 +92,10 @@ def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False
 
     ``inplace``: ``x`` is a scratch tensor the caller gives up; the result may be written into it."""
     fn = host.elementwise(name, x.dtype, op)
+    if fn is getattr(torch, name) and x.dtype in compiled_loops.DTYPES and (loops := compiled_loops.library()):
+        # the library function: the loop below in one compiled call, its chunks spread over threads (each chunk
+        # still one call on one thread, so the same bits at any thread count)
+        return loops.unary_chunked(x, UNARY_CODES[name], CHUNK, VECTOR_MULTIPLE, inplace)
     flat = x.contiguous().view(-1)
     total = flat.numel()
     padded = ceil_to(max(total, 1), VECTOR_MULTIPLE)
@@ -244,9 +250,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     x where the guard found that this gives the canonical tiles' bits: ``same_bits``); in bf16 on the host's bf16
     GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding).
     """
-    if bias is None:
-        return exact_forward_vjp(partial(_linear_forward, bias=None, host=host),
-                                 partial(_linear_with_saved, bias=None, host=host), _linear_vjp, (x, weight))
+    if bias is None:  # bias None passed as a static argument: _linear_forward(x, weight, None, host)
+        return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight), (None, host))
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
 
 

@@ -112,6 +112,49 @@ at::Tensor tree_sum(const at::Tensor& x, int64_t dim) {
   return out;
 }
 
+// ----------------------------------------------------------------------------------------------------- chunked math
+// cpu_exact._unary's loop after the guard chose the library function (torch.exp / log / cos / sqrt: the ATen op
+// called here): x flattened, zero-padded to a multiple of `multiple`, and the op called once per `chunk` elements --
+// the same calls on the same slices as the Python loop. The chunks are spread over threads: each chunk is still one
+// call of the op on one thread (inside a parallel region ATen runs an op serially, and a chunk is below its grain
+// anyway), so no element's bits depend on the thread count. `inplace`: x is scratch the caller gives up (the result
+// may be written into it). Returns the result with x's shape (a view of the padded buffer where there is padding).
+at::Tensor unary_chunked(const at::Tensor& x, int64_t which, int64_t chunk, int64_t multiple, bool inplace) {
+  TORCH_CHECK(x.device().is_cpu(), "unary_chunked: a CPU tensor");
+  TORCH_CHECK(which >= 0 && which < 4, "unary_chunked: which is 0 (exp), 1 (log), 2 (cos) or 3 (sqrt)");
+  TORCH_CHECK(chunk > 0 && multiple > 0 && chunk % multiple == 0, "unary_chunked: chunk a multiple of `multiple`");
+  at::Tensor flat = x.contiguous().view(-1);
+  const int64_t total = flat.numel();
+  const int64_t padded = ((std::max<int64_t>(total, 1) + multiple - 1) / multiple) * multiple;
+  if (padded != total) {
+    at::Tensor grown = at::empty({padded}, flat.options());
+    grown.slice(0, 0, total).copy_(flat);
+    grown.slice(0, total, padded).zero_();
+    flat = grown;
+  }
+  const bool fresh = flat.data_ptr() != x.data_ptr();
+  at::Tensor out = (inplace || fresh) ? flat : at::empty_like(flat);
+  const int64_t chunks = (padded + chunk - 1) / chunk;
+  auto run = [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t start = c * chunk, stop = std::min(padded, start + chunk);
+      at::Tensor in_c = flat.slice(0, start, stop), out_c = out.slice(0, start, stop);
+      switch (which) {
+        case 0: at::exp_out(out_c, in_c); break;
+        case 1: at::log_out(out_c, in_c); break;
+        case 2: at::cos_out(out_c, in_c); break;
+        default: at::sqrt_out(out_c, in_c); break;
+      }
+    }
+  };
+  if (chunks == 1) {
+    run(0, 1);
+  } else {
+    at::parallel_for(0, chunks, 1, run);
+  }
+  return out.slice(0, 0, total).view(x.sizes());
+}
+
 // ----------------------------------------------------------------------------------------------------- rms_norm
 // cpu_exact's RMSNorm, forward and VJP, row by row on fp32 values (the caller upcasts and rounds back): the same
 // exactly rounded operations in the same order. D = the row length.
@@ -639,6 +682,7 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("unary_chunked", &unary_chunked, "cpu_exact._unary's chunk loop on the library function, same bits");
   m.def("tree_sum", &tree_sum, "fixed_order.tree_sum for width >= 2 (fp32/fp64, any strides), same bits");
   m.def("rms_norm_mean_square", &rms_norm_mean_square, "cpu_exact's RMSNorm up to its sqrt, same bits");
   m.def("rms_norm_scale", &rms_norm_scale, "cpu_exact's RMSNorm after its sqrt, same bits");

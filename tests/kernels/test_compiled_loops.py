@@ -327,3 +327,59 @@ def test_compiled_mode_without_a_compiler_is_one_clear_error(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "VEXACT_CPU_LOOPS=compiled, but the compiled loops did not build" in done.stderr
     assert "no C++ compiler on PATH" in done.stderr
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ("exp", "log", "cos", "sqrt"))
+def test_chunked_library_math_is_the_python_chunk_loop_bit_for_bit(loops, name, dtype, threads, monkeypatch):
+    """``cpu_exact._unary`` on the library function, compiled (one call, its chunks spread over threads) against its
+    Python chunk loop (the loops answering None), bitwise, at 1 and 2 threads: sizes around the vector multiple and
+    the chunk (one, several and a partial last chunk), a non-contiguous operand, and in place on scratch."""
+    from vexact_kernels import cpu_exact
+
+    sizes = [(0,), (1,), (63,), (64,), (3, 65), (cpu_exact.CHUNK,), (cpu_exact.CHUNK + 1,), (5, 30011)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, shape in enumerate(sizes):
+            x = _values(shape, torch.float64, seed=i).abs().clamp(max=80.0).to(dtype)  # exp finite, log defined
+            views = [x] + ([x.view(shape[0], -1).t()] if x.dim() == 2 else [])
+            for view in views:
+                for inplace in (False, True):
+                    got = cpu_exact._unary(name, view.clone() if inplace else view, cpu_exact.HOST, "test", inplace)
+                    with monkeypatch.context() as patched:
+                        patched.setattr(compiled_loops, "library", lambda: None)
+                        expected = cpu_exact._unary(name, view.clone() if inplace else view, cpu_exact.HOST, "test",
+                                                    inplace)
+                    assert got.shape == expected.shape == view.shape
+                    assert torch.equal(_bits(got), _bits(expected)), (name, shape, inplace)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_log_probs_through_the_compiled_chunk_loop_are_the_python_loops(loops, dtype, threads, monkeypatch):
+    """The heads' ops whose chunked exp and log now run in one compiled call (``log_softmax``, ``token_logprobs``,
+    ``entropy``), on a vocabulary of several chunks, against the Python chunk loop: bitwise, fp32 and bf16 logits,
+    at 1 and 2 threads."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 3, 20000, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 20000, (6, 3), generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for compiled in (True, False):
+            with monkeypatch.context() as patched:
+                if not compiled:
+                    patched.setattr(cpu_exact.compiled_loops, "library", lambda: None)
+                log_probs = cpu_exact.log_softmax(logits)
+                results.append((log_probs, cpu_exact.token_logprobs(logits, targets), cpu_exact.entropy(log_probs)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(_bits(a), _bits(b))
