@@ -735,8 +735,21 @@ def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -
                              (targets, host))
 
 
+def _library_math(host: HostGuard, op: str, *names: str) -> ModuleType | None:
+    """The compiled loops where the guard chose the library function for each of ``names`` (fp32), else None."""
+    loops = compiled_loops.library()
+    if loops is None or any(host.elementwise(name, torch.float32, op) is not getattr(torch, name) for name in names):
+        return None
+    return loops
+
+
 def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> Tensor:
     xf = fp32(logits)
+    if (xf.shape[-1] >= 2 and targets.shape == xf.shape[:-1]
+            and (loops := _library_math(host, "token_logprobs", "exp", "log")) is not None):
+        # the ops below in one compiled call: the same ATen amax, exp and log calls on the same chunks, the same
+        # trees (its chunks and rows spread over threads, each result from one thread)
+        return loops.token_logprobs_forward(xf, targets, CHUNK, VECTOR_MULTIPLE)
     shifted = xf - xf.amax(dim=-1, keepdim=True)  # max is exact in any order
     picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # exp in place: the same values as _shift_and_log_normalizer, one buffer fewer

@@ -383,3 +383,33 @@ def test_log_probs_through_the_compiled_chunk_loop_are_the_python_loops(loops, d
         torch.set_num_threads(before)
     for a, b in zip(*results):
         assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape", [(128, 22), (3, 5, 100), (2, 33000), (4, 70), (0, 9)])
+def test_token_logprobs_loop_is_the_torch_ops_bit_for_bit(loops, shape, dtype, threads, monkeypatch):
+    """``token_logprobs`` without grad (a decode step's) in one compiled call against the torch ops and the Python
+    chunk loop (the loops answering None), bitwise, at 1 and 2 threads: special values (infinities, signed zeros,
+    subnormals), a transposed operand, a vocabulary of several chunks; a target outside the vocabulary is refused."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    logits = _values(shape, torch.float64, seed=len(shape)).clamp(-1e30, 1e30).to(dtype)
+    logits[..., :1] = 3.0  # every row has a finite maximum (an all -inf row is NaN either way)
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for operand in (logits, logits.transpose(0, 1).contiguous().transpose(0, 1)):
+            got = cpu_exact.token_logprobs(operand, targets)
+            with monkeypatch.context() as patched:
+                patched.setattr(compiled_loops, "library", lambda: None)
+                expected = cpu_exact.token_logprobs(operand, targets)
+            assert got.shape == expected.shape == targets.shape
+            assert torch.equal(_bits(got), _bits(expected))
+        if targets.numel():
+            with pytest.raises(RuntimeError, match="outside"):
+                loops.token_logprobs_forward(logits.float(), targets + shape[-1], 32704, 64)
+    finally:
+        torch.set_num_threads(before)
