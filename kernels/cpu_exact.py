@@ -637,6 +637,9 @@ def _silu_mul_loops(gate: Tensor, up: Tensor) -> ModuleType | None:
 def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleType) -> tuple[Tensor, Tensor, Tensor]:
     """(out, 1 + exp(-gate), silu) of fp32 gate and up: the chunked exp, then the add, divide and multiply of
     ``_silu_mul_with_saved`` in one compiled pass."""
+    if _library_math(host, "silu_mul", "exp") is not None:  # the negation and the chunked exp in that call too
+        out, denom, silu = loops.silu_mul_exp_forward(gate, up, CHUNK, VECTOR_MULTIPLE)
+        return out, denom, silu
     denom = _unary("exp", gate.neg(), host, "silu_mul", inplace=True)
     silu, out = loops.silu_mul_forward(gate.contiguous(), denom, up.contiguous())
     return out, denom, silu

@@ -341,6 +341,28 @@ std::vector<at::Tensor> silu_mul_forward(const at::Tensor& gate, at::Tensor& exp
   return {silu, out};
 }
 
+// The whole forward where the guard chose the library exp: -gate into a buffer zero-padded to `multiple` (the
+// negation _unary is given), its chunked exp in place (cpu_exact._unary's calls), then silu_mul_forward. Returns
+// (out, 1 + exp(-gate) (a view of the buffer, gate's shape), silu).
+std::vector<at::Tensor> silu_mul_exp_forward(const at::Tensor& gate, const at::Tensor& up, int64_t chunk,
+                                             int64_t multiple) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes(),
+              "silu_mul_exp_forward: fp32 gate and up of one shape");
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  const int64_t total = g.numel(), padded = round_up(total, multiple);
+  at::Tensor buffer = at::empty({padded}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* e = buffer.data_ptr<float>();
+  at::parallel_for(0, total, kGrain, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) e[i] = -gp[i];
+  });
+  std::fill(e + total, e + padded, 0.0f);
+  chunked_calls(buffer, buffer, 0, chunk);
+  at::Tensor denom = buffer.slice(0, 0, total).view(g.sizes());
+  std::vector<at::Tensor> parts = silu_mul_forward(g, denom, u);
+  return {parts[1], denom, parts[0]};
+}
+
 // The VJP with sig = 1 / denom: grad_gate = ((((1 - sig) * gate) + 1) * sig) * grad * up, grad_up = silu * grad;
 // either may be skipped (an empty tensor).
 std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
@@ -752,6 +774,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_scale", &rms_norm_scale, "cpu_exact's RMSNorm after its sqrt, same bits");
   m.def("rms_norm_backward", &rms_norm_backward, "cpu_exact's RMSNorm VJP on fp32 rows, same bits");
   m.def("silu_mul_forward", &silu_mul_forward, "cpu_exact's SwiGLU after its exp (fp32), same bits");
+  m.def("silu_mul_exp_forward", &silu_mul_exp_forward, "cpu_exact's SwiGLU forward with its chunked exp (fp32)");
   m.def("silu_mul_backward", &silu_mul_backward, "cpu_exact's SwiGLU VJP (fp32), same bits");
   m.def("sum_rows_by_token", &sum_rows_by_token, "cpu_exact._sum_rows_by_token (fp32), same bits");
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");

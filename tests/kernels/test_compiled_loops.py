@@ -413,3 +413,26 @@ def test_token_logprobs_loop_is_the_torch_ops_bit_for_bit(loops, shape, dtype, t
                 loops.token_logprobs_forward(logits.float(), targets + shape[-1], 32704, 64)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("shape", [(3, 17, 176), (5, 30011), (7,), (0, 4)])
+def test_silu_mul_forward_with_its_exp_in_the_loop_is_the_split_calls(loops, shape, threads, monkeypatch):
+    """The SwiGLU forward with the negation and chunked exp inside the compiled call against the negation, the Python
+    chunk loop and ``silu_mul_forward`` (``_library_math`` answering None): output, saved 1 + exp(-gate) and silu,
+    bitwise, at 1 and 2 threads (several chunks spread over threads), on special values."""
+    from vexact_kernels import cpu_exact
+
+    gate = _values(shape, torch.float64, seed=sum(shape) + 7).clamp(-1e30, 1e30).float()
+    up = _values(shape, torch.float64, seed=sum(shape) + 8).clamp(-1e30, 1e30).float()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_exact._silu_mul_compiled(gate, up, cpu_exact.HOST, loops)
+        with monkeypatch.context() as patched:
+            patched.setattr(cpu_exact, "_library_math", lambda *args: None)
+            expected = cpu_exact._silu_mul_compiled(gate, up, cpu_exact.HOST, loops)
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("output", "1 + exp(-gate)", "silu"), got, expected):
+        assert a.shape == b.shape == gate.shape and torch.equal(_bits(a), _bits(b)), name
