@@ -2,6 +2,7 @@
 
     python -m benchmarks.op_count                      # experiments/zero_mismatch.yaml, fp32, top 15 functions
     vexact bench op_count --top 25 --rl-set distributed.leaves=1
+    vexact bench op_count --decode-shape llama100m --dtype bfloat16   # one decode step (end_to_end's) instead
 
 On the small models this project trains, the exact backend's price over native is mostly per-op dispatch: its
 tiles, trees and exactly rounded passes are many small aten calls (see docs/results/benchmarks_price_fp32.md). A
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
 from pathlib import Path
 
@@ -37,11 +39,48 @@ class _CountCalls(TorchDispatchMode):
         super().__init__()
         self.by_op: collections.Counter[str] = collections.Counter()
         self.by_function: collections.Counter[str] = collections.Counter()
+        self.in_compiled = 0  # compiled-loop calls in progress (``_marking_compiled_calls``)
+        self.from_compiled = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         self.by_op[str(func.overloadpacket)] += 1
         self.by_function[_caller()] += 1
+        self.from_compiled += self.in_compiled > 0
         return func(*args, **(kwargs or {}))
+
+    def counts(self) -> dict:
+        total = sum(self.by_op.values())
+        return {"aten_calls": total, "from_python": total - self.from_compiled,
+                "from_compiled_calls": self.from_compiled, "by_function": dict(self.by_function.most_common()),
+                "by_op": dict(self.by_op.most_common())}
+
+
+@contextlib.contextmanager
+def _marking_compiled_calls(counter: _CountCalls):
+    """While it lasts, each function of the exact kernels' compiled loops tells ``counter`` that the aten calls it
+    issues come from C++ (the module's functions are wrapped, and put back after)."""
+    from vexact_kernels import compiled_loops
+
+    library = compiled_loops.library()
+    names = [n for n in dir(library) if not n.startswith("_") and callable(getattr(library, n))] if library else []
+    originals = {name: getattr(library, name) for name in names}
+
+    def marked(fn):
+        def call(*args):
+            counter.in_compiled += 1
+            try:
+                return fn(*args)
+            finally:
+                counter.in_compiled -= 1
+        return call
+
+    for name, fn in originals.items():
+        setattr(library, name, marked(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(library, name, fn)
 
 
 def _caller() -> str:
@@ -66,10 +105,44 @@ def count_rl_step(backend: str, config: Path, overrides: list[str]) -> dict:
                       Console(quiet=True))
     trainer.step(0)  # probes, layouts and caches in place before counting
     counter = _CountCalls()
-    with counter:
+    with _marking_compiled_calls(counter), counter:
         trainer.step(1)
-    return {"backend": backend, "aten_calls": sum(counter.by_op.values()),
-            "by_function": dict(counter.by_function.most_common()), "by_op": dict(counter.by_op.most_common())}
+    return {"backend": backend, **counter.counts()}
+
+
+def count_decode_steps(shape_name: str, dtype_name: str) -> list[dict]:
+    """The aten calls of one decode step of ``benchmarks.end_to_end``'s ``decode_step`` item (the model forward for
+    one token per sequence against the prefilled cache, the LM head, the token's log-prob), per backend."""
+    from vexact.engine.generation import CACHE_BLOCK
+    from vexact.engine.inputs import pad_right
+
+    from .common import DTYPES, shapes
+    from .end_to_end import _models, prompts_of
+
+    known = shapes()
+    if shape_name not in known:
+        raise ValueError(f"--decode-shape {shape_name!r}: expected one of {', '.join(known)}")
+    shape = known[shape_name]
+    models = _models(shape, DTYPES[dtype_name], torch.device("cpu"), "exact")
+    prompts = prompts_of(shape)
+    lengths = torch.tensor([len(p) for p in prompts])
+    token = torch.tensor([p[-1] for p in prompts])
+    results = []
+    for backend in BACKENDS:
+        model = models[backend]
+        cache = model.new_cache(len(prompts), -(-(int(lengths.max()) + 1) // CACHE_BLOCK) * CACHE_BLOCK)
+        with torch.no_grad():
+            model(pad_right(prompts, "cpu"), cache=cache)
+
+            def step(model=model, cache=cache) -> None:
+                hidden = model(token[:, None], q_start=lengths, cache=cache)[:, 0]
+                model.ops.token_logprobs(model.logits(hidden).float(), token)
+            step()  # probes, layouts and caches in place before counting
+            counter = _CountCalls()
+            with _marking_compiled_calls(counter), counter:
+                step()
+        results.append({"backend": backend, **counter.counts()})
+    return results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=15, help="functions and ops printed per backend (default 15)")
     p.add_argument("--device", default="cpu", choices=("cpu",), help="cpu (the Trainer has no device option)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/op_count-cpu.json)")
+    p.add_argument("--decode-shape", default=None, metavar="SHAPE",
+                   help="count one decode step of this benchmark shape (end_to_end's decode_step), not the RL step")
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
@@ -87,8 +162,13 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     if not args.rl_config.is_file():
         raise ValueError(f"--rl-config {args.rl_config} not found")
     torch.set_num_threads(1)
+    machine = {**machine_info(device), "malloc": set_malloc("steady")}
+    if args.decode_shape is not None:
+        return {"benchmark": "op_count", "machine": machine,
+                "settings": {"decode_shape": args.decode_shape, "dtype": args.dtype, "top": args.top},
+                "results": count_decode_steps(args.decode_shape, args.dtype)}
     overrides = [f"dtype={args.dtype}", "threads=1", "warm_start.steps=0", *args.rl_set]
-    return {"benchmark": "op_count", "machine": {**machine_info(device), "malloc": set_malloc("steady")},
+    return {"benchmark": "op_count", "machine": machine,
             "settings": {"config": str(args.rl_config), "overrides": overrides, "top": args.top},
             "results": [count_rl_step(backend, args.rl_config, overrides) for backend in BACKENDS]}
 
@@ -97,8 +177,11 @@ def print_results(record: dict) -> None:
     top = record["settings"]["top"]
     counts = {r["backend"]: r for r in record["results"]}
     exact, native = counts["exact"]["aten_calls"], counts["native"]["aten_calls"]
-    print(f"aten calls in one RL step ({record['settings']['config']}): exact {exact}, native {native} "
-          f"({exact / native:.2f}x)")
+    settings = record["settings"]
+    what = (f"one decode step ({settings['decode_shape']}, {settings['dtype']})" if "decode_shape" in settings
+            else f"one RL step ({settings['config']})")
+    print(f"aten calls in {what}: exact {exact}, native {native} ({exact / native:.2f}x); from Python (outside "
+          f"the compiled loops): exact {counts['exact']['from_python']}, native {counts['native']['from_python']}")
     for r in record["results"]:
         print(f"\n{r['backend']}: the {top} functions issuing the most aten calls")
         for name, n in list(r["by_function"].items())[:top]:

@@ -65,6 +65,8 @@ threads."""
 VECTOR_MULTIPLE = 64
 """A tensor's elements are zero-padded to a multiple of this before the chunked calls: its last chunk, too, is whole
 vectors."""
+UNARY_CODES = {"exp": 0, "log": 1, "cos": 2, "sqrt": 3}
+"""The compiled loops' code for each library function (``compiled_loops``' ``unary_chunked``)."""
 KEY_BLOCK = 64
 """Keys per attention tile, from position 0: a decode step's keys then fall in the tiles a prefill row's do."""
 HOST = HostGuard(ROW_BLOCKS)
@@ -90,6 +92,10 @@ def _unary(name: str, x: Tensor, host: HostGuard, op: str, inplace: bool = False
 
     ``inplace``: ``x`` is a scratch tensor the caller gives up; the result may be written into it."""
     fn = host.elementwise(name, x.dtype, op)
+    if fn is getattr(torch, name) and x.dtype in compiled_loops.DTYPES and (loops := compiled_loops.library()):
+        # the library function: the loop below in one compiled call, its chunks spread over threads (each chunk
+        # still one call on one thread, so the same bits at any thread count)
+        return loops.unary_chunked(x, UNARY_CODES[name], CHUNK, VECTOR_MULTIPLE, inplace)
     flat = x.contiguous().view(-1)
     total = flat.numel()
     padded = ceil_to(max(total, 1), VECTOR_MULTIPLE)
@@ -244,9 +250,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     x where the guard found that this gives the canonical tiles' bits: ``same_bits``); in bf16 on the host's bf16
     GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding).
     """
-    if bias is None:
-        return exact_forward_vjp(partial(_linear_forward, bias=None, host=host),
-                                 partial(_linear_with_saved, bias=None, host=host), _linear_vjp, (x, weight))
+    if bias is None:  # bias None passed as a static argument: _linear_forward(x, weight, None, host)
+        return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight), (None, host))
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
 
 
@@ -632,6 +637,9 @@ def _silu_mul_loops(gate: Tensor, up: Tensor) -> ModuleType | None:
 def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleType) -> tuple[Tensor, Tensor, Tensor]:
     """(out, 1 + exp(-gate), silu) of fp32 gate and up: the chunked exp, then the add, divide and multiply of
     ``_silu_mul_with_saved`` in one compiled pass."""
+    if _library_math(host, "silu_mul", "exp") is not None:  # the negation and the chunked exp in that call too
+        out, denom, silu = loops.silu_mul_exp_forward(gate, up, CHUNK, VECTOR_MULTIPLE)
+        return out, denom, silu
     denom = _unary("exp", gate.neg(), host, "silu_mul", inplace=True)
     silu, out = loops.silu_mul_forward(gate.contiguous(), denom, up.contiguous())
     return out, denom, silu
@@ -730,8 +738,21 @@ def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -
                              (targets, host))
 
 
+def _library_math(host: HostGuard, op: str, *names: str) -> ModuleType | None:
+    """The compiled loops where the guard chose the library function for each of ``names`` (fp32), else None."""
+    loops = compiled_loops.library()
+    if loops is None or any(host.elementwise(name, torch.float32, op) is not getattr(torch, name) for name in names):
+        return None
+    return loops
+
+
 def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> Tensor:
     xf = fp32(logits)
+    if (xf.shape[-1] >= 2 and targets.shape == xf.shape[:-1]
+            and (loops := _library_math(host, "token_logprobs", "exp", "log")) is not None):
+        # the ops below in one compiled call: the same ATen amax, exp and log calls on the same chunks, the same
+        # trees (its chunks and rows spread over threads, each result from one thread)
+        return loops.token_logprobs_forward(xf, targets, CHUNK, VECTOR_MULTIPLE)
     shifted = xf - xf.amax(dim=-1, keepdim=True)  # max is exact in any order
     picked = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # exp in place: the same values as _shift_and_log_normalizer, one buffer fewer

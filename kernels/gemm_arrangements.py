@@ -45,6 +45,7 @@ around the GEMM run in one compiled call on the same operands (``compiled_loops`
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from collections.abc import Callable
@@ -130,13 +131,15 @@ def row_block(rows: int, heights: tuple[int, ...] = ROW_BLOCKS) -> int:
     return heights[-1]
 
 
+@functools.lru_cache(maxsize=256)
 def gemm_class(k: int, n: int, *, transposed: bool) -> Tensor:
     """A [1, K, N] tensor with the shape and layout of a GEMM's right operand, to ask the guard about the GEMM's class
     (``HostGuard.tile_heights`` and ``library_gemm`` read only an operand's shape and layout, never its values).
 
     ``transposed``: K contiguous, as a weight [N, K] seen transposed -- overlapping strides over k + n elements, so
     a class as large as llama's LM head (113 MB) is asked about without laying the operand out. Else row-major: a
-    fresh [1, K, N] tensor."""
+    [1, K, N] tensor. Made once per (K, N, layout) and shared (nothing reads its values): every linear layer asks
+    twice per call, and making it cost as much as the rest of the question."""
     if transposed:
         return torch.empty(k + n).as_strided((1, k, n), (0, 1, 1))
     return torch.empty(1, k, n)
@@ -354,6 +357,10 @@ def canonical_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
     ``n_pad`` rows, contiguous and aligned (``_padded_or_aligned``), seen transposed -- a view of the weight where
     nothing needs copying (a linear layer's forward), else laid out once per weight version (``arranged_weight``: an
     input gradient's W.T, a padded or cast weight)."""
+
+    if (weight.dtype == dtype and weight.shape[0] == n_pad and weight.is_contiguous()
+            and weight.data_ptr() % ALIGNMENT == 0):  # what make() gives (a view of the weight), without its Python
+        return weight.detach().t().unsqueeze(0)
 
     def make() -> Tensor:
         w = weight.detach().to(dtype)

@@ -112,6 +112,112 @@ at::Tensor tree_sum(const at::Tensor& x, int64_t dim) {
   return out;
 }
 
+// ----------------------------------------------------------------------------------------------------- chunked math
+// cpu_exact._unary's loop after the guard chose the library function (torch.exp / log / cos / sqrt: the ATen op
+// called here): x flattened, zero-padded to a multiple of `multiple`, and the op called once per `chunk` elements --
+// the same calls on the same slices as the Python loop. The chunks are spread over threads: each chunk is still one
+// call of the op on one thread (inside a parallel region ATen runs an op serially, and a chunk is below its grain
+// anyway), so no element's bits depend on the thread count. `inplace`: x is scratch the caller gives up (the result
+// may be written into it). Returns the result with x's shape (a view of the padded buffer where there is padding).
+namespace {
+
+// The library function `which` over `flat` into `out` (both 1-D, `padded` elements, a multiple of the vector width):
+// one call per `chunk` elements, the chunks spread over threads.
+void chunked_calls(const at::Tensor& flat, const at::Tensor& out, int64_t which, int64_t chunk) {
+  const int64_t padded = flat.numel(), chunks = (padded + chunk - 1) / chunk;
+  auto run = [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t start = c * chunk, stop = std::min(padded, start + chunk);
+      at::Tensor in_c = flat.slice(0, start, stop), out_c = out.slice(0, start, stop);
+      switch (which) {
+        case 0: at::exp_out(out_c, in_c); break;
+        case 1: at::log_out(out_c, in_c); break;
+        case 2: at::cos_out(out_c, in_c); break;
+        default: at::sqrt_out(out_c, in_c); break;
+      }
+    }
+  };
+  if (chunks == 1) {
+    run(0, 1);
+  } else {
+    at::parallel_for(0, chunks, 1, run);
+  }
+}
+
+int64_t round_up(int64_t n, int64_t multiple) { return ((std::max<int64_t>(n, 1) + multiple - 1) / multiple) * multiple; }
+
+}  // namespace
+
+at::Tensor unary_chunked(const at::Tensor& x, int64_t which, int64_t chunk, int64_t multiple, bool inplace) {
+  TORCH_CHECK(x.device().is_cpu(), "unary_chunked: a CPU tensor");
+  TORCH_CHECK(which >= 0 && which < 4, "unary_chunked: which is 0 (exp), 1 (log), 2 (cos) or 3 (sqrt)");
+  TORCH_CHECK(chunk > 0 && multiple > 0 && chunk % multiple == 0, "unary_chunked: chunk a multiple of `multiple`");
+  at::Tensor flat = x.contiguous().view(-1);
+  const int64_t total = flat.numel();
+  const int64_t padded = round_up(total, multiple);
+  if (padded != total) {
+    at::Tensor grown = at::empty({padded}, flat.options());
+    grown.slice(0, 0, total).copy_(flat);
+    grown.slice(0, total, padded).zero_();
+    flat = grown;
+  }
+  const bool fresh = flat.data_ptr() != x.data_ptr();
+  at::Tensor out = (inplace || fresh) ? flat : at::empty_like(flat);
+  chunked_calls(flat, out, which, chunk);
+  return out.slice(0, 0, total).view(x.sizes());
+}
+
+// cpu_exact._token_logprobs_exact on fp32 logits [..., V] (V >= 2) and int64 targets [...], where the guard chose the
+// library exp and log: shifted = x - amax(x) (the ATen amax), picked = shifted[target], the chunked exp of the
+// flattened shifted logits (zero-padded to `multiple`), each row's halving tree, the chunked log of the row sums
+// (zero-padded likewise), and picked - log. The same operations on the same values as the torch ops.
+at::Tensor token_logprobs_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t chunk,
+                                  int64_t multiple) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 1, "token_logprobs_forward: fp32 logits");
+  TORCH_CHECK(targets.scalar_type() == at::kLong, "token_logprobs_forward: int64 targets");
+  const int64_t v = logits.size(-1);
+  TORCH_CHECK(v >= 2, "token_logprobs_forward: a vocabulary of at least 2");
+  TORCH_CHECK(targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+              "token_logprobs_forward: targets shaped as the logits without their last dim");
+  const at::Tensor xc = logits.contiguous(), tc = targets.contiguous();
+  const at::Tensor row_max = at::amax(logits, {-1}, false).contiguous();  // on the logits as given, as the torch op
+  const int64_t rows = tc.numel(), total = rows * v;
+  const int64_t padded = round_up(total, multiple), padded_rows = round_up(rows, multiple);
+  at::Tensor shifted = at::empty({padded}, xc.options());
+  at::Tensor sums = at::empty({padded_rows}, xc.options());
+  at::Tensor picked = at::empty({rows}, xc.options());
+  const float* x = xc.data_ptr<float>();
+  const float* m = row_max.data_ptr<float>();
+  const int64_t* t = tc.data_ptr<int64_t>();
+  float* sh = shifted.data_ptr<float>();
+  float* pk = picked.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(t[r] >= 0 && t[r] < v, "token_logprobs_forward: target ", t[r], " outside [0, ", v, ")");
+  }
+  const int64_t grain = std::max<int64_t>(1, kGrain / v);
+  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* xr = x + r * v;
+      float* o = sh + r * v;
+      for (int64_t j = 0; j < v; ++j) o[j] = xr[j] - m[r];
+      pk[r] = o[t[r]];
+    }
+  });
+  std::fill(sh + total, sh + padded, 0.0f);
+  chunked_calls(shifted, shifted, 0, chunk);  // exp in place
+  float* su = sums.data_ptr<float>();
+  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> buf(v);
+    for (int64_t r = first; r < last; ++r) tree_single(sh + r * v, v, 1, buf.data(), su + r);
+  });
+  std::fill(su + rows, su + padded_rows, 0.0f);
+  chunked_calls(sums, sums, 1, chunk);  // log in place
+  at::Tensor out = at::empty(tc.sizes(), xc.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) o[r] = pk[r] - su[r];
+  return out;
+}
+
 // ----------------------------------------------------------------------------------------------------- rms_norm
 // cpu_exact's RMSNorm, forward and VJP, row by row on fp32 values (the caller upcasts and rounds back): the same
 // exactly rounded operations in the same order. D = the row length.
@@ -233,6 +339,28 @@ std::vector<at::Tensor> silu_mul_forward(const at::Tensor& gate, at::Tensor& exp
     }
   });
   return {silu, out};
+}
+
+// The whole forward where the guard chose the library exp: -gate into a buffer zero-padded to `multiple` (the
+// negation _unary is given), its chunked exp in place (cpu_exact._unary's calls), then silu_mul_forward. Returns
+// (out, 1 + exp(-gate) (a view of the buffer, gate's shape), silu).
+std::vector<at::Tensor> silu_mul_exp_forward(const at::Tensor& gate, const at::Tensor& up, int64_t chunk,
+                                             int64_t multiple) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes(),
+              "silu_mul_exp_forward: fp32 gate and up of one shape");
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  const int64_t total = g.numel(), padded = round_up(total, multiple);
+  at::Tensor buffer = at::empty({padded}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* e = buffer.data_ptr<float>();
+  at::parallel_for(0, total, kGrain, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) e[i] = -gp[i];
+  });
+  std::fill(e + total, e + padded, 0.0f);
+  chunked_calls(buffer, buffer, 0, chunk);
+  at::Tensor denom = buffer.slice(0, 0, total).view(g.sizes());
+  std::vector<at::Tensor> parts = silu_mul_forward(g, denom, u);
+  return {parts[1], denom, parts[0]};
 }
 
 // The VJP with sig = 1 / denom: grad_gate = ((((1 - sig) * gate) + 1) * sig) * grad * up, grad_up = silu * grad;
@@ -639,11 +767,14 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("unary_chunked", &unary_chunked, "cpu_exact._unary's chunk loop on the library function, same bits");
+  m.def("token_logprobs_forward", &token_logprobs_forward, "cpu_exact._token_logprobs_exact (fp32), same bits");
   m.def("tree_sum", &tree_sum, "fixed_order.tree_sum for width >= 2 (fp32/fp64, any strides), same bits");
   m.def("rms_norm_mean_square", &rms_norm_mean_square, "cpu_exact's RMSNorm up to its sqrt, same bits");
   m.def("rms_norm_scale", &rms_norm_scale, "cpu_exact's RMSNorm after its sqrt, same bits");
   m.def("rms_norm_backward", &rms_norm_backward, "cpu_exact's RMSNorm VJP on fp32 rows, same bits");
   m.def("silu_mul_forward", &silu_mul_forward, "cpu_exact's SwiGLU after its exp (fp32), same bits");
+  m.def("silu_mul_exp_forward", &silu_mul_exp_forward, "cpu_exact's SwiGLU forward with its chunked exp (fp32)");
   m.def("silu_mul_backward", &silu_mul_backward, "cpu_exact's SwiGLU VJP (fp32), same bits");
   m.def("sum_rows_by_token", &sum_rows_by_token, "cpu_exact._sum_rows_by_token (fp32), same bits");
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");

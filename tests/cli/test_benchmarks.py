@@ -270,3 +270,16 @@ def test_bench_choices_are_the_benchmark_modules():
     bench = next(a for a in parser._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "which")
     assert tuple(bench.choices) == tuple(BENCHMARKS)
     assert all(f"{name}:" in bench.help for name in BENCHMARKS)
+
+
+def test_op_count_of_a_decode_step_separates_the_compiled_loops_calls(tmp_path, capsys):
+    """``--decode-shape``: one decode step per backend; the calls issued inside the compiled loops are counted apart
+    (native runs none), and the two parts add up to the total."""
+    out = tmp_path / "decode_ops.json"
+    assert op_count.main(["--decode-shape", "tiny", "--top", "2", "--out", str(out)]) == 0
+    results = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    for r in results.values():
+        assert r["from_python"] + r["from_compiled_calls"] == r["aten_calls"] == sum(r["by_op"].values()) > 0
+    assert results["native"]["from_compiled_calls"] == 0
+    assert "aten calls in one decode step (tiny, float32)" in capsys.readouterr().out
+    assert op_count.main(["--decode-shape", "huge"]) == 2

@@ -327,3 +327,112 @@ def test_compiled_mode_without_a_compiler_is_one_clear_error(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "VEXACT_CPU_LOOPS=compiled, but the compiled loops did not build" in done.stderr
     assert "no C++ compiler on PATH" in done.stderr
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ("exp", "log", "cos", "sqrt"))
+def test_chunked_library_math_is_the_python_chunk_loop_bit_for_bit(loops, name, dtype, threads, monkeypatch):
+    """``cpu_exact._unary`` on the library function, compiled (one call, its chunks spread over threads) against its
+    Python chunk loop (the loops answering None), bitwise, at 1 and 2 threads: sizes around the vector multiple and
+    the chunk (one, several and a partial last chunk), a non-contiguous operand, and in place on scratch."""
+    from vexact_kernels import cpu_exact
+
+    sizes = [(0,), (1,), (63,), (64,), (3, 65), (cpu_exact.CHUNK,), (cpu_exact.CHUNK + 1,), (5, 30011)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, shape in enumerate(sizes):
+            x = _values(shape, torch.float64, seed=i).abs().clamp(max=80.0).to(dtype)  # exp finite, log defined
+            views = [x] + ([x.view(shape[0], -1).t()] if x.dim() == 2 else [])
+            for view in views:
+                for inplace in (False, True):
+                    got = cpu_exact._unary(name, view.clone() if inplace else view, cpu_exact.HOST, "test", inplace)
+                    with monkeypatch.context() as patched:
+                        patched.setattr(compiled_loops, "library", lambda: None)
+                        expected = cpu_exact._unary(name, view.clone() if inplace else view, cpu_exact.HOST, "test",
+                                                    inplace)
+                    assert got.shape == expected.shape == view.shape
+                    assert torch.equal(_bits(got), _bits(expected)), (name, shape, inplace)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_log_probs_through_the_compiled_chunk_loop_are_the_python_loops(loops, dtype, threads, monkeypatch):
+    """The heads' ops whose chunked exp and log now run in one compiled call (``log_softmax``, ``token_logprobs``,
+    ``entropy``), on a vocabulary of several chunks, against the Python chunk loop: bitwise, fp32 and bf16 logits,
+    at 1 and 2 threads."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 3, 20000, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, 20000, (6, 3), generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for compiled in (True, False):
+            with monkeypatch.context() as patched:
+                if not compiled:
+                    patched.setattr(cpu_exact.compiled_loops, "library", lambda: None)
+                log_probs = cpu_exact.log_softmax(logits)
+                results.append((log_probs, cpu_exact.token_logprobs(logits, targets), cpu_exact.entropy(log_probs)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape", [(128, 22), (3, 5, 100), (2, 33000), (4, 70), (0, 9)])
+def test_token_logprobs_loop_is_the_torch_ops_bit_for_bit(loops, shape, dtype, threads, monkeypatch):
+    """``token_logprobs`` without grad (a decode step's) in one compiled call against the torch ops and the Python
+    chunk loop (the loops answering None), bitwise, at 1 and 2 threads: special values (infinities, signed zeros,
+    subnormals), a transposed operand, a vocabulary of several chunks; a target outside the vocabulary is refused."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    logits = _values(shape, torch.float64, seed=len(shape)).clamp(-1e30, 1e30).to(dtype)
+    logits[..., :1] = 3.0  # every row has a finite maximum (an all -inf row is NaN either way)
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for operand in (logits, logits.transpose(0, 1).contiguous().transpose(0, 1)):
+            got = cpu_exact.token_logprobs(operand, targets)
+            with monkeypatch.context() as patched:
+                patched.setattr(compiled_loops, "library", lambda: None)
+                expected = cpu_exact.token_logprobs(operand, targets)
+            assert got.shape == expected.shape == targets.shape
+            assert torch.equal(_bits(got), _bits(expected))
+        if targets.numel():
+            with pytest.raises(RuntimeError, match="outside"):
+                loops.token_logprobs_forward(logits.float(), targets + shape[-1], 32704, 64)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("shape", [(3, 17, 176), (5, 30011), (7,), (0, 4)])
+def test_silu_mul_forward_with_its_exp_in_the_loop_is_the_split_calls(loops, shape, threads, monkeypatch):
+    """The SwiGLU forward with the negation and chunked exp inside the compiled call against the negation, the Python
+    chunk loop and ``silu_mul_forward`` (``_library_math`` answering None): output, saved 1 + exp(-gate) and silu,
+    bitwise, at 1 and 2 threads (several chunks spread over threads), on special values."""
+    from vexact_kernels import cpu_exact
+
+    gate = _values(shape, torch.float64, seed=sum(shape) + 7).clamp(-1e30, 1e30).float()
+    up = _values(shape, torch.float64, seed=sum(shape) + 8).clamp(-1e30, 1e30).float()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_exact._silu_mul_compiled(gate, up, cpu_exact.HOST, loops)
+        with monkeypatch.context() as patched:
+            patched.setattr(cpu_exact, "_library_math", lambda *args: None)
+            expected = cpu_exact._silu_mul_compiled(gate, up, cpu_exact.HOST, loops)
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("output", "1 + exp(-gate)", "silu"), got, expected):
+        assert a.shape == b.shape == gate.shape and torch.equal(_bits(a), _bits(b)), name
