@@ -458,7 +458,7 @@ def _tile_gemms(tiles: Tensor, operand: Tensor, *, one_thread: bool) -> Tensor:
 
 
 _LAID_OUT_CHECKS: dict[tuple, bool] = {}
-LAID_OUT_CHECK_TILES = {"one tile": 1, "one call": 2, "per tile": 3}
+LAID_OUT_CHECK_TILES = dict(zip(LAID_OUT_FORMS, (1, 2, 3)))
 """64-row tiles in ``_laid_out_agrees``' check per form: several where the form has several (three per tile: a count
 two threads do not divide evenly)."""
 
