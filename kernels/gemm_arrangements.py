@@ -437,24 +437,38 @@ def _laid_out_tiles(x: Tensor, laid: Tensor, block: int, blocks: int, n: int, fo
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
-def _tile_gemms(tiles: Tensor, operand: Tensor, *, one_thread: bool) -> Tensor:
+def _tile_gemms(tiles: Tensor, operand: Tensor, *, one_thread: bool, spread: bool | None = None) -> Tensor:
     """[T, h, N]: one ``bmm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N] (contiguous),
-    each into its own rows of one output. Where the compiled loops are built and several threads run, in one
-    compiled call whose tiles are shared out between the threads, each tile's GEMM on one thread (``tile_gemms`` in
-    ``csrc/exact_loops.cpp``: a GEMM called inside the parallel region runs on its calling thread), so no bit depends
-    on how the threads divide them; else one call after another, each with 1 thread where ``one_thread`` (a class
-    that runs the library GEMM with 1 thread by construction), with the process's threads otherwise. The callers
-    check the result against the canonical call at first use, per class and thread count."""
+    each into its own rows of one output.
+
+    Spread (where the compiled loops are built and several threads run): one compiled call whose tiles are shared
+    out between the threads, each tile's GEMM on one thread (``tile_gemms`` in ``csrc/exact_loops.cpp``: a GEMM
+    called inside the parallel region runs on its calling thread), so no bit depends on how the threads divide them.
+    Else one call after another, each with 1 thread where ``one_thread`` (a class that runs the library GEMM with 1
+    thread by construction), with the process's threads otherwise. ``spread`` None: always for a ``one_thread``
+    class (else one thread does all the work); otherwise where the threads get even shares (T a multiple of the
+    threads, or at least ``SPREAD_TILES_PER_THREAD`` each) -- five large tiles at 2 threads ran faster one after
+    another, each GEMM on both threads. The callers check the result against the canonical call at first use, per
+    class and thread count (both ways, where either can run)."""
     loops = compiled_loops.library()
-    if loops is not None and tiles.shape[0] > 1 and torch.get_num_threads() > 1:
+    threads = torch.get_num_threads()
+    count = tiles.shape[0]
+    if spread is None:
+        spread = one_thread or count % threads == 0 or count >= SPREAD_TILES_PER_THREAD * threads
+    if loops is not None and spread and count > 1 and threads > 1:
         return loops.tile_gemms(tiles, operand)
 
     def calls() -> Tensor:
-        out = tiles.new_empty(tiles.shape[0], tiles.shape[1], operand.shape[2])
-        for tile in range(tiles.shape[0]):
+        out = tiles.new_empty(count, tiles.shape[1], operand.shape[2])
+        for tile in range(count):
             torch.bmm(tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
         return out
     return _with_threads(1, calls) if one_thread else calls()
+
+
+SPREAD_TILES_PER_THREAD = 4
+"""Tiles per thread from which ``_tile_gemms`` spreads the tiles of a class that may run on every thread over the
+threads whatever their count (an uneven share is then at most a quarter more than an even one)."""
 
 
 _LAID_OUT_CHECKS: dict[tuple, bool] = {}
@@ -476,8 +490,13 @@ def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: s
     x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
     operand = w.t().unsqueeze(0)
     canonical = torch.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
-    laid = _laid_out_tiles(x, operand.contiguous(), block, blocks, n_pad, form)
-    _LAID_OUT_CHECKS[key] = agrees = torch.equal(canonical, laid)
+    if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
+        tiles, laid = x.view(blocks, block, k), operand.contiguous()
+        agrees = all(torch.equal(canonical, _tile_gemms(tiles, laid, one_thread=False, spread=spread).view(
+            blocks * block, n_pad)) for spread in (True, False))
+    else:
+        agrees = torch.equal(canonical, _laid_out_tiles(x, operand.contiguous(), block, blocks, n_pad, form))
+    _LAID_OUT_CHECKS[key] = agrees
     return agrees
 
 

@@ -310,8 +310,9 @@ def test_bf16_forward_tiles_on_the_laid_out_operand_are_the_canonical_call(rows,
 
 
 def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
-    """At 2 threads, several tiles go to the compiled loops' ``tile_gemms`` (one call for all); at 1 thread, or one
-    tile, they do not (one ``bmm`` after another): and every form has the bits of one ``bmm`` per tile at 1 thread."""
+    """At 2 threads, several tiles go to the compiled loops' ``tile_gemms`` (one call for all) -- a one-thread class's
+    always, another's where the threads get even shares; at 1 thread, or one tile, they do not (one ``bmm`` after
+    another): and every way has the bits of one ``bmm`` per tile at 1 thread."""
     loops = gemm_arrangements.compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here")
@@ -332,10 +333,14 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
         assert torch.equal(gemm_arrangements._tile_gemms(tiles, operand, one_thread=False), expected)
     assert calls == []
     with num_threads(2):
-        out = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)
+        out = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)  # a one-thread class: always spread
         one = gemm_arrangements._tile_gemms(tiles[:1], operand, one_thread=True)
-    assert calls == [5]
-    assert torch.equal(_bits(out), _bits(expected)) and torch.equal(_bits(one), _bits(expected[:1]))
+        assert calls == [5]
+        uneven = gemm_arrangements._tile_gemms(tiles, operand, one_thread=False)  # 3 + 2: one call after another
+        even = gemm_arrangements._tile_gemms(tiles[:4], operand, one_thread=False)
+    assert calls == [5, 4]
+    assert all(torch.equal(_bits(got), _bits(want))
+               for got, want in ((out, expected), (one, expected[:1]), (uneven, expected), (even, expected[:4])))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
