@@ -44,9 +44,12 @@ MODES = ("auto", "python", "compiled")
 SOURCE = Path(__file__).parent / "csrc" / "exact_loops.cpp"
 # No -ffast-math (its reassociation and flush-to-zero would change bits); -ffp-contract=off: GCC fuses a * b + c
 # into one FMA (one rounding instead of two) by default where the target has FMA; never here.
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp")
-LDFLAGS = ("-fopenmp",)  # at::parallel_for runs its work on torch's OpenMP threads only where built with OpenMP
-# (without it, every loop ran on the calling thread); the loader then finds torch's own libgomp, already loaded
+# -fopenmp: at::parallel_for runs its work on torch's OpenMP threads only where built with OpenMP (without it every
+# loop ran on the calling thread); the loader then finds the libgomp torch loaded. Linux only: torch's Linux wheels
+# use GNU OpenMP, and Apple's compiler has no -fopenmp (there the loops build as before, on one thread).
+OPENMP = ("-fopenmp",) if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else ()
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", *OPENMP)
+LDFLAGS = OPENMP
 DTYPES = (torch.float32, torch.float64)  # what the loops are compiled for; anything else takes the torch ops
 
 _lock = threading.Lock()
