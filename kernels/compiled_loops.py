@@ -44,7 +44,12 @@ MODES = ("auto", "python", "compiled")
 SOURCE = Path(__file__).parent / "csrc" / "exact_loops.cpp"
 # No -ffast-math (its reassociation and flush-to-zero would change bits); -ffp-contract=off: GCC fuses a * b + c
 # into one FMA (one rounding instead of two) by default where the target has FMA; never here.
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
+# -fopenmp: at::parallel_for runs its work on torch's OpenMP threads only where built with OpenMP (without it every
+# loop ran on the calling thread); the loader then finds the libgomp torch loaded. Linux only: torch's Linux wheels
+# use GNU OpenMP, and Apple's compiler has no -fopenmp (there the loops build as before, on one thread).
+OPENMP = ("-fopenmp",) if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else ()
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", *OPENMP)
+LDFLAGS = OPENMP
 DTYPES = (torch.float32, torch.float64)  # what the loops are compiled for; anything else takes the torch ops
 
 _lock = threading.Lock()
@@ -62,7 +67,7 @@ def mode_from_env() -> str:
 def _build_name() -> str:
     """The library's name: a digest of what its bits depend on (source, flags, torch, Python)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
                  sys.version.split()[0].encode()):
         digest.update(part)
     return f"vexact_exact_loops_{digest.hexdigest()[:16]}"
@@ -106,7 +111,8 @@ def _build(name: str, directory: Path) -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     print(f"vexact: building the exact CPU kernels' compiled loops (once per machine and version) in {directory}",
           file=sys.stderr)
-    module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), build_directory=str(directory),
+    module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                  extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                   verbose=False)
     (directory / "complete").write_text("built\n")
     return module

@@ -253,8 +253,10 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=k > 1, row_major=False, host=host, op=op,
                                     dtype=x.dtype)):
             return _stacked_matmul(x, canonical_operand(weight, x.dtype, n_pad), blocks * block, n)
-        if bmm_copies_operand(x.dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, x.dtype):
-            return _laid_out_tiles(x, laid_out_operand(weight, x.dtype, n_pad), block, blocks, n)
+        if bmm_copies_operand(x.dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, x.dtype,
+                                                                             _laid_out_form(blocks, k, n_pad)):
+            return _laid_out_tiles(x, laid_out_operand(weight, x.dtype, n_pad), block, blocks, n,
+                                   _laid_out_form(blocks, k, n_pad))
         if loops is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
             return loops.tiled_matmul(x, canonical_operand(weight, x.dtype, n_pad), block, n)
     operand = canonical_operand(weight, x.dtype, n_pad)
@@ -401,41 +403,107 @@ def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
     return arranged_weight(weight, ("laid out", dtype, n_pad), make)
 
 
-def _laid_out_tiles(x: Tensor, laid: Tensor, block: int, blocks: int, n: int) -> Tensor:
-    """``tiled_matmul``'s canonical tiles on the operand as ``bmm`` lays it out (``laid_out_operand``): one ``bmm``
-    per tile, [1, block, K] @ [1, K, N_pad], into its rows of one output. One tile: the canonical call itself, minus
-    its copy of the operand. Several (of the tallest height, 64 rows): one call each, as the guard's ``gemm_rows``
-    probe computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have."""
+LAID_OUT_CALL_MAX = 1 << 20
+"""Elements. Several tiles on the operand as ``bmm`` lays it out (``_laid_out_tiles``): where the copies of it that
+``bmm`` makes for the canonical call ((tiles - 1) x K x N_pad elements beyond the one laid out) are at most this many,
+the canonical call itself runs, on the laid-out operand expanded (``bmm`` copies it once per tile as it does the
+canonical operand, a plain copy instead of a transposing one: the same contiguous operand reaches oneDNN); above it,
+one GEMM per tile (``_tile_gemms``). Measured on the 2-core AMD host, one thread, bf16: the default model's layers
+(K, N <= 176; 62 tiles of 64 rows for 3,968 tokens; about 7e5 elements) take 0.1 ms as one call against 0.9 ms as
+62 calls (about 14 us per oneDNN call); llama100m's (K = 576, N = 1536, 5 tiles; 3.5e6) 1.5 ms per tile against 2.0 ms
+as one call."""
+LAID_OUT_FORMS = ("one tile", "one call", "per tile")
+"""``_laid_out_tiles``' forms: the one tile's call; several tiles in the canonical call on the laid-out operand
+expanded; one call per tile (``_tile_gemms``). Each is checked at first use against the canonical call
+(``_laid_out_agrees``)."""
+
+
+def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
+    """Which of ``LAID_OUT_FORMS`` ``_laid_out_tiles`` runs for ``blocks`` tiles of a [K, N_pad] operand."""
+    if blocks == 1:
+        return LAID_OUT_FORMS[0]
+    return LAID_OUT_FORMS[1] if (blocks - 1) * k * n_pad <= LAID_OUT_CALL_MAX else LAID_OUT_FORMS[2]
+
+
+def _laid_out_tiles(x: Tensor, laid: Tensor, block: int, blocks: int, n: int, form: str) -> Tensor:
+    """``tiled_matmul``'s canonical tiles on the operand as ``bmm`` lays it out (``laid_out_operand``), in ``form``
+    (``LAID_OUT_FORMS``): one tile, the canonical call itself minus its copy of the operand; several, that call on
+    the laid-out operand expanded (``LAID_OUT_CALL_MAX``), or one ``bmm`` per tile, [1, block, K] @ [1, K, N_pad]
+    (``_tile_gemms``), as the guard's ``gemm_rows`` probe computes its reference rows (one 64-row tile), whose bits
+    it found every tile count's rows to have."""
     rows, k = x.shape
     n_pad = laid.shape[2]
-    padded = _padded_or_aligned(x, (blocks * block, k))
-    if blocks == 1:
-        out = torch.bmm(padded.view(1, block, k), laid).view(block, n_pad)
+    tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
+    if form == LAID_OUT_FORMS[0]:
+        out = torch.bmm(tiles, laid)
+    elif form == LAID_OUT_FORMS[1]:
+        out = torch.bmm(tiles, laid.expand(blocks, k, n_pad))
     else:
-        out = x.new_empty(blocks, block, n_pad)
-        for tile in range(blocks):
-            torch.bmm(padded[tile * block : (tile + 1) * block].unsqueeze(0), laid, out=out[tile : tile + 1])
-        out = out.view(blocks * block, n_pad)
+        out = _tile_gemms(tiles, laid, one_thread=False)
+    out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
+def _tile_gemms(tiles: Tensor, operand: Tensor, *, one_thread: bool, spread: bool | None = None) -> Tensor:
+    """[T, h, N]: one ``bmm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N] (contiguous),
+    each into its own rows of one output.
+
+    Spread (where the compiled loops are built and several threads run): one compiled call whose tiles are shared
+    out between the threads, each tile's GEMM on one thread (``tile_gemms`` in ``csrc/exact_loops.cpp``: a GEMM
+    called inside the parallel region runs on its calling thread), so no bit depends on how the threads divide them.
+    Else one call after another, each with 1 thread where ``one_thread`` (a class that runs the library GEMM with 1
+    thread by construction), with the process's threads otherwise. ``spread`` None: always for a ``one_thread``
+    class (else one thread does all the work); otherwise where the threads get even shares (T a multiple of the
+    threads, or at least ``SPREAD_TILES_PER_THREAD`` each) -- five large tiles at 2 threads ran faster one after
+    another, each GEMM on both threads. The callers check the result against the canonical call at first use, per
+    class and thread count (both ways, where either can run)."""
+    loops = compiled_loops.library()
+    threads = torch.get_num_threads()
+    count = tiles.shape[0]
+    if spread is None:
+        spread = one_thread or count % threads == 0 or count >= SPREAD_TILES_PER_THREAD * threads
+    if loops is not None and spread and count > 1 and threads > 1:
+        return loops.tile_gemms(tiles, operand)
+
+    def calls() -> Tensor:
+        out = tiles.new_empty(count, tiles.shape[1], operand.shape[2])
+        for tile in range(count):
+            torch.bmm(tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
+        return out
+    return _with_threads(1, calls) if one_thread else calls()
+
+
+SPREAD_TILES_PER_THREAD = 4
+"""Tiles per thread from which ``_tile_gemms`` spreads the tiles of a class that may run on every thread over the
+threads whatever their count (an uneven share is then at most a quarter more than an even one)."""
+
+
 _LAID_OUT_CHECKS: dict[tuple, bool] = {}
+LAID_OUT_CHECK_TILES = dict(zip(LAID_OUT_FORMS, (1, 2, 3)))
+"""64-row tiles in ``_laid_out_agrees``' check per form: several where the form has several (three per tile: a count
+two threads do not divide evenly)."""
 
 
-def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype) -> bool:
-    """Whether ``_laid_out_tiles`` gives the canonical call's bits for this class here: checked once per (class,
-    tile height, thread count) on seeded order-revealing operands (``_probe_operands``), one tile, or two 64-row
-    tiles where a call has several. ``bmm_copies_operand`` says the two are the same oneDNN call; this catches a
-    torch whose ``bmm`` no longer does what it says (then the canonical call runs, with its copy)."""
-    key = (dtype, block, k, n_pad, torch.get_num_threads())
+def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str) -> bool:
+    """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this class here: checked once per
+    (class, tile height, form, thread count) on seeded order-revealing operands (``_probe_operands``),
+    ``LAID_OUT_CHECK_TILES`` tiles. ``bmm_copies_operand`` says the two are the same oneDNN call (per tile); this
+    catches a torch whose ``bmm`` no longer does what it says, or a per-tile GEMM whose bits follow the threads (then
+    the canonical call runs, with its copy)."""
+    key = (dtype, block, k, n_pad, form, torch.get_num_threads())
     if (known := _LAID_OUT_CHECKS.get(key)) is not None:
         return known
-    blocks = 1 if block < ROW_BLOCKS[-1] else 2
+    blocks = LAID_OUT_CHECK_TILES[form]
     x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
     operand = w.t().unsqueeze(0)
     canonical = torch.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
-    laid = _laid_out_tiles(x, operand.contiguous(), block, blocks, n_pad)
-    _LAID_OUT_CHECKS[key] = agrees = torch.equal(canonical, laid)
+    if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
+        tiles, laid = x.view(blocks, block, k), operand.contiguous()
+        agrees = all(torch.equal(canonical, _tile_gemms(tiles, laid, one_thread=False, spread=spread).view(
+            blocks * block, n_pad)) for spread in (True, False))
+    else:
+        agrees = torch.equal(canonical, _laid_out_tiles(x, operand.contiguous(), block, blocks, n_pad, form))
+    _LAID_OUT_CHECKS[key] = agrees
     return agrees
 
 
@@ -564,7 +632,8 @@ def _transposed_matmul_laid_out(a: Tensor, b: Tensor, block: int, height: int, k
                                 b_source: Tensor | None) -> Tensor:
     """``_transposed_matmul_tiles`` for one chunk and several row tiles on a class that runs the library GEMM with 1
     thread (a bf16 weight gradient), on the operands as ``bmm`` lays them out: one ``bmm`` per row tile, [1, height,
-    block] @ [1, block, K_pad], with 1 thread, into its rows of one output.
+    block] @ [1, block, K_pad], each on one thread, into its rows of one output (``_laid_out_row_tiles``: at several
+    threads the row tiles spread over them).
 
     The canonical call passes every row tile the chunk's operand expanded (a stride-0 batch, its [block, K_pad]
     transposed), which oneDNN's bf16 ``bmm`` copies, once per row tile, into a contiguous [row tiles, block, K_pad]
@@ -579,18 +648,15 @@ def _transposed_matmul_laid_out(a: Tensor, b: Tensor, block: int, height: int, k
     row_tiles = -(-n // height)
     a_tiles = _chunks_transposed(a, block, 1, row_tiles * height).view(row_tiles, height, block)
     operand = _laid_out_reduction_operand(b, block, k_pad, b_source)
-    out = _with_threads(1, lambda: _laid_out_row_tiles(a_tiles, operand))
-    out = out.view(row_tiles * height, k_pad)
+    out = _laid_out_row_tiles(a_tiles, operand).view(row_tiles * height, k_pad)
     return out[:n] if k_pad == k else out[:n, :k]
 
 
 def _laid_out_row_tiles(a_tiles: Tensor, operand: Tensor) -> Tensor:
     """[T, height, K_pad]: one ``bmm`` per row tile of ``a_tiles`` [T, height, block] (contiguous) with ``operand``
-    [1, block, K_pad] (contiguous), each into its own rows of one output."""
-    out = a_tiles.new_empty(a_tiles.shape[0], a_tiles.shape[1], operand.shape[2])
-    for tile in range(a_tiles.shape[0]):
-        torch.bmm(a_tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
-    return out
+    [1, block, K_pad] (contiguous), each into its own rows of one output, each GEMM on one thread (``_tile_gemms``:
+    the row tiles spread over the threads where the compiled loops run several)."""
+    return _tile_gemms(a_tiles, operand, one_thread=True)
 
 
 # The laid-out right operand of the last one-chunk weight gradient per input tensor (weakly keyed), see below.
@@ -619,12 +685,13 @@ LAID_OUT_CHECK_ROW_TILES = 3
 def _laid_out_reduction_agrees(height: int, block: int, k_pad: int, dtype: torch.dtype) -> bool:
     """Whether ``_transposed_matmul_laid_out`` gives the canonical call's bits (``_transposed_matmul_tiles``' one
     ``bmm`` over every row tile, with 1 thread) for this class here: checked once per (dtype, tile height, chunk,
-    K_pad) on seeded order-revealing operands (``_probe_operands``: the reduction over the chunk's tokens is their
+    K_pad, thread count: ``_laid_out_row_tiles`` shares the tiles out between the threads) on seeded order-revealing
+    operands (``_probe_operands``: the reduction over the chunk's tokens is their
     K), ``LAID_OUT_CHECK_ROW_TILES`` row tiles, in both forms of the canonical call (its row tiles a strided view of
     the output rows, where they are whole tiles; else a zero-padded copy). ``bmm_copies_operand`` says the two are the
     same oneDNN GEMM; this catches a torch whose ``bmm`` no longer does what it says (then the canonical call runs,
     with its copies)."""
-    key = (dtype, height, block, k_pad)
+    key = (dtype, height, block, k_pad, torch.get_num_threads())
     if (known := _LAID_OUT_REDUCTION_CHECKS.get(key)) is not None:
         return known
     tiles = LAID_OUT_CHECK_ROW_TILES
@@ -635,9 +702,8 @@ def _laid_out_reduction_agrees(height: int, block: int, k_pad: int, dtype: torch
     def canonical(a_tiles: Tensor) -> Tensor:
         return _with_threads(1, lambda: torch.bmm(a_tiles, b_tiles)).view(tiles * height, k_pad)
 
-    laid = _with_threads(1, lambda: _laid_out_row_tiles(
-        _chunks_transposed(a, block, 1, tiles * height).view(tiles, height, block),
-        b_t.t().contiguous().unsqueeze(0))).view(tiles * height, k_pad)
+    laid = _laid_out_row_tiles(_chunks_transposed(a, block, 1, tiles * height).view(tiles, height, block),
+                               b_t.t().contiguous().unsqueeze(0)).view(tiles * height, k_pad)
     strided = a.view(1, block, tiles * height).transpose(1, 2).reshape(tiles, height, block)
     agrees = torch.equal(canonical(strided), laid) and torch.equal(canonical(strided.contiguous()), laid)
     _LAID_OUT_REDUCTION_CHECKS[key] = agrees

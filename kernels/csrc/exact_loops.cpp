@@ -629,6 +629,35 @@ at::Tensor transposed_matmul(const at::Tensor& a, const at::Tensor& b_tiles, int
   return chunks == 1 ? parts.select(0, 0) : tree_sum(parts, 0);
 }
 
+// One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::bmm of one fixed shape ([1, h, K] @ [1, K, N], the
+// call gemm_arrangements' per-tile loops make), the tiles shared out between the threads by at::parallel_for. A tile
+// runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an OpenMP region on the
+// calling thread), so its bits cannot depend on how the tiles are divided, on the thread count or on the other
+// tiles; gemm_arrangements checks them at first use against the canonical call, per class and thread count. With one
+// tile (or one thread) no region is opened: the calls run one after another, as the Python loop makes them.
+at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand) {
+  TORCH_CHECK(a_tiles.dim() == 3 && a_tiles.is_contiguous(), "tile_gemms: contiguous [T, h, K] tiles");
+  TORCH_CHECK(operand.dim() == 3 && operand.size(0) == 1 && operand.is_contiguous() &&
+                  operand.size(1) == a_tiles.size(2) && operand.scalar_type() == a_tiles.scalar_type(),
+              "tile_gemms: a contiguous [1, K, N] operand of the tiles' dtype");
+  const int64_t tiles = a_tiles.size(0);
+  at::Tensor out = at::empty({tiles, a_tiles.size(1), operand.size(2)}, a_tiles.options());
+  const auto gemm = [&](int64_t first, int64_t last) {
+    at::NoGradGuard no_grad;  // grad mode is per thread: a worker's is on (an out= call then refuses inputs that
+                              // require grad); the tiles are an op's forward, never differentiated through here
+    for (int64_t t = first; t < last; ++t) {
+      at::Tensor dst = out.narrow(0, t, 1);
+      at::bmm_out(dst, a_tiles.narrow(0, t, 1), operand);
+    }
+  };
+  if (tiles == 1 || at::get_num_threads() == 1) {
+    gemm(0, tiles);
+  } else {
+    at::parallel_for(0, tiles, 1, gemm);
+  }
+  return out;
+}
+
 // ----------------------------------------------------------------------------------------------------- attention
 // The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
@@ -781,6 +810,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("transposed_matmul", &transposed_matmul, "cpu_exact._transposed_matmul after its plan, same bits");
+  m.def("tile_gemms", &tile_gemms, "one at::bmm per tile with a shared operand, tiles spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
 }

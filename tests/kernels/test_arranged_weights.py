@@ -20,6 +20,11 @@ tile; now the chunk is laid out once as ``bmm`` lays it out and each row tile is
 the canonical call (at several shapes, 1 and 2 threads, on this host and on the emulated rows-in-call host, alone and
 through a linear layer's backward), the first-use check catching a laid-out arrangement made wrong on purpose, and
 the profiler seeing no per-tile copy.
+
+Several bf16 forward tiles on the laid-out operand (``_laid_out_tiles``) run as the canonical call on it expanded
+(small operands) or one GEMM per tile, spread over the threads in one compiled call (``_tile_gemms``), as do the
+weight gradient's row tiles: checked bitwise against the canonical call at 1 and 2 threads, on this host and on the
+emulated rows-in-call host, with a counter-test (per-tile GEMMs one ulp off are caught at first use).
 """
 
 from __future__ import annotations
@@ -248,3 +253,111 @@ def test_laid_out_row_tiles_copy_no_operand_per_tile():
                 and e.input_shapes and list(e.input_shapes[0])[1:] == [512, 96]]
     assert copies(laid_out=False) == [[4, 512, 96]]
     assert copies(laid_out=True) == []
+
+
+# --------------------------------------------------------------------------- several forward tiles, laid out
+# (rows, K, N): three 64-row tiles (N = 40: column padding), five (llama-like widths, smaller), 62 (the default
+# model's training batch)
+FORWARD_SHAPES = [(150, 64, 40), (300, 96, 176), (3968, 64, 64)]
+
+
+def _forward_tiles(rows: int, k: int, n: int, host: HostGuard) -> torch.Tensor:
+    x = _randn(rows, k, dtype=torch.bfloat16, seed=rows + k)
+    weight = _randn(n, k, dtype=torch.bfloat16, seed=rows + n + 1, scale=0.1)
+    return gemm_arrangements.tiled_matmul(x, weight, host)
+
+
+def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: int | None = None,
+                    rows: int = 0) -> list[str]:
+    """Take the laid-out forward tiles wherever the class allows them (``laid_out``: ``bmm_copies_operand`` answering
+    yes on any host) or never (the canonical call), with ``LAID_OUT_CALL_MAX`` = ``call_max`` (0: one GEMM per tile;
+    large: the canonical call on the laid-out operand); the forms run on ``rows`` rows (not the first-use check's),
+    recorded."""
+    monkeypatch.setattr(gemm_arrangements, "bmm_copies_operand", lambda *args: laid_out)
+    monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
+    if call_max is not None:
+        monkeypatch.setattr(gemm_arrangements, "LAID_OUT_CALL_MAX", call_max)
+    forms = []
+    real = gemm_arrangements._laid_out_tiles
+
+    def recorded(*args):
+        if args[0].shape[0] == rows:
+            forms.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(gemm_arrangements, "_laid_out_tiles", recorded)
+    return forms
+
+
+@pytest.mark.parametrize("host_name", REDUCTION_HOSTS)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("form,call_max", [("one call", 1 << 40), ("per tile", 0)])
+@pytest.mark.parametrize("rows,k,n", FORWARD_SHAPES)
+def test_bf16_forward_tiles_on_the_laid_out_operand_are_the_canonical_call(rows, k, n, form, call_max, threads,
+                                                                           host_name, monkeypatch):
+    """Several bf16 forward tiles on the operand as ``bmm`` lays it out, as one call on it expanded or one GEMM per
+    tile (at 2 threads the tiles spread over the threads, each GEMM on one thread: ``_tile_gemms``): the canonical
+    call's bits, on this host and on the emulated host whose GEMM accumulates by the rows in the call."""
+    with num_threads(threads):
+        with pytest.MonkeyPatch.context() as canonical:
+            forms = _laid_out_forms(canonical, laid_out=False, rows=rows)
+            expected = _forward_tiles(rows, k, n, _reduction_host(host_name, canonical))
+            assert not forms
+        forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
+        out = _forward_tiles(rows, k, n, _reduction_host(host_name, monkeypatch))
+    assert forms == [form]
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert torch.equal(_bits(out), _bits(expected))
+
+
+def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
+    """At 2 threads, several tiles go to the compiled loops' ``tile_gemms`` (one call for all) -- a one-thread class's
+    always, another's where the threads get even shares; at 1 thread, or one tile, they do not (one ``bmm`` after
+    another): and every way has the bits of one ``bmm`` per tile at 1 thread."""
+    loops = gemm_arrangements.compiled_loops.library()
+    if loops is None:
+        pytest.skip("the compiled loops are not built here")
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(loops, name)
+
+        def tile_gemms(self, *args):
+            calls.append(args[0].shape[0])
+            return loops.tile_gemms(*args)
+    monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Counting())
+    tiles = _randn(5, 64, 96, dtype=torch.bfloat16, seed=7)
+    operand = _randn(1, 96, 176, dtype=torch.bfloat16, seed=8)
+    with num_threads(1):
+        expected = torch.cat([torch.bmm(tiles[t : t + 1], operand) for t in range(5)])
+        assert torch.equal(gemm_arrangements._tile_gemms(tiles, operand, one_thread=False), expected)
+    assert calls == []
+    with num_threads(2):
+        out = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)  # a one-thread class: always spread
+        one = gemm_arrangements._tile_gemms(tiles[:1], operand, one_thread=True)
+        assert calls == [5]
+        uneven = gemm_arrangements._tile_gemms(tiles, operand, one_thread=False)  # 3 + 2: one call after another
+        even = gemm_arrangements._tile_gemms(tiles[:4], operand, one_thread=False)
+    assert calls == [5, 4]
+    assert all(torch.equal(_bits(got), _bits(want))
+               for got, want in ((out, expected), (one, expected[:1]), (uneven, expected), (even, expected[:4])))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
+    """Counter-test: per-tile GEMMs made one ulp off are caught by the first-use check (``_laid_out_agrees``), and
+    the canonical call runs (its bits); without the check they would have been used."""
+    with num_threads(threads):
+        expected = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
+        real = gemm_arrangements._tile_gemms
+
+        def off(*args, **kwargs):
+            out = real(*args, **kwargs)
+            return torch.nextafter(out, torch.full_like(out, float("inf")))
+        monkeypatch.setattr(gemm_arrangements, "_tile_gemms", off)
+        forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=0, rows=300)
+        out = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
+        assert forms == [] and torch.equal(_bits(out), _bits(expected))
+        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args: True)
+        wrong = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
+    assert forms == ["per tile"] and not torch.equal(_bits(wrong), _bits(expected))
