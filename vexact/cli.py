@@ -472,6 +472,8 @@ BENCHMARKS = {
     "compare": "throughput and peak memory of vexact compare on a synthetic dump",
     "op_count": "aten calls of one RL step per vexact function, exact and native (where per-op overhead comes from)",
     "peer_decode": "decode tokens/s of vexact's rollout (exact, native) beside vLLM's CPU build on the same model",
+    "decode_profile": "where a decode step's time goes (GEMMs, attention, sampler, glue; aten calls and host reads), "
+                      "with vLLM's side where it is installed",
     "tables": "markdown tables from their JSON files",
 }
 """``vexact bench WHICH``: benchmarks.WHICH, each with what it measures (the choices and the help)."""
