@@ -126,6 +126,8 @@ namespace {
 void chunked_calls(const at::Tensor& flat, const at::Tensor& out, int64_t which, int64_t chunk) {
   const int64_t padded = flat.numel(), chunks = (padded + chunk - 1) / chunk;
   auto run = [&](int64_t first, int64_t last) {
+    at::NoGradGuard no_grad;  // grad mode is per thread and on in a pool worker, where an out= call refuses inputs
+                              // that require grad; these calls are an op's forward, never differentiated through
     for (int64_t c = first; c < last; ++c) {
       const int64_t start = c * chunk, stop = std::min(padded, start + chunk);
       at::Tensor in_c = flat.slice(0, start, stop), out_c = out.slice(0, start, stop);
