@@ -36,8 +36,8 @@ regenerated_or_listed` fails on a block in neither set, so a new page cannot add
 * surge.md's ``surge_modes`` table (it trains an 800-step warm start: minutes);
 * vllm_map.md's two tables (vLLM runs, in vLLM's own venv, not kept).
 
-Skipped pages: ``benchmarks.md`` and ``benchmarks_price_fp32.md`` (timings of one machine; gpu_triton.md's tables are
-printed from its kept raw output, so they are regenerated).
+Skipped pages: ``benchmarks.md``, ``benchmarks_price_fp32.md`` and ``benchmarks_peer.md`` (timings of one machine;
+gpu_triton.md's tables are printed from its kept raw output, so they are regenerated).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ RESULTS = ROOT / "docs" / "results"
 DATA = RESULTS / "data"
 GENERATED = re.compile(r"<!-- generated: (?P<command>.+?) -->\n(?P<body>.*?)\n\s*<!-- end generated -->", re.S)
 QUALIFIER = re.compile(r"^(?P<command>.*?)(?: \((?P<qualifier>[^()]*)\))?$")
-SKIPPED_PAGES = {"benchmarks.md", "benchmarks_price_fp32.md"}  # timings of one machine: their own tests
+# timings of one machine: their own tests
+SKIPPED_PAGES = {"benchmarks.md", "benchmarks_price_fp32.md", "benchmarks_peer.md"}
 
 NOT_KEPT = "the sweep's run directories are not kept in the repository (its runs take hours)"
 # page -> {command as marked: why this test cannot regenerate it}

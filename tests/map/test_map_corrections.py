@@ -492,7 +492,9 @@ def test_the_shipped_map_is_made_by_build_map():
     rebuilt = build_map([verdict.DEFAULT_MAP])  # the command is idempotent on its own output
     assert rebuilt["curves"] == json.loads(verdict.DEFAULT_MAP.read_text())["curves"]
     placed = place_on_map(m, 4.98e-5, 1000.0, "bypass")
-    assert placed["threshold_50"] == pytest.approx(0.0029, rel=0.05)  # docs/reference/map.md's example
+    law_at_1000 = 10 ** (m["log10_prefactor"] - m["alpha"] * 3.0)  # docs/reference/map.md's example: the law at T
+    assert placed["threshold_50"] == pytest.approx(law_at_1000, rel=1e-12)
+    assert placed["range_low"] <= law_at_1000 <= placed["range_high"] and "near" in placed["verdict"]
     for correction in ("recompute", "token_tis"):  # the corrections sweep collapsed none: bounds, never a threshold
         curve = next(c for c in m["curves"] if c["correction"] == correction)
         assert curve["status"] == "bounds_only"

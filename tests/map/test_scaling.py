@@ -334,3 +334,23 @@ def test_one_run_per_dose_is_flagged(tmp_path):
     assert "the law rests on horizon(s) fitted from one run per dose (task.max_len = 64)" in verdict
     full = scaling(data)
     assert "single_run_horizons" not in full and "one run per dose" not in place_on_map(full, 1e-3, 30.0)["verdict"]
+
+
+def test_a_horizon_interval_open_on_one_side_enters_alpha_interval_mirrored():
+    """A horizon whose seed bootstrap found resamples where every run collapsed has no lower interval end. α's
+    interval mirrors its finite side (and says so); with both ends open it stays open, as before."""
+    ts = (8.0, 16.0, 32.0, 64.0, 128.0)
+    closed = _horizons({t: 0.1 * (t / 8) ** -1.0 for t in ts}, spread=2.0)
+    one_sided = [dict(h) for h in closed]
+    one_sided[-1]["ci_low"] = None  # the upper end is still threshold * 2: mirrored, the same interval
+    mirrored = fit_law(one_sided)
+    assert mirrored["alpha_ci_mirrored"] == [128]
+    assert "mirrors its finite side" in mirrored["note"]
+    as_closed = fit_law(closed)  # its interval is symmetric in log: mirroring the upper end gives it back
+    assert (mirrored["alpha_ci_low"], mirrored["alpha_ci_high"]) == (as_closed["alpha_ci_low"],
+                                                                     as_closed["alpha_ci_high"])
+    both_open = [dict(h) for h in one_sided]
+    both_open[-1]["ci_high"] = None
+    still_open = fit_law(both_open)
+    assert still_open["alpha_ci_low"] is None and still_open["alpha_ci_high"] is None
+    assert "no interval" in still_open["note"] and "alpha_ci_mirrored" not in still_open

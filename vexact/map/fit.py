@@ -21,7 +21,8 @@ collapse, collapse or not, seed): ``threshold_50`` with its seed-bootstrap inter
 (``status: fitted`` needs two or more). Interval of α (``alpha_ci_method``: ``ALPHA_CI_METHOD``): a regression
 interval by residual bootstrap, ``BOOTSTRAP`` refits to the fitted values plus resampled residuals plus each
 horizon's own threshold noise (a normal whose 95% range is its interval), so the scatter of the horizons about the
-line widens it (a horizon with an open interval end leaves α's interval open: None). The replicates give the law's
+line widens it (a horizon whose interval is open on one side enters mirrored from its finite side, listed in
+``alpha_ci_mirrored``; open on both sides, it leaves α's interval open: None). The replicates give the law's
 95% band at any T (``law_band``); ``band_misses`` lists the fitted horizons whose threshold lies outside it, and
 ``alpha_leave_one_out`` α without each horizon (how much the law leans on one). A horizon whose dose levels each
 hold one run (``runs_per_dose``, ``single_run_per_dose``: no seed scatter behind its interval) is named in
@@ -64,6 +65,7 @@ ALPHA_CI_METHOD = ("regression interval by residual bootstrap: the line's fitted
 """How α's interval (and the replicates a verdict's interval at a new T comes from) is made: ``alpha_ci_method``
 in a curve. It carries the scatter of the horizons about the line, which redrawing each threshold within its own
 interval alone (the method before) left out."""
+Z_95 = 1.96  # a normal's 95% range is its mean ± Z_95 sd
 REPLICATES_KEPT = BOOTSTRAP  # replicates stored in scaling.json: the law's band at a new T (a verdict, a plot)
 
 
@@ -174,11 +176,10 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     ys = [math.log10(h["threshold_50"]) for h in fitted]
     slope, intercept = fit_line(xs, ys)
     out.update(alpha=-slope, log10_prefactor=intercept)
-    sds = []
-    for h in fitted:
-        lo, hi = h.get("ci_low"), h.get("ci_high")
-        sds.append((math.log10(hi) - math.log10(lo)) / 3.92 if positive(lo) and positive(hi) else None)
+    sds = [_threshold_sd(h) for h in fitted]
     open_ends = [h["horizon_value"] for h, sd in zip(fitted, sds) if sd is None]
+    mirrored = [h["horizon_value"] for h, sd in zip(fitted, sds)
+                if sd is not None and not (positive(h.get("ci_low")) and positive(h.get("ci_high")))]
     out["alpha_ci_method"] = ALPHA_CI_METHOD
     if not open_ends:
         reps = _residual_bootstrap(xs, ys, [sd or 0.0 for sd in sds])
@@ -186,12 +187,17 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
         out["alpha_ci_low"], out["alpha_ci_high"] = _percentile(alphas, 0.025), _percentile(alphas, 0.975)
         out["replicates"] = [[round(c, 6), round(a, 6)] for c, a in reps[:REPLICATES_KEPT]]
         out["band_misses"] = band_misses(fitted, reps)
+        if mirrored:
+            out["alpha_ci_mirrored"] = mirrored
     violated = [h["horizon_value"] for h in bounded if not _respects(h, intercept, slope)]
     note = (f"threshold ∝ T^(−{-slope:.2f})" + (f" [α in {out['alpha_ci_low']:.2f} .. {out['alpha_ci_high']:.2f}, "
                                                "a regression interval]" if not open_ends else
                                                f" (no interval: horizon(s) {open_ends} have an open threshold "
                                                "interval)")
             + f" over {len(fitted)} horizons with a fitted threshold (T = {min(ts):.0f} .. {max(ts):.0f})")
+    if mirrored and not open_ends:
+        note += (f"; the threshold interval of {HORIZON_KEY} = {', '.join(map(str, mirrored))} is open on one side "
+                 "(a seed resample with no run on that side): α's interval mirrors its finite side")
     out["alpha_leave_one_out"] = leave_one_out_alphas(fitted)
     if out["alpha_leave_one_out"]:
         loo = out["alpha_leave_one_out"]
@@ -209,6 +215,19 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
         note += (f"; {len(bounded)} horizon(s) give only a bound and are not in the fit"
                  + (f" (the line violates the bound at {violated})" if violated else " (the line respects them)"))
     return {**out, "status": "fitted", "note": note, "bounds_violated": violated}
+
+
+def _threshold_sd(horizon: dict[str, Any]) -> float | None:
+    """The sd (dex) of a horizon's threshold noise in α's interval: a normal whose 95% range is its interval. An
+    interval open on one side (``dose_response`` found a seed resample in which every run collapsed, or none did)
+    is mirrored about the threshold from its finite side; open on both sides, None (α's interval stays open)."""
+    thr, lo, hi = horizon.get("threshold_50"), horizon.get("ci_low"), horizon.get("ci_high")
+    if positive(lo) and positive(hi):
+        return (math.log10(hi) - math.log10(lo)) / (2 * Z_95)
+    finite_end = lo if positive(lo) else hi if positive(hi) else None
+    if finite_end is None or not positive(thr):
+        return None
+    return abs(math.log10(finite_end) - math.log10(thr)) / Z_95
 
 
 def _residual_bootstrap(xs: list[float], ys: list[float], sds: list[float]) -> list[tuple[float, float]]:
