@@ -68,6 +68,7 @@ without probing -- what vexact did before the guard; only for tests that show wh
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import time
@@ -102,6 +103,7 @@ so another rounding shows) and the same in every process (a verdict must not dep
 date the guard was written, nothing more."""
 PROBE_ELEMENTS = 4096
 ELEMENTWISE_SHIFTS = (1, 3, 7, 8, 15, 16, 31)  # positions/alignments tried: every residue class of 8 and 16 lanes
+_EPOCHS = itertools.count(1)  # HostGuard.epoch: one counter for every guard, so an epoch names one guard's state
 
 
 CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
@@ -204,6 +206,10 @@ class HostGuard:
         self._library_bmm = bmm
         self._library_elementwise = {"exp": exp, "log": log, "cos": cos, "sqrt": sqrt}
         self._records: dict[tuple, ProbeRecord] = {}
+        self.epoch = next(_EPOCHS)
+        """Names this guard's answers as they stand: a new value (unique in the process, across guards) whenever one
+        may change -- a class probed, a thread count verified. A cache of decisions drawn from the guard's answers
+        (``gemm_arrangements.TiledPlan``) keys on it, and so never outlives them."""
 
     # ------------------------------------------------------------------ the primitives
     def tile_heights(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
@@ -319,6 +325,7 @@ class HostGuard:
         record = ProbeRecord(property=key[0], shape_class=shape_class, path=path, passed=None, ops={op},
                              fallback=fallback)
         self._records[key] = record
+        self.epoch = next(_EPOCHS)
         return record
 
     def _probe_gemm(self, key: tuple, op: str) -> ProbeRecord:
@@ -482,6 +489,7 @@ class HostGuard:
                 or threads in record.threads_checked):
             return
         start = time.perf_counter()
+        self.epoch = next(_EPOCHS)
         with torch.no_grad():
             failure = record.check()
         record.threads_checked.append(threads)
