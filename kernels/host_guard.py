@@ -207,9 +207,10 @@ class HostGuard:
         self._library_elementwise = {"exp": exp, "log": log, "cos": cos, "sqrt": sqrt}
         self._records: dict[tuple, ProbeRecord] = {}
         self.epoch = next(_EPOCHS)
-        """Names this guard's answers as they stand: a new value (unique in the process, across guards) whenever one
-        may change -- a class probed, a thread count verified. A cache of decisions drawn from the guard's answers
-        (``gemm_arrangements.TiledPlan``) keys on it, and so never outlives them."""
+        """Names this guard's answers as they stand: a new value (unique in the process, across guards) whenever an
+        answer given may change -- a class whose check fails at a thread count verified later (its path then changes
+        at every count). A new class changes no answer given. A cache of decisions drawn from the guard's answers
+        (``gemm_arrangements.TiledPlan``, keyed with the thread count) keys on it, and so never outlives them."""
 
     # ------------------------------------------------------------------ the primitives
     def tile_heights(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
@@ -325,7 +326,6 @@ class HostGuard:
         record = ProbeRecord(property=key[0], shape_class=shape_class, path=path, passed=None, ops={op},
                              fallback=fallback)
         self._records[key] = record
-        self.epoch = next(_EPOCHS)
         return record
 
     def _probe_gemm(self, key: tuple, op: str) -> ProbeRecord:
@@ -489,12 +489,12 @@ class HostGuard:
                 or threads in record.threads_checked):
             return
         start = time.perf_counter()
-        self.epoch = next(_EPOCHS)
         with torch.no_grad():
             failure = record.check()
         record.threads_checked.append(threads)
         record.seconds += time.perf_counter() - start
         if failure is not None:
+            self.epoch = next(_EPOCHS)  # the class's path changes, at every thread count
             record.failure = f"{failure} ({threads} threads vs {REFERENCE_THREADS})"
             if record.property == "gemm_rows":  # earlier results all equal the reference: no caveat if this holds
                 self._try_single_thread(record, record.check)

@@ -10,9 +10,9 @@ the op, the thread count) are made once and a repeated call runs the GEMM. Check
   (warm): every output and gradient bitwise equal, fp32 and bf16, 1 and 2 threads, on this host in ``auto`` and in
   ``canonical`` and on the emulated rows-in-call host (whose GEMM gives a row other bits in another call shape); the
   warm pass made no plan (so it did run on found plans);
-- an in-place update of the weight (its version counter), another thread count and a guard whose answers may have
-  changed (``HostGuard.epoch``) each make a new plan, with the fresh bits; counter-test: the plan held over the
-  update gives other bits;
+- an in-place update of the weight (its version counter), another thread count and a guard whose answer changed
+  (a class failing at a thread count checked later: ``HostGuard.epoch``) each make a new plan, with the fresh bits;
+  counter-test: the plan held over the update gives other bits;
 - a weight's plans go with the weight.
 """
 
@@ -26,7 +26,7 @@ from conftest import num_threads
 from test_host_guard import emulated_guard
 
 from vexact_kernels import cpu_exact, gemm_arrangements
-from vexact_kernels.host_guard import HostGuard
+from vexact_kernels.host_guard import MACHINE_THREADS, SINGLE_THREAD_PATH, HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
 HOSTS = ("auto", "canonical", "rows-in-call")
@@ -132,7 +132,7 @@ def test_an_in_place_update_makes_a_new_plan(dtype, monkeypatch):
     assert not torch.equal(_bits(stale), _bits(fresh))
 
 
-def test_a_thread_count_or_a_changed_guard_makes_a_new_plan(monkeypatch):
+def test_a_thread_count_makes_a_new_plan(monkeypatch):
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     weight = _randn(176, 64, dtype=torch.float32, seed=7)
     x = _randn(8, 64, dtype=torch.float32, seed=8)
@@ -141,23 +141,47 @@ def test_a_thread_count_or_a_changed_guard_makes_a_new_plan(monkeypatch):
         one = _call(host, x, weight)
         _call(host, x, weight)
         assert len(made) == 1
-        epoch = host.epoch
     with num_threads(2):
         two = _call(host, x, weight)
         assert len(made) == 2
         _call(host, x, weight)
         assert len(made) == 2
     assert torch.equal(one, two)
+
+
+UNCHECKED_THREADS = 3  # a count neither the first probe (1 thread and the machine's) nor the test above checked
+
+
+def _off_at_unchecked_threads(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch's GEMM, one ulp off at ``UNCHECKED_THREADS`` threads."""
+    out = torch.bmm(a, b)
+    if torch.get_num_threads() == UNCHECKED_THREADS:
+        out = torch.nextafter(out, torch.full_like(out, float("inf")))
+    return out
+
+
+def test_a_guard_whose_answer_changed_makes_new_plans(monkeypatch):
+    """A class that fails its check at a thread count verified later takes another path at every count (here the
+    library GEMM with 1 thread): the guard's epoch changes, and the plans made before it are not used again."""
+    if MACHINE_THREADS == UNCHECKED_THREADS:
+        pytest.skip(f"the first probe checks {UNCHECKED_THREADS} threads on this machine")
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", bmm=_off_at_unchecked_threads)
+    weight = _randn(40, 64, dtype=torch.float32, seed=7)
+    x = _randn(8, 64, dtype=torch.float32, seed=8)
+    made = _counting_plans(monkeypatch)
     with num_threads(1):
+        before = _call(host, x, weight)
+        epoch = host.epoch
         _call(host, x, weight)
-        assert len(made) == 2 + (host.epoch != epoch)  # (a thread count verified since would change the epoch)
-        before = len(made)
-        host.tile_heights(torch.float32, torch.empty(1, 48, 80), True, "linear")  # a new class probed
-        assert host.epoch != epoch
+        assert len(made) == 1
+    with num_threads(UNCHECKED_THREADS):
         _call(host, x, weight)
-        assert len(made) == before + 1
-        _call(host, x, weight)
-        assert len(made) == before + 1
+    assert host.epoch != epoch
+    assert {p["path"] for p in host.report()["probes"] if p["property"] == "gemm_rows"} == {SINGLE_THREAD_PATH}
+    with num_threads(1):
+        after = _call(host, x, weight)
+        assert len(made) == 3
+    assert torch.equal(before, after)
 
 
 def test_a_weights_plans_go_with_it():
