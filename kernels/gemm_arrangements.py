@@ -367,8 +367,8 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
             block = row_block(rows, record.tile_heights)
             blocks = -(-rows // block)
             if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=dtype):
-                as_given = _operand_of(weight, lambda w: w.t().unsqueeze(0), hold)
-                return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, lambda x, w, host, loops: _stacked_matmul(
+                as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
+                return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, lambda x, w, host, loops: _stacked_mm(
                     x, as_given(w), blocks * block, n))
     def canonical() -> Callable[[Tensor], Tensor]:  # asked only where used: the laid-out tiles never lay it out
         return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), hold)
@@ -382,9 +382,9 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 and blocks * block * k * n_pad <= STACKED_MACS_MAX
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=k > 1, row_major=False, host=host, op=op,
                                     dtype=dtype)):
-            operand = canonical()
-            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, lambda x, w, host, loops: _stacked_matmul(
-                x, operand(w), blocks * block, n))
+            matrix = _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad)[0], hold)
+            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, lambda x, w, host, loops: _stacked_mm(
+                x, matrix(w), blocks * block, n))
         form = _laid_out_form(blocks, k, n_pad)
         if bmm_copies_operand(dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, dtype, form):
             laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad), hold)
@@ -441,9 +441,17 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
 def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
     """``tiled_matmul``'s tiles as one GEMM: x zero-padded to ``padded_rows`` (the tiles' rows) @ operand[0], sliced
     to [M, n]. Used only where ``_stacked_agrees`` found the tiles' bits."""
+    return _stacked_mm(x, operand[0], padded_rows, n)
+
+
+def _stacked_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
+    """``_stacked_matmul`` on its operand's matrix [K, N_pad] (which a ``TiledPlan`` holds), the output sliced only
+    where it has more rows or columns than [M, n]."""
     rows, k = x.shape
-    out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand[0])
-    return out[:rows] if out.shape[1] == n else out[:rows, :n]
+    out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand)
+    if out.shape[1] != n:
+        return out[:rows, :n]
+    return out if rows == padded_rows else out[:rows]
 
 
 # --------------------------------------------------------------------------- weights laid out once per version
