@@ -18,7 +18,9 @@ contiguous, a padded or cast weight, and in bf16 the contiguous copy oneDNN's ``
 operand before its GEMM: ``bmm_copies_operand``) is laid out once per weight version and kept (``arranged_weight``,
 bounded by ``ARRANGED_BYTES_MAX``); the bf16 tiles then run on the copy as ``bmm`` lays it out (``_laid_out_tiles``).
 The same GEMM calls on the same values in the same layout, so no bit changes
-(``tests/kernels/test_arranged_weights.py``).
+(``tests/kernels/test_arranged_weights.py``). Nor does ``tiled_matmul`` decide anew on every call: its decisions (the
+guard's answers, the arrangement, the tile height, the operand) are made once per call key and kept (``TiledPlan``),
+so a decode step's linear layer costs a lookup and its GEMM (``tests/kernels/test_tiled_plans.py``).
 
 A *faster arrangement* of the same library calls (fewer copies, one GEMM instead of many) runs only where the
 guard's ``same_bits`` probe found that it gives the canonical arrangement's bits for the class
@@ -233,7 +235,7 @@ def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") 
                                 True, op)
     if len(_DTYPE_PLANS) >= DTYPE_PLANS_MAX:
         _DTYPE_PLANS.clear()
-    _DTYPE_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a first question probes, a new epoch)
+    _DTYPE_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
     return answer
 
 
@@ -252,7 +254,8 @@ class TiledPlan:
 
     The operand it holds is the weight's own memory (detached: a plan holds no reference to the weight, so the weight
     is freed as before) or the layout ``arranged_weight`` keeps for this weight version; an operand laid out per
-    call (beyond ``ARRANGED_BYTES_MAX``, or a weight whose gradient is being recorded) is fetched per call."""
+    call (beyond ``ARRANGED_BYTES_MAX``, or a weight whose gradient is being recorded) is fetched per call. Plans are
+    kept per weight (``_PLANS``: dropped with the weight, and with its version), at most ``PLANS_PER_WEIGHT`` each."""
 
     arrangement: str
     block: int
@@ -328,7 +331,7 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
     plan = _tiled_plan(x, weight, host, op, loops, hold=True)
     if len(kept.plans) >= PLANS_PER_WEIGHT:
         kept.plans.clear()
-    kept.plans[(host.epoch, *key[1:])] = plan  # the epoch after deciding (a first question probes: a new epoch)
+    kept.plans[(host.epoch, *key[1:])] = plan  # the epoch after deciding (a check made in asking may change it)
     return plan.run(x, weight, host, loops)
 
 
@@ -370,6 +373,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
                 return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, lambda x, w, host, loops: _stacked_mm(
                     x, as_given(w), blocks * block, n))
+
     def canonical() -> Callable[[Tensor], Tensor]:  # asked only where used: the laid-out tiles never lay it out
         return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), hold)
 
