@@ -371,8 +371,10 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
             blocks = -(-rows // block)
             if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=dtype):
                 as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
-                return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, lambda x, w, host, loops: _stacked_mm(
-                    x, as_given(w), blocks * block, n))
+
+                def stacked_as_given(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                    return _stacked_mm(x, as_given(w), blocks * block, n)
+                return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, stacked_as_given)
 
     def canonical() -> Callable[[Tensor], Tensor]:  # asked only where used: the laid-out tiles never lay it out
         return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), hold)
@@ -387,17 +389,23 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=k > 1, row_major=False, host=host, op=op,
                                     dtype=dtype)):
             matrix = _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad)[0], hold)
-            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, lambda x, w, host, loops: _stacked_mm(
-                x, matrix(w), blocks * block, n))
+
+            def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                return _stacked_mm(x, matrix(w), blocks * block, n)
+            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
         form = _laid_out_form(blocks, k, n_pad)
         if bmm_copies_operand(dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, dtype, form):
             laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad), hold)
-            return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, lambda x, w, host, loops: _laid_out_tiles(
-                x, laid(w), block, blocks, n, form))
+
+            def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                return _laid_out_tiles(x, laid(w), block, blocks, n, form)
+            return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
         if loops is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
             operand = canonical()
-            return TiledPlan(TILED_ARRANGEMENTS[3], block, blocks, lambda x, w, host, loops: loops.tiled_matmul(
-                x, operand(w), block, n))
+
+            def compiled_tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                return loops.tiled_matmul(x, operand(w), block, n)
+            return TiledPlan(TILED_ARRANGEMENTS[3], block, blocks, compiled_tiles)
     operand = canonical()
     block = row_block(rows, host.tile_heights(dtype, operand(weight), True, op))
     blocks = -(-rows // block)
