@@ -268,7 +268,7 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGu
     x2d = x.reshape(-1, x.shape[-1])
     # a bias is added in fp32 before the one rounding: a bf16 GEMM's output is rounded already
     dtype = torch.float32 if bias is not None else gemm.tiled_dtype(x2d, weight, host)
-    out = gemm.tiled_matmul(x2d.to(dtype), weight, host)
+    out = gemm.tiled_matmul(x2d if x2d.dtype == dtype else x2d.to(dtype), weight, host)
     if bias is not None:
         out = out + fp32(bias)
     if x.dtype != torch.float32:

@@ -18,7 +18,9 @@ contiguous, a padded or cast weight, and in bf16 the contiguous copy oneDNN's ``
 operand before its GEMM: ``bmm_copies_operand``) is laid out once per weight version and kept (``arranged_weight``,
 bounded by ``ARRANGED_BYTES_MAX``); the bf16 tiles then run on the copy as ``bmm`` lays it out (``_laid_out_tiles``).
 The same GEMM calls on the same values in the same layout, so no bit changes
-(``tests/kernels/test_arranged_weights.py``).
+(``tests/kernels/test_arranged_weights.py``). Nor does ``tiled_matmul`` decide anew on every call: its decisions (the
+guard's answers, the arrangement, the tile height, the operand) are made once per call key and kept (``TiledPlan``),
+so a decode step's linear layer costs a lookup and its GEMM (``tests/kernels/test_tiled_plans.py``).
 
 A *faster arrangement* of the same library calls (fewer copies, one GEMM instead of many) runs only where the
 guard's ``same_bits`` probe found that it gives the canonical arrangement's bits for the class
@@ -48,7 +50,9 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -209,14 +213,85 @@ def _seeded_randn(*shapes: tuple[int, ...]) -> list[Tensor]:
 
 
 # --------------------------------------------------------------------------- x @ W.T: a linear layer's rows
+_DTYPE_PLANS: dict[tuple, torch.dtype] = {}
+DTYPE_PLANS_MAX = 4096
+"""Entries ``tiled_dtype`` keeps (then it starts afresh): one per (guard state, dtype, K, N, op, thread count)."""
+
+
 def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> torch.dtype:
     """The dtype ``tiled_matmul`` computes x [M, K] @ weight [N, K].T in, for x and weight in their own dtypes: theirs
     where both are bf16 and the guard admitted the host's bf16 GEMM for the canonical class (K, N padded, the weight
-    transposed and shared by every tile), else fp32. The caller passes x in that dtype."""
-    if x.dtype != weight.dtype:
+    transposed and shared by every tile), else fp32. The caller passes x in that dtype.
+
+    The guard's answer is kept per (guard state: ``HostGuard.epoch``, dtype, K, N, op, thread count), as
+    ``tiled_matmul`` keeps its plans: the same answer, asked once."""
+    dtype = x.dtype
+    if dtype != weight.dtype or dtype not in LIBRARY_DTYPES:  # (compute_dtype's own first answer, without asking)
         return torch.float32
-    return host.compute_dtype(x.dtype, gemm_class(x.shape[1], ceil_to(weight.shape[0], COL_BLOCK), transposed=True),
-                              True, op)
+    key = (host.epoch, dtype, x.shape[1], weight.shape[0], op, torch.get_num_threads())
+    if (known := _DTYPE_PLANS.get(key)) is not None:
+        return known
+    answer = host.compute_dtype(dtype, gemm_class(x.shape[1], ceil_to(weight.shape[0], COL_BLOCK), transposed=True),
+                                True, op)
+    if len(_DTYPE_PLANS) >= DTYPE_PLANS_MAX:
+        _DTYPE_PLANS.clear()
+    _DTYPE_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
+    return answer
+
+
+@dataclass(frozen=True)
+class TiledPlan:
+    """``tiled_matmul``'s decisions for one call key, made once: which arrangement runs (``TILED_ARRANGEMENTS``), its
+    tile height and count, and the right operand where it can be held -- ``run(x, weight, host, loops)`` then does
+    only the per-call work (x's padding, the GEMM call(s), the slice).
+
+    A plan is a cache of decisions, nothing more: it is made by the very code that decided on every call before
+    (``_tiled_plan``), from the same questions to the guard, and is used only where every input of those decisions
+    is what it was (the call key: x's shape and dtype; the weight's identity, version counter, shape, strides, data
+    pointer and dtype; the guard's state, ``HostGuard.epoch``; the op; the thread count; whether the compiled loops
+    and oneDNN are on; which ``torch.bmm`` is installed). So no bit depends on whether a plan was made or found
+    (``tests/kernels/test_tiled_plans.py``).
+
+    The operand it holds is the weight's own memory (detached: a plan holds no reference to the weight, so the weight
+    is freed as before) or the layout ``arranged_weight`` keeps for this weight version; an operand laid out per
+    call (beyond ``ARRANGED_BYTES_MAX``, or a weight whose gradient is being recorded) is fetched per call. Plans are
+    kept per weight (``_PLANS``: dropped with the weight, and with its version), at most ``PLANS_PER_WEIGHT`` each."""
+
+    arrangement: str
+    block: int
+    blocks: int
+    run: Callable[[Tensor, Tensor, HostGuard, object], Tensor]
+
+
+TILED_ARRANGEMENTS = ("stacked, weight as given", "stacked", "laid out", "compiled tiles", "tiles")
+"""``TiledPlan.arrangement``: the tiles stacked into one GEMM on the weight as stored, or on the canonical operand;
+the tiles on the operand as ``bmm`` lays it out; the canonical tiles in one compiled call; the canonical tiles through
+the guard's ``bmm`` (``tiled_matmul``)."""
+PLANS_PER_WEIGHT = 64
+"""Plans kept per weight (then its plans start afresh): one per (rows, dtype, op, thread count, ...) seen while the
+weight keeps its version -- a decode loop needs a few, a training step's new version drops the last step's."""
+
+
+class _WeightPlans:
+    """One weight's plans, for one version of it; dropped with the weight (a weak reference's callback)."""
+
+    __slots__ = ("owner", "version", "plans")
+
+    def __init__(self, owner: Tensor, version: int):
+        self.owner = weakref.ref(owner, functools.partial(_forget, id(owner)))
+        self.version = version
+        self.plans: dict[tuple, TiledPlan] = {}
+
+
+_PLANS: dict[int, _WeightPlans] = {}  # id(weight owning its storage) -> its plans (a dict by id: a weak-keyed
+# dictionary's lookup cost more than the rest of a warm call)
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """A weight's plans go with it (its weak reference's callback; a new weight under the same id keeps its own)."""
+    kept = _PLANS.get(key)
+    if kept is not None and kept.owner is ref:
+        del _PLANS[key]
 
 
 def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> Tensor:
@@ -230,42 +305,117 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
 
     Where the class runs torch's own GEMM: the tiles stacked into one GEMM where the guard found their bits
     (``_stacked_agrees``) -- first on the weight as given, where it is row-major already (an input gradient's W,
-    whose canonical operand is its transposed copy) -- else the canonical steps in one compiled call."""
+    whose canonical operand is its transposed copy) -- else the canonical steps in one compiled call.
+
+    The choice is made once per call key and kept (``TiledPlan``): a repeated call of one class looks its plan up
+    and runs the GEMM."""
+    loops = compiled_loops.library()
+    owner = weight._base
+    if owner is None:
+        owner = weight
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor: no version counter to key a plan on
+        return _tiled_plan(x, weight, host, op, loops, hold=False).run(x, weight, host, loops)
+    if weight.requires_grad and torch.is_grad_enabled():  # the GEMM is recorded: on the weight itself, per call
+        return _tiled_plan(x, weight, host, op, loops, hold=False).run(x, weight, host, loops)
+    key = (host.epoch, op, x.shape, x.dtype, weight.shape, weight.stride(), weight.data_ptr(), weight.dtype,
+           torch.get_num_threads(), loops is None, torch.bmm,
+           x.dtype == torch.bfloat16 and torch.backends.mkldnn.enabled)  # (bmm_copies_operand's switch)
+    kept = _PLANS.get(id(owner))
+    if kept is not None and kept.owner() is owner and kept.version == version:
+        if (plan := kept.plans.get(key)) is not None:
+            return plan.run(x, weight, host, loops)
+    else:  # a new weight, or a new version of it: the last version's plans (and the operands they hold) go
+        kept = _PLANS[id(owner)] = _WeightPlans(owner, version)
+    plan = _tiled_plan(x, weight, host, op, loops, hold=True)
+    if len(kept.plans) >= PLANS_PER_WEIGHT:
+        kept.plans.clear()
+    kept.plans[(host.epoch, *key[1:])] = plan  # the epoch after deciding (a check made in asking may change it)
+    return plan.run(x, weight, host, loops)
+
+
+def _held(weight: Tensor, operand: Tensor) -> bool:
+    """Whether ``operand`` is the weight's own memory or a layout ``arranged_weight`` keeps for it (which a plan may
+    hold without holding more than ``ARRANGED_BYTES_MAX``)."""
+    ptr = operand.untyped_storage().data_ptr()
+    if ptr == weight.untyped_storage().data_ptr():
+        return True
+    owner = weight if weight._base is None else weight._base
+    return any(ptr == t.untyped_storage().data_ptr() for _, t in _ARRANGED.get(owner, {}).values())
+
+
+def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], hold: bool) -> Callable[[Tensor], Tensor]:
+    """weight -> the operand ``get(weight)``: held by the plan (detached) where ``hold`` and ``_held``, else made per
+    call."""
+    if hold:
+        operand = get(weight)
+        if _held(weight, operand):
+            operand = operand.detach()
+            return lambda w: operand
+    return get
+
+
+def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: object, hold: bool) -> TiledPlan:
+    """The decisions of ``tiled_matmul`` for this call (the guard's questions, the arrangement, the tile height), as a
+    ``TiledPlan``; ``hold``: the plan may hold the operand (``_operand_of``)."""
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
-    loops = compiled_loops.library()
+    dtype = x.dtype
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
-    if (loops is not None and n_pad == n and x.dtype == weight.dtype and given.is_contiguous()
+    if (loops is not None and n_pad == n and dtype == weight.dtype and given.is_contiguous()
             and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
-        if (record := host.library_gemm(x.dtype, gemm_class(k, n, transposed=True), True, op)) is not None:
+        if (record := host.library_gemm(dtype, gemm_class(k, n, transposed=True), True, op)) is not None:
             block = row_block(rows, record.tile_heights)
             blocks = -(-rows // block)
-            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=x.dtype):
-                return _stacked_matmul(x, given.unsqueeze(0), blocks * block, n)
+            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=dtype):
+                as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
+
+                def stacked_as_given(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                    return _stacked_mm(x, as_given(w), blocks * block, n)
+                return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, stacked_as_given)
+
+    def canonical() -> Callable[[Tensor], Tensor]:  # asked only where used: the laid-out tiles never lay it out
+        return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), hold)
+
     # the class of the canonical operand [1, K, N_pad]: the weight transposed (and padded, cast), a K-contiguous view
-    if (record := host.library_gemm(x.dtype, gemm_class(k, n_pad, transposed=True), True, op)) is not None:
+    if (record := host.library_gemm(dtype, gemm_class(k, n_pad, transposed=True), True, op)) is not None:
         block = row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
         # bf16: one tile too (the host's bf16 bmm took 4x as long as its matmul on a shared, transposed operand)
-        if (loops is not None and (blocks > 1 or x.dtype != torch.float32)
+        if (loops is not None and (blocks > 1 or dtype != torch.float32)
                 and blocks * block * k * n_pad <= STACKED_MACS_MAX
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=k > 1, row_major=False, host=host, op=op,
-                                    dtype=x.dtype)):
-            return _stacked_matmul(x, canonical_operand(weight, x.dtype, n_pad), blocks * block, n)
-        if bmm_copies_operand(x.dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, x.dtype,
-                                                                             _laid_out_form(blocks, k, n_pad)):
-            return _laid_out_tiles(x, laid_out_operand(weight, x.dtype, n_pad), block, blocks, n,
-                                   _laid_out_form(blocks, k, n_pad))
+                                    dtype=dtype)):
+            matrix = _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad)[0], hold)
+
+            def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                return _stacked_mm(x, matrix(w), blocks * block, n)
+            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
+        form = _laid_out_form(blocks, k, n_pad)
+        if bmm_copies_operand(dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, dtype, form):
+            laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad), hold)
+
+            def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                return _laid_out_tiles(x, laid(w), block, blocks, n, form)
+            return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
         if loops is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
-            return loops.tiled_matmul(x, canonical_operand(weight, x.dtype, n_pad), block, n)
-    operand = canonical_operand(weight, x.dtype, n_pad)
-    block = row_block(rows, host.tile_heights(x.dtype, operand, True, op))
+            operand = canonical()
+
+            def compiled_tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                return loops.tiled_matmul(x, operand(w), block, n)
+            return TiledPlan(TILED_ARRANGEMENTS[3], block, blocks, compiled_tiles)
+    operand = canonical()
+    block = row_block(rows, host.tile_heights(dtype, operand(weight), True, op))
     blocks = -(-rows // block)
-    x = _padded_or_aligned(x, (blocks * block, k))
-    out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
-    out = out.view(blocks * block, n_pad)
-    return out[:rows] if n_pad == n else out[:rows, :n]
+
+    def tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+        x = _padded_or_aligned(x, (blocks * block, k))
+        out = host.bmm(x.view(blocks, block, k), operand(w).expand(blocks, k, n_pad), op=op, shared_operand=True)
+        out = out.view(blocks * block, n_pad)
+        return out[:rows] if n_pad == n else out[:rows, :n]
+    return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles)
 
 
 def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
@@ -303,9 +453,17 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
 def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
     """``tiled_matmul``'s tiles as one GEMM: x zero-padded to ``padded_rows`` (the tiles' rows) @ operand[0], sliced
     to [M, n]. Used only where ``_stacked_agrees`` found the tiles' bits."""
+    return _stacked_mm(x, operand[0], padded_rows, n)
+
+
+def _stacked_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
+    """``_stacked_matmul`` on its operand's matrix [K, N_pad] (which a ``TiledPlan`` holds), the output sliced only
+    where it has more rows or columns than [M, n]."""
     rows, k = x.shape
-    out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand[0])
-    return out[:rows] if out.shape[1] == n else out[:rows, :n]
+    out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand)
+    if out.shape[1] != n:
+        return out[:rows, :n]
+    return out if rows == padded_rows else out[:rows]
 
 
 # --------------------------------------------------------------------------- weights laid out once per version

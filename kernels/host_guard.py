@@ -68,6 +68,7 @@ without probing -- what vexact did before the guard; only for tests that show wh
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import time
@@ -102,6 +103,7 @@ so another rounding shows) and the same in every process (a verdict must not dep
 date the guard was written, nothing more."""
 PROBE_ELEMENTS = 4096
 ELEMENTWISE_SHIFTS = (1, 3, 7, 8, 15, 16, 31)  # positions/alignments tried: every residue class of 8 and 16 lanes
+_EPOCHS = itertools.count(1)  # HostGuard.epoch: one counter for every guard, so an epoch names one guard's state
 
 
 CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
@@ -204,6 +206,11 @@ class HostGuard:
         self._library_bmm = bmm
         self._library_elementwise = {"exp": exp, "log": log, "cos": cos, "sqrt": sqrt}
         self._records: dict[tuple, ProbeRecord] = {}
+        self.epoch = next(_EPOCHS)
+        """Names this guard's answers as they stand: a new value (unique in the process, across guards) whenever an
+        answer given may change -- a class whose check fails at a thread count verified later (its path then changes
+        at every count). A new class changes no answer given. A cache of decisions drawn from the guard's answers
+        (``gemm_arrangements.TiledPlan``, keyed with the thread count) keys on it, and so never outlives them."""
 
     # ------------------------------------------------------------------ the primitives
     def tile_heights(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
@@ -487,6 +494,7 @@ class HostGuard:
         record.threads_checked.append(threads)
         record.seconds += time.perf_counter() - start
         if failure is not None:
+            self.epoch = next(_EPOCHS)  # the class's path changes, at every thread count
             record.failure = f"{failure} ({threads} threads vs {REFERENCE_THREADS})"
             if record.property == "gemm_rows":  # earlier results all equal the reference: no caveat if this holds
                 self._try_single_thread(record, record.check)
