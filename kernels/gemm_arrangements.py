@@ -691,6 +691,7 @@ def _tile_views_agree(block: int, height: int, k_pad: int) -> bool:
     _TILE_VIEWS_CHECKS[key] = agrees
     return agrees
 
+
 def _transposed_matmul_laid_out(a: Tensor, b: Tensor, block: int, height: int, k_pad: int,
                                 b_source: Tensor | None) -> Tensor:
     """``_transposed_matmul_tiles`` for one chunk and several row tiles on a class that runs the library GEMM with 1
