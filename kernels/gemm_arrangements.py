@@ -40,7 +40,10 @@ A third form is no arrangement of its own but the same tiles grouped into other 
 tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers; in
 bf16, where ``bmm`` would copy a weight gradient's chunk once per row tile (``bmm_copies_operand``), one call per row
 tile on the chunk laid out once as ``bmm`` lays it out (``_transposed_matmul_laid_out``, checked at first use per
-class against the canonical call: ``_laid_out_reduction_agrees``).
+class against the canonical call: ``_laid_out_reduction_agrees``). In fp32, where the class runs torch's own GEMM,
+the canonical tiles one GEMM per (chunk, row tile) on views of the inputs instead of their laid-out copies
+(``_transposed_matmul_tile_views``, checked at first use per class against the canonical call:
+``_tile_views_agree``).
 Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
 around the GEMM run in one compiled call on the same operands (``compiled_loops``).
 """
@@ -97,8 +100,9 @@ STACKED_MACS_MAX = 1 << 34
 """Multiply-adds (about 1.7e10): the largest linear layer whose tiles may run as one GEMM. Its ``same_bits`` probe
 (per tile count) costs about three GEMMs of the layer's size at first use, a one-time cost that this bounds."""
 VIEW_SLAB_ROWS = 4096
-"""A weight gradient on views cuts its N output rows into slabs of this many, each its own GEMM calls and tree, to
-bound the partial products held at once (llama's LM head: N = 49152, 12 slabs)."""
+"""A weight gradient on views (``_transposed_matmul_views``, ``_transposed_matmul_tile_views``) cuts its N output rows
+into slabs of this many, each its own GEMM calls and tree, to bound the partial products held at once (llama's LM
+head: N = 49152, 12 slabs). A multiple of every tile height (``ROW_BLOCKS``), so a slab holds whole row tiles."""
 VIEW_PARTIALS_MAX = 1 << 24
 """Partial-product elements per slab (chunks x slab rows x K: 64 MiB of fp32), a memory bound: a weight gradient with
 more runs the canonical tiles instead."""
@@ -747,7 +751,9 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     pad-transpose-copy composition gives (``tests/kernels/test_exact_price_bits.py`` compares the two, call by call), so
     the library call and every bit of its result are unchanged. ``b_source``: the tensor ``b`` was derived from (a
     linear layer's saved input); layers that share an input (q, k and v; gate and up) then share b's layout
-    (``_reduction_operand``)."""
+    (``_reduction_operand``). In fp32, where the class runs torch's own GEMM, the same tiles run one GEMM each on
+    views of a and b (``_transposed_matmul_tile_views``) where ``_tile_views_agree`` found the canonical call's bits
+    for the class: without the copies, which cost as much as the GEMM on the default model's layers."""
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows, a.dtype)
@@ -762,6 +768,10 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
                else host.tile_heights(a.dtype, b_class, False, op, one_thread=one_thread))
     height = row_block(n, heights)
     row_tiles = -(-n // height)
+    if (record is not None and a.dtype == b.dtype == torch.float32
+            and chunks * min(n, VIEW_SLAB_ROWS) * k_pad <= VIEW_PARTIALS_MAX
+            and _tile_views_agree(block, height, k_pad)):
+        return _transposed_matmul_tile_views(a, b, block, height, k_pad)
     if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
         return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
     if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
@@ -784,6 +794,60 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     out = host.bmm(a_tiles, b_tiles.transpose(1, 2), op=op, shared_operand=False, one_thread=one_thread)
     parts = out.view(chunks, row_tiles * height, k_pad)[:, :n, :k]
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
+
+def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int, k_pad: int) -> Tensor:
+    """``_transposed_matmul_tiles``' GEMM tiles, [height, block] @ [block, K_pad] for every (chunk, row tile), one
+    ``bmm`` per tile on views of ``a`` and ``b`` instead of their laid-out copies (``reduction_tile_gemms`` in
+    ``csrc/exact_loops.cpp``: a tile reaching past a's rows or columns runs on a zero-padded copy of its region, as
+    the canonical tile; the tiles shared out between the threads, each GEMM on one thread), then the same halving
+    tree over the chunks. Its bits depend on the canonical tiles' (the same GEMM shape on the same values, tile by
+    tile; a tile's rows do not depend on how many tiles share its call: the ``gemm_rows`` probe) and on the GEMM
+    giving a tile the same bits on a strided view of the operands as on their contiguous copies, which
+    ``_tile_views_agree`` checks at first use. N is cut into slabs of ``VIEW_SLAB_ROWS`` rows (a multiple of every
+    tile height, so the row tiles are the canonical ones) to bound the partial products held at once."""
+    rows, n = a.shape
+    k = b.shape[1]
+    chunks = -(-rows // block)
+    loops = compiled_loops.library()
+    a = a if a.stride(1) == 1 and a.data_ptr() % ALIGNMENT == 0 and a.stride(0) >= n else _aligned(a)
+    b = _padded_or_aligned(b, (rows, k_pad))
+    out = a.new_empty(n, k) if n > VIEW_SLAB_ROWS else None
+    for first in range(0, n, VIEW_SLAB_ROWS):
+        last = min(n, first + VIEW_SLAB_ROWS)
+        parts = loops.reduction_tile_gemms(a[:, first:last], b, block, height)[:, : last - first, :k]
+        slab = parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+        if out is None:
+            return slab
+        out[first:last] = slab
+    return out
+
+
+_TILE_VIEWS_CHECKS: dict[tuple, bool] = {}
+
+
+def _tile_views_agree(block: int, height: int, k_pad: int) -> bool:
+    """Whether ``_transposed_matmul_tile_views`` gives the canonical call's bits (``_transposed_matmul_tiles``' one
+    ``bmm`` over every (chunk, row tile) pair on the laid-out operands, with 1 thread) for this fp32 class here:
+    checked once per (chunk, tile height, K_pad, thread count) on seeded inputs with two whole chunks and a partial
+    one, ``LAID_OUT_CHECK_ROW_TILES`` whole row tiles and a partial one -- every kind of tile the form runs (views;
+    a region zero-padded by rows, by columns, by both). The same GEMM tile on the same values; this catches a GEMM
+    whose bits follow its operands' strides (then the canonical call runs, with its copies)."""
+    key = (block, height, k_pad, torch.get_num_threads())
+    if (known := _TILE_VIEWS_CHECKS.get(key)) is not None:
+        return known
+    rows, n = 2 * block + block // 2 + 1, LAID_OUT_CHECK_ROW_TILES * height + height // 2 + 1
+    a, b = _seeded_randn((rows, n), (rows, k_pad))
+    chunks, row_tiles = -(-rows // block), -(-n // height)
+    loops = compiled_loops.library()
+
+    def canonical() -> Tensor:
+        b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, None)
+        return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k_pad)
+
+    agrees = torch.equal(_with_threads(1, canonical), _transposed_matmul_tile_views(a, b, block, height, k_pad))
+    _TILE_VIEWS_CHECKS[key] = agrees
+    return agrees
 
 
 def _transposed_matmul_laid_out(a: Tensor, b: Tensor, block: int, height: int, k_pad: int,

@@ -660,6 +660,44 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand) {
   return out;
 }
 
+// A weight gradient's canonical GEMM tiles (gemm_arrangements._transposed_matmul_tiles: for each `block`-row chunk c of
+// a [M, N] and b [M, K_pad] and each `height`-row tile r of the N output rows, [height, block] @ [block, K_pad]), one
+// at::bmm per tile on views instead of laid-out copies: tile (c, r) multiplies a's chunk-c rows and row-tile-r columns
+// seen transposed by b's chunk-c rows as they are. A tile reaching past a's rows or columns (the last, partial chunk or
+// row tile) multiplies a zero-padded copy of its region ([height, block], contiguous, as every canonical tile is), and
+// the partial chunk b's rows zero-padded to `block`. The tiles are shared out between the threads, each GEMM on one
+// thread (as in tile_gemms). Returns the partial products [chunks, row_tiles * height, K_pad], which the caller adds
+// by the canonical halving tree; gemm_arrangements checks the tiles at first use against the canonical call.
+at::Tensor reduction_tile_gemms(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t height) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
+                  a.scalar_type() == b.scalar_type(),
+              "reduction_tile_gemms: a [M, N] with unit column stride and a contiguous b [M, K] of its dtype");
+  const int64_t m = a.size(0), n = a.size(1), k_pad = b.size(1);
+  const int64_t chunks = (m + block - 1) / block, row_tiles = (n + height - 1) / height, full = m / block;
+  at::Tensor parts = at::empty({chunks, row_tiles * height, k_pad}, a.options());
+  const at::Tensor b_tail = full < chunks ? padded_copy(b.narrow(0, full * block, m - full * block), {block, k_pad})
+                                          : at::Tensor();
+  const auto gemm = [&](int64_t first, int64_t last) {
+    at::NoGradGuard no_grad;  // as in tile_gemms: a worker thread's grad mode is on
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t c = t / row_tiles, r = t % row_tiles;
+      const int64_t rows = std::min(block, m - c * block), cols = std::min(height, n - r * height);
+      const at::Tensor region = a.narrow(0, c * block, rows).narrow(1, r * height, cols).t();
+      const at::Tensor left = rows == block && cols == height ? region : padded_copy(region, {height, block});
+      const at::Tensor right = rows == block ? b.narrow(0, c * block, block) : b_tail;
+      at::Tensor dst = parts.select(0, c).narrow(0, r * height, height).unsqueeze(0);
+      at::bmm_out(dst, left.unsqueeze(0), right.unsqueeze(0));
+    }
+  };
+  const int64_t tiles = chunks * row_tiles;
+  if (tiles == 1 || at::get_num_threads() == 1) {
+    gemm(0, tiles);
+  } else {
+    at::parallel_for(0, tiles, 1, gemm);
+  }
+  return parts;
+}
+
 // ----------------------------------------------------------------------------------------------------- attention
 // The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
@@ -813,6 +851,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("transposed_matmul", &transposed_matmul, "cpu_exact._transposed_matmul after its plan, same bits");
   m.def("tile_gemms", &tile_gemms, "one at::bmm per tile with a shared operand, tiles spread over threads");
+  m.def("reduction_tile_gemms", &reduction_tile_gemms,
+        "a weight gradient's canonical tiles, one at::bmm per tile on views, spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
 }
