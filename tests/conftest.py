@@ -110,6 +110,20 @@ def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) ->
     return seen
 
 
+def form_and_canonical(monkeypatch: pytest.MonkeyPatch, use_form, compute) -> tuple:
+    """(the canonical call's result, the form's) for a kernel arrangement a test compares with the canonical call:
+    ``use_form(patch, enabled)`` switches the form on or off on ``patch`` and returns the list its calls append to;
+    ``compute(patch)`` runs the operation. Asserts the form never ran when off and ran exactly once when on."""
+    with pytest.MonkeyPatch.context() as canonical:
+        calls = use_form(canonical, False)
+        expected = compute(canonical)
+        assert not calls
+    calls = use_form(monkeypatch, True)
+    out = compute(monkeypatch)
+    assert calls == [1]
+    return expected, out
+
+
 def interrupt_trainer_at(monkeypatch: pytest.MonkeyPatch, step: int):
     """Patch ``Trainer.step`` to raise KeyboardInterrupt (Ctrl-C) when the run reaches ``step``; returns the real
     ``Trainer.step``, for the test to put back before it resumes the run."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import num_threads
+from conftest import form_and_canonical, num_threads
 from test_host_guard import emulated_guard
 from torch.profiler import ProfilerActivity, profile
 
@@ -188,13 +188,8 @@ def _weight_gradient(rows: int, n: int, k: int, host: HostGuard) -> torch.Tensor
 def test_bf16_weight_gradient_on_laid_out_row_tiles_is_the_canonical_call(rows, n, k, threads, host_name,
                                                                           monkeypatch):
     with num_threads(threads):
-        with pytest.MonkeyPatch.context() as canonical:
-            calls = _laid_out_calls(canonical, laid_out=False)
-            expected = _weight_gradient(rows, n, k, _reduction_host(host_name, canonical))
-            assert not calls
-        calls = _laid_out_calls(monkeypatch, laid_out=True)
-        out = _weight_gradient(rows, n, k, _reduction_host(host_name, monkeypatch))
-    assert calls == [1]
+        expected, out = form_and_canonical(
+            monkeypatch, _laid_out_calls, lambda patch: _weight_gradient(rows, n, k, _reduction_host(host_name, patch)))
     assert out.dtype == torch.bfloat16 and out.shape == (n, k)
     assert torch.equal(_bits(out), _bits(expected))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import num_threads
+from conftest import form_and_canonical, num_threads
 from test_arranged_weights import _steps, _with_threads
 from test_host_guard import emulated_guard
 
@@ -83,13 +83,8 @@ def _weight_gradient(rows: int, n: int, k: int, host: HostGuard) -> torch.Tensor
 @pytest.mark.parametrize("rows,n,k", SHAPES)
 def test_weight_gradient_on_tile_views_is_the_canonical_call(rows, n, k, threads, host_name, monkeypatch):
     with num_threads(threads):
-        with pytest.MonkeyPatch.context() as canonical:
-            calls = _tile_views(canonical, enabled=False)
-            expected = _weight_gradient(rows, n, k, _host(host_name, canonical))
-            assert not calls
-        calls = _tile_views(monkeypatch, enabled=True)
-        out = _weight_gradient(rows, n, k, _host(host_name, monkeypatch))
-    assert calls == [1]
+        expected, out = form_and_canonical(monkeypatch, _tile_views,
+                                           lambda patch: _weight_gradient(rows, n, k, _host(host_name, patch)))
     assert out.shape == (n, k) and torch.equal(out, expected)
 
 
