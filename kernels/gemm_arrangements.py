@@ -812,14 +812,21 @@ def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int,
     loops = compiled_loops.library()
     a = a if a.stride(1) == 1 and a.data_ptr() % ALIGNMENT == 0 and a.stride(0) >= n else _aligned(a)
     b = _padded_or_aligned(b, (rows, k_pad))
-    out = a.new_empty(n, k) if n > VIEW_SLAB_ROWS else None
+    def slab(first: int, last: int) -> Tensor:
+        parts = loops.reduction_tile_gemms(a[:, first:last], b, block, height)[:, : last - first, :k]
+        return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+    return _in_slabs(n, k, a, slab)
+
+
+def _in_slabs(n: int, k: int, like: Tensor, slab: Callable[[int, int], Tensor]) -> Tensor:
+    """A weight gradient on views, [n, k], from ``slab(first, last)`` over its output rows cut into slabs of
+    ``VIEW_SLAB_ROWS`` (one slab: its own result, no copy)."""
+    if n <= VIEW_SLAB_ROWS:
+        return slab(0, n)
+    out = like.new_empty(n, k)
     for first in range(0, n, VIEW_SLAB_ROWS):
         last = min(n, first + VIEW_SLAB_ROWS)
-        parts = loops.reduction_tile_gemms(a[:, first:last], b, block, height)[:, : last - first, :k]
-        slab = parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
-        if out is None:
-            return slab
-        out[first:last] = slab
+        out[first:last] = slab(first, last)
     return out
 
 
@@ -1069,9 +1076,7 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
         a_tail, b_tail = _zero_padded(a[body:], (block, n)), _zero_padded(b[body:], (block, k))
     else:
         a_tail, b_tail = a[body:], b[body:]
-    out = a.new_empty(n, k) if n > VIEW_SLAB_ROWS else None
-    for first in range(0, n, VIEW_SLAB_ROWS):
-        last = min(n, first + VIEW_SLAB_ROWS)
+    def slab(first: int, last: int) -> Tensor:
         parts = a.new_empty(whole + (tail > 0), last - first, k)
         if whole:
             chunks = a[:body].view(whole, block, n)[:, :, first:last].transpose(1, 2)
@@ -1080,11 +1085,8 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
             torch.bmm(a_tail[:, first:last].t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
             if unpadded_tail:
                 parts[whole:].add_(0.0)
-        slab = parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
-        if out is None:
-            return slab
-        out[first:last] = slab
-    return out
+        return parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
+    return _in_slabs(n, k, a, slab)
 
 
 # --------------------------------------------------------------------------- a @ b per batch entry (attention)

@@ -176,10 +176,10 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     ys = [math.log10(h["threshold_50"]) for h in fitted]
     slope, intercept = fit_line(xs, ys)
     out.update(alpha=-slope, log10_prefactor=intercept)
-    sds = [_threshold_sd(h) for h in fitted]
+    noise = [_threshold_sd(h) for h in fitted]
+    sds = [sd for sd, _ in noise]
     open_ends = [h["horizon_value"] for h, sd in zip(fitted, sds) if sd is None]
-    mirrored = [h["horizon_value"] for h, sd in zip(fitted, sds)
-                if sd is not None and not (positive(h.get("ci_low")) and positive(h.get("ci_high")))]
+    mirrored = [h["horizon_value"] for h, (_, was_mirrored) in zip(fitted, noise) if was_mirrored]
     out["alpha_ci_method"] = ALPHA_CI_METHOD
     if not open_ends:
         reps = _residual_bootstrap(xs, ys, [sd or 0.0 for sd in sds])
@@ -217,17 +217,18 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     return {**out, "status": "fitted", "note": note, "bounds_violated": violated}
 
 
-def _threshold_sd(horizon: dict[str, Any]) -> float | None:
-    """The sd (dex) of a horizon's threshold noise in α's interval: a normal whose 95% range is its interval. An
-    interval open on one side (``dose_response`` found a seed resample in which every run collapsed, or none did)
-    is mirrored about the threshold from its finite side; open on both sides, None (α's interval stays open)."""
+def _threshold_sd(horizon: dict[str, Any]) -> tuple[float | None, bool]:
+    """(sd in dex, mirrored) of a horizon's threshold noise in α's interval: a normal whose 95% range is its
+    interval. An interval open on one side (``dose_response`` found a seed resample in which every run collapsed, or
+    none did) is mirrored about the threshold from its finite side (mirrored True); open on both sides, sd None
+    (α's interval stays open)."""
     thr, lo, hi = horizon.get("threshold_50"), horizon.get("ci_low"), horizon.get("ci_high")
     if positive(lo) and positive(hi):
-        return (math.log10(hi) - math.log10(lo)) / (2 * Z_95)
+        return (math.log10(hi) - math.log10(lo)) / (2 * Z_95), False
     finite_end = lo if positive(lo) else hi if positive(hi) else None
     if finite_end is None or not positive(thr):
-        return None
-    return abs(math.log10(finite_end) - math.log10(thr)) / Z_95
+        return None, False
+    return abs(math.log10(finite_end) - math.log10(thr)) / Z_95, True
 
 
 def _residual_bootstrap(xs: list[float], ys: list[float], sds: list[float]) -> list[tuple[float, float]]:
