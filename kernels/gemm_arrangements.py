@@ -14,11 +14,13 @@ and tile count (the guard's ``gemm_rows`` probe, per shape class; where it fails
 GEMM). Why these tile shapes, with the measurements behind them: docs/reference/kernels.md, "Why these tiles".
 
 The canonical arrangement copies no weight per call: each copy it needs of a weight (an input gradient's W.T made
-contiguous, a padded or cast weight, and in bf16 the contiguous copy oneDNN's ``bmm`` makes of the shared, transposed
-operand before its GEMM: ``bmm_copies_operand``) is laid out once per weight version and kept (``arranged_weight``,
-bounded by ``ARRANGED_BYTES_MAX``); the bf16 tiles then run on the copy as ``bmm`` lays it out (``_laid_out_tiles``).
-The same GEMM calls on the same values in the same layout, so no bit changes
-(``tests/kernels/test_arranged_weights.py``). Nor does ``tiled_matmul`` decide anew on every call: its decisions (the
+contiguous, a padded or cast weight) is laid out once per weight version and kept (``arranged_weight``, bounded by
+``ARRANGED_BYTES_MAX``). In bf16, where oneDNN's ``bmm`` would copy the shared, transposed operand before its GEMM
+(``bmm_copies_operand``), a class's canonical tiles take the operand once per tile as a transposed batch instead,
+the layout oneDNN multiplies as it is (``tiles_on_transposed_batch``): a forward's weight as stored, with no copy at
+all, one GEMM per tile or the canonical call itself (``_laid_out_tiles``). The same GEMM calls on the same values in
+the same layout, so no bit depends on which (``tests/kernels/test_arranged_weights.py``).
+Nor does ``tiled_matmul`` decide anew on every call: its decisions (the
 guard's answers, the arrangement, the tile height, the operand) are made once per call key and kept (``TiledPlan``),
 so a decode step's linear layer costs a lookup and its GEMM (``tests/kernels/test_tiled_plans.py``).
 
@@ -225,7 +227,8 @@ DTYPE_PLANS_MAX = 4096
 def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> torch.dtype:
     """The dtype ``tiled_matmul`` computes x [M, K] @ weight [N, K].T in, for x and weight in their own dtypes: theirs
     where both are bf16 and the guard admitted the host's bf16 GEMM for the canonical class (K, N padded, the weight
-    transposed and shared by every tile), else fp32. The caller passes x in that dtype.
+    transposed; shared by every tile, or once per tile where the tiles run on a transposed batch:
+    ``tiles_on_transposed_batch``), else fp32. The caller passes x in that dtype.
 
     The guard's answer is kept per (guard state: ``HostGuard.epoch``, dtype, K, N, op, thread count), as
     ``tiled_matmul`` keeps its plans: the same answer, asked once."""
@@ -235,8 +238,9 @@ def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") 
     key = (host.epoch, dtype, x.shape[1], weight.shape[0], op, torch.get_num_threads())
     if (known := _DTYPE_PLANS.get(key)) is not None:
         return known
-    answer = host.compute_dtype(dtype, gemm_class(x.shape[1], ceil_to(weight.shape[0], COL_BLOCK), transposed=True),
-                                True, op)
+    k, n_pad = x.shape[1], ceil_to(weight.shape[0], COL_BLOCK)
+    answer = host.compute_dtype(dtype, gemm_class(k, n_pad, transposed=True),
+                                not tiles_on_transposed_batch(dtype, k, n_pad), op)
     if len(_DTYPE_PLANS) >= DTYPE_PLANS_MAX:
         _DTYPE_PLANS.clear()
     _DTYPE_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
@@ -367,68 +371,73 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
     dtype = x.dtype
+    per_tile = tiles_on_transposed_batch(dtype, k, n_pad)  # the canonical class: the operand once per tile
+    shared = not per_tile
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
     if (loops is not None and n_pad == n and dtype == weight.dtype and given.is_contiguous()
             and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
-        if (record := host.library_gemm(dtype, gemm_class(k, n, transposed=True), True, op)) is not None:
+        if (record := host.library_gemm(dtype, gemm_class(k, n, transposed=True), shared, op)) is not None:
             block = row_block(rows, record.tile_heights)
             blocks = -(-rows // block)
-            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=dtype):
+            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=dtype,
+                               per_tile=per_tile):
                 as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
 
                 def stacked_as_given(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                     return _stacked_mm(x, as_given(w), blocks * block, n)
                 return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, stacked_as_given)
 
-    def canonical() -> Callable[[Tensor], Tensor]:  # asked only where used: the laid-out tiles never lay it out
+    def canonical() -> Callable[[Tensor], Tensor]:
         return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), hold)
 
     # the class of the canonical operand [1, K, N_pad]: the weight transposed (and padded, cast), a K-contiguous view
-    if (record := host.library_gemm(dtype, gemm_class(k, n_pad, transposed=True), True, op)) is not None:
+    if (record := host.library_gemm(dtype, gemm_class(k, n_pad, transposed=True), shared, op)) is not None:
         block = row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
         # bf16: one tile too (the host's bf16 bmm took 4x as long as its matmul on a shared, transposed operand)
         if (loops is not None and (blocks > 1 or dtype != torch.float32)
                 and blocks * block * k * n_pad <= STACKED_MACS_MAX
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=k > 1, row_major=False, host=host, op=op,
-                                    dtype=dtype)):
+                                    dtype=dtype, per_tile=per_tile)):
             matrix = _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad)[0], hold)
 
             def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return _stacked_mm(x, matrix(w), blocks * block, n)
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
         form = _laid_out_form(blocks, k, n_pad)
-        if bmm_copies_operand(dtype, block, k, n_pad) and _laid_out_agrees(block, k, n_pad, dtype, form):
-            laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad), hold)
+        if per_tile and _laid_out_agrees(block, k, n_pad, dtype, form):
+            batch = _operand_of(weight, lambda w: transposed_batch(canonical_operand(w, dtype, n_pad)), hold)
 
             def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-                return _laid_out_tiles(x, laid(w), block, blocks, n, form)
+                return _laid_out_tiles(x, batch(w), block, blocks, n, form)
             return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
-        if loops is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
+        if loops is not None and shared:  # the library GEMM: the steps below in one compiled call, on the same operands
             operand = canonical()
 
             def compiled_tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return loops.tiled_matmul(x, operand(w), block, n)
             return TiledPlan(TILED_ARRANGEMENTS[3], block, blocks, compiled_tiles)
     operand = canonical()
-    block = row_block(rows, host.tile_heights(dtype, operand(weight), True, op))
+    block = row_block(rows, host.tile_heights(dtype, operand(weight), shared, op))
     blocks = -(-rows // block)
 
     def tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-        x = _padded_or_aligned(x, (blocks * block, k))
-        out = host.bmm(x.view(blocks, block, k), operand(w).expand(blocks, k, n_pad), op=op, shared_operand=True)
-        out = out.view(blocks * block, n_pad)
+        x = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
+        right = operand(w)
+        right = per_tile_operand(right[0].t(), blocks) if per_tile else right.expand(blocks, k, n_pad)
+        out = host.bmm(x, right, op=op, shared_operand=shared).view(blocks * block, n_pad)
         return out[:rows] if n_pad == n else out[:rows, :n]
     return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles)
 
 
 def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
-                    host: HostGuard, op: str, dtype: torch.dtype = torch.float32) -> bool:
+                    host: HostGuard, op: str, dtype: torch.dtype = torch.float32, per_tile: bool = False) -> bool:
     """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
-    ``tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major) for this
-    class on this host; ``row_major``: with the operand's values in the row-major layout (an input gradient's weight
-    as it is, where the canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile
-    count, tile height, K, N_pad, layouts, ``dtype``: fp32 or bf16), on seeded inputs (``_probe_operands``).
+    ``tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major; where
+    ``per_tile``, the operand once per tile as a transposed batch: ``per_tile_operand``) for this class on this host;
+    ``row_major``: with the operand's values in the row-major layout (an input gradient's weight as it is, where the
+    canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile count, tile height, K,
+    N_pad, layouts, ``dtype``: fp32 or bf16), on seeded inputs (``_probe_operands``).
 
     The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
     once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens), and the weight as it is saves a
@@ -441,13 +450,14 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
 
     def tiles() -> Tensor:
         x, w = inputs(transposed)
-        return torch.bmm(x.view(blocks, block, k), w.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
+        right = per_tile_operand(w[0].t(), blocks) if per_tile else w.expand(blocks, k, n_pad)
+        return torch.bmm(x.view(blocks, block, k), right).view(blocks * block, n_pad)
 
     def stacked() -> Tensor:
         x, w = inputs(transposed and not row_major)
         return _stacked_matmul(x, w, blocks * block, n_pad)
 
-    layout = "transposed" if transposed else "row-major"
+    layout = "transposed batch" if per_tile else "transposed" if transposed else "row-major"
     given = ", the weight as given (row-major)" if row_major else ""
     return host.arrangement_agrees("linear tiles stacked in one GEMM",
                                    f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} {_name(dtype)}", tiles,
@@ -473,10 +483,10 @@ def _stacked_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
 # --------------------------------------------------------------------------- weights laid out once per version
 ARRANGED_BYTES_MAX = 1 << 32
 """Bytes (4 GiB): the most that laid-out weight operands (``arranged_weight``) hold at once in a process. A laid-out
-operand is a copy of a weight (transposed, column-padded, cast to the GEMM's dtype, or contiguous as the bf16 GEMM
-takes it): at most one per weight and form, so training a model holds at most one extra copy of each linear
-weight (in bf16: the forward's transposed copy; the input gradient's operand is the weight itself), about the
-model's linear weights' size again. Beyond this bound new operands are laid out per call as before (slower, the
+operand is a copy of a weight (transposed, column-padded or cast to the GEMM's dtype): at most one per weight and
+form, so training a model holds at most one extra copy of each linear weight (the input gradient's transposed copy;
+the forward's operand is the weight itself), about the model's linear weights' size again.
+Beyond this bound new operands are laid out per call as before (slower, the
 same bits): a 30B-parameter model's weights are not doubled silently."""
 
 # weight (the tensor owning its storage: a view's base) -> {form: (version, operand)}; weakly keyed: gone with it
@@ -539,45 +549,65 @@ def bmm_copies_operand(dtype: torch.dtype, block: int, k: int, n_pad: int) -> bo
     copy: torch 2.13's bf16 ``bmm`` runs oneDNN's matmul (oneDNN enabled, a CPU with its bf16 support, x86, the
     GEMM larger than 16^3 multiply-adds, no ``TORCH_MKLDNN_MATMUL_MIN_*`` threshold set), which copies a right
     operand that is neither contiguous nor a transposed batch ([T, K, N] with strides (K N, 1, K)) -- and the
-    canonical operand's batch stride is never K N. That copy is the weight copied per call (most of a bf16 decode
-    step's time on llama100m); where this holds, ``_laid_out_tiles`` runs the same oneDNN call on the copy laid
-    out once (``laid_out_operand``), checked at first use per class (``_laid_out_agrees``)."""
+    canonical operand's batch stride is never K N. That copy would be the weight copied per call (most of a bf16
+    decode step's time on llama100m); where this holds for a class's tallest tile, its canonical tiles take the
+    operand as a transposed batch instead (``tiles_on_transposed_batch``)."""
+    return _onednn_bf16_bmm(dtype, block * k * n_pad)
+
+
+def _onednn_bf16_bmm(dtype: torch.dtype, macs: int) -> bool:
+    """Whether torch 2.13's CPU ``bmm`` of ``macs`` multiply-adds per batch entry runs oneDNN's bf16 matmul (the rule
+    ``bmm_copies_operand`` states); shared by it and ``tiles_on_transposed_batch``, which tests replace apart."""
     return (dtype == torch.bfloat16 and platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
             and not any(os.environ.get(f"TORCH_MKLDNN_MATMUL_MIN_{what}") for what in ("DIM", "SIZE"))
-            and block * k * n_pad > 16**3)
+            and macs > 16**3)
 
 
-def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
-    """The canonical operand as ``bmm`` lays it out for one tile (``bmm_copies_operand``): [1, K, N_pad], contiguous --
-    ``weight.t()`` itself where that is it already (an input gradient's W: contiguous, aligned, nothing to pad or
-    cast), else laid out once per weight version (``arranged_weight``: a linear layer's forward, W.T)."""
-    given = weight.t()
-    if (given.dtype == dtype and given.shape[1] == n_pad and given.is_contiguous()
-            and given.data_ptr() % ALIGNMENT == 0):
-        return given.unsqueeze(0)
+def tiles_on_transposed_batch(dtype: torch.dtype, k: int, n_pad: int) -> bool:
+    """Whether ``tiled_matmul``'s canonical tiles of the class (``dtype``, K, N_pad) multiply the canonical operand
+    once per tile as a *transposed batch* (``per_tile_operand``) rather than shared by every tile (expanded): where
+    torch's ``bmm`` would copy the shared one (``bmm_copies_operand``, asked for the tallest tile: a class's answer).
 
-    def make() -> Tensor:
-        w = weight.detach().to(dtype)
-        return _padded_or_aligned(w, (n_pad, w.shape[1])).t().contiguous().unsqueeze(0)
+    Why: oneDNN's bf16 ``bmm`` lays a shared, transposed operand out row-major ([T, K, N] contiguous) before its GEMM
+    but multiplies a transposed batch as it is, on its faster kernel for that layout (llama100m's LM head, a decode
+    step's 8 rows: 4.5 ms against 9.6 on the row-major copy). So the canonical call of such a class is the guard's
+    per-tile class (``HostGuard.bmm(..., shared_operand=False)``, probed as attention's per-tile keys are), on the
+    operand's matrix as the weight is stored (a forward's W [N, K]: no copy at all) or as it is laid out once
+    (``canonical_operand``); its tiles then run one GEMM per tile on that matrix, or the canonical call itself
+    (``_laid_out_tiles``). The class is a function of (dtype, K, N_pad) and this torch build, never of the rows, so
+    every call of a class has the same bits. (This changed the canonical bits of bf16 linear layers on a host whose
+    oneDNN rounds the two layouts differently; on the AMD EPYC host of the benchmarks they are the same bits:
+    ``tests/kernels/test_arranged_weights.py``.)"""
+    return _onednn_bf16_bmm(dtype, ROW_BLOCKS[-1] * k * n_pad)
 
-    return arranged_weight(weight, ("laid out", dtype, n_pad), make)
+
+def transposed_batch(operand: Tensor) -> Tensor:
+    """The canonical operand [1, K, N_pad] (its matrix [N_pad, K] contiguous, seen transposed) as a transposed batch:
+    the same memory, strides (K N_pad, 1, K), the layout oneDNN's ``bmm`` takes as it is (``per_tile_operand`` of one
+    tile, without asking)."""
+    return operand[0].t().unsqueeze(0).transpose(1, 2)
+
+
+def per_tile_operand(matrix: Tensor, tiles: int) -> Tensor:
+    """[T, K, N_pad]: ``matrix`` [N_pad, K] (contiguous) once per tile, each seen transposed -- a transposed batch,
+    strides (K N_pad, 1, K): the canonical right operand of a ``tiles_on_transposed_batch`` class. One tile: the
+    matrix itself (no copy); T tiles: T copies of it in one call, as ``bmm`` made of the shared operand before."""
+    return matrix.expand(tiles, *matrix.shape).contiguous().transpose(1, 2)
 
 
 LAID_OUT_CALL_MAX = 1 << 20
-"""Elements. Several tiles on the operand as ``bmm`` lays it out (``_laid_out_tiles``): where the copies of it that
-``bmm`` makes for the canonical call ((tiles - 1) x K x N_pad elements beyond the one laid out) are at most this many,
-the canonical call itself runs, on the laid-out operand expanded (``bmm`` copies it once per tile as it does the
-canonical operand, a plain copy instead of a transposing one: the same contiguous operand reaches oneDNN); above it,
-one GEMM per tile (``_tile_gemms``). Measured on the 2-core AMD host, one thread, bf16: the default model's layers
-(K, N <= 176; 62 tiles of 64 rows for 3,968 tokens; about 7e5 elements) take 0.1 ms as one call against 0.9 ms as
-62 calls (about 14 us per oneDNN call); llama100m's (K = 576, N = 1536, 5 tiles; 3.5e6) 1.5 ms per tile against 2.0 ms
-as one call."""
+"""Elements. Several tiles of a ``tiles_on_transposed_batch`` class (``_laid_out_tiles``): where the operand's copies
+that the canonical call needs ((tiles - 1) x K x N_pad elements beyond the matrix itself) are at most this many, the
+canonical call itself runs; above it, one GEMM per tile on the matrix itself (``_tile_gemms``). Measured on the
+2-core AMD host, one thread, bf16: the default model's layers (K, N <= 176; 62 tiles of 64 rows for 3,968 tokens;
+about 7e5 elements) take 0.3 ms as one call against 1.1 ms as 62 calls (about 14 us per oneDNN call); llama100m's
+(K = 576, N = 1536, 5 tiles; 3.5e6) 1.4 ms per tile against 1.5 ms as one call, and its LM head 77 ms against 250."""
 LAID_OUT_FORMS = ("one tile", "one call", "per tile")
-"""``_laid_out_tiles``' forms: the one tile's call; several tiles in the canonical call on the laid-out operand
-expanded; one call per tile (``_tile_gemms``). Each is checked at first use against the canonical call
-(``_laid_out_agrees``)."""
+"""``_laid_out_tiles``' forms: the one tile's call (on the matrix itself); several tiles in the canonical call (the
+matrix once per tile); one call per tile on the matrix itself (``_tile_gemms``). Each is checked at first use
+against the canonical call (``_laid_out_agrees``)."""
 
 
 def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
@@ -587,28 +617,29 @@ def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
     return LAID_OUT_FORMS[1] if (blocks - 1) * k * n_pad <= LAID_OUT_CALL_MAX else LAID_OUT_FORMS[2]
 
 
-def _laid_out_tiles(x: Tensor, laid: Tensor, block: int, blocks: int, n: int, form: str) -> Tensor:
-    """``tiled_matmul``'s canonical tiles on the operand as ``bmm`` lays it out (``laid_out_operand``), in ``form``
-    (``LAID_OUT_FORMS``): one tile, the canonical call itself minus its copy of the operand; several, that call on
-    the laid-out operand expanded (``LAID_OUT_CALL_MAX``), or one ``bmm`` per tile, [1, block, K] @ [1, K, N_pad]
-    (``_tile_gemms``), as the guard's ``gemm_rows`` probe computes its reference rows (one 64-row tile), whose bits
-    it found every tile count's rows to have."""
+def _laid_out_tiles(x: Tensor, batch: Tensor, block: int, blocks: int, n: int, form: str) -> Tensor:
+    """``tiled_matmul``'s canonical tiles of a ``tiles_on_transposed_batch`` class on its operand as a transposed batch
+    (``transposed_batch``: [1, K, N_pad], the matrix [N_pad, K] as stored or laid out once), in ``form``
+    (``LAID_OUT_FORMS``): one tile, the canonical call itself; several, the canonical call (the matrix once per tile,
+    ``LAID_OUT_CALL_MAX``) or one ``bmm`` per tile, [1, block, K] @ [1, K, N_pad] (``_tile_gemms``), as the guard's
+    ``gemm_rows`` probe computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to
+    have."""
     rows, k = x.shape
-    n_pad = laid.shape[2]
+    n_pad = batch.shape[2]
     tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
     if form == LAID_OUT_FORMS[0]:
-        out = torch.bmm(tiles, laid)
+        out = torch.bmm(tiles, batch)
     elif form == LAID_OUT_FORMS[1]:
-        out = torch.bmm(tiles, laid.expand(blocks, k, n_pad))
+        out = torch.bmm(tiles, per_tile_operand(batch[0].t(), blocks))
     else:
-        out = _tile_gemms(tiles, laid, one_thread=False)
+        out = _tile_gemms(tiles, batch, one_thread=False)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
 def _tile_gemms(tiles: Tensor, operand: Tensor, *, one_thread: bool, spread: bool | None = None) -> Tensor:
-    """[T, h, N]: one ``bmm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N] (contiguous),
-    each into its own rows of one output.
+    """[T, h, N]: one ``bmm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N] (contiguous, or
+    a transposed batch: ``transposed_batch``), each into its own rows of one output.
 
     Spread (where the compiled loops are built and several threads run): one compiled call whose tiles are shared
     out between the threads, each tile's GEMM on one thread (``tile_gemms`` in ``csrc/exact_loops.cpp``: a GEMM
@@ -647,24 +678,24 @@ two threads do not divide evenly)."""
 
 
 def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str) -> bool:
-    """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this class here: checked once per
-    (class, tile height, form, thread count) on seeded order-revealing operands (``_probe_operands``),
-    ``LAID_OUT_CHECK_TILES`` tiles. ``bmm_copies_operand`` says the two are the same oneDNN call (per tile); this
-    catches a torch whose ``bmm`` no longer does what it says, or a per-tile GEMM whose bits follow the threads (then
-    the canonical call runs, with its copy)."""
+    """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this ``tiles_on_transposed_batch``
+    class here: checked once per (class, tile height, form, thread count) on seeded order-revealing operands
+    (``_probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The forms are the canonical call's own GEMM per tile, on
+    the same operand layout; this catches a torch whose ``bmm`` does otherwise, or a per-tile GEMM whose bits follow
+    the threads (then the canonical call runs)."""
     key = (dtype, block, k, n_pad, form, torch.get_num_threads())
     if (known := _LAID_OUT_CHECKS.get(key)) is not None:
         return known
     blocks = LAID_OUT_CHECK_TILES[form]
     x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
-    operand = w.t().unsqueeze(0)
-    canonical = torch.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
+    canonical = torch.bmm(x.view(blocks, block, k), per_tile_operand(w, blocks)).view(blocks * block, n_pad)
+    batch = w.unsqueeze(0).transpose(1, 2)
     if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
-        tiles, laid = x.view(blocks, block, k), operand.contiguous()
-        agrees = all(torch.equal(canonical, _tile_gemms(tiles, laid, one_thread=False, spread=spread).view(
+        tiles = x.view(blocks, block, k)
+        agrees = all(torch.equal(canonical, _tile_gemms(tiles, batch, one_thread=False, spread=spread).view(
             blocks * block, n_pad)) for spread in (True, False))
     else:
-        agrees = torch.equal(canonical, _laid_out_tiles(x, operand.contiguous(), block, blocks, n_pad, form))
+        agrees = torch.equal(canonical, _laid_out_tiles(x, batch, block, blocks, n_pad, form))
     _LAID_OUT_CHECKS[key] = agrees
     return agrees
 

@@ -639,9 +639,10 @@ at::Tensor transposed_matmul(const at::Tensor& a, const at::Tensor& b_tiles, int
 // tile (or one thread) no region is opened: the calls run one after another, as the Python loop makes them.
 at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand) {
   TORCH_CHECK(a_tiles.dim() == 3 && a_tiles.is_contiguous(), "tile_gemms: contiguous [T, h, K] tiles");
-  TORCH_CHECK(operand.dim() == 3 && operand.size(0) == 1 && operand.is_contiguous() &&
+  TORCH_CHECK(operand.dim() == 3 && operand.size(0) == 1 &&
+                  (operand.is_contiguous() || operand.transpose(1, 2).is_contiguous()) &&
                   operand.size(1) == a_tiles.size(2) && operand.scalar_type() == a_tiles.scalar_type(),
-              "tile_gemms: a contiguous [1, K, N] operand of the tiles' dtype");
+              "tile_gemms: a [1, K, N] operand of the tiles' dtype, contiguous or a transposed batch");
   const int64_t tiles = a_tiles.size(0);
   at::Tensor out = at::empty({tiles, a_tiles.size(1), operand.size(2)}, a_tiles.options());
   const auto gemm = [&](int64_t first, int64_t last) {

@@ -1,18 +1,20 @@
 """The canonical linear arrangement lays each weight out once per weight version, with the bits of laying it out per
-call (``gemm_arrangements.arranged_weight``, ``laid_out_operand``).
+call (``gemm_arrangements.arranged_weight``), and in bf16 copies no weight at all where the class's tiles take the
+operand as a transposed batch (``tiles_on_transposed_batch``).
 
 What changed: the canonical tiles of ``tiled_matmul`` copied the weight on every call -- an input gradient's W.T
 made contiguous, a padded or cast weight, and (bf16) the contiguous copy oneDNN's ``bmm`` makes of the shared,
-transposed operand before its GEMM. Now each such copy is made once per weight version and kept; the bf16 tiles run
-on the copy as ``bmm`` lays it out. Checked here, in mode ``canonical`` (what a host whose ``same_bits`` probes fail
-runs), forward and backward, fp32 and bf16:
+transposed operand before its GEMM. Now each such copy is made once per weight version and kept, and a bf16 class
+whose ``bmm`` would copy the shared operand multiplies it once per tile as a transposed batch, which oneDNN takes as
+it is. Checked here, in mode ``canonical`` (what a host whose ``same_bits`` probes fail runs), forward and backward,
+fp32 and bf16:
 
-- the outputs and gradients equal, bit for bit, those of laying the weight out per call (nothing kept, ``bmm``
-  making its own copy), before and after an in-place update of the weight;
+- the outputs and gradients equal, bit for bit, those of laying the weight out per call (nothing kept), before and
+  after an in-place update of the weight;
 - each weight is laid out once per version (counted), and an in-place update lays it out again;
 - counter-test: an operand kept whatever the version (stale after the update) is caught;
-- torch's bf16 ``bmm`` does copy the canonical operand where ``bmm_copies_operand`` says it does (the profiler sees
-  the copy), and fp32's does not.
+- torch's bf16 ``bmm`` does copy the shared canonical operand where ``bmm_copies_operand`` says it does (the profiler
+  sees the copy), and fp32's does not; it copies no transposed batch.
 
 The same for a bf16 weight gradient's one chunk over several row tiles (``_transposed_matmul_laid_out``): the
 canonical call passes the chunk's operand expanded over the row tiles, which oneDNN's ``bmm`` copies once per row
@@ -21,10 +23,11 @@ the canonical call (at several shapes, 1 and 2 threads, on this host and on the 
 through a linear layer's backward), the first-use check catching a laid-out arrangement made wrong on purpose, and
 the profiler seeing no per-tile copy.
 
-Several bf16 forward tiles on the laid-out operand (``_laid_out_tiles``) run as the canonical call on it expanded
-(small operands) or one GEMM per tile, spread over the threads in one compiled call (``_tile_gemms``), as do the
-weight gradient's row tiles: checked bitwise against the canonical call at 1 and 2 threads, on this host and on the
-emulated rows-in-call host, with a counter-test (per-tile GEMMs one ulp off are caught at first use).
+Several bf16 forward tiles of a transposed-batch class (``_laid_out_tiles``) run as the canonical call (small
+operands) or one GEMM per tile on the weight's own matrix, spread over the threads in one compiled call
+(``_tile_gemms``), as do the weight gradient's row tiles: checked bitwise against the canonical call (the guard's
+per-tile class, ``HostGuard.bmm``) at 1 and 2 threads, on this host and on the emulated rows-in-call host, with a
+counter-test (per-tile GEMMs one ulp off are caught at first use).
 """
 
 from __future__ import annotations
@@ -65,9 +68,8 @@ def _steps(dtype: torch.dtype, rows: int = 150, k: int = 64, n: int = 40, ops=No
 
 
 def _per_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lay every operand out per call: nothing kept, and ``bmm`` making its own copy (the arrangement before)."""
+    """Lay every operand out per call: nothing kept (the arrangement before)."""
     monkeypatch.setattr(gemm_arrangements, "ARRANGED_BYTES_MAX", 0)
-    monkeypatch.setattr(gemm_arrangements, "bmm_copies_operand", lambda *args: False)
 
 
 def _with_threads(threads: int, fn):
@@ -100,10 +102,10 @@ def test_each_weight_is_laid_out_once_per_version(dtype, monkeypatch):
         return real(weight, form, counted)
     monkeypatch.setattr(gemm_arrangements, "arranged_weight", counting)
     _steps(dtype)
-    # per version (once for the first, over two passes; once after the update): in fp32 the forward's padded
-    # weight and the input gradient's W.T made contiguous; in bf16 the forward's W.T as bmm lays it out (the input
-    # gradient's operand, so laid out, is W itself)
-    expected = ["canonical", "canonical"] if dtype == torch.float32 else ["laid out"]
+    # per version (once for the first, over two passes; once after the update), fp32 and bf16: the forward's
+    # padded weight and the input gradient's W.T made contiguous (in bf16 each then multiplied as a transposed
+    # batch, tiles_on_transposed_batch: no further copy)
+    expected = ["canonical", "canonical"]
     assert made == expected * 2, made
 
 
@@ -147,6 +149,22 @@ def test_bmm_copies_the_canonical_operand_where_the_rule_says(dtype):
     assert bool(copies) == gemm_arrangements.bmm_copies_operand(dtype, 64, 128, 96)
     if dtype == torch.float32:
         assert not copies
+
+
+def test_bmm_copies_no_transposed_batch():
+    """The operand of a transposed-batch class's tile (``transposed_batch``: a weight [96, 128] as stored, strides
+    (128 x 96, 1, 128)) reaches torch's bf16 ``bmm`` without a copy (the profiler sees none), where the class is one;
+    and the canonical call of several tiles copies the matrix once per tile, as ``per_tile_operand`` lays it out."""
+    if not gemm_arrangements.tiles_on_transposed_batch(torch.bfloat16, 128, 96):
+        pytest.skip("torch's bf16 bmm does not run oneDNN here: no transposed-batch class")
+    x = _randn(1, 64, 128, dtype=torch.bfloat16, seed=3)
+    weight = _randn(96, 128, dtype=torch.bfloat16, seed=4)
+    batch = gemm_arrangements.transposed_batch(weight.t().unsqueeze(0))
+    assert batch.data_ptr() == weight.data_ptr() and batch.stride() == (96 * 128, 1, 128)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = torch.bmm(x, batch)
+    assert not [e for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
+    assert torch.equal(_bits(out), _bits(torch.bmm(x, gemm_arrangements.per_tile_operand(weight, 1))))
 
 
 # --------------------------------------------------------------------------- a bf16 weight gradient's row tiles
@@ -264,12 +282,14 @@ def _forward_tiles(rows: int, k: int, n: int, host: HostGuard) -> torch.Tensor:
 
 def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: int | None = None,
                     rows: int = 0) -> list[str]:
-    """Take the laid-out forward tiles wherever the class allows them (``laid_out``: ``bmm_copies_operand`` answering
-    yes on any host) or never (the canonical call), with ``LAID_OUT_CALL_MAX`` = ``call_max`` (0: one GEMM per tile;
-    large: the canonical call on the laid-out operand); the forms run on ``rows`` rows (not the first-use check's),
-    recorded."""
-    monkeypatch.setattr(gemm_arrangements, "bmm_copies_operand", lambda *args: laid_out)
+    """Make every bf16 forward class a transposed-batch class (``tiles_on_transposed_batch`` answering yes on any
+    host) and take its laid-out forward tiles wherever the first-use check allows them (``laid_out``) or never (the
+    canonical call, through the guard's ``bmm``), with ``LAID_OUT_CALL_MAX`` = ``call_max`` (0: one GEMM per tile;
+    large: the canonical call itself); the forms run on ``rows`` rows (not the first-use check's), recorded."""
+    monkeypatch.setattr(gemm_arrangements, "tiles_on_transposed_batch", lambda *args: True)
     monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
+    if not laid_out:
+        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args: False)
     if call_max is not None:
         monkeypatch.setattr(gemm_arrangements, "LAID_OUT_CALL_MAX", call_max)
     forms = []
@@ -343,7 +363,9 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
     """Counter-test: per-tile GEMMs made one ulp off are caught by the first-use check (``_laid_out_agrees``), and
     the canonical call runs (its bits); without the check they would have been used."""
     with num_threads(threads):
-        expected = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
+        with pytest.MonkeyPatch.context() as canonical:
+            _laid_out_forms(canonical, laid_out=False)
+            expected = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
         real = gemm_arrangements._tile_gemms
 
         def off(*args, **kwargs):

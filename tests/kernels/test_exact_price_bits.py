@@ -103,13 +103,17 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     w = weight.to(x.dtype)  # x's dtype is the GEMM's (fp32, or bf16 where the guard admits the host's bf16 GEMM)
     w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_arrangements._aligned(w)
     operand = w.t().unsqueeze(0)
-    block = row_block(rows, host.tile_heights(x.dtype, operand, True, op))
+    # a bf16 class whose bmm would copy the shared operand takes it once per tile as a transposed batch (the
+    # canonical class since tiles_on_transposed_batch: the operand's layout, not a price optimisation)
+    shared = not gemm_arrangements.tiles_on_transposed_batch(x.dtype, k, n_pad)
+    block = row_block(rows, host.tile_heights(x.dtype, operand, shared, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
     else:
         x = gemm_arrangements._aligned(x)
-    out = host.bmm(x.view(blocks, block, k), operand.expand(blocks, k, n_pad), op=op, shared_operand=True)
+    right = operand.expand(blocks, k, n_pad) if shared else w.expand(blocks, n_pad, k).contiguous().transpose(1, 2)
+    out = host.bmm(x.view(blocks, block, k), right, op=op, shared_operand=shared)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
