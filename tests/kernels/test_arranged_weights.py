@@ -307,7 +307,7 @@ def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: i
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("form,call_max", [("one call", 1 << 40), ("per tile", 0)])
 @pytest.mark.parametrize("rows,k,n", FORWARD_SHAPES)
-def test_bf16_forward_tiles_on_the_laid_out_operand_are_the_canonical_call(rows, k, n, form, call_max, threads,
+def test_bf16_forward_tiles_on_a_transposed_batch_are_the_canonical_call(rows, k, n, form, call_max, threads,
                                                                            host_name, monkeypatch):
     """Several bf16 forward tiles on the operand as ``bmm`` lays it out, as one call on it expanded or one GEMM per
     tile (at 2 threads the tiles spread over the threads, each GEMM on one thread: ``_tile_gemms``): the canonical
