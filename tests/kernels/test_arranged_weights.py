@@ -309,9 +309,10 @@ def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: i
 @pytest.mark.parametrize("rows,k,n", FORWARD_SHAPES)
 def test_bf16_forward_tiles_on_a_transposed_batch_are_the_canonical_call(rows, k, n, form, call_max, threads,
                                                                            host_name, monkeypatch):
-    """Several bf16 forward tiles on the operand as ``bmm`` lays it out, as one call on it expanded or one GEMM per
-    tile (at 2 threads the tiles spread over the threads, each GEMM on one thread: ``_tile_gemms``): the canonical
-    call's bits, on this host and on the emulated host whose GEMM accumulates by the rows in the call."""
+    """Several bf16 forward tiles of a transposed-batch class, as the canonical call itself or one GEMM per tile on
+    the weight's own matrix (at 2 threads the tiles spread over the threads, each GEMM on one thread:
+    ``_tile_gemms``): the bits of the canonical call through the guard's ``bmm``, on this host and on the emulated
+    host whose GEMM accumulates by the rows in the call."""
     with num_threads(threads):
         with pytest.MonkeyPatch.context() as canonical:
             forms = _laid_out_forms(canonical, laid_out=False, rows=rows)
