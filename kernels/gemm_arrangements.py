@@ -406,7 +406,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
         form = _laid_out_form(blocks, k, n_pad)
         if per_tile and _laid_out_agrees(block, k, n_pad, dtype, form):
-            batch = _operand_of(weight, lambda w: transposed_batch(canonical_operand(w, dtype, n_pad)), hold)
+            batch = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
 
             def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return _laid_out_tiles(x, batch(w), block, blocks, n, form)
@@ -597,6 +597,18 @@ def per_tile_operand(matrix: Tensor, tiles: int) -> Tensor:
     return matrix.expand(tiles, *matrix.shape).contiguous().transpose(1, 2)
 
 
+def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int, tiles: int, form: str) -> Tensor:
+    """The operand ``_laid_out_tiles`` multiplies in ``form`` for ``tiles`` tiles of a ``tiles_on_transposed_batch``
+    class: the canonical operand as a transposed batch [1, K, N_pad] (``transposed_batch``: the weight as stored, or
+    its padded, cast or transposed copy laid out once per version); for the canonical call itself (``one call``), its
+    matrix once per tile (``per_tile_operand``), laid out once per weight version and tile count
+    (``arranged_weight``: a decode loop's steps, each the same tile count, copy nothing)."""
+    batch = transposed_batch(canonical_operand(weight, dtype, n_pad))
+    if form != LAID_OUT_FORMS[1]:
+        return batch
+    return arranged_weight(weight, ("per tile", dtype, n_pad, tiles), lambda: per_tile_operand(batch[0].t(), tiles))
+
+
 LAID_OUT_CALL_MAX = 1 << 20
 """Elements. Several tiles of a ``tiles_on_transposed_batch`` class (``_laid_out_tiles``): where the operand's copies
 that the canonical call needs ((tiles - 1) x K x N_pad elements beyond the matrix itself) are at most this many, the
@@ -617,22 +629,20 @@ def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
     return LAID_OUT_FORMS[1] if (blocks - 1) * k * n_pad <= LAID_OUT_CALL_MAX else LAID_OUT_FORMS[2]
 
 
-def _laid_out_tiles(x: Tensor, batch: Tensor, block: int, blocks: int, n: int, form: str) -> Tensor:
-    """``tiled_matmul``'s canonical tiles of a ``tiles_on_transposed_batch`` class on its operand as a transposed batch
-    (``transposed_batch``: [1, K, N_pad], the matrix [N_pad, K] as stored or laid out once), in ``form``
-    (``LAID_OUT_FORMS``): one tile, the canonical call itself; several, the canonical call (the matrix once per tile,
-    ``LAID_OUT_CALL_MAX``) or one ``bmm`` per tile, [1, block, K] @ [1, K, N_pad] (``_tile_gemms``), as the guard's
-    ``gemm_rows`` probe computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to
-    have."""
+def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str) -> Tensor:
+    """``tiled_matmul``'s canonical tiles of a ``tiles_on_transposed_batch`` class in ``form`` (``LAID_OUT_FORMS``) on
+    ``laid_out_operand``: one tile, the canonical call itself on the transposed batch [1, K, N_pad] (the matrix
+    [N_pad, K] as stored or laid out once); several, the canonical call on the matrix once per tile
+    ([blocks, K, N_pad], ``LAID_OUT_CALL_MAX``) or one ``bmm`` per tile on the transposed batch, [1, block, K] @
+    [1, K, N_pad] (``_tile_gemms``), as the guard's ``gemm_rows`` probe computes its reference rows (one 64-row tile),
+    whose bits it found every tile count's rows to have."""
     rows, k = x.shape
-    n_pad = batch.shape[2]
+    n_pad = operand.shape[2]
     tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
-    if form == LAID_OUT_FORMS[0]:
-        out = torch.bmm(tiles, batch)
-    elif form == LAID_OUT_FORMS[1]:
-        out = torch.bmm(tiles, per_tile_operand(batch[0].t(), blocks))
+    if form == LAID_OUT_FORMS[2]:
+        out = _tile_gemms(tiles, operand, one_thread=False)
     else:
-        out = _tile_gemms(tiles, batch, one_thread=False)
+        out = torch.bmm(tiles, operand)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
@@ -695,7 +705,8 @@ def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: s
         agrees = all(torch.equal(canonical, _tile_gemms(tiles, batch, one_thread=False, spread=spread).view(
             blocks * block, n_pad)) for spread in (True, False))
     else:
-        agrees = torch.equal(canonical, _laid_out_tiles(x, batch, block, blocks, n_pad, form))
+        operand = batch if form == LAID_OUT_FORMS[0] else per_tile_operand(w, blocks)
+        agrees = torch.equal(canonical, _laid_out_tiles(x, operand, block, blocks, n_pad, form))
     _LAID_OUT_CHECKS[key] = agrees
     return agrees
 

@@ -102,10 +102,12 @@ def test_each_weight_is_laid_out_once_per_version(dtype, monkeypatch):
         return real(weight, form, counted)
     monkeypatch.setattr(gemm_arrangements, "arranged_weight", counting)
     _steps(dtype)
-    # per version (once for the first, over two passes; once after the update), fp32 and bf16: the forward's
-    # padded weight and the input gradient's W.T made contiguous (in bf16 each then multiplied as a transposed
-    # batch, tiles_on_transposed_batch: no further copy)
+    # per version (once for the first, over two passes; once after the update): the forward's padded weight and
+    # the input gradient's W.T made contiguous; in bf16, where the classes take their operand as a transposed batch
+    # (tiles_on_transposed_batch), each also once per tile for the canonical call of the three tiles
     expected = ["canonical", "canonical"]
+    if dtype == torch.bfloat16 and gemm_arrangements.tiles_on_transposed_batch(dtype, 64, 48):
+        expected = ["canonical", "per tile", "canonical", "per tile"]
     assert made == expected * 2, made
 
 
@@ -379,3 +381,23 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
         monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args: True)
         wrong = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
     assert forms == ["per tile"] and not torch.equal(_bits(wrong), _bits(expected))
+
+
+@pytest.mark.parametrize("rows,form", [(48, "one tile"), (192, "one call"), (320, "per tile")])
+def test_a_warm_bf16_linear_copies_no_weight(rows, form, monkeypatch):
+    """A bf16 linear layer's repeated call (a decode loop's steps) on a transposed-batch class copies nothing in each
+    form (the profiler sees no copy): the one tile and the per-tile GEMMs multiply the weight as stored, and the
+    canonical call's once-per-tile matrix is laid out once per weight version and tile count (``laid_out_operand``).
+    The rows fill whole tiles, so the input is not padded either."""
+    if not gemm_arrangements.tiles_on_transposed_batch(torch.bfloat16, 64, 176):
+        pytest.skip("torch's bf16 bmm does not run oneDNN here: no transposed-batch class")
+    forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=0 if form == "per tile" else None, rows=rows)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+    x = _randn(rows, 64, dtype=torch.bfloat16, seed=5)
+    weight = _randn(176, 64, dtype=torch.bfloat16, seed=6)
+    first = gemm_arrangements.tiled_matmul(x, weight, host)  # probes, checks and the plan, outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        warm = gemm_arrangements.tiled_matmul(x, weight, host)
+    assert forms == [form, form]
+    assert not [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
+    assert torch.equal(_bits(warm), _bits(first))
