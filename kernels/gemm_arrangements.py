@@ -17,7 +17,7 @@ The canonical arrangement copies no weight per call: each copy it needs of a wei
 contiguous, a padded or cast weight) is laid out once per weight version and kept (``arranged_weight``, bounded by
 ``ARRANGED_BYTES_MAX``). In bf16, where oneDNN's ``bmm`` would copy the shared, transposed operand before its GEMM
 (``bmm_copies_operand``), a class's canonical tiles take the operand once per tile as a transposed batch instead,
-the layout oneDNN multiplies as it is (``tiles_on_transposed_batch``): a forward's weight as stored, with no copy at
+the layout oneDNN multiplies as it is (``operand_per_tile``): a forward's weight as stored, with no copy at
 all, one GEMM per tile or the canonical call itself (``_laid_out_tiles``). The same GEMM calls on the same values in
 the same layout, so no bit depends on which (``tests/kernels/test_arranged_weights.py``).
 Nor does ``tiled_matmul`` decide anew on every call: its decisions (the
@@ -227,20 +227,22 @@ DTYPE_PLANS_MAX = 4096
 def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> torch.dtype:
     """The dtype ``tiled_matmul`` computes x [M, K] @ weight [N, K].T in, for x and weight in their own dtypes: theirs
     where both are bf16 and the guard admitted the host's bf16 GEMM for the canonical class (K, N padded, the weight
-    transposed; shared by every tile, or once per tile where the tiles run on a transposed batch:
-    ``tiles_on_transposed_batch``), else fp32. The caller passes x in that dtype.
+    transposed and shared by every tile; or once per tile in the layout the weight is stored in, where
+    ``operand_per_tile``), else fp32. The caller passes x in that dtype.
 
-    The guard's answer is kept per (guard state: ``HostGuard.epoch``, dtype, K, N, op, thread count), as
-    ``tiled_matmul`` keeps its plans: the same answer, asked once."""
+    The guard's answer is kept per (guard state: ``HostGuard.epoch``, dtype, K, N, the weight's layout, op, thread
+    count), as ``tiled_matmul`` keeps its plans: the same answer, asked once."""
     dtype = x.dtype
     if dtype != weight.dtype or dtype not in LIBRARY_DTYPES:  # (compute_dtype's own first answer, without asking)
         return torch.float32
-    key = (host.epoch, dtype, x.shape[1], weight.shape[0], op, torch.get_num_threads())
+    row_major = stored_row_major(weight)
+    key = (host.epoch, dtype, x.shape[1], weight.shape[0], row_major, op, torch.get_num_threads())
     if (known := _DTYPE_PLANS.get(key)) is not None:
         return known
     k, n_pad = x.shape[1], ceil_to(weight.shape[0], COL_BLOCK)
-    answer = host.compute_dtype(dtype, gemm_class(k, n_pad, transposed=True),
-                                not tiles_on_transposed_batch(dtype, k, n_pad), op)
+    per_tile = operand_per_tile(dtype, k, n_pad)
+    answer = host.compute_dtype(dtype, gemm_class(k, n_pad, transposed=not (per_tile and row_major)), not per_tile,
+                                op)
     if len(_DTYPE_PLANS) >= DTYPE_PLANS_MAX:
         _DTYPE_PLANS.clear()
     _DTYPE_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
@@ -371,45 +373,50 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
     dtype = x.dtype
-    per_tile = tiles_on_transposed_batch(dtype, k, n_pad)  # the canonical class: the operand once per tile
+    per_tile = operand_per_tile(dtype, k, n_pad)  # the canonical class: the operand once per tile, as stored
     shared = not per_tile
+    transposed = not (per_tile and stored_row_major(weight))  # the canonical operand's layout
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
     if (loops is not None and n_pad == n and dtype == weight.dtype and given.is_contiguous()
             and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
-        if (record := host.library_gemm(dtype, gemm_class(k, n, transposed=True), shared, op)) is not None:
+        if (record := host.library_gemm(dtype, gemm_class(k, n, transposed=transposed), shared, op)) is not None:
             block = row_block(rows, record.tile_heights)
             blocks = -(-rows // block)
-            if _stacked_agrees(blocks, block, k, n, transposed=True, row_major=True, host=host, op=op, dtype=dtype,
-                               per_tile=per_tile):
+            if _stacked_agrees(blocks, block, k, n, transposed=transposed, row_major=True, host=host, op=op,
+                               dtype=dtype, per_tile=per_tile):
                 as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
 
                 def stacked_as_given(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                     return _stacked_mm(x, as_given(w), blocks * block, n)
                 return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, stacked_as_given)
 
-    def canonical() -> Callable[[Tensor], Tensor]:
+    def canonical() -> Callable[[Tensor], Tensor]:  # the canonical operand [1, K, N_pad], in the class's layout
+        if per_tile:
+            return _operand_of(weight, lambda w: stored_operand(w, dtype, n_pad), hold)
         return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), hold)
 
-    # the class of the canonical operand [1, K, N_pad]: the weight transposed (and padded, cast), a K-contiguous view
-    if (record := host.library_gemm(dtype, gemm_class(k, n_pad, transposed=True), shared, op)) is not None:
+    # the class of the canonical operand [1, K, N_pad]: the weight transposed (and padded, cast), a K-contiguous view;
+    # or, once per tile, row-major where the weight is stored so (an input gradient's W)
+    if (record := host.library_gemm(dtype, gemm_class(k, n_pad, transposed=transposed), shared, op)) is not None:
         block = row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
         # bf16: one tile too (the host's bf16 bmm took 4x as long as its matmul on a shared, transposed operand)
         if (loops is not None and (blocks > 1 or dtype != torch.float32)
                 and blocks * block * k * n_pad <= STACKED_MACS_MAX
-                and _stacked_agrees(blocks, block, k, n_pad, transposed=k > 1, row_major=False, host=host, op=op,
-                                    dtype=dtype, per_tile=per_tile)):
-            matrix = _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad)[0], hold)
+                and _stacked_agrees(blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
+                                    host=host, op=op, dtype=dtype, per_tile=per_tile)):
+            of = stored_operand if per_tile else canonical_operand
+            matrix = _operand_of(weight, lambda w: of(w, dtype, n_pad)[0], hold)
 
             def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return _stacked_mm(x, matrix(w), blocks * block, n)
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
         form = _laid_out_form(blocks, k, n_pad)
-        if per_tile and _laid_out_agrees(block, k, n_pad, dtype, form):
-            batch = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
+        if per_tile and _laid_out_agrees(block, k, n_pad, dtype, form, transposed):
+            laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
 
             def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-                return _laid_out_tiles(x, batch(w), block, blocks, n, form)
+                return _laid_out_tiles(x, laid(w), block, blocks, n, form)
             return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
         if loops is not None and shared:  # the library GEMM: the steps below in one compiled call, on the same operands
             operand = canonical()
@@ -423,8 +430,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
 
     def tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         x = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
-        right = operand(w)
-        right = per_tile_operand(right[0].t(), blocks) if per_tile else right.expand(blocks, k, n_pad)
+        right = per_tile_operand(operand(w), blocks) if per_tile else operand(w).expand(blocks, k, n_pad)
         out = host.bmm(x, right, op=op, shared_operand=shared).view(blocks * block, n_pad)
         return out[:rows] if n_pad == n else out[:rows, :n]
     return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles)
@@ -434,7 +440,7 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
                     host: HostGuard, op: str, dtype: torch.dtype = torch.float32, per_tile: bool = False) -> bool:
     """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
     ``tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major; where
-    ``per_tile``, the operand once per tile as a transposed batch: ``per_tile_operand``) for this class on this host;
+    ``per_tile``, the operand once per tile in that layout: ``per_tile_operand``) for this class on this host;
     ``row_major``: with the operand's values in the row-major layout (an input gradient's weight as it is, where the
     canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile count, tile height, K,
     N_pad, layouts, ``dtype``: fp32 or bf16), on seeded inputs (``_probe_operands``).
@@ -450,14 +456,14 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
 
     def tiles() -> Tensor:
         x, w = inputs(transposed)
-        right = per_tile_operand(w[0].t(), blocks) if per_tile else w.expand(blocks, k, n_pad)
+        right = per_tile_operand(w, blocks) if per_tile else w.expand(blocks, k, n_pad)
         return torch.bmm(x.view(blocks, block, k), right).view(blocks * block, n_pad)
 
     def stacked() -> Tensor:
         x, w = inputs(transposed and not row_major)
         return _stacked_matmul(x, w, blocks * block, n_pad)
 
-    layout = "transposed batch" if per_tile else "transposed" if transposed else "row-major"
+    layout = ("transposed" if transposed else "row-major") + (" batch" if per_tile else "")
     given = ", the weight as given (row-major)" if row_major else ""
     return host.arrangement_agrees("linear tiles stacked in one GEMM",
                                    f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} {_name(dtype)}", tiles,
@@ -551,13 +557,13 @@ def bmm_copies_operand(dtype: torch.dtype, block: int, k: int, n_pad: int) -> bo
     operand that is neither contiguous nor a transposed batch ([T, K, N] with strides (K N, 1, K)) -- and the
     canonical operand's batch stride is never K N. That copy would be the weight copied per call (most of a bf16
     decode step's time on llama100m); where this holds for a class's tallest tile, its canonical tiles take the
-    operand as a transposed batch instead (``tiles_on_transposed_batch``)."""
+    operand as a transposed batch instead (``operand_per_tile``)."""
     return _onednn_bf16_bmm(dtype, block * k * n_pad)
 
 
 def _onednn_bf16_bmm(dtype: torch.dtype, macs: int) -> bool:
     """Whether torch 2.13's CPU ``bmm`` of ``macs`` multiply-adds per batch entry runs oneDNN's bf16 matmul (the rule
-    ``bmm_copies_operand`` states); shared by it and ``tiles_on_transposed_batch``, which tests replace apart."""
+    ``bmm_copies_operand`` states); shared by it and ``operand_per_tile``, which tests replace apart."""
     return (dtype == torch.bfloat16 and platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -565,52 +571,81 @@ def _onednn_bf16_bmm(dtype: torch.dtype, macs: int) -> bool:
             and macs > 16**3)
 
 
-def tiles_on_transposed_batch(dtype: torch.dtype, k: int, n_pad: int) -> bool:
-    """Whether ``tiled_matmul``'s canonical tiles of the class (``dtype``, K, N_pad) multiply the canonical operand
-    once per tile as a *transposed batch* (``per_tile_operand``) rather than shared by every tile (expanded): where
-    torch's ``bmm`` would copy the shared one (``bmm_copies_operand``, asked for the tallest tile: a class's answer).
+def operand_per_tile(dtype: torch.dtype, k: int, n_pad: int) -> bool:
+    """Whether ``tiled_matmul``'s canonical tiles of the class (``dtype``, K, N_pad) take the operand once per tile,
+    in the layout the weight is stored in (``stored_operand``, ``per_tile_operand``), rather than shared by every
+    tile (expanded): where torch's ``bmm`` would copy the shared one (``bmm_copies_operand``, asked for the tallest
+    tile: a class's answer).
 
-    Why: oneDNN's bf16 ``bmm`` lays a shared, transposed operand out row-major ([T, K, N] contiguous) before its GEMM
-    but multiplies a transposed batch as it is, on its faster kernel for that layout (llama100m's LM head, a decode
-    step's 8 rows: 4.5 ms against 9.6 on the row-major copy). So the canonical call of such a class is the guard's
-    per-tile class (``HostGuard.bmm(..., shared_operand=False)``, probed as attention's per-tile keys are), on the
-    operand's matrix as the weight is stored (a forward's W [N, K]: no copy at all) or as it is laid out once
-    (``canonical_operand``); its tiles then run one GEMM per tile on that matrix, or the canonical call itself
-    (``_laid_out_tiles``). The class is a function of (dtype, K, N_pad) and this torch build, never of the rows, so
-    every call of a class has the same bits. (This changed the canonical bits of bf16 linear layers on a host whose
-    oneDNN rounds the two layouts differently; on the AMD EPYC host of the benchmarks they are the same bits:
-    ``tests/kernels/test_arranged_weights.py``.)"""
+    Why: oneDNN's bf16 ``bmm`` lays a shared, transposed operand out row-major ([T, K, N] contiguous) before its GEMM,
+    but multiplies an operand that is contiguous or a transposed batch (strides (K N, 1, K)) as it is. A forward's
+    weight W [N, K] seen transposed is such a batch, and oneDNN's kernel for it is the faster one (llama100m's LM head,
+    a decode step's 8 rows: 4.5 ms against 9.6 on the row-major copy); an input gradient's operand is W itself,
+    row-major, which the shared form's copy gave anyway. So the canonical call of such a class is the guard's per-tile
+    class (``HostGuard.bmm(..., shared_operand=False)``, probed as attention's per-tile keys are) on the operand as
+    stored: a forward's weight and an input gradient's are multiplied with no copy at all (one tile, or one GEMM per
+    tile: ``_laid_out_tiles``). The class is a function of (dtype, K, N_pad, the weight's layout) and this torch build,
+    never of the rows, so every call of a class has the same bits. (For a forward's weight this changed the canonical
+    bits of bf16 linear layers on a host whose oneDNN rounds the two layouts apart; on the AMD EPYC host of the
+    benchmarks they are the same bits. An input gradient's are those of the row-major copy on every host.)"""
     return _onednn_bf16_bmm(dtype, ROW_BLOCKS[-1] * k * n_pad)
+
+
+def stored_row_major(weight: Tensor) -> bool:
+    """Whether ``tiled_matmul``'s ``weight`` [N, K] is stored as its transpose (an input gradient's W.T, a view of the
+    contiguous W): its operand [K, N] is then row-major as stored. Else (a forward's W, contiguous) the operand is
+    the weight seen transposed."""
+    return not weight.is_contiguous() and weight.t().is_contiguous()
+
+
+def stored_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
+    """The canonical operand [1, K, N_pad] of an ``operand_per_tile`` class, in the layout the weight is stored in: a
+    forward's weight [N, K] as a transposed batch (``transposed_batch`` of ``canonical_operand``: the weight itself,
+    or its padded or cast copy laid out once per version); an input gradient's (``stored_row_major``) row-major, W
+    itself, or its padded or cast copy laid out once per version (``arranged_weight``)."""
+    if not stored_row_major(weight):
+        return transposed_batch(canonical_operand(weight, dtype, n_pad))
+    given = weight.t()
+    if given.dtype == dtype and given.shape[1] == n_pad and given.data_ptr() % ALIGNMENT == 0:
+        return given.unsqueeze(0)
+
+    def make() -> Tensor:
+        return _padded_or_aligned(given.detach().to(dtype), (given.shape[0], n_pad)).unsqueeze(0)
+
+    return arranged_weight(weight, ("row-major", dtype, n_pad), make)
 
 
 def transposed_batch(operand: Tensor) -> Tensor:
     """The canonical operand [1, K, N_pad] (its matrix [N_pad, K] contiguous, seen transposed) as a transposed batch:
-    the same memory, strides (K N_pad, 1, K), the layout oneDNN's ``bmm`` takes as it is (``per_tile_operand`` of one
-    tile, without asking)."""
+    the same memory, strides (K N_pad, 1, K), the layout oneDNN's ``bmm`` takes as it is."""
     return operand[0].t().unsqueeze(0).transpose(1, 2)
 
 
-def per_tile_operand(matrix: Tensor, tiles: int) -> Tensor:
-    """[T, K, N_pad]: ``matrix`` [N_pad, K] (contiguous) once per tile, each seen transposed -- a transposed batch,
-    strides (K N_pad, 1, K): the canonical right operand of a ``tiles_on_transposed_batch`` class. One tile: the
-    matrix itself (no copy); T tiles: T copies of it in one call, as ``bmm`` made of the shared operand before."""
-    return matrix.expand(tiles, *matrix.shape).contiguous().transpose(1, 2)
+def per_tile_operand(operand: Tensor, tiles: int) -> Tensor:
+    """[T, K, N_pad]: ``operand`` [1, K, N_pad] -- row-major, or a transposed batch (its matrix [N_pad, K] contiguous,
+    seen transposed) -- once per tile, in its layout: the canonical right operand of an ``operand_per_tile`` class,
+    which oneDNN's ``bmm`` multiplies as it is. One tile: the operand itself (no copy); T tiles: T copies of it in one
+    call, as ``bmm`` made of the shared operand before."""
+    if operand.stride(1) == 1 and operand.shape[1] > 1:  # transposed (host_guard.operand_layout)
+        matrix = operand[0].t()
+        return matrix.expand(tiles, *matrix.shape).contiguous().transpose(1, 2)
+    return operand.expand(tiles, *operand.shape[1:]).contiguous()
 
 
 def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int, tiles: int, form: str) -> Tensor:
-    """The operand ``_laid_out_tiles`` multiplies in ``form`` for ``tiles`` tiles of a ``tiles_on_transposed_batch``
-    class: the canonical operand as a transposed batch [1, K, N_pad] (``transposed_batch``: the weight as stored, or
-    its padded, cast or transposed copy laid out once per version); for the canonical call itself (``one call``), its
-    matrix once per tile (``per_tile_operand``), laid out once per weight version and tile count
+    """The operand ``_laid_out_tiles`` multiplies in ``form`` for ``tiles`` tiles of an ``operand_per_tile`` class:
+    the canonical operand as stored, [1, K, N_pad] (``stored_operand``); for the canonical call itself (``one call``)
+    that operand once per tile (``per_tile_operand``), laid out once per weight version and tile count
     (``arranged_weight``: a decode loop's steps, each the same tile count, copy nothing)."""
-    batch = transposed_batch(canonical_operand(weight, dtype, n_pad))
+    operand = stored_operand(weight, dtype, n_pad)
     if form != LAID_OUT_FORMS[1]:
-        return batch
-    return arranged_weight(weight, ("per tile", dtype, n_pad, tiles), lambda: per_tile_operand(batch[0].t(), tiles))
+        return operand
+    layout = operand.stride(1) == 1
+    return arranged_weight(weight, ("per tile", dtype, n_pad, tiles, layout), lambda: per_tile_operand(operand, tiles))
 
 
 LAID_OUT_CALL_MAX = 1 << 20
-"""Elements. Several tiles of a ``tiles_on_transposed_batch`` class (``_laid_out_tiles``): where the operand's copies
+"""Elements. Several tiles of a ``operand_per_tile`` class (``_laid_out_tiles``): where the operand's copies
 that the canonical call needs ((tiles - 1) x K x N_pad elements beyond the matrix itself) are at most this many, the
 canonical call itself runs; above it, one GEMM per tile on the matrix itself (``_tile_gemms``). Measured on the
 2-core AMD host, one thread, bf16: the default model's layers (K, N <= 176; 62 tiles of 64 rows for 3,968 tokens;
@@ -630,12 +665,11 @@ def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
 
 
 def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str) -> Tensor:
-    """``tiled_matmul``'s canonical tiles of a ``tiles_on_transposed_batch`` class in ``form`` (``LAID_OUT_FORMS``) on
-    ``laid_out_operand``: one tile, the canonical call itself on the transposed batch [1, K, N_pad] (the matrix
-    [N_pad, K] as stored or laid out once); several, the canonical call on the matrix once per tile
-    ([blocks, K, N_pad], ``LAID_OUT_CALL_MAX``) or one ``bmm`` per tile on the transposed batch, [1, block, K] @
-    [1, K, N_pad] (``_tile_gemms``), as the guard's ``gemm_rows`` probe computes its reference rows (one 64-row tile),
-    whose bits it found every tile count's rows to have."""
+    """``tiled_matmul``'s canonical tiles of an ``operand_per_tile`` class in ``form`` (``LAID_OUT_FORMS``) on
+    ``laid_out_operand``: one tile, the canonical call itself on the operand as stored, [1, K, N_pad]; several, the
+    canonical call on that operand once per tile ([blocks, K, N_pad], ``LAID_OUT_CALL_MAX``) or one ``bmm`` per tile
+    on the operand as stored, [1, block, K] @ [1, K, N_pad] (``_tile_gemms``), as the guard's ``gemm_rows`` probe
+    computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have."""
     rows, k = x.shape
     n_pad = operand.shape[2]
     tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
@@ -687,26 +721,26 @@ LAID_OUT_CHECK_TILES = dict(zip(LAID_OUT_FORMS, (1, 2, 3)))
 two threads do not divide evenly)."""
 
 
-def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str) -> bool:
-    """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this ``tiles_on_transposed_batch``
-    class here: checked once per (class, tile height, form, thread count) on seeded order-revealing operands
-    (``_probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The forms are the canonical call's own GEMM per tile, on
-    the same operand layout; this catches a torch whose ``bmm`` does otherwise, or a per-tile GEMM whose bits follow
-    the threads (then the canonical call runs)."""
-    key = (dtype, block, k, n_pad, form, torch.get_num_threads())
+def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str, transposed: bool = True) -> bool:
+    """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this ``operand_per_tile`` class
+    here (``transposed``: its operand a transposed batch, else row-major): checked once per (class, tile height,
+    form, thread count) on seeded order-revealing operands (``_probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The
+    forms are the canonical call's own GEMM per tile, on the same operand layout; this catches a torch whose ``bmm``
+    does otherwise, or a per-tile GEMM whose bits follow the threads (then the canonical call runs)."""
+    key = (dtype, block, k, n_pad, form, transposed, torch.get_num_threads())
     if (known := _LAID_OUT_CHECKS.get(key)) is not None:
         return known
     blocks = LAID_OUT_CHECK_TILES[form]
     x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
-    canonical = torch.bmm(x.view(blocks, block, k), per_tile_operand(w, blocks)).view(blocks * block, n_pad)
-    batch = w.unsqueeze(0).transpose(1, 2)
+    operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
+    canonical = torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks)).view(blocks * block, n_pad)
     if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
         tiles = x.view(blocks, block, k)
-        agrees = all(torch.equal(canonical, _tile_gemms(tiles, batch, one_thread=False, spread=spread).view(
+        agrees = all(torch.equal(canonical, _tile_gemms(tiles, operand, one_thread=False, spread=spread).view(
             blocks * block, n_pad)) for spread in (True, False))
     else:
-        operand = batch if form == LAID_OUT_FORMS[0] else per_tile_operand(w, blocks)
-        agrees = torch.equal(canonical, _laid_out_tiles(x, operand, block, blocks, n_pad, form))
+        laid = operand if form == LAID_OUT_FORMS[0] else per_tile_operand(operand, blocks)
+        agrees = torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form))
     _LAID_OUT_CHECKS[key] = agrees
     return agrees
 

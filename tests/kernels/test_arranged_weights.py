@@ -1,6 +1,6 @@
 """The canonical linear arrangement lays each weight out once per weight version, with the bits of laying it out per
 call (``gemm_arrangements.arranged_weight``), and in bf16 copies no weight at all where the class's tiles take the
-operand as a transposed batch (``tiles_on_transposed_batch``).
+operand as a transposed batch (``operand_per_tile``).
 
 What changed: the canonical tiles of ``tiled_matmul`` copied the weight on every call -- an input gradient's W.T
 made contiguous, a padded or cast weight, and (bf16) the contiguous copy oneDNN's ``bmm`` makes of the shared,
@@ -14,7 +14,7 @@ fp32 and bf16:
 - each weight is laid out once per version (counted), and an in-place update lays it out again;
 - counter-test: an operand kept whatever the version (stale after the update) is caught;
 - torch's bf16 ``bmm`` does copy the shared canonical operand where ``bmm_copies_operand`` says it does (the profiler
-  sees the copy), and fp32's does not; it copies no transposed batch.
+  sees the copy), and fp32's does not; it copies no operand as the weight is stored.
 
 The same for a bf16 weight gradient's one chunk over several row tiles (``_transposed_matmul_laid_out``): the
 canonical call passes the chunk's operand expanded over the row tiles, which oneDNN's ``bmm`` copies once per row
@@ -103,11 +103,12 @@ def test_each_weight_is_laid_out_once_per_version(dtype, monkeypatch):
     monkeypatch.setattr(gemm_arrangements, "arranged_weight", counting)
     _steps(dtype)
     # per version (once for the first, over two passes; once after the update): the forward's padded weight and
-    # the input gradient's W.T made contiguous; in bf16, where the classes take their operand as a transposed batch
-    # (tiles_on_transposed_batch), each also once per tile for the canonical call of the three tiles
+    # the input gradient's W.T made contiguous; in bf16, where the classes take their operand once per tile as the
+    # weight is stored (operand_per_tile), the forward's padded weight, then each operand once per tile for the
+    # canonical call of the three tiles (the input gradient's operand is W itself: nothing else laid out)
     expected = ["canonical", "canonical"]
-    if dtype == torch.bfloat16 and gemm_arrangements.tiles_on_transposed_batch(dtype, 64, 48):
-        expected = ["canonical", "per tile", "canonical", "per tile"]
+    if dtype == torch.bfloat16 and gemm_arrangements.operand_per_tile(dtype, 64, 48):
+        expected = ["canonical", "per tile", "per tile"]
     assert made == expected * 2, made
 
 
@@ -153,20 +154,27 @@ def test_bmm_copies_the_canonical_operand_where_the_rule_says(dtype):
         assert not copies
 
 
-def test_bmm_copies_no_transposed_batch():
-    """The operand of a transposed-batch class's tile (``transposed_batch``: a weight [96, 128] as stored, strides
-    (128 x 96, 1, 128)) reaches torch's bf16 ``bmm`` without a copy (the profiler sees none), where the class is one;
-    and the canonical call of several tiles copies the matrix once per tile, as ``per_tile_operand`` lays it out."""
-    if not gemm_arrangements.tiles_on_transposed_batch(torch.bfloat16, 128, 96):
-        pytest.skip("torch's bf16 bmm does not run oneDNN here: no transposed-batch class")
+@pytest.mark.parametrize("layout", ["forward", "input gradient"])
+def test_bmm_copies_no_operand_as_stored(layout):
+    """The operand of an ``operand_per_tile`` class's tile as the weight is stored (``stored_operand``: a forward's
+    weight [96, 128] as a transposed batch, strides (128 x 96, 1, 128); an input gradient's W [128, 96] row-major)
+    reaches torch's bf16 ``bmm`` without a copy (the profiler sees none), where the class is one; and has the bits of
+    the canonical call of one tile (``per_tile_operand``)."""
+    if not gemm_arrangements.operand_per_tile(torch.bfloat16, 128, 96):
+        pytest.skip("torch's bf16 bmm does not run oneDNN here: no per-tile class")
     x = _randn(1, 64, 128, dtype=torch.bfloat16, seed=3)
-    weight = _randn(96, 128, dtype=torch.bfloat16, seed=4)
-    batch = gemm_arrangements.transposed_batch(weight.t().unsqueeze(0))
-    assert batch.data_ptr() == weight.data_ptr() and batch.stride() == (96 * 128, 1, 128)
+    if layout == "forward":
+        stored = _randn(96, 128, dtype=torch.bfloat16, seed=4)
+        weight, strides = stored, (96 * 128, 1, 128)
+    else:
+        stored = _randn(128, 96, dtype=torch.bfloat16, seed=4)  # W of a layer 96 -> 128; the weight given is W.T
+        weight, strides = stored.t(), (128 * 96, 96, 1)
+    operand = gemm_arrangements.stored_operand(weight, torch.bfloat16, 96)
+    assert operand.data_ptr() == stored.data_ptr() and operand.stride() == strides
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        out = torch.bmm(x, batch)
+        out = torch.bmm(x, operand)
     assert not [e for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
-    assert torch.equal(_bits(out), _bits(torch.bmm(x, gemm_arrangements.per_tile_operand(weight, 1))))
+    assert torch.equal(_bits(out), _bits(torch.bmm(x, gemm_arrangements.per_tile_operand(operand, 1))))
 
 
 # --------------------------------------------------------------------------- a bf16 weight gradient's row tiles
@@ -284,11 +292,11 @@ def _forward_tiles(rows: int, k: int, n: int, host: HostGuard) -> torch.Tensor:
 
 def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: int | None = None,
                     rows: int = 0) -> list[str]:
-    """Make every bf16 forward class a transposed-batch class (``tiles_on_transposed_batch`` answering yes on any
+    """Make every bf16 forward class a transposed-batch class (``operand_per_tile`` answering yes on any
     host) and take its laid-out forward tiles wherever the first-use check allows them (``laid_out``) or never (the
     canonical call, through the guard's ``bmm``), with ``LAID_OUT_CALL_MAX`` = ``call_max`` (0: one GEMM per tile;
     large: the canonical call itself); the forms run on ``rows`` rows (not the first-use check's), recorded."""
-    monkeypatch.setattr(gemm_arrangements, "tiles_on_transposed_batch", lambda *args: True)
+    monkeypatch.setattr(gemm_arrangements, "operand_per_tile", lambda *args: True)
     monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
     if not laid_out:
         monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args: False)
@@ -383,18 +391,21 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
     assert forms == ["per tile"] and not torch.equal(_bits(wrong), _bits(expected))
 
 
+@pytest.mark.parametrize("stored", ["forward", "input gradient"])
 @pytest.mark.parametrize("rows,form", [(48, "one tile"), (192, "one call"), (320, "per tile")])
-def test_a_warm_bf16_linear_copies_no_weight(rows, form, monkeypatch):
-    """A bf16 linear layer's repeated call (a decode loop's steps) on a transposed-batch class copies nothing in each
-    form (the profiler sees no copy): the one tile and the per-tile GEMMs multiply the weight as stored, and the
-    canonical call's once-per-tile matrix is laid out once per weight version and tile count (``laid_out_operand``).
-    The rows fill whole tiles, so the input is not padded either."""
-    if not gemm_arrangements.tiles_on_transposed_batch(torch.bfloat16, 64, 176):
+def test_a_warm_bf16_linear_copies_no_weight(rows, form, stored, monkeypatch):
+    """A bf16 linear layer's repeated call (a decode loop's steps; a training step's input gradient, given W.T) on a
+    per-tile class copies nothing in each form (the profiler sees no copy): the one tile and the per-tile GEMMs
+    multiply the weight as stored, and the canonical call's once-per-tile operand is laid out once per weight version
+    and tile count (``laid_out_operand``). The rows fill whole tiles, so the input is not padded either."""
+    if not gemm_arrangements.operand_per_tile(torch.bfloat16, 64, 176):
         pytest.skip("torch's bf16 bmm does not run oneDNN here: no transposed-batch class")
     forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=0 if form == "per tile" else None, rows=rows)
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
     x = _randn(rows, 64, dtype=torch.bfloat16, seed=5)
     weight = _randn(176, 64, dtype=torch.bfloat16, seed=6)
+    if stored == "input gradient":
+        weight = _randn(64, 176, dtype=torch.bfloat16, seed=6).t()
     first = gemm_arrangements.tiled_matmul(x, weight, host)  # probes, checks and the plan, outside the profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         warm = gemm_arrangements.tiled_matmul(x, weight, host)

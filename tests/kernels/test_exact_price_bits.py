@@ -103,16 +103,26 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     w = weight.to(x.dtype)  # x's dtype is the GEMM's (fp32, or bf16 where the guard admits the host's bf16 GEMM)
     w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_arrangements._aligned(w)
     operand = w.t().unsqueeze(0)
-    # a bf16 class whose bmm would copy the shared operand takes it once per tile as a transposed batch (the
-    # canonical class since tiles_on_transposed_batch: the operand's layout, not a price optimisation)
-    shared = not gemm_arrangements.tiles_on_transposed_batch(x.dtype, k, n_pad)
+    # a bf16 class whose bmm would copy the shared operand takes it once per tile in the layout the weight is stored
+    # in (the canonical class since operand_per_tile: the operand's layout, not a price optimisation): a forward's
+    # as a transposed batch, an input gradient's (the weight given as W.T) row-major
+    shared = not gemm_arrangements.operand_per_tile(x.dtype, k, n_pad)
+    row_major = not shared and gemm_arrangements.stored_row_major(weight)
+    if row_major:
+        given = weight.t().to(x.dtype)
+        operand = gemm_arrangements._aligned(torch.constant_pad_nd(given, (0, n_pad - n))).unsqueeze(0)
     block = row_block(rows, host.tile_heights(x.dtype, operand, shared, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
     else:
         x = gemm_arrangements._aligned(x)
-    right = operand.expand(blocks, k, n_pad) if shared else w.expand(blocks, n_pad, k).contiguous().transpose(1, 2)
+    if shared:
+        right = operand.expand(blocks, k, n_pad)
+    elif row_major:
+        right = operand.expand(blocks, k, n_pad).contiguous()
+    else:
+        right = w.expand(blocks, n_pad, k).contiguous().transpose(1, 2)
     out = host.bmm(x.view(blocks, block, k), right, op=op, shared_operand=shared)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
