@@ -471,6 +471,8 @@ BENCHMARKS = {
     "data_parallel": "the fixed-tree gradient reduction against a plain all_reduce, and RL steps with --nproc",
     "compare": "throughput and peak memory of vexact compare on a synthetic dump",
     "op_count": "aten calls of one RL step per vexact function, exact and native (where per-op overhead comes from)",
+    "bits_digest": "digests of the exact path's bits (rollout tokens, log-probs, gradients) at the benchmark shapes: "
+                   "does a change alter any bit?",
     "peer_decode": "decode tokens/s of vexact's rollout (exact, native) beside vLLM's CPU build on the same model",
     "decode_profile": "where a decode step's time goes (GEMMs, attention, sampler, glue; aten calls and host reads), "
                       "with vLLM's side where it is installed",

@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
     sys.path.insert(0, str(ROOT))
 
 
-from benchmarks import end_to_end, host_guard, kernels, op_count, tables  # noqa: E402
+from benchmarks import bits_digest, end_to_end, host_guard, kernels, op_count, tables  # noqa: E402
 from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 from vexact_kernels import TRITON_PIP  # noqa: E402
@@ -286,3 +286,27 @@ def test_op_count_of_a_decode_step_separates_the_compiled_loops_calls(tmp_path, 
     assert results["native"]["from_compiled_calls"] == 0
     assert "aten calls in one decode step (tiny, float32)" in capsys.readouterr().out
     assert op_count.main(["--decode-shape", "huge"]) == 2
+
+
+def test_bits_digest_finds_the_same_bits_and_a_changed_one(tmp_path, capsys, monkeypatch):
+    """Two runs of one commit give the same digests (``--against`` exits 0); a change in one gradient bit -- the
+    sign of a zero, which ``torch.equal`` would not see -- is found (exit 1, naming the case and the part); bad input
+    is one clear error."""
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    args = ["--shape", "tiny", "--dtype", "float32", "--threads", "1"]
+    assert bits_digest.main([*args, "--out", str(first)]) == 0
+    assert bits_digest.main([*args, "--out", str(second), "--against", str(first)]) == 0
+    assert "the same bits" in capsys.readouterr().out
+    real = bits_digest.raw_bits
+
+    def one_bit_off(t):
+        raw = bytearray(real(t))
+        if t.dtype == torch.float32 and t.dim() == 2:  # a weight's gradient: flip the sign bit of its first element
+            raw[3] ^= 0x80
+        return bytes(raw)
+    monkeypatch.setattr(bits_digest, "raw_bits", one_bit_off)
+    assert bits_digest.main([*args, "--out", str(second), "--against", str(first)]) == 1
+    out = capsys.readouterr().out
+    assert "gradients differ" in out and "tokens differ" not in out and "logprobs differ" not in out
+    assert bits_digest.main([*args, "--against", str(tmp_path / "missing.json")]) == 2
+    assert bits_digest.main([*args, "--layers", "0"]) == 2
