@@ -65,7 +65,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops
 from .compiled_loops import tree_sum as _tree_sum
-from .host_guard import LIBRARY_DTYPES, HostGuard, _with_threads, order_revealing
+from .host_guard import LIBRARY_DTYPES, HostGuard, _with_threads, operand_layout, order_revealing
 
 # --------------------------------------------------------------------------- the tile shapes
 ROW_BLOCKS = (4, 8, 16, 32, 64)
@@ -240,9 +240,8 @@ def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") 
     if (known := _DTYPE_PLANS.get(key)) is not None:
         return known
     k, n_pad = x.shape[1], ceil_to(weight.shape[0], COL_BLOCK)
-    per_tile = operand_per_tile(dtype, k, n_pad)
-    answer = host.compute_dtype(dtype, gemm_class(k, n_pad, transposed=not (per_tile and row_major)), not per_tile,
-                                op)
+    shared, transposed = canonical_class(weight, dtype, k, n_pad)
+    answer = host.compute_dtype(dtype, gemm_class(k, n_pad, transposed=transposed), shared, op)
     if len(_DTYPE_PLANS) >= DTYPE_PLANS_MAX:
         _DTYPE_PLANS.clear()
     _DTYPE_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
@@ -373,9 +372,8 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
     dtype = x.dtype
-    per_tile = operand_per_tile(dtype, k, n_pad)  # the canonical class: the operand once per tile, as stored
-    shared = not per_tile
-    transposed = not (per_tile and stored_row_major(weight))  # the canonical operand's layout
+    shared, transposed = canonical_class(weight, dtype, k, n_pad)
+    per_tile = not shared
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
     if (loops is not None and n_pad == n and dtype == weight.dtype and given.is_contiguous()
             and given.data_ptr() % ALIGNMENT == 0 and rows * k * n <= STACKED_MACS_MAX):
@@ -591,6 +589,15 @@ def operand_per_tile(dtype: torch.dtype, k: int, n_pad: int) -> bool:
     return _onednn_bf16_bmm(dtype, ROW_BLOCKS[-1] * k * n_pad)
 
 
+def canonical_class(weight: Tensor, dtype: torch.dtype, k: int, n_pad: int) -> tuple[bool, bool]:
+    """(shared, transposed): how ``tiled_matmul``'s canonical call of ``weight`` takes its operand [1, K, N_pad] --
+    shared by every tile, or once per tile as stored (``operand_per_tile``) -- and whether in the transposed layout
+    (else row-major: a per-tile class whose weight is stored so, ``stored_row_major``). The one derivation that
+    ``tiled_dtype`` and ``tiled_matmul`` both ask the guard with."""
+    per_tile = operand_per_tile(dtype, k, n_pad)
+    return not per_tile, not (per_tile and stored_row_major(weight))
+
+
 def stored_row_major(weight: Tensor) -> bool:
     """Whether ``tiled_matmul``'s ``weight`` [N, K] is stored as its transpose (an input gradient's W.T, a view of the
     contiguous W): its operand [K, N] is then row-major as stored. Else (a forward's W, contiguous) the operand is
@@ -626,7 +633,7 @@ def per_tile_operand(operand: Tensor, tiles: int) -> Tensor:
     seen transposed) -- once per tile, in its layout: the canonical right operand of an ``operand_per_tile`` class,
     which oneDNN's ``bmm`` multiplies as it is. One tile: the operand itself (no copy); T tiles: T copies of it in one
     call, as ``bmm`` made of the shared operand before."""
-    if operand.stride(1) == 1 and operand.shape[1] > 1:  # transposed (host_guard.operand_layout)
+    if operand_layout(operand) == "transposed":
         matrix = operand[0].t()
         return matrix.expand(tiles, *matrix.shape).contiguous().transpose(1, 2)
     return operand.expand(tiles, *operand.shape[1:]).contiguous()
@@ -640,8 +647,8 @@ def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int, tiles: int,
     operand = stored_operand(weight, dtype, n_pad)
     if form != LAID_OUT_FORMS[1]:
         return operand
-    layout = operand.stride(1) == 1
-    return arranged_weight(weight, ("per tile", dtype, n_pad, tiles, layout), lambda: per_tile_operand(operand, tiles))
+    form_key = ("per tile", dtype, n_pad, tiles, operand_layout(operand))
+    return arranged_weight(weight, form_key, lambda: per_tile_operand(operand, tiles))
 
 
 LAID_OUT_CALL_MAX = 1 << 20
