@@ -65,6 +65,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops
 from .compiled_loops import tree_sum as _tree_sum
+from .fixed_order import tree_sum_of
 from .host_guard import LIBRARY_DTYPES, HostGuard, _with_threads, operand_layout, order_revealing
 
 # --------------------------------------------------------------------------- the tile shapes
@@ -800,7 +801,10 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     row tiles) gives its bits, that arrangement runs instead (``HostGuard.arrangement_agrees``): first with the
     last, partial chunk's GEMM on its real rows only (a shorter reduction: it gives the padded one's bits on some
     hosts for some lengths, so that is probed per length), else with that chunk zero-padded. No bit changes.
-    ``b_source``: the tensor ``b`` was derived from (``_reduction_operand``)."""
+    ``b_source``: the tensor ``b`` was derived from (``_reduction_operand``).
+
+    A last chunk of at most half a chunk is reduced at its own length (``_short_last_chunk``): the reduction over
+    M tokens is the tree of each chunk's own reduction, so no GEMM multiplies more than twice its real rows."""
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows, a.dtype)
@@ -814,9 +818,44 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
         tail = rows % block
         if tail and _views_agree(block, n, k, tail, host, op, a.dtype):
             return _transposed_matmul_views(a, b, block, unpadded_tail=True)
-        if _views_agree(block, n, k, None, host, op, a.dtype):
+        padded_to = last_chunk_length(rows, block, a.dtype)
+        if _views_agree(block, n, k, None, host, op, a.dtype, padded_to):
             return _transposed_matmul_views(a, b, block, unpadded_tail=False)
     return _transposed_matmul_tiles(a, b, host, op, b_source)
+
+
+def _short_last_chunk(rows: int, block: int, dtype: torch.dtype) -> bool:
+    """Whether a reduction over ``rows`` tokens in chunks of ``block`` ends in a chunk that its own length reduces in
+    a shorter GEMM: several chunks, the last partial and holding at most half of ``block`` (``_reduction_block`` of
+    its rows is smaller than ``block``). Such a last chunk is its own one-chunk reduction, zero-padded to that
+    shorter length (``_last_chunk_length``), instead of being padded to ``block`` -- the canonical definition, on
+    every path: llama100m's 312-token update pads 56 tokens to 64, not to 256 (the padding was 40% of its weight
+    gradients' work)."""
+    tail = rows % block
+    return rows > block and tail > 0 and _reduction_block(tail, dtype) < block
+
+
+def last_chunk_length(rows: int, block: int, dtype: torch.dtype) -> int:
+    """The length the last chunk of a reduction over ``rows`` tokens is zero-padded to: its own ``_reduction_block``
+    where it is short (``_short_last_chunk``), else ``block``."""
+    return _reduction_block(rows % block, dtype) if _short_last_chunk(rows, block, dtype) else block
+
+
+def _transposed_matmul_by_chunk(a: Tensor, b: Tensor, host: HostGuard, op: str, block: int) -> Tensor:
+    """The canonical weight gradient where the last chunk is short (``_short_last_chunk``): each chunk's rows their
+    own canonical reduction (``_transposed_matmul_tiles`` of one chunk: no tree; the whole chunks at ``block``, the
+    last at its own length), the parts added by the same halving tree in chunk order, made one at a time
+    (``fixed_order.tree_sum_of``: ``tree_sum``'s additions over the stacked parts). So the reduction over M tokens is
+    the tree of its chunks' reductions; the chunked LM head's backward (``vexact.engine.head``) computes exactly
+    these parts. One call per chunk: the fallback where the tile views cannot run (``_transposed_matmul_tiles``);
+    its chunks lay their right operands out each (no ``b_source`` sharing between layers)."""
+    rows = a.shape[0]
+
+    def part(i: int) -> Tensor:
+        first = i * block
+        return _transposed_matmul_tiles(a[first : first + block], b[first : first + block], host, op)
+
+    return tree_sum_of(-(-rows // block), part)
 
 
 def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
@@ -843,18 +882,22 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = ceil_to(k, COL_BLOCK)
-    b_class = gemm_class(block, k_pad, transposed=True)  # [block, K_pad] per tile: K_pad rows of ``block`` tokens
-    one_thread = one_thread_reduction(a.dtype)
     loops = compiled_loops.library()
-    record = host.library_gemm(a.dtype, b_class, False, op, one_thread=one_thread) if loops is not None else None
-    heights = (record.tile_heights if record is not None
-               else host.tile_heights(a.dtype, b_class, False, op, one_thread=one_thread))
-    height = row_block(n, heights)
+    record, height = _reduction_class(block, n, k_pad, a.dtype, host, op, loops)
     row_tiles = -(-n // height)
     if (record is not None and a.dtype == b.dtype == torch.float32
             and chunks * min(n, VIEW_SLAB_ROWS) * k_pad <= VIEW_PARTIALS_MAX
             and _tile_views_agree(block, height, k_pad)):
-        return _transposed_matmul_tile_views(a, b, block, height, k_pad)
+        if not _short_last_chunk(rows, block, a.dtype):
+            return _transposed_matmul_tile_views(a, b, block, height, k_pad)
+        last = last_chunk_length(rows, block, a.dtype)
+        last_record, last_height = _reduction_class(last, n, k_pad, a.dtype, host, op, loops)
+        if last_record is not None and _tile_views_agree(last, last_height, k_pad):
+            return _transposed_matmul_tile_views(a, b, block, height, k_pad, (last, last_height))
+    if _short_last_chunk(rows, block, a.dtype):
+        return _transposed_matmul_by_chunk(a, b, host, op, block)
+    one_thread = one_thread_reduction(a.dtype)
+    b_class = gemm_class(block, k_pad, transposed=True)
     if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
         return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
     if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
@@ -879,7 +922,20 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
 
-def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int, k_pad: int) -> Tensor:
+def _reduction_class(block: int, n: int, k_pad: int, dtype: torch.dtype, host: HostGuard, op: str,
+                     loops: object) -> tuple[object, int]:
+    """A weight gradient's chunk class (``block`` tokens, K_pad): the guard's library record for its GEMM tiles (None
+    where the compiled loops are missing or the class runs the fixed-order GEMM) and the row tile height over N."""
+    b_class = gemm_class(block, k_pad, transposed=True)  # [block, K_pad] per tile: K_pad rows of ``block`` tokens
+    one_thread = one_thread_reduction(dtype)
+    record = host.library_gemm(dtype, b_class, False, op, one_thread=one_thread) if loops is not None else None
+    heights = (record.tile_heights if record is not None
+               else host.tile_heights(dtype, b_class, False, op, one_thread=one_thread))
+    return record, row_block(n, heights)
+
+
+def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int, k_pad: int,
+                                  short_last: tuple[int, int] | None = None) -> Tensor:
     """``_transposed_matmul_tiles``' GEMM tiles, [height, block] @ [block, K_pad] for every (chunk, row tile), one
     ``bmm`` per tile on views of ``a`` and ``b`` instead of their laid-out copies (``reduction_tile_gemms`` in
     ``csrc/exact_loops.cpp``: a tile reaching past a's rows or columns runs on a zero-padded copy of its region, as
@@ -888,16 +944,24 @@ def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int,
     tile; a tile's rows do not depend on how many tiles share its call: the ``gemm_rows`` probe) and on the GEMM
     giving a tile the same bits on a strided view of the operands as on their contiguous copies, which
     ``_tile_views_agree`` checks at first use. N is cut into slabs of ``VIEW_SLAB_ROWS`` rows (a multiple of every
-    tile height, so the row tiles are the canonical ones) to bound the partial products held at once."""
+    tile height, so the row tiles are the canonical ones) to bound the partial products held at once.
+    ``short_last`` (its chunk length, its row tile height): a short last chunk (``_short_last_chunk``), whose tiles
+    are its own chunk class's, checked as well."""
     rows, n = a.shape
     k = b.shape[1]
     chunks = -(-rows // block)
+    body = rows if short_last is None else (chunks - 1) * block
     loops = compiled_loops.library()
     a = a if a.stride(1) == 1 and a.data_ptr() % ALIGNMENT == 0 and a.stride(0) >= n else _aligned(a)
     b = _padded_or_aligned(b, (rows, k_pad))
+
     def slab(first: int, last: int) -> Tensor:
-        parts = loops.reduction_tile_gemms(a[:, first:last], b, block, height)[:, : last - first, :k]
+        parts = loops.reduction_tile_gemms(a[:body, first:last], b[:body], block, height)[:, : last - first, :k]
+        if short_last is not None:  # the last chunk's GEMM tiles at its own length, after the whole chunks' parts
+            tail = loops.reduction_tile_gemms(a[body:, first:last], b[body:], *short_last)[:, : last - first, :k]
+            parts = torch.cat([parts, tail])
         return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
     return _in_slabs(n, k, a, slab)
 
 
@@ -1120,14 +1184,16 @@ def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tens
 
 
 def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str,
-                 dtype: torch.dtype = torch.float32) -> bool:
+                 dtype: torch.dtype = torch.float32, padded_to: int | None = None) -> bool:
     """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``' bits for this class on this host: with
-    the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded. A probe
-    at first use on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where
-    ``block`` is ``REDUCE_BLOCK``: there are several; bf16, which reduces one chunk only: none) and a partial one
-    (``tail`` rows, or just over half a chunk). ``dtype``: fp32 or bf16 (``_probe_operands``, over the tokens)."""
+    the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded to
+    ``padded_to`` rows (``block``, or a short last chunk's own length: ``_last_chunk_length``). A probe at first use
+    on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where ``block`` is
+    ``REDUCE_BLOCK``: there are several; bf16, which reduces one chunk only: none) and a partial one (``tail`` rows,
+    or just over half of ``padded_to``). ``dtype``: fp32 or bf16 (``_probe_operands``, over the tokens)."""
+    padded_to = block if padded_to is None else padded_to
     whole = VIEW_PROBE_CHUNKS if block == REDUCE_BLOCK and dtype == torch.float32 else 0
-    partial = block // 2 + 1 if tail is None else tail
+    partial = padded_to // 2 + 1 if tail is None else tail
 
     def inputs() -> list[Tensor]:
         rows = whole * block + partial
@@ -1136,7 +1202,8 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
         a_t, b_t = _probe_operands(dtype, (n, rows), (k, rows))  # the reduction over the tokens is their K
         return [a_t.t().contiguous(), b_t.t().contiguous()]
 
-    form = "last chunk padded" if tail is None else f"last chunk of {tail} rows unpadded"
+    form = f"last chunk of {tail} rows unpadded" if tail is not None else (
+        "last chunk padded" if padded_to == block else f"last chunk padded to {padded_to} rows")
     return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} {form} {_name(dtype)}",
                                    lambda: _transposed_matmul_tiles(*inputs(), host, op),
                                    lambda: _transposed_matmul_views(*inputs(), block, unpadded_tail=tail is not None),
@@ -1146,8 +1213,9 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
 def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bool) -> Tensor:
     """``_transposed_matmul_tiles``' chunk GEMMs, each [N, block] @ [block, K], on views: chunk c's left operand is
     rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are. The last,
-    partial chunk is zero-padded to ``block`` rows (a copy) or, ``unpadded_tail``, multiplied on its real rows, its
-    result + 0.0 (padding's zeros turn a -0.0 sum into +0.0). The partial products are added by the same halving
+    partial chunk is zero-padded (a copy) to ``block`` rows, or to its own length where it is short
+    (``_last_chunk_length``), or, ``unpadded_tail``, multiplied on its real rows, its result + 0.0 (padding's zeros
+    turn a -0.0 sum into +0.0). The partial products are added by the same halving
     tree in chunk order. N is cut into slabs of ``VIEW_SLAB_ROWS`` output rows, each its own calls and tree. Used
     only where the guard found the canonical bits."""
     rows, n = a.shape
@@ -1156,7 +1224,8 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
     whole, tail = divmod(rows, block)
     body = whole * block
     if tail and not unpadded_tail:
-        a_tail, b_tail = _zero_padded(a[body:], (block, n)), _zero_padded(b[body:], (block, k))
+        padded_to = last_chunk_length(rows, block, a.dtype)
+        a_tail, b_tail = _zero_padded(a[body:], (padded_to, n)), _zero_padded(b[body:], (padded_to, k))
     else:
         a_tail, b_tail = a[body:], b[body:]
     def slab(first: int, last: int) -> Tensor:

@@ -9,14 +9,15 @@ group's logits again and their gradients there.
 
 Bits. Every exact op is row-invariant (a row's result depends only on that row), so the log-probs and entropies
 are today's, bit for bit, however the rows are cut. The gradients are too on the exact CPU kernels: a weight
-gradient reduces over the tokens in ``REDUCE_BLOCK``-token chunks added by a halving tree
-(``gemm_arrangements.transposed_matmul``), so the backward works in exactly those groups (the last one
-zero-padded, as the chunk is) and adds their partial products by the same tree (``fixed_order.tree_sum_of``,
-depth first: one partial per tree level held). A batch of at most ``REDUCE_BLOCK`` tokens is one group, as it is
-one chunk. Exceptions, where the chunked path runs at all (more than ``pass_rows(V)`` tokens in one forward): a
-bf16 weight gradient of at most ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens, which the exact kernels reduce in
-one bf16 GEMM, is here the fp32 tree of fp32 groups, rounded once (as above that length); the native and Triton
-backends' weight gradients (one GEMM over every token) become a tree over the groups -- deterministic, as before.
+gradient reduces over the tokens in ``REDUCE_BLOCK``-token chunks added by a halving tree, each chunk its own
+reduction (``gemm_arrangements.transposed_matmul``: a short last chunk at its own length), so the backward works
+in exactly those groups, each group's part the exact kernels' reduction of its rows, and adds the parts by the
+same tree (``fixed_order.tree_sum_of``, depth first: one partial per tree level held). A batch of at most
+``REDUCE_BLOCK`` tokens is one group, as it is one chunk. Exceptions, where the chunked path runs at all (more
+than ``pass_rows(V)`` tokens in one forward): a bf16 weight gradient of at most
+``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens, which the exact kernels reduce in one bf16 GEMM, is here the fp32
+tree of fp32 groups, rounded once (as above that length); the native and Triton backends' weight gradients (one
+GEMM over every token) become a tree over the groups -- deterministic, as before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from vexact_kernels.fixed_order import tree_sum_of
-from vexact_kernels.gemm_arrangements import LIBRARY_REDUCE_MAX, REDUCE_BLOCK
+from vexact_kernels.gemm_arrangements import LIBRARY_REDUCE_MAX, REDUCE_BLOCK, last_chunk_length
 
 from .inputs import scale_logits
 from .model import KernelOps
@@ -135,8 +136,9 @@ def _group_rows(rows: int, dtype: torch.dtype) -> int:
 def _group_backward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grad_logp: Tensor | None,
                     grad_entropy: Tensor | None, first: int, last: int, group: int, grad_hidden: Tensor | None,
                     need_weight: bool) -> Tensor | None:
-    """Rows ``first:last`` (zero-padded to ``group`` rows): their hidden gradient written into ``grad_hidden`` and
-    their weight-gradient part returned (None when the weight needs none).
+    """Rows ``first:last`` (the last group zero-padded to ``gemm_arrangements.last_chunk_length`` rows, as the exact
+    kernels pad their last chunk): their hidden gradient written into ``grad_hidden`` and their weight-gradient part
+    returned (None when the weight needs none).
 
     The head's output gradient is built pass by pass (the logits again, then the VJPs of the log-probs and
     entropies), zero (+0.0) on padding rows as a zero-padded reduction chunk is; then the head's VJP
@@ -146,10 +148,12 @@ def _group_backward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grad_l
     (``_ChunkedHead.backward``)."""
     ops, step, real = ctx.ops, ctx.step, last - first
     h = hidden[first:last].detach()
-    if real < group:
-        h = torch.cat([h, h.new_zeros(group - real, h.shape[1])])
+    # the last group zero-padded as the exact kernels pad the last chunk (to its own length where it is short)
+    padded = group if last < hidden.shape[0] else last_chunk_length(hidden.shape[0], group, torch.float32)
+    if real < padded:
+        h = torch.cat([h, h.new_zeros(padded - real, h.shape[1])])
     w = weight.detach()
-    grad_out = h.new_zeros(group, w.shape[0])  # the head output's gradient, in the model's dtype
+    grad_out = h.new_zeros(padded, w.shape[0])  # the head output's gradient, in the model's dtype
     for s in range(0, real, step):
         e = min(real, s + step)
         with torch.no_grad():
