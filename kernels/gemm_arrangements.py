@@ -957,10 +957,11 @@ def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int,
 
     def slab(first: int, last: int) -> Tensor:
         parts = loops.reduction_tile_gemms(a[:body, first:last], b[:body], block, height)[:, : last - first, :k]
-        if short_last is not None:  # the last chunk's GEMM tiles at its own length, after the whole chunks' parts
-            tail = loops.reduction_tile_gemms(a[body:, first:last], b[body:], *short_last)[:, : last - first, :k]
-            parts = torch.cat([parts, tail])
-        return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+        if short_last is None:
+            return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+        # the last chunk's GEMM tiles at its own length; the tree's additions without stacking the parts (a copy)
+        tail = loops.reduction_tile_gemms(a[body:, first:last], b[body:], *short_last)[0, : last - first, :k]
+        return tree_sum_of(chunks, lambda i: parts[i] if i < chunks - 1 else tail)
 
     return _in_slabs(n, k, a, slab)
 
