@@ -828,7 +828,7 @@ def _short_last_chunk(rows: int, block: int, dtype: torch.dtype) -> bool:
     """Whether a reduction over ``rows`` tokens in chunks of ``block`` ends in a chunk that its own length reduces in
     a shorter GEMM: several chunks, the last partial and holding at most half of ``block`` (``_reduction_block`` of
     its rows is smaller than ``block``). Such a last chunk is its own one-chunk reduction, zero-padded to that
-    shorter length (``_last_chunk_length``), instead of being padded to ``block`` -- the canonical definition, on
+    shorter length (``last_chunk_length``), instead of being padded to ``block`` -- the canonical definition, on
     every path: llama100m's 312-token update pads 56 tokens to 64, not to 256 (the padding was 40% of its weight
     gradients' work)."""
     tail = rows % block
@@ -884,17 +884,17 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     k_pad = ceil_to(k, COL_BLOCK)
     loops = compiled_loops.library()
     record, height = _reduction_class(block, n, k_pad, a.dtype, host, op, loops)
+    last = last_chunk_length(rows, block, a.dtype)
     row_tiles = -(-n // height)
     if (record is not None and a.dtype == b.dtype == torch.float32
             and chunks * min(n, VIEW_SLAB_ROWS) * k_pad <= VIEW_PARTIALS_MAX
             and _tile_views_agree(block, height, k_pad)):
-        if not _short_last_chunk(rows, block, a.dtype):
+        if last == block:
             return _transposed_matmul_tile_views(a, b, block, height, k_pad)
-        last = last_chunk_length(rows, block, a.dtype)
         last_record, last_height = _reduction_class(last, n, k_pad, a.dtype, host, op, loops)
         if last_record is not None and _tile_views_agree(last, last_height, k_pad):
             return _transposed_matmul_tile_views(a, b, block, height, k_pad, (last, last_height))
-    if _short_last_chunk(rows, block, a.dtype):
+    if last < block:  # a short last chunk (``_short_last_chunk``)
         return _transposed_matmul_by_chunk(a, b, host, op, block)
     one_thread = one_thread_reduction(a.dtype)
     b_class = gemm_class(block, k_pad, transposed=True)
@@ -1188,7 +1188,7 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
                  dtype: torch.dtype = torch.float32, padded_to: int | None = None) -> bool:
     """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``' bits for this class on this host: with
     the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded to
-    ``padded_to`` rows (``block``, or a short last chunk's own length: ``_last_chunk_length``). A probe at first use
+    ``padded_to`` rows (``block``, or a short last chunk's own length: ``last_chunk_length``). A probe at first use
     on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where ``block`` is
     ``REDUCE_BLOCK``: there are several; bf16, which reduces one chunk only: none) and a partial one (``tail`` rows,
     or just over half of ``padded_to``). ``dtype``: fp32 or bf16 (``_probe_operands``, over the tokens)."""
@@ -1215,7 +1215,7 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
     """``_transposed_matmul_tiles``' chunk GEMMs, each [N, block] @ [block, K], on views: chunk c's left operand is
     rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are. The last,
     partial chunk is zero-padded (a copy) to ``block`` rows, or to its own length where it is short
-    (``_last_chunk_length``), or, ``unpadded_tail``, multiplied on its real rows, its result + 0.0 (padding's zeros
+    (``last_chunk_length``), or, ``unpadded_tail``, multiplied on its real rows, its result + 0.0 (padding's zeros
     turn a -0.0 sum into +0.0). The partial products are added by the same halving
     tree in chunk order. N is cut into slabs of ``VIEW_SLAB_ROWS`` output rows, each its own calls and tree. Used
     only where the guard found the canonical bits."""
