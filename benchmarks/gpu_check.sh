@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The GPU check in one call: the Triton kernels' op contracts and the MoE Triton tests compiled on CUDA, then
 # benchmarks.gpu_triton (exactness of the dense `small` and the MoE `small_moe` presets, triton and native, fp32
-# and bf16; speed at small and llama100m), then the real-size parts of benchmarks.gpu_real (exactness at
-# qwen3_1_7b bf16, 16 prompts inside a batch of 64 / alone / in 3s, rescored at micro-batches 8 and 3; peak memory
-# and tokens/s of prefill, decode at positions 0/512/1023 and training fwd+bwd; kernel launches per decode step;
-# `vexact run --device cuda` 10 RL steps at qwen3_0_6b at 0 mismatch; the MoE path at qwen3_30b_a3b, 2 layers).
+# and bf16; speed at small and llama100m), then the real-size parts, in order of what they prove: from
+# benchmarks.gpu_real exactness (qwen3_1_7b bf16, 16 prompts inside a batch of 64 / in 3s / the first 4 alone,
+# rescored at micro-batches 8 and 3), train_memory (64 x 1,536 tokens of qwen3_1_7b, fwd + bwd in micro-batches of
+# 8: peak memory) and rl_run (`vexact run --device cuda`, 10 RL steps at qwen3_0_6b at 0 mismatch); then `check`,
+# the command a user types (`python -m vexact check --device cuda --preset qwen3_1_7b --dtype bf16`, its report in
+# check_qwen3_1_7b.json); then moe (qwen3_30b_a3b, 2 layers), speed (peak memory and tokens/s of prefill, decode at
+# positions 0/512/1023 and training fwd+bwd) and launches (kernel launches per decode step).
 # For a lent GPU machine with no network: nothing is installed, the repository is put on PYTHONPATH. Everything
 # goes under $OUT (default runs/gpu_check): env.txt, pytest.log, pytest.xml, gpu_triton.log, gpu_triton.json,
-# gpu_real.json (written after each part), gpu_real_<part>.log, summary.txt. Each part has a time limit, so the run
+# gpu_real.json (written after each part), gpu_real_<part>.log, check.log, check_qwen3_1_7b.json, summary.txt. Each
+# part has a time limit, so the run
 # ends whatever hangs: GPU_CHECK_PYTEST_S (default 110) and GPU_CHECK_BENCH_S (default 190) for the small-shape
 # parts, GPU_CHECK_<PART>_S for each real-size part (defaults below: about 7 minutes together);
 # GPU_CHECK_SPEED_PRESETS (default small,llama100m) the presets timed. GPU_CHECK_ONLY: all (default), small (the
-# small-shape parts) or real (the real-size parts); GPU_CHECK_REAL_PARTS (default all five, in order) which
+# small-shape parts) or real (the real-size parts); GPU_CHECK_REAL_PARTS (default all seven, in order) which
 # real-size parts run.
 #
 #     bash benchmarks/gpu_check.sh                                  # on the GPU machine
@@ -31,10 +35,11 @@ REHEARSE="${VEXACT_GPU_CHECK_REHEARSE:-0}"
 PYTEST_LIMIT="${GPU_CHECK_PYTEST_S:-110}"
 BENCH_LIMIT="${GPU_CHECK_BENCH_S:-190}"
 ONLY="${GPU_CHECK_ONLY:-all}"
-REAL_PARTS="${GPU_CHECK_REAL_PARTS:-exactness speed launches rl_run moe}"
-declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-120}" [speed]="${GPU_CHECK_SPEED_S:-75}"
-                       [launches]="${GPU_CHECK_LAUNCHES_S:-45}" [rl_run]="${GPU_CHECK_RL_RUN_S:-120}"
-                       [moe]="${GPU_CHECK_MOE_S:-75}")
+REAL_PARTS="${GPU_CHECK_REAL_PARTS:-exactness train_memory rl_run check moe speed launches}"
+declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-110}" [train_memory]="${GPU_CHECK_TRAIN_MEMORY_S:-60}"
+                       [rl_run]="${GPU_CHECK_RL_RUN_S:-120}" [check]="${GPU_CHECK_CHECK_S:-90}"
+                       [moe]="${GPU_CHECK_MOE_S:-75}" [speed]="${GPU_CHECK_SPEED_S:-60}"
+                       [launches]="${GPU_CHECK_LAUNCHES_S:-40}")
 case "$ONLY" in all|small|real) ;; *) echo "error: GPU_CHECK_ONLY must be all, small or real, got '$ONLY'"; exit 2;; esac
 START=$(date +%s)
 
@@ -51,10 +56,14 @@ if [ "$REHEARSE" = 1 ]; then
     BENCH=(--device cpu --check-presets small_moe --dtype float32 --num-prompts 2 --max-prompt-len 3
            --max-new-tokens 2 --presets small_moe --reps 1 --batch 2 --prompt-len 3 --new-tokens 2)
     REAL=(--device cpu --rehearse)
+    # the check command at the preset's structure, narrowed (the sizes gpu_real's rehearsal uses)
+    CHECK=(--device cpu --preset qwen3_1_7b --vocab-size 512 --hidden-size 64 --num-layers 1 --num-heads 4
+           --num-kv-heads 2 --intermediate-size 64 --num-prompts 3 --max-prompt-len 4 --max-new-tokens 3)
 elif python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     TESTS=()
     BENCH=(--check-presets small,small_moe --presets "${GPU_CHECK_SPEED_PRESETS:-small,llama100m}" --reps 3)
     REAL=(--device cuda)
+    CHECK=(--device cuda --preset qwen3_1_7b --dtype bf16)
 else
     echo "error: no CUDA device here (torch.cuda.is_available() is False); VEXACT_GPU_CHECK_REHEARSE=1 rehearses"
     exit 2
@@ -85,6 +94,17 @@ if [ "$ONLY" != small ]; then
     for PART in $REAL_PARTS; do
         LIMIT="${REAL_LIMIT[$PART]:-}"
         [ -n "$LIMIT" ] || { echo "error: unknown real-size part '$PART' (GPU_CHECK_REAL_PARTS)"; exit 2; }
+        if [ "$PART" = check ]; then  # the user's command, as typed (its own JSON report)
+            echo "== python -m vexact check ${CHECK[*]} (limit ${LIMIT}s)"
+            timeout "$LIMIT" python -m vexact check "${CHECK[@]}" --json "$OUT/check_qwen3_1_7b.json" \
+                >"$OUT/check.log" 2>&1
+            RC=$?
+            tail -n 4 "$OUT/check.log"
+            [ $RC -eq 0 ] || [ $RC -eq 124 ] || tail -n 25 "$OUT/check.log"
+            REAL_LINES+=("vexact check: exit $RC$([ $RC -eq 124 ] && echo " (timed out after ${LIMIT}s)")")
+            [ $RC -eq 0 ] || REAL_RC=1
+            continue
+        fi
         echo "== benchmarks.gpu_real --part $PART (limit ${LIMIT}s)"
         timeout "$LIMIT" python -m benchmarks.gpu_real --part "$PART" --out "$OUT/gpu_real.json" "${REAL[@]}" \
             >"$OUT/gpu_real_$PART.log" 2>&1
@@ -93,6 +113,7 @@ if [ "$ONLY" != small ]; then
             python -m benchmarks.gpu_real --timed-out "$PART" --limit-s "$LIMIT" --out "$OUT/gpu_real.json"
         fi
         tail -n 1 "$OUT/gpu_real_$PART.log"
+        [ $RC -eq 0 ] || [ $RC -eq 124 ] || tail -n 25 "$OUT/gpu_real_$PART.log"  # the error, in the console
         REAL_LINES+=("gpu_real $PART: exit $RC$([ $RC -eq 124 ] && echo " (timed out after ${LIMIT}s)")")
         [ $RC -eq 0 ] || REAL_RC=1
     done

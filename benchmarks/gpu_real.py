@@ -6,10 +6,16 @@
 ``benchmarks/gpu_check.sh`` runs every part in ``PARTS`` with its own time limit; a part that ran out of time is
 recorded by ``--timed-out PART``. The parts:
 
-- ``exactness``: ``qwen3_1_7b`` in bf16, random weights: 16 prompts generated inside a batch of 64, alone and in
-  batches of 3 (256 new tokens), then rescored by the training path at micro-batches 8 and 3. Per backend: the
-  tokens mismatched between rollout and training log-probs (the exact backend must give 0; native's count is
-  recorded) and whether the three arrangements generated the same bits.
+- ``exactness``: ``qwen3_1_7b`` in bf16, random weights: 16 prompts generated inside a batch of 64 and in batches
+  of 3, the first ``alone`` of them one at a time (256 new tokens), then rescored by the training path at
+  micro-batches 8 and 3. Per backend: the tokens mismatched between rollout and training log-probs (the exact
+  backend must give 0; native's count is recorded) and, for the exact backend, whether the arrangements generated
+  the same bits (native is rescored only: its generations cannot be expected to agree, and each decode step costs
+  the same device time at batch 1 as at 64).
+- ``train_memory``: ``qwen3_1_7b`` in bf16, the exact backend, 64 sequences of 1,536 tokens (512 prompt, 1,024
+  response) through ``token_logprobs`` + backward in micro-batches of 8, gradients accumulated: the GPU's peak
+  memory (allocated and reserved) and tokens/s; passes when nothing ran out of memory and the peak reserved stays
+  under an 80 GB card's capacity.
 - ``speed``: peak GPU memory and tokens/s of prefill, of one decode step at positions 0, 512 and 1,023, and of a
   training forward + backward (``token_logprobs``), exact and native.
 - ``launches``: GPU kernel launches per decode step (torch.profiler's CUDA kernel events), exact and native.
@@ -53,7 +59,9 @@ TINY_MOE = dict(num_experts=16, moe_intermediate_size=16)
 
 SIZES = {
     "exactness": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "batch": 64, "prompts": 16, "max_prompt_len": 64,
-                  "new_tokens": 256, "batch_of": 3, "micro_batches": (8, 3)},
+                  "new_tokens": 256, "batch_of": 3, "alone": 4, "micro_batches": (8, 3)},
+    "train_memory": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "batch": 64, "prompt_len": 512,
+                     "response_len": 1024, "micro_batch": 8},
     "speed": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "prefill_batch": 16, "prefill_len": 1024,
               "decode_batch": 16, "cache_len": 1024, "positions": (0, 512, 1023), "train_batch": 4,
               "train_prompt_len": 512, "train_response_len": 512, "reps": 3},
@@ -66,7 +74,8 @@ SIZES = {
 """Each part's sizes on the GPU (the issue's)."""
 
 REHEARSAL = {
-    "exactness": {"batch": 8, "prompts": 4, "max_prompt_len": 6, "new_tokens": 4},
+    "exactness": {"batch": 8, "prompts": 4, "max_prompt_len": 6, "new_tokens": 4, "alone": 2},
+    "train_memory": {"batch": 4, "prompt_len": 4, "response_len": 6, "micro_batch": 2},
     "speed": {"prefill_batch": 2, "prefill_len": 8, "decode_batch": 2, "cache_len": 16, "positions": (0, 8, 15),
               "train_batch": 2, "train_prompt_len": 4, "train_response_len": 4, "reps": 1},
     "launches": {"decode_batch": 2, "cache_len": 16, "position": 8},
@@ -89,9 +98,10 @@ def _model_config(preset: str, rehearse: bool, max_seq_len: int, **extra: int) -
     return ModelConfig(**{**values, **extra, "max_seq_len": max_seq_len})
 
 
-def _backends(device: torch.device) -> tuple[str, ...]:
-    """exact (Triton, compiled, on CUDA; the exact CPU kernels on the CPU) and, for contrast, native."""
-    return ("exact", "native")
+def _backends(s: dict) -> tuple[str, ...]:
+    """The exact backend first (``exact``: Triton, compiled, on CUDA; the exact CPU kernels on the CPU; ``triton``
+    in a ``--triton-interpreter`` rehearsal) and, for contrast, native."""
+    return (s["exact_backend"], "native")
 
 
 def _timed(fn: Callable[[], object], device: torch.device, reps: int = 1) -> float:
@@ -126,26 +136,70 @@ def part_exactness(device: torch.device, rehearse: bool, s: dict) -> dict:
     cfg = _model_config(s["preset"], rehearse, s["max_prompt_len"] + s["new_tokens"])
     prompts = _prompts(s["batch"], s["max_prompt_len"], cfg.vocab_size)
     ours = prompts[: s["prompts"]]  # the prompts compared: the first ones of the big batch, ids 0 .. prompts - 1
+    alone = ours[: s["alone"]]
     rows = []
-    for backend in _backends(device):
+    for backend in _backends(s):
         model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
+        row: dict = {"backend": backend}
         with torch.no_grad():
             inside = generate(model, prompts, max_new_tokens=s["new_tokens"], seed=0)
-            arrangements = {"inside_batch": (inside.tokens[: s["prompts"]], inside.logprobs[: s["prompts"]])}
-            for name, size in (("alone", 1), (f"batches_of_{s['batch_of']}", s["batch_of"])):
-                out = generate(model, ours, max_new_tokens=s["new_tokens"], seed=0, batch_size=size)
-                arrangements[name] = (out.tokens, out.logprobs)
-            tokens, roll = arrangements["inside_batch"]
-            invariant = all(t == tokens and _mismatched(lp, roll) == 0 for t, lp in arrangements.values())
+            tokens, roll = inside.tokens[: s["prompts"]], inside.logprobs[: s["prompts"]]
+            if backend == s["exact_backend"]:
+                # the same prompts keep their ids (0 ..), so the same seed must draw the same tokens
+                split = generate(model, ours, max_new_tokens=s["new_tokens"], seed=0, batch_size=s["batch_of"])
+                single = generate(model, alone, max_new_tokens=s["new_tokens"], seed=0, batch_size=1)
+                row["generation_batch_invariant"] = {
+                    f"batches_of_{s['batch_of']}": split.tokens == tokens and _mismatched(split.logprobs, roll) == 0,
+                    f"alone_first_{s['alone']}": (single.tokens == tokens[: s["alone"]]
+                                                  and _mismatched(single.logprobs, roll[: s["alone"]]) == 0)}
             rescored = {mb: _mismatched(token_logprobs(model, ours, tokens, micro_batch_size=mb), roll)
                         for mb in s["micro_batches"]}
-        rows.append({"backend": backend, "tokens": sum(len(t) for t in tokens),
-                     "mismatched_by_micro_batch": {str(mb): n for mb, n in rescored.items()},
-                     "generation_batch_invariant": invariant})
+        row.update(tokens=sum(len(t) for t in tokens),
+                   mismatched_by_micro_batch={str(mb): n for mb, n in rescored.items()})
+        rows.append(row)
         del model
-    exact = next(r for r in rows if r["backend"] == "exact")
-    passed = exact["generation_batch_invariant"] and not any(exact["mismatched_by_micro_batch"].values())
-    return {"status": "passed" if passed else "failed", "rows": rows}
+    exact = rows[0]
+    passed = all(exact["generation_batch_invariant"].values()) and not any(exact["mismatched_by_micro_batch"].values())
+    return {"status": "passed" if passed else "failed", "rows": rows,
+            "sizes": {k: v for k, v in s.items() if k != "preset"}}
+
+
+EIGHTY_GB_CARD_BYTES = 79 * 2**30
+"""What an "80 GB" card (H100 80GB) lets PyTorch reserve, rounded down: its 81,559 MiB less the CUDA context."""
+
+
+def part_train_memory(device: torch.device, rehearse: bool, s: dict) -> dict:
+    cfg = _model_config(s["preset"], rehearse, s["prompt_len"] + s["response_len"])
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, cfg.vocab_size, (s["batch"], s["prompt_len"]), generator=gen).tolist()
+    responses = torch.randint(0, cfg.vocab_size, (s["batch"], s["response_len"]), generator=gen).tolist()
+    model = Transformer(cfg, backend=s["exact_backend"], dtype=s["dtype"], device=device, init_seed=0)
+    mb = s["micro_batch"]
+
+    def train() -> None:  # one update's gradients: each micro-batch's backward frees its activations
+        model.zero_grad(set_to_none=True)
+        for start in range(0, s["batch"], mb):
+            logprobs = token_logprobs(model, prompts[start : start + mb], responses[start : start + mb])
+            torch.stack([lp.sum() for lp in logprobs]).sum().backward()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    begin = time.perf_counter()
+    _, peak = _peak(device, train)
+    seconds = time.perf_counter() - begin
+    reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    out = {"tokens": s["batch"] * (s["prompt_len"] + s["response_len"]), "seconds_first_pass": round(seconds, 3),
+           "tokens_per_s_first_pass": s["batch"] * (s["prompt_len"] + s["response_len"]) / seconds,
+           "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved, "gradients_finite": finite,
+           "parameters": sum(p.numel() for p in model.parameters()),
+           "sizes": {k: v for k, v in s.items() if k != "preset"}}
+    if device.type != "cuda":
+        return {"status": "passed" if finite else "failed", **out,
+                "peak_memory_skipped": "no CUDA: peak GPU memory exists only on a GPU (CPU rehearsal)"}
+    fits = reserved is not None and reserved <= EIGHTY_GB_CARD_BYTES
+    return {"status": "passed" if fits and finite else "failed", "fits_80gb_card": fits,
+            "eighty_gb_card_bytes": EIGHTY_GB_CARD_BYTES, **out}
 
 
 def _decode_inputs(cfg: ModelConfig, batch: int, position: int, device: torch.device):
@@ -158,7 +212,7 @@ def part_speed(device: torch.device, rehearse: bool, s: dict) -> dict:
     cfg = _model_config(s["preset"], rehearse, length)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for backend in _backends(device):
+    for backend in _backends(s):
         model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
         row: dict = {"backend": backend}
         prefill = torch.randint(0, cfg.vocab_size, (s["prefill_batch"], s["prefill_len"]), generator=gen).to(device)
@@ -216,7 +270,7 @@ def part_launches(device: torch.device, rehearse: bool, s: dict) -> dict:
 
     cfg = _model_config(s["preset"], rehearse, s["cache_len"])
     rows = []
-    for backend in _backends(device):
+    for backend in _backends(s):
         model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
         cache = model.new_cache(s["decode_batch"], s["cache_len"])
         tokens, q_start = _decode_inputs(cfg, s["decode_batch"], s["position"], device)
@@ -242,7 +296,7 @@ def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) ->
 
         shutil.rmtree(run_dir)  # a fresh run each time the script runs
     sets = [f"output_dir={run_dir}", f"warm_start.cache_dir={out_dir / 'warmstart_cache'}", f"steps={s['steps']}",
-            *(REHEARSAL_RUN if rehearse else [])]
+            *(REHEARSAL_RUN if rehearse else []), f"backend={s['exact_backend']}"]
     argv = ["run", str(EXPERIMENT), "--device", str(device), *(f"--set={x}" for x in sets)]
     code = vexact_main(argv)
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -267,14 +321,15 @@ def part_moe(device: torch.device, rehearse: bool, s: dict) -> dict:
                              micro_batch_sizes=(None, 3))
     rows = [{"backend": r["backend"], "tokens": r["tokens"], "mismatched": mismatched(r),
              "routing_flip_rate": r["routing_flip_rate"], "sampling_batch_invariant": r["sampling_batch_invariant"]}
-            for r in run_check(settings, backends=_backends(device), device=device)]
-    exact = next(r for r in rows if r["backend"] == "exact")
+            for r in run_check(settings, backends=_backends(s), device=device)]
+    exact = rows[0]
     passed = exact["mismatched"] == 0 and not exact["routing_flip_rate"] and exact["sampling_batch_invariant"]
     return {"status": "passed" if passed else "failed", "num_layers": s["num_layers"], "rows": rows}
 
 
-PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "speed": part_speed,
-                                        "launches": part_launches, "rl_run": part_rl_run, "moe": part_moe}
+PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "train_memory": part_train_memory,
+                                        "rl_run": part_rl_run, "moe": part_moe, "speed": part_speed,
+                                        "launches": part_launches}
 """The parts, in the order ``gpu_check.sh`` runs them."""
 
 
@@ -308,6 +363,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the JSON the part's result is merged into")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu with --rehearse")
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes: the code path, not a measurement")
+    parser.add_argument("--triton-interpreter", action="store_true",
+                        help="with --rehearse: the exact rows run the Triton kernels in Triton's interpreter on the "
+                             "CPU (the code a GPU compiles; slow) instead of the exact CPU kernels")
     parser.add_argument("--timed-out", metavar="PART", choices=tuple(PARTS),
                         help="record that PART ran out of its time limit (gpu_check.sh calls this)")
     parser.add_argument("--limit-s", type=int, default=None, help="with --timed-out: the limit it had")
@@ -325,7 +383,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if device.type != "cuda" and not args.rehearse:
         print("error: without a GPU only --rehearse runs (tiny sizes, not a measurement)", file=sys.stderr)
         return 2
-    sizes = {**SIZES[args.part], **(REHEARSAL[args.part] if args.rehearse else {})}
+    if args.triton_interpreter and not args.rehearse:
+        print("error: --triton-interpreter is a rehearsal mode (add --rehearse)", file=sys.stderr)
+        return 2
+    sizes = {**SIZES[args.part], **(REHEARSAL[args.part] if args.rehearse else {}),
+             "exact_backend": "triton" if args.triton_interpreter else "exact"}
     start = time.perf_counter()
     extra = {"out_dir": args.out.parent} if args.part == "rl_run" else {}
     try:

@@ -83,7 +83,13 @@ HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows", "same_bits"), "rms_n
 # --------------------------------------------------------------------------- chunked library math
 def elementwise(name: str, x: Tensor, *, host: HostGuard = HOST, op: str = "sampling") -> Tensor:
     """``name`` (exp, log, cos or sqrt) of every element of ``x`` (fp32 or fp64), each element's bits independent of
-    the tensor's size and the element's position (chunked, through the path ``host`` chose for this host)."""
+    the tensor's size and the element's position (chunked, through the path ``host`` chose for this host).
+
+    A tensor on a GPU takes torch's own op: there each element goes through one device function whatever the
+    tensor's size or the element's place (no vectorised variant that rounds otherwise), and the host guard, which
+    probes the CPU's library, says nothing about it."""
+    if x.device.type != "cpu":
+        return getattr(torch, name)(x)
     return _unary(name, x, host, op)
 
 

@@ -38,9 +38,14 @@ def test_rehearsal_runs_every_part_and_records_each(tmp_path):
 
     exactness = {r["backend"]: r for r in parts["exactness"]["rows"]}
     assert parts["exactness"]["status"] == "passed"
-    assert exactness["exact"]["tokens"] > 0 and exactness["exact"]["generation_batch_invariant"]
+    assert exactness["exact"]["tokens"] > 0
+    assert exactness["exact"]["generation_batch_invariant"] == {"batches_of_3": True, "alone_first_2": True}
     assert exactness["exact"]["mismatched_by_micro_batch"] == {"8": 0, "3": 0}
     assert all(isinstance(n, int) for n in exactness["native"]["mismatched_by_micro_batch"].values())  # recorded
+
+    memory = parts["train_memory"]
+    assert memory["status"] == "passed" and memory["gradients_finite"] and memory["tokens"] == 4 * (4 + 6)
+    assert memory["peak_allocated_bytes"] is None and "GPU" in memory["peak_memory_skipped"]  # not faked
 
     speed = parts["speed"]
     assert speed["status"] == "passed" and "GPU" in speed["peak_memory_skipped"]
@@ -90,3 +95,17 @@ def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     assert parts["launches"]["status"] == "skipped"
     summary = (tmp_path / "summary.txt").read_text()
     assert "gpu_real exactness: exit 124 (timed out after 1s)" in summary and "gpu_real launches: exit 0" in summary
+
+
+@pytest.mark.needs_package("triton", TRITON_PIP)
+def test_triton_interpreter_rehearsal_runs_the_triton_kernels_in_the_exact_rows(tmp_path):
+    """``--triton-interpreter``: the exact rows are the Triton kernels (the code a GPU compiles), interpreted on the
+    CPU; they must be exact as the compiled ones are. About 20 s."""
+    out = tmp_path / "gpu_real.json"
+    argv = ["--part", "exactness", "--out", str(out), "--rehearse", "--device", "cpu", "--triton-interpreter"]
+    assert gpu_real.main(argv) == 0
+    rows = json.loads(out.read_text())["parts"]["exactness"]["rows"]
+    assert [r["backend"] for r in rows] == ["triton", "native"]
+    assert all(rows[0]["generation_batch_invariant"].values()) and rows[0]["mismatched_by_micro_batch"] == {"8": 0,
+                                                                                                         "3": 0}
+    assert gpu_real.main([a for a in argv if a != "--rehearse"]) == 2  # a rehearsal mode only

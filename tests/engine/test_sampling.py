@@ -58,3 +58,22 @@ def test_sampled_tokens_equal_the_out_of_place_formula(seed):
     assert torch.equal(tokens, expected)
     assert len(set(tokens.tolist())) > 1  # the noise decides: not every row's plain argmax
     assert not torch.equal(tokens, logits.argmax(dim=-1))
+
+
+class _UnusedHost:
+    """A host guard that fails if asked: a GPU tensor must not reach the CPU's probes or compiled loops."""
+
+    def elementwise(self, *args, **kwargs):
+        raise AssertionError("the CPU host guard was asked about a tensor that is not on the CPU")
+
+
+@pytest.mark.parametrize("name", ["exp", "log", "cos", "sqrt"])
+def test_elementwise_off_the_cpu_takes_torch_op_not_the_cpu_guard(name):
+    """The sampler and the optimizer call ``elementwise`` on the model's device. Off the CPU (here the meta device,
+    which stands for a GPU: shapes only) it must be torch's own op, never the CPU guard's path or the CPU-only
+    compiled loop (which refuses a CUDA tensor)."""
+    x = torch.empty(3, 5, dtype=torch.float64, device="meta")
+    out = elementwise(name, x, host=_UnusedHost())
+    assert out.device.type == "meta" and out.shape == x.shape and out.dtype == x.dtype
+    with pytest.raises(AssertionError, match="not on the CPU"):
+        elementwise(name, torch.rand(3, 5, dtype=torch.float64), host=_UnusedHost())

@@ -727,8 +727,8 @@ def plot_report(logp_train: Tensor, logp_roll: Tensor, path: Path, title: str) -
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    r = (logp_train.double() - logp_roll.double()).numpy()
-    prob = logp_train.double().exp().numpy()
+    r = (logp_train.double() - logp_roll.double()).cpu().numpy()
+    prob = logp_train.double().exp().cpu().numpy()
     zero = r == 0
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     fig.suptitle(title)

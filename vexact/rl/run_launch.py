@@ -43,7 +43,9 @@ def run_command(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         return launch_ranks(args, cfg, console)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL's collectives run on this rank's own GPU
+        # NCCL's collectives and the Triton launches run on the current GPU: make it this rank's own
+        # (set_device needs an index; plain ``cuda`` is the current one)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
     # torchrun's ranks (gloo on the CPU, NCCL on GPUs), or this process alone
     ranks = DataParallel.from_environment(cfg.distributed.reduce, device)
     try:

@@ -46,6 +46,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from ..engine.devices import cuda_device_count, device_kind
 from ..engine.model import check_fits
 from .registries import TASKS, register_run_check
 from .validate import ConfigError
@@ -383,13 +386,19 @@ RUN_BYTES_PER_PARAMETER = 16
 
 def check_memory(cfg: RunConfig) -> None:
     """Before a run (or a sweep) allocates anything: its model's parameters, at ``RUN_BYTES_PER_PARAMETER`` (plus a
-    bfloat16 compute copy), must fit in the memory this machine has available now (``engine.model.check_fits``).
+    bfloat16 compute copy), must fit in the memory available now where they will live (``engine.model.check_fits``):
+    the host's for ``device: cpu``, the GPU's free memory for a CUDA device (where one is present: a config naming
+    ``cuda`` on a machine without one is refused by ``engine.devices.resolve_device`` instead).
     Not part of loading a config, which stays valid on any machine (a report reads config.yaml anywhere)."""
     task = task_of(cfg)
     copy = 0 if cfg.dtype == "float32" else 2
+    where: dict = {}
+    if device_kind(cfg.device) == "cuda" and cuda_device_count():
+        device = torch.device(cfg.device if cfg.device.startswith("cuda:") else "cuda")
+        where = {"available": torch.cuda.mem_get_info(device)[0], "machine": f"GPU {device} has"}
     check_fits(cfg.model.to_model_config(task.tokenizer.vocab_size), RUN_BYTES_PER_PARAMETER + copy,
                f"a run's float32 weights, gradient and AdamW moments{' and bfloat16 copy' if copy else ''}",
-               where="model", vocab=f"the vocabulary of task {cfg.task.name}")
+               where="model", vocab=f"the vocabulary of task {cfg.task.name}", **where)
 
 
 

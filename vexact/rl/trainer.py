@@ -213,7 +213,7 @@ class Trainer:
         if self._snapshots:
             if self._behaviour is None:
                 self._behaviour = Transformer(self.model_config, backend=self.cfg.backend, dtype=torch.float32,
-                                              init_seed=None)
+                                              device=self.device, init_seed=None)
             with torch.no_grad():
                 for dst, src in zip(self._behaviour.parameters(), self._snapshots[0]):
                     dst.copy_(src)

@@ -494,6 +494,8 @@ def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
     log = io.StringIO()  # the run's own log, not shown; its warm-start lines go back to the sweep
     try:
         cfg = config_from_dict(config)
+        if cfg.device.startswith("cuda:"):  # Triton launches on the process's current GPU: the worker's own
+            torch.cuda.set_device(torch.device(cfg.device))
         # steps may grow on a resume (an extended sweep), and a memory knob may change (no bit does); no other key
         summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(
             resume=resume, allow_changes=("steps", *MEMORY_KEYS) if resume else ())
