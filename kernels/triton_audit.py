@@ -22,7 +22,8 @@ and the compiled code is checked:
   their layouts, and the loops around them) compared. A kernel with a reduction must have exactly one binary; an
   elementwise kernel may get a second one for a divisibility (wider loads) but has no reduction to reorder.
 * **tiles**: the block shapes of every compiled dot and reduction are those of the dtype's tile table in
-  ``triton_exact`` (``_MATMUL_TILES``, ``_ATTENTION_TILES``, ``_ROW_BLOCK``), and the warp count is the table's.
+  ``triton_exact`` (``_MATMUL_TILES``, ``_ATTENTION_TILES``, ``_ATTENTION_BACKWARD_TILES``, ``_ROW_BLOCK``), and the
+  warp count is the table's.
 * **digests**: sha256 of each variant's TTGIR (locations stripped) and PTX (debug lines and sections stripped),
   recorded in ``kernels/triton_audit.json`` with the triton version, so that a toolchain or kernel change that
   alters the compiled code shows in ``tests/kernels/test_triton_audit.py``; re-record after a deliberate change.
@@ -125,28 +126,80 @@ def _linear_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
     return [(block_m, block_k, block_n)]
 
 
-def _attention_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
-    # rows = queries per sequence (1: a decode step); the cache holds a prefix plus the new queries.
+def _attention_tensors(dtype, rows: int) -> tuple:
+    """(q, k, v, q_start, out-shaped tensor, lse-shaped fp32 tensor, cache_len) for ``rows`` queries per sequence
+    (1: a decode step); the cache holds a prefix plus the new queries."""
     batch, heads, kv_heads, head_dim = SHAPE["batch"], SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
     cache_len = SHAPE["prefix"] + rows
     q, out = _empty(batch, rows, heads, head_dim, dtype=dtype), _empty(batch, rows, heads, head_dim, dtype=dtype)
     k, v = (_empty(batch, cache_len, kv_heads, head_dim, dtype=dtype) for _ in range(2))
     q_start = _empty(batch, dtype=_torch_dtype("int64"))
-    block_m, block_n, num_warps, num_stages = te._ATTENTION_TILES[dtype]
-    args = (q, k, v, q_start, out, rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))  # fmt: skip
-    kwargs = dict(
-        CAST_TO_FP32=te.INTERPRETING,
-        INPUT_PRECISION=te._input_precision(dtype),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=_block_d(),
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **te._COMPILE_OPTIONS,
-    )
-    return args, kwargs
+    lse = _empty(batch * heads, rows, dtype=_torch_dtype("fp32"))
+    return q, k, v, q_start, out, lse, cache_len
+
+
+def _attention_launch(store_lse: bool) -> Callable:
+    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+        heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+        q, k, v, q_start, out, lse, cache_len = _attention_tensors(dtype, rows)
+        block_m, block_n, num_warps, num_stages = te._ATTENTION_TILES[dtype]
+        args = (q, k, v, q_start, out, rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                lse if store_lse else out)  # fmt: skip
+        kwargs = dict(
+            CAST_TO_FP32=te.INTERPRETING,
+            INPUT_PRECISION=te._input_precision(dtype),
+            STORE_LSE=store_lse,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=_block_d(),
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **te._COMPILE_OPTIONS,
+        )
+        return args, kwargs
+
+    return launch
+
+
+def _attention_bwd_delta_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    _, _, _, _, out, lse, _ = _attention_tensors(dtype, rows)
+    dout = _empty(*out.shape, dtype=dtype)
+    block_m, _, num_warps, _ = te._ATTENTION_BACKWARD_TILES[dtype]
+    args = (out, dout, lse, rows, SHAPE["heads"], SHAPE["head_dim"], out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2))  # fmt: skip
+    return args, dict(BLOCK_M=block_m, BLOCK_D=_block_d(), num_warps=num_warps, **te._COMPILE_OPTIONS)
+
+
+def _attention_bwd_launch(gradient_of: str) -> Callable:
+    """The dK/dV kernel (``gradient_of`` "kv") or the dQ kernel ("q"), as ``_attention_backward`` launches them."""
+
+    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+        heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+        q, k, v, q_start, dout, lse, cache_len = _attention_tensors(dtype, rows)
+        delta = _empty(*lse.shape, dtype=lse.dtype)
+        block_m, block_n, num_warps, num_stages = te._ATTENTION_BACKWARD_TILES[dtype]
+        grads = (_empty(*k.shape, dtype=dtype), _empty(*v.shape, dtype=dtype)) if gradient_of == "kv" else (
+            _empty(*q.shape, dtype=dtype),)  # fmt: skip
+        args = (q, k, v, q_start, dout, lse, delta, *grads,
+                rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E, head_dim**-0.5,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                grads[0].stride(0), grads[0].stride(1), grads[0].stride(2))  # fmt: skip
+        kwargs = dict(
+            CAST_TO_FP32=te.INTERPRETING,
+            INPUT_PRECISION=te._input_precision(dtype),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=_block_d(),
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **te._COMPILE_OPTIONS,
+        )
+        return args, kwargs
+
+    return launch
 
 
 def _block_d() -> int:
@@ -163,6 +216,20 @@ def _attention_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
 def _attention_reduces(te: ModuleType, dtype) -> list[tuple[int, ...]]:
     block_m, block_n = te._ATTENTION_TILES[dtype][:2]
     return [(block_m, block_n), (block_m, block_n)]  # row max and row sum of the scores
+
+
+def _attention_bwd_delta_reduces(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+    return [(te._ATTENTION_BACKWARD_TILES[dtype][0], _block_d())]  # rowsum(dO * O) over the head dim
+
+
+def _attention_bwd_dkdv_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+    m, n, d = *te._ATTENTION_BACKWARD_TILES[dtype][:2], _block_d()
+    return [(m, d, n), (m, d, n), (n, m, d), (n, m, d)]  # q @ k.T, dO @ v.T, p.T @ dO, dS.T @ q
+
+
+def _attention_bwd_dq_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+    m, n, d = *te._ATTENTION_BACKWARD_TILES[dtype][:2], _block_d()
+    return [(m, d, n), (m, d, n), (m, n, d)]  # q @ k.T, dO @ v.T, dS @ k
 
 
 def _rms_norm_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
@@ -223,12 +290,19 @@ def _row_block(count: int) -> Callable:
 
 
 def variants() -> list[Variant]:
-    """Every audited variant: each kernel of triton_exact x fp32/bf16 (linear with and without bias, rope for the
-    query and the key head count, whose BLOCK_H differ; exp, the MoE routing weights' exp, is fp32 only)."""
+    """Every audited variant: each kernel of triton_exact x fp32/bf16 (linear with and without bias, attention's
+    forward without and with the log-sum-exp store the backward needs, attention's three backward kernels, rope for
+    the query and the key head count, whose BLOCK_H differ; exp, the MoE routing weights' exp, is fp32 only)."""
     kinds = [
         ("linear", "_linear_kernel", _linear_launch(False), _linear_dots, _none),
         ("linear+bias", "_linear_kernel", _linear_launch(True), _linear_dots, _none),
-        ("attention", "_attention_kernel", _attention_launch, _attention_dots, _attention_reduces),
+        ("attention", "_attention_kernel", _attention_launch(False), _attention_dots, _attention_reduces),
+        ("attention+lse", "_attention_kernel", _attention_launch(True), _attention_dots, _attention_reduces),
+        ("attention_bwd_delta", "_attention_bwd_delta_kernel", _attention_bwd_delta_launch, _none,
+         _attention_bwd_delta_reduces),
+        ("attention_bwd_dkdv", "_attention_bwd_dkdv_kernel", _attention_bwd_launch("kv"), _attention_bwd_dkdv_dots,
+         _none),
+        ("attention_bwd_dq", "_attention_bwd_dq_kernel", _attention_bwd_launch("q"), _attention_bwd_dq_dots, _none),
         ("rms_norm", "_rms_norm_kernel", _rms_norm_launch, _none, _row_block(1)),
         ("log_softmax", "_log_softmax_kernel", _row_logits_launch(False), _none, _row_block(2)),
         ("token_logprobs", "_token_logprobs_kernel", _row_logits_launch(True), _none, _row_block(2)),
@@ -465,6 +539,10 @@ def reductions(ttgir: str) -> dict[str, list]:
                 dots.append((a[-2], a[-1], b[-1]))
             chain = match.group(1) if match else None
             code.append(anonymous)
+        elif op.startswith("ttng.warp_group_dot_wait") and chain is not None and _VALUE.findall(op)[0] == chain:
+            # sm_90's asynchronous products: a wait hands the product on as its first result; the next product of
+            # the same K block accumulates into that result (seen with a register operand cut into K = 16 parts).
+            chain = f"{match.group(1)}#0" if match else None
         elif op.startswith("scf.for"):
             code.append(re.sub(r" iter_args\(.*", "", anonymous))
     return {"dots": sorted(dots), "reduces": sorted(reduces), "code": code}

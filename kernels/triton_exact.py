@@ -44,8 +44,10 @@ on raw bit patterns; and fp32 -> bf16 rounding is done by hand because the inter
 cast truncates. Results are exact and invariant in either mode, but interpreter and GPU
 results are not bitwise equal to each other.
 
-Backward passes use standard, deterministic torch ops (see ``_ExactForwardNativeBackward``):
-only the forward must be exact; gradients must be reproducible run to run.
+Backward passes must be reproducible run to run (only the forward must be exact). attention's is three Triton
+kernels (FlashAttention-2 style, no atomics: see ``attention``); rms_norm's, rope's and silu_mul's are analytic
+VJPs in plain torch ops on fixed shapes (``autograd.exact_forward_vjp``); log_softmax's and token_logprobs'
+recompute the native op and take its VJP (``autograd.exact_forward``); linear's is two matmuls.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .autograd import exact_forward, exact_linear, matmul_linear_backward
+from .autograd import exact_forward, exact_forward_vjp, exact_linear, matmul_linear_backward
 
 # Compile-only: the GPU code paths and tiles without a device, so that the kernels can be compiled for CUDA
 # targets and their code audited (vexact_kernels.triton_audit sets it in its own worker process). Launching
@@ -192,6 +194,7 @@ if INTERPRETING:
     # Attention tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages). Small, so that short test
     # sequences still span several key blocks.
     _ATTENTION_TILES = {dtype: (16, 16, 1, 1) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    _ATTENTION_BACKWARD_TILES = dict(_ATTENTION_TILES)
     _ROW_BLOCK, _ROW_WARPS = 512, 1  # rms_norm / log_softmax chunk width
     _ELEMENTWISE_BLOCK = 4096
 else:
@@ -204,6 +207,13 @@ else:
         torch.float32: (32, 32, 4, 2),
         torch.bfloat16: (64, 64, 4, 2),
         torch.float16: (64, 64, 4, 2),
+    }
+    # Backward attention tiles, same layout: (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). Smaller query
+    # blocks than the forward's: the dK/dV program holds two fp32 [BLOCK_N, hd] accumulators. Not tuned on a GPU.
+    _ATTENTION_BACKWARD_TILES = {
+        torch.float32: (32, 32, 4, 2),
+        torch.bfloat16: (32, 64, 4, 2),
+        torch.float16: (32, 64, 4, 2),
     }
     _ROW_BLOCK, _ROW_WARPS = 1024, 4
     _ELEMENTWISE_BLOCK = 1024
@@ -372,7 +382,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into
     BLOCK fp32 partial sums that ``_block_sum`` combines in a fixed tree. Result in x.dtype.
     """
-    return exact_forward(_rms_norm_exact, native.rms_norm, (x, weight), (eps,))
+    return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
+
+
+def _rms_norm_with_saved(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, tuple]:
+    return _rms_norm_exact(x, weight, eps), (x, weight, eps)
+
+
+def _rms_norm_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """y = x * r * w with r = (mean(x^2) + eps)^-1/2: dx = r * (g w - x r^2 mean(g w x)), dw = sum over rows of
+    g x r (cpu_exact's formulas). Plain torch ops on fixed shapes, fp32, one rounding: deterministic; 1/rms is
+    recomputed here (a [rows] fp32 vector) rather than stored by the kernel."""
+    x, weight, eps = saved
+    xf, g, wf = x.float(), grad.float(), weight.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    grad_x = grad_w = None
+    if needs[0]:
+        gw = g * wf
+        dot = (gw * xf).mean(-1, keepdim=True)
+        grad_x = (inv_rms * (gw - xf * (inv_rms * inv_rms) * dot)).to(x.dtype)
+    if needs[1]:
+        grad_w = (g * xf * inv_rms).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return grad_x, grad_w
 
 
 # --------------------------------------------------------------------------- silu_mul
@@ -405,7 +436,22 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     elements -- not on the tensor's size, shape or the element's position. Tiling: the
     flattened tensor in fixed BLOCK-wide chunks, one program each; no reductions.
     """
-    return exact_forward(_silu_mul_exact, native.silu_mul, (gate, up))
+    return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up))
+
+
+def _silu_mul_with_saved(gate: Tensor, up: Tensor) -> tuple[Tensor, tuple]:
+    return _silu_mul_exact(gate, up), (gate, up)
+
+
+def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """With s = sigmoid(gate): d gate = g * up * s * (1 + gate * (1 - s)), d up = g * silu(gate), silu rounded to
+    the gate's dtype as the forward rounds it (cpu_exact's formulas). Elementwise torch ops in fp32, one rounding."""
+    gate, up = saved
+    gf, g = gate.float(), grad.float()
+    s = torch.sigmoid(gf)
+    grad_gate = (g * up.float() * s * (1.0 + gf * (1.0 - s))).to(gate.dtype) if needs[0] else None
+    grad_up = (g * (gf * s).to(gate.dtype).float()).to(up.dtype) if needs[1] else None
+    return grad_gate, grad_up
 
 
 # --------------------------------------------------------------------------- exp (the MoE routing weights)
@@ -480,7 +526,27 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     (positions enter only through the caller's cos/sin). Tiling: one program per token,
     covering all heads as a [H, hd/2] block; no reductions.
     """
-    return exact_forward(_rope_exact, native.rope, (x, cos, sin))
+    return exact_forward_vjp(_rope_exact, _rope_with_saved, _rope_vjp, (x, cos, sin))
+
+
+def _rope_with_saved(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, tuple]:
+    return _rope_exact(x, cos, sin), (x, cos, sin)
+
+
+def _rope_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """The rotation's transpose: dx1 = g1 cos + g2 sin, dx2 = g2 cos - g1 sin (fp32, one rounding to x.dtype).
+    cos/sin (rarely differentiated) get sum over heads of g1 x1 + g2 x2 and g2 x1 - g1 x2, summed down to their
+    own (broadcast) shape. Plain torch ops on fixed shapes: deterministic."""
+    x, cos, sin = saved
+    half = x.shape[-1] // 2
+    g, xf = grad.float(), x.float()
+    g1, g2 = g[..., :half], g[..., half:]
+    c, s = cos.float().unsqueeze(2), sin.float().unsqueeze(2)
+    grad_x = torch.cat([g1 * c + g2 * s, g2 * c - g1 * s], dim=-1).to(x.dtype) if needs[0] else None
+    x1, x2 = xf[..., :half], xf[..., half:]
+    grad_cos = (g1 * x1 + g2 * x2).sum(2).sum_to_size(cos.shape).to(cos.dtype) if needs[1] else None
+    grad_sin = (g2 * x1 - g1 * x2).sum(2).sum_to_size(sin.shape).to(sin.dtype) if needs[2] else None
+    return grad_x, grad_cos, grad_sin
 
 
 # --------------------------------------------------------------------------- attention
@@ -492,7 +558,8 @@ def _attention_kernel(
     stride_kb, stride_kl, stride_kh,
     stride_vb, stride_vl, stride_vh,
     stride_ob, stride_ot, stride_oh,
-    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    lse_ptr,  # last, so that the other parameters keep their places in the compiled code
+    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Program (batch x query head, query block): BLOCK_M queries of one sequence and head.
@@ -552,13 +619,20 @@ def _attention_kernel(
     out = acc / l_i[:, None]
     out_ptrs = out_ptr + batch * stride_ob + t[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptrs, _cast(out, out_ptr.dtype.element_ty), mask=(t < q_len)[:, None] & dim_mask[None, :])
+    if STORE_LSE:
+        # For the backward (p = exp2(score - lse)): the row's log-sum-exp in the kernel's own log2 units, fp32,
+        # [B * Hq, T] row-major. Written after `out` and from the same m_i, l_i: `out` is not touched.
+        tl.store(lse_ptr + batch_head.to(tl.int64) * q_len + t, m_i + tl.log2(l_i), mask=t < q_len)
 
 
 def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+def _attention_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, store_lse: bool
+                       ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """(out, lse or None, the prepared (q, k_cache, v_cache, q_start) the kernel read). ``store_lse`` only adds the
+    log-sum-exp store (fp32 [B * Hq, T], log2 units) after the output's; the output's bits are the same either way."""
     _check_device(q, k_cache, v_cache)
     batch, q_len, q_heads, head_dim = q.shape
     cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -568,8 +642,10 @@ def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tenso
     q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     q_start = q_start.to(device=q.device, dtype=torch.int64).contiguous()
     out = torch.empty(batch, q_len, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch * q_heads, q_len, dtype=torch.float32, device=q.device) if store_lse else None
+    prepared = (q, k_cache, v_cache, q_start)
     if out.numel() == 0:
-        return out
+        return out, lse, prepared
     block_m, block_n, num_warps, num_stages = _ATTENTION_TILES[q.dtype]
     # Query heads x batch on grid axis 0 (no 65535 limit there), query blocks on axis 1.
     grid = (batch * q_heads, triton.cdiv(q_len, block_m))
@@ -579,20 +655,265 @@ def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tenso
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        out.stride(0), out.stride(1), out.stride(2), lse if store_lse else out,
+        CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(q.dtype), STORE_LSE=store_lse,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_attention_block_d(head_dim),
         num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS,
     )  # fmt: skip
-    return out
+    return out, lse, prepared
+
+
+def _attention_block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
+    return _attention_forward(q, k_cache, v_cache, q_start, scale, store_lse=False)[0]
 
 
 def _attention_backward_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
-    # SDPA's fused backward kernels may use atomics on CUDA; the math backend is deterministic.
+    """The attention whose autograd was the backward before the Triton one (kept for tests): SDPA's MATH backend,
+    deterministic (the fused backward kernels may use atomics on CUDA), but it materialises every T x L score
+    matrix in fp32."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
         return native.attention(q, k_cache, v_cache, q_start, scale)
+
+
+# ------------------------------------------------------------ attention backward (FlashAttention-2 style)
+# Three kernels, none with atomics: every gradient element is written by exactly one program, whose reduction
+# runs in an order fixed by the tile constants (``_ATTENTION_BACKWARD_TILES``) and the loop bounds. The
+# forward's log-sum-exp (log2 units) gives each probability back as p = exp2(score - lse) without a softmax pass;
+# delta = rowsum(dO * O) is the softmax VJP's row term: dS = p * (dP - delta), dP = dO @ V^T.
+@triton.jit(do_not_specialize=["q_len"])
+def _attention_bwd_delta_kernel(
+    out_ptr, dout_ptr, delta_ptr,
+    q_len, q_heads, head_dim,
+    stride_ob, stride_ot, stride_oh,
+    stride_gb, stride_gt, stride_gh,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """delta[(b, h), t] = sum over d of dO * O, fp32, [B * Hq, T] row-major.
+
+    Invariance contract: each delta depends only on its own query row of O and dO -- one program per (sequence,
+    q head, BLOCK_M queries), the row reduced by one fixed tree over BLOCK_D lanes (``_block_sum``)."""
+    batch_head = tl.program_id(0)
+    query_block = tl.program_id(1)
+    batch = (batch_head // q_heads).to(tl.int64)
+    head = batch_head % q_heads
+    t = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (t < q_len)[:, None] & (dims < head_dim)[None, :]
+    o = tl.load(out_ptr + batch * stride_ob + t[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dout_ptr + batch * stride_gb + t[:, None] * stride_gt + head * stride_gh + dims[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + batch_head.to(tl.int64) * q_len + t, _block_sum(o * do, axis=1), mask=t < q_len)
+
+
+@triton.jit(do_not_specialize=["q_len", "cache_len"])
+def _attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, q_start_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_len, cache_len, q_heads, group_size, head_dim, qk_scale, scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kl, stride_kh,
+    stride_vb, stride_vl, stride_vh,
+    stride_gb, stride_gt, stride_gh,
+    stride_db, stride_dl, stride_dh,
+    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dK = scale * sum dS^T @ Q and dV = sum P^T @ dO for one (sequence, kv head, BLOCK_N cache positions).
+
+    Invariance contract: each dK / dV element is written by this one program alone, and is the fp32 sum over the
+    kv head's q heads (in head order) and, within a head, over query blocks from the first that sees the key
+    block, in order, each block's products reduced by the fixed-shape ``_block_dot``. So it depends only on the
+    sequence's q, dO, lse, delta, its own keys/values and q_start -- never on other sequences or on the batch.
+    Cache positions no query sees (after the last query's position, or a cache longer than needed) get exact
+    zeros."""
+    batch_kv_head = tl.program_id(0)
+    key_block = tl.program_id(1)
+    kv_heads = q_heads // group_size
+    batch = (batch_kv_head // kv_heads).to(tl.int64)
+    kv_head = batch_kv_head % kv_heads
+
+    k_pos = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    in_cache = k_pos < cache_len
+    kv_mask = in_cache[:, None] & dim_mask[None, :]
+    k = tl.load(k_ptr + batch * stride_kb + k_pos[:, None] * stride_kl + kv_head * stride_kh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + batch * stride_vb + k_pos[:, None] * stride_vl + kv_head * stride_vh + dims[None, :],
+                mask=kv_mask, other=0.0)
+    if CAST_TO_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    q_start = tl.load(q_start_ptr + batch)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    # Queries before t = block start - q_start see none of these keys: start at the query block holding that t
+    # (the blocks skipped would add exact zeros).
+    first_block = tl.maximum(key_block * BLOCK_N - q_start, 0) // BLOCK_M
+    for g in range(0, group_size):
+        head = kv_head * group_size + g
+        lse_row = (batch * q_heads + head) * q_len
+        for m_start in range(first_block * BLOCK_M, q_len, BLOCK_M):
+            t = m_start + rows
+            q_mask = t < q_len
+            row_mask = q_mask[:, None] & dim_mask[None, :]
+            q = tl.load(q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                        mask=row_mask, other=0.0)
+            do = tl.load(dout_ptr + batch * stride_gb + t[:, None] * stride_gt + head * stride_gh + dims[None, :],
+                         mask=row_mask, other=0.0)
+            if CAST_TO_FP32:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(lse_ptr + lse_row + t, mask=q_mask, other=0.0)
+            delta = tl.load(delta_ptr + lse_row + t, mask=q_mask, other=0.0)
+            scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # log2 units
+            visible = (k_pos[None, :] <= (q_start + t)[:, None]) & in_cache[None, :] & q_mask[:, None]
+            # where, not a masked score: a padding row (q = 0, lse = 0) would otherwise get p = 1.
+            p = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
+            dv = _block_dot(tl.trans(_cast(p, do.dtype)), do, dv, input_precision=INPUT_PRECISION)
+            dp = _block_dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk = _block_dot(tl.trans(_cast(ds, q.dtype)), q, dk, input_precision=INPUT_PRECISION)
+
+    d_offsets = batch * stride_db + k_pos[:, None] * stride_dl + kv_head * stride_dh + dims[None, :]
+    tl.store(dk_ptr + d_offsets, _cast(dk * scale, dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + d_offsets, _cast(dv, dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit(do_not_specialize=["q_len", "cache_len"])
+def _attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, q_start_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_len, cache_len, q_heads, group_size, head_dim, qk_scale, scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kl, stride_kh,
+    stride_vb, stride_vl, stride_vh,
+    stride_gb, stride_gt, stride_gh,
+    stride_db, stride_dt, stride_dh,
+    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dQ = scale * sum dS @ K for one (sequence, q head, BLOCK_M queries).
+
+    Invariance contract: each dQ row is written by this one program alone: the fp32 sum over key blocks from
+    position 0 in order (as the forward walks them), each block's product reduced by the fixed-shape
+    ``_block_dot``. It depends only on the query's own q, dO, lse, delta and its sequence's keys/values at
+    positions <= its position -- not on other sequences, the batch, or cache contents after its position."""
+    batch_head = tl.program_id(0)
+    query_block = tl.program_id(1)
+    batch = (batch_head // q_heads).to(tl.int64)
+    head = batch_head % q_heads
+    kv_head = head // group_size
+
+    t = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    keys = tl.arange(0, BLOCK_N)
+    dim_mask = dims < head_dim
+    q_mask = t < q_len
+    row_mask = q_mask[:, None] & dim_mask[None, :]
+    q_start = tl.load(q_start_ptr + batch)
+    q_pos = q_start + t
+    q = tl.load(q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_mask, other=0.0)
+    do = tl.load(dout_ptr + batch * stride_gb + t[:, None] * stride_gt + head * stride_gh + dims[None, :],
+                 mask=row_mask, other=0.0)
+    if CAST_TO_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse_row = batch_head.to(tl.int64) * q_len
+    lse = tl.load(lse_ptr + lse_row + t, mask=q_mask, other=0.0)
+    delta = tl.load(delta_ptr + lse_row + t, mask=q_mask, other=0.0)
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    last_query = tl.minimum(q_len, (query_block + 1) * BLOCK_M) - 1
+    kv_end = tl.minimum(q_start + last_query + 1, cache_len)
+    for block_start in range(0, kv_end, BLOCK_N):
+        k_pos = block_start + keys
+        in_cache = k_pos < cache_len
+        kv_mask = in_cache[:, None] & dim_mask[None, :]
+        k = tl.load(k_base + k_pos[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + k_pos[:, None] * stride_vl + dims[None, :], mask=kv_mask, other=0.0)
+        if CAST_TO_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_cache[None, :] & q_mask[:, None]
+        p = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
+        dp = _block_dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = _block_dot(_cast(ds, k.dtype), k, dq, input_precision=INPUT_PRECISION)
+
+    dq_ptrs = dq_ptr + batch * stride_db + t[:, None] * stride_dt + head * stride_dh + dims[None, :]
+    tl.store(dq_ptrs, _cast(dq * scale, dq_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _attention_backward(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, out: Tensor, lse: Tensor,
+                        grad_out: Tensor, scale: float, need_q: bool, need_kv: bool
+                        ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(dq, dk_cache, dv_cache) of ``attention`` from the forward's prepared inputs, output and lse; None where not
+    needed. Gradients are new contiguous tensors of the inputs' shapes and dtypes; cache positions no query sees
+    get zeros."""
+    batch, q_len, q_heads, head_dim = q.shape
+    cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    grad_out = _last_dim_contiguous(grad_out)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
+    dk = torch.empty(k_cache.shape, dtype=k_cache.dtype, device=q.device) if need_kv else None
+    dv = torch.empty(v_cache.shape, dtype=v_cache.dtype, device=q.device) if need_kv else None
+    if q.numel() == 0 or k_cache.numel() == 0:
+        return tuple(None if t is None else t.zero_() for t in (dq, dk, dv))  # type: ignore[return-value]
+    block_m, block_n, num_warps, num_stages = _ATTENTION_BACKWARD_TILES[q.dtype]
+    block_d = _attention_block_d(head_dim)
+    delta = torch.empty(batch * q_heads, q_len, dtype=torch.float32, device=q.device)
+    _attention_bwd_delta_kernel[(batch * q_heads, triton.cdiv(q_len, block_m))](
+        out, grad_out, delta, q_len, q_heads, head_dim,
+        out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **_COMPILE_OPTIONS,
+    )  # fmt: skip
+    common = (
+        q_len, cache_len, q_heads, q_heads // kv_heads, head_dim, scale * LOG2_E, scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+    )  # fmt: skip
+    options = dict(CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(q.dtype), BLOCK_M=block_m,
+                   BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS)
+    if need_kv:
+        assert dk is not None and dv is not None
+        _attention_bwd_dkdv_kernel[(batch * kv_heads, triton.cdiv(cache_len, block_n))](
+            q, k_cache, v_cache, q_start, grad_out, lse, delta, dk, dv, *common,
+            dk.stride(0), dk.stride(1), dk.stride(2), **options,
+        )  # fmt: skip
+    if need_q:
+        assert dq is not None
+        _attention_bwd_dq_kernel[(batch * q_heads, triton.cdiv(q_len, block_m))](
+            q, k_cache, v_cache, q_start, grad_out, lse, delta, dq, *common,
+            dq.stride(0), dq.stride(1), dq.stride(2), **options,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+def _attention_with_saved(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float
+                          ) -> tuple[Tensor, tuple]:
+    out, lse, prepared = _attention_forward(q, k_cache, v_cache, q_start, scale, store_lse=True)
+    return out, (*prepared, out, lse, scale)
+
+
+def _attention_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    q, k_cache, v_cache, q_start, out, lse, scale = saved
+    _check_device(grad)
+    dq, dk, dv = _attention_backward(q, k_cache, v_cache, q_start, out, lse, grad, scale, needs[0],
+                                     needs[1] or needs[2])
+    return dq, (dk if needs[1] else None), (dv if needs[2] else None)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
@@ -617,8 +938,17 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     In the interpreter the block products and the row sums of p are fixed pairwise trees of
     exactly rounded fp32 operations (``_block_dot``, ``_block_sum``), not np.matmul / np.sum:
     invariance does not rest on the host BLAS or numpy.
+
+    Backward contract (FlashAttention-2 style, three Triton kernels, no atomics): with grad enabled the forward
+    also stores each row's log-sum-exp (the output's bits are unchanged); the backward computes delta =
+    rowsum(dO * O), then dK/dV with one program per (sequence, kv head, key block) looping over the group's q heads
+    and the query blocks in a fixed order, and dQ with one program per (sequence, q head, query block) looping over
+    key blocks from 0. Every gradient element is written by one program in a fixed order: run to run the gradients
+    are bitwise equal, and no T x L score matrix is materialised. Gradients go to q, k_cache and v_cache as given
+    (contiguous, their shapes and dtypes; cache positions no query sees get 0).
     """
-    return exact_forward(_attention_exact, _attention_backward_reference, (q, k_cache, v_cache), (q_start, scale))
+    return exact_forward_vjp(_attention_exact, _attention_with_saved, _attention_vjp, (q, k_cache, v_cache),
+                             (q_start, scale))
 
 
 # --------------------------------------------------------------------------- log_softmax

@@ -62,8 +62,9 @@ def test_every_kernel_variant_passes_the_audit(cli):
     assert set(result["kernels"]) == {v["kernel"] for v in result["variants"].values()}
     assert set(result["kernels"]) >= {"_linear_kernel", "_attention_kernel", "_rms_norm_kernel", "_log_softmax_kernel",
                                       "_token_logprobs_kernel", "_silu_mul_kernel", "_rope_kernel",
-                                      "_exp_kernel"}  # fmt: skip
-    assert len(result["variants"]) == 19  # 9 kinds x fp32/bf16, and exp (fp32 only)
+                                      "_exp_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
+                                      "_attention_bwd_dq_kernel"}  # fmt: skip
+    assert len(result["variants"]) == 27  # 13 kinds x fp32/bf16, and exp (fp32 only)
     for name, variant in result["variants"].items():
         assert set(variant["targets"]) == {"sm_80", "sm_90"}, name
         for target, res in variant["targets"].items():
@@ -75,6 +76,11 @@ def test_every_kernel_variant_passes_the_audit(cli):
     assert result["variants"]["linear/bf16"]["targets"]["sm_90"]["dots"] == [[64, 64, 128]]
     assert result["variants"]["attention/fp32"]["targets"]["sm_80"]["reduces"] == [[32, 32], [32, 32]]
     assert result["variants"]["rms_norm/bf16"]["targets"]["sm_80"]["reduces"] == [[1024]]
+    # The attention backward's products (dK/dV: 4, dQ: 3); on sm_90 bf16 the dK/dV kernel's K = 32 products are
+    # chains of two wgmma through a wait, which the audit joins into the tile.
+    assert result["variants"]["attention_bwd_dkdv/bf16"]["targets"]["sm_90"]["dots"] == [
+        [32, 64, 64], [32, 64, 64], [64, 32, 64], [64, 32, 64]]  # fmt: skip
+    assert len(result["variants"]["attention_bwd_dq/fp32"]["targets"]["sm_80"]["dots"]) == 3
 
 
 def test_digests_match_the_recording(cli):
