@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one call: the Triton kernels' op contracts and the MoE Triton tests compiled on CUDA, then
+# The GPU check in one call: the Triton kernels' op contracts, backward and MoE tests compiled on CUDA, then
 # benchmarks.gpu_triton (exactness of the dense `small` and the MoE `small_moe` presets, triton and native, fp32
 # and bf16; speed at small and llama100m), then the real-size parts, in order of what they prove: from
 # benchmarks.gpu_real exactness (qwen3_1_7b bf16, 16 prompts inside a batch of 64 / in 3s / the first 4 alone,
@@ -74,7 +74,8 @@ BENCH_RC=0
 if [ "$ONLY" != real ]; then
     echo "== op contracts and MoE tests (limit ${PYTEST_LIMIT}s)"
     timeout "$PYTEST_LIMIT" python -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
-        tests/kernels/test_moe_triton.py --junitxml="$OUT/pytest.xml" "${TESTS[@]}" >"$OUT/pytest.log" 2>&1
+        tests/kernels/test_moe_triton.py tests/kernels/test_triton_backward.py --junitxml="$OUT/pytest.xml" \
+        "${TESTS[@]}" >"$OUT/pytest.log" 2>&1
     PYTEST_RC=$?
     tail -n 3 "$OUT/pytest.log"
 
