@@ -1214,7 +1214,8 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
 def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bool) -> Tensor:
     """``_transposed_matmul_tiles``' chunk GEMMs, each [N, block] @ [block, K], on views: chunk c's left operand is
     rows c * block ... of ``a`` seen transposed, its right operand those rows of ``b`` as they are. The last,
-    partial chunk is zero-padded (a copy) to ``block`` rows, or to its own length where it is short
+    partial chunk is zero-padded (a copy, slab by slab: the whole chunk padded at once would be padded_to x N, 148 MB
+    for a weight gradient over Qwen3's vocabulary) to ``block`` rows, or to its own length where it is short
     (``last_chunk_length``), or, ``unpadded_tail``, multiplied on its real rows, its result + 0.0 (padding's zeros
     turn a -0.0 sum into +0.0). The partial products are added by the same halving
     tree in chunk order. N is cut into slabs of ``VIEW_SLAB_ROWS`` output rows, each its own calls and tree. Used
@@ -1224,18 +1225,19 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
     a, b = _aligned(a), _aligned(b)  # chunk starts are then aligned too (block * N * 4 bytes apart)
     whole, tail = divmod(rows, block)
     body = whole * block
-    if tail and not unpadded_tail:
-        padded_to = last_chunk_length(rows, block, a.dtype)
-        a_tail, b_tail = _zero_padded(a[body:], (padded_to, n)), _zero_padded(b[body:], (padded_to, k))
-    else:
-        a_tail, b_tail = a[body:], b[body:]
+    padded_to = last_chunk_length(rows, block, a.dtype) if tail and not unpadded_tail else tail
+    b_tail = _zero_padded(b[body:], (padded_to, k)) if padded_to > tail else b[body:]
+
     def slab(first: int, last: int) -> Tensor:
         parts = a.new_empty(whole + (tail > 0), last - first, k)
         if whole:
             chunks = a[:body].view(whole, block, n)[:, :, first:last].transpose(1, 2)
             torch.bmm(chunks, b[:body].view(whole, block, k), out=parts[:whole])
         if tail:
-            torch.bmm(a_tail[:, first:last].t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
+            a_tail = a[body:, first:last]
+            if padded_to > tail:
+                a_tail = _zero_padded(a_tail, (padded_to, last - first))
+            torch.bmm(a_tail.t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
             if unpadded_tail:
                 parts[whole:].add_(0.0)
         return parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)

@@ -37,7 +37,8 @@ for the process:
 - the probe computes the same random rows in every arrangement the kernels can produce (each tile
   height, shifted positions, many tiles per call) at the current thread count, and compares them
   bitwise with one reference arrangement computed with 1 thread; a thread count seen later is
-  verified against the same reference before it is used;
+  verified against the same reference before it is used (the record holds the reference's digest, not its tensor:
+  it is computed again, and must have the same bits, before the arrangements are compared with it);
 - if every arrangement agrees, the op uses the fast library path (``blas`` / ``vectorised``);
 - if a GEMM differs only at more than one thread (MKL splits a long K reduction between threads) while every
   arrangement agrees at 1 thread, the class takes the ``blas-1-thread`` path: the library GEMM, always called
@@ -68,6 +69,7 @@ without probing -- what vexact did before the guard; only for tests that show wh
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import platform
@@ -155,7 +157,9 @@ class ProbeRecord:
     fallback: str = "fixed-order"  # the path a failed probe sends the class to (a bf16 GEMM class: UPCAST_PATH)
     tile_heights: tuple[int, ...] = ()  # gemm_rows: the tile heights whose rows match the reference (the kernels
     # use only these; every height on the fixed-order path)
-    reference: Tensor | None = None  # the 1-thread reference outputs (kept to verify later thread counts)
+    reference: Tensor | None = None  # the 1-thread reference outputs, held only while arrangements are compared
+    reference_digest: str | None = None  # the reference's bits (``_digest``), kept to verify later thread counts
+    make_reference: Callable[[], Tensor] | None = None  # computes the reference again (at 1 thread) for that check
     check: Callable[[], str | None] | None = None  # reruns the arrangements at the current thread count
 
     def as_dict(self) -> dict:
@@ -178,6 +182,13 @@ def _with_threads(threads: int, fn: Callable[[], object]) -> object:
         return fn()
     finally:
         torch.set_num_threads(before)
+
+
+def _digest(t: Tensor) -> str:
+    """A digest of ``t``'s dtype, shape and bits (SHA-256): two tensors with one digest are bitwise equal."""
+    digest = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # the bits, read in place
+    return digest.hexdigest()
 
 
 def _rows_differing(a: Tensor, b: Tensor) -> int:
@@ -341,10 +352,15 @@ class HostGuard:
         if self.mode not in PROBING_MODES:
             record.tile_heights = self.row_blocks
             return record
-        rows, other, cols = _gemm_probe_inputs(dtype, k, n)
 
-        def gemm(a_tiles: Tensor) -> Tensor:
+        # the inputs are made afresh for each run (seeded: the same values every time) and never held between runs:
+        # the record keeps its check for thread counts seen later, and a vocabulary-wide class's inputs are 100+ MB
+        def gemm(cols: Tensor, a_tiles: Tensor) -> Tensor:
             return self._library_bmm(a_tiles, _operand(cols, a_tiles.shape[0], shared, transposed))
+
+        def reference() -> Tensor:
+            rows, _, cols = _gemm_probe_inputs(dtype, k, n)
+            return gemm(cols, rows.view(1, PROBE_ROWS, k)).reshape(PROBE_ROWS, n)
 
         def run_arrangements() -> str | None:
             """Each arrangement's rows, compared with the reference; the first failure, described.
@@ -353,33 +369,34 @@ class HostGuard:
             ``tile_heights`` (the kernels then use taller tiles); the class fails if the tallest tile differs, or
             if within an allowed height a row's bits depend on its position or on the number of tiles."""
             ref = record.reference
+            rows, other, cols = _gemm_probe_inputs(dtype, k, n)
             if not record.tile_heights:  # first probe: which heights give the reference's bits
                 record.tile_heights = tuple(
                     h for h in self.row_blocks
-                    if not _rows_differing(gemm(rows.view(PROBE_ROWS // h, h, k)).reshape(PROBE_ROWS, n), ref))
+                    if not _rows_differing(gemm(cols, rows.view(PROBE_ROWS // h, h, k)).reshape(PROBE_ROWS, n), ref))
                 if self.row_blocks[-1] not in record.tile_heights:
                     record.tile_heights = self.row_blocks
                     return f"tile height {self.row_blocks[-1]} (the reference's own) differs from the reference"
             for height in record.tile_heights:  # every allowed tile height, tiles side by side in one call
-                out = gemm(rows.view(PROBE_ROWS // height, height, k)).reshape(PROBE_ROWS, n)
+                out = gemm(cols, rows.view(PROBE_ROWS // height, height, k)).reshape(PROBE_ROWS, n)
                 if differing := _rows_differing(out, ref):
                     return f"tile height {height}: {differing}/{PROBE_ROWS} rows differ from one {PROBE_ROWS}-row tile"
                 shifted = rows.view(-1, height, k).roll(1, dims=1)  # every row one place down its tile
-                out = gemm(shifted).roll(-1, dims=1).reshape(PROBE_ROWS, n)
+                out = gemm(cols, shifted).roll(-1, dims=1).reshape(PROBE_ROWS, n)
                 if differing := _rows_differing(out, ref):
                     return f"tile height {height}, rows moved one place: {differing}/{PROBE_ROWS} rows differ"
             # many tiles per call (batch-parallel threading), the probe rows in the middle; and three of the tallest
             # tiles, a count no thread count above 1 divides evenly, 3 excepted (a BLAS may then split each tile's
             # work between threads instead of giving each thread whole tiles)
+            crowd_rows = torch.cat([other, rows, other])  # one copy for both heights (a K-wide class's is 100+ MB)
             for height in dict.fromkeys((record.tile_heights[0], record.tile_heights[-1])):
-                crowd = torch.cat([other, rows, other]).view(-1, height, k)
-                out = gemm(crowd).reshape(-1, n)[PROBE_ROWS : 2 * PROBE_ROWS]
+                crowd = crowd_rows.view(-1, height, k)
+                out = gemm(cols, crowd).reshape(-1, n)[PROBE_ROWS : 2 * PROBE_ROWS]
                 if differing := _rows_differing(out, ref):
                     return f"{crowd.shape[0]} tiles of {height} rows in one call: {differing}/{PROBE_ROWS} rows differ"
             return None
 
-        return self._run_probe(record, lambda: gemm(rows.view(1, PROBE_ROWS, k)).reshape(PROBE_ROWS, n),
-                               run_arrangements, one_thread=one_thread)
+        return self._run_probe(record, reference, run_arrangements, one_thread=one_thread)
 
     def _probe_elementwise(self, key: tuple, name: str, op: str) -> ProbeRecord:
         _, dtype = key
@@ -452,6 +469,7 @@ class HostGuard:
                 record.threads_checked.append(REFERENCE_THREADS)
                 record.seconds += time.perf_counter() - start
                 self._decide(record)
+                record.reference = None  # no later thread count is checked: nothing to keep
                 return record
             record.failure = arrangements()
             threads = torch.get_num_threads()
@@ -465,8 +483,13 @@ class HostGuard:
         record.check = arrangements
         if record.failure is not None and record.property == "gemm_rows":
             self._try_single_thread(record, arrangements)
+        if record.reference is not None:
+            # held as its digest, not its tensor: a vocabulary-wide class's reference is tens of MB, held for the
+            # process; a thread count seen later computes it again and checks the digest first (_verify_threads)
+            record.reference_digest, record.make_reference = _digest(record.reference), reference
         record.seconds += time.perf_counter() - start
         self._decide(record)
+        record.reference = None
         return record
 
     def _try_single_thread(self, record: ProbeRecord, arrangements: Callable[[], str | None]) -> None:
@@ -490,15 +513,28 @@ class HostGuard:
             return
         start = time.perf_counter()
         with torch.no_grad():
-            failure = record.check()
+            reference_failure = self._restore_reference(record)
+            failure = reference_failure or record.check()
         record.threads_checked.append(threads)
         record.seconds += time.perf_counter() - start
         if failure is not None:
             self.epoch = next(_EPOCHS)  # the class's path changes, at every thread count
             record.failure = f"{failure} ({threads} threads vs {REFERENCE_THREADS})"
-            if record.property == "gemm_rows":  # earlier results all equal the reference: no caveat if this holds
+            # earlier results all equal the reference: no caveat if this holds (not where the reference itself moved:
+            # then the 1-thread library call is no reference either)
+            if record.property == "gemm_rows" and reference_failure is None:
                 self._try_single_thread(record, record.check)
             self._decide(record, earlier_results=record.path != SINGLE_THREAD_PATH)
+        record.reference = None
+
+    @staticmethod
+    def _restore_reference(record: ProbeRecord) -> str | None:
+        """``record.reference`` computed again with 1 thread, as at first use; a failure where its bits are not the
+        first reference's (its digest): the 1-thread library call itself changed, so nothing can be compared with it."""
+        record.reference = _with_threads(REFERENCE_THREADS, record.make_reference)
+        if _digest(record.reference) != record.reference_digest:
+            return f"the {REFERENCE_THREADS}-thread reference computed again differs from the one computed at first use"
+        return None
 
     def _decide(self, record: ProbeRecord, earlier_results: bool = False) -> None:
         record.passed = record.failure is None

@@ -253,6 +253,31 @@ def test_a_thread_count_seen_later_is_verified_before_use():
         assert torch.equal(ops.linear(x, w), at_more)  # from now on one path for every thread count
 
 
+def test_a_later_thread_count_checks_the_reference_computed_again_against_the_first():
+    """The guard holds each class's 1-thread reference as a digest, not a tensor (a vocabulary-wide class's is tens
+    of MB, held for the process); a thread count seen later computes the reference again. A GEMM whose 1-thread bits
+    moved since first use (every arrangement moved with them, so they all agree with the new reference) fails there:
+    the moved reference is not taken as the reference."""
+    x, w = _linear_inputs()
+    moved = []
+
+    def moves_after_first_use(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = fixed_order.bmm(a, b)
+        return _nudge(out) if moved else out
+
+    guard = _guard(bmm=moves_after_first_use)
+    ops = cpu_exact.with_host(guard)
+    with num_threads(1):
+        ops.linear(x, w)
+    assert guard.report()["probes"][0]["path"] == "blas"
+    assert all(record.reference is None for record in guard._records.values())  # no probe output held
+    moved.append(True)
+    with num_threads(MACHINE_THREADS + 1), pytest.warns(RuntimeWarning, match="reference computed again differs"):
+        ops.linear(x, w)
+    (probe,) = guard.report()["probes"]
+    assert probe["path"] == "fixed-order" and probe["passed"] is False
+
+
 def test_probe_catches_position_dependent_exp():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(9, 301, generator=g) * 4
