@@ -138,27 +138,24 @@ def _attention_tensors(dtype, rows: int) -> tuple:
     return q, k, v, q_start, out, lse, cache_len
 
 
+def _attention_options(te: ModuleType, dtype, tiles: tuple, **extra: Any) -> dict:
+    """The launch options an attention kernel (forward or backward) gets from ``triton_exact``: its tiles
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), the dtype's precision and the module's compile options."""
+    block_m, block_n, num_warps, num_stages = tiles
+    return dict(CAST_TO_FP32=te.INTERPRETING, INPUT_PRECISION=te._input_precision(dtype), **extra, BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_D=_block_d(), num_warps=num_warps, num_stages=num_stages,
+                **te._COMPILE_OPTIONS)
+
+
 def _attention_launch(store_lse: bool) -> Callable:
     def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
         heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
         q, k, v, q_start, out, lse, cache_len = _attention_tensors(dtype, rows)
-        block_m, block_n, num_warps, num_stages = te._ATTENTION_TILES[dtype]
         args = (q, k, v, q_start, out, rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                 lse if store_lse else out)  # fmt: skip
-        kwargs = dict(
-            CAST_TO_FP32=te.INTERPRETING,
-            INPUT_PRECISION=te._input_precision(dtype),
-            STORE_LSE=store_lse,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=_block_d(),
-            num_warps=num_warps,
-            num_stages=num_stages,
-            **te._COMPILE_OPTIONS,
-        )
-        return args, kwargs
+        return args, _attention_options(te, dtype, te._ATTENTION_TILES[dtype], STORE_LSE=store_lse)
 
     return launch
 
@@ -179,7 +176,6 @@ def _attention_bwd_launch(gradient_of: str) -> Callable:
         heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
         q, k, v, q_start, dout, lse, cache_len = _attention_tensors(dtype, rows)
         delta = _empty(*lse.shape, dtype=lse.dtype)
-        block_m, block_n, num_warps, num_stages = te._ATTENTION_BACKWARD_TILES[dtype]
         grads = (_empty(*k.shape, dtype=dtype), _empty(*v.shape, dtype=dtype)) if gradient_of == "kv" else (
             _empty(*q.shape, dtype=dtype),)  # fmt: skip
         args = (q, k, v, q_start, dout, lse, delta, *grads,
@@ -187,17 +183,7 @@ def _attention_bwd_launch(gradient_of: str) -> Callable:
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                 grads[0].stride(0), grads[0].stride(1), grads[0].stride(2))  # fmt: skip
-        kwargs = dict(
-            CAST_TO_FP32=te.INTERPRETING,
-            INPUT_PRECISION=te._input_precision(dtype),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=_block_d(),
-            num_warps=num_warps,
-            num_stages=num_stages,
-            **te._COMPILE_OPTIONS,
-        )
-        return args, kwargs
+        return args, _attention_options(te, dtype, te._ATTENTION_BACKWARD_TILES[dtype])
 
     return launch
 
