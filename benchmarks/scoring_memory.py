@@ -13,14 +13,14 @@ class, whose inputs are vocabulary-sized for the LM head: the largest, the weigh
 at its peak, transient).
 
 Measured on a 2-CPU AMD EPYC (torch 2.13.0+cpu, default glibc malloc), ``python -m benchmarks.scoring_memory
---warm``: the default case grew the peak by 0.81 GiB, its second pass 0.61 GiB over the resident set (1.14 GiB
-and 0.62 GiB on the same machine while the guard held its vocabulary-wide probes' inputs and references for the
-process and padded the views probe's whole last chunk at once). ``--tokens 2000``: 1.23 GiB, second pass 1.03 GiB
-(the exact attention's probabilities grow with the square of a sequence's length; the head's rows add little:
-``tests/engine/test_head_chunks.py`` finds 16 x 250 tokens growing it by 147 MB more than 4 x 250 at this
-vocabulary, 8% of their extra logits). ``--vocab 262144`` (Gemma 3's): 1.09 GiB, second pass 0.89 GiB -- over
-1 GiB at that vocabulary, where the pass alone (a reduction group's 256 x V output gradient among its buffers) is
-0.89 GiB.
+--warm``: the default case grew the peak by 0.64 GiB, its second pass 0.28 GiB over the resident set. ``--tokens
+2000``: 0.89 GiB, second pass 0.73 GiB. ``--vocab 262144`` (Gemma 3's): 0.89 GiB, second pass
+0.72 GiB. (Before, 0.81 / 0.61, 1.23 / 1.03 and 1.09 / 0.89 GiB: the exact attention's backward held dP, dS and
+their difference, each a [rows x keys] buffer, beside its probabilities -- which grow with the square of a sequence's
+length; the LM head's weight-gradient probes ran beside a group's [256 x vocabulary] output gradient; and the head's
+backward recomputed its logits in passes as wide as the forward's. 1.14 / 0.62 GiB for the default case while the
+guard held its vocabulary-wide probes' inputs and references for the process.) ``tests/engine/test_head_chunks.py``
+finds 16 x 250 tokens growing it by 147 MB more than 4 x 250 at Qwen3's vocabulary, 8% of their extra logits.
 
 Run:  python -m benchmarks.scoring_memory [--vocab 151936] [--tokens 1000] [--batch 4] [--dtype float32] [--warm]
 """

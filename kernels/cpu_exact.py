@@ -53,10 +53,13 @@ from . import compiled_loops, native
 from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
-from .gemm_arrangements import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block, zero_outside
+from .gemm_arrangements import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block
 from .host_guard import UPCAST_PATH, HostGuard
 
 NAME = "cpu_exact"
+ROWS_INVARIANT = True
+"""Every op's result for a row depends on that row alone, however the rows are cut (each op's invariance contract):
+a caller may split its rows in any way without a bit changing (``vexact.engine.head``'s backward)."""
 
 CHUNK = 32704
 """Elements per call of a library function (exp, log, cos, sqrt): a multiple of 64 (whole vectors of every width
@@ -268,6 +271,14 @@ def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_
     (``vexact.engine.head``)."""
     grads = _linear_vjp((x, weight, False, host), grad, (need_x, need_w))
     return grads[0], grads[1]
+
+
+def linear_backward_probes(rows: int, weight: Tensor, *, host: HostGuard = HOST) -> None:
+    """Run now the host probes that ``linear_backward`` of ``rows`` fp32 tokens against an fp32 ``weight`` runs for
+    its weight gradient at first use (``gemm_arrangements.probe_transposed_matmul``; other dtypes: at first use).
+    What a backward that will hold large buffers until that call calls first (``vexact.engine.head``)."""
+    if weight.dtype == torch.float32:
+        gemm.probe_transposed_matmul(rows, weight.shape[0], weight.shape[1], torch.float32, host, "linear")
 
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
@@ -578,8 +589,9 @@ class _ExactAttention(torch.autograd.Function):
         prob_tiles, denom, probs, real_denom = _attention_probs(tiles, compiled_loops.library())
         out_rows = _attention_forward(tiles, prob_tiles, denom)
         real = probs.shape[3]
-        # [B*Hkv, rows', visible] normalised probabilities of the real rows
-        ctx.p = (probs / real_denom).view(tiles.batch * tiles.kv_heads, tiles.row_blocks * real, tiles.visible)
+        # [B*Hkv, rows', visible] normalised probabilities of the real rows, divided in place (the same division,
+        # the same bits): no second [rows x keys] buffer beside the unnormalised ones and the probability tiles
+        ctx.p = probs.div_(real_denom).view(tiles.batch * tiles.kv_heads, tiles.row_blocks * real, tiles.visible)
         ctx.tiles, ctx.out_rows, ctx.real = tiles, out_rows, real
         ctx.dtypes = (q.dtype, k_cache.dtype, v_cache.dtype)
         return tiles.to_output(out_rows, q.dtype)
@@ -600,14 +612,14 @@ class _ExactAttention(torch.autograd.Function):
             grad_v = tiles.to_cache(bmm(p.transpose(1, 2), d_out, b_full=d_out_full), ctx.dtypes[2])
         if need_q or need_k:
             d_p = bmm(d_out, tiles.v[:, :vis].transpose(1, 2), a_full=d_out_full)
-            # d_s written into its zero-padded layout for the dQ GEMM (the same ops, the same values)
-            head_dim = tiles.head_dim
-            d_s_full = p.new_empty(p.shape[0], gemm.batched_rows(rows, vis, head_dim, tiles.host, "attention"),
-                                   ceil_to(vis, COL_BLOCK))
-            d_s = torch.mul(p, d_p - _tree_sum(d_out * out_rows).unsqueeze(-1), out=d_s_full[:, :rows, :vis])
-            zero_outside(d_s_full, d_s.shape)
+            # dS = P * (dP - rowsum(dO * O)) computed in dP's buffer (the same subtraction and product, the same
+            # bits), and P released before the dQ / dK GEMMs copy dS into their padded operands: with dP, dS and
+            # their difference each its own [rows x keys] buffer beside P, this was the pass's peak at 2,000 tokens
+            d_s = d_p.sub_(_tree_sum(d_out * out_rows).unsqueeze(-1)).mul_(p)
+            del d_p, p
+            ctx.p = None
             if need_q:
-                grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis], a_full=d_s_full) * tiles.scale, ctx.dtypes[0])
+                grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis]) * tiles.scale, ctx.dtypes[0])
             if need_k:
                 grad_k = tiles.to_cache(bmm(d_s.transpose(1, 2), tiles.q[:, :rows], b_full=tiles.q), ctx.dtypes[1])
         ctx.p = ctx.out_rows = ctx.tiles = None
@@ -813,8 +825,9 @@ def with_host(host: HostGuard) -> SimpleNamespace:
     """This backend's ops bound to another ``HostGuard`` (e.g. ``HostGuard(ROW_BLOCKS, mode="fixed-order")``).
 
     Same names and signatures as the module's own ops, so it can stand wherever an op module does."""
-    ops = {name: partial(globals()[name], host=host) for name in (*HOST_PROPERTIES, "linear_backward")}
-    return SimpleNamespace(NAME=f"{NAME}[{host.mode}]", host=host, **ops)
+    ops = {name: partial(globals()[name], host=host) for name in (*HOST_PROPERTIES, "linear_backward",
+                                                                 "linear_backward_probes")}
+    return SimpleNamespace(NAME=f"{NAME}[{host.mode}]", ROWS_INVARIANT=ROWS_INVARIANT, host=host, **ops)
 
 
 def host_report(host: HostGuard = HOST) -> dict:

@@ -807,21 +807,42 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     M tokens is the tree of each chunk's own reduction, so no GEMM multiplies more than twice its real rows."""
     rows, n = a.shape
     k = b.shape[1]
-    block = _reduction_block(rows, a.dtype)
+    views = _views_arrangement(rows, n, k, a.dtype, host, op)
+    if views is None:
+        return _transposed_matmul_tiles(a, b, host, op, b_source)
+    return _transposed_matmul_views(a, b, _reduction_block(rows, a.dtype), unpadded_tail=views == UNPADDED_TAIL)
+
+
+UNPADDED_TAIL, PADDED_TAIL = "unpadded tail", "padded tail"
+"""``_views_arrangement``'s answers: the views with the last, partial chunk on its real rows, or zero-padded."""
+
+
+def _views_arrangement(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> str | None:
+    """How ``transposed_matmul`` runs a [rows, n].T @ [rows, k] reduction in ``dtype``: on views
+    (``UNPADDED_TAIL`` / ``PADDED_TAIL``) where the guard found their bits the canonical tiles' (probed at first use),
+    else None (the tiles)."""
+    block = _reduction_block(rows, dtype)
     chunks = -(-rows // block)
     views_fit = chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX
     # the views call torch's GEMM themselves: only where the canonical tiles' class runs it (their right operand,
     # [block, K_pad] per tile: K_pad rows of ``block`` tokens, the transposed layout)
     b_class = gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
-    if views_fit and host.library_gemm(a.dtype, b_class, False, op,
-                                       one_thread=one_thread_reduction(a.dtype)) is not None:
+    if views_fit and host.library_gemm(dtype, b_class, False, op, one_thread=one_thread_reduction(dtype)) is not None:
         tail = rows % block
-        if tail and _views_agree(block, n, k, tail, host, op, a.dtype):
-            return _transposed_matmul_views(a, b, block, unpadded_tail=True)
-        padded_to = last_chunk_length(rows, block, a.dtype)
-        if _views_agree(block, n, k, None, host, op, a.dtype, padded_to):
-            return _transposed_matmul_views(a, b, block, unpadded_tail=False)
-    return _transposed_matmul_tiles(a, b, host, op, b_source)
+        if tail and _views_agree(block, n, k, tail, host, op, dtype):
+            return UNPADDED_TAIL
+        if _views_agree(block, n, k, None, host, op, dtype, last_chunk_length(rows, block, dtype)):
+            return PADDED_TAIL
+    return None
+
+
+def probe_transposed_matmul(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> None:
+    """Run now the probes that ``transposed_matmul`` of a [rows, n] by [rows, k] reduction in ``dtype`` runs at first
+    use (none where they ran already): for a caller about to hold large buffers until that call -- the LM head's
+    backward, a group's [256 x vocabulary] output gradient -- so the probes' vocabulary-wide inputs are never held
+    beside them (at Gemma 3's vocabulary that pair set a fresh process's peak). The same probes, records and
+    decision as at first use: no bit changes."""
+    _views_arrangement(rows, n, k, dtype, host, op)
 
 
 def _short_last_chunk(rows: int, block: int, dtype: torch.dtype) -> bool:
@@ -1268,11 +1289,3 @@ def batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tenso
     b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
     out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
     return out[:, :rows, :n]
-
-
-def batched_rows(rows: int, k: int, n: int, host: HostGuard, op: str) -> int:
-    """The padded row count of ``batched_matmul``'s left operand for fp32 [B, rows, k] @ [B, k, n] with a row-major
-    right operand (a caller that writes that operand into its padded layout itself)."""
-    operand = gemm_class(ceil_to(k, COL_BLOCK), ceil_to(n, COL_BLOCK), transposed=False)
-    block = row_block(rows, host.tile_heights(torch.float32, operand, False, op))
-    return -(-rows // block) * block

@@ -36,6 +36,13 @@ HEAD_PASS_ELEMENTS = 1 << 24
 rows are cut depends on the vocabulary only, never on the batch."""
 
 
+BACKWARD_PASS_SPLIT = 4
+"""Where the backend is row-invariant (``ROWS_INVARIANT``: any cut of the rows gives the same bits), the backward
+computes its logits again in passes of a quarter of the forward's rows: each pass's logits, log-softmax and their
+gradients are several buffers of its rows x vocabulary, the largest term of a fresh process's peak at 4 x 2,000
+tokens. Elsewhere it keeps the forward's passes."""
+
+
 def pass_rows(vocab_size: int) -> int:
     """Rows of logits per pass of the head: as many as ``HEAD_PASS_ELEMENTS`` hold, at least one."""
     return max(1, HEAD_PASS_ELEMENTS // vocab_size)
@@ -117,6 +124,12 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = None
         if grad_logp is None and grad_entropy is None:
             return (None,) * 7
+        probes = getattr(ctx.ops, "linear_backward_probes", None)
+        if need_weight and probes is not None:
+            # the weight gradient's first-use probes (vocabulary-wide inputs) before any group's output gradient
+            # is held: beside one, they set a fresh process's peak at Gemma 3's vocabulary
+            for length in {group, _padded_length(rows, rows - 1, group)}:
+                probes(length, weight)
         if need_weight:
             grad_weight = tree_sum_of(count, part).to(weight.dtype)
         else:
@@ -133,6 +146,13 @@ def _group_rows(rows: int, dtype: torch.dtype) -> int:
     return rows if rows <= whole else REDUCE_BLOCK
 
 
+def _padded_length(rows: int, row: int, group: int) -> int:
+    """The rows of the backward group holding ``row`` (of ``rows``): ``group``, the last group zero-padded as the exact
+    kernels pad the last chunk (to its own length where it is short)."""
+    last_group = row // group == (rows - 1) // group
+    return last_chunk_length(rows, group, torch.float32) if last_group else group
+
+
 def _group_backward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grad_logp: Tensor | None,
                     grad_entropy: Tensor | None, first: int, last: int, group: int, grad_hidden: Tensor | None,
                     need_weight: bool) -> Tensor | None:
@@ -146,10 +166,10 @@ def _group_backward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grad_l
     weight's dtype where it computes in fp32 or the group is every row (the whole gradient), else (bf16, several
     groups) from the fp32-upcast operands -- the exact kernels' fp32 chunk products -- rounded once after the tree
     (``_ChunkedHead.backward``)."""
-    ops, step, real = ctx.ops, ctx.step, last - first
+    ops, real = ctx.ops, last - first
+    step = max(1, ctx.step // BACKWARD_PASS_SPLIT) if getattr(ops, "ROWS_INVARIANT", False) else ctx.step
     h = hidden[first:last].detach()
-    # the last group zero-padded as the exact kernels pad the last chunk (to its own length where it is short)
-    padded = group if last < hidden.shape[0] else last_chunk_length(hidden.shape[0], group, torch.float32)
+    padded = _padded_length(hidden.shape[0], last - 1, group)
     if real < padded:
         h = torch.cat([h, h.new_zeros(padded - real, h.shape[1])])
     w = weight.detach()
