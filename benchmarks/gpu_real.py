@@ -182,10 +182,8 @@ def part_train_memory(device: torch.device, rehearse: bool, s: dict) -> dict:
             logprobs = token_logprobs(model, prompts[start : start + mb], responses[start : start + mb])
             torch.stack([lp.sum() for lp in logprobs]).sum().backward()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     begin = time.perf_counter()
-    _, peak = _peak(device, train)
+    _, peak = _peak(device, train)  # resets the peak statistics itself
     seconds = time.perf_counter() - begin
     reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
     finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine.devices import cuda_device_count, device_kind
+from ..engine.devices import cuda_device_count, device_kind, resolve_device
 from ..engine.model import check_fits
 from .registries import TASKS, register_run_check
 from .validate import ConfigError
@@ -394,7 +394,7 @@ def check_memory(cfg: RunConfig) -> None:
     copy = 0 if cfg.dtype == "float32" else 2
     where: dict = {}
     if device_kind(cfg.device) == "cuda" and cuda_device_count():
-        device = torch.device(cfg.device if cfg.device.startswith("cuda:") else "cuda")
+        device = resolve_device(cfg.device)
         where = {"available": torch.cuda.mem_get_info(device)[0], "machine": f"GPU {device} has"}
     check_fits(cfg.model.to_model_config(task.tokenizer.vocab_size), RUN_BYTES_PER_PARAMETER + copy,
                f"a run's float32 weights, gradient and AdamW moments{' and bfloat16 copy' if copy else ''}",
