@@ -7,15 +7,16 @@
 # 8: peak memory) and rl_run (`vexact run --device cuda`, 10 RL steps at qwen3_0_6b at 0 mismatch); then `check`,
 # the command a user types (`python -m vexact check --device cuda --preset qwen3_1_7b --dtype bf16`, its report in
 # check_qwen3_1_7b.json); then moe (qwen3_30b_a3b, 2 layers), speed (peak memory and tokens/s of prefill, decode at
-# positions 0/512/1023 and training fwd+bwd) and launches (kernel launches per decode step).
+# positions 0/512/1023 and training fwd+bwd), launches (kernel launches and GPU-busy against wall time per decode
+# step) and graphed (the decode step at batch 64 eager and CUDA-graphed, exact and native).
 # For a lent GPU machine with no network: nothing is installed, the repository is put on PYTHONPATH. Everything
 # goes under $OUT (default runs/gpu_check): env.txt, pytest.log, pytest.xml, gpu_triton.log, gpu_triton.json,
 # gpu_real.json (written after each part), gpu_real_<part>.log, check.log, check_qwen3_1_7b.json, summary.txt. Each
 # part has a time limit, so the run
 # ends whatever hangs: GPU_CHECK_PYTEST_S (default 110) and GPU_CHECK_BENCH_S (default 190) for the small-shape
-# parts, GPU_CHECK_<PART>_S for each real-size part (defaults below: about 7 minutes together);
+# parts, GPU_CHECK_<PART>_S for each real-size part (defaults below: about 9 minutes together);
 # GPU_CHECK_SPEED_PRESETS (default small,llama100m) the presets timed. GPU_CHECK_ONLY: all (default), small (the
-# small-shape parts) or real (the real-size parts); GPU_CHECK_REAL_PARTS (default all seven, in order) which
+# small-shape parts) or real (the real-size parts); GPU_CHECK_REAL_PARTS (default all eight, in order) which
 # real-size parts run.
 #
 #     bash benchmarks/gpu_check.sh                                  # on the GPU machine
@@ -35,11 +36,11 @@ REHEARSE="${VEXACT_GPU_CHECK_REHEARSE:-0}"
 PYTEST_LIMIT="${GPU_CHECK_PYTEST_S:-110}"
 BENCH_LIMIT="${GPU_CHECK_BENCH_S:-190}"
 ONLY="${GPU_CHECK_ONLY:-all}"
-REAL_PARTS="${GPU_CHECK_REAL_PARTS:-exactness train_memory rl_run check moe speed launches}"
+REAL_PARTS="${GPU_CHECK_REAL_PARTS:-exactness train_memory rl_run check moe speed launches graphed}"
 declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-110}" [train_memory]="${GPU_CHECK_TRAIN_MEMORY_S:-60}"
                        [rl_run]="${GPU_CHECK_RL_RUN_S:-120}" [check]="${GPU_CHECK_CHECK_S:-90}"
                        [moe]="${GPU_CHECK_MOE_S:-75}" [speed]="${GPU_CHECK_SPEED_S:-60}"
-                       [launches]="${GPU_CHECK_LAUNCHES_S:-40}")
+                       [launches]="${GPU_CHECK_LAUNCHES_S:-40}" [graphed]="${GPU_CHECK_GRAPHED_S:-60}")
 case "$ONLY" in all|small|real) ;; *) echo "error: GPU_CHECK_ONLY must be all, small or real, got '$ONLY'"; exit 2;; esac
 START=$(date +%s)
 

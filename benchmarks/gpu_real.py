@@ -18,7 +18,12 @@ recorded by ``--timed-out PART``. The parts:
   under an 80 GB card's capacity.
 - ``speed``: peak GPU memory and tokens/s of prefill, of one decode step at positions 0, 512 and 1,023, and of a
   training forward + backward (``token_logprobs``), exact and native.
-- ``launches``: GPU kernel launches per decode step (torch.profiler's CUDA kernel events), exact and native.
+- ``launches``: GPU kernel launches per decode step (torch.profiler's CUDA kernel events), exact and native, and
+  the GPU's busy time per step (the kernels' summed durations) against the step's wall time: how launch-bound it is.
+- ``graphed``: ``qwen3_1_7b`` bf16, one decode step at batch 64 (positions 0, 512 and 1,023 of a 1,024-position
+  cache) eager and captured in a CUDA graph (``torch.cuda.graph``: the same kernels without Python or launch
+  overhead), exact and native: tokens/s of each, and whether the graph's replay gives the eager step's logits bit
+  for bit. A step that cannot be captured (a host synchronisation inside it) is recorded with the error, not timed.
 - ``rl_run``: ``vexact run experiments/gpu_qwen3_0_6b.yaml --device cuda``, 10 RL steps at ``qwen3_0_6b``; passes
   when every step's ``mismatch/bitwise_equal_frac`` is 1.0.
 - ``moe``: the ``vexact check`` procedure at ``qwen3_30b_a3b`` with ``num_layers`` reduced (128 experts, top-8):
@@ -66,7 +71,9 @@ SIZES = {
               "decode_batch": 16, "cache_len": 1024, "positions": (0, 512, 1023), "train_batch": 4,
               "train_prompt_len": 512, "train_response_len": 512, "reps": 3},
     "launches": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 16, "cache_len": 1024,
-                 "position": 512},
+                 "position": 512, "reps": 5},
+    "graphed": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 64, "cache_len": 1024,
+                "positions": (0, 512, 1023), "reps": 5},
     "rl_run": {"steps": 10},
     "moe": {"preset": "qwen3_30b_a3b", "dtype": "bfloat16", "num_layers": 2, "num_prompts": 8, "max_prompt_len": 32,
             "max_new_tokens": 32},
@@ -82,7 +89,8 @@ REHEARSAL = {
     "train_memory": {"batch": 4, "prompt_len": 4, "response_len": 6, "micro_batch": 2},
     "speed": {"prefill_batch": 2, "prefill_len": 8, "decode_batch": 2, "cache_len": 16, "positions": (0, 8, 15),
               "train_batch": 2, "train_prompt_len": 4, "train_response_len": 4, "reps": 1},
-    "launches": {"decode_batch": 2, "cache_len": 16, "position": 8},
+    "launches": {"decode_batch": 2, "cache_len": 16, "position": 8, "reps": 1},
+    "graphed": {"decode_batch": 2, "cache_len": 16, "positions": (0, 8, 15), "reps": 1},
     "rl_run": {"steps": 2},
     "moe": {"num_layers": 1, "num_prompts": 3, "max_prompt_len": 4, "max_new_tokens": 3},
 }
@@ -282,10 +290,81 @@ def part_launches(device: torch.device, rehearse: bool, s: dict) -> dict:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
                 torch.cuda.synchronize(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        rows.append({"backend": backend, "kernel_launches_per_decode_step": len(kernels)})
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+
+            def step(model=model, tokens=tokens, q_start=q_start, cache=cache) -> None:
+                model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
+
+            wall_us = 1e6 * _timed(step, device, s["reps"])
+        rows.append({"backend": backend, "kernel_launches_per_decode_step": len(kernels),
+                     "gpu_busy_us_per_decode_step": round(busy_us, 1), "wall_us_per_decode_step": round(wall_us, 1),
+                     "gpu_busy_fraction": round(busy_us / wall_us, 4)})
         del model, cache
-    return {"status": "passed", "rows": rows, "note": "forward + lm_head of one decode step (no sampling)"}
+    return {"status": "passed", "rows": rows, "note": "forward + lm_head of one decode step (no sampling); busy: "
+                                                      "the step's kernels' summed durations, wall: the step unprofiled"}
+
+
+def _captured(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[object, torch.Tensor] | str:
+    """``step`` captured in a CUDA graph: (the graph, the output tensor each replay refills), or why it could not
+    be captured (a host synchronisation or an op CUDA graphs refuse inside the step). Warmed up on a side stream
+    first, as torch's recipe has it: compilation, autotuning and the allocator's first blocks stay out of the
+    graph."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = step()
+    except Exception as err:  # noqa: BLE001 -- recorded as the reason; the part goes on
+        return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    return graph, out
+
+
+def part_graphed(device: torch.device, rehearse: bool, s: dict) -> dict:
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "no CUDA: CUDA graphs exist only on a GPU"}
+    cfg = _model_config(s["preset"], rehearse, s["cache_len"])
+    rows = []
+    for backend in _backends(s):
+        row: dict = {"backend": backend, "decode": {}}
+        try:
+            model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
+            cache = model.new_cache(s["decode_batch"], s["cache_len"])
+            for position in s["positions"]:
+                tokens, q_start = _decode_inputs(cfg, s["decode_batch"], position, device)
+
+                def step(model=model, tokens=tokens, q_start=q_start, cache=cache) -> torch.Tensor:
+                    with torch.no_grad():
+                        return model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
+
+                entry = {"eager_tokens_per_s": s["decode_batch"] / _timed(step, device, s["reps"])}
+                eager = step().clone()
+                captured = _captured(step, device)
+                if isinstance(captured, str):
+                    entry["not_captured"] = captured
+                else:
+                    graph, out = captured
+                    entry["graphed_tokens_per_s"] = s["decode_batch"] / _timed(graph.replay, device, s["reps"])
+                    graph.replay()
+                    torch.cuda.synchronize(device)
+                    entry["graphed_equals_eager"] = bool(torch.equal(out, eager))
+                    del graph, out
+                row["decode"][str(position)] = entry
+            del model, cache
+        except Exception as err:  # noqa: BLE001 -- one backend's failure recorded, the other still measured
+            row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        rows.append(row)
+    exact = rows[0]
+    passed = "error" not in exact and all(e.get("graphed_equals_eager") for e in exact["decode"].values())
+    return {"status": "passed" if passed else "failed", "rows": rows,
+            "sizes": {k: v for k, v in s.items() if k != "preset"},
+            "note": "forward + lm_head of one decode step (no sampling), at a fixed position: the graph is replayed "
+                    "on the same inputs"}
 
 
 def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) -> dict:
@@ -331,7 +410,7 @@ def part_moe(device: torch.device, rehearse: bool, s: dict) -> dict:
 
 PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "train_memory": part_train_memory,
                                         "rl_run": part_rl_run, "moe": part_moe, "speed": part_speed,
-                                        "launches": part_launches}
+                                        "launches": part_launches, "graphed": part_graphed}
 """The parts, in the order ``gpu_check.sh`` runs them."""
 
 

@@ -55,6 +55,7 @@ def test_rehearsal_runs_every_part_and_records_each(tmp_path):
             assert measured["tokens_per_s"] > 0 and measured["peak_bytes"] is None  # not faked on the CPU
 
     assert parts["launches"]["status"] == "skipped" and "CUDA" in parts["launches"]["reason"]
+    assert parts["graphed"]["status"] == "skipped" and "CUDA graphs" in parts["graphed"]["reason"]  # not faked
 
     rl = parts["rl_run"]
     assert rl["status"] == "passed" and rl["exit_code"] == 0 and "--device cpu" in rl["command"]
