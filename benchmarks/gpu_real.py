@@ -67,10 +67,10 @@ SIZES = {
                   "new_tokens": 256, "batch_of": 3, "alone": 4, "micro_batches": (8, 3)},
     "train_memory": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "batch": 64, "prompt_len": 512,
                      "response_len": 1024, "micro_batch": 8},
-    "speed": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "prefill_batch": 16, "prefill_len": 1024,
-              "decode_batch": 16, "cache_len": 1024, "positions": (0, 512, 1023), "train_batch": 4,
+    "speed": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "prefill_batch": 64, "prefill_len": 1024,
+              "decode_batch": 64, "cache_len": 1024, "positions": (0, 512, 1023), "train_batch": 8,
               "train_prompt_len": 512, "train_response_len": 512, "reps": 3},
-    "launches": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 16, "cache_len": 1024,
+    "launches": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 64, "cache_len": 1024,
                  "position": 512, "reps": 5},
     "graphed": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 64, "cache_len": 1024,
                 "positions": (0, 512, 1023), "reps": 5},
@@ -412,6 +412,60 @@ PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "train_mem
                                         "rl_run": part_rl_run, "moe": part_moe, "speed": part_speed,
                                         "launches": part_launches, "graphed": part_graphed}
 """The parts, in the order ``gpu_check.sh`` runs them."""
+
+
+# --------------------------------------------------------------------------- the price table
+def _by_backend(rows: list[dict]) -> tuple[dict, dict]:
+    """(the exact row, the native row) of a part's rows (the exact backend is ``exact`` or, in a rehearsal,
+    ``triton``)."""
+    return rows[0], next(r for r in rows if r["backend"] == "native")
+
+
+def price_table(speed: dict, graphed: dict | None = None, launches: dict | None = None) -> str:
+    """Markdown: exact / native time per item of a ``speed`` record (eager), with the ``graphed`` part's decode
+    steps (both sides captured in a CUDA graph) where given, each marked against ``GPU_TARGETS``; then the
+    ``launches`` part's kernel launches and GPU-busy fraction per decode step where given. A ratio is native's
+    tokens/s over exact's: the exact path's time in units of native's."""
+
+    def cell(exact_tps: float, native_tps: float, target: float) -> str:
+        ratio = native_tps / exact_tps
+        return f"{ratio:.2f}× {'✓' if ratio <= target else '✗'}"
+
+    exact, native = _by_backend(speed["rows"])
+    s = speed["sizes"]
+    lines = ["| qwen3_1_7b bf16 | batch | CUDA graph | exact / native | target |", "|---|---:|---|---:|---:|"]
+    target = GPU_TARGETS["prefill"]
+    lines.append(f"| prefill | {s['prefill_batch']} x {s['prefill_len']:,} | no | "
+                 f"{cell(exact['prefill']['tokens_per_s'], native['prefill']['tokens_per_s'], target)} | "
+                 f"≤ {target:.2f}× |")
+    target = GPU_TARGETS["decode"]
+    for position, step in exact["decode"].items():
+        shown = cell(step["tokens_per_s"], native["decode"][position]["tokens_per_s"], target)
+        lines.append(f"| decode step at position {position} | {s['decode_batch']} | no | {shown} | ≤ {target:.2f}× |")
+    if graphed is not None and graphed.get("status") in ("passed", "failed"):
+        g_exact, g_native = _by_backend(graphed["rows"])
+        for position in g_exact.get("decode", {}):
+            e, n = g_exact["decode"][position], g_native.get("decode", {}).get(position, {})
+            if "graphed_tokens_per_s" in e and "graphed_tokens_per_s" in n:
+                shown = cell(e["graphed_tokens_per_s"], n["graphed_tokens_per_s"], target)
+            else:
+                shown = "not captured: " + (e.get("not_captured") or n.get("not_captured") or "no result")
+            lines.append(f"| decode step at position {position} | {graphed['sizes']['decode_batch']} | yes | {shown} "
+                         f"| ≤ {target:.2f}× |")
+    target = GPU_TARGETS["train_fwd_bwd"]
+    train = (f"{cell(exact['train_fwd_bwd']['tokens_per_s'], native['train_fwd_bwd']['tokens_per_s'], target)}"
+             if "tokens_per_s" in exact["train_fwd_bwd"] and "tokens_per_s" in native["train_fwd_bwd"]
+             else "out of memory")
+    lines.append(f"| training forward + backward | {s['train_batch']} x "
+                 f"{s['train_prompt_len'] + s['train_response_len']:,} | no | {train} | ≤ {target:.2f}× |")
+    if launches is not None and launches.get("status") == "passed":
+        said = []
+        for row in launches["rows"]:
+            busy = (f" (GPU busy {row['gpu_busy_fraction']:.0%} of the step's wall time)"
+                    if "gpu_busy_fraction" in row else "")
+            said.append(f"{row['backend']} {row['kernel_launches_per_decode_step']:,}{busy}")
+        lines.append("\nkernel launches per decode step: " + ", ".join(said))
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- the record
