@@ -98,6 +98,31 @@ def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     assert "gpu_real exactness: exit 124 (timed out after 1s)" in summary and "gpu_real launches: exit 0" in summary
 
 
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+@pytest.mark.needs_package("triton", TRITON_PIP)
+def test_gpu_check_lease_mode_runs_the_tests_and_the_chosen_parts_without_the_small_benchmark(tmp_path):
+    """``GPU_CHECK_ONLY=lease``: the kernels' tests (here the rehearsal's few, in the interpreter), then the real-size
+    parts, and not the small-shape benchmark; a mode it does not know is one error line."""
+    env = {**os.environ, "OUT": str(tmp_path), "VEXACT_GPU_CHECK_REHEARSE": "1", "GPU_CHECK_ONLY": "lease",
+           "GPU_CHECK_REAL_PARTS": "graphed launches"}
+    link = ROOT / "vexact_kernels"
+    made = not link.exists() and not link.is_symlink()
+    try:
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
+                              text=True, timeout=600)
+        wrong = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+                               env={**env, "GPU_CHECK_ONLY": "fast"}, capture_output=True, text=True, timeout=60)
+    finally:
+        if made and link.is_symlink():
+            link.unlink()
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("pytest: exit 0") and "gpu_triton" not in summary
+    assert "gpu_real graphed: exit 0" in summary and "gpu_real launches: exit 0" in summary
+    assert not (tmp_path / "gpu_triton.log").exists()
+    assert wrong.returncode == 2 and "GPU_CHECK_ONLY must be all, small, real or lease" in wrong.stdout
+
+
 @pytest.mark.needs_package("triton", TRITON_PIP)
 def test_triton_interpreter_rehearsal_runs_the_triton_kernels_in_the_exact_rows(tmp_path):
     """``--triton-interpreter``: the exact rows are the Triton kernels (the code a GPU compiles), interpreted on the
