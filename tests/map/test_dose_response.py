@@ -104,7 +104,10 @@ def test_a_fitted_50_percent_point_outside_the_tested_doses_is_reported_as_a_sid
 
 
 def test_one_dose_level_or_falling_collapse_gives_no_threshold() -> None:
-    assert fit_threshold([(1e-3, True, 0), (1e-3, False, 1)])["status"] == "insufficient"
+    one_level = fit_threshold([(1e-3, True, 0), (1e-3, False, 1)])
+    assert one_level["status"] == "insufficient" and one_level["threshold_50"] is None
+    assert one_level["dose_min"] == one_level["dose_max"] == 1e-3  # what was measured, kept for the verdict's words
+    assert "dose_min" not in fit_threshold([])
     falling = [(1e-4, True, s) for s in SEEDS] + [(1e-2, False, s) for s in SEEDS] + [(1e-3, s == 0, s) for s in SEEDS]
     t = fit_threshold(falling)
     assert t["status"] == "not_monotone" and t["threshold_50"] is None

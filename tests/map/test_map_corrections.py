@@ -537,6 +537,25 @@ def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
     assert untested["verdict"].startswith("not placed: your k3 is above the largest level tested without collapse")
 
 
+def test_one_dose_level_near_the_users_t_is_said_but_never_placed(tmp_path):
+    """A recompute curve of bounds at T <= 28 and one run at T = 358 that collapsed at its one dose (k3 0.02): too few
+    for a threshold or a bound (``insufficient``), so no verdict rests on it, but a verdict within 1.5x of T = 358
+    says what was measured there; further away it says nothing of it."""
+    points = _recompute_points(tmp_path, overrides={"algorithm.old_logprobs": "recompute"})
+    points.append(_point(tmp_path, "r_L500_1", 500, 358.0, 0.02, True, 0, {"algorithm.old_logprobs": "recompute"}))
+    write_scaling(_sweep(tmp_path, points, ["task.max_len"]), tmp_path)
+    m = load_map(tmp_path / "scaling.json")
+    curve = verdict.find_curve(m, "recompute")
+    one = next(h for h in curve["horizons"] if h["horizon_value"] == 500)
+    assert one["status"] == "insufficient" and one["dose_min"] == 0.02 and one["runs"] == one["collapsed"] == 1
+    near = verdict.placement(m, 0.005, 400.0, "recompute")
+    assert near["threshold_50"] is None and near["verdict"].startswith("no verdict at this horizon")
+    assert ("measured but not placed: 1 of 1 run(s) collapsed at realised k3 0.02 at T 358 (recompute), one dose "
+            "level: too few for a threshold or a bound") in near["verdict"]
+    assert "measured but not placed" not in verdict.placement(m, 0.005, 30.0, "recompute")["verdict"]
+    assert "measured but not placed" not in verdict.placement(m, 0.005, 1000.0, "recompute")["verdict"]
+
+
 def test_a_law_whose_interval_spans_decades_gives_no_verdict():
     """Two horizons with wide intervals fit a line whose interval at a far T spans many decades: "near" would be
     true of any k3 there, so the verdict says the curve does not pin the threshold (and the law's numbers stay)."""

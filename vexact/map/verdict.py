@@ -360,6 +360,7 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         verdict = _bound_verdict(curve, name, k3, horizon, (t0, t1))
         if verdict.startswith("below every level tested"):
             out["bound_assumption"] = BOUND_ASSUMPTION
+    verdict += _too_few_near(curve, name, horizon)
     if assumed:
         verdict += f"; correction assumed: {name} (none given: name the one you run)"
     out["verdict"] = verdict + f"; curve: {correction_words(name)}"
@@ -418,6 +419,20 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
                         f"law's threshold at this T (k3 {thr:.2g}) lies below that measured survival: the map does "
                         "not know where this collapses", BOUND_ASSUMPTION)
     return None
+
+
+def _too_few_near(curve: dict[str, Any], name: str, horizon: float) -> str:
+    """What the curve measured within ``SAME_HORIZON`` of the user's T with too few runs for a threshold or a bound
+    (``insufficient``: one dose level), as clauses to append to a verdict: said, never used to place the k3."""
+    said = ""
+    for h in curve.get("horizons") or []:
+        if (h.get("status") != "insufficient" or not h.get("runs") or not positive(h.get("horizon"))
+                or not horizon / SAME_HORIZON <= h["horizon"] <= horizon * SAME_HORIZON):
+            continue
+        dose = f" at realised k3 {h['dose_min']:.2g}" if positive(h.get("dose_min")) else ""
+        said += (f"; measured but not placed: {h.get('collapsed', 0)} of {h['runs']} run(s) collapsed{dose} at "
+                 f"T {fmt_t(h['horizon'])} ({name}), one dose level: too few for a threshold or a bound")
+    return said
 
 
 def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, t_range: tuple[float, float]

@@ -126,8 +126,8 @@ def fit_threshold(runs: list[tuple[float, bool, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"metric": METRIC, "threshold_50": None, "ci_low": None, "ci_high": None,
                            "runs": len(runs), "collapsed": sum(c for _, c, _ in runs)}
     doses = sorted({d for d, _, _ in runs})
-    if len(doses) < 2:
-        return {**out, "status": "insufficient",
+    if len(doses) < 2:  # the one level's realised dose kept: a verdict says what was measured, never places on it
+        return {**out, **({"dose_min": doses[0], "dose_max": doses[0]} if doses else {}), "status": "insufficient",
                 "note": f"{len(doses)} dose level(s) with a positive realised mismatch: no curve to fit"}
     lo, hi = doses[0], doses[-1]
     out.update(dose_min=lo, dose_max=hi)
