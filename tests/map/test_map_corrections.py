@@ -478,12 +478,13 @@ def test_build_map_cli(tmp_path, capsys):
 
 def test_the_shipped_map_is_made_by_build_map():
     m = load_map()
-    # the last build gave the held-length sweeps' directories again (L = 500 gained a run): their horizons were
-    # refitted from the runs, the map before it kept its other curves
+    # the last build gave the held-length sweeps' directories again, and the corrections at L = 500 (held task):
+    # their horizons were refitted from the runs, the map before it kept its other curves
     assert m["provenance"]["made_by"] == ("python -m vexact.map build-map vexact/map/default_map.json "
                                           "vexact/map/default_map.json runs/sweeps/horizon_scaling_held_control "
                                           "runs/sweeps/horizon_scaling_held_sweep "
-                                          "runs/sweeps/horizon_scaling_long_sweep")
+                                          "runs/sweeps/horizon_scaling_long_sweep "
+                                          "runs/sweeps/horizon_scaling_held_corrections_sweep")
     corrections = [c["correction"] for c in m["curves"] if c["source"] == "logit_scale"]
     assert corrections[:3] == ["bypass", "recompute", "token_tis"]  # then the corrections sweep's later rounds
     assert verdict.map_sources(m)[0] == "logit_scale"  # the default source: a placement without one uses it
@@ -502,7 +503,11 @@ def test_the_shipped_map_is_made_by_build_map():
     for correction in ("recompute", "token_tis"):  # the corrections sweep collapsed none: bounds, never a threshold
         curve = next(c for c in m["curves"] if c["correction"] == correction)
         assert curve["status"] == "bounds_only"
-        assert [h["status"] for h in curve["horizons"]] == ["above_range"] * 3  # L = 4, 16, 80 (T = 7, 17, 28)
+        statuses = [h["status"] for h in curve["horizons"]]
+        assert statuses[:3] == ["above_range"] * 3  # L = 4, 16, 80 (T = 7, 17, 28)
+        # recompute at L = 500 (held task): one run at one dose, collapsed: too few for a bound, and no wider range
+        assert statuses[3:] == (["insufficient"] if correction == "recompute" else [])
+        assert curve["horizon_range"][1] < 40  # T <= 31: the one-run horizon does not stretch it
         placed = place_on_map(m, 0.025, 8.0, correction)
         assert placed["threshold_50"] is None and placed["correction"] == correction
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
