@@ -48,6 +48,9 @@ declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-110}" [train_memory
                        [launches]="${GPU_CHECK_LAUNCHES_S:-40}" [graphed]="${GPU_CHECK_GRAPHED_S:-60}")
 case "$ONLY" in all|small|real|lease) ;;
     *) echo "error: GPU_CHECK_ONLY must be all, small, real or lease, got '$ONLY'"; exit 2;; esac
+# which groups the mode runs: the kernels' tests (all but real), the small-shape benchmark (all, small)
+[ "$ONLY" != real ] && RUN_TESTS=1 || RUN_TESTS=0
+[ "$ONLY" = all ] || [ "$ONLY" = small ] && RUN_SMALL_BENCH=1 || RUN_SMALL_BENCH=0
 START=$(date +%s)
 
 python - <<'EOF' 2>&1 | tee "$OUT/env.txt"
@@ -78,7 +81,7 @@ fi
 
 PYTEST_RC=0
 BENCH_RC=0
-if [ "$ONLY" != real ]; then
+if [ "$RUN_TESTS" = 1 ]; then
     echo "== op contracts and MoE tests (limit ${PYTEST_LIMIT}s)"
     timeout "$PYTEST_LIMIT" python -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
         tests/kernels/test_moe_triton.py tests/kernels/test_triton_backward.py --junitxml="$OUT/pytest.xml" \
@@ -86,7 +89,7 @@ if [ "$ONLY" != real ]; then
     PYTEST_RC=$?
     tail -n 3 "$OUT/pytest.log"
 fi
-if [ "$ONLY" = all ] || [ "$ONLY" = small ]; then
+if [ "$RUN_SMALL_BENCH" = 1 ]; then
     echo "== benchmarks.gpu_triton (limit ${BENCH_LIMIT}s)"
     timeout "$BENCH_LIMIT" python -m benchmarks.gpu_triton --out "$OUT/gpu_triton.json" "${BENCH[@]}" \
         >"$OUT/gpu_triton.log" 2>&1
@@ -129,8 +132,8 @@ if [ "$ONLY" != small ]; then
 fi
 
 {
-    [ "$ONLY" = real ] || echo "pytest: exit $PYTEST_RC ($(tail -n 1 "$OUT/pytest.log"))"
-    if [ "$ONLY" = all ] || [ "$ONLY" = small ]; then
+    [ "$RUN_TESTS" = 1 ] && echo "pytest: exit $PYTEST_RC ($(tail -n 1 "$OUT/pytest.log"))"
+    if [ "$RUN_SMALL_BENCH" = 1 ]; then
         echo "benchmarks.gpu_triton: exit $BENCH_RC$([ $BENCH_RC -eq 124 ] && echo ' (timed out: gpu_triton.json has the parts done)')"
     fi
     for LINE in "${REAL_LINES[@]}"; do echo "$LINE"; done

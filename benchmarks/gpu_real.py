@@ -217,6 +217,23 @@ def _decode_inputs(cfg: ModelConfig, batch: int, position: int, device: torch.de
     return tokens, torch.full((batch,), position, dtype=torch.long, device=device)
 
 
+def _decode_step(model: Transformer, cfg: ModelConfig, batch: int, position: int, cache: object,
+                 device: torch.device) -> Callable[[], torch.Tensor]:
+    """The speed parts' decode step: the forward and LM head of one token per sequence at ``position`` against
+    ``cache`` (no sampling, no grad), returning the logits."""
+    tokens, q_start = _decode_inputs(cfg, batch, position, device)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
+    return step
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as the record keeps it: its type and the first line of its message."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+
+
 def part_speed(device: torch.device, rehearse: bool, s: dict) -> dict:
     length = max(s["prefill_len"], s["cache_len"], s["train_prompt_len"] + s["train_response_len"])
     cfg = _model_config(s["preset"], rehearse, length)
@@ -237,16 +254,11 @@ def part_speed(device: torch.device, rehearse: bool, s: dict) -> dict:
         cache = model.new_cache(s["decode_batch"], s["cache_len"])
         row["decode"] = {}
         for position in s["positions"]:
-            tokens, q_start = _decode_inputs(cfg, s["decode_batch"], position, device)
-
-            def step(model=model, tokens=tokens, q_start=q_start, cache=cache):
-                with torch.no_grad():
-                    model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
-
+            step = _decode_step(model, cfg, s["decode_batch"], position, cache, device)
             seconds = _timed(step, device, s["reps"])
             _, peak = _peak(device, step)
             row["decode"][str(position)] = {"tokens_per_s": s["decode_batch"] / seconds, "peak_bytes": peak}
-        del cache
+        del step, cache  # the step holds the cache: both go before the training pass
         prompts = torch.randint(0, cfg.vocab_size, (s["train_batch"], s["train_prompt_len"]), generator=gen).tolist()
         responses = torch.randint(0, cfg.vocab_size, (s["train_batch"], s["train_response_len"]),
                                   generator=gen).tolist()
@@ -283,24 +295,19 @@ def part_launches(device: torch.device, rehearse: bool, s: dict) -> dict:
     for backend in _backends(s):
         model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
         cache = model.new_cache(s["decode_batch"], s["cache_len"])
-        tokens, q_start = _decode_inputs(cfg, s["decode_batch"], s["position"], device)
-        with torch.no_grad():
-            model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])  # warm-up: compile, autotune
+        step = _decode_step(model, cfg, s["decode_batch"], s["position"], cache, device)
+        step()  # warm-up: compile, autotune
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
             torch.cuda.synchronize(device)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
-                torch.cuda.synchronize(device)
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            busy_us = sum(e.time_range.elapsed_us() for e in kernels)
-
-            def step(model=model, tokens=tokens, q_start=q_start, cache=cache) -> None:
-                model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
-
-            wall_us = 1e6 * _timed(step, device, s["reps"])
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+        wall_us = 1e6 * _timed(step, device, s["reps"])
         rows.append({"backend": backend, "kernel_launches_per_decode_step": len(kernels),
                      "gpu_busy_us_per_decode_step": round(busy_us, 1), "wall_us_per_decode_step": round(wall_us, 1),
                      "gpu_busy_fraction": round(busy_us / wall_us, 4)})
-        del model, cache
+        del step, model, cache
     return {"status": "passed", "rows": rows, "note": "forward + lm_head of one decode step (no sampling); busy: "
                                                       "the step's kernels' summed durations, wall: the step unprofiled"}
 
@@ -321,7 +328,7 @@ def _captured(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[o
         with torch.cuda.graph(graph):
             out = step()
     except Exception as err:  # noqa: BLE001 -- recorded as the reason; the part goes on
-        return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        return _one_line(err)
     return graph, out
 
 
@@ -336,12 +343,7 @@ def part_graphed(device: torch.device, rehearse: bool, s: dict) -> dict:
             model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
             cache = model.new_cache(s["decode_batch"], s["cache_len"])
             for position in s["positions"]:
-                tokens, q_start = _decode_inputs(cfg, s["decode_batch"], position, device)
-
-                def step(model=model, tokens=tokens, q_start=q_start, cache=cache) -> torch.Tensor:
-                    with torch.no_grad():
-                        return model.logits(model(tokens, q_start=q_start, cache=cache)[:, -1])
-
+                step = _decode_step(model, cfg, s["decode_batch"], position, cache, device)
                 entry = {"eager_tokens_per_s": s["decode_batch"] / _timed(step, device, s["reps"])}
                 eager = step().clone()
                 captured = _captured(step, device)
@@ -355,9 +357,9 @@ def part_graphed(device: torch.device, rehearse: bool, s: dict) -> dict:
                     entry["graphed_equals_eager"] = bool(torch.equal(out, eager))
                     del graph, out
                 row["decode"][str(position)] = entry
-            del model, cache
+            del step, model, cache
         except Exception as err:  # noqa: BLE001 -- one backend's failure recorded, the other still measured
-            row["error"] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+            row["error"] = _one_line(err)
         rows.append(row)
     exact = rows[0]
     passed = "error" not in exact and all(e.get("graphed_equals_eager") for e in exact["decode"].values())
