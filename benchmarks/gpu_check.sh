@@ -29,11 +29,16 @@
 # torch/triton missing.
 set -u
 cd "$(dirname "$0")/.." || exit 2
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-runs/gpu_check}"
 mkdir -p "$OUT"
-# The package is imported as vexact_kernels (see kernels/__init__.py); a copy of the working tree lacks the link.
-[ -e vexact_kernels ] || ln -s kernels vexact_kernels
+# The kernel library is imported as vexact_kernels (see kernels/__init__.py), which an uninstalled copy of the tree
+# does not have: the name is a link in a scratch directory of the script's own, put on PYTHONPATH. Never a link in
+# the tree: another process importing from the tree (CI's tests run side by side) would import through it and lose
+# its files when it goes.
+import_dir=$(mktemp -d -t vexact-gpu-check.XXXXXXXX) || exit 2
+trap 'rm -rf "$import_dir"' EXIT
+ln -s "$PWD/kernels" "$import_dir/vexact_kernels"
+export PYTHONPATH="$PWD:$import_dir${PYTHONPATH:+:$PYTHONPATH}"
 REHEARSE="${VEXACT_GPU_CHECK_REHEARSE:-0}"
 PYTEST_LIMIT="${GPU_CHECK_PYTEST_S:-110}"
 BENCH_LIMIT="${GPU_CHECK_BENCH_S:-190}"

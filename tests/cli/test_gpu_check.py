@@ -75,22 +75,28 @@ def test_without_a_gpu_only_the_rehearsal_runs(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
+def _tree_link_exists() -> bool:
+    link = ROOT / "vexact_kernels"
+    return link.exists() or link.is_symlink()
+
+
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 @pytest.mark.needs_package("triton", TRITON_PIP)  # the script checks that torch and triton import before any part
 def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     """The script's own plumbing, rehearsed: a part over its limit (1 s: less than Python's start) is recorded as
     timed out and fails the script; a part that cannot run on the CPU is skipped with its reason."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     env = {**os.environ, "OUT": str(tmp_path), "VEXACT_GPU_CHECK_REHEARSE": "1", "GPU_CHECK_ONLY": "real",
-           "GPU_CHECK_REAL_PARTS": "launches exactness", "GPU_CHECK_EXACTNESS_S": "1"}
-    link = ROOT / "vexact_kernels"  # the script links it for a bare copy of the tree; a test leaves none behind
-    made = not link.exists() and not link.is_symlink()
-    try:
-        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
-                              text=True, timeout=300)
-    finally:
-        if made and link.is_symlink():
-            link.unlink()
+           "GPU_CHECK_REAL_PARTS": "launches exactness", "GPU_CHECK_EXACTNESS_S": "1", "TMPDIR": str(scratch)}
+    linked_before = _tree_link_exists()
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
+    # the vexact_kernels link lived in the script's scratch directory, which it removed, and never in the tree,
+    # where CI's other test process would import through it and lose the files when it went
+    assert list(scratch.iterdir()) == []
+    assert _tree_link_exists() == linked_before
     parts = json.loads((tmp_path / "gpu_real.json").read_text())["parts"]
     assert parts["exactness"] == {"status": "timed out", "limit_s": 1}
     assert parts["launches"]["status"] == "skipped"
@@ -105,16 +111,10 @@ def test_gpu_check_lease_mode_runs_the_tests_and_the_chosen_parts_without_the_sm
     parts, and not the small-shape benchmark; a mode it does not know is one error line."""
     env = {**os.environ, "OUT": str(tmp_path), "VEXACT_GPU_CHECK_REHEARSE": "1", "GPU_CHECK_ONLY": "lease",
            "GPU_CHECK_REAL_PARTS": "graphed launches"}
-    link = ROOT / "vexact_kernels"
-    made = not link.exists() and not link.is_symlink()
-    try:
-        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
-                              text=True, timeout=600)
-        wrong = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
-                               env={**env, "GPU_CHECK_ONLY": "fast"}, capture_output=True, text=True, timeout=60)
-    finally:
-        if made and link.is_symlink():
-            link.unlink()
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    wrong = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+                           env={**env, "GPU_CHECK_ONLY": "fast"}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("pytest: exit 0") and "gpu_triton" not in summary
