@@ -116,7 +116,7 @@ def test_every_file_needing_a_second_venv_package_runs_there_and_ci_starts_it(mo
     start that script, or CI would pass without ever running them."""
     script = CI_SECOND_VENV[module]
     text = (ROOT / script).read_text()
-    run_line = text.split('"$py" -m pytest', 1)[1].split("\n\n", 1)[0]
+    run_line = re.split(r'"\$py" (?:-P )?-m pytest', text, maxsplit=1)[1].split("\n\n", 1)[0]
     named = sorted(set(re.findall(r"tests/\w+/test_\w+\.py", run_line)))
     assert _files_needing(module) and named == _files_needing(module), (named, _files_needing(module))
     ci = (ROOT / ".ci" / "run").read_text()
