@@ -98,6 +98,8 @@ def test_responses_score_empty_response():
         (dict(prompts=[[1]], temperature=-1.0), "temperature"),
         (dict(prompts=[[1]], batch_size=0), "batch_size"),
         (dict(prompts=[[1]], eos_token_id=1000), "eos_token_id"),
+        (dict(prompts=[[1]], eos_check_every=0), "eos_check_every"),
+        (dict(prompts=[[1]], eos_check_every=2.0), "eos_check_every"),
     ],
 )
 def test_generate_bad_input(kwargs, message):

@@ -165,6 +165,32 @@ def test_moe_rollout_logprobs_equal_training_logprobs(dtype, threads):
     assert torch.cat(rollouts[0].routing).unique().tolist() == [0, 1, 2, 3]
 
 
+def _ending_by_position(logits, sequence_ids, positions):
+    """A logits hook that makes EOS all but certain from a position each row reaches at its own step (3 to 9), so
+    every row finishes before ``max_new_tokens`` and the loop's early stop is what is exercised."""
+    forced = logits.clone()
+    forced[positions >= 3 + sequence_ids % 7, EOS] = 50.0
+    return forced, forced
+
+
+@pytest.mark.parametrize("make", [lambda: moe_model(), lambda: moe_model(num_experts=0)], ids=["moe", "dense"])
+def test_the_eos_check_interval_changes_no_bit(make):
+    """``generate(eos_check_every=k)`` (a GPU checks every 8th step, not to sync the host each step) decodes up to
+    k - 1 steps past the last EOS; the tokens, log-probs, finished flags and routing are the same bits for every k."""
+    model = make()
+    prompts = random_prompts(10, 20, seed=3)
+    outs = [generate(model, prompts, max_new_tokens=24, seed=7, eos_token_id=EOS, logits_hook=_ending_by_position,
+                     eos_check_every=k) for k in (1, 3, 8, 64)]
+    assert all(outs[0].finished) and max(len(t) for t in outs[0].tokens) < 24  # every row stopped early
+    assert len({len(t) for t in outs[0].tokens}) > 1  # at different steps
+    for out in outs[1:]:
+        assert out.tokens == outs[0].tokens and out.finished == outs[0].finished
+        assert _equal_lists(out.logprobs, outs[0].logprobs)
+        assert (out.routing is None) == (outs[0].routing is None)
+        if out.routing is not None:
+            assert _equal_lists(out.routing, outs[0].routing)
+
+
 def test_native_moe_mismatches():
     """Counter-check: the same pipeline on native ops finds mismatched tokens."""
     model = moe_model("native")

@@ -15,6 +15,16 @@ from .model import KernelOps, KVCache, RouteHook, Routing, Transformer
 from .sampling import sample_tokens
 
 CACHE_BLOCK = 64  # cache length rounded up to whole attention tiles
+# Decode steps between checks whether every row has finished (only with an EOS). The check reads a flag back to the
+# host: free on the CPU, so every step there; on a GPU a sync that drains the launch queue each step, so every
+# GPU_EOS_CHECK_EVERY-th step, at the price of up to GPU_EOS_CHECK_EVERY - 1 steps past the last EOS. No bit
+# depends on it: each row is cut at its own EOS, and a finished row decodes padding that is dropped.
+GPU_EOS_CHECK_EVERY = 8
+
+
+def eos_check_interval(device: torch.device) -> int:
+    """``generate``'s default ``eos_check_every`` on ``device``: 1 on the CPU, else ``GPU_EOS_CHECK_EVERY``."""
+    return 1 if device.type == "cpu" else GPU_EOS_CHECK_EVERY
 
 # (scaled fp32 logits [B, V], sequence ids [B], response positions [B]) ->
 # (logits to sample from, logits whose log-prob of the sampled token is recorded)
@@ -38,7 +48,7 @@ class GenerateOutput:
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 1.0,
              seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None,
              logits_hook: LogitsHook | None = None, ops: KernelOps | None = None, first_index: int = 0,
-             routing_hook: RouteHook | None = None) -> GenerateOutput:
+             routing_hook: RouteHook | None = None, eos_check_every: int | None = None) -> GenerateOutput:
     """Sample continuations of ``prompts`` with a KV cache.
 
     Sampling is counter-based (see ``vexact.engine.sampling``): prompt i's tokens depend only on
@@ -54,6 +64,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     ``routing_hook`` (MoE models; rollout-side routing mismatch, see ``vexact.rl.inject_modes``) changes the experts
     the router chose; its draws are keyed by (sequence index, position, layer). An MoE model's routing is recorded
     in ``GenerateOutput.routing`` (what router replay gives the training path: ``token_logprobs(..., routing=)``).
+    ``eos_check_every``: with an EOS, look whether every row has finished once in this many steps (None: the
+    device's ``eos_check_interval``); a speed knob only, the outputs are the same bits whatever it is.
     """
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
@@ -70,6 +82,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
         raise ValueError(f"first_index must be a non-negative int, got {first_index!r}")
     if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    if eos_check_every is None:
+        eos_check_every = eos_check_interval(model.device)
+    elif isinstance(eos_check_every, bool) or not isinstance(eos_check_every, int) or eos_check_every < 1:
+        raise ValueError(f"eos_check_every must be a positive int, got {eos_check_every!r}")
 
     if routing_hook is not None and not cfg.moe_layers:
         raise ValueError("routing_hook changes an MoE model's routing, but this model has no MoE layers "
@@ -82,7 +98,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     for start in range(0, len(prompts), step):
         chunk = _generate_batch(model, prompts[start : start + step], first_index + start, max_new_tokens,
                                 temperature, seed, eos_token_id, logits_hook, model.ops if ops is None else ops,
-                                routing_hook)
+                                routing_hook, eos_check_every)
         tokens += chunk.tokens
         logprobs += chunk.logprobs
         finished += chunk.finished
@@ -131,8 +147,8 @@ def decode_one_token(model: Transformer, token: Tensor, positions: Tensor, cache
 
 def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: int, max_new_tokens: int,
                     temperature: float, seed: int, eos_token_id: int | None,
-                    logits_hook: LogitsHook | None, ops: KernelOps, routing_hook: RouteHook | None = None
-                    ) -> GenerateOutput:
+                    logits_hook: LogitsHook | None, ops: KernelOps, routing_hook: RouteHook | None = None,
+                    eos_check_every: int = 1) -> GenerateOutput:
     """One batch of ``generate``: ``prefill``, then sample and ``decode_one_token`` until every row stopped."""
     device = model.device
     batch = len(prompts)
@@ -170,7 +186,7 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
             break
         if eos_token_id is not None:  # without an EOS no row finishes early: no check (a host sync) per step
             done |= token == eos_token_id
-            if bool(done.all()):
+            if (t + 1) % eos_check_every == 0 and bool(done.all()):
                 break
         next_logits = decode_one_token(model, token, lengths + t, cache, ops, routing())
     return _outputs(prompts, out_tokens[:, :n_steps], out_logprobs, eos_token_id, records if moe else None)
