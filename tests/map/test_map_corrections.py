@@ -505,8 +505,9 @@ def test_the_shipped_map_is_made_by_build_map():
         assert curve["status"] == "bounds_only"
         statuses = [h["status"] for h in curve["horizons"]]
         assert statuses[:3] == ["above_range"] * 3  # L = 4, 16, 80 (T = 7, 17, 28)
-        # recompute at L = 500 (held task): one run at one dose, collapsed: too few for a bound, and no wider range
-        assert statuses[3:] == (["insufficient"] if correction == "recompute" else [])
+        # each at L = 500 (held task): one run at one dose (recompute collapsed, token TIS held): too few for a
+        # bound, and no wider range
+        assert statuses[3:] == ["insufficient"]
         assert curve["horizon_range"][1] < 40  # T <= 31: the one-run horizon does not stretch it
         placed = place_on_map(m, 0.025, 8.0, correction)
         assert placed["threshold_50"] is None and placed["correction"] == correction
