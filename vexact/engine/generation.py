@@ -82,10 +82,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
         raise ValueError(f"first_index must be a non-negative int, got {first_index!r}")
     if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    check_batch_size("eos_check_every", eos_check_every)  # a positive int or None, as a batch size
     if eos_check_every is None:
         eos_check_every = eos_check_interval(model.device)
-    elif isinstance(eos_check_every, bool) or not isinstance(eos_check_every, int) or eos_check_every < 1:
-        raise ValueError(f"eos_check_every must be a positive int, got {eos_check_every!r}")
 
     if routing_hook is not None and not cfg.moe_layers:
         raise ValueError("routing_hook changes an MoE model's routing, but this model has no MoE layers "
