@@ -20,10 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 KEPT = sorted((ROOT / "docs" / "results" / "data" / "warmstarts").glob("*.safetensors"))
 
 
-def _points_by_key(tmp_path: Path) -> dict[str, SweepPoint]:
+@pytest.fixture(scope="module")
+def points_by_key(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SweepPoint]:
+    """Every sweep's points in experiments/, by warm-start key (loaded once for all the kept files)."""
+    out = tmp_path_factory.mktemp("sweeps")
     points: dict[str, SweepPoint] = {}
     for sweep in sorted((ROOT / "experiments").glob("*sweep*.yaml")):
-        for point in load_sweep_spec(sweep, output_dir=tmp_path / sweep.stem).points:
+        for point in load_sweep_spec(sweep, output_dir=out / sweep.stem).points:
             points.setdefault(warm_start_key(point.config), point)
     return points
 
@@ -33,8 +36,8 @@ def test_the_repository_keeps_warm_starts():
 
 
 @pytest.mark.parametrize("kept", KEPT, ids=[path.name for path in KEPT])
-def test_each_kept_warm_start_is_the_cache_entry_of_an_experiment_and_loads_into_its_model(kept, tmp_path):
-    points = _points_by_key(tmp_path)
+def test_each_kept_warm_start_is_the_cache_entry_of_an_experiment_and_loads_into_its_model(kept, points_by_key):
+    points = points_by_key
     key = kept.stem.removeprefix("warmstart-")
     assert key in points, f"{kept.name}: no point of any sweep in experiments/ has warm-start key {key}"
     config = points[key].config
