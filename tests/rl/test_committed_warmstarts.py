@@ -37,10 +37,9 @@ def test_the_repository_keeps_warm_starts():
 
 @pytest.mark.parametrize("kept", KEPT, ids=[path.name for path in KEPT])
 def test_each_kept_warm_start_is_the_cache_entry_of_an_experiment_and_loads_into_its_model(kept, points_by_key):
-    points = points_by_key
     key = kept.stem.removeprefix("warmstart-")
-    assert key in points, f"{kept.name}: no point of any sweep in experiments/ has warm-start key {key}"
-    config = points[key].config
+    assert key in points_by_key, f"{kept.name}: no point of any sweep in experiments/ has warm-start key {key}"
+    config = points_by_key[key].config
     assert warm_start_cache_path(config).name == kept.name  # the name the sweep looks for in its cache
     model_config = config.model.to_model_config(task_of(config).tokenizer.vocab_size)
     model = Transformer(model_config, backend=config.backend, dtype=torch.float32, init_seed=config.policy_seed)
