@@ -8,7 +8,7 @@ map says, computed here with ``vexact.map`` -- so the map's columns are generate
   it, gives its T, and the map has that curve;
 * **the bypass law**: the bypass curve's verdict at the point's T, or, without a T, the horizon at which the law's
   50% threshold falls to the point's k3 (``horizon_at``): above that T the law calls this k3 a collapse level;
-  a horizon whose runs all collapsed from a dose <= k3 puts it earlier when the law says later
+  a horizon whose 50% point lies below its smallest dose, a dose <= k3, puts it earlier when the law says later
   (``measured_horizon_at``);
 * **agrees?**: the outcome against the verdict of their correction's curve (``agreement``), else against the bypass
   law, labelled as such; "cannot test" where the map has no verdict for the point (no k3, no T, no outcome).
@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from vexact.map.naming import BYPASS, correction_names
-from vexact.map.verdict import DEFAULT_TAIL_MAP, curve_for, default_source, load_map, map_curves, map_vocab, placement
+from vexact.map.verdict import (
+    DEFAULT_TAIL_MAP,
+    collapsed_from,
+    curve_for,
+    default_source,
+    load_map,
+    map_curves,
+    map_vocab,
+    placement,
+)
 from vexact.rl.validate import parse_yaml
 from vexact.sweeps.markdown_table import markdown_table
 
@@ -111,8 +120,9 @@ def horizon_at(curve: dict[str, Any], k3: float) -> float | None:
 
 
 def measured_horizon_at(curve: dict[str, Any], k3: float) -> tuple[float, float] | None:
-    """(T_b, D) of the shortest horizon whose runs all collapsed, from a dose D <= ``k3``: the threshold is below
-    ``k3`` there already, whatever the law says (None when no such horizon was measured)."""
+    """(T_b, D) of the shortest horizon whose 50% point lies below its smallest dose D <= ``k3`` (every run collapsed,
+    or the fit put it there): the threshold is below ``k3`` there already, whatever the law says (None when no such
+    horizon was measured)."""
     below = [(h["horizon"], h["upper_bound"]) for h in curve.get("horizons") or []
              if h.get("status") == "below_range" and isinstance(h.get("horizon"), (int, float))
              and isinstance(h.get("upper_bound"), (int, float)) and h["upper_bound"] <= k3]
@@ -174,12 +184,13 @@ def _at_horizon(t: float | None) -> str:
 
 def _horizon_text(curve: dict[str, Any], k3: float) -> str:
     """Where the threshold falls to ``k3``: the law's T, unless a measured collapse at a lower dose puts it earlier
-    (a horizon whose runs all collapsed is a measurement the law was not fitted to, and it wins)."""
+    (a horizon whose 50% point lies below its smallest dose is a measurement the law was not fitted to, and it wins)."""
     t = horizon_at(curve, k3)
     measured = measured_horizon_at(curve, k3)
     if measured is not None and (t is None or t > measured[0]):
         t_b, dose = measured
-        return (f"the threshold is below it by T ≈ {_num(t_b)} (measured: every run there collapsed from k3 "
+        there = next(h for h in curve["horizons"] if h.get("horizon") == t_b and h.get("upper_bound") == dose)
+        return (f"the threshold is below it by T ≈ {_num(t_b)} (measured: {collapsed_from(there)} there, from k3 "
                 f"{dose:.2g})" + (f"; the law says T ≈ {_num(t)}" if t is not None else ""))
     return _at_horizon(t)
 

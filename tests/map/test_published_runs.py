@@ -103,8 +103,12 @@ def test_agreement_and_horizon_at():
     measured = {"status": "fitted", "log10_prefactor": -1.0, "alpha": 0.5,
                 "horizons": [{"status": "below_range", "horizon": 400.0, "upper_bound": 0.003}]}
     assert measured_horizon_at(measured, 0.004) == (400.0, 0.003) and measured_horizon_at(measured, 0.002) is None
-    assert _horizon_text(measured, 0.004) == ("the threshold is below it by T ≈ 400 (measured: every run there "
-                                              "collapsed from k3 0.003); the law says T ≈ 625")
+    assert _horizon_text(measured, 0.004) == ("the threshold is below it by T ≈ 400 (measured: every run collapsed "
+                                              "there, from k3 0.003); the law says T ≈ 625")
+    # where the fit put the 50% point below the smallest dose though a run held there, the counts say so
+    measured["horizons"][0].update(runs=4, collapsed=3)
+    assert _horizon_text(measured, 0.004) == ("the threshold is below it by T ≈ 400 (measured: 3 of 4 runs collapsed "
+                                              "there, from k3 0.003); the law says T ≈ 625")
     assert _horizon_text(measured, 0.02) == "the threshold falls to it at T ≈ 25"  # the law says earlier: it stands
     assert _horizon_text(measured, 0.002) == "the threshold falls to it at T ≈ 2,500"  # nothing measured at 0.002
 

@@ -400,7 +400,7 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
             continue  # a bound speaks for its own horizon only: the threshold is not monotone in T
         if h.get("status") == "below_range" and positive(h.get("upper_bound")):
             dose = h["upper_bound"]
-            fact = f"every run collapsed from k3 {dose:.2g} at {at}" + one_run(h)
+            fact = f"{collapsed_from(h)} from k3 {dose:.2g} at {at}" + one_run(h)
             if k3 >= dose:
                 return f"above the measured collapse range: {fact}", COLLAPSE_BOUND_ASSUMPTION
             if thr > dose:
@@ -574,6 +574,15 @@ def _no_collapse_fact(h: dict[str, Any], at: str) -> str:
                if dropped else "") + one_run(h))
 
 
+def collapsed_from(h: dict[str, Any]) -> str:
+    """How many of a below-range horizon's runs collapsed: "every run collapsed", or "3 of 4 runs collapsed" where
+    the logistic fit put the 50% point below the smallest dose though some run there held."""
+    collapsed, runs = h.get("collapsed"), h.get("runs")
+    if isinstance(collapsed, int) and isinstance(runs, int) and 0 < collapsed < runs:
+        return f"{collapsed} of {runs} runs collapsed"
+    return "every run collapsed"
+
+
 def one_run(h: dict[str, Any]) -> str:
     """" (one run per dose)" for a horizon whose dose levels hold one run each (no seed scatter behind it)."""
     return " (one run per dose)" if h.get("single_run_per_dose") else ""
@@ -594,6 +603,8 @@ def bound_lines(curve: dict[str, Any]) -> list[str]:
                              f"{h.get('runs')} runs collapsed, the fitted 50% point lies above every dose tested)"
                              + one_run(h))
         elif status == "below_range" and positive(h.get("upper_bound")):
-            lines.append(f"threshold below k3 {h['upper_bound']:.2g} at {at} (every run collapsed, from the "
-                         f"smallest dose tested){one_run(h)}")
+            below = ("from the smallest dose tested" if collapsed_from(h) == "every run collapsed"
+                     else "the fitted 50% point lies below every dose tested")
+            lines.append(f"threshold below k3 {h['upper_bound']:.2g} at {at} ({collapsed_from(h)}, {below})"
+                         + one_run(h))
     return lines
