@@ -9,7 +9,7 @@ map says, computed here with ``vexact.map`` -- so the map's columns are generate
 * **the bypass law**: the bypass curve's verdict at the point's T, or, without a T, the horizon at which the law's
   50% threshold falls to the point's k3 (``horizon_at``): above that T the law calls this k3 a collapse level;
   a horizon whose 50% point lies below its smallest dose, a dose <= k3, puts it earlier when the law says later
-  (``measured_horizon_at``);
+  (``measured_horizon``);
 * **agrees?**: the outcome against the verdict of their correction's curve (``agreement``), else against the bypass
   law, labelled as such; "cannot test" where the map has no verdict for the point (no k3, no T, no outcome).
 """
@@ -38,7 +38,7 @@ from vexact.rl.validate import parse_yaml
 from vexact.sweeps.markdown_table import markdown_table
 
 __all__ = ["POINTS_FILE", "Bar", "PublishedPoint", "agreement", "bars_table", "horizon_at", "load_published",
-           "measured_horizon_at",
+           "measured_horizon", "measured_horizon_at",
            "points_table"]
 
 POINTS_FILE = Path(__file__).with_name("published_runs.yaml")
@@ -119,14 +119,20 @@ def horizon_at(curve: dict[str, Any], k3: float) -> float | None:
     return 10 ** ((curve["log10_prefactor"] - math.log10(k3)) / curve["alpha"])
 
 
-def measured_horizon_at(curve: dict[str, Any], k3: float) -> tuple[float, float] | None:
-    """(T_b, D) of the shortest horizon whose 50% point lies below its smallest dose D <= ``k3`` (every run collapsed,
-    or the fit put it there): the threshold is below ``k3`` there already, whatever the law says (None when no such
-    horizon was measured)."""
-    below = [(h["horizon"], h["upper_bound"]) for h in curve.get("horizons") or []
+def measured_horizon(curve: dict[str, Any], k3: float) -> dict[str, Any] | None:
+    """The shortest horizon whose 50% point lies below its smallest dose D <= ``k3`` (every run collapsed, or the fit
+    put it there): the threshold is below ``k3`` there already, whatever the law says (None when no such horizon was
+    measured)."""
+    below = [h for h in curve.get("horizons") or []
              if h.get("status") == "below_range" and isinstance(h.get("horizon"), (int, float))
              and isinstance(h.get("upper_bound"), (int, float)) and h["upper_bound"] <= k3]
-    return min(below) if below else None
+    return min(below, key=lambda h: (h["horizon"], h["upper_bound"])) if below else None
+
+
+def measured_horizon_at(curve: dict[str, Any], k3: float) -> tuple[float, float] | None:
+    """(T_b, D) of ``measured_horizon``: its horizon and smallest dose."""
+    h = measured_horizon(curve, k3)
+    return None if h is None else (h["horizon"], h["upper_bound"])
 
 
 def agreement(outcome: str, verdict: str) -> str:
@@ -186,12 +192,10 @@ def _horizon_text(curve: dict[str, Any], k3: float) -> str:
     """Where the threshold falls to ``k3``: the law's T, unless a measured collapse at a lower dose puts it earlier
     (a horizon whose 50% point lies below its smallest dose is a measurement the law was not fitted to, and it wins)."""
     t = horizon_at(curve, k3)
-    measured = measured_horizon_at(curve, k3)
-    if measured is not None and (t is None or t > measured[0]):
-        t_b, dose = measured
-        there = next(h for h in curve["horizons"] if h.get("horizon") == t_b and h.get("upper_bound") == dose)
-        return (f"the threshold is below it by T ≈ {_num(t_b)} (measured: {collapsed_from(there)} there, from k3 "
-                f"{dose:.2g})" + (f"; the law says T ≈ {_num(t)}" if t is not None else ""))
+    there = measured_horizon(curve, k3)
+    if there is not None and (t is None or t > there["horizon"]):
+        return (f"the threshold is below it by T ≈ {_num(there['horizon'])} (measured: {collapsed_from(there)} there, "
+                f"from k3 {there['upper_bound']:.2g})" + (f"; the law says T ≈ {_num(t)}" if t is not None else ""))
     return _at_horizon(t)
 
 
