@@ -39,6 +39,7 @@ import copy
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ from vexact.engine.inputs import pad_right
 from vexact.engine.model import short_dtype_name
 from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import RESPONSE_LENGTH_MEAN
+from vexact_kernels import KernelOps
 
 from .common import (
     DTYPES,
@@ -147,6 +149,38 @@ def _models(shape: Shape, dtype: torch.dtype, device: torch.device, exact_backen
     return {"exact": exact, "native": native}
 
 
+def decode_step_call(model: Transformer, prompts: list[list[int]], device: torch.device,
+                     ops: KernelOps | None = None) -> Callable[[], object]:
+    """The ``decode_step`` item of ``model`` (run with ``ops``, default its own): its KV cache prefilled with
+    ``prompts`` now, then a call that decodes one token per sequence on it (the forward, the LM head and the
+    sampled token's log-prob; the cache is not advanced, so every call redoes the same step)."""
+    ops = ops or model.ops
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    cache = model.new_cache(len(prompts), -(-(int(lengths.max()) + 1) // CACHE_BLOCK) * CACHE_BLOCK)
+    with torch.no_grad():
+        model(pad_right(prompts, device), cache=cache, ops=ops)
+    token = torch.tensor([p[-1] for p in prompts], device=device)
+
+    def step() -> object:
+        with torch.no_grad():
+            hidden = model(token[:, None], q_start=lengths, cache=cache, ops=ops)[:, 0]
+            return ops.token_logprobs(model.logits(hidden, ops=ops).float(), token)
+    return step
+
+
+def train_call(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
+               ops: KernelOps | None = None) -> Callable[[], object]:
+    """The ``train_fwd_bwd`` item of ``model`` (run with ``ops``, default its own): ``token_logprobs`` of the
+    responses with grad, the mean log-prob loss and its ``backward``."""
+
+    def run() -> object:
+        model.zero_grad(set_to_none=True)
+        loss = -torch.cat(token_logprobs(model, prompts, responses, ops=ops)).mean()
+        loss.backward()
+        return loss
+    return run
+
+
 def _measure(exact, native, reps: int, device: torch.device, profile: int, inner: int = 1) -> dict:
     """Interleaved comparison (``inner`` calls per timed sample); with ``profile`` > 0 (CPU) also the top ops of
     each side under torch.profiler."""
@@ -180,19 +214,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
         rows.append(_row("rollout", shape.name, dtype_name, summary, len(prompts) * n_new))
 
     if "decode_step" in items:
-        steps = {}
-        for name, model in models.items():
-            lengths = torch.tensor([len(p) for p in prompts], device=device)
-            cache = model.new_cache(len(prompts), -(-(int(lengths.max()) + 1) // CACHE_BLOCK) * CACHE_BLOCK)
-            with torch.no_grad():
-                model(pad_right(prompts, device), cache=cache)
-            token = torch.tensor([p[-1] for p in prompts], device=device)
-
-            def step(model=model, cache=cache, lengths=lengths, token=token) -> object:
-                with torch.no_grad():
-                    hidden = model(token[:, None], q_start=lengths, cache=cache)[:, 0]
-                    return model.ops.token_logprobs(model.logits(hidden).float(), token)
-            steps[name] = step
+        steps = {name: decode_step_call(model, prompts, device) for name, model in models.items()}
         # one step lasts milliseconds: time groups of steps (~50 ms) so scheduler noise averages out
         inner = inner_repeats(steps["native"], device, target_s=0.05, exact_backend=exact_backend)
         summary = _measure(steps["exact"], steps["native"], reps, device, profile, inner)
@@ -200,17 +222,8 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
 
     if "train_fwd_bwd" in items:
         responses = generate(models["exact"], prompts, max_new_tokens=n_new, temperature=1.0, seed=0).tokens
-
-        def train(name: str):
-            model = models[name]
-
-            def run() -> object:
-                model.zero_grad(set_to_none=True)
-                loss = -torch.cat(token_logprobs(model, prompts, responses)).mean()
-                loss.backward()
-                return loss
-            return run
-        summary = _measure(train("exact"), train("native"), reps, device, profile)
+        summary = _measure(train_call(models["exact"], prompts, responses),
+                           train_call(models["native"], prompts, responses), reps, device, profile)
         tokens = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
         rows.append(_row("train_fwd_bwd", shape.name, dtype_name, summary, tokens))
     return rows

@@ -2,7 +2,8 @@
 
     python -m benchmarks.tables runs/bench/e2e-default.json runs/bench/kernels.json runs/bench/e2e-llama100m.json
 
-Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels``, ``host_guard`` or ``peer_decode``);
+Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels``, ``host_guard``, ``guard_modes`` or
+``peer_decode``);
 the tables are printed in the order of the files, so the README's numbers are copied from this output, not typed.
 
     python -m benchmarks.tables --by-mode runs/bench/ab-auto.json runs/bench/ab-canonical.json
@@ -22,6 +23,7 @@ from pathlib import Path
 from vexact.engine.model import short_dtype_name
 from vexact.sweeps.markdown_table import markdown_table
 
+from . import guard_modes
 from .common import fmt_ratio, thread_counts
 from .end_to_end import LABELS as E2E_LABELS
 from .end_to_end import combo_label, combos, target_matrix
@@ -145,6 +147,16 @@ def host_guard_table(record: dict) -> str:
     return ratios + "\n\n" + _markdown(["probes", "dtype", "shape classes", "probing ms", "failed"], cost)
 
 
+def guard_modes_table(record: dict) -> str:
+    """canonical / auto per (shape, item) and (dtype, threads), the sentence counting the cells within the bound, then
+    each profiled cell's matrix products and copies."""
+    columns, lines, summary = guard_modes.modes_matrix(record["results"])
+    parts = [_markdown(columns, lines), f"- {summary}"]
+    for title, rows in guard_modes.split_lines(record["results"]):
+        parts.append(f"{title}:\n\n" + _markdown(guard_modes.SPLIT_COLUMNS, rows))
+    return "\n\n".join(parts)
+
+
 def tables(record: dict) -> str:
     if record.get("benchmark") == "end_to_end":
         parts = [end_to_end_table(record), profile_lines(record)]
@@ -152,6 +164,8 @@ def tables(record: dict) -> str:
         parts = [matmul_table(record) if record.get("matmul") else "", kernel_table(record)]
     elif record.get("benchmark") == "host_guard":
         parts = [host_guard_table(record)]
+    elif record.get("benchmark") == "guard_modes":
+        parts = [guard_modes_table(record)]
     elif record.get("benchmark") == "peer_decode":
         parts = [_markdown(*peer_rows(record), right_from=2)]
     else:

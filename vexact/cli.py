@@ -468,6 +468,8 @@ BENCHMARKS = {
     "kernels": "op by op at model shapes, fp32/bf16, fwd and fwd+bwd, matmul GFLOP/s",
     "end_to_end": "rollout, decode step, training fwd+bwd, RL step",
     "host_guard": "the fixed-order fallback's cost against the probed fast path",
+    "guard_modes": "the exact CPU path in guard mode canonical against auto, interleaved in one process (what a host "
+                   "whose same_bits probes fail pays)",
     "data_parallel": "the fixed-tree gradient reduction against a plain all_reduce, and RL steps with --nproc",
     "compare": "throughput and peak memory of vexact compare on a synthetic dump",
     "op_count": "aten calls of one RL step per vexact function, exact and native (where per-op overhead comes from)",

@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
     sys.path.insert(0, str(ROOT))
 
 
-from benchmarks import bits_digest, end_to_end, host_guard, kernels, op_count, tables  # noqa: E402
+from benchmarks import bits_digest, end_to_end, guard_modes, host_guard, kernels, op_count, tables  # noqa: E402
 from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 from vexact_kernels import TRITON_PIP  # noqa: E402
@@ -128,6 +128,33 @@ def test_host_guard_benchmark_schema(tmp_path, capsys):
     assert "| linear | tiny |" in capsys.readouterr().out
     assert host_guard.main(["--device", "cpu", "--exact-backend", "triton"]) == 2
     assert "exact CPU kernels" in capsys.readouterr().err
+
+
+def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_path, capsys):
+    """canonical / auto per item, both modes' times in one record; the canonical guard takes no faster arrangement,
+    and the table marks each cell against the bound."""
+    out = tmp_path / "m.json"
+    assert vexact_main(["bench", "guard_modes", "--shape", "tiny", "--dtype", "bf16", "--reps", "1", "--threads",
+                        "1", "--profile", "3", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "guard_modes" and record["settings"]["modes"] == list(guard_modes.MODES)
+    assert [r["item"] for r in record["results"]] == list(guard_modes.ITEMS)
+    for row in record["results"]:
+        assert row["repetitions"] == 1 and len(row["canonical_s"]) == len(row["auto_s"]) == 1
+        assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0
+        assert row["canonical_s_median"] > 0 and row["auto_s_median"] > 0
+        assert row["faster_arrangements"]["canonical"] == 0
+        *top, products, every_op = row["profile"]
+        assert len(top) == 3 and (products["op"], every_op["op"]) == guard_modes.SPLIT_TOTALS
+        for mode in guard_modes.MODES:
+            assert every_op[mode] >= max(products[mode], *(p[mode] for p in top)) > 0
+    assert "canonical / auto" in capsys.readouterr().out
+    assert tables.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| tiny: decode step |" in text and "| ≤ 1.05× |" in text and "canonical within 1.05× auto in" in text
+    assert guard_modes.main(["--device", "cuda"] if not torch.cuda.is_available() else ["--shape", "huge"]) == 2
+    assert guard_modes.main(["--items", "rollout"]) == 2
+    assert "unknown item 'rollout'" in capsys.readouterr().err
 
 
 def test_vexact_bench_command_writes_json(tmp_path):

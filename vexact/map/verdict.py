@@ -574,13 +574,16 @@ def _no_collapse_fact(h: dict[str, Any], at: str) -> str:
                if dropped else "") + one_run(h))
 
 
+def some_held(h: dict[str, Any]) -> bool:
+    """Whether some but not all of a horizon's runs collapsed (its counts, where it records them)."""
+    collapsed, runs = h.get("collapsed"), h.get("runs")
+    return isinstance(collapsed, int) and isinstance(runs, int) and 0 < collapsed < runs
+
+
 def collapsed_from(h: dict[str, Any]) -> str:
     """How many of a below-range horizon's runs collapsed: "every run collapsed", or "3 of 4 runs collapsed" where
-    the logistic fit put the 50% point below the smallest dose though some run there held."""
-    collapsed, runs = h.get("collapsed"), h.get("runs")
-    if isinstance(collapsed, int) and isinstance(runs, int) and 0 < collapsed < runs:
-        return f"{collapsed} of {runs} runs collapsed"
-    return "every run collapsed"
+    the logistic fit put the 50% point below the smallest dose though some run there held (``some_held``)."""
+    return f"{h['collapsed']} of {h['runs']} runs collapsed" if some_held(h) else "every run collapsed"
 
 
 def one_run(h: dict[str, Any]) -> str:
@@ -603,8 +606,8 @@ def bound_lines(curve: dict[str, Any]) -> list[str]:
                              f"{h.get('runs')} runs collapsed, the fitted 50% point lies above every dose tested)"
                              + one_run(h))
         elif status == "below_range" and positive(h.get("upper_bound")):
-            below = ("from the smallest dose tested" if collapsed_from(h) == "every run collapsed"
-                     else "the fitted 50% point lies below every dose tested")
+            below = ("the fitted 50% point lies below every dose tested" if some_held(h)
+                     else "from the smallest dose tested")
             lines.append(f"threshold below k3 {h['upper_bound']:.2g} at {at} ({collapsed_from(h)}, {below})"
                          + one_run(h))
     return lines
