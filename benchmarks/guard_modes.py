@@ -180,6 +180,23 @@ def split_lines(results: list[dict]) -> list[tuple[str, list[list[str]]]]:
 SPLIT_COLUMNS = ["op [input shapes]", "canonical ms", "auto ms", "difference"]
 
 
+def over_bound_lines(results: list[dict]) -> list[str]:
+    """One sentence per profiled cell over ``GAP_LIMIT``: how much more every op and the matrix products and copies
+    took under the profiler in ``canonical`` (the full split: ``split_lines``)."""
+    out = []
+    for r in results:
+        if "profile" not in r or gap_mark(r) == "✓":
+            continue
+        total = {p["op"]: p for p in r["profile"] if p["op"] in SPLIT_TOTALS}
+        every, products = total[SPLIT_TOTALS[1]], total[SPLIT_TOTALS[0]]
+        out.append(f"{r['shape']} {LABELS.get(r['item'], r['item'])} {combo_label(r['dtype'], r['threads'])} "
+                   f"({r['ratio_median']:.2f}×): every op {every['canonical']:.1f} ms against "
+                   f"{every['auto']:.1f} ({every['canonical'] - every['auto']:+.1f}), of which matrix products and "
+                   f"copies {products['canonical']:.1f} against {products['auto']:.1f} "
+                   f"({products['canonical'] - products['auto']:+.1f})")
+    return out
+
+
 def print_results(record: dict) -> None:
     columns, lines, summary = modes_matrix(record["results"])
     print_table(f"exact path, guard mode canonical / auto, one process ({describe_run(record)})", columns, lines)

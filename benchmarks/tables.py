@@ -149,12 +149,13 @@ def host_guard_table(record: dict) -> str:
 
 def guard_modes_table(record: dict) -> str:
     """canonical / auto per (shape, item) and (dtype, threads), the sentence counting the cells within the bound, then
-    each profiled cell's matrix products and copies."""
+    per profiled cell over it the profiled milliseconds per call (the full split per op: ``python -m
+    benchmarks.guard_modes`` prints it, the JSON keeps it)."""
     columns, lines, summary = guard_modes.modes_matrix(record["results"])
-    parts = [_markdown(columns, lines), f"- {summary}"]
-    for title, rows in guard_modes.split_lines(record["results"]):
-        parts.append(f"{title}:\n\n" + _markdown(guard_modes.SPLIT_COLUMNS, rows))
-    return "\n\n".join(parts)
+    over = guard_modes.over_bound_lines(record["results"])
+    return "\n\n".join([_markdown(columns, lines), f"- {summary}",
+                         *(["Under torch.profiler, per call:\n\n" + "\n".join(f"- {line}" for line in over)]
+                           if over else [])])
 
 
 def tables(record: dict) -> str:

@@ -152,6 +152,9 @@ def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_p
     assert tables.main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "| tiny: decode step |" in text and "| ≤ 1.05× |" in text and "canonical within 1.05× auto in" in text
+    over = [r for r in record["results"] if r["ratio_median"] > guard_modes.GAP_LIMIT]
+    assert len(guard_modes.over_bound_lines(record["results"])) == len(over)
+    assert ("of which matrix products and copies" in text) == bool(over)
     assert guard_modes.main(["--device", "cuda"] if not torch.cuda.is_available() else ["--shape", "huge"]) == 2
     assert guard_modes.main(["--items", "rollout"]) == 2
     assert "unknown item 'rollout'" in capsys.readouterr().err
