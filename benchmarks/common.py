@@ -181,6 +181,20 @@ def compare(exact: Callable[[], object], native: Callable[[], object], reps: int
     return Comparison(exact_s, native_s)
 
 
+def renamed_sides(summary: dict, exact: str, native: str) -> dict:
+    """``compare``'s summary with its ``exact_s*`` / ``native_s*`` keys named for what the two sides are in a
+    benchmark that compares two exact variants (``exact_s_median`` -> ``{exact}_s_median``, ...); the ratio keys
+    keep their names (first side / second side)."""
+    names = {"exact_s": f"{exact}_s", "native_s": f"{native}_s"}
+    out = {}
+    for key, value in summary.items():
+        for old, new in names.items():
+            if key.startswith(old):
+                key = new + key[len(old):]
+        out[key] = value
+    return out
+
+
 def inner_repeats(fn: Callable[[], object], device: torch.device | str = "cpu", target_s: float = 0.02,
                   limit: int = 200, exact_backend: str = "exact") -> int:
     """How many calls make one timed sample last about ``target_s`` (short ops are timed in groups).

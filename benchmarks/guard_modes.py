@@ -46,6 +46,7 @@ from .common import (
     parse_list,
     parse_threads,
     print_table,
+    renamed_sides,
     shapes,
 )
 from .end_to_end import LABELS, combo_label, decode_step_call, prompts_of, train_call
@@ -89,13 +90,8 @@ def _top_split(sides: dict[str, dict[str, float]], top: int) -> list[dict]:
 
 
 def _row(item: str, shape: str, dtype: str, summary: dict, inner: int) -> dict:
-    names = {"exact_s": "canonical_s", "native_s": "auto_s"}
-    out = {"item": item, "shape": shape, "dtype": dtype, "threads": torch.get_num_threads(), "inner_calls": inner}
-    for key, value in summary.items():
-        for old, new in names.items():
-            key = new + key[len(old):] if key.startswith(old) else key
-        out[key] = value
-    return out
+    return {"item": item, "shape": shape, "dtype": dtype, "threads": torch.get_num_threads(), "inner_calls": inner,
+            **renamed_sides(summary, *MODES)}
 
 
 def bench_shape(shape_name: str, dtype_name: str, items: list[str], reps: int, profile: int) -> list[dict]:

@@ -43,6 +43,7 @@ from .common import (
     new_record,
     parse_list,
     print_table,
+    renamed_sides,
     shapes,
 )
 
@@ -52,14 +53,7 @@ MODEL_ITEMS = ("rollout", "scoring")
 
 def _renamed(summary: dict) -> dict:
     """``compare``'s exact/native keys, named for what they are here: fixed-order / fast (auto)."""
-    names = {"exact_s": "fixed_order_s", "native_s": "fast_s"}
-    out = {}
-    for key, value in summary.items():
-        for old, new in names.items():
-            if key.startswith(old):
-                key = new + key[len(old):]
-        out[key] = value
-    return out
+    return renamed_sides(summary, "fixed_order", "fast")
 
 
 def _model_items(shape: Shape, dtype: torch.dtype, fast, fixed, reps: int) -> list[dict]:
