@@ -152,6 +152,8 @@ def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_p
     assert tables.main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "| tiny: decode step |" in text and "| ≤ 1.05× |" in text and "canonical within 1.05× auto in" in text
+    binding = [r for r in record["results"] if r["faster_arrangements"]["auto"] > 0]
+    assert f"of the {len(binding)} cells where auto takes a faster arrangement" in text
     over = [r for r in record["results"] if r["ratio_median"] > guard_modes.GAP_LIMIT]
     assert len(guard_modes.over_bound_lines(record["results"])) == len(over)
     assert ("of which matrix products and copies" in text) == bool(over)
