@@ -216,6 +216,18 @@ def is_matrix_product(op: str) -> bool:
     return op in GEMM_OPS or op.startswith(FUSED_ATTENTION_PREFIXES)
 
 
+def profiled(fn: Callable[[], object], calls: int, record_shapes: bool = False) -> torch.profiler.profile:
+    """The CPU profile of ``calls`` calls of ``fn``, after one unprofiled warm-up call (so first-call work, a plan
+    made or a loop compiled, is not in it); ``record_shapes`` keeps each op's input shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as prof:
+        for _ in range(calls):
+            fn()
+    return prof
+
+
 def profile_top(fn: Callable[[], object], top: int, calls: int = 3) -> dict:
     """torch.profiler over ``calls`` calls of ``fn``: the ``top`` ops by self CPU time, with their share, and the
     split of the aten ops' self time into matrix products (``is_matrix_product``) and the rest.
@@ -224,13 +236,7 @@ def profile_top(fn: Callable[[], object], top: int, calls: int = 3) -> dict:
     not the milliseconds, are the evidence. ``total_self_ms_per_run`` minus ``aten_self_ms_per_run`` is the self time
     of the non-aten ranges the profiler records (autograd nodes, custom Functions' Python); Python outside any
     recorded range is in none of them."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            fn()
-    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events = [e for e in profiled(fn, calls).key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events)
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     ops = [{"op": e.key, "calls_per_run": e.count / calls, "self_ms_per_run": e.self_cpu_time_total / 1e3 / calls,

@@ -46,6 +46,7 @@ from .common import (
     parse_list,
     parse_threads,
     print_table,
+    profiled,
     renamed_sides,
     shapes,
 )
@@ -63,14 +64,8 @@ def shape_split(fn: Callable[[], object], calls: int = 3) -> dict[str, float]:
     """torch.profiler over ``calls`` calls of ``fn``: self CPU ms per call of every recorded op, keyed
     "op [input shapes]" (its first two inputs), and the totals ``SPLIT_TOTALS`` (the matrix products and copies; every
     op). Under the profiler both sides run slower; the split, not the milliseconds, is the evidence."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(calls):
-            fn()
     split: dict[str, float] = collections.defaultdict(float)
-    for event in prof.events():
+    for event in profiled(fn, calls, record_shapes=True).events():
         ms = event.self_cpu_time_total / 1e3 / calls
         if ms <= 0:
             continue
