@@ -507,13 +507,21 @@ def test_the_shipped_map_is_made_by_build_map():
         assert curve["status"] == "bounds_only"
         statuses = [h["status"] for h in curve["horizons"]]
         assert statuses[:3] == ["above_range"] * 3  # L = 4, 16, 80 (T = 7, 17, 28)
-        # each at L = 500 (held task): one run at one dose (recompute collapsed, token TIS held): too few for a
-        # bound, and no wider range
-        assert statuses[3:] == ["insufficient"]
-        assert curve["horizon_range"][1] < 40  # T <= 31: the one-run horizon does not stretch it
         placed = place_on_map(m, 0.025, 8.0, correction)
         assert placed["threshold_50"] is None and placed["correction"] == correction
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
+    # at L = 500 (held task), two doses of one run each: recompute collapsed at the larger and held at the smaller (a
+    # threshold between them, said to rest on one run per dose), token TIS held at both (a bound)
+    recompute, token_tis = ([h for h in next(c for c in m["curves"] if c["correction"] == name)["horizons"]
+                             if h["horizon_value"] == 500] for name in ("recompute", "token_tis"))
+    assert [h["status"] for h in recompute + token_tis] == ["fitted", "above_range"]
+    assert recompute[0]["runs"] == token_tis[0]["runs"] == 2 and recompute[0]["collapsed"] == 1
+    assert recompute[0]["single_run_per_dose"] and token_tis[0]["single_run_per_dose"]
+    assert recompute[0]["ci_low"] < recompute[0]["threshold_50"] < recompute[0]["ci_high"]
+    near = place_on_map(m, recompute[0]["threshold_50"], recompute[0]["horizon"], "recompute")["verdict"]
+    assert near.startswith("near the measured collapse range") and "(one run per dose)" in near
+    held = place_on_map(m, token_tis[0]["lower_bound"] / 2, token_tis[0]["horizon"], "token_tis")["verdict"]
+    assert held.startswith("below every level tested") and "(one run per dose)" in held
 
 
 def test_a_below_range_bound_says_how_many_of_its_runs_collapsed():

@@ -455,7 +455,7 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
         h = measured[0]
         lo, hi = h.get("ci_low"), h.get("ci_high")
         fact = (f"50% collapse threshold k3 {h['threshold_50']:.2g}" + (f" [{lo:.2g}, {hi:.2g}]" if positive(lo)
-                and positive(hi) else "") + f" measured at T {fmt_t(h['horizon'])} only ({name})")
+                and positive(hi) else "") + f" measured at T {fmt_t(h['horizon'])} only ({name}){one_run(h)}")
         if not h["horizon"] / SAME_HORIZON <= horizon <= h["horizon"] * SAME_HORIZON:
             if not safe:
                 return (f"no verdict at this horizon: the {name} curve has one horizon ({fact}) and no law to carry "
