@@ -502,7 +502,7 @@ def test_the_shipped_map_is_made_by_build_map():
     assert placed["range_low"] / 10 <= placed["k3"] < placed["range_low"] and placed["verdict"].startswith("near")
     assert place_on_map(m, placed["range_low"] / 20, 1000.0, "bypass")["verdict"].startswith("far below")
     assert place_on_map(m, law_at_1000, 1000.0, "bypass")["verdict"].startswith("near")
-    for correction in ("recompute", "token_tis"):  # the corrections sweep collapsed none: bounds, never a threshold
+    for correction in ("recompute", "token_tis"):  # the corrections sweep (T <= 31) collapsed none: bounds there
         curve = next(c for c in m["curves"] if c["correction"] == correction)
         assert curve["status"] == "bounds_only"
         statuses = [h["status"] for h in curve["horizons"]]
