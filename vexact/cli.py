@@ -305,6 +305,9 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "(repeatable: a point must match each KEY named; a KEY given twice keeps the values of "
                         "both). An adaptive round: the rest runs later into the "
                         "same directory, finished points are skipped")
+    p.add_argument("--point", dest="points", action="append", default=[], metavar="NAME",
+                   help="run only the point of this name, as sweep.json and its folder spell it (repeatable; with "
+                        "--only, the named points that also match it): a round that is no cross product of values")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
     _add_device(p, "each point's device key; with cuda and --jobs N on several GPUs each worker its own GPU")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
@@ -323,16 +326,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, *_device_overrides(args)]
     return _sweep_and_report(load_sweep_spec(args.sweep, args.output_dir, overrides), args.jobs,
                              not args.no_report, "vexact sweep [bold]{name}[/]: {n} points -> {out}", args.executor,
-                             args.address, args.quiet, args.only)
+                             args.address, args.quiet, args.only, args.points)
 
 
 def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: str = "local",
-                      address: str | None = None, quiet: bool = False, only: list[str] | None = None) -> int:
+                      address: str | None = None, quiet: bool = False, only: list[str] | None = None,
+                      names: list[str] | None = None) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
     from .rl.tasks import check_memory
     from .sweeps.sweep import run_sweep, select_points
 
-    select_points(spec, only)  # a bad --only is one error before anything is printed or run
+    select_points(spec, only, names)  # a bad --only or --point is one error before anything is printed or run
 
     for shape in {json.dumps(p.config.to_dict()["model"], sort_keys=True): p.config for p in spec.points}.values():
         check_memory(shape)  # before any point allocates: an absurd model size is one error
@@ -344,7 +348,7 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
     if not quiet:
         console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
     statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address, quiet=quiet,
-                         only=only)
+                         only=only, names=names)
     if report:
         from .reports.sweep_report import write_report
 

@@ -21,7 +21,7 @@ from vexact.records.runlog import read_metrics
 from vexact.rl.config import ConfigError
 from vexact.rl.trainer import Trainer
 from vexact.sweeps import sweep as sweep_module
-from vexact.sweeps.sweep import load_sweep_spec, run_sweep
+from vexact.sweeps.sweep import load_sweep_spec, run_sweep, select_points
 
 
 def _sweep_file(tmp_path: Path, name: str = "s", grid: dict | None = None, **extra) -> Path:
@@ -217,6 +217,25 @@ def test_only_runs_a_round_of_the_grid_and_a_later_round_adds_the_rest(tmp_path)
     assert main(["sweep", str(path), "--only", "seed=7"]) == 2
     assert main(["sweep", str(path), "--only", "inject.valu=0.0"]) == 2
     assert main(["sweep", str(path), "--only", "seed"]) == 2
+
+
+def test_point_runs_named_points_that_are_no_cross_product(tmp_path, capsys):
+    """--point NAME (repeatable) runs exactly the named points: one magnitude at one seed and another at another, in
+    one call and one directory, which no --only can select; with --only, the named points that also match it. A name
+    of no point is one clear error (exit code 2) that shows the form names take."""
+    path = _sweep_file(tmp_path, "named", grid={"inject.value": [0.0, -0.5], "seed": [0, 1]})
+    spec = load_sweep_spec(path)
+    wanted = ["inject.value=0.0,seed=1", "inject.value=-0.5,seed=0"]
+    assert select_points(spec, ["seed=1"], wanted) == [p for p in spec.points if p.name == wanted[0]]
+    assert main(["sweep", str(path), "--point", wanted[0], "--point", wanted[1], "--no-report", "--quiet"]) == 0
+    ran = sorted(p.name for p in spec.points if (p.run_dir / "summary.json").exists())
+    assert ran == sorted(wanted)
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert sorted(point["name"] for point in index["points"] if point["status"] == "completed") == ran
+    capsys.readouterr()
+    assert main(["sweep", str(path), "--point", "seed=1,inject.value=0.0"]) == 2  # keys out of grid order
+    err = capsys.readouterr().err
+    assert "--point 'seed=1,inject.value=0.0'" in err and "e.g. 'inject.value=0.0,seed=0'" in err
 
 
 def test_sweep_set_changes_every_point_and_is_recorded_and_checked_on_a_rerun(tmp_path, capsys, monkeypatch):

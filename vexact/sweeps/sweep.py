@@ -343,12 +343,15 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
     return SweepSpec(name, {k: list(v) for k, v in grid.items()}, out, points, variants, curves, overrides)
 
 
-def select_points(spec: SweepSpec, only: list[str] | None) -> list[SweepPoint]:
-    """The points a ``--only KEY=V1,V2`` round runs (every point when ``only`` is empty).
+def select_points(spec: SweepSpec, only: list[str] | None, names: list[str] | None = None) -> list[SweepPoint]:
+    """The points a ``--only KEY=V1,V2`` / ``--point NAME`` round runs (every point when both are empty).
 
     An adaptive bracket runs part of a grid first (say the two largest magnitudes) and the rest later into the same
-    directory: finished points are skipped either way. Each item names one grid key (``variant`` included) and the
-    values to keep, as they are written in point names; a point runs when every named key has one of its values."""
+    directory: finished points are skipped either way. Each ``only`` item names one grid key (``variant`` included)
+    and the values to keep, as they are written in point names; a point runs when every named key has one of its
+    values. ``names``: points by their full names (as ``sweep.json`` and the point folders spell them), for a round
+    that is no cross product of values (one dose of one correction and another seed of another, in one call)."""
+    candidates = _points_named(spec, names) if names else spec.points
     wanted: dict[str, set[str]] = {}
     for item in only or []:
         key, sep, values = item.partition("=")
@@ -365,8 +368,17 @@ def select_points(spec: SweepSpec, only: list[str] | None) -> list[SweepPoint]:
             raise ValueError(f"--only {item!r}: {stray[0]!r} is not a value of grid key {key!r} "
                              f"(values: {', '.join(known)})")
         wanted.setdefault(key, set()).update(chosen)
-    return [p for p in spec.points
-            if all(_format_value(p.overrides[k]) in values for k, values in wanted.items())]
+    return [p for p in candidates if all(_format_value(p.overrides[k]) in values for k, values in wanted.items())]
+
+
+def _points_named(spec: SweepSpec, names: list[str]) -> list[SweepPoint]:
+    """``spec``'s points named in ``names``, in grid order; a name of no point is one error, showing the form."""
+    known = {p.name for p in spec.points}
+    for name in names:
+        if name not in known:
+            raise ValueError(f"--point {name!r}: no point of sweep {spec.name} has this name (names list every grid "
+                             f"key in order, as sweep.json does, e.g. {spec.points[0].name!r})")
+    return [p for p in spec.points if p.name in set(names)]
 
 
 def _items(settings: dict[str, Any]) -> list[str]:
@@ -537,8 +549,9 @@ def _check_lock(point: SweepPoint) -> dict | None:
 
 
 def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, executor: str = "local",
-              address: str | None = None, quiet: bool = False, only: list[str] | None = None) -> dict[str, str]:
-    """Run every unfinished point (of ``select_points(spec, only)``); returns {point name: status}.
+              address: str | None = None, quiet: bool = False, only: list[str] | None = None,
+              names: list[str] | None = None) -> dict[str, str]:
+    """Run every unfinished point (of ``select_points(spec, only, names)``); returns {point name: status}.
 
     ``executor``: ``local`` (this process, or ``jobs`` worker processes) or ``ray`` (one Ray task per point on
     the cluster at ``address``, or on a private loopback-only instance; ``vexact/sweeps/ray_executor.py``).
@@ -549,7 +562,7 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
     if address and executor != "ray":
         raise ValueError("--address is the Ray cluster to use: it needs --executor ray")
     console = console or Console()
-    selected = select_points(spec, only)
+    selected = select_points(spec, only, names)
     _check_output_dirs(spec)
     with sweep_lock(spec):
         return _run_locked(spec, jobs, console, executor, address, quiet, selected)
