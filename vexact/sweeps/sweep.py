@@ -373,12 +373,12 @@ def select_points(spec: SweepSpec, only: list[str] | None, names: list[str] | No
 
 def _points_named(spec: SweepSpec, names: list[str]) -> list[SweepPoint]:
     """``spec``'s points named in ``names``, in grid order; a name of no point is one error, showing the form."""
-    known = {p.name for p in spec.points}
+    known, wanted = {p.name for p in spec.points}, set(names)
     for name in names:
         if name not in known:
             raise ValueError(f"--point {name!r}: no point of sweep {spec.name} has this name (names list every grid "
                              f"key in order, as sweep.json does, e.g. {spec.points[0].name!r})")
-    return [p for p in spec.points if p.name in set(names)]
+    return [p for p in spec.points if p.name in wanted]
 
 
 def _items(settings: dict[str, Any]) -> list[str]:
