@@ -299,7 +299,7 @@ def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> di
     """``--gemm``: the model's GEMMs at the decode batch (``n_prompts`` rows) and at the prefill's row count, through
     each kernel this environment has (``gemm_kernels``), and whether torch's oneDNN linear keeps a row's bits across
     the exact kernels' tile heights (``onednn_rows_keep_bits``)."""
-    from kernels.gemm_arrangements import ROW_BLOCKS
+    from vexact_kernels.gemm_arrangements import ROW_BLOCKS
 
     shape = dataclasses.replace(shapes()[shape_name], e2e_batch=n_prompts)
     dtype = DTYPES[dtype_name]

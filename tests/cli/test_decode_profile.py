@@ -16,8 +16,8 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import decode_profile, tables  # noqa: E402
-from kernels import fixed_order  # noqa: E402
 from vexact.engine.presets import preset_config  # noqa: E402
+from vexact_kernels import fixed_order  # noqa: E402
 
 
 def test_vexact_side_splits_a_decode_step(tmp_path, capsys):
