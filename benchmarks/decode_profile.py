@@ -259,6 +259,20 @@ def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: b
     return out
 
 
+def gemm_per_shape(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
+    """Each distinct weight shape of the model alone at ``rows`` rows: ``F.linear`` and torch's oneDNN linear,
+    fastest of 3 x ``reps`` -- where oneDNN's per-call overhead outweighs its faster kernel
+    (``host_guard.ONEDNN_MIN_WEIGHT``)."""
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+        w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
+        out[f"N={n} K={k}"] = {f"{label}_s": _fastest(lambda fn=fn, x=x, w=w: fn(x, w), reps * 3)
+                               for label, fn in (("F.linear", torch.nn.functional.linear),
+                                                 ("torch_onednn_linear", _torch_onednn_linear))}
+    return out
+
+
 def gemm_table(record: dict) -> tuple[list[str], list[list[str]]]:
     """A ``--gemm`` record as a table: per GEMM group, milliseconds through ``F.linear`` and each other kernel, its
     speed-up, and its largest difference from ``F.linear``; then the decode step's GEMMs (layers + LM head)."""
@@ -309,6 +323,7 @@ def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> di
            "decode_step_gemm_s": {key.removesuffix("_s"): shape.model.num_layers * layer[key] + head[key]
                                   for key in layer if key.endswith("_s")}}
     if out["torch_onednn_available"]:
+        out["per_shape_at_decode_rows"] = gemm_per_shape(shape.model, dtype, n_prompts, reps)
         out["onednn_row_heights_differing"] = onednn_rows_keep_bits(shape.model, dtype, ROW_BLOCKS)
     return out
 

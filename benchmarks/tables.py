@@ -172,7 +172,11 @@ def tables(record: dict) -> str:
         parts = [_markdown(*peer_rows(record), right_from=2)]
     elif record.get("benchmark") == "decode_profile" and record.get("side") == "gemm":
         differing = record["results"].get("onednn_row_heights_differing")
+        per_shape = record["results"].get("per_shape_at_decode_rows", {})
         parts = [_markdown(*gemm_table(record)),
+                 "" if not per_shape else
+                 f"- each weight shape alone at {record['prompts']} rows, F.linear / torch_onednn_linear: " + ", ".join(
+                     f"{shape} {t['F.linear_s'] / t['torch_onednn_linear_s']:.2f}×" for shape, t in per_shape.items()),
                  "" if differing is None else
                  "- torch's oneDNN linear: " + ("a row keeps its bits at every tile height of the exact kernels, "
                                                 "at every GEMM shape of the model" if not any(differing.values()) else

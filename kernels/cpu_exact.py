@@ -54,7 +54,7 @@ from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
 from .gemm_arrangements import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block
-from .host_guard import UPCAST_PATH, HostGuard
+from .host_guard import BMM_PATH, ONEDNN_ROWS, UPCAST_PATH, HostGuard
 
 NAME = "cpu_exact"
 ROWS_INVARIANT = True
@@ -74,8 +74,8 @@ KEY_BLOCK = 64
 """Keys per attention tile, from position 0: a decode step's keys then fall in the tiles a prefill row's do."""
 HOST = HostGuard(ROW_BLOCKS)
 """The process's guard: probes the host properties the fast paths rely on (``host_guard``), per shape class."""
-HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows", "same_bits"), "rms_norm": ("elementwise_sqrt",),
-                   "silu_mul": ("elementwise_exp",),
+HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows", ONEDNN_ROWS, "same_bits"),
+                   "rms_norm": ("elementwise_sqrt",), "silu_mul": ("elementwise_exp",),
                    "rope": (), "entropy": ("elementwise_exp",),
                    "attention": ("gemm_rows", "elementwise_exp"),
                    "log_softmax": ("elementwise_exp", "elementwise_log"),
@@ -835,7 +835,8 @@ def host_report(host: HostGuard = HOST) -> dict:
 
     An op's path: ``by construction`` (it relies on no host property), ``fast`` / ``fixed-order`` (all its
     probed shape classes took that path), ``mixed``, or ``not used yet`` (no probe has run for it). A bf16 GEMM class
-    that computes in fp32 (``fp32-upcast``) runs the fp32 class's path, listed too, so it counts as neither.
+    that computes in fp32 (``fp32-upcast``) runs the fp32 class's path, listed too, so it counts as neither; nor does
+    an fp32 class whose ``onednn_rows`` probe failed (``torch.bmm``: its ``gemm_rows`` class is listed too).
     ``library_dtype_gemm``: each bf16 GEMM class and its path -- ``blas`` / ``blas-1-thread`` (the host's bf16 GEMM)
     or ``fp32-upcast``."""
     report = host.report()
@@ -845,7 +846,8 @@ def host_report(host: HostGuard = HOST) -> dict:
     extra = {"sampling": ("elementwise_log", "elementwise_cos", "elementwise_sqrt"), "optimizer": ("elementwise_sqrt",)}
     for op, properties in {**HOST_PROPERTIES, **extra}.items():
         probes = [p for p in report["probes"] if op in p["ops"]]
-        paths = {"fixed-order" if p["path"] == "fixed-order" else "fast" for p in probes if p["path"] != UPCAST_PATH}
+        paths = {"fixed-order" if p["path"] == "fixed-order" else "fast" for p in probes
+                 if p["path"] not in (UPCAST_PATH, BMM_PATH)}  # (each also runs another class's path, listed too)
         if not properties:
             path = "by construction"
         elif not paths:

@@ -23,7 +23,18 @@ accumulation-order differences (about 1 in 10^4 outputs shows one on random data
 show: their products cancel pairwise, so that the outputs are the accumulation's rounding errors themselves
 (``order_revealing``).
 
-A third property only buys speed: ``same_bits`` -- a faster arrangement of the same library calls (a weight
+A large fp32 linear-layer class (the shared weight seen transposed, at least ``ONEDNN_MIN_WEIGHT`` elements, on
+x86) first tries another library GEMM: ``onednn_rows`` -- torch's own oneDNN linear op (``onednn_linear``: oneDNN's
+JIT matmul on the weight as stored, the kernel vLLM's CPU build runs) gives a row the same bits in the same
+arrangements as ``gemm_rows`` asks of ``torch.bmm``. Where it holds the class runs oneDNN (path ``onednn``: on the
+AMD EPYC this project was built on, 1.3-2.5x faster than MKL's fp32 GEMM at llama100m's shapes, ``vexact bench
+decode_profile --gemm``); where it fails the class is probed and run on ``torch.bmm`` as any other (path
+``torch.bmm`` on the oneDNN record: no warning, no bit computed yet). Smaller classes keep ``torch.bmm``, where
+oneDNN's per-call overhead outweighs its kernel. A class's bits are oneDNN's or MKL's, never both in one process,
+so rollout and training stay bitwise comparable; which one a class takes is a fixed rule plus a probe, never a
+timing.
+
+A further property only buys speed: ``same_bits`` -- a faster arrangement of the same library calls (a weight
 gradient's chunk GEMMs on views of its inputs instead of transposed, tiled copies; a linear layer's row tiles as one
 GEMM; an input gradient on its weight as stored) gives the bits of the kernels' own arrangement. Where it fails
 the kernels keep their own arrangement (``canonical``), so no bit ever depends on it.
@@ -96,6 +107,13 @@ MODE_ENV = "VEXACT_CPU_EXACT_PATH"
 REFERENCE_THREADS = 1
 SINGLE_THREAD_PATH = "blas-1-thread"  # a GEMM class right at 1 thread only: the library, called with 1 thread
 SAME_BITS = "same_bits"  # property: a faster arrangement of the same library calls gives the kernels' own bits
+ONEDNN_ROWS = "onednn_rows"  # property: torch's oneDNN linear op passes gemm_rows's probe for a large fp32 class
+ONEDNN_PATH, BMM_PATH = "onednn", "torch.bmm"  # its two paths: the class runs oneDNN, or is probed on torch.bmm
+ONEDNN_MIN_WEIGHT = 1 << 18
+"""Elements (K x N) of a shared, transposed fp32 GEMM operand from which the class tries oneDNN (``onednn_rows``):
+below it oneDNN's per-call overhead (about 10 us a call on the AMD EPYC) costs more than its faster kernel saves
+(llama100m's k/v projections, 576 x 192: 0.8-0.9x of MKL's time at 8 rows; its q/o, 576 x 576: 1.1-1.4x faster;
+``vexact bench decode_profile --gemm``). The RL testbed's and ``vexact check``'s models lie wholly below it."""
 FASTER_PATH, CANONICAL_PATH = "faster", "canonical"  # its two paths (neither one is less exact than the other)
 MACHINE_THREADS = max(torch.get_num_threads(), os.cpu_count() or 1)  # also probed at first use (see _run_probe)
 PROBE_ROWS = 64  # rows per probe: the tallest tile
@@ -165,7 +183,8 @@ class ProbeRecord:
     def as_dict(self) -> dict:
         return {"property": self.property, "shape_class": self.shape_class, "path": self.path,
                 "passed": self.passed, "threads_checked": sorted(self.threads_checked), "failure": self.failure,
-                **({"tile_heights": list(self.tile_heights)} if self.property == "gemm_rows" else {}),
+                **({"tile_heights": list(self.tile_heights)} if self.property in ("gemm_rows", ONEDNN_ROWS)
+                   else {}),
                 **({"fallback": self.fallback} if self.fallback == UPCAST_PATH else {}),
                 **({"note": self.note} if self.note else {}),
                 "seconds": round(self.seconds, 4), "ops": sorted(self.ops)}
@@ -287,6 +306,8 @@ class HostGuard:
                              f"{record.shape_class} ({record.tile_heights}); ask tile_heights() first")
         if record.path == SINGLE_THREAD_PATH:
             return _with_threads(REFERENCE_THREADS, lambda: self._library_bmm(a, b))
+        if record.path == ONEDNN_PATH:
+            return onednn_linear(a, b[0].t())  # b: the shared weight [N, K] seen transposed, expanded
         return self._library_bmm(a, b)
 
     def elementwise(self, name: str, dtype: torch.dtype, op: str) -> Callable[..., Tensor]:
@@ -321,8 +342,23 @@ class HostGuard:
                      one_thread: bool = False) -> ProbeRecord:
         """The record of the GEMM class (dtype, K, b's N and layout, shared operand or not, one thread by
         construction or not), probed at first use."""
-        key = ("gemm_rows", dtype, k, b.shape[2], operand_layout(b), shared_operand, one_thread)
+        layout = operand_layout(b)
+        if self._onednn_eligible(dtype, k, b.shape[2], layout, shared_operand, one_thread):
+            onednn_key = (ONEDNN_ROWS, dtype, k, b.shape[2], layout, shared_operand, one_thread)
+            record = self._record_for(onednn_key, op, lambda: self._probe_gemm(onednn_key, op))
+            if record.path == ONEDNN_PATH:
+                return record
+        key = ("gemm_rows", dtype, k, b.shape[2], layout, shared_operand, one_thread)
         return self._record_for(key, op, lambda: self._probe_gemm(key, op))
+
+    def _onednn_eligible(self, dtype: torch.dtype, k: int, n: int, layout: str, shared: bool,
+                         one_thread: bool) -> bool:
+        """Whether the class tries torch's oneDNN linear before ``torch.bmm`` (``onednn_rows``): an fp32 linear
+        layer's class (the shared weight seen transposed) of at least ``ONEDNN_MIN_WEIGHT`` elements, on x86 with
+        oneDNN, in a probing mode, on torch's own GEMM (a test's guard over another ``bmm`` keeps it)."""
+        return (dtype == torch.float32 and shared and layout == "transposed" and not one_thread
+                and k * n >= ONEDNN_MIN_WEIGHT and self.mode in PROBING_MODES and onednn_available()
+                and self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm)
 
     def _record_for(self, key: tuple, op: str, probe: Callable[[], ProbeRecord]) -> ProbeRecord:
         """The class's record (probed at first use), verified for the current thread count, ``op`` noted."""
@@ -340,11 +376,14 @@ class HostGuard:
         return record
 
     def _probe_gemm(self, key: tuple, op: str) -> ProbeRecord:
-        _, dtype, k, n, layout, shared, one_thread = key
+        prop, dtype, k, n, layout, shared, one_thread = key
         transposed = layout == "transposed"
         form = "shared" if shared else "per-tile"
-        fallback = UPCAST_PATH if dtype in LIBRARY_DTYPES else "fixed-order"
-        fast_path = SINGLE_THREAD_PATH if one_thread else "blas"
+        if prop == ONEDNN_ROWS:  # the same probe on torch's oneDNN linear; a failure sends the class to torch.bmm
+            fallback, fast_path = BMM_PATH, ONEDNN_PATH
+        else:
+            fallback = UPCAST_PATH if dtype in LIBRARY_DTYPES else "fixed-order"
+            fast_path = SINGLE_THREAD_PATH if one_thread else "blas"
         record = self._new_record(key, f"K={k} N={n} {layout} {form} {_dtype_name(dtype)}"
                                   + (" one-thread" if one_thread else ""), fast_path, op, fallback)
         if one_thread and record.path == SINGLE_THREAD_PATH:
@@ -356,6 +395,8 @@ class HostGuard:
         # the inputs are made afresh for each run (seeded: the same values every time) and never held between runs:
         # the record keeps its check for thread counts seen later, and a vocabulary-wide class's inputs are 100+ MB
         def gemm(cols: Tensor, a_tiles: Tensor) -> Tensor:
+            if prop == ONEDNN_ROWS:
+                return onednn_linear(a_tiles, cols)  # what bmm() calls for the class: the weight [N, K] as stored
             return self._library_bmm(a_tiles, _operand(cols, a_tiles.shape[0], shared, transposed))
 
         def reference() -> Tensor:
@@ -508,7 +549,8 @@ class HostGuard:
     def _verify_threads(self, record: ProbeRecord) -> None:
         """A thread count not seen yet is checked against the 1-thread reference before it is used."""
         threads = torch.get_num_threads()
-        if (record.check is None or record.path in ("fixed-order", SINGLE_THREAD_PATH, CANONICAL_PATH, UPCAST_PATH)
+        if (record.check is None
+                or record.path in ("fixed-order", SINGLE_THREAD_PATH, CANONICAL_PATH, UPCAST_PATH, BMM_PATH)
                 or threads in record.threads_checked):
             return
         start = time.perf_counter()
@@ -547,6 +589,13 @@ class HostGuard:
         record.path = record.fallback
         caveat = (" Results computed earlier in this process with the library path (at other thread counts) are "
                   "not bitwise comparable with later ones." if earlier_results else "")
+        if record.fallback == BMM_PATH:  # the class is probed on torch.bmm instead: no result has oneDNN's bits yet
+            record.note = f"{record.failure}: the class runs torch.bmm's path"
+            if earlier_results:
+                warnings.warn(f"vexact exact CPU kernels: oneDNN's {record.shape_class} GEMM failed "
+                              f"'{record.property}' ({record.failure}); ops {', '.join(sorted(record.ops))} now run "
+                              f"torch.bmm's path.{caveat}", RuntimeWarning, stacklevel=4)
+            return
         if record.fallback == UPCAST_PATH:
             # the fp32 GEMM of upcast operands: slower, as exact -- worth a warning only where bits changed mid-run
             record.note = f"{record.failure}: the class computes in fp32 (operands upcast)"
@@ -563,7 +612,21 @@ class HostGuard:
 def is_library(record: ProbeRecord) -> bool:
     """Whether a GEMM class runs the library GEMM at every thread count (its path can change later in the process: a
     thread count verified after the first probe may send it to the fixed-order or the single-thread path)."""
-    return record.path not in ("fixed-order", SINGLE_THREAD_PATH, UPCAST_PATH)
+    return record.path not in ("fixed-order", SINGLE_THREAD_PATH, UPCAST_PATH, ONEDNN_PATH)
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN, enabled, with its linear op, on x86 (where oneDNN's fp32 kernels were
+    measured faster than MKL's: ``ONEDNN_MIN_WEIGHT``)."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., K] @ weight [N, K].T through torch's own oneDNN linear op (the one its CPU compiler's linear layers
+    call), on the weight as stored; no bias, no fused activation. Its rows' bits are probed before any class uses it
+    (``onednn_rows``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def operand_layout(b: Tensor) -> str:

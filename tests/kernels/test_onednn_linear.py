@@ -1,0 +1,91 @@
+"""Large fp32 linear layers on torch's oneDNN linear op (``host_guard.onednn_rows``): probed like ``gemm_rows``, never
+assumed.
+
+- A class of at least ``ONEDNN_MIN_WEIGHT`` weight elements takes oneDNN where its probe passes, and the linear
+  layer's invariance contract holds on it: a row's bits do not depend on the number of rows in the call (1 to 130,
+  one tile to three), at 1 and 2 threads; its values agree with ``x @ w.T`` to fp32 accuracy.
+- A smaller class, a bf16 class and a guard that probes nothing (``fixed-order``, ``unguarded``) never try oneDNN.
+- A oneDNN whose rows depend on the call's row count (a broken op swapped in) fails its probe: the class runs
+  ``torch.bmm``'s path instead, with no warning (no result had oneDNN's bits), and the contract still holds.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import num_threads
+
+from vexact_kernels import cpu_exact, gemm_arrangements, host_guard
+from vexact_kernels.host_guard import BMM_PATH, ONEDNN_MIN_WEIGHT, ONEDNN_PATH, ONEDNN_ROWS, HostGuard
+
+pytestmark = pytest.mark.skipif(not host_guard.onednn_available(),
+                                reason="this torch build or CPU has no oneDNN linear op (the class keeps torch.bmm)")
+
+K, N = 512, 512  # K x N = ONEDNN_MIN_WEIGHT: the smallest class that tries oneDNN
+ROW_COUNTS = (1, 3, 8, 64, 65, 130)
+
+
+def _inputs(rows: int = max(ROW_COUNTS), k: int = K, n: int = N) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) * k ** -0.5
+
+
+def _records(host: HostGuard, prop: str) -> list[dict]:
+    return [p for p in host.report()["probes"] if p["property"] == prop]
+
+
+def _rows_depend_on_row_count(host: HostGuard, x: torch.Tensor, w: torch.Tensor) -> list[int]:
+    """The row counts m at which tiled_matmul(x[:m]) differs from the first m rows of tiled_matmul(x)."""
+    full = gemm_arrangements.tiled_matmul(x, w, host)
+    return [m for m in ROW_COUNTS if not torch.equal(gemm_arrangements.tiled_matmul(x[:m], w, host), full[:m])]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_fp32_class_runs_onednn_and_keeps_the_row_invariance_contract(threads):
+    assert K * N >= ONEDNN_MIN_WEIGHT
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    x, w = _inputs()
+    with num_threads(threads):
+        assert _rows_depend_on_row_count(host, x, w) == []
+        out = gemm_arrangements.tiled_matmul(x, w, host)
+    (record,) = _records(host, ONEDNN_ROWS)
+    assert record["path"] == ONEDNN_PATH and record["passed"] is True
+    assert _records(host, "gemm_rows") == []  # the class never ran torch.bmm
+    # the same products in another order: agrees with x @ w.T to fp32 accuracy (K = 512 terms of size ~1)
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_smaller_bf16_and_unprobed_classes_never_try_onednn():
+    x, w = _inputs(k=256, n=512)  # K x N = 2^17: below the size
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    gemm_arrangements.tiled_matmul(x, w, host)
+    assert _records(host, ONEDNN_ROWS) == [] and _records(host, "gemm_rows")
+    x, w = _inputs()
+    gemm_arrangements.tiled_matmul(x.bfloat16(), w.bfloat16(), host)
+    assert _records(host, ONEDNN_ROWS) == []
+    for mode in ("fixed-order", "unguarded"):
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+        gemm_arrangements.tiled_matmul(x[:8], w, host)
+        assert _records(host, ONEDNN_ROWS) == [], mode
+
+
+def test_a_onednn_whose_rows_depend_on_the_call_fails_its_probe_and_the_class_runs_torch_bmm(monkeypatch):
+    def by_row_count(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # every output depends on how many rows the call has: what the probe exists to catch
+        rows = a.reshape(-1, a.shape[-1]).shape[0]
+        return torch.nn.functional.linear(a, weight) * (1 + rows * 2.0 ** -20)
+
+    monkeypatch.setattr(host_guard, "onednn_linear", by_row_count)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    x, w = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: no result had oneDNN's bits
+        assert _rows_depend_on_row_count(host, x, w) == []
+    (record,) = _records(host, ONEDNN_ROWS)
+    assert record["path"] == BMM_PATH and record["passed"] is False and "rows differ" in record["failure"]
+    (bmm_record,) = _records(host, "gemm_rows")
+    assert bmm_record["path"] == "blas"
+    # the op's path counts the class's torch.bmm record, not the failed oneDNN one
+    assert cpu_exact.host_report(host)["ops"]["linear"]["path"] == "fast"
