@@ -27,7 +27,7 @@ A large fp32 linear-layer class (the shared weight seen transposed, at least ``O
 x86) first tries another library GEMM: ``onednn_rows`` -- torch's own oneDNN linear op (``onednn_linear``: oneDNN's
 JIT matmul on the weight as stored, the kernel vLLM's CPU build runs) gives a row the same bits in the same
 arrangements as ``gemm_rows`` asks of ``torch.bmm``. Where it holds the class runs oneDNN (path ``onednn``: on the
-AMD EPYC this project was built on, 1.3-2.5x faster than MKL's fp32 GEMM at llama100m's shapes, ``vexact bench
+AMD EPYC this project was built on, about 2x faster than MKL's fp32 GEMM at llama100m's shapes, ``vexact bench
 decode_profile --gemm``); where it fails the class is probed and run on ``torch.bmm`` as any other (path
 ``torch.bmm`` on the oneDNN record: no warning, no bit computed yet). Smaller classes keep ``torch.bmm``, where
 oneDNN's per-call overhead outweighs its kernel. A class's bits are oneDNN's or MKL's, never both in one process,
@@ -112,7 +112,7 @@ ONEDNN_PATH, BMM_PATH = "onednn", "torch.bmm"  # its two paths: the class runs o
 ONEDNN_MIN_WEIGHT = 1 << 18
 """Elements (K x N) of a shared, transposed fp32 GEMM operand from which the class tries oneDNN (``onednn_rows``):
 below it oneDNN's per-call overhead (about 10 us a call on the AMD EPYC) costs more than its faster kernel saves
-(llama100m's k/v projections, 576 x 192: 0.8-0.9x of MKL's time at 8 rows; its q/o, 576 x 576: 1.1-1.4x faster;
+(llama100m's k/v projections, 576 x 192: 0.81-0.86x of MKL's speed at 8 rows; its q/o, 576 x 576: 1.05-1.22x faster;
 ``vexact bench decode_profile --gemm``). The RL testbed's and ``vexact check``'s models lie wholly below it."""
 FASTER_PATH, CANONICAL_PATH = "faster", "canonical"  # its two paths (neither one is less exact than the other)
 MACHINE_THREADS = max(torch.get_num_threads(), os.cpu_count() or 1)  # also probed at first use (see _run_probe)
