@@ -284,11 +284,59 @@ def gemm_table(record: dict) -> tuple[list[str], list[list[str]]]:
     rows = [[group, *[f"{entry[f'{k}_s'] * 1e3:.2f}" for k in kernels],
              *[f"{entry['F.linear_s'] / entry[f'{k}_s']:.2f}×" for k in others],
              *[f"{entry[f'{k}_max_abs_diff']:.1e}" for k in others]] for group, entry in results["gemm"].items()]
-    step = results["decode_step_gemm_s"]
+    step = results.get("decode_step_gemm_s")
+    if step is None:  # a vLLM-side record: no decode step's sum
+        return columns, rows
     rows.append([f"a decode step ({record['prompts']} rows: layers + LM head)",
                  *[f"{step[k] * 1e3:.1f}" for k in kernels],
                  *[f"{step['F.linear'] / step[k]:.2f}×" for k in others], *["" for _ in others]])
     return columns, rows
+
+
+_SPLIT_ROWS = {  # the split's parts of a decode step, grouped as the page's table shows them
+    "GEMMs: the layers' and the LM head's (ops.linear)": ("forward: linear",),
+    "attention (cache read)": ("forward: attention",),
+    "RMSNorm, RoPE, SwiGLU": ("forward: rms_norm", "forward: rope", "forward: silu_mul"),
+    "forward glue (views, RoPE rows, cache writes; the embedding)": (
+        "forward: glue (views, RoPE rows, cache writes)", "forward: embedding"),
+    "sampler (sample_tokens)": ("sampler (sample_tokens)",),
+    "log-prob of the token, loop": ("log-prob of the token (ops.token_logprobs)", "loop rest (per step)"),
+}
+
+
+def vllm_table(record: dict) -> tuple[list[str], list[list[str]]]:
+    """A vLLM-side record's wall times and calls as a table (its GEMMs: ``gemm_table``)."""
+    r = record["results"]
+    rows = [["**decode step (wall)**, ms", f"**{r['decode_step_s'] * 1e3:.1f}**"],
+            [f"prefill ({record['prompts']} prompts: generate of 1 token), ms", f"{r['generate_1_s'] * 1e3:.0f}"],
+            [f"tokens/s ({record['prompts']} x {record['new_tokens']})", f"{r['tokens_per_s']:.1f}"],
+            ["aten calls per step", f"{r['aten_calls_per_step']:,.0f}"],
+            ["host reads per step", f"{r['item_reads_per_step']:.0f}"],
+            ["its own kernels per step", ", ".join(f"{k} {v:.0f}" for k, v in r["custom_ops_per_step"].items())]]
+    return ["decode", f"vLLM (CPU build) {r['vllm_version']}"], rows
+
+
+def split_table(record: dict) -> tuple[list[str], list[list[str]]]:
+    """A vexact-side record as a table: milliseconds per decode step by part (``_SPLIT_ROWS``), the rest of the step
+    beside the GEMMs, the step's wall time, the prefill, tokens/s, and aten calls and host reads per step; a column
+    per side (native, exact)."""
+    sides = record["results"]
+
+    def part(split: dict, keys: tuple[str, ...]) -> float:
+        return sum(split.get(key, 0.0) for key in keys)
+
+    rows = [[label, *[f"{part(r['split_s'], keys) * 1e3:.1f}" for r in sides.values()]]
+            for label, keys in _SPLIT_ROWS.items()]
+    rest = [sum(part(r["split_s"], keys) for keys in list(_SPLIT_ROWS.values())[1:]) for r in sides.values()]
+    rows += [["all but the GEMMs", *[f"{x * 1e3:.1f}" for x in rest]],
+             ["**decode step (wall)**", *[f"**{r['decode_step_s'] * 1e3:.1f}**" for r in sides.values()]],
+             [f"prefill ({record['prompts']} prompts: generate of 1 token)",
+              *[f"{r['generate_1_s'] * 1e3:.0f}" for r in sides.values()]],
+             [f"tokens/s ({record['prompts']} x {record['new_tokens']})",
+              *[f"{r['tokens_per_s']:.1f}" for r in sides.values()]],
+             ["aten calls per step", *[f"{r['aten_calls_per_step']:,.0f}" for r in sides.values()]],
+             ["host reads per step", *[f"{r['item_reads_per_step']:.0f}" for r in sides.values()]]]
+    return ["part of a decode step, ms", *[f"vexact {side}" for side in sides]], rows
 
 
 def onednn_rows_keep_bits(config, dtype: torch.dtype, heights: tuple[int, ...],

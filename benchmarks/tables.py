@@ -25,7 +25,7 @@ from vexact.sweeps.markdown_table import markdown_table
 
 from . import guard_modes
 from .common import fmt_ratio, thread_counts
-from .decode_profile import gemm_table
+from .decode_profile import gemm_table, split_table, vllm_table
 from .end_to_end import LABELS as E2E_LABELS
 from .end_to_end import combo_label, combos, target_matrix
 from .peer_decode import rows_of as peer_rows
@@ -183,8 +183,10 @@ def tables(record: dict) -> str:
                                                 "rows differ at tile heights " + "; ".join(
                                                     f"{shape}: {heights}" for shape, heights in differing.items()
                                                     if heights))]
+    elif record.get("benchmark") == "decode_profile" and record.get("side") == "vllm":
+        parts = [_markdown(*vllm_table(record)), _markdown(*gemm_table(record))]
     elif record.get("benchmark") == "decode_profile":
-        raise ValueError("a decode_profile record has a table only from --gemm (the split's table is on its page)")
+        parts = [_markdown(*split_table(record))]
     else:
         raise ValueError(f"not a benchmark record (benchmark = {record.get('benchmark')!r})")
     return "\n\n".join(p for p in [f"Measured on: {_machine(record)}", *parts] if p)

@@ -34,6 +34,33 @@ def test_vexact_side_splits_a_decode_step(tmp_path, capsys):
         assert {"forward: attention", "forward: rms_norm", "prefill (whole)"} <= set(split)
     # no EOS: the loop reads nothing back from the tensors per step
     assert record["results"]["native"]["item_reads_per_step"] == 0
+    # its table: a column per side, the split's parts summing to "all but the GEMMs"
+    columns, rows = decode_profile.split_table(record)
+    assert columns == ["part of a decode step, ms", "vexact native", "vexact exact"]
+    by_label = {row[0]: row[1:] for row in rows}
+    parts = [label for label in by_label if label in decode_profile._SPLIT_ROWS][1:]  # all but the GEMMs' row
+    for column in range(2):
+        total = sum(float(by_label[label][column]) for label in parts)
+        assert abs(total - float(by_label["all but the GEMMs"][column])) <= 0.05 * len(parts) + 1e-9
+    capsys.readouterr()
+    assert tables.main([str(out)]) == 0 and "| **decode step (wall)** |" in capsys.readouterr().out
+
+
+def test_a_vllm_side_record_prints_its_table(tmp_path, capsys):
+    record = {"benchmark": "decode_profile", "side": "vllm", "prompts": 8, "new_tokens": 32,
+              "settings": {"threads": [1]},
+              "machine": {"cpu_model": "test CPU", "logical_cpus": 2, "torch_threads": 1, "torch_version": "2.13.0"},
+              "results": {"decode_step_s": 0.0366, "generate_1_s": 0.279, "tokens_per_s": 181.0,
+                          "vllm_version": "0.32.0", "aten_calls_per_step": 3680.0, "item_reads_per_step": 129.0,
+                          "custom_ops_per_step": {"_C::onednn_mm": 121.0},
+                          "gemm": {"LM head, 8 rows": {"F.linear_s": 0.013, "onednn_mm_s": 0.0041,
+                                                       "onednn_mm_max_abs_diff": 1.9e-6}}}}
+    path = tmp_path / "vllm.json"
+    path.write_text(json.dumps(record))
+    assert tables.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| **decode step (wall)**, ms | **36.6** |" in out and "_C::onednn_mm 121" in out
+    assert "| LM head, 8 rows | 13.00 | 4.10 | 3.17× | 1.9e-06 |" in out
 
 
 def test_one_decode_step_at_least(capsys):
