@@ -589,20 +589,17 @@ class HostGuard:
         record.path = record.fallback
         caveat = (" Results computed earlier in this process with the library path (at other thread counts) are "
                   "not bitwise comparable with later ones." if earlier_results else "")
-        if record.fallback == BMM_PATH:  # the class is probed on torch.bmm instead: no result has oneDNN's bits yet
-            record.note = f"{record.failure}: the class runs torch.bmm's path"
+        # a quiet fallback (as exact, only slower or another library's bits before any result): worth a warning only
+        # where bits changed mid-run
+        quiet = {BMM_PATH: ("the class runs torch.bmm's path", "oneDNN's", "now run torch.bmm's path"),
+                 UPCAST_PATH: ("the class computes in fp32 (operands upcast)", "the host's", "now compute it in fp32")}
+        if record.fallback in quiet:
+            note, whose, now = quiet[record.fallback]
+            record.note = f"{record.failure}: {note}"
             if earlier_results:
-                warnings.warn(f"vexact exact CPU kernels: oneDNN's {record.shape_class} GEMM failed "
-                              f"'{record.property}' ({record.failure}); ops {', '.join(sorted(record.ops))} now run "
-                              f"torch.bmm's path.{caveat}", RuntimeWarning, stacklevel=4)
-            return
-        if record.fallback == UPCAST_PATH:
-            # the fp32 GEMM of upcast operands: slower, as exact -- worth a warning only where bits changed mid-run
-            record.note = f"{record.failure}: the class computes in fp32 (operands upcast)"
-            if earlier_results:
-                warnings.warn(f"vexact exact CPU kernels: the host's {record.shape_class} GEMM failed "
-                              f"'{record.property}' ({record.failure}); ops {', '.join(sorted(record.ops))} now "
-                              f"compute it in fp32.{caveat}", RuntimeWarning, stacklevel=4)
+                warnings.warn(f"vexact exact CPU kernels: {whose} {record.shape_class} GEMM failed "
+                              f"'{record.property}' ({record.failure}); ops {', '.join(sorted(record.ops))} {now}."
+                              f"{caveat}", RuntimeWarning, stacklevel=4)
             return
         warnings.warn(f"vexact exact CPU kernels: host property '{record.property}' failed for {record.shape_class} "
                       f"({record.failure}); ops {', '.join(sorted(record.ops))} now use the "
