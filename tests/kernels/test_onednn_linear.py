@@ -6,7 +6,8 @@ assumed.
   one tile to three), at 1 and 2 threads; its values agree with ``x @ w.T`` to fp32 accuracy.
 - A smaller class, a bf16 class and a guard that probes nothing (``fixed-order``, ``unguarded``) never try oneDNN.
 - A oneDNN whose rows depend on the call's row count (a broken op swapped in) fails its probe: the class runs
-  ``torch.bmm``'s path instead, with no warning (no result had oneDNN's bits), and the contract still holds.
+  ``torch.bmm``'s path instead, with no warning (no result had oneDNN's bits), and the contract still holds; one that
+  fails only at a thread count seen later warns (results from before differ from those after) and moves too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import torch
 from conftest import num_threads
 
 from vexact_kernels import cpu_exact, gemm_arrangements, host_guard
-from vexact_kernels.host_guard import BMM_PATH, ONEDNN_MIN_WEIGHT, ONEDNN_PATH, ONEDNN_ROWS, HostGuard
+from vexact_kernels.host_guard import (
+    BMM_PATH,
+    MACHINE_THREADS,
+    ONEDNN_MIN_WEIGHT,
+    ONEDNN_PATH,
+    ONEDNN_ROWS,
+    HostGuard,
+)
 
 pytestmark = pytest.mark.skipif(not host_guard.onednn_available(),
                                 reason="this torch build or CPU has no oneDNN linear op (the class keeps torch.bmm)")
@@ -89,3 +97,26 @@ def test_a_onednn_whose_rows_depend_on_the_call_fails_its_probe_and_the_class_ru
     assert bmm_record["path"] == "blas"
     # the op's path counts the class's torch.bmm record, not the failed oneDNN one
     assert cpu_exact.host_report(host)["ops"]["linear"]["path"] == "fast"
+
+
+def test_a_onednn_that_fails_at_a_thread_count_seen_later_warns_and_the_class_moves_to_torch_bmm(monkeypatch):
+    real = host_guard.onednn_linear
+    later = MACHINE_THREADS + 1  # a count the first probe (1 thread and the machine's) does not check
+
+    def off_at_the_later_count(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = real(a, weight)
+        return out * (1 + 2.0 ** -20) if torch.get_num_threads() == later else out
+
+    monkeypatch.setattr(host_guard, "onednn_linear", off_at_the_later_count)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    x, w = _inputs()
+    with num_threads(1):
+        before = gemm_arrangements.tiled_matmul(x, w, host)  # probed at 1 and the machine's count: passes
+    assert _records(host, ONEDNN_ROWS)[0]["path"] == ONEDNN_PATH
+    with num_threads(later), pytest.warns(RuntimeWarning, match="oneDNN's .* now run torch.bmm's path"):
+        after = gemm_arrangements.tiled_matmul(x, w, host)  # the later count: checked before use, fails
+    (record,) = _records(host, ONEDNN_ROWS)
+    assert record["path"] == BMM_PATH and f"{later} threads" in record["failure"]
+    assert _records(host, "gemm_rows")[0]["path"] == "blas"
+    # results from before the change were oneDNN's, after it MKL's: other bits, which the warning says
+    assert not torch.equal(before, after)
