@@ -185,7 +185,7 @@ class ProbeRecord:
                 "passed": self.passed, "threads_checked": sorted(self.threads_checked), "failure": self.failure,
                 **({"tile_heights": list(self.tile_heights)} if self.property in ("gemm_rows", ONEDNN_ROWS)
                    else {}),
-                **({"fallback": self.fallback} if self.fallback == UPCAST_PATH else {}),
+                **({"fallback": self.fallback} if self.fallback in (UPCAST_PATH, BMM_PATH) else {}),
                 **({"note": self.note} if self.note else {}),
                 "seconds": round(self.seconds, 4), "ops": sorted(self.ops)}
 

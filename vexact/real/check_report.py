@@ -131,7 +131,8 @@ def _kernel_paths_table(paths: dict) -> Table:
             p = verdicts[shape_class]
             verdict = "not probed" if p["passed"] is None else ("passed" if p["passed"] else f"FAILED: {p['failure']}")
             threads = ",".join(map(str, p["threads_checked"]))
-            path = f", path {p['path']}" if "fallback" in p else ""  # a bf16 GEMM class: which GEMM it runs
+            # a class with two library paths (bf16: its own GEMM or fp32; a large fp32 layer: oneDNN or torch.bmm)
+            path = f", path {p['path']}" if "fallback" in p else ""
             probes.append(f"{shape_class}: {verdict}" + (f" (threads {threads}{path})" if threads else path))
         style = "yellow" if info["path"] in ("fixed-order", "mixed") else ""
         table.add_row(op, f"[{style}]{info['path']}[/]" if style else info["path"], "\n".join(probes) or "-")
