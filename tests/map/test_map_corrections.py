@@ -510,18 +510,26 @@ def test_the_shipped_map_is_made_by_build_map():
         placed = place_on_map(m, 0.025, 8.0, correction)
         assert placed["threshold_50"] is None and placed["correction"] == correction
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
-    # at L = 500 (held task), two doses of one run each: recompute collapsed at the larger and held at the smaller (a
-    # threshold between them, said to rest on one run per dose), token TIS held at both (a bound)
-    recompute, token_tis = ([h for h in next(c for c in m["curves"] if c["correction"] == name)["horizons"]
-                             if h["horizon_value"] == 500] for name in ("recompute", "token_tis"))
-    assert [h["status"] for h in recompute + token_tis] == ["fitted", "above_range"]
-    assert recompute[0]["runs"] == token_tis[0]["runs"] == 2 and recompute[0]["collapsed"] == 1
-    assert recompute[0]["single_run_per_dose"] and token_tis[0]["single_run_per_dose"]
-    assert recompute[0]["ci_low"] < recompute[0]["threshold_50"] < recompute[0]["ci_high"]
-    near = place_on_map(m, recompute[0]["threshold_50"], recompute[0]["horizon"], "recompute")["verdict"]
-    assert near.startswith("near the measured collapse range") and "(one run per dose)" in near
-    held = place_on_map(m, token_tis[0]["lower_bound"] / 2, token_tis[0]["horizon"], "token_tis")["verdict"]
-    assert held.startswith("below every level tested") and "(one run per dose)" in held
+    # at L = 500 (held task): recompute collapsed both seeds at the larger dose and held its one run at the smaller (a
+    # threshold between them; the bootstrap over its two seeds leaves the interval's lower end open: a resample of
+    # seed 1 alone collapsed at every dose); token TIS and IcePop held at both their doses, one run each (bounds)
+    recompute, token_tis, icepop = ([h for h in next(c for c in m["curves"] if c["correction"] == name
+                                                     and c["source"] == "logit_scale" and c["policy_lag"] == 0)[
+        "horizons"] if h["horizon_value"] == 500] for name in ("recompute", "token_tis", "icepop"))
+    assert [h["status"] for h in recompute + token_tis + icepop] == ["fitted", "above_range", "above_range"]
+    assert (recompute[0]["runs"], recompute[0]["collapsed"], recompute[0]["runs_per_dose"]) == (3, 2, [1, 2])
+    assert token_tis[0]["runs"] == icepop[0]["runs"] == 2
+    assert not recompute[0]["single_run_per_dose"]
+    assert token_tis[0]["single_run_per_dose"] and icepop[0]["single_run_per_dose"]
+    assert recompute[0]["ci_low"] is None and "lower end lies below the tested range" in recompute[0]["note"]
+    assert recompute[0]["bracket_low"] < recompute[0]["threshold_50"] < recompute[0]["ci_high"]
+    # an open lower end: every k3 below the interval's top reads "near", never "below"
+    for k3 in (recompute[0]["bracket_low"] / 3, recompute[0]["threshold_50"]):
+        near = place_on_map(m, k3, recompute[0]["horizon"], "recompute")["verdict"]
+        assert near.startswith("near the measured collapse range") and "(one run per dose)" not in near
+    for horizon, name in ((token_tis[0], "token_tis"), (icepop[0], "icepop")):
+        held = place_on_map(m, horizon["lower_bound"] / 2, horizon["horizon"], name)["verdict"]
+        assert held.startswith("below every level tested") and "(one run per dose)" in held
 
 
 def test_a_below_range_bound_says_how_many_of_its_runs_collapsed():
@@ -675,3 +683,25 @@ def test_a_saved_run_config_names_its_correction(tmp_path, old_logprobs, method,
     save_config(cfg, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert correction_from_config(saved, "config.yaml") == expected
+
+
+def test_a_single_horizon_interval_open_on_one_side_bounds_nothing_there():
+    """A one-horizon threshold whose bootstrap interval is open below (a seed resample collapsed at every dose, as
+    recompute's at L = 500) reads "near" however far below the threshold a k3 lies, never "far below"; one open above
+    never reads "above". The verdict quotes the open end."""
+    def curve(lo, hi):
+        return {"horizons": [{"status": "fitted", "horizon": 400.0, "threshold_50": 0.004, "ci_low": lo,
+                              "ci_high": hi, "runs": 3, "collapsed": 2, "single_run_per_dose": False}]}
+
+    open_below = curve(None, 0.016)
+    for k3 in (1e-6, 1e-3, 0.01):
+        assert verdict._bound_verdict(open_below, "recompute", k3, 400.0, (400.0, 400.0)).startswith(
+            "near the measured collapse range: 50% collapse threshold k3 0.004 [open below, 0.016]")
+    assert verdict._bound_verdict(open_below, "recompute", 0.02, 400.0, (400.0, 400.0)).startswith("above")
+    open_above = curve(0.002, None)
+    assert verdict._bound_verdict(open_above, "recompute", 1.0, 400.0, (400.0, 400.0)).startswith(
+        "near the measured collapse range: 50% collapse threshold k3 0.004 [0.002, open above]")
+    assert verdict._bound_verdict(open_above, "recompute", 1e-4, 400.0, (400.0, 400.0)).startswith("far below")
+    closed = curve(0.002, 0.008)  # both ends: as before
+    assert [verdict._bound_verdict(closed, "recompute", k3, 400.0, (400.0, 400.0)).split(" the ")[0]
+            for k3 in (1e-4, 0.005, 0.01)] == ["far below", "near", "above"]

@@ -454,15 +454,21 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
     if len(measured) == 1:  # one horizon with a threshold: an answer at that T only, no law to carry it
         h = measured[0]
         lo, hi = h.get("ci_low"), h.get("ci_high")
-        fact = (f"50% collapse threshold k3 {h['threshold_50']:.2g}" + (f" [{lo:.2g}, {hi:.2g}]" if positive(lo)
-                and positive(hi) else "") + f" measured at T {fmt_t(h['horizon'])} only ({name}){one_run(h)}")
+        fact = (f"50% collapse threshold k3 {h['threshold_50']:.2g}{_interval_text(lo, hi)} measured at T "
+                f"{fmt_t(h['horizon'])} only ({name}){one_run(h)}")
         if not h["horizon"] / SAME_HORIZON <= horizon <= h["horizon"] * SAME_HORIZON:
             if not safe:
                 return (f"no verdict at this horizon: the {name} curve has one horizon ({fact}) and no law to carry "
                         f"it to T = {fmt_t(horizon)}")
         else:
-            low, high = (lo, hi) if positive(lo) and positive(hi) else (h["threshold_50"], h["threshold_50"])
-            where = ("far below" if k3 < low / 10 else "near" if k3 < high else "above")
+            # an interval open on one side (a seed resample collapsed at every dose, or at none) bounds nothing
+            # there: no "far below" under an open lower end, no "above" over an open upper end
+            if positive(lo) or positive(hi):
+                low, high = (lo if positive(lo) else None), (hi if positive(hi) else None)
+            else:
+                low = high = h["threshold_50"]
+            where = ("far below" if low is not None and k3 < low / 10 else
+                     "above" if high is not None and k3 >= high else "near")
             return f"{where} the measured collapse range: {fact}"
     if safe:
         nearest = min(safe, key=lambda h: abs(math.log(h["horizon"] / horizon)))
@@ -584,6 +590,15 @@ def collapsed_from(h: dict[str, Any]) -> str:
     """How many of a below-range horizon's runs collapsed: "every run collapsed", or "3 of 4 runs collapsed" where
     the logistic fit put the 50% point below the smallest dose though some run there held (``some_held``)."""
     return f"{h['collapsed']} of {h['runs']} runs collapsed" if some_held(h) else "every run collapsed"
+
+
+def _interval_text(lo: float | None, hi: float | None) -> str:
+    """A horizon's 95% interval as the verdict quotes it, an open end said so ("" without an interval)."""
+    if positive(lo) and positive(hi):
+        return f" [{lo:.2g}, {hi:.2g}]"
+    if positive(hi):
+        return f" [open below, {hi:.2g}]"
+    return f" [{lo:.2g}, open above]" if positive(lo) else ""
 
 
 def one_run(h: dict[str, Any]) -> str:
