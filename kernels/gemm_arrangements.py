@@ -11,7 +11,10 @@ multiple of ``COL_BLOCK``, a reduction over tokens cut into fixed chunks added b
 contiguous and ``ALIGNMENT``-aligned -- so an output element's reduction runs through the same GEMM kernel in the
 same order whatever the batch, provided the host's GEMM gives a row the same bits for every tile height, position
 and tile count (the guard's ``gemm_rows`` probe, per shape class; where it fails, ``host.bmm`` runs the fixed-order
-GEMM). Why these tile shapes, with the measurements behind them: docs/reference/kernels.md, "Why these tiles".
+GEMM). A large fp32 linear layer's class may run torch's oneDNN linear op instead of ``torch.bmm`` (the guard's
+``onednn_rows``, probed the same way): through ``host.bmm``, in the canonical tiles, since the faster arrangements
+below are arrangements of ``torch.bmm``'s calls. Why these tile shapes, with the measurements behind them:
+docs/reference/kernels.md, "Why these tiles".
 
 The canonical arrangement copies no weight per call: each copy it needs of a weight (an input gradient's W.T made
 contiguous, a padded or cast weight) is laid out once per weight version and kept (``arranged_weight``, bounded by
@@ -310,8 +313,8 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
 
     Canonically one ``host.bmm`` over ceil(M / R) zero-padded row tiles, the (transposed, column-padded) weight
     shared by every tile: each output element's K-reduction runs through the same GEMM kernel whatever M is (BLAS
-    where the probe passed, else the fixed-order GEMM). Both operands are contiguous and aligned, as in the probe,
-    so a view into a larger tensor never reaches the GEMM.
+    or oneDNN where the probe passed, else the fixed-order GEMM). Both operands are contiguous and aligned, as in the
+    probe, so a view into a larger tensor never reaches the GEMM.
 
     Where the class runs torch's own GEMM: the tiles stacked into one GEMM where the guard found their bits
     (``_stacked_agrees``) -- first on the weight as given, where it is row-major already (an input gradient's W,
