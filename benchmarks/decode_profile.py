@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from vexact import Transformer, generate
+from vexact_kernels.host_guard import onednn_available, onednn_linear
 
 from .common import DTYPES, load_average, machine_info, parse_list, profiled, set_malloc, shapes
 from .end_to_end import prompts_of
@@ -202,17 +203,6 @@ def vllm_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: int,
                                  vllm=True)}
 
 
-def _torch_onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T through oneDNN's matmul as torch itself ships it (the op its CPU compiler's linear layers call), on the
-    weight as stored: the GEMM kernel vLLM's CPU build runs, without vLLM."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
-def torch_onednn_available() -> bool:
-    """Whether this torch build has oneDNN and its linear op (``_torch_onednn_linear``)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def _model_gemms(config) -> dict[str, list[tuple[int, int]]]:
     """The model's GEMM weight shapes [N, K]: one layer's (q, k, v, o, gate, up, down) and the LM head."""
     c = config
@@ -227,12 +217,12 @@ def _model_gemms(config) -> dict[str, list[tuple[int, int]]]:
 def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: bool = False) -> dict:
     """One layer's GEMMs and the LM head, fastest of 3 x ``reps``: ``F.linear`` (what vexact's native linear calls;
     its exact path runs the same library GEMM in row tiles) against torch's own oneDNN linear
-    (``_torch_onednn_linear``) and, with ``vllm``, vLLM's ``onednn_mm`` (weights packed once). Each kernel's largest
+    (``host_guard.onednn_linear``) and, with ``vllm``, vLLM's ``onednn_mm`` (weights packed once). Each kernel's largest
     difference from ``F.linear`` on the same operands is recorded beside its time (another accumulation order, not
     another product)."""
     kernels: dict[str, tuple[Callable, Callable]] = {"F.linear": (lambda w: w, torch.nn.functional.linear)}
-    if torch_onednn_available():
-        kernels["torch_onednn_linear"] = (lambda w: w, _torch_onednn_linear)
+    if onednn_available():
+        kernels["torch_onednn_linear"] = (lambda w: w, onednn_linear)
     if vllm:
         from vllm import _custom_ops as vllm_ops
 
@@ -269,7 +259,7 @@ def gemm_per_shape(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
         w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
         out[f"N={n} K={k}"] = {f"{label}_s": _fastest(lambda fn=fn, x=x, w=w: fn(x, w), reps * 3)
                                for label, fn in (("F.linear", torch.nn.functional.linear),
-                                                 ("torch_onednn_linear", _torch_onednn_linear))}
+                                                 ("torch_onednn_linear", onednn_linear))}
     return out
 
 
@@ -340,7 +330,7 @@ def split_table(record: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def onednn_rows_keep_bits(config, dtype: torch.dtype, heights: tuple[int, ...],
-                          linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _torch_onednn_linear) -> dict:
+                          linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = onednn_linear) -> dict:
     """Whether torch's oneDNN linear gives a row the same bits in a call of every height of ``heights`` (the exact
     kernels' row tiles) as in one call of the tallest, at the current thread count, for each of the model's GEMM
     shapes -- the property (``host_guard``'s ``gemm_rows``) the exact path would need of it. Per shape: the heights
@@ -367,7 +357,7 @@ def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> di
     dtype = DTYPES[dtype_name]
     gemm = gemm_kernels(shape.model, dtype, [n_prompts, sum(map(len, prompts_of(shape)))], reps)
     layer, head = gemm[f"layer (q, k, v, o, gate, up, down), {n_prompts} rows"], gemm[f"LM head, {n_prompts} rows"]
-    out = {"torch_onednn_available": torch_onednn_available(), "gemm": gemm,
+    out = {"torch_onednn_available": onednn_available(), "gemm": gemm,
            "decode_step_gemm_s": {key.removesuffix("_s"): shape.model.num_layers * layer[key] + head[key]
                                   for key in layer if key.endswith("_s")}}
     if out["torch_onednn_available"]:

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
 
 from benchmarks import decode_profile, tables  # noqa: E402
 from vexact.engine.presets import preset_config  # noqa: E402
-from vexact_kernels import fixed_order  # noqa: E402
+from vexact_kernels import fixed_order, host_guard  # noqa: E402
 
 
 def test_vexact_side_splits_a_decode_step(tmp_path, capsys):
@@ -71,7 +71,7 @@ def test_one_decode_step_at_least(capsys):
 
 
 def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
-    if not decode_profile.torch_onednn_available():
+    if not host_guard.onednn_available():
         pytest.skip("this torch build has no oneDNN linear op")
     out = tmp_path / "gemm.json"
     assert decode_profile.main(["--gemm", "--shape", "tiny", "--prompts", "3", "--reps", "1", "--out", str(out)]) == 0
