@@ -813,17 +813,20 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     views = _views_arrangement(rows, n, k, a.dtype, host, op)
     if views is None:
         return _transposed_matmul_tiles(a, b, host, op, b_source)
+    if views == ONE_CHUNK_SLABS:
+        return _one_chunk_slabs(a, b, _one_chunk_length(rows))
     return _transposed_matmul_views(a, b, _reduction_block(rows, a.dtype), unpadded_tail=views == UNPADDED_TAIL)
 
 
-UNPADDED_TAIL, PADDED_TAIL = "unpadded tail", "padded tail"
-"""``_views_arrangement``'s answers: the views with the last, partial chunk on its real rows, or zero-padded."""
+UNPADDED_TAIL, PADDED_TAIL, ONE_CHUNK_SLABS = "unpadded tail", "padded tail", "one chunk in slabs"
+"""``_views_arrangement``'s answers: the views with the last, partial chunk on its real rows, or zero-padded; or a
+one-chunk reduction of a one-thread class (bf16) in slabs of output rows (``_one_chunk_slabs``)."""
 
 
 def _views_arrangement(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> str | None:
     """How ``transposed_matmul`` runs a [rows, n].T @ [rows, k] reduction in ``dtype``: on views
-    (``UNPADDED_TAIL`` / ``PADDED_TAIL``) where the guard found their bits the canonical tiles' (probed at first use),
-    else None (the tiles)."""
+    (``UNPADDED_TAIL`` / ``PADDED_TAIL``; a one-thread class's one chunk: ``ONE_CHUNK_SLABS``) where the guard found
+    their bits the canonical tiles' (probed at first use), else None (the tiles)."""
     block = _reduction_block(rows, dtype)
     chunks = -(-rows // block)
     views_fit = chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX
@@ -836,7 +839,73 @@ def _views_arrangement(rows: int, n: int, k: int, dtype: torch.dtype, host: Host
             return UNPADDED_TAIL
         if _views_agree(block, n, k, None, host, op, dtype, last_chunk_length(rows, block, dtype)):
             return PADDED_TAIL
+    elif (one_thread_reduction(dtype) and rows <= block
+          and host.single_thread_gemm(dtype, b_class, False, op, one_thread=True) is not None
+          and _one_chunk_slabs_agree(block, n, k, _one_chunk_length(rows), host, op, dtype)):
+        return ONE_CHUNK_SLABS
     return None
+
+
+def _one_chunk_length(rows: int) -> int:
+    """The reduction length ``_one_chunk_slabs`` multiplies for ``rows`` tokens: zero-padded to a multiple of
+    ``MIN_REDUCE_BLOCK`` only (the canonical chunk pads a bf16 chunk to a multiple of ``REDUCE_BLOCK``: 312 tokens to
+    512), so the guard probes at most ``LIBRARY_REDUCE_MAX / MIN_REDUCE_BLOCK`` lengths per layer shape."""
+    return ceil_to(rows, MIN_REDUCE_BLOCK)
+
+
+def _slab_rows(n: int) -> int:
+    """Output rows per slab of ``_one_chunk_slabs``: ``VIEW_SLAB_ROWS``, or fewer where that leaves a thread without a
+    slab (a multiple of every tile height: ``ROW_BLOCKS``)."""
+    return min(VIEW_SLAB_ROWS, ceil_to(-(-n // torch.get_num_threads()), max(ROW_BLOCKS)))
+
+
+def _one_chunk_slabs(a: Tensor, b: Tensor, length: int) -> Tensor:
+    """a.T @ b for a one-chunk reduction (a [M, N], b [M, K], M <= ``length``) of a one-thread class (bf16), on views:
+    for each slab of N output rows (``_slab_rows``) one GEMM, a's columns seen transposed (zero-padded to ``length``
+    rows where M is shorter) by b zero-padded to [length, K], on one thread. Where the compiled loops are built and
+    several threads run, the slabs are shared out between them, each GEMM on its own thread (``slab_mms`` in
+    ``csrc/exact_loops.cpp``); else one after another on one thread. The canonical tiles copy a transposed into
+    64-row tiles of the whole chunk (``_transposed_matmul_laid_out``), one GEMM each: llama100m's LM head gradient
+    over 312 tokens took twice as long that way on the AMD host (768 GEMMs over 512 tokens). Used only where
+    ``_one_chunk_slabs_agree`` found the canonical tiles' bits."""
+    rows, n = a.shape
+    k = b.shape[1]
+    a = a if a.stride(1) == 1 and a.stride(0) >= n and a.data_ptr() % ALIGNMENT == 0 else _aligned(a)
+    b = _padded_or_aligned(b, (length, k))
+    slab = _slab_rows(n)
+    loops = compiled_loops.library()
+    if loops is not None and torch.get_num_threads() > 1 and n > slab:
+        return loops.slab_mms(a, b, slab)  # each slab's GEMM on the thread that runs it
+
+    def calls() -> Tensor:
+        if loops is not None:
+            return loops.slab_mms(a, b, slab)
+        out = a.new_empty(n, k)
+        for first in range(0, n, slab):
+            last = min(n, first + slab)
+            torch.mm(_padded_or_aligned(a[:, first:last], (length, last - first)).t(), b, out=out[first:last])
+        return out
+    return _with_threads(1, calls)
+
+
+def _one_chunk_slabs_agree(block: int, n: int, k: int, length: int, host: HostGuard, op: str,
+                           dtype: torch.dtype) -> bool:
+    """Whether ``_one_chunk_slabs`` padded to ``length`` rows gives ``_transposed_matmul_tiles``' bits (one chunk of
+    ``block`` rows) for this class on this host: a probe at first use (``host.arrangement_agrees``: at the current and
+    the machine's thread count, and each count seen later) on seeded inputs of the fewest tokens that pad to
+    ``length`` (``length - MIN_REDUCE_BLOCK + 1``, whose canonical chunk is ``block`` too)."""
+    partial = length - MIN_REDUCE_BLOCK + 1
+    if _reduction_block(partial, dtype) != block:
+        return False
+
+    def inputs() -> list[Tensor]:
+        a_t, b_t = _probe_operands(dtype, (n, partial), (k, partial))  # the reduction over the tokens is their K
+        return [a_t.t().contiguous(), b_t.t().contiguous()]
+
+    shape_class = f"block={block} N={n} K={k} one chunk padded to {length} rows in slabs {_name(dtype)}"
+    return host.arrangement_agrees("weight gradient on views", shape_class,
+                                   lambda: _transposed_matmul_tiles(*inputs(), host, op),
+                                   lambda: _one_chunk_slabs(*inputs(), length), op)
 
 
 def probe_transposed_matmul(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> None:

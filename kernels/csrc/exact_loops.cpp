@@ -699,6 +699,35 @@ at::Tensor reduction_tile_gemms(const at::Tensor& a, const at::Tensor& b, int64_
   return parts;
 }
 
+// A one-chunk weight gradient on views (gemm_arrangements._one_chunk_slabs): for each `slab`-row slab [lo, lo + cols)
+// of the N output rows, out[lo : lo + cols] = a[:, lo : lo + cols]^T @ b, one at::mm per slab on a's columns seen
+// transposed (zero-padded to b's rows where a has fewer: a [length, cols] copy), with no transposing copy of a and no
+// row tiles. The slabs are shared out between the threads, each GEMM on one thread (as in tile_gemms), so no bit
+// depends on how the threads divide them; gemm_arrangements checks the slabs at first use against the canonical tiles.
+at::Tensor slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t slab) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) <= b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
+                  a.scalar_type() == b.scalar_type() && slab >= 1,
+              "slab_mms: a [M, N] with unit column stride, a contiguous b [length >= M, K] of its dtype, slab >= 1");
+  const int64_t n = a.size(1), length = b.size(0), k = b.size(1), slabs = (n + slab - 1) / slab;
+  at::Tensor out = at::empty({n, k}, a.options());
+  const auto gemm = [&](int64_t first, int64_t last) {
+    at::NoGradGuard no_grad;  // as in tile_gemms: a worker thread's grad mode is on
+    for (int64_t s = first; s < last; ++s) {
+      const int64_t lo = s * slab, cols = std::min(slab, n - lo);
+      const at::Tensor region = a.narrow(1, lo, cols);
+      const at::Tensor left = region.size(0) == length ? region : padded_copy(region, {length, cols});
+      at::Tensor dst = out.narrow(0, lo, cols);
+      at::mm_out(dst, left.t(), b);
+    }
+  };
+  if (slabs == 1 || at::get_num_threads() == 1) {
+    gemm(0, slabs);
+  } else {
+    at::parallel_for(0, slabs, 1, gemm);
+  }
+  return out;
+}
+
 // ----------------------------------------------------------------------------------------------------- attention
 // The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
@@ -852,6 +881,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("transposed_matmul", &transposed_matmul, "cpu_exact._transposed_matmul after its plan, same bits");
   m.def("tile_gemms", &tile_gemms, "one at::bmm per tile with a shared operand, tiles spread over threads");
+  m.def("slab_mms", &slab_mms, "one at::mm per slab of a one-chunk weight gradient on views, slabs spread over threads");
   m.def("reduction_tile_gemms", &reduction_tile_gemms,
         "a weight gradient's canonical tiles, one at::bmm per tile on views, spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");

@@ -197,6 +197,71 @@ def test_weight_gradient_on_views_is_thread_invariant(threads):
         assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
 
 
+# --------------------------------------------------------------------------- a bf16 weight gradient in slabs
+BF16_SLAB_CASES = [(312, 200, 48), (300, 64, 40), (512, 96, 16), (100, 130, 24), (1000, 64, 16), (257, 72, 32)]
+
+
+def _bf16_inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = _inputs(rows, n, k, seed)
+    return a.bfloat16(), b.bfloat16()
+
+
+def _flip_last_bit(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor with its lowest mantissa bit flipped at every element."""
+    return (t.view(torch.int16) ^ 1).view(torch.bfloat16)
+
+
+def _slab_probes(guard: HostGuard) -> list[tuple[str, str]]:
+    return [(shape, path) for shape, path in _views_probes(guard) if "in slabs" in shape]
+
+
+@pytest.mark.parametrize("rows,n,k", BF16_SLAB_CASES)
+def test_bf16_weight_gradient_in_slabs_is_the_canonical_arrangement_bit_for_bit(rows, n, k, monkeypatch):
+    """A bf16 weight gradient (one chunk, one thread by construction) on views in slabs of output rows, its tokens
+    padded to a multiple of 64 only: the canonical tiles' bits, in several slabs (``VIEW_SLAB_ROWS`` made small)."""
+    monkeypatch.setattr(gemm_arrangements, "VIEW_SLAB_ROWS", 64)
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    a, b = _bf16_inputs(rows, n, k)
+    expected = gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear")
+    assert expected.dtype == torch.bfloat16
+    assert _same_bits(gemm_arrangements.transposed_matmul(a, b, guard, "linear"), expected)
+    assert _same_bits(gemm_arrangements.transposed_matmul(a.t().contiguous().t(), b, guard, "linear"), expected)
+    if gemm_arrangements.transposed_dtype(a, b, guard, "linear") == torch.bfloat16:  # the class runs bf16 here
+        length = -(-rows // 64) * 64
+        (probe,) = _slab_probes(guard)  # probed at first use, whatever it found
+        assert f"N={n} K={k} one chunk padded to {length} rows in slabs bfloat16" in probe[0]
+
+
+def test_a_slab_arrangement_that_differs_is_not_used(monkeypatch):
+    """A host whose GEMM gives the slabs other bits: the probe sees it and the canonical tiles run."""
+    real_slabs = gemm_arrangements._one_chunk_slabs
+    monkeypatch.setattr(gemm_arrangements, "_one_chunk_slabs",
+                        lambda a, b, length: _flip_last_bit(real_slabs(a, b, length)))
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    a, b = _bf16_inputs(312, 200, 48)
+    if gemm_arrangements.transposed_dtype(a, b, guard, "linear") != torch.bfloat16:
+        pytest.skip("this host computes bf16 weight gradients in fp32")
+    out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
+    assert _slab_probes(guard) == [
+        ("weight gradient on views: block=512 N=200 K=48 one chunk padded to 320 rows in slabs bfloat16",
+         CANONICAL_PATH)]
+
+
+@pytest.mark.parametrize("threads", (1, 2, 3, 4))
+def test_bf16_weight_gradient_in_slabs_is_thread_invariant(threads, monkeypatch):
+    """The slabs are shared out between the threads (``slab_mms``), each GEMM on one thread: the same bits at every
+    thread count, and the same as the slabs one after another in Python (no compiled loops)."""
+    monkeypatch.setattr(gemm_arrangements, "VIEW_SLAB_ROWS", 64)
+    a, b = _bf16_inputs(312, 456, 40, seed=3)
+    with num_threads(1):
+        reference = gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear")
+    with num_threads(threads):
+        assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
+        monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: None)
+        assert _same_bits(gemm_arrangements._one_chunk_slabs(a, b, 320), reference)
+
+
 # --------------------------------------------------------------------------- a linear layer's tiles, stacked
 def _tiles_reference(x: torch.Tensor, weight: torch.Tensor, guard: HostGuard) -> torch.Tensor:
     """``tiled_matmul``'s canonical arrangement, written out: zero-padded rows in tiles, one bmm sharing the
