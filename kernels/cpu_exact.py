@@ -257,8 +257,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
     (``gemm_arrangements.transposed_matmul``) added by a halving tree (grad_weight's chunk GEMMs on views of grad and
     x where the guard found that this gives the canonical tiles' bits: ``same_bits``); in bf16 on the host's bf16
-    GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding; in slabs of output rows on
-    views where ``same_bits`` found the tiles' bits: ``gemm_arrangements._one_chunk_slabs``)."""
+    GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding), one GEMM per 256-row
+    slab of grad_weight on one thread (``gemm_arrangements._one_chunk_slabs``)."""
     if bias is None:  # bias None passed as a static argument: _linear_forward(x, weight, None, host)
         return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight), (None, host))
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))

@@ -42,10 +42,9 @@ the bf16 operands as they are, each output rounded once to bf16 by the GEMM; els
 they compute in fp32. The faster arrangements below are probed in fp32 and run for fp32 only.
 
 A third form is no arrangement of its own but the same tiles grouped into other calls (``transposed_matmul``'s
-tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers; in
-bf16, where ``bmm`` would copy a weight gradient's chunk once per row tile (``bmm_copies_operand``), one call per row
-tile on the chunk laid out once as ``bmm`` lays it out (``_transposed_matmul_laid_out``, checked at first use per
-class against the canonical call: ``_laid_out_reduction_agrees``). In fp32, where the class runs torch's own GEMM,
+tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers. (A
+bf16 weight gradient on the library's GEMM has a canonical arrangement of its own: ``_one_chunk_slabs``.) In fp32,
+where the class runs torch's own GEMM,
 the canonical tiles one GEMM per (chunk, row tile) on views of the inputs instead of their laid-out copies
 (``_transposed_matmul_tile_views``, checked at first use per class against the canonical call:
 ``_tile_views_agree``).
@@ -764,7 +763,7 @@ def one_thread_reduction(dtype: torch.dtype) -> bool:
     layer's input width), the shape a BLAS parallelises by splitting the reduction between threads; oneDNN's AMX
     kernels on an Intel Xeon did so for a 768-token chunk in three row tiles at 2 threads, but not in the guard's
     probe arrangements, and not in a fresh process -- a choice no probe can cover. With 1 thread there is no choice.
-    The price: at 2 threads the bf16 weight gradients lose their GEMMs' parallelism (``benchmarks/``). fp32 chunks
+    The threads share out the GEMMs instead, one slab of output rows each (``_one_chunk_slabs``). fp32 chunks
     are at most ``REDUCE_BLOCK`` tokens and keep the probed path."""
     return dtype in LIBRARY_DTYPES
 
@@ -797,36 +796,37 @@ def transposed_dtype(a: Tensor, b: Tensor, host: HostGuard, op: str) -> torch.dt
 
 def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
     """a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant, in a's and b's
-    dtype: fp32, or bf16 where ``transposed_dtype`` says so (one chunk, the canonical tiles).
+    dtype: fp32, or bf16 where ``transposed_dtype`` says so (one chunk).
 
-    The canonical arrangement is ``_transposed_matmul_tiles``. Where this GEMM class runs the library GEMM and the
-    guard found that ``_transposed_matmul_views`` (the same chunk GEMMs on views, without the transposing copies and
-    row tiles) gives its bits, that arrangement runs instead (``HostGuard.arrangement_agrees``): first with the
-    last, partial chunk's GEMM on its real rows only (a shorter reduction: it gives the padded one's bits on some
-    hosts for some lengths, so that is probed per length), else with that chunk zero-padded. No bit changes.
+    The canonical arrangement is ``_transposed_matmul_tiles``; a bf16 reduction (one chunk, its GEMMs on one thread
+    by construction) on the host's GEMM is one GEMM per slab of output rows instead (``_one_chunk_slabs``). Where
+    this GEMM class runs the library GEMM and the guard found that ``_transposed_matmul_views`` (the same chunk GEMMs
+    on views, without the transposing copies and row tiles) gives its bits, that arrangement runs instead
+    (``HostGuard.arrangement_agrees``): first with the last, partial chunk's GEMM on its real rows only (a shorter
+    reduction: it gives the padded one's bits on some hosts for some lengths, so that is probed per length), else
+    with that chunk zero-padded. No bit changes.
     ``b_source``: the tensor ``b`` was derived from (``_reduction_operand``).
 
     A last chunk of at most half a chunk is reduced at its own length (``_short_last_chunk``): the reduction over
     M tokens is the tree of each chunk's own reduction, so no GEMM multiplies more than twice its real rows."""
     rows, n = a.shape
     k = b.shape[1]
+    if _one_chunk_in_slabs(rows, k, a.dtype, host, op):
+        return _one_chunk_slabs(a, b, _one_chunk_length(rows))
     views = _views_arrangement(rows, n, k, a.dtype, host, op)
     if views is None:
         return _transposed_matmul_tiles(a, b, host, op, b_source)
-    if views == ONE_CHUNK_SLABS:
-        return _one_chunk_slabs(a, b, _one_chunk_length(rows))
     return _transposed_matmul_views(a, b, _reduction_block(rows, a.dtype), unpadded_tail=views == UNPADDED_TAIL)
 
 
-UNPADDED_TAIL, PADDED_TAIL, ONE_CHUNK_SLABS = "unpadded tail", "padded tail", "one chunk in slabs"
-"""``_views_arrangement``'s answers: the views with the last, partial chunk on its real rows, or zero-padded; or a
-one-chunk reduction of a one-thread class (bf16) in slabs of output rows (``_one_chunk_slabs``)."""
+UNPADDED_TAIL, PADDED_TAIL = "unpadded tail", "padded tail"
+"""``_views_arrangement``'s answers: the views with the last, partial chunk on its real rows, or zero-padded."""
 
 
 def _views_arrangement(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> str | None:
     """How ``transposed_matmul`` runs a [rows, n].T @ [rows, k] reduction in ``dtype``: on views
-    (``UNPADDED_TAIL`` / ``PADDED_TAIL``; a one-thread class's one chunk: ``ONE_CHUNK_SLABS``) where the guard found
-    their bits the canonical tiles' (probed at first use), else None (the tiles)."""
+    (``UNPADDED_TAIL`` / ``PADDED_TAIL``) where the guard found their bits the canonical tiles' (probed at first use),
+    else None (the tiles)."""
     block = _reduction_block(rows, dtype)
     chunks = -(-rows // block)
     views_fit = chunks * min(n, VIEW_SLAB_ROWS) * k <= VIEW_PARTIALS_MAX
@@ -839,73 +839,90 @@ def _views_arrangement(rows: int, n: int, k: int, dtype: torch.dtype, host: Host
             return UNPADDED_TAIL
         if _views_agree(block, n, k, None, host, op, dtype, last_chunk_length(rows, block, dtype)):
             return PADDED_TAIL
-    elif (one_thread_reduction(dtype) and rows <= block
-          and host.single_thread_gemm(dtype, b_class, False, op, one_thread=True) is not None
-          and _one_chunk_slabs_agree(block, n, k, _one_chunk_length(rows), host, op, dtype)):
-        return ONE_CHUNK_SLABS
     return None
+
+
+ONE_CHUNK_SLAB_ROWS = 256
+"""Output rows per GEMM of a bf16 weight gradient (``_one_chunk_slabs``): a fixed number, so the calls' shapes depend on
+the layer and the token count only, never on the thread count. Measured on the 2-core AMD host, one thread, bf16, 312
+tokens: a GEMM of 256 rows runs as fast as one of 4,096 (llama100m's LM head gradient 102 ms against 109; native's
+one GEMM 103), one of 64 rows (the tiles' height) 20% slower; and llama100m's narrowest layers (576 rows) still make
+three slabs to share out between the threads."""
+
+
+def _one_chunk_in_slabs(rows: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> bool:
+    """Whether a [rows, n].T @ [rows, k] reduction in ``dtype`` is one chunk in slabs (``_one_chunk_slabs``): a
+    one-thread class (``one_thread_reduction``: bf16, whose reduction is one chunk, ``transposed_dtype``) that runs the
+    host's GEMM with one thread (``HostGuard.single_thread_gemm``). Elsewhere -- the fixed-order GEMM, a guard over
+    another GEMM -- the tiles through ``host.bmm``."""
+    if not one_thread_reduction(dtype):
+        return False
+    block = _reduction_block(rows, dtype)
+    b_class = gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
+    return rows <= block and host.single_thread_gemm(dtype, b_class, False, op, one_thread=True) is not None
 
 
 def _one_chunk_length(rows: int) -> int:
     """The reduction length ``_one_chunk_slabs`` multiplies for ``rows`` tokens: zero-padded to a multiple of
-    ``MIN_REDUCE_BLOCK`` only (the canonical chunk pads a bf16 chunk to a multiple of ``REDUCE_BLOCK``: 312 tokens to
-    512), so the guard probes at most ``LIBRARY_REDUCE_MAX / MIN_REDUCE_BLOCK`` lengths per layer shape."""
+    ``MIN_REDUCE_BLOCK`` (the tiles pad a bf16 chunk to a multiple of ``REDUCE_BLOCK``: 312 tokens to 512)."""
     return ceil_to(rows, MIN_REDUCE_BLOCK)
 
 
-def _slab_rows(n: int) -> int:
-    """Output rows per slab of ``_one_chunk_slabs``: ``VIEW_SLAB_ROWS``, or fewer where that leaves a thread without a
-    slab (a multiple of every tile height: ``ROW_BLOCKS``)."""
-    return min(VIEW_SLAB_ROWS, ceil_to(-(-n // torch.get_num_threads()), max(ROW_BLOCKS)))
-
-
 def _one_chunk_slabs(a: Tensor, b: Tensor, length: int) -> Tensor:
-    """a.T @ b for a one-chunk reduction (a [M, N], b [M, K], M <= ``length``) of a one-thread class (bf16), on views:
-    for each slab of N output rows (``_slab_rows``) one GEMM, a's columns seen transposed (zero-padded to ``length``
-    rows where M is shorter) by b zero-padded to [length, K], on one thread. Where the compiled loops are built and
-    several threads run, the slabs are shared out between them, each GEMM on its own thread (``slab_mms`` in
-    ``csrc/exact_loops.cpp``); else one after another on one thread. The canonical tiles copy a transposed into
-    64-row tiles of the whole chunk (``_transposed_matmul_laid_out``), one GEMM each: llama100m's LM head gradient
-    over 312 tokens took twice as long that way on the AMD host (768 GEMMs over 512 tokens). Used only where
-    ``_one_chunk_slabs_agree`` found the canonical tiles' bits."""
+    """The canonical a.T @ b of a one-chunk reduction in a one-thread class (``_one_chunk_in_slabs``; a [M, N],
+    b [M, K], M <= ``length``): for each slab of ``ONE_CHUNK_SLAB_ROWS`` output rows, one GEMM on one thread of a's
+    columns seen transposed (zero-padded to ``length`` rows where M is shorter) by b zero-padded to [length, K]. Each
+    output element depends only on its own column of a, b and the slab's shape -- never on the thread count: every
+    GEMM runs on one thread, whatever the count. Where the compiled loops are built and several threads run, the
+    slabs are shared out between them, each GEMM on the thread that runs it (``slab_mms`` in
+    ``csrc/exact_loops.cpp``), once ``_slabs_spread_agree`` found that this gives the slabs' bits one after another
+    (else they run so). The tiles this replaced copied a transposed into 64-row tiles of the chunk padded to a
+    multiple of 256 tokens, one GEMM each: llama100m's LM head gradient over 312 tokens took twice as long that way
+    on the AMD host (768 GEMMs over 512 tokens, against 192 over 320), and bf16 training was 1.19x native."""
     rows, n = a.shape
     k = b.shape[1]
     a = a if a.stride(1) == 1 and a.stride(0) >= n and a.data_ptr() % ALIGNMENT == 0 else _aligned(a)
     b = _padded_or_aligned(b, (length, k))
-    slab = _slab_rows(n)
     loops = compiled_loops.library()
-    if loops is not None and torch.get_num_threads() > 1 and n > slab:
-        return loops.slab_mms(a, b, slab)  # each slab's GEMM on the thread that runs it
-
-    def calls() -> Tensor:
-        if loops is not None:
-            return loops.slab_mms(a, b, slab)
-        out = a.new_empty(n, k)
-        for first in range(0, n, slab):
-            last = min(n, first + slab)
-            torch.mm(_padded_or_aligned(a[:, first:last], (length, last - first)).t(), b, out=out[first:last])
-        return out
-    return _with_threads(1, calls)
+    slab = ONE_CHUNK_SLAB_ROWS
+    if (loops is not None and torch.get_num_threads() > 1 and n > slab
+            and _slabs_spread_agree(n, k, length, a.dtype)):
+        return loops.slab_mms(a, b, slab)
+    return _with_threads(1, lambda: _slabs_in_turn(a, b, length, slab))
 
 
-def _one_chunk_slabs_agree(block: int, n: int, k: int, length: int, host: HostGuard, op: str,
-                           dtype: torch.dtype) -> bool:
-    """Whether ``_one_chunk_slabs`` padded to ``length`` rows gives ``_transposed_matmul_tiles``' bits (one chunk of
-    ``block`` rows) for this class on this host: a probe at first use (``host.arrangement_agrees``: at the current and
-    the machine's thread count, and each count seen later) on seeded inputs of the fewest tokens that pad to
-    ``length`` (``length - MIN_REDUCE_BLOCK + 1``, whose canonical chunk is ``block`` too)."""
-    partial = length - MIN_REDUCE_BLOCK + 1
-    if _reduction_block(partial, dtype) != block:
-        return False
+def _slabs_in_turn(a: Tensor, b: Tensor, length: int, slab: int) -> Tensor:
+    """``_one_chunk_slabs``' GEMMs one after another on the calling thread(s): in one compiled call where the loops are
+    built, else a Python loop of the same ``mm`` calls on the same operands."""
+    loops = compiled_loops.library()
+    if loops is not None:
+        return loops.slab_mms(a, b, slab)
+    n, k = a.shape[1], b.shape[1]
+    out = a.new_empty(n, k)
+    for first in range(0, n, slab):
+        last = min(n, first + slab)
+        torch.mm(_padded_or_aligned(a[:, first:last], (length, last - first)).t(), b, out=out[first:last])
+    return out
 
-    def inputs() -> list[Tensor]:
-        a_t, b_t = _probe_operands(dtype, (n, partial), (k, partial))  # the reduction over the tokens is their K
-        return [a_t.t().contiguous(), b_t.t().contiguous()]
 
-    shape_class = f"block={block} N={n} K={k} one chunk padded to {length} rows in slabs {_name(dtype)}"
-    return host.arrangement_agrees("weight gradient on views", shape_class,
-                                   lambda: _transposed_matmul_tiles(*inputs(), host, op),
-                                   lambda: _one_chunk_slabs(*inputs(), length), op)
+_SPREAD_CHECKS: dict[tuple, bool] = {}
+
+
+def _slabs_spread_agree(n: int, k: int, length: int, dtype: torch.dtype) -> bool:
+    """Whether ``slab_mms`` at the current thread count (the slabs shared out between the threads) gives the bits of
+    the same slabs one after another with one thread, for this (N, K, padded length, dtype): checked once per thread
+    count on seeded order-revealing inputs (``_probe_operands``) of the fewest tokens that pad to ``length``. It
+    catches a library whose GEMM called inside a parallel region rounds otherwise than with one thread."""
+    key = (dtype, n, k, length, torch.get_num_threads())
+    if (known := _SPREAD_CHECKS.get(key)) is not None:
+        return known
+    tokens = length - MIN_REDUCE_BLOCK + 1
+    a_t, b_t = _probe_operands(dtype, (n, tokens), (k, tokens))  # the reduction over the tokens is their K
+    a, b = a_t.t().contiguous(), _zero_padded(b_t.t(), (length, k))
+    loops = compiled_loops.library()
+    alone = _with_threads(1, lambda: loops.slab_mms(a, b, ONE_CHUNK_SLAB_ROWS))
+    _SPREAD_CHECKS[key] = agrees = torch.equal(loops.slab_mms(a, b, ONE_CHUNK_SLAB_ROWS), alone)
+    return agrees
 
 
 def probe_transposed_matmul(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> None:
@@ -952,7 +969,7 @@ def _transposed_matmul_by_chunk(a: Tensor, b: Tensor, host: HostGuard, op: str, 
 
 
 def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
-    """The canonical arrangement of ``transposed_matmul``.
+    """The canonical arrangement of ``transposed_matmul`` (a bf16 one on the host's GEMM: ``_one_chunk_slabs``).
 
     A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.
     Rows are cut into chunks of ``_reduction_block(M)`` (zero-padded). Each chunk is a GEMM tile product whose
@@ -990,16 +1007,11 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     if last < block:  # a short last chunk (``_short_last_chunk``)
         return _transposed_matmul_by_chunk(a, b, host, op, block)
     one_thread = one_thread_reduction(a.dtype)
-    b_class = gemm_class(block, k_pad, transposed=True)
     if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
         return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
     if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
         b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
         return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k)
-    if (chunks == 1 and row_tiles > 1 and bmm_copies_operand(a.dtype, height, block, k_pad)
-            and host.single_thread_gemm(a.dtype, b_class, False, op, one_thread=one_thread) is not None
-            and _laid_out_reduction_agrees(height, block, k_pad, a.dtype)):
-        return _transposed_matmul_laid_out(a, b, block, height, k_pad, b_source)
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
@@ -1072,19 +1084,21 @@ def _in_slabs(n: int, k: int, like: Tensor, slab: Callable[[int, int], Tensor]) 
 
 
 _TILE_VIEWS_CHECKS: dict[tuple, bool] = {}
+TILE_VIEWS_CHECK_ROW_TILES = 3
+"""Whole row tiles in ``_tile_views_agree``' inputs: several, as the calls it stands for have."""
 
 
 def _tile_views_agree(block: int, height: int, k_pad: int) -> bool:
     """Whether ``_transposed_matmul_tile_views`` gives the canonical call's bits (``_transposed_matmul_tiles``' one
     ``bmm`` over every (chunk, row tile) pair on the laid-out operands, with 1 thread) for this fp32 class here:
     checked once per (chunk, tile height, K_pad, thread count) on seeded inputs with two whole chunks and a partial
-    one, ``LAID_OUT_CHECK_ROW_TILES`` whole row tiles and a partial one -- every kind of tile the form runs (views;
+    one, ``TILE_VIEWS_CHECK_ROW_TILES`` whole row tiles and a partial one -- every kind of tile the form runs (views;
     a region zero-padded by rows, by columns, by both). The same GEMM tile on the same values; this catches a GEMM
     whose bits follow its operands' strides (then the canonical call runs, with its copies)."""
     key = (block, height, k_pad, torch.get_num_threads())
     if (known := _TILE_VIEWS_CHECKS.get(key)) is not None:
         return known
-    rows, n = 2 * block + block // 2 + 1, LAID_OUT_CHECK_ROW_TILES * height + height // 2 + 1
+    rows, n = 2 * block + block // 2 + 1, TILE_VIEWS_CHECK_ROW_TILES * height + height // 2 + 1
     a, b = _seeded_randn((rows, n), (rows, k_pad))
     chunks, row_tiles = -(-rows // block), -(-n // height)
     loops = compiled_loops.library()
@@ -1095,88 +1109,6 @@ def _tile_views_agree(block: int, height: int, k_pad: int) -> bool:
 
     agrees = torch.equal(_with_threads(1, canonical), _transposed_matmul_tile_views(a, b, block, height, k_pad))
     _TILE_VIEWS_CHECKS[key] = agrees
-    return agrees
-
-
-def _transposed_matmul_laid_out(a: Tensor, b: Tensor, block: int, height: int, k_pad: int,
-                                b_source: Tensor | None) -> Tensor:
-    """``_transposed_matmul_tiles`` for one chunk and several row tiles on a class that runs the library GEMM with 1
-    thread (a bf16 weight gradient), on the operands as ``bmm`` lays them out: one ``bmm`` per row tile, [1, height,
-    block] @ [1, block, K_pad], each on one thread, into its rows of one output (``_laid_out_row_tiles``: at several
-    threads the row tiles spread over them).
-
-    The canonical call passes every row tile the chunk's operand expanded (a stride-0 batch, its [block, K_pad]
-    transposed), which oneDNN's bf16 ``bmm`` copies, once per row tile, into a contiguous [row tiles, block, K_pad]
-    before its GEMM (``bmm_copies_operand``; 24 copies of a 512 x 576 chunk per gate or up projection of llama100m),
-    and the row tiles (a strided view) into a contiguous copy. Here each is laid out once in that layout: the chunk
-    zero-padded, row-major (``_laid_out_reduction_operand``, shared by the layers that read one input), and the row
-    tiles contiguous (``_chunks_transposed``) -- the same oneDNN GEMM on the same values in the same layout, a call
-    per tile instead of one for all (a tile's rows do not depend on how many tiles share its call: the ``gemm_rows``
-    probe). Runs only where ``_laid_out_reduction_agrees`` found the canonical call's bits for the class."""
-    rows, n = a.shape
-    k = b.shape[1]
-    row_tiles = -(-n // height)
-    a_tiles = _chunks_transposed(a, block, 1, row_tiles * height).view(row_tiles, height, block)
-    operand = _laid_out_reduction_operand(b, block, k_pad, b_source)
-    out = _laid_out_row_tiles(a_tiles, operand).view(row_tiles * height, k_pad)
-    return out[:n] if k_pad == k else out[:n, :k]
-
-
-def _laid_out_row_tiles(a_tiles: Tensor, operand: Tensor) -> Tensor:
-    """[T, height, K_pad]: one ``bmm`` per row tile of ``a_tiles`` [T, height, block] (contiguous) with ``operand``
-    [1, block, K_pad] (contiguous), each into its own rows of one output, each GEMM on one thread (``_tile_gemms``:
-    the row tiles spread over the threads where the compiled loops run several)."""
-    return _tile_gemms(a_tiles, operand, one_thread=True)
-
-
-# The laid-out right operand of the last one-chunk weight gradient per input tensor (weakly keyed), see below.
-_LAID_OUT_REDUCTION_OPERANDS = WeakIdKeyDictionary()
-
-
-def _laid_out_reduction_operand(b: Tensor, block: int, k_pad: int, source: Tensor | None) -> Tensor:
-    """[1, block, K_pad]: ``b`` [M, K] (M <= block) zero-padded to ``block`` rows and ``k_pad`` columns, contiguous and
-    aligned (``b`` itself where it is that already) -- one chunk's right operand as oneDNN's ``bmm`` lays out the
-    canonical one (``_transposed_matmul_laid_out``). Kept per ``source`` while it is unchanged, as
-    ``_reduction_operand`` keeps its layout: q, k and v (gate and up) read one input."""
-    key = (source._version, tuple(b.shape), b.dtype, block, k_pad) if source is not None else None
-    if key is not None and (hit := _LAID_OUT_REDUCTION_OPERANDS.get(source)) is not None and hit[0] == key:
-        return hit[1]
-    operand = _padded_or_aligned(b, (block, k_pad)).unsqueeze(0)
-    if key is not None:
-        _LAID_OUT_REDUCTION_OPERANDS[source] = (key, operand)
-    return operand
-
-
-_LAID_OUT_REDUCTION_CHECKS: dict[tuple, bool] = {}
-LAID_OUT_CHECK_ROW_TILES = 3
-"""Row tiles in ``_laid_out_reduction_agrees``' canonical call: several, as the calls it stands for have."""
-
-
-def _laid_out_reduction_agrees(height: int, block: int, k_pad: int, dtype: torch.dtype) -> bool:
-    """Whether ``_transposed_matmul_laid_out`` gives the canonical call's bits (``_transposed_matmul_tiles``' one
-    ``bmm`` over every row tile, with 1 thread) for this class here: checked once per (dtype, tile height, chunk,
-    K_pad, thread count: ``_laid_out_row_tiles`` shares the tiles out between the threads) on seeded order-revealing
-    operands (``_probe_operands``: the reduction over the chunk's tokens is their
-    K), ``LAID_OUT_CHECK_ROW_TILES`` row tiles, in both forms of the canonical call (its row tiles a strided view of
-    the output rows, where they are whole tiles; else a zero-padded copy). ``bmm_copies_operand`` says the two are the
-    same oneDNN GEMM; this catches a torch whose ``bmm`` no longer does what it says (then the canonical call runs,
-    with its copies)."""
-    key = (dtype, height, block, k_pad, torch.get_num_threads())
-    if (known := _LAID_OUT_REDUCTION_CHECKS.get(key)) is not None:
-        return known
-    tiles = LAID_OUT_CHECK_ROW_TILES
-    a_t, b_t = _probe_operands(dtype, (tiles * height, block), (k_pad, block))
-    a = a_t.t().contiguous()  # [block, N]: the chunk's tokens by the output rows
-    b_tiles = b_t.unsqueeze(0).expand(tiles, k_pad, block).transpose(1, 2)  # the canonical, shared operand
-
-    def canonical(a_tiles: Tensor) -> Tensor:
-        return _with_threads(1, lambda: torch.bmm(a_tiles, b_tiles)).view(tiles * height, k_pad)
-
-    laid = _laid_out_row_tiles(_chunks_transposed(a, block, 1, tiles * height).view(tiles, height, block),
-                               b_t.t().contiguous().unsqueeze(0)).view(tiles * height, k_pad)
-    strided = a.view(1, block, tiles * height).transpose(1, 2).reshape(tiles, height, block)
-    agrees = torch.equal(canonical(strided), laid) and torch.equal(canonical(strided.contiguous()), laid)
-    _LAID_OUT_REDUCTION_CHECKS[key] = agrees
     return agrees
 
 

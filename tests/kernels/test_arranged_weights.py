@@ -16,16 +16,9 @@ fp32 and bf16:
 - torch's bf16 ``bmm`` does copy the shared canonical operand where ``bmm_copies_operand`` says it does (the profiler
   sees the copy), and fp32's does not; it copies no operand as the weight is stored.
 
-The same for a bf16 weight gradient's one chunk over several row tiles (``_transposed_matmul_laid_out``): the
-canonical call passes the chunk's operand expanded over the row tiles, which oneDNN's ``bmm`` copies once per row
-tile; now the chunk is laid out once as ``bmm`` lays it out and each row tile is its own call. Checked: the bits of
-the canonical call (at several shapes, 1 and 2 threads, on this host and on the emulated rows-in-call host, alone and
-through a linear layer's backward), the first-use check catching a laid-out arrangement made wrong on purpose, and
-the profiler seeing no per-tile copy.
-
 Several bf16 forward tiles of a transposed-batch class (``_laid_out_tiles``) run as the canonical call (small
 operands) or one GEMM per tile on the weight's own matrix, spread over the threads in one compiled call
-(``_tile_gemms``), as do the weight gradient's row tiles: checked bitwise against the canonical call (the guard's
+(``_tile_gemms``): checked bitwise against the canonical call (the guard's
 per-tile class, ``HostGuard.bmm``) at 1 and 2 threads, on this host and on the emulated rows-in-call host, with a
 counter-test (per-tile GEMMs one ulp off are caught at first use).
 """
@@ -34,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import form_and_canonical, num_threads
+from conftest import num_threads
 from test_host_guard import emulated_guard
 from torch.profiler import ProfilerActivity, profile
 
@@ -177,105 +170,13 @@ def test_bmm_copies_no_operand_as_stored(layout):
     assert torch.equal(_bits(out), _bits(torch.bmm(x, gemm_arrangements.per_tile_operand(operand, 1))))
 
 
-# --------------------------------------------------------------------------- a bf16 weight gradient's row tiles
-# (tokens, output rows N, input width K): one chunk (up to 1024 tokens) over several 64-row tiles of N; padding of
-# the tokens (312 -> 512), of N to whole tiles (130, 1000) and of K to a multiple of 16 (17, 40), and none (512 x 576)
-REDUCTION_SHAPES = [(312, 1536, 576), (512, 576, 1536), (300, 176, 64), (1000, 130, 17), (64, 1000, 40)]
-REDUCTION_HOSTS = ("this-host", "rows-in-call")
+TILE_HOSTS = ("this-host", "rows-in-call")
 
 
-def _reduction_host(name: str, monkeypatch: pytest.MonkeyPatch) -> HostGuard:
+def _tile_host(name: str, monkeypatch: pytest.MonkeyPatch) -> HostGuard:
     if name == "this-host":
         return HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
     return emulated_guard(name, monkeypatch, mode="canonical")
-
-
-def _laid_out_calls(monkeypatch: pytest.MonkeyPatch, laid_out: bool) -> list[int]:
-    """Take the laid-out row tiles wherever the class allows them (``laid_out``; ``bmm_copies_operand`` answering yes
-    on any host, so that they run here whatever this CPU is) or never (the canonical call); counts their calls."""
-    monkeypatch.setattr(gemm_arrangements, "bmm_copies_operand", lambda *args: laid_out)
-    calls = []
-    real = gemm_arrangements._transposed_matmul_laid_out
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(gemm_arrangements, "_transposed_matmul_laid_out", counted)
-    return calls
-
-
-def _weight_gradient(rows: int, n: int, k: int, host: HostGuard) -> torch.Tensor:
-    a = _randn(rows, n, dtype=torch.bfloat16, seed=rows + n)
-    b = _randn(rows, k, dtype=torch.bfloat16, seed=rows + k + 1)
-    return gemm_arrangements.transposed_matmul(a, b, host, "linear")
-
-
-@pytest.mark.parametrize("host_name", REDUCTION_HOSTS)
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows,n,k", REDUCTION_SHAPES)
-def test_bf16_weight_gradient_on_laid_out_row_tiles_is_the_canonical_call(rows, n, k, threads, host_name,
-                                                                          monkeypatch):
-    with num_threads(threads):
-        expected, out = form_and_canonical(
-            monkeypatch, _laid_out_calls, lambda patch: _weight_gradient(rows, n, k, _reduction_host(host_name, patch)))
-    assert out.dtype == torch.bfloat16 and out.shape == (n, k)
-    assert torch.equal(_bits(out), _bits(expected))
-
-
-@pytest.mark.parametrize("host_name", REDUCTION_HOSTS)
-def test_linear_backward_on_laid_out_row_tiles_is_the_canonical_call(host_name, monkeypatch):
-    """Through a bf16 linear layer's backward (the weight gradient of 312 tokens, N = 200: four row tiles) at 1 and
-    2 threads: every output and gradient bit for bit as the canonical call's, before and after an update."""
-    def steps() -> list[torch.Tensor]:
-        ops = cpu_exact.with_host(_reduction_host(host_name, monkeypatch))
-        return [t for threads in (1, 2) for t in _with_threads(threads, lambda: _steps(torch.bfloat16, 312, 96, 200,
-                                                                                        ops=ops))]
-    with pytest.MonkeyPatch.context() as canonical:
-        _laid_out_calls(canonical, laid_out=False)
-        expected = steps()
-    calls = _laid_out_calls(monkeypatch, laid_out=True)
-    out = steps()
-    assert len(calls) == 6  # three backward passes at each thread count
-    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, expected))
-
-
-def test_a_laid_out_arrangement_that_differs_keeps_the_canonical_call(monkeypatch):
-    """Counter-test: laid-out row tiles made one ulp off are caught by the first-use check, and the canonical call
-    runs (its bits); without the check they would have been used."""
-    expected = _weight_gradient(312, 200, 96, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
-    real = gemm_arrangements._laid_out_row_tiles
-
-    def off(*args):
-        out = real(*args)
-        return torch.nextafter(out, torch.full_like(out, float("inf")))
-    monkeypatch.setattr(gemm_arrangements, "_laid_out_row_tiles", off)
-    monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_REDUCTION_CHECKS", {})
-    calls = _laid_out_calls(monkeypatch, laid_out=True)
-    out = _weight_gradient(312, 200, 96, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
-    assert not calls and torch.equal(_bits(out), _bits(expected))
-    monkeypatch.setattr(gemm_arrangements, "_laid_out_reduction_agrees", lambda *args: True)
-    wrong = _weight_gradient(312, 200, 96, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
-    assert calls == [1] and not torch.equal(_bits(wrong), _bits(expected))
-
-
-def test_laid_out_row_tiles_copy_no_operand_per_tile():
-    """Where ``bmm_copies_operand`` holds here, the canonical weight gradient's ``bmm`` copies the chunk's operand
-    for every row tile (the profiler sees a [row tiles, 512, 96] copy) and the laid-out row tiles copy none."""
-    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
-    if not gemm_arrangements.bmm_copies_operand(torch.bfloat16, 64, 512, 96):
-        pytest.skip("torch's bf16 bmm does not copy the operand on this host (no oneDNN bf16 GEMM)")
-
-    def copies(laid_out: bool) -> list[list[int]]:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            if not laid_out:
-                monkeypatch.setattr(gemm_arrangements, "bmm_copies_operand", lambda *args: False)
-            _weight_gradient(312, 200, 96, host)  # first use: probes and checks, outside the profile
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                _weight_gradient(312, 200, 96, host)
-        return [list(e.input_shapes[0]) for e in prof.events() if e.name == "aten::copy_"
-                and e.input_shapes and list(e.input_shapes[0])[1:] == [512, 96]]
-    assert copies(laid_out=False) == [[4, 512, 96]]
-    assert copies(laid_out=True) == []
 
 
 # --------------------------------------------------------------------------- several forward tiles, laid out
@@ -313,7 +214,7 @@ def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: i
     return forms
 
 
-@pytest.mark.parametrize("host_name", REDUCTION_HOSTS)
+@pytest.mark.parametrize("host_name", TILE_HOSTS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("form,call_max", [("one call", 1 << 40), ("per tile", 0)])
 @pytest.mark.parametrize("rows,k,n", FORWARD_SHAPES)
@@ -326,10 +227,10 @@ def test_bf16_forward_tiles_on_a_transposed_batch_are_the_canonical_call(rows, k
     with num_threads(threads):
         with pytest.MonkeyPatch.context() as canonical:
             forms = _laid_out_forms(canonical, laid_out=False, rows=rows)
-            expected = _forward_tiles(rows, k, n, _reduction_host(host_name, canonical))
+            expected = _forward_tiles(rows, k, n, _tile_host(host_name, canonical))
             assert not forms
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
-        out = _forward_tiles(rows, k, n, _reduction_host(host_name, monkeypatch))
+        out = _forward_tiles(rows, k, n, _tile_host(host_name, monkeypatch))
     assert forms == [form]
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     assert torch.equal(_bits(out), _bits(expected))
