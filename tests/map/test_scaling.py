@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vexact.map.fit import fit_law, scaling
-from vexact.map.scaling_report import write_scaling
+from vexact.map.scaling_report import OPEN_END_SPAN, interval_drawn, write_scaling
 from vexact.map.shapes import compare_shapes
 from vexact.map.verdict import MAP_KEYS, load_map, place_on_map
 from vexact.sweeps.sweep_data import PointData, SweepData
@@ -354,3 +354,14 @@ def test_a_horizon_interval_open_on_one_side_enters_alpha_interval_mirrored():
     still_open = fit_law(both_open)
     assert still_open["alpha_ci_low"] is None and still_open["alpha_ci_high"] is None
     assert "no interval" in still_open["note"] and "alpha_ci_mirrored" not in still_open
+
+
+def test_an_open_interval_end_is_drawn_as_an_arrow_not_a_zero_width_bar():
+    """A threshold whose bootstrap interval is open below (every resample collapsed at the lowest dose) must not
+    be drawn with an error bar ending at the threshold itself, which reads as certainty."""
+    closed = {"threshold_50": 0.004, "ci_low": 0.001, "ci_high": 0.016}
+    assert interval_drawn(closed) == ((0.001, 0.016), [])
+    open_below = {"threshold_50": 0.004, "ci_low": None, "ci_high": 0.016}
+    assert interval_drawn(open_below) == ((0.004, 0.016), [0.004 / OPEN_END_SPAN])
+    open_above = {"threshold_50": 0.004, "ci_low": 0.001}
+    assert interval_drawn(open_above) == ((0.001, 0.004), [0.004 * OPEN_END_SPAN])

@@ -73,9 +73,24 @@ def against_meter(result: dict[str, Any], meter: dict[str, Any]) -> dict[str, An
     return {"horizons": rows, "note": note}
 
 
+OPEN_END_SPAN = 10.0
+"""How far (a factor on the threshold axis) ``plot_scaling`` draws the arrow of an interval open on one side."""
+
+
+def interval_drawn(horizon: dict[str, Any]) -> tuple[tuple[float, float], list[float]]:
+    """A fitted horizon's interval as ``plot_scaling`` draws it: the error bar's ends (an open end at the threshold
+    itself: no bar on that side) and, per open end, where its arrow points (``OPEN_END_SPAN`` beyond the threshold).
+    An open end is not a zero-width interval: drawn as one, it would read as certainty where the data have none."""
+    y = horizon["threshold_50"]
+    lo, hi = horizon.get("ci_low"), horizon.get("ci_high")
+    arrows = ([y / OPEN_END_SPAN] if lo is None else []) + ([y * OPEN_END_SPAN] if hi is None else [])
+    return (y if lo is None else lo, y if hi is None else hi), arrows
+
+
 def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
-    """Threshold (with interval) against T, log-log, one colour per curve; bounds as arrows; the fitted law with its
-    95% band (the legend names the points the band misses)."""
+    """Threshold (with interval) against T, log-log, one colour per curve; an interval open on one side as a dashed
+    arrow (``interval_drawn``); bounds as arrows; the fitted law with its 95% band (the legend names the points the
+    band misses)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,11 +106,14 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
             if not positive(h.get("horizon")):
                 continue
             if h["status"] == "fitted":
-                lo, hi = h.get("ci_low") or h["threshold_50"], h.get("ci_high") or h["threshold_50"]
-                ax.errorbar([h["horizon"]], [h["threshold_50"]], yerr=[[h["threshold_50"] - lo],
-                            [hi - h["threshold_50"]]], color=colour, marker="o", capsize=3)
+                t, y = h["horizon"], h["threshold_50"]
+                (lo, hi), open_ends = interval_drawn(h)
+                ax.errorbar([t], [y], yerr=[[y - lo], [hi - y]], color=colour, marker="o", capsize=3)
+                for far in open_ends:  # an interval open on this side: no cap, an arrow a decade long
+                    ax.annotate("", xy=(t, far), xytext=(t, y),
+                                arrowprops={"arrowstyle": "->", "color": colour, "linestyle": "--"})
                 any_point = True
-                ys += [lo, hi]
+                ys += [lo, hi, *open_ends]
             elif h["status"] in ("above_range", "below_range"):
                 up = h["status"] == "above_range"
                 y = h["lower_bound"] if up else h["upper_bound"]
