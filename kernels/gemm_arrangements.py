@@ -865,7 +865,7 @@ def _one_chunk_in_slabs(rows: int, k: int, dtype: torch.dtype, host: HostGuard, 
 def _one_chunk_length(rows: int) -> int:
     """The reduction length ``_one_chunk_slabs`` multiplies for ``rows`` tokens: zero-padded to a multiple of
     ``MIN_REDUCE_BLOCK`` (the tiles pad a bf16 chunk to a multiple of ``REDUCE_BLOCK``: 312 tokens to 512)."""
-    return ceil_to(rows, MIN_REDUCE_BLOCK)
+    return ceil_to(max(rows, 1), MIN_REDUCE_BLOCK)
 
 
 def _one_chunk_slabs(a: Tensor, b: Tensor, length: int) -> Tensor:
