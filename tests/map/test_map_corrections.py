@@ -512,15 +512,16 @@ def test_the_shipped_map_is_made_by_build_map():
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
     # at L = 500 (held task): recompute collapsed both seeds at the larger dose and held its one run at the smaller (a
     # threshold between them; the bootstrap over its two seeds leaves the interval's lower end open: a resample of
-    # seed 1 alone collapsed at every dose); token TIS and IcePop held at both their doses, one run each (bounds)
+    # seed 1 alone collapsed at every dose); token TIS and IcePop held both seeds at the larger dose and their one run
+    # at a third (bounds)
     recompute, token_tis, icepop = ([h for h in next(c for c in m["curves"] if c["correction"] == name
                                                      and c["source"] == "logit_scale" and c["policy_lag"] == 0)[
         "horizons"] if h["horizon_value"] == 500] for name in ("recompute", "token_tis", "icepop"))
     assert [h["status"] for h in recompute + token_tis + icepop] == ["fitted", "above_range", "above_range"]
     assert (recompute[0]["runs"], recompute[0]["collapsed"], recompute[0]["runs_per_dose"]) == (3, 2, [1, 2])
-    assert token_tis[0]["runs"] == icepop[0]["runs"] == 2
-    assert not recompute[0]["single_run_per_dose"]
-    assert token_tis[0]["single_run_per_dose"] and icepop[0]["single_run_per_dose"]
+    assert token_tis[0]["runs"] == icepop[0]["runs"] == 3
+    assert token_tis[0]["runs_per_dose"] == icepop[0]["runs_per_dose"] == [2, 1]
+    assert not any(h["single_run_per_dose"] for h in recompute + token_tis + icepop)
     assert recompute[0]["ci_low"] is None and "lower end lies below the tested range" in recompute[0]["note"]
     assert recompute[0]["bracket_low"] < recompute[0]["threshold_50"] < recompute[0]["ci_high"]
     # an open lower end: every k3 below the interval's top reads "near", never "below"
@@ -529,7 +530,7 @@ def test_the_shipped_map_is_made_by_build_map():
         assert near.startswith("near the measured collapse range") and "(one run per dose)" not in near
     for horizon, name in ((token_tis[0], "token_tis"), (icepop[0], "icepop")):
         held = place_on_map(m, horizon["lower_bound"] / 2, horizon["horizon"], name)["verdict"]
-        assert held.startswith("below every level tested") and "(one run per dose)" in held
+        assert held.startswith("below every level tested") and "(one run per dose)" not in held  # two seeds at one
 
 
 def test_a_below_range_bound_says_how_many_of_its_runs_collapsed():
