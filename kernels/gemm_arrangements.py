@@ -684,40 +684,35 @@ def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int,
     n_pad = operand.shape[2]
     tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
     if form == LAID_OUT_FORMS[2]:
-        out = _tile_gemms(tiles, operand, one_thread=False)
+        out = _tile_gemms(tiles, operand)
     else:
         out = torch.bmm(tiles, operand)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
-def _tile_gemms(tiles: Tensor, operand: Tensor, *, one_thread: bool, spread: bool | None = None) -> Tensor:
+def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None) -> Tensor:
     """[T, h, N]: one ``bmm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N] (contiguous, or
     a transposed batch: ``transposed_batch``), each into its own rows of one output.
 
     Spread (where the compiled loops are built and several threads run): one compiled call whose tiles are shared
     out between the threads, each tile's GEMM on one thread (``tile_gemms`` in ``csrc/exact_loops.cpp``: a GEMM
     called inside the parallel region runs on its calling thread), so no bit depends on how the threads divide them.
-    Else one call after another, each with 1 thread where ``one_thread`` (a class that runs the library GEMM with 1
-    thread by construction), with the process's threads otherwise. ``spread`` None: always for a ``one_thread``
-    class (else one thread does all the work); otherwise where the threads get even shares (T a multiple of the
-    threads, or at least ``SPREAD_TILES_PER_THREAD`` each) -- five large tiles at 2 threads ran faster one after
-    another, each GEMM on both threads. The callers check the result against the canonical call at first use, per
-    class and thread count (both ways, where either can run)."""
+    Else one call after another, each with the process's threads. ``spread`` None: where the threads get even shares
+    (T a multiple of the threads, or at least ``SPREAD_TILES_PER_THREAD`` each) -- five large tiles at 2 threads ran
+    faster one after another, each GEMM on both threads. The callers check the result against the canonical call at
+    first use, per class and thread count (both ways, where either can run)."""
     loops = compiled_loops.library()
     threads = torch.get_num_threads()
     count = tiles.shape[0]
     if spread is None:
-        spread = one_thread or count % threads == 0 or count >= SPREAD_TILES_PER_THREAD * threads
+        spread = count % threads == 0 or count >= SPREAD_TILES_PER_THREAD * threads
     if loops is not None and spread and count > 1 and threads > 1:
         return loops.tile_gemms(tiles, operand)
-
-    def calls() -> Tensor:
-        out = tiles.new_empty(count, tiles.shape[1], operand.shape[2])
-        for tile in range(count):
-            torch.bmm(tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
-        return out
-    return _with_threads(1, calls) if one_thread else calls()
+    out = tiles.new_empty(count, tiles.shape[1], operand.shape[2])
+    for tile in range(count):
+        torch.bmm(tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
+    return out
 
 
 SPREAD_TILES_PER_THREAD = 4
@@ -746,7 +741,7 @@ def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: s
     canonical = torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks)).view(blocks * block, n_pad)
     if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
         tiles = x.view(blocks, block, k)
-        agrees = all(torch.equal(canonical, _tile_gemms(tiles, operand, one_thread=False, spread=spread).view(
+        agrees = all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread).view(
             blocks * block, n_pad)) for spread in (True, False))
     else:
         laid = operand if form == LAID_OUT_FORMS[0] else per_tile_operand(operand, blocks)

@@ -257,14 +257,14 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
     operand = _randn(1, 96, 176, dtype=torch.bfloat16, seed=8)
     with num_threads(1):
         expected = torch.cat([torch.bmm(tiles[t : t + 1], operand) for t in range(5)])
-        assert torch.equal(gemm_arrangements._tile_gemms(tiles, operand, one_thread=False), expected)
+        assert torch.equal(gemm_arrangements._tile_gemms(tiles, operand), expected)
     assert calls == []
     with num_threads(2):
-        out = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)  # a one-thread class: always spread
-        one = gemm_arrangements._tile_gemms(tiles[:1], operand, one_thread=True)
+        out = gemm_arrangements._tile_gemms(tiles, operand, spread=True)  # spread when asked
+        one = gemm_arrangements._tile_gemms(tiles[:1], operand, spread=True)  # one tile: no region
         assert calls == [5]
-        uneven = gemm_arrangements._tile_gemms(tiles, operand, one_thread=False)  # 3 + 2: one call after another
-        even = gemm_arrangements._tile_gemms(tiles[:4], operand, one_thread=False)
+        uneven = gemm_arrangements._tile_gemms(tiles, operand)  # 3 + 2: one call after another
+        even = gemm_arrangements._tile_gemms(tiles[:4], operand)
     assert calls == [5, 4]
     assert all(torch.equal(_bits(got), _bits(want))
                for got, want in ((out, expected), (one, expected[:1]), (uneven, expected), (even, expected[:4])))
