@@ -166,6 +166,15 @@ def _aligned(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _rows_aligned(x: Tensor) -> Tensor:
+    """A 2-D operand whose columns a GEMM may read on views: ``x`` itself where its rows are unit-stride, do not
+    overlap and it starts on an ``ALIGNMENT``-byte boundary (a transposed view, or rows of a wider tensor), else
+    ``_aligned``'s contiguous copy."""
+    if x.stride(1) == 1 and x.stride(0) >= x.shape[1] and x.data_ptr() % ALIGNMENT == 0:
+        return x
+    return _aligned(x)
+
+
 def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     """``torch.constant_pad_nd(x, ...)`` with zeros after the end of each dim up to ``shape``: the same values and
     layout (a fresh contiguous tensor; with nothing to pad, a clone, as constant_pad_nd gives), with zeros written
@@ -876,27 +885,28 @@ def _one_chunk_slabs(a: Tensor, b: Tensor, length: int) -> Tensor:
     on the AMD host (768 GEMMs over 512 tokens, against 192 over 320), and bf16 training was 1.19x native."""
     rows, n = a.shape
     k = b.shape[1]
-    a = a if a.stride(1) == 1 and a.stride(0) >= n and a.data_ptr() % ALIGNMENT == 0 else _aligned(a)
+    a = _rows_aligned(a)
     b = _padded_or_aligned(b, (length, k))
     loops = compiled_loops.library()
     slab = ONE_CHUNK_SLAB_ROWS
     if (loops is not None and torch.get_num_threads() > 1 and n > slab
             and _slabs_spread_agree(n, k, length, a.dtype)):
         return loops.slab_mms(a, b, slab)
-    return _with_threads(1, lambda: _slabs_in_turn(a, b, length, slab))
+    return _with_threads(1, lambda: _slabs_in_turn(a, b, slab, loops))
 
 
-def _slabs_in_turn(a: Tensor, b: Tensor, length: int, slab: int) -> Tensor:
-    """``_one_chunk_slabs``' GEMMs one after another on the calling thread(s): in one compiled call where the loops are
-    built, else a Python loop of the same ``mm`` calls on the same operands."""
-    loops = compiled_loops.library()
+def _slabs_in_turn(a: Tensor, b: Tensor, slab: int, loops: object) -> Tensor:
+    """``_one_chunk_slabs``' GEMMs one after another on the calling thread(s), b already padded: in one compiled call
+    where the ``loops`` are built, else a Python loop of the same ``mm`` calls on the same operands (a slab of a's
+    columns as a view where no token is padded, else its zero-padded copy, as ``slab_mms`` takes them)."""
     if loops is not None:
         return loops.slab_mms(a, b, slab)
-    n, k = a.shape[1], b.shape[1]
+    (rows, n), (length, k) = a.shape, b.shape
     out = a.new_empty(n, k)
     for first in range(0, n, slab):
-        last = min(n, first + slab)
-        torch.mm(_padded_or_aligned(a[:, first:last], (length, last - first)).t(), b, out=out[first:last])
+        region = a[:, first : first + slab]
+        left = region if rows == length else _zero_padded(region, (length, region.shape[1]))
+        torch.mm(left.t(), b, out=out[first : first + slab])
     return out
 
 
@@ -1052,7 +1062,7 @@ def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int,
     chunks = -(-rows // block)
     body = rows if short_last is None else (chunks - 1) * block
     loops = compiled_loops.library()
-    a = a if a.stride(1) == 1 and a.data_ptr() % ALIGNMENT == 0 and a.stride(0) >= n else _aligned(a)
+    a = _rows_aligned(a)
     b = _padded_or_aligned(b, (rows, k_pad))
 
     def slab(first: int, last: int) -> Tensor:

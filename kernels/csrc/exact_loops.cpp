@@ -703,7 +703,7 @@ at::Tensor reduction_tile_gemms(const at::Tensor& a, const at::Tensor& b, int64_
 // of the N output rows, out[lo : lo + cols] = a[:, lo : lo + cols]^T @ b, one at::mm per slab on a's columns seen
 // transposed (zero-padded to b's rows where a has fewer: a [length, cols] copy), with no transposing copy of a and no
 // row tiles. The slabs are shared out between the threads, each GEMM on one thread (as in tile_gemms), so no bit
-// depends on how the threads divide them; gemm_arrangements checks the slabs at first use against the canonical tiles.
+// depends on how the threads divide them; gemm_arrangements checks the spread at first use against the slabs in turn.
 at::Tensor slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t slab) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) <= b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
                   a.scalar_type() == b.scalar_type() && slab >= 1,
