@@ -255,10 +255,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     a multiple of 16.
     Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
     grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
-    (``gemm_arrangements.transposed_matmul``) added by a halving tree (grad_weight's chunk GEMMs on views of grad and
-    x where the guard found that this gives the canonical tiles' bits: ``same_bits``); in bf16 on the host's bf16
-    GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding), one GEMM per 256-row
-    slab of grad_weight on one thread (``gemm_arrangements._one_chunk_slabs``)."""
+    (``gemm_arrangements.transposed_matmul``) added by a halving tree, each chunk on the host's GEMM one GEMM per
+    256-row slab of grad_weight on one thread (``gemm_arrangements._reduction_slabs``; in ``auto`` one GEMM per chunk
+    on views of grad and x where the guard found that this gives the slabs' bits: ``same_bits``); in bf16 on the
+    host's bf16 GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding)."""
     if bias is None:  # bias None passed as a static argument: _linear_forward(x, weight, None, host)
         return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight), (None, host))
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))

@@ -42,12 +42,9 @@ the bf16 operands as they are, each output rounded once to bf16 by the GEMM; els
 they compute in fp32. The faster arrangements below are probed in fp32 and run for fp32 only.
 
 A third form is no arrangement of its own but the same tiles grouped into other calls (``transposed_matmul``'s
-tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers. (A
-bf16 weight gradient on the library's GEMM has a canonical arrangement of its own: ``_one_chunk_slabs``.) In fp32,
-where the class runs torch's own GEMM,
-the canonical tiles one GEMM per (chunk, row tile) on views of the inputs instead of their laid-out copies
-(``_transposed_matmul_tile_views``, checked at first use per class against the canonical call:
-``_tile_views_agree``).
+tiles one call per row tile: ``_transposed_matmul_by_row_tile``), which the ``gemm_rows`` probe already covers. A
+weight gradient whose chunk class runs the host's own GEMM has a canonical arrangement of its own: each chunk in
+slabs of ``SLAB_ROWS`` output rows, each GEMM on one thread (``_reduction_slabs``).
 Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
 around the GEMM run in one compiled call on the same operands (``compiled_loops``).
 """
@@ -105,12 +102,12 @@ STACKED_MACS_MAX = 1 << 34
 """Multiply-adds (about 1.7e10): the largest linear layer whose tiles may run as one GEMM. Its ``same_bits`` probe
 (per tile count) costs about three GEMMs of the layer's size at first use, a one-time cost that this bounds."""
 VIEW_SLAB_ROWS = 4096
-"""A weight gradient on views (``_transposed_matmul_views``, ``_transposed_matmul_tile_views``) cuts its N output rows
+"""A weight gradient on views (``_transposed_matmul_views``) cuts its N output rows
 into slabs of this many, each its own GEMM calls and tree, to bound the partial products held at once (llama's LM
-head: N = 49152, 12 slabs). A multiple of every tile height (``ROW_BLOCKS``), so a slab holds whole row tiles."""
+head: N = 49152, 12 slabs). A multiple of ``SLAB_ROWS`` and of every tile height (``ROW_BLOCKS``)."""
 VIEW_PARTIALS_MAX = 1 << 24
 """Partial-product elements per slab (chunks x slab rows x K: 64 MiB of fp32), a memory bound: a weight gradient with
-more runs the canonical tiles instead."""
+more runs the canonical arrangement instead."""
 
 # --------------------------------------------------------------------------- the same_bits probes' inputs
 ARRANGEMENT_PROBE_SEED = 20261126
@@ -768,7 +765,7 @@ def one_thread_reduction(dtype: torch.dtype) -> bool:
     kernels on an Intel Xeon did so for a 768-token chunk in three row tiles at 2 threads, but not in the guard's
     probe arrangements, and not in a fresh process -- a choice no probe can cover. With 1 thread there is no choice.
     The threads share out the GEMMs instead, one slab of output rows each (``_one_chunk_slabs``). fp32 chunks
-    are at most ``REDUCE_BLOCK`` tokens and keep the probed path."""
+    are at most ``REDUCE_BLOCK`` tokens and keep the probed path (their slabs, too, run on one thread each)."""
     return dtype in LIBRARY_DTYPES
 
 
@@ -802,10 +799,10 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     """a.T @ b: a [M, N], b [M, K] -> [N, K], a reduction over the M rows (tokens), thread-invariant, in a's and b's
     dtype: fp32, or bf16 where ``transposed_dtype`` says so (one chunk).
 
-    The canonical arrangement is ``_transposed_matmul_tiles``; a bf16 reduction (one chunk, its GEMMs on one thread
-    by construction) on the host's GEMM is one GEMM per slab of output rows instead (``_one_chunk_slabs``). Where
-    this GEMM class runs the library GEMM and the guard found that ``_transposed_matmul_views`` (the same chunk GEMMs
-    on views, without the transposing copies and row tiles) gives its bits, that arrangement runs instead
+    The canonical arrangement (``canonical_transposed_matmul``) is, on the host's own GEMM, each chunk's GEMMs in
+    slabs of output rows, each on one thread (``_reduction_slabs``), else the tiles (``_transposed_matmul_tiles``).
+    Where an fp32 class runs the library GEMM and the guard found that ``_transposed_matmul_views`` (one GEMM per
+    chunk on views, with the process's threads) gives its bits, that arrangement runs instead
     (``HostGuard.arrangement_agrees``): first with the last, partial chunk's GEMM on its real rows only (a shorter
     reduction: it gives the padded one's bits on some hosts for some lengths, so that is probed per length), else
     with that chunk zero-padded. No bit changes.
@@ -815,12 +812,21 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     M tokens is the tree of each chunk's own reduction, so no GEMM multiplies more than twice its real rows."""
     rows, n = a.shape
     k = b.shape[1]
-    if _one_chunk_in_slabs(rows, k, a.dtype, host, op):
-        return _one_chunk_slabs(a, b, _one_chunk_length(rows))
-    views = _views_arrangement(rows, n, k, a.dtype, host, op)
+    # a one-thread class (bf16) never runs the views: they call the GEMM with the process's threads
+    views = None if one_thread_reduction(a.dtype) else _views_arrangement(rows, n, k, a.dtype, host, op)
     if views is None:
-        return _transposed_matmul_tiles(a, b, host, op, b_source)
+        return canonical_transposed_matmul(a, b, host, op, b_source)
     return _transposed_matmul_views(a, b, _reduction_block(rows, a.dtype), unpadded_tail=views == UNPADDED_TAIL)
+
+
+def canonical_transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str,
+                                b_source: Tensor | None = None) -> Tensor:
+    """``transposed_matmul``'s canonical arrangement, the bits every faster one is checked against: on the host's
+    own GEMM, its chunks in slabs of output rows (``_reduction_in_slabs``, ``_reduction_slabs``); elsewhere (the
+    fixed-order GEMM, a guard over another GEMM) the tiles (``_transposed_matmul_tiles``)."""
+    if _reduction_in_slabs(a.shape[0], b.shape[1], a.dtype, host, op):
+        return _reduction_slabs(a, b, host, op)
+    return _transposed_matmul_tiles(a, b, host, op, b_source)
 
 
 UNPADDED_TAIL, PADDED_TAIL = "unpadded tail", "padded tail"
@@ -846,24 +852,66 @@ def _views_arrangement(rows: int, n: int, k: int, dtype: torch.dtype, host: Host
     return None
 
 
-ONE_CHUNK_SLAB_ROWS = 256
-"""Output rows per GEMM of a bf16 weight gradient (``_one_chunk_slabs``): a fixed number, so the calls' shapes depend on
-the layer and the token count only, never on the thread count. Measured on the 2-core AMD host, one thread, bf16, 312
-tokens: a GEMM of 256 rows runs as fast as one of 4,096 (llama100m's LM head gradient 102 ms against 109; native's
-one GEMM 103), one of 64 rows (the tiles' height) 20% slower; and llama100m's narrowest layers (576 rows) still make
-three slabs to share out between the threads."""
+SLAB_ROWS = 256
+"""Output rows per GEMM of a weight gradient's chunk on the host's GEMM (``_one_chunk_slabs``): a fixed number, so the
+calls' shapes depend on the layer and the token count only, never on the thread count. Measured on the 2-core AMD
+host, one thread, bf16, 312 tokens: a GEMM of 256 rows runs as fast as one of 4,096 (llama100m's LM head gradient 102
+ms against 109; native's one GEMM 103), one of 64 rows (the tiles' height) 20% slower; and llama100m's narrowest
+layers (576 rows) still make three slabs to share out between the threads."""
 
 
-def _one_chunk_in_slabs(rows: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> bool:
-    """Whether a [rows, n].T @ [rows, k] reduction in ``dtype`` is one chunk in slabs (``_one_chunk_slabs``): a
-    one-thread class (``one_thread_reduction``: bf16, whose reduction is one chunk, ``transposed_dtype``) that runs the
-    host's GEMM with one thread (``HostGuard.single_thread_gemm``). Elsewhere -- the fixed-order GEMM, a guard over
-    another GEMM -- the tiles through ``host.bmm``."""
-    if not one_thread_reduction(dtype):
-        return False
+def _reduction_in_slabs(rows: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> bool:
+    """Whether the canonical [rows, n].T @ [rows, k] reduction in ``dtype`` is its chunks in slabs
+    (``_reduction_slabs``): where its chunk class runs the host's own GEMM, which the slabs then call with one
+    thread (``_chunk_in_slabs``). bf16 reduces one chunk (a one-thread class: ``one_thread_reduction``). Elsewhere --
+    the fixed-order GEMM, a guard over another GEMM -- the tiles through ``host.bmm``."""
     block = _reduction_block(rows, dtype)
-    b_class = gemm_class(block, ceil_to(k, COL_BLOCK), transposed=True)
-    return rows <= block and host.single_thread_gemm(dtype, b_class, False, op, one_thread=True) is not None
+    return (rows <= block or not one_thread_reduction(dtype)) and _chunk_in_slabs(block, k, dtype, host, op)
+
+
+def _chunk_in_slabs(length: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> bool:
+    """Whether a chunk of ``length`` tokens by K runs in slabs: its GEMM class on the host's own GEMM -- in bf16 the
+    class's single-thread path (``HostGuard.single_thread_gemm``), in fp32 its library path at any thread count
+    (``HostGuard.library_gemm``) or its single-thread one."""
+    b_class = gemm_class(length, ceil_to(k, COL_BLOCK), transposed=True)
+    if one_thread_reduction(dtype):
+        return host.single_thread_gemm(dtype, b_class, False, op, one_thread=True) is not None
+    return (host.library_gemm(dtype, b_class, False, op) is not None
+            or host.single_thread_gemm(dtype, b_class, False, op) is not None)
+
+
+def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
+    """The canonical a.T @ b on the host's GEMM (``_reduction_in_slabs``), a [M, N], b [M, K]. bf16: one chunk of
+    the tokens zero-padded to a multiple of ``MIN_REDUCE_BLOCK`` (``_one_chunk_length``), in slabs. fp32: the chunks
+    of ``_transposed_matmul_tiles`` (``_reduction_block`` tokens each, a partial one zero-padded; a short last chunk
+    at its own length, ``last_chunk_length``, in slabs where its own class runs the host's GEMM, else its tiles), each
+    chunk's product in slabs (``_one_chunk_slabs``), the products added by the same halving tree in chunk order
+    (``fixed_order.tree_sum_of``). Each output element depends only on its two columns, the chunks and the slab's
+    shape -- never on the thread count: every GEMM runs on one thread. The 64-row tiles this replaced ran four times
+    the GEMM calls, each packing its chunk's operand again: llama100m's fp32 training in ``canonical`` mode was
+    1.08-1.09x ``auto`` with them (the benchmarks page)."""
+    rows = a.shape[0]
+    if one_thread_reduction(a.dtype):
+        return _one_chunk_slabs(a, b, _one_chunk_length(rows))
+    n, k = a.shape[1], b.shape[1]
+    block = _reduction_block(rows, a.dtype)
+    chunks = -(-rows // block)
+    last = last_chunk_length(rows, block, a.dtype)
+    last_in_slabs = last == block or _chunk_in_slabs(last, k, a.dtype, host, op)
+
+    def output_rows(first_row: int, last_row: int) -> Tensor:  # the tree over the chunks for these output rows
+        def part(i: int) -> Tensor:
+            first = i * block
+            a_chunk, b_chunk = a[first : first + block, first_row:last_row], b[first : first + block]
+            if i < chunks - 1 or last_in_slabs:
+                return _one_chunk_slabs(a_chunk, b_chunk, block if i < chunks - 1 else last)
+            return _transposed_matmul_tiles(a_chunk, b_chunk, host, op)  # one chunk, of its own length
+
+        return part(0) if chunks == 1 else tree_sum_of(chunks, part)
+
+    # ``VIEW_SLAB_ROWS`` output rows at a time (a multiple of ``SLAB_ROWS``: the same slabs), bounding the partial
+    # products the tree holds
+    return _in_slabs(n, k, a, output_rows)
 
 
 def _one_chunk_length(rows: int) -> int:
@@ -873,22 +921,22 @@ def _one_chunk_length(rows: int) -> int:
 
 
 def _one_chunk_slabs(a: Tensor, b: Tensor, length: int) -> Tensor:
-    """The canonical a.T @ b of a one-chunk reduction in a one-thread class (``_one_chunk_in_slabs``; a [M, N],
-    b [M, K], M <= ``length``): for each slab of ``ONE_CHUNK_SLAB_ROWS`` output rows, one GEMM on one thread of a's
-    columns seen transposed (zero-padded to ``length`` rows where M is shorter) by b zero-padded to [length, K]. Each
-    output element depends only on its own column of a, b and the slab's shape -- never on the thread count: every
-    GEMM runs on one thread, whatever the count. Where the compiled loops are built and several threads run, the
-    slabs are shared out between them, each GEMM on the thread that runs it (``slab_mms`` in
-    ``csrc/exact_loops.cpp``), once ``_slabs_spread_agree`` found that this gives the slabs' bits one after another
-    (else they run so). The tiles this replaced copied a transposed into 64-row tiles of the chunk padded to a
-    multiple of 256 tokens, one GEMM each: llama100m's LM head gradient over 312 tokens took twice as long that way
-    on the AMD host (768 GEMMs over 512 tokens, against 192 over 320), and bf16 training was 1.19x native."""
+    """a.T @ b over one chunk in slabs (``_reduction_slabs``; a [M, N], b [M, K], M <= ``length``): for each slab of
+    ``SLAB_ROWS`` output rows, one GEMM on one thread of a's columns seen transposed (zero-padded to ``length`` rows
+    where M is shorter) by b zero-padded to [length, K]. Each output element depends only on its own column of a, b
+    and the slab's shape -- never on the thread count: every GEMM runs on one thread, whatever the count. Where the
+    compiled loops are built and several threads run, the slabs are shared out between them, each GEMM on the
+    thread that runs it (``slab_mms`` in ``csrc/exact_loops.cpp``), once ``_slabs_spread_agree`` found that this
+    gives the slabs' bits one after another (else they run so). The bf16 tiles the slabs replaced copied a
+    transposed into 64-row tiles of the chunk padded to a multiple of 256 tokens, one GEMM each: llama100m's LM head
+    gradient over 312 tokens took twice as long that way on the AMD host (768 GEMMs over 512 tokens, against 192 over
+    320), and bf16 training was 1.19x native."""
     rows, n = a.shape
     k = b.shape[1]
     a = _rows_aligned(a)
     b = _padded_or_aligned(b, (length, k))
     loops = compiled_loops.library()
-    slab = ONE_CHUNK_SLAB_ROWS
+    slab = SLAB_ROWS
     if (loops is not None and torch.get_num_threads() > 1 and n > slab
             and _slabs_spread_agree(n, k, length, a.dtype)):
         return loops.slab_mms(a, b, slab)
@@ -925,8 +973,8 @@ def _slabs_spread_agree(n: int, k: int, length: int, dtype: torch.dtype) -> bool
     a_t, b_t = _probe_operands(dtype, (n, tokens), (k, tokens))  # the reduction over the tokens is their K
     a, b = a_t.t().contiguous(), _zero_padded(b_t.t(), (length, k))
     loops = compiled_loops.library()
-    alone = _with_threads(1, lambda: loops.slab_mms(a, b, ONE_CHUNK_SLAB_ROWS))
-    _SPREAD_CHECKS[key] = agrees = torch.equal(loops.slab_mms(a, b, ONE_CHUNK_SLAB_ROWS), alone)
+    alone = _with_threads(1, lambda: loops.slab_mms(a, b, SLAB_ROWS))
+    _SPREAD_CHECKS[key] = agrees = torch.equal(loops.slab_mms(a, b, SLAB_ROWS), alone)
     return agrees
 
 
@@ -974,7 +1022,8 @@ def _transposed_matmul_by_chunk(a: Tensor, b: Tensor, host: HostGuard, op: str, 
 
 
 def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None = None) -> Tensor:
-    """The canonical arrangement of ``transposed_matmul`` (a bf16 one on the host's GEMM: ``_one_chunk_slabs``).
+    """The canonical arrangement of ``transposed_matmul`` where its GEMM class does not run the host's own GEMM (the
+    fixed-order GEMM, a guard over another GEMM; elsewhere the slabs: ``canonical_transposed_matmul``).
 
     A weight gradient sums over every token of the batch, so its reduction length M changes from call to call.
     Rows are cut into chunks of ``_reduction_block(M)`` (zero-padded). Each chunk is a GEMM tile product whose
@@ -988,35 +1037,21 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     pad-transpose-copy composition gives (``tests/kernels/test_exact_price_bits.py`` compares the two, call by call), so
     the library call and every bit of its result are unchanged. ``b_source``: the tensor ``b`` was derived from (a
     linear layer's saved input); layers that share an input (q, k and v; gate and up) then share b's layout
-    (``_reduction_operand``). In fp32, where the class runs torch's own GEMM, the same tiles run one GEMM each on
-    views of a and b (``_transposed_matmul_tile_views``) where ``_tile_views_agree`` found the canonical call's bits
-    for the class: without the copies, which cost as much as the GEMM on the default model's layers."""
+    (``_reduction_operand``)."""
     rows, n = a.shape
     k = b.shape[1]
     block = _reduction_block(rows, a.dtype)
     chunks = -(-rows // block)
     padded = chunks * block
     k_pad = ceil_to(k, COL_BLOCK)
-    loops = compiled_loops.library()
-    record, height = _reduction_class(block, n, k_pad, a.dtype, host, op, loops)
+    height = _reduction_tile_height(block, n, k_pad, a.dtype, host, op)
     last = last_chunk_length(rows, block, a.dtype)
     row_tiles = -(-n // height)
-    if (record is not None and a.dtype == b.dtype == torch.float32
-            and chunks * min(n, VIEW_SLAB_ROWS) * k_pad <= VIEW_PARTIALS_MAX
-            and _tile_views_agree(block, height, k_pad)):
-        if last == block:
-            return _transposed_matmul_tile_views(a, b, block, height, k_pad)
-        last_record, last_height = _reduction_class(last, n, k_pad, a.dtype, host, op, loops)
-        if last_record is not None and _tile_views_agree(last, last_height, k_pad):
-            return _transposed_matmul_tile_views(a, b, block, height, k_pad, (last, last_height))
     if last < block:  # a short last chunk (``_short_last_chunk``)
         return _transposed_matmul_by_chunk(a, b, host, op, block)
     one_thread = one_thread_reduction(a.dtype)
     if chunks > 1 and row_tiles > 1 and (row_tiles - 1) * chunks * k_pad * block >= ROW_TILE_CALLS_FROM:
         return _transposed_matmul_by_row_tile(a, b, host, op, b_source, block, height, k_pad)
-    if record is not None:  # the library GEMM: the steps below in one compiled call, on the same operands
-        b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, b_source)
-        return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k)
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
@@ -1032,48 +1067,10 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
 
-def _reduction_class(block: int, n: int, k_pad: int, dtype: torch.dtype, host: HostGuard, op: str,
-                     loops: object) -> tuple[object, int]:
-    """A weight gradient's chunk class (``block`` tokens, K_pad): the guard's library record for its GEMM tiles (None
-    where the compiled loops are missing or the class runs the fixed-order GEMM) and the row tile height over N."""
+def _reduction_tile_height(block: int, n: int, k_pad: int, dtype: torch.dtype, host: HostGuard, op: str) -> int:
+    """The row tile height over a weight gradient's N output rows for its chunk class (``block`` tokens, K_pad)."""
     b_class = gemm_class(block, k_pad, transposed=True)  # [block, K_pad] per tile: K_pad rows of ``block`` tokens
-    one_thread = one_thread_reduction(dtype)
-    record = host.library_gemm(dtype, b_class, False, op, one_thread=one_thread) if loops is not None else None
-    heights = (record.tile_heights if record is not None
-               else host.tile_heights(dtype, b_class, False, op, one_thread=one_thread))
-    return record, row_block(n, heights)
-
-
-def _transposed_matmul_tile_views(a: Tensor, b: Tensor, block: int, height: int, k_pad: int,
-                                  short_last: tuple[int, int] | None = None) -> Tensor:
-    """``_transposed_matmul_tiles``' GEMM tiles, [height, block] @ [block, K_pad] for every (chunk, row tile), one
-    ``bmm`` per tile on views of ``a`` and ``b`` instead of their laid-out copies (``reduction_tile_gemms`` in
-    ``csrc/exact_loops.cpp``: a tile reaching past a's rows or columns runs on a zero-padded copy of its region, as
-    the canonical tile; the tiles shared out between the threads, each GEMM on one thread), then the same halving
-    tree over the chunks. Its bits depend on the canonical tiles' (the same GEMM shape on the same values, tile by
-    tile; a tile's rows do not depend on how many tiles share its call: the ``gemm_rows`` probe) and on the GEMM
-    giving a tile the same bits on a strided view of the operands as on their contiguous copies, which
-    ``_tile_views_agree`` checks at first use. N is cut into slabs of ``VIEW_SLAB_ROWS`` rows (a multiple of every
-    tile height, so the row tiles are the canonical ones) to bound the partial products held at once.
-    ``short_last`` (its chunk length, its row tile height): a short last chunk (``_short_last_chunk``), whose tiles
-    are its own chunk class's, checked as well."""
-    rows, n = a.shape
-    k = b.shape[1]
-    chunks = -(-rows // block)
-    body = rows if short_last is None else (chunks - 1) * block
-    loops = compiled_loops.library()
-    a = _rows_aligned(a)
-    b = _padded_or_aligned(b, (rows, k_pad))
-
-    def slab(first: int, last: int) -> Tensor:
-        parts = loops.reduction_tile_gemms(a[:body, first:last], b[:body], block, height)[:, : last - first, :k]
-        if short_last is None:
-            return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
-        # the last chunk's GEMM tiles at its own length; the tree's additions without stacking the parts (a copy)
-        tail = loops.reduction_tile_gemms(a[body:, first:last], b[body:], *short_last)[0, : last - first, :k]
-        return tree_sum_of(chunks, lambda i: parts[i] if i < chunks - 1 else tail)
-
-    return _in_slabs(n, k, a, slab)
+    return row_block(n, host.tile_heights(dtype, b_class, False, op, one_thread=one_thread_reduction(dtype)))
 
 
 def _in_slabs(n: int, k: int, like: Tensor, slab: Callable[[int, int], Tensor]) -> Tensor:
@@ -1086,35 +1083,6 @@ def _in_slabs(n: int, k: int, like: Tensor, slab: Callable[[int, int], Tensor]) 
         last = min(n, first + VIEW_SLAB_ROWS)
         out[first:last] = slab(first, last)
     return out
-
-
-_TILE_VIEWS_CHECKS: dict[tuple, bool] = {}
-TILE_VIEWS_CHECK_ROW_TILES = 3
-"""Whole row tiles in ``_tile_views_agree``' inputs: several, as the calls it stands for have."""
-
-
-def _tile_views_agree(block: int, height: int, k_pad: int) -> bool:
-    """Whether ``_transposed_matmul_tile_views`` gives the canonical call's bits (``_transposed_matmul_tiles``' one
-    ``bmm`` over every (chunk, row tile) pair on the laid-out operands, with 1 thread) for this fp32 class here:
-    checked once per (chunk, tile height, K_pad, thread count) on seeded inputs with two whole chunks and a partial
-    one, ``TILE_VIEWS_CHECK_ROW_TILES`` whole row tiles and a partial one -- every kind of tile the form runs (views;
-    a region zero-padded by rows, by columns, by both). The same GEMM tile on the same values; this catches a GEMM
-    whose bits follow its operands' strides (then the canonical call runs, with its copies)."""
-    key = (block, height, k_pad, torch.get_num_threads())
-    if (known := _TILE_VIEWS_CHECKS.get(key)) is not None:
-        return known
-    rows, n = 2 * block + block // 2 + 1, TILE_VIEWS_CHECK_ROW_TILES * height + height // 2 + 1
-    a, b = _seeded_randn((rows, n), (rows, k_pad))
-    chunks, row_tiles = -(-rows // block), -(-n // height)
-    loops = compiled_loops.library()
-
-    def canonical() -> Tensor:
-        b_tiles = _reduction_operand(b, block, chunks, k_pad, row_tiles, None)
-        return loops.transposed_matmul(a, b_tiles, block, chunks, height, row_tiles, k_pad)
-
-    agrees = torch.equal(_with_threads(1, canonical), _transposed_matmul_tile_views(a, b, block, height, k_pad))
-    _TILE_VIEWS_CHECKS[key] = agrees
-    return agrees
 
 
 def _transposed_matmul_by_row_tile(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: Tensor | None,
@@ -1216,7 +1184,7 @@ def _chunks_transposed(src: Tensor, block: int, chunks: int, width: int) -> Tens
 
 def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, op: str,
                  dtype: torch.dtype = torch.float32, padded_to: int | None = None) -> bool:
-    """Whether ``_transposed_matmul_views`` gives ``_transposed_matmul_tiles``' bits for this class on this host: with
+    """Whether ``_transposed_matmul_views`` gives ``canonical_transposed_matmul``'s bits for this class here: with
     the last chunk's ``tail`` rows unpadded (a class per length), or (``tail`` None) with that chunk padded to
     ``padded_to`` rows (``block``, or a short last chunk's own length: ``last_chunk_length``). A probe at first use
     on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where ``block`` is
@@ -1236,7 +1204,7 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
     form = f"last chunk of {tail} rows unpadded" if tail is not None else (
         "last chunk padded" if padded_to == block else f"last chunk padded to {padded_to} rows")
     return host.arrangement_agrees("weight gradient on views", f"block={block} N={n} K={k} {form} {_name(dtype)}",
-                                   lambda: _transposed_matmul_tiles(*inputs(), host, op),
+                                   lambda: canonical_transposed_matmul(*inputs(), host, op),
                                    lambda: _transposed_matmul_views(*inputs(), block, unpadded_tail=tail is not None),
                                    op)
 

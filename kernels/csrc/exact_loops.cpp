@@ -580,7 +580,7 @@ at::Tensor chunks_transposed(const at::Tensor& src, int64_t block, int64_t chunk
 }
 
 // ----------------------------------------------------------------------------------------------------- GEMM tiles
-// cpu_exact._tiled_matmul and _transposed_matmul after their plan (operand, tile heights) is made, for a shape class
+// cpu_exact._tiled_matmul after its plan (operand, tile heights) is made, for a shape class
 // whose guard verdict is the plain library GEMM: the same operand layouts, the same at::bmm call (the ATen op
 // torch.bmm is), the same views, so the same bits. What they save is the Python between those calls.
 namespace {
@@ -613,24 +613,6 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t 
   return n_pad == n ? out.slice(0, 0, rows) : out.slice(0, 0, rows).slice(1, 0, n);
 }
 
-// a.T @ b for a [M, N], with b's chunk tiles laid out already (b_tiles [chunks * row_tiles, K_pad, block]):
-// _transposed_matmul's single-call form. Returns [N, K] (a view for one chunk).
-at::Tensor transposed_matmul(const at::Tensor& a, const at::Tensor& b_tiles, int64_t block, int64_t chunks,
-                             int64_t height, int64_t row_tiles, int64_t k) {
-  const int64_t rows = a.size(0), n = a.size(1), padded = chunks * block, k_pad = b_tiles.size(1);
-  at::Tensor a_tiles;
-  if (row_tiles * height == n && (chunks == 1 || row_tiles == 1)) {
-    const bool contiguous = padded == rows && aligned_contiguous(a);
-    const at::Tensor a_rows = contiguous ? a : zero_padded(a, {padded, n});
-    a_tiles = a_rows.view({chunks, block, n}).transpose(1, 2).reshape({chunks * row_tiles, height, block});
-  } else {
-    a_tiles = chunks_transposed(a, block, chunks, row_tiles * height).view({chunks * row_tiles, height, block});
-  }
-  at::Tensor out = at::bmm(a_tiles, b_tiles.transpose(1, 2));
-  at::Tensor parts = out.view({chunks, row_tiles * height, k_pad}).slice(1, 0, n).slice(2, 0, k);
-  return chunks == 1 ? parts.select(0, 0) : tree_sum(parts, 0);
-}
-
 // One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::bmm of one fixed shape ([1, h, K] @ [1, K, N], the
 // call gemm_arrangements' per-tile loops make), the tiles shared out between the threads by at::parallel_for. A tile
 // runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an OpenMP region on the
@@ -661,45 +643,7 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand) {
   return out;
 }
 
-// A weight gradient's canonical GEMM tiles (gemm_arrangements._transposed_matmul_tiles: for each `block`-row chunk c of
-// a [M, N] and b [M, K_pad] and each `height`-row tile r of the N output rows, [height, block] @ [block, K_pad]), one
-// at::bmm per tile on views instead of laid-out copies: tile (c, r) multiplies a's chunk-c rows and row-tile-r columns
-// seen transposed by b's chunk-c rows as they are. A tile reaching past a's rows or columns (the last, partial chunk or
-// row tile) multiplies a zero-padded copy of its region ([height, block], contiguous, as every canonical tile is), and
-// the partial chunk b's rows zero-padded to `block`. The tiles are shared out between the threads, each GEMM on one
-// thread (as in tile_gemms). Returns the partial products [chunks, row_tiles * height, K_pad], which the caller adds
-// by the canonical halving tree; gemm_arrangements checks the tiles at first use against the canonical call.
-at::Tensor reduction_tile_gemms(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t height) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
-                  a.scalar_type() == b.scalar_type(),
-              "reduction_tile_gemms: a [M, N] with unit column stride and a contiguous b [M, K] of its dtype");
-  const int64_t m = a.size(0), n = a.size(1), k_pad = b.size(1);
-  const int64_t chunks = (m + block - 1) / block, row_tiles = (n + height - 1) / height, full = m / block;
-  at::Tensor parts = at::empty({chunks, row_tiles * height, k_pad}, a.options());
-  const at::Tensor b_tail = full < chunks ? padded_copy(b.narrow(0, full * block, m - full * block), {block, k_pad})
-                                          : at::Tensor();
-  const auto gemm = [&](int64_t first, int64_t last) {
-    at::NoGradGuard no_grad;  // as in tile_gemms: a worker thread's grad mode is on
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t c = t / row_tiles, r = t % row_tiles;
-      const int64_t rows = std::min(block, m - c * block), cols = std::min(height, n - r * height);
-      const at::Tensor region = a.narrow(0, c * block, rows).narrow(1, r * height, cols).t();
-      const at::Tensor left = rows == block && cols == height ? region : padded_copy(region, {height, block});
-      const at::Tensor right = rows == block ? b.narrow(0, c * block, block) : b_tail;
-      at::Tensor dst = parts.select(0, c).narrow(0, r * height, height).unsqueeze(0);
-      at::bmm_out(dst, left.unsqueeze(0), right.unsqueeze(0));
-    }
-  };
-  const int64_t tiles = chunks * row_tiles;
-  if (tiles == 1 || at::get_num_threads() == 1) {
-    gemm(0, tiles);
-  } else {
-    at::parallel_for(0, tiles, 1, gemm);
-  }
-  return parts;
-}
-
-// A one-chunk weight gradient on views (gemm_arrangements._one_chunk_slabs): for each `slab`-row slab [lo, lo + cols)
+// One chunk of a weight gradient on views (gemm_arrangements._one_chunk_slabs): for each `slab`-row slab [lo, lo + cols)
 // of the N output rows, out[lo : lo + cols] = a[:, lo : lo + cols]^T @ b, one at::mm per slab on a's columns seen
 // transposed (zero-padded to b's rows where a has fewer: a [length, cols] copy), with no transposing copy of a and no
 // row tiles. The slabs are shared out between the threads, each GEMM on one thread (as in tile_gemms), so no bit
@@ -879,11 +823,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
-  m.def("transposed_matmul", &transposed_matmul, "cpu_exact._transposed_matmul after its plan, same bits");
   m.def("tile_gemms", &tile_gemms, "one at::bmm per tile with a shared operand, tiles spread over threads");
-  m.def("slab_mms", &slab_mms, "one at::mm per slab of a one-chunk weight gradient on views, slabs spread over threads");
-  m.def("reduction_tile_gemms", &reduction_tile_gemms,
-        "a weight gradient's canonical tiles, one at::bmm per tile on views, spread over threads");
+  m.def("slab_mms", &slab_mms, "one at::mm per slab of a weight gradient chunk on views, slabs spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
 }

@@ -1,11 +1,14 @@
-"""A bf16 weight gradient in slabs of output rows (``gemm_arrangements._one_chunk_slabs``): the canonical arrangement of
-a one-chunk reduction whose GEMMs run on one thread by construction, on the host's GEMM.
+"""A weight gradient in slabs of output rows (``gemm_arrangements._reduction_slabs``): the canonical arrangement of a
+reduction over the tokens whose chunk class runs the host's own GEMM, every GEMM on one thread.
 
-Its definition: the tokens zero-padded to a multiple of 64, then for each ``ONE_CHUNK_SLAB_ROWS``-row slab of the
-output one GEMM on one thread, the gradient's columns seen transposed by the padded input. These tests write that
-definition out and check the kernel against it bit for bit, at every thread count, with and without the compiled
-loops, through a linear layer's backward; that a spread over the threads which rounds otherwise is caught; and that
-a guard over another GEMM keeps the tiles."""
+Its definition. bf16 (one chunk, a class the kernels call with one thread by construction): the tokens zero-padded to
+a multiple of 64, then for each ``SLAB_ROWS``-row slab of the output one GEMM on one thread, the gradient's columns
+seen transposed by the padded input. fp32: the tokens in chunks of ``_reduction_block`` (a power of two from 64 up to
+256; a last chunk of at most half a chunk zero-padded to its own such length, any other partial one to the chunk),
+each chunk's product in slabs as above, the products added by the halving tree in chunk order. These tests write
+that definition out and check the kernel against it bit for bit, at every thread count, with and without the
+compiled loops, through a linear layer's backward; that a spread over the threads which rounds otherwise is caught;
+and that a guard over another GEMM keeps the tiles."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from test_host_guard import emulated_guard
 from vexact_kernels import compiled_loops, cpu_exact, fixed_order, gemm_arrangements
 from vexact_kernels.host_guard import HostGuard
 
-SLAB = gemm_arrangements.ONE_CHUNK_SLAB_ROWS
+SLAB = gemm_arrangements.SLAB_ROWS
 CASES = [(312, 600, 48), (320, 600, 40), (100, 96, 24), (1000, 300, 16), (1024, 257, 32), (64, 20, 8)]
 
 
@@ -30,7 +33,7 @@ def _admitted(a: torch.Tensor, b: torch.Tensor, host: HostGuard) -> bool:
     """Whether this host runs the reduction in slabs (a bf16 GEMM class on the host's GEMM with one thread)."""
     if gemm_arrangements.transposed_dtype(a, b, host, "linear") != torch.bfloat16:
         return False
-    return gemm_arrangements._one_chunk_in_slabs(a.shape[0], b.shape[1], a.dtype, host, "linear")
+    return gemm_arrangements._reduction_in_slabs(a.shape[0], b.shape[1], a.dtype, host, "linear")
 
 
 def _slabs_written_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -122,7 +125,7 @@ def test_a_guard_over_another_gemm_keeps_the_tiles():
     """The slabs call torch's GEMM themselves: a guard over another GEMM (the fixed-order one) runs the tiles."""
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", bmm=fixed_order.bmm)
     a, b = _inputs(312, 600, 48)
-    assert not gemm_arrangements._one_chunk_in_slabs(312, 48, torch.bfloat16, guard, "linear")
+    assert not gemm_arrangements._reduction_in_slabs(312, 48, torch.bfloat16, guard, "linear")
     expected = gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear")
     assert torch.equal(gemm_arrangements.transposed_matmul(a, b, guard, "linear"), expected)
 
@@ -141,3 +144,106 @@ def test_on_a_host_whose_gemm_rounds_by_rows_in_the_call_the_slabs_stay_thread_i
     assert not torch.equal(expected, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
     with num_threads(threads):
         assert torch.equal(gemm_arrangements.transposed_matmul(a, b, guard, "linear"), expected)
+
+
+# --------------------------------------------------------------------------- fp32: several chunks, each in slabs
+# (tokens, N, K): one chunk (100: padded to 128), whole chunks only (512), a short last chunk (312: 56 tokens padded to
+# 64), a partial last chunk padded to the whole chunk (700: 188 tokens), the default model's update (3,776 tokens),
+# N over several slabs and past ``VIEW_SLAB_ROWS`` (4,100), K not a multiple of 16
+FP32_CASES = [(100, 300, 24), (512, 576, 40), (312, 600, 17), (700, 260, 32), (3776, 176, 64), (300, 4100, 16)]
+
+
+def _fp32_inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
+
+
+def _fp32_admitted(rows: int, k: int, host: HostGuard) -> bool:
+    return gemm_arrangements._reduction_in_slabs(rows, k, torch.float32, host, "linear")
+
+
+def _chunk_written_out(a: torch.Tensor, b: torch.Tensor, length: int) -> torch.Tensor:
+    """One chunk: a [M, N] and b [M, K] zero-padded to ``length`` tokens; per slab one ``torch.mm``, one thread."""
+    rows = a.shape[0]
+    a_pad = torch.cat([a, a.new_zeros(length - rows, a.shape[1])])
+    b_pad = torch.cat([b, b.new_zeros(length - rows, b.shape[1])])
+    with num_threads(1):
+        return torch.cat([torch.mm(a_pad[:, first : first + SLAB].t(), b_pad)
+                          for first in range(0, a.shape[1], SLAB)])
+
+
+def _fp32_slabs_written_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    rows = a.shape[0]
+    block = 64
+    while block < min(rows, 256):
+        block *= 2
+    starts = list(range(0, rows, block))
+    tail = rows - starts[-1]
+    lengths = [block] * len(starts)
+    if len(starts) > 1 and tail <= block // 2:  # a short last chunk: its own power of two from 64
+        lengths[-1] = 64
+        while lengths[-1] < tail:
+            lengths[-1] *= 2
+    parts = [_chunk_written_out(a[s : s + block], b[s : s + block], length) for s, length in zip(starts, lengths)]
+    return parts[0] if len(parts) == 1 else fixed_order.tree_sum(torch.stack(parts), dim=0)
+
+
+@pytest.mark.parametrize("loops", ("compiled", "python"))
+@pytest.mark.parametrize("rows,n,k", FP32_CASES)
+def test_fp32_weight_gradient_is_its_chunks_in_slabs_bit_for_bit(rows, n, k, loops, monkeypatch):
+    """The canonical arrangement against the definition written out; and ``transposed_matmul`` (in mode ``auto`` the
+    views where they agree, which ``same_bits`` checks against this definition) gives the same bits."""
+    if loops == "python":
+        monkeypatch.setattr(compiled_loops, "library", lambda: None)
+    a, b = _fp32_inputs(rows, n, k)
+    if not _fp32_admitted(rows, k, cpu_exact.HOST):
+        pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
+    expected = _fp32_slabs_written_out(a, b)
+    assert expected.shape == (n, k)
+    assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+
+
+@pytest.mark.parametrize("threads", (1, 2, 3))
+def test_fp32_weight_gradient_in_slabs_is_thread_invariant(threads, monkeypatch):
+    a, b = _fp32_inputs(700, 1100, 40, seed=4)  # three chunks (the last partial), five slabs (the last partial)
+    if not _fp32_admitted(700, 40, cpu_exact.HOST):
+        pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
+    expected = _fp32_slabs_written_out(a, b)
+    with num_threads(threads):
+        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+        monkeypatch.setattr(compiled_loops, "library", lambda: None)
+        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_linear_backward_in_canonical_mode_is_the_chunks_in_slabs(dtype):
+    """Through ``cpu_exact.linear``'s autograd in mode ``canonical`` (no ``same_bits`` arrangement: what a host whose
+    probes fail runs): the weight gradient is the definition's, over 1,100 tokens -- in bf16 more than one chunk
+    holds, so its chunks reduce in fp32."""
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 550, 48, generator=gen).to(dtype)
+    weight = torch.randn(300, 48, generator=gen).to(dtype).requires_grad_(True)
+    grad = torch.randn(2, 550, 300, generator=gen).to(dtype)
+    if not _fp32_admitted(1100, 48, guard):
+        pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
+    cpu_exact.linear(x, weight, host=guard).backward(grad)
+    expected = _fp32_slabs_written_out(grad.view(-1, 300).float(), x.view(-1, 48).float()).to(dtype)
+    assert torch.equal(weight.grad, expected)
+
+
+def test_fp32_short_last_chunk_on_another_gemm_keeps_its_tiles(monkeypatch):
+    """A short last chunk whose own class does not run the host's GEMM (made so here) is that chunk's tiles, added
+    by the same tree to the whole chunks' slabs."""
+    host = cpu_exact.HOST
+    a, b = _fp32_inputs(312, 600, 17)
+    if not _fp32_admitted(312, 17, host):
+        pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
+    real = gemm_arrangements._chunk_in_slabs
+    monkeypatch.setattr(gemm_arrangements, "_chunk_in_slabs",
+                        lambda length, *args: length != 64 and real(length, *args))
+    whole = _chunk_written_out(a[:256], b[:256], 256)
+    tail = gemm_arrangements._transposed_matmul_tiles(a[256:], b[256:], host, "linear")
+    expected = fixed_order.tree_sum(torch.stack([whole, tail]), dim=0)
+    assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, host, "linear"), expected)
