@@ -894,12 +894,21 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     if one_thread_reduction(a.dtype):
         return _one_chunk_slabs(a, b, _one_chunk_length(rows))
     n, k = a.shape[1], b.shape[1]
+    a, b = _rows_aligned(a), _aligned(b)  # so every chunk and slab view starts aligned too
     block = _reduction_block(rows, a.dtype)
     chunks = -(-rows // block)
     last = last_chunk_length(rows, block, a.dtype)
     last_in_slabs = last == block or _chunk_in_slabs(last, k, a.dtype, host, op)
+    width = min(n, VIEW_SLAB_ROWS)
+    loops = compiled_loops.library()
+    spread = (loops is not None and torch.get_num_threads() > 1 and last_in_slabs
+              and chunks * width * k <= VIEW_PARTIALS_MAX and _chunk_slabs_spread_agree(width, k, block, last))
 
     def output_rows(first_row: int, last_row: int) -> Tensor:  # the tree over the chunks for these output rows
+        if spread:  # every (chunk, slab) pair shared out between the threads in one compiled call
+            parts = loops.reduction_slab_mms(a[:, first_row:last_row], b, block, last, SLAB_ROWS)
+            return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+
         def part(i: int) -> Tensor:
             first = i * block
             a_chunk, b_chunk = a[first : first + block, first_row:last_row], b[first : first + block]
@@ -959,6 +968,23 @@ def _slabs_in_turn(a: Tensor, b: Tensor, slab: int, loops: object) -> Tensor:
 
 
 _SPREAD_CHECKS: dict[tuple, bool] = {}
+
+
+def _chunk_slabs_spread_agree(width: int, k: int, block: int, last: int) -> bool:
+    """Whether ``reduction_slab_mms`` at the current thread count (every (chunk, slab) pair shared out between the
+    threads) gives the bits of the same pairs one after another with one thread, for this (output width, K, chunk,
+    last chunk length): checked once per thread count on seeded inputs of two chunks, the last of ``last`` rows
+    (zero-padded where a partial chunk pads to ``block``). It catches a library whose GEMM called inside a parallel
+    region rounds otherwise than with one thread (then each chunk runs alone, ``_one_chunk_slabs``)."""
+    key = ("chunks", width, k, block, last, torch.get_num_threads())
+    if (known := _SPREAD_CHECKS.get(key)) is not None:
+        return known
+    tail = last if last < block else block // 2 + 1
+    a, b = _seeded_randn((block + tail, width), (block + tail, k))
+    loops = compiled_loops.library()
+    alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
+    _SPREAD_CHECKS[key] = agrees = torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS), alone)
+    return agrees
 
 
 def _slabs_spread_agree(n: int, k: int, length: int, dtype: torch.dtype) -> bool:

@@ -672,6 +672,47 @@ at::Tensor slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t slab) {
   return out;
 }
 
+// A weight gradient's chunks in slabs (gemm_arrangements._reduction_slabs): a [M, N] and b [M, K] in `block`-row chunks,
+// the last chunk's rows zero-padded to `last_length` (>= its rows; every other chunk is whole), and for each chunk c
+// and each `slab`-row slab of the N output rows, parts[c, lo : lo + cols] = chunk c of a's slab columns, seen
+// transposed, @ chunk c of b: the same at::mm calls on the same operands as slab_mms makes for each chunk alone. The
+// (chunk, slab) pairs are shared out between the threads, each GEMM on one thread (as in tile_gemms), so no bit
+// depends on how the threads divide them. Returns the partial products [chunks, N, K], which the caller adds by the
+// canonical halving tree; gemm_arrangements checks the spread at first use against the pairs in turn.
+at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t last_length,
+                              int64_t slab) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
+                  a.scalar_type() == b.scalar_type() && block >= 1 && slab >= 1,
+              "reduction_slab_mms: a [M, N] with unit column stride and a contiguous b [M, K] of its dtype");
+  const int64_t m = a.size(0), n = a.size(1), k = b.size(1);
+  const int64_t chunks = (m + block - 1) / block, slabs = (n + slab - 1) / slab;
+  const int64_t tail_first = (chunks - 1) * block, tail_rows = m - tail_first;
+  TORCH_CHECK(last_length >= tail_rows, "reduction_slab_mms: the last chunk is longer than last_length");
+  at::Tensor parts = at::empty({chunks, n, k}, a.options());
+  const at::Tensor b_tail = tail_rows < last_length ? padded_copy(b.narrow(0, tail_first, tail_rows), {last_length, k})
+                                                    : b.narrow(0, tail_first, tail_rows);
+  const auto gemm = [&](int64_t first, int64_t last) {
+    at::NoGradGuard no_grad;  // as in tile_gemms: a worker thread's grad mode is on
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t c = t / slabs, lo = (t % slabs) * slab, cols = std::min(slab, n - lo);
+      const bool is_last = c == chunks - 1;
+      const int64_t rows = is_last ? tail_rows : block, length = is_last ? last_length : block;
+      const at::Tensor region = a.narrow(0, c * block, rows).narrow(1, lo, cols);
+      const at::Tensor left = rows == length ? region : padded_copy(region, {length, cols});
+      const at::Tensor right = is_last ? b_tail : b.narrow(0, c * block, block);
+      at::Tensor dst = parts.select(0, c).narrow(0, lo, cols);
+      at::mm_out(dst, left.t(), right);
+    }
+  };
+  const int64_t pairs = chunks * slabs;
+  if (pairs == 1 || at::get_num_threads() == 1) {
+    gemm(0, pairs);
+  } else {
+    at::parallel_for(0, pairs, 1, gemm);
+  }
+  return parts;
+}
+
 // ----------------------------------------------------------------------------------------------------- attention
 // The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
@@ -825,6 +866,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("tile_gemms", &tile_gemms, "one at::bmm per tile with a shared operand, tiles spread over threads");
   m.def("slab_mms", &slab_mms, "one at::mm per slab of a weight gradient chunk on views, slabs spread over threads");
+  m.def("reduction_slab_mms", &reduction_slab_mms,
+        "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
 }

@@ -247,3 +247,29 @@ def test_fp32_short_last_chunk_on_another_gemm_keeps_its_tiles(monkeypatch):
     tail = gemm_arrangements._transposed_matmul_tiles(a[256:], b[256:], host, "linear")
     expected = fixed_order.tree_sum(torch.stack([whole, tail]), dim=0)
     assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, host, "linear"), expected)
+
+
+def test_a_chunk_spread_that_rounds_otherwise_runs_each_chunk_alone(monkeypatch):
+    """Counter-test: a library whose GEMM inside a parallel region gives other bits (one bit flipped whenever several
+    threads run the (chunk, slab) pairs) is caught by the first-use check; each chunk then runs alone."""
+    real = compiled_loops.library()
+    if real is None:
+        pytest.skip("the compiled loops are not built here: the chunks always run one after another")
+
+    class SpreadFlipsABit:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def reduction_slab_mms(self, *args):
+            out = real.reduction_slab_mms(*args)
+            return (out.view(torch.int32) ^ 1).view(torch.float32) if torch.get_num_threads() > 1 else out
+
+    monkeypatch.setattr(compiled_loops, "library", lambda: SpreadFlipsABit())
+    monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
+    a, b = _fp32_inputs(700, 600, 24, seed=7)
+    if not _fp32_admitted(700, 24, cpu_exact.HOST):
+        pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
+    with num_threads(2):
+        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"),
+                           _fp32_slabs_written_out(a, b))
+    assert [agrees for key, agrees in gemm_arrangements._SPREAD_CHECKS.items() if key[0] == "chunks"] == [False]
