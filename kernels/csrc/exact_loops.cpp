@@ -643,10 +643,44 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand) {
   return out;
 }
 
-// One chunk of a weight gradient on views (gemm_arrangements._one_chunk_slabs): for each `slab`-row slab [lo, lo + cols)
-// of the N output rows, out[lo : lo + cols] = a[:, lo : lo + cols]^T @ b, one at::mm per slab on a's columns seen
+// The weight gradients' GEMMs shared out between the threads by their cost (multiply-adds), largest first, each to
+// the thread with the least work so far: whatever their sizes, the threads get near-even shares (a plain split of
+// llama100m's slabs of 256, 256 and 64 rows, or of a 256-token chunk's slabs and a 64-token chunk's, gave one thread
+// four times the other's work). Each task runs on one thread, inside the parallel region (as in tile_gemms), so no
+// bit depends on which thread runs it; with one task or one thread they run in order on the calling thread.
+namespace {
+
+template <typename Run>
+void spread_by_cost(const std::vector<int64_t>& costs, const Run& run) {
+  const int64_t tasks = static_cast<int64_t>(costs.size()), threads = at::get_num_threads();
+  if (tasks <= 1 || threads == 1) {
+    for (int64_t t = 0; t < tasks; ++t) run(t);
+    return;
+  }
+  std::vector<int64_t> order(tasks);
+  for (int64_t t = 0; t < tasks; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return costs[x] > costs[y]; });
+  std::vector<std::vector<int64_t>> shares(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (const int64_t t : order) {
+    const int64_t j = std::min_element(load.begin(), load.end()) - load.begin();
+    shares[j].push_back(t);
+    load[j] += costs[t];
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    at::NoGradGuard no_grad;  // as in tile_gemms: a worker thread's grad mode is on
+    for (int64_t j = first; j < last; ++j) {
+      for (const int64_t t : shares[j]) run(t);
+    }
+  });
+}
+
+}  // namespace
+
+// One chunk of a weight gradient on views (gemm_arrangements._one_chunk_slabs): for each `slab`-row slab [lo, lo +
+// cols) of the N output rows, out[lo : lo + cols] = a[:, lo : lo + cols]^T @ b, one at::mm per slab on a's columns seen
 // transposed (zero-padded to b's rows where a has fewer: a [length, cols] copy), with no transposing copy of a and no
-// row tiles. The slabs are shared out between the threads, each GEMM on one thread (as in tile_gemms), so no bit
+// row tiles. The slabs are shared out between the threads by cost, each GEMM on one thread (spread_by_cost), so no bit
 // depends on how the threads divide them; gemm_arrangements checks the spread at first use against the slabs in turn.
 at::Tensor slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t slab) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) <= b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
@@ -654,29 +688,24 @@ at::Tensor slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t slab) {
               "slab_mms: a [M, N] with unit column stride, a contiguous b [length >= M, K] of its dtype, slab >= 1");
   const int64_t n = a.size(1), length = b.size(0), k = b.size(1), slabs = (n + slab - 1) / slab;
   at::Tensor out = at::empty({n, k}, a.options());
-  const auto gemm = [&](int64_t first, int64_t last) {
-    at::NoGradGuard no_grad;  // as in tile_gemms: a worker thread's grad mode is on
-    for (int64_t s = first; s < last; ++s) {
-      const int64_t lo = s * slab, cols = std::min(slab, n - lo);
-      const at::Tensor region = a.narrow(1, lo, cols);
-      const at::Tensor left = region.size(0) == length ? region : padded_copy(region, {length, cols});
-      at::Tensor dst = out.narrow(0, lo, cols);
-      at::mm_out(dst, left.t(), b);
-    }
-  };
-  if (slabs == 1 || at::get_num_threads() == 1) {
-    gemm(0, slabs);
-  } else {
-    at::parallel_for(0, slabs, 1, gemm);
-  }
+  std::vector<int64_t> costs(slabs);
+  for (int64_t s = 0; s < slabs; ++s) costs[s] = std::min(slab, n - s * slab) * length * k;
+  spread_by_cost(costs, [&](int64_t s) {
+    at::NoGradGuard no_grad;
+    const int64_t lo = s * slab, cols = std::min(slab, n - lo);
+    const at::Tensor region = a.narrow(1, lo, cols);
+    const at::Tensor left = region.size(0) == length ? region : padded_copy(region, {length, cols});
+    at::Tensor dst = out.narrow(0, lo, cols);
+    at::mm_out(dst, left.t(), b);
+  });
   return out;
 }
 
-// A weight gradient's chunks in slabs (gemm_arrangements._reduction_slabs): a [M, N] and b [M, K] in `block`-row chunks,
-// the last chunk's rows zero-padded to `last_length` (>= its rows; every other chunk is whole), and for each chunk c
-// and each `slab`-row slab of the N output rows, parts[c, lo : lo + cols] = chunk c of a's slab columns, seen
+// A weight gradient's chunks in slabs (gemm_arrangements._reduction_slabs): a [M, N] and b [M, K] in `block`-row
+// chunks, the last chunk's rows zero-padded to `last_length` (>= its rows; every other chunk is whole), and for each
+// chunk c and each `slab`-row slab of the N output rows, parts[c, lo : lo + cols] = chunk c of a's slab columns, seen
 // transposed, @ chunk c of b: the same at::mm calls on the same operands as slab_mms makes for each chunk alone. The
-// (chunk, slab) pairs are shared out between the threads, each GEMM on one thread (as in tile_gemms), so no bit
+// (chunk, slab) pairs are shared out between the threads by cost, each GEMM on one thread (spread_by_cost), so no bit
 // depends on how the threads divide them. Returns the partial products [chunks, N, K], which the caller adds by the
 // canonical halving tree; gemm_arrangements checks the spread at first use against the pairs in turn.
 at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t last_length,
@@ -691,25 +720,22 @@ at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t 
   at::Tensor parts = at::empty({chunks, n, k}, a.options());
   const at::Tensor b_tail = tail_rows < last_length ? padded_copy(b.narrow(0, tail_first, tail_rows), {last_length, k})
                                                     : b.narrow(0, tail_first, tail_rows);
-  const auto gemm = [&](int64_t first, int64_t last) {
-    at::NoGradGuard no_grad;  // as in tile_gemms: a worker thread's grad mode is on
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t c = t / slabs, lo = (t % slabs) * slab, cols = std::min(slab, n - lo);
-      const bool is_last = c == chunks - 1;
-      const int64_t rows = is_last ? tail_rows : block, length = is_last ? last_length : block;
-      const at::Tensor region = a.narrow(0, c * block, rows).narrow(1, lo, cols);
-      const at::Tensor left = rows == length ? region : padded_copy(region, {length, cols});
-      const at::Tensor right = is_last ? b_tail : b.narrow(0, c * block, block);
-      at::Tensor dst = parts.select(0, c).narrow(0, lo, cols);
-      at::mm_out(dst, left.t(), right);
-    }
-  };
-  const int64_t pairs = chunks * slabs;
-  if (pairs == 1 || at::get_num_threads() == 1) {
-    gemm(0, pairs);
-  } else {
-    at::parallel_for(0, pairs, 1, gemm);
+  std::vector<int64_t> costs(chunks * slabs);
+  for (int64_t t = 0; t < chunks * slabs; ++t) {
+    const int64_t c = t / slabs, lo = (t % slabs) * slab;
+    costs[t] = std::min(slab, n - lo) * (c == chunks - 1 ? last_length : block) * k;
   }
+  spread_by_cost(costs, [&](int64_t t) {
+    at::NoGradGuard no_grad;
+    const int64_t c = t / slabs, lo = (t % slabs) * slab, cols = std::min(slab, n - lo);
+    const bool is_last = c == chunks - 1;
+    const int64_t rows = is_last ? tail_rows : block, length = is_last ? last_length : block;
+    const at::Tensor region = a.narrow(0, c * block, rows).narrow(1, lo, cols);
+    const at::Tensor left = rows == length ? region : padded_copy(region, {length, cols});
+    const at::Tensor right = is_last ? b_tail : b.narrow(0, c * block, block);
+    at::Tensor dst = parts.select(0, c).narrow(0, lo, cols);
+    at::mm_out(dst, left.t(), right);
+  });
   return parts;
 }
 
