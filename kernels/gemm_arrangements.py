@@ -764,7 +764,7 @@ def one_thread_reduction(dtype: torch.dtype) -> bool:
     layer's input width), the shape a BLAS parallelises by splitting the reduction between threads; oneDNN's AMX
     kernels on an Intel Xeon did so for a 768-token chunk in three row tiles at 2 threads, but not in the guard's
     probe arrangements, and not in a fresh process -- a choice no probe can cover. With 1 thread there is no choice.
-    The threads share out the GEMMs instead, one slab of output rows each (``_one_chunk_slabs``). fp32 chunks
+    The threads share out the GEMMs instead, one slab of output rows each (``_reduction_slabs``). fp32 chunks
     are at most ``REDUCE_BLOCK`` tokens and keep the probed path (their slabs, too, run on one thread each)."""
     return dtype in LIBRARY_DTYPES
 
@@ -853,7 +853,7 @@ def _views_arrangement(rows: int, n: int, k: int, dtype: torch.dtype, host: Host
 
 
 SLAB_ROWS = 256
-"""Output rows per GEMM of a weight gradient's chunk on the host's GEMM (``_one_chunk_slabs``): a fixed number, so the
+"""Output rows per GEMM of a weight gradient's chunk on the host's GEMM (``_reduction_slabs``): a fixed number, so the
 calls' shapes depend on the layer and the token count only, never on the thread count. Measured on the 2-core AMD
 host, one thread, bf16, 312 tokens: a GEMM of 256 rows runs as fast as one of 4,096 (llama100m's LM head gradient 102
 ms against 109; native's one GEMM 103), one of 64 rows (the tiles' height) 20% slower; and llama100m's narrowest
@@ -881,126 +881,112 @@ def _chunk_in_slabs(length: int, k: int, dtype: torch.dtype, host: HostGuard, op
 
 
 def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
-    """The canonical a.T @ b on the host's GEMM (``_reduction_in_slabs``), a [M, N], b [M, K]. bf16: one chunk of
-    the tokens zero-padded to a multiple of ``MIN_REDUCE_BLOCK`` (``_one_chunk_length``), in slabs. fp32: the chunks
-    of ``_transposed_matmul_tiles`` (``_reduction_block`` tokens each, a partial one zero-padded; a short last chunk
-    at its own length, ``last_chunk_length``, in slabs where its own class runs the host's GEMM, else its tiles), each
-    chunk's product in slabs (``_one_chunk_slabs``), the products added by the same halving tree in chunk order
-    (``fixed_order.tree_sum_of``). Each output element depends only on its two columns, the chunks and the slab's
-    shape -- never on the thread count: every GEMM runs on one thread. The 64-row tiles this replaced ran four times
-    the GEMM calls, each packing its chunk's operand again: llama100m's fp32 training in ``canonical`` mode was
-    1.08-1.09x ``auto`` with them (the benchmarks page)."""
-    rows = a.shape[0]
-    if one_thread_reduction(a.dtype):
-        return _one_chunk_slabs(a, b, _one_chunk_length(rows))
-    n, k = a.shape[1], b.shape[1]
+    """The canonical a.T @ b on the host's GEMM (``_reduction_in_slabs``), a [M, N], b [M, K]: the tokens in chunks
+    (``_slab_chunks``), each chunk's product in slabs of ``SLAB_ROWS`` output rows, one GEMM per (chunk, slab) on one
+    thread of the chunk's rows of a's slab columns seen transposed by the chunk's rows of b (a partial chunk's rows
+    zero-padded to its length), the chunks' products added by the halving tree in chunk order. A short last chunk
+    whose own class does not run the host's GEMM is its tiles instead (``_transposed_matmul_tiles``). Each output
+    element depends only on its two columns, the chunks and the slab's shape -- never on the thread count: every
+    GEMM runs on one thread, whatever the count. The tiles this replaced (one GEMM per 64-row tile, on a transposing
+    copy) cost llama100m's LM head gradient twice native's time in bf16 (768 GEMMs over 512 tokens, against 192 over
+    320) and `canonical` fp32 training 1.08-1.09x `auto` (the benchmarks page)."""
+    rows, n = a.shape
+    k = b.shape[1]
     a, b = _rows_aligned(a), _aligned(b)  # so every chunk and slab view starts aligned too
-    block = _reduction_block(rows, a.dtype)
+    block, last = _slab_chunks(rows, a.dtype)
     chunks = -(-rows // block)
-    last = last_chunk_length(rows, block, a.dtype)
-    last_in_slabs = last == block or _chunk_in_slabs(last, k, a.dtype, host, op)
+    tail_in_slabs = last == block or _chunk_in_slabs(last, k, a.dtype, host, op)
+    slab_chunks, slab_rows = (chunks, rows) if tail_in_slabs else (chunks - 1, (chunks - 1) * block)
+    slab_last = last if tail_in_slabs else block
     width = min(n, VIEW_SLAB_ROWS)
-    loops = compiled_loops.library()
-    spread = (loops is not None and torch.get_num_threads() > 1 and last_in_slabs
-              and chunks * width * k <= VIEW_PARTIALS_MAX and _chunk_slabs_spread_agree(width, k, block, last))
+    at_once = slab_chunks * width * k <= VIEW_PARTIALS_MAX  # else chunk by chunk: fewer partial products held
+    spread = _slabs_spread(width, k, block, slab_last, a.dtype)
 
-    def output_rows(first_row: int, last_row: int) -> Tensor:  # the tree over the chunks for these output rows
-        if spread:  # every (chunk, slab) pair shared out between the threads in one compiled call
-            parts = loops.reduction_slab_mms(a[:, first_row:last_row], b, block, last, SLAB_ROWS)
-            return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+    def output_rows(first: int, end: int) -> Tensor:  # the tree over the chunks for these output rows
+        a_cols = a[:, first:end]
+        if at_once:
+            parts = _slab_products(a_cols[:slab_rows], b[:slab_rows], block, slab_last, spread)
+            if tail_in_slabs:
+                return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+            tail = _transposed_matmul_tiles(a_cols[slab_rows:], b[slab_rows:], host, op)
+            return tree_sum_of(chunks, lambda i: parts[i] if i < chunks - 1 else tail)
 
         def part(i: int) -> Tensor:
-            first = i * block
-            a_chunk, b_chunk = a[first : first + block, first_row:last_row], b[first : first + block]
-            if i < chunks - 1 or last_in_slabs:
-                return _one_chunk_slabs(a_chunk, b_chunk, block if i < chunks - 1 else last)
-            return _transposed_matmul_tiles(a_chunk, b_chunk, host, op)  # one chunk, of its own length
+            lo = i * block
+            if i < slab_chunks:
+                length = block if i < chunks - 1 else slab_last
+                return _slab_products(a_cols[lo : lo + block], b[lo : lo + block], block, length, spread)[0]
+            return _transposed_matmul_tiles(a_cols[lo:], b[lo:], host, op)
 
-        return part(0) if chunks == 1 else tree_sum_of(chunks, part)
+        return tree_sum_of(chunks, part)
 
-    # ``VIEW_SLAB_ROWS`` output rows at a time (a multiple of ``SLAB_ROWS``: the same slabs), bounding the partial
-    # products the tree holds
     return _in_slabs(n, k, a, output_rows)
 
 
-def _one_chunk_length(rows: int) -> int:
-    """The reduction length ``_one_chunk_slabs`` multiplies for ``rows`` tokens: zero-padded to a multiple of
-    ``MIN_REDUCE_BLOCK`` (the tiles pad a bf16 chunk to a multiple of ``REDUCE_BLOCK``: 312 tokens to 512)."""
-    return ceil_to(max(rows, 1), MIN_REDUCE_BLOCK)
+def _slab_chunks(rows: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(chunk length, last chunk's length) of ``_reduction_slabs`` over ``rows`` tokens. bf16: one chunk of the
+    tokens zero-padded to a multiple of ``MIN_REDUCE_BLOCK`` (the tiles pad it to a multiple of ``REDUCE_BLOCK``: 312
+    tokens to 512). fp32: ``_reduction_block``'s chunks, a short last one at ``last_chunk_length``."""
+    if one_thread_reduction(dtype):
+        length = ceil_to(max(rows, 1), MIN_REDUCE_BLOCK)
+        return length, length
+    block = _reduction_block(rows, dtype)
+    return block, last_chunk_length(rows, block, dtype)
 
 
-def _one_chunk_slabs(a: Tensor, b: Tensor, length: int) -> Tensor:
-    """a.T @ b over one chunk in slabs (``_reduction_slabs``; a [M, N], b [M, K], M <= ``length``): for each slab of
-    ``SLAB_ROWS`` output rows, one GEMM on one thread of a's columns seen transposed (zero-padded to ``length`` rows
-    where M is shorter) by b zero-padded to [length, K]. Each output element depends only on its own column of a, b
-    and the slab's shape -- never on the thread count: every GEMM runs on one thread, whatever the count. Where the
-    compiled loops are built and several threads run, the slabs are shared out between them, each GEMM on the
-    thread that runs it (``slab_mms`` in ``csrc/exact_loops.cpp``), once ``_slabs_spread_agree`` found that this
-    gives the slabs' bits one after another (else they run so). The bf16 tiles the slabs replaced copied a
-    transposed into 64-row tiles of the chunk padded to a multiple of 256 tokens, one GEMM each: llama100m's LM head
-    gradient over 312 tokens took twice as long that way on the AMD host (768 GEMMs over 512 tokens, against 192 over
-    320), and bf16 training was 1.19x native."""
-    rows, n = a.shape
-    k = b.shape[1]
-    a = _rows_aligned(a)
-    b = _padded_or_aligned(b, (length, k))
+def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: bool) -> Tensor:
+    """[chunks, N, K]: for each ``block``-row chunk of a [M, N] and b [M, K] (the last zero-padded to ``last`` rows)
+    and each ``SLAB_ROWS``-row slab of the N output rows, one GEMM on one thread (``_reduction_slabs``). ``spread``:
+    every (chunk, slab) pair shared out between the threads in one compiled call (``reduction_slab_mms`` in
+    ``csrc/exact_loops.cpp``); else the same pairs one after another with one thread -- in that compiled call where
+    the loops are built, else a Python loop of the same ``mm`` calls on the same operands."""
     loops = compiled_loops.library()
-    slab = SLAB_ROWS
-    if (loops is not None and torch.get_num_threads() > 1 and n > slab
-            and _slabs_spread_agree(n, k, length, a.dtype)):
-        return loops.slab_mms(a, b, slab)
-    return _with_threads(1, lambda: _slabs_in_turn(a, b, slab, loops))
-
-
-def _slabs_in_turn(a: Tensor, b: Tensor, slab: int, loops: object) -> Tensor:
-    """``_one_chunk_slabs``' GEMMs one after another on the calling thread(s), b already padded: in one compiled call
-    where the ``loops`` are built, else a Python loop of the same ``mm`` calls on the same operands (a slab of a's
-    columns as a view where no token is padded, else its zero-padded copy, as ``slab_mms`` takes them)."""
+    if spread:
+        return loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS)
     if loops is not None:
-        return loops.slab_mms(a, b, slab)
-    (rows, n), (length, k) = a.shape, b.shape
-    out = a.new_empty(n, k)
-    for first in range(0, n, slab):
-        region = a[:, first : first + slab]
-        left = region if rows == length else _zero_padded(region, (length, region.shape[1]))
-        torch.mm(left.t(), b, out=out[first : first + slab])
-    return out
+        return _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
+    (rows, n), k = a.shape, b.shape[1]
+    chunks = -(-rows // block)
+    tail_first = (chunks - 1) * block
+    b_tail = _padded_or_aligned(b[tail_first:], (last, k))
+    parts = a.new_empty(chunks, n, k)
+
+    def products() -> None:
+        for c in range(chunks):
+            length = last if c == chunks - 1 else block
+            a_rows = a[c * block : c * block + length]
+            b_rows = b_tail if c == chunks - 1 else b[c * block : (c + 1) * block]
+            for lo in range(0, n, SLAB_ROWS):
+                region = a_rows[:, lo : lo + SLAB_ROWS]
+                left = region if region.shape[0] == length else _zero_padded(region, (length, region.shape[1]))
+                torch.mm(left.t(), b_rows, out=parts[c, lo : lo + SLAB_ROWS])
+
+    _with_threads(1, products)
+    return parts
 
 
 _SPREAD_CHECKS: dict[tuple, bool] = {}
 
 
-def _chunk_slabs_spread_agree(width: int, k: int, block: int, last: int) -> bool:
-    """Whether ``reduction_slab_mms`` at the current thread count (every (chunk, slab) pair shared out between the
-    threads) gives the bits of the same pairs one after another with one thread, for this (output width, K, chunk,
-    last chunk length): checked once per thread count on seeded inputs of two chunks, the last of ``last`` rows
-    (zero-padded where a partial chunk pads to ``block``). It catches a library whose GEMM called inside a parallel
-    region rounds otherwise than with one thread (then each chunk runs alone, ``_one_chunk_slabs``)."""
-    key = ("chunks", width, k, block, last, torch.get_num_threads())
+def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype) -> bool:
+    """Whether ``_slab_products`` shares its (chunk, slab) pairs out between the threads: where the compiled loops are
+    built, several threads run, and ``reduction_slab_mms`` at this thread count gave the bits of the same pairs one
+    after another with one thread -- checked once per (output width, K, chunk, last chunk length, dtype, thread count)
+    on seeded order-revealing inputs (``_probe_operands``) of as many chunks as the reduction has at most (bf16: one;
+    fp32: two, the last of ``last`` rows, or just over half of it where it pads to ``block``). It catches a library
+    whose GEMM called inside a parallel region rounds otherwise than with one thread (then the pairs run in turn)."""
+    loops = compiled_loops.library()
+    if loops is None or torch.get_num_threads() == 1:
+        return False
+    key = (dtype, width, k, block, last, torch.get_num_threads())
     if (known := _SPREAD_CHECKS.get(key)) is not None:
         return known
-    tail = last if last < block else block // 2 + 1
-    a, b = _seeded_randn((block + tail, width), (block + tail, k))
-    loops = compiled_loops.library()
+    tail = last - MIN_REDUCE_BLOCK + 1 if last == block else last  # a partial last chunk pads; a short one is whole
+    rows = tail if one_thread_reduction(dtype) else block + tail
+    a_t, b_t = _probe_operands(dtype, (width, rows), (k, rows))  # the reduction over the tokens is their K
+    a, b = a_t.t().contiguous(), b_t.t().contiguous()
     alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
     _SPREAD_CHECKS[key] = agrees = torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS), alone)
-    return agrees
-
-
-def _slabs_spread_agree(n: int, k: int, length: int, dtype: torch.dtype) -> bool:
-    """Whether ``slab_mms`` at the current thread count (the slabs shared out between the threads) gives the bits of
-    the same slabs one after another with one thread, for this (N, K, padded length, dtype): checked once per thread
-    count on seeded order-revealing inputs (``_probe_operands``) of the fewest tokens that pad to ``length``. It
-    catches a library whose GEMM called inside a parallel region rounds otherwise than with one thread."""
-    key = (dtype, n, k, length, torch.get_num_threads())
-    if (known := _SPREAD_CHECKS.get(key)) is not None:
-        return known
-    tokens = length - MIN_REDUCE_BLOCK + 1
-    a_t, b_t = _probe_operands(dtype, (n, tokens), (k, tokens))  # the reduction over the tokens is their K
-    a, b = a_t.t().contiguous(), _zero_padded(b_t.t(), (length, k))
-    loops = compiled_loops.library()
-    alone = _with_threads(1, lambda: loops.slab_mms(a, b, SLAB_ROWS))
-    _SPREAD_CHECKS[key] = agrees = torch.equal(loops.slab_mms(a, b, SLAB_ROWS), alone)
     return agrees
 
 

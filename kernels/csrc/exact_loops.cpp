@@ -677,34 +677,10 @@ void spread_by_cost(const std::vector<int64_t>& costs, const Run& run) {
 
 }  // namespace
 
-// One chunk of a weight gradient on views (gemm_arrangements._one_chunk_slabs): for each `slab`-row slab [lo, lo +
-// cols) of the N output rows, out[lo : lo + cols] = a[:, lo : lo + cols]^T @ b, one at::mm per slab on a's columns seen
-// transposed (zero-padded to b's rows where a has fewer: a [length, cols] copy), with no transposing copy of a and no
-// row tiles. The slabs are shared out between the threads by cost, each GEMM on one thread (spread_by_cost), so no bit
-// depends on how the threads divide them; gemm_arrangements checks the spread at first use against the slabs in turn.
-at::Tensor slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t slab) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) <= b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
-                  a.scalar_type() == b.scalar_type() && slab >= 1,
-              "slab_mms: a [M, N] with unit column stride, a contiguous b [length >= M, K] of its dtype, slab >= 1");
-  const int64_t n = a.size(1), length = b.size(0), k = b.size(1), slabs = (n + slab - 1) / slab;
-  at::Tensor out = at::empty({n, k}, a.options());
-  std::vector<int64_t> costs(slabs);
-  for (int64_t s = 0; s < slabs; ++s) costs[s] = std::min(slab, n - s * slab) * length * k;
-  spread_by_cost(costs, [&](int64_t s) {
-    at::NoGradGuard no_grad;
-    const int64_t lo = s * slab, cols = std::min(slab, n - lo);
-    const at::Tensor region = a.narrow(1, lo, cols);
-    const at::Tensor left = region.size(0) == length ? region : padded_copy(region, {length, cols});
-    at::Tensor dst = out.narrow(0, lo, cols);
-    at::mm_out(dst, left.t(), b);
-  });
-  return out;
-}
-
 // A weight gradient's chunks in slabs (gemm_arrangements._reduction_slabs): a [M, N] and b [M, K] in `block`-row
 // chunks, the last chunk's rows zero-padded to `last_length` (>= its rows; every other chunk is whole), and for each
 // chunk c and each `slab`-row slab of the N output rows, parts[c, lo : lo + cols] = chunk c of a's slab columns, seen
-// transposed, @ chunk c of b: the same at::mm calls on the same operands as slab_mms makes for each chunk alone. The
+// transposed, @ chunk c of b (gemm_arrangements._slab_products makes the same at::mm calls in Python). The
 // (chunk, slab) pairs are shared out between the threads by cost, each GEMM on one thread (spread_by_cost), so no bit
 // depends on how the threads divide them. Returns the partial products [chunks, N, K], which the caller adds by the
 // canonical halving tree; gemm_arrangements checks the spread at first use against the pairs in turn.
@@ -891,7 +867,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("tile_gemms", &tile_gemms, "one at::bmm per tile with a shared operand, tiles spread over threads");
-  m.def("slab_mms", &slab_mms, "one at::mm per slab of a weight gradient chunk on views, slabs spread over threads");
   m.def("reduction_slab_mms", &reduction_slab_mms,
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
