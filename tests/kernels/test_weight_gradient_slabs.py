@@ -69,20 +69,6 @@ def test_bf16_weight_gradient_is_its_slabs_bit_for_bit(rows, n, k, loops, monkey
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("threads", (1, 2, 3, 4))
-def test_bf16_weight_gradient_in_slabs_is_thread_invariant(threads, monkeypatch):
-    """The slabs shared out between the threads (``reduction_slab_mms``), each GEMM on one thread: the same bits at every
-    thread count, and the same as the Python loop of the same calls (no compiled loops)."""
-    a, b = _inputs(312, 1100, 40, seed=3)  # five slabs, the last partial
-    if not _admitted(a, b, cpu_exact.HOST):
-        pytest.skip("this host runs no bf16 weight gradient on its own GEMM with one thread")
-    expected = _slabs_written_out(a, b)
-    with num_threads(threads):
-        assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
-        monkeypatch.setattr(compiled_loops, "library", lambda: None)
-        assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
-
-
 def test_linear_backward_of_bf16_is_its_slabs():
     """Through ``cpu_exact.linear``'s autograd: the weight gradient is the slabs of (grad, x)."""
     gen = torch.Generator().manual_seed(5)
@@ -93,32 +79,6 @@ def test_linear_backward_of_bf16_is_its_slabs():
         pytest.skip("this host runs no bf16 weight gradient on its own GEMM with one thread")
     cpu_exact.linear(x, weight).backward(grad)
     assert torch.equal(weight.grad, _slabs_written_out(grad.view(-1, 520), x.view(-1, 64)))
-
-
-def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(monkeypatch):
-    """Counter-test: a library whose GEMM inside a parallel region gives other bits (made so here: one bit flipped
-    whenever several threads run) is caught by the first-use check, and the slabs run one after another."""
-    real = compiled_loops.library()
-    if real is None:
-        pytest.skip("the compiled loops are not built here: the slabs always run in turn")
-
-    class SpreadFlipsABit:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def reduction_slab_mms(self, *args):
-            out = real.reduction_slab_mms(*args)
-            return (out.view(torch.int16) ^ 1).view(torch.bfloat16) if torch.get_num_threads() > 1 else out
-
-    monkeypatch.setattr(compiled_loops, "library", lambda: SpreadFlipsABit())
-    monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
-    a, b = _inputs(312, 600, 48)
-    if not _admitted(a, b, cpu_exact.HOST):
-        pytest.skip("this host runs no bf16 weight gradient on its own GEMM with one thread")
-    with num_threads(2):
-        assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"),
-                           _slabs_written_out(a, b))
-    assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [False]
 
 
 def test_a_guard_over_another_gemm_keeps_the_tiles():
@@ -204,12 +164,25 @@ def test_fp32_weight_gradient_is_its_chunks_in_slabs_bit_for_bit(rows, n, k, loo
     assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
-@pytest.mark.parametrize("threads", (1, 2, 3))
-def test_fp32_weight_gradient_in_slabs_is_thread_invariant(threads, monkeypatch):
-    a, b = _fp32_inputs(700, 1100, 40, seed=4)  # three chunks (the last partial), five slabs (the last partial)
-    if not _fp32_admitted(700, 40, cpu_exact.HOST):
-        pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
-    expected = _fp32_slabs_written_out(a, b)
+def _case(dtype: torch.dtype, seed: int) -> tuple:
+    """(a, b, whether this host runs them in slabs, the definition written out): bf16's one chunk of 312 tokens; fp32's
+    three chunks of 700 (the last partial); five slabs (the last partial)."""
+    if dtype == torch.bfloat16:
+        a, b = _inputs(312, 1100, 40, seed=seed)
+        return a, b, _admitted(a, b, cpu_exact.HOST), _slabs_written_out
+    a, b = _fp32_inputs(700, 1100, 40, seed=seed)
+    return a, b, _fp32_admitted(700, 40, cpu_exact.HOST), _fp32_slabs_written_out
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("threads", (1, 2, 3, 4))
+def test_weight_gradient_in_slabs_is_thread_invariant(threads, dtype, monkeypatch):
+    """Every (chunk, slab) pair shared out between the threads (``reduction_slab_mms``), each GEMM on one thread: the
+    same bits at every thread count, and the same as the Python loop of the same calls (no compiled loops)."""
+    a, b, admitted, written_out = _case(dtype, seed=3)
+    if not admitted:
+        pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
+    expected = written_out(a, b)
     with num_threads(threads):
         assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
         monkeypatch.setattr(compiled_loops, "library", lambda: None)
@@ -249,12 +222,16 @@ def test_fp32_short_last_chunk_on_another_gemm_keeps_its_tiles(monkeypatch):
     assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, host, "linear"), expected)
 
 
-def test_a_chunk_spread_that_rounds_otherwise_runs_each_chunk_alone(monkeypatch):
-    """Counter-test: a library whose GEMM inside a parallel region gives other bits (one bit flipped whenever several
-    threads run the (chunk, slab) pairs) is caught by the first-use check; each chunk then runs alone."""
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(dtype, monkeypatch):
+    """Counter-test: a library whose GEMM inside a parallel region gives other bits (made so here: one bit flipped
+    whenever several threads run the (chunk, slab) pairs) is caught by the first-use check, and the pairs run one
+    after another."""
     real = compiled_loops.library()
     if real is None:
-        pytest.skip("the compiled loops are not built here: the chunks always run one after another")
+        pytest.skip("the compiled loops are not built here: the slabs always run in turn")
+    as_int = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
 
     class SpreadFlipsABit:
         def __getattr__(self, name):
@@ -262,14 +239,14 @@ def test_a_chunk_spread_that_rounds_otherwise_runs_each_chunk_alone(monkeypatch)
 
         def reduction_slab_mms(self, *args):
             out = real.reduction_slab_mms(*args)
-            return (out.view(torch.int32) ^ 1).view(torch.float32) if torch.get_num_threads() > 1 else out
+            return (out.view(as_int) ^ 1).view(dtype) if torch.get_num_threads() > 1 else out
 
     monkeypatch.setattr(compiled_loops, "library", lambda: SpreadFlipsABit())
     monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
-    a, b = _fp32_inputs(700, 600, 24, seed=7)
-    if not _fp32_admitted(700, 24, cpu_exact.HOST):
-        pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
+    a, b, admitted, written_out = _case(dtype, seed=7)
+    if not admitted:
+        pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
     with num_threads(2):
         assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"),
-                           _fp32_slabs_written_out(a, b))
+                           written_out(a, b))
     assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [False]
