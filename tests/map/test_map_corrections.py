@@ -510,15 +510,15 @@ def test_the_shipped_map_is_made_by_build_map():
         placed = place_on_map(m, 0.025, 8.0, correction)
         assert placed["threshold_50"] is None and placed["correction"] == correction
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
-    # at L = 500 (held task): recompute collapsed both seeds at the larger dose and held its one run at the smaller (a
-    # threshold between them; the bootstrap over its two seeds leaves the interval's lower end open: a resample of
-    # seed 1 alone collapsed at every dose); token TIS and IcePop held both seeds at the larger dose and their one run
+    # at L = 500 (held task): recompute collapsed its three seeds at the larger dose and held its one run at the smaller
+    # (a threshold between them; the bootstrap over its three seeds leaves the interval's lower end open: a resample
+    # of seed 1 or 2 alone collapsed at every dose); token TIS and IcePop held both seeds at the larger dose and their one run
     # at a third (bounds)
     recompute, token_tis, icepop = ([h for h in next(c for c in m["curves"] if c["correction"] == name
                                                      and c["source"] == "logit_scale" and c["policy_lag"] == 0)[
         "horizons"] if h["horizon_value"] == 500] for name in ("recompute", "token_tis", "icepop"))
     assert [h["status"] for h in recompute + token_tis + icepop] == ["fitted", "above_range", "above_range"]
-    assert (recompute[0]["runs"], recompute[0]["collapsed"], recompute[0]["runs_per_dose"]) == (3, 2, [1, 2])
+    assert (recompute[0]["runs"], recompute[0]["collapsed"], recompute[0]["runs_per_dose"]) == (4, 3, [1, 3])
     assert token_tis[0]["runs"] == icepop[0]["runs"] == 3
     assert token_tis[0]["runs_per_dose"] == icepop[0]["runs_per_dose"] == [2, 1]
     assert not any(h["single_run_per_dose"] for h in recompute + token_tis + icepop)
