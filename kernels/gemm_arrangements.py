@@ -812,6 +812,8 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     M tokens is the tree of each chunk's own reduction, so no GEMM multiplies more than twice its real rows."""
     rows, n = a.shape
     k = b.shape[1]
+    if rows == 0:  # an empty reduction: zeros (what zero-padded tokens give)
+        return a.new_zeros(n, k)
     # a one-thread class (bf16) never runs the views: they call the GEMM with the process's threads
     views = None if one_thread_reduction(a.dtype) else _views_arrangement(rows, n, k, a.dtype, host, op)
     if views is None:
@@ -824,6 +826,8 @@ def canonical_transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str,
     """``transposed_matmul``'s canonical arrangement, the bits every faster one is checked against: on the host's
     own GEMM, its chunks in slabs of output rows (``_reduction_in_slabs``, ``_reduction_slabs``); elsewhere (the
     fixed-order GEMM, a guard over another GEMM) the tiles (``_transposed_matmul_tiles``)."""
+    if a.shape[0] == 0:  # an empty reduction: zeros (what zero-padded tokens give)
+        return a.new_zeros(a.shape[1], b.shape[1])
     if _reduction_in_slabs(a.shape[0], b.shape[1], a.dtype, host, op):
         return _reduction_slabs(a, b, host, op)
     return _transposed_matmul_tiles(a, b, host, op, b_source)

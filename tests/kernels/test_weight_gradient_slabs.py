@@ -250,3 +250,12 @@ def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(dtype, monkeypatc
         assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"),
                            written_out(a, b))
     assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [False]
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_a_weight_gradient_over_no_tokens_is_zero(dtype):
+    """An empty reduction (a layer that saw no token) is zeros of the weight's shape, on every path."""
+    a, b = torch.zeros(0, 300, dtype=dtype), torch.zeros(0, 40, dtype=dtype)
+    for reduce in (gemm_arrangements.transposed_matmul, gemm_arrangements.canonical_transposed_matmul):
+        out = reduce(a, b, cpu_exact.HOST, "linear")
+        assert out.shape == (300, 40) and out.dtype == dtype and torch.equal(out, torch.zeros_like(out))
