@@ -512,8 +512,8 @@ def test_the_shipped_map_is_made_by_build_map():
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
     # at L = 500 (held task): recompute collapsed its three seeds at the larger dose and held its one run at the smaller
     # (a threshold between them; the bootstrap over its three seeds leaves the interval's lower end open: a resample
-    # of seed 1 or 2 alone collapsed at every dose); token TIS and IcePop held both seeds at the larger dose and their one run
-    # at a third (bounds)
+    # of seed 1 or 2 alone collapsed at every dose); token TIS and IcePop held both seeds at the larger dose and their
+    # one run at a third (bounds)
     recompute, token_tis, icepop = ([h for h in next(c for c in m["curves"] if c["correction"] == name
                                                      and c["source"] == "logit_scale" and c["policy_lag"] == 0)[
         "horizons"] if h["horizon_value"] == 500] for name in ("recompute", "token_tis", "icepop"))
