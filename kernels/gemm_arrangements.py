@@ -812,10 +812,9 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     M tokens is the tree of each chunk's own reduction, so no GEMM multiplies more than twice its real rows."""
     rows, n = a.shape
     k = b.shape[1]
-    if rows == 0:  # an empty reduction: zeros (what zero-padded tokens give)
-        return a.new_zeros(n, k)
-    # a one-thread class (bf16) never runs the views: they call the GEMM with the process's threads
-    views = None if one_thread_reduction(a.dtype) else _views_arrangement(rows, n, k, a.dtype, host, op)
+    # a one-thread class (bf16) never runs the views: they call the GEMM with the process's threads; an empty
+    # reduction has nothing to arrange
+    views = None if rows == 0 or one_thread_reduction(a.dtype) else _views_arrangement(rows, n, k, a.dtype, host, op)
     if views is None:
         return canonical_transposed_matmul(a, b, host, op, b_source)
     return _transposed_matmul_views(a, b, _reduction_block(rows, a.dtype), unpadded_tail=views == UNPADDED_TAIL)
@@ -900,26 +899,24 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     block, last = _slab_chunks(rows, a.dtype)
     chunks = -(-rows // block)
     tail_in_slabs = last == block or _chunk_in_slabs(last, k, a.dtype, host, op)
-    slab_chunks, slab_rows = (chunks, rows) if tail_in_slabs else (chunks - 1, (chunks - 1) * block)
-    slab_last = last if tail_in_slabs else block
     width = min(n, VIEW_SLAB_ROWS)
-    at_once = slab_chunks * width * k <= VIEW_PARTIALS_MAX  # else chunk by chunk: fewer partial products held
-    spread = _slabs_spread(width, k, block, slab_last, a.dtype)
+    # every chunk in one call where their partial products fit, else (or where the last chunk runs its tiles) one
+    # chunk at a time: the same GEMMs and the same tree
+    at_once = tail_in_slabs and chunks * width * k <= VIEW_PARTIALS_MAX
+    spread = _slabs_spread(width, k, block, last if tail_in_slabs else block, a.dtype)
 
     def output_rows(first: int, end: int) -> Tensor:  # the tree over the chunks for these output rows
         a_cols = a[:, first:end]
         if at_once:
-            parts = _slab_products(a_cols[:slab_rows], b[:slab_rows], block, slab_last, spread)
-            if tail_in_slabs:
-                return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
-            tail = _transposed_matmul_tiles(a_cols[slab_rows:], b[slab_rows:], host, op)
-            return tree_sum_of(chunks, lambda i: parts[i] if i < chunks - 1 else tail)
+            parts = _slab_products(a_cols, b, block, last, spread)
+            return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
 
         def part(i: int) -> Tensor:
             lo = i * block
-            if i < slab_chunks:
-                length = block if i < chunks - 1 else slab_last
-                return _slab_products(a_cols[lo : lo + block], b[lo : lo + block], block, length, spread)[0]
+            if i < chunks - 1:
+                return _slab_products(a_cols[lo : lo + block], b[lo : lo + block], block, block, spread)[0]
+            if tail_in_slabs:
+                return _slab_products(a_cols[lo:], b[lo:], block, last, spread)[0]
             return _transposed_matmul_tiles(a_cols[lo:], b[lo:], host, op)
 
         return tree_sum_of(chunks, part)

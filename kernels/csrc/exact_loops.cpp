@@ -654,6 +654,7 @@ template <typename Run>
 void spread_by_cost(const std::vector<int64_t>& costs, const Run& run) {
   const int64_t tasks = static_cast<int64_t>(costs.size()), threads = at::get_num_threads();
   if (tasks <= 1 || threads == 1) {
+    at::NoGradGuard no_grad;  // out= calls refuse inputs that require grad where grad mode is on
     for (int64_t t = 0; t < tasks; ++t) run(t);
     return;
   }
@@ -702,7 +703,6 @@ at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t 
     costs[t] = std::min(slab, n - lo) * (c == chunks - 1 ? last_length : block) * k;
   }
   spread_by_cost(costs, [&](int64_t t) {
-    at::NoGradGuard no_grad;
     const int64_t c = t / slabs, lo = (t % slabs) * slab, cols = std::min(slab, n - lo);
     const bool is_last = c == chunks - 1;
     const int64_t rows = is_last ? tail_rows : block, length = is_last ? last_length : block;
