@@ -263,6 +263,32 @@ def gemm_per_shape(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
     return out
 
 
+def gemm_at_tile_rows(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
+    """Each distinct weight shape of the model through ``F.linear`` at ``rows`` rows and at the rows the exact path
+    multiplies for them (``gemm_arrangements.tiled_rows``: padded to whole tiles of a height at which the host's GEMM
+    keeps a row's bits), fastest of 3 x ``reps``; then the decode step's GEMMs (layers + LM head) summed both ways --
+    what the padding alone costs (a bf16 GEMM that keeps a row's bits only at 32- and 64-row tiles computes a 16-row
+    decode step's GEMMs on 32)."""
+    from vexact_kernels import cpu_exact, gemm_arrangements
+
+    gen = torch.Generator().manual_seed(2)
+    per_shape = {}
+    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+        w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
+        computed = gemm_arrangements.tiled_dtype(x, w, cpu_exact.HOST)
+        tile_rows = gemm_arrangements.tiled_rows(x.to(computed), w, cpu_exact.HOST)
+        padded = torch.randn(tile_rows, k, generator=gen).to(dtype)
+        per_shape[f"N={n} K={k}"] = {
+            "tile_rows": tile_rows, "computed_in": str(computed).removeprefix("torch."),
+            "F.linear_s": _fastest(lambda x=x, w=w: torch.nn.functional.linear(x, w), reps * 3),
+            "F.linear_at_tile_rows_s": _fastest(lambda x=padded, w=w: torch.nn.functional.linear(x, w), reps * 3)}
+    step = {key: sum(config.num_layers * per_shape[f"N={n} K={k}"][key] if group != "LM head"
+                     else per_shape[f"N={n} K={k}"][key]
+                     for group, shapes_ in _model_gemms(config).items() for n, k in shapes_)
+            for key in ("F.linear_s", "F.linear_at_tile_rows_s")}
+    return {"per_shape": per_shape, "decode_step_gemm_s": step}
+
+
 def gemm_table(record: dict) -> tuple[list[str], list[list[str]]]:
     """A ``--gemm`` record as a table: per GEMM group, milliseconds through ``F.linear`` and each other kernel, its
     speed-up, and its largest difference from ``F.linear``; then the decode step's GEMMs (layers + LM head)."""
@@ -349,8 +375,9 @@ def onednn_rows_keep_bits(config, dtype: torch.dtype, heights: tuple[int, ...],
 
 def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> dict:
     """``--gemm``: the model's GEMMs at the decode batch (``n_prompts`` rows) and at the prefill's row count, through
-    each kernel this environment has (``gemm_kernels``), and whether torch's oneDNN linear keeps a row's bits across
-    the exact kernels' tile heights (``onednn_rows_keep_bits``)."""
+    each kernel this environment has (``gemm_kernels``), ``F.linear`` at the rows the exact path multiplies
+    (``gemm_at_tile_rows``), and whether torch's oneDNN linear keeps a row's bits across the exact kernels' tile
+    heights (``onednn_rows_keep_bits``)."""
     from vexact_kernels.gemm_arrangements import ROW_BLOCKS
 
     shape = dataclasses.replace(shapes()[shape_name], e2e_batch=n_prompts)
@@ -360,6 +387,7 @@ def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> di
     out = {"torch_onednn_available": onednn_available(), "gemm": gemm,
            "decode_step_gemm_s": {key.removesuffix("_s"): shape.model.num_layers * layer[key] + head[key]
                                   for key in layer if key.endswith("_s")}}
+    out["at_exact_tile_rows"] = gemm_at_tile_rows(shape.model, dtype, n_prompts, reps)
     if out["torch_onednn_available"]:
         out["per_shape_at_decode_rows"] = gemm_per_shape(shape.model, dtype, n_prompts, reps)
         out["onednn_row_heights_differing"] = onednn_rows_keep_bits(shape.model, dtype, ROW_BLOCKS)

@@ -159,6 +159,18 @@ def guard_modes_table(record: dict) -> str:
                            if over else [])])
 
 
+def tile_rows_line(padded: dict, rows: int) -> str:
+    """A ``--gemm`` record's ``at_exact_tile_rows`` as one line: per weight shape the rows the exact path multiplies
+    for ``rows`` (and the dtype it computes in), then F.linear's time for the decode step's GEMMs at those rows over
+    its time at ``rows``."""
+    step = padded["decode_step_gemm_s"]
+    shapes_ = ", ".join(f"{shape} {entry['tile_rows']} ({entry['computed_in']})"
+                        for shape, entry in padded["per_shape"].items())
+    return (f"- the rows the exact path multiplies at {rows} rows: {shapes_}; F.linear at those rows / at {rows} rows, "
+            f"the decode step's GEMMs: {step['F.linear_at_tile_rows_s'] / step['F.linear_s']:.2f}× "
+            f"({step['F.linear_at_tile_rows_s'] * 1e3:.1f} ms against {step['F.linear_s'] * 1e3:.1f})")
+
+
 def tables(record: dict) -> str:
     if record.get("benchmark") == "end_to_end":
         parts = [end_to_end_table(record), profile_lines(record)]
@@ -173,7 +185,9 @@ def tables(record: dict) -> str:
     elif record.get("benchmark") == "decode_profile" and record.get("side") == "gemm":
         differing = record["results"].get("onednn_row_heights_differing")
         per_shape = record["results"].get("per_shape_at_decode_rows", {})
+        padded = record["results"].get("at_exact_tile_rows")
         parts = [_markdown(*gemm_table(record)),
+                 "" if padded is None else tile_rows_line(padded, record["prompts"]),
                  "" if not per_shape else
                  f"- each weight shape alone at {record['prompts']} rows, F.linear / torch_onednn_linear: " + ", ".join(
                      f"{shape} {t['F.linear_s'] / t['torch_onednn_linear_s']:.2f}×" for shape, t in per_shape.items()),

@@ -353,6 +353,15 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
     return plan.run(x, weight, host, loops)
 
 
+def tiled_rows(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> int:
+    """The rows ``tiled_matmul`` multiplies for x [M, K] @ weight [N, K].T (x in the dtype ``tiled_dtype`` gives):
+    M padded to whole tiles of the height the guard allows for the class (``row_block``). A benchmark's question --
+    what the padding costs on a host whose GEMM keeps a row's bits only at taller tiles; it asks the guard as
+    ``tiled_matmul`` does (the same probes at first use) and computes nothing."""
+    plan = _tiled_plan(x, weight, host, op, compiled_loops.library(), hold=False)
+    return plan.block * plan.blocks
+
+
 def _held(weight: Tensor, operand: Tensor) -> bool:
     """Whether ``operand`` is the weight's own memory or a layout ``arranged_weight`` keeps for it (which a plan may
     hold without holding more than ``ARRANGED_BYTES_MAX``)."""
@@ -726,6 +735,16 @@ SPREAD_TILES_PER_THREAD = 4
 threads whatever their count (an uneven share is then at most a quarter more than an even one)."""
 
 
+def _checked_once(checks: dict[tuple, bool], key: tuple, check: Callable[[], bool]) -> bool:
+    """``check()``'s answer for ``key``, run at first use and kept in ``checks``: the first-use checks that the
+    canonical arrangement's own faster forms (laid-out tiles, slabs shared between threads) give its bits. Forms of
+    the canonical path, not ``same_bits`` arrangements, which ask the guard (``HostGuard.arrangement_agrees``) and
+    which mode ``canonical`` never takes."""
+    if (known := checks.get(key)) is None:
+        known = checks[key] = check()
+    return known
+
+
 _LAID_OUT_CHECKS: dict[tuple, bool] = {}
 LAID_OUT_CHECK_TILES = dict(zip(LAID_OUT_FORMS, (1, 2, 3)))
 """64-row tiles in ``_laid_out_agrees``' check per form: several where the form has several (three per tile: a count
@@ -738,22 +757,19 @@ def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: s
     form, thread count) on seeded order-revealing operands (``_probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The
     forms are the canonical call's own GEMM per tile, on the same operand layout; this catches a torch whose ``bmm``
     does otherwise, or a per-tile GEMM whose bits follow the threads (then the canonical call runs)."""
-    key = (dtype, block, k, n_pad, form, transposed, torch.get_num_threads())
-    if (known := _LAID_OUT_CHECKS.get(key)) is not None:
-        return known
-    blocks = LAID_OUT_CHECK_TILES[form]
-    x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
-    operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
-    canonical = torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks)).view(blocks * block, n_pad)
-    if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
-        tiles = x.view(blocks, block, k)
-        agrees = all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread).view(
-            blocks * block, n_pad)) for spread in (True, False))
-    else:
+    def check() -> bool:
+        blocks = LAID_OUT_CHECK_TILES[form]
+        x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
+        operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
+        canonical = torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks)).view(blocks * block, n_pad)
+        if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
+            tiles = x.view(blocks, block, k)
+            return all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread).view(blocks * block, n_pad))
+                       for spread in (True, False))
         laid = operand if form == LAID_OUT_FORMS[0] else per_tile_operand(operand, blocks)
-        agrees = torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form))
-    _LAID_OUT_CHECKS[key] = agrees
-    return agrees
+        return torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form))
+
+    return _checked_once(_LAID_OUT_CHECKS, (dtype, block, k, n_pad, form, transposed, torch.get_num_threads()), check)
 
 
 # --------------------------------------------------------------------------- a.T @ b: a weight gradient
@@ -979,16 +995,15 @@ def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype)
     loops = compiled_loops.library()
     if loops is None or torch.get_num_threads() == 1:
         return False
-    key = (dtype, width, k, block, last, torch.get_num_threads())
-    if (known := _SPREAD_CHECKS.get(key)) is not None:
-        return known
-    tail = last - MIN_REDUCE_BLOCK + 1 if last == block else last  # a partial last chunk pads; a short one is whole
-    rows = tail if one_thread_reduction(dtype) else block + tail
-    a_t, b_t = _probe_operands(dtype, (width, rows), (k, rows))  # the reduction over the tokens is their K
-    a, b = a_t.t().contiguous(), b_t.t().contiguous()
-    alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
-    _SPREAD_CHECKS[key] = agrees = torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS), alone)
-    return agrees
+    def check() -> bool:
+        tail = last - MIN_REDUCE_BLOCK + 1 if last == block else last  # a partial last chunk pads; a short one is whole
+        rows = tail if one_thread_reduction(dtype) else block + tail
+        a_t, b_t = _probe_operands(dtype, (width, rows), (k, rows))  # the reduction over the tokens is their K
+        a, b = a_t.t().contiguous(), b_t.t().contiguous()
+        alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
+        return torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS), alone)
+
+    return _checked_once(_SPREAD_CHECKS, (dtype, width, k, block, last, torch.get_num_threads()), check)
 
 
 def probe_transposed_matmul(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> None:

@@ -88,10 +88,16 @@ def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
     # every GEMM shape of the tiny model (q/o and gate/up share theirs), each with the heights whose rows differ
     assert set(results["onednn_row_heights_differing"]) == {"N=32 K=32", "N=16 K=32", "N=48 K=32", "N=32 K=48",
                                                             "N=50 K=32"}
+    # F.linear at the rows the exact path multiplies for 3 (whole tiles: at least 3, at most the tallest tile)
+    padded = results["at_exact_tile_rows"]
+    assert set(padded["per_shape"]) == set(results["onednn_row_heights_differing"])
+    assert all(3 <= e["tile_rows"] <= 64 and e["F.linear_at_tile_rows_s"] > 0 for e in padded["per_shape"].values())
+    assert set(padded["decode_step_gemm_s"]) == {"F.linear_s", "F.linear_at_tile_rows_s"}
     capsys.readouterr()
     assert tables.main([str(out)]) == 0
     table = capsys.readouterr().out
     assert "| a decode step (3 rows: layers + LM head) |" in table and "torch's oneDNN linear:" in table
+    assert "- the rows the exact path multiplies at 3 rows: N=32 K=32 " in table
 
 
 def test_the_rows_check_names_the_heights_a_row_count_dependent_gemm_breaks():

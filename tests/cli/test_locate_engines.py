@@ -21,6 +21,7 @@ import torch
 from conftest import TINY
 
 from vexact.cli import main
+from vexact.engine.inputs import padded_with_mask
 from vexact.real.locate import LocateSettings, op_plan, run_dump, run_locate
 from vexact.real.sites import DUMP_FILE, TENSORS_FILE, capture_hf, read_dump, site_hash
 from vexact.real.tiny import make_tiny_checkpoint, make_tiny_hf_model
@@ -194,9 +195,13 @@ def test_record_sites_of_a_vexact_model_and_a_transformers_model(tiny_hf):
     sites = record_sites(engine, SEQUENCES, kind="rollout", prefill=[2, 1])
     assert sites.names == [slot.name for slot in op_plan(engine.config)] and len(sites.rows) == 9
     hf = record_sites(tiny_hf, SEQUENCES)
+    # the logits of the forward record_sites ran: both sequences, right-padded, masked (the same call on the same
+    # batch, so the same bits; the batch of one would rest on the host's GEMM keeping a row's bits across row
+    # counts, which MKL on an Intel Xeon does not)
+    ids, mask = padded_with_mask(SEQUENCES)
     with torch.no_grad():
-        logits = tiny_hf(input_ids=torch.tensor(SEQUENCES[0:1])).logits[0]
-    assert torch.equal(hf.tensors["logits"][:6], logits)  # sequence 0's rows; batch 1 vs 2 may differ, not here
+        logits = tiny_hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(hf.tensors["logits"][:6], logits[0]) and torch.equal(hf.tensors["logits"][6:], logits[1, :3])
     assert assert_sites_equal(sites, record_sites(engine, SEQUENCES)) is None  # vexact's guarantee: every site
 
 

@@ -194,3 +194,23 @@ def test_a_weights_plans_go_with_it():
     del weight
     gc.collect()
     assert key not in gemm_arrangements._PLANS
+
+
+def test_tiled_rows_are_the_rows_padded_to_the_shortest_tile_whose_bits_the_host_keeps():
+    """``tiled_rows`` (what ``vexact bench decode_profile --gemm`` times ``F.linear`` at): on a host whose GEMM gives
+    tiles of under 32 rows other bits (as the Intel Xeon's bf16 GEMM did: ``gemm_rows`` heights 32 and 64), 3 rows
+    are multiplied as 32; on a sound host as 4, the shortest tile; rows beyond the tallest tile fill whole tiles."""
+    from test_host_guard import SOUND, _nudge
+
+    def short_tiles_round_otherwise(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = SOUND["bmm"](a, b)
+        return _nudge(out) if a.shape[1] < 32 else out
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 48, generator=g)
+    short_tiles = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **{**SOUND, "bmm": short_tiles_round_otherwise})
+    sound = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **SOUND)
+    assert gemm_arrangements.tiled_rows(torch.randn(3, 48, generator=g), w, short_tiles) == 32
+    assert short_tiles.report()["probes"][0]["tile_heights"] == [32, 64]  # a restriction, not a failed probe
+    assert gemm_arrangements.tiled_rows(torch.randn(3, 48, generator=g), w, sound) == 4
+    assert gemm_arrangements.tiled_rows(torch.randn(70, 48, generator=g), w, sound) == 128
