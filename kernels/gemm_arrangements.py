@@ -166,7 +166,11 @@ def _aligned(t: Tensor) -> Tensor:
 def _rows_aligned(x: Tensor) -> Tensor:
     """A 2-D operand whose columns a GEMM may read on views: ``x`` itself where its rows are unit-stride, do not
     overlap and it starts on an ``ALIGNMENT``-byte boundary (a transposed view, or rows of a wider tensor), else
-    ``_aligned``'s contiguous copy."""
+    ``_aligned``'s contiguous copy. One column: the same memory with column stride 1 (torch calls an [M, 1] tensor
+    contiguous whatever its column stride, which is never read; the weight gradient's compiled slabs require 1, and
+    a host's GEMM may pick its kernel by it -- so one layout, whatever the caller's)."""
+    if x.shape[1] == 1 and x.stride(1) != 1:
+        x = x.as_strided(x.shape, (x.stride(0), 1), x.storage_offset())
     if x.stride(1) == 1 and x.stride(0) >= x.shape[1] and x.data_ptr() % ALIGNMENT == 0:
         return x
     return _aligned(x)
@@ -999,7 +1003,7 @@ def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype)
         tail = last - MIN_REDUCE_BLOCK + 1 if last == block else last  # a partial last chunk pads; a short one is whole
         rows = tail if one_thread_reduction(dtype) else block + tail
         a_t, b_t = _probe_operands(dtype, (width, rows), (k, rows))  # the reduction over the tokens is their K
-        a, b = a_t.t().contiguous(), b_t.t().contiguous()
+        a, b = _rows_aligned(a_t.t().contiguous()), _aligned(b_t.t().contiguous())  # as _reduction_slabs lays them
         alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
         return torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS), alone)
 

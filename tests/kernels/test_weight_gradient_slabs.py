@@ -259,3 +259,27 @@ def test_a_weight_gradient_over_no_tokens_is_zero(dtype):
     for reduce in (gemm_arrangements.transposed_matmul, gemm_arrangements.canonical_transposed_matmul):
         out = reduce(a, b, cpu_exact.HOST, "linear")
         assert out.shape == (300, 40) and out.dtype == dtype and torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("threads", (1, 2))
+def test_a_one_column_gradient_of_any_column_stride_is_its_slabs(threads, dtype):
+    """A weight of one output row (a MoE shared expert's gate, [1, hidden]): its output gradient [M, 1] comes as a
+    transposed view (column stride M), which torch calls contiguous. The slabs take it -- in the compiled loops too,
+    whose spread is checked at 2 threads -- and give the definition's bits, as for the same values laid out plainly.
+    (On the Intel Xeon host the first such call failed in ``reduction_slab_mms``'s layout check.)"""
+    rows, k = (312, 40) if dtype == torch.bfloat16 else (700, 40)
+    gen = torch.Generator().manual_seed(8)
+    a_row, b = torch.randn(1, rows, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
+    a = a_row.t()  # [M, 1], strides (1, M)
+    assert a.is_contiguous() and a.stride(1) == rows
+    admitted = (_admitted(a.contiguous(), b, cpu_exact.HOST) if dtype == torch.bfloat16
+                else _fp32_admitted(rows, k, cpu_exact.HOST))
+    if not admitted:
+        pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
+    written_out = _slabs_written_out if dtype == torch.bfloat16 else _fp32_slabs_written_out
+    expected = written_out(a_row.t().clone(), b)
+    with num_threads(threads):
+        got = gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear")
+        assert torch.equal(got, expected)
+        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a.clone(), b, cpu_exact.HOST, "linear"), got)
