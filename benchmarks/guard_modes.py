@@ -31,7 +31,7 @@ import torch
 from vexact import Transformer, generate
 from vexact.engine.model import short_dtype_name
 from vexact_kernels import cpu_exact
-from vexact_kernels.host_guard import FASTER_PATH, SAME_BITS, HostGuard
+from vexact_kernels.host_guard import CANONICAL_PATH, FASTER_PATH, SAME_BITS, HostGuard
 
 from .common import (
     DTYPES,
@@ -115,6 +115,7 @@ def bench_shape(shape_name: str, dtype_name: str, items: list[str], reps: int, p
         if profile > 0:
             row["profile"] = _top_split({mode: shape_split(by_mode[mode]) for mode in MODES}, profile)
         row["faster_arrangements"] = {mode: faster_arrangements(ops[item][mode].host) for mode in MODES}
+        row["refused_arrangements"] = refused_arrangements(ops[item]["auto"].host)
         rows.append(row)
     return rows
 
@@ -124,6 +125,14 @@ def faster_arrangements(host: HostGuard) -> int:
     ``canonical``; in ``auto``, where the canonical / auto figure binds (AB: within 5% wherever ``auto`` takes one;
     a cell whose ``auto`` guard takes none makes the same calls in both modes)."""
     return sum(p["property"] == SAME_BITS and p["path"] == FASTER_PATH for p in host.report()["probes"])
+
+
+def refused_arrangements(host: HostGuard) -> list[str]:
+    """The shape classes whose ``same_bits`` probe failed on ``host`` (mode ``auto``): where ``auto`` keeps the
+    canonical arrangement too, because this host's GEMM gave the faster arrangement other bits (an AMX GEMM that
+    accumulates by the rows in the call, for linear tiles stacked in one GEMM)."""
+    return [p["shape_class"] for p in host.report()["probes"]
+            if p["property"] == SAME_BITS and p["path"] == CANONICAL_PATH]
 
 
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int,
@@ -168,6 +177,12 @@ def modes_matrix(results: list[dict]) -> tuple[list[str], list[list[str]], str]:
                "faster arrangement")
     if rest:
         summary += f"; in {rest} more it takes none (the same calls in both modes)"
+    refused = [r for r in results if r.get("refused_arrangements")]
+    if refused:
+        cells = (f"{r['shape']} {LABELS.get(r['item'], r['item'])} {combo_label(r['dtype'], r['threads'])} "
+                 f"({len(r['refused_arrangements'])})" for r in refused)
+        summary += ("; `auto` kept the canonical arrangement for classes whose `same_bits` probe failed in "
+                    + ", ".join(cells))
     return ["canonical / auto", *[combo_label(*pair) for pair in pairs], "bound"], lines, summary
 
 

@@ -144,6 +144,7 @@ def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_p
         assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0
         assert row["canonical_s_median"] > 0 and row["auto_s_median"] > 0
         assert row["faster_arrangements"]["canonical"] == 0
+        assert isinstance(row["refused_arrangements"], list)  # this host's failed same_bits probes (often none)
         *top, products, every_op = row["profile"]
         assert len(top) == 3 and (products["op"], every_op["op"]) == guard_modes.SPLIT_TOTALS
         for mode in guard_modes.MODES:
@@ -160,6 +161,21 @@ def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_p
     assert guard_modes.main(["--device", "cuda"] if not torch.cuda.is_available() else ["--shape", "huge"]) == 2
     assert guard_modes.main(["--items", "rollout"]) == 2
     assert "unknown item 'rollout'" in capsys.readouterr().err
+
+
+def test_guard_modes_names_the_cells_where_auto_kept_the_canonical_arrangement():
+    """A cell whose ``auto`` guard refused a ``same_bits`` arrangement (the Intel Xeon's bf16 training: linear tiles
+    stacked in one GEMM gave other bits) is named with its count; a record with none says nothing of it."""
+    def row(item: str, refused: list[str]) -> dict:
+        return {"item": item, "shape": "llama100m", "dtype": "bfloat16", "threads": 2, "ratio_median": 1.0,
+                "ratio_min": 1.0, "ratio_max": 1.0, "faster_arrangements": {"auto": 1, "canonical": 0},
+                "refused_arrangements": refused}
+
+    results = [row("decode_step", []), row("train_fwd_bwd", ["linear tiles stacked in one GEMM: 5x64 rows", "b"])]
+    *_, summary = guard_modes.modes_matrix(results)
+    assert summary.endswith("probe failed in llama100m training fwd+bwd bf16, 2 threads (2)")
+    *_, summary = guard_modes.modes_matrix(results[:1])
+    assert "kept the canonical" not in summary
 
 
 def test_vexact_bench_command_writes_json(tmp_path):
