@@ -66,15 +66,25 @@ def test_a_vllm_dump_compares_with_a_dump_of_the_trainer(tiny, tmp_path, capsys)
 
 
 def test_the_documented_certified_switch_runs(tiny, tmp_path):
-    """docs/howto/certified_switch.md's vLLM example runs as written: both its tests pass, and the failure it prints
-    names a site of layer 0."""
+    """docs/howto/certified_switch.md's vLLM example runs as written: the trainer test passes and the failure it
+    prints names a site of layer 0; the certification (vLLM decodes as it prefills, a property of vLLM's kernels on
+    the host) passes, or -- on a host where it does not hold, as on the Intel Xeon with AMX -- fails with
+    ``assert_sites_equal``'s report of where the two paths part, and nothing else."""
     page = (Path(__file__).resolve().parents[2] / "docs" / "howto" / "certified_switch.md").read_text()
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "record_vllm_sites(" in b]
     (tmp_path / "test_vllm_switch.py").write_text(code)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
                           "test_vllm_switch.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout[-3000:] + run.stderr[-3000:]
+    assert "PASSED test_vllm_switch.py::test_the_trainer_parts_from_vllm_at_a_named_site" in run.stdout, out
     assert "first divergence: layer 0 / " in run.stdout
+    if run.returncode != 0:  # the certification failed on this host: one failure, the report of where
+        assert "1 failed, 1 passed" in run.stdout, out
+        assert ("FAILED test_vllm_switch.py::test_vllm_decodes_as_it_prefills - AssertionError: sites are not bitwise "
+                "equal: ") in run.stdout, out
+        assert "(engine vllm bf16:rollout vs trainer vllm bf16:train, " in run.stdout, out
+    else:
+        assert "2 passed" in run.stdout, out
 
 
 def test_vllm_against_transformers_on_smollm2(tiny, tmp_path):
