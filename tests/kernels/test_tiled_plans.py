@@ -23,7 +23,7 @@ import gc
 import pytest
 import torch
 from conftest import num_threads
-from test_host_guard import emulated_guard
+from test_host_guard import SOUND, _nudge, emulated_guard
 
 from vexact_kernels import cpu_exact, gemm_arrangements
 from vexact_kernels.host_guard import MACHINE_THREADS, SINGLE_THREAD_PATH, HostGuard
@@ -200,8 +200,6 @@ def test_tiled_rows_are_the_rows_padded_to_the_shortest_tile_whose_bits_the_host
     """``tiled_rows`` (what ``vexact bench decode_profile --gemm`` times ``F.linear`` at): on a host whose GEMM gives
     tiles of under 32 rows other bits (as the Intel Xeon's bf16 GEMM did: ``gemm_rows`` heights 32 and 64), 3 rows
     are multiplied as 32; on a sound host as 4, the shortest tile; rows beyond the tallest tile fill whole tiles."""
-    from test_host_guard import SOUND, _nudge
-
     def short_tiles_round_otherwise(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = SOUND["bmm"](a, b)
         return _nudge(out) if a.shape[1] < 32 else out
