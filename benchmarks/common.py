@@ -29,7 +29,7 @@ from vexact.engine.model import DTYPES as MODEL_DTYPES
 from vexact.engine.presets import preset_config
 from vexact.records.runlog import write_json_atomic
 from vexact_kernels import EXACT_BACKENDS
-from vexact_kernels.host_guard import host_cpu, mode_from_env
+from vexact_kernels.host_guard import host_cpu, mode_from_env, onednn_from_env
 
 # The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments): the
 # checkout's experiments/zero_mismatch.yaml, else (an installed package, vexact_benchmarks) the copy shipped beside
@@ -295,6 +295,7 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
         "load_average_start": load_average(),
         "git_commit": _git_commit(),
         "exact_path": mode_from_env(),  # the CPU guard mode (VEXACT_CPU_EXACT_PATH): auto, canonical, fixed-order
+        "exact_onednn": "auto" if onednn_from_env() else "off",  # VEXACT_CPU_ONEDNN: large fp32 layers may run oneDNN
         **code_locations(),
         "device": str(device),
     }

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from vexact import Transformer, generate
-from vexact_kernels.host_guard import onednn_available, onednn_linear
+from vexact_kernels.host_guard import onednn_available, onednn_linear, onednn_packed, onednn_packing
 
 from .common import DTYPES, load_average, machine_info, parse_list, profiled, set_malloc, shapes
 from .end_to_end import prompts_of
@@ -217,12 +217,15 @@ def _model_gemms(config) -> dict[str, list[tuple[int, int]]]:
 def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: bool = False) -> dict:
     """One layer's GEMMs and the LM head, fastest of 3 x ``reps``: ``F.linear`` (what vexact's native linear calls;
     its exact path runs the same library GEMM in row tiles) against torch's own oneDNN linear
-    (``host_guard.onednn_linear``) and, with ``vllm``, vLLM's ``onednn_mm`` (weights packed once). Each kernel's largest
+    (``host_guard.onednn_linear``), the same op on the weight packed once (``onednn_packed``) and, with ``vllm``,
+    vLLM's ``onednn_mm`` (weights packed once). Each kernel's largest
     difference from ``F.linear`` on the same operands is recorded beside its time (another accumulation order, not
     another product)."""
     kernels: dict[str, tuple[Callable, Callable]] = {"F.linear": (lambda w: w, torch.nn.functional.linear)}
     if onednn_available():
         kernels["torch_onednn_linear"] = (lambda w: w, onednn_linear)
+    if onednn_packing():
+        kernels["torch_onednn_packed"] = (onednn_packed, onednn_linear)
     if vllm:
         from vllm import _custom_ops as vllm_ops
 
@@ -373,11 +376,27 @@ def onednn_rows_keep_bits(config, dtype: torch.dtype, heights: tuple[int, ...],
     return out
 
 
+def onednn_packed_check(config, dtype: torch.dtype, heights: tuple[int, ...], reps: int) -> dict:
+    """Per weight shape of the model: whether torch's oneDNN linear on the weight packed once (``onednn_packed``)
+    gives every row the bits it gives on the weight as stored, in calls of each of ``heights`` rows (the exact
+    kernels' row tiles), at the current thread count; and how long packing the weight takes (fastest of ``reps``) --
+    what a weight version must be used for before packing it pays."""
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        packed = onednn_packed(w)
+        x = torch.randn(max(heights), k, generator=gen).to(dtype)
+        same = all(torch.equal(onednn_linear(x[:h], packed), onednn_linear(x[:h], w)) for h in heights)
+        out[f"N={n} K={k}"] = {"same_bits": same, "pack_s": _fastest(lambda w=w: onednn_packed(w), reps)}
+    return out
+
+
 def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> dict:
     """``--gemm``: the model's GEMMs at the decode batch (``n_prompts`` rows) and at the prefill's row count, through
     each kernel this environment has (``gemm_kernels``), ``F.linear`` at the rows the exact path multiplies
     (``gemm_at_tile_rows``), and whether torch's oneDNN linear keeps a row's bits across the exact kernels' tile
-    heights (``onednn_rows_keep_bits``)."""
+    heights (``onednn_rows_keep_bits``) and keeps a row's bits on a weight packed once (``onednn_packed_check``)."""
     from vexact_kernels.gemm_arrangements import ROW_BLOCKS
 
     shape = dataclasses.replace(shapes()[shape_name], e2e_batch=n_prompts)
@@ -391,6 +410,8 @@ def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> di
     if out["torch_onednn_available"]:
         out["per_shape_at_decode_rows"] = gemm_per_shape(shape.model, dtype, n_prompts, reps)
         out["onednn_row_heights_differing"] = onednn_rows_keep_bits(shape.model, dtype, ROW_BLOCKS)
+    if onednn_packing():
+        out["onednn_packed"] = onednn_packed_check(shape.model, dtype, ROW_BLOCKS, reps)
     return out
 
 

@@ -11,7 +11,9 @@ Every figure is exact / native on the same model (identical weights) and the sam
   backends produce exactly the same number of tokens); reported as tokens/s and the time ratio.
 - ``decode_step``: one decode step of the whole batch against a prefilled KV cache: the model forward
   for one token per sequence, the LM head and the sampled token's log-prob (timed in groups of steps
-  lasting ~50 ms, as a single step is too short to time alone on a shared machine).
+  lasting ~50 ms, as a single step is too short to time alone on a shared machine), after ``DECODE_WARMUP``
+  untimed steps: a long rollout's steady state, its linear layers' plans made and their weights packed where the
+  exact path packs them (``gemm_arrangements.PACK_AFTER_CALLS``).
 - ``train_fwd_bwd``: the training path on the exact rollout's prompts + responses: ``token_logprobs``
   with grad, mean log-prob loss, ``backward`` (what one PPO mini-batch costs before the optimizer).
 - ``rl_step``: ``Trainer.step`` (rollout + scoring + metrics + PPO update + AdamW) of
@@ -51,6 +53,7 @@ from vexact.engine.model import short_dtype_name
 from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import RESPONSE_LENGTH_MEAN
 from vexact_kernels import KernelOps
+from vexact_kernels.gemm_arrangements import PACK_AFTER_CALLS
 
 from .common import (
     DTYPES,
@@ -73,6 +76,9 @@ from .common import (
 
 ITEMS = ("rollout", "decode_step", "train_fwd_bwd", "rl_step")
 TARGETS = {"decode_step": 1.0, "train_fwd_bwd": 1.1, "rl_step": 1.05}
+DECODE_WARMUP = PACK_AFTER_CALLS + 1
+"""Untimed decode steps before the timed ones: past the call at which the exact path packs a weight version's oneDNN
+GEMMs (a rollout of more tokens than this runs packed from then on)."""
 """The exact / native median each item should stay at or under, at every thread count, shape and dtype (the one
 definition: the printed table and ``benchmarks.tables``, which writes the docs' tables, both read it)."""
 LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd": "training fwd+bwd",
@@ -181,10 +187,10 @@ def train_call(model: Transformer, prompts: list[list[int]], responses: list[lis
     return run
 
 
-def _measure(exact, native, reps: int, device: torch.device, profile: int, inner: int = 1) -> dict:
-    """Interleaved comparison (``inner`` calls per timed sample); with ``profile`` > 0 (CPU) also the top ops of
-    each side under torch.profiler."""
-    summary = compare(exact, native, reps=reps, device=device, inner=inner).summary()
+def _measure(exact, native, reps: int, device: torch.device, profile: int, inner: int = 1, warmup: int = 1) -> dict:
+    """Interleaved comparison (``inner`` calls per timed sample, after ``warmup`` untimed calls of each); with
+    ``profile`` > 0 (CPU) also the top ops of each side under torch.profiler."""
+    summary = compare(exact, native, reps=reps, warmup=warmup, device=device, inner=inner).summary()
     summary["inner_calls"] = inner
     if profile > 0 and device.type == "cpu":
         summary["profile"] = {"exact": profile_top(exact, profile), "native": profile_top(native, profile)}
@@ -217,7 +223,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
         steps = {name: decode_step_call(model, prompts, device) for name, model in models.items()}
         # one step lasts milliseconds: time groups of steps (~50 ms) so scheduler noise averages out
         inner = inner_repeats(steps["native"], device, target_s=0.05, exact_backend=exact_backend)
-        summary = _measure(steps["exact"], steps["native"], reps, device, profile, inner)
+        summary = _measure(steps["exact"], steps["native"], reps, device, profile, inner, warmup=DECODE_WARMUP)
         rows.append(_row("decode_step", shape.name, dtype_name, summary, len(prompts)))
 
     if "train_fwd_bwd" in items:

@@ -40,9 +40,10 @@ def _machine(record: dict) -> str:
     m = record["machine"]
     counts = thread_counts(record)
     threads = ", ".join(map(str, counts)) + (" torch thread" if counts == [1] else " torch threads")
+    onednn = ", VEXACT_CPU_ONEDNN=off" if m.get("exact_onednn") == "off" else ""  # (auto: the default, unsaid)
     return (f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs, {threads}, torch "
-            f"{m['torch_version']}, malloc {m.get('malloc', 'default')}, commit {m.get('git_commit')}, load average "
-            f"{m.get('load_average_start')} -> {m.get('load_average_end')}")
+            f"{m['torch_version']}, malloc {m.get('malloc', 'default')}, commit {m.get('git_commit')}{onednn}, load "
+            f"average {m.get('load_average_start')} -> {m.get('load_average_end')}")
 
 
 def end_to_end_table(record: dict) -> str:
@@ -171,6 +172,16 @@ def tile_rows_line(padded: dict, rows: int) -> str:
             f"({step['F.linear_at_tile_rows_s'] * 1e3:.1f} ms against {step['F.linear_s'] * 1e3:.1f})")
 
 
+def packed_line(packed: dict) -> str:
+    """A ``--gemm`` record's ``onednn_packed`` as one line: whether the packed weight keeps oneDNN's bits, and what
+    packing costs (one layer's weights, summed, and each other shape)."""
+    same = all(entry["same_bits"] for entry in packed.values())
+    bits = ("the same bits as on the weight as stored, at every tile height and GEMM shape" if same else
+            "other bits at " + ", ".join(shape for shape, entry in packed.items() if not entry["same_bits"]))
+    costs = ", ".join(f"{shape} {entry['pack_s'] * 1e3:.2f} ms" for shape, entry in packed.items())
+    return f"- torch's oneDNN linear on a weight packed once: {bits}; packing a weight: {costs}"
+
+
 def tables(record: dict) -> str:
     if record.get("benchmark") == "end_to_end":
         parts = [end_to_end_table(record), profile_lines(record)]
@@ -186,6 +197,7 @@ def tables(record: dict) -> str:
         differing = record["results"].get("onednn_row_heights_differing")
         per_shape = record["results"].get("per_shape_at_decode_rows", {})
         padded = record["results"].get("at_exact_tile_rows")
+        packed = record["results"].get("onednn_packed")
         parts = [_markdown(*gemm_table(record)),
                  "" if padded is None else tile_rows_line(padded, record["prompts"]),
                  "" if not per_shape else
@@ -196,7 +208,8 @@ def tables(record: dict) -> str:
                                                 "at every GEMM shape of the model" if not any(differing.values()) else
                                                 "rows differ at tile heights " + "; ".join(
                                                     f"{shape}: {heights}" for shape, heights in differing.items()
-                                                    if heights))]
+                                                    if heights)),
+                 "" if packed is None else packed_line(packed)]
     elif record.get("benchmark") == "decode_profile" and record.get("side") == "vllm":
         parts = [_markdown(*vllm_table(record)), _markdown(*gemm_table(record))]
     elif record.get("benchmark") == "decode_profile":

@@ -65,7 +65,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import compiled_loops
 from .compiled_loops import tree_sum as _tree_sum
 from .fixed_order import tree_sum_of
-from .host_guard import LIBRARY_DTYPES, HostGuard, _with_threads, operand_layout, order_revealing
+from .host_guard import (
+    LIBRARY_DTYPES,
+    ONEDNN_MIN_WEIGHT,
+    HostGuard,
+    _with_threads,
+    onednn_linear,
+    onednn_packed,
+    onednn_packing,
+    operand_layout,
+    order_revealing,
+)
 
 # --------------------------------------------------------------------------- the tile shapes
 ROW_BLOCKS = (4, 8, 16, 32, 64)
@@ -430,6 +440,11 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
 
             def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return _stacked_mm(x, matrix(w), blocks * block, n)
+            if hold and dtype == torch.bfloat16 and not stored_row_major(weight) and _packable(k, n_pad):
+                # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
+                stacked = _packed_after_use(stacked, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n,
+                                                                           tiled=False),
+                                            lambda: _packed_agrees(PACKED_FORMS[0], blocks, block, k, n_pad, dtype))
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
         form = _laid_out_form(blocks, k, n_pad)
         if per_tile and _laid_out_agrees(block, k, n_pad, dtype, form, transposed):
@@ -453,7 +468,83 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         right = per_tile_operand(operand(w), blocks) if per_tile else operand(w).expand(blocks, k, n_pad)
         out = host.bmm(x, right, op=op, shared_operand=shared).view(blocks * block, n_pad)
         return out[:rows] if n_pad == n else out[:rows, :n]
+    if hold and shared and _packable(k, n_pad) and host.onednn_gemm(dtype, operand(weight), shared, op) is not None:
+        tiles = _packed_after_use(tiles, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=True),
+                                  lambda: _packed_agrees(PACKED_FORMS[1], blocks, block, k, n_pad, dtype))
     return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles)
+
+
+# --------------------------------------------------------------------------- oneDNN's GEMM on a weight packed once
+PACK_AFTER_CALLS = 16
+"""Calls of one plan (one weight version, one call shape: a decode loop's steps) after which a GEMM that runs
+oneDNN's linear (an fp32 class on ``onednn_rows``; a bf16 class's ``stacked`` arrangement, whose ``torch.mm`` is
+oneDNN's) runs it on the weight packed once (``host_guard.onednn_packed``) instead of the weight as stored. Packing
+costs about as much as 10-45 calls save (on an Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight against
+0.01-0.04 ms saved per call, 25-45 ms for its LM head against about 1 ms; ``vexact bench decode_profile --gemm``), so
+a weight version pays for it only in a rollout's many steps, never in a training step's one forward: paying after
+this many calls costs at most about twice the better choice, whatever the rollout's length."""
+PACKED_FORMS = ("stacked", "tiles")
+"""What ``_packed_agrees`` compares the packed call with: the ``stacked`` arrangement's one ``torch.mm``, or the
+canonical tiles' oneDNN linear on the weight as stored (``tiles``, an fp32 ``onednn_rows`` class)."""
+_PACKED_CHECKS: dict[tuple, bool] = {}
+
+
+def _packable(k: int, n_pad: int) -> bool:
+    """Whether a class may run on a weight packed once: oneDNN's linear with its packing op here, and a weight of at
+    least ``ONEDNN_MIN_WEIGHT`` elements (below it oneDNN's per-call overhead outweighs its kernel)."""
+    return k * n_pad >= ONEDNN_MIN_WEIGHT and onednn_packing()
+
+
+def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], agrees: Callable[[], bool]
+                      ) -> Callable:
+    """A plan's run: ``unpacked`` for its first ``PACK_AFTER_CALLS`` calls, then -- where ``agrees()`` (the first-use
+    check that the packed call gives the unpacked one's bits for the class) -- the run ``packed(weight)`` makes once
+    (given the weight at that call: a plan holds no reference to it). No bit depends on which ran."""
+    calls = 0
+    run: Callable | None = None
+
+    def after_use(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+        nonlocal calls, run
+        if run is None:
+            calls += 1
+            if calls <= PACK_AFTER_CALLS or not agrees():
+                return unpacked(x, w, host, loops)
+            run = packed(w)
+        return run(x, w, host, loops)
+    return after_use
+
+
+def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, blocks: int, n: int, *,
+                tiled: bool) -> Callable[[Tensor, Tensor, HostGuard, object], Tensor]:
+    """The plan's GEMM on the weight packed once (laid out once per weight version, ``arranged_weight``): x padded to
+    the plan's tiles as before, then one oneDNN linear call -- on the tiles [T, block, K] (``tiled``: as the canonical
+    tiles call it) or on their rows stacked [T x block, K] (the ``stacked`` arrangement)."""
+    packed = arranged_weight(weight, ("onednn packed", dtype, n_pad),
+                             lambda: onednn_packed(canonical_operand(weight, dtype, n_pad)[0].t()))
+    rows_padded = blocks * block
+
+    def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+        rows, k = x.shape
+        x = _padded_or_aligned(x, (rows_padded, k))
+        out = onednn_linear(x.view(blocks, block, k) if tiled else x, packed).view(rows_padded, -1)
+        return out[:rows] if out.shape[1] == n else out[:rows, :n]
+    return run
+
+
+def _packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear on a weight packed once gives, for ``blocks`` tiles of ``block`` rows of the class (K,
+    N_pad, ``dtype``) at the current thread count, the bits of the call it replaces (``PACKED_FORMS``): checked once
+    per key on seeded operands (``_probe_operands``), as the canonical path's other forms are (``_checked_once``)."""
+
+    def check() -> bool:
+        x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
+        packed = onednn_packed(w)
+        if form == PACKED_FORMS[0]:
+            return torch.equal(onednn_linear(x, packed), torch.mm(x, w.t()))
+        tiles = x.view(blocks, block, k)
+        return torch.equal(onednn_linear(tiles, packed), onednn_linear(tiles, w))
+
+    return _checked_once(_PACKED_CHECKS, (form, blocks, block, k, n_pad, dtype, torch.get_num_threads()), check)
 
 
 def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
@@ -540,8 +631,8 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         return hit[1]
     with torch.no_grad():
         out = make()
-    if out.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
-        return out  # a view of the weight: nothing laid out
+    if not out.is_mkldnn and out.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        return out  # a view of the weight: nothing laid out (an opaque packed weight is always a copy)
     if entries is not None:
         entries.pop(key, None)  # an older version's operand
     held = sum(t.nbytes for kept in _ARRANGED.values() for _, t in kept.values())

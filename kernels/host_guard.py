@@ -32,7 +32,8 @@ decode_profile --gemm``); where it fails the class is probed and run on ``torch.
 ``torch.bmm`` on the oneDNN record: no warning, no bit computed yet). Smaller classes keep ``torch.bmm``, where
 oneDNN's per-call overhead outweighs its kernel. A class's bits are oneDNN's or MKL's, never both in one process,
 so rollout and training stay bitwise comparable; which one a class takes is a fixed rule plus a probe, never a
-timing.
+timing. (On an Intel Xeon with AMX the two were closer, and MKL's was not the faster end to end: ``onednn_rows`` is
+tried there too.) ``VEXACT_CPU_ONEDNN=off`` never tries it: the guard's ``onednn`` choice, which its report names.
 
 A further property only buys speed: ``same_bits`` -- a faster arrangement of the same library calls (a weight
 gradient's chunk GEMMs on views of its inputs instead of transposed, tiled copies; a linear layer's row tiles as one
@@ -104,6 +105,12 @@ UPCAST_PATH = "fp32-upcast"  # a LIBRARY_DTYPES class that computes in fp32 (ope
 ENV_MODES = ("auto", "canonical", "fixed-order")  # what users may choose; "unguarded" is for tests that show what
 # the guard prevents
 MODE_ENV = "VEXACT_CPU_EXACT_PATH"
+ONEDNN_ENV = "VEXACT_CPU_ONEDNN"
+ONEDNN_CHOICES = ("auto", "off")
+"""``VEXACT_CPU_ONEDNN``: ``auto`` (the default: a large fp32 linear class tries oneDNN first, ``onednn_rows``) or
+``off`` (it never does: every fp32 class is probed and run on ``torch.bmm``, MKL on torch's x86 builds). Other bits
+for those classes, the same in rollout and training; for measuring which library GEMM a host runs faster
+(``vexact bench end_to_end`` records the choice), or for a user who wants MKL's bits there."""
 REFERENCE_THREADS = 1
 SINGLE_THREAD_PATH = "blas-1-thread"  # a GEMM class right at 1 thread only: the library, called with 1 thread
 SAME_BITS = "same_bits"  # property: a faster arrangement of the same library calls gives the kernels' own bits
@@ -157,6 +164,15 @@ def mode_from_env() -> str:
     if mode not in ENV_MODES:
         raise ValueError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(ENV_MODES)}")
     return mode
+
+
+def onednn_from_env() -> bool:
+    """Whether ``VEXACT_CPU_ONEDNN`` (default ``auto``) lets large fp32 linear classes try oneDNN; a bad value is an
+    error."""
+    choice = os.environ.get(ONEDNN_ENV, "auto").strip() or "auto"
+    if choice not in ONEDNN_CHOICES:
+        raise ValueError(f"{ONEDNN_ENV}={choice!r}: expected one of {', '.join(ONEDNN_CHOICES)}")
+    return choice == "auto"
 
 
 @dataclass
@@ -222,7 +238,7 @@ class HostGuard:
     deliberately broken ones to show the probe catches them). ``row_blocks`` are the tile heights
     the kernels use, which the GEMM probe must cover."""
 
-    def __init__(self, row_blocks: tuple[int, ...], *, mode: str | None = None,
+    def __init__(self, row_blocks: tuple[int, ...], *, mode: str | None = None, onednn: bool | None = None,
                  bmm: Callable[[Tensor, Tensor], Tensor] = torch.bmm,
                  exp: Callable[..., Tensor] = torch.exp, log: Callable[..., Tensor] = torch.log,
                  cos: Callable[..., Tensor] = torch.cos, sqrt: Callable[..., Tensor] = torch.sqrt):
@@ -232,6 +248,8 @@ class HostGuard:
         if max(row_blocks) > PROBE_ROWS:
             raise ValueError(f"row_blocks {row_blocks}: the probe covers tiles of at most {PROBE_ROWS} rows")
         self.mode = mode
+        self.onednn = onednn_from_env() if onednn is None else onednn
+        """Whether large fp32 linear classes may try oneDNN (``onednn_rows``); default from ``VEXACT_CPU_ONEDNN``."""
         self.row_blocks = tuple(row_blocks)
         self._library_bmm = bmm
         self._library_elementwise = {"exp": exp, "log": log, "cos": cos, "sqrt": sqrt}
@@ -265,6 +283,14 @@ class HostGuard:
         record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op, one_thread)
         plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm  # (no test's recording override)
         return record if plain and is_library(record) else None
+
+    def onednn_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord | None:
+        """The class's record where it runs torch's oneDNN linear (path ``onednn``), verified at the current thread
+        count -- a caller may then call ``onednn_linear`` itself on the same operands (the weight [N, K] as stored,
+        in the class's tiles), with the same bits; else None. Asked per call, like ``library_gemm``."""
+        record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
+        plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm
+        return record if plain and record.path == ONEDNN_PATH else None
 
     def single_thread_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
                            one_thread: bool = False) -> ProbeRecord | None:
@@ -335,7 +361,8 @@ class HostGuard:
     def report(self) -> dict:
         """Mode, the host's CPU (``host_cpu``) and every probe so far (property, shape class, path, verdict, threads
         checked, ops)."""
-        return {"mode": self.mode, "host": host_cpu(), "probes": [r.as_dict() for r in self._records.values()]}
+        return {"mode": self.mode, "onednn": "auto" if self.onednn else "off", "host": host_cpu(),
+                "probes": [r.as_dict() for r in self._records.values()]}
 
     # ------------------------------------------------------------------ probes
     def _gemm_record(self, dtype: torch.dtype, k: int, b: Tensor, shared_operand: bool, op: str,
@@ -355,8 +382,9 @@ class HostGuard:
                          one_thread: bool) -> bool:
         """Whether the class tries torch's oneDNN linear before ``torch.bmm`` (``onednn_rows``): an fp32 linear
         layer's class (the shared weight seen transposed) of at least ``ONEDNN_MIN_WEIGHT`` elements, on x86 with
-        oneDNN, in a probing mode, on torch's own GEMM (a test's guard over another ``bmm`` keeps it)."""
-        return (dtype == torch.float32 and shared and layout == "transposed" and not one_thread
+        oneDNN, in a probing mode, on torch's own GEMM (a test's guard over another ``bmm`` keeps it), unless the
+        guard was made with oneDNN off (``VEXACT_CPU_ONEDNN=off``)."""
+        return (self.onednn and dtype == torch.float32 and shared and layout == "transposed" and not one_thread
                 and k * n >= ONEDNN_MIN_WEIGHT and self.mode in PROBING_MODES and onednn_available()
                 and self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm)
 
@@ -406,22 +434,32 @@ class HostGuard:
         def run_arrangements() -> str | None:
             """Each arrangement's rows, compared with the reference; the first failure, described.
 
-            At the first probe a tile height whose rows differ from the reference is dropped from the class's
-            ``tile_heights`` (the kernels then use taller tiles); the class fails if the tallest tile differs, or
-            if within an allowed height a row's bits depend on its position or on the number of tiles."""
+            At the first probe a tile height whose rows differ from the reference -- in tiles side by side in one
+            call, or in one tile alone (the call every batch of at most that many rows makes: a library may give a
+            call of few rows another kernel, as oneDNN's bf16 GEMM on an Intel Xeon with AMX does below 33 rows, which
+            tiles side by side never showed) -- is dropped from the class's ``tile_heights`` (the kernels then use
+            taller tiles); the class fails if the tallest tile differs, or if within an allowed height a row's bits
+            depend on its position or on the number of tiles."""
             ref = record.reference
             rows, other, cols = _gemm_probe_inputs(dtype, k, n)
+
+            def alone(height: int) -> int:  # one tile in its own call: what a batch of at most `height` rows runs
+                return _rows_differing(gemm(cols, rows[:height].reshape(1, height, k)).reshape(height, n), ref[:height])
+
             if not record.tile_heights:  # first probe: which heights give the reference's bits
                 record.tile_heights = tuple(
                     h for h in self.row_blocks
-                    if not _rows_differing(gemm(cols, rows.view(PROBE_ROWS // h, h, k)).reshape(PROBE_ROWS, n), ref))
+                    if not _rows_differing(gemm(cols, rows.view(PROBE_ROWS // h, h, k)).reshape(PROBE_ROWS, n), ref)
+                    and not alone(h))
                 if self.row_blocks[-1] not in record.tile_heights:
                     record.tile_heights = self.row_blocks
                     return f"tile height {self.row_blocks[-1]} (the reference's own) differs from the reference"
-            for height in record.tile_heights:  # every allowed tile height, tiles side by side in one call
+            for height in record.tile_heights:  # every allowed tile height: tiles side by side in one call, one alone
                 out = gemm(cols, rows.view(PROBE_ROWS // height, height, k)).reshape(PROBE_ROWS, n)
                 if differing := _rows_differing(out, ref):
                     return f"tile height {height}: {differing}/{PROBE_ROWS} rows differ from one {PROBE_ROWS}-row tile"
+                if differing := alone(height):
+                    return f"one tile of {height} rows alone: {differing}/{height} rows differ from the reference"
                 shifted = rows.view(-1, height, k).roll(1, dims=1)  # every row one place down its tile
                 out = gemm(cols, shifted).roll(-1, dims=1).reshape(PROBE_ROWS, n)
                 if differing := _rows_differing(out, ref):
@@ -624,6 +662,25 @@ def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
     call), on the weight as stored; no bias, no fused activation. Its rows' bits are probed before any class uses it
     (``onednn_rows``)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+PACK_ROWS_HINT = 32
+"""The row count oneDNN is told to pack a linear weight for (``mkldnn._reorder_linear_weight``'s batch size): the
+hint vLLM's CPU build gives its own packed GEMM. A hint, not a shape: any row count runs on the packed weight."""
+
+
+def onednn_packing() -> bool:
+    """Whether this torch has oneDNN's linear op and its op that packs a linear weight once
+    (``torch.ops.mkldnn._reorder_linear_weight``: the weight reordered into oneDNN's blocked layout, an opaque
+    tensor that ``onednn_linear`` takes in place of the weight)."""
+    return onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_packed(weight: Tensor) -> Tensor:
+    """``weight`` [N, K] (contiguous) packed once for ``onednn_linear`` (``onednn_packing``): the same GEMM on the
+    weight in oneDNN's own layout, which spares the op laying it out per call. Whether its bits are the unpacked op's
+    is a host property, checked before any result uses it (``gemm_arrangements``)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
 
 
 def operand_layout(b: Tensor) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import num_threads, random_prompts, tiny_model
 
-from vexact import generate, token_logprobs
+from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact.engine.generation import decode_one_token, prefill
 from vexact.engine.inputs import pad_right
 from vexact_kernels import TRITON_PIP
@@ -56,6 +56,22 @@ def test_rollout_logprobs_equal_training_logprobs(dtype, threads):
             scored = token_logprobs(model, prompts, rollouts[0].tokens, micro_batch_size=micro_batch_size)
             for i, (a, b) in enumerate(zip(rollouts[0].logprobs, scored)):
                 assert torch.equal(a, b.detach()), f"sequence {i}: rollout != training log-probs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rollout_logprobs_equal_training_logprobs_at_hidden_512(dtype):
+    """Layers of K = 512 on the host's own GEMM: a decode step's few rows and a training batch's many take the
+    library's different kernels where it has them (oneDNN's bf16 GEMM on an Intel Xeon with AMX: below 33 rows in a
+    call, which broke this equality until the guard's probe tried one short tile alone)."""
+    config = ModelConfig(vocab_size=512, hidden_size=512, num_layers=1, num_heads=8, num_kv_heads=4,
+                         intermediate_size=512, max_seq_len=64)
+    model = Transformer(config, backend="exact", dtype=dtype, init_seed=3)
+    prompts = random_prompts(3, 12, seed=4, vocab=config.vocab_size)
+    with num_threads(2):
+        out = generate(model, prompts, max_new_tokens=20, seed=2)
+        scored = token_logprobs(model, prompts, out.tokens)
+    for i, (a, b) in enumerate(zip(out.logprobs, scored)):
+        assert torch.equal(a, b.detach()), f"sequence {i}: rollout != training log-probs"
 
 
 @pytest.mark.parametrize("num_seqs,temperature", [(1, 1.0), (2, 0.7), (17, 0.0), (64, 1.3)])

@@ -542,6 +542,18 @@ def _height_dependent_accumulation(a: torch.Tensor, b: torch.Tensor) -> torch.Te
     return fixed_order.bmm(a[:, :, :cut], b[:, :cut]) + fixed_order.bmm(a[:, :, cut:], b[:, cut:])
 
 
+def _few_rows_call_accumulation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 accumulation whose order depends on the rows in the whole call: a call of at most 32 rows (one short tile
+    alone) adds K's first third and the rest separately, any call of more rows in one order -- as oneDNN's bf16 GEMM on
+    an Intel Xeon with AMX does (another kernel below 33 rows), which short tiles side by side in one call never
+    show."""
+    a, b = a.float(), b.float()
+    if a.shape[0] * a.shape[1] > 32:
+        return fixed_order.bmm(a, b)
+    cut = a.shape[2] // 3
+    return fixed_order.bmm(a[:, :, :cut], b[:, :cut]) + fixed_order.bmm(a[:, :, cut:], b[:, cut:])
+
+
 def _position_dependent_accumulation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 accumulation whose order depends on a row's position in its tile: rows 2-3 of every 4 add K's first
     third and the rest separately. Rounded to bf16, this changes about 1 in 10^4 outputs of random data."""
@@ -626,6 +638,18 @@ def test_bf16_gemm_whose_short_tiles_accumulate_otherwise_keeps_the_tall_tiles()
     guard = _guard(bmm=_bf16_gemm(defect=_height_dependent_accumulation))
     ops = cpu_exact.with_host(guard)
     ops.linear(x, w)
+    assert _rows_alone_vs_batch(ops.linear, x, w) == 0
+    (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
+    assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [64]
+
+
+def test_bf16_gemm_whose_few_row_calls_accumulate_otherwise_keeps_the_tall_tiles():
+    """A bf16 GEMM whose call of at most 32 rows takes another kernel: short tiles side by side in one call (64 rows)
+    give the reference's bits, one short tile alone does not. The probe tries each height alone too (the call a decode
+    step makes), so the class keeps 64-row tiles, and a decode-sized batch gets the rows a training batch gets."""
+    x, w = _order_revealing_linear_inputs()
+    guard = _guard(bmm=_bf16_gemm(defect=_few_rows_call_accumulation))
+    ops = cpu_exact.with_host(guard)
     assert _rows_alone_vs_batch(ops.linear, x, w) == 0
     (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
     assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [64]

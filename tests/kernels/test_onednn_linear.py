@@ -4,7 +4,8 @@ assumed.
 - A class of at least ``ONEDNN_MIN_WEIGHT`` weight elements takes oneDNN where its probe passes, and the linear
   layer's invariance contract holds on it: a row's bits do not depend on the number of rows in the call (1 to 130,
   one tile to three), at 1 and 2 threads; its values agree with ``x @ w.T`` to fp32 accuracy.
-- A smaller class, a bf16 class and a guard that probes nothing (``fixed-order``, ``unguarded``) never try oneDNN.
+- A smaller class, a bf16 class and a guard that probes nothing (``fixed-order``, ``unguarded``) never try oneDNN;
+  nor does any class with ``VEXACT_CPU_ONEDNN=off``, whose large class keeps the contract on ``torch.bmm``.
 - A oneDNN whose rows depend on the call's row count (a broken op swapped in) fails its probe: the class runs
   ``torch.bmm``'s path instead, with no warning (no result had oneDNN's bits), and the contract still holds; one that
   fails only at a thread count seen later warns (results from before differ from those after) and moves too.
@@ -22,6 +23,7 @@ from vexact_kernels import cpu_exact, gemm_arrangements, host_guard
 from vexact_kernels.host_guard import (
     BMM_PATH,
     MACHINE_THREADS,
+    ONEDNN_ENV,
     ONEDNN_MIN_WEIGHT,
     ONEDNN_PATH,
     ONEDNN_ROWS,
@@ -77,6 +79,26 @@ def test_smaller_bf16_and_unprobed_classes_never_try_onednn():
         host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
         gemm_arrangements.tiled_matmul(x[:8], w, host)
         assert _records(host, ONEDNN_ROWS) == [], mode
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_onednn_off_sends_a_large_fp32_class_to_torch_bmm_with_the_same_contract(monkeypatch, threads):
+    """``VEXACT_CPU_ONEDNN=off`` (the guard's ``onednn`` choice): the class is probed and run on ``torch.bmm`` alone,
+    its rows still independent of the row count; the report names the choice; a bad value is one clear error."""
+    monkeypatch.setenv(ONEDNN_ENV, "off")
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    assert host.onednn is False and host.report()["onednn"] == "off"
+    x, w = _inputs()
+    with num_threads(threads):
+        assert _rows_depend_on_row_count(host, x, w) == []
+    assert _records(host, ONEDNN_ROWS) == []
+    (record,) = _records(host, "gemm_rows")
+    assert record["path"] == "blas"
+    monkeypatch.setenv(ONEDNN_ENV, "auto")
+    assert HostGuard(cpu_exact.ROW_BLOCKS, mode="auto").report()["onednn"] == "auto"
+    monkeypatch.setenv(ONEDNN_ENV, "mkl")
+    with pytest.raises(ValueError, match=f"^{ONEDNN_ENV}='mkl': expected one of auto, off$"):
+        HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
 
 
 def test_a_onednn_whose_rows_depend_on_the_call_fails_its_probe_and_the_class_runs_torch_bmm(monkeypatch):

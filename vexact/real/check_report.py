@@ -120,6 +120,8 @@ def _kernel_paths_table(paths: dict) -> Table:
     """One row per op: the path it took on this host and, for probed ops, each shape class's verdict."""
     verdicts = {f"{p['property']}: {p['shape_class']}": p for p in paths["probes"]}
     mode = f", guard mode {paths['mode']}" if "mode" in paths else ""
+    if paths.get("onednn") == "off":  # VEXACT_CPU_ONEDNN=off: large fp32 layers on torch.bmm (default auto: unsaid)
+        mode += ", oneDNN off"
     if "loops" in paths:  # the exact CPU kernels' compiled loops (kernels/compiled_loops.py), or the torch ops
         mode += f", loops: {paths['loops']['path']}"
     table = Table(title=f"{paths['backend']} backend ({paths['kernels']}{mode}): path per op")

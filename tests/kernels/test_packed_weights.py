@@ -1,0 +1,93 @@
+"""oneDNN's GEMM on a weight packed once (``gemm_arrangements.PACK_AFTER_CALLS``): a form of the same calls, checked.
+
+A plan that runs torch's oneDNN linear -- an fp32 class on ``onednn_rows`` (its canonical tiles), or a bf16 class's
+``stacked`` arrangement (whose ``torch.mm`` is oneDNN's) -- switches, after ``PACK_AFTER_CALLS`` calls of one weight
+version, to the same op on the weight packed once in oneDNN's layout, where a first-use check found the packed call's
+bits equal to the call it replaces. So:
+
+- a decode loop longer than that gives every call the bits of its first call, and of a guard that never packs, at 1
+  and 2 threads, fp32 and bf16 -- and (where this host packs) it did pack;
+- a packing whose bits differ (a perturbed weight swapped in) fails the check and is never used;
+- end to end, a model with layers above the size generates past the switch and its rollout log-probs equal the
+  training path's bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import num_threads, random_prompts
+
+from vexact import ModelConfig, Transformer, generate, token_logprobs
+from vexact_kernels import cpu_exact, gemm_arrangements, host_guard
+from vexact_kernels.host_guard import HostGuard
+
+pytestmark = pytest.mark.skipif(not host_guard.onednn_packing(),
+                                reason="this torch build or CPU has no oneDNN linear op with weight packing")
+
+K, N = 512, 512  # K x N = ONEDNN_MIN_WEIGHT: the smallest class that may pack
+CALLS = gemm_arrangements.PACK_AFTER_CALLS + 4
+
+
+def _operands(dtype: torch.dtype, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(rows, K, generator=g).to(dtype), (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype)
+
+
+def _packed_kept(w: torch.Tensor) -> bool:
+    """Whether a packed copy of ``w`` is laid out (``arranged_weight``'s form ``onednn packed``)."""
+    return any(key[0][0] == "onednn packed" for key in gemm_arrangements._ARRANGED.get(w, {}))
+
+
+def _decode_loop(x: torch.Tensor, w: torch.Tensor, host: HostGuard) -> list[torch.Tensor]:
+    with torch.no_grad():  # a rollout's calls: the plan holds its operands
+        return [gemm_arrangements.tiled_matmul(x, w, host) for _ in range(CALLS)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads, monkeypatch):
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    x, w = _operands(dtype)
+    with num_threads(threads):
+        outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+        with monkeypatch.context() as never_packs:
+            never_packs.setattr(gemm_arrangements, "_packable", lambda k, n_pad: False)
+            w_unpacked = w.clone()
+            reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    assert all(torch.equal(out, reference[0]) for out in outs + reference)
+    assert not _packed_kept(w_unpacked)
+    checked = [key for key in gemm_arrangements._PACKED_CHECKS if key[5] == dtype]
+    if checked:  # this host runs the class on oneDNN (fp32: onednn_rows; bf16: the stacked arrangement)
+        assert all(gemm_arrangements._PACKED_CHECKS[key] for key in checked), "packed bits differ on this host"
+        assert _packed_kept(w)
+
+
+def test_a_packing_whose_bits_differ_is_never_used(monkeypatch):
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    true_packed = host_guard.onednn_packed
+
+    def perturbed(weight: torch.Tensor) -> torch.Tensor:  # another weight's packing: what the check exists to catch
+        return true_packed(weight * (1 + 2.0 ** -10))
+
+    monkeypatch.setattr(gemm_arrangements, "onednn_packed", perturbed)
+    x, w = _operands(torch.float32)
+    outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert not _packed_kept(w)
+    assert list(gemm_arrangements._PACKED_CHECKS.values()) in ([], [False])  # [] where the class is not on oneDNN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rollout_past_the_switch_equals_training_logprobs(dtype, monkeypatch):
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    config = ModelConfig(vocab_size=512, hidden_size=512, num_layers=1, num_heads=8, num_kv_heads=4,
+                         intermediate_size=512, max_seq_len=64)  # q, o, gate, up, down and the head: 2^18 weights
+    model = Transformer(config, backend="exact", dtype=dtype, init_seed=3)
+    prompts = random_prompts(3, 12, seed=4, vocab=config.vocab_size)
+    out = generate(model, prompts, max_new_tokens=gemm_arrangements.PACK_AFTER_CALLS + 6, seed=2)
+    scored = token_logprobs(model, prompts, out.tokens)
+    for i, (a, b) in enumerate(zip(out.logprobs, scored)):
+        assert torch.equal(a, b.detach()), f"sequence {i}: rollout != training log-probs"
+    if any(gemm_arrangements._PACKED_CHECKS.values()):  # this host packs these classes: the rollout ran packed
+        assert any(_packed_kept(p) for p in model.parameters())
