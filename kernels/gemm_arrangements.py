@@ -47,6 +47,11 @@ weight gradient whose chunk class runs the host's own GEMM has a canonical arran
 slabs of ``SLAB_ROWS`` output rows, each GEMM on one thread (``_reduction_slabs``).
 Where the compiled loops are built and the class runs torch's own GEMM (``HostGuard.library_gemm``), the steps
 around the GEMM run in one compiled call on the same operands (``compiled_loops``).
+
+A plan that runs oneDNN's linear op (an fp32 ``onednn_rows`` class's canonical tiles; a bf16 class's ``stacked``
+arrangement, whose ``torch.mm`` is oneDNN's) runs it, after ``PACK_AFTER_CALLS`` calls of one weight version, on the
+weight packed once in oneDNN's own layout (``host_guard.onednn_packed``): the same GEMM without laying the weight out
+per call, used only where a first-use check found its bits equal to the call it replaces (``_packed_agrees``).
 """
 
 from __future__ import annotations
@@ -479,10 +484,11 @@ PACK_AFTER_CALLS = 16
 """Calls of one plan (one weight version, one call shape: a decode loop's steps) after which a GEMM that runs
 oneDNN's linear (an fp32 class on ``onednn_rows``; a bf16 class's ``stacked`` arrangement, whose ``torch.mm`` is
 oneDNN's) runs it on the weight packed once (``host_guard.onednn_packed``) instead of the weight as stored. Packing
-costs about as much as 10-45 calls save (on an Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight against
-0.01-0.04 ms saved per call, 25-45 ms for its LM head against about 1 ms; ``vexact bench decode_profile --gemm``), so
-a weight version pays for it only in a rollout's many steps, never in a training step's one forward: paying after
-this many calls costs at most about twice the better choice, whatever the rollout's length."""
+costs about as much as 10-45 calls save (on an Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight, 25-45 ms
+for its LM head, against about 1 ms saved per LM head call; ``vexact bench decode_profile --gemm``), so a weight
+version pays for it only over a rollout's many steps: a rollout of fewer steps packs nothing, a longer one repays the
+layers' packing within 10-15 further steps and the LM head's within 25-45; a training step (one forward per version,
+its GEMMs recorded for autograd) never packs."""
 PACKED_FORMS = ("stacked", "tiles")
 """What ``_packed_agrees`` compares the packed call with: the ``stacked`` arrangement's one ``torch.mm``, or the
 canonical tiles' oneDNN linear on the weight as stored (``tiles``, an fp32 ``onednn_rows`` class)."""

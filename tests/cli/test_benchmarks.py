@@ -297,6 +297,21 @@ def test_a_kernel_library_from_another_checkout_is_refused(monkeypatch, tmp_path
         code_locations()
 
 
+def test_a_record_names_the_onednn_choice_and_its_measured_on_line_says_when_it_is_off(monkeypatch):
+    """``VEXACT_CPU_ONEDNN`` changes which GEMM large fp32 layers run, so every record keeps it; the tables' "Measured
+    on" line says so where it was ``off`` (the default ``auto`` goes unsaid, as in records from before it)."""
+    from benchmarks.common import machine_info
+
+    monkeypatch.setenv("VEXACT_CPU_ONEDNN", "off")
+    machine = machine_info()
+    assert machine["exact_onednn"] == "off"
+    record = {"machine": {**machine, "load_average_end": None}, "results": [{"threads": 2}], "settings": {}}
+    assert ", VEXACT_CPU_ONEDNN=off, " in tables._machine(record)
+    monkeypatch.delenv("VEXACT_CPU_ONEDNN")
+    record["machine"]["exact_onednn"] = machine_info()["exact_onednn"]
+    assert record["machine"]["exact_onednn"] == "auto" and "ONEDNN" not in tables._machine(record)
+
+
 def test_vexact_bench_imports_the_installed_benchmarks_from_any_folder(tmp_path):
     """``vexact bench`` needs no checkout: it imports ``vexact_benchmarks`` (installed, as the kernels are), here
     from a folder outside the repository with the repository's root off ``sys.path`` (``python -I``), and puts

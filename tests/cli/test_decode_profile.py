@@ -84,7 +84,15 @@ def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
         assert entry["F.linear_s"] > 0 and entry["torch_onednn_linear_s"] > 0
         # the same products in another order: fp32 agrees to a few units in the last place at these sizes
         assert entry["torch_onednn_linear_max_abs_diff"] < 1e-5
-    assert set(results["decode_step_gemm_s"]) == {"F.linear", "torch_onednn_linear"}
+    packing = host_guard.onednn_packing()
+    assert set(results["decode_step_gemm_s"]) == {"F.linear", "torch_onednn_linear"} | (
+        {"torch_onednn_packed"} if packing else set())
+    if packing:  # the same op on each weight packed once: its bits (fp32: oneDNN's own), and what packing costs
+        assert all(entry["torch_onednn_packed_max_abs_diff"] == entry["torch_onednn_linear_max_abs_diff"]
+                   for entry in results["gemm"].values())
+        packed = results["onednn_packed"]
+        assert set(packed) == set(results["onednn_row_heights_differing"])
+        assert all(isinstance(e["same_bits"], bool) and e["pack_s"] > 0 for e in packed.values())
     # every GEMM shape of the tiny model (q/o and gate/up share theirs), each with the heights whose rows differ
     assert set(results["onednn_row_heights_differing"]) == {"N=32 K=32", "N=16 K=32", "N=48 K=32", "N=32 K=48",
                                                             "N=50 K=32"}
@@ -98,6 +106,7 @@ def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| a decode step (3 rows: layers + LM head) |" in table and "torch's oneDNN linear:" in table
     assert "- the rows the exact path multiplies at 3 rows: N=32 K=32 " in table
+    assert ("- torch's oneDNN linear on a weight packed once: " in table) == packing
 
 
 def test_the_rows_check_names_the_heights_a_row_count_dependent_gemm_breaks():
