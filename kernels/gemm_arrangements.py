@@ -388,7 +388,8 @@ def _held(weight: Tensor, operand: Tensor) -> bool:
     if ptr == weight.untyped_storage().data_ptr():
         return True
     owner = weight if weight._base is None else weight._base
-    return any(ptr == t.untyped_storage().data_ptr() for _, t in _ARRANGED.get(owner, {}).values())
+    return any(not t.is_mkldnn and ptr == t.untyped_storage().data_ptr()  # (a packed weight: opaque, no storage)
+               for _, t in _ARRANGED.get(owner, {}).values())
 
 
 def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], hold: bool) -> Callable[[Tensor], Tensor]:

@@ -57,6 +57,12 @@ def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads
             reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
     assert all(torch.equal(out, reference[0]) for out in outs + reference)
     assert not _packed_kept(w_unpacked)
+    with torch.no_grad(), num_threads(threads):  # the weight's other uses while its packed copy is kept
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+        wider = gemm_arrangements.tiled_matmul(torch.cat([x, x]), w, host)  # another call shape: a new plan
+        input_grad = gemm_arrangements.tiled_matmul(x, w.t(), host)  # an input gradient's operand: W, laid out
+        reference_grad = gemm_arrangements.tiled_matmul(x, w_unpacked.t(), host)
+    assert torch.equal(wider[: x.shape[0]], reference[0]) and torch.equal(input_grad, reference_grad)
     checked = [key for key in gemm_arrangements._PACKED_CHECKS if key[5] == dtype]
     if checked:  # this host runs the class on oneDNN (fp32: onednn_rows; bf16: the stacked arrangement)
         assert all(gemm_arrangements._PACKED_CHECKS[key] for key in checked), "packed bits differ on this host"
