@@ -76,11 +76,11 @@ from .common import (
 
 ITEMS = ("rollout", "decode_step", "train_fwd_bwd", "rl_step")
 TARGETS = {"decode_step": 1.0, "train_fwd_bwd": 1.1, "rl_step": 1.05}
+"""The exact / native median each item should stay at or under, at every thread count, shape and dtype (the one
+definition: the printed table and ``benchmarks.tables``, which writes the docs' tables, both read it)."""
 DECODE_WARMUP = PACK_AFTER_CALLS + 1
 """Untimed decode steps before the timed ones: past the call at which the exact path packs a weight version's oneDNN
 GEMMs (a rollout of more tokens than this runs packed from then on)."""
-"""The exact / native median each item should stay at or under, at every thread count, shape and dtype (the one
-definition: the printed table and ``benchmarks.tables``, which writes the docs' tables, both read it)."""
 LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd": "training fwd+bwd",
           "rollout": "rollout"}
 
