@@ -281,16 +281,19 @@ class HostGuard:
         ``record.tile_heights``; else None (the fixed-order or single-thread path, or a guard over another GEMM, as
         tests build): go through ``bmm``. Asked per call, like ``bmm``: a class's path can change later."""
         record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op, one_thread)
-        plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm  # (no test's recording override)
-        return record if plain and is_library(record) else None
+        return record if self._on_torch_gemm() and is_library(record) else None
+
+    def _on_torch_gemm(self) -> bool:
+        """Whether this guard's GEMM is torch's own, unwrapped (not a test's broken or recording ``bmm``): only then may
+        a caller run the library call itself on a class's record."""
+        return self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm
 
     def onednn_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str) -> ProbeRecord | None:
         """The class's record where it runs torch's oneDNN linear (path ``onednn``), verified at the current thread
         count -- a caller may then call ``onednn_linear`` itself on the same operands (the weight [N, K] as stored,
         in the class's tiles), with the same bits; else None. Asked per call, like ``library_gemm``."""
         record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op)
-        plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm
-        return record if plain and record.path == ONEDNN_PATH else None
+        return record if self._on_torch_gemm() and record.path == ONEDNN_PATH else None
 
     def single_thread_gemm(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
                            one_thread: bool = False) -> ProbeRecord | None:
@@ -299,8 +302,7 @@ class HostGuard:
         ``record.tile_heights``; else None (any other path, or a guard over another GEMM). Asked per call, like
         ``library_gemm``."""
         record = self._gemm_record(dtype, b.shape[1], b, shared_operand, op, one_thread)
-        plain = self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm
-        return record if plain and record.path == SINGLE_THREAD_PATH else None
+        return record if self._on_torch_gemm() and record.path == SINGLE_THREAD_PATH else None
 
     def compute_dtype(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
                       one_thread: bool = False) -> torch.dtype:
@@ -386,7 +388,7 @@ class HostGuard:
         guard was made with oneDNN off (``VEXACT_CPU_ONEDNN=off``)."""
         return (self.onednn and dtype == torch.float32 and shared and layout == "transposed" and not one_thread
                 and k * n >= ONEDNN_MIN_WEIGHT and self.mode in PROBING_MODES and onednn_available()
-                and self._library_bmm is torch.bmm and type(self).bmm is HostGuard.bmm)
+                and self._on_torch_gemm())
 
     def _record_for(self, key: tuple, op: str, probe: Callable[[], ProbeRecord]) -> ProbeRecord:
         """The class's record (probed at first use), verified for the current thread count, ``op`` noted."""
