@@ -251,7 +251,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     x.dtype. bf16 x and weight without a bias: the host's bf16 GEMM (fp32 accumulation in its own order, one
     rounding) where ``HOST`` found it invariant for the shape class -- the one path of that class for every call
     (``gemm_arrangements.tiled_dtype``) -- else fp32 from upcast operands.
-    Tiling: rows in GEMM tiles of 4, 8, 16, 32 or 64 rows (``gemm_arrangements.row_block``), columns padded to
+    Tiling: rows in GEMM tiles of 4, 8, 16, 32, 48 or 64 rows (``gemm_arrangements.row_block``), columns padded to
     a multiple of 16.
     Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
     grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
@@ -350,7 +350,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     finite), or the thread count. So decode step t equals row t of a prefill bit for bit.
 
     Tiling: per (sequence, KV head) the group's query heads are folded into rows and padded to
-    row tiles of 4, 8, 16, 32 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
+    row tiles of 4, 8, 16, 32, 48 or 64 rows (the smallest that holds them; 64 beyond); keys are cut into
     64-key tiles from position 0; every (row tile, key tile) pair is one GEMM
     ([R x hd] @ [hd x 64] for the scores, [R x 64] @ [64 x hd] for P @ V). A query row's
     scores and P @ V are K-reductions of that row alone (over hd, over 64 keys), and the host

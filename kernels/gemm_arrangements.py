@@ -83,10 +83,13 @@ from .host_guard import (
 )
 
 # --------------------------------------------------------------------------- the tile shapes
-ROW_BLOCKS = (4, 8, 16, 32, 64)
+ROW_BLOCKS = (4, 8, 16, 32, 48, 64)
 """GEMM tile heights: a call's rows are padded to the smallest that holds them, else to 64-row tiles. Small tiles
 keep a decode step from multiplying rows it does not have; heights 1 and 2 are left out because they ran a narrower
-kernel with other bits on MKL, and 64 is the tallest tile the guard's probe covers (``host_guard.PROBE_ROWS``)."""
+kernel with other bits on MKL, and 64 is the tallest tile the guard's probe covers (``host_guard.PROBE_ROWS``).
+48 is for a host whose GEMM runs a call of at most 32 rows on another kernel (oneDNN's bf16 GEMM on an Intel Xeon
+with AMX): there the guard drops 4-32, and a decode step of up to 32 rows multiplies 48 rows, not 64 (AMX works in
+16-row tiles: three instead of four)."""
 COL_BLOCK = 16
 """Output columns (and attention's reductions) are zero-padded to a multiple of this: the fp32 width of an AVX-512
 register. MKL ran columns of widths that are not multiples of 16 through a narrower kernel at some thread counts."""
@@ -315,7 +318,7 @@ class _WeightPlans:
     __slots__ = ("owner", "version", "plans")
 
     def __init__(self, owner: Tensor, version: int):
-        self.owner = weakref.ref(owner, functools.partial(_forget, id(owner)))
+        self.owner = weakref.ref(owner, functools.partial(_forget, _PLANS, id(owner)))
         self.version = version
         self.plans: dict[tuple, TiledPlan] = {}
 
@@ -324,11 +327,13 @@ _PLANS: dict[int, _WeightPlans] = {}  # id(weight owning its storage) -> its pla
 # dictionary's lookup cost more than the rest of a warm call)
 
 
-def _forget(key: int, ref: weakref.ref) -> None:
-    """A weight's plans go with it (its weak reference's callback; a new weight under the same id keeps its own)."""
-    kept = _PLANS.get(key)
+def _forget(plans: dict[int, _WeightPlans], key: int, ref: weakref.ref) -> None:
+    """A weight's plans go with it (its weak reference's callback; a new weight under the same id keeps its own).
+    ``plans`` is ``_PLANS``, bound in the callback: a weight that outlives the module's globals (one held by a
+    script's own globals, freed at interpreter exit) still finds it."""
+    kept = plans.get(key)
     if kept is not None and kept.owner is ref:
-        del _PLANS[key]
+        del plans[key]
 
 
 def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> Tensor:

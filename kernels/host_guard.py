@@ -124,6 +124,7 @@ below it oneDNN's per-call overhead (about 10 us a call on the AMD EPYC) costs m
 FASTER_PATH, CANONICAL_PATH = "faster", "canonical"  # its two paths (neither one is less exact than the other)
 MACHINE_THREADS = max(torch.get_num_threads(), os.cpu_count() or 1)  # also probed at first use (see _run_probe)
 PROBE_ROWS = 64  # rows per probe: the tallest tile
+CROWD_ROWS = 3 * PROBE_ROWS  # the probe rows between as many other rows on each side: many tiles in one call
 PROBE_SEED = 20261123
 """The seed of every probe's inputs. Any fixed seed would do: the values must be random (every mantissa bit in play,
 so another rounding shows) and the same in every process (a verdict must not depend on the run); the digits are the
@@ -231,6 +232,21 @@ def _rows_differing(a: Tensor, b: Tensor) -> int:
     return int((a != b).reshape(a.shape[0], -1).any(dim=1).sum())
 
 
+def _tile_starts(height: int) -> list[int]:
+    """The first probe row of each tile that covers the ``PROBE_ROWS`` probe rows in tiles of ``height``: whole
+    tiles side by side, the last one ending at the last row (overlapping the one before it where ``height`` does not
+    divide ``PROBE_ROWS``, as 48 does not: rows 0-47 and 16-63)."""
+    return [min(start, PROBE_ROWS - height) for start in range(0, PROBE_ROWS, height)]
+
+
+def _probe_tiles(rows: Tensor, height: int) -> Tensor:
+    """The probe rows [PROBE_ROWS, K] as tiles [T, height, K] (``_tile_starts``): a view where ``height`` divides
+    them, else a copy."""
+    if PROBE_ROWS % height == 0:
+        return rows.view(PROBE_ROWS // height, height, rows.shape[1])
+    return torch.stack([rows[start : start + height] for start in _tile_starts(height)])
+
+
 class HostGuard:
     """Chooses, per shape class, between a host library primitive and its by-construction twin.
 
@@ -247,6 +263,9 @@ class HostGuard:
             raise ValueError(f"HostGuard mode {mode!r}: expected one of {', '.join(MODES)}")
         if max(row_blocks) > PROBE_ROWS:
             raise ValueError(f"row_blocks {row_blocks}: the probe covers tiles of at most {PROBE_ROWS} rows")
+        if list(row_blocks) != sorted(set(row_blocks)) or any(CROWD_ROWS % h for h in row_blocks):
+            raise ValueError(f"row_blocks {row_blocks}: expected ascending tile heights, each dividing the probe's "
+                             f"{CROWD_ROWS}-row crowd")
         self.mode = mode
         self.onednn = onednn_from_env() if onednn is None else onednn
         """Whether large fp32 linear classes may try oneDNN (``onednn_rows``); default from ``VEXACT_CPU_ONEDNN``."""
@@ -448,24 +467,27 @@ class HostGuard:
             def alone(height: int) -> int:  # one tile in its own call: what a batch of at most `height` rows runs
                 return _rows_differing(gemm(cols, rows[:height].reshape(1, height, k)).reshape(height, n), ref[:height])
 
+            def side_by_side(height: int, shift: int = 0) -> int:  # the probe rows in tiles of `height`, one call
+                tiles = _probe_tiles(rows, height)
+                if shift:  # every row `shift` places down its tile, and its output row back
+                    out = gemm(cols, tiles.roll(shift, dims=1)).roll(-shift, dims=1)
+                else:
+                    out = gemm(cols, tiles)
+                return sum(_rows_differing(out[t], ref[start : start + height])
+                           for t, start in enumerate(_tile_starts(height)))
+
             if not record.tile_heights:  # first probe: which heights give the reference's bits
-                record.tile_heights = tuple(
-                    h for h in self.row_blocks
-                    if not _rows_differing(gemm(cols, rows.view(PROBE_ROWS // h, h, k)).reshape(PROBE_ROWS, n), ref)
-                    and not alone(h))
+                record.tile_heights = tuple(h for h in self.row_blocks if not side_by_side(h) and not alone(h))
                 if self.row_blocks[-1] not in record.tile_heights:
                     record.tile_heights = self.row_blocks
                     return f"tile height {self.row_blocks[-1]} (the reference's own) differs from the reference"
             for height in record.tile_heights:  # every allowed tile height: tiles side by side in one call, one alone
-                out = gemm(cols, rows.view(PROBE_ROWS // height, height, k)).reshape(PROBE_ROWS, n)
-                if differing := _rows_differing(out, ref):
-                    return f"tile height {height}: {differing}/{PROBE_ROWS} rows differ from one {PROBE_ROWS}-row tile"
+                if differing := side_by_side(height):
+                    return f"tile height {height}: {differing} rows differ from one {PROBE_ROWS}-row tile"
                 if differing := alone(height):
                     return f"one tile of {height} rows alone: {differing}/{height} rows differ from the reference"
-                shifted = rows.view(-1, height, k).roll(1, dims=1)  # every row one place down its tile
-                out = gemm(cols, shifted).roll(-1, dims=1).reshape(PROBE_ROWS, n)
-                if differing := _rows_differing(out, ref):
-                    return f"tile height {height}, rows moved one place: {differing}/{PROBE_ROWS} rows differ"
+                if differing := side_by_side(height, shift=1):
+                    return f"tile height {height}, rows moved one place: {differing} rows differ"
             # many tiles per call (batch-parallel threading), the probe rows in the middle; and three of the tallest
             # tiles, a count no thread count above 1 divides evenly, 3 excepted (a BLAS may then split each tile's
             # work between threads instead of giving each thread whole tiles)

@@ -16,6 +16,7 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     EXIT_OK,
     make_console,
 )
+from .cli_base import non_negative_int as _non_negative_int
 from .cli_base import positive_int as _positive_int
 
 FAILED_MEANS = {
@@ -168,13 +169,17 @@ CHECK_THREADS = 1
 
 def _check_arguments(p: argparse.ArgumentParser) -> None:
     from .engine.presets import PRESET_NAMES
-    from .real.check import CHECK_PRESET, CheckSettings
+    from .real.check import CHECK_PRESET, WIDE_HIDDEN, CheckSettings
 
     p.add_argument("--preset", choices=PRESET_NAMES, default=CHECK_PRESET,
                    help=f"named shape of the random model (default {CHECK_PRESET}); size flags below win over it")
     for flag, what in _CHECK_SIZES.items():
         p.add_argument("--" + flag.replace("_", "-"), type=_positive_int, default=None, help=what + " (default: the "
                        "preset's)")
+    p.add_argument("--wide-hidden", type=_non_negative_int, default=WIDE_HIDDEN, metavar="N",
+                   help=f"also check a one-layer model of hidden size N (default {WIDE_HIDDEN}; a multiple of 128) "
+                        "where the checked model is narrower: a host's GEMM may switch kernels only at real widths, "
+                        "as one did at 512; 0: only the checked model")
     p.add_argument("--num-prompts", type=_positive_int, default=24, help="random prompts to generate from")
     p.add_argument("--max-prompt-len", type=_positive_int, default=40,
                    help="longest random prompt (lengths are 1..N, so batches are ragged)")

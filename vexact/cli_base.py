@@ -38,6 +38,13 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: 0 or a positive integer, else the one error argparse prints with the flag's name."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
+    return int(text)
+
+
 def check_writable(path: Path, flag: str) -> None:
     """A ValueError naming ``flag`` unless ``path`` can be written (its folders are made; a file this probe creates is
     removed again): a command that writes its results at the end finds out before its work, not after it."""

@@ -17,7 +17,7 @@ from test_sweep_faults import _cli_error
 
 from vexact.cli import COMMANDS, build_parser, main
 from vexact.engine import model as model_module
-from vexact.real.check import CheckSettings, check_units, run_check
+from vexact.real.check import WIDE_NEW_TOKENS, WIDE_PROMPTS, CheckSettings, check_units, run_check, wide_settings
 from vexact.real.check_report import check_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +34,10 @@ def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys)
                  "--intermediate-size", "160", "--dtype", "all", "--json", str(out), "--verbose"])
     assert code == 0
     rows = json.loads(out.read_text())
-    assert {(r["backend"], r["dtype"]) for r in rows} == {(b, d) for b in ("exact", "native")
-                                                          for d in ("float32", "bfloat16")}
+    # the checked model, then its wide one (--wide-hidden, default 512: one layer), each backend and dtype
+    assert [(r["hidden_size"], r["num_layers"], r["backend"], r["dtype"]) for r in rows] == [
+        (hidden, layers, b, d) for hidden, layers in ((64, 2), (512, 1)) for d in ("float32", "bfloat16")
+        for b in ("exact", "native")]
     for r in rows:  # the keys of measure's and compare's --json reports
         assert r["tokens"] > 0
         if r["backend"] == "exact":
@@ -52,13 +54,37 @@ def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys)
         assert all(p["passed"] is not None and p["threads_checked"] for p in exact_paths["probes"])
     out = capsys.readouterr().out
     assert "vexact check" in out and "path per op" in out and "gemm_rows" in out
+    assert "hidden 64 x 2 layers" in out and "hidden 512 x 1 layer" in out
+
+
+def test_check_adds_a_wide_model_only_where_the_checked_one_is_narrower():
+    """``wide_settings``: one dense layer of the wide size with the check's own vocabulary, dtype and arrangements, at
+    most ``WIDE_PROMPTS`` x ``WIDE_NEW_TOKENS``; none at 0 or for a model as wide; a size its heads cannot split is
+    one error naming the flag."""
+    narrow = CheckSettings(hidden_size=64, num_layers=2, num_experts=4, dtype="bfloat16", num_prompts=24)
+    wide = wide_settings(narrow, 256)
+    assert (wide.hidden_size, wide.num_layers, wide.num_heads, wide.num_kv_heads, wide.intermediate_size) == (
+        256, 1, 4, 2, 512)
+    assert (wide.num_experts, wide.dtype, wide.vocab_size, wide.batch_sizes) == (
+        0, "bfloat16", narrow.vocab_size, narrow.batch_sizes)
+    assert (wide.num_prompts, wide.max_new_tokens) == (WIDE_PROMPTS, min(narrow.max_new_tokens, WIDE_NEW_TOKENS))
+    assert wide_settings(narrow, 0) is None and wide_settings(narrow, 64) is None
+    with pytest.raises(ValueError, match="--wide-hidden 200: expected a multiple of 128"):
+        wide_settings(narrow, 200)
+
+
+def test_check_verdict_names_the_model_of_a_failing_row():
+    row = {"backend": "exact", "dtype": "bfloat16", "tokens": 10, "bitwise_equal": 7, "sampling_batch_invariant": True,
+           "hidden_size": 512, "num_layers": 1}
+    assert "exact/bfloat16 at hidden 512 x 1 layer (3 of 10 tokens differ)" in check_verdict([row])
 
 
 def test_check_scores_at_other_thread_counts(tmp_path):
     """Rollout at 1 thread, every rollout rescored at 2 and at 3: still 0 mismatched exact tokens."""
     out = tmp_path / "check.json"
     assert main(["check", "--num-prompts", "6", "--max-new-tokens", "8", "--hidden-size", "64", "--intermediate-size",
-                 "160", "--backend", "exact", "--threads", "1", "--scoring-threads", "2,3", "--json", str(out)]) == 0
+                 "160", "--backend", "exact", "--threads", "1", "--scoring-threads", "2,3", "--wide-hidden", "0",
+                 "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["threads"] == 1 and row["scoring_threads"] == [2, 3]
     assert row["tokens"] == row["bitwise_equal"] == 6 * 8 * 3 * 3 * 2
@@ -145,7 +171,7 @@ def test_check_accepts_short_dtype_and_ends_with_a_verdict(tmp_path, capsys):
     out = tmp_path / "check.json"
     assert main(["check", "--dtype", "bf16", "--backend", "exact", "--num-prompts", "3", "--max-new-tokens", "4",
                  "--hidden-size", "32", "--intermediate-size", "64", "--batch-sizes", "all,1",
-                 "--micro-batch-sizes", "all", "--json", str(out)]) == 0
+                 "--micro-batch-sizes", "all", "--wide-hidden", "0", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["dtype"] == "bfloat16" and row["bitwise_equal"] == row["tokens"]
     last = capsys.readouterr().out.strip().splitlines()[-1]

@@ -97,7 +97,7 @@ def test_check_reports_progress_on_stderr_keeps_the_verdict_last_and_probe_detai
                                                                                                 monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
     small = ["--num-prompts", "3", "--max-new-tokens", "4", "--max-prompt-len", "5", "--hidden-size", "32",
-             "--intermediate-size", "64", "--backend", "exact"]
+             "--intermediate-size", "64", "--backend", "exact", "--wide-hidden", "0"]
     assert main(["check", *small]) == 0
     captured = capsys.readouterr()
     out = [line for line in captured.out.splitlines() if line.strip()]

@@ -23,7 +23,7 @@ import torch
 from conftest import num_threads, random_prompts, tiny_model
 
 from vexact import generate, token_logprobs
-from vexact_kernels import cpu_exact, fixed_order, native
+from vexact_kernels import cpu_exact, fixed_order, gemm_arrangements, native
 from vexact_kernels.host_guard import MACHINE_THREADS, MODE_ENV, PROBE_ROWS, HostGuard, mode_from_env
 
 
@@ -646,13 +646,47 @@ def test_bf16_gemm_whose_short_tiles_accumulate_otherwise_keeps_the_tall_tiles()
 def test_bf16_gemm_whose_few_row_calls_accumulate_otherwise_keeps_the_tall_tiles():
     """A bf16 GEMM whose call of at most 32 rows takes another kernel: short tiles side by side in one call (64 rows)
     give the reference's bits, one short tile alone does not. The probe tries each height alone too (the call a decode
-    step makes), so the class keeps 64-row tiles, and a decode-sized batch gets the rows a training batch gets."""
+    step makes), so the class keeps the tiles above 32 rows (48 and 64), and a decode-sized batch gets the rows a
+    training batch gets -- multiplied as one 48-row tile."""
     x, w = _order_revealing_linear_inputs()
     guard = _guard(bmm=_bf16_gemm(defect=_few_rows_call_accumulation))
     ops = cpu_exact.with_host(guard)
     assert _rows_alone_vs_batch(ops.linear, x, w) == 0
     (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
-    assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [64]
+    assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [48, 64]
+    assert gemm_arrangements.tiled_rows(x[:8], w, guard) == 48
+
+
+def _second_tile_of_48_accumulates_otherwise(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 accumulation whose order differs in every 48-row tile after a call's first (a kernel that blocks a call's
+    rows by 64 and so splits the second 48-row tile): one 48-row tile alone is right, 48-row tiles side by side are
+    not."""
+    a, b = a.float(), b.float()
+    out = fixed_order.bmm(a, b)
+    if a.shape[1] == 48 and a.shape[0] > 1:
+        cut = a.shape[2] // 3
+        out[1:] = fixed_order.bmm(a[1:, :, :cut], b[1:, :cut]) + fixed_order.bmm(a[1:, :, cut:], b[1:, cut:])
+    return out
+
+
+def test_a_tile_height_that_does_not_divide_the_probe_rows_is_probed_side_by_side_too():
+    """48 does not divide the probe's 64 rows: its side-by-side arrangement is two overlapping tiles (rows 0-47 and
+    16-63), each compared with the reference's rows. A GEMM that gets only the second tile wrong loses height 48 (and
+    keeps the others); the kernels then pad 33-48 rows to 64."""
+    x, w = _order_revealing_linear_inputs()
+    guard = _guard(bmm=_bf16_gemm(defect=_second_tile_of_48_accumulates_otherwise))
+    ops = cpu_exact.with_host(guard)
+    assert _rows_alone_vs_batch(ops.linear, x, w) == 0
+    (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
+    assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [4, 8, 16, 32, 64]
+    assert gemm_arrangements.tiled_rows(x[:40], w, guard) == 64
+
+
+@pytest.mark.parametrize("row_blocks", [(8, 4, 64), (4, 40, 64), (4, 4, 64)])
+def test_tile_heights_must_ascend_and_divide_the_probe_crowd(row_blocks: tuple[int, ...]):
+    """Tile heights the probe cannot place: unsorted, repeated, or not dividing its 192-row crowd (40) -- one error."""
+    with pytest.raises(ValueError, match="ascending tile heights"):
+        HostGuard(row_blocks, mode="auto")
 
 
 def test_bf16_gemm_right_only_at_one_thread_runs_at_one_thread_and_stays_exact():

@@ -19,6 +19,8 @@ the op, the thread count) are made once and a repeated call runs the GEMM. Check
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -198,7 +200,7 @@ def test_a_weights_plans_go_with_it():
 
 def test_tiled_rows_are_the_rows_padded_to_the_shortest_tile_whose_bits_the_host_keeps():
     """``tiled_rows`` (what ``vexact bench decode_profile --gemm`` times ``F.linear`` at): on a host whose GEMM gives
-    tiles of under 32 rows other bits (as the Intel Xeon's bf16 GEMM did: ``gemm_rows`` heights 32 and 64), 3 rows
+    tiles of under 32 rows other bits (``gemm_rows`` heights 32, 48 and 64), 3 rows
     are multiplied as 32; on a sound host as 4, the shortest tile; rows beyond the tallest tile fill whole tiles."""
     def short_tiles_round_otherwise(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = SOUND["bmm"](a, b)
@@ -209,6 +211,18 @@ def test_tiled_rows_are_the_rows_padded_to_the_shortest_tile_whose_bits_the_host
     short_tiles = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **{**SOUND, "bmm": short_tiles_round_otherwise})
     sound = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **SOUND)
     assert gemm_arrangements.tiled_rows(torch.randn(3, 48, generator=g), w, short_tiles) == 32
-    assert short_tiles.report()["probes"][0]["tile_heights"] == [32, 64]  # a restriction, not a failed probe
+    assert short_tiles.report()["probes"][0]["tile_heights"] == [32, 48, 64]  # a restriction, not a failed probe
     assert gemm_arrangements.tiled_rows(torch.randn(3, 48, generator=g), w, sound) == 4
     assert gemm_arrangements.tiled_rows(torch.randn(70, 48, generator=g), w, sound) == 128
+
+
+def test_a_weight_held_until_interpreter_exit_drops_its_plans_without_an_error():
+    """A script that keeps a weight (and its plans, as one that inspects them does) in its own globals frees it at
+    interpreter exit, after the module's globals are gone: the plans' callback must still find their dict (it printed
+    "Exception ignored in ... _forget": AttributeError on None)."""
+    script = ("import torch\nfrom vexact_kernels import cpu_exact, gemm_arrangements\nw = torch.randn(40, 48)\n"
+              "with torch.no_grad():\n    cpu_exact.linear(torch.randn(3, 48), w)\n"
+              "kept = gemm_arrangements._PLANS[id(w)]\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr

@@ -9,6 +9,7 @@ rollout routed every position to with the training path's own routing (``routing
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -62,6 +63,34 @@ class CheckSettings:
     scoring_threads: tuple[int, ...] = ()  # thread counts the scoring runs at (empty: the generation's)
     batch_sizes: tuple[int | None, ...] = DEFAULT_BATCH_SIZES
     micro_batch_sizes: tuple[int | None, ...] = DEFAULT_MICRO_BATCH_SIZES
+
+
+WIDE_HIDDEN = 512
+"""``vexact check``'s second model by default (``--wide-hidden``): one layer of this hidden size (``wide_settings``).
+The check's small models (K <= 128) run a host's GEMM at widths where its kernels may not switch: oneDNN's bf16 GEMM
+on an Intel Xeon with AMX ran a call of at most 32 rows on another kernel than taller calls, which broke exactness at
+hidden size 512 (95 of 1,152 tokens of this model differed before the host guard learned to see it) and never at 128."""
+WIDE_HEAD_DIM = 64
+"""The wide model's head size: hidden / 64 query heads, half as many key/value heads (grouped-query attention)."""
+WIDE_PROMPTS, WIDE_NEW_TOKENS = 8, 16
+"""The wide model's prompts and new tokens, at most (fewer where the check's own are fewer): a decode batch of up to 8
+rows against training's tiles, in a few seconds."""
+
+
+def wide_settings(settings: CheckSettings, hidden: int) -> CheckSettings | None:
+    """The check's second model (``WIDE_HIDDEN``): a dense one-layer model of hidden size ``hidden`` (MLP twice as
+    wide) with ``settings``' vocabulary, dtype, sampling, threads and arrangements; None where ``hidden`` is 0 or the
+    checked model is as wide already."""
+    if hidden == 0 or settings.hidden_size >= hidden:
+        return None
+    if hidden % (2 * WIDE_HEAD_DIM):
+        raise ValueError(f"--wide-hidden {hidden}: expected a multiple of {2 * WIDE_HEAD_DIM} (heads of "
+                         f"{WIDE_HEAD_DIM}, two query heads per key/value head), or 0 for no wide model")
+    return dataclasses.replace(
+        settings, hidden_size=hidden, num_layers=1, num_heads=hidden // WIDE_HEAD_DIM,
+        num_kv_heads=hidden // (2 * WIDE_HEAD_DIM), intermediate_size=2 * hidden, head_dim=None, qk_norm=False,
+        num_experts=0, moe_intermediate_size=None, num_prompts=min(settings.num_prompts, WIDE_PROMPTS),
+        max_new_tokens=min(settings.max_new_tokens, WIDE_NEW_TOKENS))
 
 
 METRIC_KEYS = {"bitwise_equal_frac": BITWISE_EQUAL_FRAC, "abs_dlogp_mean": ABS_DLOGP_MEAN,
@@ -158,6 +187,8 @@ def _check_backend(model: Transformer, prompts: list[list[int]], s: CheckSetting
     return {
         "backend": model.backend,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "hidden_size": model.config.hidden_size,  # which model: the checked one, or the wide one (``wide_settings``)
+        "num_layers": model.config.num_layers,
         "threads": generation_threads,
         "scoring_threads": list(scoring_threads),
         # the keys of vexact measure's and compare's --json report: token counts, then metrics by their full keys

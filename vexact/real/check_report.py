@@ -10,11 +10,13 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from vexact_kernels.host_guard import SAME_BITS
+
 from ..cli_base import EXIT_FAILED, EXIT_OK, check_writable, make_console
 from ..engine.devices import resolve_device
 from ..engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
 from ..progress import Progress
-from .check import CheckSettings, check_units, mismatched, run_check
+from .check import CheckSettings, check_units, mismatched, run_check, wide_settings
 
 __all__ = ["check_command", "check_verdict"]
 
@@ -37,6 +39,8 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
                               scoring_threads=args.scoring_threads,
                               batch_sizes=args.batch_sizes, micro_batch_sizes=args.micro_batch_sizes)
                 for dtype in dtypes]
+    # then each dtype's wide model (--wide-hidden), where the checked model is narrower
+    settings += [wide for one in settings if (wide := wide_settings(one, args.wide_hidden)) is not None]
     total = sum(check_units(s) for s in settings) * len(backends)
     rows = []
     # progress on stderr: stdout keeps the results and the verdict
@@ -46,7 +50,8 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
 
     table = Table(title="vexact check: rollout log-probs vs training log-probs")
     moe = any(r.get("routing_flip_rate") is not None for r in rows)
-    for col in ("backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched", "max |Δlogp|",
+    for col in ("model", "backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched",
+                "max |Δlogp|",
                 "k3 KL", *(("routing flips",) if moe else ()), "batch-inv. sampling", "s"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -54,7 +59,7 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
         threads = f"{r['threads']} / {','.join(map(str, r['scoring_threads']))}"
         m = r["metrics"]
         flips = (f"{r['routing_flip_rate']:.3g}",) if moe else ()
-        cells = [r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens"], r["bitwise_equal"],
+        cells = [_model(r) or "-", r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens"], r["bitwise_equal"],
                  f"[{style}]{mismatched(r)}[/]", f"{m['mismatch/abs_dlogp_max']:.3g}", f"{m['rollout_corr/k3_kl']:.3g}",
                  *flips, r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
@@ -72,7 +77,7 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
                       and (mismatched(r) or not r["sampling_batch_invariant"] or r.get("routing_flip_rate"))]
     if exact_failures:
         Console(stderr=True).print("[red]exactness violated[/] for: "
-                                   + ", ".join(f"{r['backend']}/{r['dtype']}" for r in exact_failures))
+                                   + ", ".join(_where(r) for r in exact_failures))
     console.print(check_verdict(rows), soft_wrap=True, highlight=False)
     return EXIT_FAILED if exact_failures else EXIT_OK
 
@@ -83,7 +88,7 @@ def check_verdict(rows: list[dict]) -> str:
     exact = [r for r in rows if r["backend"] != "native"]
     failed = [r for r in exact if mismatched(r) or not r["sampling_batch_invariant"] or r.get("routing_flip_rate")]
     if failed:
-        where = ", ".join(f"{r['backend']}/{r['dtype']} ({mismatched(r)} of {r['tokens']} tokens "
+        where = ", ".join(f"{_where(r)} ({mismatched(r)} of {r['tokens']} tokens "
                           f"differ{'' if r['sampling_batch_invariant'] else ', sampling not batch-invariant'}"
                           f"{', MoE routing differs' if r.get('routing_flip_rate') else ''})"
                           for r in failed)
@@ -93,6 +98,19 @@ def check_verdict(rows: list[dict]) -> str:
     tokens = sum(r["tokens"] for r in exact)
     paths = ", ".join(sorted({f"{r['backend']}/{r['dtype']}" for r in exact}))
     return f"PASS: rollout log-probs == training log-probs bit for bit on {paths} ({tokens} of {tokens} tokens)"
+
+
+def _model(row: dict) -> str:
+    """Which model a check row is: its hidden size and layers (the checked model, or the wide one); "" for a row
+    that does not say (one written before rows named their model)."""
+    if "hidden_size" not in row:
+        return ""
+    return f"hidden {row['hidden_size']} x {row['num_layers']} layer{'s' if row['num_layers'] > 1 else ''}"
+
+
+def _where(row: dict) -> str:
+    """A check row's path and model, as the verdict names it: ``exact/bfloat16 at hidden 512 x 1 layer``."""
+    return f"{row['backend']}/{row['dtype']}" + (f" at {model}" if (model := _model(row)) else "")
 
 
 def _kernel_paths_line(paths: dict) -> str:
@@ -106,10 +124,13 @@ def _kernel_paths_line(paths: dict) -> str:
     probed = [p for p in paths["probes"] if p["passed"] is not None]
     if probed:
         failed = [p for p in probed if not p["passed"]]
+        # a failed same_bits probe costs speed, not bits (the class keeps its canonical arrangement): counted, not named
+        refused = [p for p in failed if p["property"] == SAME_BITS]
         threads = ",".join(map(str, sorted({t for p in probed for t in p["threads_checked"]})))
         line += (f"; host probes: {len(probed) - len(failed)} of {len(probed)} passed (threads {threads})"
-                 + (f", failed: {', '.join(p['property'] + ': ' + p['shape_class'] for p in failed)}" if failed
-                    else ""))
+                 + (f", failed: {', '.join(p['property'] + ': ' + p['shape_class'] for p in named)}"
+                    if (named := [p for p in failed if p not in refused]) else "")
+                 + (f", {len(refused)} faster arrangements refused ({SAME_BITS}: speed only)" if refused else ""))
     if low := paths.get("library_dtype_gemm"):  # the exact CPU kernels' bf16 GEMM classes: the host's GEMM or fp32
         on_host = sum(c["path"] != "fp32-upcast" for c in low)
         line += f"; bf16 GEMM classes: {on_host} on the host's bf16 GEMM, {len(low) - on_host} in fp32"
