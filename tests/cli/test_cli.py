@@ -68,7 +68,7 @@ def test_check_adds_a_wide_model_only_where_the_checked_one_is_narrower():
     assert (wide.num_experts, wide.dtype, wide.vocab_size, wide.batch_sizes) == (
         0, "bfloat16", narrow.vocab_size, narrow.batch_sizes)
     assert (wide.num_prompts, wide.max_new_tokens) == (WIDE_PROMPTS, min(narrow.max_new_tokens, WIDE_NEW_TOKENS))
-    assert wide_settings(narrow, 0) is None and wide_settings(narrow, 64) is None
+    assert wide_settings(narrow, 0) is None and wide_settings(CheckSettings(hidden_size=256), 256) is None
     with pytest.raises(ValueError, match="--wide-hidden 200: expected a multiple of 128"):
         wide_settings(narrow, 200)
 

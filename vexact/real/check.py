@@ -67,9 +67,10 @@ class CheckSettings:
 
 WIDE_HIDDEN = 512
 """``vexact check``'s second model by default (``--wide-hidden``): one layer of this hidden size (``wide_settings``).
-The check's small models (K <= 128) run a host's GEMM at widths where its kernels may not switch: oneDNN's bf16 GEMM
-on an Intel Xeon with AMX ran a call of at most 32 rows on another kernel than taller calls, which broke exactness at
-hidden size 512 (95 of 1,152 tokens of this model differed before the host guard learned to see it) and never at 128."""
+The check's small models (hidden 128: K <= 352) run a host's GEMM at widths where its kernels may not switch:
+oneDNN's bf16 GEMM on an Intel Xeon with AMX ran a call of at most 32 rows on another kernel than taller calls, which
+broke exactness at hidden size 512 (95 of 1,152 tokens of this model differed before the host guard learned to see it)
+and never at 128."""
 WIDE_HEAD_DIM = 64
 """The wide model's head size: hidden / 64 query heads, half as many key/value heads (grouped-query attention)."""
 WIDE_PROMPTS, WIDE_NEW_TOKENS = 8, 16
@@ -81,11 +82,11 @@ def wide_settings(settings: CheckSettings, hidden: int) -> CheckSettings | None:
     """The check's second model (``WIDE_HIDDEN``): a dense one-layer model of hidden size ``hidden`` (MLP twice as
     wide) with ``settings``' vocabulary, dtype, sampling, threads and arrangements; None where ``hidden`` is 0 or the
     checked model is as wide already."""
-    if hidden == 0 or settings.hidden_size >= hidden:
-        return None
     if hidden % (2 * WIDE_HEAD_DIM):
         raise ValueError(f"--wide-hidden {hidden}: expected a multiple of {2 * WIDE_HEAD_DIM} (heads of "
                          f"{WIDE_HEAD_DIM}, two query heads per key/value head), or 0 for no wide model")
+    if hidden == 0 or settings.hidden_size >= hidden:
+        return None
     return dataclasses.replace(
         settings, hidden_size=hidden, num_layers=1, num_heads=hidden // WIDE_HEAD_DIM,
         num_kv_heads=hidden // (2 * WIDE_HEAD_DIM), intermediate_size=2 * hidden, head_dim=None, qk_norm=False,

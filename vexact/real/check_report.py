@@ -51,8 +51,7 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
     table = Table(title="vexact check: rollout log-probs vs training log-probs")
     moe = any(r.get("routing_flip_rate") is not None for r in rows)
     for col in ("model", "backend", "dtype", "threads (gen / score)", "tokens", "bitwise equal", "mismatched",
-                "max |Δlogp|",
-                "k3 KL", *(("routing flips",) if moe else ()), "batch-inv. sampling", "s"):
+                "max |Δlogp|", "k3 KL", *(("routing flips",) if moe else ()), "batch-inv. sampling", "s"):
         table.add_column(col, justify="right")
     for r in rows:
         style = "green" if mismatched(r) == 0 else ("red" if r["backend"] != "native" else "yellow")
