@@ -205,14 +205,22 @@ def inner_repeats(fn: Callable[[], object], device: torch.device | str = "cpu", 
     return max(1, min(limit, math.ceil(target_s / max(once, 1e-7))))
 
 
-# The aten ops that do matrix products: the exact path's GEMM tiles (bmm), native's GEMMs (mm, addmm, ...) and
-# native's fused attention (SDPA, whose kernels hold its QK^T and PV products).
-GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm")
+# The library ops a profile counts as ops (not as autograd nodes or Python ranges): aten's, and torch's oneDNN ops,
+# which the exact path calls directly for its linear layers on x86 (``mkldnn::_linear_pointwise``).
+LIBRARY_OP_PREFIXES = ("aten::", "mkldnn::")
+# The ops that do matrix products: the exact path's GEMM tiles (bmm) and oneDNN linear calls, native's GEMMs (mm,
+# addmm, ...) and native's fused attention (SDPA, whose kernels hold its QK^T and PV products).
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "mkldnn::_linear_pointwise")
 FUSED_ATTENTION_PREFIXES = ("aten::scaled_dot_product", "aten::_scaled_dot_product")
 
 
+def is_library_op(op: str) -> bool:
+    """An op of a profile's library part (``LIBRARY_OP_PREFIXES``): aten's or oneDNN's."""
+    return op.startswith(LIBRARY_OP_PREFIXES)
+
+
 def is_matrix_product(op: str) -> bool:
-    """An aten op of the "matrix products" part of a profile (``GEMM_OPS`` or a fused attention kernel)."""
+    """An op of the "matrix products" part of a profile (``GEMM_OPS`` or a fused attention kernel)."""
     return op in GEMM_OPS or op.startswith(FUSED_ATTENTION_PREFIXES)
 
 
@@ -230,18 +238,19 @@ def profiled(fn: Callable[[], object], calls: int, record_shapes: bool = False) 
 
 def profile_top(fn: Callable[[], object], top: int, calls: int = 3) -> dict:
     """torch.profiler over ``calls`` calls of ``fn``: the ``top`` ops by self CPU time, with their share, and the
-    split of the aten ops' self time into matrix products (``is_matrix_product``) and the rest.
+    split of the library ops' self time (aten's and oneDNN's: ``is_library_op``; the record's ``aten_*`` keys) into
+    matrix products (``is_matrix_product``) and the rest.
 
     Self times under the profiler run slower than unprofiled (every op is recorded), so the shares,
     not the milliseconds, are the evidence. ``total_self_ms_per_run`` minus ``aten_self_ms_per_run`` is the self time
-    of the non-aten ranges the profiler records (autograd nodes, custom Functions' Python); Python outside any
+    of the other ranges the profiler records (autograd nodes, custom Functions' Python); Python outside any
     recorded range is in none of them."""
     events = [e for e in profiled(fn, calls).key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events)
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     ops = [{"op": e.key, "calls_per_run": e.count / calls, "self_ms_per_run": e.self_cpu_time_total / 1e3 / calls,
             "share": e.self_cpu_time_total / total} for e in events[:top]]
-    aten = [e for e in events if e.key.startswith("aten::")]
+    aten = [e for e in events if is_library_op(e.key)]
     matmul = [e for e in aten if is_matrix_product(e.key)]
     return {"ops": ops, "total_self_ms_per_run": total / 1e3 / calls,
             "aten_calls_per_run": sum(e.count for e in aten) / calls,

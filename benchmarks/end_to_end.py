@@ -341,7 +341,7 @@ def print_results(record: dict) -> None:
             rows = [[o["op"][:60], f"{o['calls_per_run']:.0f}", f"{o['self_ms_per_run']:.2f}", f"{o['share']:.1%}"]
                     for o in prof["ops"]]
             print(f"\n{what} {side}: top ops by self CPU time (profiled run: {prof['total_self_ms_per_run']:.1f} ms, "
-                  f"{prof['aten_calls_per_run']:.0f} aten calls)")
+                  f"{prof['aten_calls_per_run']:.0f} aten and oneDNN calls)")
             print_table("", ["op", "calls", "self ms", "share"], rows)
         print(f"\n{what}, where the profiled time goes (self CPU ms per run under torch.profiler, which slows both "
               "sides)")
@@ -349,8 +349,8 @@ def print_results(record: dict) -> None:
         parts = {side: (p["matmul_self_ms_per_run"], p["aten_self_ms_per_run"] - p["matmul_self_ms_per_run"],
                         p["total_self_ms_per_run"] - p["aten_self_ms_per_run"], p["total_self_ms_per_run"])
                  for side, p in split.items()}
-        names = ("matrix products (GEMMs, SDPA)", "other aten ops", "autograd nodes and other non-aten ranges",
-                 "total")
+        names = ("matrix products (GEMMs, oneDNN linear, SDPA)", "other aten and oneDNN ops",
+                 "autograd nodes and other ranges", "total")
         rows = [[name, f"{parts['exact'][i]:.1f}", f"{parts['native'][i]:.1f}",
                  f"{parts['exact'][i] - parts['native'][i]:+.1f}"] for i, name in enumerate(names)]
         print_table("", ["part", "exact", "native", "exact - native"], rows)
@@ -363,7 +363,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warm-start", action="store_true", help="RL step from the random init, not the warm start")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile each item per side (torch.profiler): its top N ops, and its self time split "
-                        "into matrix products, other aten ops and non-aten ranges")
+                        "into matrix products, other aten and oneDNN ops and other ranges")
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:

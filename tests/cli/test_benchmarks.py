@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
 
 
 from benchmarks import bits_digest, end_to_end, guard_modes, host_guard, kernels, op_count, tables  # noqa: E402
-from benchmarks.common import parse_list, set_malloc, shapes  # noqa: E402
+from benchmarks.common import parse_list, profile_top, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 from vexact_kernels import TRITON_PIP  # noqa: E402
 
@@ -85,6 +85,20 @@ def test_end_to_end_profile_records_top_ops():
         assert 0 < prof["matmul_self_ms_per_run"] < prof["aten_self_ms_per_run"]
         assert prof["aten_self_ms_per_run"] <= prof["total_self_ms_per_run"] * (1 + 1e-9)  # two summation orders
     end_to_end.print_results(record)
+
+
+def test_profile_counts_onednn_linear_as_a_matrix_product():
+    """The exact path's linear layers on x86 call oneDNN's op (``mkldnn::_linear_pointwise``), not an aten GEMM: a
+    profile's split counts it with the matrix products and the library ops, not with the autograd nodes."""
+    from vexact_kernels.host_guard import onednn_available, onednn_linear
+
+    if not onednn_available():
+        pytest.skip("no oneDNN linear op in this torch build")
+    x, w = torch.randn(64, 256), torch.randn(256, 256)
+    prof = profile_top(lambda: onednn_linear(x, w), top=3)
+    assert [op["op"] for op in prof["ops"]][0] == "mkldnn::_linear_pointwise"
+    assert 0 < prof["matmul_self_ms_per_run"] <= prof["aten_self_ms_per_run"]
+    assert prof["aten_calls_per_run"] >= 1
 
 
 @pytest.mark.needs_package("triton", TRITON_PIP)
