@@ -288,7 +288,7 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGu
     out = gemm.tiled_matmul(x2d if x2d.dtype == dtype else x2d.to(dtype), weight, host)
     if bias is not None:
         out = out + fp32(bias)
-    if x.dtype != torch.float32:
+    if out.dtype != x.dtype:  # (a bf16 GEMM's output is bf16 already: no call)
         out = out.to(x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
 
