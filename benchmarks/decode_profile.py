@@ -266,12 +266,17 @@ def gemm_per_shape(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
     return out
 
 
+PACKED_AT_TILE_ROWS = "torch_onednn_packed_at_tile_rows_s"
+"""``gemm_at_tile_rows``' key for oneDNN's linear on the weight packed once, at the rows the exact path multiplies."""
+
+
 def gemm_at_tile_rows(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
     """Each distinct weight shape of the model through ``F.linear`` at ``rows`` rows and at the rows the exact path
     multiplies for them (``gemm_arrangements.tiled_rows``: padded to whole tiles of a height at which the host's GEMM
-    keeps a row's bits), fastest of 3 x ``reps``; then the decode step's GEMMs (layers + LM head) summed both ways --
-    what the padding alone costs (a bf16 GEMM that keeps a row's bits only at 32- and 64-row tiles computes a 16-row
-    decode step's GEMMs on 32)."""
+    keeps a row's bits), fastest of 3 x ``reps``; where torch has oneDNN's packing op, also that op at those rows on
+    the weight packed once (what a rollout's exact GEMMs run after ``PACK_AFTER_CALLS`` calls); then the decode step's
+    GEMMs (layers + LM head) summed each way -- what the padding alone costs (a bf16 GEMM that keeps a row's bits only
+    at 32- and 64-row tiles computes a 16-row decode step's GEMMs on 32), and what the packed op buys back."""
     from vexact_kernels import cpu_exact, gemm_arrangements
 
     gen = torch.Generator().manual_seed(2)
@@ -281,14 +286,20 @@ def gemm_at_tile_rows(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
         computed = gemm_arrangements.tiled_dtype(x, w, cpu_exact.HOST)
         tile_rows = gemm_arrangements.tiled_rows(x.to(computed), w, cpu_exact.HOST)
         padded = torch.randn(tile_rows, k, generator=gen).to(dtype)
-        per_shape[f"N={n} K={k}"] = {
+        per_shape[f"N={n} K={k}"] = entry = {
             "tile_rows": tile_rows, "computed_in": str(computed).removeprefix("torch."),
             "F.linear_s": _fastest(lambda x=x, w=w: torch.nn.functional.linear(x, w), reps * 3),
             "F.linear_at_tile_rows_s": _fastest(lambda x=padded, w=w: torch.nn.functional.linear(x, w), reps * 3)}
+        if onednn_packing():
+            packed_w = onednn_packed(w.to(computed))
+            padded_in = padded.to(computed)
+            entry[PACKED_AT_TILE_ROWS] = _fastest(lambda x=padded_in, h=packed_w: onednn_linear(x, h), reps * 3)
+    keys = [key for key in ("F.linear_s", "F.linear_at_tile_rows_s", PACKED_AT_TILE_ROWS)
+            if all(key in entry for entry in per_shape.values())]
     step = {key: sum(config.num_layers * per_shape[f"N={n} K={k}"][key] if group != "LM head"
                      else per_shape[f"N={n} K={k}"][key]
                      for group, shapes_ in _model_gemms(config).items() for n, k in shapes_)
-            for key in ("F.linear_s", "F.linear_at_tile_rows_s")}
+            for key in keys}
     return {"per_shape": per_shape, "decode_step_gemm_s": step}
 
 

@@ -25,7 +25,7 @@ from vexact.sweeps.markdown_table import markdown_table
 
 from . import guard_modes
 from .common import fmt_ratio, thread_counts
-from .decode_profile import gemm_table, split_table, vllm_table
+from .decode_profile import PACKED_AT_TILE_ROWS, gemm_table, split_table, vllm_table
 from .end_to_end import LABELS as E2E_LABELS
 from .end_to_end import combo_label, combos, target_matrix
 from .peer_decode import rows_of as peer_rows
@@ -163,13 +163,19 @@ def guard_modes_table(record: dict) -> str:
 def tile_rows_line(padded: dict, rows: int) -> str:
     """A ``--gemm`` record's ``at_exact_tile_rows`` as one line: per weight shape the rows the exact path multiplies
     for ``rows`` (and the dtype it computes in), then F.linear's time for the decode step's GEMMs at those rows over
-    its time at ``rows``."""
+    its time at ``rows``; where recorded, oneDNN's linear on the packed weight at those rows against F.linear at
+    ``rows`` (what the exact path's GEMMs cost after packing, against native's)."""
     step = padded["decode_step_gemm_s"]
     shapes_ = ", ".join(f"{shape} {entry['tile_rows']} ({entry['computed_in']})"
                         for shape, entry in padded["per_shape"].items())
-    return (f"- the rows the exact path multiplies at {rows} rows: {shapes_}; F.linear at those rows / at {rows} rows, "
+    line = (f"- the rows the exact path multiplies at {rows} rows: {shapes_}; F.linear at those rows / at {rows} rows, "
             f"the decode step's GEMMs: {step['F.linear_at_tile_rows_s'] / step['F.linear_s']:.2f}× "
             f"({step['F.linear_at_tile_rows_s'] * 1e3:.1f} ms against {step['F.linear_s'] * 1e3:.1f})")
+    packed = step.get(PACKED_AT_TILE_ROWS)
+    if packed is not None:
+        line += (f"; oneDNN's linear on the packed weights at those rows: {packed * 1e3:.1f} ms, "
+                 f"{packed / step['F.linear_s']:.2f}× F.linear at {rows} rows")
+    return line
 
 
 def packed_line(packed: dict) -> str:

@@ -100,12 +100,15 @@ def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
     padded = results["at_exact_tile_rows"]
     assert set(padded["per_shape"]) == set(results["onednn_row_heights_differing"])
     assert all(3 <= e["tile_rows"] <= 64 and e["F.linear_at_tile_rows_s"] > 0 for e in padded["per_shape"].values())
-    assert set(padded["decode_step_gemm_s"]) == {"F.linear_s", "F.linear_at_tile_rows_s"}
+    packed_key = {decode_profile.PACKED_AT_TILE_ROWS} if packing else set()  # the packed op at those rows too
+    assert all(set(e) >= packed_key and all(e[key] > 0 for key in packed_key) for e in padded["per_shape"].values())
+    assert set(padded["decode_step_gemm_s"]) == {"F.linear_s", "F.linear_at_tile_rows_s"} | packed_key
     capsys.readouterr()
     assert tables.main([str(out)]) == 0
     table = capsys.readouterr().out
     assert "| a decode step (3 rows: layers + LM head) |" in table and "torch's oneDNN linear:" in table
     assert "- the rows the exact path multiplies at 3 rows: N=32 K=32 " in table
+    assert ("oneDNN's linear on the packed weights at those rows: " in table) == packing
     assert ("- torch's oneDNN linear on a weight packed once: " in table) == packing
 
 
