@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -90,14 +91,47 @@ def _status_bytes(key: str) -> int:
 def run_case(vocab: int, tokens: int, batch: int, hidden: int = 64, layers: int = 1, dtype: str = "float32",
              backend: str = "exact", threads: int = 1, warm: bool = False) -> dict:
     """``measure`` in a fresh Python process (its own high-water mark); the child's record."""
+    return run_cases([dict(vocab=vocab, tokens=tokens, batch=batch, hidden=hidden, layers=layers, dtype=dtype,
+                           backend=backend, threads=threads, warm=warm)])[0]
+
+
+def run_cases(cases: list[dict], side_by_side: int | None = None) -> list[dict]:
+    """``run_case`` of each case (``run_case``'s keyword arguments), their records in order. Up to ``side_by_side``
+    children run at once (default: as many as the CPUs hold at each case's thread count): a peak is each child's own
+    high-water mark, so children beside each other leave it as it is; only their ``seconds`` share the CPUs."""
+    threads = max(case.get("threads", 1) for case in cases) if cases else 1
+    limit = side_by_side or max(1, (os.cpu_count() or 1) // threads)
+    records: list[dict | None] = [None] * len(cases)
+    running: list[tuple[int, subprocess.Popen]] = []
+
+    def finish(index: int, child: subprocess.Popen) -> None:
+        out, err = child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError(f"scoring_memory child failed ({child.returncode}): {err.strip()[-2000:]}")
+        records[index] = json.loads(out.strip().splitlines()[-1])
+
+    try:
+        for index, case in enumerate(cases):
+            if len(running) >= limit:
+                finish(*running.pop(0))
+            running.append((index, subprocess.Popen(_child_args(**case), stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True)))
+        while running:
+            finish(*running.pop(0))
+    finally:  # a failed child ends the others too
+        for _, child in running:
+            child.kill()
+            child.communicate()
+    return records  # type: ignore[return-value]
+
+
+def _child_args(vocab: int, tokens: int, batch: int, hidden: int = 64, layers: int = 1, dtype: str = "float32",
+                backend: str = "exact", threads: int = 1, warm: bool = False) -> list[str]:
+    """The command line of one case's child process."""
     # this module under the name it was imported by: benchmarks (a checkout) or vexact_benchmarks (installed)
-    args = [sys.executable, "-m", __spec__.name, "--child", "--vocab", str(vocab), "--tokens",
+    return [sys.executable, "-m", __spec__.name, "--child", "--vocab", str(vocab), "--tokens",
             str(tokens), "--batch", str(batch), "--hidden", str(hidden), "--layers", str(layers), "--dtype", dtype,
             "--backend", backend, "--threads", str(threads)] + (["--warm"] if warm else [])
-    done = subprocess.run(args, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"scoring_memory child failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
