@@ -538,11 +538,13 @@ def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, bloc
     def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         rows, k = x.shape
         x = _padded_or_aligned(x, (rows_padded, k))
-        out = onednn_linear(x.view(blocks, block, k), packed).view(rows_padded, -1) if tiled else \
-            onednn_linear(x, packed)  # (2-D in, 2-D out: no view to make per call)
-        if rows == rows_padded and out.shape[1] == n:
-            return out
-        return out[:rows] if out.shape[1] == n else out[:rows, :n]
+        if tiled:
+            out = onednn_linear(x.view(blocks, block, k), packed).view(rows_padded, -1)
+        else:  # 2-D in, 2-D out: no view to make per call
+            out = onednn_linear(x, packed)
+        if out.shape[1] != n:
+            return out[:rows, :n]
+        return out if rows == rows_padded else out[:rows]
     return run
 
 
