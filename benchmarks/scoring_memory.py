@@ -28,6 +28,7 @@ Run:  python -m benchmarks.scoring_memory [--vocab 151936] [--tokens 1000] [--ba
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -99,7 +100,8 @@ def run_cases(cases: list[dict], side_by_side: int | None = None) -> list[dict]:
     """``run_case`` of each case (``run_case``'s keyword arguments), their records in order. Up to ``side_by_side``
     children run at once (default: as many as the CPUs hold at each case's thread count): a peak is each child's own
     high-water mark, so children beside each other leave it as it is; only their ``seconds`` share the CPUs."""
-    threads = max(case.get("threads", 1) for case in cases) if cases else 1
+    cases = [_with_defaults(case) for case in cases]
+    threads = max((case["threads"] for case in cases), default=1)
     limit = side_by_side or max(1, (os.cpu_count() or 1) // threads)
     records: list[dict | None] = [None] * len(cases)
     running: list[tuple[int, subprocess.Popen]] = []
@@ -114,7 +116,7 @@ def run_cases(cases: list[dict], side_by_side: int | None = None) -> list[dict]:
         for index, case in enumerate(cases):
             if len(running) >= limit:
                 finish(*running.pop(0))
-            running.append((index, subprocess.Popen(_child_args(**case), stdout=subprocess.PIPE,
+            running.append((index, subprocess.Popen(_child_args(case), stdout=subprocess.PIPE,
                                                     stderr=subprocess.PIPE, text=True)))
         while running:
             finish(*running.pop(0))
@@ -125,13 +127,20 @@ def run_cases(cases: list[dict], side_by_side: int | None = None) -> list[dict]:
     return records  # type: ignore[return-value]
 
 
-def _child_args(vocab: int, tokens: int, batch: int, hidden: int = 64, layers: int = 1, dtype: str = "float32",
-                backend: str = "exact", threads: int = 1, warm: bool = False) -> list[str]:
-    """The command line of one case's child process."""
+def _with_defaults(case: dict) -> dict:
+    """``case`` (``run_case``'s keyword arguments) with ``run_case``'s defaults for what it leaves out: one list of
+    defaults, ``run_case``'s signature."""
+    bound = inspect.signature(run_case).bind(**case)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _child_args(case: dict) -> list[str]:
+    """The command line of one case's child process (``case``: every argument of ``run_case``, each an option of the
+    same name; ``warm`` a flag)."""
+    options = [arg for key, value in case.items() if key != "warm" for arg in (f"--{key}", str(value))]
     # this module under the name it was imported by: benchmarks (a checkout) or vexact_benchmarks (installed)
-    return [sys.executable, "-m", __spec__.name, "--child", "--vocab", str(vocab), "--tokens",
-            str(tokens), "--batch", str(batch), "--hidden", str(hidden), "--layers", str(layers), "--dtype", dtype,
-            "--backend", backend, "--threads", str(threads)] + (["--warm"] if warm else [])
+    return [sys.executable, "-m", __spec__.name, "--child", *options] + (["--warm"] if case["warm"] else [])
 
 
 def main(argv: list[str] | None = None) -> int:
