@@ -150,8 +150,11 @@ def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
     spec_data["set"].update({"steps": 5000, "logging.checkpoint_every": 1000, "logging.eval_every": 1000})
     path.write_text(yaml.safe_dump(spec_data))
     spec = load_sweep_spec(path)
+    # SIGINT's default disposition in the sweep, as a sweep started from a terminal has it: a script's background
+    # job (CI started as `cmd &`) inherits SIGINT ignored, and a process that starts with it ignored keeps ignoring it
     sweep = subprocess.Popen([sys.executable, "-m", "vexact", "sweep", str(path), "--jobs", "2", "--no-report"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not all((p.run_dir / "metrics.jsonl").exists() for p in spec.points):
