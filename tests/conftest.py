@@ -44,12 +44,13 @@ def random_prompts(n: int, max_len: int, vocab: int = 97, seed: int = 0, min_len
 
 
 def warm_start_cache(tmp_path: Path) -> Path:
-    """The warm-start cache (``warm_start.cache_dir``) of this pytest run, shared by every test that passes it: the
-    folder ``warm_start_cache`` in the run's base temporary directory, which holds each test's ``tmp_path`` and each
-    ``tmp_path_factory.mktemp`` folder (pass either). A warm start is trained once per key and run, not once per test:
-    the key is everything its weights depend on (``vexact.rl.warmstart.warm_start_key``), so tests whose configs agree
-    get the same tensor as if each trained its own, and concurrent users (ranks, sweep workers) train it once
-    (tests/rl/test_shared_files.py checks both). Tests about the cache itself keep a cache of their own."""
+    """The warm-start cache (``warm_start.cache_dir``) of this pytest process (each ``-n`` worker has its own),
+    shared by every test that passes it: the folder ``warm_start_cache`` in the process's base temporary directory,
+    which holds each test's ``tmp_path`` and each ``tmp_path_factory.mktemp`` folder (pass either). A warm start is
+    trained once per key and process, not once per test: the key is everything its weights depend on
+    (``vexact.rl.warmstart.warm_start_key``), so tests whose configs agree get the same tensor as if each trained its
+    own, and concurrent users (ranks, sweep workers) train it once (tests/rl/test_shared_files.py checks both). Tests
+    about the cache itself keep a cache of their own."""
     return tmp_path.parent / "warm_start_cache"
 
 
