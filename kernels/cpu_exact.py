@@ -428,6 +428,8 @@ class _AttentionTiles:
 
     def _key_rows(self, cache: Tensor) -> Tensor:
         """[B, L, Hkv, hd] -> fp32 [B*Hkv, key_len, hd], zero-padded past the cache's end."""
+        if cache.device.type == "cpu" and (loops := compiled_loops.library()) is not None:
+            return loops.key_rows(cache, self.key_len)  # the copy and fill below in one pass (the same values)
         batch, kv_heads, head_dim = self.batch, self.kv_heads, self.head_dim
         kept = min(self.cache_len, self.key_len)
         out = torch.empty(batch, kv_heads, self.key_len, head_dim, dtype=torch.float32, device=cache.device)
@@ -647,15 +649,20 @@ def _silu(gate: Tensor, host: HostGuard) -> Tensor:
     return torch.div(g, denom, out=denom)
 
 
-def _silu_mul_loops(gate: Tensor, up: Tensor) -> ModuleType | None:
-    """The compiled loops where they take this SwiGLU (fp32 gate and up), else None: the torch ops."""
-    return compiled_loops.library() if gate.dtype == up.dtype == torch.float32 else None
+def _silu_mul_loops(gate: Tensor, up: Tensor, host: HostGuard) -> ModuleType | None:
+    """The compiled loops where they take this SwiGLU's forward, else None: the torch ops. fp32 gate and up; bf16
+    gate and up where the guard chose the library exp (the loop's upcast gate, then the torch ops' bf16 product)."""
+    if gate.dtype == up.dtype == torch.float32:
+        return compiled_loops.library()
+    if gate.dtype == up.dtype == torch.bfloat16:
+        return _library_math(host, "silu_mul", "exp")
+    return None
 
 
 def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleType) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, 1 + exp(-gate), silu) of fp32 gate and up: the chunked exp, then the add, divide and multiply of
-    ``_silu_mul_with_saved`` in one compiled pass."""
-    if _library_math(host, "silu_mul", "exp") is not None:  # the negation and the chunked exp in that call too
+    """(out, 1 + exp(-gate), silu) of gate and up (as ``_silu_mul_loops`` admits them): the chunked exp, then the
+    add, divide and multiply of ``_silu_mul_with_saved`` in one compiled pass."""
+    if gate.dtype == torch.bfloat16 or _library_math(host, "silu_mul", "exp") is not None:  # and the chunked exp
         out, denom, silu = loops.silu_mul_exp_forward(gate, up, CHUNK, VECTOR_MULTIPLE)
         return out, denom, silu
     denom = _unary("exp", gate.neg(), host, "silu_mul", inplace=True)
@@ -664,7 +671,7 @@ def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleT
 
 
 def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
-    if (loops := _silu_mul_loops(gate, up)) is not None:
+    if (loops := _silu_mul_loops(gate, up, host)) is not None:
         return _silu_mul_compiled(gate, up, host, loops)[0]
     silu = _silu(gate, host)
     if gate.dtype == torch.float32 and up.dtype == torch.float32:
@@ -675,7 +682,7 @@ def _silu_mul_exact(gate: Tensor, up: Tensor, host: HostGuard) -> Tensor:
 def _silu_mul_with_saved(gate: Tensor, up: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
     """The forward's ops one by one (as ``_silu`` and ``_silu_mul_exact``), keeping 1 + exp(-gate) and silu(gate) for
     the backward: it needs both, and computing them again cost a negation, a chunked exp, an add and a divide."""
-    if (loops := _silu_mul_loops(gate, up)) is not None:  # the add, divide and multiply below in one pass
+    if (loops := _silu_mul_loops(gate, up, host)) is not None:  # the add, divide and multiply below in one pass
         out, denom, silu = _silu_mul_compiled(gate, up, host, loops)
         return out, (gate, up, denom, silu, host)
     g = fp32(gate)
@@ -690,7 +697,8 @@ def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     d gate = g * up * s * (1 + gate * (1 - s)); fp32 from the forward's 1 + exp(-gate) and silu (saved) and exactly
     rounded ops, one rounding."""
     gate, up, denom, silu, host = saved
-    if (loops := _silu_mul_loops(gate, up)) is not None and grad.dtype == torch.float32:  # the ops below, one pass
+    if (grad.dtype == gate.dtype == torch.float32  # (the backward loop: fp32 only)
+            and (loops := _silu_mul_loops(gate, up, host)) is not None):  # the ops below, one pass
         grad_gate, grad_up = loops.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), denom,
                                                      silu, needs[0], needs[1])
         return (grad_gate if needs[0] else None), (grad_up if needs[1] else None)

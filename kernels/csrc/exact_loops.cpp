@@ -346,10 +346,19 @@ std::vector<at::Tensor> silu_mul_forward(const at::Tensor& gate, at::Tensor& exp
 // The whole forward where the guard chose the library exp: -gate into a buffer zero-padded to `multiple` (the
 // negation _unary is given), its chunked exp in place (cpu_exact._unary's calls), then silu_mul_forward. Returns
 // (out, 1 + exp(-gate) (a view of the buffer, gate's shape), silu).
+// bf16 gate and up: the fp32 steps on the gate upcast (exact), then the output as cpu_exact's torch ops make it --
+// silu rounded to bf16 times up, in bf16 -- by the same two aten calls (their rounding, NaNs included).
 std::vector<at::Tensor> silu_mul_exp_forward(const at::Tensor& gate, const at::Tensor& up, int64_t chunk,
                                              int64_t multiple) {
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes(),
-              "silu_mul_exp_forward: fp32 gate and up of one shape");
+  const auto dtype = gate.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && up.scalar_type() == dtype &&
+                  gate.sizes() == up.sizes(),
+              "silu_mul_exp_forward: fp32 or bf16 gate and up of one dtype and shape");
+  if (dtype == at::kBFloat16) {
+    const at::Tensor g32 = gate.to(at::kFloat).contiguous();
+    std::vector<at::Tensor> parts = silu_mul_exp_forward(g32, g32, chunk, multiple);  // its output is not used
+    return {at::mul(parts[2].to(dtype), up), parts[1], parts[2]};
+  }
   const at::Tensor g = gate.contiguous(), u = up.contiguous();
   const int64_t total = g.numel(), padded = round_up(total, multiple);
   at::Tensor buffer = at::empty({padded}, g.options());
@@ -852,6 +861,38 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
   return {tiles, denom_rows, denom};
 }
 
+// cpu_exact._AttentionTiles._key_rows: a KV cache [B, L, H, hd] (any float dtype, any strides) as fp32 rows
+// [B*H, key_len, hd] -- position l < min(L, key_len) is the cache's row l converted to fp32 (exact), zeros after --
+// in one pass instead of a permuted, converting copy and a fill.
+at::Tensor key_rows(const at::Tensor& cache, int64_t key_len) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 4, "key_rows: a CPU cache [B, L, H, hd]");
+  const int64_t batch = cache.size(0), length = cache.size(1), heads = cache.size(2), dim = cache.size(3);
+  const int64_t kept = std::min(length, key_len);
+  at::Tensor out = at::empty({batch * heads, key_len, dim}, cache.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  const int64_t s_b = cache.stride(0), s_l = cache.stride(1), s_h = cache.stride(2), s_d = cache.stride(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "key_rows", [&] {
+    const scalar_t* base = cache.data_ptr<scalar_t>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, batch * heads, std::max<int64_t>(1, kGrain / (key_len * dim)), [&](int64_t first,
+                                                                                         int64_t last) {
+      for (int64_t pair = first; pair < last; ++pair) {
+        const scalar_t* in = base + (pair / heads) * s_b + (pair % heads) * s_h;
+        float* o = dst + pair * key_len * dim;
+        for (int64_t l = 0; l < kept; ++l, in += s_l, o += dim) {
+          if (s_d == 1) {
+            for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j]);
+          } else {
+            for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j * s_d]);
+          }
+        }
+        std::fill(o, dst + (pair + 1) * key_len * dim, 0.0f);
+      }
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unary_chunked", &unary_chunked, "cpu_exact._unary's chunk loop on the library function, same bits");
   m.def("token_logprobs_forward", &token_logprobs_forward, "cpu_exact._token_logprobs_exact (fp32), same bits");
@@ -871,4 +912,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
+  m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");
 }

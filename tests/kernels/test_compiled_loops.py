@@ -148,6 +148,33 @@ def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case):
         assert torch.equal(_bits(a), _bits(b)), name
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("cache_len,key_len,how", [(48, 64, "plain"), (70, 64, "plain"), (64, 128, "sliced"),
+                                                    (20, 64, "permuted")])
+def test_key_rows_loop_is_the_torch_op_copy(loops, dtype, cache_len, key_len, how, monkeypatch):
+    """``_AttentionTiles._key_rows`` with and without the loops: a cache (contiguous, a slice of a longer one, a
+    permuted view) as fp32 rows [B*Hkv, key_len, hd], the cache converted where it reaches (exact), zeros after,
+    bitwise, special values included."""
+    from vexact_kernels import cpu_exact
+
+    batch, kv_heads, head_dim = 3, 2, 16
+    if how == "sliced":
+        cache = _values((batch, cache_len + 9, kv_heads, head_dim), torch.float64, seed=cache_len).to(dtype)[:, 5:-4]
+    elif how == "permuted":
+        cache = _values((batch, kv_heads, cache_len, head_dim), torch.float64, seed=cache_len).to(dtype)
+        cache = cache.permute(0, 2, 1, 3)
+    else:
+        cache = _values((batch, cache_len, kv_heads, head_dim), torch.float64, seed=cache_len).to(dtype)
+    q = torch.zeros(batch, 1, kv_heads, head_dim, dtype=dtype)
+    tiles = cpu_exact._AttentionTiles(q, cache, cache, torch.tensor([key_len - 1] * batch), 0.25, cpu_exact.HOST)
+    assert tiles.key_len == key_len
+    got = tiles._key_rows(cache)
+    monkeypatch.setattr(cpu_exact.compiled_loops, "library", lambda: None)
+    expected = tiles._key_rows(cache)
+    assert got.shape == expected.shape == (batch * kv_heads, key_len, head_dim) and got.dtype == torch.float32
+    assert torch.equal(_bits(got), _bits(expected))
+
+
 LAYOUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 PAD_CASES = [  # (source shape, a view to take, padded shape)
     ((5, 7), "plain", (8, 16)), ((5, 7), "transposed", (16, 5)), ((3, 4, 5), "plain", (3, 8, 16)),
@@ -217,19 +244,24 @@ def test_rms_norm_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape):
     assert torch.equal(_bits(grad_x), _bits(expected_x)) and torch.equal(_bits(grad_w), _bits(expected_w))
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("shape", [(3, 17, 176), (1, 5), (230, 64), (2, 5, 4, 16), (7,)])
-def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, shape, monkeypatch):
+def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape, monkeypatch):
     """SwiGLU forward (output, saved 1 + exp(-gate) and silu) and VJP (both gradients) with the loops against the
-    torch ops (``_silu_mul_loops`` answering None), bitwise, on values over many magnitudes and special values."""
+    torch ops (``_silu_mul_loops`` answering None), bitwise, on values over many magnitudes and special values
+    (bf16: the forward's loop, the torch ops' backward)."""
     from vexact_kernels import cpu_exact
 
-    gate = _values(shape, torch.float64, seed=sum(shape)).clamp(-1e30, 1e30).float()
-    up = _values(shape, torch.float64, seed=sum(shape) + 1).clamp(-1e30, 1e30).float()
-    grad = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    if dtype == torch.bfloat16:
+        assert cpu_exact._silu_mul_loops(torch.ones(1, dtype=dtype), torch.ones(1, dtype=dtype), cpu_exact.HOST) \
+            is (loops if cpu_exact._library_math(cpu_exact.HOST, "silu_mul", "exp") else None)
+    gate = _values(shape, torch.float64, seed=sum(shape)).clamp(-1e30, 1e30).to(dtype)
+    up = _values(shape, torch.float64, seed=sum(shape) + 1).clamp(-1e30, 1e30).to(dtype)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     results = []
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(cpu_exact, "_silu_mul_loops", lambda gate, up: None)
+            monkeypatch.setattr(cpu_exact, "_silu_mul_loops", lambda gate, up, host: None)
         out, saved = cpu_exact._silu_mul_with_saved(gate, up, cpu_exact.HOST)
         grads = cpu_exact._silu_mul_vjp(saved, grad, (True, True))
         plain = cpu_exact._silu_mul_exact(gate, up, cpu_exact.HOST)
