@@ -52,7 +52,7 @@ def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads
     with num_threads(threads):
         outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
         with monkeypatch.context() as never_packs:
-            never_packs.setattr(gemm_arrangements, "_packable", lambda k, n_pad: False)
+            never_packs.setattr(gemm_arrangements, "_packable", lambda *shape: False)
             w_unpacked = w.clone()
             reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
     assert all(torch.equal(out, reference[0]) for out in outs + reference)
@@ -67,6 +67,30 @@ def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads
     if checked:  # this host runs the class on oneDNN (fp32: onednn_rows; bf16: the stacked arrangement)
         assert all(gemm_arrangements._PACKED_CHECKS[key] for key in checked), "packed bits differ on this host"
         assert _packed_kept(w)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_small_bf16_class_packs_where_its_gemm_is_onednn_already(threads, monkeypatch):
+    """Below ``ONEDNN_MIN_WEIGHT`` a bf16 class packs only where torch's mm of its padded rows runs oneDNN's GEMM
+    already (``_onednn_bf16_bmm``; llama100m's k/v projections): a decode loop past the switch keeps its first call's
+    bits, those of a guard that never packs, and (where the rule holds and the check passed) it packed."""
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(8, 576, generator=g).bfloat16(), (torch.randn(192, 576, generator=g) * 0.04).bfloat16()
+    assert 576 * 192 < host_guard.ONEDNN_MIN_WEIGHT
+    with num_threads(threads):
+        outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+        with monkeypatch.context() as never_packs:
+            never_packs.setattr(gemm_arrangements, "_packable", lambda *shape: False)
+            w_unpacked = w.clone()
+            reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    assert all(torch.equal(out, reference[0]) for out in outs + reference)
+    rows = gemm_arrangements.tiled_rows(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    checked = [key for key in gemm_arrangements._PACKED_CHECKS if key[5] == torch.bfloat16]
+    if gemm_arrangements._onednn_bf16_bmm(torch.bfloat16, rows * 576 * 192) and checked:
+        assert _packed_kept(w) == all(gemm_arrangements._PACKED_CHECKS[key] for key in checked)
+    else:
+        assert not _packed_kept(w)
 
 
 def test_a_packing_whose_bits_differ_is_never_used(monkeypatch):
