@@ -1370,6 +1370,10 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
     whole, tail = divmod(rows, block)
     body = whole * block
     padded_to = last_chunk_length(rows, block, a.dtype) if tail and not unpadded_tail else tail
+    loops = compiled_loops.library()
+    if (loops is not None and a.dtype == b.dtype and a.dtype in compiled_loops.DTYPES and a.is_contiguous()
+            and b.is_contiguous()):  # the calls below in one compiled call: the same at:: calls on the same views
+        return loops.transposed_views(a, b, block, padded_to, unpadded_tail, VIEW_SLAB_ROWS)
     b_tail = _zero_padded(b[body:], (padded_to, k)) if padded_to > tail else b[body:]
 
     def slab(first: int, last: int) -> Tensor:

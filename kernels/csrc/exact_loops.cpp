@@ -724,6 +724,47 @@ at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t 
   return parts;
 }
 
+// gemm_arrangements._transposed_matmul_views after its decisions: a.T @ b for a [M, N] and b [M, K] (aligned,
+// contiguous, one dtype), reduced over M in chunks of `block` rows. Per slab of `slab` output rows: the whole chunks'
+// GEMMs in one at::bmm on views, the last, partial chunk's GEMM on its rows zero-padded to `padded_to` (or, where
+// padded_to is its length, on its real rows, the result + 0.0 where `unpadded_tail`), then the halving tree over the
+// chunks in order -- the calls the Python function makes, on the same operands, in the same order.
+at::Tensor transposed_views(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t padded_to,
+                            bool unpadded_tail, int64_t slab) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.is_contiguous() && b.is_contiguous() &&
+                  a.scalar_type() == b.scalar_type() && block >= 1 && slab >= 1,
+              "transposed_views: contiguous a [M, N] and b [M, K] of one dtype");
+  const int64_t rows = a.size(0), n = a.size(1), k = b.size(1);
+  const int64_t whole = rows / block, tail = rows % block, body = whole * block;
+  TORCH_CHECK(padded_to >= tail, "transposed_views: padded_to shorter than the last chunk");
+  const at::Tensor b_tail = padded_to > tail ? padded_copy(b.narrow(0, body, tail), {padded_to, k})
+                                             : b.narrow(0, body, tail);
+  const auto one_slab = [&](int64_t first, int64_t last) -> at::Tensor {
+    const int64_t cols = last - first;
+    at::Tensor parts = at::empty({whole + (tail > 0 ? 1 : 0), cols, k}, a.options());
+    if (whole > 0) {
+      const at::Tensor chunks = a.narrow(0, 0, body).view({whole, block, n}).narrow(2, first, cols).transpose(1, 2);
+      at::Tensor dst = parts.narrow(0, 0, whole);
+      at::bmm_out(dst, chunks, b.narrow(0, 0, body).view({whole, block, k}));
+    }
+    if (tail > 0) {
+      at::Tensor a_tail = a.narrow(0, body, tail).narrow(1, first, cols);
+      if (padded_to > tail) a_tail = padded_copy(a_tail, {padded_to, cols});
+      at::Tensor dst = parts.narrow(0, whole, 1);
+      at::bmm_out(dst, a_tail.t().unsqueeze(0), b_tail.unsqueeze(0));
+      if (unpadded_tail) dst.add_(0.0);
+    }
+    return parts.size(0) == 1 ? parts.select(0, 0) : tree_sum(parts, 0);
+  };
+  if (n <= slab) return one_slab(0, n);
+  at::Tensor out = at::empty({n, k}, a.options());
+  for (int64_t first = 0; first < n; first += slab) {
+    const int64_t last = std::min(n, first + slab);
+    out.narrow(0, first, last - first).copy_(one_slab(first, last));
+  }
+  return out;
+}
+
 // ----------------------------------------------------------------------------------------------------- attention
 // The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
@@ -912,5 +953,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
+  m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
   m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");
 }

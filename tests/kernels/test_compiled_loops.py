@@ -175,6 +175,24 @@ def test_key_rows_loop_is_the_torch_op_copy(loops, dtype, cache_len, key_len, ho
     assert torch.equal(_bits(got), _bits(expected))
 
 
+@pytest.mark.parametrize("rows,n,k,block,unpadded", [(640, 64, 176, 256, True), (640, 64, 176, 256, False),
+                                                     (512, 33, 40, 256, False), (100, 70, 16, 64, True),
+                                                     (300, 9000, 16, 256, False), (7, 5, 3, 64, False)])
+def test_weight_gradient_on_views_loop_is_the_torch_ops_bit_for_bit(loops, rows, n, k, block, unpadded, monkeypatch):
+    """``_transposed_matmul_views`` with and without the loops (whole chunks, a last chunk padded or on its real rows,
+    several slabs of output rows, no whole chunk), bitwise, on values over many magnitudes and special values."""
+    from vexact_kernels import gemm_arrangements
+
+    a = _values((rows, n), torch.float64, seed=rows + n).clamp(-1e15, 1e15).float()
+    b = _values((rows, k), torch.float64, seed=rows + k).clamp(-1e15, 1e15).float()
+    unpadded = unpadded and rows % block > 0
+    got = gemm_arrangements._transposed_matmul_views(a, b, block, unpadded_tail=unpadded)
+    monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: None)
+    expected = gemm_arrangements._transposed_matmul_views(a, b, block, unpadded_tail=unpadded)
+    assert got.shape == expected.shape == (n, k)
+    assert torch.equal(_bits(got), _bits(expected))
+
+
 LAYOUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 PAD_CASES = [  # (source shape, a view to take, padded shape)
     ((5, 7), "plain", (8, 16)), ((5, 7), "transposed", (16, 5)), ((3, 4, 5), "plain", (3, 8, 16)),
