@@ -44,17 +44,25 @@ def _decode_loop(x: torch.Tensor, w: torch.Tensor, host: HostGuard) -> list[torc
         return [gemm_arrangements.tiled_matmul(x, w, host) for _ in range(CALLS)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads, monkeypatch):
-    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
-    x, w = _operands(dtype)
+def _loops_packed_and_never_packed(x: torch.Tensor, w: torch.Tensor, threads: int, monkeypatch
+                                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """A decode loop on ``w`` as the guard runs it, and one on a copy of ``w`` with packing off: (its outputs, the
+    reference outputs, the copy)."""
     with num_threads(threads):
         outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
         with monkeypatch.context() as never_packs:
             never_packs.setattr(gemm_arrangements, "_packable", lambda *shape: False)
             w_unpacked = w.clone()
             reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    return outs, reference, w_unpacked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads, monkeypatch):
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    x, w = _operands(dtype)
+    outs, reference, w_unpacked = _loops_packed_and_never_packed(x, w, threads, monkeypatch)
     assert all(torch.equal(out, reference[0]) for out in outs + reference)
     assert not _packed_kept(w_unpacked)
     with torch.no_grad(), num_threads(threads):  # the weight's other uses while its packed copy is kept
@@ -78,12 +86,7 @@ def test_a_small_bf16_class_packs_where_its_gemm_is_onednn_already(threads, monk
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(8, 576, generator=g).bfloat16(), (torch.randn(192, 576, generator=g) * 0.04).bfloat16()
     assert 576 * 192 < host_guard.ONEDNN_MIN_WEIGHT
-    with num_threads(threads):
-        outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
-        with monkeypatch.context() as never_packs:
-            never_packs.setattr(gemm_arrangements, "_packable", lambda *shape: False)
-            w_unpacked = w.clone()
-            reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    outs, reference, w_unpacked = _loops_packed_and_never_packed(x, w, threads, monkeypatch)
     assert all(torch.equal(out, reference[0]) for out in outs + reference)
     rows = gemm_arrangements.tiled_rows(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
     checked = [key for key in gemm_arrangements._PACKED_CHECKS if key[5] == torch.bfloat16]
