@@ -506,8 +506,8 @@ def _packable(k: int, n_pad: int, dtype: torch.dtype = torch.float32, rows: int 
     """Whether a class may run on a weight packed once: oneDNN's linear with its packing op here, and a weight of at
     least ``ONEDNN_MIN_WEIGHT`` elements (below it oneDNN's per-call overhead outweighs its kernel) -- or a bf16 GEMM
     of ``rows`` rows that torch runs on oneDNN already (``_onednn_bf16_bmm``), where packing only spares the per-call
-    reorder of the weight (llama100m's k/v projections, 576 x 192, in a bf16 decode step on an Intel Xeon with AMX:
-    the step 0.95x its time unpacked at 1 thread, 0.98x at 2)."""
+    reorder of the weight (llama100m's k/v projections, 576 x 192: its bf16 decode step on an Intel Xeon with AMX
+    took 0.95x its time unpacked at 1 thread, 0.98x at 2; the journal, session 34)."""
     if not onednn_packing():
         return False
     return k * n_pad >= ONEDNN_MIN_WEIGHT or _onednn_bf16_bmm(dtype, rows * k * n_pad)

@@ -320,46 +320,35 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& grad, const at::Tens
 // cpu_exact's SwiGLU around its exp (the library's, chunked, under the guard): the forward's add, divide and
 // multiply, and the VJP's chain, element by element in the torch ops' order. fp32 in and out.
 
-// From e = exp(-gate) (overwritten with 1 + e, which the backward needs): returns (silu = gate / (1 + e),
-// out = silu * up).
-std::vector<at::Tensor> silu_mul_forward(const at::Tensor& gate, at::Tensor& exp_neg, const at::Tensor& up) {
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && exp_neg.scalar_type() == at::kFloat &&
-                  up.scalar_type() == at::kFloat, "silu_mul_forward: fp32");
-  TORCH_CHECK(gate.is_contiguous() && exp_neg.is_contiguous() && up.is_contiguous() &&
-                  gate.numel() == exp_neg.numel() && gate.numel() == up.numel(), "silu_mul_forward: contiguous, same size");
-  at::Tensor silu = at::empty_like(gate), out = at::empty_like(gate);
+namespace {
+
+// From e = exp(-gate) (overwritten with 1 + e, which the backward needs): (silu = gate / (1 + e), out = silu * up);
+// without `up` (nullptr), silu only (out undefined).
+std::vector<at::Tensor> silu_and_product(const at::Tensor& gate, at::Tensor& exp_neg, const at::Tensor* up) {
+  at::Tensor silu = at::empty_like(gate), out;
   const float* g = gate.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
+  const float* u = nullptr;
+  float* o = nullptr;
+  if (up != nullptr) {
+    out = at::empty_like(gate);
+    u = up->data_ptr<float>();
+    o = out.data_ptr<float>();
+  }
   float* e = exp_neg.data_ptr<float>();
   float* s = silu.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   at::parallel_for(0, gate.numel(), kGrain, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       e[i] = e[i] + 1.0f;
       s[i] = g[i] / e[i];
-      o[i] = s[i] * u[i];
+      if (o != nullptr) o[i] = s[i] * u[i];
     }
   });
   return {silu, out};
 }
 
-// The whole forward where the guard chose the library exp: -gate into a buffer zero-padded to `multiple` (the
-// negation _unary is given), its chunked exp in place (cpu_exact._unary's calls), then silu_mul_forward. Returns
-// (out, 1 + exp(-gate) (a view of the buffer, gate's shape), silu).
-// bf16 gate and up: the fp32 steps on the gate upcast (exact), then the output as cpu_exact's torch ops make it --
-// silu rounded to bf16 times up, in bf16 -- by the same two aten calls (their rounding, NaNs included).
-std::vector<at::Tensor> silu_mul_exp_forward(const at::Tensor& gate, const at::Tensor& up, int64_t chunk,
-                                             int64_t multiple) {
-  const auto dtype = gate.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && up.scalar_type() == dtype &&
-                  gate.sizes() == up.sizes(),
-              "silu_mul_exp_forward: fp32 or bf16 gate and up of one dtype and shape");
-  if (dtype == at::kBFloat16) {
-    const at::Tensor g32 = gate.to(at::kFloat).contiguous();
-    std::vector<at::Tensor> parts = silu_mul_exp_forward(g32, g32, chunk, multiple);  // its output is not used
-    return {at::mul(parts[2].to(dtype), up), parts[1], parts[2]};
-  }
-  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+// exp(-g) for a contiguous fp32 g, as cpu_exact._unary computes it: -g into a buffer zero-padded to `multiple` (the
+// negation _unary is given), its chunked exp in place; a view of the buffer, g's shape.
+at::Tensor exp_of_negated(const at::Tensor& g, int64_t chunk, int64_t multiple) {
   const int64_t total = g.numel(), padded = round_up(total, multiple);
   at::Tensor buffer = at::empty({padded}, g.options());
   const float* gp = g.data_ptr<float>();
@@ -369,8 +358,39 @@ std::vector<at::Tensor> silu_mul_exp_forward(const at::Tensor& gate, const at::T
   });
   std::fill(e + total, e + padded, 0.0f);
   chunked_calls(buffer, buffer, 0, chunk);
-  at::Tensor denom = buffer.slice(0, 0, total).view(g.sizes());
-  std::vector<at::Tensor> parts = silu_mul_forward(g, denom, u);
+  return buffer.slice(0, 0, total).view(g.sizes());
+}
+
+}  // namespace
+
+// From e = exp(-gate) (overwritten with 1 + e, which the backward needs): returns (silu = gate / (1 + e),
+// out = silu * up).
+std::vector<at::Tensor> silu_mul_forward(const at::Tensor& gate, at::Tensor& exp_neg, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && exp_neg.scalar_type() == at::kFloat &&
+                  up.scalar_type() == at::kFloat, "silu_mul_forward: fp32");
+  TORCH_CHECK(gate.is_contiguous() && exp_neg.is_contiguous() && up.is_contiguous() &&
+                  gate.numel() == exp_neg.numel() && gate.numel() == up.numel(), "silu_mul_forward: contiguous, same size");
+  return silu_and_product(gate, exp_neg, &up);
+}
+
+// The whole forward where the guard chose the library exp: exp(-gate) as cpu_exact._unary computes it, then
+// silu_mul_forward's loop. Returns (out, 1 + exp(-gate) (a view of the buffer, gate's shape), silu).
+// bf16 gate and up: the fp32 steps on the gate upcast (exact), then the output as cpu_exact's torch ops make it --
+// silu rounded to bf16 times up, in bf16 -- by the same two aten calls (their rounding, NaNs included).
+std::vector<at::Tensor> silu_mul_exp_forward(const at::Tensor& gate, const at::Tensor& up, int64_t chunk,
+                                             int64_t multiple) {
+  const auto dtype = gate.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && up.scalar_type() == dtype &&
+                  gate.sizes() == up.sizes(),
+              "silu_mul_exp_forward: fp32 or bf16 gate and up of one dtype and shape");
+  const at::Tensor g = gate.to(at::kFloat).contiguous();
+  at::Tensor denom = exp_of_negated(g, chunk, multiple);
+  if (dtype == at::kBFloat16) {
+    const at::Tensor silu = silu_and_product(g, denom, nullptr)[0];
+    return {at::mul(silu.to(dtype), up), denom, silu};
+  }
+  const at::Tensor u = up.contiguous();
+  std::vector<at::Tensor> parts = silu_and_product(g, denom, &u);
   return {parts[1], denom, parts[0]};
 }
 
