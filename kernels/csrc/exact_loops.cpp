@@ -27,12 +27,17 @@ constexpr int64_t kGrain = 1 << 14;  // output elements per parallel task (below
 // x[j] + 0 where the partner is padding (so -0.0 becomes +0.0, as an add of real zero padding does); each later
 // level adds the two halves of the scratch row. Here `run` adjacent outputs are summed side by side: `buf` holds
 // `half` rows of `run` values.
+//
+// `zero_last`: the last value is first added to +0.0 (the unpadded last chunk of a weight gradient on views: its
+// GEMM's result + 0.0, as zero padding gives), in the same pass. The last value is always a level-1 partner (half <
+// width), so its pair adds x[j] + (x[last] + 0): the two additions, each rounded, of the separate passes.
 template <typename T>
-void tree_single(const T* x, int64_t width, int64_t s_width, T* buf, T* out) {
+void tree_single(const T* x, int64_t width, int64_t s_width, T* buf, T* out, bool zero_last = false) {
   // One output (run == 1): the levels are loops along the row itself (vector adds where the row is contiguous).
   const int64_t half = int64_t(1) << (63 - __builtin_clzll(uint64_t(width - 1)));
   const int64_t paired = width - half;
   for (int64_t j = 0; j < paired; ++j) buf[j] = x[j * s_width] + x[(j + half) * s_width];
+  if (zero_last) buf[paired - 1] = x[(paired - 1) * s_width] + (x[(width - 1) * s_width] + T(0));
   for (int64_t j = paired; j < half; ++j) buf[j] = x[j * s_width] + T(0);
   for (int64_t h = half / 2; h >= 1; h /= 2) {
     for (int64_t j = 0; j < h; ++j) buf[j] = buf[j] + buf[j + h];
@@ -41,15 +46,20 @@ void tree_single(const T* x, int64_t width, int64_t s_width, T* buf, T* out) {
 }
 
 template <typename T>
-void tree_run(const T* x, int64_t width, int64_t s_width, int64_t run, int64_t s_run, T* buf, T* out) {
-  if (run == 1) return tree_single(x, width, s_width, buf, out);
+void tree_run(const T* x, int64_t width, int64_t s_width, int64_t run, int64_t s_run, T* buf, T* out,
+              bool zero_last = false) {
+  if (run == 1) return tree_single(x, width, s_width, buf, out, zero_last);
   const int64_t half = int64_t(1) << (63 - __builtin_clzll(uint64_t(width - 1)));
   const int64_t paired = width - half;
   for (int64_t j = 0; j < paired; ++j) {
     const T* a = x + j * s_width;
     const T* b = x + (j + half) * s_width;
     T* row = buf + j * run;
-    for (int64_t r = 0; r < run; ++r) row[r] = a[r * s_run] + b[r * s_run];
+    if (zero_last && j == paired - 1) {
+      for (int64_t r = 0; r < run; ++r) row[r] = a[r * s_run] + (b[r * s_run] + T(0));
+    } else {
+      for (int64_t r = 0; r < run; ++r) row[r] = a[r * s_run] + b[r * s_run];
+    }
   }
   for (int64_t j = paired; j < half; ++j) {
     const T* a = x + j * s_width;
@@ -68,9 +78,11 @@ void tree_run(const T* x, int64_t width, int64_t s_width, int64_t run, int64_t s
 
 }  // namespace
 
-// fixed_order.tree_sum(x, dim) for width >= 2, fp32 or fp64, any strides; a fresh contiguous tensor (the shape of
-// x without `dim`). The last remaining dim is the "run" summed side by side (contiguous in x: vector adds).
-at::Tensor tree_sum(const at::Tensor& x, int64_t dim) {
+// fixed_order.tree_sum(x, dim) for width >= 2, fp32 or fp64, any strides, into `out` (contiguous, the shape of x
+// without `dim`; undefined: a fresh tensor), which it returns. The last remaining dim is the "run" summed side by
+// side (contiguous in x: vector adds). `zero_last`: x's last entry along `dim` + 0.0 first (tree_run).
+at::Tensor tree_sum_into(const at::Tensor& x, int64_t dim, c10::optional<at::Tensor> out_or_none, bool zero_last) {
+  at::Tensor out = out_or_none.has_value() ? *out_or_none : at::Tensor();
   TORCH_CHECK(x.device().is_cpu(), "tree_sum: a CPU tensor, got ", x.device());
   const int64_t nd = x.dim();
   TORCH_CHECK(nd >= 1, "tree_sum: a tensor with at least one dim");
@@ -85,7 +97,12 @@ at::Tensor tree_sum(const at::Tensor& x, int64_t dim) {
       strides.push_back(x.stride(k));
     }
   }
-  at::Tensor out = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (!out.defined()) {
+    out = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+  } else {
+    TORCH_CHECK(out.sizes() == at::IntArrayRef(sizes) && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+                "tree_sum: out must be contiguous, of x's dtype and x's shape without dim");
+  }
   if (out.numel() == 0) return out;
   const int64_t run = sizes.empty() ? 1 : sizes.back();
   const int64_t s_run = sizes.empty() ? 1 : strides.back();
@@ -105,12 +122,14 @@ at::Tensor tree_sum(const at::Tensor& x, int64_t dim) {
           offset += (rest % sizes[k]) * strides[k];
           rest /= sizes[k];
         }
-        tree_run<scalar_t>(base + offset, width, s_width, run, s_run, buf.data(), dst + i * run);
+        tree_run<scalar_t>(base + offset, width, s_width, run, s_run, buf.data(), dst + i * run, zero_last);
       }
     });
   });
   return out;
 }
+
+at::Tensor tree_sum(const at::Tensor& x, int64_t dim) { return tree_sum_into(x, dim, c10::nullopt, false); }
 
 // ----------------------------------------------------------------------------------------------------- chunked math
 // cpu_exact._unary's loop after the guard chose the library function (torch.exp / log / cos / sqrt: the ATen op
@@ -748,7 +767,9 @@ at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t 
 // contiguous, one dtype), reduced over M in chunks of `block` rows. Per slab of `slab` output rows: the whole chunks'
 // GEMMs in one at::bmm on views, the last, partial chunk's GEMM on its rows zero-padded to `padded_to` (or, where
 // padded_to is its length, on its real rows, the result + 0.0 where `unpadded_tail`), then the halving tree over the
-// chunks in order -- the calls the Python function makes, on the same operands, in the same order.
+// chunks in order -- the calls the Python function makes, on the same operands, in the same order. Each slab's
+// result is written into its rows of the output: a one-chunk slab's GEMM writes there itself, a tree its sum (with
+// the unpadded tail's + 0.0 in the tree's first pass: tree_sum_into), so no slab is copied.
 at::Tensor transposed_views(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t padded_to,
                             bool unpadded_tail, int64_t slab) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.is_contiguous() && b.is_contiguous() &&
@@ -757,30 +778,28 @@ at::Tensor transposed_views(const at::Tensor& a, const at::Tensor& b, int64_t bl
   const int64_t rows = a.size(0), n = a.size(1), k = b.size(1);
   const int64_t whole = rows / block, tail = rows % block, body = whole * block;
   TORCH_CHECK(padded_to >= tail, "transposed_views: padded_to shorter than the last chunk");
+  const int64_t chunks = whole + (tail > 0 ? 1 : 0);
   const at::Tensor b_tail = padded_to > tail ? padded_copy(b.narrow(0, body, tail), {padded_to, k})
                                              : b.narrow(0, body, tail);
-  const auto one_slab = [&](int64_t first, int64_t last) -> at::Tensor {
-    const int64_t cols = last - first;
-    at::Tensor parts = at::empty({whole + (tail > 0 ? 1 : 0), cols, k}, a.options());
+  at::Tensor out = at::empty({n, k}, a.options());
+  for (int64_t first = 0; first < n; first += slab) {  // one slab: the whole output
+    const int64_t cols = std::min(n, first + slab) - first;
+    at::Tensor dst = out.narrow(0, first, cols);  // contiguous: whole rows of a contiguous [n, k]
+    // the chunks' products: straight into the output where there is one chunk, else into parts for the tree
+    at::Tensor parts = chunks == 1 ? dst.unsqueeze(0) : at::empty({chunks, cols, k}, a.options());
     if (whole > 0) {
-      const at::Tensor chunks = a.narrow(0, 0, body).view({whole, block, n}).narrow(2, first, cols).transpose(1, 2);
-      at::Tensor dst = parts.narrow(0, 0, whole);
-      at::bmm_out(dst, chunks, b.narrow(0, 0, body).view({whole, block, k}));
+      const at::Tensor views = a.narrow(0, 0, body).view({whole, block, n}).narrow(2, first, cols).transpose(1, 2);
+      at::Tensor part = parts.narrow(0, 0, whole);
+      at::bmm_out(part, views, b.narrow(0, 0, body).view({whole, block, k}));
     }
     if (tail > 0) {
       at::Tensor a_tail = a.narrow(0, body, tail).narrow(1, first, cols);
       if (padded_to > tail) a_tail = padded_copy(a_tail, {padded_to, cols});
-      at::Tensor dst = parts.narrow(0, whole, 1);
-      at::bmm_out(dst, a_tail.t().unsqueeze(0), b_tail.unsqueeze(0));
-      if (unpadded_tail) dst.add_(0.0);
+      at::Tensor part = parts.narrow(0, whole, 1);
+      at::bmm_out(part, a_tail.t().unsqueeze(0), b_tail.unsqueeze(0));
+      if (unpadded_tail && chunks == 1) part.add_(0.0);
     }
-    return parts.size(0) == 1 ? parts.select(0, 0) : tree_sum(parts, 0);
-  };
-  if (n <= slab) return one_slab(0, n);
-  at::Tensor out = at::empty({n, k}, a.options());
-  for (int64_t first = 0; first < n; first += slab) {
-    const int64_t last = std::min(n, first + slab);
-    out.narrow(0, first, last - first).copy_(one_slab(first, last));
+    if (chunks > 1) tree_sum_into(parts, 0, dst, unpadded_tail && tail > 0);
   }
   return out;
 }
@@ -958,6 +977,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unary_chunked", &unary_chunked, "cpu_exact._unary's chunk loop on the library function, same bits");
   m.def("token_logprobs_forward", &token_logprobs_forward, "cpu_exact._token_logprobs_exact (fp32), same bits");
   m.def("tree_sum", &tree_sum, "fixed_order.tree_sum for width >= 2 (fp32/fp64, any strides), same bits");
+  m.def("tree_sum_into", &tree_sum_into, "tree_sum into out (None: fresh), the last entry + 0.0 first if zero_last",
+        py::arg("x"), py::arg("dim"), py::arg("out") = py::none(), py::arg("zero_last") = false);
   m.def("rms_norm_mean_square", &rms_norm_mean_square, "cpu_exact's RMSNorm up to its sqrt, same bits");
   m.def("rms_norm_scale", &rms_norm_scale, "cpu_exact's RMSNorm after its sqrt, same bits");
   m.def("rms_norm_backward", &rms_norm_backward, "cpu_exact's RMSNorm VJP on fp32 rows, same bits");

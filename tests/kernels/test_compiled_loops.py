@@ -75,6 +75,24 @@ def test_tree_sum_is_the_torch_op_tree_bit_for_bit(loops, dtype, shape, dim, how
     assert torch.equal(_bits(got), _bits(expected))
 
 
+@pytest.mark.parametrize("width", [2, 3, 5, 8])
+def test_tree_sum_into_adds_the_last_entry_to_zero_first(loops, width):
+    """``tree_sum_into(x, 0, out, zero_last=True)`` is the tree of x with its last entry replaced by that entry +
+    0.0 (a -0.0 becomes +0.0: what the unpadded last chunk of a weight gradient on views adds), written into out.
+    Where every entry is -0.0 the tree's sum is -0.0 without the + 0.0 if the width is a power of two (no entry
+    is unpaired, which would add + 0 itself), so there the check can fail."""
+    x = _values((width, 6, 33), torch.float32, seed=width)
+    x[:, 0, :5] = -0.0
+    expected = fixed_order.tree_sum(torch.cat([x[:-1], x[-1:] + 0.0]), 0)
+    out = torch.empty(6, 33)
+    got = loops.tree_sum_into(x, 0, out, zero_last=True)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(_bits(out), _bits(expected))
+    without = loops.tree_sum_into(x, 0)
+    assert torch.equal(_bits(without), _bits(fixed_order.tree_sum(x, 0)))
+    assert torch.equal(_bits(without), _bits(expected)) == (width & (width - 1) != 0)
+
+
 def test_tree_sum_propagates_nan_where_the_torch_ops_do(loops):
     x = torch.randn(16, 37, generator=torch.Generator().manual_seed(1))
     x[3, 5] = float("nan")
@@ -177,10 +195,13 @@ def test_key_rows_loop_is_the_torch_op_copy(loops, dtype, cache_len, key_len, ho
 
 @pytest.mark.parametrize("rows,n,k,block,unpadded", [(640, 64, 176, 256, True), (640, 64, 176, 256, False),
                                                      (512, 33, 40, 256, False), (100, 70, 16, 64, True),
-                                                     (300, 9000, 16, 256, False), (7, 5, 3, 64, False)])
+                                                     (300, 9000, 16, 256, False), (300, 9000, 16, 256, True),
+                                                     (64, 9000, 16, 64, False), (40, 5000, 16, 64, True),
+                                                     (1100, 20, 16, 256, True), (7, 5, 3, 64, False)])
 def test_weight_gradient_on_views_loop_is_the_torch_ops_bit_for_bit(loops, rows, n, k, block, unpadded, monkeypatch):
     """``_transposed_matmul_views`` with and without the loops (whole chunks, a last chunk padded or on its real rows,
-    several slabs of output rows, no whole chunk), bitwise, on values over many magnitudes and special values."""
+    several slabs of output rows -- with one chunk, with a tree, with an unpadded tail's + 0.0 in the tree's first
+    pass --, no whole chunk, an odd number of chunks), bitwise, on values over many magnitudes and special values."""
     from vexact_kernels import gemm_arrangements
 
     a = _values((rows, n), torch.float64, seed=rows + n).clamp(-1e15, 1e15).float()
