@@ -471,6 +471,21 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
             def compiled_tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return loops.tiled_matmul(x, operand(w), block, n)
             return TiledPlan(TILED_ARRANGEMENTS[3], block, blocks, compiled_tiles)
+    if per_tile and (record := host.single_thread_gemm(dtype, gemm_class(k, n_pad, transposed=transposed), shared,
+                                                         op)) is not None:
+        # a class the guard runs with 1 thread (``blas-1-thread``: an Intel host's bf16 GEMMs at 2 threads): the
+        # canonical call's forms as above, each GEMM on one thread, so the canonical call's once-per-tile operand is
+        # laid out once per weight version or not at all (its copy per call was most of llama100m's bf16 input
+        # gradients on that host)
+        block = row_block(rows, record.tile_heights)
+        blocks = -(-rows // block)
+        form = _laid_out_form(blocks, k, n_pad)
+        if _laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=True):
+            laid_one_thread = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
+
+            def laid_out_one_thread(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+                return _laid_out_tiles(x, laid_one_thread(w), block, blocks, n, form, one_thread=True)
+            return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out_one_thread)
     operand = canonical()
     block = row_block(rows, host.tile_heights(dtype, operand(weight), shared, op))
     blocks = -(-rows // block)
@@ -807,24 +822,28 @@ def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
     return LAID_OUT_FORMS[1] if (blocks - 1) * k * n_pad <= LAID_OUT_CALL_MAX else LAID_OUT_FORMS[2]
 
 
-def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str) -> Tensor:
+def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str,
+                    one_thread: bool = False) -> Tensor:
     """``tiled_matmul``'s canonical tiles of an ``operand_per_tile`` class in ``form`` (``LAID_OUT_FORMS``) on
     ``laid_out_operand``: one tile, the canonical call itself on the operand as stored, [1, K, N_pad]; several, the
     canonical call on that operand once per tile ([blocks, K, N_pad], ``LAID_OUT_CALL_MAX``) or one ``bmm`` per tile
     on the operand as stored, [1, block, K] @ [1, K, N_pad] (``_tile_gemms``), as the guard's ``gemm_rows`` probe
-    computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have."""
+    computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have.
+    ``one_thread``: a class the guard runs with 1 thread (``blas-1-thread``), every GEMM on one thread."""
     rows, k = x.shape
     n_pad = operand.shape[2]
     tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
     if form == LAID_OUT_FORMS[2]:
-        out = _tile_gemms(tiles, operand)
+        out = _tile_gemms(tiles, operand, one_thread=one_thread)
+    elif one_thread:
+        out = _with_threads(1, lambda: torch.bmm(tiles, operand))
     else:
         out = torch.bmm(tiles, operand)
     out = out.view(blocks * block, n_pad)
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
-def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None) -> Tensor:
+def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, one_thread: bool = False) -> Tensor:
     """[T, h, N]: one ``bmm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N] (contiguous, or
     a transposed batch: ``transposed_batch``), each into its own rows of one output.
 
@@ -834,10 +853,15 @@ def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None) -
     Else one call after another, each with the process's threads. ``spread`` None: where the threads get even shares
     (T a multiple of the threads, or at least ``SPREAD_TILES_PER_THREAD`` each) -- five large tiles at 2 threads ran
     faster one after another, each GEMM on both threads. The callers check the result against the canonical call at
-    first use, per class and thread count (both ways, where either can run)."""
+    first use, per class and thread count (both ways, where either can run). ``one_thread``: every GEMM on one
+    thread (a ``blas-1-thread`` class): spread where the loops run, else one after another with 1 thread."""
     loops = compiled_loops.library()
     threads = torch.get_num_threads()
     count = tiles.shape[0]
+    if one_thread:
+        if loops is not None and count > 1 and threads > 1:
+            return loops.tile_gemms(tiles, operand)
+        return _with_threads(1, lambda: _tile_gemms(tiles, operand, spread=False))
     if spread is None:
         spread = count % threads == 0 or count >= SPREAD_TILES_PER_THREAD * threads
     if loops is not None and spread and count > 1 and threads > 1:
@@ -869,25 +893,31 @@ LAID_OUT_CHECK_TILES = dict(zip(LAID_OUT_FORMS, (1, 2, 3)))
 two threads do not divide evenly)."""
 
 
-def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str, transposed: bool = True) -> bool:
+def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str, transposed: bool = True,
+                     one_thread: bool = False) -> bool:
     """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this ``operand_per_tile`` class
     here (``transposed``: its operand a transposed batch, else row-major): checked once per (class, tile height,
     form, thread count) on seeded order-revealing operands (``_probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The
     forms are the canonical call's own GEMM per tile, on the same operand layout; this catches a torch whose ``bmm``
-    does otherwise, or a per-tile GEMM whose bits follow the threads (then the canonical call runs)."""
+    does otherwise, or a per-tile GEMM whose bits follow the threads (then the canonical call runs). ``one_thread``:
+    a ``blas-1-thread`` class, whose canonical call and forms run every GEMM on one thread."""
     def check() -> bool:
         blocks = LAID_OUT_CHECK_TILES[form]
         x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
         operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
-        canonical = torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks)).view(blocks * block, n_pad)
-        if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: spread over the threads or one after another (either runs)
-            tiles = x.view(blocks, block, k)
+
+        def canonical_call() -> Tensor:
+            return torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks))
+        canonical = (_with_threads(1, canonical_call) if one_thread else canonical_call()).view(blocks * block, n_pad)
+        if form == LAID_OUT_FORMS[2] and not one_thread:  # one GEMM per tile: spread over the threads or one after
+            tiles = x.view(blocks, block, k)            # another (either runs)
             return all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread).view(blocks * block, n_pad))
                        for spread in (True, False))
-        laid = operand if form == LAID_OUT_FORMS[0] else per_tile_operand(operand, blocks)
-        return torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form))
+        laid = operand if form != LAID_OUT_FORMS[1] else per_tile_operand(operand, blocks)
+        return torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form, one_thread=one_thread))
 
-    return _checked_once(_LAID_OUT_CHECKS, (dtype, block, k, n_pad, form, transposed, torch.get_num_threads()), check)
+    key = (dtype, block, k, n_pad, form, transposed, one_thread, torch.get_num_threads())
+    return _checked_once(_LAID_OUT_CHECKS, key, check)
 
 
 # --------------------------------------------------------------------------- a.T @ b: a weight gradient

@@ -32,7 +32,7 @@ from test_host_guard import emulated_guard
 from torch.profiler import ProfilerActivity, profile
 
 from vexact_kernels import cpu_exact, gemm_arrangements
-from vexact_kernels.host_guard import HostGuard
+from vexact_kernels.host_guard import SINGLE_THREAD_PATH, HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -200,16 +200,16 @@ def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: i
     monkeypatch.setattr(gemm_arrangements, "operand_per_tile", lambda *args: True)
     monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
     if not laid_out:
-        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args: False)
+        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args, **kwargs: False)
     if call_max is not None:
         monkeypatch.setattr(gemm_arrangements, "LAID_OUT_CALL_MAX", call_max)
     forms = []
     real = gemm_arrangements._laid_out_tiles
 
-    def recorded(*args):
+    def recorded(*args, **kwargs):
         if args[0].shape[0] == rows:
-            forms.append(args[-1])
-        return real(*args)
+            forms.append(args[5])  # the form
+        return real(*args, **kwargs)
     monkeypatch.setattr(gemm_arrangements, "_laid_out_tiles", recorded)
     return forms
 
@@ -287,7 +287,7 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=0, rows=300)
         out = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
         assert forms == [] and torch.equal(_bits(out), _bits(expected))
-        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args: True)
+        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args, **kwargs: True)
         wrong = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
     assert forms == ["per tile"] and not torch.equal(_bits(wrong), _bits(expected))
 
@@ -314,3 +314,47 @@ def test_a_warm_bf16_linear_copies_no_weight(rows, form, stored, monkeypatch):
     assert forms[-2:] == [form, form] and set(forms) == {form}
     assert not [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
     assert torch.equal(_bits(warm), _bits(first))
+
+
+def _one_thread_classes(monkeypatch: pytest.MonkeyPatch, host: HostGuard) -> None:
+    """Every bf16 GEMM class of ``host`` runs torch's GEMM with 1 thread (``blas-1-thread``), as an Intel Xeon's do
+    at 2 threads: the guard's decision, forced after its probe on any host."""
+    real = host._gemm_record
+
+    def one_thread(dtype, *args, **kwargs):
+        record = real(dtype, *args, **kwargs)
+        if dtype == torch.bfloat16:
+            record.path = SINGLE_THREAD_PATH
+        return record
+    monkeypatch.setattr(host, "_gemm_record", one_thread)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("stored", ["forward", "input gradient"])
+@pytest.mark.parametrize("rows,form,call_max", [(48, "one tile", None), (192, "one call", 1 << 40),
+                                                (320, "per tile", 0)])
+def test_a_one_thread_class_lays_its_tiles_out_with_the_canonical_bits(rows, form, call_max, stored, threads,
+                                                                       monkeypatch):
+    """A bf16 linear class the guard runs with 1 thread (``blas-1-thread``) takes the laid-out forms too, each GEMM
+    on one thread (at 2 threads the per-tile GEMMs spread over the threads): the bits of its canonical call through
+    the guard's ``bmm`` (one call with 1 thread on the operand copied per tile), and a warm call copies no weight."""
+    x = _randn(rows, 64, dtype=torch.bfloat16, seed=5)
+    weight = _randn(176, 64, dtype=torch.bfloat16, seed=6)
+    if stored == "input gradient":
+        weight = _randn(64, 176, dtype=torch.bfloat16, seed=6).t()
+    with num_threads(threads):
+        with pytest.MonkeyPatch.context() as canonical:
+            forms = _laid_out_forms(canonical, laid_out=False, rows=rows)
+            host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+            _one_thread_classes(canonical, host)
+            expected = gemm_arrangements.tiled_matmul(x, weight, host)
+            assert not forms and {r.path for r in host._records.values()} == {SINGLE_THREAD_PATH}
+        forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+        _one_thread_classes(monkeypatch, host)
+        first = gemm_arrangements.tiled_matmul(x, weight, host)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            warm = gemm_arrangements.tiled_matmul(x, weight, host)
+    assert forms[-2:] == [form, form] and set(forms) == {form}
+    assert not [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
+    assert torch.equal(_bits(first), _bits(expected)) and torch.equal(_bits(warm), _bits(expected))
