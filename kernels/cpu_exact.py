@@ -659,6 +659,14 @@ def _silu_mul_loops(gate: Tensor, up: Tensor, host: HostGuard) -> ModuleType | N
     return None
 
 
+def _silu_mul_vjp_loops(grad: Tensor, gate: Tensor, up: Tensor) -> ModuleType | None:
+    """The compiled loops where they take this SwiGLU's VJP, else None: grad, gate and up all fp32 or all bf16 (the VJP
+    uses the forward's saved 1 + exp(-gate): no library function of its own)."""
+    if grad.dtype == gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16):
+        return compiled_loops.library()
+    return None
+
+
 def _silu_mul_compiled(gate: Tensor, up: Tensor, host: HostGuard, loops: ModuleType) -> tuple[Tensor, Tensor, Tensor]:
     """(out, 1 + exp(-gate), silu) of gate and up (as ``_silu_mul_loops`` admits them): the chunked exp, then the
     add, divide and multiply of ``_silu_mul_with_saved`` in one compiled pass."""
@@ -697,10 +705,10 @@ def _silu_mul_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[
     d gate = g * up * s * (1 + gate * (1 - s)); fp32 from the forward's 1 + exp(-gate) and silu (saved) and exactly
     rounded ops, one rounding."""
     gate, up, denom, silu, host = saved
-    if (grad.dtype == gate.dtype == torch.float32  # (the backward loop: fp32 only)
-            and (loops := _silu_mul_loops(gate, up, host)) is not None):  # the ops below, one pass
-        grad_gate, grad_up = loops.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), denom,
-                                                     silu, needs[0], needs[1])
+    if (loops := _silu_mul_vjp_loops(grad, gate, up)) is not None:  # the ops below, one pass
+        factor = silu if silu.dtype == gate.dtype else silu.to(gate.dtype)  # (bf16: rounded, as below)
+        grad_gate, grad_up = loops.silu_mul_backward(grad.contiguous(), gate.contiguous(), up.contiguous(),
+                                                     denom.contiguous(), factor.contiguous(), needs[0], needs[1])
         return (grad_gate if needs[0] else None), (grad_up if needs[1] else None)
     gf, g = fp32(gate), fp32(grad)
     grad_gate = grad_up = None

@@ -414,38 +414,63 @@ std::vector<at::Tensor> silu_mul_exp_forward(const at::Tensor& gate, const at::T
 }
 
 // The VJP with sig = 1 / denom: grad_gate = ((((1 - sig) * gate) + 1) * sig) * grad * up, grad_up = silu * grad;
-// either may be skipped (an empty tensor).
-std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
-                                          const at::Tensor& denom, const at::Tensor& silu, bool need_gate,
-                                          bool need_up) {
-  for (const at::Tensor* t : {&grad, &gate, &up, &denom, &silu}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == grad.numel(),
-                "silu_mul_backward: fp32, contiguous, same size");
-  }
-  at::Tensor grad_gate = need_gate ? at::empty_like(grad) : at::empty({0}, grad.options());
-  at::Tensor grad_up = need_up ? at::empty_like(grad) : at::empty({0}, grad.options());
-  const float* g = grad.data_ptr<float>();
-  const float* x = gate.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  const float* d = denom.data_ptr<float>();
-  const float* s = silu.data_ptr<float>();
-  float* gg = need_gate ? grad_gate.data_ptr<float>() : nullptr;
-  float* gu = need_up ? grad_up.data_ptr<float>() : nullptr;
-  at::parallel_for(0, grad.numel(), kGrain, [&](int64_t first, int64_t last) {
+// either may be skipped (an empty tensor). grad, gate, up and silu in one dtype: fp32, or bf16 (silu: the forward's
+// silu rounded to bf16, as the forward's product used it), each value upcast exactly; denom fp32. Every step in fp32,
+// as the torch ops compute it; a bf16 gradient is the fp32 result rounded by aten's own conversion (its rounding,
+// NaNs included).
+namespace {
+
+template <typename T>
+void silu_mul_backward_loop(const T* g, const T* x, const T* u, const float* d, const T* s, float* gg, float* gu,
+                            int64_t count) {
+  at::parallel_for(0, count, kGrain, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
+      const float gi = static_cast<float>(g[i]);
       if (gg != nullptr) {
         const float sig = 1.0f / d[i];
         float t = 1.0f - sig;
-        t = t * x[i];
+        t = t * static_cast<float>(x[i]);
         t = t + 1.0f;
         t = t * sig;
-        t = t * g[i];
-        gg[i] = t * u[i];
+        t = t * gi;
+        gg[i] = t * static_cast<float>(u[i]);
       }
-      if (gu != nullptr) gu[i] = s[i] * g[i];
+      if (gu != nullptr) gu[i] = static_cast<float>(s[i]) * gi;
     }
   });
-  return {grad_gate, grad_up};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                                          const at::Tensor& denom, const at::Tensor& silu, bool need_gate,
+                                          bool need_up) {
+  const at::ScalarType dtype = grad.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "silu_mul_backward: fp32 or bf16, got ", dtype);
+  for (const at::Tensor* t : {&grad, &gate, &up, &silu}) {
+    TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous() && t->numel() == grad.numel(),
+                "silu_mul_backward: grad, gate, up and silu of one dtype, contiguous, same size");
+  }
+  TORCH_CHECK(denom.scalar_type() == at::kFloat && denom.is_contiguous() && denom.numel() == grad.numel(),
+              "silu_mul_backward: fp32 denom, contiguous, same size");
+  const auto fp32_out = [&](bool need) { return need ? at::empty(grad.sizes(), denom.options()) : at::Tensor(); };
+  at::Tensor grad_gate = fp32_out(need_gate), grad_up = fp32_out(need_up);
+  float* gg = need_gate ? grad_gate.data_ptr<float>() : nullptr;
+  float* gu = need_up ? grad_up.data_ptr<float>() : nullptr;
+  const float* d = denom.data_ptr<float>();
+  if (dtype == at::kFloat) {
+    silu_mul_backward_loop<float>(grad.data_ptr<float>(), gate.data_ptr<float>(), up.data_ptr<float>(), d,
+                                  silu.data_ptr<float>(), gg, gu, grad.numel());
+  } else {
+    using bf16 = c10::BFloat16;
+    silu_mul_backward_loop<bf16>(grad.data_ptr<bf16>(), gate.data_ptr<bf16>(), up.data_ptr<bf16>(), d,
+                                 silu.data_ptr<bf16>(), gg, gu, grad.numel());
+  }
+  const auto result = [&](const at::Tensor& t) {
+    if (!t.defined()) return at::empty({0}, grad.options());
+    return dtype == at::kFloat ? t : t.to(dtype);
+  };
+  return {result(grad_gate), result(grad_up)};
 }
 
 // ----------------------------------------------------------------------------------------------------- embedding
@@ -984,7 +1009,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_backward", &rms_norm_backward, "cpu_exact's RMSNorm VJP on fp32 rows, same bits");
   m.def("silu_mul_forward", &silu_mul_forward, "cpu_exact's SwiGLU after its exp (fp32), same bits");
   m.def("silu_mul_exp_forward", &silu_mul_exp_forward, "cpu_exact's SwiGLU forward with its chunked exp (fp32)");
-  m.def("silu_mul_backward", &silu_mul_backward, "cpu_exact's SwiGLU VJP (fp32), same bits");
+  m.def("silu_mul_backward", &silu_mul_backward, "cpu_exact's SwiGLU VJP (fp32 or bf16), same bits");
   m.def("sum_rows_by_token", &sum_rows_by_token, "cpu_exact._sum_rows_by_token (fp32), same bits");
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");

@@ -288,7 +288,7 @@ def test_rms_norm_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape):
 def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape, monkeypatch):
     """SwiGLU forward (output, saved 1 + exp(-gate) and silu) and VJP (both gradients) with the loops against the
     torch ops (``_silu_mul_loops`` answering None), bitwise, on values over many magnitudes and special values
-    (bf16: the forward's loop, the torch ops' backward)."""
+    (bf16: the forward's loop where the guard chose the library exp; the backward's loop)."""
     from vexact_kernels import cpu_exact
 
     if dtype == torch.bfloat16:
@@ -301,6 +301,7 @@ def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape, monke
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setattr(cpu_exact, "_silu_mul_loops", lambda gate, up, host: None)
+            monkeypatch.setattr(cpu_exact, "_silu_mul_vjp_loops", lambda grad, gate, up: None)
         out, saved = cpu_exact._silu_mul_with_saved(gate, up, cpu_exact.HOST)
         grads = cpu_exact._silu_mul_vjp(saved, grad, (True, True))
         plain = cpu_exact._silu_mul_exact(gate, up, cpu_exact.HOST)
