@@ -146,11 +146,12 @@ def _embedding_with_saved(weight: Tensor, tokens: Tensor) -> tuple[Tensor, tuple
 def _embedding_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     tokens, vocab, dtype = saved
     rows = fp32(grad).reshape(-1, grad.shape[-1])
-    return (_sum_rows_by_token(tokens.reshape(-1), rows, vocab).to(dtype),)
+    return (_sum_rows_by_token(tokens.reshape(-1), rows, vocab, dtype),)
 
 
-def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int) -> Tensor:
-    """out[v] = halving-tree sum, in position order, of the ``rows`` whose token is v; [vocab, D] fp32.
+def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """out[v] = halving-tree sum, in position order, of the ``rows`` whose token is v; [vocab, D] fp32, rounded to
+    ``dtype`` (the compiled loops round only the rows of the tokens that occur: the same values).
 
     Each token's rows are laid side by side ([tokens, occurrences, D], zero-padded to the chunk's largest count)
     and summed by ``tree_sum`` over the occurrences. Zero padding does not change a tree sum, so how tokens are
@@ -158,11 +159,11 @@ def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int) -> Tensor:
     their order -- never on the thread count (unlike an ``index_add_``, whose order is the library's affair)."""
     loops = compiled_loops.library()
     if loops is not None and rows.dtype == torch.float32:  # the same chunks and trees in one call
-        return loops.sum_rows_by_token(tokens, rows, vocab, EMBEDDING_PAD_BUDGET)
+        return loops.sum_rows_by_token(tokens, rows, vocab, EMBEDDING_PAD_BUDGET, dtype)
     count = tokens.numel()
     out = rows.new_zeros(vocab, rows.shape[1])
     if count == 0:
-        return out
+        return out.to(dtype)
     order = torch.argsort(tokens, stable=True)  # position order within each token
     unique, counts = torch.unique_consecutive(tokens[order], return_counts=True)
     group = torch.repeat_interleave(torch.arange(unique.numel()), counts)  # group of each sorted row
@@ -181,7 +182,7 @@ def _sum_rows_by_token(tokens: Tensor, rows: Tensor, vocab: int) -> Tensor:
         laid[slot[group][member], rank[member]] = sorted_rows[member]
         out[unique[chosen]] = _tree_sum(laid, dim=1)
         start += chosen.numel()
-    return out
+    return out.to(dtype)
 
 
 # --------------------------------------------------------------------------- rms_norm

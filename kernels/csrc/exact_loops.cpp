@@ -478,13 +478,18 @@ std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tens
 // token is v, zero-padded to the width of v's chunk. Chunks as there: the tokens that occur, by count descending
 // (ties by token id), max(1, budget / width) tokens per chunk, width = the count of the chunk's first token. (Zero
 // padding changes no value of a tree sum, only -0.0 into +0.0, so the width is kept exactly.) fp32 rows [count, D].
-at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, int64_t vocab, int64_t budget) {
+// `dtype`: the result's (fp32, or the weight's: the sums of the tokens that occur, fp32 rows side by side, rounded
+// by aten's own conversion and written into zeros of that dtype -- the values of converting the fp32 result, without
+// the vocabulary-wide fp32 buffer and its conversion).
+at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, int64_t vocab, int64_t budget,
+                             c10::optional<at::ScalarType> dtype) {
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1, "sum_rows_by_token: int64 tokens [count]");
   TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.size(0) == tokens.numel(),
               "sum_rows_by_token: fp32 rows [count, D]");
   const at::Tensor tc = tokens.contiguous(), rc = rows.contiguous();
   const int64_t count = tc.numel(), d = rc.size(1);
-  at::Tensor out = at::zeros({vocab, d}, rc.options());
+  const bool compact = dtype.has_value() && *dtype != at::kFloat;
+  at::Tensor out = at::zeros({vocab, d}, rc.options().dtype(dtype.value_or(at::kFloat)));
   if (count == 0 || d == 0) return out;
   const int64_t* tok = tc.data_ptr<int64_t>();
   std::vector<int64_t> counts(vocab, 0);
@@ -496,10 +501,14 @@ at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, i
   for (int64_t v = 0; v < vocab; ++v) first[v + 1] = first[v] + counts[v];
   std::vector<int64_t> members(count), filled(first.begin(), first.end() - 1);
   for (int64_t i = 0; i < count; ++i) members[filled[tok[i]]++] = i;
-  std::vector<int64_t> present;
+  std::vector<int64_t> present, row_of(vocab, 0);  // row_of[v]: v's row of the fp32 result (compact: by token id)
   for (int64_t v = 0; v < vocab; ++v) {
-    if (counts[v] > 0) present.push_back(v);
+    if (counts[v] > 0) {
+      row_of[v] = compact ? int64_t(present.size()) : v;
+      present.push_back(v);
+    }
   }
+  const at::Tensor index = compact ? at::tensor(present, tc.options()) : at::Tensor();
   std::stable_sort(present.begin(), present.end(), [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
   std::vector<int64_t> width(vocab, 0);
   for (size_t start = 0; start < present.size();) {
@@ -508,13 +517,14 @@ at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, i
     for (size_t k = start; k < std::min(present.size(), start + take); ++k) width[present[k]] = w;
     start += take;
   }
+  const at::Tensor sums = compact ? at::empty({int64_t(present.size()), d}, rc.options()) : out;
   const float* in = rc.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+  float* dst = sums.data_ptr<float>();
   at::parallel_for(0, int64_t(present.size()), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> laid, buf;
     for (int64_t p = lo; p < hi; ++p) {
       const int64_t v = present[p], w = width[v];
-      float* o = dst + v * d;
+      float* o = dst + row_of[v] * d;
       if (w == 1) {  // a width of one is the row itself (no + 0)
         std::copy(in + members[first[v]] * d, in + (members[first[v]] + 1) * d, o);
         continue;
@@ -527,7 +537,7 @@ at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, i
       tree_run<float>(laid.data(), w, d, d, 1, buf.data(), o);
     }
   });
-  return out;
+  return compact ? out.index_copy_(0, index, sums.to(out.scalar_type())) : out;
 }
 
 // ----------------------------------------------------------------------------------------------------- layouts
@@ -1010,7 +1020,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_forward", &silu_mul_forward, "cpu_exact's SwiGLU after its exp (fp32), same bits");
   m.def("silu_mul_exp_forward", &silu_mul_exp_forward, "cpu_exact's SwiGLU forward with its chunked exp (fp32)");
   m.def("silu_mul_backward", &silu_mul_backward, "cpu_exact's SwiGLU VJP (fp32 or bf16), same bits");
-  m.def("sum_rows_by_token", &sum_rows_by_token, "cpu_exact._sum_rows_by_token (fp32), same bits");
+  m.def("sum_rows_by_token", &sum_rows_by_token, "cpu_exact._sum_rows_by_token (fp32 rows), same bits",
+        py::arg("tokens"), py::arg("rows"), py::arg("vocab"), py::arg("budget"), py::arg("dtype") = py::none());
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");

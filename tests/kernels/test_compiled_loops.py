@@ -312,12 +312,15 @@ def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape, monke
     assert torch.equal(_bits(results[0][0]), _bits(results[0][-1]))
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("budget", (1 << 16, 8, 1))
 @pytest.mark.parametrize("count,vocab,width", [(300, 22, 64), (50, 1000, 16), (1, 5, 3), (0, 7, 4), (40, 3, 1)])
-def test_embedding_backward_loop_is_the_torch_ops_bit_for_bit(loops, count, vocab, width, budget, monkeypatch):
+def test_embedding_backward_loop_is_the_torch_ops_bit_for_bit(loops, count, vocab, width, budget, dtype,
+                                                              monkeypatch):
     """The embedding VJP (``_sum_rows_by_token``) with the loop against the torch ops, bitwise: skewed token counts,
     chunk budgets that group tokens of different counts together (zero padding turns -0.0 into +0.0, so the chunk
-    width must be the torch ops' own), gradients with signed zeros and special values."""
+    width must be the torch ops' own), gradients with signed zeros and special values; in fp32 and rounded to bf16
+    (the loop rounds only the occurring tokens' rows, the torch ops the whole fp32 result)."""
     from vexact_kernels import cpu_exact
 
     gen = torch.Generator().manual_seed(count + vocab)
@@ -326,9 +329,10 @@ def test_embedding_backward_loop_is_the_torch_ops_bit_for_bit(loops, count, voca
     if count:
         rows[tokens == tokens[0]] = -0.0  # one token's gradient is all -0.0
     monkeypatch.setattr(cpu_exact, "EMBEDDING_PAD_BUDGET", budget)
-    compiled = cpu_exact._sum_rows_by_token(tokens, rows, vocab)
+    compiled = cpu_exact._sum_rows_by_token(tokens, rows, vocab, dtype)
     monkeypatch.setattr(cpu_exact.compiled_loops, "library", lambda: None)
-    expected = cpu_exact._sum_rows_by_token(tokens, rows, vocab)
+    expected = cpu_exact._sum_rows_by_token(tokens, rows, vocab, dtype)
+    assert compiled.dtype == expected.dtype == dtype and compiled.shape == (vocab, width)
     assert torch.equal(_bits(compiled), _bits(expected))
 
 
