@@ -1068,6 +1068,15 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     # chunk at a time: the same GEMMs and the same tree
     at_once = tail_in_slabs and chunks * width * k <= VIEW_PARTIALS_MAX
     spread = _slabs_spread(width, k, block, last if tail_in_slabs else block, a.dtype)
+    if at_once and chunks == 1:  # one chunk (every bf16 reduction): its GEMMs write the result itself -- the same
+        return _slab_products(a, b, block, last, spread)[0]  # calls as per output slab (slabs of SLAB_ROWS rows)
+    loops = compiled_loops.library()
+    if at_once and n > VIEW_SLAB_ROWS and loops is not None and a.dtype == torch.float32:
+        out = a.new_empty(n, k)  # each output slab's tree written into its rows (no copy per slab)
+        for first in range(0, n, VIEW_SLAB_ROWS):
+            end = min(n, first + VIEW_SLAB_ROWS)
+            loops.tree_sum_into(_slab_products(a[:, first:end], b, block, last, spread), 0, out[first:end])
+        return out
 
     def output_rows(first: int, end: int) -> Tensor:  # the tree over the chunks for these output rows
         a_cols = a[:, first:end]

@@ -21,7 +21,8 @@ from vexact_kernels import compiled_loops, cpu_exact, fixed_order, gemm_arrangem
 from vexact_kernels.host_guard import HostGuard
 
 SLAB = gemm_arrangements.SLAB_ROWS
-CASES = [(312, 600, 48), (320, 600, 40), (100, 96, 24), (1000, 300, 16), (1024, 257, 32), (64, 20, 8)]
+CASES = [(312, 600, 48), (320, 600, 40), (100, 96, 24), (1000, 300, 16), (1024, 257, 32), (64, 20, 8),
+         (312, 4500, 8)]  # (the last: more output rows than VIEW_SLAB_ROWS, which one chunk's GEMMs write whole)
 
 
 def _inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +110,10 @@ def test_on_a_host_whose_gemm_rounds_by_rows_in_the_call_the_slabs_stay_thread_i
 # --------------------------------------------------------------------------- fp32: several chunks, each in slabs
 # (tokens, N, K): one chunk (100: padded to 128), whole chunks only (512), a short last chunk (312: 56 tokens padded to
 # 64), a partial last chunk padded to the whole chunk (700: 188 tokens), the default model's update (3,776 tokens),
-# N over several slabs and past ``VIEW_SLAB_ROWS`` (4,100), K not a multiple of 16
-FP32_CASES = [(100, 300, 24), (512, 576, 40), (312, 600, 17), (700, 260, 32), (3776, 176, 64), (300, 4100, 16)]
+# N over several slabs and past ``VIEW_SLAB_ROWS`` (4,100: two chunks; 4,200: one, whose GEMMs write the result
+# whole), K not a multiple of 16
+FP32_CASES = [(100, 300, 24), (512, 576, 40), (312, 600, 17), (700, 260, 32), (3776, 176, 64), (300, 4100, 16),
+              (200, 4200, 8)]
 
 
 def _fp32_inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
