@@ -154,14 +154,17 @@ def status() -> dict:
     return {k: v for k, v in _state.items() if k != "module"}
 
 
-def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
+def tree_sum(x: Tensor, dim: int = -1, out: Tensor | None = None) -> Tensor:
     """``fixed_order.tree_sum(x, dim)``, the same bits: the compiled loop for fp32/fp64 widths >= 2, else the torch
-    ops. (The compiled result is a fresh contiguous tensor; the torch-op one may be a view of a scratch buffer.)"""
+    ops. (The compiled result is a fresh contiguous tensor; the torch-op one may be a view of a scratch buffer.)
+    ``out``: a contiguous tensor of the result's shape and dtype that receives it (the compiled loop writes it there
+    itself), returned."""
     width = x.shape[dim] if x.dim() else 0
     module = library() if width >= 2 and x.dtype in DTYPES and x.device.type == "cpu" else None
     if module is None:
-        return fixed_order.tree_sum(x, dim)
-    return module.tree_sum(x, dim)
+        result = fixed_order.tree_sum(x, dim)
+        return result if out is None else out.copy_(result)
+    return module.tree_sum_into(x, dim, out)
 
 
 def main() -> int:

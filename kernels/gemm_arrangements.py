@@ -1070,19 +1070,11 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     spread = _slabs_spread(width, k, block, last if tail_in_slabs else block, a.dtype)
     if at_once and chunks == 1:  # one chunk (every bf16 reduction): its GEMMs write the result itself -- the same
         return _slab_products(a, b, block, last, spread)[0]  # calls as per output slab (slabs of SLAB_ROWS rows)
-    loops = compiled_loops.library()
-    if at_once and n > VIEW_SLAB_ROWS and loops is not None and a.dtype == torch.float32:
-        out = a.new_empty(n, k)  # each output slab's tree written into its rows (no copy per slab)
-        for first in range(0, n, VIEW_SLAB_ROWS):
-            end = min(n, first + VIEW_SLAB_ROWS)
-            loops.tree_sum_into(_slab_products(a[:, first:end], b, block, last, spread), 0, out[first:end])
-        return out
 
-    def output_rows(first: int, end: int) -> Tensor:  # the tree over the chunks for these output rows
+    def output_rows(first: int, end: int, into: Tensor | None) -> Tensor:  # the tree over the chunks for these rows
         a_cols = a[:, first:end]
         if at_once:
-            parts = _slab_products(a_cols, b, block, last, spread)
-            return parts[0] if chunks == 1 else _tree_sum(parts, dim=0)
+            return _tree_sum(_slab_products(a_cols, b, block, last, spread), dim=0, out=into)
 
         def part(i: int) -> Tensor:
             lo = i * block
@@ -1258,15 +1250,19 @@ def _reduction_tile_height(block: int, n: int, k_pad: int, dtype: torch.dtype, h
     return row_block(n, host.tile_heights(dtype, b_class, False, op, one_thread=one_thread_reduction(dtype)))
 
 
-def _in_slabs(n: int, k: int, like: Tensor, slab: Callable[[int, int], Tensor]) -> Tensor:
-    """A weight gradient on views, [n, k], from ``slab(first, last)`` over its output rows cut into slabs of
-    ``VIEW_SLAB_ROWS`` (one slab: its own result, no copy)."""
+def _in_slabs(n: int, k: int, like: Tensor, slab: Callable[[int, int, Tensor | None], Tensor]) -> Tensor:
+    """A weight gradient on views, [n, k], from ``slab(first, last, into)`` over its output rows cut into slabs of
+    ``VIEW_SLAB_ROWS``: ``into`` is the output's rows for the slab, which the slab may write itself (returning them),
+    else its result is copied there; None where one slab is the whole output (its own result, no copy)."""
     if n <= VIEW_SLAB_ROWS:
-        return slab(0, n)
+        return slab(0, n, None)
     out = like.new_empty(n, k)
     for first in range(0, n, VIEW_SLAB_ROWS):
         last = min(n, first + VIEW_SLAB_ROWS)
-        out[first:last] = slab(first, last)
+        rows = out[first:last]
+        result = slab(first, last, rows)
+        if result.data_ptr() != rows.data_ptr():
+            rows.copy_(result)
     return out
 
 
@@ -1415,7 +1411,7 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
         return loops.transposed_views(a, b, block, padded_to, unpadded_tail, VIEW_SLAB_ROWS)
     b_tail = _zero_padded(b[body:], (padded_to, k)) if padded_to > tail else b[body:]
 
-    def slab(first: int, last: int) -> Tensor:
+    def slab(first: int, last: int, into: Tensor | None) -> Tensor:
         parts = a.new_empty(whole + (tail > 0), last - first, k)
         if whole:
             chunks = a[:body].view(whole, block, n)[:, :, first:last].transpose(1, 2)
@@ -1427,7 +1423,7 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
             torch.bmm(a_tail.t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
             if unpadded_tail:
                 parts[whole:].add_(0.0)
-        return parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0)
+        return parts[0] if parts.shape[0] == 1 else _tree_sum(parts, dim=0, out=into)
     return _in_slabs(n, k, a, slab)
 
 

@@ -36,8 +36,9 @@ void tree_single(const T* x, int64_t width, int64_t s_width, T* buf, T* out, boo
   // One output (run == 1): the levels are loops along the row itself (vector adds where the row is contiguous).
   const int64_t half = int64_t(1) << (63 - __builtin_clzll(uint64_t(width - 1)));
   const int64_t paired = width - half;
-  for (int64_t j = 0; j < paired; ++j) buf[j] = x[j * s_width] + x[(j + half) * s_width];
-  if (zero_last) buf[paired - 1] = x[(paired - 1) * s_width] + (x[(width - 1) * s_width] + T(0));
+  const int64_t plain = zero_last ? paired - 1 : paired;  // the pairs without the last value
+  for (int64_t j = 0; j < plain; ++j) buf[j] = x[j * s_width] + x[(j + half) * s_width];
+  if (zero_last) buf[plain] = x[plain * s_width] + (x[(width - 1) * s_width] + T(0));
   for (int64_t j = paired; j < half; ++j) buf[j] = x[j * s_width] + T(0);
   for (int64_t h = half / 2; h >= 1; h /= 2) {
     for (int64_t j = 0; j < h; ++j) buf[j] = buf[j] + buf[j + h];
