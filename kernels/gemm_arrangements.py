@@ -458,13 +458,8 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                                                                            tiled=False),
                                             lambda: _packed_agrees(PACKED_FORMS[0], blocks, block, k, n_pad, dtype))
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
-        form = _laid_out_form(blocks, k, n_pad)
-        if per_tile and _laid_out_agrees(block, k, n_pad, dtype, form, transposed):
-            laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
-
-            def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-                return _laid_out_tiles(x, laid(w), block, blocks, n, form)
-            return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
+        if per_tile and (plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, hold)):
+            return plan
         if loops is not None and shared:  # the library GEMM: the steps below in one compiled call, on the same operands
             operand = canonical()
 
@@ -479,13 +474,8 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         # gradients on that host)
         block = row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
-        form = _laid_out_form(blocks, k, n_pad)
-        if _laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=True):
-            laid_one_thread = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
-
-            def laid_out_one_thread(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-                return _laid_out_tiles(x, laid_one_thread(w), block, blocks, n, form, one_thread=True)
-            return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out_one_thread)
+        if plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, hold, one_thread=True):
+            return plan
     operand = canonical()
     block = row_block(rows, host.tile_heights(dtype, operand(weight), shared, op))
     blocks = -(-rows // block)
@@ -499,6 +489,21 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         tiles = _packed_after_use(tiles, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=True),
                                   lambda: _packed_agrees(PACKED_FORMS[1], blocks, block, k, n_pad, dtype))
     return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles)
+
+
+def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: int, block: int, blocks: int,
+                   transposed: bool, hold: bool, one_thread: bool = False) -> TiledPlan | None:
+    """The ``laid out`` plan of an ``operand_per_tile`` class (``_laid_out_tiles`` in its form, on
+    ``laid_out_operand``) where the first-use check found the form's bits the canonical call's
+    (``_laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread."""
+    form = _laid_out_form(blocks, k, n_pad)
+    if not _laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=one_thread):
+        return None
+    laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
+
+    def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+        return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread)
+    return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
 
 
 # --------------------------------------------------------------------------- oneDNN's GEMM on a weight packed once
