@@ -43,7 +43,7 @@ and its contract. What exactness costs in time: ``benchmarks/`` and docs/results
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from types import ModuleType, SimpleNamespace
 
 import torch
@@ -298,6 +298,12 @@ def _linear_with_saved(x: Tensor, weight: Tensor, bias: Tensor | None, host: Hos
     return _linear_forward(x, weight, bias, host), (x, weight, bias is not None, host)
 
 
+def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` without the call where ``t`` has it already (a linear layer's backward makes three such
+    conversions per call, each a dispatch even when it returns ``t``)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """dx = g @ W (rows = tokens, like the forward), dW = g.T @ x and db = sum of g (reductions over tokens:
     fixed chunks and a halving tree). fp32 inside, one rounding to each input's dtype; bf16 GEMMs where the guard
@@ -315,12 +321,14 @@ def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Te
 
     grad_x = grad_w = grad_b = None
     if needs[0]:
-        dtype = gemm.tiled_dtype(g2d, weight.t(), host)
-        grad_x = gemm.tiled_matmul(g_in(dtype), weight.t(), host, "linear").to(x.dtype).view(x.shape)
+        weight_t = weight.t()
+        dtype = gemm.tiled_dtype(g2d, weight_t, host)
+        grad_x = _in_dtype(gemm.tiled_matmul(g_in(dtype), weight_t, host, "linear"), x.dtype).view(x.shape)
     if needs[1]:
         x2d = x.reshape(-1, x.shape[-1])
         dtype = gemm.transposed_dtype(g2d, x2d, host, "linear")
-        grad_w = gemm.transposed_matmul(g_in(dtype), x2d.to(dtype), host, "linear", b_source=x).to(weight.dtype)
+        grad_w = _in_dtype(gemm.transposed_matmul(g_in(dtype), _in_dtype(x2d, dtype), host, "linear", b_source=x),
+                           weight.dtype)
     if has_bias and needs[2]:
         grad_b = _tree_sum(g_in(torch.float32), dim=0)
     return (grad_x, grad_w, grad_b)[: len(needs)]
@@ -369,6 +377,15 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     return _attention_exact(q, k_cache, v_cache, q_start, scale, host)
 
 
+@lru_cache(maxsize=256)
+def _row_positions(row_len: int, group: int, q_len: int, device: torch.device) -> Tensor:
+    """The query position (0 .. q_len - 1) of each of an attention call's ``row_len`` tile rows, t-major (row r = t *
+    group + g); padding rows act as the sequence's first query (at least one visible key, so their softmax stays
+    finite). Made once per argument set (four small ops a call otherwise) and shared: never written."""
+    row_t = torch.arange(row_len, device=device) // group
+    return torch.where(row_t < q_len, row_t, 0)
+
+
 class _AttentionTiles:
     """The tile layout of one ``attention`` call (see ``attention``'s docstring).
 
@@ -398,10 +415,7 @@ class _AttentionTiles:
         self.q = self._query_rows(q)
         self.k = self._key_rows(k_cache)
         self.v = self._key_rows(v_cache)
-        # Query position of every row; padding rows act as the sequence's first query (at
-        # least one visible key, so their softmax stays finite).
-        row_t = torch.arange(self.row_len, device=q.device) // self.group
-        self.row_t = torch.where(row_t < q_len, row_t, 0)
+        self.row_t = _row_positions(self.row_len, self.group, q_len, q.device)
         self.q_start = q_start
         # Every sequence starting at one position (training, a prefill from 0): one mask serves the whole batch.
         # Asked only for several queries per sequence; a decode step's mask is small.
@@ -475,12 +489,14 @@ class _AttentionTiles:
         return out
 
 
-def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None, normalized: bool = False
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Scores, masking and the row-wise softmax pieces of ``attention``.
 
     Returns (probability tiles [B*Hkv*RB*KB, R, C] for the P @ V GEMMs, their row sums
     [B, Hkv, RB, R, 1] (1 for padding rows), the unnormalised probabilities of the real rows
-    and visible keys [B, Hkv, RB, R', V] and their row sums [B, Hkv, RB, R', 1]).
+    and visible keys [B, Hkv, RB, R', V] and their row sums [B, Hkv, RB, R', 1]). ``normalized``: the third
+    divided by the fourth instead (what the backward keeps), in the loops' pass over the rows where they run.
 
     Only the scores GEMMs see whole tiles. The row-wise steps (mask, max, exp, sums) run on the
     real rows (a decode step has ``group`` of them per tile) and the first ``visible`` keys (keys
@@ -500,7 +516,7 @@ def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None) ->
     if loops is not None:
         shape = (b, h, rb, kb, block, real, width, KEY_BLOCK, tiles.q_start, tiles.row_t, tiles.uniform_start)
         probs = _unary("exp", loops.attention_shifted(scores, *shape), tiles.host, "attention", inplace=True)
-        tiles_out, denom_rows, denom = loops.attention_tiles(probs, *shape)  # masks probs in place
+        tiles_out, denom_rows, denom = loops.attention_tiles(probs, *shape, normalized)  # masks probs in place
         return tiles_out, denom_rows, probs[..., :vis], denom
     scores = scores.view(b, h, rb, kb, block, KEY_BLOCK).permute(0, 1, 2, 4, 3, 5)  # [B, Hkv, RB, R, KB, C]
     row_t = tiles.row_t.view(rb, block)[:, :real]
@@ -558,7 +574,8 @@ def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None) ->
     if real < block:
         tiles_out[..., real:, :].zero_()
     denom_rows = denom if real == block else torch.nn.functional.pad(denom, (0, 0, 0, block - real), value=1.0)
-    return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs[..., :vis], denom
+    probs = probs[..., :vis]
+    return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs.div_(denom) if normalized else probs, denom
 
 
 def _attention_forward(tiles: _AttentionTiles, prob_tiles: Tensor, denom: Tensor) -> Tensor:
@@ -589,12 +606,12 @@ class _ExactAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, q_start, scale, host):  # type: ignore[override]
         tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
-        prob_tiles, denom, probs, real_denom = _attention_probs(tiles, compiled_loops.library())
+        prob_tiles, denom, probs, _ = _attention_probs(tiles, compiled_loops.library(), normalized=True)
         out_rows = _attention_forward(tiles, prob_tiles, denom)
         real = probs.shape[3]
         # [B*Hkv, rows', visible] normalised probabilities of the real rows, divided in place (the same division,
         # the same bits): no second [rows x keys] buffer beside the unnormalised ones and the probability tiles
-        ctx.p = probs.div_(real_denom).view(tiles.batch * tiles.kv_heads, tiles.row_blocks * real, tiles.visible)
+        ctx.p = probs.view(tiles.batch * tiles.kv_heads, tiles.row_blocks * real, tiles.visible)
         ctx.tiles, ctx.out_rows, ctx.real = tiles, out_rows, real
         ctx.dtypes = (q.dtype, k_cache.dtype, v_cache.dtype)
         return tiles.to_output(out_rows, q.dtype)
@@ -618,7 +635,7 @@ class _ExactAttention(torch.autograd.Function):
             # dS = P * (dP - rowsum(dO * O)) computed in dP's buffer (the same subtraction and product, the same
             # bits), and P released before the dQ / dK GEMMs copy dS into their padded operands: with dP, dS and
             # their difference each its own [rows x keys] buffer beside P, this was the pass's peak at 2,000 tokens
-            d_s = d_p.sub_(_tree_sum(d_out * out_rows).unsqueeze(-1)).mul_(p)
+            d_s = _attention_grad_scores(d_p, d_out, out_rows, p)
             del d_p, p
             ctx.p = None
             if need_q:
@@ -627,6 +644,16 @@ class _ExactAttention(torch.autograd.Function):
                 grad_k = tiles.to_cache(bmm(d_s.transpose(1, 2), tiles.q[:, :rows], b_full=tiles.q), ctx.dtypes[1])
         ctx.p = ctx.out_rows = ctx.tiles = None
         return grad_q, grad_k, grad_v, None, None, None
+
+
+def _attention_grad_scores(d_p: Tensor, d_out: Tensor, out_rows: Tensor, p: Tensor) -> Tensor:
+    """The attention backward's dS = P * (dP - rowsum(dO * O)), in dP's buffer: the product, the halving tree over the
+    head dim, the subtraction and the product with P -- in one compiled pass where the loops run (the same operations
+    on the same values), else these torch ops."""
+    loops = compiled_loops.library()
+    if loops is not None and d_out.shape[-1] >= 2 and all(t.stride(-1) == 1 for t in (d_p, d_out, out_rows, p)):
+        return loops.attention_grad_scores(d_p, d_out, out_rows, p)
+    return d_p.sub_(_tree_sum(d_out * out_rows).unsqueeze(-1)).mul_(p)
 
 
 # --------------------------------------------------------------------------- silu_mul

@@ -958,7 +958,7 @@ def transposed_dtype(a: Tensor, b: Tensor, host: HostGuard, op: str) -> torch.dt
     that dtype. (A weight gradient is never compared across rollout and training, so how many tokens it reduces may
     choose.)"""
     rows = a.shape[0]
-    if a.dtype != b.dtype or rows > LIBRARY_REDUCE_MAX:
+    if a.dtype != b.dtype or a.dtype not in LIBRARY_DTYPES or rows > LIBRARY_REDUCE_MAX:  # (compute_dtype's answer)
         return torch.float32
     b_class = gemm_class(_reduction_block(rows, a.dtype), ceil_to(b.shape[1], COL_BLOCK), transposed=True)
     return host.compute_dtype(a.dtype, b_class, False, op, one_thread=one_thread_reduction(a.dtype))
@@ -983,7 +983,7 @@ def transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, b_source: 
     k = b.shape[1]
     # a one-thread class (bf16) never runs the views: they call the GEMM with the process's threads; an empty
     # reduction has nothing to arrange
-    views = None if rows == 0 or one_thread_reduction(a.dtype) else _views_arrangement(rows, n, k, a.dtype, host, op)
+    views = None if rows == 0 or one_thread_reduction(a.dtype) else _views_plan(rows, n, k, a.dtype, host, op)
     if views is None:
         return canonical_transposed_matmul(a, b, host, op, b_source)
     return _transposed_matmul_views(a, b, _reduction_block(rows, a.dtype), unpadded_tail=views == UNPADDED_TAIL)
@@ -999,6 +999,23 @@ def canonical_transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str,
     if _reduction_in_slabs(a.shape[0], b.shape[1], a.dtype, host, op):
         return _reduction_slabs(a, b, host, op)
     return _transposed_matmul_tiles(a, b, host, op, b_source)
+
+
+_VIEWS_PLANS: dict[tuple, str | None] = {}
+"""``_views_arrangement``'s answers, kept per (guard state: ``HostGuard.epoch``, rows, N, K, dtype, op, thread count)
+as ``tiled_dtype`` keeps its own: the same answer, asked once (at most ``DTYPE_PLANS_MAX`` entries, then afresh)."""
+
+
+def _views_plan(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> str | None:
+    """``_views_arrangement(rows, n, k, dtype, host, op)``, asked once per key (``_VIEWS_PLANS``)."""
+    key = (host.epoch, rows, n, k, dtype, op, torch.get_num_threads())
+    if key in _VIEWS_PLANS:
+        return _VIEWS_PLANS[key]
+    answer = _views_arrangement(rows, n, k, dtype, host, op)
+    if len(_VIEWS_PLANS) >= DTYPE_PLANS_MAX:
+        _VIEWS_PLANS.clear()
+    _VIEWS_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
+    return answer
 
 
 UNPADDED_TAIL, PADDED_TAIL = "unpadded tail", "padded tail"

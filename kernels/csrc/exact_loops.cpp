@@ -913,10 +913,11 @@ at::Tensor attention_shifted(const at::Tensor& scores, int64_t batch, int64_t he
 // the tree over the tiles (none for one tile), and the probability tiles for the P @ V GEMMs,
 // [B*Hkv*RB*KB, block, C], zero outside the real rows and visible columns. Returns (tiles, the row sums padded
 // to `block` rows with 1.0 [B, Hkv, RB, block, 1], the row sums of the real rows [B, Hkv, RB, real, 1]).
+// `normalize`: e's rows are then divided by their sums in place (the normalised probabilities a backward keeps).
 std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t heads, int64_t row_blocks,
                                         int64_t key_blocks, int64_t block, int64_t real, int64_t width,
                                         int64_t key_block, const at::Tensor& starts, const at::Tensor& row_t,
-                                        bool uniform_start) {
+                                        bool uniform_start, bool normalize) {
   TORCH_CHECK(e.scalar_type() == at::kFloat && e.is_contiguous(), "attention_tiles: contiguous fp32");
   TORCH_CHECK(e.numel() == batch * heads * row_blocks * real * width, "attention_tiles: shape");
   const at::Tensor starts_c = starts.to(at::kLong).contiguous(), row_t_c = row_t.to(at::kLong).contiguous();
@@ -962,6 +963,11 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
         if (used > 1) tree_single(per_tile.data(), used, 1, buf.data(), &total);
         d_real[pair * real + i] = total;
         d_rows[pair * block + i] = total;
+        // the row / its sum, in place, after the tiles took their copy: the division cpu_exact makes of the
+        // probabilities it saves for the backward (columns past the visible keys are not part of them)
+        if (normalize) {
+          for (int64_t j = 0; j < width; ++j) row[j] = row[j] / total;
+        }
       }
       for (int64_t t = 0; t < key_blocks; ++t) {  // rows past the real ones, and tiles past the visible ones
         float* tile = pair_tiles + t * tile_size;
@@ -975,6 +981,42 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
     }
   });
   return {tiles, denom_rows, denom};
+}
+
+// The attention backward's dS = P * (dP - rowsum(dO * O)) (cpu_exact._ExactAttention.backward), in dP's buffer:
+// per row, the products dO * O, their halving tree over the head dim (compiled_loops.tree_sum over the last dim),
+// then (dP - sum) * P for every key. fp32 [BH, R, *] with unit stride in the last dim; returns d_p.
+at::Tensor attention_grad_scores(at::Tensor d_p, const at::Tensor& d_out, const at::Tensor& out_rows,
+                                 const at::Tensor& p) {
+  TORCH_CHECK(d_p.dim() == 3 && d_out.dim() == 3 && out_rows.dim() == 3 && p.dim() == 3,
+              "attention_grad_scores: 3-D tensors");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&d_p, &d_out, &out_rows, &p}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(2) == 1, "attention_grad_scores: fp32, unit last stride");
+  }
+  const int64_t bh = d_p.size(0), rows = d_p.size(1), keys = d_p.size(2), dim = d_out.size(2);
+  TORCH_CHECK(d_out.size(0) == bh && d_out.size(1) == rows && out_rows.sizes() == d_out.sizes() &&
+                  p.sizes() == d_p.sizes() && dim >= 2,
+              "attention_grad_scores: shapes");
+  float* dp = d_p.data_ptr<float>();
+  const float* go = d_out.data_ptr<float>();
+  const float* o = out_rows.data_ptr<float>();
+  const float* pp = p.data_ptr<float>();
+  at::parallel_for(0, bh * rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, keys + dim)),
+                   [&](int64_t first, int64_t last) {
+    std::vector<float> prod(dim), buf(dim);
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t i = row / rows, r = row % rows;
+      const float* go_row = go + i * d_out.stride(0) + r * d_out.stride(1);
+      const float* o_row = o + i * out_rows.stride(0) + r * out_rows.stride(1);
+      for (int64_t j = 0; j < dim; ++j) prod[j] = go_row[j] * o_row[j];
+      float sum;
+      tree_single(prod.data(), dim, 1, buf.data(), &sum);
+      float* dp_row = dp + i * d_p.stride(0) + r * d_p.stride(1);
+      const float* p_row = pp + i * p.stride(0) + r * p.stride(1);
+      for (int64_t j = 0; j < keys; ++j) dp_row[j] = (dp_row[j] - sum) * p_row[j];
+    }
+  });
+  return d_p;
 }
 
 // cpu_exact._AttentionTiles._key_rows: a KV cache [B, L, H, hd] (any float dtype, any strides) as fp32 rows
@@ -1031,6 +1073,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads");
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
+  m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
   m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
   m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");
 }

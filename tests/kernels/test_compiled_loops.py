@@ -147,10 +147,12 @@ ATTENTION_CASES = {  # (batch, q_len, q_heads, kv_heads, head_dim, cache_len, q_
 }
 
 
+@pytest.mark.parametrize("normalized", [False, True], ids=["unnormalised", "normalised"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
-def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case):
+def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case, normalized):
     """``_attention_probs`` with and without the loops: the probability tiles, both row sums and the masked
-    probabilities, bitwise (decode, ragged and uniform prefills, several row and key tiles)."""
+    probabilities (divided by their row sums: ``normalized``), bitwise (decode, ragged and uniform prefills, several
+    row and key tiles)."""
     from vexact_kernels import cpu_exact
 
     batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
@@ -159,11 +161,31 @@ def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case):
     k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen) * 3
     v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen)
     tiles = cpu_exact._AttentionTiles(q, k, v, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
-    expected = cpu_exact._attention_probs(tiles, None)
-    got = cpu_exact._attention_probs(tiles, loops)
+    expected = cpu_exact._attention_probs(tiles, None, normalized)
+    got = cpu_exact._attention_probs(tiles, loops, normalized)
     for name, a, b in zip(("tiles", "row sums (padded)", "probabilities", "row sums"), got, expected):
         assert a.shape == b.shape, name
         assert torch.equal(_bits(a), _bits(b)), name
+    unnormalised = cpu_exact._attention_probs(tiles, loops)[2]
+    assert normalized != torch.equal(got[2], unnormalised)  # counter-check: the division did (or did not) happen
+
+
+@pytest.mark.parametrize("how", ["plain", "sliced rows"])
+@pytest.mark.parametrize("rows,keys,head_dim", [(7, 5, 16), (64, 130, 64), (3, 1, 2), (40, 33, 3)])
+def test_attention_grad_scores_loop_is_the_torch_ops_bit_for_bit(loops, rows, keys, head_dim, how, monkeypatch):
+    """The attention backward's dS = P * (dP - rowsum(dO * O)) with and without the loop, on special values and on
+    row views of larger buffers (what the backward passes: the real rows of padded tiles)."""
+    from vexact_kernels import cpu_exact
+
+    extra = 5 if how == "sliced rows" else 0
+    d_p = _values((3, rows + extra, keys + extra), torch.float32, seed=rows)[:, :rows, :keys]
+    d_out = _values((3, rows + extra, head_dim), torch.float32, seed=keys)[:, :rows]
+    out_rows = _values((3, rows + extra, head_dim), torch.float32, seed=head_dim)[:, :rows]
+    p = _values((3, rows, keys), torch.float32, seed=rows + keys).abs()
+    got = cpu_exact._attention_grad_scores(d_p.clone(), d_out, out_rows, p)
+    monkeypatch.setattr(compiled_loops, "library", lambda: None)
+    expected = cpu_exact._attention_grad_scores(d_p.clone(), d_out, out_rows, p)
+    assert torch.equal(_bits(got), _bits(expected))
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))

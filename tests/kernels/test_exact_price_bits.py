@@ -177,7 +177,7 @@ def _to_cache_reference(self, keys, dtype):
     return out
 
 
-def _attention_probs_reference(tiles, loops=None):  # torch ops only, whatever ``loops`` says
+def _attention_probs_reference(tiles, loops=None, normalized=False):  # torch ops only, whatever ``loops`` says
     b, h, rb, kb, block, vis = tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block, \
         tiles.visible
     scores = tiles.host.bmm(tiles.row_tiles(tiles.q), tiles.key_tiles(tiles.k).transpose(1, 2), op="attention",
@@ -210,7 +210,11 @@ def _attention_probs_reference(tiles, loops=None):  # torch ops only, whatever `
     if last:
         as_rows[..., full_tiles, :last] = probs[..., full_tiles * KEY_BLOCK :]
     denom_rows = denom if real == block else torch.nn.functional.pad(denom, (0, 0, 0, block - real), value=1.0)
-    return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs, denom
+    return tiles_out.view(-1, block, KEY_BLOCK), denom_rows, probs / denom if normalized else probs, denom
+
+
+def _attention_grad_scores_reference(d_p, d_out, out_rows, p):
+    return (d_p - _tree_sum(d_out * out_rows).unsqueeze(-1)) * p
 
 
 def _rms_norm_vjp_reference(saved, grad, needs):
@@ -253,6 +257,7 @@ def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_exact._AttentionTiles, "_query_rows", _query_rows_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "_key_rows", _key_rows_reference)
     monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
+    monkeypatch.setattr(cpu_exact, "_attention_grad_scores", _attention_grad_scores_reference)
     monkeypatch.setattr(cpu_exact, "_rms_norm_vjp", _rms_norm_vjp_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "from_output", _from_output_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "to_cache", _to_cache_reference)

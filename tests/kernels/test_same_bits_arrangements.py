@@ -21,7 +21,7 @@ import torch
 from conftest import num_threads
 from test_exact_price_bits import _same_bits
 
-from vexact_kernels import cpu_exact, fixed_order, gemm_arrangements
+from vexact_kernels import cpu_exact, fixed_order, gemm_arrangements, host_guard
 from vexact_kernels.host_guard import CANONICAL_PATH, FASTER_PATH, MACHINE_THREADS, HostGuard
 
 
@@ -165,6 +165,32 @@ def test_a_last_chunk_whose_short_reduction_differs_is_padded(monkeypatch):
     assert paths[f"{prefix} last chunk of 188 rows unpadded float32"] == CANONICAL_PATH
     assert paths[f"{prefix} last chunk padded float32"] == FASTER_PATH
     assert paths[f"{prefix} last chunk of 88 rows unpadded float32"] == FASTER_PATH
+
+
+def test_a_weight_gradients_views_answer_is_asked_once_per_key(monkeypatch):
+    """``transposed_matmul`` keeps the guard's answer for the views (``_views_arrangement``) per (guard state, rows,
+    N, K, dtype, op, thread count): a repeated call asks once; another thread count, or a guard whose state changed,
+    asks again; and the kept answer gives the bits the asked one gave."""
+    asked = []
+    real = gemm_arrangements._views_arrangement
+    monkeypatch.setattr(gemm_arrangements, "_views_arrangement", lambda *args: asked.append(args) or real(*args))
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    a, b = _inputs(700, 64, 48)
+    with num_threads(1):
+        first = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        again = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        assert len(asked) == 1
+        gemm_arrangements.transposed_matmul(a[:600], b[:600], guard, "linear")  # another key: its own question
+        assert len(asked) == 2
+    with num_threads(2):
+        gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        assert len(asked) == 3
+    guard.epoch = next(host_guard._EPOCHS)  # what a check that changes a class's path does
+    with num_threads(1):
+        after = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        assert len(asked) == 4
+    canonical = gemm_arrangements.canonical_transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(first, again) and _same_bits(first, after) and _same_bits(first, canonical)
 
 
 def test_wide_weight_gradients_run_in_slabs_with_the_same_bits(monkeypatch):

@@ -55,6 +55,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _forget_plans() -> None:
     gemm_arrangements._PLANS.clear()
     gemm_arrangements._DTYPE_PLANS.clear()
+    gemm_arrangements._VIEWS_PLANS.clear()
 
 
 def _passes(ops, weights: list[torch.Tensor], dtype: torch.dtype, cold: bool, seed: int) -> list[torch.Tensor]:
