@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from vexact.engine.model import short_dtype_name
+from vexact.metric_keys import TIMING_ROLLOUT, TIMING_UPDATE
 from vexact.sweeps.markdown_table import markdown_table
 
 from . import guard_modes
@@ -82,6 +83,29 @@ def targets_table(record: dict) -> str:
                              for r in cells]])
     return "\n\n".join([_markdown(columns, rows), "\n".join(f"- {line}" for line in summary),
                          _markdown(["exact / native tokens/s", *[combo_label(*c) for c in pairs]], speed_rows)])
+
+
+RL_PHASES = tuple(key.removeprefix("timing/") for key in (TIMING_ROLLOUT, TIMING_UPDATE))
+"""The RL step's phases the tables split it by: the trainer's own ``timing/`` metrics, kept per side by
+``end_to_end``'s RL step (``phase_ms_median``, the prefix dropped)."""
+
+
+def rl_phase_line(record: dict, mode: str | None = None) -> str:
+    """The RL step's exact / native per phase (``RL_PHASES``: its rollout, and its update -- the PPO epochs' forwards,
+    backwards and AdamW steps), one clause per (dtype, threads); empty where the record has no RL step with phases."""
+    clauses = []
+    for r in record["results"]:
+        phases = r.get("phase_ms_median")
+        if r["item"] != "rl_step" or not phases:
+            continue
+        exact, native = phases["exact"], phases["native"]
+        parts = [f"{p} {exact[p] / native[p]:.2f}× ({exact[p]:.1f} ms against {native[p]:.1f})"
+                 for p in RL_PHASES if exact.get(p) and native.get(p)]
+        what = combo_label(r["dtype"], r["threads"]) if "threads" in r else short_dtype_name(r["dtype"])
+        clauses.append(f"{what}: " + ", ".join(parts))
+    if not clauses:
+        return ""
+    return f"- {E2E_LABELS['rl_step']}, by phase{f' ({mode})' if mode else ''}: " + "; ".join(clauses)
 
 
 def profile_lines(record: dict, top: int = 4) -> str:
@@ -190,7 +214,7 @@ def packed_line(packed: dict) -> str:
 
 def tables(record: dict) -> str:
     if record.get("benchmark") == "end_to_end":
-        parts = [end_to_end_table(record), profile_lines(record)]
+        parts = [end_to_end_table(record), rl_phase_line(record), profile_lines(record)]
     elif record.get("benchmark") == "kernels":
         parts = [matmul_table(record) if record.get("matmul") else "", kernel_table(record)]
     elif record.get("benchmark") == "host_guard":
@@ -263,7 +287,8 @@ def modes_table(records: list[dict]) -> str:
                                                   + ", ".join(over) if over else
                                                   f"within {MODE_GAP_LIMIT:.2f}× in every cell"))
     table = _markdown([columns[0], "mode", *columns[1:]], lines, right_from=2)
-    return "\n\n".join([table, "\n".join(gaps)])
+    phases = [line for record, mode in zip(records, modes, strict=True) if (line := rl_phase_line(record, mode))]
+    return "\n\n".join([table, "\n".join(gaps + phases)])
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.tables") -> int:

@@ -194,6 +194,30 @@ def test_by_mode_interleaves_the_modes_and_names_the_cells_over_the_first(tmp_pa
     assert "- canonical / auto: over 1.05× in 1 of 4 cells: default training fwd+bwd fp32, 1 thread 1.06×" in out
 
 
+def test_the_rl_step_is_split_by_phase_per_mode(tmp_path, capsys):
+    """The RL step's rollout and update, exact / native per (dtype, threads), from the trainer's own timings that the
+    benchmark keeps (``phase_ms_median``); a record without them (or without an RL step) adds no line."""
+    records = {}
+    for mode, update_ms in (("auto", 140.0), ("canonical", 150.0)):
+        record = _mode_record(mode, 1.0)
+        for threads in (1, 2):
+            row = fake_row("rl_step", "zero_mismatch", "float32", threads, 1.2)
+            row["phase_ms_median"] = {"exact": {"rollout": 70.0, "update": update_ms / threads, "grad_reduce": 0.3},
+                                      "native": {"rollout": 70.0, "update": 100.0 / threads, "grad_reduce": 0.3}}
+            record["results"].append(row)
+        records[mode] = tmp_path / f"{mode}.json"
+        records[mode].write_text(json.dumps(record))
+    assert tables.main(["--by-mode", *map(str, records.values())]) == 0
+    out = capsys.readouterr().out
+    assert ("- one RL step, by phase (auto): fp32, 1 thread: rollout 1.00× (70.0 ms against 70.0), update 1.40× "
+            "(140.0 ms against 100.0); fp32, 2 threads: rollout 1.00× (70.0 ms against 70.0), update 1.40× (70.0 ms "
+            "against 50.0)") in out.splitlines()
+    canonical = "- one RL step, by phase (canonical): fp32, 1 thread: rollout 1.00× (70.0 ms against 70.0), update 1.50"
+    assert canonical in out
+    assert "grad_reduce" not in out
+    assert tables.rl_phase_line(_mode_record("auto", 1.0)) == ""
+
+
 def test_by_mode_needs_each_record_to_name_its_mode(tmp_path, capsys):
     paths = []
     for name, record in (("auto", _mode_record("auto", 1.0)), ("old", _mode_record(None, 1.0))):
