@@ -609,8 +609,8 @@ class _ExactAttention(torch.autograd.Function):
         prob_tiles, denom, probs, _ = _attention_probs(tiles, compiled_loops.library(), normalized=True)
         out_rows = _attention_forward(tiles, prob_tiles, denom)
         real = probs.shape[3]
-        # [B*Hkv, rows', visible] normalised probabilities of the real rows, divided in place (the same division,
-        # the same bits): no second [rows x keys] buffer beside the unnormalised ones and the probability tiles
+        # [B*Hkv, rows', visible] normalised probabilities of the real rows, divided in place by _attention_probs
+        # (the same division, the same bits): no second [rows x keys] buffer beside the probability tiles
         ctx.p = probs.view(tiles.batch * tiles.kv_heads, tiles.row_blocks * real, tiles.visible)
         ctx.tiles, ctx.out_rows, ctx.real = tiles, out_rows, real
         ctx.dtypes = (q.dtype, k_cache.dtype, v_cache.dtype)
