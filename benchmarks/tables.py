@@ -85,6 +85,11 @@ def targets_table(record: dict) -> str:
                          _markdown(["exact / native tokens/s", *[combo_label(*c) for c in pairs]], speed_rows)])
 
 
+def _combo_of(row: dict) -> str:
+    """A result row's dtype and thread count (``combo_label``); its dtype alone in records from before thread lists."""
+    return combo_label(row["dtype"], row["threads"]) if "threads" in row else short_dtype_name(row["dtype"])
+
+
 RL_PHASES = tuple(key.removeprefix("timing/") for key in (TIMING_ROLLOUT, TIMING_UPDATE))
 """The RL step's phases the tables split it by: the trainer's own ``timing/`` metrics, kept per side by
 ``end_to_end``'s RL step (``phase_ms_median``, the prefix dropped)."""
@@ -101,8 +106,7 @@ def rl_phase_line(record: dict, mode: str | None = None) -> str:
         exact, native = phases["exact"], phases["native"]
         parts = [f"{p} {exact[p] / native[p]:.2f}× ({exact[p]:.1f} ms against {native[p]:.1f})"
                  for p in RL_PHASES if exact.get(p) and native.get(p)]
-        what = combo_label(r["dtype"], r["threads"]) if "threads" in r else short_dtype_name(r["dtype"])
-        clauses.append(f"{what}: " + ", ".join(parts))
+        clauses.append(f"{_combo_of(r)}: " + ", ".join(parts))
     if not clauses:
         return ""
     return f"- {E2E_LABELS['rl_step']}, by phase{f' ({mode})' if mode else ''}: " + "; ".join(clauses)
@@ -119,8 +123,7 @@ def profile_lines(record: dict, top: int = 4) -> str:
             p = r["profile"][side]
             ops = ", ".join(f"{o['op'].removeprefix('aten::')} {o['share']:.0%}" for o in p["ops"][:top])
             sides.append(f"{side} {p['total_self_ms_per_run']:.1f} ms in {p['aten_calls_per_run']:.0f} ops ({ops})")
-        what = (f"{r['item']} {r['shape']} {combo_label(r['dtype'], r['threads'])}" if "threads" in r
-                else f"{r['item']} {short_dtype_name(r['dtype'])}")  # records from before thread lists
+        what = f"{r['item']} {r['shape']} {_combo_of(r)}" if "threads" in r else f"{r['item']} {_combo_of(r)}"
         lines.append(f"- {what}: " + "; ".join(sides))
     return "\n".join(lines)
 

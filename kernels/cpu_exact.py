@@ -282,26 +282,24 @@ def linear_backward_probes(rows: int, weight: Tensor, *, host: HostGuard = HOST)
         gemm.probe_transposed_matmul(rows, weight.shape[0], weight.shape[1], torch.float32, host, "linear")
 
 
+def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` without the call where ``t`` has it already (a linear layer makes such conversions on every
+    call, each a dispatch even when it returns ``t``; a bf16 GEMM's output is bf16 already)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     # a bias is added in fp32 before the one rounding: a bf16 GEMM's output is rounded already
     dtype = torch.float32 if bias is not None else gemm.tiled_dtype(x2d, weight, host)
-    out = gemm.tiled_matmul(x2d if x2d.dtype == dtype else x2d.to(dtype), weight, host)
+    out = gemm.tiled_matmul(_in_dtype(x2d, dtype), weight, host)
     if bias is not None:
         out = out + fp32(bias)
-    if out.dtype != x.dtype:  # (a bf16 GEMM's output is bf16 already: no call)
-        out = out.to(x.dtype)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return _in_dtype(out, x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def _linear_with_saved(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> tuple[Tensor, tuple]:
     return _linear_forward(x, weight, bias, host), (x, weight, bias is not None, host)
-
-
-def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t.to(dtype)`` without the call where ``t`` has it already (a linear layer's backward makes three such
-    conversions per call, each a dispatch even when it returns ``t``)."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:

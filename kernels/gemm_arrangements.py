@@ -252,7 +252,21 @@ def _seeded_randn(*shapes: tuple[int, ...]) -> list[Tensor]:
 # --------------------------------------------------------------------------- x @ W.T: a linear layer's rows
 _DTYPE_PLANS: dict[tuple, torch.dtype] = {}
 DTYPE_PLANS_MAX = 4096
-"""Entries ``tiled_dtype`` keeps (then it starts afresh): one per (guard state, dtype, K, N, op, thread count)."""
+"""Entries ``tiled_dtype`` keeps (then it starts afresh): one per (guard state, dtype, K, N, op, thread count); and
+as many for ``_views_plan``'s answers."""
+
+
+def _asked_once(answers: dict[tuple, object], key: tuple, host: HostGuard, ask: Callable[[], object]) -> object:
+    """``ask()``, a question to the guard, answered once per ``key`` (whose first entry is ``host.epoch``: the guard's
+    state) and kept in ``answers``, at most ``DTYPE_PLANS_MAX`` of them (then afresh). Kept under the epoch after
+    asking: a check made in asking may change it."""
+    if key in answers:
+        return answers[key]
+    answer = ask()
+    if len(answers) >= DTYPE_PLANS_MAX:
+        answers.clear()
+    answers[(host.epoch, *key[1:])] = answer
+    return answer
 
 
 def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> torch.dtype:
@@ -268,15 +282,12 @@ def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") 
         return torch.float32
     row_major = stored_row_major(weight)
     key = (host.epoch, dtype, x.shape[1], weight.shape[0], row_major, op, torch.get_num_threads())
-    if (known := _DTYPE_PLANS.get(key)) is not None:
-        return known
-    k, n_pad = x.shape[1], ceil_to(weight.shape[0], COL_BLOCK)
-    shared, transposed = canonical_class(weight, dtype, k, n_pad)
-    answer = host.compute_dtype(dtype, gemm_class(k, n_pad, transposed=transposed), shared, op)
-    if len(_DTYPE_PLANS) >= DTYPE_PLANS_MAX:
-        _DTYPE_PLANS.clear()
-    _DTYPE_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
-    return answer
+
+    def ask() -> torch.dtype:
+        k, n_pad = x.shape[1], ceil_to(weight.shape[0], COL_BLOCK)
+        shared, transposed = canonical_class(weight, dtype, k, n_pad)
+        return host.compute_dtype(dtype, gemm_class(k, n_pad, transposed=transposed), shared, op)
+    return _asked_once(_DTYPE_PLANS, key, host, ask)
 
 
 @dataclass(frozen=True)
@@ -1003,19 +1014,13 @@ def canonical_transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str,
 
 _VIEWS_PLANS: dict[tuple, str | None] = {}
 """``_views_arrangement``'s answers, kept per (guard state: ``HostGuard.epoch``, rows, N, K, dtype, op, thread count)
-as ``tiled_dtype`` keeps its own: the same answer, asked once (at most ``DTYPE_PLANS_MAX`` entries, then afresh)."""
+as ``tiled_dtype`` keeps its own (``_asked_once``)."""
 
 
 def _views_plan(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> str | None:
     """``_views_arrangement(rows, n, k, dtype, host, op)``, asked once per key (``_VIEWS_PLANS``)."""
     key = (host.epoch, rows, n, k, dtype, op, torch.get_num_threads())
-    if key in _VIEWS_PLANS:
-        return _VIEWS_PLANS[key]
-    answer = _views_arrangement(rows, n, k, dtype, host, op)
-    if len(_VIEWS_PLANS) >= DTYPE_PLANS_MAX:
-        _VIEWS_PLANS.clear()
-    _VIEWS_PLANS[(host.epoch, *key[1:])] = answer  # the epoch after asking (a check made in asking may change it)
-    return answer
+    return _asked_once(_VIEWS_PLANS, key, host, lambda: _views_arrangement(rows, n, k, dtype, host, op))
 
 
 UNPADDED_TAIL, PADDED_TAIL = "unpadded tail", "padded tail"
