@@ -26,6 +26,11 @@ For the ``default`` shape the prompts are the zero_mismatch task's (16 problems 
 shapes use random prompts of ``e2e_prompt_len`` tokens (``llama100m``: 8 prompts of 32 tokens, 8 new
 tokens -- what 2 CPU cores manage in a few seconds per repetition).
 
+``--prompt-len N[,N...]`` runs the items of a shape with random prompts at each of these prompt lengths instead
+(its rows' ``shape``: e.g. ``llama100m, 1900-token prompts``): the decode step then reads a KV cache of N + 1
+positions, what a long rollout's decode steps read (``vexact bench end_to_end --shape llama100m --items decode_step
+--prompt-len 128,512,1900``).
+
 ``--threads 1,2`` measures every figure at each thread count in turn (the RL step's trainer too: its config's
 ``threads`` is set to the count, as a small model's trainer would otherwise run on 1 thread). Each row records the
 count it ran at, and the tables mark each figure against ``TARGETS`` (exact / native, median).
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import random
 import statistics
 import sys
@@ -78,6 +84,10 @@ ITEMS = ("rollout", "decode_step", "train_fwd_bwd", "rl_step")
 TARGETS = {"decode_step": 1.0, "train_fwd_bwd": 1.1, "rl_step": 1.05}
 """The exact / native median each item should stay at or under, at every thread count, shape and dtype (the one
 definition: the printed table and ``benchmarks.tables``, which writes the docs' tables, both read it)."""
+PREFILL_CHUNK = 256
+"""Prompt positions per prefill call of the decode step's KV cache: a prompt of thousands of tokens (``--prompt-len``)
+in one call would hold [tokens x tokens] attention scores per layer (a gigabyte at 1,900 tokens), which the decode
+step does not measure."""
 DECODE_WARMUP = PACK_AFTER_CALLS + 1
 """Untimed decode steps before the timed ones: past the call at which the exact path packs a weight version's oneDNN
 GEMMs (a rollout of more tokens than this runs packed from then on)."""
@@ -133,6 +143,25 @@ def target_matrix(rows: list[dict]) -> tuple[list[str], list[list[str]], list[st
     return columns, lines, summary
 
 
+def at_prompt_lengths(shape: Shape, lengths: list[int] | None) -> list[Shape]:
+    """``shape`` itself (``lengths`` None), or one copy of it per prompt length, named for it (``--prompt-len``).
+    Refused with one ValueError for the ``default`` shape (its prompts are its task's) and for a length whose prompt
+    and new tokens do not fit the model's positions."""
+    if not lengths:
+        return [shape]
+    if shape.e2e_prompt_len == 0:
+        raise ValueError(f"--prompt-len applies to the shapes with random prompts, not {shape.name!r} (its prompts are "
+                         f"its task's)")
+    longest = shape.model.max_seq_len - shape.new_tokens - 1
+    for length in lengths:
+        if not 1 <= length <= longest:
+            raise ValueError(f"--prompt-len {length}: {shape.name}'s prompts take 1 to {longest} tokens (its "
+                             f"{shape.model.max_seq_len} positions, less {shape.new_tokens} new tokens and the decode "
+                             f"step's own)")
+    return [dataclasses.replace(shape, name=f"{shape.name}, {length}-token prompts", e2e_prompt_len=length)
+            for length in lengths]
+
+
 def prompts_of(shape: Shape) -> list[list[int]]:
     """The shape's end-to-end prompts: the zero_mismatch task's (``e2e_prompt_len`` 0) or ``e2e_batch`` random ones
     of ``e2e_prompt_len`` tokens (seed 0)."""
@@ -163,8 +192,13 @@ def decode_step_call(model: Transformer, prompts: list[list[int]], device: torch
     ops = ops or model.ops
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     cache = model.new_cache(len(prompts), -(-(int(lengths.max()) + 1) // CACHE_BLOCK) * CACHE_BLOCK)
+    tokens = pad_right(prompts, device)
+    # prompts of one length in calls of PREFILL_CHUNK positions (the same cache: a query's keys and values do not
+    # depend on the call it is in); ragged ones in one call
+    chunk = PREFILL_CHUNK if len(set(map(len, prompts))) == 1 else tokens.shape[1]
     with torch.no_grad():
-        model(pad_right(prompts, device), cache=cache, ops=ops)
+        for start in range(0, tokens.shape[1], chunk):
+            model(tokens[:, start : start + chunk], q_start=torch.full_like(lengths, start), cache=cache, ops=ops)
     token = torch.tensor([p[-1] for p in prompts], device=device)
 
     def step() -> object:
@@ -284,24 +318,26 @@ def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str]
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int, device: torch.device,
         threads: int | list[int] | None = None, rl_config: Path = EXPERIMENT, rl_overrides: list[str] | None = None,
         warm: bool = True, profile: int = 0, exact_backend: str = "exact",
-        malloc: str = "steady") -> dict:
+        malloc: str = "steady", prompt_lengths: list[int] | None = None) -> dict:
     """Run the end-to-end benchmarks; returns the JSON-ready record (``profile`` > 0: top ops per item).
 
     ``threads``: one torch thread count, a list of them (every figure at each, in turn) or None (torch's).
     ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
-    on CPU through the interpreter, which checks that the GPU path runs but times nothing useful)."""
+    on CPU through the interpreter, which checks that the GPU path runs but times nothing useful).
+    ``prompt_lengths``: the shapes' items at these prompt lengths instead of their own (``at_prompt_lengths``)."""
     counts = parse_threads(threads)
+    known = shapes()
+    measured = [s for name in shape_names for s in at_prompt_lengths(known[name], prompt_lengths)]
     record = new_record("end_to_end", device, shape_names, dtype_names, reps, counts[0], exact_backend, malloc,
                         items=items, profile_top=profile)
+    record["settings"]["prompt_lengths"] = prompt_lengths
     record["settings"]["threads"] = [count or torch.get_num_threads() for count in counts]
     record["skipped"] = []
-    known = shapes()
     for count in record["settings"]["threads"]:
         for dtype_name in dtype_names:
             torch.set_num_threads(count)
-            for shape_name in shape_names:
-                record["results"] += bench_shape(known[shape_name], dtype_name, items, reps, device, profile,
-                                                 exact_backend)
+            for shape in measured:
+                record["results"] += bench_shape(shape, dtype_name, items, reps, device, profile, exact_backend)
             if "rl_step" in items:
                 if device.type != "cpu":
                     record["skipped"].append({"item": "rl_step", "dtype": dtype_name, "threads": count,
@@ -361,6 +397,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
     add_rl_step_arguments(p)
     p.add_argument("--no-warm-start", action="store_true", help="RL step from the random init, not the warm start")
+    p.add_argument("--prompt-len", default=None, metavar="N[,N...]",
+                   help="random prompts of N tokens instead of the shape's (a comma list: each in turn); the decode "
+                        "step then reads N + 1 cache positions. Not for the default shape (its task's prompts)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile each item per side (torch.profiler): its top N ops, and its self time split "
                         "into matrix products, other aten and oneDNN ops and other ranges")
@@ -371,7 +410,17 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
                parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
                args.rl_set, warm=not args.no_warm_start, profile=args.profile, exact_backend=args.exact_backend,
-               malloc=args.malloc)
+               malloc=args.malloc, prompt_lengths=parse_lengths(args.prompt_len))
+
+
+def parse_lengths(text: str | None) -> list[int] | None:
+    """``--prompt-len``'s comma list of token counts (None: not given); one ValueError naming a bad entry."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt-len takes a comma list of token counts, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.end_to_end") -> int:

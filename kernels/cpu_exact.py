@@ -49,7 +49,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 from torch import Tensor
 
-from . import compiled_loops, native
+from . import compiled_loops, kv_rows, native
 from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
@@ -369,6 +369,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     short decode row reduces like a long prefill row.
     Backward contract: the softmax-attention VJP from the saved exact probabilities, through fixed-tile GEMMs
     and halving trees: the gradients depend only on (q, k, v, grad), never on the thread count.
+    Without a gradient, a cache written through ``kv_rows.write`` (the model's cache) keeps its keys and values laid
+    out as the tiles read them between calls (``kv_rows``: the same values, so the same bits).
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale, host)
@@ -392,9 +394,11 @@ class _AttentionTiles:
     in whole ``KEY_BLOCK``-key tiles. fp32 tensors: ``q`` [B*Hkv, row_len, hd] (already times
     ``scale``), ``k``/``v`` [B*Hkv, key_len, hd]. ``visible`` is the number of leading keys any
     query can see (the furthest query position + 1); keys after it are masked for every row.
+    ``kept_rows``: ``k``/``v`` may be the rows ``kv_rows`` keeps for the cache (only read, never kept past the call).
     """
 
-    def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, host: HostGuard):
+    def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, host: HostGuard,
+                 kept_rows: bool = False):
         batch, q_len, q_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         self.batch, self.q_len, self.q_heads, self.head_dim, self.kv_heads = batch, q_len, q_heads, head_dim, kv_heads
@@ -411,8 +415,12 @@ class _AttentionTiles:
         self.scale = scale
         self.host = host
         self.q = self._query_rows(q)
-        self.k = self._key_rows(k_cache)
-        self.v = self._key_rows(v_cache)
+        if kept_rows:  # a forward without a gradient: the rows a cache keeps between calls (never saved for a backward)
+            self.k = kv_rows.rows(k_cache, self.key_len, self._key_rows)
+            self.v = kv_rows.rows(v_cache, self.key_len, self._key_rows)
+        else:
+            self.k = self._key_rows(k_cache)
+            self.v = self._key_rows(v_cache)
         self.row_t = _row_positions(self.row_len, self.group, q_len, q.device)
         self.q_start = q_start
         # Every sequence starting at one position (training, a prefill from 0): one mask serves the whole batch.
@@ -587,7 +595,7 @@ def _attention_forward(tiles: _AttentionTiles, prob_tiles: Tensor, denom: Tensor
 
 def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float,
                      host: HostGuard) -> Tensor:
-    tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
+    tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host, kept_rows=True)
     prob_tiles, denom, _, _ = _attention_probs(tiles, compiled_loops.library())
     return tiles.to_output(_attention_forward(tiles, prob_tiles, denom), q.dtype)
 

@@ -1051,6 +1051,40 @@ at::Tensor key_rows(const at::Tensor& cache, int64_t key_len) {
   return out;
 }
 
+// kv_rows: the positions a KV cache write changed, copied into the cache's fp32 rows again [B*H, key_len, hd] (what
+// key_rows laid out: the same conversion, so the same values as a fresh key_rows of the written cache). Entry i of
+// positions [B', T] (with batch_index broadcast to it) is cache row (batch_index, positions); one at or past min(L,
+// key_len) is not in the rows. A negative index counts from the end, as the write's indexing does.
+void key_rows_at(at::Tensor& rows, const at::Tensor& cache, const at::Tensor& batch_index,
+                 const at::Tensor& positions) {
+  TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 4 && rows.dim() == 3 && rows.is_contiguous() &&
+                  rows.scalar_type() == at::kFloat,
+              "key_rows_at: a CPU cache [B, L, H, hd] and its contiguous fp32 rows [B*H, key_len, hd]");
+  const int64_t batch = cache.size(0), length = cache.size(1), heads = cache.size(2), dim = cache.size(3);
+  const int64_t key_len = rows.size(1), kept = std::min(length, key_len);
+  TORCH_CHECK(rows.size(0) == batch * heads && rows.size(2) == dim, "key_rows_at: rows do not match the cache");
+  const at::Tensor b_idx = batch_index.expand_as(positions).contiguous().to(at::kLong);
+  const at::Tensor p_idx = positions.contiguous().to(at::kLong);
+  const int64_t count = p_idx.numel();
+  const int64_t* bs = b_idx.data_ptr<int64_t>();
+  const int64_t* ps = p_idx.data_ptr<int64_t>();
+  const int64_t s_b = cache.stride(0), s_l = cache.stride(1), s_h = cache.stride(2), s_d = cache.stride(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "key_rows_at", [&] {
+    const scalar_t* base = cache.data_ptr<scalar_t>();
+    float* dst = rows.data_ptr<float>();
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t b = bs[i] < 0 ? bs[i] + batch : bs[i];
+      const int64_t p = ps[i] < 0 ? ps[i] + length : ps[i];
+      if (p >= kept) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* in = base + b * s_b + p * s_l + h * s_h;
+        float* o = dst + ((b * heads + h) * key_len + p) * dim;
+        for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j * s_d]);
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unary_chunked", &unary_chunked, "cpu_exact._unary's chunk loop on the library function, same bits");
   m.def("token_logprobs_forward", &token_logprobs_forward, "cpu_exact._token_logprobs_exact (fp32), same bits");
@@ -1076,4 +1110,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
   m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
   m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");
+  m.def("key_rows_at", &key_rows_at, "kv_rows: written cache positions copied into its fp32 rows, same values");
 }

@@ -74,6 +74,35 @@ def test_end_to_end_benchmark_schema():
     end_to_end.print_results(record)
 
 
+def test_end_to_end_at_other_prompt_lengths(capsys, monkeypatch):
+    """``--prompt-len``: one row per length, named for it; the decode step's cache prefilled in calls of
+    ``PREFILL_CHUNK`` positions is the one a single call fills (the exact decode step's log-probs, bitwise); bad
+    lengths and the default shape are one clear error."""
+    from vexact import Transformer
+
+    shape = end_to_end.at_prompt_lengths(shapes()["tiny"], [10])[0]
+    model = Transformer(shape.model, backend="exact", init_seed=0)
+    prompts = end_to_end.prompts_of(shape)
+    assert {len(p) for p in prompts} == {10}
+    one_call = end_to_end.decode_step_call(model, prompts, torch.device("cpu"))()
+    monkeypatch.setattr(end_to_end, "PREFILL_CHUNK", 4)  # 10 positions in calls of 4, 4 and 2
+    assert torch.equal(end_to_end.decode_step_call(model, prompts, torch.device("cpu"))(), one_call)
+    record = end_to_end.run(["tiny"], ["float32"], ["decode_step"], reps=1, device=torch.device("cpu"), threads=1,
+                            prompt_lengths=[2, 10])
+    assert [r["shape"] for r in record["results"]] == ["tiny, 2-token prompts", "tiny, 10-token prompts"]
+    assert record["settings"]["prompt_lengths"] == [2, 10]
+    for row in record["results"]:
+        _check_ratios(row)
+    end_to_end.print_results(record)
+    assert "tiny, 10-token prompts: decode step" in capsys.readouterr().out
+    longest = shapes()["tiny"].model.max_seq_len - shapes()["tiny"].new_tokens - 1
+    for argv, message in ((["--shape", "default", "--prompt-len", "8"], "applies to the shapes with random prompts"),
+                          (["--shape", "tiny", "--prompt-len", "0"], f"tiny's prompts take 1 to {longest} tokens"),
+                          (["--shape", "tiny", "--prompt-len", "4,x"], "comma list of token counts, got '4,x'")):
+        assert end_to_end.main([*argv, "--items", "decode_step", "--reps", "1"]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_end_to_end_profile_records_top_ops():
     record = end_to_end.run(["tiny"], ["float32"], ["decode_step"], reps=1, device=torch.device("cpu"), threads=1,
                             profile=3)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 import vexact_kernels
-from vexact_kernels import moe_exact
+from vexact_kernels import kv_rows, moe_exact
 
 # A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions: the contract
 # ``vexact_kernels.KernelOps`` (a Protocol; ``tests/kernels/test_kernel_contract.py`` checks every backend against it).
@@ -533,8 +533,9 @@ class Transformer(nn.Module):
             if cache is None:
                 keys, values = k, v
             else:
-                cache.keys[i][batch_index, positions] = k
-                cache.values[i][batch_index, positions] = v
+                # through kv_rows, whose record of the writes lets the exact CPU attention keep its rows of the cache
+                kv_rows.write(cache.keys[i], batch_index, positions, k)
+                kv_rows.write(cache.values[i], batch_index, positions, v)
                 keys, values = cache.keys[i], cache.values[i]
             o = ops.attention(q, keys, values, q_start, scale).reshape(batch, length, c.num_heads * c.head_dim)
             x = x + ops.linear(o, attn.o_proj.weight)
