@@ -2,13 +2,13 @@
 
 ``cpu_exact.attention`` multiplies keys and values laid out as fp32 rows, [B * Hkv, key_len, hd] (``key_len``: the
 visible keys in whole 64-key tiles; ``cpu_exact._AttentionTiles``). Laying a cache out afresh on every decode step
-reads and writes every visible position of it, in every layer, for one new position each: at llama100m's shape in
-bf16, a decode step at 1,900 positions took 334 ms so and 262 ms with the rows kept (a scratch measurement; the
-benchmarks page has the command that measures it). So a cache whose writes go through ``write`` (the model's one
-cache write) keeps its rows here between calls: each write copies the positions it changed into the rows (the same
-conversion as the layout: the same values, so the same bits), and the next call that asks for rows of the same
-length gets them without a pass over the cache. A new ``key_len`` (every 64 positions of a decode) lays them out
-afresh.
+reads and writes every visible position of it, in every layer, for one new position each: llama100m's decode step
+(8 sequences, bf16, 1 thread) took 310 ms so at 1,900 positions and 220 ms with the rows kept, 146 and 132 ms at 512
+(``docs/journal.md``, 2026-12-02, one process, interleaved). So a cache whose writes go through ``write`` (the
+model's one cache write) keeps its rows here between calls: each write copies the positions it changed into the rows
+(the same conversion as the layout: the same values, so the same bits), and the next call that asks for rows of the
+same length gets them without a pass over the cache. A new ``key_len`` (every 64 positions of a decode) lays them
+out afresh.
 
 The guard is the cache tensor's version counter (as ``gemm_arrangements.arranged_weight``'s for a weight): every
 in-place write to the cache or a view of it moves it on, and the rows are used only where every write since they were
