@@ -50,7 +50,7 @@ from .common import (
     renamed_sides,
     shapes,
 )
-from .end_to_end import LABELS, combo_label, decode_step_call, prompts_of, train_call
+from .end_to_end import DECODE_WARMUP, LABELS, combo_label, decode_step_call, prompts_of, train_call
 
 ITEMS = ("decode_step", "train_fwd_bwd")
 MODES = ("canonical", "auto")  # numerator, denominator
@@ -110,7 +110,10 @@ def bench_shape(shape_name: str, dtype_name: str, items: list[str], reps: int, p
     for item, by_mode in calls.items():
         # a decode step lasts milliseconds: time groups of steps (~50 ms) so scheduler noise averages out
         inner = inner_repeats(by_mode["auto"], device, target_s=0.05) if item == "decode_step" else 1
-        summary = compare(by_mode["canonical"], by_mode["auto"], reps=reps, device=device, inner=inner).summary()
+        # decode steps timed past the call at which a weight version's GEMMs pack, as a rollout's later steps run
+        warmup = DECODE_WARMUP if item == "decode_step" else 1
+        summary = compare(by_mode["canonical"], by_mode["auto"], reps=reps, device=device, inner=inner,
+                          warmup=warmup).summary()
         row = _row(item, shape_name, dtype_name, summary, inner)
         if profile > 0:
             row["profile"] = _top_split({mode: shape_split(by_mode[mode]) for mode in MODES}, profile)

@@ -506,7 +506,9 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
                    transposed: bool, hold: bool, one_thread: bool = False) -> TiledPlan | None:
     """The ``laid out`` plan of an ``operand_per_tile`` class (``_laid_out_tiles`` in its form, on
     ``laid_out_operand``) where the first-use check found the form's bits the canonical call's
-    (``_laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread."""
+    (``_laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread. One tile
+    (a decode step's call) runs on the weight packed once after ``PACK_AFTER_CALLS`` calls, where ``_packable`` and
+    the first-use check (``_packed_agrees``, form ``one tile``) allow."""
     form = _laid_out_form(blocks, k, n_pad)
     if not _laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=one_thread):
         return None
@@ -514,22 +516,33 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
 
     def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread)
+    if (hold and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
+            and _packable(k, n_pad, dtype, block)):
+        # a decode loop's one tile (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
+        # ``same_bits`` probe failed): oneDNN's linear on the weight packed once, where it gives the canonical call's
+        # bits (the call oneDNN's bmm makes reorders the weight every time: llama100m's LM head, 8 rows in a 48-row
+        # tile, bf16, on an Intel Xeon with AMX: 10.6 ms a call unpacked, 4.4 packed; the journal, session 38)
+        laid_out = _packed_after_use(laid_out, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=False),
+                                     lambda: _packed_agrees(PACKED_FORMS[2], blocks, block, k, n_pad, dtype))
     return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
 
 
 # --------------------------------------------------------------------------- oneDNN's GEMM on a weight packed once
 PACK_AFTER_CALLS = 16
-"""Calls of one plan (one weight version, one call shape: a decode loop's steps) after which a GEMM that runs
-oneDNN's linear (an fp32 class on ``onednn_rows``; a bf16 class's ``stacked`` arrangement, whose ``torch.mm`` is
-oneDNN's) runs it on the weight packed once (``host_guard.onednn_packed``) instead of the weight as stored. Packing
-costs about as much as 10-45 calls save (on an Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight, 25-45 ms
-for its LM head, against about 1 ms saved per LM head call; ``vexact bench decode_profile --gemm``), so a weight
-version pays for it only over a rollout's many steps: a rollout of fewer steps packs nothing, a longer one repays the
-layers' packing within 10-15 further steps and the LM head's within 25-45; a training step (one forward per version,
-its GEMMs recorded for autograd) never packs."""
-PACKED_FORMS = ("stacked", "tiles")
-"""What ``_packed_agrees`` compares the packed call with: the ``stacked`` arrangement's one ``torch.mm``, or the
-canonical tiles' oneDNN linear on the weight as stored (``tiles``, an fp32 ``onednn_rows`` class)."""
+"""Calls of one plan (one weight version, one call shape: a decode loop's steps) after which a GEMM that runs oneDNN's
+linear (an fp32 class on ``onednn_rows``; a bf16 class's ``stacked`` arrangement, whose ``torch.mm`` is oneDNN's; a
+bf16 ``operand_per_tile`` class's canonical call of one tile, whose ``bmm`` is oneDNN's) runs it on the weight packed
+once (``host_guard.onednn_packed``) instead of the weight as stored. Packing costs about as much as 10-45 calls save
+(on an Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight, 25-45 ms for its LM head, against about 1 ms
+saved per LM head call; ``vexact bench decode_profile --gemm``), so a weight version pays for it only over a
+rollout's many steps: a rollout of fewer steps packs nothing, a longer one repays the layers' packing within 10-15
+further steps and the LM head's within 25-45; a training step (one forward per version, its GEMMs recorded for
+autograd) never packs."""
+PACKED_FORMS = ("stacked", "tiles", "one tile")
+"""What ``_packed_agrees`` compares the packed call with: the ``stacked`` arrangement's one ``torch.mm``, the
+canonical tiles' oneDNN linear on the weight as stored (``tiles``, an fp32 ``onednn_rows`` class), or the canonical
+call of one tile of an ``operand_per_tile`` class (``one tile``: ``_laid_out_tiles``' first form, its ``bmm`` on the
+weight as stored, a transposed batch)."""
 _PACKED_CHECKS: dict[tuple, bool] = {}
 
 
@@ -595,6 +608,10 @@ def _packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype
         packed = onednn_packed(w)
         if form == PACKED_FORMS[0]:
             return torch.equal(onednn_linear(x, packed), torch.mm(x, w.t()))
+        if form == PACKED_FORMS[2]:  # (the canonical operand [1, K, N_pad] of w [N_pad, K], as ``stored_operand``)
+            canonical = _laid_out_tiles(x, transposed_batch(w.t().unsqueeze(0)), block, blocks, n_pad,
+                                        LAID_OUT_FORMS[0])
+            return torch.equal(onednn_linear(x, packed), canonical)
         tiles = x.view(blocks, block, k)
         return torch.equal(onednn_linear(tiles, packed), onednn_linear(tiles, w))
 

@@ -1,12 +1,13 @@
 """oneDNN's GEMM on a weight packed once (``gemm_arrangements.PACK_AFTER_CALLS``): a form of the same calls, checked.
 
-A plan that runs torch's oneDNN linear -- an fp32 class on ``onednn_rows`` (its canonical tiles), or a bf16 class's
-``stacked`` arrangement (whose ``torch.mm`` is oneDNN's) -- switches, after ``PACK_AFTER_CALLS`` calls of one weight
-version, to the same op on the weight packed once in oneDNN's layout, where a first-use check found the packed call's
-bits equal to the call it replaces. So:
+A plan that runs torch's oneDNN linear -- an fp32 class on ``onednn_rows`` (its canonical tiles), a bf16 class's
+``stacked`` arrangement (whose ``torch.mm`` is oneDNN's), or a bf16 class's canonical call of one tile (whose ``bmm``
+is oneDNN's: the ``laid out`` plan, in mode ``canonical``) -- switches, after ``PACK_AFTER_CALLS`` calls of one
+weight version, to the same op on the weight packed once in oneDNN's layout, where a first-use check found the packed
+call's bits equal to the call it replaces. So:
 
 - a decode loop longer than that gives every call the bits of its first call, and of a guard that never packs, at 1
-  and 2 threads, fp32 and bf16 -- and (where this host packs) it did pack;
+  and 2 threads, fp32 and bf16, in modes ``auto`` and ``canonical`` -- and (where this host packs) it did pack;
 - a packing whose bits differ (a perturbed weight swapped in) fails the check and is never used;
 - end to end, a model with layers above the size generates past the switch and its rollout log-probs equal the
   training path's bit for bit.
@@ -44,29 +45,32 @@ def _decode_loop(x: torch.Tensor, w: torch.Tensor, host: HostGuard) -> list[torc
         return [gemm_arrangements.tiled_matmul(x, w, host) for _ in range(CALLS)]
 
 
-def _loops_packed_and_never_packed(x: torch.Tensor, w: torch.Tensor, threads: int, monkeypatch
+def _loops_packed_and_never_packed(x: torch.Tensor, w: torch.Tensor, threads: int, monkeypatch, mode: str = "auto"
                                    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """A decode loop on ``w`` as the guard runs it, and one on a copy of ``w`` with packing off: (its outputs, the
-    reference outputs, the copy)."""
+    """A decode loop on ``w`` as a guard in ``mode`` runs it, and one on a copy of ``w`` with packing off: (its
+    outputs, the reference outputs, the copy)."""
     with num_threads(threads):
-        outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+        outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
         with monkeypatch.context() as never_packs:
             never_packs.setattr(gemm_arrangements, "_packable", lambda *shape: False)
             w_unpacked = w.clone()
-            reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+            reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
     return outs, reference, w_unpacked
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads, monkeypatch):
+@pytest.mark.parametrize("mode", ["auto", "canonical"])
+def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads, mode, monkeypatch):
+    """In ``canonical`` a bf16 class runs its canonical call (``operand_per_tile``: one tile, ``laid out``), which
+    packs too; in ``auto`` its ``stacked`` arrangement (where the probe passed)."""
     monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
     x, w = _operands(dtype)
-    outs, reference, w_unpacked = _loops_packed_and_never_packed(x, w, threads, monkeypatch)
+    outs, reference, w_unpacked = _loops_packed_and_never_packed(x, w, threads, monkeypatch, mode)
     assert all(torch.equal(out, reference[0]) for out in outs + reference)
     assert not _packed_kept(w_unpacked)
     with torch.no_grad(), num_threads(threads):  # the weight's other uses while its packed copy is kept
-        host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
         wider = gemm_arrangements.tiled_matmul(torch.cat([x, x]), w, host)  # another call shape: a new plan
         input_grad = gemm_arrangements.tiled_matmul(x, w.t(), host)  # an input gradient's operand: W, laid out
         reference_grad = gemm_arrangements.tiled_matmul(x, w_unpacked.t(), host)
