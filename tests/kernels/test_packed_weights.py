@@ -116,14 +116,16 @@ def test_a_packing_whose_bits_differ_is_never_used(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rollout_past_the_switch_equals_training_logprobs(dtype, monkeypatch):
+@pytest.mark.parametrize("mode", ["auto", "canonical"])
+def test_rollout_past_the_switch_equals_training_logprobs(dtype, mode, monkeypatch):
     monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
     config = ModelConfig(vocab_size=512, hidden_size=512, num_layers=1, num_heads=8, num_kv_heads=4,
                          intermediate_size=512, max_seq_len=64)  # q, o, gate, up, down and the head: 2^18 weights
     model = Transformer(config, backend="exact", dtype=dtype, init_seed=3)
+    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
     prompts = random_prompts(3, 12, seed=4, vocab=config.vocab_size)
-    out = generate(model, prompts, max_new_tokens=gemm_arrangements.PACK_AFTER_CALLS + 6, seed=2)
-    scored = token_logprobs(model, prompts, out.tokens)
+    out = generate(model, prompts, max_new_tokens=gemm_arrangements.PACK_AFTER_CALLS + 6, seed=2, ops=ops)
+    scored = token_logprobs(model, prompts, out.tokens, ops=ops)
     for i, (a, b) in enumerate(zip(out.logprobs, scored)):
         assert torch.equal(a, b.detach()), f"sequence {i}: rollout != training log-probs"
     if any(gemm_arrangements._PACKED_CHECKS.values()):  # this host packs these classes: the rollout ran packed
