@@ -9,8 +9,8 @@ arrangements, every library property probed as ``auto`` does) and to one in mode
 wherever their ``same_bits`` probe passes), back to back, their order alternating. Each figure is canonical / auto
 (median over the repetitions, min–max; decode steps after ``end_to_end.DECODE_WARMUP`` untimed ones, past the call at
 which a weight version's GEMMs pack, as ``end_to_end`` times them): one run, one process, so the load that slows one
-side slows the other -- unlike the ratio of two ``end_to_end`` runs' exact / native medians (``benchmarks.tables --by-mode``), whose
-run-to-run spread on a shared machine is larger than the 5% the comparison asks of it.
+side slows the other -- unlike the ratio of two ``end_to_end`` runs' exact / native medians (``benchmarks.tables
+--by-mode``), whose run-to-run spread on a shared machine is larger than the 5% the comparison asks of it.
 
 ``--profile N`` also profiles each side once and records the N (op, input shapes) pairs with the most self CPU time
 on either side, and two totals: the matrix products and copies, and every op (where the per-tile arrangement's extra
