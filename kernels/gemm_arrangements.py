@@ -561,7 +561,8 @@ def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], 
                       ) -> Callable:
     """A plan's run: ``unpacked`` for its first ``PACK_AFTER_CALLS`` calls, then -- where ``agrees()`` (the first-use
     check that the packed call gives the unpacked one's bits for the class) -- the run ``packed(weight)`` makes once
-    (given the weight at that call: a plan holds no reference to it). No bit depends on which ran."""
+    (given the weight at that call: a plan holds no reference to it), or ``unpacked`` for good where it makes none
+    (no room under ``ARRANGED_BYTES_MAX``). No bit depends on which ran."""
     calls = 0
     run: Callable | None = None
 
@@ -571,18 +572,24 @@ def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], 
             calls += 1
             if calls <= PACK_AFTER_CALLS or not agrees():
                 return unpacked(x, w, host, loops)
-            run = packed(w)
+            run = packed(w) or unpacked
         return run(x, w, host, loops)
     return after_use
 
 
 def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, blocks: int, n: int, *,
-                tiled: bool) -> Callable[[Tensor, Tensor, HostGuard, object], Tensor]:
+                tiled: bool) -> Callable[[Tensor, Tensor, HostGuard, object], Tensor] | None:
     """The plan's GEMM on the weight packed once (laid out once per weight version, ``arranged_weight``): x padded to
     the plan's tiles as before, then one oneDNN linear call -- on the tiles [T, block, K] (``tiled``: as the canonical
-    tiles call it) or on their rows stacked [T x block, K] (the ``stacked`` arrangement)."""
-    packed = arranged_weight(weight, ("onednn packed", dtype, n_pad),
-                             lambda: onednn_packed(canonical_operand(weight, dtype, n_pad)[0].t()))
+    tiles call it) or on their rows stacked [T x block, K] (the ``stacked`` arrangement). None where the packed copy
+    would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan counts
+    against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
+    form = ("onednn packed", dtype, n_pad)
+    if not _arranged(weight, form) and _arranged_bytes() + weight.numel() * dtype.itemsize > ARRANGED_BYTES_MAX:
+        return None
+    packed = arranged_weight(weight, form, lambda: onednn_packed(canonical_operand(weight, dtype, n_pad)[0].t()))
+    if not _arranged(weight, form):  # (laid out, but over the bound after all: not kept)
+        return None
     rows_padded = blocks * block
 
     def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
@@ -673,9 +680,9 @@ ARRANGED_BYTES_MAX = 1 << 32
 """Bytes (4 GiB): the most that laid-out weight operands (``arranged_weight``) hold at once in a process. A laid-out
 operand is a copy of a weight (transposed, column-padded or cast to the GEMM's dtype): at most one per weight and
 form, so training a model holds at most one extra copy of each linear weight (the input gradient's transposed copy;
-the forward's operand is the weight itself), about the model's linear weights' size again.
-Beyond this bound new operands are laid out per call as before (slower, the
-same bits): a 30B-parameter model's weights are not doubled silently."""
+the forward's operand is the weight itself), about the model's linear weights' size again; a decode loop's weights
+packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are laid out per call as before, and no
+weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled silently."""
 
 # weight (the tensor owning its storage: a view's base) -> {form: (version, operand)}; weakly keyed: gone with it
 _ARRANGED = WeakIdKeyDictionary()
@@ -696,7 +703,7 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
     except RuntimeError:  # an inference tensor: no version counter to follow
         return make()
     owner = weight if weight._base is None else weight._base
-    key = (form, tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype, weight.data_ptr())
+    key = _arranged_key(weight, form)
     entries = _ARRANGED.get(owner)
     if entries is not None and (hit := entries.get(key)) is not None and hit[0] == version:
         return hit[1]
@@ -706,13 +713,32 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         return out  # a view of the weight: nothing laid out (an opaque packed weight is always a copy)
     if entries is not None:
         entries.pop(key, None)  # an older version's operand
-    held = sum(t.nbytes for kept in _ARRANGED.values() for _, t in kept.values())
-    if held + out.nbytes <= ARRANGED_BYTES_MAX:
+    if _arranged_bytes() + out.nbytes <= ARRANGED_BYTES_MAX:
         if entries is None:
             entries = _ARRANGED[owner] = {}
         entries[key] = (version, out)
     return out
 
+
+
+def _arranged_bytes() -> int:
+    """Bytes the operands ``arranged_weight`` keeps hold now (counted against ``ARRANGED_BYTES_MAX``)."""
+    return sum(t.nbytes for kept in _ARRANGED.values() for _, t in kept.values())
+
+
+def _arranged_key(weight: Tensor, form: tuple) -> tuple:
+    """``arranged_weight``'s key for an operand of ``form`` laid out from this view of a weight."""
+    return form, tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype, weight.data_ptr()
+
+
+def _arranged(weight: Tensor, form: tuple) -> bool:
+    """Whether ``arranged_weight`` keeps an operand of ``form`` for this version of ``weight``'s view."""
+    owner = weight if weight._base is None else weight._base
+    hit = _ARRANGED.get(owner, {}).get(_arranged_key(weight, form))
+    try:
+        return hit is not None and hit[0] == weight._version
+    except RuntimeError:  # an inference tensor: nothing is kept for it
+        return False
 
 def canonical_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
     """``tiled_matmul``'s canonical right operand [1, K, N_pad]: ``weight`` [N, K] cast to ``dtype``, zero-padded to

@@ -130,3 +130,24 @@ def test_rollout_past_the_switch_equals_training_logprobs(dtype, mode, monkeypat
         assert torch.equal(a, b.detach()), f"sequence {i}: rollout != training log-probs"
     if any(gemm_arrangements._PACKED_CHECKS.values()):  # this host packs these classes: the rollout ran packed
         assert any(_packed_kept(p) for p in model.parameters())
+
+
+def test_no_weight_is_packed_beyond_the_bound(monkeypatch):
+    """A packed weight counts against ``ARRANGED_BYTES_MAX`` as every laid-out operand does: with no room under it,
+    a decode loop past the switch packs nothing (no copy kept, none held by its plan) and keeps its first call's
+    bits."""
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    monkeypatch.setattr(gemm_arrangements, "ARRANGED_BYTES_MAX", 0)
+    x, w = _operands(torch.float32)
+    runs = []
+    real_run = gemm_arrangements._packed_run
+
+    def recorded(*args, **kwargs):  # what each plan got when it asked for its packed run
+        runs.append(real_run(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(gemm_arrangements, "_packed_run", recorded)
+    outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert not _packed_kept(w)
+    assert runs in ([], [None])  # [] where this host runs the class on no oneDNN linear
