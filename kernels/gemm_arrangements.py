@@ -720,7 +720,6 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
     return out
 
 
-
 def _arranged_bytes() -> int:
     """Bytes the operands ``arranged_weight`` keeps hold now (counted against ``ARRANGED_BYTES_MAX``)."""
     return sum(t.nbytes for kept in _ARRANGED.values() for _, t in kept.values())
@@ -739,6 +738,7 @@ def _arranged(weight: Tensor, form: tuple) -> bool:
         return hit is not None and hit[0] == weight._version
     except RuntimeError:  # an inference tensor: nothing is kept for it
         return False
+
 
 def canonical_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
     """``tiled_matmul``'s canonical right operand [1, K, N_pad]: ``weight`` [N, K] cast to ``dtype``, zero-padded to
