@@ -32,7 +32,8 @@ guard's ``same_bits`` probe found that it gives the canonical arrangement's bits
 (``HostGuard.arrangement_agrees``), so no result depends on it:
 
 - ``tiled_matmul``'s tiles stacked into one GEMM (``_stacked_matmul``), with the weight as stored where it is an
-  input gradient's (no transposing copy);
+  input gradient's (no transposing copy); where the last tile is partial and the weight small, the whole tiles
+  multiplied where x holds them and the last tile apart (``_split_mm``: no copy of every row);
 - ``transposed_matmul``'s chunk GEMMs on views of its inputs (``_transposed_matmul_views``), the last chunk on its
   real rows where that length agrees too.
 
@@ -119,6 +120,14 @@ per gradient); llama100m's LM head is far above it (767 x 2 x 576 x 256, about 2
 STACKED_MACS_MAX = 1 << 34
 """Multiply-adds (about 1.7e10): the largest linear layer whose tiles may run as one GEMM. Its ``same_bits`` probe
 (per tile count) costs about three GEMMs of the layer's size at first use, a one-time cost that this bounds."""
+APART_WEIGHT_BYTES_MAX = 1 << 18
+"""Bytes (256 KiB): the largest weight operand for which ``tiled_matmul``'s stacked GEMM multiplies its last, partial
+tile in a GEMM of its own (``_last_tile_apart``) instead of copying every row into a zero-padded operand: the whole
+tiles are multiplied where x holds them. A second GEMM call reads the weight again, which costs less than the copy
+only while the weight is small: the RL update's leaf (32 sequences of 29 tokens, the default model's 64- to
+176-wide layers, fp32, 1 thread) took 0.94-1.00x its time with every row copied, and the zero_mismatch RL step 0.96x
+(0.98x at 2 threads); llama100m's 576-wide layers at 312 rows took 1.06-1.13x one call alone (the journal, session
+38)."""
 VIEW_SLAB_ROWS = 4096
 """A weight gradient on views (``_transposed_matmul_views``) cuts its N output rows
 into slabs of this many, each its own GEMM calls and tree, to bound the partial products held at once (llama's LM
@@ -437,9 +446,11 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
             if _stacked_agrees(blocks, block, k, n, transposed=transposed, row_major=True, host=host, op=op,
                                dtype=dtype, per_tile=per_tile):
                 as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
+                apart = _last_tile_apart(rows, blocks, block, k, n, transposed=transposed, row_major=True, host=host,
+                                         op=op, dtype=dtype, per_tile=per_tile)
 
                 def stacked_as_given(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-                    return _stacked_mm(x, as_given(w), blocks * block, n)
+                    return _stacked_mm(x, as_given(w), blocks * block, n, apart)
                 return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, stacked_as_given)
 
     def canonical() -> Callable[[Tensor], Tensor]:  # the canonical operand [1, K, N_pad], in the class's layout
@@ -459,9 +470,11 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                                     host=host, op=op, dtype=dtype, per_tile=per_tile)):
             of = stored_operand if per_tile else canonical_operand
             matrix = _operand_of(weight, lambda w: of(w, dtype, n_pad)[0], hold)
+            apart = _last_tile_apart(rows, blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
+                                     host=host, op=op, dtype=dtype, per_tile=per_tile)
 
             def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-                return _stacked_mm(x, matrix(w), blocks * block, n)
+                return _stacked_mm(x, matrix(w), blocks * block, n, apart)
             if (hold and dtype == torch.bfloat16 and not stored_row_major(weight)
                     and _packable(k, n_pad, dtype, blocks * block)):
                 # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
@@ -626,7 +639,8 @@ def _packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype
 
 
 def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
-                    host: HostGuard, op: str, dtype: torch.dtype = torch.float32, per_tile: bool = False) -> bool:
+                    host: HostGuard, op: str, dtype: torch.dtype = torch.float32, per_tile: bool = False,
+                    last_apart: bool = False) -> bool:
     """Whether one GEMM over ``blocks`` stacked ``block``-row tiles gives the tiles' own bits (the one ``bmm`` call of
     ``tiled_matmul``, each tile multiplying the shared operand [1, K, N_pad], ``transposed`` or row-major; where
     ``per_tile``, the operand once per tile in that layout: ``per_tile_operand``) for this class on this host;
@@ -637,26 +651,46 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
     The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
     once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens), and the weight as it is saves a
     transposing copy of it. Where the library's result for a row would differ, the probe sees it and the tiles
-    run."""
+    run.
+
+    ``last_apart``: the same GEMM with its last tile in a GEMM of its own (``_split_mm``), for a call whose last tile
+    is partial -- probed on ``blocks * block - 1`` rows (the last tile one row short, as the tiles zero-pad it)."""
+    rows = blocks * block - (1 if last_apart else 0)
 
     def inputs(layout_transposed: bool) -> tuple[Tensor, Tensor]:
         x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))  # w: the weight's values, [N_pad, K]
+        x[rows:] = 0  # (the tiles' zero padding)
         return x, (w.t() if layout_transposed else w.t().contiguous()).unsqueeze(0)
 
     def tiles() -> Tensor:
         x, w = inputs(transposed)
         right = per_tile_operand(w, blocks) if per_tile else w.expand(blocks, k, n_pad)
-        return torch.bmm(x.view(blocks, block, k), right).view(blocks * block, n_pad)
+        return torch.bmm(x.view(blocks, block, k), right).view(blocks * block, n_pad)[:rows]
 
     def stacked() -> Tensor:
         x, w = inputs(transposed and not row_major)
+        if last_apart:
+            return _split_mm(x[:rows], w[0], blocks * block, n_pad, block)
         return _stacked_matmul(x, w, blocks * block, n_pad)
 
     layout = ("transposed" if transposed else "row-major") + (" batch" if per_tile else "")
     given = ", the weight as given (row-major)" if row_major else ""
-    return host.arrangement_agrees("linear tiles stacked in one GEMM",
-                                   f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} {_name(dtype)}", tiles,
-                                   stacked, op)
+    name = "linear tiles stacked in one GEMM" + (", the last tile apart" if last_apart else "")
+    return host.arrangement_agrees(name, f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} {_name(dtype)}",
+                                   tiles, stacked, op)
+
+
+def _last_tile_apart(rows: int, blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
+                     host: HostGuard, op: str, dtype: torch.dtype, per_tile: bool) -> int:
+    """The tile height where a stacked GEMM of ``rows`` rows (a class whose ``_stacked_agrees`` passed) multiplies its
+    last, partial tile apart (``_split_mm``), else 0: where that tile is partial and there are whole tiles before it,
+    the weight is small (``APART_WEIGHT_BYTES_MAX``) and the guard found the split's bits the tiles' (the same probe,
+    ``last_apart``)."""
+    if (blocks < 2 or rows % block == 0 or k * n_pad * dtype.itemsize > APART_WEIGHT_BYTES_MAX
+            or not _stacked_agrees(blocks, block, k, n_pad, transposed=transposed, row_major=row_major, host=host,
+                                   op=op, dtype=dtype, per_tile=per_tile, last_apart=True)):
+        return 0
+    return block
 
 
 def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
@@ -665,14 +699,30 @@ def _stacked_matmul(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Ten
     return _stacked_mm(x, operand[0], padded_rows, n)
 
 
-def _stacked_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int) -> Tensor:
+def _stacked_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int, last_apart: int = 0) -> Tensor:
     """``_stacked_matmul`` on its operand's matrix [K, N_pad] (which a ``TiledPlan`` holds), the output sliced only
-    where it has more rows or columns than [M, n]."""
+    where it has more rows or columns than [M, n]; ``last_apart`` (a tile height, from ``_last_tile_apart``): a
+    partial last tile in a GEMM of its own (``_split_mm``)."""
     rows, k = x.shape
+    if last_apart and rows % last_apart:
+        return _split_mm(x, operand, padded_rows, n, last_apart)
     out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand)
     if out.shape[1] != n:
         return out[:rows, :n]
     return out if rows == padded_rows else out[:rows]
+
+
+def _split_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int, block: int) -> Tensor:
+    """``_stacked_mm`` with its last, partial tile apart: one GEMM over the whole tiles where x holds them (no copy of
+    their rows), one over the last tile zero-padded to ``block`` rows, each into its own rows of one output. Used only
+    where ``_stacked_agrees(..., last_apart=True)`` found the tiles' bits."""
+    rows, k = x.shape
+    x = _aligned(x)
+    body = rows - rows % block
+    out = x.new_empty(padded_rows, operand.shape[1])
+    torch.mm(x[:body], operand, out=out[:body])
+    torch.mm(_zero_padded(x[body:], (block, k)), operand, out=out[body:])
+    return out[:rows] if out.shape[1] == n else out[:rows, :n]
 
 
 # --------------------------------------------------------------------------- weights laid out once per version

@@ -7,7 +7,9 @@ bits of the kernels' own (canonical) arrangement on this host:
   chunks): canonically transposed, zero-padded copies in 64-row tiles (``_transposed_matmul_tiles``); faster, the
   same chunk GEMMs on views of the inputs, the last chunk on its real rows (``_transposed_matmul_views``);
 - a linear layer's row tiles (``gemm_arrangements.tiled_matmul``): canonically one ``bmm`` of 64-row tiles sharing the
-  weight; faster, one GEMM over the stacked tiles (``_stacked_matmul``), which packs the weight once.
+  weight; faster, one GEMM over the stacked tiles (``_stacked_matmul``), which packs the weight once -- and, where the
+  last tile is partial and the weight small, that GEMM over the whole tiles where the rows lie with the last tile in
+  a GEMM of its own (``_split_mm``).
 
 Either way the result must be the canonical one, bit for bit: that is what these tests check, with the real GEMM
 and with a faster arrangement made wrong on purpose."""
@@ -265,6 +267,57 @@ def test_a_stacked_gemm_that_differs_keeps_the_tiles(monkeypatch):
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     assert _views_probes(guard) == [("linear tiles stacked in one GEMM: 5x64 rows K=48 N=32 transposed float32",
                                      CANONICAL_PATH)]
+
+
+APART_CASES = [(928, 64, 64), (928, 176, 64), (129, 16, 16), (700, 48, 40), (3776 + 5, 64, 22)]
+
+
+def _apart_probes(guard: HostGuard) -> list[tuple[str, str]]:
+    return [(shape_class, path) for shape_class, path in _views_probes(guard) if "the last tile apart" in shape_class]
+
+
+@pytest.mark.parametrize("rows,k,n", APART_CASES)
+@pytest.mark.parametrize("given", [False, True], ids=["forward", "input-gradient"])
+def test_a_partial_last_tile_apart_is_the_tiles_bit_for_bit(rows, k, n, given):
+    """A stacked GEMM whose last tile is partial multiplies it apart (``_split_mm``: the whole tiles where x holds
+    them, no copy) where the guard found the tiles' bits; either way the tiles' bits, for a forward's weight and for
+    an input gradient's (the weight as given)."""
+    gen = torch.Generator().manual_seed(rows + 7 * k + n)
+    x = torch.randn(rows, k, generator=gen) * 10.0 ** torch.randint(-3, 4, (rows, k), generator=gen)
+    x[0], x[-1, 0] = -0.0, float("inf")
+    weight = torch.randn(k, n, generator=gen).t() if given else torch.randn(n, k, generator=gen)
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    out = gemm_arrangements.tiled_matmul(x, weight, guard)
+    assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
+    stacked = [path for shape_class, path in _views_probes(guard) if "apart" not in shape_class]
+    if stacked == [FASTER_PATH]:  # a stacked GEMM runs: its last tile apart was asked (the weight is small)
+        assert len(_apart_probes(guard)) == 1
+
+
+def test_a_last_tile_apart_that_differs_keeps_the_stacked_gemm(monkeypatch):
+    real_split = gemm_arrangements._split_mm
+    monkeypatch.setattr(gemm_arrangements, "_split_mm",
+                        lambda x, operand, rows, n, block: _nudge(real_split(x, operand, rows, n, block)))
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(300, 48, generator=gen), torch.randn(24, 48, generator=gen)
+    out = gemm_arrangements.tiled_matmul(x, weight, guard)
+    assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
+    assert _apart_probes(guard) in ([], [("linear tiles stacked in one GEMM, the last tile apart: 5x64 rows K=48 "
+                                          "N=32 transposed float32", CANONICAL_PATH)])  # [] where no stack runs
+
+
+@pytest.mark.parametrize("mode,rows,n,k", [("auto", 256, 64, 64), ("auto", 300, 512, 256), ("canonical", 300, 64, 64)],
+                         ids=["whole-tiles", "large-weight", "canonical"])
+def test_whole_tiles_a_large_weight_or_canonical_mode_ask_nothing_apart(mode, rows, n, k):
+    """No last tile apart where every tile is whole, where the weight is above ``APART_WEIGHT_BYTES_MAX`` (512 x 256
+    fp32: 512 KiB) or in mode ``canonical`` (which takes no ``same_bits`` arrangement): the probe is never asked."""
+    gen = torch.Generator().manual_seed(rows + n)
+    x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+    out = gemm_arrangements.tiled_matmul(x, weight, guard)
+    assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
+    assert _apart_probes(guard) == []
 
 
 @pytest.mark.parametrize("rows,k,n", STACKED_CASES)
