@@ -684,9 +684,10 @@ def _last_tile_apart(rows: int, blocks: int, block: int, k: int, n_pad: int, *, 
                      host: HostGuard, op: str, dtype: torch.dtype, per_tile: bool) -> int:
     """The tile height where a stacked GEMM of ``rows`` rows (a class whose ``_stacked_agrees`` passed) multiplies its
     last, partial tile apart (``_split_mm``), else 0: where that tile is partial and there are whole tiles before it,
-    the weight is small (``APART_WEIGHT_BYTES_MAX``) and the guard found the split's bits the tiles' (the same probe,
-    ``last_apart``)."""
-    if (blocks < 2 or rows % block == 0 or k * n_pad * dtype.itemsize > APART_WEIGHT_BYTES_MAX
+    the weight is small (``APART_WEIGHT_BYTES_MAX``), the class fp32 and the guard found the split's bits the tiles'
+    (the same probe, ``last_apart``). Not bf16: on the Intel Xeon with AMX every bf16 class's probe refused it (the
+    last tile's GEMM at 2 threads gave other bits than at 1), so asking would only cost the probes."""
+    if (blocks < 2 or rows % block == 0 or dtype != torch.float32 or k * n_pad * dtype.itemsize > APART_WEIGHT_BYTES_MAX
             or not _stacked_agrees(blocks, block, k, n_pad, transposed=transposed, row_major=row_major, host=host,
                                    op=op, dtype=dtype, per_tile=per_tile, last_apart=True)):
         return 0
