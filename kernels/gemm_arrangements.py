@@ -598,10 +598,11 @@ def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, bloc
     would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan counts
     against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
     form = ("onednn packed", dtype, n_pad)
-    if not _arranged(weight, form) and _arranged_bytes() + weight.numel() * dtype.itemsize > ARRANGED_BYTES_MAX:
+    if (_kept_operand(weight, form) is None
+            and _arranged_bytes() + weight.numel() * dtype.itemsize > ARRANGED_BYTES_MAX):
         return None
     packed = arranged_weight(weight, form, lambda: onednn_packed(canonical_operand(weight, dtype, n_pad)[0].t()))
-    if not _arranged(weight, form):  # (laid out, but over the bound after all: not kept)
+    if _kept_operand(weight, form) is not packed:  # (laid out, but over the bound after all: not kept)
         return None
     rows_padded = blocks * block
 
@@ -753,11 +754,11 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         version = weight._version
     except RuntimeError:  # an inference tensor: no version counter to follow
         return make()
+    if (kept := _kept_operand(weight, form)) is not None:
+        return kept
     owner = weight if weight._base is None else weight._base
     key = _arranged_key(weight, form)
     entries = _ARRANGED.get(owner)
-    if entries is not None and (hit := entries.get(key)) is not None and hit[0] == version:
-        return hit[1]
     with torch.no_grad():
         out = make()
     if not out.is_mkldnn and out.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
@@ -781,14 +782,14 @@ def _arranged_key(weight: Tensor, form: tuple) -> tuple:
     return form, tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype, weight.data_ptr()
 
 
-def _arranged(weight: Tensor, form: tuple) -> bool:
-    """Whether ``arranged_weight`` keeps an operand of ``form`` for this version of ``weight``'s view."""
+def _kept_operand(weight: Tensor, form: tuple) -> Tensor | None:
+    """The operand of ``form`` that ``arranged_weight`` keeps for this version of ``weight``'s view, else None."""
     owner = weight if weight._base is None else weight._base
     hit = _ARRANGED.get(owner, {}).get(_arranged_key(weight, form))
     try:
-        return hit is not None and hit[0] == weight._version
+        return hit[1] if hit is not None and hit[0] == weight._version else None
     except RuntimeError:  # an inference tensor: nothing is kept for it
-        return False
+        return None
 
 
 def canonical_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
