@@ -20,6 +20,10 @@ This test regenerates every block whose command is cheap and deterministic from 
 * ``python -m tools.studies.tail_compare --sweep runs/sweeps/horizon_scaling_tail_sweep`` (the kept tail logs);
 * ``python -m tools.studies.policy_lag runs/sweeps/NAME`` (the kept logs of a policy-lag sweep);
 * ``python (the block above)``: what the runnable python block right above the marker prints;
+* ``vexact bench tables FILE...`` where every FILE is a benchmark record kept in ``docs/results/data/``: the tables
+  printed from the record (without the ``## FILE`` line each record's tables start with, as the pages show them;
+  ``(from its Measured on: line)`` marks the same), in-process -- the timings were measured once, the tables are a
+  function of the kept JSON;
 * ``vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map ...`` on the synthetic dumps that the runnable block of
   docs/reference/map.md writes (that page's worked example is checked too); qualifiers ``(last lines)`` and
   ``(verdict and reference lines)``.
@@ -36,9 +40,10 @@ regenerated_or_listed` fails on a block in neither set, so a new page cannot add
 * surge.md's ``surge_modes`` table (it trains an 800-step warm start: minutes);
 * vllm_map.md's two tables (vLLM runs, in vLLM's own venv, not kept).
 
-Timing pages: ``benchmarks.md``, ``benchmarks_price_fp32.md`` and ``benchmarks_peer.md`` (timings of one machine):
-only their ``python (the block above)`` blocks, which print from kept JSON, are regenerated; their benchmark tables
-are not, and need no listing (gpu_triton.md's tables are printed from its kept raw output, so they are regenerated).
+The timing pages (``benchmarks.md``, ``benchmarks_price_fp32.md``, ``benchmarks_peer.md``: timings of one machine)
+are checked like the others: their blocks print from kept JSON (``vexact bench tables``, runnable python blocks), so
+a page cannot show a record's old tables after the record was measured again (gpu_triton.md's tables are printed
+from its kept raw output, so they are regenerated too).
 """
 
 from __future__ import annotations
@@ -59,8 +64,6 @@ RESULTS = ROOT / "docs" / "results"
 DATA = RESULTS / "data"
 GENERATED = re.compile(r"<!-- generated: (?P<command>.+?) -->\n(?P<body>.*?)\n\s*<!-- end generated -->", re.S)
 QUALIFIER = re.compile(r"^(?P<command>.*?)(?: \((?P<qualifier>[^()]*)\))?$")
-# timings of one machine: their own tests
-SKIPPED_PAGES = {"benchmarks.md", "benchmarks_price_fp32.md", "benchmarks_peer.md"}
 
 NOT_KEPT = "the sweep's run directories are not kept in the repository (its runs take hours)"
 # page -> {command as marked: why this test cannot regenerate it}
@@ -113,7 +116,7 @@ def generated_blocks(page: Path) -> list[tuple[str, str]]:
 
 def _pages() -> list[Path]:
     """The results pages, and the reference page that carries the map's worked ``compare --map`` example."""
-    return [p for p in sorted(RESULTS.glob("*.md")) if p.name not in SKIPPED_PAGES] + [ROOT / "docs/reference/map.md"]
+    return sorted(RESULTS.glob("*.md")) + [ROOT / "docs/reference/map.md"]
 
 
 def _tarball_holding(sweep: str) -> Path | None:
@@ -178,7 +181,19 @@ def regenerable(command: str) -> bool:
                                 "python -m tools.studies.tail_compare --sweep runs/sweeps/",
                                 "python -m tools.studies.policy_lag runs/sweeps/",
                                 "vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map"))
-            or (bare == "python" and qualifier == "the block above"))
+            or (bare == "python" and qualifier == "the block above")
+            or _kept_benchmark_records(words) is not None)
+
+
+def _kept_benchmark_records(words: list[str]) -> list[str] | None:
+    """The arguments of a ``vexact bench tables`` command whose every file is a record kept in docs/results/data
+    (flags as given), else None."""
+    if words[:3] != ["vexact", "bench", "tables"]:
+        return None
+    args = words[3:]
+    files = [a for a in args if not a.startswith("--")]
+    kept = bool(files) and all(Path(f).parent == Path("docs/results/data") and (ROOT / f).is_file() for f in files)
+    return [a if a.startswith("--") else str(ROOT / a) for a in args] if kept else None
 
 
 def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
@@ -225,6 +240,15 @@ def regenerate(page: Path, command: str, body: str, tmp: Path) -> str | None:
         return _printed(policy_lag.main, [str(_extract(words[-1].removeprefix("runs/sweeps/"), tmp))])
     if bare == "python" and qualifier == "the block above":
         return f"```\n{_run_python_above(page, command, body)}\n```"
+    if (records := _kept_benchmark_records(words)) is not None:
+        from benchmarks import tables
+
+        printed = _printed(tables.main, records)
+        if qualifier == "from its Measured on: line":
+            return printed[printed.index("Measured on:"):]
+        assert qualifier is None, f"{page.name}: unknown qualifier ({qualifier}) of `{command}`"
+        # one record's tables start with the line `## FILE` and a blank line, which the pages leave out
+        return printed.split("\n", 2)[2] if printed.startswith("## ") else printed
     if bare.startswith("vexact compare /tmp/roll.jsonl /tmp/train.jsonl --map"):
         printed = _compare(page, words[2:], tmp)
         if qualifier == "last lines":  # the block shows the output's last lines, fenced
@@ -266,22 +290,11 @@ def _compare(page: Path, argv: list[str], tmp: Path) -> str:
     return done.stdout.rstrip("\n")
 
 
-def _timing_pages() -> list[Path]:
-    return [RESULTS / name for name in sorted(SKIPPED_PAGES)]
-
-
-def _checked_here(page: Path, command: str) -> bool:
-    """On a timing page only the blocks printed from kept data (``python (the block above)``) are regenerated."""
-    return page.name not in SKIPPED_PAGES or command == "python (the block above)"
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("page", _pages() + _timing_pages(), ids=lambda p: p.name)
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_generated_blocks_are_what_their_commands_print_now(page, tmp_path):
     checked = 0
     for command, body in generated_blocks(page):
-        if not _checked_here(page, command):
-            continue
         now = regenerate(page, command, body, tmp_path)
         if now is None:
             continue
@@ -312,4 +325,14 @@ def test_a_stale_block_is_found(tmp_path):
     command, body = next((c, b) for c, b in generated_blocks(page) if c.endswith("(second table)"))
     assert regenerate(page, command, body, tmp_path) == body
     stale = body.replace("| 0.001 |", "| 0.002 |", 1)
+    assert stale != body and regenerate(page, command, stale, tmp_path) != stale
+
+
+@pytest.mark.slow
+def test_a_stale_benchmark_table_is_found(tmp_path):
+    """A timing page's table from a kept benchmark record, with one ratio changed, is not what its command prints."""
+    page = RESULTS / "benchmarks.md"
+    command, body = next((c, b) for c, b in generated_blocks(page) if "guard_modes_intel_xeon.json" in c)
+    assert regenerate(page, command, body, tmp_path) == body
+    stale = re.sub(r"\| (\d\.\d\d)×", lambda m: f"| {float(m.group(1)) + 0.01:.2f}×", body, count=1)
     assert stale != body and regenerate(page, command, stale, tmp_path) != stale
