@@ -598,8 +598,7 @@ def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, bloc
     would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan counts
     against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
     form = ("onednn packed", dtype, n_pad)
-    if (_kept_operand(weight, form) is None
-            and _arranged_bytes() + weight.numel() * dtype.itemsize > ARRANGED_BYTES_MAX):
+    if _kept_operand(weight, form) is None and not _room_for(weight.numel() * dtype.itemsize):
         return None
     packed = arranged_weight(weight, form, lambda: onednn_packed(canonical_operand(weight, dtype, n_pad)[0].t()))
     if _kept_operand(weight, form) is not packed:  # (laid out, but over the bound after all: not kept)
@@ -765,16 +764,17 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         return out  # a view of the weight: nothing laid out (an opaque packed weight is always a copy)
     if entries is not None:
         entries.pop(key, None)  # an older version's operand
-    if _arranged_bytes() + out.nbytes <= ARRANGED_BYTES_MAX:
+    if _room_for(out.nbytes):
         if entries is None:
             entries = _ARRANGED[owner] = {}
         entries[key] = (version, out)
     return out
 
 
-def _arranged_bytes() -> int:
-    """Bytes the operands ``arranged_weight`` keeps hold now (counted against ``ARRANGED_BYTES_MAX``)."""
-    return sum(t.nbytes for kept in _ARRANGED.values() for _, t in kept.values())
+def _room_for(nbytes: int) -> bool:
+    """Whether an operand of ``nbytes`` fits beside the operands ``arranged_weight`` keeps now, under
+    ``ARRANGED_BYTES_MAX``: the one test of the bound, for a laid-out operand and for a weight about to be packed."""
+    return sum(t.nbytes for kept in _ARRANGED.values() for _, t in kept.values()) + nbytes <= ARRANGED_BYTES_MAX
 
 
 def _arranged_key(weight: Tensor, form: tuple) -> tuple:
