@@ -380,6 +380,21 @@ class _Evil:
         return (print, ("pwned",))
 
 
+def test_tensors_saved_with_requires_grad_compare_and_sparse_ones_are_one_error(tmp_path, capsys):
+    # a trainer's log-probs torch.save'd without .detach() keep requires_grad (a traceback from numpy() before)
+    path = tmp_path / "b.pt"
+    torch.save({"rollout_log_probs": _padded(ROLL).requires_grad_(), "old_log_probs": _padded(TRAIN).requires_grad_(),
+                "response_mask": MASK}, path)
+    m = _report(capsys, path, out=tmp_path / "r.json")["metrics"]
+    assert (m["rollout_corr/kl"], m["rollout_corr/k3_kl"], m["mismatch/abs_dlogp_max"]) == (KL, K3, ABS_MAX)
+    torch.save({"rollout_log_probs": _padded(ROLL).nan_to_num().to_sparse(), "old_log_probs": _padded(TRAIN),
+                "response_mask": MASK}, path)
+    code, out, err = _run(capsys, path)
+    assert (code, out) == (2, "")
+    assert err == (f"error: {path}: 'rollout_log_probs' is a torch.sparse_coo tensor; store it dense "
+                   "(tensor.to_dense())\n")
+
+
 def test_two_tensor_files_must_select_the_same_positions(tmp_path, capsys):
     save_file({"logprobs": _padded(ROLL).nan_to_num(), "response_mask": MASK}, tmp_path / "r.safetensors")
     other = MASK.clone()

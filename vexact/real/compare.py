@@ -374,6 +374,9 @@ def _tensor(data: dict[str, Tensor], path: Path, key: str, dims: int, what: str,
     value = data[key]
     if not isinstance(value, Tensor):
         raise ValueError(f"{path}: {key!r} is a {type(value).__name__}, not a tensor")
+    if value.layout != torch.strided:  # sparse rows have no per-position values to index; torch's error is a trace
+        raise ValueError(f"{path}: {key!r} is a {value.layout} tensor; store it dense (tensor.to_dense())")
+    value = value.detach()  # a trainer's log-probs saved without .detach() still carry requires_grad; numpy() refuses
     if value.dim() != dims:
         raise ValueError(f"{path}: {key!r} must have {dims} dimensions ({what}), got shape {list(value.shape)}")
     if floating is not None and value.is_floating_point() != floating:
