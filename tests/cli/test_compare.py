@@ -172,6 +172,21 @@ def test_json_and_png_outputs(tmp_path, capsys):
     assert "k3 KL" in out and "|Δlogp| by response position" in out
 
 
+def test_json_naming_an_input_is_refused_before_anything_is_written(tmp_path, capsys):
+    rollout, train = _two_files(tmp_path)
+    kept = rollout.read_text(), train.read_text()
+    for flags, what, named in (((rollout, train, "--json", rollout), "ROLLOUT", rollout),
+                               ((rollout, train, "--floor", train, "--json", tmp_path / "." / "train.jsonl"), "TRAIN",
+                                tmp_path / "." / "train.jsonl")):
+        code, out, err = _run(capsys, *flags)
+        assert (code, out) == (2, "")
+        assert err == f"error: --json {named} is the {what} file: the report would overwrite it; name another file\n"
+    assert (rollout.read_text(), train.read_text()) == kept  # the dumps are intact
+    # --correction is a name here, not a file: a report of that name is fine
+    code, _, err = _run(capsys, rollout, train, "--map", "--correction", "bypass", "--json", tmp_path / "bypass")
+    assert code == 0, err
+
+
 def test_the_first_mismatch_is_named_by_id_and_position(tmp_path, capsys):
     """Beside the aggregates, compare names the first mismatched token -- id, position (and tensor column), token,
     both values with their bits, Δ -- as vexact.testing reports it (one ``Mismatch`` class), on screen and in the
