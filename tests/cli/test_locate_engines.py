@@ -165,6 +165,9 @@ def dumps(tmp_path_factory):
     (["--a", "D/ok", "--b", "exact:fp32"], "--a names a dump directory and --b a path spec"),
     (["--a", "D/ok", "--b", "D/damaged"], f"--b: D/damaged/{TENSORS_FILE} missing"),
     (["--a", "D/ok", "--b", "D/hashed", "--png", "D/x.png"], "--png plots |Δ|, and hash-only dumps have none"),
+    (["--a", "D/ok", "--b", "D/hashed", "--positions", "0-3"], "--positions: --a and --b name dumps, which bring "
+     "their model, sequences, prefill and positions; give --positions when recording them (--dump)"),  # not ignored
+    (["--a", "D/ok", "--b", "D/hashed", "--prefill", "1"], "--prefill: --a and --b name dumps"),
     (["--dump", "D/other"], "--dump D/other: the directory holds other files (notes.txt, ...)"),
     (["--dump", "D/new", "--json", "D/x.json"], "--json: --dump records one path and compares nothing"),
     (["--dump", "D/new", "--tokens-from", "D/ok", "--prompt-tokens", "1 2"], "--prompt-tokens: --tokens-from D/ok "

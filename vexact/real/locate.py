@@ -307,6 +307,18 @@ def _check_settings(settings: LocateSettings) -> None:
                              "positions of its dump")
 
 
+def _check_dump_pair_settings(settings: LocateSettings) -> None:
+    """Two dumps are compared as recorded: a flag that chooses the model, the sequences or the positions would be
+    ignored (``--positions 0-3`` would still compare every position), so it is refused, as with ``--tokens-from``."""
+    given = [flag for flag, value in (("--model", settings.model), ("--tokens-from", settings.tokens_from),
+             ("--prompt-tokens", settings.prompt_tokens), ("--prompts", settings.prompts_file),
+             ("--random-prompts", settings.random_prompts), ("--prefill", settings.prefill),
+             ("--positions", settings.positions)) if value is not None]
+    if given:
+        raise ValueError(f"{given[0]}: --a and --b name dumps, which bring their model, sequences, prefill and "
+                         f"positions; give {given[0]} when recording them (--dump)")
+
+
 def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefill: list[int],
             rows: list[tuple[int, int]], run: dict[str, Any]) -> Sites:
     """One path's sites: vexact paths op by op through ``OpRecorder``, hf paths by ``sites.capture_hf``'s hooks."""
@@ -486,6 +498,7 @@ def run_locate(settings: LocateSettings) -> LocateResult:
                              f"{other}'s path with --dump and --tokens-from the first")
         if settings.dump is not None:
             raise ValueError("--dump: --a and --b already name dumps; --dump records a path spec")
+        _check_dump_pair_settings(settings)
         start = time.perf_counter()
         a, b = read_dump(settings.a, "--a"), read_dump(settings.b, "--b")
         summary = _summary(a, b, settings, {"read": time.perf_counter() - start}, dumps=True)
