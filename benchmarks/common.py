@@ -413,6 +413,8 @@ def new_record(benchmark: str, device: torch.device, shape_names: list[str], dty
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     if threads is not None:
+        if threads < 1:  # torch.set_num_threads' own refusal is a RuntimeError: a traceback
+            raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     malloc_state = set_malloc(malloc)
     known = shapes()

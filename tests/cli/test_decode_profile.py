@@ -70,6 +70,14 @@ def test_one_decode_step_at_least(capsys):
     assert "--new-tokens must be at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("threads", ["0", "-1", "x"])
+def test_threads_must_be_positive(threads, capsys):
+    with pytest.raises(SystemExit) as stop:
+        decode_profile.main(["--shape", "tiny", "--threads", threads])
+    assert stop.value.code == 2
+    assert f"argument --threads: expected a positive integer, got '{threads}'" in capsys.readouterr().err
+
+
 def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
     if not host_guard.onednn_available():
         pytest.skip("this torch build has no oneDNN linear op")
