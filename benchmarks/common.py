@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from vexact import ModelConfig
+from vexact.cli_base import check_writable
 from vexact.engine.model import DTYPES as MODEL_DTYPES
 from vexact.engine.presets import preset_config
 from vexact.records.runlog import write_json_atomic
@@ -319,10 +320,15 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
     return info
 
 
+def json_path(out: Path | None, default_name: str) -> Path:
+    """``out``, or runs/bench/<default_name> where it is None: where ``write_json`` writes."""
+    return Path(out) if out is not None else Path("runs") / "bench" / default_name
+
+
 def write_json(payload: dict, out: Path | None, default_name: str) -> Path:
     """Write ``payload`` (with the final load average) to ``out`` or runs/bench/<default_name>; returns the path."""
     payload.setdefault("machine", {})["load_average_end"] = load_average()
-    path = Path(out) if out is not None else Path("runs") / "bench" / default_name
+    path = json_path(out, default_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, payload)
     return path
@@ -395,12 +401,14 @@ def cli_main(argv: list[str] | None, prog: str, description: str, name: str,
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
+        out = json_path(args.out, f"{name}-{device.type}.json")
+        check_writable(out, "--out")  # before the benchmark's minutes, not after them
         record = measure(args, device)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print_results(record)
-    path = write_json(record, args.out, f"{name}-{device.type}.json")
+    path = write_json(record, out, f"{name}-{device.type}.json")
     print(f"wrote {path}")
     return 0
 

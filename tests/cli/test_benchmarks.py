@@ -265,6 +265,17 @@ def test_bad_input_is_one_clear_error(argv, message, capsys):
     assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
 
 
+def test_an_unwritable_out_is_refused_before_the_benchmark_runs(tmp_path, capsys, monkeypatch):
+    """--out under a file: one error before any timing (measure is never called), not a traceback after it."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(kernels, "run", lambda *a, **k: pytest.fail("the benchmark ran before --out was checked"))
+    assert vexact_main(["bench", "kernels", "--shape", "tiny", "--device", "cpu", "--out",
+                        str(blocker / "k.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out: cannot write {blocker / 'k.json'}") and err.count("\n") == 1, err
+
+
 def test_markdown_tables_from_json(tmp_path, capsys):
     k = kernels.run(["tiny"], ["float32", "bfloat16"], ["linear", "attention_decode"], list(kernels.MODES), reps=1,
                     device=torch.device("cpu"), threads=1)
