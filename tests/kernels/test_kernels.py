@@ -108,6 +108,31 @@ def test_token_logprobs_invariance(dtype, exact):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [14, 1000, 32003])
+def test_entropy_invariance(dtype, v, exact):
+    """A row's entropy alone == in a batch of any size, at any position, at any thread count (its docstring's
+    contract); close to the fp64 value."""
+    g = torch.Generator().manual_seed(v + 1)
+    log_probs = native.log_softmax((torch.randn(40, v, generator=g) * 4).to(dtype)).to(dtype)
+    _rows_invariant(exact.entropy, log_probs)
+    lp = log_probs.double()
+    torch.testing.assert_close(exact.entropy(log_probs).double(), -(lp.exp() * lp).sum(-1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_invariance(dtype, exact):
+    """Each output row is ``weight[token]`` bit for bit, whatever the batch (a gather; its docstring's contract)."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(50, 24, generator=g).to(dtype)
+    tokens = torch.randint(0, 50, (6, 9), generator=g)
+    out = exact.embedding(tokens, weight)
+    assert out.dtype == dtype and torch.equal(out, weight[tokens])
+    for threads in THREADS:
+        with num_threads(threads):
+            assert torch.equal(exact.embedding(tokens[2:3, 4:5], weight)[0, 0], out[2, 4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [31, 500, 4099])
 def test_silu_mul_invariance(dtype, width, exact):
     # torch's own silu changes value with tensor size (e.g. index 16 of 31 elements).
