@@ -74,6 +74,28 @@ def test_duplicate_grid_values_are_rejected_naming_the_key(tmp_path, capsys, mon
     assert not (tmp_path / "dup").exists()  # refused before any work
 
 
+def test_points_with_the_same_run_config_are_rejected_naming_both(tmp_path, capsys, monkeypatch):
+    """Distinct grid values, one config: 1e-3 (a string to YAML 1.1) and 0.001 are one learning rate, fp32 and
+    float32 one dtype, two empty variants one run; each pair would run the same experiment twice."""
+    path = _sweep_file(tmp_path, "same_lr", grid={"optimizer.lr": ["1e-3", 0.001]})
+    with pytest.raises(ConfigError, match=r"^config error: sweep file '.*same_lr.yaml': points optimizer.lr=1e-3 and "
+                                          r"optimizer.lr=0.001 are the same run config \(one value spelled two ways, "
+                                          r"or variants that set the same keys\), so they would run the same "
+                                          r"experiment twice; remove one$"):
+        load_sweep_spec(path)
+    with pytest.raises(ConfigError, match="points dtype=fp32 and dtype=float32 are the same run config"):
+        load_sweep_spec(_sweep_file(tmp_path, "same_dtype", grid={"dtype": ["fp32", "float32"]}))
+    with pytest.raises(ConfigError, match="points variant=a,seed=0 and variant=b,seed=0 are the same run config"):
+        load_sweep_spec(_sweep_file(tmp_path, "same_variant", grid={"seed": [0]}, variants={"a": {}, "b": {}}))
+    line = _cli_error(capsys, monkeypatch, "sweep", str(path))
+    assert "points optimizer.lr=1e-3 and optimizer.lr=0.001 are the same run config" in line and str(path) in line
+    assert not (tmp_path / "same_lr").exists()  # refused before any work
+    # counter-case: values that differ, and variants that set different keys, are distinct runs
+    spec = load_sweep_spec(_sweep_file(tmp_path, "distinct", grid={"optimizer.lr": ["1e-3", 0.002]},
+                                       variants={"a": {}, "b": {"correction.method": "token_tis"}}))
+    assert len(spec.points) == 4
+
+
 def test_a_key_given_twice_in_the_sweep_file_is_rejected(tmp_path, capsys, monkeypatch):
     path = _write(tmp_path / "twice.yaml", f"base: {EXPERIMENT}\ngrid:\n  seed: [0]\n  seed: [1]\n")
     line = _cli_error(capsys, monkeypatch, "sweep", str(path))

@@ -31,17 +31,18 @@ sequentially or in ``--jobs N`` worker processes. The sweep is resumable: a poin
 checkpoint; ``sweep.json`` is rewritten atomically after every point, so Ctrl-C loses nothing
 finished. A point that fails records its error and the sweep goes on.
 
-Failure behaviour. Every problem with the input is one error line (a ``ValueError``) naming the file, before
-any work: an unreadable or malformed sweep file or base config (YAML errors with line and column), a key given
-twice in the sweep file, a ``grid`` that is not a mapping of non-empty lists, duplicate grid values (``seed: [0,
-0]``), two points that would share a run directory (point names replace unsafe characters with ``_``, so ``a/b``
-and ``a_b`` collide), an output path that exists as a file, a damaged ``summary.json``. Worker processes die
-with the sweep's main process, however it dies (``PR_SET_PDEATHSIG`` on Linux), so a killed sweep leaves
-nothing running that could write next to a re-run. The trainer holds an exclusive lock on its run directory for
-the whole run (``vexact.records.runlog.run_lock``); the sweep checks that lock just before it starts a point, and a
-point whose directory is in use by another vexact process is recorded as failed with that message (no
-``error.txt`` is written into the other process's directory) and the sweep goes on. A worker that dies
-abruptly (killed, out of memory) fails the points running at that moment; the sweep goes on in fresh workers.
+Failure behaviour. Every problem with the input is one error line (a ``ValueError``) naming the file, before any
+work: an unreadable or malformed sweep file or base config (YAML errors with line and column), a key given twice in
+the sweep file, a ``grid`` that is not a mapping of non-empty lists, duplicate grid values (``seed: [0, 0]``), two
+points that would share a run directory (point names replace unsafe characters with ``_``, so ``a/b`` and ``a_b``
+collide), two points with the same run config (``optimizer.lr: [1e-3, 0.001]``), an output path that exists as a
+file, a damaged ``summary.json``. Worker processes die with the sweep's main process, however it dies
+(``PR_SET_PDEATHSIG`` on Linux), so a killed sweep leaves nothing running that could write next to a re-run. The
+trainer holds an exclusive lock on its run directory for the whole run (``vexact.records.runlog.run_lock``); the
+sweep checks that lock just before it starts a point, and a point whose directory is in use by another vexact
+process is recorded as failed with that message (no ``error.txt`` is written into the other process's directory)
+and the sweep goes on. A worker that dies abruptly (killed, out of memory) fails the points running at that moment;
+the sweep goes on in fresh workers.
 (All in ``tests/map/test_sweep_faults.py``.)
 """
 
@@ -80,6 +81,7 @@ from ..rl.config import (
     ConfigError,
     RunConfig,
     config_from_dict,
+    config_hash,
     read_yaml,
     show_value,
 )
@@ -303,6 +305,7 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
 
     points = []
     dirs: dict[str, str] = {}  # folder name -> the point that has it
+    runs: dict[str, str] = {}  # the point's run config (its name and output_dir apart) -> the point that has it
     for combo in itertools.product(*grid.values()):
         overrides_of_point = dict(zip(grid.keys(), combo))
         pname = point_name(overrides_of_point)
@@ -336,6 +339,12 @@ def load_sweep_spec(path: str | Path, output_dir: str | Path | None = None,
             cfg = config_from_dict(base_dict, items, origins, quiet={"inject.value"})
         except ConfigError as err:
             raise ConfigError(f"sweep point {pname} of '{path}': {err}") from None
+        run = config_hash({k: v for k, v in cfg.to_dict().items() if k not in PER_POINT_KEYS})
+        if run in runs:  # values spelled two ways (1e-3 and 0.001, fp32 and float32), variants that set the same
+            raise ConfigError(f"sweep file '{path}': points {runs[run]} and {label} are the same run config (one "
+                              "value spelled two ways, or variants that set the same keys), so they would run the "
+                              "same experiment twice; remove one")
+        runs[run] = label
         points.append(SweepPoint(pname, overrides_of_point, cfg))
     if base is None:
         raise ConfigError(f"no base config: give 'base: RUN.yaml' (a run config, relative to the sweep file) or a "
