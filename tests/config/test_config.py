@@ -187,6 +187,13 @@ def test_cross_field_check_sees_overrides():
     ("rollout.batch_size=1.5", "rollout.batch_size", "expected an integer >= 1 or null"),
     ("optimizer.betas=[1, 2]", "optimizer.betas[0]", "(from --set optimizer.betas=[1, 2])"),
     ("optimizer.lr=[1", "optimizer.lr", "cannot parse value '[1' as YAML"),
+    # YAML's infinities and NaN: no setting means infinity (null turns a knob off), so none is taken as given
+    ("optimizer.lr=.inf", "optimizer.lr", "expected a finite number > 0, got inf (from --set optimizer.lr=.inf)"),
+    ("optimizer.grad_clip=.inf", "optimizer.grad_clip", "expected a finite number > 0, got inf (from --set "
+                                                        "optimizer.grad_clip=.inf)"),
+    ("optimizer.betas=[0.9, .nan]", "optimizer.betas[1]", "expected a finite number >= 0 and < 1, got nan"),
+    ("collapse.min_peak=-.inf", "collapse.min_peak", "expected a finite number >= 0, got -inf"),
+    ("warm_start.lr=.nan", "warm_start.lr", "expected a finite number > 0, got nan (from --set warm_start.lr=.nan)"),
 ])
 def test_override_errors(override, key, expected):
     message = config_error({}, [override])

@@ -13,6 +13,7 @@ dotted key. ``VALUE_ALIASES`` (other spellings of Literal values) is passed in b
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -351,6 +352,8 @@ def _convert_inner(value: Any, tp: Any, key: str, meta: dict, aliases: Mapping[s
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _Mismatch
         value = float(value)
+        if not math.isfinite(value):  # YAML's .inf and .nan: no setting means infinity (null turns a knob off)
+            raise ConfigError(f"expected a finite number{_describe_bounds(meta)}, got {show_value(value)}", key)
     elif tp is str:
         if isinstance(value, os.PathLike):  # Python callers may pass a Path for a directory
             value = os.fspath(value)
