@@ -88,6 +88,24 @@ def test_each_knob_mode_names_its_knob_and_inject_value_is_the_old_spelling(tmp_
     assert load_config(path).inject.value == -0.2
 
 
+def test_a_knob_of_the_wrong_type_is_named_as_given():
+    """The knob is read into inject.value; an error about its value names the key the user wrote (and the --set or
+    grid value that gave it), not inject.value."""
+    with pytest.raises(ConfigError, match=r"^config error at 'inject.sigma': expected a number, got 'abc' \(from "
+                                          r"--set inject.sigma=abc\)$"):
+        config_from_dict({}, ["inject.mode=logit_noise", "inject.sigma=abc"])
+    with pytest.raises(ConfigError, match=r"^config error at 'inject.top_k': expected a number, got 'many'$"):
+        config_from_dict({"inject": {"mode": "top_k", "top_k": "many"}})
+    with pytest.raises(ConfigError, match=r"^config error at 'inject.epsilon': expected a number, got \[1\] \(from "
+                                          r"the grid's inject.epsilon\)$"):
+        config_from_dict({}, ["inject.mode=logit_scale", "inject.epsilon=[1]"], ["set", "the grid's inject.epsilon"])
+    # counter-case: the old spelling is named as written
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"^config error at 'inject.value': expected a "
+                                                                       r"number, got 'abc' \(from --set "
+                                                                       r"inject.value=abc\)$"):
+        config_from_dict({}, ["inject.mode=logit_noise", "inject.value=abc"])
+
+
 def test_a_knob_mode_needs_its_value_and_a_source_mode_refuses_one():
     with pytest.raises(ConfigError, match=INJECT_MODES["logit_noise"].knob):
         config_from_dict({"inject": {"mode": "logit_noise"}})

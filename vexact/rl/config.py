@@ -857,19 +857,23 @@ def config_from_dict(d: dict, overrides: Iterable[str] = (), origins: Iterable[s
             raise ConfigError(f"{earlier_label} and {labels[i]} set the same key ({which}); keep only one", key)
         applied[key] = item, labels[i]
     _modernize_values(data, quiet)
+    knob = None
     try:
         _expand_preset(data.get("model"))
-        _resolve_knob(data.get("inject"), quiet)
+        knob = _resolve_knob(data.get("inject"), quiet)
         _check_inject_knob(data.get("inject"))
         return build(RunConfig, data, "", VALUE_ALIASES)
-    except ConfigError as e:
+    except ConfigError as err:
+        e = err  # a knob is named as given (inject.sigma, ...), not where it is read (inject.value)
+        if knob is not None and err.key == "inject.value":
+            e = ConfigError(err.problem, f"inject.{knob}")
         # Point at the --set that produced the bad value, if any, or at the verl spelling the file used.
         for key, (_, label) in applied.items():
             if e.key and (e.key == key or e.key.startswith((key + ".", key + "["))):
                 raise ConfigError(f"{e.problem} (from {label})", e.key) from None
         if e.key in written:
             raise ConfigError(f"{e.problem} (written as '{written[e.key]}')", e.key) from None
-        raise
+        raise e from None
 
 
 def _expand_preset(model: Any) -> None:
@@ -897,17 +901,18 @@ DEPRECATED_SPELLINGS: tuple[str, ...] = (*RENAMED_KEYS, *DEPRECATED_VALUES, "inj
 wrote itself is read with, quietly (``load_config(saved=True)``)."""
 
 
-def _resolve_knob(inject: Any, quiet: Collection[str] = ()) -> None:
+def _resolve_knob(inject: Any, quiet: Collection[str] = ()) -> str | None:
     """Read the injection knob of a raw ``inject`` mapping into ``value``, in place: the mode's own key
     (``inject.sigma``, ...) is the spelling, ``inject.value`` the old one (a FutureWarning naming the mode's key).
-    A knob key of another mode, or both spellings, is one config error."""
+    A knob key of another mode, or both spellings, is one config error. Returns the key moved into ``value``
+    (``sigma``, ...; None when none was), which errors about the value name."""
     if not isinstance(inject, dict):
-        return
+        return None
     mode = inject.get("mode", "none")
     names = knob_keys()
     given = [name for name in names if name in inject]
     if not isinstance(mode, str) or mode not in INJECT_MODES:
-        return  # an unknown or mistyped mode is build()'s error (the knob key then is one too)
+        return None  # an unknown or mistyped mode is build()'s error (the knob key then is one too)
     own = INJECT_MODES[mode].knob_name
     for name in given:
         if name != own:
@@ -916,7 +921,7 @@ def _resolve_knob(inject: Any, quiet: Collection[str] = ()) -> None:
             raise ConfigError(f"is the knob of mode {' / '.join(names[name])}, not of inject.mode {mode!r} ({takes})",
                               f"inject.{name}")
     if own is None:
-        return
+        return None
     if "value" in inject:
         if own in inject:
             raise ConfigError(f"is the old spelling of inject.{own}, which is given too; keep only inject.{own}",
@@ -925,6 +930,8 @@ def _resolve_knob(inject: Any, quiet: Collection[str] = ()) -> None:
                          f"({INJECT_MODES[mode].knob})", quiet, 3)
     elif own in inject:
         inject["value"] = inject.pop(own)
+        return own
+    return None
 
 
 def _check_inject_knob(inject: Any) -> None:
