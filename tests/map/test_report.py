@@ -206,6 +206,29 @@ def test_empty_sweep_still_reports(tmp_path: Path) -> None:
         assert (sweep / "report" / png).read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_a_partial_sweep_says_which_points_have_no_result(tmp_path: Path) -> None:
+    """A report of a sweep still running, killed or run in rounds (--only) says how many points it leaves out;
+    its tables alone read as a smaller sweep."""
+    points = [_point(0.0, 0, False, 0.0, 0.0, 0.8, 0.8), _point(0.5, 0, False, 1e-3, 0.05, 0.7, 0.6),
+              {"overrides": {"inject.value": 0.0, "seed": 1}, "status": "interrupted"},
+              {"overrides": {"inject.value": 0.5, "seed": 1}, "status": "pending"},
+              {"overrides": {"inject.value": 0.5, "seed": 2}, "status": "pending"},
+              {"overrides": {"inject.value": 0.0, "seed": 2}, "status": "failed", "error": "boom"}]
+    sweep = _make_sweep(tmp_path / "partial", points, {"inject.value": [0.0, 0.5], "seed": [0, 1, 2]})
+    out = io.StringIO()
+    write_report(sweep, console=Console(file=out, width=200))
+    note = ("3 of 6 points have no result yet (1 interrupted, 2 pending): the tables cover the points that finished; "
+            "re-running the sweep runs or resumes the others.")
+    assert note in " ".join(out.getvalue().split())  # the console wraps it
+    assert (sweep / "report" / "table.md").read_text().splitlines()[-1] == note
+    assert "failed: inject.value=0.0,seed=2 -- boom" in out.getvalue()  # a failed point is named on its own line
+    # counter-case: every point has a result, so no note
+    done = _make_sweep(tmp_path / "done", points[:2], {"inject.value": [0.0, 0.5], "seed": [0]})
+    out = io.StringIO()
+    write_report(done, console=Console(file=out, width=200))
+    assert "no result yet" not in out.getvalue() and "no result yet" not in (done / "report" / "table.md").read_text()
+
+
 def test_render_table_returns_table(sweep: Path) -> None:
     console = Console(file=io.StringIO(), width=200, record=True)
     table = render_table(group_table(read_sweep_results(sweep)), console, title="my sweep")

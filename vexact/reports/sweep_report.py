@@ -22,6 +22,7 @@ run directory is reported by ``vexact/reports/run_report.py``.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,12 @@ def write_report(sweep_dir: str | Path, console: Console | None = None, skip_dam
     files = [write_summary_csv(data, out / "summary.csv")]
     write_json_atomic(out / "table.json", rows, sort_keys=False)
     notes = [reward_definition(data.points)]
+    unfinished = [p for p in data.points if not p.has_result and p.status != "failed"]  # failed ones are named below
+    if unfinished:
+        counts = Counter(p.status for p in unfinished)
+        notes.append(f"{len(unfinished)} of {len(data.points)} points have no result yet "
+                     f"({', '.join(f'{n} {status}' for status, n in counts.items())}): the tables cover the points "
+                     "that finished; re-running the sweep runs or resumes the others.")
     if damaged:
         notes.append(f"Left out (damaged or unreadable, --skip-damaged): {damage_list(damaged)}.")
     write_text_atomic(out / "table.md", group_markdown(rows, title=data.name, notes=notes))
