@@ -17,8 +17,10 @@ from vexact.sweeps.bias_meter import (
     fit_growth,
     load_meter_spec,
     measure_bias,
+    meter_table,
     noise_bias_split,
     plot_meter,
+    run_meter,
     split_cell,
 )
 
@@ -98,6 +100,29 @@ def test_bad_meter_files(tmp_path):
             load_meter_spec(spec)
     with pytest.raises(ValueError, match="not found"):
         load_meter_spec(tmp_path / "missing.yaml")
+
+
+def test_a_rerun_reads_non_finite_values_of_finished_cells(tmp_path):
+    """A finished cell whose exact gradient was zero has a NaN cosine, written to meter.json as "nan"; re-running the
+    meter (finished cells are kept) printed nothing but "error: Unknown format code 'f' for object of type 'str'"."""
+    (tmp_path / "base.yaml").write_text(json.dumps(TINY))
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 2\nsources: {nan: {inject.mode: "
+                         "logit_noise, inject.sigma: 0.3}}\n")
+    spec = load_meter_spec(spec_path, tmp_path / "out")
+    cell = {"abs_dlogp_mean": 0.22, "batches": 2, "bias_abs": 0.16, "bias_abs_noise": 0.16, "bias_ratio": 1.0,
+            "bias_ratio_ci": [None, None], "bias_ratio_debiased": 1.0, "cosine": "nan", "cosine_ci": [None, None],
+            "exactly_zero": False, "grad_norm": 0.16, "grad_norm_noise": 0.16, "horizon": 1, "horizon_mean": 7.8,
+            "horizon_mean_exact": 7.8, "inject_mode": "logit_noise", "inject_value": 0.3, "k3_kl": 0.037,
+            "old_logprobs": "rollout", "resolved": False, "responses_per_batch": 16, "reward_mean_exact": 0.0,
+            "seconds": 0.1, "source": "nan"}  # a source may be named like a non-finite number: it stays a name
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "meter.json").write_text(json.dumps({"cells": [cell]}))
+    result = run_meter(spec, log=lambda _: None)  # nothing left to measure
+    (read,) = result["cells"]
+    assert math.isnan(read["cosine"]) and read["source"] == "nan" and read["bias_ratio"] == 1.0
+    assert "| 1 | 7.8 | nan | 3.70e-02 | 1 [?] | 1 | no | nan | 0.00 |" in meter_table(result).splitlines()
+    assert json.loads((tmp_path / "out" / "meter.json").read_text())["cells"][0]["cosine"] == "nan"
 
 
 def test_the_plot_takes_an_interval_beside_its_estimate(tmp_path):

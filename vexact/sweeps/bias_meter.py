@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
+from ..records.metrics_log import decode_non_finite
 from ..records.runlog import json_safe, write_json_atomic
 from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml
 from ..rl.horizon_task import horizon_overrides
@@ -466,6 +467,12 @@ def cell_config(spec: MeterSpec, horizon: int, source: str) -> RunConfig:
         raise ValueError(f"meter {spec.name!r}, horizon {horizon}, source {source!r}: {e}") from None
 
 
+def _decoded(cell: dict[str, Any]) -> dict[str, Any]:
+    """A cell read back from meter.json: its NaN/Inf (json_safe's strings "nan", "inf": a cosine of a zero exact
+    gradient, say) floats again, as a cell just measured has them; the source's name stays as written."""
+    return {k: v if k == "source" else decode_non_finite(v) for k, v in cell.items()}
+
+
 def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     """Every (horizon, source) cell, ``meter.json`` rewritten after each (finished cells are skipped on a re-run),
     then the growth fits and ``meter.png``. Returns the meter.json object."""
@@ -474,7 +481,7 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     done = {}
     if path.is_file():
         try:
-            done = {(c["horizon"], c["source"]): c for c in json.loads(path.read_text()).get("cells", [])
+            done = {(c["horizon"], c["source"]): _decoded(c) for c in json.loads(path.read_text()).get("cells", [])
                     if c.get("batches") == spec.batches}
         except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is damaged ({e}); move it away to start the meter afresh") from None
