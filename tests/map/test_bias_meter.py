@@ -89,6 +89,7 @@ def test_bad_meter_files(tmp_path):
         "horizons: [4]\nbatches: 1\n": "batches",
         "horizons: [4]\nsources: {x: {inject.mode: nonsense}}\n": "source 'x'",
         "horizons: [4]\nsources: {x: {}}\nextra: 1\n": "unknown key",
+        "horizons: [4, 1, 4]\n": r"m4.yaml: 'horizons' must not repeat a horizon, got 4 more than once in \[4, 1, 4\]$",
     }
     for i, (body, words) in enumerate(cases.items()):
         spec = tmp_path / f"m{i}.yaml"

@@ -436,6 +436,10 @@ def load_meter_spec(path: str | Path, output_dir: str | Path | None = None) -> M
     if not isinstance(horizons, list) or not horizons or not all(isinstance(h, int) and not isinstance(h, bool)
                                                                  and h >= 1 for h in horizons):
         raise ValueError(f"{path}: 'horizons' must be a non-empty list of positive integers, got {horizons!r}")
+    twice = sorted({h for h in horizons if horizons.count(h) > 1})
+    if twice:  # one cell per (horizon, source): a second would be the same measurement, counted twice by the fit
+        raise ValueError(f"{path}: 'horizons' must not repeat a horizon, got {', '.join(map(str, twice))} more than "
+                         f"once in {horizons!r}")
     batches = spec.get("batches", 16)
     if not isinstance(batches, int) or isinstance(batches, bool) or batches < 2:
         raise ValueError(f"{path}: 'batches' must be an integer >= 2, got {batches!r}")
