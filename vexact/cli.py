@@ -14,6 +14,7 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    check_outputs,
     make_console,
 )
 from .cli_base import non_negative_int as _non_negative_int
@@ -436,6 +437,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
 
     from .real.measure import MeasureSettings, print_measure, run_measure, write_json, write_png
 
+    check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts})
     settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
                                random_prompts=args.random_prompts, max_prompt_len=args.max_prompt_len,
                                token_ids=args.token_ids, max_new_tokens=args.max_new_tokens,

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # rich is imported by the commands that print, not by --help
     from rich.console import Console
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "check_writable",
-           "make_console", "positive_int"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK",
+           "check_outputs", "check_writable", "make_console", "positive_int"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 """Every command's exit codes: success; the command ran but its outcome is a failure; bad input; the machine failed
@@ -57,3 +57,22 @@ def check_writable(path: Path, flag: str) -> None:
         raise ValueError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
     if not existed:
         path.unlink()
+
+
+def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
+    """Before a command's work, a ValueError naming the flag unless each output file (``--json``, ``--png``) can be
+    written (``check_writable``: not a folder, its folder writable) and is no file the command reads: the report,
+    written after the work, would replace it (``--json rollout.jsonl`` for ``--json report.json``) and the work
+    could not be run again. Keys are the flags; None is a flag not given; an input that is no file (a folder, a
+    name) is passed over."""
+    read: dict[Path, str] = {}
+    for flag, path in inputs.items():
+        if path is not None and Path(path).is_file():
+            read.setdefault(Path(path).resolve(), flag)  # a file given twice is named by its first flag
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        if Path(path).resolve() in read:
+            raise ValueError(f"{flag} {path} is the {read[Path(path).resolve()]} file: the output would overwrite "
+                             "it; name another file")
+        check_writable(Path(path), flag)

@@ -180,7 +180,7 @@ def test_json_naming_an_input_is_refused_before_anything_is_written(tmp_path, ca
                                 tmp_path / "." / "train.jsonl")):
         code, out, err = _run(capsys, *flags)
         assert (code, out) == (2, "")
-        assert err == f"error: --json {named} is the {what} file: the report would overwrite it; name another file\n"
+        assert err == f"error: --json {named} is the {what} file: the output would overwrite it; name another file\n"
     assert (rollout.read_text(), train.read_text()) == kept  # the dumps are intact
     # --correction is a name here, not a file: a report of that name is fine
     code, _, err = _run(capsys, rollout, train, "--map", "--correction", "bypass", "--json", tmp_path / "bypass")

@@ -314,6 +314,11 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, reference, capsys):
     err = capsys.readouterr().err
     assert f"{run_dir / 'config.yaml'}" in err and "line 1" in err and "Traceback" not in err
 
+    # --allow-change without --resume would be ignored: refused before the config is read
+    assert main(["run", str(tmp_path / "missing.yaml"), "--allow-change", "steps"]) == 2
+    assert capsys.readouterr().err == ("error: --allow-change steps: lets a key differ from the config.yaml of a run "
+                                       "being resumed; give it with --resume\n")
+
 
 def test_a_run_from_before_checkpoint_directories_still_resumes(tmp_path, reference, monkeypatch):
     """Old layout: checkpoint.safetensors, optimizer.pt and trainer_state.json in the run directory itself."""

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..cli_base import EXIT_FAILED, EXIT_OK, positive_int
+from ..cli_base import EXIT_FAILED, EXIT_OK, check_outputs, positive_int
 from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL
 from ..records.runlog import load_tensor_file
 from ..rl.metrics import float_bits, full_vocab_rows, full_vocab_summary
@@ -851,19 +851,6 @@ def _check_paths_and_map(args: argparse.Namespace) -> None:
                                                      if args.map not in (None, DEFAULT_MAP) else ""))
 
 
-def _check_json_is_no_input(args: argparse.Namespace) -> None:
-    """``--json`` names no file the command reads: the report, written after the comparison, would replace a dump
-    (``--json rollout.jsonl`` for ``--json report.json``) and the data could not be compared again."""
-    if args.json is None:
-        return
-    inputs = (("ROLLOUT", args.rollout), ("TRAIN", args.train), ("--floor", args.floor),
-              ("--map", None if args.map == DEFAULT_MAP else args.map), ("--correction", args.correction))
-    target = Path(args.json).resolve()
-    for what, path in inputs:
-        if path is not None and Path(path).is_file() and Path(path).resolve() == target:  # --correction: a name too
-            raise ValueError(f"--json {args.json} is the {what} file: the report would overwrite it; name another file")
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the command from parsed arguments; returns the exit code (0 passed, 1 a gate failed)."""
     from rich.console import Console
@@ -872,7 +859,10 @@ def main(args: argparse.Namespace) -> int:
     from ..map.verdict import choose_correction, compare_map, load_map
 
     _check_paths_and_map(args)  # before the map is read: a dump given as the map file is named as one
-    _check_json_is_no_input(args)
+    check_outputs({"--json": args.json, "--png": args.png}, {
+        "ROLLOUT": args.rollout, "TRAIN": args.train, "--floor": args.floor,
+        "--map": None if args.map in (None, DEFAULT_MAP) else Path(args.map),
+        "--correction": None if args.correction is None else Path(args.correction)})  # a name, or a file
     for flag, value in (("--correction", args.correction), ("--source", args.source), ("--vocab", args.vocab),
                         ("--policy-lag", args.policy_lag)):
         if value is not None and args.map is None:

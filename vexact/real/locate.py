@@ -72,7 +72,7 @@ from torch import Tensor
 
 import vexact_kernels
 
-from ..cli_base import EXIT_FAILED, EXIT_OK, make_console, positive_int
+from ..cli_base import EXIT_FAILED, EXIT_OK, check_outputs, make_console, positive_int
 from ..engine.devices import resolve_device
 from ..engine.generation import generate
 from ..engine.inputs import check_temperature, check_token_lists
@@ -608,6 +608,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     settings = settings_from_args(args)
+    check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts})
     console = make_console()
     if settings.dump is not None:
         for flag in ("json", "png", "fail_on_divergence"):

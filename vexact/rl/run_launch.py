@@ -33,6 +33,9 @@ def run_command(args: argparse.Namespace) -> int:
     """``vexact run`` from its parsed arguments (``config``, ``overrides``, ``resume``, ``allow_changes``,
     ``nproc``): the checks before any work, then the run in this process (or as torchrun's rank) or ``nproc``
     ranks launched here; the exit code."""
+    if args.allow_changes and not args.resume:  # a new run has no saved config.yaml for a key to differ from
+        raise ValueError(f"--allow-change {args.allow_changes[0]}: lets a key differ from the config.yaml of a run "
+                         "being resumed; give it with --resume")
     cfg = run_config(args)
     device = rank_device(cfg.device)  # no CUDA for device: cuda is one error here, before any rank starts
     check_memory(cfg)  # before anything is allocated: an absurd model size is one error naming the sizes

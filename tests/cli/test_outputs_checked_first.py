@@ -1,0 +1,38 @@
+"""Output files are checked before any work (``cli_base.check_outputs``): one that is a file the command reads is
+refused (``--json prompts.txt`` would replace the prompts with the report; compare's cases are in
+test_compare.py), and so is one that cannot be written (a folder), before the work rather than after it."""
+
+from __future__ import annotations
+
+import pytest
+
+from vexact.cli import main
+
+
+@pytest.mark.parametrize("command", [["measure", "--model", "no-checkpoint-read"], ["locate"]])
+@pytest.mark.parametrize("output", ["--json", "--png"])
+def test_an_output_naming_the_prompts_file_is_refused_and_the_file_kept(tmp_path, capsys, command, output):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3\n")
+    assert main([*command, "--prompts", str(prompts), output, str(tmp_path / "." / "prompts.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {output} {tmp_path / '.' / 'prompts.txt'} is the --prompts file: the output would "
+                   "overwrite it; name another file\n")
+    assert prompts.read_text() == "1 2 3\n"
+
+
+def test_a_folder_as_the_output_is_refused_before_the_work(tmp_path, capsys):
+    rollout = tmp_path / "r.jsonl"
+    rollout.write_text('{"id": 0, "tokens": [1, 2], "logprobs": [-0.5, -0.25]}\n')
+    assert main(["compare", str(rollout), str(rollout), "--json", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: --json: cannot write {tmp_path}: Is a directory\n"  # nothing compared
+
+
+def test_an_output_beside_the_inputs_is_written(tmp_path):
+    from vexact.cli_base import check_outputs
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1\n")
+    check_outputs({"--json": tmp_path / "report.json", "--png": None}, {"--prompts": prompts, "--model": tmp_path})
+    assert not (tmp_path / "report.json").exists()  # the probe leaves nothing behind
