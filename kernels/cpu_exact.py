@@ -188,6 +188,11 @@ def embedding(tokens: Tensor, weight: Tensor, *, host: HostGuard = HOST) -> Tens
     if not (isinstance(tokens, Tensor) and isinstance(weight, Tensor) and tokens.dtype in INDEX_DTYPES
             and weight.dtype in FLOAT_DTYPES and weight.dim() == 2 and tokens.device == weight.device):
         _check_embedding(tokens, weight)
+    if tokens.numel():  # one call per forward: its values can be read (torch's own error names no token)
+        first, last = (int(bound) for bound in torch.aminmax(tokens))
+        if first < 0 or last >= weight.shape[0]:
+            raise ValueError(f"cpu_exact.embedding: token ids must lie in [0, V), V = {weight.shape[0]} (weight's "
+                             f"rows), got ids in [{first}, {last}]")
     return exact_forward_vjp(_embedding_forward, _embedding_with_saved, _embedding_vjp, (weight,), (tokens,))
 
 

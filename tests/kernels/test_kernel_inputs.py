@@ -37,6 +37,8 @@ BAD = [
     (lambda: cpu_exact.linear(X, W.to("meta")), ValueError, "weight is on meta but x on cpu"),
     (lambda: cpu_exact.embedding(torch.tensor([1, 2]).float(), W), TypeError, "tokens has dtype float32"),
     (lambda: cpu_exact.embedding(torch.tensor([1, 2]), _r(10)), ValueError, "weight must be [V, D]"),
+    (lambda: cpu_exact.embedding(torch.tensor([1, 32]), W), ValueError, "token ids must lie in [0, V), V = 32"),
+    (lambda: cpu_exact.embedding(torch.tensor([-1, 2]), W), ValueError, "got ids in [-1, 2]"),
     (lambda: cpu_exact.rms_norm(X.int(), _r(16), 1e-6), TypeError, "rms_norm: x has dtype int32"),
     (lambda: cpu_exact.rms_norm(X, _r(15), 1e-6), ValueError, "weight must be [D]"),
     (lambda: cpu_exact.rms_norm(_r(3, 0), _r(0), 1e-6), ValueError, "x needs a last dimension"),
