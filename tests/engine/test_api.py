@@ -132,6 +132,42 @@ def test_model_config_errors(overrides, message):
         ModelConfig(**{**base, **overrides})
 
 
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(head_dim=8.0), "ModelConfig.head_dim must be a positive even integer, got 8.0"),
+        (dict(head_dim="8"), "ModelConfig.head_dim must be a positive even integer, got '8'"),
+        (dict(rope_theta=float("inf")), "ModelConfig.rope_theta must be a finite positive number, got inf"),
+        (dict(rope_theta="1e4"), "ModelConfig.rope_theta must be a finite positive number, got '1e4'"),
+        (dict(rms_norm_eps=float("inf")), "ModelConfig.rms_norm_eps must be a finite positive number, got inf"),
+        (dict(tie_embeddings="no"), "ModelConfig.tie_embeddings must be True or False, got 'no'"),
+        (dict(qk_norm=1), "ModelConfig.qk_norm must be True or False, got 1"),
+        (dict(rope_scaling={**_LLAMA3, "factor": -1}),
+         "ModelConfig.rope_scaling: factor must be a finite positive number, got -1"),
+        (dict(rope_scaling={**_LLAMA3, "factor": "8"}),
+         "ModelConfig.rope_scaling: factor must be a finite positive number, got '8'"),
+        (dict(rope_scaling={**_LLAMA3, "original_max_position_embeddings": 0}),
+         "ModelConfig.rope_scaling: original_max_position_embeddings must be a finite positive number, got 0"),
+        (dict(rope_scaling={**_LLAMA3, "high_freq_factor": 1.0}),
+         "ModelConfig.rope_scaling: llama3 scaling needs high_freq_factor != low_freq_factor, got both 1.0"),
+        (dict(num_experts=2, mlp_only_layers=0), "ModelConfig.mlp_only_layers must be a list of layer indices, got 0"),
+        (dict(num_experts=2, num_layers=2, mlp_only_layers=(True,)),
+         "ModelConfig.mlp_only_layers must hold layer indices in [0, 2), got True"),
+    ],
+)
+def test_model_config_refuses_values_that_would_build_a_wrong_model(overrides, message):
+    """Values that used to pass and then failed deep inside torch (head_dim 8.0), or built a model that computes
+    garbage without an error (an infinite epsilon or theta, a negative Llama-3 factor, "no" read as True)."""
+    base = dict(vocab_size=10, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32)
+    with pytest.raises(ValueError) as err:
+        ModelConfig(**{**base, **overrides})
+    assert str(err.value) == message
+
+
 def test_unknown_backend_and_dtype():
     cfg = ModelConfig(vocab_size=10, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32)
     with pytest.raises(ValueError, match="unknown backend 'cuda-fast'"):

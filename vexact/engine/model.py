@@ -82,6 +82,16 @@ class ModelConfigError(ValueError):
         super().__init__(f"ModelConfig.{problem}")
 
 
+def _finite_positive(value: object) -> bool:
+    """A real number (not a bool) that is finite and > 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 _POSITIVE = {"min": 1}  # field metadata: numeric bounds, also read by the run config's schema (vexact.rl.config)
 
 
@@ -132,23 +142,40 @@ class ModelConfig:
                 raise ModelConfigError("hidden_size", f"hidden_size ({self.hidden_size}) must be divisible by "
                                                       f"num_heads ({self.num_heads}) unless head_dim is given")
             self.head_dim = self.hidden_size // self.num_heads
-        if self.head_dim <= 0 or self.head_dim % 2:  # RoPE rotates pairs of dimensions
+        head_dim = self.head_dim
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0 or head_dim % 2:  # RoPE pairs
             if derived_head_dim:
                 raise ModelConfigError("hidden_size", f"hidden_size / num_heads = {self.head_dim} is the head dim "
                                                       "and must be even (RoPE)")
-            raise ModelConfigError("head_dim", f"head_dim must be a positive even integer, got {self.head_dim}")
+            raise ModelConfigError("head_dim", f"head_dim must be a positive even integer, got {self.head_dim!r}")
         for name in ("rope_theta", "rms_norm_eps"):
-            if not getattr(self, name) > 0:
-                raise ModelConfigError(name, f"{name} must be positive, got {getattr(self, name)!r}")
+            if not _finite_positive(getattr(self, name)):
+                raise ModelConfigError(name, f"{name} must be a finite positive number, got {getattr(self, name)!r}")
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm", "norm_topk_prob"):
+            if not isinstance(getattr(self, name), bool):  # a string such as "false" would read as True
+                raise ModelConfigError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.rope_scaling is not None:
-            keys = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-            if not isinstance(self.rope_scaling, dict) or set(self.rope_scaling) != keys:
-                raise ModelConfigError("rope_scaling", f"rope_scaling must be None or a dict with exactly the keys "
-                                                       f"{sorted(keys)}, got {self.rope_scaling!r}")
-            if self.rope_scaling["rope_type"] != "llama3":
-                raise ModelConfigError("rope_scaling", f"rope_scaling: only rope_type 'llama3' is supported, "
-                                                       f"got {self.rope_scaling['rope_type']!r}")
+            self._check_rope_scaling()
         self._check_moe()
+
+    def _check_rope_scaling(self) -> None:
+        """Llama-3 scaling with values ``rope_inv_freq`` can use: finite positive numbers, and high_freq_factor !=
+        low_freq_factor (it divides by their difference) -- as ``from_pretrained`` requires of a checkpoint's."""
+        keys = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        if not isinstance(self.rope_scaling, dict) or set(self.rope_scaling) != keys:
+            raise ModelConfigError("rope_scaling", f"rope_scaling must be None or a dict with exactly the keys "
+                                                   f"{sorted(keys)}, got {self.rope_scaling!r}")
+        if self.rope_scaling["rope_type"] != "llama3":
+            raise ModelConfigError("rope_scaling", f"rope_scaling: only rope_type 'llama3' is supported, "
+                                                   f"got {self.rope_scaling['rope_type']!r}")
+        for key in sorted(keys - {"rope_type"}):
+            if not _finite_positive(self.rope_scaling[key]):
+                raise ModelConfigError("rope_scaling", f"rope_scaling: {key} must be a finite positive number, "
+                                                       f"got {self.rope_scaling[key]!r}")
+        low = self.rope_scaling["low_freq_factor"]
+        if low == self.rope_scaling["high_freq_factor"]:
+            raise ModelConfigError("rope_scaling", f"rope_scaling: llama3 scaling needs high_freq_factor != "
+                                                   f"low_freq_factor, got both {low!r}")
 
     def _check_moe(self) -> None:
         for name in ("num_experts", "shared_expert_intermediate_size"):
@@ -167,8 +194,12 @@ class ModelConfig:
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ModelConfigError("moe_intermediate_size", f"moe_intermediate_size must be a positive integer or "
                                                             f"None (= intermediate_size), got {size!r}")
+        if not isinstance(self.mlp_only_layers, (list, tuple)):
+            raise ModelConfigError("mlp_only_layers", f"mlp_only_layers must be a list of layer indices, got "
+                                                      f"{self.mlp_only_layers!r}")
         self.mlp_only_layers = tuple(self.mlp_only_layers)
-        bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        bad = [i for i in self.mlp_only_layers
+               if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers]
         if bad:
             raise ModelConfigError("mlp_only_layers", f"mlp_only_layers must hold layer indices in [0, "
                                                       f"{self.num_layers}), got {bad[0]!r}")
