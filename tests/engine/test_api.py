@@ -107,6 +107,47 @@ def test_generate_bad_input(kwargs, message):
         generate(tiny_model(), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+        (dict(temperature=True), "temperature must be a finite number >= 0 (0 = greedy), got True"),
+        (dict(temperature=1e-40), "temperature 1e-40 is below 1e-06: the scaled logits can overflow float32 (NaN "
+                                  "log-probs); use 0 for greedy"),
+        (dict(seed=1.5), "seed must be an int in [-2**63, 2**64), got 1.5"),
+        (dict(seed=None), "seed must be an int in [-2**63, 2**64), got None"),
+        (dict(seed=2**64), f"seed must be an int in [-2**63, 2**64), got {2**64}"),
+        (dict(eos_token_id="1"), "eos_token_id must be a token id (an int) or None, got '1'"),
+        (dict(eos_token_id=True), "eos_token_id must be a token id (an int) or None, got True"),
+        (dict(max_new_tokens=True), "max_new_tokens must be a positive int, got True"),
+        (dict(first_index=True), "first_index must be a non-negative int, got True"),
+    ],
+)
+def test_generate_refuses_arguments_that_failed_deep_or_gave_garbage(kwargs, message):
+    """Each was a TypeError from inside the sampler (seed 1.5, eos '1'), silent garbage (temperature inf: uniform
+    log-probs; 1e-40: NaN log-probs; seed 2**64: the tokens of seed 0) or a bool read as an int."""
+    with pytest.raises(ValueError) as err:
+        generate(tiny_model(), [[1, 2]], **kwargs)
+    assert str(err.value) == message
+
+
+def test_generate_and_token_logprobs_name_a_model_that_is_not_a_transformer():
+    message = ("model must be a vexact Transformer (vexact.from_pretrained loads a Hugging Face checkpoint as one), "
+               "got dict")
+    for call in (lambda: generate({}, [[1]]), lambda: token_logprobs({}, [[1]], [[2]])):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == message
+
+
+def test_seeds_in_range_keep_their_samples():
+    """A negative seed (torch.manual_seed's range) is still a seed of its own, and 0 still gives seed 0's bits."""
+    model = tiny_model()
+    zero, again, negative = (generate(model, [[1, 2]], max_new_tokens=6, seed=s) for s in (0, 0, -5))
+    assert zero.tokens == again.tokens and torch.equal(zero.logprobs[0], again.logprobs[0])
+    assert zero.tokens != negative.tokens
+
+
 def test_token_logprobs_bad_input():
     model = tiny_model()
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):

@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
+from .inputs import (
+    check_batch_size,
+    check_model,
+    check_seed,
+    check_temperature,
+    check_token_lists,
+    pad_right,
+    scale_logits,
+)
 from .model import KernelOps, KVCache, RouteHook, Routing, Transformer
 from .sampling import sample_tokens
 
@@ -67,19 +75,23 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     ``eos_check_every``: with an EOS, look whether every row has finished once in this many steps (None: the
     device's ``eos_check_interval``); a speed knob only, the outputs are the same bits whatever it is.
     """
+    check_model(model)
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
     temperature = check_temperature(temperature)
+    check_seed(seed)
     check_batch_size("batch_size", batch_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > cfg.max_seq_len:
         raise ValueError(
             f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len ({cfg.max_seq_len})"
         )
-    if not isinstance(first_index, int) or first_index < 0:
+    if not isinstance(first_index, int) or isinstance(first_index, bool) or first_index < 0:
         raise ValueError(f"first_index must be a non-negative int, got {first_index!r}")
+    if eos_token_id is not None and (not isinstance(eos_token_id, int) or isinstance(eos_token_id, bool)):
+        raise ValueError(f"eos_token_id must be a token id (an int) or None, got {eos_token_id!r}")
     if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
     check_batch_size("eos_check_every", eos_check_every)  # a positive int or None, as a batch size

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -29,10 +31,35 @@ def check_token_lists(name: str, seqs: object, vocab_size: int, allow_empty_item
     return out
 
 
+MIN_TEMPERATURE = 1e-6
+"""The smallest positive temperature: logits divided by less can overflow float32 (a temperature of 1e-40 made
+every log-prob NaN); 0 is greedy."""
+
+
 def check_temperature(temperature: float) -> float:
-    if not isinstance(temperature, (int, float)) or temperature < 0 or temperature != temperature:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    """``temperature`` as a float: 0 (greedy) or a finite number >= ``MIN_TEMPERATURE``; else one ValueError."""
+    if (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0
+            or not math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: the scaled logits can overflow "
+                         "float32 (NaN log-probs); use 0 for greedy")
     return float(temperature)
+
+
+def check_seed(seed: int) -> None:
+    """A sampling seed: an int in torch.manual_seed's range [-2**63, 2**64) (a larger one aliased seed mod 2**64)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
+
+
+def check_model(model: object) -> None:
+    """What ``generate`` and ``token_logprobs`` run: a vexact ``Transformer``."""
+    from .model import Transformer
+
+    if not isinstance(model, Transformer):
+        raise ValueError(f"model must be a vexact Transformer (vexact.from_pretrained loads a Hugging Face "
+                         f"checkpoint as one), got {type(model).__name__}")
 
 
 def check_batch_size(name: str, value: int | None) -> None:

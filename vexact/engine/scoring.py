@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .head import head_scores
-from .inputs import check_batch_size, check_temperature, check_token_lists, pad_right, scale_logits
+from .inputs import check_batch_size, check_model, check_temperature, check_token_lists, pad_right, scale_logits
 from .model import KernelOps, Routing, Transformer
 
 
@@ -23,6 +23,7 @@ def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list
     forward reads, as ``GenerateOutput.routing`` records them, instead of the router's own choice.
     Returns one tensor per sequence (empty for an empty response).
     """
+    check_model(model)
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
     responses = check_token_lists("responses", responses, cfg.vocab_size, allow_empty_items=True)
