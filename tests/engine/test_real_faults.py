@@ -331,6 +331,23 @@ def test_config_values_of_the_wrong_type_or_range(ckpt, changes, message):
     assert _error(from_pretrained, ckpt).startswith(f"{ckpt / 'config.json'}: {message}")
 
 
+def test_rope_scaling_that_disagrees_with_rope_parameters_is_refused(ckpt):
+    """Model cards tell users to add a rope_scaling (yarn) to config.json; a transformers-5 config already has
+    rope_parameters, which vexact read alone: plain RoPE where transformers scales. Both saying the same loads."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    _config(ckpt, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rope_scaling={"type": "yarn", "factor": 4.0})
+    assert _error(from_pretrained, ckpt) == (
+        f"{ckpt / 'config.json'}: rope_scaling {{'type': 'yarn', 'factor': 4.0}} and rope_parameters "
+        "{'rope_type': 'default', 'rope_theta': 10000.0} disagree on rope_type, factor: transformers uses "
+        "rope_scaling where both are set; remove the one that is not meant")
+    _config(ckpt, rope_parameters={**llama3, "rope_theta": 10000.0}, rope_scaling={**llama3, "factor": 4.0})
+    assert "disagree on factor:" in _error(from_pretrained, ckpt)
+    _config(ckpt, rope_parameters={**llama3, "rope_theta": 10000.0}, rope_scaling=llama3)
+    assert from_pretrained(ckpt).config.rope_scaling == llama3
+
+
 def test_config_lacking_a_required_key_and_odd_types_elsewhere(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     del config["intermediate_size"]

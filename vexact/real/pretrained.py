@@ -227,6 +227,7 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"{source}: rope_parameters / rope_scaling must be a JSON object, got {_short(params)}")
+    _check_rope_layouts(hf, source)
     if any(isinstance(v, dict) for v in params.values()):
         raise _unsupported("rope_parameters", "per-layer RoPE settings", "one RoPE setting for all layers")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -250,6 +251,30 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
         raise ValueError(f"{source}: llama3 RoPE scaling needs high_freq_factor != low_freq_factor, got both "
                          f"{scaling['low_freq_factor']}")
     return theta, scaling
+
+
+def _check_rope_layouts(hf: dict[str, Any], source: str) -> None:
+    """A config with both ``rope_parameters`` (transformers 5) and ``rope_scaling`` (4.x; what model cards say to add
+    for long context) must say the same in both: transformers 4 reads only rope_scaling and 5 lets rope_scaling
+    replace rope_parameters, so reading rope_parameters alone would run a model transformers scales (yarn) as plain
+    RoPE. A key of rope_scaling that rope_parameters lacks or sets otherwise is refused, naming both."""
+    scaling, parameters = hf.get("rope_scaling"), hf.get("rope_parameters")
+    if not (isinstance(scaling, dict) and isinstance(parameters, dict) and scaling and parameters):
+        return
+
+    def settings(values: dict[str, Any]) -> dict[str, Any]:
+        out = {"rope_type": "default", **{k: v for k, v in values.items() if k != "type"}}
+        if "type" in values and "rope_type" not in values:
+            out["rope_type"] = values["type"]
+        return out
+
+    said, held = settings(scaling), settings(parameters)
+    differ = [key for key, value in said.items() if key in scaling or key == "rope_type"
+              if held.get(key, value if key == "rope_theta" else None) != value]
+    if differ:
+        raise ValueError(f"{source}: rope_scaling {_short(scaling, 200)} and rope_parameters {_short(parameters, 200)} "
+                         f"disagree on {', '.join(differ)}: transformers uses rope_scaling where both are set; remove "
+                         "the one that is not meant")
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str, source: str) -> int | None:
