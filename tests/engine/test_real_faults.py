@@ -320,6 +320,8 @@ def test_config_that_is_not_a_json_object(ckpt, content, message):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10**400}},
      "rope_theta must be a finite positive number, got 1000"),
     ({"rope_parameters": "default"}, "rope_parameters / rope_scaling must be a JSON object, got 'default'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false, got 0"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                           "original_max_position_embeddings": 64}},
      "llama3 RoPE scaling needs high_freq_factor != low_freq_factor, got both 1.0"),

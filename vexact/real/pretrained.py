@@ -112,6 +112,17 @@ def _positive_number(value: Any, key: str, source: str) -> float:
     raise ValueError(f"{source}: {key} must be a finite positive number, got {_short(value)}")
 
 
+def _flag(hf: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    """``hf[key]`` as a JSON boolean (absent or null: ``default``); a string such as "false" is refused -- read as
+    Python truth it was True (tie_word_embeddings "false" tied the head and dropped the stored lm_head.weight)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: {key} must be true or false, got {_short(value)}")
+    return value
+
+
 # vexact's ModelConfig field -> the config.json key it comes from (for ModelConfig's own refusals).
 _HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
@@ -194,8 +205,8 @@ def _model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None, source: s
         head_dim=head_dim,
         rope_theta=theta,
         rms_norm_eps=_positive_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", False, source),
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and _flag(hf, "qkv_bias", True, source)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling=rope_scaling,
         **(_moe_from_hf(hf, model_type, source) if model_type in _MOE_TYPES else {}),
@@ -215,7 +226,7 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict[str, 
     return dict(num_experts=_positive_int(hf, experts_key, source),
                 num_experts_per_tok=_positive_int(hf, "num_experts_per_tok", source),
                 moe_intermediate_size=_positive_int(hf, "moe_intermediate_size", source),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                norm_topk_prob=_flag(hf, "norm_topk_prob", False, source),
                 decoder_sparse_step=_positive_int(hf, "decoder_sparse_step", source, default=1),
                 mlp_only_layers=tuple(layers),
                 shared_expert_intermediate_size=_positive_int(hf, "shared_expert_intermediate_size", source,
