@@ -381,6 +381,32 @@ def test_verl_batch_refusals(tmp_path):
     assert a["rollout_corr/k3_kl"] == b["rollout_corr/k3_kl"] and a["mismatch/tokens"] == b["mismatch/tokens"]
 
 
+def test_verl_batch_of_numpy_arrays_or_other_values(tmp_path):
+    """A plain dict of numpy arrays gives the row of the same tensors (it was an AttributeError: 'numpy.ndarray' object
+    has no attribute 'data_ptr'); bypass mode's one array is still refused; a value that is no [B, T] tensor or array,
+    or no monitor, is one ValueError naming it."""
+    from vexact.integrations.verl import observe_batch
+
+    batch = _verl_batch()
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+    a = observe_batch(LiveMonitor(tmp_path / "t"), batch, 1)
+    b = observe_batch(LiveMonitor(tmp_path / "n"), as_numpy, 1)
+    assert all(_same(a[k], b[k]) for k in a)
+    monitor = LiveMonitor(tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"bypass mode"):
+        observe_batch(monitor, {**as_numpy, "old_log_probs": as_numpy["rollout_log_probs"]}, 1)
+    with pytest.raises(ValueError, match=r"^batch\['rollout_log_probs'\] must be a \[B, T\] tensor \(or numpy "
+                                         r"array\), as in verl's batch; got list$"):
+        observe_batch(monitor, {**batch, "rollout_log_probs": batch["rollout_log_probs"].tolist()}, 1)
+    derived = {"rollout_log_probs": batch["rollout_log_probs"][0], "old_log_probs": batch["old_log_probs"][0],
+               "attention_mask": batch["response_mask"]}
+    with pytest.raises(ValueError, match=r"^batch\['rollout_log_probs'\] must be .*; got shape \[\d+\]$"):
+        observe_batch(monitor, derived, 1)
+    with pytest.raises(ValueError, match=r"^monitor must be a vexact.live.LiveMonitor, got NoneType$"):
+        observe_batch(None, batch, 1)
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
 def test_verl_names_are_verl_0_9_1s():
     """The keys and the hook point of the recipe, read from verl's own source (found, not imported)."""
     import importlib.util

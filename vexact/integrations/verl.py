@@ -64,7 +64,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..live import LiveMonitor
+from ..live import LiveMonitor, _from_numpy
 from ..real.compare import ATTENTION_MASK_KEY, MASK_KEY, ONE_FILE_KEYS
 
 __all__ = ["actor_logprobs", "observe_batch", "verl_sides"]
@@ -81,17 +81,27 @@ def _tensors(batch: Any) -> Any:
     return inner
 
 
+def _tensor(tensors: Any, key: str, where: str = "batch") -> Tensor:
+    """``tensors[key]`` as a [B, T] tensor (a numpy array as a tensor on its memory, so bypass mode's one array is
+    still one); anything else is one ValueError naming the key (not an AttributeError from inside)."""
+    value = _from_numpy(tensors[key], f"{where}[{key!r}]")
+    if not isinstance(value, Tensor) or value.dim() != 2:
+        what = f"shape {list(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"{where}[{key!r}] must be a [B, T] tensor (or numpy array), as in verl's batch; got {what}")
+    return value
+
+
 def _rollout_side(tensors: Any) -> tuple[Tensor, Tensor]:
     """(rollout log-probs, response mask) [B, T] of verl's batch tensors."""
     keys = set(tensors.keys())
     if ROLLOUT_KEY not in keys:
         raise ValueError(f"the batch has no {ROLLOUT_KEY!r} (the rollout engine's log-probs): set "
                          "actor_rollout_ref.rollout.calculate_log_probs=True")
-    rollout = tensors[ROLLOUT_KEY]
+    rollout = _tensor(tensors, ROLLOUT_KEY)
     if MASK_KEY in keys:
         return rollout, tensors[MASK_KEY]
     if ATTENTION_MASK_KEY in keys:  # verl's compute_response_mask: the last T columns
-        return rollout, tensors[ATTENTION_MASK_KEY][:, -rollout.shape[1]:]
+        return rollout, _tensor(tensors, ATTENTION_MASK_KEY)[:, -rollout.shape[1]:]
     raise ValueError(f"the batch has neither {MASK_KEY!r} nor {ATTENTION_MASK_KEY!r}")
 
 
@@ -107,7 +117,8 @@ def verl_sides(batch: Any, old_log_prob: Any = None) -> tuple[Tensor, Tensor, Te
         raise ValueError(f"no {TRAIN_KEY!r} (the actor's recomputed log-probs) in the "
                          f"{'batch' if old_log_prob is None else 'old_log_prob output'}: call after "
                          "_compute_old_log_prob")
-    rollout, train = tensors[ROLLOUT_KEY], source[TRAIN_KEY]
+    rollout = _tensor(tensors, ROLLOUT_KEY)
+    train = _tensor(source, TRAIN_KEY, "batch" if old_log_prob is None else "old_log_prob")
     if rollout is train or (rollout.data_ptr() == train.data_ptr() and rollout.shape == train.shape):
         raise ValueError(f"{TRAIN_KEY!r} is {ROLLOUT_KEY!r} itself (verl's bypass mode): there is no training-side "
                          "recomputation to compare with")
@@ -122,6 +133,8 @@ def observe_batch(monitor: LiveMonitor, batch: Any, step: int, old_log_prob: Any
     ``score_fn`` (bypass mode, where the batch's ``old_log_probs`` are the rollout's): ``rows -> [len(rows), T]``
     actor log-probs of the rows the monitor samples (``actor_logprobs``); the row is then
     ``monitor.step_sampled``'s (None on a step the monitor's ``every`` skips)."""
+    if not isinstance(monitor, LiveMonitor):
+        raise ValueError(f"monitor must be a vexact.live.LiveMonitor, got {type(monitor).__name__}")
     if score_fn is None:
         rollout, train, mask = verl_sides(batch, old_log_prob)
         return monitor.step(step, rollout, train, mask)
