@@ -220,6 +220,9 @@ class LiveMonitor:
         if on_gate_failure not in ON_GATE_FAILURE:
             raise ValueError(f"on_gate_failure must be one of {ON_GATE_FAILURE}, got {on_gate_failure!r}")
         self.on_gate_failure = on_gate_failure
+        if isinstance(backends, str):  # list("tensorboard") would be the names 't', 'e', ...
+            raise ValueError(f"backends must be a sequence of names, e.g. ('jsonl', {backends!r}), got the string "
+                             f"{backends!r}")
         self._log_config = _log_config(self.out_dir, list(backends), name, wandb_project, wandb_mode, self.gates,
                                        on_gate_failure)
         if self.sampling:  # a W&B run records what its rows were computed on

@@ -254,6 +254,9 @@ def test_steps_must_increase_and_restarts_need_resume(tmp_path):
     ({"backends": ("tensorboard", "tensorboard")}, "lists a name twice"),
     ({"on_gate_failure": "stop"}, "on_gate_failure must be one of"),
     ({"gates": Gates}, "gates must be a vexact.live.Gates"),
+    # one name as a string was read letter by letter: "unknown backend 't'"
+    ({"backends": "tensorboard"}, r"^backends must be a sequence of names, e.g. \('jsonl', 'tensorboard'\), got the "
+                                  r"string 'tensorboard'$"),
 ])
 def test_bad_settings(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
