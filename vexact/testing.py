@@ -97,8 +97,11 @@ def _mask_tensor(mask: Any, shape: torch.Size, name: str) -> Tensor:
     if tuple(m.shape) != tuple(shape):
         raise ValueError(f"mask has shape {tuple(m.shape)} but {name} has shape {tuple(shape)}")
     if m.dtype != torch.bool:
-        if m.is_floating_point() or m.is_complex() or not bool(((m == 0) | (m == 1)).all()):
-            raise ValueError(f"mask must be bool or 0/1 integers, got dtype {m.dtype} with other values")
+        if m.is_floating_point() or m.is_complex():  # its values may well be 0/1: the dtype is what is refused
+            raise ValueError(f"mask must be bool or 0/1 integers, got dtype {m.dtype} (for a 0/1 float mask pass "
+                             "mask.bool())")
+        if not bool(((m == 0) | (m == 1)).all()):
+            raise ValueError(f"mask must be bool or 0/1 integers, got {m.dtype} values other than 0 and 1")
         m = m.bool()
     return m
 

@@ -132,13 +132,17 @@ def test_numpy_arrays_and_lists_of_floats():
     ([torch.zeros(1), torch.zeros(2, 2)], [torch.zeros(1), torch.zeros(4)], {},
      "rollout sequence 1 must be 1-D, got shape (2, 2)"),
     (torch.zeros(2, 3), torch.zeros(2, 3), {"mask": torch.ones(2, 2)}, "mask has shape (2, 2) but rollout has shape"),
-    (torch.zeros(2, 3), torch.zeros(2, 3), {"mask": torch.full((2, 3), 2)}, "mask must be bool or 0/1 integers"),
+    (torch.zeros(2, 3), torch.zeros(2, 3), {"mask": torch.full((2, 3), 2)},
+     "mask must be bool or 0/1 integers, got torch.int64 values other than 0 and 1"),
+    # a float mask of 0s and 1s was said to hold "other values"
+    (torch.zeros(2, 3), torch.zeros(2, 3), {"mask": torch.ones(2, 3)},
+     "mask must be bool or 0/1 integers, got dtype torch.float32 (for a 0/1 float mask pass mask.bool())"),
     ([torch.zeros(2)], [torch.zeros(2)], {"mask": torch.ones(1, 2)},
      "mask applies to a padded [B, T] tensor, but no argument is one"),
     ([torch.zeros(2)], [torch.zeros(2)], {"tokens": [[1, 2, 3]]}, "sequence 0: tokens has 3 ids but the log-probs"),
     (torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), {}, "must be a list of 1-D sequences or a padded [B, T] tensor"),
 ], ids=["lengths", "sequence-count", "two-dtypes", "int-dtype", "not-1d", "mask-shape", "mask-values",
-        "mask-without-padded", "tokens-length", "3d"])
+        "mask-float", "mask-without-padded", "tokens-length", "3d"])
 def test_inputs_that_cannot_be_compared_are_value_errors(rollout, train, kwargs, message):
     with pytest.raises(ValueError) as info:
         assert_logprobs_equal(rollout, train, **kwargs)
