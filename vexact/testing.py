@@ -78,7 +78,12 @@ def _as_tensor(x: Any, what: str) -> Tensor:
     if hasattr(x, "__array__") and not isinstance(x, (list, tuple)):  # numpy arrays keep their dtype
         import numpy as np
 
-        return torch.from_numpy(np.ascontiguousarray(np.asarray(x)))
+        array = np.ascontiguousarray(np.asarray(x))
+        try:
+            return torch.from_numpy(array)
+        except TypeError:  # object (ragged), string, ... arrays: torch has no such dtype
+            raise ValueError(f"{what} is a numpy array of dtype {array.dtype}, not numbers (a ragged batch: pass a "
+                             "list of 1-D arrays)") from None
     if isinstance(x, (list, tuple)):
         try:  # plain Python numbers are float64 (that is what they are)
             return torch.tensor(x, dtype=torch.float64)
@@ -209,6 +214,9 @@ def compare_logprobs(rollout: Any, train: Any, *, tokens: Any | None = None, mas
     Raises ValueError naming the sequence when the inputs cannot be compared: different numbers of sequences or
     lengths, a dtype that is not float16/bfloat16/float32/float64, or two dtypes.
     """
+    if not (isinstance(names, (tuple, list)) and len(names) == 2 and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"names must be two strings (the rollout side's, the training side's), got {names!r}")
+    names = (names[0], names[1])
     padded = [x for x in (rollout, train, tokens) if _is_padded(x)]
     if mask is not None and not padded:
         raise ValueError("mask applies to a padded [B, T] tensor, but no argument is one")

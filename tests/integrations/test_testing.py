@@ -149,6 +149,21 @@ def test_inputs_that_cannot_be_compared_are_value_errors(rollout, train, kwargs,
     assert message in str(info.value)
 
 
+def test_object_arrays_and_bad_names_are_value_errors():
+    """A ragged numpy batch (dtype object) was torch's TypeError "can't convert np.ndarray of type numpy.object_",
+    naming no argument; ``names`` of another length was an IndexError from inside the report."""
+    ragged = np.array([np.zeros(2), np.zeros(3)], dtype=object)
+    with pytest.raises(ValueError) as info:
+        compare_logprobs(ragged, ragged)
+    assert str(info.value) == ("rollout is a numpy array of dtype object, not numbers (a ragged batch: pass a list of "
+                               "1-D arrays)")
+    with pytest.raises(ValueError) as info:
+        compare_logprobs([torch.zeros(2)], [torch.zeros(1)], names=("engine",))
+    assert str(info.value) == "names must be two strings (the rollout side's, the training side's), got ('engine',)"
+    found = compare_logprobs([torch.tensor([-1.0])], [torch.tensor([-0.5])], names=["engine", "trainer"])
+    assert found.names == ("engine", "trainer") and "engine -1.0 (0xbf800000) vs trainer -0.5" in found.message()
+
+
 def test_long_reports_list_the_first_sequences_only():
     rollout = [torch.tensor([-1.0]) for _ in range(10)]
     message = _raises(assert_logprobs_equal, rollout, [r - 1 for r in rollout])
