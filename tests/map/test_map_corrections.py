@@ -294,6 +294,24 @@ def test_outside_every_curve_is_one_sentence(tmp_path):
     assert "outside_every_curve" not in inside and "extrapolated" not in inside["verdict"]
 
 
+def test_outside_every_curve_counts_the_curves_at_the_users_lag_only():
+    """The shipped map has curves at policy lags 0, 1, 4 and 8. At lag 1, T = 100 is outside both lag-1 curves
+    (T ~8 .. 19): the sentence said nothing, because the lag-0 bypass curve (T 5.3 .. 516) covers 100 -- a curve that
+    does not answer at lag 1. At lag 0 the sentence listed 'bypass' and 'recompute' four times, one per lag."""
+    m = verdict.load_map(None)
+    at_lag_1 = [verdict.curve_for(m, name, policy_lag=1) for name in ("bypass", "recompute")]
+    placed = verdict.placement(m, 1e-4, 100.0, "bypass", policy_lag=1)
+    assert placed["outside_every_curve"] == (
+        "T = 100 lies outside every curve's measured horizons ("
+        + "; ".join(f"{c['correction']}: T = {verdict.fmt_t(c['horizon_range'][0])} .. "
+                    f"{verdict.fmt_t(c['horizon_range'][1])}" for c in at_lag_1)
+        + "): every threshold the map gives at this T is an extrapolation")
+    far = verdict.placement(m, 1e-4, 1e5, "bypass")["outside_every_curve"]
+    listed = [part.split(":")[0] for part in far.split("(", 1)[1].split("):")[0].split("; ")]
+    assert listed == [c["correction"] for c in verdict.map_curves(m)
+                      if c["policy_lag"] == 0 and c["source"] == verdict.default_source(m)]
+    assert len(listed) == len(set(listed)) and "outside_every_curve" not in verdict.placement(m, 1e-4, 100.0, "bypass")
+
 def _dump(tmp: Path, r: float = 0.22, length: int = 8, sequences: int = 4) -> tuple[Path, Path]:
     """Sequences of ``length`` tokens whose training log-prob exceeds the rollout's by ``r``: k3 = e^r − r − 1."""
     roll, train = tmp / "roll.jsonl", tmp / "train.jsonl"

@@ -364,7 +364,8 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     if assumed:
         verdict += f"; correction assumed: {name} (none given: name the one you run)"
     out["verdict"] = verdict + f"; curve: {correction_words(name)}"
-    ranges = [(c["correction"], c.get("horizon_range")) for c in map_curves(map_data) if c["source"] == curve["source"]]
+    ranges = [(c["correction"], c.get("horizon_range")) for c in map_curves(map_data)  # the curves that answer at
+              if c["source"] == curve["source"] and c["policy_lag"] == curve["policy_lag"]]  # this source and lag
     ranges = [(c, r) for c, r in ranges if isinstance(r, list) and len(r) == 2 and all(positive(t) for t in r)]
     if ranges and all(not r[0] <= horizon <= r[1] for _, r in ranges):
         out["outside_every_curve"] = (
