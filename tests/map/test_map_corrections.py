@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -293,6 +294,18 @@ def test_outside_every_curve_is_one_sentence(tmp_path):
     inside = verdict.placement(m, 1e-4, 30.0, "bypass")
     assert "outside_every_curve" not in inside and "extrapolated" not in inside["verdict"]
 
+
+def test_numpy_scalars_are_placed_as_the_numbers_they_are():
+    """A k3 the user computed in numpy (float32) was refused as "k3 must be a finite number >= 0, got
+    np.float32(0.001)"; it is the placement of its float value. What is no real number is still refused."""
+    m = verdict.load_map(None)
+    assert verdict.place_on_map(m, np.float32(1e-3), np.int64(20), "bypass") == verdict.place_on_map(
+        m, float(np.float32(1e-3)), 20.0, "bypass")
+    for k3 in (torch.tensor(1e-3), True, np.float64("nan"), np.float32(-1.0)):
+        with pytest.raises(ValueError, match=r"^k3 must be a finite number >= 0, got "):
+            verdict.place_on_map(m, k3, 20.0, "bypass")
+    with pytest.raises(ValueError, match=r"^the horizon \(mean response length\) must be a positive number, got 0.0:"):
+        verdict.place_on_map(m, 1e-3, np.float32(0.0), "bypass")
 
 def test_outside_every_curve_counts_the_curves_at_the_users_lag_only():
     """The shipped map has curves at policy lags 0, 1, 4 and 8. At lag 1, T = 100 is outside both lag-1 curves

@@ -17,6 +17,7 @@ recorded loads as a ``bypass`` curve).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,7 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
     """``place_on_map``'s keys and what the printed lines add: ``correction_assumed``, ``bound_assumption`` (the
     assumption a verdict from a measured bound rests on, or None) and ``outside_every_curve`` (the sentence when T is
     outside every curve's measured horizons)."""
+    k3, horizon = _real(k3), _real(horizon)  # numpy's scalars (a float32 k3 of the user's own) are numbers too
     if not finite(k3) or k3 < 0:
         raise ValueError(f"k3 must be a finite number >= 0, got {k3!r}")
     if not positive(horizon):
@@ -373,6 +375,11 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
             + "; ".join(f"{c}: T = {fmt_t(r[0])} .. {fmt_t(r[1])}" for c, r in ranges)
             + "): every threshold the map gives at this T is an extrapolation")
     return out
+
+
+def _real(value: Any) -> Any:
+    """A real number of any type (numpy's float32, int64, ...) as a Python float; anything else as it is."""
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)) else value
 
 
 def fmt_t(horizon: float) -> str:
