@@ -510,14 +510,15 @@ def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tenso
         raise ValueError(f"cpu_exact.attention: q_start is on {q_start.device} but q on {q.device}")
 
 
-def _check_query_span(q_start: Tensor, q_len: int, cache_len: int) -> int:
-    """The positions the queries span (the furthest query's position + 1); a ValueError unless every query lies
-    inside the cache -- one past it would attend to keys never written. Checked where the tiles read q_start's
-    bounds anyway, not in ``attention``'s usual-case test (values, not attributes)."""
+def _check_query_span(q_start: Tensor, q_len: int) -> int:
+    """The positions the queries span (the furthest query's position + 1); a ValueError if a query would sit before
+    position 0 (it would see no key: its softmax has nothing to normalise). A query past the cache's end is defined:
+    it sees the whole cache (keys past it are masked, as in the Triton kernel). Checked where the tiles read
+    q_start's bounds anyway, not in ``attention``'s usual-case test (values, not attributes)."""
     first, last = (int(bound) for bound in torch.aminmax(q_start))
-    if first < 0 or last + q_len > cache_len:
-        raise ValueError(f"cpu_exact.attention: q_start must place every query inside the cache: 0 <= q_start[b] and "
-                         f"q_start[b] + T <= L, got q_start in [{first}, {last}], T = {q_len}, L = {cache_len}")
+    if first < 0:
+        raise ValueError(f"cpu_exact.attention: q_start must be >= 0 (a query before position 0 sees no key), got "
+                         f"q_start in [{first}, {last}]")
     return last + q_len
 
 
@@ -552,7 +553,7 @@ class _AttentionTiles:
         self.row_blocks = -(-self.rows // self.block)
         self.row_len = self.row_blocks * self.block
         # Keys needed: up to the furthest query position, in whole tiles from position 0.
-        self.visible = _check_query_span(q_start, q_len, k_cache.shape[1])
+        self.visible = _check_query_span(q_start, q_len)
         self.key_len = ceil_to(self.visible, KEY_BLOCK)
         self.key_blocks = self.key_len // KEY_BLOCK
         self.cache_len = k_cache.shape[1]
