@@ -64,7 +64,11 @@ def get_ops(backend: str, device: torch.device | str = "cpu") -> ModuleType:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend == "native":
         return native
-    if backend == "triton" or torch.device(device).type == "cuda":
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):  # torch's message names neither the argument nor the spellings
+        raise ValueError(f"device must be a torch.device or a name such as cpu, cuda, cuda:1, got {device!r}") from None
+    if backend == "triton" or kind == "cuda":
         return _triton()
     return cpu_exact
 

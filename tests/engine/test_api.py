@@ -221,6 +221,10 @@ def test_unknown_backend_and_dtype():
     with pytest.raises(ValueError, match="unknown backend"):
         model.backend = "nope"
     assert model.backend == "exact"
+    for call in (lambda: Transformer(cfg, device="gpu"), lambda: get_ops("exact", "gpu")):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == "device must be a torch.device or a name such as cpu, cuda, cuda:1, got 'gpu'"
 
 
 @pytest.mark.parametrize("sizes", [{"hidden_size": 10**6, "num_heads": 4}, {"num_layers": 10**5},

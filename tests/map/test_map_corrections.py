@@ -307,6 +307,13 @@ def test_numpy_scalars_are_placed_as_the_numbers_they_are():
     with pytest.raises(ValueError, match=r"^the horizon \(mean response length\) must be a positive number, got 0.0:"):
         verdict.place_on_map(m, 1e-3, np.float32(0.0), "bypass")
 
+
+def test_a_horizon_is_written_with_the_digits_it_has():
+    """Whole tokens from 20 on, one decimal below, two significant digits below 0.1 (a mostly masked batch's T =
+    0.01 read "T = 0.0")."""
+    assert [verdict.fmt_t(t) for t in (516.4, 20.0, 8.25, 0.1, 0.0123)] == ["516", "20", "8.2", "0.1", "0.012"]
+
+
 def test_outside_every_curve_counts_the_curves_at_the_users_lag_only():
     """The shipped map has curves at policy lags 0, 1, 4 and 8. At lag 1, T = 100 is outside both lag-1 curves
     (T ~8 .. 19): the sentence said nothing, because the lag-0 bypass curve (T 5.3 .. 516) covers 100 -- a curve that
@@ -324,6 +331,7 @@ def test_outside_every_curve_counts_the_curves_at_the_users_lag_only():
     assert listed == [c["correction"] for c in verdict.map_curves(m)
                       if c["policy_lag"] == 0 and c["source"] == verdict.default_source(m)]
     assert len(listed) == len(set(listed)) and "outside_every_curve" not in verdict.placement(m, 1e-4, 100.0, "bypass")
+
 
 def _dump(tmp: Path, r: float = 0.22, length: int = 8, sequences: int = 4) -> tuple[Path, Path]:
     """Sequences of ``length`` tokens whose training log-prob exceeds the rollout's by ``r``: k3 = e^r − r − 1."""

@@ -459,7 +459,11 @@ class Transformer(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):  # torch's message names neither the argument nor the spellings
+            raise ValueError(f"device must be a torch.device or a name such as cpu, cuda, cuda:1, got {device!r}"
+                             ) from None
         check_fits_on(config, device)  # before allocating: an absurd size is one error, not an allocator's
         self.config = config
         c = config

@@ -383,8 +383,9 @@ def _real(value: Any) -> Any:
 
 
 def fmt_t(horizon: float) -> str:
-    """A horizon in words: whole tokens from 20 on, one decimal below."""
-    return f"{horizon:.0f}" if horizon >= 20 else f"{horizon:.1f}"
+    """A horizon in words: whole tokens from 20 on, one decimal below, two significant digits below 0.1 (a mostly
+    masked batch: 0.01 is not "0.0")."""
+    return f"{horizon:.0f}" if horizon >= 20 else f"{horizon:.1f}" if horizon >= 0.1 else f"{horizon:.2g}"
 
 
 def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: float, thr: float, verdict: str
