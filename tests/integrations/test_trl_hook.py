@@ -206,6 +206,39 @@ def test_refuses_a_trainer_without_rollout_logprobs(tmp_path):
                         live_monitor=LiveMonitor(tmp_path / "vexact"))
 
 
+def test_refuses_a_trainer_that_is_no_grpo_trainer_or_puts_it_first(tmp_path):
+    """Mixed into another trainer, the hook was an AttributeError ('use_vllm') after the whole trainer was built;
+    after GRPOTrainer in the bases, TRL's "unexpected keyword argument 'live_monitor'". Each is one ValueError now,
+    before anything is built."""
+    from transformers import Trainer, TrainingArguments
+    from trl import GRPOTrainer
+
+    from vexact.integrations.trl import LiveMismatchMixin
+
+    class Monitored(LiveMismatchMixin, Trainer):
+        pass
+
+    with pytest.raises(ValueError, match=r"^LiveMismatchMixin hooks TRL's GRPOTrainer, and Monitored is not one: mix "
+                                         r"it into GRPOTrainer or a subclass of it$"):
+        Monitored(model=_model(), args=TrainingArguments(output_dir=str(tmp_path / "t"), use_cpu=True,
+                                                         report_to="none"),
+                  live_monitor=LiveMonitor(tmp_path / "vexact"))
+
+    class Mine(GRPOTrainer):
+        pass
+
+    with pytest.raises(ValueError, match=r"^Backwards: LiveMismatchMixin must come before GRPOTrainer \(or your "
+                                         r"subclass of it\) in the bases, e.g. class "
+                                         r"Backwards\(LiveMismatchMixin, GRPOTrainer\)$"):
+        class Backwards(Mine, LiveMismatchMixin):
+            pass
+
+    class Forwards(LiveMismatchMixin, Mine):  # your own GRPOTrainer subclass, the mixin first
+        pass
+
+    assert not (tmp_path / "vexact").exists() and not (tmp_path / "t").exists()
+
+
 def test_a_resumed_run_keeps_its_rows_and_continues_at_global_step(tmp_path, one_torch_thread):
     """Train 4 steps with a checkpoint at step 3 (a run that died after step 3's row), then resume from that
     checkpoint with ``LiveMonitor(..., resume=True)``: the rows of steps 0-2 stay as written, step 3 is written again

@@ -69,7 +69,23 @@ DUMP_KEYS = ("rollout_log_probs", "old_log_probs", "response_mask", "responses")
 class LiveMismatchMixin:
     """Put before ``GRPOTrainer`` (or your subclass of it) in the bases; adds the keyword ``live_monitor``."""
 
+    def __init_subclass__(cls, **kwargs: Any):
+        """Refuses bases that put TRL's ``GRPOTrainer`` first: its ``__init__`` would never reach the mixin's, and
+        the first sign would be TRL's "unexpected keyword argument 'live_monitor'"."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        grpo = next((i for i, base in enumerate(mro) if base.__name__ == "GRPOTrainer"
+                     and base.__module__.split(".")[0] == "trl"), None)
+        if grpo is not None and grpo < mro.index(LiveMismatchMixin):
+            raise ValueError(f"{cls.__name__}: LiveMismatchMixin must come before GRPOTrainer (or your subclass of it) "
+                             f"in the bases, e.g. class {cls.__name__}(LiveMismatchMixin, GRPOTrainer)")
+
     def __init__(self, *args: Any, live_monitor: LiveMonitor, **kwargs: Any):
+        from trl import GRPOTrainer
+
+        if not isinstance(self, GRPOTrainer):
+            raise ValueError(f"LiveMismatchMixin hooks TRL's GRPOTrainer, and {type(self).__name__} is not one: mix it "
+                             "into GRPOTrainer or a subclass of it")
         if not isinstance(live_monitor, LiveMonitor):
             raise ValueError(f"live_monitor must be a vexact.live.LiveMonitor, got {type(live_monitor).__name__}")
         super().__init__(*args, **kwargs)
