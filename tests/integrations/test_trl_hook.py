@@ -239,6 +239,22 @@ def test_refuses_a_trainer_that_is_no_grpo_trainer_or_puts_it_first(tmp_path):
     assert not (tmp_path / "vexact").exists() and not (tmp_path / "t").exists()
 
 
+def test_a_grpo_config_names_the_correction_trl_applies(tmp_path):
+    """TRL 1.16 applies its importance-sampling correction only with vLLM: the docs' example (use_vllm=False, a
+    rollout_func) trains with none, so its GRPOConfig is the recompute curve (it was read as seq_mis, TRL's default
+    mode); with use_vllm=True the mode names it."""
+    from trl import GRPOConfig
+
+    from vexact.map.verdict import resolve_correction
+
+    settings = dict(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none")
+    assert resolve_correction(GRPOConfig(**settings)) == "recompute"
+    assert resolve_correction(GRPOConfig(**settings, vllm_importance_sampling_mode="token_truncate")) == "recompute"
+    assert resolve_correction(GRPOConfig(**settings, use_vllm=True)) == "seq_mis"
+    assert resolve_correction(GRPOConfig(**settings, use_vllm=True,
+                                         vllm_importance_sampling_mode="token_truncate")) == "token_tis"
+
+
 def test_a_resumed_run_keeps_its_rows_and_continues_at_global_step(tmp_path, one_torch_thread):
     """Train 4 steps with a checkpoint at step 3 (a run that died after step 3's row), then resume from that
     checkpoint with ``LiveMonitor(..., resume=True)``: the rows of steps 0-2 stay as written, step 3 is written again

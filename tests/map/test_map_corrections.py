@@ -136,6 +136,12 @@ def test_configs_of_verl_trl_and_vexact():
     assert correction_from_config({"vllm_importance_sampling_mode": "token_mask",
                                    "vllm_importance_sampling_clip_min": 0.5}) == "icepop"
     assert correction_from_config({"vllm_importance_sampling_correction": False}) == "recompute"
+    # TRL corrects only with use_vllm=True: a GRPOConfig without vLLM (a rollout_func, TRL's generate) is recompute
+    # whatever its IS keys say (it was read as their seq_mis / token_tis)
+    assert correction_from_config({"use_vllm": False, "vllm_importance_sampling_correction": True,
+                                   "vllm_importance_sampling_mode": None}) == "recompute"
+    assert correction_from_config({"use_vllm": False, "vllm_importance_sampling_mode": "token_truncate"}) == "recompute"
+    assert correction_from_config({"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate"}) == "token_tis"
     # vexact's own config
     assert correction_from_config({"algorithm": {"old_logprobs": "recompute"}}) == "recompute"
     assert correction_from_config({"algorithm": {"old_logprobs": "rollout"},

@@ -42,6 +42,11 @@ TRL_BAND_METHOD = "icepop"
 TRL_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask"}
 """TRL 1.16's GRPOConfig defaults for the keys read here."""
 TRL_PREFIX = "vllm_importance_sampling_"
+TRL_USE_VLLM = "use_vllm"
+"""TRL 1.16 applies its importance-sampling correction only with ``use_vllm=True`` (``_generate_and_score_completions``:
+``self.use_vllm and self.vllm_importance_sampling_correction``); a GRPOConfig with ``use_vllm=False`` (TRL's default:
+its transformers ``generate`` path, or a ``rollout_func``) is ``recompute`` whatever its ``vllm_importance_sampling_*``
+keys say. A mapping without the key names the correction by those keys alone."""
 VERL_MODE_KEY = "bypass_mode"  # verl's algorithm.old_logprobs: true = rollout (bypass), false/null = decoupled
 VERL_BLOCK_KEYS = ("preset", *VERL_KEYS, VERL_MODE_KEY)  # the keys of verl's rollout_correction that decide it
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -138,7 +143,7 @@ def _from_verl(block: Any, where: str) -> str:
 
 def _from_trl(config: Mapping, where: str) -> str:
     values = {**TRL_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-    if not values["vllm_importance_sampling_correction"]:
+    if not values["vllm_importance_sampling_correction"] or config.get(TRL_USE_VLLM) is False:
         return RECOMPUTE
     mode = values["vllm_importance_sampling_mode"]
     if mode not in TRL_MODES:
