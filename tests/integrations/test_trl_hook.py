@@ -255,6 +255,29 @@ def test_a_grpo_config_names_the_correction_trl_applies(tmp_path):
                                          vllm_importance_sampling_mode="token_truncate")) == "token_tis"
 
 
+def test_dump_batch_and_batch_sides_refuse_what_is_no_generation_output(tmp_path):
+    """The trainer's ``inputs`` (a list of prompt dicts) in place of the output was AttributeError: 'list' object has
+    no attribute 'get'; an output missing a key was a bare KeyError. Each is one ValueError naming it; nothing is
+    written."""
+    from vexact.integrations.trl import batch_sides, dump_batch
+
+    logps = torch.zeros(2, 3)
+    path = tmp_path / "dumps" / "step0.safetensors"
+    with pytest.raises(ValueError, match=r"^expected the dict GRPOTrainer._generate_and_score_completions returns, "
+                                         r"got list$"):
+        dump_batch(None, [{"prompt": "w1"}], path)
+    with pytest.raises(ValueError, match=r"^this GRPOTrainer batch has no 'completion_mask': pass the dict "
+                                         r"_generate_and_score_completions returns$"):
+        batch_sides(None, {"sampling_per_token_logps": logps, "old_per_token_logps": logps})
+    with pytest.raises(ValueError, match=r"^this GRPOTrainer batch has no 'prompt_ids', 'prompt_mask': pass"):
+        batch_sides(None, {"sampling_per_token_logps": logps, "completion_mask": torch.ones(2, 3),
+                           "completion_ids": torch.ones(2, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"^this GRPOTrainer batch has no 'completion_ids': pass"):
+        dump_batch(None, {"sampling_per_token_logps": logps, "old_per_token_logps": logps,
+                          "completion_mask": torch.ones(2, 3)}, path)
+    assert not path.parent.exists()
+
+
 def test_a_resumed_run_keeps_its_rows_and_continues_at_global_step(tmp_path, one_torch_thread):
     """Train 4 steps with a checkpoint at step 3 (a run that died after step 3's row), then resume from that
     checkpoint with ``LiveMonitor(..., resume=True)``: the rows of steps 0-2 stay as written, step 3 is written again

@@ -50,6 +50,7 @@ with ``vexact.live.GateFailed`` after the row is written.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +122,26 @@ class LiveMismatchMixin:
         return output
 
 
+def _check_output(output: Any, keys: tuple[str, ...]) -> None:
+    """One ValueError unless ``output`` is a ``_generate_and_score_completions`` output holding ``keys`` (the
+    trainer's ``inputs``, a list of prompts, or a batch missing a key was an AttributeError or a bare KeyError)."""
+    if not isinstance(output, Mapping):
+        raise ValueError(f"expected the dict GRPOTrainer._generate_and_score_completions returns, got "
+                         f"{type(output).__name__}")
+    missing = [key for key in keys if key not in output]
+    if missing:
+        raise ValueError(f"this GRPOTrainer batch has no {', '.join(map(repr, missing))}: pass the dict "
+                         "_generate_and_score_completions returns")
+
+
 def _rollout_side(output: dict[str, Any]) -> tuple[Tensor, Tensor]:
     """(rollout log-probs, mask) [B, C] of one ``_generate_and_score_completions`` output."""
+    _check_output(output, ())
     rollout = output.get("sampling_per_token_logps")
     if rollout is None:
         raise ValueError("this GRPOTrainer batch has no 'sampling_per_token_logps' (the generation engine's "
                          "log-probs): use vLLM or a rollout_func that returns 'logprobs'")
+    _check_output(output, ("completion_mask",))
     mask = output["completion_mask"]
     if output.get("tool_mask") is not None:
         mask = mask * output["tool_mask"]
@@ -140,6 +155,7 @@ def _training_side(trainer: Any, output: dict[str, Any], rows: list[int] | None 
     train = output.get("old_per_token_logps")
     if train is not None:
         return train if rows is None else train[rows]
+    _check_output(output, ("prompt_ids", "prompt_mask", "completion_ids"))
     prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
     attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
     if rows is not None:
@@ -162,6 +178,7 @@ def dump_batch(trainer: Any, output: dict[str, Any], path: str | Path) -> Path:
     the completion ids under verl's key names (``DUMP_KEYS``), as a safetensors file; the parent folders are made."""
     from safetensors.torch import save_file
 
+    _check_output(output, ("completion_ids",))
     rollout, train, mask = batch_sides(trainer, output)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
