@@ -141,3 +141,30 @@ def test_loopback_check_recognises_addresses():
 def test_address_needs_the_ray_executor(tmp_path):
     with pytest.raises(ValueError, match="needs --executor ray"):
         run_sweep(load_sweep_spec(_sweep_file(tmp_path, "a", grid={"seed": [0]})), address="auto")
+
+
+def test_an_address_where_nothing_answers_is_one_error_within_seconds(tmp_path):
+    """A closed port or a host that does not resolve: ray.init retried it for about 13 minutes, printing warnings."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:  # a port of this host that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ValueError) as refused:
+        ray_executor.check_reachable(f"127.0.0.1:{port}")
+    assert str(refused.value) == (f"--address 127.0.0.1:{port}: nothing answers there (Connection refused); start the "
+                                  f"cluster's head with `ray start --head --port {port}` on 127.0.0.1, or give the "
+                                  "address it printed")
+    ray_executor.check_reachable("auto")  # left to Ray, as are local and ray:// addresses
+    ray_executor.check_reachable("ray://127.0.0.1:1")
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "vexact", "sweep", str(_sweep_file(tmp_path, "a", grid={"seed": [0]})),
+                           "--no-report", "--executor", "ray", "--address", f"127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"error: {refused.value}"
+    assert time.monotonic() - started < 60

@@ -16,6 +16,7 @@ directory.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 from ..engine.devices import device_kind
 
 LOCAL_HOST = "127.0.0.1"
+CONNECT_TIMEOUT_S = 10.0
+"""How long ``--address HOST:PORT`` may take to accept a connection before the sweep gives up on it."""
 
 
 # Ray picks its node address in two ways. On a cluster it asks the OS for the host's routable address and binds
@@ -67,6 +70,7 @@ def start(address: str | None, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     if address:
+        check_reachable(address)
         ray.init(address=address, log_to_driver=False, configure_logging=False)
         return False
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -75,6 +79,23 @@ def start(address: str | None, num_cpus: int | None = None) -> bool:
         raise ValueError(f"the private Ray instance took node address {ray.util.get_node_ip_address()}, "
                          f"not {LOCAL_HOST}: refusing to run it")
     return True
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise ValueError unless something accepts a connection at ``address`` (``HOST:PORT``) within ``timeout``.
+
+    ``ray.init`` retries an address where no Ray answers (a closed port, a host that does not resolve) 20 times at
+    about 40 s each, printing a warning each time: the sweep seemed to hang for minutes. ``auto``, ``local`` and
+    ``ray://`` client addresses are left to Ray, which fails on them within seconds."""
+    host, colon, port = address.rpartition(":")
+    if address in ("auto", "local") or "://" in address or not colon or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        raise ValueError(f"--address {address}: nothing answers there ({reason}); start the cluster's head with "
+                         f"`ray start --head --port {port}` on {host}, or give the address it printed") from None
 
 
 PointRunner = Callable[[dict, bool, "int | None"], dict]
