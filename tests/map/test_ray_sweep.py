@@ -168,3 +168,27 @@ def test_an_address_where_nothing_answers_is_one_error_within_seconds(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"error: {refused.value}"
     assert time.monotonic() - started < 60
+
+
+def test_a_point_no_ray_node_can_hold_is_one_error_before_any_runs(tmp_path):
+    """threads above every node's CPUs, or a GPU on a cluster without one: Ray kept the task waiting for ever."""
+    import subprocess
+    import sys
+
+    node = {"Alive": True, "Resources": {"CPU": 2.0, "memory": 1e9}}
+    ray_executor.check_placeable("p", {"num_cpus": 2, "num_gpus": 0}, [node])
+    with pytest.raises(ValueError) as refused:
+        ray_executor.check_placeable("p", {"num_cpus": 2, "num_gpus": 1},
+                                     [node, {"Alive": False, "Resources": {"CPU": 8.0, "GPU": 1.0}}])
+    assert str(refused.value) == ("point p asks Ray for 2 CPUs and 1 GPU (its threads and device), but no node of the "
+                                  "Ray cluster has them (the most one has: 2 CPUs, 0 GPUs); lower its threads, or add "
+                                  "a node that has them")
+
+    path = _sweep_file(tmp_path, "big", grid={"seed": [0], "threads": [4096]})
+    done = subprocess.run([sys.executable, "-m", "vexact", "sweep", str(path), "--no-report", "--executor", "ray"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: point seed=0,threads=4096 asks Ray for 4096 CPUs (its threads and device), but no node of the Ray "
+        "cluster has them (the most one has: "), done.stderr
+    assert not (tmp_path / "big" / "points").exists()  # nothing ran

@@ -118,6 +118,21 @@ def task_resources(threads: int | None, device: str) -> dict[str, int]:
     return {"num_cpus": threads or 1, "num_gpus": int(device_kind(device) == "cuda")}
 
 
+def check_placeable(name: str, resources: dict[str, int], nodes: list[dict]) -> None:
+    """Raise ValueError unless one of ``nodes`` (``ray.nodes()``) is alive and has ``resources`` (``task_resources``):
+    Ray keeps a task no node can hold waiting for one, so the sweep waited for ever, silently (the driver does not
+    show Ray's log)."""
+    held = [node.get("Resources", {}) for node in nodes if node.get("Alive")]
+    needs = {"CPU": resources["num_cpus"], "GPU": resources["num_gpus"]}
+    if any(all(node.get(key, 0) >= need for key, need in needs.items()) for node in held):
+        return
+    most = {key: max((int(node.get(key, 0)) for node in held), default=0) for key in needs}
+    gpu = " and 1 GPU" if needs["GPU"] else ""
+    raise ValueError(f"point {name} asks Ray for {needs['CPU']} CPUs{gpu} (its threads and device), but no node of "
+                     f"the Ray cluster has them (the most one has: {most['CPU']} CPUs, {most['GPU']} GPUs); lower its "
+                     "threads, or add a node that has them")
+
+
 def task_config(config: dict) -> dict:
     """A point's config as its Ray task runs it: a CUDA device becomes ``cuda``, the one GPU Ray lets it see
     (``cuda:3`` would name a GPU hidden from it)."""
@@ -133,6 +148,9 @@ def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Call
     started = start(address)
     try:
         refs: dict[Any, Any] = {}
+        nodes = ray.nodes()
+        for point in todo:  # before any is submitted: one error, not a sweep stopped half-way
+            check_placeable(point.name, task_resources(point.config.threads, point.config.device), nodes)
         for point in todo:
             locked = check_lock(point)
             if locked:
