@@ -288,3 +288,40 @@ def test_ranks_die_with_a_sigkilled_launcher_and_a_rerun_resumes(tmp_path):
                            timeout=RERUN_S)
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(steps))
+
+
+def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeypatch):
+    """A rank killed from outside printed nothing ("its error is printed above" pointed at nothing), and a run
+    interrupted in its warm start has no directory left ("continue with --resume" named a run that is not there)."""
+    import argparse
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from vexact.rl import run_launch
+
+    config = _config_file(tmp_path)
+    run_dir = tmp_path / "run"
+    args = argparse.Namespace(config=config, overrides=[f"output_dir={run_dir}"], resume=False, allow_changes=[],
+                              nproc=2)
+    cfg = run_launch.run_config(args)
+
+    def outcome(error: BaseException) -> tuple[int, str]:
+        def launch(*a, **k):
+            raise error
+        monkeypatch.setattr(run_launch, "launch", launch)
+        console = Console(record=True, width=200)
+        code = run_launch.launch_ranks(args, cfg, console)
+        return code, console.export_text()
+
+    killed = ChildFailedError("env", {1: ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file="")})
+    assert outcome(killed) == (1, "rank 1 was killed by SIGKILL\n")
+    assert outcome(KeyboardInterrupt()) == (130, "interrupted before the run began: nothing to resume; to start it: "
+                                                 f"vexact run {config} --set=output_dir={run_dir} --nproc=2\n")
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("{}")  # the warm start is done: there is a run to resume
+    assert outcome(killed) == (1, "rank 1 was killed by SIGKILL; finished steps are in metrics.jsonl; continue with "
+                                  "--resume\n")
+    assert outcome(KeyboardInterrupt()) == (130, "interrupted: the ranks stopped; finished steps are in metrics.jsonl; "
+                                                 "continue with --resume\n")
+    failed = ChildFailedError("env", {0: ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file="")})
+    assert outcome(failed) == (1, "rank 0 failed (exit code 3); its error is printed above\n")

@@ -10,11 +10,13 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..cli_base import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, make_console
@@ -151,6 +153,10 @@ def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> 
     try:
         launch(args.nproc, rank_args, threads=cfg.threads)
     except (KeyboardInterrupt, SignalException):  # the ranks got the signal too; rank 0 recorded what finished
+        if not holds_run(run_dir_for(cfg)):  # stopped in the warm start: rank 0 removed the directory it had begun
+            console.print(f"[yellow]interrupted[/] before the run began: nothing to resume; to start it: "
+                          f"{escape(command_line(args, resume=False))}", soft_wrap=True)
+            return EXIT_INTERRUPTED
         console.print("[yellow]interrupted[/]: the ranks stopped; finished steps are in metrics.jsonl; continue "
                       "with --resume")
         return EXIT_INTERRUPTED
@@ -160,6 +166,14 @@ def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> 
         if status in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
             return EXIT_INTERRUPTED if status == "interrupted" else EXIT_FAILED
         rank, failure = err.get_first_failure()
+        if failure.exitcode < 0:  # killed from outside (the OOM killer, kill -9): it printed nothing
+            try:
+                name = signal.Signals(-failure.exitcode).name
+            except ValueError:
+                name = f"signal {-failure.exitcode}"
+            console.print(f"[red]rank {rank} was killed[/] by {name}" + ("; finished steps are in metrics.jsonl; "
+                          "continue with --resume" if holds_run(run_dir_for(cfg)) else ""))
+            return EXIT_FAILED
         console.print(f"[red]rank {rank} failed[/] (exit code {failure.exitcode}); its error is printed above")
         return EXIT_FAILED
     return EXIT_OK
