@@ -141,6 +141,11 @@ def test_loopback_check_recognises_addresses():
 def test_address_needs_the_ray_executor(tmp_path):
     with pytest.raises(ValueError, match="needs --executor ray"):
         run_sweep(load_sweep_spec(_sweep_file(tmp_path, "a", grid={"seed": [0]})), address="auto")
+    # and --jobs is the local executor's: on Ray it was ignored
+    with pytest.raises(ValueError) as refused:
+        run_sweep(load_sweep_spec(_sweep_file(tmp_path, "b", grid={"seed": [0]})), jobs=2, executor="ray")
+    assert str(refused.value) == ("--jobs 2 is the number of local worker processes: with --executor ray, Ray decides "
+                                  "how many points run at once (each asks for its threads' CPUs)")
 
 
 def test_an_address_where_nothing_answers_is_one_error_within_seconds(tmp_path):

@@ -121,7 +121,8 @@ def task_resources(threads: int | None, device: str) -> dict[str, int]:
 def check_placeable(name: str, resources: dict[str, int], nodes: list[dict]) -> None:
     """Raise ValueError unless one of ``nodes`` (``ray.nodes()``) is alive and has ``resources`` (``task_resources``):
     Ray keeps a task no node can hold waiting for one, so the sweep waited for ever, silently (the driver does not
-    show Ray's log)."""
+    show Ray's log). ``run_points`` refuses such a point on the Ray it starts itself, and on a cluster (``--address``),
+    whose autoscaler may add the node, says so once and lets Ray wait."""
     held = [node.get("Resources", {}) for node in nodes if node.get("Alive")]
     needs = {"CPU": resources["num_cpus"], "GPU": resources["num_gpus"]}
     if any(all(node.get(key, 0) >= need for key, need in needs.items()) for node in held):
@@ -150,7 +151,13 @@ def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Call
         refs: dict[Any, Any] = {}
         nodes = ray.nodes()
         for point in todo:  # before any is submitted: one error, not a sweep stopped half-way
-            check_placeable(point.name, task_resources(point.config.threads, point.config.device), nodes)
+            try:
+                check_placeable(point.name, task_resources(point.config.threads, point.config.device), nodes)
+            except ValueError as err:
+                if started:  # the sweep's own Ray on this machine: no node will join it
+                    raise
+                # a cluster's autoscaler may add the node the point asks for: said once, then Ray waits for it
+                print(f"warning: {err}; it waits for such a node (an autoscaling cluster starts one)", file=sys.stderr)
         for point in todo:
             locked = check_lock(point)
             if locked:

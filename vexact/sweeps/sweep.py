@@ -570,6 +570,9 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
         raise ValueError(f"unknown executor {executor!r}; expected local or ray")
     if address and executor != "ray":
         raise ValueError("--address is the Ray cluster to use: it needs --executor ray")
+    if jobs > 1 and executor == "ray":  # Ray runs as many points at once as its nodes' CPUs hold
+        raise ValueError(f"--jobs {jobs} is the number of local worker processes: with --executor ray, Ray decides "
+                         "how many points run at once (each asks for its threads' CPUs)")
     console = console or Console()
     selected = select_points(spec, only, names)
     _check_output_dirs(spec)
