@@ -143,6 +143,11 @@ def test_config_translation():
     assert model_config_from_hf(sliding | {"layer_types": ["full_attention"] * 2}).max_seq_len == 128
     assert model_config_from_hf({k: v for k, v in sliding.items() if k != "layer_types"}).max_seq_len == 16
     assert model_config_from_hf(make_tiny_hf_model("qwen2").config.to_dict()).qkv_bias
+    assert model_config_from_hf(v5, max_seq_len=64).max_seq_len == 64
+    for bad in ("64", 0, True):  # the caller's argument is named, not the config file ("malformed config.json")
+        with pytest.raises(ValueError) as refused:
+            model_config_from_hf(v5, max_seq_len=bad)
+        assert str(refused.value) == f"max_seq_len must be a positive int or None, got {bad!r}"
 
 
 def _expect_error(match, fn, *args, **kwargs):

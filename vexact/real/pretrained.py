@@ -147,6 +147,9 @@ def model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None = None, *,
     """
     if not isinstance(hf, dict):
         raise ValueError(f"{source}: expected a JSON object (a Hugging Face config), got {type(hf).__name__}")
+    if max_seq_len is not None and (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
+                                    or max_seq_len < 1):  # the caller's argument, not the config file's
+        raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
     try:
         return _model_config_from_hf(hf, max_seq_len, source)
     except ModelConfigError as err:
