@@ -85,7 +85,7 @@ HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows", ONEDNN_ROWS, "same_b
 
 # --------------------------------------------------------------------------- input checks
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-"""The dtypes of the ops' floating operands: the model's (``vexact.engine.model.DTYPES``). Anything else (fp16,
+"""The dtypes of the ops' floating operands, and so the dtypes the model computes in. Anything else (fp16,
 fp64, an integer or bool tensor) is one TypeError naming the op and the argument: the kernels compute in fp32 and
 round once to the input's dtype, so an fp64 input would silently lose its precision and an integer one be truncated."""
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -851,7 +851,7 @@ def _silu_mul_loops(gate: Tensor, up: Tensor, host: HostGuard) -> ModuleType | N
 def _silu_mul_vjp_loops(grad: Tensor, gate: Tensor, up: Tensor) -> ModuleType | None:
     """The compiled loops where they take this SwiGLU's VJP, else None: grad, gate and up all fp32 or all bf16 (the VJP
     uses the forward's saved 1 + exp(-gate): no library function of its own)."""
-    if grad.dtype == gate.dtype == up.dtype and gate.dtype in (torch.float32, torch.bfloat16):
+    if grad.dtype == gate.dtype == up.dtype and gate.dtype in FLOAT_DTYPES:
         return compiled_loops.library()
     return None
 

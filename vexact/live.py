@@ -106,6 +106,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .engine.inputs import tensor_from_numpy
 from .metric_keys import (
     K3_KL,
     LIVE_GATES_FAILED,
@@ -524,10 +525,7 @@ def _check_extra(extra: dict[str, Any] | None) -> None:
 def _from_numpy(value: Any, side: str) -> Any:
     """A numpy array as a tensor of its own dtype (a sequence: each item); anything else as it is."""
     if isinstance(value, np.ndarray):
-        try:
-            return torch.from_numpy(np.ascontiguousarray(value))
-        except TypeError:  # object, string, ... arrays: torch has no such dtype
-            raise ValueError(f"{side} is a numpy array of dtype {value.dtype}, not numbers") from None
+        return tensor_from_numpy(value, side)
     if isinstance(value, (list, tuple)) and any(isinstance(item, np.ndarray) for item in value):
         return [_from_numpy(item, f"{side}[{i}]") for i, item in enumerate(value)]
     return value

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .engine.inputs import check_token_lists
+from .engine.inputs import check_token_lists, tensor_from_numpy
 from .real.check import DEFAULT_BATCH_SIZES, DEFAULT_MICRO_BATCH_SIZES  # the arrangements vexact check uses
 from .real.compare import Mismatch  # one class for both: compare reports its first mismatch too
 from .real.sites import Sites
@@ -76,14 +76,7 @@ def _as_tensor(x: Any, what: str) -> Tensor:
     if isinstance(x, Tensor):
         return x.detach().cpu()
     if hasattr(x, "__array__") and not isinstance(x, (list, tuple)):  # numpy arrays keep their dtype
-        import numpy as np
-
-        array = np.ascontiguousarray(np.asarray(x))
-        try:
-            return torch.from_numpy(array)
-        except TypeError:  # object (ragged), string, ... arrays: torch has no such dtype
-            raise ValueError(f"{what} is a numpy array of dtype {array.dtype}, not numbers (a ragged batch: pass a "
-                             "list of 1-D arrays)") from None
+        return tensor_from_numpy(x, what)
     if isinstance(x, (list, tuple)):
         try:  # plain Python numbers are float64 (that is what they are)
             return torch.tensor(x, dtype=torch.float64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,6 +61,19 @@ def check_model(model: object) -> None:
     if not isinstance(model, Transformer):
         raise ValueError(f"model must be a vexact Transformer (vexact.from_pretrained loads a Hugging Face "
                          f"checkpoint as one), got {type(model).__name__}")
+
+
+def tensor_from_numpy(array: Any, what: str) -> Tensor:
+    """A numpy array as a tensor of its own dtype (on its memory where it is contiguous); an array of no number dtype
+    (object -- a ragged batch --, strings) is one ValueError naming ``what`` (torch's TypeError names neither)."""
+    import numpy as np
+
+    array = np.ascontiguousarray(np.asarray(array))
+    try:
+        return torch.from_numpy(array)
+    except TypeError:
+        raise ValueError(f"{what} is a numpy array of dtype {array.dtype}, not numbers (a ragged batch: pass a list "
+                         "of 1-D arrays)") from None
 
 
 def check_batch_size(name: str, value: int | None) -> None:

@@ -41,7 +41,8 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ``rollout.dtype``, ``inject.precision``, ...) and every CLI flag accept both, so ``bf16`` works wherever
 ``bfloat16`` does; configs store the long name."""
 
-_MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what the model computes in
+# what the model computes in: the floating dtypes the exact kernels take
+_MODEL_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vexact_kernels.cpu_exact.FLOAT_DTYPES}
 DTYPES = {**_MODEL_DTYPES, **{short: _MODEL_DTYPES[long] for short, long in DTYPE_ALIASES.items()
                               if long in _MODEL_DTYPES}}
 """Every accepted name of a model dtype (long and short) -> the torch dtype."""
@@ -64,8 +65,8 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected {dtype_names_text()}")
         return DTYPES[dtype]
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"unsupported dtype {dtype}; expected torch.float32 or torch.bfloat16")
+    if dtype not in _MODEL_DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype}; expected {' or '.join(map(str, _MODEL_DTYPES.values()))}")
     return dtype
 
 
