@@ -69,7 +69,7 @@ class Progress:
             self._task = self._bar.add_task(self.description, total=self.total, completed=self.done, current="")
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> bool:
         if self._bar is not None:
             self._bar.__exit__(*exc)
             self._bar = None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = ["Mount", "RegisteredName", "Registry", "declare_settings", "extensible", "mounts", "settings_classes",
@@ -168,7 +168,7 @@ _CORE: dict[str, list[tuple[dataclasses.Field, Any]]] = {}  # section name -> it
 _MOUNTS: dict[str, dict[str, Mount]] = {}  # section name -> key -> its mount, in mount order
 
 
-def extensible(name: str):
+def extensible(name: str) -> Callable[[type], type]:
     """Class decorator for a config section (a dataclass) that entries' settings are mounted into, as ``name``."""
 
     def attach(cls: type) -> type:

@@ -494,3 +494,46 @@ def test_every_test_file_is_in_one_subject_folder() -> None:
     stray = [p.relative_to(ROOT).as_posix() for p in tests.rglob("*.py")
              if p.name in ("conftest.py", "__init__.py") and p.parent != tests]
     assert stray == [] and not any(p.parent.parent != tests for p in tests.rglob("test_*.py")), stray
+
+
+# --------------------------------------------------------------------------- type hints on public functions
+def _unhinted(tree: ast.Module) -> list[str]:
+    """'line name' of each public function or method in ``tree`` (no leading underscore, in a public class; dunder
+    methods count) with a parameter or return that has no annotation (``__init__``'s return may go without).
+    Functions nested in functions are private to them and not counted."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, public_scope: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, public_scope and not child.name.startswith("_"))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = child.name
+                dunder = name.startswith("__") and name.endswith("__")
+                if public_scope and (dunder or not name.startswith("_")):
+                    a = child.args
+                    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+                    if (any(p.annotation is None and p.arg not in ("self", "cls") for p in params)
+                            or (child.returns is None and name != "__init__")):
+                        found.append(f"{child.lineno} {name}")
+            else:  # a module-level ``if``/``try`` block; a function's own functions are its private helpers
+                visit(child, public_scope)
+
+    visit(tree, True)
+    return found
+
+
+def test_public_functions_have_type_hints() -> None:
+    """Every public function and method of vexact/ and kernels/ has type hints on its parameters and its return."""
+    missing = [f"{path.relative_to(ROOT)}:{where}" for folder in ("vexact", "kernels")
+               for path in sorted((ROOT / folder).rglob("*.py")) for where in _unhinted(ast.parse(path.read_text()))]
+    assert missing == [], missing
+
+
+def test_the_type_hint_check_sees_a_missing_hint() -> None:
+    source = ("def f(x: int) -> int: ...\ndef g(x) -> int: ...\ndef h(x: int): ...\ndef _p(x): ...\n"
+              "class C:\n    def __init__(self, x: int): ...\n    def m(self, *a): ...\n"
+              "    def __exit__(self) -> None: ...\n"
+              "class _D:\n    def m(self, x): ...\n"
+              "def outer() -> None:\n    def inner(x): ...\n")
+    assert _unhinted(ast.parse(source)) == ["2 g", "3 h", "7 m"]

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import Tensor, nn
@@ -517,7 +518,7 @@ class Transformer(nn.Module):
         self._backend = name
 
     @property
-    def ops(self):
+    def ops(self) -> ModuleType:
         """The default kernel ops: those of ``backend`` on the model's device."""
         return vexact_kernels.get_ops(self._backend, self.device)
 

@@ -70,7 +70,7 @@ DUMP_KEYS = ("rollout_log_probs", "old_log_probs", "response_mask", "responses")
 class LiveMismatchMixin:
     """Put before ``GRPOTrainer`` (or your subclass of it) in the bases; adds the keyword ``live_monitor``."""
 
-    def __init_subclass__(cls, **kwargs: Any):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuses bases that put TRL's ``GRPOTrainer`` first: its ``__init__`` would never reach the mixin's, and
         the first sign would be TRL's "unexpected keyword argument 'live_monitor'"."""
         super().__init_subclass__(**kwargs)

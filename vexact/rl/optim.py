@@ -14,6 +14,8 @@ update's bits depend only on its inputs -- on any host and thread count. The sta
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,12 +59,12 @@ class ExactAdamW(torch.optim.AdamW):
     Same hyper-parameters, state names and results to within rounding as ``torch.optim.AdamW`` (no amsgrad,
     maximize, foreach, fused or capturable variants: a value other than the default is refused)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("ExactAdamW.step takes no closure")
         for group in self.param_groups:
