@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from vexact.metric_keys import TIMING_GRAD_REDUCE, TIMING_STEP
+from vexact.records import METRICS_FILE
 from vexact.records.runlog import read_metrics
 from vexact.rl.data_parallel import DataParallel, launch
 
@@ -75,7 +76,7 @@ def measure_steps(nproc: int, steps: int) -> dict:
                             f"--set=steps={steps}", "--set=distributed.leaves=4", f"--set=distributed.reduce={mode}",
                             "--set=threads=1", f"--set=output_dir={run_dir}", "--set=logging.eval_every=1000"],
                            check=True, capture_output=True)
-            rows = read_metrics(run_dir / "metrics.jsonl")[1:]
+            rows = read_metrics(run_dir / METRICS_FILE)[1:]
             result[f"{mode}_step_s"] = statistics.mean(m[TIMING_STEP] for m in rows)
             result[f"{mode}_reduce_s"] = statistics.mean(m[TIMING_GRAD_REDUCE] for m in rows)
     result["step_ratio"] = result["tree_step_s"] / result["allreduce_step_s"]

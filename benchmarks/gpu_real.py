@@ -52,6 +52,7 @@ from vexact.engine.model import ModelConfig, Transformer
 from vexact.engine.presets import preset_values
 from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL, TIMING_STEP
+from vexact.records import METRICS_FILE
 
 from .gpu_triton import median_seconds
 
@@ -382,7 +383,7 @@ def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) ->
             *(REHEARSAL_RUN if rehearse else []), f"backend={s['exact_backend']}"]
     argv = ["run", str(EXPERIMENT), "--device", str(device), *(f"--set={x}" for x in sets)]
     code = vexact_main(argv)
-    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    rows = read_metrics(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
     fractions = [r[BITWISE_EQUAL_FRAC] for r in rows]
     k3 = [r[K3_KL] for r in rows]
     passed = code == 0 and len(rows) == s["steps"] and all(f == 1.0 for f in fractions) and all(k == 0.0 for k in k3)

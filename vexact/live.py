@@ -120,6 +120,7 @@ from .metric_keys import (
 )
 from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped map's name, as for --map
 from .real.measure import mismatch_report
+from .records import METRICS_FILE
 from .records.atomic import write_text_atomic
 from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError, LoggingSection
@@ -129,7 +130,6 @@ from .rl.monitor import check_sampling, sample_rows
 
 __all__ = ["POSITIVE_LOGPROB_TOLERANCE", "GateFailed", "Gates", "LiveMonitor", "METRICS_FILE"]
 
-METRICS_FILE = "metrics.jsonl"
 POSITIVE_LOGPROB_TOLERANCE = 1e-6
 """A log-prob above this is refused: log p <= 0 for any probability, and a log_softmax computed in float32 or
 bf16 never rounds above 0 by more than a few ulps of 0 (far below this); a value like +0.7 means logits or

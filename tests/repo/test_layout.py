@@ -537,3 +537,18 @@ def test_the_type_hint_check_sees_a_missing_hint() -> None:
               "class _D:\n    def m(self, x): ...\n"
               "def outer() -> None:\n    def inner(x): ...\n")
     assert _unhinted(ast.parse(source)) == ["2 g", "3 h", "7 m"]
+
+
+# --------------------------------------------------------------------------- a run directory's file names
+def test_a_run_directorys_files_are_named_once() -> None:
+    """config.yaml, metrics.jsonl and summary.json are named by ``vexact.records``' constants: no module of vexact/,
+    benchmarks/ or tools/ spells one as a string of its own (a message may still name one in its text)."""
+    from vexact import records
+
+    names = {records.CONFIG_FILE, records.METRICS_FILE, records.SUMMARY_FILE}
+    own = ROOT / "vexact" / "records" / "__init__.py"
+    spelled = [f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}"
+               for folder in ("vexact", "benchmarks", "tools") for path in sorted((ROOT / folder).rglob("*.py"))
+               if path != own for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and node.value in names]
+    assert spelled == [], spelled

@@ -31,6 +31,7 @@ from typing import Any
 
 from vexact.map.verdict import resolve_correction
 from vexact.metric_keys import LAG_K3_KL, TIM_K3_KL
+from vexact.records import CONFIG_FILE
 from vexact.rl.validate import parse_yaml
 from vexact.sweeps.dose_response import run_dose
 from vexact.sweeps.markdown_table import markdown_table
@@ -53,7 +54,7 @@ def _before_collapse_mean(point: PointData, key: str) -> float | None:
 def run_row(point: PointData) -> dict[str, Any]:
     """One finished run's setup (from its saved config) and its run means; ValueError naming the run when its
     config cannot be read."""
-    path = point.dir / "config.yaml"
+    path = point.dir / CONFIG_FILE
     try:
         config = parse_yaml(path.read_text())
     except (OSError, ValueError) as err:

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from vexact.records import METRICS_FILE
 from vexact.records.runlog import latest_checkpoint, read_metrics
 
 
 def _metrics(run_dir: Path, ignore: tuple[str, ...], eval_steps: set[int]) -> list[dict]:
     rows = []
-    for row in read_metrics(run_dir / "metrics.jsonl"):
+    for row in read_metrics(run_dir / METRICS_FILE):
         rows.append({k: v for k, v in row.items() if not k.startswith(("timing/", *ignore))
                      and not (row.get("step") in eval_steps and k.startswith("eval/"))})
     return rows
@@ -36,7 +37,7 @@ def same_run(a: str | Path, b: str | Path, ignore: tuple[str, ...] = (), ignore_
     with a one-line reason when they do not."""
     a, b = Path(a), Path(b)
     for run in (a, b):
-        if not (run / "metrics.jsonl").is_file():
+        if not (run / METRICS_FILE).is_file():
             raise ValueError(f"{run} is not a run directory (no metrics.jsonl)")
     rows_a, rows_b = (_metrics(run, ignore, set(ignore_eval_at)) for run in (a, b))
     if len(rows_a) != len(rows_b):

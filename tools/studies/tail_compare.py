@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vexact.metric_keys import TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC
+from vexact.records import METRICS_FILE
 from vexact.sweeps.bias_meter import resolved
 
 __all__ = ["compare_cells", "main", "sweep_tail_table"]
@@ -81,7 +82,7 @@ def sweep_tail_table(sweep_dir: Path) -> str:
     for point in points:
         if point.get("status") not in ("completed", "stopped"):
             continue
-        rows = [r for r in read_metrics(sweep_dir / point["dir"] / "metrics.jsonl") if TAIL_MASS_MEAN in r]
+        rows = [r for r in read_metrics(sweep_dir / point["dir"] / METRICS_FILE) if TAIL_MASS_MEAN in r]
         if rows:
             label = ", ".join(f"{k}={v}" for k, v in point["overrides"].items() if k != "seed")
             groups.setdefault(label, []).append(rows)

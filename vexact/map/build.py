@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from ..records import CONFIG_FILE
 from ..rl.collapse import detect_collapse
 from ..rl.config import MEMORY_KEYS, CollapseSection
 from ..rl.horizon_task import horizon_overrides
@@ -104,7 +105,7 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: 
     out: dict[CurveKey, dict[Any, list[_Run]]] = {}
     replayed = 0
     for p in data.points:
-        saved = p.dir / "config.yaml"
+        saved = p.dir / CONFIG_FILE
         if not p.has_result:
             continue  # not finished (never started, running or failed): no dose or outcome to fit
         try:

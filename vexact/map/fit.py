@@ -39,6 +39,7 @@ import math
 import random
 from typing import Any
 
+from ..records import CONFIG_FILE
 from ..sweeps.dose_response import METRIC, fit_threshold, run_dose
 from ..sweeps.failure import horizon_failures
 from ..sweeps.sweep_data import SEED_KEY, PointData, SweepData
@@ -91,7 +92,7 @@ def scaling(data: SweepData) -> dict[str, Any]:
                            *(f"{k}={p.overrides.get(k)}" for k in keys)])
         # a point never started is named from its overrides alone (sweep.json keeps no `set:` block), which may
         # name the wrong correction: it joins a curve of started runs, never starts one
-        group = started if p.has_result or (p.dir / "config.yaml").is_file() else pending
+        group = started if p.has_result or (p.dir / CONFIG_FILE).is_file() else pending
         group.setdefault((label, correction, source, point_policy_lag(p, variants)), []).append(p)
     curves = {key: points + pending.get(key, []) for key, points in started.items()} or pending
     results = [{**fit_curve(label, correction, _by_horizon(points, variants)), "source": source, "policy_lag": lag}

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from ..metric_keys import RESPONSE_LENGTH_MEAN
+from ..records import CONFIG_FILE
 from ..rl.validate import parse_yaml
 from ..sweeps.sweep_data import SEED_KEY, PointData, SweepData
 from .naming import correction_from_config, correction_from_vexact, flat_config, source_name
@@ -62,7 +63,7 @@ def point_setup(point: PointData, variants: dict[str, dict[str, Any]], defaults:
     """The point's correction name and source (``source_name``), from the config the run saved (``config.yaml``,
     read once), else from its overrides and its variant's bundle (a point that never started). The correction is
     "unknown (...)" when the saved config cannot be read or names none; ``defaults``: ``default_config()``."""
-    path = point.dir / "config.yaml"
+    path = point.dir / CONFIG_FILE
     dotted = {**_bundle(point, variants), **point.overrides}
     try:
         config = parse_yaml(path.read_text()) if path.is_file() else None
@@ -82,7 +83,7 @@ def point_setup(point: PointData, variants: dict[str, dict[str, Any]], defaults:
 def point_policy_lag(point: PointData, variants: dict[str, dict[str, Any]]) -> int:
     """The point's ``rollout.policy_lag``: from the config the run saved, else its overrides and its variant's bundle;
     0 where none sets it (on-policy, as every run before the key existed)."""
-    path = point.dir / "config.yaml"
+    path = point.dir / CONFIG_FILE
     try:
         config = yaml.safe_load(path.read_text()) if path.is_file() else None
     except (OSError, yaml.YAMLError, UnicodeDecodeError):

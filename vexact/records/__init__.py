@@ -6,3 +6,9 @@ are spelled in it) -> ``runlog`` (a run directory: its lock, the metrics writer,
 files). Imports nothing of vexact: what a run's config asks of
 these files (which live views to open) is passed in by the caller.
 """
+
+# The files of a run directory, named once for every module that writes or reads them (the trainer, resume, the
+# sweeps, the map, the reports, the live monitor).
+CONFIG_FILE = "config.yaml"  # the config the run was started with (resume compares against it)
+METRICS_FILE = "metrics.jsonl"  # one JSON object per step (metrics_log reads it, runlog.MetricsWriter writes it)
+SUMMARY_FILE = "summary.json"  # how the run ended: status, reason, collapse

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from ..metric_keys import with_deprecated_names
+from . import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 from .atomic import WriteFailed, apply_umask, fsync_path, json_safe, write_file, write_json_atomic, write_text_atomic
 from .metrics_log import MetricsDamaged, complete_lines, parse_lines, read_metrics, scalars
 
@@ -34,6 +35,7 @@ __all__ = ["MetricsDamaged", "apply_umask", "json_safe", "read_metrics", "write_
 
 
 LOCK_FILE = ".lock"
+CHECKPOINTS = "checkpoints"  # the folder of published checkpoints (see "checkpoints" below)
 
 
 class RunLocked(ValueError):
@@ -66,7 +68,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-UNFINISHED = {LOCK_FILE, "config.yaml", "metrics.jsonl", "summary.json", "checkpoints"}
+UNFINISHED = {LOCK_FILE, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINTS}
 """What a run directory may hold when nothing in it is finished yet (empty metrics, no published checkpoint)."""
 
 
@@ -79,12 +81,12 @@ def nothing_finished(run_dir: Path) -> bool:
         names = {p.name for p in run_dir.iterdir()}
         if not names <= UNFINISHED:
             return False
-        if (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").stat().st_size:
+        if (run_dir / METRICS_FILE).exists() and (run_dir / METRICS_FILE).stat().st_size:
             return False
-        if (run_dir / "checkpoints").exists() and not all(
-                p.name.startswith(".partial-") for p in (run_dir / "checkpoints").iterdir()):
+        if (run_dir / CHECKPOINTS).exists() and not all(
+                p.name.startswith(".partial-") for p in (run_dir / CHECKPOINTS).iterdir()):
             return False
-        summary = run_dir / "summary.json"
+        summary = run_dir / SUMMARY_FILE
         return not summary.exists() or json.loads(summary.read_text()).get("status") == "interrupted"
     except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object: keep it
         return False
@@ -111,7 +113,7 @@ def discard_if_interrupted_early(run_dir: Path, log: Callable[[str], None] = pri
 
 def _discard_unfinished(run_dir: Path, interrupted: bool, log: Callable[[str], None]) -> None:
     try:
-        status = json.loads((run_dir / "summary.json").read_text()).get("status")
+        status = json.loads((run_dir / SUMMARY_FILE).read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         status = None
     if not (interrupted or status == "interrupted"):
@@ -242,7 +244,6 @@ class MetricsWriter:
 # cleaned up), or the new checkpoint complete. Loading verifies the manifest and falls back to the previous
 # complete checkpoint when one is damaged. The newest KEEP_CHECKPOINTS are kept.
 
-CHECKPOINTS = "checkpoints"
 CHECKPOINT = "checkpoint.safetensors"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"

@@ -39,6 +39,7 @@ from ..metric_keys import (
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
 )
+from ..records import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 from ..records.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import CollapseSection, RunConfig, load_config
@@ -48,7 +49,7 @@ from ..sweeps.text_table import TextColumn, fmt_float, fmt_sci, print_table
 from .sweep_report import REPORT_DIR, write_report, written_line
 from .sweep_table import reward_definition, reward_summary
 
-RUN_FILES = ("metrics.jsonl", "summary.json")  # either one makes a directory a run directory
+RUN_FILES = (METRICS_FILE, SUMMARY_FILE)  # either one makes a directory a run directory
 TRACKED = {  # metric -> what it is, in words (report.json "series", the plot's panels)
     REWARD_MEAN: "training reward (rollouts)",
     EVAL_REWARD_MEAN: "clean evaluation reward",
@@ -92,20 +93,20 @@ def read_run(run_dir: str | Path) -> RunData:
         raise ValueError(f"{run_dir} is not a run directory: neither {' nor '.join(RUN_FILES)} found")
     notes = []
     config = None
-    if (run_dir / "config.yaml").is_file():
+    if (run_dir / CONFIG_FILE).is_file():
         try:
-            config = load_config(run_dir / "config.yaml", saved=True)
+            config = load_config(run_dir / CONFIG_FILE, saved=True)
         except (ValueError, OSError) as e:  # an old or hand-edited config: report without it
             notes.append(f"config.yaml not used ({str(e).splitlines()[0][:160]}); collapse defaults assumed")
     point = read_point(run_dir, name="", status=None)
     notes += [f"left out, damaged (--skip-damaged): {what}" for what in point.damage]
     point.name = str((point.summary or {}).get("name") or (config.name if config else None) or run_dir.name)
     if point.summary is not None and point.summary.get("collapse"):
-        source = "summary.json"
+        source = SUMMARY_FILE
     else:  # no verdict written yet: apply the detector to the history so far
         settings = config.collapse if config is not None else CollapseSection()
         point.summary = {**(point.summary or {}), "collapse": detect_collapse(point.metrics, settings)}
-        point.status = point.status if (run_dir / "summary.json").is_file() else "no summary.json"
+        point.status = point.status if (run_dir / SUMMARY_FILE).is_file() else "no summary.json"
         source = "recomputed from metrics.jsonl (no verdict in summary.json: running, or killed)"
     return RunData(point=point, config=config, collapse_source=source, notes=notes)
 
@@ -172,7 +173,7 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
 
     verdict = (f"yes, at step {step(c['collapse_step'])} ({c['collapse_reason']})" if c.get("collapsed")
                else "no")
-    if not s["collapse_source"].startswith("summary.json"):
+    if not s["collapse_source"].startswith(SUMMARY_FILE):
         verdict += " (judged from metrics.jsonl)"
     surge = step(c.get("length_surge_step"))
     if c.get("length_surge_lead") is not None:

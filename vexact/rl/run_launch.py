@@ -21,6 +21,7 @@ from rich.table import Table
 
 from ..cli_base import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, make_console
 from ..engine.devices import rank_device
+from ..records import CONFIG_FILE, SUMMARY_FILE
 from ..records.runlog import LOCK_FILE, run_lock
 from .config import RunConfig, load_config
 from .data_parallel import DataParallel, check_leaves, launch
@@ -81,7 +82,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     if not args.config.is_dir():
         return load_config(args.config, args.overrides)
     run_dir = args.config
-    saved = run_dir / "config.yaml"
+    saved = run_dir / CONFIG_FILE
     if not args.resume and not holds_run(run_dir):
         raise ValueError(f"{run_dir} is a directory but not a vexact run: it holds no config.yaml, metrics.jsonl or "
                          "checkpoints/; vexact run takes an experiment YAML (e.g. experiments/zero_mismatch.yaml), "
@@ -161,7 +162,7 @@ def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> 
                       "with --resume")
         return EXIT_INTERRUPTED
     except ChildFailedError as err:
-        summary_path = run_dir_for(cfg) / "summary.json"
+        summary_path = run_dir_for(cfg) / SUMMARY_FILE
         status = json.loads(summary_path.read_text()).get("status") if summary_path.exists() else None
         if status in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
             return EXIT_INTERRUPTED if status == "interrupted" else EXIT_FAILED
@@ -184,7 +185,7 @@ def print_run_summary(cfg: RunConfig, summary: dict, console: Console) -> None:
     keys = ("status", "reason", "steps_completed", "collapse.initial_reward", "collapse.final_reward",
             "eval_reward_first", "eval_reward_last", "eval_greedy_accuracy_first", "eval_greedy_accuracy_last",
             "collapse.mean_k3_kl", "min_bitwise_equal_frac", "mean_step_seconds")
-    table = Table(title=f"summary: {run_dir_for(cfg) / 'summary.json'}")
+    table = Table(title=f"summary: {run_dir_for(cfg) / SUMMARY_FILE}")
     table.add_column("key")
     table.add_column("value", justify="right")
     for key in keys:

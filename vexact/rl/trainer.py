@@ -61,6 +61,7 @@ from ..metric_keys import (
     TIMING_STEP,
     TIMING_UPDATE,
 )
+from ..records import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 from ..records.runlog import (
     UNFINISHED,
     MetricsWriter,
@@ -107,13 +108,13 @@ def run_dir_for(cfg: RunConfig) -> Path:
 def holds_results(run_dir: Path) -> bool:
     """Whether a run has written results to ``run_dir`` (a metric line's file or a checkpoint): a new run there is
     refused, since it would mix with them."""
-    return (run_dir / "metrics.jsonl").exists() or bool(checkpoint_dirs(run_dir))
+    return (run_dir / METRICS_FILE).exists() or bool(checkpoint_dirs(run_dir))
 
 
 def holds_run(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a run to resume: its config.yaml (written once the warm start is done) or results.
     A directory a run was killed in before that holds nothing to resume (a fresh start there is allowed)."""
-    return (run_dir / "config.yaml").exists() or holds_results(run_dir)
+    return (run_dir / CONFIG_FILE).exists() or holds_results(run_dir)
 
 
 def foreign_entries(run_dir: Path) -> list[str]:
@@ -484,7 +485,7 @@ class Trainer:
                 self._log(f"[yellow]no checkpoint in {run_dir}; starting from scratch[/]")
             elif changes and self.ranks.is_main:
                 _record_changes(run_dir, state["next_step"], changes)
-                save_config(cfg, run_dir / "config.yaml")
+                save_config(cfg, run_dir / CONFIG_FILE)
         elif holds_results(run_dir):
             raise ValueError(f"{run_dir} already holds a run; continue it with vexact run {run_dir} --resume, or "
                              "choose another output_dir / name")
@@ -493,7 +494,7 @@ class Trainer:
             # rank 0 trains and caches the warm start; then the other ranks load it from the cache
             if self.ranks.is_main:
                 warm_start(self.master, cfg, self.task, log=self._log)
-                save_config(cfg, run_dir / "config.yaml")
+                save_config(cfg, run_dir / CONFIG_FILE)
             self.ranks.barrier()
             if not self.ranks.is_main:
                 warm_start(self.master, cfg, self.task, log=self._log)
@@ -517,7 +518,7 @@ class Trainer:
         summary so far (its status: how the loop ended), the last step reached, the start time and the last
         step's metrics. Ctrl-C, a stopped run and a confirmed collapse end the loop here, as an outcome."""
         cfg, run_dir = self.cfg, self.run_dir
-        writer = (MetricsWriter(run_dir / "metrics.jsonl", keep_steps_below=start_step,
+        writer = (MetricsWriter(run_dir / METRICS_FILE, keep_steps_below=start_step,
                                 live_views=live_views(run_dir, cfg))
                   if self.ranks.is_main else _NoWriter())
         summary = {"name": cfg.name, "status": "running", "reason": None, "steps_planned": cfg.steps}
@@ -540,7 +541,7 @@ class Trainer:
                     last = metrics
                     progress(step, metrics)
                     if cfg.collapse.stop_on_collapse and EVAL_REWARD_MEAN in metrics:
-                        collapsed = self.ranks.is_main and detect_collapse(read_metrics(run_dir / "metrics.jsonl"),
+                        collapsed = self.ranks.is_main and detect_collapse(read_metrics(run_dir / METRICS_FILE),
                                                                            cfg.collapse)["collapsed"]
                         if self.ranks.broadcast(collapsed):
                             self._save_checkpoint(step)
@@ -575,7 +576,7 @@ class Trainer:
     def _finish(self, summary: dict, step: int, started: float, last: dict) -> dict:
         """Complete the summary from metrics.jsonl and write summary.json (rank 0)."""
         cfg, run_dir = self.cfg, self.run_dir
-        history = read_metrics(run_dir / "metrics.jsonl")
+        history = read_metrics(run_dir / METRICS_FILE)
         summary.update(_summarize(history))
         summary["collapse"] = detect_collapse(history, cfg.collapse,
                                               stopped_reason=summary["reason"] if summary["status"] == "stopped"
@@ -593,7 +594,7 @@ class Trainer:
                                          calibration_target=self.calibration.target,
                                          calibration_achieved=self.calibration.achieved,
                                          calibration_evaluations=len(self.calibration.evaluations))
-        write_json_atomic(run_dir / "summary.json", summary)
+        write_json_atomic(run_dir / SUMMARY_FILE, summary)
         return summary
 
     def _resume_changes(self, allow_changes: tuple[str, ...]) -> dict[str, list]:
@@ -604,7 +605,7 @@ class Trainer:
         if unsafe:
             raise ValueError(f"--allow-change {', '.join(unsafe)}: only {', '.join(RESUME_SAFE_KEYS)} may change on "
                              "resume (the others change what a step computes)")
-        saved_path = self.run_dir / "config.yaml"
+        saved_path = self.run_dir / CONFIG_FILE
         if not saved_path.exists():
             if checkpoint_dirs(self.run_dir):
                 raise ValueError(f"cannot resume {self.run_dir}: {saved_path} is missing, so the config the run was "
@@ -702,7 +703,7 @@ class _NoWriter:
 def _read_summary(run_dir: Path) -> dict | None:
     """The run's summary.json when it says the run finished (completed or stopped), else None."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return summary if isinstance(summary, dict) and summary.get("status") in ("completed", "stopped") else None

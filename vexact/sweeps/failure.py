@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from ..metric_keys import EVAL_RESPONSE_LENGTH_MEAN, RESPONSE_LENGTH_CLIP_RATIO
+from ..records import CONFIG_FILE
 from ..rl.config import CollapseSection
 from ..rl.validate import parse_yaml
 from .sweep_data import PointData, collapse_step_of, is_num
@@ -50,7 +51,7 @@ def _series(point: PointData, key: str) -> list[tuple[float, float]]:
 
 def _config(point: PointData) -> dict[str, Any]:
     try:
-        path = point.dir / "config.yaml"
+        path = point.dir / CONFIG_FILE
         loaded = parse_yaml(path.read_text()) if path.is_file() else {}
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return {}

@@ -72,6 +72,7 @@ from rich.markup import escape
 
 from ..engine.devices import worker_device
 from ..progress import Progress, StepReporter
+from ..records import SUMMARY_FILE
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
 from ..rl.config import (
@@ -402,7 +403,7 @@ def _extendable(point: SweepPoint) -> bool:
     the same bits as a run of N steps from the start. A run that ended early (a confirmed collapse with
     ``collapse.stop_on_collapse``) keeps its outcome."""
     try:
-        summary = json.loads((point.run_dir / "summary.json").read_text())
+        summary = json.loads((point.run_dir / SUMMARY_FILE).read_text())
     except (OSError, ValueError):
         return False
     planned, done = summary.get("steps_planned"), summary.get("steps_completed")
@@ -410,7 +411,7 @@ def _extendable(point: SweepPoint) -> bool:
 
 
 def point_status(point: SweepPoint) -> str:
-    summary = point.run_dir / "summary.json"
+    summary = point.run_dir / SUMMARY_FILE
     if summary.exists():
         try:
             status = json.loads(summary.read_text()).get("status", "pending")

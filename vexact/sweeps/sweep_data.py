@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..records import METRICS_FILE, SUMMARY_FILE
 from ..records.json_file import read_json
 from ..records.metrics_log import decode_non_finite, read_metrics
 from .text_table import fmt_value
@@ -151,7 +152,7 @@ def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = No
     (a torn last line is left out, any other bad line is damage)."""
     damage = []
     summary = None
-    summary_path = point_dir / "summary.json"
+    summary_path = point_dir / SUMMARY_FILE
     if summary_path.is_file():
         try:
             summary = decode_non_finite(json.loads(summary_path.read_bytes()))
@@ -161,7 +162,7 @@ def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = No
             summary = None
             damage.append(f"{summary_path.name}: not a readable run summary ({_first_line(e)})")
     try:
-        metrics = read_metrics(point_dir / "metrics.jsonl")
+        metrics = read_metrics(point_dir / METRICS_FILE)
     except (OSError, ValueError) as e:  # MetricsDamaged names the file and line
         metrics = []
         damage.append(_first_line(e).replace(str(point_dir) + "/", ""))
