@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 import torch
@@ -31,11 +32,11 @@ import torch
 from vexact.metric_keys import TIMING_GRAD_REDUCE, TIMING_STEP
 from vexact.records import METRICS_FILE
 from vexact.records.runlog import read_metrics
-from vexact.rl.data_parallel import DataParallel, launch
+from vexact.rl.data_parallel import DataParallel, ReduceMode, launch
 
 from .common import EXPERIMENT
 
-MODES = ("tree", "allreduce")
+MODES = typing.get_args(ReduceMode)  # ("tree", "allreduce")
 
 
 def _worker(numel: int, reps: int, out: str) -> None:

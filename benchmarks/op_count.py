@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .common import add_rl_step_arguments, cli_main, machine_info, set_malloc
+from .common import DTYPES, add_rl_step_arguments, cli_main, machine_info, set_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN_CODE = (str(ROOT / "vexact") + "/", str(ROOT / "kernels") + "/")  # frames charged with the calls they issue
@@ -116,7 +116,7 @@ def count_decode_steps(shape_name: str, dtype_name: str) -> list[dict]:
     from vexact.engine.generation import CACHE_BLOCK
     from vexact.engine.inputs import pad_right
 
-    from .common import DTYPES, shapes
+    from .common import shapes
     from .end_to_end import _models, prompts_of
 
     known = shapes()
@@ -147,7 +147,7 @@ def count_decode_steps(shape_name: str, dtype_name: str) -> list[dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_rl_step_arguments(p)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="compute dtype")
     p.add_argument("--top", type=int, default=15, help="functions and ops printed per backend (default 15)")
     p.add_argument("--device", default="cpu", choices=("cpu",), help="cpu (the Trainer has no device option)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/op_count-cpu.json)")

@@ -276,6 +276,17 @@ def test_short_and_long_dtype_names_are_one_config(tmp_path):
     assert load_config(tmp_path / "config.yaml") == short
 
 
+def test_the_configs_dtypes_are_the_models():
+    """``DType`` spells the model's dtypes as a Literal (the config's schema needs one): it must stay the model's
+    table (``engine.model.DTYPE_NAMES``, from the exact kernels' ``FLOAT_DTYPES``), in its order."""
+    import typing
+
+    from vexact.engine.model import DTYPE_NAMES
+    from vexact.rl.config import DType
+
+    assert typing.get_args(DType) == DTYPE_NAMES == ("float32", "bfloat16")
+
+
 @pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 def test_override_with_short_dtype_and_error_lists_both_spellings():
     assert config_from_dict({}, ["dtype=bf16"]).dtype == "bfloat16"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vexact.metric_keys import TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC
-from vexact.records import METRICS_FILE
+from vexact.records import FINISHED_STATUSES, METRICS_FILE
 from vexact.sweeps.bias_meter import resolved
 
 __all__ = ["compare_cells", "main", "sweep_tail_table"]
@@ -80,7 +80,7 @@ def sweep_tail_table(sweep_dir: Path) -> str:
         raise ValueError(f"{sweep_dir}: not a vexact sweep directory ({e})") from None
     groups: dict[str, list[list[dict[str, Any]]]] = {}
     for point in points:
-        if point.get("status") not in ("completed", "stopped"):
+        if point.get("status") not in FINISHED_STATUSES:
             continue
         rows = [r for r in read_metrics(sweep_dir / point["dir"] / METRICS_FILE) if TAIL_MASS_MEAN in r]
         if rows:

@@ -47,6 +47,8 @@ _MODEL_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vexact_ke
 DTYPES = {**_MODEL_DTYPES, **{short: _MODEL_DTYPES[long] for short, long in DTYPE_ALIASES.items()
                               if long in _MODEL_DTYPES}}
 """Every accepted name of a model dtype (long and short) -> the torch dtype."""
+DTYPE_NAMES: tuple[str, ...] = tuple(_MODEL_DTYPES)
+"""The model dtypes' names as configs store them (torch's names): ``float32``, ``bfloat16``."""
 
 
 def canonical_dtype_name(name: str) -> str:
@@ -54,7 +56,7 @@ def canonical_dtype_name(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def dtype_names_text(names: tuple[str, ...] = tuple(_MODEL_DTYPES)) -> str:
+def dtype_names_text(names: tuple[str, ...] = DTYPE_NAMES) -> str:
     """``float32 (fp32), bfloat16 (bf16)``: the accepted spellings of ``names``, for messages and --help."""
     short = {long: s for s, long in DTYPE_ALIASES.items()}
     return ", ".join(f"{n} ({short[n]})" if n in short else n for n in names)

@@ -14,7 +14,7 @@ from vexact_kernels.host_guard import SAME_BITS
 
 from ..cli_base import EXIT_FAILED, EXIT_OK, check_writable, make_console
 from ..engine.devices import resolve_device
-from ..engine.model import DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
+from ..engine.model import DTYPE_NAMES, DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
 from ..progress import Progress
 from .check import CheckSettings, check_units, mismatched, run_check, wide_settings
 
@@ -27,7 +27,7 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
     if args.json:  # before the check's minutes of work, not after them
         check_writable(args.json, "--json")
     device = resolve_device(args.device or "cpu", "--device")  # no CUDA for --device cuda: one error, before work
-    dtypes = ["float32", "bfloat16"] if args.dtype == "all" else [args.dtype]
+    dtypes = list(DTYPE_NAMES) if args.dtype == "all" else [args.dtype]
     for d in dtypes:
         if d not in DTYPES:
             raise ValueError(f"--dtype: unsupported dtype {d!r}; expected {dtype_names_text()} or all")

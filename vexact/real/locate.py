@@ -106,7 +106,7 @@ from .sites import (
     write_dump,
 )
 
-VEXACT_BACKENDS = ("exact", "native", "triton")  # recorded op by op through vexact's kernel ops
+VEXACT_BACKENDS = vexact_kernels.BACKENDS  # recorded op by op through vexact's kernel ops
 LOCATE_BACKENDS = (*VEXACT_BACKENDS, "hf", "vllm")  # hf: transformers' modules by hooks; vllm: needs vLLM
 DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
 # The tiny random model's shape when no --model is given: ``vexact check``'s preset (one size flag per key).

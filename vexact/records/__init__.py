@@ -12,3 +12,6 @@ these files (which live views to open) is passed in by the caller.
 CONFIG_FILE = "config.yaml"  # the config the run was started with (resume compares against it)
 METRICS_FILE = "metrics.jsonl"  # one JSON object per step (metrics_log reads it, runlog.MetricsWriter writes it)
 SUMMARY_FILE = "summary.json"  # how the run ended: status, reason, collapse
+FINISHED_STATUSES = ("completed", "stopped")
+"""summary.json statuses of a run that ran to an outcome (stopped: it ended itself -- NaN, exactness): resuming one
+does nothing, a sweep does not run it again, and it counts in a sweep's collapse rate."""

@@ -61,7 +61,7 @@ from ..metric_keys import (
     TIMING_STEP,
     TIMING_UPDATE,
 )
-from ..records import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from ..records import CONFIG_FILE, FINISHED_STATUSES, METRICS_FILE, SUMMARY_FILE
 from ..records.runlog import (
     UNFINISHED,
     MetricsWriter,
@@ -706,7 +706,7 @@ def _read_summary(run_dir: Path) -> dict | None:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    return summary if isinstance(summary, dict) and summary.get("status") in ("completed", "stopped") else None
+    return summary if isinstance(summary, dict) and summary.get("status") in FINISHED_STATUSES else None
 
 
 def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:

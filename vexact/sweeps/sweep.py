@@ -72,7 +72,7 @@ from rich.markup import escape
 
 from ..engine.devices import worker_device
 from ..progress import Progress, StepReporter
-from ..records import SUMMARY_FILE
+from ..records import FINISHED_STATUSES, SUMMARY_FILE
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
 from ..rl.config import (
@@ -90,7 +90,7 @@ from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
 from ..rl.validate import build, parse_yaml, plain
 
-FINISHED = ("completed", "stopped")  # stopped = the run ended itself (NaN, exactness) -- an outcome
+FINISHED = FINISHED_STATUSES  # stopped = the run ended itself (NaN, exactness) -- an outcome
 
 
 @dataclass

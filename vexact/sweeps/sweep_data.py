@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..records import METRICS_FILE, SUMMARY_FILE
+from ..records import FINISHED_STATUSES, METRICS_FILE, SUMMARY_FILE
 from ..records.json_file import read_json
 from ..records.metrics_log import decode_non_finite, read_metrics
 from .text_table import fmt_value
 
 SEED_KEY = "seed"
-RESULT_STATUSES = ("completed", "stopped")  # points that ran to a verdict (the collapse-rate denominator)
+RESULT_STATUSES = FINISHED_STATUSES  # points that ran to a verdict (the collapse-rate denominator)
 
 
 @dataclass
