@@ -552,3 +552,70 @@ def test_a_run_directorys_files_are_named_once() -> None:
                if path != own for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Constant) and node.value in names]
     assert spelled == [], spelled
+
+
+# --------------------------------------------------------------------------- no dead code
+WORDS_IN = (".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".cpp")
+
+
+def _named_once(defined: dict[str, list[str]]) -> list[str]:
+    """Of ``defined`` (name -> where it is defined), those whose name appears exactly once in the repository's code,
+    tests, docs and configuration: defined and never called, imported, documented or registered by name."""
+    counts: dict[str, int] = {}
+    for path in ROOT.rglob("*"):
+        if path.suffix in WORDS_IN and path.is_file() and not {".git", ".shim", ".venv"} & set(path.parts):
+            for word in re.findall(r"[A-Za-z_]\w*", path.read_text(errors="replace")):
+                if word in defined:
+                    counts[word] = counts.get(word, 0) + 1
+    return sorted(where for name, places in defined.items() if counts.get(name, 0) <= 1 for where in places)
+
+
+def _definitions(tree: ast.Module, where: str) -> dict[str, list[str]]:
+    """name -> ['where:line'] of the module's functions, classes, methods and module-level names. A function with a
+    decorator (other than staticmethod / classmethod / property) is left out: the decorator registers it (a run
+    check, a config section), so it is used without its name being written again; so are dunder names."""
+    found: dict[str, list[str]] = {}
+
+    def add(name: str, line: int) -> None:
+        if not (name.startswith("__") and name.endswith("__")):
+            found.setdefault(name, []).append(f"{where}:{line} {name}")
+
+    def registered(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> bool:
+        return any(not (isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod", "property"))
+                   for d in node.decorator_list)
+
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not registered(node):
+            add(node.name, node.lineno)
+        if isinstance(node, ast.ClassDef):
+            for member in node.body:
+                if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)) and not registered(member):
+                    add(member.name, member.lineno)
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        for target in targets:
+            if isinstance(target, ast.Name):
+                add(target.id, node.lineno)
+    return found
+
+
+def test_no_definition_is_named_only_where_it_is_defined() -> None:
+    """Every function, class, method and module-level name of vexact/, kernels/, benchmarks/ and tools/ is named
+    somewhere besides its definition (a caller, an import, a test, a doc page, pyproject's entry points): one that is
+    not is dead code, left behind when its callers moved."""
+    defined: dict[str, list[str]] = {}
+    for folder in ("vexact", "kernels", "benchmarks", "tools"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name, places in _definitions(ast.parse(path.read_text()), str(path.relative_to(ROOT))).items():
+                defined.setdefault(name, []).extend(places)
+    assert _named_once(defined) == []
+
+
+def test_the_dead_code_check_sees_a_definition_nothing_names() -> None:
+    source = ("X_NEVER_NAMED_ELSEWHERE_1 = 1\ndef f_never_named_elsewhere_2(): ...\n"
+              "@register\ndef registered_never_named_elsewhere_3(): ...\n"
+              "class C_never_named_elsewhere_4:\n    @staticmethod\n    def m_never_named_elsewhere_5(): ...\n")
+    defined = _definitions(ast.parse(source), "m.py")
+    assert sorted(defined) == ["C_never_named_elsewhere_4", "X_NEVER_NAMED_ELSEWHERE_1",
+                               "f_never_named_elsewhere_2", "m_never_named_elsewhere_5"]
+    assert _named_once({"_definitions": ["here"], "zz_nowhere_at_all": ["there"]}) == ["there"]

@@ -70,7 +70,6 @@ from ..real.compare import ATTENTION_MASK_KEY, MASK_KEY, ONE_FILE_KEYS
 __all__ = ["actor_logprobs", "observe_batch", "verl_sides"]
 
 ROLLOUT_KEY, TRAIN_KEY = ONE_FILE_KEYS  # verl's batch keys: rollout engine, actor recompute
-RESPONSES_KEY = "responses"
 
 
 def _tensors(batch: Any) -> Any:

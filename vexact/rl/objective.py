@@ -37,7 +37,6 @@ from .config import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
 from .metrics import ratio_stats
-from .raw_ratios import sequence_ratio_metrics
 from .registries import BYPASS_LOSSES, LOSS_AGGREGATIONS
 from .scoring import Anchors, Scorer, replayed
 
@@ -130,12 +129,6 @@ class Objective:
         """The anchors of one process's step (``Scorer.anchors``; ``reference`` builds the KL reference, called
         when ``kl_coef`` > 0)."""
         return self.scorer.anchors(model, batch, reference() if self.alg.kl_coef > 0 else None, rescore_all)
-
-    @staticmethod
-    def ratio_metrics(logp_train: list[Tensor], logp_roll: list[Tensor]) -> dict[str, float]:
-        """The step's raw importance ratios before any correction and what each shipped correction would truncate
-        or mask of them (``raw_ratios.raw_ratio_metrics``: the ratios the objective's corrections start from)."""
-        return sequence_ratio_metrics(logp_train, logp_roll)
 
     def expects_exact(self, plan: RolloutPlan, lagged: bool = False) -> bool:
         """Whether the first mini-batch's ratio must be exactly 1: the anchor comes from the exact training path,
@@ -250,10 +243,6 @@ class Objective:
             per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
             return per_token * weights, ratio
         return BYPASS_LOSSES[correction.plan.loss_type](alg, logp, old, adv, pre, weights)
-
-    def training_routing(self, model: Transformer, batch: RolloutBatch) -> list[Tensor]:
-        """The experts the training path's own router chooses for the batch (``Scorer.routing``)."""
-        return self.scorer.routing(model, batch)
 
     def score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
         """The training path's log-probs of the batch's responses, no grad (``Scorer``)."""
