@@ -43,6 +43,11 @@ def raw_ratio_affected_key(method: str) -> str:
     """``mismatch/ratio_affected_frac/<method>`` for one ``correction.method``."""
     return f"mismatch/ratio_affected_frac/{method}"
 
+
+def full_vocab_overlap_key(top_k: int | str) -> str:
+    """``mismatch/full_vocab_top5_overlap_mean`` for top_k = 5: the full-vocabulary top-k overlap's key."""
+    return f"mismatch/full_vocab_top{top_k}_overlap_mean"
+
 # --- the keys code names, as constants (a module writing or reading a key by name uses these) -------------------------
 K3_KL = "rollout_corr/k3_kl"
 LAG_K3_KL = "mismatch/lag_k3_kl"
@@ -279,7 +284,7 @@ KEYS: tuple[MetricKey, ...] = (
        ("measure", "compare"), _METRICS),
     _k("mismatch/full_vocab_argmax_flip_frac", "Fraction of positions where argmax μ ≠ argmax π (ties: lowest index)",
        "fraction", ("measure", "compare"), _METRICS),
-    _k("mismatch/full_vocab_top<k>_overlap_mean", "Mean over positions of |top_k(μ) ∩ top_k(π)| / k", "fraction",
+    _k(full_vocab_overlap_key("<k>"), "Mean over positions of |top_k(μ) ∩ top_k(π)| / k", "fraction",
        ("measure", "compare"), _METRICS),
     # --- verl's rollout-correction statistics (rl/corrections.py; with `correction.rollout_is`) -----------------
     _k("rollout_corr/rollout_is_mean", "Token mean of the IS weights over all valid tokens, before batch "

@@ -3,8 +3,7 @@ metric take its full key (the old short spelling of ``inject.target.metric`` sti
 
 from __future__ import annotations
 
-import io
-import tokenize
+import ast
 import warnings
 from pathlib import Path
 
@@ -15,8 +14,8 @@ from vexact.rl.config import DEPRECATED_VALUES, config_from_dict, load_config, s
 from vexact.rl.validate import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-_SOURCES = [p for p in sorted((ROOT / "vexact").rglob("*.py")) if p.name != "metric_keys.py"] + sorted(
-    (ROOT / "benchmarks").glob("*.py"))
+_SOURCES = [p for folder in ("vexact", "benchmarks", "tools") for p in sorted((ROOT / folder).rglob("*.py"))
+            if p.name != "metric_keys.py"]
 
 
 def test_every_constant_is_a_registered_key():
@@ -27,12 +26,16 @@ def test_every_constant_is_a_registered_key():
 
 
 def _bare_strings(source: str, names: set[str]) -> list[tuple[int, str]]:
-    """(line, key) of every string literal of the code that is exactly one of ``names``."""
-    found = []
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.STRING and tok.string[:1] in "\"'" and tok.string[1:-1] in names:
-            found.append((tok.start[0], tok.string[1:-1]))
-    return found
+    """(line, key) of every string literal of the code that is exactly one of ``names`` -- inside an f-string's
+    replacement fields too (``f"{m['reward/mean']:.3f}"``), which a tokenizer's STRING tokens do not show -- docstrings
+    aside."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return sorted((node.lineno, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                  and id(node) not in docstrings)
 
 
 def test_modules_name_registered_keys_through_the_constants():
@@ -54,9 +57,10 @@ def test_the_constants_are_every_upper_case_string_of_the_module():
 
 def test_the_bare_string_check_finds_one():
     """Counter-case: the check above does find a bare key (and not one inside a longer string or a docstring)."""
-    code = 'x = m["rollout_corr/k3_kl"]\ny = "see rollout_corr/k3_kl"\n"""rollout_corr/k3_kl"""\nz = "actor/ppo_kl"\n'
+    code = ('"""rollout_corr/k3_kl"""\nx = m["rollout_corr/k3_kl"]\ny = "see rollout_corr/k3_kl"\nz = "actor/ppo_kl"\n'
+            'w = f"{m[\'reward/mean\']:.3f}"\n')
     names = {key.name for key in metric_keys.KEYS if "<" not in key.name}
-    assert _bare_strings(code, names) == [(1, "rollout_corr/k3_kl"), (4, "actor/ppo_kl")]
+    assert _bare_strings(code, names) == [(2, "rollout_corr/k3_kl"), (4, "actor/ppo_kl"), (5, "reward/mean")]
 
 
 def _target(metric: str) -> dict:

@@ -15,6 +15,7 @@ from vexact_kernels.host_guard import SAME_BITS
 from ..cli_base import EXIT_FAILED, EXIT_OK, check_writable, make_console
 from ..engine.devices import resolve_device
 from ..engine.model import DTYPE_NAMES, DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
+from ..metric_keys import ABS_DLOGP_MAX, K3_KL
 from ..progress import Progress
 from .check import CheckSettings, check_units, mismatched, run_check, wide_settings
 
@@ -59,7 +60,7 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
         m = r["metrics"]
         flips = (f"{r['routing_flip_rate']:.3g}",) if moe else ()
         cells = [_model(r) or "-", r["backend"], short_dtype_name(r["dtype"]), threads, r["tokens"], r["bitwise_equal"],
-                 f"[{style}]{mismatched(r)}[/]", f"{m['mismatch/abs_dlogp_max']:.3g}", f"{m['rollout_corr/k3_kl']:.3g}",
+                 f"[{style}]{mismatched(r)}[/]", f"{m[ABS_DLOGP_MAX]:.3g}", f"{m[K3_KL]:.3g}",
                  *flips, r["sampling_batch_invariant"], f"{r['seconds']:.2f}"]
         table.add_row(*map(str, cells))
     console = make_console()

@@ -60,6 +60,7 @@ from ..metric_keys import (
     ABS_DLOGP_MAX,
     ABS_DLOGP_MEAN,
     ABS_DLOGP_P99,
+    BITWISE_EQUAL_FRAC,
     CHI2_TOKEN,
     FULL_VOCAB_ARGMAX_FLIP_FRAC,
     FULL_VOCAB_KL_MAX,
@@ -75,6 +76,7 @@ from ..metric_keys import (
     RAW_RATIO_MIN,
     RAW_RATIO_QUANTILES,
     ROLLOUT_PROBS_DIFF_MAX,
+    full_vocab_overlap_key,
     raw_ratio_affected_key,
     raw_ratio_quantile_key,
 )
@@ -629,7 +631,7 @@ def print_report(report: dict[str, Any], console: Any, title: str, caption: str)
     table.add_column("value", justify="right")
     rows = [
         ("tokens compared", report["tokens"]),
-        ("bitwise equal", f"{report['bitwise_equal']} ({m['mismatch/bitwise_equal_frac']:.1%})"),
+        ("bitwise equal", f"{report['bitwise_equal']} ({m[BITWISE_EQUAL_FRAC]:.1%})"),
         ("k1 KL (rollout_corr/kl)", m[KL]),
         ("k3 KL (rollout_corr/k3_kl)", m[K3_KL]),
         ("|Δlogp| mean", m[ABS_DLOGP_MEAN]),
@@ -684,8 +686,9 @@ def _full_vocab_table(m: dict[str, Any]) -> Any:
     table = Table(title="full-vocabulary comparison (rollout μ vs training π)")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    overlap = next(key for key in m if key.startswith("mismatch/full_vocab_top") and key.endswith("_overlap_mean"))
-    k = overlap.removeprefix("mismatch/full_vocab_top").removesuffix("_overlap_mean")
+    prefix, suffix = full_vocab_overlap_key("<k>").split("<k>")
+    overlap = next(key for key in m if key.startswith(prefix) and key.endswith(suffix))
+    k = overlap.removeprefix(prefix).removesuffix(suffix)
     rows = (("positions", FULL_VOCAB_POSITIONS), ("KL(μ‖π) mean", FULL_VOCAB_KL_MEAN),
             ("KL(μ‖π) max", FULL_VOCAB_KL_MAX), ("total variation mean", FULL_VOCAB_TV_MEAN),
             ("total variation max", FULL_VOCAB_TV_MAX),

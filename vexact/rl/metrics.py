@@ -74,6 +74,7 @@ from ..metric_keys import (
     TIM_K3_KL,
     TRAINING_LOG_PPL,
     TRAINING_PPL,
+    full_vocab_overlap_key,
 )
 
 DEFAULT_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
@@ -478,7 +479,7 @@ def full_vocab_summary(rows: dict[str, Tensor], top_k: int) -> dict[str, float]:
         FULL_VOCAB_TV_MEAN: float(rows["tv"].mean()),
         FULL_VOCAB_TV_MAX: float(rows["tv"].max()),
         FULL_VOCAB_ARGMAX_FLIP_FRAC: int(rows["argmax_flip"].sum()) / n,
-        f"mismatch/full_vocab_top{top_k}_overlap_mean": float(rows["topk_overlap"].mean()),
+        full_vocab_overlap_key(top_k): float(rows["topk_overlap"].mean()),
     }
 
 

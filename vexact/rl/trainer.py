@@ -55,6 +55,8 @@ from ..metric_keys import (
     GRAD_NORM,
     GRAD_NORM_MAX,
     K3_KL,
+    RESPONSE_LENGTH_MEAN,
+    REWARD_MEAN,
     TIMING_EVAL,
     TIMING_GRAD_REDUCE,
     TIMING_ROLLOUT,
@@ -775,15 +777,15 @@ class _progress:
         return self._update
 
     def _update(self, step: int, m: dict) -> None:
-        info = f"reward {m['reward/mean']:.3f}  len {m['response_length/mean']:.1f}"
+        info = f"reward {m[REWARD_MEAN]:.3f}  len {m[RESPONSE_LENGTH_MEAN]:.1f}"
         if K3_KL in m:  # a step monitor.every skips has no mismatch metric
             info += f"  k3 {m[K3_KL]:.2e}  bitwise {m[BITWISE_EQUAL_FRAC]:.3f}"
         if EVAL_REWARD_MEAN in m:
-            info += f"  eval {m['eval/reward_mean']:.3f}"
+            info += f"  eval {m[EVAL_REWARD_MEAN]:.3f}"
         if self.live:
             self.bar.update(self.task_id, completed=step + 1, info=info)
         elif step % 10 == 0 or step == self.cfg.steps - 1 or EVAL_REWARD_MEAN in m:
-            self.console.print(f"step {step + 1}/{self.cfg.steps}  {info}  ({m['timing/step']:.2f}s)")
+            self.console.print(f"step {step + 1}/{self.cfg.steps}  {info}  ({m[TIMING_STEP]:.2f}s)")
 
     def __exit__(self, *exc):
         if self.live:
