@@ -172,6 +172,16 @@ def test_log_softmax_invariance(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_invariance(dtype):
+    """Each output row is ``weight[token]`` bit for bit, whatever the batch (a gather; its docstring's contract)."""
+    g = _gen(7)
+    weight = _randn(g, 50, 24, dtype=dtype)
+    tokens = _randint(g, 50, 12)
+    assert torch.equal(exact.embedding(tokens, weight), weight[tokens])
+    _rows_invariant(lambda t: exact.embedding(t, weight), tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_invariance(dtype):
     g = _gen(6)
     gate, up = _randn(g, 2, 6, 300, dtype=dtype, scale=4)
