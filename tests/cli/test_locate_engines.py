@@ -168,6 +168,9 @@ def dumps(tmp_path_factory):
     (["--a", "D/ok", "--b", "D/hashed", "--positions", "0-3"], "--positions: --a and --b name dumps, which bring "
      "their model, sequences, prefill and positions; give --positions when recording them (--dump)"),  # not ignored
     (["--a", "D/ok", "--b", "D/hashed", "--prefill", "1"], "--prefill: --a and --b name dumps"),
+    (["--a", "D/ok", "--b", "D/ok", "--hidden-size", "64"], "--hidden-size: --a and --b name dumps, which bring "
+                                                            "their model"),  # a size flag, not ignored either
+    (["--a", "D/ok", "--b", "D/ok", "--qk-norm"], "--qk-norm: --a and --b name dumps"),
     (["--dump", "D/other"], "--dump D/other: the directory holds other files (notes.txt, ...)"),
     (["--dump", "D/new", "--json", "D/x.json"], "--json: --dump records one path and compares nothing"),
     (["--dump", "D/new", "--tokens-from", "D/ok", "--prompt-tokens", "1 2"], "--prompt-tokens: --tokens-from D/ok "
@@ -175,8 +178,11 @@ def dumps(tmp_path_factory):
     (["--dump", "D/new", "--tokens-from", "D/shallow"], "ran different models (num_layers: 1 vs 2)"),
 ])
 def test_bad_input_is_one_error_line(dumps, args, message, capsys):
+    # the model's flags only where a model runs: two dumps refuse them (they bring their own)
+    two_dumps = args[0] == "--a" and args[1].startswith("D/") and args[3].startswith("D/")
+    model = [] if two_dumps else [*SIZE_ARGS, "--max-new-tokens", "1"]
     args = [a.replace("D/", f"{dumps}/") for a in args]
-    assert main(["locate", *SIZE_ARGS, *args, "--max-new-tokens", "1"]) == 2
+    assert main(["locate", *model, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert message.replace("D/", f"{dumps}/") in err, err

