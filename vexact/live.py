@@ -53,14 +53,15 @@ picks the curves of another mismatch source the map carries (``vexact.map.verdic
 ``routing_flip:near_tie`` for MoE routing mismatch); without it, the map's default source. ``vocab`` (your model's
 vocabulary size) with ``"default"`` picks the shipped map nearest it (``vexact.map.verdict.shipped_map_for``: the
 tail map, 1,024 tokens, for any real LLM vocabulary; without it, the main map's 22 tokens). Without ``scaling_map``
-(the default) rows have no ``map`` key and ``correction`` is refused. A map dict is checked at construction too (the
-keys ``load_map`` requires, and one placement at the map's first horizon): one ``ValueError`` there, not a
-``map_error`` on every row.
+(the default) rows have no ``map`` key and ``correction``, ``source``, ``vocab`` and a ``policy_lag`` above 0 are
+refused. A map dict is checked at construction too (the keys ``load_map`` requires, and one placement at the map's
+first horizon): one ``ValueError`` there, not a ``map_error`` on every row.
 
 Policy lag (asynchronous RL: the rollout policy some optimizer steps behind the trained one): ``policy_lag=K``
 takes the verdict from the map's curve measured at lag K, as ``vexact compare --map --policy-lag K`` does (a lag the
-map has no curve for is refused at construction, one ``ValueError`` saying so; 0, the default, is on-policy). The
-k3 your trainer logs then holds two things: the lag's off-policy drift and the training-inference mismatch (TIM).
+map has no curve for is refused at construction, one ``ValueError`` saying so, as is a lag without a map; 0, the
+default, is on-policy). The k3 your trainer logs then holds two things: the lag's off-policy drift and the
+training-inference mismatch (TIM).
 Pass ``behaviour_logprobs`` to ``step`` -- your trainer's log-probs of the same tokens under the behaviour policy
 (the weights that sampled them), with ``train_logprobs`` the current policy's -- and the row carries them apart
 (``vexact.rl.metrics.lag_split_metrics``): ``mismatch/lag_k3_kl`` (behaviour vs current, both your trainer's)
@@ -416,9 +417,12 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correctio
     vexact for ``vocab`` (``verdict.shipped_map_for``: the tail map for a real vocabulary; None: the main map). The
     correction and source are resolved and checked against the map here, once."""
     if scaling_map is None:
-        if correction is not None or source is not None or vocab is not None:
-            raise ValueError("correction, source and vocab choose a curve of scaling_map: give scaling_map too, or "
-                             "leave them out")
+        # policy_lag too: without a map nothing reads it (behaviour_logprobs splits a row at any lag)
+        given = [name for name, value in (("correction", correction), ("source", source), ("vocab", vocab),
+                                          ("policy_lag", policy_lag or None)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} chooses a curve of scaling_map: give scaling_map too, or leave {given[0]} "
+                             "out")
         return None
     from .map import verdict
     if isinstance(scaling_map, dict):

@@ -154,7 +154,7 @@ def test_live_monitor_reports_lag_drift_and_tim_apart(tmp_path):
     from vexact.live import LiveMonitor
 
     roll, behaviour, current = _sides()
-    with LiveMonitor(tmp_path / "live", policy_lag=2) as monitor:
+    with LiveMonitor(tmp_path / "live") as monitor:  # the split needs no lag (that chooses a map's curve)
         row = monitor.step(0, roll, current, behaviour_logprobs=behaviour)
         plain = monitor.step(1, roll, current)
         exact = monitor.step(2, behaviour, current, behaviour_logprobs=behaviour)  # a rollout equal to its trainer
@@ -179,7 +179,7 @@ def test_live_monitor_split_with_padded_tensors_and_a_mask(tmp_path):
         return out
 
     mask = padded([torch.ones(len(r)) for r in roll]).isfinite()
-    with LiveMonitor(tmp_path / "live", policy_lag=1) as monitor:
+    with LiveMonitor(tmp_path / "live") as monitor:  # the split needs no lag (that chooses a map's curve)
         row = monitor.step(0, padded(roll), padded(current), mask, behaviour_logprobs=padded(behaviour))
         with pytest.raises(ValueError, match="behaviour_logprobs"):
             monitor.step(1, padded(roll), padded(current), mask, behaviour_logprobs=padded(behaviour)[:, :5])
@@ -187,12 +187,17 @@ def test_live_monitor_split_with_padded_tensors_and_a_mask(tmp_path):
     assert row[TIM_K3_KL] == mismatch_metrics(behaviour, roll)[K3_KL]
 
 
-@pytest.mark.parametrize("lag", [-1, 1.5, True])
-def test_live_monitor_refuses_a_bad_lag(tmp_path, lag):
+@pytest.mark.parametrize("lag, message", [
+    (-1, "policy_lag must be an integer >= 0"), (1.5, "policy_lag must be an integer"),
+    (True, "policy_lag must be an integer"),
+    (2, "policy_lag chooses a curve of scaling_map: give scaling_map too"),  # nothing else reads it: not ignored
+])
+def test_live_monitor_refuses_a_bad_lag(tmp_path, lag, message):
     from vexact.live import LiveMonitor
 
-    with pytest.raises(ValueError, match="policy_lag"):
+    with pytest.raises(ValueError, match=message):
         LiveMonitor(tmp_path / "live", policy_lag=lag)
+    LiveMonitor(tmp_path / "live", policy_lag=0).close()  # on-policy, the default: nothing to choose
 
 
 # --------------------------------------------------------------------------------------------- the map's lag axis
