@@ -541,6 +541,25 @@ def test_step_sampled_refusals(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_verl_old_log_prob_batch_keeps_the_monitors_sampling(tmp_path):
+    """observe_batch with old_log_prob (verl's recompute of every row) and a sampling monitor: every=2 writes every
+    second step, and the row is the sample's, read from the recompute (it was every row, every step: every ignored)."""
+    from vexact.integrations.verl import observe_batch
+
+    batch = _verl_batch()
+    rollout = {k: v for k, v in batch.items() if k != "old_log_probs"}
+    old_log_prob = {"old_log_probs": batch["old_log_probs"]}
+    with LiveMonitor(tmp_path / "live", sample_fraction=0.5, every=2, seed=1) as monitor:
+        rows = monitor.sample(2, 6)
+        skipped = observe_batch(monitor, rollout, 1, old_log_prob=old_log_prob)
+        row = observe_batch(monitor, rollout, 2, old_log_prob=old_log_prob)
+    with LiveMonitor(tmp_path / "plain") as plain:
+        expected = plain.step(0, batch["rollout_log_probs"][rows], batch["old_log_probs"][rows],
+                              batch["response_mask"][rows])
+    assert skipped is None and [r["step"] for r in read_metrics(tmp_path / "live" / "metrics.jsonl")] == [2]
+    assert all(_same(row[k], v) for k, v in _metrics(expected).items()) and row[metric_keys.LIVE_SAMPLED_SEQUENCES] == 3
+
+
 def test_verl_bypass_batch_sampled(tmp_path, monkeypatch):
     """verl's bypass mode: the batch's old_log_probs are the rollout's; observe_batch with a score_fn rescores the
     sampled rows only, and actor_logprobs runs verl's recompute on them (select_idxs, padded to the world size)."""

@@ -54,7 +54,9 @@ as verl pads). Call it before the update changes the weights::
             return super()._update_actor(batch)
 
 The row is ``LiveMonitor.step_sampled``'s: the sample's metrics, ``live/sampled_sequences`` and
-``live/sample_fraction``; a step ``every`` skips writes nothing and scores nothing.
+``live/sample_fraction``; a step ``every`` skips writes nothing and scores nothing. A sampling monitor thins the
+first recipe's rows the same way (``every=10``: one step in ten; ``sample_fraction``: those rows of the actor's
+recompute), though there the recompute is verl's own and costs nothing extra.
 """
 
 from __future__ import annotations
@@ -130,12 +132,16 @@ def observe_batch(monitor: LiveMonitor, batch: Any, step: int, old_log_prob: Any
     """One ``monitor.step`` on verl's batch at ``step`` (verl's ``self.global_steps``); returns the row.
 
     ``score_fn`` (bypass mode, where the batch's ``old_log_probs`` are the rollout's): ``rows -> [len(rows), T]``
-    actor log-probs of the rows the monitor samples (``actor_logprobs``); the row is then
-    ``monitor.step_sampled``'s (None on a step the monitor's ``every`` skips)."""
+    actor log-probs of the rows the monitor samples (``actor_logprobs``). With either side, a monitor that samples
+    (``sample_fraction`` < 1 or ``every`` > 1) gets ``monitor.step_sampled``'s row: its sample's metrics, None on a
+    step its ``every`` skips (with ``old_log_prob``, the sample's rows read from the actor's recompute); otherwise
+    ``monitor.step``'s, of every row."""
     if not isinstance(monitor, LiveMonitor):
         raise ValueError(f"monitor must be a vexact.live.LiveMonitor, got {type(monitor).__name__}")
     if score_fn is None:
         rollout, train, mask = verl_sides(batch, old_log_prob)
+        if monitor.sampling:  # the monitor's every and sample_fraction hold here too (TRL's mixin does the same)
+            return monitor.step_sampled(step, rollout, lambda rows: train[rows], mask)
         return monitor.step(step, rollout, train, mask)
     if old_log_prob is not None:
         raise ValueError("give old_log_prob (the actor's recompute of every row) or score_fn (of a sample), not both")
