@@ -136,7 +136,7 @@ def test_config_hash_is_stable_and_sensitive():
     ({"rollout": {"temprature": 1.0}}, "rollout.temprature", "unknown key (known keys: prompts_per_step"),
     # wrong types
     ({"steps": 1.5}, "steps", "expected an integer >= 1, got 1.5"),
-    ({"seed": True}, "seed", "expected an integer, got true"),
+    ({"seed": True}, "seed", "expected an integer >= -9223372036854775808 and <= 18446744073709551615, got true"),
     ({"model": {"qk_norm": 1}}, "model.qk_norm", "expected a boolean, got 1"),
     ({"logging": {"live": "yes"}}, "logging.live", "expected a boolean, got 'yes'"),
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr", "expected a number > 0, got 'fast'"),
@@ -157,6 +157,9 @@ def test_config_hash_is_stable_and_sensitive():
     ({"rollout": {"temperature": float("nan")}}, "rollout.temperature", "got nan"),
     ({"threads": 0}, "threads", "expected an integer >= 1 or null, got 0"),
     ({"warm_start": {"steps": -1}}, "warm_start.steps", "expected an integer >= 0, got -1"),
+    # both seeds: torch.manual_seed's range (beyond it the model init failed, naming no key)
+    ({"seed": 2**64}, "seed", "<= 18446744073709551615, got 18446744073709551616"),
+    ({"warm_start": {"seed": -(2**63) - 1}}, "warm_start.seed", "expected an integer >= -9223372036854775808"),
     ({"task": {"eval_prompts": 0}}, "task.eval_prompts", ">= 1"),
     # cross-field checks
     ({"model": {"num_heads": 4, "num_kv_heads": 3}}, "model.num_heads", "divisible by num_kv_heads"),
@@ -170,6 +173,13 @@ def test_errors_name_the_key(d, key, expected):
     assert message.startswith(f"config error at '{key}': ")
     assert expected in message
     assert "\n" not in message
+
+
+def test_both_seeds_take_one_range_negatives_too():
+    """A negative run seed always ran (it seeds the policy when warm_start.seed is None), so warm_start.seed takes
+    negatives too: one range for both (warm_start.seed -1 was refused, seed -1 accepted)."""
+    assert config_from_dict({"seed": -1}).policy_seed == -1
+    assert config_from_dict({"seed": 3, "warm_start": {"seed": -1}}).policy_seed == -1
 
 
 def test_cross_field_check_sees_overrides():

@@ -90,6 +90,11 @@ __all__ = [
     "save_config",
 ]
 
+# Both seeds' one range: what torch.manual_seed accepts (negative ones too; they always ran as the run's seed, which
+# is the policy's seed when warm_start.seed is None). Beyond it the model init failed with "Overflow when unpacking
+# long long", naming no key.
+SEED_BOUNDS = _bounds(min=-(2**63), max=2**64 - 1)
+
 Backend = Literal[vexact_kernels.BACKENDS]  # the kernel library's backend names
 # Names from a registry: checked against it when a config is validated (validate.py), so an entry registered after
 # import (vexact.register_task, vexact.register_inject_mode, ...) is accepted like a built-in.
@@ -188,7 +193,7 @@ class WarmStartSection:
     cache_dir: str | None = None  # None = runs/.warmstart_cache; shared by runs, so no run directory may be it
     # Seed of the starting policy (model init + warm-start data); None = the run's seed. Fix it to compare
     # RL seeds (rollout sampling, mini-batch order) from one starting policy.
-    seed: int | None = field(default=None, metadata=_bounds(min=0))
+    seed: int | None = field(default=None, metadata=SEED_BOUNDS)
     # Total loss weight of a target's free tokens (the span the reward does not read, Task.free_span: the horizon
     # task's scratchpad), shared equally among them; None = every target token weighs 1 (a plain token mean).
     # 1.0 makes the answer's share of the loss the same at every scratchpad length.
@@ -434,7 +439,7 @@ class RunConfig:
     """One RL run. ``output_dir`` None = runs/<name>."""
 
     name: str = "run"
-    seed: int = 0
+    seed: int = field(default=0, metadata=SEED_BOUNDS)
     steps: int = field(default=100, metadata=_bounds(min=1))
     output_dir: str | None = None
     backend: Backend = "exact"  # training-path backend
