@@ -244,7 +244,7 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     _check_rope_layouts(hf, source)
     if any(isinstance(v, dict) for v in params.values()):
         raise _unsupported("rope_parameters", "per-layer RoPE settings", "one RoPE setting for all layers")
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = _rope_type(params)
     if rope_type not in ("default", "llama3"):
         raise _unsupported("RoPE type", rope_type, "'default' and Llama-3 'llama3' scaling")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -267,6 +267,12 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def _rope_type(values: dict[str, Any]) -> Any:
+    """The RoPE type a rope_parameters / rope_scaling object says: ``rope_type``, else the older ``type``, else
+    ``default`` (the one reading of the two keys, for the model and for the layouts' comparison)."""
+    return values.get("rope_type", values.get("type", "default"))
+
+
 def _check_rope_layouts(hf: dict[str, Any], source: str) -> None:
     """A config with both ``rope_parameters`` (transformers 5) and ``rope_scaling`` (4.x; what model cards say to add
     for long context) must say the same in both: transformers 4 reads only rope_scaling and 5 lets rope_scaling
@@ -277,10 +283,7 @@ def _check_rope_layouts(hf: dict[str, Any], source: str) -> None:
         return
 
     def settings(values: dict[str, Any]) -> dict[str, Any]:
-        out = {"rope_type": "default", **{k: v for k, v in values.items() if k != "type"}}
-        if "type" in values and "rope_type" not in values:
-            out["rope_type"] = values["type"]
-        return out
+        return {"rope_type": _rope_type(values), **{k: v for k, v in values.items() if k not in ("type", "rope_type")}}
 
     said, held = settings(scaling), settings(parameters)
     differ = [key for key, value in said.items() if key in scaling or key == "rope_type"
