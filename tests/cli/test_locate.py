@@ -19,7 +19,15 @@ from conftest import TINY
 import vexact_kernels
 from vexact import ModelConfig, Transformer
 from vexact.cli import main
-from vexact.real.locate import LocateSettings, OpRecorder, OpStructureError, capture, op_plan, run_locate
+from vexact.real.locate import (
+    RUN_DEFAULTS,
+    LocateSettings,
+    OpRecorder,
+    OpStructureError,
+    capture,
+    op_plan,
+    run_locate,
+)
 from vexact.real.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -190,6 +198,23 @@ def test_cli_json_png_and_exit_codes(tmp_path, capsys):
     assert report["positions"] == sum(len([p for p in range(len(t)) if 2 <= p <= 4 or p >= 9])
                                       for t in report["tokens"])
     assert main([*argv[:-1], "--a", "native:fp32", "--b", "exact:fp32"]) == 0  # without the gate: a report
+
+
+def test_run_flags_left_out_take_their_documented_defaults(tmp_path):
+    """--max-prompt-len, --max-new-tokens, --temperature and --seed are None until the paths run (so that where a
+    dump brings the sequences a value given is refused, not ignored); left out, the run is the one their documented
+    defaults (RUN_DEFAULTS, which --help prints) give by hand: the same tokens and the same bits."""
+    out, by_hand = tmp_path / "default.json", tmp_path / "by_hand.json"
+    argv = ["locate", *SIZE_ARGS, "--random-prompts", "2", "--a", "native:fp32", "--b", "exact:fp32"]
+    assert main([*argv, "--json", str(out)]) == 0
+    given = [arg for key, value in RUN_DEFAULTS.items() for arg in ("--" + key.replace("_", "-"), str(value))]
+    assert main([*argv, *given, "--json", str(by_hand)]) == 0
+    report, expected = json.loads(out.read_text()), json.loads(by_hand.read_text())
+    report.pop("seconds"), expected.pop("seconds")
+    assert report == expected and report["diverged"]  # every |Δ| too: the same bits on both runs
+    assert {key: report[key] for key in ("max_new_tokens", "temperature", "seed")} == {
+        "max_new_tokens": 8, "temperature": 1.0, "seed": 0}  # as the docs say
+    assert max(map(len, report["tokens"])) <= 16 + 8  # --max-prompt-len 16
 
 
 @pytest.fixture(scope="module")

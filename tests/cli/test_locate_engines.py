@@ -171,21 +171,46 @@ def dumps(tmp_path_factory):
     (["--a", "D/ok", "--b", "D/ok", "--hidden-size", "64"], "--hidden-size: --a and --b name dumps, which bring "
                                                             "their model"),  # a size flag, not ignored either
     (["--a", "D/ok", "--b", "D/ok", "--qk-norm"], "--qk-norm: --a and --b name dumps"),
+    # the flags that made the prompts and their continuation: the dumps bring their sequences (each was ignored)
+    (["--a", "D/ok", "--b", "D/ok", "--max-new-tokens", "3"], "--max-new-tokens: --a and --b name dumps, which bring "
+     "their model, sequences, prefill and positions; give --max-new-tokens when recording them (--dump)"),
+    (["--a", "D/ok", "--b", "D/ok", "--temperature", "0.5"], "--temperature: --a and --b name dumps"),
+    (["--a", "D/ok", "--b", "D/ok", "--seed", "0"], "--seed: --a and --b name dumps"),  # given, even as the default
+    (["--a", "D/ok", "--b", "D/ok", "--max-prompt-len", "4"], "--max-prompt-len: --a and --b name dumps"),
+    (["--a", "D/ok", "--b", "D/ok", "--token-ids"], "--token-ids: --a and --b name dumps"),
     (["--dump", "D/other"], "--dump D/other: the directory holds other files (notes.txt, ...)"),
     (["--dump", "D/new", "--json", "D/x.json"], "--json: --dump records one path and compares nothing"),
     (["--dump", "D/new", "--tokens-from", "D/ok", "--prompt-tokens", "1 2"], "--prompt-tokens: --tokens-from D/ok "
                                                                             "brings the sequences"),
     (["--dump", "D/new", "--tokens-from", "D/shallow"], "ran different models (num_layers: 1 vs 2)"),
+    # nothing is generated and no prompt is read: these were ignored (--seed is not: it seeds the random model)
+    (["--dump", "D/new", "--tokens-from", "D/ok", "--max-new-tokens", "3"], "--max-new-tokens: --tokens-from D/ok "
+     "brings the sequences, prefill and positions of its dump (no prompt is read, nothing is generated)"),
+    (["--dump", "D/new", "--tokens-from", "D/ok", "--temperature", "0.5"], "--temperature: --tokens-from D/ok"),
+    (["--tokens-from", "D/ok", "--max-prompt-len", "4"], "--max-prompt-len: --tokens-from D/ok"),
+    (["--tokens-from", "D/ok", "--token-ids"], "--token-ids: --tokens-from D/ok"),
 ])
 def test_bad_input_is_one_error_line(dumps, args, message, capsys):
-    # the model's flags only where a model runs: two dumps refuse them (they bring their own)
+    # the model's flags only where a model runs (two dumps refuse them: they bring their own), and a short
+    # continuation only where one is generated (--tokens-from refuses --max-new-tokens: its dump brings the tokens)
     two_dumps = args[0] == "--a" and args[1].startswith("D/") and args[3].startswith("D/")
-    model = [] if two_dumps else [*SIZE_ARGS, "--max-new-tokens", "1"]
+    model = [] if two_dumps else [*SIZE_ARGS, *([] if "--tokens-from" in args else ["--max-new-tokens", "1"])]
     args = [a.replace("D/", f"{dumps}/") for a in args]
     assert main(["locate", *model, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert message.replace("D/", f"{dumps}/") in err, err
+
+
+def test_tokens_from_takes_a_seed(dumps, capsys):
+    """--seed seeds the random model, which runs the dump's sequences: --tokens-from refuses the prompt and
+    generation flags, not it (the same seed as the dump's recording: nothing differs)."""
+    argv = ["locate", *SIZE_ARGS, "--tokens-from", str(dumps / "ok"), "--seed", "0"]
+    assert main([*argv, "--a", "exact:fp32:rollout", "--dump", str(dumps / "seeded")]) == 0
+    assert main(["locate", "--a", str(dumps / "ok"), "--b", str(dumps / "seeded"), "--fail-on-divergence"]) == 0
+    assert main([*argv[:-1], "1", "--a", "exact:fp32:rollout", "--dump", str(dumps / "reseeded")]) == 0
+    assert main(["locate", "--a", str(dumps / "ok"), "--b", str(dumps / "reseeded"), "--fail-on-divergence"]) == 1
+    capsys.readouterr()
 
 
 # --------------------------------------------------------------------------- vexact.testing: a certified switch

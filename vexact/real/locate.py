@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,10 @@ DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
 # The tiny random model's shape when no --model is given: ``vexact check``'s preset (one size flag per key).
 RANDOM_MODEL = {k: MODEL_PRESETS[CHECK_PRESET][k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                                                             "num_kv_heads", "intermediate_size")}
+# The defaults of the settings that choose the prompts and generate the continuation (their --help names them). A
+# setting left None takes its default when the paths run, so that where a dump brings the sequences (--tokens-from,
+# two dumps) a value the user gave is told apart from the default, and refused rather than ignored.
+RUN_DEFAULTS = {"max_prompt_len": 16, "max_new_tokens": 8, "temperature": 1.0, "seed": 0}
 
 
 def size_flag(key: str) -> str:
@@ -196,7 +200,8 @@ class LocateSettings:
     """Everything ``run_locate`` needs; the CLI fills it from its flags. ``model`` None = a random model of
     ``random_model`` (RANDOM_MODEL's keys plus qk_norm, qkv_bias, tie_embeddings) seeded with ``seed``.
     ``a`` / ``b`` may name dump directories (compared without running anything); ``dump`` records path a only
-    and writes it there (tensors too unless ``hash``); ``tokens_from`` runs the sequences of an earlier dump."""
+    and writes it there (tensors too unless ``hash``); ``tokens_from`` runs the sequences of an earlier dump.
+    ``max_prompt_len``, ``max_new_tokens``, ``temperature`` and ``seed`` None: RUN_DEFAULTS' value."""
 
     a: str = DEFAULT_A
     b: str = DEFAULT_B
@@ -205,11 +210,11 @@ class LocateSettings:
     prompt_tokens: list[list[int]] | None = None
     prompts_file: Path | None = None
     random_prompts: int | None = None
-    max_prompt_len: int = 16
+    max_prompt_len: int | None = None
     token_ids: bool = False
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    seed: int = 0
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
     prefill: int | None = None
     positions: str | None = None
     threads: int | None = None
@@ -299,27 +304,39 @@ def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None
     return prompts, described, limit
 
 
-def _check_settings(settings: LocateSettings) -> None:
+def _prompt_flags(settings: LocateSettings) -> list[tuple[str, Any]]:
+    """The flags that choose the prompts and generate their continuation, with their values (None: not given):
+    what a dump's sequences replace (``--seed`` aside: it also seeds the random model)."""
+    return [("--prompt-tokens", settings.prompt_tokens), ("--prompts", settings.prompts_file),
+            ("--random-prompts", settings.random_prompts), ("--max-prompt-len", settings.max_prompt_len),
+            ("--token-ids", settings.token_ids or None), ("--max-new-tokens", settings.max_new_tokens),
+            ("--temperature", settings.temperature)]
+
+
+def _check_settings(settings: LocateSettings) -> LocateSettings:
+    """The settings of a run, checked, with RUN_DEFAULTS filled in where None (after the check: --tokens-from refuses
+    what the user gave, not the defaults)."""
+    if settings.tokens_from is not None:
+        given = [flag for flag, value in (*_prompt_flags(settings), ("--prefill", settings.prefill),
+                                          ("--positions", settings.positions)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]}: --tokens-from {settings.tokens_from} brings the sequences, prefill and "
+                             "positions of its dump (no prompt is read, nothing is generated)")
+    settings = replace(settings, **{key: value for key, value in RUN_DEFAULTS.items()
+                                   if getattr(settings, key) is None})
     if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be a non-negative integer, got {settings.max_new_tokens!r}")
     if settings.prefill is not None and (not isinstance(settings.prefill, int) or settings.prefill < 1):
         raise ValueError(f"--prefill must be a positive integer, got {settings.prefill!r}")
     check_temperature(settings.temperature)
-    if settings.tokens_from is not None:
-        given = [flag for flag, value in (("--prompt-tokens", settings.prompt_tokens), ("--prompts",
-                 settings.prompts_file), ("--random-prompts", settings.random_prompts), ("--prefill",
-                 settings.prefill), ("--positions", settings.positions)) if value is not None]
-        if given:
-            raise ValueError(f"{given[0]}: --tokens-from {settings.tokens_from} brings the sequences, prefill and "
-                             "positions of its dump")
+    return settings
 
 
 def _check_dump_pair_settings(settings: LocateSettings) -> None:
     """Two dumps are compared as recorded: a flag that chooses the model, the sequences or the positions would be
     ignored (``--positions 0-3`` would still compare every position), so it is refused, as with ``--tokens-from``."""
     given = [flag for flag, value in (("--model", settings.model), ("--tokens-from", settings.tokens_from),
-             ("--prompt-tokens", settings.prompt_tokens), ("--prompts", settings.prompts_file),
-             ("--random-prompts", settings.random_prompts), ("--prefill", settings.prefill),
+             *_prompt_flags(settings), ("--seed", settings.seed), ("--prefill", settings.prefill),
              ("--positions", settings.positions)) if value is not None]
     given += [size_flag(key) for key in settings.random_model]  # the random model's, which the dumps also bring
     if given:
@@ -511,7 +528,7 @@ def run_locate(settings: LocateSettings) -> LocateResult:
         a, b = read_dump(settings.a, "--a"), read_dump(settings.b, "--b")
         summary = _summary(a, b, settings, {"read": time.perf_counter() - start}, dumps=True)
         return LocateResult(summary, a.tensors, b.tensors)
-    _check_settings(settings)
+    settings = _check_settings(settings)
     path_a = parse_locate_path(settings.a, "rollout", "--a")
     path_b = parse_locate_path(settings.b, "train", "--b")
     (a, b), seconds = _run_paths(settings, [path_a, path_b])
@@ -523,7 +540,7 @@ def run_dump(settings: LocateSettings) -> Sites:
     """Record path ``a`` only and write it to ``settings.dump`` (``sites.write_dump``): tensors unless ``hash``."""
     if looks_like_dump(settings.a):
         raise ValueError(f"--dump records a path spec; --a {settings.a} names a dump directory")
-    _check_settings(settings)
+    settings = _check_settings(settings)
     path_a = parse_locate_path(settings.a, "rollout", "--a")
     (sites,), _ = _run_paths(settings, [path_a])
     write_dump(sites, settings.dump, tensors=not settings.hash)
@@ -578,16 +595,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "has a tokenizer, else whitespace-separated token ids")
     prompts.add_argument("--random-prompts", type=positive_int, metavar="N",
                          help="N seeded random prompts (the default: 2)")
-    parser.add_argument("--max-prompt-len", type=positive_int, default=16, help="longest --random-prompts prompt")
+    parser.add_argument("--max-prompt-len", type=positive_int, default=None, help="longest --random-prompts prompt "
+                        f"(default: {RUN_DEFAULTS['max_prompt_len']})")
     parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
-    parser.add_argument("--max-new-tokens", type=_count, default=8, help="tokens path a generates after each prompt "
-                        "before both paths run the sequences: the rollout path decodes them (default 8; 0 = none)")
+    parser.add_argument("--max-new-tokens", type=_count, default=None, help="tokens path a generates after each "
+                        "prompt before both paths run the sequences: the rollout path decodes them (default "
+                        f"{RUN_DEFAULTS['max_new_tokens']}; 0 = none)")
     parser.add_argument("--prefill", type=positive_int, default=None, metavar="N", help="rollout paths prefill the "
                         "first N tokens of each sequence and decode the rest (default: the prompt; 1 decodes all)")
     parser.add_argument("--positions", default=None, metavar="LIST",
                         help="compare only these positions, e.g. 0-7,12,30- (default all)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the generation")
-    parser.add_argument("--seed", type=int, default=0, help="random model, random prompts and sampling")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature of the generation "
+                        f"(default: {RUN_DEFAULTS['temperature']})")
+    parser.add_argument("--seed", type=int, default=None, help="random model, random prompts and sampling "
+                        f"(default: {RUN_DEFAULTS['seed']})")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the report as JSON")
     parser.add_argument("--png", type=Path, default=None, metavar="OUT", help="also plot max |Δ| per op (log scale)")
