@@ -49,7 +49,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 from torch import Tensor
 
-from . import compiled_loops, kv_rows, native
+from . import checks, compiled_loops, kv_rows, native
 from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
@@ -84,56 +84,9 @@ HOST_PROPERTIES = {"embedding": (), "linear": ("gemm_rows", ONEDNN_ROWS, "same_b
 
 
 # --------------------------------------------------------------------------- input checks
-FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-"""The dtypes of the ops' floating operands, and so the dtypes the model computes in. Anything else (fp16,
-fp64, an integer or bool tensor) is one TypeError naming the op and the argument: the kernels compute in fp32 and
-round once to the input's dtype, so an fp64 input would silently lose its precision and an integer one be truncated."""
-INDEX_DTYPES = (torch.int64, torch.int32)
-
-# Each op first tests the usual case -- what every model call passes -- inline, with a few attribute reads and no
-# names (a decode step makes hundreds of op calls: the naming checks below, run on each, cost 4% of a small model's
-# step). Only when that test fails does the op's ``_check_<op>`` look again, to name what is wrong; a False is
-# "look closer", not "wrong" (mixed dtypes where an op allows them take the long way).
-
-
-def _name_of(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _tensors(op: str, dtypes: tuple[torch.dtype, ...], **tensors: object) -> None:
-    """One TypeError naming ``op`` and the argument unless each of ``tensors`` is a tensor of one of ``dtypes``; one
-    ValueError unless they are all on one device. A check of attributes only: no tensor op, no bit moves."""
-    device = None
-    for name, t in tensors.items():
-        if not isinstance(t, Tensor):
-            raise TypeError(f"cpu_exact.{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in dtypes:
-            raise TypeError(f"cpu_exact.{op}: {name} has dtype {_name_of(t.dtype)}; expected "
-                            f"{' or '.join(map(_name_of, dtypes))}")
-        if device is None:
-            device = (name, t.device)
-        elif t.device != device[1]:
-            raise ValueError(f"cpu_exact.{op}: {name} is on {t.device} but {device[0]} on {device[1]}")
-
-
-def _same_dtype(op: str, **tensors: Tensor) -> None:
-    """One TypeError unless ``tensors`` share one dtype (the native twin's torch op refuses mixed dtypes too)."""
-    (first, a), *rest = tensors.items()
-    for name, t in rest:
-        if t.dtype != a.dtype:
-            raise TypeError(f"cpu_exact.{op}: {name} has dtype {_name_of(t.dtype)} but {first} {_name_of(a.dtype)}; "
-                            "expected one dtype")
-
-
-def _shape_error(op: str, text: str, **tensors: Tensor) -> ValueError:
-    shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in tensors.items())
-    return ValueError(f"cpu_exact.{op}: {text} (got {shapes})")
-
-
-def _last_dim(op: str, name: str, t: Tensor) -> None:
-    """One ValueError unless ``t`` has a last dimension of at least one element (a row to reduce)."""
-    if t.dim() == 0 or t.shape[-1] == 0:
-        raise _shape_error(op, f"{name} needs a last dimension of at least one element", **{name: t})
+# The ops' input checks (``checks``): one contract with the Triton kernels. Re-exported: the model's dtypes and
+# resolve_dtype derive from FLOAT_DTYPES here.
+FLOAT_DTYPES, INDEX_DTYPES = checks.FLOAT_DTYPES, checks.INDEX_DTYPES
 
 
 # --------------------------------------------------------------------------- chunked library math
@@ -185,24 +138,8 @@ def embedding(tokens: Tensor, weight: Tensor, *, host: HostGuard = HOST) -> Tens
     positions holding token v (``_sum_rows_by_token``): it depends only on (tokens, grad), never on the thread
     count. ``host`` is unused (nothing here rests on a host property); kept for the common op signature.
     """
-    if not (isinstance(tokens, Tensor) and isinstance(weight, Tensor) and tokens.dtype in INDEX_DTYPES
-            and weight.dtype in FLOAT_DTYPES and weight.dim() == 2 and tokens.device == weight.device):
-        _check_embedding(tokens, weight)
-    if tokens.numel():  # one call per forward: its values can be read (torch's own error names no token)
-        first, last = (int(bound) for bound in torch.aminmax(tokens))
-        if first < 0 or last >= weight.shape[0]:
-            raise ValueError(f"cpu_exact.embedding: token ids must lie in [0, V), V = {weight.shape[0]} (weight's "
-                             f"rows), got ids in [{first}, {last}]")
+    checks.embedding("cpu_exact.embedding", tokens, weight)  # one call per forward: its ids are read
     return exact_forward_vjp(_embedding_forward, _embedding_with_saved, _embedding_vjp, (weight,), (tokens,))
-
-
-def _check_embedding(tokens: Tensor, weight: Tensor) -> None:
-    _tensors("embedding", INDEX_DTYPES, tokens=tokens)
-    _tensors("embedding", FLOAT_DTYPES, weight=weight)
-    if weight.dim() != 2:
-        raise _shape_error("embedding", "weight must be [V, D]", weight=weight)
-    if tokens.device != weight.device:
-        raise ValueError(f"cpu_exact.embedding: tokens are on {tokens.device} but weight on {weight.device}")
 
 
 def _embedding_forward(weight: Tensor, tokens: Tensor) -> Tensor:
@@ -266,17 +203,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, host: HostGuard = HOST) -
     Backward contract: the analytic VJP from the saved fp32 x and 1/rms; grad_x row by row, grad_weight over the
     rows, both by halving trees -- never dependent on the thread count.
     """
-    if not (isinstance(x, Tensor) and isinstance(weight, Tensor) and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype
-            and x.dim() and weight.shape == x.shape[-1:] and weight.shape[0] and x.device == weight.device):
-        _check_rms_norm(x, weight)
+    checks.rms_norm("cpu_exact.rms_norm", x, weight)
     return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps, host))
-
-
-def _check_rms_norm(x: Tensor, weight: Tensor) -> None:
-    _tensors("rms_norm", FLOAT_DTYPES, x=x, weight=weight)
-    _last_dim("rms_norm", "x", x)
-    if weight.shape != x.shape[-1:]:
-        raise _shape_error("rms_norm", "weight must be [D], D = x's last dimension", x=x, weight=weight)
 
 
 def _rms_norm_parts(x: Tensor, weight: Tensor, eps: float, host: HostGuard) -> tuple[Tensor, Tensor, Tensor]:
@@ -340,25 +268,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     256-row slab of grad_weight on one thread (``gemm_arrangements._reduction_slabs``; in ``auto`` one GEMM per chunk
     on views of grad and x where the guard found that this gives the slabs' bits: ``same_bits``); in bf16 on the
     host's bf16 GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding)."""
-    if not (isinstance(x, Tensor) and isinstance(weight, Tensor) and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype
-            and weight.dim() == 2 and x.dim() and 0 < x.shape[-1] == weight.shape[1] and x.device == weight.device
-            and (bias is None or (isinstance(bias, Tensor) and bias.dtype == x.dtype and bias.device == x.device
-                                  and bias.shape == weight.shape[:1]))):
-        _check_linear(x, weight, bias)
+    checks.linear("cpu_exact.linear", x, weight, bias)
     if bias is None:  # bias None passed as a static argument: _linear_forward(x, weight, None, host)
         return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight), (None, host))
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
-
-
-def _check_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
-    operands = {"x": x, "weight": weight} if bias is None else {"x": x, "weight": weight, "bias": bias}
-    _tensors("linear", FLOAT_DTYPES, **operands)
-    _same_dtype("linear", **operands)
-    _last_dim("linear", "x", x)
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise _shape_error("linear", "weight must be [N, K], K = x's last dimension", x=x, weight=weight)
-    if bias is not None and bias.shape != weight.shape[:1]:
-        raise _shape_error("linear", "bias must be [N], N = weight's first dimension", weight=weight, bias=bias)
 
 
 def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool, *, host: HostGuard = HOST
@@ -436,18 +349,8 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, *, host: HostGuard = HOST) -> Tens
     elements. Only exactly rounded elementwise mul/add/sub are used (no fused ops), so the
     native implementation already satisfies the contract and is reused as is.
     """
-    if not (isinstance(x, Tensor) and isinstance(cos, Tensor) and isinstance(sin, Tensor) and x.dtype in FLOAT_DTYPES
-            and cos.dtype in FLOAT_DTYPES and sin.dtype == cos.dtype and x.dim() == 4 and cos.dim() == 3
-            and cos.shape == sin.shape and cos.shape[-1] * 2 == x.shape[-1] and x.device == cos.device == sin.device):
-        _check_rope(x, cos, sin)
+    checks.rope("cpu_exact.rope", x, cos, sin)
     return native.rope(x, cos, sin)
-
-
-def _check_rope(x: Tensor, cos: Tensor, sin: Tensor) -> None:
-    _tensors("rope", FLOAT_DTYPES, x=x, cos=cos, sin=sin)
-    if x.dim() != 4 or x.shape[-1] % 2 or cos.dim() != 3 or cos.shape != sin.shape or cos.shape[-1] * 2 != x.shape[-1]:
-        raise _shape_error("rope", "x must be [B, T, H, hd] with hd even, cos and sin [B, T, hd/2]", x=x, cos=cos,
-                           sin=sin)
 
 
 # --------------------------------------------------------------------------- attention
@@ -479,35 +382,10 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     Without a gradient, a cache written through ``kv_rows.write`` (the model's cache) keeps its keys and values laid
     out as the tiles read them between calls (``kv_rows``: the same values, so the same bits).
     """
-    if not (isinstance(q, Tensor) and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)
-            and isinstance(q_start, Tensor) and q.dtype in FLOAT_DTYPES and k_cache.dtype == q.dtype == v_cache.dtype
-            and q_start.dtype in INDEX_DTYPES and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-            and q_start.shape == q.shape[:1] and k_cache.shape[0] == q.shape[0] > 0
-            and k_cache.shape[3] == q.shape[3] > 0 and k_cache.shape[2] > 0 and q.shape[2] % k_cache.shape[2] == 0
-            and q.device == k_cache.device == v_cache.device == q_start.device):
-        _check_attention(q, k_cache, v_cache, q_start)
+    checks.attention("cpu_exact.attention", q, k_cache, v_cache, q_start)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         return _ExactAttention.apply(q, k_cache, v_cache, q_start, scale, host)
     return _attention_exact(q, k_cache, v_cache, q_start, scale, host)
-
-
-def _check_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor) -> None:
-    _tensors("attention", FLOAT_DTYPES, q=q, k_cache=k_cache, v_cache=v_cache)
-    _same_dtype("attention", q=q, k_cache=k_cache, v_cache=v_cache)
-    _tensors("attention", INDEX_DTYPES, q_start=q_start)
-    shapes = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "q_start": q_start}
-    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise _shape_error("attention", "q must be [B, T, Hq, hd], k_cache and v_cache one shape [B, L, Hkv, hd]",
-                           **shapes)
-    (batch, _, q_heads, head_dim), (_, _, kv_heads, _) = q.shape, k_cache.shape
-    if (k_cache.shape[0] != batch or k_cache.shape[3] != head_dim or q_start.shape != (batch,) or kv_heads == 0
-            or q_heads % kv_heads or head_dim == 0):
-        raise _shape_error("attention", "q [B, T, Hq, hd], k_cache and v_cache [B, L, Hkv, hd] with Hq a multiple of "
-                           "Hkv, q_start [B]", **shapes)
-    if batch == 0:
-        raise _shape_error("attention", "no sequences", **shapes)
-    if q_start.device != q.device:
-        raise ValueError(f"cpu_exact.attention: q_start is on {q_start.device} but q on {q.device}")
 
 
 def _check_query_span(q_start: Tensor, q_len: int) -> int:
@@ -515,10 +393,7 @@ def _check_query_span(q_start: Tensor, q_len: int) -> int:
     position 0 (it would see no key: its softmax has nothing to normalise). A query past the cache's end is defined:
     it sees the whole cache (keys past it are masked, as in the Triton kernel). Checked where the tiles read
     q_start's bounds anyway, not in ``attention``'s usual-case test (values, not attributes)."""
-    first, last = (int(bound) for bound in torch.aminmax(q_start))
-    if first < 0:
-        raise ValueError(f"cpu_exact.attention: q_start must be >= 0 (a query before position 0 sees no key), got "
-                         f"q_start in [{first}, {last}]")
+    _, last = checks.query_starts("cpu_exact.attention", q_start)
     return last + q_len
 
 
@@ -818,17 +693,8 @@ def silu_mul(gate: Tensor, up: Tensor, *, host: HostGuard = HOST) -> Tensor:
     Backward contract: the analytic VJP, elementwise from chunked exp and exactly rounded ops -- each gradient
     element depends only on the matching gate, up and grad elements (not on the tensor's size or threads).
     """
-    if not (isinstance(gate, Tensor) and isinstance(up, Tensor) and gate.dtype in FLOAT_DTYPES
-            and up.dtype == gate.dtype and gate.shape == up.shape and gate.device == up.device):
-        _check_silu_mul(gate, up)
+    checks.silu_mul("cpu_exact.silu_mul", gate, up)
     return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up), (host,))
-
-
-def _check_silu_mul(gate: Tensor, up: Tensor) -> None:
-    _tensors("silu_mul", FLOAT_DTYPES, gate=gate, up=up)
-    _same_dtype("silu_mul", gate=gate, up=up)
-    if gate.shape != up.shape:
-        raise _shape_error("silu_mul", "gate and up must have one shape", gate=gate, up=up)
 
 
 def _silu(gate: Tensor, host: HostGuard) -> Tensor:
@@ -920,9 +786,7 @@ def log_softmax(logits: Tensor, *, host: HostGuard = HOST) -> Tensor:
     Backward contract: g - softmax * sum(g) from the saved output, row by row (chunked exp, halving-tree sum):
     never dependent on the thread count.
     """
-    if not (isinstance(logits, Tensor) and logits.dtype in FLOAT_DTYPES and logits.dim() and logits.shape[-1]):
-        _tensors("log_softmax", FLOAT_DTYPES, logits=logits)
-        _last_dim("log_softmax", "logits", logits)
+    checks.rows("cpu_exact.log_softmax", "logits", logits)
     return exact_forward_vjp(_log_softmax_exact, _log_softmax_with_saved, _log_softmax_vjp, (logits,), (host,))
 
 
@@ -960,23 +824,9 @@ def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -
     Backward contract: g * (onehot - softmax) from the saved shifted logits, elementwise (chunked exp): never
     dependent on the thread count.
     """
-    if not (isinstance(logits, Tensor) and isinstance(targets, Tensor) and logits.dtype in FLOAT_DTYPES
-            and targets.dtype == torch.int64 and logits.dim() and logits.shape[-1]
-            and targets.shape == logits.shape[:-1] and targets.device == logits.device):
-        _check_token_logprobs(logits, targets)
+    checks.token_logprobs("cpu_exact.token_logprobs", logits, targets)
     return exact_forward_vjp(_token_logprobs_exact, _token_logprobs_with_saved, _token_logprobs_vjp, (logits,),
                              (targets, host))
-
-
-def _check_token_logprobs(logits: Tensor, targets: Tensor) -> None:
-    _tensors("token_logprobs", FLOAT_DTYPES, logits=logits)
-    _tensors("token_logprobs", (torch.int64,), targets=targets)
-    _last_dim("token_logprobs", "logits", logits)
-    if targets.device != logits.device:
-        raise ValueError(f"cpu_exact.token_logprobs: targets are on {targets.device} but logits on {logits.device}")
-    if targets.shape != logits.shape[:-1]:
-        raise _shape_error("token_logprobs", "targets must be logits' shape without its last dimension",
-                           logits=logits, targets=targets)
 
 
 def _library_math(host: HostGuard, op: str, *names: str) -> ModuleType | None:
@@ -1023,10 +873,7 @@ def entropy(log_probs: Tensor, *, host: HostGuard = HOST) -> Tensor:
     Invariance contract: each value depends only on its own row (chunked exp, halving-tree sum) -- never on the
     number of rows or the thread count. Backward contract: -g p (1 + log p), elementwise: the same.
     """
-    if not (isinstance(log_probs, Tensor) and log_probs.dtype in FLOAT_DTYPES and log_probs.dim()
-            and log_probs.shape[-1]):
-        _tensors("entropy", FLOAT_DTYPES, log_probs=log_probs)
-        _last_dim("entropy", "log_probs", log_probs)
+    checks.rows("cpu_exact.entropy", "log_probs", log_probs)
     return exact_forward_vjp(_entropy_exact, _entropy_with_saved, _entropy_vjp, (log_probs,), (host,))
 
 

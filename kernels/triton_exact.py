@@ -59,7 +59,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import native
+from . import checks, native
 from .autograd import exact_forward, exact_forward_vjp, exact_linear, matmul_linear_backward
 
 # Compile-only: the GPU code paths and tiles without a device, so that the kernels can be compiled for CUDA
@@ -230,9 +230,12 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_device(*tensors: Tensor) -> None:
-    if not INTERPRETING and any(not t.is_cuda for t in tensors):
-        raise ValueError("triton_exact: compiled kernels need CUDA tensors (or run with TRITON_INTERPRET=1)")
+def _check_device(op: str, **named: Tensor) -> None:
+    if not INTERPRETING:
+        for name, t in named.items():
+            if not t.is_cuda:
+                raise ValueError(f"triton_exact.{op}: {name} is on {t.device}; the compiled kernels need CUDA tensors "
+                                 "(or run with TRITON_INTERPRET=1)")
 
 
 # --------------------------------------------------------------------------- linear
@@ -281,6 +284,7 @@ def _linear_kernel(
 def entropy(log_probs: Tensor) -> Tensor:
     """-sum(p log p) of a ``log_softmax`` output: torch ops on the device (deterministic for a given device and
     shape; the log-probs it reads are the exact kernel's)."""
+    checks.rows("triton_exact.entropy", "log_probs", log_probs)
     return native.entropy(log_probs)
 
 
@@ -288,12 +292,15 @@ def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
     """Rows of ``weight`` [V, D] picked by ``tokens`` -> [..., D]: a gather, exact on every backend (torch's own).
 
     Invariance contract: each output row is ``weight[token]`` bit for bit. Backward: torch's embedding backward
-    (on CUDA a sort-based segment sum: deterministic for a given device and token layout)."""
+    (on CUDA a sort-based segment sum: deterministic for a given device and token layout). Token ids are checked to
+    lie in [0, V) on CPU tensors only (``checks.token_ids``): on CUDA an id out of range is torch's device-side
+    assert."""
+    checks.embedding("triton_exact.embedding", tokens, weight)
     return native.embedding(tokens, weight)
 
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    _check_device(x, weight)
+    _check_device("linear", x=x, weight=weight)
     n_inner = x.shape[-1]
     n_cols = weight.shape[0]
     x2d = x.reshape(-1, n_inner)
@@ -303,7 +310,7 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     block_m, block_n, block_k, num_warps, num_stages = _MATMUL_TILES[x.dtype]
     grid = (triton.cdiv(x2d.shape[0], block_m), triton.cdiv(n_cols, block_n))
     _linear_kernel[grid](
-        x2d, weight, bias if bias is not None else weight, y,
+        x2d, weight, bias.contiguous() if bias is not None else weight, y,  # the kernel reads bias with stride 1
         x2d.shape[0], n_cols, n_inner,
         x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(x.dtype),
@@ -329,6 +336,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     In the interpreter the block product is a fixed pairwise tree of exactly rounded fp32
     products (``_block_dot``), not np.matmul: invariance does not rest on the host BLAS.
     """
+    checks.linear("triton_exact.linear", x, weight, bias)
     return exact_linear(_linear_forward, x, weight, bias)
 
 
@@ -362,7 +370,7 @@ def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, row_len, eps, BLOCK: tl.constexpr
 
 
 def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    _check_device(x, weight)
+    _check_device("rms_norm", x=x, weight=weight)
     row_len = x.shape[-1]
     x2d = x.reshape(-1, row_len).contiguous()
     y = torch.empty_like(x2d)
@@ -382,6 +390,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into
     BLOCK fp32 partial sums that ``_block_sum`` combines in a fixed tree. Result in x.dtype.
     """
+    checks.rms_norm("triton_exact.rms_norm", x, weight)
     return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
 
 
@@ -419,7 +428,7 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr)
 
 
 def _silu_mul_exact(gate: Tensor, up: Tensor) -> Tensor:
-    _check_device(gate, up)
+    _check_device("silu_mul", gate=gate, up=up)
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n_elements = gate.numel()
@@ -436,6 +445,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     elements -- not on the tensor's size, shape or the element's position. Tiling: the
     flattened tensor in fixed BLOCK-wide chunks, one program each; no reductions.
     """
+    checks.silu_mul("triton_exact.silu_mul", gate, up)
     return exact_forward_vjp(_silu_mul_exact, _silu_mul_with_saved, _silu_mul_vjp, (gate, up))
 
 
@@ -470,7 +480,7 @@ def exp(x: Tensor) -> Tensor:
     Invariance contract: each output element depends only on the matching input element -- not on the tensor's
     size, shape or the element's position. Tiling: the flattened tensor in fixed BLOCK-wide chunks, one program
     each; no reductions."""
-    _check_device(x)
+    _check_device("exp", x=x)
     if x.dtype != torch.float32:
         raise ValueError(f"triton_exact.exp: expected a float32 tensor, got {x.dtype}")
     flat = x.contiguous().view(-1)
@@ -500,7 +510,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, half_dim, BLOCK_H: t
 
 
 def _rope_exact(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    _check_device(x, cos, sin)
+    _check_device("rope", x=x, cos=cos, sin=sin)
     batch, seq, n_heads, head_dim = x.shape
     half_dim = head_dim // 2
     # cos/sin may broadcast over leading dims, as in the reference (e.g. [1, T, hd/2]).
@@ -526,6 +536,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     (positions enter only through the caller's cos/sin). Tiling: one program per token,
     covering all heads as a [H, hd/2] block; no reductions.
     """
+    checks.rope("triton_exact.rope", x, cos, sin)
     return exact_forward_vjp(_rope_exact, _rope_with_saved, _rope_vjp, (x, cos, sin))
 
 
@@ -633,11 +644,9 @@ def _attention_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Ten
                        ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor]]:
     """(out, lse or None, the prepared (q, k_cache, v_cache, q_start) the kernel read). ``store_lse`` only adds the
     log-sum-exp store (fp32 [B * Hq, T], log2 units) after the output's; the output's bits are the same either way."""
-    _check_device(q, k_cache, v_cache)
+    _check_device("attention", q=q, k_cache=k_cache, v_cache=v_cache)
     batch, q_len, q_heads, head_dim = q.shape
     cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"q heads ({q_heads}) must be a multiple of kv heads ({kv_heads})")
     # Strided views (e.g. a cache slice) are fine; only the head dim must be contiguous.
     q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
     q_start = q_start.to(device=q.device, dtype=torch.int64).contiguous()
@@ -910,7 +919,7 @@ def _attention_with_saved(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: 
 
 def _attention_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     q, k_cache, v_cache, q_start, out, lse, scale = saved
-    _check_device(grad)
+    _check_device("attention", grad=grad)
     dq, dk, dv = _attention_backward(q, k_cache, v_cache, q_start, out, lse, grad, scale, needs[0],
                                      needs[1] or needs[2])
     return dq, (dk if needs[1] else None), (dv if needs[2] else None)
@@ -947,6 +956,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     are bitwise equal, and no T x L score matrix is materialised. Gradients go to q, k_cache and v_cache as given
     (contiguous, their shapes and dtypes; cache positions no query sees get 0).
     """
+    checks.attention("triton_exact.attention", q, k_cache, v_cache, q_start)
+    if not q_start.is_cuda:  # a CUDA q_start's values are not read (a device sync): a negative one gives NaN rows
+        checks.query_starts("triton_exact.attention", q_start)
     return exact_forward_vjp(_attention_exact, _attention_with_saved, _attention_vjp, (q, k_cache, v_cache),
                              (q_start, scale))
 
@@ -1001,7 +1013,7 @@ def _token_logprobs_kernel(logits_ptr, targets_ptr, out_ptr, row_len, BLOCK: tl.
 
 
 def _log_softmax_exact(logits: Tensor) -> Tensor:
-    _check_device(logits)
+    _check_device("log_softmax", logits=logits)
     row_len = logits.shape[-1]
     rows = logits.reshape(-1, row_len).contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
@@ -1013,12 +1025,10 @@ def _log_softmax_exact(logits: Tensor) -> Tensor:
 
 
 def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
-    _check_device(logits, targets)
+    _check_device("token_logprobs", logits=logits, targets=targets)
     row_len = logits.shape[-1]
     rows = logits.reshape(-1, row_len).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    if flat_targets.numel() != rows.shape[0]:
-        raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(logits.shape)}")
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
     if out.numel() and row_len:
         _token_logprobs_kernel[(rows.shape[0],)](
@@ -1037,6 +1047,7 @@ def log_softmax(logits: Tensor) -> Tensor:
     keeping a per-lane running max and rescaled sum (online softmax), then combines the
     lanes with fixed trees. Pass 2 writes (x - max) - log(sum).
     """
+    checks.rows("triton_exact.log_softmax", "logits", logits)
     return exact_forward(_log_softmax_exact, native.log_softmax, (logits,))
 
 
@@ -1048,4 +1059,5 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     same final expression). Only the target's logit is read in pass 2, so the [.., V]
     log-prob tensor is never materialised. A target outside [0, V) yields NaN.
     """
+    checks.token_logprobs("triton_exact.token_logprobs", logits, targets)
     return exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))

@@ -27,6 +27,7 @@ BLOCK = "import sys; sys.modules['triton'] = None; "  # every `import triton` no
 TRITON_TESTS = [  # every test that needs triton: whole modules, and single tests (with their parameter counts)
     ("tests/kernels/test_triton_kernels.py", 0),
     ("tests/kernels/test_triton_audit.py", 0),
+    ("tests/kernels/test_triton_inputs.py", 0),
     ("tests/kernels/test_kernel_contract.py::test_backend_satisfies_the_kernel_ops_contract[triton_exact]", 1),
     ("tests/engine/test_exactness.py::test_triton_backend_end_to_end", 2),
     ("tests/cli/test_benchmarks.py::test_triton_exact_backend_runs_both_benchmarks", 1),
