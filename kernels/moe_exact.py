@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import checks
 from .cpu_exact import elementwise
 
 OP = "moe_routing"  # the op name the host guard's probes record for the routing's exp
@@ -38,6 +39,7 @@ def rank_experts(scores: Tensor) -> Tensor:
 
     A stable descending sort, which keeps equal scores in index order: comparisons only, so a row's ranking depends
     on nothing but that row."""
+    checks.rows("moe_exact.rank_experts", "scores", scores)
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
 
@@ -69,6 +71,8 @@ class _Exp(torch.autograd.Function):
 def exp(x: Tensor) -> Tensor:
     """fp32 exp of every element of ``x``, each element's bits independent of the tensor's size, the element's
     position and the thread count; differentiable."""
+    if not (isinstance(x, Tensor) and x.dtype in checks.FLOAT_DTYPES):
+        checks.tensors("moe_exact.exp", checks.FLOAT_DTYPES, x=x)
     x = x.float()
     if torch.is_grad_enabled() and x.requires_grad:
         return _Exp.apply(x)
@@ -77,12 +81,17 @@ def exp(x: Tensor) -> Tensor:
 
 def sigmoid(x: Tensor) -> Tensor:
     """fp32 1 / (1 + exp(-x)) elementwise (position-invariant exp, exactly rounded add and divide); differentiable."""
+    if not (isinstance(x, Tensor) and x.dtype in checks.FLOAT_DTYPES):
+        checks.tensors("moe_exact.sigmoid", checks.FLOAT_DTYPES, x=x)
     return torch.reciprocal(exp(-x.float()) + 1.0)
 
 
 def ordered_sum(parts: Tensor) -> Tensor:
     """Sum over the last dim of ``parts`` [..., k], left to right: one exactly rounded add per element and step, so
     an element's sum depends only on its own k values (no reduction kernel whose order could vary)."""
+    if not (isinstance(parts, Tensor) and parts.dim() and parts.shape[-1]):
+        checks.tensors("moe_exact.ordered_sum", checks.FLOAT_DTYPES, parts=parts)
+        checks.last_dim("moe_exact.ordered_sum", "parts", parts)
     total = parts[..., 0]
     for j in range(1, parts.shape[-1]):
         total = total + parts[..., j]
@@ -93,8 +102,33 @@ def routing_weights(log_probs: Tensor, experts: Tensor, normalize: bool) -> Tens
     """fp32 weights [..., k] of the chosen ``experts`` [..., k] (int64, ascending) from the router's fp32 log-softmax
     ``log_probs`` [..., E]: p = exp(log p) of each chosen expert, divided by the sum of the k (in expert-index order)
     when ``normalize`` (``norm_topk_prob``)."""
+    _check_routing(log_probs, experts)
     probs = exp(log_probs.gather(-1, experts))
     return probs / ordered_sum(probs).unsqueeze(-1) if normalize else probs
+
+
+def _check_routing(log_probs: Tensor, experts: Tensor) -> None:
+    """Metadata of ``routing_weights``' operands; and, on CPU tensors, the expert ids in [0, E) (torch's gather names
+    no id). A CUDA tensor's ids go unread (a device sync per MoE layer and step): there an id out of range is the
+    gather's device-side assert."""
+    op = "moe_exact.routing_weights"
+    if not (isinstance(log_probs, Tensor) and isinstance(experts, Tensor) and log_probs.dtype in checks.FLOAT_DTYPES
+            and experts.dtype in checks.INDEX_DTYPES and log_probs.dim() and log_probs.shape[-1]
+            and experts.shape[:-1] == log_probs.shape[:-1] and experts.dim() and experts.shape[-1]
+            and experts.device == log_probs.device):
+        checks.tensors(op, checks.FLOAT_DTYPES, log_probs=log_probs)
+        checks.tensors(op, checks.INDEX_DTYPES, experts=experts)
+        checks.same_device(op, log_probs=log_probs, experts=experts)
+        checks.last_dim(op, "log_probs", log_probs)
+        checks.last_dim(op, "experts", experts)
+        if experts.shape[:-1] != log_probs.shape[:-1]:
+            raise checks.shape_error(op, "log_probs must be [..., E] and experts [..., k]", log_probs=log_probs,
+                                     experts=experts)
+    if experts.numel() and not experts.is_cuda:
+        first, last = (int(bound) for bound in torch.aminmax(experts))
+        if first < 0 or last >= log_probs.shape[-1]:
+            raise ValueError(f"{op}: expert ids must lie in [0, E), E = {log_probs.shape[-1]} (log_probs' last "
+                             f"dimension), got ids in [{first}, {last}]")
 
 
 def combine(weights: Tensor, outputs: Tensor) -> Tensor:
@@ -102,6 +136,14 @@ def combine(weights: Tensor, outputs: Tensor) -> Tensor:
     adds, so a row's result depends only on its own weights and outputs).
 
     ``weights`` [..., k] fp32; ``outputs`` [..., k, D] (each chosen expert's output for the row, slot by slot)."""
+    if not (isinstance(weights, Tensor) and isinstance(outputs, Tensor) and weights.dtype in checks.FLOAT_DTYPES
+            and outputs.dtype in checks.FLOAT_DTYPES and weights.dim() and weights.shape[-1]
+            and outputs.shape[:-1] == weights.shape and weights.device == outputs.device):
+        checks.tensors("moe_exact.combine", checks.FLOAT_DTYPES, weights=weights, outputs=outputs)
+        checks.last_dim("moe_exact.combine", "weights", weights)
+        if outputs.shape[:-1] != weights.shape:
+            raise checks.shape_error("moe_exact.combine", "weights must be [..., k] and outputs [..., k, D]",
+                                     weights=weights, outputs=outputs)
     out = weights[..., 0, None] * outputs[..., 0, :].float()
     for j in range(1, weights.shape[-1]):
         out = out + weights[..., j, None] * outputs[..., j, :].float()

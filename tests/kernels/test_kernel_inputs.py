@@ -1,5 +1,5 @@
 """Bad input to the exact kernels' public ops (``vexact_kernels.cpu_exact``; ``BAD`` also runs on ``triton_exact``
-in ``test_triton_inputs.py``): one TypeError (a dtype) or ValueError (a
+in ``test_triton_inputs.py``, and the MoE routing's ``moe_exact`` here): one TypeError (a dtype) or ValueError (a
 shape, a device, q_start, an id) naming the op and the argument, raised by the shared checks (``checks``) before any
 kernel runs -- never a deep error from inside a GEMM arrangement or a compiled loop, never a result (an integer input
 truncated, an fp64 one computed in fp32, a query before position 0 seeing no key). And what is accepted: a transposed
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vexact_kernels import cpu_exact
+from vexact_kernels import cpu_exact, moe_exact
 
 G = torch.Generator().manual_seed(0)
 
@@ -86,3 +86,85 @@ def assert_one_clear_error(call, ops, error: type[Exception], message: str) -> N
 @pytest.mark.parametrize("call, error, message", BAD)
 def test_bad_input_is_one_clear_error(call, error, message):
     assert_one_clear_error(call, cpu_exact, error, message)
+
+
+LOG_PROBS, EXPERTS = _r(3, 8).log_softmax(-1), torch.tensor([[0, 2], [1, 5], [3, 7]])
+WEIGHTS, OUTPUTS = _r(3, 2), _r(3, 2, 16)
+MOE_BAD = [
+    # (call, exception, what the message names); expert ids out of range on CPU tensors (on CUDA they go unread)
+    (lambda: moe_exact.rank_experts(_r(3, 0)), ValueError, "rank_experts: scores needs a last dimension"),
+    (lambda: moe_exact.rank_experts(torch.tensor([[3, 1]])), TypeError, "rank_experts: scores has dtype int64"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS, torch.tensor([[0, 8], [1, 5], [3, 7]]), True), ValueError,
+     "expert ids must lie in [0, E), E = 8 (log_probs' last dimension), got ids in [0, 8]"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS, torch.tensor([[-1, 2], [1, 5], [3, 7]]), True), ValueError,
+     "got ids in [-1, 7]"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS, EXPERTS.float(), True), TypeError, "experts has dtype float32"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS, EXPERTS[:2], True), ValueError,
+     "log_probs must be [..., E] and experts [..., k] (got log_probs [3, 8], experts [2, 2])"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS, EXPERTS[0], True), ValueError, "experts [2])"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS, EXPERTS[:, :0], True), ValueError, "experts needs a last dimension"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS.double(), EXPERTS, True), TypeError, "log_probs has dtype float64"),
+    (lambda: moe_exact.routing_weights(LOG_PROBS, EXPERTS.to("meta"), True), ValueError,
+     "experts is on meta but log_probs on cpu"),
+    (lambda: moe_exact.combine(_r(3, 1), OUTPUTS), ValueError,
+     "combine: weights must be [..., k] and outputs [..., k, D] (got weights [3, 1], outputs [3, 2, 16])"),
+    (lambda: moe_exact.combine(_r(1, 2), OUTPUTS), ValueError, "(got weights [1, 2]"),
+    (lambda: moe_exact.combine(WEIGHTS, _r(3, 16)), ValueError, "outputs [3, 16])"),
+    (lambda: moe_exact.combine(WEIGHTS[:, :0], OUTPUTS[:, :0]), ValueError, "weights needs a last dimension"),
+    (lambda: moe_exact.combine(WEIGHTS, OUTPUTS.double()), TypeError, "combine: outputs has dtype float64"),
+    (lambda: moe_exact.exp(_r(3).double()), TypeError, "exp: x has dtype float64"),
+    (lambda: moe_exact.exp([1.0]), TypeError, "exp: x must be a torch.Tensor, got list"),
+    (lambda: moe_exact.sigmoid(torch.tensor([1, 2])), TypeError, "sigmoid: x has dtype int64"),
+    (lambda: moe_exact.ordered_sum(_r(3, 0)), ValueError, "ordered_sum: parts needs a last dimension"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", MOE_BAD)
+def test_bad_moe_routing_input_is_one_clear_error(call, error, message):
+    with pytest.raises(error) as raised:
+        call()
+    assert "moe_exact." in str(raised.value) and message in str(raised.value), raised.value
+    assert raised.traceback[-1].path.name in ("checks.py", "moe_exact.py")  # the routing's checks, not torch's ops
+    assert raised.traceback[-1].name.startswith(("_check", "tensors", "last_dim", "same_device", "combine"))
+
+
+def test_the_moe_routing_accepts_what_the_model_passes():
+    """int32 or int64 expert ids, fp32 or bf16 operands: the checks refuse none of them (and change no bit)."""
+    weights = moe_exact.routing_weights(LOG_PROBS, EXPERTS, True)
+    assert torch.equal(moe_exact.routing_weights(LOG_PROBS, EXPERTS.int(), True), weights)
+    assert moe_exact.combine(weights, OUTPUTS.bfloat16()).dtype == torch.float32
+    assert moe_exact.rank_experts(LOG_PROBS.bfloat16()).shape == (3, 8)
+
+
+def test_strided_operands_give_the_contiguous_operands_bits():
+    """Transposed, sliced and permuted views: the same bits as their contiguous copies."""
+    xt, wt = _r(16, 5).t(), _r(16, 32).t()
+    bias = _r(64)[::2]
+    assert torch.equal(cpu_exact.linear(xt, wt, bias), cpu_exact.linear(xt.contiguous(), wt.contiguous(),
+                                                                         bias.contiguous()))
+    xs = _r(3, 32)[:, ::2]
+    weight = _r(16)
+    assert torch.equal(cpu_exact.rms_norm(xs, weight, 1e-6), cpu_exact.rms_norm(xs.contiguous(), weight, 1e-6))
+    gate, up = _r(16, 3).t(), _r(16, 3).t()
+    for dtype in (torch.float32, torch.bfloat16):
+        g, u = gate.to(dtype), up.to(dtype)
+        assert torch.equal(cpu_exact.silu_mul(g, u), cpu_exact.silu_mul(g.contiguous(), u.contiguous()))
+    logits = _r(11, 4).t()
+    assert torch.equal(cpu_exact.log_softmax(logits), cpu_exact.log_softmax(logits.contiguous()))
+    assert torch.equal(cpu_exact.token_logprobs(logits, TARGETS), cpu_exact.token_logprobs(logits.contiguous(),
+                                                                                            TARGETS))
+    assert torch.equal(cpu_exact.entropy(logits), cpu_exact.entropy(logits.contiguous()))
+    q, k, v = _r(2, 4, 3, 8).transpose(1, 2), _r(2, 2, 5, 8).transpose(1, 2), _r(2, 2, 5, 8).transpose(1, 2)
+    assert torch.equal(cpu_exact.attention(q, k, v, START, 0.3),
+                       cpu_exact.attention(q.contiguous(), k.contiguous(), v.contiguous(), START, 0.3))
+    assert torch.equal(cpu_exact.rope(q, COS, SIN), cpu_exact.rope(q.contiguous(), COS, SIN))
+
+
+def test_an_empty_batch_of_rows_is_an_empty_result():
+    assert cpu_exact.linear(_r(0, 16), W).shape == (0, 32)
+    assert cpu_exact.rms_norm(_r(0, 16), _r(16), 1e-6).shape == (0, 16)
+    assert cpu_exact.silu_mul(_r(0, 16), _r(0, 16)).shape == (0, 16)
+    assert cpu_exact.log_softmax(_r(0, 11)).shape == (0, 11)
+    assert cpu_exact.token_logprobs(_r(0, 11), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    assert cpu_exact.entropy(_r(0, 11)).shape == (0,)
+    assert cpu_exact.attention(Q[:, :0], K, V, START, 0.3).shape == (2, 0, 4, 8)
