@@ -536,3 +536,22 @@ def test_an_output_dir_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_
     empty.mkdir()
     line = _cli_error(capsys, monkeypatch, "run", str(config), "--set", f"output_dir={empty}", "--resume")
     assert "there is no run there" in line and list(empty.iterdir()) == []  # a refusal leaves no .lock behind
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_ctrl_c_in_the_first_step_says_nothing_is_left_to_resume_and_a_resume_says_why(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the first step of a new run removes its directory. The CLI said "finished steps are in
+    metrics.jsonl; continue with --resume", then "removed DIR", then printed a summary table titled with the removed
+    DIR/summary.json; the --resume it advised then failed with "config error: config file not found: 'DIR'"."""
+    config = _write_config(tmp_path, "first", "warm_start.steps=0")
+    interrupt_trainer_at(monkeypatch, 0)
+    monkeypatch.setenv("COLUMNS", "10000")
+    capsys.readouterr()
+    assert main(["run", str(config)]) == 130
+    out = capsys.readouterr().out
+    assert not (tmp_path / "first").exists()
+    assert "--resume" not in out and "summary.json" not in out, out
+    assert f"nothing to resume; to start it: vexact run {config}" in out, out
+    line = _cli_error(capsys, monkeypatch, "run", str(tmp_path / "first"), "--resume")
+    assert line == (f"error: cannot resume {tmp_path / 'first'}: no such run directory (a run interrupted before its "
+                    "first step finished leaves none: start it again from its experiment YAML)")

@@ -28,8 +28,8 @@ from .data_parallel import DataParallel, check_leaves, launch
 from .tasks import check_memory
 from .trainer import Trainer, foreign_entries, holds_results, holds_run, run_dir_for
 
-__all__ = ["check_run_dir", "command_line", "free_run_name", "launch_ranks", "print_run_summary", "run_command",
-           "run_config"]
+__all__ = ["check_run_dir", "command_line", "free_run_name", "launch_ranks", "print_nothing_to_resume",
+           "print_run_summary", "run_command", "run_config"]
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -59,12 +59,21 @@ def run_command(args: argparse.Namespace) -> int:
             console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}"
                           + (f" on {ranks.world_size} ranks" if ranks.world_size > 1 else ""))
         summary = Trainer(cfg, console, ranks).run(resume=args.resume, allow_changes=tuple(args.allow_changes))
+    except KeyboardInterrupt:  # in the warm start (or a resume's restore)
+        ranks.close(wait=False)
+        if not ranks.is_main or holds_run(run_dir_for(cfg)):
+            raise
+        print_nothing_to_resume(args, console)
+        return EXIT_INTERRUPTED
     except BaseException:
         ranks.close(wait=False)
         raise
     ranks.close(wait=summary["status"] != "interrupted")
     if ranks.is_main:
-        print_run_summary(cfg, summary, console)
+        if summary["status"] == "interrupted" and not holds_run(run_dir_for(cfg)):
+            print_nothing_to_resume(args, console)  # its summary.json went with the directory: no table of it
+        else:
+            print_run_summary(cfg, summary, console)
     code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
     if ranks.world_size > 1:
         # A rank's work is written and fsynced by now. Interpreter finalization can still abort it (SIGABRT,
@@ -79,6 +88,9 @@ def run_command(args: argparse.Namespace) -> int:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The RunConfig of ``vexact run``: from CONFIG.yaml and --set, or, given a run directory with --resume, from the
     config.yaml the run saved (the --set given now apply on top: with --allow-change, e.g. more steps)."""
+    if args.resume and not args.config.exists():
+        raise ValueError(f"cannot resume {args.config}: no such run directory (a run interrupted before its first "
+                         "step finished leaves none: start it again from its experiment YAML)")
     if not args.config.is_dir():
         return load_config(args.config, args.overrides)
     run_dir = args.config
@@ -155,8 +167,7 @@ def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> 
         launch(args.nproc, rank_args, threads=cfg.threads)
     except (KeyboardInterrupt, SignalException):  # the ranks got the signal too; rank 0 recorded what finished
         if not holds_run(run_dir_for(cfg)):  # stopped in the warm start: rank 0 removed the directory it had begun
-            console.print(f"[yellow]interrupted[/] before the run began: nothing to resume; to start it: "
-                          f"{escape(command_line(args, resume=False))}", soft_wrap=True)
+            print_nothing_to_resume(args, console)
             return EXIT_INTERRUPTED
         console.print("[yellow]interrupted[/]: the ranks stopped; finished steps are in metrics.jsonl; continue "
                       "with --resume")
@@ -178,6 +189,12 @@ def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> 
         console.print(f"[red]rank {rank} failed[/] (exit code {failure.exitcode}); its error is printed above")
         return EXIT_FAILED
     return EXIT_OK
+
+
+def print_nothing_to_resume(args: argparse.Namespace, console: Console) -> None:
+    """After an interrupt before any step finished (the run's new directory was removed): how to start it again."""
+    console.print(f"[yellow]interrupted[/] before the run began: nothing to resume; to start it: "
+                  f"{escape(command_line(args, resume=False))}", soft_wrap=True)
 
 
 def print_run_summary(cfg: RunConfig, summary: dict, console: Console) -> None:

@@ -451,11 +451,17 @@ class Trainer:
         returns rank 0's summary."""
         try:
             if not self.ranks.is_main:
-                return self._run(resume, tuple(allow_changes))
-            with discard_if_interrupted_early(self.run_dir, log=self._log), run_lock(self.run_dir):
-                return self._run(resume, tuple(allow_changes))
+                summary = self._run(resume, tuple(allow_changes))
+            else:
+                with discard_if_interrupted_early(self.run_dir, log=self._log), run_lock(self.run_dir):
+                    summary = self._run(resume, tuple(allow_changes))
         finally:
             self.close()
+        # said only now: an interrupt before any step finished removed the directory (and said so), and then
+        # there is nothing to resume
+        if summary["status"] == "interrupted" and holds_run(self.run_dir):
+            self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
+        return summary
 
     def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
         """The run in three stages: prepare (resume or warm start, calibration), the step loop, and the end (the
@@ -561,7 +567,6 @@ class Trainer:
         except KeyboardInterrupt:
             summary["status"] = "interrupted"
             summary["reason"] = f"interrupted during step {step}; resume with --resume"
-            self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
         finally:
             writer.close()
         return summary, step, started, last
