@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from test_trainer import EXPERIMENT, _short
 from tools.studies.same_runs import same_run
 from vexact.cli import EXIT_ENVIRONMENT, main
 from vexact.records import runlog
+from vexact.records.atomic import WriteFailed
 from vexact.records.runlog import (
     RunLocked,
     checkpoint_dirs,
@@ -555,3 +557,27 @@ def test_ctrl_c_in_the_first_step_says_nothing_is_left_to_resume_and_a_resume_sa
     line = _cli_error(capsys, monkeypatch, "run", str(tmp_path / "first"), "--resume")
     assert line == (f"error: cannot resume {tmp_path / 'first'}: no such run directory (a run interrupted before its "
                     "first step finished leaves none: start it again from its experiment YAML)")
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_a_run_directory_removed_during_the_run_is_one_error_and_not_made_again(tmp_path, capsys, monkeypatch):
+    """rm -rf of a running run's directory: the run went on appending to its deleted metrics.jsonl, made the
+    directory again for its checkpoints, and ended "completed" (exit 0) with a summary of 0 steps beside
+    checkpoints and no log or config."""
+    config = _write_config(tmp_path, "gone", "warm_start.steps=0", "steps=4", "logging.checkpoint_every=3")
+    real_step = Trainer.step
+
+    def step(self, number):
+        if number == 2:
+            shutil.rmtree(tmp_path / "gone")
+        return real_step(self, number)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    line = _cli_error(capsys, monkeypatch, "run", str(config))
+    assert line == (f"error: cannot write {tmp_path / 'gone' / 'metrics.jsonl'}: it was deleted while the run wrote "
+                    "it; the run directory was removed or its log deleted; the run cannot keep its results")
+    assert not (tmp_path / "gone").exists()
+    # removed between the step's log line and its checkpoint: the checkpoint does not make the directory again
+    with pytest.raises(WriteFailed, match=r"checkpoints: No such file or directory"):
+        runlog.save_checkpoint(tmp_path / "gone", torch.nn.Linear(2, 2), None, {"next_step": 3})
+    assert not (tmp_path / "gone").exists()

@@ -8,6 +8,7 @@ file, fsync, rename, fsync of the directory); a checkpoint is a directory publis
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import io
@@ -218,8 +219,12 @@ class MetricsWriter:
             while line:
                 line = line[os.write(self._fd, line):]
             os.fsync(self._fd)
+            deleted = os.fstat(self._fd).st_nlink == 0
         except OSError as e:
             raise WriteFailed(self.path, e) from None
+        if deleted:  # the lines would go on into a file no one can read, and the run would end "completed"
+            raise WriteFailed(self.path, FileNotFoundError(errno.ENOENT, "it was deleted while the run wrote it"),
+                              "the run directory was removed or its log deleted; the run cannot keep its results")
         if self._backends:  # after the fsync: the record is safe before any live view sees the step
             values = scalars(metrics)
             for backend in self._backends:
@@ -294,7 +299,7 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.opti
     removed: the previous checkpoints stay as they were, and nothing partial is left."""
     root = Path(run_dir) / CHECKPOINTS
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(exist_ok=True)  # not parents: a run directory removed during the run is an error, not re-made
     except OSError as e:
         raise WriteFailed(root, e) from None
     name = f"step-{int(state['next_step']):08d}"
