@@ -39,6 +39,7 @@ from vexact.records.runlog import (
     run_lock,
 )
 from vexact.rl.config import load_config
+from vexact.rl.objective import RunStopped
 from vexact.rl.trainer import Trainer
 
 BOUNDARIES = ("checkpoint.safetensors", "optimizer.pt", "trainer_state.json", "manifest.json", "publish")
@@ -581,3 +582,27 @@ def test_a_run_directory_removed_during_the_run_is_one_error_and_not_made_again(
     with pytest.raises(WriteFailed, match=r"checkpoints: No such file or directory"):
         runlog.save_checkpoint(tmp_path / "gone", torch.nn.Linear(2, 2), None, {"next_step": 3})
     assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_is_a_no_op(tmp_path, monkeypatch):
+    """A run that stopped itself (non-finite log-probs, say) before its first checkpoint was, on --resume, run
+    again from scratch ("no checkpoint ...; starting from scratch"), its log rewritten, instead of being left as the
+    finished run it is."""
+    real_step = Trainer.step
+
+    def step(self, number):
+        if number == 1:
+            raise RunStopped("non-finite rollout log-probs (logits) at step 1")
+        return real_step(self, number)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    cfg = _tiny(tmp_path, "stopped", "logging.checkpoint_every=100")
+    assert _run(cfg)["status"] == "stopped" and not checkpoint_dirs(tmp_path / "stopped")
+    log = (tmp_path / "stopped" / "metrics.jsonl").read_bytes()
+    monkeypatch.setattr(Trainer, "step", lambda self, number: pytest.fail("a finished run was run again"))
+    console = Console(record=True, width=400)
+    summary = _run(cfg, resume=True, console=console)
+    assert summary["status"] == "stopped" and (tmp_path / "stopped" / "metrics.jsonl").read_bytes() == log
+    assert (f"{tmp_path / 'stopped'} already finished (stopped after 1 steps: non-finite rollout log-probs (logits) "
+            "at step 1); nothing to do") in console.export_text()

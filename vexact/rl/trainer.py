@@ -484,10 +484,13 @@ class Trainer:
             changes = self._resume_changes(allow_changes)
             state = load_checkpoint(run_dir, self.master, self.optimizer, log=self._log)
             finished = _read_summary(run_dir)
-            if state is not None and finished is not None and not _extends(finished, state, cfg):
+            # a run that stopped itself is finished even without a checkpoint (it stopped before the first one)
+            if finished is not None and (_ended_itself(finished) or state is not None
+                                         and not _extends(finished, state, cfg)):
                 why = f": {finished['reason']}" if finished.get("reason") else ""
-                self._log(f"{run_dir} already finished ({finished['status']} after {state['next_step']} steps{why}); "
-                          "nothing to do. To extend a completed run: --set steps=N --allow-change steps")
+                steps = finished.get("steps_completed", "?")
+                self._log(f"{run_dir} already finished ({finished['status']} after {steps} steps{why}); nothing to do. "
+                          "To extend a completed run: --set steps=N --allow-change steps")
                 return finished
             if state is None:
                 self._log(f"[yellow]no checkpoint in {run_dir}; starting from scratch[/]")
@@ -716,10 +719,14 @@ def _read_summary(run_dir: Path) -> dict | None:
     return summary if isinstance(summary, dict) and summary.get("status") in FINISHED_STATUSES else None
 
 
+def _ended_itself(finished: dict) -> bool:
+    """Whether a finished run ended before its last step on its own account (stopped, or a collapse stop)."""
+    return finished["status"] == "stopped" or "stop_on_collapse" in (finished.get("reason") or "")
+
+
 def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:
     """Whether resuming a finished run continues it: it completed all its steps and ``steps`` has grown since."""
-    ended_itself = finished["status"] == "stopped" or "stop_on_collapse" in (finished.get("reason") or "")
-    return not ended_itself and state["next_step"] < cfg.steps
+    return not _ended_itself(finished) and state["next_step"] < cfg.steps
 
 
 def _record_changes(run_dir: Path, step: int, changes: dict) -> None:
