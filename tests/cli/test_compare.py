@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -651,3 +652,17 @@ def test_a_hostile_torch_file_gets_the_error_line_and_nothing_before_it(tmp_path
 class _Hostile:
     def __reduce__(self):
         return (os.system, ("echo owned",))
+
+
+def test_a_binary_file_of_another_format_says_how_the_format_is_chosen(tmp_path, capsys):
+    """An .npz dump (a format compare does not read) was answered "not valid JSON (not UTF-8 text)" alone, as if
+    the user had meant JSON Lines; a binary .jsonl keeps the short message."""
+    npz = tmp_path / "dump.npz"
+    numpy.savez(npz, rollout_log_probs=numpy.zeros((2, 3)))
+    code, out, err = _run(capsys, npz)
+    assert code == 2 and out == ""
+    assert err == (f"error: {npz}:1: not valid JSON (not UTF-8 text); the format follows the file name: .safetensors, "
+                   ".pt, .pth, .bin are tensor files, any other name is read as JSON Lines\n")
+    jsonl = tmp_path / "dump.jsonl"
+    jsonl.write_bytes(npz.read_bytes())
+    assert _run(capsys, jsonl)[2] == f"error: {jsonl}:1: not valid JSON (not UTF-8 text)\n"

@@ -302,7 +302,7 @@ def _jsonl_records(path: Path, keys: tuple[str, ...], s: CompareSettings) -> Ite
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
             except UnicodeDecodeError:
-                raise ValueError(f"{path}:{number}: not valid JSON (not UTF-8 text)") from None
+                raise ValueError(f"{path}:{number}: not valid JSON (not UTF-8 text){_format_hint(path)}") from None
             except (ValueError, RecursionError) as err:  # e.g. an integer literal of more than 4300 digits
                 raise ValueError(f"{path}:{number}: not valid JSON ({str(err)[:80]})") from None
             yield _jsonl_record(path, number, row, keys, s)
@@ -343,6 +343,14 @@ def _check_lengths(record: Record, keys: tuple[str, ...], tokens_key: str) -> No
     if len(set(lengths.values())) > 1:
         listed = ", ".join(f"{key!r} has {n}" for key, n in lengths.items())
         raise ValueError(f"{record.where}: lengths differ within the sequence: {listed}")
+
+
+def _format_hint(path: Path) -> str:
+    """For a binary file read as JSON Lines because of its name (an .npz, a .pt renamed): how the format is chosen."""
+    if path.suffix in (".jsonl", ".json"):
+        return ""
+    return (f"; the format follows the file name: {', '.join(('.safetensors', *TORCH_SUFFIXES))} are tensor files, "
+            "any other name is read as JSON Lines")
 
 
 # --------------------------------------------------------------------------- tensor files
