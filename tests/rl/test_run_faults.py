@@ -606,3 +606,25 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_is_a_no_op(tmp
     assert summary["status"] == "stopped" and (tmp_path / "stopped" / "metrics.jsonl").read_bytes() == log
     assert (f"{tmp_path / 'stopped'} already finished (stopped after 1 steps: non-finite rollout log-probs (logits) "
             "at step 1); nothing to do") in console.export_text()
+
+
+def test_a_kill_after_the_final_checkpoint_resumes_to_the_uninterrupted_runs_summary(tmp_path, reference, monkeypatch):
+    """Killed after the last step's checkpoint but before summary.json: the resume runs no step, and its summary
+    had "last_step_metrics": {} where the uninterrupted run's holds the last step's metrics."""
+    def killed(self, *args):
+        raise Killed
+
+    monkeypatch.setattr(Trainer, "_finish", killed)
+    cfg = _cfg(tmp_path, reference, "late")
+    with pytest.raises(Killed):
+        _run(cfg)
+    monkeypatch.undo()
+    assert not (tmp_path / "late" / "summary.json").exists() and latest_checkpoint(tmp_path / "late").name == (
+        "step-00000006")
+    _run(cfg, resume=True)
+    _same_run(reference, tmp_path / "late")
+
+    def summary(run: Path) -> dict:
+        return {k: v for k, v in json.loads((run / "summary.json").read_text()).items() if "seconds" not in k}
+
+    assert summary(tmp_path / "late") == summary(reference)

@@ -587,6 +587,8 @@ class Trainer:
         """Complete the summary from metrics.jsonl and write summary.json (rank 0)."""
         cfg, run_dir = self.cfg, self.run_dir
         history = read_metrics(run_dir / METRICS_FILE)
+        if not last and history:  # no step ran in this session (resumed at its final checkpoint): the log's last
+            last = history[-1]    # step, so that the summary is the uninterrupted run's
         summary.update(_summarize(history))
         summary["collapse"] = detect_collapse(history, cfg.collapse,
                                               stopped_reason=summary["reason"] if summary["status"] == "stopped"
