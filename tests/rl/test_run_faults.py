@@ -628,3 +628,31 @@ def test_a_kill_after_the_final_checkpoint_resumes_to_the_uninterrupted_runs_sum
         return {k: v for k, v in json.loads((run / "summary.json").read_text()).items() if "seconds" not in k}
 
     assert summary(tmp_path / "late") == summary(reference)
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_a_kill_after_a_collapse_stops_checkpoint_resumes_to_the_same_stop(tmp_path, monkeypatch):
+    """collapse.stop_on_collapse: killed after the stop's checkpoint but before summary.json, the resume went on
+    training past the collapse (to the next evaluation, where it stopped again): more metric lines and another
+    stopping step than the uninterrupted run's."""
+    def detect(history, criteria, **kwargs):  # a collapse confirmed from step 2 on (stands for a real one)
+        return {"collapsed": history[-1]["step"] >= 2}
+
+    monkeypatch.setattr("vexact.rl.trainer.detect_collapse", detect)
+    common = ("collapse.stop_on_collapse=true", "logging.eval_every=1", "steps=6", "logging.checkpoint_every=4")
+    reference = _run(_tiny(tmp_path, "whole", *common))
+    assert reference["reason"].startswith("collapse confirmed at step 2")
+    real_finish = Trainer._finish
+
+    def killed(self, *args):
+        raise Killed
+
+    monkeypatch.setattr(Trainer, "_finish", killed)
+    cfg = _tiny(tmp_path, "cut", *common)
+    with pytest.raises(Killed):
+        _run(cfg)
+    monkeypatch.setattr(Trainer, "_finish", real_finish)
+    assert latest_checkpoint(tmp_path / "cut").name == "step-00000003"
+    resumed = _run(cfg, resume=True)
+    assert (resumed["reason"], resumed["steps_completed"]) == (reference["reason"], reference["steps_completed"])
+    _same_run(tmp_path / "whole", tmp_path / "cut")

@@ -538,6 +538,9 @@ class Trainer:
         step = start_step
         try:
             with _progress(self.console, cfg, start_step) as progress:
+                if self._stopped_on_collapse_at(start_step - 1):  # before its summary.json was written
+                    step = start_step - 1
+                    raise CollapseConfirmed(step)
                 for step in range(start_step, cfg.steps):
                     metrics = self.step(step)
                     if step % cfg.logging.eval_every == 0 or step == cfg.steps - 1:
@@ -551,12 +554,9 @@ class Trainer:
                     writer.write(metrics)
                     last = metrics
                     progress(step, metrics)
-                    if cfg.collapse.stop_on_collapse and EVAL_REWARD_MEAN in metrics:
-                        collapsed = self.ranks.is_main and detect_collapse(read_metrics(run_dir / METRICS_FILE),
-                                                                           cfg.collapse)["collapsed"]
-                        if self.ranks.broadcast(collapsed):
-                            self._save_checkpoint(step)
-                            raise CollapseConfirmed(step)
+                    if cfg.collapse.stop_on_collapse and EVAL_REWARD_MEAN in metrics and self._collapse_confirmed():
+                        self._save_checkpoint(step)
+                        raise CollapseConfirmed(step)
                     if (step + 1) % cfg.logging.checkpoint_every == 0 or step == cfg.steps - 1:
                         self._save_checkpoint(step)
             summary["status"] = "completed"
@@ -573,6 +573,22 @@ class Trainer:
         finally:
             writer.close()
         return summary, step, started, last
+
+    def _collapse_confirmed(self) -> bool:
+        """Whether the log so far confirms a collapse (rank 0 reads it; every rank gets the answer)."""
+        collapsed = self.ranks.is_main and detect_collapse(read_metrics(self.run_dir / METRICS_FILE),
+                                                           self.cfg.collapse)["collapsed"]
+        return self.ranks.broadcast(collapsed)
+
+    def _stopped_on_collapse_at(self, step: int) -> bool:
+        """Resuming at ``step + 1``: whether the run stopped on a collapse at ``step`` -- the check the loop made
+        there, made again on the same log (a kill after the stop's checkpoint and before its summary would else
+        train on past the collapse)."""
+        if step < 0 or not self.cfg.collapse.stop_on_collapse:
+            return False
+        rows = read_metrics(self.run_dir / METRICS_FILE) if self.ranks.is_main else []
+        evaluated = bool(rows) and EVAL_REWARD_MEAN in rows[-1]  # the loop checks at evaluated steps only
+        return self.ranks.broadcast(evaluated) and self._collapse_confirmed()
 
     def _end(self, summary: dict, step: int, started: float, last: dict) -> dict:
         """Rank 0 completes and writes the summary (``_finish``) and every rank returns it. After Ctrl-C the ranks
