@@ -362,3 +362,21 @@ def test_a_second_sweep_of_one_directory_is_refused_and_lock_failures_do_not_sta
          "error": "RunLocked: ... is in use by another vexact process (pid 1)"}]}))
     points = read_sweep_results(spec.output_dir).points
     assert [(p.status, p.error) for p in points] == [("pending", None), ("completed", None)]
+
+
+def test_a_sweep_directory_removed_during_the_sweep_stops_it_with_one_line(tmp_path, capsys, monkeypatch):
+    """rm -rf of a running sweep's directory: the sweep went on, made the directory again point by point, and wrote
+    a sweep.json listing as completed the points whose results had gone with it (exit 1, for the one point that
+    failed as its log was deleted under it)."""
+    path = _sweep_file(tmp_path, "gone", {"seed": [0, 1, 2]})
+
+    def run_then_remove(config, resume, threads):
+        result = _REAL_RUN_POINT(config, resume, threads)
+        subprocess.run(["rm", "-rf", str(tmp_path / "gone")], check=True)
+        return result
+
+    monkeypatch.setattr(sweep_module, "_run_point", run_then_remove)
+    line = _cli_error(capsys, monkeypatch, "sweep", str(path), "--no-report")
+    assert line == (f"error: sweep gone: {tmp_path / 'gone'} was removed during the sweep, and the results in it with "
+                    "it; re-running the sweep runs its points again")
+    assert not (tmp_path / "gone").exists()  # not made again

@@ -593,6 +593,15 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
             raise
         raise ValueError(f"sweep {spec.name}: cannot write {spec.output_dir / 'sweep.json'}: "
                          f"{e.strerror or e}") from None
+    here = _identity(spec.output_dir)
+
+    def still_there() -> None:
+        """The sweep directory removed (or replaced) during the sweep: stop, rather than make it again point by
+        point with a sweep.json that lists results which went with it."""
+        if _identity(spec.output_dir) != here:
+            raise ValueError(f"sweep {spec.name}: {spec.output_dir} was removed during the sweep, and the results "
+                             "in it with it; re-running the sweep runs its points again")
+
     extend = [p for p in selected if statuses[p.name] == "completed" and _extendable(p)]
     todo = [p for p in selected if statuses[p.name] not in FINISHED or p in extend]
     done_before = len(selected) - len(todo)
@@ -608,6 +617,7 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
     progress = Progress(console, f"sweep {spec.name}", len(selected), done=done_before, quiet=quiet)
 
     def finish(point: SweepPoint, result: dict) -> None:
+        still_there()
         statuses[point.name] = result["status"]
         errors[point.name] = result["error"]
         if result["error"] and not result.get("locked"):  # a locked directory belongs to another process
@@ -635,6 +645,7 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
                                     on_running=lambda names: progress.running(", ".join(names)))
         elif jobs <= 1:
             for point in todo:
+                still_there()
                 progress.running(point.name)
                 resume = point.run_dir.exists()
                 result = _check_lock(point) or _run_point(point.config.to_dict(), resume, None)
@@ -644,6 +655,15 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
         else:
             _run_parallel(todo, jobs, threads, finish, progress)
     return statuses
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """``directory``'s (device, inode); None when it is gone."""
+    try:
+        info = os.stat(directory)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def point_config(point: SweepPoint, slot: int, device_count: int | None = None) -> dict:
