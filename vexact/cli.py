@@ -19,6 +19,7 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
 )
 from .cli_base import non_negative_int as _non_negative_int
 from .cli_base import positive_int as _positive_int
+from .sweeps import EXECUTORS
 
 FAILED_MEANS = {
     "check": "a bitwise mismatch on an exact backend",
@@ -316,7 +317,7 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "--only, the named points that also match it): a round that is no cross product of values")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
     _add_device(p, "each point's device key; with cuda and --jobs N on several GPUs each worker its own GPU")
-    p.add_argument("--executor", choices=("local", "ray"), default="local",
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
                    help="local: this machine's processes (default); ray: one Ray task per point, CPUs per task = "
                         "the config's threads (default 1); needs pip install 'vexact[ray]'")
     p.add_argument("--address", default=None, metavar="ADDR",

@@ -280,6 +280,19 @@ def test_sweep_help_names_no_resume_flag_it_does_not_have(capsys):
     assert "--set KEY=VALUE" in capsys.readouterr().out
 
 
+def test_the_cli_offers_the_executors_run_sweep_takes(tmp_path):
+    """``--executor``'s choices and run_sweep's check read one tuple (an executor added to it is offered and run)."""
+    from vexact.cli import build_parser
+    from vexact.sweeps import EXECUTORS
+
+    sweep = build_parser()._subparsers._group_actions[0].choices["sweep"]
+    (flag,) = [action for action in sweep._actions if "--executor" in action.option_strings]
+    assert flag.choices is EXECUTORS and flag.default in EXECUTORS
+    spec = load_sweep_spec(_fast_sweep_file(tmp_path, "e", {"seed": [0]}))
+    with pytest.raises(ValueError, match=r"^unknown executor 'slurm'; expected local or ray$"):
+        run_sweep(spec, executor="slurm")
+
+
 def test_a_sweep_file_names_the_knob_inject_value_without_the_run_configs_warning(tmp_path):
     """In a sweep file ``inject.value`` names the mode's knob and its points' folders (so sweeps written before the
     per-mode names resume): the demo's sweep loads without a FutureWarning, its points keep their names and values,

@@ -2,3 +2,8 @@
 ``ray_executor``), ``sweep_data`` (reading a sweep's results), the analyses over them (``dose_response``,
 ``dynamics``, ``failure``), the gradient-bias meter (``bias_meter``: a grid of cells measured without training)
 and the table formats they print (``text_table``, ``markdown_table``). Imports ``vexact.rl`` and below."""
+
+EXECUTORS = ("local", "ray")
+"""Where a sweep's points run (``vexact sweep --executor``, ``run_sweep(executor=...)``): this machine's processes,
+or one Ray task per point (``ray_executor``). Here, not in ``sweep``, so that the CLI's parser reads it without
+importing torch."""

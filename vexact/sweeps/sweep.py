@@ -89,6 +89,7 @@ from ..rl.config import (
 from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
 from ..rl.validate import build, parse_yaml, plain
+from . import EXECUTORS
 
 FINISHED = FINISHED_STATUSES  # stopped = the run ended itself (NaN, exactness) -- an outcome
 
@@ -567,8 +568,8 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
     the cluster at ``address``, or on a private loopback-only instance; ``vexact/sweeps/ray_executor.py``).
     Progress goes to ``console`` (``vexact.progress``: a bar on a terminal, a ``[k/N]`` line per point otherwise);
     ``quiet``: only failed points are printed. The sweep directory is locked for the call (``sweep_lock``)."""
-    if executor not in ("local", "ray"):
-        raise ValueError(f"unknown executor {executor!r}; expected local or ray")
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; expected {' or '.join(EXECUTORS)}")
     if address and executor != "ray":
         raise ValueError("--address is the Ray cluster to use: it needs --executor ray")
     if jobs > 1 and executor == "ray":  # Ray runs as many points at once as its nodes' CPUs hold
