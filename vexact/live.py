@@ -125,7 +125,7 @@ from .records import METRICS_FILE
 from .records.atomic import write_text_atomic
 from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError, LoggingSection
-from .rl.log_backends import LOG_BACKENDS, live_views, missing_package
+from .rl.log_backends import LOG_BACKENDS, WANDB_MODES, WandbMode, live_views, missing_package
 from .rl.metrics import lag_split_metrics
 from .rl.monitor import check_sampling, sample_rows
 
@@ -204,7 +204,7 @@ class LiveMonitor:
     def __init__(self, out_dir: str | Path, gates: Gates | None = None, backends: Sequence[str] = ("jsonl",),
                  on_gate_failure: OnGateFailure = "record", resume: bool = False,
                  scaling_map: dict[str, Any] | str | Path | None = None, name: str | None = None,
-                 wandb_project: str = "vexact", wandb_mode: Literal["offline", "online"] = "offline",
+                 wandb_project: str = "vexact", wandb_mode: WandbMode = "offline",
                  correction: Any = None, source: str | None = None, vocab: int | None = None,
                  policy_lag: int = 0, sample_fraction: float = 1.0, every: int = 1, seed: int = 0):
         self.out_dir = Path(out_dir)
@@ -403,8 +403,8 @@ def _log_config(out_dir: Path, backends: list[str], name: str | None, wandb_proj
         problem = missing_package(backend)
         if problem:
             raise ValueError(f"vexact.live: {problem}")
-    if wandb_mode not in ("offline", "online"):
-        raise ValueError(f"wandb_mode must be 'offline' or 'online', got {wandb_mode!r}")
+    if wandb_mode not in WANDB_MODES:
+        raise ValueError(f"wandb_mode must be {' or '.join(map(repr, WANDB_MODES))}, got {wandb_mode!r}")
     settings = {"live": {"gates": asdict(gates), "on_gate_failure": on_gate_failure}}
     return _LogConfig(name or out_dir.resolve().name, LoggingSection(backends=backends, wandb_project=wandb_project,
                                                                      wandb_mode=wandb_mode), settings)

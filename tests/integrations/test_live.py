@@ -253,6 +253,7 @@ def test_steps_must_increase_and_restarts_need_resume(tmp_path):
     ({"backends": ("jsonl", "csv")}, "unknown backend 'csv'"),
     ({"backends": ("tensorboard", "tensorboard")}, "lists a name twice"),
     ({"on_gate_failure": "stop"}, "on_gate_failure must be one of"),
+    ({"wandb_mode": "cloud"}, r"^wandb_mode must be 'offline' or 'online', got 'cloud'$"),
     ({"gates": Gates}, "gates must be a vexact.live.Gates"),
     # one name as a string was read letter by letter: "unknown backend 't'"
     ({"backends": "tensorboard"}, r"^backends must be a sequence of names, e.g. \('jsonl', 'tensorboard'\), got the "
@@ -261,6 +262,16 @@ def test_steps_must_increase_and_restarts_need_resume(tmp_path):
 def test_bad_settings(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LiveMonitor(tmp_path, **kwargs)
+
+
+def test_the_monitor_takes_the_wandb_modes_a_run_config_takes():
+    """LiveMonitor's wandb_mode and a run's logging.wandb_mode are one Literal: a mode added is taken by both."""
+    import typing
+
+    from vexact.rl.log_backends import WANDB_MODES, WandbSettings
+
+    monitor = typing.get_args(typing.get_type_hints(LiveMonitor.__init__)["wandb_mode"])
+    assert monitor == WANDB_MODES == typing.get_args(typing.get_type_hints(WandbSettings)["wandb_mode"])
 
 
 @pytest.mark.parametrize("kwargs, message", [

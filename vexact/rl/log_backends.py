@@ -33,7 +33,7 @@ import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from ..records.metrics_log import scalars
 from ..records.runlog import LiveViews, LogBackend
@@ -140,12 +140,17 @@ class TensorBoard(LogBackendKind):
         return TensorBoardBackend(run_dir / TENSORBOARD_DIR)
 
 
+WandbMode = Literal["offline", "online"]
+WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
+"""The ``wandb`` backend's modes (``logging.wandb_mode``, ``LiveMonitor(wandb_mode=...)``)."""
+
+
 @dataclass
 class WandbSettings:
     """The ``wandb`` backend's settings (``logging`` section)."""
 
     wandb_project: str = "vexact"  # W&B project of the wandb backend
-    wandb_mode: Literal["offline", "online"] = "offline"  # offline: no network or account; `wandb sync` later
+    wandb_mode: WandbMode = "offline"  # offline: no network or account; `wandb sync` later
 
 
 class Wandb(LogBackendKind):
