@@ -14,6 +14,9 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    add_prompt_length_flags,
+    add_prompts_flag,
+    add_threads_flag,
     check_outputs,
     make_console,
 )
@@ -404,8 +407,7 @@ def _measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="checkpoint directory (config.json + "
                    "safetensors); python -m vexact.real.measure --make-tiny-checkpoint DIR writes a tiny one")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
-                        "has a tokenizer, else whitespace-separated token ids")
+    add_prompts_flag(source)
     source.add_argument("--random-prompts", type=_positive_int, metavar="N", help="N random token-id prompts "
                         "(the flag vexact locate uses too, where --random is a random model)")
     source.add_argument("--random", type=_positive_int, metavar="N", dest="random_prompts", action=_DeprecatedFlag,
@@ -417,12 +419,11 @@ def _measure_arguments(p: argparse.ArgumentParser) -> None:
                    "--rollout (default exact:fp32)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int, default=0, help="seed of the --random-prompts prompts and of sampling")
-    p.add_argument("--max-prompt-len", type=_positive_int, default=16, help="longest --random-prompts prompt")
-    p.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
+    add_prompt_length_flags(p, 16)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="generation batch size (default all)")
     p.add_argument("--micro-batch-size", type=_positive_int, default=None, help="scoring micro-batch (default all)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    add_threads_flag(p)
     p.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
     p.add_argument("--png", type=Path, default=None, help="also plot Δlogp histogram and |Δlogp| vs probability")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 unless every token is bitwise equal")

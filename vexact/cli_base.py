@@ -76,3 +76,24 @@ def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None
             raise ValueError(f"{flag} {path} is the {read[Path(path).resolve()]} file: the output would overwrite "
                              "it; name another file")
         check_writable(Path(path), flag)
+
+
+# The flags that measure and locate share, with one help each. Three helpers, not one: each command keeps its flags
+# in its own --help order.
+def add_prompts_flag(group: argparse._ActionsContainer) -> None:
+    """``--prompts FILE``, into ``group``: the mutually exclusive group of the command's other prompt sources."""
+    group.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
+                       "has a tokenizer, else whitespace-separated token ids")
+
+
+def add_prompt_length_flags(parser: argparse.ArgumentParser, default: int, none_unless_given: bool = False) -> None:
+    """``--max-prompt-len`` (random prompts; ``default`` when not given) and ``--token-ids``. ``none_unless_given``:
+    the flag parses to None when not given and the command fills in ``default`` (so it can tell a flag given)."""
+    parser.add_argument("--max-prompt-len", type=positive_int, default=None if none_unless_given else default,
+                        help=f"longest --random-prompts prompt (default: {default})")
+    parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch threads to set; None (torch's own count) when not given."""
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")

@@ -131,6 +131,26 @@ def test_lazy_subcommand_parses_and_helps_as_the_full_one(name):
     assert {k: v for k, v in lazy_args.items() if k != "func"} == {k: v for k, v in full_args.items() if k != "func"}
 
 
+def test_measure_and_locate_define_their_shared_prompt_flags_once():
+    """--prompts, --max-prompt-len, --token-ids and --threads: the same type and help in both (one helper adds
+    them); only --max-prompt-len's parse default differs (locate's None: a flag a dump makes moot must be seen)."""
+    sub = build_parser()._subparsers._group_actions[0].choices
+
+    def flags(command: str) -> dict[str, argparse.Action]:
+        return {a.option_strings[0]: a for a in sub[command]._actions if a.option_strings}
+
+    measure, locate = flags("measure"), flags("locate")
+    for flag in ("--prompts", "--max-prompt-len", "--token-ids", "--threads"):
+        same = ("type", "help", "metavar", "nargs", "const", "choices")
+        assert [getattr(measure[flag], k) for k in same] == [getattr(locate[flag], k) for k in same], flag
+        assert isinstance(measure[flag], type(locate[flag])), flag
+    from vexact.real.locate import RUN_DEFAULTS
+
+    assert locate["--max-prompt-len"].default is None  # RUN_DEFAULTS fills it in; the help says which
+    assert f"(default: {measure['--max-prompt-len'].default})" in measure["--max-prompt-len"].help
+    assert f"(default: {RUN_DEFAULTS['max_prompt_len']})" in locate["--max-prompt-len"].help
+
+
 def test_measure_and_meter_each_say_what_they_do_and_point_to_the_other():
     """Two names that sound alike, two unrelated jobs (both names are contracts): each one's help names the other."""
     parser = build_parser()

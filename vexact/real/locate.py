@@ -72,7 +72,16 @@ from torch import Tensor
 
 import vexact_kernels
 
-from ..cli_base import EXIT_FAILED, EXIT_OK, check_outputs, make_console, positive_int
+from ..cli_base import (
+    EXIT_FAILED,
+    EXIT_OK,
+    add_prompt_length_flags,
+    add_prompts_flag,
+    add_threads_flag,
+    check_outputs,
+    make_console,
+    positive_int,
+)
 from ..engine.devices import resolve_device
 from ..engine.generation import generate
 from ..engine.inputs import check_temperature, check_token_lists
@@ -591,13 +600,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts = parser.add_mutually_exclusive_group()
     prompts.add_argument("--prompt-tokens", action="append", metavar="IDS",
                          help="one prompt of token ids, e.g. '5 6 7' (repeatable)")
-    prompts.add_argument("--prompts", type=Path, metavar="FILE", help="one prompt per line: text if the checkpoint "
-                         "has a tokenizer, else whitespace-separated token ids")
+    add_prompts_flag(prompts)
     prompts.add_argument("--random-prompts", type=positive_int, metavar="N",
                          help="N seeded random prompts (the default: 2)")
-    parser.add_argument("--max-prompt-len", type=positive_int, default=None, help="longest --random-prompts prompt "
-                        f"(default: {RUN_DEFAULTS['max_prompt_len']})")
-    parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
+    add_prompt_length_flags(parser, RUN_DEFAULTS["max_prompt_len"], none_unless_given=True)
     parser.add_argument("--max-new-tokens", type=_count, default=None, help="tokens path a generates after each "
                         "prompt before both paths run the sequences: the rollout path decodes them (default "
                         f"{RUN_DEFAULTS['max_new_tokens']}; 0 = none)")
@@ -609,7 +615,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default: {RUN_DEFAULTS['temperature']})")
     parser.add_argument("--seed", type=int, default=None, help="random model, random prompts and sampling "
                         f"(default: {RUN_DEFAULTS['seed']})")
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    add_threads_flag(parser)
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the report as JSON")
     parser.add_argument("--png", type=Path, default=None, metavar="OUT", help="also plot max |Δ| per op (log scale)")
     parser.add_argument("--fail-on-divergence", action="store_true", help="exit 1 if the paths diverge anywhere")
