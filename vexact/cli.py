@@ -524,7 +524,7 @@ def _locate_arguments(p: argparse.ArgumentParser) -> None:
     from .real import locate
 
     locate.add_arguments(p)
-    _add_device(p, "cpu")
+    _add_device(p, locate.RUN_DEFAULTS["device"])
     p.set_defaults(func=locate.main)
 
 

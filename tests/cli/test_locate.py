@@ -201,9 +201,9 @@ def test_cli_json_png_and_exit_codes(tmp_path, capsys):
 
 
 def test_run_flags_left_out_take_their_documented_defaults(tmp_path):
-    """--max-prompt-len, --max-new-tokens, --temperature and --seed are None until the paths run (so that where a
-    dump brings the sequences a value given is refused, not ignored); left out, the run is the one their documented
-    defaults (RUN_DEFAULTS, which --help prints) give by hand: the same tokens and the same bits."""
+    """--max-prompt-len, --max-new-tokens, --temperature, --seed and --device are None until the paths run (so that
+    where a dump brings the sequences a value given is refused, not ignored); left out, the run is the one their
+    documented defaults (RUN_DEFAULTS, which --help prints) give by hand: the same tokens and the same bits."""
     out, by_hand = tmp_path / "default.json", tmp_path / "by_hand.json"
     argv = ["locate", *SIZE_ARGS, "--random-prompts", "2", "--a", "native:fp32", "--b", "exact:fp32"]
     assert main([*argv, "--json", str(out)]) == 0

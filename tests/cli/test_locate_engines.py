@@ -178,6 +178,10 @@ def dumps(tmp_path_factory):
     (["--a", "D/ok", "--b", "D/ok", "--seed", "0"], "--seed: --a and --b name dumps"),  # given, even as the default
     (["--a", "D/ok", "--b", "D/ok", "--max-prompt-len", "4"], "--max-prompt-len: --a and --b name dumps"),
     (["--a", "D/ok", "--b", "D/ok", "--token-ids"], "--token-ids: --a and --b name dumps"),
+    # nothing runs: how the paths would run is moot too (each was ignored)
+    (["--a", "D/ok", "--b", "D/ok", "--threads", "2"], "--threads: --a and --b name dumps, which bring their model, "
+     "sequences, prefill and positions; give --threads when recording them (--dump)"),
+    (["--a", "D/ok", "--b", "D/ok", "--device", "cpu"], "--device: --a and --b name dumps"),  # given, as the default
     (["--dump", "D/other"], "--dump D/other: the directory holds other files (notes.txt, ...)"),
     (["--dump", "D/new", "--json", "D/x.json"], "--json: --dump records one path and compares nothing"),
     (["--dump", "D/new", "--tokens-from", "D/ok", "--prompt-tokens", "1 2"], "--prompt-tokens: --tokens-from D/ok "

@@ -121,10 +121,11 @@ DEFAULT_A, DEFAULT_B = "exact:fp32:rollout", "exact:fp32:train"
 # The tiny random model's shape when no --model is given: ``vexact check``'s preset (one size flag per key).
 RANDOM_MODEL = {k: MODEL_PRESETS[CHECK_PRESET][k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                                                             "num_kv_heads", "intermediate_size")}
-# The defaults of the settings that choose the prompts and generate the continuation (their --help names them). A
-# setting left None takes its default when the paths run, so that where a dump brings the sequences (--tokens-from,
-# two dumps) a value the user gave is told apart from the default, and refused rather than ignored.
-RUN_DEFAULTS = {"max_prompt_len": 16, "max_new_tokens": 8, "temperature": 1.0, "seed": 0}
+# The defaults of the settings that choose the prompts and generate the continuation, and of the device the paths run
+# on (their --help names them). A setting left None takes its default when the paths run, so that where a dump brings
+# the sequences (--tokens-from) or nothing runs (two dumps) a value the user gave is told apart from the default, and
+# refused rather than ignored.
+RUN_DEFAULTS = {"max_prompt_len": 16, "max_new_tokens": 8, "temperature": 1.0, "seed": 0, "device": "cpu"}
 
 
 def size_flag(key: str) -> str:
@@ -210,7 +211,8 @@ class LocateSettings:
     ``random_model`` (RANDOM_MODEL's keys plus qk_norm, qkv_bias, tie_embeddings) seeded with ``seed``.
     ``a`` / ``b`` may name dump directories (compared without running anything); ``dump`` records path a only
     and writes it there (tensors too unless ``hash``); ``tokens_from`` runs the sequences of an earlier dump.
-    ``max_prompt_len``, ``max_new_tokens``, ``temperature`` and ``seed`` None: RUN_DEFAULTS' value."""
+    ``max_prompt_len``, ``max_new_tokens``, ``temperature``, ``seed`` and ``device`` None: RUN_DEFAULTS' value;
+    ``threads`` None: torch's count."""
 
     a: str = DEFAULT_A
     b: str = DEFAULT_B
@@ -227,7 +229,7 @@ class LocateSettings:
     prefill: int | None = None
     positions: str | None = None
     threads: int | None = None
-    device: str = "cpu"  # where the models run (``vexact.engine.devices``)
+    device: str | None = None  # where the models run (``vexact.engine.devices``)
     hash: bool = False
     dump: Path | None = None
     tokens_from: Path | None = None
@@ -343,10 +345,12 @@ def _check_settings(settings: LocateSettings) -> LocateSettings:
 
 def _check_dump_pair_settings(settings: LocateSettings) -> None:
     """Two dumps are compared as recorded: a flag that chooses the model, the sequences or the positions would be
-    ignored (``--positions 0-3`` would still compare every position), so it is refused, as with ``--tokens-from``."""
+    ignored (``--positions 0-3`` would still compare every position), so it is refused, as with ``--tokens-from``;
+    so is one that says how the paths run (``--threads``, ``--device``): no path runs."""
     given = [flag for flag, value in (("--model", settings.model), ("--tokens-from", settings.tokens_from),
              *_prompt_flags(settings), ("--seed", settings.seed), ("--prefill", settings.prefill),
-             ("--positions", settings.positions)) if value is not None]
+             ("--positions", settings.positions), ("--threads", settings.threads), ("--device", settings.device))
+             if value is not None]
     given += [size_flag(key) for key in settings.random_model]  # the random model's, which the dumps also bring
     if given:
         raise ValueError(f"{given[0]}: --a and --b name dumps, which bring their model, sequences, prefill and "
@@ -634,7 +638,7 @@ def settings_from_args(args: argparse.Namespace) -> LocateSettings:
                           max_prompt_len=args.max_prompt_len, token_ids=args.token_ids,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           prefill=args.prefill, positions=args.positions, threads=args.threads,
-                          device=getattr(args, "device", None) or "cpu", hash=args.hash, dump=args.dump,
+                          device=getattr(args, "device", None), hash=args.hash, dump=args.dump,
                           tokens_from=args.tokens_from)
 
 
