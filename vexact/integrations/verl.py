@@ -64,9 +64,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
-from ..live import LiveMonitor, _from_numpy
+from ..engine.inputs import tensor_from_numpy
+from ..live import LiveMonitor
 from ..real.compare import ATTENTION_MASK_KEY, MASK_KEY, ONE_FILE_KEYS
 
 __all__ = ["actor_logprobs", "observe_batch", "verl_sides"]
@@ -85,7 +87,9 @@ def _tensors(batch: Any) -> Any:
 def _tensor(tensors: Any, key: str, where: str = "batch") -> Tensor:
     """``tensors[key]`` as a [B, T] tensor (a numpy array as a tensor on its memory, so bypass mode's one array is
     still one); anything else is one ValueError naming the key (not an AttributeError from inside)."""
-    value = _from_numpy(tensors[key], f"{where}[{key!r}]")
+    value = tensors[key]
+    if isinstance(value, np.ndarray):
+        value = tensor_from_numpy(value, f"{where}[{key!r}]")
     if not isinstance(value, Tensor) or value.dim() != 2:
         what = f"shape {list(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
         raise ValueError(f"{where}[{key!r}] must be a [B, T] tensor (or numpy array), as in verl's batch; got {what}")
