@@ -94,6 +94,24 @@ def add_prompt_length_flags(parser: argparse.ArgumentParser, default: int, none_
     parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
 
 
+def check_prompt_length_flags(source: str, max_prompt_len: int | None, token_ids: bool) -> None:
+    """A ValueError naming the flag where one of ``add_prompt_length_flags``' flags was given and would do nothing:
+    ``source`` is the flag the prompts come from (``--random-prompts`` for random ones, given or a command's
+    default); ``max_prompt_len`` None is the flag not given."""
+    here = "random (--random-prompts)" if source == "--random-prompts" else f"given by {source}"
+    if max_prompt_len is not None and source != "--random-prompts":
+        raise ValueError(f"--max-prompt-len: it bounds the length of random prompts (--random-prompts), and the "
+                         f"prompts here are {here}: it would change nothing")
+    if token_ids and source != "--prompts":
+        raise ValueError(f"--token-ids: it reads a --prompts file as token ids, and the prompts here are {here}: it "
+                         "would change nothing")
+
+
+def moot_seed_error(fixed: list[str]) -> ValueError:
+    """The error for ``--seed`` given where nothing it seeds is random; ``fixed`` says why each thing is not."""
+    return ValueError(f"--seed: nothing it seeds is random here ({', '.join(fixed)}): it would change nothing")
+
+
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     """``--threads N``: torch threads to set; None (torch's own count) when not given."""
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")

@@ -150,6 +150,8 @@ def dumps(tmp_path_factory):
     (root / "empty").mkdir()
     (root / "other").mkdir()
     (root / "other" / "notes.txt").write_text("mine")
+    (root / "prompts.txt").write_text("5 6 7\n")
+    make_tiny_checkpoint(root / "ckpt", "qwen3", seed=3, tokenizer=False)
     return root
 
 
@@ -193,12 +195,35 @@ def dumps(tmp_path_factory):
     (["--dump", "D/new", "--tokens-from", "D/ok", "--temperature", "0.5"], "--temperature: --tokens-from D/ok"),
     (["--tokens-from", "D/ok", "--max-prompt-len", "4"], "--max-prompt-len: --tokens-from D/ok"),
     (["--tokens-from", "D/ok", "--token-ids"], "--token-ids: --tokens-from D/ok"),
+    # a run that never reads them: each was ignored
+    (["--max-new-tokens", "0", "--temperature", "0.5"], "--temperature: --max-new-tokens 0 generates no "
+     "continuation, so nothing is sampled: it would change nothing"),
+    (["--token-ids"], "--token-ids: it reads a --prompts file as token ids, and the prompts here are random "
+                      "(--random-prompts): it would change nothing"),  # the default prompts
+    (["--prompt-tokens", "1 2", "--token-ids"], "--token-ids: it reads a --prompts file as token ids, and the "
+                                                "prompts here are given by --prompt-tokens"),
+    (["--prompt-tokens", "1 2", "--max-prompt-len", "4"], "--max-prompt-len: it bounds the length of random prompts "
+     "(--random-prompts), and the prompts here are given by --prompt-tokens: it would change nothing"),
+    (["--prompts", "D/prompts.txt", "--max-prompt-len", "4"], "--max-prompt-len: it bounds the length of random "
+                                                              "prompts (--random-prompts), and the prompts here are "
+                                                              "given by --prompts"),
+    # --seed where nothing it seeds is random: a checkpoint's weights, prompts given, nothing sampled
+    (["--model", "D/ckpt", "--prompt-tokens", "1 2", "--max-new-tokens", "0", "--seed", "3"], "--seed: nothing it "
+     "seeds is random here (--model D/ckpt brings the weights, --prompt-tokens gives the prompts, --max-new-tokens 0 "
+     "samples nothing): it would change nothing"),
+    (["--model", "D/ckpt", "--prompts", "D/prompts.txt", "--temperature", "0", "--seed", "3"], "--seed: nothing it "
+     "seeds is random here (--model D/ckpt brings the weights, --prompts gives the prompts, --temperature 0 is "
+     "greedy)"),
+    (["--model", "D/ckpt", "--tokens-from", "D/ok", "--seed", "0"], "--seed: nothing it seeds is random here "
+     "(--model D/ckpt brings the weights, --tokens-from D/ok brings the sequences)"),  # given, even as the default
 ])
 def test_bad_input_is_one_error_line(dumps, args, message, capsys):
     # the model's flags only where a model runs (two dumps refuse them: they bring their own), and a short
     # continuation only where one is generated (--tokens-from refuses --max-new-tokens: its dump brings the tokens)
+    # (and --model's rows their checkpoint: size flags describe the random model)
     two_dumps = args[0] == "--a" and args[1].startswith("D/") and args[3].startswith("D/")
-    model = [] if two_dumps else [*SIZE_ARGS, *([] if "--tokens-from" in args else ["--max-new-tokens", "1"])]
+    model = [] if two_dumps else [*([] if "--model" in args else SIZE_ARGS),
+                                  *([] if "--tokens-from" in args else ["--max-new-tokens", "1"])]
     args = [a.replace("D/", f"{dumps}/") for a in args]
     assert main(["locate", *model, *args]) == 2
     err = capsys.readouterr().err.strip()
@@ -214,6 +239,14 @@ def test_tokens_from_takes_a_seed(dumps, capsys):
     assert main(["locate", "--a", str(dumps / "ok"), "--b", str(dumps / "seeded"), "--fail-on-divergence"]) == 0
     assert main([*argv[:-1], "1", "--a", "exact:fp32:rollout", "--dump", str(dumps / "reseeded")]) == 0
     assert main(["locate", "--a", str(dumps / "ok"), "--b", str(dumps / "reseeded"), "--fail-on-divergence"]) == 1
+    capsys.readouterr()
+
+
+def test_seed_with_a_checkpoint_is_taken_where_it_seeds(dumps, capsys):
+    """With --model, --seed still seeds the random prompts (the default) and the sampled continuation: taken."""
+    argv = ["locate", "--model", str(dumps / "ckpt"), "--seed", "3", "--fail-on-divergence"]
+    assert main([*argv, "--max-new-tokens", "0"]) == 0  # random prompts
+    assert main([*argv, "--prompt-tokens", "1 2", "--max-new-tokens", "2"]) == 0  # sampled at temperature 1
     capsys.readouterr()
 
 

@@ -79,7 +79,9 @@ from ..cli_base import (
     add_prompts_flag,
     add_threads_flag,
     check_outputs,
+    check_prompt_length_flags,
     make_console,
+    moot_seed_error,
     positive_int,
 )
 from ..engine.devices import resolve_device
@@ -333,6 +335,12 @@ def _check_settings(settings: LocateSettings) -> LocateSettings:
         if given:
             raise ValueError(f"{given[0]}: --tokens-from {settings.tokens_from} brings the sequences, prefill and "
                              "positions of its dump (no prompt is read, nothing is generated)")
+    else:
+        check_prompt_length_flags(_prompt_source(settings), settings.max_prompt_len, settings.token_ids)
+        if settings.max_new_tokens == 0 and settings.temperature is not None:
+            raise ValueError("--temperature: --max-new-tokens 0 generates no continuation, so nothing is sampled: "
+                             "it would change nothing")
+    _check_seed(settings)
     settings = replace(settings, **{key: value for key, value in RUN_DEFAULTS.items()
                                    if getattr(settings, key) is None})
     if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 0:
@@ -341,6 +349,32 @@ def _check_settings(settings: LocateSettings) -> LocateSettings:
         raise ValueError(f"--prefill must be a positive integer, got {settings.prefill!r}")
     check_temperature(settings.temperature)
     return settings
+
+
+def _prompt_source(settings: LocateSettings) -> str:
+    """The flag the prompts come from: ``--random-prompts`` also when none is given (random prompts: the default)."""
+    if settings.prompt_tokens is not None:
+        return "--prompt-tokens"
+    return "--prompts" if settings.prompts_file is not None else "--random-prompts"
+
+
+def _check_seed(settings: LocateSettings) -> None:
+    """``--seed`` seeds the random model, the random prompts and the sampling of the continuation: given where none
+    of the three is (a checkpoint, prompts given or a dump's sequences, and no sampling), it is refused."""
+    if settings.seed is None or settings.model is None:
+        return
+    source = _prompt_source(settings)
+    if settings.tokens_from is not None:
+        fixed = [f"--tokens-from {settings.tokens_from} brings the sequences"]
+    elif source == "--random-prompts":
+        return
+    elif settings.max_new_tokens == 0:
+        fixed = [f"{source} gives the prompts", "--max-new-tokens 0 samples nothing"]
+    elif settings.temperature == 0:
+        fixed = [f"{source} gives the prompts", "--temperature 0 is greedy"]
+    else:
+        return  # the continuation is sampled
+    raise moot_seed_error([f"--model {settings.model} brings the weights", *fixed])
 
 
 def _check_dump_pair_settings(settings: LocateSettings) -> None:
