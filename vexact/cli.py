@@ -18,7 +18,9 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     add_prompts_flag,
     add_threads_flag,
     check_outputs,
+    check_prompt_length_flags,
     make_console,
+    moot_seed_error,
 )
 from .cli_base import non_negative_int as _non_negative_int
 from .cli_base import positive_int as _positive_int
@@ -418,8 +420,9 @@ def _measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", default="exact:fp32", help="path that rescores the tokens, BACKEND:DTYPE as for "
                    "--rollout (default exact:fp32)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the --random-prompts prompts and of sampling")
-    add_prompt_length_flags(p, 16)
+    p.add_argument("--seed", type=int, default=None, help="seed of the --random-prompts prompts and of sampling "
+                   "(default: 0)")
+    add_prompt_length_flags(p, 16, none_unless_given=True)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="generation batch size (default all)")
     p.add_argument("--micro-batch-size", type=_positive_int, default=None, help="scoring micro-batch (default all)")
@@ -440,10 +443,16 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     from .real.measure import MeasureSettings, print_measure, run_measure, write_json, write_png
 
     check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts})
+    # --max-prompt-len and --seed parse to None unless given, so that where they would do nothing they are refused
+    source = "--prompts" if args.prompts is not None else "--random-prompts"
+    check_prompt_length_flags(source, args.max_prompt_len, args.token_ids)
+    if args.seed is not None and source == "--prompts" and args.temperature == 0:
+        raise moot_seed_error(["--prompts gives the prompts", "--temperature 0 is greedy"])
+    given = {key: getattr(args, key) for key in ("max_prompt_len", "seed") if getattr(args, key) is not None}
     settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
-                               random_prompts=args.random_prompts, max_prompt_len=args.max_prompt_len,
+                               random_prompts=args.random_prompts, **given,  # else MeasureSettings' defaults
                                token_ids=args.token_ids, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
+                               temperature=args.temperature, ignore_eos=args.ignore_eos,
                                batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                                threads=args.threads, full_vocab=args.full_vocab, device=args.device or "cpu")
     result = run_measure(settings)

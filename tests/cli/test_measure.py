@@ -113,16 +113,34 @@ def test_cli_token_id_prompts_and_fail_on_mismatch(qwen3_ids_dir, tmp_path):
     (["--train", "vllm:bf16"], "bad path spec 'vllm:bf16'"),
     (["--model", "/nonexistent/ckpt"], "checkpoint directory not found"),
     (["--prompts", "/nonexistent/prompts.txt"], "prompts file not found"),
+    # flags that would change nothing (each was ignored); None: a flag without a value, P: a prompts file
+    (["--token-ids", None], "--token-ids: it reads a --prompts file as token ids, and the prompts here are random "
+                            "(--random-prompts): it would change nothing"),
+    (["--prompts", "P", "--max-prompt-len", "4"], "--max-prompt-len: it bounds the length of random prompts "
+     "(--random-prompts), and the prompts here are given by --prompts: it would change nothing"),
+    (["--prompts", "P", "--temperature", "0", "--seed", "0"], "--seed: nothing it seeds is random here (--prompts "
+     "gives the prompts, --temperature 0 is greedy): it would change nothing"),  # given, even as the default
 ])
-def test_cli_bad_input_is_one_clear_error(qwen3_ids_dir, capsys, args, message):
+def test_cli_bad_input_is_one_clear_error(qwen3_ids_dir, tmp_path, capsys, args, message):
     base = {"--model": str(qwen3_ids_dir), "--random-prompts": "2"}
     if "--prompts" in args:
         base.pop("--random-prompts")
-    merged = {**base, **dict(zip(args[::2], args[1::2]))}
-    argv = ["measure", *[x for kv in merged.items() for x in kv], "--max-new-tokens", "2"]
+    (tmp_path / "ids.txt").write_text("5 6 7\n")
+    merged = {**base, **{k: str(tmp_path / "ids.txt") if v == "P" else v for k, v in zip(args[::2], args[1::2])}}
+    argv = ["measure", *[x for kv in merged.items() for x in kv if x is not None], "--max-new-tokens", "2"]
     assert main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert message in err and "Traceback" not in err
+
+
+def test_cli_seed_and_prompt_length_are_taken_where_they_count(qwen3_ids_dir, tmp_path, capsys):
+    """--seed seeds sampling (with --prompts at temperature 1) and random prompts (at temperature 0), and
+    --max-prompt-len bounds random prompts: none of them is refused there."""
+    (tmp_path / "ids.txt").write_text("5 6 7\n")
+    argv = ["measure", "--model", str(qwen3_ids_dir), "--max-new-tokens", "2", "--rollout", "exact:fp32", "--seed", "3"]
+    assert main([*argv, "--prompts", str(tmp_path / "ids.txt"), "--token-ids"]) == 0
+    assert main([*argv, "--random-prompts", "2", "--max-prompt-len", "3", "--temperature", "0"]) == 0
+    capsys.readouterr()
 
 
 def test_cli_rejects_text_for_a_checkpoint_without_tokenizer_and_unsupported_models(qwen3_ids_dir, tmp_path, capsys):
