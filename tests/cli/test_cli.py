@@ -133,7 +133,8 @@ def test_lazy_subcommand_parses_and_helps_as_the_full_one(name):
 
 def test_measure_and_locate_define_their_shared_prompt_flags_once():
     """--prompts, --max-prompt-len, --token-ids and --threads: the same type and help in both (one helper adds
-    them); only --max-prompt-len's parse default differs (locate's None: a flag a dump makes moot must be seen)."""
+    them). --max-prompt-len parses to None in both (a flag given where it is moot must be seen), and so does measure's
+    --seed: the default each help names is the one filled in later."""
     sub = build_parser()._subparsers._group_actions[0].choices
 
     def flags(command: str) -> dict[str, argparse.Action]:
@@ -145,9 +146,12 @@ def test_measure_and_locate_define_their_shared_prompt_flags_once():
         assert [getattr(measure[flag], k) for k in same] == [getattr(locate[flag], k) for k in same], flag
         assert isinstance(measure[flag], type(locate[flag])), flag
     from vexact.real.locate import RUN_DEFAULTS
+    from vexact.real.measure import MeasureSettings
 
     assert locate["--max-prompt-len"].default is None  # RUN_DEFAULTS fills it in; the help says which
-    assert f"(default: {measure['--max-prompt-len'].default})" in measure["--max-prompt-len"].help
+    assert measure["--max-prompt-len"].default is None and measure["--seed"].default is None  # MeasureSettings' do
+    assert f"(default: {MeasureSettings.max_prompt_len})" in measure["--max-prompt-len"].help
+    assert f"(default: {MeasureSettings.seed})" in measure["--seed"].help
     assert f"(default: {RUN_DEFAULTS['max_prompt_len']})" in locate["--max-prompt-len"].help
 
 
