@@ -275,6 +275,30 @@ def test_map_prints_one_verdict_line_and_the_details_under_verbose(tmp_path, cap
     assert code == 2 and out == "" and err == "error: --verbose prints the --map placement in full: give --map too\n"
 
 
+def test_tensor_file_flags_are_refused_where_they_would_change_nothing(tmp_path, capsys):
+    """--mask-key reads a tensor file's mask and --full-vocab-top-k the full-vocabulary log-probs: given with JSON
+    Lines only, or without the full keys, each was ignored; now one error line. With a tensor file, both count."""
+    rollout, train = _two_files(tmp_path)
+    code, out, err = _run(capsys, rollout, train, "--mask-key", "response_mask")
+    assert code == 2 and out == "" and err == (
+        "error: --mask-key says which positions of a tensor file hold tokens, and no dump here is one (.safetensors, "
+        ".pt, .pth, .bin): JSON Lines list only the tokens\n")
+    code, out, err = _run(capsys, rollout, train, "--full-vocab-top-k", "5")  # given, even as the default
+    assert code == 2 and out == "" and err == (
+        "error: --full-vocab-top-k sets k of the full-vocabulary comparison, which reads --rollout-full-key and "
+        "--train-full-key: give them too\n")
+    path = tmp_path / "batch.pt"
+    full = torch.log_softmax(torch.arange(36.0).reshape(3, 3, 4).sin(), -1)
+    torch.save({"rollout_log_probs": _padded(ROLL), "old_log_probs": _padded(TRAIN), "m": MASK, "f": full}, path)
+    out_json = tmp_path / "r.json"
+    code, _, err = _run(capsys, path, "--mask-key", "m", "--rollout-full-key", "f", "--train-full-key", "f",
+                        "--full-vocab-top-k", "2", "--json", out_json)
+    assert code == 0, err
+    metrics = json.loads(out_json.read_text())["metrics"]
+    assert metrics["mismatch/full_vocab_top2_overlap_mean"] == 1.0
+    assert "mismatch/full_vocab_top5_overlap_mean" not in metrics
+
+
 # --------------------------------------------------------------------------- bad input: one line, exit 2
 GOOD_ROLL = ['{"id": "a", "logprobs": [-0.5, -1.0], "tokens": [5, 6]}', '{"id": "b", "logprobs": [-0.25]}']
 GOOD_TRAIN = ['{"id": "b", "logprobs": [-0.25]}', '{"id": "a", "logprobs": [-0.5, -1.5], "tokens": [5, 6]}']

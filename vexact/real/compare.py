@@ -766,8 +766,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor files: rollout full-vocabulary log-probs [B, T, V] (adds mismatch/full_vocab_*)")
     parser.add_argument("--train-full-key", default=None, metavar="KEY",
                         help="tensor files: training full-vocabulary log-probs [B, T, V]")
-    parser.add_argument("--full-vocab-top-k", type=positive_int, default=5, metavar="K",
-                        help="k of mismatch/full_vocab_top{k}_overlap_mean (default 5)")
+    parser.add_argument("--full-vocab-top-k", type=positive_int, default=None, metavar="K",  # None: refused if moot
+                        help="k of mismatch/full_vocab_top{k}_overlap_mean (default "
+                             f"{CompareSettings.full_vocab_top_k})")
     parser.add_argument("--float32", action="store_true",
                         help="round every value to the nearest float32 before comparing: for float32 log-probs "
                              "written in different formats (repr, %%.9g, numpy's shortest float32 repr)")
@@ -877,13 +878,21 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
     if args.verbose and args.map is None:
         raise ValueError("--verbose prints the --map placement in full: give --map too")
+    if args.full_vocab_top_k is not None and args.rollout_full_key is None and args.train_full_key is None:
+        raise ValueError("--full-vocab-top-k sets k of the full-vocabulary comparison, which reads --rollout-full-key "
+                         "and --train-full-key: give them too")
+    dumps = [Path(path) for path in (args.rollout, args.train, args.floor) if path is not None]
+    if args.mask_key is not None and not any(map(_is_tensor_file, dumps)):
+        raise ValueError(f"--mask-key says which positions of a tensor file hold tokens, and no dump here is one "
+                         f"({', '.join(('.safetensors', *TORCH_SUFFIXES))}): JSON Lines list only the tokens")
     if args.map is not None:  # the map, the correction and the source are checked before the dumps are read
         scaling_map = load_map(None if args.map == DEFAULT_MAP else args.map, args.vocab)
         correction = choose_correction(scaling_map, args.correction, args.source, args.policy_lag or 0)
     settings = CompareSettings(rollout=args.rollout, train=args.train, rollout_key=args.rollout_key,
                                train_key=args.train_key, tokens_key=args.tokens_key, mask_key=args.mask_key,
                                rollout_full_key=args.rollout_full_key, train_full_key=args.train_full_key,
-                               full_vocab_top_k=args.full_vocab_top_k, float32=args.float32,
+                               full_vocab_top_k=args.full_vocab_top_k or CompareSettings.full_vocab_top_k,
+                               float32=args.float32,
                                threads=args.threads, floor=args.floor)
     result = run_compare(settings)
     s = result.summary
