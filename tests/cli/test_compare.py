@@ -410,9 +410,16 @@ def test_bad_tensor_input(tmp_path, capsys):
         f"{path}: row 0: 'g' at masked position 0 is not a row of log-probs (log Σ exp = 5, expected 0): store "
         "log_softmax(logits / T), not logits")
 
-    path.write_bytes(pickle.dumps({"rollout_log_probs": _Evil()}))  # a pickle that would run code
+    path.write_bytes(pickle.dumps({"rollout_log_probs": _Evil()}, protocol=2))  # a pickle that would run code
     code, _, err = _run(capsys, path)
-    assert code == 2 and err == f"error: refusing to unpickle {path}: not a plain tensor file\n"
+    assert code == 2 and err == (f"error: refusing to unpickle {path}: not a plain tensor file (it names "
+                                 "builtins.print)\n")
+    # protocol 4 frames its opcodes: the weights-only unpickler stops at the frame, before any global, exactly as
+    # it does on damaged bytes -- so the message cannot claim more than that
+    path.write_bytes(pickle.dumps({"rollout_log_probs": _Evil()}, protocol=4))
+    code, _, err = _run(capsys, path)
+    assert code == 2 and err == (f"error: {path}: cannot be read as a plain tensor file (damaged, or not saved by "
+                                 "torch.save of tensors)\n")
 
 
 class _Evil:
@@ -670,7 +677,8 @@ def test_a_hostile_torch_file_gets_the_error_line_and_nothing_before_it(tmp_path
     done = subprocess.run([sys.executable, "-m", "vexact", "compare", str(path)], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONWARNINGS": "default"})
     assert done.returncode == 2
-    assert done.stderr == f"error: refusing to unpickle {path}: not a plain tensor file\n", done.stderr
+    assert done.stderr == (f"error: {path}: cannot be read as a plain tensor file (damaged, or not saved by "
+                           "torch.save of tensors)\n"), done.stderr
 
 
 class _Hostile:

@@ -25,6 +25,8 @@ from vexact.real import pretrained
 from vexact.real.measure import MeasureSettings, run_measure
 from vexact.real.pretrained import load_tokenizer, model_config_from_hf, read_checkpoint_config
 from vexact.real.tiny import TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model
+from vexact.records import runlog
+from vexact.records.runlog import load_tensor_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 
@@ -96,7 +98,8 @@ def test_hostile_pickle_is_refused_and_never_runs(ckpt, tmp_path, capsys):
     marker = tmp_path / "payload-ran"
     bin_path = _as_bin(ckpt, _source_tensors(ckpt) | {"evil": _Payload(marker)})
     message = _error(from_pretrained, ckpt)
-    assert message == f"refusing to unpickle {bin_path}: not a plain tensor file"
+    assert message == (f"refusing to unpickle {bin_path}: not a plain tensor file (it names "
+                       f"{os.system.__module__}.system)")
     assert "weights_only=False" not in message and "unsafe" not in message.lower()
     # measure refuses it too, also when both paths are transformers' own (its loader never sees the file)
     for paths in (["--rollout", "exact:fp32", "--train", "exact:fp32"], ["--rollout", "hf:fp32", "--train", "hf:fp32"]):
@@ -104,6 +107,23 @@ def test_hostile_pickle_is_refused_and_never_runs(ckpt, tmp_path, capsys):
         assert code == 2 and "refusing to unpickle" in err and "not a plain tensor file" in err
         assert "weights_only" not in err and "Traceback" not in err
     assert not marker.exists()
+
+
+def test_tensor_file_errors_name_what_is_wrong(tmp_path):
+    """A truncated file, bytes that are no pickle and a long torch message each get their own reason, whole words."""
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.zeros(4)}, path, _use_new_zipfile_serialization=False)
+    path.write_bytes(path.read_bytes()[:40])  # the legacy format cut short: torch raises a bare EOFError
+    assert _error(load_tensor_file, path) == (f"{path}: not a readable torch tensor file (it ends early: empty or "
+                                              "truncated)")
+    path.write_bytes(b"")
+    assert _error(load_tensor_file, path).endswith("(it ends early: empty or truncated)")
+    path.write_bytes(b"hello, not a pickle\n")  # torch's legacy reader meets this with a bare KeyError('101')
+    assert _error(load_tensor_file, path) == (f"{path}: cannot be read as a plain tensor file (damaged, or not saved "
+                                              "by torch.save of tensors)")
+    assert runlog._gist(RuntimeError("a " + "wordy " * 40 + "end. Advice follows.")) == "a " + "wordy " * 26 + "..."
+    assert runlog._gist(RuntimeError("zip failed: no directory. This is an internal error.")) == (
+        "zip failed: no directory")
 
 
 def _source_tensors(directory):
@@ -120,7 +140,9 @@ def test_bin_files_that_are_not_named_tensors(ckpt):
     assert _error(from_pretrained, ckpt) == f"{bin_path}: entry 'step' is a int, not a named tensor"
     torch.save(tensors, bin_path)
     bin_path.write_bytes(bin_path.read_bytes()[: bin_path.stat().st_size // 2])
-    assert _error(from_pretrained, ckpt).startswith(f"{bin_path}: not a readable torch tensor file")
+    # torch's first sentence, whole; its advice after it (and a cut mid-word at 120 characters) left out
+    assert _error(from_pretrained, ckpt) == (f"{bin_path}: not a readable torch tensor file (PytorchStreamReader "
+                                             "failed reading zip archive: failed finding central directory)")
 
 
 # --------------------------------------------------------------------------- 2. non-finite weights and activations

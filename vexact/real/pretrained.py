@@ -31,7 +31,7 @@ allocates, and every refusal is one ValueError naming the file (and the tensor o
 - ``.bin``: pickles cannot be inspected without unpickling, so first the config's parameter count
   must fit the files (16 bits each) and no zip archive may unpack to more than 8 bytes per
   parameter (plus 16 MiB); then ``vexact.records.runlog.load_tensor_file`` (weights-only: a pickle
-  that would run code or build objects is "refusing to unpickle FILE: not a plain tensor file");
+  that would run code or build objects is "refusing to unpickle FILE: not a plain tensor file (it names X)");
   then the content must be a dict of dense tensors, checked like a safetensors header before the
   model is built.
 - values: a NaN/Inf weight is refused at load (file, tensor, counts), and so is a finite weight

@@ -136,9 +136,11 @@ class UnsafeFileError(ValueError):
 def load_tensor_file(path: Path) -> Any:
     """``torch.load(path, weights_only=True)`` on CPU, with one clear error for anything but plain tensors/containers.
 
-    The weights-only unpickler is the only one vexact uses; its refusal is reported as "refusing to unpickle FILE:
-    not a plain tensor file" -- never with torch's advice to load the file unsafely. Unreadable or truncated files
-    are a ValueError naming the file too."""
+    The weights-only unpickler is the only one vexact uses. A pickle it refuses for naming a global (a class or
+    function: it would build objects or run code) is "refusing to unpickle FILE: not a plain tensor file (it names
+    X)" -- never with torch's advice to load the file unsafely. Any other pickle it cannot read looks the same to it
+    whether damaged or written by plain ``pickle``, so that one says so; a damaged zip or a truncated file is "not
+    a readable torch tensor file" with the gist of torch's reason. Each is a ValueError naming the file."""
     path = Path(path)
     try:
         with warnings.catch_warnings(record=True) as said:  # torch's remarks on a file refused below are noise
@@ -147,13 +149,34 @@ def load_tensor_file(path: Path) -> Any:
         for w in said:  # a file that loaded: its warnings are news
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return data
-    except pickle.UnpicklingError:
-        raise UnsafeFileError(f"refusing to unpickle {path}: not a plain tensor file") from None
+    except (pickle.UnpicklingError, KeyError) as e:  # KeyError: the legacy unpickler reading bytes that are no
+        refused = _REFUSED_GLOBAL.search(str(e))    # pickle (text, say) looks up a memo key that is not there
+        if refused and isinstance(e, pickle.UnpicklingError):
+            raise UnsafeFileError(f"refusing to unpickle {path}: not a plain tensor file (it names "
+                                  f"{refused.group(1)})") from None
+        raise ValueError(f"{path}: cannot be read as a plain tensor file (damaged, or not saved by torch.save of "
+                         "tensors)") from None
     except FileNotFoundError:
         raise ValueError(f"{path}: file not found") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{path}: not a readable torch tensor file ({first[:120]})") from None
+    except EOFError:
+        raise ValueError(f"{path}: not a readable torch tensor file (it ends early: empty or truncated)") from None
+    except (RuntimeError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable torch tensor file ({_gist(e)})") from None
+
+
+_REFUSED_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
+"""torch's weights-only unpickler names the global it refused as "GLOBAL module.name" (blocked module or not
+allow-listed); any other refusal (an unsupported opcode) is what damaged bytes and plain pickles alike meet."""
+
+
+def _gist(err: BaseException, limit: int = 160) -> str:
+    """The useful part of an exception's message: its first sentence (torch follows it with advice), cut at a word
+    boundary with an ellipsis past ``limit`` characters; the exception's type when it says nothing."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    text = re.split(r"(?<=[^.\s])\.\s", text, maxsplit=1)[0]
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 class LogBackend(Protocol):
