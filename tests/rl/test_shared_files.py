@@ -351,6 +351,28 @@ def test_single_run_report_refuses_a_damaged_log_unless_told_to_skip(tmp_path, c
     assert any("left out, damaged (--skip-damaged): metrics.jsonl:5" in n for n in report["notes"])
 
 
+def test_single_run_report_speaks_of_the_run_not_of_points(tmp_path, capsys):
+    run = _hand_sweep(tmp_path / "sweep") / "points" / "seed=0"
+    (run / "summary.json").write_text('{"status": "compl')  # unparsable
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run}: the run's files are damaged or unreadable: summary.json: not a readable "
+                          "run summary (") and err.count("\n") == 1, err
+    assert err.endswith(". Repair them, or pass --skip-damaged to report from what is readable\n")
+    assert "point" not in err.replace(str(run), "")
+
+
+def test_report_refuses_a_file_where_its_folder_goes(tmp_path, capsys):
+    """mkdir's own error was a bare "File exists: DIR/report"; now it says what to do, for a sweep and a run."""
+    sweep = _hand_sweep(tmp_path / "sweep")
+    for target in (sweep, sweep / "points" / "seed=0"):
+        (target / "report").write_text("the user's notes\n")
+        assert main(["report", str(target)]) == 2
+        assert capsys.readouterr().err == (f"error: {target / 'report'} is a file; the report is written into a "
+                                           "folder of that name: move the file away and run vexact report again\n")
+        assert (target / "report").read_text() == "the user's notes\n"
+
+
 def test_an_undamaged_sweep_reports_as_before(tmp_path):
     result = write_report(_hand_sweep(tmp_path / "sweep"), Console(quiet=True))
     assert result["skipped"] == [] and [r["seeds"] for r in result["rows"]] == [2]

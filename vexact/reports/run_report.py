@@ -46,7 +46,7 @@ from ..rl.config import CollapseSection, RunConfig, load_config
 from ..sweeps.failure import failure_of, failure_words
 from ..sweeps.sweep_data import PointData, collapse_step_of, damaged_points_error, is_num, metric_series, read_point
 from ..sweeps.text_table import TextColumn, fmt_float, fmt_sci, print_table
-from .sweep_report import REPORT_DIR, write_report, written_line
+from .sweep_report import report_folder, write_report, written_line
 from .sweep_table import reward_definition, reward_summary
 
 RUN_FILES = (METRICS_FILE, SUMMARY_FILE)  # either one makes a directory a run directory
@@ -341,9 +341,8 @@ def write_run_report(run_dir: str | Path, console: Console | None = None, skip_d
     console = console or Console()
     run = read_run(run_dir)
     if run.point.damage and not skip_damaged:
-        raise damaged_points_error(Path(run_dir), [run.point])
-    out = run.point.dir / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+        raise damaged_points_error(Path(run_dir), [run.point], single_run=True)
+    out = report_folder(run.point.dir)
     s = run_summary(run)
     files = []
     try:

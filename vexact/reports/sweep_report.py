@@ -41,6 +41,17 @@ from .sweep_table import group_markdown, group_table, render_table, reward_defin
 REPORT_DIR = "report"
 
 
+def report_folder(parent: Path) -> Path:
+    """PARENT/report, made if missing. A file (or anything but a folder) of that name is one error saying what to
+    do -- mkdir's own is a bare "File exists: PATH"."""
+    out = parent / REPORT_DIR
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise ValueError(f"{out} is a file; the report is written into a folder of that name: move the file away "
+                         "and run vexact report again")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def write_report(sweep_dir: str | Path, console: Console | None = None, skip_damaged: bool = False) -> dict[str, Any]:
     """Load the sweep, write SWEEP_DIR/report/{summary.csv,table.json,table.md,*.png}, print the table.
 
@@ -55,8 +66,7 @@ def write_report(sweep_dir: str | Path, console: Console | None = None, skip_dam
     if damaged and not skip_damaged:
         raise damaged_points_error(data.path, damaged)
     data.points = [p for p in data.points if not p.damage]
-    out = data.path / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
+    out = report_folder(data.path)
     rows = group_table(data)
     files = [write_summary_csv(data, out / "summary.csv")]
     write_json_atomic(out / "table.json", rows, sort_keys=False)

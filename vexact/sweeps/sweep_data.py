@@ -184,8 +184,14 @@ def _first_line(err: BaseException) -> str:
     return (text.splitlines() or [type(err).__name__])[0][:200]
 
 
-def damaged_points_error(where: Path, damaged: list[PointData]) -> ValueError:
-    """One error naming every damaged or unreadable point and what is wrong with it."""
+def damaged_points_error(where: Path, damaged: list[PointData], single_run: bool = False) -> ValueError:
+    """One error naming every damaged or unreadable point and what is wrong with it; ``single_run``: ``where`` is
+    the one run reported (``vexact report RUN_DIR``), so it speaks of that run, and --skip-damaged reports what is
+    readable of it rather than leaving it out."""
+    if single_run:
+        return ValueError(f"{where}: the run's files are damaged or unreadable: "
+                          f"{'; '.join(p for point in damaged for p in point.damage)}. "
+                          "Repair them, or pass --skip-damaged to report from what is readable")
     return ValueError(f"{where}: {len(damaged)} damaged or unreadable point{'s' * (len(damaged) != 1)}: "
                       f"{damage_list(damaged)}. "
                       "Repair or move them away, or pass --skip-damaged to report without them")
