@@ -290,11 +290,11 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
 
     from ..real.compare import CompareSettings, run_compare
     from ..real.measure import (
+        CheckpointLoader,
         MeasureSettings,
-        _checkpoint_config,
-        _Loader,
-        _require_finite,
         load_prompts,
+        model_checkpoint_config,
+        require_finite_logprobs,
     )
     from ..real.pretrained import load_tokenizer, model_config_from_hf
 
@@ -304,7 +304,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     if s.threads is not None:
         torch.set_num_threads(s.threads)
     directory = Path(s.model)
-    hf_config = _checkpoint_config(directory)
+    hf_config = model_checkpoint_config(directory)
     measure = MeasureSettings(model=directory, prompts_file=s.prompts_file, random_prompts=s.random_prompts,
                               max_prompt_len=s.max_prompt_len, token_ids=s.token_ids,
                               max_new_tokens=s.max_new_tokens, temperature=float(s.temperature), seed=s.seed,
@@ -319,7 +319,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     # or hostile file gets vexact's one-line refusal, not an engine traceback.
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    paths = _Loader(directory, max_seq_len=needed).paths(*specs)
+    paths = CheckpointLoader(directory, max_seq_len=needed).paths(*specs)
     seconds["load_train"] = time.perf_counter() - start
 
     out = Path(s.out)
@@ -341,7 +341,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
         start = time.perf_counter()
         scored = path.score(prompts, rollout.tokens, measure)
         seconds[f"train_{spec.name}"] = time.perf_counter() - start
-        _require_finite(f"training path {spec.name}", scored)
+        require_finite_logprobs(f"training path {spec.name}", scored)
         _write_side(out / side_file(spec.name), prompts, rollout.tokens, [lp.tolist() for lp in scored])
 
     sides = ["vllm"] + [spec.name for spec in specs]

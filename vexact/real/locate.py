@@ -274,15 +274,16 @@ class _Models:
     def hf(self, spec: PathSpec) -> Any:
         import tempfile
 
-        from .measure import _Loader  # measure's checked transformers loader (one place that loads hf paths)
+        from .measure import CheckpointLoader  # measure's checked transformers loader (one place that loads hf paths)
 
         if ("hf", spec.dtype) not in self._built:
             if self.settings.model is not None:
-                self._built["hf", spec.dtype] = _Loader(Path(self.settings.model), device=self.device)._hf_model(spec)
+                loader = CheckpointLoader(Path(self.settings.model), device=self.device)
+                self._built["hf", spec.dtype] = loader.hf_model(spec)
             else:  # the random model's fp32 weights, bit for bit, as a transformers checkpoint
                 with tempfile.TemporaryDirectory(prefix="vexact-locate-") as tmp:
                     export_hf_checkpoint(self.get(PathSpec("exact", torch.float32)), tmp)
-                    self._built["hf", spec.dtype] = _Loader(Path(tmp), device=self.device)._hf_model(spec)
+                    self._built["hf", spec.dtype] = CheckpointLoader(Path(tmp), device=self.device).hf_model(spec)
         return self._built["hf", spec.dtype]
 
 

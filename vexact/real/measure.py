@@ -309,7 +309,7 @@ class HFPath:
         return vexact_kernels.native.log_softmax(torch.cat(self._response_logits(prompts, responses, temperature)))
 
 
-class _Loader:
+class CheckpointLoader:
     """Reads and checks the checkpoint once (``pretrained.read_checkpoint``: plain tensors only, shapes and dtypes as
     the config implies, finite weights), then builds each (kind, dtype) once; vexact backends share one model per
     dtype. The ``hf`` path is loaded by transformers only after those checks passed, so a hostile pickle or an
@@ -351,11 +351,13 @@ class _Loader:
                 if not self._checked:
                     self.checkpoint()
                 self.release()
-                self._models[key] = self._hf_model(spec)
+                self._models[key] = self.hf_model(spec)
         model = self._models[key]
         return VexactPath(model, spec.backend) if kind == "vexact" else HFPath(model, spec.name)
 
-    def _hf_model(self, spec: PathSpec) -> Any:
+    def hf_model(self, spec: PathSpec) -> Any:
+        """transformers' own model of the directory in ``spec.dtype`` (uncached: ``path`` caches it), refused in one
+        line if transformers cannot load it or a weight overflows the dtype."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -374,8 +376,9 @@ class _Loader:
         return model
 
 
-def _checkpoint_config(directory: Path) -> dict[str, Any]:
-    """The checkpoint's config.json (read here too: the ``hf`` path and the prompts need it)."""
+def model_checkpoint_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's config.json (read here too: the ``hf`` path and the prompts need it); its errors name
+    ``--model``, and a config without an integer ``vocab_size`` is refused."""
     try:
         config = read_checkpoint_config(directory)
     except ValueError as err:
@@ -516,7 +519,7 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     directory = Path(settings.model)
-    hf_config = _checkpoint_config(directory)
+    hf_config = model_checkpoint_config(directory)
     vocab_size = hf_config["vocab_size"]
     tokenizer = load_tokenizer(directory)
     prompts = load_prompts(settings, vocab_size, tokenizer)
@@ -528,17 +531,18 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    loader = _Loader(directory, max_seq_len=min(needed, limit), device=resolve_device(settings.device, "--device"))
+    loader = CheckpointLoader(directory, max_seq_len=min(needed, limit),
+                              device=resolve_device(settings.device, "--device"))
     rollout, train = loader.paths(rollout_spec, train_spec)
     seconds["load"] = time.perf_counter() - start
 
     start = time.perf_counter()
     responses, logp_roll = rollout.generate(prompts, settings, eos)
-    _require_finite(f"rollout path {rollout_spec.name}", logp_roll)
+    require_finite_logprobs(f"rollout path {rollout_spec.name}", logp_roll)
     seconds["rollout"] = time.perf_counter() - start
     start = time.perf_counter()
     logp_train = train.score(prompts, responses, settings)
-    _require_finite(f"training path {train_spec.name}", logp_train)
+    require_finite_logprobs(f"training path {train_spec.name}", logp_train)
     seconds["train"] = time.perf_counter() - start
 
     roll_flat = torch.cat([lp.float() for lp in logp_roll])
@@ -571,7 +575,7 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     return MeasureResult(summary, roll_flat, train_flat, response_positions(lengths), samples)
 
 
-def _require_finite(what: str, logprobs: list[Tensor]) -> None:
+def require_finite_logprobs(what: str, logprobs: list[Tensor]) -> None:
     """Non-finite log-probs would make every metric NaN: refuse them, naming the path and the first bad token.
     The weights were checked finite at load, so this is an activation overflow (e.g. in bf16) on that path."""
     for i, lp in enumerate(logprobs):
