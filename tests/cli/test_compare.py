@@ -413,7 +413,7 @@ def test_bad_tensor_input(tmp_path, capsys):
     path.write_bytes(pickle.dumps({"rollout_log_probs": _Evil()}, protocol=2))  # a pickle that would run code
     code, _, err = _run(capsys, path)
     assert code == 2 and err == (f"error: refusing to unpickle {path}: not a plain tensor file (it names "
-                                 "builtins.print)\n")
+                                 "print)\n")  # torch's name for builtins.print
     # protocol 4 frames its opcodes: the weights-only unpickler stops at the frame, before any global, exactly as
     # it does on damaged bytes -- so the message cannot claim more than that
     path.write_bytes(pickle.dumps({"rollout_log_probs": _Evil()}, protocol=4))
