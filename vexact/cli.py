@@ -19,8 +19,8 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     add_threads_flag,
     check_outputs,
     check_prompt_length_flags,
+    check_sampling_seed,
     make_console,
-    moot_seed_error,
 )
 from .cli_base import non_negative_int as _non_negative_int
 from .cli_base import positive_int as _positive_int
@@ -446,8 +446,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     # --max-prompt-len and --seed parse to None unless given, so that where they would do nothing they are refused
     source = "--prompts" if args.prompts is not None else "--random-prompts"
     check_prompt_length_flags(source, args.max_prompt_len, args.token_ids)
-    if args.seed is not None and source == "--prompts" and args.temperature == 0:
-        raise moot_seed_error(["--prompts gives the prompts", "--temperature 0 is greedy"])
+    check_sampling_seed(source, args.seed, args.temperature)
     given = {key: getattr(args, key) for key in ("max_prompt_len", "seed") if getattr(args, key) is not None}
     settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
                                random_prompts=args.random_prompts, **given,  # else MeasureSettings' defaults

