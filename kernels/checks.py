@@ -10,7 +10,7 @@ Each ``<op>`` check first tests the usual case -- what every model call passes -
 names (a decode step makes hundreds of op calls: the naming checks, run on each, cost 4% of a small model's CPU
 step). Only when that test fails does it look again, to name what is wrong; a False is "look closer", not "wrong"
 (mixed dtypes where an op allows them take the long way). All of it reads metadata only (dtype, shape, device): no
-tensor op, so no bit moves and, on a GPU, no synchronisation. The two value checks (``token_ids``,
+tensor op, so no bit moves and, on a GPU, no synchronisation. The two value checks (``ids_in_range``,
 ``query_starts``) read values and so skip CUDA tensors (see there).
 """
 
@@ -77,12 +77,14 @@ def last_dim(op: str, name: str, t: Tensor) -> None:
 # --------------------------------------------------------------------------- value checks (CPU tensors only)
 # Reading a CUDA tensor's values (.item(), aminmax) synchronises the device, and these ops run per layer per decode
 # step: there the values go unchecked, and what a bad value does is the kernel's (stated where it is called).
-def token_ids(op: str, tokens: Tensor, vocab: int) -> None:
-    """One ValueError unless the token ids of a CPU ``tokens`` lie in [0, vocab) (torch's own error names no id)."""
-    if tokens.numel() and not tokens.is_cuda:
-        first, last = (int(bound) for bound in torch.aminmax(tokens))
-        if first < 0 or last >= vocab:
-            raise ValueError(f"{op}: token ids must lie in [0, V), V = {vocab} (weight's rows), got ids in "
+def ids_in_range(op: str, ids: Tensor, size: int, what: str, bound: tuple[str, str]) -> None:
+    """One ValueError unless the ids of a CPU ``ids`` lie in [0, size) (torch's own error names no id): ``what``
+    names the ids (``token``), ``bound`` the size's letter and where it comes from (``("V", "weight's rows")``)."""
+    if ids.numel() and not ids.is_cuda:
+        first, last = (int(bound) for bound in torch.aminmax(ids))
+        if first < 0 or last >= size:
+            letter, source = bound
+            raise ValueError(f"{op}: {what} ids must lie in [0, {letter}), {letter} = {size} ({source}), got ids in "
                              f"[{first}, {last}]")
 
 
@@ -106,7 +108,7 @@ def embedding(op: str, tokens: Tensor, weight: Tensor) -> None:
             raise shape_error(op, "weight must be [V, D]", weight=weight)
         if tokens.device != weight.device:
             raise ValueError(f"{op}: tokens are on {tokens.device} but weight on {weight.device}")
-    token_ids(op, tokens, weight.shape[0])
+    ids_in_range(op, tokens, weight.shape[0], "token", ("V", "weight's rows"))
 
 
 def rms_norm(op: str, x: Tensor, weight: Tensor) -> None:

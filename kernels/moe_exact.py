@@ -124,11 +124,7 @@ def _check_routing(log_probs: Tensor, experts: Tensor) -> None:
         if experts.shape[:-1] != log_probs.shape[:-1]:
             raise checks.shape_error(op, "log_probs must be [..., E] and experts [..., k]", log_probs=log_probs,
                                      experts=experts)
-    if experts.numel() and not experts.is_cuda:
-        first, last = (int(bound) for bound in torch.aminmax(experts))
-        if first < 0 or last >= log_probs.shape[-1]:
-            raise ValueError(f"{op}: expert ids must lie in [0, E), E = {log_probs.shape[-1]} (log_probs' last "
-                             f"dimension), got ids in [{first}, {last}]")
+    checks.ids_in_range(op, experts, log_probs.shape[-1], "expert", ("E", "log_probs' last dimension"))
 
 
 def combine(weights: Tensor, outputs: Tensor) -> Tensor:
