@@ -207,17 +207,34 @@ class ProbeRecord:
                 "seconds": round(self.seconds, 4), "ops": sorted(self.ops)}
 
 
+class torch_threads:  # lower case: used like a function, ``with torch_threads(n):``
+    """Torch's thread count set to ``threads`` for the block (None: left as it is), and the caller's put back after
+    it, also when the block raises or changed the count itself. Torch's thread count is process state: a call that
+    runs at its own count (the probe, ``vexact measure``'s ``threads`` setting) must not leave its caller at it.
+    ValueError for a count torch would refuse with a RuntimeError of its own. A class, not a generator: it wraps
+    every GEMM of a ``blas-1-thread`` class (``_with_threads``), where contextlib's overhead would be 3x this."""
+
+    __slots__ = ("threads", "before")
+
+    def __init__(self, threads: int | None) -> None:
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        self.threads = threads
+
+    def __enter__(self) -> None:
+        self.before = torch.get_num_threads()
+        if self.threads is not None and self.threads != self.before:
+            torch.set_num_threads(self.threads)
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.get_num_threads() != self.before:
+            torch.set_num_threads(self.before)
+
+
 def _with_threads(threads: int, fn: Callable[[], object]) -> object:
-    """fn() under ``threads`` torch threads. The probe must compare thread counts, and torch's thread
-    count is process state, so it is set for the call and put back."""
-    before = torch.get_num_threads()
-    if before == threads:
+    """fn() under ``threads`` torch threads (the probe must compare thread counts), the caller's put back after."""
+    with torch_threads(threads):
         return fn()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 def _digest(t: Tensor) -> str:

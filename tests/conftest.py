@@ -3,7 +3,6 @@ optional-package rule and the ``slow`` marker (``python -m pytest -m "not slow"`
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import random
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from vexact import ModelConfig, Transformer
+from vexact_kernels.host_guard import torch_threads
 
 TESTS = Path(__file__).resolve().parent
 """tests/: this file and one folder per subject (config, kernels, engine, rl, map, integrations, cli, docs, repo), which
@@ -54,14 +54,7 @@ def warm_start_cache(tmp_path: Path) -> Path:
     return tmp_path.parent / "warm_start_cache"
 
 
-@contextlib.contextmanager
-def num_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+num_threads = torch_threads  # ``with num_threads(n):`` torch threads for the block, the caller's count after it
 
 
 @pytest.fixture(autouse=True)

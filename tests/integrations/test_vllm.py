@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, num_threads
 
 from vexact import ModelConfig, Transformer
 from vexact.engine.scoring import token_logprobs
 from vexact.integrations import vllm as vx
 from vexact.real.compare import CompareSettings, run_compare
+from vexact.real.measure import CheckpointLoader
 from vexact.real.pretrained import export_hf_checkpoint, from_pretrained
 from vexact.real.tiny import make_tiny_checkpoint
 
@@ -279,3 +280,23 @@ def test_a_checkpoint_vexact_refuses_never_reaches_vllm(stub_vllm):
     with pytest.raises(ValueError, match="unsupported architecture: the checkpoint asks for model_type='gpt2'"):
         vx.run_vllm_dump(settings(stub_vllm))
     assert not (stub_vllm / "calls.json").exists()
+
+
+def test_the_dump_runs_the_training_side_at_its_count_and_gives_the_callers_back(stub_vllm, monkeypatch):
+    # the training side scores at --threads (this process; vLLM's child has its own), and the caller's count is
+    # back afterwards, also when the dump fails after setting it (here: vLLM's process dies)
+    seen = []
+    real_paths = CheckpointLoader.paths
+
+    def paths(self, *specs):
+        seen.append(torch.get_num_threads())
+        return real_paths(self, *specs)
+
+    monkeypatch.setattr(CheckpointLoader, "paths", paths)
+    with num_threads(3):
+        vx.run_vllm_dump(settings(stub_vllm, threads=2))
+        assert seen == [2] and torch.get_num_threads() == 3
+        monkeypatch.setenv("VEXACT_VLLM_STUB", "die")
+        with pytest.raises(ValueError, match="vLLM's process exited with code 3"):
+            vx.run_vllm_dump(settings(stub_vllm, threads=2))
+        assert torch.get_num_threads() == 3

@@ -299,7 +299,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     """Generate with vLLM, rescore with each training path, write every side in ``vexact compare``'s format and
     compare each pair (vLLM against each path, then the paths against each other) with ``vexact compare``'s own
     code. Returns the ``dump.json`` summary."""
-    import torch
+    from vexact_kernels.host_guard import torch_threads
 
     from ..real.compare import CompareSettings, run_compare
     from ..real.measure import (
@@ -315,68 +315,69 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     s = check_prompt_settings(s)
     specs = _train_specs(s)
     require_vllm()
-    if s.threads is not None:
-        torch.set_num_threads(s.threads)
-    directory = Path(s.model)
-    hf_config = model_checkpoint_config(directory)
-    measure = MeasureSettings(model=directory, prompts_file=s.prompts_file, random_prompts=s.random_prompts,
-                              max_prompt_len=s.max_prompt_len, token_ids=s.token_ids,
-                              max_new_tokens=s.max_new_tokens, temperature=float(s.temperature), seed=s.seed,
-                              micro_batch_size=s.micro_batch_size)
-    prompts = load_prompts(measure, hf_config["vocab_size"], load_tokenizer(directory))
-    limit = model_config_from_hf(hf_config, source=str(directory / "config.json")).max_seq_len
-    needed = max(map(len, prompts)) + s.max_new_tokens
-    if needed > limit:
-        raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) + --max-new-tokens "
-                         f"({s.max_new_tokens}) is {needed}, over the checkpoint's {limit} positions")
-    # The checkpoint is read and checked by vexact (and the training paths built) before vLLM sees it, so a broken
-    # or hostile file gets vexact's one-line refusal, not an engine traceback.
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    paths = CheckpointLoader(directory, max_seq_len=needed).paths(*specs)
-    seconds["load_train"] = time.perf_counter() - start
-
-    out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    rollout = generate_with_vllm(directory, prompts, dtype=s.dtype, max_new_tokens=s.max_new_tokens,
-                                 temperature=float(s.temperature), top_p=float(s.top_p), top_k=s.top_k,
-                                 logprobs_mode=s.logprobs_mode, seed=s.seed, max_model_len=needed,
-                                 log_file=out / LOG_FILE, timeout_s=s.timeout_s)
-    seconds["vllm"] = time.perf_counter() - start
-    seconds.update({f"vllm_{k}": v for k, v in rollout.seconds.items()})
-    bad = next(((i, t) for i, lps in enumerate(rollout.logprobs) for t, v in enumerate(lps) if not math.isfinite(v)),
-               None)
-    if bad is not None:
-        raise ValueError(f"vLLM reported a non-finite log-prob (prompt {bad[0]}, response position {bad[1]}): "
-                         "its activations overflow in this dtype, so there is no mismatch to measure")
-    _write_side(out / ROLLOUT_FILE, prompts, rollout.tokens, rollout.logprobs)
-    for spec, path in zip(specs, paths):
+    # This process's count, for the training side, and the caller's back after it. (vLLM's no-op
+    # torch.set_num_threads is confined to its child process: see the module docstring.)
+    with torch_threads(s.threads):
+        directory = Path(s.model)
+        hf_config = model_checkpoint_config(directory)
+        measure = MeasureSettings(model=directory, prompts_file=s.prompts_file, random_prompts=s.random_prompts,
+                                  max_prompt_len=s.max_prompt_len, token_ids=s.token_ids,
+                                  max_new_tokens=s.max_new_tokens, temperature=float(s.temperature), seed=s.seed,
+                                  micro_batch_size=s.micro_batch_size)
+        prompts = load_prompts(measure, hf_config["vocab_size"], load_tokenizer(directory))
+        limit = model_config_from_hf(hf_config, source=str(directory / "config.json")).max_seq_len
+        needed = max(map(len, prompts)) + s.max_new_tokens
+        if needed > limit:
+            raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) + --max-new-tokens "
+                             f"({s.max_new_tokens}) is {needed}, over the checkpoint's {limit} positions")
+        # The checkpoint is read and checked by vexact (and the training paths built) before vLLM sees it, so a broken
+        # or hostile file gets vexact's one-line refusal, not an engine traceback.
+        seconds: dict[str, float] = {}
         start = time.perf_counter()
-        scored = path.score(prompts, rollout.tokens, measure)
-        seconds[f"train_{spec.name}"] = time.perf_counter() - start
-        require_finite_logprobs(f"training path {spec.name}", scored)
-        _write_side(out / side_file(spec.name), prompts, rollout.tokens, [lp.tolist() for lp in scored])
+        paths = CheckpointLoader(directory, max_seq_len=needed).paths(*specs)
+        seconds["load_train"] = time.perf_counter() - start
 
-    sides = ["vllm"] + [spec.name for spec in specs]
-    pairs = [("vllm", name) for name in sides[1:]] + [(a, b) for i, a in enumerate(sides[1:], 1)
-                                                     for b in sides[i + 1:]]
-    comparisons = []
-    for rollout_side, train_side in pairs:
-        report = run_compare(CompareSettings(rollout=out / side_file(rollout_side),
-                                             train=out / side_file(train_side))).summary
-        m = report["metrics"]
-        comparisons.append({"rollout": rollout_side, "train": train_side, "tokens": report["tokens"],
-                            "bitwise_equal": report["bitwise_equal"], "metrics": m,
-                            "command": f"vexact compare {out / side_file(rollout_side)} "
-                                       f"{out / side_file(train_side)}"})
-    summary = {"model": str(directory), "vllm_version": rollout.vllm_version,
-               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
-               "incomparable": problems, "prompts": len(prompts), "tokens": sum(map(len, rollout.tokens)),
-               "files": {side: side_file(side) for side in sides}, "comparisons": comparisons,
-               "seconds": {k: round(v, 3) for k, v in seconds.items()}}
-    (out / DUMP_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+        out = Path(s.out)
+        out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        rollout = generate_with_vllm(directory, prompts, dtype=s.dtype, max_new_tokens=s.max_new_tokens,
+                                     temperature=float(s.temperature), top_p=float(s.top_p), top_k=s.top_k,
+                                     logprobs_mode=s.logprobs_mode, seed=s.seed, max_model_len=needed,
+                                     log_file=out / LOG_FILE, timeout_s=s.timeout_s)
+        seconds["vllm"] = time.perf_counter() - start
+        seconds.update({f"vllm_{k}": v for k, v in rollout.seconds.items()})
+        bad = next(((i, t) for i, lps in enumerate(rollout.logprobs) for t, v in enumerate(lps)
+                    if not math.isfinite(v)), None)
+        if bad is not None:
+            raise ValueError(f"vLLM reported a non-finite log-prob (prompt {bad[0]}, response position {bad[1]}): "
+                             "its activations overflow in this dtype, so there is no mismatch to measure")
+        _write_side(out / ROLLOUT_FILE, prompts, rollout.tokens, rollout.logprobs)
+        for spec, path in zip(specs, paths):
+            start = time.perf_counter()
+            scored = path.score(prompts, rollout.tokens, measure)
+            seconds[f"train_{spec.name}"] = time.perf_counter() - start
+            require_finite_logprobs(f"training path {spec.name}", scored)
+            _write_side(out / side_file(spec.name), prompts, rollout.tokens, [lp.tolist() for lp in scored])
+
+        sides = ["vllm"] + [spec.name for spec in specs]
+        pairs = [("vllm", name) for name in sides[1:]] + [(a, b) for i, a in enumerate(sides[1:], 1)
+                                                         for b in sides[i + 1:]]
+        comparisons = []
+        for rollout_side, train_side in pairs:
+            report = run_compare(CompareSettings(rollout=out / side_file(rollout_side),
+                                                 train=out / side_file(train_side))).summary
+            m = report["metrics"]
+            comparisons.append({"rollout": rollout_side, "train": train_side, "tokens": report["tokens"],
+                                "bitwise_equal": report["bitwise_equal"], "metrics": m,
+                                "command": f"vexact compare {out / side_file(rollout_side)} "
+                                           f"{out / side_file(train_side)}"})
+        summary = {"model": str(directory), "vllm_version": rollout.vllm_version,
+                   "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
+                   "incomparable": problems, "prompts": len(prompts), "tokens": sum(map(len, rollout.tokens)),
+                   "files": {side: side_file(side) for side in sides}, "comparisons": comparisons,
+                   "seconds": {k: round(v, 3) for k, v in seconds.items()}}
+        (out / DUMP_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
 
 
 def format_table(summary: dict[str, Any]) -> str:

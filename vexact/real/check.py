@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vexact_kernels import kernel_paths
+from vexact_kernels.host_guard import torch_threads
 
 from ..engine.generation import generate
 from ..engine.model import ModelConfig, Transformer, resolve_dtype, short_dtype_name
@@ -117,26 +118,25 @@ def run_check(settings: CheckSettings, backends: tuple[str, ...] = ("exact", "na
     and ``kernel_paths``: the path each op took (for the exact CPU kernels: what the host probes found).
     ``device``: where the model runs (``"cuda"``: the exact backend is then the compiled Triton kernels);
     ``progress`` hears of each of ``check_units`` units per backend (``vexact.progress``)."""
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
-    cfg = ModelConfig(vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
-                      num_layers=settings.num_layers, num_heads=settings.num_heads,
-                      num_kv_heads=settings.num_kv_heads, intermediate_size=settings.intermediate_size,
-                      tie_embeddings=settings.tie_embeddings, num_experts=settings.num_experts,
-                      num_experts_per_tok=settings.num_experts_per_tok,
-                      moe_intermediate_size=settings.moe_intermediate_size, head_dim=settings.head_dim,
-                      qk_norm=settings.qk_norm, rope_theta=settings.rope_theta,
-                      norm_topk_prob=settings.norm_topk_prob,
-                      max_seq_len=settings.max_prompt_len + settings.max_new_tokens)
-    rng = random.Random(settings.seed)
-    prompts = [[rng.randrange(settings.vocab_size) for _ in range(rng.randint(1, settings.max_prompt_len))]
-               for _ in range(settings.num_prompts)]
-    rows = []
-    for backend in backends:
-        model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), device=device,
-                            init_seed=settings.seed)
-        rows.append(_check_backend(model, prompts, settings, progress or _Silent()))
-    return rows
+    with torch_threads(settings.threads):  # the caller's count back after the check
+        cfg = ModelConfig(vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
+                          num_layers=settings.num_layers, num_heads=settings.num_heads,
+                          num_kv_heads=settings.num_kv_heads, intermediate_size=settings.intermediate_size,
+                          tie_embeddings=settings.tie_embeddings, num_experts=settings.num_experts,
+                          num_experts_per_tok=settings.num_experts_per_tok,
+                          moe_intermediate_size=settings.moe_intermediate_size, head_dim=settings.head_dim,
+                          qk_norm=settings.qk_norm, rope_theta=settings.rope_theta,
+                          norm_topk_prob=settings.norm_topk_prob,
+                          max_seq_len=settings.max_prompt_len + settings.max_new_tokens)
+        rng = random.Random(settings.seed)
+        prompts = [[rng.randrange(settings.vocab_size) for _ in range(rng.randint(1, settings.max_prompt_len))]
+                   for _ in range(settings.num_prompts)]
+        rows = []
+        for backend in backends:
+            model = Transformer(cfg, backend=backend, dtype=resolve_dtype(settings.dtype), device=device,
+                                init_seed=settings.seed)
+            rows.append(_check_backend(model, prompts, settings, progress or _Silent()))
+        return rows
 
 
 class _Silent:

@@ -66,6 +66,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vexact_kernels.host_guard import torch_threads
+
 from ..cli_base import EXIT_FAILED, EXIT_OK, check_outputs, positive_int
 from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL
 from ..records.runlog import load_tensor_file
@@ -642,43 +644,42 @@ def run_compare(s: CompareSettings) -> CompareResult:
     if isinstance(s.full_vocab_top_k, bool) or not isinstance(s.full_vocab_top_k, int) or s.full_vocab_top_k < 1:
         raise ValueError(f"--full-vocab-top-k must be a positive integer, got {s.full_vocab_top_k!r}")
     rk, tk = resolve_keys(s)
-    if s.threads is not None:
-        torch.set_num_threads(s.threads)
-    start = time.perf_counter()
-    pairs = _read_one_file(s, rk, tk) if s.train is None else _read_two_files(s, rk, tk)
-    read_s = time.perf_counter() - start
+    with torch_threads(s.threads):  # the caller's count back after the comparison
+        start = time.perf_counter()
+        pairs = _read_one_file(s, rk, tk) if s.train is None else _read_two_files(s, rk, tk)
+        read_s = time.perf_counter() - start
 
-    start = time.perf_counter()
-    lengths = [len(t) for t in pairs.train]
-    sources = str(s.rollout) if s.train is None else f"{s.rollout} and {s.train}"
-    if sum(lengths) == 0:
-        raise ValueError(f"{sources}: no tokens to compare: every sequence is empty")
-    floor_flat = _read_floor(s, tk, pairs) if s.floor is not None else None
-    train_flat = torch.from_numpy(np.concatenate(pairs.train))
-    pairs.train = []  # the flat copy replaces the per-sequence arrays
-    roll_flat = torch.from_numpy(np.concatenate(pairs.roll))
-    pairs.roll = []
-    report = mismatch_report(train_flat, roll_flat, lengths, max(lengths))
-    _require_finite_metrics(report["metrics"], train_flat, roll_flat, lengths, pairs.where)
-    if pairs.full_rows:
-        merged = {key: torch.cat([rows[key] for rows in pairs.full_rows]) for key in pairs.full_rows[0]}
-        if merged["kl"].numel():
-            report["metrics"].update(full_vocab_summary(merged, s.full_vocab_top_k))
-    summary = {
-        "rollout": str(s.rollout),
-        "train": str(s.rollout if s.train is None else s.train),
-        "mode": "one file" if s.train is None else "two files, matched by id",
-        "rollout_key": rk,
-        "train_key": tk,
-        "sequences": len(lengths),
-        "sequences_with_tokens_checked": pairs.tokens_checked,
-        **report,
-        "first_mismatch": pairs.first.to_json() if pairs.first is not None else None,
-        **({"floor": floor_verdict(train_flat, roll_flat, floor_flat, lengths, s.floor)}
-           if floor_flat is not None else {}),
-        "seconds": {"read": round(read_s, 3), "metrics": round(time.perf_counter() - start, 3)},
-    }
-    return CompareResult(summary, train_flat, roll_flat, pairs.first)
+        start = time.perf_counter()
+        lengths = [len(t) for t in pairs.train]
+        sources = str(s.rollout) if s.train is None else f"{s.rollout} and {s.train}"
+        if sum(lengths) == 0:
+            raise ValueError(f"{sources}: no tokens to compare: every sequence is empty")
+        floor_flat = _read_floor(s, tk, pairs) if s.floor is not None else None
+        train_flat = torch.from_numpy(np.concatenate(pairs.train))
+        pairs.train = []  # the flat copy replaces the per-sequence arrays
+        roll_flat = torch.from_numpy(np.concatenate(pairs.roll))
+        pairs.roll = []
+        report = mismatch_report(train_flat, roll_flat, lengths, max(lengths))
+        _require_finite_metrics(report["metrics"], train_flat, roll_flat, lengths, pairs.where)
+        if pairs.full_rows:
+            merged = {key: torch.cat([rows[key] for rows in pairs.full_rows]) for key in pairs.full_rows[0]}
+            if merged["kl"].numel():
+                report["metrics"].update(full_vocab_summary(merged, s.full_vocab_top_k))
+        summary = {
+            "rollout": str(s.rollout),
+            "train": str(s.rollout if s.train is None else s.train),
+            "mode": "one file" if s.train is None else "two files, matched by id",
+            "rollout_key": rk,
+            "train_key": tk,
+            "sequences": len(lengths),
+            "sequences_with_tokens_checked": pairs.tokens_checked,
+            **report,
+            "first_mismatch": pairs.first.to_json() if pairs.first is not None else None,
+            **({"floor": floor_verdict(train_flat, roll_flat, floor_flat, lengths, s.floor)}
+               if floor_flat is not None else {}),
+            "seconds": {"read": round(read_s, 3), "metrics": round(time.perf_counter() - start, 3)},
+        }
+        return CompareResult(summary, train_flat, roll_flat, pairs.first)
 
 
 FINITE_METRICS = (K3_KL, KL, ABS_DLOGP_MEAN, ABS_DLOGP_MAX)

@@ -71,6 +71,7 @@ import torch
 from torch import Tensor
 
 import vexact_kernels
+from vexact_kernels.host_guard import torch_threads
 
 from ..cli_base import (
     EXIT_FAILED,
@@ -431,9 +432,8 @@ def _select_rows(store: dict[str, Tensor], sequences: list[list[int]],
 
 
 def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[Sites], dict[str, float]]:
-    """Tokens (prompts + a continuation, or an earlier dump's) and every path's sites on them."""
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
+    """Tokens (prompts + a continuation, or an earlier dump's) and every path's sites on them, at the thread count
+    the caller set (``torch_threads(settings.threads)``)."""
     ranges = parse_positions(settings.positions)
     prompts, described, limit = _prompts(settings)
     source = read_dump(settings.tokens_from, "--tokens-from") if settings.tokens_from is not None else None
@@ -579,8 +579,9 @@ def run_locate(settings: LocateSettings) -> LocateResult:
     settings = _check_settings(settings)
     path_a = parse_locate_path(settings.a, "rollout", "--a")
     path_b = parse_locate_path(settings.b, "train", "--b")
-    (a, b), seconds = _run_paths(settings, [path_a, path_b])
-    return LocateResult(_summary(a, b, settings, seconds, dumps=False), a.tensors, b.tensors)
+    with torch_threads(settings.threads):  # the caller's count back after the run (the summary records the run's)
+        (a, b), seconds = _run_paths(settings, [path_a, path_b])
+        return LocateResult(_summary(a, b, settings, seconds, dumps=False), a.tensors, b.tensors)
 
 
 @torch.no_grad()
@@ -590,8 +591,9 @@ def run_dump(settings: LocateSettings) -> Sites:
         raise ValueError(f"--dump records a path spec; --a {settings.a} names a dump directory")
     settings = _check_settings(settings)
     path_a = parse_locate_path(settings.a, "rollout", "--a")
-    (sites,), _ = _run_paths(settings, [path_a])
-    write_dump(sites, settings.dump, tensors=not settings.hash)
+    with torch_threads(settings.threads):  # the caller's count back after the run
+        (sites,), _ = _run_paths(settings, [path_a])
+        write_dump(sites, settings.dump, tensors=not settings.hash)
     return sites
 
 

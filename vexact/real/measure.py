@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 import vexact_kernels
+from vexact_kernels.host_guard import torch_threads
 
 from ..engine.devices import resolve_device
 from ..engine.generation import generate
@@ -516,63 +517,64 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {settings.max_new_tokens!r}")
     check_temperature(settings.temperature)
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
-    directory = Path(settings.model)
-    hf_config = model_checkpoint_config(directory)
-    vocab_size = hf_config["vocab_size"]
-    tokenizer = load_tokenizer(directory)
-    prompts = load_prompts(settings, vocab_size, tokenizer)
-    eos = None if settings.ignore_eos else _eos_id(hf_config, tokenizer)
+    with torch_threads(settings.threads):  # the caller's count back after the run
+        directory = Path(settings.model)
+        hf_config = model_checkpoint_config(directory)
+        vocab_size = hf_config["vocab_size"]
+        tokenizer = load_tokenizer(directory)
+        prompts = load_prompts(settings, vocab_size, tokenizer)
+        eos = None if settings.ignore_eos else _eos_id(hf_config, tokenizer)
 
-    # The RoPE table only needs the longest sequence measured, not max_position_embeddings (same values either way).
-    limit = model_config_from_hf(hf_config, source=str(directory / "config.json")).max_seq_len
-    needed = max(map(len, prompts)) + settings.max_new_tokens
+        # The RoPE table only needs the longest sequence measured, not max_position_embeddings (same values either way).
+        limit = model_config_from_hf(hf_config, source=str(directory / "config.json")).max_seq_len
+        needed = max(map(len, prompts)) + settings.max_new_tokens
 
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    loader = CheckpointLoader(directory, max_seq_len=min(needed, limit),
-                              device=resolve_device(settings.device, "--device"))
-    rollout, train = loader.paths(rollout_spec, train_spec)
-    seconds["load"] = time.perf_counter() - start
-
-    start = time.perf_counter()
-    responses, logp_roll = rollout.generate(prompts, settings, eos)
-    require_finite_logprobs(f"rollout path {rollout_spec.name}", logp_roll)
-    seconds["rollout"] = time.perf_counter() - start
-    start = time.perf_counter()
-    logp_train = train.score(prompts, responses, settings)
-    require_finite_logprobs(f"training path {train_spec.name}", logp_train)
-    seconds["train"] = time.perf_counter() - start
-
-    roll_flat = torch.cat([lp.float() for lp in logp_roll])
-    train_flat = torch.cat([lp.float() for lp in logp_train])
-    lengths = [len(r) for r in responses]
-    report = mismatch_report(train_flat, roll_flat, lengths, settings.max_new_tokens)
-    if settings.full_vocab:
+        seconds: dict[str, float] = {}
         start = time.perf_counter()
-        report["metrics"].update(full_vocab_comparison(rollout, train, prompts, responses, settings, vocab_size))
-        seconds["full_vocab"] = time.perf_counter() - start
+        loader = CheckpointLoader(directory, max_seq_len=min(needed, limit),
+                                  device=resolve_device(settings.device, "--device"))
+        rollout, train = loader.paths(rollout_spec, train_spec)
+        seconds["load"] = time.perf_counter() - start
 
-    summary = {
-        "model": str(directory),
-        "architecture": (hf_config.get("architectures") or [hf_config.get("model_type")])[0],
-        "rollout": rollout_spec.name,
-        "train": train_spec.name,
-        "prompts": len(prompts),
-        "prompt_source": f"random {settings.random_prompts}" if settings.random_prompts else str(settings.prompts_file),
-        "max_new_tokens": settings.max_new_tokens,
-        "temperature": settings.temperature,
-        "seed": settings.seed,
-        "eos_token_id": eos,
-        "threads": torch.get_num_threads(),
-        **report,
-        "seconds": {k: round(v, 3) for k, v in seconds.items()},
-    }
-    samples = []
-    if tokenizer is not None:
-        samples = [repr(tokenizer.decode(p)) + " → " + repr(tokenizer.decode(r)) for p, r in zip(prompts, responses)]
-    return MeasureResult(summary, roll_flat, train_flat, response_positions(lengths), samples)
+        start = time.perf_counter()
+        responses, logp_roll = rollout.generate(prompts, settings, eos)
+        require_finite_logprobs(f"rollout path {rollout_spec.name}", logp_roll)
+        seconds["rollout"] = time.perf_counter() - start
+        start = time.perf_counter()
+        logp_train = train.score(prompts, responses, settings)
+        require_finite_logprobs(f"training path {train_spec.name}", logp_train)
+        seconds["train"] = time.perf_counter() - start
+
+        roll_flat = torch.cat([lp.float() for lp in logp_roll])
+        train_flat = torch.cat([lp.float() for lp in logp_train])
+        lengths = [len(r) for r in responses]
+        report = mismatch_report(train_flat, roll_flat, lengths, settings.max_new_tokens)
+        if settings.full_vocab:
+            start = time.perf_counter()
+            report["metrics"].update(full_vocab_comparison(rollout, train, prompts, responses, settings, vocab_size))
+            seconds["full_vocab"] = time.perf_counter() - start
+
+        summary = {
+            "model": str(directory),
+            "architecture": (hf_config.get("architectures") or [hf_config.get("model_type")])[0],
+            "rollout": rollout_spec.name,
+            "train": train_spec.name,
+            "prompts": len(prompts),
+            "prompt_source": (f"random {settings.random_prompts}" if settings.random_prompts
+                              else str(settings.prompts_file)),
+            "max_new_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature,
+            "seed": settings.seed,
+            "eos_token_id": eos,
+            "threads": torch.get_num_threads(),
+            **report,
+            "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        }
+        samples = []
+        if tokenizer is not None:
+            samples = [repr(tokenizer.decode(p)) + " → " + repr(tokenizer.decode(r))
+                       for p, r in zip(prompts, responses)]
+        return MeasureResult(summary, roll_flat, train_flat, response_positions(lengths), samples)
 
 
 def require_finite_logprobs(what: str, logprobs: list[Tensor]) -> None:
