@@ -21,6 +21,7 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     check_prompt_length_flags,
     check_sampling_seed,
     make_console,
+    prompt_source,
 )
 from .cli_base import non_negative_int as _non_negative_int
 from .cli_base import positive_int as _positive_int
@@ -444,7 +445,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
 
     check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts})
     # --max-prompt-len and --seed parse to None unless given, so that where they would do nothing they are refused
-    source = "--prompts" if args.prompts is not None else "--random-prompts"
+    source = prompt_source(args.prompts)
     check_prompt_length_flags(source, args.max_prompt_len, args.token_ids)
     check_sampling_seed(source, args.seed, args.temperature)
     given = {key: getattr(args, key) for key in ("max_prompt_len", "seed") if getattr(args, key) is not None}

@@ -94,6 +94,13 @@ def add_prompt_length_flags(parser: argparse.ArgumentParser, default: int, none_
     parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids even with a tokenizer")
 
 
+def prompt_source(prompts_file: Path | str | None) -> str:
+    """The flag the prompts come from, as ``check_prompt_length_flags`` and ``check_sampling_seed`` take it:
+    ``--prompts`` where a file is given, else ``--random-prompts`` (given, or the command's default). Measure, the
+    vLLM dump and locate (whose ``--prompt-tokens`` comes before both) all ask here."""
+    return "--prompts" if prompts_file is not None else "--random-prompts"
+
+
 def check_prompt_length_flags(source: str, max_prompt_len: int | None, token_ids: bool) -> None:
     """A ValueError naming the flag where one of ``add_prompt_length_flags``' flags was given and would do nothing:
     ``source`` is the flag the prompts come from (``--random-prompts`` for random ones, given or a command's

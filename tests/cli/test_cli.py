@@ -339,3 +339,24 @@ def test_the_memory_error_of_an_expert_count_names_num_experts(tmp_path, capsys,
                       "model.num_experts=100000")
     assert "model.num_experts=100,000" in line and "model.hidden_size=64" in line
     assert not (tmp_path / "moe").exists()
+
+
+@pytest.mark.parametrize("args", [["--prompts", "P", "--max-prompt-len", "4"], ["--random-prompts", "2", "--token-ids"],
+                                  ["--prompts", "P", "--temperature", "0", "--seed", "0"]])
+def test_measure_the_vllm_dump_and_locate_name_the_prompt_source_alike(tmp_path, capsys, args):
+    """Where the prompts come from (``vexact.cli_base.prompt_source``) reads the same in the three commands that take
+    ``--prompts``/``--random-prompts``: a moot prompt flag gets one message, byte for byte (locate's --seed message
+    also names the checkpoint, which brings the weights)."""
+    from vexact.integrations import vllm
+
+    (tmp_path / "ids.txt").write_text("5 6 7\n")
+    args = [str(tmp_path / "ids.txt") if a == "P" else a for a in args]
+    model = ["--model", str(tmp_path)]
+    errors = []
+    for command, argv in ((main, ["measure", *model, *args]), (vllm.main, [*model, "--out", str(tmp_path), *args]),
+                          (main, ["locate", *model, *args])):
+        assert command(argv) == 2
+        errors.append(capsys.readouterr().err)
+    assert errors[0].startswith("error: --") and errors[0].count("\n") == 1
+    locate = errors[2].replace(f"--model {tmp_path} brings the weights, ", "")
+    assert errors[0] == errors[1] == locate

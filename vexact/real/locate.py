@@ -84,6 +84,7 @@ from ..cli_base import (
     make_console,
     moot_seed_error,
     positive_int,
+    prompt_source,
 )
 from ..engine.devices import resolve_device
 from ..engine.generation import generate
@@ -354,10 +355,9 @@ def _check_settings(settings: LocateSettings) -> LocateSettings:
 
 
 def _prompt_source(settings: LocateSettings) -> str:
-    """The flag the prompts come from: ``--random-prompts`` also when none is given (random prompts: the default)."""
-    if settings.prompt_tokens is not None:
-        return "--prompt-tokens"
-    return "--prompts" if settings.prompts_file is not None else "--random-prompts"
+    """The flag the prompts come from: ``--prompt-tokens``, else measure's (``--random-prompts`` also when none is
+    given: random prompts are the default)."""
+    return "--prompt-tokens" if settings.prompt_tokens is not None else prompt_source(settings.prompts_file)
 
 
 def _check_seed(settings: LocateSettings) -> None:
