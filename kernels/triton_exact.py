@@ -282,8 +282,17 @@ def _linear_kernel(
 
 
 def entropy(log_probs: Tensor) -> Tensor:
-    """-sum(p log p) of a ``log_softmax`` output: torch ops on the device (deterministic for a given device and
-    shape; the log-probs it reads are the exact kernel's)."""
+    """-sum(p log p) of a ``log_softmax`` output: fp32 [..., V] -> [...], torch ops on the device (``native.entropy``,
+    bit for bit) over the log-probs the exact kernel wrote.
+
+    Invariance contract: none across shapes, unlike the other ops here. A row's value depends on its own values and
+    V, and also on how torch splits the sum: by the number of rows in the call and, on CPU, the thread count (on CPU
+    a row of 151936 log-probs alone at 2 threads is not bit for bit itself in a batch of 40, nor alone at 1 thread:
+    ``test_entropy_invariance`` in tests/kernels/test_triton_kernels.py); on CUDA torch's reduction kernel also
+    chooses its split by the shape, and nothing is promised there either. What holds: the same call (values, shape,
+    device, thread count) gives the same bits. Backward (autograd through torch's ops): -g p (1 + log p), elementwise,
+    so an entropy term's gradient does not depend on the batch; its value, and a logged entropy, may differ in the
+    last bits between micro-batch arrangements (``cpu_exact.entropy`` is row-invariant)."""
     checks.rows("triton_exact.entropy", "log_probs", log_probs)
     return native.entropy(log_probs)
 

@@ -80,3 +80,16 @@ def test_the_contract_check_catches_a_missing_op_and_a_changed_signature():
     swapped = SimpleNamespace(**{**{n: getattr(native, n) for n in OP_NAMES}, "linear": linear})
     assert _contract_violations(swapped) == ["linear: parameters ['weight', 'x', 'bias'] instead of ['x', 'weight', "
                                              "'bias']"]
+
+
+@pytest.mark.parametrize("name", ["cpu_exact", "triton_exact"])
+def test_every_exact_op_states_its_invariance_contract(name):
+    """Each op of an exact backend says in its docstring what its output may depend on and what not ("Invariance
+    contract:"), which the op-level tests (tests/kernels/test_kernels.py, test_triton_kernels.py) check; an op
+    without one promises nothing a reader can test."""
+    if name == "triton_exact":
+        require_optional("triton", vexact_kernels.TRITON_PIP)
+    from importlib import import_module
+
+    module = import_module(f"vexact_kernels.{name}")
+    assert [op for op in OP_NAMES if "Invariance contract:" not in (getattr(module, op).__doc__ or "")] == []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy
 import pytest
 import torch
-from conftest import require_optional
+from conftest import num_threads, require_optional
 
 from vexact_kernels import TRITON_PIP, native
 
@@ -169,6 +169,32 @@ def test_log_softmax_invariance(dtype):
         assert torch.equal(exact.token_logprobs(x[i : i + 1], targets[i : i + 1])[0], full[i])
     # one definition of a token's log-prob: bitwise the gather of log_softmax
     assert torch.equal(full, exact.log_softmax(x).gather(-1, targets[:, None])[:, 0])
+
+
+def test_entropy_invariance():
+    """Its docstring's contract: torch's ops (``native.entropy``, bit for bit), the same bits for the same call, an
+    elementwise backward -- and no row invariance: on CPU a wide row's bits depend on the rows beside it and on the
+    thread count (torch splits one long sum between the threads, not many short ones)."""
+    g = _gen(8)
+    log_probs = native.log_softmax(_randn(g, 10, 1100, scale=4))
+    first = exact.entropy(log_probs)
+    assert torch.equal(first, native.entropy(log_probs)) and torch.equal(exact.entropy(log_probs), first)
+    x = log_probs.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(exact.entropy(x).sum(), x)
+    for i in (0, 7):  # the gradient is elementwise: a row's is the same alone
+        row = log_probs[i : i + 1].detach().clone().requires_grad_()
+        assert torch.equal(torch.autograd.grad(exact.entropy(row).sum(), row)[0][0], grad[i])
+
+    wide = native.log_softmax(torch.randn(40, 151936, generator=_gen(9)) * 4)  # CPU tensors, whatever DEVICE is
+    with num_threads(2):
+        alone = torch.stack([exact.entropy(wide[i : i + 1])[0] for i in range(40)])
+        batched = exact.entropy(wide)
+        assert torch.equal(exact.entropy(wide), batched)  # deterministic for one shape and thread count
+    with num_threads(1):
+        alone_one_thread = torch.stack([exact.entropy(wide[i : i + 1])[0] for i in range(40)])
+    stale = "torch's sum no longer splits by shape and threads here: the docstring's contract can say more"
+    assert not torch.equal(alone, batched), stale
+    assert not torch.equal(alone, alone_one_thread), stale
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
