@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from vexact.cli import main
+from vexact.real.compare import REFUSED_FILE_HINT
 from vexact.rl.metrics import full_vocab_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -413,7 +414,7 @@ def test_bad_tensor_input(tmp_path, capsys):
     path.write_bytes(pickle.dumps({"rollout_log_probs": _Evil()}, protocol=2))  # a pickle that would run code
     code, _, err = _run(capsys, path)
     assert code == 2 and err == (f"error: refusing to unpickle {path}: not a plain tensor file (it names "
-                                 "print)\n")  # torch's name for builtins.print
+                                 f"print); {REFUSED_FILE_HINT}\n")  # torch's name for builtins.print
     # protocol 4 frames its opcodes: the weights-only unpickler stops at the frame, before any global, exactly as
     # it does on damaged bytes -- so the message cannot claim more than that
     path.write_bytes(pickle.dumps({"rollout_log_probs": _Evil()}, protocol=4))

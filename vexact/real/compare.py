@@ -27,6 +27,11 @@ weights-only unpickler, ``runlog.load_tensor_file``; anything else is JSON Lines
   (``--mask-key``, default ``response_mask``; else the last T columns of ``attention_mask``, as verl derives
   its response mask; ``none``: every position), optionally token ids (``--tokens-key``, default ``responses``)
   and full-vocabulary log-probs [B, T, V] (``--rollout-full-key`` / ``--train-full-key``). Row b is id b.
+* slime's debug dumps (``.pt`` holding ``{"rollout_id": ..., "samples": [one dict per sample], ...}``; ``SLIME_*``
+  below): ragged per-sample 1-D tensors (or lists). One file defaults to ``--save-debug-train-data``'s keys: the
+  engine's ``rollout_log_probs`` and the Megatron actor's ``log_probs``, both over the response, masked by the
+  response's ``loss_masks`` as a tensor file's rows are by ``response_mask`` (``--mask-key`` as there); ``tokens``
+  (prompt + response) gives the response's token ids, its last ``len(log-probs)`` entries. Sample i is id i.
 
 Values are compared as the floats that were written. A JSON number parses (correctly rounded) to a Python float,
 i.e. float64, and the two sides' float64 values are compared exactly (``==``, as ``mismatch_metrics`` does: a
@@ -70,7 +75,7 @@ from vexact_kernels.host_guard import torch_threads
 
 from ..cli_base import EXIT_FAILED, EXIT_OK, check_outputs, positive_int
 from ..metric_keys import ABS_DLOGP_MAX, ABS_DLOGP_MEAN, K3_KL, KL
-from ..records.runlog import load_tensor_file
+from ..records.runlog import UnsafeFileError, load_tensor_file
 from ..rl.metrics import float_bits, full_vocab_rows, full_vocab_summary
 from .floor import floor_verdict
 from .measure import mismatch_report, plot_report, print_report, write_report_json
@@ -80,6 +85,12 @@ TWO_FILE_KEY = "logprobs"
 JSONL_TOKENS_KEY, TENSOR_TOKENS_KEY = "tokens", "responses"
 MASK_KEY, ATTENTION_MASK_KEY, NO_MASK = "response_mask", "attention_mask", "none"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+SLIME_DUMP_KEYS = ("rollout_id", "samples")  # the top level of both of slime's debug dumps (torch.save of a dict)
+SLIME_KEYS = ("rollout_log_probs", "log_probs")  # a --save-debug-train-data sample: SGLang's, the Megatron actor's
+SLIME_MASK_KEY, SLIME_RESPONSE_LENGTH_KEY = "loss_masks", "response_lengths"  # both over the response only
+REFUSED_FILE_HINT = ("vexact never loads such a file unsafely: where you trust it, load it and save only the tensors "
+                     "and lists to compare (for slime's debug dumps: docs/live_and_recipes.md, section slime)")
+"""What a torch file the weights-only unpickler refuses is told to do (after ``load_tensor_file``'s message)."""
 DEFAULT_MAP = "default"  # --map without a file: the map shipped with vexact (vexact.map.verdict.load_map(None))
 LOG_SUM_EXP_TOLERANCE = 0.1
 """A full-vocabulary row must satisfy |log Σ_v exp(row_v)| ≤ this (log-probs sum to probability 1); logits fail."""
@@ -97,6 +108,8 @@ vexact measure's report (rollout_corr/*, mismatch/*, |Δlogp| by probability and
   vexact compare dump.jsonl                    one file holding both sides (--rollout-key, --train-key;
                                                default verl's rollout_log_probs / old_log_probs)
   vexact compare batch.safetensors             padded [B, T] tensors + --mask-key (also .pt, weights-only)
+  vexact compare train_0.pt                    slime's --save-debug-train-data dump (rollout_log_probs,
+                                               log_probs, loss_masks per sample)
 
 Precision: JSON numbers are parsed to float64 and the two sides are compared exactly (==, no tolerance).
 A float32 log-prob written as the repr of its float64 value (json.dumps(tensor.tolist())) parses back exactly.
@@ -147,11 +160,17 @@ class Record:
     tokens: np.ndarray | None = None
     columns: np.ndarray | None = None  # tensor files: the masked columns of the row
     full: dict[str, Tensor] | None = None  # tensor files: full-vocabulary log-probs [n, V] per key
+    unit: str = "row"  # what ``row`` counts: a padded tensor's rows, or a slime dump's samples
 
     @property
     def where(self) -> str:
-        """How error messages name the sequence: ``FILE:LINE: id X`` or ``FILE: row B``."""
-        return f"{self.path}:{self.line}: id {self.id!r}" if self.row is None else f"{self.path}: row {self.row}"
+        """How error messages name the sequence: ``FILE:LINE: id X``, ``FILE: row B`` or ``FILE: sample I``."""
+        return f"{self.path}:{self.line}: id {self.id!r}" if self.row is None else f"{self.path}: {self.place}"
+
+    @property
+    def place(self) -> str:
+        """Where in its file: ``line N``, ``row B`` or ``sample I``."""
+        return f"line {self.line}" if self.row is None else f"{self.unit} {self.row}"
 
 
 # --------------------------------------------------------------------------- the first mismatch
@@ -360,8 +379,24 @@ def _is_tensor_file(path: Path) -> bool:
     return path.suffix == ".safetensors" or path.suffix in TORCH_SUFFIXES
 
 
-def _load_tensors(path: Path, wanted: set[str]) -> dict[str, Tensor]:
-    """The ``wanted`` tensors that ``path`` has (safetensors: only those are read; torch files: weights-only)."""
+def _load_torch(path: Path) -> Any:
+    """A torch file through the weights-only unpickler; a refused one says what to do instead of unsafe loading."""
+    try:
+        return load_tensor_file(path)
+    except UnsafeFileError as err:
+        raise UnsafeFileError(f"{err}; {REFUSED_FILE_HINT}") from None
+
+
+def _slime_samples(data: Any) -> list | None:
+    """The per-sample list of a loaded slime debug dump, or None if ``data`` is not one."""
+    if isinstance(data, dict) and all(key in data for key in SLIME_DUMP_KEYS) and isinstance(data["samples"], list):
+        return data["samples"]
+    return None
+
+
+def _load_tensors(path: Path, wanted: set[str], loaded: Any = None) -> dict[str, Tensor]:
+    """The ``wanted`` tensors that ``path`` has (safetensors: only those are read; torch files: weights-only;
+    ``loaded``: the torch file's contents, read already)."""
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
 
@@ -371,7 +406,7 @@ def _load_tensors(path: Path, wanted: set[str]) -> dict[str, Tensor]:
         except (SafetensorError, OSError, RuntimeError, ValueError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
             raise ValueError(f"{path}: not a readable safetensors file ({first})") from None
-    data = load_tensor_file(path)
+    data = _load_torch(path) if loaded is None else loaded
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of tensors (name -> tensor), got {type(data).__name__}")
     return {key: value for key, value in data.items() if key in wanted}
@@ -395,12 +430,12 @@ def _tensor(data: dict[str, Tensor], path: Path, key: str, dims: int, what: str,
     return value
 
 
-def _tensor_records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_keys: tuple[str, ...]
-                    ) -> Iterator[Record]:
+def _tensor_records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_keys: tuple[str, ...],
+                    loaded: Any = None) -> Iterator[Record]:
     """One record per row of padded [B, T] tensors, holding the masked positions only."""
     tokens_key, mask_key = s.tokens_key or TENSOR_TOKENS_KEY, s.mask_key
     wanted = {*keys, tokens_key, *full_keys, MASK_KEY, ATTENTION_MASK_KEY, *([mask_key] if mask_key else [])}
-    data = _load_tensors(path, wanted)
+    data = _load_tensors(path, wanted, loaded)
     logprobs = {key: _tensor(data, path, key, 2, "log-probs [B, T]", floating=True) for key in keys}
     shape = next(iter(logprobs.values())).shape
     for key, value in logprobs.items():
@@ -440,6 +475,72 @@ def _tensor_records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_
         yield record
 
 
+def _sample_records(path: Path, samples: list, keys: tuple[str, ...], s: CompareSettings) -> Iterator[Record]:
+    """One record per sample of a slime debug dump (ragged 1-D tensors or lists), holding its masked positions."""
+    tokens_key, mask_key = s.tokens_key or JSONL_TOKENS_KEY, s.mask_key or SLIME_MASK_KEY
+    if not samples:
+        raise ValueError(f"{path}: empty (no sequences: 'samples' is an empty list)")
+    for i, sample in enumerate(samples):
+        record = Record(path, None, i, i, {}, unit="sample")
+        where = record.where
+        if not isinstance(sample, dict):
+            raise ValueError(f"{where} is a {type(sample).__name__}, not a dict of the sample's fields")
+        for key in keys:
+            if key not in sample:
+                hint = (" (slime's --save-debug-train-data dump holds both sides; a --save-debug-rollout-data dump "
+                        "holds only the rollout's)" if key == SLIME_KEYS[1] else "")
+                raise ValueError(f"{where}: no {key!r} key (the sample has "
+                                 f"{', '.join(sorted(map(repr, sample)))[:160]}){hint}")
+        values = {key: _sample_array(sample[key], f"{where}: {key!r}", floating=True) for key in keys}
+        n = len(values[keys[0]])
+        for key, value in values.items():
+            if len(value) != n:
+                raise ValueError(f"{where}: {key!r} has {len(value)} values but {keys[0]!r} has {n}")
+        stated = sample.get(SLIME_RESPONSE_LENGTH_KEY)
+        if stated is not None and stated != n:  # e.g. log-probs still split by context parallelism
+            raise ValueError(f"{where}: {keys[0]!r} has {n} values but {SLIME_RESPONSE_LENGTH_KEY!r} is {stated!r}")
+        if mask_key == NO_MASK:
+            columns = np.arange(n)
+        elif mask_key not in sample:
+            raise ValueError(f"{where}: no {mask_key!r} key to say which positions hold tokens; give --mask-key KEY, "
+                             f"or --mask-key {NO_MASK} if every position does")
+        else:
+            mask = _sample_array(sample[mask_key], f"{where}: mask {mask_key!r}", floating=False)
+            if len(mask) != n:
+                raise ValueError(f"{where}: mask {mask_key!r} has {len(mask)} values but {keys[0]!r} has {n}")
+            if not ((mask == 0) | (mask == 1)).all():
+                raise ValueError(f"{where}: mask {mask_key!r} holds values other than 0 and 1")
+            columns = np.flatnonzero(mask)
+        record.columns = columns
+        for key, value in values.items():
+            _require_logprobs(value[columns], f"{where}: {key!r}", columns)
+            record.values[key] = _rounded_to_float32(value[columns], f"{where}: {key!r}") if s.float32 \
+                else value[columns]
+        if tokens_key in sample:
+            tokens = _sample_array(sample[tokens_key], f"{where}: {tokens_key!r}", floating=False)
+            if len(tokens) < n or (tokens < 0).any():
+                raise ValueError(f"{where}: {tokens_key!r} must hold at least the response's {n} token ids, none "
+                                 f"negative; got {len(tokens)} values, min {tokens.min() if len(tokens) else None}")
+            record.tokens = tokens[len(tokens) - n :][columns]  # slime's tokens are prompt + response: its tail
+        elif s.tokens_key is not None:
+            raise ValueError(f"{where}: no {tokens_key!r} key (--tokens-key)")
+        yield record
+
+
+def _sample_array(value: Any, what: str, floating: bool) -> np.ndarray:
+    """One field of a sample: a 1-D tensor (floating-point log-probs, or integer ids / mask), or a list of numbers,
+    as float64 or int64."""
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.is_floating_point() != floating or value.layout != torch.strided:
+            kind = "floating-point" if floating else "integer or bool"
+            raise ValueError(f"{what} must be a 1-D dense {kind} tensor, got {value.dtype} of shape "
+                             f"{list(value.shape)}")
+        return value.detach().double().numpy() if floating else value.detach().long().numpy()
+    if isinstance(value, list):
+        return _floats(value, what, float32=False) if floating else _token_ids(value, what)
+    raise ValueError(f"{what} must be a 1-D tensor or a list, got {type(value).__name__}")
+
+
 def _mask(data: dict[str, Tensor], path: Path, mask_key: str | None, shape: torch.Size, like: str) -> Tensor:
     """The [B, T] bool mask of positions holding tokens (see the module docstring for the defaults)."""
     if mask_key == NO_MASK:
@@ -474,12 +575,22 @@ def _full_rows(rows: Tensor, what: str) -> Tensor:
 
 
 # --------------------------------------------------------------------------- reading and matching
-def _records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_keys: tuple[str, ...]) -> Iterator[Record]:
+def _records(path: Path, keys: tuple[str, ...], s: CompareSettings, full_keys: tuple[str, ...],
+             loaded: Any = None) -> Iterator[Record]:
+    """The sequences of one dump (``loaded``: a torch file's contents, read already)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
+    if path.suffix in TORCH_SUFFIXES:
+        loaded = _load_torch(path) if loaded is None else loaded
+        samples = _slime_samples(loaded)
+        if samples is not None:
+            if full_keys:
+                raise ValueError(f"{path}: full-vocabulary log-probs (--rollout-full-key / --train-full-key) need "
+                                 "padded tensor files; this slime dump holds the sampled tokens' log-probs only")
+            return _sample_records(path, samples, keys, s)
     if _is_tensor_file(path):
-        return _tensor_records(path, keys, s, full_keys)
+        return _tensor_records(path, keys, s, full_keys, loaded)
     if full_keys:
         raise ValueError(f"{path}: full-vocabulary log-probs (--rollout-full-key / --train-full-key) need tensor "
                          "files (.safetensors, .pt); JSON Lines hold the sampled tokens' log-probs only")
@@ -514,11 +625,11 @@ class _Pairs:
             self.columns.append(records[0].columns)
 
 
-def _read_one_file(s: CompareSettings, rk: str, tk: str) -> _Pairs:
+def _read_one_file(s: CompareSettings, rk: str, tk: str, loaded: Any = None) -> _Pairs:
     pairs = _Pairs(keep_tokens=s.floor is not None)
     full_keys = _full_keys(s)
     seen: dict[Hashable, str] = {}
-    for record in _records(s.rollout, (rk, tk), s, full_keys):
+    for record in _records(s.rollout, (rk, tk), s, full_keys, loaded):
         _check_new_id(record, seen)
         pairs.add(record.values[tk], record.values[rk], record)
         if full_keys:
@@ -532,7 +643,7 @@ def _check_new_id(record: Record, seen: dict[Hashable, str]) -> None:
     first = seen.get(record.id)
     if first is not None:
         raise ValueError(f"{record.where}: duplicate id (first on {first})")
-    seen[record.id] = f"line {record.line}" if record.row is None else f"row {record.row}"
+    seen[record.id] = record.place
 
 
 def _read_two_files(s: CompareSettings, rk: str, tk: str) -> _Pairs:
@@ -603,7 +714,7 @@ def _check_pair(roll: Record, train: Record, rk: str, tk: str) -> None:
     """The two sides of one sequence describe the same tokens: same length, same ids where both have them,
     same masked columns where both are tensor rows."""
     n_train, n_roll = len(train.values[tk]), len(roll.values[rk])
-    there = f"{roll.path}:{roll.line}" if roll.row is None else f"{roll.path} row {roll.row}"
+    there = f"{roll.path}:{roll.line}" if roll.row is None else f"{roll.path} {roll.place}"
     if n_train != n_roll:
         raise ValueError(f"{train.where}: {n_train} log-probs here but {n_roll} in {there} (lengths differ)")
     if train.tokens is not None and roll.tokens is not None and not np.array_equal(train.tokens, roll.tokens):
@@ -630,9 +741,10 @@ def _full_vocab_pair(train: Tensor, roll: Tensor, record: Record, top_k: int) ->
 
 
 # --------------------------------------------------------------------------- the comparison
-def resolve_keys(s: CompareSettings) -> tuple[str, str]:
-    """(rollout key, training key): as given, else verl's batch keys with one file and ``logprobs`` with two."""
-    default = ONE_FILE_KEYS if s.train is None else (TWO_FILE_KEY, TWO_FILE_KEY)
+def resolve_keys(s: CompareSettings, slime: bool = False) -> tuple[str, str]:
+    """(rollout key, training key): as given, else with one file verl's batch keys (``slime``: the file is a slime
+    debug dump, slime's keys), and ``logprobs`` with two."""
+    default = (SLIME_KEYS if slime else ONE_FILE_KEYS) if s.train is None else (TWO_FILE_KEY, TWO_FILE_KEY)
     rk, tk = s.rollout_key or default[0], s.train_key or default[1]
     if s.train is None and rk == tk:
         raise ValueError(f"--rollout-key and --train-key are both {rk!r}: one file needs two keys")
@@ -643,10 +755,14 @@ def run_compare(s: CompareSettings) -> CompareResult:
     """Read both sides, match them, and build ``measure``'s report of the mismatch (plus the files and keys)."""
     if isinstance(s.full_vocab_top_k, bool) or not isinstance(s.full_vocab_top_k, int) or s.full_vocab_top_k < 1:
         raise ValueError(f"--full-vocab-top-k must be a positive integer, got {s.full_vocab_top_k!r}")
-    rk, tk = resolve_keys(s)
     with torch_threads(s.threads):  # the caller's count back after the comparison
         start = time.perf_counter()
-        pairs = _read_one_file(s, rk, tk) if s.train is None else _read_two_files(s, rk, tk)
+        # one torch file: read once, here, since its structure picks the default keys (a slime dump: slime's)
+        loaded = (_load_torch(Path(s.rollout)) if s.train is None and Path(s.rollout).suffix in TORCH_SUFFIXES
+                  and Path(s.rollout).is_file() else None)
+        rk, tk = resolve_keys(s, slime=_slime_samples(loaded) is not None)
+        pairs = _read_one_file(s, rk, tk, loaded) if s.train is None else _read_two_files(s, rk, tk)
+        del loaded  # the whole file (a slime dump holds far more than the log-probs): not held through the metrics
         read_s = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -755,14 +871,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"rollout log-probs key (default {ONE_FILE_KEYS[0]} with one file, {TWO_FILE_KEY} "
                              "with two)")
     parser.add_argument("--train-key", default=None, metavar="KEY",
-                        help=f"training log-probs key (default {ONE_FILE_KEYS[1]} with one file, {TWO_FILE_KEY} "
-                             "with two)")
+                        help=f"training log-probs key (default {ONE_FILE_KEYS[1]} with one file, {SLIME_KEYS[1]} "
+                             f"with one slime debug dump, {TWO_FILE_KEY} with two)")
     parser.add_argument("--tokens-key", default=None, metavar="KEY",
                         help=f"token ids, checked equal where both sides have them (default {JSONL_TOKENS_KEY} in "
-                             f"JSON Lines, {TENSOR_TOKENS_KEY} in tensor files, used when present; given: required)")
+                             f"JSON Lines and slime dumps (there prompt + response: the response is its tail), "
+                             f"{TENSOR_TOKENS_KEY} in tensor files, used when present; given: required)")
     parser.add_argument("--mask-key", default=None, metavar="KEY",
                         help=f"tensor files: [B, T] mask of the token positions (default {MASK_KEY}, else the last "
-                             f"T columns of {ATTENTION_MASK_KEY}; '{NO_MASK}': every position)")
+                             f"T columns of {ATTENTION_MASK_KEY}; a slime debug dump's samples: {SLIME_MASK_KEY}; "
+                             f"'{NO_MASK}': every position)")
     parser.add_argument("--rollout-full-key", default=None, metavar="KEY",
                         help="tensor files: rollout full-vocabulary log-probs [B, T, V] (adds mismatch/full_vocab_*)")
     parser.add_argument("--train-full-key", default=None, metavar="KEY",
