@@ -27,6 +27,7 @@ from vexact.integrations.openrlhf import (
     observe_experiences,
 )
 from vexact.live import LiveMonitor
+from vexact.metric_keys import LIVE_SAMPLED_SEQUENCES
 
 VOCAB, PAD = 16, 0
 TABLE = torch.log_softmax(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)), -1)
@@ -143,6 +144,9 @@ def test_live_row_is_compares_report(tmp_path):
     same = [key for key, value in report["metrics"].items()
             if row[key] == value or (value != value and row[key] != row[key])]
     assert same == list(report["metrics"])  # every metric, exactly (NaN where both are NaN)
+    with LiveMonitor(tmp_path / "sampled", sample_fraction=0.5, every=2, seed=0) as monitor:  # a sampling monitor
+        skipped, sampled = (observe_experiences(monitor, experiences, step) for step in (1, 2))
+    assert skipped is None and sampled[LIVE_SAMPLED_SEQUENCES] == 2
 
 
 def test_refusals():
