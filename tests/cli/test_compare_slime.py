@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from vexact.cli import main
+from vexact.map.verdict import find_curve, load_map
 from vexact.real.compare import REFUSED_FILE_HINT, SLIME_KEYS, SLIME_MASK_KEY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -226,15 +227,19 @@ def test_a_dump_the_weights_only_unpickler_refuses_says_what_to_do(tmp_path, cap
     assert err.count("\n") == 1
 
 
-def _docs_blocks() -> list[str]:
+def _docs_section() -> str:
     page = Path(__file__).resolve().parents[2] / "docs" / "live_and_recipes.md"
-    section = page.read_text().split("### slime", 1)[1]
-    return re.findall(r"```(?:bash|python)\n(.*?)```", section, flags=re.S)
+    return page.read_text().split("### slime", 1)[1].split("\n### ", 1)[0]
+
+
+def _docs_blocks() -> list[str]:
+    return re.findall(r"```(?:bash|python)\n(.*?)```", _docs_section(), flags=re.S)
 
 
 def test_the_docs_slime_recipe_runs_as_written(tmp_path, capsys, monkeypatch):
-    """docs/live_and_recipes.md#slime: its compare command on a dump at the path its slime flag names, and its
-    conversion recipe on a dump the weights-only unpickler refuses."""
+    """docs/live_and_recipes.md#slime: its compare command on a dump at the path its slime flag names, its
+    conversion recipe on a dump the weights-only unpickler refuses, and its map placement on a dump it reads, with
+    every correction its flag list names a curve of the shipped map."""
     flags, command, convert = _docs_blocks()[:3]
     path = re.search(r"--save-debug-train-data (\S+)", flags).group(1).format(rollout_id=0)
     monkeypatch.chdir(tmp_path)
@@ -248,3 +253,21 @@ def test_the_docs_slime_recipe_runs_as_written(tmp_path, capsys, monkeypatch):
     assert main([*argv[1:2], plain, *argv[3:]]) == 0  # k3 = 6e-5 over 8 tokens: under the --max-k3 1e-3 gate
     out = capsys.readouterr().out
     assert "gate passed: --max-k3" in out and "first mismatch: id 2, position 1" in out
+
+    (placement,) = [block for block in _docs_blocks() if "--map" in block]
+    argv = shlex.split(placement.split("#", 1)[0])
+    assert argv[:3] == ["vexact", "compare", path]
+    _train_dump(Path(path))  # a dump compare reads (the one above needed converting)
+    assert main(argv[1:]) == 0
+    out = capsys.readouterr().out
+    # the page says: a real vocabulary picks the tail map, whose only curve is bypass at lag 0; for another
+    # correction the verdict says the map has no curve for it, and a lag it has no curve at is an error
+    map_line = out[out.index("\nmap: "):]
+    assert "correction token_tis" in map_line and "the tail map shipped with vexact" in map_line
+    assert "has no curve for your correction" in map_line and "(its curves there: bypass)" in map_line
+    lagged = [*argv[1:argv.index("--policy-lag") + 1], "1", *argv[argv.index("--policy-lag") + 2:]]
+    assert main(lagged) == 2 and "has no curve at policy lag 1" in capsys.readouterr().err
+    on_the_map = _docs_section().split("**On the collapse map.**", 1)[1].split("**The live hook.**", 1)[0]
+    names = set(re.findall(r"--correction (\w+)", on_the_map))
+    assert names == {"recompute", "bypass", "token_tis", "seq_tis", "icepop"}
+    assert [name for name in sorted(names) if find_curve(load_map(), name) is None] == []  # main map, lag 0
