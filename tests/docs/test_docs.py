@@ -322,9 +322,13 @@ def test_the_readme_test_command_says_what_it_skips_and_how_to_run_everything():
     section = (ROOT / "README.md").read_text().split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
     assert "`python -m pytest -q`" in section and "skips" in section and "-rs" in section
     assert "`CI=true bash .ci/run`" in section
-    installed = re.search(r'pip install --quiet -e "(\.\[[^\]]+\])"', (ROOT / ".ci" / "run").read_text()).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    installed = re.search(r'pip install --quiet -e "(\.\[[^\]]+\])"', ci).group(1)
     assert f"`{installed}`" in section  # the extras CI installs, as .ci/run spells them now
-    assert "verl" in section and "smollm2" in section  # what .ci/run installs beside the extras
+    # what .ci/run installs beside the extras: the pinned --no-deps releases (verl, OpenRLHF) and the smollm2 packages
+    pinned = re.findall(r"pip install --quiet --no-deps (\w+)==([\d.]+)", ci)
+    assert len(pinned) >= 2 and [p for p in pinned if f"{p[0]} {p[1]}".lower() not in section.lower()] == []
+    assert "smollm2" in section
 
 
 def _readme_section(name: str) -> str:

@@ -1,11 +1,12 @@
-"""OpenRLHF: the dump and live hooks on ``Experience`` objects built as OpenRLHF 3c3be623 builds them.
+"""OpenRLHF: the dump and live hooks on ``Experience`` objects built as OpenRLHF 0.11.1 builds them.
 
 The fakes follow the source, step by step: ``samples_generator._process_response_into_experience`` (one sample:
 prompt + response ids, ``action_mask[1:]``, ``rollout_log_probs`` with 0.0 over the prompt, shifted by one as the
 mask), ``utils/agent.py`` (multi-turn: several action ranges, 0.0 for feedback tokens),
 ``Experience.concat_experiences`` (right padding: the pad token for ``sequences``, 0 for the rest) and
 ``Actor.forward`` (``log_probs[:, :-1][:, -A:] * action_mask``). Both sides read one bigram table of log-probs, so
-they agree bit for bit unless a test moves one.
+they agree bit for bit unless a test moves one. test_openrlhf_parity.py runs OpenRLHF's own sample and padding code
+and reads the rest of its source.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The optional-package rule: a test that needs verl, ray, tensorboard, wandb or the smollm2 extra is skipped with
-the pip line when the package is absent, and fails when it is absent under CI (``CI=true``), so that the README's
-``pip install -e ".[dev]"`` then ``python -m pytest -q`` passes on a fresh machine while CI can never pass by
-skipping the verl parity test. Every such test goes through ``conftest.require_optional`` (or the ``needs_package``
-marker, which calls it); the end-to-end cases run real test files with the package hidden (``VEXACT_TEST_ABSENT``).
+"""The optional-package rule: a test that needs verl, openrlhf, ray, tensorboard, wandb or the smollm2 extra is
+skipped with the pip line when the package is absent, and fails when it is absent under CI (``CI=true``), so that the
+README's ``pip install -e ".[dev]"`` then ``python -m pytest -q`` passes on a fresh machine while CI can never pass by
+skipping the verl or OpenRLHF parity test. Every such test goes through ``conftest.require_optional`` (or the
+``needs_package`` marker, which calls it); the end-to-end cases run real test files with the package hidden
+(``VEXACT_TEST_ABSENT``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def _pytest(*args: str, ci: bool, hidden: str) -> subprocess.CompletedProcess:
 REAL_FILES = [
     ("tests/integrations/test_verl_parity.py", "test_presets_match_verls_factories and disabled", "verl",
      "pip install --no-deps verl==0.9.1"),  # a fixture calls require_optional
+    ("tests/integrations/test_openrlhf_parity.py", "test_every_check_has_a_changed_source", "openrlhf",
+     "pip install --no-deps openrlhf==0.11.1"),  # the needs_package marker on the module
     ("tests/integrations/test_log_backends.py", "test_wandb_offline_run_holds_every_jsonl_scalar", "wandb",
      "pip install 'vexact[wandb]'"),  # the needs_package marker on a test
 ]
@@ -73,6 +76,15 @@ def test_a_real_test_file_skips_without_the_package_and_fails_under_ci(path, sel
     assert failed.returncode == 1, failed.stdout[-3000:]
     assert f"{module} is not installed: {pip_line}" in failed.stdout and "CI=true" in failed.stdout
     assert "skipped" not in failed.stdout.splitlines()[-1], failed.stdout[-3000:]
+
+
+@pytest.mark.parametrize("pip_line", [line for *_, line in REAL_FILES if "--no-deps" in line])
+def test_a_pinned_release_a_test_names_is_the_one_ci_installs(pip_line):
+    """The parity tests read one release's source; .ci/run must install that release (the subprocess test above
+    checks that the test file's skip names this pip line)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^python3 -m pip install --quiet {re.escape(pip_line.removeprefix('pip install '))}$", ci,
+                     re.M), pip_line
 
 
 def test_no_test_skips_on_a_missing_package_by_itself():

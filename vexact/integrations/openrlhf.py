@@ -1,10 +1,14 @@
 """OpenRLHF: vexact's report of the vLLM rollout's log-probs against the trainer's, from a dump or live.
 
-Read from OpenRLHF's source at commit 3c3be623 (2026-08-13, between v0.10.4 and v0.11.0; the layout is the same
-back to v0.8.9, where ``rollout_log_probs`` arrived). In ``BasePPOTrainer.train_step``
-(``openrlhf/trainer/ppo_trainer.py``; the async trainer's ``TrainingActor`` inherits it),
-``experiences = self.experience_maker.make_experience_batch(rollout_samples)`` is a list of ``Experience``
-(``openrlhf/trainer/ppo_utils/experience.py``), one per micro-batch, each holding:
+OpenRLHF 0.11.1's layout, which ``tests/integrations/test_openrlhf_parity.py`` checks statement by statement against
+its installed source (``pip install --no-deps openrlhf==0.11.1``, as .ci/run does). First read at commit 3c3be623
+(2026-08-13, between v0.10.4 and v0.11.0; the layout is the same back to v0.8.9, where ``rollout_log_probs``
+arrived). v0.11.2 replaced the switch below with ``--algo.advantage.is_correction_level`` (off/token/seq); vexact is
+not checked against it.
+
+In ``BasePPOTrainer.train_step`` (``openrlhf/trainer/ppo_trainer.py``; the async trainer's ``TrainingActor``
+inherits it), ``experiences = self.experience_maker.make_experience_batch(rollout_samples)`` is a list of
+``Experience`` (``openrlhf/trainer/ppo_utils/experience.py``), one per micro-batch, each holding:
 
 * ``sequences`` [B, T] -- prompt + response token ids, right-padded with the pad token
   (``Experience.concat_experiences``: ``zero_pad_sequences(side="right")``);
@@ -17,7 +21,8 @@ back to v0.8.9, where ``rollout_log_probs`` arrived). In ``BasePPOTrainer.train_
   only switch that makes OpenRLHF ask vLLM for log-probs;
 * ``action_log_probs`` [B, A] float32 -- the actor's no-grad recomputation of the same tokens at the weights that
   sampled them (``PolicyModelActor.forward`` -> ``Actor.forward``, ``openrlhf/models/actor.py``: float32 logits
-  divided by the temperature, ``log_probs[:, :-1][:, -A:] * action_mask``); the PPO loss's ``old_log_probs``.
+  divided by ``--rollout.temperature``, ``log_probs[:, :-1][:, -A:] * action_mask``); the PPO loss's
+  ``old_log_probs``.
 
 So column j of a row scores token ``sequences[:, T - A + j]``, as ``Actor.forward`` aligns them. The correction
 (``openrlhf/models/loss.py``, ``PolicyLoss``) weighs the loss by exp(action_log_probs - rollout_log_probs): the
