@@ -5,9 +5,10 @@ OpenRLHF imports deepspeed, ray, vllm and flash-attn when its package loads, so 
 
 * run: the real ``Experience`` class, ``Experience.concat_experiences`` and
   ``SamplesGenerator._process_response_into_experience``, loaded from the installed files with stand-ins for the
-  modules they import but never call (ray, vllm, tqdm, transformers, logging), build micro-batches from vLLM-like
-  responses (one a two-turn agent sample, one cut at ``max_len``); ``experience_sides`` must read them as the module
-  says (A = T - 1, right padding, column j scoring token T - A + j, the mask 1 on sampled tokens only);
+  modules they import but never call (ray, vllm, tqdm, transformers, deepspeed, logging), build micro-batches from
+  vLLM-like responses (one a two-turn agent sample, one cut at ``max_len``); ``experience_sides`` must read them as
+  the module says (A = T - 1, right padding, column j scoring token T - A + j, the mask 1 on sampled tokens only).
+  OpenRLHF's ``PolicyLoss`` runs beside vexact's ``rollout_correction`` for docs/reference/verl_trl.md's table;
 * read: what needs Ray, a GPU or a model (``train_step``, ``make_experience_batch``, ``Actor.forward``,
   ``PolicyLoss``, the argument parser) is parsed with ``ast`` and its statements compared with what the module says.
 
@@ -117,9 +118,32 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return module
 
 
+def _exec(root: Path, files: dict[str, str], stand_ins: dict[str, types.ModuleType]) -> types.SimpleNamespace:
+    """``files`` (module name: path under ``root``) executed in order, with ``stand_ins`` for what they import;
+    sys.modules is left as it was (other tests may import the real transformers, tqdm or ray)."""
+    saved = {name: sys.modules.get(name) for name in [*stand_ins, *files]}
+    loaded = {}
+    try:
+        sys.modules.update(stand_ins)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # OpenRLHF's own, at import (torch.jit.script_method)
+            for name, path in files.items():
+                spec = importlib.util.spec_from_file_location(name, root / path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+                loaded[name.rsplit(".", 1)[1]] = module
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return types.SimpleNamespace(**loaded)
+
+
 def _load(root: Path) -> types.SimpleNamespace:
-    """experience.py, samples_generator.py and utils/utils.py (zero_pad_sequences), executed from ``root``; sys.modules
-    is left as it was."""
+    """experience.py, samples_generator.py and utils/utils.py (zero_pad_sequences)."""
     stand_ins = {name: _module(name) for name in ("openrlhf", "openrlhf.utils", "openrlhf.trainer",
                                                   "openrlhf.trainer.ppo_utils", "openrlhf.trainer.ray", "ray")}
     stand_ins.update({
@@ -129,26 +153,10 @@ def _load(root: Path) -> types.SimpleNamespace:
         "openrlhf.trainer.ray.vllm_engine": _module("openrlhf.trainer.ray.vllm_engine", batch_vllm_engine_call=None),
         "openrlhf.utils.logging_utils": _module("openrlhf.utils.logging_utils", init_logger=logging.getLogger),
     })
-    files = {"openrlhf.utils.utils": "utils/utils.py", "openrlhf.trainer.ppo_utils.experience":
-             "trainer/ppo_utils/experience.py", "openrlhf.trainer.ppo_utils.samples_generator":
-             "trainer/ppo_utils/samples_generator.py"}
-    saved = {name: sys.modules.get(name) for name in [*stand_ins, *files]}
-    loaded = {}
-    try:
-        sys.modules.update(stand_ins)
-        for name, path in files.items():
-            spec = importlib.util.spec_from_file_location(name, root / path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-            loaded[name.rsplit(".", 1)[1]] = module
-    finally:  # other tests may import the real transformers, tqdm or ray
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return types.SimpleNamespace(**loaded)
+    return _exec(root, {"openrlhf.utils.utils": "utils/utils.py",
+                        "openrlhf.trainer.ppo_utils.experience": "trainer/ppo_utils/experience.py",
+                        "openrlhf.trainer.ppo_utils.samples_generator": "trainer/ppo_utils/samples_generator.py"},
+                 stand_ins)
 
 
 def _response(prompt: list[int], turns: list[tuple[list[int], list[int]]]) -> dict:
@@ -341,6 +349,63 @@ def check_correction_ratio(root: Path) -> None:
         f"experience.{MASK}")
 
 
+def _openrlhf_weights(root: Path, kind: str, band: tuple[float, float], train: torch.Tensor, roll: torch.Tensor,
+                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weight PolicyLoss puts on each token's loss, vllm_kl) for ``--algo.advantage.is_correction_type kind``:
+    log_probs = old_log_probs and advantages -1 make each token's clipped PPO loss exactly 1, and the loss comes back
+    per token (aggregate_loss, the reduction only, replaced)."""
+    stand_ins = {name: _module(name) for name in ("openrlhf", "openrlhf.models", "deepspeed")}
+    openrlhf = _exec(root, {"openrlhf.models.utils": "models/utils.py", "openrlhf.models.loss": "models/loss.py"},
+                     stand_ins)
+    openrlhf.loss.aggregate_loss = lambda loss, mask, **kwargs: loss
+    policy_loss = openrlhf.loss.PolicyLoss(enable_vllm_is_correction=True, vllm_is_truncated_threshold=list(band),
+                                           vllm_is_correction_type=kind)
+    loss, _, _, vllm_kl = policy_loss(train, train, -torch.ones_like(train), action_mask=mask, rollout_log_probs=roll)
+    return loss, vllm_kl
+
+
+@check
+def check_correction_types(root: Path) -> None:
+    """docs/reference/verl_trl.md's OpenRLHF table, on OpenRLHF's own PolicyLoss and vexact's rollout_correction:
+    icepop is vexact's icepop; tis clamps both sides where token_tis only caps; seq-mask-tis rejects geo_rs's
+    sequences but weighs kept tokens by the raw ratio; vllm_kl is rollout_corr/kl."""
+    from vexact.rl.config import CorrectionSection
+    from vexact.rl.corrections import rollout_correction
+    from vexact.rl.metrics import mismatch_metrics
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [6, 8, 3, 8, 5]
+    mask = (torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]).long()
+    train = -torch.rand(len(lengths), 8, generator=gen, dtype=torch.float64) * 3
+    shift = torch.tensor([0.0, 0.5, -0.6, 0.02, 0.0], dtype=torch.float64)[:, None]  # rows 1, 2 leave the band
+    roll = train + shift + torch.randn(train.shape, generator=gen, dtype=torch.float64) * torch.tensor(
+        [1.5, 0.01, 0.01, 0.01, 0.01], dtype=torch.float64)[:, None]  # row 0: ratios in and out of [0.5, 5]
+    keep = mask.bool()
+    ratio = torch.exp(train - roll)[keep]
+
+    def ours(**settings) -> object:
+        return rollout_correction(train[keep], roll[keep], lengths, CorrectionSection(**settings))
+
+    thresholds = [c for c in _calls(_tree(root, "cli/train_ppo_ray.py"), "add_argument")
+                  if ast.unparse(c.args[0]) == repr(f"{ENABLE_FLAG.removesuffix('enable')}threshold")]
+    assert len(thresholds) == 1 and _keyword(thresholds[0], "default") == "[0.5, 5.0]", "the default band [a, b]"
+    theirs, _ = _openrlhf_weights(root, "icepop", (0.5, 5.0), train, roll, mask)
+    icepop = ours(method="icepop", band=(0.5, 5.0))
+    assert ((ratio < 0.5) | (ratio > 5.0)).any() and torch.equal(theirs[keep], icepop.weights), "icepop"
+    assert icepop.keep.all()  # zeroed, not rejected: in the loss's denominator, as OpenRLHF's action_mask keeps them
+    theirs, _ = _openrlhf_weights(root, "tis", (0.5, 2.0), train, roll, mask)
+    tis, low = ours(method="token_tis", threshold=2.0).weights, ratio < 0.5
+    assert low.any() and torch.equal(theirs[keep][~low], tis[~low]), "tis: the same weight where no ratio < a"
+    assert (theirs[keep][low] == 0.5).all() and torch.equal(tis[low], ratio[low]), "tis: clamp(ρ, a, b) vs min(ρ, C)"
+    theirs, vllm_kl = _openrlhf_weights(root, "seq-mask-tis", (0.8, 1.25), train, roll, mask)
+    geo = ours(method="geo_rs", band=(0.8, 1.25))
+    kept = theirs[keep] != 0
+    assert torch.equal(kept, geo.keep) and not kept.all() and kept.any(), "seq-mask-tis rejects geo_rs's sequences"
+    assert torch.equal(theirs[keep][kept], ratio[kept]) and (geo.weights[geo.keep] == 1).all(), "kept: ρ_t vs 1"
+    kl = mismatch_metrics([t[m] for t, m in zip(train, keep)], [r[m] for r, m in zip(roll, keep)])["rollout_corr/kl"]
+    assert abs(float(vllm_kl) - kl) <= 1e-12 * abs(kl), (float(vllm_kl), kl)  # the same mean, summed in another order
+
+
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_openrlhf_says_what_the_module_states(root, name):
     CHECKS[name](root)
@@ -384,6 +449,16 @@ MUTATIONS = [
     ("check_actor_forward", "models/actor.py", 'output["logits"].div_(self.temperature)', "pass"),
     ("check_actor_forward", "trainer/ray/ppo_actor.py", "        with torch.no_grad():\n            action_log_probs",
      "        if True:\n            action_log_probs"),
+    ("check_correction_types", "models/loss.py", "torch.exp(rollout_log_ratio).clamp(min=low_threshold, max=high",
+     "torch.exp(rollout_log_ratio).clamp(max=high"),
+    ("check_correction_types", "models/loss.py", "loss = seq_mask.unsqueeze(-1) * vllm_is * loss",
+     "loss = seq_mask.unsqueeze(-1) * loss"),
+    ("check_correction_types", "models/loss.py", "vllm_is = torch.where(mask, vllm_is, 0.0)",
+     "vllm_is = torch.where(mask, vllm_is, low_threshold)"),
+    ("check_correction_types", "models/loss.py",
+     "masked_mean(rollout_log_probs - old_log_probs, action_mask, dim=None)",
+     "masked_mean(old_log_probs - rollout_log_probs, action_mask, dim=None)"),
+    ("check_correction_types", "cli/train_ppo_ray.py", "default=[0.5, 5.0]", "default=[0.8, 1.25]"),
     ("check_correction_ratio", "models/loss.py", "rollout_log_ratio = old_log_probs - rollout_log_probs",
      "rollout_log_ratio = log_probs - rollout_log_probs"),
     ("check_correction_ratio", "trainer/ray/ppo_actor.py", "rollout_log_probs=experience.rollout_log_probs",
