@@ -14,7 +14,7 @@ The design, op by op (each public function's docstring states its contract):
   Each program owns one [BLOCK_M, BLOCK_N] output tile and its *whole* K reduction, in one
   fixed-order loop (no split-K, no atomics, no autotuning). Rows beyond M are masked to zero,
   so a row's value does not depend on its neighbours or its position in the tile.
-* **rms_norm, log_softmax, token_logprobs** -- one program per row, walking the row in
+* **rms_norm, log_softmax, token_logprobs, entropy** -- one program per row, walking the row in
   fixed BLOCK-sized chunks in order, accumulating in fp32 lanes that are combined by
   ``tl.sum`` / ``tl.max`` (a reduction tree fixed by BLOCK). A row depends only on itself.
   (Interpreted, ``tl.sum`` and ``tl.dot`` are replaced: see "Interpreter mode".)
@@ -45,9 +45,9 @@ cast truncates. Results are exact and invariant in either mode, but interpreter 
 results are not bitwise equal to each other.
 
 Backward passes must be reproducible run to run (only the forward must be exact). attention's is three Triton
-kernels (FlashAttention-2 style, no atomics: see ``attention``); rms_norm's, rope's and silu_mul's are analytic
-VJPs in plain torch ops on fixed shapes (``autograd.exact_forward_vjp``); log_softmax's and token_logprobs'
-recompute the native op and take its VJP (``autograd.exact_forward``); linear's is two matmuls.
+kernels (FlashAttention-2 style, no atomics: see ``attention``); rms_norm's, rope's, silu_mul's and entropy's are
+analytic VJPs in plain torch ops on fixed shapes (``autograd.exact_forward_vjp``); log_softmax's and
+token_logprobs' recompute the native op and take its VJP (``autograd.exact_forward``); linear's is two matmuls.
 """
 
 from __future__ import annotations
@@ -279,22 +279,6 @@ def _linear_kernel(
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-def entropy(log_probs: Tensor) -> Tensor:
-    """-sum(p log p) of a ``log_softmax`` output: fp32 [..., V] -> [...], torch ops on the device (``native.entropy``,
-    bit for bit) over the log-probs the exact kernel wrote.
-
-    Invariance contract: none across shapes, unlike the other ops here. A row's value depends on its own values and
-    V, and also on how torch splits the sum: by the number of rows in the call and, on CPU, the thread count (on CPU
-    a row of 151936 log-probs alone at 2 threads is not bit for bit itself in a batch of 40, nor alone at 1 thread:
-    ``test_entropy_invariance`` in tests/kernels/test_triton_kernels.py); on CUDA torch's reduction kernel also
-    chooses its split by the shape, and nothing is promised there either. What holds: the same call (values, shape,
-    device, thread count) gives the same bits. Backward (autograd through torch's ops): -g p (1 + log p), elementwise,
-    so an entropy term's gradient does not depend on the batch; its value, and a logged entropy, may differ in the
-    last bits between micro-batch arrangements (``cpu_exact.entropy`` is row-invariant)."""
-    checks.rows("triton_exact.entropy", "log_probs", log_probs)
-    return native.entropy(log_probs)
 
 
 def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
@@ -1070,3 +1054,63 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """
     checks.token_logprobs("triton_exact.token_logprobs", logits, targets)
     return exact_forward(_token_logprobs_exact, native.token_logprobs, (logits,), (targets,))
+
+
+# --------------------------------------------------------------------------- entropy
+@triton.jit
+def _entropy_kernel(log_probs_ptr, out_ptr, row_len, BLOCK: tl.constexpr):
+    # One program per row: -sum(exp(lp) * lp) in BLOCK fp32 lanes, chunk by chunk in order, then one fixed tree
+    # (_block_sum) across the lanes -- the pattern of _rms_norm_kernel's pass 1. Padding lanes load lp = 0, whose
+    # term exp(0) * 0 is exactly 0.
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = log_probs_ptr + row * row_len
+    lanes = tl.arange(0, BLOCK)
+    terms = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, row_len, BLOCK):
+        lp = tl.load(row_ptr + start + lanes, mask=start + lanes < row_len, other=0.0).to(tl.float32)
+        terms += tl.exp(lp) * lp
+    tl.store(out_ptr + row, -_block_sum(terms, axis=0))
+
+
+def _entropy_exact(log_probs: Tensor) -> Tensor:
+    _check_device("entropy", log_probs=log_probs)
+    row_len = log_probs.shape[-1]
+    rows = log_probs.reshape(-1, row_len).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=log_probs.device)
+    if out.numel():
+        _entropy_kernel[(rows.shape[0],)](
+            rows, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+        )
+    return out.view(log_probs.shape[:-1])
+
+
+def _entropy_with_saved(log_probs: Tensor) -> tuple[Tensor, tuple]:
+    return _entropy_exact(log_probs), (log_probs,)
+
+
+def _entropy_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """d/d lp_i of -sum(exp(lp) lp) = -g p_i (1 + lp_i), elementwise (cpu_exact's formula), in fp32, rounded once
+    to the input's dtype. Written as autograd writes it for ``native.entropy`` -- (-g) p + ((-g) lp) p, its two paths
+    to lp added -- so that fp32 log-probs get the gradient bits the native formula's autograd gave."""
+    (log_probs,) = saved
+    lp = log_probs.float()
+    probs = lp.exp()
+    minus_g = grad.float().neg().unsqueeze(-1)
+    return ((minus_g * probs + minus_g * lp * probs).to(log_probs.dtype),)
+
+
+def entropy(log_probs: Tensor) -> Tensor:
+    """-sum(p log p) over the last dim of a ``log_softmax`` output: [..., V] (fp32, or bf16) -> fp32 [...].
+
+    Invariance contract: each value depends only on its own row (and V) -- never on the number of rows, their
+    order, padding rows, other rows' values, the launch grid or the thread count. Backward contract: -g p (1 + log p),
+    elementwise (torch ops on the device, see ``_entropy_vjp``): each gradient element depends only on its own
+    log-prob and its row's upstream gradient.
+
+    Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into BLOCK fp32 partial sums
+    of exp(lp) * lp that ``_block_sum`` combines in a fixed tree; the result is negated. Not bitwise equal to
+    ``native.entropy`` (torch's sum, whose split depends on the row count, the thread count and on CUDA the shape)
+    nor to ``cpu_exact.entropy`` (its own chunks and exp).
+    """
+    checks.rows("triton_exact.entropy", "log_probs", log_probs)
+    return exact_forward_vjp(_entropy_exact, _entropy_with_saved, _entropy_vjp, (log_probs,))

@@ -55,6 +55,8 @@ def test_cpu_tensors_given_to_the_compiled_kernels_are_one_error_naming_the_op(m
         exact.linear(X, W)
     with pytest.raises(ValueError, match=r"triton_exact\.silu_mul: gate is on cpu"):
         exact.silu_mul(X, X)
+    with pytest.raises(ValueError, match=r"triton_exact\.entropy: log_probs is on cpu"):
+        exact.entropy(X)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the checks' CUDA path)")
