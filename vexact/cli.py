@@ -70,6 +70,19 @@ class _DefaultsFormatter(argparse.HelpFormatter):
             return text
         return f"{text} (default: %(default)s)"
 
+    # argparse's own _split_lines (help) and _fill_text (description, epilog), but never breaking a line at a hyphen:
+    # a flag (--allow-change) or a word (re-running) stays whole, whatever the terminal's width
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
 
 class _LaidOutDescription(_DefaultsFormatter):
     """For a command whose description is laid out by hand (examples in columns): text of several lines is kept as

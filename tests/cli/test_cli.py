@@ -369,3 +369,17 @@ def test_measure_the_vllm_dump_and_locate_name_the_prompt_source_alike(tmp_path,
     assert errors[0].startswith("error: --") and errors[0].count("\n") == 1
     locate = errors[2].replace(f"--model {tmp_path} brings the weights, ", "")
     assert errors[0] == errors[1] == locate
+
+
+def test_help_never_breaks_a_flag_or_word_at_its_hyphen(capsys, monkeypatch):
+    """argparse wraps --help with textwrap's default, which breaks at hyphens: "--allow-" / "change", "re-" /
+    "running" (the exit codes' epilog of vexact sweep read "re- running" once it grew by a few words)."""
+    import re
+
+    for columns in ("60", "100"):
+        monkeypatch.setenv("COLUMNS", columns)
+        for name in COMMANDS:
+            with pytest.raises(SystemExit):
+                main([name, "--help"])
+            broken = [line for line in capsys.readouterr().out.splitlines() if re.search(r"\w-$", line)]
+            assert broken == [], (name, columns, broken)
