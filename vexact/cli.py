@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,14 +15,19 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
     add_prompt_length_flags,
     add_prompts_flag,
     add_threads_flag,
     check_outputs,
     check_prompt_length_flags,
     check_sampling_seed,
+    interrupted_exit_code,
+    launched_rank,
     make_console,
     prompt_source,
+    stop_on_sigterm,
+    stop_signal,
 )
 from .cli_base import non_negative_int as _non_negative_int
 from .cli_base import positive_int as _positive_int
@@ -53,7 +59,8 @@ def exit_codes_help(command: str | None = None) -> str:
     return (f"exit codes: {EXIT_OK} success; {EXIT_FAILED} {failed}; {EXIT_BAD_INPUT} bad input (config, files, "
             f"a locked or mismatched run directory: one 'error:' line on stderr); {EXIT_ENVIRONMENT} the machine "
             "failed the work (no space left on the disk, a file-size limit, an I/O error: one 'error:' line naming "
-            f"the file); {EXIT_INTERRUPTED} interrupted (Ctrl-C; finished work is kept"
+            f"the file); {EXIT_INTERRUPTED} interrupted (Ctrl-C; {EXIT_TERMINATED} for SIGTERM, a job "
+            "scheduler's stop; finished work is kept"
             + (f"; {resumed})" if resumed else ")"))
 
 
@@ -599,6 +606,12 @@ def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``vexact`` command; the exit code. ``argv`` None: this process's own command line, so the process is the
+    CLI's (the ``vexact`` script, ``python -m vexact``, a ``--nproc`` rank): SIGTERM is handled for its life as
+    Ctrl-C is (``stop_on_sigterm``), except in a rank a launcher started. A caller that passes ``argv`` (a test, a
+    script) keeps its own SIGTERM handling."""
+    if argv is None:
+        stop_on_sigterm(handle=not launched_rank(os.environ))
     args = build_parser(lazy=True).parse_args(argv)
     try:
         return args.func(args)
@@ -612,9 +625,9 @@ def main(argv: list[str] | None = None) -> int:
         _error_line("error", str(err) if isinstance(err, WriteFailed) else f"{err.strerror or err}{where}", "red")
         # a full disk or a file-size limit is the machine's failure, not the input's: its own exit code
         return EXIT_ENVIRONMENT if err.errno in ENVIRONMENT_ERRNOS else EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (``Terminated``): 130 or 143
         _error_line("interrupted", "", "yellow")
-        return EXIT_INTERRUPTED
+        return interrupted_exit_code(stop_signal(stop))
 
 
 def _error_line(label: str, message: str, colour: str) -> None:

@@ -9,18 +9,81 @@ Imports nothing of vexact (and rich only when a console is made).
 from __future__ import annotations
 
 import argparse
+import signal
+from collections.abc import Mapping
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # rich is imported by the commands that print, not by --help
     from rich.console import Console
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK",
-           "check_outputs", "check_writable", "make_console", "positive_int"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TERMINATED",
+           "Terminated", "check_outputs", "check_writable", "interrupted_exit_code", "launched_rank", "make_console",
+           "positive_int", "stop_on_sigterm", "stop_signal", "stopped_by"]
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT = 0, 1, 2, 3
 """Every command's exit codes: success; the command ran but its outcome is a failure; bad input; the machine failed
-the work (a full disk, an I/O error); interrupted."""
+the work (a full disk, an I/O error)."""
+
+
+def interrupted_exit_code(sig: signal.Signals) -> int:
+    """The exit code of a command stopped by ``sig`` (SIGINT or SIGTERM): 128 + its number, the shell's own
+    convention for a process a signal ended, so a job scheduler reads it as it would read the signal itself."""
+    return 128 + sig
+
+
+EXIT_INTERRUPTED, EXIT_TERMINATED = interrupted_exit_code(signal.SIGINT), interrupted_exit_code(signal.SIGTERM)
+"""Interrupted: by SIGINT (Ctrl-C, 130) or by SIGTERM (a job scheduler, ``kill PID``, ``timeout``: 143)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt (``stop_on_sigterm``): a KeyboardInterrupt, so every
+    ``except KeyboardInterrupt`` stops the work as Ctrl-C does (the interrupted summary, the resume hint, a sweep's
+    workers stopped); only the exit code tells the two apart (``stop_signal``)."""
+
+    signum = signal.SIGTERM
+
+
+def stop_signal(stop: BaseException) -> signal.Signals:
+    """The signal an interrupt stands for: SIGTERM for ``Terminated``, else SIGINT (Ctrl-C's KeyboardInterrupt)."""
+    return getattr(stop, "signum", signal.SIGINT)
+
+
+def stopped_by(sig: signal.Signals | str) -> KeyboardInterrupt:
+    """The interrupt to raise again for ``sig`` (or its name, as ``summary.json`` records it) once it was caught
+    and recorded: what ``stop_signal`` reads back."""
+    sig = signal.Signals[sig] if isinstance(sig, str) else sig
+    return Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
+
+
+LAUNCHED_RANK_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+"""Set in the processes a launcher starts as ranks (torchrun's elastic agent, ``vexact run --nproc``)."""
+
+
+def launched_rank(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` is that of a rank a launcher started (``LAUNCHED_RANK_ENV``)."""
+    return any(name in environ for name in LAUNCHED_RANK_ENV)
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+def stop_on_sigterm(handle: bool) -> None:
+    """For the rest of this process's life: SIGTERM raises ``Terminated`` (a KeyboardInterrupt) where ``handle``,
+    so a job scheduler's stop ends the work as Ctrl-C does; otherwise SIGTERM keeps its default (the process ends at
+    once). Call it once, where the process starts (the CLI's entry point, a sweep worker's initializer); it must run
+    in the main thread.
+
+    Not ``handle`` in a rank a launcher started (``launched_rank``): torch's elastic agent sends SIGTERM to every
+    surviving rank when one rank *fails*, so a handled SIGTERM would have rank 0 record a crash elsewhere as
+    "interrupted" (and the launcher report exit 143, not the failure); and a rank blocked in a collective runs no
+    Python handler, so it would end only by the agent's SIGKILL after its timeout, not at once. Rank 0 loses nothing
+    finished either way (every step's line and checkpoint are on disk), and the launcher, which vexact owns, handles
+    the SIGTERM it gets: it says how to --resume and exits 143."""
+    if handle:
+        signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def make_console(stderr: bool = False) -> Console:

@@ -371,6 +371,34 @@ def test_measure_the_vllm_dump_and_locate_name_the_prompt_source_alike(tmp_path,
     assert errors[0] == errors[1] == locate
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rank_env,handled", [({}, True), ({"TORCHELASTIC_RUN_ID": "r"}, False),
+                                              ({"LOCAL_RANK": "0"}, False)], ids=["own", "torchrun", "local-rank"])
+def test_the_cli_takes_sigterm_as_ctrl_c_for_its_process_life_except_in_a_launched_rank(tmp_path, rank_env, handled):
+    """``vexact`` as the program (argv from the command line) takes SIGTERM as Ctrl-C for the process's life; a rank
+    that torchrun (or ``vexact run --nproc``) started keeps SIGTERM's default: its agent sends SIGTERM to the
+    surviving ranks when one fails, and a failure must not be recorded as "interrupted"."""
+    import os
+
+    script = ("import signal, sys\nfrom vexact.cli import main\n"
+              f"sys.argv = ['vexact', 'report', {str(tmp_path / 'none')!r}]\n"
+              "code = main()\n"
+              "print(code, signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**env, **rank_env})
+    assert done.stdout.split() == ["2", str(handled)], done.stdout + done.stderr[-2000:]
+
+
+def test_main_called_with_its_arguments_leaves_the_callers_sigterm_alone(tmp_path, capsys):
+    """A caller that passes argv (a test, a script) keeps its own SIGTERM handling: only the program installs one."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["report", str(tmp_path / "none")]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_help_never_breaks_a_flag_or_word_at_its_hyphen(capsys, monkeypatch):
     """argparse wraps --help with textwrap's default, which breaks at hyphens: "--allow-" / "change", "re-" /
     "running" (the exit codes' epilog of vexact sweep read "re- running" once it grew by a few words)."""

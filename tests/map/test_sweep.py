@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from test_sweep_faults import _sweep_file as _fast_sweep_file  # tiny runs, no w
 from test_trainer import EXPERIMENT, _without_timing
 
 from vexact.cli import main
+from vexact.cli_base import Terminated
 from vexact.records.runlog import read_metrics
 from vexact.rl.config import ConfigError
 from vexact.rl.trainer import Trainer
@@ -139,15 +141,18 @@ def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
-    """``kill -INT <sweep>`` (not a terminal's Ctrl-C, which reaches the whole process group) must stop the points
-    that are running in worker processes, not wait for them to finish: the points here would run 5000 steps."""
-    import signal
+@pytest.mark.parametrize("sig,code", [pytest.param(signal.SIGINT, 130, id="SIGINT"),
+                                      pytest.param(signal.SIGTERM, 143, id="SIGTERM")])
+def test_a_signal_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path, sig, code):
+    """``kill -INT`` or ``kill -TERM`` of a sweep (not a terminal's Ctrl-C, which reaches the whole process group; a
+    job scheduler's SIGTERM) must stop the points that are running in worker processes, not wait for them to
+    finish (the points here would run 5000 steps): each records itself as interrupted, and re-running the sweep
+    resumes them. SIGTERM ended the sweep at once (exit -15) and its workers with it, unrecorded."""
     import time
 
-    path = _sweep_file(tmp_path, "sig", grid={"seed": [0, 1]}, **{})
+    path = _fast_sweep_file(tmp_path, "sig", {"seed": [0, 1]}, steps=5000)
     spec_data = yaml.safe_load(path.read_text())
-    spec_data["set"].update({"steps": 5000, "logging.checkpoint_every": 1000, "logging.eval_every": 1000})
+    spec_data["set"]["logging.checkpoint_every"] = 1
     path.write_text(yaml.safe_dump(spec_data))
     spec = load_sweep_spec(path)
     # SIGINT's default disposition in the sweep, as a sweep started from a terminal has it: a script's background
@@ -157,17 +162,44 @@ def test_a_sigint_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path):
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
-        while not all((p.run_dir / "metrics.jsonl").exists() for p in spec.points):
+        # a step finished in each point (one interrupted before that is removed: it would start over, unrecorded)
+        while not all((p.run_dir / "metrics.jsonl").exists() and read_metrics(p.run_dir / "metrics.jsonl")
+                      for p in spec.points):
             assert sweep.poll() is None and time.monotonic() < deadline, "the points never started"
-            time.sleep(0.5)
-        os.kill(sweep.pid, signal.SIGINT)  # the sweep's process only: its workers are not signalled by us
+            time.sleep(0.2)
+        os.kill(sweep.pid, sig)  # the sweep's process only: its workers are not signalled by us
         output, _ = sweep.communicate(timeout=90)
     finally:
         if sweep.poll() is None:
             os.killpg(sweep.pid, signal.SIGKILL)
-    assert sweep.returncode == 130, output[-2000:]
+    assert sweep.returncode == code, output[-2000:]
+    done = {}
     for point in spec.points:
-        assert len(read_metrics(point.run_dir / "metrics.jsonl")) < 5000
+        summary = json.loads((point.run_dir / "summary.json").read_text())
+        assert (summary["status"], summary["signal"]) == ("interrupted", sig.name), (point.name, summary)
+        done[point.name] = len(read_metrics(point.run_dir / "metrics.jsonl"))
+        assert done[point.name] < 5000
+
+    steps = max(done.values()) + 1  # each point resumes from its checkpoint and runs past where it stopped
+    rerun = subprocess.run([sys.executable, "-m", "vexact", "sweep", str(path), "--jobs", "2", "--no-report",
+                            "--set", f"steps={steps}"], capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    for point in spec.points:
+        assert json.loads((point.run_dir / "summary.json").read_text())["status"] == "completed"
+        assert [r["step"] for r in read_metrics(point.run_dir / "metrics.jsonl")] == list(range(steps))
+
+
+def test_a_sigterm_in_a_point_the_sweep_runs_itself_ends_the_sweep_as_sigterm(tmp_path, monkeypatch, capsys):
+    """With one job, each point runs in the sweep's own process: the point's run records the interrupt, and the
+    sweep raises it again to stop. It raised Ctrl-C's KeyboardInterrupt whatever stopped the point, so a SIGTERM
+    (``Terminated``) ended the sweep with 130."""
+    path = _fast_sweep_file(tmp_path, "term", {"seed": [0, 1]}, steps=3)
+
+    def terminated(self, step):
+        raise Terminated
+
+    monkeypatch.setattr(Trainer, "step", terminated)
+    assert main(["sweep", str(path), "--no-report", "--quiet"]) == 143
 
 
 def test_a_sweep_whose_steps_grew_extends_its_finished_points_bit_identically(tmp_path):

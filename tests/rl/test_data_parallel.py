@@ -295,6 +295,7 @@ def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeyp
     interrupted in its warm start has no directory left ("continue with --resume" named a run that is not there)."""
     import argparse
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from vexact.rl import run_launch
@@ -323,5 +324,10 @@ def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeyp
                                   "--resume\n")
     assert outcome(KeyboardInterrupt()) == (130, "interrupted: the ranks stopped; finished steps are in metrics.jsonl; "
                                                  "continue with --resume\n")
+    # SIGTERM to the launcher (a job scheduler's stop): the elastic agent's handler raises SignalException naming it,
+    # the agent passes it on to the ranks, and the launcher exits 128 + 15, as a single-process run does (it said 130)
+    terminated = SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+    assert outcome(terminated) == (143, "interrupted: the ranks stopped; finished steps are in metrics.jsonl; "
+                                        "continue with --resume\n")
     failed = ChildFailedError("env", {0: ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file="")})
     assert outcome(failed) == (1, "rank 0 failed (exit code 3); its error is printed above\n")

@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -458,6 +459,43 @@ def _fail_fsync_of(monkeypatch, name: str, code: int) -> None:
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [pytest.param(signal.SIGINT, 130, id="SIGINT"),
+                                      pytest.param(signal.SIGTERM, 143, id="SIGTERM")])
+def test_a_signal_mid_run_records_interrupted_says_resume_and_the_resume_is_bit_identical(tmp_path, sig, code):
+    """``kill -INT`` or ``kill -TERM`` (a job scheduler's stop: scancel, a time limit, pod deletion, ``timeout``) of
+    a single-process ``vexact run`` mid-run. SIGTERM ended the process at once (exit -15): no interrupted summary,
+    no resume hint. Both now stop the run alike; only the exit code (128 + the signal) tells them apart."""
+    config = _write_config(tmp_path, "cut", "steps=1000")  # never finishes before the signal
+    run_dir = tmp_path / "cut"
+    # SIGINT's default disposition, as a terminal gives it (a background job inherits SIGINT ignored)
+    run = subprocess.Popen([sys.executable, "-m", "vexact", "run", str(config)], cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "10000"},
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir / "metrics.jsonl")) < 2:
+            assert run.poll() is None and time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.1)
+        os.kill(run.pid, sig)
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == code, out[-2000:] + err[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == sig.name, summary
+    assert "interrupted -- finished steps are in metrics.jsonl; continue with --resume" in out, out[-2000:]
+    assert "Traceback" not in out + err, err[-2000:]
+
+    steps = len(read_metrics(run_dir / "metrics.jsonl")) + 1  # one step past what finished (and its checkpoint)
+    resumed = subprocess.run([sys.executable, "-m", "vexact", "run", str(run_dir), "--resume", f"--set=steps={steps}",
+                              "--allow-change=steps"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    _run(_tiny(tmp_path, "full", f"steps={steps}"))  # the same run, never interrupted
+    _same_run(run_dir, tmp_path / "full")
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")

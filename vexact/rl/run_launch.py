@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..cli_base import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, make_console
+from ..cli_base import EXIT_FAILED, EXIT_OK, interrupted_exit_code, make_console, stop_signal
 from ..engine.devices import rank_device
 from ..records import CONFIG_FILE, SUMMARY_FILE
 from ..records.runlog import LOCK_FILE, run_lock
@@ -29,7 +29,7 @@ from .tasks import check_memory
 from .trainer import Trainer, foreign_entries, holds_results, holds_run, run_dir_for
 
 __all__ = ["check_run_dir", "command_line", "free_run_name", "launch_ranks", "print_nothing_to_resume",
-           "print_run_summary", "run_command", "run_config"]
+           "print_run_summary", "run_command", "run_config", "summary_exit_code"]
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -59,12 +59,12 @@ def run_command(args: argparse.Namespace) -> int:
             console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}"
                           + (f" on {ranks.world_size} ranks" if ranks.world_size > 1 else ""))
         summary = Trainer(cfg, console, ranks).run(resume=args.resume, allow_changes=tuple(args.allow_changes))
-    except KeyboardInterrupt:  # in the warm start (or a resume's restore)
+    except KeyboardInterrupt as stop:  # in the warm start (or a resume's restore)
         ranks.close(wait=False)
         if not ranks.is_main or holds_run(run_dir_for(cfg)):
             raise
         print_nothing_to_resume(args, console)
-        return EXIT_INTERRUPTED
+        return interrupted_exit_code(stop_signal(stop))
     except BaseException:
         ranks.close(wait=False)
         raise
@@ -74,7 +74,7 @@ def run_command(args: argparse.Namespace) -> int:
             print_nothing_to_resume(args, console)  # its summary.json went with the directory: no table of it
         else:
             print_run_summary(cfg, summary, console)
-    code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(summary["status"], EXIT_FAILED)
+    code = summary_exit_code(summary)
     if ranks.world_size > 1:
         # A rank's work is written and fsynced by now. Interpreter finalization can still abort it (SIGABRT,
         # "terminate called without an active exception": gloo worker threads torn down late), which turned a
@@ -165,18 +165,22 @@ def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> 
                  *(["--resume"] if args.resume else []), *(f"--allow-change={k}" for k in args.allow_changes)]
     try:
         launch(args.nproc, rank_args, threads=cfg.threads)
-    except (KeyboardInterrupt, SignalException):  # the ranks got the signal too; rank 0 recorded what finished
+    except (KeyboardInterrupt, SignalException) as stop:  # the ranks got the signal too (the agent sends them the
+        # one it got); rank 0 recorded what finished. The agent's own handler raises SignalException here, in place of
+        # the CLI's (cli_base.stop_on_sigterm), and names the signal.
+        code = interrupted_exit_code(signal.Signals(stop.sigval) if isinstance(stop, SignalException)
+                                     else stop_signal(stop))
         if not holds_run(run_dir_for(cfg)):  # stopped in the warm start: rank 0 removed the directory it had begun
             print_nothing_to_resume(args, console)
-            return EXIT_INTERRUPTED
+            return code
         console.print("[yellow]interrupted[/]: the ranks stopped; finished steps are in metrics.jsonl; continue "
                       "with --resume")
-        return EXIT_INTERRUPTED
+        return code
     except ChildFailedError as err:
         summary_path = run_dir_for(cfg) / SUMMARY_FILE
-        status = json.loads(summary_path.read_text()).get("status") if summary_path.exists() else None
-        if status in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
-            return EXIT_INTERRUPTED if status == "interrupted" else EXIT_FAILED
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        if summary.get("status") in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
+            return summary_exit_code(summary)
         rank, failure = err.get_first_failure()
         if failure.exitcode < 0:  # killed from outside (the OOM killer, kill -9): it printed nothing
             try:
@@ -189,6 +193,14 @@ def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> 
         console.print(f"[red]rank {rank} failed[/] (exit code {failure.exitcode}); its error is printed above")
         return EXIT_FAILED
     return EXIT_OK
+
+
+def summary_exit_code(summary: dict) -> int:
+    """The exit code of a run's outcome, from its summary: 0 completed; interrupted: 130 or 143, for the signal it
+    records (SIGINT or SIGTERM; SIGINT where a summary written before vexact recorded it names none); else 1."""
+    if summary.get("status") == "interrupted":
+        return interrupted_exit_code(signal.Signals[summary.get("signal") or "SIGINT"])
+    return EXIT_OK if summary.get("status") == "completed" else EXIT_FAILED
 
 
 def print_nothing_to_resume(args: argparse.Namespace, console: Console) -> None:

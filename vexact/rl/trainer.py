@@ -46,6 +46,7 @@ from torch import Tensor
 import vexact_kernels
 from vexact_kernels.host_guard import host_cpu
 
+from ..cli_base import stop_signal
 from ..engine.devices import rank_device, same_device_kind
 from ..engine.model import Transformer, resolve_dtype
 from ..metric_keys import (
@@ -567,9 +568,10 @@ class Trainer:
             summary["status"] = "stopped"
             summary["reason"] = str(stop)
             self._log(f"[red]run stopped at step {step}:[/] {stop}")
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (cli_base.Terminated): recorded, for the exit code
             summary["status"] = "interrupted"
-            summary["reason"] = f"interrupted during step {step}; resume with --resume"
+            summary["signal"] = stop_signal(stop).name
+            summary["reason"] = f"interrupted by {summary['signal']} during step {step}; resume with --resume"
         finally:
             writer.close()
         return summary, step, started, last

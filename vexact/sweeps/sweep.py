@@ -70,6 +70,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from ..cli_base import stop_on_sigterm, stop_signal, stopped_by
 from ..engine.devices import worker_device
 from ..progress import Progress, StepReporter
 from ..records import FINISHED_STATUSES, SUMMARY_FILE
@@ -501,11 +502,15 @@ def _check_recorded_overrides(spec: SweepSpec) -> None:
 
 
 def _worker_init(parent_pid: int) -> None:
-    """Runs first in every worker process: die with the sweep's main process, however that dies (SIGKILL too).
+    """Runs first in every worker process: die with the sweep's main process, however that dies (SIGKILL too), and
+    take SIGTERM as Ctrl-C (the worker is vexact's own process, never a launcher's rank): a point stopped by the
+    sweep's forwarded signal, or by a SIGTERM sent to the whole process group (``timeout``, a job scheduler),
+    records itself as interrupted.
 
     ``die_with_parent`` needs the spawning thread to live as long as the parent: ProcessPoolExecutor spawns its
     workers from the thread that calls ``submit`` (here the sweep's, alive until the pool is shut down)."""
     die_with_parent(parent_pid)
+    stop_on_sigterm(handle=True)
 
 
 def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
@@ -522,9 +527,10 @@ def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
         # steps may grow on a resume (an extended sweep), and a memory knob may change (no bit does); no other key
         summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(
             resume=resume, allow_changes=("steps", *MEMORY_KEYS) if resume else ())
-        return {"status": summary["status"], "error": None, "warm_start": _warm_start_lines(log)}
-    except KeyboardInterrupt:
-        return {"status": "interrupted", "error": None}
+        return {"status": summary["status"], "error": None, "warm_start": _warm_start_lines(log),
+                "signal": summary.get("signal")}
+    except KeyboardInterrupt as stop:
+        return {"status": "interrupted", "error": None, "signal": stop_signal(stop).name}
     except RunLocked as err:  # another process took the directory after the sweep's own check
         return _locked(err)
     except Exception as err:  # a failing point is recorded; the sweep goes on
@@ -651,8 +657,8 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
                 resume = point.run_dir.exists()
                 result = _check_lock(point) or _run_point(point.config.to_dict(), resume, None)
                 finish(point, result)
-                if result["status"] == "interrupted":
-                    raise KeyboardInterrupt
+                if result["status"] == "interrupted":  # the point ran here: the signal it recorded is the sweep's
+                    raise stopped_by(result.get("signal") or "SIGINT")
         else:
             _run_parallel(todo, jobs, threads, finish, progress)
     return statuses
@@ -720,21 +726,22 @@ def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish
             for future, result in results.items():
                 slots.pop(future, None)
                 finish(running.pop(future), result)
-    except KeyboardInterrupt:
-        _interrupt_workers(pool)
+    except KeyboardInterrupt as stop:
+        _interrupt_workers(pool, stop_signal(stop))
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
         pool.shutdown(wait=True)
 
 
-def _interrupt_workers(pool: ProcessPoolExecutor) -> None:
-    """Pass the sweep's SIGINT on to its workers. Ctrl-C in a terminal reaches every process of the group, but a
-    SIGINT sent to the sweep alone (``kill -INT``, a job scheduler) does not: without this, the sweep would wait
-    for every running point to finish before it stops. Each worker's point records itself as interrupted."""
+def _interrupt_workers(pool: ProcessPoolExecutor, sig: signal.Signals) -> None:
+    """Pass the signal that stopped the sweep (SIGINT or SIGTERM) on to its workers. Ctrl-C in a terminal reaches
+    every process of the group, but a signal sent to the sweep alone (``kill``, a job scheduler) does not: without
+    this, the sweep would wait for every running point to finish before it stops. Each worker's point records
+    itself as interrupted (a worker takes SIGTERM as Ctrl-C: ``_worker_init``)."""
     for process in list((pool._processes or {}).values()):  # noqa: SLF001 -- the executor exposes no worker list
         with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGINT)
+            os.kill(process.pid, sig)
 
 
 def _result(future: Future) -> dict | None:
