@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from vexact.cli import main
-from vexact.map.verdict import find_curve, load_map
+from vexact.map.verdict import DEFAULT_TAIL_MAP, find_curve, fmt_t, load_map
 from vexact.real.compare import REFUSED_FILE_HINT, SLIME_KEYS, SLIME_MASK_KEY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
@@ -260,11 +260,22 @@ def test_the_docs_slime_recipe_runs_as_written(tmp_path, capsys, monkeypatch):
     _train_dump(Path(path))  # a dump compare reads (the one above needed converting)
     assert main(argv[1:]) == 0
     out = capsys.readouterr().out
-    # the page says: a real vocabulary picks the tail map, whose only curve is bypass at lag 0; for another
-    # correction the verdict says the map has no curve for it, and a lag it has no curve at is an error
+    # the page says: a real vocabulary picks the tail map, whose curves (all at lag 0) it names; the command's
+    # token_tis is one of them, so its verdict comes from that curve; another correction gets the sentence that the
+    # map has no curve for it, and a lag it has no curve at is an error
+    said = _docs_section().split("A real vocabulary picks the tail map, whose curves are ", 1)[1].split(" all at", 1)[0]
+    tail = load_map(DEFAULT_TAIL_MAP)
+    tail_curves = [c["correction"] for c in tail["curves"]]
+    assert re.findall(r"`(\w+)`", said) == tail_curves and {c["policy_lag"] for c in tail["curves"]} == {0}
     map_line = out[out.index("\nmap: "):]
-    assert "correction token_tis" in map_line and "the tail map shipped with vexact" in map_line
-    assert "has no curve for your correction" in map_line and "(its curves there: bypass)" in map_line
+    t0, t1 = find_curve(tail, "token_tis")["horizon_range"]  # the tail map's curve answers, not the main map's
+    assert f"correction token_tis: no verdict at this horizon: T = 2.7 lies below the token_tis curve's measured " \
+           f"horizons (T = {fmt_t(t0)} .. {fmt_t(t1)})" in map_line
+    other = [*argv[1:argv.index("--correction") + 1], "icepop", *argv[argv.index("--correction") + 2:]]
+    assert main(other) == 0
+    other_line = capsys.readouterr().out
+    assert "has no curve for your correction" in other_line and "the tail map shipped with vexact" in other_line
+    assert f"(its curves there: {', '.join(tail_curves)})" in other_line
     lagged = [*argv[1:argv.index("--policy-lag") + 1], "1", *argv[argv.index("--policy-lag") + 2:]]
     assert main(lagged) == 2 and "has no curve at policy lag 1" in capsys.readouterr().err
     on_the_map = _docs_section().split("**On the collapse map.**", 1)[1].split("**The live hook.**", 1)[0]
