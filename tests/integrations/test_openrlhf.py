@@ -1,4 +1,4 @@
-"""OpenRLHF: the dump and live hooks on ``Experience`` objects built as OpenRLHF 0.11.1 builds them.
+"""OpenRLHF: the dump and live hooks on ``Experience`` objects built as OpenRLHF 0.11.2 (and 0.8.9 on) builds them.
 
 The fakes follow the source, step by step: ``samples_generator._process_response_into_experience`` (one sample:
 prompt + response ids, ``action_mask[1:]``, ``rollout_log_probs`` with 0.0 over the prompt, shifted by one as the
@@ -154,8 +154,10 @@ def test_refusals():
     experiences = _experiences()
     experiences[1].rollout_log_probs = None  # OpenRLHF without the correction flag
     with pytest.raises(ValueError, match=r"^experiences\[1\]\.rollout_log_probs is None: .*"
-                                         r"--algo\.advantage\.is_correction_enable"):
-        experience_sides(experiences)
+                                         r"--algo\.advantage\.is_correction_level token \(OpenRLHF 0\.11\.2 on\); "
+                                         r"--algo\.advantage\.is_correction_enable \(OpenRLHF 0\.10\.2 to 0\.11\.1\); "
+                                         r"--enable_vllm_is_correction \(OpenRLHF up to 0\.10\.1\)$"):
+        experience_sides(experiences)  # each release's switch (the parity test reads 0.11.2's; the rest: the docs)
     with pytest.raises(ValueError, match=r"action_log_probs is None: call after make_experience_batch"):
         experience_sides(Experience(sequences=torch.zeros(1, 3), rollout_log_probs=torch.zeros(1, 2),
                                     action_mask=torch.ones(1, 2)))

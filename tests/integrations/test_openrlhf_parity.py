@@ -1,7 +1,7 @@
-"""Parity with OpenRLHF 0.11.1's own source: the layout ``vexact.integrations.openrlhf`` states is OpenRLHF's.
+"""Parity with OpenRLHF 0.11.2's own source: the layout ``vexact.integrations.openrlhf`` states is OpenRLHF's.
 
 OpenRLHF imports deepspeed, ray, vllm and flash-attn when its package loads, so this test does not import the package
-(``pip install --no-deps openrlhf==0.11.1``, which .ci/run does). Two kinds of check:
+(``pip install --no-deps openrlhf==0.11.2``, which .ci/run does). Two kinds of check:
 
 * run: the real ``Experience`` class, ``Experience.concat_experiences`` and
   ``SamplesGenerator._process_response_into_experience``, loaded from the installed files with stand-ins for the
@@ -13,7 +13,9 @@ OpenRLHF imports deepspeed, ray, vllm and flash-attn when its package loads, so 
   ``PolicyLoss``, the argument parser) is parsed with ``ast`` and its statements compared with what the module says.
 
 ``test_each_check_fails_on_a_changed_source`` runs every check on a copy of OpenRLHF's source with one plausible
-change (a renamed field, left padding, the flag 0.11.2 renamed, ...): no check passes whatever the source says.
+change (a renamed field, left padding, a renamed flag, ...): no check passes whatever the source says. The
+statements only OpenRLHF 0.11.1 and earlier make (``ENABLE_FLAG``, its correction types) were checked at 0.11.1, the
+release this test read before (git history); the docs say which release each holds for.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import torch
 from conftest import require_optional
 from test_openrlhf import TABLE
 
-from vexact.integrations.openrlhf import DUMP_KEYS, ENABLE_FLAG, experience_sides
+from vexact.integrations import openrlhf as integration
+from vexact.integrations.openrlhf import DUMP_KEYS, ENABLE_FLAG, LEVEL_FLAG, LEVEL_OFF, LEVEL_ON, experience_sides
 
-OPENRLHF_VERSION = "0.11.1"
+OPENRLHF_VERSION = "0.11.2"
 OPENRLHF_PIP = f"pip install --no-deps openrlhf=={OPENRLHF_VERSION} (.ci/run does)"
 pytestmark = pytest.mark.needs_package("openrlhf", OPENRLHF_PIP)  # without it: one skip for the file (conftest.py)
 ROLLOUT, TRAIN, MASK = DUMP_KEYS[:3]  # the Experience fields the module reads, besides sequences
@@ -105,9 +108,26 @@ def _keyword(call: ast.Call, name: str) -> str | None:
     return next((ast.unparse(k.value) for k in call.keywords if k.arg == name), None)
 
 
-def _flag_attribute(prefix: str) -> str:
-    """ENABLE_FLAG as the code reads it: ``--algo.advantage.is_correction_enable`` -> ``<prefix>.algo.advantage...``."""
-    return f"{prefix}.{ENABLE_FLAG.removeprefix('--')}"
+def _flag_attribute(prefix: str, flag: str = LEVEL_FLAG) -> str:
+    """A flag as the code reads it: ``--algo.advantage.is_correction_level`` -> ``<prefix>.algo.advantage...``."""
+    return f"{prefix}.{flag.removeprefix('--')}"
+
+
+def _declared(cli: ast.Module, flag: str) -> list[ast.Call]:
+    """The parser's ``add_argument(flag, ...)`` calls."""
+    return [c for c in _calls(cli, "add_argument") if c.args and ast.unparse(c.args[0]) == repr(flag)]
+
+
+def _correction_flag(suffix: str) -> str:
+    """A sibling of LEVEL_FLAG: ``_correction_flag("mode")`` is ``--algo.advantage.is_correction_mode``."""
+    return f"{LEVEL_FLAG.removesuffix('level')}{suffix}"
+
+
+def _default(cli: ast.Module, flag: str) -> object:
+    """The parser's default for ``flag`` (declared once)."""
+    declared = _declared(cli, flag)
+    assert len(declared) == 1, f"{flag} is declared {len(declared)} times"
+    return ast.literal_eval(_keyword(declared[0], "default"))
 
 
 # --- running the source ---------------------------------------------------------------------------------------------
@@ -299,20 +319,30 @@ def check_agent_rollout_fields(root: Path) -> None:
 
 @check
 def check_enable_flag(root: Path) -> None:
-    """ENABLE_FLAG is a store_true argument, and the one switch that asks vLLM for log-probs (logprobs=1, an engine
-    with logprobs_mode='processed_logprobs': after temperature); without it rollout_log_probs stays None."""
+    """LEVEL_FLAG (default LEVEL_OFF, LEVEL_ON a choice) is the one switch that asks vLLM for log-probs (logprobs=1,
+    an engine with logprobs_mode='processed_logprobs': after temperature) at any level but off; otherwise
+    rollout_log_probs stays None. The older switches are gone (the parser rejects them), and LEVEL_ON with the other
+    correction flags at their defaults is a setting PolicyLoss accepts."""
     cli = _tree(root, "cli/train_ppo_ray.py")
-    declared = [c for c in _calls(cli, "add_argument") if c.args and ast.unparse(c.args[0]) == repr(ENABLE_FLAG)]
-    assert len(declared) == 1 and _keyword(declared[0], "action") == "'store_true'", f"{ENABLE_FLAG} is not declared"
+    declared = _declared(cli, LEVEL_FLAG)
+    assert len(declared) == 1 and _default(cli, LEVEL_FLAG) == LEVEL_OFF, f"{LEVEL_FLAG} is not declared, default off"
+    assert {LEVEL_OFF, LEVEL_ON} <= set(ast.literal_eval(_keyword(declared[0], "choices")))
+    assert not _declared(cli, ENABLE_FLAG) and not _declared(cli, integration.OLD_ENABLE_FLAG)
     engines = _calls(cli, "create_vllm_engines")
-    assert len(engines) == 1 and _code(f"'processed_logprobs' if {_flag_attribute('args')} else None") in [
-        ast.unparse(a) for a in engines[0].args]
+    assert len(engines) == 1 and _code(f"'processed_logprobs' if {_flag_attribute('args')} != {LEVEL_OFF!r} else None"
+                                       ) in [ast.unparse(a) for a in engines[0].args]
     sampling = [c for path in sorted(root.rglob("*.py")) for c in _calls(_tree(root, path), "SamplingParams")]
-    assert sampling and all(_keyword(c, "logprobs") == _code(f"1 if {_flag_attribute('self.args')} else None")
-                            for c in sampling), [_keyword(c, "logprobs") for c in sampling]
+    on = _code(f"1 if {_flag_attribute('self.args')} != {LEVEL_OFF!r} else None")
+    asked = [_keyword(c, "logprobs") for c in sampling]
+    assert asked and all(a == on for a in asked), asked
     process = _node(_tree(root, "trainer/ppo_utils/samples_generator.py"),
                     "SamplesGenerator._process_response_into_experience")
     _has(process, f"{ROLLOUT} = None")
+    defaults = {name: _default(cli, _correction_flag(name)) for name in ("mode", "gating", "threshold")}
+    try:
+        _policy_loss(root, level=LEVEL_ON, **defaults)
+    except ValueError as error:
+        raise AssertionError(f"PolicyLoss refuses {LEVEL_FLAG} {LEVEL_ON} with the defaults {defaults}") from error
 
 
 @check
@@ -336,11 +366,10 @@ def check_actor_forward(root: Path) -> None:
 
 @check
 def check_correction_ratio(root: Path) -> None:
-    """PolicyLoss weighs the loss by exp(old_log_probs - rollout_log_probs), and the actor passes it Experience's
-    action_log_probs as old_log_probs: the ratio compare reports as mismatch/ratio_*."""
+    """PolicyLoss weighs the loss by exp(old_log_probs - rollout_log_probs), clamped or masked, and the actor passes it
+    Experience's action_log_probs as old_log_probs: the ratio compare reports as mismatch/ratio_*."""
     loss = _node(_tree(root, "models/loss.py"), "PolicyLoss.forward")
-    _has(loss, f"rollout_log_ratio = old_log_probs - {ROLLOUT}")
-    assert any(ast.unparse(c) == "torch.exp(rollout_log_ratio)" for c in _calls(loss, "exp"))
+    _has(loss, f"is_log_ratio = (old_log_probs - {ROLLOUT}).detach()", "token_is = is_log_ratio.exp()")
     step = _node(_tree(root, "trainer/ray/ppo_actor.py"), "ActorPPOTrainer.training_step")
     _has(step, f"old_action_log_probs = experience.{TRAIN}")
     call = [c for c in _calls(step, "actor_loss_fn")]
@@ -349,26 +378,34 @@ def check_correction_ratio(root: Path) -> None:
         f"experience.{MASK}")
 
 
-def _openrlhf_weights(root: Path, kind: str, band: tuple[float, float], train: torch.Tensor, roll: torch.Tensor,
-                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the weight PolicyLoss puts on each token's loss, vllm_kl) for ``--algo.advantage.is_correction_type kind``:
-    log_probs = old_log_probs and advantages -1 make each token's clipped PPO loss exactly 1, and the loss comes back
-    per token (aggregate_loss, the reduction only, replaced)."""
+def _policy_loss(root: Path, level: str, mode: str = "mask", gating: str = "ratio",
+                 threshold: tuple[float, float] | list[float] = (0.5, 5.0)) -> Callable:
+    """OpenRLHF's PolicyLoss for ``--algo.advantage.is_correction_level level``, ``_mode``, ``_gating`` and
+    ``_threshold`` (two values: the parser makes one value b [0.0, b]), loaded from its files."""
     stand_ins = {name: _module(name) for name in ("openrlhf", "openrlhf.models", "deepspeed")}
     openrlhf = _exec(root, {"openrlhf.models.utils": "models/utils.py", "openrlhf.models.loss": "models/loss.py"},
                      stand_ins)
-    openrlhf.loss.aggregate_loss = lambda loss, mask, **kwargs: loss
-    policy_loss = openrlhf.loss.PolicyLoss(enable_vllm_is_correction=True, vllm_is_truncated_threshold=list(band),
-                                           vllm_is_correction_type=kind)
-    loss, _, _, vllm_kl = policy_loss(train, train, -torch.ones_like(train), action_mask=mask, rollout_log_probs=roll)
-    return loss, vllm_kl
+    openrlhf.loss.aggregate_loss = lambda loss, mask, **kwargs: loss  # the loss per token: the reduction only
+    return openrlhf.loss.PolicyLoss(is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,
+                                    is_correction_threshold=list(threshold))
+
+
+def _openrlhf_weights(root: Path, train: torch.Tensor, roll: torch.Tensor, mask: torch.Tensor,
+                      **settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the weight PolicyLoss puts on each token's loss, vllm_kl, is_filter_ratio) for ``settings`` (see
+    _policy_loss): log_probs = old_log_probs and advantages -1 make each token's clipped PPO loss exactly 1."""
+    loss, _, _, vllm_kl, filtered = _policy_loss(root, **settings)(train, train, -torch.ones_like(train),
+                                                                   action_mask=mask, rollout_log_probs=roll)
+    return loss, vllm_kl, filtered
 
 
 @check
 def check_correction_types(root: Path) -> None:
     """docs/reference/verl_trl.md's OpenRLHF table, on OpenRLHF's own PolicyLoss and vexact's rollout_correction:
-    icepop is vexact's icepop; tis clamps both sides where token_tis only caps; seq-mask-tis rejects geo_rs's
-    sequences but weighs kept tokens by the raw ratio; vllm_kl is rollout_corr/kl."""
+    level token (mask, ratio: the defaults) is vexact's icepop; clip with one threshold b is token_tis, with a b it
+    also clamps below; level seq rejects geo_rs's sequences but weighs kept tokens by the raw ratio; binary_kl and tv
+    gate on the sampled token's probabilities, with one upper bound; vllm_kl is rollout_corr/kl; is_filter_ratio is
+    vexact's zeroed, truncated or rejected fraction."""
     from vexact.rl.config import CorrectionSection
     from vexact.rl.corrections import rollout_correction
     from vexact.rl.metrics import mismatch_metrics
@@ -386,24 +423,53 @@ def check_correction_types(root: Path) -> None:
     def ours(**settings) -> object:
         return rollout_correction(train[keep], roll[keep], lengths, CorrectionSection(**settings))
 
-    thresholds = [c for c in _calls(_tree(root, "cli/train_ppo_ray.py"), "add_argument")
-                  if ast.unparse(c.args[0]) == repr(f"{ENABLE_FLAG.removesuffix('enable')}threshold")]
-    assert len(thresholds) == 1 and _keyword(thresholds[0], "default") == "[0.5, 5.0]", "the default band [a, b]"
-    theirs, _ = _openrlhf_weights(root, "icepop", (0.5, 5.0), train, roll, mask)
+    def fraction(correction: object, key: str) -> torch.Tensor:  # OpenRLHF counts in float32 (filtered.float())
+        return torch.tensor(correction.metrics[f"correction/{key}"], dtype=torch.float32)
+
+    cli = _tree(root, "cli/train_ppo_ray.py")
+    assert _default(cli, _correction_flag("threshold")) == [0.5, 5.0], "the default band [a, b]"
+    assert _default(cli, _correction_flag("mode")) == "mask" and _default(cli, _correction_flag("gating")) == "ratio"
+    _has(cli, "threshold.insert(0, 0.0)")  # one value b is the band [0, b]
+    theirs, _, filtered = _openrlhf_weights(root, train, roll, mask, level="token")
     icepop = ours(method="icepop", band=(0.5, 5.0))
     assert ((ratio < 0.5) | (ratio > 5.0)).any() and torch.equal(theirs[keep], icepop.weights), "icepop"
     assert icepop.keep.all()  # zeroed, not rejected: in the loss's denominator, as OpenRLHF's action_mask keeps them
-    theirs, _ = _openrlhf_weights(root, "tis", (0.5, 2.0), train, roll, mask)
-    tis, low = ours(method="token_tis", threshold=2.0).weights, ratio < 0.5
-    assert low.any() and torch.equal(theirs[keep][~low], tis[~low]), "tis: the same weight where no ratio < a"
-    assert (theirs[keep][low] == 0.5).all() and torch.equal(tis[low], ratio[low]), "tis: clamp(ρ, a, b) vs min(ρ, C)"
-    theirs, vllm_kl = _openrlhf_weights(root, "seq-mask-tis", (0.8, 1.25), train, roll, mask)
+    assert torch.equal(filtered, fraction(icepop, "zeroed_token_frac")), "is_filter_ratio: zeroed tokens"
+    theirs, _, filtered = _openrlhf_weights(root, train, roll, mask, level="token", mode="clip", threshold=(0.0, 1.5))
+    tis = ours(method="token_tis", threshold=1.5)
+    assert (ratio > 1.5).any() and torch.equal(theirs[keep], tis.weights), "clip, one threshold: min(ρ, b)"
+    assert torch.equal(filtered, fraction(tis, "truncated_token_frac")), "is_filter_ratio: truncated tokens"
+    theirs, _, _ = _openrlhf_weights(root, train, roll, mask, level="token", mode="clip", threshold=(0.5, 1.5))
+    low = ratio < 0.5
+    assert low.any() and torch.equal(theirs[keep][~low], tis.weights[~low]), "clip: the same where no ratio < a"
+    assert (theirs[keep][low] == 0.5).all(), "clip, a b: clamp(ρ, a, b)"
+    theirs, vllm_kl, filtered = _openrlhf_weights(root, train, roll, mask, level="seq", threshold=(0.8, 1.25))
     geo = ours(method="geo_rs", band=(0.8, 1.25))
     kept = theirs[keep] != 0
-    assert torch.equal(kept, geo.keep) and not kept.all() and kept.any(), "seq-mask-tis rejects geo_rs's sequences"
+    assert torch.equal(kept, geo.keep) and not kept.all() and kept.any(), "level seq rejects geo_rs's sequences"
     assert torch.equal(theirs[keep][kept], ratio[kept]) and (geo.weights[geo.keep] == 1).all(), "kept: ρ_t vs 1"
+    assert torch.equal(filtered, fraction(geo, "rejected_seq_frac")), "is_filter_ratio: rejected sequences"
     kl = mismatch_metrics([t[m] for t, m in zip(train, keep)], [r[m] for r, m in zip(roll, keep)])["rollout_corr/kl"]
     assert abs(float(vllm_kl) - kl) <= 1e-12 * abs(kl), (float(vllm_kl), kl)  # the same mean, summed in another order
+    # the trust regions: KL(Bern(μ_t) || Bern(π_t)) or |μ_t - π_t| of the sampled token's probabilities (clamped to
+    # [1e-6, 1 - 1e-6]), per token or as a sequence's mean, kept at most δ; kept tokens weighed by ρ_t
+    p, q = roll.exp().clamp(1e-6, 1 - 1e-6), train.exp().clamp(1e-6, 1 - 1e-6)
+    divergences = {"binary_kl": p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log(), "tv": (p - q).abs()}
+    for gating, level in (("binary_kl", "seq"), ("tv", "token"), ("binary_kl", "token")):
+        stat = divergences[gating]
+        if level == "seq":
+            stat = ((stat * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(stat)
+        values = stat[keep].unique()  # sorted
+        delta = float(values[len(values) // 2 - 1:len(values) // 2 + 1].mean())  # between two units: some kept
+        theirs, _, _ = _openrlhf_weights(root, train, roll, mask, level=level, gating=gating, threshold=(0.0, delta))
+        inside = stat[keep] <= delta
+        assert inside.any() and not inside.all() and torch.equal(theirs[keep] != 0, inside), (gating, level)
+        assert torch.equal(theirs[keep][inside], ratio[inside]), (gating, level, "kept: ρ_t")
+        try:
+            _policy_loss(root, level=level, gating=gating, threshold=(0.5, 5.0))
+        except ValueError:
+            continue
+        raise AssertionError(f"gating {gating} took a lower bound: it takes one threshold δ")
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -411,7 +477,7 @@ def test_openrlhf_says_what_the_module_states(root, name):
     CHECKS[name](root)
 
 
-# (check, file, what OpenRLHF 0.11.1 says, a plausible change in a later release)
+# (check, file, what OpenRLHF 0.11.2 says, a plausible change in a later release)
 MUTATIONS = [
     ("check_experience_fields", "trainer/ppo_utils/experience.py", "rollout_log_probs: torch.Tensor",
      "vllm_log_probs: torch.Tensor"),
@@ -439,28 +505,40 @@ MUTATIONS = [
      "rollout_log_probs.extend([float('nan')] * len(feedback_tokens))"),
     ("check_agent_rollout_fields", "utils/agent.py", "rollout_log_probs = [0.0] * len(prompt_token_ids)",
      "rollout_log_probs = []"),
-    ("check_enable_flag", "cli/train_ppo_ray.py", '"--algo.advantage.is_correction_enable", action="store_true"',
-     '"--algo.advantage.is_correction_level", type=str'),  # what 0.11.2 did
+    ("check_enable_flag", "cli/train_ppo_ray.py", '"--algo.advantage.is_correction_level",',
+     '"--algo.advantage.is_correction_granularity",'),  # a renamed switch, as 0.11.2 renamed 0.11.1's
+    ("check_enable_flag", "cli/train_ppo_ray.py", 'default="off",\n        choices=["off", "token", "seq"]',
+     'default="token",\n        choices=["off", "token", "seq"]'),
     ("check_enable_flag", "trainer/ppo_utils/samples_generator.py",
-     "logprobs=1 if self.args.algo.advantage.is_correction_enable else None", "logprobs=1"),
+     'logprobs=1 if self.args.algo.advantage.is_correction_level != "off" else None', "logprobs=1"),
     ("check_enable_flag", "cli/train_ppo_ray.py", '"processed_logprobs" if', '"raw_logprobs" if'),
+    ("check_enable_flag", "models/loss.py", 'if is_correction_level not in {"off", "token", "seq"}:',
+     'if is_correction_level not in {"off", "seq"}:'),
     ("check_actor_forward", "models/actor.py", "log_probs[:, -action_mask.shape[1] :]",
      "log_probs[:, : action_mask.shape[1]]"),
     ("check_actor_forward", "models/actor.py", 'output["logits"].div_(self.temperature)', "pass"),
     ("check_actor_forward", "trainer/ray/ppo_actor.py", "        with torch.no_grad():\n            action_log_probs",
      "        if True:\n            action_log_probs"),
-    ("check_correction_types", "models/loss.py", "torch.exp(rollout_log_ratio).clamp(min=low_threshold, max=high",
-     "torch.exp(rollout_log_ratio).clamp(max=high"),
-    ("check_correction_types", "models/loss.py", "loss = seq_mask.unsqueeze(-1) * vllm_is * loss",
-     "loss = seq_mask.unsqueeze(-1) * loss"),
-    ("check_correction_types", "models/loss.py", "vllm_is = torch.where(mask, vllm_is, 0.0)",
-     "vllm_is = torch.where(mask, vllm_is, low_threshold)"),
+    ("check_correction_types", "models/loss.py", "coef = stat.clamp(min=low, max=high)",
+     "coef = stat.clamp(max=high)"),
+    ("check_correction_types", "models/loss.py", "coef = torch.where(keep, token_is, 0.0)", "coef = keep.float()"),
+    ("check_correction_types", "models/loss.py", "coef = torch.where(keep, token_is, 0.0)",
+     "coef = torch.where(keep, token_is, low)"),
     ("check_correction_types", "models/loss.py",
      "masked_mean(rollout_log_probs - old_log_probs, action_mask, dim=None)",
      "masked_mean(old_log_probs - rollout_log_probs, action_mask, dim=None)"),
+    ("check_correction_types", "models/loss.py", "is_filter_ratio = filtered.float().mean()",
+     "is_filter_ratio = masked_mean(filtered.float().expand_as(action_mask), action_mask, dim=None)"),
+    ("check_correction_types", "models/loss.py", "stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()",
+     "stat = p * (p / q).log()"),
+    ("check_correction_types", "models/loss.py", "stat = (p - q).abs()", "stat = (p.log() - q.log()).abs()"),
+    ("check_correction_types", "models/loss.py", "and is_correction_threshold[0] > 0:",
+     "and is_correction_threshold[0] > 1:"),
     ("check_correction_types", "cli/train_ppo_ray.py", "default=[0.5, 5.0]", "default=[0.8, 1.25]"),
-    ("check_correction_ratio", "models/loss.py", "rollout_log_ratio = old_log_probs - rollout_log_probs",
-     "rollout_log_ratio = log_probs - rollout_log_probs"),
+    ("check_correction_types", "cli/train_ppo_ray.py", 'default="mask",', 'default="clip",'),
+    ("check_correction_types", "cli/train_ppo_ray.py", "threshold.insert(0, 0.0)", "threshold.insert(0, 0.5)"),
+    ("check_correction_ratio", "models/loss.py", "is_log_ratio = (old_log_probs - rollout_log_probs).detach()",
+     "is_log_ratio = (log_probs - rollout_log_probs).detach()"),
     ("check_correction_ratio", "trainer/ray/ppo_actor.py", "rollout_log_probs=experience.rollout_log_probs",
      "rollout_log_probs=experience.base_action_log_probs"),
 ]

@@ -58,7 +58,7 @@ REAL_FILES = [
     ("tests/integrations/test_verl_parity.py", "test_presets_match_verls_factories and disabled", "verl",
      "pip install --no-deps verl==0.9.1"),  # a fixture calls require_optional
     ("tests/integrations/test_openrlhf_parity.py", "test_every_check_has_a_changed_source", "openrlhf",
-     "pip install --no-deps openrlhf==0.11.1"),  # the needs_package marker on the module
+     "pip install --no-deps openrlhf==0.11.2"),  # the needs_package marker on the module
     ("tests/integrations/test_log_backends.py", "test_wandb_offline_run_holds_every_jsonl_scalar", "wandb",
      "pip install 'vexact[wandb]'"),  # the needs_package marker on a test
 ]

@@ -1,10 +1,9 @@
 """OpenRLHF: vexact's report of the vLLM rollout's log-probs against the trainer's, from a dump or live.
 
-OpenRLHF 0.11.1's layout, which ``tests/integrations/test_openrlhf_parity.py`` checks statement by statement against
-its installed source (``pip install --no-deps openrlhf==0.11.1``, as .ci/run does). First read at commit 3c3be623
-(2026-08-13, between v0.10.4 and v0.11.0; the layout is the same back to v0.8.9, where ``rollout_log_probs``
-arrived). v0.11.2 replaced the switch below with ``--algo.advantage.is_correction_level`` (off/token/seq); vexact is
-not checked against it.
+OpenRLHF 0.11.2's layout, which ``tests/integrations/test_openrlhf_parity.py`` checks statement by statement against
+its installed source (``pip install --no-deps openrlhf==0.11.2``, as .ci/run does). First read at commit 3c3be623
+(2026-08-13, between v0.10.4 and v0.11.0); the layout is the same back to v0.8.9, where ``rollout_log_probs``
+arrived, but for the switch below (``ENABLE_SWITCHES``: its name in each release) and the correction's loss.
 
 In ``BasePPOTrainer.train_step`` (``openrlhf/trainer/ppo_trainer.py``; the async trainer's ``TrainingActor``
 inherits it), ``experiences = self.experience_maker.make_experience_batch(rollout_samples)`` is a list of
@@ -17,17 +16,17 @@ inherits it), ``experiences = self.experience_maker.make_experience_batch(rollou
   sample has A = T - 1 (``samples_generator.py``, ``_process_response_into_experience``: ``action_mask[1:]``);
 * ``rollout_log_probs`` [B, A] float32 -- vLLM's log-prob of each sampled token (``logprobs=1``, the engine built
   with ``logprobs_mode="processed_logprobs"``: after temperature), 0.0 at prompt and feedback positions; None
-  unless ``--algo.advantage.is_correction_enable`` (``--enable_vllm_is_correction`` up to v0.10.1) is set, the
-  only switch that makes OpenRLHF ask vLLM for log-probs;
+  unless ``--algo.advantage.is_correction_level`` is ``token`` or ``seq`` (default ``off``), the only switch that
+  makes OpenRLHF ask vLLM for log-probs (it also turns the correction on);
 * ``action_log_probs`` [B, A] float32 -- the actor's no-grad recomputation of the same tokens at the weights that
   sampled them (``PolicyModelActor.forward`` -> ``Actor.forward``, ``openrlhf/models/actor.py``: float32 logits
   divided by ``--rollout.temperature``, ``log_probs[:, :-1][:, -A:] * action_mask``); the PPO loss's
   ``old_log_probs``.
 
 So column j of a row scores token ``sequences[:, T - A + j]``, as ``Actor.forward`` aligns them. The correction
-(``openrlhf/models/loss.py``, ``PolicyLoss``) weighs the loss by exp(action_log_probs - rollout_log_probs): the
-ratio ``vexact compare`` reports raw as ``mismatch/ratio_*``; docs/reference/verl_trl.md maps it onto
-``correction.*``.
+(``openrlhf/models/loss.py``, ``PolicyLoss``) weighs the loss by the ratio exp(action_log_probs -
+rollout_log_probs), clamped or masked: the ratio ``vexact compare`` reports raw as ``mismatch/ratio_*``;
+docs/reference/verl_trl.md maps the correction onto ``correction.*``.
 
 ``experience_sides`` gives the three [N, A_max] tensors of all micro-batches (right-padded to the widest, as
 OpenRLHF pads, mask 0 on the padding) and the scored token ids; ``dump_experiences`` saves them for ``vexact compare
@@ -54,7 +53,15 @@ DUMP_KEYS = (ROLLOUT_KEY, TRAIN_KEY, MASK_KEY, TENSOR_TOKENS_KEY)
 """The dump's tensors: OpenRLHF's three [N, A] fields and the scored token ids under compare's default token key."""
 COMPARE_FLAGS = ("--rollout-key", ROLLOUT_KEY, "--train-key", TRAIN_KEY, "--mask-key", MASK_KEY)
 """What ``vexact compare`` needs after a dump's path to read it (the docs' command is checked against this)."""
+LEVEL_FLAG, LEVEL_OFF, LEVEL_ON = "--algo.advantage.is_correction_level", "off", "token"
+"""OpenRLHF 0.11.2's switch: its default ``off`` asks vLLM for no log-probs; ``token`` (or ``seq``) does."""
 ENABLE_FLAG = "--algo.advantage.is_correction_enable"
+"""The store_true switch of OpenRLHF 0.10.2 to 0.11.1, which 0.11.2 replaced with ``LEVEL_FLAG``."""
+OLD_ENABLE_FLAG = "--enable_vllm_is_correction"
+"""The switch up to OpenRLHF 0.10.1."""
+ENABLE_SWITCHES = ((f"{LEVEL_FLAG} {LEVEL_ON}", "0.11.2 on"), (ENABLE_FLAG, "0.10.2 to 0.11.1"),
+                   (OLD_ENABLE_FLAG, "up to 0.10.1"))
+"""(what to pass, the OpenRLHF releases that take it), newest first: the switch that fills ``rollout_log_probs``."""
 
 
 def _field(experience: Any, name: str, where: str) -> Tensor:
@@ -63,8 +70,9 @@ def _field(experience: Any, name: str, where: str) -> Tensor:
         raise ValueError(f"{where} has no {name!r}: expected OpenRLHF's Experience, got {type(experience).__name__}")
     value = getattr(experience, name)
     if value is None and name == ROLLOUT_KEY:
-        raise ValueError(f"{where}.{ROLLOUT_KEY} is None: OpenRLHF asks vLLM for log-probs only with {ENABLE_FLAG} "
-                         "(--enable_vllm_is_correction before v0.10.2)")
+        switches = "; ".join(f"{switch} (OpenRLHF {releases})" for switch, releases in ENABLE_SWITCHES)
+        raise ValueError(f"{where}.{ROLLOUT_KEY} is None: OpenRLHF asks vLLM for log-probs only with its rollout "
+                         f"correction on: {switches}")
     if value is None:
         raise ValueError(f"{where}.{name} is None: call after make_experience_batch (the actor's forward fills it)")
     if not isinstance(value, Tensor) or value.dim() != 2:
