@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
+from test_compare import _report, _run  # the compare CLI run and its --json report, as test_compare.py runs them
 
 from vexact.cli import main
 from vexact.map.verdict import DEFAULT_TAIL_MAP, find_curve, fmt_t, load_map
@@ -71,18 +72,6 @@ def _jsonl_twin(path: Path, dump: Path) -> Path:
                                  "tokens": sample["tokens"][-n:][keep].tolist()}))
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def _run(capsys, *argv: object) -> tuple[int, str, str]:
-    code = main(["compare", *map(str, argv)])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _report(capsys, *argv: object, out: Path) -> dict:
-    code, _, err = _run(capsys, *argv, "--json", out)
-    assert code == 0, err
-    return json.loads(out.read_text())
 
 
 def test_a_slime_train_dump_compares_with_no_flags_like_its_jsonl_twin(tmp_path, capsys):
