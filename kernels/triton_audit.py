@@ -239,6 +239,14 @@ def _row_logits_launch(targets: bool) -> Callable:
     return launch
 
 
+def _entropy_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    import torch
+
+    v = SHAPE["vocab"]
+    args = (_empty(rows, v, dtype=dtype), _empty(rows, dtype=torch.float32), v)  # log-probs [rows, V] -> [rows]
+    return args, dict(BLOCK=te._ROW_BLOCK, num_warps=te._ROW_WARPS, **te._COMPILE_OPTIONS)
+
+
 def _silu_mul_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
     n = rows * SHAPE["intermediate"]
     gate, up, out = (_empty(n, dtype=dtype) for _ in range(3))
@@ -292,6 +300,7 @@ def variants() -> list[Variant]:
         ("rms_norm", "_rms_norm_kernel", _rms_norm_launch, _none, _row_block(1)),
         ("log_softmax", "_log_softmax_kernel", _row_logits_launch(False), _none, _row_block(2)),
         ("token_logprobs", "_token_logprobs_kernel", _row_logits_launch(True), _none, _row_block(2)),
+        ("entropy", "_entropy_kernel", _entropy_launch, _none, _row_block(1)),
         ("silu_mul", "_silu_mul_kernel", _silu_mul_launch, _none, _none),
         ("rope(q)", "_rope_kernel", _rope_launch("heads"), _none, _none),
         ("rope(k)", "_rope_kernel", _rope_launch("kv_heads"), _none, _none),
