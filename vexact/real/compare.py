@@ -84,6 +84,7 @@ ONE_FILE_KEYS = ("rollout_log_probs", "old_log_probs")  # verl's batch keys: rol
 TWO_FILE_KEY = "logprobs"
 JSONL_TOKENS_KEY, TENSOR_TOKENS_KEY = "tokens", "responses"
 MASK_KEY, ATTENTION_MASK_KEY, NO_MASK = "response_mask", "attention_mask", "none"
+MASK_KEY_HINT = f"give --mask-key KEY, or --mask-key {NO_MASK} if every position does"  # where no mask is found
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SLIME_DUMP_KEYS = ("rollout_id", "samples")  # the top level of both of slime's debug dumps (torch.save of a dict)
 SLIME_KEYS = ("rollout_log_probs", "log_probs")  # a --save-debug-train-data sample: SGLang's, the Megatron actor's
@@ -502,14 +503,12 @@ def _sample_records(path: Path, samples: list, keys: tuple[str, ...], s: Compare
         if mask_key == NO_MASK:
             columns = np.arange(n)
         elif mask_key not in sample:
-            raise ValueError(f"{where}: no {mask_key!r} key to say which positions hold tokens; give --mask-key KEY, "
-                             f"or --mask-key {NO_MASK} if every position does")
+            raise ValueError(f"{where}: no {mask_key!r} key to say which positions hold tokens; {MASK_KEY_HINT}")
         else:
             mask = _sample_array(sample[mask_key], f"{where}: mask {mask_key!r}", floating=False)
             if len(mask) != n:
                 raise ValueError(f"{where}: mask {mask_key!r} has {len(mask)} values but {keys[0]!r} has {n}")
-            if not ((mask == 0) | (mask == 1)).all():
-                raise ValueError(f"{where}: mask {mask_key!r} holds values other than 0 and 1")
+            _require_binary(mask, f"{where}: mask {mask_key!r}")
             columns = np.flatnonzero(mask)
         record.columns = columns
         for key, value in values.items():
@@ -548,15 +547,20 @@ def _mask(data: dict[str, Tensor], path: Path, mask_key: str | None, shape: torc
     key = mask_key or (MASK_KEY if MASK_KEY in data else ATTENTION_MASK_KEY if ATTENTION_MASK_KEY in data else None)
     if key is None:
         raise ValueError(f"{path}: no {MASK_KEY!r} or {ATTENTION_MASK_KEY!r} tensor to say which positions hold "
-                         f"tokens; give --mask-key KEY, or --mask-key {NO_MASK} if every position does")
+                         f"tokens; {MASK_KEY_HINT}")
     mask = _tensor(data, path, key, 2, "mask [B, T]", floating=None)
     if key == ATTENTION_MASK_KEY and mask.shape[0] == shape[0] and mask.shape[1] > shape[1]:
         mask = mask[:, mask.shape[1] - shape[1] :]  # prompt + response: the response is the last T columns
     if mask.shape != shape:
         raise ValueError(f"{path}: mask {key!r} has shape {list(mask.shape)} but {like!r} has {list(shape)}")
-    if not ((mask == 0) | (mask == 1)).all():
-        raise ValueError(f"{path}: mask {key!r} holds values other than 0 and 1")
+    _require_binary(mask, f"{path}: mask {key!r}")
     return mask.bool()
+
+
+def _require_binary(mask: Tensor | np.ndarray, what: str) -> None:
+    """A mask (a tensor file's [B, T] or a slime sample's 1-D) holds only 0 and 1."""
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(f"{what} holds values other than 0 and 1")
 
 
 def _full_rows(rows: Tensor, what: str) -> Tensor:
