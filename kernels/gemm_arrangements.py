@@ -58,6 +58,7 @@ per call, used only where a first-use check found its bits equal to the call it 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import platform
 import weakref
@@ -307,15 +308,18 @@ class TiledPlan:
 
     A plan is a cache of decisions, nothing more: it is made by the very code that decided on every call before
     (``_tiled_plan``), from the same questions to the guard, and is used only where every input of those decisions
-    is what it was (the call key: x's shape and dtype; the weight's identity, version counter, shape, strides, data
-    pointer and dtype; the guard's state, ``HostGuard.epoch``; the op; the thread count; whether the compiled loops
-    and oneDNN are on; which ``torch.bmm`` is installed). So no bit depends on whether a plan was made or found
+    is what it was (the call key: x's shape and dtype; the weight's identity, shape, strides, data pointer and dtype;
+    the guard's state, ``HostGuard.epoch``; the op; the thread count; whether the compiled loops and oneDNN are on;
+    which ``torch.bmm`` is installed). No decision reads the weight's values, so a plan outlives an in-place update
+    of the weight (a training step's new version: the same decisions, made once per weight and call shape rather than
+    once per step); what it holds for one version does not. So no bit depends on whether a plan was made or found
     (``tests/kernels/test_tiled_plans.py``).
 
-    The operand it holds is the weight's own memory (detached: a plan holds no reference to the weight, so the weight
-    is freed as before) or the layout ``arranged_weight`` keeps for this weight version; an operand laid out per
-    call (beyond ``ARRANGED_BYTES_MAX``, or a weight whose gradient is being recorded) is fetched per call. Plans are
-    kept per weight (``_PLANS``: dropped with the weight, and with its version), at most ``PLANS_PER_WEIGHT`` each."""
+    The operands it keeps (the weight's own memory, detached: a plan holds no reference to the weight, so the weight
+    is freed as before; or the layout ``arranged_weight`` keeps for this weight version; a packed weight) are made at
+    the first call on each weight version and kept in ``_WeightPlans.held``, which a new version empties; an operand
+    laid out per call (beyond ``ARRANGED_BYTES_MAX``, or a weight whose gradient is being recorded) is made per
+    call. Plans are kept per weight (``_PLANS``: dropped with the weight), at most ``PLANS_PER_WEIGHT`` each."""
 
     arrangement: str
     block: int
@@ -328,19 +332,23 @@ TILED_ARRANGEMENTS = ("stacked, weight as given", "stacked", "laid out", "compil
 the tiles on the operand as ``bmm`` lays it out; the canonical tiles in one compiled call; the canonical tiles through
 the guard's ``bmm`` (``tiled_matmul``)."""
 PLANS_PER_WEIGHT = 64
-"""Plans kept per weight (then its plans start afresh): one per (rows, dtype, op, thread count, ...) seen while the
-weight keeps its version -- a decode loop needs a few, a training step's new version drops the last step's."""
+"""Plans kept per weight (then its plans start afresh): one per (rows, dtype, op, thread count, ...) seen -- a decode
+loop needs a few, a training step one per leaf shape and direction, kept from one step's weight version to the
+next."""
 
 
 class _WeightPlans:
-    """One weight's plans, for one version of it; dropped with the weight (a weak reference's callback)."""
+    """One weight's plans, and what they keep for its current ``version`` (``held``: operands laid out from it, packed
+    runs; emptied when the version moves on, so nothing laid out from an older version is used or kept); dropped with
+    the weight (a weak reference's callback)."""
 
-    __slots__ = ("owner", "version", "plans")
+    __slots__ = ("owner", "version", "plans", "held")
 
     def __init__(self, owner: Tensor, version: int):
         self.owner = weakref.ref(owner, functools.partial(_forget, _PLANS, id(owner)))
         self.version = version
         self.plans: dict[tuple, TiledPlan] = {}
+        self.held: dict[int, object] = {}
 
 
 _PLANS: dict[int, _WeightPlans] = {}  # id(weight owning its storage) -> its plans (a dict by id: a weak-keyed
@@ -378,21 +386,24 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
     try:
         version = weight._version
     except RuntimeError:  # an inference tensor: no version counter to key a plan on
-        return _tiled_plan(x, weight, host, op, loops, hold=False).run(x, weight, host, loops)
+        return _tiled_plan(x, weight, host, op, loops, held=None).run(x, weight, host, loops)
     if weight.requires_grad and torch.is_grad_enabled():  # the GEMM is recorded: on the weight itself, per call
-        return _tiled_plan(x, weight, host, op, loops, hold=False).run(x, weight, host, loops)
+        return _tiled_plan(x, weight, host, op, loops, held=None).run(x, weight, host, loops)
     key = (host.epoch, op, x.shape, x.dtype, weight.shape, weight.stride(), weight.data_ptr(), weight.dtype,
            torch.get_num_threads(), loops is None, torch.bmm,
            x.dtype == torch.bfloat16 and torch.backends.mkldnn.enabled)  # (bmm_copies_operand's switch)
     kept = _PLANS.get(id(owner))
-    if kept is not None and kept.owner() is owner and kept.version == version:
-        if (plan := kept.plans.get(key)) is not None:
-            return plan.run(x, weight, host, loops)
-    else:  # a new weight, or a new version of it: the last version's plans (and the operands they hold) go
+    if kept is None or kept.owner() is not owner:  # a new weight
         kept = _PLANS[id(owner)] = _WeightPlans(owner, version)
-    plan = _tiled_plan(x, weight, host, op, loops, hold=True)
+    elif kept.version != version:  # a new version of it: its plans stay, what they held for the last version goes
+        kept.version = version
+        kept.held.clear()
+    if (plan := kept.plans.get(key)) is not None:
+        return plan.run(x, weight, host, loops)
     if len(kept.plans) >= PLANS_PER_WEIGHT:
         kept.plans.clear()
+        kept.held.clear()
+    plan = _tiled_plan(x, weight, host, op, loops, kept.held)
     kept.plans[(host.epoch, *key[1:])] = plan  # the epoch after deciding (a check made in asking may change it)
     return plan.run(x, weight, host, loops)
 
@@ -402,7 +413,7 @@ def tiled_rows(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -
     M padded to whole tiles of the height the guard allows for the class (``row_block``). A benchmark's question --
     what the padding costs on a host whose GEMM keeps a row's bits only at taller tiles; it asks the guard as
     ``tiled_matmul`` does (the same probes at first use) and computes nothing."""
-    plan = _tiled_plan(x, weight, host, op, compiled_loops.library(), hold=False)
+    plan = _tiled_plan(x, weight, host, op, compiled_loops.library(), held=None)
     return plan.block * plan.blocks
 
 
@@ -417,20 +428,34 @@ def _held(weight: Tensor, operand: Tensor) -> bool:
                for _, t in _ARRANGED.get(owner, {}).values())
 
 
-def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], hold: bool) -> Callable[[Tensor], Tensor]:
-    """weight -> the operand ``get(weight)``: held by the plan (detached) where ``hold`` and ``_held``, else made per
-    call."""
-    if hold:
-        operand = get(weight)
-        if _held(weight, operand):
-            operand = operand.detach()
-            return lambda w: operand
-    return get
+_SLOTS = itertools.count()
+"""Keys of ``_WeightPlans.held``: one per operand (or packed run) a plan keeps for the weight's current version."""
 
 
-def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: object, hold: bool) -> TiledPlan:
+def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], held: dict | None) -> Callable[[Tensor], Tensor]:
+    """weight -> the operand ``get(weight)``: made once per weight version and kept (detached) in ``held`` (the
+    weight's ``_WeightPlans.held``, which ``tiled_matmul`` empties when the version moves on) where ``_held`` allows,
+    else made per call (``held`` None: a plan made for one call)."""
+    if held is None or not _held(weight, operand := get(weight)):
+        return get
+    slot = next(_SLOTS)
+    held[slot] = operand.detach()
+
+    def this_version(w: Tensor) -> Tensor:
+        operand = held.get(slot)
+        if operand is None:  # the first call on a new version of the weight: laid out from it again
+            operand = get(w)
+            if _held(w, operand):
+                held[slot] = operand = operand.detach()
+        return operand
+    return this_version
+
+
+def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: object, held: dict | None
+                ) -> TiledPlan:
     """The decisions of ``tiled_matmul`` for this call (the guard's questions, the arrangement, the tile height), as a
-    ``TiledPlan``; ``hold``: the plan may hold the operand (``_operand_of``)."""
+    ``TiledPlan``; ``held``: where the plan may keep its operands for the weight's current version
+    (``_operand_of``), None for a plan made for one call."""
     rows, k = x.shape
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
@@ -445,7 +470,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
             blocks = -(-rows // block)
             if _stacked_agrees(blocks, block, k, n, transposed=transposed, row_major=True, host=host, op=op,
                                dtype=dtype, per_tile=per_tile):
-                as_given = _operand_of(weight, lambda w: w.t(), hold)  # (the operand [1, K, N]'s matrix)
+                as_given = _operand_of(weight, lambda w: w.t(), held)  # (the operand [1, K, N]'s matrix)
                 apart = _last_tile_apart(rows, blocks, block, k, n, transposed=transposed, row_major=True, host=host,
                                          op=op, dtype=dtype, per_tile=per_tile)
 
@@ -455,8 +480,8 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
 
     def canonical() -> Callable[[Tensor], Tensor]:  # the canonical operand [1, K, N_pad], in the class's layout
         if per_tile:
-            return _operand_of(weight, lambda w: stored_operand(w, dtype, n_pad), hold)
-        return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), hold)
+            return _operand_of(weight, lambda w: stored_operand(w, dtype, n_pad), held)
+        return _operand_of(weight, lambda w: canonical_operand(w, dtype, n_pad), held)
 
     # the class of the canonical operand [1, K, N_pad]: the weight transposed (and padded, cast), a K-contiguous view;
     # or, once per tile, row-major where the weight is stored so (an input gradient's W)
@@ -469,20 +494,21 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
                                     host=host, op=op, dtype=dtype, per_tile=per_tile)):
             of = stored_operand if per_tile else canonical_operand
-            matrix = _operand_of(weight, lambda w: of(w, dtype, n_pad)[0], hold)
+            matrix = _operand_of(weight, lambda w: of(w, dtype, n_pad)[0], held)
             apart = _last_tile_apart(rows, blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
                                      host=host, op=op, dtype=dtype, per_tile=per_tile)
 
             def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return _stacked_mm(x, matrix(w), blocks * block, n, apart)
-            if (hold and dtype == torch.bfloat16 and not stored_row_major(weight)
+            if (held is not None and dtype == torch.bfloat16 and not stored_row_major(weight)
                     and _packable(k, n_pad, dtype, blocks * block)):
                 # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
                 stacked = _packed_after_use(stacked, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n,
                                                                            tiled=False),
-                                            lambda: _packed_agrees(PACKED_FORMS[0], blocks, block, k, n_pad, dtype))
+                                            lambda: _packed_agrees(PACKED_FORMS[0], blocks, block, k, n_pad, dtype),
+                                            held)
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
-        if per_tile and (plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, hold)):
+        if per_tile and (plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, held)):
             return plan
         if loops is not None and shared:  # the library GEMM: the steps below in one compiled call, on the same operands
             operand = canonical()
@@ -498,7 +524,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         # gradients on that host)
         block = row_block(rows, record.tile_heights)
         blocks = -(-rows // block)
-        if plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, hold, one_thread=True):
+        if plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, held, one_thread=True):
             return plan
     operand = canonical()
     block = row_block(rows, host.tile_heights(dtype, operand(weight), shared, op))
@@ -509,14 +535,15 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         right = per_tile_operand(operand(w), blocks) if per_tile else operand(w).expand(blocks, k, n_pad)
         out = host.bmm(x, right, op=op, shared_operand=shared).view(blocks * block, n_pad)
         return out[:rows] if n_pad == n else out[:rows, :n]
-    if hold and shared and _packable(k, n_pad) and host.onednn_gemm(dtype, operand(weight), shared, op) is not None:
+    if (held is not None and shared and _packable(k, n_pad)
+            and host.onednn_gemm(dtype, operand(weight), shared, op) is not None):
         tiles = _packed_after_use(tiles, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=True),
-                                  lambda: _packed_agrees(PACKED_FORMS[1], blocks, block, k, n_pad, dtype))
+                                  lambda: _packed_agrees(PACKED_FORMS[1], blocks, block, k, n_pad, dtype), held)
     return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles)
 
 
 def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: int, block: int, blocks: int,
-                   transposed: bool, hold: bool, one_thread: bool = False) -> TiledPlan | None:
+                   transposed: bool, held: dict | None, one_thread: bool = False) -> TiledPlan | None:
     """The ``laid out`` plan of an ``operand_per_tile`` class (``_laid_out_tiles`` in its form, on
     ``laid_out_operand``) where the first-use check found the form's bits the canonical call's
     (``_laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread. One tile
@@ -525,18 +552,19 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
     form = _laid_out_form(blocks, k, n_pad)
     if not _laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=one_thread):
         return None
-    laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), hold)
+    laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), held)
 
     def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread)
-    if (hold and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
+    if (held is not None and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
             and _packable(k, n_pad, dtype, block)):
         # a decode loop's one tile (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
         # ``same_bits`` probe failed): oneDNN's linear on the weight packed once, where it gives the canonical call's
         # bits (the call oneDNN's bmm makes reorders the weight every time: llama100m's LM head, 8 rows in a 48-row
         # tile, bf16, on an Intel Xeon with AMX: 10.6 ms a call unpacked, 4.4 packed; the journal, session 38)
         laid_out = _packed_after_use(laid_out, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=False),
-                                     lambda: _packed_agrees(PACKED_FORMS[2], blocks, block, k, n_pad, dtype))
+                                     lambda: _packed_agrees(PACKED_FORMS[2], blocks, block, k, n_pad, dtype),
+                                     held)
     return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
 
 
@@ -570,23 +598,26 @@ def _packable(k: int, n_pad: int, dtype: torch.dtype = torch.float32, rows: int 
     return k * n_pad >= ONEDNN_MIN_WEIGHT or _onednn_bf16_bmm(dtype, rows * k * n_pad)
 
 
-def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], agrees: Callable[[], bool]
-                      ) -> Callable:
-    """A plan's run: ``unpacked`` for its first ``PACK_AFTER_CALLS`` calls, then -- where ``agrees()`` (the first-use
-    check that the packed call gives the unpacked one's bits for the class) -- the run ``packed(weight)`` makes once
-    (given the weight at that call: a plan holds no reference to it), or ``unpacked`` for good where it makes none
-    (no room under ``ARRANGED_BYTES_MAX``). No bit depends on which ran."""
-    calls = 0
-    run: Callable | None = None
+def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], agrees: Callable[[], bool],
+                      held: dict) -> Callable:
+    """A plan's run: ``unpacked`` for the first ``PACK_AFTER_CALLS`` calls on a weight version, then -- where
+    ``agrees()`` (the first-use check that the packed call gives the unpacked one's bits for the class) -- the run
+    ``packed(weight)`` makes once per version (given the weight at that call: a plan holds no reference to it), or
+    ``unpacked`` for the rest of the version where it makes none (no room under ``ARRANGED_BYTES_MAX``). The count
+    and the packed run are kept in ``held`` (the weight's ``_WeightPlans.held``: emptied with each new version). No
+    bit depends on which ran."""
+    slot = next(_SLOTS)
 
     def after_use(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-        nonlocal calls, run
-        if run is None:
-            calls += 1
-            if calls <= PACK_AFTER_CALLS or not agrees():
+        state = held.get(slot)
+        if state is None:  # this version's first call: [calls, the packed run]
+            state = held[slot] = [0, None]
+        if state[1] is None:
+            state[0] += 1
+            if state[0] <= PACK_AFTER_CALLS or not agrees():
                 return unpacked(x, w, host, loops)
-            run = packed(w) or unpacked
-        return run(x, w, host, loops)
+            state[1] = packed(w) or unpacked
+        return state[1](x, w, host, loops)
     return after_use
 
 

@@ -3,16 +3,18 @@ whether its plan was made or found.
 
 What changed: ``tiled_matmul`` asked the guard its questions, chose the arrangement and the tile height, and looked up
 the weight's operand on every call (a dozen µs of Python per call, on the default model more than its GEMM). Now the
-decisions for one call key (x's shape and dtype, the weight's identity, version, layout and dtype, the guard's state,
-the op, the thread count) are made once and a repeated call runs the GEMM. Checked here:
+decisions for one call key (x's shape and dtype, the weight's identity, layout and dtype, the guard's state, the op,
+the thread count) are made once and a repeated call runs the GEMM; a new version of the weight keeps its plans and
+lays out their operands again. Checked here:
 
 - linear forward and backward through plans made afresh on every call (cold) and through plans made once and found
   (warm): every output and gradient bitwise equal, fp32 and bf16, 1 and 2 threads, on this host in ``auto`` and in
   ``canonical`` and on the emulated rows-in-call host (whose GEMM gives a row other bits in another call shape); the
   warm pass made no plan (so it did run on found plans);
-- an in-place update of the weight (its version counter), another thread count and a guard whose answer changed
-  (a class failing at a thread count checked later: ``HostGuard.epoch``) each make a new plan, with the fresh bits;
-  counter-test: the plan held over the update gives other bits;
+- an in-place update of the weight (its version counter) keeps the plan and lays out (and packs) its operand
+  again, with the fresh bits; counter-test: the plan run with what it held for the old version gives other bits;
+- another thread count and a guard whose answer changed (a class failing at a thread count checked later:
+  ``HostGuard.epoch``) each make a new plan, with the fresh bits;
 - a weight's plans go with the weight.
 """
 
@@ -111,27 +113,37 @@ def _call(host: HostGuard, x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
         return gemm_arrangements.tiled_matmul(x, weight, host)
 
 
+@pytest.mark.parametrize("calls", [1, gemm_arrangements.PACK_AFTER_CALLS + 2], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("host_name", ["auto", "canonical"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_an_in_place_update_makes_a_new_plan(dtype, monkeypatch):
-    """N = 40: the canonical operand is a padded copy of the weight (``arranged_weight``), which the plan holds."""
-    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+def test_an_in_place_update_keeps_the_plan_and_lays_out_its_operand_again(dtype, host_name, calls, monkeypatch):
+    """A training step's new weight version: the plan stays (no decision reads the weight's values), the operand it
+    held for the old version goes, and the output is the fresh plan's bit for bit. N = 40: the canonical operand is
+    a padded copy of the weight (``arranged_weight``), which the plan keeps per version; ``packed``: enough calls on
+    one version for a plan that packs its weight (``PACK_AFTER_CALLS``) to run on the packed copy, which the new
+    version must pack again."""
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode=host_name)
     weight = _randn(40, 64, dtype=dtype, seed=5, scale=0.1)
     x = _randn(8, 64, dtype=dtype, seed=6)
     made = _counting_plans(monkeypatch)
-    _call(host, x, weight)
-    _call(host, x, weight)
+    for _ in range(calls):
+        _call(host, x, weight)
     assert len(made) == 1
-    (plans,) = [kept.plans for key, kept in gemm_arrangements._PLANS.items() if key == id(weight)]
-    (old,) = plans.values()
+    (kept,) = [kept for key, kept in gemm_arrangements._PLANS.items() if key == id(weight)]
+    old_version = dict(kept.held)
+    assert old_version, "the plan keeps what it laid out for this version"
     with torch.no_grad():
         weight.mul_(1.5)  # in place: the version counter moves on
-    out = _call(host, x, weight)
-    assert len(made) == 2
+    outs = [_call(host, x, weight) for _ in range(calls)]
+    assert len(made) == 1, "the plan outlives the update"
     _forget_plans()
     fresh = _call(host, x, weight)
-    assert torch.equal(_bits(out), _bits(fresh))
-    # counter-test: the plan made before the update, run after it, still multiplies the old weight
-    stale = old.run(x, weight, host, gemm_arrangements.compiled_loops.library())
+    assert all(torch.equal(_bits(out), _bits(fresh)) for out in outs)
+    # counter-test: the same plan run with what it held for the old version multiplies the old weight
+    (plan,) = kept.plans.values()
+    kept.held.clear()
+    kept.held.update(old_version)
+    stale = plan.run(x, weight, host, gemm_arrangements.compiled_loops.library())
     assert not torch.equal(_bits(stale), _bits(fresh))
 
 
