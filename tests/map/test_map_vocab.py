@@ -140,7 +140,7 @@ def test_the_shipped_tail_map_is_made_by_build_map_and_picked_for_a_real_vocabul
     # L = 80's tail runs are left out until their late drops are confirmed, and the corrections sweep's epsilon = -0.7
     # (no run took a gradient step there: it measures nothing) (docs/results/vocab_tail.md)
     assert tail["provenance"]["made_by"].endswith("--only task.distractors=1002 --only task.max_len=1,16 "
-                                                  "--only inject.value=0.0,-0.08,-0.15,-0.3,-0.5")
+                                                  "--only inject.value=0.0,-0.08,-0.15,-0.3,-0.5,-0.6")
     assert tail["origin"] == verdict.SHIPPED_MAPS[verdict.DEFAULT_TAIL_MAP]
     assert shipped_map_for(151_936) == verdict.DEFAULT_TAIL_MAP and shipped_map_for(22) == verdict.DEFAULT_MAP
     assert build_map([verdict.DEFAULT_TAIL_MAP])["curves"] == json.loads(verdict.DEFAULT_TAIL_MAP.read_text())["curves"]
