@@ -423,6 +423,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _measure_arguments(p: argparse.ArgumentParser) -> None:
+    # The defaults are MeasureSettings' (their one source), imported here, when measure parses or prints its help
+    # (main's lazy parser), not when cli.py is: it imports torch.
+    from .real.measure import MeasureSettings as defaults
+
     p.description = ("Generates with one computation path of a local checkpoint, rescores the same tokens with "
                      "another and reports their per-token log-prob mismatch (k3 KL, |Δlogp|, bitwise-equal "
                      "fraction). No training and no gradient: for how much a mismatch moves the RL policy gradient, "
@@ -435,15 +439,18 @@ def _measure_arguments(p: argparse.ArgumentParser) -> None:
                         "(the flag vexact locate uses too, where --random is a random model)")
     source.add_argument("--random", type=_positive_int, metavar="N", dest="random_prompts", action=_DeprecatedFlag,
                         new="--random-prompts", help="deprecated spelling of --random-prompts")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens generated per prompt")
-    p.add_argument("--rollout", default="native:bf16", help="path that generates: BACKEND:DTYPE with BACKEND in "
-                   "exact, native, triton, hf and DTYPE in fp32 (float32), bf16 (bfloat16) (default native:bf16)")
-    p.add_argument("--train", default="exact:fp32", help="path that rescores the tokens, BACKEND:DTYPE as for "
-                   "--rollout (default exact:fp32)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=defaults.max_new_tokens,
+                   help="tokens generated per prompt")
+    p.add_argument("--rollout", default=defaults.rollout, help="path that generates: BACKEND:DTYPE with BACKEND in "
+                   "exact, native, triton, hf and DTYPE in fp32 (float32), bf16 (bfloat16) "
+                   f"(default {defaults.rollout})")
+    p.add_argument("--train", default=defaults.train, help="path that rescores the tokens, BACKEND:DTYPE as for "
+                   f"--rollout (default {defaults.train})")
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="sampling temperature (0 = greedy)")
+    # --seed, --max-prompt-len and --device parse to None unless given: _cmd_measure leaves MeasureSettings' default
     p.add_argument("--seed", type=int, default=None, help="seed of the --random-prompts prompts and of sampling "
-                   "(default: 0)")
-    add_prompt_length_flags(p, 16, none_unless_given=True)
+                   f"(default: {defaults.seed})")
+    add_prompt_length_flags(p, defaults.max_prompt_len, none_unless_given=True)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="generation batch size (default all)")
     p.add_argument("--micro-batch-size", type=_positive_int, default=None, help="scoring micro-batch (default all)")
@@ -451,7 +458,7 @@ def _measure_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
     p.add_argument("--png", type=Path, default=None, help="also plot Δlogp histogram and |Δlogp| vs probability")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit 1 unless every token is bitwise equal")
-    _add_device(p, "cpu")
+    _add_device(p, defaults.device)
     p.add_argument("--no-full-vocab", dest="full_vocab", action="store_false",
                    help="skip the full next-token distribution comparison (mismatch/full_vocab_*: one more forward "
                         "per path)")
@@ -468,13 +475,13 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     source = prompt_source(args.prompts)
     check_prompt_length_flags(source, args.max_prompt_len, args.token_ids)
     check_sampling_seed(source, args.seed, args.temperature)
-    given = {key: getattr(args, key) for key in ("max_prompt_len", "seed") if getattr(args, key) is not None}
+    given = {key: getattr(args, key) for key in ("max_prompt_len", "seed", "device") if getattr(args, key) is not None}
     settings = MeasureSettings(model=args.model, rollout=args.rollout, train=args.train, prompts_file=args.prompts,
                                random_prompts=args.random_prompts, **given,  # else MeasureSettings' defaults
                                token_ids=args.token_ids, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, ignore_eos=args.ignore_eos,
                                batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                               threads=args.threads, full_vocab=args.full_vocab, device=args.device or "cpu")
+                               threads=args.threads, full_vocab=args.full_vocab)
     result = run_measure(settings)
     console = make_console()
     print_measure(result, console)

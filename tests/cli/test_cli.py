@@ -155,13 +155,34 @@ def test_measure_and_locate_define_their_shared_prompt_flags_once():
     assert dump["--max-prompt-len"].default is None
     assert f"(default: {vllm.DUMP_DEFAULTS['max_prompt_len']})" in dump["--max-prompt-len"].help
     from vexact.real.locate import RUN_DEFAULTS
-    from vexact.real.measure import MeasureSettings
 
     assert locate["--max-prompt-len"].default is None  # RUN_DEFAULTS fills it in; the help says which
-    assert measure["--max-prompt-len"].default is None and measure["--seed"].default is None  # MeasureSettings' do
-    assert f"(default: {MeasureSettings.max_prompt_len})" in measure["--max-prompt-len"].help
-    assert f"(default: {MeasureSettings.seed})" in measure["--seed"].help
     assert f"(default: {RUN_DEFAULTS['max_prompt_len']})" in locate["--max-prompt-len"].help
+    # measure's: test_measure_flags_take_their_defaults_from_measure_settings
+
+
+def test_measure_flags_take_their_defaults_from_measure_settings(monkeypatch):
+    """One source for ``vexact measure``'s defaults, ``MeasureSettings``: each is moved here to a value no flag types,
+    and a parser built then parses to it (--max-new-tokens, --rollout, --train, --temperature) or, for a flag that
+    parses to None unless given (--seed, --max-prompt-len, --device: the settings fill it in), names it in its help.
+    A default typed in the CLI again fails here."""
+    from vexact.real.measure import MeasureSettings
+
+    moved = {"max_new_tokens": 5, "rollout": "hf:fp32", "train": "triton:bf16", "temperature": 0.25, "seed": 1234,
+             "max_prompt_len": 3, "device": "cuda:7"}
+    for key, value in moved.items():
+        assert getattr(MeasureSettings, key) != value, key  # a move, so that the parser can show where it reads
+        monkeypatch.setattr(MeasureSettings, key, value)
+    measure = build_parser()._subparsers._group_actions[0].choices["measure"]
+    parsed = vars(measure.parse_args(["--model", "m", "--random-prompts", "2"]))
+    helps = {a.dest: a.help for a in measure._actions}
+    for key in ("max_new_tokens", "rollout", "train", "temperature"):
+        assert parsed[key] == moved[key], key
+    for key in ("rollout", "train"):
+        assert f"(default {moved[key]})" in helps[key], key
+    for key in ("seed", "max_prompt_len", "device"):
+        assert parsed[key] is None, key
+        assert f"(default: {moved[key]})" in helps[key], key
 
 
 def test_measure_and_meter_each_say_what_they_do_and_point_to_the_other():
