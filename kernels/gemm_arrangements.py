@@ -948,9 +948,10 @@ LAID_OUT_CALL_MAX = 1 << 20
 """Elements. Several tiles of a ``operand_per_tile`` class (``_laid_out_tiles``): where the operand's copies
 that the canonical call needs ((tiles - 1) x K x N_pad elements beyond the matrix itself) are at most this many, the
 canonical call itself runs; above it, one GEMM per tile on the matrix itself (``_tile_gemms``). Measured on the
-2-core AMD host, one thread, bf16: the default model's layers (K, N <= 176; 62 tiles of 64 rows for 3,968 tokens;
-about 7e5 elements) take 0.3 ms as one call against 1.1 ms as 62 calls (about 14 us per oneDNN call); llama100m's
-(K = 576, N = 1536, 5 tiles; 3.5e6) 1.4 ms per tile against 1.5 ms as one call, and its LM head 77 ms against 250."""
+2-core AMD host, one thread, bf16, with ``mm`` per tile: the default model's layers (K, N <= 176; 62 tiles of 64 rows
+for 3,968 tokens; about 7e5 elements) take 0.24 ms as one call against 1.1 ms as 62 calls (about 17 us per oneDNN
+call); llama100m's (K = 576, N = 1536, 5 tiles; 3.5e6) 1.4 ms per tile against 1.7 ms as one call (plus 0.16 ms to
+lay the copies out), and its LM head over 320 rows 61 ms against 57 (plus 130)."""
 LAID_OUT_FORMS = ("one tile", "one call", "per tile")
 """``_laid_out_tiles``' forms: the one tile's call (on the matrix itself); several tiles in the canonical call (the
 matrix once per tile); one call per tile on the matrix itself (``_tile_gemms``). Each is checked at first use
@@ -967,15 +968,15 @@ def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
 def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str,
                     one_thread: bool = False) -> Tensor:
     """``tiled_matmul``'s canonical tiles of an ``operand_per_tile`` class in ``form`` (``LAID_OUT_FORMS``) on
-    ``laid_out_operand``: one tile, the canonical call itself on the operand as stored, [1, K, N_pad]; several, the
-    canonical call on that operand once per tile ([blocks, K, N_pad], ``LAID_OUT_CALL_MAX``) or one ``bmm`` per tile
-    on the operand as stored, [1, block, K] @ [1, K, N_pad] (``_tile_gemms``), as the guard's ``gemm_rows`` probe
+    ``laid_out_operand``: one tile, its GEMM as an ``mm`` on the operand's matrix as stored; several, the
+    canonical call on that operand once per tile ([blocks, K, N_pad], ``LAID_OUT_CALL_MAX``) or one ``mm`` per tile
+    on the operand's matrix as stored, [block, K] @ [K, N_pad] (``_tile_gemms``), as the guard's ``gemm_rows`` probe
     computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have.
     ``one_thread``: a class the guard runs with 1 thread (``blas-1-thread``), every GEMM on one thread."""
     rows, k = x.shape
     n_pad = operand.shape[2]
     tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
-    if form == LAID_OUT_FORMS[2]:
+    if form != LAID_OUT_FORMS[1]:  # one tile, or one GEMM per tile: ``mm`` on the matrix itself
         out = _tile_gemms(tiles, operand, one_thread=one_thread)
     elif one_thread:
         out = _with_threads(1, lambda: torch.bmm(tiles, operand))
@@ -986,8 +987,11 @@ def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int,
 
 
 def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, one_thread: bool = False) -> Tensor:
-    """[T, h, N]: one ``bmm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N] (contiguous, or
-    a transposed batch: ``transposed_batch``), each into its own rows of one output.
+    """[T, h, N]: one 2-D ``mm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N]'s matrix
+    (contiguous, or a transposed batch: ``transposed_batch``), each into its own rows of one output. (A one-tile
+    ``bmm`` was the call before: the same GEMM shape, but oneDNN's batched bf16 path lays the operand out on every
+    call -- 2.5-9x an ``mm``'s time on the AMD EPYC, llama100m's layers and LM head; the first-use check compares
+    the ``mm``s with the canonical call as it compared the ``bmm``s.)
 
     Spread (where the compiled loops are built and several threads run): one compiled call whose tiles are shared
     out between the threads, each tile's GEMM on one thread (``tile_gemms`` in ``csrc/exact_loops.cpp``: a GEMM
@@ -1009,8 +1013,9 @@ def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, o
     if loops is not None and spread and count > 1 and threads > 1:
         return loops.tile_gemms(tiles, operand)
     out = tiles.new_empty(count, tiles.shape[1], operand.shape[2])
+    matrix = operand[0]
     for tile in range(count):
-        torch.bmm(tiles[tile : tile + 1], operand, out=out[tile : tile + 1])
+        torch.mm(tiles[tile], matrix, out=out[tile])
     return out
 
 
@@ -1222,7 +1227,12 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     at_once = tail_in_slabs and chunks * width * k <= VIEW_PARTIALS_MAX
     spread = _slabs_spread(width, k, block, last if tail_in_slabs else block, a.dtype)
     if at_once and chunks == 1:  # one chunk (every bf16 reduction): its GEMMs write the result itself -- the same
-        return _slab_products(a, b, block, last, spread)[0]  # calls as per output slab (slabs of SLAB_ROWS rows)
+        # calls as per output slab (slabs of SLAB_ROWS rows) -- into a tensor of its own: a view of a [1, N, K] buffer
+        # would make autograd add a tied weight's two gradients out of place (a fresh N x K buffer: llama100m's
+        # tied head, 113 MB of page faults per step)
+        result = a.new_empty(n, k)
+        _slab_products(a, b, block, last, spread, out=result.unsqueeze(0))
+        return result
 
     def output_rows(first: int, end: int, into: Tensor | None) -> Tensor:  # the tree over the chunks for these rows
         a_cols = a[:, first:end]
@@ -1253,22 +1263,23 @@ def _slab_chunks(rows: int, dtype: torch.dtype) -> tuple[int, int]:
     return block, last_chunk_length(rows, block, dtype)
 
 
-def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: bool) -> Tensor:
+def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: bool, out: Tensor | None = None) -> Tensor:
     """[chunks, N, K]: for each ``block``-row chunk of a [M, N] and b [M, K] (the last zero-padded to ``last`` rows)
-    and each ``SLAB_ROWS``-row slab of the N output rows, one GEMM on one thread (``_reduction_slabs``). ``spread``:
-    every (chunk, slab) pair shared out between the threads in one compiled call (``reduction_slab_mms`` in
-    ``csrc/exact_loops.cpp``); else the same pairs one after another with one thread -- in that compiled call where
-    the loops are built, else a Python loop of the same ``mm`` calls on the same operands."""
+    and each ``SLAB_ROWS``-row slab of the N output rows, one GEMM on one thread (``_reduction_slabs``), written into
+    ``out`` (contiguous [chunks, N, K]; None: a fresh tensor). ``spread``: every (chunk, slab) pair shared out between
+    the threads in one compiled call (``reduction_slab_mms`` in ``csrc/exact_loops.cpp``); else the same pairs one
+    after another with one thread -- in that compiled call where the loops are built, else a Python loop of the same
+    ``mm`` calls on the same operands."""
     loops = compiled_loops.library()
     if spread:
-        return loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS)
+        return loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS, out=out)
     if loops is not None:
-        return _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
+        return _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS, out=out))
     (rows, n), k = a.shape, b.shape[1]
     chunks = -(-rows // block)
     tail_first = (chunks - 1) * block
     b_tail = _padded_or_aligned(b[tail_first:], (last, k))
-    parts = a.new_empty(chunks, n, k)
+    parts = a.new_empty(chunks, n, k) if out is None else out
 
     def products() -> None:
         for c in range(chunks):

@@ -697,8 +697,9 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t 
   return n_pad == n ? out.slice(0, 0, rows) : out.slice(0, 0, rows).slice(1, 0, n);
 }
 
-// One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::bmm of one fixed shape ([1, h, K] @ [1, K, N], the
-// call gemm_arrangements' per-tile loops make), the tiles shared out between the threads by at::parallel_for. A tile
+// One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::mm of one fixed shape ([h, K] @ [K, N], the call
+// gemm_arrangements' per-tile loops make; a one-tile at::bmm took 2.5-9x as long in bf16 on the AMD EPYC: oneDNN's
+// batched path lays the operand out on every call), the tiles shared out between the threads by at::parallel_for. A tile
 // runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an OpenMP region on the
 // calling thread), so its bits cannot depend on how the tiles are divided, on the thread count or on the other
 // tiles; gemm_arrangements checks them at first use against the canonical call, per class and thread count. With one
@@ -714,9 +715,10 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand) {
   const auto gemm = [&](int64_t first, int64_t last) {
     at::NoGradGuard no_grad;  // grad mode is per thread: a worker's is on (an out= call then refuses inputs that
                               // require grad); the tiles are an op's forward, never differentiated through here
+    const at::Tensor matrix = operand.select(0, 0);
     for (int64_t t = first; t < last; ++t) {
-      at::Tensor dst = out.narrow(0, t, 1);
-      at::bmm_out(dst, a_tiles.narrow(0, t, 1), operand);
+      at::Tensor dst = out.select(0, t);
+      at::mm_out(dst, a_tiles.select(0, t), matrix);
     }
   };
   if (tiles == 1 || at::get_num_threads() == 1) {
@@ -768,9 +770,11 @@ void spread_by_cost(const std::vector<int64_t>& costs, const Run& run) {
 // transposed, @ chunk c of b (gemm_arrangements._slab_products makes the same at::mm calls in Python). The
 // (chunk, slab) pairs are shared out between the threads by cost, each GEMM on one thread (spread_by_cost), so no bit
 // depends on how the threads divide them. Returns the partial products [chunks, N, K], which the caller adds by the
-// canonical halving tree; gemm_arrangements checks the spread at first use against the pairs in turn.
+// canonical halving tree; gemm_arrangements checks the spread at first use against the pairs in turn. `out`: where
+// the products go (contiguous [chunks, N, K] of a's dtype; undefined: a fresh tensor), so that a one-chunk caller
+// writes its result tensor itself (a view of a fresh [1, N, K] would not be accumulated into in place by autograd).
 at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t last_length,
-                              int64_t slab) {
+                              int64_t slab, c10::optional<at::Tensor> out) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
                   a.scalar_type() == b.scalar_type() && block >= 1 && slab >= 1,
               "reduction_slab_mms: a [M, N] with unit column stride and a contiguous b [M, K] of its dtype");
@@ -778,7 +782,10 @@ at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t 
   const int64_t chunks = (m + block - 1) / block, slabs = (n + slab - 1) / slab;
   const int64_t tail_first = (chunks - 1) * block, tail_rows = m - tail_first;
   TORCH_CHECK(last_length >= tail_rows, "reduction_slab_mms: the last chunk is longer than last_length");
-  at::Tensor parts = at::empty({chunks, n, k}, a.options());
+  at::Tensor parts = out.has_value() ? *out : at::empty({chunks, n, k}, a.options());
+  TORCH_CHECK(parts.sizes() == at::IntArrayRef({chunks, n, k}) && parts.is_contiguous() &&
+                  parts.scalar_type() == a.scalar_type(),
+              "reduction_slab_mms: out must be a contiguous [chunks, N, K] of a's dtype");
   const at::Tensor b_tail = tail_rows < last_length ? padded_copy(b.narrow(0, tail_first, tail_rows), {last_length, k})
                                                     : b.narrow(0, tail_first, tail_rows);
   std::vector<int64_t> costs(chunks * slabs);
@@ -1102,9 +1109,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
-  m.def("tile_gemms", &tile_gemms, "one at::bmm per tile with a shared operand, tiles spread over threads");
+  m.def("tile_gemms", &tile_gemms, "one at::mm per tile with a shared operand, tiles spread over threads");
   m.def("reduction_slab_mms", &reduction_slab_mms,
-        "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads");
+        "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads", py::arg("a"),
+        py::arg("b"), py::arg("block"), py::arg("last_length"), py::arg("slab"), py::arg("out") = py::none());
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
   m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
