@@ -122,6 +122,31 @@ def test_build_map_only_takes_one_vocabulary_out_of_a_sweep_that_varies_it(tmp_p
         build_map([both], only=build.parse_only(["task.distractors=7"]))
 
 
+def test_a_scoped_only_filters_one_sweep_and_leaves_the_others_whole(tmp_path):
+    """``--only SWEEP:KEY=VALUE``: the filter binds the runs of the sweep directory of that name only (the tail map
+    keeps the tail sweep's L = 1 and 16, whose L = 80 drops are unconfirmed, and every horizon of the corrections
+    sweep). Counter-test: unscoped, the same filter drops the other sweep's horizon too. A scope that names no sweep
+    given is one error naming it."""
+    first = _sweep(tmp_path, "first", [(8, LOW + HIGH), (16, LOW + HIGH)])
+    second = _sweep(tmp_path, "second", [(8, LOW + HIGH), (16, LOW + HIGH)])
+
+    def runs_by_horizon(built: dict) -> dict:
+        return {h["horizon_value"]: sorted(Path(s).name for s in h["sweeps"]) for h in built["horizons"]}
+
+    scoped = build_map([first, second], only=build.parse_only(["first:task.max_len=8"]))
+    assert runs_by_horizon(scoped) == {8: ["first", "second"], 16: ["second"]}
+    assert scoped["provenance"]["only"] == {"first:task.max_len": [8]}
+    unscoped = build_map([first, second], only=build.parse_only(["task.max_len=8"]))
+    assert runs_by_horizon(unscoped) == {8: ["first", "second"]}
+    with pytest.raises(ValueError, match="--only names sweep\\(s\\) third that are not among the sweep directories "
+                                         "given \\(first, second\\)"):
+        build_map([first, second], only=build.parse_only(["third:task.max_len=8"]))
+    with pytest.raises(ValueError, match="'task.nope' is not a run config key"):
+        build.parse_only(["first:task.nope=8"])
+    with pytest.raises(ValueError, match="no sweep name before ':'"):
+        build.parse_only([":task.max_len=8"])
+
+
 def test_a_curve_with_one_threshold_and_a_bound_answers_at_the_thresholds_horizon(tmp_path):
     """The tail map's shape: no collapse at L = 1 (a bound) and one fitted threshold at L = 16, no law. At the
     threshold's horizon the verdict is that threshold's; far beyond both it is no verdict."""

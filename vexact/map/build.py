@@ -70,20 +70,41 @@ class _Run:
 CurveKey = tuple[str, str, int]  # (correction, source, policy lag): one curve of a map
 
 
+SWEEP_SCOPE = ":"
+"""``--only SWEEP:KEY=VALUE[,...]``: the filter binds the runs of the sweep directory named SWEEP only (the tail
+map keeps L = 1 and 16 of the tail sweep, whose L = 80 drops are unconfirmed, and L = 80 of the corrections sweep)."""
+
+
 def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
-    """``KEY=VALUE[,VALUE...]`` items (build-map's ``--only``) as {config key: allowed values}, each value read as
-    YAML (``1002``, ``true``, ``recompute``); a key that is no run config key is one error naming it."""
+    """``[SWEEP:]KEY=VALUE[,VALUE...]`` items (build-map's ``--only``) as {[SWEEP:]config key: allowed values}, each
+    value read as YAML (``1002``, ``true``, ``recompute``); a key that is no run config key is one error naming it.
+    With ``SWEEP:`` (a sweep directory's name) the filter binds that sweep's runs only (``SWEEP_SCOPE``)."""
     defaults = default_config()
     wanted: dict[str, list[Any]] = {}
     for item in items or []:
         key, sep, values = item.partition("=")
         key = key.strip()
         if not sep or not key or not values.strip():
-            raise ValueError(f"--only {item!r}: expected KEY=VALUE[,VALUE...], e.g. --only task.distractors=1002")
-        if key not in defaults:
-            raise ValueError(f"--only {item!r}: {key!r} is not a run config key")
+            raise ValueError(f"--only {item!r}: expected KEY=VALUE[,VALUE...] or SWEEP:KEY=VALUE[,VALUE...], e.g. "
+                             "--only task.distractors=1002")
+        scope, _, config_key = key.rpartition(SWEEP_SCOPE)
+        if config_key not in defaults:
+            raise ValueError(f"--only {item!r}: {config_key!r} is not a run config key")
+        if key != config_key and not scope:
+            raise ValueError(f"--only {item!r}: no sweep name before {SWEEP_SCOPE!r}")
         wanted.setdefault(key, []).extend(parse_yaml(v.strip()) for v in values.split(","))
     return wanted
+
+
+def _filters_of(path: Path, only: dict[str, list[Any]] | None) -> dict[str, list[Any]]:
+    """The ``only`` filters that bind the runs of sweep directory ``path``: the unscoped ones and those scoped to its
+    name, as {config key: values}."""
+    filters: dict[str, list[Any]] = {}
+    for key, values in (only or {}).items():
+        scope, _, config_key = key.rpartition(SWEEP_SCOPE)
+        if not scope or scope == path.name:
+            filters.setdefault(config_key, []).extend(values)
+    return filters
 
 
 def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: dict[str, Any] | None = None
@@ -101,6 +122,7 @@ def _sweep_runs(path: Path, only: dict[str, list[Any]] | None = None, detector: 
     its logged metrics with its own saved ``collapse`` settings so changed (``redetect``)."""
     data = read_sweep_results(path)
     variants = sweep_variants(data)
+    only = _filters_of(path, only)
     defaults = default_config()
     out: dict[CurveKey, dict[Any, list[_Run]]] = {}
     replayed = 0
@@ -305,13 +327,17 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
     refitted over every horizon of a correction; a horizon where nothing collapsed is a bound, kept in the curve,
     never a threshold in the fit. Each curve gets its shape comparison. The top level is the ``bypass`` curve (else
     the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs.
-    ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values;
-    ``detector`` judges their runs again under other collapse settings (``redetect``; ``sensitivity``)."""
+    ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values (a
+    scoped filter, ``SWEEP:KEY``, those of the sweep of that name only); ``detector`` judges their runs again under other collapse settings (``redetect``; ``sensitivity``)."""
     if not paths:
         raise ValueError("build-map needs at least one sweep directory or scaling.json")
     file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
     swept: dict[CurveKey, dict[Any, list[_Run]]] = {}
     given_dirs = frozenset(str(Path(p)) for p in paths if Path(p).is_dir())
+    unknown = {key.rpartition(SWEEP_SCOPE)[0] for key in only or {}} - {Path(p).name for p in given_dirs} - {""}
+    if unknown:
+        raise ValueError(f"--only names sweep(s) {', '.join(sorted(unknown))} that are not among the sweep "
+                         f"directories given ({', '.join(sorted(Path(p).name for p in given_dirs)) or 'none'})")
     head: dict[str, Any] = {}
     replayed = 0
     for path in paths:
@@ -481,9 +507,10 @@ def main(argv: list[str] | None = None) -> int:
                                              "scaling.json files")
     build.add_argument("out", type=Path, metavar="OUT")
     build.add_argument("inputs", type=Path, nargs="+", metavar="SWEEP_DIR_OR_SCALING_JSON")
-    build.add_argument("--only", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
+    build.add_argument("--only", action="append", default=[], metavar="[SWEEP:]KEY=VALUE[,VALUE...]",
                        help="keep the sweep directories' runs whose saved config holds one of the values (repeat for "
-                            "more keys), e.g. --only task.distractors=1002")
+                            "more keys), e.g. --only task.distractors=1002; SWEEP: (a sweep directory's name) "
+                            "binds that sweep's runs only")
     sens = sub.add_parser("sensitivity", help="the collapse detector's sensitivity: α and each horizon's threshold "
                                                "with every run of the sweep directories judged again under each "
                                                "recovery window (patience) and drop fraction")
@@ -494,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="drop fractions of the peak (default: %(default)s)")
     sens.add_argument("--correction", default=DEFAULT_CORRECTION, help="the curve to show (default: %(default)s)")
     sens.add_argument("--source", default=None, help="its source (default: the map's first)")
-    sens.add_argument("--only", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
+    sens.add_argument("--only", action="append", default=[], metavar="[SWEEP:]KEY=VALUE[,VALUE...]",
                       help="as build-map's --only")
     shape = sub.add_parser("shape", help="print each curve's shape comparison and its fitted horizons against the "
                                          "law's 95%% band (default: the shipped map)")
