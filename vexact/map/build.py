@@ -328,7 +328,8 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
     never a threshold in the fit. Each curve gets its shape comparison. The top level is the ``bypass`` curve (else
     the first) so that readers of the single-curve format read it; ``provenance`` names the command and inputs.
     ``only`` (``parse_only``) keeps the runs of the sweep directories whose saved config holds those values (a
-    scoped filter, ``SWEEP:KEY``, those of the sweep of that name only); ``detector`` judges their runs again under other collapse settings (``redetect``; ``sensitivity``)."""
+    scoped filter, ``SWEEP:KEY``, those of the sweep of that name only); ``detector`` judges their runs again
+    under other collapse settings (``redetect``; ``sensitivity``)."""
     if not paths:
         raise ValueError("build-map needs at least one sweep directory or scaling.json")
     file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
