@@ -66,10 +66,10 @@ def _marking_compiled_calls(counter: _CountCalls):
     originals = {name: getattr(library, name) for name in names}
 
     def marked(fn):
-        def call(*args):
+        def call(*args, **kwargs):
             counter.in_compiled += 1
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 counter.in_compiled -= 1
         return call

@@ -162,10 +162,14 @@ def test_a_curve_with_one_threshold_and_a_bound_answers_at_the_thresholds_horizo
 def test_the_shipped_tail_map_is_made_by_build_map_and_picked_for_a_real_vocabulary():
     tail = verdict.load_map(verdict.DEFAULT_TAIL_MAP)
     assert map_vocab(tail) == 1024 and map_vocab(verdict.load_map()) == 22
-    # L = 80's tail runs are left out until their late drops are confirmed, and the corrections sweep's epsilon = -0.7
-    # (no run took a gradient step there: it measures nothing) (docs/results/vocab_tail.md)
-    assert tail["provenance"]["made_by"].endswith("--only task.distractors=1002 --only task.max_len=1,16 "
+    # the tail sweep's L = 80 runs are left out until their late drops are confirmed (a filter scoped to that sweep:
+    # the corrections sweep's L = 80 runs are kept), and the corrections sweep's epsilon = -0.7 (no run took a
+    # gradient step there: it measures nothing) (docs/results/vocab_tail.md)
+    assert tail["provenance"]["made_by"].endswith("--only task.distractors=1002 "
+                                                  "--only horizon_scaling_tail_sweep:task.max_len=1,16 "
                                                   "--only inject.value=0.0,-0.08,-0.15,-0.3,-0.5,-0.6")
+    horizons = {c["correction"]: [h["horizon_value"] for h in c["horizons"]] for c in tail["curves"]}
+    assert horizons == {"bypass": [1, 16], "recompute": [1, 16, 80], "token_tis": [1, 16, 80]}
     assert tail["origin"] == verdict.SHIPPED_MAPS[verdict.DEFAULT_TAIL_MAP]
     assert shipped_map_for(151_936) == verdict.DEFAULT_TAIL_MAP and shipped_map_for(22) == verdict.DEFAULT_MAP
     assert build_map([verdict.DEFAULT_TAIL_MAP])["curves"] == json.loads(verdict.DEFAULT_TAIL_MAP.read_text())["curves"]
@@ -194,6 +198,6 @@ def test_the_shipped_tail_map_is_what_its_command_builds_from_the_kept_logs(tmp_
     assert rebuilt["curves"] == shipped["curves"]
     by_name = {c["correction"]: c for c in rebuilt["curves"]}
     assert {s for h in by_name["bypass"]["horizons"] for s in h["sweeps"]} == {sweeps[0]}
-    for name in ("recompute", "token_tis"):  # two horizons, no law: bounds only
+    for name in ("recompute", "token_tis"):  # three horizons, no threshold: bounds only
         assert {s for h in by_name[name]["horizons"] for s in h["sweeps"]} == {sweeps[1]}
         assert by_name[name]["status"] == "bounds_only"
