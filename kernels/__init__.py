@@ -14,80 +14,21 @@ signatures and semantics (``native.py`` is the plain-torch reference):
 The Triton kernels need the optional ``triton`` package (``TRITON_PIP``); without it every backend works on CPU
 tensors except ``"triton"``, which is refused with one ValueError naming the pip line.
 
-Why not ``import kernels``: a PyPI package named ``kernels`` exists and transformers probes
-for it by distribution name, so this library is installed under ``vexact_kernels``.
+Why not ``import kernels``: a PyPI package named ``kernels`` exists (Hugging Face's hub kernels; transformers 5.25
+and newer require it and import it), so this library is installed under ``vexact_kernels``; imported by the folder's
+own name (a checkout's root on ``sys.path``) it hands that name to the PyPI package (``folder_name``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-from types import ModuleType
+if __name__ == "kernels":  # this folder found by its name through a checkout's root on sys.path: not this library
+    from .folder_name import hand_the_name_to_the_pypi_package
 
-import torch
+    hand_the_name_to_the_pypi_package(__path__)
+else:
+    from . import cpu_exact, native
+    from .backends import BACKENDS, EXACT_BACKENDS, TRITON_PIP, get_ops, kernel_paths, triton_installed
+    from .contract import OP_NAMES, KernelOps
 
-from . import cpu_exact, native
-from .contract import OP_NAMES, KernelOps
-
-BACKENDS = ("exact", "native", "triton")
-EXACT_BACKENDS = ("exact", "triton")  # the backends whose rollout and training log-probs must agree bit for bit
-
-
-TRITON_PIP = 'pip install "vexact[triton]"'
-"""How the optional triton package is installed (the ``triton`` extra: ~290 MB, so not a dependency of a CPU
-install); the one line every "triton is missing" message names."""
-
-
-def triton_installed() -> bool:
-    """Whether the triton package can be imported (found, not imported: importing triton is slow)."""
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except ValueError:  # sys.modules["triton"] is None: imports of it are blocked
-        return False
-
-
-def _triton() -> ModuleType:
-    if not triton_installed():
-        raise ValueError(f"the Triton kernels (backend 'triton', or 'exact' on a CUDA device) need the triton "
-                         f"package, which is not installed: {TRITON_PIP}")
-    from . import triton_exact  # imported lazily: importing triton is slow
-
-    return triton_exact
-
-
-def get_ops(backend: str, device: torch.device | str = "cpu") -> ModuleType:
-    """The op module for ``backend`` on ``device``.
-
-    ``"exact"`` resolves to Triton on CUDA and to ``cpu_exact`` elsewhere.
-    Raises ValueError for an unknown backend name.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-    if backend == "native":
-        return native
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):  # torch's message names neither the argument nor the spellings
-        raise ValueError(f"device must be a torch.device or a name such as cpu, cuda, cuda:1, got {device!r}") from None
-    if backend == "triton" or kind == "cuda":
-        return _triton()
-    return cpu_exact
-
-
-def kernel_paths(backend: str, device: torch.device | str = "cpu") -> dict:
-    """Which path each op of ``backend`` takes on ``device``, and (exact CPU) what the host probes found.
-
-    ``{"backend", "ops": {op: {"path", ...}}, "probes": [...], "mode"}``; ``vexact check`` prints and records it."""
-    ops = get_ops(backend, device)
-    if ops is cpu_exact:
-        return {"backend": backend, "kernels": cpu_exact.NAME, **cpu_exact.host_report()}
-    if ops is native:
-        path = "native (torch ops: not batch-invariant)"
-    elif ops.INTERPRETING:
-        path = "interpreted (fixed-order block products and sums, by construction)"
-    else:
-        path = "compiled (fixed tiles, by construction)"
-    return {"backend": backend, "kernels": ops.NAME, "ops": {op: {"path": path} for op in OP_NAMES}, "probes": []}
-
-
-__all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "TRITON_PIP", "KernelOps", "get_ops", "kernel_paths",
-           "triton_installed", "cpu_exact", "native"]
+    __all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "TRITON_PIP", "KernelOps", "get_ops", "kernel_paths",
+               "triton_installed", "cpu_exact", "native"]

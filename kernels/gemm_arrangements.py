@@ -990,7 +990,7 @@ def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, o
     """[T, h, N]: one 2-D ``mm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N]'s matrix
     (contiguous, or a transposed batch: ``transposed_batch``), each into its own rows of one output. (A one-tile
     ``bmm`` was the call before: the same GEMM shape, but oneDNN's batched bf16 path lays the operand out on every
-    call -- 2.5-9x an ``mm``'s time on the AMD EPYC, llama100m's layers and LM head; the first-use check compares
+    call -- several times an ``mm``'s time on the AMD EPYC, llama100m's layers and LM head; the first-use check compares
     the ``mm``s with the canonical call as it compared the ``bmm``s.)
 
     Spread (where the compiled loops are built and several threads run): one compiled call whose tiles are shared
@@ -1226,10 +1226,11 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     # chunk at a time: the same GEMMs and the same tree
     at_once = tail_in_slabs and chunks * width * k <= VIEW_PARTIALS_MAX
     spread = _slabs_spread(width, k, block, last if tail_in_slabs else block, a.dtype)
-    if at_once and chunks == 1:  # one chunk (every bf16 reduction): its GEMMs write the result itself -- the same
-        # calls as per output slab (slabs of SLAB_ROWS rows) -- into a tensor of its own: a view of a [1, N, K] buffer
-        # would make autograd add a tied weight's two gradients out of place (a fresh N x K buffer: llama100m's
-        # tied head, 113 MB of page faults per step)
+    if chunks == 1:  # one chunk (every bf16 reduction; its last is its whole, so in slabs): its GEMMs write the
+        # result itself -- the same calls as per output slab (slabs of SLAB_ROWS rows), whether or not partials would
+        # fit at once -- into a tensor of its own: a view of a [1, N, K] buffer would make autograd add a tied
+        # weight's two gradients out of place (a fresh N x K buffer: llama100m's tied head, 113 MB of page faults per
+        # step)
         result = a.new_empty(n, k)
         _slab_products(a, b, block, last, spread, out=result.unsqueeze(0))
         return result

@@ -698,7 +698,7 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t 
 }
 
 // One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::mm of one fixed shape ([h, K] @ [K, N], the call
-// gemm_arrangements' per-tile loops make; a one-tile at::bmm took 2.5-9x as long in bf16 on the AMD EPYC: oneDNN's
+// gemm_arrangements' per-tile loops make; a one-tile at::bmm ran several times slower in bf16 on the AMD EPYC: oneDNN's
 // batched path lays the operand out on every call), the tiles shared out between the threads by at::parallel_for. A tile
 // runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an OpenMP region on the
 // calling thread), so its bits cannot depend on how the tiles are divided, on the thread count or on the other

@@ -293,18 +293,25 @@ def test_a_one_column_gradient_of_any_column_stride_is_its_slabs(threads, dtype)
 @pytest.mark.parametrize("mode", ("auto", "canonical"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("rows", (200, 312))  # one chunk; in fp32 two (a short last one)
-def test_a_weight_gradient_is_a_tensor_of_its_own(mode, dtype, rows):
+def test_a_weight_gradient_is_a_tensor_of_its_own(mode, dtype, rows, monkeypatch):
     """A weight gradient is returned as a tensor that holds its storage alone, never a view of a larger buffer (the
     one-chunk slabs returned their [1, N, K] buffer's first entry): autograd adds a tied weight's two gradients in
-    place only into such a tensor (``test_a_tied_weight_s_two_gradients_add_in_place``)."""
+    place only into such a tensor (``test_a_tied_weight_s_two_gradients_add_in_place``). So too where the chunks'
+    partial products do not fit at once (``VIEW_PARTIALS_MAX``: llama100m's head at a longer sequence), with the same
+    bits."""
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
     gen = torch.Generator().manual_seed(rows)
     a, b = torch.randn(rows, 600, generator=gen).to(dtype), torch.randn(rows, 48, generator=gen).to(dtype)
     compute = gemm_arrangements.transposed_dtype(a, b, host, "linear")
-    grad = gemm_arrangements.transposed_matmul(a.to(compute), b.to(compute), host, "linear")
-    assert grad.shape == (600, 48)
-    assert grad._base is None
-    assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+    grads = []
+    for partials_max in (gemm_arrangements.VIEW_PARTIALS_MAX, 1):
+        monkeypatch.setattr(gemm_arrangements, "VIEW_PARTIALS_MAX", partials_max)
+        grad = gemm_arrangements.transposed_matmul(a.to(compute), b.to(compute), host, "linear")
+        assert grad.shape == (600, 48)
+        assert grad._base is None
+        assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        grads.append(grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 def _tied_step(ops, weight: torch.Tensor, tokens: torch.Tensor) -> list[tuple[str, list]]:

@@ -75,6 +75,13 @@ SWEEP_SCOPE = ":"
 map keeps L = 1 and 16 of the tail sweep, whose L = 80 drops are unconfirmed, and L = 80 of the corrections sweep)."""
 
 
+def _scope_and_key(key: str) -> tuple[str, str]:
+    """An ``--only`` key split into (sweep name, config key): ``"SWEEP:task.max_len"`` -> ``("SWEEP",
+    "task.max_len")``; an unscoped key's sweep name is ``""``."""
+    scope, _, config_key = key.rpartition(SWEEP_SCOPE)
+    return scope, config_key
+
+
 def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
     """``[SWEEP:]KEY=VALUE[,VALUE...]`` items (build-map's ``--only``) as {[SWEEP:]config key: allowed values}, each
     value read as YAML (``1002``, ``true``, ``recompute``); a key that is no run config key is one error naming it.
@@ -87,7 +94,7 @@ def parse_only(items: list[str] | None) -> dict[str, list[Any]]:
         if not sep or not key or not values.strip():
             raise ValueError(f"--only {item!r}: expected KEY=VALUE[,VALUE...] or SWEEP:KEY=VALUE[,VALUE...], e.g. "
                              "--only task.distractors=1002")
-        scope, _, config_key = key.rpartition(SWEEP_SCOPE)
+        scope, config_key = _scope_and_key(key)
         if config_key not in defaults:
             raise ValueError(f"--only {item!r}: {config_key!r} is not a run config key")
         if key != config_key and not scope:
@@ -101,7 +108,7 @@ def _filters_of(path: Path, only: dict[str, list[Any]] | None) -> dict[str, list
     name, as {config key: values}."""
     filters: dict[str, list[Any]] = {}
     for key, values in (only or {}).items():
-        scope, _, config_key = key.rpartition(SWEEP_SCOPE)
+        scope, config_key = _scope_and_key(key)
         if not scope or scope == path.name:
             filters.setdefault(config_key, []).extend(values)
     return filters
@@ -335,7 +342,7 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
     file_curves: dict[CurveKey, list[tuple[dict[str, Any], str]]] = {}
     swept: dict[CurveKey, dict[Any, list[_Run]]] = {}
     given_dirs = frozenset(str(Path(p)) for p in paths if Path(p).is_dir())
-    unknown = {key.rpartition(SWEEP_SCOPE)[0] for key in only or {}} - {Path(p).name for p in given_dirs} - {""}
+    unknown = {_scope_and_key(key)[0] for key in only or {}} - {Path(p).name for p in given_dirs} - {""}
     if unknown:
         raise ValueError(f"--only names sweep(s) {', '.join(sorted(unknown))} that are not among the sweep "
                          f"directories given ({', '.join(sorted(Path(p).name for p in given_dirs)) or 'none'})")
