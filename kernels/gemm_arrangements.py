@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import platform
 import weakref
@@ -986,7 +987,8 @@ def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int,
     return out[:rows] if n_pad == n else out[:rows, :n]
 
 
-def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, one_thread: bool = False) -> Tensor:
+def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, one_thread: bool = False,
+                column_blocks: int | None = None) -> Tensor:
     """[T, h, N]: one 2-D ``mm`` per tile of ``tiles`` [T, h, K] (contiguous) with ``operand`` [1, K, N]'s matrix
     (contiguous, or a transposed batch: ``transposed_batch``), each into its own rows of one output. (A one-tile
     ``bmm`` was the call before: the same GEMM shape, but oneDNN's batched bf16 path lays the operand out on every
@@ -995,28 +997,53 @@ def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, o
 
     Spread (where the compiled loops are built and several threads run): one compiled call whose tiles are shared
     out between the threads, each tile's GEMM on one thread (``tile_gemms`` in ``csrc/exact_loops.cpp``: a GEMM
-    called inside the parallel region runs on its calling thread), so no bit depends on how the threads divide them.
-    Else one call after another, each with the process's threads. ``spread`` None: where the threads get even shares
-    (T a multiple of the threads, or at least ``SPREAD_TILES_PER_THREAD`` each) -- five large tiles at 2 threads ran
-    faster one after another, each GEMM on both threads. The callers check the result against the canonical call at
-    first use, per class and thread count (both ways, where either can run). ``one_thread``: every GEMM on one
-    thread (a ``blas-1-thread`` class): spread where the loops run, else one after another with 1 thread."""
+    called inside the parallel region runs on its calling thread), so no bit depends on how the threads divide them;
+    where the tiles do not give the threads even shares (``tile_column_blocks``), each tile's GEMM as GEMMs of
+    consecutive column blocks of the operand, the (tile, block) pairs shared out instead. Else one call after
+    another, each with the process's threads. ``spread`` None: spread wherever the loops run with several threads
+    (five large tiles at 2 threads took 3 + 2 tiles' time spread by whole tiles; one after another, each GEMM on both
+    threads, ran a 64-row GEMM at 2 threads). The callers check the result against the canonical call at first use,
+    per class and thread count, every way that can run (``tile_gemm_ways``). ``one_thread``: every GEMM on one thread
+    (a ``blas-1-thread`` class): spread where the loops run, else one after another with 1 thread.
+    ``column_blocks``: None, ``tile_column_blocks``' choice."""
     loops = compiled_loops.library()
     threads = torch.get_num_threads()
     count = tiles.shape[0]
+    if column_blocks is None:
+        column_blocks = tile_column_blocks(count, threads, operand.shape[2])
     if one_thread:
-        if loops is not None and count > 1 and threads > 1:
-            return loops.tile_gemms(tiles, operand)
-        return _with_threads(1, lambda: _tile_gemms(tiles, operand, spread=False))
+        if loops is not None and count * column_blocks > 1 and threads > 1:
+            return loops.tile_gemms(tiles, operand, column_blocks)
+        return _with_threads(1, lambda: _tile_gemms(tiles, operand, spread=False, column_blocks=1))
     if spread is None:
-        spread = count % threads == 0 or count >= SPREAD_TILES_PER_THREAD * threads
-    if loops is not None and spread and count > 1 and threads > 1:
-        return loops.tile_gemms(tiles, operand)
+        spread = True
+    if loops is not None and spread and count * column_blocks > 1 and threads > 1:
+        return loops.tile_gemms(tiles, operand, column_blocks)
     out = tiles.new_empty(count, tiles.shape[1], operand.shape[2])
     matrix = operand[0]
     for tile in range(count):
         torch.mm(tiles[tile], matrix, out=out[tile])
     return out
+
+
+def tile_column_blocks(count: int, threads: int, n: int) -> int:
+    """Column blocks per tile in ``_tile_gemms``' spread call of ``count`` tiles at ``threads`` threads: 1 where the
+    tiles give the threads even shares (``count`` a multiple of ``threads``, or at least ``SPREAD_TILES_PER_THREAD``
+    tiles each: an uneven share then at most a quarter more), else as many as make the (tile, block) pairs a multiple
+    of the threads (five tiles at 2 threads: two blocks each, ten pairs), at most ``n`` (a block has a column)."""
+    if threads <= 1 or count % threads == 0 or count >= SPREAD_TILES_PER_THREAD * threads:
+        return 1
+    return max(1, min(n, threads // math.gcd(count, threads)))
+
+
+def tile_gemm_ways(threads: int, n: int, one_thread: bool) -> tuple[tuple[bool, int], ...]:
+    """Every (spread, column blocks) way ``_tile_gemms`` can run tiles of one class at ``threads`` threads, whatever
+    their count, which its first-use check (``_laid_out_agrees``) compares with the canonical call: spread by whole
+    tiles (an even count) and by each column block count ``tile_column_blocks`` can give (an uneven one: a divisor
+    of the threads), and, for a class that may run on every thread, one call after another."""
+    blocks = {min(n, threads // math.gcd(tiles, threads)) for tiles in range(1, threads + 1)}  # 1 and each divisor
+    ways = [(True, b) for b in sorted(blocks)]
+    return tuple(ways if one_thread else [*ways, (False, 1)])
 
 
 SPREAD_TILES_PER_THREAD = 4
@@ -1056,10 +1083,11 @@ def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: s
         def canonical_call() -> Tensor:
             return torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks))
         canonical = (_with_threads(1, canonical_call) if one_thread else canonical_call()).view(blocks * block, n_pad)
-        if form == LAID_OUT_FORMS[2] and not one_thread:  # one GEMM per tile: spread over the threads or one after
-            tiles = x.view(blocks, block, k)            # another (either runs)
-            return all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread).view(blocks * block, n_pad))
-                       for spread in (True, False))
+        if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: every way a call of any tile count can run it
+            tiles = x.view(blocks, block, k)
+            return all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread, one_thread=one_thread,
+                                                          column_blocks=columns).view(blocks * block, n_pad))
+                       for spread, columns in tile_gemm_ways(torch.get_num_threads(), n_pad, one_thread))
         laid = operand if form != LAID_OUT_FORMS[1] else per_tile_operand(operand, blocks)
         return torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form, one_thread=one_thread))
 

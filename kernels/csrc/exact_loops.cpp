@@ -698,33 +698,48 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t 
 }
 
 // One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::mm of one fixed shape ([h, K] @ [K, N], the call
-// gemm_arrangements' per-tile loops make; a one-tile at::bmm ran several times slower in bf16 on the AMD EPYC: oneDNN's
-// batched path lays the operand out on every call), the tiles shared out between the threads by at::parallel_for. A tile
-// runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an OpenMP region on the
-// calling thread), so its bits cannot depend on how the tiles are divided, on the thread count or on the other
-// tiles; gemm_arrangements checks them at first use against the canonical call, per class and thread count. With one
-// tile (or one thread) no region is opened: the calls run one after another, as the Python loop makes them.
-at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand) {
+// gemm_arrangements' per-tile loops make; a one-tile at::bmm ran several times slower in bf16 on the AMD EPYC:
+// oneDNN's batched path lays the operand out on every call), the tiles shared out between the threads by
+// at::parallel_for. A tile runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an
+// OpenMP region on the calling thread), so its bits cannot depend on how the tiles are divided, on the thread count or
+// on the other tiles; gemm_arrangements checks them at first use against the canonical call, per class and thread
+// count. column_blocks > 1: each tile's GEMM as that many GEMMs of consecutive column blocks of the operand (N split
+// in blocks of ceil(N / column_blocks) columns), each into its columns of the tile's output, the (tile, block) pairs
+// shared out instead -- so an odd tile count still gives two threads even shares; the same first-use check covers it
+// (a GEMM whose bits follow its column count fails it). With one item (or one thread) no region is opened: the calls
+// run one after another, as the Python loop makes them.
+at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int64_t column_blocks) {
   TORCH_CHECK(a_tiles.dim() == 3 && a_tiles.is_contiguous(), "tile_gemms: contiguous [T, h, K] tiles");
   TORCH_CHECK(operand.dim() == 3 && operand.size(0) == 1 &&
                   (operand.is_contiguous() || operand.transpose(1, 2).is_contiguous()) &&
                   operand.size(1) == a_tiles.size(2) && operand.scalar_type() == a_tiles.scalar_type(),
               "tile_gemms: a [1, K, N] operand of the tiles' dtype, contiguous or a transposed batch");
-  const int64_t tiles = a_tiles.size(0);
-  at::Tensor out = at::empty({tiles, a_tiles.size(1), operand.size(2)}, a_tiles.options());
+  const int64_t tiles = a_tiles.size(0), n = operand.size(2);
+  TORCH_CHECK(column_blocks >= 1 && column_blocks <= std::max<int64_t>(n, 1),
+              "tile_gemms: column_blocks must be from 1 to the operand's N");
+  const int64_t width = (n + column_blocks - 1) / column_blocks, items = tiles * column_blocks;
+  at::Tensor out = at::empty({tiles, a_tiles.size(1), n}, a_tiles.options());
   const auto gemm = [&](int64_t first, int64_t last) {
     at::NoGradGuard no_grad;  // grad mode is per thread: a worker's is on (an out= call then refuses inputs that
                               // require grad); the tiles are an op's forward, never differentiated through here
     const at::Tensor matrix = operand.select(0, 0);
-    for (int64_t t = first; t < last; ++t) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t t = item / column_blocks, lo = (item % column_blocks) * width;
+      const int64_t cols = std::min(width, n - lo);
+      if (cols <= 0) continue;
       at::Tensor dst = out.select(0, t);
-      at::mm_out(dst, a_tiles.select(0, t), matrix);
+      if (column_blocks == 1) {
+        at::mm_out(dst, a_tiles.select(0, t), matrix);
+      } else {
+        at::Tensor columns = dst.narrow(1, lo, cols);
+        at::mm_out(columns, a_tiles.select(0, t), matrix.narrow(1, lo, cols));
+      }
     }
   };
-  if (tiles == 1 || at::get_num_threads() == 1) {
-    gemm(0, tiles);
+  if (items == 1 || at::get_num_threads() == 1) {
+    gemm(0, items);
   } else {
-    at::parallel_for(0, tiles, 1, gemm);
+    at::parallel_for(0, items, 1, gemm);
   }
   return out;
 }
@@ -1109,7 +1124,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
-  m.def("tile_gemms", &tile_gemms, "one at::mm per tile with a shared operand, tiles spread over threads");
+  m.def("tile_gemms", &tile_gemms, "one at::mm per tile (or per column block of it) with a shared operand, spread over "
+        "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1);
   m.def("reduction_slab_mms", &reduction_slab_mms,
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads", py::arg("a"),
         py::arg("b"), py::arg("block"), py::arg("last_length"), py::arg("slab"), py::arg("out") = py::none());

@@ -237,9 +237,10 @@ def test_bf16_forward_tiles_on_a_transposed_batch_are_the_canonical_call(rows, k
 
 
 def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
-    """At 2 threads, several tiles go to the compiled loops' ``tile_gemms`` (one call for all) -- a one-thread class's
-    always, another's where the threads get even shares; at 1 thread, or one tile, they do not (one ``bmm`` after
-    another): and every way has the bits of one ``bmm`` per tile at 1 thread."""
+    """At 2 threads, tiles go to the compiled loops' ``tile_gemms`` (one call for all): by whole tiles where the
+    threads get even shares, else each tile's GEMM in two column blocks (``tile_column_blocks``: five tiles, ten
+    pairs; one tile, two); at 1 thread they do not (one ``mm`` after another); and every way, one after another
+    included, has the bits of one ``bmm`` per tile at 1 thread."""
     loops = gemm_arrangements.compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here")
@@ -249,25 +250,38 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
         def __getattr__(self, name):
             return getattr(loops, name)
 
-        def tile_gemms(self, *args):
-            calls.append(args[0].shape[0])
-            return loops.tile_gemms(*args)
+        def tile_gemms(self, tiles, operand, column_blocks):
+            calls.append((tiles.shape[0], column_blocks))
+            return loops.tile_gemms(tiles, operand, column_blocks)
     monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Counting())
     tiles = _randn(5, 64, 96, dtype=torch.bfloat16, seed=7)
-    operand = _randn(1, 96, 176, dtype=torch.bfloat16, seed=8)
+    operand = _randn(1, 96, 175, dtype=torch.bfloat16, seed=8)  # an odd N: column blocks of 88 and 87
     with num_threads(1):
         expected = torch.cat([torch.bmm(tiles[t : t + 1], operand) for t in range(5)])
         assert torch.equal(gemm_arrangements._tile_gemms(tiles, operand), expected)
     assert calls == []
     with num_threads(2):
-        out = gemm_arrangements._tile_gemms(tiles, operand, spread=True)  # spread when asked
-        one = gemm_arrangements._tile_gemms(tiles[:1], operand, spread=True)  # one tile: no region
-        assert calls == [5]
-        uneven = gemm_arrangements._tile_gemms(tiles, operand)  # 3 + 2: one call after another
+        uneven = gemm_arrangements._tile_gemms(tiles, operand)
+        one = gemm_arrangements._tile_gemms(tiles[:1], operand)
         even = gemm_arrangements._tile_gemms(tiles[:4], operand)
-    assert calls == [5, 4]
+        one_after_another = gemm_arrangements._tile_gemms(tiles, operand, spread=False)
+        one_thread = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)
+    assert calls == [(5, 2), (1, 2), (4, 1), (5, 2)]
     assert all(torch.equal(_bits(got), _bits(want))
-               for got, want in ((out, expected), (one, expected[:1]), (uneven, expected), (even, expected[:4])))
+               for got, want in ((uneven, expected), (one, expected[:1]), (even, expected[:4]),
+                                 (one_after_another, expected), (one_thread, expected)))
+
+
+def test_tile_column_blocks_give_the_threads_even_shares():
+    """``tile_column_blocks``: 1 where the tiles divide evenly (or are many), else a divisor of the threads that
+    makes the (tile, block) pairs a multiple of them, at most N; ``tile_gemm_ways`` lists every such count."""
+    blocks = gemm_arrangements.tile_column_blocks
+    assert [blocks(count, 2, 1536) for count in (1, 2, 3, 4, 5, 8, 9)] == [2, 1, 2, 1, 2, 1, 1]
+    assert [blocks(count, 4, 1536) for count in (1, 2, 3, 4, 6)] == [4, 2, 4, 1, 2]
+    assert blocks(3, 1, 1536) == 1 and blocks(1, 4, 3) == 3
+    assert gemm_arrangements.tile_gemm_ways(2, 1536, one_thread=False) == ((True, 1), (True, 2), (False, 1))
+    assert gemm_arrangements.tile_gemm_ways(4, 1536, one_thread=True) == ((True, 1), (True, 2), (True, 4))
+    assert gemm_arrangements.tile_gemm_ways(1, 1536, one_thread=False) == ((True, 1), (False, 1))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
