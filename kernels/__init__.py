@@ -16,15 +16,17 @@ tensors except ``"triton"``, which is refused with one ValueError naming the pip
 
 Why not ``import kernels``: a PyPI package named ``kernels`` exists (Hugging Face's hub kernels; transformers 5.25
 and newer require it and import it), so this library is installed under ``vexact_kernels``; imported by the folder's
-own name (a checkout's root on ``sys.path``) it hands that name to the PyPI package (``folder_name``).
+own name (a checkout's root on ``sys.path``) it hands that name to the PyPI package, or is an empty module
+(``folder_name``).
 """
 
 from __future__ import annotations
 
 if __name__ == "kernels":  # this folder found by its name through a checkout's root on sys.path: not this library
-    from .folder_name import hand_the_name_to_the_pypi_package
+    from .folder_name import hand_the_name_to_the_pypi_package, not_this_library
 
-    hand_the_name_to_the_pypi_package(__path__)
+    if not hand_the_name_to_the_pypi_package(__path__):
+        __getattr__ = not_this_library
 else:
     from . import cpu_exact, native
     from .backends import BACKENDS, EXACT_BACKENDS, TRITON_PIP, get_ops, kernel_paths, triton_installed
