@@ -92,7 +92,7 @@ DECODE_WARMUP = PACK_AFTER_CALLS + 1
 """Untimed decode steps before the timed ones: past the call at which the exact path packs a weight version's oneDNN
 GEMMs (a rollout of more tokens than this runs packed from then on)."""
 LABELS = {"rl_step": "one RL step", "decode_step": "decode step", "train_fwd_bwd": "training fwd+bwd",
-          "rollout": "rollout"}
+          "rollout": "rollout", "linear_layers": "linear layers of a training pass"}
 
 
 def target_mark(row: dict) -> str:

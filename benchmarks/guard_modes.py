@@ -12,6 +12,11 @@ which a weight version's GEMMs pack, as ``end_to_end`` times them): one run, one
 side slows the other -- unlike the ratio of two ``end_to_end`` runs' exact / native medians (``benchmarks.tables
 --by-mode``), whose run-to-run spread on a shared machine is larger than the 5% the comparison asks of it.
 
+A third item, ``linear_layers``, is a diagnostic, not a cell the bound judges: the ``train_fwd_bwd`` item's linear
+layers alone (``linear_layers_call``: every linear call of its training pass, replayed on seeded inputs of the same
+shapes, forward and the gradients the pass took), in wall time -- how much of a training cell's canonical / auto the
+linear layers' GEMMs make, where the profiler's self times add up the threads' times of GEMMs spread between them.
+
 ``--profile N`` also profiles each side once and records the N (op, input shapes) pairs with the most self CPU time
 on either side, and two totals: the matrix products and copies, and every op (where the per-tile arrangement's extra
 time sits; a compiled loop's GEMMs count in its own op's self time). The RL step is
@@ -23,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from torch import Tensor
 
 from vexact import Transformer, generate
 from vexact.engine.model import short_dtype_name
@@ -53,7 +61,10 @@ from .common import (
 )
 from .end_to_end import DECODE_WARMUP, LABELS, combo_label, decode_step_call, prompts_of, train_call
 
-ITEMS = ("decode_step", "train_fwd_bwd")
+BOUND_ITEMS = ("decode_step", "train_fwd_bwd")
+"""The items whose canonical / auto the bound (``GAP_LIMIT``) judges: ``end_to_end``'s items that run the model
+alone."""
+ITEMS = (*BOUND_ITEMS, "linear_layers")
 MODES = ("canonical", "auto")  # numerator, denominator
 GAP_LIMIT = 1.05
 """canonical / auto at or under this is within the issue's bound (AB: ``canonical`` within 5% of ``auto``)."""
@@ -103,9 +114,14 @@ def bench_shape(shape_name: str, dtype_name: str, items: list[str], reps: int, p
     if "decode_step" in items:
         calls["decode_step"] = {mode: decode_step_call(model, prompts, device, ops["decode_step"][mode])
                                 for mode in MODES}
-    if "train_fwd_bwd" in items:
+    responses = None
+    if "train_fwd_bwd" in items or "linear_layers" in items:
         responses = generate(model, prompts, max_new_tokens=shape.new_tokens, temperature=1.0, seed=0).tokens
+    if "train_fwd_bwd" in items:
         calls["train_fwd_bwd"] = {mode: train_call(model, prompts, responses, ops["train_fwd_bwd"][mode])
+                                  for mode in MODES}
+    if "linear_layers" in items:
+        calls["linear_layers"] = {mode: linear_layers_call(model, prompts, responses, ops["linear_layers"][mode])
                                   for mode in MODES}
     rows = []
     for item, by_mode in calls.items():
@@ -122,6 +138,73 @@ def bench_shape(shape_name: str, dtype_name: str, items: list[str], reps: int, p
         row["refused_arrangements"] = refused_arrangements(ops[item]["auto"].host)
         rows.append(row)
     return rows
+
+
+LINEAR_INPUTS_SEED = 0
+"""The seed of ``linear_layers_call``'s inputs: values of no consequence to its timings, fixed so that every run
+multiplies the same numbers."""
+
+
+def linear_layers_call(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
+                       ops: SimpleNamespace) -> Callable[[], object]:
+    """The ``linear_layers`` item: the ``train_fwd_bwd`` item's linear layers alone, run with ``ops`` (an op namespace,
+    ``cpu_exact.with_host``). Its training pass runs once with ``ops``' ``linear`` and ``linear_backward`` recording
+    each call (the input's shape and dtype, the weight, which gradients the pass took: an LM head recomputed in its
+    backward calls ``linear`` without grad, then again on leaves); the item replays the calls in order on seeded
+    inputs of those shapes -- each forward, and its gradients where the pass took them -- and nothing else."""
+    calls: list[tuple] = []
+
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        wanted = (torch.is_grad_enabled() and x.requires_grad, torch.is_grad_enabled() and weight.requires_grad)
+        calls.append(("linear", x.shape, x.dtype, weight, bias, wanted))
+        return ops.linear(x, weight, bias)
+
+    def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool
+                        ) -> tuple[Tensor | None, Tensor | None]:
+        calls.append(("linear_backward", x.shape, x.dtype, weight, grad.shape, (need_x, need_w)))
+        return ops.linear_backward(x, weight, grad, need_x, need_w)
+
+    train_call(model, prompts, responses, SimpleNamespace(**{**vars(ops), "linear": linear,
+                                                             "linear_backward": linear_backward}))()
+    model.zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(LINEAR_INPUTS_SEED)
+
+    def seeded(shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    replays: list[Callable[[], object]] = []
+    for kind, x_shape, dtype, weight, fourth, wanted in calls:
+        x = seeded(x_shape, dtype)
+        out_shape = (*x_shape[:-1], weight.shape[0])
+        if kind == "linear_backward":
+            grad = seeded(fourth, dtype)
+            replays.append(functools.partial(ops.linear_backward, x, weight, grad, *wanted))
+        elif any(wanted):
+            x.requires_grad_(wanted[0])
+            inputs = [t for t, want in zip((x, weight), wanted) if want]
+            replays.append(functools.partial(_forward_and_gradients, ops, x, weight, fourth, inputs,
+                                             seeded(out_shape, dtype)))
+        else:
+            replays.append(functools.partial(_forward_only, ops, x, weight, fourth))
+
+    def run() -> object:
+        for replay in replays:
+            replay()
+        return None
+    return run
+
+
+def _forward_only(ops: SimpleNamespace, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One recorded linear call without grad (an LM head's forward that its backward recomputes)."""
+    with torch.no_grad():
+        return ops.linear(x, weight, bias)
+
+
+def _forward_and_gradients(ops: SimpleNamespace, x: Tensor, weight: Tensor, bias: Tensor | None,
+                           inputs: list[Tensor], grad: Tensor) -> tuple[Tensor, ...]:
+    """One recorded linear call with grad: the forward, then the gradients of ``inputs`` (returned, not accumulated
+    into ``.grad``: the weights are the model's parameters)."""
+    return torch.autograd.grad(ops.linear(x, weight, bias), inputs, grad)
 
 
 def faster_arrangements(host: HostGuard) -> int:
@@ -155,12 +238,16 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
 
 
 def binds(row: dict) -> bool:
-    """Whether the bound applies to the cell: its ``auto`` guard took a faster arrangement (a record without the count
-    is taken to)."""
-    return row.get("faster_arrangements", {}).get("auto", 1) > 0
+    """Whether the bound applies to the cell: one of ``BOUND_ITEMS`` whose ``auto`` guard took a faster arrangement (a
+    record without the count is taken to)."""
+    return row["item"] in BOUND_ITEMS and row.get("faster_arrangements", {}).get("auto", 1) > 0
 
 
 def gap_mark(row: dict) -> str:
+    """``✓`` / ``✗``: the cell's canonical / auto against ``GAP_LIMIT``; ``""`` for a diagnostic item (not in
+    ``BOUND_ITEMS``)."""
+    if row["item"] not in BOUND_ITEMS:
+        return ""
     return "✓" if row["ratio_median"] <= GAP_LIMIT else "✗"
 
 
@@ -173,10 +260,11 @@ def modes_matrix(results: list[dict]) -> tuple[list[str], list[list[str]], str]:
     for shape, item in dict.fromkeys((r["shape"], r["item"]) for r in results):
         cells = [keyed.get((item, shape, dtype, threads)) for dtype, threads in pairs]
         lines.append([f"{shape}: {LABELS.get(item, item)}",
-                      *[f"{fmt_ratio(r)} {gap_mark(r)}" if r else "—" for r in cells], f"≤ {GAP_LIMIT:.2f}×"])
+                      *[f"{fmt_ratio(r)} {gap_mark(r)}".rstrip() if r else "—" for r in cells],
+                      f"≤ {GAP_LIMIT:.2f}×" if item in BOUND_ITEMS else "—"])
     binding = [r for r in results if binds(r)]
     within = sum(gap_mark(r) == "✓" for r in binding)
-    rest = len(results) - len(binding)
+    rest = sum(r["item"] in BOUND_ITEMS for r in results) - len(binding)
     summary = (f"canonical within {GAP_LIMIT:.2f}× auto in {within} of the {len(binding)} cells where auto takes a "
                "faster arrangement")
     if rest:
@@ -211,7 +299,7 @@ def over_bound_lines(results: list[dict]) -> list[str]:
     took under the profiler in ``canonical`` (the full split: ``split_lines``)."""
     out = []
     for r in results:
-        if "profile" not in r or gap_mark(r) == "✓":
+        if "profile" not in r or gap_mark(r) != "✗":
             continue
         total = {p["op"]: p for p in r["profile"] if p["op"] in SPLIT_TOTALS}
         every, products = total[SPLIT_TOTALS[1]], total[SPLIT_TOTALS[0]]

@@ -196,9 +196,13 @@ def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_p
     assert tables.main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "| tiny: decode step |" in text and "| ≤ 1.05× |" in text and "canonical within 1.05× auto in" in text
-    binding = [r for r in record["results"] if r["faster_arrangements"]["auto"] > 0]
+    binding = [r for r in record["results"]
+               if r["item"] in guard_modes.BOUND_ITEMS and r["faster_arrangements"]["auto"] > 0]
     assert f"of the {len(binding)} cells where auto takes a faster arrangement" in text
-    over = [r for r in record["results"] if r["ratio_median"] > guard_modes.GAP_LIMIT]
+    assert "| tiny: linear layers of a training pass |" in text  # the diagnostic item: no mark, no bound
+    assert next(line for line in text.splitlines() if "linear layers" in line).rstrip().endswith("| — |")
+    over = [r for r in record["results"]
+            if r["item"] in guard_modes.BOUND_ITEMS and r["ratio_median"] > guard_modes.GAP_LIMIT]
     assert len(guard_modes.over_bound_lines(record["results"])) == len(over)
     assert ("of which matrix products and copies" in text) == bool(over)
     assert guard_modes.main(["--device", "cuda"] if not torch.cuda.is_available() else ["--shape", "huge"]) == 2
@@ -219,6 +223,43 @@ def test_guard_modes_names_the_cells_where_auto_kept_the_canonical_arrangement()
     assert summary.endswith("probe failed in llama100m training fwd+bwd bf16, 2 threads (2)")
     *_, summary = guard_modes.modes_matrix(results[:1])
     assert "kept the canonical" not in summary
+
+
+def test_linear_layers_item_replays_the_training_pass_s_linear_calls():
+    """``linear_layers`` makes the training pass's linear calls -- the same functions, input shapes and weights, in
+    order -- and calls no other op of the namespace (counter-check: the pass itself calls others)."""
+    from types import SimpleNamespace
+
+    from benchmarks.end_to_end import prompts_of, train_call
+    from vexact import Transformer, generate
+    from vexact_kernels import cpu_exact
+    from vexact_kernels.host_guard import HostGuard
+
+    shape = shapes()["tiny"]
+    model = Transformer(shape.model, backend="exact", dtype=torch.float32, init_seed=0)
+    prompts = prompts_of(shape)
+    responses = generate(model, prompts, max_new_tokens=shape.new_tokens, temperature=1.0, seed=0).tokens
+    base = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+
+    def logging(log: list) -> SimpleNamespace:
+        def logged(name, fn):
+            def call(*args, **kwargs):
+                if name in ("linear", "linear_backward"):
+                    log.append((name, tuple(args[0].shape), id(args[1])))
+                else:
+                    log.append((name,))
+                return fn(*args, **kwargs)
+            return call
+        return SimpleNamespace(**{name: logged(name, fn) if callable(fn) else fn for name, fn in vars(base).items()})
+
+    in_training, in_replay = [], []
+    train_call(model, prompts, responses, logging(in_training))()
+    replay = guard_modes.linear_layers_call(model, prompts, responses, logging(in_replay))
+    in_replay.clear()  # (the item records the pass once through the namespace it is given)
+    replay()
+    linear_calls = [entry for entry in in_training if len(entry) == 3]
+    assert linear_calls and len(linear_calls) < len(in_training)
+    assert in_replay == linear_calls
 
 
 def test_vexact_bench_command_writes_json(tmp_path):
