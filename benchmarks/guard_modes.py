@@ -152,40 +152,33 @@ def linear_layers_call(model: Transformer, prompts: list[list[int]], responses: 
     each call (the input's shape and dtype, the weight, which gradients the pass took: an LM head recomputed in its
     backward calls ``linear`` without grad, then again on leaves); the item replays the calls in order on seeded
     inputs of those shapes -- each forward, and its gradients where the pass took them -- and nothing else."""
-    calls: list[tuple] = []
+    generator = torch.Generator().manual_seed(LINEAR_INPUTS_SEED)
+
+    def seeded(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    replays: list[Callable[[], object]] = []  # each call's replay, made as the pass makes the call
 
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        wanted = (torch.is_grad_enabled() and x.requires_grad, torch.is_grad_enabled() and weight.requires_grad)
-        calls.append(("linear", x.shape, x.dtype, weight, bias, wanted))
+        grad_on = torch.is_grad_enabled()
+        x_seeded = seeded(x.shape, x.dtype).requires_grad_(grad_on and x.requires_grad)
+        inputs = [t for t in (x_seeded, weight) if grad_on and t.requires_grad]
+        if inputs:
+            grad = seeded((*x.shape[:-1], weight.shape[0]), x.dtype)
+            replays.append(functools.partial(_forward_and_gradients, ops, x_seeded, weight, bias, inputs, grad))
+        else:
+            replays.append(functools.partial(_forward_only, ops, x_seeded, weight, bias))
         return ops.linear(x, weight, bias)
 
     def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool
                         ) -> tuple[Tensor | None, Tensor | None]:
-        calls.append(("linear_backward", x.shape, x.dtype, weight, grad.shape, (need_x, need_w)))
+        replays.append(functools.partial(ops.linear_backward, seeded(x.shape, x.dtype), weight,
+                                         seeded(grad.shape, grad.dtype), need_x, need_w))
         return ops.linear_backward(x, weight, grad, need_x, need_w)
 
     train_call(model, prompts, responses, SimpleNamespace(**{**vars(ops), "linear": linear,
                                                              "linear_backward": linear_backward}))()
     model.zero_grad(set_to_none=True)
-    generator = torch.Generator().manual_seed(LINEAR_INPUTS_SEED)
-
-    def seeded(shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        return torch.randn(shape, generator=generator).to(dtype)
-
-    replays: list[Callable[[], object]] = []
-    for kind, x_shape, dtype, weight, fourth, wanted in calls:
-        x = seeded(x_shape, dtype)
-        out_shape = (*x_shape[:-1], weight.shape[0])
-        if kind == "linear_backward":
-            grad = seeded(fourth, dtype)
-            replays.append(functools.partial(ops.linear_backward, x, weight, grad, *wanted))
-        elif any(wanted):
-            x.requires_grad_(wanted[0])
-            inputs = [t for t, want in zip((x, weight), wanted) if want]
-            replays.append(functools.partial(_forward_and_gradients, ops, x, weight, fourth, inputs,
-                                             seeded(out_shape, dtype)))
-        else:
-            replays.append(functools.partial(_forward_only, ops, x, weight, fourth))
 
     def run() -> object:
         for replay in replays:
