@@ -554,9 +554,12 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
     if not _laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=one_thread):
         return None
     laid = _operand_of(weight, lambda w: laid_out_operand(w, dtype, n_pad, blocks, form), held)
+    # a tile's GEMM in column blocks only where they, too, give the canonical call's bits (else whole tiles)
+    whole_tiles = form != LAID_OUT_FORMS[1] and not _column_blocks_agree(block, k, n_pad, dtype, transposed,
+                                                                         one_thread=one_thread)
 
     def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-        return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread)
+        return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread, whole_tiles=whole_tiles)
     if (held is not None and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
             and _packable(k, n_pad, dtype, block)):
         # a decode loop's one tile (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
@@ -660,9 +663,9 @@ def _packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype
         packed = onednn_packed(w)
         if form == PACKED_FORMS[0]:
             return torch.equal(onednn_linear(x, packed), torch.mm(x, w.t()))
-        if form == PACKED_FORMS[2]:  # (the canonical operand [1, K, N_pad] of w [N_pad, K], as ``stored_operand``)
-            canonical = _laid_out_tiles(x, transposed_batch(w.t().unsqueeze(0)), block, blocks, n_pad,
-                                        LAID_OUT_FORMS[0])
+        if form == PACKED_FORMS[2]:  # the canonical call, on the canonical operand [1, K, N_pad] of w [N_pad, K]
+            operand = per_tile_operand(transposed_batch(w.t().unsqueeze(0)), blocks)  # (as ``stored_operand``)
+            canonical = torch.bmm(x.view(blocks, block, k), operand).view(blocks * block, n_pad)
             return torch.equal(onednn_linear(x, packed), canonical)
         tiles = x.view(blocks, block, k)
         return torch.equal(onednn_linear(tiles, packed), onednn_linear(tiles, w))
@@ -967,18 +970,20 @@ def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
 
 
 def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str,
-                    one_thread: bool = False) -> Tensor:
+                    one_thread: bool = False, whole_tiles: bool = False) -> Tensor:
     """``tiled_matmul``'s canonical tiles of an ``operand_per_tile`` class in ``form`` (``LAID_OUT_FORMS``) on
     ``laid_out_operand``: one tile, its GEMM as an ``mm`` on the operand's matrix as stored; several, the
     canonical call on that operand once per tile ([blocks, K, N_pad], ``LAID_OUT_CALL_MAX``) or one ``mm`` per tile
     on the operand's matrix as stored, [block, K] @ [K, N_pad] (``_tile_gemms``), as the guard's ``gemm_rows`` probe
     computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have.
-    ``one_thread``: a class the guard runs with 1 thread (``blas-1-thread``), every GEMM on one thread."""
+    ``one_thread``: a class the guard runs with 1 thread (``blas-1-thread``), every GEMM on one thread.
+    ``whole_tiles``: the GEMMs per tile never in column blocks (a class whose column blocks failed their first-use
+    check, ``_column_blocks_agree``)."""
     rows, k = x.shape
     n_pad = operand.shape[2]
     tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
     if form != LAID_OUT_FORMS[1]:  # one tile, or one GEMM per tile: ``mm`` on the matrix itself
-        out = _tile_gemms(tiles, operand, one_thread=one_thread)
+        out = _tile_gemms(tiles, operand, one_thread=one_thread, column_blocks=1 if whole_tiles else None)
     elif one_thread:
         out = _with_threads(1, lambda: torch.bmm(tiles, operand))
     else:
@@ -1072,26 +1077,65 @@ def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: s
     """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this ``operand_per_tile`` class
     here (``transposed``: its operand a transposed batch, else row-major): checked once per (class, tile height,
     form, thread count) on seeded order-revealing operands (``_probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The
-    forms are the canonical call's own GEMM per tile, on the same operand layout; this catches a torch whose ``bmm``
-    does otherwise, or a per-tile GEMM whose bits follow the threads (then the canonical call runs). ``one_thread``:
+    forms are the canonical call's own GEMM per tile, on the same operand layout, by whole tiles (their column
+    blocks are checked apart: ``_column_blocks_agree``); this catches a torch whose ``bmm`` does otherwise, or a
+    per-tile GEMM whose bits follow the threads (then the canonical call runs). ``one_thread``:
     a ``blas-1-thread`` class, whose canonical call and forms run every GEMM on one thread."""
     def check() -> bool:
         blocks = LAID_OUT_CHECK_TILES[form]
-        x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
-        operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
-
-        def canonical_call() -> Tensor:
-            return torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks))
-        canonical = (_with_threads(1, canonical_call) if one_thread else canonical_call()).view(blocks * block, n_pad)
-        if form == LAID_OUT_FORMS[2]:  # one GEMM per tile: every way a call of any tile count can run it
-            tiles = x.view(blocks, block, k)
-            return all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread, one_thread=one_thread,
-                                                          column_blocks=columns).view(blocks * block, n_pad))
-                       for spread, columns in tile_gemm_ways(torch.get_num_threads(), n_pad, one_thread))
-        laid = operand if form != LAID_OUT_FORMS[1] else per_tile_operand(operand, blocks)
-        return torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form, one_thread=one_thread))
+        x, operand, canonical = _laid_out_check_operands(blocks, block, k, n_pad, dtype, transposed, one_thread)
+        if form == LAID_OUT_FORMS[1]:  # the canonical call on the operand laid out once per tile
+            laid = per_tile_operand(operand, blocks)
+            return torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form, one_thread=one_thread))
+        # one GEMM per tile (or the one tile's): every way a call of any tile count can run whole tiles
+        return _tile_gemm_ways_agree(canonical, x.view(blocks, block, k), operand, one_thread, column_blocks=False)
 
     key = (dtype, block, k, n_pad, form, transposed, one_thread, torch.get_num_threads())
+    return _checked_once(_LAID_OUT_CHECKS, key, check)
+
+
+def _laid_out_check_operands(blocks: int, block: int, k: int, n_pad: int, dtype: torch.dtype, transposed: bool,
+                             one_thread: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(x [blocks x block, K], the operand [1, K, N_pad] in the class's layout, the canonical call's output
+    [blocks x block, N_pad]) on seeded order-revealing operands (``_probe_operands``): what the laid-out forms'
+    first-use checks compare."""
+    x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
+    operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
+
+    def canonical_call() -> Tensor:
+        return torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks))
+    canonical = (_with_threads(1, canonical_call) if one_thread else canonical_call()).view(blocks * block, n_pad)
+    return x, operand, canonical
+
+
+def _tile_gemm_ways_agree(canonical: Tensor, tiles: Tensor, operand: Tensor, one_thread: bool, *,
+                          column_blocks: bool) -> bool:
+    """Whether every way ``_tile_gemms`` can run ``tiles`` (``tile_gemm_ways``) by whole tiles (``column_blocks``
+    False) or in column blocks (True) gives ``canonical``, the canonical call's [T x h, N_pad] output."""
+    rows, n_pad = canonical.shape
+    return all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread, one_thread=one_thread,
+                                                  column_blocks=columns).view(rows, n_pad))
+               for spread, columns in tile_gemm_ways(torch.get_num_threads(), n_pad, one_thread)
+               if (columns > 1) == column_blocks)
+
+
+def _column_blocks_agree(block: int, k: int, n_pad: int, dtype: torch.dtype, transposed: bool = True,
+                         one_thread: bool = False) -> bool:
+    """Whether ``_tile_gemms``' GEMMs per tile in column blocks (each tile's GEMM as GEMMs of consecutive column
+    blocks of the operand: how an uneven tile count gives the threads even shares) give the canonical call's bits
+    for this ``operand_per_tile`` class here, as its whole tiles do (``_laid_out_agrees``, forms ``one tile`` and
+    ``per tile``): checked once per key as that check is, on the same tiles (a tile's column blocks are the same GEMM
+    calls whatever the tile count). Where they do not (a GEMM whose bits follow its column count: oneDNN's bf16 GEMM
+    on the Intel Xeon with AMX, llama100m's down projection, [h, 1536] @ [1536, 576], and its input gradient's,
+    [64, 576] @ [576, 1536]), the class runs whole tiles. Before this check was apart, their failure refused the form
+    itself: a training pass's tiles ran the canonical call, copying the weight once per tile on every call, and a
+    decode step's one tile ran it unpacked (a ``bmm`` of 1.7x the packed GEMM's time)."""
+    def check() -> bool:
+        blocks = LAID_OUT_CHECK_TILES[LAID_OUT_FORMS[2]]
+        x, operand, canonical = _laid_out_check_operands(blocks, block, k, n_pad, dtype, transposed, one_thread)
+        return _tile_gemm_ways_agree(canonical, x.view(blocks, block, k), operand, one_thread, column_blocks=True)
+
+    key = (dtype, block, k, n_pad, "per tile, column blocks", transposed, one_thread, torch.get_num_threads())
     return _checked_once(_LAID_OUT_CHECKS, key, check)
 
 

@@ -306,6 +306,48 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
     assert forms == ["per tile"] and not torch.equal(_bits(wrong), _bits(expected))
 
 
+@pytest.mark.parametrize("rows,tiles,form,call_max", [(48, 1, "one tile", None), (300, 5, "per tile", 0)])
+def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles, form, call_max, monkeypatch):
+    """On a host whose GEMM rounds a tile's column blocks otherwise (emulated: the compiled loops' ``tile_gemms`` one
+    ulp off wherever it splits a tile into column blocks, as oneDNN's AMX GEMM does for some classes of an Intel
+    Xeon), the first-use checks keep the form (``_laid_out_agrees`` by whole tiles) and refuse its column blocks
+    (``_column_blocks_agree``): the form runs whole tiles with the canonical call's bits -- one tile (a decode step's
+    call) or five tiles, where two threads would take column blocks. Counter-check: had the column blocks' check
+    passed, the form would have run them and given other bits."""
+    loops = gemm_arrangements.compiled_loops.library()
+    if loops is None:
+        pytest.skip("the compiled loops are not built here: no column blocks")
+    split = []
+
+    class ColumnBlocksOff:
+        def __getattr__(self, name):
+            return getattr(loops, name)
+
+        def tile_gemms(self, a_tiles, operand, column_blocks):
+            out = loops.tile_gemms(a_tiles, operand, column_blocks)
+            if column_blocks > 1:
+                split.append(a_tiles.shape[0])
+                out = torch.nextafter(out, torch.full_like(out, float("inf")))
+            return out
+
+    def run() -> torch.Tensor:
+        return _forward_tiles(rows, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
+
+    with num_threads(2):
+        with pytest.MonkeyPatch.context() as canonical:
+            _laid_out_forms(canonical, laid_out=False)
+            expected = run()
+        monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: ColumnBlocksOff())
+        forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
+        out = run()
+        assert forms == [form] and torch.equal(_bits(out), _bits(expected))
+        assert split and tiles not in split  # the column blocks' check split its tiles; the form's call did not
+        monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
+        monkeypatch.setattr(gemm_arrangements, "_column_blocks_agree", lambda *args, **kwargs: True)
+        wrong = run()
+    assert not torch.equal(_bits(wrong), _bits(expected))
+
+
 @pytest.mark.parametrize("stored", ["forward", "input gradient"])
 @pytest.mark.parametrize("rows,form", [(48, "one tile"), (192, "one call"), (320, "per tile")])
 def test_a_warm_bf16_linear_copies_no_weight(rows, form, stored, monkeypatch):
