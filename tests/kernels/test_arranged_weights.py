@@ -236,6 +236,27 @@ def test_bf16_forward_tiles_on_a_transposed_batch_are_the_canonical_call(rows, k
     assert torch.equal(_bits(out), _bits(expected))
 
 
+def _watched_tile_gemms(monkeypatch: pytest.MonkeyPatch, loops, column_blocks_off: bool = False
+                        ) -> list[tuple[int, int]]:
+    """The compiled loops with their ``tile_gemms`` calls recorded as (tiles, column blocks); ``column_blocks_off``:
+    a call that splits tiles into column blocks returns one ulp off (a host whose GEMM rounds a column block
+    otherwise)."""
+    calls = []
+
+    class Watched:
+        def __getattr__(self, name):
+            return getattr(loops, name)
+
+        def tile_gemms(self, tiles, operand, column_blocks):
+            calls.append((tiles.shape[0], column_blocks))
+            out = loops.tile_gemms(tiles, operand, column_blocks)
+            if column_blocks_off and column_blocks > 1:
+                out = torch.nextafter(out, torch.full_like(out, float("inf")))
+            return out
+    monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Watched())
+    return calls
+
+
 def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
     """At 2 threads, tiles go to the compiled loops' ``tile_gemms`` (one call for all): by whole tiles where the
     threads get even shares, else each tile's GEMM in two column blocks (``tile_column_blocks``: five tiles, ten
@@ -244,16 +265,7 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
     loops = gemm_arrangements.compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here")
-    calls = []
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(loops, name)
-
-        def tile_gemms(self, tiles, operand, column_blocks):
-            calls.append((tiles.shape[0], column_blocks))
-            return loops.tile_gemms(tiles, operand, column_blocks)
-    monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Counting())
+    calls = _watched_tile_gemms(monkeypatch, loops)
     tiles = _randn(5, 64, 96, dtype=torch.bfloat16, seed=7)
     operand = _randn(1, 96, 175, dtype=torch.bfloat16, seed=8)  # an odd N: column blocks of 88 and 87
     with num_threads(1):
@@ -317,18 +329,6 @@ def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles
     loops = gemm_arrangements.compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here: no column blocks")
-    split = []
-
-    class ColumnBlocksOff:
-        def __getattr__(self, name):
-            return getattr(loops, name)
-
-        def tile_gemms(self, a_tiles, operand, column_blocks):
-            out = loops.tile_gemms(a_tiles, operand, column_blocks)
-            if column_blocks > 1:
-                split.append(a_tiles.shape[0])
-                out = torch.nextafter(out, torch.full_like(out, float("inf")))
-            return out
 
     def run() -> torch.Tensor:
         return _forward_tiles(rows, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
@@ -337,10 +337,11 @@ def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles
         with pytest.MonkeyPatch.context() as canonical:
             _laid_out_forms(canonical, laid_out=False)
             expected = run()
-        monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: ColumnBlocksOff())
+        calls = _watched_tile_gemms(monkeypatch, loops, column_blocks_off=True)
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
         out = run()
         assert forms == [form] and torch.equal(_bits(out), _bits(expected))
+        split = [count for count, blocks in calls if blocks > 1]
         assert split and tiles not in split  # the column blocks' check split its tiles; the form's call did not
         monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
         monkeypatch.setattr(gemm_arrangements, "_column_blocks_agree", lambda *args, **kwargs: True)
