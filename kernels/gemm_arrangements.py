@@ -664,9 +664,8 @@ def _packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype
         if form == PACKED_FORMS[0]:
             return torch.equal(onednn_linear(x, packed), torch.mm(x, w.t()))
         if form == PACKED_FORMS[2]:  # the canonical call, on the canonical operand [1, K, N_pad] of w [N_pad, K]
-            operand = per_tile_operand(transposed_batch(w.t().unsqueeze(0)), blocks)  # (as ``stored_operand``)
-            canonical = torch.bmm(x.view(blocks, block, k), operand).view(blocks * block, n_pad)
-            return torch.equal(onednn_linear(x, packed), canonical)
+            operand = transposed_batch(w.t().unsqueeze(0))  # (as ``stored_operand``)
+            return torch.equal(onednn_linear(x, packed), _canonical_tiles_call(x, operand, blocks, block))
         tiles = x.view(blocks, block, k)
         return torch.equal(onednn_linear(tiles, packed), onednn_linear(tiles, w))
 
@@ -1101,11 +1100,17 @@ def _laid_out_check_operands(blocks: int, block: int, k: int, n_pad: int, dtype:
     first-use checks compare."""
     x, w = _probe_operands(dtype, (blocks * block, k), (n_pad, k))
     operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
+    return x, operand, _canonical_tiles_call(x, operand, blocks, block, one_thread)
 
-    def canonical_call() -> Tensor:
-        return torch.bmm(x.view(blocks, block, k), per_tile_operand(operand, blocks))
-    canonical = (_with_threads(1, canonical_call) if one_thread else canonical_call()).view(blocks * block, n_pad)
-    return x, operand, canonical
+
+def _canonical_tiles_call(x: Tensor, operand: Tensor, blocks: int, block: int, one_thread: bool = False) -> Tensor:
+    """The canonical call of an ``operand_per_tile`` class on ``x`` [blocks x block, K] and ``operand`` [1, K, N_pad]
+    -- one ``bmm`` of the tiles with the operand once per tile (``per_tile_operand``), with 1 thread for a
+    ``blas-1-thread`` class -- as [blocks x block, N_pad]: what the first-use checks of its faster forms compare
+    with."""
+    def call() -> Tensor:
+        return torch.bmm(x.view(blocks, block, x.shape[1]), per_tile_operand(operand, blocks))
+    return (_with_threads(1, call) if one_thread else call()).view(blocks * block, operand.shape[2])
 
 
 def _tile_gemm_ways_agree(canonical: Tensor, tiles: Tensor, operand: Tensor, one_thread: bool, *,
@@ -1115,8 +1120,13 @@ def _tile_gemm_ways_agree(canonical: Tensor, tiles: Tensor, operand: Tensor, one
     rows, n_pad = canonical.shape
     return all(torch.equal(canonical, _tile_gemms(tiles, operand, spread=spread, one_thread=one_thread,
                                                   column_blocks=columns).view(rows, n_pad))
-               for spread, columns in tile_gemm_ways(torch.get_num_threads(), n_pad, one_thread)
-               if (columns > 1) == column_blocks)
+               for spread, columns in _tile_gemm_ways_of(n_pad, one_thread, column_blocks))
+
+
+def _tile_gemm_ways_of(n_pad: int, one_thread: bool, column_blocks: bool) -> list[tuple[bool, int]]:
+    """``tile_gemm_ways`` at the current thread count, by whole tiles (``column_blocks`` False) or in column blocks."""
+    return [(spread, columns) for spread, columns in tile_gemm_ways(torch.get_num_threads(), n_pad, one_thread)
+            if (columns > 1) == column_blocks]
 
 
 def _column_blocks_agree(block: int, k: int, n_pad: int, dtype: torch.dtype, transposed: bool = True,
@@ -1131,6 +1141,8 @@ def _column_blocks_agree(block: int, k: int, n_pad: int, dtype: torch.dtype, tra
     itself: a training pass's tiles ran the canonical call, copying the weight once per tile on every call, and a
     decode step's one tile ran it unpacked (a ``bmm`` of 1.7x the packed GEMM's time)."""
     def check() -> bool:
+        if not _tile_gemm_ways_of(n_pad, one_thread, column_blocks=True):  # (1 thread: no column blocks to run)
+            return True
         blocks = LAID_OUT_CHECK_TILES[LAID_OUT_FORMS[2]]
         x, operand, canonical = _laid_out_check_operands(blocks, block, k, n_pad, dtype, transposed, one_thread)
         return _tile_gemm_ways_agree(canonical, x.view(blocks, block, k), operand, one_thread, column_blocks=True)
