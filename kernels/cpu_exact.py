@@ -49,7 +49,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 from torch import Tensor
 
-from . import checks, compiled_loops, kv_rows, native
+from . import checks, compiled_loops, kv_rows, linear_repeats, native
 from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
@@ -267,10 +267,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     (``gemm_arrangements.transposed_matmul``) added by a halving tree, each chunk on the host's GEMM one GEMM per
     256-row slab of grad_weight on one thread (``gemm_arrangements._reduction_slabs``; in ``auto`` one GEMM per chunk
     on views of grad and x where the guard found that this gives the slabs' bits: ``same_bits``); in bf16 on the
-    host's bf16 GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding)."""
+    host's bf16 GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding).
+    A call like the one before it on this weight (a decode loop's: no gradient recorded, no bias) runs the plan that
+    call ran (``linear_repeats``): the same GEMMs on the same operands."""
+    if bias is None and (out := linear_repeats.run(x, weight, host)) is not None:  # a decode loop's repeated call
+        return out
     checks.linear("cpu_exact.linear", x, weight, bias)
     if bias is None:  # bias None passed as a static argument: _linear_forward(x, weight, None, host)
-        return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight), (None, host))
+        out = exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight), (None, host))
+        linear_repeats.remember(x, weight, host, out)
+        return out
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
 
 

@@ -62,6 +62,7 @@ import itertools
 import math
 import os
 import platform
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,6 +228,49 @@ def _padded_or_aligned(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     return _aligned(x) if tuple(shape) == tuple(x.shape) else _zero_padded(x, shape)
 
 
+class _PaddedInputs(threading.local):
+    """Per thread: the zero-padded GEMM inputs ``_padded_rows`` reuses, one per (rows, K, dtype), each with the count
+    of its leading rows the last call wrote."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, list] = {}
+
+
+_PADDED_INPUTS = _PaddedInputs()
+PADDED_INPUT_BYTES_MAX = 1 << 20
+"""Bytes (1 MiB): the largest zero-padded input ``_padded_rows`` keeps per thread and shape; a larger one (a
+training call's tiles) is a fresh copy, whose allocation is small beside its copy."""
+
+
+def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
+    """``_padded_or_aligned(x, (rows_padded, K))`` for x [M, K]: the same values and layout, as the input of a GEMM
+    that only reads it and keeps nothing of it past the call. Where rows are padded, the input is at most
+    ``PADDED_INPUT_BYTES_MAX`` and grad mode is off (a kernel's own forward or backward, a decode step: no GEMM
+    recorded for autograd, which would keep its input), it is a buffer kept per thread and (rows, K, dtype): x's
+    rows copied in, the rows a longer call wrote after them zeroed again -- no allocation per call, and the padding's
+    zeros written once, not on every call.
+
+    Why: a decode step multiplies a few rows padded to a whole tile (8 rows in a 48-row tile), and a fresh padded
+    copy per call cost about 3% of llama100m's bf16 decode step on an Intel Xeon with AMX at 2 threads (the journal,
+    session 48). Per thread, so that a GEMM on another thread (which runs with the GIL released) never reads a
+    buffer this one is writing."""
+    rows, k = x.shape
+    if rows == rows_padded:
+        return _aligned(x)
+    if rows_padded * k * x.element_size() > PADDED_INPUT_BYTES_MAX or torch.is_grad_enabled():
+        return _zero_padded(x, (rows_padded, k))
+    buffers = _PADDED_INPUTS.buffers
+    entry = buffers.get(key := (rows_padded, k, x.dtype))
+    if entry is None:
+        entry = buffers[key] = [x.new_zeros(rows_padded, k), 0]
+    buffer, written = entry
+    buffer[:rows].copy_(x)
+    if written > rows:
+        buffer[rows:written].zero_()
+    entry[1] = rows
+    return buffer
+
+
 def _padded_operand(x: Tensor, shape: tuple[int, ...], full: Tensor | None) -> Tensor:
     """``x`` zero-padded to ``shape``: ``full`` itself where it is that tensor already (the caller's zero-padded
     buffer of which ``x`` is the leading corner, contiguous and aligned, as a fresh copy would be), else a copy
@@ -381,15 +425,25 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
     The choice is made once per call key and kept (``TiledPlan``): a repeated call of one class looks its plan up
     and runs the GEMM."""
     loops = compiled_loops.library()
+    plan = kept_plan(x, weight, host, op, loops)
+    if plan is None:  # a plan for this call alone
+        plan = _tiled_plan(x, weight, host, op, loops, held=None)
+    return plan.run(x, weight, host, loops)
+
+
+def kept_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: object) -> TiledPlan | None:
+    """``tiled_matmul``'s plan for this call, found or made and kept for the weight (``_PLANS``); None where none is
+    kept: an inference tensor (no version counter to key a plan on) or a weight whose GEMM autograd records (the
+    GEMM on the weight itself, per call). ``loops``: ``compiled_loops.library()``."""
     owner = weight._base
     if owner is None:
         owner = weight
     try:
         version = weight._version
-    except RuntimeError:  # an inference tensor: no version counter to key a plan on
-        return _tiled_plan(x, weight, host, op, loops, held=None).run(x, weight, host, loops)
-    if weight.requires_grad and torch.is_grad_enabled():  # the GEMM is recorded: on the weight itself, per call
-        return _tiled_plan(x, weight, host, op, loops, held=None).run(x, weight, host, loops)
+    except RuntimeError:  # an inference tensor
+        return None
+    if weight.requires_grad and torch.is_grad_enabled():
+        return None
     key = (host.epoch, op, x.shape, x.dtype, weight.shape, weight.stride(), weight.data_ptr(), weight.dtype,
            torch.get_num_threads(), loops is None, torch.bmm,
            x.dtype == torch.bfloat16 and torch.backends.mkldnn.enabled)  # (bmm_copies_operand's switch)
@@ -400,13 +454,13 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
         kept.version = version
         kept.held.clear()
     if (plan := kept.plans.get(key)) is not None:
-        return plan.run(x, weight, host, loops)
+        return plan
     if len(kept.plans) >= PLANS_PER_WEIGHT:
         kept.plans.clear()
         kept.held.clear()
     plan = _tiled_plan(x, weight, host, op, loops, kept.held)
     kept.plans[(host.epoch, *key[1:])] = plan  # the epoch after deciding (a check made in asking may change it)
-    return plan.run(x, weight, host, loops)
+    return plan
 
 
 def tiled_rows(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> int:
@@ -642,7 +696,7 @@ def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, bloc
 
     def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         rows, k = x.shape
-        x = _padded_or_aligned(x, (rows_padded, k))
+        x = _padded_rows(x, rows_padded)
         if tiled:
             out = onednn_linear(x.view(blocks, block, k), packed).view(rows_padded, -1)
         else:  # 2-D in, 2-D out: no view to make per call
@@ -741,7 +795,7 @@ def _stacked_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int, last_apart
     rows, k = x.shape
     if last_apart and rows % last_apart:
         return _split_mm(x, operand, padded_rows, n, last_apart)
-    out = torch.mm(_padded_or_aligned(x, (padded_rows, k)), operand)
+    out = torch.mm(_padded_rows(x, padded_rows), operand)
     if out.shape[1] != n:
         return out[:rows, :n]
     return out if rows == padded_rows else out[:rows]
@@ -980,7 +1034,7 @@ def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int,
     check, ``_column_blocks_agree``)."""
     rows, k = x.shape
     n_pad = operand.shape[2]
-    tiles = _padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
+    tiles = _padded_rows(x, blocks * block).view(blocks, block, k)
     if form != LAID_OUT_FORMS[1]:  # one tile, or one GEMM per tile: ``mm`` on the matrix itself
         out = _tile_gemms(tiles, operand, one_thread=one_thread, column_blocks=1 if whole_tiles else None)
     elif one_thread:

@@ -1,0 +1,82 @@
+"""A decode loop's repeated linear calls, without their per-call questions (``cpu_exact.linear``).
+
+A decode step calls every linear layer once, with the shapes of the step before. Each call of ``cpu_exact.linear``
+checks its inputs, asks the dtype its GEMM runs in (``gemm_arrangements.tiled_dtype``) and looks its plan up
+(``tiled_matmul``: a key of twelve parts) before the plan runs: in a decode step about as much time as the GEMM's
+padding and call around the kernel (llama100m, bf16, 8 rows, an Intel Xeon with AMX, 2 threads: the step took 0.95x
+its time without those questions, and 0.89x with the plan's run trimmed as well; the journal, session 48).
+
+So a call with no gradient to record and no bias, whose GEMM runs in the inputs' own dtype, is remembered per
+(weight, guard): the plan it ran. The next call runs that plan at once where everything the plan's choice and the
+input check read is as it was: the same weight tensor (its version counter, storage, shape and strides), x's shape,
+dtype and device, the guard's state (``HostGuard.epoch``), the thread count, the compiled loops, the installed
+``torch.bmm`` and oneDNN's switch -- the parts of ``tiled_matmul``'s key, and what ``checks.linear`` reads (so
+inputs that passed it pass again). No bit depends on it: the same plan runs on the same operands."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import Tensor
+
+from . import compiled_loops
+from . import gemm_arrangements as gemm
+from .host_guard import HostGuard
+
+REMEMBERED_MAX = 4096
+"""Calls remembered at most (then afresh): one per (weight, guard) -- a model's linear layers under one guard."""
+OP = "linear"
+"""The op whose calls are remembered (the guard's name for a linear layer's GEMMs)."""
+
+_REMEMBERED: dict[tuple[int, int], tuple] = {}  # (id(weight), id(host)) -> what ``remember`` kept; dropped with the
+# weight (its weak reference's callback): a remembered plan holds what it laid out for the weight
+
+
+def run(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor | None:
+    """``linear(x, weight)`` (no bias) by the plan a call like this one ran, where one was remembered and nothing it
+    rests on changed; else None (the caller takes the whole path, then ``remember``)."""
+    kept = _REMEMBERED.get((id(weight), id(host)))
+    if kept is None or not isinstance(x, Tensor):
+        return None
+    (weight_ref, host_ref, version, storage, shape, strides, x_shape, dtype, epoch, threads, loops, bmm, onednn, plan,
+     rows, out_shape) = kept
+    if (weight_ref() is not weight or x.shape != x_shape or x.dtype is not dtype or weight._version != version
+            or host.epoch != epoch or torch.get_num_threads() != threads or not x.is_cpu or host_ref() is not host
+            or weight.data_ptr() != storage or weight.shape != shape or weight.stride() != strides
+            or compiled_loops.library() is not loops or torch.bmm is not bmm
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or (onednn is not None and torch.backends.mkldnn.enabled != onednn)):
+        return None
+    return plan.run(x.reshape(rows), weight, host, loops).view(out_shape)
+
+
+def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:
+    """Keep the plan the call ``out = linear(x, weight)`` (no bias, checked) ran, where ``run`` may run it again: no
+    gradient recorded, CPU tensors, the GEMM in x's dtype (no conversion around it), a plan ``tiled_matmul`` keeps
+    for the weight (not an inference tensor)."""
+    if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or not (x.is_cpu and weight.is_cpu):
+        return
+    x2d = x.reshape(-1, x.shape[-1])
+    if gemm.tiled_dtype(x2d, weight, host, OP) != x.dtype:
+        return
+    loops = compiled_loops.library()
+    if (plan := gemm.kept_plan(x2d, weight, host, OP, loops)) is None:
+        return
+    if len(_REMEMBERED) >= REMEMBERED_MAX:
+        _REMEMBERED.clear()
+    key = (id(weight), id(host))
+    onednn = torch.backends.mkldnn.enabled if x.dtype == torch.bfloat16 else None  # (a bf16 plan's key reads it)
+    _REMEMBERED[key] = (
+        weakref.ref(weight, functools.partial(_forget, _REMEMBERED, key)), weakref.ref(host), weight._version,
+        weight.data_ptr(), weight.shape, weight.stride(), x.shape, x.dtype, host.epoch, torch.get_num_threads(),
+        loops, torch.bmm, onednn, plan, x2d.shape, out.shape)
+
+
+def _forget(remembered: dict, key: tuple[int, int], ref: weakref.ref) -> None:
+    """A weight's remembered call goes with it (its weak reference's callback; ``remembered`` is ``_REMEMBERED``, bound
+    in the callback, as ``gemm_arrangements._forget`` binds its dictionary)."""
+    kept = remembered.get(key)
+    if kept is not None and kept[0] is ref:
+        del remembered[key]
