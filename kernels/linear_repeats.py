@@ -9,14 +9,16 @@ its time without those questions, and 0.89x with the plan's run trimmed as well;
 So a call with no gradient to record and no bias, whose GEMM runs in the inputs' own dtype, is remembered per
 (weight, guard): the plan it ran. The next call runs that plan at once where everything the plan's choice and the
 input check read is as it was: the same weight tensor (its version counter, storage, shape and strides), x's shape,
-dtype and device, the guard's state (``HostGuard.epoch``), the thread count, the compiled loops, the installed
-``torch.bmm`` and oneDNN's switch -- the parts of ``tiled_matmul``'s key, and what ``checks.linear`` reads (so
-inputs that passed it pass again). No bit depends on it: the same plan runs on the same operands."""
+dtype and device, the guard's state (``HostGuard.epoch``: one counter for every guard, so it names the guard as
+well), the thread count, the compiled loops, the installed ``torch.bmm`` and oneDNN's switch -- the parts of
+``tiled_matmul``'s key, and what ``checks.linear`` reads (so inputs that passed it pass again). No bit depends on
+it: the same plan runs on the same operands."""
 
 from __future__ import annotations
 
 import functools
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -30,7 +32,28 @@ REMEMBERED_MAX = 4096
 OP = "linear"
 """The op whose calls are remembered (the guard's name for a linear layer's GEMMs)."""
 
-_REMEMBERED: dict[tuple[int, int], tuple] = {}  # (id(weight), id(host)) -> what ``remember`` kept; dropped with the
+
+class _Remembered(NamedTuple):
+    """A remembered call: what ``run`` compares (the weight's and x's, the guard's state, the switches) and the plan."""
+
+    weight: weakref.ref
+    version: int
+    storage: int
+    shape: torch.Size
+    strides: tuple[int, ...]
+    x_shape: torch.Size
+    dtype: torch.dtype
+    epoch: int
+    threads: int
+    loops: object
+    bmm: object
+    onednn: bool | None  # oneDNN's switch, for a bf16 call (a bf16 plan's key reads it); None for fp32
+    plan: gemm.TiledPlan
+    rows: torch.Size  # x as the plan takes it: [M, K]
+    out_shape: torch.Size
+
+
+_REMEMBERED: dict[tuple[int, int], _Remembered] = {}  # (id(weight), id(host)) -> its last call; dropped with the
 # weight (its weak reference's callback): a remembered plan holds what it laid out for the weight
 
 
@@ -40,10 +63,10 @@ def run(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor | None:
     kept = _REMEMBERED.get((id(weight), id(host)))
     if kept is None or not isinstance(x, Tensor):
         return None
-    (weight_ref, host_ref, version, storage, shape, strides, x_shape, dtype, epoch, threads, loops, bmm, onednn, plan,
-     rows, out_shape) = kept
+    (weight_ref, version, storage, shape, strides, x_shape, dtype, epoch, threads, loops, bmm, onednn, plan, rows,
+     out_shape) = kept
     if (weight_ref() is not weight or x.shape != x_shape or x.dtype is not dtype or weight._version != version
-            or host.epoch != epoch or torch.get_num_threads() != threads or not x.is_cpu or host_ref() is not host
+            or host.epoch != epoch or torch.get_num_threads() != threads or not x.is_cpu
             or weight.data_ptr() != storage or weight.shape != shape or weight.stride() != strides
             or compiled_loops.library() is not loops or torch.bmm is not bmm
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -68,8 +91,8 @@ def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:
         _REMEMBERED.clear()
     key = (id(weight), id(host))
     onednn = torch.backends.mkldnn.enabled if x.dtype == torch.bfloat16 else None  # (a bf16 plan's key reads it)
-    _REMEMBERED[key] = (
-        weakref.ref(weight, functools.partial(_forget, _REMEMBERED, key)), weakref.ref(host), weight._version,
+    _REMEMBERED[key] = _Remembered(
+        weakref.ref(weight, functools.partial(_forget, _REMEMBERED, key)), weight._version,
         weight.data_ptr(), weight.shape, weight.stride(), x.shape, x.dtype, host.epoch, torch.get_num_threads(),
         loops, torch.bmm, onednn, plan, x2d.shape, out.shape)
 
@@ -78,5 +101,5 @@ def _forget(remembered: dict, key: tuple[int, int], ref: weakref.ref) -> None:
     """A weight's remembered call goes with it (its weak reference's callback; ``remembered`` is ``_REMEMBERED``, bound
     in the callback, as ``gemm_arrangements._forget`` binds its dictionary)."""
     kept = remembered.get(key)
-    if kept is not None and kept[0] is ref:
+    if kept is not None and kept.weight is ref:
         del remembered[key]

@@ -136,7 +136,7 @@ def test_a_stale_plan_would_give_the_old_versions_bits(dtype):
     weight = _randn(40, 64, dtype=dtype, seed=5, scale=0.1)
     x = _randn(8, 64, dtype=dtype, seed=6)
     _remembered_once(host, weight, x)
-    plan = linear_repeats._REMEMBERED[(id(weight), id(host))][13]
+    plan = linear_repeats._REMEMBERED[(id(weight), id(host))].plan
     with torch.no_grad():
         weight.mul_(1.5)
         stale = plan.run(x, weight, host, gemm_arrangements.compiled_loops.library())
