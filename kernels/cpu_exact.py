@@ -412,9 +412,6 @@ def _row_positions(row_len: int, group: int, q_len: int, device: torch.device) -
     return torch.where(row_t < q_len, row_t, 0)
 
 
-_ATTENTION_TILE_HEIGHTS: dict[tuple, tuple[int, ...]] = {}  # (epoch, head_dim, threads) -> ``_tile_heights``
-
-
 class _AttentionTiles:
     """The tile layout of one ``attention`` call (see ``attention``'s docstring).
 
@@ -471,19 +468,10 @@ class _AttentionTiles:
     @staticmethod
     def _tile_heights(host: HostGuard, head_dim: int) -> tuple[int, ...]:
         """Row-tile heights allowed for both GEMMs of a tile: the scores (q rows against a key tile, transposed) and
-        P @ V (probabilities against a value tile, row-major). Asked once per (guard state: ``HostGuard.epoch``,
-        head_dim, thread count) and kept (``_ATTENTION_TILE_HEIGHTS``): two questions to the guard on every call were
-        about 1% of llama100m's bf16 decode step on an Intel Xeon with AMX."""
-        key = (host.epoch, head_dim, torch.get_num_threads())
-        if (known := _ATTENTION_TILE_HEIGHTS.get(key)) is not None:
-            return known
+        P @ V (probabilities against a value tile, row-major)."""
         scores = host.tile_heights(torch.float32, gemm_class(head_dim, KEY_BLOCK, transposed=True), False, "attention")
         values = host.tile_heights(torch.float32, gemm_class(KEY_BLOCK, head_dim, transposed=False), False, "attention")
-        heights = tuple(h for h in scores if h in values)
-        if len(_ATTENTION_TILE_HEIGHTS) >= gemm.DTYPE_PLANS_MAX:
-            _ATTENTION_TILE_HEIGHTS.clear()
-        _ATTENTION_TILE_HEIGHTS[(host.epoch, *key[1:])] = heights  # the epoch after asking: a check may change it
-        return heights
+        return tuple(h for h in scores if h in values)
 
     def _key_rows(self, cache: Tensor) -> Tensor:
         """[B, L, Hkv, hd] -> fp32 [B*Hkv, key_len, hd], zero-padded past the cache's end."""
