@@ -2,17 +2,17 @@
 
 A decode step calls every linear layer once, with the shapes of the step before. Each call of ``cpu_exact.linear``
 checks its inputs, asks the dtype its GEMM runs in (``gemm_arrangements.tiled_dtype``) and looks its plan up
-(``tiled_matmul``: a key of twelve parts) before the plan runs: in a decode step about as much time as the GEMM's
-padding and call around the kernel (llama100m, bf16, 8 rows, an Intel Xeon with AMX, 2 threads: the step took 0.95x
-its time without those questions, and 0.89x with the plan's run trimmed as well; the journal, session 48).
+(``tiled_matmul``: a key of twelve parts) before the plan runs. In a decode step that cost more than the GEMM's own
+excess: llama100m's bf16 step (8 rows, an Intel Xeon with AMX, 2 threads) took 0.92x its time once these calls ran
+their remembered plan, the GEMMs themselves at native's speed (the journal, session 48).
 
 So a call with no gradient to record and no bias, whose GEMM runs in the inputs' own dtype, is remembered per
-(weight, guard): the plan it ran. The next call runs that plan at once where everything the plan's choice and the
-input check read is as it was: the same weight tensor (its version counter, storage, shape and strides), x's shape,
-dtype and device, the guard's state (``HostGuard.epoch``: one counter for every guard, so it names the guard as
-well), the thread count, the compiled loops, the installed ``torch.bmm`` and oneDNN's switch -- the parts of
-``tiled_matmul``'s key, and what ``checks.linear`` reads (so inputs that passed it pass again). No bit depends on
-it: the same plan runs on the same operands."""
+(weight, guard, x's shape): the plan it ran. The next such call runs that plan at once where everything the plan's
+choice and the input check read is as it was: the same weight tensor (its version counter, storage, shape and
+strides), x's dtype and device, the guard's state (``HostGuard.epoch``: one counter for every guard, so it names the
+guard as well), the thread count, the compiled loops, the installed ``torch.bmm`` and oneDNN's switch -- the parts
+of ``tiled_matmul``'s key, and what ``checks.linear`` reads (so inputs that passed it pass again). No bit depends
+on it: the same plan runs on the same operands."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from . import gemm_arrangements as gemm
 from .host_guard import HostGuard
 
 REMEMBERED_MAX = 4096
-"""Calls remembered at most (then afresh): one per (weight, guard) -- a model's linear layers under one guard."""
+"""Calls remembered at most (then afresh): one per (weight, guard, x's shape) -- a model's linear layers under one
+guard at a decode step's shape, and at its prefill's, and an MoE expert's at each row count its tokens come in."""
 OP = "linear"
 """The op whose calls are remembered (the guard's name for a linear layer's GEMMs)."""
 
@@ -41,7 +42,6 @@ class _Remembered(NamedTuple):
     storage: int
     shape: torch.Size
     strides: tuple[int, ...]
-    x_shape: torch.Size
     dtype: torch.dtype
     epoch: int
     threads: int
@@ -53,19 +53,18 @@ class _Remembered(NamedTuple):
     out_shape: torch.Size
 
 
-_REMEMBERED: dict[tuple[int, int], _Remembered] = {}  # (id(weight), id(host)) -> its last call; dropped with the
-# weight (its weak reference's callback): a remembered plan holds what it laid out for the weight
+_REMEMBERED: dict[tuple[int, int, torch.Size], _Remembered] = {}  # (id(weight), id(host), x's shape) -> its last
+# call; dropped with the weight (its weak reference's callback): a remembered plan holds what it laid out for it
 
 
 def run(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor | None:
     """``linear(x, weight)`` (no bias) by the plan a call like this one ran, where one was remembered and nothing it
     rests on changed; else None (the caller takes the whole path, then ``remember``)."""
-    kept = _REMEMBERED.get((id(weight), id(host)))
-    if kept is None or not isinstance(x, Tensor):
+    if not isinstance(x, Tensor) or (kept := _REMEMBERED.get((id(weight), id(host), x.shape))) is None:
         return None
-    (weight_ref, version, storage, shape, strides, x_shape, dtype, epoch, threads, loops, bmm, onednn, plan, rows,
+    (weight_ref, version, storage, shape, strides, dtype, epoch, threads, loops, bmm, onednn, plan, rows,
      out_shape) = kept
-    if (weight_ref() is not weight or x.shape != x_shape or x.dtype is not dtype or weight._version != version
+    if (weight_ref() is not weight or x.dtype is not dtype or weight._version != version
             or host.epoch != epoch or torch.get_num_threads() != threads or not x.is_cpu
             or weight.data_ptr() != storage or weight.shape != shape or weight.stride() != strides
             or compiled_loops.library() is not loops or torch.bmm is not bmm
@@ -89,15 +88,15 @@ def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:
         return
     if len(_REMEMBERED) >= REMEMBERED_MAX:
         _REMEMBERED.clear()
-    key = (id(weight), id(host))
+    key = (id(weight), id(host), x.shape)
     onednn = torch.backends.mkldnn.enabled if x.dtype == torch.bfloat16 else None  # (a bf16 plan's key reads it)
     _REMEMBERED[key] = _Remembered(
         weakref.ref(weight, functools.partial(_forget, _REMEMBERED, key)), weight._version,
-        weight.data_ptr(), weight.shape, weight.stride(), x.shape, x.dtype, host.epoch, torch.get_num_threads(),
+        weight.data_ptr(), weight.shape, weight.stride(), x.dtype, host.epoch, torch.get_num_threads(),
         loops, torch.bmm, onednn, plan, x2d.shape, out.shape)
 
 
-def _forget(remembered: dict, key: tuple[int, int], ref: weakref.ref) -> None:
+def _forget(remembered: dict, key: tuple[int, int, torch.Size], ref: weakref.ref) -> None:
     """A weight's remembered call goes with it (its weak reference's callback; ``remembered`` is ``_REMEMBERED``, bound
     in the callback, as ``gemm_arrangements._forget`` binds its dictionary)."""
     kept = remembered.get(key)

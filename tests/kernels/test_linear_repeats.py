@@ -136,7 +136,7 @@ def test_a_stale_plan_would_give_the_old_versions_bits(dtype):
     weight = _randn(40, 64, dtype=dtype, seed=5, scale=0.1)
     x = _randn(8, 64, dtype=dtype, seed=6)
     _remembered_once(host, weight, x)
-    plan = linear_repeats._REMEMBERED[(id(weight), id(host))].plan
+    plan = linear_repeats._REMEMBERED[(id(weight), id(host), x.shape)].plan
     with torch.no_grad():
         weight.mul_(1.5)
         stale = plan.run(x, weight, host, gemm_arrangements.compiled_loops.library())
@@ -175,8 +175,9 @@ def test_bad_input_after_a_remembered_call_gets_the_checks_error():
 def test_a_weights_remembered_call_goes_with_it():
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     weight = _randn(40, 64, dtype=torch.float32, seed=11)
-    key = (id(weight), id(host))
-    _remembered_once(host, weight, _randn(8, 64, dtype=torch.float32, seed=12))
+    x = _randn(8, 64, dtype=torch.float32, seed=12)
+    key = (id(weight), id(host), x.shape)
+    _remembered_once(host, weight, x)
     assert key in linear_repeats._REMEMBERED
     del weight
     gc.collect()
