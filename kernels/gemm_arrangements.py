@@ -240,6 +240,9 @@ _PADDED_INPUTS = _PaddedInputs()
 PADDED_INPUT_BYTES_MAX = 1 << 20
 """Bytes (1 MiB): the largest zero-padded input ``_padded_rows`` keeps per thread and shape; a larger one (a
 training call's tiles) is a fresh copy, whose allocation is small beside its copy."""
+PADDED_INPUTS_MAX = 16
+"""Buffers ``_padded_rows`` keeps per thread at most (the oldest goes first): a decode loop needs one per layer
+shape; ragged training calls would otherwise keep one per row count they padded to (at most 16 MiB a thread)."""
 
 
 def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
@@ -262,6 +265,8 @@ def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
     buffers = _PADDED_INPUTS.buffers
     entry = buffers.get(key := (rows_padded, k, x.dtype))
     if entry is None:
+        if len(buffers) >= PADDED_INPUTS_MAX:
+            del buffers[next(iter(buffers))]
         entry = buffers[key] = [x.new_zeros(rows_padded, k), 0]
     buffer, written = entry
     buffer[:rows].copy_(x)

@@ -12,7 +12,8 @@ and dtype, the guard's state, thread count and switches) runs the plan at once. 
   storage swapped under ``.data``, another x shape, dtype or thread count, another guard, a recorded gradient;
 - bad input after a remembered call still gets the check's one clear error;
 - a weight's remembered call goes with it;
-- the buffer gives a fresh padded copy's values for a shorter call after a longer one, and none under grad mode.
+- the buffer gives a fresh padded copy's values for a shorter call after a longer one, and none under grad mode; a
+  thread keeps at most ``PADDED_INPUTS_MAX`` buffers.
 """
 
 from __future__ import annotations
@@ -197,3 +198,15 @@ def test_padded_rows_give_a_fresh_padded_copys_values(dtype):
     with torch.enable_grad():  # a GEMM recorded for autograd keeps its input: a fresh copy, not the buffer
         fresh = gemm_arrangements._padded_rows(short, 48)
     assert fresh.data_ptr() != again.data_ptr() and torch.equal(_bits(fresh), _bits(again))
+
+
+def test_padded_rows_keep_at_most_their_bound_of_buffers():
+    buffers = gemm_arrangements._PADDED_INPUTS.buffers
+    buffers.clear()
+    with torch.no_grad():
+        for rows_padded in range(2, 2 + gemm_arrangements.PADDED_INPUTS_MAX + 5):
+            x = _randn(1, 8, dtype=torch.float32, seed=rows_padded)
+            padded = gemm_arrangements._padded_rows(x, rows_padded)
+            assert torch.equal(_bits(padded), _bits(gemm_arrangements._zero_padded(x, (rows_padded, 8))))
+    assert len(buffers) == gemm_arrangements.PADDED_INPUTS_MAX
+    assert (2, 8, torch.float32) not in buffers, "the oldest buffer went first"
