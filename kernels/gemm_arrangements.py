@@ -253,10 +253,10 @@ def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
     rows copied in, the rows a longer call wrote after them zeroed again -- no allocation per call, and the padding's
     zeros written once, not on every call.
 
-    Why: a decode step multiplies a few rows padded to a whole tile (8 rows in a 48-row tile), and a fresh padded
-    copy per call cost about 3% of llama100m's bf16 decode step on an Intel Xeon with AMX at 2 threads (the journal,
-    session 48). Per thread, so that a GEMM on another thread (which runs with the GIL released) never reads a
-    buffer this one is writing."""
+    Why: a decode step multiplies a few rows padded to a whole tile (8 rows in a 48-row tile), every call on fresh
+    memory otherwise (llama100m's bf16 decode step on an Intel Xeon with AMX at 2 threads: about 1% of the step, and
+    3.5% together with ``linear_repeats``; the journal, session 48). Per thread, so that a GEMM on another thread
+    (which runs with the GIL released) never reads a buffer this one is writing."""
     rows, k = x.shape
     if rows == rows_padded:
         return _aligned(x)

@@ -2,9 +2,9 @@
 
 A decode step calls every linear layer once, with the shapes of the step before. Each call of ``cpu_exact.linear``
 checks its inputs, asks the dtype its GEMM runs in (``gemm_arrangements.tiled_dtype``) and looks its plan up
-(``tiled_matmul``: a key of twelve parts) before the plan runs. In a decode step that cost more than the GEMM's own
-excess: llama100m's bf16 step (8 rows, an Intel Xeon with AMX, 2 threads) took 0.92x its time once these calls ran
-their remembered plan, the GEMMs themselves at native's speed (the journal, session 48).
+(``tiled_matmul``: a key of twelve parts) before the plan runs -- in a decode step, where the GEMMs themselves ran at
+native's speed, a share of the step's excess: llama100m's bf16 step (8 rows, an Intel Xeon with AMX, 2 threads) took
+0.98x its time with these calls remembered (the journal, session 48).
 
 So a call with no gradient to record and no bias, whose GEMM runs in the inputs' own dtype, is remembered per
 (weight, guard, x's shape): the plan it ran. The next such call runs that plan at once where everything the plan's
