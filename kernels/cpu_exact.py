@@ -268,8 +268,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     256-row slab of grad_weight on one thread (``gemm_arrangements._reduction_slabs``; in ``auto`` one GEMM per chunk
     on views of grad and x where the guard found that this gives the slabs' bits: ``same_bits``); in bf16 on the
     host's bf16 GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding).
-    A call like the one before it on this weight (a decode loop's: no gradient recorded, no bias) runs the plan that
-    call ran (``linear_repeats``): the same GEMMs on the same operands."""
+    A call like an earlier one on this weight and x's shape (a decode loop's: no gradient recorded, no bias) runs the
+    plan that call ran (``linear_repeats``): the same GEMMs on the same operands."""
     if bias is None and (out := linear_repeats.run(x, weight, host)) is not None:  # a decode loop's repeated call
         return out
     checks.linear("cpu_exact.linear", x, weight, bias)

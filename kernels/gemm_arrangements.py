@@ -450,8 +450,7 @@ def kept_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: object
     if weight.requires_grad and torch.is_grad_enabled():
         return None
     key = (host.epoch, op, x.shape, x.dtype, weight.shape, weight.stride(), weight.data_ptr(), weight.dtype,
-           torch.get_num_threads(), loops is None, torch.bmm,
-           x.dtype == torch.bfloat16 and torch.backends.mkldnn.enabled)  # (bmm_copies_operand's switch)
+           torch.get_num_threads(), plan_switches(x.dtype, loops))
     kept = _PLANS.get(id(owner))
     if kept is None or kept.owner() is not owner:  # a new weight
         kept = _PLANS[id(owner)] = _WeightPlans(owner, version)
@@ -466,6 +465,13 @@ def kept_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: object
     plan = _tiled_plan(x, weight, host, op, loops, kept.held)
     kept.plans[(host.epoch, *key[1:])] = plan  # the epoch after deciding (a check made in asking may change it)
     return plan
+
+
+def plan_switches(dtype: torch.dtype, loops: object) -> tuple:
+    """The process switches a plan's choice reads, part of its key: whether the compiled loops are built
+    (``loops``: ``compiled_loops.library()``), the installed ``torch.bmm``, and for bf16 oneDNN's switch
+    (``bmm_copies_operand``'s)."""
+    return loops is None, torch.bmm, dtype == torch.bfloat16 and torch.backends.mkldnn.enabled
 
 
 def tiled_rows(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> int:

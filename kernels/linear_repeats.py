@@ -10,8 +10,8 @@ So a call with no gradient to record and no bias, whose GEMM runs in the inputs'
 (weight, guard, x's shape): the plan it ran. The next such call runs that plan at once where everything the plan's
 choice and the input check read is as it was: the same weight tensor (its version counter, storage, shape and
 strides), x's dtype and device, the guard's state (``HostGuard.epoch``: one counter for every guard, so it names the
-guard as well), the thread count, the compiled loops, the installed ``torch.bmm`` and oneDNN's switch -- the parts
-of ``tiled_matmul``'s key, and what ``checks.linear`` reads (so inputs that passed it pass again). No bit depends
+guard as well), the thread count and the process switches (``gemm_arrangements.plan_switches``) -- the parts of
+``tiled_matmul``'s key, and what ``checks.linear`` reads (so inputs that passed it pass again). No bit depends
 on it: the same plan runs on the same operands."""
 
 from __future__ import annotations
@@ -45,9 +45,7 @@ class _Remembered(NamedTuple):
     dtype: torch.dtype
     epoch: int
     threads: int
-    loops: object
-    bmm: object
-    onednn: bool | None  # oneDNN's switch, for a bf16 call (a bf16 plan's key reads it); None for fp32
+    switches: tuple  # gemm_arrangements.plan_switches
     plan: gemm.TiledPlan
     rows: torch.Size  # x as the plan takes it: [M, K]
     out_shape: torch.Size
@@ -62,14 +60,13 @@ def run(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor | None:
     rests on changed; else None (the caller takes the whole path, then ``remember``)."""
     if not isinstance(x, Tensor) or (kept := _REMEMBERED.get((id(weight), id(host), x.shape))) is None:
         return None
-    (weight_ref, version, storage, shape, strides, dtype, epoch, threads, loops, bmm, onednn, plan, rows,
-     out_shape) = kept
+    weight_ref, version, storage, shape, strides, dtype, epoch, threads, switches, plan, rows, out_shape = kept
+    loops = compiled_loops.library()
     if (weight_ref() is not weight or x.dtype is not dtype or weight._version != version
             or host.epoch != epoch or torch.get_num_threads() != threads or not x.is_cpu
             or weight.data_ptr() != storage or weight.shape != shape or weight.stride() != strides
-            or compiled_loops.library() is not loops or torch.bmm is not bmm
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or (onednn is not None and torch.backends.mkldnn.enabled != onednn)):
+            or gemm.plan_switches(dtype, loops) != switches
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
     return plan.run(x.reshape(rows), weight, host, loops).view(out_shape)
 
@@ -89,11 +86,10 @@ def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:
     if len(_REMEMBERED) >= REMEMBERED_MAX:
         _REMEMBERED.clear()
     key = (id(weight), id(host), x.shape)
-    onednn = torch.backends.mkldnn.enabled if x.dtype == torch.bfloat16 else None  # (a bf16 plan's key reads it)
     _REMEMBERED[key] = _Remembered(
         weakref.ref(weight, functools.partial(_forget, _REMEMBERED, key)), weight._version,
         weight.data_ptr(), weight.shape, weight.stride(), x.dtype, host.epoch, torch.get_num_threads(),
-        loops, torch.bmm, onednn, plan, x2d.shape, out.shape)
+        gemm.plan_switches(x.dtype, loops), plan, x2d.shape, out.shape)
 
 
 def _forget(remembered: dict, key: tuple[int, int, torch.Size], ref: weakref.ref) -> None:
