@@ -260,8 +260,20 @@ def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
     rows, k = x.shape
     if rows == rows_padded:
         return _aligned(x)
-    if rows_padded * k * x.element_size() > PADDED_INPUT_BYTES_MAX or torch.is_grad_enabled():
+    if (buffer := _kept_buffer(x, rows_padded)) is None:
         return _zero_padded(x, (rows_padded, k))
+    buffer[:rows].copy_(x)
+    return buffer
+
+
+def _kept_buffer(x: Tensor, rows_padded: int) -> Tensor | None:
+    """The buffer ``_padded_rows`` keeps for x [M, K] padded to ``rows_padded`` rows, ready for x's rows: its rows from
+    M on zero (those a longer call wrote zeroed again), x's rows for the caller to copy in. None where it keeps none:
+    nothing to pad, an input over ``PADDED_INPUT_BYTES_MAX``, grad mode on."""
+    rows, k = x.shape
+    if (rows == rows_padded or rows_padded * k * x.element_size() > PADDED_INPUT_BYTES_MAX
+            or torch.is_grad_enabled()):
+        return None
     buffers = _PADDED_INPUTS.buffers
     entry = buffers.get(key := (rows_padded, k, x.dtype))
     if entry is None:
@@ -269,7 +281,6 @@ def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
             del buffers[next(iter(buffers))]
         entry = buffers[key] = [x.new_zeros(rows_padded, k), 0]
     buffer, written = entry
-    buffer[:rows].copy_(x)
     if written > rows:
         buffer[rows:written].zero_()
     entry[1] = rows
@@ -706,6 +717,9 @@ def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, bloc
     rows_padded = blocks * block
 
     def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+        if loops is not None and (buffer := _kept_buffer(x, rows_padded)) is not None:
+            # the steps below in one compiled call (a decode step's: the same copy and op call, the same bits)
+            return loops.packed_linear(x, buffer, packed, blocks if tiled else 0, n)
         rows, k = x.shape
         x = _padded_rows(x, rows_padded)
         if tiled:

@@ -20,7 +20,7 @@ import torch
 from conftest import num_threads, random_prompts
 
 from vexact import ModelConfig, Transformer, generate, token_logprobs
-from vexact_kernels import cpu_exact, gemm_arrangements, host_guard
+from vexact_kernels import compiled_loops, cpu_exact, gemm_arrangements, host_guard
 from vexact_kernels.host_guard import HostGuard
 
 pytestmark = pytest.mark.skipif(not host_guard.onednn_packing(),
@@ -151,3 +151,48 @@ def test_no_weight_is_packed_beyond_the_bound(monkeypatch):
     assert all(torch.equal(out, outs[0]) for out in outs)
     assert not _packed_kept(w)
     assert runs in ([], [None])  # [] where this host runs the class on no oneDNN linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,blocks,n", [(8, 0, N), (8, 0, N - 24), (5, 2, N), (8, 3, N - 7)])
+def test_the_compiled_packed_call_is_the_python_steps(dtype, rows, blocks, n):
+    """``compiled_loops``' ``packed_linear`` (a decode step's packed GEMM in one call) against the steps it replaces:
+    x's rows copied into the zero-padded buffer, oneDNN's linear on the packed weight over the rows or the tiles, the
+    output's first rows and ``n`` columns -- bit for bit, with the buffer left as the steps leave it."""
+    loops = compiled_loops.library()
+    if loops is None:
+        pytest.skip("no compiled loops on this host")
+    x, w = _operands(dtype, rows)
+    packed = host_guard.onednn_packed(w)
+    padded = 48
+    buffer = torch.full((padded, K), float("nan"), dtype=dtype)
+    buffer[rows:] = 0  # the kept buffer's rows past x's are zero (``_kept_buffer``'s job)
+    expected_input = torch.cat([x, torch.zeros(padded - rows, K, dtype=dtype)])
+    tiles = expected_input.view(blocks, padded // blocks, K) if blocks else expected_input
+    expected = host_guard.onednn_linear(tiles, packed).reshape(padded, -1)[:rows, :n]
+    with torch.no_grad():
+        got = loops.packed_linear(x, buffer, packed, blocks, n)
+    assert got.shape == (rows, n) and torch.equal(got, expected)
+    assert torch.equal(buffer, expected_input)
+
+
+def test_a_decode_loops_packed_calls_run_compiled(monkeypatch):
+    """Past the switch, a decode loop's packed calls are the compiled call (where the loops are built), with the bits
+    of a guard that never packs."""
+    loops = compiled_loops.library()
+    if loops is None:
+        pytest.skip("no compiled loops on this host")
+    calls = []
+    compiled = loops.packed_linear
+
+    def counted(*args):
+        calls.append(1)
+        return compiled(*args)
+    monkeypatch.setattr(loops, "packed_linear", counted)
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    x, w = _operands(torch.float32, rows=5)  # padded to a taller tile: the kept buffer's case
+    outs, reference, _ = _loops_packed_and_never_packed(x, w, 1, monkeypatch)
+    assert all(torch.equal(out, reference[0]) for out in outs + reference)
+    padded = gemm_arrangements.tiled_rows(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")) > x.shape[0]
+    if _packed_kept(w) and padded:  # this host packs the class: the calls past the switch were compiled
+        assert len(calls) >= CALLS - gemm_arrangements.PACK_AFTER_CALLS, len(calls)
