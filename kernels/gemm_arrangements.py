@@ -267,11 +267,12 @@ def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
 
 
 def _kept_buffer(x: Tensor, rows_padded: int) -> Tensor | None:
-    """The buffer ``_padded_rows`` keeps for x [M, K] padded to ``rows_padded`` rows, ready for x's rows: its rows from
-    M on zero (those a longer call wrote zeroed again), x's rows for the caller to copy in. None where it keeps none:
-    nothing to pad, an input over ``PADDED_INPUT_BYTES_MAX``, grad mode on."""
-    rows, k = x.shape
-    if (rows == rows_padded or rows_padded * k * x.element_size() > PADDED_INPUT_BYTES_MAX
+    """The buffer ``_padded_rows`` keeps for x [M, K] (or [..., K]: its M rows) padded to ``rows_padded`` rows, ready
+    for x's rows: its rows from M on zero (those a longer call wrote zeroed again), x's rows for the caller to copy
+    in. None where it keeps none: nothing to pad, an input over ``PADDED_INPUT_BYTES_MAX``, grad mode on."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (k == 0 or rows == rows_padded or rows_padded * k * x.element_size() > PADDED_INPUT_BYTES_MAX
             or torch.is_grad_enabled()):
         return None
     buffers = _PADDED_INPUTS.buffers
@@ -386,6 +387,9 @@ class TiledPlan:
     block: int
     blocks: int
     run: Callable[[Tensor, Tensor, HostGuard, object], Tensor]
+    any_rows: bool = False
+    """Whether ``run`` takes x [..., K] as it is (and returns [..., n]), not only its rows [M, K]: a plan that switches
+    to a weight packed once (``_packed_after_use``), whose compiled call copies x's rows itself (``packed_linear``)."""
 
 
 TILED_ARRANGEMENTS = ("stacked, weight as given", "stacked", "laid out", "compiled tiles", "tiles")
@@ -577,14 +581,14 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
 
             def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return _stacked_mm(x, matrix(w), blocks * block, n, apart)
-            if (held is not None and dtype == torch.bfloat16 and not stored_row_major(weight)
-                    and _packable(k, n_pad, dtype, blocks * block)):
-                # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
+            packs = (held is not None and dtype == torch.bfloat16 and not stored_row_major(weight)
+                     and _packable(k, n_pad, dtype, blocks * block))
+            if packs:  # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
                 stacked = _packed_after_use(stacked, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n,
                                                                            tiled=False),
                                             lambda: _packed_agrees(PACKED_FORMS[0], blocks, block, k, n_pad, dtype),
                                             held)
-            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked)
+            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked, any_rows=packs)
         if per_tile and (plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, held)):
             return plan
         if loops is not None and shared:  # the library GEMM: the steps below in one compiled call, on the same operands
@@ -612,11 +616,12 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         right = per_tile_operand(operand(w), blocks) if per_tile else operand(w).expand(blocks, k, n_pad)
         out = host.bmm(x, right, op=op, shared_operand=shared).view(blocks * block, n_pad)
         return out[:rows] if n_pad == n else out[:rows, :n]
-    if (held is not None and shared and _packable(k, n_pad)
-            and host.onednn_gemm(dtype, operand(weight), shared, op) is not None):
+    packs = (held is not None and shared and _packable(k, n_pad)
+             and host.onednn_gemm(dtype, operand(weight), shared, op) is not None)
+    if packs:
         tiles = _packed_after_use(tiles, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=True),
                                   lambda: _packed_agrees(PACKED_FORMS[1], blocks, block, k, n_pad, dtype), held)
-    return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles)
+    return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles, any_rows=packs)
 
 
 def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: int, block: int, blocks: int,
@@ -636,8 +641,9 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
 
     def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread, whole_tiles=whole_tiles)
-    if (held is not None and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
-            and _packable(k, n_pad, dtype, block)):
+    packs = (held is not None and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
+             and _packable(k, n_pad, dtype, block))
+    if packs:
         # a decode loop's one tile (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
         # ``same_bits`` probe failed): oneDNN's linear on the weight packed once, where it gives the canonical call's
         # bits (the call oneDNN's bmm makes reorders the weight every time: llama100m's LM head, 8 rows in a 48-row
@@ -645,7 +651,7 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
         laid_out = _packed_after_use(laid_out, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=False),
                                      lambda: _packed_agrees(PACKED_FORMS[2], blocks, block, k, n_pad, dtype),
                                      held)
-    return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out)
+    return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out, any_rows=packs)
 
 
 # --------------------------------------------------------------------------- oneDNN's GEMM on a weight packed once
@@ -688,17 +694,25 @@ def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], 
     bit depends on which ran."""
     slot = next(_SLOTS)
 
-    def after_use(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+    def after_use(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K]
         state = held.get(slot)
         if state is None:  # this version's first call: [calls, the packed run]
             state = held[slot] = [0, None]
         if state[1] is None:
             state[0] += 1
             if state[0] <= PACK_AFTER_CALLS or not agrees():
-                return unpacked(x, w, host, loops)
-            state[1] = packed(w) or unpacked
+                return _on_rows(unpacked, x, w, host, loops)
+            state[1] = packed(w) or functools.partial(_on_rows, unpacked)
         return state[1](x, w, host, loops)
     return after_use
+
+
+def _on_rows(run: Callable, x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+    """``run`` (a plan's run on rows [M, K]) on x [..., K]: on x's rows, its output viewed back as [..., n]."""
+    if x.dim() == 2:
+        return run(x, w, host, loops)
+    out = run(x.reshape(-1, x.shape[-1]), w, host, loops)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, blocks: int, n: int, *,
@@ -716,10 +730,13 @@ def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, bloc
         return None
     rows_padded = blocks * block
 
-    def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+    def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
         if loops is not None and (buffer := _kept_buffer(x, rows_padded)) is not None:
             # the steps below in one compiled call (a decode step's: the same copy and op call, the same bits)
             return loops.packed_linear(x, buffer, packed, blocks if tiled else 0, n)
+        return _on_rows(rows_run, x, w, host, loops)
+
+    def rows_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         rows, k = x.shape
         x = _padded_rows(x, rows_padded)
         if tiled:

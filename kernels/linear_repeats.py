@@ -68,6 +68,8 @@ def run(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor | None:
             or gemm.plan_switches(dtype, loops) != switches
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
+    if plan.any_rows:  # (a plan on a weight packed once: x's rows copied in by its compiled call, no views made here)
+        return plan.run(x, weight, host, loops)
     return plan.run(x.reshape(rows), weight, host, loops).view(out_shape)
 
 

@@ -717,20 +717,21 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t 
   return n_pad == n ? out.slice(0, 0, rows) : out.slice(0, 0, rows).slice(1, 0, n);
 }
 
-// gemm_arrangements._packed_run's call after its plan (a decode step's GEMM on a weight packed once): x [M, K]'s rows
-// copied into `buffer` [R, K] (the kept zero-padded input, R >= M, its rows from M on zero already: the caller's),
-// torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on the packed weight over the buffer --
-// as it is, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K] -- and the first M rows and n columns of its
-// output. The same copy and the same op call on the same operands as the Python steps, so the same bits; what it
-// saves is their Python (a decode step makes one such call per linear layer).
+// gemm_arrangements._packed_run's call after its plan (a decode step's GEMM on a weight packed once): the M rows of x
+// [..., K] copied into `buffer` [R, K] (the kept zero-padded input, R >= M, its rows from M on zero already: the
+// caller's), torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on the packed weight over the
+// buffer -- as it is, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K] -- and the first M rows and n columns
+// of its output, viewed as [..., n]. The same copy and the same op call on the same operands as the Python steps, so
+// the same bits; what it saves is their Python (a decode step makes one such call per linear layer).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at::Tensor& packed, int64_t blocks,
                          int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && buffer.dim() == 2 && buffer.is_contiguous() && x.size(1) == buffer.size(1) &&
-                  x.size(0) <= buffer.size(0) && x.scalar_type() == buffer.scalar_type(),
-              "packed_linear: x [M, K] and a contiguous buffer [R >= M, K] of its dtype");
-  const int64_t rows = x.size(0), padded = buffer.size(0), k = buffer.size(1);
+  TORCH_CHECK(x.dim() >= 1 && buffer.dim() == 2 && buffer.is_contiguous() && x.size(-1) == buffer.size(1) &&
+                  buffer.size(1) > 0 && x.numel() / buffer.size(1) <= buffer.size(0) &&
+                  x.scalar_type() == buffer.scalar_type(),
+              "packed_linear: x [..., K] and a contiguous buffer [R >= x's rows, K] of its dtype");
+  const int64_t padded = buffer.size(0), k = buffer.size(1), rows = x.numel() / k;
   TORCH_CHECK(blocks >= 0 && (blocks == 0 || padded % blocks == 0), "packed_linear: blocks must divide R");
-  buffer.narrow(0, 0, rows).copy_(x);
+  buffer.narrow(0, 0, rows).copy_(x.reshape({rows, k}));
   static const c10::OperatorHandle linear =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const at::Tensor input = blocks > 0 ? buffer.view({blocks, padded / blocks, k}) : buffer;
@@ -740,7 +741,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at
   at::Tensor out = stack[0].toTensor();
   if (blocks > 0) out = out.view({padded, -1});
   out = out.narrow(0, 0, rows);
-  return out.size(1) == n ? out : out.narrow(1, 0, n);
+  if (out.size(1) != n) out = out.narrow(1, 0, n);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
 }
 
 // One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::mm of one fixed shape ([h, K] @ [K, N], the call

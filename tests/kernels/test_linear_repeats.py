@@ -65,8 +65,10 @@ def _served(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def test_remembered_calls_give_the_bits_of_the_whole_path(dtype, threads, host_mode, monkeypatch):
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode=host_mode)
     ops = cpu_exact.with_host(host)
-    # a decode step's [B, 1, K] rows against a layer (N = 576) and a padded N (40); the LM head's 2-D [B, K]
-    cases = [((8, 1, 64), 576), ((8, 1, 64), 40), ((5, 64), 200)]
+    # a decode step's [B, 1, K] rows against a layer (N = 576) and a padded N (40); the LM head's 2-D [B, K]; layers
+    # of 2^18 weight elements and more (which may switch to a packed weight: its plan takes x whole, ``any_rows``),
+    # one with a padded N
+    cases = [((8, 1, 64), 576), ((8, 1, 64), 40), ((5, 64), 200), ((8, 1, 512), 512), ((5, 1, 512), 520)]
     weights = [_randn(n, shape[-1], dtype=dtype, seed=n, scale=0.1) for shape, n in cases]
     served = _served(monkeypatch)
     with num_threads(threads), torch.no_grad():
