@@ -386,7 +386,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     Backward contract: the softmax-attention VJP from the saved exact probabilities, through fixed-tile GEMMs
     and halving trees: the gradients depend only on (q, k, v, grad), never on the thread count.
     Without a gradient, a cache written through ``kv_rows.write`` (the model's cache) keeps its keys and values laid
-    out as the tiles read them between calls (``kv_rows``: the same values, so the same bits).
+    out as the tiles read them between calls (``kv_rows``: the same values, so the same bits), and where the guard
+    runs torch's own GEMM and exp the forward's steps are one compiled call making the same calls
+    (``_library_attention``).
     """
     checks.attention("cpu_exact.attention", q, k_cache, v_cache, q_start)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
@@ -622,8 +624,25 @@ def _attention_forward(tiles: _AttentionTiles, prob_tiles: Tensor, denom: Tensor
 def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float,
                      host: HostGuard) -> Tensor:
     tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host, kept_rows=True)
-    prob_tiles, denom, _, _ = _attention_probs(tiles, compiled_loops.library())
+    loops = compiled_loops.library()
+    if loops is not None and q.device.type == "cpu" and _library_attention(host, tiles.head_dim):
+        # the steps below in one compiled call: the same at:: calls on the same views (a decode step: one a layer)
+        return loops.attention_forward(tiles.q, tiles.k, tiles.v, tiles.batch, tiles.kv_heads, tiles.row_blocks,
+                                       tiles.key_blocks, tiles.block, tiles.rows, tiles.visible, KEY_BLOCK, COL_BLOCK,
+                                       tiles.q_start, tiles.row_t, tiles.uniform_start, tiles.q_len, tiles.group,
+                                       CHUNK, VECTOR_MULTIPLE, q.dtype)
+    prob_tiles, denom, _, _ = _attention_probs(tiles, loops)
     return tiles.to_output(_attention_forward(tiles, prob_tiles, denom), q.dtype)
+
+
+def _library_attention(host: HostGuard, head_dim: int) -> bool:
+    """Whether an attention forward's steps run torch's own calls as they are: both GEMM classes (the scores, the
+    P @ V) on the guard's plain library ``bmm`` (``library_gemm``) and its exp the library's -- where
+    ``loops.attention_forward`` makes the same calls; False for a fixed-order class or a guard over another GEMM."""
+    scores = host.library_gemm(torch.float32, gemm_class(head_dim, KEY_BLOCK, transposed=True), False, "attention")
+    values = host.library_gemm(torch.float32, gemm_class(KEY_BLOCK, head_dim, transposed=False), False, "attention")
+    return (scores is not None and values is not None
+            and host.elementwise("exp", torch.float32, "attention") is torch.exp)
 
 
 class _ExactAttention(torch.autograd.Function):

@@ -1091,6 +1091,56 @@ at::Tensor attention_grad_scores(at::Tensor d_p, const at::Tensor& d_out, const 
   return d_p;
 }
 
+// cpu_exact._attention_exact after its tiles are laid out (a forward without a gradient: a decode step's, a
+// prefill's), where the guard's verdict for both GEMM classes is torch's own bmm and its exp the library's: the
+// scores GEMM of the row tiles against the key tiles, attention_shifted, the chunked exp, attention_tiles, the P @ V
+// GEMM, the tree over key tiles, the division by the row sums and the output's layout [B, T, Hq, hd] in `dtype` --
+// the same at:: calls on the same views as _attention_probs, _attention_forward and to_output, so the same bits.
+// What it saves is their Python (some thirty tensor calls an attention call).
+at::Tensor attention_forward(const at::Tensor& q_rows, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                             int64_t batch, int64_t heads, int64_t row_blocks, int64_t key_blocks, int64_t block,
+                             int64_t rows, int64_t visible, int64_t key_block, int64_t col_block,
+                             const at::Tensor& starts, const at::Tensor& row_t, bool uniform_start, int64_t q_len,
+                             int64_t group, int64_t chunk, int64_t multiple, at::ScalarType dtype) {
+  TORCH_CHECK(q_rows.dim() == 3 && k_rows.dim() == 3 && v_rows.dim() == 3 && q_rows.size(0) == batch * heads &&
+                  q_rows.size(1) == row_blocks * block && k_rows.size(1) == key_blocks * key_block &&
+                  v_rows.sizes() == k_rows.sizes() && rows <= row_blocks * block && visible >= 1,
+              "attention_forward: q rows [B*Hkv, RB*R, hd], k and v rows [B*Hkv, KB*C, hd]");
+  const int64_t pairs = batch * heads, d = q_rows.size(2);
+  const auto row_tiles = [&](const at::Tensor& per_row) {  // _AttentionTiles.row_tiles
+    const int64_t width = per_row.size(-1);
+    return per_row.view({pairs, row_blocks, 1, block, width})
+        .expand({-1, -1, key_blocks, -1, -1})
+        .reshape({-1, block, width});
+  };
+  const auto key_tiles = [&](const at::Tensor& per_key) {  // _AttentionTiles.key_tiles
+    const int64_t width = per_key.size(-1);
+    return per_key.view({pairs, 1, key_blocks, key_block, width})
+        .expand({-1, row_blocks, -1, -1, -1})
+        .reshape({-1, key_block, width});
+  };
+  const at::Tensor scores = at::bmm(row_tiles(q_rows), key_tiles(k_rows).transpose(1, 2));
+  const int64_t real = row_blocks == 1 ? rows : block;
+  const int64_t width = ((visible + col_block - 1) / col_block) * col_block;
+  const at::Tensor shifted = attention_shifted(scores, batch, heads, row_blocks, key_blocks, block, real, width,
+                                               key_block, starts, row_t, uniform_start);
+  const at::Tensor probs = unary_chunked(shifted, 0, chunk, multiple, true);  // exp, in place
+  const std::vector<at::Tensor> parts = attention_tiles(probs, batch, heads, row_blocks, key_blocks, block, real,
+                                                        width, key_block, starts, row_t, uniform_start, false);
+  const at::Tensor partial =
+      at::bmm(parts[0], key_tiles(v_rows)).view({batch, heads, row_blocks, key_blocks, block, d});
+  const at::Tensor summed = key_blocks > 1
+                                ? tree_sum_into(partial.permute({0, 1, 2, 4, 5, 3}), -1, c10::nullopt, false)
+                                : partial.select(3, 0);
+  const at::Tensor out_rows = at::div(summed, parts[1]).view({pairs, row_blocks * block, d});
+  return out_rows.view({batch, heads, -1, d})
+      .narrow(2, 0, rows)
+      .reshape({batch, heads, q_len, group, d})
+      .permute({0, 2, 1, 3, 4})
+      .reshape({batch, q_len, heads * group, d})
+      .to(dtype);
+}
+
 // cpu_exact._AttentionTiles._key_rows: a KV cache [B, L, H, hd] (any float dtype, any strides) as fp32 rows
 // [B*H, key_len, hd] -- position l < min(L, key_len) is the cache's row l converted to fp32 (exact), zeros after --
 // in one pass instead of a permuted, converting copy and a fill.
@@ -1182,6 +1232,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("b"), py::arg("block"), py::arg("last_length"), py::arg("slab"), py::arg("out") = py::none());
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
+  m.def("attention_forward", &attention_forward, "cpu_exact._attention_exact after its tiles (library GEMMs), same bits");
   m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
   m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
   m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");

@@ -147,6 +147,38 @@ ATTENTION_CASES = {  # (batch, q_len, q_heads, kv_heads, head_dim, cache_len, q_
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, case, dtype, monkeypatch):
+    """A forward without a gradient (``_attention_exact``) in one compiled call (``attention_forward``) against its
+    steps in Python, where the guard runs torch's own GEMM and exp: the output bitwise (decode, ragged and uniform
+    prefills, several row and key tiles, fp32 and bf16 queries and caches); and the compiled call did run."""
+    from vexact_kernels import cpu_exact
+
+    batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + 1)
+    q = (torch.randn(batch, q_len, q_heads, head_dim, generator=gen) * 3).to(dtype)
+    k = (torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
+    q_start, scale = torch.tensor(starts), head_dim ** -0.5
+    if not cpu_exact._library_attention(cpu_exact.HOST, head_dim):
+        pytest.skip("this host's guard runs an attention GEMM class or exp on its fixed-order path")
+    calls = []
+    compiled = loops.attention_forward
+
+    def counted(*args):
+        calls.append(1)
+        return compiled(*args)
+    with torch.no_grad():
+        monkeypatch.setattr(loops, "attention_forward", counted)
+        got = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
+        monkeypatch.setattr(cpu_exact, "_library_attention", lambda host, head_dim: False)
+        expected = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
+    assert calls == [1]
+    assert got.shape == expected.shape == q.shape and got.dtype == dtype
+    assert torch.equal(_bits(got), _bits(expected))
+
+
 @pytest.mark.parametrize("normalized", [False, True], ids=["unnormalised", "normalised"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case, normalized):
