@@ -89,14 +89,14 @@ so that it cannot grow silently (tests/repo/test_optional_packages.py checks tha
 named in its script)."""
 
 
-def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list:
-    """Patch ``owner.name`` to record what each call returns (in call order, into the list returned); the calls
-    themselves run unchanged."""
+def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list:
+    """Patch ``owner.name`` -- a class's method or a module's function (a compiled extension's too) -- to record what
+    each call returns (in call order, into the list returned); the calls themselves run unchanged."""
     seen: list = []
     real = getattr(owner, name)
 
-    def recording(self, *args, **kwargs):
-        out = real(self, *args, **kwargs)
+    def recording(*args, **kwargs):  # a method gets its instance as the first of args
+        out = real(*args, **kwargs)
         seen.append(out)
         return out
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import running_in_ci
+from conftest import recorded_returns, running_in_ci
 from test_data_parallel import _config_file, _result, _same, _vexact_run
 from test_exact_price_bits import _bits, _rms_norm_vjp_reference
 
@@ -163,18 +163,12 @@ def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, ca
     q_start, scale = torch.tensor(starts), head_dim ** -0.5
     if not cpu_exact._library_attention(cpu_exact.HOST, head_dim):
         pytest.skip("this host's guard runs an attention GEMM class or exp on its fixed-order path")
-    calls = []
-    compiled = loops.attention_forward
-
-    def counted(*args):
-        calls.append(1)
-        return compiled(*args)
     with torch.no_grad():
-        monkeypatch.setattr(loops, "attention_forward", counted)
+        calls = recorded_returns(monkeypatch, loops, "attention_forward")
         got = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
         monkeypatch.setattr(cpu_exact, "_library_attention", lambda host, head_dim: False)
         expected = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
-    assert calls == [1]
+    assert len(calls) == 1 and calls[0] is got
     assert got.shape == expected.shape == q.shape and got.dtype == dtype
     assert torch.equal(_bits(got), _bits(expected))
 

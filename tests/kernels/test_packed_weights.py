@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import num_threads, random_prompts
+from conftest import num_threads, random_prompts, recorded_returns
 
 from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact_kernels import compiled_loops, cpu_exact, gemm_arrangements, host_guard
@@ -153,15 +153,21 @@ def test_no_weight_is_packed_beyond_the_bound(monkeypatch):
     assert runs in ([], [None])  # [] where this host runs the class on no oneDNN linear
 
 
+@pytest.fixture
+def loops():
+    """The compiled loops (``packed_linear``), or a skip where they are not built."""
+    library = compiled_loops.library()
+    if library is None:
+        pytest.skip("no compiled loops on this host")
+    return library
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows,blocks,n", [(8, 0, N), (8, 0, N - 24), (5, 2, N), (8, 3, N - 7)])
-def test_the_compiled_packed_call_is_the_python_steps(dtype, rows, blocks, n):
+def test_the_compiled_packed_call_is_the_python_steps(loops, dtype, rows, blocks, n):
     """``compiled_loops``' ``packed_linear`` (a decode step's packed GEMM in one call) against the steps it replaces:
     x's rows copied into the zero-padded buffer, oneDNN's linear on the packed weight over the rows or the tiles, the
     output's first rows and ``n`` columns -- bit for bit, with the buffer left as the steps leave it."""
-    loops = compiled_loops.library()
-    if loops is None:
-        pytest.skip("no compiled loops on this host")
     x, w = _operands(dtype, rows)
     packed = host_guard.onednn_packed(w)
     padded = 48
@@ -176,19 +182,10 @@ def test_the_compiled_packed_call_is_the_python_steps(dtype, rows, blocks, n):
     assert torch.equal(buffer, expected_input)
 
 
-def test_a_decode_loops_packed_calls_run_compiled(monkeypatch):
+def test_a_decode_loops_packed_calls_run_compiled(loops, monkeypatch):
     """Past the switch, a decode loop's packed calls are the compiled call (where the loops are built), with the bits
     of a guard that never packs."""
-    loops = compiled_loops.library()
-    if loops is None:
-        pytest.skip("no compiled loops on this host")
-    calls = []
-    compiled = loops.packed_linear
-
-    def counted(*args):
-        calls.append(1)
-        return compiled(*args)
-    monkeypatch.setattr(loops, "packed_linear", counted)
+    calls = recorded_returns(monkeypatch, loops, "packed_linear")
     monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
     x, w = _operands(torch.float32, rows=5)  # padded to a taller tile: the kept buffer's case
     outs, reference, _ = _loops_packed_and_never_packed(x, w, 1, monkeypatch)
