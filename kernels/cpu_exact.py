@@ -353,10 +353,40 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, *, host: HostGuard = HOST) -> Tens
 
     Invariance contract: each output element depends only on its own (x pair, cos, sin)
     elements. Only exactly rounded elementwise mul/add/sub are used (no fused ops), so the
-    native implementation already satisfies the contract and is reused as is.
+    native implementation already satisfies the contract: it is the definition. Where the compiled loops
+    are built (fp32 or bf16 x on the CPU), its ops run element by element in one pass, forward and backward
+    (``loops.rope_forward`` / ``rope_backward``: the same rounded operations in the same order, and the VJP as
+    autograd accumulates it, so the same bits -- infinities, zeros' signs and NaNs made on the way included; only
+    where two NaN inputs of opposite signs meet in one product may the NaN's sign differ;
+    ``tests/kernels/test_compiled_loops.py``).
+    Backward contract: each gradient element depends only on its own grad pair, cos and sin elements.
     """
     checks.rope("cpu_exact.rope", x, cos, sin)
-    return native.rope(x, cos, sin)
+    if _rope_loops(x, cos, sin) is None:
+        return native.rope(x, cos, sin)
+    return exact_forward_vjp(_rope_compiled, _rope_with_saved, _rope_vjp, (x,), (cos, sin))
+
+
+def _rope_loops(x: Tensor, cos: Tensor, sin: Tensor) -> ModuleType | None:
+    """The compiled loops where they take this rotary embedding, else None (``native.rope``'s torch ops): fp32 or bf16
+    x on the CPU, fp32 cos and sin that need no gradient (a gradient for them: autograd's own)."""
+    if (x.device.type != "cpu" or x.dtype not in FLOAT_DTYPES or cos.dtype != torch.float32
+            or sin.dtype != torch.float32 or cos.requires_grad or sin.requires_grad):
+        return None
+    return compiled_loops.library()
+
+
+def _rope_compiled(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return compiled_loops.library().rope_forward(x, cos, sin)
+
+
+def _rope_with_saved(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, tuple]:
+    return _rope_compiled(x, cos, sin), (cos, sin)
+
+
+def _rope_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    cos, sin = saved
+    return (compiled_loops.library().rope_backward(grad, cos, sin) if needs[0] else None,)
 
 
 # --------------------------------------------------------------------------- attention

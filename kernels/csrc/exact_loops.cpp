@@ -494,6 +494,91 @@ std::vector<at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tens
   return {result(grad_gate), result(grad_up)};
 }
 
+// ----------------------------------------------------------------------------------------------------- rope
+// kernels.native.rope's torch ops element by element. x [B, T, H, hd] (fp32 or bf16, upcast exactly; unit last
+// stride), cos and sin [B, T, hd / 2] fp32 (unit last stride, any other strides): out[..., j] = x1 * c - x2 * s and
+// out[..., half + j] = x2 * c + x1 * s, each product rounded, then the difference or sum, in fp32; a bf16 result by
+// aten's own conversion (the torch ops' .to: its rounding, NaNs included).
+// rope_backward: autograd's VJP of those ops on grad [B, T, H, hd]: grad_x1 = (g2 * s + g1 * c) + 0.0 and grad_x2 =
+// (g2 * c + (-g1) * s) + 0.0 -- each sum in the order autograd accumulates a slice's two gradients (the add's branch
+// first), the negation from the difference's backward, and the + 0.0 where the two slices' gradients meet in zeros
+// (-0.0 becomes +0.0); then the conversion back to x's dtype.
+namespace {
+
+template <typename T, bool kBackward>
+at::Tensor rope_loop(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t batch = x.size(0), length = x.size(1), heads = x.size(2), dim = x.size(3), half = dim / 2;
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  const T* xp = x.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2);
+  const int64_t cs0 = cos.stride(0), cs1 = cos.stride(1), ss0 = sin.stride(0), ss1 = sin.stride(1);
+  const int64_t rows = batch * length * heads;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, dim)), [&](int64_t first,
+                                                                                         int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t h = row % heads, t = (row / heads) % length, b = row / (heads * length);
+      const T* x1 = xp + b * xs0 + t * xs1 + h * xs2;
+      const T* x2 = x1 + half;
+      const float* c = cp + b * cs0 + t * cs1;
+      const float* s = sp + b * ss0 + t * ss1;
+      float* o1 = op + row * dim;
+      float* o2 = o1 + half;
+      if (kBackward) {
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float g1 = static_cast<float>(x1[j]), g2 = static_cast<float>(x2[j]);
+          const float from_add = g2 * s[j], from_sub = g1 * c[j];
+          const float to_x2 = g2 * c[j], negated = (-g1) * s[j];
+          o1[j] = (from_add + from_sub) + 0.0f;
+          o2[j] = (to_x2 + negated) + 0.0f;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = static_cast<float>(x1[j]), b2 = static_cast<float>(x2[j]);
+          const float ac = a * c[j], bs = b2 * s[j], bc = b2 * c[j], as = a * s[j];
+          o1[j] = ac - bs;
+          o2[j] = bc + as;
+        }
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor rope_dispatch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
+                         const char* name) {
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, name, ": x [B, T, H, hd] with an even hd");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": fp32 or bf16 x");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 3 &&
+                  sin.dim() == 3 && (cos.size(0) == x.size(0) || cos.size(0) == 1) &&
+                  (cos.size(1) == x.size(1) || cos.size(1) == 1) && cos.size(2) == x.size(3) / 2 &&
+                  sin.sizes() == cos.sizes(),
+              name, ": fp32 cos and sin [B or 1, T or 1, hd / 2]");
+  const at::Tensor xc = x.stride(3) == 1 ? x : x.contiguous();
+  // a table broadcast over B or T: stride 0 there
+  const std::vector<int64_t> table{x.size(0), x.size(1), x.size(3) / 2};
+  const at::Tensor cc = (cos.stride(2) == 1 ? cos : cos.contiguous()).expand(table);
+  const at::Tensor sc = (sin.stride(2) == 1 ? sin : sin.contiguous()).expand(table);
+  if (x.scalar_type() == at::kFloat) {
+    return backward ? rope_loop<float, true>(xc, cc, sc) : rope_loop<float, false>(xc, cc, sc);
+  }
+  return backward ? rope_loop<c10::BFloat16, true>(xc, cc, sc) : rope_loop<c10::BFloat16, false>(xc, cc, sc);
+}
+
+}  // namespace
+
+at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rope_dispatch(x, cos, sin, false, "rope_forward");
+}
+
+at::Tensor rope_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin) {
+  return rope_dispatch(grad, cos, sin, true, "rope_backward");
+}
+
 // ----------------------------------------------------------------------------------------------------- embedding
 // cpu_exact._sum_rows_by_token (the embedding's VJP): out[v] = the halving tree, in position order, of the rows whose
 // token is v, zero-padded to the width of v's chunk. Chunks as there: the tokens that occur, by count descending
@@ -1219,6 +1304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_forward", &silu_mul_forward, "cpu_exact's SwiGLU after its exp (fp32), same bits");
   m.def("silu_mul_exp_forward", &silu_mul_exp_forward, "cpu_exact's SwiGLU forward with its chunked exp (fp32)");
   m.def("silu_mul_backward", &silu_mul_backward, "cpu_exact's SwiGLU VJP (fp32 or bf16), same bits");
+  m.def("rope_forward", &rope_forward, "kernels.native.rope's torch ops in one pass (fp32 or bf16 x), same bits");
+  m.def("rope_backward", &rope_backward, "autograd's VJP of kernels.native.rope in one pass, same bits");
   m.def("sum_rows_by_token", &sum_rows_by_token, "cpu_exact._sum_rows_by_token (fp32 rows), same bits",
         py::arg("tokens"), py::arg("rows"), py::arg("vocab"), py::arg("budget"), py::arg("dtype") = py::none());
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");

@@ -361,6 +361,44 @@ def test_silu_mul_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape, monke
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape,table,how", [
+    ((4, 5, 3, 8), (4, 5), "plain"), ((8, 1, 9, 64), (8, 1), "plain"), ((3, 7, 2, 16), (1, 7), "plain"),
+    ((3, 7, 2, 16), (1, 1), "plain"), ((2, 6, 4, 32), (2, 6), "sliced"), ((2, 6, 4, 32), (2, 6), "transposed"),
+    ((0, 3, 2, 8), (0, 3), "plain"),
+])
+def test_rope_loops_are_the_torch_ops_bit_for_bit(loops, dtype, shape, table, how):
+    """The rotary embedding's forward (with and without a gradient) and its VJP through the loops against
+    ``native.rope``'s torch ops and autograd's backward of them, bitwise, on values over many magnitudes and special
+    values; x as a fresh tensor, a view with gaps between rows (a linear layer's sliced output) and one with no unit
+    stride (copied first); cos and sin broadcast over B or T."""
+    from vexact_kernels import cpu_exact, native
+
+    assert cpu_exact._rope_loops(torch.ones(1, 1, 1, 2, dtype=dtype), torch.ones(1, 1, 1), torch.ones(1, 1, 1)) \
+        is loops
+    seed = sum(shape) + len(how)
+    if how == "sliced":  # rows of a wider tensor: x's rows are hd apart in a row of 2 * hd
+        x = _values((*shape[:3], 2 * shape[3]), torch.float64, seed)[..., : shape[3]]
+    elif how == "transposed":
+        x = _values((*shape[:2], shape[3], shape[2]), torch.float64, seed).transpose(-1, -2)
+    else:
+        x = _values(shape, torch.float64, seed)
+    x = x.clamp(-1e30, 1e30).to(dtype)
+    cos, sin = (_values((*table, shape[3] // 2), torch.float64, seed + i).clamp(-1e30, 1e30).float() for i in (1, 2))
+    grad = _values(shape, torch.float64, seed + 3).clamp(-1e30, 1e30).to(dtype)
+    results = []
+    for rope in (cpu_exact.rope, native.rope):
+        leaf = x.detach().requires_grad_()
+        out = rope(leaf, cos, sin)
+        (grad_x,) = torch.autograd.grad(out, leaf, grad)
+        with torch.no_grad():
+            results.append((out, rope(x, cos, sin), grad_x))
+    assert results[0][0].grad_fn is not None and type(results[0][0].grad_fn) is not type(results[1][0].grad_fn)
+    for name, a, b in zip(("output", "output without grad", "grad_x"), *results):
+        assert a.dtype == dtype and a.is_contiguous()
+        assert torch.equal(_bits(a), _bits(b)), name
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("budget", (1 << 16, 8, 1))
 @pytest.mark.parametrize("count,vocab,width", [(300, 22, 64), (50, 1000, 16), (1, 5, 3), (0, 7, 4), (40, 3, 1)])
 def test_embedding_backward_loop_is_the_torch_ops_bit_for_bit(loops, count, vocab, width, budget, dtype,
