@@ -657,12 +657,16 @@ def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tenso
     loops = compiled_loops.library()
     if loops is not None and q.device.type == "cpu" and _library_attention(host, tiles.head_dim):
         # the steps below in one compiled call: the same at:: calls on the same views (a decode step: one a layer)
-        return loops.attention_forward(tiles.q, tiles.k, tiles.v, tiles.batch, tiles.kv_heads, tiles.row_blocks,
-                                       tiles.key_blocks, tiles.block, tiles.rows, tiles.visible, KEY_BLOCK, COL_BLOCK,
-                                       tiles.q_start, tiles.row_t, tiles.uniform_start, tiles.q_len, tiles.group,
-                                       CHUNK, VECTOR_MULTIPLE, q.dtype)
+        return loops.attention_forward(*_compiled_forward_arguments(tiles, q.dtype))
     prob_tiles, denom, _, _ = _attention_probs(tiles, loops)
     return tiles.to_output(_attention_forward(tiles, prob_tiles, denom), q.dtype)
+
+
+def _compiled_forward_arguments(tiles: _AttentionTiles, dtype: torch.dtype) -> tuple:
+    """``loops.attention_forward``'s (and ``attention_forward_saving``'s) arguments: the tiles' rows and layout."""
+    return (tiles.q, tiles.k, tiles.v, tiles.batch, tiles.kv_heads, tiles.row_blocks, tiles.key_blocks, tiles.block,
+            tiles.rows, tiles.visible, KEY_BLOCK, COL_BLOCK, tiles.q_start, tiles.row_t, tiles.uniform_start,
+            tiles.q_len, tiles.group, CHUNK, VECTOR_MULTIPLE, dtype)
 
 
 def _library_attention(host: HostGuard, head_dim: int) -> bool:
@@ -687,15 +691,21 @@ class _ExactAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, q_start, scale, host):  # type: ignore[override]
         tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
-        prob_tiles, denom, probs, _ = _attention_probs(tiles, compiled_loops.library(), normalized=True)
-        out_rows = _attention_forward(tiles, prob_tiles, denom)
+        loops = compiled_loops.library()
+        if loops is not None and q.device.type == "cpu" and _library_attention(host, tiles.head_dim):
+            # the steps below in one compiled call (as _attention_exact's), returning what they return
+            out, out_rows, probs = loops.attention_forward_saving(*_compiled_forward_arguments(tiles, q.dtype))
+        else:
+            prob_tiles, denom, probs, _ = _attention_probs(tiles, loops, normalized=True)
+            out_rows = _attention_forward(tiles, prob_tiles, denom)
+            out = tiles.to_output(out_rows, q.dtype)
         real = probs.shape[3]
         # [B*Hkv, rows', visible] normalised probabilities of the real rows, divided in place by _attention_probs
         # (the same division, the same bits): no second [rows x keys] buffer beside the probability tiles
         ctx.p = probs.view(tiles.batch * tiles.kv_heads, tiles.row_blocks * real, tiles.visible)
         ctx.tiles, ctx.out_rows, ctx.real = tiles, out_rows, real
         ctx.dtypes = (q.dtype, k_cache.dtype, v_cache.dtype)
-        return tiles.to_output(out_rows, q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]

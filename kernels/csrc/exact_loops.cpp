@@ -1182,11 +1182,18 @@ at::Tensor attention_grad_scores(at::Tensor d_p, const at::Tensor& d_out, const 
 // GEMM, the tree over key tiles, the division by the row sums and the output's layout [B, T, Hq, hd] in `dtype` --
 // the same at:: calls on the same views as _attention_probs, _attention_forward and to_output, so the same bits.
 // What it saves is their Python (some thirty tensor calls an attention call).
-at::Tensor attention_forward(const at::Tensor& q_rows, const at::Tensor& k_rows, const at::Tensor& v_rows,
-                             int64_t batch, int64_t heads, int64_t row_blocks, int64_t key_blocks, int64_t block,
-                             int64_t rows, int64_t visible, int64_t key_block, int64_t col_block,
-                             const at::Tensor& starts, const at::Tensor& row_t, bool uniform_start, int64_t q_len,
-                             int64_t group, int64_t chunk, int64_t multiple, at::ScalarType dtype) {
+namespace {
+
+// attention_forward's steps; `saving`: the probabilities of the real rows are then divided by their sums in place
+// (attention_tiles' `normalize`, after the tiles took their copy: the output is the same) and returned with the
+// output rows, as _ExactAttention.forward keeps them for the backward.
+std::vector<at::Tensor> attention_forward_steps(const at::Tensor& q_rows, const at::Tensor& k_rows,
+                                                const at::Tensor& v_rows, int64_t batch, int64_t heads,
+                                                int64_t row_blocks, int64_t key_blocks, int64_t block, int64_t rows,
+                                                int64_t visible, int64_t key_block, int64_t col_block,
+                                                const at::Tensor& starts, const at::Tensor& row_t, bool uniform_start,
+                                                int64_t q_len, int64_t group, int64_t chunk, int64_t multiple,
+                                                at::ScalarType dtype, bool saving) {
   TORCH_CHECK(q_rows.dim() == 3 && k_rows.dim() == 3 && v_rows.dim() == 3 && q_rows.size(0) == batch * heads &&
                   q_rows.size(1) == row_blocks * block && k_rows.size(1) == key_blocks * key_block &&
                   v_rows.sizes() == k_rows.sizes() && rows <= row_blocks * block && visible >= 1,
@@ -1211,19 +1218,49 @@ at::Tensor attention_forward(const at::Tensor& q_rows, const at::Tensor& k_rows,
                                                key_block, starts, row_t, uniform_start);
   const at::Tensor probs = unary_chunked(shifted, 0, chunk, multiple, true);  // exp, in place
   const std::vector<at::Tensor> parts = attention_tiles(probs, batch, heads, row_blocks, key_blocks, block, real,
-                                                        width, key_block, starts, row_t, uniform_start, false);
+                                                        width, key_block, starts, row_t, uniform_start, saving);
   const at::Tensor partial =
       at::bmm(parts[0], key_tiles(v_rows)).view({batch, heads, row_blocks, key_blocks, block, d});
   const at::Tensor summed = key_blocks > 1
                                 ? tree_sum_into(partial.permute({0, 1, 2, 4, 5, 3}), -1, c10::nullopt, false)
                                 : partial.select(3, 0);
   const at::Tensor out_rows = at::div(summed, parts[1]).view({pairs, row_blocks * block, d});
-  return out_rows.view({batch, heads, -1, d})
-      .narrow(2, 0, rows)
-      .reshape({batch, heads, q_len, group, d})
-      .permute({0, 2, 1, 3, 4})
-      .reshape({batch, q_len, heads * group, d})
-      .to(dtype);
+  const at::Tensor out = out_rows.view({batch, heads, -1, d})
+                             .narrow(2, 0, rows)
+                             .reshape({batch, heads, q_len, group, d})
+                             .permute({0, 2, 1, 3, 4})
+                             .reshape({batch, q_len, heads * group, d})
+                             .to(dtype);
+  if (!saving) return {out};
+  return {out, out_rows, probs.narrow(-1, 0, visible)};
+}
+
+}  // namespace
+
+at::Tensor attention_forward(const at::Tensor& q_rows, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                             int64_t batch, int64_t heads, int64_t row_blocks, int64_t key_blocks, int64_t block,
+                             int64_t rows, int64_t visible, int64_t key_block, int64_t col_block,
+                             const at::Tensor& starts, const at::Tensor& row_t, bool uniform_start, int64_t q_len,
+                             int64_t group, int64_t chunk, int64_t multiple, at::ScalarType dtype) {
+  return attention_forward_steps(q_rows, k_rows, v_rows, batch, heads, row_blocks, key_blocks, block, rows, visible,
+                                 key_block, col_block, starts, row_t, uniform_start, q_len, group, chunk, multiple,
+                                 dtype, false)[0];
+}
+
+// attention_forward, also returning what _ExactAttention.forward keeps for the backward: (output, the output rows
+// [B*Hkv, RB*R, hd] before their layout, the normalised probabilities of the real rows and visible keys [B, Hkv, RB,
+// real, visible] -- a view of the exp's buffer, divided by the row sums in place as _attention_probs(normalized=True)
+// divides them).
+std::vector<at::Tensor> attention_forward_saving(const at::Tensor& q_rows, const at::Tensor& k_rows,
+                                                 const at::Tensor& v_rows, int64_t batch, int64_t heads,
+                                                 int64_t row_blocks, int64_t key_blocks, int64_t block, int64_t rows,
+                                                 int64_t visible, int64_t key_block, int64_t col_block,
+                                                 const at::Tensor& starts, const at::Tensor& row_t,
+                                                 bool uniform_start, int64_t q_len, int64_t group, int64_t chunk,
+                                                 int64_t multiple, at::ScalarType dtype) {
+  return attention_forward_steps(q_rows, k_rows, v_rows, batch, heads, row_blocks, key_blocks, block, rows, visible,
+                                 key_block, col_block, starts, row_t, uniform_start, q_len, group, chunk, multiple,
+                                 dtype, true);
 }
 
 // cpu_exact._AttentionTiles._key_rows: a KV cache [B, L, H, hd] (any float dtype, any strides) as fp32 rows
@@ -1320,6 +1357,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
   m.def("attention_forward", &attention_forward, "cpu_exact._attention_exact after its tiles (library GEMMs), same bits");
+  m.def("attention_forward_saving", &attention_forward_saving,
+        "attention_forward, also returning the output rows and normalised probabilities a backward keeps");
   m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
   m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
   m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");

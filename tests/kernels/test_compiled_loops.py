@@ -173,6 +173,38 @@ def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, ca
     assert torch.equal(_bits(got), _bits(expected))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_forward_with_a_gradient_in_one_call_is_the_python_steps_bit_for_bit(loops, case, dtype,
+                                                                                        monkeypatch):
+    """A forward that keeps what its backward needs (``_ExactAttention``) in one compiled call
+    (``attention_forward_saving``) against its steps in Python: the output and the three gradients bitwise (so the
+    kept output rows and normalised probabilities are the Python steps' too), and the compiled call did run."""
+    from vexact_kernels import cpu_exact
+
+    batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + 2)
+    q = (torch.randn(batch, q_len, q_heads, head_dim, generator=gen) * 3).to(dtype)
+    k = (torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
+    grad = torch.randn(batch, q_len, q_heads, head_dim, generator=gen).to(dtype)
+    q_start, scale = torch.tensor(starts), head_dim ** -0.5
+    if not cpu_exact._library_attention(cpu_exact.HOST, head_dim):
+        pytest.skip("this host's guard runs an attention GEMM class or exp on its fixed-order path")
+    results = []
+    calls = recorded_returns(monkeypatch, loops, "attention_forward_saving")
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(cpu_exact, "_library_attention", lambda host, head_dim: False)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = cpu_exact.attention(*leaves, q_start, scale, host=cpu_exact.HOST)
+        results.append((out, *torch.autograd.grad(out, leaves, grad)))
+    assert len(calls) == 1 and calls[0][0] is results[0][0]
+    for name, got, expected in zip(("output", "grad_q", "grad_k", "grad_v"), *results):
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert torch.equal(_bits(got), _bits(expected)), name
+
+
 @pytest.mark.parametrize("normalized", [False, True], ids=["unnormalised", "normalised"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case, normalized):
