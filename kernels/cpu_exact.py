@@ -527,14 +527,23 @@ class _AttentionTiles:
         bh, rb, kb, width = self.batch * self.kv_heads, self.row_blocks, self.key_blocks, per_key.shape[-1]
         return per_key.view(bh, 1, kb, KEY_BLOCK, width).expand(-1, rb, -1, -1, -1).reshape(-1, KEY_BLOCK, width)
 
-    def to_output(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
-        """[B*Hkv, n >= rows, hd] -> [B, T, Hq, hd] in ``dtype`` (padding rows dropped)."""
+    # The three layouts below: in one compiled loop each where the loops are built (the same values; the same aten
+    # conversion to another dtype), else these torch ops.
+    def to_output(self, rows: Tensor, dtype: torch.dtype, scale: float | None = None) -> Tensor:
+        """[B*Hkv, n >= rows, hd] -> [B, T, Hq, hd] in ``dtype`` (padding rows dropped), each value first times
+        ``scale`` where one is given (the fp32 product)."""
+        if (loops := _layout_loops(rows)) is not None and rows.stride(-1) == 1:
+            return loops.attention_to_output(rows, self.batch, self.q_len, self.q_heads, scale, dtype)
+        if scale is not None:
+            rows = rows * scale
         b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
         real = rows.view(b, h, -1, d)[:, :, : self.rows].reshape(b, h, t, g, d)
         return real.permute(0, 2, 1, 3, 4).reshape(b, t, self.q_heads, d).to(dtype)
 
     def from_output(self, grad: Tensor) -> Tensor:
         """[B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] with zero padding rows (inverse of ``to_output``)."""
+        if (loops := _layout_loops(grad)) is not None:
+            return loops.attention_from_output(grad, self.kv_heads, self.row_len)
         b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
         out = torch.empty(b, h, self.row_len, d, dtype=torch.float32, device=grad.device)
         out[:, :, : self.rows].view(b, h, t, g, d).copy_(grad.view(b, t, h, g, d).permute(0, 2, 1, 3, 4))
@@ -544,6 +553,8 @@ class _AttentionTiles:
 
     def to_cache(self, keys: Tensor, dtype: torch.dtype) -> Tensor:
         """[B*Hkv, n, hd] (the first n keys) -> [B, L, Hkv, hd] (the cache's shape; zero after n)."""
+        if (loops := _layout_loops(keys)) is not None:
+            return loops.attention_to_cache(keys, self.batch, self.cache_len, dtype)
         b, h, d = self.batch, self.kv_heads, self.head_dim
         out = torch.empty(b, self.cache_len, h, d, dtype=dtype, device=keys.device)
         kept = min(self.cache_len, keys.shape[1])
@@ -551,6 +562,11 @@ class _AttentionTiles:
         if kept < self.cache_len:  # zeros only where no key is written (training: none)
             out[:, kept:].zero_()
         return out
+
+
+def _layout_loops(x: Tensor) -> ModuleType | None:
+    """The compiled loops for ``_AttentionTiles``' layouts of ``x`` (fp32 rows, or a float gradient), else None."""
+    return compiled_loops.library() if x.device.type == "cpu" else None
 
 
 def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None, normalized: bool = False
@@ -730,7 +746,7 @@ class _ExactAttention(torch.autograd.Function):
             del d_p, p
             ctx.p = None
             if need_q:
-                grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis]) * tiles.scale, ctx.dtypes[0])
+                grad_q = tiles.to_output(bmm(d_s, tiles.k[:, :vis]), ctx.dtypes[0], scale=tiles.scale)
             if need_k:
                 grad_k = tiles.to_cache(bmm(d_s.transpose(1, 2), tiles.q[:, :rows], b_full=tiles.q), ctx.dtypes[1])
         ctx.p = ctx.out_rows = ctx.tiles = None

@@ -653,7 +653,7 @@ at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, i
 
 namespace {
 
-// out[i * out_row + j] = in[j * in_row + i * in_col] for j < rows, i < cols: a transposing copy in 16 x 16 blocks,
+// out[i * out_row + j] = in[j * in_row + i * in_col] for j < rows, i < cols: a transposing copy in 32 x 32 blocks,
 // so that both sides touch a few cache lines at a time (a column-by-column copy read one line per element).
 template <typename T>
 void transpose_into(const T* in, int64_t in_row, int64_t in_col, int64_t rows, int64_t cols, T* out,
@@ -674,13 +674,21 @@ void transpose_into(const T* in, int64_t in_row, int64_t in_col, int64_t rows, i
 
 // Where the `index`-th combination of dims 0..last of an out tensor of `shape` (last dim fastest) sits in src:
 // its element offset, or -1 where it lies outside src (padding).
-int64_t src_offset(const at::Tensor& src, at::IntArrayRef shape, int64_t index, int64_t last) {
+// (src's sizes and strides, and `shape`, read once per call into plain arrays: read from the tensor per row, they cost
+// more than the row's copy.)
+struct SrcLayout {
+  std::vector<int64_t> sizes, strides, shape;
+  SrcLayout(const at::Tensor& src, at::IntArrayRef out_shape)
+      : sizes(src.sizes().vec()), strides(src.strides().vec()), shape(out_shape.vec()) {}
+};
+
+int64_t src_offset(const SrcLayout& layout, int64_t index, int64_t last) {
   int64_t offset = 0;
   for (int64_t k = last; k >= 0; --k) {
-    const int64_t i = index % shape[k];
-    index /= shape[k];
-    if (i >= src.size(k)) return -1;
-    offset += i * src.stride(k);
+    const int64_t i = index % layout.shape[k];
+    index /= layout.shape[k];
+    if (i >= layout.sizes[k]) return -1;
+    offset += i * layout.strides[k];
   }
   return offset;
 }
@@ -697,6 +705,7 @@ at::Tensor padded_copy(const at::Tensor& src, at::IntArrayRef shape) {
   if (out.numel() == 0) return out;
   const int64_t cols = shape[nd - 1], src_cols = src.size(nd - 1), s_col = src.stride(nd - 1);
   const int64_t rows = out.numel() / cols;
+  const SrcLayout layout(src, shape);
   if (nd >= 2 && s_col != 1 && src.stride(nd - 2) == 1 && src.size(nd - 2) > 1) {
     // the last two dims transposed (a .transpose(-1, -2) view): blocked transposes per matrix, then the zeros
     const int64_t mat_rows = shape[nd - 2], src_rows = src.size(nd - 2), mats = out.numel() / (mat_rows * cols);
@@ -706,7 +715,7 @@ at::Tensor padded_copy(const at::Tensor& src, at::IntArrayRef shape) {
       at::parallel_for(0, mats, std::max<int64_t>(1, kGrain / (mat_rows * cols)), [&](int64_t first, int64_t last) {
         for (int64_t mat = first; mat < last; ++mat) {
           scalar_t* o = dst + mat * mat_rows * cols;
-          const int64_t offset = src_offset(src, shape, mat, nd - 3);
+          const int64_t offset = src_offset(layout, mat, nd - 3);
           if (offset < 0) {
             std::fill(o, o + mat_rows * cols, scalar_t(0));
             continue;
@@ -726,7 +735,7 @@ at::Tensor padded_copy(const at::Tensor& src, at::IntArrayRef shape) {
     at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / cols), [&](int64_t first, int64_t last) {
       for (int64_t row = first; row < last; ++row) {
         scalar_t* o = dst + row * cols;
-        const int64_t offset = src_offset(src, shape, row, nd - 2);
+        const int64_t offset = src_offset(layout, row, nd - 2);
         int64_t copied = 0;
         if (offset >= 0) {
           const scalar_t* in = base + offset;
@@ -1263,6 +1272,115 @@ std::vector<at::Tensor> attention_forward_saving(const at::Tensor& q_rows, const
                                  dtype, true);
 }
 
+// cpu_exact._AttentionTiles' layouts between the model's [B, T, Hq, hd] / [B, L, Hkv, hd] and the tiles' fp32 rows
+// [B*Hkv, rows, hd] (row r = t * group + g of KV head h holds query head h * group + g at step t): the same values
+// as its permuted copies, in one loop each. A conversion to another dtype is aten's own, as there.
+namespace {
+
+// out [B*Hkv, out_rows, hd] fp32 contiguous: row r < t_len * group of pair (b, h) from src[b, r / group, h * group + r
+// % group] (src [B, T, Hq, hd], any float dtype and strides; converted exactly), zero from row t_len * group on.
+at::Tensor heads_to_rows(const at::Tensor& src, int64_t kv_heads, int64_t out_rows) {
+  const int64_t batch = src.size(0), t_len = src.size(1), q_heads = src.size(2), dim = src.size(3);
+  const int64_t group = q_heads / kv_heads, rows = t_len * group;
+  TORCH_CHECK(group * kv_heads == q_heads && out_rows >= rows, "heads_to_rows: heads or rows");
+  at::Tensor out = at::empty({batch * kv_heads, out_rows, dim}, src.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2), s3 = src.stride(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "heads_to_rows", [&] {
+    const scalar_t* base = src.data_ptr<scalar_t>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, batch * kv_heads, std::max<int64_t>(1, kGrain / (out_rows * dim)), [&](int64_t first,
+                                                                                            int64_t last) {
+      for (int64_t pair = first; pair < last; ++pair) {
+        const int64_t b = pair / kv_heads, h = pair % kv_heads;
+        float* o = dst + pair * out_rows * dim;
+        for (int64_t r = 0; r < rows; ++r, o += dim) {
+          const scalar_t* in = base + b * s0 + (r / group) * s1 + (h * group + r % group) * s2;
+          for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j * s3]);
+        }
+        std::fill(o, dst + (pair + 1) * out_rows * dim, 0.0f);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+// _AttentionTiles.from_output: grad [B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd], zero padding rows.
+at::Tensor attention_from_output(const at::Tensor& grad, int64_t kv_heads, int64_t row_len) {
+  TORCH_CHECK(grad.dim() == 4, "attention_from_output: grad [B, T, Hq, hd]");
+  return heads_to_rows(grad, kv_heads, row_len);
+}
+
+// _AttentionTiles.to_output: fp32 rows [B*Hkv, n >= T * group, hd] (unit last stride, any other strides) -> [B, T,
+// Hq, hd] in `dtype` (aten's conversion of the fp32 result), each value first times `scale` where one is given (the
+// fp32 product, as `rows * scale`).
+at::Tensor attention_to_output(const at::Tensor& rows, int64_t batch, int64_t q_len, int64_t q_heads,
+                               c10::optional<double> scale, at::ScalarType dtype) {
+  TORCH_CHECK(rows.dim() == 3 && rows.scalar_type() == at::kFloat && rows.stride(2) == 1 && batch > 0 &&
+                  rows.size(0) % batch == 0,
+              "attention_to_output: fp32 rows [B*Hkv, n, hd] with a unit last stride");
+  const int64_t kv_heads = rows.size(0) / batch, dim = rows.size(2), group = q_heads / kv_heads;
+  TORCH_CHECK(group * kv_heads == q_heads && rows.size(1) >= q_len * group, "attention_to_output: heads or rows");
+  at::Tensor out = at::empty({batch, q_len, q_heads, dim}, rows.options());
+  if (out.numel() == 0) return dtype == at::kFloat ? out : out.to(dtype);
+  const float* base = rows.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t s0 = rows.stride(0), s1 = rows.stride(1);
+  const bool scaled = scale.has_value();
+  const float factor = scaled ? static_cast<float>(*scale) : 1.0f;
+  at::parallel_for(0, batch * q_len * q_heads, std::max<int64_t>(1, kGrain / dim), [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {  // output row (b, t, head)
+      const int64_t head = i % q_heads, t = (i / q_heads) % q_len, b = i / (q_heads * q_len);
+      const float* in = base + (b * kv_heads + head / group) * s0 + (t * group + head % group) * s1;
+      float* o = dst + i * dim;
+      if (scaled) {
+#pragma omp simd
+        for (int64_t j = 0; j < dim; ++j) o[j] = in[j] * factor;
+      } else {
+        std::copy(in, in + dim, o);
+      }
+    }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+// _AttentionTiles.to_cache: fp32 keys [B*Hkv, n, hd] (the first n positions) -> [B, L, Hkv, hd] in `dtype`, zero after
+// n. fp32: one loop; another dtype: the same aten copy into the cache's layout as the Python (its conversion).
+at::Tensor attention_to_cache(const at::Tensor& keys, int64_t batch, int64_t cache_len, at::ScalarType dtype) {
+  TORCH_CHECK(keys.dim() == 3 && keys.scalar_type() == at::kFloat && batch > 0 && keys.size(0) % batch == 0,
+              "attention_to_cache: fp32 keys [B*Hkv, n, hd]");
+  const int64_t heads = keys.size(0) / batch, n = keys.size(1), dim = keys.size(2);
+  const int64_t kept = std::min(cache_len, n);
+  at::Tensor out = at::empty({batch, cache_len, heads, dim}, keys.options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  if (dtype != at::kFloat) {
+    out.narrow(1, 0, kept).copy_(keys.view({batch, heads, n, dim}).narrow(2, 0, kept).permute({0, 2, 1, 3}));
+    if (kept < cache_len) out.narrow(1, kept, cache_len - kept).zero_();
+    return out;
+  }
+  const float* base = keys.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t s0 = keys.stride(0), s1 = keys.stride(1), s2 = keys.stride(2);
+  at::parallel_for(0, batch * cache_len, std::max<int64_t>(1, kGrain / (heads * dim)), [&](int64_t first,
+                                                                                        int64_t last) {
+    for (int64_t i = first; i < last; ++i) {  // cache row (b, l)
+      const int64_t l = i % cache_len, b = i / cache_len;
+      float* o = dst + i * heads * dim;
+      for (int64_t h = 0; h < heads; ++h, o += dim) {
+        if (l >= kept) {
+          std::fill(o, o + dim, 0.0f);
+          continue;
+        }
+        const float* in = base + (b * heads + h) * s0 + l * s1;
+        for (int64_t j = 0; j < dim; ++j) o[j] = in[j * s2];
+      }
+    }
+  });
+  return out;
+}
+
 // cpu_exact._AttentionTiles._key_rows: a KV cache [B, L, H, hd] (any float dtype, any strides) as fp32 rows
 // [B*H, key_len, hd] -- position l < min(L, key_len) is the cache's row l converted to fp32 (exact), zeros after --
 // in one pass instead of a permuted, converting copy and a fill.
@@ -1361,6 +1479,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention_forward, also returning the output rows and normalised probabilities a backward keeps");
   m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
   m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
+  m.def("attention_from_output", &attention_from_output, "cpu_exact._AttentionTiles.from_output, same values");
+  m.def("attention_to_output", &attention_to_output, "cpu_exact._AttentionTiles.to_output (times scale), same bits",
+        py::arg("rows"), py::arg("batch"), py::arg("q_len"), py::arg("q_heads"), py::arg("scale"), py::arg("dtype"));
+  m.def("attention_to_cache", &attention_to_cache, "cpu_exact._AttentionTiles.to_cache, same values");
   m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");
   m.def("key_rows_at", &key_rows_at, "kv_rows: written cache positions copied into its fp32 rows, same values");
 }

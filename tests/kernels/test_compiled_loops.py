@@ -205,6 +205,38 @@ def test_attention_forward_with_a_gradient_in_one_call_is_the_python_steps_bit_f
         assert torch.equal(_bits(got), _bits(expected)), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_layout_loops_are_the_torch_ops_bit_for_bit(loops, case, dtype, monkeypatch):
+    """``_AttentionTiles``' three layouts through the loops against their torch ops, bitwise, on values over many
+    magnitudes and special values: a gradient to rows (from a fresh and a transposed tensor), rows to the output
+    (a padded GEMM output's sliced view, with and without the scale) and keys to the cache's layout (fewer keys than
+    the cache holds and more)."""
+    from vexact_kernels import cpu_exact
+
+    batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
+    q = torch.zeros(batch, q_len, q_heads, head_dim, dtype=dtype)
+    k = torch.zeros(batch, cache_len, kv_heads, head_dim, dtype=dtype)
+    tiles = cpu_exact._AttentionTiles(q, k, k, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
+    grad = _values((batch, q_heads, q_len, head_dim), torch.float64, len(case)).clamp(-1e30, 1e30).to(dtype)
+    padded_rows = _values((batch * kv_heads, tiles.row_len + 3, 2 * head_dim), torch.float64, len(case) + 1).float()
+    rows = padded_rows[:, : tiles.rows, :head_dim]
+    short = _values((batch * kv_heads, max(1, cache_len - 5), head_dim), torch.float64, len(case) + 2).float()
+    long = _values((batch * kv_heads, cache_len + 7, head_dim), torch.float64, len(case) + 3).float()
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(cpu_exact, "_layout_loops", lambda x: None)
+        results.append((tiles.from_output(grad.transpose(1, 2)), tiles.from_output(grad.transpose(1, 2).contiguous()),
+                        tiles.to_output(rows, dtype), tiles.to_output(rows, dtype, scale=tiles.scale),
+                        tiles.to_cache(short, dtype), tiles.to_cache(long, dtype)))
+    names = ("rows of a transposed gradient", "rows of a gradient", "output", "scaled output", "cache of fewer keys",
+             "cache of more keys")
+    for name, got, expected in zip(names, *results):
+        assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous(), name
+        assert torch.equal(_bits(got), _bits(expected)), name
+
+
 @pytest.mark.parametrize("normalized", [False, True], ids=["unnormalised", "normalised"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case, normalized):
