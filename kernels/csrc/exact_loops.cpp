@@ -16,6 +16,10 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
@@ -23,6 +27,16 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+
+// MKL's per-thread thread count, its C entry point (mkl_set_num_threads_local is the Fortran one, which takes a
+// pointer), in libtorch where torch is built with MKL. Declared weak on ELF hosts (null where torch has no MKL);
+// elsewhere not used.
+#if defined(__ELF__)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+#define VEXACT_MKL_LOCAL_THREADS(n) (MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(n) : -1)
+#else
+#define VEXACT_MKL_LOCAL_THREADS(n) (-1)
+#endif
 
 namespace {
 
@@ -146,6 +160,34 @@ at::Tensor tree_sum(const at::Tensor& x, int64_t dim) { return tree_sum_into(x, 
 // may be written into it). Returns the result with x's shape (a view of the padded buffer where there is padding).
 namespace {
 
+// While alive (where `active`): this thread's OpenMP and MKL thread counts 1 (thread-local settings of this thread
+// only, restored on exit). Where torch has no MKL, only OpenMP's count changes.
+class OneThreadHere {
+ public:
+  explicit OneThreadHere(bool active) : active_(active) {
+    if (!active_) return;
+#ifdef _OPENMP
+    omp_before_ = omp_get_max_threads();
+    omp_set_num_threads(1);
+#endif
+    mkl_before_ = VEXACT_MKL_LOCAL_THREADS(1);
+  }
+  ~OneThreadHere() {
+    if (!active_) return;
+#ifdef _OPENMP
+    omp_set_num_threads(omp_before_);
+#endif
+    if (mkl_before_ >= 0) VEXACT_MKL_LOCAL_THREADS(mkl_before_);
+  }
+  OneThreadHere(const OneThreadHere&) = delete;
+  OneThreadHere& operator=(const OneThreadHere&) = delete;
+
+ private:
+  bool active_;
+  int omp_before_ = 1;
+  int mkl_before_ = -1;  // MKL's setting before (0: its global one); -1: no MKL setter
+};
+
 // The library function `which` over `flat` into `out` (both 1-D, `padded` elements, a multiple of the vector width):
 // one call per `chunk` elements, the chunks spread over threads.
 void chunked_calls(const at::Tensor& flat, const at::Tensor& out, int64_t which, int64_t chunk) {
@@ -165,6 +207,11 @@ void chunked_calls(const at::Tensor& flat, const at::Tensor& out, int64_t which,
     }
   };
   if (chunks == 1) {
+    // Below aten's own grain (at::internal::GRAIN_SIZE) on this thread alone: aten's exp and MKL's vector math
+    // under it each split even a few thousand elements over the threads (two forks and joins, which cost more than
+    // the call at 2 threads; as inside any at::parallel_for body, where they run on one thread). An elementwise
+    // function: which thread computes an element changes no bit (the guard probed it at every thread count).
+    const OneThreadHere one_thread(padded < at::internal::GRAIN_SIZE);
     run(0, 1);
   } else {
     at::parallel_for(0, chunks, 1, run);
