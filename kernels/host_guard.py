@@ -54,8 +54,10 @@ for the process:
 - if every arrangement agrees, the op uses the fast library path (``blas`` / ``vectorised``);
 - if a GEMM differs only at more than one thread (MKL splits a long K reduction between threads) while every
   arrangement agrees at 1 thread, the class takes the ``blas-1-thread`` path: the library GEMM, always called
-  with 1 torch thread, so its rows are the 1-thread reference's whatever the process's thread count (a run at 2
-  threads loses that class's parallelism, not its speed per thread);
+  with 1 torch thread, so its rows are the 1-thread reference's whatever the process's thread count; at several
+  threads a call's tiles are shared out between them, each thread's GEMM seeing one thread, where a ``same_bits``
+  check finds that gives the 1-thread call's bits (``loops.split_bmm``; else the call runs on 1 thread: that class's
+  parallelism lost, not its speed per thread);
 - a class its kernel declares ``one_thread`` (a bf16 weight gradient's long reduction chunk: ``gemm_arrangements``)
   takes the ``blas-1-thread`` path by construction, probed at 1 thread only: a BLAS may split a long reduction
   between threads where a call's tiles leave a thread idle (oneDNN's AMX kernels on an Intel Xeon did for a
@@ -94,7 +96,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from . import fixed_order
+from . import compiled_loops, fixed_order
 
 MODES = ("auto", "canonical", "fixed-order", "unguarded")
 PROBING_MODES = ("auto", "canonical")  # the modes that probe the library properties
@@ -369,10 +371,36 @@ class HostGuard:
             raise ValueError(f"HostGuard.bmm: tile height {a.shape[1]} is not one the probe allowed for "
                              f"{record.shape_class} ({record.tile_heights}); ask tile_heights() first")
         if record.path == SINGLE_THREAD_PATH:
+            if a.shape[0] > 1 and torch.get_num_threads() > 1 and (
+                    split := self._split_over_threads(a.dtype, a.shape[2], b, shared_operand, one_thread, record, op)):
+                return split(a, b)
             return _with_threads(REFERENCE_THREADS, lambda: self._library_bmm(a, b))
         if record.path == ONEDNN_PATH:
             return onednn_linear(a, b[0].t())  # b: the shared weight [N, K] seen transposed, expanded
         return self._library_bmm(a, b)
+
+    def _split_over_threads(self, dtype: torch.dtype, k: int, b: Tensor, shared: bool, one_thread: bool,
+                            record: ProbeRecord, op: str) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """For a ``blas-1-thread`` class at several threads: ``loops.split_bmm`` (the tiles shared out between the
+        threads, each thread's bmm seeing one thread) where the guard's ``same_bits`` check found it gives the 1-thread
+        call's bits on the class's probe rows among other tiles, else None (the 1-thread call: slower, the same bits).
+        The class's probe already found a tile's rows to have the same bits in calls of any tile count at 1 thread;
+        the check makes sure the calls inside a parallel region are those calls. Only on torch's own GEMM, where the
+        loops are built."""
+        loops = compiled_loops.library()
+        if loops is None or not self._on_torch_gemm():
+            return None
+        n, transposed, height = b.shape[2], operand_layout(b) == "transposed", record.tile_heights[-1]
+
+        def probe(split: bool) -> Tensor:
+            rows, other, cols = _gemm_probe_inputs(dtype, k, n)
+            tiles = torch.cat([other, rows, other]).view(-1, height, k)  # an odd count of tiles: uneven shares
+            operand = _operand(cols, tiles.shape[0], shared, transposed)
+            return loops.split_bmm(tiles, operand) if split else self._library_bmm(tiles, operand)
+        name = "one-thread GEMMs split over threads" + (" (one thread by construction)" if one_thread else "")
+        if self.arrangement_agrees(name, record.shape_class, lambda: probe(False), lambda: probe(True), op):
+            return loops.split_bmm
+        return None
 
     def elementwise(self, name: str, dtype: torch.dtype, op: str) -> Callable[..., Tensor]:
         """``fn(x, out=...)``: ``name`` (exp, log, cos or sqrt) elementwise, through the path chosen for (name,

@@ -935,6 +935,31 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int6
   return out;
 }
 
+// HostGuard.bmm's blas-1-thread path (a GEMM class right at 1 thread only) with the tiles shared out between the
+// threads: a [T, R, K] @ b [T, K, N] as one bmm per thread over consecutive tiles, each inside the parallel region on
+// its own thread with OpenMP's and MKL's thread-local counts 1 (OneThreadHere: the library sees one thread, as in the
+// 1-thread call the guard probed). The class's probe found a tile's rows to have the same bits in calls of any tile
+// count at 1 thread; the guard still checks this call against the 1-thread one at first use (same_bits). One tile,
+// or one thread: the 1-thread call itself.
+at::Tensor split_bmm(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1) &&
+                  a.scalar_type() == b.scalar_type(),
+              "split_bmm: a [T, R, K] and b [T, K, N] of one dtype");
+  at::Tensor out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
+  const auto run = [&](int64_t first, int64_t last) {
+    at::NoGradGuard no_grad;  // (as tile_gemms: a worker's grad mode is on, and an out= call refuses such inputs)
+    const OneThreadHere one_thread(true);
+    at::Tensor part = out.narrow(0, first, last - first);
+    at::bmm_out(part, a.narrow(0, first, last - first), b.narrow(0, first, last - first));
+  };
+  if (a.size(0) <= 1 || at::get_num_threads() == 1) {
+    run(0, a.size(0));
+  } else {
+    at::parallel_for(0, a.size(0), 1, run);
+  }
+  return out;
+}
+
 // The weight gradients' GEMMs shared out between the threads by their cost (multiply-adds), largest first, each to
 // the thread with the least work so far: whatever their sizes, the threads get near-even shares (a plain split of
 // llama100m's slabs of 256, 256 and 64 rows, or of a 256-token chunk's slabs and a 64-token chunk's, gave one thread
@@ -1516,6 +1541,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "gemm_arrangements._packed_run's steps after its plan, same bits");
   m.def("tile_gemms", &tile_gemms, "one at::mm per tile (or per column block of it) with a shared operand, spread over "
         "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1);
+  m.def("split_bmm", &split_bmm, "a bmm at 1 thread per thread over consecutive tiles (HostGuard.bmm's blas-1-thread path)");
   m.def("reduction_slab_mms", &reduction_slab_mms,
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads", py::arg("a"),
         py::arg("b"), py::arg("block"), py::arg("last_length"), py::arg("slab"), py::arg("out") = py::none());

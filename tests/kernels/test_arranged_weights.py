@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import num_threads
+from conftest import num_threads, recorded_returns
 from test_host_guard import emulated_guard
 from torch.profiler import ProfilerActivity, profile
 
-from vexact_kernels import cpu_exact, gemm_arrangements
-from vexact_kernels.host_guard import SINGLE_THREAD_PATH, HostGuard
+from vexact_kernels import compiled_loops, cpu_exact, gemm_arrangements
+from vexact_kernels.host_guard import FASTER_PATH, SAME_BITS, SINGLE_THREAD_PATH, HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -405,7 +405,8 @@ def test_a_one_thread_class_lays_its_tiles_out_with_the_canonical_bits(rows, for
             host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
             _one_thread_classes(canonical, host)
             expected = gemm_arrangements.tiled_matmul(x, weight, host)
-            assert not forms and {r.path for r in host._records.values()} == {SINGLE_THREAD_PATH}
+            gemm_paths = {r.path for r in host._records.values() if r.property != SAME_BITS}
+            assert not forms and gemm_paths == {SINGLE_THREAD_PATH}
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
         host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
         _one_thread_classes(monkeypatch, host)
@@ -415,3 +416,30 @@ def test_a_one_thread_class_lays_its_tiles_out_with_the_canonical_bits(rows, for
     assert forms[-2:] == [form, form] and set(forms) == {form}
     assert not [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
     assert torch.equal(_bits(first), _bits(expected)) and torch.equal(_bits(warm), _bits(expected))
+
+
+@pytest.mark.parametrize("mode", ["auto", "canonical"])
+@pytest.mark.parametrize("tiles", [2, 3, 5])
+def test_a_one_thread_class_at_two_threads_shares_its_tiles_out_with_the_one_thread_bits(tiles, mode, monkeypatch):
+    """A bf16 class the guard runs with 1 thread (``blas-1-thread``), at 2 threads: the guard's ``bmm`` has the bits
+    of the 1-thread call; in ``auto``, where the class's ``same_bits`` check passed, through the tiles shared out
+    between the threads (``loops.split_bmm``: each thread's bmm sees one thread); in ``canonical`` (no ``same_bits``
+    arrangement) never through them."""
+    loops = compiled_loops.library()
+    if loops is None:
+        pytest.skip("no compiled loops on this host")
+    a = _randn(tiles, 64, 96, dtype=torch.bfloat16, seed=7)
+    b = _randn(96, 176, dtype=torch.bfloat16, seed=8).expand(tiles, 96, 176).contiguous()  # one operand per tile
+    with num_threads(2):
+        expected = _with_threads(1, lambda: torch.bmm(a, b))
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+        _one_thread_classes(monkeypatch, host)
+        calls = recorded_returns(monkeypatch, loops, "split_bmm")
+        got = host.bmm(a, b, op="linear", shared_operand=False)
+    split = [r for r in host._records.values() if r.property == SAME_BITS]
+    assert torch.equal(_bits(got), _bits(expected))
+    if mode == "canonical":
+        assert not any(c is got for c in calls)
+    else:  # the check ran (the probe's own calls), and its verdict decided the path
+        assert len(split) == 1 and calls
+        assert any(c is got for c in calls) == (split[0].path == FASTER_PATH)
