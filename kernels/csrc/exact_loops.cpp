@@ -1349,14 +1349,15 @@ std::vector<at::Tensor> attention_forward_saving(const at::Tensor& q_rows, const
 // as its permuted copies, in one loop each. A conversion to another dtype is aten's own, as there.
 namespace {
 
-// out [B*Hkv, out_rows, hd] fp32 contiguous: row r < t_len * group of pair (b, h) from src[b, r / group, h * group + r
-// % group] (src [B, T, Hq, hd], any float dtype and strides; converted exactly), zero from row t_len * group on.
+// out [B*Hkv, out_rows, hd] fp32 contiguous: row r < min(t_len * group, out_rows) of pair (b, h) from src[b, r /
+// group, h * group + r % group] (src [B, T, Hq, hd], any float dtype and strides; converted exactly), zero after.
+// A KV cache's rows (key_rows) are the case group = 1: row l of head h is the cache's position l.
 at::Tensor heads_to_rows(const at::Tensor& src, int64_t kv_heads, int64_t out_rows) {
   const int64_t batch = src.size(0), t_len = src.size(1), q_heads = src.size(2), dim = src.size(3);
-  const int64_t group = q_heads / kv_heads, rows = t_len * group;
-  TORCH_CHECK(group * kv_heads == q_heads && out_rows >= rows, "heads_to_rows: heads or rows");
   at::Tensor out = at::empty({batch * kv_heads, out_rows, dim}, src.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
+  const int64_t group = q_heads / kv_heads, rows = std::min(t_len * group, out_rows);
+  TORCH_CHECK(group * kv_heads == q_heads, "heads_to_rows: ", q_heads, " heads in groups of ", kv_heads);
   const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2), s3 = src.stride(3);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "heads_to_rows", [&] {
     const scalar_t* base = src.data_ptr<scalar_t>();
@@ -1368,7 +1369,11 @@ at::Tensor heads_to_rows(const at::Tensor& src, int64_t kv_heads, int64_t out_ro
         float* o = dst + pair * out_rows * dim;
         for (int64_t r = 0; r < rows; ++r, o += dim) {
           const scalar_t* in = base + b * s0 + (r / group) * s1 + (h * group + r % group) * s2;
-          for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j * s3]);
+          if (s3 == 1) {
+            for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j]);
+          } else {
+            for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j * s3]);
+          }
         }
         std::fill(o, dst + (pair + 1) * out_rows * dim, 0.0f);
       }
@@ -1382,6 +1387,8 @@ at::Tensor heads_to_rows(const at::Tensor& src, int64_t kv_heads, int64_t out_ro
 // _AttentionTiles.from_output: grad [B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd], zero padding rows.
 at::Tensor attention_from_output(const at::Tensor& grad, int64_t kv_heads, int64_t row_len) {
   TORCH_CHECK(grad.dim() == 4, "attention_from_output: grad [B, T, Hq, hd]");
+  TORCH_CHECK(kv_heads > 0 && row_len >= grad.size(1) * (grad.size(2) / kv_heads),
+              "attention_from_output: row_len shorter than the gradient's rows");
   return heads_to_rows(grad, kv_heads, row_len);
 }
 
@@ -1458,31 +1465,7 @@ at::Tensor attention_to_cache(const at::Tensor& keys, int64_t batch, int64_t cac
 // in one pass instead of a permuted, converting copy and a fill.
 at::Tensor key_rows(const at::Tensor& cache, int64_t key_len) {
   TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 4, "key_rows: a CPU cache [B, L, H, hd]");
-  const int64_t batch = cache.size(0), length = cache.size(1), heads = cache.size(2), dim = cache.size(3);
-  const int64_t kept = std::min(length, key_len);
-  at::Tensor out = at::empty({batch * heads, key_len, dim}, cache.options().dtype(at::kFloat));
-  if (out.numel() == 0) return out;
-  const int64_t s_b = cache.stride(0), s_l = cache.stride(1), s_h = cache.stride(2), s_d = cache.stride(3);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "key_rows", [&] {
-    const scalar_t* base = cache.data_ptr<scalar_t>();
-    float* dst = out.data_ptr<float>();
-    at::parallel_for(0, batch * heads, std::max<int64_t>(1, kGrain / (key_len * dim)), [&](int64_t first,
-                                                                                         int64_t last) {
-      for (int64_t pair = first; pair < last; ++pair) {
-        const scalar_t* in = base + (pair / heads) * s_b + (pair % heads) * s_h;
-        float* o = dst + pair * key_len * dim;
-        for (int64_t l = 0; l < kept; ++l, in += s_l, o += dim) {
-          if (s_d == 1) {
-            for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j]);
-          } else {
-            for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<float>(in[j * s_d]);
-          }
-        }
-        std::fill(o, dst + (pair + 1) * key_len * dim, 0.0f);
-      }
-    });
-  });
-  return out;
+  return heads_to_rows(cache, cache.size(2), key_len);
 }
 
 // kv_rows: the positions a KV cache write changed, copied into the cache's fp32 rows again [B*H, key_len, hd] (what
