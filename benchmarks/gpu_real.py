@@ -24,6 +24,9 @@ recorded by ``--timed-out PART``. The parts:
   cache) eager and captured in a CUDA graph (``torch.cuda.graph``: the same kernels without Python or launch
   overhead), exact and native: tokens/s of each, and whether the graph's replay gives the eager step's logits bit
   for bit. A step that cannot be captured (a host synchronisation inside it) is recorded with the error, not timed.
+- ``profiles``: where the time goes, exact and native, at ``qwen3_1_7b`` bf16: one decode step at batch 64 and one
+  training forward + backward of 8 x 1,024 tokens under torch.profiler: launches, GPU-busy time against wall time,
+  and the kernels that take the most GPU time.
 - ``rl_run``: ``vexact run experiments/gpu_qwen3_0_6b.yaml --device cuda``, 10 RL steps at ``qwen3_0_6b``; passes
   when every step's ``mismatch/bitwise_equal_frac`` is 1.0.
 - ``moe``: the ``vexact check`` procedure at ``qwen3_30b_a3b`` with ``num_layers`` reduced (128 experts, top-8):
@@ -75,6 +78,8 @@ SIZES = {
                  "position": 512, "reps": 5},
     "graphed": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 64, "cache_len": 1024,
                 "positions": (0, 512, 1023), "reps": 5},
+    "profiles": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 64, "cache_len": 1024, "position": 512,
+                 "train_batch": 8, "train_len": 1024, "reps": 3, "top": 12},
     "rl_run": {"steps": 10},
     "moe": {"preset": "qwen3_30b_a3b", "dtype": "bfloat16", "num_layers": 2, "num_prompts": 8, "max_prompt_len": 32,
             "max_new_tokens": 32},
@@ -92,6 +97,7 @@ REHEARSAL = {
               "train_batch": 2, "train_prompt_len": 4, "train_response_len": 4, "reps": 1},
     "launches": {"decode_batch": 2, "cache_len": 16, "position": 8, "reps": 1},
     "graphed": {"decode_batch": 2, "cache_len": 16, "positions": (0, 8, 15), "reps": 1},
+    "profiles": {"decode_batch": 2, "cache_len": 16, "position": 8, "train_batch": 2, "train_len": 8, "reps": 1},
     "rl_run": {"steps": 2},
     "moe": {"num_layers": 1, "num_prompts": 3, "max_prompt_len": 4, "max_new_tokens": 3},
 }
@@ -276,6 +282,8 @@ def part_speed(device: torch.device, rehearse: bool, s: dict) -> dict:
                                     "peak_bytes": peak}
         except torch.OutOfMemoryError as err:  # recorded as what it is (the chunked scoring's memory work)
             row["train_fwd_bwd"] = {"out_of_memory": str(err).splitlines()[0]}
+        except Exception as err:  # noqa: BLE001 -- recorded; the prefill and decode rows already measured stay
+            row["train_fwd_bwd"] = {"error": _one_line(err)}
         model.zero_grad(set_to_none=True)
         rows.append(row)
         del model
@@ -311,6 +319,69 @@ def part_launches(device: torch.device, rehearse: bool, s: dict) -> dict:
         del step, model, cache
     return {"status": "passed", "rows": rows, "note": "forward + lm_head of one decode step (no sampling); busy: "
                                                       "the step's kernels' summed durations, wall: the step unprofiled"}
+
+
+def kernel_table(events: list, device_type: object, top: int) -> dict:
+    """The ``top`` kernels by summed GPU time among a profile's ``events`` of ``device_type`` (each kernel name
+    once: its calls and summed microseconds, its share of the busy time), with the busy time and the launches."""
+    totals: dict[str, list] = {}
+    for event in events:
+        if event.device_type == device_type:
+            entry = totals.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+    busy = sum(us for _, us in totals.values())
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return {"launches": sum(n for n, _ in totals.values()), "busy_us": round(busy, 1),
+            "top": [{"kernel": name[:160], "calls": n, "us": round(us, 1),
+                     "share": round(us / busy, 4) if busy else 0.0} for name, (n, us) in ranked]}
+
+
+def part_profiles(device: torch.device, rehearse: bool, s: dict) -> dict:
+    """Where each side's time goes: one decode step (batch ``decode_batch`` at ``position``) and one training
+    forward + backward (``train_batch`` x ``train_len``), profiled once after a warm-up, exact and native: kernel
+    launches, GPU-busy time against the unprofiled wall time (median of ``reps``), and the ``top`` kernels by GPU
+    time. On the CPU (rehearsal) the events are the CPU's operators, nested ones included: the code path only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activity, kind = ((ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA) if cuda
+                      else (ProfilerActivity.CPU, torch.autograd.DeviceType.CPU))
+    cfg = _model_config(s["preset"], rehearse, max(s["cache_len"], s["train_len"]))
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, cfg.vocab_size, (s["train_batch"], s["train_len"] // 2), generator=gen).tolist()
+    responses = torch.randint(0, cfg.vocab_size, (s["train_batch"], s["train_len"] // 2), generator=gen).tolist()
+    rows = []
+    for backend in _backends(s):
+        model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
+        cache = model.new_cache(s["decode_batch"], s["cache_len"])
+
+        def train(model=model):
+            model.zero_grad(set_to_none=True)
+            torch.stack([lp.sum() for lp in token_logprobs(model, prompts, responses)]).sum().backward()
+
+        row: dict = {"backend": backend}
+        for name, fn in (("decode_step", _decode_step(model, cfg, s["decode_batch"], s["position"], cache, device)),
+                         ("train_fwd_bwd", train)):
+            try:
+                wall_us = 1e6 * _timed(fn, device, s["reps"])  # warms up (compiles, autotunes) first
+                with profile(activities=[activity]) as prof:
+                    fn()
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                table = kernel_table(prof.events(), kind, s["top"])
+                row[name] = {"wall_us": round(wall_us, 1), **table,
+                             "busy_fraction": round(table["busy_us"] / wall_us, 4)}
+            except Exception as err:  # noqa: BLE001 -- one item's failure recorded, the others still profiled
+                row[name] = {"error": _one_line(err)}
+        model.zero_grad(set_to_none=True)
+        rows.append(row)
+        del model, cache, fn
+    out = {"status": "passed", "rows": rows, "sizes": {k: v for k, v in s.items() if k != "preset"},
+           "note": "busy: the kernels' summed durations in one profiled call; wall: the call unprofiled"}
+    if not cuda:
+        out["events"] = "CPU operators, nested ones counted too (rehearsal: not kernels, not a measurement)"
+    return out
 
 
 def _captured(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[object, torch.Tensor] | str:
@@ -413,7 +484,8 @@ def part_moe(device: torch.device, rehearse: bool, s: dict) -> dict:
 
 PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "train_memory": part_train_memory,
                                         "rl_run": part_rl_run, "moe": part_moe, "speed": part_speed,
-                                        "launches": part_launches, "graphed": part_graphed}
+                                        "launches": part_launches, "graphed": part_graphed,
+                                        "profiles": part_profiles}
 """The parts, in the order ``gpu_check.sh`` runs them."""
 
 
