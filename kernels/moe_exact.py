@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from . import checks
+from .backends import _triton  # a function: triton itself is imported at its first call
 from .cpu_exact import elementwise
 
 OP = "moe_routing"  # the op name the host guard's probes record for the routing's exp
@@ -47,8 +48,6 @@ def _exp_forward(x: Tensor) -> Tensor:
     """The position-invariant fp32 exp for ``x``'s device: the Triton kernel on CUDA tensors (the CPU kernels'
     host guard probes the CPU's library, not the GPU's), the exact CPU kernels' chunked exp elsewhere."""
     if x.is_cuda:
-        from . import _triton  # imported at first use: importing triton is slow, and it is optional on CPU
-
         return _triton().exp(x)
     return elementwise("exp", x, op=OP)
 

@@ -67,12 +67,30 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     q_pos = q_start[:, None] + torch.arange(T, device=q.device)[None, :]  # [B, T]
     k_pos = torch.arange(L, device=q.device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, L]
+    if q.is_cuda:
+        return _attention_groups_as_rows(q, k_cache, v_cache, mask, scale)
     k = k_cache.repeat_interleave(Hq // Hkv, dim=2)
     v = v_cache.repeat_interleave(Hq // Hkv, dim=2)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale
     )
     return out.transpose(1, 2)
+
+
+def _attention_groups_as_rows(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``attention`` as a GPU engine or trainer computes it: each KV head's group of query heads folded into the
+    query rows ([B, Hkv, group x T, hd]), so SDPA reads the cache as it is. Copying the cache to every query head
+    (``repeat_interleave``, the CPU's formulation, whose bits the CPU's records hold) writes B x L x Hq x hd per
+    layer per step: at qwen3_1_7b, batch 64, a 1,024-position cache, 64% of a native decode step's GPU time on an
+    H200, a baseline no engine runs."""
+    B, T, Hq, hd = q.shape
+    Hkv = k_cache.shape[2]
+    group = Hq // Hkv
+    rows = q.view(B, T, Hkv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * T, hd)
+    row_mask = mask[:, None, None].expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, mask.shape[-1])
+    out = F.scaled_dot_product_attention(rows, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=row_mask,
+                                         scale=scale)
+    return out.view(B, Hkv, group, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, hd)
 
 
 def log_softmax(logits: Tensor) -> Tensor:

@@ -275,3 +275,31 @@ def test_backward_deterministic_and_close_to_native(op, exact):
     for a, b, ref in zip(first, second, reference):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_native_attention_with_query_groups_as_rows_is_the_repeated_cache_formulation(dtype, tol):
+    """The GPU's native attention (each KV head's query group folded into the query rows, the cache read as it is)
+    computes the CPU's formulation (the cache copied to every query head), forward and gradients, on ragged
+    positions: allclose at ``tol`` (a different summation order, not the same bits)."""
+    from vexact_kernels import native
+
+    gen = torch.Generator().manual_seed(5)
+    batch, new, q_heads, kv_heads, length, head_dim = 3, 4, 8, 2, 11, 16
+    q_start = torch.tensor([0, 3, 7])
+    inputs = [torch.randn(batch, new, q_heads, head_dim, generator=gen, dtype=dtype),
+              torch.randn(batch, length, kv_heads, head_dim, generator=gen, dtype=dtype),
+              torch.randn(batch, length, kv_heads, head_dim, generator=gen, dtype=dtype)]
+    positions = q_start[:, None] + torch.arange(new)[None, :]
+    mask = torch.arange(length)[None, None, :] <= positions[:, :, None]
+    results = []
+    for formulation in ("repeated", "groups_as_rows"):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        if formulation == "repeated":
+            out = native.attention(*leaves, q_start, 0.25)  # on the CPU: the cache repeated per query head
+        else:
+            out = native._attention_groups_as_rows(*leaves, mask, 0.25)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view(out.shape)).sum().backward()
+        results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for repeated, as_rows in zip(*results):
+        torch.testing.assert_close(as_rows, repeated, rtol=tol, atol=tol)
