@@ -49,7 +49,7 @@ ALL_REAL_PARTS="exactness train_memory rl_run check moe speed launches graphed p
 LEASE_REAL_PARTS="speed graphed launches profiles rl_run exactness"
 [ "$ONLY" = lease ] && DEFAULT_PARTS="$LEASE_REAL_PARTS" || DEFAULT_PARTS="$ALL_REAL_PARTS"
 REAL_PARTS="${GPU_CHECK_REAL_PARTS:-$DEFAULT_PARTS}"
-declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-110}" [train_memory]="${GPU_CHECK_TRAIN_MEMORY_S:-60}"
+declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-150}" [train_memory]="${GPU_CHECK_TRAIN_MEMORY_S:-60}"
                        [rl_run]="${GPU_CHECK_RL_RUN_S:-120}" [check]="${GPU_CHECK_CHECK_S:-90}"
                        [moe]="${GPU_CHECK_MOE_S:-75}" [speed]="${GPU_CHECK_SPEED_S:-60}"
                        [launches]="${GPU_CHECK_LAUNCHES_S:-40}" [graphed]="${GPU_CHECK_GRAPHED_S:-60}"

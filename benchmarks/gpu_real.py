@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -540,6 +541,42 @@ def price_table(speed: dict, graphed: dict | None = None, launches: dict | None 
                     if "gpu_busy_fraction" in row else "")
             said.append(f"{row['backend']} {row['kernel_launches_per_decode_step']:,}{busy}")
         lines.append("\nkernel launches per decode step: " + ", ".join(said))
+    return "\n".join(lines)
+
+
+def _kernel_label(name: str) -> str:
+    """A kernel's name short enough for a table: a Triton or library kernel's own name as it is; an aten kernel's
+    family and the functor that says what it does (``elementwise_kernel: direct_copy_kernel_cuda``); a CUTLASS
+    kernel's configuration."""
+    if not name.startswith("void "):
+        return name if len(name) <= 70 else name[:67] + "..."
+    if "cutlass::Kernel2<" in name:
+        return name.split("cutlass::Kernel2<")[1].split(">")[0]
+    family, inside = name[len("void "):].split("<", 1) if "<" in name else (name[len("void "):], "")
+    for pattern in (r"binary_internal::(\w+)<([\w:]+)", r"(\w+Functor\w*)<([\w:]+)", r"(\w+_kernel_cuda)()",
+                    r"(\w+Ops)<([\w:]+)", r"(index_put\w*|\w+_kernel_impl)()"):
+        what = re.search(pattern, inside)
+        if what:
+            argument = what.group(2).replace("c10::", "")
+            return f"{family.split('::')[-1]}: {what.group(1)}" + (f"<{argument}>" if argument else "")
+    return family.split("::")[-1]
+
+
+def profile_table(profiles: dict, top: int = 5) -> str:
+    """Markdown: per backend and item of a ``profiles`` record, the wall time, the GPU-busy time and fraction, the
+    launches, then its ``top`` kernels by GPU time (calls, milliseconds, share of the busy time)."""
+    lines = ["| backend | item | wall ms | GPU busy ms | busy / wall | launches | top kernels: calls, ms, share |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for row in profiles["rows"]:
+        for item in ("decode_step", "train_fwd_bwd"):
+            x = row[item]
+            if "error" in x:
+                lines.append(f"| {row['backend']} | {item} | {x['error']} | | | | |")
+                continue
+            kernels = "<br>".join(f"`{_kernel_label(k['kernel'])}` {k['calls']}, {k['us'] / 1e3:.1f}, "
+                                  f"{k['share']:.0%}" for k in x["top"][:top])
+            lines.append(f"| {row['backend']} | {item} | {x['wall_us'] / 1e3:.1f} | {x['busy_us'] / 1e3:.1f} | "
+                         f"{x['busy_fraction']:.0%} | {x['launches']:,} | {kernels} |")
     return "\n".join(lines)
 
 

@@ -56,6 +56,11 @@ def test_rehearsal_runs_every_part_and_records_each(tmp_path):
 
     assert parts["launches"]["status"] == "skipped" and "CUDA" in parts["launches"]["reason"]
     assert parts["graphed"]["status"] == "skipped" and "CUDA graphs" in parts["graphed"]["reason"]  # not faked
+    profiles = parts["profiles"]  # on the CPU: the host's operators, said so, never called kernels
+    assert profiles["status"] == "passed" and "not kernels" in profiles["events"]
+    for row in profiles["rows"]:
+        for item in (row["decode_step"], row["train_fwd_bwd"]):
+            assert item["launches"] > 0 and item["wall_us"] > 0 and 0 < len(item["top"]) <= 12
 
     rl = parts["rl_run"]
     assert rl["status"] == "passed" and rl["exit_code"] == 0 and "--device cpu" in rl["command"]
