@@ -8,8 +8,9 @@
 # the command a user types (`python -m vexact check --device cuda --preset qwen3_1_7b --dtype bf16`, its report in
 # check_qwen3_1_7b.json); then moe (qwen3_30b_a3b, 2 layers), speed (peak memory and tokens/s of prefill, decode at
 # positions 0/512/1023 and training fwd+bwd), launches (kernel launches and GPU-busy against wall time per decode
-# step), graphed (the decode step at batch 64 eager and CUDA-graphed, exact and native) and profiles (the kernels
-# that take the GPU time of a decode step and of a training pass, exact and native).
+# step), graphed (the decode step at batch 64 eager and CUDA-graphed, exact and native), profiles (the kernels
+# that take the GPU time of a decode step and of a training pass, exact and native) and tiles (the exact matmul's
+# tile survey: time at decode and prefill rows, bits against the current tiles).
 # For a lent GPU machine with no network: nothing is installed, the repository is put on PYTHONPATH. Everything
 # goes under $OUT (default runs/gpu_check): env.txt, pytest.log, pytest.xml, gpu_triton.log, gpu_triton.json,
 # gpu_real.json (written after each part), gpu_real_<part>.log, check.log, check_qwen3_1_7b.json, summary.txt. Each
@@ -19,8 +20,8 @@
 # GPU_CHECK_SPEED_PRESETS (default small,llama100m) the presets timed. GPU_CHECK_ONLY: all (default), small (the
 # small-shape parts), real (the real-size parts) or lease (what fits a 15-minute lease after the machine's start: the
 # op-contract, MoE and backward tests compiled on CUDA, then the real-size parts speed, graphed, launches, profiles,
-# rl_run and exactness: about 9 minutes at most); GPU_CHECK_REAL_PARTS (default all nine in order; with lease those
-# six)
+# tiles and exactness: about 9.5 minutes at most, 6 as measured); GPU_CHECK_REAL_PARTS (default all ten in order;
+# with lease those six)
 # which real-size parts run.
 #
 #     bash benchmarks/gpu_check.sh                                  # on the GPU machine
@@ -45,15 +46,15 @@ REHEARSE="${VEXACT_GPU_CHECK_REHEARSE:-0}"
 PYTEST_LIMIT="${GPU_CHECK_PYTEST_S:-110}"
 BENCH_LIMIT="${GPU_CHECK_BENCH_S:-190}"
 ONLY="${GPU_CHECK_ONLY:-all}"
-ALL_REAL_PARTS="exactness train_memory rl_run check moe speed launches graphed profiles"
-LEASE_REAL_PARTS="speed graphed launches profiles rl_run exactness"
+ALL_REAL_PARTS="exactness train_memory rl_run check moe speed launches graphed profiles tiles"
+LEASE_REAL_PARTS="speed graphed launches profiles tiles exactness"
 [ "$ONLY" = lease ] && DEFAULT_PARTS="$LEASE_REAL_PARTS" || DEFAULT_PARTS="$ALL_REAL_PARTS"
 REAL_PARTS="${GPU_CHECK_REAL_PARTS:-$DEFAULT_PARTS}"
 declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-150}" [train_memory]="${GPU_CHECK_TRAIN_MEMORY_S:-60}"
                        [rl_run]="${GPU_CHECK_RL_RUN_S:-120}" [check]="${GPU_CHECK_CHECK_S:-90}"
                        [moe]="${GPU_CHECK_MOE_S:-75}" [speed]="${GPU_CHECK_SPEED_S:-60}"
                        [launches]="${GPU_CHECK_LAUNCHES_S:-40}" [graphed]="${GPU_CHECK_GRAPHED_S:-60}"
-                       [profiles]="${GPU_CHECK_PROFILES_S:-60}")
+                       [profiles]="${GPU_CHECK_PROFILES_S:-60}" [tiles]="${GPU_CHECK_TILES_S:-90}")
 case "$ONLY" in all|small|real|lease) ;;
     *) echo "error: GPU_CHECK_ONLY must be all, small, real or lease, got '$ONLY'"; exit 2;; esac
 # which groups the mode runs: the kernels' tests (all but real), the small-shape benchmark (all, small)

@@ -27,6 +27,9 @@ recorded by ``--timed-out PART``. The parts:
 - ``profiles``: where the time goes, exact and native, at ``qwen3_1_7b`` bf16: one decode step at batch 64 and one
   training forward + backward of 8 x 1,024 tokens under torch.profiler: launches, GPU-busy time against wall time,
   and the kernels that take the most GPU time.
+- ``tiles``: the exact matmul's tile survey at ``qwen3_1_7b``'s linear shapes in bf16 (``TILE_CANDIDATES``): per
+  tile, its time at 64 rows (a decode step) and 8,192 (a prefill) against ``F.linear``, and whether its bits equal
+  the current tiles' (the evidence a decode-shaped tile needs).
 - ``rl_run``: ``vexact run experiments/gpu_qwen3_0_6b.yaml --device cuda``, 10 RL steps at ``qwen3_0_6b``; passes
   when every step's ``mismatch/bitwise_equal_frac`` is 1.0.
 - ``moe``: the ``vexact check`` procedure at ``qwen3_30b_a3b`` with ``num_layers`` reduced (128 experts, top-8):
@@ -46,13 +49,14 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from vexact.engine.devices import resolve_device
 from vexact.engine.generation import generate
-from vexact.engine.model import ModelConfig, Transformer
+from vexact.engine.model import ModelConfig, Transformer, resolve_dtype
 from vexact.engine.presets import preset_values
 from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL, TIMING_STEP
@@ -81,6 +85,7 @@ SIZES = {
                 "positions": (0, 512, 1023), "reps": 5},
     "profiles": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 64, "cache_len": 1024, "position": 512,
                  "train_batch": 8, "train_len": 1024, "reps": 3, "top": 12},
+    "tiles": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "rows": (64, 8192), "reps": 20},
     "rl_run": {"steps": 10},
     "moe": {"preset": "qwen3_30b_a3b", "dtype": "bfloat16", "num_layers": 2, "num_prompts": 8, "max_prompt_len": 32,
             "max_new_tokens": 32},
@@ -99,6 +104,7 @@ REHEARSAL = {
     "launches": {"decode_batch": 2, "cache_len": 16, "position": 8, "reps": 1},
     "graphed": {"decode_batch": 2, "cache_len": 16, "positions": (0, 8, 15), "reps": 1},
     "profiles": {"decode_batch": 2, "cache_len": 16, "position": 8, "train_batch": 2, "train_len": 8, "reps": 1},
+    "tiles": {"rows": (3, 8), "reps": 1},
     "rl_run": {"steps": 2},
     "moe": {"num_layers": 1, "num_prompts": 3, "max_prompt_len": 4, "max_new_tokens": 3},
 }
@@ -385,6 +391,85 @@ def part_profiles(device: torch.device, rehearse: bool, s: dict) -> dict:
     return out
 
 
+TILE_CANDIDATES = {
+    "current": None,  # the dtype's own _MATMUL_TILES: (64, 128, 64, 4, 3) in bf16
+    "n64": (64, 64, 64, 4, 3), "n32": (64, 32, 64, 4, 4), "n16": (64, 16, 64, 4, 4),
+    "n128_s4": (64, 128, 64, 4, 4), "n256_w8": (64, 256, 64, 8, 3),
+    "m128_n128_w8": (128, 128, 64, 8, 3), "m128_n256_w8": (128, 256, 64, 8, 3),
+    "m32_n64": (32, 64, 64, 4, 3), "m16_n64": (16, 64, 64, 4, 3),
+}
+"""The bf16 matmul tiles the ``tiles`` part surveys, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): BLOCK_K
+stays 64 (the K loop's chunks, in order, are the reduction order); BLOCK_N, BLOCK_M, warps and stages vary. The
+survey says, per candidate, whether its bits equal the current tiles' (a decode-shaped tile may serve decode only
+if every output element is summed the same whatever the tile) and what it costs at decode and at prefill."""
+LINEAR_WEIGHTS = {"q_o": ((2048, 2048), 2), "k_v": ((1024, 2048), 2), "gate_up": ((6144, 2048), 2),
+                  "down": ((2048, 6144), 1), "head": ((151936, 2048), 0)}
+"""qwen3_1_7b's linear weights: name -> ((N, K), calls per layer); the LM head runs once per step."""
+REHEARSAL_TILES = {"current": None, "n16": (16, 16, 32, 1, 1), "n32": (16, 32, 32, 1, 1)}
+"""The rehearsal's candidates: the interpreter's BLOCK_K (32), small tiles (the interpreter is slow)."""
+REHEARSAL_WEIGHTS = {"q_o": ((64, 64), 2), "head": ((512, 64), 0)}
+
+
+def _bench_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median microseconds of ``fn``: CUDA events with the L2 cache flushed between calls (``do_bench``: a decode
+    step streams its weights from memory) on a GPU; the host clock in a CPU rehearsal."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=max(reps, 10), return_mode="median")
+    return 1e6 * _timed(fn, device, reps)
+
+
+def part_tiles(device: torch.device, rehearse: bool, s: dict) -> dict:
+    """The exact matmul's tile survey at ``qwen3_1_7b``'s linear shapes in bf16, for rows ``s["rows"]`` (a decode
+    step's batch and a prefill's tokens): per candidate tile and weight, the median time against ``F.linear``'s,
+    whether its output equals the current tiles' bit for bit, and whether its rows at the smaller row count equal
+    the same rows computed among the larger (row invariance); then each candidate's summed time for one decode
+    step's linear calls and one prefill's."""
+    if s["exact_backend"] != "triton" and device.type != "cuda":
+        return {"status": "skipped", "reason": "the Triton kernels run on CUDA, or in a --triton-interpreter rehearsal"}
+    from vexact_kernels import triton_exact
+
+    dtype = resolve_dtype(s["dtype"])
+    candidates = REHEARSAL_TILES if rehearse else TILE_CANDIDATES
+    weights = REHEARSAL_WEIGHTS if rehearse else LINEAR_WEIGHTS
+    gen = torch.Generator().manual_seed(4)
+    rows_small, rows_large = s["rows"]
+    results: dict = {name: {"tiles": tiles, "weights": {}} for name, tiles in candidates.items()}
+    native_us: dict = {}
+    for weight_name, ((n, k), _) in weights.items():
+        w = torch.randn(n, k, generator=gen).to(dtype).to(device)
+        x = torch.randn(rows_large, k, generator=gen).to(dtype).to(device)
+        native_us[weight_name] = {str(m): _bench_us(partial(torch.nn.functional.linear, x[:m], w), device, s["reps"])
+                                  for m in (rows_small, rows_large)}
+        reference = {m: triton_exact._linear_forward(x[:m], w, None) for m in (rows_small, rows_large)}
+        for name, tiles in candidates.items():
+            entry: dict = {}
+            try:
+                outputs = {m: triton_exact._linear_forward(x[:m], w, None, tiles) for m in (rows_small, rows_large)}
+                entry["same_bits_as_current"] = all(torch.equal(outputs[m], reference[m]) for m in outputs)
+                entry["rows_invariant"] = torch.equal(outputs[rows_small], outputs[rows_large][:rows_small])
+                entry["us"] = {str(m): round(_bench_us(partial(triton_exact._linear_forward, x[:m], w, None, tiles),
+                                                       device, s["reps"]), 2) for m in (rows_small, rows_large)}
+            except Exception as err:  # noqa: BLE001 -- a tile the compiler refuses is recorded, the rest surveyed
+                entry["error"] = _one_line(err)
+            results[name]["weights"][weight_name] = entry
+        del w, x, reference
+    layers = _model_config(s["preset"], rehearse, 8).num_layers
+    for result in results.values():
+        measured = result["weights"].values()
+        if all("us" in e for e in measured):
+            for m in (rows_small, rows_large):
+                result[f"summed_us_{m}_rows"] = round(sum(
+                    e["us"][str(m)] * (count * layers or 1)
+                    for e, (_, count) in zip(measured, weights.values())), 1)
+    native_sums = {str(m): round(sum(native_us[w][str(m)] * (count * layers or 1)
+                                     for w, (_, count) in weights.items()), 1) for m in (rows_small, rows_large)}
+    return {"status": "passed", "candidates": results, "native_us": native_us, "native_summed_us": native_sums,
+            "sizes": {k: v for k, v in s.items() if k != "preset"},
+            "note": "summed: each weight's time x its calls in one forward (count x layers; the head once)"}
+
+
 def _captured(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[object, torch.Tensor] | str:
     """``step`` captured in a CUDA graph: (the graph, the output tensor each replay refills), or why it could not
     be captured (a host synchronisation or an op CUDA graphs refuse inside the step). Warmed up on a side stream
@@ -486,7 +571,7 @@ def part_moe(device: torch.device, rehearse: bool, s: dict) -> dict:
 PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "train_memory": part_train_memory,
                                         "rl_run": part_rl_run, "moe": part_moe, "speed": part_speed,
                                         "launches": part_launches, "graphed": part_graphed,
-                                        "profiles": part_profiles}
+                                        "profiles": part_profiles, "tiles": part_tiles}
 """The parts, in the order ``gpu_check.sh`` runs them."""
 
 

@@ -292,7 +292,11 @@ def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
     return native.embedding(tokens, weight)
 
 
-def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None,
+                    tiles: tuple[int, int, int, int, int] | None = None) -> Tensor:
+    """``linear``'s forward. ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the dtype's
+    own ``_MATMUL_TILES``, for the GPU tile survey (``benchmarks.gpu_real --part tiles``) alone: the model never
+    passes it, so its bits never depend on it."""
     _check_device("linear", x=x, weight=weight)
     n_inner = x.shape[-1]
     n_cols = weight.shape[0]
@@ -300,7 +304,7 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     y = torch.empty(x2d.shape[0], n_cols, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y.view(*x.shape[:-1], n_cols)
-    block_m, block_n, block_k, num_warps, num_stages = _MATMUL_TILES[x.dtype]
+    block_m, block_n, block_k, num_warps, num_stages = tiles or _MATMUL_TILES[x.dtype]
     grid = (triton.cdiv(x2d.shape[0], block_m), triton.cdiv(n_cols, block_n))
     _linear_kernel[grid](
         x2d, weight, bias.contiguous() if bias is not None else weight, y,  # the kernel reads bias with stride 1

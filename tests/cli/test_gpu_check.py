@@ -56,6 +56,7 @@ def test_rehearsal_runs_every_part_and_records_each(tmp_path):
 
     assert parts["launches"]["status"] == "skipped" and "CUDA" in parts["launches"]["reason"]
     assert parts["graphed"]["status"] == "skipped" and "CUDA graphs" in parts["graphed"]["reason"]  # not faked
+    assert parts["tiles"]["status"] == "skipped" and "--triton-interpreter" in parts["tiles"]["reason"]
     profiles = parts["profiles"]  # on the CPU: the host's operators, said so, never called kernels
     assert profiles["status"] == "passed" and "not kernels" in profiles["events"]
     for row in profiles["rows"]:
@@ -131,7 +132,7 @@ def test_gpu_check_lease_mode_runs_the_tests_and_the_chosen_parts_without_the_sm
 @pytest.mark.needs_package("triton", TRITON_PIP)
 def test_triton_interpreter_rehearsal_runs_the_triton_kernels_in_the_exact_rows(tmp_path):
     """``--triton-interpreter``: the exact rows are the Triton kernels (the code a GPU compiles), interpreted on the
-    CPU; they must be exact as the compiled ones are. About 20 s."""
+    CPU; they must be exact as the compiled ones are; then the tile survey's code path. About 35 s."""
     out = tmp_path / "gpu_real.json"
     argv = ["--part", "exactness", "--out", str(out), "--rehearse", "--device", "cpu", "--triton-interpreter"]
     assert gpu_real.main(argv) == 0
@@ -140,3 +141,10 @@ def test_triton_interpreter_rehearsal_runs_the_triton_kernels_in_the_exact_rows(
     assert all(rows[0]["generation_batch_invariant"].values()) and rows[0]["mismatched_by_micro_batch"] == {"8": 0,
                                                                                                          "3": 0}
     assert gpu_real.main([a for a in argv if a != "--rehearse"]) == 2  # a rehearsal mode only
+    tiles_argv = ["--part", "tiles", "--out", str(out), "--rehearse", "--device", "cpu", "--triton-interpreter"]
+    assert gpu_real.main(tiles_argv) == 0  # the tile survey's code path, with the interpreter's tiles
+    tiles = json.loads(out.read_text())["parts"]["tiles"]
+    assert set(tiles["candidates"]) == set(gpu_real.REHEARSAL_TILES)
+    for candidate in tiles["candidates"].values():  # BLOCK_K kept: in the interpreter every tile sums alike
+        assert all(w["same_bits_as_current"] and w["rows_invariant"] for w in candidate["weights"].values())
+        assert candidate["summed_us_3_rows"] > 0 and candidate["summed_us_8_rows"] > 0
