@@ -9,19 +9,20 @@
 # check_qwen3_1_7b.json); then moe (qwen3_30b_a3b, 2 layers), speed (peak memory and tokens/s of prefill, decode at
 # positions 0/512/1023 and training fwd+bwd), launches (kernel launches and GPU-busy against wall time per decode
 # step), graphed (the decode step at batch 64 eager and CUDA-graphed, exact and native), profiles (the kernels
-# that take the GPU time of a decode step and of a training pass, exact and native) and tiles (the exact matmul's
-# tile survey: time at decode and prefill rows, bits against the current tiles).
+# that take the GPU time of a decode step and of a training pass, exact and native), tiles (the exact matmul's
+# tile survey: time at decode and prefill rows, bits against the current tiles) and rollout (generate eager and
+# with cuda_graphs=True: tokens/s, the same bits).
 # For a lent GPU machine with no network: nothing is installed, the repository is put on PYTHONPATH. Everything
 # goes under $OUT (default runs/gpu_check): env.txt, pytest.log, pytest.xml, gpu_triton.log, gpu_triton.json,
 # gpu_real.json (written after each part), gpu_real_<part>.log, check.log, check_qwen3_1_7b.json, summary.txt. Each
 # part has a time limit, so the run
-# ends whatever hangs: GPU_CHECK_PYTEST_S (default 110) and GPU_CHECK_BENCH_S (default 190) for the small-shape
+# ends whatever hangs: GPU_CHECK_PYTEST_S (default 100) and GPU_CHECK_BENCH_S (default 190) for the small-shape
 # parts, GPU_CHECK_<PART>_S for each real-size part (defaults below: about 9 minutes together);
 # GPU_CHECK_SPEED_PRESETS (default small,llama100m) the presets timed. GPU_CHECK_ONLY: all (default), small (the
 # small-shape parts), real (the real-size parts) or lease (what fits a 15-minute lease after the machine's start: the
 # op-contract, MoE and backward tests compiled on CUDA, then the real-size parts speed, graphed, launches, profiles,
-# tiles and exactness: about 9.5 minutes at most, 6 as measured); GPU_CHECK_REAL_PARTS (default all ten in order;
-# with lease those six)
+# rollout, tiles and exactness: 560 s if every part ran to its limit, about 5 minutes as measured, so run it
+# under a 600 s command); GPU_CHECK_REAL_PARTS (default all eleven in order; with lease those seven)
 # which real-size parts run.
 #
 #     bash benchmarks/gpu_check.sh                                  # on the GPU machine
@@ -43,18 +44,19 @@ trap 'rm -rf "$import_dir"' EXIT
 ln -s "$PWD/kernels" "$import_dir/vexact_kernels"
 export PYTHONPATH="$PWD:$import_dir${PYTHONPATH:+:$PYTHONPATH}"
 REHEARSE="${VEXACT_GPU_CHECK_REHEARSE:-0}"
-PYTEST_LIMIT="${GPU_CHECK_PYTEST_S:-110}"
+PYTEST_LIMIT="${GPU_CHECK_PYTEST_S:-100}"
 BENCH_LIMIT="${GPU_CHECK_BENCH_S:-190}"
 ONLY="${GPU_CHECK_ONLY:-all}"
-ALL_REAL_PARTS="exactness train_memory rl_run check moe speed launches graphed profiles tiles"
-LEASE_REAL_PARTS="speed graphed launches profiles tiles exactness"
+ALL_REAL_PARTS="exactness train_memory rl_run check moe speed launches graphed profiles tiles rollout"
+LEASE_REAL_PARTS="speed graphed launches profiles rollout tiles exactness"
 [ "$ONLY" = lease ] && DEFAULT_PARTS="$LEASE_REAL_PARTS" || DEFAULT_PARTS="$ALL_REAL_PARTS"
 REAL_PARTS="${GPU_CHECK_REAL_PARTS:-$DEFAULT_PARTS}"
-declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-150}" [train_memory]="${GPU_CHECK_TRAIN_MEMORY_S:-60}"
+declare -A REAL_LIMIT=([exactness]="${GPU_CHECK_EXACTNESS_S:-130}" [train_memory]="${GPU_CHECK_TRAIN_MEMORY_S:-60}"
                        [rl_run]="${GPU_CHECK_RL_RUN_S:-120}" [check]="${GPU_CHECK_CHECK_S:-90}"
                        [moe]="${GPU_CHECK_MOE_S:-75}" [speed]="${GPU_CHECK_SPEED_S:-60}"
-                       [launches]="${GPU_CHECK_LAUNCHES_S:-40}" [graphed]="${GPU_CHECK_GRAPHED_S:-60}"
-                       [profiles]="${GPU_CHECK_PROFILES_S:-60}" [tiles]="${GPU_CHECK_TILES_S:-90}")
+                       [launches]="${GPU_CHECK_LAUNCHES_S:-30}" [graphed]="${GPU_CHECK_GRAPHED_S:-45}"
+                       [profiles]="${GPU_CHECK_PROFILES_S:-45}" [tiles]="${GPU_CHECK_TILES_S:-75}"
+                       [rollout]="${GPU_CHECK_ROLLOUT_S:-75}")
 case "$ONLY" in all|small|real|lease) ;;
     *) echo "error: GPU_CHECK_ONLY must be all, small, real or lease, got '$ONLY'"; exit 2;; esac
 # which groups the mode runs: the kernels' tests (all but real), the small-shape benchmark (all, small)

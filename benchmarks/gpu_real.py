@@ -30,6 +30,8 @@ recorded by ``--timed-out PART``. The parts:
 - ``tiles``: the exact matmul's tile survey at ``qwen3_1_7b``'s linear shapes in bf16 (``TILE_CANDIDATES``): per
   tile, its time at 64 rows (a decode step) and 8,192 (a prefill) against ``F.linear``, and whether its bits equal
   the current tiles' (the evidence a decode-shaped tile needs).
+- ``rollout``: ``generate`` at ``qwen3_1_7b`` bf16 (64 ragged prompts, 128 new tokens) eager and with
+  ``cuda_graphs=True``, exact and native: tokens/s, and whether the graphed rollout gives the eager one's bits.
 - ``rl_run``: ``vexact run experiments/gpu_qwen3_0_6b.yaml --device cuda``, 10 RL steps at ``qwen3_0_6b``; passes
   when every step's ``mismatch/bitwise_equal_frac`` is 1.0.
 - ``moe``: the ``vexact check`` procedure at ``qwen3_30b_a3b`` with ``num_layers`` reduced (128 experts, top-8):
@@ -86,6 +88,7 @@ SIZES = {
     "profiles": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "decode_batch": 64, "cache_len": 1024, "position": 512,
                  "train_batch": 8, "train_len": 1024, "reps": 3, "top": 12},
     "tiles": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "rows": (64, 8192), "reps": 20},
+    "rollout": {"preset": "qwen3_1_7b", "dtype": "bfloat16", "batch": 64, "max_prompt_len": 64, "new_tokens": 128},
     "rl_run": {"steps": 10},
     "moe": {"preset": "qwen3_30b_a3b", "dtype": "bfloat16", "num_layers": 2, "num_prompts": 8, "max_prompt_len": 32,
             "max_new_tokens": 32},
@@ -105,6 +108,7 @@ REHEARSAL = {
     "graphed": {"decode_batch": 2, "cache_len": 16, "positions": (0, 8, 15), "reps": 1},
     "profiles": {"decode_batch": 2, "cache_len": 16, "position": 8, "train_batch": 2, "train_len": 8, "reps": 1},
     "tiles": {"rows": (3, 8), "reps": 1},
+    "rollout": {"batch": 3, "max_prompt_len": 5, "new_tokens": 4},
     "rl_run": {"steps": 2},
     "moe": {"num_layers": 1, "num_prompts": 3, "max_prompt_len": 4, "max_new_tokens": 3},
 }
@@ -527,6 +531,53 @@ def part_graphed(device: torch.device, rehearse: bool, s: dict) -> dict:
                     "on the same inputs"}
 
 
+def part_rollout(device: torch.device, rehearse: bool, s: dict) -> dict:
+    """``generate`` as a user runs it, eager and with ``cuda_graphs=True``, exact and native: tokens/s of each (after
+    a short warm-up generation that compiles the kernels) and whether the graphed rollout's tokens and log-probs
+    equal the eager one's bit for bit."""
+    cfg = _model_config(s["preset"], rehearse, s["max_prompt_len"] + s["new_tokens"])
+    prompts = _prompts(s["batch"], s["max_prompt_len"], cfg.vocab_size, seed=6)
+    graphs = (False, True) if device.type == "cuda" else (False,)
+    rows = []
+    for backend in _backends(s):
+        model = Transformer(cfg, backend=backend, dtype=s["dtype"], device=device, init_seed=0)
+        row: dict = {"backend": backend}
+        outputs = {}
+        for graphed in graphs:
+            try:
+                generate(model, prompts, max_new_tokens=2, seed=0, cuda_graphs=graphed)  # compiles, autotunes
+                _sync(device)
+                begin = time.perf_counter()
+                outputs[graphed] = generate(model, prompts, max_new_tokens=s["new_tokens"], seed=0,
+                                            cuda_graphs=graphed)
+                _sync(device)
+                seconds = time.perf_counter() - begin
+                tokens = sum(len(t) for t in outputs[graphed].tokens)
+                row["graphed" if graphed else "eager"] = {"tokens": tokens, "seconds": round(seconds, 3),
+                                                          "tokens_per_s": tokens / seconds}
+            except Exception as err:  # noqa: BLE001 -- one mode's failure recorded, the other still measured
+                row["graphed" if graphed else "eager"] = {"error": _one_line(err)}
+        if len(outputs) == 2:
+            eager, graphed_out = outputs[False], outputs[True]
+            row["graphed_equals_eager"] = (graphed_out.tokens == eager.tokens and
+                                           _mismatched(graphed_out.logprobs, eager.logprobs) == 0)
+        rows.append(row)
+        del model
+    exact = rows[0]
+    passed = all("error" not in exact.get(k, {}) for k in ("eager", "graphed")) and (
+        device.type != "cuda" or exact.get("graphed_equals_eager") is True)
+    out = {"status": "passed" if passed else "failed", "rows": rows,
+           "sizes": {k: v for k, v in s.items() if k != "preset"}}
+    if device.type != "cuda":
+        out["graphed_skipped"] = "no CUDA: cuda_graphs=True needs a GPU (the CPU checks its plumbing in tests)"
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) -> dict:
     from vexact.cli import main as vexact_main
     from vexact.records.runlog import read_metrics
@@ -571,7 +622,8 @@ def part_moe(device: torch.device, rehearse: bool, s: dict) -> dict:
 PARTS: dict[str, Callable[..., dict]] = {"exactness": part_exactness, "train_memory": part_train_memory,
                                         "rl_run": part_rl_run, "moe": part_moe, "speed": part_speed,
                                         "launches": part_launches, "graphed": part_graphed,
-                                        "profiles": part_profiles, "tiles": part_tiles}
+                                        "profiles": part_profiles, "tiles": part_tiles,
+                                        "rollout": part_rollout}
 """The parts, in the order ``gpu_check.sh`` runs them."""
 
 

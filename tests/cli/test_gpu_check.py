@@ -57,6 +57,9 @@ def test_rehearsal_runs_every_part_and_records_each(tmp_path):
     assert parts["launches"]["status"] == "skipped" and "CUDA" in parts["launches"]["reason"]
     assert parts["graphed"]["status"] == "skipped" and "CUDA graphs" in parts["graphed"]["reason"]  # not faked
     assert parts["tiles"]["status"] == "skipped" and "--triton-interpreter" in parts["tiles"]["reason"]
+    rollout = parts["rollout"]  # eager generation measured; the graphed one said to need a GPU, never faked
+    assert rollout["status"] == "passed" and "needs a GPU" in rollout["graphed_skipped"]
+    assert all(r["eager"]["tokens"] > 0 and "graphed" not in r for r in rollout["rows"])
     profiles = parts["profiles"]  # on the CPU: the host's operators, said so, never called kernels
     assert profiles["status"] == "passed" and "not kernels" in profiles["events"]
     for row in profiles["rows"]:

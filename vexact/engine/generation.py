@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .decode_graph import CudaGraphRecorder, DecodeStep, Recorder
 from .inputs import (
     check_batch_size,
     check_model,
@@ -56,7 +57,8 @@ class GenerateOutput:
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 1.0,
              seed: int = 0, batch_size: int | None = None, eos_token_id: int | None = None,
              logits_hook: LogitsHook | None = None, ops: KernelOps | None = None, first_index: int = 0,
-             routing_hook: RouteHook | None = None, eos_check_every: int | None = None) -> GenerateOutput:
+             routing_hook: RouteHook | None = None, eos_check_every: int | None = None,
+             cuda_graphs: bool = False) -> GenerateOutput:
     """Sample continuations of ``prompts`` with a KV cache.
 
     Sampling is counter-based (see ``vexact.engine.sampling``): prompt i's tokens depend only on
@@ -74,6 +76,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     in ``GenerateOutput.routing`` (what router replay gives the training path: ``token_logprobs(..., routing=)``).
     ``eos_check_every``: with an EOS, look whether every row has finished once in this many steps (None: the
     device's ``eos_check_interval``); a speed knob only, the outputs are the same bits whatever it is.
+    ``cuda_graphs``: on a GPU, record the decode step once in a CUDA graph and replay it each step
+    (``vexact.engine.decode_graph``): the same kernels on the same buffers, so the same bits, without the launch
+    overhead of an eager step. A dense model on a CUDA device only (an MoE model records its routing on the host).
     """
     check_model(model)
     cfg = model.config
@@ -98,6 +103,15 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     if eos_check_every is None:
         eos_check_every = eos_check_interval(model.device)
 
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    if cuda_graphs and cfg.moe_layers:
+        raise ValueError("cuda_graphs=True: an MoE model's decode step records its routing on the host each step, "
+                         "which a CUDA graph cannot replay; use cuda_graphs=False")
+    if cuda_graphs and model.device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True records the decode step in a CUDA graph: it needs a model on a CUDA "
+                         f"device, not {model.device}")
+    recorder = CudaGraphRecorder(model.device) if cuda_graphs else None
     if routing_hook is not None and not cfg.moe_layers:
         raise ValueError("routing_hook changes an MoE model's routing, but this model has no MoE layers "
                          "(ModelConfig.num_experts is 0)")
@@ -109,7 +123,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     for start in range(0, len(prompts), step):
         chunk = _generate_batch(model, prompts[start : start + step], first_index + start, max_new_tokens,
                                 temperature, seed, eos_token_id, logits_hook, model.ops if ops is None else ops,
-                                routing_hook, eos_check_every)
+                                routing_hook, eos_check_every, recorder)
         tokens += chunk.tokens
         logprobs += chunk.logprobs
         finished += chunk.finished
@@ -159,8 +173,9 @@ def decode_one_token(model: Transformer, token: Tensor, positions: Tensor, cache
 def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: int, max_new_tokens: int,
                     temperature: float, seed: int, eos_token_id: int | None,
                     logits_hook: LogitsHook | None, ops: KernelOps, routing_hook: RouteHook | None = None,
-                    eos_check_every: int = 1) -> GenerateOutput:
-    """One batch of ``generate``: ``prefill``, then sample and ``decode_one_token`` until every row stopped."""
+                    eos_check_every: int = 1, recorder: Recorder | None = None) -> GenerateOutput:
+    """One batch of ``generate``: ``prefill``, then sample and ``decode_one_token`` until every row stopped;
+    with a ``recorder`` (a dense model), each decode step after the first replays the first one's recording."""
     device = model.device
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
@@ -180,6 +195,8 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
     out_logprobs = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     n_steps = 0
+    recorded = None if recorder is None else DecodeStep(
+        lambda token, positions: decode_one_token(model, token, positions, cache, ops), batch, device, recorder)
     next_logits = prefill(model, pad_right(prompts, device), lengths, cache, ops, routing())
     for t in range(max_new_tokens):
         logits = scale_logits(next_logits, temperature)
@@ -199,7 +216,10 @@ def _generate_batch(model: Transformer, prompts: list[list[int]], first_index: i
             done |= token == eos_token_id
             if (t + 1) % eos_check_every == 0 and bool(done.all()):
                 break
-        next_logits = decode_one_token(model, token, lengths + t, cache, ops, routing())
+        if recorded is not None:
+            next_logits = recorded(token, lengths + t)
+        else:
+            next_logits = decode_one_token(model, token, lengths + t, cache, ops, routing())
     return _outputs(prompts, out_tokens[:, :n_steps], out_logprobs, eos_token_id, records if moe else None)
 
 
