@@ -18,8 +18,9 @@
 # part has a time limit, so the run
 # ends whatever hangs: GPU_CHECK_PYTEST_S (default 100) and GPU_CHECK_BENCH_S (default 190) for the small-shape
 # parts, GPU_CHECK_<PART>_S for each real-size part (defaults below: about 9 minutes together);
-# GPU_CHECK_SPEED_PRESETS (default small,llama100m) the presets timed. GPU_CHECK_ONLY: all (default), small (the
-# small-shape parts), real (the real-size parts) or lease (what fits a 15-minute lease after the machine's start: the
+# GPU_CHECK_SPEED_PRESETS (default small,llama100m) the presets timed. GPU_CHECK_PACK (a directory, unset by
+# default): the records and a tarball of the logs gathered there on exit (below). GPU_CHECK_ONLY: all (default),
+# small (the small-shape parts), real (the real-size parts) or lease (what fits a 15-minute lease after the machine's start: the
 # op-contract, MoE and backward tests compiled on CUDA, then the real-size parts speed, graphed, launches, profiles,
 # rollout, tiles and exactness: 560 s if every part ran to its limit, about 5 minutes as measured, so run it
 # under a 600 s command); GPU_CHECK_REAL_PARTS (default all eleven in order; with lease those seven)
@@ -40,7 +41,19 @@ mkdir -p "$OUT"
 # the tree: another process importing from the tree (CI's tests run side by side) would import through it and lose
 # its files when it goes.
 import_dir=$(mktemp -d -t vexact-gpu-check.XXXXXXXX) || exit 2
-trap 'rm -rf "$import_dir"' EXIT
+PACK="${GPU_CHECK_PACK:-}"
+# GPU_CHECK_PACK=DIR: on exit (a part's failure, the end, or a TERM from an outer time limit) the main records are
+# copied into DIR and every other file under $OUT is packed into DIR/gpu_check_logs.tar.gz (no checkpoints, no
+# warm-start cache): at most seven files, for a machine that hands back only a few.
+pack() {
+    [ -n "$PACK" ] || return 0
+    mkdir -p "$PACK" || return 0
+    for f in summary.txt gpu_real.json pytest.log env.txt check_qwen3_1_7b.json gpu_triton.json; do
+        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
+    done
+    tar czf "$PACK/gpu_check_logs.tar.gz" -C "$OUT" --exclude=warmstart_cache --exclude=checkpoints . 2>/dev/null
+}
+trap 'pack; rm -rf "$import_dir"' EXIT
 ln -s "$PWD/kernels" "$import_dir/vexact_kernels"
 export PYTHONPATH="$PWD:$import_dir${PYTHONPATH:+:$PYTHONPATH}"
 REHEARSE="${VEXACT_GPU_CHECK_REHEARSE:-0}"

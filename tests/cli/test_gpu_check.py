@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,13 @@ def _tree_link_exists() -> bool:
 @pytest.mark.needs_package("triton", TRITON_PIP)  # the script checks that torch and triton import before any part
 def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     """The script's own plumbing, rehearsed: a part over its limit (1 s: less than Python's start) is recorded as
-    timed out and fails the script; a part that cannot run on the CPU is skipped with its reason."""
+    timed out and fails the script; a part that cannot run on the CPU is skipped with its reason; GPU_CHECK_PACK
+    gathers the records and a tarball of the logs."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "OUT": str(tmp_path), "VEXACT_GPU_CHECK_REHEARSE": "1", "GPU_CHECK_ONLY": "real",
-           "GPU_CHECK_REAL_PARTS": "launches exactness", "GPU_CHECK_EXACTNESS_S": "1", "TMPDIR": str(scratch)}
+           "GPU_CHECK_REAL_PARTS": "launches exactness", "GPU_CHECK_EXACTNESS_S": "1", "TMPDIR": str(scratch),
+           "GPU_CHECK_PACK": str(tmp_path / "packed")}
     linked_before = _tree_link_exists()
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
@@ -108,6 +111,11 @@ def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     assert _tree_link_exists() == linked_before
     parts = json.loads((tmp_path / "gpu_real.json").read_text())["parts"]
     assert parts["exactness"] == {"status": "timed out", "limit_s": 1}
+    # GPU_CHECK_PACK: the records copied out and the other files in one tarball, after a part that timed out too
+    packed = sorted(p.name for p in (tmp_path / "packed").iterdir())
+    assert packed == ["env.txt", "gpu_check_logs.tar.gz", "gpu_real.json", "summary.txt"]
+    with tarfile.open(tmp_path / "packed" / "gpu_check_logs.tar.gz") as logs:
+        assert {"./gpu_real_launches.log", "./gpu_real_exactness.log"} <= set(logs.getnames())
     assert parts["launches"]["status"] == "skipped"
     summary = (tmp_path / "summary.txt").read_text()
     assert "gpu_real exactness: exit 124 (timed out after 1s)" in summary and "gpu_real launches: exit 0" in summary
