@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from test_sweep_faults import _cli_error
 from test_trainer import EXPERIMENT
@@ -452,3 +453,26 @@ def test_the_meaningful_neighbours_are_accepted():
     config_from_dict({"algorithm": {"clip_low": 0.0, "clip_high": 0.0}})
     config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.0, "onset_step": 50}})  # a baseline
     config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.5, "onset_step": 9}})
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"rollout": {"cuda_graphs": True}}, "it needs device cuda"),  # the default device is the CPU
+    ({"device": "cuda", "rollout": {"cuda_graphs": True, "engine": "vllm"}}, "rollout.engine is 'vllm'"),
+    ({"device": "cuda", "model": {"num_experts": 4}, "rollout": {"cuda_graphs": True}},
+     "an MoE model's decode step records its routing on the host"),
+])
+def test_rollout_cuda_graphs_where_it_cannot_run_is_one_config_error_naming_the_key(raw, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        config_from_dict({"steps": 10, **raw})
+    assert refused.value.key == "rollout.cuda_graphs"
+    cfg = config_from_dict({"steps": 10, "device": "cuda", "rollout": {"cuda_graphs": True}})
+    assert cfg.rollout.cuda_graphs is True and config_from_dict({"steps": 10}).rollout.cuda_graphs is False
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA (device auto resolves to the CPU)")
+def test_rollout_cuda_graphs_with_device_auto_on_a_machine_without_a_gpu_is_refused_when_the_run_starts(tmp_path):
+    cfg = config_from_dict({"steps": 10, "device": "auto", "output_dir": str(tmp_path / "run"),
+                            "rollout": {"cuda_graphs": True}})
+    with pytest.raises(ConfigError, match="resolved to cpu here, and it needs a CUDA device") as refused:
+        Trainer(cfg)
+    assert refused.value.key == "rollout.cuda_graphs"

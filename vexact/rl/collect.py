@@ -84,7 +84,7 @@ def collect_rollouts(model: Transformer, plan: RolloutPlan, task: Task, tokenize
     hook, probe = tail_probe(tokenizer, plan.logits_hook, len(prompts), settings.max_new_tokens, first)
     out = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                    seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, logits_hook=hook,
-                   ops=plan.ops, first_index=first, routing_hook=plan.routing_hook)
+                   ops=plan.ops, first_index=first, routing_hook=plan.routing_hook, cuda_graphs=settings.cuda_graphs)
     rewards = torch.tensor([task.reward(p, r) for p, r in zip(problems, out.tokens)], dtype=torch.float32)
     return RolloutBatch(problems, prompts, out.tokens, out.logprobs, out.finished, rewards,
                         None if probe is None else probe.per_sequence(out.tokens), out.routing)
@@ -105,9 +105,11 @@ def eval_records(model: Transformer, task: Task, tokenizer: CharTokenizer, probl
     """Per-problem evaluation of ``problems`` (``first_index``: the index of ``problems[0]`` among all of them)."""
     prompts = [encode_prompt(tokenizer, p) for p in problems]
     sampled = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                       seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index)
+                       seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index,
+                       cuda_graphs=settings.cuda_graphs)
     greedy = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=0.0,
-                      batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index)
+                      batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index,
+                      cuda_graphs=settings.cuda_graphs)
     return [EvalRecord(task.reward(p, s), task.reward(p, g), len(s))
             for p, s, g in zip(problems, sampled.tokens, greedy.tokens)]
 

@@ -221,6 +221,9 @@ class RolloutSection:
     # 0 = on-policy. The trainer keeps the last k weight snapshots (checkpointed); old log-probs recomputed
     # (algorithm.old_logprobs: recompute) are the current policy's, as verl's and AReaL's proximal policy
     policy_lag: int = field(default=0, metadata=_bounds(min=0, max=MAX_POLICY_LAG))
+    # on a GPU: the decode step recorded once in a CUDA graph and replayed each step (generate's cuda_graphs): the same
+    # bits, without the launch overhead; vexact's own rollout path, a dense model and a CUDA device only
+    cuda_graphs: bool = False
 
 
 @extensible("algorithm")
@@ -470,6 +473,7 @@ class RunConfig:
             check_device_name(self.device)
         except DeviceError as e:
             raise ConfigError(e.problem, "device") from None
+        self._check_cuda_graphs()
         if self.algorithm.router_replay and not self.model.to_model_config(vocab_size=1).moe_layers:
             raise ConfigError("router replay reuses the rollout's MoE routing, and a dense model records none: set "
                               "model.num_experts > 0, or router_replay: false", "algorithm.router_replay")
@@ -497,6 +501,21 @@ class RunConfig:
                               "sampled rescoring is for bypass (algorithm.old_logprobs: rollout); leave "
                               "monitor.sample_fraction at 1.0 and monitor.every at 1", key)
         check_run(self)  # what the extensions check: the task's lengths, the correction's plan, ...
+
+    def _check_cuda_graphs(self) -> None:
+        """``rollout.cuda_graphs`` where it can run: vexact's own rollout path, a dense model, a device that is not
+        the CPU (``auto`` is judged when the run starts, where the device is resolved)."""
+        if not self.rollout.cuda_graphs:
+            return
+        if self.rollout.engine != "vexact":
+            raise ConfigError(f"records vexact's own decode step in a CUDA graph, and rollout.engine is "
+                              f"{self.rollout.engine!r} (its own engine); leave it false", "rollout.cuda_graphs")
+        if self.model.to_model_config(vocab_size=1).moe_layers:
+            raise ConfigError("an MoE model's decode step records its routing on the host each step, which a CUDA "
+                              "graph cannot replay; leave it false for an MoE model", "rollout.cuda_graphs")
+        if self.device == "cpu":
+            raise ConfigError("records the decode step in a CUDA graph: it needs device cuda (or cuda:N, or auto on "
+                              "a machine with a GPU), not cpu", "rollout.cuda_graphs")
 
     def _check_not_in_cache(self) -> None:
         """The run directory (``output_dir``, else runs/<name>) is not the warm-start cache folder: a run's files

@@ -93,6 +93,7 @@ from .scoring import Anchors, Scorer
 from .step_metrics import step_metrics
 from .tasks import check_lengths, held_out_problems, task_of, training_problems
 from .triton_guard import check_interpreted_triton
+from .validate import ConfigError
 from .warmstart import warm_start
 
 __all__ = ["CollapseConfirmed", "RunStopped", "Trainer", "run_dir_for"]
@@ -149,6 +150,9 @@ class Trainer:
         # the run's device (``device``; under --nproc each rank its own GPU): policy, reference, optimizer state,
         # injector and rollouts live there
         self.device = rank_device(cfg.device)
+        if cfg.rollout.cuda_graphs and self.device.type != "cuda":  # device auto found no GPU
+            raise ConfigError(f"records the decode step in a CUDA graph: device {cfg.device!r} resolved to "
+                              f"{self.device} here, and it needs a CUDA device", "rollout.cuda_graphs")
         # fp32 master weights; a compute copy in the training dtype only when that is not fp32.
         self.master = Transformer(self.model_config, backend=cfg.backend, dtype=torch.float32, device=self.device,
                                   init_seed=cfg.policy_seed)
