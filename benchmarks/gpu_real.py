@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from vexact.engine.decode_graph import CudaGraphRecorder
 from vexact.engine.devices import resolve_device
 from vexact.engine.generation import generate
 from vexact.engine.model import ModelConfig, Transformer, resolve_dtype
@@ -64,7 +65,7 @@ from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL, TIMING_STEP
 from vexact.records import METRICS_FILE
 
-from .gpu_triton import median_seconds
+from .gpu_triton import median_seconds, sync
 
 EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_qwen3_0_6b.yaml"
 
@@ -474,24 +475,17 @@ def part_tiles(device: torch.device, rehearse: bool, s: dict) -> dict:
             "note": "summed: each weight's time x its calls in one forward (count x layers; the head once)"}
 
 
-def _captured(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[object, torch.Tensor] | str:
-    """``step`` captured in a CUDA graph: (the graph, the output tensor each replay refills), or why it could not
-    be captured (a host synchronisation or an op CUDA graphs refuse inside the step). Warmed up on a side stream
-    first, as torch's recipe has it: compilation, autotuning and the allocator's first blocks stay out of the
-    graph."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+def _captured(step: Callable[[], torch.Tensor], device: torch.device
+              ) -> tuple[Callable[[], None], torch.Tensor] | str:
+    """``step`` recorded by the recorder ``generate(cuda_graphs=True)`` uses (``CudaGraphRecorder``): (replay, the
+    output tensor each replay refills), or why it could not be recorded (a host synchronisation or an op CUDA
+    graphs refuse inside the step)."""
+    recorder = CudaGraphRecorder(device)
     try:
-        with torch.cuda.graph(graph):
-            out = step()
+        recorder.warm_up(step)
+        return recorder.record(step)
     except Exception as err:  # noqa: BLE001 -- recorded as the reason; the part goes on
         return _one_line(err)
-    return graph, out
 
 
 def part_graphed(device: torch.device, rehearse: bool, s: dict) -> dict:
@@ -512,12 +506,12 @@ def part_graphed(device: torch.device, rehearse: bool, s: dict) -> dict:
                 if isinstance(captured, str):
                     entry["not_captured"] = captured
                 else:
-                    graph, out = captured
-                    entry["graphed_tokens_per_s"] = s["decode_batch"] / _timed(graph.replay, device, s["reps"])
-                    graph.replay()
-                    torch.cuda.synchronize(device)
+                    replay, out = captured
+                    entry["graphed_tokens_per_s"] = s["decode_batch"] / _timed(replay, device, s["reps"])
+                    replay()
+                    sync(device)
                     entry["graphed_equals_eager"] = bool(torch.equal(out, eager))
-                    del graph, out
+                    del replay, out
                 row["decode"][str(position)] = entry
             del step, model, cache
         except Exception as err:  # noqa: BLE001 -- one backend's failure recorded, the other still measured
@@ -546,11 +540,11 @@ def part_rollout(device: torch.device, rehearse: bool, s: dict) -> dict:
         for graphed in graphs:
             try:
                 generate(model, prompts, max_new_tokens=2, seed=0, cuda_graphs=graphed)  # compiles, autotunes
-                _sync(device)
+                sync(device)
                 begin = time.perf_counter()
                 outputs[graphed] = generate(model, prompts, max_new_tokens=s["new_tokens"], seed=0,
                                             cuda_graphs=graphed)
-                _sync(device)
+                sync(device)
                 seconds = time.perf_counter() - begin
                 tokens = sum(len(t) for t in outputs[graphed].tokens)
                 row["graphed" if graphed else "eager"] = {"tokens": tokens, "seconds": round(seconds, 3),
@@ -571,11 +565,6 @@ def part_rollout(device: torch.device, rehearse: bool, s: dict) -> dict:
     if device.type != "cuda":
         out["graphed_skipped"] = "no CUDA: cuda_graphs=True needs a GPU (the CPU checks its plumbing in tests)"
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) -> dict:
