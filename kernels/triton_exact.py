@@ -20,8 +20,9 @@ The design, op by op (each public function's docstring states its contract):
   (Interpreted, ``tl.sum`` and ``tl.dot`` are replaced: see "Interpreter mode".)
 * **silu_mul, rope** -- elementwise: every element runs the same instruction sequence.
 * **attention** -- one FlashAttention-style kernel for prefill *and* decode. A program takes
-  BLOCK_M queries of one (sequence, query head) -- BLOCK_M fixed, so a decode step (T = 1)
-  runs the same tile shape with masked rows -- and walks the KV cache in BLOCK_N-key blocks
+  BLOCK_M rows of one (sequence, kv head), a row being a (query, q head) of the kv head's
+  grouped-query group -- BLOCK_M fixed, so a decode step (T = 1) runs the same tile shape
+  with masked rows, its group's heads in one tile -- and walks the KV cache in BLOCK_N-key blocks
   *from position 0 in order* with an fp32 online softmax. Invisible keys get a large finite
   negative score, so their probability is exactly 0; a block that is invisible to a query is
   then an exact no-op for it (alpha = exp(0) = 1, p = 0). Hence a query at position p gets
@@ -570,21 +571,26 @@ def _attention_kernel(
     CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # Program (batch x query head, query block): BLOCK_M queries of one sequence and head.
-    batch_head = tl.program_id(0)
-    query_block = tl.program_id(1)
-    batch = (batch_head // q_heads).to(tl.int64)
-    head = batch_head % q_heads
-    kv_head = head // group_size  # grouped-query attention: `group_size` q heads share a kv head
+    # Program (batch x kv head, row block): BLOCK_M rows of one sequence, each row one (query, q head) of the kv
+    # head's group (grouped-query attention: `group_size` q heads share a kv head), query-major -- row r is query
+    # r // group_size of the group's q head r % group_size. So the group's heads share one pass over their keys and
+    # values (a decode step's group_size rows, one program), and every row's arithmetic is its own, as in any tile.
+    batch_kv = tl.program_id(0)
+    row_block = tl.program_id(1)
+    kv_heads = q_heads // group_size
+    batch = (batch_kv // kv_heads).to(tl.int64)
+    kv_head = batch_kv % kv_heads
 
-    t = query_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within this call
+    row = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = row // group_size  # query index within this call
+    head = kv_head * group_size + row % group_size
     dims = tl.arange(0, BLOCK_D)
     keys = tl.arange(0, BLOCK_N)
     dim_mask = dims < head_dim
     q_start = tl.load(q_start_ptr + batch)
     q_pos = q_start + t  # absolute positions of the queries
 
-    q_ptrs = q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q_ptrs = q_ptr + batch * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=(t < q_len)[:, None] & dim_mask[None, :], other=0.0)
     if CAST_TO_FP32:
         q = q.to(tl.float32)
@@ -599,7 +605,7 @@ def _attention_kernel(
 
     # Key blocks from position 0 in order, up to the last query's own position. Stopping
     # earlier or later makes no difference to any query: a block it cannot see is a no-op.
-    last_query = tl.minimum(q_len, (query_block + 1) * BLOCK_M) - 1
+    last_query = (tl.minimum(q_len * group_size, (row_block + 1) * BLOCK_M) - 1) // group_size
     kv_end = tl.minimum(q_start + last_query + 1, cache_len)
     for block_start in range(0, kv_end, BLOCK_N):
         k_pos = block_start + keys
@@ -625,12 +631,12 @@ def _attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    out_ptrs = out_ptr + batch * stride_ob + t[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    out_ptrs = out_ptr + batch * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptrs, _cast(out, out_ptr.dtype.element_ty), mask=(t < q_len)[:, None] & dim_mask[None, :])
     if STORE_LSE:
         # For the backward (p = exp2(score - lse)): the row's log-sum-exp in the kernel's own log2 units, fp32,
         # [B * Hq, T] row-major. Written after `out` and from the same m_i, l_i: `out` is not touched.
-        tl.store(lse_ptr + batch_head.to(tl.int64) * q_len + t, m_i + tl.log2(l_i), mask=t < q_len)
+        tl.store(lse_ptr + (batch * q_heads + head) * q_len + t, m_i + tl.log2(l_i), mask=t < q_len)
 
 
 def _last_dim_contiguous(t: Tensor) -> Tensor:
@@ -653,8 +659,8 @@ def _attention_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Ten
     if out.numel() == 0:
         return out, lse, prepared
     block_m, block_n, num_warps, num_stages = _ATTENTION_TILES[q.dtype]
-    # Query heads x batch on grid axis 0 (no 65535 limit there), query blocks on axis 1.
-    grid = (batch * q_heads, triton.cdiv(q_len, block_m))
+    # kv heads x batch on grid axis 0 (no 65535 limit there), blocks of (query, q head) rows on axis 1.
+    grid = (batch * kv_heads, triton.cdiv(q_len * (q_heads // kv_heads), block_m))
     _attention_kernel[grid](
         q, k_cache, v_cache, q_start, out,
         q_len, cache_len, q_heads, q_heads // kv_heads, head_dim, scale * LOG2_E,
@@ -936,7 +942,9 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     is chunked), padding queries, or cache contents after its position (which must be
     finite: 0 * inf would be NaN). So decode step t equals row t of a prefill bit for bit.
 
-    Tiling: one program per (sequence, query head, block of BLOCK_M queries); BLOCK_M is
+    Tiling: one program per (sequence, kv head, block of BLOCK_M rows), a row being one
+    (query, q head) of the kv head's group, query-major: the group's q heads share one pass
+    over their keys and values (a decode step's Hq / Hkv rows, one program). BLOCK_M is
     fixed, so a decode step is the same tile with masked rows. The program streams the
     cache in BLOCK_N-key blocks from position 0 and keeps an fp32 online softmax (running
     max m, normaliser l, accumulator acc), as in FlashAttention. Invisible keys score a
