@@ -397,7 +397,7 @@ def part_profiles(device: torch.device, rehearse: bool, s: dict) -> dict:
 
 
 TILE_CANDIDATES = {
-    "current": None,  # the dtype's own _MATMUL_TILES: (64, 128, 64, 4, 3) in bf16
+    "current": None,  # the dtype's own _MATMUL_TILES: (64, 128, 64, 4, 3) in bf16 (a decode tile may run instead)
     "n64": (64, 64, 64, 4, 3), "n32": (64, 32, 64, 4, 4), "n16": (64, 16, 64, 4, 4),
     "n128_s4": (64, 128, 64, 4, 4), "n256_w8": (64, 256, 64, 8, 3),
     "m128_n128_w8": (128, 128, 64, 8, 3), "m128_n256_w8": (128, 256, 64, 8, 3),
@@ -442,13 +442,17 @@ def part_tiles(device: torch.device, rehearse: bool, s: dict) -> dict:
     rows_small, rows_large = s["rows"]
     results: dict = {name: {"tiles": tiles, "weights": {}} for name, tiles in candidates.items()}
     native_us: dict = {}
+    chosen: dict = {}  # weight -> the tiles linear runs a call of rows_small rows with (a decode tile, checked)
     for weight_name, ((n, k), _) in weights.items():
         w = torch.randn(n, k, generator=gen).to(dtype).to(device)
         x = torch.randn(rows_large, k, generator=gen).to(dtype).to(device)
         native_us[weight_name] = {str(m): _bench_us(partial(torch.nn.functional.linear, x[:m], w), device, s["reps"])
                                   for m in (rows_small, rows_large)}
-        reference = {m: triton_exact._linear_forward(x[:m], w, None) for m in (rows_small, rows_large)}
+        canonical = triton_exact._MATMUL_TILES[dtype]
+        reference = {m: triton_exact._linear_forward(x[:m], w, None, canonical) for m in (rows_small, rows_large)}
+        chosen[weight_name] = triton_exact.linear_tiles(rows_small, k, n, dtype, device)
         for name, tiles in candidates.items():
+            tiles = tiles or canonical
             entry: dict = {}
             try:
                 outputs = {m: triton_exact._linear_forward(x[:m], w, None, tiles) for m in (rows_small, rows_large)}
@@ -471,6 +475,7 @@ def part_tiles(device: torch.device, rehearse: bool, s: dict) -> dict:
     native_sums = {str(m): round(sum(native_us[w][str(m)] * (count * layers or 1)
                                      for w, (_, count) in weights.items()), 1) for m in (rows_small, rows_large)}
     return {"status": "passed", "candidates": results, "native_us": native_us, "native_summed_us": native_sums,
+            "linear_tiles_at_decode": {w: list(t) for w, t in chosen.items()},
             "sizes": {k: v for k, v in s.items() if k != "preset"},
             "note": "summed: each weight's time x its calls in one forward (count x layers; the head once)"}
 

@@ -64,6 +64,7 @@ RECORD_COMMAND = "python -m vexact_kernels.triton_audit --record"
 TARGETS = {"sm_80": 80, "sm_90": 90}  # CUDA compute capabilities: A100, H100
 DTYPES = ("fp32", "bf16")
 ROW_COUNTS = (1, 2, 16, 17, 1000)
+DECODE_TILE_COUNT = 2  # the linear kernel's decode tiles per dtype (triton_exact._DECODE_TILES; the worker checks)
 # The benchmarks' llama100m model (SmolLM-135M-like); head_dim 64. The cache and vocab are per-call sizes.
 SHAPE = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, batch=2, prefix=40)
 
@@ -98,12 +99,22 @@ def _empty(*shape: int, dtype) -> Any:
     return torch.empty(shape, dtype=dtype)
 
 
-def _linear_launch(bias: bool) -> Callable:
+def _canonical_tiles(te: ModuleType, dtype) -> tuple:
+    return te._MATMUL_TILES[dtype]
+
+
+def _decode_tiles(index: int) -> Callable:
+    """The linear kernel's ``index``-th decode tile (``triton_exact._DECODE_TILES``, widest first), which a call of
+    at most ``DECODE_ROWS_MAX`` rows runs where its first-use check on the device passes."""
+    return lambda te, dtype: te._DECODE_TILES[dtype][index]
+
+
+def _linear_launch(bias: bool, tiles_of: Callable = _canonical_tiles) -> Callable:
     def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
         k, n = SHAPE["hidden"], SHAPE["intermediate"]
         x, w, y = _empty(rows, k, dtype=dtype), _empty(n, k, dtype=dtype), _empty(rows, n, dtype=dtype)
         b = _empty(n, dtype=dtype) if bias else w
-        block_m, block_n, block_k, num_warps, num_stages = te._MATMUL_TILES[dtype]
+        block_m, block_n, block_k, num_warps, num_stages = tiles_of(te, dtype)
         args = (x, w, b, y, rows, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
         kwargs = dict(
             HAS_BIAS=bias,
@@ -121,9 +132,11 @@ def _linear_launch(bias: bool) -> Callable:
     return launch
 
 
-def _linear_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
-    block_m, block_n, block_k = te._MATMUL_TILES[dtype][:3]
-    return [(block_m, block_k, block_n)]
+def _linear_dots(tiles_of: Callable = _canonical_tiles) -> Callable:
+    def dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+        block_m, block_n, block_k = tiles_of(te, dtype)[:3]
+        return [(block_m, block_k, block_n)]
+    return dots
 
 
 def _attention_tensors(dtype, rows: int) -> tuple:
@@ -284,12 +297,15 @@ def _row_block(count: int) -> Callable:
 
 
 def variants() -> list[Variant]:
-    """Every audited variant: each kernel of triton_exact x fp32/bf16 (linear with and without bias, attention's
-    forward without and with the log-sum-exp store the backward needs, attention's three backward kernels, rope for
-    the query and the key head count, whose BLOCK_H differ; exp, the MoE routing weights' exp, is fp32 only)."""
+    """Every audited variant: each kernel of triton_exact x fp32/bf16 (linear with and without bias and in each
+    decode tile, attention's forward without and with the log-sum-exp store the backward needs, attention's three
+    backward kernels, rope for the query and the key head count, whose BLOCK_H differ; exp, the MoE routing weights'
+    exp, is fp32 only)."""
     kinds = [
-        ("linear", "_linear_kernel", _linear_launch(False), _linear_dots, _none),
-        ("linear+bias", "_linear_kernel", _linear_launch(True), _linear_dots, _none),
+        ("linear", "_linear_kernel", _linear_launch(False), _linear_dots(), _none),
+        ("linear+bias", "_linear_kernel", _linear_launch(True), _linear_dots(), _none),
+        *((f"linear(decode {i})", "_linear_kernel", _linear_launch(False, _decode_tiles(i)),
+           _linear_dots(_decode_tiles(i)), _none) for i in range(DECODE_TILE_COUNT)),
         ("attention", "_attention_kernel", _attention_launch(False), _attention_dots, _attention_reduces),
         ("attention+lse", "_attention_kernel", _attention_launch(True), _attention_dots, _attention_reduces),
         ("attention_bwd_delta", "_attention_bwd_delta_kernel", _attention_bwd_delta_launch, _none,
@@ -543,6 +559,18 @@ def reductions(ttgir: str) -> dict[str, list]:
     return {"dots": sorted(dots), "reduces": sorted(reduces), "code": code}
 
 
+_PRODUCT = re.compile(r"\b(wgmma\.mma_async\.sync\.aligned|mma\.sync\.aligned)\.m(\d+)n\d+(k\d+)([\w.]*)")
+
+
+def product_steps(ptx: str) -> list[str]:
+    """The tensor-core product instructions in ``ptx`` with their N dimension left out (``wgmma m64 k16
+    .f32.bf16.bf16``): what sums an output element's K chunk. Tiles that differ only in the columns a program owns
+    should compile to the same steps; the linear kernel's decode tiles are held to the canonical tiles' (``problems``),
+    the evidence behind the first-use check that decides on the device (``triton_exact.decode_tiles_agree``)."""
+    return sorted({f"{'wgmma' if kind.startswith('wgmma') else 'mma'} m{m} {k} {rest}"
+                   for kind, m, k, rest in _PRODUCT.findall(ptx)})
+
+
 def digest(text: str) -> str:
     """sha256 hex digest of ``text``."""
     return hashlib.sha256(text.encode()).hexdigest()
@@ -576,6 +604,7 @@ def check_kernel(kernel: Any, launches: list[tuple[tuple, dict]], target: int) -
         "dots": [list(d) for d in found["dots"]],
         "reduces": [list(r) for r in found["reduces"]],
         "has_reduction": bool(found["dots"] or found["reduces"]),
+        "products": product_steps(ptx),
         "num_warps": first.metadata.num_warps,
         "ttgir": digest(strip_mlir(ttgir)),
         "ptx": digest(strip_ptx(ptx)),
@@ -595,6 +624,10 @@ def _worker() -> dict[str, Any]:
 
     if te.INTERPRETING:
         raise RuntimeError("triton_audit worker: triton_exact was loaded interpreted; run it through audit()")
+    for dtype_name in DTYPES:
+        if (count := len(te._DECODE_TILES[_torch_dtype(dtype_name)])) != DECODE_TILE_COUNT:
+            raise RuntimeError(f"triton_audit: triton_exact._DECODE_TILES has {count} {dtype_name} decode tiles, the "
+                               f"audit compiles DECODE_TILE_COUNT = {DECODE_TILE_COUNT}: make them agree")
     kernels = sorted(name for name, value in vars(te).items()
                      if isinstance(value, JITFunction) and name.endswith("_kernel"))  # fmt: skip
     default_warps = make_backend(GPUTarget("cuda", 80, 32)).parse_options({}).num_warps  # when a launch names none
@@ -658,6 +691,13 @@ def problems(result: dict[str, Any]) -> list[str]:
                            f"tile table says dots {expected['dots']} reduces {expected['reduces']}")  # fmt: skip
             if res["num_warps"] != expected["num_warps"]:
                 out.append(f"{where}: {res['num_warps']} warps, tile table says {expected['num_warps']}")
+    for name, variant in result["variants"].items():  # a decode tile sums a column as the canonical tiles do
+        if name.startswith("linear(decode"):
+            canonical = result["variants"][f"linear/{name.rsplit('/', 1)[1]}"]["targets"]
+            for target, res in variant["targets"].items():
+                if res["products"] != canonical[target]["products"]:
+                    out.append(f"{name} {target}: products {res['products']}, the canonical tiles' "
+                               f"{canonical[target]['products']}")
     audited = {v["kernel"] for v in result["variants"].values()}
     out += [f"{k}: a kernel of triton_exact that the audit does not compile" for k in result["kernels"]
             if k not in audited]  # fmt: skip

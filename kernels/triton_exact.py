@@ -219,6 +219,22 @@ else:
     _ROW_BLOCK, _ROW_WARPS = 1024, 4
     _ELEMENTWISE_BLOCK = 1024
 
+# Decode tiles: a linear call of at most DECODE_ROWS_MAX rows (a decode step's batch) may run narrower tiles than
+# _MATMUL_TILES -- more programs for the same weight (a 2,048-wide projection in 64 x 128 tiles is 16 programs on an
+# H200's 132 SMs, its weights read at a fifth of the memory's bandwidth) -- but only a tile that a first-use check on
+# this device finds to give every row the canonical tiles' bits (``decode_tiles_agree``). Same BLOCK_M and BLOCK_K:
+# the same K chunks in the same order; only the columns a program owns change. Widest first (``_decode_tiles``).
+DECODE_ROWS_MAX = 64
+if INTERPRETING:
+    _DECODE_TILES = {dtype: ((64, 32, 32, 1, 1), (64, 16, 32, 1, 1))
+                     for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+else:
+    _DECODE_TILES = {
+        torch.float32: ((64, 32, 32, 4, 3), (64, 16, 32, 4, 3)),
+        torch.bfloat16: ((64, 32, 64, 4, 4), (64, 16, 64, 4, 4)),
+        torch.float16: ((64, 32, 64, 4, 4), (64, 16, 64, 4, 4)),
+    }
+
 
 # Pinned rather than left to Triton's default (which flips from fused to unfused mul-add in
 # Triton 3.10): either is invariant, but the bits must not change with a Triton upgrade.
@@ -293,11 +309,13 @@ def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
     return native.embedding(tokens, weight)
 
 
-def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None,
-                    tiles: tuple[int, int, int, int, int] | None = None) -> Tensor:
-    """``linear``'s forward. ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the dtype's
-    own ``_MATMUL_TILES``, for the GPU tile survey (``benchmarks.gpu_real --part tiles``) alone: the model never
-    passes it, so its bits never depend on it."""
+Tiles = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+
+
+def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: Tiles | None = None) -> Tensor:
+    """``linear``'s forward. ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the call's own
+    (``linear_tiles``), for the first-use checks and the GPU tile survey (``benchmarks.gpu_real --part tiles``)
+    alone: the model never passes it, so its bits never depend on it."""
     _check_device("linear", x=x, weight=weight)
     n_inner = x.shape[-1]
     n_cols = weight.shape[0]
@@ -305,7 +323,8 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None,
     y = torch.empty(x2d.shape[0], n_cols, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y.view(*x.shape[:-1], n_cols)
-    block_m, block_n, block_k, num_warps, num_stages = tiles or _MATMUL_TILES[x.dtype]
+    block_m, block_n, block_k, num_warps, num_stages = tiles or linear_tiles(x2d.shape[0], n_inner, n_cols,
+                                                                             x.dtype, x.device)
     grid = (triton.cdiv(x2d.shape[0], block_m), triton.cdiv(n_cols, block_n))
     _linear_kernel[grid](
         x2d, weight, bias.contiguous() if bias is not None else weight, y,  # the kernel reads bias with stride 1
@@ -316,6 +335,67 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None,
         num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS,
     )  # fmt: skip
     return y.view(*x.shape[:-1], n_cols)
+
+
+def linear_tiles(rows: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """The tiles ``linear`` runs a call of ``rows`` rows of [N, K] weights in ``dtype`` with: the dtype's
+    ``_MATMUL_TILES``; at most ``DECODE_ROWS_MAX`` rows, a decode tile (``_decode_tiles``) where one gives the same
+    bits here (``decode_tiles_agree``) -- of those, the widest that gives the device's SMs two programs each, else
+    the narrowest. The tile may depend on the call's row count only because every tile it can choose gives each row
+    the canonical tiles' bits: the row-invariance contract holds whichever runs."""
+    if rows > DECODE_ROWS_MAX:
+        return _MATMUL_TILES[dtype]
+    key = (k, n, dtype, str(device))
+    if (chosen := _DECODE_CHOICES.get(key)) is None:
+        agreeing = [t for t in _decode_tiles(dtype) if decode_tiles_agree(t, k, n, dtype, device)]
+        wanted = 2 * _processors(device)
+        chosen = next((t for t in agreeing if triton.cdiv(n, t[1]) >= wanted), agreeing[-1] if agreeing else None)
+        chosen = _DECODE_CHOICES[key] = chosen or _MATMUL_TILES[dtype]
+    return chosen
+
+
+_DECODE_CHOICES: dict[tuple, Tiles] = {}  # (K, N, dtype, device) -> the tiles of a call of at most DECODE_ROWS_MAX rows
+
+
+def _decode_tiles(dtype: torch.dtype) -> tuple[Tiles, ...]:
+    """The decode tiles ``linear_tiles`` may choose for ``dtype``, widest first (a function, so tests can offer
+    others)."""
+    return _DECODE_TILES[dtype]
+
+
+def _processors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (1 in the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_DECODE_TILE_CHECKS: dict[tuple, bool] = {}
+DECODE_CHECK_COLUMNS = 1024
+"""Weight rows (output columns) the first-use check of a decode tile multiplies at most: a column's reduction is
+the same whatever N (the check keeps N's remainder modulo 128, so the last, partial tile is checked too)."""
+DECODE_CHECK_ROWS = (1, 17, DECODE_ROWS_MAX)
+"""Row counts of the first-use check: each call's rows against the same rows of the canonical tiles'
+``DECODE_ROWS_MAX``-row call."""
+
+
+def decode_tiles_agree(tiles: Tiles, k: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``tiles`` give every row of a call of at most ``DECODE_ROWS_MAX`` rows the bits the dtype's
+    ``_MATMUL_TILES`` give it, for [N, K] weights on ``device``: checked once per (tiles, K, N class, dtype, device)
+    on seeded random operands whose every mantissa bit is set (a different order of the same sums shows in the last
+    bits), at ``DECODE_CHECK_ROWS`` rows. A tile whose compiled code sums a column otherwise (another MMA
+    instruction, say) fails here and never runs. The check reads a result back to the host: it runs at a call's
+    first use, before a decode step is recorded in a CUDA graph (``DecodeStep`` runs the step eagerly first)."""
+    columns = min(n, DECODE_CHECK_COLUMNS + n % 128)
+    key = (tiles, k, columns, dtype, str(device))
+    if (known := _DECODE_TILE_CHECKS.get(key)) is None:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(DECODE_ROWS_MAX, k, generator=gen).to(dtype).to(device)
+        w = torch.randn(columns, k, generator=gen).to(dtype).to(device)
+        reference = _linear_forward(x, w, None, _MATMUL_TILES[dtype])
+        known = all(torch.equal(_linear_forward(x[:m], w, None, tiles), reference[:m]) for m in DECODE_CHECK_ROWS)
+        _DECODE_TILE_CHECKS[key] = known
+    return known
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -329,8 +409,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Tiling: the output is cut into [BLOCK_M, BLOCK_N] tiles, one program each (grid
     cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N)). A program loads [BLOCK_M, BLOCK_K] slices of x and
     [BLOCK_K, BLOCK_N] slices of weight.T and accumulates their ``tl.dot`` in an fp32 tile,
-    K from 0 upwards. The tile shape is fixed per dtype (see ``_MATMUL_TILES``), never
-    chosen from M; there is no split-K. Bias is added in fp32, then one rounding to x.dtype.
+    K from 0 upwards. The tile shape is fixed per dtype (see ``_MATMUL_TILES``); there is no
+    split-K. A call of at most ``DECODE_ROWS_MAX`` rows may run a narrower decode tile, where
+    a first-use check on the device found it gives every row these same bits
+    (``linear_tiles``). Bias is added in fp32, then one rounding to x.dtype.
     In the interpreter the block product is a fixed pairwise tree of exactly rounded fp32
     products (``_block_dot``), not np.matmul: invariance does not rest on the host BLAS.
     """

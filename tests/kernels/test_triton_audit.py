@@ -64,7 +64,7 @@ def test_every_kernel_variant_passes_the_audit(cli):
                                       "_token_logprobs_kernel", "_silu_mul_kernel", "_rope_kernel",
                                       "_exp_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
                                       "_attention_bwd_dq_kernel"}  # fmt: skip
-    assert len(result["variants"]) == 29  # 14 kinds x fp32/bf16, and exp (fp32 only)
+    assert len(result["variants"]) == 33  # 16 kinds (2 of them the linear decode tiles) x fp32/bf16, and exp (fp32)
     for name, variant in result["variants"].items():
         assert set(variant["targets"]) == {"sm_80", "sm_90"}, name
         for target, res in variant["targets"].items():
@@ -81,6 +81,29 @@ def test_every_kernel_variant_passes_the_audit(cli):
     assert result["variants"]["attention_bwd_dkdv/bf16"]["targets"]["sm_90"]["dots"] == [
         [32, 64, 64], [32, 64, 64], [64, 32, 64], [64, 32, 64]]  # fmt: skip
     assert len(result["variants"]["attention_bwd_dq/fp32"]["targets"]["sm_80"]["dots"]) == 3
+
+
+def test_decode_tiles_sum_a_column_as_the_canonical_tiles(cli):
+    """The linear kernel's decode tiles compile to the canonical tiles' product steps (on sm_90 a wgmma of K = 16
+    whatever its N), and a decode tile compiled to other steps is reported."""
+    _, result = cli
+    variants = result["variants"]
+    for index in range(triton_audit.DECODE_TILE_COUNT):
+        decode = variants[f"linear(decode {index})/bf16"]["targets"]
+        assert decode["sm_90"]["products"] == variants["linear/bf16"]["targets"]["sm_90"]["products"]
+    assert variants["linear/bf16"]["targets"]["sm_90"]["products"] == ["wgmma m64 k16 .f32.bf16.bf16"]
+    changed = json.loads(json.dumps(result))
+    changed["variants"]["linear(decode 0)/bf16"]["targets"]["sm_80"]["products"] = ["mma m16 k8 .f32.bf16.bf16"]
+    assert triton_audit.problems(changed) == [
+        "linear(decode 0)/bf16 sm_80: products ['mma m16 k8 .f32.bf16.bf16'], the canonical tiles' "
+        "['mma m16 k16 .row.col.f32.bf16.bf16.f32']"]
+
+
+def test_product_steps_leave_out_n():
+    ptx = ("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {...};\n"
+           "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};\n"
+           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {...};")
+    assert triton_audit.product_steps(ptx) == ["mma m16 k16 .row.col.f32.bf16.bf16.f32", "wgmma m64 k16 .f32.bf16.bf16"]
 
 
 def test_digests_match_the_recording(cli):

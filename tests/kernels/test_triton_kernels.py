@@ -152,6 +152,56 @@ def test_linear_invariance(dtype, k, n):
     assert torch.equal(exact.linear(x[None, 5:6], w, b)[0, 0], full[5])
 
 
+@pytest.fixture
+def fresh_decode_checks(monkeypatch):
+    """``linear``'s decode-tile checks and choices made afresh for one test (none kept from other tests)."""
+    monkeypatch.setattr(exact, "_DECODE_TILE_CHECKS", {})
+    monkeypatch.setattr(exact, "_DECODE_CHOICES", {})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_decode_tiles_keep_the_canonical_bits(dtype, fresh_decode_checks):
+    """A call of at most DECODE_ROWS_MAX rows runs a decode tile where its first-use check passed, and its rows are
+    the canonical tiles' rows bit for bit; a call of more rows runs the canonical tiles."""
+    k, n = 70, 45
+    g = _gen(3)
+    x = _randn(g, exact.DECODE_ROWS_MAX + 1, k, dtype=dtype)
+    w = _randn(g, n, k, dtype=dtype)
+    canonical = exact._MATMUL_TILES[dtype]
+    reference = exact._linear_forward(x, w, None, canonical)
+    chosen = exact.linear_tiles(1, k, n, dtype, x.device)
+    if DEVICE == "cpu":  # the interpreter sums a block in one fixed tree whatever BLOCK_N: its decode tile agrees
+        assert chosen in exact._DECODE_TILES[dtype] and chosen != canonical
+    for rows in (1, 17, exact.DECODE_ROWS_MAX):
+        assert torch.equal(exact.linear(x[:rows], w), reference[:rows]), f"{rows} rows in {chosen} differ"
+    assert exact.linear_tiles(exact.DECODE_ROWS_MAX + 1, k, n, dtype, x.device) == canonical
+
+
+def test_linear_decode_tile_that_sums_otherwise_is_refused(fresh_decode_checks, monkeypatch):
+    """A decode tile whose K chunks differ (another BLOCK_K: another order of the same sums) fails its first-use
+    check, and the call keeps the canonical tiles: the check can fail, and its failure is obeyed."""
+    dtype, k, n = torch.float32, 70, 45
+    block_m, block_n, block_k, warps, stages = exact._MATMUL_TILES[dtype]
+    other_order = (block_m, block_n // 2, block_k // 2, warps, stages)
+    monkeypatch.setattr(exact, "_decode_tiles", lambda dtype: (other_order,))
+    device = torch.device(DEVICE)
+    assert not exact.decode_tiles_agree(other_order, k, n, dtype, device)
+    assert exact.linear_tiles(1, k, n, dtype, device) == exact._MATMUL_TILES[dtype]
+
+
+@pytest.mark.parametrize("processors,width", [(2, 32), (3, 16), (100, 16)])
+def test_linear_decode_tile_fills_the_device(fresh_decode_checks, monkeypatch, processors, width):
+    """Of the agreeing decode tiles (widest first), the widest that gives each SM two programs, else the narrowest:
+    N = 100 is 4 programs 32 wide and 7 programs 16 wide."""
+    dtype, k, n = torch.float32, 40, 100
+    block_m, _, block_k, warps, stages = exact._MATMUL_TILES[dtype]
+    offered = tuple((block_m, w, block_k, warps, stages) for w in (32, 16))
+    monkeypatch.setattr(exact, "_decode_tiles", lambda dtype: offered)
+    monkeypatch.setattr(exact, "_processors", lambda device: processors)
+    monkeypatch.setattr(exact, "decode_tiles_agree", lambda *args: True)  # the rule, whatever the device's checks
+    assert exact.linear_tiles(8, k, n, dtype, torch.device(DEVICE))[1] == width
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_invariance(dtype):
     g = _gen(4)
