@@ -323,8 +323,8 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: Tiles
     y = torch.empty(x2d.shape[0], n_cols, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y.view(*x.shape[:-1], n_cols)
-    block_m, block_n, block_k, num_warps, num_stages = tiles or linear_tiles(x2d.shape[0], n_inner, n_cols,
-                                                                             x.dtype, x.device)
+    block_m, block_n, block_k, num_warps, num_stages = tiles or linear_tiles(
+        x2d.shape[0], n_inner, n_cols, x.dtype, x.device, bias=bias is not None)
     grid = (triton.cdiv(x2d.shape[0], block_m), triton.cdiv(n_cols, block_n))
     _linear_kernel[grid](
         x2d, weight, bias.contiguous() if bias is not None else weight, y,  # the kernel reads bias with stride 1
@@ -337,24 +337,26 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: Tiles
     return y.view(*x.shape[:-1], n_cols)
 
 
-def linear_tiles(rows: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> Tiles:
-    """The tiles ``linear`` runs a call of ``rows`` rows of [N, K] weights in ``dtype`` with: the dtype's
+def linear_tiles(rows: int, k: int, n: int, dtype: torch.dtype, device: torch.device, *, bias: bool = False
+                 ) -> Tiles:
+    """The tiles ``linear`` runs a call of ``rows`` rows of [N, K] weights (and a ``bias``, or none) in ``dtype``
+    with: the dtype's
     ``_MATMUL_TILES``; at most ``DECODE_ROWS_MAX`` rows, a decode tile (``_decode_tiles``) where one gives the same
     bits here (``decode_tiles_agree``) -- of those, the widest that gives the device's SMs two programs each, else
     the narrowest. The tile may depend on the call's row count only because every tile it can choose gives each row
     the canonical tiles' bits: the row-invariance contract holds whichever runs."""
     if rows > DECODE_ROWS_MAX:
         return _MATMUL_TILES[dtype]
-    key = (k, n, dtype, str(device))
+    key = (k, n, dtype, str(device), bias)
     if (chosen := _DECODE_CHOICES.get(key)) is None:
-        agreeing = [t for t in _decode_tiles(dtype) if decode_tiles_agree(t, k, n, dtype, device)]
+        agreeing = [t for t in _decode_tiles(dtype) if decode_tiles_agree(t, k, n, dtype, device, bias=bias)]
         wanted = 2 * _processors(device)
         chosen = next((t for t in agreeing if triton.cdiv(n, t[1]) >= wanted), agreeing[-1] if agreeing else None)
         chosen = _DECODE_CHOICES[key] = chosen or _MATMUL_TILES[dtype]
     return chosen
 
 
-_DECODE_CHOICES: dict[tuple, Tiles] = {}  # (K, N, dtype, device) -> the tiles of a call of at most DECODE_ROWS_MAX rows
+_DECODE_CHOICES: dict[tuple, Tiles] = {}  # (K, N, dtype, device, bias) -> a call's tiles at <= DECODE_ROWS_MAX rows
 
 
 def _decode_tiles(dtype: torch.dtype) -> tuple[Tiles, ...]:
@@ -379,21 +381,24 @@ DECODE_CHECK_ROWS = (1, 17, DECODE_ROWS_MAX)
 ``DECODE_ROWS_MAX``-row call."""
 
 
-def decode_tiles_agree(tiles: Tiles, k: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+def decode_tiles_agree(tiles: Tiles, k: int, n: int, dtype: torch.dtype, device: torch.device, *,
+                       bias: bool = False) -> bool:
     """Whether ``tiles`` give every row of a call of at most ``DECODE_ROWS_MAX`` rows the bits the dtype's
-    ``_MATMUL_TILES`` give it, for [N, K] weights on ``device``: checked once per (tiles, K, N class, dtype, device)
+    ``_MATMUL_TILES`` give it, for [N, K] weights (and a ``bias``: the kernel's other variant) on ``device``:
+    checked once per (tiles, K, N class, dtype, device, bias)
     on seeded random operands whose every mantissa bit is set (a different order of the same sums shows in the last
     bits), at ``DECODE_CHECK_ROWS`` rows. A tile whose compiled code sums a column otherwise (another MMA
     instruction, say) fails here and never runs. The check reads a result back to the host: it runs at a call's
     first use, before a decode step is recorded in a CUDA graph (``DecodeStep`` runs the step eagerly first)."""
     columns = min(n, DECODE_CHECK_COLUMNS + n % 128)
-    key = (tiles, k, columns, dtype, str(device))
+    key = (tiles, k, columns, dtype, str(device), bias)
     if (known := _DECODE_TILE_CHECKS.get(key)) is None:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(DECODE_ROWS_MAX, k, generator=gen).to(dtype).to(device)
         w = torch.randn(columns, k, generator=gen).to(dtype).to(device)
-        reference = _linear_forward(x, w, None, _MATMUL_TILES[dtype])
-        known = all(torch.equal(_linear_forward(x[:m], w, None, tiles), reference[:m]) for m in DECODE_CHECK_ROWS)
+        b = torch.randn(columns, generator=gen).to(dtype).to(device) if bias else None
+        reference = _linear_forward(x, w, b, _MATMUL_TILES[dtype])
+        known = all(torch.equal(_linear_forward(x[:m], w, b, tiles), reference[:m]) for m in DECODE_CHECK_ROWS)
         _DECODE_TILE_CHECKS[key] = known
     return known
 

@@ -174,6 +174,10 @@ def test_linear_decode_tiles_keep_the_canonical_bits(dtype, fresh_decode_checks)
         assert chosen in exact._DECODE_TILES[dtype] and chosen != canonical
     for rows in (1, 17, exact.DECODE_ROWS_MAX):
         assert torch.equal(exact.linear(x[:rows], w), reference[:rows]), f"{rows} rows in {chosen} differ"
+    b = _randn(g, n, dtype=dtype)  # the kernel's variant with a bias: checked apart
+    with_bias = exact._linear_forward(x, w, b, canonical)
+    assert torch.equal(exact.linear(x[:17], w, b), with_bias[:17])
+    assert exact._DECODE_CHOICES.keys() == {(k, n, dtype, str(x.device), False), (k, n, dtype, str(x.device), True)}
     assert exact.linear_tiles(exact.DECODE_ROWS_MAX + 1, k, n, dtype, x.device) == canonical
 
 
@@ -198,7 +202,7 @@ def test_linear_decode_tile_fills_the_device(fresh_decode_checks, monkeypatch, p
     offered = tuple((block_m, w, block_k, warps, stages) for w in (32, 16))
     monkeypatch.setattr(exact, "_decode_tiles", lambda dtype: offered)
     monkeypatch.setattr(exact, "_processors", lambda device: processors)
-    monkeypatch.setattr(exact, "decode_tiles_agree", lambda *args: True)  # the rule, whatever the device's checks
+    monkeypatch.setattr(exact, "decode_tiles_agree", lambda *args, **kwargs: True)  # the rule, whatever the device
     assert exact.linear_tiles(8, k, n, dtype, torch.device(DEVICE))[1] == width
 
 
