@@ -340,11 +340,10 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: Tiles
 def linear_tiles(rows: int, k: int, n: int, dtype: torch.dtype, device: torch.device, *, bias: bool = False
                  ) -> Tiles:
     """The tiles ``linear`` runs a call of ``rows`` rows of [N, K] weights (and a ``bias``, or none) in ``dtype``
-    with: the dtype's
-    ``_MATMUL_TILES``; at most ``DECODE_ROWS_MAX`` rows, a decode tile (``_decode_tiles``) where one gives the same
-    bits here (``decode_tiles_agree``) -- of those, the widest that gives the device's SMs two programs each, else
-    the narrowest. The tile may depend on the call's row count only because every tile it can choose gives each row
-    the canonical tiles' bits: the row-invariance contract holds whichever runs."""
+    with: the dtype's ``_MATMUL_TILES``; at most ``DECODE_ROWS_MAX`` rows, a decode tile (``_decode_tiles``) where
+    one gives the same bits here (``decode_tiles_agree``) -- of those, the widest that gives the device's SMs two
+    programs each, else the narrowest. The tile may depend on the call's row count only because every tile it can
+    choose gives each row the canonical tiles' bits: the row-invariance contract holds whichever runs."""
     if rows > DECODE_ROWS_MAX:
         return _MATMUL_TILES[dtype]
     key = (k, n, dtype, str(device), bias)
@@ -385,11 +384,11 @@ def decode_tiles_agree(tiles: Tiles, k: int, n: int, dtype: torch.dtype, device:
                        bias: bool = False) -> bool:
     """Whether ``tiles`` give every row of a call of at most ``DECODE_ROWS_MAX`` rows the bits the dtype's
     ``_MATMUL_TILES`` give it, for [N, K] weights (and a ``bias``: the kernel's other variant) on ``device``:
-    checked once per (tiles, K, N class, dtype, device, bias)
-    on seeded random operands whose every mantissa bit is set (a different order of the same sums shows in the last
-    bits), at ``DECODE_CHECK_ROWS`` rows. A tile whose compiled code sums a column otherwise (another MMA
-    instruction, say) fails here and never runs. The check reads a result back to the host: it runs at a call's
-    first use, before a decode step is recorded in a CUDA graph (``DecodeStep`` runs the step eagerly first)."""
+    checked once per (tiles, K, N class, dtype, device, bias) on seeded random operands whose every mantissa bit is
+    set (a different order of the same sums shows in the last bits), at ``DECODE_CHECK_ROWS`` rows. A tile whose
+    compiled code sums a column otherwise (another MMA instruction, say) fails here and never runs. The check reads
+    a result back to the host: it runs at a call's first use, before a decode step is recorded in a CUDA graph
+    (``DecodeStep`` runs the step eagerly first)."""
     columns = min(n, DECODE_CHECK_COLUMNS + n % 128)
     key = (tiles, k, columns, dtype, str(device), bias)
     if (known := _DECODE_TILE_CHECKS.get(key)) is None:
