@@ -443,12 +443,12 @@ def part_tiles(device: torch.device, rehearse: bool, s: dict) -> dict:
     results: dict = {name: {"tiles": tiles, "weights": {}} for name, tiles in candidates.items()}
     native_us: dict = {}
     chosen: dict = {}  # weight -> the tiles linear runs a call of rows_small rows with (a decode tile, checked)
+    canonical = triton_exact._MATMUL_TILES[dtype]
     for weight_name, ((n, k), _) in weights.items():
         w = torch.randn(n, k, generator=gen).to(dtype).to(device)
         x = torch.randn(rows_large, k, generator=gen).to(dtype).to(device)
         native_us[weight_name] = {str(m): _bench_us(partial(torch.nn.functional.linear, x[:m], w), device, s["reps"])
                                   for m in (rows_small, rows_large)}
-        canonical = triton_exact._MATMUL_TILES[dtype]
         reference = {m: triton_exact._linear_forward(x[:m], w, None, canonical) for m in (rows_small, rows_large)}
         chosen[weight_name] = triton_exact.linear_tiles(rows_small, k, n, dtype, device)
         for name, tiles in candidates.items():

@@ -373,9 +373,12 @@ def strip_mlir(text: str) -> str:
 
 
 def strip_ptx(text: str) -> str:
-    """PTX without debug information (``.file``/``.loc`` lines name the source path and lines; DWARF sections)."""
+    """PTX without debug information: ``.file``/``.loc`` lines (the source path and lines), the ``$L__tmpN:`` labels
+    that only the DWARF sections refer to (they mark where an inlined ``@triton.jit`` helper's code begins and
+    ends, so moving code into a helper adds them), and the DWARF sections."""
     body = text.split("\t.section\t.debug", 1)[0]
-    return "\n".join(line for line in body.splitlines() if not re.match(r"^\s*\.(file|loc)\s", line)) + "\n"
+    return "\n".join(line for line in body.splitlines()
+                     if not re.match(r"^\s*\.(file|loc)\s|^\$L__tmp\d+:$", line)) + "\n"
 
 
 def _resolve_aliases(mlir: str) -> str:

@@ -645,6 +645,14 @@ def _rope_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tens
 
 
 # --------------------------------------------------------------------------- attention
+@triton.jit
+def _sequence_and_kv_head(program, q_heads, group_size):
+    """(sequence, kv head) of a program on a grid whose axis 0 runs over sequence x kv head (the attention forward's
+    and the dK/dV backward's grids): the sequence as int64, for its pointer offsets."""
+    kv_heads = q_heads // group_size
+    return (program // kv_heads).to(tl.int64), program % kv_heads
+
+
 @triton.jit(do_not_specialize=["q_len", "cache_len"])  # same binary for prefill and decode
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, q_start_ptr, out_ptr,
@@ -663,9 +671,7 @@ def _attention_kernel(
     # values (a decode step's group_size rows, one program), and every row's arithmetic is its own, as in any tile.
     batch_kv = tl.program_id(0)
     row_block = tl.program_id(1)
-    kv_heads = q_heads // group_size
-    batch = (batch_kv // kv_heads).to(tl.int64)
-    kv_head = batch_kv % kv_heads
+    batch, kv_head = _sequence_and_kv_head(batch_kv, q_heads, group_size)
 
     row = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     t = row // group_size  # query index within this call
@@ -830,11 +836,9 @@ def _attention_bwd_dkdv_kernel(
     sequence's q, dO, lse, delta, its own keys/values and q_start -- never on other sequences or on the batch.
     Cache positions no query sees (after the last query's position, or a cache longer than needed) get exact
     zeros."""
-    batch_kv_head = tl.program_id(0)
+    batch_kv = tl.program_id(0)
     key_block = tl.program_id(1)
-    kv_heads = q_heads // group_size
-    batch = (batch_kv_head // kv_heads).to(tl.int64)
-    kv_head = batch_kv_head % kv_heads
+    batch, kv_head = _sequence_and_kv_head(batch_kv, q_heads, group_size)
 
     k_pos = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
