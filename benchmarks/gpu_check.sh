@@ -14,7 +14,8 @@
 # with cuda_graphs=True: tokens/s, the same bits).
 # For a lent GPU machine with no network: nothing is installed, the repository is put on PYTHONPATH. Everything
 # goes under $OUT (default runs/gpu_check): env.txt, pytest.log, pytest.xml, gpu_triton.log, gpu_triton.json,
-# gpu_real.json (written after each part), gpu_real_<part>.log, check.log, check_qwen3_1_7b.json, summary.txt. Each
+# gpu_real.json (written after each part), gpu_real_<part>.log, tables.md (the benchmarks page's tables of
+# gpu_real.json, also printed), check.log, check_qwen3_1_7b.json, summary.txt. Each
 # part has a time limit, so the run
 # ends whatever hangs: GPU_CHECK_PYTEST_S (default 100) and GPU_CHECK_BENCH_S (default 190) for the small-shape
 # parts, GPU_CHECK_<PART>_S for each real-size part (defaults below: about 9 minutes together);
@@ -44,11 +45,11 @@ import_dir=$(mktemp -d -t vexact-gpu-check.XXXXXXXX) || exit 2
 PACK="${GPU_CHECK_PACK:-}"
 # GPU_CHECK_PACK=DIR: on exit (a part's failure, the end, or a TERM from an outer time limit) the main records are
 # copied into DIR and every other file under $OUT is packed into DIR/gpu_check_logs.tar.gz (no checkpoints, no
-# warm-start cache): at most seven files, for a machine that hands back only a few.
+# warm-start cache): at most eight files, for a machine that hands back only a few.
 pack() {
     [ -n "$PACK" ] || return 0
     mkdir -p "$PACK" || return 0
-    for f in summary.txt gpu_real.json pytest.log env.txt check_qwen3_1_7b.json gpu_triton.json; do
+    for f in summary.txt gpu_real.json tables.md pytest.log env.txt check_qwen3_1_7b.json gpu_triton.json; do
         [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
     done
     tar czf "$PACK/gpu_check_logs.tar.gz" -C "$OUT" --exclude=warmstart_cache --exclude=checkpoints . 2>/dev/null
@@ -153,6 +154,11 @@ if [ "$ONLY" != small ]; then
         REAL_LINES+=("gpu_real $PART: exit $RC$([ $RC -eq 124 ] && echo " (timed out after ${LIMIT}s)")")
         [ $RC -eq 0 ] || REAL_RC=1
     done
+fi
+
+if [ "$ONLY" != small ] && [ -f "$OUT/gpu_real.json" ]; then  # the page's tables, in the console and in tables.md
+    echo "== python -m benchmarks.gpu_real --tables"
+    python -m benchmarks.gpu_real --tables --out "$OUT/gpu_real.json" | tee "$OUT/tables.md"
 fi
 
 {

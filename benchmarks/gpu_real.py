@@ -711,6 +711,86 @@ def profile_table(profiles: dict, top: int = 5) -> str:
     return "\n".join(lines)
 
 
+def tiles_table(tiles: dict) -> str:
+    """Markdown: the ``tiles`` part's survey, one row per candidate tile: whether it gives the current tiles' bits
+    for every weight and keeps a row's bits whatever the row count, then its time summed over one forward's linear
+    calls at the decode and the prefill row count, as a ratio to ``F.linear``'s (``native_summed_us``); then the
+    tile ``linear`` chose at the decode row count per weight (a decode tile there means its check on the device
+    passed). A candidate that did not compile says so."""
+    small, large = tiles["sizes"]["rows"]
+    native = tiles["native_summed_us"]
+    lines = [f"| tile (BLOCK_M x BLOCK_N x BLOCK_K) | same bits as current | rows invariant | {small} rows: exact / "
+             f"native | {large:,} rows: exact / native |", "|---|---|---|---:|---:|"]
+    for name, candidate in tiles["candidates"].items():
+        tile = candidate["tiles"]
+        label = (f"{name} ({' x '.join(map(str, tile[:3]))}, {tile[3]} warps, {tile[4]} stages)" if tile
+                 else f"{name} (the dtype's `_MATMUL_TILES`)")
+        measured = candidate["weights"].values()
+        errors = [e["error"] for e in measured if "error" in e]
+        if errors:
+            lines.append(f"| {label} | did not run: {errors[0]} | | | |")
+            continue
+        same, invariant = (all(e[key] for e in measured) for key in ("same_bits_as_current", "rows_invariant"))
+        ratios = [f"{candidate[f'summed_us_{m}_rows'] / native[str(m)]:.2f}×" if f"summed_us_{m}_rows" in candidate
+                  else "-" for m in (small, large)]
+        lines.append(f"| {label} | {'yes' if same else 'NO'} | {'yes' if invariant else 'NO'} | "
+                     f"{ratios[0]} | {ratios[1]} |")
+    chosen = ", ".join(f"{weight} {' x '.join(map(str, tile[:3]))}"
+                       for weight, tile in tiles["linear_tiles_at_decode"].items())
+    lines.append(f"\nlinear's tiles at {small} rows: {chosen}")
+    return "\n".join(lines)
+
+
+def rollout_table(rollout: dict) -> str:
+    """Markdown: the ``rollout`` part's ``generate`` tokens/s per backend, eager and with ``cuda_graphs=True``, the
+    graphed rollout's speed-up and whether its tokens and log-probs equal the eager one's bit for bit; then exact's
+    time over native's in each mode. A mode that failed shows its error."""
+
+    def rate(mode: dict | None) -> str:
+        if mode is None:
+            return "-"
+        return mode["error"] if "error" in mode else f"{mode['tokens_per_s']:,.0f}"
+
+    lines = ["| backend | eager tokens/s | graphed tokens/s | graphed / eager | graphed == eager |",
+             "|---|---:|---:|---:|---|"]
+    for row in rollout["rows"]:
+        eager, graphed = row.get("eager"), row.get("graphed")
+        speedup = (f"{graphed['tokens_per_s'] / eager['tokens_per_s']:.2f}×"
+                   if eager and graphed and "tokens_per_s" in eager and "tokens_per_s" in graphed else "-")
+        equal = {True: "yes, bit for bit", False: "NO", None: "-"}[row.get("graphed_equals_eager")]
+        lines.append(f"| {row['backend']} | {rate(eager)} | {rate(graphed)} | {speedup} | {equal} |")
+    exact, native = _by_backend(rollout["rows"])
+    said = [f"{mode} {native[mode]['tokens_per_s'] / exact[mode]['tokens_per_s']:.2f}×" for mode in ("eager", "graphed")
+            if "tokens_per_s" in exact.get(mode, {}) and "tokens_per_s" in native.get(mode, {})]
+    if said:
+        lines.append("\nexact / native time per token: " + ", ".join(said))
+    return "\n".join(lines)
+
+
+def tables(parts: dict, top: int = 4) -> str:
+    """Markdown: every table a record's ``parts`` can give, in the benchmarks page's order -- the price (``speed``,
+    with ``graphed`` and ``launches``), the ``profiles``, the ``tiles`` survey, the ``rollout`` -- each where its part
+    ran (passed or failed); a part that did not run is named with its status instead."""
+
+    def ran(name: str) -> bool:
+        return parts.get(name, {}).get("status") in ("passed", "failed")
+
+    shown, missing = [], []
+    if ran("speed"):
+        shown.append(price_table(parts["speed"], parts.get("graphed"), parts.get("launches")))
+    if ran("profiles"):
+        shown.append(profile_table(parts["profiles"], top=top))
+    for name, table in (("tiles", tiles_table), ("rollout", rollout_table)):
+        if ran(name):
+            shown.append(f"{name}:\n\n{table(parts[name])}")
+    for name in ("speed", "profiles", "tiles", "rollout"):
+        if not ran(name):
+            missing.append(f"{name} {parts.get(name, {}).get('status', 'not run')}")
+    if missing:
+        shown.append("no table for: " + ", ".join(missing))
+    return "\n\n".join(shown)
+
+
 # --------------------------------------------------------------------------- the record
 def record(path: Path, part: str, result: dict) -> None:
     """Merge one part's result into the JSON at ``path`` (written whole each time: a later part that is cut short
@@ -747,7 +827,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--timed-out", metavar="PART", choices=tuple(PARTS),
                         help="record that PART ran out of its time limit (gpu_check.sh calls this)")
     parser.add_argument("--limit-s", type=int, default=None, help="with --timed-out: the limit it had")
+    parser.add_argument("--tables", action="store_true", help="print the tables of the record at --out and stop")
     args = parser.parse_args(argv)
+    if args.tables:
+        try:
+            parts = json.loads(args.out.read_text())["parts"]
+        except (OSError, ValueError, KeyError) as err:
+            print(f"error: --out {args.out}: not a gpu_real record ({_one_line(err)})", file=sys.stderr)
+            return 2
+        print(tables(parts))
+        return 0
     if args.timed_out:
         record(args.out, args.timed_out, {"status": "timed out", "limit_s": args.limit_s})
         return 0

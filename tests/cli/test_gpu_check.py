@@ -94,8 +94,8 @@ def _tree_link_exists() -> bool:
 @pytest.mark.needs_package("triton", TRITON_PIP)  # the script checks that torch and triton import before any part
 def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     """The script's own plumbing, rehearsed: a part over its limit (1 s: less than Python's start) is recorded as
-    timed out and fails the script; a part that cannot run on the CPU is skipped with its reason; GPU_CHECK_PACK
-    gathers the records and a tarball of the logs."""
+    timed out and fails the script; a part that cannot run on the CPU is skipped with its reason; the tables are
+    printed and written at the end; GPU_CHECK_PACK gathers the records and a tarball of the logs."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "OUT": str(tmp_path), "VEXACT_GPU_CHECK_REHEARSE": "1", "GPU_CHECK_ONLY": "real",
@@ -113,7 +113,11 @@ def test_gpu_check_script_records_a_part_cut_off_by_its_limit(tmp_path):
     assert parts["exactness"] == {"status": "timed out", "limit_s": 1}
     # GPU_CHECK_PACK: the records copied out and the other files in one tarball, after a part that timed out too
     packed = sorted(p.name for p in (tmp_path / "packed").iterdir())
-    assert packed == ["env.txt", "gpu_check_logs.tar.gz", "gpu_real.json", "summary.txt"]
+    assert packed == ["env.txt", "gpu_check_logs.tar.gz", "gpu_real.json", "summary.txt", "tables.md"]
+    # the page's tables at the end, in the console and tables.md: here no part that gives one ran
+    tables = (tmp_path / "tables.md").read_text()
+    assert tables.startswith("no table for: speed not run, profiles not run, tiles not run, rollout not run")
+    assert tables in done.stdout
     with tarfile.open(tmp_path / "packed" / "gpu_check_logs.tar.gz") as logs:
         assert {"./gpu_real_launches.log", "./gpu_real_exactness.log"} <= set(logs.getnames())
     assert parts["launches"]["status"] == "skipped"
