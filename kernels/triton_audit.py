@@ -24,7 +24,8 @@ and the compiled code is checked:
 * **tiles**: the block shapes of every compiled dot and reduction are those of the dtype's tile table in
   ``triton_exact`` (``_MATMUL_TILES``, ``_ATTENTION_TILES``, ``_ATTENTION_BACKWARD_TILES``, ``_ROW_BLOCK``), and the
   warp count is the table's.
-* **digests**: sha256 of each variant's TTGIR (locations stripped) and PTX (debug lines and sections stripped),
+* **digests**: sha256 of each variant's TTGIR (locations stripped, values renumbered: ``numbered_values``) and PTX
+  (debug lines, labels and sections stripped),
   recorded in ``kernels/triton_audit.json`` with the triton version, so that a toolchain or kernel change that
   alters the compiled code shows in ``tests/kernels/test_triton_audit.py``; re-record after a deliberate change.
 
@@ -372,6 +373,17 @@ def strip_mlir(text: str) -> str:
     return "\n".join(_LOC.sub("", line) for line in lines) + "\n"
 
 
+_VALUE = re.compile(r"%[\w.$-]+")
+
+
+def numbered_values(mlir: str) -> str:
+    """MLIR text with its SSA values renamed ``%v0``, ``%v1``, ... in order of first appearance: Triton names a value
+    after the source variable it was assigned to (``%kv_head``, ``%k_pos_5``), so a renamed variable or code moved
+    into a ``@triton.jit`` helper changes the names and nothing else."""
+    names: dict[str, str] = {}
+    return _VALUE.sub(lambda m: names.setdefault(m[0], f"%v{len(names)}"), mlir)
+
+
 def strip_ptx(text: str) -> str:
     """PTX without debug information: ``.file``/``.loc`` lines (the source path and lines), the ``$L__tmpN:`` labels
     that only the DWARF sections refer to (they mark where an inlined ``@triton.jit`` helper's code begins and
@@ -609,7 +621,7 @@ def check_kernel(kernel: Any, launches: list[tuple[tuple, dict]], target: int) -
         "has_reduction": bool(found["dots"] or found["reduces"]),
         "products": product_steps(ptx),
         "num_warps": first.metadata.num_warps,
-        "ttgir": digest(strip_mlir(ttgir)),
+        "ttgir": digest(numbered_values(strip_mlir(ttgir))),
         "ptx": digest(strip_ptx(ptx)),
         "compile_s": round(time.perf_counter() - start, 2),
     }

@@ -106,6 +106,21 @@ def test_product_steps_leave_out_n():
     assert triton_audit.product_steps(ptx) == ["mma m16 k16 .row.col.f32.bf16.bf16.f32", "wgmma m64 k16 .f32.bf16.bf16"]
 
 
+def test_digests_leave_out_value_names_and_debug_labels_but_not_the_code():
+    """The TTGIR digest reads the code with its values renumbered (Triton names them after source variables) and the
+    PTX digest without the ``$L__tmpN`` labels that mark an inlined helper; an op in another order, another op or a
+    branch label still changes them."""
+    ttgir = "%batch = tt.get_program_id x : i32\n%kv_head = arith.remsi %batch, %c4 : i32\n"
+    renamed = "%0 = tt.get_program_id x : i32\n%k_5 = arith.remsi %0, %c4 : i32\n"
+    assert triton_audit.numbered_values(ttgir) == "%v0 = tt.get_program_id x : i32\n%v1 = arith.remsi %v0, %v2 : i32\n"
+    assert triton_audit.numbered_values(renamed) == triton_audit.numbered_values(ttgir)
+    operands_swapped = "%batch = tt.get_program_id x : i32\n%kv_head = arith.remsi %c4, %batch : i32\n"
+    assert triton_audit.numbered_values(operands_swapped) != triton_audit.numbered_values(ttgir)
+    ptx = "\tmov.u32 %r1, %ctaid.x;\n$L__tmp1:\n\tadd.s32 %r2, %r1, 1;\n$L__BB0_1:\n\tret;\n"
+    assert triton_audit.strip_ptx(ptx) == "\tmov.u32 %r1, %ctaid.x;\n\tadd.s32 %r2, %r1, 1;\n$L__BB0_1:\n\tret;\n"
+    assert triton_audit.strip_ptx(ptx.replace("add.s32", "sub.s32")) != triton_audit.strip_ptx(ptx)
+
+
 def test_digests_match_the_recording(cli):
     _, result = cli
     assert triton_audit.digest_mismatches(result, triton_audit.load_record()) == []
