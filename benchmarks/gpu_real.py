@@ -815,8 +815,8 @@ def machine(device: torch.device, rehearse: bool) -> dict:
     return info
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m benchmarks.gpu_real`` / ``vexact bench gpu_real``."""
     parser.add_argument("--part", choices=tuple(PARTS), help="the part to run")
     parser.add_argument("--out", type=Path, required=True, help="the JSON the part's result is merged into")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu with --rehearse")
@@ -828,6 +828,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                         help="record that PART ran out of its time limit (gpu_check.sh calls this)")
     parser.add_argument("--limit-s", type=int, default=None, help="with --timed-out: the limit it had")
     parser.add_argument("--tables", action="store_true", help="print the tables of the record at --out and stop")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_arguments(parser)
     args = parser.parse_args(argv)
     if args.tables:
         try:

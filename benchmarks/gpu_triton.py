@@ -120,8 +120,8 @@ def speed(presets: list[str], dtypes: list[str], reps: int, batch: int, prompt_l
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m benchmarks.gpu_triton`` / ``vexact bench gpu_triton``."""
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma list (default float32,bfloat16)")
     parser.add_argument("--check-presets", default="small,small_moe",
@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda (default); cpu runs the Triton interpreter: a rehearsal with tiny sizes only")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_arguments(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: benchmarks.gpu_triton needs a CUDA GPU (torch.cuda.is_available() is False; --device cpu "

@@ -527,6 +527,10 @@ BENCHMARKS = {
     "peer_decode": "decode tokens/s of vexact's rollout (exact, native) beside vLLM's CPU build on the same model",
     "decode_profile": "where a decode step's time goes (GEMMs, attention, sampler, glue; aten calls and host reads), "
                       "with vLLM's side where it is installed",
+    "gpu_triton": "on a GPU: the exact Triton kernels' exactness at small presets and their speed against native",
+    "gpu_real": "on a GPU at qwen3_1_7b (and the MoE path at qwen3_30b_a3b): one part per call (--part: exactness, "
+                "speed, graphed decode, profiles, tile survey, rollout, ...), merged into --out; --tables prints a "
+                "record's tables",
     "tables": "markdown tables from their JSON files",
 }
 """``vexact bench WHICH``: benchmarks.WHICH, each with what it measures (the choices and the help)."""
