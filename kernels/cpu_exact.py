@@ -918,10 +918,18 @@ def _library_math(host: HostGuard, op: str, *names: str) -> ModuleType | None:
     return loops
 
 
+def _token_logprobs_loops(xf: Tensor, targets: Tensor, host: HostGuard) -> ModuleType | None:
+    """The compiled loops where they take ``token_logprobs`` of the fp32 logits ``xf`` (its forward, with or
+    without what the VJP keeps, and that VJP): the guard chose the library exp and log, one target per row, a
+    vocabulary of at least 2. Else None: the torch ops."""
+    if xf.shape[-1] >= 2 and targets.shape == xf.shape[:-1]:
+        return _library_math(host, "token_logprobs", "exp", "log")
+    return None
+
+
 def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> Tensor:
     xf = fp32(logits)
-    if (xf.shape[-1] >= 2 and targets.shape == xf.shape[:-1]
-            and (loops := _library_math(host, "token_logprobs", "exp", "log")) is not None):
+    if (loops := _token_logprobs_loops(xf, targets, host)) is not None:
         # the ops below in one compiled call: the same ATen amax, exp and log calls on the same chunks, the same
         # trees (its chunks and rows spread over threads, each result from one thread)
         return loops.token_logprobs_forward(xf, targets, CHUNK, VECTOR_MULTIPLE)
@@ -933,6 +941,13 @@ def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> T
 
 
 def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
+    """The output, and for the VJP each row's log normalizer and either the shifted logits x - max (the torch ops)
+    or the fp32 logits and each row's max (the compiled loops, which form x - max again, the same bits, in the pass
+    that needs it: one [..., V] buffer fewer, written and read once less)."""
+    xf = fp32(logits)
+    if (loops := _token_logprobs_loops(xf, targets, host)) is not None:
+        out, row_max, log_normalizer = loops.token_logprobs_forward_saving(xf, targets, CHUNK, VECTOR_MULTIPLE)
+        return out, ((xf, row_max, loops), log_normalizer, targets, logits.dtype, host)
     shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "token_logprobs")
     out = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
     return out, (shifted, log_normalizer, targets, logits.dtype, host)
@@ -941,6 +956,11 @@ def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard)
 def _token_logprobs_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """d logits = g * (onehot(target) - softmax)."""
     shifted, log_normalizer, targets, dtype, host = saved
+    if isinstance(shifted, tuple):  # the compiled forward's (fp32 logits, row max, loops): the ops below in one pass
+        xf, row_max, loops = shifted
+        grad_logits = loops.token_logprobs_backward(xf, row_max, log_normalizer, targets, fp32(grad), CHUNK,
+                                                    VECTOR_MULTIPLE)
+        return (grad_logits.to(dtype),)
     g = fp32(grad).unsqueeze(-1)
     grad_logits = _unary("exp", shifted - log_normalizer.unsqueeze(-1), host, "token_logprobs", inplace=True).mul_(-g)
     grad_logits.scatter_add_(-1, targets.unsqueeze(-1), g)

@@ -245,14 +245,31 @@ at::Tensor unary_chunked(const at::Tensor& x, int64_t which, int64_t chunk, int6
 // library exp and log: shifted = x - amax(x) (the ATen amax), picked = shifted[target], the chunked exp of the
 // flattened shifted logits (zero-padded to `multiple`), each row's halving tree, the chunked log of the row sums
 // (zero-padded likewise), and picked - log. The same operations on the same values as the torch ops.
-at::Tensor token_logprobs_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t chunk,
-                                  int64_t multiple) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 1, "token_logprobs_forward: fp32 logits");
-  TORCH_CHECK(targets.scalar_type() == at::kLong, "token_logprobs_forward: int64 targets");
+namespace {
+
+// The checks of token_logprobs_forward and _backward: fp32 logits [..., V >= 2], int64 targets [...] inside [0, V).
+void check_token_logprobs(const char* op, const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 1, op, ": fp32 logits");
+  TORCH_CHECK(targets.scalar_type() == at::kLong, op, ": int64 targets");
   const int64_t v = logits.size(-1);
-  TORCH_CHECK(v >= 2, "token_logprobs_forward: a vocabulary of at least 2");
-  TORCH_CHECK(targets.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-              "token_logprobs_forward: targets shaped as the logits without their last dim");
+  TORCH_CHECK(v >= 2, op, ": a vocabulary of at least 2");
+  TORCH_CHECK(targets.sizes() == logits.sizes().slice(0, logits.dim() - 1), op,
+              ": targets shaped as the logits without their last dim");
+  const at::Tensor tc = targets.contiguous();
+  const int64_t* t = tc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < tc.numel(); ++r) {
+    TORCH_CHECK(t[r] >= 0 && t[r] < v, op, ": target ", t[r], " outside [0, ", v, ")");
+  }
+}
+
+}  // namespace
+
+// token_logprobs_forward, keeping what the VJP needs: {out, each row's max [...], each row's log normalizer [...]}
+// (cpu_exact._token_logprobs_with_saved's values).
+std::vector<at::Tensor> token_logprobs_forward_saving(const at::Tensor& logits, const at::Tensor& targets,
+                                                      int64_t chunk, int64_t multiple) {
+  check_token_logprobs("token_logprobs_forward", logits, targets);
+  const int64_t v = logits.size(-1);
   const at::Tensor xc = logits.contiguous(), tc = targets.contiguous();
   const at::Tensor row_max = at::amax(logits, {-1}, false).contiguous();  // on the logits as given, as the torch op
   const int64_t rows = tc.numel(), total = rows * v;
@@ -265,9 +282,6 @@ at::Tensor token_logprobs_forward(const at::Tensor& logits, const at::Tensor& ta
   const int64_t* t = tc.data_ptr<int64_t>();
   float* sh = shifted.data_ptr<float>();
   float* pk = picked.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(t[r] >= 0 && t[r] < v, "token_logprobs_forward: target ", t[r], " outside [0, ", v, ")");
-  }
   const int64_t grain = std::max<int64_t>(1, kGrain / v);
   at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
@@ -289,7 +303,57 @@ at::Tensor token_logprobs_forward(const at::Tensor& logits, const at::Tensor& ta
   at::Tensor out = at::empty(tc.sizes(), xc.options());
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) o[r] = pk[r] - su[r];
-  return out;
+  return {out, row_max, sums.slice(0, 0, rows).view(tc.sizes())};
+}
+
+at::Tensor token_logprobs_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t chunk,
+                                  int64_t multiple) {
+  return token_logprobs_forward_saving(logits, targets, chunk, multiple)[0];
+}
+
+// cpu_exact._token_logprobs_vjp from token_logprobs_forward_saving's row max and log normalizer: d logits =
+// exp((x - max) - log normalizer) * -g, then g added at each row's target. The two subtractions rounded one by one
+// (x - max is the forward's shifted logits, bit for bit), the chunked exp of the flattened result (zero-padded to
+// `multiple`), the product and the add: the torch ops' values, in one buffer instead of three passes.
+at::Tensor token_logprobs_backward(const at::Tensor& logits, const at::Tensor& row_max,
+                                   const at::Tensor& log_normalizer, const at::Tensor& targets, const at::Tensor& grad,
+                                   int64_t chunk, int64_t multiple) {
+  check_token_logprobs("token_logprobs_backward", logits, targets);
+  const int64_t v = logits.size(-1), rows = targets.numel(), total = rows * v;
+  for (const at::Tensor* row : {&row_max, &log_normalizer, &grad}) {
+    TORCH_CHECK(row->scalar_type() == at::kFloat && row->numel() == rows,
+                "token_logprobs_backward: fp32 max, log normalizer and grad, one per row");
+  }
+  const at::Tensor xc = logits.contiguous(), tc = targets.contiguous(), mc = row_max.contiguous(),
+                   lc = log_normalizer.contiguous(), gc = grad.contiguous();
+  const int64_t padded = round_up(total, multiple);
+  at::Tensor buf = at::empty({padded}, xc.options());
+  const float *x = xc.data_ptr<float>(), *m = mc.data_ptr<float>(), *l = lc.data_ptr<float>(),
+              *g = gc.data_ptr<float>();
+  const int64_t* t = tc.data_ptr<int64_t>();
+  float* b = buf.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrain / v);
+  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* xr = x + r * v;
+      float* o = b + r * v;
+      for (int64_t j = 0; j < v; ++j) {
+        const float shifted = xr[j] - m[r];
+        o[j] = shifted - l[r];
+      }
+    }
+  });
+  std::fill(b + total, b + padded, 0.0f);
+  chunked_calls(buf, buf, 0, chunk);  // exp in place
+  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      float* o = b + r * v;
+      const float minus_g = -g[r];
+      for (int64_t j = 0; j < v; ++j) o[j] *= minus_g;
+      o[t[r]] += g[r];
+    }
+  });
+  return buf.slice(0, 0, total).view(xc.sizes());
 }
 
 // ----------------------------------------------------------------------------------------------------- rms_norm
@@ -1505,6 +1569,9 @@ void key_rows_at(at::Tensor& rows, const at::Tensor& cache, const at::Tensor& ba
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unary_chunked", &unary_chunked, "cpu_exact._unary's chunk loop on the library function, same bits");
   m.def("token_logprobs_forward", &token_logprobs_forward, "cpu_exact._token_logprobs_exact (fp32), same bits");
+  m.def("token_logprobs_forward_saving", &token_logprobs_forward_saving,
+        "cpu_exact._token_logprobs_with_saved (fp32): out, row max, log normalizer; same bits");
+  m.def("token_logprobs_backward", &token_logprobs_backward, "cpu_exact._token_logprobs_vjp (fp32), same bits");
   m.def("tree_sum", &tree_sum, "fixed_order.tree_sum for width >= 2 (fp32/fp64, any strides), same bits");
   m.def("tree_sum_into", &tree_sum_into, "tree_sum into out (None: fresh), the last entry + 0.0 first if zero_last",
         py::arg("x"), py::arg("dim"), py::arg("out") = py::none(), py::arg("zero_last") = false);

@@ -614,6 +614,48 @@ def test_log_probs_through_the_compiled_chunk_loop_are_the_python_loops(loops, d
 @pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("shape", [(128, 22), (3, 5, 100), (2, 33000), (4, 70), (0, 9)])
+def test_token_logprobs_with_grad_loops_are_the_torch_ops_bit_for_bit(loops, shape, dtype, threads, monkeypatch):
+    """``token_logprobs`` with a gradient (a training step's): the compiled forward that keeps each row's max and log
+    normalizer, and the compiled VJP, against the torch ops (the loops answering None), output and logits gradient
+    bitwise, at 1 and 2 threads: special values, a transposed operand, a vocabulary of several chunks, a total not a
+    multiple of the vector width; a target outside the vocabulary is refused."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    logits = _values(shape, torch.float64, seed=len(shape) + 1).clamp(-1e30, 1e30).to(dtype)
+    logits[..., :1] = 3.0  # every row has a finite maximum
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=gen)
+    upstream = torch.randn(shape[:-1], generator=gen)
+    if cpu_exact._token_logprobs_loops(logits.float(), targets, cpu_exact.HOST) is None:
+        pytest.skip("this host's guard keeps exp or log off the library function: the loops are not taken")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for operand in (logits, logits.transpose(0, 1).contiguous().transpose(0, 1)):
+            results = []
+            for compiled in (True, False):
+                with monkeypatch.context() as patched:
+                    if not compiled:
+                        patched.setattr(compiled_loops, "library", lambda: None)
+                    leaf = operand.detach().requires_grad_(True)
+                    out = cpu_exact.token_logprobs(leaf, targets)
+                    (out * upstream).sum().backward()
+                    results.append((out.detach(), leaf.grad))
+            (got, got_grad), (expected, expected_grad) = results
+            assert got.shape == targets.shape and got_grad.shape == operand.shape and got_grad.dtype == dtype
+            assert torch.equal(_bits(got), _bits(expected))
+            assert torch.equal(_bits(got_grad), _bits(expected_grad))
+        if targets.numel():
+            row = torch.zeros(shape[:-1])
+            with pytest.raises(RuntimeError, match="outside"):
+                loops.token_logprobs_backward(logits.float(), row, row, targets + shape[-1], row, 32704, 64)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("shape", [(128, 22), (3, 5, 100), (2, 33000), (4, 70), (0, 9)])
 def test_token_logprobs_loop_is_the_torch_ops_bit_for_bit(loops, shape, dtype, threads, monkeypatch):
     """``token_logprobs`` without grad (a decode step's) in one compiled call against the torch ops and the Python
     chunk loop (the loops answering None), bitwise, at 1 and 2 threads: special values (infinities, signed zeros,
