@@ -902,8 +902,9 @@ def token_logprobs(logits: Tensor, targets: Tensor, *, host: HostGuard = HOST) -
 
     Invariance contract: as ``log_softmax`` (and bitwise equal to ``log_softmax(x)[target]``):
     each value depends only on its own logits row and target.
-    Backward contract: g * (onehot - softmax) from the saved shifted logits, elementwise (chunked exp): never
-    dependent on the thread count.
+    Backward contract: g * (onehot - softmax) from the forward's shifted logits x - max (saved, or formed again from
+    the logits and each row's max where the compiled loops run: the same rounding, the same bits), elementwise
+    (chunked exp): never dependent on the thread count.
     """
     checks.token_logprobs("cpu_exact.token_logprobs", logits, targets)
     return exact_forward_vjp(_token_logprobs_exact, _token_logprobs_with_saved, _token_logprobs_vjp, (logits,),
