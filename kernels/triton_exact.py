@@ -655,8 +655,8 @@ def _sequence_and_kv_head(program, q_heads, group_size):
 
 @triton.jit
 def _key_block(k_base, v_base, k_pos, cache_len, stride_kl, stride_vl, dims, dim_mask, CAST_TO_FP32: tl.constexpr):
-    """One kv head's keys and values at cache positions ``k_pos`` (a block of them): (k_pos, which are in the cache,
-    keys, values), zeros past the cache's end; fp32 where ``CAST_TO_FP32`` (the interpreter)."""
+    """One kv head's keys and values at cache positions ``k_pos`` (a block of them): (which are in the cache, keys,
+    values), zeros past the cache's end; fp32 where ``CAST_TO_FP32`` (the interpreter)."""
     in_cache = k_pos < cache_len
     kv_mask = in_cache[:, None] & dim_mask[None, :]
     k = tl.load(k_base + k_pos[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
@@ -664,7 +664,7 @@ def _key_block(k_base, v_base, k_pos, cache_len, stride_kl, stride_vl, dims, dim
     if CAST_TO_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    return k_pos, in_cache, k, v
+    return in_cache, k, v
 
 
 @triton.jit(do_not_specialize=["q_len", "cache_len"])  # same binary for prefill and decode
@@ -714,8 +714,9 @@ def _attention_kernel(
     last_query = (tl.minimum(q_len * group_size, (row_block + 1) * BLOCK_M) - 1) // group_size
     kv_end = tl.minimum(q_start + last_query + 1, cache_len)
     for block_start in range(0, kv_end, BLOCK_N):
-        k_pos, in_cache, k, v = _key_block(k_base, v_base, block_start + keys, cache_len, stride_kl, stride_vl, dims,
-                                           dim_mask, CAST_TO_FP32)
+        k_pos = block_start + keys
+        in_cache, k, v = _key_block(k_base, v_base, k_pos, cache_len, stride_kl, stride_vl, dims, dim_mask,
+                                    CAST_TO_FP32)
 
         # Scores in log2 units (scale * log2(e) folded in) so that exp2 can be used.
         scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
@@ -947,8 +948,9 @@ def _attention_bwd_dq_kernel(
     last_query = tl.minimum(q_len, (query_block + 1) * BLOCK_M) - 1
     kv_end = tl.minimum(q_start + last_query + 1, cache_len)
     for block_start in range(0, kv_end, BLOCK_N):
-        k_pos, in_cache, k, v = _key_block(k_base, v_base, block_start + keys, cache_len, stride_kl, stride_vl, dims,
-                                           dim_mask, CAST_TO_FP32)
+        k_pos = block_start + keys
+        in_cache, k, v = _key_block(k_base, v_base, k_pos, cache_len, stride_kl, stride_vl, dims, dim_mask,
+                                    CAST_TO_FP32)
         scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & in_cache[None, :] & q_mask[:, None]
         p = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
