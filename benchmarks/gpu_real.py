@@ -717,13 +717,16 @@ def tiles_table(tiles: dict) -> str:
     calls at the decode and the prefill row count, as a ratio to ``F.linear``'s (``native_summed_us``); then the
     tile ``linear`` chose at the decode row count per weight (a decode tile there means its check on the device
     passed). A candidate that did not compile says so."""
+    def shape(tile: list) -> str:  # BLOCK_M x BLOCK_N x BLOCK_K
+        return " x ".join(map(str, tile[:3]))
+
     small, large = tiles["sizes"]["rows"]
     native = tiles["native_summed_us"]
     lines = [f"| tile (BLOCK_M x BLOCK_N x BLOCK_K) | same bits as current | rows invariant | {small} rows: exact / "
              f"native | {large:,} rows: exact / native |", "|---|---|---|---:|---:|"]
     for name, candidate in tiles["candidates"].items():
         tile = candidate["tiles"]
-        label = (f"{name} ({' x '.join(map(str, tile[:3]))}, {tile[3]} warps, {tile[4]} stages)" if tile
+        label = (f"{name} ({shape(tile)}, {tile[3]} warps, {tile[4]} stages)" if tile
                  else f"{name} (the dtype's `_MATMUL_TILES`)")
         measured = candidate["weights"].values()
         errors = [e["error"] for e in measured if "error" in e]
@@ -735,8 +738,7 @@ def tiles_table(tiles: dict) -> str:
                   else "-" for m in (small, large)]
         lines.append(f"| {label} | {'yes' if same else 'NO'} | {'yes' if invariant else 'NO'} | "
                      f"{ratios[0]} | {ratios[1]} |")
-    chosen = ", ".join(f"{weight} {' x '.join(map(str, tile[:3]))}"
-                       for weight, tile in tiles["linear_tiles_at_decode"].items())
+    chosen = ", ".join(f"{weight} {shape(tile)}" for weight, tile in tiles["linear_tiles_at_decode"].items())
     lines.append(f"\nlinear's tiles at {small} rows: {chosen}")
     return "\n".join(lines)
 
@@ -772,20 +774,15 @@ def tables(parts: dict, top: int = 4) -> str:
     with ``graphed`` and ``launches``), the ``profiles``, the ``tiles`` survey, the ``rollout`` -- each where its part
     ran (passed or failed); a part that did not run is named with its status instead."""
 
-    def ran(name: str) -> bool:
-        return parts.get(name, {}).get("status") in ("passed", "failed")
-
-    shown, missing = [], []
-    if ran("speed"):
-        shown.append(price_table(parts["speed"], parts.get("graphed"), parts.get("launches")))
-    if ran("profiles"):
-        shown.append(profile_table(parts["profiles"], top=top))
-    for name, table in (("tiles", tiles_table), ("rollout", rollout_table)):
-        if ran(name):
-            shown.append(f"{name}:\n\n{table(parts[name])}")
-    for name in ("speed", "profiles", "tiles", "rollout"):
-        if not ran(name):
-            missing.append(f"{name} {parts.get(name, {}).get('status', 'not run')}")
+    renders: dict[str, Callable[[], str]] = {  # each part that gives a table, in the page's order
+        "speed": lambda: price_table(parts["speed"], parts.get("graphed"), parts.get("launches")),
+        "profiles": lambda: profile_table(parts["profiles"], top=top),
+        "tiles": lambda: f"tiles:\n\n{tiles_table(parts['tiles'])}",
+        "rollout": lambda: f"rollout:\n\n{rollout_table(parts['rollout'])}",
+    }
+    status = {name: parts.get(name, {}).get("status", "not run") for name in renders}
+    shown = [render() for name, render in renders.items() if status[name] in ("passed", "failed")]
+    missing = [f"{name} {status[name]}" for name in renders if status[name] not in ("passed", "failed")]
     if missing:
         shown.append("no table for: " + ", ".join(missing))
     return "\n\n".join(shown)

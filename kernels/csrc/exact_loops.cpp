@@ -241,10 +241,6 @@ at::Tensor unary_chunked(const at::Tensor& x, int64_t which, int64_t chunk, int6
   return out.slice(0, 0, total).view(x.sizes());
 }
 
-// cpu_exact._token_logprobs_exact on fp32 logits [..., V] (V >= 2) and int64 targets [...], where the guard chose the
-// library exp and log: shifted = x - amax(x) (the ATen amax), picked = shifted[target], the chunked exp of the
-// flattened shifted logits (zero-padded to `multiple`), each row's halving tree, the chunked log of the row sums
-// (zero-padded likewise), and picked - log. The same operations on the same values as the torch ops.
 namespace {
 
 // The checks of token_logprobs_forward and _backward: fp32 logits [..., V >= 2], int64 targets [...] inside [0, V).
@@ -264,8 +260,12 @@ void check_token_logprobs(const char* op, const at::Tensor& logits, const at::Te
 
 }  // namespace
 
-// token_logprobs_forward, keeping what the VJP needs: {out, each row's max [...], each row's log normalizer [...]}
-// (cpu_exact._token_logprobs_with_saved's values).
+// cpu_exact._token_logprobs_exact on fp32 logits [..., V] (V >= 2) and int64 targets [...], where the guard chose the
+// library exp and log: shifted = x - amax(x) (the ATen amax), picked = shifted[target], the chunked exp of the
+// flattened shifted logits (zero-padded to `multiple`), each row's halving tree, the chunked log of the row sums
+// (zero-padded likewise), and picked - log. The same operations on the same values as the torch ops.
+// Returns what the VJP needs too: {out, each row's max [...], each row's log normalizer [...]}
+// (cpu_exact._token_logprobs_with_saved's values); token_logprobs_forward returns out alone.
 std::vector<at::Tensor> token_logprobs_forward_saving(const at::Tensor& logits, const at::Tensor& targets,
                                                       int64_t chunk, int64_t multiple) {
   check_token_logprobs("token_logprobs_forward", logits, targets);
