@@ -293,10 +293,13 @@ def _padded_operand(x: Tensor, shape: tuple[int, ...], full: Tensor | None) -> T
     buffer of which ``x`` is the leading corner, contiguous and aligned, as a fresh copy would be), else a copy
     (``_zero_padded``: with nothing to pad, a clone that keeps ``x``'s strides, whose layout the guard then
     classes)."""
-    if (full is not None and tuple(full.shape) == tuple(shape) and full.is_contiguous()
-            and full.data_ptr() % ALIGNMENT == 0):
-        return full
-    return _zero_padded(x, shape)
+    return full if _is_padded_operand(full, shape) else _zero_padded(x, shape)
+
+
+def _is_padded_operand(full: Tensor | None, shape: tuple[int, ...]) -> bool:
+    """Whether ``full`` may stand for a fresh padded operand of ``shape``: that shape, contiguous and aligned."""
+    return (full is not None and tuple(full.shape) == tuple(shape) and full.is_contiguous()
+            and full.data_ptr() % ALIGNMENT == 0)
 
 
 def zero_outside(out: Tensor, corner: tuple[int, ...]) -> None:
@@ -1789,10 +1792,46 @@ def batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tenso
     b = _padded_operand(b, (batch, k_pad, n_pad), b_full)  # contiguous (when padded): the row-major layout
     block = row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
-    # reshape, not view: with nothing to pad the operand is a clone with ``a``'s strides, which a transposed ``a``
-    # (attention's p.T) cannot merge into row tiles once there are several -- then a contiguous copy, the layout
-    # every padded operand has; wherever a view exists, reshape returns that view (the same operand as before)
-    a = _padded_operand(a, (batch, row_tiles * block, k_pad), a_full).reshape(batch * row_tiles, block, k_pad)
-    b = b.unsqueeze(1).expand(batch, row_tiles, k_pad, n_pad).reshape(batch * row_tiles, k_pad, n_pad)
-    out = host.bmm(a, b, op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
+    a = _row_tiles(a, (batch, row_tiles * block, k_pad), a_full, block)
+    out = host.bmm(a, _repeated(b, row_tiles), op=op, shared_operand=False).view(batch, row_tiles * block, n_pad)
     return out[:, :rows, :n]
+
+
+def _row_tiles(a: Tensor, shape: tuple[int, int, int], full: Tensor | None, block: int) -> Tensor:
+    """``batched_matmul``'s left operand: ``a`` zero-padded to ``shape`` [B, rows, K] in tiles [B * rows / block,
+    block, K] -- what ``_padded_operand(a, shape, full).reshape(...)`` gives, made with fewer copies. With nothing to
+    pad, that is a clone keeping ``a``'s strides, viewed as tiles where it can be (a strided operand: kept so), else
+    copied contiguous: a contiguous, aligned ``a`` is taken as it is, and a transposed one (attention's p.T) is copied
+    once by the compiled loops' blocked transpose (one copy instead of the clone and aten's element-wise transposing
+    copy). The same values in the same layout: the same GEMM."""
+    tiles = (shape[0] * shape[1] // block, block, shape[2])
+    if _is_padded_operand(full, shape):
+        return full.view(tiles)
+    if tuple(shape) != tuple(a.shape):
+        return _zero_padded(a, shape).view(tiles)  # a fresh contiguous copy
+    if a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0:
+        return a.view(tiles)  # the clone's values and layout, without the clone
+    if _viewable(a, tiles) or (loops := compiled_loops.library()) is None:
+        return a.clone().reshape(tiles)  # a strided operand (the clone viewed), or aten's copy
+    return loops.padded_copy(a, shape).view(tiles)
+
+
+def _repeated(b: Tensor, repeats: int) -> Tensor:
+    """b [B, K, N] with each entry ``repeats`` times, [B * repeats, K, N] (``b.unsqueeze(1).expand(...).reshape(...)``):
+    where that copies (several entries, several repeats), a transposed ``b`` is first made contiguous by the compiled
+    loops' blocked transpose, so aten's copy reads rows (the same values; the copy is contiguous either way)."""
+    batch, k, n = b.shape
+    expanded = b.unsqueeze(1).expand(batch, repeats, k, n)
+    if (repeats > 1 and batch > 1 and not b.is_contiguous() and b.stride(0) != 0
+            and (loops := compiled_loops.library()) is not None):
+        expanded = loops.padded_copy(b, b.shape).unsqueeze(1).expand(batch, repeats, k, n)
+    return expanded.reshape(batch * repeats, k, n)
+
+
+def _viewable(x: Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether ``x`` (its strides) can be viewed as ``shape`` without a copy."""
+    try:
+        x.view(shape)
+    except RuntimeError:
+        return False
+    return True

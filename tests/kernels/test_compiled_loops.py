@@ -366,6 +366,66 @@ def test_chunks_transposed_is_the_torch_op_layout(loops, dtype, rows, cols, bloc
     assert torch.equal(_bits(got), _bits(expected))
 
 
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_attention_softmax_loops_keep_special_scores_as_the_torch_ops(loops, special):
+    """A query holding NaN or an infinity (its scores NaN or infinite, a row max NaN or infinite): the loops' row
+    max (four running maxima and a NaN flag) and what follows give the torch ops' bits, NaN for NaN (a NaN's sign
+    and payload aside: inf - inf in a compiled loop and in aten's kernel need not set the same bits)."""
+    from vexact_kernels import cpu_exact
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 40, 4, 16, generator=gen) * 3
+    q[1, 37, 0, :] = special  # a whole query vector (its scores NaN or infinite), in the last row tile
+    k = torch.randn(2, 170, 2, 16, generator=gen) * 3
+    k[0, 50, 0, 0] = special  # one key's score special (an infinity's sign: the query's) among finite ones
+    v = torch.randn(2, 170, 2, 16, generator=gen)
+    tiles = cpu_exact._AttentionTiles(q, k, v, torch.tensor([100, 130]), 0.25, cpu_exact.HOST)
+    expected = cpu_exact._attention_probs(tiles, None)
+    got = cpu_exact._attention_probs(tiles, loops)
+    assert expected[2].isnan().any()  # the case reaches the special rows
+    for name, a, b in zip(("tiles", "row sums (padded)", "probabilities", "row sums"), got, expected):
+        assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()), name
+        assert torch.equal(_bits(a.nan_to_num(0.0)), _bits(b.nan_to_num(0.0))), name
+
+
+OPERAND_CASES = {  # (source [B, M, K] as laid out, padded shape, row tile height, a caller's zero-padded full tensor)
+    "transposed_several_tiles": (lambda x: x.transpose(1, 2), (3, 128, 48), 64, False),  # attention's p.T
+    "transposed_one_tile": (lambda x: x[:, :, :64].contiguous().transpose(1, 2), (3, 64, 48), 64, False),  # the clone kept strided
+    "transposed_one_batch": (lambda x: x.transpose(1, 2)[:1], (1, 128, 48), 64, False),  # viewable: kept strided
+    "transposed_sliced": (lambda x: x.transpose(1, 2)[:, :, :32], (3, 128, 32), 64, False),  # not dense: contiguous
+    "contiguous": (lambda x: x.contiguous(), (3, 48, 128), 16, False),  # taken as it is
+    "padded": (lambda x: x.transpose(1, 2)[:, :100, :40], (3, 128, 48), 64, False),
+    "full": (lambda x: x.contiguous()[:, :40], (3, 48, 128), 16, True),
+}
+
+
+@pytest.mark.parametrize("case", OPERAND_CASES)
+def test_batched_matmul_operands_are_the_copies_they_replace(loops, case, monkeypatch):
+    """``batched_matmul``'s left operand in row tiles and its right operand once per row tile: the same values, shape
+    and strides as the compositions they replace (``_padded_operand(...).reshape(...)``, an expanded reshape), with
+    the compiled loops and without -- the same GEMM call."""
+    from vexact_kernels import gemm_arrangements as gemm
+
+    layout, shape, block, with_full = OPERAND_CASES[case]
+    source = _values((3, 48, 128), torch.float32, seed=len(case))
+    a = layout(source)
+    full = None
+    if with_full:
+        full = torch.zeros(shape)
+        full[tuple(slice(0, n) for n in a.shape)] = a
+    tiles = (shape[0] * shape[1] // block, block, shape[2])
+    expected = gemm._padded_operand(a, shape, full).reshape(tiles)
+    b = _values((shape[0], shape[2], 40), torch.float32, seed=7).transpose(1, 2).contiguous().transpose(1, 2)
+    repeats = shape[1] // block
+    expected_b = b.unsqueeze(1).expand(b.shape[0], repeats, *b.shape[1:]).reshape(-1, *b.shape[1:])
+    for library in (loops, None):
+        monkeypatch.setattr(gemm.compiled_loops, "library", lambda library=library: library)
+        got, got_b = gemm._row_tiles(a, shape, full, block), gemm._repeated(b, repeats)
+        for name, new, old in (("left", got, expected), ("right", got_b, expected_b)):
+            assert new.shape == old.shape and new.stride() == old.stride(), name
+            assert torch.equal(_bits(new), _bits(old)), name
+
+
 def _rms_norm_torch_ops(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """cpu_exact's RMSNorm forward as torch ops (its torch-op path, with the host's guarded sqrt): (output, fp32
     1/rms [..., 1])."""
