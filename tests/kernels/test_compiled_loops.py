@@ -390,7 +390,8 @@ def test_attention_softmax_loops_keep_special_scores_as_the_torch_ops(loops, spe
 
 OPERAND_CASES = {  # (source [B, M, K] as laid out, padded shape, row tile height, a caller's zero-padded full tensor)
     "transposed_several_tiles": (lambda x: x.transpose(1, 2), (3, 128, 48), 64, False),  # attention's p.T
-    "transposed_one_tile": (lambda x: x[:, :, :64].contiguous().transpose(1, 2), (3, 64, 48), 64, False),  # the clone kept strided
+    # one tile: the clone of a dense transposed operand viewed as it is (kept strided)
+    "transposed_one_tile": (lambda x: x[:, :, :64].contiguous().transpose(1, 2), (3, 64, 48), 64, False),
     "transposed_one_batch": (lambda x: x.transpose(1, 2)[:1], (1, 128, 48), 64, False),  # viewable: kept strided
     "transposed_sliced": (lambda x: x.transpose(1, 2)[:, :, :32], (3, 128, 32), 64, False),  # not dense: contiguous
     "contiguous": (lambda x: x.contiguous(), (3, 48, 128), 16, False),  # taken as it is
