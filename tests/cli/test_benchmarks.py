@@ -21,10 +21,10 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
     sys.path.insert(0, str(ROOT))
 
 
-from benchmarks import bits_digest, end_to_end, guard_modes, host_guard, kernels, op_count, tables  # noqa: E402
+from benchmarks import bits_digest, end_to_end, guard_modes, host_guard, kernels, op_count, op_swap, tables  # noqa: E402
 from benchmarks.common import parse_list, profile_top, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
-from vexact_kernels import TRITON_PIP  # noqa: E402
+from vexact_kernels import TRITON_PIP, cpu_exact, native  # noqa: E402
 
 RATIO_KEYS = ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median", "repetitions")
 MACHINE_KEYS = ("cpu_model", "logical_cpus", "torch_threads", "torch_version", "load_average_start", "device",
@@ -207,6 +207,35 @@ def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_p
     assert ("of which matrix products and copies" in text) == bool(over)
     assert guard_modes.main(["--device", "cuda"] if not torch.cuda.is_available() else ["--shape", "huge"]) == 2
     assert guard_modes.main(["--items", "rollout"]) == 2
+    assert "unknown item 'rollout'" in capsys.readouterr().err
+
+
+def test_op_swap_times_each_exact_op_swapped_for_natives(tmp_path, capsys):
+    """Per item: exact, exact with each op it calls swapped for native's, native, every variant timed; the table
+    gives per swapped op what the swap saves. The ops a variant swaps are the ones the item calls (a decode step's
+    and a training pass's differ in none here, but both call linear and attention), and a swapped namespace takes
+    linear's recomputing backward from native with linear."""
+    out = tmp_path / "s.json"
+    assert vexact_main(["bench", "op_swap", "--shape", "tiny", "--reps", "2", "--threads", "1", "--out",
+                        str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "op_swap" and [r["item"] for r in record["results"]] == list(op_swap.ITEMS)
+    for row in record["results"]:
+        names = set(row["variants"]) - {op_swap.EXACT, op_swap.NATIVE}
+        assert len(names) == len(row["variants"]) - 2  # both ends are variants
+        swapped_ops = [name.removeprefix(op_swap.NATIVE + " ") for name in names]
+        assert {"linear", "attention", "rms_norm"} <= set(swapped_ops) <= set(op_swap.OPS)
+        assert "entropy" not in swapped_ops  # neither item calls it
+        for variant in row["variants"].values():
+            assert len(variant["samples_s"]) == 2 and variant["median_s"] > 0
+    ops = op_swap.swapped(cpu_exact.with_host(cpu_exact.HOST), "linear")
+    assert ops.linear is native.linear and ops.linear_backward is native.linear_backward
+    assert ops.attention.func is cpu_exact.attention  # the others stay exact
+    assert "what swapping each op for native's saves" in capsys.readouterr().out
+    assert tables.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| exact / native |" in text and "| native linear: saves |" in text
+    assert op_swap.main(["--items", "rollout"]) == 2
     assert "unknown item 'rollout'" in capsys.readouterr().err
 
 
