@@ -21,6 +21,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -165,17 +166,22 @@ def bench_matmul(shape: Shape, dtype: torch.dtype, reps: int, device: torch.devi
 
 def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mode_names: list[str], reps: int,
         device: torch.device, threads: int | None = None, matmul: bool = True, exact_backend: str = "exact",
-        malloc: str = "steady") -> dict:
+        malloc: str = "steady", train_len: int | None = None) -> dict:
     """Run the kernel benchmarks; returns the JSON-ready record (machine, settings, results).
+
+    ``train_len``: tokens per training sequence in place of each shape's own (its training rows, the linear layers' M,
+    are ``train_batch`` times it: e.g. llama100m at 156 has end_to_end's 312 training tokens).
 
     ``exact_backend``: ``exact`` (Triton on CUDA, ``cpu_exact`` on CPU) or ``triton`` (the Triton kernels forced;
     on CPU through the interpreter, which checks that the GPU path runs but times nothing useful)."""
+    if train_len is not None and train_len < 1:
+        raise ValueError(f"--train-len must be >= 1, got {train_len}")
     record = new_record("kernels", device, shape_names, dtype_names, reps, threads, exact_backend, malloc,
-                        ops=op_names, modes=mode_names)
+                        ops=op_names, modes=mode_names, train_len=train_len)
     record["matmul"] = []
     known = shapes()
     for shape_name in shape_names:
-        shape = known[shape_name]
+        shape = known[shape_name] if train_len is None else replace(known[shape_name], train_len=train_len)
         for dtype_name in dtype_names:
             dtype = DTYPES[dtype_name]
             for op in op_names:
@@ -208,6 +214,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default="all", help="comma list of: " + ", ".join(OPS))
     p.add_argument("--modes", default="all", help="fwd, fwd+bwd or all")
     p.add_argument("--no-matmul", action="store_true", help="skip the GFLOP/s comparison with torch.mm")
+    p.add_argument("--train-len", type=int, default=None, metavar="N",
+                   help="tokens per training sequence in place of the shape's (training rows = its train_batch x N)")
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
@@ -215,7 +223,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
                parse_list(args.ops, OPS, "op"), parse_list(args.modes, MODES, "mode"), args.reps, device,
                args.threads, matmul=not args.no_matmul, exact_backend=args.exact_backend,
-               malloc=args.malloc)
+               malloc=args.malloc, train_len=args.train_len)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.kernels") -> int:

@@ -299,6 +299,13 @@ def test_vexact_bench_command_writes_json(tmp_path):
     record = json.loads(out.read_text())
     assert [r["op"] for r in record["results"]] == ["linear", "attention_decode"]
     assert record["machine"]["load_average_end"] is not None or sys.platform == "win32"
+    tiny = shapes()["tiny"]
+    assert record["results"][0]["size"].startswith(f"[{tiny.train_batch * tiny.train_len}x")
+    assert vexact_main(["bench", "kernels", "--shape", "tiny", "--dtype", "fp32", "--ops", "linear", "--modes", "fwd",
+                        "--reps", "1", "--no-matmul", "--device", "cpu", "--train-len", "5", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["settings"]["train_len"] == 5 and record["results"][0]["size"].startswith(f"[{tiny.train_batch * 5}x")
+    assert vexact_main(["bench", "kernels", "--shape", "tiny", "--train-len", "0", "--device", "cpu"]) == 2
 
 
 def test_op_count_charges_every_call_to_a_function(tmp_path, capsys):
