@@ -159,22 +159,26 @@ COLUMNS = ["variant", "ms", "/ native", "saves ms", "share of exact - native"]
 
 
 def swap_matrix(results: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """All results in one table: a column per result (item, dtype, threads); a first row exact / native, then per
+    """All results in one table: a column per result (item, dtype, threads); a first row exact / native, a second the
+    spread of exact's own samples (the scale of the run's noise: a saving well inside it says nothing), then per
     swapped op what the swap saves (ms) and its share of exact - native ("—" where the item does not call the op)."""
     ops = [op for op in OPS if any(f"{NATIVE} {op}" in r["variants"] for r in results)]
     columns = ["", *(f"{r['shape']} {LABELS.get(r['item'], r['item'])}, {combo_label(r['dtype'], r['threads'])}"
                      for r in results)]
     first = ["exact / native"]
+    spread = ["exact's samples: max - min"]
     lines = [[f"{NATIVE} {op}: saves"] for op in ops]
     for r in results:
         medians = {name: v["median_s"] * 1e3 for name, v in r["variants"].items()}
         exact, excess = medians[EXACT], medians[EXACT] - medians[NATIVE]
         first.append(f"{exact / medians[NATIVE]:.2f}× ({_ms(exact)} ms against {_ms(medians[NATIVE])})")
+        samples = r["variants"][EXACT]["samples_s"]
+        spread.append(f"{_ms((max(samples) - min(samples)) * 1e3)} ms")
         for line, op in zip(lines, ops):
             ms = medians.get(f"{NATIVE} {op}")
             share = f" ({(exact - ms) / excess:+.0%})" if ms is not None and excess > 0 else ""
             line.append("—" if ms is None else f"{_ms(exact - ms, '+')} ms{share}")
-    return columns, [first, *lines]
+    return columns, [first, spread, *lines]
 
 
 def print_results(record: dict) -> None:

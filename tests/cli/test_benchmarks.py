@@ -235,6 +235,7 @@ def test_op_swap_times_each_exact_op_swapped_for_natives(tmp_path, capsys):
     assert tables.main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "| exact / native |" in text and "| native linear: saves |" in text
+    assert "| exact's samples: max - min |" in text
     assert op_swap.main(["--items", "rollout"]) == 2
     assert "unknown item 'rollout'" in capsys.readouterr().err
 
