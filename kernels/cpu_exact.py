@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from functools import lru_cache, partial
 from types import ModuleType, SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -941,6 +942,15 @@ def _token_logprobs_exact(logits: Tensor, targets: Tensor, host: HostGuard) -> T
     return picked - _unary("log", _tree_sum(_unary("exp", shifted, host, op, inplace=True)), host, op)
 
 
+class _LogitsAndRowMax(NamedTuple):
+    """What the compiled ``token_logprobs`` forward keeps for its VJP in place of the shifted logits: the fp32 logits,
+    each row's max, and the loops that form x - max again in the VJP's one pass."""
+
+    logits: Tensor
+    row_max: Tensor
+    loops: ModuleType
+
+
 def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard) -> tuple[Tensor, tuple]:
     """The output, and for the VJP each row's log normalizer and either the shifted logits x - max (the torch ops)
     or the fp32 logits and each row's max (the compiled loops, which form x - max again, the same bits, in the pass
@@ -948,7 +958,7 @@ def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard)
     xf = fp32(logits)
     if (loops := _token_logprobs_loops(xf, targets, host)) is not None:
         out, row_max, log_normalizer = loops.token_logprobs_forward_saving(xf, targets, CHUNK, VECTOR_MULTIPLE)
-        return out, ((xf, row_max, loops), log_normalizer, targets, logits.dtype, host)
+        return out, (_LogitsAndRowMax(xf, row_max, loops), log_normalizer, targets, logits.dtype, host)
     shifted, log_normalizer = _shift_and_log_normalizer(logits, host, "token_logprobs")
     out = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_normalizer
     return out, (shifted, log_normalizer, targets, logits.dtype, host)
@@ -957,10 +967,9 @@ def _token_logprobs_with_saved(logits: Tensor, targets: Tensor, host: HostGuard)
 def _token_logprobs_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """d logits = g * (onehot(target) - softmax)."""
     shifted, log_normalizer, targets, dtype, host = saved
-    if isinstance(shifted, tuple):  # the compiled forward's (fp32 logits, row max, loops): the ops below in one pass
-        xf, row_max, loops = shifted
-        grad_logits = loops.token_logprobs_backward(xf, row_max, log_normalizer, targets, fp32(grad), CHUNK,
-                                                    VECTOR_MULTIPLE)
+    if isinstance(shifted, _LogitsAndRowMax):  # the compiled forward kept these: the ops below in one pass
+        grad_logits = shifted.loops.token_logprobs_backward(shifted.logits, shifted.row_max, log_normalizer, targets,
+                                                            fp32(grad), CHUNK, VECTOR_MULTIPLE)
         return (grad_logits.to(dtype),)
     g = fp32(grad).unsqueeze(-1)
     grad_logits = _unary("exp", shifted - log_normalizer.unsqueeze(-1), host, "token_logprobs", inplace=True).mul_(-g)
