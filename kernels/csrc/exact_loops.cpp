@@ -1236,7 +1236,6 @@ at::Tensor attention_shifted(const at::Tensor& scores, int64_t batch, int64_t he
   const int64_t* st = starts_c.data_ptr<int64_t>();
   const int64_t* rt = row_t_c.data_ptr<int64_t>();
   const int64_t rows = batch * heads * row_blocks * real;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width)), [&](int64_t first,
                                                                                              int64_t last) {
     for (int64_t row = first; row < last; ++row) {
