@@ -1809,7 +1809,7 @@ def _row_tiles(a: Tensor, shape: tuple[int, int, int], full: Tensor | None, bloc
         return full.view(tiles)
     if tuple(shape) != tuple(a.shape):
         return _zero_padded(a, shape).view(tiles)  # a fresh contiguous copy
-    if a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0:
+    if _is_padded_operand(a, shape):
         return a.view(tiles)  # the clone's values and layout, without the clone
     if _viewable(a, tiles) or (loops := compiled_loops.library()) is None:
         return a.clone().reshape(tiles)  # a strided operand (the clone viewed), or aten's copy
