@@ -466,12 +466,13 @@ def thread_counts(record: dict) -> list[int]:
 
 
 def add_common_arguments(p: argparse.ArgumentParser, name: str, default_shape: str, default_reps: int,
-                         thread_list: bool = False) -> None:
-    """The options both benchmarks take: shapes, dtypes, repetitions, threads, device, exact backend,
+                         thread_list: bool = False, default_dtype: str = "all", cpu_only: str | None = None) -> None:
+    """The options the benchmarks take: shapes, dtypes, repetitions, threads, device, exact backend,
     allocator mode and the JSON path. ``thread_list``: ``--threads`` takes a comma list (every figure at each
-    count) instead of one count."""
+    count) instead of one count. ``cpu_only``: a benchmark of the exact CPU kernels alone (``--device`` cpu, its
+    help this text; no ``--exact-backend``)."""
     p.add_argument("--shape", default=default_shape, help="comma list of: " + ", ".join(shapes()))
-    p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
+    p.add_argument("--dtype", default=default_dtype, help="float32, bfloat16 or all")
     p.add_argument("--reps", type=int, default=default_reps,
                    help=f"interleaved repetitions per figure (default {default_reps})")
     if thread_list:
@@ -479,10 +480,13 @@ def add_common_arguments(p: argparse.ArgumentParser, name: str, default_shape: s
                        help="torch threads, or a comma list (e.g. 1,2): every figure at each count (default: torch's)")
     else:
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--exact-backend", default="exact",
-                   help="exact (Triton on CUDA, the CPU kernels on CPU; default) or triton (the Triton kernels "
-                        "forced: on CPU through the interpreter, a functional check only, not a timing)")
+    if cpu_only is not None:
+        p.add_argument("--device", default="cpu", help=cpu_only)
+    else:
+        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+        p.add_argument("--exact-backend", default="exact",
+                       help="exact (Triton on CUDA, the CPU kernels on CPU; default) or triton (the Triton kernels "
+                            "forced: on CPU through the interpreter, a functional check only, not a timing)")
     p.add_argument("--malloc", default="steady", choices=MALLOC_MODES,
                    help="steady (default): freed memory stays in the process, so neither variant pays page "
                         "faults provoked by the other's allocations; default: glibc's adaptive behaviour")

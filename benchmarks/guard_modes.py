@@ -31,7 +31,6 @@ import collections
 import functools
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -44,7 +43,7 @@ from vexact_kernels.host_guard import CANONICAL_PATH, FASTER_PATH, SAME_BITS, Ho
 
 from .common import (
     DTYPES,
-    MALLOC_MODES,
+    add_common_arguments,
     cli_main,
     compare,
     describe_run,
@@ -314,20 +313,12 @@ def print_results(record: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="default", help="comma list of: " + ", ".join(shapes()))
-    p.add_argument("--dtype", default="all", help="float32, bfloat16 or all")
+    add_common_arguments(p, "guard_modes", default_shape="default", default_reps=7, thread_list=True,
+                         cpu_only="cpu: the guard modes are the CPU kernels'")
     p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions per figure (default 7)")
-    p.add_argument("--threads", default=None, metavar="N[,N...]",
-                   help="torch threads, or a comma list (e.g. 1,2): every figure at each count (default: torch's)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile each figure once per mode: the N ops (by input shapes) with the most self "
                         "time on either side, and the totals")
-    p.add_argument("--malloc", default="steady", choices=MALLOC_MODES,
-                   help="steady (default): freed memory stays in the process; default: glibc's own behaviour")
-    p.add_argument("--device", default="cpu", help="cpu: the guard modes are the CPU kernels'")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/guard_modes-cpu.json)")
-
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""

@@ -24,7 +24,6 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -34,7 +33,7 @@ from vexact_kernels import cpu_exact, native
 
 from .common import (
     DTYPES,
-    MALLOC_MODES,
+    add_common_arguments,
     cli_main,
     describe_run,
     inner_repeats,
@@ -205,17 +204,9 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="default", help="comma list of: " + ", ".join(shapes()))
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or all")
+    add_common_arguments(p, "op_swap", default_shape="default", default_reps=5, thread_list=True,
+                         default_dtype="float32", cpu_only="cpu: the exact CPU kernels' ops")
     p.add_argument("--items", default="all", help="comma list of: " + ", ".join(ITEMS))
-    p.add_argument("--reps", type=int, default=5, help="repetitions per variant, order rotating (default 5)")
-    p.add_argument("--threads", default=None, metavar="N[,N...]",
-                   help="torch threads, or a comma list (e.g. 1,2): every figure at each count (default: torch's)")
-    p.add_argument("--malloc", default="steady", choices=MALLOC_MODES,
-                   help="steady (default): freed memory stays in the process; default: glibc's own behaviour")
-    p.add_argument("--device", default="cpu", help="cpu: the exact CPU kernels' ops")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default runs/bench/op_swap-cpu.json)")
-
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
