@@ -60,12 +60,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .decode_tiles import DECODE_BLOCK_N
+
 RECORD_PATH = Path(__file__).with_name("triton_audit.json")
 RECORD_COMMAND = "python -m vexact_kernels.triton_audit --record"
 TARGETS = {"sm_80": 80, "sm_90": 90}  # CUDA compute capabilities: A100, H100
 DTYPES = ("fp32", "bf16")
 ROW_COUNTS = (1, 2, 16, 17, 1000)
-DECODE_TILE_COUNT = 2  # the linear kernel's decode tiles per dtype (triton_exact._DECODE_TILES; the worker checks)
+DECODE_TILE_COUNT = len(DECODE_BLOCK_N)  # the linear kernel's decode tiles per dtype (triton_exact._DECODE_TILES)
 # The benchmarks' llama100m model (SmolLM-135M-like); head_dim 64. The cache and vocab are per-call sizes.
 SHAPE = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, batch=2, prefix=40)
 
@@ -639,10 +641,6 @@ def _worker() -> dict[str, Any]:
 
     if te.INTERPRETING:
         raise RuntimeError("triton_audit worker: triton_exact was loaded interpreted; run it through audit()")
-    for dtype_name in DTYPES:
-        if (count := len(te._DECODE_TILES[_torch_dtype(dtype_name)])) != DECODE_TILE_COUNT:
-            raise RuntimeError(f"triton_audit: triton_exact._DECODE_TILES has {count} {dtype_name} decode tiles, the "
-                               f"audit compiles DECODE_TILE_COUNT = {DECODE_TILE_COUNT}: make them agree")
     kernels = sorted(name for name, value in vars(te).items()
                      if isinstance(value, JITFunction) and name.endswith("_kernel"))  # fmt: skip
     default_warps = make_backend(GPUTarget("cuda", 80, 32)).parse_options({}).num_warps  # when a launch names none

@@ -62,6 +62,7 @@ from torch import Tensor
 
 from . import checks, native
 from .autograd import exact_forward, exact_forward_vjp, exact_linear, matmul_linear_backward
+from .decode_tiles import DECODE_BLOCK_N, DECODE_ROWS_MAX
 
 # Compile-only: the GPU code paths and tiles without a device, so that the kernels can be compiled for CUDA
 # targets and their code audited (vexact_kernels.triton_audit sets it in its own worker process). Launching
@@ -219,21 +220,21 @@ else:
     _ROW_BLOCK, _ROW_WARPS = 1024, 4
     _ELEMENTWISE_BLOCK = 1024
 
-# Decode tiles: a linear call of at most DECODE_ROWS_MAX rows (a decode step's batch) may run narrower tiles than
-# _MATMUL_TILES -- more programs for the same weight (a 2,048-wide projection in 64 x 128 tiles is 16 programs on an
-# H200's 132 SMs, its weights read at a fifth of the memory's bandwidth) -- but only a tile that a first-use check on
-# this device finds to give every row the canonical tiles' bits (``decode_tiles_agree``). Same BLOCK_M and BLOCK_K:
-# the same K chunks in the same order; only the columns a program owns change. Widest first (``_decode_tiles``).
-DECODE_ROWS_MAX = 64
+# Decode tiles (``decode_tiles``: what a linear call of at most DECODE_ROWS_MAX rows may run, where a first-use
+# check on this device finds every row's bits equal to the canonical tiles', ``decode_tiles_agree``): a 2,048-wide
+# projection in 64 x 128 tiles is 16 programs on an H200's 132 SMs, its weights read at a fifth of the memory's
+# bandwidth. The canonical BLOCK_M and BLOCK_K with each of DECODE_BLOCK_N's column widths, widest first.
+# (BLOCK_M, BLOCK_K, num_warps, num_stages) per dtype:
 if INTERPRETING:
-    _DECODE_TILES = {dtype: ((64, 32, 32, 1, 1), (64, 16, 32, 1, 1))
-                     for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    _DECODE_TILE_REST = {dtype: (64, 32, 1, 1) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 else:
-    _DECODE_TILES = {
-        torch.float32: ((64, 32, 32, 4, 3), (64, 16, 32, 4, 3)),
-        torch.bfloat16: ((64, 32, 64, 4, 4), (64, 16, 64, 4, 4)),
-        torch.float16: ((64, 32, 64, 4, 4), (64, 16, 64, 4, 4)),
+    _DECODE_TILE_REST = {
+        torch.float32: (64, 32, 4, 3),
+        torch.bfloat16: (64, 64, 4, 4),
+        torch.float16: (64, 64, 4, 4),
     }
+_DECODE_TILES = {dtype: tuple((block_m, block_n, block_k, warps, stages) for block_n in DECODE_BLOCK_N)
+                 for dtype, (block_m, block_k, warps, stages) in _DECODE_TILE_REST.items()}
 
 
 # Pinned rather than left to Triton's default (which flips from fused to unfused mul-add in
