@@ -1116,7 +1116,7 @@ def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, o
         column_blocks = tile_column_blocks(count, threads, operand.shape[2])
     if one_thread:
         if loops is not None and count * column_blocks > 1 and threads > 1:
-            return loops.tile_gemms(tiles, operand, column_blocks)
+            return loops.tile_gemms(tiles, operand, column_blocks, one_thread=True)
         return _with_threads(1, lambda: _tile_gemms(tiles, operand, spread=False, column_blocks=1))
     if spread is None:
         spread = True

@@ -992,8 +992,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at
 // in blocks of ceil(N / column_blocks) columns), each into its columns of the tile's output, the (tile, block) pairs
 // shared out instead -- so an odd tile count still gives two threads even shares; the same first-use check covers it
 // (a GEMM whose bits follow its column count fails it). With one item (or one thread) no region is opened: the calls
-// run one after another, as the Python loop makes them.
-at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int64_t column_blocks) {
+// run one after another, as the Python loop makes them. `one_thread` (a blas-1-thread class, whose canonical call
+// runs at 1 thread): each GEMM with OpenMP's and MKL's thread-local counts 1 (OneThreadHere), as that call sees them.
+// Without it a call inside the region still runs on its thread, but oneDNN plans it for the process's thread count:
+// its bf16 GEMMs on an Intel Xeon with AMX then block the reduction as the 2-thread call does, not as the 1-thread
+// canonical call (llama100m's input gradients through its MLP and LM head failed their first-use check, and ran the
+// canonical call, copying the weight once per tile on every call).
+at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int64_t column_blocks, bool one_thread) {
   TORCH_CHECK(a_tiles.dim() == 3 && a_tiles.is_contiguous(), "tile_gemms: contiguous [T, h, K] tiles");
   TORCH_CHECK(operand.dim() == 3 && operand.size(0) == 1 &&
                   (operand.is_contiguous() || operand.transpose(1, 2).is_contiguous()) &&
@@ -1007,6 +1012,7 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int6
   const auto gemm = [&](int64_t first, int64_t last) {
     at::NoGradGuard no_grad;  // grad mode is per thread: a worker's is on (an out= call then refuses inputs that
                               // require grad); the tiles are an op's forward, never differentiated through here
+    const OneThreadHere one_thread_here(one_thread);
     const at::Tensor matrix = operand.select(0, 0);
     for (int64_t item = first; item < last; ++item) {
       const int64_t t = item / column_blocks, lo = (item % column_blocks) * width;
@@ -1639,7 +1645,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("packed_linear", &packed_linear, "gemm_arrangements._packed_run's steps after its plan, same bits");
   m.def("tile_gemms", &tile_gemms, "one at::mm per tile (or per column block of it) with a shared operand, spread over "
-        "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1);
+        "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1, py::arg("one_thread") = false);
   m.def("split_bmm", &split_bmm, "a bmm at 1 thread per thread over consecutive tiles (HostGuard.bmm's blas-1-thread path)");
   m.def("reduction_slab_mms", &reduction_slab_mms,
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads", py::arg("a"),

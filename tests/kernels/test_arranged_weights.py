@@ -237,19 +237,19 @@ def test_bf16_forward_tiles_on_a_transposed_batch_are_the_canonical_call(rows, k
 
 
 def _watched_tile_gemms(monkeypatch: pytest.MonkeyPatch, loops, column_blocks_off: bool = False
-                        ) -> list[tuple[int, int]]:
-    """The compiled loops with their ``tile_gemms`` calls recorded as (tiles, column blocks); ``column_blocks_off``:
-    a call that splits tiles into column blocks returns one ulp off (a host whose GEMM rounds a column block
-    otherwise)."""
+                        ) -> list[tuple[int, int, bool]]:
+    """The compiled loops with their ``tile_gemms`` calls recorded as (tiles, column blocks, one thread);
+    ``column_blocks_off``: a call that splits tiles into column blocks returns one ulp off (a host whose GEMM rounds a
+    column block otherwise)."""
     calls = []
 
     class Watched:
         def __getattr__(self, name):
             return getattr(loops, name)
 
-        def tile_gemms(self, tiles, operand, column_blocks):
-            calls.append((tiles.shape[0], column_blocks))
-            out = loops.tile_gemms(tiles, operand, column_blocks)
+        def tile_gemms(self, tiles, operand, column_blocks, one_thread=False):
+            calls.append((tiles.shape[0], column_blocks, one_thread))
+            out = loops.tile_gemms(tiles, operand, column_blocks, one_thread=one_thread)
             if column_blocks_off and column_blocks > 1:
                 out = torch.nextafter(out, torch.full_like(out, float("inf")))
             return out
@@ -278,10 +278,31 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
         even = gemm_arrangements._tile_gemms(tiles[:4], operand)
         one_after_another = gemm_arrangements._tile_gemms(tiles, operand, spread=False)
         one_thread = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)
-    assert calls == [(5, 2), (1, 2), (4, 1), (5, 2)]
+    assert calls == [(5, 2, False), (1, 2, False), (4, 1, False), (5, 2, True)]
     assert all(torch.equal(_bits(got), _bits(want))
                for got, want in ((uneven, expected), (one, expected[:1]), (even, expected[:4]),
                                  (one_after_another, expected), (one_thread, expected)))
+
+
+@pytest.mark.parametrize("k,n", [(1536, 576), (4096, 576)])
+def test_one_thread_tile_gemms_are_the_one_thread_call(k, n):
+    """A ``blas-1-thread`` class's whole tiles spread over 2 threads (``tile_gemms(..., one_thread=True)``: each GEMM
+    inside the compiled loops' parallel region, with OpenMP's and MKL's thread-local counts 1) have the bits of one
+    ``bmm`` per tile at 1 thread. (Column blocks are other GEMM shapes, checked apart: ``_column_blocks_agree``.)
+    Without the thread-local counts, oneDNN planned a
+    call inside the region for the process's 2 threads: on an Intel Xeon with AMX its bf16 GEMMs of these shapes (an
+    MLP's and an LM head's input gradient, [64, K] @ [K, 576] as stored) then summed K as the 2-thread call does, and
+    the first-use check sent those classes to the canonical call, which copies the weight once per tile."""
+    loops = gemm_arrangements.compiled_loops.library()
+    if loops is None:
+        pytest.skip("the compiled loops are not built here")
+    tiles = _randn(3, 64, k, dtype=torch.bfloat16, seed=11)
+    operand = _randn(1, k, n, dtype=torch.bfloat16, seed=12)
+    with num_threads(1):
+        expected = torch.cat([torch.bmm(tiles[t : t + 1], operand) for t in range(3)])
+    with num_threads(2):
+        got = loops.tile_gemms(tiles, operand, 1, one_thread=True)
+    assert torch.equal(_bits(got), _bits(expected))
 
 
 def test_tile_column_blocks_give_the_threads_even_shares():
@@ -341,7 +362,7 @@ def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
         out = run()
         assert forms == [form] and torch.equal(_bits(out), _bits(expected))
-        split = [count for count, blocks in calls if blocks > 1]
+        split = [count for count, blocks, _ in calls if blocks > 1]
         assert split and tiles not in split  # the column blocks' check split its tiles; the form's call did not
         monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
         monkeypatch.setattr(gemm_arrangements, "_column_blocks_agree", lambda *args, **kwargs: True)
