@@ -287,19 +287,20 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
 @pytest.mark.parametrize("k,n", [(1536, 576), (4096, 576)])
 def test_one_thread_tile_gemms_are_the_one_thread_call(k, n):
     """A ``blas-1-thread`` class's whole tiles spread over 2 threads (``tile_gemms(..., one_thread=True)``: each GEMM
-    inside the compiled loops' parallel region, with OpenMP's and MKL's thread-local counts 1) have the bits of one
-    ``bmm`` per tile at 1 thread. (Column blocks are other GEMM shapes, checked apart: ``_column_blocks_agree``.)
-    Without the thread-local counts, oneDNN planned a
-    call inside the region for the process's 2 threads: on an Intel Xeon with AMX its bf16 GEMMs of these shapes (an
-    MLP's and an LM head's input gradient, [64, K] @ [K, 576] as stored) then summed K as the 2-thread call does, and
-    the first-use check sent those classes to the canonical call, which copies the weight once per tile."""
+    inside the compiled loops' parallel region, with OpenMP's and MKL's thread-local counts 1) have the bits of the
+    same ``mm`` per tile at 1 thread: the library sees the one thread it runs on. (Whether that is the canonical call's
+    bits is the first-use check's question, per host; column blocks are other GEMM shapes, checked apart.) Without
+    the thread-local counts, oneDNN planned a call inside the region for the process's 2 threads: on an Intel Xeon with
+    AMX its bf16 GEMMs of these shapes (an MLP's and an LM head's input gradient, [64, K] @ [K, 576] as stored) then
+    summed K as the 2-thread call does, and the first-use check sent those classes to the canonical call, which
+    copies the weight once per tile."""
     loops = gemm_arrangements.compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here")
     tiles = _randn(3, 64, k, dtype=torch.bfloat16, seed=11)
     operand = _randn(1, k, n, dtype=torch.bfloat16, seed=12)
     with num_threads(1):
-        expected = torch.cat([torch.bmm(tiles[t : t + 1], operand) for t in range(3)])
+        expected = torch.stack([torch.mm(tiles[t], operand[0]) for t in range(3)])
     with num_threads(2):
         got = loops.tile_gemms(tiles, operand, 1, one_thread=True)
     assert torch.equal(_bits(got), _bits(expected))
