@@ -9,7 +9,10 @@ rows through the same weight), ``lm_head`` (training rows D -> V), ``rms_norm`` 
 ``silu_mul``, ``attention_prefill`` (the training forward: whole sequences from position 0),
 ``attention_decode`` (one query per sequence against a cache of ``context`` tokens) and
 ``token_logprobs`` (the log-prob gather over the vocabulary for every training row). ``fwd+bwd``
-times the forward and the backward of a fixed upstream gradient (decode has no backward).
+times the forward and the backward of a fixed upstream gradient (decode has no backward). For the linear
+layers (``linear``, ``lm_head``), ``grad_input`` and ``grad_weight`` time the forward and one gradient's backward,
+with only that tensor requiring a gradient (the other product never runs): less the ``fwd`` row, which of the two
+backward products costs what ``fwd+bwd`` does.
 
 Also: the exact matmul's achieved GFLOP/s against ``torch.mm`` on the same [M, K] x [K, N] (how close
 the fixed-tile GEMM gets to the BLAS on that shape).
@@ -47,8 +50,10 @@ from .common import (
 
 OPS = ("linear", "linear_decode", "lm_head", "rms_norm", "silu_mul", "attention_prefill", "attention_decode",
        "token_logprobs")
-MODES = ("fwd", "fwd+bwd")
+GRADIENT_MODES = ("grad_input", "grad_weight")  # one backward product alone, by the tensor it differentiates
+MODES = ("fwd", "fwd+bwd", *GRADIENT_MODES)
 NO_BACKWARD = {"attention_decode"}  # a decode step is never differentiated
+LINEAR_OPS = ("linear", "lm_head")  # the ops with a weight: where the two gradients are two different products
 
 
 def _inputs(op: str, shape: Shape, dtype: torch.dtype, device: torch.device) -> tuple[list[Tensor], tuple, str]:
@@ -95,18 +100,39 @@ def _op_fn(ops, op: str) -> Callable:
     return getattr(ops, name)
 
 
-def _runner(ops, op: str, tensors: list[Tensor], static: tuple, backward: bool) -> Callable[[], object]:
+def _upstream(out: Tensor) -> Tensor:
+    """The fixed upstream gradient every backward is timed with (seeded: the same in every run)."""
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device=out.device, dtype=out.dtype)
+
+
+def _gradient_runner(fn: Callable, tensors: list[Tensor], static: tuple, mode: str) -> Callable[[], object]:
+    """The forward and one linear gradient: ``grad_input`` (the input, tensors[0]) or ``grad_weight`` (the weight,
+    tensors[1]), the only tensor that requires a gradient, so the backward runs that product alone.
+
+    Each call builds its graph anew: the exact kernels free what their backward saved once it has run (a graph kept
+    for the next call would hold it, or keep nothing to run again)."""
+    wanted = GRADIENT_MODES.index(mode)
+    leaves = [t.detach().clone().requires_grad_(i == wanted) for i, t in enumerate(tensors)]
+    with torch.no_grad():
+        upstream = _upstream(fn(*tensors, *static))
+
+    def one_gradient() -> object:
+        return torch.autograd.grad(fn(*leaves, *static), leaves[wanted], upstream)[0]
+    return one_gradient
+
+
+def _runner(ops, op: str, tensors: list[Tensor], static: tuple, mode: str) -> Callable[[], object]:
     fn = _op_fn(ops, op)
-    if not backward:
+    if mode in GRADIENT_MODES:
+        return _gradient_runner(fn, tensors, static, mode)
+    if mode == "fwd":
         def forward() -> object:
             with torch.no_grad():
                 return fn(*tensors, *static)
         return forward
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
     with torch.no_grad():
-        out = fn(*tensors, *static)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device=out.device,
-                                                                                     dtype=out.dtype)
+        upstream = _upstream(fn(*tensors, *static))
 
     def forward_backward() -> object:
         for leaf in leaves:
@@ -117,12 +143,21 @@ def _runner(ops, op: str, tensors: list[Tensor], static: tuple, backward: bool) 
     return forward_backward
 
 
+def _measured(op: str, mode: str) -> bool:
+    """Whether ``mode`` applies to ``op``: no backward for a decode op; the single gradients for the linear layers."""
+    if mode == "fwd":
+        return True
+    if op in NO_BACKWARD:
+        return False
+    return mode == "fwd+bwd" or op in LINEAR_OPS
+
+
 def bench_op(op: str, shape: Shape, dtype: torch.dtype, mode: str, reps: int, device: torch.device,
              exact_backend: str = "exact") -> dict:
     """One row: exact vs native for ``op`` at ``shape``/``dtype``/``mode``."""
     tensors, static, size = _inputs(op, shape, dtype, device)
-    exact = _runner(vexact_kernels.get_ops(exact_backend, device), op, tensors, static, mode == "fwd+bwd")
-    native = _runner(vexact_kernels.get_ops("native", device), op, tensors, static, mode == "fwd+bwd")
+    exact = _runner(vexact_kernels.get_ops(exact_backend, device), op, tensors, static, mode)
+    native = _runner(vexact_kernels.get_ops("native", device), op, tensors, static, mode)
     inner = inner_repeats(native, device, exact_backend=exact_backend)
     summary = compare(exact, native, reps=reps, device=device, inner=inner).summary()
     return {"op": op, "shape": shape.name, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "size": size,
@@ -186,7 +221,7 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], mod
             dtype = DTYPES[dtype_name]
             for op in op_names:
                 for mode in mode_names:
-                    if mode == "fwd+bwd" and op in NO_BACKWARD:
+                    if not _measured(op, mode):
                         continue
                     record["results"].append(bench_op(op, shape, dtype, mode, reps, device,
                                                               exact_backend))
@@ -212,7 +247,9 @@ def print_results(record: dict) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, "kernels", default_shape="default,llama100m", default_reps=7)
     p.add_argument("--ops", default="all", help="comma list of: " + ", ".join(OPS))
-    p.add_argument("--modes", default="all", help="fwd, fwd+bwd or all")
+    p.add_argument("--modes", default="fwd,fwd+bwd",
+                   help="comma list of: " + ", ".join(MODES) + f"; or all ({', '.join(GRADIENT_MODES)}: "
+                   f"{' and '.join(LINEAR_OPS)} only)")
     p.add_argument("--no-matmul", action="store_true", help="skip the GFLOP/s comparison with torch.mm")
     p.add_argument("--train-len", type=int, default=None, metavar="N",
                    help="tokens per training sequence in place of the shape's (training rows = its train_batch x N)")

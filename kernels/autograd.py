@@ -88,8 +88,12 @@ class _ExactForwardOwnBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
+        if ctx.saved is None:  # what torch's own ops say for a freed graph, where the VJP would fail deep inside
+            raise RuntimeError("Trying to backward through an exact kernel's graph a second time: its saved values are "
+                               "freed after the first backward (retain_graph=True does not keep them); run the "
+                               "forward again")
         grads = ctx.vjp(ctx.saved, grad_out, ctx.needs_input_grad[3:])
-        ctx.saved = None
+        ctx.saved = None  # freed now, not when the graph goes: a caller's loss often outlives its backward
         return (None, None, None, *grads)
 
 

@@ -1107,7 +1107,9 @@ def _tile_gemms(tiles: Tensor, operand: Tensor, *, spread: bool | None = None, o
     (five large tiles at 2 threads took 3 + 2 tiles' time spread by whole tiles; one after another, each GEMM on both
     threads, ran a 64-row GEMM at 2 threads). The callers check the result against the canonical call at first use,
     per class and thread count, every way that can run (``tile_gemm_ways``). ``one_thread``: every GEMM on one thread
-    (a ``blas-1-thread`` class): spread where the loops run, else one after another with 1 thread.
+    (a ``blas-1-thread`` class): spread where the loops run, each GEMM with OpenMP's and MKL's thread-local counts
+    held at 1 (oneDNN inside the parallel region else plans for the process's count: another order of K on the Intel
+    host), else one after another with 1 thread.
     ``column_blocks``: None, ``tile_column_blocks``' choice."""
     loops = compiled_loops.library()
     threads = torch.get_num_threads()

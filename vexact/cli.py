@@ -514,7 +514,7 @@ def _benchmarks_module(name: str):
 
 
 BENCHMARKS = {
-    "kernels": "op by op at model shapes, fp32/bf16, fwd and fwd+bwd, matmul GFLOP/s",
+    "kernels": "op by op at model shapes, fp32/bf16, fwd, fwd+bwd and each linear gradient, matmul GFLOP/s",
     "end_to_end": "rollout, decode step, training fwd+bwd, RL step",
     "host_guard": "the fixed-order fallback's cost against the probed fast path",
     "guard_modes": "the exact CPU path in guard mode canonical against auto, interleaved in one process (what a host "

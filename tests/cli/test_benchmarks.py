@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
     sys.path.insert(0, str(ROOT))
 
 
+import vexact_kernels  # noqa: E402
 from benchmarks import bits_digest, end_to_end, guard_modes, host_guard, kernels, op_count, op_swap, tables  # noqa: E402
 from benchmarks.common import parse_list, profile_top, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
@@ -52,6 +53,8 @@ def test_kernel_benchmark_schema(tmp_path):
         for dtype in ("float32", "bfloat16"):
             assert (op, dtype, "fwd") in seen
             assert ((op, dtype, "fwd+bwd") in seen) == (op not in kernels.NO_BACKWARD)
+            for mode in kernels.GRADIENT_MODES:
+                assert ((op, dtype, mode) in seen) == (op in kernels.LINEAR_OPS), (op, mode)
     for row in record["results"]:
         _check_ratios(row)
     assert {r["matmul"] for r in record["matmul"]} == {"q_proj", "k_proj", "mlp_up", "mlp_down", "lm_head"}
@@ -59,6 +62,30 @@ def test_kernel_benchmark_schema(tmp_path):
         _check_ratios(row)
         assert row["exact_gflops"] > 0 and row["torch_mm_gflops"] > 0 and row["fraction_of_torch_mm"] > 0
     kernels.print_results(record)
+
+
+@pytest.mark.parametrize("backend", ["native", "exact"])
+def test_kernel_benchmark_gradient_modes_time_one_gradient_each(backend):
+    """``grad_input`` / ``grad_weight``: each call runs the forward with only that tensor requiring a gradient (the
+    other product is never asked for) and returns that gradient: the same bits as a full backward of the op gives."""
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    ops = vexact_kernels.get_ops(backend, torch.device("cpu"))
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    out = ops.linear(*leaves)
+    full = torch.autograd.grad(out, leaves, kernels._upstream(out))
+    differentiable: list[list[bool]] = []
+
+    def watched_linear(*tensors: torch.Tensor) -> torch.Tensor:
+        differentiable.append([t.requires_grad for t in tensors])
+        return ops.linear(*tensors)
+    for wanted, mode in enumerate(kernels.GRADIENT_MODES):
+        one_gradient = kernels._gradient_runner(watched_linear, [x, w], (), mode)
+        differentiable.clear()
+        first, again = one_gradient(), one_gradient()
+        assert differentiable == [[i == wanted for i in range(2)]] * 2, mode
+        assert first.shape == (x, w)[wanted].shape, mode
+        assert torch.equal(first, full[wanted]) and torch.equal(again, full[wanted]), mode
 
 
 def test_end_to_end_benchmark_schema():

@@ -169,3 +169,14 @@ def test_an_empty_batch_of_rows_is_an_empty_result():
     assert cpu_exact.token_logprobs(_r(0, 11), torch.zeros(0, dtype=torch.long)).shape == (0,)
     assert cpu_exact.entropy(_r(0, 11)).shape == (0,)
     assert cpu_exact.attention(Q[:, :0], K, V, START, 0.3).shape == (2, 0, 4, 8)
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_a_second_backward_through_an_exact_kernel_is_one_clear_error(retain_graph):
+    """The exact kernels free what their backward saved once it has run (retain_graph cannot keep it): a second
+    backward says so, as torch's own ops do for a freed graph, instead of failing inside the VJP."""
+    x = torch.randn(4, 8, requires_grad=True)
+    out = cpu_exact.rms_norm(x, torch.ones(8), 1e-6)
+    out.sum().backward(retain_graph=retain_graph)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.sum().backward()
