@@ -116,8 +116,8 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], rep
             record["probe_cost"].append(_probe_cost(shape, dtype))
             for op in op_names:
                 tensors, static, size = kernels._inputs(op, shape, dtype, device)
-                fixed_fn = kernels._runner(fixed, op, tensors, static, backward=False)
-                fast_fn = kernels._runner(fast, op, tensors, static, backward=False)
+                fixed_fn = kernels._runner(fixed, op, tensors, static, "fwd")
+                fast_fn = kernels._runner(fast, op, tensors, static, "fwd")
                 inner = inner_repeats(fast_fn, device)
                 summary = compare(fixed_fn, fast_fn, reps=reps, device=device, inner=inner).summary()
                 record["results"].append({"item": op, "shape": shape.name, "dtype": dtype_name, "size": size,
