@@ -177,7 +177,7 @@ def test_triton_exact_backend_runs_both_benchmarks(capsys):
     for row in e2e["results"]:
         _check_ratios(row)
     end_to_end.print_results(e2e)
-    assert "NOT a speed" in capsys.readouterr().out
+    assert "NOT a speed" in " ".join(capsys.readouterr().out.split())  # the table may wrap its title anywhere
 
 
 def test_host_guard_benchmark_schema(tmp_path, capsys):
