@@ -215,8 +215,40 @@ def _model_gemms(config) -> dict[str, list[tuple[int, int]]]:
             "LM head": [(c.vocab_size, c.hidden_size)]}
 
 
+STREAMED = "a decode step's GEMMs, every layer's own weights"
+"""``gemm_kernels``' group that times a whole decode step's GEMMs as the model runs them: each layer's own weights in
+turn, then the LM head, so the weights stream from memory (llama100m's 270 MB of bf16 weights are far beyond the
+caches). The other groups repeat one layer's weights, which stay in cache: they time the kernel, not the step."""
+
+
+def _streamed_step(config, dtype: torch.dtype, rows: int, kernels: dict[str, tuple[Callable, Callable]], reps: int,
+                   gen: torch.Generator) -> dict:
+    """``STREAMED``: every kernel of ``kernels`` (name -> (prepare a weight, apply to x and it)) over ``config``'s
+    ``num_layers`` layers' own weights and the LM head, ``rows`` rows, fastest of ``reps``; each kernel's largest
+    difference from ``F.linear`` on the first layer's and the head's products."""
+    groups = _model_gemms(config)
+    layer_shapes, head_shape = groups["layer (q, k, v, o, gate, up, down)"], groups["LM head"][0]
+    weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+               for _ in range(config.num_layers) for n, k in layer_shapes]
+    weights.append((torch.randn(*head_shape, generator=gen) * 0.02).to(dtype))
+    xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in [*layer_shapes, head_shape]}
+    checked = [*range(len(layer_shapes)), len(weights) - 1]  # the first layer and the head
+    reference = [torch.nn.functional.linear(xs[weights[i].shape[1]], weights[i]) for i in checked]
+    entry = {"weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights)}
+    for label, (prepare, apply) in kernels.items():
+        pairs = [(xs[w.shape[1]], prepare(w)) for w in weights]
+        entry[f"{label}_s"] = _fastest(lambda pairs=pairs, apply=apply: [apply(x, h) for x, h in pairs],
+                                       reps + 1)  # (+1: the first pass creates the kernels' primitives)
+        if label != "F.linear":
+            entry[f"{label}_max_abs_diff"] = max(float((apply(*pairs[i]) - y).abs().max())
+                                                 for i, y in zip(checked, reference))
+        del pairs  # one kernel's packed copies at a time
+    return entry
+
+
 def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: bool = False) -> dict:
-    """One layer's GEMMs and the LM head, fastest of 3 x ``reps``: ``F.linear`` (what vexact's native linear calls;
+    """A decode step's GEMMs over every layer's own weights (``STREAMED``, at the decode batch's rows), then one
+    layer's GEMMs and the LM head, fastest of 3 x ``reps``: ``F.linear`` (what vexact's native linear calls;
     its exact path runs the same library GEMM in row tiles) against torch's own oneDNN linear
     (``host_guard.onednn_linear``), the same op on the weight packed once (``onednn_packed``) and, with ``vllm``,
     vLLM's ``onednn_mm`` (weights packed once). Each kernel's largest
@@ -235,6 +267,8 @@ def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: b
     gen = torch.Generator().manual_seed(0)
     out = {}
     for m in rows:
+        if m == rows[0]:
+            out[f"{STREAMED}, {m} rows"] = _streamed_step(config, dtype, m, kernels, reps, gen)
         for name, shapes_ in _model_gemms(config).items():
             if name == "LM head" and m != rows[0]:
                 continue  # the prefill runs the head on each prompt's last row only
