@@ -183,23 +183,30 @@ def vllm_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: int,
     run(new_tokens)
     one = _fastest(lambda: run(1), reps)
     full = _fastest(lambda: run(new_tokens), reps)
-    counts = {}
+    counts, micros = {}, {}
     for n in (1, new_tokens):
         llm.start_profile(profile_prefix=f"n{n}")
         run(n)
         llm.stop_profile()
         time.sleep(1)
-        names = collections.Counter()
+        names, durations = collections.Counter(), collections.Counter()
         for path in glob.glob(f"{tmp}/trace/**/n{n}*.json", recursive=True):
-            names.update(e["name"] for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X")
-        counts[n] = names
+            for e in json.load(open(path))["traceEvents"]:
+                if e.get("ph") == "X":
+                    names[e["name"]] += 1
+                    durations[e["name"]] += e.get("dur", 0)
+        counts[n], micros[n] = names, durations
     steps = new_tokens - 1
     per_step = {k: (counts[new_tokens][k] - counts[1][k]) / steps for k in counts[new_tokens]}
+    # its own kernels' time per step (microseconds in the trace; under the profiler, so a share, not a wall time)
+    own_ms = {k: (micros[new_tokens][k] - micros[1][k]) / steps / 1e3 for k in micros[new_tokens]
+              if k.startswith("_C::") and per_step.get(k)}
     return {"generate_1_s": one, "generate_s": full, "decode_step_s": (full - one) / steps,
             "tokens_per_s": n_prompts * new_tokens / full, "vllm_version": vllm.__version__,
             "aten_calls_per_step": sum(v for k, v in per_step.items() if k.startswith("aten::")),
             "item_reads_per_step": per_step.get("aten::item", 0.0),
             "custom_ops_per_step": {k: v for k, v in per_step.items() if k.startswith("_C::") and v},
+            "custom_ops_ms_per_step": own_ms,
             "gemm": gemm_kernels(shape.model, DTYPES[dtype_name], [n_prompts, sum(map(len, prompts))], reps,
                                  vllm=True)}
 
@@ -378,6 +385,9 @@ def vllm_table(record: dict) -> tuple[list[str], list[list[str]]]:
             ["aten calls per step", f"{r['aten_calls_per_step']:,.0f}"],
             ["host reads per step", f"{r['item_reads_per_step']:.0f}"],
             ["its own kernels per step", ", ".join(f"{k} {v:.0f}" for k, v in r["custom_ops_per_step"].items())]]
+    if own_ms := r.get("custom_ops_ms_per_step"):  # (records before session 57 have counts only)
+        rows.append(["its own kernels' ms per step, under the profiler",
+                     ", ".join(f"{k} {v:.2f}" for k, v in sorted(own_ms.items(), key=lambda kv: -kv[1]))])
     return ["decode", f"vLLM (CPU build) {r['vllm_version']}"], rows
 
 

@@ -52,7 +52,8 @@ def test_a_vllm_side_record_prints_its_table(tmp_path, capsys):
               "machine": {"cpu_model": "test CPU", "logical_cpus": 2, "torch_threads": 1, "torch_version": "2.13.0"},
               "results": {"decode_step_s": 0.0366, "generate_1_s": 0.279, "tokens_per_s": 181.0,
                           "vllm_version": "0.32.0", "aten_calls_per_step": 3680.0, "item_reads_per_step": 129.0,
-                          "custom_ops_per_step": {"_C::onednn_mm": 121.0},
+                          "custom_ops_per_step": {"_C::onednn_mm": 121.0, "_C::fused_gumbel_argmax": 1.0},
+                          "custom_ops_ms_per_step": {"_C::fused_gumbel_argmax": 0.31, "_C::onednn_mm": 9.5},
                           "gemm": {"LM head, 8 rows": {"F.linear_s": 0.013, "onednn_mm_s": 0.0041,
                                                        "onednn_mm_max_abs_diff": 1.9e-6}}}}
     path = tmp_path / "vllm.json"
@@ -61,6 +62,12 @@ def test_a_vllm_side_record_prints_its_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| **decode step (wall)**, ms | **36.6** |" in out and "_C::onednn_mm 121" in out
     assert "| LM head, 8 rows | 13.00 | 4.10 | 3.17× | 1.9e-06 |" in out
+    # its kernels' time per step, the largest first
+    assert ("| its own kernels' ms per step, under the profiler | _C::onednn_mm 9.50, _C::fused_gumbel_argmax 0.31 |"
+            in out)
+    del record["results"]["custom_ops_ms_per_step"]  # a record from before the times were kept: no such row
+    path.write_text(json.dumps(record))
+    assert tables.main([str(path)]) == 0 and "ms per step, under the profiler" not in capsys.readouterr().out
 
 
 def test_one_decode_step_at_least(capsys):
