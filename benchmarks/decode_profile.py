@@ -231,7 +231,7 @@ caches). The other groups repeat one layer's weights, which stay in cache: they 
 def _streamed_step(config, dtype: torch.dtype, rows: int, kernels: dict[str, tuple[Callable, Callable]], reps: int,
                    gen: torch.Generator) -> dict:
     """``STREAMED``: every kernel of ``kernels`` (name -> (prepare a weight, apply to x and it)) over ``config``'s
-    ``num_layers`` layers' own weights and the LM head, ``rows`` rows, fastest of ``reps``; each kernel's largest
+    ``num_layers`` layers' own weights and the LM head, ``rows`` rows, fastest of ``reps`` + 1; each kernel's largest
     difference from ``F.linear`` on the first layer's and the head's products."""
     groups = _model_gemms(config)
     layer_shapes, head_shape = groups["layer (q, k, v, o, gate, up, down)"], groups["LM head"][0]
@@ -347,7 +347,9 @@ def gemm_at_tile_rows(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
 
 def gemm_table(record: dict) -> tuple[list[str], list[list[str]]]:
     """A ``--gemm`` record as a table: per GEMM group, milliseconds through ``F.linear`` and each other kernel, its
-    speed-up, and its largest difference from ``F.linear``; then the decode step's GEMMs (layers + LM head)."""
+    speed-up, and its largest difference from ``F.linear``; then the decode step's GEMMs summed from the groups (one
+    layer's, its weights in cache, times the layers, plus the LM head: ``STREAMED``'s row, where the record has one,
+    times the step as the model runs it)."""
     results = record["results"]
     kernels = [key.removesuffix("_s") for key in next(iter(results["gemm"].values())) if key.endswith("_s")]
     others = [k for k in kernels if k != "F.linear"]
@@ -359,7 +361,7 @@ def gemm_table(record: dict) -> tuple[list[str], list[list[str]]]:
     step = results.get("decode_step_gemm_s")
     if step is None:  # a vLLM-side record: no decode step's sum
         return columns, rows
-    rows.append([f"a decode step ({record['prompts']} rows: layers + LM head)",
+    rows.append([f"a decode step ({record['prompts']} rows): one layer's, in cache, x layers + LM head",
                  *[f"{step[k] * 1e3:.1f}" for k in kernels],
                  *[f"{step['F.linear'] / step[k]:.2f}×" for k in others], *["" for _ in others]])
     return columns, rows

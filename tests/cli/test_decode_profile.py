@@ -126,7 +126,8 @@ def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
     capsys.readouterr()
     assert tables.main([str(out)]) == 0
     table = capsys.readouterr().out
-    assert "| a decode step (3 rows: layers + LM head) |" in table and "torch's oneDNN linear:" in table
+    assert "| a decode step (3 rows): one layer's, in cache, x layers + LM head |" in table
+    assert "torch's oneDNN linear:" in table
     assert "- the rows the exact path multiplies at 3 rows: N=32 K=32 " in table
     assert ("oneDNN's linear on the packed weights at those rows: " in table) == packing
     assert ("- torch's oneDNN linear on a weight packed once: " in table) == packing
