@@ -240,16 +240,27 @@ def _streamed_step(config, dtype: torch.dtype, rows: int, kernels: dict[str, tup
     weights.append((torch.randn(*head_shape, generator=gen) * 0.02).to(dtype))
     xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in [*layer_shapes, head_shape]}
     checked = [*range(len(layer_shapes)), len(weights) - 1]  # the first layer and the head
-    reference = [torch.nn.functional.linear(xs[weights[i].shape[1]], weights[i]) for i in checked]
     entry = {"weights": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights)}
+    # (+1 pass: the first creates the kernels' primitives)
+    return entry | _kernels_timed([(xs[w.shape[1]], w) for w in weights], kernels, reps + 1, checked)
+
+
+def _kernels_timed(operands: list[tuple[torch.Tensor, torch.Tensor]], kernels: dict[str, tuple[Callable, Callable]],
+                   passes: int, checked: list[int] | None = None) -> dict:
+    """Each kernel of ``kernels`` (name -> (prepare a weight, apply to x and it)) over every (x, weight) of
+    ``operands`` in turn, the fastest of ``passes`` (``{name}_s``), and, but for ``F.linear``, its largest difference
+    from ``F.linear`` on the products ``checked`` (indices into ``operands``; all of them by default). One kernel's
+    prepared weights (a packed copy each) are held at a time."""
+    checked = range(len(operands)) if checked is None else checked
+    reference = [torch.nn.functional.linear(*operands[i]) for i in checked]
+    entry = {}
     for label, (prepare, apply) in kernels.items():
-        pairs = [(xs[w.shape[1]], prepare(w)) for w in weights]
-        entry[f"{label}_s"] = _fastest(lambda pairs=pairs, apply=apply: [apply(x, h) for x, h in pairs],
-                                       reps + 1)  # (+1: the first pass creates the kernels' primitives)
+        pairs = [(x, prepare(w)) for x, w in operands]
+        entry[f"{label}_s"] = _fastest(lambda pairs=pairs, apply=apply: [apply(x, h) for x, h in pairs], passes)
         if label != "F.linear":
             entry[f"{label}_max_abs_diff"] = max(float((apply(*pairs[i]) - y).abs().max())
                                                  for i, y in zip(checked, reference))
-        del pairs  # one kernel's packed copies at a time
+        del pairs
     return entry
 
 
@@ -281,16 +292,7 @@ def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: b
                 continue  # the prefill runs the head on each prompt's last row only
             weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes_]
             xs = [torch.randn(m, k, generator=gen).to(dtype) for _, k in shapes_]
-            linear_out = [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)]
-            entry = {}
-            for label, (prepare, apply) in kernels.items():
-                pairs = [(x, prepare(w)) for x, w in zip(xs, weights)]
-                entry[f"{label}_s"] = _fastest(lambda pairs=pairs, apply=apply: [apply(x, h) for x, h in pairs],
-                                               reps * 3)
-                if label != "F.linear":
-                    entry[f"{label}_max_abs_diff"] = max(float((apply(x, h) - y).abs().max())
-                                                         for (x, h), y in zip(pairs, linear_out))
-            out[f"{name}, {m} rows"] = entry
+            out[f"{name}, {m} rows"] = _kernels_timed(list(zip(xs, weights)), kernels, reps * 3)
     return out
 
 
