@@ -30,7 +30,7 @@ if __name__ == "kernels":  # this folder found by its name through a checkout's 
 else:
     from . import cpu_exact, native
     from .backends import BACKENDS, EXACT_BACKENDS, TRITON_PIP, get_ops, kernel_paths, triton_installed
-    from .contract import OP_NAMES, KernelOps
+    from .contract import FUSED_OP_NAMES, OP_NAMES, KernelOps
 
-    __all__ = ["BACKENDS", "EXACT_BACKENDS", "OP_NAMES", "TRITON_PIP", "KernelOps", "get_ops", "kernel_paths",
-               "triton_installed", "cpu_exact", "native"]
+    __all__ = ["BACKENDS", "EXACT_BACKENDS", "FUSED_OP_NAMES", "OP_NAMES", "TRITON_PIP", "KernelOps", "get_ops",
+               "kernel_paths", "triton_installed", "cpu_exact", "native"]

@@ -8,6 +8,7 @@ A backend is any object with these functions (a module such as ``native`` / ``cp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -56,3 +57,25 @@ class KernelOps(Protocol):
 
 OP_NAMES: tuple[str, ...] = tuple(name for name in vars(KernelOps) if not name.startswith("_")
                                   and callable(vars(KernelOps)[name]))
+
+
+class FusedOps(Protocol):
+    """Ops a backend may offer beside the contract's: each gives the bits of the contract's calls it stands for, in
+    fewer calls. A caller reaches them through the functions below, which make the contract's calls where a backend
+    lacks them -- so a wrapper of a backend that offers only the contract's ops (the injector's, a recorder) still
+    sees every call."""
+
+    def linears(self, x: Tensor, weights: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """``tuple(linear(x, w) for w in weights)`` (no biases), bit for bit."""
+        ...
+
+
+FUSED_OP_NAMES: tuple[str, ...] = tuple(name for name in vars(FusedOps) if not name.startswith("_")
+                                        and callable(vars(FusedOps)[name]))
+
+
+def linears(ops: KernelOps, x: Tensor, weights: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """Linear layers of one input (no biases): ``ops.linears`` where the backend offers it, else ``ops.linear`` per
+    weight -- the same bits."""
+    fused = getattr(ops, "linears", None)
+    return fused(x, weights) if fused is not None else tuple(ops.linear(x, w) for w in weights)

@@ -43,6 +43,7 @@ and its contract. What exactness costs in time: ``benchmarks/`` and docs/results
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache, partial
 from types import ModuleType, SimpleNamespace
 from typing import NamedTuple
@@ -50,10 +51,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import checks, compiled_loops, kv_rows, linear_repeats, native
+from . import checks, compiled_loops, fused_linears, kv_rows, linear_repeats, native
 from . import gemm_arrangements as gemm
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
+from .contract import FUSED_OP_NAMES
 from .gemm_arrangements import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block
 from .host_guard import BMM_PATH, ONEDNN_ROWS, UPCAST_PATH, HostGuard
 
@@ -281,6 +283,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     return exact_forward_vjp(_linear_forward, _linear_with_saved, _linear_vjp, (x, weight, bias), (host,))
 
 
+def linears(x: Tensor, weights: Sequence[Tensor], *, host: HostGuard = HOST) -> tuple[Tensor, ...]:
+    """``tuple(linear(x, w) for w in weights)`` (no biases): linear layers of one input, as a layer's q/k/v projections
+    and an MLP's gate/up. x: [..., K], each weight [N_i, K] -> a tuple of [..., N_i] in x.dtype.
+
+    Invariance contract: each output is ``linear(x, w)``'s, bit for bit (so ``linear``'s contract holds for it) --
+    never dependent on the other weights, on whether the call ran fused, or on the thread count.
+
+    A decode loop's repeated call runs them as one GEMM on the weights packed as one where the host's oneDNN gives each
+    weight's columns their own bits (``fused_linears``: checked at first use); elsewhere (a gradient recorded, a first
+    call, a host where the check fails) each linear runs as ``linear``."""
+    if (out := fused_linears.run(x, weights, host)) is not None:
+        return out
+    return tuple(linear(x, w, host=host) for w in weights)
+
+
 def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_w: bool, *, host: HostGuard = HOST
                     ) -> tuple[Tensor | None, Tensor | None]:
     """``linear``'s VJP (no bias) without its forward: (grad_x, grad_weight) as its autograd computes them (the same
@@ -445,6 +462,38 @@ def _row_positions(row_len: int, group: int, q_len: int, device: torch.device) -
     return torch.where(row_t < q_len, row_t, 0)
 
 
+class _AttentionPlan(NamedTuple):
+    """What the guard's answers decide for an attention call of one head size (``_attention_plan``)."""
+
+    tile_heights: tuple[int, ...]
+    """The row-tile heights both GEMMs of a tile allow (``_AttentionTiles._tile_heights``)."""
+    library: bool
+    """Whether the forward's steps run torch's own calls as they are (``_library_attention``)."""
+
+
+_ATTENTION_PLANS: dict[tuple, _AttentionPlan] = {}
+ATTENTION_PLANS_MAX = 256
+"""Attention plans kept at most (then afresh): one per (guard state, head size, thread count, GEMM and exp
+installed)."""
+
+
+def _attention_plan(host: HostGuard, head_dim: int) -> _AttentionPlan:
+    """The guard's answers for an attention call of ``head_dim`` (its two GEMM classes' tile heights, whether its
+    forward runs torch's own calls), asked once per key and kept: a decode step asks them once per layer otherwise,
+    a few microseconds each. The key holds everything the answers read -- the guard's state (``HostGuard.epoch``: a
+    new value whenever an answer may change; taken after asking, as a probe run in asking may change it), the thread
+    count, and the installed ``torch.bmm`` and ``torch.exp`` (which the guard compares its own with) -- so a kept
+    plan is the answers a fresh question would get: no bit depends on it."""
+    switches = (head_dim, torch.get_num_threads(), torch.bmm, torch.exp)
+    if (plan := _ATTENTION_PLANS.get((id(host), host.epoch, *switches))) is not None:
+        return plan
+    plan = _AttentionPlan(_AttentionTiles._tile_heights(host, head_dim), _library_attention(host, head_dim))
+    if len(_ATTENTION_PLANS) >= ATTENTION_PLANS_MAX:
+        _ATTENTION_PLANS.clear()
+    _ATTENTION_PLANS[(id(host), host.epoch, *switches)] = plan
+    return plan
+
+
 class _AttentionTiles:
     """The tile layout of one ``attention`` call (see ``attention``'s docstring).
 
@@ -463,7 +512,8 @@ class _AttentionTiles:
         self.batch, self.q_len, self.q_heads, self.head_dim, self.kv_heads = batch, q_len, q_heads, head_dim, kv_heads
         self.group = q_heads // kv_heads
         self.rows = q_len * self.group
-        self.block = row_block(self.rows, self._tile_heights(host, head_dim))
+        self.plan = _attention_plan(host, head_dim)
+        self.block = row_block(self.rows, self.plan.tile_heights)
         self.row_blocks = -(-self.rows // self.block)
         self.row_len = self.row_blocks * self.block
         # Keys needed: up to the furthest query position, in whole tiles from position 0.
@@ -490,6 +540,8 @@ class _AttentionTiles:
         """[B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] times ``scale``, zero padding rows (finite; their outputs are
         dropped). The scale is applied to q, not to the scores: for the power-of-two scales of head_dim 4^n (16, 64,
         256) both are exact, and the [rows x keys] tile is far larger than q."""
+        if (loops := _layout_loops(q)) is not None:  # the steps below in one compiled call (the same at:: calls)
+            return loops.attention_query_rows(q, self.kv_heads, self.row_len, self.scale)
         b, h, t, g, d = self.batch, self.kv_heads, self.q_len, self.group, self.head_dim
         out = torch.empty(b, h, self.row_len, d, dtype=torch.float32, device=q.device)
         torch.mul(q.view(b, t, h, g, d).permute(0, 2, 1, 3, 4), self.scale,
@@ -672,7 +724,7 @@ def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tenso
                      host: HostGuard) -> Tensor:
     tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host, kept_rows=True)
     loops = compiled_loops.library()
-    if loops is not None and q.device.type == "cpu" and _library_attention(host, tiles.head_dim):
+    if loops is not None and q.device.type == "cpu" and tiles.plan.library:
         # the steps below in one compiled call: the same at:: calls on the same views (a decode step: one a layer)
         return loops.attention_forward(*_compiled_forward_arguments(tiles, q.dtype))
     prob_tiles, denom, _, _ = _attention_probs(tiles, loops)
@@ -709,7 +761,7 @@ class _ExactAttention(torch.autograd.Function):
     def forward(ctx, q, k_cache, v_cache, q_start, scale, host):  # type: ignore[override]
         tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
         loops = compiled_loops.library()
-        if loops is not None and q.device.type == "cpu" and _library_attention(host, tiles.head_dim):
+        if loops is not None and q.device.type == "cpu" and tiles.plan.library:
             # the steps below in one compiled call (as _attention_exact's), returning what they return
             out, out_rows, probs = loops.attention_forward_saving(*_compiled_forward_arguments(tiles, q.dtype))
         else:
@@ -1010,8 +1062,8 @@ def with_host(host: HostGuard) -> SimpleNamespace:
     """This backend's ops bound to another ``HostGuard`` (e.g. ``HostGuard(ROW_BLOCKS, mode="fixed-order")``).
 
     Same names and signatures as the module's own ops, so it can stand wherever an op module does."""
-    ops = {name: partial(globals()[name], host=host) for name in (*HOST_PROPERTIES, "linear_backward",
-                                                                 "linear_backward_probes")}
+    ops = {name: partial(globals()[name], host=host) for name in (*HOST_PROPERTIES, *FUSED_OP_NAMES,
+                                                                 "linear_backward", "linear_backward_probes")}
     return SimpleNamespace(NAME=f"{NAME}[{host.mode}]", ROWS_INVARIANT=ROWS_INVARIANT, host=host, **ops)
 
 

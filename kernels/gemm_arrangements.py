@@ -393,6 +393,33 @@ class TiledPlan:
     any_rows: bool = False
     """Whether ``run`` takes x [..., K] as it is (and returns [..., n]), not only its rows [M, K]: a plan that switches
     to a weight packed once (``_packed_after_use``), whose compiled call copies x's rows itself (``packed_linear``)."""
+    packed: PackedLinear | None = None
+    """The packed GEMM the plan switches to (``_packed_after_use``), where it has one: what ``fused_linears`` needs to
+    run it on several weights packed as one."""
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A plan's GEMM on the weight packed once (``_packed_run``): oneDNN's linear on x padded to ``blocks`` tiles of
+    ``block`` rows (as the tiles [T, block, K] where ``tiled``, else stacked [T x block, K]) against the canonical
+    operand of the weight (``operand``: [N_pad, K] in ``dtype``) packed, its first ``n`` of ``n_pad`` columns kept.
+    ``form``: what ``_packed_agrees`` compares it with (``PACKED_FORMS``)."""
+
+    form: str
+    dtype: torch.dtype
+    block: int
+    blocks: int
+    n: int
+    n_pad: int
+    tiled: bool
+
+    def operand(self, weight: Tensor) -> Tensor:
+        """The weight's operand that ``_packed_run`` packs: [N_pad, K] in the plan's dtype."""
+        return canonical_operand(weight, self.dtype, self.n_pad)[0].t()
+
+    def agrees(self, k: int) -> bool:
+        """Whether the packed call gives the plan's own bits (``_packed_agrees``: checked once per key)."""
+        return _packed_agrees(self.form, self.blocks, self.block, k, self.n_pad, self.dtype)
 
 
 TILED_ARRANGEMENTS = ("stacked, weight as given", "stacked", "laid out", "compiled tiles", "tiles")
@@ -586,12 +613,10 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 return _stacked_mm(x, matrix(w), blocks * block, n, apart)
             packs = (held is not None and dtype == torch.bfloat16 and not stored_row_major(weight)
                      and _packable(k, n_pad, dtype, blocks * block))
-            if packs:  # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
-                stacked = _packed_after_use(stacked, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n,
-                                                                           tiled=False),
-                                            lambda: _packed_agrees(PACKED_FORMS[0], blocks, block, k, n_pad, dtype),
-                                            held)
-            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked, any_rows=packs)
+            packed = PackedLinear(PACKED_FORMS[0], dtype, block, blocks, n, n_pad, tiled=False) if packs else None
+            if packed:  # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
+                stacked = _packed_after_use(stacked, lambda w: _packed_run(w, packed), lambda: packed.agrees(k), held)
+            return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked, any_rows=packs, packed=packed)
         if per_tile and (plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, held)):
             return plan
         if loops is not None and shared:  # the library GEMM: the steps below in one compiled call, on the same operands
@@ -621,10 +646,10 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         return out[:rows] if n_pad == n else out[:rows, :n]
     packs = (held is not None and shared and _packable(k, n_pad)
              and host.onednn_gemm(dtype, operand(weight), shared, op) is not None)
-    if packs:
-        tiles = _packed_after_use(tiles, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=True),
-                                  lambda: _packed_agrees(PACKED_FORMS[1], blocks, block, k, n_pad, dtype), held)
-    return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles, any_rows=packs)
+    packed = PackedLinear(PACKED_FORMS[1], dtype, block, blocks, n, n_pad, tiled=True) if packs else None
+    if packed:
+        tiles = _packed_after_use(tiles, lambda w: _packed_run(w, packed), lambda: packed.agrees(k), held)
+    return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles, any_rows=packs, packed=packed)
 
 
 def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: int, block: int, blocks: int,
@@ -646,15 +671,14 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
         return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread, whole_tiles=whole_tiles)
     packs = (held is not None and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
              and _packable(k, n_pad, dtype, block))
-    if packs:
+    packed = PackedLinear(PACKED_FORMS[2], dtype, block, blocks, n, n_pad, tiled=False) if packs else None
+    if packed:
         # a decode loop's one tile (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
         # ``same_bits`` probe failed): oneDNN's linear on the weight packed once, where it gives the canonical call's
         # bits (the call oneDNN's bmm makes reorders the weight every time: llama100m's LM head, 8 rows in a 48-row
         # tile, bf16, on an Intel Xeon with AMX: 10.6 ms a call unpacked, 4.4 packed; the journal, session 38)
-        laid_out = _packed_after_use(laid_out, lambda w: _packed_run(w, dtype, n_pad, block, blocks, n, tiled=False),
-                                     lambda: _packed_agrees(PACKED_FORMS[2], blocks, block, k, n_pad, dtype),
-                                     held)
-    return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out, any_rows=packs)
+        laid_out = _packed_after_use(laid_out, lambda w: _packed_run(w, packed), lambda: packed.agrees(k), held)
+    return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out, any_rows=packs, packed=packed)
 
 
 # --------------------------------------------------------------------------- oneDNN's GEMM on a weight packed once
@@ -718,17 +742,17 @@ def _on_rows(run: Callable, x: Tensor, w: Tensor, host: HostGuard, loops: object
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _packed_run(weight: Tensor, dtype: torch.dtype, n_pad: int, block: int, blocks: int, n: int, *,
-                tiled: bool) -> Callable[[Tensor, Tensor, HostGuard, object], Tensor] | None:
+def _packed_run(weight: Tensor, plan: PackedLinear) -> Callable[[Tensor, Tensor, HostGuard, object], Tensor] | None:
     """The plan's GEMM on the weight packed once (laid out once per weight version, ``arranged_weight``): x padded to
     the plan's tiles as before, then one oneDNN linear call -- on the tiles [T, block, K] (``tiled``: as the canonical
     tiles call it) or on their rows stacked [T x block, K] (the ``stacked`` arrangement). None where the packed copy
     would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan counts
     against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
+    dtype, n_pad, block, blocks, n, tiled = plan.dtype, plan.n_pad, plan.block, plan.blocks, plan.n, plan.tiled
     form = ("onednn packed", dtype, n_pad)
     if _kept_operand(weight, form) is None and not _room_for(weight.numel() * dtype.itemsize):
         return None
-    packed = arranged_weight(weight, form, lambda: onednn_packed(canonical_operand(weight, dtype, n_pad)[0].t()))
+    packed = arranged_weight(weight, form, lambda: onednn_packed(plan.operand(weight)))
     if _kept_operand(weight, form) is not packed:  # (laid out, but over the bound after all: not kept)
         return None
     rows_padded = blocks * block

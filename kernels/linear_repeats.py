@@ -58,19 +58,26 @@ _REMEMBERED: dict[tuple[int, int, torch.Size], _Remembered] = {}  # (id(weight),
 def run(x: Tensor, weight: Tensor, host: HostGuard) -> Tensor | None:
     """``linear(x, weight)`` (no bias) by the plan a call like this one ran, where one was remembered and nothing it
     rests on changed; else None (the caller takes the whole path, then ``remember``)."""
+    if (kept := remembered(x, weight, host)) is None:
+        return None
+    loops = compiled_loops.library()
+    if kept.plan.any_rows:  # (a plan on a weight packed once: x's rows copied in by its compiled call, no views here)
+        return kept.plan.run(x, weight, host, loops)
+    return kept.plan.run(x.reshape(kept.rows), weight, host, loops).view(kept.out_shape)
+
+
+def remembered(x: Tensor, weight: Tensor, host: HostGuard) -> _Remembered | None:
+    """The call like ``linear(x, weight)`` (no bias) remembered, where nothing it rests on changed since (so its plan
+    is the plan this call would run, and x and the weight pass ``checks.linear``); else None."""
     if not isinstance(x, Tensor) or (kept := _REMEMBERED.get((id(weight), id(host), x.shape))) is None:
         return None
-    weight_ref, version, storage, shape, strides, dtype, epoch, threads, switches, plan, rows, out_shape = kept
-    loops = compiled_loops.library()
-    if (weight_ref() is not weight or x.dtype is not dtype or weight._version != version
-            or host.epoch != epoch or torch.get_num_threads() != threads or not x.is_cpu
-            or weight.data_ptr() != storage or weight.shape != shape or weight.stride() != strides
-            or gemm.plan_switches(dtype, loops) != switches
+    if (kept.weight() is not weight or x.dtype is not kept.dtype or weight._version != kept.version
+            or host.epoch != kept.epoch or torch.get_num_threads() != kept.threads or not x.is_cpu
+            or weight.data_ptr() != kept.storage or weight.shape != kept.shape or weight.stride() != kept.strides
+            or gemm.plan_switches(kept.dtype, compiled_loops.library()) != kept.switches
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
-    if plan.any_rows:  # (a plan on a weight packed once: x's rows copied in by its compiled call, no views made here)
-        return plan.run(x, weight, host, loops)
-    return plan.run(x.reshape(rows), weight, host, loops).view(out_shape)
+    return kept
 
 
 def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:

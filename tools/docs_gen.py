@@ -534,9 +534,10 @@ def kernel_ops_markdown() -> str:
     the op's invariance contract. (mkdocstrings reads ``kernels/`` by path, where the package's folder is.)"""
     import vexact_kernels
 
-    out = ["The ops, from `vexact_kernels.OP_NAMES`, with the docstring of the exact CPU kernel "
-           "(`kernels/cpu_exact.py`) that states each one's contract.", ""]
-    for op in vexact_kernels.OP_NAMES:
+    out = ["The ops, from `vexact_kernels.OP_NAMES`, then the fused ops a backend may offer beside them "
+           "(`vexact_kernels.FUSED_OP_NAMES`: the same bits as the calls they stand for), with the docstring of the "
+           "exact CPU kernel (`kernels/cpu_exact.py`) that states each one's contract.", ""]
+    for op in (*vexact_kernels.OP_NAMES, *vexact_kernels.FUSED_OP_NAMES):
         out += [f"### `{op}`", ""]
         fn = getattr(vexact_kernels.cpu_exact, op, None)
         module = getattr(fn, "__module__", "") or ""

@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ScalarOps.h>  // attention_query_rows' scale, as torch.mul wraps a Python float
 #include <ATen/TensorIterator.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -1503,6 +1504,22 @@ at::Tensor heads_to_rows(const at::Tensor& src, int64_t kv_heads, int64_t out_ro
 
 }  // namespace
 
+// _AttentionTiles._query_rows: q [B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd] times `scale`, zero padding rows -- the
+// same at:: calls on the same views (aten's mul with the scale as a wrapped number, which is what torch.mul makes of a
+// Python float), so the same bits; what it saves is their Python.
+at::Tensor attention_query_rows(const at::Tensor& q, int64_t kv_heads, int64_t row_len, double scale) {
+  TORCH_CHECK(q.dim() == 4 && kv_heads > 0 && q.size(2) % kv_heads == 0, "attention_query_rows: q [B, T, Hq, hd]");
+  const int64_t batch = q.size(0), t_len = q.size(1), dim = q.size(3), group = q.size(2) / kv_heads;
+  const int64_t rows = t_len * group;
+  TORCH_CHECK(row_len >= rows, "attention_query_rows: row_len shorter than the queries' rows");
+  at::Tensor out = at::empty({batch, kv_heads, row_len, dim}, q.options().dtype(at::kFloat));
+  at::Tensor written = out.narrow(2, 0, rows).view({batch, kv_heads, t_len, group, dim});
+  at::mul_out(written, q.view({batch, t_len, kv_heads, group, dim}).permute({0, 2, 1, 3, 4}),
+              at::native::wrapped_scalar_tensor(at::Scalar(scale)));
+  if (rows < row_len) out.narrow(2, rows, row_len - rows).zero_();  // zeros only where no query is written
+  return out.view({batch * kv_heads, row_len, dim});
+}
+
 // _AttentionTiles.from_output: grad [B, T, Hq, hd] -> fp32 [B*Hkv, row_len, hd], zero padding rows.
 at::Tensor attention_from_output(const at::Tensor& grad, int64_t kv_heads, int64_t row_len) {
   TORCH_CHECK(grad.dim() == 4, "attention_from_output: grad [B, T, Hq, hd]");
@@ -1657,6 +1674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention_forward, also returning the output rows and normalised probabilities a backward keeps");
   m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
   m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
+  m.def("attention_query_rows", &attention_query_rows, "cpu_exact._AttentionTiles._query_rows, same bits");
   m.def("attention_from_output", &attention_from_output, "cpu_exact._AttentionTiles.from_output, same values");
   m.def("attention_to_output", &attention_to_output, "cpu_exact._AttentionTiles.to_output (times scale), same bits",
         py::arg("rows"), py::arg("batch"), py::arg("q_len"), py::arg("q_heads"), py::arg("scale"), py::arg("dtype"));

@@ -147,6 +147,14 @@ ATTENTION_CASES = {  # (batch, q_len, q_heads, kv_heads, head_dim, cache_len, q_
 }
 
 
+def _python_attention_steps(monkeypatch: pytest.MonkeyPatch, cpu_exact: object) -> None:
+    """From now on the exact attention's forward takes its steps in Python (its plan says the guard's calls are not
+    torch's own), whatever the guard answers."""
+    plan = cpu_exact._attention_plan
+    monkeypatch.setattr(cpu_exact, "_attention_plan", lambda host, head_dim: plan(host, head_dim)._replace(
+        library=False))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, case, dtype, monkeypatch):
@@ -166,7 +174,7 @@ def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, ca
     with torch.no_grad():
         calls = recorded_returns(monkeypatch, loops, "attention_forward")
         got = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
-        monkeypatch.setattr(cpu_exact, "_library_attention", lambda host, head_dim: False)
+        _python_attention_steps(monkeypatch, cpu_exact)
         expected = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
     assert len(calls) == 1 and calls[0] is got
     assert got.shape == expected.shape == q.shape and got.dtype == dtype
@@ -195,7 +203,7 @@ def test_attention_forward_with_a_gradient_in_one_call_is_the_python_steps_bit_f
     calls = recorded_returns(monkeypatch, loops, "attention_forward_saving")
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(cpu_exact, "_library_attention", lambda host, head_dim: False)
+            _python_attention_steps(monkeypatch, cpu_exact)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = cpu_exact.attention(*leaves, q_start, scale, host=cpu_exact.HOST)
         results.append((out, *torch.autograd.grad(out, leaves, grad)))
@@ -208,10 +216,11 @@ def test_attention_forward_with_a_gradient_in_one_call_is_the_python_steps_bit_f
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_layout_loops_are_the_torch_ops_bit_for_bit(loops, case, dtype, monkeypatch):
-    """``_AttentionTiles``' three layouts through the loops against their torch ops, bitwise, on values over many
-    magnitudes and special values: a gradient to rows (from a fresh and a transposed tensor), rows to the output
-    (a padded GEMM output's sliced view, with and without the scale) and keys to the cache's layout (fewer keys than
-    the cache holds and more)."""
+    """``_AttentionTiles``' four layouts through the loops against their torch ops, bitwise, on values over many
+    magnitudes and special values: queries to rows times the scale (the head size's, and a scale no power of two
+    rounds exactly; from a fresh and a transposed tensor), a gradient to rows (from a fresh and a transposed tensor),
+    rows to the output (a padded GEMM output's sliced view, with and without the scale) and keys to the cache's layout
+    (fewer keys than the cache holds and more)."""
     from vexact_kernels import cpu_exact
 
     batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
@@ -227,10 +236,14 @@ def test_attention_layout_loops_are_the_torch_ops_bit_for_bit(loops, case, dtype
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setattr(cpu_exact, "_layout_loops", lambda x: None)
-        results.append((tiles.from_output(grad.transpose(1, 2)), tiles.from_output(grad.transpose(1, 2).contiguous()),
+        odd_scale = cpu_exact._AttentionTiles(q, k, k, torch.tensor(starts), 0.1, cpu_exact.HOST)
+        queries = grad.transpose(1, 2)
+        results.append((tiles._query_rows(queries), odd_scale._query_rows(queries.contiguous()),
+                        tiles.from_output(grad.transpose(1, 2)), tiles.from_output(grad.transpose(1, 2).contiguous()),
                         tiles.to_output(rows, dtype), tiles.to_output(rows, dtype, scale=tiles.scale),
                         tiles.to_cache(short, dtype), tiles.to_cache(long, dtype)))
-    names = ("rows of a transposed gradient", "rows of a gradient", "output", "scaled output", "cache of fewer keys",
+    names = ("query rows of a transposed tensor", "query rows, a scale no power of two",
+             "rows of a transposed gradient", "rows of a gradient", "output", "scaled output", "cache of fewer keys",
              "cache of more keys")
     for name, got, expected in zip(names, *results):
         assert got.shape == expected.shape and got.dtype == expected.dtype and got.is_contiguous(), name

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import vexact_kernels
-from vexact_kernels import kv_rows, moe_exact
+from vexact_kernels import contract, kv_rows, moe_exact
 
 # A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions: the contract
 # ``vexact_kernels.KernelOps`` (a Protocol; ``tests/kernels/test_kernel_contract.py`` checks every backend against it).
@@ -562,9 +562,10 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = ops.rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
-            q = ops.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(batch, length, c.num_heads, c.head_dim)
-            k = ops.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(batch, length, c.num_kv_heads, c.head_dim)
-            v = ops.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(batch, length, c.num_kv_heads, c.head_dim)
+            q, k, v = _projections(h, (attn.q_proj, attn.k_proj, attn.v_proj), ops)
+            q = q.view(batch, length, c.num_heads, c.head_dim)
+            k = k.view(batch, length, c.num_kv_heads, c.head_dim)
+            v = v.view(batch, length, c.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q = ops.rms_norm(q, attn.q_norm.weight, c.rms_norm_eps)
                 k = ops.rms_norm(k, attn.k_norm.weight, c.rms_norm_eps)
@@ -636,7 +637,15 @@ class Transformer(nn.Module):
         return (self.ops if ops is None else ops).linear(hidden, self.head_weight)
 
 
+def _projections(h: Tensor, layers: tuple[nn.Linear, ...], ops: KernelOps) -> tuple[Tensor, ...]:
+    """Each layer of ``layers`` applied to ``h`` (its bias too, where it has one): in one call of the backend's fused
+    ``linears`` where none has a bias (the same bits as a call per layer; ``vexact_kernels.contract.linears``)."""
+    if any(layer.bias is not None for layer in layers):
+        return tuple(ops.linear(h, layer.weight, layer.bias) for layer in layers)
+    return contract.linears(ops, h, [layer.weight for layer in layers])
+
+
 def _mlp(h: Tensor, mlp: MLP, ops: KernelOps) -> Tensor:
     """SwiGLU MLP: down(silu(gate(h)) * up(h)), in the dtype of ``h``."""
-    return ops.linear(ops.silu_mul(ops.linear(h, mlp.gate_proj.weight), ops.linear(h, mlp.up_proj.weight)),
-                      mlp.down_proj.weight)
+    gate, up = _projections(h, (mlp.gate_proj, mlp.up_proj), ops)
+    return ops.linear(ops.silu_mul(gate, up), mlp.down_proj.weight)

@@ -1,0 +1,138 @@
+"""Linear layers of one input in one GEMM (``cpu_exact.linears``, ``fused_linears``): each output is ``linear``'s.
+
+A decode loop's q/k/v and gate/up projections run, after ``PACK_AFTER_CALLS`` calls, as one oneDNN linear on their
+weights packed as one, where a first-use check found each weight's columns to keep the bits of its own packed call.
+So:
+
+- a decode loop past the switch gives each weight the bits of ``linear`` on it (a loop that never fuses), at 1 and
+  2 threads, fp32 and bf16, in modes ``auto`` and ``canonical`` -- and where this host's check passed, it fused;
+- a fused packing whose bits differ (a perturbed weight swapped in) fails the check and is never used;
+- a new version of a weight (a training step's update) is packed again: the fused call follows the weight;
+- with a gradient recorded, each linear runs as ``linear`` (the same gradients);
+- a backend without ``linears`` (a wrapper of the contract's ops) sees one ``linear`` call per weight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import num_threads
+
+from vexact_kernels import contract, cpu_exact, fused_linears, gemm_arrangements, host_guard, native
+from vexact_kernels.host_guard import HostGuard
+
+pytestmark = pytest.mark.skipif(not host_guard.onednn_packing(),
+                                reason="this torch build or CPU has no oneDNN linear op with weight packing")
+
+K = 512
+WIDTHS = (512, 512, 528)  # each K x N at least ONEDNN_MIN_WEIGHT (each packs alone); the last one's N_pad = N
+CALLS = gemm_arrangements.PACK_AFTER_CALLS + 4
+
+
+def _operands(dtype: torch.dtype, widths: tuple[int, ...] = WIDTHS) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 1, K, generator=g).to(dtype)  # a decode step's [B, T, K]
+    return x, [(torch.randn(n, K, generator=g) * K ** -0.5).to(dtype) for n in widths]
+
+
+def _fused(weights: list[torch.Tensor]) -> bool:
+    """Whether a group of these weights holds their packed concatenation."""
+    return any(group.packed is not None and [r() for r in group.weights] == weights
+               for group in fused_linears._GROUPS.values())
+
+
+def _loop(x: torch.Tensor, weights: list[torch.Tensor], host: HostGuard) -> list[tuple[torch.Tensor, ...]]:
+    with torch.no_grad():
+        return [cpu_exact.linears(x, weights, host=host) for _ in range(CALLS)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks(monkeypatch):
+    """Every test asks the first-use checks afresh."""
+    monkeypatch.setattr(fused_linears, "_FUSED_CHECKS", {})
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", ["auto", "canonical"])
+def test_linears_contract_past_the_switch_each_output_is_linears(dtype, threads, mode):
+    """``linears``' invariance contract: a decode loop's every call gives each weight ``linear``'s bits (a loop that
+    never fuses), before the switch and after it."""
+    x, weights = _operands(dtype)
+    with num_threads(threads):
+        outs = _loop(x, weights, HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
+        reference_weights = [w.clone() for w in weights]  # never fused: one linear each
+        with torch.no_grad():
+            reference_host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+            reference = [[cpu_exact.linear(x, w, host=reference_host) for w in reference_weights]
+                         for _ in range(CALLS)]
+    for step, (got, expected) in enumerate(zip(outs, reference)):
+        assert len(got) == len(weights)
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert a.shape == b.shape == (8, 1, WIDTHS[i]) and a.dtype == dtype
+            assert torch.equal(a, b), f"call {step}, weight {i}"
+    if fused_linears._FUSED_CHECKS:  # this host's plans pack these weights alike: the check ran
+        assert all(fused_linears._FUSED_CHECKS.values()), "the fused call's bits differ on this host"
+        assert _fused(weights)
+
+
+def test_a_fused_packing_whose_bits_differ_is_never_used(monkeypatch):
+    true_packed = host_guard.onednn_packed
+
+    def perturbed(weight: torch.Tensor) -> torch.Tensor:  # another weight's packing: what the check exists to catch
+        return true_packed(weight * (1 + 2.0 ** -10))
+
+    monkeypatch.setattr(fused_linears, "onednn_packed", perturbed)
+    x, weights = _operands(torch.float32)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    outs = _loop(x, weights, host)
+    with torch.no_grad():
+        expected = [cpu_exact.linear(x, w, host=host) for w in weights]
+    assert all(torch.equal(a, b) for out in outs for a, b in zip(out, expected))
+    assert not _fused(weights)
+    assert list(fused_linears._FUSED_CHECKS.values()) in ([], [False])  # [] where the weights' plans do not pack
+
+
+def test_a_new_weight_version_is_packed_again():
+    x, weights = _operands(torch.bfloat16)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    _loop(x, weights, host)
+    with torch.no_grad():
+        weights[1].mul_(0.5)  # a training step's in-place update: a new version
+    after = _loop(x, weights, host)
+    with torch.no_grad():
+        expected = [cpu_exact.linear(x, w.clone(), host=HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+                    for w in weights]
+    assert all(torch.equal(a, b) for out in after for a, b in zip(out, expected))
+    if fused_linears._FUSED_CHECKS:
+        assert _fused(weights)
+
+
+def test_with_a_gradient_each_linear_runs_as_linear():
+    x, weights = _operands(torch.float32, (64, 48))
+    leaves = [t.detach().requires_grad_() for t in (x, *weights)]
+    out = cpu_exact.linears(leaves[0], leaves[1:])
+    grads = torch.autograd.grad(sum(o.square().sum() for o in out), leaves)
+    reference_leaves = [t.detach().requires_grad_() for t in (x, *weights)]
+    reference = [cpu_exact.linear(reference_leaves[0], w) for w in reference_leaves[1:]]
+    reference_grads = torch.autograd.grad(sum(o.square().sum() for o in reference), reference_leaves)
+    assert all(torch.equal(a, b) for a, b in zip(out, reference))
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference_grads))
+
+
+def test_a_backend_without_linears_sees_a_linear_call_per_weight():
+    calls = []
+
+    class Recording:  # a wrapper that offers only the contract's ops
+        def linear(self, x, weight, bias=None):
+            calls.append(weight)
+            return native.linear(x, weight, bias)
+
+    x, weights = _operands(torch.float32, (64, 48, 32))
+    out = contract.linears(Recording(), x, weights)
+    assert calls == weights
+    assert all(torch.equal(a, native.linear(x, w)) for a, w in zip(out, weights))
+    assert contract.FUSED_OP_NAMES == ("linears",)
+    assert "Invariance contract:" in cpu_exact.linears.__doc__
+    assert hasattr(cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")), "linears")
