@@ -22,28 +22,42 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from . import compiled_loops, linear_repeats
 from . import gemm_arrangements as gemm
-from . import linear_repeats
 from .host_guard import HostGuard, onednn_linear, onednn_packed
 
 GROUPS_MAX = 1024
 """Groups kept at most (then afresh): one per (weights, guard, dtype) -- a model's q/k/v and gate/up per layer."""
 
 
+class _Shape(NamedTuple):
+    """What a group's fused call of one x shape runs (each weight's packed plan) and what that was decided under: the
+    guard's state, the thread count and the process switches (``gemm_arrangements.plan_switches``) -- with the
+    weights unchanged, the parts of each weight's remembered call (``linear_repeats.remembered``)."""
+
+    epoch: int
+    threads: int
+    switches: tuple
+    plans: tuple[gemm.PackedLinear, ...]
+
+
 @dataclass
 class _Group:
-    """One group of weights: the calls counted on their current versions, and their packed concatenation once made."""
+    """One group of weights: the calls counted on their current versions, their packed concatenation once made, and
+    the x shapes whose fused call was decided (``shapes``)."""
 
     weights: tuple[weakref.ref, ...]
     layouts: tuple[tuple, ...]  # each weight's (version, data pointer, shape, strides) the count and packing are for
     calls: int = 0
     packed: Tensor | None = None
     nbytes: int = 0
+    shapes: dict[torch.Size, _Shape] = field(default_factory=dict)
 
 
 _GROUPS: dict[tuple, _Group] = {}
@@ -57,8 +71,22 @@ def _layout(weight: Tensor) -> tuple:
 def run(x: Tensor, weights: Sequence[Tensor], host: HostGuard) -> tuple[Tensor, ...] | None:
     """``tuple(linear(x, w) for w in weights)`` (no biases) in one GEMM on the weights packed as one, where that is
     allowed (the module's docstring); else None."""
-    if len(weights) < 2 or (torch.is_grad_enabled() and x.requires_grad):
+    if len(weights) < 2 or not isinstance(x, Tensor):
         return None
+    loops = compiled_loops.library()
+    group = _GROUPS.get((tuple(map(id, weights)), id(host), x.dtype))
+    if (group is not None and group.packed is not None and (shape := group.shapes.get(x.shape)) is not None
+            and shape.epoch == host.epoch and shape.threads == torch.get_num_threads() and x.is_cpu
+            and group.layouts == tuple(map(_layout, weights)) and all(r() is w for r, w in zip(group.weights, weights))
+            and gemm.plan_switches(x.dtype, loops) == shape.switches
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))):
+        return _fused_call(x, group.packed, shape.plans, loops)  # a call like one decided before: nothing changed
+    return _decided_run(x, weights, host, loops)
+
+
+def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: object) -> tuple[Tensor, ...] | None:
+    """``run`` where no decision for this call is kept: each weight's remembered plan asked, the group's calls counted,
+    the checks made, the weights packed as one -- and the decision kept for the next call of x's shape."""
     plans = []
     for weight in weights:
         kept = linear_repeats.remembered(x, weight, host)
@@ -69,25 +97,29 @@ def run(x: Tensor, weights: Sequence[Tensor], host: HostGuard) -> tuple[Tensor, 
     if any((p.dtype, p.block, p.blocks, p.tiled) != (first.dtype, first.block, first.blocks, first.tiled)
            for p in plans[1:]):
         return None
-    group = _group(weights, host, first.dtype)
+    group = _group(weights, host, x.dtype)
     if group.packed is None:
         group.calls += 1
-        if (group.calls <= gemm.PACK_AFTER_CALLS or not all(p.agrees(k) for p in plans)
-                or not _fused_agrees(plans, k)):
+        if group.calls <= gemm.PACK_AFTER_CALLS:
             return None
+    if not all(p.agrees(k) for p in plans) or not _fused_agrees(plans, k):
+        return None
+    if group.packed is None:
         nbytes = sum(p.n_pad for p in plans) * k * first.dtype.itemsize
         if not gemm._room_for(nbytes + sum(g.nbytes for g in _GROUPS.values())):
             return None
         with torch.no_grad():
             group.packed = onednn_packed(torch.cat([p.operand(w) for p, w in zip(plans, weights)]))
         group.nbytes = nbytes
-    return _fused_call(x, group.packed, plans)
+    group.shapes[x.shape] = _Shape(host.epoch, torch.get_num_threads(), gemm.plan_switches(x.dtype, loops),
+                                   tuple(plans))
+    return _fused_call(x, group.packed, tuple(plans), loops)
 
 
 def _group(weights: Sequence[Tensor], host: HostGuard, dtype: torch.dtype) -> _Group:
-    """The group of these weights for this guard and GEMM dtype (whatever x's row count: one packed concatenation
-    serves every call shape, as one packed weight does): found, or made afresh where a weight is new or changed (its
-    packed concatenation dropped, its calls counted from none)."""
+    """The group of these weights for this guard and dtype (whatever x's row count: one packed concatenation serves
+    every call shape, as one packed weight does): found, or made afresh where a weight is new or changed (its packed
+    concatenation and decisions dropped, its calls counted from none)."""
     key = (tuple(map(id, weights)), id(host), dtype)
     layouts = tuple(map(_layout, weights))
     group = _GROUPS.get(key)
@@ -110,12 +142,21 @@ def _forgetter(key: tuple):
     return forget
 
 
-def _fused_call(x: Tensor, packed: Tensor, plans: list[gemm.PackedLinear]) -> tuple[Tensor, ...]:
+def _fused_call(x: Tensor, packed: Tensor, plans: tuple[gemm.PackedLinear, ...], loops: object
+                ) -> tuple[Tensor, ...]:
     """The plans' packed call (``gemm_arrangements._packed_run``'s steps: x's rows padded to the tiles, oneDNN's linear)
-    once on the weights packed as one, each weight's first ``n`` columns of its ``n_pad`` cut out as its output."""
+    once on the weights packed as one, each weight's first ``n`` columns of its ``n_pad`` cut out as its output (a
+    contiguous copy) -- in one compiled call where the loops are built (``packed_linears``: the same steps)."""
     first, k = plans[0], x.shape[-1]
+    rows_padded = first.blocks * first.block
+    blocks = first.blocks if first.tiled else 0
+    if loops is not None:
+        buffer = gemm._kept_buffer(x, rows_padded)
+        if buffer is not None or x.numel() // k == rows_padded:
+            return tuple(loops.packed_linears(x, buffer, packed, blocks, [p.n for p in plans],
+                                              [p.n_pad for p in plans]))
     x_rows = x.reshape(-1, k)
-    rows, rows_padded = x_rows.shape[0], first.blocks * first.block
+    rows = x_rows.shape[0]
     padded = gemm._padded_rows(x_rows, rows_padded)
     if first.tiled:
         out = onednn_linear(padded.view(first.blocks, first.block, k), packed).view(rows_padded, -1)

@@ -983,6 +983,50 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at
   return out.view(sizes);
 }
 
+// fused_linears._fused_call's steps (a decode step's linear layers of one input on their weights packed as one): x's M
+// rows copied into `buffer` where one is given (the kept zero-padded input [R, K], its rows from M on zero already:
+// the caller's), else x's rows as they are (a contiguous copy where they are not contiguous and aligned, as
+// gemm_arrangements._aligned makes); torch's oneDNN linear on the packed weights over them -- as they are, or (blocks >
+// 0) as `blocks` tiles -- and each weight's output: its `widths[i]` columns from the sum of the `pads` before it, the
+// first M rows, a contiguous copy viewed as [..., widths[i]]. The same copies and the same op call on the same
+// operands as the Python steps, so the same bits; what it saves is their Python.
+std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<at::Tensor>& buffer,
+                                       const at::Tensor& packed, int64_t blocks, std::vector<int64_t> widths,
+                                       std::vector<int64_t> pads) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && widths.size() == pads.size() && !widths.empty(),
+              "packed_linears: x [..., K] and a width and padded width per weight");
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  at::Tensor input = x.reshape({rows, k});
+  if (buffer.has_value()) {
+    TORCH_CHECK(buffer->dim() == 2 && buffer->is_contiguous() && buffer->size(1) == k && buffer->size(0) >= rows &&
+                    buffer->scalar_type() == x.scalar_type(),
+                "packed_linears: a contiguous buffer [R >= x's rows, K] of x's dtype");
+    buffer->narrow(0, 0, rows).copy_(input);
+    input = *buffer;
+  } else if (!aligned_contiguous(input)) {
+    input = input.clone(at::MemoryFormat::Contiguous);
+  }
+  const int64_t padded = input.size(0);
+  TORCH_CHECK(blocks >= 0 && (blocks == 0 || padded % blocks == 0), "packed_linears: blocks must divide R");
+  static const c10::OperatorHandle linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{blocks > 0 ? input.view({blocks, padded / blocks, k}) : input, packed,
+                                 c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                                 std::string("")};
+  linear.callBoxed(&stack);
+  at::Tensor out = stack[0].toTensor();
+  if (blocks > 0) out = out.view({padded, -1});
+  std::vector<int64_t> sizes = x.sizes().vec();
+  std::vector<at::Tensor> outputs;
+  int64_t start = 0;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    sizes.back() = widths[i];
+    outputs.push_back(out.narrow(0, 0, rows).narrow(1, start, widths[i]).contiguous().view(sizes));
+    start += pads[i];
+  }
+  return outputs;
+}
+
 // One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::mm of one fixed shape ([h, K] @ [K, N], the call
 // gemm_arrangements' per-tile loops make; a one-tile at::bmm ran several times slower in bf16 on the AMD EPYC:
 // oneDNN's batched path lays the operand out on every call), the tiles shared out between the threads by
@@ -1661,6 +1705,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("packed_linear", &packed_linear, "gemm_arrangements._packed_run's steps after its plan, same bits");
+  m.def("packed_linears", &packed_linears, "fused_linears._fused_call's steps, same bits");
   m.def("tile_gemms", &tile_gemms, "one at::mm per tile (or per column block of it) with a shared operand, spread over "
         "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1, py::arg("one_thread") = false);
   m.def("split_bmm", &split_bmm, "a bmm at 1 thread per thread over consecutive tiles (HostGuard.bmm's blas-1-thread path)");

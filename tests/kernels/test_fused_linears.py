@@ -136,3 +136,32 @@ def test_a_backend_without_linears_sees_a_linear_call_per_weight():
     assert contract.FUSED_OP_NAMES == ("linears",)
     assert "Invariance contract:" in cpu_exact.linears.__doc__
     assert hasattr(cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")), "linears")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,blocks,tiled", [(8, 1, False), (5, 1, True), (8, 2, True), (7, 3, False)])
+def test_the_compiled_fused_call_is_the_python_steps(dtype, rows, blocks, tiled):
+    """``compiled_loops``' ``packed_linears`` (the fused call in one call) against the steps it replaces: x's rows
+    padded to the tiles (the kept buffer, or x itself where it fills them), oneDNN's linear on the weights packed as
+    one, each weight's columns cut out -- bit for bit, contiguous, in x's leading shape."""
+    from vexact_kernels import compiled_loops
+
+    loops = compiled_loops.library()
+    if loops is None:
+        pytest.skip("no compiled loops on this host")
+    block = 8
+    _, weights = _operands(dtype, (40, 24, 64))
+    x = torch.randn(rows, 1, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    pads = tuple(gemm_arrangements.ceil_to(w.shape[0], gemm_arrangements.COL_BLOCK) for w in weights)
+    plans = tuple(gemm_arrangements.PackedLinear("stacked", dtype, block, blocks, w.shape[0], pad, tiled)
+                  for w, pad in zip(weights, pads))
+    operands = [torch.nn.functional.pad(w, (0, 0, 0, pad - w.shape[0])) for w, pad in zip(weights, pads)]
+    packed = host_guard.onednn_packed(torch.cat(operands))
+    with torch.no_grad():
+        got = fused_linears._fused_call(x, packed, plans, loops)
+        expected = fused_linears._fused_call(x, packed, plans, None)
+        reference = [native.linear(x, w) for w in weights]
+    for a, b, r in zip(got, expected, reference):
+        assert a.shape == b.shape == r.shape and a.is_contiguous() and b.is_contiguous()
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=2e-2)  # the right columns (bf16 rounding)
