@@ -6,9 +6,9 @@ build on the same model and prompts as ``peer_decode``.
 
 - **Wall**: ``generate`` of 1 token (the prefill and one sample) and of ``--new-tokens``; a decode step is their
   difference over the steps between. The fastest of ``--reps`` rounds (load from other processes only adds time).
-- **vexact's split** (one more round, timed per call): every kernel op of the forward by name (``ops.linear`` is
-  the GEMMs, the LM head included), the sampler (``sample_tokens``) and the rest -- the forward's own glue (views,
-  the RoPE table's rows, the cache writes) and the loop. Per decode step.
+- **vexact's split** (one more round, timed per call): every kernel op of the forward by name (``ops.linear`` and
+  the fused ``ops.linears`` are the GEMMs, the LM head included), the sampler (``sample_tokens``) and the rest --
+  the forward's own glue (views, the RoPE table's rows, the cache writes) and the loop. Per decode step.
 - **Calls**: aten ops and host reads (``aten::item``) per decode step, from the torch profiler (generate of
   ``--new-tokens`` against generate of 1).
 - **vLLM's side**: the same wall times, aten ops per step from its worker's torch profiler, and its GEMM kernel
@@ -370,7 +370,7 @@ def gemm_table(record: dict) -> tuple[list[str], list[list[str]]]:
 
 
 _SPLIT_ROWS = {  # the split's parts of a decode step, grouped as the page's table shows them
-    "GEMMs: the layers' and the LM head's (ops.linear)": ("forward: linear",),
+    "GEMMs: the layers' and the LM head's (ops.linear, ops.linears)": ("forward: linear", "forward: linears"),
     "attention (cache read)": ("forward: attention",),
     "RMSNorm, RoPE, SwiGLU": ("forward: rms_norm", "forward: rope", "forward: silu_mul"),
     "forward glue (views, RoPE rows, cache writes; the embedding)": (
