@@ -120,11 +120,18 @@ def sampler_seconds(vocab_size: int, rows: int, reps: int) -> float:
     return _fastest(lambda: sample_tokens(logits, 0, ids, positions, greedy=False), reps)
 
 
-def _aten_calls(fn: Callable[[], object]) -> tuple[int, int]:
-    """aten ops and ``aten::item`` reads in one call of ``fn`` (after its warm-up call), from the torch profiler."""
+GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+"""The profiler's names of the GEMM calls a decode step makes: torch's oneDNN linear (the exact path's packed
+weights), and aten's matrix products (``F.linear`` runs ``addmm`` or ``mm``; attention's tiles ``bmm``)."""
+
+
+def _aten_calls(fn: Callable[[], object]) -> tuple[int, int, int]:
+    """aten ops, ``aten::item`` reads and GEMM calls (``GEMM_OPS``) in one call of ``fn`` (after its warm-up call),
+    from the torch profiler."""
     events = profiled(fn, 1).key_averages()
     return (sum(e.count for e in events if e.key.startswith("aten::")),
-            sum(e.count for e in events if e.key == "aten::item"))
+            sum(e.count for e in events if e.key == "aten::item"),
+            sum(e.count for e in events if e.key in GEMM_OPS))
 
 
 def vexact_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: int, reps: int) -> dict:
@@ -141,13 +148,14 @@ def vexact_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: in
         run(2)  # warm-up: the guard's probes, first allocations
         one = _fastest(lambda: run(1), reps)
         full = _fastest(lambda: run(new_tokens), reps)
-        calls_one, items_one = _aten_calls(lambda: run(1))
-        calls_full, items_full = _aten_calls(lambda: run(new_tokens))
+        calls_one, items_one, gemms_one = _aten_calls(lambda: run(1))
+        calls_full, items_full, gemms_full = _aten_calls(lambda: run(new_tokens))
         steps = new_tokens - 1
         out[label] = {"generate_1_s": one, "generate_s": full, "decode_step_s": (full - one) / steps,
                       "tokens_per_s": n_prompts * new_tokens / full,
                       "aten_calls_per_step": (calls_full - calls_one) / steps,
                       "item_reads_per_step": (items_full - items_one) / steps,
+                      "gemm_calls_per_step": (gemms_full - gemms_one) / steps,
                       "split_s": _split(model, prompts, new_tokens)}
     return out
 
@@ -415,6 +423,9 @@ def split_table(record: dict) -> tuple[list[str], list[list[str]]]:
               *[f"{r['tokens_per_s']:.1f}" for r in sides.values()]],
              ["aten calls per step", *[f"{r['aten_calls_per_step']:,.0f}" for r in sides.values()]],
              ["host reads per step", *[f"{r['item_reads_per_step']:.0f}" for r in sides.values()]]]
+    if all("gemm_calls_per_step" in r for r in sides.values()):  # (records before it lack it)
+        rows.append([f"GEMM calls per step ({', '.join(GEMM_OPS)})",
+                     *[f"{r['gemm_calls_per_step']:,.0f}" for r in sides.values()]])
     return ["part of a decode step, ms", *[f"vexact {side}" for side in sides]], rows
 
 

@@ -10,8 +10,9 @@ weight), and the fused call runs only where it passed.
 It runs where each weight's call like this one is remembered (``linear_repeats``: a decode loop's, with no gradient
 recorded), each such call's plan runs oneDNN's linear on its weight packed once (``TiledPlan.packed``), with the same
 tiles for every weight, and gives the plan's own bits (``PackedLinear.agrees``) -- and, as one weight packs, after
-``PACK_AFTER_CALLS`` calls of the group on the weights' current versions (a short rollout packs nothing). Elsewhere
-``run`` returns None and the caller runs each linear. No bit depends on which ran.
+``PACK_AFTER_CALLS`` calls of the group on the weights' current versions, at one call shape and thread count (a
+short rollout packs nothing). Elsewhere ``run`` returns None and the caller runs each linear. No bit depends on which
+ran.
 
 The weights packed as one are kept per group (the weights, the guard, the GEMM's dtype) while every weight is unchanged
 (its version counter, storage and view), counted against ``gemm_arrangements.ARRANGED_BYTES_MAX`` with the operands
@@ -49,12 +50,12 @@ class _Shape(NamedTuple):
 
 @dataclass
 class _Group:
-    """One group of weights: the calls counted on their current versions, their packed concatenation once made, and
-    the x shapes whose fused call was decided (``shapes``)."""
+    """One group of weights: the calls counted on their current versions (per x shape and thread count), their packed
+    concatenation once made, and the x shapes whose fused call was decided (``shapes``)."""
 
     weights: tuple[weakref.ref, ...]
     layouts: tuple[tuple, ...]  # each weight's (version, data pointer, shape, strides) the count and packing are for
-    calls: int = 0
+    calls: dict[tuple, int] = field(default_factory=dict)  # (x's shape, thread count) -> calls counted
     packed: Tensor | None = None
     nbytes: int = 0
     shapes: dict[torch.Size, _Shape] = field(default_factory=dict)
@@ -98,9 +99,10 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
            for p in plans[1:]):
         return None
     group = _group(weights, host, x.dtype)
-    if group.packed is None:
-        group.calls += 1
-        if group.calls <= gemm.PACK_AFTER_CALLS:
+    if group.packed is None:  # counted per call shape and thread count, as each weight's plan counts its calls
+        count = (x.shape, torch.get_num_threads())
+        group.calls[count] = calls = group.calls.get(count, 0) + 1
+        if calls <= gemm.PACK_AFTER_CALLS:
             return None
     if not all(p.agrees(k) for p in plans) or not _fused_agrees(plans, k):
         return None
