@@ -88,6 +88,14 @@ def run(x: Tensor, weights: Sequence[Tensor], host: HostGuard) -> tuple[Tensor, 
 def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: object) -> tuple[Tensor, ...] | None:
     """``run`` where no decision for this call is kept: each weight's remembered plan asked, the group's calls counted,
     the checks made, the weights packed as one -- and the decision kept for the next call of x's shape."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return None  # (a GEMM autograd records: each linear's own, never packed)
+    group = _group(weights, host, x.dtype)
+    if group.packed is None:  # every call counted, per call shape and thread count, as a weight's plan counts its own
+        count = (x.shape, torch.get_num_threads())
+        group.calls[count] = calls = group.calls.get(count, 0) + 1
+        if calls <= gemm.PACK_AFTER_CALLS:
+            return None
     plans = []
     for weight in weights:
         kept = linear_repeats.remembered(x, weight, host)
@@ -98,12 +106,6 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
     if any((p.dtype, p.block, p.blocks, p.tiled) != (first.dtype, first.block, first.blocks, first.tiled)
            for p in plans[1:]):
         return None
-    group = _group(weights, host, x.dtype)
-    if group.packed is None:  # counted per call shape and thread count, as each weight's plan counts its calls
-        count = (x.shape, torch.get_num_threads())
-        group.calls[count] = calls = group.calls.get(count, 0) + 1
-        if calls <= gemm.PACK_AFTER_CALLS:
-            return None
     if not all(p.agrees(k) for p in plans) or not _fused_agrees(plans, k):
         return None
     if group.packed is None:

@@ -77,6 +77,20 @@ def test_linears_contract_past_the_switch_each_output_is_linears(dtype, threads,
         assert _fused(weights)
 
 
+def test_the_group_packs_at_the_call_a_single_weight_packs_at():
+    """The weights are packed as one at the call after ``PACK_AFTER_CALLS`` (the first call included), where each
+    weight's own plan would pack: a benchmark that warms up past the switch times no packing."""
+    x, weights = _operands(torch.bfloat16)
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    with torch.no_grad():
+        for _ in range(gemm_arrangements.PACK_AFTER_CALLS):
+            cpu_exact.linears(x, weights, host=host)
+        assert not _fused(weights)
+        cpu_exact.linears(x, weights, host=host)
+    checks = list(fused_linears._FUSED_CHECKS.values())  # [] where this host's plans do not pack these weights
+    assert _fused(weights) == (checks != [] and all(checks))
+
+
 def test_a_fused_packing_whose_bits_differ_is_never_used(monkeypatch):
     true_packed = host_guard.onednn_packed
 
