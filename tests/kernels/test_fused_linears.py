@@ -37,8 +37,8 @@ def _operands(dtype: torch.dtype, widths: tuple[int, ...] = WIDTHS) -> tuple[tor
 
 def _fused(weights: list[torch.Tensor]) -> bool:
     """Whether a group of these weights holds their packed concatenation."""
-    return any(group.packed is not None and [r() for r in group.weights] == weights
-               for group in fused_linears._GROUPS.values())
+    return any(group.packed is not None and len(group.weights) == len(weights)
+               and all(r() is w for r, w in zip(group.weights, weights)) for group in fused_linears._GROUPS.values())
 
 
 def _loop(x: torch.Tensor, weights: list[torch.Tensor], host: HostGuard) -> list[tuple[torch.Tensor, ...]]:
@@ -179,3 +179,23 @@ def test_the_compiled_fused_call_is_the_python_steps(dtype, rows, blocks, tiled)
         assert a.shape == b.shape == r.shape and a.is_contiguous() and b.is_contiguous()
         assert torch.equal(a, b)
         torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=2e-2)  # the right columns (bf16 rounding)
+
+
+def test_an_moe_rollout_with_fused_experts_equals_the_training_logprobs():
+    """An MoE model's experts fuse their gate and up at each row count their tokens come in (the routing varies the
+    rows from step to step); the rollout's log-probs, fused, equal the training path's, whose GEMMs never fuse
+    (a gradient recorded) -- and the experts did fuse."""
+    from vexact import ModelConfig, Transformer, generate, token_logprobs
+
+    config = ModelConfig(vocab_size=512, hidden_size=512, num_layers=1, num_heads=8, num_kv_heads=4,
+                         intermediate_size=512, max_seq_len=96, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=512)
+    model = Transformer(config, backend="exact", dtype=torch.bfloat16, init_seed=3)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 9, 12, 7)]
+    out = generate(model, prompts, max_new_tokens=48, seed=2)
+    scored = token_logprobs(model, prompts, out.tokens, routing=out.routing)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(out.logprobs, scored))
+    experts = [[e.gate_proj.weight, e.up_proj.weight] for e in model.layers[0].mlp.experts]
+    if fused_linears._FUSED_CHECKS and all(fused_linears._FUSED_CHECKS.values()):
+        assert any(_fused(pair) for pair in experts)
