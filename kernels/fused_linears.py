@@ -72,15 +72,14 @@ def _layout(weight: Tensor) -> tuple:
 def run(x: Tensor, weights: Sequence[Tensor], host: HostGuard) -> tuple[Tensor, ...] | None:
     """``tuple(linear(x, w) for w in weights)`` (no biases) in one GEMM on the weights packed as one, where that is
     allowed (the module's docstring); else None."""
-    if len(weights) < 2 or not isinstance(x, Tensor):
-        return None
+    if (len(weights) < 2 or not isinstance(x, Tensor)
+            or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))):
+        return None  # (a GEMM autograd records: each linear's own, never packed)
     loops = compiled_loops.library()
     group = _GROUPS.get((tuple(map(id, weights)), id(host), x.dtype))
     if (group is not None and group.packed is not None and (shape := group.shapes.get(x.shape)) is not None
             and shape.epoch == host.epoch and shape.threads == torch.get_num_threads() and x.is_cpu
-            and group.layouts == tuple(map(_layout, weights)) and all(r() is w for r, w in zip(group.weights, weights))
-            and gemm.plan_switches(x.dtype, loops) == shape.switches
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))):
+            and _holds(group, weights) and gemm.plan_switches(x.dtype, loops) == shape.switches):
         return _fused_call(x, group.packed, shape.plans, loops)  # a call like one decided before: nothing changed
     return _decided_run(x, weights, host, loops)
 
@@ -88,8 +87,6 @@ def run(x: Tensor, weights: Sequence[Tensor], host: HostGuard) -> tuple[Tensor, 
 def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: object) -> tuple[Tensor, ...] | None:
     """``run`` where no decision for this call is kept: each weight's remembered plan asked, the group's calls counted,
     the checks made, the weights packed as one -- and the decision kept for the next call of x's shape."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        return None  # (a GEMM autograd records: each linear's own, never packed)
     group = _group(weights, host, x.dtype)
     if group.packed is None:  # every call counted, per call shape and thread count, as a weight's plan counts its own
         count = (x.shape, torch.get_num_threads())
@@ -125,15 +122,19 @@ def _group(weights: Sequence[Tensor], host: HostGuard, dtype: torch.dtype) -> _G
     every call shape, as one packed weight does): found, or made afresh where a weight is new or changed (its packed
     concatenation and decisions dropped, its calls counted from none)."""
     key = (tuple(map(id, weights)), id(host), dtype)
-    layouts = tuple(map(_layout, weights))
     group = _GROUPS.get(key)
-    if group is not None and group.layouts == layouts and all(r() is w for r, w in zip(group.weights, weights)):
+    if group is not None and _holds(group, weights):
         return group
     if len(_GROUPS) >= GROUPS_MAX:
         _GROUPS.clear()
     forget = _forgetter(key)
-    group = _GROUPS[key] = _Group(tuple(weakref.ref(w, forget) for w in weights), layouts)
+    group = _GROUPS[key] = _Group(tuple(weakref.ref(w, forget) for w in weights), tuple(map(_layout, weights)))
     return group
+
+
+def _holds(group: _Group, weights: Sequence[Tensor]) -> bool:
+    """Whether ``group`` is these weights as they are now (the same tensors, unchanged since it counted them)."""
+    return group.layouts == tuple(map(_layout, weights)) and all(r() is w for r, w in zip(group.weights, weights))
 
 
 def _forgetter(key: tuple):
@@ -153,19 +154,14 @@ def _fused_call(x: Tensor, packed: Tensor, plans: tuple[gemm.PackedLinear, ...],
     contiguous copy) -- in one compiled call where the loops are built (``packed_linears``: the same steps)."""
     first, k = plans[0], x.shape[-1]
     rows_padded = first.blocks * first.block
-    blocks = first.blocks if first.tiled else 0
     if loops is not None:
         buffer = gemm._kept_buffer(x, rows_padded)
         if buffer is not None or x.numel() // k == rows_padded:
-            return tuple(loops.packed_linears(x, buffer, packed, blocks, [p.n for p in plans],
-                                              [p.n_pad for p in plans]))
+            return tuple(loops.packed_linears(x, buffer, packed, first.blocks if first.tiled else 0,
+                                              [p.n for p in plans], [p.n_pad for p in plans]))
     x_rows = x.reshape(-1, k)
     rows = x_rows.shape[0]
-    padded = gemm._padded_rows(x_rows, rows_padded)
-    if first.tiled:
-        out = onednn_linear(padded.view(first.blocks, first.block, k), packed).view(rows_padded, -1)
-    else:
-        out = onednn_linear(padded, packed)
+    out = first.call(x_rows, packed)
     outputs, start = [], 0
     for plan in plans:
         outputs.append(out[:rows, start:start + plan.n].contiguous().view(*x.shape[:-1], plan.n))

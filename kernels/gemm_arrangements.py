@@ -421,6 +421,15 @@ class PackedLinear:
         """Whether the packed call gives the plan's own bits (``_packed_agrees``: checked once per key)."""
         return _packed_agrees(self.form, self.blocks, self.block, k, self.n_pad, self.dtype)
 
+    def call(self, x: Tensor, packed: Tensor) -> Tensor:
+        """The packed call on x's rows [M, K]: padded to the plan's tiles (``_padded_rows``), then oneDNN's linear on
+        ``packed`` over them (as the tiles where ``tiled``) -> [blocks x block, N] (every column ``packed`` has)."""
+        k, rows_padded = x.shape[1], self.blocks * self.block
+        x = _padded_rows(x, rows_padded)
+        if self.tiled:
+            return onednn_linear(x.view(self.blocks, self.block, k), packed).view(rows_padded, -1)
+        return onednn_linear(x, packed)  # 2-D in, 2-D out: no view to make per call
+
 
 TILED_ARRANGEMENTS = ("stacked, weight as given", "stacked", "laid out", "compiled tiles", "tiles")
 """``TiledPlan.arrangement``: the tiles stacked into one GEMM on the weight as stored, or on the canonical operand;
@@ -748,28 +757,24 @@ def _packed_run(weight: Tensor, plan: PackedLinear) -> Callable[[Tensor, Tensor,
     tiles call it) or on their rows stacked [T x block, K] (the ``stacked`` arrangement). None where the packed copy
     would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan counts
     against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
-    dtype, n_pad, block, blocks, n, tiled = plan.dtype, plan.n_pad, plan.block, plan.blocks, plan.n, plan.tiled
+    dtype, n_pad, blocks, n = plan.dtype, plan.n_pad, plan.blocks, plan.n
     form = ("onednn packed", dtype, n_pad)
     if _kept_operand(weight, form) is None and not _room_for(weight.numel() * dtype.itemsize):
         return None
     packed = arranged_weight(weight, form, lambda: onednn_packed(plan.operand(weight)))
     if _kept_operand(weight, form) is not packed:  # (laid out, but over the bound after all: not kept)
         return None
-    rows_padded = blocks * block
+    rows_padded = blocks * plan.block
 
     def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
         if loops is not None and (buffer := _kept_buffer(x, rows_padded)) is not None:
             # the steps below in one compiled call (a decode step's: the same copy and op call, the same bits)
-            return loops.packed_linear(x, buffer, packed, blocks if tiled else 0, n)
+            return loops.packed_linear(x, buffer, packed, blocks if plan.tiled else 0, n)
         return _on_rows(rows_run, x, w, host, loops)
 
     def rows_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-        rows, k = x.shape
-        x = _padded_rows(x, rows_padded)
-        if tiled:
-            out = onednn_linear(x.view(blocks, block, k), packed).view(rows_padded, -1)
-        else:  # 2-D in, 2-D out: no view to make per call
-            out = onednn_linear(x, packed)
+        rows = x.shape[0]
+        out = plan.call(x, packed)
         if out.shape[1] != n:
             return out[:rows, :n]
         return out if rows == rows_padded else out[:rows]

@@ -953,6 +953,24 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t 
   return n_pad == n ? out.slice(0, 0, rows) : out.slice(0, 0, rows).slice(1, 0, n);
 }
 
+namespace {
+
+// torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on a packed weight over `rows` [R, K] --
+// as they are, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K] -- as [R, N]: the op call packed_linear and
+// packed_linears make.
+at::Tensor packed_rows_linear(const at::Tensor& rows, const at::Tensor& packed, int64_t blocks) {
+  const int64_t padded = rows.size(0), k = rows.size(1);
+  static const c10::OperatorHandle linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{blocks > 0 ? rows.view({blocks, padded / blocks, k}) : rows, packed, c10::IValue(),
+                                 std::string("none"), c10::List<std::optional<at::Scalar>>(), std::string("")};
+  linear.callBoxed(&stack);
+  at::Tensor out = stack[0].toTensor();
+  return blocks > 0 ? out.view({padded, -1}) : out;
+}
+
+}  // namespace
+
 // gemm_arrangements._packed_run's call after its plan (a decode step's GEMM on a weight packed once): the M rows of x
 // [..., K] copied into `buffer` [R, K] (the kept zero-padded input, R >= M, its rows from M on zero already: the
 // caller's), torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on the packed weight over the
@@ -968,15 +986,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at
   const int64_t padded = buffer.size(0), k = buffer.size(1), rows = x.numel() / k;
   TORCH_CHECK(blocks >= 0 && (blocks == 0 || padded % blocks == 0), "packed_linear: blocks must divide R");
   buffer.narrow(0, 0, rows).copy_(x.reshape({rows, k}));
-  static const c10::OperatorHandle linear =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  const at::Tensor input = blocks > 0 ? buffer.view({blocks, padded / blocks, k}) : buffer;
-  std::vector<c10::IValue> stack{input, packed, c10::IValue(), std::string("none"),
-                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
-  linear.callBoxed(&stack);
-  at::Tensor out = stack[0].toTensor();
-  if (blocks > 0) out = out.view({padded, -1});
-  out = out.narrow(0, 0, rows);
+  at::Tensor out = packed_rows_linear(buffer, packed, blocks).narrow(0, 0, rows);
   if (out.size(1) != n) out = out.narrow(1, 0, n);
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
@@ -1006,22 +1016,14 @@ std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<
   } else if (!aligned_contiguous(input)) {
     input = input.clone(at::MemoryFormat::Contiguous);
   }
-  const int64_t padded = input.size(0);
-  TORCH_CHECK(blocks >= 0 && (blocks == 0 || padded % blocks == 0), "packed_linears: blocks must divide R");
-  static const c10::OperatorHandle linear =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{blocks > 0 ? input.view({blocks, padded / blocks, k}) : input, packed,
-                                 c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
-                                 std::string("")};
-  linear.callBoxed(&stack);
-  at::Tensor out = stack[0].toTensor();
-  if (blocks > 0) out = out.view({padded, -1});
+  TORCH_CHECK(blocks >= 0 && (blocks == 0 || input.size(0) % blocks == 0), "packed_linears: blocks must divide R");
+  const at::Tensor out = packed_rows_linear(input, packed, blocks).narrow(0, 0, rows);
   std::vector<int64_t> sizes = x.sizes().vec();
   std::vector<at::Tensor> outputs;
   int64_t start = 0;
   for (size_t i = 0; i < widths.size(); ++i) {
     sizes.back() = widths[i];
-    outputs.push_back(out.narrow(0, 0, rows).narrow(1, start, widths[i]).contiguous().view(sizes));
+    outputs.push_back(out.narrow(1, start, widths[i]).contiguous().view(sizes));
     start += pads[i];
   }
   return outputs;
