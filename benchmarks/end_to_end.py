@@ -162,6 +162,20 @@ def at_prompt_lengths(shape: Shape, lengths: list[int] | None) -> list[Shape]:
             for length in lengths]
 
 
+def at_batch(shape: Shape, batch: int | None) -> Shape:
+    """``shape`` itself (``batch`` None), or a copy of it with ``batch`` random prompts, named for it (``--batch``: a
+    decode step of that many rows, a training pass of that many sequences). One ValueError for a shape whose prompts
+    are its task's, or a batch under 1."""
+    if batch is None:
+        return shape
+    if shape.e2e_prompt_len == 0:
+        raise ValueError(f"--batch applies to the shapes with random prompts, not {shape.name!r} (its prompts are its "
+                         f"task's)")
+    if batch < 1:
+        raise ValueError(f"--batch {batch}: a batch of at least one prompt")
+    return dataclasses.replace(shape, name=f"{shape.name}, {batch} prompts", e2e_batch=batch)
+
+
 def prompts_of(shape: Shape) -> list[list[int]]:
     """The shape's end-to-end prompts: the zero_mismatch task's (``e2e_prompt_len`` 0) or ``e2e_batch`` random ones
     of ``e2e_prompt_len`` tokens (seed 0)."""

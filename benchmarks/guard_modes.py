@@ -43,6 +43,7 @@ from vexact_kernels.host_guard import CANONICAL_PATH, FASTER_PATH, SAME_BITS, Ho
 
 from .common import (
     DTYPES,
+    Shape,
     add_common_arguments,
     cli_main,
     compare,
@@ -58,7 +59,7 @@ from .common import (
     renamed_sides,
     shapes,
 )
-from .end_to_end import DECODE_WARMUP, LABELS, combo_label, decode_step_call, prompts_of, train_call
+from .end_to_end import DECODE_WARMUP, LABELS, at_batch, combo_label, decode_step_call, prompts_of, train_call
 
 BOUND_ITEMS = ("decode_step", "train_fwd_bwd")
 """The items whose canonical / auto the bound (``GAP_LIMIT``) judges: ``end_to_end``'s items that run the model
@@ -100,9 +101,8 @@ def _row(item: str, shape: str, dtype: str, summary: dict, inner: int) -> dict:
             **renamed_sides(summary, *MODES)}
 
 
-def bench_shape(shape_name: str, dtype_name: str, items: list[str], reps: int, profile: int) -> list[dict]:
+def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, profile: int) -> list[dict]:
     """canonical / auto rows of one shape and dtype at the process's thread count."""
-    shape = shapes()[shape_name]
     device = torch.device("cpu")
     model = Transformer(shape.model, backend="exact", dtype=DTYPES[dtype_name], device=device, init_seed=0)
     prompts = prompts_of(shape)
@@ -130,7 +130,7 @@ def bench_shape(shape_name: str, dtype_name: str, items: list[str], reps: int, p
         warmup = DECODE_WARMUP if item == "decode_step" else 1
         summary = compare(by_mode["canonical"], by_mode["auto"], reps=reps, device=device, inner=inner,
                           warmup=warmup).summary()
-        row = _row(item, shape_name, dtype_name, summary, inner)
+        row = _row(item, shape.name, dtype_name, summary, inner)
         if profile > 0:
             row["profile"] = _top_split({mode: shape_split(by_mode[mode]) for mode in MODES}, profile)
         row["faster_arrangements"] = {mode: faster_arrangements(ops[item][mode].host) for mode in MODES}
@@ -215,17 +215,21 @@ def refused_arrangements(host: HostGuard) -> list[str]:
 
 
 def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: int,
-        threads: str | list[int] | None = None, profile: int = 0, malloc: str = "steady") -> dict:
-    """Run the benchmark; returns the JSON-ready record (each result: canonical / auto, the medians of both)."""
+        threads: str | list[int] | None = None, profile: int = 0, malloc: str = "steady", batch: int | None = None
+        ) -> dict:
+    """Run the benchmark; returns the JSON-ready record (each result: canonical / auto, the medians of both).
+    ``batch``: the shapes with that many random prompts instead of their own (``at_batch``)."""
     counts = parse_threads(threads)
+    measured = [at_batch(shapes()[name], batch) for name in shape_names]
     record = new_record("guard_modes", torch.device("cpu"), shape_names, dtype_names, reps, counts[0], "exact",
                         malloc, items=items, modes=list(MODES), profile_top=profile)
     record["settings"]["threads"] = [count or torch.get_num_threads() for count in counts]
+    record["settings"]["batch"] = batch
     for count in record["settings"]["threads"]:
         torch.set_num_threads(count)
         for dtype_name in dtype_names:
-            for shape_name in shape_names:
-                record["results"] += bench_shape(shape_name, dtype_name, items, reps, profile)
+            for shape in measured:
+                record["results"] += bench_shape(shape, dtype_name, items, reps, profile)
     return record
 
 
@@ -319,13 +323,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile each figure once per mode: the N ops (by input shapes) with the most self "
                         "time on either side, and the totals")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="the shapes with N random prompts instead of their own (a decode step of N rows; not the "
+                        "default shape, whose prompts are its task's)")
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
     if device.type != "cpu":
         raise ValueError("guard_modes measures the CPU kernels' guard modes: --device cpu")
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
-               parse_list(args.items, ITEMS, "item"), args.reps, args.threads, args.profile, args.malloc)
+               parse_list(args.items, ITEMS, "item"), args.reps, args.threads, args.profile, args.malloc,
+               args.batch)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.guard_modes") -> int:

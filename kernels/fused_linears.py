@@ -9,14 +9,17 @@ weight), and the fused call runs only where it passed.
 
 It runs where each weight's call like this one is remembered (``linear_repeats``: a decode loop's, with no gradient
 recorded), each such call's plan runs oneDNN's linear on its weight packed once (``TiledPlan.packed``), with the same
-tiles for every weight, and gives the plan's own bits (``PackedLinear.agrees``) -- and, as one weight packs, after
-``PACK_AFTER_CALLS`` calls of the group on the weights' current versions, at one call shape and thread count (a
-short rollout packs nothing). Elsewhere ``run`` returns None and the caller runs each linear. No bit depends on which
-ran.
+tiles for every weight, and gives the plan's own bits (``PackedLinear.agrees``) -- or, where no plan packs, each runs
+the canonical call of a decode step's tiles as one GEMM call on the weight as stored (``TiledPlan.laid_out``: a
+guard in mode ``canonical``, or a host whose ``same_bits`` probes fail, on weights too small to pack over several
+tiles); the same check then compares the GEMM on the weights laid out as one with each weight's own call. Either
+from the call at which one weight would pack: after ``PACK_AFTER_CALLS`` calls of the group on the weights' current
+versions, at one call shape and thread count (a short rollout fuses nothing). Elsewhere ``run`` returns None and the
+caller runs each linear. No bit depends on which ran.
 
-The weights packed as one are kept per group (the weights, the guard, the GEMM's dtype) while every weight is unchanged
-(its version counter, storage and view), counted against ``gemm_arrangements.ARRANGED_BYTES_MAX`` with the operands
-laid out there, and dropped with any of the weights.
+The weights packed (or laid out) as one are kept per group (the weights, the guard, the GEMM's dtype) and call form
+while every weight is unchanged (its version counter, storage and view), counted against
+``gemm_arrangements.ARRANGED_BYTES_MAX`` with the operands laid out there, and dropped with any of the weights.
 """
 
 from __future__ import annotations
@@ -31,32 +34,39 @@ from torch import Tensor
 
 from . import compiled_loops, linear_repeats
 from . import gemm_arrangements as gemm
-from .host_guard import HostGuard, onednn_linear, onednn_packed
+from .host_guard import HostGuard, onednn_packed
 
 GROUPS_MAX = 1024
 """Groups kept at most (then afresh): one per (weights, guard, dtype) -- a model's q/k/v and gate/up per layer."""
 
 
+FusedPlan = gemm.PackedLinear | gemm.LaidOutLinear
+"""A weight's plan as the fused call runs it: on the weights packed as one, or laid out as one."""
+
+
 class _Shape(NamedTuple):
-    """What a group's fused call of one x shape runs (each weight's packed plan) and what that was decided under: the
-    guard's state, the thread count and the process switches (``gemm_arrangements.plan_switches``) -- with the
-    weights unchanged, the parts of each weight's remembered call (``linear_repeats.remembered``)."""
+    """What a group's fused call of one x shape runs (each weight's plan, the group's operand for it) and what that
+    was decided under: the guard's state, the thread count and the process switches
+    (``gemm_arrangements.plan_switches``) -- with the weights unchanged, the parts of each weight's remembered call
+    (``linear_repeats.remembered``)."""
 
     epoch: int
     threads: int
     switches: tuple
-    plans: tuple[gemm.PackedLinear, ...]
+    plans: tuple[FusedPlan, ...]
+    operand: Tensor
 
 
 @dataclass
 class _Group:
-    """One group of weights: the calls counted on their current versions (per x shape and thread count), their packed
-    concatenation once made, and the x shapes whose fused call was decided (``shapes``)."""
+    """One group of weights: the calls counted on their current versions (per x shape and thread count), their
+    concatenation as each call form multiplies it once made (``operands``: packed, or laid out per tile count), and
+    the x shapes whose fused call was decided (``shapes``)."""
 
     weights: tuple[weakref.ref, ...]
     layouts: tuple[tuple, ...]  # each weight's (version, data pointer, shape, strides) the count and packing are for
     calls: dict[tuple, int] = field(default_factory=dict)  # (x's shape, thread count) -> calls counted
-    packed: Tensor | None = None
+    operands: dict[tuple, Tensor] = field(default_factory=dict)  # _operand_key(plan) -> the weights as one
     nbytes: int = 0
     shapes: dict[torch.Size, _Shape] = field(default_factory=dict)
 
@@ -77,44 +87,56 @@ def run(x: Tensor, weights: Sequence[Tensor], host: HostGuard) -> tuple[Tensor, 
         return None  # (a GEMM autograd records: each linear's own, never packed)
     loops = compiled_loops.library()
     group = _GROUPS.get((tuple(map(id, weights)), id(host), x.dtype))
-    if (group is not None and group.packed is not None and (shape := group.shapes.get(x.shape)) is not None
+    if (group is not None and (shape := group.shapes.get(x.shape)) is not None
             and shape.epoch == host.epoch and shape.threads == torch.get_num_threads() and x.is_cpu
             and _holds(group, weights) and gemm.plan_switches(x.dtype, loops) == shape.switches):
-        return _fused_call(x, group.packed, shape.plans, loops)  # a call like one decided before: nothing changed
+        return _fused_call(x, shape.operand, shape.plans, loops)  # a call like one decided before: nothing changed
     return _decided_run(x, weights, host, loops)
 
 
 def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: object) -> tuple[Tensor, ...] | None:
     """``run`` where no decision for this call is kept: each weight's remembered plan asked, the group's calls counted,
-    the checks made, the weights packed as one -- and the decision kept for the next call of x's shape."""
+    the checks made, the weights packed (or laid out) as one -- and the decision kept for the next call of x's
+    shape."""
     group = _group(weights, host, x.dtype)
-    if group.packed is None:  # every call counted, per call shape and thread count, as a weight's plan counts its own
+    plans = []
+    for weight in weights:
+        kept = linear_repeats.remembered(x, weight, host)
+        plan = None if kept is None else kept.plan.packed or kept.plan.laid_out
+        if plan is None:
+            return None
+        plans.append(plan)
+    first, k = plans[0], x.shape[-1]
+    if any(_call_form(p) != _call_form(first) for p in plans[1:]):
+        return None
+    if _call_form(first) not in group.operands:  # calls counted, per call shape and thread count, as a plan counts
         count = (x.shape, torch.get_num_threads())
         group.calls[count] = calls = group.calls.get(count, 0) + 1
         if calls <= gemm.PACK_AFTER_CALLS:
             return None
-    plans = []
-    for weight in weights:
-        kept = linear_repeats.remembered(x, weight, host)
-        if kept is None or kept.plan.packed is None:
-            return None
-        plans.append(kept.plan.packed)
-    first, k = plans[0], x.shape[-1]
-    if any((p.dtype, p.block, p.blocks, p.tiled) != (first.dtype, first.block, first.blocks, first.tiled)
-           for p in plans[1:]):
-        return None
     if not all(p.agrees(k) for p in plans) or not _fused_agrees(plans, k):
         return None
-    if group.packed is None:
-        nbytes = sum(p.n_pad for p in plans) * k * first.dtype.itemsize
+    operand = group.operands.get(key := _call_form(first))
+    if operand is None:
+        matrices = [p.operand(w) for p, w in zip(plans, weights)]
+        with torch.no_grad():
+            operand = prepared(first, torch.cat(matrices))
+        nbytes = operand.numel() * operand.element_size() if not operand.is_mkldnn else sum(
+            m.numel() * m.element_size() for m in matrices)
         if not gemm._room_for(nbytes + sum(g.nbytes for g in _GROUPS.values())):
             return None
-        with torch.no_grad():
-            group.packed = onednn_packed(torch.cat([p.operand(w) for p, w in zip(plans, weights)]))
-        group.nbytes = nbytes
+        group.operands[key] = operand
+        group.nbytes += nbytes
     group.shapes[x.shape] = _Shape(host.epoch, torch.get_num_threads(), gemm.plan_switches(x.dtype, loops),
-                                   tuple(plans))
-    return _fused_call(x, group.packed, tuple(plans), loops)
+                                   tuple(plans), operand)
+    return _fused_call(x, operand, tuple(plans), loops)
+
+
+def _call_form(plan: FusedPlan) -> tuple:
+    """What must be equal across a group's plans for one call to serve them all, and what its operand is kept by: the
+    plan's kind and form, dtype and tiles (and how the tiles are called)."""
+    extra = plan.calls if isinstance(plan, gemm.PackedLinear) else plan.whole_tiles
+    return type(plan).__name__, plan.form, plan.dtype, plan.block, plan.blocks, extra
 
 
 def _group(weights: Sequence[Tensor], host: HostGuard, dtype: torch.dtype) -> _Group:
@@ -147,21 +169,24 @@ def _forgetter(key: tuple):
     return forget
 
 
-def _fused_call(x: Tensor, packed: Tensor, plans: tuple[gemm.PackedLinear, ...], loops: object
-                ) -> tuple[Tensor, ...]:
-    """The plans' packed call (``gemm_arrangements._packed_run``'s steps: x's rows padded to the tiles, oneDNN's linear)
-    once on the weights packed as one, each weight's first ``n`` columns of its ``n_pad`` cut out as its output (a
-    contiguous copy) -- in one compiled call where the loops are built (``packed_linears``: the same steps)."""
+def _fused_call(x: Tensor, operand: Tensor, plans: tuple[FusedPlan, ...], loops: object) -> tuple[Tensor, ...]:
+    """The plans' call (x's rows padded to the tiles, the GEMM) once on the weights packed or laid out as one
+    (``operand``), each weight's first ``n`` columns of its ``n_pad`` cut out as its output (a contiguous copy) -- in
+    one compiled call where the loops are built (``packed_linears``, ``bmm_linears``: the same steps)."""
     first, k = plans[0], x.shape[-1]
-    rows_padded = first.blocks * first.block
-    if loops is not None:
+    packed = isinstance(first, gemm.PackedLinear)
+    if loops is not None and (packed or first.form == gemm.LAID_OUT_FORMS[1]):
+        rows_padded = first.blocks * first.block
         buffer = gemm._kept_buffer(x, rows_padded)
         if buffer is not None or x.numel() // k == rows_padded:
-            return tuple(loops.packed_linears(x, buffer, packed, first.blocks if first.tiled else 0,
-                                              [p.n for p in plans], [p.n_pad for p in plans]))
+            widths, pads = [p.n for p in plans], [p.n_pad for p in plans]
+            if not packed:  # the canonical call of the tiles, one bmm (``bmm_linears``)
+                return tuple(loops.bmm_linears(x, buffer, operand, first.blocks, widths, pads))
+            tiles, each_tile = first.loop_arguments()
+            return tuple(loops.packed_linears(x, buffer, operand, tiles, widths, pads, each_tile))
     x_rows = x.reshape(-1, k)
     rows = x_rows.shape[0]
-    out = first.call(x_rows, packed)
+    out = first.call(x_rows, operand)
     outputs, start = [], 0
     for plan in plans:
         outputs.append(out[:rows, start:start + plan.n].contiguous().view(*x.shape[:-1], plan.n))
@@ -169,20 +194,26 @@ def _fused_call(x: Tensor, packed: Tensor, plans: tuple[gemm.PackedLinear, ...],
     return tuple(outputs)
 
 
-def _fused_agrees(plans: list[gemm.PackedLinear], k: int) -> bool:
-    """Whether oneDNN's linear on weights packed as one gives, for the plans' tiles, K, widths and dtype at the current
-    thread count, each weight's columns the bits of its own packed call: checked once per key on seeded operands."""
+def _fused_agrees(plans: list[FusedPlan], k: int) -> bool:
+    """Whether the plans' call on weights packed (or laid out) as one gives, for the plans' call form, K and widths at
+    the current thread count, each weight's columns the bits of its own call: checked once per key on seeded
+    operands."""
     first = plans[0]
     widths = tuple(p.n_pad for p in plans)
     rows = first.blocks * first.block
 
     def check() -> bool:
         x, w = gemm._probe_operands(first.dtype, (rows, k), (sum(widths), k))
-        tiles = x.view(first.blocks, first.block, k) if first.tiled else x
-        fused = onednn_linear(tiles, onednn_packed(w)).reshape(rows, -1)
-        parts = [onednn_linear(tiles, gemm.onednn_packed(part.contiguous())).reshape(rows, -1)  # as the plans pack
-                 for part in w.split(widths)]
+        fused = first.call(x, prepared(first, w))
+        parts = [first.call(x, first.prepared(part.contiguous())) for part in w.split(widths)]  # as the plans run
         return torch.equal(fused, torch.cat(parts, dim=1))
 
-    key = (widths, first.blocks, first.block, first.tiled, k, first.dtype, torch.get_num_threads())
+    key = (widths, _call_form(first), k, torch.get_num_threads())
     return gemm._checked_once(_FUSED_CHECKS, key, check)
+
+
+def prepared(plan: FusedPlan, matrix: Tensor) -> Tensor:
+    """``plan.prepared(matrix)`` with the packing op this module calls (so a test may swap the fused packing alone)."""
+    if isinstance(plan, gemm.PackedLinear):
+        return onednn_packed(matrix)
+    return plan.prepared(matrix)

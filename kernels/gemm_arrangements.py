@@ -396,14 +396,23 @@ class TiledPlan:
     packed: PackedLinear | None = None
     """The packed GEMM the plan switches to (``_packed_after_use``), where it has one: what ``fused_linears`` needs to
     run it on several weights packed as one."""
+    laid_out: LaidOutLinear | None = None
+    """A ``laid out`` plan's canonical call of a decode step's tiles, where it is one GEMM call on the weight as stored:
+    what ``fused_linears`` needs to run it on several weights laid out as one (where the plan does not pack)."""
+
+
+PACKED_CALLS = ("rows", "tiles", "each tile")
+"""How ``PackedLinear.call`` gives x's padded rows to oneDNN's linear: stacked, [T x block, K], in one call; as the
+tiles [T, block, K] in one call; one call per tile [block, K] (calls of one fixed shape whatever the row count: what a
+host whose GEMM's bits follow the rows in a call gives each tile the one-tile call's bits by construction)."""
 
 
 @dataclass(frozen=True)
 class PackedLinear:
     """A plan's GEMM on the weight packed once (``_packed_run``): oneDNN's linear on x padded to ``blocks`` tiles of
-    ``block`` rows (as the tiles [T, block, K] where ``tiled``, else stacked [T x block, K]) against the canonical
-    operand of the weight (``operand``: [N_pad, K] in ``dtype``) packed, its first ``n`` of ``n_pad`` columns kept.
-    ``form``: what ``_packed_agrees`` compares it with (``PACKED_FORMS``)."""
+    ``block`` rows (given to it as ``calls`` says: ``PACKED_CALLS``) against the canonical operand of the weight
+    (``operand``: [N_pad, K] in ``dtype``) packed, its first ``n`` of ``n_pad`` columns kept. ``form``: what
+    ``_packed_agrees`` compares it with (``PACKED_FORMS``)."""
 
     form: str
     dtype: torch.dtype
@@ -411,7 +420,7 @@ class PackedLinear:
     blocks: int
     n: int
     n_pad: int
-    tiled: bool
+    calls: str
 
     def operand(self, weight: Tensor) -> Tensor:
         """The weight's operand that ``_packed_run`` packs: [N_pad, K] in the plan's dtype."""
@@ -421,14 +430,70 @@ class PackedLinear:
         """Whether the packed call gives the plan's own bits (``_packed_agrees``: checked once per key)."""
         return _packed_agrees(self.form, self.blocks, self.block, k, self.n_pad, self.dtype)
 
+    @property
+    def packed_form(self) -> tuple:
+        """``arranged_weight``'s form of the packed weight: one per (dtype, N_pad), whatever the plan's rows."""
+        return "onednn packed", self.dtype, self.n_pad
+
+    def prepared(self, matrix: Tensor) -> Tensor:
+        """``matrix`` [N, K] (operands stacked) as the plan's call multiplies it: packed once."""
+        return onednn_packed(matrix)
+
+    def loop_arguments(self) -> tuple[int, bool]:
+        """How the compiled calls (``packed_linear``, ``packed_linears``) are told ``calls``: (tiles, one call each)."""
+        return (0 if self.calls == PACKED_CALLS[0] else self.blocks), self.calls == PACKED_CALLS[2]
+
     def call(self, x: Tensor, packed: Tensor) -> Tensor:
         """The packed call on x's rows [M, K]: padded to the plan's tiles (``_padded_rows``), then oneDNN's linear on
-        ``packed`` over them (as the tiles where ``tiled``) -> [blocks x block, N] (every column ``packed`` has)."""
-        k, rows_padded = x.shape[1], self.blocks * self.block
-        x = _padded_rows(x, rows_padded)
-        if self.tiled:
-            return onednn_linear(x.view(self.blocks, self.block, k), packed).view(rows_padded, -1)
-        return onednn_linear(x, packed)  # 2-D in, 2-D out: no view to make per call
+        ``packed`` over them as ``calls`` says -> [blocks x block, N] (every column ``packed`` has)."""
+        return packed_calls(_padded_rows(x, self.blocks * self.block), packed, self.blocks, self.calls)
+
+
+@dataclass(frozen=True)
+class LaidOutLinear:
+    """A ``laid out`` plan's GEMM in form ``one tile`` or ``one call`` (``_laid_out_tiles``: one ``mm`` of the tile,
+    or one ``bmm`` of the tiles, on a forward's weight seen as a transposed batch, ``stored_operand``), described as
+    ``fused_linears`` runs it on several weights laid out as one: ``blocks`` tiles of ``block`` rows against the
+    weight's operand [N_pad, K] in ``dtype``, its first ``n`` of ``n_pad`` columns kept; ``whole_tiles`` as the plan
+    runs its tiles (``_column_blocks_agree``)."""
+
+    form: str
+    dtype: torch.dtype
+    block: int
+    blocks: int
+    n: int
+    n_pad: int
+    whole_tiles: bool
+
+    def operand(self, weight: Tensor) -> Tensor:
+        """The weight's operand [N_pad, K] in the plan's dtype (the matrix its call multiplies, seen transposed)."""
+        return canonical_operand(weight, self.dtype, self.n_pad)[0].t()
+
+    def agrees(self, k: int) -> bool:
+        """The plan's own form was checked against the canonical call when it was made (``_laid_out_agrees``)."""
+        return True
+
+    def prepared(self, matrix: Tensor) -> Tensor:
+        """``matrix`` [N, K] (operands stacked) as the plan's call multiplies it: a transposed batch [1, K, N], once
+        per tile for ``one call`` (``per_tile_operand``)."""
+        operand = transposed_batch(matrix.t().unsqueeze(0))
+        return per_tile_operand(operand, self.blocks) if self.form == LAID_OUT_FORMS[1] else operand
+
+    def call(self, x: Tensor, prepared: Tensor) -> Tensor:
+        """The plan's call on x's rows [M, K] against ``prepared`` -> [M, N] (every column ``prepared`` has)."""
+        return _laid_out_tiles(x, prepared, self.block, self.blocks, prepared.shape[2], self.form,
+                               whole_tiles=self.whole_tiles)
+
+
+def packed_calls(rows: Tensor, packed: Tensor, blocks: int, calls: str) -> Tensor:
+    """oneDNN's linear on ``packed`` over ``rows`` [blocks x block, K] given to it as ``calls`` says
+    (``PACKED_CALLS``) -> [blocks x block, N]: the op calls of ``PackedLinear.call`` and of the first-use checks."""
+    if calls == PACKED_CALLS[0]:
+        return onednn_linear(rows, packed)  # 2-D in, 2-D out: no view to make per call
+    if calls == PACKED_CALLS[1]:
+        return onednn_linear(rows.view(blocks, -1, rows.shape[1]), packed).view(rows.shape[0], -1)
+    tiles = [onednn_linear(tile, packed) for tile in rows.chunk(blocks)]
+    return tiles[0] if blocks == 1 else torch.cat(tiles)
 
 
 TILED_ARRANGEMENTS = ("stacked, weight as given", "stacked", "laid out", "compiled tiles", "tiles")
@@ -622,9 +687,9 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 return _stacked_mm(x, matrix(w), blocks * block, n, apart)
             packs = (held is not None and dtype == torch.bfloat16 and not stored_row_major(weight)
                      and _packable(k, n_pad, dtype, blocks * block))
-            packed = PackedLinear(PACKED_FORMS[0], dtype, block, blocks, n, n_pad, tiled=False) if packs else None
+            packed = PackedLinear(PACKED_FORMS[0], dtype, block, blocks, n, n_pad, PACKED_CALLS[0]) if packs else None
             if packed:  # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
-                stacked = _packed_after_use(stacked, lambda w: _packed_run(w, packed), lambda: packed.agrees(k), held)
+                stacked = _packed_after_use(stacked, packed, k, held)
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked, any_rows=packs, packed=packed)
         if per_tile and (plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, held)):
             return plan
@@ -655,9 +720,9 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         return out[:rows] if n_pad == n else out[:rows, :n]
     packs = (held is not None and shared and _packable(k, n_pad)
              and host.onednn_gemm(dtype, operand(weight), shared, op) is not None)
-    packed = PackedLinear(PACKED_FORMS[1], dtype, block, blocks, n, n_pad, tiled=True) if packs else None
+    packed = PackedLinear(PACKED_FORMS[1], dtype, block, blocks, n, n_pad, PACKED_CALLS[1]) if packs else None
     if packed:
-        tiles = _packed_after_use(tiles, lambda w: _packed_run(w, packed), lambda: packed.agrees(k), held)
+        tiles = _packed_after_use(tiles, packed, k, held)
     return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles, any_rows=packs, packed=packed)
 
 
@@ -665,9 +730,9 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
                    transposed: bool, held: dict | None, one_thread: bool = False) -> TiledPlan | None:
     """The ``laid out`` plan of an ``operand_per_tile`` class (``_laid_out_tiles`` in its form, on
     ``laid_out_operand``) where the first-use check found the form's bits the canonical call's
-    (``_laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread. One tile
-    (a decode step's call) runs on the weight packed once after ``PACK_AFTER_CALLS`` calls, where ``_packable`` and
-    the first-use check (``_packed_agrees``, form ``one tile``) allow."""
+    (``_laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread. A decode
+    step's call (one tile, or a few) runs on the weight packed once after ``PACK_AFTER_CALLS`` calls, one oneDNN call
+    per tile, where ``_packable`` and the first-use check (``_packed_agrees``, form ``canonical call``) allow."""
     form = _laid_out_form(blocks, k, n_pad)
     if not _laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=one_thread):
         return None
@@ -678,34 +743,53 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
 
     def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread, whole_tiles=whole_tiles)
-    packs = (held is not None and form == LAID_OUT_FORMS[0] and not one_thread and not stored_row_major(weight)
-             and _packable(k, n_pad, dtype, block))
-    packed = PackedLinear(PACKED_FORMS[2], dtype, block, blocks, n, n_pad, tiled=False) if packs else None
+    compiled = form == LAID_OUT_FORMS[1] and not one_thread  # the canonical call itself: one bmm, compiled below
+    if compiled:
+        rows_run = laid_out
+
+        def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
+            if loops is not None and ((buffer := _kept_buffer(x, blocks * block)) is not None
+                                      or x.numel() == blocks * block * k):
+                # the steps of rows_run in one compiled call (a decode step's: the same copy and bmm, the same bits)
+                return loops.bmm_linears(x, buffer, laid(w), blocks, [n], [n_pad])[0]
+            return _on_rows(rows_run, x, w, host, loops)
+    # several tiles only on a weight of at least ONEDNN_MIN_WEIGHT elements: a smaller one's calls, one per tile, cost
+    # more than the canonical call's one (the default model's 64 x 176 weights, 128 rows: 1.5x; llama100m's 576 x
+    # 1536 ones, 2 to 5 tiles: 0.89-0.94x; the journal, session 59)
+    packs = (held is not None and not one_thread and not stored_row_major(weight)
+             and (_packable(k, n_pad, dtype, block) if blocks == 1 else _packable(k, n_pad)))
+    packed = PackedLinear(PACKED_FORMS[2], dtype, block, blocks, n, n_pad, PACKED_CALLS[2]) if packs else None
     if packed:
-        # a decode loop's one tile (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
-        # ``same_bits`` probe failed): oneDNN's linear on the weight packed once, where it gives the canonical call's
-        # bits (the call oneDNN's bmm makes reorders the weight every time: llama100m's LM head, 8 rows in a 48-row
-        # tile, bf16, on an Intel Xeon with AMX: 10.6 ms a call unpacked, 4.4 packed; the journal, session 38)
-        laid_out = _packed_after_use(laid_out, lambda w: _packed_run(w, packed), lambda: packed.agrees(k), held)
-    return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out, any_rows=packs, packed=packed)
+        # a decode loop's tiles (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
+        # ``same_bits`` probe failed): oneDNN's linear on the weight packed once, one call per tile (calls of one
+        # shape, whatever the rows), where it gives the canonical call's bits (the call oneDNN's bmm makes reorders
+        # the weight every time: llama100m's LM head, 8 rows in a 48-row tile, bf16, on an Intel Xeon with AMX: 10.6
+        # ms a call unpacked, 4.4 packed, the journal, session 38; the default model's 128 rows in two 64-row tiles,
+        # session 59)
+        laid_out = _packed_after_use(laid_out, packed, k, held)
+    unpacked = None
+    if held is not None and not packs and not one_thread and not stored_row_major(weight) and form != LAID_OUT_FORMS[2]:
+        unpacked = LaidOutLinear(form, dtype, block, blocks, n, n_pad, whole_tiles)
+    return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out, any_rows=packs or compiled, packed=packed,
+                     laid_out=unpacked)
 
 
 # --------------------------------------------------------------------------- oneDNN's GEMM on a weight packed once
 PACK_AFTER_CALLS = 16
 """Calls of one plan (one weight version, one call shape: a decode loop's steps) after which a GEMM that runs oneDNN's
 linear (an fp32 class on ``onednn_rows``; a bf16 class's ``stacked`` arrangement, whose ``torch.mm`` is oneDNN's; a
-bf16 ``operand_per_tile`` class's canonical call of one tile, whose ``bmm`` is oneDNN's) runs it on the weight packed
-once (``host_guard.onednn_packed``) instead of the weight as stored. Packing costs about as much as 10-45 calls save
-(on an Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight, 25-45 ms for its LM head, against about 1 ms
-saved per LM head call; ``vexact bench decode_profile --gemm``), so a weight version pays for it only over a
-rollout's many steps: a rollout of fewer steps packs nothing, a longer one repays the layers' packing within 10-15
-further steps and the LM head's within 25-45; a training step (one forward per version, its GEMMs recorded for
-autograd) never packs."""
-PACKED_FORMS = ("stacked", "tiles", "one tile")
+bf16 ``operand_per_tile`` class's canonical call, whose ``bmm`` is oneDNN's) runs it on the weight packed once
+(``host_guard.onednn_packed``) instead of the weight as stored. Packing costs about as much as 10-45 calls save (on an
+Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight, 25-45 ms for its LM head, against about 1 ms saved per LM
+head call; ``vexact bench decode_profile --gemm``), so a weight version pays for it only over a rollout's many steps:
+a rollout of fewer steps packs nothing, a longer one repays the layers' packing within 10-15 further steps and the LM
+head's within 25-45; a training step alone (one forward per version) never packs, but one that follows a rollout on
+the same weight version (the RL step's scoring and update) runs on what the rollout packed (``_packed_after_use``)."""
+PACKED_FORMS = ("stacked", "tiles", "canonical call")
 """What ``_packed_agrees`` compares the packed call with: the ``stacked`` arrangement's one ``torch.mm``, the
 canonical tiles' oneDNN linear on the weight as stored (``tiles``, an fp32 ``onednn_rows`` class), or the canonical
-call of one tile of an ``operand_per_tile`` class (``one tile``: ``_laid_out_tiles``' first form, its ``bmm`` on the
-weight as stored, a transposed batch)."""
+call of the tiles of an ``operand_per_tile`` class (``canonical call``: one ``bmm`` of the tiles, the weight as stored
+once per tile, a transposed batch; the packed call one per tile)."""
 _PACKED_CHECKS: dict[tuple, bool] = {}
 
 
@@ -720,14 +804,15 @@ def _packable(k: int, n_pad: int, dtype: torch.dtype = torch.float32, rows: int 
     return k * n_pad >= ONEDNN_MIN_WEIGHT or _onednn_bf16_bmm(dtype, rows * k * n_pad)
 
 
-def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], agrees: Callable[[], bool],
-                      held: dict) -> Callable:
+def _packed_after_use(unpacked: Callable, plan: PackedLinear, k: int, held: dict) -> Callable:
     """A plan's run: ``unpacked`` for the first ``PACK_AFTER_CALLS`` calls on a weight version, then -- where
-    ``agrees()`` (the first-use check that the packed call gives the unpacked one's bits for the class) -- the run
-    ``packed(weight)`` makes once per version (given the weight at that call: a plan holds no reference to it), or
-    ``unpacked`` for the rest of the version where it makes none (no room under ``ARRANGED_BYTES_MAX``). The count
-    and the packed run are kept in ``held`` (the weight's ``_WeightPlans.held``: emptied with each new version). No
-    bit depends on which ran."""
+    ``plan.agrees(k)`` (the first-use check that the packed call gives the unpacked one's bits for the class) -- the
+    packed run (``_packed_run``) made once per version (given the weight at that call: a plan holds no reference to
+    it), or ``unpacked`` for the rest of the version where it makes none (no room under ``ARRANGED_BYTES_MAX``). From
+    the first call where the weight is packed for this version already (by another plan of it: a decode loop's, whose
+    version a training forward or a scoring pass then multiplies at other row counts): the packing costs nothing more.
+    The count and the packed run are kept in ``held`` (the weight's ``_WeightPlans.held``: emptied with each new
+    version). No bit depends on which ran."""
     slot = next(_SLOTS)
 
     def after_use(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K]
@@ -736,9 +821,10 @@ def _packed_after_use(unpacked: Callable, packed: Callable[[Tensor], Callable], 
             state = held[slot] = [0, None]
         if state[1] is None:
             state[0] += 1
-            if state[0] <= PACK_AFTER_CALLS or not agrees():
+            if ((state[0] <= PACK_AFTER_CALLS and _kept_operand(w, plan.packed_form) is None)
+                    or not plan.agrees(k)):
                 return _on_rows(unpacked, x, w, host, loops)
-            state[1] = packed(w) or functools.partial(_on_rows, unpacked)
+            state[1] = _packed_run(w, plan) or functools.partial(_on_rows, unpacked)
         return state[1](x, w, host, loops)
     return after_use
 
@@ -753,23 +839,22 @@ def _on_rows(run: Callable, x: Tensor, w: Tensor, host: HostGuard, loops: object
 
 def _packed_run(weight: Tensor, plan: PackedLinear) -> Callable[[Tensor, Tensor, HostGuard, object], Tensor] | None:
     """The plan's GEMM on the weight packed once (laid out once per weight version, ``arranged_weight``): x padded to
-    the plan's tiles as before, then one oneDNN linear call -- on the tiles [T, block, K] (``tiled``: as the canonical
-    tiles call it) or on their rows stacked [T x block, K] (the ``stacked`` arrangement). None where the packed copy
-    would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan counts
-    against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
-    dtype, n_pad, blocks, n = plan.dtype, plan.n_pad, plan.blocks, plan.n
-    form = ("onednn packed", dtype, n_pad)
-    if _kept_operand(weight, form) is None and not _room_for(weight.numel() * dtype.itemsize):
+    the plan's tiles as before, then oneDNN's linear as ``plan.calls`` says (``PACKED_CALLS``). None where the packed
+    copy would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan
+    counts against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
+    n, form = plan.n, plan.packed_form
+    if _kept_operand(weight, form) is None and not _room_for(weight.numel() * plan.dtype.itemsize):
         return None
     packed = arranged_weight(weight, form, lambda: onednn_packed(plan.operand(weight)))
     if _kept_operand(weight, form) is not packed:  # (laid out, but over the bound after all: not kept)
         return None
-    rows_padded = blocks * plan.block
+    rows_padded = plan.blocks * plan.block
+    tiles, each_tile = plan.loop_arguments()
 
     def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
         if loops is not None and (buffer := _kept_buffer(x, rows_padded)) is not None:
-            # the steps below in one compiled call (a decode step's: the same copy and op call, the same bits)
-            return loops.packed_linear(x, buffer, packed, blocks if plan.tiled else 0, n)
+            # the steps below in one compiled call (a decode step's: the same copy and op calls, the same bits)
+            return loops.packed_linear(x, buffer, packed, tiles, n, each_tile)
         return _on_rows(rows_run, x, w, host, loops)
 
     def rows_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
@@ -793,7 +878,8 @@ def _packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype
             return torch.equal(onednn_linear(x, packed), torch.mm(x, w.t()))
         if form == PACKED_FORMS[2]:  # the canonical call, on the canonical operand [1, K, N_pad] of w [N_pad, K]
             operand = transposed_batch(w.t().unsqueeze(0))  # (as ``stored_operand``)
-            return torch.equal(onednn_linear(x, packed), _canonical_tiles_call(x, operand, blocks, block))
+            return torch.equal(packed_calls(x, packed, blocks, PACKED_CALLS[2]),
+                               _canonical_tiles_call(x, operand, blocks, block))
         tiles = x.view(blocks, block, k)
         return torch.equal(onednn_linear(tiles, packed), onednn_linear(tiles, w))
 

@@ -956,17 +956,28 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& operand, int64_t 
 namespace {
 
 // torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on a packed weight over `rows` [R, K] --
-// as they are, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K] -- as [R, N]: the op call packed_linear and
-// packed_linears make.
-at::Tensor packed_rows_linear(const at::Tensor& rows, const at::Tensor& packed, int64_t blocks) {
+// as they are, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K] in one call, or (blocks > 0 and each_tile)
+// one call per tile [R / blocks, K], their outputs stacked -- as [R, N]: the op call(s) packed_linear and
+// packed_linears make (gemm_arrangements.PACKED_CALLS).
+at::Tensor packed_rows_linear(const at::Tensor& rows, const at::Tensor& packed, int64_t blocks, bool each_tile) {
   const int64_t padded = rows.size(0), k = rows.size(1);
   static const c10::OperatorHandle linear =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{blocks > 0 ? rows.view({blocks, padded / blocks, k}) : rows, packed, c10::IValue(),
-                                 std::string("none"), c10::List<std::optional<at::Scalar>>(), std::string("")};
-  linear.callBoxed(&stack);
-  at::Tensor out = stack[0].toTensor();
-  return blocks > 0 ? out.view({padded, -1}) : out;
+  auto call = [&](const at::Tensor& input) {
+    std::vector<c10::IValue> stack{input, packed, c10::IValue(), std::string("none"),
+                                   c10::List<std::optional<at::Scalar>>(), std::string("")};
+    linear.callBoxed(&stack);
+    return stack[0].toTensor();
+  };
+  if (blocks > 0 && each_tile) {
+    const int64_t block = padded / blocks;
+    std::vector<at::Tensor> tiles;
+    tiles.reserve(blocks);
+    for (int64_t t = 0; t < blocks; ++t) tiles.push_back(call(rows.narrow(0, t * block, block)));
+    return blocks == 1 ? tiles[0] : at::cat(tiles, 0);
+  }
+  if (blocks > 0) return call(rows.view({blocks, padded / blocks, k})).view({padded, -1});
+  return call(rows);
 }
 
 }  // namespace
@@ -974,11 +985,11 @@ at::Tensor packed_rows_linear(const at::Tensor& rows, const at::Tensor& packed, 
 // gemm_arrangements._packed_run's call after its plan (a decode step's GEMM on a weight packed once): the M rows of x
 // [..., K] copied into `buffer` [R, K] (the kept zero-padded input, R >= M, its rows from M on zero already: the
 // caller's), torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on the packed weight over the
-// buffer -- as it is, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K] -- and the first M rows and n columns
-// of its output, viewed as [..., n]. The same copy and the same op call on the same operands as the Python steps, so
+// buffer -- as it is, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K], in one call or (each_tile) one per
+// tile -- and the first M rows and n columns of its output, viewed as [..., n]. The same copy and the same op call on the same operands as the Python steps, so
 // the same bits; what it saves is their Python (a decode step makes one such call per linear layer).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at::Tensor& packed, int64_t blocks,
-                         int64_t n) {
+                         int64_t n, bool each_tile) {
   TORCH_CHECK(x.dim() >= 1 && buffer.dim() == 2 && buffer.is_contiguous() && x.size(-1) == buffer.size(1) &&
                   buffer.size(1) > 0 && x.numel() / buffer.size(1) <= buffer.size(0) &&
                   x.scalar_type() == buffer.scalar_type(),
@@ -986,7 +997,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at
   const int64_t padded = buffer.size(0), k = buffer.size(1), rows = x.numel() / k;
   TORCH_CHECK(blocks >= 0 && (blocks == 0 || padded % blocks == 0), "packed_linear: blocks must divide R");
   buffer.narrow(0, 0, rows).copy_(x.reshape({rows, k}));
-  at::Tensor out = packed_rows_linear(buffer, packed, blocks).narrow(0, 0, rows);
+  at::Tensor out = packed_rows_linear(buffer, packed, blocks, each_tile).narrow(0, 0, rows);
   if (out.size(1) != n) out = out.narrow(1, 0, n);
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
@@ -997,12 +1008,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at
 // rows copied into `buffer` where one is given (the kept zero-padded input [R, K], its rows from M on zero already:
 // the caller's), else x's rows as they are (a contiguous copy where they are not contiguous and aligned, as
 // gemm_arrangements._aligned makes); torch's oneDNN linear on the packed weights over them -- as they are, or (blocks >
-// 0) as `blocks` tiles -- and each weight's output: its `widths[i]` columns from the sum of the `pads` before it, the
-// first M rows, a contiguous copy viewed as [..., widths[i]]. The same copies and the same op call on the same
+// 0) as `blocks` tiles, in one call or (each_tile) one per tile -- and each weight's output: its `widths[i]` columns
+// from the sum of the `pads` before it, the first M rows, a contiguous copy viewed as [..., widths[i]]. The same copies and the same op call on the same
 // operands as the Python steps, so the same bits; what it saves is their Python.
 std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<at::Tensor>& buffer,
                                        const at::Tensor& packed, int64_t blocks, std::vector<int64_t> widths,
-                                       std::vector<int64_t> pads) {
+                                       std::vector<int64_t> pads, bool each_tile) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && widths.size() == pads.size() && !widths.empty(),
               "packed_linears: x [..., K] and a width and padded width per weight");
   const int64_t k = x.size(-1), rows = x.numel() / k;
@@ -1017,9 +1028,54 @@ std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<
     input = input.clone(at::MemoryFormat::Contiguous);
   }
   TORCH_CHECK(blocks >= 0 && (blocks == 0 || input.size(0) % blocks == 0), "packed_linears: blocks must divide R");
-  const at::Tensor out = packed_rows_linear(input, packed, blocks).narrow(0, 0, rows);
+  const at::Tensor out = packed_rows_linear(input, packed, blocks, each_tile).narrow(0, 0, rows);
   std::vector<int64_t> sizes = x.sizes().vec();
   std::vector<at::Tensor> outputs;
+  int64_t start = 0;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    sizes.back() = widths[i];
+    outputs.push_back(out.narrow(1, start, widths[i]).contiguous().view(sizes));
+    start += pads[i];
+  }
+  return outputs;
+}
+
+// gemm_arrangements' laid-out call of a decode step's tiles (form "one call": the canonical call itself, one at::bmm
+// of the tiles [blocks, R / blocks, K] against the operand laid out once per tile [blocks, K, N]) after its plan, on
+// one weight or (fused_linears) several laid out as one: x's M rows copied into `buffer` where one is given (the kept
+// zero-padded input [R, K], its rows from M on zero already: the caller's), else x's rows as they are (a contiguous
+// copy where they are not contiguous and aligned, as gemm_arrangements._aligned makes); the bmm; then, for one weight
+// (one width), the first M rows and n columns of its output as a view [..., n] -- for several, each weight's `widths[i]`
+// columns from the sum of the `pads` before it, the first M rows, a contiguous copy viewed as [..., widths[i]]. The same
+// copies and the same op call on the same operands as the Python steps, so the same bits; what it saves is their Python.
+std::vector<at::Tensor> bmm_linears(const at::Tensor& x, const c10::optional<at::Tensor>& buffer,
+                                    const at::Tensor& operand, int64_t blocks, std::vector<int64_t> widths,
+                                    std::vector<int64_t> pads) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && widths.size() == pads.size() && !widths.empty() &&
+                  operand.dim() == 3 && operand.size(0) == blocks && operand.size(1) == x.size(-1),
+              "bmm_linears: x [..., K], an operand [blocks, K, N] and a width and padded width per weight");
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  at::Tensor input = x.reshape({rows, k});
+  if (buffer.has_value()) {
+    TORCH_CHECK(buffer->dim() == 2 && buffer->is_contiguous() && buffer->size(1) == k && buffer->size(0) >= rows &&
+                    buffer->scalar_type() == x.scalar_type(),
+                "bmm_linears: a contiguous buffer [R >= x's rows, K] of x's dtype");
+    buffer->narrow(0, 0, rows).copy_(input);
+    input = *buffer;
+  } else if (!aligned_contiguous(input)) {
+    input = input.clone(at::MemoryFormat::Contiguous);
+  }
+  const int64_t padded = input.size(0);
+  TORCH_CHECK(blocks > 0 && padded % blocks == 0, "bmm_linears: blocks must divide R");
+  const at::Tensor out =
+      at::bmm(input.view({blocks, padded / blocks, k}), operand).view({padded, operand.size(2)}).narrow(0, 0, rows);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  std::vector<at::Tensor> outputs;
+  if (widths.size() == 1) {
+    sizes.back() = widths[0];
+    outputs.push_back((out.size(1) == widths[0] ? out : out.narrow(1, 0, widths[0])).view(sizes));
+    return outputs;
+  }
   int64_t start = 0;
   for (size_t i = 0; i < widths.size(); ++i) {
     sizes.back() = widths[i];
@@ -1708,6 +1764,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
   m.def("packed_linear", &packed_linear, "gemm_arrangements._packed_run's steps after its plan, same bits");
   m.def("packed_linears", &packed_linears, "fused_linears._fused_call's steps, same bits");
+  m.def("bmm_linears", &bmm_linears, "a laid-out plan's canonical call of its tiles (one weight or several), same bits");
   m.def("tile_gemms", &tile_gemms, "one at::mm per tile (or per column block of it) with a shared operand, spread over "
         "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1, py::arg("one_thread") = false);
   m.def("split_bmm", &split_bmm, "a bmm at 1 thread per thread over consecutive tiles (HostGuard.bmm's blas-1-thread path)");

@@ -237,6 +237,23 @@ def test_guard_modes_benchmark_times_canonical_against_auto_in_one_process(tmp_p
     assert "unknown item 'rollout'" in capsys.readouterr().err
 
 
+def test_guard_modes_at_another_batch(tmp_path, capsys):
+    """``--batch N``: the shapes with N random prompts (a decode step of N rows), named for it; the default shape,
+    whose prompts are its task's, and a batch under one are refused with one line."""
+    out = tmp_path / "b.json"
+    assert guard_modes.main(["--shape", "tiny", "--dtype", "fp32", "--reps", "1", "--threads", "1", "--items",
+                             "decode_step", "--batch", "5", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["settings"]["batch"] == 5
+    assert [r["shape"] for r in record["results"]] == ["tiny, 5 prompts"]
+    assert len(end_to_end.prompts_of(end_to_end.at_batch(end_to_end.shapes()["tiny"], 5))) == 5
+    capsys.readouterr()
+    assert guard_modes.main(["--shape", "default", "--batch", "5", "--items", "decode_step"]) == 2
+    assert "--batch applies to the shapes with random prompts" in capsys.readouterr().err
+    assert guard_modes.main(["--shape", "tiny", "--batch", "0", "--items", "decode_step"]) == 2
+    assert "--batch 0" in capsys.readouterr().err
+
+
 def test_op_swap_times_each_exact_op_swapped_for_natives(tmp_path, capsys):
     """Per item: exact, exact with each op it calls swapped for native's, native, every variant timed; the table
     gives per swapped op what the swap saves. The ops a variant swaps are the ones the item calls (a decode step's

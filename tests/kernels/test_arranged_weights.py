@@ -211,6 +211,16 @@ def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: i
             forms.append(args[5])  # the form
         return real(*args, **kwargs)
     monkeypatch.setattr(gemm_arrangements, "_laid_out_tiles", recorded)
+    if (loops := gemm_arrangements.compiled_loops.library()) is not None:
+        class Recorded:  # the canonical call itself, compiled (``bmm_linears``): the form ``one call``
+            def __getattr__(self, name):
+                return getattr(loops, name)
+
+            def bmm_linears(self, x, *args):
+                if x.numel() // x.shape[-1] == rows:
+                    forms.append(gemm_arrangements.LAID_OUT_FORMS[1])
+                return loops.bmm_linears(x, *args)
+        monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Recorded())
     return forms
 
 

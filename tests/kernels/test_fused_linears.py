@@ -37,7 +37,7 @@ def _operands(dtype: torch.dtype, widths: tuple[int, ...] = WIDTHS) -> tuple[tor
 
 def _fused(weights: list[torch.Tensor]) -> bool:
     """Whether a group of these weights holds their packed concatenation."""
-    return any(group.packed is not None and len(group.weights) == len(weights)
+    return any(group.operands and len(group.weights) == len(weights)
                and all(r() is w for r, w in zip(group.weights, weights)) for group in fused_linears._GROUPS.values())
 
 
@@ -153,11 +153,13 @@ def test_a_backend_without_linears_sees_a_linear_call_per_weight():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows,blocks,tiled", [(8, 1, False), (5, 1, True), (8, 2, True), (7, 3, False)])
-def test_the_compiled_fused_call_is_the_python_steps(dtype, rows, blocks, tiled):
-    """``compiled_loops``' ``packed_linears`` (the fused call in one call) against the steps it replaces: x's rows
-    padded to the tiles (the kept buffer, or x itself where it fills them), oneDNN's linear on the weights packed as
-    one, each weight's columns cut out -- bit for bit, contiguous, in x's leading shape."""
+@pytest.mark.parametrize("calls", [*gemm_arrangements.PACKED_CALLS, "laid out"])
+@pytest.mark.parametrize("rows,blocks", [(8, 1), (5, 1), (16, 2), (7, 3)])
+def test_the_compiled_fused_call_is_the_python_steps(dtype, calls, rows, blocks):
+    """``compiled_loops``' ``packed_linears`` and ``bmm_linears`` (the fused call in one call: on the weights packed
+    as one, or laid out as one for the canonical call of the tiles) against the steps they replace: x's rows padded to
+    the tiles (the kept buffer, or x itself where it fills them), the GEMM, each weight's columns cut out -- bit for
+    bit, contiguous, in x's leading shape."""
     from vexact_kernels import compiled_loops
 
     loops = compiled_loops.library()
@@ -167,18 +169,46 @@ def test_the_compiled_fused_call_is_the_python_steps(dtype, rows, blocks, tiled)
     _, weights = _operands(dtype, (40, 24, 64))
     x = torch.randn(rows, 1, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
     pads = tuple(gemm_arrangements.ceil_to(w.shape[0], gemm_arrangements.COL_BLOCK) for w in weights)
-    plans = tuple(gemm_arrangements.PackedLinear("stacked", dtype, block, blocks, w.shape[0], pad, tiled)
-                  for w, pad in zip(weights, pads))
+    if calls == "laid out":
+        plans = tuple(gemm_arrangements.LaidOutLinear("one call", dtype, block, blocks, w.shape[0], pad, True)
+                      for w, pad in zip(weights, pads))
+    else:
+        plans = tuple(gemm_arrangements.PackedLinear("stacked", dtype, block, blocks, w.shape[0], pad, calls)
+                      for w, pad in zip(weights, pads))
     operands = [torch.nn.functional.pad(w, (0, 0, 0, pad - w.shape[0])) for w, pad in zip(weights, pads)]
-    packed = host_guard.onednn_packed(torch.cat(operands))
+    operand = fused_linears.prepared(plans[0], torch.cat(operands))
     with torch.no_grad():
-        got = fused_linears._fused_call(x, packed, plans, loops)
-        expected = fused_linears._fused_call(x, packed, plans, None)
+        got = fused_linears._fused_call(x, operand, plans, loops)
+        expected = fused_linears._fused_call(x, operand, plans, None)
         reference = [native.linear(x, w) for w in weights]
     for a, b, r in zip(got, expected, reference):
         assert a.shape == b.shape == r.shape and a.is_contiguous() and b.is_contiguous()
         assert torch.equal(a, b)
         torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=2e-2)  # the right columns (bf16 rounding)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weights_too_small_to_pack_fuse_laid_out_in_canonical(threads):
+    """In mode ``canonical`` a bf16 decode call of two tiles on weights too small to pack over several tiles (the
+    default model's q/k/v, 64 -> 64, 32, 32, 128 rows) runs each weight's canonical call of the tiles, one ``bmm``
+    (``TiledPlan.laid_out``): past the switch, once on the weights laid out as one -- each output ``linear``'s bits,
+    and (where this host's check passed) fused."""
+    k, widths = 64, (64, 32, 32)
+    if not gemm_arrangements.operand_per_tile(torch.bfloat16, k, 64):
+        pytest.skip("torch's bf16 bmm does not run oneDNN here: no laid-out class")
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(128, 1, k, generator=g).bfloat16()
+    weights = [(torch.randn(n, k, generator=g) * k ** -0.5).bfloat16() for n in widths]
+    with num_threads(threads):
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+        outs = _loop(x, weights, host)
+        with torch.no_grad():
+            reference_host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
+            expected = [cpu_exact.linear(x, w.clone(), host=reference_host) for w in weights]
+    assert all(torch.equal(a, b) for out in outs for a, b in zip(out, expected))
+    checks = {key: ok for key, ok in fused_linears._FUSED_CHECKS.items() if key[1][0] == "LaidOutLinear"}
+    if checks and all(checks.values()):
+        assert _fused(weights)
 
 
 def test_an_moe_rollout_with_fused_experts_equals_the_training_logprobs():

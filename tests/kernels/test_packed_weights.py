@@ -1,10 +1,10 @@
 """oneDNN's GEMM on a weight packed once (``gemm_arrangements.PACK_AFTER_CALLS``): a form of the same calls, checked.
 
 A plan that runs torch's oneDNN linear -- an fp32 class on ``onednn_rows`` (its canonical tiles), a bf16 class's
-``stacked`` arrangement (whose ``torch.mm`` is oneDNN's), or a bf16 class's canonical call of one tile (whose ``bmm``
-is oneDNN's: the ``laid out`` plan, in mode ``canonical``) -- switches, after ``PACK_AFTER_CALLS`` calls of one
-weight version, to the same op on the weight packed once in oneDNN's layout, where a first-use check found the packed
-call's bits equal to the call it replaces. So:
+``stacked`` arrangement (whose ``torch.mm`` is oneDNN's), or a bf16 class's canonical call (whose ``bmm`` is oneDNN's:
+the ``laid out`` plan, in mode ``canonical``; packed, one call per tile) -- switches, after ``PACK_AFTER_CALLS`` calls
+of one weight version (or at once where the version is packed already), to the same op on the weight packed once in
+oneDNN's layout, where a first-use check found the packed call's bits equal to the call it replaces. So:
 
 - a decode loop longer than that gives every call the bits of its first call, and of a guard that never packs, at 1
   and 2 threads, fp32 and bf16, in modes ``auto`` and ``canonical`` -- and (where this host packs) it did pack;
@@ -61,11 +61,12 @@ def _loops_packed_and_never_packed(x: torch.Tensor, w: torch.Tensor, threads: in
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mode", ["auto", "canonical"])
-def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads, mode, monkeypatch):
-    """In ``canonical`` a bf16 class runs its canonical call (``operand_per_tile``: one tile, ``laid out``), which
-    packs too; in ``auto`` its ``stacked`` arrangement (where the probe passed)."""
+@pytest.mark.parametrize("rows", [8, 100], ids=["one-tile", "two-tiles"])
+def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads, mode, rows, monkeypatch):
+    """In ``canonical`` a bf16 class runs its canonical call (``operand_per_tile``, ``laid out``), which packs too
+    (one oneDNN call per tile, ``each tile``); in ``auto`` its ``stacked`` arrangement (where the probe passed)."""
     monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
-    x, w = _operands(dtype)
+    x, w = _operands(dtype, rows)
     outs, reference, w_unpacked = _loops_packed_and_never_packed(x, w, threads, monkeypatch, mode)
     assert all(torch.equal(out, reference[0]) for out in outs + reference)
     assert not _packed_kept(w_unpacked)
@@ -79,6 +80,34 @@ def test_a_decode_loop_past_the_switch_keeps_its_first_calls_bits(dtype, threads
     if checked:  # this host runs the class on oneDNN (fp32: onednn_rows; bf16: the stacked arrangement)
         assert all(gemm_arrangements._PACKED_CHECKS[key] for key in checked), "packed bits differ on this host"
         assert _packed_kept(w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["auto", "canonical"])
+def test_a_training_call_on_a_weight_packed_by_its_rollout_runs_packed_at_once(dtype, mode, monkeypatch):
+    """A call of another shape on a weight version a decode loop packed (the RL step's scoring and update after its
+    rollout: 320 rows, five tiles) takes the packed run from its first call, not after ``PACK_AFTER_CALLS`` -- with
+    the bits of a guard that never packs."""
+    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    asked = []
+    real_run = gemm_arrangements._packed_run
+
+    def recorded(weight, plan):
+        asked.append(plan.blocks * plan.block)
+        return real_run(weight, plan)
+
+    monkeypatch.setattr(gemm_arrangements, "_packed_run", recorded)
+    x, w = _operands(dtype)
+    training_rows = torch.randn(320, K, generator=torch.Generator().manual_seed(7)).to(dtype)
+    outs, reference, w_unpacked = _loops_packed_and_never_packed(x, w, 1, monkeypatch, mode)
+    with num_threads(1), torch.no_grad():
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+        packed_first = gemm_arrangements.tiled_matmul(training_rows, w, host)
+        unpacked_first = gemm_arrangements.tiled_matmul(training_rows, w_unpacked, host)
+    assert all(torch.equal(out, reference[0]) for out in outs)
+    assert torch.equal(packed_first, unpacked_first)
+    if _packed_kept(w) and any(key[1] > 1 and ok for key, ok in gemm_arrangements._PACKED_CHECKS.items()):
+        assert asked[-1] == 320, asked  # the training call's plan asked for its packed run at its first call
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -163,21 +192,23 @@ def loops():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows,blocks,n", [(8, 0, N), (8, 0, N - 24), (5, 2, N), (8, 3, N - 7)])
-def test_the_compiled_packed_call_is_the_python_steps(loops, dtype, rows, blocks, n):
+@pytest.mark.parametrize("calls", gemm_arrangements.PACKED_CALLS)
+@pytest.mark.parametrize("rows,blocks,n", [(8, 1, N), (8, 1, N - 24), (5, 2, N), (8, 3, N - 7), (40, 3, N)])
+def test_the_compiled_packed_call_is_the_python_steps(loops, dtype, calls, rows, blocks, n):
     """``compiled_loops``' ``packed_linear`` (a decode step's packed GEMM in one call) against the steps it replaces:
-    x's rows copied into the zero-padded buffer, oneDNN's linear on the packed weight over the rows or the tiles, the
-    output's first rows and ``n`` columns -- bit for bit, with the buffer left as the steps leave it."""
+    x's rows copied into the zero-padded buffer, oneDNN's linear on the packed weight over the rows, the tiles or each
+    tile (``PACKED_CALLS``), the output's first rows and ``n`` columns -- bit for bit, with the buffer left as the
+    steps leave it."""
     x, w = _operands(dtype, rows)
     packed = host_guard.onednn_packed(w)
     padded = 48
     buffer = torch.full((padded, K), float("nan"), dtype=dtype)
     buffer[rows:] = 0  # the kept buffer's rows past x's are zero (``_kept_buffer``'s job)
     expected_input = torch.cat([x, torch.zeros(padded - rows, K, dtype=dtype)])
-    tiles = expected_input.view(blocks, padded // blocks, K) if blocks else expected_input
-    expected = host_guard.onednn_linear(tiles, packed).reshape(padded, -1)[:rows, :n]
+    expected = gemm_arrangements.packed_calls(expected_input, packed, blocks, calls)[:rows, :n]
+    plan = gemm_arrangements.PackedLinear("stacked", dtype, padded // blocks, blocks, n, N, calls)
     with torch.no_grad():
-        got = loops.packed_linear(x, buffer, packed, blocks, n)
+        got = loops.packed_linear(x, buffer, packed, *plan.loop_arguments()[:1], n, plan.loop_arguments()[1])
     assert got.shape == (rows, n) and torch.equal(got, expected)
     assert torch.equal(buffer, expected_input)
 
