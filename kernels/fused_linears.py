@@ -99,6 +99,11 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
     the checks made, the weights packed (or laid out) as one -- and the decision kept for the next call of x's
     shape."""
     group = _group(weights, host, x.dtype)
+    if not group.operands:  # every call counted (the first too), per call shape and thread count, as a plan counts
+        count = (x.shape, torch.get_num_threads())
+        group.calls[count] = calls = group.calls.get(count, 0) + 1
+        if calls <= gemm.PACK_AFTER_CALLS:
+            return None
     plans = []
     for weight in weights:
         kept = linear_repeats.remembered(x, weight, host)
@@ -109,11 +114,6 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
     first, k = plans[0], x.shape[-1]
     if any(_call_form(p) != _call_form(first) for p in plans[1:]):
         return None
-    if _call_form(first) not in group.operands:  # calls counted, per call shape and thread count, as a plan counts
-        count = (x.shape, torch.get_num_threads())
-        group.calls[count] = calls = group.calls.get(count, 0) + 1
-        if calls <= gemm.PACK_AFTER_CALLS:
-            return None
     if not all(p.agrees(k) for p in plans) or not _fused_agrees(plans, k):
         return None
     operand = group.operands.get(key := _call_form(first))

@@ -89,6 +89,8 @@ def test_the_group_packs_at_the_call_a_single_weight_packs_at():
         cpu_exact.linears(x, weights, host=host)
     checks = list(fused_linears._FUSED_CHECKS.values())  # [] where this host's plans do not pack these weights
     assert _fused(weights) == (checks != [] and all(checks))
+    if any(gemm_arrangements._PACKED_CHECKS.values()):  # each weight's plan packs here: the group fused at this call
+        assert checks and _fused(weights)
 
 
 def test_a_fused_packing_whose_bits_differ_is_never_used(monkeypatch):
