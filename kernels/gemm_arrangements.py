@@ -408,11 +408,10 @@ host whose GEMM's bits follow the rows in a call gives each tile the one-tile ca
 
 
 @dataclass(frozen=True)
-class PackedLinear:
-    """A plan's GEMM on the weight packed once (``_packed_run``): oneDNN's linear on x padded to ``blocks`` tiles of
-    ``block`` rows (given to it as ``calls`` says: ``PACKED_CALLS``) against the canonical operand of the weight
-    (``operand``: [N_pad, K] in ``dtype``) packed, its first ``n`` of ``n_pad`` columns kept. ``form``: what
-    ``_packed_agrees`` compares it with (``PACKED_FORMS``)."""
+class _WeightCall:
+    """A plan's GEMM on a forward's weight, described for a call on several weights stacked as one
+    (``fused_linears``): ``blocks`` tiles of ``block`` rows against the weight's operand [N_pad, K] in ``dtype``, its
+    first ``n`` of ``n_pad`` columns kept; ``form``: which call of the plan it is."""
 
     form: str
     dtype: torch.dtype
@@ -420,11 +419,19 @@ class PackedLinear:
     blocks: int
     n: int
     n_pad: int
-    calls: str
 
     def operand(self, weight: Tensor) -> Tensor:
-        """The weight's operand that ``_packed_run`` packs: [N_pad, K] in the plan's dtype."""
+        """The weight's operand [N_pad, K] in the plan's dtype (the canonical operand's matrix)."""
         return canonical_operand(weight, self.dtype, self.n_pad)[0].t()
+
+
+@dataclass(frozen=True)
+class PackedLinear(_WeightCall):
+    """A plan's GEMM on the weight packed once (``_packed_run``): oneDNN's linear on x padded to the tiles (given to
+    it as ``calls`` says: ``PACKED_CALLS``) against the weight's ``operand`` packed. ``form``: what ``_packed_agrees``
+    compares it with (``PACKED_FORMS``)."""
+
+    calls: str
 
     def agrees(self, k: int) -> bool:
         """Whether the packed call gives the plan's own bits (``_packed_agrees``: checked once per key)."""
@@ -450,24 +457,13 @@ class PackedLinear:
 
 
 @dataclass(frozen=True)
-class LaidOutLinear:
+class LaidOutLinear(_WeightCall):
     """A ``laid out`` plan's GEMM in form ``one tile`` or ``one call`` (``_laid_out_tiles``: one ``mm`` of the tile,
-    or one ``bmm`` of the tiles, on a forward's weight seen as a transposed batch, ``stored_operand``), described as
-    ``fused_linears`` runs it on several weights laid out as one: ``blocks`` tiles of ``block`` rows against the
-    weight's operand [N_pad, K] in ``dtype``, its first ``n`` of ``n_pad`` columns kept; ``whole_tiles`` as the plan
-    runs its tiles (``_column_blocks_agree``)."""
+    or one ``bmm`` of the tiles, on the weight's ``operand`` seen as a transposed batch, ``stored_operand``), as
+    ``fused_linears`` runs it on several weights laid out as one; ``whole_tiles`` as the plan runs its tiles
+    (``_column_blocks_agree``)."""
 
-    form: str
-    dtype: torch.dtype
-    block: int
-    blocks: int
-    n: int
-    n_pad: int
     whole_tiles: bool
-
-    def operand(self, weight: Tensor) -> Tensor:
-        """The weight's operand [N_pad, K] in the plan's dtype (the matrix its call multiplies, seen transposed)."""
-        return canonical_operand(weight, self.dtype, self.n_pad)[0].t()
 
     def agrees(self, k: int) -> bool:
         """The plan's own form was checked against the canonical call when it was made (``_laid_out_agrees``)."""

@@ -1004,31 +1004,28 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& buffer, const at
   return out.view(sizes);
 }
 
-// fused_linears._fused_call's steps (a decode step's linear layers of one input on their weights packed as one): x's M
-// rows copied into `buffer` where one is given (the kept zero-padded input [R, K], its rows from M on zero already:
-// the caller's), else x's rows as they are (a contiguous copy where they are not contiguous and aligned, as
-// gemm_arrangements._aligned makes); torch's oneDNN linear on the packed weights over them -- as they are, or (blocks >
-// 0) as `blocks` tiles, in one call or (each_tile) one per tile -- and each weight's output: its `widths[i]` columns
-// from the sum of the `pads` before it, the first M rows, a contiguous copy viewed as [..., widths[i]]. The same copies and the same op call on the same
-// operands as the Python steps, so the same bits; what it saves is their Python.
-std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<at::Tensor>& buffer,
-                                       const at::Tensor& packed, int64_t blocks, std::vector<int64_t> widths,
-                                       std::vector<int64_t> pads, bool each_tile) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && widths.size() == pads.size() && !widths.empty(),
-              "packed_linears: x [..., K] and a width and padded width per weight");
+namespace {
+
+// x's M rows [M, K] as a GEMM's input: copied into `buffer` where one is given (the kept zero-padded input [R, K], its
+// rows from M on zero already: the caller's), else as they are (a contiguous copy where they are not contiguous and
+// aligned, as gemm_arrangements._aligned makes). `op`: the caller's name, for its errors.
+at::Tensor rows_input(const at::Tensor& x, const c10::optional<at::Tensor>& buffer, const char* op) {
   const int64_t k = x.size(-1), rows = x.numel() / k;
   at::Tensor input = x.reshape({rows, k});
   if (buffer.has_value()) {
     TORCH_CHECK(buffer->dim() == 2 && buffer->is_contiguous() && buffer->size(1) == k && buffer->size(0) >= rows &&
                     buffer->scalar_type() == x.scalar_type(),
-                "packed_linears: a contiguous buffer [R >= x's rows, K] of x's dtype");
+                op, ": a contiguous buffer [R >= x's rows, K] of x's dtype");
     buffer->narrow(0, 0, rows).copy_(input);
-    input = *buffer;
-  } else if (!aligned_contiguous(input)) {
-    input = input.clone(at::MemoryFormat::Contiguous);
+    return *buffer;
   }
-  TORCH_CHECK(blocks >= 0 && (blocks == 0 || input.size(0) % blocks == 0), "packed_linears: blocks must divide R");
-  const at::Tensor out = packed_rows_linear(input, packed, blocks, each_tile).narrow(0, 0, rows);
+  return aligned_contiguous(input) ? input : input.clone(at::MemoryFormat::Contiguous);
+}
+
+// Each weight's output from `out` [M, sum of pads] (its first M rows already): its `widths[i]` columns from the sum of
+// the `pads` before it, a contiguous copy viewed as x's leading shape [..., widths[i]].
+std::vector<at::Tensor> weight_outputs(const at::Tensor& out, const at::Tensor& x, const std::vector<int64_t>& widths,
+                                       const std::vector<int64_t>& pads) {
   std::vector<int64_t> sizes = x.sizes().vec();
   std::vector<at::Tensor> outputs;
   int64_t start = 0;
@@ -1040,49 +1037,45 @@ std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<
   return outputs;
 }
 
+}  // namespace
+
+// fused_linears._fused_call's steps (a decode step's linear layers of one input on their weights packed as one): x's
+// rows as the GEMM's input (rows_input); torch's oneDNN linear on the packed weights over them -- as they are, or
+// (blocks > 0) as `blocks` tiles, in one call or (each_tile) one per tile -- and each weight's output
+// (weight_outputs). The same copies and the same op call on the same operands as the Python steps, so the same bits;
+// what it saves is their Python.
+std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<at::Tensor>& buffer,
+                                       const at::Tensor& packed, int64_t blocks, std::vector<int64_t> widths,
+                                       std::vector<int64_t> pads, bool each_tile) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && widths.size() == pads.size() && !widths.empty(),
+              "packed_linears: x [..., K] and a width and padded width per weight");
+  const at::Tensor input = rows_input(x, buffer, "packed_linears");
+  TORCH_CHECK(blocks >= 0 && (blocks == 0 || input.size(0) % blocks == 0), "packed_linears: blocks must divide R");
+  const int64_t rows = x.numel() / x.size(-1);
+  return weight_outputs(packed_rows_linear(input, packed, blocks, each_tile).narrow(0, 0, rows), x, widths, pads);
+}
+
 // gemm_arrangements' laid-out call of a decode step's tiles (form "one call": the canonical call itself, one at::bmm
 // of the tiles [blocks, R / blocks, K] against the operand laid out once per tile [blocks, K, N]) after its plan, on
-// one weight or (fused_linears) several laid out as one: x's M rows copied into `buffer` where one is given (the kept
-// zero-padded input [R, K], its rows from M on zero already: the caller's), else x's rows as they are (a contiguous
-// copy where they are not contiguous and aligned, as gemm_arrangements._aligned makes); the bmm; then, for one weight
-// (one width), the first M rows and n columns of its output as a view [..., n] -- for several, each weight's `widths[i]`
-// columns from the sum of the `pads` before it, the first M rows, a contiguous copy viewed as [..., widths[i]]. The same
-// copies and the same op call on the same operands as the Python steps, so the same bits; what it saves is their Python.
+// one weight or (fused_linears) several laid out as one: x's rows as the GEMM's input (rows_input); the bmm; then,
+// for one weight (one width), the first M rows and n columns of its output as a view [..., n] -- for several, each
+// weight's output (weight_outputs). The same copies and the same op call on the same operands as the Python steps,
+// so the same bits; what it saves is their Python.
 std::vector<at::Tensor> bmm_linears(const at::Tensor& x, const c10::optional<at::Tensor>& buffer,
                                     const at::Tensor& operand, int64_t blocks, std::vector<int64_t> widths,
                                     std::vector<int64_t> pads) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && widths.size() == pads.size() && !widths.empty() &&
                   operand.dim() == 3 && operand.size(0) == blocks && operand.size(1) == x.size(-1),
               "bmm_linears: x [..., K], an operand [blocks, K, N] and a width and padded width per weight");
-  const int64_t k = x.size(-1), rows = x.numel() / k;
-  at::Tensor input = x.reshape({rows, k});
-  if (buffer.has_value()) {
-    TORCH_CHECK(buffer->dim() == 2 && buffer->is_contiguous() && buffer->size(1) == k && buffer->size(0) >= rows &&
-                    buffer->scalar_type() == x.scalar_type(),
-                "bmm_linears: a contiguous buffer [R >= x's rows, K] of x's dtype");
-    buffer->narrow(0, 0, rows).copy_(input);
-    input = *buffer;
-  } else if (!aligned_contiguous(input)) {
-    input = input.clone(at::MemoryFormat::Contiguous);
-  }
-  const int64_t padded = input.size(0);
+  const at::Tensor input = rows_input(x, buffer, "bmm_linears");
+  const int64_t padded = input.size(0), k = x.size(-1), rows = x.numel() / k;
   TORCH_CHECK(blocks > 0 && padded % blocks == 0, "bmm_linears: blocks must divide R");
   const at::Tensor out =
       at::bmm(input.view({blocks, padded / blocks, k}), operand).view({padded, operand.size(2)}).narrow(0, 0, rows);
+  if (widths.size() > 1) return weight_outputs(out, x, widths, pads);
   std::vector<int64_t> sizes = x.sizes().vec();
-  std::vector<at::Tensor> outputs;
-  if (widths.size() == 1) {
-    sizes.back() = widths[0];
-    outputs.push_back((out.size(1) == widths[0] ? out : out.narrow(1, 0, widths[0])).view(sizes));
-    return outputs;
-  }
-  int64_t start = 0;
-  for (size_t i = 0; i < widths.size(); ++i) {
-    sizes.back() = widths[i];
-    outputs.push_back(out.narrow(1, start, widths[i]).contiguous().view(sizes));
-    start += pads[i];
-  }
-  return outputs;
+  sizes.back() = widths[0];
+  return {(out.size(1) == widths[0] ? out : out.narrow(1, 0, widths[0])).view(sizes)};
 }
 
 // One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::mm of one fixed shape ([h, K] @ [K, N], the call
