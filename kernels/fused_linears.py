@@ -104,16 +104,13 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
         group.calls[count] = calls = group.calls.get(count, 0) + 1
         if calls <= gemm.PACK_AFTER_CALLS:
             return None
-    plans = []
-    for weight in weights:
-        kept = linear_repeats.remembered(x, weight, host)
-        plan = None if kept is None else kept.plan.packed or kept.plan.laid_out
-        if plan is None:
-            return None
-        plans.append(plan)
-    first, k = plans[0], x.shape[-1]
-    if any(_call_form(p) != _call_form(first) for p in plans[1:]):
+    kept = [linear_repeats.remembered(x, weight, host) for weight in weights]
+    if any(call is None for call in kept):
         return None
+    plans = _group_plans([call.plan for call in kept], x.shape[-1])
+    if plans is None:
+        return None
+    first, k = plans[0], x.shape[-1]
     if not all(p.agrees(k) for p in plans) or not _fused_agrees(plans, k):
         return None
     operand = group.operands.get(key := _call_form(first))
@@ -130,6 +127,23 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
     group.shapes[x.shape] = _Shape(host.epoch, torch.get_num_threads(), gemm.plan_switches(x.dtype, loops),
                                    tuple(plans), operand)
     return _fused_call(x, operand, tuple(plans), loops)
+
+
+def _group_plans(plans: list[gemm.TiledPlan], k: int) -> list[FusedPlan] | None:
+    """How the group's call runs its weights' plans: the packed call where every plan packs alike; else, where every
+    plan runs the canonical call of its tiles (``TiledPlan.laid_out``: some weights too small to pack alone over
+    several tiles, as llama100m's k/v beside its q, or all of them), that call packed, one oneDNN call per tile, where
+    the weights together are large enough to pack (``ONEDNN_MIN_WEIGHT``), else laid out as one; None where the plans
+    differ."""
+    for calls in ([p.packed for p in plans], [p.laid_out for p in plans]):
+        if all(calls) and all(_call_form(c) == _call_form(calls[0]) for c in calls[1:]):
+            break
+    else:
+        return None
+    if (isinstance(calls[0], gemm.LaidOutLinear) and gemm.onednn_packing()
+            and sum(c.n_pad for c in calls) * k >= gemm.ONEDNN_MIN_WEIGHT):
+        return [c.packed() for c in calls]
+    return calls
 
 
 def _call_form(plan: FusedPlan) -> tuple:

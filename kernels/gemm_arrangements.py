@@ -398,7 +398,7 @@ class TiledPlan:
     run it on several weights packed as one."""
     laid_out: LaidOutLinear | None = None
     """A ``laid out`` plan's canonical call of a decode step's tiles, where it is one GEMM call on the weight as stored:
-    what ``fused_linears`` needs to run it on several weights laid out as one (where the plan does not pack)."""
+    what ``fused_linears`` needs to run it on several weights laid out as one (where not every weight's plan packs)."""
 
 
 PACKED_CALLS = ("rows", "tiles", "each tile")
@@ -464,6 +464,12 @@ class LaidOutLinear(_WeightCall):
     (``_column_blocks_agree``)."""
 
     whole_tiles: bool
+
+    def packed(self) -> PackedLinear:
+        """The same tiles on the weight packed once, one oneDNN call per tile (form ``canonical call``: checked
+        against this call's bits before use, ``PackedLinear.agrees``): what a group of weights too small to pack
+        alone over several tiles runs where their concatenation is large enough (``fused_linears``)."""
+        return PackedLinear(PACKED_FORMS[2], self.dtype, self.block, self.blocks, self.n, self.n_pad, PACKED_CALLS[2])
 
     def agrees(self, k: int) -> bool:
         """The plan's own form was checked against the canonical call when it was made (``_laid_out_agrees``)."""
@@ -763,11 +769,11 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
         # ms a call unpacked, 4.4 packed, the journal, session 38; the default model's 128 rows in two 64-row tiles,
         # session 59)
         laid_out = _packed_after_use(laid_out, packed, k, held)
-    unpacked = None
-    if held is not None and not packs and not one_thread and not stored_row_major(weight) and form != LAID_OUT_FORMS[2]:
-        unpacked = LaidOutLinear(form, dtype, block, blocks, n, n_pad, whole_tiles)
+    call = None  # (also where the plan packs: a group of weights some of which pack and some not fuses as this call)
+    if held is not None and not one_thread and not stored_row_major(weight) and form != LAID_OUT_FORMS[2]:
+        call = LaidOutLinear(form, dtype, block, blocks, n, n_pad, whole_tiles)
     return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out, any_rows=packs or compiled, packed=packed,
-                     laid_out=unpacked)
+                     laid_out=call)
 
 
 # --------------------------------------------------------------------------- oneDNN's GEMM on a weight packed once

@@ -189,28 +189,40 @@ def test_the_compiled_fused_call_is_the_python_steps(dtype, calls, rows, blocks)
         torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=2e-2)  # the right columns (bf16 rounding)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_weights_too_small_to_pack_fuse_laid_out_in_canonical(threads):
-    """In mode ``canonical`` a bf16 decode call of two tiles on weights too small to pack over several tiles (the
-    default model's q/k/v, 64 -> 64, 32, 32, 128 rows) runs each weight's canonical call of the tiles, one ``bmm``
-    (``TiledPlan.laid_out``): past the switch, once on the weights laid out as one -- each output ``linear``'s bits,
-    and (where this host's check passed) fused."""
-    k, widths = 64, (64, 32, 32)
-    if not gemm_arrangements.operand_per_tile(torch.bfloat16, k, 64):
+def _canonical_tiles_fuse(k: int, widths: tuple[int, ...], rows: int, threads: int, kind: str, seed: int) -> None:
+    """A bf16 decode loop of ``rows`` rows (two 64-row tiles) in mode ``canonical`` on weights [N, k] of ``widths``:
+    every call gives each weight ``linear``'s bits (a loop that never fuses), and where this host's checks of the
+    fused call of ``kind`` (``PackedLinear``, ``LaidOutLinear``) passed, the group holds its operand of that kind."""
+    if not gemm_arrangements.operand_per_tile(torch.bfloat16, k, max(widths)):
         pytest.skip("torch's bf16 bmm does not run oneDNN here: no laid-out class")
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(128, 1, k, generator=g).bfloat16()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 1, k, generator=g).bfloat16()
     weights = [(torch.randn(n, k, generator=g) * k ** -0.5).bfloat16() for n in widths]
     with num_threads(threads):
-        host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
-        outs = _loop(x, weights, host)
+        outs = _loop(x, weights, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
         with torch.no_grad():
             reference_host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
             expected = [cpu_exact.linear(x, w.clone(), host=reference_host) for w in weights]
     assert all(torch.equal(a, b) for out in outs for a, b in zip(out, expected))
-    checks = {key: ok for key, ok in fused_linears._FUSED_CHECKS.items() if key[1][0] == "LaidOutLinear"}
-    if checks and all(checks.values()):
-        assert _fused(weights)
+    checks = [ok for key, ok in fused_linears._FUSED_CHECKS.items() if key[1][0] == kind]
+    if checks and all(checks):
+        assert any(form[0] == kind for group in fused_linears._GROUPS.values() for form in group.operands)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_group_where_only_some_weights_pack_fuses_packed_in_canonical(threads):
+    """Two bf16 tiles in mode ``canonical``: q (512 x 512) packs alone, k and v (128 x 512) are too small to pack alone
+    over several tiles (llama100m's q beside its k/v). Past the switch the group runs their canonical call packed as
+    one, one oneDNN call per tile (the three together are large enough)."""
+    _canonical_tiles_fuse(K, (512, 128, 128), 100, threads, "PackedLinear", seed=10)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weights_too_small_to_pack_fuse_laid_out_in_canonical(threads):
+    """Two bf16 tiles in mode ``canonical`` on weights too small to pack even together (the default model's q/k/v,
+    64 -> 64, 32, 32, 128 rows): each weight's canonical call of the tiles is one ``bmm`` (``TiledPlan.laid_out``);
+    past the switch, one on the weights laid out as one."""
+    _canonical_tiles_fuse(64, (64, 32, 32), 128, threads, "LaidOutLinear", seed=9)
 
 
 def test_an_moe_rollout_with_fused_experts_equals_the_training_logprobs():
