@@ -66,7 +66,7 @@ class _Group:
     weights: tuple[weakref.ref, ...]
     layouts: tuple[tuple, ...]  # each weight's (version, data pointer, shape, strides) the count and packing are for
     calls: dict[tuple, int] = field(default_factory=dict)  # (x's shape, thread count) -> calls counted
-    operands: dict[tuple, Tensor] = field(default_factory=dict)  # _operand_key(plan) -> the weights as one
+    operands: dict[tuple, Tensor] = field(default_factory=dict)  # _call_form(plan) -> the weights as one
     nbytes: int = 0
     shapes: dict[torch.Size, _Shape] = field(default_factory=dict)
 
@@ -189,15 +189,13 @@ def _fused_call(x: Tensor, operand: Tensor, plans: tuple[FusedPlan, ...], loops:
     one compiled call where the loops are built (``packed_linears``, ``bmm_linears``: the same steps)."""
     first, k = plans[0], x.shape[-1]
     packed = isinstance(first, gemm.PackedLinear)
-    if loops is not None and (packed or first.form == gemm.LAID_OUT_FORMS[1]):
-        rows_padded = first.blocks * first.block
-        buffer = gemm._kept_buffer(x, rows_padded)
-        if buffer is not None or x.numel() // k == rows_padded:
-            widths, pads = [p.n for p in plans], [p.n_pad for p in plans]
-            if not packed:  # the canonical call of the tiles, one bmm (``bmm_linears``)
-                return tuple(loops.bmm_linears(x, buffer, operand, first.blocks, widths, pads))
-            tiles, each_tile = first.loop_arguments()
-            return tuple(loops.packed_linears(x, buffer, operand, tiles, widths, pads, each_tile))
+    if (loops is not None and (packed or first.form == gemm.LAID_OUT_FORMS[1])
+            and (given := gemm._loop_input(x, first.blocks * first.block))):
+        widths, pads = [p.n for p in plans], [p.n_pad for p in plans]
+        if not packed:  # the canonical call of the tiles, one bmm (``bmm_linears``)
+            return tuple(loops.bmm_linears(x, given.buffer, operand, first.blocks, widths, pads))
+        tiles, each_tile = first.loop_arguments()
+        return tuple(loops.packed_linears(x, given.buffer, operand, tiles, widths, pads, each_tile))
     x_rows = x.reshape(-1, k)
     rows = x_rows.shape[0]
     out = first.call(x_rows, operand)

@@ -66,6 +66,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -264,6 +265,22 @@ def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
         return _zero_padded(x, (rows_padded, k))
     buffer[:rows].copy_(x)
     return buffer
+
+
+class _LoopInput(NamedTuple):
+    """How a compiled call takes x's rows padded to a plan's tiles: copied into ``buffer`` (``_kept_buffer``), or as
+    they are (``buffer`` None: they fill the tiles already)."""
+
+    buffer: Tensor | None
+
+
+def _loop_input(x: Tensor, rows_padded: int) -> _LoopInput | None:
+    """How a compiled call that pads x [..., K] to ``rows_padded`` rows itself takes them (``_LoopInput``); None where
+    it cannot (rows to pad and no kept buffer: a fresh zero-padded copy, the Python steps' ``_padded_rows``)."""
+    buffer = _kept_buffer(x, rows_padded)
+    if buffer is None and x.numel() != rows_padded * x.shape[-1]:
+        return None
+    return _LoopInput(buffer)
 
 
 def _kept_buffer(x: Tensor, rows_padded: int) -> Tensor | None:
@@ -743,23 +760,21 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
     whole_tiles = form != LAID_OUT_FORMS[1] and not _column_blocks_agree(block, k, n_pad, dtype, transposed,
                                                                          one_thread=one_thread)
 
-    def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+    def rows_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [M, K] -> [M, n]
         return _laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread, whole_tiles=whole_tiles)
-    compiled = form == LAID_OUT_FORMS[1] and not one_thread  # the canonical call itself: one bmm, compiled below
-    if compiled:
-        rows_run = laid_out
 
-        def laid_out(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
-            if loops is not None and ((buffer := _kept_buffer(x, blocks * block)) is not None
-                                      or x.numel() == blocks * block * k):
-                # the steps of rows_run in one compiled call (a decode step's: the same copy and bmm, the same bits)
-                return loops.bmm_linears(x, buffer, laid(w), blocks, [n], [n_pad])[0]
-            return _on_rows(rows_run, x, w, host, loops)
+    def compiled_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
+        if loops is not None and (given := _loop_input(x, blocks * block)):
+            # rows_run's steps in one compiled call (a decode step's: the same copy and bmm, the same bits)
+            return loops.bmm_linears(x, given.buffer, laid(w), blocks, [n], [n_pad])[0]
+        return _on_rows(rows_run, x, w, host, loops)
+    compiled = form == LAID_OUT_FORMS[1] and not one_thread  # the canonical call itself: one bmm
+    laid_out = compiled_run if compiled else rows_run
+    forward = held is not None and not one_thread and not stored_row_major(weight)  # a forward's weight, kept
     # several tiles only on a weight of at least ONEDNN_MIN_WEIGHT elements: a smaller one's calls, one per tile, cost
     # more than the canonical call's one (the default model's 64 x 176 weights, 128 rows: 1.5x; llama100m's 576 x
     # 1536 ones, 2 to 5 tiles: 0.89-0.94x; the journal, session 59)
-    packs = (held is not None and not one_thread and not stored_row_major(weight)
-             and (_packable(k, n_pad, dtype, block) if blocks == 1 else _packable(k, n_pad)))
+    packs = forward and (_packable(k, n_pad, dtype, block) if blocks == 1 else _packable(k, n_pad))
     packed = PackedLinear(PACKED_FORMS[2], dtype, block, blocks, n, n_pad, PACKED_CALLS[2]) if packs else None
     if packed:
         # a decode loop's tiles (where no stacked arrangement runs: a guard in mode ``canonical``, or a host whose
@@ -770,7 +785,7 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
         # session 59)
         laid_out = _packed_after_use(laid_out, packed, k, held)
     call = None  # (also where the plan packs: a group of weights some of which pack and some not fuses as this call)
-    if held is not None and not one_thread and not stored_row_major(weight) and form != LAID_OUT_FORMS[2]:
+    if forward and form != LAID_OUT_FORMS[2]:
         call = LaidOutLinear(form, dtype, block, blocks, n, n_pad, whole_tiles)
     return TiledPlan(TILED_ARRANGEMENTS[2], block, blocks, laid_out, any_rows=packs or compiled, packed=packed,
                      laid_out=call)
