@@ -133,6 +133,33 @@ def test_the_bound_keeps_nothing_beyond_it(monkeypatch):
     assert torch.equal(operand[0, :, :40], weight.t()) and not operand[0, :, 40:].any()
 
 
+def _held_bytes() -> int:
+    return sum(t.nbytes for kept in gemm_arrangements._ARRANGED.values() for _, t in kept.values())
+
+
+def test_the_bound_counts_the_bytes_held_as_operands_come_and_go():
+    """The bytes ``_room_for`` weighs against ``ARRANGED_BYTES_MAX`` are those the kept operands hold, counted as
+    they come and go rather than summed on every call: a weight's first operand, a second form of it, a new version
+    replacing the old, and the weight gone (its operands with it)."""
+    import gc
+
+    start = gemm_arrangements._HELD_BYTES.total
+    assert start == _held_bytes()
+    weight = _randn(40, 64, dtype=torch.float32, seed=1)
+    gemm_arrangements.canonical_operand(weight, torch.float32, 48)
+    one = gemm_arrangements._HELD_BYTES.total
+    assert one == _held_bytes() == start + 64 * 48 * 4
+    gemm_arrangements.canonical_operand(weight, torch.float32, 64)  # another form: kept beside the first
+    assert gemm_arrangements._HELD_BYTES.total == _held_bytes() == one + 64 * 64 * 4
+    with torch.no_grad():
+        weight.mul_(2.0)  # a new version: its operand replaces the old one of that form
+    gemm_arrangements.canonical_operand(weight, torch.float32, 48)
+    assert gemm_arrangements._HELD_BYTES.total == _held_bytes() == one + 64 * 64 * 4
+    del weight
+    gc.collect()
+    assert gemm_arrangements._HELD_BYTES.total == _held_bytes() == start
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_bmm_copies_the_canonical_operand_where_the_rule_says(dtype):
     """What ``bmm_copies_operand`` claims of torch, seen by the profiler: one 64-row tile against the canonical
