@@ -1084,17 +1084,19 @@ std::vector<at::Tensor> bmm_linears(const at::Tensor& x, const c10::optional<at:
 // at::parallel_for. A tile runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an
 // OpenMP region on the calling thread), so its bits cannot depend on how the tiles are divided, on the thread count or
 // on the other tiles; gemm_arrangements checks them at first use against the canonical call, per class and thread
-// count. column_blocks > 1: each tile's GEMM as that many GEMMs of consecutive column blocks of the operand (N split
-// in blocks of ceil(N / column_blocks) columns), each into its columns of the tile's output, the (tile, block) pairs
-// shared out instead -- so an odd tile count still gives two threads even shares; the same first-use check covers it
-// (a GEMM whose bits follow its column count fails it). With one item (or one thread) no region is opened: the calls
-// run one after another, as the Python loop makes them. `one_thread` (a blas-1-thread class, whose canonical call
-// runs at 1 thread): each GEMM with OpenMP's and MKL's thread-local counts 1 (OneThreadHere), as that call sees them.
-// Without it a call inside the region still runs on its thread, but oneDNN plans it for the process's thread count:
-// its bf16 GEMMs on an Intel Xeon with AMX then block the reduction as the 2-thread call does, not as the 1-thread
-// canonical call (llama100m's input gradients through its MLP and LM head failed their first-use check, and ran the
-// canonical call, copying the weight once per tile on every call).
-at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int64_t column_blocks, bool one_thread) {
+// count. column_blocks > 1: each tile from `whole_tiles` on runs as that many GEMMs of consecutive column blocks of the
+// operand (N split in blocks of ceil(N / column_blocks) columns), each into its columns of the tile's output, and the
+// items (the whole tiles, then the (tile, block) pairs) are shared out instead -- so an odd tile count still gives two
+// threads even shares (five tiles: two whole ones each and half of the fifth); the same first-use checks cover the
+// whole tiles and the column blocks (a GEMM whose bits follow its column count fails them). With one item (or one
+// thread) no region is opened: the calls run one after another, as the Python loop makes them. `one_thread` (a
+// blas-1-thread class, whose canonical call runs at 1 thread): each GEMM with OpenMP's and MKL's thread-local counts
+// 1 (OneThreadHere), as that call sees them. Without it a call inside the region still runs on its thread, but oneDNN
+// plans it for the process's thread count: its bf16 GEMMs on an Intel Xeon with AMX then block the reduction as the
+// 2-thread call does, not as the 1-thread canonical call (llama100m's input gradients through its MLP and LM head
+// failed their first-use check, and ran the canonical call, copying the weight once per tile on every call).
+at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int64_t column_blocks, bool one_thread,
+                      int64_t whole_tiles) {
   TORCH_CHECK(a_tiles.dim() == 3 && a_tiles.is_contiguous(), "tile_gemms: contiguous [T, h, K] tiles");
   TORCH_CHECK(operand.dim() == 3 && operand.size(0) == 1 &&
                   (operand.is_contiguous() || operand.transpose(1, 2).is_contiguous()) &&
@@ -1103,7 +1105,14 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int6
   const int64_t tiles = a_tiles.size(0), n = operand.size(2);
   TORCH_CHECK(column_blocks >= 1 && column_blocks <= std::max<int64_t>(n, 1),
               "tile_gemms: column_blocks must be from 1 to the operand's N");
-  const int64_t width = (n + column_blocks - 1) / column_blocks, items = tiles * column_blocks;
+  TORCH_CHECK(whole_tiles >= 0 && whole_tiles <= tiles, "tile_gemms: whole_tiles must be from 0 to the tile count");
+  if (column_blocks == 1) whole_tiles = tiles;
+  const int64_t width = (n + column_blocks - 1) / column_blocks, pairs = (tiles - whole_tiles) * column_blocks;
+  const int64_t items = whole_tiles + pairs, threads = at::get_num_threads();
+  // where both kinds divide evenly, each thread's run of items (at::parallel_for hands out equal consecutive runs) is
+  // its share of the whole tiles, then its share of the pairs; else the whole tiles, then the pairs
+  const bool interleaved = whole_tiles % threads == 0 && pairs % threads == 0;
+  const int64_t whole_each = whole_tiles / threads, run = items / threads;
   at::Tensor out = at::empty({tiles, a_tiles.size(1), n}, a_tiles.options());
   const auto gemm = [&](int64_t first, int64_t last) {
     at::NoGradGuard no_grad;  // grad mode is per thread: a worker's is on (an out= call then refuses inputs that
@@ -1111,19 +1120,25 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int6
     const OneThreadHere one_thread_here(one_thread);
     const at::Tensor matrix = operand.select(0, 0);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t t = item / column_blocks, lo = (item % column_blocks) * width;
+      int64_t pair = item - whole_tiles;  // the item's index among the pairs, or negative: a whole tile
+      if (interleaved) {
+        const int64_t share = item / run, at = item % run;
+        pair = at < whole_each ? -1 - (share * whole_each + at) : share * (run - whole_each) + at - whole_each;
+      }
+      if (pair < 0) {
+        const int64_t t = interleaved ? -1 - pair : item;
+        at::Tensor dst = out.select(0, t);
+        at::mm_out(dst, a_tiles.select(0, t), matrix);
+        continue;
+      }
+      const int64_t t = whole_tiles + pair / column_blocks, lo = (pair % column_blocks) * width;
       const int64_t cols = std::min(width, n - lo);
       if (cols <= 0) continue;
-      at::Tensor dst = out.select(0, t);
-      if (column_blocks == 1) {
-        at::mm_out(dst, a_tiles.select(0, t), matrix);
-      } else {
-        at::Tensor columns = dst.narrow(1, lo, cols);
-        at::mm_out(columns, a_tiles.select(0, t), matrix.narrow(1, lo, cols));
-      }
+      at::Tensor columns = out.select(0, t).narrow(1, lo, cols);
+      at::mm_out(columns, a_tiles.select(0, t), matrix.narrow(1, lo, cols));
     }
   };
-  if (items == 1 || at::get_num_threads() == 1) {
+  if (items == 1 || threads == 1) {
     gemm(0, items);
   } else {
     at::parallel_for(0, items, 1, gemm);
@@ -1759,7 +1774,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linears", &packed_linears, "fused_linears._fused_call's steps, same bits");
   m.def("bmm_linears", &bmm_linears, "a laid-out plan's canonical call of its tiles (one weight or several), same bits");
   m.def("tile_gemms", &tile_gemms, "one at::mm per tile (or per column block of it) with a shared operand, spread over "
-        "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1, py::arg("one_thread") = false);
+        "threads", py::arg("a_tiles"), py::arg("operand"), py::arg("column_blocks") = 1, py::arg("one_thread") = false,
+        py::arg("whole_tiles") = 0);
   m.def("split_bmm", &split_bmm, "a bmm at 1 thread per thread over consecutive tiles (HostGuard.bmm's blas-1-thread path)");
   m.def("reduction_slab_mms", &reduction_slab_mms,
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads", py::arg("a"),

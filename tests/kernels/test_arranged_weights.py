@@ -25,6 +25,8 @@ counter-test (per-tile GEMMs one ulp off are caught at first use).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import num_threads, recorded_returns
@@ -284,9 +286,9 @@ def _watched_tile_gemms(monkeypatch: pytest.MonkeyPatch, loops, column_blocks_of
         def __getattr__(self, name):
             return getattr(loops, name)
 
-        def tile_gemms(self, tiles, operand, column_blocks, one_thread=False):
+        def tile_gemms(self, tiles, operand, column_blocks, one_thread=False, whole_tiles=0):
             calls.append((tiles.shape[0], column_blocks, one_thread))
-            out = loops.tile_gemms(tiles, operand, column_blocks, one_thread=one_thread)
+            out = loops.tile_gemms(tiles, operand, column_blocks, one_thread=one_thread, whole_tiles=whole_tiles)
             if column_blocks_off and column_blocks > 1:
                 out = torch.nextafter(out, torch.full_like(out, float("inf")))
             return out
@@ -321,6 +323,47 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
                                  (one_after_another, expected), (one_thread, expected)))
 
 
+@pytest.mark.parametrize("one_thread", [False, True])
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("count", [1, 3, 5, 6, 9])
+def test_tiles_left_over_run_in_column_blocks_beside_whole_ones(count, threads, one_thread):
+    """The compiled spread call with its leading tiles whole and the rest in column blocks (``whole_tiles``: the
+    tiles left over after even shares of whole ones, five at 2 threads: four whole, the fifth in two blocks) has the
+    bits of one ``mm`` per tile at 1 thread, whatever the split, thread count or blocks; and ``_tile_gemms`` takes that
+    split for an uneven count (recorded)."""
+    loops = gemm_arrangements.compiled_loops.library()
+    if loops is None:
+        pytest.skip("the compiled loops are not built here")
+    tiles = _randn(count, 64, 96, dtype=torch.bfloat16, seed=count)
+    operand = _randn(1, 96, 175, dtype=torch.bfloat16, seed=9)  # an odd N: uneven column blocks
+    with num_threads(1):
+        expected = torch.stack([torch.mm(tiles[t], operand[0]) for t in range(count)])
+    with num_threads(threads):
+        for whole in range(count + 1):
+            for blocks in (2, 3, 4):
+                got = loops.tile_gemms(tiles, operand, blocks, one_thread=one_thread, whole_tiles=whole)
+                assert torch.equal(_bits(got), _bits(expected)), (whole, blocks)
+        made = []
+        real = loops.tile_gemms
+
+        class Recorded:
+            def __getattr__(self, name):
+                return getattr(loops, name)
+
+            def tile_gemms(self, *args, **kwargs):
+                made.append((args[2], kwargs.get("whole_tiles")))
+                return real(*args, **kwargs)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Recorded())
+            got = gemm_arrangements._tile_gemms(tiles, operand, one_thread=one_thread)
+    assert torch.equal(_bits(got), _bits(expected))
+    left_over = count % threads
+    if left_over:
+        assert made == [(threads // math.gcd(left_over, threads), count - left_over)]
+    else:
+        assert made == ([(1, count)] if count > 1 else [])
+
+
 @pytest.mark.parametrize("k,n", [(1536, 576), (4096, 576)])
 def test_one_thread_tile_gemms_are_the_one_thread_call(k, n):
     """A ``blas-1-thread`` class's whole tiles spread over 2 threads (``tile_gemms(..., one_thread=True)``: each GEMM
@@ -344,10 +387,11 @@ def test_one_thread_tile_gemms_are_the_one_thread_call(k, n):
 
 
 def test_tile_column_blocks_give_the_threads_even_shares():
-    """``tile_column_blocks``: 1 where the tiles divide evenly (or are many), else a divisor of the threads that
-    makes the (tile, block) pairs a multiple of them, at most N; ``tile_gemm_ways`` lists every such count."""
+    """``tile_column_blocks``: 1 where the tiles divide evenly, else a divisor of the threads that makes the tiles
+    left over after even shares of whole ones, in that many blocks each, a multiple of the threads, at most N;
+    ``tile_gemm_ways`` lists every such count."""
     blocks = gemm_arrangements.tile_column_blocks
-    assert [blocks(count, 2, 1536) for count in (1, 2, 3, 4, 5, 8, 9)] == [2, 1, 2, 1, 2, 1, 1]
+    assert [blocks(count, 2, 1536) for count in (1, 2, 3, 4, 5, 8, 9)] == [2, 1, 2, 1, 2, 1, 2]
     assert [blocks(count, 4, 1536) for count in (1, 2, 3, 4, 6)] == [4, 2, 4, 1, 2]
     assert blocks(3, 1, 1536) == 1 and blocks(1, 4, 3) == 3
     assert gemm_arrangements.tile_gemm_ways(2, 1536, one_thread=False) == ((True, 1), (True, 2), (False, 1))
