@@ -1569,7 +1569,8 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     # every chunk in one call where their partial products fit, else (or where the last chunk runs its tiles) one
     # chunk at a time: the same GEMMs and the same tree
     at_once = tail_in_slabs and chunks * width * k <= VIEW_PARTIALS_MAX
-    spread = _slabs_spread(width, k, block, last if tail_in_slabs else block, a.dtype)
+    pairs = (chunks if at_once or chunks == 1 else 1) * -(-width // SLAB_ROWS)  # the (chunk, slab) pairs of a call
+    spread = _slabs_spread(width, k, block, last if tail_in_slabs else block, a.dtype, pairs)
     if chunks == 1:  # one chunk (every bf16 reduction; its last is its whole, so in slabs): its GEMMs write the
         # result itself -- the same calls as per output slab (slabs of SLAB_ROWS rows), whether or not partials would
         # fit at once -- into a tensor of its own: a view of a [1, N, K] buffer would make autograd add a tied
@@ -1608,16 +1609,17 @@ def _slab_chunks(rows: int, dtype: torch.dtype) -> tuple[int, int]:
     return block, last_chunk_length(rows, block, dtype)
 
 
-def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: bool, out: Tensor | None = None) -> Tensor:
+def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: int, out: Tensor | None = None) -> Tensor:
     """[chunks, N, K]: for each ``block``-row chunk of a [M, N] and b [M, K] (the last zero-padded to ``last`` rows)
     and each ``SLAB_ROWS``-row slab of the N output rows, one GEMM on one thread (``_reduction_slabs``), written into
-    ``out`` (contiguous [chunks, N, K]; None: a fresh tensor). ``spread``: every (chunk, slab) pair shared out between
-    the threads in one compiled call (``reduction_slab_mms`` in ``csrc/exact_loops.cpp``); else the same pairs one
-    after another with one thread -- in that compiled call where the loops are built, else a Python loop of the same
-    ``mm`` calls on the same operands."""
+    ``out`` (contiguous [chunks, N, K]; None: a fresh tensor). ``spread`` (``_slabs_spread``) > 0: every (chunk, slab)
+    pair shared out between the threads in one compiled call (``reduction_slab_mms`` in ``csrc/exact_loops.cpp``),
+    each pair's GEMM as ``spread`` GEMMs of blocks of its output columns; 0: the same pairs one after another with
+    one thread -- in that compiled call where the loops are built, else a Python loop of the same ``mm`` calls on the
+    same operands."""
     loops = compiled_loops.library()
     if spread:
-        return loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS, out=out)
+        return loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS, out=out, column_blocks=spread)
     if loops is not None:
         return _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS, out=out))
     (rows, n), k = a.shape, b.shape[1]
@@ -1643,25 +1645,43 @@ def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: bool, ou
 _SPREAD_CHECKS: dict[tuple, bool] = {}
 
 
-def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype) -> bool:
-    """Whether ``_slab_products`` shares its (chunk, slab) pairs out between the threads: where the compiled loops are
-    built, several threads run, and ``reduction_slab_mms`` at this thread count gave the bits of the same pairs one
-    after another with one thread -- checked once per (output width, K, chunk, last chunk length, dtype, thread count)
+SLAB_PAIRS_PER_THREAD = 2
+"""(chunk, slab) pairs per thread below which ``_slab_products`` splits each pair's GEMM into as many blocks of its
+output columns as there are threads: fewer pairs do not share out evenly (llama100m's fp32 k/v weight gradient over
+312 tokens, a 256- and a 64-token chunk of one slab, gave one thread four times the other's work: 0.52 ms at 2
+threads against 0.65 at 1, and 0.36 in column blocks; at 3 pairs per thread, its q/o gradient's six, column blocks
+gained 2% and its MLP's lost 2%: the journal, session 60)."""
+
+
+def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype, pairs: int) -> int:
+    """How ``_slab_products`` runs ``pairs`` (chunk, slab) pairs: shared out between the threads, each pair's GEMM in
+    the returned number of column blocks (``SLAB_PAIRS_PER_THREAD``: as many as the threads where the pairs are few,
+    else 1), or 0: one after another with one thread. Shared out where the compiled loops are built, several threads
+    run, and ``reduction_slab_mms`` so, at this thread count, gave the bits of the same pairs whole, one after another
+    with one thread -- checked once per (output width, K, chunk, last chunk length, dtype, thread count, column blocks)
     on seeded order-revealing inputs (``_probe_operands``) of as many chunks as the reduction has at most (bf16: one;
     fp32: two, the last of ``last`` rows, or just over half of it where it pads to ``block``). It catches a library
-    whose GEMM called inside a parallel region rounds otherwise than with one thread (then the pairs run in turn)."""
+    whose GEMM called inside a parallel region rounds otherwise than with one thread, or whose GEMM of a block of
+    columns rounds otherwise than the whole (then whole pairs, or the pairs in turn)."""
     loops = compiled_loops.library()
-    if loops is None or torch.get_num_threads() == 1:
-        return False
-    def check() -> bool:
+    threads = torch.get_num_threads()
+    if loops is None or threads == 1:
+        return 0
+
+    def check(column_blocks: int) -> bool:
         tail = last - MIN_REDUCE_BLOCK + 1 if last == block else last  # a partial last chunk pads; a short one is whole
         rows = tail if one_thread_reduction(dtype) else block + tail
         a_t, b_t = _probe_operands(dtype, (width, rows), (k, rows))  # the reduction over the tokens is their K
         a, b = _rows_aligned(a_t.t().contiguous()), _aligned(b_t.t().contiguous())  # as _reduction_slabs lays them
         alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
-        return torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS), alone)
+        return torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS, column_blocks=column_blocks), alone)
 
-    return _checked_once(_SPREAD_CHECKS, (dtype, width, k, block, last, torch.get_num_threads()), check)
+    wanted = min(threads, k) if pairs < SLAB_PAIRS_PER_THREAD * threads else 1
+    for column_blocks in dict.fromkeys((wanted, 1)):
+        key = (dtype, width, k, block, last, threads, column_blocks)
+        if _checked_once(_SPREAD_CHECKS, key, lambda: check(column_blocks)):  # noqa: B023 (called at once)
+            return column_blocks
+    return 0
 
 
 def probe_transposed_matmul(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> None:

@@ -1215,13 +1215,20 @@ void spread_by_cost(const std::vector<int64_t>& costs, const Run& run) {
 // canonical halving tree; gemm_arrangements checks the spread at first use against the pairs in turn. `out`: where
 // the products go (contiguous [chunks, N, K] of a's dtype; undefined: a fresh tensor), so that a one-chunk caller
 // writes its result tensor itself (a view of a fresh [1, N, K] would not be accumulated into in place by autograd).
+// column_blocks > 1: each pair's GEMM as that many GEMMs of consecutive blocks of its output columns (b's K columns:
+// a GEMM of other columns, the same reduction over the chunk's tokens), for a reduction of too few pairs to give the
+// threads even shares (one chunk of one slab: every bf16 gradient of a layer of at most 256 outputs ran on one
+// thread); gemm_arrangements checks them at first use against the whole pairs in turn on one thread.
 at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t last_length,
-                              int64_t slab, c10::optional<at::Tensor> out) {
+                              int64_t slab, c10::optional<at::Tensor> out, int64_t column_blocks) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
                   a.scalar_type() == b.scalar_type() && block >= 1 && slab >= 1,
               "reduction_slab_mms: a [M, N] with unit column stride and a contiguous b [M, K] of its dtype");
   const int64_t m = a.size(0), n = a.size(1), k = b.size(1);
+  TORCH_CHECK(column_blocks >= 1 && column_blocks <= std::max<int64_t>(k, 1),
+              "reduction_slab_mms: column_blocks must be from 1 to b's K");
   const int64_t chunks = (m + block - 1) / block, slabs = (n + slab - 1) / slab;
+  const int64_t width = (k + column_blocks - 1) / column_blocks, pairs = chunks * slabs;
   const int64_t tail_first = (chunks - 1) * block, tail_rows = m - tail_first;
   TORCH_CHECK(last_length >= tail_rows, "reduction_slab_mms: the last chunk is longer than last_length");
   at::Tensor parts = out.has_value() ? *out : at::empty({chunks, n, k}, a.options());
@@ -1230,20 +1237,29 @@ at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t 
               "reduction_slab_mms: out must be a contiguous [chunks, N, K] of a's dtype");
   const at::Tensor b_tail = tail_rows < last_length ? padded_copy(b.narrow(0, tail_first, tail_rows), {last_length, k})
                                                     : b.narrow(0, tail_first, tail_rows);
-  std::vector<int64_t> costs(chunks * slabs);
-  for (int64_t t = 0; t < chunks * slabs; ++t) {
-    const int64_t c = t / slabs, lo = (t % slabs) * slab;
-    costs[t] = std::min(slab, n - lo) * (c == chunks - 1 ? last_length : block) * k;
+  // a task: one (chunk, slab) pair's GEMM, or with column_blocks > 1 one block of its output columns (b's columns)
+  std::vector<int64_t> costs(pairs * column_blocks);
+  for (int64_t t = 0; t < pairs * column_blocks; ++t) {
+    const int64_t pair = t / column_blocks, c = pair / slabs, lo = (pair % slabs) * slab;
+    const int64_t cols = std::max<int64_t>(0, std::min(width, k - (t % column_blocks) * width));
+    costs[t] = std::min(slab, n - lo) * (c == chunks - 1 ? last_length : block) * cols;
   }
   spread_by_cost(costs, [&](int64_t t) {
-    const int64_t c = t / slabs, lo = (t % slabs) * slab, cols = std::min(slab, n - lo);
+    const int64_t pair = t / column_blocks, c = pair / slabs, lo = (pair % slabs) * slab, cols = std::min(slab, n - lo);
+    const int64_t first_col = (t % column_blocks) * width, out_cols = std::min(width, k - first_col);
+    if (out_cols <= 0) return;
     const bool is_last = c == chunks - 1;
     const int64_t rows = is_last ? tail_rows : block, length = is_last ? last_length : block;
     const at::Tensor region = a.narrow(0, c * block, rows).narrow(1, lo, cols);
     const at::Tensor left = rows == length ? region : padded_copy(region, {length, cols});
     const at::Tensor right = is_last ? b_tail : b.narrow(0, c * block, block);
     at::Tensor dst = parts.select(0, c).narrow(0, lo, cols);
-    at::mm_out(dst, left.t(), right);
+    if (column_blocks == 1) {
+      at::mm_out(dst, left.t(), right);
+    } else {
+      at::Tensor dst_cols = dst.narrow(1, first_col, out_cols);
+      at::mm_out(dst_cols, left.t(), right.narrow(1, first_col, out_cols));
+    }
   });
   return parts;
 }
@@ -1779,7 +1795,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_bmm", &split_bmm, "a bmm at 1 thread per thread over consecutive tiles (HostGuard.bmm's blas-1-thread path)");
   m.def("reduction_slab_mms", &reduction_slab_mms,
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads", py::arg("a"),
-        py::arg("b"), py::arg("block"), py::arg("last_length"), py::arg("slab"), py::arg("out") = py::none());
+        py::arg("b"), py::arg("block"), py::arg("last_length"), py::arg("slab"), py::arg("out") = py::none(),
+        py::arg("column_blocks") = 1);
   m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
   m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
   m.def("attention_forward", &attention_forward, "cpu_exact._attention_exact after its tiles (library GEMMs), same bits");

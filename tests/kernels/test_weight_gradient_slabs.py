@@ -254,7 +254,64 @@ def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(dtype, monkeypatc
     with num_threads(2):
         assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"),
                            written_out(a, b))
-    assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [False]
+    checks = list(gemm_arrangements._SPREAD_CHECKS.values())  # (the column blocks first where the pairs are few)
+    assert checks and not any(checks)
+
+
+def _narrow_case(dtype: torch.dtype, seed: int) -> tuple:
+    """(a, b, whether this host runs them in slabs, the definition written out) for a layer of 200 outputs: one slab
+    -- bf16's one chunk of 312 tokens, fp32's chunks of 256 and 44: too few (chunk, slab) pairs for two threads."""
+    if dtype == torch.bfloat16:
+        a, b = _inputs(312, 200, 48, seed=seed)
+        return a, b, _admitted(a, b, cpu_exact.HOST), _slabs_written_out
+    a, b = _fp32_inputs(300, 200, 48, seed=seed)
+    return a, b, _fp32_admitted(300, 48, cpu_exact.HOST), _fp32_slabs_written_out
+
+
+def _recorded_slab_calls(monkeypatch: pytest.MonkeyPatch, real, flip_column_blocks: bool = False) -> list[int]:
+    """``reduction_slab_mms``' column blocks per call, recorded; ``flip_column_blocks``: a call that splits the pairs'
+    columns returns one bit flipped (a library whose GEMM of a block of columns rounds otherwise)."""
+    calls = []
+
+    class Recorded:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def reduction_slab_mms(self, *args, column_blocks=1, **kwargs):
+            calls.append(column_blocks)
+            parts = real.reduction_slab_mms(*args, column_blocks=column_blocks, **kwargs)
+            if flip_column_blocks and column_blocks > 1:
+                as_int = torch.int16 if parts.dtype == torch.bfloat16 else torch.int32
+                parts.view(as_int).bitwise_xor_(1)
+            return parts
+
+    monkeypatch.setattr(compiled_loops, "library", lambda: Recorded())
+    monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
+    return calls
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("threads", (2, 3))
+def test_too_few_pairs_share_their_columns_between_the_threads(threads, dtype, monkeypatch):
+    """A reduction of fewer (chunk, slab) pairs than ``SLAB_PAIRS_PER_THREAD`` per thread splits each pair's GEMM into
+    as many blocks of its output columns as threads (recorded), with the definition's bits; a library whose
+    column blocks round otherwise (made so: one bit flipped) keeps the whole pairs, shared out, and the same bits."""
+    real = compiled_loops.library()
+    if real is None:
+        pytest.skip("the compiled loops are not built here: the slabs always run in turn")
+    a, b, admitted, written_out = _narrow_case(dtype, seed=5)
+    if not admitted:
+        pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
+    expected = written_out(a, b)
+    with num_threads(threads):
+        calls = _recorded_slab_calls(monkeypatch, real)
+        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+        assert calls[-1] == threads  # the reduction's own call, after its first-use check
+        assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [True]
+        calls = _recorded_slab_calls(monkeypatch, real, flip_column_blocks=True)
+        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+        assert calls[-1] == 1
+        assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [False, True]
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
