@@ -1122,8 +1122,8 @@ at::Tensor tile_gemms(const at::Tensor& a_tiles, const at::Tensor& operand, int6
     for (int64_t item = first; item < last; ++item) {
       int64_t pair = item - whole_tiles;  // the item's index among the pairs, or negative: a whole tile
       if (interleaved) {
-        const int64_t share = item / run, at = item % run;
-        pair = at < whole_each ? -1 - (share * whole_each + at) : share * (run - whole_each) + at - whole_each;
+        const int64_t share = item / run, place = item % run;  // the item's thread share, its place in it
+        pair = place < whole_each ? -1 - (share * whole_each + place) : share * (run - whole_each) + place - whole_each;
       }
       if (pair < 0) {
         const int64_t t = interleaved ? -1 - pair : item;
