@@ -276,8 +276,9 @@ def test_bf16_forward_tiles_on_a_transposed_batch_are_the_canonical_call(rows, k
 
 
 def _watched_tile_gemms(monkeypatch: pytest.MonkeyPatch, loops, column_blocks_off: bool = False
-                        ) -> list[tuple[int, int, bool]]:
-    """The compiled loops with their ``tile_gemms`` calls recorded as (tiles, column blocks, one thread);
+                        ) -> list[tuple[int, int, bool, int]]:
+    """The compiled loops with their ``tile_gemms`` calls recorded as (tiles, column blocks, one thread, leading whole
+    tiles);
     ``column_blocks_off``: a call that splits tiles into column blocks returns one ulp off (a host whose GEMM rounds a
     column block otherwise)."""
     calls = []
@@ -287,7 +288,7 @@ def _watched_tile_gemms(monkeypatch: pytest.MonkeyPatch, loops, column_blocks_of
             return getattr(loops, name)
 
         def tile_gemms(self, tiles, operand, column_blocks, one_thread=False, whole_tiles=0):
-            calls.append((tiles.shape[0], column_blocks, one_thread))
+            calls.append((tiles.shape[0], column_blocks, one_thread, whole_tiles))
             out = loops.tile_gemms(tiles, operand, column_blocks, one_thread=one_thread, whole_tiles=whole_tiles)
             if column_blocks_off and column_blocks > 1:
                 out = torch.nextafter(out, torch.full_like(out, float("inf")))
@@ -317,7 +318,7 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
         even = gemm_arrangements._tile_gemms(tiles[:4], operand)
         one_after_another = gemm_arrangements._tile_gemms(tiles, operand, spread=False)
         one_thread = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)
-    assert calls == [(5, 2, False), (1, 2, False), (4, 1, False), (5, 2, True)]
+    assert calls == [(5, 2, False, 4), (1, 2, False, 0), (4, 1, False, 4), (5, 2, True, 4)]
     assert all(torch.equal(_bits(got), _bits(want))
                for got, want in ((uneven, expected), (one, expected[:1]), (even, expected[:4]),
                                  (one_after_another, expected), (one_thread, expected)))
@@ -343,25 +344,15 @@ def test_tiles_left_over_run_in_column_blocks_beside_whole_ones(count, threads, 
             for blocks in (2, 3, 4):
                 got = loops.tile_gemms(tiles, operand, blocks, one_thread=one_thread, whole_tiles=whole)
                 assert torch.equal(_bits(got), _bits(expected)), (whole, blocks)
-        made = []
-        real = loops.tile_gemms
-
-        class Recorded:
-            def __getattr__(self, name):
-                return getattr(loops, name)
-
-            def tile_gemms(self, *args, **kwargs):
-                made.append((args[2], kwargs.get("whole_tiles")))
-                return real(*args, **kwargs)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Recorded())
+            made = _watched_tile_gemms(patch, loops)
             got = gemm_arrangements._tile_gemms(tiles, operand, one_thread=one_thread)
     assert torch.equal(_bits(got), _bits(expected))
     left_over = count % threads
     if left_over:
-        assert made == [(threads // math.gcd(left_over, threads), count - left_over)]
+        assert made == [(count, threads // math.gcd(left_over, threads), one_thread, count - left_over)]
     else:
-        assert made == ([(1, count)] if count > 1 else [])
+        assert made == ([(count, 1, one_thread, count)] if count > 1 else [])
 
 
 @pytest.mark.parametrize("k,n", [(1536, 576), (4096, 576)])
@@ -444,7 +435,7 @@ def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
         out = run()
         assert forms == [form] and torch.equal(_bits(out), _bits(expected))
-        split = [count for count, blocks, _ in calls if blocks > 1]
+        split = [count for count, blocks, _, _ in calls if blocks > 1]
         assert split and tiles not in split  # the column blocks' check split its tiles; the form's call did not
         monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
         monkeypatch.setattr(gemm_arrangements, "_column_blocks_agree", lambda *args, **kwargs: True)

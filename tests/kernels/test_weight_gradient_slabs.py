@@ -225,6 +225,28 @@ def test_fp32_short_last_chunk_on_another_gemm_keeps_its_tiles(monkeypatch):
     assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, host, "linear"), expected)
 
 
+def _recorded_slab_calls(monkeypatch: pytest.MonkeyPatch, real, flips=lambda column_blocks: False) -> list[int]:
+    """The compiled loops (``real``) with ``reduction_slab_mms``' column blocks recorded per call, and the first-use
+    checks of the spread forgotten; a call where ``flips(column_blocks)`` returns one bit flipped (a library whose GEMM
+    rounds otherwise there: in a parallel region, or on a block of columns)."""
+    calls = []
+
+    class Recorded:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def reduction_slab_mms(self, *args, column_blocks=1, **kwargs):
+            calls.append(column_blocks)
+            parts = real.reduction_slab_mms(*args, column_blocks=column_blocks, **kwargs)
+            if flips(column_blocks):
+                as_int = torch.int16 if parts.dtype == torch.bfloat16 else torch.int32
+                parts.view(as_int).bitwise_xor_(1)  # in place: a caller's ``out`` gets the flip too
+            return parts
+
+    monkeypatch.setattr(compiled_loops, "library", lambda: Recorded())
+    monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
+    return calls
+
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(dtype, monkeypatch):
@@ -234,20 +256,7 @@ def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(dtype, monkeypatc
     real = compiled_loops.library()
     if real is None:
         pytest.skip("the compiled loops are not built here: the slabs always run in turn")
-    as_int = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
-
-    class SpreadFlipsABit:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def reduction_slab_mms(self, *args, **kwargs):
-            parts = real.reduction_slab_mms(*args, **kwargs)
-            if torch.get_num_threads() > 1:
-                parts.view(as_int).bitwise_xor_(1)  # in place: a caller's ``out`` gets the flip too
-            return parts
-
-    monkeypatch.setattr(compiled_loops, "library", lambda: SpreadFlipsABit())
-    monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
+    _recorded_slab_calls(monkeypatch, real, flips=lambda column_blocks: torch.get_num_threads() > 1)
     a, b, admitted, written_out = _case(dtype, seed=7)
     if not admitted:
         pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
@@ -268,28 +277,6 @@ def _narrow_case(dtype: torch.dtype, seed: int) -> tuple:
     return a, b, _fp32_admitted(300, 48, cpu_exact.HOST), _fp32_slabs_written_out
 
 
-def _recorded_slab_calls(monkeypatch: pytest.MonkeyPatch, real, flip_column_blocks: bool = False) -> list[int]:
-    """``reduction_slab_mms``' column blocks per call, recorded; ``flip_column_blocks``: a call that splits the pairs'
-    columns returns one bit flipped (a library whose GEMM of a block of columns rounds otherwise)."""
-    calls = []
-
-    class Recorded:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def reduction_slab_mms(self, *args, column_blocks=1, **kwargs):
-            calls.append(column_blocks)
-            parts = real.reduction_slab_mms(*args, column_blocks=column_blocks, **kwargs)
-            if flip_column_blocks and column_blocks > 1:
-                as_int = torch.int16 if parts.dtype == torch.bfloat16 else torch.int32
-                parts.view(as_int).bitwise_xor_(1)
-            return parts
-
-    monkeypatch.setattr(compiled_loops, "library", lambda: Recorded())
-    monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
-    return calls
-
-
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 @pytest.mark.parametrize("threads", (2, 3))
 def test_too_few_pairs_share_their_columns_between_the_threads(threads, dtype, monkeypatch):
@@ -308,7 +295,7 @@ def test_too_few_pairs_share_their_columns_between_the_threads(threads, dtype, m
         assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
         assert calls[-1] == threads  # the reduction's own call, after its first-use check
         assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [True]
-        calls = _recorded_slab_calls(monkeypatch, real, flip_column_blocks=True)
+        calls = _recorded_slab_calls(monkeypatch, real, flips=lambda column_blocks: column_blocks > 1)
         assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
         assert calls[-1] == 1
         assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [False, True]
