@@ -122,7 +122,8 @@ def rms_norm(op: str, x: Tensor, weight: Tensor) -> None:
 
 def linear(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     if not (isinstance(x, Tensor) and isinstance(weight, Tensor) and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype
-            and weight.dim() == 2 and x.dim() and 0 < x.shape[-1] == weight.shape[1] and x.device == weight.device
+            and weight.dim() == 2 and x.dim() and 0 < x.shape[-1] == weight.shape[1] and weight.shape[0] > 0
+            and x.device == weight.device
             and (bias is None or (isinstance(bias, Tensor) and bias.dtype == x.dtype and bias.device == x.device
                                   and bias.shape == weight.shape[:1]))):
         operands = {"x": x, "weight": weight} if bias is None else {"x": x, "weight": weight, "bias": bias}
@@ -131,6 +132,8 @@ def linear(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         last_dim(op, "x", x)
         if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
             raise shape_error(op, "weight must be [N, K], K = x's last dimension", x=x, weight=weight)
+        if weight.shape[0] == 0:
+            raise shape_error(op, "weight needs at least one row (N >= 1 output features)", weight=weight)
         if bias is not None and bias.shape != weight.shape[:1]:
             raise shape_error(op, "bias must be [N], N = weight's first dimension", weight=weight, bias=bias)
 

@@ -94,8 +94,9 @@ FLOAT_DTYPES, INDEX_DTYPES = checks.FLOAT_DTYPES, checks.INDEX_DTYPES
 
 # --------------------------------------------------------------------------- chunked library math
 def elementwise(name: str, x: Tensor, *, host: HostGuard = HOST, op: str = "sampling") -> Tensor:
-    """``name`` (exp, log, cos or sqrt) of every element of ``x`` (fp32 or fp64), each element's bits independent of
-    the tensor's size and the element's position (chunked, through the path ``host`` chose for this host).
+    """``name`` (exp, log, cos or sqrt) of every element of ``x`` (fp32 or fp64; exp fp32 only where the path is
+    ``fixed-order``'s: one ValueError naming the dtype), each element's bits independent of the tensor's size and the
+    element's position (chunked, through the path ``host`` chose for this host).
 
     A tensor on a GPU takes torch's own op: there each element goes through one device function whatever the
     tensor's size or the element's place (no vectorised variant that rounds otherwise), and the host guard, which

@@ -93,6 +93,8 @@ def bmm(a: Tensor, b: Tensor) -> Tensor:
     tiles, rows, k = a.shape
     cols = b.shape[2]
     out = a.new_empty(tiles, rows, cols)
+    if out.numel() == 0 or k == 0:  # nothing to sum (an empty batch of rows), or empty sums: 0.0, as a GEMM gives
+        return out.zero_()
     shared = b.stride(0) == 0  # one operand for every tile (an expanded weight): lay it out once
     b_shared = b[0].contiguous() if shared else None
 

@@ -567,6 +567,8 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
 
     The choice is made once per call key and kept (``TiledPlan``): a repeated call of one class looks its plan up
     and runs the GEMM."""
+    if x.shape[0] == 0:  # an empty batch of rows: nothing to arrange (a plan's tile count would be 0)
+        return x.new_empty(0, weight.shape[0])
     loops = compiled_loops.library()
     plan = kept_plan(x, weight, host, op, loops)
     if plan is None:  # a plan for this call alone

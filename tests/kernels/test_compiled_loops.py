@@ -581,20 +581,22 @@ def test_linear_through_the_compiled_gemm_steps_is_the_torch_op_path(loops, dtyp
     from vexact_kernels import cpu_exact
     from vexact_kernels.host_guard import HostGuard
 
-    torch_ops_guard = HostGuard(cpu_exact.ROW_BLOCKS, bmm=lambda a, b: torch.bmm(a, b))
+    # both in mode auto, given (the run's VEXACT_CPU_EXACT_PATH=fixed-order would take no library GEMM at all)
+    library_guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    torch_ops_guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", bmm=lambda a, b: torch.bmm(a, b))
     gen = torch.Generator().manual_seed(rows + k + n)
     x0 = torch.randn(rows, k, generator=gen).to(dtype)
     w0 = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     grad = torch.randn(rows, n, generator=gen).to(dtype)
     results = []
     with num_threads(1):
-        for host in (cpu_exact.HOST, torch_ops_guard):
+        for host in (library_guard, torch_ops_guard):
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
             out = cpu_exact.linear(x, w, host=host)
             out.backward(grad)
             results.append((out.detach(), x.grad, w.grad))
     operand = torch.empty(16 * -(-n // 16), k).t().unsqueeze(0)  # the forward's class: which path each guard took
-    assert cpu_exact.HOST.library_gemm(torch.float32, operand, True, "linear") is not None
+    assert library_guard.library_gemm(torch.float32, operand, True, "linear") is not None
     assert torch_ops_guard.library_gemm(torch.float32, operand, True, "linear") is None
     for name, a, b in zip(("output", "grad_x", "grad_w"), *results):
         assert torch.equal(_bits(a), _bits(b)), name
@@ -637,7 +639,9 @@ def test_chunked_library_math_is_the_python_chunk_loop_bit_for_bit(loops, name, 
     Python chunk loop (the loops answering None), bitwise, at 1 and 2 threads: sizes around the vector multiple and
     the chunk (one, several and a partial last chunk), a non-contiguous operand, and in place on scratch."""
     from vexact_kernels import cpu_exact
+    from vexact_kernels.host_guard import HostGuard
 
+    library = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")  # given: fixed-order mode takes no library function
     sizes = [(0,), (1,), (63,), (64,), (3, 65), (cpu_exact.CHUNK,), (cpu_exact.CHUNK + 1,), (5, 30011)]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -647,10 +651,10 @@ def test_chunked_library_math_is_the_python_chunk_loop_bit_for_bit(loops, name, 
             views = [x] + ([x.view(shape[0], -1).t()] if x.dim() == 2 else [])
             for view in views:
                 for inplace in (False, True):
-                    got = cpu_exact._unary(name, view.clone() if inplace else view, cpu_exact.HOST, "test", inplace)
+                    got = cpu_exact._unary(name, view.clone() if inplace else view, library, "test", inplace)
                     with monkeypatch.context() as patched:
                         patched.setattr(compiled_loops, "library", lambda: None)
-                        expected = cpu_exact._unary(name, view.clone() if inplace else view, cpu_exact.HOST, "test",
+                        expected = cpu_exact._unary(name, view.clone() if inplace else view, library, "test",
                                                     inplace)
                     assert got.shape == expected.shape == view.shape
                     assert torch.equal(_bits(got), _bits(expected)), (name, shape, inplace)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vexact_kernels import cpu_exact, moe_exact
+from vexact_kernels.host_guard import MODES, HostGuard
 
 G = torch.Generator().manual_seed(0)
 
@@ -33,6 +34,7 @@ BAD = [
     (lambda ops: ops.linear(X, W, B.bfloat16()), TypeError, "bias has dtype bfloat16 but x float32"),
     (lambda ops: ops.linear(_r(5, 15), W), ValueError, "K = x's last dimension (got x [5, 15]"),
     (lambda ops: ops.linear(X, _r(16)), ValueError, "weight must be [N, K]"),
+    (lambda ops: ops.linear(X, _r(0, 16)), ValueError, "weight needs at least one row"),
     (lambda ops: ops.linear(X, W, _r(31)), ValueError, "bias must be [N]"),
     (lambda ops: ops.linear(torch.tensor(1.0), W), ValueError, "x needs a last dimension"),
     (lambda ops: ops.linear(X, W.to("meta")), ValueError, "weight is on meta but x on cpu"),
@@ -161,14 +163,24 @@ def test_strided_operands_give_the_contiguous_operands_bits():
     assert torch.equal(cpu_exact.rope(q, COS, SIN), cpu_exact.rope(q.contiguous(), COS, SIN))
 
 
-def test_an_empty_batch_of_rows_is_an_empty_result():
-    assert cpu_exact.linear(_r(0, 16), W).shape == (0, 32)
-    assert cpu_exact.rms_norm(_r(0, 16), _r(16), 1e-6).shape == (0, 16)
-    assert cpu_exact.silu_mul(_r(0, 16), _r(0, 16)).shape == (0, 16)
-    assert cpu_exact.log_softmax(_r(0, 11)).shape == (0, 11)
-    assert cpu_exact.token_logprobs(_r(0, 11), torch.zeros(0, dtype=torch.long)).shape == (0,)
-    assert cpu_exact.entropy(_r(0, 11)).shape == (0,)
-    assert cpu_exact.attention(Q[:, :0], K, V, START, 0.3).shape == (2, 0, 4, 8)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_batch_of_rows_is_an_empty_result(mode):
+    """In every guard mode (a mode's own arrangements: ``fixed-order``'s GEMM once failed on zero tiles), given
+    explicitly: the run's ``VEXACT_CPU_EXACT_PATH`` would test one mode only."""
+    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
+    assert ops.linear(_r(0, 16), W).shape == (0, 32)
+    assert ops.linear(_r(0, 16).bfloat16(), W.bfloat16()).shape == (0, 32)
+    assert ops.linear(_r(3, 0, 16), W, B).shape == (3, 0, 32)
+    assert ops.rms_norm(_r(0, 16), _r(16), 1e-6).shape == (0, 16)
+    assert ops.silu_mul(_r(0, 16), _r(0, 16)).shape == (0, 16)
+    assert ops.log_softmax(_r(0, 11)).shape == (0, 11)
+    assert ops.token_logprobs(_r(0, 11), torch.zeros(0, dtype=torch.long)).shape == (0,)
+    assert ops.entropy(_r(0, 11)).shape == (0,)
+    assert ops.attention(Q[:, :0], K, V, START, 0.3).shape == (2, 0, 4, 8)
+    for dtype in (torch.float32, torch.bfloat16):  # and its gradients: none from no rows
+        x, w = _r(0, 16).to(dtype).requires_grad_(), W.to(dtype, copy=True).requires_grad_()
+        ops.linear(x, w).sum().backward()
+        assert x.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
 
 
 @pytest.mark.parametrize("retain_graph", [False, True])
