@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from vexact.cli import COMMANDS, build_parser, main
 from vexact.engine import model as model_module
 from vexact.real.check import WIDE_NEW_TOKENS, WIDE_PROMPTS, CheckSettings, check_units, run_check, wide_settings
 from vexact.real.check_report import check_verdict
+from vexact_kernels.host_guard import CANONICAL_PATH, ENV_MODES, MODE_ENV, SAME_BITS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,6 +57,38 @@ def test_check_reports_zero_exact_mismatch_and_native_mismatch(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "vexact check" in out and "path per op" in out and "gemm_rows" in out
     assert "hidden 64 x 2 layers" in out and "hidden 512 x 1 layer" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ENV_MODES)
+def test_check_passes_in_every_guard_mode(mode, tmp_path):
+    """``VEXACT_CPU_EXACT_PATH`` as a user sets it, in a fresh process: ``vexact check --dtype all`` passes in each
+    mode a user may choose, on the path that mode names -- ``auto`` probing and free to take a ``same_bits``
+    arrangement, ``canonical`` probing but taking none (what a host whose ``same_bits`` probes fail gets),
+    ``fixed-order`` probing nothing."""
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-m", "vexact", "check", "--dtype", "all", "--num-prompts", "8",
+                           "--max-new-tokens", "8", "--hidden-size", "64", "--intermediate-size", "160",
+                           "--json", str(out)], env={**os.environ, MODE_ENV: mode}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1].startswith("PASS: ")
+    exact = [r for r in json.loads(out.read_text()) if r["backend"] == "exact"]
+    assert {r["dtype"] for r in exact} == {"float32", "bfloat16"}
+    assert all(r["tokens"] > 0 and r["bitwise_equal"] == r["tokens"] for r in exact)
+    for row in exact:
+        paths = row["kernel_paths"]
+        assert paths["mode"] == mode
+        probes = paths["probes"]
+        arrangements = [p for p in probes if p["property"] == SAME_BITS]
+        properties = [p for p in probes if p["property"] != SAME_BITS]
+        assert properties and all((p["passed"] is None) == (mode == "fixed-order") for p in properties)
+        if mode == "auto":
+            assert all(p["passed"] is not None for p in arrangements)
+        else:  # declined without asking (canonical), never asked (fixed-order)
+            assert all(p["path"] == CANONICAL_PATH and p["passed"] is None for p in arrangements)
+    if mode != "fixed-order":  # the shapes reach a same_bits arrangement: canonical's declining is tested
+        assert any(p["property"] == SAME_BITS for p in exact[-1]["kernel_paths"]["probes"])
 
 
 def test_check_adds_a_wide_model_only_where_the_checked_one_is_narrower():
