@@ -169,6 +169,48 @@ def test_a_last_chunk_whose_short_reduction_differs_is_padded(monkeypatch):
     assert paths[f"{prefix} last chunk of 88 rows unpadded float32"] == FASTER_PATH
 
 
+def test_a_class_of_few_outputs_is_probed_on_several_draws(monkeypatch):
+    """A weight gradient of few outputs (N = 2, K = 17 over a 7-token chunk: 34) whose views round one output
+    otherwise on about half the inputs -- but not on the probe's first draw, which alone would pass: the draws up to
+    ``VIEW_PROBE_OUTPUTS`` outputs catch it, and the slabs' bits run. (MKL on the AMD EPYC host rounds three of
+    these 34 outputs otherwise in the views for 3 inputs in 4; its seeded first draw was the fourth.)"""
+    rows, n, k = 7, 2, 17
+    real_views = gemm_arrangements._transposed_matmul_views
+    first = real_views(*gemm_arrangements._seeded_randn((rows, n), (rows, k)), 64, True)
+    sign = 1.0 if first[1, 0] < 0 else -1.0  # the sign the first draw's output does not have
+
+    def some_inputs_differ(a, b, block, unpadded_tail):
+        out = real_views(a, b, block, unpadded_tail)
+        if unpadded_tail and out[1, 0] * sign > 0:
+            out[1, 0] = torch.nextafter(out[1, 0], torch.tensor(float("inf")))
+        return out
+
+    monkeypatch.setattr(gemm_arrangements, "_transposed_matmul_views", some_inputs_differ)
+    assert gemm_arrangements.VIEW_PROBE_OUTPUTS > n * k
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(8):  # inputs on both sides of the sign: each gives the slabs' bits
+        a, b = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
+        out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        assert _same_bits(out, gemm_arrangements.canonical_transposed_matmul(a, b, guard, "linear"))
+    paths = dict(_views_probes(guard))
+    assert paths[f"weight gradient on views: block=64 N={n} K={k} last chunk of {rows} rows unpadded float32"] == (
+        CANONICAL_PATH)
+
+
+@pytest.mark.parametrize("rows,n,k", [(7, 2, 17), (5, 3, 5), (39, 4, 64), (100, 2, 17)])
+def test_a_weight_gradient_of_few_outputs_is_the_canonical_arrangement(rows, n, k):
+    """On this host's own GEMM: a MoE router's or a small head's weight gradient (few output rows) gives the canonical
+    arrangement's bits on inputs the probe never saw -- what ``VIEW_PROBE_OUTPUTS``' draws are for (N = 2, K = 17, 7
+    tokens took views that rounded otherwise before them, on the AMD EPYC host)."""
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
+    gen = torch.Generator().manual_seed(rows * n * k)
+    for _ in range(16):
+        a, b = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
+        assert _same_bits(gemm_arrangements.transposed_matmul(a, b, guard, "linear"),
+                          gemm_arrangements.canonical_transposed_matmul(a, b, guard, "linear"))
+
+
 def test_a_weight_gradients_views_answer_is_asked_once_per_key(monkeypatch):
     """``transposed_matmul`` keeps the guard's answer for the views (``_views_arrangement``) per (guard state, rows,
     N, K, dtype, op, thread count): a repeated call asks once; another thread count, or a guard whose state changed,
