@@ -211,6 +211,32 @@ def test_a_weight_gradient_of_few_outputs_is_the_canonical_arrangement(rows, n, 
                           gemm_arrangements.canonical_transposed_matmul(a, b, guard, "linear"))
 
 
+MODE_CASES = [(rows, k, n, dtype) for (rows, k, n) in [(7, 17, 2), (1, 3, 1), (5, 8, 15), (33, 64, 22), (65, 100, 40),
+                                                        (129, 16, 177), (200, 176, 64), (312, 48, 300), (513, 17, 3)]
+              for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("rows,k,n,dtype", MODE_CASES)
+def test_auto_gives_canonicals_bits(rows, k, n, dtype):
+    """The guard's promise for every ``same_bits`` arrangement, asked of the whole linear layer: whatever ``auto``
+    takes (stacked tiles, views, a last tile apart, slabs spread) gives the bits of ``canonical``, which takes none --
+    output and both gradients, on inputs no probe saw, at the run's thread count. (A fuzz of this found the weight
+    gradient of few outputs, [7, 17] x [2, 17], that ``VIEW_PROBE_OUTPUTS`` is for.)"""
+    gen = torch.Generator().manual_seed(rows * 1000 + k * 10 + n)
+    x0 = torch.randn(rows, k, generator=gen).to(dtype)
+    w0 = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    grad = torch.randn(rows, n, generator=gen).to(dtype)
+    results = {}
+    for mode in ("auto", "canonical"):
+        ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = ops.linear(x, w)
+        out.backward(grad)
+        results[mode] = (out.detach(), x.grad, w.grad)
+    for name, a, b in zip(("output", "grad_x", "grad_w"), results["auto"], results["canonical"]):
+        assert _same_bits(a, b), name
+
+
 def test_a_weight_gradients_views_answer_is_asked_once_per_key(monkeypatch):
     """``transposed_matmul`` keeps the guard's answer for the views (``_views_arrangement``) per (guard state, rows,
     N, K, dtype, op, thread count): a repeated call asks once; another thread count, or a guard whose state changed,
