@@ -1671,17 +1671,22 @@ def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype,
     run, and ``reduction_slab_mms`` so, at this thread count, gave the bits of the same pairs whole, one after another
     with one thread -- checked once per (output width, K, chunk, last chunk length, dtype, thread count, column blocks)
     on seeded order-revealing inputs (``_probe_operands``) of as many chunks as the reduction has at most (bf16: one;
-    fp32: two, the last of ``last`` rows, or just over half of it where it pads to ``block``). It catches a library
-    whose GEMM called inside a parallel region rounds otherwise than with one thread, or whose GEMM of a block of
-    columns rounds otherwise than the whole (then whole pairs, or the pairs in turn)."""
+    fp32: two, the last of ``last`` rows, or of over half of ``block`` where it pads to it; a call of one pair
+    whole: one chunk, as the call). It catches a library whose GEMM called inside a parallel region rounds otherwise
+    than with one thread, whose GEMM of a block of columns rounds otherwise than the whole (then whole pairs, or the
+    pairs in turn), or -- one pair whole, one task: no parallel region, the GEMM on the library's own threads --
+    whose GEMM at this thread count rounds otherwise (MKL on the AMD EPYC host: a [8, 64] x [64, 24] product at 3
+    threads, which the two-chunk probe, two tasks in a region, never ran)."""
     loops = compiled_loops.library()
     threads = torch.get_num_threads()
     if loops is None or threads == 1:
         return 0
 
-    def check(column_blocks: int) -> bool:
-        tail = last - MIN_REDUCE_BLOCK + 1 if last == block else last  # a partial last chunk pads; a short one is whole
-        rows = tail if one_thread_reduction(dtype) else block + tail
+    def check(column_blocks: int, one_task: bool) -> bool:
+        # a partial last chunk pads (of over half a 64-row chunk: a single row would sum in any order alike); a short
+        # one is whole
+        tail = max(last - MIN_REDUCE_BLOCK + 1, block // 2 + 1) if last == block else last
+        rows = tail if one_thread_reduction(dtype) or one_task else block + tail
         a_t, b_t = _probe_operands(dtype, (width, rows), (k, rows))  # the reduction over the tokens is their K
         a, b = _rows_aligned(a_t.t().contiguous()), _aligned(b_t.t().contiguous())  # as _reduction_slabs lays them
         alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
@@ -1689,8 +1694,9 @@ def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype,
 
     wanted = min(threads, k) if pairs < SLAB_PAIRS_PER_THREAD * threads else 1
     for column_blocks in dict.fromkeys((wanted, 1)):
-        key = (dtype, width, k, block, last, threads, column_blocks)
-        if _checked_once(_SPREAD_CHECKS, key, lambda: check(column_blocks)):  # noqa: B023 (called at once)
+        one_task = pairs * column_blocks == 1
+        key = (dtype, width, k, block, last, threads, column_blocks, one_task)
+        if _checked_once(_SPREAD_CHECKS, key, lambda: check(column_blocks, one_task)):  # noqa: B023 (called at once)
             return column_blocks
     return 0
 

@@ -192,6 +192,25 @@ def test_weight_gradient_in_slabs_is_thread_invariant(threads, dtype, monkeypatc
         assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
+@pytest.mark.parametrize("mode", ("auto", "canonical"))
+@pytest.mark.parametrize("rows,n,k", [(6, 8, 24), (7, 64, 24), (65, 8, 24), (300, 8, 24), (33, 200, 17), (40, 3, 5)])
+def test_a_weight_gradient_of_one_pair_is_thread_invariant(rows, n, k, mode):
+    """A reduction of one (chunk, slab) pair (one chunk of at most 256 outputs), whose one task runs its GEMM on the
+    library's own threads where no column blocks do: at 1, 2 and 3 threads the same bits, on inputs no check saw.
+    (MKL on the AMD EPYC host rounds the [8, 64] x [64, 24] product otherwise at 3 threads; the check that allowed it
+    had multiplied two chunks -- two tasks, each on one thread -- and a one-row partial chunk, which sums alike in any
+    order.)"""
+    guard = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+    gen = torch.Generator().manual_seed(rows + n + k)
+    for _ in range(4):
+        a, b = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
+        results = []
+        for threads in (1, 2, 3):
+            with num_threads(threads):
+                results.append(gemm_arrangements.transposed_matmul(a, b, guard, "linear"))
+        assert all(torch.equal(results[0], other) for other in results[1:])
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_linear_backward_in_canonical_mode_is_the_chunks_in_slabs(dtype):
     """Through ``cpu_exact.linear``'s autograd in mode ``canonical`` (no ``same_bits`` arrangement: what a host whose
