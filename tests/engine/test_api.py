@@ -112,6 +112,18 @@ def test_generate_bad_input(kwargs, message):
         generate(tiny_model(), **kwargs)
 
 
+@pytest.mark.parametrize("tokens,message", [
+    (torch.zeros(1, 129, dtype=torch.long), r"129 tokens from position 0 exceed max_seq_len \(128\)"),
+    (torch.zeros(5, dtype=torch.long), r"tokens must be a \[B, T\] tensor of token ids, got \[5\]"),
+    ([[1, 2]], r"tokens must be a \[B, T\] tensor of token ids, got list"),
+])
+def test_forward_bad_tokens_is_one_clear_error(tokens, message):
+    """The model's own forward, called as a user's training loop would: one ValueError naming the tokens, not an
+    index error from inside the rotary table."""
+    with pytest.raises(ValueError, match=message):
+        tiny_model()(tokens)
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

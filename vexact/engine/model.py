@@ -549,8 +549,14 @@ class Transformer(nn.Module):
         (``Routing``; default: the router's top-k, nothing recorded).
         """
         ops, c = self.ops if ops is None else ops, self.config
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            raise ValueError(f"Transformer.forward: tokens must be a [B, T] tensor of token ids, got "
+                             f"{list(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__}")
         batch, length = tokens.shape
         if q_start is None:
+            if length > c.max_seq_len:  # (a rollout's positions, from q_start, are checked where it starts: generate)
+                raise ValueError(f"Transformer.forward: {length} tokens from position 0 exceed max_seq_len "
+                                 f"({c.max_seq_len}) (tokens {list(tokens.shape)})")
             q_start = torch.zeros(batch, dtype=torch.long, device=tokens.device)
         positions = q_start[:, None] + torch.arange(length, device=tokens.device)[None, :]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
