@@ -167,14 +167,15 @@ def test_fp32_weight_gradient_is_its_chunks_in_slabs_bit_for_bit(rows, n, k, loo
     assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
-def _case(dtype: torch.dtype, seed: int) -> tuple:
-    """(a, b, whether this host runs them in slabs, the definition written out): bf16's one chunk of 312 tokens; fp32's
-    three chunks of 700 (the last partial); five slabs (the last partial)."""
+def _case(dtype: torch.dtype, seed: int, n: int = 1100, k: int = 40, fp32_rows: int = 700) -> tuple:
+    """(a, b, whether this host runs them in slabs, the definition written out) for a layer of ``n`` outputs and ``k``
+    inputs: bf16's one chunk of 312 tokens; fp32's ``fp32_rows`` tokens (by default three chunks of 700, the last
+    partial; five slabs, the last partial)."""
     if dtype == torch.bfloat16:
-        a, b = _inputs(312, 1100, 40, seed=seed)
+        a, b = _inputs(312, n, k, seed=seed)
         return a, b, _admitted(a, b, cpu_exact.HOST), _slabs_written_out
-    a, b = _fp32_inputs(700, 1100, 40, seed=seed)
-    return a, b, _fp32_admitted(700, 40, cpu_exact.HOST), _fp32_slabs_written_out
+    a, b = _fp32_inputs(fp32_rows, n, k, seed=seed)
+    return a, b, _fp32_admitted(fp32_rows, k, cpu_exact.HOST), _fp32_slabs_written_out
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
@@ -286,16 +287,6 @@ def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(dtype, monkeypatc
     assert checks and not any(checks)
 
 
-def _narrow_case(dtype: torch.dtype, seed: int) -> tuple:
-    """(a, b, whether this host runs them in slabs, the definition written out) for a layer of 200 outputs: one slab
-    -- bf16's one chunk of 312 tokens, fp32's chunks of 256 and 44: too few (chunk, slab) pairs for two threads."""
-    if dtype == torch.bfloat16:
-        a, b = _inputs(312, 200, 48, seed=seed)
-        return a, b, _admitted(a, b, cpu_exact.HOST), _slabs_written_out
-    a, b = _fp32_inputs(300, 200, 48, seed=seed)
-    return a, b, _fp32_admitted(300, 48, cpu_exact.HOST), _fp32_slabs_written_out
-
-
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 @pytest.mark.parametrize("threads", (2, 3))
 def test_too_few_pairs_share_their_columns_between_the_threads(threads, dtype, monkeypatch):
@@ -305,7 +296,9 @@ def test_too_few_pairs_share_their_columns_between_the_threads(threads, dtype, m
     real = compiled_loops.library()
     if real is None:
         pytest.skip("the compiled loops are not built here: the slabs always run in turn")
-    a, b, admitted, written_out = _narrow_case(dtype, seed=5)
+    # a layer of 200 outputs, one slab -- bf16's one chunk of 312 tokens, fp32's chunks of 256 and 44: too few
+    # (chunk, slab) pairs for two threads
+    a, b, admitted, written_out = _case(dtype, seed=5, n=200, k=48, fp32_rows=300)
     if not admitted:
         pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
     expected = written_out(a, b)
