@@ -104,6 +104,16 @@ def recorded_returns(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) 
     return seen
 
 
+def linear_with_gradients(linear, x: torch.Tensor, weight: torch.Tensor,
+                          grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, grad of x, grad of weight) of ``linear(x, weight)`` backward from ``grad_output``, on fresh leaf copies
+    of ``x`` and ``weight`` (theirs untouched): what a test compares between two guards, modes or paths."""
+    x, weight = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    out = linear(x, weight)
+    out.backward(grad_output)
+    return out.detach(), x.grad, weight.grad
+
+
 def form_and_canonical(monkeypatch: pytest.MonkeyPatch, use_form, compute) -> tuple:
     """(the canonical call's result, the form's) for a kernel arrangement a test compares with the canonical call:
     ``use_form(patch, enabled)`` switches the form on or off on ``patch`` and returns the list its calls append to;

@@ -6,6 +6,7 @@ random shapes, strides and special values, and a whole run is compared with and 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -576,7 +577,7 @@ def test_linear_through_the_compiled_gemm_steps_is_the_torch_op_path(loops, dtyp
     """``linear`` forward and backward where the guard's verdict is torch's GEMM (the compiled ``tiled_matmul`` and
     ``transposed_matmul`` run the steps around it) against a guard over a wrapper of the same GEMM (which the
     compiled path does not take: every step in torch ops): output and both gradients bitwise."""
-    from conftest import num_threads
+    from conftest import linear_with_gradients, num_threads
 
     from vexact_kernels import cpu_exact
     from vexact_kernels.host_guard import HostGuard
@@ -588,13 +589,9 @@ def test_linear_through_the_compiled_gemm_steps_is_the_torch_op_path(loops, dtyp
     x0 = torch.randn(rows, k, generator=gen).to(dtype)
     w0 = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     grad = torch.randn(rows, n, generator=gen).to(dtype)
-    results = []
     with num_threads(1):
-        for host in (library_guard, torch_ops_guard):
-            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-            out = cpu_exact.linear(x, w, host=host)
-            out.backward(grad)
-            results.append((out.detach(), x.grad, w.grad))
+        results = [linear_with_gradients(functools.partial(cpu_exact.linear, host=host), x0, w0, grad)
+                   for host in (library_guard, torch_ops_guard)]
     operand = torch.empty(16 * -(-n // 16), k).t().unsqueeze(0)  # the forward's class: which path each guard took
     assert library_guard.library_gemm(torch.float32, operand, True, "linear") is not None
     assert torch_ops_guard.library_gemm(torch.float32, operand, True, "linear") is None

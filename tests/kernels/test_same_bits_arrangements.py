@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import num_threads
+from conftest import linear_with_gradients, num_threads
 from test_exact_price_bits import _same_bits
 
 from vexact_kernels import cpu_exact, fixed_order, gemm_arrangements, host_guard
@@ -226,13 +226,8 @@ def test_auto_gives_canonicals_bits(rows, k, n, dtype):
     x0 = torch.randn(rows, k, generator=gen).to(dtype)
     w0 = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     grad = torch.randn(rows, n, generator=gen).to(dtype)
-    results = {}
-    for mode in ("auto", "canonical"):
-        ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        out = ops.linear(x, w)
-        out.backward(grad)
-        results[mode] = (out.detach(), x.grad, w.grad)
+    results = {mode: linear_with_gradients(cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)).linear,
+                                           x0, w0, grad) for mode in ("auto", "canonical")}
     for name, a, b in zip(("output", "grad_x", "grad_w"), results["auto"], results["canonical"]):
         assert _same_bits(a, b), name
 
