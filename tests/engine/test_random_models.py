@@ -13,6 +13,9 @@ size, hidden and MLP widths, experts, vocabulary), a dtype, a thread count and a
 - correctness: in every mode, the logits and every gradient are those of the native model computing in fp32 on the
   same weights, within ``TOLERANCE`` (bitwise equality says nothing of a path that is consistently wrong).
 
+The same is asked on the emulated hosts (``test_host_guard.EMULATED_HOSTS``: a GEMM that accumulates by the rows
+in the call, as an Intel Xeon's AMX one does), where ``auto``'s ``same_bits`` probes fail, for fewer seeds.
+
 The cases are fixed by their seeds (the same draws on every run and host); each guard is fresh (``HostGuard``,
 ``cpu_exact.with_host``), so its probes run on this host, as a user's would.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import num_threads, random_prompts
+from test_host_guard import EMULATED_HOSTS, emulated_guard
 
 from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact_kernels import cpu_exact
@@ -38,6 +42,7 @@ maths makes (near) zero (a one-token sequence's query gradient, a top-1 router's
 ``ZERO_FLOOR`` of the model's largest gradient. Measured (seeds 0-23): fp32 at most 1.3e-6, bf16 1.3e-2 (activations
 rounded to bf16 at every op)."""
 ZERO_FLOOR = 1e-3
+EMULATED_SEEDS = range(6)  # 60 passed once on each emulated host
 SEEDS = range(24)  # each a case (about 2 s a test): 120 seeds passed once, and with the one-pair weight gradient
 # unfixed (before a304a0a) seeds 6, 10 and 22 fail at 3 threads: this range can fail
 THREADS = (1, 2, 3)
@@ -96,14 +101,14 @@ def _first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     return next((name for name in a if not torch.equal(a[name], b[name])), None)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_random_models_rollout_equals_training_in_every_guard_mode(seed):
-    case = _case(seed)
+def _rollouts_equal_training(case: Case, seed: int, ops_of) -> None:
+    """Rollout == training in every guard mode (``ops_of(mode)``: the ops over a fresh guard in that mode), and
+    ``auto``'s rollout ``canonical``'s, bit for bit."""
     model = case.model()
     rollouts = {}
     with num_threads(case.threads):
         for mode in ENV_MODES:
-            ops = _ops(mode)
+            ops = ops_of(mode)
             rollout = generate(model, case.prompts, max_new_tokens=case.new_tokens, seed=seed,
                                batch_size=case.generation_batch, ops=ops)
             scored = token_logprobs(model, case.prompts, rollout.tokens, micro_batch_size=case.micro_batch, ops=ops)
@@ -112,6 +117,28 @@ def test_random_models_rollout_equals_training_in_every_guard_mode(seed):
             rollouts[mode] = rollout
     assert rollouts["auto"].tokens == rollouts["canonical"].tokens, case
     assert all(torch.equal(a, b) for a, b in zip(rollouts["auto"].logprobs, rollouts["canonical"].logprobs)), case
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_models_rollout_equals_training_in_every_guard_mode(seed):
+    _rollouts_equal_training(_case(seed), seed, _ops)
+
+
+@pytest.mark.parametrize("host", list(EMULATED_HOSTS))
+@pytest.mark.parametrize("seed", EMULATED_SEEDS)
+def test_random_models_on_each_emulated_host(seed, host, monkeypatch):
+    """Rollout == training in every mode, ``auto`` == ``canonical``, and the training pass thread-invariant (1
+    against 3 threads) on an emulated host's GEMMs."""
+    case = _case(seed)
+    _rollouts_equal_training(case, seed, lambda mode: cpu_exact.with_host(emulated_guard(host, monkeypatch, mode)))
+    trained = {}
+    for mode in ("auto", "canonical"):
+        ops = cpu_exact.with_host(emulated_guard(host, monkeypatch, mode))
+        trained[mode] = _training_bits(case, ops, 1)
+        differs = _first_difference(trained[mode], _training_bits(case, ops, 3))
+        assert differs is None, f"{case}, {host}, mode {mode}: {differs} differs at 3 threads vs 1"
+    differs = _first_difference(trained["auto"], trained["canonical"])
+    assert differs is None, f"{case}, {host}: {differs} differs between auto and canonical"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
