@@ -350,6 +350,57 @@ def test_bad_jsonl_input_is_one_line_naming_file_line_and_id(tmp_path, capsys, s
     assert err == "error: " + message.replace("{R}", str(rollout)).replace("{T}", str(train)) + "\n"
 
 
+def _first_item(value) -> None:
+    """The mutation ``_first_item(value)(row, key)``: the first item of ``row[key]`` set to ``value``, where it is a
+    list with one (an earlier mutation may have left another type, or none)."""
+    def mutate(row: dict, key: str) -> None:
+        if isinstance(row.get(key), list) and row[key]:
+            row[key][0] = value
+    return mutate
+
+
+MUTATIONS = {  # name: what it does to one key of one decoded line (a dict) of a good dump
+    "drop the key": lambda row, key: row.pop(key, None),
+    "a dict": lambda row, key: row.update({key: {}}),
+    "a string": lambda row, key: row.update({key: "x"}),
+    "a number": lambda row, key: row.update({key: 3.5}),
+    "null": lambda row, key: row.update({key: None}),
+    "one shorter": lambda row, key: row.update({key: row[key][:-1]}) if isinstance(row.get(key), list) else None,
+    "a list in a list": lambda row, key: row.update({key: [row.get(key)]}),
+    "an empty list": lambda row, key: row.update({key: []}),
+    **{f"first item {value!r}": _first_item(value)
+       for value in ("a", True, -5, 2**70, math.nan, math.inf, -math.inf, 1e300, -1e308, 0.5)},
+}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mutated_dumps_are_a_report_or_one_error_line(tmp_path, capsys, seed):
+    """A seeded fuzz over what the table above names one at a time: good two-file dumps with up to two lines
+    mutated (``MUTATIONS``) or a bad line added, under each output flag. Each run is a report (exit 0 or 1) or
+    exit 2 with exactly one ``error:`` line and nothing on stdout -- never an exception out of ``main``."""
+    import random
+
+    rng = random.Random(seed)
+    for trial in range(25):
+        sides = {side: [{"id": i, "logprobs": list(values[i]), "tokens": list(TOKENS[i])} for i in ("a", "b", 7)]
+                 for side, values in (("roll", ROLL), ("train", TRAIN))}
+        for _ in range(rng.randint(0, 2)):
+            mutation = rng.choice(sorted(MUTATIONS))
+            row = rng.choice(sides[rng.choice(["roll", "train"])])
+            MUTATIONS[mutation](row, rng.choice(["logprobs", "tokens", "id"]))
+        lines = {side: [json.dumps(row) for row in rows] for side, rows in sides.items()}
+        if rng.random() < 0.3:
+            lines[rng.choice(["roll", "train"])].append(rng.choice(["", "{not json", "[1, 2]", lines["train"][0]]))
+        rollout, train = tmp_path / "rollout.jsonl", tmp_path / "train.jsonl"
+        rollout.write_text("\n".join(lines["roll"]) + "\n")
+        train.write_text("\n".join(lines["train"]) + "\n")
+        flags = rng.choice([[], ["--float32"], ["--fail-on-mismatch"], ["--json", tmp_path / "r.json"], ["--map"]])
+        code, out, err = _run(capsys, rollout, train, *flags)
+        assert code in (0, 1, 2), (trial, lines, flags, err)
+        if code == 2:
+            assert out == "" and err.startswith("error: ") and len(err.splitlines()) == 1, (trial, lines, err)
+
+
 def test_bad_one_file_and_empty_sequences(tmp_path, capsys):
     one = _jsonl(tmp_path / "one.jsonl", [{"id": 0, "rollout_log_probs": [-1.0, -2.0], "old_log_probs": [-1.0]}])
     assert _run(capsys, one)[2] == (f"error: {one}:1: id 0: lengths differ within the sequence: 'rollout_log_probs' "
@@ -699,3 +750,4 @@ def test_a_binary_file_of_another_format_says_how_the_format_is_chosen(tmp_path,
     jsonl = tmp_path / "dump.jsonl"
     jsonl.write_bytes(npz.read_bytes())
     assert _run(capsys, jsonl)[2] == f"error: {jsonl}:1: not valid JSON (not UTF-8 text)\n"
+
