@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pickle
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -378,8 +379,6 @@ def test_mutated_dumps_are_a_report_or_one_error_line(tmp_path, capsys, seed):
     """A seeded fuzz over what the table above names one at a time: good two-file dumps with up to two lines
     mutated (``MUTATIONS``) or a bad line added, under each output flag. Each run is a report (exit 0 or 1) or
     exit 2 with exactly one ``error:`` line and nothing on stdout -- never an exception out of ``main``."""
-    import random
-
     rng = random.Random(seed)
     for trial in range(25):
         sides = {side: [{"id": i, "logprobs": list(values[i]), "tokens": list(TOKENS[i])} for i in ("a", "b", 7)]
@@ -750,4 +749,3 @@ def test_a_binary_file_of_another_format_says_how_the_format_is_chosen(tmp_path,
     jsonl = tmp_path / "dump.jsonl"
     jsonl.write_bytes(npz.read_bytes())
     assert _run(capsys, jsonl)[2] == f"error: {jsonl}:1: not valid JSON (not UTF-8 text)\n"
-
