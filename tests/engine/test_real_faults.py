@@ -336,6 +336,8 @@ def test_config_that_is_not_a_json_object(ckpt, content, message):
     ({"num_key_value_heads": 3}, "num_heads (4) must be divisible by num_kv_heads (3) (config key "
                                  "'num_attention_heads')"),
     ({"head_dim": 15}, "head_dim must be a positive even integer, got 15 (config key 'head_dim')"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),  # not "absent" (null is)
+    ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),  # was read as absent: hidden_size / heads
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite positive number, got nan"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
      "rope_theta must be a finite positive number, got inf"),

@@ -185,8 +185,11 @@ def _model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None, source: s
     sizes = {key: _positive_int(hf, key, source) for key in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                              "num_attention_heads", "intermediate_size")}
     num_heads = sizes["num_attention_heads"]
-    num_kv_heads = _positive_int(hf, "num_key_value_heads", source) if hf.get("num_key_value_heads") else num_heads
-    head_dim = _positive_int(hf, "head_dim", source) if hf.get("head_dim") else None
+    # absent or null: transformers' defaults (every head its own KV head; hidden_size / heads); 0 is refused, as in
+    # transformers, whose model cannot be built with it
+    num_kv_heads = (_positive_int(hf, "num_key_value_heads", source) if hf.get("num_key_value_heads") is not None
+                    else num_heads)
+    head_dim = _positive_int(hf, "head_dim", source) if hf.get("head_dim") is not None else None
     theta, rope_scaling = _rope_from_hf(hf, source)
     limit = _positive_int(hf, "max_position_embeddings", source, default=4096)
     window = _sliding_window(hf, model_type, source)
