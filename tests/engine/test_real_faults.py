@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import struct
 import zipfile
@@ -355,6 +356,41 @@ def test_config_that_is_not_a_json_object(ckpt, content, message):
 def test_config_values_of_the_wrong_type_or_range(ckpt, changes, message):
     _config(ckpt, **changes)
     assert _error(from_pretrained, ckpt).startswith(f"{ckpt / 'config.json'}: {message}")
+
+
+ODD_VALUES = (None, 0, -1, 1, 2, 3, 7, 1.5, 0.0, 1e30, float("nan"), "x", "", True, False, [], [1], {}, {"a": 1}, 2**40)
+"""What a mutated config.json key may hold: JSON's every type, zero, negatives, integral and huge floats."""
+
+
+@pytest.mark.parametrize("variant", TINY_VARIANTS)
+def test_mutated_configs_are_a_model_config_or_one_value_error(variant):
+    """A seeded fuzz over what the table above names one key at a time: each supported architecture's config with
+    one or two keys (or a key of a nested section) set to one of ``ODD_VALUES`` or removed, 60 times. Each is one
+    ValueError of one line -- never another exception from inside -- or a ``ModelConfig`` holding every size the
+    file gave as the file gave it (a value read as absent, as ``head_dim`` and ``num_key_value_heads`` of 0 were,
+    fails here)."""
+    arch, settings = TINY_VARIANTS[variant]
+    base = make_tiny_hf_model(arch, **settings).config.to_dict()
+    rng = random.Random(variant)
+    for _ in range(60):
+        config = json.loads(json.dumps(base))
+        for _ in range(rng.randint(1, 2)):
+            key = rng.choice(sorted(config))
+            if rng.random() < 0.2:
+                del config[key]
+            elif isinstance(config[key], dict) and config[key] and rng.random() < 0.6:
+                config[key][rng.choice(sorted(config[key]))] = rng.choice(ODD_VALUES)
+            else:
+                config[key] = rng.choice(ODD_VALUES)
+        try:
+            accepted = model_config_from_hf(config)
+        except ValueError as refused:
+            assert "\n" not in str(refused), config
+            continue
+        for field, key in pretrained._HF_KEYS.items():
+            given = config.get(key)
+            if given is not None and key in base:
+                assert getattr(accepted, field) == (tuple(given) if isinstance(given, list) else given), (key, config)
 
 
 def test_rope_scaling_that_disagrees_with_rope_parameters_is_refused(ckpt):
