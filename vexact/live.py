@@ -495,6 +495,10 @@ def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Ten
     if isinstance(rollout, Tensor):
         rows_roll, rows_train = _padded_rows(rollout, train, mask, train_side)
     else:
+        for side, value in (("rollout_logprobs", rollout), (train_side, train)):
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"{side} must be a [B, T] tensor (or numpy array) or a sequence of 1-D tensors, "
+                                 f"got {type(value).__name__}")
         if mask is not None:
             raise ValueError("mask is for padded [B, T] tensors; sequences of 1-D tensors hold only response tokens")
         rows_roll, rows_train = _sequence_rows(rollout, train, train_side)

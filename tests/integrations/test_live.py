@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -123,6 +124,9 @@ def test_mixed_dtypes_compare_values_and_sequences_match_padded(tmp_path):
     (lambda r, t, m: (r, _with(t, 2, 0, 0.7), m), r"train_logprobs\[2, 0\] is 0\.7: a log-prob above 0"),
     (lambda r, t, m: ([r[0]], [t[0], t[1]], None), "got 1 rollout sequences but 2 training sequences"),
     (lambda r, t, m: ([r[0]], [t[0]], m), "mask is for padded"),
+    (lambda r, t, m: ([r[0]], 3, None), r"train_logprobs must be a \[B, T\] tensor \(or numpy array\) or a sequence of "
+                                        r"1-D tensors, got int"),  # was a TypeError from len(3)
+    (lambda r, t, m: (None, None, None), "rollout_logprobs must be a .* got NoneType"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, call, message):
     roll, train, mask = _batch()
@@ -130,6 +134,41 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, call, message
     with pytest.raises(ValueError, match=message):
         monitor.step(0, *call(roll, train, mask))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _random_side(rng: random.Random):
+    """One side of a step as a caller might pass it, right or wrong: a [B, T] tensor of log-probs (B, T from 0),
+    or it in another dtype or rank, with a NaN, inf or positive value, as numpy, ragged lists, nested lists, with
+    grad, non-contiguous, or not a tensor at all."""
+    values = -torch.rand(rng.randint(0, 4), rng.randint(0, 5), dtype=torch.float64) * 3
+    kind = rng.choice(["as is", "as is", "dtype", "rank", "non-finite", "positive", "numpy", "ragged", "nested",
+                       "grad", "strided", "number", "none"])
+    if kind == "dtype":
+        return values.to(rng.choice([torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.bool]))
+    if kind == "rank":
+        return values.reshape(-1) if rng.random() < 0.5 else values[None]
+    if kind in ("non-finite", "positive") and values.numel():
+        values.view(-1)[0] = 0.5 if kind == "positive" else rng.choice([math.nan, math.inf, -math.inf])
+    return {"numpy": lambda: values.numpy(), "ragged": lambda: [row[: rng.randint(0, len(row))] for row in values],
+            "nested": lambda: [[row.tolist()] for row in values], "grad": lambda: values.float().requires_grad_(),
+            "strided": lambda: torch.cat([values, values], 1)[:, ::2], "number": lambda: 3,
+            "none": lambda: None}.get(kind, lambda: values)()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_inputs_are_a_row_or_one_value_error(tmp_path, seed):
+    """A seeded fuzz of ``step``'s inputs (``_random_side`` for each side, the training side half the time a copy of
+    the rollout's; a mask of another shape, dtype or values, or none): each call writes a row or raises one
+    ValueError -- never another exception from inside (a sequence beside a number was a TypeError)."""
+    rng = random.Random(seed)
+    masks = [None, None, torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.tensor([[1, 0, 2]])]
+    for trial in range(50):
+        rollout = _random_side(rng)
+        train = rollout.clone() if isinstance(rollout, torch.Tensor) and rng.random() < 0.5 else _random_side(rng)
+        try:
+            LiveMonitor(tmp_path / str(trial)).step(0, rollout, train, rng.choice(masks))
+        except ValueError as refused:
+            assert "\n" not in str(refused)
 
 
 @pytest.mark.parametrize("extra", [{"mismatch/tokens": 1}, {"live/x": 1}, {"step": 3}, {"map": {}}])
