@@ -674,6 +674,12 @@ def test_full_vocab_metrics_refuses_bad_shapes_and_k():
         full_vocab_metrics(rows, rows, top_k=3)
     with pytest.raises(ValueError, match="no positions"):
         full_vocab_metrics(rows[:0], rows[:0], top_k=1)
+    # not tensors of log-probs: one error naming the side (a list was an AttributeError from .detach())
+    with pytest.raises(ValueError, match="logp_roll_full must be a floating-point \\[N, V\\] torch tensor of "
+                                         "log-probs, got list"):
+        full_vocab_metrics(rows, rows.tolist())
+    with pytest.raises(ValueError, match="logp_train_full must be .* got torch.int64"):
+        full_vocab_metrics(rows.long(), rows)
 
 
 # --------------------------------------------------------------------------- the benchmark

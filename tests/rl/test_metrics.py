@@ -250,6 +250,15 @@ def test_mismatch_metrics_errors():
         mismatch_metrics([f32(-1.0)], [f32(-1.0)], probs_buckets=(0.0, 0.5, 0.5, 1.0))
     with pytest.raises(ValueError, match="strictly increasing"):
         mismatch_metrics([f32(-1.0)], [f32(-1.0)], probs_buckets=(1.0,))
+    # what is not a sequence of float tensors: one error naming the side (were TypeErrors and AttributeErrors)
+    for train, roll, says in ((None, [f32(-1.0)], "logp_train must be a sequence of 1-D log-prob tensors, got "
+                                                  "NoneType"),
+                              ([f32(-1.0)], 3, "logp_roll must be a sequence of 1-D log-prob tensors, got int"),
+                              ([f32(-1.0)], [f32(-1.0).numpy()], r"logp_roll\[0\] must be a floating-point torch "
+                                                                 "tensor of log-probs, got ndarray"),
+                              ([torch.tensor([-1])], [f32(-1.0)], r"logp_train\[0\] .* got torch.int64")):
+        with pytest.raises(ValueError, match=says):
+            mismatch_metrics(train, roll)
 
 
 def test_mismatch_summary_takes_training_then_rollout_like_mismatch_metrics():

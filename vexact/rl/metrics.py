@@ -189,15 +189,23 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
                                        outside [edges[0], edges[-1]] fall in no bucket (impossible with the
                                        default edges 0..1 and log-probs ≤ 0).
 
-    Raises ValueError if the lists differ in length, a pair differs in shape or is not 1-D (the message names the
-    sequence index), the bucket edges are not at least two strictly increasing numbers, or there are no tokens.
+    Raises ValueError if either side is not a sequence of floating-point tensors, the lists differ in length, a pair
+    differs in shape or is not 1-D (the message names the sequence index), the bucket edges are not at least two
+    strictly increasing numbers, or there are no tokens.
     """
+    for side, sequences in (("logp_train", logp_train), ("logp_roll", logp_roll)):
+        if not isinstance(sequences, (Sequence, Tensor)) or isinstance(sequences, str):
+            raise ValueError(f"{side} must be a sequence of 1-D log-prob tensors, got {type(sequences).__name__}")
     if len(logp_train) != len(logp_roll):
         raise ValueError(f"got {len(logp_train)} training sequences but {len(logp_roll)} rollout sequences")
     edges = [float(e) for e in probs_buckets]
     if len(edges) < 2 or any(not b > a for a, b in zip(edges, edges[1:])):
         raise ValueError(f"probs_buckets must be at least two strictly increasing edges, got {tuple(probs_buckets)}")
     for i, (lt, lr) in enumerate(zip(logp_train, logp_roll)):
+        for side, values in (("logp_train", lt), ("logp_roll", lr)):
+            if not isinstance(values, Tensor) or not values.is_floating_point():
+                what = values.dtype if isinstance(values, Tensor) else type(values).__name__
+                raise ValueError(f"{side}[{i}] must be a floating-point torch tensor of log-probs, got {what}")
         if lt.dim() != 1 or lr.dim() != 1:
             raise ValueError(f"sequence {i}: log-probs must be 1-D, got training {tuple(lt.shape)} "
                              f"and rollout {tuple(lr.shape)}")
@@ -427,8 +435,12 @@ def full_vocab_rows(logp_train_full: Tensor, logp_roll_full: Tensor, top_k: int 
     the input dtype's rounding), so that rounding does not enter KL and TV as a spurious difference; probabilities
     are exp of those float64 log-probs. Rows are processed in chunks of ``FULL_VOCAB_CHUNK`` entries, so memory
     stays bounded for large vocabularies; each row's values depend on that row only. NaN inputs propagate.
-    Raises ValueError unless both are 2-D with the same shape, and 1 ≤ top_k ≤ V (an int).
+    Raises ValueError unless both are floating-point 2-D tensors of one shape, and 1 ≤ top_k ≤ V (an int).
     """
+    for side, values in (("logp_train_full", logp_train_full), ("logp_roll_full", logp_roll_full)):
+        if not isinstance(values, Tensor) or not values.is_floating_point():
+            what = values.dtype if isinstance(values, Tensor) else type(values).__name__
+            raise ValueError(f"{side} must be a floating-point [N, V] torch tensor of log-probs, got {what}")
     train, roll = logp_train_full.detach(), logp_roll_full.detach()
     if train.dim() != 2 or roll.dim() != 2 or train.shape != roll.shape:
         raise ValueError(f"full-vocabulary log-probs must be two [N, V] tensors of one shape, got training "
