@@ -144,15 +144,15 @@ def test_random_models_on_each_emulated_host(seed, host, monkeypatch):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_models_training_bits_in_every_mode_and_thread_count(seed):
     case = _case(seed)
+    one_thread = {}
     for mode in ENV_MODES:
         ops = _ops(mode)  # one guard for the three thread counts: its answers are kept per thread count
         at = {threads: _training_bits(case, ops, threads) for threads in THREADS}
         for threads in THREADS[1:]:
             differs = _first_difference(at[1], at[threads])
             assert differs is None, f"{case}, mode {mode}: {differs} differs at {threads} threads vs 1"
-        if mode == "auto":
-            auto = at[1]
-    differs = _first_difference(auto, _training_bits(case, _ops("canonical"), 1))
+        one_thread[mode] = at[1]
+    differs = _first_difference(one_thread["auto"], one_thread["canonical"])
     assert differs is None, f"{case}: {differs} differs between auto and canonical"
 
 
@@ -160,7 +160,7 @@ def _native_fp32_bits(case: Case) -> dict[str, torch.Tensor]:
     """What ``_training_bits`` gives, from the native backend computing in fp32 on the case's weights (upcast)."""
     reference = Transformer(case.config, backend="native", dtype=torch.float32, init_seed=7)
     reference.load_state_dict({name: t.float() for name, t in case.model().state_dict().items()})
-    return _training_bits(Case(**{**vars(case), "dtype": torch.float32}), reference.ops, 1, model=reference)
+    return _training_bits(case, reference.ops, 1, model=reference)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
