@@ -289,8 +289,7 @@ class LiveMonitor:
         elif isinstance(rollout_logprobs, (list, tuple)):
             n = len(rollout_logprobs)
         else:
-            raise ValueError(f"rollout_logprobs must be a [B, T] tensor (or numpy array) or a sequence of 1-D tensors, "
-                             f"got {type(rollout_logprobs).__name__}")
+            raise _not_a_side("rollout_logprobs", rollout_logprobs)
         if n == 0:
             raise ValueError("rollout_logprobs holds no responses")
         rows = self.sample(step, n)
@@ -482,6 +481,12 @@ def _keep_steps_below(path: Path, step: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
+def _not_a_side(side: str, value: Any) -> ValueError:
+    """The error for a side of a step that is neither form ``step`` takes."""
+    return ValueError(f"{side} must be a [B, T] tensor (or numpy array) or a sequence of 1-D tensors, got "
+                      f"{type(value).__name__}")
+
+
 def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Tensor], mask: Tensor | None,
                 train_side: str = "train_logprobs") -> tuple[Tensor, Tensor, list[int], int]:
     """(training, rollout) masked values flattened as float64, the tokens per sequence, and how many positions are
@@ -497,8 +502,7 @@ def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Ten
     else:
         for side, value in (("rollout_logprobs", rollout), (train_side, train)):
             if not isinstance(value, (list, tuple)):
-                raise ValueError(f"{side} must be a [B, T] tensor (or numpy array) or a sequence of 1-D tensors, "
-                                 f"got {type(value).__name__}")
+                raise _not_a_side(side, value)
         if mask is not None:
             raise ValueError("mask is for padded [B, T] tensors; sequences of 1-D tensors hold only response tokens")
         rows_roll, rows_train = _sequence_rows(rollout, train, train_side)

@@ -130,10 +130,14 @@ def test_random_models_on_each_emulated_host(seed, host, monkeypatch):
     """Rollout == training in every mode, ``auto`` == ``canonical``, and the training pass thread-invariant (1
     against 3 threads) on an emulated host's GEMMs."""
     case = _case(seed)
-    _rollouts_equal_training(case, seed, lambda mode: cpu_exact.with_host(emulated_guard(host, monkeypatch, mode)))
+
+    def ops_of(mode: str):
+        return cpu_exact.with_host(emulated_guard(host, monkeypatch, mode))
+
+    _rollouts_equal_training(case, seed, ops_of)
     trained = {}
     for mode in ("auto", "canonical"):
-        ops = cpu_exact.with_host(emulated_guard(host, monkeypatch, mode))
+        ops = ops_of(mode)
         trained[mode] = _training_bits(case, ops, 1)
         differs = _first_difference(trained[mode], _training_bits(case, ops, 3))
         assert differs is None, f"{case}, {host}, mode {mode}: {differs} differs at 3 threads vs 1"
