@@ -126,7 +126,7 @@ from .records.atomic import write_text_atomic
 from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError, LoggingSection
 from .rl.log_backends import LOG_BACKENDS, WANDB_MODES, WandbMode, live_views, missing_package
-from .rl.metrics import lag_split_metrics
+from .rl.metrics import lag_split_metrics, require_log_prob_tensor
 from .rl.monitor import check_sampling, sample_rows
 
 __all__ = ["POSITIVE_LOGPROB_TOLERANCE", "GateFailed", "Gates", "LiveMonitor", "METRICS_FILE"]
@@ -544,10 +544,10 @@ def _from_numpy(value: Any, side: str) -> Any:
 
 
 def _check_tensor(side: str, value: Any) -> Tensor:
+    """``value`` widened to float64 on the CPU, or one ValueError naming ``side`` (numpy arrays arrive converted)."""
     if not isinstance(value, Tensor):
         raise ValueError(f"{side} must be a torch tensor or numpy array, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise ValueError(f"{side} must be a floating-point tensor of log-probs, got {value.dtype}")
+    require_log_prob_tensor(side, value)
     return value.detach().to("cpu", torch.float64)  # exact widening (float16/bf16/float32 -> float64)
 
 

@@ -117,7 +117,7 @@ def test_mixed_dtypes_compare_values_and_sequences_match_padded(tmp_path):
 @pytest.mark.parametrize("call, message", [
     (lambda r, t, m: (r, t[:, :-1], m), r"must be \[B, T\] tensors of one shape"),
     (lambda r, t, m: (r, t, m[:, :-1]), r"mask has shape \[6, 11\] but the log-probs have \[6, 12\]"),
-    (lambda r, t, m: (r.long(), t, m), r"rollout_logprobs must be a floating-point tensor of log-probs, got "
+    (lambda r, t, m: (r.long(), t, m), r"rollout_logprobs must be a floating-point torch tensor of log-probs, got "
                                        r"torch.int64"),
     (lambda r, t, m: (r, t, m * 2), "mask holds values other than 0 and 1"),
     (lambda r, t, m: (r.tolist(), t, m), "must both be"),
@@ -221,7 +221,7 @@ def test_numpy_arrays_are_read_as_tensors_of_their_dtype(tmp_path):
     assert seqs["rollout_corr/k3_kl"] == as_tensors["rollout_corr/k3_kl"]
     with pytest.raises(ValueError, match=r"rollout_logprobs is a numpy array of dtype object, not numbers"):
         LiveMonitor(tmp_path / "o").step(0, roll.numpy().astype(object), train, mask)
-    with pytest.raises(ValueError, match=r"train_logprobs must be a floating-point tensor of log-probs, got "
+    with pytest.raises(ValueError, match=r"train_logprobs must be a floating-point torch tensor of log-probs, got "
                                          r"torch.int64"):
         LiveMonitor(tmp_path / "i").step(0, roll, train.nan_to_num(0).numpy().astype(np.int64), mask)
 

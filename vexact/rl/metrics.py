@@ -129,7 +129,7 @@ def bucket_name(lo: float, hi: float) -> str:
     return f"{lo:g}-{hi:g}"
 
 
-def _require_log_prob_tensor(side: str, value: object, index: int | None = None, form: str = "") -> None:
+def require_log_prob_tensor(side: str, value: object, index: int | None = None, form: str = "") -> None:
     """One ValueError naming ``side`` (and ``index``: which of its sequences) unless ``value`` is a floating-point
     torch tensor (``form``: its shape, as the message should say it)."""
     if not isinstance(value, Tensor) or not value.is_floating_point():
@@ -211,8 +211,8 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     if len(edges) < 2 or any(not b > a for a, b in zip(edges, edges[1:])):
         raise ValueError(f"probs_buckets must be at least two strictly increasing edges, got {tuple(probs_buckets)}")
     for i, (lt, lr) in enumerate(zip(logp_train, logp_roll)):
-        _require_log_prob_tensor("logp_train", lt, i)
-        _require_log_prob_tensor("logp_roll", lr, i)
+        require_log_prob_tensor("logp_train", lt, i)
+        require_log_prob_tensor("logp_roll", lr, i)
         if lt.dim() != 1 or lr.dim() != 1:
             raise ValueError(f"sequence {i}: log-probs must be 1-D, got training {tuple(lt.shape)} "
                              f"and rollout {tuple(lr.shape)}")
@@ -444,8 +444,8 @@ def full_vocab_rows(logp_train_full: Tensor, logp_roll_full: Tensor, top_k: int 
     stays bounded for large vocabularies; each row's values depend on that row only. NaN inputs propagate.
     Raises ValueError unless both are floating-point 2-D tensors of one shape, and 1 ≤ top_k ≤ V (an int).
     """
-    _require_log_prob_tensor("logp_train_full", logp_train_full, form="[N, V] ")
-    _require_log_prob_tensor("logp_roll_full", logp_roll_full, form="[N, V] ")
+    require_log_prob_tensor("logp_train_full", logp_train_full, form="[N, V] ")
+    require_log_prob_tensor("logp_roll_full", logp_roll_full, form="[N, V] ")
     train, roll = logp_train_full.detach(), logp_roll_full.detach()
     if train.dim() != 2 or roll.dim() != 2 or train.shape != roll.shape:
         raise ValueError(f"full-vocabulary log-probs must be two [N, V] tensors of one shape, got training "
