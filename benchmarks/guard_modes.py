@@ -107,7 +107,7 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, prof
     model = Transformer(shape.model, backend="exact", dtype=DTYPES[dtype_name], device=device, init_seed=0)
     prompts = prompts_of(shape)
     # each item its own pair of guards, so that each row counts the faster arrangements of its own calls
-    ops = {item: {mode: cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)) for mode in MODES}
+    ops = {item: {mode: cpu_exact.ops_in_mode(mode) for mode in MODES}
            for item in items}
     calls: dict[str, dict[str, Callable[[], object]]] = {}
     if "decode_step" in items:

@@ -105,7 +105,7 @@ def run(shape_names: list[str], dtype_names: list[str], op_names: list[str], rep
     record = new_record("host_guard", device, shape_names, dtype_names, reps, threads, "exact", malloc,
                         ops=op_names, model_items=model_items)
     fast = cpu_exact  # the process's guard, mode auto (unless VEXACT_CPU_EXACT_PATH says otherwise)
-    fixed = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="fixed-order"))
+    fixed = cpu_exact.ops_in_mode("fixed-order")
     record["settings"]["fast_guard_mode"] = cpu_exact.HOST.mode
     record["probe_cost"] = []
     known = shapes()

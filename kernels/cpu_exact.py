@@ -1068,6 +1068,12 @@ def with_host(host: HostGuard) -> SimpleNamespace:
     return SimpleNamespace(NAME=f"{NAME}[{host.mode}]", ROWS_INVARIANT=ROWS_INVARIANT, host=host, **ops)
 
 
+def ops_in_mode(mode: str) -> SimpleNamespace:
+    """This backend's ops on a fresh guard in ``mode`` (``HostGuard.mode``: ``auto``, ``canonical``, ``fixed-order``
+    ...), its probes run anew: what a host whose guard takes that mode computes (benchmarks and tests compare them)."""
+    return with_host(HostGuard(ROW_BLOCKS, mode=mode))
+
+
 def host_report(host: HostGuard = HOST) -> dict:
     """Which path each op takes on this host and what the probes found (``vexact check`` prints it).
 

@@ -310,13 +310,12 @@ def test_linear_layers_item_replays_the_training_pass_s_linear_calls():
     from benchmarks.end_to_end import prompts_of, train_call
     from vexact import Transformer, generate
     from vexact_kernels import cpu_exact
-    from vexact_kernels.host_guard import HostGuard
 
     shape = shapes()["tiny"]
     model = Transformer(shape.model, backend="exact", dtype=torch.float32, init_seed=0)
     prompts = prompts_of(shape)
     responses = generate(model, prompts, max_new_tokens=shape.new_tokens, temperature=1.0, seed=0).tokens
-    base = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    base = cpu_exact.ops_in_mode("auto")
 
     def logging(log: list) -> SimpleNamespace:
         def logged(name, fn):

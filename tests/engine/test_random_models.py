@@ -32,7 +32,7 @@ from test_host_guard import EMULATED_HOSTS, emulated_guard
 
 from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact_kernels import cpu_exact
-from vexact_kernels.host_guard import ENV_MODES, HostGuard
+from vexact_kernels.host_guard import ENV_MODES
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +79,6 @@ def _case(seed: int) -> Case:
                 generation_batch=rng.choice([None, 1, 2]), micro_batch=rng.choice([None, 1, 2]))
 
 
-def _ops(mode: str):
-    return cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
-
-
 def _training_bits(case: Case, ops, threads: int, model: Transformer | None = None) -> dict[str, torch.Tensor]:
     """The logits of a teacher-forced forward over the first prompt and every parameter's gradient of the sum of
     its tokens' log-probs, by name (of a fresh ``case.model()`` unless ``model`` is given)."""
@@ -121,7 +117,7 @@ def _rollouts_equal_training(case: Case, seed: int, ops_of) -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_models_rollout_equals_training_in_every_guard_mode(seed):
-    _rollouts_equal_training(_case(seed), seed, _ops)
+    _rollouts_equal_training(_case(seed), seed, cpu_exact.ops_in_mode)
 
 
 @pytest.mark.parametrize("host", list(EMULATED_HOSTS))
@@ -150,7 +146,7 @@ def test_random_models_training_bits_in_every_mode_and_thread_count(seed):
     case = _case(seed)
     one_thread = {}
     for mode in ENV_MODES:
-        ops = _ops(mode)  # one guard for the three thread counts: its answers are kept per thread count
+        ops = cpu_exact.ops_in_mode(mode)  # one guard for the three thread counts: it keeps answers per thread count
         at = {threads: _training_bits(case, ops, threads) for threads in THREADS}
         for threads in THREADS[1:]:
             differs = _first_difference(at[1], at[threads])
@@ -173,7 +169,7 @@ def test_random_models_match_the_native_model(seed):
     reference = _native_fp32_bits(case)
     largest_gradient = max(t.abs().max().item() for name, t in reference.items() if name != "logits")
     for mode in ENV_MODES:
-        got = _training_bits(case, _ops(mode), case.threads)
+        got = _training_bits(case, cpu_exact.ops_in_mode(mode), case.threads)
         assert got.keys() == reference.keys()
         for name, want in reference.items():
             scale = max(want.abs().max().item(), ZERO_FLOOR * (largest_gradient if name != "logits" else 1.0))

@@ -48,7 +48,7 @@ def _steps(dtype: torch.dtype, rows: int = 150, k: int = 64, n: int = 40, ops=No
     """Two forward + backward passes of a canonical linear layer (N = 40: column padding), an in-place update of
     its weight, then a third: every output and gradient. ``ops``: the exact ops (default: a fresh canonical guard's)."""
     if ops is None:
-        ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
+        ops = cpu_exact.ops_in_mode("canonical")
     weight = _randn(n, k, dtype=dtype, seed=1, scale=0.1).requires_grad_()
     results = []
     for step in range(3):

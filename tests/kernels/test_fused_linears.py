@@ -151,7 +151,7 @@ def test_a_backend_without_linears_sees_a_linear_call_per_weight():
     assert all(torch.equal(a, native.linear(x, w)) for a, w in zip(out, weights))
     assert contract.FUSED_OP_NAMES == ("linears",)
     assert "Invariance contract:" in cpu_exact.linears.__doc__
-    assert hasattr(cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")), "linears")
+    assert hasattr(cpu_exact.ops_in_mode("auto"), "linears")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

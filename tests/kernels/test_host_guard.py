@@ -400,7 +400,7 @@ def test_a_gemm_accumulating_by_rows_in_the_call_keeps_the_canonical_tiles(dtype
     ``canonical`` before the defect is emulated), alone or in a batch; trusted (``unguarded``), the stacked GEMM
     gives other bits (the defect is real)."""
     x, w = (t.to(dtype) for t in _linear_inputs(rows=150, k=64, n=48))  # three 64-row tiles
-    reference = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")).linear(x, w)
+    reference = cpu_exact.ops_in_mode("canonical").linear(x, w)
     guard = emulated_guard("rows-in-call", monkeypatch)
     ops = cpu_exact.with_host(guard)
     assert torch.equal(ops.linear(x, w), reference)

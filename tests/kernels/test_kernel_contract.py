@@ -17,7 +17,6 @@ from vexact.engine.model import ModelConfig, Transformer
 from vexact.real.op_plan import OpRecorder, _PlanTracer
 from vexact.rl.inject import precision_ops
 from vexact_kernels import OP_NAMES, KernelOps, cpu_exact, native
-from vexact_kernels.host_guard import HostGuard
 
 
 def _contract_violations(ops: object) -> list[str]:
@@ -43,7 +42,7 @@ def _contract_violations(ops: object) -> list[str]:
 
 def _backends() -> dict[str, object]:
     backends = {"native": native, "cpu_exact": cpu_exact,
-                "cpu_exact.with_host": cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="fixed-order")),
+                "cpu_exact.with_host": cpu_exact.ops_in_mode("fixed-order"),
                 "precision_ops": precision_ops(cpu_exact, "bfloat16", ["linear", "attention", "norm"]),
                 "OpRecorder": OpRecorder(cpu_exact, [], rows=1),
                 "op_plan's tracer": _PlanTracer(Transformer(ModelConfig(vocab_size=8, hidden_size=8, num_layers=1,

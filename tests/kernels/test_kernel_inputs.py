@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vexact_kernels import cpu_exact, moe_exact
-from vexact_kernels.host_guard import MODES, HostGuard
+from vexact_kernels.host_guard import MODES
 
 G = torch.Generator().manual_seed(0)
 
@@ -167,7 +167,7 @@ def test_strided_operands_give_the_contiguous_operands_bits():
 def test_an_empty_batch_of_rows_is_an_empty_result(mode):
     """In every guard mode (a mode's own arrangements: ``fixed-order``'s GEMM once failed on zero tiles), given
     explicitly: the run's ``VEXACT_CPU_EXACT_PATH`` would test one mode only."""
-    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
+    ops = cpu_exact.ops_in_mode(mode)
     assert ops.linear(_r(0, 16), W).shape == (0, 32)
     assert ops.linear(_r(0, 16).bfloat16(), W.bfloat16()).shape == (0, 32)
     assert ops.linear(_r(3, 0, 16), W, B).shape == (3, 0, 32)

@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vexact_kernels import cpu_exact, native
-from vexact_kernels.host_guard import HostGuard
 
 THREADS = (1, 2, 3)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -28,7 +27,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 # Both paths of every op: the guard's choice on this host (the fast library path wherever its probe
 # passed) and the by-construction fallback forced everywhere -- so each is tested on every host.
-PATHS = {"auto": cpu_exact, "fixed-order": cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="fixed-order"))}
+PATHS = {"auto": cpu_exact, "fixed-order": cpu_exact.ops_in_mode("fixed-order")}
 
 
 @pytest.fixture(params=list(PATHS))

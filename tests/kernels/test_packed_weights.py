@@ -151,7 +151,7 @@ def test_rollout_past_the_switch_equals_training_logprobs(dtype, mode, monkeypat
     config = ModelConfig(vocab_size=512, hidden_size=512, num_layers=1, num_heads=8, num_kv_heads=4,
                          intermediate_size=512, max_seq_len=64)  # q, o, gate, up, down and the head: 2^18 weights
     model = Transformer(config, backend="exact", dtype=dtype, init_seed=3)
-    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
+    ops = cpu_exact.ops_in_mode(mode)
     prompts = random_prompts(3, 12, seed=4, vocab=config.vocab_size)
     out = generate(model, prompts, max_new_tokens=gemm_arrangements.PACK_AFTER_CALLS + 6, seed=2, ops=ops)
     scored = token_logprobs(model, prompts, out.tokens, ops=ops)

@@ -96,7 +96,7 @@ def test_the_chunked_head_multiplies_its_last_group_at_that_length(monkeypatch):
     hidden = _randn(rows, width, seed=1).requires_grad_(True)
     weight = (0.1 * _randn(vocab, width, seed=2)).requires_grad_(True)
     targets = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(3))
-    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
+    ops = cpu_exact.ops_in_mode("auto")
     logp, _ = head_scores(hidden, weight, targets, 1.0, ops, False, 300)
     logp.sum().backward()
     assert sorted(seen) == [64] + [REDUCE_BLOCK] * 5  # (the tree asks for the groups in bit-reversed order)

@@ -390,7 +390,7 @@ def test_a_tied_weight_s_two_gradients_add_in_place(mode, dtype, monkeypatch):
     fresh vocabulary x width buffer on every step -- at llama100m's 49,152 x 576, 113 MB of fresh pages per step,
     which made ``canonical`` fp32 training 1.14-1.20x ``auto`` on the AMD EPYC. Counter-test: a weight gradient
     returned as a view of a larger buffer (the old one-chunk slabs) makes the add out of place."""
-    ops = cpu_exact.with_host(HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
+    ops = cpu_exact.ops_in_mode(mode)
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(600, 48, generator=gen).to(dtype).requires_grad_(True)
     tokens = torch.randint(0, 600, (2, 100), generator=gen)
