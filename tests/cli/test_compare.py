@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from vexact.cli import main
-from vexact.real.compare import REFUSED_FILE_HINT
+from vexact.real.dump_files import REFUSED_FILE_HINT
 from vexact.rl.metrics import full_vocab_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py

@@ -26,7 +26,7 @@ from test_compare import _report, _run  # the compare CLI run and its --json rep
 
 from vexact.cli import main
 from vexact.map.verdict import DEFAULT_TAIL_MAP, find_curve, fmt_t, load_map
-from vexact.real.compare import REFUSED_FILE_HINT, SLIME_KEYS, SLIME_MASK_KEY
+from vexact.real.dump_files import REFUSED_FILE_HINT, SLIME_KEYS, SLIME_MASK_KEY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
 

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ..live import LiveMonitor
-from ..real.compare import TENSOR_TOKENS_KEY
+from ..real.dump_files import TENSOR_TOKENS_KEY
 
 __all__ = ["COMPARE_FLAGS", "DUMP_KEYS", "dump_experiences", "experience_sides", "observe_experiences"]
 

@@ -11,8 +11,8 @@ In verl's PPO/GRPO loop (``RayPPOTrainer.fit``) the driver's ``batch`` (a ``Data
 * ``response_mask`` [B, T] -- which positions hold response tokens (verl: the last T columns of
   ``attention_mask``; integer 0/1).
 
-These are the keys ``vexact compare`` reads by default from a one-file dump (``compare.ONE_FILE_KEYS`` and
-``compare.MASK_KEY``): ``observe_batch`` passes the same three tensors to ``LiveMonitor.step``, so a live row and
+These are the keys ``vexact compare`` reads by default from a one-file dump (``dump_files.ONE_FILE_KEYS`` and
+``dump_files.MASK_KEY``): ``observe_batch`` passes the same three tensors to ``LiveMonitor.step``, so a live row and
 ``vexact compare`` on a dump of that batch agree exactly.
 
 The recipe (verl cannot run on a CPU-only machine; ``tests/integrations/test_live.py`` runs ``observe_batch`` on such
@@ -69,7 +69,7 @@ from torch import Tensor
 
 from ..engine.inputs import tensor_from_numpy
 from ..live import LiveMonitor
-from ..real.compare import ATTENTION_MASK_KEY, MASK_KEY, ONE_FILE_KEYS
+from ..real.dump_files import ATTENTION_MASK_KEY, MASK_KEY, ONE_FILE_KEYS
 
 __all__ = ["actor_logprobs", "observe_batch", "verl_sides"]
 
