@@ -324,19 +324,19 @@ PACKED_AT_TILE_ROWS = "torch_onednn_packed_at_tile_rows_s"
 
 def gemm_at_tile_rows(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
     """Each distinct weight shape of the model through ``F.linear`` at ``rows`` rows and at the rows the exact path
-    multiplies for them (``gemm_arrangements.tiled_rows``: padded to whole tiles of a height at which the host's GEMM
+    multiplies for them (``gemm_linear.tiled_rows``: padded to whole tiles of a height at which the host's GEMM
     keeps a row's bits), fastest of 3 x ``reps``; where torch has oneDNN's packing op, also that op at those rows on
     the weight packed once (what a rollout's exact GEMMs run after ``PACK_AFTER_CALLS`` calls); then the decode step's
     GEMMs (layers + LM head) summed each way -- what the padding alone costs (a bf16 GEMM that keeps a row's bits only
     at 32- and 64-row tiles computes a 16-row decode step's GEMMs on 32), and what the packed op buys back."""
-    from vexact_kernels import cpu_exact, gemm_arrangements
+    from vexact_kernels import cpu_exact, gemm_linear
 
     gen = torch.Generator().manual_seed(2)
     per_shape = {}
     for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
         w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
-        computed = gemm_arrangements.tiled_dtype(x, w, cpu_exact.HOST)
-        tile_rows = gemm_arrangements.tiled_rows(x.to(computed), w, cpu_exact.HOST)
+        computed = gemm_linear.tiled_dtype(x, w, cpu_exact.HOST)
+        tile_rows = gemm_linear.tiled_rows(x.to(computed), w, cpu_exact.HOST)
         padded = torch.randn(tile_rows, k, generator=gen).to(dtype)
         per_shape[f"N={n} K={k}"] = entry = {
             "tile_rows": tile_rows, "computed_in": str(computed).removeprefix("torch."),
@@ -468,7 +468,7 @@ def gemm_side(shape_name: str, dtype_name: str, n_prompts: int, reps: int) -> di
     each kernel this environment has (``gemm_kernels``), ``F.linear`` at the rows the exact path multiplies
     (``gemm_at_tile_rows``), and whether torch's oneDNN linear keeps a row's bits across the exact kernels' tile
     heights (``onednn_rows_keep_bits``) and keeps a row's bits on a weight packed once (``onednn_packed_check``)."""
-    from vexact_kernels.gemm_arrangements import ROW_BLOCKS
+    from vexact_kernels.gemm_tiles import ROW_BLOCKS
 
     shape = dataclasses.replace(shapes()[shape_name], e2e_batch=n_prompts)
     dtype = DTYPES[dtype_name]

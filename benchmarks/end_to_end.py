@@ -13,7 +13,7 @@ Every figure is exact / native on the same model (identical weights) and the sam
   for one token per sequence, the LM head and the sampled token's log-prob (timed in groups of steps
   lasting ~50 ms, as a single step is too short to time alone on a shared machine), after ``DECODE_WARMUP``
   untimed steps: a long rollout's steady state, its linear layers' plans made and their weights packed where the
-  exact path packs them (``gemm_arrangements.PACK_AFTER_CALLS``).
+  exact path packs them (``gemm_packed.PACK_AFTER_CALLS``).
 - ``train_fwd_bwd``: the training path on the exact rollout's prompts + responses: ``token_logprobs``
   with grad, mean log-prob loss, ``backward`` (what one PPO mini-batch costs before the optimizer).
 - ``rl_step``: ``Trainer.step`` (rollout + scoring + metrics + PPO update + AdamW) of
@@ -59,7 +59,7 @@ from vexact.engine.model import short_dtype_name
 from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import RESPONSE_LENGTH_MEAN
 from vexact_kernels import KernelOps
-from vexact_kernels.gemm_arrangements import PACK_AFTER_CALLS
+from vexact_kernels.gemm_packed import PACK_AFTER_CALLS
 
 from .common import (
     DTYPES,

@@ -6,11 +6,11 @@ single-query decode; wide sums change with the thread count.
 
 Three building blocks, each invariant:
 
-1. **Fixed-shape GEMM tiles** (``gemm_arrangements``): rows zero-padded to whole row tiles, output columns to a
-   multiple of 16, so every output element's reduction runs through the same GEMM kernel in the same order
-   whatever the batch -- *if* the host's BLAS gives a row the same bits for every tile height, position in the
-   tile, number of tiles and thread count. That is a measured property of the host, never assumed: ``HOST``
-   (``host_guard.HostGuard``) probes it at first use for each shape class and, where it fails, runs that class
+1. **Fixed-shape GEMM tiles** (``gemm_tiles``; the products and their overview: ``gemm_linear``): rows zero-padded to
+   whole row tiles, output columns to a multiple of 16, so every output element's reduction runs through the same GEMM
+   kernel in the same order whatever the batch -- *if* the host's BLAS gives a row the same bits for every tile height,
+   position in the tile, number of tiles and thread count. That is a measured property of the host, never assumed:
+   ``HOST`` (``host_guard.HostGuard``) probes it at first use for each shape class and, where it fails, runs that class
    through ``fixed_order.bmm`` (invariant by construction, slower) and warns. Attention tiles its rows the same way.
 2. **Halving-tree sums** (``fixed_order.tree_sum``): a row is summed by repeatedly adding its two halves, each step
    an exactly rounded elementwise add, so the result depends only on the row's values. Zero padding at the end of
@@ -51,12 +51,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import checks, compiled_loops, fused_linears, kv_rows, linear_repeats, native
-from . import gemm_arrangements as gemm
+from . import (
+    checks,
+    compiled_loops,
+    fused_linears,
+    gemm_batched,
+    gemm_linear,
+    gemm_weight_gradient,
+    kv_rows,
+    linear_repeats,
+    native,
+)
 from .autograd import exact_forward_vjp
 from .compiled_loops import tree_sum as _tree_sum
 from .contract import FUSED_OP_NAMES
-from .gemm_arrangements import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block
+from .gemm_tiles import COL_BLOCK, ROW_BLOCKS, ceil_to, fp32, gemm_class, row_block
 from .host_guard import BMM_PATH, ONEDNN_ROWS, UPCAST_PATH, HostGuard
 
 NAME = "cpu_exact"
@@ -263,15 +272,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     rows, or the torch thread count. fp32 accumulation; bias added in fp32; one rounding to
     x.dtype. bf16 x and weight without a bias: the host's bf16 GEMM (fp32 accumulation in its own order, one
     rounding) where ``HOST`` found it invariant for the shape class -- the one path of that class for every call
-    (``gemm_arrangements.tiled_dtype``) -- else fp32 from upcast operands.
-    Tiling: rows in GEMM tiles of 4, 8, 16, 32, 48 or 64 rows (``gemm_arrangements.row_block``), columns padded to
+    (``gemm_linear.tiled_dtype``) -- else fp32 from upcast operands.
+    Tiling: rows in GEMM tiles of 4, 8, 16, 32, 48 or 64 rows (``gemm_tiles.row_block``), columns padded to
     a multiple of 16.
     Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
     grad_x rows are tiled as the forward's; grad_weight and grad_bias reduce over the tokens in fixed chunks
-    (``gemm_arrangements.transposed_matmul``) added by a halving tree, each chunk on the host's GEMM one GEMM per
-    256-row slab of grad_weight on one thread (``gemm_arrangements._reduction_slabs``; in ``auto`` one GEMM per chunk
+    (``gemm_weight_gradient.transposed_matmul``) added by a halving tree, each chunk on the host's GEMM one GEMM per
+    256-row slab of grad_weight on one thread (``gemm_weight_gradient._reduction_slabs``; in ``auto`` one GEMM per chunk
     on views of grad and x where the guard found that this gives the slabs' bits: ``same_bits``); in bf16 on the
-    host's bf16 GEMM, up to ``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding).
+    host's bf16 GEMM, up to ``gemm_tiles.LIBRARY_REDUCE_MAX`` tokens in one chunk (one rounding).
     A call like an earlier one on this weight and x's shape (a decode loop's: no gradient recorded, no bias) runs the
     plan that call ran (``linear_repeats``): the same GEMMs on the same operands."""
     if bias is None and (out := linear_repeats.run(x, weight, host)) is not None:  # a decode loop's repeated call
@@ -310,10 +319,11 @@ def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_
 
 def linear_backward_probes(rows: int, weight: Tensor, *, host: HostGuard = HOST) -> None:
     """Run now the host probes that ``linear_backward`` of ``rows`` fp32 tokens against an fp32 ``weight`` runs for
-    its weight gradient at first use (``gemm_arrangements.probe_transposed_matmul``; other dtypes: at first use).
+    its weight gradient at first use (``gemm_weight_gradient.probe_transposed_matmul``; other dtypes: at first use).
     What a backward that will hold large buffers until that call calls first (``vexact.engine.head``)."""
     if weight.dtype == torch.float32:
-        gemm.probe_transposed_matmul(rows, weight.shape[0], weight.shape[1], torch.float32, host, "linear")
+        gemm_weight_gradient.probe_transposed_matmul(rows, weight.shape[0], weight.shape[1], torch.float32, host,
+                                                     "linear")
 
 
 def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -325,8 +335,8 @@ def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
 def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, host: HostGuard) -> Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     # a bias is added in fp32 before the one rounding: a bf16 GEMM's output is rounded already
-    dtype = torch.float32 if bias is not None else gemm.tiled_dtype(x2d, weight, host)
-    out = gemm.tiled_matmul(_in_dtype(x2d, dtype), weight, host)
+    dtype = torch.float32 if bias is not None else gemm_linear.tiled_dtype(x2d, weight, host)
+    out = gemm_linear.tiled_matmul(_in_dtype(x2d, dtype), weight, host)
     if bias is not None:
         out = out + fp32(bias)
     return _in_dtype(out, x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -339,7 +349,7 @@ def _linear_with_saved(x: Tensor, weight: Tensor, bias: Tensor | None, host: Hos
 def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """dx = g @ W (rows = tokens, like the forward), dW = g.T @ x and db = sum of g (reductions over tokens:
     fixed chunks and a halving tree). fp32 inside, one rounding to each input's dtype; bf16 GEMMs where the guard
-    admitted the class (``gemm_arrangements.tiled_dtype``, ``transposed_dtype``)."""
+    admitted the class (``gemm_linear.tiled_dtype``, ``gemm_weight_gradient.transposed_dtype``)."""
     x, weight, has_bias, host = saved
     g2d = grad.reshape(-1, grad.shape[-1])
     upcast: list[Tensor] = []
@@ -354,12 +364,13 @@ def _linear_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Te
     grad_x = grad_w = grad_b = None
     if needs[0]:
         weight_t = weight.t()
-        dtype = gemm.tiled_dtype(g2d, weight_t, host)
-        grad_x = _in_dtype(gemm.tiled_matmul(g_in(dtype), weight_t, host, "linear"), x.dtype).view(x.shape)
+        dtype = gemm_linear.tiled_dtype(g2d, weight_t, host)
+        grad_x = _in_dtype(gemm_linear.tiled_matmul(g_in(dtype), weight_t, host, "linear"), x.dtype).view(x.shape)
     if needs[1]:
         x2d = x.reshape(-1, x.shape[-1])
-        dtype = gemm.transposed_dtype(g2d, x2d, host, "linear")
-        grad_w = _in_dtype(gemm.transposed_matmul(g_in(dtype), _in_dtype(x2d, dtype), host, "linear", b_source=x),
+        dtype = gemm_weight_gradient.transposed_dtype(g2d, x2d, host, "linear")
+        grad_w = _in_dtype(gemm_weight_gradient.transposed_matmul(g_in(dtype), _in_dtype(x2d, dtype), host, "linear",
+                                                                  b_source=x),
                            weight.dtype)
     if has_bias and needs[2]:
         grad_b = _tree_sum(g_in(torch.float32), dim=0)
@@ -755,7 +766,7 @@ class _ExactAttention(torch.autograd.Function):
     Saves the normalised probabilities of the real rows and visible keys instead of
     recomputing a native attention: the gradients are the standard softmax-attention VJP
     (dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,
-    dK = dS^T (scale * Q)); every product runs through ``gemm_arrangements.batched_matmul`` (the guard's GEMM on padded
+    dK = dS^T (scale * Q)); every product runs through ``gemm_batched.batched_matmul`` (the guard's GEMM on padded
     tiles) and the row sum through a halving tree, so no gradient depends on the thread count."""
 
     @staticmethod
@@ -786,7 +797,7 @@ class _ExactAttention(torch.autograd.Function):
         # operand of a GEMM below, it is passed as is instead of copied again (``batched_matmul``'s a_full/b_full).
         d_out_full = tiles.from_output(grad_out)
         d_out = d_out_full[:, :rows]  # [BH, rows', hd]; padding rows are zero
-        bmm = partial(gemm.batched_matmul, host=tiles.host, op="attention")
+        bmm = partial(gemm_batched.batched_matmul, host=tiles.host, op="attention")
         out_rows = ctx.out_rows[:, :rows]
         grad_q = grad_k = grad_v = None
         if need_v:

@@ -4,7 +4,7 @@ A decode step multiplies a layer's normed hidden state by three weights (q, k, v
 up): five GEMMs of a few rows where two would do, as vLLM's fused projections do. oneDNN's linear on the weights packed
 as one ([N_1 + N_2 + ..., K]) computes each output column from x and that column's weight row, as the separate calls
 do; whether its bits are theirs is a property of the host's oneDNN, so it is checked at first use, per (tiles, K, the
-weights' widths, dtype, thread count), on seeded operands (as ``gemm_arrangements._packed_agrees`` checks one packed
+weights' widths, dtype, thread count), on seeded operands (as ``gemm_packed._packed_agrees`` checks one packed
 weight), and the fused call runs only where it passed.
 
 It runs where each weight's call like this one is remembered (``linear_repeats``: a decode loop's, with no gradient
@@ -19,7 +19,7 @@ caller runs each linear. No bit depends on which ran.
 
 The weights packed (or laid out) as one are kept per group (the weights, the guard, the GEMM's dtype) and call form
 while every weight is unchanged (its version counter, storage and view), counted against
-``gemm_arrangements.ARRANGED_BYTES_MAX`` with the operands laid out there, and dropped with any of the weights.
+``gemm_laid_out.ARRANGED_BYTES_MAX`` with the operands laid out there, and dropped with any of the weights.
 """
 
 from __future__ import annotations
@@ -32,22 +32,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import compiled_loops, linear_repeats
-from . import gemm_arrangements as gemm
-from .host_guard import HostGuard, onednn_packed
+from . import compiled_loops, gemm_laid_out, gemm_linear, gemm_packed, gemm_tiles, linear_repeats
+from .host_guard import ONEDNN_MIN_WEIGHT, HostGuard, onednn_packed, onednn_packing
 
 GROUPS_MAX = 1024
 """Groups kept at most (then afresh): one per (weights, guard, dtype) -- a model's q/k/v and gate/up per layer."""
 
 
-FusedPlan = gemm.PackedLinear | gemm.LaidOutLinear
+FusedPlan = gemm_packed.PackedLinear | gemm_packed.LaidOutLinear
 """A weight's plan as the fused call runs it: on the weights packed as one, or laid out as one."""
 
 
 class _Shape(NamedTuple):
     """What a group's fused call of one x shape runs (each weight's plan, the group's operand for it) and what that
     was decided under: the guard's state, the thread count and the process switches
-    (``gemm_arrangements.plan_switches``) -- with the weights unchanged, the parts of each weight's remembered call
+    (``gemm_linear.plan_switches``) -- with the weights unchanged, the parts of each weight's remembered call
     (``linear_repeats.remembered``)."""
 
     epoch: int
@@ -89,7 +88,7 @@ def run(x: Tensor, weights: Sequence[Tensor], host: HostGuard) -> tuple[Tensor, 
     group = _GROUPS.get((tuple(map(id, weights)), id(host), x.dtype))
     if (group is not None and (shape := group.shapes.get(x.shape)) is not None
             and shape.epoch == host.epoch and shape.threads == torch.get_num_threads() and x.is_cpu
-            and _holds(group, weights) and gemm.plan_switches(x.dtype, loops) == shape.switches):
+            and _holds(group, weights) and gemm_linear.plan_switches(x.dtype, loops) == shape.switches):
         return _fused_call(x, shape.operand, shape.plans, loops)  # a call like one decided before: nothing changed
     return _decided_run(x, weights, host, loops)
 
@@ -102,7 +101,7 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
     if not group.operands:  # every call counted (the first too), per call shape and thread count, as a plan counts
         count = (x.shape, torch.get_num_threads())
         group.calls[count] = calls = group.calls.get(count, 0) + 1
-        if calls <= gemm.PACK_AFTER_CALLS:
+        if calls <= gemm_packed.PACK_AFTER_CALLS:
             return None
     kept = [linear_repeats.remembered(x, weight, host) for weight in weights]
     if any(call is None for call in kept):
@@ -120,16 +119,16 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
             operand = prepared(first, torch.cat(matrices))
         nbytes = operand.numel() * operand.element_size() if not operand.is_mkldnn else sum(
             m.numel() * m.element_size() for m in matrices)
-        if not gemm._room_for(nbytes + sum(g.nbytes for g in _GROUPS.values())):
+        if not gemm_laid_out._room_for(nbytes + sum(g.nbytes for g in _GROUPS.values())):
             return None
         group.operands[key] = operand
         group.nbytes += nbytes
-    group.shapes[x.shape] = _Shape(host.epoch, torch.get_num_threads(), gemm.plan_switches(x.dtype, loops),
+    group.shapes[x.shape] = _Shape(host.epoch, torch.get_num_threads(), gemm_linear.plan_switches(x.dtype, loops),
                                    tuple(plans), operand)
     return _fused_call(x, operand, tuple(plans), loops)
 
 
-def _group_plans(plans: list[gemm.TiledPlan], k: int) -> list[FusedPlan] | None:
+def _group_plans(plans: list[gemm_linear.TiledPlan], k: int) -> list[FusedPlan] | None:
     """How the group's call runs its weights' plans: the packed call where every plan packs alike; else, where every
     plan runs the canonical call of its tiles (``TiledPlan.laid_out``: some weights too small to pack alone over
     several tiles, as llama100m's k/v beside its q, or all of them), that call packed, one oneDNN call per tile, where
@@ -140,8 +139,8 @@ def _group_plans(plans: list[gemm.TiledPlan], k: int) -> list[FusedPlan] | None:
             break
     else:
         return None
-    if (isinstance(calls[0], gemm.LaidOutLinear) and gemm.onednn_packing()
-            and sum(c.n_pad for c in calls) * k >= gemm.ONEDNN_MIN_WEIGHT):
+    if (isinstance(calls[0], gemm_packed.LaidOutLinear) and onednn_packing()
+            and sum(c.n_pad for c in calls) * k >= ONEDNN_MIN_WEIGHT):
         return [c.packed() for c in calls]
     return calls
 
@@ -149,7 +148,7 @@ def _group_plans(plans: list[gemm.TiledPlan], k: int) -> list[FusedPlan] | None:
 def _call_form(plan: FusedPlan) -> tuple:
     """What must be equal across a group's plans for one call to serve them all, and what its operand is kept by: the
     plan's kind and form, dtype and tiles (and how the tiles are called)."""
-    extra = plan.calls if isinstance(plan, gemm.PackedLinear) else plan.whole_tiles
+    extra = plan.calls if isinstance(plan, gemm_packed.PackedLinear) else plan.whole_tiles
     return type(plan).__name__, plan.form, plan.dtype, plan.block, plan.blocks, extra
 
 
@@ -188,9 +187,9 @@ def _fused_call(x: Tensor, operand: Tensor, plans: tuple[FusedPlan, ...], loops:
     (``operand``), each weight's first ``n`` columns of its ``n_pad`` cut out as its output (a contiguous copy) -- in
     one compiled call where the loops are built (``packed_linears``, ``bmm_linears``: the same steps)."""
     first, k = plans[0], x.shape[-1]
-    packed = isinstance(first, gemm.PackedLinear)
-    if (loops is not None and (packed or first.form == gemm.LAID_OUT_FORMS[1])
-            and (given := gemm._loop_input(x, first.blocks * first.block))):
+    packed = isinstance(first, gemm_packed.PackedLinear)
+    if (loops is not None and (packed or first.form == gemm_laid_out.LAID_OUT_FORMS[1])
+            and (given := gemm_tiles._loop_input(x, first.blocks * first.block))):
         widths, pads = [p.n for p in plans], [p.n_pad for p in plans]
         if not packed:  # the canonical call of the tiles, one bmm (``bmm_linears``)
             return tuple(loops.bmm_linears(x, given.buffer, operand, first.blocks, widths, pads))
@@ -215,17 +214,17 @@ def _fused_agrees(plans: list[FusedPlan], k: int) -> bool:
     rows = first.blocks * first.block
 
     def check() -> bool:
-        x, w = gemm._probe_operands(first.dtype, (rows, k), (sum(widths), k))
+        x, w = gemm_tiles._probe_operands(first.dtype, (rows, k), (sum(widths), k))
         fused = first.call(x, prepared(first, w))
         parts = [first.call(x, first.prepared(part.contiguous())) for part in w.split(widths)]  # as the plans run
         return torch.equal(fused, torch.cat(parts, dim=1))
 
     key = (widths, _call_form(first), k, torch.get_num_threads())
-    return gemm._checked_once(_FUSED_CHECKS, key, check)
+    return gemm_tiles._checked_once(_FUSED_CHECKS, key, check)
 
 
 def prepared(plan: FusedPlan, matrix: Tensor) -> Tensor:
     """``plan.prepared(matrix)`` with the packing op this module calls (so a test may swap the fused packing alone)."""
-    if isinstance(plan, gemm.PackedLinear):
+    if isinstance(plan, gemm_packed.PackedLinear):
         return onednn_packed(matrix)
     return plan.prepared(matrix)

@@ -58,7 +58,7 @@ for the process:
   threads a call's tiles are shared out between them, each thread's GEMM seeing one thread, where a ``same_bits``
   check finds that gives the 1-thread call's bits (``loops.split_bmm``; else the call runs on 1 thread: that class's
   parallelism lost, not its speed per thread);
-- a class its kernel declares ``one_thread`` (a bf16 weight gradient's long reduction chunk: ``gemm_arrangements``)
+- a class its kernel declares ``one_thread`` (a bf16 weight gradient's long reduction chunk: ``gemm_weight_gradient``)
   takes the ``blas-1-thread`` path by construction, probed at 1 thread only: a BLAS may split a long reduction
   between threads where a call's tiles leave a thread idle (oneDNN's AMX kernels on an Intel Xeon did for a
   768-token chunk in three row tiles at 2 threads), a choice that follows the call's tile count and the process's
@@ -296,7 +296,7 @@ class HostGuard:
         """Names this guard's answers as they stand: a new value (unique in the process, across guards) whenever an
         answer given may change -- a class whose check fails at a thread count verified later (its path then changes
         at every count). A new class changes no answer given. A cache of decisions drawn from the guard's answers
-        (``gemm_arrangements.TiledPlan``, keyed with the thread count) keys on it, and so never outlives them."""
+        (``gemm_linear.TiledPlan``, keyed with the thread count) keys on it, and so never outlives them."""
 
     # ------------------------------------------------------------------ the primitives
     def tile_heights(self, dtype: torch.dtype, b: Tensor, shared_operand: bool, op: str, *,
@@ -748,7 +748,7 @@ def onednn_packing() -> bool:
 def onednn_packed(weight: Tensor) -> Tensor:
     """``weight`` [N, K] (contiguous) packed once for ``onednn_linear`` (``onednn_packing``): the same GEMM on the
     weight in oneDNN's own layout, which spares the op laying it out per call. Whether its bits are the unpacked op's
-    is a host property, checked before any result uses it (``gemm_arrangements``)."""
+    is a host property, checked before any result uses it (``gemm_packed``)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
 
 

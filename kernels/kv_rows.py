@@ -10,7 +10,7 @@ model's one cache write) keeps its rows here between calls: each write copies th
 same length gets them without a pass over the cache. A new ``key_len`` (every 64 positions of a decode) lays them
 out afresh.
 
-The guard is the cache tensor's version counter (as ``gemm_arrangements.arranged_weight``'s for a weight): every
+The guard is the cache tensor's version counter (as ``gemm_laid_out.arranged_weight``'s for a weight): every
 in-place write to the cache or a view of it moves it on, and the rows are used only where every write since they were
 laid out came through ``write`` (which saw the counter at its own step); any other write, and they are laid out
 afresh. Not seen: a write that bypasses the counter (``cache.data[...] = ...``, a NumPy view), which vexact never

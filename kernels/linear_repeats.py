@@ -1,7 +1,7 @@
 """A decode loop's repeated linear calls, without their per-call questions (``cpu_exact.linear``).
 
 A decode step calls every linear layer once, with the shapes of the step before. Each call of ``cpu_exact.linear``
-checks its inputs, asks the dtype its GEMM runs in (``gemm_arrangements.tiled_dtype``) and looks its plan up
+checks its inputs, asks the dtype its GEMM runs in (``gemm_linear.tiled_dtype``) and looks its plan up
 (``tiled_matmul``: a key of twelve parts) before the plan runs -- in a decode step, where the GEMMs themselves ran at
 native's speed, a share of the step's excess: llama100m's bf16 step (8 rows, an Intel Xeon with AMX, 2 threads) took
 0.98x its time with these calls remembered (the journal, session 48).
@@ -10,7 +10,7 @@ So a call with no gradient to record and no bias, whose GEMM runs in the inputs'
 (weight, guard, x's shape): the plan it ran. The next such call runs that plan at once where everything the plan's
 choice and the input check read is as it was: the same weight tensor (its version counter, storage, shape and
 strides), x's dtype and device, the guard's state (``HostGuard.epoch``: one counter for every guard, so it names the
-guard as well), the thread count and the process switches (``gemm_arrangements.plan_switches``) -- the parts of
+guard as well), the thread count and the process switches (``gemm_linear.plan_switches``) -- the parts of
 ``tiled_matmul``'s key, and what ``checks.linear`` reads (so inputs that passed it pass again). No bit depends
 on it: the same plan runs on the same operands."""
 
@@ -23,8 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import compiled_loops
-from . import gemm_arrangements as gemm
+from . import compiled_loops, gemm_linear
 from .host_guard import HostGuard
 
 REMEMBERED_MAX = 4096
@@ -45,8 +44,8 @@ class _Remembered(NamedTuple):
     dtype: torch.dtype
     epoch: int
     threads: int
-    switches: tuple  # gemm_arrangements.plan_switches
-    plan: gemm.TiledPlan
+    switches: tuple  # gemm_linear.plan_switches
+    plan: gemm_linear.TiledPlan
     rows: torch.Size  # x as the plan takes it: [M, K]
     out_shape: torch.Size
 
@@ -74,7 +73,7 @@ def remembered(x: Tensor, weight: Tensor, host: HostGuard) -> _Remembered | None
     if (kept.weight() is not weight or x.dtype is not kept.dtype or weight._version != kept.version
             or host.epoch != kept.epoch or torch.get_num_threads() != kept.threads or not x.is_cpu
             or weight.data_ptr() != kept.storage or weight.shape != kept.shape or weight.stride() != kept.strides
-            or gemm.plan_switches(kept.dtype, compiled_loops.library()) != kept.switches
+            or gemm_linear.plan_switches(kept.dtype, compiled_loops.library()) != kept.switches
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return None
     return kept
@@ -87,10 +86,10 @@ def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:
     if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or not (x.is_cpu and weight.is_cpu):
         return
     x2d = x.reshape(-1, x.shape[-1])
-    if gemm.tiled_dtype(x2d, weight, host, OP) != x.dtype:
+    if gemm_linear.tiled_dtype(x2d, weight, host, OP) != x.dtype:
         return
     loops = compiled_loops.library()
-    if (plan := gemm.kept_plan(x2d, weight, host, OP, loops)) is None:
+    if (plan := gemm_linear.kept_plan(x2d, weight, host, OP, loops)) is None:
         return
     if len(_REMEMBERED) >= REMEMBERED_MAX:
         _REMEMBERED.clear()
@@ -98,12 +97,12 @@ def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:
     _REMEMBERED[key] = _Remembered(
         weakref.ref(weight, functools.partial(_forget, _REMEMBERED, key)), weight._version,
         weight.data_ptr(), weight.shape, weight.stride(), x.dtype, host.epoch, torch.get_num_threads(),
-        gemm.plan_switches(x.dtype, loops), plan, x2d.shape, out.shape)
+        gemm_linear.plan_switches(x.dtype, loops), plan, x2d.shape, out.shape)
 
 
 def _forget(remembered: dict, key: tuple[int, int, torch.Size], ref: weakref.ref) -> None:
     """A weight's remembered call goes with it (its weak reference's callback; ``remembered`` is ``_REMEMBERED``, bound
-    in the callback, as ``gemm_arrangements._forget`` binds its dictionary)."""
+    in the callback, as ``gemm_linear._forget`` binds its dictionary)."""
     kept = remembered.get(key)
     if kept is not None and kept.weight is ref:
         del remembered[key]

@@ -958,7 +958,7 @@ namespace {
 // torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on a packed weight over `rows` [R, K] --
 // as they are, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K] in one call, or (blocks > 0 and each_tile)
 // one call per tile [R / blocks, K], their outputs stacked -- as [R, N]: the op call(s) packed_linear and
-// packed_linears make (gemm_arrangements.PACKED_CALLS).
+// packed_linears make (gemm_packed.PACKED_CALLS).
 at::Tensor packed_rows_linear(const at::Tensor& rows, const at::Tensor& packed, int64_t blocks, bool each_tile) {
   const int64_t padded = rows.size(0), k = rows.size(1);
   static const c10::OperatorHandle linear =
@@ -982,7 +982,7 @@ at::Tensor packed_rows_linear(const at::Tensor& rows, const at::Tensor& packed, 
 
 }  // namespace
 
-// gemm_arrangements._packed_run's call after its plan (a decode step's GEMM on a weight packed once): the M rows of x
+// gemm_packed._packed_run's call after its plan (a decode step's GEMM on a weight packed once): the M rows of x
 // [..., K] copied into `buffer` [R, K] (the kept zero-padded input, R >= M, its rows from M on zero already: the
 // caller's), torch's oneDNN linear (mkldnn::_linear_pointwise, no bias, no activation) on the packed weight over the
 // buffer -- as it is, or (blocks > 0) as `blocks` tiles [blocks, R / blocks, K], in one call or (each_tile) one per
@@ -1008,7 +1008,7 @@ namespace {
 
 // x's M rows [M, K] as a GEMM's input: copied into `buffer` where one is given (the kept zero-padded input [R, K], its
 // rows from M on zero already: the caller's), else as they are (a contiguous copy where they are not contiguous and
-// aligned, as gemm_arrangements._aligned makes). `op`: the caller's name, for its errors.
+// aligned, as gemm_tiles._aligned makes). `op`: the caller's name, for its errors.
 at::Tensor rows_input(const at::Tensor& x, const c10::optional<at::Tensor>& buffer, const char* op) {
   const int64_t k = x.size(-1), rows = x.numel() / k;
   at::Tensor input = x.reshape({rows, k});
@@ -1055,7 +1055,7 @@ std::vector<at::Tensor> packed_linears(const at::Tensor& x, const c10::optional<
   return weight_outputs(packed_rows_linear(input, packed, blocks, each_tile).narrow(0, 0, rows), x, widths, pads);
 }
 
-// gemm_arrangements' laid-out call of a decode step's tiles (form "one call": the canonical call itself, one at::bmm
+// gemm_linear's laid-out call of a decode step's tiles (form "one call": the canonical call itself, one at::bmm
 // of the tiles [blocks, R / blocks, K] against the operand laid out once per tile [blocks, K, N]) after its plan, on
 // one weight or (fused_linears) several laid out as one: x's rows as the GEMM's input (rows_input); the bmm; then,
 // for one weight (one width), the first M rows and n columns of its output as a view [..., n] -- for several, each
@@ -1079,11 +1079,11 @@ std::vector<at::Tensor> bmm_linears(const at::Tensor& x, const c10::optional<at:
 }
 
 // One GEMM per tile: out[t] = a_tiles[t] @ operand[0], each an at::mm of one fixed shape ([h, K] @ [K, N], the call
-// gemm_arrangements' per-tile loops make; a one-tile at::bmm ran several times slower in bf16 on the AMD EPYC:
+// gemm_laid_out's per-tile loops make; a one-tile at::bmm ran several times slower in bf16 on the AMD EPYC:
 // oneDNN's batched path lays the operand out on every call), the tiles shared out between the threads by
 // at::parallel_for. A tile runs on one thread inside the parallel region (oneDNN and MKL run a call made inside an
 // OpenMP region on the calling thread), so its bits cannot depend on how the tiles are divided, on the thread count or
-// on the other tiles; gemm_arrangements checks them at first use against the canonical call, per class and thread
+// on the other tiles; gemm_laid_out checks them at first use against the canonical call, per class and thread
 // count. column_blocks > 1: each tile from `whole_tiles` on runs as that many GEMMs of consecutive column blocks of the
 // operand (N split in blocks of ceil(N / column_blocks) columns), each into its columns of the tile's output, and the
 // items (the whole tiles, then the (tile, block) pairs) are shared out instead -- so an odd tile count still gives two
@@ -1206,19 +1206,19 @@ void spread_by_cost(const std::vector<int64_t>& costs, const Run& run) {
 
 }  // namespace
 
-// A weight gradient's chunks in slabs (gemm_arrangements._reduction_slabs): a [M, N] and b [M, K] in `block`-row
+// A weight gradient's chunks in slabs (gemm_weight_gradient._reduction_slabs): a [M, N] and b [M, K] in `block`-row
 // chunks, the last chunk's rows zero-padded to `last_length` (>= its rows; every other chunk is whole), and for each
 // chunk c and each `slab`-row slab of the N output rows, parts[c, lo : lo + cols] = chunk c of a's slab columns, seen
-// transposed, @ chunk c of b (gemm_arrangements._slab_products makes the same at::mm calls in Python). The
+// transposed, @ chunk c of b (gemm_weight_gradient._slab_products makes the same at::mm calls in Python). The
 // (chunk, slab) pairs are shared out between the threads by cost, each GEMM on one thread (spread_by_cost), so no bit
 // depends on how the threads divide them. Returns the partial products [chunks, N, K], which the caller adds by the
-// canonical halving tree; gemm_arrangements checks the spread at first use against the pairs in turn. `out`: where
+// canonical halving tree; gemm_weight_gradient checks the spread at first use against the pairs in turn. `out`: where
 // the products go (contiguous [chunks, N, K] of a's dtype; undefined: a fresh tensor), so that a one-chunk caller
 // writes its result tensor itself (a view of a fresh [1, N, K] would not be accumulated into in place by autograd).
 // column_blocks > 1: each pair's GEMM as that many GEMMs of consecutive blocks of its output columns (b's K columns:
 // a GEMM of other columns, the same reduction over the chunk's tokens), for a reduction of too few pairs to give the
 // threads even shares (one chunk of one slab: every bf16 gradient of a layer of at most 256 outputs ran on one
-// thread); gemm_arrangements checks them at first use against the whole pairs in turn on one thread.
+// thread); gemm_weight_gradient checks them at first use against the whole pairs in turn on one thread.
 at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t block, int64_t last_length,
                               int64_t slab, c10::optional<at::Tensor> out, int64_t column_blocks) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.stride(1) == 1 && b.is_contiguous() &&
@@ -1264,7 +1264,7 @@ at::Tensor reduction_slab_mms(const at::Tensor& a, const at::Tensor& b, int64_t 
   return parts;
 }
 
-// gemm_arrangements._transposed_matmul_views after its decisions: a.T @ b for a [M, N] and b [M, K] (aligned,
+// gemm_weight_gradient._transposed_matmul_views after its decisions: a.T @ b for a [M, N] and b [M, K] (aligned,
 // contiguous, one dtype), reduced over M in chunks of `block` rows. Per slab of `slab` output rows: the whole chunks'
 // GEMMs in one at::bmm on views, the last, partial chunk's GEMM on its rows zero-padded to `padded_to` (or, where
 // padded_to is its length, on its real rows, the result + 0.0 where `unpadded_tail`), then the halving tree over the
@@ -1786,7 +1786,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("padded_copy", &padded_copy, "src zero-padded to shape (a fresh contiguous tensor), same bits");
   m.def("chunks_transposed", &chunks_transposed, "cpu_exact._chunks_transposed, same bits");
   m.def("tiled_matmul", &tiled_matmul, "cpu_exact._tiled_matmul after its plan (library GEMM), same bits");
-  m.def("packed_linear", &packed_linear, "gemm_arrangements._packed_run's steps after its plan, same bits");
+  m.def("packed_linear", &packed_linear, "gemm_packed._packed_run's steps after its plan, same bits");
   m.def("packed_linears", &packed_linears, "fused_linears._fused_call's steps, same bits");
   m.def("bmm_linears", &bmm_linears, "a laid-out plan's canonical call of its tiles (one weight or several), same bits");
   m.def("tile_gemms", &tile_gemms, "one at::mm per tile (or per column block of it) with a shared operand, spread over "
@@ -1803,7 +1803,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_forward_saving", &attention_forward_saving,
         "attention_forward, also returning the output rows and normalised probabilities a backward keeps");
   m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
-  m.def("transposed_views", &transposed_views, "gemm_arrangements._transposed_matmul_views after its plan, same bits");
+  m.def("transposed_views", &transposed_views,
+        "gemm_weight_gradient._transposed_matmul_views after its plan, same bits");
   m.def("attention_query_rows", &attention_query_rows, "cpu_exact._AttentionTiles._query_rows, same bits");
   m.def("attention_from_output", &attention_from_output, "cpu_exact._AttentionTiles.from_output, same values");
   m.def("attention_to_output", &attention_to_output, "cpu_exact._AttentionTiles.to_output (times scale), same bits",

@@ -365,8 +365,8 @@ def test_op_count_charges_every_call_to_a_function(tmp_path, capsys):
     for r in results.values():
         assert r["aten_calls"] > 0
         assert sum(r["by_function"].values()) == sum(r["by_op"].values()) == r["aten_calls"]
-    # the linear tiles' functions: making a plan, and each arrangement's run (gemm_arrangements.TiledPlan)
-    tiles = {f"kernels/gemm_arrangements.py:{name}" for name in ("_tiled_plan", "_stacked_mm", "stacked_as_given",
+    # the linear tiles' functions: making a plan, and each arrangement's run (gemm_linear.TiledPlan)
+    tiles = {f"kernels/gemm_linear.py:{name}" for name in ("_tiled_plan", "_stacked_mm", "stacked_as_given",
                                                                   "stacked", "laid_out", "compiled_tiles", "tiles")}
     assert sum(results["exact"]["by_function"].get(name, 0) for name in tiles) > 0
     assert not tiles & set(results["native"]["by_function"])

@@ -23,7 +23,7 @@ from vexact.engine.inputs import scale_logits
 from vexact.engine.scoring import _response_hidden
 from vexact_kernels import fixed_order
 from vexact_kernels.compiled_loops import tree_sum
-from vexact_kernels.gemm_arrangements import LIBRARY_REDUCE_MAX, REDUCE_BLOCK
+from vexact_kernels.gemm_tiles import LIBRARY_REDUCE_MAX, REDUCE_BLOCK
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1000

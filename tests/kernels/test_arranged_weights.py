@@ -1,5 +1,5 @@
 """The canonical linear arrangement lays each weight out once per weight version, with the bits of laying it out per
-call (``gemm_arrangements.arranged_weight``), and in bf16 copies no weight at all where the class's tiles take the
+call (``gemm_laid_out.arranged_weight``), and in bf16 copies no weight at all where the class's tiles take the
 operand as a transposed batch (``operand_per_tile``).
 
 What changed: the canonical tiles of ``tiled_matmul`` copied the weight on every call -- an input gradient's W.T
@@ -33,7 +33,7 @@ from conftest import num_threads, recorded_returns
 from test_host_guard import emulated_guard
 from torch.profiler import ProfilerActivity, profile
 
-from vexact_kernels import compiled_loops, cpu_exact, gemm_arrangements
+from vexact_kernels import compiled_loops, cpu_exact, gemm_laid_out, gemm_linear
 from vexact_kernels.host_guard import FASTER_PATH, SAME_BITS, SINGLE_THREAD_PATH, HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -64,7 +64,7 @@ def _steps(dtype: torch.dtype, rows: int = 150, k: int = 64, n: int = 40, ops=No
 
 def _per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lay every operand out per call: nothing kept (the arrangement before)."""
-    monkeypatch.setattr(gemm_arrangements, "ARRANGED_BYTES_MAX", 0)
+    monkeypatch.setattr(gemm_laid_out, "ARRANGED_BYTES_MAX", 0)
 
 
 def _with_threads(threads: int, fn):
@@ -88,28 +88,28 @@ def test_kept_operands_give_the_bits_of_laying_out_per_call(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_each_weight_is_laid_out_once_per_version(dtype, monkeypatch):
     made = []
-    real = gemm_arrangements.arranged_weight
+    real = gemm_laid_out.arranged_weight
 
     def counting(weight, form, make):
         def counted():
             made.append(form[0])
             return make()
         return real(weight, form, counted)
-    monkeypatch.setattr(gemm_arrangements, "arranged_weight", counting)
+    monkeypatch.setattr(gemm_laid_out, "arranged_weight", counting)
     _steps(dtype)
     # per version (once for the first, over two passes; once after the update): the forward's padded weight and
     # the input gradient's W.T made contiguous; in bf16, where the classes take their operand once per tile as the
     # weight is stored (operand_per_tile), the forward's padded weight, then each operand once per tile for the
     # canonical call of the three tiles (the input gradient's operand is W itself: nothing else laid out)
     expected = ["canonical", "canonical"]
-    if dtype == torch.bfloat16 and gemm_arrangements.operand_per_tile(dtype, 64, 48):
+    if dtype == torch.bfloat16 and gemm_laid_out.operand_per_tile(dtype, 64, 48):
         expected = ["canonical", "per tile", "per tile"]
     assert made == expected * 2, made
 
 
 def test_an_operand_kept_whatever_the_version_is_caught(monkeypatch):
     """Counter-test: keyed without the version counter, the update is missed and the third pass differs."""
-    real = gemm_arrangements.arranged_weight
+    real = gemm_laid_out.arranged_weight
     stale = {}
 
     def ignore_version(weight, form, make):
@@ -117,7 +117,7 @@ def test_an_operand_kept_whatever_the_version_is_caught(monkeypatch):
         if key not in stale:
             stale[key] = real(weight, form, make)
         return stale[key]
-    monkeypatch.setattr(gemm_arrangements, "arranged_weight", ignore_version)
+    monkeypatch.setattr(gemm_laid_out, "arranged_weight", ignore_version)
     kept = _steps(torch.float32)
     monkeypatch.undo()
     with pytest.MonkeyPatch.context() as per_call:
@@ -128,15 +128,15 @@ def test_an_operand_kept_whatever_the_version_is_caught(monkeypatch):
 
 
 def test_the_bound_keeps_nothing_beyond_it(monkeypatch):
-    monkeypatch.setattr(gemm_arrangements, "ARRANGED_BYTES_MAX", 0)
+    monkeypatch.setattr(gemm_laid_out, "ARRANGED_BYTES_MAX", 0)
     weight = _randn(40, 64, dtype=torch.float32, seed=1)
-    operand = gemm_arrangements.canonical_operand(weight, torch.float32, 48)
-    assert weight not in gemm_arrangements._ARRANGED
+    operand = gemm_laid_out.canonical_operand(weight, torch.float32, 48)
+    assert weight not in gemm_laid_out._ARRANGED
     assert torch.equal(operand[0, :, :40], weight.t()) and not operand[0, :, 40:].any()
 
 
 def _held_bytes() -> int:
-    return sum(t.nbytes for kept in gemm_arrangements._ARRANGED.values() for _, t in kept.values())
+    return sum(t.nbytes for kept in gemm_laid_out._ARRANGED.values() for _, t in kept.values())
 
 
 def test_the_bound_counts_the_bytes_held_as_operands_come_and_go():
@@ -146,21 +146,21 @@ def test_the_bound_counts_the_bytes_held_as_operands_come_and_go():
     import gc
 
     gc.collect()  # an earlier test's weights in reference cycles go now, not at the collection below (start moved)
-    start = gemm_arrangements._HELD_BYTES.total
+    start = gemm_laid_out._HELD_BYTES.total
     assert start == _held_bytes()
     weight = _randn(40, 64, dtype=torch.float32, seed=1)
-    gemm_arrangements.canonical_operand(weight, torch.float32, 48)
-    one = gemm_arrangements._HELD_BYTES.total
+    gemm_laid_out.canonical_operand(weight, torch.float32, 48)
+    one = gemm_laid_out._HELD_BYTES.total
     assert one == _held_bytes() == start + 64 * 48 * 4
-    gemm_arrangements.canonical_operand(weight, torch.float32, 64)  # another form: kept beside the first
-    assert gemm_arrangements._HELD_BYTES.total == _held_bytes() == one + 64 * 64 * 4
+    gemm_laid_out.canonical_operand(weight, torch.float32, 64)  # another form: kept beside the first
+    assert gemm_laid_out._HELD_BYTES.total == _held_bytes() == one + 64 * 64 * 4
     with torch.no_grad():
         weight.mul_(2.0)  # a new version: its operand replaces the old one of that form
-    gemm_arrangements.canonical_operand(weight, torch.float32, 48)
-    assert gemm_arrangements._HELD_BYTES.total == _held_bytes() == one + 64 * 64 * 4
+    gemm_laid_out.canonical_operand(weight, torch.float32, 48)
+    assert gemm_laid_out._HELD_BYTES.total == _held_bytes() == one + 64 * 64 * 4
     del weight
     gc.collect()
-    assert gemm_arrangements._HELD_BYTES.total == _held_bytes() == start
+    assert gemm_laid_out._HELD_BYTES.total == _held_bytes() == start
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -172,7 +172,7 @@ def test_bmm_copies_the_canonical_operand_where_the_rule_says(dtype):
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         torch.bmm(x, operand)
     copies = [e for e in prof.events() if e.name == "aten::copy_" and list(e.input_shapes[0]) == [1, 128, 96]]
-    assert bool(copies) == gemm_arrangements.bmm_copies_operand(dtype, 64, 128, 96)
+    assert bool(copies) == gemm_laid_out.bmm_copies_operand(dtype, 64, 128, 96)
     if dtype == torch.float32:
         assert not copies
 
@@ -183,7 +183,7 @@ def test_bmm_copies_no_operand_as_stored(layout):
     weight [96, 128] as a transposed batch, strides (128 x 96, 1, 128); an input gradient's W [128, 96] row-major)
     reaches torch's bf16 ``bmm`` without a copy (the profiler sees none), where the class is one; and has the bits of
     the canonical call of one tile (``per_tile_operand``)."""
-    if not gemm_arrangements.operand_per_tile(torch.bfloat16, 128, 96):
+    if not gemm_laid_out.operand_per_tile(torch.bfloat16, 128, 96):
         pytest.skip("torch's bf16 bmm does not run oneDNN here: no per-tile class")
     x = _randn(1, 64, 128, dtype=torch.bfloat16, seed=3)
     if layout == "forward":
@@ -192,12 +192,12 @@ def test_bmm_copies_no_operand_as_stored(layout):
     else:
         stored = _randn(128, 96, dtype=torch.bfloat16, seed=4)  # W of a layer 96 -> 128; the weight given is W.T
         weight, strides = stored.t(), (128 * 96, 96, 1)
-    operand = gemm_arrangements.stored_operand(weight, torch.bfloat16, 96)
+    operand = gemm_laid_out.stored_operand(weight, torch.bfloat16, 96)
     assert operand.data_ptr() == stored.data_ptr() and operand.stride() == strides
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out = torch.bmm(x, operand)
     assert not [e for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
-    assert torch.equal(_bits(out), _bits(torch.bmm(x, gemm_arrangements.per_tile_operand(operand, 1))))
+    assert torch.equal(_bits(out), _bits(torch.bmm(x, gemm_laid_out.per_tile_operand(operand, 1))))
 
 
 TILE_HOSTS = ("this-host", "rows-in-call")
@@ -218,7 +218,7 @@ FORWARD_SHAPES = [(150, 64, 40), (300, 96, 176), (3968, 64, 64)]
 def _forward_tiles(rows: int, k: int, n: int, host: HostGuard) -> torch.Tensor:
     x = _randn(rows, k, dtype=torch.bfloat16, seed=rows + k)
     weight = _randn(n, k, dtype=torch.bfloat16, seed=rows + n + 1, scale=0.1)
-    return gemm_arrangements.tiled_matmul(x, weight, host)
+    return gemm_linear.tiled_matmul(x, weight, host)
 
 
 def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: int | None = None,
@@ -227,30 +227,30 @@ def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: i
     host) and take its laid-out forward tiles wherever the first-use check allows them (``laid_out``) or never (the
     canonical call, through the guard's ``bmm``), with ``LAID_OUT_CALL_MAX`` = ``call_max`` (0: one GEMM per tile;
     large: the canonical call itself); the forms run on ``rows`` rows (not the first-use check's), recorded."""
-    monkeypatch.setattr(gemm_arrangements, "operand_per_tile", lambda *args: True)
-    monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
+    monkeypatch.setattr(gemm_laid_out, "operand_per_tile", lambda *args: True)
+    monkeypatch.setattr(gemm_laid_out, "_LAID_OUT_CHECKS", {})
     if not laid_out:
-        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args, **kwargs: False)
+        monkeypatch.setattr(gemm_laid_out, "_laid_out_agrees", lambda *args, **kwargs: False)
     if call_max is not None:
-        monkeypatch.setattr(gemm_arrangements, "LAID_OUT_CALL_MAX", call_max)
+        monkeypatch.setattr(gemm_laid_out, "LAID_OUT_CALL_MAX", call_max)
     forms = []
-    real = gemm_arrangements._laid_out_tiles
+    real = gemm_laid_out._laid_out_tiles
 
     def recorded(*args, **kwargs):
         if args[0].shape[0] == rows:
             forms.append(args[5])  # the form
         return real(*args, **kwargs)
-    monkeypatch.setattr(gemm_arrangements, "_laid_out_tiles", recorded)
-    if (loops := gemm_arrangements.compiled_loops.library()) is not None:
+    monkeypatch.setattr(gemm_laid_out, "_laid_out_tiles", recorded)
+    if (loops := compiled_loops.library()) is not None:
         class Recorded:  # the canonical call itself, compiled (``bmm_linears``): the form ``one call``
             def __getattr__(self, name):
                 return getattr(loops, name)
 
             def bmm_linears(self, x, *args):
                 if x.numel() // x.shape[-1] == rows:
-                    forms.append(gemm_arrangements.LAID_OUT_FORMS[1])
+                    forms.append(gemm_laid_out.LAID_OUT_FORMS[1])
                 return loops.bmm_linears(x, *args)
-        monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Recorded())
+        monkeypatch.setattr(compiled_loops, "library", lambda: Recorded())
     return forms
 
 
@@ -294,7 +294,7 @@ def _watched_tile_gemms(monkeypatch: pytest.MonkeyPatch, loops, column_blocks_of
             if column_blocks_off and column_blocks > 1:
                 out = torch.nextafter(out, torch.full_like(out, float("inf")))
             return out
-    monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: Watched())
+    monkeypatch.setattr(compiled_loops, "library", lambda: Watched())
     return calls
 
 
@@ -303,7 +303,7 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
     threads get even shares, else each tile's GEMM in two column blocks (``tile_column_blocks``: five tiles, ten
     pairs; one tile, two); at 1 thread they do not (one ``mm`` after another); and every way, one after another
     included, has the bits of one ``bmm`` per tile at 1 thread."""
-    loops = gemm_arrangements.compiled_loops.library()
+    loops = compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here")
     calls = _watched_tile_gemms(monkeypatch, loops)
@@ -311,14 +311,14 @@ def test_tile_gemms_spread_over_threads_where_the_loops_run(monkeypatch):
     operand = _randn(1, 96, 175, dtype=torch.bfloat16, seed=8)  # an odd N: column blocks of 88 and 87
     with num_threads(1):
         expected = torch.cat([torch.bmm(tiles[t : t + 1], operand) for t in range(5)])
-        assert torch.equal(gemm_arrangements._tile_gemms(tiles, operand), expected)
+        assert torch.equal(gemm_laid_out._tile_gemms(tiles, operand), expected)
     assert calls == []
     with num_threads(2):
-        uneven = gemm_arrangements._tile_gemms(tiles, operand)
-        one = gemm_arrangements._tile_gemms(tiles[:1], operand)
-        even = gemm_arrangements._tile_gemms(tiles[:4], operand)
-        one_after_another = gemm_arrangements._tile_gemms(tiles, operand, spread=False)
-        one_thread = gemm_arrangements._tile_gemms(tiles, operand, one_thread=True)
+        uneven = gemm_laid_out._tile_gemms(tiles, operand)
+        one = gemm_laid_out._tile_gemms(tiles[:1], operand)
+        even = gemm_laid_out._tile_gemms(tiles[:4], operand)
+        one_after_another = gemm_laid_out._tile_gemms(tiles, operand, spread=False)
+        one_thread = gemm_laid_out._tile_gemms(tiles, operand, one_thread=True)
     assert calls == [(5, 2, False, 4), (1, 2, False, 0), (4, 1, False, 4), (5, 2, True, 4)]
     assert all(torch.equal(_bits(got), _bits(want))
                for got, want in ((uneven, expected), (one, expected[:1]), (even, expected[:4]),
@@ -333,7 +333,7 @@ def test_tiles_left_over_run_in_column_blocks_beside_whole_ones(count, threads, 
     tiles left over after even shares of whole ones, five at 2 threads: four whole, the fifth in two blocks) has the
     bits of one ``mm`` per tile at 1 thread, whatever the split, thread count or blocks; and ``_tile_gemms`` takes that
     split for an uneven count (recorded)."""
-    loops = gemm_arrangements.compiled_loops.library()
+    loops = compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here")
     tiles = _randn(count, 64, 96, dtype=torch.bfloat16, seed=count)
@@ -347,7 +347,7 @@ def test_tiles_left_over_run_in_column_blocks_beside_whole_ones(count, threads, 
                 assert torch.equal(_bits(got), _bits(expected)), (whole, blocks)
         with pytest.MonkeyPatch.context() as patch:
             made = _watched_tile_gemms(patch, loops)
-            got = gemm_arrangements._tile_gemms(tiles, operand, one_thread=one_thread)
+            got = gemm_laid_out._tile_gemms(tiles, operand, one_thread=one_thread)
     assert torch.equal(_bits(got), _bits(expected))
     left_over = count % threads
     if left_over:
@@ -366,7 +366,7 @@ def test_one_thread_tile_gemms_are_the_one_thread_call(k, n):
     AMX its bf16 GEMMs of these shapes (an MLP's and an LM head's input gradient, [64, K] @ [K, 576] as stored) then
     summed K as the 2-thread call does, and the first-use check sent those classes to the canonical call, which
     copies the weight once per tile."""
-    loops = gemm_arrangements.compiled_loops.library()
+    loops = compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here")
     tiles = _randn(3, 64, k, dtype=torch.bfloat16, seed=11)
@@ -382,13 +382,13 @@ def test_tile_column_blocks_give_the_threads_even_shares():
     """``tile_column_blocks``: 1 where the tiles divide evenly, else a divisor of the threads that makes the tiles
     left over after even shares of whole ones, in that many blocks each, a multiple of the threads, at most N;
     ``tile_gemm_ways`` lists every such count."""
-    blocks = gemm_arrangements.tile_column_blocks
+    blocks = gemm_laid_out.tile_column_blocks
     assert [blocks(count, 2, 1536) for count in (1, 2, 3, 4, 5, 8, 9)] == [2, 1, 2, 1, 2, 1, 2]
     assert [blocks(count, 4, 1536) for count in (1, 2, 3, 4, 6)] == [4, 2, 4, 1, 2]
     assert blocks(3, 1, 1536) == 1 and blocks(1, 4, 3) == 3
-    assert gemm_arrangements.tile_gemm_ways(2, 1536, one_thread=False) == ((True, 1), (True, 2), (False, 1))
-    assert gemm_arrangements.tile_gemm_ways(4, 1536, one_thread=True) == ((True, 1), (True, 2), (True, 4))
-    assert gemm_arrangements.tile_gemm_ways(1, 1536, one_thread=False) == ((True, 1), (False, 1))
+    assert gemm_laid_out.tile_gemm_ways(2, 1536, one_thread=False) == ((True, 1), (True, 2), (False, 1))
+    assert gemm_laid_out.tile_gemm_ways(4, 1536, one_thread=True) == ((True, 1), (True, 2), (True, 4))
+    assert gemm_laid_out.tile_gemm_ways(1, 1536, one_thread=False) == ((True, 1), (False, 1))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -399,16 +399,16 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
         with pytest.MonkeyPatch.context() as canonical:
             _laid_out_forms(canonical, laid_out=False)
             expected = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
-        real = gemm_arrangements._tile_gemms
+        real = gemm_laid_out._tile_gemms
 
         def off(*args, **kwargs):
             out = real(*args, **kwargs)
             return torch.nextafter(out, torch.full_like(out, float("inf")))
-        monkeypatch.setattr(gemm_arrangements, "_tile_gemms", off)
+        monkeypatch.setattr(gemm_laid_out, "_tile_gemms", off)
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=0, rows=300)
         out = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
         assert forms == [] and torch.equal(_bits(out), _bits(expected))
-        monkeypatch.setattr(gemm_arrangements, "_laid_out_agrees", lambda *args, **kwargs: True)
+        monkeypatch.setattr(gemm_laid_out, "_laid_out_agrees", lambda *args, **kwargs: True)
         wrong = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
     assert forms == ["per tile"] and not torch.equal(_bits(wrong), _bits(expected))
 
@@ -421,7 +421,7 @@ def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles
     (``_column_blocks_agree``): the form runs whole tiles with the canonical call's bits -- one tile (a decode step's
     call) or five tiles, where two threads would take column blocks. Counter-check: had the column blocks' check
     passed, the form would have run them and given other bits."""
-    loops = gemm_arrangements.compiled_loops.library()
+    loops = compiled_loops.library()
     if loops is None:
         pytest.skip("the compiled loops are not built here: no column blocks")
 
@@ -438,8 +438,8 @@ def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles
         assert forms == [form] and torch.equal(_bits(out), _bits(expected))
         split = [count for count, blocks, _, _ in calls if blocks > 1]
         assert split and tiles not in split  # the column blocks' check split its tiles; the form's call did not
-        monkeypatch.setattr(gemm_arrangements, "_LAID_OUT_CHECKS", {})
-        monkeypatch.setattr(gemm_arrangements, "_column_blocks_agree", lambda *args, **kwargs: True)
+        monkeypatch.setattr(gemm_laid_out, "_LAID_OUT_CHECKS", {})
+        monkeypatch.setattr(gemm_laid_out, "_column_blocks_agree", lambda *args, **kwargs: True)
         wrong = run()
     assert not torch.equal(_bits(wrong), _bits(expected))
 
@@ -451,7 +451,7 @@ def test_a_warm_bf16_linear_copies_no_weight(rows, form, stored, monkeypatch):
     per-tile class copies nothing in each form (the profiler sees no copy): the one tile and the per-tile GEMMs
     multiply the weight as stored, and the canonical call's once-per-tile operand is laid out once per weight version
     and tile count (``laid_out_operand``). The rows fill whole tiles, so the input is not padded either."""
-    if not gemm_arrangements.operand_per_tile(torch.bfloat16, 64, 176):
+    if not gemm_laid_out.operand_per_tile(torch.bfloat16, 64, 176):
         pytest.skip("torch's bf16 bmm does not run oneDNN here: no transposed-batch class")
     forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=0 if form == "per tile" else None, rows=rows)
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
@@ -459,9 +459,9 @@ def test_a_warm_bf16_linear_copies_no_weight(rows, form, stored, monkeypatch):
     weight = _randn(176, 64, dtype=torch.bfloat16, seed=6)
     if stored == "input gradient":
         weight = _randn(64, 176, dtype=torch.bfloat16, seed=6).t()
-    first = gemm_arrangements.tiled_matmul(x, weight, host)  # probes, checks and the plan, outside the profile
+    first = gemm_linear.tiled_matmul(x, weight, host)  # probes, checks and the plan, outside the profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        warm = gemm_arrangements.tiled_matmul(x, weight, host)
+        warm = gemm_linear.tiled_matmul(x, weight, host)
     # the first call and the warm one took the form (so did the first-use check, where its rows are these: one tile)
     assert forms[-2:] == [form, form] and set(forms) == {form}
     assert not [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
@@ -499,15 +499,15 @@ def test_a_one_thread_class_lays_its_tiles_out_with_the_canonical_bits(rows, for
             forms = _laid_out_forms(canonical, laid_out=False, rows=rows)
             host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
             _one_thread_classes(canonical, host)
-            expected = gemm_arrangements.tiled_matmul(x, weight, host)
+            expected = gemm_linear.tiled_matmul(x, weight, host)
             gemm_paths = {r.path for r in host._records.values() if r.property != SAME_BITS}
             assert not forms and gemm_paths == {SINGLE_THREAD_PATH}
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=call_max, rows=rows)
         host = HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical")
         _one_thread_classes(monkeypatch, host)
-        first = gemm_arrangements.tiled_matmul(x, weight, host)
+        first = gemm_linear.tiled_matmul(x, weight, host)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            warm = gemm_arrangements.tiled_matmul(x, weight, host)
+            warm = gemm_linear.tiled_matmul(x, weight, host)
     assert forms[-2:] == [form, form] and set(forms) == {form}
     assert not [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
     assert torch.equal(_bits(first), _bits(expected)) and torch.equal(_bits(warm), _bits(expected))

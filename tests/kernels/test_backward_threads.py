@@ -109,9 +109,9 @@ def test_the_emulated_intel_host_splits_where_the_probe_arrangements_did_not_loo
 def test_the_probe_alone_also_catches_the_emulated_intel_host(monkeypatch):
     """Without the one-thread rule for bf16 weight gradients, the probe's three tallest tiles catch the emulated
     host at 2 threads: the class takes ``blas-1-thread`` and the contract holds (two defences, each sufficient)."""
-    from vexact_kernels import gemm_arrangements
+    from vexact_kernels import gemm_weight_gradient
 
-    monkeypatch.setattr(gemm_arrangements, "one_thread_reduction", lambda dtype: False)
+    monkeypatch.setattr(gemm_weight_gradient, "one_thread_reduction", lambda dtype: False)
     ops = _ops("intel-amx", monkeypatch)
     inputs = [_randn(2, 350, 96, dtype=torch.bfloat16), _randn(176, 96, dtype=torch.bfloat16, seed=1, scale=0.1)]
     _same_at_every_thread_count(ops.linear, inputs)

@@ -328,14 +328,14 @@ def test_weight_gradient_on_views_loop_is_the_torch_ops_bit_for_bit(loops, rows,
     """``_transposed_matmul_views`` with and without the loops (whole chunks, a last chunk padded or on its real rows,
     several slabs of output rows -- with one chunk, with a tree, with an unpadded tail's + 0.0 in the tree's first
     pass --, no whole chunk, an odd number of chunks), bitwise, on values over many magnitudes and special values."""
-    from vexact_kernels import gemm_arrangements
+    from vexact_kernels import gemm_weight_gradient
 
     a = _values((rows, n), torch.float64, seed=rows + n).clamp(-1e15, 1e15).float()
     b = _values((rows, k), torch.float64, seed=rows + k).clamp(-1e15, 1e15).float()
     unpadded = unpadded and rows % block > 0
-    got = gemm_arrangements._transposed_matmul_views(a, b, block, unpadded_tail=unpadded)
-    monkeypatch.setattr(gemm_arrangements.compiled_loops, "library", lambda: None)
-    expected = gemm_arrangements._transposed_matmul_views(a, b, block, unpadded_tail=unpadded)
+    got = gemm_weight_gradient._transposed_matmul_views(a, b, block, unpadded_tail=unpadded)
+    monkeypatch.setattr(compiled_loops, "library", lambda: None)
+    expected = gemm_weight_gradient._transposed_matmul_views(a, b, block, unpadded_tail=unpadded)
     assert got.shape == expected.shape == (n, k)
     assert torch.equal(_bits(got), _bits(expected))
 
@@ -365,7 +365,7 @@ def test_padded_copy_is_the_torch_op_padding(loops, dtype, shape, how, padded):
                                                         (70, 40, 64, 48, "transposed"), (5, 3, 4, 16, "sliced")])
 def test_chunks_transposed_is_the_torch_op_layout(loops, dtype, rows, cols, block, width, how):
     """out[c, i, j] = src[c * block + j, i], zero elsewhere: the layout of padding the rows to whole chunks, then
-    each chunk's transpose (the torch-op composition ``gemm_arrangements._chunks_transposed`` replaces)."""
+    each chunk's transpose (the torch-op composition ``gemm_weight_gradient._chunks_transposed`` replaces)."""
     if how == "transposed":
         src = _values((cols, rows), torch.float64, seed=rows).to(dtype).t()
     elif how == "sliced":
@@ -419,7 +419,7 @@ def test_batched_matmul_operands_are_the_copies_they_replace(loops, case, monkey
     """``batched_matmul``'s left operand in row tiles and its right operand once per row tile: the same values, shape
     and strides as the compositions they replace (``_padded_operand(...).reshape(...)``, an expanded reshape), with
     the compiled loops and without -- the same GEMM call."""
-    from vexact_kernels import gemm_arrangements as gemm
+    from vexact_kernels import gemm_batched, gemm_tiles
 
     layout, shape, block, with_full = OPERAND_CASES[case]
     source = _values((3, 48, 128), torch.float32, seed=len(case))
@@ -429,13 +429,13 @@ def test_batched_matmul_operands_are_the_copies_they_replace(loops, case, monkey
         full = torch.zeros(shape)
         full[tuple(slice(0, n) for n in a.shape)] = a
     tiles = (shape[0] * shape[1] // block, block, shape[2])
-    expected = gemm._padded_operand(a, shape, full).reshape(tiles)
+    expected = gemm_tiles._padded_operand(a, shape, full).reshape(tiles)
     b = _values((shape[0], shape[2], 40), torch.float32, seed=7).transpose(1, 2).contiguous().transpose(1, 2)
     repeats = shape[1] // block
     expected_b = b.unsqueeze(1).expand(b.shape[0], repeats, *b.shape[1:]).reshape(-1, *b.shape[1:])
     for library in (loops, None):
-        monkeypatch.setattr(gemm.compiled_loops, "library", lambda library=library: library)
-        got, got_b = gemm._row_tiles(a, shape, full, block), gemm._repeated(b, repeats)
+        monkeypatch.setattr(compiled_loops, "library", lambda library=library: library)
+        got, got_b = gemm_batched._row_tiles(a, shape, full, block), gemm_batched._repeated(b, repeats)
         for name, new, old in (("left", got, expected), ("right", got_b, expected_b)):
             assert new.shape == old.shape and new.stride() == old.stride(), name
             assert torch.equal(_bits(new), _bits(old)), name

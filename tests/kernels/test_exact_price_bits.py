@@ -34,9 +34,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vexact_kernels import cpu_exact, gemm_arrangements
+from vexact_kernels import cpu_exact, gemm_batched, gemm_laid_out, gemm_linear, gemm_tiles, gemm_weight_gradient
 from vexact_kernels.cpu_exact import KEY_BLOCK, _tree_sum, _unary
-from vexact_kernels.gemm_arrangements import COL_BLOCK, _reduction_block, ceil_to, fp32, last_chunk_length, row_block
+from vexact_kernels.gemm_tiles import COL_BLOCK, ceil_to, fp32, row_block
+from vexact_kernels.gemm_weight_gradient import _reduction_block, last_chunk_length
 from vexact_kernels.host_guard import HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -73,7 +74,7 @@ def _tile(operand: torch.Tensor, t: int) -> tuple:
     64-byte alignment and its values (a digest of the raw bits)."""
     tile = operand[t]
     digest = hashlib.blake2b(_bits(tile.detach()).numpy().tobytes(), digest_size=16).hexdigest()
-    return tuple(tile.shape), tile.stride(), operand.stride(0), tile.data_ptr() % gemm_arrangements.ALIGNMENT, digest
+    return tuple(tile.shape), tile.stride(), operand.stride(0), tile.data_ptr() % gemm_tiles.ALIGNMENT, digest
 
 
 # --------------------------------------------------------------------------- the reference (the kernels before)
@@ -105,22 +106,22 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
     w = weight.to(x.dtype)  # x's dtype is the GEMM's (fp32, or bf16 where the guard admits the host's bf16 GEMM)
-    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_arrangements._aligned(w)
+    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_tiles._aligned(w)
     operand = w.t().unsqueeze(0)
     # a bf16 class whose bmm would copy the shared operand takes it once per tile in the layout the weight is stored
     # in (the canonical class since operand_per_tile: the operand's layout, not a price optimisation): a forward's
     # as a transposed batch, an input gradient's (the weight given as W.T) row-major
-    shared = not gemm_arrangements.operand_per_tile(x.dtype, k, n_pad)
-    row_major = not shared and gemm_arrangements.stored_row_major(weight)
+    shared = not gemm_laid_out.operand_per_tile(x.dtype, k, n_pad)
+    row_major = not shared and gemm_laid_out.stored_row_major(weight)
     if row_major:
         given = weight.t().to(x.dtype)
-        operand = gemm_arrangements._aligned(torch.constant_pad_nd(given, (0, n_pad - n))).unsqueeze(0)
+        operand = gemm_tiles._aligned(torch.constant_pad_nd(given, (0, n_pad - n))).unsqueeze(0)
     block = row_block(rows, host.tile_heights(x.dtype, operand, shared, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
     else:
-        x = gemm_arrangements._aligned(x)
+        x = gemm_tiles._aligned(x)
     if shared:
         right = operand.expand(blocks, k, n_pad)
     elif row_major:
@@ -251,9 +252,9 @@ def _silu_mul_vjp_reference(saved, grad, needs):
 
 def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Put the reference compositions in place of the optimised ones (for the rest of the test)."""
-    monkeypatch.setattr(gemm_arrangements, "transposed_matmul", _transposed_matmul_reference)
-    monkeypatch.setattr(gemm_arrangements, "tiled_matmul", _tiled_matmul_reference)
-    monkeypatch.setattr(gemm_arrangements, "batched_matmul", _batched_matmul_reference)
+    monkeypatch.setattr(gemm_weight_gradient, "transposed_matmul", _transposed_matmul_reference)
+    monkeypatch.setattr(gemm_linear, "tiled_matmul", _tiled_matmul_reference)
+    monkeypatch.setattr(gemm_batched, "batched_matmul", _batched_matmul_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "_query_rows", _query_rows_reference)
     monkeypatch.setattr(cpu_exact._AttentionTiles, "_key_rows", _key_rows_reference)
     monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
@@ -324,7 +325,7 @@ def _transposed_case(rows, n, k, layout):
             a, b = torch.cat([a.new_zeros(1), a.reshape(-1)])[1:].view(rows, n), b
         elif layout == "sliced":
             a = torch.cat([a, a], dim=1)[:, :n]
-        return [gemm_arrangements.transposed_matmul(a, b, host, "linear")]
+        return [gemm_weight_gradient.transposed_matmul(a, b, host, "linear")]
     return run
 
 
@@ -411,12 +412,12 @@ def test_row_wise_backward_bits_as_the_reference(case, dtype, monkeypatch):
     assert _differences(new, reference) == []
 
 
-@pytest.mark.parametrize("calls_from", [0, gemm_arrangements.ROW_TILE_CALLS_FROM], ids=["per-row-tile", "default"])
+@pytest.mark.parametrize("calls_from", [0, gemm_tiles.ROW_TILE_CALLS_FROM], ids=["per-row-tile", "default"])
 @pytest.mark.parametrize("rows,n,k,layout", TRANSPOSED)
 def test_weight_gradient_layout_matches_the_reference(rows, n, k, layout, calls_from, monkeypatch):
     """Both forms of the weight gradient over several chunks and row tiles (one GEMM call, or one per row tile) give
     the reference's tiles and bits."""
-    monkeypatch.setattr(gemm_arrangements, "ROW_TILE_CALLS_FROM", calls_from)
+    monkeypatch.setattr(gemm_tiles, "ROW_TILE_CALLS_FROM", calls_from)
     new, reference = _run_both(_transposed_case(rows, n, k, layout), monkeypatch)
     assert _differences(new, reference) == []
 
@@ -430,7 +431,7 @@ def test_the_check_catches_padding_left_unzeroed(monkeypatch):
         if tail:
             out[full, : src.shape[1], :tail].copy_(src[full * block :].t())
         return out
-    monkeypatch.setattr(gemm_arrangements, "_chunks_transposed", lazy)
+    monkeypatch.setattr(gemm_weight_gradient, "_chunks_transposed", lazy)
     new, reference = _run_both(_transposed_case(300, 176, 64, "contiguous"), monkeypatch)
     assert any("operand" in found for found in _differences(new, reference))
 
@@ -442,7 +443,7 @@ def test_the_check_catches_operand_padding_left_unzeroed(monkeypatch):
         out = x.new_empty(shape)
         out[tuple(slice(0, size) for size in x.shape)].copy_(x)
         return out
-    monkeypatch.setattr(gemm_arrangements, "_zero_padded", lazy)
+    monkeypatch.setattr(gemm_tiles, "_zero_padded", lazy)
     for make, *shape in (CASES["linear-37x176x64-bias"], CASES["attention-3x20x4x2x16x20-[0, 0, 0]"]):
         new, reference = _run_both(make(torch.float32, *shape), monkeypatch)
         assert any("operand" in found for found in _differences(new, reference))
@@ -475,7 +476,7 @@ def test_shared_input_operand_reused_with_the_same_bits(dtype, monkeypatch):
     new, reference = _run_both(_shared_input_case(dtype), monkeypatch)
     assert _differences(new, reference) == []
     calls, fresh, inside = [], [], []
-    real_operand, real_layout = gemm_arrangements._reduction_operand, gemm_arrangements._chunks_transposed
+    real_operand, real_layout = gemm_weight_gradient._reduction_operand, gemm_weight_gradient._chunks_transposed
 
     def operand(*args):
         calls.append(args[0].shape)
@@ -489,8 +490,8 @@ def test_shared_input_operand_reused_with_the_same_bits(dtype, monkeypatch):
         if inside:  # a right operand laid out afresh
             fresh.append(src.shape)
         return real_layout(src, *args)
-    monkeypatch.setattr(gemm_arrangements, "_reduction_operand", operand)
-    monkeypatch.setattr(gemm_arrangements, "_chunks_transposed", layout)
+    monkeypatch.setattr(gemm_weight_gradient, "_reduction_operand", operand)
+    monkeypatch.setattr(gemm_weight_gradient, "_chunks_transposed", layout)
     _shared_input_case(dtype)(RecordingGuard())
     assert len(calls) == 4  # four weight gradients
     assert len(fresh) == 2  # the input laid out once for the three layers, once after the in-place change
@@ -498,7 +499,7 @@ def test_shared_input_operand_reused_with_the_same_bits(dtype, monkeypatch):
 
 def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
     """Counter-test: an operand kept whatever the version (a stale layout after the in-place change) is caught."""
-    real = gemm_arrangements._reduction_operand
+    real = gemm_weight_gradient._reduction_operand
     stale = {}
 
     def ignore_version(b, block, chunks, k_pad, row_tiles, source):
@@ -508,7 +509,7 @@ def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
         if source is not None:
             stale[id(source)] = out
         return out
-    monkeypatch.setattr(gemm_arrangements, "_reduction_operand", ignore_version)
+    monkeypatch.setattr(gemm_weight_gradient, "_reduction_operand", ignore_version)
     new, reference = _run_both(_shared_input_case(torch.float32), monkeypatch)
     assert any("differs" in found for found in _differences(new, reference))
 
@@ -516,7 +517,7 @@ def test_shared_input_operand_follows_an_in_place_change(monkeypatch):
 def test_the_check_catches_a_row_tile_layout_left_unzeroed(monkeypatch):
     """Counter-test for the weight gradient's one-call-per-row-tile path (several chunks and row tiles): a layout whose
     last, partial row tile is not zero-padded shows as operand tiles the reference does not have."""
-    real = gemm_arrangements._row_tiles_transposed
+    real = gemm_weight_gradient._row_tiles_transposed
     used = []
 
     def lazy(a, block, chunks, row_tiles, height):
@@ -524,8 +525,8 @@ def test_the_check_catches_a_row_tile_layout_left_unzeroed(monkeypatch):
         out = real(a, block, chunks, row_tiles, height)
         out[-1, :, a.shape[1] % height :] = float("nan")
         return out
-    monkeypatch.setattr(gemm_arrangements, "_row_tiles_transposed", lazy)
-    monkeypatch.setattr(gemm_arrangements, "ROW_TILE_CALLS_FROM", 0)
+    monkeypatch.setattr(gemm_weight_gradient, "_row_tiles_transposed", lazy)
+    monkeypatch.setattr(gemm_tiles, "ROW_TILE_CALLS_FROM", 0)
     new, reference = _run_both(_transposed_case(400, 176, 64, "contiguous"), monkeypatch)  # two chunks, one partial
     assert used and any("operand" in found for found in _differences(new, reference))
 
@@ -540,6 +541,6 @@ def test_batched_matmul_takes_a_transposed_operand_with_nothing_to_pad():
     p = torch.randn(2, 48, 128, generator=gen)  # [batch, keys, queries]: p.T has 128 rows = two 64-row tiles
     d_out = torch.randn(2, 48, 32, generator=gen)
     transposed = p.transpose(1, 2)
-    out = gemm_arrangements.batched_matmul(transposed, d_out, host, "attention")
-    assert torch.equal(out, gemm_arrangements.batched_matmul(transposed.contiguous(), d_out, host, "attention"))
+    out = gemm_batched.batched_matmul(transposed, d_out, host, "attention")
+    assert torch.equal(out, gemm_batched.batched_matmul(transposed.contiguous(), d_out, host, "attention"))
     torch.testing.assert_close(out, torch.bmm(transposed, d_out), rtol=1e-5, atol=1e-5)  # fp32 reordering only

@@ -18,7 +18,16 @@ import pytest
 import torch
 from conftest import num_threads
 
-from vexact_kernels import contract, cpu_exact, fused_linears, gemm_arrangements, host_guard, native
+from vexact_kernels import (
+    contract,
+    cpu_exact,
+    fused_linears,
+    gemm_laid_out,
+    gemm_packed,
+    gemm_tiles,
+    host_guard,
+    native,
+)
 from vexact_kernels.host_guard import HostGuard
 
 pytestmark = pytest.mark.skipif(not host_guard.onednn_packing(),
@@ -26,7 +35,7 @@ pytestmark = pytest.mark.skipif(not host_guard.onednn_packing(),
 
 K = 512
 WIDTHS = (512, 512, 528)  # each K x N at least ONEDNN_MIN_WEIGHT (each packs alone); the last one's N_pad = N
-CALLS = gemm_arrangements.PACK_AFTER_CALLS + 4
+CALLS = gemm_packed.PACK_AFTER_CALLS + 4
 
 
 def _operands(dtype: torch.dtype, widths: tuple[int, ...] = WIDTHS) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -50,7 +59,7 @@ def _loop(x: torch.Tensor, weights: list[torch.Tensor], host: HostGuard) -> list
 def fresh_checks(monkeypatch):
     """Every test asks the first-use checks afresh."""
     monkeypatch.setattr(fused_linears, "_FUSED_CHECKS", {})
-    monkeypatch.setattr(gemm_arrangements, "_PACKED_CHECKS", {})
+    monkeypatch.setattr(gemm_packed, "_PACKED_CHECKS", {})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -83,13 +92,13 @@ def test_the_group_packs_at_the_call_a_single_weight_packs_at():
     x, weights = _operands(torch.bfloat16)
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     with torch.no_grad():
-        for _ in range(gemm_arrangements.PACK_AFTER_CALLS):
+        for _ in range(gemm_packed.PACK_AFTER_CALLS):
             cpu_exact.linears(x, weights, host=host)
         assert not _fused(weights)
         cpu_exact.linears(x, weights, host=host)
     checks = list(fused_linears._FUSED_CHECKS.values())  # [] where this host's plans do not pack these weights
     assert _fused(weights) == (checks != [] and all(checks))
-    if any(gemm_arrangements._PACKED_CHECKS.values()):  # each weight's plan packs here: the group fused at this call
+    if any(gemm_packed._PACKED_CHECKS.values()):  # each weight's plan packs here: the group fused at this call
         assert checks and _fused(weights)
 
 
@@ -155,7 +164,7 @@ def test_a_backend_without_linears_sees_a_linear_call_per_weight():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("calls", [*gemm_arrangements.PACKED_CALLS, "laid out"])
+@pytest.mark.parametrize("calls", [*gemm_packed.PACKED_CALLS, "laid out"])
 @pytest.mark.parametrize("rows,blocks", [(8, 1), (5, 1), (16, 2), (7, 3)])
 def test_the_compiled_fused_call_is_the_python_steps(dtype, calls, rows, blocks):
     """``compiled_loops``' ``packed_linears`` and ``bmm_linears`` (the fused call in one call: on the weights packed
@@ -170,12 +179,12 @@ def test_the_compiled_fused_call_is_the_python_steps(dtype, calls, rows, blocks)
     block = 8
     _, weights = _operands(dtype, (40, 24, 64))
     x = torch.randn(rows, 1, K, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    pads = tuple(gemm_arrangements.ceil_to(w.shape[0], gemm_arrangements.COL_BLOCK) for w in weights)
+    pads = tuple(gemm_tiles.ceil_to(w.shape[0], gemm_tiles.COL_BLOCK) for w in weights)
     if calls == "laid out":
-        plans = tuple(gemm_arrangements.LaidOutLinear("one call", dtype, block, blocks, w.shape[0], pad, True)
+        plans = tuple(gemm_packed.LaidOutLinear("one call", dtype, block, blocks, w.shape[0], pad, True)
                       for w, pad in zip(weights, pads))
     else:
-        plans = tuple(gemm_arrangements.PackedLinear("stacked", dtype, block, blocks, w.shape[0], pad, calls)
+        plans = tuple(gemm_packed.PackedLinear("stacked", dtype, block, blocks, w.shape[0], pad, calls)
                       for w, pad in zip(weights, pads))
     operands = [torch.nn.functional.pad(w, (0, 0, 0, pad - w.shape[0])) for w, pad in zip(weights, pads)]
     operand = fused_linears.prepared(plans[0], torch.cat(operands))
@@ -193,7 +202,7 @@ def _canonical_tiles_fuse(k: int, widths: tuple[int, ...], rows: int, threads: i
     """A bf16 decode loop of ``rows`` rows (two 64-row tiles) in mode ``canonical`` on weights [N, k] of ``widths``:
     every call gives each weight ``linear``'s bits (a loop that never fuses), and where this host's checks of the
     fused call of ``kind`` (``PackedLinear``, ``LaidOutLinear``) passed, the group holds its operand of that kind."""
-    if not gemm_arrangements.operand_per_tile(torch.bfloat16, k, max(widths)):
+    if not gemm_laid_out.operand_per_tile(torch.bfloat16, k, max(widths)):
         pytest.skip("torch's bf16 bmm does not run oneDNN here: no laid-out class")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 1, k, generator=g).bfloat16()

@@ -23,7 +23,7 @@ import torch
 from conftest import linear_with_gradients, num_threads, random_prompts, tiny_model
 
 from vexact import generate, token_logprobs
-from vexact_kernels import cpu_exact, fixed_order, gemm_arrangements, native
+from vexact_kernels import cpu_exact, fixed_order, gemm_linear, native
 from vexact_kernels.host_guard import MACHINE_THREADS, MODE_ENV, PROBE_ROWS, HostGuard, mode_from_env
 
 
@@ -653,7 +653,7 @@ def test_bf16_gemm_whose_few_row_calls_accumulate_otherwise_keeps_the_tall_tiles
     assert _rows_alone_vs_batch(ops.linear, x, w) == 0
     (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
     assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [48, 64]
-    assert gemm_arrangements.tiled_rows(x[:8], w, guard) == 48
+    assert gemm_linear.tiled_rows(x[:8], w, guard) == 48
 
 
 def _second_tile_of_48_accumulates_otherwise(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -678,7 +678,7 @@ def test_a_tile_height_that_does_not_divide_the_probe_rows_is_probed_side_by_sid
     assert _rows_alone_vs_batch(ops.linear, x, w) == 0
     (bf16_class,) = [p for p in guard.report()["probes"] if p.get("fallback") == "fp32-upcast"]
     assert bf16_class["path"] == "blas" and bf16_class["tile_heights"] == [4, 8, 16, 32, 64]
-    assert gemm_arrangements.tiled_rows(x[:40], w, guard) == 64
+    assert gemm_linear.tiled_rows(x[:40], w, guard) == 64
 
 
 @pytest.mark.parametrize("row_blocks", [(8, 4, 64), (4, 40, 64), (4, 4, 64)])
@@ -739,7 +739,7 @@ def test_a_bf16_weight_gradient_is_one_chunk_up_to_library_reduce_max(rows, chun
     (its length padded to a multiple of 256: one rounding, as native bf16); beyond, 256-token chunks in fp32, whose
     partial sums a bf16 GEMM could not return. (``test_linear_backward_contract`` checks the thread invariance of a
     700-token bf16 weight gradient on torch's own GEMM.)"""
-    from vexact_kernels.gemm_arrangements import LIBRARY_REDUCE_MAX
+    from vexact_kernels.gemm_tiles import LIBRARY_REDUCE_MAX
 
     calls: list = []
 

@@ -1,5 +1,5 @@
 """A decode loop's repeated linear calls run their remembered plan (``linear_repeats``), and a decode step's padded
-inputs reuse a buffer per thread (``gemm_arrangements._padded_rows``): no bit depends on either.
+inputs reuse a buffer per thread (``gemm_tiles._padded_rows``): no bit depends on either.
 
 What changed: every ``cpu_exact.linear`` call checked its inputs, asked the dtype its GEMM runs in and looked its plan
 up before the plan ran; now a call like the one before it (no gradient recorded, no bias, the same weight, x's shape
@@ -24,11 +24,11 @@ import pytest
 import torch
 from conftest import num_threads
 
-from vexact_kernels import cpu_exact, gemm_arrangements, linear_repeats
+from vexact_kernels import compiled_loops, cpu_exact, gemm_packed, gemm_tiles, linear_repeats
 from vexact_kernels.host_guard import HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
-CALLS = gemm_arrangements.PACK_AFTER_CALLS + 4  # past the switch to a packed weight
+CALLS = gemm_packed.PACK_AFTER_CALLS + 4  # past the switch to a packed weight
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -135,7 +135,7 @@ def test_a_stale_plan_would_give_the_old_versions_bits(dtype):
     plan = linear_repeats._REMEMBERED[(id(weight), id(host), x.shape)].plan
     with torch.no_grad():
         weight.mul_(1.5)
-        stale = plan.run(x, weight, host, gemm_arrangements.compiled_loops.library())
+        stale = plan.run(x, weight, host, compiled_loops.library())
         fresh = cpu_exact.linear(x, weight, host=host)
     assert not torch.equal(_bits(stale), _bits(fresh))
     assert torch.equal(_bits(fresh), _bits(_whole_path(x, weight, host)))
@@ -185,23 +185,23 @@ def test_padded_rows_give_a_fresh_padded_copys_values(dtype):
     long, short = _randn(30, 64, dtype=dtype, seed=13), _randn(8, 64, dtype=dtype, seed=14)
     short[0, 0] = -0.0
     with torch.no_grad():
-        first = gemm_arrangements._padded_rows(long, 48).clone()
-        again = gemm_arrangements._padded_rows(short, 48)  # the same buffer: rows 8..29 written before
-    assert torch.equal(_bits(first), _bits(gemm_arrangements._zero_padded(long, (48, 64))))
-    assert torch.equal(_bits(again), _bits(gemm_arrangements._zero_padded(short, (48, 64))))
-    assert again.is_contiguous() and again.data_ptr() % gemm_arrangements.ALIGNMENT == 0
+        first = gemm_tiles._padded_rows(long, 48).clone()
+        again = gemm_tiles._padded_rows(short, 48)  # the same buffer: rows 8..29 written before
+    assert torch.equal(_bits(first), _bits(gemm_tiles._zero_padded(long, (48, 64))))
+    assert torch.equal(_bits(again), _bits(gemm_tiles._zero_padded(short, (48, 64))))
+    assert again.is_contiguous() and again.data_ptr() % gemm_tiles.ALIGNMENT == 0
     with torch.enable_grad():  # a GEMM recorded for autograd keeps its input: a fresh copy, not the buffer
-        fresh = gemm_arrangements._padded_rows(short, 48)
+        fresh = gemm_tiles._padded_rows(short, 48)
     assert fresh.data_ptr() != again.data_ptr() and torch.equal(_bits(fresh), _bits(again))
 
 
 def test_padded_rows_keep_at_most_their_bound_of_buffers():
-    buffers = gemm_arrangements._PADDED_INPUTS.buffers
+    buffers = gemm_tiles._PADDED_INPUTS.buffers
     buffers.clear()
     with torch.no_grad():
-        for rows_padded in range(2, 2 + gemm_arrangements.PADDED_INPUTS_MAX + 5):
+        for rows_padded in range(2, 2 + gemm_tiles.PADDED_INPUTS_MAX + 5):
             x = _randn(1, 8, dtype=torch.float32, seed=rows_padded)
-            padded = gemm_arrangements._padded_rows(x, rows_padded)
-            assert torch.equal(_bits(padded), _bits(gemm_arrangements._zero_padded(x, (rows_padded, 8))))
-    assert len(buffers) == gemm_arrangements.PADDED_INPUTS_MAX
+            padded = gemm_tiles._padded_rows(x, rows_padded)
+            assert torch.equal(_bits(padded), _bits(gemm_tiles._zero_padded(x, (rows_padded, 8))))
+    assert len(buffers) == gemm_tiles.PADDED_INPUTS_MAX
     assert (2, 8, torch.float32) not in buffers, "the oldest buffer went first"

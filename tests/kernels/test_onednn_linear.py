@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import num_threads
 
-from vexact_kernels import cpu_exact, gemm_arrangements, host_guard
+from vexact_kernels import cpu_exact, gemm_linear, host_guard
 from vexact_kernels.host_guard import (
     BMM_PATH,
     MACHINE_THREADS,
@@ -48,8 +48,8 @@ def _records(host: HostGuard, prop: str) -> list[dict]:
 
 def _rows_depend_on_row_count(host: HostGuard, x: torch.Tensor, w: torch.Tensor) -> list[int]:
     """The row counts m at which tiled_matmul(x[:m]) differs from the first m rows of tiled_matmul(x)."""
-    full = gemm_arrangements.tiled_matmul(x, w, host)
-    return [m for m in ROW_COUNTS if not torch.equal(gemm_arrangements.tiled_matmul(x[:m], w, host), full[:m])]
+    full = gemm_linear.tiled_matmul(x, w, host)
+    return [m for m in ROW_COUNTS if not torch.equal(gemm_linear.tiled_matmul(x[:m], w, host), full[:m])]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -59,7 +59,7 @@ def test_a_large_fp32_class_runs_onednn_and_keeps_the_row_invariance_contract(th
     x, w = _inputs()
     with num_threads(threads):
         assert _rows_depend_on_row_count(host, x, w) == []
-        out = gemm_arrangements.tiled_matmul(x, w, host)
+        out = gemm_linear.tiled_matmul(x, w, host)
     (record,) = _records(host, ONEDNN_ROWS)
     assert record["path"] == ONEDNN_PATH and record["passed"] is True
     assert _records(host, "gemm_rows") == []  # the class never ran torch.bmm
@@ -70,14 +70,14 @@ def test_a_large_fp32_class_runs_onednn_and_keeps_the_row_invariance_contract(th
 def test_smaller_bf16_and_unprobed_classes_never_try_onednn():
     x, w = _inputs(k=256, n=512)  # K x N = 2^17: below the size
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
-    gemm_arrangements.tiled_matmul(x, w, host)
+    gemm_linear.tiled_matmul(x, w, host)
     assert _records(host, ONEDNN_ROWS) == [] and _records(host, "gemm_rows")
     x, w = _inputs()
-    gemm_arrangements.tiled_matmul(x.bfloat16(), w.bfloat16(), host)
+    gemm_linear.tiled_matmul(x.bfloat16(), w.bfloat16(), host)
     assert _records(host, ONEDNN_ROWS) == []
     for mode in ("fixed-order", "unguarded"):
         host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
-        gemm_arrangements.tiled_matmul(x[:8], w, host)
+        gemm_linear.tiled_matmul(x[:8], w, host)
         assert _records(host, ONEDNN_ROWS) == [], mode
 
 
@@ -133,10 +133,10 @@ def test_a_onednn_that_fails_at_a_thread_count_seen_later_warns_and_the_class_mo
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     x, w = _inputs()
     with num_threads(1):
-        before = gemm_arrangements.tiled_matmul(x, w, host)  # probed at 1 and the machine's count: passes
+        before = gemm_linear.tiled_matmul(x, w, host)  # probed at 1 and the machine's count: passes
     assert _records(host, ONEDNN_ROWS)[0]["path"] == ONEDNN_PATH
     with num_threads(later), pytest.warns(RuntimeWarning, match="oneDNN's .* now run torch.bmm's path"):
-        after = gemm_arrangements.tiled_matmul(x, w, host)  # the later count: checked before use, fails
+        after = gemm_linear.tiled_matmul(x, w, host)  # the later count: checked before use, fails
     (record,) = _records(host, ONEDNN_ROWS)
     assert record["path"] == BMM_PATH and f"{later} threads" in record["failure"]
     assert _records(host, "gemm_rows")[0]["path"] == "blas"

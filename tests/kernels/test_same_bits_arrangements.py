@@ -3,10 +3,10 @@
 Two arrangements of the exact CPU kernels run only where the guard's ``same_bits`` probe found that they give the
 bits of the kernels' own (canonical) arrangement on this host:
 
-- a linear layer's weight gradient (``gemm_arrangements.transposed_matmul``, a reduction over tokens in 256-token
+- a linear layer's weight gradient (``gemm_weight_gradient.transposed_matmul``, a reduction over tokens in 256-token
   chunks): canonically transposed, zero-padded copies in 64-row tiles (``_transposed_matmul_tiles``); faster, the
   same chunk GEMMs on views of the inputs, the last chunk on its real rows (``_transposed_matmul_views``);
-- a linear layer's row tiles (``gemm_arrangements.tiled_matmul``): canonically one ``bmm`` of 64-row tiles sharing the
+- a linear layer's row tiles (``gemm_linear.tiled_matmul``): canonically one ``bmm`` of 64-row tiles sharing the
   weight; faster, one GEMM over the stacked tiles (``_stacked_matmul``), which packs the weight once -- and, where the
   last tile is partial and the weight small, that GEMM over the whole tiles where the rows lie with the last tile in
   a GEMM of its own (``_split_mm``).
@@ -23,7 +23,7 @@ import torch
 from conftest import linear_with_gradients, num_threads
 from test_exact_price_bits import _same_bits
 
-from vexact_kernels import cpu_exact, fixed_order, gemm_arrangements, host_guard
+from vexact_kernels import cpu_exact, fixed_order, gemm_linear, gemm_tiles, gemm_weight_gradient, host_guard
 from vexact_kernels.host_guard import CANONICAL_PATH, FASTER_PATH, MACHINE_THREADS, HostGuard
 
 
@@ -100,13 +100,13 @@ CASES = [(3968, 176, 64), (3968, 64, 176), (300, 22, 64), (512, 64, 64), (256, 4
 @pytest.mark.parametrize("rows,n,k", CASES)
 def test_weight_gradient_is_the_canonical_arrangement_bit_for_bit(rows, n, k):
     a, b = _inputs(rows, n, k)
-    expected = gemm_arrangements._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
-    assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    expected = gemm_weight_gradient._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
+    assert _same_bits(gemm_weight_gradient.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
     # inputs as they come from autograd: a transposed view, and a view that starts off the 64-byte boundary
     a_t = a.t().contiguous().t()
     b_off = torch.cat([torch.zeros(1), b.view(-1)])[1:].view(rows, k)
-    assert b_off.data_ptr() % gemm_arrangements.ALIGNMENT != 0
-    assert _same_bits(gemm_arrangements.transposed_matmul(a_t, b_off, cpu_exact.HOST, "linear"), expected)
+    assert b_off.data_ptr() % gemm_tiles.ALIGNMENT != 0
+    assert _same_bits(gemm_weight_gradient.transposed_matmul(a_t, b_off, cpu_exact.HOST, "linear"), expected)
 
 
 def test_weight_gradient_with_special_values_is_the_canonical_arrangement():
@@ -124,9 +124,9 @@ def _check_special_values(rows: int) -> None:
     a[:, 0] = -0.0
     b[:, 5] = b[:, 5].abs() + 1.0
     a[rows // 2, 3], b[rows // 2 + 1, 7], b[rows - 3, 9] = float("inf"), float("nan"), -float("inf")
-    expected = gemm_arrangements._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
+    expected = gemm_weight_gradient._transposed_matmul_tiles(a, b, cpu_exact.HOST, "linear")
     assert str(expected[0, 5].item()) == "0.0"
-    assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    assert _same_bits(gemm_weight_gradient.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
 def _views_probes(guard: HostGuard) -> list[tuple[str, str]]:
@@ -135,13 +135,13 @@ def _views_probes(guard: HostGuard) -> list[tuple[str, str]]:
 
 def test_a_views_arrangement_that_differs_is_not_used(monkeypatch):
     """A host whose GEMM gave the views other bits: the probes see it and the tiles run."""
-    real_views = gemm_arrangements._transposed_matmul_views
-    monkeypatch.setattr(gemm_arrangements, "_transposed_matmul_views",
+    real_views = gemm_weight_gradient._transposed_matmul_views
+    monkeypatch.setattr(gemm_weight_gradient, "_transposed_matmul_views",
                         lambda a, b, block, unpadded_tail: _nudge(real_views(a, b, block, unpadded_tail)))
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     a, b = _inputs(700, 64, 48)
-    out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
-    assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
+    out = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, gemm_weight_gradient._transposed_matmul_tiles(a, b, guard, "linear"))
     prefix = "weight gradient on views: block=256 N=64 K=48"
     assert _views_probes(guard) == [(f"{prefix} last chunk of 188 rows unpadded float32", CANONICAL_PATH),
                                     (f"{prefix} last chunk padded float32", CANONICAL_PATH)]
@@ -150,18 +150,18 @@ def test_a_views_arrangement_that_differs_is_not_used(monkeypatch):
 def test_a_last_chunk_whose_short_reduction_differs_is_padded(monkeypatch):
     """A host whose GEMM gives a 188-row reduction other bits than the zero-padded 256-row one (MKL on the AMD EPYC
     development machine does for lengths over 128): that length's probe fails and the last chunk is padded."""
-    real_views = gemm_arrangements._transposed_matmul_views
+    real_views = gemm_weight_gradient._transposed_matmul_views
 
     def short_tail_differs(a, b, block, unpadded_tail):
         out = real_views(a, b, block, unpadded_tail)
         return _nudge(out) if unpadded_tail and a.shape[0] % block == 188 else out
 
-    monkeypatch.setattr(gemm_arrangements, "_transposed_matmul_views", short_tail_differs)
+    monkeypatch.setattr(gemm_weight_gradient, "_transposed_matmul_views", short_tail_differs)
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     for rows in (700, 600):  # last chunks of 188 (probed: differs) and 88 rows (probed: agrees)
         a, b = _inputs(rows, 64, 48)
-        out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
-        assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
+        out = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
+        assert _same_bits(out, gemm_weight_gradient._transposed_matmul_tiles(a, b, guard, "linear"))
     paths = dict(_views_probes(guard))
     prefix = "weight gradient on views: block=256 N=64 K=48"
     assert paths[f"{prefix} last chunk of 188 rows unpadded float32"] == CANONICAL_PATH
@@ -175,8 +175,8 @@ def test_a_class_of_few_outputs_is_probed_on_several_draws(monkeypatch):
     ``VIEW_PROBE_OUTPUTS`` outputs catch it, and the slabs' bits run. (MKL on the AMD EPYC host rounds three of
     these 34 outputs otherwise in the views for 3 inputs in 4; its seeded first draw was the fourth.)"""
     rows, n, k = 7, 2, 17
-    real_views = gemm_arrangements._transposed_matmul_views
-    first = real_views(*gemm_arrangements._seeded_randn((rows, n), (rows, k)), 64, True)
+    real_views = gemm_weight_gradient._transposed_matmul_views
+    first = real_views(*gemm_tiles._seeded_randn((rows, n), (rows, k)), 64, True)
     sign = 1.0 if first[1, 0] < 0 else -1.0  # the sign the first draw's output does not have
 
     def some_inputs_differ(a, b, block, unpadded_tail):
@@ -185,14 +185,14 @@ def test_a_class_of_few_outputs_is_probed_on_several_draws(monkeypatch):
             out[1, 0] = torch.nextafter(out[1, 0], torch.tensor(float("inf")))
         return out
 
-    monkeypatch.setattr(gemm_arrangements, "_transposed_matmul_views", some_inputs_differ)
-    assert gemm_arrangements.VIEW_PROBE_OUTPUTS > n * k
+    monkeypatch.setattr(gemm_weight_gradient, "_transposed_matmul_views", some_inputs_differ)
+    assert gemm_tiles.VIEW_PROBE_OUTPUTS > n * k
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     gen = torch.Generator().manual_seed(5)
     for _ in range(8):  # inputs on both sides of the sign: each gives the slabs' bits
         a, b = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
-        out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
-        assert _same_bits(out, gemm_arrangements.canonical_transposed_matmul(a, b, guard, "linear"))
+        out = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
+        assert _same_bits(out, gemm_weight_gradient.canonical_transposed_matmul(a, b, guard, "linear"))
     paths = dict(_views_probes(guard))
     assert paths[f"weight gradient on views: block=64 N={n} K={k} last chunk of {rows} rows unpadded float32"] == (
         CANONICAL_PATH)
@@ -207,8 +207,8 @@ def test_a_weight_gradient_of_few_outputs_is_the_canonical_arrangement(rows, n, 
     gen = torch.Generator().manual_seed(rows * n * k)
     for _ in range(16):
         a, b = torch.randn(rows, n, generator=gen), torch.randn(rows, k, generator=gen)
-        assert _same_bits(gemm_arrangements.transposed_matmul(a, b, guard, "linear"),
-                          gemm_arrangements.canonical_transposed_matmul(a, b, guard, "linear"))
+        assert _same_bits(gemm_weight_gradient.transposed_matmul(a, b, guard, "linear"),
+                          gemm_weight_gradient.canonical_transposed_matmul(a, b, guard, "linear"))
 
 
 MODE_CASES = [(rows, k, n, dtype) for (rows, k, n) in [(7, 17, 2), (1, 3, 1), (5, 8, 15), (33, 64, 22), (65, 100, 40),
@@ -237,34 +237,34 @@ def test_a_weight_gradients_views_answer_is_asked_once_per_key(monkeypatch):
     N, K, dtype, op, thread count): a repeated call asks once; another thread count, or a guard whose state changed,
     asks again; and the kept answer gives the bits the asked one gave."""
     asked = []
-    real = gemm_arrangements._views_arrangement
-    monkeypatch.setattr(gemm_arrangements, "_views_arrangement", lambda *args: asked.append(args) or real(*args))
+    real = gemm_weight_gradient._views_arrangement
+    monkeypatch.setattr(gemm_weight_gradient, "_views_arrangement", lambda *args: asked.append(args) or real(*args))
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     a, b = _inputs(700, 64, 48)
     with num_threads(1):
-        first = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
-        again = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        first = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
+        again = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
         assert len(asked) == 1
-        gemm_arrangements.transposed_matmul(a[:600], b[:600], guard, "linear")  # another key: its own question
+        gemm_weight_gradient.transposed_matmul(a[:600], b[:600], guard, "linear")  # another key: its own question
         assert len(asked) == 2
     with num_threads(2):
-        gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
         assert len(asked) == 3
     guard.epoch = next(host_guard._EPOCHS)  # what a check that changes a class's path does
     with num_threads(1):
-        after = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
+        after = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
         assert len(asked) == 4
-    canonical = gemm_arrangements.canonical_transposed_matmul(a, b, guard, "linear")
+    canonical = gemm_weight_gradient.canonical_transposed_matmul(a, b, guard, "linear")
     assert _same_bits(first, again) and _same_bits(first, after) and _same_bits(first, canonical)
 
 
 def test_wide_weight_gradients_run_in_slabs_with_the_same_bits(monkeypatch):
     """N beyond ``VIEW_SLAB_ROWS`` (the LM head's vocabulary) is cut into slabs: the canonical bits still."""
-    monkeypatch.setattr(gemm_arrangements, "VIEW_SLAB_ROWS", 160)
+    monkeypatch.setattr(gemm_tiles, "VIEW_SLAB_ROWS", 160)
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     a, b = _inputs(300, 500, 16)
-    out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
-    assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
+    out = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, gemm_weight_gradient._transposed_matmul_tiles(a, b, guard, "linear"))
     # the probe ran the slabs (whatever it found): the views were considered for N = 500
     assert [shape for shape, _ in _views_probes(guard)] == [
         "weight gradient on views: block=256 N=500 K=16 last chunk of 44 rows unpadded float32"]
@@ -274,8 +274,8 @@ def test_a_guard_over_another_gemm_keeps_the_tiles():
     """The views call torch.bmm itself: a guard over another GEMM (the fixed-order one here) never probes them."""
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", bmm=fixed_order.bmm)
     a, b = _inputs(300, 32, 16)
-    out = gemm_arrangements.transposed_matmul(a, b, guard, "linear")
-    assert _same_bits(out, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
+    out = gemm_weight_gradient.transposed_matmul(a, b, guard, "linear")
+    assert _same_bits(out, gemm_weight_gradient._transposed_matmul_tiles(a, b, guard, "linear"))
     assert not [p for p in guard.report()["probes"] if p["property"] == "same_bits"]
 
 
@@ -283,9 +283,9 @@ def test_a_guard_over_another_gemm_keeps_the_tiles():
 def test_weight_gradient_on_views_is_thread_invariant(threads):
     a, b = _inputs(1000, 176, 64, seed=2)
     with num_threads(1):
-        reference = gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear")
+        reference = gemm_weight_gradient.transposed_matmul(a, b, cpu_exact.HOST, "linear")
     with num_threads(threads):
-        assert _same_bits(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
+        assert _same_bits(gemm_weight_gradient.transposed_matmul(a, b, cpu_exact.HOST, "linear"), reference)
 
 
 # --------------------------------------------------------------------------- a linear layer's tiles, stacked
@@ -297,7 +297,7 @@ def _tiles_reference(x: torch.Tensor, weight: torch.Tensor, guard: HostGuard) ->
     n_pad = -(-n // 16) * 16
     w = torch.cat([weight, weight.new_zeros(n_pad - n, k)]) if n_pad != n else weight.contiguous()
     operand = w.t().unsqueeze(0)
-    block = gemm_arrangements.row_block(rows, guard.tile_heights(torch.float32, operand, True, "linear"))
+    block = gemm_tiles.row_block(rows, guard.tile_heights(torch.float32, operand, True, "linear"))
     blocks = -(-rows // block)
     padded = torch.cat([x, x.new_zeros(blocks * block - rows, k)])
     out = torch.bmm(padded.view(blocks, block, k), operand.expand(blocks, k, n_pad)).view(blocks * block, n_pad)
@@ -322,18 +322,18 @@ def test_linear_tiles_stacked_are_the_tiles_bit_for_bit(rows, k, n, auto_guard):
     x[0] = -0.0
     x[1, 0], x[2, 1] = float("inf"), float("nan")
     weight = torch.randn(n, k, generator=gen)
-    out = gemm_arrangements.tiled_matmul(x, weight, auto_guard)
+    out = gemm_linear.tiled_matmul(x, weight, auto_guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, auto_guard).contiguous())
 
 
 def test_a_stacked_gemm_that_differs_keeps_the_tiles(monkeypatch):
-    real_stacked = gemm_arrangements._stacked_matmul
-    monkeypatch.setattr(gemm_arrangements, "_stacked_matmul",
+    real_stacked = gemm_linear._stacked_matmul
+    monkeypatch.setattr(gemm_linear, "_stacked_matmul",
                         lambda x, operand, rows, n: _nudge(real_stacked(x, operand, rows, n)))
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     gen = torch.Generator().manual_seed(4)
     x, weight = torch.randn(300, 48, generator=gen), torch.randn(24, 48, generator=gen)
-    out = gemm_arrangements.tiled_matmul(x, weight, guard)
+    out = gemm_linear.tiled_matmul(x, weight, guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     assert _views_probes(guard) == [("linear tiles stacked in one GEMM: 5x64 rows K=48 N=32 transposed float32",
                                      CANONICAL_PATH)]
@@ -357,7 +357,7 @@ def test_a_partial_last_tile_apart_is_the_tiles_bit_for_bit(rows, k, n, given):
     x[0], x[-1, 0] = -0.0, float("inf")
     weight = torch.randn(k, n, generator=gen).t() if given else torch.randn(n, k, generator=gen)
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
-    out = gemm_arrangements.tiled_matmul(x, weight, guard)
+    out = gemm_linear.tiled_matmul(x, weight, guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     stacked = [path for shape_class, path in _views_probes(guard) if "apart" not in shape_class]
     if stacked == [FASTER_PATH]:  # a stacked GEMM runs: its last tile apart was asked (the weight is small)
@@ -365,13 +365,13 @@ def test_a_partial_last_tile_apart_is_the_tiles_bit_for_bit(rows, k, n, given):
 
 
 def test_a_last_tile_apart_that_differs_keeps_the_stacked_gemm(monkeypatch):
-    real_split = gemm_arrangements._split_mm
-    monkeypatch.setattr(gemm_arrangements, "_split_mm",
+    real_split = gemm_linear._split_mm
+    monkeypatch.setattr(gemm_linear, "_split_mm",
                         lambda x, operand, rows, n, block: _nudge(real_split(x, operand, rows, n, block)))
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")
     gen = torch.Generator().manual_seed(5)
     x, weight = torch.randn(300, 48, generator=gen), torch.randn(24, 48, generator=gen)
-    out = gemm_arrangements.tiled_matmul(x, weight, guard)
+    out = gemm_linear.tiled_matmul(x, weight, guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     assert _apart_probes(guard) in ([], [("linear tiles stacked in one GEMM, the last tile apart: 5x64 rows K=48 "
                                           "N=32 transposed float32", CANONICAL_PATH)])  # [] where no stack runs
@@ -385,7 +385,7 @@ def test_whole_tiles_a_large_weight_or_canonical_mode_ask_nothing_apart(mode, ro
     gen = torch.Generator().manual_seed(rows + n)
     x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
-    out = gemm_arrangements.tiled_matmul(x, weight, guard)
+    out = gemm_linear.tiled_matmul(x, weight, guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     assert _apart_probes(guard) == []
 
@@ -398,5 +398,5 @@ def test_an_input_gradient_on_the_weight_as_given_is_the_tiles_bit_for_bit(rows,
     grad = torch.randn(rows, k, generator=gen)
     grad[3] = -0.0
     w = torch.randn(k, n, generator=gen)  # W [K, N] as a layer stores it; the kernel gets its transpose
-    out = gemm_arrangements.tiled_matmul(grad, w.t(), auto_guard)
+    out = gemm_linear.tiled_matmul(grad, w.t(), auto_guard)
     assert _same_bits(out.contiguous(), _tiles_reference(grad, w.t(), auto_guard).contiguous())

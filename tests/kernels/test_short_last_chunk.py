@@ -1,6 +1,6 @@
 """A weight gradient's last chunk of at most half a chunk is reduced at its own length.
 
-The canonical weight gradient (``gemm_arrangements.transposed_matmul``) cuts the tokens into ``REDUCE_BLOCK``-token
+The canonical weight gradient (``gemm_weight_gradient.transposed_matmul``) cuts the tokens into ``REDUCE_BLOCK``-token
 chunks and adds their partial products by a halving tree. The last chunk used to be zero-padded to a whole chunk:
 llama100m's 312-token update multiplied 512 tokens' worth. Now a last chunk whose own ``_reduction_block`` is shorter
 (at most 128 tokens) is padded to that length only (``last_chunk_length``). Checked here:
@@ -21,9 +21,10 @@ import torch
 from conftest import num_threads
 from test_host_guard import emulated_guard
 
-from vexact_kernels import cpu_exact, gemm_arrangements
+from vexact_kernels import cpu_exact, gemm_weight_gradient
 from vexact_kernels.compiled_loops import tree_sum
-from vexact_kernels.gemm_arrangements import REDUCE_BLOCK, last_chunk_length, transposed_matmul
+from vexact_kernels.gemm_tiles import REDUCE_BLOCK
+from vexact_kernels.gemm_weight_gradient import last_chunk_length, transposed_matmul
 from vexact_kernels.host_guard import HostGuard
 
 MODES = ("auto", "canonical", "fixed-order")
@@ -85,13 +86,13 @@ def test_the_chunked_head_multiplies_its_last_group_at_that_length(monkeypatch):
     from vexact.engine.head import head_scores
 
     seen: list[int] = []
-    real = gemm_arrangements.transposed_matmul
+    real = gemm_weight_gradient.transposed_matmul
 
     def recording(a, b, *args, **kwargs):
         seen.append(a.shape[0])
         return real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(gemm_arrangements, "transposed_matmul", recording)
+    monkeypatch.setattr(gemm_weight_gradient, "transposed_matmul", recording)
     rows, width, vocab = 1300, 16, 64
     hidden = _randn(rows, width, seed=1).requires_grad_(True)
     weight = (0.1 * _randn(vocab, width, seed=2)).requires_grad_(True)

@@ -1,4 +1,4 @@
-"""A linear layer's decisions are made once per call key and kept (``gemm_arrangements.TiledPlan``): no bit depends on
+"""A linear layer's decisions are made once per call key and kept (``gemm_linear.TiledPlan``): no bit depends on
 whether its plan was made or found.
 
 What changed: ``tiled_matmul`` asked the guard its questions, chose the arrangement and the tile height, and looked up
@@ -29,7 +29,7 @@ import torch
 from conftest import num_threads
 from test_host_guard import SOUND, _nudge, emulated_guard
 
-from vexact_kernels import cpu_exact, gemm_arrangements
+from vexact_kernels import compiled_loops, cpu_exact, gemm_linear, gemm_packed, gemm_weight_gradient
 from vexact_kernels.host_guard import MACHINE_THREADS, SINGLE_THREAD_PATH, HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -55,9 +55,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _forget_plans() -> None:
-    gemm_arrangements._PLANS.clear()
-    gemm_arrangements._DTYPE_PLANS.clear()
-    gemm_arrangements._VIEWS_PLANS.clear()
+    gemm_linear._PLANS.clear()
+    gemm_linear._DTYPE_PLANS.clear()
+    gemm_weight_gradient._VIEWS_PLANS.clear()
 
 
 def _passes(ops, weights: list[torch.Tensor], dtype: torch.dtype, cold: bool, seed: int) -> list[torch.Tensor]:
@@ -77,13 +77,13 @@ def _passes(ops, weights: list[torch.Tensor], dtype: torch.dtype, cold: bool, se
 
 def _counting_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     made = []
-    real = gemm_arrangements._tiled_plan
+    real = gemm_linear._tiled_plan
 
     def counted(*args, **kwargs):
         plan = real(*args, **kwargs)
         made.append(plan.arrangement)
         return plan
-    monkeypatch.setattr(gemm_arrangements, "_tiled_plan", counted)
+    monkeypatch.setattr(gemm_linear, "_tiled_plan", counted)
     return made
 
 
@@ -110,10 +110,10 @@ def test_warm_plans_give_the_cold_bits(dtype, threads, host_name, monkeypatch):
 
 def _call(host: HostGuard, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return gemm_arrangements.tiled_matmul(x, weight, host)
+        return gemm_linear.tiled_matmul(x, weight, host)
 
 
-@pytest.mark.parametrize("calls", [1, gemm_arrangements.PACK_AFTER_CALLS + 2], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("calls", [1, gemm_packed.PACK_AFTER_CALLS + 2], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("host_name", ["auto", "canonical"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_an_in_place_update_keeps_the_plan_and_lays_out_its_operand_again(dtype, host_name, calls, monkeypatch):
@@ -129,7 +129,7 @@ def test_an_in_place_update_keeps_the_plan_and_lays_out_its_operand_again(dtype,
     for _ in range(calls):
         _call(host, x, weight)
     assert len(made) == 1
-    (kept,) = [kept for key, kept in gemm_arrangements._PLANS.items() if key == id(weight)]
+    (kept,) = [kept for key, kept in gemm_linear._PLANS.items() if key == id(weight)]
     old_version = dict(kept.held)
     assert old_version, "the plan keeps what it laid out for this version"
     with torch.no_grad():
@@ -143,7 +143,7 @@ def test_an_in_place_update_keeps_the_plan_and_lays_out_its_operand_again(dtype,
     (plan,) = kept.plans.values()
     kept.held.clear()
     kept.held.update(old_version)
-    stale = plan.run(x, weight, host, gemm_arrangements.compiled_loops.library())
+    stale = plan.run(x, weight, host, compiled_loops.library())
     assert not torch.equal(_bits(stale), _bits(fresh))
 
 
@@ -205,10 +205,10 @@ def test_a_weights_plans_go_with_it():
     key = id(weight)
     _call(host, _randn(8, 64, dtype=torch.float32, seed=10), weight)
     _call(host, _randn(8, 64, dtype=torch.float32, seed=10), weight[:32])  # a view: its base's plans
-    assert gemm_arrangements._PLANS[key].owner() is weight and len(gemm_arrangements._PLANS[key].plans) == 2
+    assert gemm_linear._PLANS[key].owner() is weight and len(gemm_linear._PLANS[key].plans) == 2
     del weight
     gc.collect()
-    assert key not in gemm_arrangements._PLANS
+    assert key not in gemm_linear._PLANS
 
 
 def test_tiled_rows_are_the_rows_padded_to_the_shortest_tile_whose_bits_the_host_keeps():
@@ -223,19 +223,19 @@ def test_tiled_rows_are_the_rows_padded_to_the_shortest_tile_whose_bits_the_host
     w = torch.randn(40, 48, generator=g)
     short_tiles = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **{**SOUND, "bmm": short_tiles_round_otherwise})
     sound = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", **SOUND)
-    assert gemm_arrangements.tiled_rows(torch.randn(3, 48, generator=g), w, short_tiles) == 32
+    assert gemm_linear.tiled_rows(torch.randn(3, 48, generator=g), w, short_tiles) == 32
     assert short_tiles.report()["probes"][0]["tile_heights"] == [32, 48, 64]  # a restriction, not a failed probe
-    assert gemm_arrangements.tiled_rows(torch.randn(3, 48, generator=g), w, sound) == 4
-    assert gemm_arrangements.tiled_rows(torch.randn(70, 48, generator=g), w, sound) == 128
+    assert gemm_linear.tiled_rows(torch.randn(3, 48, generator=g), w, sound) == 4
+    assert gemm_linear.tiled_rows(torch.randn(70, 48, generator=g), w, sound) == 128
 
 
 def test_a_weight_held_until_interpreter_exit_drops_its_plans_without_an_error():
     """A script that keeps a weight (and its plans, as one that inspects them does) in its own globals frees it at
     interpreter exit, after the module's globals are gone: the plans' callback must still find their dict (it printed
     "Exception ignored in ... _forget": AttributeError on None)."""
-    script = ("import torch\nfrom vexact_kernels import cpu_exact, gemm_arrangements\nw = torch.randn(40, 48)\n"
+    script = ("import torch\nfrom vexact_kernels import cpu_exact, gemm_linear\nw = torch.randn(40, 48)\n"
               "with torch.no_grad():\n    cpu_exact.linear(torch.randn(3, 48), w)\n"
-              "kept = gemm_arrangements._PLANS[id(w)]\n")
+              "kept = gemm_linear._PLANS[id(w)]\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr

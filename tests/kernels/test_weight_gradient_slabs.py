@@ -1,4 +1,4 @@
-"""A weight gradient in slabs of output rows (``gemm_arrangements._reduction_slabs``): the canonical arrangement of a
+"""A weight gradient in slabs of output rows (``gemm_weight_gradient._reduction_slabs``): the canonical arrangement of a
 reduction over the tokens whose chunk class runs the host's own GEMM, every GEMM on one thread.
 
 Its definition. bf16 (one chunk, a class the kernels call with one thread by construction): the tokens zero-padded to
@@ -17,10 +17,10 @@ import torch
 from conftest import num_threads
 from test_host_guard import emulated_guard
 
-from vexact_kernels import compiled_loops, cpu_exact, fixed_order, gemm_arrangements
+from vexact_kernels import compiled_loops, cpu_exact, fixed_order, gemm_tiles, gemm_weight_gradient
 from vexact_kernels.host_guard import HostGuard
 
-SLAB = gemm_arrangements.SLAB_ROWS
+SLAB = gemm_weight_gradient.SLAB_ROWS
 CASES = [(312, 600, 48), (320, 600, 40), (100, 96, 24), (1000, 300, 16), (1024, 257, 32), (64, 20, 8),
          (312, 4500, 8)]  # (the last: more output rows than VIEW_SLAB_ROWS, which one chunk's GEMMs write whole)
 
@@ -32,9 +32,9 @@ def _inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, tor
 
 def _admitted(a: torch.Tensor, b: torch.Tensor, host: HostGuard) -> bool:
     """Whether this host runs the reduction in slabs (a bf16 GEMM class on the host's GEMM with one thread)."""
-    if gemm_arrangements.transposed_dtype(a, b, host, "linear") != torch.bfloat16:
+    if gemm_weight_gradient.transposed_dtype(a, b, host, "linear") != torch.bfloat16:
         return False
-    return gemm_arrangements._reduction_in_slabs(a.shape[0], b.shape[1], a.dtype, host, "linear")
+    return gemm_weight_gradient._reduction_in_slabs(a.shape[0], b.shape[1], a.dtype, host, "linear")
 
 
 def _slabs_written_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,11 +62,11 @@ def test_bf16_weight_gradient_is_its_slabs_bit_for_bit(rows, n, k, loops, monkey
         pytest.skip("this host runs no bf16 weight gradient on its own GEMM with one thread")
     expected = _slabs_written_out(a, b)
     assert expected.dtype == torch.bfloat16 and expected.shape == (n, k)
-    assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    assert torch.equal(gemm_weight_gradient.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
     # inputs as autograd gives them: a transposed view, and a view that starts off the 64-byte boundary
     b_off = torch.cat([b.new_zeros(1), b.reshape(-1)])[1:].view(rows, k)
-    assert b_off.data_ptr() % gemm_arrangements.ALIGNMENT != 0
-    out = gemm_arrangements.transposed_matmul(a.t().contiguous().t(), b_off, cpu_exact.HOST, "linear")
+    assert b_off.data_ptr() % gemm_tiles.ALIGNMENT != 0
+    out = gemm_weight_gradient.transposed_matmul(a.t().contiguous().t(), b_off, cpu_exact.HOST, "linear")
     assert torch.equal(out, expected)
 
 
@@ -86,9 +86,9 @@ def test_a_guard_over_another_gemm_keeps_the_tiles():
     """The slabs call torch's GEMM themselves: a guard over another GEMM (the fixed-order one) runs the tiles."""
     guard = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto", bmm=fixed_order.bmm)
     a, b = _inputs(312, 600, 48)
-    assert not gemm_arrangements._reduction_in_slabs(312, 48, torch.bfloat16, guard, "linear")
-    expected = gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear")
-    assert torch.equal(gemm_arrangements.transposed_matmul(a, b, guard, "linear"), expected)
+    assert not gemm_weight_gradient._reduction_in_slabs(312, 48, torch.bfloat16, guard, "linear")
+    expected = gemm_weight_gradient._transposed_matmul_tiles(a, b, guard, "linear")
+    assert torch.equal(gemm_weight_gradient.transposed_matmul(a, b, guard, "linear"), expected)
 
 
 @pytest.mark.parametrize("threads", (1, 2))
@@ -102,9 +102,9 @@ def test_on_a_host_whose_gemm_rounds_by_rows_in_the_call_the_slabs_stay_thread_i
     if not _admitted(a, b, guard):
         pytest.skip("this host runs no bf16 weight gradient on its own GEMM with one thread")
     expected = _slabs_written_out(a, b)
-    assert not torch.equal(expected, gemm_arrangements._transposed_matmul_tiles(a, b, guard, "linear"))
+    assert not torch.equal(expected, gemm_weight_gradient._transposed_matmul_tiles(a, b, guard, "linear"))
     with num_threads(threads):
-        assert torch.equal(gemm_arrangements.transposed_matmul(a, b, guard, "linear"), expected)
+        assert torch.equal(gemm_weight_gradient.transposed_matmul(a, b, guard, "linear"), expected)
 
 
 # --------------------------------------------------------------------------- fp32: several chunks, each in slabs
@@ -122,7 +122,7 @@ def _fp32_inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor
 
 
 def _fp32_admitted(rows: int, k: int, host: HostGuard) -> bool:
-    return gemm_arrangements._reduction_in_slabs(rows, k, torch.float32, host, "linear")
+    return gemm_weight_gradient._reduction_in_slabs(rows, k, torch.float32, host, "linear")
 
 
 def _chunk_written_out(a: torch.Tensor, b: torch.Tensor, length: int) -> torch.Tensor:
@@ -163,8 +163,8 @@ def test_fp32_weight_gradient_is_its_chunks_in_slabs_bit_for_bit(rows, n, k, loo
         pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
     expected = _fp32_slabs_written_out(a, b)
     assert expected.shape == (n, k)
-    assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
-    assert torch.equal(gemm_arrangements.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    assert torch.equal(gemm_weight_gradient.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+    assert torch.equal(gemm_weight_gradient.transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
 def _case(dtype: torch.dtype, seed: int, n: int = 1100, k: int = 40, fp32_rows: int = 700) -> tuple:
@@ -188,9 +188,9 @@ def test_weight_gradient_in_slabs_is_thread_invariant(threads, dtype, monkeypatc
         pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
     expected = written_out(a, b)
     with num_threads(threads):
-        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+        assert torch.equal(gemm_weight_gradient.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
         monkeypatch.setattr(compiled_loops, "library", lambda: None)
-        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+        assert torch.equal(gemm_weight_gradient.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
 
 
 @pytest.mark.parametrize("mode", ("auto", "canonical"))
@@ -208,7 +208,7 @@ def test_a_weight_gradient_of_one_pair_is_thread_invariant(rows, n, k, mode):
         results = []
         for threads in (1, 2, 3):
             with num_threads(threads):
-                results.append(gemm_arrangements.transposed_matmul(a, b, guard, "linear"))
+                results.append(gemm_weight_gradient.transposed_matmul(a, b, guard, "linear"))
         assert all(torch.equal(results[0], other) for other in results[1:])
 
 
@@ -236,13 +236,13 @@ def test_fp32_short_last_chunk_on_another_gemm_keeps_its_tiles(monkeypatch):
     a, b = _fp32_inputs(312, 600, 17)
     if not _fp32_admitted(312, 17, host):
         pytest.skip("this host runs no fp32 weight gradient on its own GEMM")
-    real = gemm_arrangements._chunk_in_slabs
-    monkeypatch.setattr(gemm_arrangements, "_chunk_in_slabs",
+    real = gemm_weight_gradient._chunk_in_slabs
+    monkeypatch.setattr(gemm_weight_gradient, "_chunk_in_slabs",
                         lambda length, *args: length != 64 and real(length, *args))
     whole = _chunk_written_out(a[:256], b[:256], 256)
-    tail = gemm_arrangements._transposed_matmul_tiles(a[256:], b[256:], host, "linear")
+    tail = gemm_weight_gradient._transposed_matmul_tiles(a[256:], b[256:], host, "linear")
     expected = fixed_order.tree_sum(torch.stack([whole, tail]), dim=0)
-    assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, host, "linear"), expected)
+    assert torch.equal(gemm_weight_gradient.canonical_transposed_matmul(a, b, host, "linear"), expected)
 
 
 def _recorded_slab_calls(monkeypatch: pytest.MonkeyPatch, real, flips=lambda column_blocks: False) -> list[int]:
@@ -264,7 +264,7 @@ def _recorded_slab_calls(monkeypatch: pytest.MonkeyPatch, real, flips=lambda col
             return parts
 
     monkeypatch.setattr(compiled_loops, "library", lambda: Recorded())
-    monkeypatch.setattr(gemm_arrangements, "_SPREAD_CHECKS", {})
+    monkeypatch.setattr(gemm_weight_gradient, "_SPREAD_CHECKS", {})
     return calls
 
 
@@ -281,9 +281,9 @@ def test_a_spread_that_rounds_otherwise_runs_the_slabs_in_turn(dtype, monkeypatc
     if not admitted:
         pytest.skip("this host runs no weight gradient of this dtype on its own GEMM")
     with num_threads(2):
-        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"),
+        assert torch.equal(gemm_weight_gradient.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"),
                            written_out(a, b))
-    checks = list(gemm_arrangements._SPREAD_CHECKS.values())  # (the column blocks first where the pairs are few)
+    checks = list(gemm_weight_gradient._SPREAD_CHECKS.values())  # (the column blocks first where the pairs are few)
     assert checks and not any(checks)
 
 
@@ -304,20 +304,20 @@ def test_too_few_pairs_share_their_columns_between_the_threads(threads, dtype, m
     expected = written_out(a, b)
     with num_threads(threads):
         calls = _recorded_slab_calls(monkeypatch, real)
-        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+        assert torch.equal(gemm_weight_gradient.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
         assert calls[-1] == threads  # the reduction's own call, after its first-use check
-        assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [True]
+        assert list(gemm_weight_gradient._SPREAD_CHECKS.values()) == [True]
         calls = _recorded_slab_calls(monkeypatch, real, flips=lambda column_blocks: column_blocks > 1)
-        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
+        assert torch.equal(gemm_weight_gradient.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear"), expected)
         assert calls[-1] == 1
-        assert list(gemm_arrangements._SPREAD_CHECKS.values()) == [False, True]
+        assert list(gemm_weight_gradient._SPREAD_CHECKS.values()) == [False, True]
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_a_weight_gradient_over_no_tokens_is_zero(dtype):
     """An empty reduction (a layer that saw no token) is zeros of the weight's shape, on every path."""
     a, b = torch.zeros(0, 300, dtype=dtype), torch.zeros(0, 40, dtype=dtype)
-    for reduce in (gemm_arrangements.transposed_matmul, gemm_arrangements.canonical_transposed_matmul):
+    for reduce in (gemm_weight_gradient.transposed_matmul, gemm_weight_gradient.canonical_transposed_matmul):
         out = reduce(a, b, cpu_exact.HOST, "linear")
         assert out.shape == (300, 40) and out.dtype == dtype and torch.equal(out, torch.zeros_like(out))
 
@@ -341,9 +341,10 @@ def test_a_one_column_gradient_of_any_column_stride_is_its_slabs(threads, dtype)
     written_out = _slabs_written_out if dtype == torch.bfloat16 else _fp32_slabs_written_out
     expected = written_out(a_row.t().clone(), b)
     with num_threads(threads):
-        got = gemm_arrangements.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear")
+        got = gemm_weight_gradient.canonical_transposed_matmul(a, b, cpu_exact.HOST, "linear")
         assert torch.equal(got, expected)
-        assert torch.equal(gemm_arrangements.canonical_transposed_matmul(a.clone(), b, cpu_exact.HOST, "linear"), got)
+        again = gemm_weight_gradient.canonical_transposed_matmul(a.clone(), b, cpu_exact.HOST, "linear")
+        assert torch.equal(again, got)
 
 
 @pytest.mark.parametrize("mode", ("auto", "canonical"))
@@ -358,11 +359,11 @@ def test_a_weight_gradient_is_a_tensor_of_its_own(mode, dtype, rows, monkeypatch
     host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
     gen = torch.Generator().manual_seed(rows)
     a, b = torch.randn(rows, 600, generator=gen).to(dtype), torch.randn(rows, 48, generator=gen).to(dtype)
-    compute = gemm_arrangements.transposed_dtype(a, b, host, "linear")
+    compute = gemm_weight_gradient.transposed_dtype(a, b, host, "linear")
     grads = []
-    for partials_max in (gemm_arrangements.VIEW_PARTIALS_MAX, 1):
-        monkeypatch.setattr(gemm_arrangements, "VIEW_PARTIALS_MAX", partials_max)
-        grad = gemm_arrangements.transposed_matmul(a.to(compute), b.to(compute), host, "linear")
+    for partials_max in (gemm_tiles.VIEW_PARTIALS_MAX, 1):
+        monkeypatch.setattr(gemm_tiles, "VIEW_PARTIALS_MAX", partials_max)
+        grad = gemm_weight_gradient.transposed_matmul(a.to(compute), b.to(compute), host, "linear")
         assert grad.shape == (600, 48)
         assert grad._base is None
         assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
@@ -396,11 +397,11 @@ def test_a_tied_weight_s_two_gradients_add_in_place(mode, dtype, monkeypatch):
     tokens = torch.randint(0, 600, (2, 100), generator=gen)
     assert _tied_step(ops, weight, tokens) == [("aten::add_", [[600, 48], [600, 48]])]
 
-    real = gemm_arrangements.transposed_matmul
+    real = gemm_weight_gradient.transposed_matmul
 
     def as_a_view(*args, **kwargs):
         grad = real(*args, **kwargs)
         return torch.stack([grad, grad])[0]
-    monkeypatch.setattr(gemm_arrangements, "transposed_matmul", as_a_view)
+    monkeypatch.setattr(gemm_weight_gradient, "transposed_matmul", as_a_view)
     weight.grad = None
     assert _tied_step(ops, weight, tokens) == [("aten::add", [[600, 48], [600, 48]])]

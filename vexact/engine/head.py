@@ -10,12 +10,12 @@ group's logits again and their gradients there.
 Bits. Every exact op is row-invariant (a row's result depends only on that row), so the log-probs and entropies
 are today's, bit for bit, however the rows are cut. The gradients are too on the exact CPU kernels: a weight
 gradient reduces over the tokens in ``REDUCE_BLOCK``-token chunks added by a halving tree, each chunk its own
-reduction (``gemm_arrangements.transposed_matmul``: a short last chunk at its own length), so the backward works
+reduction (``gemm_weight_gradient.transposed_matmul``: a short last chunk at its own length), so the backward works
 in exactly those groups, each group's part the exact kernels' reduction of its rows, and adds the parts by the
 same tree (``fixed_order.tree_sum_of``, depth first: one partial per tree level held). A batch of at most
 ``REDUCE_BLOCK`` tokens is one group, as it is one chunk. Exceptions, where the chunked path runs at all (more
 than ``pass_rows(V)`` tokens in one forward): a bf16 weight gradient of at most
-``gemm_arrangements.LIBRARY_REDUCE_MAX`` tokens, which the exact kernels reduce in one bf16 GEMM, is here the fp32
+``gemm_tiles.LIBRARY_REDUCE_MAX`` tokens, which the exact kernels reduce in one bf16 GEMM, is here the fp32
 tree of fp32 groups, rounded once (as above that length); the native and Triton backends' weight gradients (one
 GEMM over every token) become a tree over the groups -- deterministic, as before.
 """
@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from vexact_kernels.fixed_order import tree_sum_of
-from vexact_kernels.gemm_arrangements import LIBRARY_REDUCE_MAX, REDUCE_BLOCK, last_chunk_length
+from vexact_kernels.gemm_tiles import LIBRARY_REDUCE_MAX, REDUCE_BLOCK
+from vexact_kernels.gemm_weight_gradient import last_chunk_length
 
 from .inputs import scale_logits
 from .model import KernelOps
@@ -156,7 +157,7 @@ def _padded_length(rows: int, row: int, group: int) -> int:
 def _group_backward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, grad_logp: Tensor | None,
                     grad_entropy: Tensor | None, first: int, last: int, group: int, grad_hidden: Tensor | None,
                     need_weight: bool) -> Tensor | None:
-    """Rows ``first:last`` (the last group zero-padded to ``gemm_arrangements.last_chunk_length`` rows, as the exact
+    """Rows ``first:last`` (the last group zero-padded to ``gemm_weight_gradient.last_chunk_length`` rows, as the exact
     kernels pad their last chunk): their hidden gradient written into ``grad_hidden`` and their weight-gradient part
     returned (None when the weight needs none).
 
