@@ -4,7 +4,7 @@ A decode step multiplies a layer's normed hidden state by three weights (q, k, v
 up): five GEMMs of a few rows where two would do, as vLLM's fused projections do. oneDNN's linear on the weights packed
 as one ([N_1 + N_2 + ..., K]) computes each output column from x and that column's weight row, as the separate calls
 do; whether its bits are theirs is a property of the host's oneDNN, so it is checked at first use, per (tiles, K, the
-weights' widths, dtype, thread count), on seeded operands (as ``gemm_packed._packed_agrees`` checks one packed
+weights' widths, dtype, thread count), on seeded operands (as ``gemm_packed.packed_agrees`` checks one packed
 weight), and the fused call runs only where it passed.
 
 It runs where each weight's call like this one is remembered (``linear_repeats``: a decode loop's, with no gradient
@@ -119,7 +119,7 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
             operand = prepared(first, torch.cat(matrices))
         nbytes = operand.numel() * operand.element_size() if not operand.is_mkldnn else sum(
             m.numel() * m.element_size() for m in matrices)
-        if not gemm_laid_out._room_for(nbytes + sum(g.nbytes for g in _GROUPS.values())):
+        if not gemm_laid_out.room_for(nbytes + sum(g.nbytes for g in _GROUPS.values())):
             return None
         group.operands[key] = operand
         group.nbytes += nbytes
@@ -189,7 +189,7 @@ def _fused_call(x: Tensor, operand: Tensor, plans: tuple[FusedPlan, ...], loops:
     first, k = plans[0], x.shape[-1]
     packed = isinstance(first, gemm_packed.PackedLinear)
     if (loops is not None and (packed or first.form == gemm_laid_out.LAID_OUT_FORMS[1])
-            and (given := gemm_tiles._loop_input(x, first.blocks * first.block))):
+            and (given := gemm_tiles.loop_input(x, first.blocks * first.block))):
         widths, pads = [p.n for p in plans], [p.n_pad for p in plans]
         if not packed:  # the canonical call of the tiles, one bmm (``bmm_linears``)
             return tuple(loops.bmm_linears(x, given.buffer, operand, first.blocks, widths, pads))
@@ -214,13 +214,13 @@ def _fused_agrees(plans: list[FusedPlan], k: int) -> bool:
     rows = first.blocks * first.block
 
     def check() -> bool:
-        x, w = gemm_tiles._probe_operands(first.dtype, (rows, k), (sum(widths), k))
+        x, w = gemm_tiles.probe_operands(first.dtype, (rows, k), (sum(widths), k))
         fused = first.call(x, prepared(first, w))
         parts = [first.call(x, first.prepared(part.contiguous())) for part in w.split(widths)]  # as the plans run
         return torch.equal(fused, torch.cat(parts, dim=1))
 
     key = (widths, _call_form(first), k, torch.get_num_threads())
-    return gemm_tiles._checked_once(_FUSED_CHECKS, key, check)
+    return gemm_tiles.checked_once(_FUSED_CHECKS, key, check)
 
 
 def prepared(plan: FusedPlan, matrix: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ def batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tenso
     batch, rows, k = a.shape
     n = b.shape[2]
     k_pad, n_pad = gemm_tiles.ceil_to(k, gemm_tiles.COL_BLOCK), gemm_tiles.ceil_to(n, gemm_tiles.COL_BLOCK)
-    b = gemm_tiles._padded_operand(b, (batch, k_pad, n_pad), b_full)  # contiguous (when padded): the row-major layout
+    b = gemm_tiles.padded_operand(b, (batch, k_pad, n_pad), b_full)  # contiguous (when padded): the row-major layout
     block = gemm_tiles.row_block(rows, host.tile_heights(a.dtype, b[:1], False, op))
     row_tiles = -(-rows // block)
     a = _row_tiles(a, (batch, row_tiles * block, k_pad), a_full, block)
@@ -34,17 +34,17 @@ def batched_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str, a_full: Tenso
 
 def _row_tiles(a: Tensor, shape: tuple[int, int, int], full: Tensor | None, block: int) -> Tensor:
     """``batched_matmul``'s left operand: ``a`` zero-padded to ``shape`` [B, rows, K] in tiles [B * rows / block,
-    block, K] -- what ``_padded_operand(a, shape, full).reshape(...)`` gives, made with fewer copies. With nothing to
+    block, K] -- what ``padded_operand(a, shape, full).reshape(...)`` gives, made with fewer copies. With nothing to
     pad, that is a clone keeping ``a``'s strides, viewed as tiles where it can be (a strided operand: kept so), else
     copied contiguous: a contiguous, aligned ``a`` is taken as it is, and a transposed one (attention's p.T) is copied
     once by the compiled loops' blocked transpose (one copy instead of the clone and aten's element-wise transposing
     copy). The same values in the same layout: the same GEMM."""
     tiles = (shape[0] * shape[1] // block, block, shape[2])
-    if gemm_tiles._is_padded_operand(full, shape):
+    if gemm_tiles.is_padded_operand(full, shape):
         return full.view(tiles)
     if tuple(shape) != tuple(a.shape):
-        return gemm_tiles._zero_padded(a, shape).view(tiles)  # a fresh contiguous copy
-    if gemm_tiles._is_padded_operand(a, shape):
+        return gemm_tiles.zero_padded(a, shape).view(tiles)  # a fresh contiguous copy
+    if gemm_tiles.is_padded_operand(a, shape):
         return a.view(tiles)  # the clone's values and layout, without the clone
     if _viewable(a, tiles) or (loops := compiled_loops.library()) is None:
         return a.clone().reshape(tiles)  # a strided operand (the clone viewed), or aten's copy

@@ -1,5 +1,5 @@
 """Weights laid out once per version: ``tiled_matmul``'s canonical operands (``arranged_weight``), and the canonical
-tiles of an ``operand_per_tile`` class (``_laid_out_tiles``) with their first-use checks (the overview of the
+tiles of an ``operand_per_tile`` class (``laid_out_tiles``) with their first-use checks (the overview of the
 matrix products: ``gemm_linear``).
 
 The canonical arrangement copies no weight per call: each copy it needs of a weight (an input gradient's W.T made
@@ -7,7 +7,7 @@ contiguous, a padded or cast weight) is laid out once per weight version and kep
 ``ARRANGED_BYTES_MAX``). In bf16, where oneDNN's ``bmm`` would copy the shared, transposed operand before its GEMM
 (``bmm_copies_operand``), a class's canonical tiles take the operand once per tile as a transposed batch instead,
 the layout oneDNN multiplies as it is (``operand_per_tile``): a forward's weight as stored, with no copy at
-all, one GEMM per tile or the canonical call itself (``_laid_out_tiles``). The same GEMM calls on the same values in
+all, one GEMM per tile or the canonical call itself (``laid_out_tiles``). The same GEMM calls on the same values in
 the same layout, so no bit depends on which (``tests/kernels/test_arranged_weights.py``).
 """
 
@@ -37,11 +37,11 @@ packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are
 weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled silently."""
 
 # weight (the tensor owning its storage: a view's base) -> {form: (version, operand)}; weakly keyed: gone with it
-_ARRANGED = WeakIdKeyDictionary()
+ARRANGED = WeakIdKeyDictionary()
 
 
 class _HeldBytes:
-    """The bytes the operands in ``_ARRANGED`` hold, counted as they come and go (``_room_for`` asks on every operand
+    """The bytes the operands in ``ARRANGED`` hold, counted as they come and go (``room_for`` asks on every operand
     laid out: a sum over every kept operand then cost about 10 us a call where a training step lays out ~90 of them
     per weight version, the default model's in ``canonical``). Under a lock: kernels may run on several Python
     threads."""
@@ -55,7 +55,7 @@ class _HeldBytes:
             self.total += nbytes
 
     def owner_added(self, owner: Tensor, entries: dict) -> None:
-        weakref.finalize(owner, self._owner_gone, entries)  # (the entries go with the owner, as _ARRANGED's do)
+        weakref.finalize(owner, self._owner_gone, entries)  # (the entries go with the owner, as ARRANGED's do)
 
     def _owner_gone(self, entries: dict) -> None:
         self.add(-sum(operand.nbytes for _, operand in entries.values()))
@@ -78,27 +78,27 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         version = weight._version
     except RuntimeError:  # an inference tensor: no version counter to follow
         return make()
-    if (kept := _kept_operand(weight, form)) is not None:
+    if (kept := kept_operand(weight, form)) is not None:
         return kept
     owner = weight if weight._base is None else weight._base
     key = _arranged_key(weight, form)
-    entries = _ARRANGED.get(owner)
+    entries = ARRANGED.get(owner)
     with torch.no_grad():
         out = make()
     if not out.is_mkldnn and out.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
         return out  # a view of the weight: nothing laid out (an opaque packed weight is always a copy)
     if entries is not None and (older := entries.pop(key, None)) is not None:  # an older version's operand
         _HELD_BYTES.add(-older[1].nbytes)
-    if _room_for(out.nbytes):
+    if room_for(out.nbytes):
         if entries is None:
-            entries = _ARRANGED[owner] = {}
+            entries = ARRANGED[owner] = {}
             _HELD_BYTES.owner_added(owner, entries)
         entries[key] = (version, out)
         _HELD_BYTES.add(out.nbytes)
     return out
 
 
-def _room_for(nbytes: int) -> bool:
+def room_for(nbytes: int) -> bool:
     """Whether an operand of ``nbytes`` fits beside the operands ``arranged_weight`` keeps now, under
     ``ARRANGED_BYTES_MAX``: the one test of the bound, for a laid-out operand and for a weight about to be packed."""
     return _HELD_BYTES.total + nbytes <= ARRANGED_BYTES_MAX
@@ -109,10 +109,10 @@ def _arranged_key(weight: Tensor, form: tuple) -> tuple:
     return form, tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype, weight.data_ptr()
 
 
-def _kept_operand(weight: Tensor, form: tuple) -> Tensor | None:
+def kept_operand(weight: Tensor, form: tuple) -> Tensor | None:
     """The operand of ``form`` that ``arranged_weight`` keeps for this version of ``weight``'s view, else None."""
     owner = weight if weight._base is None else weight._base
-    hit = _ARRANGED.get(owner, {}).get(_arranged_key(weight, form))
+    hit = ARRANGED.get(owner, {}).get(_arranged_key(weight, form))
     try:
         return hit[1] if hit is not None and hit[0] == weight._version else None
     except RuntimeError:  # an inference tensor: nothing is kept for it
@@ -121,7 +121,7 @@ def _kept_operand(weight: Tensor, form: tuple) -> Tensor | None:
 
 def canonical_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
     """``tiled_matmul``'s canonical right operand [1, K, N_pad]: ``weight`` [N, K] cast to ``dtype``, zero-padded to
-    ``n_pad`` rows, contiguous and aligned (``_padded_or_aligned``), seen transposed -- a view of the weight where
+    ``n_pad`` rows, contiguous and aligned (``padded_or_aligned``), seen transposed -- a view of the weight where
     nothing needs copying (a linear layer's forward), else laid out once per weight version (``arranged_weight``: an
     input gradient's W.T, a padded or cast weight)."""
 
@@ -132,7 +132,7 @@ def canonical_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
 
     def make() -> Tensor:
         w = weight.detach().to(dtype)
-        return gemm_tiles._padded_or_aligned(w, (n_pad, w.shape[1]))
+        return gemm_tiles.padded_or_aligned(w, (n_pad, w.shape[1]))
 
     return arranged_weight(weight, ("canonical", dtype, n_pad), make).t().unsqueeze(0)
 
@@ -146,10 +146,10 @@ def bmm_copies_operand(dtype: torch.dtype, block: int, k: int, n_pad: int) -> bo
     canonical operand's batch stride is never K N. That copy would be the weight copied per call (most of a bf16
     decode step's time on llama100m); where this holds for a class's tallest tile, its canonical tiles take the
     operand as a transposed batch instead (``operand_per_tile``)."""
-    return _onednn_bf16_bmm(dtype, block * k * n_pad)
+    return onednn_bf16_bmm(dtype, block * k * n_pad)
 
 
-def _onednn_bf16_bmm(dtype: torch.dtype, macs: int) -> bool:
+def onednn_bf16_bmm(dtype: torch.dtype, macs: int) -> bool:
     """Whether torch 2.13's CPU ``bmm`` of ``macs`` multiply-adds per batch entry runs oneDNN's bf16 matmul (the rule
     ``bmm_copies_operand`` states); shared by it and ``operand_per_tile``, which tests replace apart."""
     return (dtype == torch.bfloat16 and platform.machine().lower() in ("x86_64", "amd64")
@@ -172,11 +172,11 @@ def operand_per_tile(dtype: torch.dtype, k: int, n_pad: int) -> bool:
     row-major, which the shared form's copy gave anyway. So the canonical call of such a class is the guard's per-tile
     class (``HostGuard.bmm(..., shared_operand=False)``, probed as attention's per-tile keys are) on the operand as
     stored: a forward's weight and an input gradient's are multiplied with no copy at all (one tile, or one GEMM per
-    tile: ``_laid_out_tiles``). The class is a function of (dtype, K, N_pad, the weight's layout) and this torch build,
+    tile: ``laid_out_tiles``). The class is a function of (dtype, K, N_pad, the weight's layout) and this torch build,
     never of the rows, so every call of a class has the same bits. (For a forward's weight this changed the canonical
     bits of bf16 linear layers on a host whose oneDNN rounds the two layouts apart; on the AMD EPYC host of the
     benchmarks they are the same bits. An input gradient's are those of the row-major copy on every host.)"""
-    return _onednn_bf16_bmm(dtype, gemm_tiles.ROW_BLOCKS[-1] * k * n_pad)
+    return onednn_bf16_bmm(dtype, gemm_tiles.ROW_BLOCKS[-1] * k * n_pad)
 
 
 def canonical_class(weight: Tensor, dtype: torch.dtype, k: int, n_pad: int) -> tuple[bool, bool]:
@@ -207,7 +207,7 @@ def stored_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
         return given.unsqueeze(0)
 
     def make() -> Tensor:
-        return gemm_tiles._padded_or_aligned(given.detach().to(dtype), (given.shape[0], n_pad)).unsqueeze(0)
+        return gemm_tiles.padded_or_aligned(given.detach().to(dtype), (given.shape[0], n_pad)).unsqueeze(0)
 
     return arranged_weight(weight, ("row-major", dtype, n_pad), make)
 
@@ -230,7 +230,7 @@ def per_tile_operand(operand: Tensor, tiles: int) -> Tensor:
 
 
 def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int, tiles: int, form: str) -> Tensor:
-    """The operand ``_laid_out_tiles`` multiplies in ``form`` for ``tiles`` tiles of an ``operand_per_tile`` class:
+    """The operand ``laid_out_tiles`` multiplies in ``form`` for ``tiles`` tiles of an ``operand_per_tile`` class:
     the canonical operand as stored, [1, K, N_pad] (``stored_operand``); for the canonical call itself (``one call``)
     that operand once per tile (``per_tile_operand``), laid out once per weight version and tile count
     (``arranged_weight``: a decode loop's steps, each the same tile count, copy nothing)."""
@@ -242,7 +242,7 @@ def laid_out_operand(weight: Tensor, dtype: torch.dtype, n_pad: int, tiles: int,
 
 
 LAID_OUT_CALL_MAX = 1 << 20
-"""Elements. Several tiles of a ``operand_per_tile`` class (``_laid_out_tiles``): where the operand's copies
+"""Elements. Several tiles of a ``operand_per_tile`` class (``laid_out_tiles``): where the operand's copies
 that the canonical call needs ((tiles - 1) x K x N_pad elements beyond the matrix itself) are at most this many, the
 canonical call itself runs; above it, one GEMM per tile on the matrix itself (``_tile_gemms``). Measured on the
 2-core AMD host, one thread, bf16, with ``mm`` per tile: the default model's layers (K, N <= 176; 62 tiles of 64 rows
@@ -250,19 +250,19 @@ for 3,968 tokens; about 7e5 elements) take 0.24 ms as one call against 1.1 ms as
 call); llama100m's (K = 576, N = 1536, 5 tiles; 3.5e6) 1.4 ms per tile against 1.7 ms as one call (plus 0.16 ms to
 lay the copies out), and its LM head over 320 rows 61 ms against 57 (plus 130)."""
 LAID_OUT_FORMS = ("one tile", "one call", "per tile")
-"""``_laid_out_tiles``' forms: the one tile's call (on the matrix itself); several tiles in the canonical call (the
+"""``laid_out_tiles``' forms: the one tile's call (on the matrix itself); several tiles in the canonical call (the
 matrix once per tile); one call per tile on the matrix itself (``_tile_gemms``). Each is checked at first use
-against the canonical call (``_laid_out_agrees``)."""
+against the canonical call (``laid_out_agrees``)."""
 
 
-def _laid_out_form(blocks: int, k: int, n_pad: int) -> str:
-    """Which of ``LAID_OUT_FORMS`` ``_laid_out_tiles`` runs for ``blocks`` tiles of a [K, N_pad] operand."""
+def laid_out_form(blocks: int, k: int, n_pad: int) -> str:
+    """Which of ``LAID_OUT_FORMS`` ``laid_out_tiles`` runs for ``blocks`` tiles of a [K, N_pad] operand."""
     if blocks == 1:
         return LAID_OUT_FORMS[0]
     return LAID_OUT_FORMS[1] if (blocks - 1) * k * n_pad <= LAID_OUT_CALL_MAX else LAID_OUT_FORMS[2]
 
 
-def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str,
+def laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int, form: str,
                     one_thread: bool = False, whole_tiles: bool = False) -> Tensor:
     """``tiled_matmul``'s canonical tiles of an ``operand_per_tile`` class in ``form`` (``LAID_OUT_FORMS``) on
     ``laid_out_operand``: one tile, its GEMM as an ``mm`` on the operand's matrix as stored; several, the
@@ -271,10 +271,10 @@ def _laid_out_tiles(x: Tensor, operand: Tensor, block: int, blocks: int, n: int,
     computes its reference rows (one 64-row tile), whose bits it found every tile count's rows to have.
     ``one_thread``: a class the guard runs with 1 thread (``blas-1-thread``), every GEMM on one thread.
     ``whole_tiles``: the GEMMs per tile never in column blocks (a class whose column blocks failed their first-use
-    check, ``_column_blocks_agree``)."""
+    check, ``column_blocks_agree``)."""
     rows, k = x.shape
     n_pad = operand.shape[2]
-    tiles = gemm_tiles._padded_rows(x, blocks * block).view(blocks, block, k)
+    tiles = gemm_tiles.padded_rows_input(x, blocks * block).view(blocks, block, k)
     if form != LAID_OUT_FORMS[1]:  # one tile, or one GEMM per tile: ``mm`` on the matrix itself
         out = _tile_gemms(tiles, operand, one_thread=one_thread, column_blocks=1 if whole_tiles else None)
     elif one_thread:
@@ -344,7 +344,7 @@ def tile_column_blocks(count: int, threads: int, n: int) -> int:
 
 def tile_gemm_ways(threads: int, n: int, one_thread: bool) -> tuple[tuple[bool, int], ...]:
     """Every (spread, column blocks) way ``_tile_gemms`` can run tiles of one class at ``threads`` threads, whatever
-    their count, which its first-use check (``_laid_out_agrees``) compares with the canonical call: spread by whole
+    their count, which its first-use check (``laid_out_agrees``) compares with the canonical call: spread by whole
     tiles (an even count) and by each column block count ``tile_column_blocks`` can give (an uneven one: a divisor
     of the threads), and, for a class that may run on every thread, one call after another."""
     blocks = {min(n, threads // math.gcd(tiles, threads)) for tiles in range(1, threads + 1)}  # 1 and each divisor
@@ -354,17 +354,17 @@ def tile_gemm_ways(threads: int, n: int, one_thread: bool) -> tuple[tuple[bool, 
 
 _LAID_OUT_CHECKS: dict[tuple, bool] = {}
 LAID_OUT_CHECK_TILES = dict(zip(LAID_OUT_FORMS, (1, 2, 3)))
-"""64-row tiles in ``_laid_out_agrees``' check per form: several where the form has several (three per tile: a count
+"""64-row tiles in ``laid_out_agrees``' check per form: several where the form has several (three per tile: a count
 two threads do not divide evenly)."""
 
 
-def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str, transposed: bool = True,
+def laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: str, transposed: bool = True,
                      one_thread: bool = False) -> bool:
-    """Whether ``_laid_out_tiles`` in ``form`` gives the canonical call's bits for this ``operand_per_tile`` class
+    """Whether ``laid_out_tiles`` in ``form`` gives the canonical call's bits for this ``operand_per_tile`` class
     here (``transposed``: its operand a transposed batch, else row-major): checked once per (class, tile height,
-    form, thread count) on seeded order-revealing operands (``_probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The
+    form, thread count) on seeded order-revealing operands (``probe_operands``), ``LAID_OUT_CHECK_TILES`` tiles. The
     forms are the canonical call's own GEMM per tile, on the same operand layout, by whole tiles (their column
-    blocks are checked apart: ``_column_blocks_agree``); this catches a torch whose ``bmm`` does otherwise, or a
+    blocks are checked apart: ``column_blocks_agree``); this catches a torch whose ``bmm`` does otherwise, or a
     per-tile GEMM whose bits follow the threads (then the canonical call runs). ``one_thread``:
     a ``blas-1-thread`` class, whose canonical call and forms run every GEMM on one thread."""
     def check() -> bool:
@@ -372,25 +372,25 @@ def _laid_out_agrees(block: int, k: int, n_pad: int, dtype: torch.dtype, form: s
         x, operand, canonical = _laid_out_check_operands(blocks, block, k, n_pad, dtype, transposed, one_thread)
         if form == LAID_OUT_FORMS[1]:  # the canonical call on the operand laid out once per tile
             laid = per_tile_operand(operand, blocks)
-            return torch.equal(canonical, _laid_out_tiles(x, laid, block, blocks, n_pad, form, one_thread=one_thread))
+            return torch.equal(canonical, laid_out_tiles(x, laid, block, blocks, n_pad, form, one_thread=one_thread))
         # one GEMM per tile (or the one tile's): every way a call of any tile count can run whole tiles
         return _tile_gemm_ways_agree(canonical, x.view(blocks, block, k), operand, one_thread, column_blocks=False)
 
     key = (dtype, block, k, n_pad, form, transposed, one_thread, torch.get_num_threads())
-    return gemm_tiles._checked_once(_LAID_OUT_CHECKS, key, check)
+    return gemm_tiles.checked_once(_LAID_OUT_CHECKS, key, check)
 
 
 def _laid_out_check_operands(blocks: int, block: int, k: int, n_pad: int, dtype: torch.dtype, transposed: bool,
                              one_thread: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(x [blocks x block, K], the operand [1, K, N_pad] in the class's layout, the canonical call's output
-    [blocks x block, N_pad]) on seeded order-revealing operands (``_probe_operands``): what the laid-out forms'
+    [blocks x block, N_pad]) on seeded order-revealing operands (``probe_operands``): what the laid-out forms'
     first-use checks compare."""
-    x, w = gemm_tiles._probe_operands(dtype, (blocks * block, k), (n_pad, k))
+    x, w = gemm_tiles.probe_operands(dtype, (blocks * block, k), (n_pad, k))
     operand = w.unsqueeze(0).transpose(1, 2) if transposed else w.t().contiguous().unsqueeze(0)
-    return x, operand, _canonical_tiles_call(x, operand, blocks, block, one_thread)
+    return x, operand, canonical_tiles_call(x, operand, blocks, block, one_thread)
 
 
-def _canonical_tiles_call(x: Tensor, operand: Tensor, blocks: int, block: int, one_thread: bool = False) -> Tensor:
+def canonical_tiles_call(x: Tensor, operand: Tensor, blocks: int, block: int, one_thread: bool = False) -> Tensor:
     """The canonical call of an ``operand_per_tile`` class on ``x`` [blocks x block, K] and ``operand`` [1, K, N_pad]
     -- one ``bmm`` of the tiles with the operand once per tile (``per_tile_operand``), with 1 thread for a
     ``blas-1-thread`` class -- as [blocks x block, N_pad]: what the first-use checks of its faster forms compare
@@ -416,11 +416,11 @@ def _tile_gemm_ways_of(n_pad: int, one_thread: bool, column_blocks: bool) -> lis
             if (columns > 1) == column_blocks]
 
 
-def _column_blocks_agree(block: int, k: int, n_pad: int, dtype: torch.dtype, transposed: bool = True,
+def column_blocks_agree(block: int, k: int, n_pad: int, dtype: torch.dtype, transposed: bool = True,
                          one_thread: bool = False) -> bool:
     """Whether ``_tile_gemms``' GEMMs per tile in column blocks (each tile's GEMM as GEMMs of consecutive column
     blocks of the operand: how an uneven tile count gives the threads even shares) give the canonical call's bits
-    for this ``operand_per_tile`` class here, as its whole tiles do (``_laid_out_agrees``, forms ``one tile`` and
+    for this ``operand_per_tile`` class here, as its whole tiles do (``laid_out_agrees``, forms ``one tile`` and
     ``per tile``): checked once per key as that check is, on the same tiles (a tile's column blocks are the same GEMM
     calls whatever the tile count). Where they do not (a GEMM whose bits follow its column count: oneDNN's bf16 GEMM
     on the Intel Xeon with AMX, llama100m's down projection, [h, 1536] @ [1536, 576], and its input gradient's,
@@ -435,4 +435,4 @@ def _column_blocks_agree(block: int, k: int, n_pad: int, dtype: torch.dtype, tra
         return _tile_gemm_ways_agree(canonical, x.view(blocks, block, k), operand, one_thread, column_blocks=True)
 
     key = (dtype, block, k, n_pad, "per tile, column blocks", transposed, one_thread, torch.get_num_threads())
-    return gemm_tiles._checked_once(_LAID_OUT_CHECKS, key, check)
+    return gemm_tiles.checked_once(_LAID_OUT_CHECKS, key, check)

@@ -45,7 +45,7 @@ The modules, each with one job, lowest first (each imports only those above it i
 - ``gemm_tiles``: the tile shapes, where an arrangement pays, the ``same_bits`` probes' inputs, the operands' padding
   and alignment, and the guard's answers and first-use checks kept once;
 - ``gemm_laid_out``: weights laid out once per version (``arranged_weight``), and the canonical tiles of an
-  ``operand_per_tile`` class (``_laid_out_tiles``) with their first-use checks;
+  ``operand_per_tile`` class (``laid_out_tiles``) with their first-use checks;
 - ``gemm_packed``: oneDNN's GEMM on a weight packed once (``PackedLinear``), and a plan's GEMM as ``fused_linears``
   runs it on several weights;
 - ``gemm_linear`` (this module): ``tiled_matmul``, its plans (``TiledPlan``) and its tiles stacked in one GEMM;
@@ -88,7 +88,7 @@ def tiled_dtype(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") 
         k, n_pad = x.shape[1], gemm_tiles.ceil_to(weight.shape[0], gemm_tiles.COL_BLOCK)
         shared, transposed = gemm_laid_out.canonical_class(weight, dtype, k, n_pad)
         return host.compute_dtype(dtype, gemm_tiles.gemm_class(k, n_pad, transposed=transposed), shared, op)
-    return gemm_tiles._asked_once(_DTYPE_PLANS, key, host, ask)
+    return gemm_tiles.asked_once(_DTYPE_PLANS, key, host, ask)
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,9 @@ class TiledPlan:
     run: Callable[[Tensor, Tensor, HostGuard, object], Tensor]
     any_rows: bool = False
     """Whether ``run`` takes x [..., K] as it is (and returns [..., n]), not only its rows [M, K]: a plan that switches
-    to a weight packed once (``_packed_after_use``), whose compiled call copies x's rows itself (``packed_linear``)."""
+    to a weight packed once (``packed_after_use``), whose compiled call copies x's rows itself (``packed_linear``)."""
     packed: gemm_packed.PackedLinear | None = None
-    """The packed GEMM the plan switches to (``_packed_after_use``), where it has one: what ``fused_linears`` needs to
+    """The packed GEMM the plan switches to (``packed_after_use``), where it has one: what ``fused_linears`` needs to
     run it on several weights packed as one."""
     laid_out: gemm_packed.LaidOutLinear | None = None
     """A ``laid out`` plan's canonical call of a decode step's tiles, where it is one GEMM call on the weight as stored:
@@ -243,7 +243,7 @@ def _held(weight: Tensor, operand: Tensor) -> bool:
         return True
     owner = weight if weight._base is None else weight._base
     return any(not t.is_mkldnn and ptr == t.untyped_storage().data_ptr()  # (a packed weight: opaque, no storage)
-               for _, t in gemm_laid_out._ARRANGED.get(owner, {}).values())
+               for _, t in gemm_laid_out.ARRANGED.get(owner, {}).values())
 
 
 def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], held: dict | None) -> Callable[[Tensor], Tensor]:
@@ -252,7 +252,7 @@ def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], held: dict | No
     else made per call (``held`` None: a plan made for one call)."""
     if held is None or not _held(weight, operand := get(weight)):
         return get
-    slot = next(gemm_packed._SLOTS)
+    slot = next(gemm_packed.SLOTS)
     held[slot] = operand.detach()
 
     def this_version(w: Tensor) -> Tensor:
@@ -317,11 +317,11 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
             def stacked(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
                 return _stacked_mm(x, matrix(w), blocks * block, n, apart)
             packs = (held is not None and dtype == torch.bfloat16 and not gemm_laid_out.stored_row_major(weight)
-                     and gemm_packed._packable(k, n_pad, dtype, blocks * block))
+                     and gemm_packed.packable(k, n_pad, dtype, blocks * block))
             packed = gemm_packed.PackedLinear(gemm_packed.PACKED_FORMS[0], dtype, block, blocks, n, n_pad,
                                               gemm_packed.PACKED_CALLS[0]) if packs else None
             if packed:  # (bf16's torch.mm is oneDNN's GEMM; a forward's weight, not an input gradient's W)
-                stacked = gemm_packed._packed_after_use(stacked, packed, k, held)
+                stacked = gemm_packed.packed_after_use(stacked, packed, k, held)
             return TiledPlan(TILED_ARRANGEMENTS[1], block, blocks, stacked, any_rows=packs, packed=packed)
         if per_tile and (plan := _laid_out_plan(weight, dtype, k, n, n_pad, block, blocks, transposed, held)):
             return plan
@@ -346,43 +346,43 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
     blocks = -(-rows // block)
 
     def tiles(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
-        x = gemm_tiles._padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
+        x = gemm_tiles.padded_or_aligned(x, (blocks * block, k)).view(blocks, block, k)
         right = gemm_laid_out.per_tile_operand(operand(w), blocks) if per_tile else operand(w).expand(blocks, k, n_pad)
         out = host.bmm(x, right, op=op, shared_operand=shared).view(blocks * block, n_pad)
         return out[:rows] if n_pad == n else out[:rows, :n]
-    packs = (held is not None and shared and gemm_packed._packable(k, n_pad)
+    packs = (held is not None and shared and gemm_packed.packable(k, n_pad)
              and host.onednn_gemm(dtype, operand(weight), shared, op) is not None)
     packed = gemm_packed.PackedLinear(gemm_packed.PACKED_FORMS[1], dtype, block, blocks, n, n_pad,
                                       gemm_packed.PACKED_CALLS[1]) if packs else None
     if packed:
-        tiles = gemm_packed._packed_after_use(tiles, packed, k, held)
+        tiles = gemm_packed.packed_after_use(tiles, packed, k, held)
     return TiledPlan(TILED_ARRANGEMENTS[4], block, blocks, tiles, any_rows=packs, packed=packed)
 
 
 def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: int, block: int, blocks: int,
                    transposed: bool, held: dict | None, one_thread: bool = False) -> TiledPlan | None:
-    """The ``laid out`` plan of an ``operand_per_tile`` class (``_laid_out_tiles`` in its form, on
+    """The ``laid out`` plan of an ``operand_per_tile`` class (``laid_out_tiles`` in its form, on
     ``laid_out_operand``) where the first-use check found the form's bits the canonical call's
-    (``_laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread. A decode
+    (``laid_out_agrees``), else None. ``one_thread``: a ``blas-1-thread`` class, every GEMM on one thread. A decode
     step's call (one tile, or a few) runs on the weight packed once after ``PACK_AFTER_CALLS`` calls, one oneDNN call
-    per tile, where ``_packable`` and the first-use check (``_packed_agrees``, form ``canonical call``) allow."""
-    form = gemm_laid_out._laid_out_form(blocks, k, n_pad)
-    if not gemm_laid_out._laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=one_thread):
+    per tile, where ``packable`` and the first-use check (``packed_agrees``, form ``canonical call``) allow."""
+    form = gemm_laid_out.laid_out_form(blocks, k, n_pad)
+    if not gemm_laid_out.laid_out_agrees(block, k, n_pad, dtype, form, transposed, one_thread=one_thread):
         return None
     laid = _operand_of(weight, lambda w: gemm_laid_out.laid_out_operand(w, dtype, n_pad, blocks, form), held)
     # a tile's GEMM in column blocks only where they, too, give the canonical call's bits (else whole tiles)
-    whole_tiles = form != gemm_laid_out.LAID_OUT_FORMS[1] and not gemm_laid_out._column_blocks_agree(
+    whole_tiles = form != gemm_laid_out.LAID_OUT_FORMS[1] and not gemm_laid_out.column_blocks_agree(
         block, k, n_pad, dtype, transposed, one_thread=one_thread)
 
     def rows_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [M, K] -> [M, n]
-        return gemm_laid_out._laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread,
+        return gemm_laid_out.laid_out_tiles(x, laid(w), block, blocks, n, form, one_thread=one_thread,
                                              whole_tiles=whole_tiles)
 
     def compiled_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
-        if loops is not None and (given := gemm_tiles._loop_input(x, blocks * block)):
+        if loops is not None and (given := gemm_tiles.loop_input(x, blocks * block)):
             # rows_run's steps in one compiled call (a decode step's: the same copy and bmm, the same bits)
             return loops.bmm_linears(x, given.buffer, laid(w), blocks, [n], [n_pad])[0]
-        return gemm_packed._on_rows(rows_run, x, w, host, loops)
+        return gemm_packed.on_rows(rows_run, x, w, host, loops)
     compiled = form == gemm_laid_out.LAID_OUT_FORMS[1] and not one_thread  # the canonical call itself: one bmm
     laid_out = compiled_run if compiled else rows_run
     # a forward's weight, kept
@@ -390,8 +390,8 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
     # several tiles only on a weight of at least ONEDNN_MIN_WEIGHT elements: a smaller one's calls, one per tile, cost
     # more than the canonical call's one (the default model's 64 x 176 weights, 128 rows: 1.5x; llama100m's 576 x
     # 1536 ones, 2 to 5 tiles: 0.89-0.94x; the journal, session 59)
-    packs = forward and (gemm_packed._packable(k, n_pad, dtype, block) if blocks == 1
-                         else gemm_packed._packable(k, n_pad))
+    packs = forward and (gemm_packed.packable(k, n_pad, dtype, block) if blocks == 1
+                         else gemm_packed.packable(k, n_pad))
     packed = gemm_packed.PackedLinear(gemm_packed.PACKED_FORMS[2], dtype, block, blocks, n, n_pad,
                                       gemm_packed.PACKED_CALLS[2]) if packs else None
     if packed:
@@ -401,7 +401,7 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
         # the weight every time: llama100m's LM head, 8 rows in a 48-row tile, bf16, on an Intel Xeon with AMX: 10.6
         # ms a call unpacked, 4.4 packed, the journal, session 38; the default model's 128 rows in two 64-row tiles,
         # session 59)
-        laid_out = gemm_packed._packed_after_use(laid_out, packed, k, held)
+        laid_out = gemm_packed.packed_after_use(laid_out, packed, k, held)
     call = None  # (also where the plan packs: a group of weights some of which pack and some not fuses as this call)
     if forward and form != gemm_laid_out.LAID_OUT_FORMS[2]:
         call = gemm_packed.LaidOutLinear(form, dtype, block, blocks, n, n_pad, whole_tiles)
@@ -418,7 +418,7 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
     ``per_tile``, the operand once per tile in that layout: ``per_tile_operand``) for this class on this host;
     ``row_major``: with the operand's values in the row-major layout (an input gradient's weight as it is, where the
     canonical operand is its transposed copy). A ``same_bits`` probe at first use per (tile count, tile height, K,
-    N_pad, layouts, ``dtype``: fp32 or bf16), on seeded inputs (``_probe_operands``).
+    N_pad, layouts, ``dtype``: fp32 or bf16), on seeded inputs (``probe_operands``).
 
     The tiles keep a row's bits independent of the row count; one GEMM packs the shared operand once instead of
     once per tile (llama's LM head: a 113 MB weight, 5 tiles for 312 tokens), and the weight as it is saves a
@@ -430,7 +430,7 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
     rows = blocks * block - (1 if last_apart else 0)
 
     def inputs(layout_transposed: bool) -> tuple[Tensor, Tensor]:
-        x, w = gemm_tiles._probe_operands(dtype, (blocks * block, k), (n_pad, k))  # w: the weight's values, [N_pad, K]
+        x, w = gemm_tiles.probe_operands(dtype, (blocks * block, k), (n_pad, k))  # w: the weight's values, [N_pad, K]
         x[rows:] = 0  # (the tiles' zero padding)
         return x, (w.t() if layout_transposed else w.t().contiguous()).unsqueeze(0)
 
@@ -449,7 +449,8 @@ def _stacked_agrees(blocks: int, block: int, k: int, n_pad: int, *, transposed: 
     given = ", the weight as given (row-major)" if row_major else ""
     name = "linear tiles stacked in one GEMM" + (", the last tile apart" if last_apart else "")
     return host.arrangement_agrees(
-        name, f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} {gemm_tiles._name(dtype)}", tiles, stacked, op)
+        name, f"{blocks}x{block} rows K={k} N={n_pad} {layout}{given} {gemm_tiles.dtype_label(dtype)}", tiles, stacked,
+        op)
 
 
 def _last_tile_apart(rows: int, blocks: int, block: int, k: int, n_pad: int, *, transposed: bool, row_major: bool,
@@ -480,7 +481,7 @@ def _stacked_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int, last_apart
     rows, k = x.shape
     if last_apart and rows % last_apart:
         return _split_mm(x, operand, padded_rows, n, last_apart)
-    out = torch.mm(gemm_tiles._padded_rows(x, padded_rows), operand)
+    out = torch.mm(gemm_tiles.padded_rows_input(x, padded_rows), operand)
     if out.shape[1] != n:
         return out[:rows, :n]
     return out if rows == padded_rows else out[:rows]
@@ -491,9 +492,9 @@ def _split_mm(x: Tensor, operand: Tensor, padded_rows: int, n: int, block: int) 
     their rows), one over the last tile zero-padded to ``block`` rows, each into its own rows of one output. Used only
     where ``_stacked_agrees(..., last_apart=True)`` found the tiles' bits."""
     rows, k = x.shape
-    x = gemm_tiles._aligned(x)
+    x = gemm_tiles.aligned_contiguous(x)
     body = rows - rows % block
     out = x.new_empty(padded_rows, operand.shape[1])
     torch.mm(x[:body], operand, out=out[:body])
-    torch.mm(gemm_tiles._zero_padded(x[body:], (block, k)), operand, out=out[body:])
+    torch.mm(gemm_tiles.zero_padded(x[body:], (block, k)), operand, out=out[body:])
     return out[:rows] if out.shape[1] == n else out[:rows, :n]

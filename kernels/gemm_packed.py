@@ -4,7 +4,7 @@ weights (the overview of the matrix products: ``gemm_linear``).
 A plan that runs oneDNN's linear op (an fp32 ``onednn_rows`` class's canonical tiles; a bf16 class's ``stacked``
 arrangement, whose ``torch.mm`` is oneDNN's) runs it, after ``PACK_AFTER_CALLS`` calls of one weight version, on the
 weight packed once in oneDNN's own layout (``host_guard.onednn_packed``): the same GEMM without laying the weight out
-per call, used only where a first-use check found its bits equal to the call it replaces (``_packed_agrees``).
+per call, used only where a first-use check found its bits equal to the call it replaces (``packed_agrees``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ Intel Xeon with AMX: 0.2-0.55 ms per llama100m layer weight, 25-45 ms for its LM
 head call; ``vexact bench decode_profile --gemm``), so a weight version pays for it only over a rollout's many steps:
 a rollout of fewer steps packs nothing, a longer one repays the layers' packing within 10-15 further steps and the LM
 head's within 25-45; a training step alone (one forward per version) never packs, but one that follows a rollout on
-the same weight version (the RL step's scoring and update) runs on what the rollout packed (``_packed_after_use``)."""
+the same weight version (the RL step's scoring and update) runs on what the rollout packed (``packed_after_use``)."""
 PACKED_FORMS = ("stacked", "tiles", "canonical call")
-"""What ``_packed_agrees`` compares the packed call with: the ``stacked`` arrangement's one ``torch.mm``, the
+"""What ``packed_agrees`` compares the packed call with: the ``stacked`` arrangement's one ``torch.mm``, the
 canonical tiles' oneDNN linear on the weight as stored (``tiles``, an fp32 ``onednn_rows`` class), or the canonical
 call of the tiles of an ``operand_per_tile`` class (``canonical call``: one ``bmm`` of the tiles, the weight as stored
 once per tile, a transposed batch; the packed call one per tile)."""
@@ -66,14 +66,14 @@ class _WeightCall:
 @dataclass(frozen=True)
 class PackedLinear(_WeightCall):
     """A plan's GEMM on the weight packed once (``_packed_run``): oneDNN's linear on x padded to the tiles (given to
-    it as ``calls`` says: ``PACKED_CALLS``) against the weight's ``operand`` packed. ``form``: what ``_packed_agrees``
+    it as ``calls`` says: ``PACKED_CALLS``) against the weight's ``operand`` packed. ``form``: what ``packed_agrees``
     compares it with (``PACKED_FORMS``)."""
 
     calls: str
 
     def agrees(self, k: int) -> bool:
-        """Whether the packed call gives the plan's own bits (``_packed_agrees``: checked once per key)."""
-        return _packed_agrees(self.form, self.blocks, self.block, k, self.n_pad, self.dtype)
+        """Whether the packed call gives the plan's own bits (``packed_agrees``: checked once per key)."""
+        return packed_agrees(self.form, self.blocks, self.block, k, self.n_pad, self.dtype)
 
     @property
     def packed_form(self) -> tuple:
@@ -89,17 +89,17 @@ class PackedLinear(_WeightCall):
         return (0 if self.calls == PACKED_CALLS[0] else self.blocks), self.calls == PACKED_CALLS[2]
 
     def call(self, x: Tensor, packed: Tensor) -> Tensor:
-        """The packed call on x's rows [M, K]: padded to the plan's tiles (``_padded_rows``), then oneDNN's linear on
-        ``packed`` over them as ``calls`` says -> [blocks x block, N] (every column ``packed`` has)."""
-        return packed_calls(gemm_tiles._padded_rows(x, self.blocks * self.block), packed, self.blocks, self.calls)
+        """The packed call on x's rows [M, K]: padded to the plan's tiles (``padded_rows_input``), then oneDNN's linear
+        on ``packed`` over them as ``calls`` says -> [blocks x block, N] (every column ``packed`` has)."""
+        return packed_calls(gemm_tiles.padded_rows_input(x, self.blocks * self.block), packed, self.blocks, self.calls)
 
 
 @dataclass(frozen=True)
 class LaidOutLinear(_WeightCall):
-    """A ``laid out`` plan's GEMM in form ``one tile`` or ``one call`` (``_laid_out_tiles``: one ``mm`` of the tile,
+    """A ``laid out`` plan's GEMM in form ``one tile`` or ``one call`` (``laid_out_tiles``: one ``mm`` of the tile,
     or one ``bmm`` of the tiles, on the weight's ``operand`` seen as a transposed batch, ``stored_operand``), as
     ``fused_linears`` runs it on several weights laid out as one; ``whole_tiles`` as the plan runs its tiles
-    (``_column_blocks_agree``)."""
+    (``column_blocks_agree``)."""
 
     whole_tiles: bool
 
@@ -110,7 +110,7 @@ class LaidOutLinear(_WeightCall):
         return PackedLinear(PACKED_FORMS[2], self.dtype, self.block, self.blocks, self.n, self.n_pad, PACKED_CALLS[2])
 
     def agrees(self, k: int) -> bool:
-        """The plan's own form was checked against the canonical call when it was made (``_laid_out_agrees``)."""
+        """The plan's own form was checked against the canonical call when it was made (``laid_out_agrees``)."""
         return True
 
     def prepared(self, matrix: Tensor) -> Tensor:
@@ -122,7 +122,7 @@ class LaidOutLinear(_WeightCall):
 
     def call(self, x: Tensor, prepared: Tensor) -> Tensor:
         """The plan's call on x's rows [M, K] against ``prepared`` -> [M, N] (every column ``prepared`` has)."""
-        return gemm_laid_out._laid_out_tiles(x, prepared, self.block, self.blocks, prepared.shape[2], self.form,
+        return gemm_laid_out.laid_out_tiles(x, prepared, self.block, self.blocks, prepared.shape[2], self.form,
                                whole_tiles=self.whole_tiles)
 
 
@@ -137,22 +137,22 @@ def packed_calls(rows: Tensor, packed: Tensor, blocks: int, calls: str) -> Tenso
     return tiles[0] if blocks == 1 else torch.cat(tiles)
 
 
-_SLOTS = itertools.count()
+SLOTS = itertools.count()
 """Keys of ``_WeightPlans.held``: one per operand (or packed run) a plan keeps for the weight's current version."""
 
 
-def _packable(k: int, n_pad: int, dtype: torch.dtype = torch.float32, rows: int = 0) -> bool:
+def packable(k: int, n_pad: int, dtype: torch.dtype = torch.float32, rows: int = 0) -> bool:
     """Whether a class may run on a weight packed once: oneDNN's linear with its packing op here, and a weight of at
     least ``ONEDNN_MIN_WEIGHT`` elements (below it oneDNN's per-call overhead outweighs its kernel) -- or a bf16 GEMM
-    of ``rows`` rows that torch runs on oneDNN already (``_onednn_bf16_bmm``), where packing only spares the per-call
+    of ``rows`` rows that torch runs on oneDNN already (``onednn_bf16_bmm``), where packing only spares the per-call
     reorder of the weight (llama100m's k/v projections, 576 x 192: its bf16 decode step on an Intel Xeon with AMX
     took 0.95x its time unpacked at 1 thread, 0.98x at 2; the journal, session 34)."""
     if not onednn_packing():
         return False
-    return k * n_pad >= ONEDNN_MIN_WEIGHT or gemm_laid_out._onednn_bf16_bmm(dtype, rows * k * n_pad)
+    return k * n_pad >= ONEDNN_MIN_WEIGHT or gemm_laid_out.onednn_bf16_bmm(dtype, rows * k * n_pad)
 
 
-def _packed_after_use(unpacked: Callable, plan: PackedLinear, k: int, held: dict) -> Callable:
+def packed_after_use(unpacked: Callable, plan: PackedLinear, k: int, held: dict) -> Callable:
     """A plan's run: ``unpacked`` for the first ``PACK_AFTER_CALLS`` calls on a weight version, then -- where
     ``plan.agrees(k)`` (the first-use check that the packed call gives the unpacked one's bits for the class) -- the
     packed run (``_packed_run``) made once per version (given the weight at that call: a plan holds no reference to
@@ -161,7 +161,7 @@ def _packed_after_use(unpacked: Callable, plan: PackedLinear, k: int, held: dict
     version a training forward or a scoring pass then multiplies at other row counts): the packing costs nothing more.
     The count and the packed run are kept in ``held`` (the weight's ``_WeightPlans.held``: emptied with each new
     version). No bit depends on which ran."""
-    slot = next(_SLOTS)
+    slot = next(SLOTS)
 
     def after_use(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K]
         state = held.get(slot)
@@ -169,15 +169,15 @@ def _packed_after_use(unpacked: Callable, plan: PackedLinear, k: int, held: dict
             state = held[slot] = [0, None]
         if state[1] is None:
             state[0] += 1
-            if ((state[0] <= PACK_AFTER_CALLS and gemm_laid_out._kept_operand(w, plan.packed_form) is None)
+            if ((state[0] <= PACK_AFTER_CALLS and gemm_laid_out.kept_operand(w, plan.packed_form) is None)
                     or not plan.agrees(k)):
-                return _on_rows(unpacked, x, w, host, loops)
-            state[1] = _packed_run(w, plan) or functools.partial(_on_rows, unpacked)
+                return on_rows(unpacked, x, w, host, loops)
+            state[1] = _packed_run(w, plan) or functools.partial(on_rows, unpacked)
         return state[1](x, w, host, loops)
     return after_use
 
 
-def _on_rows(run: Callable, x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
+def on_rows(run: Callable, x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
     """``run`` (a plan's run on rows [M, K]) on x [..., K]: on x's rows, its output viewed back as [..., n]."""
     if x.dim() == 2:
         return run(x, w, host, loops)
@@ -191,20 +191,20 @@ def _packed_run(weight: Tensor, plan: PackedLinear) -> Callable[[Tensor, Tensor,
     copy would not fit under ``ARRANGED_BYTES_MAX`` beside what is laid out already (a packed weight held by a plan
     counts against the bound as every laid-out operand does: a model bigger than the bound is not doubled silently)."""
     n, form = plan.n, plan.packed_form
-    if (gemm_laid_out._kept_operand(weight, form) is None
-            and not gemm_laid_out._room_for(weight.numel() * plan.dtype.itemsize)):
+    if (gemm_laid_out.kept_operand(weight, form) is None
+            and not gemm_laid_out.room_for(weight.numel() * plan.dtype.itemsize)):
         return None
     packed = gemm_laid_out.arranged_weight(weight, form, lambda: onednn_packed(plan.operand(weight)))
-    if gemm_laid_out._kept_operand(weight, form) is not packed:  # (laid out, but over the bound after all: not kept)
+    if gemm_laid_out.kept_operand(weight, form) is not packed:  # (laid out, but over the bound after all: not kept)
         return None
     rows_padded = plan.blocks * plan.block
     tiles, each_tile = plan.loop_arguments()
 
     def run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K] -> [..., n]
-        if loops is not None and (buffer := gemm_tiles._kept_buffer(x, rows_padded)) is not None:
+        if loops is not None and (buffer := gemm_tiles.kept_buffer(x, rows_padded)) is not None:
             # the steps below in one compiled call (a decode step's: the same copy and op calls, the same bits)
             return loops.packed_linear(x, buffer, packed, tiles, n, each_tile)
-        return _on_rows(rows_run, x, w, host, loops)
+        return on_rows(rows_run, x, w, host, loops)
 
     def rows_run(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:
         rows = x.shape[0]
@@ -215,22 +215,22 @@ def _packed_run(weight: Tensor, plan: PackedLinear) -> Callable[[Tensor, Tensor,
     return run
 
 
-def _packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype: torch.dtype) -> bool:
+def packed_agrees(form: str, blocks: int, block: int, k: int, n_pad: int, dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear on a weight packed once gives, for ``blocks`` tiles of ``block`` rows of the class (K,
     N_pad, ``dtype``) at the current thread count, the bits of the call it replaces (``PACKED_FORMS``): checked once
-    per key on seeded operands (``_probe_operands``), as the canonical path's other forms are (``_checked_once``)."""
+    per key on seeded operands (``probe_operands``), as the canonical path's other forms are (``checked_once``)."""
 
     def check() -> bool:
-        x, w = gemm_tiles._probe_operands(dtype, (blocks * block, k), (n_pad, k))
+        x, w = gemm_tiles.probe_operands(dtype, (blocks * block, k), (n_pad, k))
         packed = onednn_packed(w)
         if form == PACKED_FORMS[0]:
             return torch.equal(onednn_linear(x, packed), torch.mm(x, w.t()))
         if form == PACKED_FORMS[2]:  # the canonical call, on the canonical operand [1, K, N_pad] of w [N_pad, K]
             operand = gemm_laid_out.transposed_batch(w.t().unsqueeze(0))  # (as ``stored_operand``)
             return torch.equal(packed_calls(x, packed, blocks, PACKED_CALLS[2]),
-                               gemm_laid_out._canonical_tiles_call(x, operand, blocks, block))
+                               gemm_laid_out.canonical_tiles_call(x, operand, blocks, block))
         tiles = x.view(blocks, block, k)
         return torch.equal(onednn_linear(tiles, packed), onednn_linear(tiles, w))
 
-    return gemm_tiles._checked_once(_PACKED_CHECKS, (form, blocks, block, k, n_pad, dtype, torch.get_num_threads()),
+    return gemm_tiles.checked_once(_PACKED_CHECKS, (form, blocks, block, k, n_pad, dtype, torch.get_num_threads()),
                                     check)

@@ -93,7 +93,7 @@ def fp32(x: Tensor) -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_label(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -124,7 +124,7 @@ def gemm_class(k: int, n: int, *, transposed: bool) -> Tensor:
     return torch.empty(1, k, n)
 
 
-def _aligned(t: Tensor) -> Tensor:
+def aligned_contiguous(t: Tensor) -> Tensor:
     """``t`` itself when contiguous and starting at an ``ALIGNMENT``-byte boundary (as every fresh torch CPU
     allocation does), else a fresh contiguous copy."""
     if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
@@ -132,20 +132,20 @@ def _aligned(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _rows_aligned(x: Tensor) -> Tensor:
+def rows_aligned(x: Tensor) -> Tensor:
     """A 2-D operand whose columns a GEMM may read on views: ``x`` itself where its rows are unit-stride, do not
     overlap and it starts on an ``ALIGNMENT``-byte boundary (a transposed view, or rows of a wider tensor), else
-    ``_aligned``'s contiguous copy. One column: the same memory with column stride 1 (torch calls an [M, 1] tensor
-    contiguous whatever its column stride, which is never read; the weight gradient's compiled slabs require 1, and
-    a host's GEMM may pick its kernel by it -- so one layout, whatever the caller's)."""
+    ``aligned_contiguous``'s contiguous copy. One column: the same memory with column stride 1 (torch calls an [M, 1]
+    tensor contiguous whatever its column stride, which is never read; the weight gradient's compiled slabs require 1,
+    and a host's GEMM may pick its kernel by it -- so one layout, whatever the caller's)."""
     if x.shape[1] == 1 and x.stride(1) != 1:
         x = x.as_strided(x.shape, (x.stride(0), 1), x.storage_offset())
     if x.stride(1) == 1 and x.stride(0) >= x.shape[1] and x.data_ptr() % ALIGNMENT == 0:
         return x
-    return _aligned(x)
+    return aligned_contiguous(x)
 
 
-def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+def zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     """``torch.constant_pad_nd(x, ...)`` with zeros after the end of each dim up to ``shape``: the same values and
     layout (a fresh contiguous tensor; with nothing to pad, a clone, as constant_pad_nd gives), with zeros written
     only where ``x`` is not -- constant_pad_nd fills the whole tensor first, a second pass over memory that cost as
@@ -161,15 +161,15 @@ def _zero_padded(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     return out
 
 
-def _padded_or_aligned(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+def padded_or_aligned(x: Tensor, shape: tuple[int, ...]) -> Tensor:
     """A GEMM operand: ``x`` zero-padded to ``shape`` (a fresh copy), or ``x`` contiguous and aligned where it has
-    that shape already (``_aligned``: itself, or a contiguous copy)."""
-    return _aligned(x) if tuple(shape) == tuple(x.shape) else _zero_padded(x, shape)
+    that shape already (``aligned_contiguous``: itself, or a contiguous copy)."""
+    return aligned_contiguous(x) if tuple(shape) == tuple(x.shape) else zero_padded(x, shape)
 
 
 class _PaddedInputs(threading.local):
-    """Per thread: the zero-padded GEMM inputs ``_padded_rows`` reuses, one per (rows, K, dtype), each with the count
-    of its leading rows the last call wrote."""
+    """Per thread: the zero-padded GEMM inputs ``padded_rows_input`` reuses, one per (rows, K, dtype), each with the
+    count of its leading rows the last call wrote."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, list] = {}
@@ -177,15 +177,15 @@ class _PaddedInputs(threading.local):
 
 _PADDED_INPUTS = _PaddedInputs()
 PADDED_INPUT_BYTES_MAX = 1 << 20
-"""Bytes (1 MiB): the largest zero-padded input ``_padded_rows`` keeps per thread and shape; a larger one (a
+"""Bytes (1 MiB): the largest zero-padded input ``padded_rows_input`` keeps per thread and shape; a larger one (a
 training call's tiles) is a fresh copy, whose allocation is small beside its copy."""
 PADDED_INPUTS_MAX = 16
-"""Buffers ``_padded_rows`` keeps per thread at most (the oldest goes first): a decode loop needs one per layer
+"""Buffers ``padded_rows_input`` keeps per thread at most (the oldest goes first): a decode loop needs one per layer
 shape; ragged training calls would otherwise keep one per row count they padded to (at most 16 MiB a thread)."""
 
 
-def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
-    """``_padded_or_aligned(x, (rows_padded, K))`` for x [M, K]: the same values and layout, as the input of a GEMM
+def padded_rows_input(x: Tensor, rows_padded: int) -> Tensor:
+    """``padded_or_aligned(x, (rows_padded, K))`` for x [M, K]: the same values and layout, as the input of a GEMM
     that only reads it and keeps nothing of it past the call. Where rows are padded, the input is at most
     ``PADDED_INPUT_BYTES_MAX`` and grad mode is off (a kernel's own forward or backward, a decode step: no GEMM
     recorded for autograd, which would keep its input), it is a buffer kept per thread and (rows, K, dtype): x's
@@ -198,33 +198,33 @@ def _padded_rows(x: Tensor, rows_padded: int) -> Tensor:
     (which runs with the GIL released) never reads a buffer this one is writing."""
     rows, k = x.shape
     if rows == rows_padded:
-        return _aligned(x)
-    if (buffer := _kept_buffer(x, rows_padded)) is None:
-        return _zero_padded(x, (rows_padded, k))
+        return aligned_contiguous(x)
+    if (buffer := kept_buffer(x, rows_padded)) is None:
+        return zero_padded(x, (rows_padded, k))
     buffer[:rows].copy_(x)
     return buffer
 
 
 class _LoopInput(NamedTuple):
-    """How a compiled call takes x's rows padded to a plan's tiles: copied into ``buffer`` (``_kept_buffer``), or as
+    """How a compiled call takes x's rows padded to a plan's tiles: copied into ``buffer`` (``kept_buffer``), or as
     they are (``buffer`` None: they fill the tiles already)."""
 
     buffer: Tensor | None
 
 
-def _loop_input(x: Tensor, rows_padded: int) -> _LoopInput | None:
+def loop_input(x: Tensor, rows_padded: int) -> _LoopInput | None:
     """How a compiled call that pads x [..., K] to ``rows_padded`` rows itself takes them (``_LoopInput``); None where
-    it cannot (rows to pad and no kept buffer: a fresh zero-padded copy, the Python steps' ``_padded_rows``)."""
-    buffer = _kept_buffer(x, rows_padded)
+    it cannot (rows to pad and no kept buffer: a fresh zero-padded copy, the Python steps' ``padded_rows_input``)."""
+    buffer = kept_buffer(x, rows_padded)
     if buffer is None and x.numel() != rows_padded * x.shape[-1]:
         return None
     return _LoopInput(buffer)
 
 
-def _kept_buffer(x: Tensor, rows_padded: int) -> Tensor | None:
-    """The buffer ``_padded_rows`` keeps for x [M, K] (or [..., K]: its M rows) padded to ``rows_padded`` rows, ready
-    for x's rows: its rows from M on zero (those a longer call wrote zeroed again), x's rows for the caller to copy
-    in. None where it keeps none: nothing to pad, an input over ``PADDED_INPUT_BYTES_MAX``, grad mode on."""
+def kept_buffer(x: Tensor, rows_padded: int) -> Tensor | None:
+    """The buffer ``padded_rows_input`` keeps for x [M, K] (or [..., K]: its M rows) padded to ``rows_padded`` rows,
+    ready for x's rows: its rows from M on zero (those a longer call wrote zeroed again), x's rows for the caller to
+    copy in. None where it keeps none: nothing to pad, an input over ``PADDED_INPUT_BYTES_MAX``, grad mode on."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (k == 0 or rows == rows_padded or rows_padded * k * x.element_size() > PADDED_INPUT_BYTES_MAX
@@ -243,15 +243,15 @@ def _kept_buffer(x: Tensor, rows_padded: int) -> Tensor | None:
     return buffer
 
 
-def _padded_operand(x: Tensor, shape: tuple[int, ...], full: Tensor | None) -> Tensor:
+def padded_operand(x: Tensor, shape: tuple[int, ...], full: Tensor | None) -> Tensor:
     """``x`` zero-padded to ``shape``: ``full`` itself where it is that tensor already (the caller's zero-padded
     buffer of which ``x`` is the leading corner, contiguous and aligned, as a fresh copy would be), else a copy
-    (``_zero_padded``: with nothing to pad, a clone that keeps ``x``'s strides, whose layout the guard then
+    (``zero_padded``: with nothing to pad, a clone that keeps ``x``'s strides, whose layout the guard then
     classes)."""
-    return full if _is_padded_operand(full, shape) else _zero_padded(x, shape)
+    return full if is_padded_operand(full, shape) else zero_padded(x, shape)
 
 
-def _is_padded_operand(full: Tensor | None, shape: tuple[int, ...]) -> bool:
+def is_padded_operand(full: Tensor | None, shape: tuple[int, ...]) -> bool:
     """Whether ``full`` may stand for a fresh padded operand of ``shape``: that shape, contiguous and aligned."""
     return (full is not None and tuple(full.shape) == tuple(shape) and full.is_contiguous()
             and full.data_ptr() % ALIGNMENT == 0)
@@ -264,18 +264,18 @@ def zero_outside(out: Tensor, corner: tuple[int, ...]) -> None:
             out[(*(slice(0, s) for s in corner[:dim]), slice(size, total))].zero_()
 
 
-def _probe_operands(dtype: torch.dtype, rows: tuple[int, int], cols: tuple[int, int], draw: int = 0
+def probe_operands(dtype: torch.dtype, rows: tuple[int, int], cols: tuple[int, int], draw: int = 0
                     ) -> tuple[Tensor, Tensor]:
-    """Seeded probe operands [R, K] and [N, K] in ``dtype``: standard normal (``_seeded_randn``) for fp32; for bf16
+    """Seeded probe operands [R, K] and [N, K] in ``dtype``: standard normal (``seeded_randn``) for fp32; for bf16
     made ``host_guard.order_revealing`` (a bf16 output otherwise hides another accumulation order). ``draw``: which
-    of a probe's independent draws (``_seeded_randn``)."""
-    a, b = _seeded_randn(rows, cols, draw=draw)
+    of a probe's independent draws (``seeded_randn``)."""
+    a, b = seeded_randn(rows, cols, draw=draw)
     if dtype != torch.float32:
         a, b = order_revealing(a, b, ARRANGEMENT_PROBE_SEED + draw)
     return a.to(dtype), b.to(dtype)
 
 
-def _seeded_randn(*shapes: tuple[int, ...], draw: int = 0) -> list[Tensor]:
+def seeded_randn(*shapes: tuple[int, ...], draw: int = 0) -> list[Tensor]:
     """Standard normal tensors of ``shapes``, drawn in order from one generator seeded ``ARRANGEMENT_PROBE_SEED``
     (+ ``draw``: a probe's further independent draws, ``VIEW_PROBE_OUTPUTS``)."""
     gen = torch.Generator().manual_seed(ARRANGEMENT_PROBE_SEED + draw)
@@ -288,7 +288,7 @@ DTYPE_PLANS_MAX = 4096
 as many for ``_views_plan``'s answers."""
 
 
-def _asked_once(answers: dict[tuple, object], key: tuple, host: HostGuard, ask: Callable[[], object]) -> object:
+def asked_once(answers: dict[tuple, object], key: tuple, host: HostGuard, ask: Callable[[], object]) -> object:
     """``ask()``, a question to the guard, answered once per ``key`` (whose first entry is ``host.epoch``: the guard's
     state) and kept in ``answers``, at most ``DTYPE_PLANS_MAX`` of them (then afresh). Kept under the epoch after
     asking: a check made in asking may change it."""
@@ -301,7 +301,7 @@ def _asked_once(answers: dict[tuple, object], key: tuple, host: HostGuard, ask: 
     return answer
 
 
-def _checked_once(checks: dict[tuple, bool], key: tuple, check: Callable[[], bool]) -> bool:
+def checked_once(checks: dict[tuple, bool], key: tuple, check: Callable[[], bool]) -> bool:
     """``check()``'s answer for ``key``, run at first use and kept in ``checks``: the first-use checks that the
     canonical arrangement's own faster forms (laid-out tiles, slabs shared between threads) give its bits. Forms of
     the canonical path, not ``same_bits`` arrangements, which ask the guard (``HostGuard.arrangement_agrees``) and

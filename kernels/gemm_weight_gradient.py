@@ -101,13 +101,13 @@ def canonical_transposed_matmul(a: Tensor, b: Tensor, host: HostGuard, op: str,
 
 _VIEWS_PLANS: dict[tuple, str | None] = {}
 """``_views_arrangement``'s answers, kept per (guard state: ``HostGuard.epoch``, rows, N, K, dtype, op, thread count)
-as ``tiled_dtype`` keeps its own (``_asked_once``)."""
+as ``tiled_dtype`` keeps its own (``asked_once``)."""
 
 
 def _views_plan(rows: int, n: int, k: int, dtype: torch.dtype, host: HostGuard, op: str) -> str | None:
     """``_views_arrangement(rows, n, k, dtype, host, op)``, asked once per key (``_VIEWS_PLANS``)."""
     key = (host.epoch, rows, n, k, dtype, op, torch.get_num_threads())
-    return gemm_tiles._asked_once(_VIEWS_PLANS, key, host, lambda: _views_arrangement(rows, n, k, dtype, host, op))
+    return gemm_tiles.asked_once(_VIEWS_PLANS, key, host, lambda: _views_arrangement(rows, n, k, dtype, host, op))
 
 
 UNPADDED_TAIL, PADDED_TAIL = "unpadded tail", "padded tail"
@@ -173,7 +173,8 @@ def _reduction_slabs(a: Tensor, b: Tensor, host: HostGuard, op: str) -> Tensor:
     320) and `canonical` fp32 training 1.08-1.09x `auto` (the benchmarks page)."""
     rows, n = a.shape
     k = b.shape[1]
-    a, b = gemm_tiles._rows_aligned(a), gemm_tiles._aligned(b)  # so every chunk and slab view starts aligned too
+    # aligned, so that every chunk and slab view starts aligned too
+    a, b = gemm_tiles.rows_aligned(a), gemm_tiles.aligned_contiguous(b)
     block, last = _slab_chunks(rows, a.dtype)
     chunks = -(-rows // block)
     tail_in_slabs = last == block or _chunk_in_slabs(last, k, a.dtype, host, op)
@@ -237,7 +238,7 @@ def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: int, out
     (rows, n), k = a.shape, b.shape[1]
     chunks = -(-rows // block)
     tail_first = (chunks - 1) * block
-    b_tail = gemm_tiles._padded_or_aligned(b[tail_first:], (last, k))
+    b_tail = gemm_tiles.padded_or_aligned(b[tail_first:], (last, k))
     parts = a.new_empty(chunks, n, k) if out is None else out
 
     def products() -> None:
@@ -248,7 +249,7 @@ def _slab_products(a: Tensor, b: Tensor, block: int, last: int, spread: int, out
             for lo in range(0, n, SLAB_ROWS):
                 region = a_rows[:, lo : lo + SLAB_ROWS]
                 left = (region if region.shape[0] == length
-                        else gemm_tiles._zero_padded(region, (length, region.shape[1])))
+                        else gemm_tiles.zero_padded(region, (length, region.shape[1])))
                 torch.mm(left.t(), b_rows, out=parts[c, lo : lo + SLAB_ROWS])
 
     _with_threads(1, products)
@@ -272,7 +273,7 @@ def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype,
     else 1), or 0: one after another with one thread. Shared out where the compiled loops are built, several threads
     run, and ``reduction_slab_mms`` so, at this thread count, gave the bits of the same pairs whole, one after another
     with one thread -- checked once per (output width, K, chunk, last chunk length, dtype, thread count, column blocks)
-    on seeded order-revealing inputs (``_probe_operands``) of as many chunks as the reduction has at most (bf16: one;
+    on seeded order-revealing inputs (``probe_operands``) of as many chunks as the reduction has at most (bf16: one;
     fp32: two, the last of ``last`` rows, or of over half of ``block`` where it pads to it; a call of one pair
     whole: one chunk, as the call). It catches a library whose GEMM called inside a parallel region rounds otherwise
     than with one thread, whose GEMM of a block of columns rounds otherwise than the whole (then whole pairs, or the
@@ -290,9 +291,9 @@ def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype,
         tail = max(last - gemm_tiles.MIN_REDUCE_BLOCK + 1, block // 2 + 1) if last == block else last
         rows = tail if one_thread_reduction(dtype) or one_task else block + tail
         # the reduction over the tokens is their K
-        a_t, b_t = gemm_tiles._probe_operands(dtype, (width, rows), (k, rows))
+        a_t, b_t = gemm_tiles.probe_operands(dtype, (width, rows), (k, rows))
         # as _reduction_slabs lays them
-        a, b = gemm_tiles._rows_aligned(a_t.t().contiguous()), gemm_tiles._aligned(b_t.t().contiguous())
+        a, b = gemm_tiles.rows_aligned(a_t.t().contiguous()), gemm_tiles.aligned_contiguous(b_t.t().contiguous())
         alone = _with_threads(1, lambda: loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS))
         return torch.equal(loops.reduction_slab_mms(a, b, block, last, SLAB_ROWS, column_blocks=column_blocks), alone)
 
@@ -300,7 +301,7 @@ def _slabs_spread(width: int, k: int, block: int, last: int, dtype: torch.dtype,
     for column_blocks in dict.fromkeys((wanted, 1)):
         one_task = pairs * column_blocks == 1
         key = (dtype, width, k, block, last, threads, column_blocks, one_task)
-        if gemm_tiles._checked_once(_SPREAD_CHECKS, key, lambda: check(column_blocks, one_task)):  # noqa: B023 (called at once)
+        if gemm_tiles.checked_once(_SPREAD_CHECKS, key, lambda: check(column_blocks, one_task)):  # noqa: B023 (called at once)
             return column_blocks
     return 0
 
@@ -382,7 +383,7 @@ def _transposed_matmul_tiles(a: Tensor, b: Tensor, host: HostGuard, op: str, b_s
     if row_tiles * height == n and (chunks == 1 or row_tiles == 1):
         # no padding rows, one chunk or one row tile: the chunks seen transposed, a view (as reshape gives)
         contiguous = padded == rows and a.is_contiguous() and a.data_ptr() % gemm_tiles.ALIGNMENT == 0
-        a_rows = a if contiguous else gemm_tiles._zero_padded(a, (padded, n))
+        a_rows = a if contiguous else gemm_tiles.zero_padded(a, (padded, n))
         a_tiles = a_rows.view(chunks, block, n).transpose(1, 2).reshape(chunks * row_tiles, height, block)
     else:  # [chunks * row_tiles, height, block]: each chunk's transpose, zero-padded to whole row tiles, contiguous
         a_tiles = _chunks_transposed(a, block, chunks, row_tiles * height).view(chunks * row_tiles, height, block)
@@ -521,7 +522,7 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
     ``padded_to`` rows (``block``, or a short last chunk's own length: ``last_chunk_length``). A probe at first use
     on seeded inputs whose chunk size is ``block`` too: ``VIEW_PROBE_CHUNKS`` whole chunks (where ``block`` is
     ``REDUCE_BLOCK``: there are several; bf16, which reduces one chunk only: none) and a partial one (``tail`` rows,
-    or just over half of ``padded_to``). ``dtype``: fp32 or bf16 (``_probe_operands``, over the tokens). A class of
+    or just over half of ``padded_to``). ``dtype``: fp32 or bf16 (``probe_operands``, over the tokens). A class of
     fewer than ``VIEW_PROBE_OUTPUTS`` outputs compares several draws of those inputs."""
     padded_to = block if padded_to is None else padded_to
     whole = gemm_tiles.VIEW_PROBE_CHUNKS if block == gemm_tiles.REDUCE_BLOCK and dtype == torch.float32 else 0
@@ -531,9 +532,9 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
     def inputs(draw: int) -> list[Tensor]:
         rows = whole * block + partial
         if dtype == torch.float32:
-            return gemm_tiles._seeded_randn((rows, n), (rows, k), draw=draw)
+            return gemm_tiles.seeded_randn((rows, n), (rows, k), draw=draw)
         # the reduction over the tokens is their K
-        a_t, b_t = gemm_tiles._probe_operands(dtype, (n, rows), (k, rows), draw)
+        a_t, b_t = gemm_tiles.probe_operands(dtype, (n, rows), (k, rows), draw)
         return [a_t.t().contiguous(), b_t.t().contiguous()]
 
     def every_draw(arrangement: Callable[..., Tensor]) -> Callable[[], Tensor]:
@@ -542,7 +543,7 @@ def _views_agree(block: int, n: int, k: int, tail: int | None, host: HostGuard, 
     form = f"last chunk of {tail} rows unpadded" if tail is not None else (
         "last chunk padded" if padded_to == block else f"last chunk padded to {padded_to} rows")
     return host.arrangement_agrees(
-        "weight gradient on views", f"block={block} N={n} K={k} {form} {gemm_tiles._name(dtype)}",
+        "weight gradient on views", f"block={block} N={n} K={k} {form} {gemm_tiles.dtype_label(dtype)}",
         every_draw(lambda a, b: canonical_transposed_matmul(a, b, host, op)),
         every_draw(lambda a, b: _transposed_matmul_views(a, b, block, unpadded_tail=tail is not None)), op)
 
@@ -559,7 +560,7 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
     rows, n = a.shape
     k = b.shape[1]
     # chunk starts are then aligned too (block * N * 4 bytes apart)
-    a, b = gemm_tiles._aligned(a), gemm_tiles._aligned(b)
+    a, b = gemm_tiles.aligned_contiguous(a), gemm_tiles.aligned_contiguous(b)
     whole, tail = divmod(rows, block)
     body = whole * block
     padded_to = last_chunk_length(rows, block, a.dtype) if tail and not unpadded_tail else tail
@@ -567,7 +568,7 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
     if (loops is not None and a.dtype == b.dtype and a.dtype in compiled_loops.DTYPES and a.is_contiguous()
             and b.is_contiguous()):  # the calls below in one compiled call: the same at:: calls on the same views
         return loops.transposed_views(a, b, block, padded_to, unpadded_tail, gemm_tiles.VIEW_SLAB_ROWS)
-    b_tail = gemm_tiles._zero_padded(b[body:], (padded_to, k)) if padded_to > tail else b[body:]
+    b_tail = gemm_tiles.zero_padded(b[body:], (padded_to, k)) if padded_to > tail else b[body:]
 
     def slab(first: int, last: int, into: Tensor | None) -> Tensor:
         parts = a.new_empty(whole + (tail > 0), last - first, k)
@@ -577,7 +578,7 @@ def _transposed_matmul_views(a: Tensor, b: Tensor, block: int, unpadded_tail: bo
         if tail:
             a_tail = a[body:, first:last]
             if padded_to > tail:
-                a_tail = gemm_tiles._zero_padded(a_tail, (padded_to, last - first))
+                a_tail = gemm_tiles.zero_padded(a_tail, (padded_to, last - first))
             torch.bmm(a_tail.t().unsqueeze(0), b_tail.unsqueeze(0), out=parts[whole:])
             if unpadded_tail:
                 parts[whole:].add_(0.0)

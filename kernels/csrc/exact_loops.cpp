@@ -763,9 +763,9 @@ at::Tensor sum_rows_by_token(const at::Tensor& tokens, const at::Tensor& rows, i
 }
 
 // ----------------------------------------------------------------------------------------------------- layouts
-// Copies that lay out GEMM operands (cpu_exact._zero_padded, _chunks_transposed): pure data movement, so the
-// same bits as the torch-op copies whatever the order; one call instead of an allocation, a copy per region
-// and a zero fill per padding region.
+// Copies that lay out GEMM operands (gemm_tiles.zero_padded, gemm_weight_gradient._chunks_transposed): pure data
+// movement, so the same bits as the torch-op copies whatever the order; one call instead of an allocation, a copy per
+// region and a zero fill per padding region.
 
 namespace {
 
@@ -931,7 +931,7 @@ bool aligned_contiguous(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % kAlignment == 0;
 }
 
-// cpu_exact._zero_padded: a clone (strides preserved) when nothing is padded, else the padded copy.
+// gemm_tiles.zero_padded: a clone (strides preserved) when nothing is padded, else the padded copy.
 at::Tensor zero_padded(const at::Tensor& x, at::IntArrayRef shape) {
   return x.sizes() == shape ? x.clone() : padded_copy(x, shape);
 }
@@ -1008,7 +1008,7 @@ namespace {
 
 // x's M rows [M, K] as a GEMM's input: copied into `buffer` where one is given (the kept zero-padded input [R, K], its
 // rows from M on zero already: the caller's), else as they are (a contiguous copy where they are not contiguous and
-// aligned, as gemm_tiles._aligned makes). `op`: the caller's name, for its errors.
+// aligned, as gemm_tiles.aligned_contiguous makes). `op`: the caller's name, for its errors.
 at::Tensor rows_input(const at::Tensor& x, const c10::optional<at::Tensor>& buffer, const char* op) {
   const int64_t k = x.size(-1), rows = x.numel() / k;
   at::Tensor input = x.reshape({rows, k});

@@ -16,7 +16,7 @@ fp32 and bf16:
 - torch's bf16 ``bmm`` does copy the shared canonical operand where ``bmm_copies_operand`` says it does (the profiler
   sees the copy), and fp32's does not; it copies no operand as the weight is stored.
 
-Several bf16 forward tiles of a transposed-batch class (``_laid_out_tiles``) run as the canonical call (small
+Several bf16 forward tiles of a transposed-batch class (``laid_out_tiles``) run as the canonical call (small
 operands) or one GEMM per tile on the weight's own matrix, spread over the threads in one compiled call
 (``_tile_gemms``): checked bitwise against the canonical call (the guard's
 per-tile class, ``HostGuard.bmm``) at 1 and 2 threads, on this host and on the emulated rows-in-call host, with a
@@ -131,16 +131,16 @@ def test_the_bound_keeps_nothing_beyond_it(monkeypatch):
     monkeypatch.setattr(gemm_laid_out, "ARRANGED_BYTES_MAX", 0)
     weight = _randn(40, 64, dtype=torch.float32, seed=1)
     operand = gemm_laid_out.canonical_operand(weight, torch.float32, 48)
-    assert weight not in gemm_laid_out._ARRANGED
+    assert weight not in gemm_laid_out.ARRANGED
     assert torch.equal(operand[0, :, :40], weight.t()) and not operand[0, :, 40:].any()
 
 
 def _held_bytes() -> int:
-    return sum(t.nbytes for kept in gemm_laid_out._ARRANGED.values() for _, t in kept.values())
+    return sum(t.nbytes for kept in gemm_laid_out.ARRANGED.values() for _, t in kept.values())
 
 
 def test_the_bound_counts_the_bytes_held_as_operands_come_and_go():
-    """The bytes ``_room_for`` weighs against ``ARRANGED_BYTES_MAX`` are those the kept operands hold, counted as
+    """The bytes ``room_for`` weighs against ``ARRANGED_BYTES_MAX`` are those the kept operands hold, counted as
     they come and go rather than summed on every call: a weight's first operand, a second form of it, a new version
     replacing the old, and the weight gone (its operands with it)."""
     import gc
@@ -230,17 +230,17 @@ def _laid_out_forms(monkeypatch: pytest.MonkeyPatch, laid_out: bool, call_max: i
     monkeypatch.setattr(gemm_laid_out, "operand_per_tile", lambda *args: True)
     monkeypatch.setattr(gemm_laid_out, "_LAID_OUT_CHECKS", {})
     if not laid_out:
-        monkeypatch.setattr(gemm_laid_out, "_laid_out_agrees", lambda *args, **kwargs: False)
+        monkeypatch.setattr(gemm_laid_out, "laid_out_agrees", lambda *args, **kwargs: False)
     if call_max is not None:
         monkeypatch.setattr(gemm_laid_out, "LAID_OUT_CALL_MAX", call_max)
     forms = []
-    real = gemm_laid_out._laid_out_tiles
+    real = gemm_laid_out.laid_out_tiles
 
     def recorded(*args, **kwargs):
         if args[0].shape[0] == rows:
             forms.append(args[5])  # the form
         return real(*args, **kwargs)
-    monkeypatch.setattr(gemm_laid_out, "_laid_out_tiles", recorded)
+    monkeypatch.setattr(gemm_laid_out, "laid_out_tiles", recorded)
     if (loops := compiled_loops.library()) is not None:
         class Recorded:  # the canonical call itself, compiled (``bmm_linears``): the form ``one call``
             def __getattr__(self, name):
@@ -393,7 +393,7 @@ def test_tile_column_blocks_give_the_threads_even_shares():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
-    """Counter-test: per-tile GEMMs made one ulp off are caught by the first-use check (``_laid_out_agrees``), and
+    """Counter-test: per-tile GEMMs made one ulp off are caught by the first-use check (``laid_out_agrees``), and
     the canonical call runs (its bits); without the check they would have been used."""
     with num_threads(threads):
         with pytest.MonkeyPatch.context() as canonical:
@@ -408,7 +408,7 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
         forms = _laid_out_forms(monkeypatch, laid_out=True, call_max=0, rows=300)
         out = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
         assert forms == [] and torch.equal(_bits(out), _bits(expected))
-        monkeypatch.setattr(gemm_laid_out, "_laid_out_agrees", lambda *args, **kwargs: True)
+        monkeypatch.setattr(gemm_laid_out, "laid_out_agrees", lambda *args, **kwargs: True)
         wrong = _forward_tiles(300, 96, 176, HostGuard(cpu_exact.ROW_BLOCKS, mode="canonical"))
     assert forms == ["per tile"] and not torch.equal(_bits(wrong), _bits(expected))
 
@@ -417,8 +417,8 @@ def test_forward_tiles_made_one_ulp_off_are_caught(threads, monkeypatch):
 def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles, form, call_max, monkeypatch):
     """On a host whose GEMM rounds a tile's column blocks otherwise (emulated: the compiled loops' ``tile_gemms`` one
     ulp off wherever it splits a tile into column blocks, as oneDNN's AMX GEMM does for some classes of an Intel
-    Xeon), the first-use checks keep the form (``_laid_out_agrees`` by whole tiles) and refuse its column blocks
-    (``_column_blocks_agree``): the form runs whole tiles with the canonical call's bits -- one tile (a decode step's
+    Xeon), the first-use checks keep the form (``laid_out_agrees`` by whole tiles) and refuse its column blocks
+    (``column_blocks_agree``): the form runs whole tiles with the canonical call's bits -- one tile (a decode step's
     call) or five tiles, where two threads would take column blocks. Counter-check: had the column blocks' check
     passed, the form would have run them and given other bits."""
     loops = compiled_loops.library()
@@ -439,7 +439,7 @@ def test_column_blocks_with_other_bits_leave_the_form_to_whole_tiles(rows, tiles
         split = [count for count, blocks, _, _ in calls if blocks > 1]
         assert split and tiles not in split  # the column blocks' check split its tiles; the form's call did not
         monkeypatch.setattr(gemm_laid_out, "_LAID_OUT_CHECKS", {})
-        monkeypatch.setattr(gemm_laid_out, "_column_blocks_agree", lambda *args, **kwargs: True)
+        monkeypatch.setattr(gemm_laid_out, "column_blocks_agree", lambda *args, **kwargs: True)
         wrong = run()
     assert not torch.equal(_bits(wrong), _bits(expected))
 

@@ -417,7 +417,7 @@ OPERAND_CASES = {  # (source [B, M, K] as laid out, padded shape, row tile heigh
 @pytest.mark.parametrize("case", OPERAND_CASES)
 def test_batched_matmul_operands_are_the_copies_they_replace(loops, case, monkeypatch):
     """``batched_matmul``'s left operand in row tiles and its right operand once per row tile: the same values, shape
-    and strides as the compositions they replace (``_padded_operand(...).reshape(...)``, an expanded reshape), with
+    and strides as the compositions they replace (``padded_operand(...).reshape(...)``, an expanded reshape), with
     the compiled loops and without -- the same GEMM call."""
     from vexact_kernels import gemm_batched, gemm_tiles
 
@@ -429,7 +429,7 @@ def test_batched_matmul_operands_are_the_copies_they_replace(loops, case, monkey
         full = torch.zeros(shape)
         full[tuple(slice(0, n) for n in a.shape)] = a
     tiles = (shape[0] * shape[1] // block, block, shape[2])
-    expected = gemm_tiles._padded_operand(a, shape, full).reshape(tiles)
+    expected = gemm_tiles.padded_operand(a, shape, full).reshape(tiles)
     b = _values((shape[0], shape[2], 40), torch.float32, seed=7).transpose(1, 2).contiguous().transpose(1, 2)
     repeats = shape[1] // block
     expected_b = b.unsqueeze(1).expand(b.shape[0], repeats, *b.shape[1:]).reshape(-1, *b.shape[1:])

@@ -7,7 +7,7 @@ position) and its backward zeroes only the padding of the tensors it writes; the
 scratch tensor; SwiGLU's backward takes the forward's 1 + exp(-gate) and
 silu instead of computing them again. Then (benchmarks_price_fp32.md): the attention softmax writes exp's +0.0 for
 masked keys instead of computing exp(-inf) and widens its rows to a multiple of 16 keys; padding is zeroed only where
-it is (``_zero_padded``), and the attention backward passes its zero-padded buffers as GEMM operands; the weight
+it is (``zero_padded``), and the attention backward passes its zero-padded buffers as GEMM operands; the weight
 gradients of layers sharing an input reuse its laid-out operand, and run one GEMM call per row tile instead of
 copying the operand per row tile. The claim is stronger than "same outputs on this host":
 every GEMM tile gets the same operands -- values, shapes, strides and 64-byte alignment -- as the straightforward
@@ -106,7 +106,7 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     n = weight.shape[0]
     n_pad = ceil_to(n, COL_BLOCK)
     w = weight.to(x.dtype)  # x's dtype is the GEMM's (fp32, or bf16 where the guard admits the host's bf16 GEMM)
-    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_tiles._aligned(w)
+    w = torch.constant_pad_nd(w, (0, 0, 0, n_pad - n)) if n_pad != n else gemm_tiles.aligned_contiguous(w)
     operand = w.t().unsqueeze(0)
     # a bf16 class whose bmm would copy the shared operand takes it once per tile in the layout the weight is stored
     # in (the canonical class since operand_per_tile: the operand's layout, not a price optimisation): a forward's
@@ -115,13 +115,13 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     row_major = not shared and gemm_laid_out.stored_row_major(weight)
     if row_major:
         given = weight.t().to(x.dtype)
-        operand = gemm_tiles._aligned(torch.constant_pad_nd(given, (0, n_pad - n))).unsqueeze(0)
+        operand = gemm_tiles.aligned_contiguous(torch.constant_pad_nd(given, (0, n_pad - n))).unsqueeze(0)
     block = row_block(rows, host.tile_heights(x.dtype, operand, shared, op))
     blocks = -(-rows // block)
     if blocks * block != rows:
         x = torch.constant_pad_nd(x, (0, 0, 0, blocks * block - rows))
     else:
-        x = gemm_tiles._aligned(x)
+        x = gemm_tiles.aligned_contiguous(x)
     if shared:
         right = operand.expand(blocks, k, n_pad)
     elif row_major:
@@ -437,13 +437,13 @@ def test_the_check_catches_padding_left_unzeroed(monkeypatch):
 
 
 def test_the_check_catches_operand_padding_left_unzeroed(monkeypatch):
-    """Counter-test for ``_zero_padded`` (the linear, weight-gradient and attention-backward operands): padding it
+    """Counter-test for ``zero_padded`` (the linear, weight-gradient and attention-backward operands): padding it
     forgets to zero shows as NaN operands and outputs that differ from constant_pad_nd's."""
     def lazy(x, shape):
         out = x.new_empty(shape)
         out[tuple(slice(0, size) for size in x.shape)].copy_(x)
         return out
-    monkeypatch.setattr(gemm_tiles, "_zero_padded", lazy)
+    monkeypatch.setattr(gemm_tiles, "zero_padded", lazy)
     for make, *shape in (CASES["linear-37x176x64-bias"], CASES["attention-3x20x4x2x16x20-[0, 0, 0]"]):
         new, reference = _run_both(make(torch.float32, *shape), monkeypatch)
         assert any("operand" in found for found in _differences(new, reference))

@@ -1,5 +1,5 @@
 """A decode loop's repeated linear calls run their remembered plan (``linear_repeats``), and a decode step's padded
-inputs reuse a buffer per thread (``gemm_tiles._padded_rows``): no bit depends on either.
+inputs reuse a buffer per thread (``gemm_tiles.padded_rows_input``): no bit depends on either.
 
 What changed: every ``cpu_exact.linear`` call checked its inputs, asked the dtype its GEMM runs in and looked its plan
 up before the plan ran; now a call like the one before it (no gradient recorded, no bias, the same weight, x's shape
@@ -185,13 +185,13 @@ def test_padded_rows_give_a_fresh_padded_copys_values(dtype):
     long, short = _randn(30, 64, dtype=dtype, seed=13), _randn(8, 64, dtype=dtype, seed=14)
     short[0, 0] = -0.0
     with torch.no_grad():
-        first = gemm_tiles._padded_rows(long, 48).clone()
-        again = gemm_tiles._padded_rows(short, 48)  # the same buffer: rows 8..29 written before
-    assert torch.equal(_bits(first), _bits(gemm_tiles._zero_padded(long, (48, 64))))
-    assert torch.equal(_bits(again), _bits(gemm_tiles._zero_padded(short, (48, 64))))
+        first = gemm_tiles.padded_rows_input(long, 48).clone()
+        again = gemm_tiles.padded_rows_input(short, 48)  # the same buffer: rows 8..29 written before
+    assert torch.equal(_bits(first), _bits(gemm_tiles.zero_padded(long, (48, 64))))
+    assert torch.equal(_bits(again), _bits(gemm_tiles.zero_padded(short, (48, 64))))
     assert again.is_contiguous() and again.data_ptr() % gemm_tiles.ALIGNMENT == 0
     with torch.enable_grad():  # a GEMM recorded for autograd keeps its input: a fresh copy, not the buffer
-        fresh = gemm_tiles._padded_rows(short, 48)
+        fresh = gemm_tiles.padded_rows_input(short, 48)
     assert fresh.data_ptr() != again.data_ptr() and torch.equal(_bits(fresh), _bits(again))
 
 
@@ -201,7 +201,7 @@ def test_padded_rows_keep_at_most_their_bound_of_buffers():
     with torch.no_grad():
         for rows_padded in range(2, 2 + gemm_tiles.PADDED_INPUTS_MAX + 5):
             x = _randn(1, 8, dtype=torch.float32, seed=rows_padded)
-            padded = gemm_tiles._padded_rows(x, rows_padded)
-            assert torch.equal(_bits(padded), _bits(gemm_tiles._zero_padded(x, (rows_padded, 8))))
+            padded = gemm_tiles.padded_rows_input(x, rows_padded)
+            assert torch.equal(_bits(padded), _bits(gemm_tiles.zero_padded(x, (rows_padded, 8))))
     assert len(buffers) == gemm_tiles.PADDED_INPUTS_MAX
     assert (2, 8, torch.float32) not in buffers, "the oldest buffer went first"

@@ -37,7 +37,7 @@ def _operands(dtype: torch.dtype, rows: int = 8) -> tuple[torch.Tensor, torch.Te
 
 def _packed_kept(w: torch.Tensor) -> bool:
     """Whether a packed copy of ``w`` is laid out (``arranged_weight``'s form ``onednn packed``)."""
-    return any(key[0][0] == "onednn packed" for key in gemm_laid_out._ARRANGED.get(w, {}))
+    return any(key[0][0] == "onednn packed" for key in gemm_laid_out.ARRANGED.get(w, {}))
 
 
 def _decode_loop(x: torch.Tensor, w: torch.Tensor, host: HostGuard) -> list[torch.Tensor]:
@@ -52,7 +52,7 @@ def _loops_packed_and_never_packed(x: torch.Tensor, w: torch.Tensor, threads: in
     with num_threads(threads):
         outs = _decode_loop(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
         with monkeypatch.context() as never_packs:
-            never_packs.setattr(gemm_packed, "_packable", lambda *shape: False)
+            never_packs.setattr(gemm_packed, "packable", lambda *shape: False)
             w_unpacked = w.clone()
             reference = _decode_loop(x, w_unpacked, HostGuard(cpu_exact.ROW_BLOCKS, mode=mode))
     return outs, reference, w_unpacked
@@ -113,7 +113,7 @@ def test_a_training_call_on_a_weight_packed_by_its_rollout_runs_packed_at_once(d
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_small_bf16_class_packs_where_its_gemm_is_onednn_already(threads, monkeypatch):
     """Below ``ONEDNN_MIN_WEIGHT`` a bf16 class packs only where torch's mm of its padded rows runs oneDNN's GEMM
-    already (``_onednn_bf16_bmm``; llama100m's k/v projections): a decode loop past the switch keeps its first call's
+    already (``onednn_bf16_bmm``; llama100m's k/v projections): a decode loop past the switch keeps its first call's
     bits, those of a guard that never packs, and (where the rule holds and the check passed) it packed."""
     monkeypatch.setattr(gemm_packed, "_PACKED_CHECKS", {})
     g = torch.Generator().manual_seed(6)
@@ -123,7 +123,7 @@ def test_a_small_bf16_class_packs_where_its_gemm_is_onednn_already(threads, monk
     assert all(torch.equal(out, reference[0]) for out in outs + reference)
     rows = gemm_linear.tiled_rows(x, w, HostGuard(cpu_exact.ROW_BLOCKS, mode="auto"))
     checked = [key for key in gemm_packed._PACKED_CHECKS if key[5] == torch.bfloat16]
-    if gemm_laid_out._onednn_bf16_bmm(torch.bfloat16, rows * 576 * 192) and checked:
+    if gemm_laid_out.onednn_bf16_bmm(torch.bfloat16, rows * 576 * 192) and checked:
         assert _packed_kept(w) == all(gemm_packed._PACKED_CHECKS[key] for key in checked)
     else:
         assert not _packed_kept(w)
@@ -203,7 +203,7 @@ def test_the_compiled_packed_call_is_the_python_steps(loops, dtype, calls, rows,
     packed = host_guard.onednn_packed(w)
     padded = 48
     buffer = torch.full((padded, K), float("nan"), dtype=dtype)
-    buffer[rows:] = 0  # the kept buffer's rows past x's are zero (``_kept_buffer``'s job)
+    buffer[rows:] = 0  # the kept buffer's rows past x's are zero (``kept_buffer``'s job)
     expected_input = torch.cat([x, torch.zeros(padded - rows, K, dtype=dtype)])
     expected = gemm_packed.packed_calls(expected_input, packed, blocks, calls)[:rows, :n]
     plan = gemm_packed.PackedLinear("stacked", dtype, padded // blocks, blocks, n, N, calls)

@@ -176,7 +176,7 @@ def test_a_class_of_few_outputs_is_probed_on_several_draws(monkeypatch):
     these 34 outputs otherwise in the views for 3 inputs in 4; its seeded first draw was the fourth.)"""
     rows, n, k = 7, 2, 17
     real_views = gemm_weight_gradient._transposed_matmul_views
-    first = real_views(*gemm_tiles._seeded_randn((rows, n), (rows, k)), 64, True)
+    first = real_views(*gemm_tiles.seeded_randn((rows, n), (rows, k)), 64, True)
     sign = 1.0 if first[1, 0] < 0 else -1.0  # the sign the first draw's output does not have
 
     def some_inputs_differ(a, b, block, unpadded_tail):
