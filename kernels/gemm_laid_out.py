@@ -37,11 +37,11 @@ packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are
 weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled silently."""
 
 # weight (the tensor owning its storage: a view's base) -> {form: (version, operand)}; weakly keyed: gone with it
-ARRANGED = WeakIdKeyDictionary()
+_ARRANGED = WeakIdKeyDictionary()
 
 
 class _HeldBytes:
-    """The bytes the operands in ``ARRANGED`` hold, counted as they come and go (``room_for`` asks on every operand
+    """The bytes the operands in ``_ARRANGED`` hold, counted as they come and go (``room_for`` asks on every operand
     laid out: a sum over every kept operand then cost about 10 us a call where a training step lays out ~90 of them
     per weight version, the default model's in ``canonical``). Under a lock: kernels may run on several Python
     threads."""
@@ -55,7 +55,7 @@ class _HeldBytes:
             self.total += nbytes
 
     def owner_added(self, owner: Tensor, entries: dict) -> None:
-        weakref.finalize(owner, self._owner_gone, entries)  # (the entries go with the owner, as ARRANGED's do)
+        weakref.finalize(owner, self._owner_gone, entries)  # (the entries go with the owner, as _ARRANGED's do)
 
     def _owner_gone(self, entries: dict) -> None:
         self.add(-sum(operand.nbytes for _, operand in entries.values()))
@@ -82,7 +82,7 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         return kept
     owner = weight if weight._base is None else weight._base
     key = _arranged_key(weight, form)
-    entries = ARRANGED.get(owner)
+    entries = _ARRANGED.get(owner)
     with torch.no_grad():
         out = make()
     if not out.is_mkldnn and out.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
@@ -91,7 +91,7 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         _HELD_BYTES.add(-older[1].nbytes)
     if room_for(out.nbytes):
         if entries is None:
-            entries = ARRANGED[owner] = {}
+            entries = _ARRANGED[owner] = {}
             _HELD_BYTES.owner_added(owner, entries)
         entries[key] = (version, out)
         _HELD_BYTES.add(out.nbytes)
@@ -109,10 +109,18 @@ def _arranged_key(weight: Tensor, form: tuple) -> tuple:
     return form, tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.dtype, weight.data_ptr()
 
 
+def kept_for(weight: Tensor, operand: Tensor) -> bool:
+    """Whether ``operand`` (a tensor with storage) is in memory that ``arranged_weight`` keeps for ``weight``."""
+    ptr = operand.untyped_storage().data_ptr()
+    owner = weight if weight._base is None else weight._base
+    return any(not t.is_mkldnn and ptr == t.untyped_storage().data_ptr()  # (a packed weight: opaque, no storage)
+               for _, t in _ARRANGED.get(owner, {}).values())
+
+
 def kept_operand(weight: Tensor, form: tuple) -> Tensor | None:
     """The operand of ``form`` that ``arranged_weight`` keeps for this version of ``weight``'s view, else None."""
     owner = weight if weight._base is None else weight._base
-    hit = ARRANGED.get(owner, {}).get(_arranged_key(weight, form))
+    hit = _ARRANGED.get(owner, {}).get(_arranged_key(weight, form))
     try:
         return hit[1] if hit is not None and hit[0] == weight._version else None
     except RuntimeError:  # an inference tensor: nothing is kept for it

@@ -238,12 +238,9 @@ def tiled_rows(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -
 def _held(weight: Tensor, operand: Tensor) -> bool:
     """Whether ``operand`` is the weight's own memory or a layout ``arranged_weight`` keeps for it (which a plan may
     hold without holding more than ``ARRANGED_BYTES_MAX``)."""
-    ptr = operand.untyped_storage().data_ptr()
-    if ptr == weight.untyped_storage().data_ptr():
+    if operand.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
         return True
-    owner = weight if weight._base is None else weight._base
-    return any(not t.is_mkldnn and ptr == t.untyped_storage().data_ptr()  # (a packed weight: opaque, no storage)
-               for _, t in gemm_laid_out.ARRANGED.get(owner, {}).values())
+    return gemm_laid_out.kept_for(weight, operand)
 
 
 def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], held: dict | None) -> Callable[[Tensor], Tensor]:

@@ -131,12 +131,12 @@ def test_the_bound_keeps_nothing_beyond_it(monkeypatch):
     monkeypatch.setattr(gemm_laid_out, "ARRANGED_BYTES_MAX", 0)
     weight = _randn(40, 64, dtype=torch.float32, seed=1)
     operand = gemm_laid_out.canonical_operand(weight, torch.float32, 48)
-    assert weight not in gemm_laid_out.ARRANGED
+    assert weight not in gemm_laid_out._ARRANGED
     assert torch.equal(operand[0, :, :40], weight.t()) and not operand[0, :, 40:].any()
 
 
 def _held_bytes() -> int:
-    return sum(t.nbytes for kept in gemm_laid_out.ARRANGED.values() for _, t in kept.values())
+    return sum(t.nbytes for kept in gemm_laid_out._ARRANGED.values() for _, t in kept.values())
 
 
 def test_the_bound_counts_the_bytes_held_as_operands_come_and_go():

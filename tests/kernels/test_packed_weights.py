@@ -37,7 +37,7 @@ def _operands(dtype: torch.dtype, rows: int = 8) -> tuple[torch.Tensor, torch.Te
 
 def _packed_kept(w: torch.Tensor) -> bool:
     """Whether a packed copy of ``w`` is laid out (``arranged_weight``'s form ``onednn packed``)."""
-    return any(key[0][0] == "onednn packed" for key in gemm_laid_out.ARRANGED.get(w, {}))
+    return any(key[0][0] == "onednn packed" for key in gemm_laid_out._ARRANGED.get(w, {}))
 
 
 def _decode_loop(x: torch.Tensor, w: torch.Tensor, host: HostGuard) -> list[torch.Tensor]:
