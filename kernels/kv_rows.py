@@ -1,7 +1,7 @@
 """A KV cache's keys and values as the exact CPU attention lays them out, kept between its calls.
 
 ``cpu_exact.attention`` multiplies keys and values laid out as fp32 rows, [B * Hkv, key_len, hd] (``key_len``: the
-visible keys in whole 64-key tiles; ``cpu_exact._AttentionTiles``). Laying a cache out afresh on every decode step
+visible keys in whole 64-key tiles; ``cpu_attention._AttentionTiles``). Laying a cache out afresh on every decode step
 reads and writes every visible position of it, in every layer, for one new position each: llama100m's decode step
 (8 sequences, bf16, 1 thread) took 310 ms so at 1,900 positions and 220 ms with the rows kept, 146 and 132 ms at 512
 (``docs/journal.md``, 2026-12-02, one process, interleaved). So a cache whose writes go through ``write`` (the

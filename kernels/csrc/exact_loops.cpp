@@ -1306,7 +1306,7 @@ at::Tensor transposed_views(const at::Tensor& a, const at::Tensor& b, int64_t bl
 }
 
 // ----------------------------------------------------------------------------------------------------- attention
-// The row-wise steps of cpu_exact._attention_probs around its exp, on the same fp32 values, in two passes. The
+// The row-wise steps of cpu_attention._attention_probs around its exp, on the same fp32 values, in two passes. The
 // scores come from the scores GEMM as [B, Hkv, RB, KB, R, C] (contiguous); a row is one query row of one row tile
 // (its `real` first rows: a decode step's tile holds fewer real rows than its height) and its columns the first
 // `width` keys (masked keys beyond `vis` up to `width`, a multiple of 16). Key j of row (b, ., r, i) is visible
@@ -1467,7 +1467,7 @@ std::vector<at::Tensor> attention_tiles(at::Tensor e, int64_t batch, int64_t hea
   return {tiles, denom_rows, denom};
 }
 
-// The attention backward's dS = P * (dP - rowsum(dO * O)) (cpu_exact._ExactAttention.backward), in dP's buffer:
+// The attention backward's dS = P * (dP - rowsum(dO * O)) (cpu_attention._ExactAttention.backward), in dP's buffer:
 // per row, the products dO * O, their halving tree over the head dim (compiled_loops.tree_sum over the last dim),
 // then (dP - sum) * P for every key. fp32 [BH, R, *] with unit stride in the last dim; returns d_p.
 at::Tensor attention_grad_scores(at::Tensor d_p, const at::Tensor& d_out, const at::Tensor& out_rows,
@@ -1503,7 +1503,7 @@ at::Tensor attention_grad_scores(at::Tensor d_p, const at::Tensor& d_out, const 
   return d_p;
 }
 
-// cpu_exact._attention_exact after its tiles are laid out (a forward without a gradient: a decode step's, a
+// cpu_attention.attention_exact after its tiles are laid out (a forward without a gradient: a decode step's, a
 // prefill's), where the guard's verdict for both GEMM classes is torch's own bmm and its exp the library's: the
 // scores GEMM of the row tiles against the key tiles, attention_shifted, the chunked exp, attention_tiles, the P @ V
 // GEMM, the tree over key tiles, the division by the row sums and the output's layout [B, T, Hq, hd] in `dtype` --
@@ -1513,7 +1513,7 @@ namespace {
 
 // attention_forward's steps; `saving`: the probabilities of the real rows are then divided by their sums in place
 // (attention_tiles' `normalize`, after the tiles took their copy: the output is the same) and returned with the
-// output rows, as _ExactAttention.forward keeps them for the backward.
+// output rows, as cpu_attention._ExactAttention.forward keeps them for the backward.
 std::vector<at::Tensor> attention_forward_steps(const at::Tensor& q_rows, const at::Tensor& k_rows,
                                                 const at::Tensor& v_rows, int64_t batch, int64_t heads,
                                                 int64_t row_blocks, int64_t key_blocks, int64_t block, int64_t rows,
@@ -1574,10 +1574,10 @@ at::Tensor attention_forward(const at::Tensor& q_rows, const at::Tensor& k_rows,
                                  dtype, false)[0];
 }
 
-// attention_forward, also returning what _ExactAttention.forward keeps for the backward: (output, the output rows
-// [B*Hkv, RB*R, hd] before their layout, the normalised probabilities of the real rows and visible keys [B, Hkv, RB,
-// real, visible] -- a view of the exp's buffer, divided by the row sums in place as _attention_probs(normalized=True)
-// divides them).
+// attention_forward, also returning what cpu_attention._ExactAttention.forward keeps for the backward: (output, the
+// output rows [B*Hkv, RB*R, hd] before their layout, the normalised probabilities of the real rows and visible keys
+// [B, Hkv, RB, real, visible] -- a view of the exp's buffer, divided by the row sums in place as
+// _attention_probs(normalized=True) divides them).
 std::vector<at::Tensor> attention_forward_saving(const at::Tensor& q_rows, const at::Tensor& k_rows,
                                                  const at::Tensor& v_rows, int64_t batch, int64_t heads,
                                                  int64_t row_blocks, int64_t key_blocks, int64_t block, int64_t rows,
@@ -1590,7 +1590,7 @@ std::vector<at::Tensor> attention_forward_saving(const at::Tensor& q_rows, const
                                  dtype, true);
 }
 
-// cpu_exact._AttentionTiles' layouts between the model's [B, T, Hq, hd] / [B, L, Hkv, hd] and the tiles' fp32 rows
+// cpu_attention._AttentionTiles' layouts between the model's [B, T, Hq, hd] / [B, L, Hkv, hd] and the tiles' fp32 rows
 // [B*Hkv, rows, hd] (row r = t * group + g of KV head h holds query head h * group + g at step t): the same values
 // as its permuted copies, in one loop each. A conversion to another dtype is aten's own, as there.
 namespace {
@@ -1722,7 +1722,7 @@ at::Tensor attention_to_cache(const at::Tensor& keys, int64_t batch, int64_t cac
   return out;
 }
 
-// cpu_exact._AttentionTiles._key_rows: a KV cache [B, L, H, hd] (any float dtype, any strides) as fp32 rows
+// cpu_attention._AttentionTiles._key_rows: a KV cache [B, L, H, hd] (any float dtype, any strides) as fp32 rows
 // [B*H, key_len, hd] -- position l < min(L, key_len) is the cache's row l converted to fp32 (exact), zeros after --
 // in one pass instead of a permuted, converting copy and a fill.
 at::Tensor key_rows(const at::Tensor& cache, int64_t key_len) {
@@ -1797,19 +1797,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one at::mm per (chunk, slab) of a weight gradient on views, the pairs spread over threads", py::arg("a"),
         py::arg("b"), py::arg("block"), py::arg("last_length"), py::arg("slab"), py::arg("out") = py::none(),
         py::arg("column_blocks") = 1);
-  m.def("attention_shifted", &attention_shifted, "cpu_exact._attention_probs up to its exp, same bits");
-  m.def("attention_tiles", &attention_tiles, "cpu_exact._attention_probs after its exp, same bits");
-  m.def("attention_forward", &attention_forward, "cpu_exact._attention_exact after its tiles (library GEMMs), same bits");
+  m.def("attention_shifted", &attention_shifted, "cpu_attention._attention_probs up to its exp, same bits");
+  m.def("attention_tiles", &attention_tiles, "cpu_attention._attention_probs after its exp, same bits");
+  m.def("attention_forward", &attention_forward,
+        "cpu_attention.attention_exact after its tiles (library GEMMs), same bits");
   m.def("attention_forward_saving", &attention_forward_saving,
         "attention_forward, also returning the output rows and normalised probabilities a backward keeps");
-  m.def("attention_grad_scores", &attention_grad_scores, "cpu_exact._ExactAttention.backward's dS, same bits");
+  m.def("attention_grad_scores", &attention_grad_scores, "cpu_attention._ExactAttention.backward's dS, same bits");
   m.def("transposed_views", &transposed_views,
         "gemm_weight_gradient._transposed_matmul_views after its plan, same bits");
-  m.def("attention_query_rows", &attention_query_rows, "cpu_exact._AttentionTiles._query_rows, same bits");
-  m.def("attention_from_output", &attention_from_output, "cpu_exact._AttentionTiles.from_output, same values");
-  m.def("attention_to_output", &attention_to_output, "cpu_exact._AttentionTiles.to_output (times scale), same bits",
+  m.def("attention_query_rows", &attention_query_rows, "cpu_attention._AttentionTiles._query_rows, same bits");
+  m.def("attention_from_output", &attention_from_output, "cpu_attention._AttentionTiles.from_output, same values");
+  m.def("attention_to_output", &attention_to_output, "cpu_attention._AttentionTiles.to_output (times scale), same bits",
         py::arg("rows"), py::arg("batch"), py::arg("q_len"), py::arg("q_heads"), py::arg("scale"), py::arg("dtype"));
-  m.def("attention_to_cache", &attention_to_cache, "cpu_exact._AttentionTiles.to_cache, same values");
-  m.def("key_rows", &key_rows, "cpu_exact._AttentionTiles._key_rows (a cache as fp32 rows), same bits");
+  m.def("attention_to_cache", &attention_to_cache, "cpu_attention._AttentionTiles.to_cache, same values");
+  m.def("key_rows", &key_rows, "cpu_attention._AttentionTiles._key_rows (a cache as fp32 rows), same bits");
   m.def("key_rows_at", &key_rows_at, "kv_rows: written cache positions copied into its fp32 rows, same values");
 }

@@ -17,7 +17,7 @@ from conftest import recorded_returns, running_in_ci
 from test_data_parallel import _config_file, _result, _same, _vexact_run
 from test_exact_price_bits import _bits, _rms_norm_vjp_reference
 
-from vexact_kernels import compiled_loops, fixed_order
+from vexact_kernels import compiled_loops, cpu_attention, cpu_elementwise, fixed_order
 
 DTYPES = (torch.float32, torch.float64)
 
@@ -151,17 +151,17 @@ ATTENTION_CASES = {  # (batch, q_len, q_heads, kv_heads, head_dim, cache_len, q_
 def _python_attention_steps(monkeypatch: pytest.MonkeyPatch, cpu_exact: object) -> None:
     """From now on the exact attention's forward takes its steps in Python (its plan says the guard's calls are not
     torch's own), whatever the guard answers."""
-    plan = cpu_exact._attention_plan
-    monkeypatch.setattr(cpu_exact, "_attention_plan", lambda host, head_dim: plan(host, head_dim)._replace(
+    plan = cpu_attention._attention_plan
+    monkeypatch.setattr(cpu_attention, "_attention_plan", lambda host, head_dim: plan(host, head_dim)._replace(
         library=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, case, dtype, monkeypatch):
-    """A forward without a gradient (``_attention_exact``) in one compiled call (``attention_forward``) against its
-    steps in Python, where the guard runs torch's own GEMM and exp: the output bitwise (decode, ragged and uniform
-    prefills, several row and key tiles, fp32 and bf16 queries and caches); and the compiled call did run."""
+    """A forward without a gradient (``cpu_attention.attention_exact``) in one compiled call (``attention_forward``)
+    against its steps in Python, where the guard runs torch's own GEMM and exp: the output bitwise (decode, ragged and
+    uniform prefills, several row and key tiles, fp32 and bf16 queries and caches); and the compiled call did run."""
     from vexact_kernels import cpu_exact
 
     batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
@@ -170,13 +170,13 @@ def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, ca
     k = (torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen) * 3).to(dtype)
     v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
     q_start, scale = torch.tensor(starts), head_dim ** -0.5
-    if not cpu_exact._library_attention(cpu_exact.HOST, head_dim):
+    if not cpu_attention._library_attention(cpu_exact.HOST, head_dim):
         pytest.skip("this host's guard runs an attention GEMM class or exp on its fixed-order path")
     with torch.no_grad():
         calls = recorded_returns(monkeypatch, loops, "attention_forward")
-        got = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
+        got = cpu_attention.attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
         _python_attention_steps(monkeypatch, cpu_exact)
-        expected = cpu_exact._attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
+        expected = cpu_attention.attention_exact(q, k, v, q_start, scale, cpu_exact.HOST)
     assert len(calls) == 1 and calls[0] is got
     assert got.shape == expected.shape == q.shape and got.dtype == dtype
     assert torch.equal(_bits(got), _bits(expected))
@@ -186,7 +186,7 @@ def test_attention_forward_in_one_call_is_the_python_steps_bit_for_bit(loops, ca
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 def test_attention_forward_with_a_gradient_in_one_call_is_the_python_steps_bit_for_bit(loops, case, dtype,
                                                                                         monkeypatch):
-    """A forward that keeps what its backward needs (``_ExactAttention``) in one compiled call
+    """A forward that keeps what its backward needs (``cpu_attention._ExactAttention``) in one compiled call
     (``attention_forward_saving``) against its steps in Python: the output and the three gradients bitwise (so the
     kept output rows and normalised probabilities are the Python steps' too), and the compiled call did run."""
     from vexact_kernels import cpu_exact
@@ -198,7 +198,7 @@ def test_attention_forward_with_a_gradient_in_one_call_is_the_python_steps_bit_f
     v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
     grad = torch.randn(batch, q_len, q_heads, head_dim, generator=gen).to(dtype)
     q_start, scale = torch.tensor(starts), head_dim ** -0.5
-    if not cpu_exact._library_attention(cpu_exact.HOST, head_dim):
+    if not cpu_attention._library_attention(cpu_exact.HOST, head_dim):
         pytest.skip("this host's guard runs an attention GEMM class or exp on its fixed-order path")
     results = []
     calls = recorded_returns(monkeypatch, loops, "attention_forward_saving")
@@ -227,7 +227,7 @@ def test_attention_layout_loops_are_the_torch_ops_bit_for_bit(loops, case, dtype
     batch, q_len, q_heads, kv_heads, head_dim, cache_len, starts = ATTENTION_CASES[case]
     q = torch.zeros(batch, q_len, q_heads, head_dim, dtype=dtype)
     k = torch.zeros(batch, cache_len, kv_heads, head_dim, dtype=dtype)
-    tiles = cpu_exact._AttentionTiles(q, k, k, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
+    tiles = cpu_attention._AttentionTiles(q, k, k, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
     grad = _values((batch, q_heads, q_len, head_dim), torch.float64, len(case)).clamp(-1e30, 1e30).to(dtype)
     padded_rows = _values((batch * kv_heads, tiles.row_len + 3, 2 * head_dim), torch.float64, len(case) + 1).float()
     rows = padded_rows[:, : tiles.rows, :head_dim]
@@ -236,8 +236,8 @@ def test_attention_layout_loops_are_the_torch_ops_bit_for_bit(loops, case, dtype
     results = []
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(cpu_exact, "_layout_loops", lambda x: None)
-        odd_scale = cpu_exact._AttentionTiles(q, k, k, torch.tensor(starts), 0.1, cpu_exact.HOST)
+            monkeypatch.setattr(cpu_attention, "_layout_loops", lambda x: None)
+        odd_scale = cpu_attention._AttentionTiles(q, k, k, torch.tensor(starts), 0.1, cpu_exact.HOST)
         queries = grad.transpose(1, 2)
         results.append((tiles._query_rows(queries), odd_scale._query_rows(queries.contiguous()),
                         tiles.from_output(grad.transpose(1, 2)), tiles.from_output(grad.transpose(1, 2).contiguous()),
@@ -264,13 +264,13 @@ def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case, norm
     q = torch.randn(batch, q_len, q_heads, head_dim, generator=gen) * 3
     k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen) * 3
     v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen)
-    tiles = cpu_exact._AttentionTiles(q, k, v, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
-    expected = cpu_exact._attention_probs(tiles, None, normalized)
-    got = cpu_exact._attention_probs(tiles, loops, normalized)
+    tiles = cpu_attention._AttentionTiles(q, k, v, torch.tensor(starts), head_dim ** -0.5, cpu_exact.HOST)
+    expected = cpu_attention._attention_probs(tiles, None, normalized)
+    got = cpu_attention._attention_probs(tiles, loops, normalized)
     for name, a, b in zip(("tiles", "row sums (padded)", "probabilities", "row sums"), got, expected):
         assert a.shape == b.shape, name
         assert torch.equal(_bits(a), _bits(b)), name
-    unnormalised = cpu_exact._attention_probs(tiles, loops)[2]
+    unnormalised = cpu_attention._attention_probs(tiles, loops)[2]
     assert normalized != torch.equal(got[2], unnormalised)  # counter-check: the division did (or did not) happen
 
 
@@ -279,16 +279,15 @@ def test_attention_softmax_loops_are_the_torch_ops_bit_for_bit(loops, case, norm
 def test_attention_grad_scores_loop_is_the_torch_ops_bit_for_bit(loops, rows, keys, head_dim, how, monkeypatch):
     """The attention backward's dS = P * (dP - rowsum(dO * O)) with and without the loop, on special values and on
     row views of larger buffers (what the backward passes: the real rows of padded tiles)."""
-    from vexact_kernels import cpu_exact
 
     extra = 5 if how == "sliced rows" else 0
     d_p = _values((3, rows + extra, keys + extra), torch.float32, seed=rows)[:, :rows, :keys]
     d_out = _values((3, rows + extra, head_dim), torch.float32, seed=keys)[:, :rows]
     out_rows = _values((3, rows + extra, head_dim), torch.float32, seed=head_dim)[:, :rows]
     p = _values((3, rows, keys), torch.float32, seed=rows + keys).abs()
-    got = cpu_exact._attention_grad_scores(d_p.clone(), d_out, out_rows, p)
+    got = cpu_attention._attention_grad_scores(d_p.clone(), d_out, out_rows, p)
     monkeypatch.setattr(compiled_loops, "library", lambda: None)
-    expected = cpu_exact._attention_grad_scores(d_p.clone(), d_out, out_rows, p)
+    expected = cpu_attention._attention_grad_scores(d_p.clone(), d_out, out_rows, p)
     assert torch.equal(_bits(got), _bits(expected))
 
 
@@ -310,7 +309,7 @@ def test_key_rows_loop_is_the_torch_op_copy(loops, dtype, cache_len, key_len, ho
     else:
         cache = _values((batch, cache_len, kv_heads, head_dim), torch.float64, seed=cache_len).to(dtype)
     q = torch.zeros(batch, 1, kv_heads, head_dim, dtype=dtype)
-    tiles = cpu_exact._AttentionTiles(q, cache, cache, torch.tensor([key_len - 1] * batch), 0.25, cpu_exact.HOST)
+    tiles = cpu_attention._AttentionTiles(q, cache, cache, torch.tensor([key_len - 1] * batch), 0.25, cpu_exact.HOST)
     assert tiles.key_len == key_len
     got = tiles._key_rows(cache)
     monkeypatch.setattr(cpu_exact.compiled_loops, "library", lambda: None)
@@ -393,9 +392,9 @@ def test_attention_softmax_loops_keep_special_scores_as_the_torch_ops(loops, spe
     k = torch.randn(2, 170, 2, 16, generator=gen) * 3
     k[0, 50, 0, 0] = special  # one key's score special (an infinity's sign: the query's) among finite ones
     v = torch.randn(2, 170, 2, 16, generator=gen)
-    tiles = cpu_exact._AttentionTiles(q, k, v, torch.tensor([100, 130]), 0.25, cpu_exact.HOST)
-    expected = cpu_exact._attention_probs(tiles, None)
-    got = cpu_exact._attention_probs(tiles, loops)
+    tiles = cpu_attention._AttentionTiles(q, k, v, torch.tensor([100, 130]), 0.25, cpu_exact.HOST)
+    expected = cpu_attention._attention_probs(tiles, None)
+    got = cpu_attention._attention_probs(tiles, loops)
     assert expected[2].isnan().any()  # the case reaches the special rows
     for name, a, b in zip(("tiles", "row sums (padded)", "probabilities", "row sums"), got, expected):
         assert a.shape == b.shape and torch.equal(a.isnan(), b.isnan()), name
@@ -632,14 +631,14 @@ def test_compiled_mode_without_a_compiler_is_one_clear_error(tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ("exp", "log", "cos", "sqrt"))
 def test_chunked_library_math_is_the_python_chunk_loop_bit_for_bit(loops, name, dtype, threads, monkeypatch):
-    """``cpu_exact._unary`` on the library function, compiled (one call, its chunks spread over threads) against its
-    Python chunk loop (the loops answering None), bitwise, at 1 and 2 threads: sizes around the vector multiple and
-    the chunk (one, several and a partial last chunk), a non-contiguous operand, and in place on scratch."""
+    """``cpu_elementwise.unary`` on the library function, compiled (one call, its chunks spread over threads) against
+    its Python chunk loop (the loops answering None), bitwise, at 1 and 2 threads: sizes around the vector multiple
+    and the chunk (one, several and a partial last chunk), a non-contiguous operand, and in place on scratch."""
     from vexact_kernels import cpu_exact
     from vexact_kernels.host_guard import HostGuard
 
     library = HostGuard(cpu_exact.ROW_BLOCKS, mode="auto")  # given: fixed-order mode takes no library function
-    sizes = [(0,), (1,), (63,), (64,), (3, 65), (cpu_exact.CHUNK,), (cpu_exact.CHUNK + 1,), (5, 30011)]
+    sizes = [(0,), (1,), (63,), (64,), (3, 65), (cpu_elementwise.CHUNK,), (cpu_elementwise.CHUNK + 1,), (5, 30011)]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -648,10 +647,10 @@ def test_chunked_library_math_is_the_python_chunk_loop_bit_for_bit(loops, name, 
             views = [x] + ([x.view(shape[0], -1).t()] if x.dim() == 2 else [])
             for view in views:
                 for inplace in (False, True):
-                    got = cpu_exact._unary(name, view.clone() if inplace else view, library, "test", inplace)
+                    got = cpu_elementwise.unary(name, view.clone() if inplace else view, library, "test", inplace)
                     with monkeypatch.context() as patched:
                         patched.setattr(compiled_loops, "library", lambda: None)
-                        expected = cpu_exact._unary(name, view.clone() if inplace else view, library, "test",
+                        expected = cpu_elementwise.unary(name, view.clone() if inplace else view, library, "test",
                                                     inplace)
                     assert got.shape == expected.shape == view.shape
                     assert torch.equal(_bits(got), _bits(expected)), (name, shape, inplace)

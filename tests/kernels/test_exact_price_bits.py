@@ -34,8 +34,18 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vexact_kernels import cpu_exact, gemm_batched, gemm_laid_out, gemm_linear, gemm_tiles, gemm_weight_gradient
-from vexact_kernels.cpu_exact import KEY_BLOCK, _tree_sum, _unary
+from vexact_kernels import (
+    cpu_attention,
+    cpu_exact,
+    gemm_batched,
+    gemm_laid_out,
+    gemm_linear,
+    gemm_tiles,
+    gemm_weight_gradient,
+)
+from vexact_kernels.cpu_attention import KEY_BLOCK
+from vexact_kernels.cpu_elementwise import unary as _unary
+from vexact_kernels.cpu_exact import _tree_sum
 from vexact_kernels.gemm_tiles import COL_BLOCK, ceil_to, fp32, row_block
 from vexact_kernels.gemm_weight_gradient import _reduction_block, last_chunk_length
 from vexact_kernels.host_guard import HostGuard
@@ -255,13 +265,13 @@ def _use_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm_weight_gradient, "transposed_matmul", _transposed_matmul_reference)
     monkeypatch.setattr(gemm_linear, "tiled_matmul", _tiled_matmul_reference)
     monkeypatch.setattr(gemm_batched, "batched_matmul", _batched_matmul_reference)
-    monkeypatch.setattr(cpu_exact._AttentionTiles, "_query_rows", _query_rows_reference)
-    monkeypatch.setattr(cpu_exact._AttentionTiles, "_key_rows", _key_rows_reference)
-    monkeypatch.setattr(cpu_exact, "_attention_probs", _attention_probs_reference)
-    monkeypatch.setattr(cpu_exact, "_attention_grad_scores", _attention_grad_scores_reference)
+    monkeypatch.setattr(cpu_attention._AttentionTiles, "_query_rows", _query_rows_reference)
+    monkeypatch.setattr(cpu_attention._AttentionTiles, "_key_rows", _key_rows_reference)
+    monkeypatch.setattr(cpu_attention, "_attention_probs", _attention_probs_reference)
+    monkeypatch.setattr(cpu_attention, "_attention_grad_scores", _attention_grad_scores_reference)
     monkeypatch.setattr(cpu_exact, "_rms_norm_vjp", _rms_norm_vjp_reference)
-    monkeypatch.setattr(cpu_exact._AttentionTiles, "from_output", _from_output_reference)
-    monkeypatch.setattr(cpu_exact._AttentionTiles, "to_cache", _to_cache_reference)
+    monkeypatch.setattr(cpu_attention._AttentionTiles, "from_output", _from_output_reference)
+    monkeypatch.setattr(cpu_attention._AttentionTiles, "to_cache", _to_cache_reference)
     monkeypatch.setattr(cpu_exact, "_silu_mul_with_saved", _silu_mul_with_saved_reference)
     monkeypatch.setattr(cpu_exact, "_silu_mul_vjp", _silu_mul_vjp_reference)
 

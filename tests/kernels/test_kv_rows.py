@@ -11,7 +11,7 @@ from test_exact_price_bits import _bits
 
 from vexact import Transformer, generate
 from vexact.engine.presets import preset_config
-from vexact_kernels import compiled_loops, cpu_exact, kv_rows
+from vexact_kernels import compiled_loops, cpu_attention, cpu_exact, kv_rows
 
 BATCH, LENGTH, HEADS, DIM = 3, 150, 2, 8
 
@@ -30,7 +30,7 @@ def _write(cache: torch.Tensor, starts: list[int], length: int, seed: int) -> in
 
 def _fresh(cache: torch.Tensor, key_len: int) -> torch.Tensor:
     """The layout the attention makes without kept rows (``_AttentionTiles._key_rows``)."""
-    tiles = cpu_exact._AttentionTiles(torch.zeros(BATCH, 1, HEADS, DIM, dtype=cache.dtype), cache, cache,
+    tiles = cpu_attention._AttentionTiles(torch.zeros(BATCH, 1, HEADS, DIM, dtype=cache.dtype), cache, cache,
                                       torch.tensor([key_len - 1] * BATCH), 1.0, cpu_exact.HOST)
     assert tiles.key_len == key_len
     return tiles._key_rows(cache)
@@ -115,13 +115,13 @@ def test_decode_with_kept_rows_is_the_decode_without_them_bit_for_bit(dtype, mon
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
 
     layouts = []
-    lay_out = cpu_exact._AttentionTiles._key_rows
+    lay_out = cpu_attention._AttentionTiles._key_rows
 
     def counted(tiles, cache):
         layouts.append(cache.shape)
         return lay_out(tiles, cache)
 
-    monkeypatch.setattr(cpu_exact._AttentionTiles, "_key_rows", counted)
+    monkeypatch.setattr(cpu_attention._AttentionTiles, "_key_rows", counted)
 
     def rollout():
         layouts.clear()
