@@ -307,7 +307,9 @@ def attention_with_gradient(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start
 
 
 def attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float,
-                     host: HostGuard) -> Tensor:
+                    host: HostGuard) -> Tensor:
+    """``cpu_exact.attention``'s output (its contract), with no gradient recorded: the model's cache read where
+    ``kv_rows`` keeps its rows, and the steps in one compiled call where the plan runs torch's own calls."""
     tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host, kept_rows=True)
     loops = compiled_loops.library()
     if loops is not None and q.device.type == "cpu" and tiles.plan.library:
