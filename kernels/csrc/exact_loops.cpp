@@ -157,7 +157,7 @@ at::Tensor tree_sum_into(const at::Tensor& x, int64_t dim, c10::optional<at::Ten
 at::Tensor tree_sum(const at::Tensor& x, int64_t dim) { return tree_sum_into(x, dim, c10::nullopt, false); }
 
 // ----------------------------------------------------------------------------------------------------- chunked math
-// cpu_exact._unary's loop after the guard chose the library function (torch.exp / log / cos / sqrt: the ATen op
+// cpu_elementwise.unary's loop after the guard chose the library function (torch.exp / log / cos / sqrt: the ATen op
 // called here): x flattened, zero-padded to a multiple of `multiple`, and the op called once per `chunk` elements --
 // the same calls on the same slices as the Python loop. The chunks are spread over threads: each chunk is still one
 // call of the op on one thread (inside a parallel region ATen runs an op serially, and a chunk is below its grain
@@ -499,8 +499,8 @@ std::vector<at::Tensor> silu_and_product(const at::Tensor& gate, at::Tensor& exp
   return {silu, out};
 }
 
-// exp(-g) for a contiguous fp32 g, as cpu_exact._unary computes it: -g into a buffer zero-padded to `multiple` (the
-// negation _unary is given), its chunked exp in place; a view of the buffer, g's shape.
+// exp(-g) for a contiguous fp32 g, as cpu_elementwise.unary computes it: -g into a buffer zero-padded to `multiple`
+// (the negation unary is given), its chunked exp in place; a view of the buffer, g's shape.
 at::Tensor exp_of_negated(const at::Tensor& g, int64_t chunk, int64_t multiple) {
   const int64_t total = g.numel(), padded = round_up(total, multiple);
   at::Tensor buffer = at::empty({padded}, g.options());
@@ -526,7 +526,7 @@ std::vector<at::Tensor> silu_mul_forward(const at::Tensor& gate, at::Tensor& exp
   return silu_and_product(gate, exp_neg, &up);
 }
 
-// The whole forward where the guard chose the library exp: exp(-gate) as cpu_exact._unary computes it, then
+// The whole forward where the guard chose the library exp: exp(-gate) as cpu_elementwise.unary computes it, then
 // silu_mul_forward's loop. Returns (out, 1 + exp(-gate) (a view of the buffer, gate's shape), silu).
 // bf16 gate and up: the fp32 steps on the gate upcast (exact), then the output as cpu_exact's torch ops make it --
 // silu rounded to bf16 times up, in bf16 -- by the same two aten calls (their rounding, NaNs included).
@@ -1765,7 +1765,7 @@ void key_rows_at(at::Tensor& rows, const at::Tensor& cache, const at::Tensor& ba
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("unary_chunked", &unary_chunked, "cpu_exact._unary's chunk loop on the library function, same bits");
+  m.def("unary_chunked", &unary_chunked, "cpu_elementwise.unary's chunk loop on the library function, same bits");
   m.def("token_logprobs_forward", &token_logprobs_forward, "cpu_exact._token_logprobs_exact (fp32), same bits");
   m.def("token_logprobs_forward_saving", &token_logprobs_forward_saving,
         "cpu_exact._token_logprobs_with_saved (fp32): out, row max, log normalizer; same bits");

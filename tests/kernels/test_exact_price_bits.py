@@ -44,7 +44,7 @@ from vexact_kernels import (
     gemm_weight_gradient,
 )
 from vexact_kernels.cpu_attention import KEY_BLOCK
-from vexact_kernels.cpu_elementwise import unary as _unary
+from vexact_kernels.cpu_elementwise import unary
 from vexact_kernels.cpu_exact import _tree_sum
 from vexact_kernels.gemm_tiles import COL_BLOCK, ceil_to, fp32, row_block
 from vexact_kernels.gemm_weight_gradient import _reduction_block, last_chunk_length
@@ -203,7 +203,7 @@ def _attention_probs_reference(tiles, loops=None, normalized=False):  # torch op
     masked = masked.view(b, h, rb, real, tiles.key_len)
     row_max = masked.amax(dim=-1, keepdim=True)
     window = masked[..., :vis]
-    probs = _unary("exp", window - row_max, tiles.host, "attention")
+    probs = unary("exp", window - row_max, tiles.host, "attention")
     full_tiles, last = vis // KEY_BLOCK, vis % KEY_BLOCK
     parts = []
     if full_tiles:
@@ -248,7 +248,7 @@ def _silu_mul_with_saved_reference(gate, up, host):
 def _silu_mul_vjp_reference(saved, grad, needs):
     gate, up, host = saved
     gf, g = fp32(gate), fp32(grad)
-    denom = _unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)
+    denom = unary("exp", gf.neg(), host, "silu_mul", inplace=True).add_(1.0)
     grad_gate = grad_up = None
     if needs[0]:
         s = torch.reciprocal(denom)
