@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import num_threads, random_prompts
-from test_host_guard import EMULATED_HOSTS, emulated_guard
+from test_host_guard import EMULATED_HOSTS, emulated_ops
 
 from vexact import ModelConfig, Transformer, generate, token_logprobs
 from vexact_kernels import cpu_exact
@@ -128,7 +128,7 @@ def test_random_models_on_each_emulated_host(seed, host, monkeypatch):
     case = _case(seed)
 
     def ops_of(mode: str):
-        return cpu_exact.with_host(emulated_guard(host, monkeypatch, mode))
+        return emulated_ops(host, monkeypatch, mode)
 
     _rollouts_equal_training(case, seed, ops_of)
     trained = {}

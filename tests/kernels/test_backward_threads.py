@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_host_guard import EMULATED_HOSTS, SOUND, emulated_guard, intel_amx_like_bmm, thread_dependent_bmm
+from test_host_guard import EMULATED_HOSTS, SOUND, emulated_ops, intel_amx_like_bmm, thread_dependent_bmm
 
 from vexact.rl.optim import ExactAdamW, clip_flat_gradient_
 from vexact_kernels import cpu_exact
@@ -34,7 +34,7 @@ def _ops(host: str, monkeypatch: pytest.MonkeyPatch):
     primitives (a fresh guard, mode auto; ``emulated_guard``)."""
     if host == "this-host":
         return cpu_exact
-    return cpu_exact.with_host(emulated_guard(host, monkeypatch))
+    return emulated_ops(host, monkeypatch)
 
 
 def _gradients(loss_of, inputs: list[torch.Tensor], threads: int) -> list[torch.Tensor]:

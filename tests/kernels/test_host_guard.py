@@ -137,6 +137,12 @@ def emulated_guard(name: str, monkeypatch: pytest.MonkeyPatch, mode: str = "auto
     return HostGuard(cpu_exact.ROW_BLOCKS, mode=mode, **{**host.primitives, **library})
 
 
+def emulated_ops(name: str, monkeypatch: pytest.MonkeyPatch, mode: str = "auto"):
+    """``cpu_exact``'s ops over ``emulated_guard(name, monkeypatch, mode)``, as ``cpu_exact.ops_in_mode`` over this
+    host's own."""
+    return cpu_exact.with_host(emulated_guard(name, monkeypatch, mode))
+
+
 def _guard(mode: str = "auto", **broken) -> HostGuard:
     """A guard over sound by-construction primitives, with the ``broken`` ones swapped in (mode given
     explicitly: these tests must not follow VEXACT_CPU_EXACT_PATH)."""
@@ -387,7 +393,7 @@ def test_rollout_equals_training_on_a_broken_host(dtype):
 def test_rollout_equals_training_on_each_emulated_host(dtype, host, monkeypatch):
     """Rollout at 1 and 2 threads, scoring at 2 and 1, on an emulated host's primitives (guard in auto): exact."""
     model = tiny_model("exact", dtype)
-    ops = cpu_exact.with_host(emulated_guard(host, monkeypatch))
+    ops = emulated_ops(host, monkeypatch)
     for rollout_threads, scoring_threads in ((1, 2), (2, 1)):
         assert _mismatched_tokens(model, random_prompts(10, 30, seed=8), threads_rollout=rollout_threads,
                                   threads_scoring=scoring_threads, ops=ops) == 0
@@ -408,7 +414,7 @@ def test_a_gemm_accumulating_by_rows_in_the_call_keeps_the_canonical_tiles(dtype
     stacked = [p for p in guard.report()["probes"] if p["shape_class"].startswith("linear tiles stacked")
                and p["shape_class"].split(": ")[1].startswith("3x64")]
     assert stacked and all(p["path"] == "canonical" and p["passed"] is False for p in stacked), stacked
-    trusted = cpu_exact.with_host(emulated_guard("rows-in-call", monkeypatch, mode="unguarded"))
+    trusted = emulated_ops("rows-in-call", monkeypatch, mode="unguarded")
     assert not torch.equal(trusted.linear(x, w), reference)
 
 
