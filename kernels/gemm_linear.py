@@ -249,7 +249,7 @@ def _operand_of(weight: Tensor, get: Callable[[Tensor], Tensor], held: dict | No
     else made per call (``held`` None: a plan made for one call)."""
     if held is None or not _held(weight, operand := get(weight)):
         return get
-    slot = next(gemm_packed.SLOTS)
+    slot = gemm_packed.new_held_slot()
     held[slot] = operand.detach()
 
     def this_version(w: Tensor) -> Tensor:

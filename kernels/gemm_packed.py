@@ -137,8 +137,13 @@ def packed_calls(rows: Tensor, packed: Tensor, blocks: int, calls: str) -> Tenso
     return tiles[0] if blocks == 1 else torch.cat(tiles)
 
 
-SLOTS = itertools.count()
-"""Keys of ``_WeightPlans.held``: one per operand (or packed run) a plan keeps for the weight's current version."""
+_SLOTS = itertools.count()
+
+
+def new_held_slot() -> int:
+    """A key of a weight's ``_WeightPlans.held`` that no other plan uses: one per operand (or packed run) a plan keeps
+    for the weight's current version."""
+    return next(_SLOTS)
 
 
 def packable(k: int, n_pad: int, dtype: torch.dtype = torch.float32, rows: int = 0) -> bool:
@@ -161,7 +166,7 @@ def packed_after_use(unpacked: Callable, plan: PackedLinear, k: int, held: dict)
     version a training forward or a scoring pass then multiplies at other row counts): the packing costs nothing more.
     The count and the packed run are kept in ``held`` (the weight's ``_WeightPlans.held``: emptied with each new
     version). No bit depends on which ran."""
-    slot = next(SLOTS)
+    slot = new_held_slot()
 
     def after_use(x: Tensor, w: Tensor, host: HostGuard, loops: object) -> Tensor:  # x [..., K]
         state = held.get(slot)
