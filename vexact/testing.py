@@ -491,8 +491,8 @@ def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = 
     Raises ValueError for an unknown ``kind``, a ``prefill`` that does not fit, empty sequences, or a model that is
     neither (or a mixture-of-experts model: its sites depend on the routing)."""
     from .engine.model import Transformer
+    from .real.hf_config import model_config_from_hf
     from .real.op_plan import KINDS, capture, op_plan
-    from .real.pretrained import model_config_from_hf
     from .real.sites import SiteSpec, capture_hf, make_sites
 
     if kind not in KINDS:
@@ -535,8 +535,9 @@ def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], 
     when vLLM is not installed (naming the pip line) or cannot run the model."""
     from pathlib import Path
 
+    from .real.hf_checkpoint import read_checkpoint_config
+    from .real.hf_config import model_config_from_hf
     from .real.op_plan import KINDS, op_plan
-    from .real.pretrained import model_config_from_hf, read_checkpoint_config
     from .real.sites import SiteSpec, make_sites, site_recorder
 
     record_vllm = site_recorder("vllm")  # vexact.integrations.vllm_sites, registered through the entry points

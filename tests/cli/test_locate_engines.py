@@ -63,7 +63,7 @@ def test_hooks_change_no_bit_and_keep_what_the_modules_produce():
 
 
 def op_plan_of(hf_model):
-    from vexact.real.pretrained import model_config_from_hf
+    from vexact.real.hf_config import model_config_from_hf
 
     return op_plan(model_config_from_hf(hf_model.config.to_dict()))
 

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from vexact import from_pretrained, generate, token_logprobs
 from vexact.engine.model import rope_inv_freq
-from vexact.real.pretrained import SUPPORTED_ARCHITECTURES, load_tokenizer, model_config_from_hf
+from vexact.real.hf_config import SUPPORTED_ARCHITECTURES, model_config_from_hf
+from vexact.real.pretrained import load_tokenizer
 from vexact.real.tiny import (
     PARITY_PROMPTS,
     TINY_VARIANTS,

@@ -22,9 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from vexact import Transformer, from_pretrained
 from vexact.cli import main
-from vexact.real import pretrained
+from vexact.real import hf_checkpoint, hf_config, pretrained
+from vexact.real.hf_checkpoint import read_checkpoint_config
+from vexact.real.hf_config import model_config_from_hf
 from vexact.real.measure import MeasureSettings, run_measure
-from vexact.real.pretrained import load_tokenizer, model_config_from_hf, read_checkpoint_config
+from vexact.real.pretrained import load_tokenizer
 from vexact.real.tiny import TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model
 from vexact.records import runlog
 from vexact.records.runlog import load_tensor_file
@@ -227,7 +229,7 @@ def test_bin_checkpoints_are_bounded_by_their_size_before_unpickling(ckpt, monke
     def refuse(path):
         raise AssertionError(f"{path} was unpickled")
 
-    monkeypatch.setattr(pretrained, "load_tensor_file", refuse)
+    monkeypatch.setattr(hf_checkpoint, "load_tensor_file", refuse)
     _config(ckpt, vocab_size=10**12)
     message = _error(from_pretrained, ckpt)
     assert message.startswith(f"{ckpt / 'config.json'} implies 128,000,000,080,192 parameters (vocab_size="
@@ -387,7 +389,7 @@ def test_mutated_configs_are_a_model_config_or_one_value_error(variant):
         except ValueError as refused:
             assert "\n" not in str(refused), config
             continue
-        for field, key in pretrained._HF_KEYS.items():
+        for field, key in hf_config._HF_KEYS.items():
             given = config.get(key)
             if given is not None and key in base:
                 assert getattr(accepted, field) == (tuple(given) if isinstance(given, list) else given), (key, config)
@@ -473,9 +475,9 @@ def test_expected_shapes_are_the_transformers_parameters(variant):
     arch, kwargs = TINY_VARIANTS[variant]
     config = model_config_from_hf(make_tiny_hf_model(arch, **kwargs).config.to_dict())
     model = Transformer(config, init_seed=None)
-    assert {n: s for n, (s, _) in pretrained._expected_shapes(config).items()} == {
+    assert {n: s for n, (s, _) in hf_checkpoint._expected_shapes(config).items()} == {
         n: tuple(p.shape) for n, p in model.named_parameters()}
-    assert pretrained._param_count(config) == sum(p.numel() for p in model.parameters())
+    assert hf_checkpoint._param_count(config) == sum(p.numel() for p in model.parameters())
 
 
 def test_a_hub_id_is_answered_with_how_to_get_a_local_copy(tmp_path, monkeypatch):

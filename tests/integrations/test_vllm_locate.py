@@ -21,8 +21,9 @@ from conftest import require_optional
 
 from vexact.cli import main
 from vexact.integrations.vllm import VLLM_INSTALL
+from vexact.real.hf_checkpoint import read_checkpoint_config
+from vexact.real.hf_config import model_config_from_hf
 from vexact.real.locate import LocateSettings, op_plan, run_dump, run_locate
-from vexact.real.pretrained import model_config_from_hf, read_checkpoint_config
 from vexact.real.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # real vLLM engines

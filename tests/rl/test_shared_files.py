@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from test_trainer import EXPERIMENT, _short, _without_timing
 
 from vexact.cli import main
-from vexact.real.pretrained import read_checkpoint_config
+from vexact.real.hf_checkpoint import read_checkpoint_config
 from vexact.records import atomic, metrics_log
 from vexact.records.metrics_log import NON_FINITE, MetricsDamaged, decode_non_finite, read_metrics
 from vexact.records.runlog import MetricsWriter, latest_checkpoint, save_checkpoint
@@ -384,10 +384,10 @@ def test_safetensors_headers_are_checked_by_safe_open(tmp_path, monkeypatch):
     would have found nothing wrong (here: safe_open is made to refuse a good file)."""
     import safetensors
 
-    from vexact.real import pretrained, tiny
+    from vexact.real import hf_checkpoint, tiny
 
     ckpt = tiny.make_tiny_checkpoint(tmp_path / "ckpt", "llama", seed=1, tokenizer=False)
-    infos = pretrained._safetensors_header(ckpt / "model.safetensors")
+    infos = hf_checkpoint._safetensors_header(ckpt / "model.safetensors")
     assert infos["model.embed_tokens.weight"].dtype == "F32" and infos["model.embed_tokens.weight"].shape == (128, 64)
 
     def refusing_open(*args, **kwargs):
@@ -395,7 +395,7 @@ def test_safetensors_headers_are_checked_by_safe_open(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors, "safe_open", refusing_open)
     with pytest.raises(ValueError) as info:
-        pretrained._safetensors_header(ckpt / "model.safetensors")
+        hf_checkpoint._safetensors_header(ckpt / "model.safetensors")
     assert str(info.value) == (f"{ckpt / 'model.safetensors'}: corrupt or truncated safetensors file (a check of "
                                "the library's)")
 
@@ -428,7 +428,7 @@ def test_hub_cache_lookup_follows_refs_main_not_the_newest_snapshot(tmp_path, mo
 def test_hub_cache_lookup_honours_hf_home(tmp_path):
     repo = _hub_cache(tmp_path / "home", {"ccc333": 1_000_000})
     (repo / "refs" / "main").write_text("ccc333")
-    code = ("from pathlib import Path\nfrom vexact.real.pretrained import _hub_id_hint\n"
+    code = ("from pathlib import Path\nfrom vexact.real.hf_checkpoint import _hub_id_hint\n"
             "print(_hub_id_hint(Path('org/tiny')))")
     env = {k: v for k, v in _child_env().items() if k not in ("HF_HUB_CACHE", "HF_HOME")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "HF_HOME": str(tmp_path / "home"),

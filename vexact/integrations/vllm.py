@@ -310,6 +310,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     from vexact_kernels.host_guard import torch_threads
 
     from ..real.compare import CompareSettings, run_compare
+    from ..real.hf_config import model_config_from_hf
     from ..real.measure import (
         CheckpointLoader,
         MeasureSettings,
@@ -317,7 +318,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
         model_checkpoint_config,
         require_finite_logprobs,
     )
-    from ..real.pretrained import load_tokenizer, model_config_from_hf
+    from ..real.pretrained import load_tokenizer
 
     problems = check_sampling(s)
     s = check_prompt_settings(s)

@@ -92,20 +92,15 @@ from ..engine.inputs import check_temperature, check_token_lists
 from ..engine.model import ModelConfig, Transformer
 from ..engine.presets import MODEL_PRESETS
 from .check import CHECK_PRESET
+from .hf_checkpoint import read_checkpoint, read_checkpoint_config
+from .hf_config import model_config_from_hf
 from .locate_report import LocateResult, print_locate, write_json, write_png
 from .locate_report import verdict as verdict  # re-exported: the report lived here
 from .measure import MeasureSettings, PathSpec, load_prompts, parse_path
 from .op_plan import KINDS, OpSlot, capture, compare_captures, first_divergence, layer_summary, op_plan
 from .op_plan import OpRecorder as OpRecorder  # re-exported: the op plan and its recorder lived here
 from .op_plan import OpStructureError as OpStructureError
-from .pretrained import (
-    build_model,
-    export_hf_checkpoint,
-    load_tokenizer,
-    model_config_from_hf,
-    read_checkpoint,
-    read_checkpoint_config,
-)
+from .pretrained import build_model, export_hf_checkpoint, load_tokenizer
 from .sites import (
     DUMP_FILE,
     TENSORS_FILE,

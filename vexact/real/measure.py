@@ -24,7 +24,7 @@ raw logits / temperature (so nothing truncated the distribution). vexact paths s
 vexact's counter-based Gumbel sampler (``vexact.engine.generation.generate``).
 
 Broken or hostile checkpoints: the checkpoint is read and checked once by
-``pretrained.read_checkpoint`` (see its module docstring: weights-only unpickling, config sizes
+``hf_checkpoint.read_checkpoint`` (see its module docstring: weights-only unpickling, config sizes
 checked against the safetensors headers or the file sizes before anything is allocated, finite
 weights) before any path is built -- also before transformers reads the files for an ``hf`` path,
 so every path refuses what vexact refuses, with the same one-line error. The RoPE table is sized
@@ -83,16 +83,9 @@ from ..metric_keys import (
 )
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from ..rl.raw_ratios import raw_ratio_metrics
-from .pretrained import (
-    SUPPORTED_ARCHITECTURES,
-    Checkpoint,
-    build_model,
-    from_pretrained,
-    load_tokenizer,
-    model_config_from_hf,
-    read_checkpoint,
-    read_checkpoint_config,
-)
+from .hf_checkpoint import Checkpoint, read_checkpoint, read_checkpoint_config
+from .hf_config import SUPPORTED_ARCHITECTURES, model_config_from_hf
+from .pretrained import build_model, from_pretrained, load_tokenizer
 from .tiny import PARITY_PROMPTS, TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model, parity_with_transformers
 
 PATH_BACKENDS = ("exact", "native", "triton", "hf")
@@ -311,7 +304,7 @@ class HFPath:
 
 
 class CheckpointLoader:
-    """Reads and checks the checkpoint once (``pretrained.read_checkpoint``: plain tensors only, shapes and dtypes as
+    """Reads and checks the checkpoint once (``hf_checkpoint.read_checkpoint``: plain tensors only, shapes and dtypes as
     the config implies, finite weights), then builds each (kind, dtype) once; vexact backends share one model per
     dtype. The ``hf`` path is loaded by transformers only after those checks passed, so a hostile pickle or an
     absurd config never reaches transformers' loader either; ``paths`` builds vexact models first and drops the

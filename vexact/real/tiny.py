@@ -17,7 +17,8 @@ from torch import Tensor
 
 from ..engine.inputs import padded_with_mask
 from ..engine.model import Transformer
-from .pretrained import SUPPORTED_ARCHITECTURES, from_pretrained
+from .hf_config import SUPPORTED_ARCHITECTURES
+from .pretrained import from_pretrained
 
 __all__ = ["PARITY_PROMPTS", "TINY_VARIANTS", "char_tokenizer", "make_tiny_checkpoint", "make_tiny_hf_model",
            "parity_with_transformers"]
