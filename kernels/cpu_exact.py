@@ -425,7 +425,6 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     return cpu_attention.attention_exact(q, k_cache, v_cache, q_start, scale, host)
 
 
-
 # --------------------------------------------------------------------------- silu_mul
 def silu_mul(gate: Tensor, up: Tensor, *, host: HostGuard = HOST) -> Tensor:
     """SwiGLU activation silu(gate) * up, elementwise.
