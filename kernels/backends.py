@@ -65,9 +65,10 @@ def kernel_paths(backend: str, device: torch.device | str = "cpu") -> dict:
         return {"backend": backend, "kernels": cpu_exact.NAME, **cpu_exact.host_report()}
     if ops is native:
         path = "native (torch ops: not batch-invariant)"
-    elif ops.INTERPRETING:
-        path = "interpreted (fixed-order block products and sums, by construction)"
     else:
-        path = "compiled (fixed tiles, by construction)"
+        from . import triton_common  # the Triton kernels' mode (get_ops imported them)
+
+        path = ("interpreted (fixed-order block products and sums, by construction)" if triton_common.INTERPRETING
+                else "compiled (fixed tiles, by construction)")
     return {"backend": backend, "kernels": ops.NAME, "ops": {op: {"path": path} for op in OP_NAMES}, "probes": []}
 

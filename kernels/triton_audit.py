@@ -3,8 +3,9 @@
 Why: the exact Triton backend is batch-invariant only if the code Triton *generates* keeps the promises the source
 makes (``triton_exact``'s docstring): every output is reduced by one program in a fixed order, and that order is
 set by compile-time tiles alone. A GPU is not needed to check this: Triton compiles for a CUDA target on any
-host (ptxas ships in its wheel). So every kernel variant -- each kernel in ``triton_exact``, fp32 and bf16, with
-the tiles, warps and options the wrappers launch it with -- is compiled here for sm_80 (A100) and sm_90 (H100),
+host (ptxas ships in its wheel). So every kernel variant -- each kernel of the backend's modules (``triton_exact``
+and ``triton_attention``: ``TritonModules``), fp32 and bf16, with the tiles, warps and options the wrappers launch
+it with -- is compiled here for sm_80 (A100) and sm_90 (H100),
 and the compiled code is checked:
 
 * **atomics**: no atomic or reducing memory operation -- ``tt.atomic_rmw`` / ``tt.atomic_cas`` /
@@ -21,18 +22,18 @@ and the compiled code is checked:
   specialisation is compiled and their reductions (``tt.dot`` / ``ttng.warp_group_dot`` and ``tt.reduce`` with
   their layouts, and the loops around them) compared. A kernel with a reduction must have exactly one binary; an
   elementwise kernel may get a second one for a divisibility (wider loads) but has no reduction to reorder.
-* **tiles**: the block shapes of every compiled dot and reduction are those of the dtype's tile table in
-  ``triton_exact`` (``_MATMUL_TILES``, ``_ATTENTION_TILES``, ``_ATTENTION_BACKWARD_TILES``, ``_ROW_BLOCK``), and the
-  warp count is the table's.
+* **tiles**: the block shapes of every compiled dot and reduction are those of the dtype's tile table
+  (``triton_exact``'s ``_MATMUL_TILES`` and ``_ROW_BLOCK``, ``triton_attention``'s ``_ATTENTION_TILES`` and
+  ``_ATTENTION_BACKWARD_TILES``), and the warp count is the table's.
 * **digests**: sha256 of each variant's TTGIR (locations stripped, values renumbered: ``numbered_values``) and PTX
   (debug lines, labels and sections stripped),
   recorded in ``kernels/triton_audit.json`` with the triton version, so that a toolchain or kernel change that
   alters the compiled code shows in ``tests/kernels/test_triton_audit.py``; re-record after a deliberate change.
 
-The launch arguments mirror the wrappers in ``triton_exact`` (``_linear_forward``, ``_attention_exact``, ...) at
-one model shape (``SHAPE``: SmolLM-135M-like, the benchmarks' ``llama100m``); tiles and options are read from
-``triton_exact`` itself. Kernels are compiled in a worker process (``--worker``) that imports ``triton_exact`` in
-compile-only mode (``VEXACT_TRITON_COMPILE_ONLY=1``, interpreter off): a process that already imported it
+The launch arguments mirror the wrappers (``triton_exact._linear_forward``, ``triton_attention._attention_forward``,
+...) at one model shape (``SHAPE``: SmolLM-135M-like, the benchmarks' ``llama100m``); tiles and options are read from
+the backend's modules themselves. Kernels are compiled in a worker process (``--worker``) that imports them in
+compile-only mode (``VEXACT_TRITON_COMPILE_ONLY=1``, interpreter off): a process that already imported them
 interpreted holds interpreter kernels, which cannot be compiled. The worker uses a fresh Triton cache, so
 every run really compiles.
 
@@ -74,20 +75,40 @@ SHAPE = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vo
 COMPILE_ONLY_ENV = {"VEXACT_TRITON_COMPILE_ONLY": "1", "TRITON_INTERPRET": "0"}
 
 
+# --------------------------------------------------------------------------- the audited modules
+@dataclass(frozen=True)
+class TritonModules:
+    """The exact Triton backend's modules, as the compile-only worker imports them: the one list of the modules whose
+    kernels the audit must compile (``kernels``), and where each launch builder reads its tiles and options."""
+
+    common: ModuleType  # triton_common: the mode, the compile options, the input precision
+    attention: ModuleType  # triton_attention: attention's kernels, their tiles, LOG2_E
+    exact: ModuleType  # triton_exact: every other kernel, and its tiles
+
+    def kernels(self) -> dict[str, Any]:
+        """Every kernel of the modules -- each ``@triton.jit`` function named ``*_kernel`` -- by name."""
+        from triton.runtime.jit import JITFunction
+
+        return {name: value for module in vars(self).values() for name, value in vars(module).items()
+                if isinstance(value, JITFunction) and name.endswith("_kernel")}  # fmt: skip
+
+
 # --------------------------------------------------------------------------- launch arguments
-# Each builder returns (args, kwargs) for one launch of a kernel at a row count, as the wrapper in triton_exact
-# would pass them. CPU tensors stand in for CUDA ones: the binder reads only their dtype and address alignment.
+# Each builder returns (args, kwargs) for one launch of a kernel at a row count, as the kernel's wrapper
+# (``triton_exact._linear_forward``, ``triton_attention._attention_forward``, ...) would pass them. CPU tensors stand
+# in for CUDA ones: the binder reads only their dtype and address alignment.
 @dataclass(frozen=True)
 class Variant:
-    """One compiled variant: a kernel of ``triton_exact`` at a dtype, with its launch builder and the dot and
-    reduction shapes its tiles promise (``dots``: (M, K, N) per product; ``reduces``: block shape per tree)."""
+    """One compiled variant: a kernel of the Triton backend (``TritonModules``) at a dtype, with its launch builder
+    and the dot and reduction shapes its tiles promise (``dots``: (M, K, N) per product; ``reduces``: block shape
+    per tree)."""
 
     name: str
     kernel: str
     dtype: str
-    launch: Callable[[ModuleType, Any, int], tuple[tuple, dict]]
-    dots: Callable[[ModuleType, Any], list[tuple[int, ...]]]
-    reduces: Callable[[ModuleType, Any], list[tuple[int, ...]]]
+    launch: Callable[[TritonModules, Any, int], tuple[tuple, dict]]
+    dots: Callable[[TritonModules, Any], list[tuple[int, ...]]]
+    reduces: Callable[[TritonModules, Any], list[tuple[int, ...]]]
 
 
 def _torch_dtype(name: str):
@@ -102,33 +123,33 @@ def _empty(*shape: int, dtype) -> Any:
     return torch.empty(shape, dtype=dtype)
 
 
-def _canonical_tiles(te: ModuleType, dtype) -> tuple:
-    return te._MATMUL_TILES[dtype]
+def _canonical_tiles(modules: TritonModules, dtype) -> tuple:
+    return modules.exact._MATMUL_TILES[dtype]
 
 
 def _decode_tiles(index: int) -> Callable:
     """The linear kernel's ``index``-th decode tile (``triton_exact._DECODE_TILES``, widest first), which a call of
     at most ``DECODE_ROWS_MAX`` rows runs where its first-use check on the device passes."""
-    return lambda te, dtype: te._DECODE_TILES[dtype][index]
+    return lambda modules, dtype: modules.exact._DECODE_TILES[dtype][index]
 
 
 def _linear_launch(bias: bool, tiles_of: Callable = _canonical_tiles) -> Callable:
-    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    def launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
         k, n = SHAPE["hidden"], SHAPE["intermediate"]
         x, w, y = _empty(rows, k, dtype=dtype), _empty(n, k, dtype=dtype), _empty(rows, n, dtype=dtype)
         b = _empty(n, dtype=dtype) if bias else w
-        block_m, block_n, block_k, num_warps, num_stages = tiles_of(te, dtype)
+        block_m, block_n, block_k, num_warps, num_stages = tiles_of(modules, dtype)
         args = (x, w, b, y, rows, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1))
         kwargs = dict(
             HAS_BIAS=bias,
-            CAST_TO_FP32=te.INTERPRETING,
-            INPUT_PRECISION=te._input_precision(dtype),
+            CAST_TO_FP32=modules.common.INTERPRETING,
+            INPUT_PRECISION=modules.common.input_precision(dtype),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             num_warps=num_warps,
             num_stages=num_stages,
-            **te._COMPILE_OPTIONS,
+            **modules.common.COMPILE_OPTIONS,
         )
         return args, kwargs
 
@@ -136,8 +157,8 @@ def _linear_launch(bias: bool, tiles_of: Callable = _canonical_tiles) -> Callabl
 
 
 def _linear_dots(tiles_of: Callable = _canonical_tiles) -> Callable:
-    def dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
-        block_m, block_n, block_k = tiles_of(te, dtype)[:3]
+    def dots(modules: TritonModules, dtype) -> list[tuple[int, ...]]:
+        block_m, block_n, block_k = tiles_of(modules, dtype)[:3]
         return [(block_m, block_k, block_n)]
     return dots
 
@@ -154,52 +175,55 @@ def _attention_tensors(dtype, rows: int) -> tuple:
     return q, k, v, q_start, out, lse, cache_len
 
 
-def _attention_options(te: ModuleType, dtype, tiles: tuple, **extra: Any) -> dict:
-    """The launch options an attention kernel (forward or backward) gets from ``triton_exact``: its tiles
-    (BLOCK_M, BLOCK_N, num_warps, num_stages), the dtype's precision and the module's compile options."""
+def _attention_options(modules: TritonModules, dtype, tiles: tuple, **extra: Any) -> dict:
+    """The launch options an attention kernel (forward or backward) gets from ``triton_attention``: its tiles
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), the dtype's precision and the compile options (``triton_common``)."""
     block_m, block_n, num_warps, num_stages = tiles
-    return dict(CAST_TO_FP32=te.INTERPRETING, INPUT_PRECISION=te._input_precision(dtype), **extra, BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_D=_block_d(), num_warps=num_warps, num_stages=num_stages,
-                **te._COMPILE_OPTIONS)
+    common = modules.common
+    return dict(CAST_TO_FP32=common.INTERPRETING, INPUT_PRECISION=common.input_precision(dtype), **extra,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(), num_warps=num_warps, num_stages=num_stages,
+                **common.COMPILE_OPTIONS)
 
 
 def _attention_launch(store_lse: bool) -> Callable:
-    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    def launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
         heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
         q, k, v, q_start, out, lse, cache_len = _attention_tensors(dtype, rows)
-        args = (q, k, v, q_start, out, rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E,
+        args = (q, k, v, q_start, out, rows, cache_len, heads, heads // kv_heads, head_dim,
+                head_dim**-0.5 * modules.attention.LOG2_E,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                 lse if store_lse else out)  # fmt: skip
-        return args, _attention_options(te, dtype, te._ATTENTION_TILES[dtype], STORE_LSE=store_lse)
+        return args, _attention_options(modules, dtype, modules.attention._ATTENTION_TILES[dtype], STORE_LSE=store_lse)
 
     return launch
 
 
-def _attention_bwd_delta_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+def _attention_bwd_delta_launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
     _, _, _, _, out, lse, _ = _attention_tensors(dtype, rows)
     dout = _empty(*out.shape, dtype=dtype)
-    block_m, _, num_warps, _ = te._ATTENTION_BACKWARD_TILES[dtype]
+    block_m, _, num_warps, _ = modules.attention._ATTENTION_BACKWARD_TILES[dtype]
     args = (out, dout, lse, rows, SHAPE["heads"], SHAPE["head_dim"], out.stride(0), out.stride(1), out.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2))  # fmt: skip
-    return args, dict(BLOCK_M=block_m, BLOCK_D=_block_d(), num_warps=num_warps, **te._COMPILE_OPTIONS)
+    return args, dict(BLOCK_M=block_m, BLOCK_D=_block_d(), num_warps=num_warps, **modules.common.COMPILE_OPTIONS)
 
 
 def _attention_bwd_launch(gradient_of: str) -> Callable:
     """The dK/dV kernel (``gradient_of`` "kv") or the dQ kernel ("q"), as ``_attention_backward`` launches them."""
 
-    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    def launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
         heads, kv_heads, head_dim = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
         q, k, v, q_start, dout, lse, cache_len = _attention_tensors(dtype, rows)
         delta = _empty(*lse.shape, dtype=lse.dtype)
         grads = (_empty(*k.shape, dtype=dtype), _empty(*v.shape, dtype=dtype)) if gradient_of == "kv" else (
             _empty(*q.shape, dtype=dtype),)  # fmt: skip
         args = (q, k, v, q_start, dout, lse, delta, *grads,
-                rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * te.LOG2_E, head_dim**-0.5,
+                rows, cache_len, heads, heads // kv_heads, head_dim, head_dim**-0.5 * modules.attention.LOG2_E,
+                head_dim**-0.5,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
                 grads[0].stride(0), grads[0].stride(1), grads[0].stride(2))  # fmt: skip
-        return args, _attention_options(te, dtype, te._ATTENTION_BACKWARD_TILES[dtype])
+        return args, _attention_options(modules, dtype, modules.attention._ATTENTION_BACKWARD_TILES[dtype])
 
     return launch
 
@@ -210,38 +234,44 @@ def _block_d() -> int:
     return max(16, triton.next_power_of_2(SHAPE["head_dim"]))
 
 
-def _attention_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
-    block_m, block_n = te._ATTENTION_TILES[dtype][:2]
+def _attention_dots(modules: TritonModules, dtype) -> list[tuple[int, ...]]:
+    block_m, block_n = modules.attention._ATTENTION_TILES[dtype][:2]
     return [(block_m, _block_d(), block_n), (block_m, block_n, _block_d())]  # q @ k.T, p @ v
 
 
-def _attention_reduces(te: ModuleType, dtype) -> list[tuple[int, ...]]:
-    block_m, block_n = te._ATTENTION_TILES[dtype][:2]
+def _attention_reduces(modules: TritonModules, dtype) -> list[tuple[int, ...]]:
+    block_m, block_n = modules.attention._ATTENTION_TILES[dtype][:2]
     return [(block_m, block_n), (block_m, block_n)]  # row max and row sum of the scores
 
 
-def _attention_bwd_delta_reduces(te: ModuleType, dtype) -> list[tuple[int, ...]]:
-    return [(te._ATTENTION_BACKWARD_TILES[dtype][0], _block_d())]  # rowsum(dO * O) over the head dim
+def _attention_bwd_delta_reduces(modules: TritonModules, dtype) -> list[tuple[int, ...]]:
+    return [(modules.attention._ATTENTION_BACKWARD_TILES[dtype][0], _block_d())]  # rowsum(dO * O) over head dim
 
 
-def _attention_bwd_dkdv_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
-    m, n, d = *te._ATTENTION_BACKWARD_TILES[dtype][:2], _block_d()
+def _attention_bwd_dkdv_dots(modules: TritonModules, dtype) -> list[tuple[int, ...]]:
+    m, n, d = *modules.attention._ATTENTION_BACKWARD_TILES[dtype][:2], _block_d()
     return [(m, d, n), (m, d, n), (n, m, d), (n, m, d)]  # q @ k.T, dO @ v.T, p.T @ dO, dS.T @ q
 
 
-def _attention_bwd_dq_dots(te: ModuleType, dtype) -> list[tuple[int, ...]]:
-    m, n, d = *te._ATTENTION_BACKWARD_TILES[dtype][:2], _block_d()
+def _attention_bwd_dq_dots(modules: TritonModules, dtype) -> list[tuple[int, ...]]:
+    m, n, d = *modules.attention._ATTENTION_BACKWARD_TILES[dtype][:2], _block_d()
     return [(m, d, n), (m, d, n), (m, n, d)]  # q @ k.T, dO @ v.T, dS @ k
 
 
-def _rms_norm_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+def _row_options(modules: TritonModules) -> dict:
+    """The launch options of a row kernel (rms_norm, log_softmax, token_logprobs, entropy): the row block and warps
+    (``triton_exact``) and the compile options."""
+    return dict(BLOCK=modules.exact._ROW_BLOCK, num_warps=modules.exact._ROW_WARPS, **modules.common.COMPILE_OPTIONS)
+
+
+def _rms_norm_launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
     n = SHAPE["hidden"]
     x, w, y = _empty(rows, n, dtype=dtype), _empty(n, dtype=dtype), _empty(rows, n, dtype=dtype)
-    return (x, w, y, n, 1e-5), dict(BLOCK=te._ROW_BLOCK, num_warps=te._ROW_WARPS, **te._COMPILE_OPTIONS)
+    return (x, w, y, n, 1e-5), _row_options(modules)
 
 
 def _row_logits_launch(targets: bool) -> Callable:
-    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    def launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
         import torch
 
         v = SHAPE["vocab"]
@@ -250,57 +280,56 @@ def _row_logits_launch(targets: bool) -> Callable:
             args = (logits, _empty(rows, dtype=torch.int64), _empty(rows, dtype=torch.float32), v)
         else:
             args = (logits, _empty(rows, v, dtype=torch.float32), v)
-        return args, dict(BLOCK=te._ROW_BLOCK, num_warps=te._ROW_WARPS, **te._COMPILE_OPTIONS)
+        return args, _row_options(modules)
 
     return launch
 
 
-def _entropy_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+def _entropy_launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
     import torch
 
     v = SHAPE["vocab"]
     args = (_empty(rows, v, dtype=dtype), _empty(rows, dtype=torch.float32), v)  # log-probs [rows, V] -> [rows]
-    return args, dict(BLOCK=te._ROW_BLOCK, num_warps=te._ROW_WARPS, **te._COMPILE_OPTIONS)
+    return args, _row_options(modules)
 
 
-def _silu_mul_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+def _silu_mul_launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
     n = rows * SHAPE["intermediate"]
     gate, up, out = (_empty(n, dtype=dtype) for _ in range(3))
-    return (gate, up, out, n), dict(BLOCK=te._ELEMENTWISE_BLOCK, **te._COMPILE_OPTIONS)
+    return (gate, up, out, n), dict(BLOCK=modules.exact._ELEMENTWISE_BLOCK, **modules.common.COMPILE_OPTIONS)
 
 
-def _exp_launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+def _exp_launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
     n = rows * SHAPE["hidden"]
     x, out = (_empty(n, dtype=dtype) for _ in range(2))
-    return (x, out, n), dict(BLOCK=te._ELEMENTWISE_BLOCK, **te._COMPILE_OPTIONS)
+    return (x, out, n), dict(BLOCK=modules.exact._ELEMENTWISE_BLOCK, **modules.common.COMPILE_OPTIONS)
 
 
 def _rope_launch(heads_key: str) -> Callable:
-    def launch(te: ModuleType, dtype, rows: int) -> tuple[tuple, dict]:
+    def launch(modules: TritonModules, dtype, rows: int) -> tuple[tuple, dict]:
         import torch
         import triton
 
         heads, half = SHAPE[heads_key], SHAPE["head_dim"] // 2
         x, out = (_empty(SHAPE["batch"], rows, heads, 2 * half, dtype=dtype) for _ in range(2))
         cos, sin = (_empty(SHAPE["batch"], rows, half, dtype=torch.float32) for _ in range(2))
-        kwargs = dict(
-            BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(half), **te._COMPILE_OPTIONS
-        )
+        kwargs = dict(BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(half),
+                      **modules.common.COMPILE_OPTIONS)
         return (x, cos, sin, out, heads, half), kwargs
 
     return launch
 
 
-def _none(te: ModuleType, dtype) -> list[tuple[int, ...]]:
+def _none(modules: TritonModules, dtype) -> list[tuple[int, ...]]:
     return []
 
 
 def _row_block(count: int) -> Callable:
-    return lambda te, dtype: [(te._ROW_BLOCK,)] * count
+    return lambda modules, dtype: [(modules.exact._ROW_BLOCK,)] * count
 
 
 def variants() -> list[Variant]:
-    """Every audited variant: each kernel of triton_exact x fp32/bf16 (linear with and without bias and in each
+    """Every audited variant: each kernel of the Triton backend x fp32/bf16 (linear with and without bias and in each
     decode tile, attention's forward without and with the log-sum-exp store the backward needs, attention's three
     backward kernels, rope for the query and the key head count, whose BLOCK_H differ; exp, the MoE routing weights'
     exp, is fp32 only)."""
@@ -635,30 +664,30 @@ def _worker() -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    from triton.runtime.jit import JITFunction
 
-    from . import triton_exact as te
+    from . import triton_attention, triton_common, triton_exact
 
-    if te.INTERPRETING:
-        raise RuntimeError("triton_audit worker: triton_exact was loaded interpreted; run it through audit()")
-    kernels = sorted(name for name, value in vars(te).items()
-                     if isinstance(value, JITFunction) and name.endswith("_kernel"))  # fmt: skip
+    modules = TritonModules(common=triton_common, attention=triton_attention, exact=triton_exact)
+    if modules.common.INTERPRETING:
+        raise RuntimeError("triton_audit worker: the Triton kernels were loaded interpreted; run it through audit()")
+    kernels = modules.kernels()
     default_warps = make_backend(GPUTarget("cuda", 80, 32)).parse_options({}).num_warps  # when a launch names none
     results: dict[str, Any] = {}
     for variant in variants():
         dtype = _torch_dtype(variant.dtype)
-        kernel = getattr(te, variant.kernel)
-        launches = [variant.launch(te, dtype, rows) for rows in ROW_COUNTS]
+        kernel = kernels[variant.kernel]
+        launches = [variant.launch(modules, dtype, rows) for rows in ROW_COUNTS]
         results[variant.name] = {
             "kernel": variant.kernel,
             "expected": {
-                "dots": sorted(list(d) for d in variant.dots(te, dtype)),
-                "reduces": sorted(list(r) for r in variant.reduces(te, dtype)),
+                "dots": sorted(list(d) for d in variant.dots(modules, dtype)),
+                "reduces": sorted(list(r) for r in variant.reduces(modules, dtype)),
                 "num_warps": launches[0][1].get("num_warps", default_warps),
             },
             "targets": {target: check_kernel(kernel, launches, cc) for target, cc in TARGETS.items()},
         }
-    return {"triton": triton.__version__, "kernels": kernels, "row_counts": list(ROW_COUNTS), "variants": results}
+    return {"triton": triton.__version__, "kernels": sorted(kernels), "row_counts": list(ROW_COUNTS),
+            "variants": results}
 
 
 def run_worker(argv: list[str]) -> subprocess.CompletedProcess:
@@ -712,7 +741,7 @@ def problems(result: dict[str, Any]) -> list[str]:
                     out.append(f"{name} {target}: products {res['products']}, the canonical tiles' "
                                f"{canonical[target]['products']}")
     audited = {v["kernel"] for v in result["variants"].values()}
-    out += [f"{k}: a kernel of triton_exact that the audit does not compile" for k in result["kernels"]
+    out += [f"{k}: a kernel of the Triton backend that the audit does not compile" for k in result["kernels"]
             if k not in audited]  # fmt: skip
     return out
 

@@ -36,167 +36,55 @@ with torch's fp32 reference.
 
 Interpreter mode: without a CUDA device the kernels run in the Triton interpreter
 (``TRITON_INTERPRET=1``, numpy underneath): correct but slow, for tests and tiny models.
-Differences there: the tile shapes are the interpreter's own (see ``_MATMUL_TILES``);
-block products and block sums are not np.matmul / np.sum, whose summation order is the host
-BLAS's and numpy's, but a fixed pairwise tree of exactly rounded fp32 products and adds
-(``_block_dot``, ``_block_sum``), so invariance does not rest on the host; low-precision
-tiles are upcast to fp32 before the product because the interpreter's bf16 arithmetic works
-on raw bit patterns; and fp32 -> bf16 rounding is done by hand because the interpreter's
-cast truncates. Results are exact and invariant in either mode, but interpreter and GPU
-results are not bitwise equal to each other.
+Differences there: the tile shapes are the interpreter's own (see ``_MATMUL_TILES``,
+``triton_attention._ATTENTION_TILES``); block products and block sums are not np.matmul / np.sum, whose summation
+order is the host BLAS's and numpy's, but a fixed pairwise tree of exactly rounded fp32 products and adds
+(``triton_common.block_dot``, ``block_sum``), so invariance does not rest on the host; low-precision tiles are
+upcast to fp32 before the product because the interpreter's bf16 arithmetic works on raw bit patterns; and fp32 ->
+bf16 rounding is done by hand because the interpreter's cast truncates (``triton_common.cast``). Results are exact
+and invariant in either mode, but interpreter and GPU results are not bitwise equal to each other.
 
 Backward passes must be reproducible run to run (only the forward must be exact). attention's is three Triton
 kernels (FlashAttention-2 style, no atomics: see ``attention``); rms_norm's, rope's, silu_mul's and entropy's are
 analytic VJPs in plain torch ops on fixed shapes (``autograd.exact_forward_vjp``); log_softmax's and
 token_logprobs' recompute the native op and take its VJP (``autograd.exact_forward``); linear's is two matmuls.
+
+The backend's modules, each with one job, lowest first (each imports only those above it in this list):
+
+- ``triton_common``: the mode (compiled, or interpreted: decided before any kernel is decorated), the pieces every
+  kernel uses in it (``cast``, ``block_dot`` / ``block_sum``, ``MASKED_SCORE``), the compile options and the device
+  check;
+- ``triton_attention``: attention's forward kernel and its three backward kernels, their launches and their tiles;
+- ``triton_exact`` (this module): the backend's ops (``NAME``, the ``KernelOps`` functions and ``exp``), each with
+  its contracts, and the kernels and tiles of every op but attention, whose op calls ``triton_attention``.
+
+``triton_audit`` compiles every kernel of these modules for CUDA targets and checks the compiled code.
 """
 
 from __future__ import annotations
 
-import importlib
-import math
-import os
-
 import torch
 from torch import Tensor
 
-from . import checks, native
+from . import checks, native, triton_attention, triton_common
 from .autograd import exact_forward, exact_forward_vjp, exact_linear, matmul_linear_backward
 from .decode_tiles import DECODE_BLOCK_N, DECODE_ROWS_MAX
+from .triton_common import COMPILE_OPTIONS, MASKED_SCORE, block_dot, block_sum, cast, check_device, input_precision
 
-# Compile-only: the GPU code paths and tiles without a device, so that the kernels can be compiled for CUDA
-# targets and their code audited (vexact_kernels.triton_audit sets it in its own worker process). Launching
-# a kernel then fails in _check_device (CPU tensors).
-COMPILE_ONLY = os.environ.get("VEXACT_TRITON_COMPILE_ONLY") == "1"
-
-# The interpreter must be chosen before triton decorates any kernel: ``triton.jit`` reads
-# ``triton.knobs.runtime.interpret`` at decoration time (live from the environment unless
-# the knob was set in Python). The import comes after this line on purpose.
-if not torch.cuda.is_available() and not COMPILE_ONLY:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+# isort: split
+# triton after triton_common, which decides before triton is imported whether the kernels are interpreted
+import triton
+import triton.language as tl
 
 NAME = "triton"
-
-
-def _use_interpreter() -> bool:
-    """Decide once whether kernels run in the Triton interpreter, and make it so.
-
-    Without CUDA there is nothing to compile for, so the interpreter is forced (unless compile-only). Setting the
-    environment variable is not enough when triton was imported earlier in the process:
-    the knob may have been set to False in Python, and -- found by experiment with triton
-    3.9 -- triton.language's own ``@jit`` helpers (``tl.sum``, ``tl.max``, ``tl.zeros``, ...)
-    were then decorated as compiled functions, which raise when an interpreted kernel calls
-    them. In that case they are re-decorated by reloading ``triton.language.standard``.
-    """
-    if torch.cuda.is_available() or COMPILE_ONLY:
-        return bool(triton.knobs.runtime.interpret)
-    if not triton.knobs.runtime.interpret:
-        triton.knobs.runtime.interpret = True
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    if not isinstance(tl.standard.sum, InterpretedFunction):
-        # Reloading re-runs the module's @jit decorators (now interpreting) and re-attaches
-        # the tensor member functions (x.sum(), ...); then refresh tl's re-exported names.
-        importlib.reload(tl.standard)
-        for name, value in list(vars(tl).items()):
-            if isinstance(value, JITFunction) and isinstance(getattr(tl.standard, name, None), InterpretedFunction):
-                setattr(tl, name, getattr(tl.standard, name))
-    return True
-
-
-INTERPRETING = _use_interpreter()
-
-# Score given to invisible keys / padding lanes: finite (no inf - inf = NaN), and so negative
-# that exp(it - any real max) is exactly 0 in fp32.
-MASKED_SCORE: tl.constexpr = tl.constexpr(-1.0e30)
-LOG2_E = 1.0 / math.log(2.0)  # scores are scaled by this so the kernel can use exp2
-
-# The interpreter's fp32 -> bf16 cast truncates (GPUs round to nearest even), so there the
-# rounding is done by hand in ``_cast``.
-ROUND_BF16_BY_HAND: tl.constexpr = tl.constexpr(INTERPRETING)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """x.to(dtype), rounding to nearest even also in the interpreter."""
-    if ROUND_BF16_BY_HAND and dtype == tl.bfloat16 and x.dtype == tl.float32:
-        # Round the fp32 bit pattern to its top 16 bits: add just under half an ulp, plus
-        # one when the kept part is odd (ties to even); carries roll into the exponent.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
-
-
-# --------------------------------------------------------------------------- block reductions
-# Every block product and block sum goes through ``_block_dot`` / ``_block_sum``. Compiled,
-# they *are* tl.dot / tl.sum (aliases, so the GPU code is exactly that of direct calls).
-# Interpreted, tl.dot would be np.matmul and tl.sum np.sum, whose summation order is the host
-# BLAS's and numpy's and may depend on a row's position in the block or on memory layout
-# (seen with OpenBLAS on an AVX-512 host: a row of a linear tile got other bits than the same
-# row alone). There both are replaced by a fixed pairwise tree over the last axis: level by
-# level, elements 2i and 2i + 1 are added. Every add is an elementwise fp32 add, exactly
-# rounded, so a result depends only on the values. Widths are block sizes: powers of two.
-if INTERPRETING:
-    # The tree is written out in both helpers rather than shared because each call of a jit
-    # function from a kernel makes the interpreter re-patch triton.language (~0.3 ms). Shapes
-    # are annotated constexpr: the interpreter turns plain int assignments into tensors.
-
-    @triton.jit
-    def _block_dot(a, b, acc=None, input_precision: tl.constexpr = None):
-        """tl.dot for fp32 a: [M, K], b: [K, N]: the [M, N, K] fp32 products (numpy fp32 * fp32,
-        exactly rounded) summed over K by the pairwise tree, then acc added. input_precision is
-        accepted for tl.dot's signature and ignored (products are always full fp32)."""
-        tl.static_assert(a.dtype == tl.float32 and b.dtype == tl.float32, "interpreted dot: upcast to fp32 first")
-        rows: tl.constexpr = int(a.shape[0])
-        cols: tl.constexpr = int(b.shape[1])
-        width: tl.constexpr = int(a.shape[1])
-        tl.static_assert(width >= 2 and (width & (width - 1)) == 0, "interpreted dot: K must be a power of two")
-        x = a[:, None, :] * tl.trans(b)[None, :, :]
-        while width > 2:
-            width: tl.constexpr = width // 2
-            pairs = tl.split(tl.reshape(x, [rows, cols, width, 2]))
-            x = pairs[0] + pairs[1]
-        pairs = tl.split(x)
-        x = pairs[0] + pairs[1]
-        if acc is not None:
-            x = acc + x
-        return x
-
-    @triton.jit
-    def _block_sum(x, axis: tl.constexpr):
-        """tl.sum over the last axis by the pairwise tree: [..., W] -> [...] (a scalar for 1-D x)."""
-        lead: tl.constexpr = [int(d) for d in x.shape[:-1]]
-        width: tl.constexpr = int(x.shape[-1])
-        tl.static_assert(axis == len(lead), "interpreted sum: only over the last axis")
-        tl.static_assert(width >= 2 and (width & (width - 1)) == 0, "interpreted sum: width must be a power of two")
-        while width > 2:
-            width: tl.constexpr = width // 2
-            pairs = tl.split(tl.reshape(x, lead + [width, 2]))
-            x = pairs[0] + pairs[1]
-        pairs = tl.split(x)
-        return pairs[0] + pairs[1]
-
-else:
-    _block_dot = tl.dot
-    _block_sum = tl.sum
-
 
 # --------------------------------------------------------------------------- configuration
 # Fixed tile shapes. They may depend on the dtype and on the mode, never on the data's
 # row count or sequence length: changing them changes the reduction order (and so the bits).
+# (Attention's are triton_attention's: ``_ATTENTION_TILES``, ``_ATTENTION_BACKWARD_TILES``.)
 # Matmul tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
-if INTERPRETING:
+if triton_common.INTERPRETING:
     _MATMUL_TILES = {dtype: (64, 64, 32, 1, 1) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
-    # Attention tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages). Small, so that short test
-    # sequences still span several key blocks.
-    _ATTENTION_TILES = {dtype: (16, 16, 1, 1) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
-    _ATTENTION_BACKWARD_TILES = dict(_ATTENTION_TILES)
     _ROW_BLOCK, _ROW_WARPS = 512, 1  # rms_norm / log_softmax chunk width
     _ELEMENTWISE_BLOCK = 4096
 else:
@@ -204,18 +92,6 @@ else:
         torch.float32: (64, 64, 32, 4, 3),
         torch.bfloat16: (64, 128, 64, 4, 3),
         torch.float16: (64, 128, 64, 4, 3),
-    }
-    _ATTENTION_TILES = {
-        torch.float32: (32, 32, 4, 2),
-        torch.bfloat16: (64, 64, 4, 2),
-        torch.float16: (64, 64, 4, 2),
-    }
-    # Backward attention tiles, same layout: (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). Smaller query
-    # blocks than the forward's: the dK/dV program holds two fp32 [BLOCK_N, hd] accumulators. Not tuned on a GPU.
-    _ATTENTION_BACKWARD_TILES = {
-        torch.float32: (32, 32, 4, 2),
-        torch.bfloat16: (32, 64, 4, 2),
-        torch.float16: (32, 64, 4, 2),
     }
     _ROW_BLOCK, _ROW_WARPS = 1024, 4
     _ELEMENTWISE_BLOCK = 1024
@@ -225,7 +101,7 @@ else:
 # projection in 64 x 128 tiles is 16 programs on an H200's 132 SMs, its weights read at a fifth of the memory's
 # bandwidth. The canonical BLOCK_M and BLOCK_K with each of DECODE_BLOCK_N's column widths, widest first.
 # (BLOCK_M, BLOCK_K, num_warps, num_stages) per dtype:
-if INTERPRETING:
+if triton_common.INTERPRETING:
     _DECODE_TILE_REST = {dtype: (64, 32, 1, 1) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 else:
     _DECODE_TILE_REST = {
@@ -235,25 +111,6 @@ else:
     }
 _DECODE_TILES = {dtype: tuple((block_m, block_n, block_k, warps, stages) for block_n in DECODE_BLOCK_N)
                  for dtype, (block_m, block_k, warps, stages) in _DECODE_TILE_REST.items()}
-
-
-# Pinned rather than left to Triton's default (which flips from fused to unfused mul-add in
-# Triton 3.10): either is invariant, but the bits must not change with a Triton upgrade.
-# Unfused also rounds each mul and add separately, like the torch reference.
-_COMPILE_OPTIONS = dict(enable_fp_fusion=False)
-
-
-def _input_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: full-precision products (tl.dot defaults to TF32 on GPUs).
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _check_device(op: str, **named: Tensor) -> None:
-    if not INTERPRETING:
-        for name, t in named.items():
-            if not t.is_cuda:
-                raise ValueError(f"triton_exact.{op}: {name} is on {t.device}; the compiled kernels need CUDA tensors "
-                                 "(or run with TRITON_INTERPRET=1)")
 
 
 # --------------------------------------------------------------------------- linear
@@ -289,14 +146,14 @@ def _linear_kernel(
         if CAST_TO_FP32:  # interpreter: its bf16 arithmetic is wrong; bf16 x bf16 is exact in fp32
             x_tile = x_tile.to(tl.float32)
             w_tile = w_tile.to(tl.float32)
-        acc = _block_dot(x_tile, w_tile, acc, input_precision=INPUT_PRECISION)
+        acc = block_dot(x_tile, w_tile, acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
-    tl.store(y_ptrs, _cast(acc, y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(y_ptrs, cast(acc, y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def embedding(tokens: Tensor, weight: Tensor) -> Tensor:
@@ -317,7 +174,7 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: Tiles
     """``linear``'s forward. ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the call's own
     (``linear_tiles``), for the first-use checks and the GPU tile survey (``benchmarks.gpu_real --part tiles``)
     alone: the model never passes it, so its bits never depend on it."""
-    _check_device("linear", x=x, weight=weight)
+    check_device("linear", x=x, weight=weight)
     n_inner = x.shape[-1]
     n_cols = weight.shape[0]
     x2d = x.reshape(-1, n_inner)
@@ -331,9 +188,9 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: Tiles
         x2d, weight, bias.contiguous() if bias is not None else weight, y,  # the kernel reads bias with stride 1
         x2d.shape[0], n_cols, n_inner,
         x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(x.dtype),
+        HAS_BIAS=bias is not None, CAST_TO_FP32=triton_common.INTERPRETING, INPUT_PRECISION=input_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS,
+        num_warps=num_warps, num_stages=num_stages, **COMPILE_OPTIONS,
     )  # fmt: skip
     return y.view(*x.shape[:-1], n_cols)
 
@@ -419,7 +276,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     a first-use check on the device found it gives every row these same bits
     (``linear_tiles``). Bias is added in fp32, then one rounding to x.dtype.
     In the interpreter the block product is a fixed pairwise tree of exactly rounded fp32
-    products (``_block_dot``), not np.matmul: invariance does not rest on the host BLAS.
+    products (``block_dot``), not np.matmul: invariance does not rest on the host BLAS.
     """
     checks.linear("triton_exact.linear", x, weight, bias)
     return exact_linear(_linear_forward, x, weight, bias)
@@ -435,7 +292,7 @@ def linear_backward(x: Tensor, weight: Tensor, grad: Tensor, need_x: bool, need_
 @triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, row_len, eps, BLOCK: tl.constexpr):
     # One program per row. Pass 1: sum of squares in BLOCK fp32 lanes, chunk by chunk in
-    # order, then one fixed tree (_block_sum) across lanes. Pass 2: scale and store.
+    # order, then one fixed tree (block_sum) across lanes. Pass 2: scale and store.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * row_len
     y_row = y_ptr + row * row_len
@@ -445,23 +302,23 @@ def _rms_norm_kernel(x_ptr, weight_ptr, y_ptr, row_len, eps, BLOCK: tl.constexpr
     for start in range(0, row_len, BLOCK):
         x = tl.load(x_row + start + lanes, mask=start + lanes < row_len, other=0.0).to(tl.float32)
         sum_sq += x * x
-    inv_rms = tl.rsqrt(_block_sum(sum_sq, axis=0) / row_len + eps)
+    inv_rms = tl.rsqrt(block_sum(sum_sq, axis=0) / row_len + eps)
 
     for start in range(0, row_len, BLOCK):
         mask = start + lanes < row_len
         x = tl.load(x_row + start + lanes, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(weight_ptr + start + lanes, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + start + lanes, _cast(x * inv_rms * w, y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_row + start + lanes, cast(x * inv_rms * w, y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rms_norm_exact(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    _check_device("rms_norm", x=x, weight=weight)
+    check_device("rms_norm", x=x, weight=weight)
     row_len = x.shape[-1]
     x2d = x.reshape(-1, row_len).contiguous()
     y = torch.empty_like(x2d)
     if y.numel():
         _rms_norm_kernel[(x2d.shape[0],)](
-            x2d, weight.contiguous(), y, row_len, eps, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+            x2d, weight.contiguous(), y, row_len, eps, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **COMPILE_OPTIONS
         )
     return y.view(x.shape)
 
@@ -473,7 +330,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     -- never on the number of rows, their order, padding rows or other rows' values.
 
     Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into
-    BLOCK fp32 partial sums that ``_block_sum`` combines in a fixed tree. Result in x.dtype.
+    BLOCK fp32 partial sums that ``block_sum`` combines in a fixed tree. Result in x.dtype.
     """
     checks.rms_norm("triton_exact.rms_norm", x, weight)
     return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
@@ -508,18 +365,18 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr)
     gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     # Like torch: silu is computed in fp32 and rounded to the input dtype, then multiplied.
-    silu = _cast(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + offsets, _cast(silu * up, out_ptr.dtype.element_ty), mask=mask)
+    silu = cast(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offsets, cast(silu * up, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _silu_mul_exact(gate: Tensor, up: Tensor) -> Tensor:
-    _check_device("silu_mul", gate=gate, up=up)
+    check_device("silu_mul", gate=gate, up=up)
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n_elements = gate.numel()
     if n_elements:
         grid = (triton.cdiv(n_elements, _ELEMENTWISE_BLOCK),)
-        _silu_mul_kernel[grid](gate, up, out, n_elements, BLOCK=_ELEMENTWISE_BLOCK, **_COMPILE_OPTIONS)
+        _silu_mul_kernel[grid](gate, up, out, n_elements, BLOCK=_ELEMENTWISE_BLOCK, **COMPILE_OPTIONS)
     return out
 
 
@@ -565,14 +422,14 @@ def exp(x: Tensor) -> Tensor:
     Invariance contract: each output element depends only on the matching input element -- not on the tensor's
     size, shape or the element's position. Tiling: the flattened tensor in fixed BLOCK-wide chunks, one program
     each; no reductions."""
-    _check_device("exp", x=x)
+    check_device("exp", x=x)
     if x.dtype != torch.float32:
         raise ValueError(f"triton_exact.exp: expected a float32 tensor, got {x.dtype}")
     flat = x.contiguous().view(-1)
     out = torch.empty_like(flat)
     if flat.numel():
         grid = (triton.cdiv(flat.numel(), _ELEMENTWISE_BLOCK),)
-        _exp_kernel[grid](flat, out, flat.numel(), BLOCK=_ELEMENTWISE_BLOCK, **_COMPILE_OPTIONS)
+        _exp_kernel[grid](flat, out, flat.numel(), BLOCK=_ELEMENTWISE_BLOCK, **COMPILE_OPTIONS)
     return out.view(x.shape)
 
 
@@ -590,12 +447,12 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, half_dim, BLOCK_H: t
     cos = tl.load(cos_ptr + token * half_dim + pairs, mask=pairs < half_dim, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * half_dim + pairs, mask=pairs < half_dim, other=0.0).to(tl.float32)
     out_type = out_ptr.dtype.element_ty
-    tl.store(out_ptr + first, _cast(x1 * cos - x2 * sin, out_type), mask=mask)
-    tl.store(out_ptr + first + half_dim, _cast(x2 * cos + x1 * sin, out_type), mask=mask)
+    tl.store(out_ptr + first, cast(x1 * cos - x2 * sin, out_type), mask=mask)
+    tl.store(out_ptr + first + half_dim, cast(x2 * cos + x1 * sin, out_type), mask=mask)
 
 
 def _rope_exact(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    _check_device("rope", x=x, cos=cos, sin=sin)
+    check_device("rope", x=x, cos=cos, sin=sin)
     batch, seq, n_heads, head_dim = x.shape
     half_dim = head_dim // 2
     # cos/sin may broadcast over leading dims, as in the reference (e.g. [1, T, hd/2]).
@@ -605,7 +462,7 @@ def _rope_exact(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if out.numel():
         _rope_kernel[(batch * seq,)](
             x, cos, sin, out, n_heads, half_dim,
-            BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_HALF=triton.next_power_of_2(half_dim), **_COMPILE_OPTIONS,
+            BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_HALF=triton.next_power_of_2(half_dim), **COMPILE_OPTIONS,
         )  # fmt: skip
     return out
 
@@ -645,384 +502,7 @@ def _rope_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tens
     return grad_x, grad_cos, grad_sin
 
 
-# --------------------------------------------------------------------------- attention
-@triton.jit
-def _sequence_and_kv_head(program, q_heads, group_size):
-    """(sequence, kv head) of a program on a grid whose axis 0 runs over sequence x kv head (the attention forward's
-    and the dK/dV backward's grids): the sequence as int64, for its pointer offsets."""
-    kv_heads = q_heads // group_size
-    return (program // kv_heads).to(tl.int64), program % kv_heads
-
-
-@triton.jit
-def _key_block(k_base, v_base, k_pos, cache_len, stride_kl, stride_vl, dims, dim_mask, CAST_TO_FP32: tl.constexpr):
-    """One kv head's keys and values at cache positions ``k_pos`` (a block of them): (which are in the cache, keys,
-    values), zeros past the cache's end; fp32 where ``CAST_TO_FP32`` (the interpreter)."""
-    in_cache = k_pos < cache_len
-    kv_mask = in_cache[:, None] & dim_mask[None, :]
-    k = tl.load(k_base + k_pos[:, None] * stride_kl + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + k_pos[:, None] * stride_vl + dims[None, :], mask=kv_mask, other=0.0)
-    if CAST_TO_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return in_cache, k, v
-
-
-@triton.jit(do_not_specialize=["q_len", "cache_len"])  # same binary for prefill and decode
-def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, q_start_ptr, out_ptr,
-    q_len, cache_len, q_heads, group_size, head_dim, qk_scale,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_ob, stride_ot, stride_oh,
-    lse_ptr,  # last, so that the other parameters keep their places in the compiled code
-    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    # Program (batch x kv head, row block): BLOCK_M rows of one sequence, each row one (query, q head) of the kv
-    # head's group (grouped-query attention: `group_size` q heads share a kv head), query-major -- row r is query
-    # r // group_size of the group's q head r % group_size. So the group's heads share one pass over their keys and
-    # values (a decode step's group_size rows, one program), and every row's arithmetic is its own, as in any tile.
-    batch_kv = tl.program_id(0)
-    row_block = tl.program_id(1)
-    batch, kv_head = _sequence_and_kv_head(batch_kv, q_heads, group_size)
-
-    row = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = row // group_size  # query index within this call
-    head = kv_head * group_size + row % group_size
-    dims = tl.arange(0, BLOCK_D)
-    keys = tl.arange(0, BLOCK_N)
-    dim_mask = dims < head_dim
-    q_start = tl.load(q_start_ptr + batch)
-    q_pos = q_start + t  # absolute positions of the queries
-
-    q_ptrs = q_ptr + batch * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=(t < q_len)[:, None] & dim_mask[None, :], other=0.0)
-    if CAST_TO_FP32:
-        q = q.to(tl.float32)
-    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
-
-    # Online softmax state, fp32. m_i starts at MASKED_SCORE (finite): position 0 is visible
-    # to every query and lies in the first block, so m_i is a real score after one step.
-    m_i = tl.full((BLOCK_M,), MASKED_SCORE, dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-
-    # Key blocks from position 0 in order, up to the last query's own position. Stopping
-    # earlier or later makes no difference to any query: a block it cannot see is a no-op.
-    last_query = (tl.minimum(q_len * group_size, (row_block + 1) * BLOCK_M) - 1) // group_size
-    kv_end = tl.minimum(q_start + last_query + 1, cache_len)
-    for block_start in range(0, kv_end, BLOCK_N):
-        k_pos = block_start + keys
-        in_cache, k, v = _key_block(k_base, v_base, k_pos, cache_len, stride_kl, stride_vl, dims, dim_mask,
-                                    CAST_TO_FP32)
-
-        # Scores in log2 units (scale * log2(e) folded in) so that exp2 can be used.
-        scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & in_cache[None, :]
-        scores = tl.where(visible, scores, MASKED_SCORE)
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)  # exactly 1 when nothing new is visible
-        p = tl.exp2(scores - m_new[:, None])  # exactly 0 where invisible
-        l_i = l_i * alpha + _block_sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = _block_dot(_cast(p, v.dtype), v, acc, input_precision=INPUT_PRECISION)
-        m_i = m_new
-
-    out = acc / l_i[:, None]
-    out_ptrs = out_ptr + batch * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptrs, _cast(out, out_ptr.dtype.element_ty), mask=(t < q_len)[:, None] & dim_mask[None, :])
-    if STORE_LSE:
-        # For the backward (p = exp2(score - lse)): the row's log-sum-exp in the kernel's own log2 units, fp32,
-        # [B * Hq, T] row-major. Written after `out` and from the same m_i, l_i: `out` is not touched.
-        tl.store(lse_ptr + (batch * q_heads + head) * q_len + t, m_i + tl.log2(l_i), mask=t < q_len)
-
-
-def _last_dim_contiguous(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _attention_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float, store_lse: bool
-                       ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """(out, lse or None, the prepared (q, k_cache, v_cache, q_start) the kernel read). ``store_lse`` only adds the
-    log-sum-exp store (fp32 [B * Hq, T], log2 units) after the output's; the output's bits are the same either way."""
-    _check_device("attention", q=q, k_cache=k_cache, v_cache=v_cache)
-    batch, q_len, q_heads, head_dim = q.shape
-    cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    # Strided views (e.g. a cache slice) are fine; only the head dim must be contiguous.
-    q, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q, k_cache, v_cache))
-    q_start = q_start.to(device=q.device, dtype=torch.int64).contiguous()
-    out = torch.empty(batch, q_len, q_heads, head_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch * q_heads, q_len, dtype=torch.float32, device=q.device) if store_lse else None
-    prepared = (q, k_cache, v_cache, q_start)
-    if out.numel() == 0:
-        return out, lse, prepared
-    block_m, block_n, num_warps, num_stages = _ATTENTION_TILES[q.dtype]
-    # kv heads x batch on grid axis 0 (no 65535 limit there), blocks of (query, q head) rows on axis 1.
-    grid = (batch * kv_heads, triton.cdiv(q_len * (q_heads // kv_heads), block_m))
-    _attention_kernel[grid](
-        q, k_cache, v_cache, q_start, out,
-        q_len, cache_len, q_heads, q_heads // kv_heads, head_dim, scale * LOG2_E,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), lse if store_lse else out,
-        CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(q.dtype), STORE_LSE=store_lse,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_attention_block_d(head_dim),
-        num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS,
-    )  # fmt: skip
-    return out, lse, prepared
-
-
-def _attention_block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def _attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
-    return _attention_forward(q, k_cache, v_cache, q_start, scale, store_lse=False)[0]
-
-
-def _attention_backward_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
-    """The attention whose autograd was the backward before the Triton one (kept for tests): SDPA's MATH backend,
-    deterministic (the fused backward kernels may use atomics on CUDA), but it materialises every T x L score
-    matrix in fp32."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH):
-        return native.attention(q, k_cache, v_cache, q_start, scale)
-
-
-# ------------------------------------------------------------ attention backward (FlashAttention-2 style)
-# Three kernels, none with atomics: every gradient element is written by exactly one program, whose reduction
-# runs in an order fixed by the tile constants (``_ATTENTION_BACKWARD_TILES``) and the loop bounds. The
-# forward's log-sum-exp (log2 units) gives each probability back as p = exp2(score - lse) without a softmax pass;
-# delta = rowsum(dO * O) is the softmax VJP's row term: dS = p * (dP - delta), dP = dO @ V^T.
-@triton.jit(do_not_specialize=["q_len"])
-def _attention_bwd_delta_kernel(
-    out_ptr, dout_ptr, delta_ptr,
-    q_len, q_heads, head_dim,
-    stride_ob, stride_ot, stride_oh,
-    stride_gb, stride_gt, stride_gh,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """delta[(b, h), t] = sum over d of dO * O, fp32, [B * Hq, T] row-major.
-
-    Invariance contract: each delta depends only on its own query row of O and dO -- one program per (sequence,
-    q head, BLOCK_M queries), the row reduced by one fixed tree over BLOCK_D lanes (``_block_sum``)."""
-    batch_head = tl.program_id(0)
-    query_block = tl.program_id(1)
-    batch = (batch_head // q_heads).to(tl.int64)
-    head = batch_head % q_heads
-    t = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (t < q_len)[:, None] & (dims < head_dim)[None, :]
-    o = tl.load(out_ptr + batch * stride_ob + t[:, None] * stride_ot + head * stride_oh + dims[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(dout_ptr + batch * stride_gb + t[:, None] * stride_gt + head * stride_gh + dims[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
-    tl.store(delta_ptr + batch_head.to(tl.int64) * q_len + t, _block_sum(o * do, axis=1), mask=t < q_len)
-
-
-@triton.jit(do_not_specialize=["q_len", "cache_len"])
-def _attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, q_start_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    q_len, cache_len, q_heads, group_size, head_dim, qk_scale, scale,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_gb, stride_gt, stride_gh,
-    stride_db, stride_dl, stride_dh,
-    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """dK = scale * sum dS^T @ Q and dV = sum P^T @ dO for one (sequence, kv head, BLOCK_N cache positions).
-
-    Invariance contract: each dK / dV element is written by this one program alone, and is the fp32 sum over the
-    kv head's q heads (in head order) and, within a head, over query blocks from the first that sees the key
-    block, in order, each block's products reduced by the fixed-shape ``_block_dot``. So it depends only on the
-    sequence's q, dO, lse, delta, its own keys/values and q_start -- never on other sequences or on the batch.
-    Cache positions no query sees (after the last query's position, or a cache longer than needed) get exact
-    zeros."""
-    batch_kv = tl.program_id(0)
-    key_block = tl.program_id(1)
-    batch, kv_head = _sequence_and_kv_head(batch_kv, q_heads, group_size)
-
-    k_pos = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    in_cache = k_pos < cache_len
-    kv_mask = in_cache[:, None] & dim_mask[None, :]
-    k = tl.load(k_ptr + batch * stride_kb + k_pos[:, None] * stride_kl + kv_head * stride_kh + dims[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + batch * stride_vb + k_pos[:, None] * stride_vl + kv_head * stride_vh + dims[None, :],
-                mask=kv_mask, other=0.0)
-    if CAST_TO_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    q_start = tl.load(q_start_ptr + batch)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-
-    # Queries before t = block start - q_start see none of these keys: start at the query block holding that t
-    # (the blocks skipped would add exact zeros).
-    first_block = tl.maximum(key_block * BLOCK_N - q_start, 0) // BLOCK_M
-    for g in range(0, group_size):
-        head = kv_head * group_size + g
-        lse_row = (batch * q_heads + head) * q_len
-        for m_start in range(first_block * BLOCK_M, q_len, BLOCK_M):
-            t = m_start + rows
-            q_mask = t < q_len
-            row_mask = q_mask[:, None] & dim_mask[None, :]
-            q = tl.load(q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                        mask=row_mask, other=0.0)
-            do = tl.load(dout_ptr + batch * stride_gb + t[:, None] * stride_gt + head * stride_gh + dims[None, :],
-                         mask=row_mask, other=0.0)
-            if CAST_TO_FP32:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(lse_ptr + lse_row + t, mask=q_mask, other=0.0)
-            delta = tl.load(delta_ptr + lse_row + t, mask=q_mask, other=0.0)
-            scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # log2 units
-            visible = (k_pos[None, :] <= (q_start + t)[:, None]) & in_cache[None, :] & q_mask[:, None]
-            # where, not a masked score: a padding row (q = 0, lse = 0) would otherwise get p = 1.
-            p = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
-            dv = _block_dot(tl.trans(_cast(p, do.dtype)), do, dv, input_precision=INPUT_PRECISION)
-            dp = _block_dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk = _block_dot(tl.trans(_cast(ds, q.dtype)), q, dk, input_precision=INPUT_PRECISION)
-
-    d_offsets = batch * stride_db + k_pos[:, None] * stride_dl + kv_head * stride_dh + dims[None, :]
-    tl.store(dk_ptr + d_offsets, _cast(dk * scale, dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + d_offsets, _cast(dv, dv_ptr.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit(do_not_specialize=["q_len", "cache_len"])
-def _attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, q_start_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
-    q_len, cache_len, q_heads, group_size, head_dim, qk_scale, scale,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kl, stride_kh,
-    stride_vb, stride_vl, stride_vh,
-    stride_gb, stride_gt, stride_gh,
-    stride_db, stride_dt, stride_dh,
-    CAST_TO_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """dQ = scale * sum dS @ K for one (sequence, q head, BLOCK_M queries).
-
-    Invariance contract: each dQ row is written by this one program alone: the fp32 sum over key blocks from
-    position 0 in order (as the forward walks them), each block's product reduced by the fixed-shape
-    ``_block_dot``. It depends only on the query's own q, dO, lse, delta and its sequence's keys/values at
-    positions <= its position -- not on other sequences, the batch, or cache contents after its position."""
-    batch_head = tl.program_id(0)
-    query_block = tl.program_id(1)
-    batch = (batch_head // q_heads).to(tl.int64)
-    head = batch_head % q_heads
-    kv_head = head // group_size
-
-    t = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    keys = tl.arange(0, BLOCK_N)
-    dim_mask = dims < head_dim
-    q_mask = t < q_len
-    row_mask = q_mask[:, None] & dim_mask[None, :]
-    q_start = tl.load(q_start_ptr + batch)
-    q_pos = q_start + t
-    q = tl.load(q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_mask, other=0.0)
-    do = tl.load(dout_ptr + batch * stride_gb + t[:, None] * stride_gt + head * stride_gh + dims[None, :],
-                 mask=row_mask, other=0.0)
-    if CAST_TO_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse_row = batch_head.to(tl.int64) * q_len
-    lse = tl.load(lse_ptr + lse_row + t, mask=q_mask, other=0.0)
-    delta = tl.load(delta_ptr + lse_row + t, mask=q_mask, other=0.0)
-    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
-    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-
-    last_query = tl.minimum(q_len, (query_block + 1) * BLOCK_M) - 1
-    kv_end = tl.minimum(q_start + last_query + 1, cache_len)
-    for block_start in range(0, kv_end, BLOCK_N):
-        k_pos = block_start + keys
-        in_cache, k, v = _key_block(k_base, v_base, k_pos, cache_len, stride_kl, stride_vl, dims, dim_mask,
-                                    CAST_TO_FP32)
-        scores = _block_dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & in_cache[None, :] & q_mask[:, None]
-        p = tl.where(visible, tl.exp2(scores - lse[:, None]), 0.0)
-        dp = _block_dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = _block_dot(_cast(ds, k.dtype), k, dq, input_precision=INPUT_PRECISION)
-
-    dq_ptrs = dq_ptr + batch * stride_db + t[:, None] * stride_dt + head * stride_dh + dims[None, :]
-    tl.store(dq_ptrs, _cast(dq * scale, dq_ptr.dtype.element_ty), mask=row_mask)
-
-
-def _attention_backward(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, out: Tensor, lse: Tensor,
-                        grad_out: Tensor, scale: float, need_q: bool, need_kv: bool
-                        ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(dq, dk_cache, dv_cache) of ``attention`` from the forward's prepared inputs, output and lse; None where not
-    needed. Gradients are new contiguous tensors of the inputs' shapes and dtypes; cache positions no query sees
-    get zeros."""
-    batch, q_len, q_heads, head_dim = q.shape
-    cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    grad_out = _last_dim_contiguous(grad_out)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
-    dk = torch.empty(k_cache.shape, dtype=k_cache.dtype, device=q.device) if need_kv else None
-    dv = torch.empty(v_cache.shape, dtype=v_cache.dtype, device=q.device) if need_kv else None
-    if q.numel() == 0 or k_cache.numel() == 0:
-        return tuple(None if t is None else t.zero_() for t in (dq, dk, dv))  # type: ignore[return-value]
-    block_m, block_n, num_warps, num_stages = _ATTENTION_BACKWARD_TILES[q.dtype]
-    block_d = _attention_block_d(head_dim)
-    delta = torch.empty(batch * q_heads, q_len, dtype=torch.float32, device=q.device)
-    _attention_bwd_delta_kernel[(batch * q_heads, triton.cdiv(q_len, block_m))](
-        out, grad_out, delta, q_len, q_heads, head_dim,
-        out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps, **_COMPILE_OPTIONS,
-    )  # fmt: skip
-    common = (
-        q_len, cache_len, q_heads, q_heads // kv_heads, head_dim, scale * LOG2_E, scale,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-    )  # fmt: skip
-    options = dict(CAST_TO_FP32=INTERPRETING, INPUT_PRECISION=_input_precision(q.dtype), BLOCK_M=block_m,
-                   BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages, **_COMPILE_OPTIONS)
-    if need_kv:
-        assert dk is not None and dv is not None
-        _attention_bwd_dkdv_kernel[(batch * kv_heads, triton.cdiv(cache_len, block_n))](
-            q, k_cache, v_cache, q_start, grad_out, lse, delta, dk, dv, *common,
-            dk.stride(0), dk.stride(1), dk.stride(2), **options,
-        )  # fmt: skip
-    if need_q:
-        assert dq is not None
-        _attention_bwd_dq_kernel[(batch * q_heads, triton.cdiv(q_len, block_m))](
-            q, k_cache, v_cache, q_start, grad_out, lse, delta, dq, *common,
-            dq.stride(0), dq.stride(1), dq.stride(2), **options,
-        )  # fmt: skip
-    return dq, dk, dv
-
-
-def _attention_with_saved(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float
-                          ) -> tuple[Tensor, tuple]:
-    out, lse, prepared = _attention_forward(q, k_cache, v_cache, q_start, scale, store_lse=True)
-    return out, (*prepared, out, lse, scale)
-
-
-def _attention_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    q, k_cache, v_cache, q_start, out, lse, scale = saved
-    _check_device("attention", grad=grad)
-    dq, dk, dv = _attention_backward(q, k_cache, v_cache, q_start, out, lse, grad, scale, needs[0],
-                                     needs[1] or needs[2])
-    return dq, (dk if needs[1] else None), (dv if needs[2] else None)
-
-
+# --------------------------------------------------------------------------- attention (its kernels: triton_attention)
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> Tensor:
     """Causal grouped-query attention of new queries against a KV cache (prefill and decode).
 
@@ -1045,7 +525,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     max m, normaliser l, accumulator acc), as in FlashAttention. Invisible keys score a
     large finite negative value, so blocks past a query's position change nothing for it.
     In the interpreter the block products and the row sums of p are fixed pairwise trees of
-    exactly rounded fp32 operations (``_block_dot``, ``_block_sum``), not np.matmul / np.sum:
+    exactly rounded fp32 operations (``block_dot``, ``block_sum``), not np.matmul / np.sum:
     invariance does not rest on the host BLAS or numpy.
 
     Backward contract (FlashAttention-2 style, three Triton kernels, no atomics): with grad enabled the forward
@@ -1059,8 +539,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     checks.attention("triton_exact.attention", q, k_cache, v_cache, q_start)
     if not q_start.is_cuda:  # a CUDA q_start's values are not read (a device sync): a negative one gives NaN rows
         checks.query_starts("triton_exact.attention", q_start)
-    return exact_forward_vjp(_attention_exact, _attention_with_saved, _attention_vjp, (q, k_cache, v_cache),
-                             (q_start, scale))
+    return exact_forward_vjp(triton_attention.attention_exact, triton_attention.attention_with_saved,
+                             triton_attention.attention_vjp, (q, k_cache, v_cache), (q_start, scale))
 
 
 # --------------------------------------------------------------------------- log_softmax
@@ -1070,7 +550,7 @@ def _row_log_normalizer(row_ptr, row_len, BLOCK: tl.constexpr):
 
     One pass of per-lane online softmax: lane j keeps the max and the rescaled sum of
     exp over elements j, j + BLOCK, j + 2 BLOCK, ...; the lanes are then combined by fixed
-    reduction trees (tl.max, _block_sum)."""
+    reduction trees (tl.max, block_sum)."""
     lanes = tl.arange(0, BLOCK)
     lane_max = tl.full((BLOCK,), MASKED_SCORE, dtype=tl.float32)
     lane_sum = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -1083,7 +563,7 @@ def _row_log_normalizer(row_ptr, row_len, BLOCK: tl.constexpr):
         lane_sum = lane_sum * tl.exp(lane_max - new_max) + tl.where(mask, tl.exp(x - new_max), 0.0)
         lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
-    total = _block_sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
+    total = block_sum(lane_sum * tl.exp(lane_max - row_max), axis=0)
     return row_max, tl.log(total)
 
 
@@ -1113,26 +593,26 @@ def _token_logprobs_kernel(logits_ptr, targets_ptr, out_ptr, row_len, BLOCK: tl.
 
 
 def _log_softmax_exact(logits: Tensor) -> Tensor:
-    _check_device("log_softmax", logits=logits)
+    check_device("log_softmax", logits=logits)
     row_len = logits.shape[-1]
     rows = logits.reshape(-1, row_len).contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
     if out.numel():
         _log_softmax_kernel[(rows.shape[0],)](
-            rows, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+            rows, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **COMPILE_OPTIONS
         )
     return out.view(logits.shape)
 
 
 def _token_logprobs_exact(logits: Tensor, targets: Tensor) -> Tensor:
-    _check_device("token_logprobs", logits=logits, targets=targets)
+    check_device("token_logprobs", logits=logits, targets=targets)
     row_len = logits.shape[-1]
     rows = logits.reshape(-1, row_len).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
     if out.numel() and row_len:
         _token_logprobs_kernel[(rows.shape[0],)](
-            rows, flat_targets, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+            rows, flat_targets, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **COMPILE_OPTIONS
         )
     return out.view(targets.shape)
 
@@ -1167,7 +647,7 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
 @triton.jit
 def _entropy_kernel(log_probs_ptr, out_ptr, row_len, BLOCK: tl.constexpr):
     # One program per row: -sum(exp(lp) * lp) in BLOCK fp32 lanes, chunk by chunk in order, then one fixed tree
-    # (_block_sum) across the lanes -- the pattern of _rms_norm_kernel's pass 1. Padding lanes load lp = 0, whose
+    # (block_sum) across the lanes -- the pattern of _rms_norm_kernel's pass 1. Padding lanes load lp = 0, whose
     # term exp(0) * 0 is exactly 0.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = log_probs_ptr + row * row_len
@@ -1176,17 +656,17 @@ def _entropy_kernel(log_probs_ptr, out_ptr, row_len, BLOCK: tl.constexpr):
     for start in range(0, row_len, BLOCK):
         lp = tl.load(row_ptr + start + lanes, mask=start + lanes < row_len, other=0.0).to(tl.float32)
         terms += tl.exp(lp) * lp
-    tl.store(out_ptr + row, -_block_sum(terms, axis=0))
+    tl.store(out_ptr + row, -block_sum(terms, axis=0))
 
 
 def _entropy_exact(log_probs: Tensor) -> Tensor:
-    _check_device("entropy", log_probs=log_probs)
+    check_device("entropy", log_probs=log_probs)
     row_len = log_probs.shape[-1]
     rows = log_probs.reshape(-1, row_len).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=log_probs.device)
     if out.numel():
         _entropy_kernel[(rows.shape[0],)](
-            rows, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **_COMPILE_OPTIONS
+            rows, out, row_len, BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS, **COMPILE_OPTIONS
         )
     return out.view(log_probs.shape[:-1])
 
@@ -1215,7 +695,7 @@ def entropy(log_probs: Tensor) -> Tensor:
     log-prob and its row's upstream gradient.
 
     Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into BLOCK fp32 partial sums
-    of exp(lp) * lp that ``_block_sum`` combines in a fixed tree; the result is negated. Not bitwise equal to
+    of exp(lp) * lp that ``block_sum`` combines in a fixed tree; the result is negated. Not bitwise equal to
     ``native.entropy`` (torch's sum, whose split depends on the row count, the thread count and on CUDA the shape)
     nor to ``cpu_exact.entropy`` (its own chunks and exp).
     """

@@ -19,6 +19,7 @@ that is not a multiple of 16) gets two binaries over row counts and passes: no r
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -81,6 +82,17 @@ def test_every_kernel_variant_passes_the_audit(cli):
     assert result["variants"]["attention_bwd_dkdv/bf16"]["targets"]["sm_90"]["dots"] == [
         [32, 64, 64], [32, 64, 64], [64, 32, 64], [64, 32, 64]]  # fmt: skip
     assert len(result["variants"]["attention_bwd_dq/fp32"]["targets"]["sm_80"]["dots"]) == 3
+
+
+def test_the_audit_lists_every_kernel_of_the_package(cli):
+    """Every ``@triton.jit`` function named ``*_kernel`` in kernels/, whichever module holds it (``triton_exact``,
+    ``triton_attention``, ...), is one the audit lists (``TritonModules.kernels``), under a name no other kernel has:
+    a kernel in a module the audit does not read would otherwise go unaudited."""
+    _, result = cli
+    defined = [node.name for path in sorted(Path(triton_audit.__file__).parent.glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
+               and node.name.endswith("_kernel") and any("triton.jit" in ast.unparse(d) for d in node.decorator_list)]
+    assert len(defined) == len(set(defined)) and sorted(defined) == result["kernels"]
 
 
 def test_decode_tiles_sum_a_column_as_the_canonical_tiles(cli):
@@ -165,7 +177,7 @@ def test_cli_refuses_to_record_a_failing_audit(monkeypatch, tmp_path, capsys):
     assert triton_audit.main(["--record"]) == 1
     assert not (tmp_path / "record.json").exists()
     err = capsys.readouterr().err
-    assert "_x_kernel: a kernel of triton_exact that the audit does not compile" in err
+    assert "_x_kernel: a kernel of the Triton backend that the audit does not compile" in err
     assert "not recorded" in err
 
 

@@ -1,10 +1,11 @@
 """Backward contracts of the Triton backend (``vexact_kernels.triton_exact``): attention's own backward kernels
-(FlashAttention-2 style) and the analytic VJPs of rms_norm, rope and silu_mul.
+(FlashAttention-2 style, ``triton_attention``) and the analytic VJPs of rms_norm, rope and silu_mul.
 
 Without a GPU these run in the Triton interpreter (slow): shapes are tiny but span several 16-wide attention
 blocks, ragged edges and a GQA group of 2. Correctness is checked against float64 autograd of the reference op
-(attention: the SDPA math backend that was the backward before, ``_attention_backward_reference``) with
-``assert_close`` at the tolerances in ``GRAD_TOL``; determinism and the unchanged forward bits with ``torch.equal``.
+(attention: the SDPA math backend that was the backward before, ``triton_attention._attention_backward_reference``)
+with ``assert_close`` at the tolerances in ``GRAD_TOL``; determinism and the unchanged forward bits with
+``torch.equal``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from conftest import require_optional
 from vexact_kernels import TRITON_PIP, native
 
 require_optional("triton", TRITON_PIP)  # the optional triton extra: the whole module needs it
+from vexact_kernels import triton_attention  # noqa: E402
 from vexact_kernels import triton_exact as exact  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
@@ -69,7 +71,7 @@ def _reference_grads(inputs, static, upstream):
     """float64 autograd of the SDPA math reference on the same values (on the CPU: float64 everywhere)."""
     cpu = [t.cpu() for t in inputs]
     static = tuple(s.cpu() if isinstance(s, torch.Tensor) else s for s in static)
-    return _grads(exact._attention_backward_reference, cpu, static, upstream.cpu(), torch.float64)[1]
+    return _grads(triton_attention._attention_backward_reference, cpu, static, upstream.cpu(), torch.float64)[1]
 
 
 # --------------------------------------------------------------------------- attention
@@ -110,13 +112,13 @@ def test_forward_with_grad_has_the_no_grad_forward_bits(case, dtype):
     # The grad path's forward also stores the log-sum-exp; the output must be the exact forward's bit for bit.
     inputs, q_start, upstream = _attention_inputs(case, dtype)
     out, _ = _grads(exact.attention, inputs, (q_start, SCALE), upstream)
-    assert torch.equal(out, exact._attention_exact(*inputs, q_start, SCALE))
+    assert torch.equal(out, triton_attention.attention_exact(*inputs, q_start, SCALE))
 
 
 def test_stored_lse_is_the_rows_log_sum_exp():
     inputs, q_start, _ = _attention_inputs("prefill_at_ragged_offsets", torch.float32)
     q, k, v = inputs
-    _, lse, _ = exact._attention_forward(q, k, v, q_start, SCALE, store_lse=True)
+    _, lse, _ = triton_attention._attention_forward(q, k, v, q_start, SCALE, store_lse=True)
     batch, q_len, q_heads, _ = q.shape
     group = q_heads // k.shape[2]
     scores = torch.einsum("bthd,blhd->bhtl", q.double(), k.double().repeat_interleave(group, 2)) * SCALE

@@ -18,7 +18,7 @@ require_optional("triton", TRITON_PIP)  # the optional triton extra: the whole m
 
 from test_kernel_inputs import BAD, COS, SIN, START, W, X, _r, assert_one_clear_error  # noqa: E402
 
-from vexact_kernels import checks  # noqa: E402
+from vexact_kernels import checks, triton_common  # noqa: E402
 from vexact_kernels import triton_exact as exact  # noqa: E402
 
 pytestmark = pytest.mark.slow  # importing triton, and the interpreter
@@ -50,7 +50,7 @@ def test_strided_operands_give_the_contiguous_operands_bits():
 def test_cpu_tensors_given_to_the_compiled_kernels_are_one_error_naming_the_op(monkeypatch):
     """Outside the interpreter (a GPU host) CPU tensors cannot reach a compiled kernel: one ValueError naming the op
     and the argument (the message named neither)."""
-    monkeypatch.setattr(exact, "INTERPRETING", False)
+    monkeypatch.setattr(triton_common, "INTERPRETING", False)
     with pytest.raises(ValueError, match=r"triton_exact\.linear: x is on cpu; the compiled kernels need CUDA tensors"):
         exact.linear(X, W)
     with pytest.raises(ValueError, match=r"triton_exact\.silu_mul: gate is on cpu"):

@@ -1,4 +1,4 @@
-"""Op-level contracts of the Triton kernels (``vexact_kernels.triton_exact``).
+"""Op-level contracts of the Triton kernels (``vexact_kernels.triton_exact``; attention's in ``triton_attention``).
 
 Without a GPU these run in the Triton interpreter (slow), so shapes are tiny; the module's
 interpreter tiles (64x64x32 matmul tiles, 16x16 attention tiles, 512-wide row chunks) are
@@ -26,6 +26,7 @@ require_optional("triton", TRITON_PIP)  # the optional triton extra: the whole m
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from vexact_kernels import triton_common  # noqa: E402
 from vexact_kernels import triton_exact as exact  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
@@ -75,7 +76,7 @@ def test_interpreter_mode_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: kernels are compiled, not interpreted")
-    assert exact.INTERPRETING
+    assert triton_common.INTERPRETING
     assert isinstance(exact._linear_kernel, InterpretedFunction)
 
 

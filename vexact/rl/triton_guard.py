@@ -36,7 +36,7 @@ DECODE_FACTOR = 3.5  # a decode-step token costs this many prefill tokens (measu
 
 def interpreting() -> bool:
     """Whether Triton kernels run in the interpreter on this machine: no CUDA device, or TRITON_INTERPRET=1 (the
-    rule ``kernels/triton_exact.py`` applies). The trainer's tensors are CPU tensors either way."""
+    rule ``kernels/triton_common.py`` applies). The trainer's tensors are CPU tensors either way."""
     import torch
 
     return not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
