@@ -4,10 +4,11 @@ The reference pages are written from the objects that define them, never by hand
 
 * the CLI reference, by walking ``vexact.cli.build_parser()`` (every subcommand and flag; ``vexact bench``'s
   benchmarks from their own ``add_arguments`` where the ``benchmarks`` package is importable);
-* the config reference, by walking the ``RunConfig`` dataclasses of ``vexact.rl.config`` (types, defaults, bounds;
-  a field's description is the comment beside it in the source, for a key an extension's settings brought the
-  comment in the settings class, with the entries it comes from), and the tables of registered choices (every
-  registry of ``vexact.rl.registries``, with the keys each entry's settings bring);
+* the config reference, by walking the ``RunConfig`` dataclasses of ``vexact.rl.config_schema`` (types, defaults,
+  bounds; a field's description is the comment beside it in the source, for a key an extension's settings brought
+  the comment in the settings class, with the entries it comes from) and the other spellings of keys and values
+  (``vexact.rl.config_spellings``), and the tables of registered choices (every registry of
+  ``vexact.rl.registries``, with the keys each entry's settings bring);
 * the metric reference, from the registry ``vexact.metric_keys``;
 * the kernel op contracts, one mkdocstrings block per op of ``vexact_kernels.OP_NAMES``.
 
@@ -269,7 +270,7 @@ _DESCRIPTIONS = {
     "distributed.reduce": "tree (bitwise equal for every rank count) or allreduce",
 }
 """Descriptions of the config fields that have no comment beside them in the source (the comment wins).
-Left for later: move these into ``vexact/rl/config.py`` as field comments."""
+Left for later: move these into ``vexact/rl/config_schema.py`` as field comments."""
 
 
 def _slug(title: str) -> str:
@@ -324,7 +325,7 @@ def _default_of(f: dataclasses.Field) -> str:
 
 def _sections() -> Iterator[tuple[str, type]]:
     """(dotted prefix, dataclass) of ``RunConfig`` and every section below it (optional ones too)."""
-    from vexact.rl.config import RunConfig
+    from vexact.rl.config_schema import RunConfig
 
     todo: list[tuple[str, type]] = [("", RunConfig)]
     while todo:
@@ -357,7 +358,7 @@ def config_keys() -> list[str]:
 
 def config_markdown() -> str:
     """The config reference: one table per section (key, type, default, bounds, description)."""
-    from vexact.rl import config as cfg
+    from vexact.rl import config_spellings
 
     out = []
     for prefix, cls in _sections():
@@ -382,24 +383,24 @@ def config_markdown() -> str:
                 text = f"{text}; see [`{key}`](#{_slug(key)})".lstrip("; ")
             rows.append([f"`{key}`", _type_name(hints[f.name]), _default_of(f), _bounds(f.metadata), _cell(text)])
         out += [markdown_table(["key", "type", "default", "bounds", "description"], rows), ""]
-    aliases = getattr(cfg, "KEY_ALIASES", {})
+    aliases = getattr(config_spellings, "KEY_ALIASES", {})
     if aliases:
         out += ["## Other spellings", "",
                 "verl's name of a key, in vexact's section; the config stores vexact's. Giving both is an error.", "",
                 markdown_table(["verl spelling", "vexact key"], [[_code(a), _code(k)] for a, k in aliases.items()]),
                 ""]
-    renamed = getattr(cfg, "RENAMED_KEYS", {})
+    renamed = getattr(config_spellings, "RENAMED_KEYS", {})
     if renamed:
         out += ["Deprecated keys (still read, with a `FutureWarning`; the config stores the new key):", "",
                 markdown_table(["old key", "new key", "why"], [[_code(a), _code(r.new), _cell(r.why)]
                                                                for a, r in renamed.items()]), ""]
-    deprecated = getattr(cfg, "DEPRECATED_VALUES", {})
+    deprecated = getattr(config_spellings, "DEPRECATED_VALUES", {})
     if deprecated:
         out += ["Deprecated values (still read, with a `FutureWarning`; the config stores the new one):", "",
                 markdown_table(["key", "old value", "new value"], [[_code(k), _code(a), _code(v)]
                                                                    for k, m in deprecated.items()
                                                                    for a, v in m.items()]), ""]
-    values = getattr(cfg, "VALUE_ALIASES", {})
+    values = getattr(config_spellings, "VALUE_ALIASES", {})
     if values:
         out += ["Other spellings of values (stored under the second):", "",
                 ", ".join(f"`{a}` → `{v}`" for a, v in values.items()), ""]

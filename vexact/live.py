@@ -124,7 +124,8 @@ from .real.measure import mismatch_report
 from .records import METRICS_FILE
 from .records.atomic import write_text_atomic
 from .records.runlog import MetricsWriter, json_safe, read_metrics
-from .rl.config import ConfigError, LoggingSection
+from .rl.config import ConfigError
+from .rl.config_schema import LoggingSection
 from .rl.log_backends import LOG_BACKENDS, WANDB_MODES, WandbMode, live_views, missing_package
 from .rl.metrics import lag_split_metrics, require_log_prob_tensor
 from .rl.monitor import check_sampling, sample_rows

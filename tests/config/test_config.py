@@ -11,18 +11,9 @@ import yaml
 from test_sweep_faults import _cli_error
 from test_trainer import EXPERIMENT
 
-from vexact.rl.config import (
-    KEY_ALIASES,
-    AlgorithmSection,
-    ConfigError,
-    OptimizerSection,
-    RunConfig,
-    config_from_dict,
-    config_hash,
-    dotted_items,
-    load_config,
-    save_config,
-)
+from vexact.rl.config import ConfigError, config_from_dict, config_hash, dotted_items, load_config, save_config
+from vexact.rl.config_schema import AlgorithmSection, OptimizerSection, RunConfig
+from vexact.rl.config_spellings import KEY_ALIASES
 from vexact.rl.trainer import Trainer
 from vexact.sweeps.sweep import load_sweep_spec
 
@@ -241,6 +232,20 @@ def test_file_errors(tmp_path):
         config_from_dict([1, 2])
 
 
+def test_the_public_names_import_from_vexact_rl_config():
+    """``vexact.rl.config`` is where users import the run config from: every name of its ``__all__`` is there, the
+    object its defining module holds (the sections live in ``config_schema``, the other spellings in
+    ``config_spellings``), and every section class is one of them."""
+    from vexact.rl import config, config_schema, config_spellings
+
+    defined = {**vars(config_schema), **vars(config_spellings), **vars(config)}
+    assert [name for name in config.__all__ if getattr(config, name, "missing") is not defined.get(name)] == []
+    assert config.RunConfig is config_schema.RunConfig and config.KEY_ALIASES is config_spellings.KEY_ALIASES
+    sections = {name for name, value in vars(config_schema).items() if isinstance(value, type)
+                and dataclasses.is_dataclass(value) and value.__module__ == config_schema.__name__}
+    assert "TargetSection" in sections and sections <= set(config.__all__), sections - set(config.__all__)
+
+
 def test_config_error_is_value_error():
     # Callers that catch ValueError (the CLI) keep working.
     assert issubclass(ConfigError, ValueError)
@@ -249,7 +254,8 @@ def test_config_error_is_value_error():
 
 
 def test_lengths_are_config_errors_at_load_and_in_the_trainer():
-    from vexact.rl.config import ConfigError, RunConfig, config_from_dict
+    from vexact.rl.config import ConfigError, config_from_dict
+    from vexact.rl.config_schema import RunConfig
 
     with pytest.raises(ConfigError) as e:
         config_from_dict({"model": {"max_seq_len": 10}})
@@ -293,7 +299,7 @@ def test_the_configs_dtypes_are_the_models():
     import typing
 
     from vexact.engine.model import DTYPE_NAMES
-    from vexact.rl.config import DType
+    from vexact.rl.config_schema import DType
 
     assert typing.get_args(DType) == DTYPE_NAMES == ("float32", "bfloat16")
 

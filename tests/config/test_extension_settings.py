@@ -1,7 +1,7 @@
 """An extension owns its settings: a registered mode, task, schedule, correction method, advantage estimator or log
 backend declares a dataclass whose fields become config keys of its section (``vexact.registry``), validated,
-saved, settable with ``--set``, documented and gone again when it is unregistered; the config schema
-(``vexact/rl/config.py``) imports no extension."""
+saved, settable with ``--set``, documented and gone again when it is unregistered; the run config (the schema
+``vexact/rl/config_schema.py``, and ``config.py`` that reads files into it) imports no extension."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import vexact
 from tools import docs_gen
 from vexact.registry import mounts
 from vexact.rl import BUILTINS
-from vexact.rl.config import InjectSection, RunConfig, config_from_dict
+from vexact.rl.config import config_from_dict
+from vexact.rl.config_schema import InjectSection, RunConfig
 from vexact.rl.log_backends import LOG_BACKENDS, open_backends
 from vexact.rl.objective import compute_advantages
 from vexact.rl.registries import ADVANTAGE_ESTIMATORS, INJECT_MODES, REGISTRIES, TASKS
@@ -74,10 +75,10 @@ def test_the_config_schema_imports_no_extension():
     """Not directly, not through another module: the built-ins register when the ``vexact.rl`` package imports
     them, as a plugin's extensions do (package ``__init__`` files, which Python runs anyway, are not followed)."""
     extensions = set(BUILTINS) | {"vexact.rl.surge_task", "vexact.rl.horizon_task", "vexact.rl.vocab_tail"}
-    reached = _closure("vexact.rl.config")
+    reached = _closure("vexact.rl.config")  # the loader, and through it the schema and the other spellings
     assert not reached & extensions, sorted(reached & extensions)
     assert "vexact.rl.registries" in reached  # ... it validates against the registries
-    assert _closure("vexact.rl.inject_modes") & {"vexact.rl.config"}  # counter-case: the walk finds imports
+    assert _closure("vexact.rl.inject_modes") & {"vexact.rl.config_schema"}  # counter-case: the walk finds imports
 
 
 # --- the built-ins' settings -----------------------------------------------------------------------------------
@@ -332,10 +333,10 @@ def test_an_outside_tasks_default_setting_leaves_the_warm_start_key_as_it_was():
 
 def test_the_schema_types_out_no_extension_points_names():
     """The choices of the extension points are registry names in the schema (``TaskName``, ...), read from the
-    registries at validation: no ``Literal`` in config.py lists a registered name (as ``advantage``, ``loss_agg``,
-    ``loss_type``, ``backends``, ``inject.sites`` and ``mismatch_metric`` did)."""
+    registries at validation: no ``Literal`` in config_schema.py lists a registered name (as ``advantage``,
+    ``loss_agg``, ``loss_type``, ``backends``, ``inject.sites`` and ``mismatch_metric`` did)."""
     literals = set()
-    for node in ast.walk(ast.parse((ROOT / "vexact" / "rl" / "config.py").read_text())):
+    for node in ast.walk(ast.parse((ROOT / "vexact" / "rl" / "config_schema.py").read_text())):
         if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal":
             literals |= {c.value for c in ast.walk(node.slice) if isinstance(c, ast.Constant)}
     registered = {name for registry in REGISTRIES for name in registry.names()}

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from vexact import metric_keys
-from vexact.rl.config import DEPRECATED_VALUES, config_from_dict, load_config, save_config
+from vexact.rl.config import config_from_dict, load_config, save_config
+from vexact.rl.config_spellings import DEPRECATED_VALUES
 from vexact.rl.validate import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ import pytest
 
 from vexact.cli import main
 from vexact.registry import RegisteredName
-from vexact.rl.config import RunConfig
+from vexact.rl.config_schema import RunConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

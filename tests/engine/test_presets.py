@@ -9,7 +9,8 @@ from vexact.engine.model import ModelConfig
 from vexact.engine.presets import MODEL_PRESETS, PRESET_NAMES, UnknownPresetError, preset_config, preset_values
 from vexact.real.check import CHECK_PRESET, CheckSettings
 from vexact.real.locate import RANDOM_MODEL
-from vexact.rl.config import MODEL_DEFAULTS, ConfigError, config_from_dict
+from vexact.rl.config import ConfigError, config_from_dict
+from vexact.rl.config_schema import MODEL_DEFAULTS
 from vexact.rl.warmstart import warm_start_key
 
 

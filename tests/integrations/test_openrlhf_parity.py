@@ -406,7 +406,7 @@ def check_correction_types(root: Path) -> None:
     also clamps below; level seq rejects geo_rs's sequences but weighs kept tokens by the raw ratio; binary_kl and tv
     gate on the sampled token's probabilities, with one upper bound; vllm_kl is rollout_corr/kl; is_filter_ratio is
     vexact's zeroed, truncated or rejected fraction."""
-    from vexact.rl.config import CorrectionSection
+    from vexact.rl.config_schema import CorrectionSection
     from vexact.rl.corrections import rollout_correction
     from vexact.rl.metrics import mismatch_metrics
 

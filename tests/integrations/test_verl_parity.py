@@ -23,7 +23,7 @@ import pytest
 import torch
 from conftest import require_optional
 
-from vexact.rl.config import AlgorithmSection, CorrectionSection
+from vexact.rl.config_schema import AlgorithmSection, CorrectionSection
 from vexact.rl.corrections import PRESETS, plan_for, rollout_correction
 from vexact.rl.metrics import mismatch_metrics
 from vexact.rl.objective import Objective, aggregate, ppo_token_loss

@@ -16,7 +16,7 @@ from vexact.map.build import build_map
 from vexact.map.scaling_report import write_scaling
 from vexact.map.verdict import bound_lines, compare_map, load_map
 from vexact.metric_keys import K3_KL
-from vexact.rl.config import RunConfig
+from vexact.rl.config_schema import RunConfig
 from vexact.rl.horizon_task import horizon_overrides
 from vexact.sweeps.sweep_data import read_sweep_results
 
@@ -252,7 +252,7 @@ def _dip_sweep(root: Path) -> Path:
     40-55) and recovers: a collapse for a 10-step recovery window, none for the runs' own 20. Each summary is the
     detector's verdict under the saved settings, as a run writes it."""
     from vexact.rl.collapse import detect_collapse
-    from vexact.rl.config import CollapseSection
+    from vexact.rl.config_schema import CollapseSection
 
     path = root / "dips"
     points, variants = [], {}

@@ -18,7 +18,7 @@ from vexact.map.naming import correction_from_config, correction_name, correctio
 from vexact.map.scaling_report import write_scaling
 from vexact.map.shapes import compare_shapes
 from vexact.map.verdict import MAP_KEYS, load_map, place_on_map, resolve_correction
-from vexact.rl.config import CorrectionSection
+from vexact.rl.config_schema import CorrectionSection
 from vexact.rl.corrections import CORRECTION_METHODS, PRESETS, CorrectionMethod, register_correction_method
 from vexact.sweeps.sweep_data import PointData, SweepData
 

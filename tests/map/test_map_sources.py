@@ -16,7 +16,7 @@ from test_build_map import HIGH, LOW, _sweep, _threshold
 from vexact.map.build import build_map
 from vexact.map.naming import source_name
 from vexact.map.verdict import compare_map, curve_for, map_sources, place_on_map
-from vexact.rl.config import RunConfig
+from vexact.rl.config_schema import RunConfig
 
 ROUTING = {"inject.mode": "routing_flip", "inject.flip_kind": "near_tie"}
 MOE_T = 12.0  # the MoE testbed's measured horizon

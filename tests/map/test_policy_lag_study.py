@@ -10,7 +10,7 @@ import yaml
 
 from tools.studies.policy_lag import bracket_table, dose_table, main, sweep_rows
 from vexact.metric_keys import K3_KL, LAG_K3_KL, TIM_K3_KL
-from vexact.rl.config import RunConfig
+from vexact.rl.config_schema import RunConfig
 
 # (lag, injected) -> (lag k3, TIM k3, collapsed at step or None); total = 0.9 x (lag + TIM) where both are logged
 RUNS = {(0, 0.0): (0.0, 0.0, None), (0, -0.3): (0.0, 0.05, None), (0, -0.5): (0.0, 0.4, 4),

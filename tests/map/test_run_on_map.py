@@ -11,7 +11,7 @@ import pytest
 from tools.studies.run_on_map import main, run_on_map
 from vexact.map.verdict import load_map, place_on_map
 from vexact.rl.collapse import detect_collapse
-from vexact.rl.config import CollapseSection
+from vexact.rl.config_schema import CollapseSection
 
 K3 = [1e-3 * (1 + step) for step in range(40)]  # rising: the mean before collapse differs from the run mean
 

@@ -25,7 +25,8 @@ from vexact.reports.run_report import (
 )
 from vexact.reports.sweep_table import reward_summary
 from vexact.rl.collapse import detect_collapse
-from vexact.rl.config import CollapseSection, load_config
+from vexact.rl.config import load_config
+from vexact.rl.config_schema import CollapseSection
 from vexact.rl.trainer import Trainer
 from vexact.sweeps.sweep_data import read_point
 

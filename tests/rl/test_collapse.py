@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vexact.rl.collapse import detect_collapse, trailing_mean
-from vexact.rl.config import CollapseSection
+from vexact.rl.config_schema import CollapseSection
 
 KEYS = {"collapsed", "collapse_step", "collapse_reason", "collapse_unconfirmed_step", "peak_reward", "peak_step",
         "final_reward", "initial_reward", "mean_k3_kl", "mean_abs_dlogp", "mean_k3_kl_before_collapse",

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from vexact.rl.config import ConfigError, CorrectionSection, config_from_dict
+from vexact.rl.config import ConfigError, config_from_dict
+from vexact.rl.config_schema import CorrectionSection
 from vexact.rl.corrections import CORRECTION_METHODS, PRESETS, RejectOption, plan_for, rollout_correction
 from vexact.rl.objective import ppo_token_loss
 
@@ -150,7 +151,7 @@ def test_rejection_options_combine_by_and():
 def test_bypass_loss_types():
     """ppo_clip ignores the IS weights (verl: the ratio π_θ/μ is the correction), reinforce is -A·w·log π_θ,
     ppo_clip_is puts w inside the ratio; decoupled multiplies the clipped loss by w."""
-    from vexact.rl.config import AlgorithmSection
+    from vexact.rl.config_schema import AlgorithmSection
     from vexact.rl.objective import Objective
 
     train = torch.tensor(RHO, dtype=torch.float64).log()
@@ -275,7 +276,7 @@ def test_old_logprobs_is_the_one_key_and_verls_bypass_mode_is_read_into_it():
     import warnings
 
     from vexact.map.naming import correction_from_config
-    from vexact.rl.config import RENAMED_KEYS
+    from vexact.rl.config_spellings import RENAMED_KEYS
 
     assert RENAMED_KEYS["correction.bypass_mode"].new == "algorithm.old_logprobs"
     for bypass, old in ((True, "rollout"), (False, "recompute")):

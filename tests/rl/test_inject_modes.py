@@ -6,7 +6,8 @@ import typing
 
 import pytest
 
-from vexact.rl.config import InjectSection, config_from_dict
+from vexact.rl.config import config_from_dict
+from vexact.rl.config_schema import InjectSection
 from vexact.rl.inject import calibrate
 from vexact.rl.inject_modes import INJECT_MODES, register_inject_mode
 from vexact.rl.validate import ConfigError
@@ -44,7 +45,8 @@ def test_each_knob_mode_names_its_knob_and_inject_value_is_the_old_spelling(tmp_
     config stores the mode's key, so a saved config reloads without a warning."""
     import warnings
 
-    from vexact.rl.config import knob_key, knob_keys, load_config
+    from vexact.rl.config import load_config
+    from vexact.rl.config_schema import knob_key, knob_keys
 
     assert {n: m.knob_name for n, m in INJECT_MODES.items() if m.knob is not None} == KNOB_NAMES
     assert knob_keys() == {"sigma": ("logit_noise", "logprob_only"), "epsilon": ("logit_scale",), "top_p": ("top_p",),
@@ -197,7 +199,7 @@ def test_quiet_reads_the_named_keys_old_spellings_without_their_warning():
     vexact wrote (``DEPRECATED_SPELLINGS``) reads every old spelling quietly; the global filters are untouched."""
     import warnings
 
-    from vexact.rl.config import DEPRECATED_SPELLINGS, RENAMED_KEYS
+    from vexact.rl.config_spellings import DEPRECATED_SPELLINGS, RENAMED_KEYS
 
     raw = {"inject": {"mode": "logit_scale", "value": -0.1}, "correction": {"bypass_mode": True}}
     assert "correction.bypass_mode" in RENAMED_KEYS and "inject.value" in DEPRECATED_SPELLINGS

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vexact.rl.config import AlgorithmSection, CorrectionSection
+from vexact.rl.config_schema import AlgorithmSection, CorrectionSection
 from vexact.rl.metrics import LOG_RATIO_BOUND
 from vexact.rl.objective import Anchors, Objective, aggregate, compute_advantages, k3_penalty, ppo_token_loss
 

@@ -6,14 +6,8 @@ import math
 
 import pytest
 
-from vexact.rl.config import (
-    CollapseSection,
-    ConfigError,
-    LRScheduleSection,
-    OptimizerSection,
-    config_from_dict,
-    load_config,
-)
+from vexact.rl.config import ConfigError, config_from_dict, load_config
+from vexact.rl.config_schema import CollapseSection, LRScheduleSection, OptimizerSection
 from vexact.rl.schedules import LRSchedule
 
 

@@ -96,7 +96,7 @@ def _finite_positive(value: object) -> bool:
         return False
 
 
-_POSITIVE = {"min": 1}  # field metadata: numeric bounds, also read by the run config's schema (vexact.rl.config)
+_POSITIVE = {"min": 1}  # field metadata: numeric bounds, also read by the run config's schema (vexact.rl.config_schema)
 
 
 @dataclass

@@ -62,7 +62,7 @@ from .vllm import VLLM_INSTALL, WORKER_ENV, _last_line, error_line, sampled, sta
 if TYPE_CHECKING:
     from ..engine.model import Transformer
     from ..rl.collect import RolloutBatch
-    from ..rl.config import RolloutSection, RunConfig
+    from ..rl.config_schema import RolloutSection, RunConfig
     from ..rl.inject import RolloutPlan
     from ..rl.tasks import CharTokenizer, Problem, Task
 

@@ -24,7 +24,7 @@ import yaml
 
 from ..records import CONFIG_FILE
 from ..rl.collapse import detect_collapse
-from ..rl.config import MEMORY_KEYS, CollapseSection
+from ..rl.config_schema import MEMORY_KEYS, CollapseSection
 from ..rl.horizon_task import horizon_overrides
 from ..rl.validate import parse_yaml
 from ..sweeps.dose_response import METRIC

@@ -23,7 +23,8 @@ from typing import Any
 
 import yaml
 
-from ..rl.config import RENAMED_KEYS, AlgorithmSection, CorrectionSection, RunConfig, knob_key, move_renamed_keys
+from ..rl.config_schema import AlgorithmSection, CorrectionSection, RunConfig, knob_key
+from ..rl.config_spellings import RENAMED_KEYS, move_renamed_keys
 from ..rl.corrections import CORRECTION_METHODS, VERL_KEYS, CorrectionPlan, plan_for
 from ..rl.inject_modes import INJECT_MODES
 from ..rl.plugins import load_entry_points

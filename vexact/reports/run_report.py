@@ -42,7 +42,8 @@ from ..metric_keys import (
 from ..records import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 from ..records.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
-from ..rl.config import CollapseSection, RunConfig, load_config
+from ..rl.config import load_config
+from ..rl.config_schema import CollapseSection, RunConfig
 from ..sweeps.failure import failure_of, failure_words
 from ..sweeps.sweep_data import PointData, collapse_step_of, damaged_points_error, is_num, metric_series, read_point
 from ..sweeps.text_table import TextColumn, fmt_float, fmt_sci, print_table

@@ -19,7 +19,8 @@ from rich.table import Table
 
 from ..records.atomic import write_text_atomic
 from ..rl.collapse import trailing_mean
-from ..rl.config import CollapseSection, dotted_items
+from ..rl.config import dotted_items
+from ..rl.config_schema import CollapseSection
 from ..sweeps.markdown_table import markdown_table
 from ..sweeps.sweep_data import PointData, SweepData, is_num, mean, median, metric_series
 from ..sweeps.text_table import TextColumn, fmt_float, fmt_sci, fmt_step, fmt_value, print_table

@@ -1,12 +1,12 @@
 """The RL loop on top of the engine, in the order one step runs:
 
-``config`` (YAML -> RunConfig) -> ``inject`` (the step's RolloutPlan: which ops, dtype and logits hook the
-rollout path uses) -> ``collect`` (prompts from ``tasks``, generate, rewards) -> ``scoring`` (the training path's
-log-probs before the update: the PPO anchors, ...) -> ``advantages`` -> ``objective`` (``corrections``, PPO loss) ->
-update (in ``trainer``) -> ``step_metrics`` (the step's line, from ``metrics``) -> the run log
-(``vexact.records.runlog``: metrics.jsonl, checkpoints; ``log_backends``: its live views); ``schedules`` (LR) and
-``collapse`` watch the logged metrics; ``warmstart`` makes the starting policy. Imports only ``vexact.engine``,
-``vexact.records`` and ``vexact_kernels``.
+``config`` (YAML -> RunConfig; + ``config_schema``, ``config_spellings``) -> ``inject`` (the step's RolloutPlan:
+which ops, dtype and logits hook the rollout path uses) -> ``collect`` (prompts from ``tasks``, generate, rewards)
+-> ``scoring`` (the training path's log-probs before the update: the PPO anchors, ...) -> ``advantages`` ->
+``objective`` (``corrections``, PPO loss) -> update (in ``trainer``) -> ``step_metrics`` (the step's line, from
+``metrics``) -> the run log (``vexact.records.runlog``: metrics.jsonl, checkpoints; ``log_backends``: its live
+views); ``schedules`` (LR) and ``collapse`` watch the logged metrics; ``warmstart`` makes the starting policy.
+Imports only ``vexact.engine``, ``vexact.records`` and ``vexact_kernels``.
 """
 
 # The built-in tasks, modes, schedules, ... register themselves when imported, as a plugin's extensions do; the

@@ -1,4 +1,5 @@
-"""Collapse detection on a run's ``metrics.jsonl`` history (settings: ``CollapseSection`` in ``vexact/rl/config.py``).
+"""Collapse detection on a run's ``metrics.jsonl`` history (settings: ``CollapseSection`` in
+``vexact/rl/config_schema.py``).
 
 A run "collapses" when its policy stops being able to do the task it had learned. By default this is judged on
 ``eval/reward_mean``, the reward of the **clean** evaluation (the policy sampled without any injected mismatch),
@@ -61,7 +62,7 @@ from ..metric_keys import ABS_DLOGP_MEAN, GRAD_NORM, K3_KL, PG_LOSS, RESPONSE_LE
 from ..records.metrics_log import non_finite_value
 
 if TYPE_CHECKING:  # the config imports the LR schedules, which import this module
-    from .config import CollapseSection
+    from .config_schema import CollapseSection
 
 PG_LOSS = PG_LOSS
 

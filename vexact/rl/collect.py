@@ -17,7 +17,7 @@ from ..metric_keys import (
     EVAL_RESPONSE_LENGTH_MEAN,
     EVAL_REWARD_MEAN,
 )
-from .config import RolloutSection
+from .config_schema import RolloutSection
 from .inject import RolloutPlan
 from .tasks import EOS_ID, CharTokenizer, Problem, Task, encode_prompt, training_problems
 from .vocab_tail import tail_metrics, tail_probe

@@ -65,7 +65,7 @@ from .registries import BYPASS_LOSSES, CORRECTION_METHODS, register_run_check
 from .validate import ConfigError, bounds
 
 if TYPE_CHECKING:
-    from .config import CorrectionSection, RunConfig
+    from .config_schema import CorrectionSection, RunConfig
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from vexact_kernels import get_ops
 from ..engine.generation import LogitsHook
 from ..engine.model import KernelOps, RouteHook, resolve_dtype
 from ..engine.sampling import counter_uniform
-from .config import InjectSection, RunConfig
+from .config_schema import InjectSection, RunConfig
 from .inject_modes import INJECT_MODES, InjectMode, _exact_probs, precision_ops, round_to
 
 __all__ = ["Calibration", "Injector", "RolloutPlan", "calibrate", "precision_ops", "round_to"]

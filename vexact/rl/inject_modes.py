@@ -42,12 +42,12 @@ from vexact_kernels import OP_NAMES, get_ops
 from ..engine.generation import LogitsHook
 from ..engine.model import KernelOps, ModelConfig, RouteHook, resolve_dtype
 from ..engine.sampling import counter_normal, counter_uniform
-from .config import Backend, DType
+from .config_schema import Backend, DType
 from .registries import INJECT_MODES, register_run_check
 from .validate import ConfigError
 
 if TYPE_CHECKING:
-    from .config import InjectSection, RunConfig
+    from .config_schema import InjectSection, RunConfig
 
 __all__ = ["FLIP_KINDS", "INJECT_MODES", "PRECISION_FORMATS", "PRECISION_SITES", "InjectMode", "InjectorView",
            "KernelSettings", "KnobSearch", "PrecisionSettings", "RolloutPath", "RoutingFlipSettings", "flip_hook",

@@ -41,7 +41,7 @@ from .config import ConfigError
 from .registries import LOG_BACKENDS
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from .config_schema import RunConfig
 
 __all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackendKind", "WandbSettings", "live_views",
            "missing_package", "open_backends", "register_log_backend"]

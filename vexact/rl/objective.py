@@ -33,7 +33,7 @@ from ..engine.scoring import score_tokens
 from ..metric_keys import ENTROPY, FIRST_MINIBATCH_RATIO_EXACT, KL_LOSS, PG_LOSS, PPO_KL
 from .advantages import ADVANTAGE_EPS, compute_advantages
 from .collect import RolloutBatch
-from .config import AlgorithmSection, CorrectionSection
+from .config_schema import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
 from .metrics import ratio_stats

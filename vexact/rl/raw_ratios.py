@@ -27,7 +27,7 @@ from ..metric_keys import (
     raw_ratio_affected_key,
     raw_ratio_quantile_key,
 )
-from .config import CorrectionSection
+from .config_schema import CorrectionSection
 from .corrections import rollout_correction
 from .metrics import quantile_sorted
 from .registries import CORRECTION_METHODS

@@ -28,7 +28,7 @@ from .registries import ROLLOUT_ENGINES
 
 if TYPE_CHECKING:
     from ..engine.model import Transformer
-    from .config import RolloutSection, RunConfig
+    from .config_schema import RolloutSection, RunConfig
     from .inject import RolloutPlan
     from .tasks import CharTokenizer, Problem, Task
 

@@ -23,7 +23,8 @@ from ..cli_base import EXIT_FAILED, EXIT_OK, interrupted_exit_code, make_console
 from ..engine.devices import rank_device
 from ..records import CONFIG_FILE, SUMMARY_FILE
 from ..records.runlog import LOCK_FILE, run_lock
-from .config import RunConfig, load_config
+from .config import load_config
+from .config_schema import RunConfig
 from .data_parallel import DataParallel, check_leaves, launch
 from .tasks import check_memory
 from .trainer import Trainer, foreign_entries, holds_results, holds_run, run_dir_for

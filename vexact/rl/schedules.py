@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ..metric_keys import K3_KL, LOG_PPL_ABS_DIFF, LR_SCHEDULE_TRIGGERED, RESPONSE_LENGTH_MEAN
 from .collapse import surge_index, trailing_mean
-from .config import CollapseSection, LRScheduleSection
+from .config_schema import CollapseSection, LRScheduleSection
 from .registries import LR_SCHEDULES
 from .validate import bounds
 
 if TYPE_CHECKING:
-    from .config import OptimizerSection
+    from .config_schema import OptimizerSection
 
 class ScheduleKind:
     """One ``lr_schedule.kind``: ``decay(s, step)``, the multiplier on the base LR before warmup (floor applied), of

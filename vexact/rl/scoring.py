@@ -30,7 +30,7 @@ from ..engine.model import Transformer
 from ..engine.scoring import score_tokens, token_routing
 from ..metric_keys import TIMING_MONITOR, TIMING_OLD_LOGPROBS
 from .collect import RolloutBatch
-from .config import AlgorithmSection, MonitorSection, RunConfig
+from .config_schema import AlgorithmSection, MonitorSection, RunConfig
 from .corrections import plan_for
 from .data_parallel import DataParallel
 from .monitor import sample_rows

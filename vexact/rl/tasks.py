@@ -55,7 +55,7 @@ from .validate import ConfigError
 from .vocab import BOS_ID, CHAR_VOCAB_SIZE, CHARS, EOS_ID, PAD_ID, CharTokenizer, tokenizer_for
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from .config_schema import RunConfig
 
 __all__ = [
     "BOS_ID",

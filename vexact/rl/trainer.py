@@ -79,7 +79,8 @@ from ..records.runlog import (
 from .advantages import compute_advantages
 from .collapse import detect_collapse
 from .collect import RolloutBatch, eval_metrics, eval_records, step_problems
-from .config import MEMORY_KEYS, RunConfig, dotted_items, knob_key, load_config, save_config
+from .config import dotted_items, load_config, save_config
+from .config_schema import MEMORY_KEYS, RunConfig, knob_key
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
 from .log_backends import live_views

@@ -24,7 +24,7 @@ from .tasks import Task, max_answer_tokens, max_prompt_tokens
 from .warmstart import warm_start_cache_path
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from .config_schema import RunConfig
 
 ALLOW_ENV = "VEXACT_ALLOW_SLOW_TRITON"
 REFUSE_ABOVE_S = 600.0  # ten minutes of interpreted kernels: more needs ALLOW_ENV

@@ -7,7 +7,8 @@ ones), required keys, each value against its field's type hint (``int``, ``float
 ``list``/``tuple``, ``dict``, nested dataclasses) and numeric bounds (``bounds(min=...)``
 in a field's metadata), then each dataclass's own ``check()`` and that of each settings class an extension mounted
 into it (``vexact.registry``). Every problem is one ``ConfigError`` naming the
-dotted key. ``VALUE_ALIASES`` (other spellings of Literal values) is passed in by the schema that has them.
+dotted key. ``VALUE_ALIASES`` (other spellings of Literal values; the run config's are
+``vexact.rl.config_spellings.VALUE_ALIASES``) is passed in by the caller that has them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from ..engine.model import MOE_FIELDS, Transformer
 from ..engine.scoring import score_tokens
 from ..records.atomic import publish, write_file
 from ..registry import mounts
-from .config import DEFAULT_WARMSTART_CACHE, RunConfig, config_hash
+from .config import config_hash
+from .config_schema import DEFAULT_WARMSTART_CACHE, RunConfig
 from .optim import ExactAdamW, clip_gradients_
 from .tasks import Problem, Task, encode_prompt, encode_target, training_problems
 

@@ -58,7 +58,8 @@ from torch import Tensor
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
 from ..records.metrics_log import decode_non_finite
 from ..records.runlog import json_safe, write_json_atomic
-from ..rl.config import ConfigError, RunConfig, config_from_dict, read_yaml
+from ..rl.config import ConfigError, config_from_dict, read_yaml
+from ..rl.config_schema import RunConfig
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject import Injector
 from ..rl.metrics import mismatch_metrics

@@ -30,7 +30,7 @@ import yaml
 
 from ..metric_keys import EVAL_RESPONSE_LENGTH_MEAN, RESPONSE_LENGTH_CLIP_RATIO
 from ..records import CONFIG_FILE
-from ..rl.config import CollapseSection
+from ..rl.config_schema import CollapseSection
 from ..rl.validate import parse_yaml
 from .sweep_data import PointData, collapse_step_of, is_num
 

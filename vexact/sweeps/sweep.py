@@ -76,17 +76,9 @@ from ..progress import Progress, StepReporter
 from ..records import FINISHED_STATUSES, SUMMARY_FILE
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
-from ..rl.config import (
-    KEY_ALIASES,
-    MEMORY_KEYS,
-    RENAMED_KEYS,
-    ConfigError,
-    RunConfig,
-    config_from_dict,
-    config_hash,
-    read_yaml,
-    show_value,
-)
+from ..rl.config import ConfigError, config_from_dict, config_hash, read_yaml, show_value
+from ..rl.config_schema import MEMORY_KEYS, RunConfig
+from ..rl.config_spellings import KEY_ALIASES, RENAMED_KEYS
 from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
 from ..rl.validate import build, parse_yaml, plain
