@@ -94,7 +94,8 @@ def _model_section() -> type:
     """``ModelSection``: ``preset`` (a name in ``vexact.engine.presets.MODEL_PRESETS``) and the fields of
     ``ModelConfig`` (types, bounds, meaning) except ``vocab_size``, which the task sets, with ``MODEL_DEFAULTS``.
     One source: a field added to ModelConfig is a config key here too. A preset's values are filled in where the
-    file and ``--set`` give none (``_expand_preset``): explicit model keys win over the preset."""
+    file and ``--set`` give none (``vexact.rl.config``'s ``_expand_preset``): explicit model keys win over the
+    preset."""
     hints = typing.get_type_hints(ModelConfig)
     specs = [("preset", PresetName | None, field(default=None))]
     for f in dataclasses.fields(ModelConfig):
@@ -231,7 +232,8 @@ class CorrectionSection:
     Two vocabularies for one implementation: vexact's shorthand ``method`` (with ``threshold``, ``band``,
     ``batch_normalize``), or verl 0.9.1's ``algorithm.rollout_correction`` keys (``preset`` and the ``rollout_*``
     keys, ``loss_type``; null = not given, so a preset's value or verl's default applies). verl's ``bypass_mode``
-    is ``algorithm.old_logprobs`` here (``RENAMED_KEYS``): the one key for where the old log-probs come from."""
+    is ``algorithm.old_logprobs`` here (``config_spellings.RENAMED_KEYS``): the one key for where the old log-probs
+    come from."""
 
     method: CorrectionMethodName = "none"  # a name in registries.CORRECTION_METHODS
     batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
