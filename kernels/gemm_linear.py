@@ -291,7 +291,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, stacked_as_given)
 
     def canonical() -> Callable[[Tensor], Tensor]:  # the canonical operand [1, K, N_pad], in the class's layout
-        if per_tile:
+        if per_tile or not transposed:
             return _operand_of(weight, lambda w: gemm_laid_out.stored_operand(w, dtype, n_pad), held)
         return _operand_of(weight, lambda w: gemm_laid_out.canonical_operand(w, dtype, n_pad), held)
 
@@ -306,7 +306,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 and blocks * block * k * n_pad <= gemm_tiles.STACKED_MACS_MAX
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
                                     host=host, op=op, dtype=dtype, per_tile=per_tile)):
-            of = gemm_laid_out.stored_operand if per_tile else gemm_laid_out.canonical_operand
+            of = gemm_laid_out.stored_operand if per_tile or not transposed else gemm_laid_out.canonical_operand
             matrix = _operand_of(weight, lambda w: of(w, dtype, n_pad)[0], held)
             apart = _last_tile_apart(rows, blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
                                      host=host, op=op, dtype=dtype, per_tile=per_tile)

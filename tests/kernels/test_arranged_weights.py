@@ -97,11 +97,15 @@ def test_each_weight_is_laid_out_once_per_version(dtype, monkeypatch):
         return real(weight, form, counted)
     monkeypatch.setattr(gemm_laid_out, "arranged_weight", counting)
     _steps(dtype)
-    # per version (once for the first, over two passes; once after the update): the forward's padded weight and
-    # the input gradient's W.T made contiguous; in bf16, where the classes take their operand once per tile as the
-    # weight is stored (operand_per_tile), the forward's padded weight, then each operand once per tile for the
-    # canonical call of the three tiles (the input gradient's operand is W itself: nothing else laid out)
-    expected = ["canonical", "canonical"]
+    # per version (once for the first, over two passes; once after the update): the forward's padded weight (the
+    # input gradient's operand is W itself, row-major: ``canonical_class``, a class below ROW_MAJOR_SHARED_MAX); in
+    # bf16, where the classes take their operand once per tile as the weight is stored (operand_per_tile), the
+    # forward's padded weight, then each operand once per tile for the canonical call of the three tiles
+    # (where a bf16 class computes in fp32, W's fp32 copy too, laid out row-major)
+    host = cpu_exact.ops_in_mode("canonical").host
+    upcast = gemm_linear.tiled_dtype(torch.empty(150, 40, dtype=dtype), torch.empty(40, 64, dtype=dtype).t(),
+                                     host) != dtype
+    expected = ["canonical", "row-major"] if upcast else ["canonical"]
     if dtype == torch.bfloat16 and gemm_laid_out.operand_per_tile(dtype, 64, 48):
         expected = ["canonical", "per tile", "per tile"]
     assert made == expected * 2, made
