@@ -3,7 +3,7 @@ tiles of an ``operand_per_tile`` class (``laid_out_tiles``) with their first-use
 matrix products: ``gemm_linear``).
 
 The canonical arrangement copies no weight per call: each copy it needs of a weight (an input gradient's W.T made
-contiguous, a padded or cast weight) is laid out once per weight version and kept (``arranged_weight``, bounded by
+contiguous where its class is oneDNN's size, a padded or cast weight) is laid out once per weight version and kept (``arranged_weight``, bounded by
 ``ARRANGED_BYTES_MAX``). In bf16, where oneDNN's ``bmm`` would copy the shared, transposed operand before its GEMM
 (``bmm_copies_operand``), a class's canonical tiles take the operand once per tile as a transposed batch instead,
 the layout oneDNN multiplies as it is (``operand_per_tile``): a forward's weight as stored, with no copy at
@@ -31,8 +31,8 @@ from .host_guard import ONEDNN_MIN_WEIGHT, _with_threads, operand_layout
 ARRANGED_BYTES_MAX = 1 << 32
 """Bytes (4 GiB): the most that laid-out weight operands (``arranged_weight``) hold at once in a process. A laid-out
 operand is a copy of a weight (transposed, column-padded or cast to the GEMM's dtype): at most one per weight and
-form, so training a model holds at most one extra copy of each linear weight (the input gradient's transposed copy;
-the forward's operand is the weight itself), about the model's linear weights' size again; a decode loop's weights
+form, so training a model holds at most one extra copy of each linear weight (the input gradient's transposed copy,
+from ``ROW_MAJOR_SHARED_MAX`` elements; the forward's operand is the weight itself), about the model's linear weights' size again; a decode loop's weights
 packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are laid out per call as before, and no
 weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled silently."""
 

@@ -175,7 +175,8 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
 
     Where the class runs torch's own GEMM: the tiles stacked into one GEMM where the guard found their bits
     (``_stacked_agrees``) -- first on the weight as given, where it is row-major already (an input gradient's W,
-    whose canonical operand is its transposed copy) -- else the canonical steps in one compiled call.
+    whose canonical operand is its transposed copy from ``ROW_MAJOR_SHARED_MAX`` elements, else W itself) -- else the
+    canonical steps in one compiled call.
 
     The choice is made once per call key and kept (``TiledPlan``): a repeated call of one class looks its plan up
     and runs the GEMM."""
