@@ -3,12 +3,12 @@ tiles of an ``operand_per_tile`` class (``laid_out_tiles``) with their first-use
 matrix products: ``gemm_linear``).
 
 The canonical arrangement copies no weight per call: each copy it needs of a weight (an input gradient's W.T made
-contiguous where its class is oneDNN's size, a padded or cast weight) is laid out once per weight version and kept (``arranged_weight``, bounded by
-``ARRANGED_BYTES_MAX``). In bf16, where oneDNN's ``bmm`` would copy the shared, transposed operand before its GEMM
-(``bmm_copies_operand``), a class's canonical tiles take the operand once per tile as a transposed batch instead,
-the layout oneDNN multiplies as it is (``operand_per_tile``): a forward's weight as stored, with no copy at
-all, one GEMM per tile or the canonical call itself (``laid_out_tiles``). The same GEMM calls on the same values in
-the same layout, so no bit depends on which (``tests/kernels/test_arranged_weights.py``).
+contiguous where its class is oneDNN's size, a padded or cast weight) is laid out once per weight version and kept
+(``arranged_weight``, bounded by ``ARRANGED_BYTES_MAX``). In bf16, where oneDNN's ``bmm`` would copy the shared,
+transposed operand before its GEMM (``bmm_copies_operand``), a class's canonical tiles take the operand once per tile as
+a transposed batch instead, the layout oneDNN multiplies as it is (``operand_per_tile``): a forward's weight as stored,
+with no copy at all, one GEMM per tile or the canonical call itself (``laid_out_tiles``). The same GEMM calls on the
+same values in the same layout, so no bit depends on which (``tests/kernels/test_arranged_weights.py``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from .host_guard import ONEDNN_MIN_WEIGHT, _with_threads, operand_layout
 # --------------------------------------------------------------------------- weights laid out once per version
 ARRANGED_BYTES_MAX = 1 << 32
 """Bytes (4 GiB): the most that laid-out weight operands (``arranged_weight``) hold at once in a process. A laid-out
-operand is a copy of a weight (transposed, column-padded or cast to the GEMM's dtype): at most one per weight and
-form, so training a model holds at most one extra copy of each linear weight (the input gradient's transposed copy,
-from ``ROW_MAJOR_SHARED_MAX`` elements; the forward's operand is the weight itself), about the model's linear weights' size again; a decode loop's weights
-packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are laid out per call as before, and no
-weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled silently."""
+operand is a copy of a weight (transposed, column-padded or cast to the GEMM's dtype): at most one per weight and form,
+so training a model holds at most one extra copy of each linear weight (the input gradient's transposed copy, from
+``ROW_MAJOR_SHARED_MAX`` elements; the forward's operand is the weight itself), about the model's linear weights' size
+again; a decode loop's weights packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are laid out
+per call as before, and no weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled
+silently."""
 
 # weight (the tensor owning its storage: a view's base) -> {form: (version, operand)}; weakly keyed: gone with it
 _ARRANGED = WeakIdKeyDictionary()
@@ -203,11 +204,11 @@ ROW_MAJOR_SHARED_MAX = ONEDNN_MIN_WEIGHT
 row-major, as its canonical operand; from it, W's transposed copy (laid out once per weight version), the layout in
 which an fp32 class tries oneDNN's linear (``host_guard.ONEDNN_MIN_WEIGHT``, the same bound). Below the bound the
 class runs torch's ``bmm`` in any case, and MKL's fp32 ``bmm`` multiplies a shared row-major operand faster than a
-transposed one, with no copy to lay out (the default model's input gradients, 3,968 rows in 62 tiles, on the Intel
-Xeon with AMX: 0.70 ms against 0.85 at K = 176, N = 64, `auto`'s stacked GEMM 0.69; its fp32 linear layers of a
-training pass, canonical / auto 1.20x -> 1.10x at 1 thread: the journal, session 66). From it the transposed copy
-stays: oneDNN's linear on it ran llama100m's fp32 training at 2 threads faster than ``bmm`` on W as stored
-(canonical / auto 1.02x against 1.15x with every input gradient row-major)."""
+transposed one, with no copy to lay out (on the Intel Xeon with AMX, the default model's fp32 linear layers of a
+training pass in ``canonical``: 1.19x ``auto``'s time before, 1.09x after, at 1 thread; 1.13x and 1.08x at 2 --
+``vexact bench guard_modes``, the benchmarks page, session 66). From it the transposed copy stays: oneDNN's linear on
+it ran llama100m's fp32 training at 2 threads faster than ``bmm`` on W as stored (canonical / auto 1.02x against 1.15x
+with every input gradient row-major)."""
 
 
 def stored_row_major(weight: Tensor) -> bool:
