@@ -131,6 +131,29 @@ def test_an_operand_kept_whatever_the_version_is_caught(monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(kept[6:], fresh[6:]))
 
 
+@pytest.mark.parametrize("k, n, row_major", [(64, 176, True), (176, 64, True), (576, 192, True),
+                                             (576, 576, False), (1536, 576, False)])
+def test_a_small_input_gradient_multiplies_the_weight_as_stored(k, n, row_major, monkeypatch):
+    """An fp32 input gradient's shared class below ROW_MAJOR_SHARED_MAX takes W [N, K] as stored (row-major, no copy);
+    from the bound, W's transposed copy (the layout in which an fp32 class tries oneDNN's linear), laid out once."""
+    monkeypatch.setattr(gemm_laid_out, "operand_per_tile", lambda *args: False)  # a shared class on any host
+    weight = _randn(n, k, dtype=torch.float32, seed=3)
+    given = weight.t()  # what tiled_matmul gets for an input gradient: W.T, a view of the contiguous W
+    shared, transposed = gemm_laid_out.canonical_class(given, torch.float32, n, k)
+    assert shared and transposed is not row_major
+    assert (n * k < gemm_laid_out.ROW_MAJOR_SHARED_MAX) is row_major
+    made = []
+    real = gemm_laid_out.arranged_weight
+    monkeypatch.setattr(gemm_laid_out, "arranged_weight",
+                        lambda w, form, make: made.append(form[0]) or real(w, form, make))
+    x = _randn(130, n, dtype=torch.float32, seed=4)
+    ops = cpu_exact.ops_in_mode("canonical")
+    out = ops.linear(x, given)
+    assert made == ([] if row_major else ["canonical"])
+    reference = x.double() @ weight.double()  # tolerance: fp32 accumulation over n <= 576 products of N(0, 1) values
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-3 * n ** 0.5)
+
+
 def test_the_bound_keeps_nothing_beyond_it(monkeypatch):
     monkeypatch.setattr(gemm_laid_out, "ARRANGED_BYTES_MAX", 0)
     weight = _randn(40, 64, dtype=torch.float32, seed=1)
