@@ -274,6 +274,10 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
     dtype = x.dtype
     shared, transposed = gemm_laid_out.canonical_class(weight, dtype, k, n_pad)
     per_tile = not shared
+    # the canonical operand [1, K, N_pad] in the class's layout: as the weight is stored where the class takes it so
+    # (once per tile, or an input gradient's W row-major), else the weight transposed (padded, cast)
+    operand_of = (gemm_laid_out.stored_operand if per_tile or not transposed
+                  else gemm_laid_out.canonical_operand)
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
     if (loops is not None and n_pad == n and dtype == weight.dtype and given.is_contiguous()
             and given.data_ptr() % gemm_tiles.ALIGNMENT == 0 and rows * k * n <= gemm_tiles.STACKED_MACS_MAX):
@@ -292,9 +296,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 return TiledPlan(TILED_ARRANGEMENTS[0], block, blocks, stacked_as_given)
 
     def canonical() -> Callable[[Tensor], Tensor]:  # the canonical operand [1, K, N_pad], in the class's layout
-        if per_tile or not transposed:
-            return _operand_of(weight, lambda w: gemm_laid_out.stored_operand(w, dtype, n_pad), held)
-        return _operand_of(weight, lambda w: gemm_laid_out.canonical_operand(w, dtype, n_pad), held)
+        return _operand_of(weight, lambda w: operand_of(w, dtype, n_pad), held)
 
     # the class of the canonical operand [1, K, N_pad]: the weight transposed (and padded, cast), a K-contiguous view;
     # or, once per tile, row-major where the weight is stored so (an input gradient's W)
@@ -307,8 +309,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
                 and blocks * block * k * n_pad <= gemm_tiles.STACKED_MACS_MAX
                 and _stacked_agrees(blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
                                     host=host, op=op, dtype=dtype, per_tile=per_tile)):
-            of = gemm_laid_out.stored_operand if per_tile or not transposed else gemm_laid_out.canonical_operand
-            matrix = _operand_of(weight, lambda w: of(w, dtype, n_pad)[0], held)
+            matrix = _operand_of(weight, lambda w: operand_of(w, dtype, n_pad)[0], held)
             apart = _last_tile_apart(rows, blocks, block, k, n_pad, transposed=transposed and k > 1, row_major=False,
                                      host=host, op=op, dtype=dtype, per_tile=per_tile)
 
