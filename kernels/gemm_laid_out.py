@@ -31,11 +31,11 @@ from .host_guard import ONEDNN_MIN_WEIGHT, _with_threads, operand_layout
 ARRANGED_BYTES_MAX = 1 << 32
 """Bytes (4 GiB): the most that laid-out weight operands (``arranged_weight``) hold at once in a process. A laid-out
 operand is a copy of a weight (transposed, column-padded or cast to the GEMM's dtype): at most one per weight and form,
-so training a model holds at most one extra copy of each linear weight (the input gradient's transposed copy, from
-``ROW_MAJOR_SHARED_MAX`` elements; the forward's operand is the weight itself), about the model's linear weights' size
-again; a decode loop's weights packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are laid out
-per call as before, and no weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled
-silently."""
+so training a model holds at most one extra copy of each linear weight (below ``ROW_MAJOR_SHARED_MAX`` elements an fp32
+forward's transposed copy, the input gradient's operand being W itself; from it the input gradient's transposed copy,
+the forward's operand being the weight itself), about the model's linear weights' size again; a decode loop's weights
+packed once (``PACK_AFTER_CALLS``) count too. Beyond this bound new operands are laid out per call as before, and no
+weight is packed (slower, the same bits): a 30B-parameter model's weights are not doubled silently."""
 
 # weight (the tensor owning its storage: a view's base) -> {form: (version, operand)}; weakly keyed: gone with it
 _ARRANGED = WeakIdKeyDictionary()
@@ -191,30 +191,38 @@ def operand_per_tile(dtype: torch.dtype, k: int, n_pad: int) -> bool:
 def canonical_class(weight: Tensor, dtype: torch.dtype, k: int, n_pad: int) -> tuple[bool, bool]:
     """(shared, transposed): how ``tiled_matmul``'s canonical call of ``weight`` takes its operand [1, K, N_pad] --
     shared by every tile, or once per tile as stored (``operand_per_tile``) -- and whether in the transposed layout
-    (else row-major: an input gradient's W as stored, ``stored_row_major``, in a per-tile class or a class below
-    ``ROW_MAJOR_SHARED_MAX``). The one derivation that ``tiled_dtype`` and ``tiled_matmul`` both ask the guard
+    (else row-major: in a per-tile class, an input gradient's W as stored, ``stored_row_major``; in a shared class
+    below ``ROW_MAJOR_SHARED_MAX``, an input gradient's W as stored, and an fp32 forward's weight transposed into a
+    copy, ``row_major_operand``). The one derivation that ``tiled_dtype`` and ``tiled_matmul`` both ask the guard
     with."""
     per_tile = operand_per_tile(dtype, k, n_pad)
-    row_major = stored_row_major(weight) and (per_tile or k * n_pad < ROW_MAJOR_SHARED_MAX)
+    if per_tile:
+        row_major = stored_row_major(weight)
+    else:
+        row_major = k * n_pad < ROW_MAJOR_SHARED_MAX and (stored_row_major(weight) or dtype == torch.float32)
     return not per_tile, not row_major
 
 
 ROW_MAJOR_SHARED_MAX = ONEDNN_MIN_WEIGHT
-"""Elements (K x N_pad): below this, a shared class of an input gradient's W (``stored_row_major``) takes W as stored,
-row-major, as its canonical operand; from it, W's transposed copy (laid out once per weight version), the layout in
-which an fp32 class tries oneDNN's linear (``host_guard.ONEDNN_MIN_WEIGHT``, the same bound). Below the bound the
-class runs torch's ``bmm`` in any case, and MKL's fp32 ``bmm`` multiplies a shared row-major operand faster than a
-transposed one, with no copy to lay out (on the Intel Xeon with AMX, the default model's fp32 linear layers of a
-training pass in ``canonical``: 1.19x ``auto``'s time before, 1.09x after, at 1 thread; 1.13x and 1.08x at 2 --
-``vexact bench guard_modes``, the benchmarks page, session 66). From it the transposed copy stays: oneDNN's linear on
-it ran llama100m's fp32 training at 2 threads faster than ``bmm`` on W as stored (canonical / auto 1.02x against 1.15x
-with every input gradient row-major)."""
+"""Elements (K x N_pad): below this, a shared class takes its canonical operand row-major -- an input gradient's W
+(``stored_row_major``) as stored, an fp32 forward's weight W [N, K] transposed into a copy [K, N_pad] laid out once per
+weight version (``row_major_operand``); from it, the transposed layout -- a forward's W as stored, an input gradient's
+W transposed into a copy -- in which an fp32 class tries oneDNN's linear (``host_guard.ONEDNN_MIN_WEIGHT``, the same
+bound). Below the bound the class runs torch's ``bmm`` in any case, and MKL's fp32 ``bmm`` multiplies a shared
+row-major operand faster than a transposed one: about one GEMM on the stacked tiles' time against about 1.2x it, the
+default model's layers at 3,968 rows, one thread, on the Intel Xeon with AMX, the same bits either way. There, the
+default model's fp32 linear layers of a training pass in ``canonical``: 1.19x ``auto``'s time with neither row-major,
+1.09x with the input gradients' (session 66), and its fp32 training step 1.09x, then 1.06x, then 1.03x with the
+forwards' too (``vexact bench guard_modes``, the benchmarks page, sessions 66 and 67). From the bound the transposed
+layout stays: oneDNN's linear on it ran llama100m's fp32 training at 2 threads faster than ``bmm`` on W as stored
+(canonical / auto 1.02x against 1.15x with every input gradient row-major). A bf16 shared class keeps a forward's
+weight as stored (its classes on the hosts measured are ``operand_per_tile`` ones, or compute in fp32)."""
 
 
 def stored_row_major(weight: Tensor) -> bool:
     """Whether ``tiled_matmul``'s ``weight`` [N, K] is stored as its transpose (an input gradient's W.T, a view of the
-    contiguous W): its operand [K, N] is then row-major as stored. Else (a forward's W, contiguous) the operand is
-    the weight seen transposed."""
+    contiguous W): its operand [K, N] is then row-major as stored. Else (a forward's W, contiguous) the operand as
+    stored is the weight seen transposed."""
     return not weight.is_contiguous() and weight.t().is_contiguous()
 
 
@@ -226,8 +234,16 @@ def stored_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
     itself, or its padded or cast copy laid out once per version (``arranged_weight``)."""
     if not stored_row_major(weight):
         return transposed_batch(canonical_operand(weight, dtype, n_pad))
+    return row_major_operand(weight, dtype, n_pad)
+
+
+def row_major_operand(weight: Tensor, dtype: torch.dtype, n_pad: int) -> Tensor:
+    """The canonical operand [1, K, N_pad] of a row-major class (``canonical_class``), row-major: an input gradient's
+    W as stored (``stored_row_major``), or its padded or cast copy; a forward's weight [N, K] transposed, padded and
+    cast into a contiguous copy -- each copy laid out once per weight version (``arranged_weight``)."""
     given = weight.t()
-    if given.dtype == dtype and given.shape[1] == n_pad and given.data_ptr() % gemm_tiles.ALIGNMENT == 0:
+    if (given.is_contiguous() and given.dtype == dtype and given.shape[1] == n_pad
+            and given.data_ptr() % gemm_tiles.ALIGNMENT == 0):
         return given.unsqueeze(0)
 
     def make() -> Tensor:

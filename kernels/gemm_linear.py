@@ -168,10 +168,12 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
     """x [M, K] @ weight[N, K].T -> [M, N] through [R, K] x [K, N_pad] GEMM tiles, R = ``row_block(M)``, in x's dtype:
     fp32, or bf16 where ``tiled_dtype`` says so (the weight is cast to it; a bf16 GEMM rounds each output once).
 
-    Canonically one ``host.bmm`` over ceil(M / R) zero-padded row tiles, the (transposed, column-padded) weight
-    shared by every tile: each output element's K-reduction runs through the same GEMM kernel whatever M is (BLAS
-    or oneDNN where the probe passed, else the fixed-order GEMM). Both operands are contiguous and aligned, as in the
-    probe, so a view into a larger tensor never reaches the GEMM.
+    Canonically one ``host.bmm`` over ceil(M / R) zero-padded row tiles, the (column-padded) weight shared by every
+    tile in its class's layout (``gemm_laid_out.canonical_class``: transposed, or below ``ROW_MAJOR_SHARED_MAX``
+    elements row-major, laid out once per weight version where that is a copy): each output element's K-reduction
+    runs through the same GEMM kernel whatever M is (BLAS or oneDNN where the probe passed, else the fixed-order
+    GEMM). Both operands are contiguous and aligned, as in the probe, so a view into a larger tensor never reaches the
+    GEMM.
 
     Where the class runs torch's own GEMM: the tiles stacked into one GEMM where the guard found their bits
     (``_stacked_agrees``) -- first on the weight as given, where it is row-major already (an input gradient's W,
@@ -276,8 +278,8 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
     per_tile = not shared
     # the canonical operand [1, K, N_pad] in the class's layout: as the weight is stored where the class takes it so
     # (once per tile, or an input gradient's W row-major), else the weight transposed (padded, cast)
-    operand_of = (gemm_laid_out.stored_operand if per_tile or not transposed
-                  else gemm_laid_out.canonical_operand)
+    operand_of = (gemm_laid_out.stored_operand if per_tile
+                  else gemm_laid_out.canonical_operand if transposed else gemm_laid_out.row_major_operand)
     given = weight.t()  # [K, N]: an input gradient's weight W, contiguous, which the canonical operand copies
     if (loops is not None and n_pad == n and dtype == weight.dtype and given.is_contiguous()
             and given.data_ptr() % gemm_tiles.ALIGNMENT == 0 and rows * k * n <= gemm_tiles.STACKED_MACS_MAX):

@@ -97,15 +97,16 @@ def test_each_weight_is_laid_out_once_per_version(dtype, monkeypatch):
         return real(weight, form, counted)
     monkeypatch.setattr(gemm_laid_out, "arranged_weight", counting)
     _steps(dtype)
-    # per version (once for the first, over two passes; once after the update): the forward's padded weight (the
-    # input gradient's operand is W itself, row-major: ``canonical_class``, a class below ROW_MAJOR_SHARED_MAX); in
-    # bf16, where the classes take their operand once per tile as the weight is stored (operand_per_tile), the
-    # forward's padded weight, then each operand once per tile for the canonical call of the three tiles
-    # (where a bf16 class computes in fp32, W's fp32 copy too, laid out row-major)
+    # per version (once for the first, over two passes; once after the update), in fp32: the forward's weight
+    # transposed and padded, row-major (``canonical_class``: a class below ROW_MAJOR_SHARED_MAX; the input
+    # gradient's operand is W itself, row-major); where a bf16 class computes in fp32, that and W's fp32 copy,
+    # row-major; in a bf16 shared class, the forward's padded weight; in bf16 where the classes take their operand
+    # once per tile as the weight is stored (operand_per_tile), the forward's padded weight, then each operand once
+    # per tile for the canonical call of the three tiles
     host = cpu_exact.ops_in_mode("canonical").host
     upcast = gemm_linear.tiled_dtype(torch.empty(150, 40, dtype=dtype), torch.empty(40, 64, dtype=dtype).t(),
                                      host) != dtype
-    expected = ["canonical", "row-major"] if upcast else ["canonical"]
+    expected = ["row-major", "row-major"] if upcast else ["row-major"] if dtype == torch.float32 else ["canonical"]
     if dtype == torch.bfloat16 and gemm_laid_out.operand_per_tile(dtype, 64, 48):
         expected = ["canonical", "per tile", "per tile"]
     assert made == expected * 2, made
@@ -131,8 +132,11 @@ def test_an_operand_kept_whatever_the_version_is_caught(monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(kept[6:], fresh[6:]))
 
 
-@pytest.mark.parametrize("k, n, row_major", [(64, 176, True), (176, 64, True), (576, 192, True),
-                                             (576, 576, False), (1536, 576, False)])
+SMALL_AND_LARGE_LAYERS = [(64, 176, True), (176, 64, True), (576, 192, True), (576, 576, False), (1536, 576, False)]
+"""(K, N, below ROW_MAJOR_SHARED_MAX): the default model's and llama100m's layer shapes either side of the bound."""
+
+
+@pytest.mark.parametrize("k, n, row_major", SMALL_AND_LARGE_LAYERS)
 def test_a_small_input_gradient_multiplies_the_weight_as_stored(k, n, row_major, monkeypatch):
     """An fp32 input gradient's shared class below ROW_MAJOR_SHARED_MAX takes W [N, K] as stored (row-major, no copy);
     from the bound, W's transposed copy (the layout in which an fp32 class tries oneDNN's linear), laid out once."""
@@ -142,16 +146,42 @@ def test_a_small_input_gradient_multiplies_the_weight_as_stored(k, n, row_major,
     shared, transposed = gemm_laid_out.canonical_class(given, torch.float32, n, k)
     assert shared and transposed is not row_major
     assert (n * k < gemm_laid_out.ROW_MAJOR_SHARED_MAX) is row_major
+    made = _arranged_forms(monkeypatch)
+    x = _randn(130, n, dtype=torch.float32, seed=4)
+    out = cpu_exact.ops_in_mode("canonical").linear(x, given)
+    assert made == ([] if row_major else ["canonical"])
+    reference = x.double() @ weight.double()  # tolerance: fp32 accumulation over n <= 576 products of N(0, 1) values
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-3 * n ** 0.5)
+
+
+@pytest.mark.parametrize("k, n, row_major", SMALL_AND_LARGE_LAYERS)
+def test_a_small_forward_multiplies_the_weight_transposed_once(k, n, row_major, monkeypatch):
+    """An fp32 forward's shared class below ROW_MAJOR_SHARED_MAX takes W [N, K] transposed into a row-major copy
+    [K, N], laid out once per weight version (MKL's fp32 ``bmm`` on a shared row-major operand: about the time of one
+    GEMM on the stacked tiles, on a transposed one about 1.2x); from the bound, W itself seen transposed (no copy)."""
+    monkeypatch.setattr(gemm_laid_out, "operand_per_tile", lambda *args: False)  # a shared class on any host
+    weight = _randn(n, k, dtype=torch.float32, seed=5)
+    shared, transposed = gemm_laid_out.canonical_class(weight, torch.float32, k, n)
+    assert shared and transposed is not row_major
+    # a bf16 class keeps the weight as stored, transposed
+    assert gemm_laid_out.canonical_class(weight.bfloat16(), torch.bfloat16, k, n) == (True, True)
+    made = _arranged_forms(monkeypatch)
+    x = _randn(130, k, dtype=torch.float32, seed=6)
+    ops = cpu_exact.ops_in_mode("canonical")
+    out = ops.linear(x, weight)
+    assert torch.equal(ops.linear(x, weight), out)
+    assert made == (["row-major"] if row_major else [])  # once: the second call reuses it
+    reference = x.double() @ weight.double().t()  # tolerance: fp32 accumulation over k <= 1536 N(0, 1) products
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-3 * k ** 0.5)
+
+
+def _arranged_forms(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The forms ``arranged_weight`` is asked to lay out from now on, in order (a list filled as it is asked)."""
     made = []
     real = gemm_laid_out.arranged_weight
     monkeypatch.setattr(gemm_laid_out, "arranged_weight",
                         lambda w, form, make: made.append(form[0]) or real(w, form, make))
-    x = _randn(130, n, dtype=torch.float32, seed=4)
-    ops = cpu_exact.ops_in_mode("canonical")
-    out = ops.linear(x, given)
-    assert made == ([] if row_major else ["canonical"])
-    reference = x.double() @ weight.double()  # tolerance: fp32 accumulation over n <= 576 products of N(0, 1) values
-    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-3 * n ** 0.5)
+    return made
 
 
 def test_the_bound_keeps_nothing_beyond_it(monkeypatch):

@@ -122,10 +122,12 @@ def _tiled_matmul_reference(x, weight, host, op="linear"):
     # in (the canonical class since operand_per_tile: the operand's layout, not a price optimisation): a forward's
     # as a transposed batch, an input gradient's (the weight given as W.T) row-major
     shared = not gemm_laid_out.operand_per_tile(x.dtype, k, n_pad)
-    # an input gradient's W row-major as stored also in a shared class below ROW_MAJOR_SHARED_MAX (the canonical class
-    # since session 66: MKL's bmm multiplies it faster than the transposed copy)
-    row_major = gemm_laid_out.stored_row_major(weight) and (
-        not shared or k * n_pad < gemm_laid_out.ROW_MAJOR_SHARED_MAX)
+    # a shared class below ROW_MAJOR_SHARED_MAX takes its operand row-major (the canonical class since session 66 for
+    # an input gradient's W, as stored; since session 67 for an fp32 forward's W, transposed into a copy: MKL's bmm
+    # multiplies a shared row-major operand faster than a transposed one)
+    small = k * n_pad < gemm_laid_out.ROW_MAJOR_SHARED_MAX
+    row_major = (gemm_laid_out.stored_row_major(weight) if not shared
+                 else small and (gemm_laid_out.stored_row_major(weight) or x.dtype == torch.float32))
     if row_major:
         given = weight.t().to(x.dtype)
         operand = gemm_tiles.aligned_contiguous(torch.constant_pad_nd(given, (0, n_pad - n))).unsqueeze(0)

@@ -335,7 +335,7 @@ def test_a_stacked_gemm_that_differs_keeps_the_tiles(monkeypatch):
     x, weight = torch.randn(300, 48, generator=gen), torch.randn(24, 48, generator=gen)
     out = gemm_linear.tiled_matmul(x, weight, guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
-    assert _views_probes(guard) == [("linear tiles stacked in one GEMM: 5x64 rows K=48 N=32 transposed float32",
+    assert _views_probes(guard) == [("linear tiles stacked in one GEMM: 5x64 rows K=48 N=32 row-major float32",
                                      CANONICAL_PATH)]
 
 
@@ -374,7 +374,7 @@ def test_a_last_tile_apart_that_differs_keeps_the_stacked_gemm(monkeypatch):
     out = gemm_linear.tiled_matmul(x, weight, guard)
     assert _same_bits(out.contiguous(), _tiles_reference(x, weight, guard).contiguous())
     assert _apart_probes(guard) in ([], [("linear tiles stacked in one GEMM, the last tile apart: 5x64 rows K=48 "
-                                          "N=32 transposed float32", CANONICAL_PATH)])  # [] where no stack runs
+                                          "N=32 row-major float32", CANONICAL_PATH)])  # [] where no stack runs
 
 
 @pytest.mark.parametrize("mode,rows,n,k", [("auto", 256, 64, 64), ("auto", 300, 512, 256), ("canonical", 300, 64, 64)],
