@@ -40,10 +40,10 @@ regenerated_or_listed` fails on a block in neither set, so a new page cannot add
 * surge.md's ``surge_modes`` table (it trains an 800-step warm start: minutes);
 * vllm_map.md's two tables (vLLM runs, in vLLM's own venv, not kept).
 
-The timing pages (``benchmarks.md``, ``benchmarks_price_fp32.md``, ``benchmarks_peer.md``: timings of one machine)
-are checked like the others: their blocks print from kept JSON (``vexact bench tables``, runnable python blocks), so
-a page cannot show a record's old tables after the record was measured again (gpu_triton.md's tables are printed
-from its kept raw output, so they are regenerated too).
+The timing pages (``benchmarks.md``, ``benchmarks_sessions.md``, ``benchmarks_price_fp32.md``, ``benchmarks_peer.md``:
+timings of one machine) are checked like the others: their blocks print from kept JSON (``vexact bench tables``,
+runnable python blocks), so a page cannot show a record's old tables after the record was measured again
+(gpu_triton.md's tables are printed from its kept raw output, so they are regenerated too).
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def test_a_stale_block_is_found(tmp_path):
 @pytest.mark.slow
 def test_a_stale_benchmark_table_is_found(tmp_path):
     """A timing page's table from a kept benchmark record, with one ratio changed, is not what its command prints."""
-    page = RESULTS / "benchmarks.md"
+    page = RESULTS / "benchmarks_sessions.md"
     command, body = next((c, b) for c, b in generated_blocks(page) if "guard_modes_intel_xeon.json" in c)
     assert regenerate(page, command, body, tmp_path) == body
     stale = re.sub(r"\| (\d\.\d\d)×", lambda m: f"| {float(m.group(1)) + 0.01:.2f}×", body, count=1)
