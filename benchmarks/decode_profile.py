@@ -219,7 +219,7 @@ def vllm_side(shape_name: str, dtype_name: str, n_prompts: int, new_tokens: int,
                                  vllm=True)}
 
 
-def _model_gemms(config) -> dict[str, list[tuple[int, int]]]:
+def model_gemms(config) -> dict[str, list[tuple[int, int]]]:
     """The model's GEMM weight shapes [N, K]: one layer's (q, k, v, o, gate, up, down) and the LM head."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -228,6 +228,11 @@ def _model_gemms(config) -> dict[str, list[tuple[int, int]]]:
                                                    (c.intermediate_size, c.hidden_size),
                                                    (c.hidden_size, c.intermediate_size)],
             "LM head": [(c.vocab_size, c.hidden_size)]}
+
+
+def weight_shapes(config) -> list[tuple[int, int]]:
+    """The model's distinct GEMM weight shapes [N, K] (``model_gemms``), in its order."""
+    return list(dict.fromkeys(s for shapes_ in model_gemms(config).values() for s in shapes_))
 
 
 STREAMED = "a decode step's GEMMs, every layer's own weights"
@@ -241,7 +246,7 @@ def _streamed_step(config, dtype: torch.dtype, rows: int, kernels: dict[str, tup
     """``STREAMED``: every kernel of ``kernels`` (name -> (prepare a weight, apply to x and it)) over ``config``'s
     ``num_layers`` layers' own weights and the LM head, ``rows`` rows, fastest of ``reps`` + 1; each kernel's largest
     difference from ``F.linear`` on the first layer's and the head's products."""
-    groups = _model_gemms(config)
+    groups = model_gemms(config)
     layer_shapes, head_shape = groups["layer (q, k, v, o, gate, up, down)"], groups["LM head"][0]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype)
                for _ in range(config.num_layers) for n, k in layer_shapes]
@@ -295,7 +300,7 @@ def gemm_kernels(config, dtype: torch.dtype, rows: list[int], reps: int, vllm: b
     for m in rows:
         if m == rows[0]:
             out[f"{STREAMED}, {m} rows"] = _streamed_step(config, dtype, m, kernels, reps, gen)
-        for name, shapes_ in _model_gemms(config).items():
+        for name, shapes_ in model_gemms(config).items():
             if name == "LM head" and m != rows[0]:
                 continue  # the prefill runs the head on each prompt's last row only
             weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes_]
@@ -310,7 +315,7 @@ def gemm_per_shape(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
     (``host_guard.ONEDNN_MIN_WEIGHT``)."""
     gen = torch.Generator().manual_seed(1)
     out = {}
-    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+    for n, k in weight_shapes(config):
         w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
         out[f"N={n} K={k}"] = {f"{label}_s": _fastest(lambda fn=fn, x=x, w=w: fn(x, w), reps * 3)
                                for label, fn in (("F.linear", torch.nn.functional.linear),
@@ -333,7 +338,7 @@ def gemm_at_tile_rows(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
 
     gen = torch.Generator().manual_seed(2)
     per_shape = {}
-    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+    for n, k in weight_shapes(config):
         w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
         computed = gemm_linear.tiled_dtype(x, w, cpu_exact.HOST)
         tile_rows = gemm_linear.tiled_rows(x.to(computed), w, cpu_exact.HOST)
@@ -350,7 +355,7 @@ def gemm_at_tile_rows(config, dtype: torch.dtype, rows: int, reps: int) -> dict:
             if all(key in entry for entry in per_shape.values())]
     step = {key: sum(config.num_layers * per_shape[f"N={n} K={k}"][key] if group != "LM head"
                      else per_shape[f"N={n} K={k}"][key]
-                     for group, shapes_ in _model_gemms(config).items() for n, k in shapes_)
+                     for group, shapes_ in model_gemms(config).items() for n, k in shapes_)
             for key in keys}
     return {"per_shape": per_shape, "decode_step_gemm_s": step}
 
@@ -437,7 +442,7 @@ def onednn_rows_keep_bits(config, dtype: torch.dtype, heights: tuple[int, ...],
     whose rows differ (empty: the rows keep their bits). ``linear``: the kernel checked (tests pass a broken one)."""
     gen = torch.Generator().manual_seed(0)
     out = {}
-    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+    for n, k in weight_shapes(config):
         w = torch.randn(n, k, generator=gen).to(dtype)
         x = torch.randn(max(heights), k, generator=gen).to(dtype)
         reference = linear(x, w)
@@ -454,7 +459,7 @@ def onednn_packed_check(config, dtype: torch.dtype, heights: tuple[int, ...], re
     what a weight version must be used for before packing it pays."""
     gen = torch.Generator().manual_seed(3)
     out = {}
-    for n, k in dict.fromkeys(s for shapes_ in _model_gemms(config).values() for s in shapes_):
+    for n, k in weight_shapes(config):
         w = torch.randn(n, k, generator=gen).to(dtype)
         packed = onednn_packed(w)
         x = torch.randn(max(heights), k, generator=gen).to(dtype)

@@ -3,7 +3,7 @@
     python -m benchmarks.tables runs/bench/e2e-default.json runs/bench/kernels.json runs/bench/e2e-llama100m.json
 
 Each file is recognised by its ``benchmark`` field (``end_to_end``, ``kernels``, ``host_guard``, ``guard_modes``,
-``op_swap``, ``peer_decode`` or ``decode_profile``);
+``tile_heights``, ``op_swap``, ``peer_decode`` or ``decode_profile``);
 the tables are printed in the order of the files, so the README's numbers are copied from this output, not typed.
 
     python -m benchmarks.tables --by-mode runs/bench/ab-auto.json runs/bench/ab-canonical.json
@@ -24,7 +24,7 @@ from vexact.engine.model import short_dtype_name
 from vexact.metric_keys import TIMING_ROLLOUT, TIMING_UPDATE
 from vexact.sweeps.markdown_table import markdown_table
 
-from . import guard_modes, op_swap
+from . import guard_modes, op_swap, tile_heights
 from .common import fmt_ratio, thread_counts
 from .decode_profile import PACKED_AT_TILE_ROWS, gemm_table, split_table, vllm_table
 from .end_to_end import LABELS as E2E_LABELS
@@ -224,6 +224,8 @@ def tables(record: dict) -> str:
         parts = [host_guard_table(record)]
     elif record.get("benchmark") == "guard_modes":
         parts = [guard_modes_table(record)]
+    elif record.get("benchmark") == "tile_heights":
+        parts = [_markdown(*tile_heights.table(record), right_from=2)]
     elif record.get("benchmark") == "op_swap":
         parts = [_markdown(*op_swap.swap_matrix(record["results"]))]
     elif record.get("benchmark") == "peer_decode":

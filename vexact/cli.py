@@ -519,6 +519,8 @@ BENCHMARKS = {
     "host_guard": "the fixed-order fallback's cost against the probed fast path",
     "guard_modes": "the exact CPU path in guard mode canonical against auto, interleaved in one process (what a host "
                    "whose same_bits probes fail pays)",
+    "tile_heights": "the canonical arrangement's 64-row GEMM tiles at a training pass's rows against one call, and "
+                    "whether taller tiles would keep their bits on this host",
     "op_swap": "each exact CPU op in turn swapped for native's, in one process: which op owns the exact path's time "
                "over native's",
     "data_parallel": "the fixed-tree gradient reduction against a plain all_reduce, and RL steps with --nproc",

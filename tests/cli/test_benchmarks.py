@@ -22,7 +22,17 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a source-checkout package, not i
 
 
 import vexact_kernels  # noqa: E402
-from benchmarks import bits_digest, end_to_end, guard_modes, host_guard, kernels, op_count, op_swap, tables  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bits_digest,
+    end_to_end,
+    guard_modes,
+    host_guard,
+    kernels,
+    op_count,
+    op_swap,
+    tables,
+    tile_heights,
+)
 from benchmarks.common import parse_list, profile_top, set_malloc, shapes  # noqa: E402
 from vexact.cli import main as vexact_main  # noqa: E402
 from vexact_kernels import TRITON_PIP, cpu_exact, native  # noqa: E402
@@ -255,6 +265,52 @@ def test_guard_modes_at_another_batch(tmp_path, capsys):
     assert "--batch applies to the shapes with random prompts" in capsys.readouterr().err
     assert guard_modes.main(["--shape", "tiny", "--batch", "0", "--items", "decode_step"]) == 2
     assert "--batch 0" in capsys.readouterr().err
+
+
+def test_tile_heights_times_the_tiles_and_finds_a_gemm_that_accumulates_by_the_rows_in_a_call(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """Every weight shape at every row count, a ratio per arrangement (taller tiles only where the rows hold one); on
+    a GEMM whose rows in a call of more than 64 come out otherwise (the emulated host), every row of the stacked call
+    and of each taller tile is counted as differing from its 64-row tile's bits."""
+    from test_host_guard import rows_in_call_mm
+
+    out = tmp_path / "t.json"
+    assert vexact_main(["bench", "tile_heights", "--shape", "tiny", "--dtype", "fp32", "--reps", "1", "--threads",
+                        "1", "--rows", "70,300", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    weights = tile_heights.weight_shapes(shapes()["tiny"].model)
+    assert [(r["weight"], r["rows"]) for r in record["results"]] == [
+        (f"N={n} K={k}", rows) for n, k in weights for rows in (70, 300)]
+    for r in record["results"]:
+        heights = [tile_heights.TILE, *(h for h in tile_heights.TALL_HEIGHTS if h <= r["rows"])]
+        assert {key for key in r if key.startswith("tiles_")} == {f"tiles_{h}" for h in heights}
+        for h in heights:
+            ratio = r[f"tiles_{h}"]
+            assert math.isfinite(ratio["ratio_median"]) and ratio["ratio_median"] > 0
+            assert ratio["repetitions"] == len(ratio["tiles_s"]) == len(ratio["one_call_s"]) == 1
+    assert "64-row tiles / one call" in capsys.readouterr().out
+    assert tables.main([str(out)]) == 0
+    assert "| 256-row call: 64-row bits |" in capsys.readouterr().out
+
+    monkeypatch.setattr(torch, "mm", rows_in_call_mm)
+    record = tile_heights.run("tiny", ["float32"], [1], [300], reps=1)
+    for r in record["results"]:
+        assert r["rows_differing_one_call"] == 300
+        assert all(r[f"rows_differing_{h}"] == h for h in tile_heights.TALL_HEIGHTS)
+    assert all(row[-3:] == ["no (300 of 300 rows)", "no (128 of 128 rows)", "no (256 of 256 rows)"]
+               for row in tile_heights.table(record)[1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rows", "0"], "--rows must be a comma list of positive integers"),
+    (["--rows", "64,x"], "--rows must be a comma list of positive integers"),
+    (["--shape", "tiny,default"], "--shape: one shape"),
+    (["--device", "meta"], "unknown device 'meta'"),
+])
+def test_tile_heights_bad_input_is_one_clear_error(argv, message, capsys):
+    assert tile_heights.main(["--shape", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
 
 
 def test_op_swap_times_each_exact_op_swapped_for_natives(tmp_path, capsys):

@@ -105,7 +105,7 @@ def test_gemm_side_times_the_models_gemms_beside_torch_onednn(tmp_path, capsys):
     tiny = decode_profile.shapes()["tiny"].model  # the streamed step: every layer's own 7 weights, then the head
     streamed = results["gemm"][f"{decode_profile.STREAMED}, 3 rows"]
     assert streamed["weights"] == tiny.num_layers * 7 + 1 and streamed["weight_bytes"] == 4 * (
-        tiny.num_layers * sum(n * k for n, k in decode_profile._model_gemms(tiny)["layer (q, k, v, o, gate, up, down)"])
+        tiny.num_layers * sum(n * k for n, k in decode_profile.model_gemms(tiny)["layer (q, k, v, o, gate, up, down)"])
         + tiny.vocab_size * tiny.hidden_size)
     for entry in results["gemm"].values():
         assert entry["F.linear_s"] > 0 and entry["torch_onednn_linear_s"] > 0
