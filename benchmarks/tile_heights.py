@@ -79,7 +79,7 @@ def _rows_differing(weight_kn: torch.Tensor, rows: int, gen: torch.Generator) ->
     """Rows of one call of ``rows`` seeded rows whose bits differ from those the same rows get in ``TILE``-row calls
     (the last one zero-padded, as the canonical tiles are)."""
     x = torch.randn(rows, weight_kn.shape[0], generator=gen).to(weight_kn.dtype)
-    tiled = torch.cat([out for tile in _tiles(x, TILE) for out in [torch.mm(tile, weight_kn)]])[:rows]
+    tiled = torch.cat([torch.mm(tile, weight_kn) for tile in _tiles(x, TILE)])[:rows]
     return int((torch.mm(x, weight_kn) != tiled).any(dim=1).sum())
 
 
