@@ -42,7 +42,7 @@ TOKENS = {"a": [5, 6, 7], "b": [9], 7: [11, 12]}
 ORDER = [7, "a", "b"]  # the training file's order (the rollout file is written a, b, 7)
 
 KL = (0.5 - 0.0625) / 6  # k1 = mean(logp_roll - logp_train) = -(Σ r) / N = -(-0.5 + 0.0625) / 6
-K3 = ((math.exp(-0.5) + 0.5 - 1) + (math.exp(0.0625) - 0.0625 - 1)) / 6  # mean(e^r - r - 1); zeros add 0
+K3 = ((math.expm1(-0.5) + 0.5) + (math.expm1(0.0625) - 0.0625)) / 6  # mean(e^r - r - 1); zeros add 0
 ABS_MEAN = (0.5 + 0.0625) / 6
 ABS_MAX = 0.5
 
@@ -484,7 +484,8 @@ def test_tensors_saved_with_requires_grad_compare_and_sparse_ones_are_one_error(
     torch.save({"rollout_log_probs": _padded(ROLL).requires_grad_(), "old_log_probs": _padded(TRAIN).requires_grad_(),
                 "response_mask": MASK}, path)
     m = _report(capsys, path, out=tmp_path / "r.json")["metrics"]
-    assert (m["rollout_corr/kl"], m["rollout_corr/k3_kl"], m["mismatch/abs_dlogp_max"]) == (KL, K3, ABS_MAX)
+    assert (m["rollout_corr/kl"], m["mismatch/abs_dlogp_max"]) == (KL, ABS_MAX)
+    assert m["rollout_corr/k3_kl"] == pytest.approx(K3, rel=1e-12, abs=0)
     torch.save({"rollout_log_probs": _padded(ROLL).nan_to_num().to_sparse(), "old_log_probs": _padded(TRAIN),
                 "response_mask": MASK}, path)
     code, out, err = _run(capsys, path)
@@ -755,3 +756,12 @@ def test_a_binary_file_of_another_format_says_how_the_format_is_chosen(tmp_path,
     jsonl = tmp_path / "dump.jsonl"
     jsonl.write_bytes(npz.read_bytes())
     assert _run(capsys, jsonl)[2] == f"error: {jsonl}:1: not valid JSON (not UTF-8 text)\n"
+
+
+def test_a_long_response_with_a_steady_offset_is_a_report(tmp_path, capsys):
+    """1,500 tokens each 0.5 more likely to the trainer: the sequence's log-ratio, 750, overflowed math.exp in the
+    sequence-level IS metrics (a traceback, exit 1), where every metric is finite: a report."""
+    roll = _jsonl(tmp_path / "r.jsonl", [{"id": 0, "logprobs": [-1.0] * 1500}])
+    train = _jsonl(tmp_path / "t.jsonl", [{"id": 0, "logprobs": [-0.5] * 1500}])
+    report = _report(capsys, roll, train, out=tmp_path / "out.json")
+    assert report["metrics"]["rollout_corr/k3_kl"] == pytest.approx(math.expm1(0.5) - 0.5, rel=1e-12)

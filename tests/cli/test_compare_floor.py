@@ -41,7 +41,7 @@ def _compare(tmp_path, capsys, roll: dict, train: dict, floor: dict, tokens: dic
 
 
 def _k3(a: list[float], b: list[float]) -> float:
-    return sum(math.exp(x - y) - (x - y) - 1 for x, y in zip(a, b)) / len(a)
+    return sum(math.expm1(x - y) - (x - y) for x, y in zip(a, b)) / len(a)  # e^r - r - 1, without its cancellation
 
 
 def _sequences(n: int, shift: float, floor_shift: float) -> tuple[dict, dict, dict]:
@@ -126,3 +126,17 @@ def test_on_the_exact_backend_the_floor_is_exactly_zero(tmp_path, capsys):
     assert f["k3_floor"] == 0.0 and f["bitwise_equal_frac"] == 1.0 and f["ratio"] is None
     assert f["distinguishable"] is True and f["k3"] > 0
     assert "bitwise equal: the trainer is batch-invariant" in out
+
+
+def test_a_floor_off_by_an_ulp_is_zero_but_not_called_bitwise_equal(tmp_path, capsys):
+    """Near-certain tokens the second scoring rounds one ulp apart: k3_floor is 0 (the terms are below float64's
+    reach), and the verdict said "bitwise equal: the trainer is batch-invariant" of a floor that is not."""
+    train = {i: [-1.458e-9, -2.5e-10, -3.75e-9] for i in range(4)}
+    roll = {i: [v - 0.25 for v in train[i]] for i in train}
+    floor = {i: [math.nextafter(v, 0.0) for v in train[i]] for i in train}
+    code, out, err, report = _compare(tmp_path, capsys, roll, train, floor)
+    assert code == 0, err
+    f = report["floor"]
+    assert f["k3_floor"] == 0 and f["bitwise_equal_frac"] == 0 and f["distinguishable"] is True
+    assert "1 of the tokens differ, by too little to move k3 off 0" in f["verdict"]
+    assert "batch-invariant" not in f["verdict"] and "batch-invariant" not in out

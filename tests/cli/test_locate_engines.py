@@ -147,6 +147,14 @@ def dumps(tmp_path_factory):
     run_dump(LocateSettings(a="exact:fp32:train", dump=root / "tokens", **{**common, "prompt_tokens": [[5, 6]]}))
     run_dump(LocateSettings(a="exact:fp32:train", dump=root / "damaged", **common))
     (root / "damaged" / TENSORS_FILE).unlink()
+    for name, tensors in (("no_tensors_key", None), ("tensors_a_number", 5)):  # a manifest edited by hand
+        run_dump(LocateSettings(a="exact:fp32:train", dump=root / name, **common))
+        manifest = json.loads((root / name / DUMP_FILE).read_text())
+        if tensors is None:
+            del manifest["tensors"]
+        else:
+            manifest["tensors"] = tensors
+        (root / name / DUMP_FILE).write_text(json.dumps(manifest))
     (root / "empty").mkdir()
     (root / "other").mkdir()
     (root / "other" / "notes.txt").write_text("mine")
@@ -166,6 +174,10 @@ def dumps(tmp_path_factory):
                                          "--tokens-from D/ok"),
     (["--a", "D/ok", "--b", "exact:fp32"], "--a names a dump directory and --b a path spec"),
     (["--a", "D/ok", "--b", "D/damaged"], f"--b: D/damaged/{TENSORS_FILE} missing"),
+    (["--a", "D/ok", "--b", "D/no_tensors_key"], f"--b: D/no_tensors_key/{DUMP_FILE} is not a locate dump "
+                                                 "(KeyError: 'tensors')"),  # was a KeyError's traceback
+    (["--tokens-from", "D/tensors_a_number"], f"--tokens-from: D/tensors_a_number/{DUMP_FILE} is not a locate dump "
+                                              "(TypeError: 'tensors' must be a file name or null, got 5)"),
     (["--a", "D/ok", "--b", "D/hashed", "--png", "D/x.png"], "--png plots |Δ|, and hash-only dumps have none"),
     (["--a", "D/ok", "--b", "D/hashed", "--positions", "0-3"], "--positions: --a and --b name dumps, which bring "
      "their model, sequences, prefill and positions; give --positions when recording them (--dump)"),  # not ignored

@@ -13,6 +13,7 @@ from vexact.rl.metrics import (
     LOG_RATIO_BOUND,
     bucket_name,
     is_weight_stats,
+    k3_terms,
     mismatch_metrics,
     mismatch_summary,
     quantile_linear,
@@ -386,3 +387,33 @@ def test_log_ratio_bound_reaches_the_chi2_metrics():
     assert five["rollout_corr/chi2_token"] == pytest.approx((math.exp(10.0) + 1.0) / 2 - 1.0, rel=1e-12)
     assert five["rollout_corr/chi2_seq"] == pytest.approx(math.exp(10.0) - 1.0, rel=1e-12)
     assert five["rollout_corr/chi2_token"] != default["rollout_corr/chi2_token"]  # counter-case: the bound bites
+
+
+def test_k3_is_never_below_zero_for_tiny_log_ratios():
+    """Tokens on which a rollout engine and a trainer differ by about 1e-9 in log-prob (near-certain ones): there
+    e^r - r - 1 in float64 rounded to -1.1e-16 for about one r in eight, and its mean came out below 0 (a negative
+    k3, which --map then refused); expm1(r) - r is never below 0."""
+    gen = torch.Generator().manual_seed(0)
+    r = (torch.rand(4096, dtype=torch.float64, generator=gen) - 0.5) * 2e-9
+    assert float((torch.exp(r) - r - 1).mean()) < 0  # the cancellation the test guards against
+    assert bool((k3_terms(r) >= 0).all()) and float(k3_terms(r).mean()) > 0
+    train = -torch.rand(4096, dtype=torch.float64, generator=gen)
+    assert mismatch_metrics([train], [train - r])["rollout_corr/k3_kl"] >= 0
+    assert mismatch_summary(train, train - r)["k3_kl"] >= 0
+
+
+def test_k3_terms_agree_with_the_textbook_formula_away_from_zero():
+    """Within 1e-9 relative: e^r - r - 1 loses about 1e-16 / k3 of it to cancellation (2e-10 at r = 1e-3)."""
+    r = torch.tensor([-5.0, -1.0, -0.25, -1e-3, 1e-3, 0.0625, 0.5, 3.0], dtype=torch.float64)
+    assert torch.allclose(k3_terms(r), torch.exp(r) - r - 1, rtol=1e-9, atol=0)
+
+
+def test_a_log_prob_rounded_above_zero_counts_in_the_top_bucket():
+    """vexact compare admits log-probs up to +1e-3 (rounding); p = e^logp > 1 fell in no bucket."""
+    train = torch.tensor([5e-4, -1.0], dtype=torch.float64)
+    roll = torch.tensor([-5e-4, -1.0], dtype=torch.float64)
+    out = mismatch_metrics([train], [roll])
+    assert out["mismatch/tokens_bucket/0.9-1"] == 1
+    assert out["mismatch/abs_dlogp_bucket/0.9-1"] == pytest.approx(1e-3, rel=1e-12)
+    assert sum(out[f"mismatch/tokens_bucket/{bucket_name(lo, hi)}"]
+               for lo, hi in zip(DEFAULT_BUCKETS, DEFAULT_BUCKETS[1:])) == 2

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..rl.metrics import k3_terms
+
 FLOOR_RESAMPLES = 1000
 FLOOR_QUANTILE = 0.05
 FLOOR_SEED = 0
@@ -35,8 +37,7 @@ _CHUNK = 64  # resamples drawn at once: bounds the [chunk, S] index tensor
 
 
 def _k3_terms(a: Tensor, b: Tensor) -> Tensor:
-    r = a.double() - b.double()
-    return torch.exp(r) - r - 1
+    return k3_terms(a.double() - b.double())
 
 
 def floor_verdict(train: Tensor, roll: Tensor, floor: Tensor, lengths: list[int], floor_path: Path | str
@@ -51,7 +52,7 @@ def floor_verdict(train: Tensor, roll: Tensor, floor: Tensor, lengths: list[int]
                            "bitwise_equal_frac": int((train == floor).sum()) / n,
                            "ratio": k3 / k3_floor if k3_floor > 0 else None,  # no multiple of a zero floor
                            "rule": FLOOR_RULE}
-    if k3_floor == 0:
+    if k3_floor <= 0:  # (k3 terms are never below 0: a floor of 0 exactly)
         out.update(distinguishable=k3 > 0, d_quantile=None)
     else:
         out["d_quantile"] = _bootstrap_quantile(user_terms, floor_terms, lengths)
@@ -77,11 +78,12 @@ def _bootstrap_quantile(user_terms: Tensor, floor_terms: Tensor, lengths: list[i
 def floor_text(v: dict[str, Any]) -> str:
     """The report's line: ``your k3 X is N× the floor Y: distinguishable ...`` or ``... indistinguishable ...``."""
     head = f"floor ({v['dump']}): k3 between the two training scorings = {v['k3_floor']:.3g}"
-    if v["k3_floor"] == 0:
+    if v["k3_floor"] <= 0:
+        why = ("bitwise equal: the trainer is batch-invariant" if v["bitwise_equal_frac"] == 1 else
+               f"{1 - v['bitwise_equal_frac']:.3g} of the tokens differ, by too little to move k3 off 0")
         if v["distinguishable"]:
-            return (f"{head} (bitwise equal: the trainer is batch-invariant); your k3 {v['k3']:.3g} is above it: "
-                    "distinguishable from the floor")
-        return f"{head}; your k3 is 0 too: indistinguishable from the floor"
+            return (f"{head} ({why}); your k3 {v['k3']:.3g} is above it: distinguishable from the floor")
+        return f"{head} ({why}); your k3 is 0 too: indistinguishable from the floor"
     ratio = f"{v['ratio']:.3g}× the floor"
     rule = f"the {FLOOR_QUANTILE:g}-quantile of k3 − k3_floor over {FLOOR_RESAMPLES} sequence resamples is " \
            f"{v['d_quantile']:.3g}"

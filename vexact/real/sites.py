@@ -332,10 +332,13 @@ def read_dump(directory: str | Path, flag: str) -> Sites:
                       {s["name"]: {k: s[k] for k in ("abs_max", "abs_mean", "nonfinite")} for s in data["sites"]},
                       [tuple(r) for r in data["rows"]], data["tokens"], data["prompt_lengths"], data["prefill"],
                       data["model"], data["config"], str(directory))
+        tensors_file = data["tensors"]
+        if tensors_file is not None and not isinstance(tensors_file, str):
+            raise TypeError(f"'tensors' must be a file name or null, got {tensors_file!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{flag}: {manifest} is not a locate dump ({type(err).__name__}: {err})") from None
-    if data["tensors"] is not None:
-        path = directory / data["tensors"]
+    if tensors_file is not None:
+        path = directory / tensors_file
         if not path.is_file():
             raise ValueError(f"{flag}: {path} missing ({DUMP_FILE} says the dump holds its tensors there)")
         try:

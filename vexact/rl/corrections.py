@@ -515,7 +515,7 @@ def _importance_weights(log_ratio: Tensor, rows: _Rows, plan: CorrectionPlan,
     m: dict[str, float] = {}
     if plan.rollout_is == "sequence":
         m["rollout_is_max"] = math.exp(min(float(ratio_log.max()), bound))  # the raw ratio, before truncation
-        m["rollout_is_min"] = math.exp(float(ratio_log.min()))
+        m["rollout_is_min"] = math.exp(min(float(ratio_log.min()), bound))  # (every row above the bound: no overflow)
         m["rollout_is_mean"] = float(_token_mean(weights))
         m["rollout_is_ratio_fraction_high"] = float((ratio_log > math.log(upper)).double().mean())  # over rows
         m["rollout_is_ratio_fraction_low"] = float((ratio_log < math.log(lower_for_metrics)).double().mean())

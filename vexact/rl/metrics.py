@@ -100,6 +100,13 @@ LOG_RATIO_BOUND = 20.0
 the IS weights and ``actor/ppo_kl`` (verl's SAFETY_BOUND): ρ ≤ exp(20) ≈ 4.9e8."""
 
 
+def k3_terms(r: Tensor) -> Tensor:
+    """Per-token k3 estimates of KL, e^r - r - 1 for log-ratios ``r`` (float64, r = logp_train - logp_roll), computed
+    as expm1(r) - r: the same value without e^r - 1's cancellation near r = 0, so never below 0 (e^r - r - 1
+    rounded to -1.1e-16 for about one r in eight below 1e-7, the 1-ulp differences of near-certain tokens)."""
+    return torch.expm1(r).sub_(r)
+
+
 def mismatch_summary(logp_train: Tensor, logp_roll: Tensor) -> dict[str, float]:
     """Token-level mismatch stats of flat log-probs: counts, bitwise-equal fraction, |Δlogp| mean/max, k1 and k3 KL.
 
@@ -120,7 +127,7 @@ def mismatch_summary(logp_train: Tensor, logp_roll: Tensor) -> dict[str, float]:
         "abs_dlogp_mean": float(r.abs().mean()),
         "abs_dlogp_max": float(r.abs().max()),
         "kl": float((roll - train).mean()),
-        "k3_kl": float((torch.exp(r) - r - 1).mean()),
+        "k3_kl": float(k3_terms(r).mean()),
     }
 
 
@@ -156,7 +163,7 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
 
     Token-level (``rollout_corr/``, verl's formulas)
       ``kl``          = token mean of (logp_roll - logp_train) = -mean(r)   (k1 estimate of KL(μ‖π); may be < 0)
-      ``k3_kl``       = token mean of (exp(r) - r - 1)                       (k3 estimate, ≥ 0; not clamped)
+      ``k3_kl``       = token mean of (exp(r) - r - 1), as expm1(r) - r      (k3 estimate, ≥ 0; not clamped)
       ``chi2_token``  = token mean of ρ_t² - 1, ρ_t = exp(clamp(r_t, ±B)), B = ``log_ratio_bound`` (run:
                         ``correction.log_ratio_bound``, default ``LOG_RATIO_BOUND`` = 20)
 
@@ -190,13 +197,14 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
       ``abs_dlogp_mean`` / ``abs_dlogp_max`` = mean / max of |r| over tokens.
       ``abs_dlogp_p99``      = 99th percentile of |r|, linear interpolation between order statistics
                                (torch.quantile's / numpy's default: position 0.99·(N-1) in the sorted values).
-      ``tokens_bucket/<lo>-<hi>``    = number of tokens whose training-path probability p = exp(logp_train)
-                                       lies in [lo, hi); the last bucket is closed, [lo, hi], so p = 1 counts.
+      ``tokens_bucket/<lo>-<hi>``    = number of tokens whose training-path probability p = min(exp(logp_train), 1)
+                                       lies in [lo, hi); the last bucket is closed, [lo, hi], so p = 1 counts
+                                       (and a log-prob a rounding put above 0, which ``vexact compare`` admits).
                                        Always emitted (possibly 0).
       ``abs_dlogp_bucket/<lo>-<hi>`` = mean |r| over those tokens; emitted only for non-empty buckets (no NaN
                                        in the logs). Bucket names come from ``bucket_name``. Tokens with p
                                        outside [edges[0], edges[-1]] fall in no bucket (impossible with the
-                                       default edges 0..1 and log-probs ≤ 0).
+                                       default edges 0..1).
 
     Raises ValueError if either side is not a sequence of floating-point tensors, the lists differ in length, a pair
     differs in shape or is not 1-D (the message names the sequence index), the bucket edges are not at least two
@@ -256,9 +264,7 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
     # same elementwise operations (so the same bits) as the one-expression forms in the docstring, at a peak of a
     # few float64 copies of the N tokens (``vexact compare`` feeds dumps of millions of tokens through here).
     kl = float((roll - train).mean())
-    k3_terms = torch.exp(r)
-    k3 = float(k3_terms.sub_(r).sub_(1.0).mean())  # e^r - r - 1
-    del k3_terms
+    k3 = float(k3_terms(r).mean())
     rho_token_sq = r.clamp(-log_ratio_bound, log_ratio_bound).exp_().square_()
     chi2_token = float(rho_token_sq.mean() - 1.0)
     del rho_token_sq, r
@@ -298,6 +304,7 @@ def mismatch_metrics(logp_train: Sequence[Tensor], logp_roll: Sequence[Tensor],
         ABS_DLOGP_P99: quantile_linear(abs_r, 0.99),
     }
 
+    p.clamp_(max=1.0)  # a probability: a log-prob rounded above 0 counts in the top bucket
     for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
         last = k == len(edges) - 2
         in_bucket = (p >= lo) & ((p <= hi) if last else (p < hi))
