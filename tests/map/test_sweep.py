@@ -179,6 +179,9 @@ def test_a_signal_sent_to_the_sweep_alone_stops_its_running_workers(tmp_path, si
         assert (summary["status"], summary["signal"]) == ("interrupted", sig.name), (point.name, summary)
         done[point.name] = len(read_metrics(point.run_dir / "metrics.jsonl"))
         assert done[point.name] < 5000
+    # and so does sweep.json, which the report reads first: it kept the running points "pending"
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert [p["status"] for p in index["points"]] == ["interrupted"] * len(spec.points), index["points"]
 
     steps = max(done.values()) + 1  # each point resumes from its checkpoint and runs past where it stopped
     rerun = subprocess.run([sys.executable, "-m", "vexact", "sweep", str(path), "--jobs", "2", "--no-report",

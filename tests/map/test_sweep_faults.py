@@ -380,3 +380,26 @@ def test_a_sweep_directory_removed_during_the_sweep_stops_it_with_one_line(tmp_p
     assert line == (f"error: sweep gone: {tmp_path / 'gone'} was removed during the sweep, and the results in it with "
                     "it; re-running the sweep runs its points again")
     assert not (tmp_path / "gone").exists()  # not made again
+
+
+def test_an_edited_sweep_file_is_refused_where_its_points_have_run(tmp_path, capsys, monkeypatch):
+    """A sweep file (or its base) edited after its points ran, rerun into the same directory: the finished points were
+    skipped and the report labelled their old results with the new settings; a started one failed at its resume.
+    Now one error naming the point and the keys, before anything runs; more steps still extend the points."""
+    path = _sweep_file(tmp_path, "edited", {"seed": [0, 1]})
+    spec = load_sweep_spec(path)
+    assert run_sweep(spec, console=Console(quiet=True)) == {"seed=0": "completed", "seed=1": "completed"}
+    finished = (spec.points[0].run_dir / "metrics.jsonl").read_bytes()
+    data = yaml.safe_load(path.read_text())
+    lr = load_sweep_spec(path).points[0].config.optimizer.lr
+    data["set"]["optimizer.lr"] = lr * 2
+    path.write_text(yaml.safe_dump(data))
+    err = _cli_error(capsys, monkeypatch, "sweep", str(path), "--no-report")
+    assert err.startswith(f"error: sweep edited in {spec.output_dir}: point seed=0 was started with another config "
+                          f"(optimizer.lr: {lr!r} -> {lr * 2!r}; its run's {spec.points[0].run_dir / 'config.yaml'})")
+    assert (spec.points[0].run_dir / "metrics.jsonl").read_bytes() == finished  # nothing ran
+    data["set"]["optimizer.lr"] = lr  # restored, and one step more: the points are extended, as before
+    data["set"]["steps"] += 1
+    path.write_text(yaml.safe_dump(data))
+    assert run_sweep(load_sweep_spec(path), console=Console(quiet=True)) == {"seed=0": "completed",
+                                                                              "seed=1": "completed"}

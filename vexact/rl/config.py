@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from ..engine.devices import same_device_kind
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, preset_values
 from ..records.atomic import write_text_atomic
 from .config_schema import (
@@ -354,6 +355,16 @@ def dotted_items(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def config_changes(saved_path: str | Path, cfg: RunConfig) -> dict[str, list]:
+    """Keys whose value in ``cfg`` differs from a run's saved config (its config.yaml): ``{key: [old, new]}``, keys
+    dotted. The run's ``output_dir`` is no change, nor another GPU of the same kind (``cuda:0`` for ``cuda:1``)."""
+    saved = dotted_items(load_config(saved_path, saved=True).to_dict())
+    now = dotted_items(cfg.to_dict())
+    return {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now))
+            if k != "output_dir" and saved.get(k) != now.get(k)
+            and not (k == "device" and same_device_kind(saved[k], now[k]))}
 
 
 def config_hash(section_or_dict: Any) -> str:

@@ -47,7 +47,7 @@ import vexact_kernels
 from vexact_kernels.host_guard import host_cpu
 
 from ..cli_base import stop_signal
-from ..engine.devices import rank_device, same_device_kind
+from ..engine.devices import rank_device
 from ..engine.model import Transformer, resolve_dtype
 from ..metric_keys import (
     BITWISE_EQUAL_FRAC,
@@ -79,7 +79,7 @@ from ..records.runlog import (
 from .advantages import compute_advantages
 from .collapse import detect_collapse
 from .collect import RolloutBatch, eval_metrics, eval_records, step_problems
-from .config import dotted_items, load_config, save_config
+from .config import config_changes, save_config
 from .config_schema import MEMORY_KEYS, RunConfig, knob_key
 from .data_parallel import DataParallel, check_leaves
 from .inject import Calibration, Injector, RolloutPlan, calibrate
@@ -646,11 +646,7 @@ class Trainer:
                 raise ValueError(f"cannot resume {self.run_dir}: {saved_path} is missing, so the config the run was "
                                  "started with cannot be checked; restore it or start a new run")
             return {}
-        saved = dotted_items(load_config(saved_path, saved=True).to_dict())
-        now = dotted_items(self.cfg.to_dict())
-        changes = {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now))
-                   if k != "output_dir" and saved.get(k) != now.get(k)
-                   and not (k == "device" and same_device_kind(saved[k], now[k]))}  # cuda:0 or cuda:1: one kind
+        changes = config_changes(saved_path, self.cfg)
         refused = {k: v for k, v in changes.items() if k not in allow_changes}
         if refused:
             diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())

@@ -73,10 +73,10 @@ from rich.markup import escape
 from ..cli_base import stop_on_sigterm, stop_signal, stopped_by
 from ..engine.devices import worker_device
 from ..progress import Progress, StepReporter
-from ..records import FINISHED_STATUSES, SUMMARY_FILE
+from ..records import CONFIG_FILE, FINISHED_STATUSES, SUMMARY_FILE
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
-from ..rl.config import ConfigError, config_from_dict, config_hash, read_yaml, show_value
+from ..rl.config import ConfigError, config_changes, config_from_dict, config_hash, read_yaml, show_value
 from ..rl.config_schema import MEMORY_KEYS, RunConfig
 from ..rl.config_spellings import KEY_ALIASES, RENAMED_KEYS
 from ..rl.lifetime import die_with_parent
@@ -493,6 +493,31 @@ def _check_recorded_overrides(spec: SweepSpec) -> None:
                      "choose another --output-dir for the new settings")
 
 
+RESUMED_POINT_CHANGES = ("steps", *MEMORY_KEYS)
+"""Config keys a started point's run may be resumed with changed (``_run_point``'s ``allow_changes``): more steps
+extend a finished point, and a memory knob changes no bit."""
+
+
+def _check_started_points(spec: SweepSpec) -> None:
+    """Before anything runs: every point already started in the output directory gets the config its run began with
+    (its config.yaml), but for ``RESUMED_POINT_CHANGES``. An edited sweep file or base config would otherwise skip
+    the finished points, whose results the report then labels with the new settings, and fail the started ones."""
+    for point in spec.points:
+        saved = point.run_dir / CONFIG_FILE
+        if not saved.is_file():
+            continue
+        try:
+            changes = config_changes(saved, point.config)
+        except ConfigError:  # a damaged config.yaml: the point's own resume says so, as for a single run
+            continue
+        refused = {k: v for k, v in changes.items() if k not in RESUMED_POINT_CHANGES}
+        if refused:
+            diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+            raise ValueError(f"sweep {spec.name} in {spec.output_dir}: point {point.name} was started with another "
+                             f"config ({diff}; its run's {saved}): the sweep file or its base config changed since; "
+                             "restore them to resume this sweep, or choose another --output-dir for the new settings")
+
+
 def _worker_init(parent_pid: int) -> None:
     """Runs first in every worker process: die with the sweep's main process, however that dies (SIGKILL too), and
     take SIGTERM as Ctrl-C (the worker is vexact's own process, never a launcher's rank): a point stopped by the
@@ -516,9 +541,8 @@ def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
         cfg = config_from_dict(config)
         if cfg.device.startswith("cuda:"):  # Triton launches on the process's current GPU: the worker's own
             torch.cuda.set_device(torch.device(cfg.device))
-        # steps may grow on a resume (an extended sweep), and a memory knob may change (no bit does); no other key
         summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(
-            resume=resume, allow_changes=("steps", *MEMORY_KEYS) if resume else ())
+            resume=resume, allow_changes=RESUMED_POINT_CHANGES if resume else ())
         return {"status": summary["status"], "error": None, "warm_start": _warm_start_lines(log),
                 "signal": summary.get("signal")}
     except KeyboardInterrupt as stop:
@@ -583,6 +607,7 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
 def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, address: str | None,
                 quiet: bool, selected: list[SweepPoint]) -> dict[str, str]:
     _check_recorded_overrides(spec)
+    _check_started_points(spec)
     statuses = {p.name: point_status(p) for p in spec.points}
     errors: dict[str, str | None] = {}
     try:
@@ -721,9 +746,20 @@ def _run_parallel(todo: list[SweepPoint], jobs: int, threads: int | None, finish
     except KeyboardInterrupt as stop:
         _interrupt_workers(pool, stop_signal(stop))
         pool.shutdown(wait=False, cancel_futures=True)
+        _record_stopped(running, finish)
         raise
     finally:
         pool.shutdown(wait=True)
+
+
+def _record_stopped(running: dict[Future, SweepPoint], finish) -> None:
+    """The points running when the sweep was stopped, recorded (sweep.json, the report) as their workers left them:
+    each records itself as interrupted on the signal passed on, as a sequential sweep records the point it stopped.
+    A point whose worker never started it stays pending."""
+    done, _ = wait(running)
+    for future in done:
+        if not future.cancelled():
+            finish(running[future], _result(future) or {"status": "interrupted", "error": None})
 
 
 def _interrupt_workers(pool: ProcessPoolExecutor, sig: signal.Signals) -> None:
