@@ -477,6 +477,30 @@ def _compare_rollouts(reference: _Rollout, other: _Rollout) -> tuple[str | None,
 
 
 # --------------------------------------------------------------------------- sites: where two forwards part
+def _site_sequences(sequences: Any, vocab_size: Any) -> list[list[int]]:
+    """``record_sites``' token sequences: int lists (or a 2-D integer tensor), each non-empty, every id in the
+    vocabulary where the model names its size -- a float id was truncated to another token before."""
+    if isinstance(sequences, Tensor):
+        if sequences.dim() != 2 or sequences.is_floating_point() or sequences.is_complex() or \
+                sequences.dtype == torch.bool:
+            raise ValueError(f"sequences must be lists of int token ids or a 2-D integer tensor, got a "
+                             f"{str(sequences.dtype).removeprefix('torch.')} tensor of shape {tuple(sequences.shape)}")
+        sequences = sequences.tolist()
+    bound = vocab_size if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) else 2**63
+    return check_token_lists("sequences", sequences, bound)
+
+
+def _site_prefills(prefill: Any, seqs: list[list[int]]) -> list[int]:
+    """``prefill`` for each sequence: an int, or one per sequence, each in [1, the sequence's length]."""
+    prefills = [prefill if prefill is not None else 1] * len(seqs) if not isinstance(prefill, Sequence) \
+        else list(prefill)
+    if len(prefills) != len(seqs) or any(not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= len(s)
+                                         for k, s in zip(prefills, seqs)):
+        raise ValueError(f"prefill must be an int or one int per sequence, each in [1, the sequence's length], "
+                         f"got {prefill!r}")
+    return prefills
+
+
 def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = "train",
                  prefill: int | Sequence[int] | None = None, name: str | None = None) -> Sites:
     """Record every named site of one forward path of ``model`` on ``sequences`` (all positions), for
@@ -497,14 +521,8 @@ def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = 
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    seqs = [list(map(int, s)) for s in sequences]
-    if not seqs or any(not s for s in seqs):
-        raise ValueError("sequences must be a non-empty list of non-empty token lists")
-    prefills = [prefill if prefill is not None else 1] * len(seqs) if not isinstance(prefill, Sequence) \
-        else list(prefill)
-    if len(prefills) != len(seqs) or any(not 1 <= int(k) <= len(s) for k, s in zip(prefills, seqs)):
-        raise ValueError(f"prefill must be an int or one int per sequence, each in [1, the sequence's length], "
-                         f"got {prefill!r}")
+    seqs = _site_sequences(sequences, getattr(getattr(model, "config", None), "vocab_size", None))
+    prefills = _site_prefills(prefill, seqs)
     rows = [(b, p) for b, s in enumerate(seqs) for p in range(len(s))]
     if isinstance(model, Transformer):
         config = model.config
@@ -544,10 +562,8 @@ def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], 
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    seqs = [list(map(int, s)) for s in sequences]
-    if not seqs or any(not s for s in seqs):
-        raise ValueError("sequences must be a non-empty list of non-empty token lists")
     config = model_config_from_hf(read_checkpoint_config(Path(model_dir)))
+    seqs = _site_sequences(sequences, config.vocab_size)
     op_plan(config)  # a mixture-of-experts model is refused here
     ran, specs, store = record_vllm(Path(model_dir), dtype, kind, seqs, max_new_tokens=max_new_tokens,
                                     temperature=temperature, seed=seed, timeout_s=timeout_s)

@@ -316,7 +316,16 @@ def test_assert_sites_equal_names_the_first_divergent_site(tiny_hf, tmp_path):
     (lambda m: record_sites(m, SEQUENCES, kind="decode"), "kind must be one of rollout, train, got 'decode'"),
     (lambda m: record_sites(m, SEQUENCES, kind="rollout", prefill=4), "prefill must be an int or one int per "
                                                                       "sequence, each in [1, the sequence's length]"),
-    (lambda m: record_sites(m, [[]]), "sequences must be a non-empty list of non-empty token lists"),
+    (lambda m: record_sites(m, [[]]), "sequences[0] is empty"),
+    (lambda m: record_sites(m, []), "sequences must be a non-empty list of token-id lists"),
+    # a float id was truncated to another token, and a fractional prefill failed inside torch
+    (lambda m: record_sites(m, [[1.9, 2.7]]), "sequences[0] must be a list of ints"),
+    (lambda m: record_sites(m, torch.tensor([[1.9, 2.7]])), "sequences must be lists of int token ids or a 2-D "
+                                                            "integer tensor, got a float32 tensor of shape (1, 2)"),
+    (lambda m: record_sites(m, [["ab"]]), "sequences[0] must be a list of ints"),
+    (lambda m: record_sites(m, [[1, 10**6]]), "sequences[0] has token id 1000000 outside the vocabulary"),
+    (lambda m: record_sites(m, SEQUENCES, kind="rollout", prefill=1.5), "prefill must be an int or one int per "
+                                                                        "sequence"),
     (lambda m: record_sites(object(), SEQUENCES), "record_sites needs a vexact Transformer or a transformers causal "
                                                   "LM, got object"),
     (lambda m: assert_sites_equal(record_sites(m, SEQUENCES), 3), "trainer must be a record_sites(...) recording, "

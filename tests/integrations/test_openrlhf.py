@@ -164,6 +164,8 @@ def test_refusals():
     e = _experiences()[0]
     with pytest.raises(ValueError, match=r"action_mask has shape \[2, 6\] but rollout_log_probs has \[2, 7\]"):
         experience_sides(Experience(e.sequences, None, e.action_mask[:, 1:], e.action_log_probs, e.rollout_log_probs))
+    with pytest.raises(ValueError, match=r"experiences\[0\]\.action_mask holds values other than 0 and 1"):
+        experience_sides(Experience(e.sequences, None, e.action_mask * 2, e.action_log_probs, e.rollout_log_probs))
     with pytest.raises(ValueError, match=r"sequences has shape \[2, 7\]; .* more columns"):
         experience_sides(Experience(e.sequences[:, 1:], None, e.action_mask, e.action_log_probs, e.rollout_log_probs))
     with pytest.raises(ValueError, match=r"has no 'rollout_log_probs': expected OpenRLHF's Experience, got dict"):

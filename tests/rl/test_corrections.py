@@ -211,6 +211,12 @@ def test_bad_inputs_and_config_errors():
         rollout_correction(torch.zeros(5), torch.zeros(5), [4], CorrectionSection(method="token_tis"))
     with pytest.raises(ValueError, match="one shape"):
         rollout_correction(torch.zeros(5), torch.zeros(4), [5], CorrectionSection(method="token_tis"))
+    # lengths summing right with a negative one failed inside torch; integer log-probs gave integer weights
+    with pytest.raises(ValueError, match=r"lengths must be token counts \(ints >= 0\), got \[4, -1\]"):
+        rollout_correction(torch.zeros(3), torch.zeros(3), [4, -1], CorrectionSection(method="token_tis"))
+    with pytest.raises(ValueError, match="logp_train must be a floating-point tensor of log-probs, got torch.int64"):
+        rollout_correction(torch.tensor([-1, -2]), torch.tensor([-2.0, -2.0]), [2],
+                           CorrectionSection(method="token_tis"))
     with pytest.raises(ConfigError, match="correction.band"):
         config_from_dict({"correction": {"method": "token_tis", "band": [0.5, 2.0]}})
     with pytest.raises(ConfigError, match="lower < upper"):

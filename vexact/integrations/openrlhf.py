@@ -88,6 +88,8 @@ def _one(experience: Any, where: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if value.shape != rollout.shape:
             raise ValueError(f"{where}.{name} has shape {list(value.shape)} but {ROLLOUT_KEY} has "
                              f"{list(rollout.shape)}")
+    if not ((mask == 0) | (mask == 1)).all():  # (checked before the cast to bool, which reads a 2 as True)
+        raise ValueError(f"{where}.{MASK_KEY} holds values other than 0 and 1")
     width = rollout.shape[1]
     if sequences.shape[0] != rollout.shape[0] or not width < sequences.shape[1]:
         raise ValueError(f"{where}.sequences has shape {list(sequences.shape)}; with {list(rollout.shape)} "

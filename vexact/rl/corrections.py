@@ -52,6 +52,7 @@ nothing is rejected (for any threshold that admits 1), so each correction is an 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -460,12 +461,18 @@ def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int]
     pre-update weights, and the rollout path); ``lengths``: tokens per sequence, in order, summing to their
     length (rows may be empty). Computed in float64; the weights come back in ``logp_train``'s dtype, detached.
     Metrics: verl's ``rollout_corr/rollout_is_*`` (with ``rollout_is``) and ``rollout_corr/rollout_rs_*`` (with
-    ``rollout_rs``), and vexact's ``correction/*``. Raises ValueError on bad shapes or no tokens.
+    ``rollout_rs``), and vexact's ``correction/*``. Raises ValueError on bad shapes, dtypes or lengths, or no
+    tokens.
     """
     plan = plan_for(cfg)
     if logp_train.shape != logp_roll.shape or logp_train.dim() != 1:
         raise ValueError(f"need two flat log-prob tensors of one shape, got {tuple(logp_train.shape)} and "
                          f"{tuple(logp_roll.shape)}")
+    for side, logp in (("logp_train", logp_train), ("logp_roll", logp_roll)):
+        if not logp.is_floating_point():  # integer weights would come back rounded down
+            raise ValueError(f"{side} must be a floating-point tensor of log-probs, got {logp.dtype}")
+    if any(not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0 for n in lengths):
+        raise ValueError(f"lengths must be token counts (ints >= 0), got {list(lengths)[:8]}")
     if sum(lengths) != logp_train.numel():
         raise ValueError(f"lengths sum to {sum(lengths)} but there are {logp_train.numel()} tokens")
     if logp_train.numel() == 0:
