@@ -59,8 +59,8 @@ def exit_codes_help(command: str | None = None) -> str:
     return (f"exit codes: {EXIT_OK} success; {EXIT_FAILED} {failed}; {EXIT_BAD_INPUT} bad input (config, files, "
             f"a locked or mismatched run directory: one 'error:' line on stderr); {EXIT_ENVIRONMENT} the machine "
             "failed the work (no space left on the disk, a file-size limit, an I/O error: one 'error:' line naming "
-            f"the file); {EXIT_INTERRUPTED} interrupted (Ctrl-C; {EXIT_TERMINATED} for SIGTERM, a job "
-            "scheduler's stop; finished work is kept"
+            f"the file; out of memory: one 'error:' line); {EXIT_INTERRUPTED} interrupted (Ctrl-C; "
+            f"{EXIT_TERMINATED} for SIGTERM, a job scheduler's stop; finished work is kept"
             + (f"; {resumed})" if resumed else ")"))
 
 
@@ -470,7 +470,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
 
     from .real.measure import MeasureSettings, print_measure, run_measure, write_json, write_png
 
-    check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts})
+    check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts, "--model": args.model})
     # --max-prompt-len and --seed parse to None unless given, so that where they would do nothing they are refused
     source = prompt_source(args.prompts)
     check_prompt_length_flags(source, args.max_prompt_len, args.token_ids)
@@ -643,6 +643,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (``Terminated``): 130 or 143
         _error_line("interrupted", "", "yellow")
         return interrupted_exit_code(stop_signal(stop))
+    except (MemoryError, RuntimeError) as err:
+        if not out_of_memory(err):
+            raise
+        what = " ".join(str(err).split()) or type(err).__name__
+        _error_line("error", f"out of memory: {what}; choose smaller sizes (model, batch, lengths) or run on a "
+                             "machine with more memory", "red")
+        return EXIT_ENVIRONMENT  # the machine could not hold the work: not the input's fault as such
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """An allocation the machine could not satisfy: Python's MemoryError, torch's CPU allocator ("can't allocate
+    memory" / "not enough memory") or a GPU's ``OutOfMemoryError``."""
+    text = str(err)
+    return (isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"
+            or "DefaultCPUAllocator" in text or "can't allocate memory" in text)
 
 
 def _error_line(label: str, message: str, colour: str) -> None:

@@ -126,18 +126,23 @@ def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None
     """Before a command's work, a ValueError naming the flag unless each output file (``--json``, ``--png``) can be
     written (``check_writable``: not a folder, its folder writable) and is no file the command reads: the report,
     written after the work, would replace it (``--json rollout.jsonl`` for ``--json report.json``) and the work
-    could not be run again. Keys are the flags; None is a flag not given; an input that is no file (a folder, a
-    name) is passed over."""
+    could not be run again. Keys are the flags; None is a flag not given; an input folder (``--model DIR``, a
+    checkpoint) counts as the files in it; an input that is neither (a name) is passed over."""
     read: dict[Path, str] = {}
     for flag, path in inputs.items():
-        if path is not None and Path(path).is_file():
-            read.setdefault(Path(path).resolve(), flag)  # a file given twice is named by its first flag
+        if path is None:
+            continue
+        path = Path(path)
+        folder = path.is_dir()
+        for file in sorted(path.iterdir()) if folder else [path]:
+            if file.is_file():  # a file given twice is named by its first flag
+                read.setdefault(file.resolve(), f"a file of {flag} {path}" if folder else f"the {flag} file")
     for flag, path in outputs.items():
         if path is None:
             continue
         if Path(path).resolve() in read:
-            raise ValueError(f"{flag} {path} is the {read[Path(path).resolve()]} file: the output would overwrite "
-                             "it; name another file")
+            raise ValueError(f"{flag} {path} is {read[Path(path).resolve()]}: the output would overwrite it; name "
+                             "another file")
         check_writable(Path(path), flag)
 
 

@@ -36,3 +36,17 @@ def test_an_output_beside_the_inputs_is_written(tmp_path):
     prompts.write_text("1\n")
     check_outputs({"--json": tmp_path / "report.json", "--png": None}, {"--prompts": prompts, "--model": tmp_path})
     assert not (tmp_path / "report.json").exists()  # the probe leaves nothing behind
+
+
+@pytest.mark.parametrize("command", ["measure", "locate"])
+def test_an_output_naming_a_file_of_the_checkpoint_is_refused(tmp_path, capsys, command):
+    """``--json CKPT/config.json`` wrote the report over the checkpoint's config (the next run: "config.json has no
+    integer vocab_size"): the files of ``--model DIR`` are inputs too."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    prompts = ["--random-prompts", "1"] if command == "measure" else []  # (measure asks for a prompt source)
+    assert main([command, "--model", str(checkpoint), *prompts, "--json", str(checkpoint / "config.json")]) == 2
+    assert capsys.readouterr().err == (f"error: --json {checkpoint / 'config.json'} is a file of --model {checkpoint}: "
+                                       "the output would overwrite it; name another file\n")
+    assert (checkpoint / "config.json").read_text() == "{}"

@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
-from vexact.rl.config import config_from_dict
+from vexact.rl.config import config_from_dict, config_hash
 from vexact.rl.horizon_task import horizon_overrides
 from vexact.sweeps.bias_meter import (
     bias_statistics,
+    cell_config,
     exact_gradients,
     fit_growth,
     load_meter_spec,
@@ -183,6 +184,33 @@ def test_split_cell_reads_the_same_split_from_a_cells_norms():
     assert cell["noise_ratio"] == pytest.approx(math.sqrt(0.5 / 4.0), rel=0.1)  # sqrt(tr Σ / ‖E g‖²)
 
 
+def test_a_rerun_after_the_meter_file_changed_is_refused(tmp_path):
+    """A finished cell is skipped on a re-run; edited since (another sigma, say), the meter reported the old cell's
+    numbers under the new settings. Each cell keeps its config's hash: a cell of another config is one error."""
+    (tmp_path / "base.yaml").write_text(json.dumps(TINY))
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 2\nsources: {noise: {inject.mode: "
+                         "logit_noise, inject.sigma: 0.3}}\n")
+    spec = load_meter_spec(spec_path, tmp_path / "out")
+    cell = {"abs_dlogp_mean": 0.22, "batches": 2, "bias_abs": 0.16, "bias_abs_noise": 0.16, "bias_ratio": 1.0,
+            "bias_ratio_ci": [None, None], "bias_ratio_debiased": 1.0, "cosine": 0.5, "cosine_ci": [None, None],
+            "exactly_zero": False, "grad_norm": 0.16, "grad_norm_noise": 0.16, "horizon": 1, "horizon_mean": 7.8,
+            "horizon_mean_exact": 7.8, "inject_mode": "logit_noise", "inject_value": 0.3, "k3_kl": 0.037,
+            "old_logprobs": "rollout", "resolved": False, "responses_per_batch": 16, "reward_mean_exact": 0.0,
+            "seconds": 0.1, "source": "noise", "config_hash": config_hash(cell_config(spec, 1, "noise").to_dict())}
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "meter.json").write_text(json.dumps({"cells": [cell]}))
+    assert run_meter(spec, log=lambda _: None)["cells"][0]["k3_kl"] == 0.037  # the same config: kept, not measured
+    spec_path.write_text(spec_path.read_text().replace("0.3", "0.01"))
+    with pytest.raises(ValueError, match=r"meter 'm': .*meter.json holds the cell L = 1, source 'noise' measured "
+                                         r"with another config \(the meter file or its base config changed since\)"):
+        run_meter(load_meter_spec(spec_path, tmp_path / "out"), log=lambda _: None)
+    del cell["config_hash"]  # a cell written before the hash: its source's settings, as meter.json records them
+    (tmp_path / "out" / "meter.json").write_text(json.dumps({"cells": [cell], "sources": spec.sources}))
+    with pytest.raises(ValueError, match="measured with another config"):
+        run_meter(load_meter_spec(spec_path, tmp_path / "out"), log=lambda _: None)
+
+
 def test_noise_bias_cli(tmp_path, capsys):
     from vexact.sweeps.bias_meter import _main
 
@@ -198,3 +226,30 @@ def test_noise_bias_cli(tmp_path, capsys):
     assert _main(["noise-bias", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not a vexact meter result" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not "
+                                                "enough memory: you tried to allocate 320204832768 bytes."),
+                                   MemoryError()])
+def test_out_of_memory_is_one_error_line_and_exit_3(tmp_path, capsys, monkeypatch, error):
+    """A horizon of 100,000 tokens asked the allocator for 320 GB: a traceback, exit 1. Now one line, exit 3 (the
+    machine could not hold the work), from any command."""
+    from vexact.cli import main
+    from vexact.sweeps import bias_meter
+
+    (tmp_path / "base.yaml").write_text(json.dumps(TINY))
+    (tmp_path / "m.yaml").write_text("name: m\nbase: base.yaml\nhorizons: [100000]\nsources: {noise: {inject.mode: "
+                                     "logit_noise, inject.sigma: 0.3}}\n")
+
+    def allocate(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(bias_meter, "run_meter", allocate)
+    monkeypatch.setenv("COLUMNS", "10000")
+    assert main(["meter", str(tmp_path / "m.yaml"), "--output-dir", str(tmp_path / "out")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: out of memory: ") and err.endswith(
+        "choose smaller sizes (model, batch, lengths) or run on a machine with more memory"), err
+    monkeypatch.setattr(bias_meter, "run_meter", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # any other RuntimeError stays a traceback: a bug to see
+        main(["meter", str(tmp_path / "m.yaml"), "--output-dir", str(tmp_path / "out")])

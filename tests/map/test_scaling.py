@@ -150,6 +150,21 @@ def test_place_on_map_known_k3_and_length(tmp_path):
     assert place_on_map(m, 1e-2, 2.0)["extrapolation_factor"] == pytest.approx(4.0)
 
 
+def test_a_law_without_an_interval_gives_no_verdict(tmp_path):
+    """A law fitted to thresholds whose intervals were open has no replicates, so no 95% interval: the verdict
+    took the point estimate for both ends ("far below", "above": k3 between 2e-08 .. 2e-08) where it knows nothing
+    of the spread."""
+    m = _map(tmp_path)
+    curves = [c for c in m["curves"] if c.get("status") == "fitted"]
+    assert curves
+    for curve in curves:
+        curve["replicates"] = []
+    for k3, horizon in ((1e-5, 800.0), (1e-1, 800.0), (1e-2, 20.0)):
+        p = place_on_map(m, k3, horizon)
+        assert p["verdict"].startswith("no verdict: the bypass curve's power law has no 95% interval"), p["verdict"]
+        assert p["ci_low"] is None and p["range_low"] is None and "anywhere in k3" not in p["verdict"]
+
+
 def test_place_on_map_bad_input(tmp_path):
     m = _map(tmp_path)
     with pytest.raises(ValueError, match="no response lengths"):
@@ -175,6 +190,10 @@ def test_bounds_only_map_says_so(tmp_path):
     # threshold is not monotone in T: the monotone assumption is gone)
     between = place_on_map(m, 1e-6, 30.0)
     assert between["verdict"].startswith("no verdict at this horizon: T = 30 is more than 1.5x from every horizon")
+    # the bound D itself ran without collapse: k3 = D is below every level tested (it was "not placed"), above it not
+    bound = max(h["lower_bound"] for h in m["curves"][0]["horizons"] if h["horizon"] == 64)
+    assert place_on_map(m, bound, 50.0)["verdict"].startswith("below every level tested")
+    assert place_on_map(m, bound * 1.01, 50.0)["verdict"].startswith("not placed: your k3 is above the largest level")
 
 
 def test_a_bound_with_collapses_below_it_is_not_called_safe(tmp_path):

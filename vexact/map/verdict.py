@@ -333,7 +333,11 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
             if shape is not None:
                 low, high = min(low, shape), max(high, shape)
             out.update(range_low=low, range_high=high)
-        if math.log10(high / low) > WIDEST_INTERVAL_DECADES:
+        if band is None:  # (its fitted horizons' threshold intervals were open: the law's spread is unknown)
+            verdict = (f"no verdict: the {name} curve's power law has no 95% interval (the thresholds it was fitted "
+                       f"to have open intervals), so nothing bounds how far the threshold at this T lies from "
+                       f"{thr:.2g}")
+        elif math.log10(high / low) > WIDEST_INTERVAL_DECADES:
             what = ("the law's 95% interval" if shape is None else
                     "the range the law's interval and the saturating shape allow")
             verdict = (f"no verdict: {what} at this T spans k3 {low:.2g} .. {high:.2g} "
@@ -348,11 +352,14 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         measured = _measured_over_law(curve, name, k3, horizon, thr, verdict)
         if measured is not None:
             verdict, out["bound_assumption"] = measured
-        if factor > 1:
+        if factor > 1 and band is None:
+            verdict += (f"; extrapolated: T = {fmt_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
+                        f"horizons (T = {fmt_t(t0)} .. {fmt_t(t1)})")
+            out.update(range_low=None, range_high=None)
+        elif factor > 1:
             verdict += (f"; extrapolated: T = {fmt_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
                         f"horizons (T = {fmt_t(t0)} .. {fmt_t(t1)}), where the threshold may lie anywhere in k3 "
-                        f"{low:.2g} .. {high:.2g} (the power law's 95% interval"
-                        + (f" [{lo:.2g}, {hi:.2g}]" if lo is not None else " (none)")
+                        f"{low:.2g} .. {high:.2g} (the power law's 95% interval [{lo:.2g}, {hi:.2g}]"
                         + (f" and the saturating shape's {shape:.2g}" if shape is not None else "") + ")")
         single = curve.get("single_run_horizons") or []
         if single:
@@ -454,9 +461,9 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
     if carried:
         best = max(carried, key=lambda h: h["lower_bound"])
         fact = _no_collapse_fact(best, f"T {fmt_t(best['horizon'])} ({name})")
-        if k3 < best["lower_bound"]:
+        if k3 <= best["lower_bound"]:  # (the level D itself ran without collapse: k3 <= D, as the law's case)
             return f"below every level tested: {fact}; the curve has no threshold to compare with"
-        return (f"not placed: your k3 is at or above the largest level tested without collapse ({fact}); the {name} "
+        return (f"not placed: your k3 is above the largest level tested without collapse ({fact}); the {name} "
                 "curve does not say where this correction collapses")
     measured = [h for h in curve.get("horizons", []) if h.get("status") == "fitted" and positive(h.get("horizon"))
                 and positive(h.get("threshold_50"))]

@@ -679,7 +679,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     settings = settings_from_args(args)
-    check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts})
+    check_outputs({"--json": args.json, "--png": args.png}, {"--prompts": args.prompts, "--model": args.model})
     console = make_console()
     if settings.dump is not None:
         for flag in ("json", "png", "fail_on_divergence"):

@@ -749,7 +749,7 @@ def plot_report(logp_train: Tensor, logp_roll: Tensor, path: Path, title: str) -
     ax2.set_ylabel("|Δlogp|")
     ax2.set_title(f"|Δlogp| vs token probability ({int(zero.sum())} zeros not shown)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, format="png", dpi=110)  # --png: a PNG whatever the name ends in
     plt.close(fig)
     return path
 

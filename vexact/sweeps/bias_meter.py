@@ -58,7 +58,7 @@ from torch import Tensor
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
 from ..records.metrics_log import decode_non_finite
 from ..records.runlog import json_safe, write_json_atomic
-from ..rl.config import ConfigError, config_from_dict, read_yaml
+from ..rl.config import ConfigError, config_from_dict, config_hash, read_yaml
 from ..rl.config_schema import RunConfig
 from ..rl.horizon_task import horizon_overrides
 from ..rl.inject import Injector
@@ -490,6 +490,7 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
                     if c.get("batches") == spec.batches}
         except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is damaged ({e}); move it away to start the meter afresh") from None
+    _check_done_cells(spec, done, path)
     cells = list(done.values())
     for horizon in spec.horizons:
         todo = [s for s in spec.sources if (horizon, s) not in done]
@@ -499,8 +500,9 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
         log(f"meter: L = {horizon}: {spec.batches} exact-path gradients")
         exact = exact_gradients(base_cfg, spec.batches)
         for source in todo:
-            cell = measure_bias(cell_config(spec, horizon, source), spec.batches, exact)
-            cell = {"horizon": horizon, "source": source, **cell}
+            cfg = cell_config(spec, horizon, source)
+            cell = measure_bias(cfg, spec.batches, exact)
+            cell = {"horizon": horizon, "source": source, "config_hash": config_hash(cfg.to_dict()), **cell}
             log(f"meter: L = {horizon}, {source}: T = {cell['horizon_mean']:.1f}, k3 = {cell['k3_kl']:.2e}, "
                 f"bias ratio = {cell['bias_ratio']:.3g} {_ci_text(cell['bias_ratio_ci'])}, "
                 f"cosine = {cell['cosine']:.4f} ({cell['seconds']} s)")
@@ -513,6 +515,26 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     except ImportError as e:
         log(f"plot skipped: {e}")
     return result
+
+
+def _check_done_cells(spec: MeterSpec, done: dict[tuple, dict[str, Any]], path: Path) -> None:
+    """A re-run skips the cells meter.json holds: each must have been measured with the config its cell has now (its
+    ``config_hash``; a cell written before the hash was kept: its source's settings, where the file records them),
+    or the edited meter file or base config would be reported with the old cells' numbers."""
+    try:
+        recorded_sources = json.loads(path.read_text()).get("sources") or {}
+    except (OSError, ValueError, AttributeError):
+        recorded_sources = {}
+    for (horizon, source), cell in done.items():
+        if source not in spec.sources or horizon not in spec.horizons:
+            continue  # a cell the meter file no longer asks for: kept in meter.json, not measured again
+        recorded = cell.get("config_hash")
+        same = (recorded == config_hash(cell_config(spec, horizon, source).to_dict()) if recorded is not None
+                else recorded_sources.get(source, spec.sources[source]) == spec.sources[source])
+        if not same:
+            raise ValueError(f"meter {spec.name!r}: {path} holds the cell L = {horizon}, source {source!r} measured "
+                             "with another config (the meter file or its base config changed since); move it away "
+                             "to measure afresh, or choose another output_dir")
 
 
 def _result(spec: MeterSpec, cells: list[dict[str, Any]]) -> dict[str, Any]:
