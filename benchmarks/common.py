@@ -14,6 +14,7 @@ import ctypes
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -379,14 +380,18 @@ def interpreted(exact_backend: str, device: torch.device) -> bool:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """``cpu`` or ``cuda`` (default: cuda when available); a clear error for anything else."""
-    if name is None:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (as ``vexact bench --device`` says; None or auto: cuda when
+    available); a clear error for anything else."""
+    if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r}; expected cpu or cuda")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but torch.cuda.is_available() is False")
-    return torch.device(name)
+    if name not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", name):
+        raise ValueError(f"unknown device {name!r}; expected cpu, cuda, cuda:N or auto")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name} requested but torch.cuda.is_available() is False")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name} requested but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def cli_main(argv: list[str] | None, prog: str, description: str, name: str,

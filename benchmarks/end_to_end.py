@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from vexact import Transformer, generate
+from vexact.cli_base import non_negative_int
 from vexact.engine.generation import CACHE_BLOCK
 from vexact.engine.inputs import pad_right
 from vexact.engine.model import short_dtype_name
@@ -347,6 +348,14 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
     record["settings"]["prompt_lengths"] = prompt_lengths
     record["settings"]["threads"] = [count or torch.get_num_threads() for count in counts]
     record["skipped"] = []
+    if "rl_step" in items and device.type == "cpu" and exact_backend == "exact":
+        from vexact.rl.config import load_config
+
+        for dtype_name in dtype_names:  # the RL step's config, checked before the other items' minutes
+            try:
+                load_config(rl_config, [f"dtype={dtype_name}", "logging.live=false", *(rl_overrides or [])])
+            except ValueError as err:
+                raise ValueError(f"--rl-config {rl_config} / --rl-set: {err}") from None
     for count in record["settings"]["threads"]:
         for dtype_name in dtype_names:
             torch.set_num_threads(count)
@@ -414,7 +423,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", default=None, metavar="N[,N...]",
                    help="random prompts of N tokens instead of the shape's (a comma list: each in turn); the decode "
                         "step then reads N + 1 cache positions. Not for the default shape (its task's prompts)")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
+    p.add_argument("--profile", type=non_negative_int, default=0, metavar="N",
                    help="also profile each item per side (torch.profiler): its top N ops, and its self time split "
                         "into matrix products, other aten and oneDNN ops and other ranges")
 

@@ -610,3 +610,32 @@ def test_bits_digest_finds_the_same_bits_and_a_changed_one(tmp_path, capsys, mon
     assert "gradients differ" in out and "tokens differ" not in out and "logprobs differ" not in out
     assert bits_digest.main([*args, "--against", str(tmp_path / "missing.json")]) == 2
     assert bits_digest.main([*args, "--layers", "0"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode_profile", "--shape", "tiny", "--reps", "0"], "argument --reps: expected a positive integer"),  # was
+    # Infinity seconds and exit 0
+    (["decode_profile", "--shape", "tiny", "--out", "/proc/no/such.json"], "--out: cannot write /proc/no/such.json"),
+    (["data_parallel", "--nproc", "a"], "--nproc takes powers of two >= 2"),  # was int()'s message, no flag named
+    (["data_parallel", "--out", "/proc/no/such.json"], "--out: cannot write /proc/no/such.json"),
+    (["end_to_end", "--shape", "tiny", "--items", "decode_step,rl_step", "--rl-config", "nope.yaml"],
+     "--rl-config nope.yaml / --rl-set: config error: config file not found"),  # was after the other items
+    (["end_to_end", "--shape", "tiny", "--profile", "-1"], "argument --profile: expected 0 or a positive integer"),
+    (["kernels", "--device", "cuda:x"], "unknown device 'cuda:x'; expected cpu, cuda, cuda:N or auto"),
+])
+def test_benchmark_bad_input_is_refused_before_the_work(argv, message, capsys):
+    """Each refused with one error line naming the flag, before any measurement (each ran its whole benchmark
+    first, or took a bad value silently)."""
+    try:
+        code = vexact_main(["bench", *argv])
+    except SystemExit as stop:  # argparse's own refusal (usage, then the error line)
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_bench_device_auto_runs_where_the_help_says_it_does(tmp_path, capsys):
+    assert vexact_main(["bench", "--device", "auto", "kernels", "--shape", "tiny", "--ops", "rms_norm", "--reps", "1",
+                        "--dtype", "fp32", "--out", str(tmp_path / "k.json")]) == 0
+    assert json.loads((tmp_path / "k.json").read_text())["results"]

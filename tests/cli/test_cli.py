@@ -130,6 +130,17 @@ def test_check_bad_dtype_is_one_clear_error(capsys):
     assert "unsupported dtype 'fp8'" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("backend, message", [
+    ("exact,foo", "unknown backend 'foo'"),  # refused after the exact backend's whole check, before
+    (",", "no backend given"),  # checked nothing, and passed: "PASS (vacuous)"
+])
+def test_check_bad_backend_is_one_error_before_any_work(capsys, backend, message):
+    assert main(["check", "--backend", backend]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: --backend: {message}; expected a comma-separated list of exact, native, triton\n"
+    assert captured.out == ""
+
+
 def _imported(*args: str) -> set[str]:
     """The modules ``python -X importtime -m vexact ARGS`` imports (its import-time lines name each one)."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "vexact", *args], cwd=ROOT, capture_output=True,

@@ -57,6 +57,11 @@ def test_export_refuses_what_no_architecture_has(tmp_path):
         export_hf_checkpoint(model, tmp_path / "x")
     with pytest.raises(ValueError, match="needs a vexact Transformer, got dict"):
         export_hf_checkpoint({}, tmp_path / "y")
+    # a mixture of experts was written as a dense config: transformers then loaded random MLP weights
+    moe = Transformer(ModelConfig(**{**TINY, "num_experts": 4, "num_experts_per_tok": 2}), init_seed=0)
+    with pytest.raises(ValueError, match=r"cannot export a mixture-of-experts model \(experts in layers 0, 1"):
+        export_hf_checkpoint(moe, tmp_path / "z")
+    assert not (tmp_path / "z").exists()
 
 
 # --------------------------------------------------------------------------- settings

@@ -10,6 +10,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from vexact_kernels.backends import BACKENDS
 from vexact_kernels.host_guard import SAME_BITS
 
 from ..cli_base import EXIT_FAILED, EXIT_OK, check_writable, make_console
@@ -34,6 +35,10 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
             raise ValueError(f"--dtype: unsupported dtype {d!r}; expected {dtype_names_text()} or all")
     dtypes = [canonical_dtype_name(d) for d in dtypes]
     backends = tuple(b.strip() for b in args.backend.split(",") if b.strip())
+    unknown = [b for b in backends if b not in BACKENDS]  # before any backend's minutes of work, not after them
+    if unknown or not backends:
+        raise ValueError(f"--backend: {'unknown backend ' + repr(unknown[0]) if unknown else 'no backend given'}; "
+                         f"expected a comma-separated list of {', '.join(BACKENDS)}")
     settings = [CheckSettings(**shape, num_prompts=args.num_prompts,
                               max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,

@@ -277,6 +277,10 @@ def hf_config_of(config: ModelConfig, dtype: torch.dtype, eos_token_id: int | No
     ``model_config_from_hf`` (Qwen3 for q/k norms, Qwen2 for q/k/v biases, else Llama)."""
     import transformers
 
+    if config.moe_layers:  # written as a dense config, its expert tensors would load as missing MLP weights
+        raise ValueError(f"cannot export a mixture-of-experts model (experts in layers "
+                         f"{', '.join(map(str, config.moe_layers))}): the export writes dense Llama/Qwen2/Qwen3 "
+                         "checkpoints only")
     if config.qk_norm and config.qkv_bias:
         raise ValueError("cannot export a model with both q/k/v biases and q/k norms: no supported architecture "
                          f"has both ({SUPPORTED_TEXT})")

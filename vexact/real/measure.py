@@ -40,6 +40,7 @@ import argparse
 import itertools
 import math
 import random
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from torch import Tensor
 import vexact_kernels
 from vexact_kernels.host_guard import torch_threads
 
+from ..cli_base import positive_int
 from ..engine.devices import resolve_device
 from ..engine.generation import generate
 from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
@@ -86,7 +88,14 @@ from ..rl.raw_ratios import raw_ratio_metrics
 from .hf_checkpoint import Checkpoint, read_checkpoint, read_checkpoint_config
 from .hf_config import SUPPORTED_ARCHITECTURES, model_config_from_hf
 from .pretrained import build_model, from_pretrained, load_tokenizer
-from .tiny import PARITY_PROMPTS, TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model, parity_with_transformers
+from .tiny import (
+    PARITY_PROMPTS,
+    TINY_HEADS,
+    TINY_VARIANTS,
+    make_tiny_checkpoint,
+    make_tiny_hf_model,
+    parity_with_transformers,
+)
 
 PATH_BACKENDS = ("exact", "native", "triton", "hf")
 
@@ -764,10 +773,13 @@ def _main(argv: list[str] | None = None) -> int:
     action.add_argument("--parity-tiny", action="store_true", help="vexact vs transformers logits, tiny variants")
     parser.add_argument("--arch", choices=sorted(SUPPORTED_ARCHITECTURES), default="llama")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=positive_int, default=64)
+    parser.add_argument("--num-layers", type=positive_int, default=2)
     parser.add_argument("--no-tokenizer", action="store_true", help="token-id prompts only")
     args = parser.parse_args(argv)
+    if args.hidden_size % (2 * TINY_HEADS):
+        parser.error(f"--hidden-size must be a multiple of {2 * TINY_HEADS} ({TINY_HEADS} heads of an even size), "
+                     f"got {args.hidden_size}")
     if args.parity_tiny:
         print("| variant | fp32 max |Δlogit| exact / native | bf16 mean |err| vs fp32: vexact / transformers "
               "| bf16 max |vexact − transformers| | max |logit| |")
@@ -777,9 +789,13 @@ def _main(argv: list[str] | None = None) -> int:
                   f"{r['bf16_mean_abs_err_vexact']:.3f} / {r['bf16_mean_abs_err_transformers']:.3f} | "
                   f"{r['bf16_max_abs_vs_transformers']:.2f} | {r['logit_max_abs']:.1f} |")
         return 0
-    path = make_tiny_checkpoint(args.make_tiny_checkpoint, args.arch, args.seed, tokenizer=not args.no_tokenizer,
-                                hidden_size=args.hidden_size, num_layers=args.num_layers)
-    n_params = sum(p.numel() for p in from_pretrained(path).parameters())
+    try:
+        path = make_tiny_checkpoint(args.make_tiny_checkpoint, args.arch, args.seed, tokenizer=not args.no_tokenizer,
+                                    hidden_size=args.hidden_size, num_layers=args.num_layers)
+        n_params = sum(p.numel() for p in from_pretrained(path).parameters())
+    except (ValueError, OSError) as err:  # a path that exists or cannot be written, a size the model cannot take
+        print(f"error: --make-tiny-checkpoint {args.make_tiny_checkpoint}: {err}", file=sys.stderr)
+        return 2
     print(f"wrote a tiny random {args.arch} checkpoint ({n_params} parameters, {math.ceil(n_params * 4 / 1024)} KiB "
           f"fp32) to {path}")
     return 0

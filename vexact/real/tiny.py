@@ -24,12 +24,16 @@ __all__ = ["PARITY_PROMPTS", "TINY_VARIANTS", "char_tokenizer", "make_tiny_check
            "parity_with_transformers"]
 
 
+TINY_HEADS = 4
+"""The tiny models' attention heads (2 key/value heads): a hidden size must hold them at an even head size (RoPE)."""
+
+
 def _tiny_hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, tie: bool | None,
                     rope_scaling: bool) -> Any:
     import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size + 16,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=num_layers, num_attention_heads=TINY_HEADS, num_key_value_heads=2,
                   max_position_embeddings=128, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=None,
                   eos_token_id=1, pad_token_id=0)
     if arch == "llama":
