@@ -191,3 +191,36 @@ def test_realistic_testbed_runs_and_its_response_lengths_vary(tmp_path: Path) ->
     assert len(rows) == 2
     assert all(r["response_length/max"] > r["response_length/min"] for r in rows)
     assert all(r["rollout_corr/k3_kl"] > 0 for r in rows)  # fp8 rounding in the rollout path is a mismatch
+
+
+def test_a_nearly_flat_fit_is_a_side_of_the_range_not_an_overflow():
+    """Outcomes symmetric in log dose fit a slope of 1.9e-16: its 50% point, 10^(1.3e16), raised OverflowError."""
+    runs = [(d, s < k, s) for d, k in zip((1e-3, 1e-2, 1e-1, 1.0), (0, 1, 1, 0)) for s in range(6)]
+    assert fit_threshold(runs)["status"] in ("above_range", "below_range", "not_monotone")
+
+
+def test_resamples_that_place_the_threshold_outside_the_doses_leave_that_end_open():
+    """A resample's 50% point far below the tested doses (10^-1.5e15) came out as a lower end of 0.0, which
+    fit_law's log10 then refused; it counts as below the range, as the whole fit's would."""
+    doses = (1e-3, 1e-2, 1e-1, 1.0)
+    pattern = {0: (0, 1, 0, 1), 1: (1, 0, 1, 1), 2: (0, 0, 1, 0), 3: (1, 0, 0, 1), 4: (0, 1, 0, 0), 5: (1, 1, 0, 1)}
+    t = fit_threshold([(d, bool(pattern[s][i]), s) for s in pattern for i, d in enumerate(doses)])
+    assert t["status"] == "fitted" and t["ci_low"] is None and t["ci_high"] is None
+    assert "its lower end lies below the tested range" in t["note"]
+
+
+def test_one_group_is_one_dose_level_however_its_seeds_realise_it():
+    """The seeds of one group realise slightly different doses: counted as levels, one group with mixed outcomes
+    was "fitted" over 0.013 decades."""
+    runs = [(1e-2 * (1 + 0.01 * s), s >= 2, s) for s in range(4)]
+    assert fit_threshold(runs)["status"] == "fitted"  # the distinct doses, as a direct caller gives them
+    t = fit_threshold(runs, levels=1)  # dose_response's count: the groups
+    assert t["status"] == "insufficient" and t["threshold_50"] is None
+
+
+def test_one_seed_gives_the_bracket_not_a_bootstrap_interval():
+    """One seed (or runs without one): every resample is the same runs, so "95% interval from 1000 bootstrap
+    resamples of 1 seeds" claimed a spread that was never drawn."""
+    t = fit_threshold([(d, d >= 1e-1, None) for d in (1e-3, 1e-2, 1e-1, 1.0) for _ in range(4)])
+    assert t["status"] == "fitted" and (t["ci_low"], t["ci_high"]) == (t["bracket_low"], t["bracket_high"])
+    assert t["note"].startswith("one seed: no bootstrap spread")

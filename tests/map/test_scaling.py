@@ -384,3 +384,13 @@ def test_an_open_interval_end_is_drawn_as_an_arrow_not_a_zero_width_bar():
     assert interval_drawn(open_below) == ((0.004, 0.016), [0.004 / OPEN_END_SPAN])
     open_above = {"threshold_50": 0.004, "ci_low": 0.001}
     assert interval_drawn(open_above) == ((0.001, 0.004), [0.004 * OPEN_END_SPAN])
+
+
+def test_two_thresholds_at_one_horizon_give_no_exponent():
+    """Two fitted thresholds a decade apart, both at T = 50: the line through one T got slope 0, reported as a
+    fitted alpha = -0.0 with a zero-width interval."""
+    h = lambda v, thr: {"horizon_value": v, "horizon": 50.0, "threshold_50": thr, "ci_low": thr / 2,  # noqa: E731
+                        "ci_high": thr * 2, "status": "fitted"}
+    law = fit_law([h(8, 0.1), h(16, 0.01)])
+    assert law["status"] == "single_horizon" and law["alpha"] is None and law["alpha_ci_low"] is None
+    assert "a law in T needs at least two distinct horizons" in law["note"]

@@ -173,6 +173,10 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     bounded = [h for h in usable if h.get("status") in ("above_range", "below_range")]
     if len(fitted) < 2:
         return {**out, **_alpha_bounds(fitted, bounded), "horizon_range": [min(ts), max(ts)]}
+    if len({h["horizon"] for h in fitted}) < 2:  # a line through one T has no slope to give (fit_line: 0)
+        return {**out, "status": "single_horizon",
+                "note": f"the {len(fitted)} fitted thresholds were all measured at T = {fitted[0]['horizon']:.1f}: "
+                        "a law in T needs at least two distinct horizons"}
     xs = [math.log10(h["horizon"]) for h in fitted]
     ys = [math.log10(h["threshold_50"]) for h in fitted]
     slope, intercept = fit_line(xs, ys)

@@ -36,8 +36,11 @@ would claim more than was measured.
 - ``not_monotone``: collapse did not become more likely with the dose (fitted slope <= 0);
 - ``insufficient``: fewer than two dose levels with a positive dose, or no run with a result.
 
-A bootstrap resample that cannot place the threshold (no collapse in it, or only collapses) counts as above or
-below the range; when such resamples reach a percentile, that end of the interval is None and the note says so.
+A bootstrap resample that cannot place the threshold inside the tested doses (no collapse in it, only collapses,
+a fit that does not rise, or a 50% point outside them) counts as above or below the range; when such resamples
+reach a percentile, that end of the interval is None and the note says so. With one seed (or runs without one)
+there is nothing to resample: the interval is the bracket alone. A *dose level* is a sweep group (its seeds realise
+slightly different doses), so one group with mixed outcomes is ``insufficient``, not a fit.
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ def _curve(label: str, keys: dict[str, Any], groups: list[tuple[str, dict, list[
         runs += [(d, _collapsed(p), p.overrides.get(SEED_KEY)) for p, d in with_dose]
     zero = [r for r in runs if r[0] == 0.0]
     baseline = {"runs": len(zero), "collapsed": sum(c for _, c, _ in zero)} if zero else None
-    threshold = fit_threshold([r for r in runs if r[0] > 0.0])
+    levels = sum(1 for row in rows if row["runs"] and row["realised_k3_kl"])  # groups with a positive dose
+    threshold = fit_threshold([r for r in runs if r[0] > 0.0], levels)
     notes = [threshold.pop("note")]
     if missing:
         notes.append(f"{missing} run(s) have no realised {METRIC} (no mismatch metric logged) and are left out")
@@ -121,14 +125,18 @@ def _curve(label: str, keys: dict[str, Any], groups: list[tuple[str, dict, list[
     return {"curve": label, "keys": keys, "points": rows, "baseline": baseline, "threshold": threshold}
 
 
-def fit_threshold(runs: list[tuple[float, bool, Any]]) -> dict[str, Any]:
-    """``runs``: (positive dose, collapsed, seed) per run. Returns the threshold dict (with a ``note``)."""
+def fit_threshold(runs: list[tuple[float, bool, Any]], levels: int | None = None) -> dict[str, Any]:
+    """``runs``: (positive dose, collapsed, seed) per run. Returns the threshold dict (with a ``note``).
+
+    ``levels``: how many dose levels (sweep groups) the runs come from; default: their distinct doses. A group's
+    seeds realise slightly different doses, so one group is one level however many doses its runs have."""
     out: dict[str, Any] = {"metric": METRIC, "threshold_50": None, "ci_low": None, "ci_high": None,
                            "runs": len(runs), "collapsed": sum(c for _, c, _ in runs)}
     doses = sorted({d for d, _, _ in runs})
-    if len(doses) < 2:  # the one level's realised dose kept: a verdict says what was measured, never places on it
-        return {**out, **({"dose_min": doses[0], "dose_max": doses[0]} if doses else {}), "status": "insufficient",
-                "note": f"{len(doses)} dose level(s) with a positive realised mismatch: no curve to fit"}
+    levels = len(doses) if levels is None else min(levels, len(doses))
+    if levels < 2:  # the one level's realised dose kept: a verdict says what was measured, never places on it
+        return {**out, **({"dose_min": doses[0], "dose_max": doses[-1]} if doses else {}), "status": "insufficient",
+                "note": f"{levels} dose level(s) with a positive realised mismatch: no curve to fit"}
     lo, hi = doses[0], doses[-1]
     out.update(dose_min=lo, dose_max=hi)
     n_collapsed = out["collapsed"]
@@ -145,20 +153,27 @@ def fit_threshold(runs: list[tuple[float, bool, Any]]) -> dict[str, Any]:
         return {**out, "status": "not_monotone",
                 "note": "collapse did not become more likely with the realised mismatch (fitted slope <= 0)"}
     intercept, slope = fit
-    threshold = 10 ** (-intercept / slope)
+    log_threshold = -intercept / slope  # compared in log10 first: a slope of 1e-16 puts it at 10^(1e16), no float
     # A 50% point outside the tested doses is an extrapolation of a nearly flat fit (say 1 of 4 runs collapsed,
     # all at one dose level): report the side it lies on, not the number.
-    if threshold > hi:
+    threshold = 10 ** log_threshold if math.log10(lo) <= log_threshold <= math.log10(hi) else None
+    if log_threshold > math.log10(hi):
         return {**out, "status": "above_range", "lower_bound": hi,
                 "note": f"{n_collapsed} of {len(runs)} runs collapsed, up to {METRIC} = {hi:.2e}; the fitted 50% point "
                         "lies above the largest value tested"}
-    if threshold < lo:
+    if threshold is None:
         return {**out, "status": "below_range", "upper_bound": lo,
                 "note": f"{n_collapsed} of {len(runs)} runs collapsed, from {METRIC} = {lo:.2e}; the fitted 50% point "
                         "lies below the smallest value tested"}
     bracket_low = max((d for d, c, _ in runs if not c and d <= threshold), default=None)
     bracket_high = min((d for d, c, _ in runs if c and d >= threshold), default=None)
-    low, high, note = _bootstrap(runs)
+    seeds = {s for _, _, s in runs}
+    if len(seeds) < 2:  # every resample would be the same runs: no spread to take, only the bracket
+        out.update(status="fitted", threshold_50=threshold, ci_low=bracket_low, ci_high=bracket_high,
+                   bracket_low=bracket_low, bracket_high=bracket_high, slope_per_decade=slope)
+        return {**out, "note": "one seed: no bootstrap spread; the interval is the bracketing runs' doses (an end "
+                               "without a bracketing run is open)"}
+    low, high, note = _bootstrap(runs, math.log10(lo), math.log10(hi))
     if low is not None and bracket_low is not None:
         low = min(low, bracket_low)
     if high is not None and bracket_high is not None:
@@ -168,7 +183,11 @@ def fit_threshold(runs: list[tuple[float, bool, Any]]) -> dict[str, Any]:
     return {**out, "note": note + ", widened to the bracketing runs' doses"}
 
 
-def _bootstrap(runs: list[tuple[float, bool, Any]]) -> tuple[float | None, float | None, str]:
+def _bootstrap(runs: list[tuple[float, bool, Any]], log_lo: float, log_hi: float
+               ) -> tuple[float | None, float | None, str]:
+    """The threshold's percentile interval over seed resamples; a resample whose 50% point the tested doses
+    [10^log_lo, 10^log_hi] do not hold (none collapsed, all did, a fit that does not rise or lies outside) counts
+    as below or above the range, as the whole fit's does."""
     seeds = sorted({s for _, _, s in runs}, key=str)
     by_seed = {s: [r for r in runs if r[2] == s] for s in seeds}
     rng = random.Random(BOOTSTRAP_SEED)
@@ -182,14 +201,16 @@ def _bootstrap(runs: list[tuple[float, bool, Any]]) -> tuple[float | None, float
             log_thresholds.append(-math.inf)
         else:
             fit = _logistic([math.log10(d) for d, _, _ in sample], outcomes)
-            log_thresholds.append(math.inf if fit is None or fit[1] <= 0 else -fit[0] / fit[1])
+            t = math.inf if fit is None or fit[1] <= 0 else -fit[0] / fit[1]
+            log_thresholds.append(t if log_lo <= t <= log_hi else -math.inf if t < log_lo else math.inf)
     log_thresholds.sort()
     low, high = (log_thresholds[int(q * (BOOTSTRAP - 1))] for q in (0.025, 0.975))
     note = f"95% interval from {BOOTSTRAP} bootstrap resamples of {len(seeds)} seeds"
     if not math.isfinite(low):
-        note += "; its lower end lies below the tested range"
+        note += "; its lower end lies below the tested range (resamples that collapsed throughout, or put it there)"
     if not math.isfinite(high):
-        note += "; its upper end lies above the tested range (resamples without a collapse)"
+        note += ("; its upper end lies above the tested range (resamples without a collapse, or whose fit does not "
+                 "rise or puts it there)")
     as_dose = lambda x: 10**x if math.isfinite(x) else None  # noqa: E731
     return as_dose(low), as_dose(high), note
 
