@@ -104,6 +104,16 @@ def test_bad_meter_files(tmp_path):
         load_meter_spec(tmp_path / "missing.yaml")
 
 
+def _finished_cell(**changes) -> dict:
+    """A cell as meter.json holds it (horizon 1, 2 batches), with ``changes``: for re-runs that measure nothing."""
+    return {"abs_dlogp_mean": 0.22, "batches": 2, "bias_abs": 0.16, "bias_abs_noise": 0.16, "bias_ratio": 1.0,
+            "bias_ratio_ci": [None, None], "bias_ratio_debiased": 1.0, "cosine": 0.5, "cosine_ci": [None, None],
+            "exactly_zero": False, "grad_norm": 0.16, "grad_norm_noise": 0.16, "horizon": 1, "horizon_mean": 7.8,
+            "horizon_mean_exact": 7.8, "inject_mode": "logit_noise", "inject_value": 0.3, "k3_kl": 0.037,
+            "old_logprobs": "rollout", "resolved": False, "responses_per_batch": 16, "reward_mean_exact": 0.0,
+            "seconds": 0.1, **changes}
+
+
 def test_a_rerun_reads_non_finite_values_of_finished_cells(tmp_path):
     """A finished cell whose exact gradient was zero has a NaN cosine, written to meter.json as "nan"; re-running the
     meter (finished cells are kept) printed nothing but "error: Unknown format code 'f' for object of type 'str'"."""
@@ -112,12 +122,7 @@ def test_a_rerun_reads_non_finite_values_of_finished_cells(tmp_path):
     spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 2\nsources: {nan: {inject.mode: "
                          "logit_noise, inject.sigma: 0.3}}\n")
     spec = load_meter_spec(spec_path, tmp_path / "out")
-    cell = {"abs_dlogp_mean": 0.22, "batches": 2, "bias_abs": 0.16, "bias_abs_noise": 0.16, "bias_ratio": 1.0,
-            "bias_ratio_ci": [None, None], "bias_ratio_debiased": 1.0, "cosine": "nan", "cosine_ci": [None, None],
-            "exactly_zero": False, "grad_norm": 0.16, "grad_norm_noise": 0.16, "horizon": 1, "horizon_mean": 7.8,
-            "horizon_mean_exact": 7.8, "inject_mode": "logit_noise", "inject_value": 0.3, "k3_kl": 0.037,
-            "old_logprobs": "rollout", "resolved": False, "responses_per_batch": 16, "reward_mean_exact": 0.0,
-            "seconds": 0.1, "source": "nan"}  # a source may be named like a non-finite number: it stays a name
+    cell = _finished_cell(cosine="nan", source="nan")  # a source may be named like a non-finite number: a name
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "meter.json").write_text(json.dumps({"cells": [cell]}))
     result = run_meter(spec, log=lambda _: None)  # nothing left to measure
@@ -192,12 +197,7 @@ def test_a_rerun_after_the_meter_file_changed_is_refused(tmp_path):
     spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 2\nsources: {noise: {inject.mode: "
                          "logit_noise, inject.sigma: 0.3}}\n")
     spec = load_meter_spec(spec_path, tmp_path / "out")
-    cell = {"abs_dlogp_mean": 0.22, "batches": 2, "bias_abs": 0.16, "bias_abs_noise": 0.16, "bias_ratio": 1.0,
-            "bias_ratio_ci": [None, None], "bias_ratio_debiased": 1.0, "cosine": 0.5, "cosine_ci": [None, None],
-            "exactly_zero": False, "grad_norm": 0.16, "grad_norm_noise": 0.16, "horizon": 1, "horizon_mean": 7.8,
-            "horizon_mean_exact": 7.8, "inject_mode": "logit_noise", "inject_value": 0.3, "k3_kl": 0.037,
-            "old_logprobs": "rollout", "resolved": False, "responses_per_batch": 16, "reward_mean_exact": 0.0,
-            "seconds": 0.1, "source": "noise", "config_hash": config_hash(cell_config(spec, 1, "noise").to_dict())}
+    cell = _finished_cell(source="noise", config_hash=config_hash(cell_config(spec, 1, "noise").to_dict()))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "meter.json").write_text(json.dumps({"cells": [cell]}))
     assert run_meter(spec, log=lambda _: None)["cells"][0]["k3_kl"] == 0.037  # the same config: kept, not measured
