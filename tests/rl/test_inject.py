@@ -12,7 +12,7 @@ from test_trainer import EXPERIMENT, _short, _without_timing
 from vexact import generate, token_logprobs
 from vexact.engine.model import Transformer
 from vexact.records.runlog import read_metrics
-from vexact.rl.config import config_from_dict, load_config
+from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.inject import Injector, RolloutPlan, round_to
 from vexact.rl.trainer import Trainer
 from vexact_kernels import get_ops
@@ -169,6 +169,21 @@ def test_scopes_and_schedule():
     assert not ramp.plan(9).active and ramp.plan(10).active
 
 
+def test_a_truncation_ramp_grows_the_truncation():
+    """The ramp took the knob linearly from 0, and for top_p / top_k 0 cuts the most: the first steps of a ramp
+    injected the largest mismatch. It now starts from the knob that cuts nothing (p = 1, k large)."""
+    top_p = _injector(mode="top_p", top_p=0.9, ramp_steps=4)
+    assert [top_p.value_at(s) for s in range(5)] == pytest.approx([0.975, 0.95, 0.925, 0.9, 0.9])
+    top_k = _injector(mode="top_k", top_k=64, ramp_steps=4)
+    assert [top_k.value_at(s) for s in range(5)] == [256.0, 128.0, 85.0, 64.0, 64.0]
+
+
+@pytest.mark.parametrize("mode", ["precision", "none"])
+def test_a_ramp_for_a_mode_without_a_knob_is_refused(mode):
+    with pytest.raises(ConfigError, match=f"inject.ramp_steps.*mode '{mode}' has none"):
+        config_from_dict({"inject": {"mode": mode, "ramp_steps": 10}})
+
+
 def test_injected_rollout_is_batch_invariant(setup):
     model, prompts = setup
     hook = _injector(mode="logit_noise", value=1.0, scope="fraction", fraction=0.5).plan(0).logits_hook
@@ -192,6 +207,18 @@ def test_calibration_hits_target(tmp_path, mode, metric, target):
     assert trainer.injector.value == cal.value
     if mode == "logit_scale":
         assert cal.value < 0  # direction kept from the configured sign
+
+
+def test_a_target_the_mode_cannot_reach_is_refused(tmp_path):
+    """A k3 of 1000 by top_p: calibration kept the closest knob it tried (k3 1.9) and trained on it, silently."""
+    cfg = load_config(EXPERIMENT, [f"output_dir={tmp_path / 'cal'}",
+                                   f"warm_start.cache_dir={warm_start_cache(tmp_path)}", "warm_start.steps=30",
+                                   "rollout.prompts_per_step=4", "inject.mode=top_p", "inject.top_p=0.9",
+                                   "inject.target={metric: rollout_corr/k3_kl, value: 1000}",
+                                   "inject.calibration_prompts=4"])
+    with pytest.raises(ValueError, match=r"inject.target: mode 'top_p' does not reach rollout_corr/k3_kl = 1000 "
+                                         r"within inject.calibration_tolerance 0.05 .* the closest of \d+ knobs tried"):
+        Trainer(cfg, Console(quiet=True))._calibrate(None)
 
 
 @pytest.mark.parametrize("short,full", [("k3_kl", "rollout_corr/k3_kl"), ("abs_dlogp_mean", "mismatch/abs_dlogp_mean")])

@@ -130,6 +130,15 @@ def test_calibration_searches_the_knob_the_mode_names(mode, sign, expect):
     assert result.value == pytest.approx(expect, rel=1e-2)
 
 
+def test_top_k_calibration_measures_k_1():
+    """The bisection over k never measured its lower end, k = 1, where the metric is largest: a target only k = 1
+    reaches came back as k = 2, 8x off."""
+    result = calibrate(lambda k: 1 / k**3, "top_k", 1.0, tolerance=0.05, vocab_size=256)
+    assert (result.value, result.achieved, result.reached) == (1.0, 1.0, True)
+    missed = calibrate(lambda s: min(s, 0.5) * 0.01, "logit_noise", 1.0, tolerance=0.05)  # a metric that levels off
+    assert not missed.reached and len(missed.evaluations) == 40
+
+
 def test_registration_refuses_a_taken_name_and_a_calibratable_mode_without_knob():
     with pytest.raises(ValueError, match="already registered"):
         register_inject_mode(INJECT_MODES["top_k"])

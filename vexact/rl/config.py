@@ -319,6 +319,11 @@ def _check_inject_knob(inject: Any) -> None:
     if mode == "none" and value:
         raise ConfigError(f"{show_value(value)} would inject nothing: no inject.mode is set; set inject.mode to one of "
                           f"{knobs}, or remove inject.value", "inject.value")
+    ramp = inject.get("ramp_steps")
+    if spec is not None and spec.knob is None and isinstance(ramp, int) and not isinstance(ramp, bool) and ramp > 0:
+        raise ConfigError(f"{ramp} ramps a knob, and mode {mode!r} has none (it "
+                          + ("injects nothing" if mode == "none" else "changes the rollout path at inject.onset_step")
+                          + "); remove inject.ramp_steps", "inject.ramp_steps")
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), saved: bool = False) -> RunConfig:

@@ -177,10 +177,11 @@ class RolloutSection:
     # who samples: vexact's own rollout path (the default), or a registered outside engine such as vllm
     # (vexact.rl.rollout_engines); an engine's own settings are rollout.* keys too
     engine: RolloutEngineName = "vexact"
-    # policy lag (asynchronous RL: verl's async mode, AReaL, prime-rl): the step's rollouts are sampled from the
-    # policy as it was this many optimizer steps before the trained one (the first steps: the starting policy).
-    # 0 = on-policy. The trainer keeps the last k weight snapshots (checkpointed); old log-probs recomputed
-    # (algorithm.old_logprobs: recompute) are the current policy's, as verl's and AReaL's proximal policy
+    # policy lag (asynchronous RL: verl's async mode, AReaL, prime-rl): step s's rollouts are sampled from the
+    # policy as it was at the start of RL step s - k (the first steps: the starting policy): k RL steps behind, which
+    # is k x algorithm.mini_batches x ppo_epochs optimizer steps. 0 = on-policy. The trainer keeps the last k weight
+    # snapshots (checkpointed); old log-probs recomputed (algorithm.old_logprobs: recompute) are the current
+    # policy's, as verl's and AReaL's proximal policy
     policy_lag: int = field(default=0, metadata=_bounds(min=0, max=MAX_POLICY_LAG))
     # on a GPU: the decode step recorded once in a CUDA graph and replayed each step (generate's cuda_graphs): the same
     # bits, without the launch overhead; vexact's own rollout path, a dense model and a CUDA device only

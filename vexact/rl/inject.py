@@ -84,12 +84,12 @@ class Injector:
         return self.mode.injects
 
     def value_at(self, step: int) -> float:
-        """The knob after the onset/ramp schedule (0 before onset)."""
+        """The knob after the onset/ramp schedule (0 before onset; on the ramp, the mode's ``ramped`` knob)."""
         c = self.cfg
         if not self.enabled or step < c.onset_step:
             return 0.0
         if c.ramp_steps and step - c.onset_step < c.ramp_steps:
-            return self.value * (step - c.onset_step + 1) / c.ramp_steps
+            return self.mode.ramped(self.value, (step - c.onset_step + 1) / c.ramp_steps)
         return self.value
 
     def plan(self, step: int) -> RolloutPlan:
@@ -132,6 +132,12 @@ class Calibration:
     achieved: float  # the metric at that knob on the calibration batch
     target: float
     evaluations: list[tuple[float, float]]  # (knob, metric) in the order tried
+    tolerance: float = 0.0  # relative: the search stops within it
+
+    @property
+    def reached(self) -> bool:
+        """Whether ``achieved`` is within ``tolerance`` of ``target`` (else the knob is only the closest tried)."""
+        return abs(self.achieved - self.target) <= self.tolerance * self.target
 
 
 def calibrate(measure: Callable[[float], float], mode: str | InjectMode, target: float, tolerance: float,
@@ -160,6 +166,9 @@ def calibrate(measure: Callable[[float], float], mode: str | InjectMode, target:
             if close(m := run(float(mid))):
                 break
             lo, hi = (mid, hi) if m > target else (lo, mid)
+        if lo == search.low and float(lo) not in [k for k, _ in tried] and len(tried) < max_evals \
+                and not any(close(m) for _, m in tried):
+            run(float(lo))  # the largest metric the knob gives: the bisection never measures its lower end
     else:
         to_knob, upper = search.to_knob, search.upper
         lo, hi = 0.0, min(0.1, upper)
@@ -170,4 +179,4 @@ def calibrate(measure: Callable[[float], float], mode: str | InjectMode, target:
             m = run(to_knob(mid))
             lo, hi = (lo, mid) if m > target else (mid, hi)
     best = min(tried, key=lambda kv: abs(kv[1] - target))
-    return Calibration(best[0], best[1], target, tried)
+    return Calibration(best[0], best[1], target, tried, tolerance)

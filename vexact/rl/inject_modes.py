@@ -136,6 +136,11 @@ class InjectMode:
         """Why ``value`` is out of this mode's range (None when it is fine)."""
         return None
 
+    def ramped(self, value: float, fraction: float) -> float:
+        """The knob ``fraction`` (0 < fraction <= 1) of the way up ``inject.ramp_steps``' ramp to ``value``: from the
+        knob that changes nothing toward ``value``. Default: a magnitude, linear from 0."""
+        return value * fraction
+
     def rollout_path(self, injector: InjectorView) -> RolloutPath | None:
         """A path mode's rollout (built once per injector); None for knob modes."""
         return None
@@ -307,6 +312,9 @@ class TopP(InjectMode):
     def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
         return KnobSearch(to_knob=lambda u: 1.0 - u, upper=1.0 - 1e-6)
 
+    def ramped(self, value: float, fraction: float) -> float:
+        return 1.0 - (1.0 - value) * fraction  # p from 1 (nothing cut) down to value
+
 
 class TopK(InjectMode):
     """``top_k``: the rollout samples from the k most likely tokens (and records their log-probs); 0 is off."""
@@ -324,6 +332,11 @@ class TopK(InjectMode):
 
     def knob_search(self, sign: float, vocab_size: int) -> KnobSearch:
         return KnobSearch(integer=True, low=1, high=vocab_size)  # metric(low) is the largest, metric(high) == 0
+
+    def ramped(self, value: float, fraction: float) -> float:
+        if value <= 0:  # off
+            return value
+        return float(round(value / fraction))  # k from large (little cut) down to value: linear in 1/k
 
 
 PRECISION_FORMATS: dict[str, tuple[torch.dtype, float | None]] = {

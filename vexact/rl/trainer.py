@@ -685,6 +685,13 @@ class Trainer:
 
         self.calibration = calibrate(measure, c.mode, target.value, c.calibration_tolerance,
                                      sign=-1.0 if c.value < 0 else 1.0, vocab_size=self.tokenizer.vocab_size)
+        if not self.calibration.reached:
+            tried = len(self.calibration.evaluations)
+            raise ValueError(f"inject.target: mode {c.mode!r} does not reach {target.metric} = {target.value:g} "
+                             f"within inject.calibration_tolerance {c.calibration_tolerance:g} on this run's "
+                             f"calibration batch: the closest of {tried} knobs tried, inject.{knob_key(c.mode)} = "
+                             f"{self.calibration.value:.6g}, gave {self.calibration.achieved:.4g}; choose a target "
+                             "the mode can reach, or set the knob itself")
         self.injector.value = self.calibration.value
         self._log(f"calibrated inject.{knob_key(self.cfg.inject.mode)} = {self.calibration.value:.6g} for "
                   f"{target.metric} = {self.calibration.achieved:.4g} (target {target.value:g}, "
