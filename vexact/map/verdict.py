@@ -328,7 +328,7 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         out.update(threshold_50=thr, ci_low=lo, ci_high=hi, ratio=k3 / thr)
         low, high = lo or thr, hi or thr
         shape = None
-        if factor > 1:  # beyond the measured horizons: the range both shapes and the law's interval allow
+        if factor > 1 and band is not None:  # beyond the measured horizons: what the law's interval and shapes allow
             shape = saturating_at(curve.get("shape") or {}, horizon)
             if shape is not None:
                 low, high = min(low, shape), max(high, shape)
@@ -352,15 +352,13 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         measured = _measured_over_law(curve, name, k3, horizon, thr, verdict)
         if measured is not None:
             verdict, out["bound_assumption"] = measured
-        if factor > 1 and band is None:
+        if factor > 1:
             verdict += (f"; extrapolated: T = {fmt_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
                         f"horizons (T = {fmt_t(t0)} .. {fmt_t(t1)})")
-            out.update(range_low=None, range_high=None)
-        elif factor > 1:
-            verdict += (f"; extrapolated: T = {fmt_t(horizon)} lies {factor:.3g}x outside the {name} curve's measured "
-                        f"horizons (T = {fmt_t(t0)} .. {fmt_t(t1)}), where the threshold may lie anywhere in k3 "
-                        f"{low:.2g} .. {high:.2g} (the power law's 95% interval [{lo:.2g}, {hi:.2g}]"
-                        + (f" and the saturating shape's {shape:.2g}" if shape is not None else "") + ")")
+            if band is not None:
+                verdict += (f", where the threshold may lie anywhere in k3 {low:.2g} .. {high:.2g} (the power law's "
+                            f"95% interval [{lo:.2g}, {hi:.2g}]"
+                            + (f" and the saturating shape's {shape:.2g}" if shape is not None else "") + ")")
         single = curve.get("single_run_horizons") or []
         if single:
             verdict += (f"; the law rests on horizon(s) fitted from one run per dose ({HORIZON_KEY} = "

@@ -156,31 +156,32 @@ def fit_threshold(runs: list[tuple[float, bool, Any]], levels: int | None = None
     log_threshold = -intercept / slope  # compared in log10 first: a slope of 1e-16 puts it at 10^(1e16), no float
     # A 50% point outside the tested doses is an extrapolation of a nearly flat fit (say 1 of 4 runs collapsed,
     # all at one dose level): report the side it lies on, not the number.
-    threshold = 10 ** log_threshold if math.log10(lo) <= log_threshold <= math.log10(hi) else None
-    if log_threshold > math.log10(hi):
+    log_lo, log_hi = math.log10(lo), math.log10(hi)
+    if log_threshold > log_hi:
         return {**out, "status": "above_range", "lower_bound": hi,
                 "note": f"{n_collapsed} of {len(runs)} runs collapsed, up to {METRIC} = {hi:.2e}; the fitted 50% point "
                         "lies above the largest value tested"}
-    if threshold is None:
+    if log_threshold < log_lo:
         return {**out, "status": "below_range", "upper_bound": lo,
                 "note": f"{n_collapsed} of {len(runs)} runs collapsed, from {METRIC} = {lo:.2e}; the fitted 50% point "
                         "lies below the smallest value tested"}
+    threshold = 10**log_threshold
     bracket_low = max((d for d, c, _ in runs if not c and d <= threshold), default=None)
     bracket_high = min((d for d, c, _ in runs if c and d >= threshold), default=None)
-    seeds = {s for _, _, s in runs}
-    if len(seeds) < 2:  # every resample would be the same runs: no spread to take, only the bracket
-        out.update(status="fitted", threshold_50=threshold, ci_low=bracket_low, ci_high=bracket_high,
-                   bracket_low=bracket_low, bracket_high=bracket_high, slope_per_decade=slope)
-        return {**out, "note": "one seed: no bootstrap spread; the interval is the bracketing runs' doses (an end "
-                               "without a bracketing run is open)"}
-    low, high, note = _bootstrap(runs, math.log10(lo), math.log10(hi))
-    if low is not None and bracket_low is not None:
-        low = min(low, bracket_low)
-    if high is not None and bracket_high is not None:
-        high = max(high, bracket_high)
+    if len({s for _, _, s in runs}) < 2:  # every resample would be the same runs: no spread to take, only the bracket
+        low, high = bracket_low, bracket_high
+        note = "one seed: no bootstrap spread; the interval is the bracketing runs' doses (an end without a " \
+               "bracketing run is open)"
+    else:
+        low, high, note = _bootstrap(runs, log_lo, log_hi)
+        if low is not None and bracket_low is not None:
+            low = min(low, bracket_low)
+        if high is not None and bracket_high is not None:
+            high = max(high, bracket_high)
+        note += ", widened to the bracketing runs' doses"
     out.update(status="fitted", threshold_50=threshold, ci_low=low, ci_high=high, bracket_low=bracket_low,
                bracket_high=bracket_high, slope_per_decade=slope)
-    return {**out, "note": note + ", widened to the bracketing runs' doses"}
+    return {**out, "note": note}
 
 
 def _bootstrap(runs: list[tuple[float, bool, Any]], log_lo: float, log_hi: float
