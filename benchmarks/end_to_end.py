@@ -49,6 +49,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -284,18 +285,24 @@ def bench_shape(shape: Shape, dtype_name: str, items: list[str], reps: int, devi
     return rows
 
 
+def rl_step_config(config: Path, dtype_name: str, overrides: list[str], backend: str = "exact") -> Any:
+    """The RL step's run config on ``backend``: the experiment at ``dtype_name``, with the process's thread count (its
+    config's default gives a small model 1 thread) and no live view."""
+    from vexact.rl.config import load_config
+
+    return load_config(config, [f"backend={backend}", f"dtype={dtype_name}", f"threads={torch.get_num_threads()}",
+                                "logging.live=false", *overrides])
+
+
 def bench_rl_step(dtype_name: str, reps: int, config: Path, overrides: list[str], warm: bool,
                   profile: int = 0) -> dict:
     """One full ``Trainer.step``, exact vs native, from identical weights and optimizer state every repetition."""
     from rich.console import Console
 
-    from vexact.rl.config import load_config
     from vexact.rl.trainer import Trainer
     from vexact.rl.warmstart import warm_start
 
-    # the process's thread count for the trainer too (its config's default gives a small model 1 thread)
-    base = [f"dtype={dtype_name}", f"threads={torch.get_num_threads()}", "logging.live=false", *overrides]
-    trainers = {name: Trainer(load_config(config, [f"backend={name}", *base]), Console(quiet=True))
+    trainers = {name: Trainer(rl_step_config(config, dtype_name, overrides, name), Console(quiet=True))
                 for name in ("exact", "native")}
     exact = trainers["exact"]
     if warm:  # the exact run's cached warm start, for both (so the batch is the one the experiment trains on)
@@ -349,11 +356,9 @@ def run(shape_names: list[str], dtype_names: list[str], items: list[str], reps: 
     record["settings"]["threads"] = [count or torch.get_num_threads() for count in counts]
     record["skipped"] = []
     if "rl_step" in items and device.type == "cpu" and exact_backend == "exact":
-        from vexact.rl.config import load_config
-
         for dtype_name in dtype_names:  # the RL step's config, checked before the other items' minutes
             try:
-                load_config(rl_config, [f"dtype={dtype_name}", "logging.live=false", *(rl_overrides or [])])
+                rl_step_config(rl_config, dtype_name, rl_overrides or [])
             except ValueError as err:
                 raise ValueError(f"--rl-config {rl_config} / --rl-set: {err}") from None
     for count in record["settings"]["threads"]:

@@ -483,14 +483,17 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     then the growth fits and ``meter.png``. Returns the meter.json object."""
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     path = spec.output_dir / "meter.json"
-    done = {}
+    done, recorded_sources = {}, {}
     if path.is_file():
         try:
-            done = {(c["horizon"], c["source"]): _decoded(c) for c in json.loads(path.read_text()).get("cells", [])
+            recorded = json.loads(path.read_text())
+            done = {(c["horizon"], c["source"]): _decoded(c) for c in recorded.get("cells", [])
                     if c.get("batches") == spec.batches}
+            sources = recorded.get("sources")
+            recorded_sources = sources if isinstance(sources, dict) else {}
         except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is damaged ({e}); move it away to start the meter afresh") from None
-    _check_done_cells(spec, done, path)
+    _check_done_cells(spec, done, recorded_sources, path)
     cells = list(done.values())
     for horizon in spec.horizons:
         todo = [s for s in spec.sources if (horizon, s) not in done]
@@ -517,14 +520,12 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     return result
 
 
-def _check_done_cells(spec: MeterSpec, done: dict[tuple, dict[str, Any]], path: Path) -> None:
-    """A re-run skips the cells meter.json holds: each must have been measured with the config its cell has now (its
-    ``config_hash``; a cell written before the hash was kept: its source's settings, where the file records them),
-    or the edited meter file or base config would be reported with the old cells' numbers."""
-    try:
-        recorded_sources = json.loads(path.read_text()).get("sources") or {}
-    except (OSError, ValueError, AttributeError):
-        recorded_sources = {}
+def _check_done_cells(spec: MeterSpec, done: dict[tuple, dict[str, Any]], recorded_sources: dict[str, Any],
+                      path: Path) -> None:
+    """A re-run skips the cells meter.json (``path``) holds: each must have been measured with the config its cell has
+    now (its ``config_hash``; a cell written before the hash was kept: its source's settings, where the file records
+    them in ``recorded_sources``), or the edited meter file or base config would be reported with the old cells'
+    numbers."""
     for (horizon, source), cell in done.items():
         if source not in spec.sources or horizon not in spec.horizons:
             continue  # a cell the meter file no longer asks for: kept in meter.json, not measured again
