@@ -14,7 +14,6 @@ import ctypes
 import math
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 
 from vexact import ModelConfig
 from vexact.cli_base import check_writable
+from vexact.engine.devices import resolve_device as engine_resolve_device
 from vexact.engine.model import DTYPES as MODEL_DTYPES
 from vexact.engine.presets import preset_config
 from vexact.records.runlog import write_json_atomic
@@ -99,6 +99,14 @@ def parse_list(value: str | list[str] | tuple[str, ...], known: list[str] | tupl
         raise ValueError(f"unknown {what} {', '.join(map(repr, bad)) or '(none given)'}; "
                          f"expected a comma list of {', '.join(known)} or 'all'")
     return items
+
+
+def parse_one(value: str, known: list[str] | tuple[str, ...], what: str) -> str:
+    """``parse_list`` for a flag that takes one name (a benchmark that measures one shape or dtype per run)."""
+    items = parse_list(value, known, what)
+    if len(items) != 1:
+        raise ValueError(f"--{what}: one {what}, got {value!r}")
+    return items[0]
 
 
 # --------------------------------------------------------------------------- allocator
@@ -380,18 +388,9 @@ def interpreted(exact_backend: str, device: torch.device) -> bool:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (as ``vexact bench --device`` says; None or auto: cuda when
-    available); a clear error for anything else."""
-    if name is None or name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", name):
-        raise ValueError(f"unknown device {name!r}; expected cpu, cuda, cuda:N or auto")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name} requested but torch.cuda.is_available() is False")
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"device {name} requested but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
+    """``--device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (None: auto), resolved by the engine's one rule
+    (``vexact.engine.devices.resolve_device``); a clear error naming ``--device`` for anything else."""
+    return engine_resolve_device("auto" if name is None else name, "--device")
 
 
 def cli_main(argv: list[str] | None, prog: str, description: str, name: str,
@@ -442,6 +441,17 @@ def add_rl_step_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-config", type=Path, default=EXPERIMENT, help="experiment YAML of the RL step")
     p.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the RL step's config (repeatable)")
+
+
+def check_rl_step_flags_used(args: argparse.Namespace, runs_rl_step: bool, why_not: str) -> None:
+    """A ValueError naming the flag where ``--rl-set`` or ``--rl-config`` was given and no RL step runs
+    (``why_not``: what the run measures instead): it would change nothing, and be recorded nowhere."""
+    if runs_rl_step:
+        return
+    given = [flag for flag, used in (("--rl-set", bool(args.rl_set)), ("--rl-config", args.rl_config != EXPERIMENT))
+             if used]
+    if given:
+        raise ValueError(f"{given[0]}: it sets the RL step, and {why_not}: it would change nothing")
 
 
 def parse_threads(value: str | int | list[int] | None) -> list[int | None]:

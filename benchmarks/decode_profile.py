@@ -39,7 +39,7 @@ from vexact import Transformer, generate
 from vexact.cli_base import check_writable, positive_int
 from vexact_kernels.host_guard import onednn_available, onednn_linear, onednn_packed, onednn_packing
 
-from .common import DTYPES, load_average, machine_info, parse_list, profiled, set_malloc, shapes
+from .common import DTYPES, load_average, machine_info, parse_one, profiled, set_malloc, shapes
 from .end_to_end import prompts_of
 
 
@@ -508,8 +508,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode
                         "--vllm), and whether oneDNN's rows keep their bits across the exact kernels' tile heights")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
-    (shape_name,) = parse_list(args.shape, list(shapes()), "shape")
-    (dtype_name,) = parse_list(args.dtype, list(DTYPES), "dtype")
+    shape_name = parse_one(args.shape, list(shapes()), "shape")  # one profile per run
+    dtype_name = parse_one(args.dtype, list(DTYPES), "dtype")
     if args.new_tokens < 2 or args.prompts < 1:
         p.error("--new-tokens must be at least 2 (a decode step) and --prompts positive")
     if args.gemm and args.vllm:

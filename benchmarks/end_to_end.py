@@ -69,6 +69,7 @@ from .common import (
     Shape,
     add_common_arguments,
     add_rl_step_arguments,
+    check_rl_step_flags_used,
     cli_main,
     compare,
     describe_run,
@@ -435,8 +436,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
+    items = parse_list(args.items, ITEMS, "item")
+    check_rl_step_flags_used(args, "rl_step" in items, f"--items {args.items} holds no rl_step")
     return run(parse_list(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
-               parse_list(args.items, ITEMS, "item"), args.reps, device, args.threads, args.rl_config,
+               items, args.reps, device, args.threads, args.rl_config,
                args.rl_set, warm=not args.no_warm_start, profile=args.profile, exact_backend=args.exact_backend,
                malloc=args.malloc, prompt_lengths=parse_lengths(args.prompt_len))
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .common import DTYPES, add_rl_step_arguments, cli_main, machine_info, set_malloc
+from .common import DTYPES, add_rl_step_arguments, check_rl_step_flags_used, cli_main, machine_info, set_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN_CODE = (str(ROOT / "vexact") + "/", str(ROOT / "kernels") + "/")  # frames charged with the calls they issue
@@ -159,6 +159,8 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Both backends' counts, one thread (counts do not depend on it; the step is just quicker)."""
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    check_rl_step_flags_used(args, args.decode_shape is None, f"--decode-shape {args.decode_shape} counts a decode "
+                             "step")
     if not args.rl_config.is_file():
         raise ValueError(f"--rl-config {args.rl_config} not found")
     torch.set_num_threads(1)

@@ -261,6 +261,26 @@ MODE_GAP_LIMIT = 1.05
 (issue AB: ``canonical`` within 5% of ``auto``)."""
 
 
+SAME_HOST_FIELDS = ("cpu_model", "logical_cpus", "torch_version")
+"""What records compared mode against mode (``--by-mode``) must share: a ratio across hosts compares the hosts."""
+
+
+def modes_machine(records: list[dict], files: list[Path]) -> str:
+    """The "Measured on" line of a ``--by-mode`` table: records from another host than the first (a field of
+    ``SAME_HOST_FIELDS`` differs) are refused; records made at different commits get one line each, with its mode."""
+    first = records[0]["machine"]
+    for path, record in zip(files[1:], records[1:], strict=True):
+        differs = [f"{field} {record['machine'].get(field)!r} vs {first.get(field)!r}" for field in SAME_HOST_FIELDS
+                   if record["machine"].get(field) != first.get(field)]
+        if differs:
+            raise ValueError(f"{path} was measured on another host than {files[0]} ({'; '.join(differs)}): "
+                             "--by-mode compares one host's guard modes")
+    if len({record["machine"].get("git_commit") for record in records}) == 1:
+        return f"Measured on: {_machine(records[0])}"
+    return "Measured on (the runs' commits differ):\n" + "\n".join(
+        f"- {record['machine'].get('exact_path')}: {_machine(record)}" for record in records)
+
+
 def modes_table(records: list[dict]) -> str:
     """End-to-end runs of the same items in different guard modes as one targets table: a row per (shape, item) and
     mode, then one sentence per later mode naming the cells more than ``MODE_GAP_LIMIT`` over the first mode's."""
@@ -313,7 +333,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.tables
             except (OSError, json.JSONDecodeError) as err:
                 raise ValueError(f"{path}: cannot read benchmark JSON ({err})") from None
         if args.by_mode:
-            print(f"Measured on: {_machine(records[0])}\n\n{modes_table(records)}")
+            table = modes_table(records)  # first: it refuses a record that is no end_to_end one
+            print(f"{modes_machine(records, args.files)}\n\n{table}")
             return 0
         for path, record in zip(args.files, records, strict=True):
             print(f"## {path}\n\n{tables(record)}\n")

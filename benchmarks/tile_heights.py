@@ -41,6 +41,7 @@ from .common import (
     inner_repeats,
     new_record,
     parse_list,
+    parse_one,
     parse_threads,
     print_table,
     renamed_sides,
@@ -159,11 +160,8 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Run the benchmark the parsed options ask for; the JSON-ready record."""
     if device.type != "cpu":
         raise ValueError("tile_heights measures the host CPU's GEMM library: use --device cpu")
-    shape_names = parse_list(args.shape, list(shapes()), "shape")
-    if len(shape_names) != 1:
-        raise ValueError(f"--shape: one shape, got {args.shape!r}")
-    return run(shape_names[0], parse_list(args.dtype, list(DTYPES), "dtype"), parse_threads(args.threads),
-               _parse_rows(args.rows), args.reps, malloc=args.malloc)
+    return run(parse_one(args.shape, list(shapes()), "shape"), parse_list(args.dtype, list(DTYPES), "dtype"),
+               parse_threads(args.threads), _parse_rows(args.rows), args.reps, malloc=args.malloc)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.tile_heights") -> int:

@@ -11,6 +11,10 @@ signatures and semantics (``native.py`` is the plain-torch reference):
 - ``"triton"``: the Triton kernels forced (on CPU through the Triton interpreter: slow,
   tiny models only).
 
+The exact CPU kernels keep what they lay out from a weight while its version counter says it is unchanged: after a
+write that leaves the counter as it was (a torch ``fused=True`` optimizer step, a write through ``.data``), call
+``forget_weight(weight)`` (``weight_versions``).
+
 The Triton kernels need the optional ``triton`` package (``TRITON_PIP``); without it every backend works on CPU
 tensors except ``"triton"``, which is refused with one ValueError naming the pip line.
 
@@ -31,6 +35,7 @@ else:
     from . import cpu_exact, native
     from .backends import BACKENDS, EXACT_BACKENDS, TRITON_PIP, get_ops, kernel_paths, triton_installed
     from .contract import FUSED_OP_NAMES, OP_NAMES, KernelOps
+    from .weight_versions import forget_weight
 
-    __all__ = ["BACKENDS", "EXACT_BACKENDS", "FUSED_OP_NAMES", "OP_NAMES", "TRITON_PIP", "KernelOps", "get_ops",
-               "kernel_paths", "triton_installed", "cpu_exact", "native"]
+    __all__ = ["BACKENDS", "EXACT_BACKENDS", "FUSED_OP_NAMES", "OP_NAMES", "TRITON_PIP", "KernelOps", "forget_weight",
+               "get_ops", "kernel_paths", "triton_installed", "cpu_exact", "native"]

@@ -111,9 +111,18 @@ def embedding(op: str, tokens: Tensor, weight: Tensor) -> None:
     ids_in_range(op, tokens, weight.shape[0], "token", ("V", "weight's rows"))
 
 
-def rms_norm(op: str, x: Tensor, weight: Tensor) -> None:
+def number(op: str, name: str, value: object) -> None:
+    """One TypeError unless ``value`` is a Python number (``eps``, ``scale``: a tensor or None reached each backend's
+    kernel and failed there, differently)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a Python float, got {type(value).__name__} {value!r}"[:200])
+
+
+def rms_norm(op: str, x: Tensor, weight: Tensor, eps: float) -> None:
     if not (isinstance(x, Tensor) and isinstance(weight, Tensor) and x.dtype in FLOAT_DTYPES and weight.dtype == x.dtype
-            and x.dim() and weight.shape == x.shape[-1:] and weight.shape[0] and x.device == weight.device):
+            and x.dim() and weight.shape == x.shape[-1:] and weight.shape[0] and x.device == weight.device
+            and type(eps) is float):
+        number(op, "eps", eps)
         tensors(op, FLOAT_DTYPES, x=x, weight=weight)
         last_dim(op, "x", x)
         if weight.shape != x.shape[-1:]:
@@ -152,14 +161,15 @@ def rope(op: str, x: Tensor, cos: Tensor, sin: Tensor) -> None:
                               x=x, cos=cos, sin=sin)
 
 
-def attention(op: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor) -> None:
+def attention(op: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scale: float) -> None:
     """Metadata only; q_start's values are checked where the kernel reads them (``query_starts``)."""
     if not (isinstance(q, Tensor) and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)
             and isinstance(q_start, Tensor) and q.dtype in FLOAT_DTYPES and k_cache.dtype == q.dtype == v_cache.dtype
             and q_start.dtype in INDEX_DTYPES and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-            and q_start.shape == q.shape[:1] and k_cache.shape[0] == q.shape[0] > 0
+            and q_start.shape == q.shape[:1] and k_cache.shape[0] == q.shape[0] > 0 and k_cache.shape[1] > 0
             and k_cache.shape[3] == q.shape[3] > 0 and k_cache.shape[2] > 0 and q.shape[2] % k_cache.shape[2] == 0
-            and q.device == k_cache.device == v_cache.device == q_start.device):
+            and q.device == k_cache.device == v_cache.device == q_start.device and type(scale) is float):
+        number(op, "scale", scale)
         tensors(op, FLOAT_DTYPES, q=q, k_cache=k_cache, v_cache=v_cache)
         same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
         tensors(op, INDEX_DTYPES, q_start=q_start)
@@ -173,6 +183,8 @@ def attention(op: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Ten
                               "q_start [B]", **shapes)
         if batch == 0:
             raise shape_error(op, "no sequences", **shapes)
+        if k_cache.shape[1] == 0:  # every query sees at least key 0
+            raise shape_error(op, "the cache holds no position (L = 0): every query sees at least key 0", **shapes)
         if q_start.device != q.device:
             raise ValueError(f"{op}: q_start is on {q_start.device} but q on {q.device}")
 
@@ -205,3 +217,4 @@ def token_logprobs(op: str, logits: Tensor, targets: Tensor) -> None:
         if targets.shape != logits.shape[:-1]:
             raise shape_error(op, "targets must be logits' shape without its last dimension", logits=logits,
                               targets=targets)
+    ids_in_range(op, targets, logits.shape[-1], "target", ("V", "logits' last dimension"))

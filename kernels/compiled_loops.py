@@ -118,13 +118,27 @@ def _build(name: str, directory: Path) -> ModuleType:
     return module
 
 
+class LoopsBuildError(RuntimeError):
+    """``VEXACT_CPU_LOOPS=compiled`` where the loops do not build: the machine's failure (no compiler, a failed
+    build), raised on every call of the process, never a quiet fall back to the torch ops."""
+
+
+def _known() -> ModuleType | None:
+    """What an earlier call settled: the module, None, or (compiled mode) its build failure again."""
+    module = _state["module"]
+    if module is None and "failure" in _state:
+        raise LoopsBuildError(_state["failure"])
+    return module
+
+
 def library() -> ModuleType | None:
-    """The compiled library, or None (mode ``python``, or ``auto`` where it does not build); once per process."""
+    """The compiled library, or None (mode ``python``, or ``auto`` where it does not build); once per process.
+    ``LoopsBuildError`` in mode ``compiled`` where they do not build (on every call)."""
     if _state:  # loaded (or given up) already: no lock needed to read it
-        return _state["module"]
+        return _known()
     with _lock:
         if _state:
-            return _state["module"]
+            return _known()
         mode = mode_from_env()
         _state.update(module=None, path="torch ops", reason=f"{LOOPS_ENV}=python", build_seconds=None, mode=mode)
         if mode == "python":
@@ -137,7 +151,9 @@ def library() -> ModuleType | None:
         except Exception as error:  # noqa: BLE001 -- any build failure means: no compiled loops on this host
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
             if mode == "compiled":
-                raise RuntimeError(f"{LOOPS_ENV}=compiled, but the compiled loops did not build ({reason})") from error
+                _state.update(reason=f"build failed ({reason})",
+                              failure=f"{LOOPS_ENV}=compiled, but the compiled loops did not build ({reason})")
+                raise LoopsBuildError(_state["failure"]) from error
             _state["reason"] = f"build failed ({reason})"
             warnings.warn(f"vexact: the exact CPU kernels' compiled loops did not build ({reason}); using the "
                           f"torch-op versions (the same bits, slower). Set {LOOPS_ENV}=python to skip the build.",

@@ -101,6 +101,10 @@ class _AttentionTiles:
         self.key_len = ceil_to(self.visible, KEY_BLOCK)
         self.key_blocks = self.key_len // KEY_BLOCK
         self.cache_len = k_cache.shape[1]
+        # A query past the cache's end sees the whole cache: its keys end at the cache, not at its position. The
+        # torch ops below clamp its position; the compiled loops mask by position alone, so such a call takes the
+        # torch ops (the same bits for every other row: the loops make the same calls on the same values).
+        self.past_end = self.visible > self.cache_len
         self.scale = scale
         self.host = host
         self.q = self._query_rows(q)
@@ -236,6 +240,8 @@ def _attention_probs(tiles: _AttentionTiles, loops: ModuleType | None = None, no
     # One mask for the whole batch where every sequence starts at the same position (training): the same booleans.
     starts = tiles.q_start[:1] if tiles.uniform_start else tiles.q_start
     query_pos = starts.view(-1, 1, 1, 1, 1) + row_t.view(1, 1, rb, real, 1)
+    if tiles.past_end:  # a query past the cache's end sees the whole cache, no zero key after it
+        query_pos = query_pos.clamp(max=tiles.cache_len - 1)
     # Rows of ``vis`` keys widened to ``width``, a multiple of COL_BLOCK, with masked keys: the library's row max ran
     # 5-6x faster on 32-wide rows than on 31-wide ones (a vector body with no scalar tail). The extra keys are masked
     # for every row (-inf, probability exactly 0), which changes no row's max and, as zeros at a row's end, no tree sum.
@@ -311,7 +317,7 @@ def attention_exact(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor
     """``cpu_exact.attention``'s output (its contract), with no gradient recorded: the model's cache read where
     ``kv_rows`` keeps its rows, and the steps in one compiled call where the plan runs torch's own calls."""
     tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host, kept_rows=True)
-    loops = compiled_loops.library()
+    loops = None if tiles.past_end else compiled_loops.library()
     if loops is not None and q.device.type == "cpu" and tiles.plan.library:
         # the steps below in one compiled call: the same at:: calls on the same views (a decode step: one a layer)
         return loops.attention_forward(*_compiled_forward_arguments(tiles, q.dtype))
@@ -348,7 +354,7 @@ class _ExactAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, q_start, scale, host):  # type: ignore[override]
         tiles = _AttentionTiles(q, k_cache, v_cache, q_start, scale, host)
-        loops = compiled_loops.library()
+        loops = None if tiles.past_end else compiled_loops.library()
         if loops is not None and q.device.type == "cpu" and tiles.plan.library:
             # the steps below in one compiled call (as attention_exact's), returning what they return
             out, out_rows, probs = loops.attention_forward_saving(*_compiled_forward_arguments(tiles, q.dtype))

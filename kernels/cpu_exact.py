@@ -185,7 +185,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, host: HostGuard = HOST) -
     Backward contract: the analytic VJP from the saved fp32 x and 1/rms; grad_x row by row, grad_weight over the
     rows, both by halving trees -- never dependent on the thread count.
     """
-    checks.rms_norm("cpu_exact.rms_norm", x, weight)
+    checks.rms_norm("cpu_exact.rms_norm", x, weight, eps)
     return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps, host))
 
 
@@ -242,6 +242,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, host: HostG
     x.dtype. bf16 x and weight without a bias: the host's bf16 GEMM (fp32 accumulation in its own order, one
     rounding) where ``HOST`` found it invariant for the shape class -- the one path of that class for every call
     (``gemm_linear.tiled_dtype``) -- else fp32 from upcast operands.
+    Precondition: the weight's values change only through writes that bump its version counter (autograd-visible
+    in-place ops: vexact's optimizer, ``copy_`` under no_grad, ``load_state_dict``) or by rebinding ``.data``: what
+    is laid out from a weight is kept per version (``weight_versions``). After any other write (a torch
+    ``fused=True`` optimizer step, a write through ``.data`` or ``.numpy()``) call
+    ``vexact_kernels.forget_weight(weight)``, or the next call computes with the old values.
     Tiling: rows in GEMM tiles of 4, 8, 16, 32, 48 or 64 rows (``gemm_tiles.row_block``), columns padded to
     a multiple of 16.
     Backward contract: every gradient depends only on (x, weight, grad) -- never on the thread count.
@@ -267,7 +272,8 @@ def linears(x: Tensor, weights: Sequence[Tensor], *, host: HostGuard = HOST) -> 
     and an MLP's gate/up. x: [..., K], each weight [N_i, K] -> a tuple of [..., N_i] in x.dtype.
 
     Invariance contract: each output is ``linear(x, w)``'s, bit for bit (so ``linear``'s contract holds for it) --
-    never dependent on the other weights, on whether the call ran fused, or on the thread count.
+    never dependent on the other weights, on whether the call ran fused, or on the thread count. ``linear``'s
+    precondition holds for each weight (``vexact_kernels.forget_weight`` after a write its version counter misses).
 
     A decode loop's repeated call runs them as one GEMM on the weights packed as one where the host's oneDNN gives each
     weight's columns their own bits (``fused_linears``: checked at first use); elsewhere (a gradient recorded, a first
@@ -419,10 +425,26 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     runs torch's own GEMM and exp the forward's steps are one compiled call making the same calls
     (``cpu_attention._library_attention``).
     """
-    checks.attention("cpu_exact.attention", q, k_cache, v_cache, q_start)
+    checks.attention("cpu_exact.attention", q, k_cache, v_cache, q_start, scale)
+    if q.shape[1] == 0:  # no queries: an empty output, as native's and Triton's (the tiles have no row to hold)
+        return exact_forward_vjp(_no_queries, _no_queries_with_saved, _no_queries_vjp, (q, k_cache, v_cache))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         return cpu_attention.attention_with_gradient(q, k_cache, v_cache, q_start, scale, host)
     return cpu_attention.attention_exact(q, k_cache, v_cache, q_start, scale, host)
+
+
+def _no_queries(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    """``attention``'s output for T = 0 queries: [B, 0, Hq, hd] in q's dtype."""
+    return q.new_empty(q.shape)
+
+
+def _no_queries_with_saved(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, tuple]:
+    return _no_queries(q, k_cache, v_cache), (q, k_cache, v_cache)
+
+
+def _no_queries_vjp(saved: tuple, grad: Tensor, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """No query read a key or value: every gradient is zero (the cache's too, as native's)."""
+    return tuple(torch.zeros_like(t) if need else None for t, need in zip(saved, needs))
 
 
 # --------------------------------------------------------------------------- silu_mul

@@ -25,7 +25,7 @@ while every weight is unchanged (its version counter, storage and view), counted
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,6 +34,7 @@ from torch import Tensor
 
 from . import compiled_loops, gemm_laid_out, gemm_linear, gemm_packed, gemm_tiles, linear_repeats
 from .host_guard import ONEDNN_MIN_WEIGHT, HostGuard, onednn_packed, onednn_packing
+from .weight_versions import keeps_per_weight
 
 GROUPS_MAX = 1024
 """Groups kept at most (then afresh): one per (weights, guard, dtype) -- a model's q/k/v and gate/up per layer."""
@@ -180,6 +181,15 @@ def _forgetter(key: tuple):
         if kept is not None and ref in kept.weights:
             del groups[key]
     return forget
+
+
+@keeps_per_weight
+def _forget_groups(shares_memory: Callable[[Tensor], bool]) -> None:
+    """``forget_weight``'s part here: every group holding a weight on the given memory (its weights as one, its
+    decisions and call counts)."""
+    for key, group in list(_GROUPS.items()):
+        if any((weight := ref()) is not None and shares_memory(weight) for ref in group.weights):
+            _GROUPS.pop(key, None)
 
 
 def _fused_call(x: Tensor, operand: Tensor, plans: tuple[FusedPlan, ...], loops: object) -> tuple[Tensor, ...]:

@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops, gemm_tiles
 from .host_guard import ONEDNN_MIN_WEIGHT, _with_threads, operand_layout
+from .weight_versions import keeps_per_weight
 
 # --------------------------------------------------------------------------- weights laid out once per version
 ARRANGED_BYTES_MAX = 1 << 32
@@ -69,12 +70,13 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
     """``make()``, a GEMM operand laid out from ``weight`` (a copy), kept and reused while the weight is unchanged.
 
     Kept per weight and ``form`` (what ``make`` lays out), with the weight's view (shape, strides, offset, dtype,
-    data pointer) and version counter (``Tensor._version``: every in-place write through autograd-visible ops bumps
-    it: the optimizer's update, ``load_state_dict``, a ``copy_`` under no_grad) -- one version per form, the
-    older one replaced. The operand's values are those of a fresh ``make()`` (the same copy made earlier), so no bit
-    changes. Not seen: a write that bypasses the version counter (``param.data.copy_(...)``, which vexact never
-    does); an inference tensor has no version counter and is laid out per call. ``make`` returning a view of the
-    weight (nothing to copy) is not kept. Bounded by ``ARRANGED_BYTES_MAX``."""
+    data pointer) and version counter (``Tensor._version``, which autograd-visible in-place ops bump: vexact's
+    optimizer update, ``load_state_dict``, a ``copy_`` under no_grad) -- one version per form, the older one
+    replaced. The operand's values are those of a fresh ``make()`` (the same copy made earlier), so no bit changes.
+    Not seen: a write that leaves the version counter as it was (torch's ``fused=True`` optimizers, writes through
+    ``.data`` or ``.numpy()``; ``weight_versions``), after which the caller calls ``forget_weight``; an inference
+    tensor has no version counter and is laid out per call. ``make`` returning a view of the weight (nothing to copy)
+    is not kept. Bounded by ``ARRANGED_BYTES_MAX``."""
     try:
         version = weight._version
     except RuntimeError:  # an inference tensor: no version counter to follow
@@ -97,6 +99,17 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
         entries[key] = (version, out)
         _HELD_BYTES.add(out.nbytes)
     return out
+
+
+@keeps_per_weight
+def _forget_arranged(shares_memory: Callable[[Tensor], bool]) -> None:
+    """``forget_weight``'s part here: the operands laid out from a weight on the given memory, each popped and its
+    bytes uncounted once (the entries dict stays, emptied, so the owner's finalizer uncounts nothing twice)."""
+    for owner in [owner for owner in list(_ARRANGED.keys()) if shares_memory(owner)]:
+        entries = _ARRANGED.get(owner, {})
+        for key in list(entries):
+            if (entry := entries.pop(key, None)) is not None:
+                _HELD_BYTES.add(-entry[1].nbytes)
 
 
 def room_for(nbytes: int) -> bool:

@@ -65,6 +65,7 @@ from torch import Tensor
 
 from . import compiled_loops, gemm_laid_out, gemm_packed, gemm_tiles
 from .host_guard import LIBRARY_DTYPES, HostGuard
+from .weight_versions import keeps_per_weight
 
 # --------------------------------------------------------------------------- x @ W.T: a linear layer's rows
 _DTYPE_PLANS: dict[tuple, torch.dtype] = {}
@@ -162,6 +163,15 @@ def _forget(plans: dict[int, _WeightPlans], key: int, ref: weakref.ref) -> None:
     kept = plans.get(key)
     if kept is not None and kept.owner is ref:
         del plans[key]
+
+
+@keeps_per_weight
+def _forget_plans(shares_memory: Callable[[Tensor], bool]) -> None:
+    """``forget_weight``'s part here: the plans of a weight on the given memory and what they hold (operands, a
+    packed weight)."""
+    for key, kept in list(_PLANS.items()):
+        if (owner := kept.owner()) is not None and shares_memory(owner):
+            _PLANS.pop(key, None)
 
 
 def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear") -> Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from . import compiled_loops, gemm_linear
 from .host_guard import HostGuard
+from .weight_versions import keeps_per_weight
 
 REMEMBERED_MAX = 4096
 """Calls remembered at most (then afresh): one per (weight, guard, x's shape) -- a model's linear layers under one
@@ -106,3 +108,11 @@ def _forget(remembered: dict, key: tuple[int, int, torch.Size], ref: weakref.ref
     kept = remembered.get(key)
     if kept is not None and kept.weight is ref:
         del remembered[key]
+
+
+@keeps_per_weight
+def _forget_calls(shares_memory: Callable[[Tensor], bool]) -> None:
+    """``forget_weight``'s part here: the calls remembered on a weight on the given memory."""
+    for key, kept in list(_REMEMBERED.items()):
+        if (weight := kept.weight()) is not None and shares_memory(weight):
+            _REMEMBERED.pop(key, None)

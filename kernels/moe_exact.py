@@ -38,8 +38,9 @@ OP = "moe_routing"  # the op name the host guard's probes record for the routing
 def rank_experts(scores: Tensor) -> Tensor:
     """Expert indices of each row of ``scores`` [..., E], best first: descending score, ties to the lower index.
 
-    A stable descending sort, which keeps equal scores in index order: comparisons only, so a row's ranking depends
-    on nothing but that row."""
+    Invariance contract: a row's ranking depends only on that row -- never on the other rows, their number or order,
+    or the thread count: a stable descending sort, which keeps equal scores in index order (comparisons only, no
+    rounding)."""
     checks.rows("moe_exact.rank_experts", "scores", scores)
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices
 
@@ -100,7 +101,11 @@ def ordered_sum(parts: Tensor) -> Tensor:
 def routing_weights(log_probs: Tensor, experts: Tensor, normalize: bool) -> Tensor:
     """fp32 weights [..., k] of the chosen ``experts`` [..., k] (int64, ascending) from the router's fp32 log-softmax
     ``log_probs`` [..., E]: p = exp(log p) of each chosen expert, divided by the sum of the k (in expert-index order)
-    when ``normalize`` (``norm_topk_prob``)."""
+    when ``normalize`` (``norm_topk_prob``).
+
+    Invariance contract: a row's weights depend only on that row's log-probabilities and experts -- never on the other
+    rows, the tensor's size, the element's position or the thread count (the position-invariant ``exp``; the sum
+    elementwise, left to right: ``ordered_sum``)."""
     _check_routing(log_probs, experts)
     probs = exp(log_probs.gather(-1, experts))
     return probs / ordered_sum(probs).unsqueeze(-1) if normalize else probs
@@ -127,10 +132,12 @@ def _check_routing(log_probs: Tensor, experts: Tensor) -> None:
 
 
 def combine(weights: Tensor, outputs: Tensor) -> Tensor:
-    """fp32 sum_j weights[..., j] x outputs[..., j, :], left to right over the slots (exactly rounded products and
-    adds, so a row's result depends only on its own weights and outputs).
+    """fp32 sum_j weights[..., j] x outputs[..., j, :], left to right over the slots.
 
-    ``weights`` [..., k] fp32; ``outputs`` [..., k, D] (each chosen expert's output for the row, slot by slot)."""
+    ``weights`` [..., k] fp32; ``outputs`` [..., k, D] (each chosen expert's output for the row, slot by slot).
+
+    Invariance contract: a row's result depends only on its own weights and outputs -- never on the other rows, their
+    number or the thread count (exactly rounded products and adds, slot by slot)."""
     if not (isinstance(weights, Tensor) and isinstance(outputs, Tensor) and weights.dtype in checks.FLOAT_DTYPES
             and outputs.dtype in checks.FLOAT_DTYPES and weights.dim() and weights.shape[-1]
             and outputs.shape[:-1] == weights.shape and weights.device == outputs.device):

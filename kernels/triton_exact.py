@@ -332,7 +332,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Tiling: one program per row; the row is read in fixed BLOCK-wide chunks, in order, into
     BLOCK fp32 partial sums that ``block_sum`` combines in a fixed tree. Result in x.dtype.
     """
-    checks.rms_norm("triton_exact.rms_norm", x, weight)
+    checks.rms_norm("triton_exact.rms_norm", x, weight, eps)
     return exact_forward_vjp(_rms_norm_exact, _rms_norm_with_saved, _rms_norm_vjp, (x, weight), (eps,))
 
 
@@ -536,7 +536,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, q_start: Tensor, scal
     are bitwise equal, and no T x L score matrix is materialised. Gradients go to q, k_cache and v_cache as given
     (contiguous, their shapes and dtypes; cache positions no query sees get 0).
     """
-    checks.attention("triton_exact.attention", q, k_cache, v_cache, q_start)
+    checks.attention("triton_exact.attention", q, k_cache, v_cache, q_start, scale)
     if not q_start.is_cuda:  # a CUDA q_start's values are not read (a device sync): a negative one gives NaN rows
         checks.query_starts("triton_exact.attention", q_start)
     return exact_forward_vjp(triton_attention.attention_exact, triton_attention.attention_with_saved,

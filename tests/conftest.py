@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,13 @@ import torch
 
 from vexact import ModelConfig, Transformer
 from vexact_kernels.host_guard import torch_threads
+
+# The suite's output checks read plain text at a fixed width: variables a CI host may export that turn colour on (rich
+# and pytest read them; "error: ..." lines then start with an escape code) or change the width are removed here, at
+# import, so the tests' subprocesses inherit their absence too.
+HOST_OUTPUT_VARIABLES = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "PY_COLORS", "COLUMNS")
+for _name in HOST_OUTPUT_VARIABLES:
+    os.environ.pop(_name, None)
 
 TESTS = Path(__file__).resolve().parent
 """tests/: this file and one folder per subject (config, kernels, engine, rl, map, integrations, cli, docs, repo), which
@@ -144,6 +153,29 @@ def interrupt_trainer_at(monkeypatch: pytest.MonkeyPatch, step: int):
     return real_step
 
 
+def run_pytest(*args: str, cwd: Path, env: dict[str, str] | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a nested ``python -m pytest -q -p no:cacheprovider --color=no ARGS`` in ``cwd``, as a user's own pytest
+    run would be, printing the same plain summary on any host.
+
+    Its environment is ``env`` (default this process's) less what the outer run's host or runner set for the outer
+    run: the xdist worker's ``PYTEST_XDIST_*`` (under ``pytest -n 2`` a plugin that reads them takes the nested run
+    for a worker: pytest-benchmark then warns, an error under ``-W error``), and ``PYTEST_ADDOPTS`` /
+    ``PYTEST_PLUGINS`` (``-v`` there undoes ``-q``) and ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` (a user's run loads the
+    installed plugins, vexact's among them)."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", *args],
+                          cwd=cwd, env=nested_pytest_environment(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def nested_pytest_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default this process's) less what the outer pytest's host or runner set for the outer run (the
+    variables ``run_pytest`` names): the environment of a pytest run inside a test, as a user's own would be."""
+    return {k: v for k, v in (os.environ if env is None else env).items()
+            if not k.startswith("PYTEST_XDIST_")
+            and k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")}
+
+
 def running_in_ci() -> bool:
     """CI sets ``CI=true`` (so do GitHub Actions and GitLab); there a missing optional package is a failure."""
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -220,6 +252,31 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     needs = {mark.args[0] for mark in item.iter_markers("needs_package")}
     if needs & set(SLOW_PACKAGES) or set(getattr(item, "fixturenames", ())) & set(SLOW_FIXTURES):
         item.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Settle the exact CPU kernels' compiled loops (import or build them) once, before any test, in every process
+    (each xdist worker too): where they do not build (no C++ compiler), their one-time warning would otherwise land in
+    whichever test first used them, an error in a test that runs under ``warnings.simplefilter("error")``. Tests of the
+    build itself reset its state."""
+    from vexact_kernels import compiled_loops
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            compiled_loops.status()
+        except (compiled_loops.LoopsBuildError, ValueError):  # a build that failed in mode compiled, or a bad
+            pass  # VEXACT_CPU_LOOPS: every call that uses the loops says so, in its own test
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from vexact_kernels import compiled_loops
+
+    try:
+        loops = compiled_loops.status()
+    except (compiled_loops.LoopsBuildError, ValueError) as error:
+        return f"vexact exact CPU kernels' loops: {error}"
+    return f"vexact exact CPU kernels' loops: {loops['path']} ({loops['reason']})"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -24,7 +24,9 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
     check_sampling_seed,
     interrupted_exit_code,
     launched_rank,
+    leave_error_for_launcher,
     make_console,
+    print_error_line,
     prompt_source,
     stop_on_sigterm,
     stop_signal,
@@ -59,7 +61,8 @@ def exit_codes_help(command: str | None = None) -> str:
     return (f"exit codes: {EXIT_OK} success; {EXIT_FAILED} {failed}; {EXIT_BAD_INPUT} bad input (config, files, "
             f"a locked or mismatched run directory: one 'error:' line on stderr); {EXIT_ENVIRONMENT} the machine "
             "failed the work (no space left on the disk, a file-size limit, an I/O error: one 'error:' line naming "
-            f"the file; out of memory: one 'error:' line); {EXIT_INTERRUPTED} interrupted (Ctrl-C; "
+            "the file; out of memory, or compiled loops VEXACT_CPU_LOOPS=compiled demands that do not build: one "
+            f"'error:' line); {EXIT_INTERRUPTED} interrupted (Ctrl-C; "
             f"{EXIT_TERMINATED} for SIGTERM, a job scheduler's stop; finished work is kept"
             + (f"; {resumed})" if resumed else ")"))
 
@@ -366,6 +369,8 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
                       address: str | None = None, quiet: bool = False, only: list[str] | None = None,
                       names: list[str] | None = None) -> int:
     """Run a sweep, then print its report; exit code 1 if any point failed."""
+    from rich.markup import escape
+
     from .rl.tasks import check_memory
     from .sweeps.sweep import run_sweep, select_points
 
@@ -379,7 +384,7 @@ def _sweep_and_report(spec, jobs: int, report: bool, headline: str, executor: st
         resolve_device(device)  # device: cuda where there is none: one error before any point runs
     console = make_console()
     if not quiet:
-        console.print(headline.format(name=spec.name, n=len(spec.points), out=spec.output_dir))
+        console.print(headline.format(name=escape(spec.name), n=len(spec.points), out=escape(str(spec.output_dir))))
     statuses = run_sweep(spec, jobs=jobs, console=console, executor=executor, address=address, quiet=quiet,
                          only=only, names=names)
     if report:
@@ -487,7 +492,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     print_measure(result, console)
     written = [f(result, path) for f, path in ((write_json, args.json), (write_png, args.png)) if path]
     if written:
-        console.print("wrote " + ", ".join(str(path) for path in written))
+        console.print("wrote " + ", ".join(str(path) for path in written), markup=False)
     if args.fail_on_mismatch and result.summary["bitwise_equal"] != result.summary["tokens"]:
         Console(stderr=True).print(f"[red]mismatch:[/] {result.summary['tokens'] - result.summary['bitwise_equal']} "
                                    f"of {result.summary['tokens']} tokens differ")
@@ -627,8 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     script) keeps its own SIGTERM handling."""
     if argv is None:
         stop_on_sigterm(handle=not launched_rank(os.environ))
-    args = build_parser(lazy=True).parse_args(argv)
     try:
+        # parsing imports the command's module, and with it the kernels, which read their VEXACT_* settings
+        args = build_parser(lazy=True).parse_args(argv)
         return args.func(args)
     except ValueError as err:  # bad input: one clear line, no traceback
         _error_line("error", str(err), "red")
@@ -644,6 +650,12 @@ def main(argv: list[str] | None = None) -> int:
         _error_line("interrupted", "", "yellow")
         return interrupted_exit_code(stop_signal(stop))
     except (MemoryError, RuntimeError) as err:
+        from vexact_kernels.compiled_loops import LoopsBuildError
+
+        if isinstance(err, LoopsBuildError):  # the machine cannot build what the setting demands
+            _error_line("error", f"{err}; install a C++ compiler, or unset VEXACT_CPU_LOOPS (auto: the torch ops where "
+                                 "the loops do not build)", "red")
+            return EXIT_ENVIRONMENT
         if not out_of_memory(err):
             raise
         what = " ".join(str(err).split()) or type(err).__name__
@@ -661,13 +673,11 @@ def out_of_memory(err: BaseException) -> bool:
 
 
 def _error_line(label: str, message: str, colour: str) -> None:
-    """One unwrapped stderr line; the message is printed as is (no markup: paths and lists contain brackets)."""
-    from rich.console import Console
-
-    console = Console(stderr=True, soft_wrap=True)
-    console.print(f"[{colour}]{label}[/]" + (":" if message else ""), end=" " if message else "\n")
-    if message:
-        console.print(message, markup=False, highlight=False)
+    """One unwrapped stderr line (``cli_base.print_error_line``). Under ``vexact run --nproc``, only rank 0 prints an
+    error line; the launcher prints the other ranks' that differ."""
+    if label == "error" and leave_error_for_launcher(message):
+        return
+    print_error_line(message, label, colour)
 
 
 if __name__ == "__main__":

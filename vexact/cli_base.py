@@ -9,6 +9,7 @@ Imports nothing of vexact (and rich only when a console is made).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,8 +20,9 @@ if TYPE_CHECKING:  # rich is imported by the commands that print, not by --help
     from rich.console import Console
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TERMINATED",
-           "Terminated", "check_outputs", "check_writable", "interrupted_exit_code", "launched_rank", "make_console",
-           "positive_int", "stop_on_sigterm", "stop_signal", "stopped_by"]
+           "RANK_ERRORS_ENV", "Terminated", "check_outputs", "check_writable", "interrupted_exit_code",
+           "launched_rank", "leave_error_for_launcher", "make_console", "positive_int", "print_error_line",
+           "rank_errors", "stop_on_sigterm", "stop_signal", "stopped_by"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ENVIRONMENT = 0, 1, 2, 3
 """Every command's exit codes: success; the command ran but its outcome is a failure; bad input; the machine failed
@@ -64,6 +66,46 @@ LAUNCHED_RANK_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 def launched_rank(environ: Mapping[str, str]) -> bool:
     """Whether ``environ`` is that of a rank a launcher started (``LAUNCHED_RANK_ENV``)."""
     return any(name in environ for name in LAUNCHED_RANK_ENV)
+
+
+RANK_ERRORS_ENV = "VEXACT_RANK_ERRORS"
+"""Set by ``vexact run --nproc`` in its ranks: a directory where each rank leaves its error line for the launcher
+(``leave_error_for_launcher``)."""
+
+
+def leave_error_for_launcher(message: str) -> bool:
+    """In a rank of ``vexact run --nproc`` (``RANK_ERRORS_ENV`` set): leave this rank's error line for the launcher;
+    whether the rank should then not print it -- every rank but rank 0, which prints its own. The ranks mostly fail
+    on the same bad input, which printed once per rank; the launcher prints the lines rank 0 did not."""
+    directory = os.environ.get(RANK_ERRORS_ENV)
+    if not directory:
+        return False
+    rank = os.environ.get("RANK", "0")
+    try:
+        (Path(directory) / f"rank{rank}.txt").write_text(message)
+    except OSError:  # the launcher will not see it: the rank prints it itself
+        return False
+    return rank != "0"
+
+
+def print_error_line(message: str, label: str = "error", colour: str = "red") -> None:
+    """``LABEL: MESSAGE``, one unwrapped stderr line; the message is printed as is (no markup: paths and lists contain
+    brackets)."""
+    from rich.console import Console
+
+    console = Console(stderr=True, soft_wrap=True)
+    console.print(f"[{colour}]{label}[/]" + (":" if message else ""), end=" " if message else "\n")
+    if message:
+        console.print(message, markup=False, highlight=False)
+
+
+def rank_errors(directory: Path) -> dict[int, str]:
+    """The error lines the ranks left in ``directory`` (``leave_error_for_launcher``), by rank."""
+    found = {}
+    for path in directory.glob("rank*.txt"):
+        if path.stem[4:].isdigit():
+            found[int(path.stem[4:])] = path.read_text()
+    return dict(sorted(found.items()))
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
@@ -137,12 +179,17 @@ def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None
         for file in sorted(path.iterdir()) if folder else [path]:
             if file.is_file():  # a file given twice is named by its first flag
                 read.setdefault(file.resolve(), f"a file of {flag} {path}" if folder else f"the {flag} file")
+    written: dict[Path, str] = {}
     for flag, path in outputs.items():
         if path is None:
             continue
         if Path(path).resolve() in read:
             raise ValueError(f"{flag} {path} is {read[Path(path).resolve()]}: the output would overwrite it; name "
                              "another file")
+        if Path(path).resolve() in written:  # the second output would replace the first
+            raise ValueError(f"{flag} {path} is also {written[Path(path).resolve()]}'s file: each output needs its "
+                             "own file")
+        written[Path(path).resolve()] = flag
         check_writable(Path(path), flag)
 
 

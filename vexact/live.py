@@ -30,8 +30,8 @@ What is an error and what is an outcome:
 * a caller mistake -- not tensors or arrays, an integer dtype, shapes or lengths that differ, a mask of another
   shape or with values other than 0/1, a step that does not increase, a log-prob above
   ``POSITIVE_LOGPROB_TOLERANCE`` (a probability above 1: logits or probabilities were passed), an ``extra`` key
-  that is not a string or whose value JSON cannot hold -- is one ``ValueError`` naming the side, the sequence and
-  the position (or the key);
+  that is not a string or whose value JSON cannot hold (or holds a string spelling NaN/Inf, which the log would
+  read back as that number) -- is one ``ValueError`` naming the side, the sequence and the position (or the key);
 * what a training run can do -- NaN or ±Inf log-probs at masked positions, a step where every response is
   masked out -- is recorded: the row's ``outcome`` is ``"non-finite"`` or ``"no tokens"``, with the counts, no
   metrics, and every requested gate failed ("not computed").
@@ -123,6 +123,7 @@ from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped m
 from .real.measure import mismatch_report
 from .records import METRICS_FILE
 from .records.atomic import write_text_atomic
+from .records.metrics_log import non_finite_string
 from .records.runlog import MetricsWriter, json_safe, read_metrics
 from .rl.config import ConfigError
 from .rl.config_schema import LoggingSection
@@ -272,12 +273,16 @@ class LiveMonitor:
 
     def step_sampled(self, step: int, rollout_logprobs: Tensor | Sequence[Tensor],
                      score_fn: Callable[[list[int]], Tensor | Sequence[Tensor]], mask: Tensor | None = None,
-                     extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+                     extra: dict[str, Any] | None = None, train_side: str = "score_fn(rows)"
+                     ) -> dict[str, Any] | None:
         """``step`` on a sample of the step's responses, for a trainer that does not compute its own log-probs of
         them (bypass / async mode): ``score_fn(rows)`` returns the training side of those rows only (``sample``'s
         list), in the form of ``rollout_logprobs[rows]`` (a ``[len(rows), T]`` tensor, or one 1-D tensor per row).
         Returns the row written (its metrics are the sample's; ``live/sampled_sequences``, ``live/sample_fraction``
-        say how many), or None on a step ``every`` skips (``score_fn`` is not called, nothing is written)."""
+        say how many), or None on a step ``every`` skips (``score_fn`` is not called, nothing is written). A step of
+        no responses is recorded as ``step``'s is (``no tokens``; ``score_fn`` is not called). ``train_side``: the
+        training side's name in errors (an integration names its trainer's tensor); errors name the caller's rows,
+        not the sample's."""
         self._check_step(step)
         _check_extra(extra)
         if not callable(score_fn):
@@ -291,11 +296,12 @@ class LiveMonitor:
             n = len(rollout_logprobs)
         else:
             raise _not_a_side("rollout_logprobs", rollout_logprobs)
-        if n == 0:
-            raise ValueError("rollout_logprobs holds no responses")
-        rows = self.sample(step, n)
+        rows = self.sample(step, max(n, 1))
         if rows is None:
+            self._last_step = step  # skipped, but seen: a later step must still follow it
             return None
+        if n == 0:  # nothing to sample: the empty step's row, as step() writes it
+            return self._step(step, rollout_logprobs, rollout_logprobs, mask, extra, None, (0, 0))
         if isinstance(rollout_logprobs, Tensor):
             index = torch.tensor(rows, device=rollout_logprobs.device)
             rollout_rows = rollout_logprobs.index_select(0, index)
@@ -305,8 +311,8 @@ class LiveMonitor:
                 _padded_rows(rollout_logprobs, rollout_logprobs, mask)
         else:
             rollout_rows = [rollout_logprobs[i] for i in rows]
-        train = _from_numpy(score_fn(list(rows)), "score_fn(rows)")
-        return self._step(step, rollout_rows, train, mask, extra, None, (len(rows), n))
+        train = _from_numpy(score_fn(list(rows)), train_side)
+        return self._step(step, rollout_rows, train, mask, extra, None, (len(rows), n), train_side, rows)
 
     def _check_step(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -316,11 +322,11 @@ class LiveMonitor:
 
     def _step(self, step: int, rollout_logprobs: Tensor | Sequence[Tensor], train_logprobs: Tensor | Sequence[Tensor],
               mask: Tensor | None, extra: dict[str, Any] | None,
-              behaviour_logprobs: Tensor | Sequence[Tensor] | None, sampled: tuple[int, int] | None = None
-              ) -> dict[str, Any]:
-        """``step`` after the checks of the step and ``extra``; ``sampled``: (rows scored, responses of the step)."""
-        side = "train_logprobs" if sampled is None else "score_fn(rows)"
-        train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask, side)
+              behaviour_logprobs: Tensor | Sequence[Tensor] | None, sampled: tuple[int, int] | None = None,
+              train_side: str = "train_logprobs", rows: list[int] | None = None) -> dict[str, Any]:
+        """``step`` after the checks of the step and ``extra``; ``sampled``: (rows scored, responses of the step);
+        ``rows``: the caller's row of each row given (a sample's), for errors."""
+        train, roll, lengths, nonfinite = _flat_sides(rollout_logprobs, train_logprobs, mask, train_side, rows)
         behaviour = None
         if behaviour_logprobs is not None:
             behaviour, _, behaviour_lengths, behaviour_nonfinite = _flat_sides(rollout_logprobs, behaviour_logprobs,
@@ -330,7 +336,8 @@ class LiveMonitor:
             nonfinite = max(nonfinite, behaviour_nonfinite)
         row = self._row(step, train, roll, lengths, nonfinite, behaviour)
         if sampled is not None:
-            row[LIVE_SAMPLED_SEQUENCES], row[LIVE_SAMPLE_FRACTION] = sampled[0], sampled[0] / sampled[1]
+            row[LIVE_SAMPLED_SEQUENCES] = sampled[0]
+            row[LIVE_SAMPLE_FRACTION] = sampled[0] / sampled[1] if sampled[1] else 0.0  # no responses: none sampled
         if extra:
             row.update(extra)
         self._write(step, row)
@@ -489,24 +496,26 @@ def _not_a_side(side: str, value: Any) -> ValueError:
 
 
 def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Tensor], mask: Tensor | None,
-                train_side: str = "train_logprobs") -> tuple[Tensor, Tensor, list[int], int]:
+                train_side: str = "train_logprobs", rows: list[int] | None = None
+                ) -> tuple[Tensor, Tensor, list[int], int]:
     """(training, rollout) masked values flattened as float64, the tokens per sequence, and how many positions are
     non-finite on either side. Refuses what cannot be compared (see the module docstring). ``train_side``: the
-    training side's name in errors (``behaviour_logprobs`` for the behaviour policy's)."""
+    training side's name in errors (``behaviour_logprobs`` for the behaviour policy's); ``rows``: the caller's row
+    of each row given (a sample of its batch), which errors name."""
     rollout, train = _from_numpy(rollout, "rollout_logprobs"), _from_numpy(train, train_side)
     mask = _from_numpy(mask, "mask")
     if isinstance(rollout, Tensor) != isinstance(train, Tensor):
         raise ValueError(f"rollout_logprobs and {train_side} must both be [B, T] tensors (or numpy arrays) or both "
                          f"sequences of 1-D tensors, got {type(rollout).__name__} and {type(train).__name__}")
     if isinstance(rollout, Tensor):
-        rows_roll, rows_train = _padded_rows(rollout, train, mask, train_side)
+        rows_roll, rows_train = _padded_rows(rollout, train, mask, train_side, rows)
     else:
         for side, value in (("rollout_logprobs", rollout), (train_side, train)):
             if not isinstance(value, (list, tuple)):
                 raise _not_a_side(side, value)
         if mask is not None:
             raise ValueError("mask is for padded [B, T] tensors; sequences of 1-D tensors hold only response tokens")
-        rows_roll, rows_train = _sequence_rows(rollout, train, train_side)
+        rows_roll, rows_train = _sequence_rows(rollout, train, train_side, rows)
     lengths = [int(r.numel()) for r in rows_roll]
     roll = torch.cat(rows_roll) if rows_roll else torch.zeros(0, dtype=torch.float64)
     flat_train = torch.cat(rows_train) if rows_train else torch.zeros(0, dtype=torch.float64)
@@ -515,7 +524,8 @@ def _flat_sides(rollout: Tensor | Sequence[Tensor], train: Tensor | Sequence[Ten
 
 
 def _check_extra(extra: dict[str, Any] | None) -> None:
-    """``extra``: a dict of string keys that do not shadow the row's own, whose values JSON can hold."""
+    """``extra``: a dict of string keys that do not shadow the row's own, whose values JSON can hold and that hold
+    no string the log reads back as NaN/Inf."""
     if extra is None:
         return
     if not isinstance(extra, dict):
@@ -529,6 +539,10 @@ def _check_extra(extra: dict[str, Any] | None) -> None:
             raise ValueError(f"extra[{key!r}] ({type(value).__name__}) is not JSON, so a metrics.jsonl row cannot "
                              "hold it: pass numbers, strings, bools, None, or lists and dicts of them (e.g. float(x) "
                              "for a tensor or numpy scalar)") from None
+        # the log spells NaN/Inf as strings: such text would read back (and be plotted) as a number
+        if (text := non_finite_string(value)) is not None:
+            raise ValueError(f"extra[{key!r}] holds the string {text!r}, which metrics.jsonl reads back as a number "
+                             f"(its spelling of NaN/Inf): pass float({text!r}) for that number, or other text")
     clash = sorted(key for key in extra if key in RESERVED_KEYS or key.startswith(RESERVED_PREFIXES))
     if clash:
         raise ValueError(f"extra keys {clash} would shadow the row's own ({', '.join(RESERVED_PREFIXES)}*, "
@@ -552,10 +566,13 @@ def _check_tensor(side: str, value: Any) -> Tensor:
     return value.detach().to("cpu", torch.float64)  # exact widening (float16/bf16/float32 -> float64)
 
 
-def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None, train_side: str = "train_logprobs"
-                 ) -> tuple[list[Tensor], list[Tensor]]:
+def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None, train_side: str = "train_logprobs",
+                 rows: list[int] | None = None) -> tuple[list[Tensor], list[Tensor]]:
     roll, tr = _check_tensor("rollout_logprobs", rollout), _check_tensor(train_side, train)
     if roll.dim() != 2 or roll.shape != tr.shape:
+        if rows is not None:  # a sample: the caller passed the whole batch
+            raise ValueError(f"{train_side} has shape {list(tr.shape)}, but the {len(rows)} sampled rows {rows} of "
+                             f"rollout_logprobs are {list(roll.shape)}: it must return those rows only")
         raise ValueError(f"rollout_logprobs {list(roll.shape)} and {train_side} {list(tr.shape)} must be [B, T] "
                          "tensors of one shape")
     if mask is None:
@@ -572,30 +589,32 @@ def _padded_rows(rollout: Tensor, train: Tensor, mask: Tensor | None, train_side
     rows_roll, rows_train = [], []
     for b in range(roll.shape[0]):
         columns = keep[b].nonzero().flatten()
-        for side, values, rows in (("rollout_logprobs", roll, rows_roll), (train_side, tr, rows_train)):
+        for side, values, out in (("rollout_logprobs", roll, rows_roll), (train_side, tr, rows_train)):
             row = values[b, columns]
             j = _first_positive(row)
             if j is not None:
-                raise _positive_error(f"{side}[{b}, {int(columns[j])}]", row)
-            rows.append(row)
+                raise _positive_error(f"{side}[{b if rows is None else rows[b]}, {int(columns[j])}]", row)
+            out.append(row)
     return rows_roll, rows_train
 
 
-def _sequence_rows(rollout: Sequence[Tensor], train: Sequence[Tensor], train_side: str = "train_logprobs"
-                   ) -> tuple[list[Tensor], list[Tensor]]:
+def _sequence_rows(rollout: Sequence[Tensor], train: Sequence[Tensor], train_side: str = "train_logprobs",
+                   rows: list[int] | None = None) -> tuple[list[Tensor], list[Tensor]]:
     if len(rollout) != len(train):
-        raise ValueError(f"got {len(rollout)} rollout sequences but {len(train)} training sequences")
+        what = f"the {len(rollout)} sampled rows {rows}" if rows is not None else f"{len(rollout)} rollout sequences"
+        raise ValueError(f"got {what} but {len(train)} sequences in {train_side}")
     rows_roll, rows_train = [], []
     for i, (r, t) in enumerate(zip(rollout, train)):
-        r, t = _check_tensor(f"rollout_logprobs[{i}]", r), _check_tensor(f"{train_side}[{i}]", t)
+        n = i if rows is None else rows[i]  # the caller's sequence
+        r, t = _check_tensor(f"rollout_logprobs[{n}]", r), _check_tensor(f"{train_side}[{n}]", t)
         if r.dim() != 1 or r.shape != t.shape:
-            raise ValueError(f"sequence {i}: rollout log-probs {list(r.shape)} and training log-probs "
-                             f"{list(t.shape)} must be 1-D of one length")
-        for side, row, rows in (("rollout_logprobs", r, rows_roll), (train_side, t, rows_train)):
+            raise ValueError(f"sequence {n}: rollout_logprobs {list(r.shape)} and {train_side} {list(t.shape)} "
+                             "must be 1-D of one length")
+        for side, row, out in (("rollout_logprobs", r, rows_roll), (train_side, t, rows_train)):
             j = _first_positive(row)
             if j is not None:
-                raise _positive_error(f"{side}[{i}][{j}]", row)
-            rows.append(row)
+                raise _positive_error(f"{side}[{n}][{j}]", row)
+            out.append(row)
     return rows_roll, rows_train
 
 

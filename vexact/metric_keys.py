@@ -190,22 +190,24 @@ KEYS: tuple[MetricKey, ...] = (
     # --- the update (rl/objective.py, rl/trainer.py) -------------------------------------------------------------
     _k("actor/entropy", "Token-mean entropy of the training-path distribution over the step's responses", "nats",
        RUN, _TRAINER, True),
-    _k("actor/pg_loss", "Policy-gradient (clipped surrogate) loss, mean over mini-batches", "loss", RUN, _TRAINER,
-       True),
+    _k("actor/pg_loss", "Policy-gradient (clipped surrogate) loss, without the KL and entropy terms, mean over "
+       "mini-batches", "loss", RUN, _TRAINER, True),
     _k("actor/grad_norm", "Gradient L2 norm before clipping, mean over the step's mini-batches", "norm", RUN,
        _TRAINER, True),
     _k("actor/grad_norm_max", "Largest pre-clip gradient norm of the step's mini-batches", "norm", RUN, _TRAINER),
     _k("actor/lr", "Learning rate of the step (warm-up and `lr_schedule` applied)", "lr", RUN, _STEP, True),
-    _k("actor/pg_clipfrac", "Fraction of tokens whose ratio was clipped (either side)", "fraction", RUN, _TRAINER,
-       True),
-    _k("actor/pg_clipfrac_low", "Fraction of tokens clipped at 1 − `clip_low`", "fraction", RUN, _TRAINER, True),
-    _k("actor/pg_clipfrac_high", "Fraction of tokens clipped at 1 + `clip_high`", "fraction", RUN, _TRAINER, True),
+    _k("actor/pg_clipfrac", "Fraction of tokens whose ratio was clipped (either side); 0 under a loss that does not "
+       "clip (`correction.loss_type: reinforce`)", "fraction", RUN, _TRAINER, True),
+    _k("actor/pg_clipfrac_low", "Fraction of tokens clipped at 1 − `clip_low` (0 without a clip, as above)",
+       "fraction", RUN, _TRAINER, True),
+    _k("actor/pg_clipfrac_high", "Fraction of tokens clipped at 1 + `clip_high` (0 without a clip, as above)",
+       "fraction", RUN, _TRAINER, True),
     _k("actor/ratio_mean", "Token mean of the PPO ratio π_θ / π_old", "ratio", RUN, _TRAINER),
     _k("actor/ratio_max", "Largest PPO ratio of the step", "ratio", RUN, _TRAINER),
     _k("actor/ratio_min", "Smallest PPO ratio of the step", "ratio", RUN, _TRAINER),
     _k("actor/ppo_kl", "verl's PPO KL: token mean of −clamp(log π_θ − log π_old, ±20)", "nats", RUN, _TRAINER, True),
-    _k("actor/kl_loss", "k3 penalty against the step-0 policy (written when `algorithm.kl_coef` > 0)", "nats", RUN,
-       _TRAINER, True),
+    _k("actor/kl_loss", "k3 penalty against the step-0 policy, aggregated as the loss (`algorithm.loss_agg`, "
+       "rejected tokens left out); written when `algorithm.kl_coef` > 0", "nats", RUN, _TRAINER, True),
     # --- mismatch between rollout and training log-probs, r = logp_train − logp_roll (rl/metrics.py) -------------
     _k("rollout_corr/kl", "k1 KL(μ‖π): token mean of logp_roll − logp_train", "nats", ALL, _METRICS, True),
     _k("rollout_corr/k3_kl", "k3 KL: token mean of exp(r) − r − 1 (≥ 0; 0 exactly when every token agrees)",
@@ -309,7 +311,10 @@ KEYS: tuple[MetricKey, ...] = (
        "threshold", "fraction", RUN, _CORR, True),
     _k("rollout_corr/rollout_is_oob_ratio", "IcePop: fraction of tokens whose ratio is outside [a, b]", "fraction",
        RUN, _CORR, True),
-    _k("rollout_corr/rollout_is_batch_norm_factor", "verl's batch-normalisation divisor of the weights (1 when off)",
+    _k("rollout_corr/rollout_is_batch_norm_factor", "verl's batch-normalisation divisor of the weights, their mean "
+       "as verl computes it; written only with `correction.batch_normalize` (verl: `rollout_is_batch_normalize`), "
+       "and 1 when that mean is at most 1e-8 (every weight zeroed, e.g. by IcePop): the weights are then left as "
+       "they are",
        "weight", RUN, _CORR, True),
     # --- verl's rejection-sampling statistics (with `correction.rollout_rs`), per option and combined -----------
     *(_k(f"rollout_corr/rollout_rs_<option>_{s}", f"Rejection option <option>: {w}", u, RUN, _CORR, True)
@@ -336,8 +341,8 @@ KEYS: tuple[MetricKey, ...] = (
     # --- vexact's own view of what the loss applied (rl/corrections.py; with any correction) --------------------
     *(_k(f"correction/weight_{s}", f"{w} of the kept tokens' weights after normalisation", "weight", RUN, _CORR)
       for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 0)"), ("min", "Minimum"), ("max", "Maximum"))),
-    _k("correction/weight_eff_sample_size", "(Σw)² / (N·Σw²) of the kept tokens' weights, in (0, 1]", "fraction",
-       RUN, _CORR),
+    _k("correction/weight_eff_sample_size", "(Σw)² / (N·Σw²) of the kept tokens' weights, in [0, 1]; 0 when every "
+       "kept weight is 0 (IcePop zeroed them all)", "fraction", RUN, _CORR),
     _k("correction/truncated_token_frac", "Fraction of tokens whose weight was truncated (TIS)", "fraction", RUN,
        _CORR),
     _k("correction/zeroed_token_frac", "Fraction of kept tokens whose weight was zeroed (IcePop)", "fraction", RUN,
@@ -406,8 +411,9 @@ KEYS: tuple[MetricKey, ...] = (
        "(`monitor.sample_fraction` < 1 or `monitor.every` > 1; with `rollout.policy_lag` > 0 the behaviour policy's "
        "scoring of it too); not part of timing/old_logprobs", "s", RUN, _SCORING),
     _k("timing/update", "Seconds spent on the PPO update", "s", RUN, _TRAINER, True),
-    _k("timing/grad_reduce", "Seconds of the update spent summing gradients across ranks (0 on one process)", "s",
-       RUN, _TRAINER),
+    _k("timing/grad_reduce", "Seconds of the update spent summing the gradient leaves into one gradient: this "
+       "rank's tree sum, then the sum across ranks (on one process, the local tree sum alone: not 0)", "s", RUN,
+       _TRAINER),
     _k("timing/step", "Seconds of the whole step", "s", RUN, _TRAINER, True),
     _k("timing/eval", "Seconds spent on the clean evaluation (evaluation steps only)", "s", RUN, _TRAINER, True),
     _k("timing/weight_sync", "Seconds of the rollout spent syncing the policy's weights to an outside engine "

@@ -16,6 +16,7 @@ import time
 from typing import Protocol
 
 from rich.console import Console
+from rich.markup import escape
 
 
 class StepReporter(Protocol):
@@ -66,7 +67,9 @@ class Progress:
                                      TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[current]}"),
                                      console=self.console)
             self._bar.__enter__()
-            self._task = self._bar.add_task(self.description, total=self.total, completed=self.done, current="")
+            # the columns are markup: the description and what runs are plain text (a sweep's or point's name)
+            self._task = self._bar.add_task(escape(self.description), total=self.total, completed=self.done,
+                                            current="")
         return self
 
     def __exit__(self, *exc: object) -> bool:
@@ -78,7 +81,7 @@ class Progress:
     def running(self, text: str) -> None:
         self._current = text
         if self._bar is not None:
-            self._bar.update(self._task, current=text)
+            self._bar.update(self._task, current=escape(text))
 
     def advance(self, said: str | None = None, always: bool = False) -> None:
         self.done += 1
@@ -91,8 +94,8 @@ class Progress:
             if said is None and self.done < self.total and now - self._last_line < self.min_interval:
                 return
             self._last_line = now
-            what = said if said is not None else (self._current if self.done < self.total else "")
-            self.console.print(f"[{self.done}/{self.total}] {self.description}"
+            what = said if said is not None else escape(self._current if self.done < self.total else "")
+            self.console.print(f"[{self.done}/{self.total}] {escape(self.description)}"
                                + (f": {what}" if what else "") + f" ({self.timing()})", soft_wrap=True)
         elif always and said is not None:
             self.console.print(said, soft_wrap=True)

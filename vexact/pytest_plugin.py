@@ -11,7 +11,8 @@ The fixture's methods are ``vexact.testing``'s functions (same arguments, same e
 ``assert_logprobs_equal``, ``compare_logprobs``, ``check_paths``, ``record_sites``, ``record_vllm_sites`` and
 ``assert_sites_equal``.
 Two additions: a failure's traceback ends at the test's own line, and ``check_paths``'s report is attached to
-the test as the property ``vexact_check_paths`` (``record_property``: it appears in ``--junitxml`` reports).
+the test as the property ``vexact_check_paths`` (in the test's ``user_properties``, as ``record_property`` puts it: it
+appears in ``--junitxml`` reports).
 
 This module imports neither torch nor ``vexact.testing``: the fixture imports them when a test asks for it, so
 the plugin costs other test runs nothing beyond importing the ``vexact`` package. Disable it with
@@ -77,7 +78,13 @@ class VexactExact:
 
 
 @pytest.fixture
-def vexact_exact(record_property: Callable[[str, object], None]) -> VexactExact:
+def vexact_exact(request: pytest.FixtureRequest) -> VexactExact:
     """Bitwise rollout-vs-training checks: ``.assert_logprobs_equal``, ``.compare_logprobs``, ``.check_paths``,
     ``.record_sites``, ``.record_vllm_sites``, ``.assert_sites_equal`` (see ``vexact.testing``)."""
-    return VexactExact(record_property)
+
+    def record(name: str, value: object) -> None:
+        # what pytest's record_property does, without depending on that fixture: it warns in every test that asks
+        # for it under --junitxml's default family (xunit2), an error where warnings are errors
+        request.node.user_properties.append((name, value))
+
+    return VexactExact(record)

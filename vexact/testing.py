@@ -236,6 +236,8 @@ def compare_logprobs(rollout: Any, train: Any, *, tokens: Any | None = None, mas
             raise ValueError(f"sequence {i}: {names[0]} has {a.numel()} log-probs but {names[1]} has {b.numel()}")
         if token_ids is not None and len(token_ids[i]) != a.numel():
             raise ValueError(f"sequence {i}: tokens has {len(token_ids[i])} ids but the log-probs have {a.numel()}")
+    if not any(a.numel() for a in roll.items):  # equal, vacuously: a gate that asserts nothing (vexact compare too)
+        raise ValueError("no tokens to compare: every sequence is empty")
     return _compare(roll, tr, token_ids, dtype, names)
 
 
@@ -356,6 +358,9 @@ def check_paths(generate_fn: GenerateFn, score_fn: ScoreFn, prompts: Sequence[Se
     own_threads = torch.get_num_threads()
     try:
         rollouts = _generate_all(generate_fn, prompt_lists, batch_sizes, permute, threads)
+        if not any(rollouts[0].tokens):  # every check would pass with nothing compared
+            raise ValueError(f"generate_fn (arrangement {rollouts[0].name}) returned no response token for any "
+                             "prompt: no tokens to compare")
         scorings = [(f"micro_batch_size={m}", m, None) for m in micro_batch_sizes]
         scorings += [(f"micro_batch_size={m}, threads={t}", m, t) for t in threads for m in micro_batch_sizes]
         failures, checks, compared = [], 0, 0

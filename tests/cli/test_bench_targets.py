@@ -228,6 +228,31 @@ def test_by_mode_needs_each_record_to_name_its_mode(tmp_path, capsys):
     assert err.startswith("error: ") and "machine.exact_path" in err and len(err.strip().splitlines()) == 1
 
 
+def test_by_mode_refuses_records_of_two_hosts_and_names_each_commit(tmp_path, capsys):
+    """A canonical/auto ratio across two hosts compares the hosts: refused, naming the field; records of one host at
+    two commits get a Measured-on line each (the first record's line alone mislabelled the second)."""
+    auto, canonical = _mode_record("auto", 1.0), _mode_record("canonical", 1.0)
+    auto["machine"].update(cpu_model="AMD EPYC", git_commit="aaaaaaa")
+    canonical["machine"].update(cpu_model="Intel(R) Xeon(R) Processor", git_commit="aaaaaaa")
+    paths = [tmp_path / "auto.json", tmp_path / "canonical.json"]
+    for path, record in zip(paths, (auto, canonical), strict=True):
+        path.write_text(json.dumps(record))
+    assert tables.main(["--by-mode", *map(str, paths)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {paths[1]} was measured on another host than {paths[0]} (cpu_model ")
+    assert len(err.strip().splitlines()) == 1
+    canonical["machine"].update(cpu_model="AMD EPYC", git_commit="bbbbbbb")
+    paths[1].write_text(json.dumps(canonical))
+    assert tables.main(["--by-mode", *map(str, paths)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Measured on (the runs' commits differ):"
+    assert out[1].startswith("- auto: AMD EPYC") and "commit aaaaaaa" in out[1]
+    assert out[2].startswith("- canonical: AMD EPYC") and "commit bbbbbbb" in out[2]
+    paths[1].write_text("{}")  # a foreign record: refused before the machine lines read it
+    assert tables.main(["--by-mode", *map(str, paths)]) == 2
+    assert capsys.readouterr().err == "error: --by-mode takes end_to_end records made with a thread list (--threads)\n"
+
+
 def test_a_record_keeps_the_guard_mode_it_ran_in(monkeypatch):
     from benchmarks.common import machine_info
 

@@ -305,7 +305,7 @@ def test_tile_heights_times_the_tiles_and_finds_a_gemm_that_accumulates_by_the_r
     (["--rows", "0"], "--rows must be a comma list of positive integers"),
     (["--rows", "64,x"], "--rows must be a comma list of positive integers"),
     (["--shape", "tiny,default"], "--shape: one shape"),
-    (["--device", "meta"], "unknown device 'meta'"),
+    (["--device", "meta"], "--device: expected one of cpu, cuda, cuda:N, auto, got 'meta'"),
 ])
 def test_tile_heights_bad_input_is_one_clear_error(argv, message, capsys):
     assert tile_heights.main(["--shape", "tiny", *argv]) == 2
@@ -621,7 +621,13 @@ def test_bits_digest_finds_the_same_bits_and_a_changed_one(tmp_path, capsys, mon
     (["end_to_end", "--shape", "tiny", "--items", "decode_step,rl_step", "--rl-config", "nope.yaml"],
      "--rl-config nope.yaml / --rl-set: config error: config file not found"),  # was after the other items
     (["end_to_end", "--shape", "tiny", "--profile", "-1"], "argument --profile: expected 0 or a positive integer"),
-    (["kernels", "--device", "cuda:x"], "unknown device 'cuda:x'; expected cpu, cuda, cuda:N or auto"),
+    (["end_to_end", "--shape", "tiny", "--items", "decode_step", "--rl-set", "steps=2"], "--rl-set: it sets the RL "
+     "step, and --items decode_step holds no rl_step: it would change nothing"),  # accepted, recorded nowhere
+    (["op_count", "--decode-shape", "tiny", "--rl-set", "nonsense"], "--rl-set: it sets the RL step, and "
+     "--decode-shape tiny counts a decode step"),
+    (["decode_profile", "--shape", "tiny", "--dtype", "all"], "--dtype: one dtype, got 'all'"),  # was
+    # "too many values to unpack", naming no flag
+    (["kernels", "--device", "cuda:x"], "--device: expected one of cpu, cuda, cuda:N, auto, got 'cuda:x'"),
 ])
 def test_benchmark_bad_input_is_refused_before_the_work(argv, message, capsys):
     """Each refused with one error line naming the flag, before any measurement (each ran its whole benchmark

@@ -141,6 +141,20 @@ def test_check_bad_backend_is_one_error_before_any_work(capsys, backend, message
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "exact,native,exact"], "--backend: 'exact' is named twice; name each backend once"),  # ran twice,
+    # counted twice in the verdict
+    (["--seed", str(2**64)], f"--seed: seed must be an int in [-2**63, 2**64), got {2**64}"),  # 'Overflow when
+    # unpacking long long', naming no flag
+    (["--seed", str(-2**63 - 1)], "--seed: seed must be an int in [-2**63, 2**64)"),
+])
+def test_check_flags_refused_before_any_work(capsys, argv, message):
+    assert main(["check", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {message}") and captured.err.count("\n") == 1, captured.err
+    assert captured.out == ""
+
+
 def _imported(*args: str) -> set[str]:
     """The modules ``python -X importtime -m vexact ARGS`` imports (its import-time lines name each one)."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "vexact", *args], cwd=ROOT, capture_output=True,
@@ -477,3 +491,17 @@ def test_help_never_breaks_a_flag_or_word_at_its_hyphen(capsys, monkeypatch):
                 main([name, "--help"])
             broken = [line for line in capsys.readouterr().out.splitlines() if re.search(r"\w-$", line)]
             assert broken == [], (name, columns, broken)
+
+
+@pytest.mark.parametrize("env, argv", [({"VEXACT_CPU_EXACT_PATH": "bogus"}, ["check", "--help"]),
+                                       ({"VEXACT_CPU_EXACT_PATH": "bogus"}, ["check", "--preset", "tiny"]),
+                                       ({"VEXACT_CPU_ONEDNN": "x"}, ["measure", "--help"])])
+def test_a_bad_kernel_setting_is_one_error_line_and_exit_2(env, argv):
+    """The kernels read their VEXACT_* settings when the command's module is imported, which parsing does: that was
+    outside main's error handling (a traceback, and exit 1, a mismatch's code, even for --help)."""
+    done = subprocess.run([sys.executable, "-m", "vexact", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    name, value = next(iter(env.items()))
+    assert done.stderr.startswith(f"error: {name}={value!r}: expected one of "), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr

@@ -338,3 +338,40 @@ def test_certified_switch_bad_input_is_one_value_error(tiny_hf, call, message):
     with pytest.raises(ValueError) as err:
         call(tiny_hf)
     assert message in str(err.value)
+
+
+def test_a_dump_whose_ids_lie_past_the_vocabulary_is_refused_naming_tokens_from(dumps):
+    """Read by a model of a smaller vocabulary, the dump's ids failed inside the embedding: an hf path's
+    IndexError traceback, a vexact path's error naming cpu_exact.embedding rather than the flag."""
+    with pytest.raises(ValueError) as err:
+        run_locate(LocateSettings(a="native:fp32:train", tokens_from=dumps / "ok",
+                                  random_model={**SHAPE, "vocab_size": 64}))
+    assert str(err.value) == (f"--tokens-from {dumps / 'ok'}: sequence[0] has token id 90 outside the vocabulary "
+                              "[0, 64)")
+
+
+def test_a_layer_with_a_nan_difference_reads_nan_not_the_largest_finite_one():
+    """Python's max(0.0, nan) is 0.0: a layer whose op differed by NaN read 'max |Δ| 0' (its op came second)."""
+    import math
+
+    from vexact.real.op_plan import layer_summary
+
+    rows = [{"group": "layer 0", "abs_diff_max": a, "bitwise_equal": a == 0.0, "name": n, "abs_diff_mean": 0.0}
+            for n, a in (("q_proj", 0.0), ("k_proj", math.nan), ("resid_mlp", 0.5))]
+    (layer,) = layer_summary(rows)
+    assert math.isnan(layer["abs_diff_max"]) and layer["ops_differing"] == 2
+
+
+def test_a_report_on_tokens_from_a_dump_names_the_dump_not_a_generation(dumps):
+    """It said max_new_tokens 8 and temperature 1.0 (the defaults), and '8 tokens of each generated': nothing was."""
+    from rich.console import Console
+
+    from vexact.real.locate_report import print_locate
+
+    result = run_locate(LocateSettings(a="native:fp32:train", tokens_from=dumps / "ok", random_model=dict(SHAPE)))
+    s = result.summary
+    assert (s["max_new_tokens"], s["temperature"], s["tokens_from"]) == (None, None, str(dumps / "ok"))
+    console = Console(record=True, width=400)
+    print_locate(result, console)
+    caption = "".join(console.export_text().split())  # the caption wraps at the table's width
+    assert "".join(f"read from --tokens-from {dumps / 'ok'}".split()) in caption

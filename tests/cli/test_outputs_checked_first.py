@@ -50,3 +50,18 @@ def test_an_output_naming_a_file_of_the_checkpoint_is_refused(tmp_path, capsys, 
     assert capsys.readouterr().err == (f"error: --json {checkpoint / 'config.json'} is a file of --model {checkpoint}: "
                                        "the output would overwrite it; name another file\n")
     assert (checkpoint / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("command", ["measure", "locate", "compare"])
+def test_two_outputs_naming_one_file_are_refused(tmp_path, capsys, command):
+    """``--json X --png X`` wrote the PNG over the JSON report (exit 0, 'wrote X, X')."""
+    out = tmp_path / "out.json"
+    if command == "compare":
+        rollout = tmp_path / "r.jsonl"
+        rollout.write_text('{"id": 0, "tokens": [1, 2], "logprobs": [-0.5, -0.25]}\n')
+        head = [str(rollout), str(rollout)]
+    else:
+        head = ["--model", str(tmp_path / "none"), *(["--random-prompts", "1"] if command == "measure" else [])]
+    assert main([command, *head, "--json", str(out), "--png", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --png {out} is also --json's file: each output needs its own file\n"
+    assert not out.exists()

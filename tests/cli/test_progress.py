@@ -44,6 +44,24 @@ def test_progress_prints_plain_lines_with_k_of_n_elapsed_and_eta_when_not_a_term
                      "[4/4] sweep s: c: completed (done in 1m05s)"]
 
 
+def test_progress_prints_names_as_text_and_said_lines_as_markup(monkeypatch):
+    """A sweep's or point's name with brackets ("[/x]") was read as markup: a MarkupError, or text that vanished."""
+    monkeypatch.setattr("vexact.progress.time.monotonic", _Clock())
+    out = io.StringIO()
+    with Progress(Console(file=out, width=200), "sweep s[v2]", total=2) as progress:
+        progress.running("a=[/x]")
+        progress.advance()
+        progress.advance("[red]b: failed[/]")  # a said line is markup (its caller escapes the names in it)
+    assert out.getvalue().splitlines() == ["[1/2] sweep s[v2]: a=[/x] (0s elapsed, ETA 0s)",
+                                           "[2/2] sweep s[v2]: b: failed (done in 0s)"]
+    bar = io.StringIO()
+    with Progress(Console(file=bar, width=200, force_terminal=True), "sweep s[/v2]", total=1) as progress:
+        assert progress.mode == "rich"
+        progress.running("a=[/x]")
+        progress.advance()
+    assert "sweep s[/v2]" in bar.getvalue() and "a=[/x]" in bar.getvalue()
+
+
 def test_progress_throttles_silent_items_and_is_quiet_under_quiet(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr("vexact.progress.time.monotonic", clock)

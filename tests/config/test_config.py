@@ -11,8 +11,9 @@ import yaml
 from test_sweep_faults import _cli_error
 from test_trainer import EXPERIMENT
 
+from vexact.engine.inputs import MIN_TEMPERATURE
 from vexact.rl.config import ConfigError, config_from_dict, config_hash, dotted_items, load_config, save_config
-from vexact.rl.config_schema import AlgorithmSection, OptimizerSection, RunConfig
+from vexact.rl.config_schema import MIN_ADAM_EPS, AlgorithmSection, OptimizerSection, RunConfig
 from vexact.rl.config_spellings import KEY_ALIASES
 from vexact.rl.trainer import Trainer
 from vexact.sweeps.sweep import load_sweep_spec
@@ -147,7 +148,7 @@ def test_config_hash_is_stable_and_sensitive():
     ({"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas[1]", "expected a number >= 0 and < 1, got 1.0"),
     ({"optimizer": {"grad_clip": 0}}, "optimizer.grad_clip", "expected a number > 0 or null, got 0"),
     ({"rollout": {"temperature": float("nan")}}, "rollout.temperature", "got nan"),
-    ({"threads": 0}, "threads", "expected an integer >= 1 or null, got 0"),
+    ({"threads": 0}, "threads", "expected an integer >= 1 and <= 4096 or null, got 0"),
     ({"warm_start": {"steps": -1}}, "warm_start.steps", "expected an integer >= 0, got -1"),
     # both seeds: torch.manual_seed's range (beyond it the model init failed, naming no key)
     ({"seed": 2**64}, "seed", "<= 18446744073709551615, got 18446744073709551616"),
@@ -196,6 +197,13 @@ def test_cross_field_check_sees_overrides():
     ("optimizer.betas=[0.9, .nan]", "optimizer.betas[1]", "expected a finite number >= 0 and < 1, got nan"),
     ("collapse.min_peak=-.inf", "collapse.min_peak", "expected a finite number >= 0, got -inf"),
     ("warm_start.lr=.nan", "warm_start.lr", "expected a finite number > 0, got nan (from --set warm_start.lr=.nan)"),
+    # an integer beyond float's range (it was an OverflowError traceback)
+    ("optimizer.lr=1" + "0" * 400, "optimizer.lr", "expected a finite number > 0, got 1000"),
+    ("correction.log_ratio_bound=-1" + "0" * 400, "correction.log_ratio_bound", "expected a finite number"),
+    # torch.set_num_threads overflowed after the run had started, naming no key
+    ("threads=2147483648", "threads", "expected an integer >= 1 and <= 4096 or null, got 2147483648"),
+    # 0 in float32: NaN weights at the first update of a parameter with a zero gradient
+    ("optimizer.eps=1e-46", "optimizer.eps", f"expected a number >= {MIN_ADAM_EPS}, got '1e-46'"),
 ])
 def test_override_errors(override, key, expected):
     message = config_error({}, [override])
@@ -443,7 +451,9 @@ def test_a_run_name_with_dot_dot_is_one_cli_error_and_writes_nothing(tmp_path, c
      "a group of 1 sample has advantage 0"),
     ({"rollout": {"samples_per_prompt": 1, "prompts_per_step": 1}, "algorithm": {"advantage": "reinforce"},
       "distributed": {"leaves": 1}}, "rollout.prompts_per_step", "a batch of 1 sample has advantage 0"),
-    ({"rollout": {"temperature": 0}}, "rollout.temperature", "expected a number > 0, got 0"),
+    ({"rollout": {"temperature": 0}}, "rollout.temperature", "expected a number >= 1e-06, got 0"),
+    # below the sampler's MIN_TEMPERATURE: refused here, not in the first rollout after the run directory was made
+    ({"rollout": {"temperature": 1e-7}}, "rollout.temperature", "expected a number >= 1e-06, got 1e-07"),
     ({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.5, "onset_step": 10}}, "inject.onset_step",
      "would inject nothing"),
     ({"steps": 10, "inject": {"mode": "precision", "onset_step": 12}}, "inject.onset_step", "would inject nothing"),
@@ -457,6 +467,8 @@ def test_settings_that_can_never_learn_or_inject_are_refused_naming_the_key(raw,
 def test_the_meaningful_neighbours_are_accepted():
     config_from_dict({"rollout": {"samples_per_prompt": 1}, "algorithm": {"advantage": "reinforce"}})
     config_from_dict({"algorithm": {"clip_low": 0.0, "clip_high": 0.0}})
+    config_from_dict({"rollout": {"temperature": MIN_TEMPERATURE}})
+    config_from_dict({"optimizer": {"eps": MIN_ADAM_EPS}})
     config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.0, "onset_step": 50}})  # a baseline
     config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.5, "onset_step": 9}})
 

@@ -96,3 +96,14 @@ def test_one_scheme_for_every_config_key_that_names_a_metric():
     with pytest.raises(ConfigError) as e:  # an unknown key is one error naming the field
         config_from_dict(_target("rollout_corr/k4_kl"))
     assert e.value.key == "inject.target.metric" and "'rollout_corr/k3_kl'" in str(e.value)
+
+
+@pytest.mark.parametrize("metric", ["eval/reward_men", "live/nonfinite", "mismatch/full_vocab_top5_overlap_mean"])
+def test_collapse_metric_that_no_run_writes_is_refused_naming_the_field(metric):
+    """A typo (or a key only measure/compare/live write) was accepted, and the detector never judged: the key is
+    never in a run's metrics.jsonl."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"collapse": {"metric": metric}})
+    assert e.value.key == "collapse.metric" and f"{metric!r} is not a metric key vexact run writes" in str(e.value)
+    # a family's instance (a placeholder entry) is a key a run writes
+    config_from_dict({"collapse": {"metric": "rollout_corr/rollout_rs_token_k3_mean"}})

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import nested_pytest_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "bash", "python": "python", "py": "python"}
@@ -137,6 +138,23 @@ def test_every_python_block_parses():
     assert bad == []
 
 
+def test_add_tasks_command_for_a_task_in_your_own_module_imports_the_module():
+    """A task in your own module exists once the module is imported, as add_task.md says: its "Check it" command
+    lacked --set plugins=[MODULE], so as written it ran into "task.name: not registered". The command names the
+    module, and its overrides load with MODULE and NEW filled in."""
+    from vexact.rl.config import load_config
+
+    page = ROOT / "docs" / "howto" / "add_task.md"
+    commands = [line for b in blocks(page) if b.language == "bash" for line in b.code.splitlines()
+                if line.startswith("vexact run") and "task.name=NEW" in line and "MODULE" in line]
+    assert commands, f"{page.name}: no vexact run command for a task in your own module (MODULE)"
+    for command in commands:
+        argv = shlex.split(command.replace("MODULE", "json").replace("NEW", "reverse"))
+        overrides = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"]
+        assert "plugins=[json]" in overrides, command
+        assert load_config(ROOT / argv[2], overrides).plugins == ["json"]
+
+
 def test_the_scan_sees_markers_and_refuses_a_bad_option(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# t\n\n<!-- runnable: exit=1; expect=x -->\n```bash\nfalse\n```\n\n```python\nx = 1\n```\n\n"
@@ -159,22 +177,25 @@ def _environment(tmp: Path) -> dict[str, str]:
                           ("python", shlex.quote(sys.executable)), ("python3", shlex.quote(sys.executable))):
         (shims / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')
         (shims / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}",
+    # a block may run pytest itself (docs/tutorials/testing.md): as a user's run, not as this run's xdist worker
+    return {**nested_pytest_environment(), "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}",
             "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
             "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "COLUMNS": "160"}
 
 
 def run_block(block: Block, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run one runnable block in ``cwd``: (exit code, stdout + stderr)."""
+    """Run one runnable block in ``cwd``: (exit code, stdout + stderr). A path under ``/tmp/`` that a page writes
+    for its reader is taken under ``cwd`` instead: another run on the host (or another user's file) may hold it."""
     options = block.options()
+    code = block.code.replace("/tmp/", f"{cwd}/")
     if "file" in options:
-        (cwd / options["file"]).write_text(block.code)
-        argv = ["bash", "-e", "-o", "pipefail", "-c", options["run"]]
+        (cwd / options["file"]).write_text(code)
+        argv = ["bash", "-e", "-o", "pipefail", "-c", options["run"].replace("/tmp/", f"{cwd}/")]
     elif block.language == "bash":
-        argv = ["bash", "-e", "-o", "pipefail", "-c", block.code]
+        argv = ["bash", "-e", "-o", "pipefail", "-c", code]
     else:
         script = cwd / f".block-{block.line}.py"
-        script.write_text(block.code)
+        script.write_text(code)
         argv = [sys.executable, str(script)]
     timeout = float(options.get("timeout", TIMEOUT))
     try:

@@ -157,6 +157,51 @@ def test_generate_and_token_logprobs_name_a_model_that_is_not_a_transformer():
         assert str(err.value) == message
 
 
+def test_a_cast_model_a_backend_name_as_ops_and_a_bad_init_are_one_error_naming_them():
+    """Each failed deep inside: ``.half()`` in the embedding kernel, ``ops="native"`` as an AttributeError in the
+    forward, a string init_seed in torch's generator, device cuda in the memory probe (an AssertionError)."""
+    cases = [
+        (lambda: generate(tiny_model().half(), [[1]]),
+         "model parameters must all be float32 or all bfloat16 (Transformer(dtype=...)); embed_tokens.weight is "
+         "torch.float16"),
+        (lambda: token_logprobs(tiny_model(), [[1]], [[2]], ops="exact"),
+         "ops must be kernel ops (vexact_kernels.get_ops('native'), say), got str 'exact'"),
+        (lambda: generate(tiny_model(), [[1]], ops="native"),
+         "ops must be kernel ops (vexact_kernels.get_ops('native'), say), got str 'native'"),
+        (lambda: Transformer(tiny_model().config, init_seed="x"),
+         "init_seed must be an int in [-2**63, 2**64) or None (no initialisation), got 'x'"),
+        (lambda: ModelConfig.from_dict({"vocab_size": 3}),
+         "ModelConfig keys missing: hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size"),
+        (lambda: ModelConfig.from_dict([1]), "ModelConfig.from_dict needs a dict of its field names, got list"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((lambda: Transformer(tiny_model().config, device="cuda"),
+                      "device 'cuda' needs CUDA, but torch.cuda.is_available() is False here"))
+    for call, message in cases:
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == message
+    mixed = tiny_model()
+    mixed.norm.weight.data = mixed.norm.weight.data.bfloat16()
+    with pytest.raises(ValueError, match=r"norm.weight is torch.bfloat16, embed_tokens.weight torch.float32$"):
+        token_logprobs(mixed, [[1]], [[2]])
+    assert torch.equal(token_logprobs(tiny_model(), [[1]], [[2]], ops=get_ops("native"))[0],
+                       token_logprobs(tiny_model(), [[1]], [[2]], ops=get_ops("native"))[0])
+
+
+def test_numpy_token_ids_are_the_list_of_ints_they_hold():
+    """A 1-D integer array, or a list of numpy integers, was 'must be a list of ints' (a 1-D tensor was taken)."""
+    import numpy as np
+
+    model = tiny_model()
+    want = generate(model, [[1, 2], [3]], max_new_tokens=3)
+    for prompts in ([np.array([1, 2]), np.array([3], dtype=np.int32)], [list(np.array([1, 2])), [np.int64(3)]]):
+        got = generate(model, prompts, max_new_tokens=3)
+        assert got.tokens == want.tokens and all(torch.equal(a, b) for a, b in zip(got.logprobs, want.logprobs))
+    with pytest.raises(ValueError, match=r"^prompts\[0\] must be a list of ints, got a float \(1.5\)$"):
+        generate(model, [np.array([1.5])])
+
+
 def test_seeds_in_range_keep_their_samples():
     """A negative seed (torch.manual_seed's range) is still a seed of its own, and 0 still gives seed 0's bits."""
     model = tiny_model()

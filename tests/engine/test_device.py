@@ -117,7 +117,8 @@ def test_cuda_without_cuda_is_one_error_naming_the_key(gpus):
         resolve_device("cuda:2")
 
 
-@pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:x", "CPU", "", 3, None])
+@pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:x", "CPU", "", 3, None,
+                                 "cuda:01", "cuda:007", "cuda:99999999999999999999"])  # torch.device's traceback
 def test_bad_device_names_are_config_errors(bad):
     with pytest.raises(DeviceError):
         check_device_name(bad)

@@ -318,6 +318,25 @@ def test_an_expert_count_or_top_k_that_does_not_fit_is_one_clear_error(fields, f
     assert c.value.key == f"model.{field}"
 
 
+@pytest.mark.parametrize("name, value", [("num_experts_per_tok", 4), ("moe_intermediate_size", 64),
+                                         ("shared_expert_intermediate_size", 32), ("norm_topk_prob", False),
+                                         ("decoder_sparse_step", 2), ("mlp_only_layers", [0])])
+def test_an_moe_key_on_a_dense_run_config_is_refused_at_its_key(name, value):
+    """``vexact run`` built the dense model and silently ignored the key (``vexact check`` refuses the flags)."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {name: value}})
+    assert e.value.key == f"model.{name}" and "the model has none (num_experts is 0)" in str(e.value)
+    config_from_dict({"model": {"num_experts": 4, name: value}})  # counter-case: an MoE model reads it
+    ModelConfig(**{**MOE, name: value, "num_experts": 0})  # the engine's dense twin of an MoE shape stays allowed
+
+
+def test_a_dense_twin_of_an_moe_preset_keeps_the_presets_moe_keys():
+    assert config_from_dict({"model": {"preset": "moe_testbed", "num_experts": 0}}).model.moe_intermediate_size == 176
+    with pytest.raises(ConfigError, match="leave moe_intermediate_size at 176") as e:
+        config_from_dict({"model": {"preset": "moe_testbed", "num_experts": 0, "moe_intermediate_size": 100}})
+    assert e.value.key == "model.moe_intermediate_size"
+
+
 def test_a_flip_rate_outside_0_1_and_routing_flip_on_a_dense_model_are_config_errors():
     for value in (-0.1, 1.5):
         with pytest.raises(ConfigError, match=r"flip_rate in \[0, 1\]") as e:
@@ -353,6 +372,9 @@ def test_router_replay_without_recorded_routing_is_one_clear_error():
         token_logprobs(moe_model(), [[5, 6]], [[7, 8]], routing=[torch.zeros(2, 2, 2, dtype=torch.long)])
     with pytest.raises(ValueError, match="names one expert twice"):
         token_logprobs(moe_model(), [[5, 6]], [[7, 8]], routing=[torch.zeros(3, 2, 2, dtype=torch.long)])
+    recorded = generate(moe_model(), [[5, 6]], max_new_tokens=2).routing[0]
+    with pytest.raises(ValueError, match=r"^routing of sequence 0 is torch.float64; expected integer expert ids"):
+        token_logprobs(moe_model(), [[5, 6]], [[7, 8]], routing=[recorded.double() + 0.4])  # was floored: replayed
     with pytest.raises(ValueError, match="no MoE layers"):
         generate(dense, [[5]], max_new_tokens=2, routing_hook=flip_hook(0.5, "near_tie", 0))
 

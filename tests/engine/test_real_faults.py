@@ -25,6 +25,7 @@ from vexact.cli import main
 from vexact.real import hf_checkpoint, hf_config, pretrained
 from vexact.real.hf_checkpoint import read_checkpoint_config
 from vexact.real.hf_config import model_config_from_hf
+from vexact.real.locate import LocateSettings, run_locate
 from vexact.real.measure import MeasureSettings, run_measure
 from vexact.real.pretrained import load_tokenizer
 from vexact.real.tiny import TINY_VARIANTS, make_tiny_checkpoint, make_tiny_hf_model
@@ -141,6 +142,10 @@ def test_bin_files_that_are_not_named_tensors(ckpt):
     assert _error(from_pretrained, ckpt) == f"{bin_path}: expected a dict of tensor names to tensors, got a list"
     torch.save(tensors | {"step": 3}, bin_path)
     assert _error(from_pretrained, ckpt) == f"{bin_path}: entry 'step' is a int, not a named tensor"
+    torch.save(tensors | {EMBED: torch.empty(tensors[EMBED].shape, device="meta")}, bin_path)  # was Tensor.item()
+    assert _error(from_pretrained, ckpt) == (f"{bin_path}: tensor {EMBED!r} is on the meta device, with a shape but "
+                                             "no values (saved from a model not yet materialised); vexact loads "
+                                             "weights with values")
     torch.save(tensors, bin_path)
     bin_path.write_bytes(bin_path.read_bytes()[: bin_path.stat().st_size // 2])
     # torch's first sentence, whole; its advice after it (and a cut mid-word at 120 characters) left out
@@ -349,6 +354,8 @@ def test_config_that_is_not_a_json_object(ckpt, content, message):
     ({"rope_parameters": "default"}, "rope_parameters / rope_scaling must be a JSON object, got 'default'"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
     ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false, got 0"),
+    ({"mlp_bias": "false"}, "mlp_bias must be true or false, got 'false'"),  # was "mlp_bias is True"
+    ({"attention_bias": "false"}, "attention_bias must be true or false, got 'false'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                           "original_max_position_embeddings": 64}},
      "llama3 RoPE scaling needs high_freq_factor != low_freq_factor, got both 1.0"),
@@ -462,10 +469,31 @@ def test_extra_and_doubly_named_tensors(ckpt, source):
     save_file(tensors | {"norm.weight": tensors["model.norm.weight"].clone()}, ckpt / "model.safetensors")
     assert _error(from_pretrained, ckpt) == (f"checkpoint {ckpt}: tensors 'model.norm.weight' and 'norm.weight' are "
                                              "both 'norm.weight'")
-    # what loads today still loads: RoPE inv_freq buffers are dropped, and so is a stored head of a tied model
+    # what loads today still loads: RoPE inv_freq buffers are dropped
     save_file(tensors | {"model.rotary_emb.inv_freq": torch.ones(8)}, ckpt / "model.safetensors")
     assert torch.equal(from_pretrained(ckpt).lm_head.weight, from_pretrained(source).lm_head.weight)
+
+
+def test_a_tied_config_with_its_own_stored_head_loads_as_transformers_loads_it(ckpt):
+    """tie_word_embeddings true and a stored lm_head.weight unlike embed_tokens: transformers 5 keeps the stored head
+    ("both are present ... we will NOT tie them"); vexact dropped it and tied, another model (k3 2.44 between the hf
+    and exact fp32 runs of one checkpoint). A stored head equal to embed_tokens bit for bit (or one tensor under both
+    names, as torch.save of a tied model stores it) is tied."""
+    import transformers
+
     _config(ckpt, tie_word_embeddings=True)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ids = torch.tensor([list(range(10, 50))])
+    with torch.no_grad():
+        reference = hf_model(input_ids=ids).logits
+    tensors = _source_tensors(ckpt)
+    for model in (from_pretrained(ckpt), from_pretrained(hf_model)):
+        assert not model.config.tie_embeddings and torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+        with torch.no_grad():  # fp32 parity, test_pretrained's tolerance (FP32_TOL, 5e-5)
+            torch.testing.assert_close(model.logits(model(ids)), reference, rtol=0, atol=5e-5)
+    save_file(tensors | {"lm_head.weight": tensors[EMBED].clone()}, ckpt / "model.safetensors")
+    assert not hasattr(from_pretrained(ckpt), "lm_head")
+    _as_bin(ckpt, tensors | {"lm_head.weight": tensors[EMBED]})
     assert not hasattr(from_pretrained(ckpt), "lm_head")
 
 
@@ -478,6 +506,28 @@ def test_expected_shapes_are_the_transformers_parameters(variant):
     assert {n: s for n, (s, _) in hf_checkpoint._expected_shapes(config).items()} == {
         n: tuple(p.shape) for n, p in model.named_parameters()}
     assert hf_checkpoint._param_count(config) == sum(p.numel() for p in model.parameters())
+    assert hf_checkpoint._tensor_count(config) == len(hf_checkpoint._expected_shapes(config))
+
+
+def test_experts_are_counted_only_in_the_layers_that_have_them(tmp_path):
+    """The guard against a hostile layer index charged num_experts' tensors to every layer: a valid Qwen3-MoE with
+    experts in one of 16 layers was refused ("config.json implies 3,248+ tensors, the weights hold 368")."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=16,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=4, num_experts=64,
+                                         num_experts_per_tok=2, moe_intermediate_size=8,
+                                         mlp_only_layers=list(range(15)), tie_word_embeddings=False)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
+    assert from_pretrained(tmp_path / "moe").config.moe_layers == (15,)
+    # the guard still stops a layer index far past what the tensors can be (before anything enumerates it)
+    tensors = load_file(tmp_path / "moe" / "model.safetensors")
+    save_file(tensors | {"model.layers.99999.input_layernorm.weight": torch.ones(16)},
+              tmp_path / "moe" / "model.safetensors")
+    _config(tmp_path / "moe", num_hidden_layers=100000, mlp_only_layers=[])
+    assert _error(from_pretrained, tmp_path / "moe") == (
+        f"checkpoint {tmp_path / 'moe'} does not match its config: {tmp_path / 'moe' / 'config.json'} implies "
+        f"{3 + 100000 * (8 + 1 + 3 * 64):,} tensors, the weights hold {len(tensors) + 1:,}")
 
 
 def test_a_hub_id_is_answered_with_how_to_get_a_local_copy(tmp_path, monkeypatch):
@@ -500,3 +550,52 @@ def test_a_hub_id_is_answered_with_how_to_get_a_local_copy(tmp_path, monkeypatch
     with pytest.raises(ValueError) as info:  # an absolute path is no hub id
         read_checkpoint_config(tmp_path / "missing")
     assert str(info.value) == f"checkpoint directory not found: {tmp_path / 'missing'}"
+
+
+def test_the_path_of_config_json_is_named_a_file_not_a_missing_directory(source):
+    with pytest.raises(ValueError) as info:
+        from_pretrained(source / "config.json")
+    assert str(info.value) == (f"{source / 'config.json'} is a file, not a checkpoint directory; pass the directory "
+                               f"that holds it ({source})")
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ({"eos_token_id": "1"}, "eos_token_id must be a non-negative integer (or a list of them), got '1'"),
+    ({"eos_token_id": [1, "2"]}, "eos_token_id must be a non-negative integer (or a list of them), got [1, '2']"),
+    # vexact reads 128.0 as 128 (from_pretrained loads it); transformers' config check, which its tokenizer loader
+    # runs, refuses it: named as config.json's field, not as the tokenizer's failure
+    ({"vocab_size": 128.0}, "transformers refuses it, so its tokenizer cannot be loaded (Field 'vocab_size' expected "
+                            "int, got float (value: 128.0))"),
+    ({"pad_token_id": "0"}, "transformers refuses it, so its tokenizer cannot be loaded (Field 'pad_token_id' with "
+                            "value '0' doesn't match any type in (<class 'int'>, <class 'NoneType'>))"),
+])
+def test_a_bad_config_field_is_named_as_such_where_there_is_a_tokenizer(tmp_path, changes, message):
+    """transformers' tokenizer loader validates config.json too, and ran first: a bad field was reported as 'cannot
+    load its tokenizer (StrictDataclassFieldValidationError ...)', by measure and by locate."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "llama", seed=4, tokenizer=True)
+    _config(ckpt, **changes)
+    assert _error(run_measure, MeasureSettings(model=ckpt, random_prompts=2, max_new_tokens=2)) == (
+        f"{ckpt / 'config.json'}: {message}")
+    assert _error(run_locate, LocateSettings(model=ckpt, random_prompts=2, max_new_tokens=2)) == (
+        f"{ckpt / 'config.json'}: {message}")
+
+
+def test_an_integral_float_vocab_size_loads_alike_everywhere(ckpt):
+    """vocab_size 128.0 (integral floats are sizes to model_config_from_hf): from_pretrained loaded it, measure
+    refused it ("has no integer vocab_size") by a check of its own."""
+    _config(ckpt, vocab_size=128.0)
+    assert from_pretrained(ckpt).config.vocab_size == 128
+    s = run_measure(MeasureSettings(model=ckpt, rollout="exact:fp32", train="exact:fp32", random_prompts=2,
+                                    max_new_tokens=2, ignore_eos=True)).summary
+    assert s["tokens"] == 4 and s["bitwise_equal"] == 4
+    assert run_locate(LocateSettings(model=ckpt, random_prompts=2, max_new_tokens=2)) is not None
+
+
+def test_a_tiny_checkpoint_too_small_for_its_tokenizer_is_refused_before_anything_is_written(tmp_path):
+    """make_tiny_checkpoint compared vocab_size with the tokenizer after writing the model: a half checkpoint
+    (config.json and weights, no tokenizer) was left behind."""
+    with pytest.raises(ValueError, match=r"^vocab_size 64 is smaller than the tokenizer \(99\)$"):
+        make_tiny_checkpoint(tmp_path / "small", "llama", vocab_size=64)
+    assert not (tmp_path / "small").exists()
+    assert (make_tiny_checkpoint(tmp_path / "ids", "llama", vocab_size=64, tokenizer=False) / "config.json").is_file()

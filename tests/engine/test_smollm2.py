@@ -117,6 +117,19 @@ def test_the_conversion_is_published_once_by_one_rename(monkeypatch, tmp_path, s
         convert_smollm2(out)
 
 
+@pytest.mark.parametrize("marker", ["[]", "null", "3"])
+def test_a_marker_that_is_not_a_json_object_is_not_a_conversion(tmp_path, stand_in_gguf, marker):
+    """vexact_source.json holding JSON but not an object crashed ``python -m vexact.real.smollm2 DIR``
+    (AttributeError: 'list' object has no attribute 'get'): the directory is someone else's, refused as such."""
+    out = tmp_path / "smollm2"
+    out.mkdir()
+    (out / MARKER).write_text(marker)
+    assert not is_converted(out) and not is_converted(out, stand_in_gguf)
+    with pytest.raises(ValueError, match=f"exists and is not a vexact SmolLM2 conversion \\(no {MARKER}\\)"):
+        convert_smollm2(out)
+    assert (out / MARKER).read_text() == marker  # never overwritten
+
+
 def test_a_failed_conversion_leaves_nothing(monkeypatch, tmp_path, stand_in_gguf):
     def writer(gguf_path, sha, directory):
         (directory / "config.json").write_text("{}")

@@ -122,7 +122,7 @@ def test_mixed_dtypes_compare_values_and_sequences_match_padded(tmp_path):
     (lambda r, t, m: (r, t, m * 2), "mask holds values other than 0 and 1"),
     (lambda r, t, m: (r.tolist(), t, m), "must both be"),
     (lambda r, t, m: (r, _with(t, 2, 0, 0.7), m), r"train_logprobs\[2, 0\] is 0\.7: a log-prob above 0"),
-    (lambda r, t, m: ([r[0]], [t[0], t[1]], None), "got 1 rollout sequences but 2 training sequences"),
+    (lambda r, t, m: ([r[0]], [t[0], t[1]], None), "got 1 rollout sequences but 2 sequences in train_logprobs"),
     (lambda r, t, m: ([r[0]], [t[0]], m), "mask is for padded"),
     (lambda r, t, m: ([r[0]], 3, None), r"train_logprobs must be a \[B, T\] tensor \(or numpy array\) or a sequence of "
                                         r"1-D tensors, got int"),  # was a TypeError from len(3)
@@ -187,21 +187,25 @@ def test_extra_keys_may_not_shadow_the_rows_own(tmp_path, extra):
     ({"nested": [1, {"a": object()}]}, r"extra\['nested'\] \(list\) is not JSON"),
     ({3: 1}, r"extra keys must be strings, got 3 \(int\)"),
     ([("epoch", 1)], "extra must be a dict, got list"),
+    ({"note": "inf"}, r"^extra\['note'\] holds the string 'inf', which metrics.jsonl reads back as a number"),
+    ({"tags": ["ok", {"why": " NaN "}]}, r"^extra\['tags'\] holds the string ' NaN ', which metrics.jsonl reads"),
 ])
 def test_extra_that_json_cannot_hold_is_a_value_error(tmp_path, extra, message):
     """The docstring promises ValueError for a caller mistake: a tensor, a numpy scalar or any other non-JSON value in
-    ``extra`` is one (it was json's TypeError, from inside the writer), and nothing is written."""
+    ``extra`` is one (it was json's TypeError, from inside the writer), and nothing is written. So is a string that
+    spells NaN/Inf: the log's own spelling of those numbers, it read back as a float (and a live view plotted it)."""
     roll, train, mask = _batch()
     monitor = LiveMonitor(tmp_path)
     with pytest.raises(ValueError, match=message):
         monitor.step(0, roll, train, mask, extra=extra)
     assert not (tmp_path / "metrics.jsonl").exists()
     row = monitor.step(0, roll, train, mask, extra={"my/lr": float(np.float32(1e-3)), "my/nan": float("nan"),
-                                                    "my/tags": ["a", None, True]})
+                                                    "my/tags": ["a", None, True], "my/note": "infinite"})
     monitor.close()
     assert row["my/tags"] == ["a", None, True]
     written = read_metrics(tmp_path / "metrics.jsonl")[0]
     assert written["my/lr"] == row["my/lr"] and written["my/tags"] == ["a", None, True]
+    assert written["my/note"] == "infinite"
 
 
 def test_numpy_arrays_are_read_as_tensors_of_their_dtype(tmp_path):
@@ -580,7 +584,7 @@ def test_step_sampled_refusals(tmp_path):
     monitor = LiveMonitor(tmp_path, sample_fraction=0.5)
     with pytest.raises(ValueError, match="score_fn must be a function"):
         monitor.step_sampled(0, roll, "not a function", mask)
-    with pytest.raises(ValueError, match=r"score_fn\(rows\) \[6, 12\] must be"):
+    with pytest.raises(ValueError, match=r"score_fn\(rows\) has shape \[6, 12\], but the 3 sampled rows"):
         monitor.step_sampled(0, roll, lambda rows: train, mask)  # every row returned, not the sample's
     with pytest.raises(ValueError, match="mask has shape"):
         monitor.step_sampled(0, roll, lambda rows: train[rows], mask[:, :3])
@@ -588,6 +592,61 @@ def test_step_sampled_refusals(tmp_path):
         monitor.sample(0, 0)
     with pytest.raises(ValueError, match="rollout_logprobs must be a"):
         monitor.step_sampled(0, roll[0], lambda rows: train[rows])
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_step_sampled_errors_name_the_callers_rows_and_side(tmp_path):
+    """A bad value in a sample's row was named by its place in the sample ([1, 3] for the batch's row 2) and, from
+    verl's observe_batch, as score_fn(rows), which that user never passed; the list form's behaviour_logprobs
+    errors called that side the training side."""
+    from vexact.integrations.verl import observe_batch
+
+    roll = torch.log_softmax(torch.randn(4, 5, 7, generator=torch.Generator().manual_seed(0)), -1)[..., 0]
+    monitor = LiveMonitor(tmp_path / "s", sample_fraction=0.5)
+    rows = monitor.sample(1, 4)
+    bad = _with(roll, rows[1], 3, 0.7)
+    with pytest.raises(ValueError, match=rf"^score_fn\(rows\)\[{rows[1]}, 3\] is 0.7"):
+        monitor.step_sampled(1, roll, lambda r: bad[r])
+    with pytest.raises(ValueError, match=rf"^rollout_logprobs\[{rows[1]}\]\[3\] is 0.7"):
+        monitor.step_sampled(1, list(bad), lambda r: [roll[i] for i in r])
+    batch = {"rollout_log_probs": roll, "old_log_probs": bad, "response_mask": torch.ones(4, 5)}
+    with pytest.raises(ValueError, match=rf"^old_log_probs\[{rows[1]}, 3\] is 0.7"):
+        observe_batch(monitor, batch, 1)
+    plain = LiveMonitor(tmp_path / "p")
+    with pytest.raises(ValueError, match=r"^sequence 0: rollout_logprobs \[5\] and behaviour_logprobs \[3\]"):
+        plain.step(0, list(roll[:2]), list(roll[:2]), behaviour_logprobs=[roll[0][:3], roll[1]])
+    with pytest.raises(ValueError, match=r"^got 2 rollout sequences but 1 sequences in behaviour_logprobs"):
+        plain.step(0, list(roll[:2]), list(roll[:2]), behaviour_logprobs=[roll[0]])
+    assert not (tmp_path / "s" / "metrics.jsonl").exists() and not (tmp_path / "p" / "metrics.jsonl").exists()
+
+
+def test_an_empty_sampled_step_is_recorded_and_a_skipped_step_is_seen(tmp_path):
+    """An empty batch was 'no tokens' under step() but a ValueError under step_sampled(), even on a step every
+    skips; a skipped step did not count, so a later call with a smaller step was accepted."""
+    never = []
+    with LiveMonitor(tmp_path / "e", every=2) as monitor:
+        row = monitor.step_sampled(0, torch.zeros(0, 5), never.append, torch.zeros(0, 5))
+        assert monitor.step_sampled(1, torch.zeros(0, 5), never.append) is None
+        empty_list = monitor.step_sampled(2, [], never.append)
+        assert monitor.step_sampled(3, torch.zeros(0, 5), never.append) is None
+        with pytest.raises(ValueError, match="step 2 does not follow step 3"):
+            monitor.step_sampled(2, torch.zeros(0, 5), never.append)
+    assert never == []  # nothing to score: score_fn not called
+    assert row["outcome"] == empty_list["outcome"] == "no tokens"
+    assert row[metric_keys.LIVE_SAMPLED_SEQUENCES] == 0 and row[metric_keys.LIVE_SAMPLE_FRACTION] == 0.0
+    assert [r["step"] for r in read_metrics(tmp_path / "e" / "metrics.jsonl")] == [0, 2]
+
+
+def test_verl_bypass_of_one_non_contiguous_numpy_array_is_refused(tmp_path):
+    """Each key's array was copied to a contiguous tensor of its own, so the one-array test never matched and the
+    row said 'bitwise equal'."""
+    from vexact.integrations.verl import observe_batch
+
+    one = -np.random.default_rng(0).random((5, 4)).astype(np.float32).T
+    assert not one.flags.c_contiguous
+    with pytest.raises(ValueError, match=r"bypass mode"):
+        observe_batch(LiveMonitor(tmp_path), {"rollout_log_probs": one, "old_log_probs": one,
+                                              "response_mask": np.ones((4, 5))}, 1)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -231,6 +231,44 @@ def test_resume_rebuilds_the_views_without_duplicates(runs, monkeypatch):
         _assert_wandb_matches_jsonl(run_dir)
 
 
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_resume_whose_new_view_fails_to_open_keeps_the_runs_config(checkpoint, runs, monkeypatch):
+    """A resume allowed to change logging.backends, whose new backend refuses to open (W&B refusing a project):
+    the run's config.yaml, config_changes.jsonl and metrics.jsonl stay as they were, so a plain --resume afterwards
+    still resumes the run as it was started (the changes were kept, and the log cut, before the logs opened) -- from
+    its checkpoint, or from scratch where it has none (killed before its first)."""
+    import shutil
+
+    from vexact.records.runlog import checkpoint_dirs
+
+    class Refuses(log_backends.LogBackendKind):
+        name = "refuses"
+
+        def open(self, run_dir, cfg):
+            raise ConfigError("no", "logging.backends")
+
+    name = f"refused-{checkpoint}"
+    run_dir = runs / name
+    real_step = interrupt_trainer_at(monkeypatch, 3)
+    assert _run(_cfg(runs, name, ["jsonl"]))["status"] == "interrupted"
+    monkeypatch.setattr(Trainer, "step", real_step)
+    if not checkpoint:
+        for kept in checkpoint_dirs(run_dir):
+            shutil.rmtree(kept)
+    saved, logged = (run_dir / "config.yaml").read_text(), (run_dir / "metrics.jsonl").read_text()
+    log_backends.register_log_backend(Refuses())
+    try:
+        changed = _cfg(runs, name, ["jsonl", "refuses"])
+        with pytest.raises(ConfigError, match="^config error at 'logging.backends': no$"):
+            Trainer(changed, Console(quiet=True)).run(resume=True, allow_changes=("logging.backends",))
+    finally:
+        log_backends.LOG_BACKENDS.remove("refuses")
+    assert (run_dir / "config.yaml").read_text() == saved
+    assert (run_dir / "metrics.jsonl").read_text() == logged
+    assert not (run_dir / "config_changes.jsonl").exists()
+    assert _run(_cfg(runs, name, ["jsonl"]), resume=True)["status"] == "completed"
+
+
 # --- the writer on hand-made rows ------------------------------------------------------------------------------
 
 
@@ -260,6 +298,61 @@ def test_jsonl_alone_opens_no_live_view(tmp_path, monkeypatch):
     MetricsWriter(tmp_path / "metrics.jsonl", live_views=log_backends.live_views(tmp_path, cfg)).close()
     with pytest.raises(metrics_log.MetricsDamaged):  # a view to rebuild reads the log back first
         MetricsWriter(tmp_path / "metrics.jsonl", live_views=lambda rows: [])
+
+
+def _event_files(log_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in log_dir.glob("events.out.tfevents.*")}
+
+
+@pytest.mark.needs_package("wandb", "pip install 'vexact[wandb]'")
+@pytest.mark.parametrize("logging,key,expected", [
+    ({"wandb_project": "a/b"}, "logging.wandb_project", "W&B refuses the project name: Invalid project name 'a/b'"),
+    ({"wandb_mode": "online"}, "logging.wandb_mode",
+     "W&B could not start an online run: No API key configured"),
+])
+def test_wandb_refusal_is_a_config_error_and_keeps_the_old_views(logging, key, expected, tmp_path, monkeypatch):
+    """W&B refusing its settings (a project name it does not allow; online without an API key -- refused before
+    any network) is one ConfigError naming the key, not W&B's traceback; and the TensorBoard view opened before it
+    (a resume's) keeps its old event files: they go only once every backend has opened."""
+    require_optional("tensorboard", TENSORBOARD_PIP)
+    monkeypatch.delenv("WANDB_MODE")  # the config's mode, not the hermetic fixture's
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc key
+    history = [{"step": 0, "a/loss": 0.5}]
+    tensorboard_only = config_from_dict({"logging": {"backends": ["jsonl", "tensorboard"]}})
+    for backend in log_backends.open_backends(tmp_path, tensorboard_only, history):
+        backend.close()
+    log_dir = tmp_path / log_backends.TENSORBOARD_DIR
+    before = _event_files(log_dir)
+    assert len(before) == 1
+    cfg = config_from_dict({"logging": {"backends": ["jsonl", "tensorboard", "wandb"], **logging}})
+    with pytest.raises(ConfigError) as info:
+        log_backends.open_backends(tmp_path, cfg, history)
+    assert str(info.value).startswith(f"config error at '{key}': {expected}")
+    assert "\n" not in str(info.value)
+    assert _event_files(log_dir) == before
+    assert _tensorboard_scalars(log_dir) == {"a/loss": {0: 0.5}}
+
+
+def test_a_failed_open_leaves_no_tensorboard_view_behind(tmp_path):
+    """A fresh run whose later backend fails to open: the TensorBoard writer opened first removes its file and the
+    folder it made (the run directory holds nothing a retry of the same command would trip on)."""
+    require_optional("tensorboard", TENSORBOARD_PIP)
+
+    class Refuses(log_backends.LogBackendKind):
+        name = "refuses"
+
+        def open(self, run_dir, cfg):
+            raise ConfigError("no", "logging.backends")
+
+    log_backends.register_log_backend(Refuses())
+    try:
+        cfg = config_from_dict({"logging": {"backends": ["jsonl", "tensorboard", "refuses"]}})
+        with pytest.raises(ConfigError, match="^config error at 'logging.backends': no$"):
+            log_backends.open_backends(tmp_path, cfg, [])
+    finally:
+        log_backends.LOG_BACKENDS.remove("refuses")
+    assert not (tmp_path / log_backends.TENSORBOARD_DIR).exists()
 
 
 # --- config ----------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_prompts, tiny_model
+from conftest import random_prompts, run_pytest, tiny_model
 
 from vexact import generate, token_logprobs
 from vexact.testing import assert_logprobs_equal, check_paths, compare_logprobs, float_bits
@@ -141,8 +141,13 @@ def test_numpy_arrays_and_lists_of_floats():
      "mask applies to a padded [B, T] tensor, but no argument is one"),
     ([torch.zeros(2)], [torch.zeros(2)], {"tokens": [[1, 2, 3]]}, "sequence 0: tokens has 3 ids but the log-probs"),
     (torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), {}, "must be a list of 1-D sequences or a padded [B, T] tensor"),
+    # "equal", with nothing compared: a CI gate that asserts nothing (vexact compare refuses it too)
+    ([torch.zeros(0), torch.zeros(0)], [torch.zeros(0), torch.zeros(0)], {},
+     "no tokens to compare: every sequence is empty"),
+    (torch.zeros(2, 3), torch.zeros(2, 3), {"mask": torch.zeros(2, 3, dtype=torch.bool)},
+     "no tokens to compare: every sequence is empty"),
 ], ids=["lengths", "sequence-count", "two-dtypes", "int-dtype", "not-1d", "mask-shape", "mask-values",
-        "mask-float", "mask-without-padded", "tokens-length", "3d"])
+        "mask-float", "mask-without-padded", "tokens-length", "3d", "empty", "masked-out"])
 def test_inputs_that_cannot_be_compared_are_value_errors(rollout, train, kwargs, message):
     with pytest.raises(ValueError) as info:
         assert_logprobs_equal(rollout, train, **kwargs)
@@ -391,13 +396,23 @@ def test_fixture_through_the_plugin(tmp_path):
         def test_fails(vexact_exact):
             vexact_exact.assert_logprobs_equal([torch.tensor([-1.0])], [torch.tensor([-0.5])])
     """))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=junit.xml",
-                          "test_user.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # warnings as errors, as many CIs run: the fixture asked for record_property, which warns under xunit2
+    run = run_pytest("--junitxml=junit.xml", "-W", "error::pytest.PytestWarning", "test_user.py", cwd=tmp_path)
     out = run.stdout + run.stderr
     assert run.returncode == 1 and "1 failed, 1 passed" in out, out
     assert "first mismatch: sequence 0, position 0: rollout -1.0 (0xbf800000) vs training -0.5 (0xbf000000)" in out
     assert "vexact_exact.assert_logprobs_equal(" in out and "vexact/testing.py" not in out  # ends at the test's line
     assert 'name="vexact_check_paths"' in (tmp_path / "junit.xml").read_text()  # the report, recorded
+
+
+def test_check_paths_with_no_response_token_is_refused():
+    """An engine that generated nothing (max_new_tokens 0) passed every check with tokens_compared 0."""
+    def nothing(prompts, batch_size):
+        return [[] for _ in prompts], [torch.zeros(0) for _ in prompts]
+
+    with pytest.raises(ValueError, match=r"^generate_fn \(arrangement batch_size=None\) returned no response token "
+                                         r"for any prompt: no tokens to compare$"):
+        check_paths(nothing, lambda prompts, responses, micro: [torch.zeros(0) for _ in prompts], [[1, 2], [3]])
 
 
 def test_check_paths_restores_the_thread_count_after_a_failure(one_torch_thread):

@@ -222,7 +222,8 @@ def _actor_config(verl) -> types.SimpleNamespace:
                                                   ("decoupled_seq_is_rs", "recompute"),
                                                   ("decoupled_geo_rs_token_tis", "recompute"),
                                                   ("bypass_pg_token_icepop", "rollout"),
-                                                  ("bypass_pg_geo_rs_seq_tis", "rollout")])
+                                                  ("bypass_pg_geo_rs_seq_tis", "rollout"),
+                                                  ("bypass_pg_geo_rs", "rollout")])  # rejection only: w = 1
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_policy_loss_equals_verls(verl, preset, old_logprobs, loss_agg, mask):
     """The loss vexact backpropagates equals verl's on the same tokens: IS weights on the per-token loss, IcePop's

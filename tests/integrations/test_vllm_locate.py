@@ -11,13 +11,11 @@ dump on an earlier dump's tokens compares with it; a vllm rollout as path b is o
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import require_optional
+from conftest import require_optional, run_pytest
 
 from vexact.cli import main
 from vexact.integrations.vllm import VLLM_INSTALL
@@ -74,8 +72,7 @@ def test_the_documented_certified_switch_runs(tiny, tmp_path):
     page = (Path(__file__).resolve().parents[2] / "docs" / "howto" / "certified_switch.md").read_text()
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "record_vllm_sites(" in b]
     (tmp_path / "test_vllm_switch.py").write_text(code)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
-                          "test_vllm_switch.py"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    run = run_pytest("-rA", "test_vllm_switch.py", cwd=tmp_path, timeout=900)
     out = run.stdout[-3000:] + run.stderr[-3000:]
     assert "PASSED test_vllm_switch.py::test_the_trainer_parts_from_vllm_at_a_named_site" in run.stdout, out
     assert "first divergence: layer 0 / " in run.stdout

@@ -13,6 +13,8 @@ fp32 and bf16:
   after an in-place update of the weight;
 - each weight is laid out once per version (counted), and an in-place update lays it out again;
 - counter-test: an operand kept whatever the version (stale after the update) is caught;
+- after a write the version counter misses (a ``fused=True`` optimizer step), ``forget_weight`` empties every cache
+  kept for the weight, and the next calls give a fresh copy's bits;
 - torch's bf16 ``bmm`` does copy the shared canonical operand where ``bmm_copies_operand`` says it does (the profiler
   sees the copy), and fp32's does not; it copies no operand as the weight is stored.
 
@@ -33,7 +35,16 @@ from conftest import num_threads, recorded_returns
 from test_host_guard import emulated_guard
 from torch.profiler import ProfilerActivity, profile
 
-from vexact_kernels import compiled_loops, cpu_exact, gemm_laid_out, gemm_linear
+from vexact_kernels import (
+    compiled_loops,
+    cpu_exact,
+    forget_weight,
+    fused_linears,
+    gemm_laid_out,
+    gemm_linear,
+    gemm_packed,
+    linear_repeats,
+)
 from vexact_kernels.host_guard import FASTER_PATH, SAME_BITS, SINGLE_THREAD_PATH, HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -130,6 +141,108 @@ def test_an_operand_kept_whatever_the_version_is_caught(monkeypatch):
         fresh = _steps(torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(kept[:6], fresh[:6]))
     assert not all(torch.equal(a, b) for a, b in zip(kept[6:], fresh[6:]))
+
+
+def _kept_for(weight: torch.Tensor) -> list[str]:
+    """The caches holding something for ``weight`` (``weight_versions``: what ``forget_weight`` empties)."""
+    held = {"laid out": bool(gemm_laid_out._ARRANGED.get(weight)),
+            "plans": id(weight) in gemm_linear._PLANS and gemm_linear._PLANS[id(weight)].owner() is weight,
+            "remembered calls": any(kept.weight() is weight for kept in linear_repeats._REMEMBERED.values()),
+            "fused groups": any(any(r() is weight for r in group.weights) for group in fused_linears._GROUPS.values())}
+    return [name for name, kept in held.items() if kept]
+
+
+@pytest.mark.parametrize("mode", ["auto", "canonical"])
+def test_forget_weight_after_a_fused_optimizer_step_gives_the_new_weights_bits(mode):
+    """torch 2.13's ``fused=True`` AdamW writes the weights without bumping their version counters, so what the kernels
+    kept for the old values looks current (``cpu_exact.linear``'s precondition); ``forget_weight`` drops it from every
+    cache (laid-out operands, plans, a decode loop's remembered calls, fused groups): the next calls, with and without a
+    gradient, alone and through ``linears``, give the bits of the same calls on fresh copies of the new weights."""
+    ops = cpu_exact.ops_in_mode(mode)
+    w1, w2 = (torch.nn.Parameter(_randn(n, 80, dtype=torch.float32, seed=n)) for n in (96, 48))
+    x_train, x_decode = _randn(5, 80, dtype=torch.float32, seed=3), _randn(3, 80, dtype=torch.float32, seed=4)
+
+    def calls(a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+        out = [ops.linear(x_train, a).detach()]  # (a gradient recorded where a is the parameter)
+        with torch.no_grad():
+            for _ in range(gemm_packed.PACK_AFTER_CALLS + 2):  # a decode loop's: remembered, grouped
+                decode = [ops.linear(x_decode, a), *ops.linears(x_decode, [a, b])]
+        return out + decode
+
+    calls(w1, w2)
+    (ops.linear(x_train, w1).sum() + ops.linear(x_train, w2).sum()).backward()  # operands laid out for the backward
+    assert _kept_for(w1)
+    versions = (w1._version, w2._version)
+    torch.optim.AdamW([w1, w2], lr=0.1, fused=True).step()
+    assert (w1._version, w2._version) == versions  # the write the precondition names: the counters did not move
+    forget_weight(w1)
+    forget_weight(w2[:10])  # a view: its storage's owner is forgotten
+    assert _kept_for(w1) == _kept_for(w2) == []
+    assert gemm_laid_out._HELD_BYTES.total == _held_bytes()
+    got, fresh = calls(w1, w2), calls(w1.detach().clone(), w2.detach().clone())
+    assert all(torch.equal(a, b) for a, b in zip(got, fresh, strict=True))
+
+
+@pytest.mark.parametrize("handle", ["data", "parameter's source"])
+def test_forget_weight_takes_any_tensor_on_the_weights_memory(handle):
+    """The write ``forget_weight`` exists for goes through ``w.data``, so users pass it; and a parameter made from a
+    tensor shares that tensor's memory: either reaches what the kernels keep for the weight (it did nothing: both
+    are other tensor objects than the weight, and neither is a view of it)."""
+    source = _randn(256, 64, dtype=torch.float32, seed=7)
+    w = torch.nn.Parameter(source)
+    x = _randn(1, 64, dtype=torch.float32, seed=8)
+    with torch.no_grad():
+        for _ in range(gemm_packed.PACK_AFTER_CALLS + 2):
+            cpu_exact.linear(x, w)
+        w.data.mul_(2)  # no version bump
+        forget_weight(w.data if handle == "data" else source)
+        assert _kept_for(w) == []
+        assert torch.equal(cpu_exact.linear(x, w), cpu_exact.linear(x, w.detach().clone()))
+
+
+def test_forget_weight_beside_the_kernels_on_other_threads():
+    """``forget_weight`` on two threads while a third runs the kernels on the weight (the kept-bytes count is shared
+    by every thread): no error, and once the weight is gone the count is what the other weights hold."""
+    import sys
+    import threading
+
+    w, x = _randn(64, 32, dtype=torch.float32, seed=9), _randn(1, 32, dtype=torch.float32, seed=10)
+    errors, stop = [], threading.Event()
+
+    def loop(work) -> None:
+        try:
+            while not stop.is_set():
+                work()
+        except Exception as error:  # noqa: BLE001 -- any error is the finding
+            errors.append(error)
+            stop.set()
+
+    def kernels() -> None:
+        with torch.no_grad():
+            w.add_(0.0)  # a new version: laid out again
+            cpu_exact.linear(x, w)
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the interleavings the race needs
+    try:
+        threads = [threading.Thread(target=loop, args=(f,)) for f in (kernels, lambda: forget_weight(w),
+                                                                      lambda: forget_weight(w))]
+        for t in threads:
+            t.start()
+        stop.wait(2.0)
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert errors == []
+    forget_weight(w)
+    assert gemm_laid_out._HELD_BYTES.total == _held_bytes()
+
+
+def test_forget_weight_names_a_non_tensor():
+    with pytest.raises(TypeError, match="forget_weight: weight must be a torch.Tensor, got list"):
+        forget_weight([1.0])
 
 
 SMALL_AND_LARGE_LAYERS = [(64, 176, True), (176, 64, True), (576, 192, True), (576, 576, False), (1536, 576, False)]

@@ -627,6 +627,30 @@ def test_compiled_mode_without_a_compiler_is_one_clear_error(tmp_path):
     assert "no C++ compiler on PATH" in done.stderr
 
 
+def test_compiled_mode_whose_build_failed_fails_again_and_the_cli_says_so_in_one_line(monkeypatch, capsys):
+    """The first call raised; the state it left said mode python, so every later call in the process quietly ran the
+    torch ops (and ``status`` named a setting the user never made). The CLI gave a traceback and exit 1 (a mismatch's
+    code), where a machine that cannot build is exit 3."""
+    from vexact.cli import EXIT_ENVIRONMENT, main
+
+    def no_build(name, directory):
+        raise RuntimeError("no C++ compiler on PATH (looked for c++ and g++)")
+
+    monkeypatch.setenv(compiled_loops.LOOPS_ENV, "compiled")
+    monkeypatch.setattr(compiled_loops, "_state", {})
+    monkeypatch.setattr(compiled_loops, "_import_built", lambda name, directory: None)
+    monkeypatch.setattr(compiled_loops, "_build", no_build)
+    for _ in range(2):
+        with pytest.raises(compiled_loops.LoopsBuildError, match="compiled, but the compiled loops did not build"):
+            compiled_loops.library()
+    code = main(["check", "--preset", "tiny", "--backend", "exact", "--wide-hidden", "0", "--num-prompts", "2",
+                 "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == EXIT_ENVIRONMENT and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("error: VEXACT_CPU_LOOPS=compiled, but the compiled loops did not build (RuntimeError: no "
+                          "C++ compiler"), err
+
+
 @pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ("exp", "log", "cos", "sqrt"))

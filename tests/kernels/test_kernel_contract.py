@@ -16,7 +16,7 @@ import vexact_kernels
 from vexact.engine.model import ModelConfig, Transformer
 from vexact.real.op_plan import OpRecorder, _PlanTracer
 from vexact.rl.inject import precision_ops
-from vexact_kernels import OP_NAMES, KernelOps, cpu_exact, native
+from vexact_kernels import FUSED_OP_NAMES, OP_NAMES, KernelOps, cpu_exact, native
 
 
 def _contract_violations(ops: object) -> list[str]:
@@ -81,14 +81,25 @@ def test_the_contract_check_catches_a_missing_op_and_a_changed_signature():
                                              "'bias']"]
 
 
-@pytest.mark.parametrize("name", ["cpu_exact", "triton_exact"])
+EXACT_OPS_BEYOND_THE_CONTRACT = {"cpu_exact": (), "triton_exact": ("exp",),
+                                 "moe_exact": ("rank_experts", "routing_weights", "combine")}
+"""Per exact module, its public functions outside ``OP_NAMES`` and ``FUSED_OP_NAMES`` whose results the model's
+outputs rest on: the MoE routing's exp on CUDA tensors, and the routing itself (``moe_exact``, no backend's op)."""
+
+
+@pytest.mark.parametrize("name", list(EXACT_OPS_BEYOND_THE_CONTRACT))
 def test_every_exact_op_states_its_invariance_contract(name):
-    """Each op of an exact backend says in its docstring what its output may depend on and what not ("Invariance
-    contract:"), which the op-level tests (tests/kernels/test_kernels.py, test_triton_kernels.py) check; an op
-    without one promises nothing a reader can test."""
+    """Each op of an exact backend -- the contract's, the fused ones it offers (``FUSED_OP_NAMES``) and the routing's
+    -- says in its docstring what its output may depend on and what not ("Invariance contract:"), which the op-level
+    tests (tests/kernels/test_kernels.py, test_triton_kernels.py, tests/engine/test_moe.py) check; an op without one
+    promises nothing a reader can test."""
     if name == "triton_exact":
         require_optional("triton", vexact_kernels.TRITON_PIP)
     from importlib import import_module
 
     module = import_module(f"vexact_kernels.{name}")
-    assert [op for op in OP_NAMES if "Invariance contract:" not in (getattr(module, op).__doc__ or "")] == []
+    backend_ops = () if name == "moe_exact" else (*OP_NAMES, *(op for op in FUSED_OP_NAMES if hasattr(module, op)))
+    ops = (*backend_ops, *EXACT_OPS_BEYOND_THE_CONTRACT[name])
+    assert [op for op in ops if "Invariance contract:" not in (getattr(module, op).__doc__ or "")] == []
+    if name == "cpu_exact":  # the exact CPU backend offers every fused op (its docstring is the docs' text for it)
+        assert all(hasattr(module, op) for op in FUSED_OP_NAMES)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_optional
 
-from vexact_kernels import cpu_exact, moe_exact
+from vexact_kernels import TRITON_PIP, cpu_exact, get_ops, moe_exact
 from vexact_kernels.host_guard import MODES
 
 G = torch.Generator().manual_seed(0)
@@ -65,6 +66,14 @@ BAD = [
     (lambda ops: ops.attention(Q, K.bfloat16(), V, START, 0.3), TypeError, "k_cache has dtype bfloat16"),
     (lambda ops: ops.attention(Q.double(), K.double(), V.double(), START, 0.3), TypeError, "q has dtype float64"),
     (lambda ops: ops.attention(Q[:0], K[:0], V[:0], START[:0], 0.3), ValueError, "no sequences"),
+    (lambda ops: ops.attention(Q, K[:, :0], V[:, :0], START, 0.3), ValueError, "the cache holds no position"),
+    (lambda ops: ops.attention(Q, K, V, START, None), TypeError, "attention: scale must be a Python float"),
+    (lambda ops: ops.attention(Q, K, V, START, torch.tensor(0.3)), TypeError, "scale must be a Python float"),
+    (lambda ops: ops.rms_norm(X, _r(16), "a"), TypeError, "rms_norm: eps must be a Python float, got str"),
+    (lambda ops: ops.rms_norm(X, _r(16), torch.tensor(1e-6)), TypeError, "eps must be a Python float, got Tensor"),
+    (lambda ops: ops.token_logprobs(LOGITS, torch.tensor([0, 3, 11, 2])), ValueError,
+     "target ids must lie in [0, V), V = 11 (logits' last dimension), got ids in [0, 11]"),
+    (lambda ops: ops.token_logprobs(LOGITS, torch.tensor([0, -1, 10, 2])), ValueError, "got ids in [-1, 10]"),
     (lambda ops: ops.log_softmax(LOGITS.int()), TypeError, "log_softmax: logits has dtype int32"),
     (lambda ops: ops.log_softmax(LOGITS.double()), TypeError, "log_softmax: logits has dtype float64"),
     (lambda ops: ops.log_softmax(_r(4, 0)), ValueError, "logits needs a last dimension"),
@@ -181,6 +190,25 @@ def test_an_empty_batch_of_rows_is_an_empty_result(mode):
         x, w = _r(0, 16).to(dtype).requires_grad_(), W.to(dtype, copy=True).requires_grad_()
         ops.linear(x, w).sum().backward()
         assert x.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", *MODES])
+def test_no_queries_are_an_empty_output_on_every_backend(backend):
+    """Attention of T = 0 queries (``q_start`` 0 for both sequences, and 0 and 2) is [B, 0, Hq, hd] in q's dtype on
+    every backend (the exact CPU one in each guard mode; it failed inside its tiles where no query reaches past the
+    cache), and its gradients are zero: q's empty, the keys' and values' all zeros, as native's."""
+    if backend == "triton":
+        require_optional("triton", TRITON_PIP)
+    ops = get_ops(backend, "cpu") if backend in ("native", "triton") else cpu_exact.ops_in_mode(backend)
+    for start in (torch.tensor([0, 0]), START):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in (Q[:, :0], K, V))
+            with torch.no_grad():
+                out = ops.attention(q, k, v, start, 0.3)
+            assert out.shape == (2, 0, 4, 8) and out.dtype == dtype
+            ops.attention(q, k, v, start, 0.3).sum().backward()
+            assert q.grad.shape == q.shape and q.grad.dtype == dtype
+            assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
 
 
 @pytest.mark.parametrize("retain_graph", [False, True])

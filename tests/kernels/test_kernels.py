@@ -24,6 +24,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 # Correctness vs native (not exactness): fp32 kernels differ only in summation order.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
+TORCH_GRAIN = 32768
+"""torch's CPU parallel grain (``at::internal::GRAIN_SIZE``): a row wider than this has its reduction split over the
+threads by a plain torch sum or mean (other bits at another thread count), a hazard every host reaches; below it a
+plain-torch mutant of an exact kernel may give each row the same bits (on the AMD EPYC, torch's mean + rsqrt does:
+its vector and scalar rsqrt agree)."""
+WIDE_ROW = 40000  # a row past the grain, in few rows (the tests' time on CI's two cores)
+
 
 # Both paths of every op: the guard's choice on this host (the fast library path wherever its probe
 # passed) and the by-construction fallback forced everywhere -- so each is tested on every host.
@@ -72,10 +79,10 @@ def test_linear_invariance(dtype, k, n, exact):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 100, 576, 1000])
+@pytest.mark.parametrize("d", [64, 100, 576, 1000, WIDE_ROW])
 def test_rms_norm_invariance(dtype, d, exact):
     g = torch.Generator().manual_seed(d)
-    x = (torch.randn(70, d, generator=g) * 3).to(dtype)
+    x = (torch.randn(8 if d > TORCH_GRAIN else 70, d, generator=g) * 3).to(dtype)
     w = torch.randn(d, generator=g).to(dtype)
     _rows_invariant(exact.rms_norm, x, w, 1e-6)
     torch.testing.assert_close(exact.rms_norm(x, w, 1e-6), native.rms_norm(x, w, 1e-6), **TOL[dtype])
@@ -92,27 +99,30 @@ def test_log_softmax_invariance(dtype, v, exact):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_token_logprobs_invariance(dtype, exact):
+@pytest.mark.parametrize("v", [1001, WIDE_ROW])
+def test_token_logprobs_invariance(dtype, v, exact):
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(50, 1001, generator=g) * 4).to(dtype)
-    t = torch.randint(0, 1001, (50,), generator=g)
-    reference = [exact.token_logprobs(x[i : i + 1], t[i : i + 1])[0] for i in range(50)]
-    for threads in THREADS:
-        with num_threads(threads):
-            out = exact.token_logprobs(x, t)
-            assert all(torch.equal(out[i], reference[i]) for i in range(50))
+    rows = 8 if v > TORCH_GRAIN else 50
+    x = (torch.randn(rows, v, generator=g) * 4).to(dtype)
+    t = torch.randint(0, v, (rows,), generator=g)
+    # half the targets each row's likeliest token: its log-prob is minus the log-normalizer alone (0 - log sum exp),
+    # where a few ulps of the sum show (beside a target's logit of a larger magnitude they mostly round away)
+    t[::2] = x[::2].argmax(-1)
+    # rows picked by index, each row's logits with its own target
+    _rows_invariant(lambda picked: exact.token_logprobs(x[picked], t[picked]), torch.arange(rows))
     # bitwise the same as gathering from log_softmax: one definition of a token's log-prob
     assert torch.equal(exact.token_logprobs(x, t), exact.log_softmax(x).gather(-1, t[:, None])[:, 0])
     torch.testing.assert_close(exact.token_logprobs(x, t), native.token_logprobs(x, t), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("v", [14, 1000, 32003])
+@pytest.mark.parametrize("v", [14, 1000, 32003, WIDE_ROW])
 def test_entropy_invariance(dtype, v, exact):
     """A row's entropy alone == in a batch of any size, at any position, at any thread count (its docstring's
     contract); close to the fp64 value."""
     g = torch.Generator().manual_seed(v + 1)
-    log_probs = native.log_softmax((torch.randn(40, v, generator=g) * 4).to(dtype)).to(dtype)
+    rows = 8 if v > TORCH_GRAIN else 40
+    log_probs = native.log_softmax((torch.randn(rows, v, generator=g) * 4).to(dtype)).to(dtype)
     _rows_invariant(exact.entropy, log_probs)
     lp = log_probs.double()
     torch.testing.assert_close(exact.entropy(log_probs).double(), -(lp.exp() * lp).sum(-1), atol=1e-4, rtol=1e-4)
@@ -168,8 +178,8 @@ def _ragged_attention_inputs(dtype, lengths, q_heads=4, kv_heads=2, head_dim=16,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 2), (4, 4), (9, 3)])
 def test_attention_invariance(dtype, q_heads, kv_heads, exact):
-    """Decode at position t == prefill row t; a sequence alone == in a batch; cache garbage
-    beyond a query's position and the thread count never matter."""
+    """Decode at position t == prefill row t, and a chunk of rows from q_start > 0 those rows; a sequence alone == in
+    a batch; cache garbage beyond a query's position and the thread count never matter."""
     lengths = [1, 7, 64, 65, 130, 3]
     q, k, v = _ragged_attention_inputs(dtype, lengths, q_heads, kv_heads)
     scale = 0.25
@@ -189,11 +199,45 @@ def test_attention_invariance(dtype, q_heads, kv_heads, exact):
     decode = exact.attention(q_last, k, v, positions, scale)
     for b, n in enumerate(lengths):
         assert torch.equal(decode[b, 0], prefill[b, n - 1])
+    # chunked prefill: T > 1 queries from q_start > 0 (a chunk across a 64-key tile's edge, and ragged starts) are
+    # the one-shot prefill's rows
+    for start, stop in ((5, 12), (60, 70), (64, 130)):
+        chunk = exact.attention(q[:, start:stop], k, v, torch.full((len(lengths),), start), scale)
+        assert torch.equal(chunk, prefill[:, start:stop]), f"chunk {start}:{stop} != prefill rows"
+    starts = torch.tensor([0, 5, 61, 64, 120, 2])
+    rows = starts[:, None] + torch.arange(4)
+    chunk = exact.attention(q[torch.arange(len(lengths))[:, None], rows], k, v, starts, scale)
+    assert torch.equal(chunk, prefill[torch.arange(len(lengths))[:, None], rows]), "ragged chunks != prefill rows"
     # garbage after the query position
     k2, v2 = k.clone(), v.clone()
     k2[:, 40:], v2[:, 40:] = 1e3, -1e3
     assert torch.equal(exact.attention(q[:, :40], k2, v2, zero, scale), prefill[:, :40])
     torch.testing.assert_close(prefill, native.attention(q, k, v, zero, scale), **TOL[dtype])
+
+
+@pytest.mark.parametrize("length", [6, 64, 70])
+def test_attention_query_past_the_cache_end_sees_the_whole_cache(length, exact):
+    """The contract (and the Triton and native kernels): a query past the cache's end sees the whole cache. The CPU
+    kernel counted the zero keys it pads past the cache as visible, diluting the softmax (|diff| 0.28 at L = 6).
+    Such a query is the query at the cache's last position, bit for bit, with and without a gradient, and a
+    sequence past the end leaves its batch's other rows' bits as they are alone."""
+    q, k, v = _ragged_attention_inputs(torch.float32, [3, 3], kv_heads=2)
+    k, v = k[:, :length], v[:, :length]
+    last = exact.attention(q[:, :1], k, v, torch.full((2,), length - 1), 0.3)
+    for start in (length, length + 5, length + 200):
+        past = torch.tensor([start, length - 1])
+        out = exact.attention(q[:, :1], k, v, past, 0.3)
+        assert torch.equal(out, last), start
+        leaves = [t.clone().requires_grad_() for t in (q[:, :1], k, v)]
+        assert torch.equal(exact.attention(*leaves, past, 0.3).detach(), last)
+    span = exact.attention(q, k, v, torch.tensor([length - 2, 0]), 0.3)  # rows at L-2, L-1, L (past the end)
+    for t in (1, 2):  # both see every key: each is its query decoded at the last position
+        at_last = exact.attention(q[:1, t : t + 1], k[:1], v[:1], torch.tensor([length - 1]), 0.3)
+        assert torch.equal(span[0, t], at_last[0, 0]), t
+    alone = exact.attention(q[1:], k[1:], v[1:], torch.tensor([0]), 0.3)
+    assert torch.equal(span[1], alone[0])
+    reference = native.attention(q, k, v, torch.tensor([length - 2, 0]), 0.3)
+    torch.testing.assert_close(span, reference, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -321,10 +321,15 @@ def test_embedding_invariance(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_elementwise_invariance(dtype):
+    """An element's bits alone == in a larger tensor: the slices taken here sit past the first interpreter block
+    (4,096 elements; ``_ELEMENTWISE_BLOCK``), at another offset within theirs."""
     g = _gen(6)
-    gate, up = _randn(g, 2, 6, 300, dtype=dtype, scale=4)
+    gate, up = _randn(g, 2, 6, 700, dtype=dtype, scale=4)  # 8,400 elements: three blocks
     full = exact.silu_mul(gate, up)
     assert torch.equal(exact.silu_mul(gate[1:, 2:3], up[1:, 2:3]), full[1:, 2:3])
+    if dtype == torch.float32:  # (the routing's exp takes fp32 only)
+        logits = gate.float() - 8
+        assert torch.equal(exact.exp(logits[1, 4:6]), exact.exp(logits)[1, 4:6])
     x = _randn(g, 3, 9, 4, 16, dtype=dtype)
     cos, sin = _randn(g, 2, 3, 9, 8)
     full = exact.rope(x, cos, sin)

@@ -253,3 +253,21 @@ def test_out_of_memory_is_one_error_line_and_exit_3(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(bias_meter, "run_meter", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # any other RuntimeError stays a traceback: a bug to see
         main(["meter", str(tmp_path / "m.yaml"), "--output-dir", str(tmp_path / "out")])
+
+
+def test_a_cell_on_a_device_this_machine_lacks_is_refused_before_any_file(tmp_path, monkeypatch):
+    """A meter file's ``set: {device: cuda}`` (or one source's) was refused only at its cell's work: after the first
+    progress line, with the output folder made."""
+    from vexact.engine import devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)  # a machine without CUDA, whatever this one has
+    (tmp_path / "base.yaml").write_text(json.dumps(TINY))
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1, 2]\nbatches: 2\nsources: {noise: {inject.mode: "
+                         "logit_noise, inject.sigma: 0.3}, gpu: {inject.mode: logit_noise, inject.sigma: 0.3, device: "
+                         "cuda}}\n")
+    logged = []
+    with pytest.raises(ValueError, match=r"^meter 'm', horizon 1, source 'gpu': config error at 'device': 'cuda' "
+                                         r"needs CUDA"):
+        run_meter(load_meter_spec(spec_path, tmp_path / "out"), log=logged.append)
+    assert logged == [] and not (tmp_path / "out").exists()

@@ -42,7 +42,8 @@ def _run(tmp: Path, name: str, lengths: dict[int, float], clips: dict[int, float
         if clips is not None:
             row["response_length/clip_ratio"] = _from(clips, step)
         metrics.append(row)
-    collapse = {"collapsed": collapsed, "collapse_step": COLLAPSE if collapsed else None, "peak_reward": 0.8,
+    collapse = {"collapsed": collapsed, "collapse_step": COLLAPSE if collapsed else None,
+                "collapse_reason": "reward_drop" if collapsed else None, "peak_reward": 0.8,
                 "peak_step": 20, "length_surge_step": surge,
                 "criteria": {"metric": "eval/reward_mean", "drop": 0.5, "patience": 20, "smoothing": 3}}
     summary = {"status": "completed", "collapse": collapse}
@@ -98,3 +99,17 @@ def test_a_horizon_says_which_failure_its_threshold_measures(tmp_path):
     assert [r["point"] for r in rows] == ["a", "b", "c"]
     assert failure_summary(rows) == ("failure kinds of 3 collapse(s): length lost 2, reward lost at intact length 1; "
                                      "a length surge before 1 of 3")
+
+
+def test_only_a_reward_drop_from_a_positive_peak_is_classified(tmp_path):
+    """A collapse on another trigger (k3_kl, a NaN grad norm) is no reward fall, and from a peak of 0 every value
+    sits at the drop at once: none gets a kind (the k3_kl run at reward 0 read as "limit overrun, fall at step 0")."""
+    for reason in ("k3_kl", "non_finite", "grad_norm"):
+        p = _run(tmp_path, reason, {0: 80, 60: 165}, {0: 0.02, 60: 0.5})
+        p.summary["collapse"]["collapse_reason"] = reason
+        assert failure_of(p) is None
+    zero = _run(tmp_path, "zero", {0: 80, 60: 165}, {0: 0.02, 60: 0.5})
+    zero.summary["collapse"].update(peak_reward=0.0, collapse_reason="reward_drop")
+    assert failure_of(zero) is None
+    assert failure_table([zero]) == [] and failure_summary([]) == "failure kinds: no reward-drop collapse"
+    assert horizon_failures([zero]) == {"failure_kinds": {}, "surge_before_collapse": 0, "collapsed_classified": 0}

@@ -519,6 +519,45 @@ def test_build_map_cli(tmp_path, capsys):
     assert build.main(["build-map", str(out), str(tmp_path / "absent.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: map file not found") and len(err.strip().splitlines()) == 1
+    # a filter or a detector with map files only: nothing to filter or judge again (each was recorded as applied)
+    assert build.main(["build-map", str(out), *files, "--only", "task.max_len=8"]) == 2
+    assert capsys.readouterr().err == ("error: --only applies to the runs of sweep directories, and none was given "
+                                       "(only map files): nothing would be filtered or judged again\n")
+    assert build.main(["shape", str(tmp_path)]) == 2  # a folder: was "map file not found"
+    assert capsys.readouterr().err == (f"error: '{tmp_path}' is a directory: give a map file (a sweep's "
+                                       "report/scaling.json, or build-map's)\n")
+
+
+@pytest.mark.slow
+def test_the_shipped_map_is_what_its_command_builds_from_the_kept_logs(tmp_path, monkeypatch):
+    """The shipped map's ``made_by`` (the map itself, then the sweeps it names), run on the kept logs of those sweeps
+    (docs/results/data), rebuilds it exactly but for ``made_by``'s output path: a wording change in what the build
+    writes (a horizon's note) no longer leaves the shipped file behind unnoticed."""
+    import shlex
+    import tarfile
+
+    data = Path(__file__).resolve().parents[2] / "docs" / "results" / "data"
+    shipped = json.loads(verdict.DEFAULT_MAP.read_text())
+    argv = shlex.split(shipped["provenance"]["made_by"])
+    assert argv[:6] == ["python", "-m", "vexact.map", "build-map", "vexact/map/default_map.json",
+                        "vexact/map/default_map.json"]
+    sweeps = argv[6:]
+    for sweep in sweeps:  # its own tarball, else the one that holds it (a control sweep beside its sweep)
+        name = Path(sweep).name
+        tarball = data / f"{name}.tar.gz"
+        if not tarball.is_file():
+            tarball = next(t for t in sorted(data.glob("*.tar.gz"))
+                           if any(m.split("/")[0] == name for m in tarfile.open(t).getnames()))
+        with tarfile.open(tarball) as tar:
+            tar.extractall(tmp_path / "runs" / "sweeps", filter="data")
+    (tmp_path / argv[5]).parent.mkdir(parents=True)  # the input under its own path: the provenance names it
+    (tmp_path / argv[5]).write_text(verdict.DEFAULT_MAP.read_text())
+    monkeypatch.chdir(tmp_path)
+    assert build.main(["build-map", "rebuilt.json", argv[5], *sweeps]) == 0
+    rebuilt = json.loads((tmp_path / "rebuilt.json").read_text())
+    for m in (rebuilt, shipped):
+        m["provenance"].pop("made_by")
+    assert rebuilt == shipped
 
 
 def test_the_shipped_map_is_made_by_build_map():
@@ -618,6 +657,41 @@ def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
     assert verdict.BOUND_ASSUMPTION in "\n".join(verdict.map_lines(survived, m))
     untested = verdict.placement(m, 6.0, 2.0, "bypass")  # above the survival, and the law crosses it: unknown
     assert untested["verdict"].startswith("not placed: your k3 is above the largest level tested without collapse")
+
+
+def test_a_threshold_measured_nearer_the_users_t_wins_over_a_neighbours_bound():
+    """The shipped bypass curve's two longest horizons: a threshold 0.0021 [0.0013, 0.0032] fitted at T = 433 (3 of 3
+    runs held at k3 1.2e-3), and T = 516, where 5 of 6 runs collapsed from k3 0.00077 (a bound: the fit puts the 50%
+    point below that dose though one run held there). At T = 433, and wherever T = 433 is as near as T = 516 or
+    nearer, the law fitted to it answers, not the neighbour's bound; nearer T = 516 the bound answers, and never as
+    "above the measured collapse range" where a run held."""
+    fitted = {"horizon_value": 500, "horizon": 433.0, "status": "fitted", "threshold_50": 0.0021, "ci_low": 0.0013,
+              "ci_high": 0.0032, "runs": 7, "collapsed": 4}
+    bound = {"horizon_value": 640, "horizon": 516.0, "status": "below_range", "upper_bound": 7.7e-4, "runs": 6,
+             "collapsed": 5}
+    prefactor = math.log10(0.0021 * 433)  # α = 1 through the fitted horizon's threshold
+    curve = {"curve": "bypass", "correction": "bypass", "source": "logit_scale", "status": "fitted",
+             "log10_prefactor": prefactor, "alpha": 1.0, "horizon_range": [8.0, 516.0], "horizons": [fitted, bound],
+             "replicates": [[prefactor + d / 100, 1.0] for d in (-4, -2, 0, 2, 4)] * 40}
+    for k3 in (8e-4, 1.2e-3, 2e-3):
+        for t in (433.0, 470.0):  # 470: ln(470/433) < ln(516/470)
+            assert place_on_map(curve, k3, t, "bypass")["verdict"].startswith("near the measured collapse range;")
+    held = place_on_map(curve, 1.2e-3, 500.0, "bypass")["verdict"]  # T = 516 is the nearer: its bound answers
+    assert held.startswith("above the 50% collapse point, which the fit puts below k3 0.00077 though not every run "
+                           "collapsed: 5 of 6 runs collapsed from k3 0.00077 at T 516 (bypass)")
+    assert "above the measured collapse range" not in held
+    every = {**curve, "horizons": [fitted, {**bound, "collapsed": 6}]}
+    assert place_on_map(every, 1.2e-3, 500.0, "bypass")["verdict"].startswith(
+        "above the measured collapse range: every run collapsed from k3 0.00077 at T 516 (bypass)")
+    # a curve without a law: its one threshold at T = 400 answers at T = 410, not a no-collapse bound at T = 500
+    lawless = {"horizons": [{"status": "fitted", "horizon": 400.0, "threshold_50": 0.004, "ci_low": 0.002,
+                             "ci_high": 0.008, "runs": 6, "collapsed": 3},
+                            {"status": "above_range", "horizon": 500.0, "lower_bound": 0.05, "runs": 3,
+                             "collapsed": 0}]}
+    assert verdict._bound_verdict(lawless, "recompute", 0.01, 410.0, (400.0, 500.0)).startswith(
+        "above the measured collapse range: 50% collapse threshold k3 0.004 [0.002, 0.008] measured at T 400")
+    assert verdict._bound_verdict(lawless, "recompute", 0.01, 480.0, (400.0, 500.0)).startswith(
+        "below every level tested: no collapse measured up to k3 0.05 at T 500")
 
 
 def test_one_dose_level_near_the_users_t_is_said_but_never_placed(tmp_path):

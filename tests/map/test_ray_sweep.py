@@ -133,6 +133,37 @@ def test_ray_executor_resumes_an_interrupted_sweep(tmp_path, monkeypatch):
     assert _metrics(spec) == _metrics(reference)
 
 
+def test_a_ray_sweep_stopped_by_ctrl_c_records_its_running_points_as_interrupted(tmp_path, monkeypatch):
+    """Ctrl-C during a Ray sweep cancelled its tasks and left their points "pending" in sweep.json; the point that
+    ran is now recorded as interrupted (as --jobs records it), and the one Ray had not started yet stays pending."""
+    import time
+
+    from rich.console import Console
+    from test_sweep_faults import _sweep_file as fast_sweep_file
+
+    spec = load_sweep_spec(fast_sweep_file(tmp_path, "stop", grid={"seed": [0, 1]}, steps=500))
+    running = spec.points[0].run_dir
+
+    def stop_once_running(names):  # Ctrl-C, once the first point's run has begun (1 CPU: the second waits)
+        deadline = time.monotonic() + 300
+        while not running.exists():
+            assert time.monotonic() < deadline, "the first point did not start"
+            time.sleep(0.1)
+        raise KeyboardInterrupt
+
+    real_run_points = ray_executor.run_points
+    monkeypatch.setattr(ray_executor, "run_points", lambda *args, **kwargs: real_run_points(
+        *args, **{**kwargs, "on_running": stop_once_running}))
+    assert ray_executor.start(None, num_cpus=1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_sweep(spec, console=Console(quiet=True), executor="ray")
+    finally:
+        ray_executor.stop()
+    index = json.loads((spec.output_dir / "sweep.json").read_text())
+    assert [p["status"] for p in index["points"]] == ["interrupted", "pending"]
+
+
 def test_loopback_check_recognises_addresses():
     assert _is_loopback("127.0.0.1:6379") and _is_loopback("::ffff:127.0.0.1:6379") and _is_loopback("::1:80")
     assert not _is_loopback("0.0.0.0:6379") and not _is_loopback(":::6379") and not _is_loopback("192.0.2.2:1")

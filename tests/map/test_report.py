@@ -31,7 +31,7 @@ STEPS = 30
 
 def _collapse(collapsed: bool, k3: float, dlogp: float, peak: float, final: float, step: int | None = None,
               lead: int | None = None) -> dict:
-    return {"collapsed": collapsed, "collapse_step": step, "collapse_reason": "reward drop" if collapsed else None,
+    return {"collapsed": collapsed, "collapse_step": step, "collapse_reason": "reward_drop" if collapsed else None,
             "peak_reward": peak, "peak_step": 8, "final_reward": final, "initial_reward": 0.2, "mean_k3_kl": k3,
             "mean_abs_dlogp": dlogp, "mean_k3_kl_before_collapse": k3 / 2 if collapsed else None,
             "length_surge_step": step - lead if lead is not None else None, "length_surge_lead": lead,
@@ -502,3 +502,77 @@ def test_unconfirmed_drops_get_their_own_column_only_when_there_are_some(tmp_pat
     _make_sweep(tmp_path / "none_late", points, {"inject.value": [0.5, 0.1], "seed": [0, 1]})
     write_report(tmp_path / "none_late", console=Console(file=io.StringIO()))
     assert "unconfirmed" not in (tmp_path / "none_late" / "report" / "table.md").read_text()
+
+
+# ----------------------------------------------------------------------------- user text, and hand-edited sweep.json
+
+
+def test_user_text_is_printed_as_text_not_markup(tmp_path: Path) -> None:
+    """A sweep error holding "[/data/shard-7]" ended the report (and vexact sweep, demo) with a MarkupError; a name
+    like exp[v2] lost its "[v2]", and a value "[batch, seq, hidden]" vanished from its cell."""
+    points = [{"overrides": {"inject.mode": "[batch, seq, hidden]", "seed": 0}, "status": "failed",
+               "error": "OSError: cannot read [/data/shard-7]"},
+              {**_point(0.1, 1, False, 1e-4, 0.01, 0.8, 0.75), "overrides": {"inject.mode": "[batch, seq, hidden]",
+                                                                              "seed": 1}}]
+    sweep = _make_sweep(tmp_path / "marked", points, {"inject.mode": ["[batch, seq, hidden]"], "seed": [0, 1]},
+                        name="exp[v2]")
+    console = Console(file=io.StringIO(), width=200, record=True)
+    write_report(sweep, console=console)
+    text = console.export_text()
+    assert "failed: inject.mode=[batch, seq, hidden],seed=0 -- OSError: cannot read [/data/shard-7]" in text
+    assert "exp[v2]" in text and "│ [batch, seq, hidden] │" in text
+    narrow = Console(file=io.StringIO(), width=24, record=True)  # the vertical layout too
+    print_table(narrow, "exp[v2]", [TextColumn("[group]", ["[b,s]", "[x]"]), TextColumn("[/n]", ["1", "2"]),
+                                    TextColumn("[value]", ["[batch, seq, hidden]", "3"])])
+    text = narrow.export_text()
+    assert "exp[v2] (1/2)" in text and "│ [group] │ [x] │" in text and "│ [/n]    │   2 │" in text
+
+
+def test_the_mismatch_plot_says_exact_only_for_k3_logged_finite_and_zero(tmp_path: Path) -> None:
+    """A group whose k3 was Inf at every step was labelled "k3 KL = 0 throughout"."""
+    import matplotlib.pyplot as plt
+
+    points = [_point(0.0, 0, False, 0.0, 0.0, 0.8, 0.8), _point(0.5, 0, False, 1e-3, 0.05, 0.7, 0.6)]
+    for row in points[1]["metrics"]:
+        row["rollout_corr/k3_kl"] = "inf"
+    sweep = _make_sweep(tmp_path / "inf", points, {"inject.value": [0.0, 0.5], "seed": [0]})
+    fig = sweep_figures(read_sweep_results(sweep))["mismatch_vs_step.png"]
+    labels = [t.get_text() for ax in fig.axes for legend in [ax.get_legend()] if legend for t in legend.get_texts()]
+    labels += [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    plt.close("all")
+    assert "inject.value=0: k3 KL non-finite at 1 of 30 steps; not drawable on a log axis" in labels
+    assert "inject.value=0.5: k3 KL non-finite at 30 of 30 steps; not drawable on a log axis" in labels
+
+
+def _edited_sweep(tmp_path: Path, edit) -> Path:
+    points = [_point(0.1, seed, False, 1e-4, 0.01, 0.8, 0.75) for seed in (0, 1)]
+    sweep = _make_sweep(tmp_path / "edited", points, {"inject.value": [0.1], "seed": [0, 1]})
+    spec = json.loads((sweep / "sweep.json").read_text())
+    edit(spec)
+    (sweep / "sweep.json").write_text(json.dumps(spec))
+    return sweep
+
+
+@pytest.mark.parametrize(("edit", "damage", "kept"), [
+    (lambda s: s["points"].append("oops"), "points[2] (sweep.json points[2]: 'oops', expected a point entry", 2),
+    (lambda s: s["points"][0].update(overrides=[1, 2]),
+     "(sweep.json points[0]: field 'overrides' is [1, 2], expected a mapping of keys to values or null)", 1),
+    (lambda s: s["points"][0].update(dir=5), "(sweep.json points[0]: field 'dir' is 5, expected a path string", 1),
+])
+def test_a_hand_edited_sweep_entry_is_damage_naming_it(tmp_path, edit, damage, kept) -> None:
+    """Such entries gave tracebacks, --skip-damaged or not."""
+    sweep = _edited_sweep(tmp_path, edit)
+    with pytest.raises(ValueError, match="1 damaged or unreadable point: ") as err:
+        write_report(sweep, console=Console(file=io.StringIO()))
+    assert damage in str(err.value)
+    result = write_report(sweep, console=Console(file=io.StringIO()), skip_damaged=True)
+    assert len(result["skipped"]) == 1 and result["rows"][0]["seeds"] == kept
+
+
+def test_a_hand_edited_sweep_grid_is_one_error_naming_file_and_field(tmp_path) -> None:
+    sweep = _edited_sweep(tmp_path, lambda s: s.update(grid=["a"]))
+    with pytest.raises(ValueError, match=r"edited/sweep.json: field 'grid' is \['a'\], expected a mapping"):
+        write_report(sweep, console=Console(file=io.StringIO()), skip_damaged=True)
+    sweep = _edited_sweep(tmp_path / "b", lambda s: s["grid"].update({"inject.value": "abc"}))
+    with pytest.raises(ValueError, match=r"sweep.json: field 'grid.inject.value' is 'abc', expected a list"):
+        write_report(sweep, console=Console(file=io.StringIO()))

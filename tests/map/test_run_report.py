@@ -86,6 +86,8 @@ def test_report_of_a_tiny_real_run(tiny_run: Path) -> None:
     assert text.count("report written to") == 1
     values = _summary_columns(saved)[1].cells
     assert "yes, at step 0 (k3_kl)" in values and "mismatch_triggered, decay triggered at step 1" in values
+    # a k3_kl collapse is no reward fall: no failure kind (it was read as one from the eval rows)
+    assert saved["failure"] is None and "— (a k3_kl collapse, not a reward drop)" in values
     for word in (w for cell in values for w in cell.split()):
         assert word in text, word  # at 80 columns a value wraps at spaces, never inside a number
     assert f"{saved['series']['rollout_corr/chi2_token']['mean']:.3g}" in text and "E[ρ²] − 1" in text
@@ -195,3 +197,98 @@ def test_report_on_a_finished_run_whose_log_is_empty_says_it_has_no_steps(tmp_pa
                                                       "steps_planned": 4}))
     line = _cli_error(capsys, monkeypatch, "report", str(run_dir))
     assert "metrics.jsonl holds no steps, but summary.json says 4 were completed" in line
+
+
+def _rewrite_metric(run_dir: Path, key: str, value: object, steps: range | None = None) -> None:
+    """Set ``key`` to ``value`` (as runlog writes it: "nan", "inf") in the rows of ``steps`` (all when None)."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    for row in rows:
+        if steps is None or row["step"] in steps:
+            row[key] = value
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _panel_texts(run_dir: Path, title: str) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    run = read_run(run_dir)
+    fig = run_figure(run, run_summary(run))
+    texts = [t.get_text() for ax in fig.axes if ax.get_title() == title for t in ax.texts]
+    plt.close(fig)
+    return texts
+
+
+def test_the_k3_panel_says_exact_only_for_a_k3_logged_finite_and_zero(tmp_path: Path) -> None:
+    title = PANEL_TITLES[1]
+    run_dir = _hand_built_run(tmp_path / "inf")
+    _rewrite_metric(run_dir, "rollout_corr/k3_kl", "inf")
+    assert _panel_texts(run_dir, title) == ["k3 KL non-finite at 40 of 40 steps"]  # it said "= 0 ... (exact)"
+    _rewrite_metric(run_dir, "rollout_corr/k3_kl", 0.0)
+    _rewrite_metric(run_dir, "rollout_corr/k3_kl", "nan", range(3))
+    assert _panel_texts(run_dir, title) == ["k3 KL non-finite at 3 of 40 steps"]
+    _rewrite_metric(run_dir, "rollout_corr/k3_kl", 0.0)
+    assert _panel_texts(run_dir, title) == ["k3 KL = 0 at every step (exact)"]
+
+
+def test_series_count_nan_and_keep_metrics_with_no_finite_value(tmp_path: Path) -> None:
+    """report.json's series: steps and non_finite from the raw rows (NaN counted), a metric whose every value is
+    NaN/Inf kept with null first/last/mean/min/max; the table says how many steps were not finite."""
+    run_dir = _hand_built_run(tmp_path / "nan")
+    _rewrite_metric(run_dir, "actor/grad_norm", "nan", range(30, 40))
+    _rewrite_metric(run_dir, "actor/grad_norm", "inf", range(38, 40))
+    _rewrite_metric(run_dir, "rollout_corr/k3_kl", "nan")
+    console = Console(file=io.StringIO(), width=200, record=True)
+    series = write_run_report(run_dir, console)["summary"]["series"]
+    assert series["actor/grad_norm"] == {"steps": 40, "non_finite": 10, "first": 1.0, "last": 1.0, "mean": 1.0,
+                                         "min": 1.0, "max": 1.0}
+    assert series["rollout_corr/k3_kl"] == {"steps": 40, "non_finite": 40, "first": None, "last": None,
+                                            "mean": None, "min": None, "max": None}
+    saved = json.loads((run_dir / "report" / "report.json").read_text())
+    assert saved["series"]["rollout_corr/k3_kl"]["non_finite"] == 40
+    assert "1 → 1 (min 1, max 1; non-finite at 10 of 40 steps)" in console.export_text()
+
+
+def test_skipped_damaged_summary_says_so_not_pending(tmp_path: Path) -> None:
+    """--skip-damaged on a finished run whose summary.json is empty: its status is unknown, not "pending", and it
+    is not said to be running or killed."""
+    run_dir = _hand_built_run(tmp_path / "empty")
+    (run_dir / "summary.json").write_text("")
+    s = write_run_report(run_dir, Console(file=io.StringIO()), skip_damaged=True)["summary"]
+    assert s["status"] == "summary.json damaged"
+    assert s["collapse_source"] == "recomputed from metrics.jsonl (summary.json damaged)"
+    assert any(n.startswith("left out, damaged (--skip-damaged): summary.json") for n in s["notes"])
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda s: s.update(collapse="yes"), "field 'collapse' is 'yes', expected a mapping or null"),
+    (lambda s: s.update(lr_schedule=[1]), "field 'lr_schedule' is [1], expected a mapping or null"),
+    (lambda s: s["collapse"].update(criteria="x"), "field 'collapse.criteria' is 'x', expected a mapping or null"),
+    (lambda s: s["collapse"]["criteria"].update(smoothing="inf"),
+     "field 'collapse.criteria.smoothing' is inf, expected a whole number >= 1 or null"),
+    (lambda s: s["lr_schedule"].update(trigger_step="abc"),
+     "field 'lr_schedule.trigger_step' is 'abc', expected a step number or null"),
+    (lambda s: s["collapse"].update(collapse_step="five"),
+     "field 'collapse.collapse_step' is 'five', expected a number or null"),
+])
+def test_a_hand_edited_summary_field_is_one_error_naming_file_and_field(tmp_path, capsys, monkeypatch, edit,
+                                                                         field) -> None:
+    run_dir = _hand_built_run(tmp_path / "edited")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    edit(summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    line = _cli_error(capsys, monkeypatch, "report", str(run_dir))
+    assert f"summary.json: not a readable run summary ({field})" in line
+    assert main(["report", "--skip-damaged", str(run_dir)]) == 0  # what is readable: the metrics
+    assert json.loads((run_dir / "report" / "report.json").read_text())["status"] == "summary.json damaged"
+
+
+def test_names_and_reasons_are_printed_as_text_not_markup(tmp_path: Path) -> None:
+    """A run named exp[v2] was shown as "run exp"; a reason with "[/user]" ended the report with a MarkupError."""
+    run_dir = _hand_built_run(tmp_path / "marked")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.update(name="exp[v2]", status="stopped", reason="stopped by [/user] request [batch, seq, hidden]")
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    console = Console(file=io.StringIO(), width=200, record=True)
+    write_run_report(run_dir, console)
+    text = console.export_text()
+    assert "run exp[v2]" in text and "stopped: stopped by [/user] request [batch, seq, hidden]" in text

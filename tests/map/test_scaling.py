@@ -314,6 +314,18 @@ def test_scatter_about_the_line_widens_the_alpha_interval():
     assert set(scattered["alpha_leave_one_out"]) == {str(int(t)) for t in ts}
 
 
+def test_the_laws_note_gives_the_range_of_its_fitted_horizons():
+    """The law is fitted to the horizons with a threshold; a bound at a shorter or longer T is measured (it stays in
+    ``horizon_range``) but not in the fit, so the note's "over N horizons with a fitted threshold (T = a .. b)" is
+    the fitted horizons' range (the shipped map said T = 5 .. 516 for fitted horizons at T = 8 .. 433)."""
+    horizons = _horizons({8.0: 0.1, 16.0: 0.05, 32.0: 0.025})
+    horizons += [{"horizon_value": 1, "horizon": 5.0, "status": "above_range", "lower_bound": 2.0},
+                 {"horizon_value": 640, "horizon": 516.0, "status": "below_range", "upper_bound": 7.7e-4}]
+    law = fit_law(horizons)
+    assert law["status"] == "fitted" and law["horizon_range"] == [5.0, 516.0]
+    assert "over 3 horizons with a fitted threshold (T = 8 .. 32)" in law["note"]
+
+
 def _saturating_curve() -> dict:
     """A curve whose thresholds level off at 1e-3 (1e-3 + 0.8 / T, T = 8 .. 128, tight intervals): the power law and
     the saturating shape part far beyond T = 128."""

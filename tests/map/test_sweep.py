@@ -122,6 +122,37 @@ def test_parallel_workers_and_report(tmp_path):
     assert main(["report", str(tmp_path)]) == 2  # not a sweep directory: one clear error
 
 
+def test_a_workers_share_of_the_cores_is_its_points_threads_and_another_jobs_resumes_it(tmp_path, monkeypatch):
+    """``--jobs N`` gives each worker cores // N torch threads; the Trainer then set its own default over them (every
+    core for a large model), so N workers took every core each. The share is now the point's ``threads`` when the
+    point leaves it unset and the default is more, recorded in its config.yaml, and a re-run with other --jobs still
+    resumes the point."""
+    import torch
+
+    from vexact.rl import trainer
+
+    real_step, seen = Trainer.step, []
+
+    def step(self, s):
+        seen.append(torch.get_num_threads())
+        return real_step(self, s)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    spec = load_sweep_spec(_fast_sweep_file(tmp_path, "thr", grid={"seed": [0, 1]}, steps=1))
+    small, large = spec.points
+    assert sweep_module._run_point(small.config.to_dict(), False, 2)["status"] == "completed"
+    assert seen == [1] and yaml.safe_load((small.run_dir / "config.yaml").read_text())["threads"] is None
+    monkeypatch.setattr(trainer, "default_threads", lambda cfg: 8)  # a large model on 8 cores
+    assert sweep_module._run_point(large.config.to_dict(), False, 2)["status"] == "completed"
+    assert seen == [1, 2] and yaml.safe_load((large.run_dir / "config.yaml").read_text())["threads"] == 2
+    monkeypatch.undo()  # the real default again (1), and the real step
+    # one more step, run here (no --jobs): the sweep's check of its started points and the point's resume let the
+    # thread count differ
+    spec = load_sweep_spec(_fast_sweep_file(tmp_path, "thr", grid={"seed": [0, 1]}, steps=2))
+    assert run_sweep(spec, console=Console(quiet=True)) == {"seed=0": "completed", "seed=1": "completed"}
+    assert [r["step"] for r in read_metrics(spec.points[1].run_dir / "metrics.jsonl")] == [0, 1]
+
+
 def test_variants_bundle_overrides_and_cross_the_grid(tmp_path):
     variants = {"none": {}, "tis_decay": {"correction.method": "token_tis", "lr_schedule.kind": "length_triggered"}}
     spec = load_sweep_spec(_sweep_file(tmp_path, "v", grid={"seed": [0, 1]}, variants=variants))

@@ -201,6 +201,35 @@ def test_output_paths_that_are_files_are_refused_before_any_work(tmp_path, capsy
     assert not spec.points[0].run_dir.exists()  # nothing ran
 
 
+def test_a_single_runs_directory_is_refused_as_a_sweeps_output(tmp_path, capsys, monkeypatch):
+    """vexact sweep / demo into a run's folder (metrics.jsonl or summary.json, no sweep.json) mixed a sweep into it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _write(run_dir / "metrics.jsonl", '{"step": 0}\n')
+    path = _sweep_file(tmp_path, "into_run", grid={"seed": [0]}, output_dir=str(run_dir))
+    line = _cli_error(capsys, monkeypatch, "sweep", str(path))
+    assert line == f"error: sweep into_run: {run_dir} is a run's directory (it holds metrics.jsonl); choose another " \
+                   "output_dir"
+    _write(run_dir / "summary.json", "{}")
+    line = _cli_error(capsys, monkeypatch, "demo", "--output-dir", str(run_dir))
+    assert f"{run_dir} is a run's directory (it holds metrics.jsonl and summary.json)" in line
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "summary.json"]  # nothing written
+
+
+def test_the_sweep_headline_prints_names_and_paths_as_text(tmp_path, capsys, monkeypatch):
+    """An output directory ".../a[/b]" ended vexact sweep with a MarkupError before any point ran."""
+    path = _sweep_file(tmp_path, "marked", grid={"seed": [0]}, output_dir=str(tmp_path / "a[" / "b]"))
+    spec = load_sweep_spec(path)
+    spec.points[0].run_dir.mkdir(parents=True)  # finished before: the sweep has nothing to run
+    _write(spec.points[0].run_dir / "summary.json", json.dumps({"status": "completed", "steps_planned": 2,
+                                                                "steps_completed": 2}))
+    monkeypatch.setenv("COLUMNS", "10000")
+    assert main(["sweep", str(path), "--no-report"]) == 0
+    out = capsys.readouterr().out
+    assert f"vexact sweep marked: 1 points -> {spec.output_dir}" in out
+    assert "sweep marked: 1 of 1 points already finished, skipped" in out
+
+
 def test_a_damaged_point_summary_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
     path = _sweep_file(tmp_path, "dmg", grid={"seed": [0]})
     summary = load_sweep_spec(path).points[0].run_dir / "summary.json"

@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 import pytest
-from conftest import ABSENT_ENV, CI_SECOND_VENV, TESTS, all_test_files, require_optional
+from conftest import ABSENT_ENV, CI_SECOND_VENV, TESTS, all_test_files, require_optional, run_pytest
 
 ROOT = TESTS.parent
 ABSENT = "vexact_no_such_package_xyz"
@@ -49,8 +48,7 @@ def _pytest(*args: str, ci: bool, hidden: str) -> subprocess.CompletedProcess:
     env[ABSENT_ENV] = hidden
     if ci:
         env["CI"] = "true"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_pytest("-rs", *args, cwd=ROOT, env=env)
 
 
 # (test file, one cheap test in it, the module it needs, the pip line its skip names)

@@ -179,6 +179,43 @@ def test_bypass_loss_types():
     assert c.weights[2] == 0.0  # the IcePop-zeroed token: no loss, but it stays in the token-mean's denominator
 
 
+def _bypass_loss_of(cfg: CorrectionSection, logp: torch.Tensor, roll: torch.Tensor, adv: list[float],
+                    entropy: torch.Tensor | None = None, reference: torch.Tensor | None = None, **alg):
+    """``Objective.loss_of`` in bypass mode on one flat batch of LENGTHS sequences (advantage per sequence; the
+    entropy per token, 0.5 by default; the KL reference's log-probs, if any)."""
+    from types import SimpleNamespace
+
+    from vexact.rl.config_schema import AlgorithmSection
+    from vexact.rl.objective import Anchors, Objective
+
+    objective = Objective(AlgorithmSection(old_logprobs="rollout", **alg), cfg, 1.0, exact_training=False)
+    logps = [t.detach().clone().requires_grad_(True) for t in logp.split(LENGTHS)]
+    rolls = list(roll.split(LENGTHS))
+    entropy = torch.full_like(logp, 0.5) if entropy is None else entropy
+    entropies = [t.detach().clone().requires_grad_(True) for t in entropy.split(LENGTHS)]
+    refs = None if reference is None else list(reference.split(LENGTHS))
+    batch = SimpleNamespace(responses=[[0] * n for n in LENGTHS], logprobs=rolls)
+    out = objective.loss_of(batch, [0, 1], logps, entropies, torch.tensor(adv, dtype=logp.dtype),
+                            Anchors(rolls, None, refs), False)
+    return out, logps, entropies
+
+
+@pytest.mark.parametrize("cfg", [CorrectionSection(loss_type="reinforce"), CorrectionSection(preset="bypass_pg_geo_rs",
+                                                                                              rollout_rs_threshold=2.0)],
+                         ids=["loss_type_alone", "bypass_pg_geo_rs"])
+def test_reinforce_without_is_weights_is_plain_reinforce(cfg):
+    """``loss_type: reinforce`` with no ``rollout_is`` (the key alone, or verl's rejection-only presets) is verl's
+    ``compute_policy_loss_reinforce`` with ``rollout_is_weights=None``: -A·log π_θ, no clip. It trained with the
+    PPO-clip loss, because the bypass loss was chosen only when the correction reweighted."""
+    roll = torch.tensor(RHO, dtype=torch.float64).log() - 1.0
+    logp = roll + 0.5  # ρ = e^0.5 > 1 + clip_high: PPO would clip every token (A > 0) and give no gradient
+    out, logps, _ = _bypass_loss_of(cfg, logp, roll, [1.0, 2.0])
+    adv = torch.tensor([1.0, 1.0, 1.0, 2.0, 2.0], dtype=torch.float64)
+    assert torch.equal(out.loss, (-adv * logp).sum() / 5)
+    (out.loss).backward()
+    assert torch.equal(torch.cat([t.grad for t in logps]), -adv / 5)
+
+
 @pytest.mark.parametrize("method", [m for m in CORRECTION_METHODS.names() if m != "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_mismatch_every_correction_is_exact_no_op(method, dtype):
@@ -316,3 +353,75 @@ def test_old_logprobs_is_the_one_key_and_verls_bypass_mode_is_read_into_it():
     assert correction_from_config({"algorithm": {"rollout_correction": {"rollout_is": "token"}}}) == "token_tis"
     with pytest.raises(ValueError, match="bypass_mode must be true or false"):
         correction_from_config({"algorithm": {"rollout_correction": {"bypass_mode": "yes"}}})
+
+
+def test_rejected_tokens_leave_the_entropy_and_kl_terms():
+    """A rejected token leaves every term of the loss: the entropy bonus and the KL penalty too, each aggregated by
+    ``loss_agg`` over the kept tokens (verl's agg_loss on the rejection-rewritten response_mask). The entropy
+    bonus was the token mean over every token, rejected ones included, so a step whose tokens were all rejected
+    still had a gradient."""
+    roll = torch.tensor(RHO, dtype=torch.float64).log() - 1.0
+    logp = roll + torch.tensor([0.4, 0.4, 0.4, 0.0, 0.0], dtype=torch.float64)  # ρ_seq = e^1.2 > 2, then 1
+    entropy = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.8], dtype=torch.float64)
+    reference = roll - 0.25
+    alg = {"entropy_coef": 0.1, "kl_coef": 0.05, "loss_agg": "seq_mean"}
+    out, logps, entropies = _bypass_loss_of(CorrectionSection(method="seq_mis"), logp, roll, [1.0, -1.0], entropy,
+                                            reference, **alg)
+    assert out.stats["correction/rejected_seq_frac"] == 0.5  # the first sequence
+    out.loss.backward()
+    # seq_mean over the one kept sequence of two tokens: each kept token's entropy weighs 0.1 / 2
+    assert torch.equal(torch.cat([t.grad for t in entropies]),
+                       torch.tensor([0.0, 0.0, 0.0, -0.05, -0.05], dtype=torch.float64))
+    assert torch.equal(logps[0].grad, torch.zeros(3, dtype=torch.float64))
+    kl_kept = torch.exp(-0.25 - logp[3:] + roll[3:]) - (-0.25 - logp[3:] + roll[3:]) - 1.0
+    assert out.stats["actor/kl_loss"] == pytest.approx(float(kl_kept.mean()), rel=1e-12)
+    assert float(out.loss.detach()) == pytest.approx(out.stats["actor/pg_loss"] + 0.05 * float(kl_kept.mean())
+                                            - 0.1 * 0.6, rel=1e-12)  # actor/pg_loss: the policy-gradient term alone
+
+    # every token rejected: the loss is 0 and nothing has a gradient, the entropy bonus included
+    out, logps, entropies = _bypass_loss_of(CorrectionSection(method="seq_mis"), roll + 1.0, roll, [1.0, -1.0],
+                                            entropy, reference, **alg)
+    assert out.stats["correction/rejected_token_frac"] == 1.0
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (*logps, *entropies))
+
+
+def test_reinforce_reports_no_clipping():
+    """The bypass REINFORCE loss never clips (every token keeps its gradient), so its actor/pg_clipfrac* are 0; they
+    counted the tokens a PPO clip would have clipped. The ratio statistics stay."""
+    roll = torch.tensor(RHO, dtype=torch.float64).log() - 1.0
+    logp = roll + 0.5  # ρ = e^0.5 = 1.65 > 1 + clip_high on every token, A > 0
+    for cfg in (CorrectionSection(preset="bypass_pg_is"), CorrectionSection(loss_type="reinforce")):
+        out, logps, _ = _bypass_loss_of(cfg, logp, roll, [1.0, 1.0])
+        assert (out.stats["actor/pg_clipfrac"], out.stats["actor/pg_clipfrac_high"],
+                out.stats["actor/pg_clipfrac_low"]) == (0.0, 0.0, 0.0), cfg
+        assert out.stats["actor/ratio_min"] == pytest.approx(math.exp(0.5), rel=1e-12)
+        out.loss.backward()
+        assert all(bool((t.grad != 0).all()) for t in logps)  # nothing was clipped
+    out, _, _ = _bypass_loss_of(CorrectionSection(loss_type="ppo_clip"), logp, roll, [1.0, 1.0])
+    assert out.stats["actor/pg_clipfrac_high"] == 1.0  # the PPO clip does clip them
+
+
+def test_weight_ess_is_zero_when_every_kept_weight_is_zero_as_documented():
+    """IcePop zeroing every token logs correction/weight_eff_sample_size 0.0; its definition said (0, 1]."""
+    from vexact.metric_keys import KEYS
+
+    c = rollout_correction(torch.zeros(2), torch.full((2,), -3.0), [2], CorrectionSection(method="icepop"))
+    assert c.metrics["correction/weight_eff_sample_size"] == 0.0  # ρ = e^3 = 20 > 5 on both tokens
+    (key,) = [k for k in KEYS if k.name == "correction/weight_eff_sample_size"]
+    assert "[0, 1]" in key.definition and "0 when every kept weight is 0" in key.definition
+
+
+def test_batch_norm_factor_is_written_only_with_batch_normalisation_as_documented():
+    """rollout_corr/rollout_is_batch_norm_factor was documented "(1 when off)" but is not written when batch
+    normalisation is off; with it on, it is 1 when every weight is zeroed (nothing to divide by)."""
+    from vexact.metric_keys import KEYS
+
+    key = "rollout_corr/rollout_is_batch_norm_factor"
+    roll, logp = torch.full((2,), -3.0), torch.zeros(2)  # ρ = e^3 = 20 > 5: IcePop zeroes both tokens
+    assert key not in rollout_correction(logp, roll, [2], CorrectionSection(method="icepop")).metrics
+    on = rollout_correction(logp, roll, [2], CorrectionSection(method="icepop", batch_normalize=True))
+    assert on.metrics[key] == 1.0
+    (entry,) = [k for k in KEYS if k.name == key]
+    assert "when off" not in entry.definition and "written only with `correction.batch_normalize`" in entry.definition

@@ -86,6 +86,18 @@ def test_tree_sum_is_the_fixed_halving_tree():
     assert torch.equal(tree_sum([x, y, z]), x + (y + z))  # odd counts split at len // 2
 
 
+def test_grad_reduce_on_one_process_is_the_local_tree_sum_as_documented():
+    """timing/grad_reduce times ``sum_gradients``, which on one process still sums the leaves (the tree sum): it was
+    documented "0 on one process"."""
+    from vexact.metric_keys import KEYS, TIMING_GRAD_REDUCE
+
+    gen = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(100, generator=gen) for _ in range(4)]
+    assert torch.equal(DataParallel().sum_gradients(leaves), tree_sum(leaves))
+    (entry,) = [k for k in KEYS if k.name == TIMING_GRAD_REDUCE]
+    assert "0 on one process" not in entry.definition and "the local tree sum alone" in entry.definition
+
+
 @pytest.mark.slow
 def test_rank_shares_and_leaf_checks():
     assert [list(DataParallel(rank=r, world_size=3).block(7)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
@@ -141,6 +153,60 @@ def test_resume_on_another_number_of_ranks_continues_the_same_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_fewer_problems_than_ranks_give_the_one_process_bits(tmp_path):
+    """A step's rollout (1 problem), the evaluation (1 held-out problem) and the calibration batch (1 problem) on 2
+    ranks: the rank whose share is empty failed ("prompts must be a non-empty list"); it now samples nothing and
+    joins the gather, so the run is the one-process run, bit for bit."""
+    config = _config_file(tmp_path, **{"steps": 2, "rollout.prompts_per_step": 1, "rollout.samples_per_prompt": 8,
+                                       "task.eval_prompts": 1, "inject.target.value": 0.001,
+                                       "inject.calibration_prompts": 1})
+    alone = tmp_path / "alone"
+    Trainer(load_config(config, [f"output_dir={alone}"]), console=Console(quiet=True)).run()
+    _vexact_run(config, tmp_path / "n2", "--nproc=2")
+    assert _same(_result(tmp_path / "n2"), _result(alone))
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (alone, tmp_path / "n2")]
+    assert summaries[0]["inject"] == summaries[1]["inject"] and "calibrated_value" in summaries[0]["inject"]
+    assert "eval/reward_mean" in _result(alone)[0][-1]
+
+
+def test_a_rank_count_from_torchrun_is_refused_naming_world_size_not_nproc(tmp_path):
+    """Under torchrun the ranks count from WORLD_SIZE: the refusal named `--nproc 3`, a flag the user never gave."""
+    config = _config_file(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        Trainer(load_config(config), console=Console(quiet=True), ranks=DataParallel(rank=0, world_size=3))
+    assert str(refused.value).startswith("3 ranks (WORLD_SIZE): the number of ranks must be a power of two")
+    with pytest.raises(ValueError) as refused:
+        Trainer(load_config(config, ["distributed.leaves=2"]), console=Console(quiet=True),
+                ranks=DataParallel(rank=0, world_size=4))
+    assert str(refused.value) == ("config error at 'distributed.leaves': 2 leaves cannot be shared by 4 ranks; set it "
+                                  "to a multiple of the number of ranks (e.g. --set distributed.leaves=4)")
+
+
+def test_a_rank_leaves_the_restart_hint_to_its_launcher(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the warm start of `vexact run --nproc 2`: rank 0 printed the hint to start the run again, without
+    --nproc (its own command line has none), and then the launcher printed it with --nproc. A rank the launcher
+    started (VEXACT_LAUNCHER_PID) now leaves it to the launcher; alone, the run still prints it."""
+    import argparse
+
+    from vexact.rl import data_parallel, run_launch
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("vexact.rl.trainer.warm_start", interrupted)
+    monkeypatch.setattr(data_parallel, "die_with_parent", lambda pid: None)  # this test process is no rank
+    args = argparse.Namespace(config=_config_file(tmp_path), overrides=[f"output_dir={tmp_path / 'run'}"],
+                              resume=False, allow_changes=[], nproc=1)
+    capsys.readouterr()
+    assert run_launch.run_command(args) == 130
+    assert "nothing to resume" in capsys.readouterr().out
+    monkeypatch.setenv(data_parallel.LAUNCHER_ENV, str(os.getppid()))
+    assert run_launch.run_command(args) == 130
+    assert "nothing to resume" not in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_bad_rank_counts_are_one_clear_error(tmp_path):
     config = _config_file(tmp_path)
     for nproc, message in ((3, "power of two"), (8, "'distributed.leaves'.*multiple of --nproc")):
@@ -148,6 +214,18 @@ def test_bad_rank_counts_are_one_clear_error(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert __import__("re").search(message, done.stderr), done.stderr
+
+
+@pytest.mark.slow
+def test_bad_input_the_ranks_find_is_one_error_line_and_exit_2(tmp_path):
+    """A calibration target the mode cannot reach, found by every rank: the launcher exited 1 (a rank failed), and
+    each rank printed the error."""
+    config = _config_file(tmp_path, **{"inject.target.value": 50.0, "inject.calibration_prompts": 1})
+    done = subprocess.run([sys.executable, "-m", "vexact", "run", str(config), f"--set=output_dir={tmp_path / 'run'}",
+                           "--nproc=2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.count("error:") == 1 and "error: inject.target: mode 'logit_noise' does not reach" in done.stderr
+    assert "Traceback" not in done.stderr and "failed" not in done.stdout + done.stderr  # no "rank 0 failed" line
 
 
 RANK_SOCKETS = """
@@ -290,7 +368,7 @@ def test_ranks_die_with_a_sigkilled_launcher_and_a_rerun_resumes(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(steps))
 
 
-def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeypatch):
+def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeypatch, capsys):
     """A rank killed from outside printed nothing ("its error is printed above" pointed at nothing), and a run
     interrupted in its warm start has no directory left ("continue with --resume" named a run that is not there)."""
     import argparse
@@ -306,8 +384,10 @@ def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeyp
                               nproc=2)
     cfg = run_launch.run_config(args)
 
-    def outcome(error: BaseException) -> tuple[int, str]:
-        def launch(*a, **k):
+    def outcome(error: BaseException, errors: dict[int, str] | None = None) -> tuple[int, str]:
+        def launch(*a, errors_dir=None, **k):
+            for rank, message in (errors or {}).items():  # what the ranks' CLI left (cli_base.RANK_ERRORS_ENV)
+                (Path(errors_dir) / f"rank{rank}.txt").write_text(message)
             raise error
         monkeypatch.setattr(run_launch, "launch", launch)
         console = Console(record=True, width=200)
@@ -318,6 +398,9 @@ def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeyp
     assert outcome(killed) == (1, "rank 1 was killed by SIGKILL\n")
     assert outcome(KeyboardInterrupt()) == (130, "interrupted before the run began: nothing to resume; to start it: "
                                                  f"vexact run {config} --set=output_dir={run_dir} --nproc=2\n")
+    # a signal that reached the ranks alone (the ranks leave the hint to the launcher): said as for the launcher's own
+    stopped = ChildFailedError("env", {0: ProcessFailure(local_rank=0, pid=1, exitcode=130, error_file="")})
+    assert outcome(stopped) == outcome(KeyboardInterrupt())
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("{}")  # the warm start is done: there is a run to resume
     assert outcome(killed) == (1, "rank 1 was killed by SIGKILL; finished steps are in metrics.jsonl; continue with "
@@ -329,5 +412,20 @@ def test_the_launcher_says_what_became_of_a_run_its_ranks_left(tmp_path, monkeyp
     terminated = SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
     assert outcome(terminated) == (143, "interrupted: the ranks stopped; finished steps are in metrics.jsonl; "
                                         "continue with --resume\n")
+    # a rank's own exit code (2 bad input, 3 the machine failed) is the launcher's; other codes are 1
     failed = ChildFailedError("env", {0: ProcessFailure(local_rank=0, pid=1, exitcode=3, error_file="")})
-    assert outcome(failed) == (1, "rank 0 failed (exit code 3); its error is printed above\n")
+    assert outcome(failed) == (3, "rank 0 failed (exit code 3); its error is printed above\n")
+    crashed = ChildFailedError("env", {1: ProcessFailure(local_rank=1, pid=1, exitcode=7, error_file="")})
+    assert outcome(crashed) == (1, "rank 1 failed (exit code 7); its error is printed above\n")
+    capsys.readouterr()
+    # bad input every rank found: rank 0 printed its line, the launcher adds nothing
+    bad = ChildFailedError("env", {r: ProcessFailure(local_rank=r, pid=1, exitcode=2, error_file="") for r in (0, 1)})
+    assert outcome(bad, {0: "inject.target: unreachable", 1: "inject.target: unreachable"}) == (2, "")
+    assert capsys.readouterr().err == ""
+    # rank 1's bad input, and rank 0 crashing in the same second as its collective lost rank 1: the launcher prints
+    # rank 1's line (rank 1 printed nothing) and exits 2
+    failures = {0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=""),
+                1: ProcessFailure(local_rank=1, pid=2, exitcode=2, error_file="")}
+    failures[0].timestamp = failures[1].timestamp
+    assert outcome(ChildFailedError("env", failures), {1: "prompts: rank 1's own"}) == (2, "")
+    assert capsys.readouterr().err == "error: prompts: rank 1's own\n"

@@ -174,14 +174,25 @@ def test_a_truncation_ramp_grows_the_truncation():
     injected the largest mismatch. It now starts from the knob that cuts nothing (p = 1, k large)."""
     top_p = _injector(mode="top_p", top_p=0.9, ramp_steps=4)
     assert [top_p.value_at(s) for s in range(5)] == pytest.approx([0.975, 0.95, 0.925, 0.9, 0.9])
-    top_k = _injector(mode="top_k", top_k=64, ramp_steps=4)
-    assert [top_k.value_at(s) for s in range(5)] == [256.0, 128.0, 85.0, 64.0, 64.0]
+    top_k = _injector(mode="top_k", top_k=8, ramp_steps=4)  # k below the vocabulary's 22; the ramp's from above it
+    assert [top_k.value_at(s) for s in range(5)] == [32.0, 16.0, 11.0, 8.0, 8.0]
 
 
 @pytest.mark.parametrize("mode", ["precision", "none"])
 def test_a_ramp_for_a_mode_without_a_knob_is_refused(mode):
     with pytest.raises(ConfigError, match=f"inject.ramp_steps.*mode '{mode}' has none"):
         config_from_dict({"inject": {"mode": mode, "ramp_steps": 10}})
+
+
+@pytest.mark.parametrize("inject", [{"mode": "top_p", "top_p": 0.9}, {"mode": "top_k", "top_k": 8},
+                                    {"mode": "precision"}, {"mode": "none"}])
+def test_a_scope_for_a_mode_that_does_not_read_it_is_refused(inject):
+    """These modes never call ``injector.scoped``: the run was accepted and injected into every token."""
+    with pytest.raises(ConfigError, match=f"inject.scope.*mode '{inject['mode']}' does not read inject.scope"):
+        config_from_dict({"inject": {**inject, "scope": "low_prob"}})
+    assert config_from_dict({"inject": {**inject, "scope": "all"}}).inject.scope == "all"
+    scoped = config_from_dict({"inject": {"mode": "logit_scale", "epsilon": 0.1, "scope": "low_prob"}})
+    assert scoped.inject.scope == "low_prob"
 
 
 def test_injected_rollout_is_batch_invariant(setup):

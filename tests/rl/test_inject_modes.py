@@ -10,6 +10,7 @@ from vexact.rl.config import config_from_dict
 from vexact.rl.config_schema import InjectSection
 from vexact.rl.inject import calibrate
 from vexact.rl.inject_modes import INJECT_MODES, register_inject_mode
+from vexact.rl.tasks import task_of
 from vexact.rl.validate import ConfigError
 
 
@@ -106,6 +107,22 @@ def test_a_knob_of_the_wrong_type_is_named_as_given():
                                                                        r"number, got 'abc' \(from --set "
                                                                        r"inject.value=abc\)$"):
         config_from_dict({}, ["inject.mode=logit_noise", "inject.value=abc"])
+
+
+def test_a_top_k_that_keeps_the_whole_vocabulary_is_refused_naming_its_size():
+    """top_k >= the vocabulary size cuts nothing: the run injected nothing and said nothing."""
+    vocab_size = task_of(config_from_dict({})).tokenizer.vocab_size
+    for k in (vocab_size, 10 * vocab_size):
+        with pytest.raises(ConfigError) as e:
+            config_from_dict({"inject": {"mode": "top_k", "top_k": k}})
+        assert e.value.key == "inject.top_k" and f"keeps the whole vocabulary of {vocab_size} tokens" in str(e.value)
+        assert f"give 0 < top_k < {vocab_size} (0 = off)" in str(e.value)
+    # the neighbours: off, the largest k that cuts, a vocabulary tail that makes k cut, a ramp (its k starts above
+    # the final one on purpose) and calibration (inject.target searches k itself)
+    for inject, task in [({"top_k": 0}, {}), ({"top_k": vocab_size - 1}, {}),
+                         ({"top_k": vocab_size}, {"distractors": 8}), ({"top_k": 8, "ramp_steps": 10}, {}),
+                         ({"top_k": 10 * vocab_size, "target": {"value": 0.01}}, {})]:
+        config_from_dict({"inject": {"mode": "top_k", **inject}, "task": task})
 
 
 def test_a_knob_mode_needs_its_value_and_a_source_mode_refuses_one():

@@ -10,7 +10,15 @@ import torch
 
 from vexact.rl.config_schema import AlgorithmSection, CorrectionSection
 from vexact.rl.metrics import LOG_RATIO_BOUND
-from vexact.rl.objective import Anchors, Objective, aggregate, compute_advantages, k3_penalty, ppo_token_loss
+from vexact.rl.objective import (
+    Anchors,
+    Objective,
+    RunStopped,
+    aggregate,
+    compute_advantages,
+    k3_penalty,
+    ppo_token_loss,
+)
 
 
 def test_grpo_advantages_hand_computed():
@@ -77,3 +85,77 @@ def _ppo_kl(bound: float) -> float:
 def test_log_ratio_bound_reaches_ppo_kl():
     assert _ppo_kl(LOG_RATIO_BOUND) == pytest.approx(20.0 / 2)
     assert _ppo_kl(5.0) == pytest.approx(5.0 / 2)
+
+
+def test_ppo_ratio_is_clamped_as_verls():
+    """The log-ratio is clamped to ±log_ratio_bound before exp, as verl's compute_policy_loss_vanilla (±20). A
+    log-ratio past ~88.7 overflowed the float32 ratio to inf: the clipped branch's zero gradient times inf gave a NaN
+    gradient (the run stopped on a non-finite gradient norm), and A = 0 gave a NaN loss."""
+    logp = torch.tensor([-0.1, -0.1, -0.1], requires_grad=True)
+    old = torch.tensor([-100.1, -0.1, 99.9])  # log-ratios 100, 0, -100
+    loss, ratio = ppo_token_loss(logp, old, torch.tensor([1.0, 1.0, 1.0]), 0.2, 0.28)
+    assert torch.equal(ratio.detach(), torch.exp(torch.tensor([20.0, 0.0, -20.0])))
+    loss.sum().backward()
+    assert torch.equal(logp.grad, torch.tensor([0.0, -1.0, 0.0]))  # clipped, plain, clamped: no NaN
+    loss, _ = ppo_token_loss(logp, old, torch.zeros(3), 0.2, 0.28)
+    assert bool(torch.isfinite(loss).all())
+    # inside the bound the clamp is the identity, bit for bit
+    near = torch.tensor([19.5, -19.5, 1e-7])
+    assert torch.equal(ppo_token_loss(near, torch.zeros(3), torch.ones(3), 0.2, 0.28)[1], torch.exp(near))
+
+    # the bound is correction.log_ratio_bound, through the objective: no RunStopped, the ratio's log at the bound
+    for bound in (LOG_RATIO_BOUND, 5.0):
+        objective = Objective(AlgorithmSection(), CorrectionSection(log_ratio_bound=bound), 1.0, exact_training=False)
+        logp = torch.tensor([-1.0, -1.0], requires_grad=True)
+        rollout = torch.tensor([-101.0, -1.0])
+        batch = SimpleNamespace(responses=[[1, 2]], logprobs=[rollout])
+        for adv in (1.0, 0.0):
+            out = objective.loss_of(batch, [0], [logp], [torch.zeros(2)], torch.tensor([adv]),
+                                    Anchors([rollout], None, None), False)
+            (grad,) = torch.autograd.grad(out.loss, logp)
+            assert bool(torch.isfinite(grad).all()) and bool(torch.isfinite(out.loss))
+            assert out.stats["actor/ratio_max"] == pytest.approx(math.exp(bound), rel=1e-6)
+
+
+def test_a_non_finite_loss_stops_the_run_with_its_value_and_no_warning():
+    """The RunStopped message read the loss with float() while it required grad: a UserWarning, an error under
+    ``-W error``, instead of the recorded stop."""
+    import warnings
+
+    objective = Objective(AlgorithmSection(), CorrectionSection(), 1.0, exact_training=False)
+    logp = torch.tensor([-1.0, -1.0], requires_grad=True)
+    batch = SimpleNamespace(responses=[[1, 2]], logprobs=[logp.detach()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RunStopped, match=r"non-finite loss \(nan\)"):
+            objective.loss_of(batch, [0], [logp], [torch.zeros(2)], torch.tensor([float("nan")]),
+                              Anchors([logp.detach()], None, None), False)
+
+
+def test_a_bypass_losss_clip_flag_belongs_to_its_name_and_its_signature_is_checked_at_registration():
+    """``clips=False`` under another name for ppo_clip's function left ppo_clip's own clip fractions at 0 (the flag
+    was stored on the function); a loss with the old six-argument signature failed mid-run (a TypeError in the
+    loss), a bound method at registration (no attribute to set): the flag is the name's, the signature is checked
+    when the loss is registered, and a bound method of seven arguments registers."""
+    from vexact.rl.objective import UNCLIPPED_BYPASS_LOSSES, _bypass_ppo_clip, register_bypass_loss
+    from vexact.rl.registries import BYPASS_LOSSES
+
+    class Loss:
+        def loss(self, alg, logp, old, adv, pre, weights, log_ratio_bound):
+            return _bypass_ppo_clip(alg, logp, old, adv, pre, weights, log_ratio_bound)
+
+    def six(alg, logp, old, adv, pre, weights):
+        return logp, logp
+
+    try:
+        register_bypass_loss("test_clip_alias", _bypass_ppo_clip, clips=False)
+        assert "test_clip_alias" in UNCLIPPED_BYPASS_LOSSES and "ppo_clip" not in UNCLIPPED_BYPASS_LOSSES
+        register_bypass_loss("test_method", Loss().loss)
+        with pytest.raises(TypeError, match=r"^register_bypass_loss\('test_six'\): six must take the arguments \(alg, "
+                                            r"logp, old, adv, pre, weights, log_ratio_bound\), its signature is "):
+            register_bypass_loss("test_six", six)
+        assert "test_six" not in BYPASS_LOSSES
+    finally:
+        for name in ("test_clip_alias", "test_method"):
+            BYPASS_LOSSES.remove(name)
+            UNCLIPPED_BYPASS_LOSSES.discard(name)

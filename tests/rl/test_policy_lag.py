@@ -53,7 +53,7 @@ def test_rollouts_come_from_the_policy_k_steps_back(tmp_path, monkeypatch, lag):
     """Each step's batch is bitwise the batch an on-policy trainer samples from the weights of k steps before (the
     starting weights during the first k steps)."""
     lagged = Trainer(_cfg(tmp_path, "lagged", f"rollout.policy_lag={lag}", "steps=5"), Console(quiet=True))
-    assert lagged._prepare(False, ()) == 0
+    assert lagged._prepare(False, ()) == (0, {})  # step 0, no resume changes
     real_rollout = Trainer.rollout  # restored below, for the on-policy reference
     weights, batches = [], recorded_returns(monkeypatch, Trainer, "rollout")
     for step in range(5):

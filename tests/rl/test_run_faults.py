@@ -39,7 +39,7 @@ from vexact.records.runlog import (
     read_metrics,
     run_lock,
 )
-from vexact.rl.config import load_config
+from vexact.rl.config import ConfigError, load_config
 from vexact.rl.objective import RunStopped
 from vexact.rl.trainer import Trainer
 
@@ -272,6 +272,25 @@ def test_resume_of_a_finished_run_is_a_no_op_and_more_steps_extend_it(tmp_path, 
     assert change == {"resumed_at_step": 6, "changes": {"steps": [6, 8]}}
     assert "steps: 8" in (run_dir / "config.yaml").read_text()
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(8))
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+def test_resume_with_steps_at_or_below_the_checkpoint_is_refused_naming_steps(tmp_path, reference, monkeypatch, steps):
+    """Interrupted with its checkpoint after step 3, resumed with --allow-change steps: steps=3 ended "completed"
+    with 5 steps of 3 planned, steps=4 "completed" without the evaluation of its final step (step 3)."""
+    _cut_after_step(tmp_path, reference, monkeypatch)
+    run_dir = tmp_path / "cut"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    shorter = _cfg(tmp_path, reference, "cut", f"steps={steps}")
+    with pytest.raises(ConfigError, match=rf"^config error at 'steps': {steps} ends the run at or before its "
+                       r"checkpoint \(after step 3; the run resumes at step 4\): give steps of at least 5$"):
+        _run(shorter, resume=True, allow=("steps",))
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    assert after == before  # no config change recorded, no summary
+    longer = _cfg(tmp_path, reference, "cut", "steps=5")
+    summary = _run(longer, resume=True, allow=("steps",))
+    assert summary["status"] == "completed" and summary["steps_completed"] == 5
+    assert "eval/reward_mean" in read_metrics(run_dir / "metrics.jsonl")[-1]
 
 
 def test_resume_with_no_checkpoint_starts_over(tmp_path, reference, monkeypatch):
@@ -645,6 +664,37 @@ def test_resume_of_a_run_that_stopped_before_its_first_checkpoint_is_a_no_op(tmp
     assert summary["status"] == "stopped" and (tmp_path / "stopped" / "metrics.jsonl").read_bytes() == log
     assert (f"{tmp_path / 'stopped'} already finished (stopped after 1 steps: non-finite rollout log-probs (logits) "
             "at step 1); nothing to do") in console.export_text()
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+def test_a_run_that_failed_in_its_first_step_leaves_a_directory_a_new_run_may_start_in(tmp_path, capsys, monkeypatch):
+    """An error in the first step (a rollout setting the sampler refused) left config.yaml and an empty
+    metrics.jsonl, which counted as results: the corrected command was refused ("already holds a run") and so was a
+    --resume with the corrected config (a different config), so the directory had to be removed by hand."""
+    config = _write_config(tmp_path, "failed", "warm_start.steps=0", "steps=1")
+
+    def step(self, number):
+        raise ValueError("the sampler refused a setting")
+
+    real_step = Trainer.step
+    monkeypatch.setattr(Trainer, "step", step)
+    assert _cli_error(capsys, monkeypatch, "run", str(config)) == "error: the sampler refused a setting"
+    run_dir = tmp_path / "failed"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").read_text() == ""
+    monkeypatch.setattr(Trainer, "step", real_step)
+    assert main(["run", str(config)]) == 0
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0]
+    # a finished run there is still refused, also one that stopped itself before its first line
+    assert "already holds a run" in _cli_error(capsys, monkeypatch, "run", str(config))
+    stopped = _write_config(tmp_path, "stopped", "warm_start.steps=0", "steps=1")
+
+    def stopped_step(self, number):
+        raise RunStopped("non-finite rollout log-probs (logits) at step 0")
+
+    monkeypatch.setattr(Trainer, "step", stopped_step)
+    assert main(["run", str(stopped)]) == 1
+    assert (tmp_path / "stopped" / "metrics.jsonl").read_text() == ""
+    assert "already holds a run" in _cli_error(capsys, monkeypatch, "run", str(stopped))
 
 
 def test_a_kill_after_the_final_checkpoint_resumes_to_the_uninterrupted_runs_summary(tmp_path, reference, monkeypatch):

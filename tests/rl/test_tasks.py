@@ -19,6 +19,7 @@ from vexact.rl.tasks import (
     ReverseTask,
     SortTask,
     SumTask,
+    Task,
     encode_prompt,
     encode_target,
     held_out_problems,
@@ -130,6 +131,33 @@ def test_sum_trace_is_the_running_sums_and_the_reward_reads_only_the_final_answe
     # the longest worked response is the bound, and it is attained: 9:18:27:...:72=72
     longest = task.problem("9" * 8)
     assert len(encode_target(TOK, longest)) == max_answer_tokens(task) == 26
+
+
+def _sum_bound_by_building_the_trace(max_len: int) -> int:
+    """SumTask.max_answer_len as it was once computed: by writing out the longest trace's running sums."""
+    sums = "".join(str(9 * (i + 1)) for i in range(max_len))
+    return len(sums) + max_len - 1 + 1 + len(str(9 * max_len))
+
+
+@pytest.mark.parametrize("lengths", [range(1, 1200), [9_999, 10_000, 10_001, 11_111, 11_112, 111_111, 111_112]])
+def test_sum_answer_bound_is_the_length_of_the_longest_trace(lengths):
+    for max_len in lengths:
+        assert SumTask(1, max_len).max_answer_len() == _sum_bound_by_building_the_trace(max_len), max_len
+
+
+def test_sum_answer_bound_does_not_write_the_trace_out():
+    """The bound is arithmetic: at max_len 10**6 writing the trace took ~50 MB (1 GB and 4.5 s at 10**7)."""
+    import tracemalloc
+
+    task = SumTask(1, 10**6)
+    tracemalloc.start()
+    try:
+        bound = task.max_answer_len()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert bound == _sum_bound_by_building_the_trace(10**6)
+    assert peak < 100_000
 
 
 def test_add_operand_lengths():
@@ -262,3 +290,143 @@ def test_make_task_errors():
         make_task("reverse", 5, 4)
     with pytest.raises(ValueError, match="min_len"):
         make_task("add", 1.5, 4)
+
+
+class DigitsTask(Task):
+    """An outside task's shape (``#:<digits>=``) whose methods the broken tasks below get wrong, one each."""
+
+    name = "digits_outside"
+    tag = "#"
+
+    def digits(self, rng: random.Random) -> str:
+        return "".join(rng.choice("0123456789") for _ in range(rng.randint(self.min_len, self.max_len)))
+
+    def sample(self, rng: random.Random) -> Problem:
+        digits = self.digits(rng)
+        return Problem(self._prompt(digits), digits)
+
+    def max_answer_len(self) -> int:
+        return self.max_len
+
+    def max_input_len(self) -> int:
+        return self.max_len
+
+
+class _Raises(DigitsTask):
+    def sample(self, rng):
+        raise RuntimeError("boom in sample")
+
+
+class _Tuple(DigitsTask):
+    def sample(self, rng):
+        return "#:1=", "1"
+
+
+class _OffVocabulary(DigitsTask):
+    def sample(self, rng):
+        digits = self.digits(rng)
+        return Problem(self._prompt(digits), digits + "x")
+
+
+class _LongAnswer(DigitsTask):
+    def sample(self, rng):
+        digits = self.digits(rng)
+        return Problem(self._prompt(digits), digits * 5)
+
+
+class _LongPrompt(DigitsTask):
+    def sample(self, rng):
+        return Problem(self._prompt("1" * (self.max_len + 1)), "1")
+
+
+def _code(cls: type, method: str) -> str:
+    return f"task 'digits_outside' ({cls.__module__}.{cls.__qualname__}.{method})"
+
+
+@pytest.mark.parametrize("cls, problem", [
+    (_Raises, "raised RuntimeError: boom in sample"),
+    (_Tuple, "returned ('#:1=', '1'), not a Problem of strings"),
+    (_OffVocabulary, "returned Problem(prompt='#:"),
+    (_LongAnswer, "returned the target '"),
+    (_LongPrompt, "returned the prompt '#:1111='"),
+], ids=["raises", "tuple", "off_vocabulary", "long_answer", "long_prompt"])
+def test_a_tasks_bad_sample_is_one_error_naming_the_task(cls, problem):
+    """A plugin task's sample that fails, returns no Problem, spells outside the vocabulary or exceeds its own
+    declared bounds was a deep traceback, a Transformer max_seq_len error, or a run with reward 0 by construction
+    (an answer longer than max_answer_len, cut off by rollout.max_new_tokens): now one ValueError naming it."""
+    with pytest.raises(ValueError) as e:
+        sample_problems(cls(2, 3), 4, seed=0)
+    message = str(e.value)
+    assert message.startswith(f"{_code(cls, 'sample')} {problem}"), message
+    if cls is _OffVocabulary:
+        assert message.endswith("character 'x' is not in the vocabulary '0123456789abc+=:<>#'")
+    if cls is _LongAnswer:
+        assert message.endswith("characters: more than its max_answer_len() = 3")
+    if cls is _LongPrompt:
+        assert message.endswith("8 tokens with BOS: more than the 7 (BOS, '<tag>:', input, '=') its max_input_len() "
+                                "allows")
+    assert len(sample_problems(DigitsTask(2, 3), 4, seed=0)) == 4  # counter-case: the task done right
+
+
+def _with_bounds(answer: object, prompt: object) -> type[Task]:
+    class Bounds(DigitsTask):
+        def max_answer_len(self):
+            return answer
+
+        def max_input_len(self):
+            return prompt
+
+    return Bounds
+
+
+@pytest.mark.parametrize("answer, prompt, method, shown", [
+    (None, 3, "max_answer_len", "None"), ("3", 3, "max_answer_len", "'3'"), (-5, 3, "max_answer_len", "-5"),
+    (2.5, 3, "max_answer_len", "2.5"), (True, 3, "max_answer_len", "True"), (3, "3", "max_input_len", "'3'"),
+    (3, -1, "max_input_len", "-1"),
+])
+def test_a_tasks_length_bound_must_be_a_non_negative_int(answer, prompt, method, shown):
+    """The bounds size the run (check_lengths): None or "3" was a TypeError, -5 or 2.5 were accepted."""
+    from vexact.rl.config import config_from_dict
+    from vexact.rl.validate import ConfigError
+
+    cls = _with_bounds(answer, prompt)
+    with pytest.raises(ValueError) as e:
+        max_answer_tokens(cls(2, 3)), max_prompt_tokens(cls(2, 3))
+    assert str(e.value) == f"{_code(cls, method)} returned {shown}: a length bound must be an int >= 0"
+    TASKS.add(cls.name, cls)
+    try:
+        with pytest.raises(ConfigError) as e:  # at config load: one error at the key naming the task
+            config_from_dict({"task": {"name": cls.name, "min_len": 2, "max_len": 3}})
+        assert e.value.key == "task.name" and e.value.problem.startswith(_code(cls, method))
+    finally:
+        TASKS.remove(cls.name)
+
+
+def test_a_raising_length_bound_names_the_task():
+    class Raises(DigitsTask):
+        def max_input_len(self):
+            raise KeyError("width")
+
+    with pytest.raises(ValueError, match=r"\.Raises\.max_input_len\) raised KeyError: 'width'$"):
+        max_prompt_tokens(Raises(2, 3))
+
+
+def test_the_cli_prints_a_bad_task_as_one_error_line(tmp_path, capsys):
+    """``vexact run`` on a task whose sample fails: exit code 2 and one error line, no traceback."""
+    import yaml
+
+    from vexact.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "bad_task", "steps": 1, "threads": 1, "output_dir": str(tmp_path / "run"),
+        "model": {"preset": "tiny", "max_seq_len": 24}, "task": {"name": _Raises.name, "min_len": 2, "max_len": 3,
+                                                                  "eval_prompts": 4},
+        "warm_start": {"steps": 0}, "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 6},
+        "distributed": {"leaves": 1}, "logging": {"live": False}}))
+    TASKS.add(_Raises.name, _Raises)
+    try:
+        assert main(["run", str(config)]) == 2
+    finally:
+        TASKS.remove(_Raises.name)
+    assert capsys.readouterr().err == f"error: {_code(_Raises, 'sample')} raised RuntimeError: boom in sample\n"

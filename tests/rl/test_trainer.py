@@ -113,6 +113,37 @@ def test_non_finite_values_end_the_run_cleanly(tmp_path, monkeypatch):
     assert saved["status"] == "stopped"
 
 
+def test_a_last_update_that_breaks_the_logits_stops_the_run_at_its_evaluation(tmp_path, monkeypatch):
+    """No rollout follows the last step's update: its evaluation is what sees the non-finite logits (it used to
+    score them as a poor policy and end "completed"). The step's training row is written all the same, without
+    eval keys (it was lost, while a step without evaluation whose update blows up keeps its row); the stopped run
+    is finished: --resume does nothing."""
+    cfg = _short(tmp_path, "nan_eval", "steps=2")
+    real_update = Trainer._update
+
+    def poisoned(self, step, *args, **kwargs):
+        out = real_update(self, step, *args, **kwargs)
+        if step == 1:
+            weights = dict(self.master.state_dict())
+            weights["layers.0.mlp.up_proj.weight"] = torch.full_like(weights["layers.0.mlp.up_proj.weight"], math.inf)
+            self.load_policy(weights)
+        return out
+
+    monkeypatch.setattr(Trainer, "_update", poisoned)
+    summary = _run(cfg)
+    assert summary["status"] == "stopped"
+    assert summary["reason"] == "non-finite eval log-probs (logits) at step 1"
+    assert summary["steps_completed"] == 2 and summary["stopped_at_step"] == 1
+    log = tmp_path / "nan_eval" / "metrics.jsonl"
+    rows = read_metrics(log)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert {"actor/grad_norm", "actor/lr", "actor/ratio_max", "timing/step"} <= set(rows[1])
+    assert not any(k.startswith("eval/") for k in rows[1]) and "timing/eval" not in rows[1]
+    assert summary["last_step_metrics"]["step"] == 1
+    written = log.read_bytes()
+    assert _run(cfg, resume=True)["status"] == "stopped" and log.read_bytes() == written
+
+
 @pytest.mark.parametrize("overrides", [
     ("algorithm.advantage=rloo", "algorithm.loss_agg=seq_mean"),
     ("algorithm.advantage=reinforce", "algorithm.kl_coef=0.1", "algorithm.entropy_coef=0.01"),
@@ -213,6 +244,56 @@ def test_warm_start_seed_fixes_the_starting_policy_across_run_seeds():
     assert warm_start_key(fixed1) == warm_start_key(plain0) != warm_start_key(plain1)
     assert fixed1.policy_seed == 0 and plain1.policy_seed == 1
     a, b = Trainer(fixed1, Console(quiet=True)), Trainer(plain0, Console(quiet=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.master.state_dict().values(), b.master.state_dict().values()))
+
+
+def test_a_task_with_other_data_under_the_same_name_gets_its_own_warm_start():
+    """Two tasks registered in turn as "echo" (a plugin edited, or another module's), one config: the warm-start
+    key was the config's alone, so the second run loaded the weights trained on the first task's answers."""
+    import random
+
+    from test_tasks import DigitsTask
+
+    from vexact.rl.tasks import TASKS, Problem
+    from vexact.rl.warmstart import warm_start_key
+
+    class Echo(DigitsTask):
+        name = "echo_twice"
+
+        def max_answer_len(self) -> int:
+            return self.max_len + 1
+
+    class EchoReversed(Echo):  # the same prompts, other answers
+        def sample(self, rng: random.Random) -> Problem:
+            digits = self.digits(rng)
+            return Problem(self._prompt(digits), digits[::-1] + "0")
+
+    class EchoAgain(Echo):  # the same data from another class
+        pass
+
+    def key(cls: type) -> str:
+        TASKS.add(cls.name, cls, replace=True)
+        try:
+            return warm_start_key(config_from_dict({"task": {"name": cls.name}}))
+        finally:
+            TASKS.remove(cls.name)
+
+    assert key(Echo) == key(Echo)
+    assert len({key(Echo), key(EchoReversed), key(EchoAgain)}) == 3
+
+
+def test_partial_credit_runs_share_the_warm_start(tmp_path):
+    """task.partial_credit is read by the reward alone: the warm start (imitation of the targets) trains the same
+    bits either way, so it is not in the key (it was: a partial-credit run retrained an identical warm start)."""
+    from vexact.rl.warmstart import warm_start_key
+
+    def cfg(partial: bool, cache: str):
+        return config_from_dict({"threads": 1, "model": {"preset": "tiny"}, "task": {"partial_credit": partial},
+                                 "warm_start": {"steps": 2, "batch_size": 4, "cache_dir": str(tmp_path / cache)}})
+
+    exact, partial = cfg(False, "a"), cfg(True, "b")
+    assert warm_start_key(exact) == warm_start_key(partial)
+    a, b = Trainer(exact, Console(quiet=True)), Trainer(partial, Console(quiet=True))  # each trains its own
     assert all(torch.equal(x, y) for x, y in zip(a.master.state_dict().values(), b.master.state_dict().values()))
 
 

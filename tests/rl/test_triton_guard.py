@@ -38,6 +38,17 @@ def test_triton_run_too_long_for_the_interpreter_is_refused_before_any_file(tmp_
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("overrides, key", [(["rollout.backend=triton"], "rollout.backend"),
+                                            (["inject.mode=kernel", "inject.kernel_backend=triton"],
+                                             "inject.kernel_backend")])
+def test_the_refusal_names_the_key_that_asks_for_triton(tmp_path, interpreted, overrides, key):
+    """It named 'backend', already exact, and advised setting it to exact: a change that changes nothing."""
+    cfg = load_config(EXPERIMENT, [*overrides, f"output_dir={tmp_path / 'run'}",
+                                   f"warm_start.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ValueError, match=rf"^config error at '{key}': .* Use {key}: exact "):
+        Trainer(cfg, Console(quiet=True))
+
+
 def test_triton_override_and_small_runs_warn_with_the_estimate(tmp_path, interpreted, monkeypatch):
     cfg = load_config(EXPERIMENT, ["backend=triton", f"warm_start.cache_dir={tmp_path}"])
     monkeypatch.setenv(triton_guard.ALLOW_ENV, "1")

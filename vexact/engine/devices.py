@@ -21,7 +21,7 @@ DEVICE_NAMES = ("cpu", "cuda", "cuda:N", "auto")
 
 DEVICE_HELP = "where the models compute: cpu, cuda, cuda:N or auto (CUDA when available, else cpu)"
 
-_PATTERN = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+_PATTERN = re.compile(r"^(cpu|auto|cuda(:(0|[1-9]\d{0,8}))?)$")  # a GPU number torch parses: no leading 0
 
 
 class DeviceError(ValueError):

@@ -14,7 +14,6 @@ from .decode_graph import CudaGraphRecorder, DecodeStep, Recorder
 from .inputs import (
     check_batch_size,
     check_model,
-    check_seed,
     check_temperature,
     check_token_lists,
     pad_right,
@@ -22,6 +21,7 @@ from .inputs import (
 )
 from .model import KernelOps, KVCache, RouteHook, Routing, Transformer
 from .sampling import sample_tokens
+from .seeds import check_seed
 
 CACHE_BLOCK = 64  # cache length rounded up to whole attention tiles
 # Decode steps between checks whether every row has finished (only with an EOS). The check reads a flag back to the
@@ -80,7 +80,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int =
     (``vexact.engine.decode_graph``): the same kernels on the same buffers, so the same bits, without the launch
     overhead of an eager step. A dense model on a CUDA device only (an MoE model records its routing on the host).
     """
-    check_model(model)
+    check_model(model, ops)
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
     temperature = check_temperature(temperature)

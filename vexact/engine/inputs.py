@@ -9,8 +9,20 @@ import torch
 from torch import Tensor
 
 
+def _token_ids(seq: object) -> object:
+    """A 1-D tensor's or numpy array's ids as a list, numpy integers as ints; anything else as it is (then judged)."""
+    import numpy as np
+
+    if isinstance(seq, np.ndarray) and seq.ndim == 1:  # its items judged as a list's
+        return seq.tolist()
+    if isinstance(seq, (list, tuple)) and any(isinstance(t, np.integer) for t in seq):
+        return [int(t) if isinstance(t, np.integer) else t for t in seq]
+    return seq
+
+
 def check_token_lists(name: str, seqs: object, vocab_size: int, allow_empty_items: bool = False) -> list[list[int]]:
-    """Validate a list of token-id lists; one clear ValueError naming the problem."""
+    """Validate a list of token-id lists (each a list of ints, a 1-D tensor or a 1-D integer numpy array); one clear
+    ValueError naming the problem."""
     if isinstance(seqs, Tensor):
         raise ValueError(f"{name} must be a list of lists of ints, got a tensor of shape {tuple(seqs.shape)}")
     if not isinstance(seqs, (list, tuple)) or len(seqs) == 0:
@@ -21,8 +33,11 @@ def check_token_lists(name: str, seqs: object, vocab_size: int, allow_empty_item
             if seq.dim() != 1:
                 raise ValueError(f"{name}[{i}] must be 1-D, got shape {tuple(seq.shape)}")
             seq = seq.tolist()
+        seq = _token_ids(seq)
         if not isinstance(seq, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
-            raise ValueError(f"{name}[{i}] must be a list of ints")
+            odd = next((t for t in seq if not isinstance(t, int) or isinstance(t, bool)), None) \
+                if isinstance(seq, (list, tuple)) else seq
+            raise ValueError(f"{name}[{i}] must be a list of ints, got a {type(odd).__name__} ({odd!r})"[:300])
         if not seq and not allow_empty_items:
             raise ValueError(f"{name}[{i}] is empty")
         bad = [t for t in seq if not 0 <= t < vocab_size]
@@ -48,19 +63,26 @@ def check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
-def check_seed(seed: int) -> None:
-    """A sampling seed: an int in torch.manual_seed's range [-2**63, 2**64) (a larger one aliased seed mod 2**64)."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
+def check_model(model: object, ops: object = None) -> None:
+    """What ``generate`` and ``token_logprobs`` run: a vexact ``Transformer`` whose parameters are all of one dtype the
+    kernels take (fp32 or bf16: a model cast after construction, ``.half()``, failed inside a kernel), and ``ops``
+    None or kernel ops (``vexact_kernels.get_ops(name)``: a backend's name failed deep in the forward)."""
+    from vexact_kernels import OP_NAMES
 
-
-def check_model(model: object) -> None:
-    """What ``generate`` and ``token_logprobs`` run: a vexact ``Transformer``."""
-    from .model import Transformer
+    from .model import DTYPES, Transformer
 
     if not isinstance(model, Transformer):
         raise ValueError(f"model must be a vexact Transformer (vexact.from_pretrained loads a Hugging Face "
                          f"checkpoint as one), got {type(model).__name__}")
+    params = list(model.named_parameters())
+    first = params[0][1].dtype if params else None
+    odd = next(((n, p.dtype) for n, p in params if p.dtype != first or p.dtype not in DTYPES.values()), None)
+    if odd is not None:
+        raise ValueError(f"model parameters must all be float32 or all bfloat16 (Transformer(dtype=...)); {odd[0]} "
+                         f"is {odd[1]}" + (f", {params[0][0]} {first}" if odd[1] != first else ""))
+    if ops is not None and not all(hasattr(ops, name) for name in OP_NAMES):
+        raise ValueError(f"ops must be kernel ops (vexact_kernels.get_ops('native'), say), got "
+                         f"{type(ops).__name__} {ops!r}"[:300])
 
 
 def tensor_from_numpy(array: Any, what: str) -> Tensor:

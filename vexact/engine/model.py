@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
 
@@ -32,6 +32,8 @@ from torch import Tensor, nn
 
 import vexact_kernels
 from vexact_kernels import contract, kv_rows, moe_exact
+
+from .seeds import check_seed
 
 # A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions: the contract
 # ``vexact_kernels.KernelOps`` (a Protocol; ``tests/kernels/test_kernel_contract.py`` checks every backend against it).
@@ -238,10 +240,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
+        if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+            raise ValueError(f"ModelConfig.from_dict needs a dict of its field names, got {type(values).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig keys: {', '.join(unknown)}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+                   and f.name not in values]
+        if missing:
+            raise ValueError(f"ModelConfig keys missing: {', '.join(missing)}")
         return cls(**values)
 
 
@@ -468,6 +476,9 @@ class Transformer(nn.Module):
         except (RuntimeError, TypeError):  # torch's message names neither the argument nor the spellings
             raise ValueError(f"device must be a torch.device or a name such as cpu, cuda, cuda:1, got {device!r}"
                              ) from None
+        check_seed(init_seed, "init_seed", none_means="no initialisation")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} needs CUDA, but torch.cuda.is_available() is False here")
         check_fits_on(config, device)  # before allocating: an absurd size is one error, not an allocator's
         self.config = config
         c = config

@@ -23,7 +23,7 @@ def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list
     forward reads, as ``GenerateOutput.routing`` records them, instead of the router's own choice.
     Returns one tensor per sequence (empty for an empty response).
     """
-    check_model(model)
+    check_model(model, ops)
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
     responses = check_token_lists("responses", responses, cfg.vocab_size, allow_empty_items=True)
@@ -57,6 +57,9 @@ def check_routing(model: Transformer, prompts: list[list[int]], responses: list[
             got = tuple(chosen.shape) if isinstance(chosen, Tensor) else type(chosen).__name__
             raise ValueError(f"routing of sequence {i} has shape {got}, expected {want} (positions read = prompt + "
                              "response - 1, MoE layers, num_experts_per_tok)")
+        if chosen.dtype.is_floating_point or chosen.dtype.is_complex or chosen.dtype == torch.bool:
+            raise ValueError(f"routing of sequence {i} is {chosen.dtype}; expected integer expert ids (a float "
+                             "routing was truncated to other experts)")
         if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= cfg.num_experts):
             raise ValueError(f"routing of sequence {i} names experts outside [0, {cfg.num_experts})")
         ordered = chosen.sort(dim=-1).values

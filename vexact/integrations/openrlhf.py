@@ -134,5 +134,5 @@ def observe_experiences(monitor: LiveMonitor, experiences: Any | Sequence[Any], 
         raise ValueError(f"monitor must be a vexact.live.LiveMonitor, got {type(monitor).__name__}")
     rollout, train, mask, _ = experience_sides(experiences)
     if monitor.sampling:
-        return monitor.step_sampled(step, rollout, lambda rows: train[rows], mask)
+        return monitor.step_sampled(step, rollout, lambda rows: train[rows], mask, train_side=TRAIN_KEY)
     return monitor.step(step, rollout, train, mask)

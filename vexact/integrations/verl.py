@@ -122,9 +122,12 @@ def verl_sides(batch: Any, old_log_prob: Any = None) -> tuple[Tensor, Tensor, Te
         raise ValueError(f"no {TRAIN_KEY!r} (the actor's recomputed log-probs) in the "
                          f"{'batch' if old_log_prob is None else 'old_log_prob output'}: call after "
                          "_compute_old_log_prob")
+    raw_rollout, raw_train = tensors[ROLLOUT_KEY], source[TRAIN_KEY]
+    one_array = raw_rollout is raw_train or (isinstance(raw_rollout, np.ndarray) and isinstance(raw_train, np.ndarray)
+                                             and np.shares_memory(raw_rollout, raw_train))  # before any copy
     rollout = _tensor(tensors, ROLLOUT_KEY)
     train = _tensor(source, TRAIN_KEY, "batch" if old_log_prob is None else "old_log_prob")
-    if rollout is train or (rollout.data_ptr() == train.data_ptr() and rollout.shape == train.shape):
+    if one_array or (rollout.data_ptr() == train.data_ptr() and rollout.shape == train.shape):
         raise ValueError(f"{TRAIN_KEY!r} is {ROLLOUT_KEY!r} itself (verl's bypass mode): there is no training-side "
                          "recomputation to compare with")
     _, mask = _rollout_side(tensors)
@@ -145,7 +148,7 @@ def observe_batch(monitor: LiveMonitor, batch: Any, step: int, old_log_prob: Any
     if score_fn is None:
         rollout, train, mask = verl_sides(batch, old_log_prob)
         if monitor.sampling:  # the monitor's every and sample_fraction hold here too (TRL's mixin does the same)
-            return monitor.step_sampled(step, rollout, lambda rows: train[rows], mask)
+            return monitor.step_sampled(step, rollout, lambda rows: train[rows], mask, train_side=TRAIN_KEY)
         return monitor.step(step, rollout, train, mask)
     if old_log_prob is not None:
         raise ValueError("give old_log_prob (the actor's recompute of every row) or score_fn (of a sample), not both")

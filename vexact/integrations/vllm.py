@@ -310,7 +310,6 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     from vexact_kernels.host_guard import torch_threads
 
     from ..real.compare import CompareSettings, run_compare
-    from ..real.hf_config import model_config_from_hf
     from ..real.measure import (
         CheckpointLoader,
         MeasureSettings,
@@ -328,13 +327,13 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
     # torch.set_num_threads is confined to its child process: see the module docstring.)
     with torch_threads(s.threads):
         directory = Path(s.model)
-        hf_config = model_checkpoint_config(directory)
+        config = model_checkpoint_config(directory)[1]  # before the tokenizer: see there
         measure = MeasureSettings(model=directory, prompts_file=s.prompts_file, random_prompts=s.random_prompts,
                                   max_prompt_len=s.max_prompt_len, token_ids=s.token_ids,
                                   max_new_tokens=s.max_new_tokens, temperature=float(s.temperature), seed=s.seed,
                                   micro_batch_size=s.micro_batch_size)
-        prompts = load_prompts(measure, hf_config["vocab_size"], load_tokenizer(directory))
-        limit = model_config_from_hf(hf_config, source=str(directory / "config.json")).max_seq_len
+        prompts = load_prompts(measure, config.vocab_size, load_tokenizer(directory))
+        limit = config.max_seq_len
         needed = max(map(len, prompts)) + s.max_new_tokens
         if needed > limit:
             raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) + --max-new-tokens "

@@ -346,6 +346,11 @@ def build_map(paths: list[str | Path], made_by: str | None = None, only: dict[st
     if unknown:
         raise ValueError(f"--only names sweep(s) {', '.join(sorted(unknown))} that are not among the sweep "
                          f"directories given ({', '.join(sorted(Path(p).name for p in given_dirs)) or 'none'})")
+    if (only or detector) and not given_dirs:  # a scaling.json's thresholds are fitted already
+        flag = "--only" if only else "the collapse settings (--patience, --drop, ...)"
+        raise ValueError(f"{flag} {'applies' if only else 'apply'} to the runs of sweep directories, and none was "
+                         "given (only map files): "
+                         "nothing would be filtered or judged again")
     head: dict[str, Any] = {}
     replayed = 0
     for path in paths:

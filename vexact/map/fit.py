@@ -195,11 +195,13 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
         if mirrored:
             out["alpha_ci_mirrored"] = mirrored
     violated = [h["horizon_value"] for h in bounded if not _respects(h, intercept, slope)]
+    fitted_ts = [h["horizon"] for h in fitted]  # the law's own range: ts holds the bounds' horizons too
     note = (f"threshold ∝ T^(−{-slope:.2f})" + (f" [α in {out['alpha_ci_low']:.2f} .. {out['alpha_ci_high']:.2f}, "
                                                "a regression interval]" if not open_ends else
                                                f" (no interval: horizon(s) {open_ends} have an open threshold "
                                                "interval)")
-            + f" over {len(fitted)} horizons with a fitted threshold (T = {min(ts):.0f} .. {max(ts):.0f})")
+            + f" over {len(fitted)} horizons with a fitted threshold (T = {min(fitted_ts):.0f} .. "
+              f"{max(fitted_ts):.0f})")
     if mirrored and not open_ends:
         note += (f"; the threshold interval of {HORIZON_KEY} = {', '.join(map(str, mirrored))} is open on one side "
                  "(a seed resample with no run on that side): α's interval mirrors its finite side")

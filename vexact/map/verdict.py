@@ -7,11 +7,12 @@ never another curve): the law at the user's T (its interval from the replicates)
 verdict in words and how far T lies outside the measured horizons. Beyond them the verdict weighs the range the
 law's interval and the saturating shape allow there (``range_low`` .. ``range_high``): "near" wherever that range
 spans the k3. A bound (no collapse up to X, or every run collapsed from X) speaks within 1.5x of its own horizon
-only: the threshold is not monotone in T. On a curve of bounds only, "no collapse measured up to k3 X at T Y". Every
-verdict ends by naming the curve as the user runs it (``correction_words``: ``token_tis`` is recompute + token-level
-TIS, ``bypass_token_tis`` the same on the rollout's log-probs). ``load_map(None)`` is the map shipped with vexact
-(``default_map.json``, made by ``python -m vexact.map build-map``; a single-curve file from before corrections were
-recorded loads as a ``bypass`` curve).
+only (the threshold is not monotone in T), and not where a horizon with a fitted threshold lies as near the user's T
+or nearer. On a curve of bounds only, "no collapse measured up to k3 X at T Y". Every verdict ends by naming the
+curve as the user runs it (``correction_words``: ``token_tis`` is recompute + token-level TIS, ``bypass_token_tis``
+the same on the rollout's log-probs). ``load_map(None)`` is the map shipped with vexact (``default_map.json``, made
+by ``python -m vexact.map build-map``; a single-curve file from before corrections were recorded loads as a
+``bypass`` curve).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def load_map(path: str | Path | None = None, vocab: int | None = None) -> dict[s
     (``shipped_map_for``: the main map without one; a named file is read whatever ``vocab`` says). Its ``curves``
     come back each with its ``correction`` (``map_curves``). One clear error on a bad file."""
     path = Path(path) if path is not None else shipped_map_for(vocab)
+    if path.is_dir():
+        raise ValueError(f"'{path}' is a directory: give a map file (a sweep's report/scaling.json, or build-map's)")
     if not path.is_file():
         raise ValueError(f"map file not found: '{path}'")
     data = read_json(path, f"map file '{path}'")
@@ -398,13 +401,18 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
     """Where a horizon with only a bound speaks for the user's T, the measurement wins over the law (which was not
     fitted to it, and may cross it): (the verdict, the assumption it rests on), or None to keep the law's verdict.
 
-    Only a horizon within 1.5x of the user's T speaks (``SAME_HORIZON``): the threshold is not monotone in T.
+    Only a horizon within 1.5x of the user's T speaks (``SAME_HORIZON``): the threshold is not monotone in T. And
+    only where no horizon with a fitted threshold lies as near the user's T or nearer (``_outranked``): the law was
+    fitted to that one, a measurement at the user's own T, which a neighbour's bound does not override.
 
     - Every run collapsed, from k3 D, at T_b: k3 >= D is above a measured collapse; k3 < D where the law's threshold
-      lies above D: the law is wrong there, and the map can only say "below D, where runs collapsed".
+      lies above D: the law is wrong there, and the map can only say "below D, where runs collapsed". Where the
+      logistic fit put the 50% point below D though some run held (``some_held``), k3 >= D is above that 50% point,
+      and the verdict says not every run collapsed (never "above the measured collapse range").
     - Nothing collapsed up to k3 D at T_b: k3 <= D where the law says near or above is below every level tested
       there; k3 > D where the law's threshold lies below D is not placed (the law is wrong there, and
       nothing was measured above D)."""
+    fitted = _fitted_horizons(curve)
     for h in curve.get("horizons") or []:
         t_b = h.get("horizon")
         if not positive(t_b):
@@ -412,9 +420,14 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
         at = f"T {fmt_t(t_b)} ({name})"
         if not horizon / SAME_HORIZON <= t_b <= horizon * SAME_HORIZON:
             continue  # a bound speaks for its own horizon only: the threshold is not monotone in T
+        if _outranked(t_b, horizon, fitted):
+            continue
         if h.get("status") == "below_range" and positive(h.get("upper_bound")):
             dose = h["upper_bound"]
             fact = f"{collapsed_from(h)} from k3 {dose:.2g} at {at}" + one_run(h)
+            if k3 >= dose and some_held(h):
+                return (f"above the 50% collapse point, which the fit puts below k3 {dose:.2g} though not every run "
+                        f"collapsed: {fact}", COLLAPSE_BOUND_ASSUMPTION)
             if k3 >= dose:
                 return f"above the measured collapse range: {fact}", COLLAPSE_BOUND_ASSUMPTION
             if thr > dose:
@@ -433,6 +446,18 @@ def _measured_over_law(curve: dict[str, Any], name: str, k3: float, horizon: flo
                         f"law's threshold at this T (k3 {thr:.2g}) lies below that measured survival: the map does "
                         "not know where this collapses", BOUND_ASSUMPTION)
     return None
+
+
+def _fitted_horizons(curve: dict[str, Any]) -> list[dict[str, Any]]:
+    """The curve's horizons with a fitted 50% threshold (a measurement at that T, not a bound)."""
+    return [h for h in curve.get("horizons") or [] if h.get("status") == "fitted" and positive(h.get("horizon"))
+            and positive(h.get("threshold_50"))]
+
+
+def _outranked(t_b: float, horizon: float, fitted: list[dict[str, Any]]) -> bool:
+    """Whether a horizon of ``fitted`` lies as near ``horizon`` as the bound's ``t_b`` or nearer (on a log scale):
+    then the threshold measured there answers for the user's T, not the neighbour's bound."""
+    return any(abs(math.log(f["horizon"] / horizon)) <= abs(math.log(t_b / horizon)) for f in fitted)
 
 
 def _too_few_near(curve: dict[str, Any], name: str, horizon: float) -> str:
@@ -455,7 +480,10 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
     for it (``BOUND_ASSUMPTION``); none is carried further, up or down (the threshold is not monotone in T)."""
     safe = [h for h in curve.get("horizons", []) if h.get("status") == "above_range" and not h.get("collapsed")
             and positive(h.get("lower_bound")) and positive(h.get("horizon"))]  # nothing collapsed up to the bound
-    carried = [h for h in safe if horizon / SAME_HORIZON <= h["horizon"] <= horizon * SAME_HORIZON]
+    measured = _fitted_horizons(curve)
+    one = measured if len(measured) == 1 else []  # (only a single threshold answers without a law: below)
+    carried = [h for h in safe if horizon / SAME_HORIZON <= h["horizon"] <= horizon * SAME_HORIZON
+               and not _outranked(h["horizon"], horizon, one)]
     if carried:
         best = max(carried, key=lambda h: h["lower_bound"])
         fact = _no_collapse_fact(best, f"T {fmt_t(best['horizon'])} ({name})")
@@ -463,8 +491,6 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
             return f"below every level tested: {fact}; the curve has no threshold to compare with"
         return (f"not placed: your k3 is above the largest level tested without collapse ({fact}); the {name} "
                 "curve does not say where this correction collapses")
-    measured = [h for h in curve.get("horizons", []) if h.get("status") == "fitted" and positive(h.get("horizon"))
-                and positive(h.get("threshold_50"))]
     if len(measured) == 1:  # one horizon with a threshold: an answer at that T only, no law to carry it
         h = measured[0]
         lo, hi = h.get("ci_low"), h.get("ci_high")

@@ -16,6 +16,7 @@ from vexact_kernels.host_guard import SAME_BITS
 from ..cli_base import EXIT_FAILED, EXIT_OK, check_writable, make_console
 from ..engine.devices import resolve_device
 from ..engine.model import DTYPE_NAMES, DTYPES, canonical_dtype_name, dtype_names_text, short_dtype_name
+from ..engine.seeds import check_seed
 from ..metric_keys import ABS_DLOGP_MAX, K3_KL
 from ..progress import Progress
 from .check import CheckSettings, check_units, mismatched, run_check, wide_settings
@@ -39,6 +40,13 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
     if unknown or not backends:
         raise ValueError(f"--backend: {'unknown backend ' + repr(unknown[0]) if unknown else 'no backend given'}; "
                          f"expected a comma-separated list of {', '.join(BACKENDS)}")
+    twice = next((b for i, b in enumerate(backends) if b in backends[:i]), None)
+    if twice is not None:  # it ran twice, and the verdict counted its tokens twice
+        raise ValueError(f"--backend: {twice!r} is named twice; name each backend once")
+    try:
+        check_seed(args.seed)
+    except ValueError as err:
+        raise ValueError(f"--seed: {err}") from None
     settings = [CheckSettings(**shape, num_prompts=args.num_prompts,
                               max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, dtype=dtype, seed=args.seed, threads=args.threads,

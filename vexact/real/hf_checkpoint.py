@@ -24,10 +24,12 @@ allocates, and every refusal is one ValueError naming the file (and the tensor o
   must fit the files (16 bits each) and no zip archive may unpack to more than 8 bytes per
   parameter (plus 16 MiB); then ``vexact.records.runlog.load_tensor_file`` (weights-only: a pickle
   that would run code or build objects is "refusing to unpickle FILE: not a plain tensor file (it names X)");
-  then the content must be a dict of dense tensors, checked like a safetensors header before the
-  model is built.
+  then the content must be a dict of dense tensors with values (no meta tensors), checked like a safetensors
+  header before the model is built.
 - values: a NaN/Inf weight is refused at load (file, tensor, counts), and so is a finite weight
   that overflows the requested dtype (e.g. fp32 3.4e38 in bf16).
+- a tied head (``tie_word_embeddings``) with a stored ``lm_head.weight`` loads as transformers 5 loads it: tied
+  where the stored head equals ``embed_tokens.weight`` bit for bit, else untied, with the stored head.
 - RoPE: ``Transformer`` precomputes a table of max_seq_len positions; a max_position_embeddings
   that would need more than 2^28 entries is refused unless ``max_seq_len`` is passed.
 
@@ -41,7 +43,7 @@ import json
 import math
 import re
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +247,9 @@ def _read_bin(path: Path) -> dict[str, Tensor]:
         if tensor.layout != torch.strided or tensor.is_quantized:
             raise ValueError(f"{path}: tensor {short(name)} is a {tensor.layout} / quantised tensor; vexact loads "
                              "dense floating-point weights")
+        if tensor.device.type != "cpu":  # map_location="cpu" moves all but meta tensors, which hold no values
+            raise ValueError(f"{path}: tensor {short(name)} is on the {tensor.device.type} device, with a shape but "
+                             "no values (saved from a model not yet materialised); vexact loads weights with values")
     return content
 
 
@@ -326,17 +331,29 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tu
     return {name: (tuple(math.prod(values[k] for k in keys) for keys in d), d) for name, d in dims.items()}
 
 
+def _tensor_count(config: ModelConfig) -> int:
+    """How many tensors ``_expected_shapes(config)`` names, by arithmetic: experts only in ``config.moe_layers``."""
+    attention = 6 + 3 * config.qkv_bias + 2 * config.qk_norm  # two norms, q/k/v/o, biases, q/k norms
+    moe = len(config.moe_layers)
+    expert_mlp = 1 + 3 * config.num_experts + 4 * bool(config.shared_expert_intermediate_size)  # router, shared
+    return (2 + (not config.tie_embeddings) + config.num_layers * attention + (config.num_layers - moe) * 3
+            + moe * expert_mlp)
+
+
 def _plan(config: ModelConfig, infos: dict[str, _TensorInfo], source: str, config_name: str) -> dict[str, str]:
     """Check stored tensors (names, dtypes, shapes; nothing read yet) against the config; vexact name -> stored name.
 
-    Dropped on purpose: RoPE ``inv_freq`` buffers (recomputed from the config) and, for tied embeddings, a stored
-    ``lm_head.weight`` (transformers ties it to ``embed_tokens`` too). Refused, each with one message: two stored
-    names for one parameter, a layer count other than num_hidden_layers, missing or unexpected tensors (no partial
-    load), a shape other than the config implies (naming the config keys that disagree), a non-float dtype.
+    Dropped on purpose: RoPE ``inv_freq`` buffers (recomputed from the config). A stored ``lm_head.weight`` of a
+    tied config is kept, checked as an untied head's; ``_settle_tie`` decides by its values. Refused, each with one
+    message: two stored names for one parameter, a layer count other than num_hidden_layers, missing or unexpected
+    tensors (no partial load), a shape other than the config implies (naming the config keys that disagree), a
+    non-float dtype.
     """
+    if config.tie_embeddings and "lm_head.weight" in infos:
+        config = replace(config, tie_embeddings=False)  # only for the shapes: the head is checked like any tensor
     kept: dict[str, str] = {}
     for stored in infos:
-        if stored.endswith("rotary_emb.inv_freq") or (config.tie_embeddings and stored == "lm_head.weight"):
+        if stored.endswith("rotary_emb.inv_freq"):
             continue
         name = stored.removeprefix("model.")
         if name in kept:
@@ -348,10 +365,10 @@ def _plan(config: ModelConfig, infos: dict[str, _TensorInfo], source: str, confi
         held = f"tensors of layers 0..{present - 1}" if present else "no layer tensors"
         raise ValueError(f"{config_name}: num_hidden_layers={config.num_layers} disagrees with the weights: "
                          f"{source} holds {held}")
-    per_layer = 9 + 3 * config.qkv_bias + 2 * config.qk_norm + 3 * config.num_experts
-    if config.num_layers * per_layer > 4 * len(kept) + 1000:  # a hostile layer index: never enumerate billions
-        raise ValueError(f"{source} does not match its config: {config_name} implies "
-                         f"{config.num_layers * per_layer:,}+ tensors, the weights hold {len(kept):,}")
+    implied = _tensor_count(config)
+    if implied > 4 * len(kept) + 1000:  # a hostile layer index: never enumerate billions
+        raise ValueError(f"{source} does not match its config: {config_name} implies {implied:,} tensors, the "
+                         f"weights hold {len(kept):,}")
     expected = _expected_shapes(config)
     missing = sorted(set(expected) - set(kept))
     unexpected = sorted(set(kept) - set(expected))
@@ -375,6 +392,23 @@ def _plan(config: ModelConfig, infos: dict[str, _TensorInfo], source: str, confi
                              f"floating-point weights ({', '.join(_WEIGHT_DTYPES)}), not integer, boolean or 8-bit "
                              "(quantised) tensors")
     return kept
+
+
+def _settle_tie(config: ModelConfig, tensors: dict[str, Tensor], origin: dict[str, tuple[str, str]]) -> ModelConfig:
+    """The config a tied checkpoint that also stores ``lm_head.weight`` runs as, in transformers (5.x, the
+    reference): a stored head equal to ``embed_tokens.weight`` bit for bit is tied (dropped from ``tensors`` and
+    ``origin``; ``.bin`` files store both names for one tensor), a different one is kept and the head left untied
+    (transformers: "both are present ... we will NOT tie them"). Tying it anyway ran another model than transformers
+    does: a mismatch no engine has."""
+    head = tensors.get("lm_head.weight")
+    if not config.tie_embeddings or head is None:
+        return config
+    embed = tensors["embed_tokens.weight"]
+    common = torch.promote_types(head.dtype, embed.dtype)  # transformers compares them loaded in one dtype
+    if torch.equal(head.to(common), embed.to(common)):
+        del tensors["lm_head.weight"], origin["lm_head.weight"]
+        return config
+    return replace(config, tie_embeddings=False)
 
 
 def _config_values(config: ModelConfig) -> dict[str, int]:
@@ -449,6 +483,7 @@ def read_checkpoint(directory: str | Path, max_seq_len: int | None = None) -> Ch
         tensors = {name: raw[stored] for name, stored in plan.items()}
         del raw
     origin = {name: (infos[stored].file, stored) for name, stored in plan.items()}
+    config = _settle_tie(config, tensors, origin)
     for name, tensor in tensors.items():
         _check_finite(tensor, origin[name][1], origin[name][0])
     return Checkpoint(config, tensors, origin, source)
@@ -469,6 +504,7 @@ def checkpoint_of_model(hf_model: Any, max_seq_len: int | None) -> Checkpoint:
     plan = _plan(config, infos, source, config_name)
     tensors = {name: state[stored] for name, stored in plan.items()}
     origin = {name: (source, stored) for name, stored in plan.items()}
+    config = _settle_tie(config, tensors, origin)
     for name, tensor in tensors.items():
         _check_finite(tensor, origin[name][1], source)
     return Checkpoint(config, tensors, origin, source)
@@ -532,6 +568,9 @@ def _hub_cache_snapshot(repo_id: str) -> Path | None:
 def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face checkpoint directory, with one clear error if it is missing, unreadable,
     larger than a config can be, not JSON, or not a JSON object."""
+    if directory.is_file():  # config.json itself, say: the directory that holds it is the checkpoint
+        raise ValueError(f"{directory} is a file, not a checkpoint directory; pass the directory that holds it "
+                         f"({directory.parent})")
     if not directory.is_dir():
         raise ValueError(f"checkpoint directory not found: {directory}{_hub_id_hint(directory)}")
     config_file = directory / "config.json"

@@ -68,6 +68,18 @@ def _positive_number(value: Any, key: str, source: str) -> float:
     raise ValueError(f"{source}: {key} must be a finite positive number, got {short(value)}")
 
 
+def eos_token_id_of(hf: dict[str, Any], source: str) -> int | None:
+    """config.json's end-of-sequence id (the first, if a list; None if absent, null or an empty list), else one
+    error naming the key: transformers' type (an int or a list of ints; its loaders refuse a string such as "1"),
+    and not negative (generation stops on it)."""
+    value = hf.get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{source}: eos_token_id must be a non-negative integer (or a list of them), got "
+                         f"{short(value)}")
+    return ids[0] if ids else None
+
+
 def _flag(hf: dict[str, Any], key: str, default: bool, source: str) -> bool:
     """``hf[key]`` as a JSON boolean (absent or null: ``default``); a string such as "false" is refused -- read as
     Python truth it was True (tie_word_embeddings "false" tied the head and dropped the stored lm_head.weight)."""
@@ -133,9 +145,9 @@ def _model_config_from_hf(hf: dict[str, Any], max_seq_len: int | None, source: s
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise _unsupported("hidden_act", act, "'silu' (SwiGLU MLP)")
-    if hf.get("mlp_bias"):
+    if _flag(hf, "mlp_bias", False, source):
         raise _unsupported("mlp_bias", True, "MLPs without bias")
-    if model_type not in ("qwen2", "qwen2_moe") and hf.get("attention_bias"):
+    if model_type not in ("qwen2", "qwen2_moe") and _flag(hf, "attention_bias", False, source):
         raise _unsupported("attention_bias", True, "q/k/v biases only as in Qwen2 (no o_proj bias)")
 
     sizes = {key: _positive_int(hf, key, source) for key in ("vocab_size", "hidden_size", "num_hidden_layers",

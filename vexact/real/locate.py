@@ -92,11 +92,10 @@ from ..engine.inputs import check_temperature, check_token_lists
 from ..engine.model import ModelConfig, Transformer
 from ..engine.presets import MODEL_PRESETS
 from .check import CHECK_PRESET
-from .hf_checkpoint import read_checkpoint, read_checkpoint_config
-from .hf_config import model_config_from_hf
+from .hf_checkpoint import read_checkpoint
 from .locate_report import LocateResult, print_locate, write_json, write_png
 from .locate_report import verdict as verdict  # re-exported: the report lived here
-from .measure import MeasureSettings, PathSpec, load_prompts, parse_path
+from .measure import MeasureSettings, PathSpec, load_prompts, model_checkpoint_config, parse_path
 from .op_plan import KINDS, OpSlot, capture, compare_captures, first_divergence, layer_summary, op_plan
 from .op_plan import OpRecorder as OpRecorder  # re-exported: the op plan and its recorder lived here
 from .op_plan import OpStructureError as OpStructureError
@@ -284,16 +283,13 @@ class _Models:
         return self._built["hf", spec.dtype]
 
 
-def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None]:
-    """(prompts, model description, longest sequence the model allows or None for a random model)."""
+def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None, int]:
+    """(prompts, model description, longest sequence the model allows or None for a random model, vocabulary
+    size)."""
     tokenizer, limit = None, None
     if settings.model is not None:
         directory = Path(settings.model)
-        try:
-            hf_config = read_checkpoint_config(directory)
-        except ValueError as err:
-            raise ValueError(f"--model: {err}") from None
-        config = model_config_from_hf(hf_config, source=str(directory / "config.json"))
+        config = model_checkpoint_config(directory)[1]  # before the tokenizer: see there
         vocab, limit, described = config.vocab_size, config.max_seq_len, str(directory)
         tokenizer = load_tokenizer(directory)
     else:
@@ -301,7 +297,7 @@ def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None
         vocab = shape["vocab_size"]
         described = "random (" + ", ".join(f"{k} {v}" for k, v in shape.items() if v is not False) + ")"
     if settings.tokens_from is not None:
-        return [], described, limit  # the sequences come from the dump
+        return [], described, limit, vocab  # the sequences come from the dump
     if settings.prompt_tokens is not None:
         prompts = check_token_lists("--prompt-tokens", settings.prompt_tokens, vocab)
     else:
@@ -312,7 +308,7 @@ def _prompts(settings: LocateSettings) -> tuple[list[list[int]], str, int | None
         if source.prompts_file is None and source.random_prompts is None:
             source.random_prompts = 2
         prompts = load_prompts(source, vocab, tokenizer)
-    return prompts, described, limit
+    return prompts, described, limit, vocab
 
 
 def _prompt_flags(settings: LocateSettings) -> list[tuple[str, Any]]:
@@ -430,8 +426,10 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
     """Tokens (prompts + a continuation, or an earlier dump's) and every path's sites on them, at the thread count
     the caller set (``torch_threads(settings.threads)``)."""
     ranges = parse_positions(settings.positions)
-    prompts, described, limit = _prompts(settings)
+    prompts, described, limit, vocab = _prompts(settings)
     source = read_dump(settings.tokens_from, "--tokens-from") if settings.tokens_from is not None else None
+    if source is not None:  # before any path: an id past this model's vocabulary failed deep in its embedding
+        check_token_lists(f"--tokens-from {settings.tokens_from}: sequence", source.tokens, vocab)
     new_tokens = 0 if source is not None else settings.max_new_tokens
     needed = max(map(len, source.tokens if source is not None else prompts)) + new_tokens
     if limit is not None and needed > limit:
@@ -540,6 +538,7 @@ def _compare_hashes(slots: list[OpSlot], a: Sites, b: Sites, positions: int) -> 
 def _summary(a: Sites, b: Sites, settings: LocateSettings | None, seconds: dict[str, float],
              dumps: bool) -> dict[str, Any]:
     compared = compare_sites(a, b)
+    read = dumps or (settings is not None and settings.tokens_from is not None)
     if settings is not None and settings.hash:
         for row in compared["ops"]:
             row.update(a_sha256=a.hashes[row["name"]], b_sha256=b.hashes[row["name"]])
@@ -547,8 +546,10 @@ def _summary(a: Sites, b: Sites, settings: LocateSettings | None, seconds: dict[
         "a": a.path, "b": b.path, **({"dumps": {"a": a.source, "b": b.source}} if dumps else {}),
         "model": a.model, "config": a.config, "tokens": a.tokens,
         "prompt_lengths": a.prompt_lengths, "prefill": a.prefill, "positions": len(a.rows),
-        "max_new_tokens": None if dumps else settings.max_new_tokens,
-        "temperature": None if dumps else settings.temperature, "seed": None if dumps else settings.seed,
+        **({"tokens_from": str(settings.tokens_from)} if not dumps and settings.tokens_from is not None else {}),
+        # read from dumps (--a/--b, or --tokens-from): nothing was generated, with no length or temperature
+        "max_new_tokens": None if read else settings.max_new_tokens,
+        "temperature": None if read else settings.temperature, "seed": None if dumps else settings.seed,
         "threads": None if dumps else torch.get_num_threads(), **compared,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
     }

@@ -52,8 +52,8 @@ def print_locate(result: LocateResult, console: Any) -> None:
 
     s = result.summary
     first = s["first_divergence"]
-    generated = ("read from dumps" if s["max_new_tokens"] is None else
-                 f"{s['max_new_tokens']} tokens of each generated, seed {s['seed']}")
+    generated = (f"{s['max_new_tokens']} tokens of each generated, seed {s['seed']}" if s["max_new_tokens"] is not None
+                 else f"read from --tokens-from {s['tokens_from']}" if "tokens_from" in s else "read from dumps")
     table = Table(title=f"vexact locate: a {s['a']} vs b {s['b']}",
                   caption=f"{s['model']}; {len(s['tokens'])} sequences ({generated}), {s['positions']} positions "
                           f"compared{' by hash' if s.get('compared_by') == 'hash' else ''}")

@@ -57,7 +57,7 @@ from ..cli_base import positive_int
 from ..engine.devices import resolve_device
 from ..engine.generation import generate
 from ..engine.inputs import check_temperature, check_token_lists, padded_with_mask, scale_logits
-from ..engine.model import DTYPES, Transformer, dtype_names_text, short_dtype_name
+from ..engine.model import DTYPES, ModelConfig, Transformer, dtype_names_text, short_dtype_name
 from ..engine.scoring import full_logprobs, token_logprobs
 from ..metric_keys import (
     ABS_DLOGP_MAX,
@@ -86,7 +86,7 @@ from ..metric_keys import (
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from ..rl.raw_ratios import raw_ratio_metrics
 from .hf_checkpoint import Checkpoint, read_checkpoint, read_checkpoint_config
-from .hf_config import SUPPORTED_ARCHITECTURES, model_config_from_hf
+from .hf_config import SUPPORTED_ARCHITECTURES, eos_token_id_of, model_config_from_hf
 from .pretrained import build_model, from_pretrained, load_tokenizer
 from .tiny import (
     PARITY_PROMPTS,
@@ -379,16 +379,19 @@ class CheckpointLoader:
         return model
 
 
-def model_checkpoint_config(directory: Path) -> dict[str, Any]:
-    """The checkpoint's config.json (read here too: the ``hf`` path and the prompts need it); its errors name
-    ``--model``, and a config without an integer ``vocab_size`` is refused."""
+def model_checkpoint_config(directory: Path) -> tuple[dict[str, Any], ModelConfig]:
+    """The checkpoint's config.json (read here too: the ``hf`` path, the prompts and the eos id need it) and its
+    ``ModelConfig``, every field vexact reads checked by the loader's own rules (``model_config_from_hf``,
+    ``eos_token_id_of``) before the tokenizer loads: transformers' tokenizer loader reads config.json too, and
+    reported a bad field as its own failure. A missing or unreadable config names ``--model``."""
     try:
-        config = read_checkpoint_config(directory)
+        hf_config = read_checkpoint_config(directory)
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None
-    if not isinstance(config.get("vocab_size"), int):
-        raise ValueError(f"--model: {directory / 'config.json'} has no integer vocab_size")
-    return config
+    source = str(directory / "config.json")
+    config = model_config_from_hf(hf_config, source=source)
+    eos_token_id_of(hf_config, source)
+    return hf_config, config
 
 
 # --------------------------------------------------------------------------- measure
@@ -521,14 +524,13 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     check_temperature(settings.temperature)
     with torch_threads(settings.threads):  # the caller's count back after the run
         directory = Path(settings.model)
-        hf_config = model_checkpoint_config(directory)
-        vocab_size = hf_config["vocab_size"]
+        hf_config, config = model_checkpoint_config(directory)  # before the tokenizer: see there
+        vocab_size, limit = config.vocab_size, config.max_seq_len
         tokenizer = load_tokenizer(directory)
         prompts = load_prompts(settings, vocab_size, tokenizer)
-        eos = None if settings.ignore_eos else _eos_id(hf_config, tokenizer)
+        eos = None if settings.ignore_eos else _eos_id(hf_config, tokenizer, str(directory / "config.json"))
 
         # The RoPE table only needs the longest sequence measured, not max_position_embeddings (same values either way).
-        limit = model_config_from_hf(hf_config, source=str(directory / "config.json")).max_seq_len
         needed = max(map(len, prompts)) + settings.max_new_tokens
 
         seconds: dict[str, float] = {}
@@ -591,14 +593,9 @@ def require_finite_logprobs(what: str, logprobs: list[Tensor]) -> None:
                              "are finite, so its activations overflow (e.g. in bf16): no mismatch to measure")
 
 
-def _eos_id(hf_config: dict[str, Any], tokenizer: Any | None) -> int | None:
+def _eos_id(hf_config: dict[str, Any], tokenizer: Any | None, source: str) -> int | None:
     """The checkpoint's end-of-sequence id (first one if a list), else the tokenizer's, else None."""
-    eos = hf_config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or eos < 0):
-        raise ValueError(f"--model: config.json eos_token_id must be a non-negative integer (or a list of them), "
-                         f"got {str(eos)[:60]!r}")
+    eos = eos_token_id_of(hf_config, source)
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return eos

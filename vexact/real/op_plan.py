@@ -310,7 +310,7 @@ def compare_captures(plan: list[OpSlot], a: dict[str, Tensor], b: dict[str, Tens
             peak = float(delta.reshape(-1)[flat])
             sequence, position = rows[flat // slot.features]
             row.update(abs_diff_max=peak, abs_diff_mean=float(delta.mean()),
-                       rel_diff_max=peak / scale if scale > 0 else math.inf,
+                       rel_diff_max=peak / scale if scale > 0 else math.nan if math.isnan(scale) else math.inf,
                        max_at={"sequence": sequence, "position": position, "feature": flat % slot.features})
         out.append(row)
     return out
@@ -337,6 +337,11 @@ def first_divergence(plan: list[OpSlot], a: dict[str, Tensor], b: dict[str, Tens
     return None
 
 
+def _nan_max(values: list[float]) -> float:
+    """The largest value, NaN if any is NaN (Python's ``max`` keeps whichever came first)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
 def layer_summary(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per group (``embed``, ``layer 0`` ..., ``head``): ops differing, the largest |Δ| of any of its ops,
     and |Δ| of its output (embed; the layer's ``resid_mlp``; logits) -- how the difference grows layer by layer."""
@@ -348,6 +353,6 @@ def layer_summary(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
         output = rows[-1]  # embed, layer i / resid_mlp, logits
         peaks = [r["abs_diff_max"] for r in rows]
         out.append({"group": group, "ops": len(rows), "ops_differing": sum(not r["bitwise_equal"] for r in rows),
-                    "abs_diff_max": None if None in peaks else max(peaks), "output": output["name"],
+                    "abs_diff_max": None if None in peaks else _nan_max(peaks), "output": output["name"],
                     "output_abs_diff_max": output["abs_diff_max"], "output_abs_diff_mean": output["abs_diff_mean"]})
     return out

@@ -89,14 +89,21 @@ def from_pretrained(path_or_model: str | Path | Any, backend: str = "exact", dty
 def load_tokenizer(directory: str | Path) -> Any | None:
     """``transformers.AutoTokenizer`` from a checkpoint directory (local files only), or None if it has none.
 
-    A tokenizer that is there but cannot be loaded is one ValueError naming the directory."""
+    A tokenizer that is there but cannot be loaded is one ValueError naming the directory; a config.json field that
+    transformers' own config check refuses (its tokenizer loader reads config.json too) names config.json and the
+    field -- a value vexact accepts, as an integral float size such as 128.0, among them."""
     directory = Path(directory)
     if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except StrictDataclassFieldValidationError as err:  # "Validation error for field 'K':\n    TypeError: Field ..."
+        why = str(err).strip().splitlines()[-1].strip().split(": ", 1)[-1].split(". Errors: ")[0][:200]
+        raise ValueError(f"{directory / 'config.json'}: transformers refuses it, so its tokenizer cannot be loaded "
+                         f"({why})") from None
     except Exception as err:  # a broken tokenizer file: transformers and tokenizers raise many kinds of error
         first = (str(err).strip().splitlines() or [""])[0][:120]
         raise ValueError(f"{directory}: cannot load its tokenizer ({type(err).__name__}: {first})") from None

@@ -145,7 +145,8 @@ def gguf_sha256(path: Path) -> str:
 
 
 def is_converted(out_dir: str | Path, gguf_path: Path | None = None) -> bool:
-    """True when ``out_dir`` holds a finished conversion (of ``gguf_path``, if given: compared by sha256)."""
+    """True when ``out_dir`` holds a finished conversion (of ``gguf_path``, if given: compared by sha256): a marker
+    that is a JSON object, as ``_write_checkpoint`` writes it (``[]`` or ``null`` is someone else's file)."""
     marker = Path(out_dir) / MARKER
     if not marker.is_file():
         return False
@@ -153,8 +154,7 @@ def is_converted(out_dir: str | Path, gguf_path: Path | None = None) -> bool:
         source = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return not (gguf_path is not None and (not isinstance(source, dict)
-                                           or source.get("gguf_sha256") != gguf_sha256(gguf_path)))
+    return isinstance(source, dict) and (gguf_path is None or source.get("gguf_sha256") == gguf_sha256(gguf_path))
 
 
 def convert_smollm2(out_dir: str | Path) -> Path:

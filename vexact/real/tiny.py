@@ -147,12 +147,12 @@ def make_tiny_checkpoint(directory: str | Path, arch: str = "llama", seed: int =
                          **model_kwargs: Any) -> Path:
     """Save ``make_tiny_hf_model(arch, seed, ...)`` (and, with ``tokenizer``, ``char_tokenizer()``) in ``directory``."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     model = make_tiny_hf_model(arch, seed, **model_kwargs)
+    tok = char_tokenizer() if tokenizer else None
+    if tok is not None and len(tok) > model.config.vocab_size:  # checked before writing: no half checkpoint
+        raise ValueError(f"vocab_size {model.config.vocab_size} is smaller than the tokenizer ({len(tok)})")
+    directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
-    if tokenizer:
-        tok = char_tokenizer()
-        if len(tok) > model.config.vocab_size:
-            raise ValueError(f"vocab_size {model.config.vocab_size} is smaller than the tokenizer ({len(tok)})")
+    if tok is not None:
         tok.save_pretrained(directory)
     return directory

@@ -61,6 +61,19 @@ def decode_non_finite(value: Any) -> Any:
     return value
 
 
+def non_finite_string(value: Any) -> str | None:
+    """The first string in ``value`` (at any depth) that ``decode_non_finite`` reads as NaN/Inf, else None: text
+    the log cannot keep as text, for a writer of values it did not compute to refuse."""
+    if isinstance(value, str):
+        return value if non_finite_value(value) is not None else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        found = non_finite_string(item)
+        if found is not None:
+            return found
+    return None
+
+
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """The numbers of one metrics row under their JSONL keys, as floats; ``step`` (the x axis) and anything
     non-numeric are left out. NaN/Inf are kept -- a diverged run is an outcome to see -- whether they come as

@@ -199,12 +199,15 @@ class MetricsWriter:
 
     def __init__(self, path: Path, keep_steps_below: int | None = None, live_views: LiveViews | None = None):
         self.path = path
-        if keep_steps_below is not None:
-            self._truncate(keep_steps_below)
-        # the kept lines replay as they were written: new and deprecated names (metric_keys.RENAMED_METRICS)
-        self._backends = live_views([with_deprecated_names(r) for r in read_metrics(path)]) \
-            if live_views is not None else []
+        kept = self._kept(keep_steps_below) if keep_steps_below is not None else None
+        self._backends = []
+        if live_views is not None:  # (only a view to rebuild reads the log back)
+            rows = read_metrics(path) if kept is None else kept[1]
+            # the kept lines replay as they were written: new and deprecated names (metric_keys.RENAMED_METRICS)
+            self._backends = live_views([with_deprecated_names(r) for r in rows])
         try:
+            if kept is not None and kept[0] is not None:  # cut only once the views opened: a view refused (W&B
+                write_text_atomic(path, kept[0])  # refusing its project) leaves the log as it was
             # unbuffered: a write that fails (a full disk) fails once, naming the file, and leaves nothing in a
             # buffer for close() to fail on again
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -215,22 +218,23 @@ class MetricsWriter:
             self._close_backends()
             raise
 
-    def _truncate(self, next_step: int) -> None:
-        """Resuming at ``next_step``: keep the lines of steps 0 .. next_step - 1 (one per step, in order) and drop
-        the rest unparsed -- they are recomputed identically, and the last may be torn by the crash."""
+    def _kept(self, next_step: int) -> tuple[str | None, list[dict[str, Any]]]:
+        """Resuming at ``next_step``: the text of the lines of steps 0 .. next_step - 1 (one per step, in order; None
+        where there is no file) and their rows; the rest is dropped unparsed -- recomputed identically, and the last
+        may be torn by the crash."""
         path = self.path
         if not path.exists():
             if next_step:
                 raise ValueError(f"{path} is missing, but the checkpoint is at step {next_step}: the run's log is "
                                  "gone; start a new run")
-            return
+            return None, []
         lines = complete_lines(path.read_bytes().decode("utf-8", errors="surrogateescape"))
         kept = parse_lines(path, lines[:next_step])
         if [row.get("step") for row in kept] != list(range(next_step)):
             raise ValueError(f"{path}: expected one line per step 0..{next_step - 1} before the checkpoint at step "
                              f"{next_step}, found steps {[row.get('step') for row in kept][:10]}...; the log does "
                              "not belong to this checkpoint")
-        write_text_atomic(path, "".join(line + "\n" for line in lines[:next_step]))
+        return "".join(line + "\n" for line in lines[:next_step]), kept
 
     def write(self, metrics: dict) -> None:
         """One line, appended and fsynced; a failure is ``WriteFailed`` naming metrics.jsonl (a part of the line

@@ -9,9 +9,10 @@ The run is read by the sweep report's reader (``sweep_data.read_point``) and its
                      response length (with the surge threshold), learning rate and grad norm; every panel marks
                      the collapse step, an unconfirmed collapse candidate, the response-length surge and the
                      LR-decay trigger, where the run has them
-    report.json      what the terminal table shows, plus first/last/mean/min/max of each tracked metric, and a
-                     collapsed run's ``failure`` (``vexact/sweeps/failure.py``: length lost, limit overrun, or reward
-                     lost at intact length)
+    report.json      what the terminal table shows, plus each tracked metric's ``series``: the steps logging it,
+                     how many were NaN/Inf, and first/last/mean/min/max of its finite values (null when none), and
+                     a run's ``failure`` when it collapsed on its reward (``vexact/sweeps/failure.py``: length lost,
+                     limit overrun, or reward lost at intact length; null for a collapse on another trigger)
 
 The verdict is summary.json's ``collapse`` (what the trainer decided). A run without summary.json (still running,
 or killed) is judged here by ``detect_collapse`` with its config.yaml's ``collapse`` settings, and the report says
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..metric_keys import (
     ABS_DLOGP_MEAN,
@@ -39,7 +41,7 @@ from ..metric_keys import (
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
 )
-from ..records import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from ..records import CONFIG_FILE, RUN_FILES, SUMMARY_FILE, is_run_dir
 from ..records.atomic import publish, write_json_atomic
 from ..rl.collapse import detect_collapse, trailing_mean
 from ..rl.config import load_config
@@ -47,10 +49,10 @@ from ..rl.config_schema import CollapseSection, RunConfig
 from ..sweeps.failure import failure_of, failure_words
 from ..sweeps.sweep_data import PointData, collapse_step_of, damaged_points_error, is_num, metric_series, read_point
 from ..sweeps.text_table import TextColumn, fmt_float, fmt_sci, print_table
+from .sweep_plots import undrawn_k3_words
 from .sweep_report import report_folder, write_report, written_line
 from .sweep_table import reward_definition, reward_summary
 
-RUN_FILES = (METRICS_FILE, SUMMARY_FILE)  # either one makes a directory a run directory
 TRACKED = {  # metric -> what it is, in words (report.json "series", the plot's panels)
     REWARD_MEAN: "training reward (rollouts)",
     EVAL_REWARD_MEAN: "clean evaluation reward",
@@ -81,12 +83,6 @@ class RunData:
         return self.config.collapse if self.config is not None else CollapseSection()
 
 
-def is_run_dir(path: str | Path) -> bool:
-    """A directory holding a run's metrics.jsonl or summary.json."""
-    path = Path(path)
-    return path.is_dir() and any((path / name).is_file() for name in RUN_FILES)
-
-
 def read_run(run_dir: str | Path) -> RunData:
     """Load a run directory; ValueError when it is not one."""
     run_dir = Path(run_dir)
@@ -104,11 +100,16 @@ def read_run(run_dir: str | Path) -> RunData:
     point.name = str((point.summary or {}).get("name") or (config.name if config else None) or run_dir.name)
     if point.summary is not None and point.summary.get("collapse"):
         source = SUMMARY_FILE
-    else:  # no verdict written yet: apply the detector to the history so far
+    else:  # no verdict written yet (or none readable): apply the detector to the history so far
         settings = config.collapse if config is not None else CollapseSection()
+        damaged = point.summary is None and (run_dir / SUMMARY_FILE).is_file()  # left out above (--skip-damaged)
         point.summary = {**(point.summary or {}), "collapse": detect_collapse(point.metrics, settings)}
-        point.status = point.status if (run_dir / SUMMARY_FILE).is_file() else "no summary.json"
-        source = "recomputed from metrics.jsonl (no verdict in summary.json: running, or killed)"
+        if damaged:  # the run may well have finished: its status is unknown, not "pending"
+            point.status = "summary.json damaged"
+            source = "recomputed from metrics.jsonl (summary.json damaged)"
+        else:
+            point.status = point.status if (run_dir / SUMMARY_FILE).is_file() else "no summary.json"
+            source = "recomputed from metrics.jsonl (no verdict in summary.json: running, or killed)"
     return RunData(point=point, config=config, collapse_source=source, notes=notes)
 
 
@@ -124,13 +125,17 @@ def lr_trigger_step(point: PointData) -> int | None:
     return None
 
 
-def _stats(point: PointData, key: str) -> dict[str, Any] | None:
-    steps, values = metric_series(point, key)
+def _stats(point: PointData, key: str) -> dict[str, Any]:
+    """The steps logging ``key`` and how many of them were NaN or ±Inf (counted from the raw rows: a diverged
+    metric is an outcome to see), and first/last/mean/min/max of its finite values (None when it has none)."""
+    values = metric_series(point, key, keep_nan=True)[1]
     finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return None
-    return {"steps": len(values), "non_finite": len(values) - len(finite), "first": finite[0], "last": finite[-1],
-            "mean": math.fsum(finite) / len(finite), "min": min(finite), "max": max(finite)}
+    out: dict[str, Any] = {"steps": len(values), "non_finite": len(values) - len(finite), "first": None,
+                           "last": None, "mean": None, "min": None, "max": None}
+    if finite:
+        out.update(first=finite[0], last=finite[-1], mean=math.fsum(finite) / len(finite), min=min(finite),
+                   max=max(finite))
+    return out
 
 
 def run_summary(run: RunData) -> dict[str, Any]:
@@ -168,9 +173,12 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
     step = lambda v: "—" if v is None else str(int(v)) if float(v).is_integer() else f"{v:g}"  # noqa: E731
 
     def first_last(key: str, fmt: Any) -> str:
-        st = series.get(key)
-        return "—" if st is None else f"{fmt(st['first'])} → {fmt(st['last'])} (min {fmt(st['min'])}, max " \
-                                      f"{fmt(st['max'])})"
+        st = series[key]
+        bad = f"non-finite at {st['non_finite']} of {st['steps']} steps" if st["non_finite"] else ""
+        if st["first"] is None:
+            return bad or "—"
+        return f"{fmt(st['first'])} → {fmt(st['last'])} (min {fmt(st['min'])}, max {fmt(st['max'])}" \
+               + (f"; {bad})" if bad else ")")
 
     verdict = (f"yes, at step {step(c['collapse_step'])} ({c['collapse_reason']})" if c.get("collapsed")
                else "no")
@@ -180,13 +188,15 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
     if c.get("length_surge_lead") is not None:
         surge += f" ({step(c['length_surge_lead'])} steps before the collapse)"
     lr = s["lr_schedule"]
-    chi2 = series.get(CHI2_TOKEN)
+    chi2 = series[CHI2_TOKEN]
     rows = [
         ("status", s["status"] + (f": {s['reason']}" if s.get("reason") else "")),
         ("steps", f"{s['steps_completed']}" + (f" of {s['steps_planned']}" if s.get("steps_planned") else "")),
         ("collapsed", verdict),
         ("unconfirmed collapse candidate", step(c.get("collapse_unconfirmed_step"))),
-        ("failure", failure_words(s["failure"]) if s.get("failure") else "—"),
+        ("failure", failure_words(s["failure"]) if s.get("failure")
+         else f"— (a {c['collapse_reason']} collapse, not a reward drop)" if c.get("collapsed")
+         and c.get("collapse_reason") not in (None, "reward_drop") else "—"),
         ("response-length surge", surge),
         ("LR schedule", (lr["kind"] or "—") + (f", decay triggered at step {step(lr['trigger_step'])}"
                                                if lr["trigger_step"] is not None else "")),
@@ -197,7 +207,7 @@ def _summary_columns(s: dict[str, Any]) -> list[TextColumn]:
         ("realised k3 KL (run mean)", fmt_sci(c.get("mean_k3_kl"))
          + (f"; before collapse {fmt_sci(c['mean_k3_kl_before_collapse'])}" if c.get("collapsed") else "")),
         ("realised |Δlogp| (run mean)", fmt_sci(c.get("mean_abs_dlogp"))),
-        ("chi2_token (run mean) †", "—" if chi2 is None else f"{chi2['mean']:.3g} (min {chi2['min']:.3g})"),
+        ("chi2_token (run mean) †", "—" if chi2["mean"] is None else f"{chi2['mean']:.3g} (min {chi2['min']:.3g})"),
         ("policy entropy", first_last(ENTROPY, lambda v: f"{v:.3g}")),
         ("response length", first_last(RESPONSE_LENGTH_MEAN, lambda v: f"{v:.3g}")),
         ("learning rate", first_last(LR, lambda v: f"{v:.2e}")),
@@ -275,12 +285,12 @@ def run_figure(run: RunData, s: dict[str, Any]) -> Any:
             drawn = _reward_extras(ax, p, s, handles) or drawn
         if title.startswith("mean response length"):
             _surge_threshold(ax, p, run.collapse_settings, handles)
+        k3 = metric_series(p, K3_KL, keep_nan=True)[1] if log else []
         if log and drawn:
             ax.set_yscale("log")
-        elif log and metric_series(p, K3_KL)[0]:
-            ax.text(0.5, 0.5, "k3 KL = 0 at every step (exact)", transform=ax.transAxes, ha="center", va="center",
-                    color="grey")
-        if not drawn and not (log and metric_series(p, K3_KL)[0]):
+        elif k3:
+            ax.text(0.5, 0.5, undrawn_k3_words(k3), transform=ax.transAxes, ha="center", va="center", color="grey")
+        if not drawn and not k3:
             ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="grey")
         for event, step in events.items():
             words, style = MARKERS[event]
@@ -349,7 +359,7 @@ def write_run_report(run_dir: str | Path, console: Console | None = None, skip_d
     try:
         files.append(plot_run(run, s, out / "run_curves.png"))
     except ImportError as e:
-        console.print(f"[yellow]plots skipped: {e}[/]")
+        console.print(f"[yellow]plots skipped: {escape(str(e))}[/]")
     s["files"] = [f.name for f in files] + ["report.json"]
     write_json_atomic(out / "report.json", s, sort_keys=False)
     files.append(out / "report.json")

@@ -31,6 +31,15 @@ class GroupStyle:
     zorder: float
 
 
+def undrawn_k3_words(values: list[float]) -> str:
+    """Why logged k3 KL values (NaN included) draw nothing on a log axis: "exact" only when every one is finite and
+    exactly 0; else how many were NaN/Inf, or that none was above 0."""
+    bad = sum(not math.isfinite(v) for v in values)
+    if bad:
+        return f"k3 KL non-finite at {bad} of {len(values)} steps"
+    return "k3 KL = 0 at every step (exact)" if all(v == 0 for v in values) else "k3 KL <= 0 at every step"
+
+
 def distinct_colours(n: int) -> list[Any]:
     """``n`` colours that are told apart at a glance: a qualitative palette, never a scale (with a scale, two
     close magnitudes got two near-identical greens); the legend carries the order."""
@@ -146,11 +155,11 @@ def sweep_figures(data: SweepData) -> dict[str, Any]:
                 ax.plot(*zip(*keep), color=s.colour, ls=dash(p), lw=s.linewidth * 0.8, marker=s.marker,
                         ms=s.markersize * 0.8, markevery=_mark_every(len(keep)), alpha=0.9, zorder=s.zorder)
                 drawn.add(key)
-        if key not in drawn and any(metric_series(p, K3_KL)[0] for p in points):
-            zero_groups.append(label_of[key])
+        logged = [v for p in points for v in metric_series(p, K3_KL, keep_nan=True)[1]]
+        if key not in drawn and logged:
+            zero_groups.append(f"{label_of[key]}: {undrawn_k3_words(logged)}")
     handles = legend_handles(drawn)
-    handles += [Line2D([], [], color="none", label=f"{label}: k3 KL = 0 throughout (not drawable on a log axis)")
-                for label in zero_groups]
+    handles += [Line2D([], [], color="none", label=f"{words}; not drawable on a log axis") for words in zero_groups]
     ax.set_title(f"{data.name}: realised mismatch vs step\n(one line per point: colour and marker = group, "
                  "line style = seed)")
     ax.set_xlabel("RL step")

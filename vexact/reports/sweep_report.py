@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..map.scaling_report import write_scaling
 from ..records.atomic import write_json_atomic, write_text_atomic
@@ -90,12 +91,12 @@ def write_report(sweep_dir: str | Path, console: Console | None = None, skip_dam
         files += plot_sweep(data, out)
         files.append(plot_dose_response(doses, out / "dose_response.png", data.name))
     except ImportError as e:
-        console.print(f"[yellow]plots skipped: {e}[/]")
+        console.print(f"[yellow]plots skipped: {escape(str(e))}[/]")
     render_table(rows, console, title=data.name, notes=notes)
     _render_dynamics(dynamics, console)
     for curve in doses["curves"]:
-        console.print(f"dose-response {curve['curve']}: {threshold_words(curve['threshold'])}")
-        console.print(f"  {curve['threshold']['note']}", soft_wrap=True)
+        console.print(f"dose-response {curve['curve']}: {threshold_words(curve['threshold'])}", markup=False)
+        console.print(f"  {curve['threshold']['note']}", markup=False, soft_wrap=True)
     failures = failure_table([p for p in data.points if p.has_result])
     write_json_atomic(out / "failures.json", failures, sort_keys=False)
     files.append(out / "failures.json")
@@ -107,7 +108,7 @@ def write_report(sweep_dir: str | Path, console: Console | None = None, skip_dam
     console.print(scaling_text, markup=False, soft_wrap=True)
     failed = [p for p in data.points if p.status == "failed"]
     for p in failed:
-        console.print(f"[red]failed:[/] {p.name}" + (f" -- {p.error}" if p.error else ""))
+        console.print(f"[red]failed:[/] {escape(p.name)}" + (f" -- {escape(p.error)}" if p.error else ""))
     for p in damaged:
         console.print(f"skipped damaged point {p.name}: {', '.join(p.damage)}", markup=False, highlight=False,
                       soft_wrap=True)

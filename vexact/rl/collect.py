@@ -92,11 +92,14 @@ def collect_rollouts(model: Transformer, plan: RolloutPlan, task: Task, tokenize
 
 @dataclass
 class EvalRecord:
-    """One held-out problem's clean evaluation: sampled and greedy reward, sampled response length."""
+    """One held-out problem's clean evaluation: sampled and greedy reward, sampled response length, and whether
+    every log-prob either generation recorded was finite (non-finite logits still sample some token, so the rewards
+    alone would pass a broken policy off as a poor one)."""
 
     sampled_reward: float
     greedy_reward: float
     sampled_length: int
+    finite: bool = True
 
 
 @torch.no_grad()
@@ -110,8 +113,9 @@ def eval_records(model: Transformer, task: Task, tokenizer: CharTokenizer, probl
     greedy = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=0.0,
                       batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index,
                       cuda_graphs=settings.cuda_graphs)
-    return [EvalRecord(task.reward(p, s), task.reward(p, g), len(s))
-            for p, s, g in zip(problems, sampled.tokens, greedy.tokens)]
+    return [EvalRecord(task.reward(p, s), task.reward(p, g), len(s),
+                       bool(torch.isfinite(s_lp).all() and torch.isfinite(g_lp).all()))
+            for p, s, g, s_lp, g_lp in zip(problems, sampled.tokens, greedy.tokens, sampled.logprobs, greedy.logprobs)]
 
 
 def eval_metrics(records: list[EvalRecord]) -> dict[str, float]:

@@ -34,12 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 import vexact_kernels
 
 from ..engine.devices import DEFAULT_DEVICE, DeviceError, check_device_name
-from ..engine.model import ModelConfig, ModelConfigError
+from ..engine.inputs import MIN_TEMPERATURE
+from ..engine.model import MOE_FIELDS, ModelConfig, ModelConfigError
 from ..engine.presets import PresetName, preset_values
-from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL
+from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, RENAMED_METRICS, REWARD_MEAN, find
 from ..registry import extensible
 from .metrics import LOG_RATIO_BOUND
 from .registries import (
@@ -81,6 +84,13 @@ MAX_POLICY_LAG = 1024
 """Upper bound of ``rollout.policy_lag``: the trainer holds that many copies of the weights; a larger lag is more
 likely a typo than a plan."""
 
+MIN_ADAM_EPS = torch.finfo(torch.float32).tiny
+"""Lower bound of ``optimizer.eps``: float32's smallest normal number (the master weights and moments are float32)."""
+
+MAX_THREADS = 4096
+"""Upper bound of ``threads``: more than any machine's cores, and within what ``torch.set_num_threads`` takes (its
+int32 overflowed at 2**31, after the run had started, naming no key)."""
+
 
 # --- schema ------------------------------------------------------------------------------------------------
 
@@ -109,6 +119,7 @@ def _model_section() -> type:
             self.to_model_config(vocab_size=1)
         except ModelConfigError as e:
             raise ConfigError(e.problem, e.field) from None
+        _check_dense_has_no_moe_keys(self)
 
     def to_model_config(self, vocab_size: int) -> ModelConfig:
         """The engine's ModelConfig of this section for a vocabulary of ``vocab_size`` tokens."""
@@ -122,6 +133,23 @@ def _model_section() -> type:
 
 
 ModelSection = _model_section()
+
+
+def _check_dense_has_no_moe_keys(model: Any) -> None:
+    """A dense model (``num_experts`` 0) with an MoE key away from its default (the preset's, when one is named): the
+    key is unused, silently (``vexact check`` refuses its flags alike). Here, not in ``ModelConfig``: the engine's own
+    callers build a dense twin of an MoE shape by setting num_experts 0 alone."""
+    if model.num_experts:
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(model)}
+    if model.preset is not None:
+        defaults.update(preset_values(model.preset))
+    for name in (n for n in MOE_FIELDS if n != "num_experts"):
+        value = getattr(model, name)
+        if plain(value) != plain(defaults[name]):
+            raise ConfigError(f"{show_value(plain(value))} sets the mixture of experts, but the model has none "
+                              f"(num_experts is 0), so it would be unused: set model.num_experts > 0 too, or leave "
+                              f"{name} at {show_value(plain(defaults[name]))}", name)
 
 
 @extensible("task")
@@ -168,8 +196,9 @@ class RolloutSection:
 
     prompts_per_step: int = field(default=16, metadata=_bounds(min=1))
     samples_per_prompt: int = field(default=8, metadata=_bounds(min=1))
-    # > 0: greedy rollouts (0) give every sample of a prompt the same response, hence the same reward: no advantage
-    temperature: float = field(default=1.0, metadata=_bounds(gt=0))
+    # > 0: greedy rollouts (0) give every sample of a prompt the same response, hence the same reward: no advantage;
+    # at least the sampler's MIN_TEMPERATURE (vexact.engine.inputs): logits divided by less can overflow float32
+    temperature: float = field(default=1.0, metadata=_bounds(min=MIN_TEMPERATURE))
     max_new_tokens: int = field(default=20, metadata=_bounds(min=1))
     batch_size: int | None = field(default=None, metadata=_bounds(min=1))
     backend: Backend | None = None
@@ -238,7 +267,7 @@ class CorrectionSection:
 
     method: CorrectionMethodName = "none"  # a name in registries.CORRECTION_METHODS
     batch_normalize: bool = False  # divide the weights by their mean -> mean 1 (verl's rollout_is_batch_normalize)
-    # clamp of |log ρ| in the IS weights, the χ² metrics and actor/ppo_kl (verl's SAFETY_BOUND: 20)
+    # clamp of |log ρ| in the IS weights, the χ² metrics, the PPO ratio and actor/ppo_kl (verl's 20)
     log_ratio_bound: float = field(default=LOG_RATIO_BOUND, metadata=_bounds(gt=0))
     # verl's vocabulary (algorithm.rollout_correction in verl 0.9.1)
     preset: str | None = None  # a RolloutCorrectionConfig factory name, e.g. decoupled_token_is, bypass_pg_is
@@ -268,7 +297,9 @@ class OptimizerSection:
 
     lr: float = field(default=2e-4, metadata=_bounds(gt=0))
     betas: tuple[float, float] = field(default=(0.9, 0.99), metadata=_bounds(min=0, lt=1))
-    eps: float = field(default=1e-8, metadata=_bounds(gt=0))
+    # at least float32's smallest normal: the update adds eps to float32 tensors, where a smaller one is 0 (or a
+    # subnormal, which flush-to-zero arithmetic makes 0), and a zero second moment then divides 0 by 0 (NaN weights)
+    eps: float = field(default=1e-8, metadata=_bounds(min=MIN_ADAM_EPS))
     weight_decay: float = field(default=0.0, metadata=_bounds(min=0))
     grad_clip: float | None = field(default=1.0, metadata=_bounds(gt=0))  # None = no clipping
     warmup_steps: int = field(default=10, metadata=_bounds(min=0))
@@ -336,6 +367,10 @@ class InjectSection:
     def check(self) -> None:
         mode = INJECT_MODES[self.mode]
         mode.check(self)  # the mode's own settings (value range, ...)
+        if self.scope != "all" and not mode.reads_scope:  # silently unscoped otherwise
+            readers = ", ".join(name for name, m in INJECT_MODES.items() if m.reads_scope)
+            raise ConfigError(f"mode {self.mode!r} does not read inject.scope, got {self.scope!r}: it would not "
+                              f"be scoped; scopes apply to {readers}; remove inject.scope", "scope")
         if self.target is not None and not mode.calibratable:
             raise ConfigError(f"mode {self.mode!r} has no continuous knob to calibrate; remove inject.target",
                               "target")
@@ -398,6 +433,14 @@ class CollapseSection:
     length_surge_ratio: float = field(default=1.5, metadata=_bounds(gt=1))  # surge: trailing mean > ratio x base
     stop_on_collapse: bool = False  # end the run once collapse is confirmed (saves sweep time)
 
+    def check(self) -> None:
+        # a key no run writes is never in the history: the detector would silently never judge
+        entry = find(RENAMED_METRICS.get(self.metric, self.metric))
+        if entry is None or "run" not in entry.writers:
+            raise ConfigError(f"{self.metric!r} is not a metric key vexact run writes (docs/reference/metrics.md "
+                              f"lists them), so collapse would never be judged; e.g. {EVAL_REWARD_MEAN!r} (the "
+                              f"default) or {REWARD_MEAN!r}", "metric")
+
 
 @dataclass
 class RunConfig:
@@ -409,7 +452,7 @@ class RunConfig:
     output_dir: str | None = None
     backend: Backend = "exact"  # training-path backend
     dtype: DType = "float32"  # compute dtype of the model
-    threads: int | None = field(default=None, metadata=_bounds(min=1))
+    threads: int | None = field(default=None, metadata=_bounds(min=1, max=MAX_THREADS))
     # where the policy, reference, optimizer state and rollouts live: cpu, cuda, cuda:N or auto (CUDA when available)
     device: str = DEFAULT_DEVICE
     # modules imported before the config is validated: outside extensions (vexact.rl.plugins)

@@ -34,7 +34,7 @@ denominator (verl multiplies them out of ``response_mask``). IS weights multiply
 * decoupled mode (``algorithm.old_logprobs: recompute``): the clipped PPO loss times w_t, as verl;
 * bypass mode (``algorithm.old_logprobs: rollout``), by ``loss_type``:
   ``ppo_clip`` (verl): the ratio π_θ/μ alone, IS weights computed for metrics only;
-  ``reinforce`` (verl): -A·w_t·log π_θ, no clipping;
+  ``reinforce`` (verl): -A·w_t·log π_θ, no clipping (w_t = 1 without ``rollout_is``);
   ``ppo_clip_is`` (vexact's, the default of ``method``): the ratio's mismatch factor π_old/μ replaced by w_t,
   ratio = exp(logp - logp_train)·w_t, so the clip acts on the corrected ratio.
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..cli_base import RANK_ERRORS_ENV
 from .lifetime import die_with_parent
 
 STORE_ENV = "VEXACT_DIST_STORE"
@@ -55,14 +56,18 @@ def tree_sum(parts: list[Tensor]) -> Tensor:
     return tree_sum(parts[:mid]) + tree_sum(parts[mid:])
 
 
-def check_leaves(leaves: int, world_size: int) -> None:
-    """Raise ValueError unless ``world_size`` ranks can share ``leaves`` leaves along the tree."""
+def check_leaves(leaves: int, world_size: int, nproc: bool = True) -> None:
+    """Raise ValueError unless ``world_size`` ranks can share ``leaves`` leaves along the tree. ``nproc``: the count
+    is ``vexact run --nproc``'s; False: the ranks' environment's (WORLD_SIZE, as torchrun sets it), whose errors
+    name no flag the user did not give."""
+    ranks = f"--nproc {world_size}" if nproc else f"{world_size} ranks (WORLD_SIZE)"
     if world_size & (world_size - 1):
-        raise ValueError(f"--nproc {world_size}: the number of ranks must be a power of two (1, 2, 4, ...), so that "
+        raise ValueError(f"{ranks}: the number of ranks must be a power of two (1, 2, 4, ...), so that "
                          "each rank's leaves are one subtree of the gradient tree")
     if leaves % world_size:
         raise ValueError(f"config error at 'distributed.leaves': {leaves} leaves cannot be shared by {world_size} "
-                         f"ranks; set it to a multiple of --nproc (e.g. --set distributed.leaves={world_size})")
+                         f"ranks; set it to a multiple of {'--nproc' if nproc else 'the number of ranks'} (e.g. "
+                         f"--set distributed.leaves={world_size})")
 
 
 @dataclass(frozen=True)
@@ -162,7 +167,7 @@ class DataParallel:
             dist.destroy_process_group()
 
 
-def launch(nproc: int, python_args: list[str], threads: int | None = None) -> None:
+def launch(nproc: int, python_args: list[str], threads: int | None = None, errors_dir: str | None = None) -> None:
     """Run ``python <python_args>`` (``vexact run --nproc``: ``-m vexact run ...``) as ``nproc`` ranks on this
     machine, through torch.distributed's elastic launcher (what torchrun runs), and wait for them.
 
@@ -171,8 +176,8 @@ def launch(nproc: int, python_args: list[str], threads: int | None = None) -> No
 
     ``threads``: torch threads per rank; default: this process's count, the one a single-process run here uses.
     With the exact backend it changes no bit (forward, backward and update are thread-count invariant); with
-    ``native`` it does. Raises ``ChildFailedError`` if a rank exits
-    non-zero."""
+    ``native`` it does. ``errors_dir``: where the ranks leave their error lines (``cli_base.RANK_ERRORS_ENV``).
+    Raises ``ChildFailedError`` if a rank exits non-zero."""
     import logging
     import sys
     import tempfile
@@ -180,8 +185,9 @@ def launch(nproc: int, python_args: list[str], threads: int | None = None) -> No
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent's own warnings (one line per rank it signals) repeat what the ranks print themselves.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The agent's own warnings (one line per rank it signals) and errors (one per failed rank) repeat what the ranks
+    # and ``vexact run --nproc`` print themselves.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
     # torch reads this switch only from the launching process's environment: without it, the c10d rendezvous
     # starts a TCP store for the ranks, listening on every interface. Nothing else in vexact rendezvouses.
@@ -190,6 +196,8 @@ def launch(nproc: int, python_args: list[str], threads: int | None = None) -> No
         rank_env = {STORE_ENV: os.path.join(tmp, "process_group"), LAUNCHER_ENV: str(os.getpid()),
                     "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
                     "OMP_NUM_THREADS": str(threads or torch.get_num_threads())}
+        if errors_dir is not None:
+            rank_env[RANK_ERRORS_ENV] = errors_dir
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                               rdzv_backend="c10d", rdzv_endpoint=os.path.join(tmp, "rendezvous"),
                               rdzv_configs={"store_type": "file"}, max_restarts=0, monitor_interval=0.1,

@@ -44,6 +44,7 @@ from ..engine.model import KernelOps, ModelConfig, RouteHook, resolve_dtype
 from ..engine.sampling import counter_normal, counter_uniform
 from .config_schema import Backend, DType
 from .registries import INJECT_MODES, register_run_check
+from .tasks import task_of
 from .validate import ConfigError
 
 if TYPE_CHECKING:
@@ -104,8 +105,9 @@ class InjectMode:
     before modes named their knobs, still read for them with a FutureWarning); the config stores it there and the
     injector reads it as ``InjectSection.value``; ``settings``: a dataclass of the mode's own
     options, mounted as ``inject.<field>`` keys while the mode is registered; ``calibratable``: ``inject.target``
-    may search the knob (``knob_search``); ``injects``: False only for ``none``, the mode that leaves the rollout
-    path as configured."""
+    may search the knob (``knob_search``); ``reads_scope``: the mode's hook applies ``injector.scoped`` (else a
+    config whose ``inject.scope`` is not ``all`` is refused: the scope would be ignored); ``injects``: False only for
+    ``none``, the mode that leaves the rollout path as configured."""
 
     name: ClassVar[str] = ""
     injects: ClassVar[bool] = True
@@ -114,6 +116,7 @@ class InjectMode:
     settings: ClassVar[type | None] = None
     source_keys: ClassVar[tuple[str, ...]] = ()
     calibratable: ClassVar[bool] = False
+    reads_scope: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -198,6 +201,7 @@ class _Perturb(InjectMode):
     gives the perturbed logits; value 0 installs no hook."""
 
     calibratable = True
+    reads_scope = True
 
     def changed(self, z: Tensor, value: float, noise_seed: int, seq: Tensor, pos: Tensor) -> Tensor:
         raise NotImplementedError
@@ -317,7 +321,8 @@ class TopP(InjectMode):
 
 
 class TopK(InjectMode):
-    """``top_k``: the rollout samples from the k most likely tokens (and records their log-probs); 0 is off."""
+    """``top_k``: the rollout samples from the k most likely tokens (and records their log-probs); 0 is off, else k
+    is below the vocabulary size (``check_top_k_cuts``)."""
 
     name = "top_k"
     knob = "k"
@@ -505,6 +510,20 @@ class RoutingFlip(InjectMode):
 for _mode in (NoInjection(), LogitNoise(), LogitScale(), Precision(), Kernel(), LogprobOnly(), TopP(), TopK(),
               RoutingFlip()):
     register_inject_mode(_mode)
+
+
+@register_run_check
+def check_top_k_cuts(cfg: RunConfig) -> None:
+    """``inject.top_k`` cuts something: a k that keeps the whole vocabulary samples the full distribution, a silent
+    no-op injection. The final knob only: a ramp's k starts above it on purpose, and ``inject.target`` searches
+    1 .. vocabulary size itself."""
+    if cfg.inject.mode != TopK.name or cfg.inject.target is not None or cfg.inject.value <= 0:  # 0: off
+        return
+    vocab_size = task_of(cfg).tokenizer.vocab_size
+    if cfg.inject.value >= vocab_size:
+        raise ConfigError(f"top_k {cfg.inject.value:g} keeps the whole vocabulary of {vocab_size} tokens (task "
+                          f"{cfg.task.name!r} with task.distractors {cfg.task.distractors}), so nothing would be cut; "
+                          f"give 0 < top_k < {vocab_size} (0 = off)", f"inject.{TopK.knob_name}")
 
 
 @register_run_check

@@ -10,7 +10,9 @@ kill that lost buffered events they hold exactly what metrics.jsonl holds, never
 
 - TensorBoard: the old event files are deleted and the new file starts with ``purge_step=0`` (a SessionLog START
   at step 0), so a TensorBoard that is already showing the old files drops them too instead of plotting steps
-  twice. Values are stored as float32 (TensorBoard's scalar type).
+  twice. Values are stored as float32 (TensorBoard's scalar type). The old files go only once every backend has
+  opened and the kept rows are replayed: a backend that cannot open (W&B refusing ``wandb_project`` or
+  ``wandb_mode``: a ConfigError naming the key) leaves the old views as they were.
 - W&B: each session (start, each resume) is a new W&B run named after the run, holding all steps so far; the
   newest is complete. ``wandb_mode: offline`` (the default) needs no network or account: ``wandb sync`` uploads
   ``wandb/offline-run-*`` later.
@@ -48,6 +50,7 @@ __all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackendKind", "Wa
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # wandb.init(dir=run_dir) writes run_dir/wandb/
+EVENT_FILES = "events.out.tfevents.*"  # the names of TensorBoard's event files
 
 
 class LogBackendKind:
@@ -82,15 +85,29 @@ def missing_package(backend: str) -> str | None:
 
 
 class TensorBoardBackend:
-    """torch's SummaryWriter into ``run_dir/tensorboard``, flushed every step (a live view that lags is no view)."""
+    """torch's SummaryWriter into ``run_dir/tensorboard``, flushed every step (a live view that lags is no view).
+
+    The old event files (the view before this session, rebuilt from metrics.jsonl: see the module doc) go only in
+    ``replace_previous``, once every backend has opened and replayed the history (``open_backends``): a backend
+    that fails to open (W&B refusing its settings) then leaves the view as it was -- closed before that, this one
+    removes its own new file instead, whose purge at step 0 would otherwise hide the old steps."""
 
     def __init__(self, log_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
+        self._created_dir = not log_dir.exists()
         log_dir.mkdir(parents=True, exist_ok=True)
-        for old in log_dir.glob("events.out.tfevents.*"):  # rebuilt from metrics.jsonl below; see the module doc
-            old.unlink()
+        self._log_dir = log_dir
+        self._previous = set(log_dir.glob(EVENT_FILES))
         self._writer = SummaryWriter(str(log_dir), purge_step=0)
+        self._own = set(log_dir.glob(EVENT_FILES)) - self._previous  # the file SummaryWriter just created
+        self._replaced = False
+
+    def replace_previous(self) -> None:
+        """Delete the event files that were there before this writer opened: its own file replaces them."""
+        for old in self._previous:
+            old.unlink(missing_ok=True)
+        self._replaced = True
 
     def write(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -99,6 +116,11 @@ class TensorBoardBackend:
 
     def close(self) -> None:
         self._writer.close()
+        if not self._replaced:  # opening the views failed: leave the old view as it was
+            for own in self._own:
+                own.unlink(missing_ok=True)
+            if self._created_dir and not any(self._log_dir.iterdir()):
+                self._log_dir.rmdir()
 
 
 class WandbBackend:
@@ -108,17 +130,31 @@ class WandbBackend:
     def __init__(self, run_dir: Path, cfg: RunConfig):
         import wandb
 
-        settings = wandb.Settings(console="off", silent=True, save_code=False, disable_git=True,
-                                  disable_job_creation=True)
-        self._run = wandb.init(project=cfg.logging.wandb_project, name=cfg.name, dir=str(run_dir),
-                               mode=cfg.logging.wandb_mode, config=cfg.to_dict(), reinit="create_new",
-                               settings=settings)
+        project, mode = cfg.logging.wandb_project, cfg.logging.wandb_mode
+        try:  # W&B checks the project name as its settings take it: a refusal there is that key's
+            settings = wandb.Settings(project=project, console="off", silent=True, save_code=False,
+                                      disable_git=True, disable_job_creation=True)
+        except wandb.errors.Error as e:
+            raise ConfigError(f"W&B refuses the project name: {_first_line(e)}",
+                              "logging.wandb_project") from None
+        try:
+            self._run = wandb.init(project=project, name=cfg.name, dir=str(run_dir), mode=mode,
+                                   config=cfg.to_dict(), reinit="create_new", settings=settings)
+        except wandb.errors.Error as e:  # no API key or no connection (online), ...
+            hint = "; wandb_mode: offline needs no account or network" if mode != "offline" else ""
+            raise ConfigError(f"W&B could not start an {mode} run: {_first_line(e)}{hint}",
+                              "logging.wandb_mode") from None
 
     def write(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)
 
     def close(self) -> None:
         self._run.finish()
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception's message as a clause of ours: its first line, without the closing full stop."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
 
 
 class Jsonl(LogBackendKind):
@@ -174,7 +210,9 @@ PACKAGES = {name: kind.package for name, kind in LOG_BACKENDS.items() if kind.pa
 def open_backends(run_dir: Path, cfg: RunConfig, history: Iterable[dict[str, Any]]) -> list[LogBackend]:
     """Open ``cfg.logging.backends`` other than jsonl (which the caller writes) and replay ``history``, the rows
     already in metrics.jsonl, into each. A missing package is a ConfigError at ``logging.backends`` with the pip
-    line, raised before anything is opened."""
+    line, raised before anything is opened; a backend that refuses its settings (a ConfigError naming the key)
+    closes the ones already open, and TensorBoard's old event files stay until every backend has opened and
+    replayed."""
     run_dir = Path(run_dir)
     names = [b for b in cfg.logging.backends if b != "jsonl"]
     for name in names:
@@ -193,6 +231,10 @@ def open_backends(run_dir: Path, cfg: RunConfig, history: Iterable[dict[str, Any
         for backend in opened:
             for row in rows:
                 backend.write(int(row["step"]), scalars(row))
+        # only now may a view drop what it showed before: a failure above leaves every old view as it was
+        for backend in opened:
+            if isinstance(backend, TensorBoardBackend):
+                backend.replace_previous()
     except BaseException:
         for backend in opened:
             backend.close()

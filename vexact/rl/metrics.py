@@ -343,8 +343,9 @@ def is_weight_stats(weights: Tensor, prefix: str = "correction/weight") -> dict[
     """Summary of importance-sampling weights w_1..w_N (any shape, flattened, float64).
 
     Keys: ``<prefix>_mean``, ``<prefix>_std`` (population, ddof 0), ``<prefix>_min``, ``<prefix>_max`` and
-    ``<prefix>_eff_sample_size`` = (Σw)² / (N·Σw²) ∈ (0, 1] for non-negative weights — the effective sample size
-    as a fraction of N (1.0 when all weights are equal; verl warns below 0.3). Defined as 0.0 when all w are 0.
+    ``<prefix>_eff_sample_size`` = (Σw)² / (N·Σw²) ∈ (0, 1] for non-negative weights not all 0 — the effective
+    sample size as a fraction of N (1.0 when all weights are equal; verl warns below 0.3). Defined as 0.0 when all
+    w are 0, so its range is [0, 1].
     Raises ValueError for an empty tensor.
     """
     w = weights.detach().flatten().double()
@@ -378,7 +379,8 @@ def sequence_stats(values: Sequence[float] | Tensor, prefix: str) -> dict[str, f
     }
 
 
-def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Tensor) -> dict[str, float]:
+def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Tensor,
+                clips: bool = True) -> dict[str, float]:
     """PPO ratio and clipping statistics over tokens (flat tensors, already masked to valid tokens).
 
     The clipped surrogate max(-A·ρ, -A·clip(ρ, 1-clip_low, 1+clip_high)) takes the clipped branch (and drops the
@@ -388,7 +390,8 @@ def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Te
     ``actor/pg_clipfrac_low`` = fraction with each (not verl's dual-clip ``pg_clipfrac_lower``);
     ``actor/ratio_mean`` / ``_max`` / ``_min`` of ρ. Tokens with A = 0 or ρ on a bound are never counted.
     The comparisons are done in ``ratio``'s own dtype, as ``clamp`` in the loss does them, so the fractions match
-    what the loss actually clipped. Raises ValueError on shape mismatch or no tokens.
+    what the loss actually clipped. ``clips`` False: the loss has no clip (bypass ``reinforce``), so the fractions
+    are 0. Raises ValueError on shape mismatch or no tokens.
     """
     if ratio.shape != advantages.shape:
         raise ValueError(f"ratio shape {tuple(ratio.shape)} != advantages shape {tuple(advantages.shape)}")
@@ -396,8 +399,8 @@ def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Te
     if n == 0:
         raise ValueError("no tokens for ratio stats")
     ratio, advantages = ratio.detach(), advantages.detach()
-    high = (advantages > 0) & (ratio > 1.0 + clip_high)
-    low = (advantages < 0) & (ratio < 1.0 - clip_low)
+    high = (advantages > 0) & (ratio > 1.0 + clip_high) & clips
+    low = (advantages < 0) & (ratio < 1.0 - clip_low) & clips
     ratio64 = ratio.double()
     return {
         PG_CLIPFRAC: int((high | low).sum()) / n,

@@ -22,6 +22,7 @@ ratio is taken against, ratio = exp(logp - old_logp) per token.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ from .collect import RolloutBatch
 from .config_schema import AlgorithmSection, CorrectionSection
 from .corrections import Correction, plan_for, rollout_correction
 from .inject import RolloutPlan
-from .metrics import ratio_stats
+from .metrics import LOG_RATIO_BOUND, ratio_stats
 from .registries import BYPASS_LOSSES, LOSS_AGGREGATIONS
 from .scoring import Anchors, Scorer, replayed
 
@@ -45,13 +46,16 @@ __all__ = ["ADVANTAGE_EPS", "Anchors", "MinibatchLoss", "Objective", "RunStopped
 
 
 def ppo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float,
-                   clip_high: float, ratio_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   clip_high: float, ratio_weight: Tensor | None = None,
+                   log_ratio_bound: float = LOG_RATIO_BOUND) -> tuple[Tensor, Tensor]:
     """Per-token clipped surrogate (DAPO clip-higher): max(-A·ρ, -A·clip(ρ, 1-clip_low, 1+clip_high)).
 
-    ρ = exp(logp - old_logp), times ``ratio_weight`` (detached) when given: the bypass-mode rollout correction
-    puts its weight inside the ratio (``vexact/rl/corrections.py``). All inputs are flat per-token tensors;
-    returns (loss per token, ratio per token)."""
-    ratio = torch.exp(logp - old_logp)
+    ρ = exp(clamp(logp - old_logp, ±log_ratio_bound)), as verl's ``compute_policy_loss_vanilla`` (±20): an
+    unclamped ratio overflows to inf past a log-ratio of ~88.7 (float32), and the clipped branch's zero gradient
+    times inf is NaN. Times ``ratio_weight`` (detached) when given: the bypass-mode rollout correction puts its
+    weight inside the ratio (``vexact/rl/corrections.py``). All inputs are flat per-token tensors; returns (loss
+    per token, ratio per token)."""
+    ratio = torch.exp((logp - old_logp).clamp(-log_ratio_bound, log_ratio_bound))
     if ratio_weight is not None:
         ratio = ratio * ratio_weight
     unclipped = -advantages * ratio
@@ -207,82 +211,118 @@ class Objective:
             correction = rollout_correction(pre, roll, lengths, self.correction)
             stats.update(correction.metrics)
         per_token, ratio = self._pg_loss(logp, old, adv, pre, correction)
+        entropy = torch.cat(entropy_list)
+        stats[ENTROPY] = float(entropy.detach().mean())  # the policy's, over every response token (its definition)
+        kl = None
         if alg.kl_coef > 0 and anchors.reference is not None:
             kl = k3_penalty(logp, torch.cat([anchors.reference[i] for i in idx]))
-            per_token = per_token + alg.kl_coef * kl
-            stats[KL_LOSS] = float(kl.detach().mean())
-        if correction is not None and correction.rejects_any:  # rejected tokens leave numerator and denominator
+        if correction is not None and correction.rejects_any:
+            # rejected tokens leave every term of the loss (policy gradient, KL, entropy), numerator and
+            # denominator, as verl's rejection rewrites response_mask
             keep = correction.keep
             lengths = [int(k.sum()) for k in keep.split(lengths)]
-            per_token, ratio, adv = per_token[keep], ratio[keep], adv[keep]
+            per_token, ratio, adv, entropy = per_token[keep], ratio[keep], adv[keep], entropy[keep]
             logp, old = logp[keep], old[keep]
+            kl = None if kl is None else kl[keep]
         pg_loss = aggregate(per_token, lengths, alg.loss_agg)
-        entropy = torch.cat(entropy_list)
-        loss = pg_loss - alg.entropy_coef * entropy.mean() if alg.entropy_coef > 0 else pg_loss
+        loss = pg_loss
+        if kl is not None:  # added per token, so the loss is the aggregate of pg + coef·kl (linear: verl's sum)
+            loss = aggregate(per_token + alg.kl_coef * kl, lengths, alg.loss_agg)
+            stats[KL_LOSS] = float(aggregate(kl.detach(), lengths, alg.loss_agg))
+        if alg.entropy_coef > 0:  # verl's agg_loss of the entropy over the same tokens, by loss_agg
+            loss = loss - alg.entropy_coef * aggregate(entropy, lengths, alg.loss_agg)
         if not torch.isfinite(loss):
-            raise RunStopped(f"non-finite loss ({float(loss)})")
+            raise RunStopped(f"non-finite loss ({float(loss.detach())})")
         stats[PG_LOSS] = float(pg_loss.detach())
-        stats[ENTROPY] = float(entropy.detach().mean())
         if ratio.numel():
-            stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv))
+            stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv, clips=self.clips))
             # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to
             # ±correction.log_ratio_bound (verl's SAFETY_BOUND, 20 by default)
             bound = self.correction.log_ratio_bound
             stats[PPO_KL] = float((old - logp.detach()).clamp(-bound, bound).mean())
         return MinibatchLoss(loss, detached, stats)
 
+    @property
+    def clips(self) -> bool:
+        """Whether the loss clips its ratio: PPO does, a bypass loss registered with ``clips=False`` (REINFORCE)
+        does not."""
+        return self.alg.old_logprobs == "recompute" or self.plan.loss_type not in UNCLIPPED_BYPASS_LOSSES
+
     def _pg_loss(self, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,
                  correction: Correction | None) -> tuple[Tensor, Tensor]:
         """Per-token policy-gradient loss and ratio, with the correction's IS weights where the mode uses them
-        (``vexact/rl/corrections.py``: decoupled -> times w; bypass -> by ``loss_type``)."""
-        alg = self.alg
-        if correction is None or not correction.reweights:
-            return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
-        weights = correction.weights
+        (``vexact/rl/corrections.py``: decoupled -> times w; bypass -> by ``loss_type``, with or without a
+        correction, as verl's ``compute_policy_loss_bypass_mode``)."""
+        alg, bound = self.alg, self.correction.log_ratio_bound
+        weights = correction.weights if correction is not None and correction.reweights else None
         if alg.old_logprobs == "recompute":  # decoupled: the weight scales the clipped loss from outside
-            per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
-            return per_token * weights, ratio
-        return BYPASS_LOSSES[correction.plan.loss_type](alg, logp, old, adv, pre, weights)
+            per_token, ratio = ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high, log_ratio_bound=bound)
+            return (per_token, ratio) if weights is None else (per_token * weights, ratio)
+        return BYPASS_LOSSES[self.plan.loss_type](alg, logp, old, adv, pre, weights, bound)
 
     def score(self, model: Transformer, batch: RolloutBatch, replay: bool = True) -> list[Tensor]:
         """The training path's log-probs of the batch's responses, no grad (``Scorer``)."""
         return self.scorer(model, batch, replay)
 
 
-BypassLoss = Callable[[AlgorithmSection, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-"""``(alg, logp, old, adv, pre, weights) -> (loss per token, ratio per token)``: bypass mode's loss with the
-correction's IS ``weights`` (``correction.loss_type``); ``old``: the rollout's log-probs, ``pre``: the training
-path's before the update."""
+BypassLoss = Callable[[AlgorithmSection, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, float],
+                      tuple[Tensor, Tensor]]
+"""``(alg, logp, old, adv, pre, weights, log_ratio_bound) -> (loss per token, ratio per token)``: bypass mode's
+loss (``correction.loss_type``), with the correction's IS ``weights``, or None without ``rollout_is`` (verl's
+``rollout_is_weights=None``); ``old``: the rollout's log-probs, ``pre``: the training path's before the update
+(given with ``weights``); ``log_ratio_bound``: ``correction.log_ratio_bound``, the clamp of the ratio's log."""
 
 
-def register_bypass_loss(name: str, fn: BypassLoss, replace: bool = False) -> BypassLoss:
+UNCLIPPED_BYPASS_LOSSES: set[str] = set()
+"""The bypass losses registered with ``clips=False``, by name (the flag belongs to the registered name, not to the
+function, which another name may also serve)."""
+
+BYPASS_LOSS_ARGUMENTS = ("alg", "logp", "old", "adv", "pre", "weights", "log_ratio_bound")
+
+
+def register_bypass_loss(name: str, fn: BypassLoss, replace: bool = False, clips: bool = True) -> BypassLoss:
     """Register a bypass-mode loss under ``name`` (``correction.loss_type: NAME``); its docstring is its
-    documentation. A name already taken is an error unless ``replace``."""
+    documentation. A name already taken is an error unless ``replace``. ``clips``: whether the loss clips the
+    ratio it returns (False: its ``actor/pg_clipfrac*`` are 0). ``fn`` must take the seven arguments of
+    ``BypassLoss`` (checked here, not in the middle of a run)."""
     if not callable(fn):
         raise TypeError(f"register_bypass_loss needs a function {BypassLoss}, got {fn!r}")
-    return BYPASS_LOSSES.add(name, fn, replace=replace)
+    try:
+        inspect.signature(fn).bind(*BYPASS_LOSS_ARGUMENTS)
+    except TypeError:
+        raise TypeError(f"register_bypass_loss({name!r}): {getattr(fn, '__name__', fn)!s} must take the arguments "
+                        f"({', '.join(BYPASS_LOSS_ARGUMENTS)}), its signature is {inspect.signature(fn)}") from None
+    except ValueError:  # a callable without a signature Python can read (a builtin): taken as it is
+        pass
+    registered = BYPASS_LOSSES.add(name, fn, replace=replace)
+    (UNCLIPPED_BYPASS_LOSSES.discard if clips else UNCLIPPED_BYPASS_LOSSES.add)(name)
+    return registered
 
 
-def _bypass_ppo_clip(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor,
-                     weights: Tensor) -> tuple[Tensor, Tensor]:
+def _bypass_ppo_clip(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,
+                     weights: Tensor | None, log_ratio_bound: float) -> tuple[Tensor, Tensor]:
     """``ppo_clip`` (verl's bypass PPO): the ratio π_θ/μ is the correction; the weights are metrics only."""
-    return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high)
+    return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high, log_ratio_bound=log_ratio_bound)
 
 
-def _bypass_ppo_clip_is(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor,
-                        weights: Tensor) -> tuple[Tensor, Tensor]:
+def _bypass_ppo_clip_is(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,
+                        weights: Tensor | None, log_ratio_bound: float) -> tuple[Tensor, Tensor]:
     """``ppo_clip_is`` (vexact's): the weight replaces the mismatch factor π_old/μ inside the ratio; a zeroed
-    weight (IcePop) leaves the token in the denominator with no loss."""
-    per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high, ratio_weight=weights)
+    weight (IcePop) leaves the token in the denominator with no loss. Without IS weights, ``ppo_clip``."""
+    if weights is None or pre is None:  # nothing replaces the mismatch factor: the ratio π_θ/μ
+        return ppo_token_loss(logp, old, adv, alg.clip_low, alg.clip_high, log_ratio_bound=log_ratio_bound)
+    per_token, ratio = ppo_token_loss(logp, pre, adv, alg.clip_low, alg.clip_high, ratio_weight=weights,
+                                      log_ratio_bound=log_ratio_bound)
     return torch.where(weights > 0, per_token, torch.zeros_like(per_token)), ratio
 
 
-def _bypass_reinforce(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor,
-                      weights: Tensor) -> tuple[Tensor, Tensor]:
-    """``reinforce`` (verl's bypass REINFORCE): -A · w · log π_θ, no clip."""
-    return -adv * weights * logp, torch.exp(logp.detach() - old)
+def _bypass_reinforce(alg: AlgorithmSection, logp: Tensor, old: Tensor, adv: Tensor, pre: Tensor | None,
+                      weights: Tensor | None, log_ratio_bound: float) -> tuple[Tensor, Tensor]:
+    """``reinforce`` (verl's bypass REINFORCE): -A · w · log π_θ (w = 1 without ``rollout_is``), no clip."""
+    per_token = -adv * logp if weights is None else -adv * weights * logp
+    return per_token, torch.exp((logp.detach() - old).clamp(-log_ratio_bound, log_ratio_bound))  # for its stats
 
 
 register_bypass_loss("ppo_clip", _bypass_ppo_clip)
 register_bypass_loss("ppo_clip_is", _bypass_ppo_clip_is)
-register_bypass_loss("reinforce", _bypass_reinforce)
+register_bypass_loss("reinforce", _bypass_reinforce, clips=False)

@@ -12,22 +12,39 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..cli_base import EXIT_FAILED, EXIT_OK, interrupted_exit_code, make_console, stop_signal
+from ..cli_base import (
+    EXIT_BAD_INPUT,
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    interrupted_exit_code,
+    make_console,
+    print_error_line,
+    rank_errors,
+    stop_signal,
+)
 from ..engine.devices import rank_device
 from ..records import CONFIG_FILE, SUMMARY_FILE
 from ..records.runlog import LOCK_FILE, run_lock
 from .config import load_config
 from .config_schema import RunConfig
-from .data_parallel import DataParallel, check_leaves, launch
+from .data_parallel import LAUNCHER_ENV, DataParallel, check_leaves, launch
 from .tasks import check_memory
 from .trainer import Trainer, foreign_entries, holds_results, holds_run, run_dir_for
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 __all__ = ["check_run_dir", "command_line", "free_run_name", "launch_ranks", "print_nothing_to_resume",
            "print_run_summary", "run_command", "run_config", "summary_exit_code"]
@@ -55,6 +72,8 @@ def run_command(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
     # torchrun's ranks (gloo on the CPU, NCCL on GPUs), or this process alone
     ranks = DataParallel.from_environment(cfg.distributed.reduce, device)
+    # a rank of `vexact run --nproc`: its launcher prints the restart hint, with --nproc (the rank's command has none)
+    launched = LAUNCHER_ENV in os.environ
     try:
         if ranks.is_main:
             console.print(f"vexact run [bold]{cfg.name}[/] -> {run_dir_for(cfg)}"
@@ -64,7 +83,8 @@ def run_command(args: argparse.Namespace) -> int:
         ranks.close(wait=False)
         if not ranks.is_main or holds_run(run_dir_for(cfg)):
             raise
-        print_nothing_to_resume(args, console)
+        if not launched:
+            print_nothing_to_resume(args, console)
         return interrupted_exit_code(stop_signal(stop))
     except BaseException:
         ranks.close(wait=False)
@@ -72,7 +92,8 @@ def run_command(args: argparse.Namespace) -> int:
     ranks.close(wait=summary["status"] != "interrupted")
     if ranks.is_main:
         if summary["status"] == "interrupted" and not holds_run(run_dir_for(cfg)):
-            print_nothing_to_resume(args, console)  # its summary.json went with the directory: no table of it
+            if not launched:  # its summary.json went with the directory: no table of it
+                print_nothing_to_resume(args, console)
         else:
             print_run_summary(cfg, summary, console)
     code = summary_exit_code(summary)
@@ -158,42 +179,75 @@ def command_line(args: argparse.Namespace, resume: bool = True, extra: str | Non
 
 
 def launch_ranks(args: argparse.Namespace, cfg: RunConfig, console: Console) -> int:
-    """``vexact run --nproc N``: the same command as N ranks; the exit code follows the run's summary.json."""
+    """``vexact run --nproc N``: the same command as N ranks; the exit code follows the run's summary.json, or a
+    failed rank's exit code when it is vexact's own (2 bad input, 3 the machine failed), else 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     rank_args = ["-m", "vexact", "run", str(args.config), *(f"--set={o}" for o in args.overrides),
                  *(["--resume"] if args.resume else []), *(f"--allow-change={k}" for k in args.allow_changes)]
     try:
-        launch(args.nproc, rank_args, threads=cfg.threads)
+        with tempfile.TemporaryDirectory(prefix="vexact-errors-") as errors:
+            try:
+                launch(args.nproc, rank_args, threads=cfg.threads, errors_dir=errors)
+            except ChildFailedError as err:
+                return _failed_ranks(err, rank_errors(Path(errors)), args, cfg, console)
     except (KeyboardInterrupt, SignalException) as stop:  # the ranks got the signal too (the agent sends them the
         # one it got); rank 0 recorded what finished. The agent's own handler raises SignalException here, in place of
         # the CLI's (cli_base.stop_on_sigterm), and names the signal.
-        code = interrupted_exit_code(signal.Signals(stop.sigval) if isinstance(stop, SignalException)
-                                     else stop_signal(stop))
-        if not holds_run(run_dir_for(cfg)):  # stopped in the warm start: rank 0 removed the directory it had begun
-            print_nothing_to_resume(args, console)
-            return code
-        console.print("[yellow]interrupted[/]: the ranks stopped; finished steps are in metrics.jsonl; continue "
-                      "with --resume")
-        return code
-    except ChildFailedError as err:
-        summary_path = run_dir_for(cfg) / SUMMARY_FILE
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        if summary.get("status") in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
-            return summary_exit_code(summary)
-        rank, failure = err.get_first_failure()
-        if failure.exitcode < 0:  # killed from outside (the OOM killer, kill -9): it printed nothing
-            try:
-                name = signal.Signals(-failure.exitcode).name
-            except ValueError:
-                name = f"signal {-failure.exitcode}"
-            console.print(f"[red]rank {rank} was killed[/] by {name}" + ("; finished steps are in metrics.jsonl; "
-                          "continue with --resume" if holds_run(run_dir_for(cfg)) else ""))
-            return EXIT_FAILED
-        console.print(f"[red]rank {rank} failed[/] (exit code {failure.exitcode}); its error is printed above")
-        return EXIT_FAILED
+        return _interrupted(args, cfg, console, interrupted_exit_code(
+            signal.Signals(stop.sigval) if isinstance(stop, SignalException) else stop_signal(stop)))
     return EXIT_OK
+
+
+def _interrupted(args: argparse.Namespace, cfg: RunConfig, console: Console, code: int) -> int:
+    """What the launcher says when the ranks were interrupted (they leave the restart hint to it); ``code``."""
+    if not holds_run(run_dir_for(cfg)):  # stopped in the warm start: rank 0 removed the directory it had begun
+        print_nothing_to_resume(args, console)
+        return code
+    console.print("[yellow]interrupted[/]: the ranks stopped; finished steps are in metrics.jsonl; continue "
+                  "with --resume")
+    return code
+
+
+OWN_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_ENVIRONMENT)
+"""A rank's exit codes the launcher passes on: vexact's own verdicts (any other is a crash: 1)."""
+INTERRUPTED_CODES = (EXIT_INTERRUPTED, EXIT_TERMINATED)
+"""A rank's exit codes for Ctrl-C and SIGTERM: the launcher says what it says when it is interrupted itself."""
+
+
+def _failed_ranks(err: ChildFailedError, errors: dict[int, str], args: argparse.Namespace, cfg: RunConfig,
+                  console: Console) -> int:
+    """What ``vexact run --nproc`` says and returns when a rank exited non-zero; ``errors``: the error lines the
+    ranks left (rank 0 printed its own)."""
+    summary_path = run_dir_for(cfg) / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if summary.get("status") in ("interrupted", "stopped"):  # a recorded outcome, already printed by rank 0
+        return summary_exit_code(summary)
+    # the first to fail (timestamps are whole seconds: of a tie, a rank that failed on its own account, not a peer
+    # whose collective broke when that rank left)
+    rank = min(err.failures, key=lambda r: (err.failures[r].timestamp,
+                                            err.failures[r].exitcode not in OWN_EXIT_CODES + INTERRUPTED_CODES))
+    failure = err.failures[rank]
+    if failure.exitcode in INTERRUPTED_CODES:  # a signal that reached the ranks, not the launcher: no summary yet
+        return _interrupted(args, cfg, console, failure.exitcode)
+    if failure.exitcode < 0:  # killed from outside (the OOM killer, kill -9): it printed nothing
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        console.print(f"[red]rank {rank} was killed[/] by {name}" + ("; finished steps are in metrics.jsonl; "
+                      "continue with --resume" if holds_run(run_dir_for(cfg)) else ""))
+        return EXIT_FAILED
+    shown = {errors.get(0)}  # the other ranks' lines, once each
+    for message in errors.values():
+        if message not in shown:
+            shown.add(message)
+            print_error_line(message)
+    if failure.exitcode in OWN_EXIT_CODES and rank in errors:  # its one error line is printed: nothing to add
+        return failure.exitcode
+    console.print(f"[red]rank {rank} failed[/] (exit code {failure.exitcode}); its error is printed above")
+    return failure.exitcode if failure.exitcode in OWN_EXIT_CODES else EXIT_FAILED
 
 
 def summary_exit_code(summary: dict) -> int:

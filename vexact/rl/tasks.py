@@ -51,7 +51,7 @@ import torch
 from ..engine.devices import cuda_device_count, device_kind, resolve_device
 from ..engine.model import check_fits
 from .registries import TASKS, register_run_check
-from .validate import ConfigError
+from .validate import ConfigError, show_value
 from .vocab import BOS_ID, CHAR_VOCAB_SIZE, CHARS, EOS_ID, PAD_ID, CharTokenizer, tokenizer_for
 
 if TYPE_CHECKING:
@@ -297,8 +297,20 @@ class SumTask(_DigitStringTask):
 
     def max_answer_len(self) -> int:
         # running sums of up to max_len digits (<= 9 each), ':' between them, '=', the total
-        sums = "".join(str(9 * (i + 1)) for i in range(self.max_len))
-        return len(sums) + self.max_len - 1 + 1 + len(str(9 * self.max_len))
+        return _digits_of_multiples(9, self.max_len) + self.max_len - 1 + 1 + len(str(9 * self.max_len))
+
+
+def _digits_of_multiples(m: int, n: int) -> int:
+    """The digits in ``str(m), str(2 m), ..., str(n m)`` together, counted by digit length (``d`` digits: the ``k``
+    with ``10**(d-1) <= k m < 10**d``), not by building the strings: O(log n) where the strings were O(n log n)
+    time and memory (gigabytes at n = 10**7)."""
+    total, d = 0, 1
+    while True:
+        first = -(-10 ** (d - 1) // m)  # the smallest k with k m >= 10**(d-1)
+        if first > n:
+            return total
+        total += d * (min((10**d - 1) // m, n) - first + 1)
+        d += 1
 
 
 def register_task(cls: type[Task], replace: bool = False) -> type[Task]:
@@ -371,13 +383,17 @@ def check_lengths(cfg: RunConfig) -> None:
         task = task_of(cfg)
     except ValueError as e:
         raise ConfigError(str(e), "task") from None
-    need = max_prompt_tokens(task) + cfg.rollout.max_new_tokens
+    try:
+        prompt, answer = max_prompt_tokens(task), max_answer_tokens(task)
+    except ValueError as e:  # the task's own bounds (a plugin's code): the task is what is wrong
+        raise ConfigError(str(e), "task.name") from None
+    need = prompt + cfg.rollout.max_new_tokens
     if need > cfg.model.max_seq_len:
-        raise ConfigError(f"{cfg.model.max_seq_len} is too short for the longest prompt ({max_prompt_tokens(task)}) + "
+        raise ConfigError(f"{cfg.model.max_seq_len} is too short for the longest prompt ({prompt}) + "
                           f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) = {need}", "model.max_seq_len")
-    if cfg.rollout.max_new_tokens < max_answer_tokens(task):
+    if cfg.rollout.max_new_tokens < answer:
         raise ConfigError(f"{cfg.rollout.max_new_tokens} cannot hold the longest answer + EOS "
-                          f"({max_answer_tokens(task)} tokens)", "rollout.max_new_tokens")
+                          f"({answer} tokens)", "rollout.max_new_tokens")
 
 
 RUN_BYTES_PER_PARAMETER = 16
@@ -423,24 +439,76 @@ def encode_target(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
 
 def max_answer_tokens(task: Task) -> int:
     """Upper bound on ``len(encode_target(...))``: the longest target + EOS. ``max_new_tokens`` must be at least
-    this for every problem to be solvable."""
-    return task.max_answer_len() + 1
+    this for every problem to be solvable. ValueError naming the task if its ``max_answer_len`` fails or is not an
+    int >= 0."""
+    return _length_bound(task, "max_answer_len") + 1
 
 
 def max_prompt_tokens(task: Task) -> int:
-    """Upper bound on ``len(encode_prompt(...))``: BOS + ``<tag>:`` + longest input + ``=``."""
-    return 1 + len(task.tag) + 1 + task.max_input_len() + 1
+    """Upper bound on ``len(encode_prompt(...))``: BOS + ``<tag>:`` + longest input + ``=``. ValueError naming the
+    task if its ``max_input_len`` fails or is not an int >= 0."""
+    return 1 + len(task.tag) + 1 + _length_bound(task, "max_input_len") + 1
+
+
+def _task_code(task: Task, method: str) -> str:
+    """How an error names a task's own code: ``task 'echo' (echo_ext.EchoTask.sample)``."""
+    cls = type(task)
+    return f"task {task.name!r} ({cls.__module__}.{cls.__qualname__}.{method})"
+
+
+def _call_task(task: Task, method: str, *args: Any) -> Any:
+    """``task.method(*args)``. The task may be a plugin's: an exception from its code is one ValueError naming the
+    task and the method (the CLI's one error line), not a traceback ending somewhere in the plugin."""
+    try:
+        return getattr(task, method)(*args)
+    except Exception as e:
+        raise ValueError(f"{_task_code(task, method)} raised {type(e).__name__}: {e}") from e
+
+
+def _length_bound(task: Task, method: str) -> int:
+    value = _call_task(task, method)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{_task_code(task, method)} returned {repr(value)[:80]}: a length bound must be an "
+                         f"int >= 0")
+    return value
+
+
+def _checked_problem(task: Task, problem: Any, prompt_tokens: int, answer_tokens: int) -> Problem:
+    """``problem`` if ``task.sample`` returned a Problem of strings the task's vocabulary spells, within the task's
+    own bounds (``max_prompt_tokens``, ``max_answer_tokens``): the run was sized by them (``check_lengths``), so a
+    longer prompt would fail in the model as if ``model.max_seq_len`` were wrong, and a longer target would be cut
+    off by ``rollout.max_new_tokens`` and score 0 by construction."""
+    where = _task_code(task, "sample")
+    if not (isinstance(problem, Problem) and isinstance(problem.prompt, str) and isinstance(problem.answer, str)
+            and isinstance(problem.worked, (str, type(None)))):
+        raise ValueError(f"{where} returned {show_value(problem)}, not a Problem of strings "
+                         f"(vexact.rl.tasks.Problem)")
+    try:
+        prompt, target = encode_prompt(task.tokenizer, problem), encode_target(task.tokenizer, problem)
+        task.tokenizer.encode(problem.answer)  # a trace task's answer is not its target
+    except ValueError as e:
+        raise ValueError(f"{where} returned {show_value(problem)}: {e}") from None
+    if len(prompt) > prompt_tokens:
+        raise ValueError(f"{where} returned the prompt {show_value(problem.prompt)}, {len(prompt)} tokens with BOS: "
+                         f"more than the {prompt_tokens} (BOS, '<tag>:', input, '=') its max_input_len() allows")
+    if len(target) > answer_tokens:
+        raise ValueError(f"{where} returned the target {show_value(problem.target)}, {len(target) - 1} characters: "
+                         f"more than its max_answer_len() = {answer_tokens - 1}")
+    return problem
 
 
 def sample_problems(task: Task, n: int, seed: int) -> list[Problem]:
     """``n`` problems from ``random.Random(seed)``: the same ``(task, n, seed)`` always gives the same list, and the
-    first ``k`` problems do not depend on ``n``. Global RNG state is neither read nor changed."""
+    first ``k`` problems do not depend on ``n``. Global RNG state is neither read nor changed. Each problem is
+    checked (``_checked_problem``): a task whose ``sample`` fails, returns no Problem, writes a character outside the
+    vocabulary or exceeds its own ``max_input_len`` / ``max_answer_len`` is one ValueError naming the task."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {seed!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(seed)
-    return [task.sample(rng) for _ in range(n)]
+    prompt_tokens, answer_tokens = max_prompt_tokens(task), max_answer_tokens(task)
+    return [_checked_problem(task, _call_task(task, "sample", rng), prompt_tokens, answer_tokens) for _ in range(n)]
 
 
 def training_seed(run_seed: int, step: int) -> int:

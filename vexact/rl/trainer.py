@@ -111,9 +111,15 @@ def run_dir_for(cfg: RunConfig) -> Path:
 
 
 def holds_results(run_dir: Path) -> bool:
-    """Whether a run has written results to ``run_dir`` (a metric line's file or a checkpoint): a new run there is
-    refused, since it would mix with them."""
-    return (run_dir / METRICS_FILE).exists() or bool(checkpoint_dirs(run_dir))
+    """Whether a run has written results to ``run_dir`` (a metric line, a checkpoint, or the summary of a run that
+    finished before its first line): a new run there is refused, since it would mix with them. A run that failed
+    before any of that (an error in its first step) leaves its config.yaml and an empty metrics.jsonl: nothing a
+    new run would mix with, so it may start there afresh."""
+    if not run_dir.is_dir():  # absent, or a file in its place (refused where the run makes it)
+        return False
+    metrics = run_dir / METRICS_FILE
+    return (metrics.exists() and metrics.stat().st_size > 0 or bool(checkpoint_dirs(run_dir))
+            or _read_summary(run_dir) is not None)
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -138,7 +144,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, console: Console | None = None, ranks: DataParallel | None = None):
         self.cfg = cfg
         self.ranks = ranks or DataParallel(reduce=cfg.distributed.reduce)
-        check_leaves(cfg.distributed.leaves, self.ranks.world_size)
+        # `vexact run --nproc` checked its count before starting the ranks: one refused here is torchrun's
+        check_leaves(cfg.distributed.leaves, self.ranks.world_size, nproc=False)
         self._my_leaves = self.ranks.block(cfg.distributed.leaves)  # of each mini-batch's gradient leaves
         self.console = (console or Console()) if self.ranks.is_main else Console(quiet=True)
         self.run_dir = run_dir_for(cfg)
@@ -263,6 +270,8 @@ class Trainer:
         mine = self.ranks.block(len(problems))
         if self._session is None:
             self._session = self.engine.open(cfg, self.run_dir, self.ranks.world_size)
+        if self.ranks.world_size > 1 and not mine:  # fewer problems than ranks: nothing to sample, only to gather
+            return RolloutBatch.concat(self.ranks.gather([]))
         local = self._session.collect(self._weights_in(plan.dtype, policy), plan, self.task, self.tokenizer,
                                       problems[mine.start : mine.stop], cfg.rollout, _step_seed(cfg.seed, step),
                                       first_problem=mine.start)
@@ -439,11 +448,17 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict:
         """Clean evaluation of the policy itself: fixed held-out prompts, training path, no injection (each rank
-        evaluates its share of the prompts)."""
+        evaluates its share of the prompts). Non-finite log-probs stop the run, as a rollout's do in ``step``: after
+        a run's last update no rollout follows that would catch them."""
         mine = self.ranks.block(len(self.eval_problems))
+        # fewer held-out problems than ranks: a rank without one evaluates nothing and still joins the gather
         records = eval_records(self.compute, self.task, self.tokenizer, self.eval_problems[mine.start : mine.stop],
-                               self.cfg.rollout, _step_seed(self.cfg.seed, 10**9 + step), first_index=mine.start)
-        return eval_metrics(self.ranks.gather(records))
+                               self.cfg.rollout, _step_seed(self.cfg.seed, 10**9 + step),
+                               first_index=mine.start) if mine else []
+        records = self.ranks.gather(records)  # every rank judges all of them, so all stop together
+        if not all(r.finite for r in records):
+            raise RunStopped(f"non-finite eval log-probs (logits) at step {step}")
+        return eval_metrics(records)
 
     # ------------------------------------------------------------------ the run
     def run(self, resume: bool = False, allow_changes: tuple[str, ...] = ()) -> dict:
@@ -472,20 +487,23 @@ class Trainer:
     def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
         """The run in three stages: prepare (resume or warm start, calibration), the step loop, and the end (the
         summary, agreed by every rank)."""
-        start = self._prepare(resume, allow_changes)
-        if isinstance(start, dict):  # a finished run, resumed with nothing to add: its summary
-            return start
-        summary, step, started, last = self._loop(start)
+        prepared = self._prepare(resume, allow_changes)
+        if isinstance(prepared, dict):  # a finished run, resumed with nothing to add: its summary
+            return prepared
+        start, changes = prepared
+        summary, step, started, last = self._loop(start, changes)
         return self._end(summary, step, started, last)
 
-    def _prepare(self, resume: bool, allow_changes: tuple[str, ...]) -> int | dict:
+    def _prepare(self, resume: bool, allow_changes: tuple[str, ...]) -> tuple[int, dict] | dict:
         """Everything before the first step: check (or resume) the run directory, warm start or restore the
-        checkpoint, calibrate the injector, build the KL reference. Returns the step to start from, or -- when
-        resuming a finished run that ``steps`` does not extend -- its summary (nothing to do)."""
+        checkpoint, calibrate the injector, build the KL reference. Returns the step to start from and the allowed
+        config changes of a resume (recorded by ``_loop`` once the run's logs have opened), or -- when resuming a
+        finished run that ``steps`` does not extend -- its summary (nothing to do)."""
         cfg = self.cfg
         run_dir = self.run_dir
         start_step = 0
         state = None
+        changes: dict = {}
         if resume:
             changes = self._resume_changes(allow_changes)
             state = load_checkpoint(run_dir, self.master, self.optimizer, log=self._log)
@@ -498,11 +516,10 @@ class Trainer:
                 self._log(f"{run_dir} already finished ({finished['status']} after {steps} steps{why}); nothing to do. "
                           "To extend a completed run: --set steps=N --allow-change steps")
                 return finished
+            if state is not None:
+                _check_resumed_steps(cfg.steps, state["next_step"], "steps" in changes)
             if state is None:
                 self._log(f"[yellow]no checkpoint in {run_dir}; starting from scratch[/]")
-            elif changes and self.ranks.is_main:
-                _record_changes(run_dir, state["next_step"], changes)
-                save_config(cfg, run_dir / CONFIG_FILE)
         elif holds_results(run_dir):
             raise ValueError(f"{run_dir} already holds a run; continue it with vexact run {run_dir} --resume, or "
                              "choose another output_dir / name")
@@ -511,7 +528,8 @@ class Trainer:
             # rank 0 trains and caches the warm start; then the other ranks load it from the cache
             if self.ranks.is_main:
                 warm_start(self.master, cfg, self.task, log=self._log)
-                save_config(cfg, run_dir / CONFIG_FILE)
+                if not changes:  # a resume's allowed changes: written by _loop once the logs opened with them
+                    save_config(cfg, run_dir / CONFIG_FILE)
             self.ranks.barrier()
             if not self.ranks.is_main:
                 warm_start(self.master, cfg, self.task, log=self._log)
@@ -528,9 +546,9 @@ class Trainer:
         self._calibrate(state)
         if cfg.algorithm.kl_coef > 0:
             self.reference = self._reference_from_start(run_dir)
-        return start_step
+        return start_step, changes
 
-    def _loop(self, start_step: int) -> tuple[dict, int, float, dict]:
+    def _loop(self, start_step: int, changes: dict) -> tuple[dict, int, float, dict]:
         """The steps from ``start_step``: step, evaluate, LR schedule, log, collapse stop, checkpoint. Returns the
         summary so far (its status: how the loop ended), the last step reached, the start time and the last
         step's metrics. Ctrl-C, a stopped run and a confirmed collapse end the loop here, as an outcome."""
@@ -538,6 +556,9 @@ class Trainer:
         writer = (MetricsWriter(run_dir / METRICS_FILE, keep_steps_below=start_step,
                                 live_views=live_views(run_dir, cfg))
                   if self.ranks.is_main else _NoWriter())
+        if changes and self.ranks.is_main:  # a resume's allowed changes, kept once its logs opened with them (a
+            _record_changes(run_dir, start_step, changes)  # refused W&B project leaves config.yaml as it was)
+            save_config(cfg, run_dir / CONFIG_FILE)
         summary = {"name": cfg.name, "status": "running", "reason": None, "steps_planned": cfg.steps}
         started = time.perf_counter()
         last = {}
@@ -551,7 +572,14 @@ class Trainer:
                     metrics = self.step(step)
                     if step % cfg.logging.eval_every == 0 or step == cfg.steps - 1:
                         t = time.perf_counter()
-                        metrics.update(self.evaluate(step))
+                        try:
+                            metrics.update(self.evaluate(step))
+                        except RunStopped:
+                            # the step's training numbers (the update that broke the logits) are recorded as on
+                            # a step without evaluation, whose blow-up the next rollout finds; no eval keys
+                            writer.write(metrics)
+                            last = metrics
+                            raise
                         metrics[TIMING_EVAL] = time.perf_counter() - t
                     metrics.update(self.schedule.observe(step, metrics))
                     if self.schedule.trigger_step == step:
@@ -755,6 +783,16 @@ def _ended_itself(finished: dict) -> bool:
 def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:
     """Whether resuming a finished run continues it: it completed all its steps and ``steps`` has grown since."""
     return not _ended_itself(finished) and state["next_step"] < cfg.steps
+
+
+def _check_resumed_steps(steps: int, next_step: int, steps_changed: bool) -> None:
+    """Refuse ``steps`` that end a resumed run at or before its checkpoint: no step would run, and the run would end
+    "completed" with more steps than planned, or (steps equal to the checkpoint's next step) without the evaluation
+    of its final step. Unchanged steps equal to it are a run killed after its final checkpoint: its summary is all
+    that is left to write."""
+    if steps < next_step or steps == next_step and steps_changed:
+        raise ConfigError(f"{steps} ends the run at or before its checkpoint (after step {next_step - 1}; the run "
+                          f"resumes at step {next_step}): give steps of at least {next_step + 1}", "steps")
 
 
 def _record_changes(run_dir: Path, step: int, changes: dict) -> None:

@@ -93,9 +93,9 @@ def check_interpreted_triton(cfg: RunConfig, task: Task, console: Console | None
     on ``console``. Raises ValueError (before anything is written) when the estimate exceeds ``REFUSE_ABOVE_S`` and
     ``VEXACT_ALLOW_SLOW_TRITON=1`` is not set."""
     uses_triton = "triton" in (cfg.backend, cfg.rollout.backend, *_inject_backends(cfg))
+    key = "backend" if cfg.backend == "triton" else "rollout.backend" if cfg.rollout.backend == "triton" else \
+        "inject.kernel_backend"  # the key that asks for Triton, which the errors name
     if uses_triton and not triton_installed():  # before any estimate: without the package nothing runs at all
-        key = "backend" if cfg.backend == "triton" else "rollout.backend" if cfg.rollout.backend == "triton" else \
-            "inject.kernel_backend"
         raise ValueError(f"config error at '{key}': triton asks for the Triton kernels, which need the triton "
                          f"package, not installed here: {TRITON_PIP} (or backend: exact, the same bitwise guarantee "
                          "on a CPU)")
@@ -104,10 +104,10 @@ def check_interpreted_triton(cfg: RunConfig, task: Task, console: Console | None
     cost = estimate(cfg, task)
     parts = f"warm start {_duration(cost.warm_start)}, {cfg.steps} RL step{'s' * (cfg.steps != 1)} {_duration(cost.rl)}"
     if cost.total > REFUSE_ABOVE_S and os.environ.get(ALLOW_ENV) != "1":
-        raise ValueError(f"config error at 'backend': triton without a CUDA device runs every kernel in the Triton "
+        raise ValueError(f"config error at '{key}': triton without a CUDA device runs every kernel in the Triton "
                          f"interpreter; this run would take roughly {_duration(cost.total)} ({parts}; at about "
                          f"{SECONDS_PER_TOKEN_LAYER[0] + SECONDS_PER_TOKEN_LAYER[1] * cfg.model.hidden_size:.2g} s "
-                         "per token per layer, measured on 2 CPU cores). Use backend: exact (the same bitwise "
+                         f"per token per layer, measured on 2 CPU cores). Use {key}: exact (the same bitwise "
                          f"guarantee on a CPU, compiled kernels), shrink the run, or set {ALLOW_ENV}=1 to run it "
                          "anyway")
     if console is not None:

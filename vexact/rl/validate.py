@@ -352,7 +352,11 @@ def _convert_inner(value: Any, tp: Any, key: str, meta: dict, aliases: Mapping[s
             value = float(value)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _Mismatch
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer literal beyond float's range: no finite float holds it
+            raise ConfigError(f"expected a finite number{_describe_bounds(meta)}, got {show_value(value)}",
+                              key) from None
         if not math.isfinite(value):  # YAML's .inf and .nan: no setting means infinity (null turns a knob off)
             raise ConfigError(f"expected a finite number{_describe_bounds(meta)}, got {show_value(value)}", key)
     elif tp is str:

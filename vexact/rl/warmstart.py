@@ -6,6 +6,7 @@ at once (``warm_start``)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ..registry import mounts
 from .config import config_hash
 from .config_schema import DEFAULT_WARMSTART_CACHE, RunConfig
 from .optim import ExactAdamW, clip_gradients_
-from .tasks import Problem, Task, encode_prompt, encode_target, training_problems
+from .tasks import Problem, Task, encode_prompt, encode_target, task_of, training_problems
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
 CACHE_VERSION = 4  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
@@ -37,7 +38,8 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str) -> None:
 
 
 def warm_start_key(cfg: RunConfig) -> str:
-    """Hash of what determines warm-start weights (not the cache location or RL settings)."""
+    """Hash of what determines warm-start weights (not the cache location or RL settings): the config's model,
+    task and warm-start settings, and the task's data (``task_data_fingerprint``)."""
     plain = cfg.to_dict()
     plain["warm_start"].pop("cache_dir", None)
     plain["warm_start"].pop("seed", None)  # folded into "seed" below
@@ -48,6 +50,7 @@ def warm_start_key(cfg: RunConfig) -> str:
     if plain["warm_start"].get("free_weight") is None:
         plain["warm_start"].pop("free_weight", None)  # likewise
     plain["task"].pop("eval_prompts", None)
+    plain["task"].pop("partial_credit", None)  # read by Task.reward alone: the warm start imitates the same targets
     if not plain["task"].get("distractors"):
         plain["task"].pop("distractors", None)  # no vocabulary tail: the same key as before the knob existed
     plain["model"].pop("preset", None)  # a name for values already in the other model keys
@@ -57,8 +60,32 @@ def warm_start_key(cfg: RunConfig) -> str:
     # a GPU trains other bits than the CPU: its own entry (a CPU run's key is the one from before devices existed)
     kind = device_kind(cfg.device)
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
-                        "warm_start": plain["warm_start"], "seed": cfg.policy_seed, "backend": cfg.backend,
+                        "task_data": task_data_fingerprint(cfg), "warm_start": plain["warm_start"],
+                        "seed": cfg.policy_seed, "backend": cfg.backend,
                         **({} if kind == "cpu" else {"device": kind})})[:16]
+
+
+def task_data_fingerprint(cfg: RunConfig) -> str:
+    """What the task's code feeds the warm start, which its config does not say: the class (``module:qualname``)
+    and a hash of the first warm-start batch as trained on (prompt and target ids, and the free spans where
+    ``warm_start.free_weight`` weights them). A task name is no identity: a plugin edited, or another module's task
+    registered under the same name, trains other weights from the same config. One batch tells tasks apart;
+    drawing every step's batch would cost seconds at long inputs for every key."""
+    task = task_of(cfg)
+    digest = hashlib.sha256()
+    for problem in _batch(cfg, task, 0):
+        span = task.free_span(problem) if cfg.warm_start.free_weight is not None else None
+        digest.update(repr((encode_prompt(task.tokenizer, problem), encode_target(task.tokenizer, problem),
+                            span)).encode())
+    cls = type(task)
+    return f"{cls.__module__}:{cls.__qualname__}:{digest.hexdigest()}"
+
+
+def _batch(cfg: RunConfig, task: Task, step: int) -> list[Problem]:
+    """The warm start's examples at ``step``."""
+    ws = cfg.warm_start
+    problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
+    return task.warm_start_problems(problems, ws, step * ws.batch_size, ws.steps * ws.batch_size)
 
 
 def _reward_only(mount: Any) -> bool:
@@ -143,8 +170,7 @@ def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
     tokenizer = task.tokenizer
     optimizer = ExactAdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.99), weight_decay=0.0)
     for step in range(ws.steps):
-        problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
-        problems = task.warm_start_problems(problems, ws, step * ws.batch_size, ws.steps * ws.batch_size)
+        problems = _batch(cfg, task, step)
         prompts = [encode_prompt(tokenizer, p) for p in problems]
         targets = [encode_target(tokenizer, p) for p in problems]
         # Linear decay to 10% keeps the end of warm start calm.

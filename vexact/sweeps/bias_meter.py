@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..engine.devices import DeviceError, resolve_device
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
 from ..records.metrics_log import decode_non_finite
 from ..records.runlog import json_safe, write_json_atomic
@@ -481,6 +482,13 @@ def _decoded(cell: dict[str, Any]) -> dict[str, Any]:
 def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     """Every (horizon, source) cell, ``meter.json`` rewritten after each (finished cells are skipped on a re-run),
     then the growth fits and ``meter.png``. Returns the meter.json object."""
+    for horizon in spec.horizons:  # every cell's config and device checked before any work or file
+        for source in spec.sources:
+            cfg = cell_config(spec, horizon, source)
+            try:
+                resolve_device(cfg.device)
+            except DeviceError as e:
+                raise ValueError(f"meter {spec.name!r}, horizon {horizon}, source {source!r}: {e}") from None
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     path = spec.output_dir / "meter.json"
     done, recorded_sources = {}, {}
@@ -641,8 +649,6 @@ def _tail_cells(c: dict[str, Any]) -> str:
 def main(args: Any) -> int:
     spec = load_meter_spec(args.spec, args.output_dir)
     if getattr(args, "device", None):  # --device X: every cell's config gets device: X
-        from ..engine.devices import resolve_device
-
         resolve_device(args.device, "--device")  # no CUDA for --device cuda: one error before any work
         spec.common["device"] = args.device
     result = run_meter(spec)

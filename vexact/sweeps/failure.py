@@ -1,8 +1,9 @@
 """What a collapse is: the failure each collapsed run shows when its reward falls, from its logged metrics.
 
 Collapse here is a rule on the reward (``vexact/rl/collapse.py``); runs reach it in different ways, and a threshold
-measured over one way is not a threshold for another. ``failure_of(point)`` classifies a collapsed run into one of
-``FAILURE_KINDS``:
+measured over one way is not a threshold for another. ``failure_of(point)`` classifies a run that collapsed on its
+reward (``collapse_reason`` ``reward_drop``, from a peak above 0) into one of ``FAILURE_KINDS``; a collapse on
+another trigger (``non_finite``, ``grad_norm``, ``k3_kl``) has no reward fall to classify and gets no kind (None):
 
 - ``length_lost``: the policy loses its length: the eval length (``eval/response_length_mean``) falls by
   ``LENGTH_LOST`` or more below its value just before the fall (checked first: a policy whose evaluated answers
@@ -64,20 +65,24 @@ def _section(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def failure_of(point: PointData) -> dict[str, Any] | None:
-    """The failure of a collapsed run (None when it did not collapse): ``kind`` (one of ``FAILURE_KINDS``),
+    """The failure of a run collapsed on its reward (None when it did not collapse, or collapsed on another
+    trigger, or from a peak of 0): ``kind`` (one of ``FAILURE_KINDS``),
     ``fall_step``, ``collapse_step``, the eval length just before the fall and its least and largest value in the
     window, the clip ratio before and at most in it, the task's ``L`` (``task.max_len``) and ``max_new_tokens`` from
     the run's config.yaml (None when it has none), ``surge_step`` and ``surge_before``."""
     collapse = point.collapse
     end = collapse_step_of(collapse)
-    if collapse.get("collapsed") is not True or end is None:
-        return None
-    criteria = collapse.get("criteria") or {}
-    drop = criteria.get("drop") if is_num(criteria.get("drop")) else CollapseSection.drop
-    metric = criteria.get("metric") or CollapseSection.metric
     peak, peak_step = collapse.get("peak_reward"), collapse.get("peak_step")
+    # the kinds are ways a reward falls: a collapse on another trigger has no fall, and from a peak of 0 every
+    # value sits "at or below" the drop at once (a k3_kl collapse at reward 0 read as a fall at step 0)
+    if (collapse.get("collapsed") is not True or not is_num(end) or collapse.get("collapse_reason") != "reward_drop"
+            or not is_num(peak) or not peak > 0):
+        return None
+    criteria = collapse.get("criteria") if isinstance(collapse.get("criteria"), dict) else {}
+    drop = criteria.get("drop") if is_num(criteria.get("drop")) else CollapseSection.drop
+    metric = criteria.get("metric") if isinstance(criteria.get("metric"), str) else CollapseSection.metric
     reward = _series(point, metric)
-    fall = next((s for s, v in reward if is_num(peak) and (not is_num(peak_step) or s > peak_step) and s <= end
+    fall = next((s for s, v in reward if (not is_num(peak_step) or s > peak_step) and s <= end
                  and v <= (1.0 - drop) * peak), float(end))
     lengths = _series(point, EVAL_RESPONSE_LENGTH_MEAN)
     before = [v for s, v in lengths if s < fall]
@@ -137,7 +142,7 @@ def horizon_failure_words(h: dict[str, Any]) -> str | None:
     if not isinstance(kinds, dict) or not is_num(n):
         return None
     if not n:
-        return "no collapse to classify"
+        return "no reward-drop collapse to classify"
     parts = ", ".join(f"{FAILURE_WORDS.get(k, k)} {v} of {n}" for k, v in kinds.items())
     surge = h.get("surge_before_collapse") or 0
     return parts + ("; a length surge preceded " + f"{surge} of {n}" if surge else "; no length surge before any")
@@ -156,7 +161,7 @@ def failure_table(points: list[PointData]) -> list[dict[str, Any]]:
 def failure_summary(rows: list[dict[str, Any]]) -> str:
     """One line: how many collapses of each kind."""
     if not rows:
-        return "failure kinds: no collapse"
+        return "failure kinds: no reward-drop collapse"
     kinds = Counter(r["kind"] for r in rows)
     surge = sum(r["surge_before"] for r in rows)
     return (f"failure kinds of {len(rows)} collapse(s): "

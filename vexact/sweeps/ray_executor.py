@@ -179,10 +179,33 @@ def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Call
     except KeyboardInterrupt:
         for ref in list(refs):
             ray.cancel(ref, force=True)
+        _record_cancelled(ray, refs, finish)
         raise
     finally:
         if started:
             ray.shutdown()
+
+
+CANCEL_WAIT_S = 10.0
+"""How long a stopped sweep waits for Ray to settle the tasks it cancelled (a cancelled task is settled at once)."""
+
+
+def _record_cancelled(ray: Any, refs: dict[Any, Any], finish: Callable[[Any, dict], None]) -> None:
+    """The points whose tasks a stopped sweep cancelled, recorded as the local executor's ``_record_stopped`` does:
+    a point that finished meanwhile with its result, one that ran as interrupted (a re-run resumes it), one whose
+    task never started (no run directory) left pending. They stayed "pending" in sweep.json."""
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_S) if refs else ([], [])
+    for ref, point in refs.items():
+        result = None
+        if ref in ready:
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayError:  # cancelled: its process was killed
+                pass
+        if result is None and point.run_dir.exists():
+            result = {"status": "interrupted", "error": None}
+        if result is not None:
+            finish(point, result)
 
 
 def stop() -> None:

@@ -73,7 +73,7 @@ from rich.markup import escape
 from ..cli_base import stop_on_sigterm, stop_signal, stopped_by
 from ..engine.devices import worker_device
 from ..progress import Progress, StepReporter
-from ..records import CONFIG_FILE, FINISHED_STATUSES, SUMMARY_FILE
+from ..records import CONFIG_FILE, FINISHED_STATUSES, RUN_FILES, SUMMARY_FILE, is_run_dir
 from ..records.atomic import ENVIRONMENT_ERRNOS, write_json_atomic, write_text_atomic
 from ..records.runlog import RunLocked, run_lock
 from ..rl.config import ConfigError, config_changes, config_from_dict, config_hash, read_yaml, show_value
@@ -422,6 +422,12 @@ def _check_output_dirs(spec: SweepSpec) -> None:
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"sweep {spec.name}: {folder} exists and is not a directory; move it away or choose "
                              "another output_dir")
+    if is_run_dir(spec.output_dir) and not (spec.output_dir / "sweep.json").is_file():
+        # a single run's folder: the sweep's files and points would be mixed into it (and vexact report would
+        # then read it as a sweep, not as the run)
+        raise ValueError(f"sweep {spec.name}: {spec.output_dir} is a run's directory (it holds "
+                         f"{' and '.join(name for name in RUN_FILES if (spec.output_dir / name).is_file())}); "
+                         "choose another output_dir")
 
 
 def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, str | None]) -> None:
@@ -493,9 +499,11 @@ def _check_recorded_overrides(spec: SweepSpec) -> None:
                      "choose another --output-dir for the new settings")
 
 
-RESUMED_POINT_CHANGES = ("steps", *MEMORY_KEYS)
+RESUMED_POINT_CHANGES = ("steps", "threads", *MEMORY_KEYS)
 """Config keys a started point's run may be resumed with changed (``_run_point``'s ``allow_changes``): more steps
-extend a finished point, and a memory knob changes no bit."""
+extend a finished point, and a memory knob changes no bit; nor does ``threads`` (``RESUME_SAFE_KEYS``), which a
+point that leaves it unset has in its config.yaml when its share of the cores under ``--jobs`` capped it, so a
+re-run with other ``--jobs`` resumes it."""
 
 
 def _check_started_points(spec: SweepSpec) -> None:
@@ -531,14 +539,18 @@ def _worker_init(parent_pid: int) -> None:
 
 
 def _run_point(config: dict, resume: bool, threads: int | None) -> dict:
-    """Run one point (in this process or a worker). Returns its summary, or the error."""
-    from ..rl.trainer import Trainer  # imported here: workers are spawned fresh
+    """Run one point (in this process or a worker). Returns its summary, or the error. ``threads``: the most torch
+    threads a point that leaves ``threads`` unset may use (its share of the cores under ``--jobs``, the CPUs its Ray
+    task asked for); None: the run's default."""
+    from ..rl.trainer import Trainer, default_threads  # imported here: workers are spawned fresh
 
-    if threads:
-        torch.set_num_threads(threads)
     log = io.StringIO()  # the run's own log, not shown; its warm-start lines go back to the sweep
     try:
         cfg = config_from_dict(config)
+        if threads and cfg.threads is None and threads < default_threads(cfg):
+            # in the config, not torch.set_num_threads: the Trainer sets the config's count, else its default (every
+            # core for a large model), and N workers would each take every core
+            cfg = dataclasses.replace(cfg, threads=threads)
         if cfg.device.startswith("cuda:"):  # Triton launches on the process's current GPU: the worker's own
             torch.cuda.set_device(torch.device(cfg.device))
         summary = Trainer(cfg, Console(file=log, width=10_000, color_system=None)).run(
@@ -629,7 +641,8 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
     extend = [p for p in selected if statuses[p.name] == "completed" and _extendable(p)]
     todo = [p for p in selected if statuses[p.name] not in FINISHED or p in extend]
     done_before = len(selected) - len(todo)
-    say = (lambda text: None) if quiet else console.print
+    # plain text: the sweep's name is the user's, and may hold brackets rich would read as markup
+    say = (lambda text: None) if quiet else (lambda text: console.print(text, markup=False, highlight=False))
     if len(selected) < len(spec.points):
         say(f"sweep {spec.name}: --only selects {len(selected)} of {len(spec.points)} points")
     if done_before:
@@ -654,7 +667,7 @@ def _run_locked(spec: SweepSpec, jobs: int, console: Console, executor: str, add
         if not quiet:  # the warm start came first in the point's run: its lines come before the point's outcome
             for said in result.get("warm_start") or []:
                 console.print(f"  {point.name} {said}", markup=False, highlight=False, soft_wrap=True)
-        line = f"{point.name}: {result['status']}"
+        line = escape(f"{point.name}: {result['status']}")  # the progress line is markup (red for a failure)
         if result.get("locked"):
             line = f"[red]{line}[/] ({escape(result['error'].removeprefix('RunLocked: '))})"
         elif result["status"] == "failed":

@@ -18,6 +18,7 @@ from typing import Any
 from ..records import FINISHED_STATUSES, METRICS_FILE, SUMMARY_FILE
 from ..records.json_file import read_json
 from ..records.metrics_log import decode_non_finite, read_metrics
+from ..rl.validate import show_value
 from .text_table import fmt_value
 
 SEED_KEY = "seed"
@@ -122,9 +123,21 @@ def read_sweep_results(sweep_dir: str | Path) -> SweepData:
         raise ValueError(f"{spec_path} is not a sweep spec (no 'points' list)")
 
     grid = spec.get("grid") or {}
+    if not isinstance(grid, dict):  # the groups are read from it: no point can be reported without it
+        raise ValueError(f"{spec_path}: field 'grid' is {show_value(grid)}, expected a mapping of each key to a "
+                         "list of its values")
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise ValueError(f"{spec_path}: field 'grid.{key}' is {show_value(values)}, expected a list of values")
     points = []
-    for entry in spec["points"]:
-        name = str(entry.get("name", ""))
+    for i, entry in enumerate(spec["points"]):
+        problem = _entry_problem(entry)
+        if problem is not None:  # a hand-edited entry: damage, so --skip-damaged can leave it out
+            name = str(entry.get("name")) if isinstance(entry, dict) and entry.get("name") else f"points[{i}]"
+            points.append(PointData(name=name, dir=sweep_dir, overrides={}, status="damaged",
+                                    damage=[f"sweep.json points[{i}]: {problem}"]))
+            continue
+        name = entry.get("name") or ""
         point_dir = Path(entry.get("dir") or Path("points") / name)
         point_dir = point_dir if point_dir.is_absolute() else sweep_dir / point_dir
         status, error = entry.get("status"), entry.get("error")
@@ -139,6 +152,71 @@ def read_sweep_results(sweep_dir: str | Path) -> SweepData:
     curves = spec.get("curves")
     return SweepData(path=sweep_dir, name=str(spec.get("name") or sweep_dir.name), grid=grid,
                      group_keys=group_keys, points=points, curves=list(curves) if isinstance(curves, list) else None)
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What is wrong with one sweep.json ``points`` entry's shape, in words naming the field; None when nothing."""
+    if not isinstance(entry, dict):
+        return f"{show_value(entry)}, expected a point entry (a mapping)"
+    for key, ok, what in (("name", lambda v: isinstance(v, str), "a string"),
+                          ("dir", lambda v: isinstance(v, str), "a path string"),
+                          ("overrides", lambda v: isinstance(v, dict), "a mapping of keys to values"),
+                          ("status", lambda v: isinstance(v, str), "a string"),
+                          ("error", lambda v: isinstance(v, str), "a string")):
+        if entry.get(key) is not None and not ok(entry[key]):
+            return f"field '{key}' is {show_value(entry[key])}, expected {what} or null"
+    return None
+
+
+def is_num(v: Any) -> bool:
+    """An int or float, not a bool (JSON's numbers)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _step_count(v: Any) -> bool:
+    return is_num(v) and math.isfinite(v) and v >= 0 and float(v).is_integer()
+
+
+def _smoothing(v: Any) -> bool:
+    return is_num(v) and math.isfinite(v) and v >= 1 and float(v).is_integer()
+
+
+# The summary.json fields the reports read (the trainer writes them; ``detect_collapse`` the collapse ones), each
+# with what it must be when present and not null: a hand edit that breaks one is damage naming the field.
+_SUMMARY_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("name", lambda v: isinstance(v, str), "a string"),
+    ("status", lambda v: isinstance(v, str), "a string"),
+    ("reason", lambda v: isinstance(v, str), "a string"),
+    ("steps_completed", _step_count, "a whole number >= 0"),
+    ("steps_planned", _step_count, "a whole number >= 0"),
+    ("collapse", lambda v: isinstance(v, dict), "a mapping"),
+    ("collapse.collapsed", lambda v: isinstance(v, bool), "true or false"),
+    ("collapse.collapse_reason", lambda v: isinstance(v, str), "a string"),
+    *((f"collapse.{k}", is_num, "a number") for k in (
+        "collapse_step", "collapse_unconfirmed_step", "peak_step", "length_surge_step", "length_surge_lead",
+        "peak_reward", "final_reward", "initial_reward", "mean_k3_kl", "mean_k3_kl_before_collapse",
+        "mean_abs_dlogp")),
+    ("collapse.criteria", lambda v: isinstance(v, dict), "a mapping"),
+    ("collapse.criteria.metric", lambda v: isinstance(v, str), "a metric name"),
+    ("collapse.criteria.smoothing", _smoothing, "a whole number >= 1"),
+    *((f"collapse.criteria.{k}", is_num, "a number") for k in ("drop", "min_peak", "patience")),
+    ("lr_schedule", lambda v: isinstance(v, dict), "a mapping"),
+    ("lr_schedule.kind", lambda v: isinstance(v, str), "a string"),
+    ("lr_schedule.trigger_step", is_num, "a step number"),
+)
+
+
+def summary_problem(summary: dict[str, Any]) -> str | None:
+    """The first field of a run summary the reports read whose value has the wrong shape (a hand edit), in words
+    naming it; None when every such field is absent, null or of its shape."""
+    for dotted, ok, what in _SUMMARY_FIELDS:
+        *parents, key = dotted.split(".")
+        holder: Any = summary
+        for parent in parents:  # a parent of the wrong shape was reported before its children are reached
+            holder = holder.get(parent) if isinstance(holder, dict) else None
+        if isinstance(holder, dict) and holder.get(key) is not None and not ok(holder[key]):
+            return f"field '{dotted}' is {show_value(holder[key])}, expected {what} or null"
+    return None
 
 
 def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = None, status: str | None = None,
@@ -158,6 +236,9 @@ def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = No
             summary = decode_non_finite(json.loads(summary_path.read_bytes()))
             if not isinstance(summary, dict):
                 raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+            problem = summary_problem(summary)
+            if problem is not None:
+                raise ValueError(problem)
         except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             summary = None
             damage.append(f"{summary_path.name}: not a readable run summary ({_first_line(e)})")
@@ -200,17 +281,12 @@ def damaged_points_error(where: Path, damaged: list[PointData], single_run: bool
 # ----------------------------------------------------------------------------- values
 
 
-def metric_series(p: PointData, key: str) -> tuple[list[float], list[float]]:
+def metric_series(p: PointData, key: str, keep_nan: bool = False) -> tuple[list[float], list[float]]:
     """(steps, values) of metric ``key`` over the point's metrics lines: the lines holding a number for both, NaN
-    values left out (infinities kept)."""
+    values left out unless ``keep_nan`` (infinities kept)."""
     pairs = [(float(m["step"]), float(m[key])) for m in p.metrics if is_num(m.get("step")) and is_num(m.get(key))]
-    pairs = [(s, v) for s, v in pairs if not math.isnan(v)]
+    pairs = [(s, v) for s, v in pairs if keep_nan or not math.isnan(v)]
     return [s for s, _ in pairs], [v for _, v in pairs]
-
-
-def is_num(v: Any) -> bool:
-    """An int or float, not a bool (JSON's numbers)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _finite(values: Any) -> list[float]:

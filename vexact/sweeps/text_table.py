@@ -10,6 +10,7 @@ from typing import Any
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -68,11 +69,12 @@ def print_table(console: Console, title: str, columns: list[TextColumn], notes: 
 def _print_rows(console: Console, title: str, columns: list[TextColumn], headers: list[str], widths: list[int],
                 notes: list[str], compact: bool = False) -> Table:
     options: dict[str, Any] = {"box": box.SIMPLE_HEAD, "show_edge": False, "padding": (0, 0)} if compact else {}
-    table = Table(title=title, **options)
+    # escaped, not markup: titles and cells hold run names, values and errors ("exp[v2]", "[batch, seq, hidden]")
+    table = Table(title=escape(title), **options)
     for c, h, w in zip(columns, headers, widths):
-        table.add_column(h, justify=c.justify, style=c.style, width=w, overflow="fold")
+        table.add_column(escape(h), justify=c.justify, style=c.style, width=w, overflow="fold")
     for cells in zip(*(c.cells for c in columns)):
-        table.add_row(*cells)
+        table.add_row(*map(escape, cells))
     console.print(table)
     _print_notes(console, notes)
     return table
@@ -94,13 +96,13 @@ def _print_vertical(console: Console, title: str, columns: list[TextColumn], not
     tables = []
     for k, chunk in enumerate(chunks or [[]]):
         part = f" ({k + 1}/{len(chunks)})" if len(chunks) > 1 else ""
-        table = Table(title=title + part, show_header=False)
+        table = Table(title=escape(title + part), show_header=False)
         table.add_column(justify="left", width=min(label_w, max(console.width - 7, 1)), overflow="fold")
         for i in chunk:
             table.add_column(justify="right", width=min(row_w[i], max(console.width - label_w - 7, 1)),
                              overflow="fold")
         for j, c in enumerate(columns):
-            table.add_row(c.header, *(rows[i][j] for i in chunk), style=c.style,
+            table.add_row(escape(c.header), *(escape(rows[i][j]) for i in chunk), style=c.style,
                           end_section=c.style is not None and (j + 1 == len(columns) or columns[j + 1].style is None))
         console.print(table)
         tables.append(table)
