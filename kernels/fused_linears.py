@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import compiled_loops, gemm_laid_out, gemm_linear, gemm_packed, gemm_tiles, linear_repeats
 from .host_guard import ONEDNN_MIN_WEIGHT, HostGuard, onednn_packed, onednn_packing
-from .weight_versions import keeps_per_weight
+from .weight_versions import keeps_per_weight, kept_snapshot
 
 GROUPS_MAX = 1024
 """Groups kept at most (then afresh): one per (weights, guard, dtype) -- a model's q/k/v and gate/up per layer."""
@@ -120,7 +120,7 @@ def _decided_run(x: Tensor, weights: Sequence[Tensor], host: HostGuard, loops: o
             operand = prepared(first, torch.cat(matrices))
         nbytes = operand.numel() * operand.element_size() if not operand.is_mkldnn else sum(
             m.numel() * m.element_size() for m in matrices)
-        if not gemm_laid_out.room_for(nbytes + sum(g.nbytes for g in _GROUPS.values())):
+        if not gemm_laid_out.room_for(nbytes + sum(g.nbytes for _, g in kept_snapshot(_GROUPS))):
             return None
         group.operands[key] = operand
         group.nbytes += nbytes
@@ -187,7 +187,7 @@ def _forgetter(key: tuple):
 def _forget_groups(shares_memory: Callable[[Tensor], bool]) -> None:
     """``forget_weight``'s part here: every group holding a weight on the given memory (its weights as one, its
     decisions and call counts)."""
-    for key, group in list(_GROUPS.items()):
+    for key, group in kept_snapshot(_GROUPS):
         if any((weight := ref()) is not None and shares_memory(weight) for ref in group.weights):
             _GROUPS.pop(key, None)
 

@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops, gemm_tiles
 from .host_guard import ONEDNN_MIN_WEIGHT, _with_threads, operand_layout
-from .weight_versions import keeps_per_weight
+from .weight_versions import keeps_per_weight, kept_snapshot
 
 # --------------------------------------------------------------------------- weights laid out once per version
 ARRANGED_BYTES_MAX = 1 << 32
@@ -60,7 +60,7 @@ class _HeldBytes:
         weakref.finalize(owner, self._owner_gone, entries)  # (the entries go with the owner, as _ARRANGED's do)
 
     def _owner_gone(self, entries: dict) -> None:
-        self.add(-sum(operand.nbytes for _, operand in entries.values()))
+        self.add(-sum(operand.nbytes for _, (_, operand) in kept_snapshot(entries)))
 
 
 _HELD_BYTES = _HeldBytes()
@@ -105,9 +105,10 @@ def arranged_weight(weight: Tensor, form: tuple, make: Callable[[], Tensor]) -> 
 def _forget_arranged(shares_memory: Callable[[Tensor], bool]) -> None:
     """``forget_weight``'s part here: the operands laid out from a weight on the given memory, each popped and its
     bytes uncounted once (the entries dict stays, emptied, so the owner's finalizer uncounts nothing twice)."""
-    for owner in [owner for owner in list(_ARRANGED.keys()) if shares_memory(owner)]:
-        entries = _ARRANGED.get(owner, {})
-        for key in list(entries):
+    for owner, entries in kept_snapshot(_ARRANGED):
+        if not shares_memory(owner):
+            continue
+        for key, _ in kept_snapshot(entries):
             if (entry := entries.pop(key, None)) is not None:
                 _HELD_BYTES.add(-entry[1].nbytes)
 
@@ -128,7 +129,7 @@ def kept_for(weight: Tensor, operand: Tensor) -> bool:
     ptr = operand.untyped_storage().data_ptr()
     owner = weight if weight._base is None else weight._base
     return any(not t.is_mkldnn and ptr == t.untyped_storage().data_ptr()  # (a packed weight: opaque, no storage)
-               for _, t in _ARRANGED.get(owner, {}).values())
+               for _, (_, t) in kept_snapshot(_ARRANGED.get(owner, {})))
 
 
 def kept_operand(weight: Tensor, form: tuple) -> Tensor | None:

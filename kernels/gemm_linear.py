@@ -65,7 +65,7 @@ from torch import Tensor
 
 from . import compiled_loops, gemm_laid_out, gemm_packed, gemm_tiles
 from .host_guard import LIBRARY_DTYPES, HostGuard
-from .weight_versions import keeps_per_weight
+from .weight_versions import keeps_per_weight, kept_snapshot
 
 # --------------------------------------------------------------------------- x @ W.T: a linear layer's rows
 _DTYPE_PLANS: dict[tuple, torch.dtype] = {}
@@ -169,7 +169,7 @@ def _forget(plans: dict[int, _WeightPlans], key: int, ref: weakref.ref) -> None:
 def _forget_plans(shares_memory: Callable[[Tensor], bool]) -> None:
     """``forget_weight``'s part here: the plans of a weight on the given memory and what they hold (operands, a
     packed weight)."""
-    for key, kept in list(_PLANS.items()):
+    for key, kept in kept_snapshot(_PLANS):
         if (owner := kept.owner()) is not None and shares_memory(owner):
             _PLANS.pop(key, None)
 

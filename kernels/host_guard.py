@@ -428,7 +428,7 @@ class HostGuard:
         """Mode, the host's CPU (``host_cpu``) and every probe so far (property, shape class, path, verdict, threads
         checked, ops)."""
         return {"mode": self.mode, "onednn": "auto" if self.onednn else "off", "host": host_cpu(),
-                "probes": [r.as_dict() for r in self._records.values()]}
+                "probes": [r.as_dict() for r in list(self._records.values())]}  # (copied: kernels may probe meanwhile)
 
     # ------------------------------------------------------------------ probes
     def _gemm_record(self, dtype: torch.dtype, k: int, b: Tensor, shared_operand: bool, op: str,

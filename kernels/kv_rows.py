@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops
+from .weight_versions import kept_snapshot
 
 ROWS_BYTES_MAX = 1 << 30
 """Bytes (1 GiB): the most that kept rows hold at once in a process. Rows are fp32, twice a bf16 cache's size
@@ -94,7 +95,7 @@ def rows(cache: Tensor, key_len: int, lay_out: Callable[[Tensor], Tensor]) -> Te
         return kept.rows
     kept.rows = None  # (before counting what the others hold)
     fresh = lay_out(cache)
-    held = sum(other.rows.nbytes for other in _KEPT.values() if other.rows is not None)
+    held = sum(other.rows.nbytes for _, other in kept_snapshot(_KEPT) if other.rows is not None)
     if held + fresh.nbytes <= ROWS_BYTES_MAX and fresh.is_contiguous() and fresh.dtype == torch.float32:
         kept.rows, kept.version, kept.layout = fresh, version, layout
     return fresh

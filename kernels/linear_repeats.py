@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import compiled_loops, gemm_linear
 from .host_guard import HostGuard
-from .weight_versions import keeps_per_weight
+from .weight_versions import keeps_per_weight, kept_snapshot
 
 REMEMBERED_MAX = 4096
 """Calls remembered at most (then afresh): one per (weight, guard, x's shape) -- a model's linear layers under one
@@ -113,6 +113,6 @@ def _forget(remembered: dict, key: tuple[int, int, torch.Size], ref: weakref.ref
 @keeps_per_weight
 def _forget_calls(shares_memory: Callable[[Tensor], bool]) -> None:
     """``forget_weight``'s part here: the calls remembered on a weight on the given memory."""
-    for key, kept in list(_REMEMBERED.items()):
+    for key, kept in kept_snapshot(_REMEMBERED):
         if (weight := kept.weight()) is not None and shares_memory(weight):
             _REMEMBERED.pop(key, None)

@@ -13,7 +13,8 @@ it out afresh (the bits of a call on a fresh copy of the weight).
 
 Each module that keeps something per weight registers its forgetter here (``keeps_per_weight``), so
 ``forget_weight`` reaches every such cache without naming them; a weight is matched by its memory (its storage),
-so the tensor passed to ``forget_weight`` need not be the one passed to the kernels.
+so the tensor passed to ``forget_weight`` need not be the one passed to the kernels. Every loop over a kept cache
+goes over ``kept_snapshot`` of it: the kernels and ``forget_weight`` may run on several Python threads at once.
 """
 
 from __future__ import annotations
@@ -21,8 +22,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 _FORGETTERS: list[Callable[[Callable[[Tensor], bool]], None]] = []
+
+
+def kept_snapshot(kept: dict | WeakIdKeyDictionary) -> list[tuple]:
+    """The (key, value) pairs of a cache the kernels keep, taken in one step, to loop over while other Python threads
+    add or pop entries (the kernels, ``forget_weight``) and a weak key's death pops one (a collection's callback).
+    A loop over the cache itself may see it change size (``RuntimeError: dictionary changed size during
+    iteration``); ``dict.copy`` copies it in C without calling back into Python, so no other thread runs in between.
+    A weakly keyed cache (``WeakIdKeyDictionary``) gives its live keys."""
+    if isinstance(kept, WeakIdKeyDictionary):
+        return [(key, value) for ref, value in kept.data.copy().items() if (key := ref()) is not None]
+    return list(kept.copy().items())
 
 
 def keeps_per_weight(forget: Callable[[Callable[[Tensor], bool]], None]) -> Callable[[Callable[[Tensor], bool]], None]:

@@ -240,6 +240,62 @@ def test_forget_weight_beside_the_kernels_on_other_threads():
     assert gemm_laid_out._HELD_BYTES.total == _held_bytes()
 
 
+def test_every_loop_over_a_kept_cache_survives_a_thread_switch_inside_it():
+    """The race the threaded test above samples, made certain: at every line run inside a loop over a kept cache (a
+    generator or comprehension in the kernels, or torch's weak dictionary's own loops), another thread's work runs
+    -- a new weight laid out and run, the previous one forgotten -- as a thread switch there would. A loop over the
+    cache itself then sees it change size (RuntimeError); every loop goes over ``kept_snapshot`` of its cache."""
+    import sys
+    from pathlib import Path
+
+    import torch.utils.weak
+
+    loop_files = {str(Path(gemm_laid_out.__file__).parent), str(Path(torch.utils.weak.__file__))}
+    loop_frames = {"<genexpr>", "<listcomp>", "<dictcomp>", "keys", "values", "items", "copy"}
+    x = _randn(1, 32, dtype=torch.float32, seed=10)
+    w, up = _randn(64, 32, dtype=torch.float32, seed=9), _randn(48, 32, dtype=torch.float32, seed=11)
+    others: list[torch.Tensor] = []
+    switches, switching = [0], [False]
+
+    def another_thread() -> None:
+        others.append(_randn(64, 32, dtype=torch.float32, seed=100 + len(others)))
+        cpu_exact.linear(x, others[-1])  # an owner, a plan, a remembered call added
+        if len(others) > 1:
+            forget_weight(others.pop(0))  # and popped
+
+    def in_loop(frame, event, arg):
+        if event == "line" and not switching[0]:
+            switching[0] = True
+            try:
+                another_thread()
+                switches[0] += 1
+            finally:
+                switching[0] = False
+        return in_loop
+
+    def on_call(frame, event, arg):
+        code = frame.f_code
+        looping = code.co_name in loop_frames and any(code.co_filename.startswith(f) for f in loop_files)
+        return in_loop if looping and not switching[0] else None
+
+    sys.settrace(on_call)
+    try:
+        for _ in range(3):
+            with torch.no_grad():
+                w.add_(0.0)  # a new version: laid out again
+                up.add_(0.0)
+            for _ in range(gemm_packed.PACK_AFTER_CALLS + 2):  # past packing: every cache holds the weights
+                cpu_exact.linear(x, w)
+                cpu_exact.linears(x, [w, up])
+            forget_weight(w)
+    finally:
+        sys.settrace(None)
+    assert switches[0] > 0  # the loops ran, and switched inside
+    for weight in others:
+        forget_weight(weight)
+    assert gemm_laid_out._HELD_BYTES.total == _held_bytes()
+
+
 def test_forget_weight_names_a_non_tensor():
     with pytest.raises(TypeError, match="forget_weight: weight must be a torch.Tensor, got list"):
         forget_weight([1.0])
