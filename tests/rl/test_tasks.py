@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from vexact.rl.tasks import (
     BOS_ID,
@@ -430,3 +431,198 @@ def test_the_cli_prints_a_bad_task_as_one_error_line(tmp_path, capsys):
     finally:
         TASKS.remove(_Raises.name)
     assert capsys.readouterr().err == f"error: {_code(_Raises, 'sample')} raised RuntimeError: boom in sample\n"
+
+
+# A plugin task's other hooks (reward, final_answer, free_span, warm_start_problems, use_settings), called where
+# the trainer and the warm start need them: one that raises or returns the wrong type was a traceback from deep in
+# vexact (or a span past the target, silently cut short); now one ValueError naming the task and the method.
+def _broken(method: str, behaviour):
+    """A DigitsTask whose ``method`` does ``behaviour()`` (raise or return something) instead of its work."""
+    return type(f"Bad_{method}", (DigitsTask,), {method: lambda self, *args: behaviour(), "__module__": __name__})
+
+
+def _boom():
+    raise ZeroDivisionError("boom")
+
+
+_HOOK_CASES = [
+    ("reward", _boom, "raised ZeroDivisionError: boom"),
+    ("reward", lambda: "1.0", "returned '1.0', not a number (float)"),
+    ("reward", lambda: None, "returned None, not a number (float)"),
+    ("reward", lambda: [1.0, 0.0], "returned [1.0, 0.0], not a number (float)"),
+    ("reward", lambda: True, "returned True, not a number (float)"),
+    ("final_answer", _boom, "raised ZeroDivisionError: boom"),
+    ("final_answer", lambda: None, "returned None, not a str"),
+    ("free_span", _boom, "raised ZeroDivisionError: boom"),
+    ("free_span", lambda: "ab", "returned 'ab' for the target"),
+    ("free_span", lambda: (0, 99), "returned (0, 99) for the target"),
+    ("free_span", lambda: (2, 1), "returned (2, 1) for the target"),
+    ("warm_start_problems", _boom, "raised ZeroDivisionError: boom"),
+    ("warm_start_problems", lambda: None, "returned None: expected a list of 4 Problems"),
+    ("warm_start_problems", lambda: [Problem("#:1=", "1")], "returned [Problem(prompt='#:1=', answer='1', "
+                                                           "worked=None)]: expected a list of 4 Problems"),
+    ("warm_start_problems", lambda: [("#:1=", "1")] * 4, "returned ('#:1=', '1'), not a Problem of strings"),
+    ("use_settings", _boom, "raised ZeroDivisionError: boom"),
+]
+_HOOK_IDS = [f"{m}-{p.split(',')[0].split(':')[0].replace(' ', '_')}" for m, _, p in _HOOK_CASES]
+
+
+def _call_hook(task: Task, method: str) -> object:
+    """The hook called as vexact calls it (the checked helper of the trainer and the warm start)."""
+    from vexact.rl.tasks import _call_task, task_free_span, task_reward, task_warm_start_problems
+
+    problems = sample_problems(task, 4, seed=0)
+    if method in ("reward", "final_answer"):
+        return task_reward(task, problems[0], ids("12"))
+    if method == "free_span":
+        return task_free_span(task, problems[0], len(encode_target(task.tokenizer, problems[0])))
+    if method == "warm_start_problems":
+        return task_warm_start_problems(task, problems, None, 0, 4)
+    return _call_task(task, method, None)
+
+
+@pytest.mark.parametrize("method, behaviour, problem", _HOOK_CASES, ids=_HOOK_IDS)
+def test_a_tasks_bad_hook_is_one_error_naming_the_task_and_method(method, behaviour, problem):
+    cls = _broken(method, behaviour)
+    with pytest.raises(ValueError) as e:
+        _call_hook(cls(2, 3), method)
+    assert str(e.value).startswith(f"{_code(cls, method)} {problem}"), str(e.value)
+    if "raised" in problem:  # chained: a debugger or a traceback still reaches the plugin's own line
+        assert isinstance(e.value.__cause__, ZeroDivisionError)
+    _call_hook(DigitsTask(2, 3), method)  # counter-case: the same call on the task done right
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 0.5, 2, -1.0])
+def test_a_tasks_reward_may_be_any_real_number_nan_included(value):
+    """Not a type error: a non-finite reward is the task's verdict, which a run records (it stops at a non-finite
+    loss, see the CLI test below); the value passes as a float, bit for bit."""
+    from vexact.rl.tasks import task_reward
+
+    cls = _broken("reward", lambda: value)
+    got = task_reward(cls(2, 3), sample_problems(cls(2, 3), 1, seed=0)[0], ids("12"))
+    assert type(got) is float and (got == value or (got != got and value != value))
+
+
+def _run_config(tmp_path, name: str, **warm_start) -> str:
+    import yaml
+
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": name, "steps": 1, "threads": 1, "output_dir": str(tmp_path / name),
+        "model": {"preset": "tiny", "max_seq_len": 24},
+        "task": {"name": DigitsTask.name, "min_len": 2, "max_len": 3, "eval_prompts": 4, "partial_credit": True},
+        "warm_start": {"steps": 0, "cache_dir": str(tmp_path / "cache"), **warm_start},
+        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 6},
+        "distributed": {"leaves": 1}, "logging": {"live": False}}))
+    return str(config)
+
+
+@pytest.mark.parametrize("method, behaviour, problem", [
+    ("reward", lambda: None, "returned None, not a number (float)"),
+    ("final_answer", _boom, "raised ZeroDivisionError: boom"),
+    ("free_span", lambda: (0, 99), "returned (0, 99) for the target"),
+    ("warm_start_problems", _boom, "raised ZeroDivisionError: boom"),
+    ("use_settings", _boom, "raised ZeroDivisionError: boom"),
+], ids=["reward", "final_answer", "free_span", "warm_start_problems", "use_settings"])
+def test_the_cli_prints_a_bad_hook_as_one_error_line(tmp_path, capsys, method, behaviour, problem):
+    """What a user sees from ``vexact run``: exit code 2 and one error line naming the plugin's class and method
+    (a traceback from collect, warmstart or torch.tensor before)."""
+    from vexact.cli import main
+
+    cls = _broken(method, behaviour)
+    warm = {"steps": 2, "batch_size": 2} if method in ("free_span", "warm_start_problems") else {}
+    if method == "free_span":
+        warm["free_weight"] = 0.5  # the warm start reads free spans only where it weights them
+    TASKS.add(cls.name, cls)
+    try:
+        assert main(["run", _run_config(tmp_path, "bad_hook", **warm)]) == 2
+    finally:
+        TASKS.remove(cls.name)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{_code(cls, method)} {problem}" in err, err
+    if method == "use_settings":  # read when the config is loaded: a config error at the task
+        assert err.startswith("error: config error at 'task': ")
+
+
+def test_a_nan_reward_still_stops_the_run_at_a_non_finite_loss(tmp_path):
+    """The behaviour before the reward was checked, kept: a NaN reward is recorded, and the run stops (exit 1)."""
+    import json
+
+    from vexact.cli import main
+
+    cls = _broken("reward", lambda: float("nan"))
+    TASKS.add(cls.name, cls)
+    try:
+        assert main(["run", _run_config(tmp_path, "nan_reward")]) == 1
+    finally:
+        TASKS.remove(cls.name)
+    assert json.loads((tmp_path / "nan_reward" / "summary.json").read_text())["reason"] == "non-finite loss (nan)"
+
+
+class _WellBehaved(DigitsTask):
+    """Every optional hook overridden, each doing its work: a trace of the answer, a free span over the trace, the
+    warm start's problems reversed, a setting read."""
+
+    def sample(self, rng):
+        digits = self.digits(rng)
+        return Problem(self._prompt(digits), digits, f"{digits[::-1]}={digits}")
+
+    def max_answer_len(self):
+        return 2 * self.max_len + 1
+
+    def final_answer(self, text):
+        return text.rpartition("=")[2]
+
+    def free_span(self, problem):
+        return 0, problem.target.index("=")
+
+    def warm_start_problems(self, problems, warm_start, first_index, total):
+        return problems[::-1]
+
+    def use_settings(self, section):
+        self.seen = section.min_len
+
+    def reward(self, problem, response_ids):
+        return 0.25 + super().reward(problem, response_ids) / 2
+
+
+def test_checked_hooks_train_the_same_bits_as_the_hooks_called_directly(tmp_path, monkeypatch):
+    """The checks only read what a working task returns: a run (warm start with free spans, RL steps, evaluation)
+    on a task with every hook overridden gives the same weights and metrics as with the hooks called unchecked."""
+    from rich.console import Console
+
+    from vexact.records.runlog import read_metrics
+    from vexact.rl import collect, tasks, warmstart
+    from vexact.rl.config import config_from_dict
+    from vexact.rl.trainer import Trainer
+
+    def run(name: str):
+        cfg = config_from_dict({
+            "name": name, "seed": 0, "steps": 2, "threads": 1, "output_dir": str(tmp_path / name),
+            "model": {"preset": "tiny", "max_seq_len": 24},
+            "task": {"name": DigitsTask.name, "min_len": 2, "max_len": 3, "eval_prompts": 4,
+                     "partial_credit": True},
+            "warm_start": {"steps": 2, "batch_size": 4, "free_weight": 0.5, "cache_dir": str(tmp_path / f"c{name}")},
+            "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 8},
+            "distributed": {"leaves": 1}, "logging": {"live": False, "eval_every": 1}})
+        trainer = Trainer(cfg, Console(quiet=True))
+        assert trainer.run()["status"] == "completed"
+        rows = [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))}
+                for r in read_metrics(tmp_path / name / "metrics.jsonl")]
+        return trainer.master.state_dict(), rows
+
+    TASKS.add(_WellBehaved.name, _WellBehaved)
+    try:
+        checked = run("checked")
+        monkeypatch.setattr(tasks, "_call_task", lambda task, method, *args: getattr(task, method)(*args))
+        monkeypatch.setattr(collect, "task_reward", lambda task, p, r: task.reward(p, r))
+        monkeypatch.setattr(warmstart, "task_free_span", lambda task, p, n: task.free_span(p))
+        monkeypatch.setattr(warmstart, "task_warm_start_problems",
+                            lambda task, *args: task.warm_start_problems(*args))
+        direct = run("direct")
+    finally:
+        TASKS.remove(_WellBehaved.name)
+    assert checked[0].keys() == direct[0].keys()
+    assert all(torch.equal(checked[0][k], direct[0][k]) for k in checked[0])
+    assert checked[1] == direct[1] and len(checked[1]) == 2
+    assert any(r["reward/mean"] > 0.25 for r in checked[1])  # partial credit: final_answer was read

@@ -172,7 +172,7 @@ class _VllmSession:
         import torch
 
         from ..rl.collect import RolloutBatch
-        from ..rl.tasks import EOS_ID, encode_prompt
+        from ..rl.tasks import EOS_ID, encode_prompt, task_reward
 
         dtype = str(plan.dtype).removeprefix("torch.")
         if self.child is None:
@@ -189,7 +189,7 @@ class _VllmSession:
         tokens = reply["tokens"]
         logprobs = [torch.tensor(lps, dtype=torch.float32) for lps in reply["logprobs"]]
         finished = [bool(seq) and seq[-1] == EOS_ID for seq in tokens]
-        rewards = torch.tensor([task.reward(p, r) for p, r in zip(problems, tokens)], dtype=torch.float32)
+        rewards = torch.tensor([task_reward(task, p, r) for p, r in zip(problems, tokens)], dtype=torch.float32)
         return RolloutBatch(problems, prompts, tokens, logprobs, finished, rewards,
                             timings={TIMING_WEIGHT_SYNC: seconds})
 

@@ -19,7 +19,7 @@ from ..metric_keys import (
 )
 from .config_schema import RolloutSection
 from .inject import RolloutPlan
-from .tasks import EOS_ID, CharTokenizer, Problem, Task, encode_prompt, training_problems
+from .tasks import EOS_ID, CharTokenizer, Problem, Task, encode_prompt, task_reward, training_problems
 from .vocab_tail import tail_metrics, tail_probe
 
 
@@ -85,7 +85,7 @@ def collect_rollouts(model: Transformer, plan: RolloutPlan, task: Task, tokenize
     out = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                    seed=seed, batch_size=settings.batch_size, eos_token_id=EOS_ID, logits_hook=hook,
                    ops=plan.ops, first_index=first, routing_hook=plan.routing_hook, cuda_graphs=settings.cuda_graphs)
-    rewards = torch.tensor([task.reward(p, r) for p, r in zip(problems, out.tokens)], dtype=torch.float32)
+    rewards = torch.tensor([task_reward(task, p, r) for p, r in zip(problems, out.tokens)], dtype=torch.float32)
     return RolloutBatch(problems, prompts, out.tokens, out.logprobs, out.finished, rewards,
                         None if probe is None else probe.per_sequence(out.tokens), out.routing)
 
@@ -113,7 +113,7 @@ def eval_records(model: Transformer, task: Task, tokenizer: CharTokenizer, probl
     greedy = generate(model, prompts, max_new_tokens=settings.max_new_tokens, temperature=0.0,
                       batch_size=settings.batch_size, eos_token_id=EOS_ID, first_index=first_index,
                       cuda_graphs=settings.cuda_graphs)
-    return [EvalRecord(task.reward(p, s), task.reward(p, g), len(s),
+    return [EvalRecord(task_reward(task, p, s), task_reward(task, p, g), len(s),
                        bool(torch.isfinite(s_lp).all() and torch.isfinite(g_lp).all()))
             for p, s, g, s_lp, g_lp in zip(problems, sampled.tokens, greedy.tokens, sampled.logprobs, greedy.logprobs)]
 

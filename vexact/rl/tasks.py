@@ -40,6 +40,7 @@ where the problem space is small, individual held-out problems can also occur in
 from __future__ import annotations
 
 import inspect
+import numbers
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -66,7 +67,10 @@ __all__ = [
     "TASKS",
     "check_lengths",
     "check_memory",
+    "task_free_span",
     "task_has_free_span",
+    "task_reward",
+    "task_warm_start_problems",
     "AddTask",
     "CharTokenizer",
     "CountTask",
@@ -175,7 +179,9 @@ class Task(ABC):
             return 0.0  # a distractor (vexact.rl.vocab_tail) is no character: a response using one is malformed
         # PAD/BOS inside a response become "\0", which matches no answer character.
         text = "".join("\0" if i in (PAD_ID, BOS_ID) else self.tokenizer._char(i) for i in ids)
-        text = self.final_answer(text)
+        text = _call_task(self, "final_answer", text)
+        if not isinstance(text, str):
+            raise _TaskCodeError(f"{_task_code(self, 'final_answer')} returned {_shown(text)}, not a str")
         if terminated and text == problem.answer:
             return 1.0
         if not self.partial_credit:
@@ -371,7 +377,7 @@ def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = Fals
 def task_of(cfg: RunConfig) -> Task:
     """The task a run config names, with its lengths, vocabulary tail and the task's own settings."""
     task = make_task(cfg.task.name, cfg.task.min_len, cfg.task.max_len, cfg.task.partial_credit, cfg.task.distractors)
-    task.use_settings(cfg.task)
+    _call_task(task, "use_settings", cfg.task)
     return task
 
 
@@ -382,11 +388,11 @@ def check_lengths(cfg: RunConfig) -> None:
     try:
         task = task_of(cfg)
     except ValueError as e:
-        raise ConfigError(str(e), "task") from None
+        raise ConfigError(str(e), "task") from e
     try:
         prompt, answer = max_prompt_tokens(task), max_answer_tokens(task)
     except ValueError as e:  # the task's own bounds (a plugin's code): the task is what is wrong
-        raise ConfigError(str(e), "task.name") from None
+        raise ConfigError(str(e), "task.name") from e
     need = prompt + cfg.rollout.max_new_tokens
     if need > cfg.model.max_seq_len:
         raise ConfigError(f"{cfg.model.max_seq_len} is too short for the longest prompt ({prompt}) + "
@@ -456,44 +462,100 @@ def _task_code(task: Task, method: str) -> str:
     return f"task {task.name!r} ({cls.__module__}.{cls.__qualname__}.{method})"
 
 
+class _TaskCodeError(ValueError):
+    """A task's own code (a plugin's, maybe) raised or returned the wrong thing; the message names the task and the
+    method. A ValueError, so the CLI prints it as one error line."""
+
+
 def _call_task(task: Task, method: str, *args: Any) -> Any:
-    """``task.method(*args)``. The task may be a plugin's: an exception from its code is one ValueError naming the
-    task and the method (the CLI's one error line), not a traceback ending somewhere in the plugin."""
+    """``task.method(*args)``: the one place vexact calls a task's own methods. The task may be a plugin's: an
+    exception from its code is one ValueError naming the task and the method (the CLI's one error line), chained to
+    the original, not a traceback ending somewhere in the plugin. An error already naming a task's method (the
+    default ``reward`` calls ``final_answer``) passes unchanged."""
     try:
         return getattr(task, method)(*args)
+    except _TaskCodeError:
+        raise
     except Exception as e:
-        raise ValueError(f"{_task_code(task, method)} raised {type(e).__name__}: {e}") from e
+        raise _TaskCodeError(f"{_task_code(task, method)} raised {type(e).__name__}: {e}") from e
+
+
+def _shown(value: Any) -> str:
+    """What a task's method returned, as Python writes it, truncated."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _length_bound(task: Task, method: str) -> int:
     value = _call_task(task, method)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{_task_code(task, method)} returned {repr(value)[:80]}: a length bound must be an "
-                         f"int >= 0")
+        raise _TaskCodeError(f"{_task_code(task, method)} returned {repr(value)[:80]}: a length bound must be an "
+                             f"int >= 0")
     return value
 
 
-def _checked_problem(task: Task, problem: Any, prompt_tokens: int, answer_tokens: int) -> Problem:
-    """``problem`` if ``task.sample`` returned a Problem of strings the task's vocabulary spells, within the task's
-    own bounds (``max_prompt_tokens``, ``max_answer_tokens``): the run was sized by them (``check_lengths``), so a
-    longer prompt would fail in the model as if ``model.max_seq_len`` were wrong, and a longer target would be cut
-    off by ``rollout.max_new_tokens`` and score 0 by construction."""
-    where = _task_code(task, "sample")
+def task_reward(task: Task, problem: Problem, response_ids: Iterable[int]) -> float:
+    """``task.reward(problem, response_ids)`` as a float. A reward that raises, or is no real number (a str, None,
+    a list), is one ValueError naming the task and method. NaN and infinities pass: they are the task's verdict,
+    which the run records (and the collapse check sees), not a type error."""
+    value = _call_task(task, "reward", problem, response_ids)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise _TaskCodeError(f"{_task_code(task, 'reward')} returned {_shown(value)}, not a number (float)")
+    return float(value)
+
+
+def task_free_span(task: Task, problem: Problem, target_tokens: int) -> tuple[int, int] | None:
+    """``task.free_span(problem)`` for a target of ``target_tokens`` tokens (EOS included): None, or ``(start,
+    end)``, ints with ``0 <= start <= end <= target_tokens``, returned as the task gave it. Anything else, or an
+    exception, is one ValueError naming the task and method (a span past the target was silently cut short)."""
+    span = _call_task(task, "free_span", problem)
+    if span is None:
+        return None
+    if not (isinstance(span, (tuple, list)) and len(span) == 2
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in span)
+            and 0 <= span[0] <= span[1] <= target_tokens):
+        raise _TaskCodeError(f"{_task_code(task, 'free_span')} returned {_shown(span)} for the target "
+                             f"{show_value(problem.target)}: expected None or (start, end), ints with 0 <= start <= "
+                             f"end <= {target_tokens} (its tokens, EOS included)")
+    return span
+
+
+def task_warm_start_problems(task: Task, problems: list[Problem], warm_start: Any, first_index: int,
+                             total: int) -> list[Problem]:
+    """``task.warm_start_problems(...)``, checked: a list of as many Problems as it was given, each checked as a
+    sampled one is (``_checked_problem``). Anything else, or an exception, is one ValueError naming the task and
+    method."""
+    chosen = _call_task(task, "warm_start_problems", problems, warm_start, first_index, total)
+    if not isinstance(chosen, list) or len(chosen) != len(problems):
+        raise _TaskCodeError(f"{_task_code(task, 'warm_start_problems')} returned {_shown(chosen)}: expected a "
+                             f"list of {len(problems)} Problems (one per problem it was given)")
+    prompt_tokens, answer_tokens = max_prompt_tokens(task), max_answer_tokens(task)
+    return [_checked_problem(task, p, prompt_tokens, answer_tokens, "warm_start_problems") for p in chosen]
+
+
+def _checked_problem(task: Task, problem: Any, prompt_tokens: int, answer_tokens: int,
+                     method: str = "sample") -> Problem:
+    """``problem`` if ``task.method`` (``sample``, ``warm_start_problems``) returned a Problem of strings the task's
+    vocabulary spells, within the task's own bounds (``max_prompt_tokens``, ``max_answer_tokens``): the run was
+    sized by them (``check_lengths``), so a longer prompt would fail in the model as if ``model.max_seq_len`` were
+    wrong, and a longer target would be cut off by ``rollout.max_new_tokens`` and score 0 by construction."""
+    where = _task_code(task, method)
     if not (isinstance(problem, Problem) and isinstance(problem.prompt, str) and isinstance(problem.answer, str)
             and isinstance(problem.worked, (str, type(None)))):
-        raise ValueError(f"{where} returned {show_value(problem)}, not a Problem of strings "
-                         f"(vexact.rl.tasks.Problem)")
+        raise _TaskCodeError(f"{where} returned {show_value(problem)}, not a Problem of strings "
+                             f"(vexact.rl.tasks.Problem)")
     try:
         prompt, target = encode_prompt(task.tokenizer, problem), encode_target(task.tokenizer, problem)
         task.tokenizer.encode(problem.answer)  # a trace task's answer is not its target
     except ValueError as e:
-        raise ValueError(f"{where} returned {show_value(problem)}: {e}") from None
+        raise _TaskCodeError(f"{where} returned {show_value(problem)}: {e}") from None
     if len(prompt) > prompt_tokens:
-        raise ValueError(f"{where} returned the prompt {show_value(problem.prompt)}, {len(prompt)} tokens with BOS: "
-                         f"more than the {prompt_tokens} (BOS, '<tag>:', input, '=') its max_input_len() allows")
+        raise _TaskCodeError(f"{where} returned the prompt {show_value(problem.prompt)}, {len(prompt)} tokens with "
+                             f"BOS: more than the {prompt_tokens} (BOS, '<tag>:', input, '=') its max_input_len() "
+                             f"allows")
     if len(target) > answer_tokens:
-        raise ValueError(f"{where} returned the target {show_value(problem.target)}, {len(target) - 1} characters: "
-                         f"more than its max_answer_len() = {answer_tokens - 1}")
+        raise _TaskCodeError(f"{where} returned the target {show_value(problem.target)}, {len(target) - 1} "
+                             f"characters: more than its max_answer_len() = {answer_tokens - 1}")
     return problem
 
 

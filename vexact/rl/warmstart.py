@@ -24,7 +24,16 @@ from ..registry import mounts
 from .config import config_hash
 from .config_schema import DEFAULT_WARMSTART_CACHE, RunConfig
 from .optim import ExactAdamW, clip_gradients_
-from .tasks import Problem, Task, encode_prompt, encode_target, task_of, training_problems
+from .tasks import (
+    Problem,
+    Task,
+    encode_prompt,
+    encode_target,
+    task_free_span,
+    task_of,
+    task_warm_start_problems,
+    training_problems,
+)
 
 WARM_START_SEED_OFFSET = 1_000_003  # keeps warm-start data apart from the RL prompt stream
 CACHE_VERSION = 4  # bump whenever kernel numerics change: warm-start weights are bitwise products of them
@@ -74,9 +83,9 @@ def task_data_fingerprint(cfg: RunConfig) -> str:
     task = task_of(cfg)
     digest = hashlib.sha256()
     for problem in _batch(cfg, task, 0):
-        span = task.free_span(problem) if cfg.warm_start.free_weight is not None else None
-        digest.update(repr((encode_prompt(task.tokenizer, problem), encode_target(task.tokenizer, problem),
-                            span)).encode())
+        target = encode_target(task.tokenizer, problem)
+        span = task_free_span(task, problem, len(target)) if cfg.warm_start.free_weight is not None else None
+        digest.update(repr((encode_prompt(task.tokenizer, problem), target, span)).encode())
     cls = type(task)
     return f"{cls.__module__}:{cls.__qualname__}:{digest.hexdigest()}"
 
@@ -85,7 +94,7 @@ def _batch(cfg: RunConfig, task: Task, step: int) -> list[Problem]:
     """The warm start's examples at ``step``."""
     ws = cfg.warm_start
     problems = training_problems(task, ws.batch_size, cfg.policy_seed + WARM_START_SEED_OFFSET, step)
-    return task.warm_start_problems(problems, ws, step * ws.batch_size, ws.steps * ws.batch_size)
+    return task_warm_start_problems(task, problems, ws, step * ws.batch_size, ws.steps * ws.batch_size)
 
 
 def _reward_only(mount: Any) -> bool:
@@ -153,7 +162,7 @@ def free_token_weights(task: Task, problem: Problem, target_tokens: int, free_we
     """Per-token loss weights of one warm-start target: 1 for every token the reward reads, and ``free_weight``
     shared equally by the free span (``task.free_span``), so that span weighs the same whatever its length."""
     weights = torch.ones(target_tokens)
-    span = task.free_span(problem)
+    span = task_free_span(task, problem, target_tokens)
     if span is not None and span[1] > span[0]:
         weights[span[0]:span[1]] = free_weight / (span[1] - span[0])
     return weights
