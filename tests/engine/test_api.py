@@ -124,6 +124,40 @@ def test_forward_bad_tokens_is_one_clear_error(tokens, message):
         tiny_model()(tokens)
 
 
+def test_forward_q_start_outside_the_cache_or_without_one_is_one_clear_error():
+    """``q_start`` without a cache gave a non-causal output (every query saw every key before its start: no error); a
+    start past the cache or ``max_seq_len``, or a float one, an IndexError from deep inside."""
+    model = tiny_model()
+    tokens, later = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 9]])
+    start = torch.tensor([5])
+    with pytest.raises(ValueError, match=r"^Transformer.forward: q_start without a cache must be all 0 \(the tokens "):
+        model(tokens, q_start=start)
+    assert torch.equal(model(tokens, q_start=torch.tensor([0]))[:, 0], model(later)[:, 0])  # all 0: causal, allowed
+    top = model.config.max_seq_len
+    cases = [
+        (dict(q_start=torch.tensor([top - 1]), cache=model.new_cache(1, top)),
+         rf"puts 3 tokens at positions up to {top + 1} \(from {top - 1}\), outside the cache's {top} positions"),
+        (dict(q_start=torch.tensor([1]), cache=model.new_cache(1, 2)), r"outside the cache's 2 positions"),
+        (dict(q_start=torch.tensor([-1]), cache=model.new_cache(1, top)), r"\(from -1\)"),
+        (dict(q_start=torch.tensor([0.0]), cache=model.new_cache(1, top)),
+         r"q_start must be an integer tensor \[1\] \(one start position per row\), got torch.float32 \[1\]"),
+        (dict(q_start=torch.tensor([0, 0]), cache=model.new_cache(2, top)), r"must be an integer tensor \[1\]"),
+        (dict(q_start=torch.tensor([0, 0]), cache=model.new_cache(1, top)), r"must be an integer tensor \[1\]"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model(tokens, **kwargs)
+    with pytest.raises(ValueError, match=r"the cache holds 1 rows, the tokens 2"):
+        model(torch.tensor([[1], [2]]), q_start=torch.tensor([0, 0]), cache=model.new_cache(1, top))
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "hpu"])
+def test_a_device_vexact_does_not_compute_on_is_one_clear_error(device):
+    """mps failed inside torch's allocator (NotImplementedError), xpu with an AssertionError."""
+    with pytest.raises(ValueError, match=rf"^device '{device}' is not supported: the models compute on cpu or cuda"):
+        Transformer(tiny_model().config, device=device)
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -198,6 +232,11 @@ def test_numpy_token_ids_are_the_list_of_ints_they_hold():
     for prompts in ([np.array([1, 2]), np.array([3], dtype=np.int32)], [list(np.array([1, 2])), [np.int64(3)]]):
         got = generate(model, prompts, max_new_tokens=3)
         assert got.tokens == want.tokens and all(torch.equal(a, b) for a, b in zip(got.logprobs, want.logprobs))
+    for call, name, shape in ((lambda: generate(model, np.array([[1, 2]]), max_new_tokens=2), "prompts", "(1, 2)"),
+                              (lambda: token_logprobs(model, [[1]], np.array([[2]])), "responses", "(1, 1)")):
+        with pytest.raises(ValueError) as err:  # (was: "must be a non-empty list", of a non-empty array)
+            call()
+        assert str(err.value) == f"{name} must be a list of lists of ints, got a numpy array of shape {shape}"
     with pytest.raises(ValueError, match=r"^prompts\[0\] must be a list of ints, got a float \(1.5\)$"):
         generate(model, [np.array([1.5])])
 

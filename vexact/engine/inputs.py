@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 
 def _token_ids(seq: object) -> object:
     """A 1-D tensor's or numpy array's ids as a list, numpy integers as ints; anything else as it is (then judged)."""
-    import numpy as np
 
     if isinstance(seq, np.ndarray) and seq.ndim == 1:  # its items judged as a list's
         return seq.tolist()
@@ -23,10 +23,13 @@ def _token_ids(seq: object) -> object:
 def check_token_lists(name: str, seqs: object, vocab_size: int, allow_empty_items: bool = False) -> list[list[int]]:
     """Validate a list of token-id lists (each a list of ints, a 1-D tensor or a 1-D integer numpy array); one clear
     ValueError naming the problem."""
-    if isinstance(seqs, Tensor):
-        raise ValueError(f"{name} must be a list of lists of ints, got a tensor of shape {tuple(seqs.shape)}")
-    if not isinstance(seqs, (list, tuple)) or len(seqs) == 0:
-        raise ValueError(f"{name} must be a non-empty list of token-id lists")
+    if isinstance(seqs, (Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(seqs, Tensor) else "numpy array"
+        raise ValueError(f"{name} must be a list of lists of ints, got a {kind} of shape {tuple(seqs.shape)}")
+    if not isinstance(seqs, (list, tuple)):
+        raise ValueError(f"{name} must be a non-empty list of token-id lists, got a {type(seqs).__name__}")
+    if len(seqs) == 0:
+        raise ValueError(f"{name} must be a non-empty list of token-id lists, got an empty one")
     out = []
     for i, seq in enumerate(seqs):
         if isinstance(seq, Tensor):

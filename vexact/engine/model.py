@@ -384,6 +384,34 @@ class KVCache:
         return self.keys[0].shape[1]
 
 
+def _check_q_start(q_start: object, cache: KVCache | None, batch: int, length: int, max_seq_len: int) -> None:
+    """``Transformer.forward``'s ``q_start``: an integer tensor [B]; with a cache, the positions it starts at fit the
+    cache and ``max_seq_len`` (checked on the CPU only: on a GPU the check would wait for the device at every decode
+    step, and a captured decode graph may not wait at all); without a cache the tokens are the whole sequence, so it
+    starts at 0 (else each query would see keys past its own position: no error, a non-causal output)."""
+    where = "Transformer.forward: q_start"
+    if not isinstance(q_start, Tensor) or q_start.dtype not in (torch.int64, torch.int32) \
+            or tuple(q_start.shape) != (batch,):
+        got = f"{q_start.dtype} {list(q_start.shape)}" if isinstance(q_start, Tensor) else type(q_start).__name__
+        raise ValueError(f"{where} must be an integer tensor [{batch}] (one start position per row), got {got}")
+    if cache is None:
+        if q_start.device.type == "cpu" and bool(q_start.any()):
+            raise ValueError(f"{where} without a cache must be all 0 (the tokens are the whole sequence, from "
+                             f"position 0); pass a cache (new_cache) to continue sequences from later positions")
+        return
+    rows = cache.keys[0].shape[0] if cache.keys else batch
+    if rows < batch:
+        raise ValueError(f"Transformer.forward: the cache holds {rows} rows, the tokens {batch} (tokens "
+                         f"{[batch, length]})")
+    if q_start.device.type == "cpu" and batch:
+        first, last = int(q_start.min()), int(q_start.max()) + length
+        room = min(cache.length, max_seq_len)
+        if first < 0 or last > room:
+            raise ValueError(f"{where} puts {length} tokens at positions up to {last - 1} (from {first}), outside "
+                             f"the cache's {cache.length} positions and max_seq_len {max_seq_len}: positions must "
+                             f"lie in [0, {room})")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -477,6 +505,8 @@ class Transformer(nn.Module):
             raise ValueError(f"device must be a torch.device or a name such as cpu, cuda, cuda:1, got {device!r}"
                              ) from None
         check_seed(init_seed, "init_seed", none_means="no initialisation")
+        if device.type not in ("cpu", "cuda", "meta"):  # torch's own error comes from deep inside, or is an assert
+            raise ValueError(f"device {str(device)!r} is not supported: the models compute on cpu or cuda (cuda:N)")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r} needs CUDA, but torch.cuda.is_available() is False here")
         check_fits_on(config, device)  # before allocating: an absurd size is one error, not an allocator's
@@ -569,6 +599,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"Transformer.forward: {length} tokens from position 0 exceed max_seq_len "
                                  f"({c.max_seq_len}) (tokens {list(tokens.shape)})")
             q_start = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+        else:
+            _check_q_start(q_start, cache, batch, length, c.max_seq_len)
         positions = q_start[:, None] + torch.arange(length, device=tokens.device)[None, :]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         batch_index = torch.arange(batch, device=tokens.device)[:, None]
