@@ -523,7 +523,8 @@ def _run_config(tmp_path, name: str, **warm_start) -> str:
     ("free_span", lambda: (0, 99), "returned (0, 99) for the target"),
     ("warm_start_problems", _boom, "raised ZeroDivisionError: boom"),
     ("use_settings", _boom, "raised ZeroDivisionError: boom"),
-], ids=["reward", "final_answer", "free_span", "warm_start_problems", "use_settings"])
+    ("__init__", _boom, "raised ZeroDivisionError: boom"),
+], ids=["reward", "final_answer", "free_span", "warm_start_problems", "use_settings", "init"])
 def test_the_cli_prints_a_bad_hook_as_one_error_line(tmp_path, capsys, method, behaviour, problem):
     """What a user sees from ``vexact run``: exit code 2 and one error line naming the plugin's class and method
     (a traceback from collect, warmstart or torch.tensor before)."""
@@ -540,7 +541,7 @@ def test_the_cli_prints_a_bad_hook_as_one_error_line(tmp_path, capsys, method, b
         TASKS.remove(cls.name)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{_code(cls, method)} {problem}" in err, err
-    if method == "use_settings":  # read when the config is loaded: a config error at the task
+    if method in ("use_settings", "__init__"):  # run when the config is loaded: a config error at the task
         assert err.startswith("error: config error at 'task': ")
 
 

@@ -368,7 +368,14 @@ def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = Fals
     ``distractors`` > 0 gives it a vocabulary tail of that many tokens (``vexact.rl.vocab_tail``)."""
     if name not in TASKS:
         raise ValueError(TASKS.unknown(name))
-    task = TASKS[name](min_len, max_len, partial_credit)
+    cls = TASKS[name]
+    try:
+        task = cls(min_len, max_len, partial_credit)
+    except ValueError:
+        raise  # (the lengths' own checks: the config's values are what is wrong, and the message says which)
+    except Exception as e:  # a plugin's constructor: named as its other methods are (_call_task)
+        raise _TaskCodeError(f"task {name!r} ({cls.__module__}.{cls.__qualname__}.__init__) raised "
+                             f"{type(e).__name__}: {e}") from e
     if distractors:
         task.tokenizer = tokenizer_for(distractors)
     return task
