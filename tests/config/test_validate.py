@@ -83,6 +83,21 @@ def test_an_alias_bomb_is_one_error_before_any_value_is_expanded(tmp_path, key):
         load_sweep_spec(path)
 
 
+def test_an_integer_past_pythons_digit_limit_is_one_error_naming_the_file_and_line(tmp_path):
+    """Python reads at most ``sys.get_int_max_str_digits()`` digits (4,300): a longer integer was a ValueError naming
+    neither the file nor the place. The integers YAML reads otherwise are as before."""
+    import sys
+
+    path = tmp_path / "big.yaml"
+    path.write_text("name: big\nseed: " + "1" * (sys.get_int_max_str_digits() + 1) + "\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML in config file '.*big.yaml': an integer of 4,301 characters: "
+                                          r"more digits than Python reads \(4,300\); no config value needs one "
+                                          r"\(line 2, column 7\)$"):
+        run_config.load_config(path)
+    assert parse_yaml("a: 0x1f\nb: -12\nc: 1_000\nd: 0o17\ne: " + "9" * 4300) == {
+        "a": 31, "b": -12, "c": 1000, "d": 15, "e": int("9" * 4300)}
+
+
 def test_aliases_within_the_budget_still_work_and_a_self_reference_is_refused():
     assert parse_yaml("a: &a [1, 2]\nb: [*a, *a]\nc: {k: *a}") == {"a": [1, 2], "b": [[1, 2], [1, 2]],
                                                                       "c": {"k": [1, 2]}}

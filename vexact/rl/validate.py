@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -131,6 +132,20 @@ class UniqueKeyLoader(yaml.SafeLoader):
                                                             key_node.start_mark)
                 seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+def _construct_int(loader: UniqueKeyLoader, node: yaml.ScalarNode) -> int:
+    """YAML's int, where Python can read it: past ``sys.get_int_max_str_digits()`` digits (4,300 by default) Python's
+    own limit raised a ValueError naming neither the value nor its place."""
+    try:
+        return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(node.value):,} characters: more digits than Python reads "
+            f"({sys.get_int_max_str_digits():,}); no config value needs one", node.start_mark) from None
+
+
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def _check_expansion(root: yaml.Node) -> None:
