@@ -94,7 +94,7 @@ def test_an_integer_past_pythons_digit_limit_is_one_error_naming_the_file_and_li
                                           r"more digits than Python reads \(4,300\); no config value needs one "
                                           r"\(line 2, column 7\)$"):
         run_config.load_config(path)
-    assert parse_yaml("a: 0x1f\nb: -12\nc: 1_000\nd: 0o17\ne: " + "9" * 4300) == {
+    assert parse_yaml("a: 0x1f\nb: -12\nc: 1_000\nd: 017\ne: " + "9" * 4300) == {
         "a": 31, "b": -12, "c": 1000, "d": 15, "e": int("9" * 4300)}
 
 
