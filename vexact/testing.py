@@ -522,7 +522,7 @@ def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = 
     from .engine.model import Transformer
     from .real.hf_config import model_config_from_hf
     from .real.op_plan import KINDS, capture, op_plan
-    from .real.sites import SiteSpec, capture_hf, make_sites
+    from .real.sites import SiteSpec, capture_hf, make_sites, weights_digest
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -543,8 +543,9 @@ def record_sites(model: Any, sequences: Sequence[Sequence[int]], *, kind: str = 
     else:
         raise ValueError(f"record_sites needs a vexact Transformer or a transformers causal LM, got "
                          f"{type(model).__name__}")
-    return make_sites(name or label, specs, store, rows, tokens=seqs, prompt_lengths=[len(s) for s in seqs],
-                      prefill=prefills, model=type(model).__name__, config=config.to_dict())
+    return make_sites(name or label, specs, store, rows, weights=weights_digest(model.named_parameters()),
+                      tokens=seqs, prompt_lengths=[len(s) for s in seqs], prefill=prefills,
+                      model=type(model).__name__, config=config.to_dict())
 
 
 def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], *, dtype: str = "bf16",
@@ -558,10 +559,11 @@ def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], 
     when vLLM is not installed (naming the pip line) or cannot run the model."""
     from pathlib import Path
 
-    from .real.hf_checkpoint import read_checkpoint_config
+    from .engine.model import resolve_dtype
+    from .real.hf_checkpoint import read_checkpoint, read_checkpoint_config
     from .real.hf_config import model_config_from_hf
     from .real.op_plan import KINDS, op_plan
-    from .real.sites import SiteSpec, make_sites, site_recorder
+    from .real.sites import SiteSpec, make_sites, site_recorder, weights_digest
 
     record_vllm = site_recorder("vllm")  # vexact.integrations.vllm_sites, registered through the entry points
 
@@ -573,10 +575,13 @@ def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], 
     ran, specs, store = record_vllm(Path(model_dir), dtype, kind, seqs, max_new_tokens=max_new_tokens,
                                     temperature=temperature, seed=seed, timeout_s=timeout_s)
     rows = [(b, p) for b, s in enumerate(ran) for p in range(len(s))]
+    # what vLLM holds: the checkpoint's tensors cast to dtype, as its loader casts them (copy_)
+    held = resolve_dtype(dtype)
+    weights = weights_digest((n, t.to(held)) for n, t in read_checkpoint(Path(model_dir)).tensors.items())
     return make_sites(f"vllm {dtype}:{kind}", [SiteSpec(s["name"], s["group"], s["module"], s["recorded"],
                                                         tuple(s["feature_shape"])) for s in specs], store, rows,
-                      tokens=ran, prompt_lengths=[len(s) for s in seqs], prefill=[len(s) for s in seqs],
-                      model=str(model_dir), config=config.to_dict())
+                      weights=weights, tokens=ran, prompt_lengths=[len(s) for s in seqs],
+                      prefill=[len(s) for s in seqs], model=str(model_dir), config=config.to_dict())
 
 
 def _as_sites(x: Any, name: str) -> Sites:
@@ -594,7 +599,8 @@ def _as_sites(x: Any, name: str) -> Sites:
                      f"got {type(x).__name__}")
 
 
-def assert_sites_equal(a: Any, b: Any, *, names: tuple[str, str] = ("engine", "trainer")) -> None:
+def assert_sites_equal(a: Any, b: Any, *, names: tuple[str, str] = ("engine", "trainer"),
+                       allow_different_weights: bool = False) -> None:
     """Assert that two forwards are bitwise equal at every site both record; return None if they are.
 
     ``a`` and ``b``: each a ``record_sites`` recording, the directory of a ``vexact locate --dump`` (with tensors
@@ -603,13 +609,15 @@ def assert_sites_equal(a: Any, b: Any, *, names: tuple[str, str] = ("engine", "t
 
     Raises AssertionError when any site differs: the first divergent site in forward order (sequence, position,
     feature, both values and their bits), then every shared site with its positions differing and max |Δ|.
-    Raises ValueError when the two ran different models or token sequences, or share no site."""
+    Raises ValueError when the two ran different models or token sequences, or share no site; or different
+    weights (their weights digests differ: ``vexact.real.sites.weights_digest``) unless ``allow_different_weights``
+    -- such models differ from the first layer on."""
     __tracebackhide__ = True
     from .real.locate import compare_sites
-    from .real.locate_report import verdict
+    from .real.locate_report import verdict, weights_line
 
     sa, sb = _as_sites(a, names[0]), _as_sites(b, names[1])
-    result = compare_sites(sa, sb)
+    result = compare_sites(sa, sb, allow_different_weights)
     if not result["diverged"]:
         return
     summary = {**result, "a": f"{names[0]} {sa.path}", "b": f"{names[1]} {sb.path}", "positions": len(sa.rows)}
@@ -617,6 +625,7 @@ def assert_sites_equal(a: Any, b: Any, *, names: tuple[str, str] = ("engine", "t
     width = max(len(row["name"]) for row in result["ops"])
     lines = [f"sites are not bitwise equal: {differing} of {len(result['ops'])} shared sites differ "
              f"({summary['a']} vs {summary['b']}, {len(sa.rows)} positions)", verdict(summary),
+             *([weights_line(summary)] if result["weights"]["same"] is not True else []),
              "site by site (positions differing, max |Δ|):"]
     for row in result["ops"]:
         count = "-" if row["positions_differing"] is None else row["positions_differing"]

@@ -169,7 +169,8 @@ def test_a_forward_the_plan_does_not_describe_fails_loudly(plan_config, model_co
 
 SUMMARY_KEYS = {"a", "b", "model", "config", "tokens", "prompt_lengths", "prefill", "positions", "max_new_tokens",
                 "temperature", "seed", "threads", "diverged", "first_divergence", "ops", "layers", "seconds",
-                "compared_by", "sites_only_in_a", "sites_only_in_b"}
+                "compared_by", "sites_only_in_a", "sites_only_in_b", "weights"}
+WEIGHTS_KEYS = {"same", "dtype", "a", "b", "note"}
 OP_KEYS = {"index", "name", "group", "kernel_op", "recorded", "features", "elements", "elements_differing",
            "positions_differing", "bitwise_equal", "abs_diff_max", "abs_diff_mean", "rel_diff_max", "max_at"}
 FIRST_KEYS = {"op", "index", "group", "sequence", "position", "feature", "feature_index", "a", "b", "a_bits",
@@ -185,6 +186,7 @@ def test_cli_json_png_and_exit_codes(tmp_path, capsys):
     assert "no divergence: all 33 compared sites bitwise equal" in capsys.readouterr().out
     report = json.loads(out_json.read_text())
     assert set(report) == SUMMARY_KEYS and report["first_divergence"] is None
+    assert set(report["weights"]) == WEIGHTS_KEYS and report["weights"]["same"] is True  # one model, both paths
     assert all(set(row) == OP_KEYS for row in report["ops"]) and all(set(r) == LAYER_KEYS for r in report["layers"])
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

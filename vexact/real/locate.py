@@ -54,9 +54,18 @@ per sequence and position), ``max_new_tokens``, ``temperature``, ``seed``, ``thr
 ``head`` -- ``group``, ``ops``, ``ops_differing``, ``abs_diff_max``, ``output``, ``output_abs_diff_max``,
 ``output_abs_diff_mean``), ``compared_by`` (``bits``; ``hash`` for a dump without tensors: then the |Δ| and count
 fields of a differing site are None and ``first_divergence`` names the site only), ``sites_only_in_a``,
-``sites_only_in_b`` and ``seconds``; ``first_divergence`` also has ``by`` (``bits`` or ``hash``). With ``hash``,
+``sites_only_in_b``, ``weights`` (``sites.compare_weights``: ``same`` -- true, false, or null where it could not be
+checked, ``note`` says why --, ``dtype``, ``a``, ``b``: the weights digest compared) and ``seconds``;
+``first_divergence`` also has ``by`` (``bits`` or ``hash``). With ``hash``,
 each ``ops`` row has ``a_sha256`` and ``b_sha256`` (``sites.site_hash``); comparing dumps adds ``dumps``
 (each side's directory).
+
+**Weights.** Every recording keeps a digest of the weights it ran (``sites.weights_digest``: float32 weights also
+rounded to bfloat16, so a bf16 engine and an fp32 trainer of one checkpoint compare). Two recordings whose digests
+differ are refused (``sites.different_weights_error``, naming both digests and both dumps) unless
+``allow_different_weights``: another checkpoint, or a model after an optimizer step, differs from the first layer
+on, and the report would blame that layer. A dump without a digest (written before it was recorded, or by another
+tool) is compared as before, and the report says the weights could not be checked.
 """
 
 from __future__ import annotations
@@ -107,9 +116,12 @@ from .sites import (
     SiteSpec,
     capture_hf,
     check_comparable,
+    compare_weights,
+    different_weights_error,
     is_dump,
     make_sites,
     read_dump,
+    weights_digest,
     write_dump,
 )
 
@@ -208,7 +220,8 @@ class LocateSettings:
     """Everything ``run_locate`` needs; the CLI fills it from its flags. ``model`` None = a random model of
     ``random_model`` (RANDOM_MODEL's keys plus qk_norm, qkv_bias, tie_embeddings) seeded with ``seed``.
     ``a`` / ``b`` may name dump directories (compared without running anything); ``dump`` records path a only
-    and writes it there (tensors too unless ``hash``); ``tokens_from`` runs the sequences of an earlier dump.
+    and writes it there (tensors too unless ``hash``); ``tokens_from`` runs the sequences of an earlier dump;
+    ``allow_different_weights`` compares recordings whose weights digests differ (refused otherwise).
     ``max_prompt_len``, ``max_new_tokens``, ``temperature``, ``seed`` and ``device`` None: RUN_DEFAULTS' value;
     ``threads`` None: torch's count."""
 
@@ -231,6 +244,7 @@ class LocateSettings:
     hash: bool = False
     dump: Path | None = None
     tokens_from: Path | None = None
+    allow_different_weights: bool = False
 
 
 class _Models:
@@ -241,6 +255,7 @@ class _Models:
         self.settings, self.max_seq_len = settings, max_seq_len
         self._checkpoint = read_checkpoint(settings.model, max_seq_len) if settings.model is not None else None
         self._built: dict[tuple[str, torch.dtype], Any] = {}
+        self._digests: dict[int, dict[str, Any]] = {}  # id(model) -> its weights_digest: once per model
         self._exported: Any = None  # the random model as a checkpoint directory (vllm paths)
         self.device = resolve_device(settings.device, "--device")
 
@@ -254,6 +269,12 @@ class _Models:
                                     init_seed=self.settings.seed)
             self._built["vexact", spec.dtype] = model
         return self._built["vexact", spec.dtype]
+
+    def digest(self, model: torch.nn.Module) -> dict[str, Any]:
+        """``sites.weights_digest`` of a model built here, computed once."""
+        if id(model) not in self._digests:
+            self._digests[id(model)] = weights_digest(model.named_parameters())
+        return self._digests[id(model)]
 
     def directory(self) -> Path:
         """A checkpoint directory of the model: ``--model``, or the random model's fp32 weights exported (kept until
@@ -393,12 +414,20 @@ def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefi
                         prefill, rows)
         specs = [SiteSpec(s.name, s.group, s.kernel_op, s.recorded, s.feature_shape) for s in op_plan(model.config)]
     elif path.spec.backend == "hf":
-        specs, store = capture_hf(models.hf(path.spec), path.kind, sequences, prefill, rows)
+        model = models.hf(path.spec)
+        specs, store = capture_hf(model, path.kind, sequences, prefill, rows)
     else:  # vllm train: every sequence in one prefill, inside vLLM's worker
         _, specs, store = _vllm(path, models, sequences, run["settings"])
         store = _select_rows(store, sequences, rows)
+        model = _vllm_weights(path, models)
     run = {k: v for k, v in run.items() if k != "settings"}
-    return make_sites(path.name, specs, store, rows, **run)
+    return make_sites(path.name, specs, store, rows, weights=models.digest(model), **run)
+
+
+def _vllm_weights(path: LocatePath, models: _Models) -> Transformer:
+    """What a vllm path holds: the checkpoint it loads, cast to its dtype as vLLM's loader casts (``copy_``) -- the
+    vexact model of that dtype."""
+    return models.get(PathSpec("exact", path.spec.dtype))
 
 
 def _vllm(path: LocatePath, models: _Models, sequences: list[list[int]],
@@ -477,7 +506,7 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
     for label, path in zip("ab", paths):
         if label == "a" and pre_recorded is not None:
             recorded.append(make_sites(path.name, pre_recorded[0], _select_rows(pre_recorded[1], sequences, rows),
-                                       rows, **run))
+                                       rows, weights=models.digest(_vllm_weights(path, models)), **run))
             continue
         start = time.perf_counter()
         recorded.append(_record(path, models, sequences, prefill, rows, {**run, "settings": settings}))
@@ -487,11 +516,16 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
     return recorded, seconds
 
 
-def compare_sites(a: Sites, b: Sites) -> dict[str, Any]:
+def compare_sites(a: Sites, b: Sites, allow_different_weights: bool = False) -> dict[str, Any]:
     """Two recordings of the same model and sequences, site by site: ``ops`` rows, ``first_divergence``,
-    ``layers``, ``compared_by`` (``bits`` where both hold tensors, else ``hash``) and the sites only one side has.
-    Sites are taken in the order of the side that records more of them (vexact's op plan against an hf path)."""
+    ``layers``, ``compared_by`` (``bits`` where both hold tensors, else ``hash``), the sites only one side has and
+    ``weights`` (``sites.compare_weights``). Sites are taken in the order of the side that records more of them
+    (vexact's op plan against an hf path). Recordings whose weights digests differ are one ValueError naming both
+    (``sites.different_weights_error``) unless ``allow_different_weights``."""
     check_comparable(a, b)
+    weights = compare_weights(a, b)
+    if weights["same"] is False and not allow_different_weights:
+        raise different_weights_error(a, b, weights)
     order = a.specs if len(a.specs) >= len(b.specs) else b.specs
     spec_a, spec_b = {s.name: s for s in a.specs}, {s.name: s for s in b.specs}
     slots = []
@@ -518,7 +552,7 @@ def compare_sites(a: Sites, b: Sites) -> dict[str, Any]:
     return {"diverged": first is not None, "first_divergence": first, "ops": ops_rows,
             "layers": layer_summary(ops_rows), "compared_by": by,
             "sites_only_in_a": [n for n in a.names if n not in spec_b],
-            "sites_only_in_b": [n for n in b.names if n not in spec_a]}
+            "sites_only_in_b": [n for n in b.names if n not in spec_a], "weights": weights}
 
 
 def _compare_hashes(slots: list[OpSlot], a: Sites, b: Sites, positions: int) -> list[dict[str, Any]]:
@@ -537,7 +571,7 @@ def _compare_hashes(slots: list[OpSlot], a: Sites, b: Sites, positions: int) -> 
 
 def _summary(a: Sites, b: Sites, settings: LocateSettings | None, seconds: dict[str, float],
              dumps: bool) -> dict[str, Any]:
-    compared = compare_sites(a, b)
+    compared = compare_sites(a, b, settings is not None and settings.allow_different_weights)
     read = dumps or (settings is not None and settings.tokens_from is not None)
     if settings is not None and settings.hash:
         for row in compared["ops"]:
@@ -572,6 +606,9 @@ def run_locate(settings: LocateSettings) -> LocateResult:
         a, b = read_dump(settings.a, "--a"), read_dump(settings.b, "--b")
         summary = _summary(a, b, settings, {"read": time.perf_counter() - start}, dumps=True)
         return LocateResult(summary, a.tensors, b.tensors)
+    if settings.allow_different_weights:  # both paths run one model here: it would change nothing
+        raise ValueError("--allow-different-weights: both paths run one model here; it lets two dumps of other "
+                         "weights compare (--a DIR1 --b DIR2)")
     settings = _check_settings(settings)
     path_a = parse_locate_path(settings.a, "rollout", "--a")
     path_b = parse_locate_path(settings.b, "train", "--b")
@@ -585,6 +622,8 @@ def run_dump(settings: LocateSettings) -> Sites:
     """Record path ``a`` only and write it to ``settings.dump`` (``sites.write_dump``): tensors unless ``hash``."""
     if looks_like_dump(settings.a):
         raise ValueError(f"--dump records a path spec; --a {settings.a} names a dump directory")
+    if settings.allow_different_weights:
+        raise ValueError("--allow-different-weights: --dump records one path and compares nothing")
     settings = _check_settings(settings)
     path_a = parse_locate_path(settings.a, "rollout", "--a")
     with torch_threads(settings.threads):  # the caller's count back after the run
@@ -625,6 +664,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "dumps with --a DIR1 --b DIR2")
     parser.add_argument("--tokens-from", type=Path, default=None, metavar="DIR", help="run the sequences, prefill "
                         "and positions of an earlier dump (so that dumps of two engines or machines compare)")
+    parser.add_argument("--allow-different-weights", action="store_true", help="compare two dumps whose weights "
+                        "digests differ (another checkpoint, a model after an optimizer step): refused without it, "
+                        "since such models differ from the first layer on")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint directory from_pretrained can load")
     source.add_argument("--random", action="store_true", help="a tiny random model (the default; size flags below)")
@@ -672,7 +714,7 @@ def settings_from_args(args: argparse.Namespace) -> LocateSettings:
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           prefill=args.prefill, positions=args.positions, threads=args.threads,
                           device=getattr(args, "device", None), hash=args.hash, dump=args.dump,
-                          tokens_from=args.tokens_from)
+                          tokens_from=args.tokens_from, allow_different_weights=args.allow_different_weights)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -46,6 +46,21 @@ def verdict(summary: dict[str, Any]) -> str:
             f"{first['positions_differing']} of {s['positions']} positions differ there")
 
 
+def weights_line(summary: dict[str, Any]) -> str | None:
+    """One line on the weights: the same digest, different (compared anyway), or why they could not be checked;
+    None for a summary without ``weights``."""
+    w = summary.get("weights")
+    if w is None:
+        return None
+    if w["same"] is None:
+        return f"weights not checked: {w['note']}"
+    digest = f"sha256 of the {w['dtype']} weights {w['a'][:16]}"
+    if w["same"]:
+        return f"weights: the same ({digest})"
+    return (f"weights DIFFER ({digest} vs {w['b'][:16]}), compared anyway (--allow-different-weights): every site "
+            "from the first layer on may differ for that alone")
+
+
 def print_locate(result: LocateResult, console: Any) -> None:
     """Rich tables: |Δ| op by op (the first diverging op in red), then layer by layer; then the verdict line."""
     from rich.table import Table
@@ -80,6 +95,10 @@ def print_locate(result: LocateResult, console: Any) -> None:
         if s.get(f"sites_only_in_{side}"):
             console.print(f"not compared, only {side} has them: " + ", ".join(s[f"sites_only_in_{side}"]), markup=False,
                           highlight=False, soft_wrap=True)
+    line = weights_line(s)
+    if line is not None:
+        console.print(line, style=None if s["weights"]["same"] else "yellow", markup=False, highlight=False,
+                      soft_wrap=True)
     console.print(verdict(s), style="red" if first else "green", markup=False, highlight=False, soft_wrap=True)
 
 

@@ -25,6 +25,12 @@ module, feature shape, dtype, hash, and summary stats (``abs_max``, ``abs_mean``
 ``DIR/sites.safetensors`` (``TENSORS_FILE``) holds the site tensors themselves ([rows, features], the path's dtype)
 unless ``--hash`` asked for hashes only. Two dumps compare site by site: bit by bit with |Δ| where both hold
 tensors, by hash otherwise.
+
+**Weights.** A recording also keeps a digest of the weights it ran (``weights_digest``; the dump's ``weights``
+key, null in dumps written before it was recorded -- they read as before). Two recordings of one config but other
+weights (another checkpoint, a model after an optimizer step) differ from the first layer on, so a report would
+blame that layer for what is another model: ``compare_weights`` tells, and ``locate`` refuses unless told
+(``--allow-different-weights``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import hashlib
 import inspect
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +90,8 @@ class Sites:
     """One path's recording: ``specs`` in forward order, ``tensors`` (name -> [rows, features]; empty for a
     hash-only dump), ``hashes`` (name -> ``site_hash``), ``dtypes`` (name -> dtype name), ``stats`` (name ->
     abs_max, abs_mean, nonfinite) and what was run: ``path``, ``model``, ``config``, ``tokens``,
-    ``prompt_lengths``, ``prefill``, ``rows`` ((sequence, position) of each row)."""
+    ``prompt_lengths``, ``prefill``, ``rows`` ((sequence, position) of each row), ``weights`` (``weights_digest``
+    of the model; None where not recorded: a dump from before vexact recorded it, or from another tool)."""
 
     path: str
     specs: list[SiteSpec]
@@ -98,6 +106,7 @@ class Sites:
     model: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # the dump directory it was read from, "" when recorded in this process
+    weights: dict[str, Any] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -144,11 +153,112 @@ def site_stats(tensor: Tensor) -> dict[str, float]:
 
 
 def make_sites(path: str, specs: list[SiteSpec], tensors: dict[str, Tensor], rows: list[tuple[int, int]],
-               **run: Any) -> Sites:
-    """A ``Sites`` of recorded tensors: hashes, dtypes and stats computed here."""
+               weights: dict[str, Any] | None = None, **run: Any) -> Sites:
+    """A ``Sites`` of recorded tensors: hashes, dtypes and stats computed here; ``weights``: the model's
+    ``weights_digest``."""
     dtype_names = {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items()}
     return Sites(path, specs, tensors, {name: site_hash(t) for name, t in tensors.items()}, dtype_names,
-                 {name: site_stats(t) for name, t in tensors.items()}, rows, **run)
+                 {name: site_stats(t) for name, t in tensors.items()}, rows, **run, weights=weights)
+
+
+# --------------------------------------------------------------------------- the weights' digest
+WEIGHT_DIGEST_DTYPES = ("float32", "float16", "bfloat16")
+"""The dtypes a weights digest can be taken in, finest first: two recordings compare by the finest both hold."""
+
+
+def _digest_dtypes(held: set[str]) -> tuple[str, ...]:
+    """The dtypes a model holding ``held`` is digested in: float32 weights in float32 and rounded to bfloat16 (what a
+    bf16 engine holds of them); weights with any bfloat16 (and otherwise float32) in bfloat16; one other dtype in
+    that dtype; anything else (float16 with float32, quantized weights) in none."""
+    if held == {"float32"}:
+        return "float32", "bfloat16"
+    if held <= {"float32", "bfloat16"}:
+        return ("bfloat16",)
+    return tuple(held) if len(held) == 1 and next(iter(held)) in WEIGHT_DIGEST_DTYPES else ()
+
+
+def _tensor_sha256(tensor: Tensor, dtypes: tuple[str, ...]) -> list[str]:
+    out = []
+    for dtype in dtypes:
+        t = tensor.detach().to(getattr(torch, dtype)).to("cpu").contiguous().reshape(-1)
+        out.append(hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest())  # hashlib lets go of the GIL
+    return out
+
+
+def weights_digest(named: Iterable[tuple[str, Tensor]]) -> dict[str, Any]:
+    """A deterministic digest of a model's weights (``model.named_parameters()``, or a checkpoint's tensors):
+    ``{"held": the parameters' dtypes joined by "+", "tensors": their count, "sha256": {DTYPE: hex}}``.
+
+    Per DTYPE: sha256 over one line per tensor in name order -- its name (transformers' ``model.`` prefix dropped,
+    so a transformers model and the vexact model of its weights name theirs alike), its shape and the sha256 of its
+    bytes in DTYPE. A one-bit change to any element, a renamed or reshaped tensor changes it; the thread count
+    changes nothing (each tensor on its own, the lines joined in name order; rounding is elementwise).
+
+    **Dtypes.** An engine often holds the trainer's weights in another dtype (bf16 engine, fp32 trainer), so one
+    digest of the bytes held would call the same weights different. A model is digested in the dtypes its weights
+    can be compared in (``_digest_dtypes``): float32 weights in float32 and rounded to bfloat16 (round to nearest
+    even, as ``.to(torch.bfloat16)`` and the engines' loaders cast), bfloat16 weights in bfloat16.
+    ``compare_weights`` compares the finest both record: float32 when both hold float32 (an update below
+    bfloat16's resolution is caught), else bfloat16 -- where one side holds bfloat16 weights, weights that round
+    to the same bfloat16 run the same model there, and no digest could tell them apart. float16 is digested only
+    on its own (rounding to it can overflow and flush, so no fair float32 -> float16 digest is taken); a model
+    that mixes it, or quantized weights, records no digest and the check says it cannot tell.
+
+    **Cost.** Every byte is read once per digest dtype (float32 weights: their bytes, then half as many rounded).
+    sha256 runs at about 1.7 GB/s per core with SHA extensions. Measured on a shared 2-core AMD EPYC, one thread:
+    the ``llama100m`` preset (SmolLM2-135M's shape) 0.57 s in float32 and 0.21 s in bfloat16, ``qwen3_0_6b``
+    2.8 s and 0.87 s. At that rate a 30B model takes about 140 s in float32 (120 GB) and 45 s in bfloat16; tensors
+    are hashed in parallel on ``torch.get_num_threads()`` threads (hashlib lets go of the GIL), which divides that
+    by up to the core count where memory bandwidth allows (not measured here: two cores). Tensors on a GPU are
+    rounded there and copied to the host one at a time.
+    """
+    items = sorted(((name.removeprefix("model."), t) for name, t in named), key=lambda item: item[0])
+    held = {str(t.dtype).removeprefix("torch.") for _, t in items}
+    dtypes = _digest_dtypes(held)
+    workers = max(1, min(torch.get_num_threads(), len(items)))
+    if workers == 1:
+        per_tensor = [_tensor_sha256(t, dtypes) for _, t in items]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            per_tensor = list(pool.map(lambda t: _tensor_sha256(t, dtypes), (t for _, t in items)))
+    sha256 = {}
+    for i, dtype in enumerate(dtypes):
+        digest = hashlib.sha256(f"vexact-weights;{dtype}\n".encode())
+        for (name, t), hexes in zip(items, per_tensor):
+            digest.update(f"{name};{list(t.shape)};{hexes[i]}\n".encode())
+        sha256[dtype] = digest.hexdigest()
+    return {"held": "+".join(sorted(held)), "tensors": len(items), "sha256": sha256}
+
+
+def _where(s: Sites) -> str:
+    """How messages name a recording: its dump's manifest, or the path it ran."""
+    return str(Path(s.source) / DUMP_FILE) if s.source else f"path {s.path}"
+
+
+def compare_weights(a: Sites, b: Sites) -> dict[str, Any]:
+    """Did two recordings run the same weights? ``{"same": True, False or None (not checked), "dtype": the digest
+    compared (the finest both record, ``WEIGHT_DIGEST_DTYPES``) or None, "a" / "b": each side's sha256 of it or
+    None, "note": why it was not checked, else ""}``."""
+    unchecked = {"same": None, "dtype": None, "a": None, "b": None}
+    missing = [_where(s) for s in (a, b) if s.weights is None]
+    if missing:
+        return {**unchecked, "note": f"{' and '.join(missing)} record{'s' if len(missing) == 1 else ''} no weights "
+                                     "digest (a dump written before vexact recorded one, or by another tool)"}
+    common = [d for d in WEIGHT_DIGEST_DTYPES if d in a.weights["sha256"] and d in b.weights["sha256"]]
+    if not common:
+        return {**unchecked, "note": f"a holds {a.weights['held']} weights and b {b.weights['held']}: no digest "
+                                     "both record (see sites.weights_digest)"}
+    ha, hb = a.weights["sha256"][common[0]], b.weights["sha256"][common[0]]
+    return {"same": ha == hb, "dtype": common[0], "a": ha, "b": hb, "note": ""}
+
+
+def different_weights_error(a: Sites, b: Sites, weights: dict[str, Any]) -> ValueError:
+    """The refusal of two recordings whose weights digests differ (``compare_weights``), naming both."""
+    return ValueError(f"{_where(a)} and {_where(b)} ran different weights (sha256 of their {weights['dtype']} "
+                      f"weights: {weights['a']} vs {weights['b']}): another checkpoint, or a model after an optimizer "
+                      "step, differs from the first layer on, and the report would blame that layer for it; record "
+                      "both from the same weights, or compare them knowingly with --allow-different-weights "
+                      "(allow_different_weights=True)")
 
 
 # --------------------------------------------------------------------------- transformers' modules by hooks
@@ -303,7 +413,7 @@ def write_dump(sites: Sites, directory: Path, tensors: bool) -> Path:
         "format": DUMP_FORMAT, "version": DUMP_VERSION, "path": sites.path, "model": sites.model,
         "config": sites.config, "tokens": sites.tokens, "prompt_lengths": sites.prompt_lengths,
         "prefill": sites.prefill, "rows": [list(r) for r in sites.rows],
-        "tensors": TENSORS_FILE if tensors else None,
+        "tensors": TENSORS_FILE if tensors else None, "weights": sites.weights,
         "sites": [{"name": s.name, "group": s.group, "module": s.module, "recorded": s.recorded,
                    "feature_shape": list(s.feature_shape), "dtype": sites.dtypes[s.name],
                    "sha256": sites.hashes[s.name], **sites.stats[s.name]} for s in sites.specs]})
@@ -331,7 +441,7 @@ def read_dump(directory: str | Path, flag: str) -> Sites:
                       {s["name"]: s["dtype"] for s in data["sites"]},
                       {s["name"]: {k: s[k] for k in ("abs_max", "abs_mean", "nonfinite")} for s in data["sites"]},
                       [tuple(r) for r in data["rows"]], data["tokens"], data["prompt_lengths"], data["prefill"],
-                      data["model"], data["config"], str(directory))
+                      data["model"], data["config"], str(directory), _dump_weights(data.get("weights")))
         tensors_file = data["tensors"]
         if tensors_file is not None and not isinstance(tensors_file, str):
             raise TypeError(f"'tensors' must be a file name or null, got {tensors_file!r}")
@@ -355,8 +465,20 @@ def read_dump(directory: str | Path, flag: str) -> Sites:
     return sites
 
 
+def _dump_weights(value: Any) -> dict[str, Any] | None:
+    """A dump's ``weights``: None (absent: a dump from before it was recorded) or ``weights_digest``'s dict."""
+    if value is None:
+        return None
+    sha256 = value.get("sha256") if isinstance(value, dict) else None
+    if not (isinstance(sha256, dict) and isinstance(value.get("held"), str)
+            and all(d in WEIGHT_DIGEST_DTYPES and isinstance(h, str) for d, h in sha256.items())):
+        raise TypeError(f"'weights' must be null or a weights digest (held, sha256 per dtype), got {value!r}"[:200])
+    return value
+
+
 def check_comparable(a: Sites, b: Sites) -> None:
-    """One ValueError when two recordings ran different models or token sequences (nothing to compare)."""
+    """One ValueError when two recordings ran different models or token sequences (nothing to compare). Their
+    weights are ``compare_weights``'."""
     def where(s: Sites) -> str:
         return s.source or f"path {s.path}"
 
