@@ -576,8 +576,7 @@ def record_vllm_sites(model_dir: str | Any, sequences: Sequence[Sequence[int]], 
                                     temperature=temperature, seed=seed, timeout_s=timeout_s)
     rows = [(b, p) for b, s in enumerate(ran) for p in range(len(s))]
     # what vLLM holds: the checkpoint's tensors cast to dtype, as its loader casts them (copy_)
-    held = resolve_dtype(dtype)
-    weights = weights_digest((n, t.to(held)) for n, t in read_checkpoint(Path(model_dir)).tensors.items())
+    weights = weights_digest(read_checkpoint(Path(model_dir)).tensors.items(), held=resolve_dtype(dtype))
     return make_sites(f"vllm {dtype}:{kind}", [SiteSpec(s["name"], s["group"], s["module"], s["recorded"],
                                                         tuple(s["feature_shape"])) for s in specs], store, rows,
                       weights=weights, tokens=ran, prompt_lengths=[len(s) for s in seqs],

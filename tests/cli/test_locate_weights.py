@@ -12,6 +12,7 @@ compared and the report says the weights were not checked; ``assert_sites_equal`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +143,20 @@ def test_assert_sites_equal_refuses_other_weights():
         assert_sites_equal(engine, trainer)
     with pytest.raises(AssertionError, match="weights DIFFER"):
         assert_sites_equal(engine, trainer, allow_different_weights=True)
+
+
+def test_a_run_that_compares_its_own_paths_digests_nothing(monkeypatch):
+    """Both paths of one run load one checkpoint (or seed): the same weights by construction. Digesting them read
+    every weight (minutes at 30B) to tell nothing; the report says so instead, and a dump still digests."""
+    import vexact.real.locate as locate
+
+    def refused(named, held=None):
+        raise AssertionError("weights_digest ran in a run that compares its own paths")
+
+    monkeypatch.setattr(locate, "weights_digest", refused)
+    summary = run_locate(LocateSettings(a="exact:fp32:rollout", b="native:fp32:train", prompt_tokens=PROMPTS,
+                                        max_new_tokens=2)).summary
+    assert summary["weights"]["same"] is True and summary["weights"]["dtype"] is None
+    assert "in this run (the same weights by construction: not digested)" in summary["weights"]["note"]
+    with pytest.raises(AssertionError, match="weights_digest ran"):
+        run_dump(LocateSettings(a="exact:fp32:rollout", prompt_tokens=PROMPTS, max_new_tokens=2, dump=Path("unused")))

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,7 @@ from .op_plan import OpStructureError as OpStructureError
 from .pretrained import build_model, export_hf_checkpoint, load_tokenizer
 from .sites import (
     DUMP_FILE,
+    ONE_LOAD,
     TENSORS_FILE,
     Sites,
     SiteSpec,
@@ -270,11 +272,18 @@ class _Models:
             self._built["vexact", spec.dtype] = model
         return self._built["vexact", spec.dtype]
 
-    def digest(self, model: torch.nn.Module) -> dict[str, Any]:
-        """``sites.weights_digest`` of a model built here, computed once."""
-        if id(model) not in self._digests:
-            self._digests[id(model)] = weights_digest(model.named_parameters())
-        return self._digests[id(model)]
+    def digest(self, model: Callable[[], torch.nn.Module]) -> dict[str, Any]:
+        """``sites.weights_digest`` of a model built here, computed once, for a recording written to a dump
+        (``--dump``). A run that compares its two paths loads both from one checkpoint (or one seed): their weights
+        are the same by construction, and the digest, a read of every weight (minutes at 30B), would tell nothing:
+        ``sites.ONE_LOAD`` stands for it."""
+        if self.settings.dump is None:
+            return {ONE_LOAD: str(self.settings.model) if self.settings.model is not None
+                    else f"a random model (seed {self.settings.seed})"}
+        built = model()  # (built here only for a dump: a vllm path's weights are the vexact model of its dtype)
+        if id(built) not in self._digests:
+            self._digests[id(built)] = weights_digest(built.named_parameters())
+        return self._digests[id(built)]
 
     def directory(self) -> Path:
         """A checkpoint directory of the model: ``--model``, or the random model's fp32 weights exported (kept until
@@ -419,9 +428,9 @@ def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefi
     else:  # vllm train: every sequence in one prefill, inside vLLM's worker
         _, specs, store = _vllm(path, models, sequences, run["settings"])
         store = _select_rows(store, sequences, rows)
-        model = _vllm_weights(path, models)
     run = {k: v for k, v in run.items() if k != "settings"}
-    return make_sites(path.name, specs, store, rows, weights=models.digest(model), **run)
+    held = (lambda: model) if path.vexact or path.spec.backend == "hf" else (lambda: _vllm_weights(path, models))
+    return make_sites(path.name, specs, store, rows, weights=models.digest(held), **run)
 
 
 def _vllm_weights(path: LocatePath, models: _Models) -> Transformer:
@@ -506,7 +515,7 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
     for label, path in zip("ab", paths):
         if label == "a" and pre_recorded is not None:
             recorded.append(make_sites(path.name, pre_recorded[0], _select_rows(pre_recorded[1], sequences, rows),
-                                       rows, weights=models.digest(_vllm_weights(path, models)), **run))
+                                       rows, weights=models.digest(lambda p=path: _vllm_weights(p, models)), **run))
             continue
         start = time.perf_counter()
         recorded.append(_record(path, models, sequences, prefill, rows, {**run, "settings": settings}))

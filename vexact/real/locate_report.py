@@ -48,12 +48,14 @@ def verdict(summary: dict[str, Any]) -> str:
 
 def weights_line(summary: dict[str, Any]) -> str | None:
     """One line on the weights: the same digest, different (compared anyway), or why they could not be checked;
-    None for a summary without ``weights``."""
+    None for a summary without ``weights``, or of a run that compared its own two paths (one load: not digested)."""
     w = summary.get("weights")
     if w is None:
         return None
     if w["same"] is None:
         return f"weights not checked: {w['note']}"
+    if w["same"] and w["dtype"] is None:  # one run's two paths from one load: nothing to say (the JSON says why)
+        return None
     digest = f"sha256 of the {w['dtype']} weights {w['a'][:16]}"
     if w["same"]:
         return f"weights: the same ({digest})"

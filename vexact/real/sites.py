@@ -177,16 +177,18 @@ def _digest_dtypes(held: set[str]) -> tuple[str, ...]:
     return tuple(held) if len(held) == 1 and next(iter(held)) in WEIGHT_DIGEST_DTYPES else ()
 
 
-def _tensor_sha256(tensor: Tensor, dtypes: tuple[str, ...]) -> list[str]:
+def _tensor_sha256(tensor: Tensor, held: torch.dtype, dtypes: tuple[str, ...]) -> list[str]:
     out = []
     for dtype in dtypes:
-        t = tensor.detach().to(getattr(torch, dtype)).to("cpu").contiguous().reshape(-1)
+        t = tensor.detach().to(held).to(getattr(torch, dtype)).to("cpu").contiguous().reshape(-1)
         out.append(hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest())  # hashlib lets go of the GIL
     return out
 
 
-def weights_digest(named: Iterable[tuple[str, Tensor]]) -> dict[str, Any]:
-    """A deterministic digest of a model's weights (``model.named_parameters()``, or a checkpoint's tensors):
+def weights_digest(named: Iterable[tuple[str, Tensor]], held: torch.dtype | None = None) -> dict[str, Any]:
+    """A deterministic digest of a model's weights (``model.named_parameters()``, or a checkpoint's tensors with
+    ``held``, the dtype an engine holds them in -- it casts them as it loads them; each tensor is cast as it is
+    hashed, so no cast copy of the whole model is made):
     ``{"held": the parameters' dtypes joined by "+", "tensors": their count, "sha256": {DTYPE: hex}}``.
 
     Per DTYPE: sha256 over one line per tensor in name order -- its name (transformers' ``model.`` prefix dropped,
@@ -213,21 +215,27 @@ def weights_digest(named: Iterable[tuple[str, Tensor]]) -> dict[str, Any]:
     rounded there and copied to the host one at a time.
     """
     items = sorted(((name.removeprefix("model."), t) for name, t in named), key=lambda item: item[0])
-    held = {str(t.dtype).removeprefix("torch.") for _, t in items}
-    dtypes = _digest_dtypes(held)
+    held_as = {name: held or t.dtype for name, t in items}
+    dtypes_held = {str(d).removeprefix("torch.") for d in held_as.values()}
+    dtypes = _digest_dtypes(dtypes_held)
     workers = max(1, min(torch.get_num_threads(), len(items)))
     if workers == 1:
-        per_tensor = [_tensor_sha256(t, dtypes) for _, t in items]
+        per_tensor = [_tensor_sha256(t, held_as[name], dtypes) for name, t in items]
     else:
         with ThreadPoolExecutor(workers) as pool:
-            per_tensor = list(pool.map(lambda t: _tensor_sha256(t, dtypes), (t for _, t in items)))
+            per_tensor = list(pool.map(lambda item: _tensor_sha256(item[1], held_as[item[0]], dtypes), items))
     sha256 = {}
     for i, dtype in enumerate(dtypes):
         digest = hashlib.sha256(f"vexact-weights;{dtype}\n".encode())
         for (name, t), hexes in zip(items, per_tensor):
             digest.update(f"{name};{list(t.shape)};{hexes[i]}\n".encode())
         sha256[dtype] = digest.hexdigest()
-    return {"held": "+".join(sorted(held)), "tensors": len(items), "sha256": sha256}
+    return {"held": "+".join(sorted(dtypes_held)), "tensors": len(items), "sha256": sha256}
+
+
+ONE_LOAD = "one_load"
+"""The ``weights`` key of a recording whose run loaded both compared paths from one checkpoint (or seed), its value
+naming it: the same weights by construction, not digested (``locate.run_locate`` without ``--dump``)."""
 
 
 def _where(s: Sites) -> str:
@@ -244,6 +252,11 @@ def compare_weights(a: Sites, b: Sites) -> dict[str, Any]:
     if missing:
         return {**unchecked, "note": f"{' and '.join(missing)} record{'s' if len(missing) == 1 else ''} no weights "
                                      "digest (a dump written before vexact recorded one, or by another tool)"}
+    if ONE_LOAD in a.weights or ONE_LOAD in b.weights:
+        if a.weights == b.weights:
+            return {**unchecked, "same": True, "note": f"both paths loaded {a.weights[ONE_LOAD]} in this run (the "
+                                                       "same weights by construction: not digested)"}
+        return {**unchecked, "note": "one side was not digested (recorded by a run that compared its own paths)"}
     common = [d for d in WEIGHT_DIGEST_DTYPES if d in a.weights["sha256"] and d in b.weights["sha256"]]
     if not common:
         return {**unchecked, "note": f"a holds {a.weights['held']} weights and b {b.weights['held']}: no digest "
