@@ -158,7 +158,8 @@ def decode_one_token(model: Transformer, token: Tensor, positions: Tensor, cache
     Takes the token just sampled per row, ``token`` [B] (int64), its absolute position ``positions`` [B], the
     ``cache`` the prefill and earlier decode steps filled, the kernel ``ops`` and this forward's MoE ``routing``.
     Writes the token's keys and values at ``positions`` and returns the logits [B, V] (model dtype, unscaled)
-    for the token after it.
+    for the token after it. The positions are not checked against the cache here (``generate`` checks them where the
+    rollout starts), so a step reads no value back from its tensors.
 
     Bit-identical to the training path for the same reason as ``prefill``: it is the same
     ``Transformer.forward`` (a query length of 1 and ``q_start=positions``) and ``Transformer.logits``; the exact
@@ -166,7 +167,8 @@ def decode_one_token(model: Transformer, token: Tensor, positions: Tensor, cache
     logits do not depend on whether its context came from the cache or from the same forward, nor on the
     cache's length.
     """
-    hidden = model(token[:, None], q_start=positions, cache=cache, ops=ops, routing=routing)[:, 0]
+    hidden = model(token[:, None], q_start=positions, cache=cache, ops=ops, routing=routing,
+                   q_start_checked=True)[:, 0]  # (generate checks the positions where the rollout starts)
     return model.logits(hidden, ops)
 
 

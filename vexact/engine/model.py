@@ -384,11 +384,13 @@ class KVCache:
         return self.keys[0].shape[1]
 
 
-def _check_q_start(q_start: object, cache: KVCache | None, batch: int, length: int, max_seq_len: int) -> None:
-    """``Transformer.forward``'s ``q_start``: an integer tensor [B]; with a cache, the positions it starts at fit the
-    cache and ``max_seq_len`` (checked on the CPU only: on a GPU the check would wait for the device at every decode
-    step, and a captured decode graph may not wait at all); without a cache the tokens are the whole sequence, so it
-    starts at 0 (else each query would see keys past its own position: no error, a non-causal output)."""
+def _check_q_start(q_start: object, cache: KVCache | None, batch: int, length: int, max_seq_len: int,
+                   positions: bool) -> None:
+    """``Transformer.forward``'s ``q_start``: an integer tensor [B]; with a cache and ``positions``, the positions it
+    starts at fit the cache and ``max_seq_len`` (checked on the CPU only: on a GPU the check would wait for the
+    device at every decode step, and a captured decode graph may not wait at all); without a cache the tokens are
+    the whole sequence, so it starts at 0 (else each query would see keys past its own position: no error, a
+    non-causal output)."""
     where = "Transformer.forward: q_start"
     if not isinstance(q_start, Tensor) or q_start.dtype not in (torch.int64, torch.int32) \
             or tuple(q_start.shape) != (batch,):
@@ -403,7 +405,7 @@ def _check_q_start(q_start: object, cache: KVCache | None, batch: int, length: i
     if rows < batch:
         raise ValueError(f"Transformer.forward: the cache holds {rows} rows, the tokens {batch} (tokens "
                          f"{[batch, length]})")
-    if q_start.device.type == "cpu" and batch:
+    if positions and q_start.device.type == "cpu" and batch:
         first, last = int(q_start.min()), int(q_start.max()) + length
         room = min(cache.length, max_seq_len)
         if first < 0 or last > room:
@@ -578,7 +580,8 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ the forward
     def forward(self, tokens: Tensor, q_start: Tensor | None = None, cache: KVCache | None = None,
-                ops: KernelOps | None = None, routing: Routing | None = None) -> Tensor:
+                ops: KernelOps | None = None, routing: Routing | None = None, q_start_checked: bool = False
+                ) -> Tensor:
         """Hidden states after the final norm, [B, T, D], for ``tokens`` [B, T].
 
         Row b holds tokens at absolute positions q_start[b] .. q_start[b] + T - 1 (default
@@ -587,7 +590,9 @@ class Transformer(nn.Module):
         reads positions 0 .. own position from it (rollout path: prefill, then decode).
         Rows are independent: padding tokens in a row affect only that row's padded slots.
         ``ops``: the kernel op module to run (default ``self.ops``). ``routing``: how MoE layers route
-        (``Routing``; default: the router's top-k, nothing recorded).
+        (``Routing``; default: the router's top-k, nothing recorded). ``q_start_checked``: the caller checked
+        ``q_start``'s positions against the cache and ``max_seq_len`` already (a rollout's decode steps: ``generate``
+        checks them where it starts), so a step reads no value back from its tensors.
         """
         ops, c = self.ops if ops is None else ops, self.config
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
@@ -600,7 +605,7 @@ class Transformer(nn.Module):
                                  f"({c.max_seq_len}) (tokens {list(tokens.shape)})")
             q_start = torch.zeros(batch, dtype=torch.long, device=tokens.device)
         else:
-            _check_q_start(q_start, cache, batch, length, c.max_seq_len)
+            _check_q_start(q_start, cache, batch, length, c.max_seq_len, positions=not q_start_checked)
         positions = q_start[:, None] + torch.arange(length, device=tokens.device)[None, :]
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         batch_index = torch.arange(batch, device=tokens.device)[:, None]
