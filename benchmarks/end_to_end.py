@@ -220,7 +220,8 @@ def decode_step_call(model: Transformer, prompts: list[list[int]], device: torch
 
     def step() -> object:
         with torch.no_grad():
-            hidden = model(token[:, None], q_start=lengths, cache=cache, ops=ops)[:, 0]
+            # (positions known in range, as generate's decode steps: nothing read back per step)
+            hidden = model(token[:, None], q_start=lengths, cache=cache, ops=ops, q_start_checked=True)[:, 0]
             return ops.token_logprobs(model.logits(hidden, ops=ops).float(), token)
     return step
 

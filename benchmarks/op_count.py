@@ -135,7 +135,8 @@ def count_decode_steps(shape_name: str, dtype_name: str) -> list[dict]:
             model(pad_right(prompts, "cpu"), cache=cache)
 
             def step(model=model, cache=cache) -> None:
-                hidden = model(token[:, None], q_start=lengths, cache=cache)[:, 0]
+                # (positions known in range, as generate's decode steps: nothing read back per step)
+                hidden = model(token[:, None], q_start=lengths, cache=cache, q_start_checked=True)[:, 0]
                 model.ops.token_logprobs(model.logits(hidden).float(), token)
             step()  # probes, layouts and caches in place before counting
             counter = _CountCalls()
