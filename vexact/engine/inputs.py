@@ -12,7 +12,6 @@ from torch import Tensor
 
 def _token_ids(seq: object) -> object:
     """A 1-D tensor's or numpy array's ids as a list, numpy integers as ints; anything else as it is (then judged)."""
-
     if isinstance(seq, np.ndarray) and seq.ndim == 1:  # its items judged as a list's
         return seq.tolist()
     if isinstance(seq, (list, tuple)) and any(isinstance(t, np.integer) for t in seq):

@@ -257,7 +257,6 @@ class _Models:
         self.settings, self.max_seq_len = settings, max_seq_len
         self._checkpoint = read_checkpoint(settings.model, max_seq_len) if settings.model is not None else None
         self._built: dict[tuple[str, torch.dtype], Any] = {}
-        self._digests: dict[int, dict[str, Any]] = {}  # id(model) -> its weights_digest: once per model
         self._exported: Any = None  # the random model as a checkpoint directory (vllm paths)
         self.device = resolve_device(settings.device, "--device")
 
@@ -273,17 +272,15 @@ class _Models:
         return self._built["vexact", spec.dtype]
 
     def digest(self, model: Callable[[], torch.nn.Module]) -> dict[str, Any]:
-        """``sites.weights_digest`` of a model built here, computed once, for a recording written to a dump
-        (``--dump``). A run that compares its two paths loads both from one checkpoint (or one seed): their weights
+        """``sites.weights_digest`` of a model built here, for a recording written to a dump (``--dump``: one path,
+        one digest). A run that compares its two paths loads both from one checkpoint (or one seed): their weights
         are the same by construction, and the digest, a read of every weight (minutes at 30B), would tell nothing:
         ``sites.ONE_LOAD`` stands for it."""
         if self.settings.dump is None:
             return {ONE_LOAD: str(self.settings.model) if self.settings.model is not None
                     else f"a random model (seed {self.settings.seed})"}
-        built = model()  # (built here only for a dump: a vllm path's weights are the vexact model of its dtype)
-        if id(built) not in self._digests:
-            self._digests[id(built)] = weights_digest(built.named_parameters())
-        return self._digests[id(built)]
+        # (built here only for a dump: a vllm path's weights are the vexact model of its dtype)
+        return weights_digest(model().named_parameters())
 
     def directory(self) -> Path:
         """A checkpoint directory of the model: ``--model``, or the random model's fp32 weights exported (kept until

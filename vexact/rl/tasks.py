@@ -52,7 +52,7 @@ import torch
 from ..engine.devices import cuda_device_count, device_kind, resolve_device
 from ..engine.model import check_fits
 from .registries import TASKS, register_run_check
-from .validate import ConfigError, show_value
+from .validate import ConfigError, show_repr, show_value
 from .vocab import BOS_ID, CHAR_VOCAB_SIZE, CHARS, EOS_ID, PAD_ID, CharTokenizer, tokenizer_for
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class Task(ABC):
         text = "".join("\0" if i in (PAD_ID, BOS_ID) else self.tokenizer._char(i) for i in ids)
         text = _call_task(self, "final_answer", text)
         if not isinstance(text, str):
-            raise _TaskCodeError(f"{_task_code(self, 'final_answer')} returned {_shown(text)}, not a str")
+            raise _TaskCodeError(f"{_task_code(self, 'final_answer')} returned {show_repr(text)}, not a str")
         if terminated and text == problem.answer:
             return 1.0
         if not self.partial_credit:
@@ -487,12 +487,6 @@ def _call_task(task: Task, method: str, *args: Any) -> Any:
         raise _TaskCodeError(f"{_task_code(task, method)} raised {type(e).__name__}: {e}") from e
 
 
-def _shown(value: Any) -> str:
-    """What a task's method returned, as Python writes it, truncated."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _length_bound(task: Task, method: str) -> int:
     value = _call_task(task, method)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -507,7 +501,7 @@ def task_reward(task: Task, problem: Problem, response_ids: Iterable[int]) -> fl
     which the run records (and the collapse check sees), not a type error."""
     value = _call_task(task, "reward", problem, response_ids)
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise _TaskCodeError(f"{_task_code(task, 'reward')} returned {_shown(value)}, not a number (float)")
+        raise _TaskCodeError(f"{_task_code(task, 'reward')} returned {show_repr(value)}, not a number (float)")
     return float(value)
 
 
@@ -521,7 +515,7 @@ def task_free_span(task: Task, problem: Problem, target_tokens: int) -> tuple[in
     if not (isinstance(span, (tuple, list)) and len(span) == 2
             and all(isinstance(i, int) and not isinstance(i, bool) for i in span)
             and 0 <= span[0] <= span[1] <= target_tokens):
-        raise _TaskCodeError(f"{_task_code(task, 'free_span')} returned {_shown(span)} for the target "
+        raise _TaskCodeError(f"{_task_code(task, 'free_span')} returned {show_repr(span)} for the target "
                              f"{show_value(problem.target)}: expected None or (start, end), ints with 0 <= start <= "
                              f"end <= {target_tokens} (its tokens, EOS included)")
     return span
@@ -534,7 +528,7 @@ def task_warm_start_problems(task: Task, problems: list[Problem], warm_start: An
     method."""
     chosen = _call_task(task, "warm_start_problems", problems, warm_start, first_index, total)
     if not isinstance(chosen, list) or len(chosen) != len(problems):
-        raise _TaskCodeError(f"{_task_code(task, 'warm_start_problems')} returned {_shown(chosen)}: expected a "
+        raise _TaskCodeError(f"{_task_code(task, 'warm_start_problems')} returned {show_repr(chosen)}: expected a "
                              f"list of {len(problems)} Problems (one per problem it was given)")
     prompt_tokens, answer_tokens = max_prompt_tokens(task), max_answer_tokens(task)
     return [_checked_problem(task, p, prompt_tokens, answer_tokens, "warm_start_problems") for p in chosen]

@@ -65,6 +65,11 @@ def show_value(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    return show_repr(value)
+
+
+def show_repr(value: Any) -> str:
+    """A value as Python writes it, truncated to 80 characters: what Python code (a plugin's) returned."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
