@@ -209,8 +209,10 @@ def test_a_cast_model_a_backend_name_as_ops_and_a_bad_init_are_one_error_naming_
         (lambda: ModelConfig.from_dict([1]), "ModelConfig.from_dict needs a dict of its field names, got list"),
     ]
     if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         cases.append((lambda: Transformer(tiny_model().config, device="cuda"),
-                      "device 'cuda' needs CUDA, but torch.cuda.is_available() is False here"))
+                      "device 'cuda' needs CUDA, but torch.cuda.is_available() is False on this machine (torch "
+                      f"{torch.__version__}, {build})"))
     for call, message in cases:
         with pytest.raises(ValueError) as err:
             call()

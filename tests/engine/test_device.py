@@ -216,3 +216,16 @@ def test_resume_across_gpus_of_one_kind(gpus):
     assert not same_device_kind("cpu", "cuda:0")
     gpus(0)
     assert same_device_kind("cpu", "auto")
+
+
+def test_transformer_refuses_a_gpu_number_past_the_last_as_resolve_device_does(gpus):
+    """One check (``devices.missing_gpu``) behind both: ``Transformer(device="cuda:2")`` on a two-GPU machine is the
+    same sentence ``--device cuda:2`` gives, not torch's invalid-device-ordinal error from the first allocation."""
+    gpus(2)
+    with pytest.raises(DeviceError) as resolved:
+        resolve_device("cuda:2")
+    with pytest.raises(ValueError) as built:
+        Transformer(ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                                intermediate_size=16, max_seq_len=8), device="cuda:2")
+    assert str(built.value) == f"device {resolved.value.problem}"
+    assert "GPU 2" in str(built.value) and "2 CUDA device(s)" in str(built.value)

@@ -57,16 +57,27 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if cuda_device_count() else "cpu")
     device = torch.device(name)
-    if device.type == "cuda":
-        count = cuda_device_count()
-        if not count:
-            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            raise DeviceError(key, f"{name!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
-                                   f"(torch {torch.__version__}, {build}); use cpu or auto")
-        if device.index is not None and device.index >= count:
-            raise DeviceError(key, f"{name!r} names GPU {device.index}, but this machine has {count} CUDA "
-                                   f"device(s): cuda:0 .. cuda:{count - 1}")
+    if (problem := missing_gpu(device)) is not None:
+        raise DeviceError(key, problem if cuda_device_count() else f"{problem}; use cpu or auto")
     return device
+
+
+def missing_gpu(device: torch.device) -> str | None:
+    """Why ``device`` cannot compute on this machine -- a CUDA device where torch sees none, or a GPU number past
+    the last -- or None. The one check behind ``resolve_device`` and ``Transformer(device=...)``."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    count = cuda_device_count()
+    if not count:
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return (f"{str(device)!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
+                f"(torch {torch.__version__}, {build})")
+    if device.index is not None and device.index >= count:
+        return (f"{str(device)!r} names GPU {device.index}, but this machine has {count} CUDA device(s): "
+                f"cuda:0 .. cuda:{count - 1}")
+    return None
 
 
 def device_kind(name: str) -> str:

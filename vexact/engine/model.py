@@ -33,6 +33,7 @@ from torch import Tensor, nn
 import vexact_kernels
 from vexact_kernels import contract, kv_rows, moe_exact
 
+from .devices import missing_gpu
 from .seeds import check_seed
 
 # A kernel op module (``vexact_kernels.get_ops(...)``) or any object with the same functions: the contract
@@ -509,8 +510,8 @@ class Transformer(nn.Module):
         check_seed(init_seed, "init_seed", none_means="no initialisation")
         if device.type not in ("cpu", "cuda", "meta"):  # torch's own error comes from deep inside, or is an assert
             raise ValueError(f"device {str(device)!r} is not supported: the models compute on cpu or cuda (cuda:N)")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r} needs CUDA, but torch.cuda.is_available() is False here")
+        if (problem := missing_gpu(device)) is not None:
+            raise ValueError(f"device {problem}")
         check_fits_on(config, device)  # before allocating: an absurd size is one error, not an allocator's
         self.config = config
         c = config
