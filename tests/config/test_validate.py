@@ -94,8 +94,28 @@ def test_an_integer_past_pythons_digit_limit_is_one_error_naming_the_file_and_li
                                           r"more digits than Python reads \(4,300\); no config value needs one "
                                           r"\(line 2, column 7\)$"):
         run_config.load_config(path)
-    assert parse_yaml("a: 0x1f\nb: -12\nc: 1_000\nd: 017\ne: " + "9" * 4300) == {
+    assert parse_yaml("a: 0x1f\nb: -12\nc: 1000\nd: 017\ne: " + "9" * 4300) == {
         "a": 31, "b": -12, "c": 1000, "d": 15, "e": int("9" * 4300)}
+
+
+def test_an_underscore_between_digits_is_text_so_a_lower_upper_band_stays_a_band(tmp_path):
+    """YAML 1.1 reads ``_`` between digits as a separator: the IcePop band ``0.5_5`` was the TIS cap 0.55 and the
+    k1 band ``1_2`` the number 12, each a different correction with no error. Without separators (as YAML 1.2 and
+    JSON) they are the strings their fields parse, and ``1_000`` where a number belongs is an error naming its key."""
+    from vexact.rl.corrections import plan_for
+
+    path = tmp_path / "band.yaml"
+    path.write_text("correction:\n  rollout_is: token\n  rollout_is_threshold: 0.5_5\n"
+                    "  rollout_rs: token_k1\n  rollout_rs_threshold: 1_2\n")
+    cfg = run_config.load_config(path)
+    assert cfg.correction.rollout_is_threshold == "0.5_5" and cfg.correction.rollout_rs_threshold == "1_2"
+    plan = plan_for(cfg.correction)
+    assert (plan.is_lower, plan.is_upper) == (0.5, 5.0)
+    assert [(r.lower, r.upper) for r in plan.reject] == [(1.0, 2.0)]
+    assert parse_yaml("a: 0.5_5\nb: 2_0.5\nc: 1_000\nd: 0.55\ne: -1.5e+3\nf: .inf") == {
+        "a": "0.5_5", "b": "2_0.5", "c": "1_000", "d": 0.55, "e": -1500.0, "f": float("inf")}
+    with pytest.raises(ConfigError, match=r"config error at 'steps': expected an integer >= 1, got '1_000'"):
+        run_config.load_config(path, ["steps=1_000"])
 
 
 def test_aliases_within_the_budget_still_work_and_a_self_reference_is_refused():

@@ -266,6 +266,9 @@ def test_bad_inputs_and_config_errors():
         config_from_dict({"correction": {"method": "icepop", "rollout_is": "token"}})
     with pytest.raises(ConfigError, match="correction.rollout_is_threshold.*lower_upper"):
         config_from_dict({"correction": {"rollout_is": "token", "rollout_is_threshold": "a_b"}})
+    for infinite in ("inf", "0.5_inf", "1e400"):  # sequence level: log(1 / inf) mid-run, after the check passed
+        with pytest.raises(ConfigError, match=r"correction.rollout_is_threshold.*must be finite"):
+            config_from_dict({"correction": {"rollout_is": "sequence", "rollout_is_threshold": infinite}})
     with pytest.raises(ConfigError, match="correction.rollout_rs.*token_k9"):
         config_from_dict({"correction": {"rollout_rs": "token_k9", "rollout_rs_threshold": 1.0}})
     with pytest.raises(ConfigError, match="correction.rollout_rs_threshold.*needs"):

@@ -252,6 +252,10 @@ def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
             raise ValueError(f"rollout_is_threshold {spec!r} is not a number or a 'lower_upper' pair") from None
     else:
         upper = float(spec)
+    if not math.isfinite(upper) or (lower is not None and not math.isfinite(lower)):
+        # "inf" passed as a string (.inf, a YAML float, is refused by the schema): a sequence-level ratio's metrics
+        # took log(1 / inf) mid-run; no cap is written by leaving rollout_is unset
+        raise ValueError(f"rollout_is_threshold: the bounds must be finite numbers, got {spec!r}")
     if not upper > 0:
         raise ValueError(f"rollout_is_threshold: the upper bound must be positive, got {upper}")
     if lower is not None and not 0 < lower <= upper:

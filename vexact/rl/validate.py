@@ -153,6 +153,20 @@ def _construct_int(loader: UniqueKeyLoader, node: yaml.ScalarNode) -> int:
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
+def _without_digit_separators(resolvers: dict[str, list]) -> dict[str, list]:
+    """YAML 1.1's implicit int and float patterns with ``_`` no longer a digit: ``0.5_5`` stays the string it reads
+    as (an IcePop band, ``correction.rollout_is_threshold``), not the number 0.55, and ``1_000`` is a string the
+    field's check names, as in YAML 1.2 and JSON. (PyYAML's patterns allow ``_`` only inside their character
+    classes, each written ``..._]``.)"""
+    numeric = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    return {first: [(tag, re.compile(rx.pattern.replace("_]", "]"), rx.flags) if tag in numeric else rx)
+                    for tag, rx in entries]
+            for first, entries in resolvers.items()}
+
+
+UniqueKeyLoader.yaml_implicit_resolvers = _without_digit_separators(yaml.SafeLoader.yaml_implicit_resolvers)
+
+
 def _check_expansion(root: yaml.Node) -> None:
     """A ComposerError if the node graph, aliases expanded, holds more than ``MAX_YAML_VALUES`` values, nests deeper
     than ``MAX_YAML_DEPTH`` or contains itself. Each shared node is walked once (its size and height memoized), so
