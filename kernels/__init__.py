@@ -33,9 +33,18 @@ if __name__ == "kernels":  # this folder found by its name through a checkout's 
         __getattr__ = not_this_library
 else:
     from . import cpu_exact, native
-    from .backends import BACKENDS, EXACT_BACKENDS, TRITON_PIP, get_ops, kernel_paths, triton_installed
+    from .backends import (
+        BACKENDS,
+        EXACT_BACKENDS,
+        TRITON_PIP,
+        bit_settings,
+        get_ops,
+        kernel_paths,
+        kernel_settings,
+        triton_installed,
+    )
     from .contract import FUSED_OP_NAMES, OP_NAMES, KernelOps
     from .weight_versions import forget_weight
 
-    __all__ = ["BACKENDS", "EXACT_BACKENDS", "FUSED_OP_NAMES", "OP_NAMES", "TRITON_PIP", "KernelOps", "forget_weight",
-               "get_ops", "kernel_paths", "triton_installed", "cpu_exact", "native"]
+    __all__ = ["BACKENDS", "EXACT_BACKENDS", "FUSED_OP_NAMES", "OP_NAMES", "TRITON_PIP", "KernelOps", "bit_settings",
+               "forget_weight", "get_ops", "kernel_paths", "kernel_settings", "triton_installed", "cpu_exact", "native"]

@@ -9,7 +9,10 @@ from types import ModuleType
 import torch
 
 from . import cpu_exact, native
+from .compiled_loops import LOOPS_ENV, MODES
+from .compiled_loops import mode_from_env as loops_mode_from_env
 from .contract import OP_NAMES
+from .host_guard import MODE_ENV, ONEDNN_ENV
 
 BACKENDS = ("exact", "native", "triton")
 EXACT_BACKENDS = ("exact", "triton")  # the backends whose rollout and training log-probs must agree bit for bit
@@ -54,6 +57,29 @@ def get_ops(backend: str, device: torch.device | str = "cpu") -> ModuleType:
     if backend == "triton" or kind == "cuda":
         return _triton()
     return cpu_exact
+
+
+def kernel_settings() -> dict[str, str]:
+    """The exact CPU kernels' process settings, as the process's guard and loops took them from the environment:
+    ``VEXACT_CPU_EXACT_PATH`` (the guard mode), ``VEXACT_CPU_ONEDNN`` and ``VEXACT_CPU_LOOPS``. A run records them
+    (``summary.json``'s ``kernel_settings``): hosts aside, they are what can give one config other bits."""
+    host = cpu_exact.HOST
+    return {MODE_ENV: host.mode, ONEDNN_ENV: "auto" if host.onednn else "off", LOOPS_ENV: loops_mode_from_env()}
+
+
+BIT_NEUTRAL_SETTINGS = {MODE_ENV: ("auto", "canonical"), ONEDNN_ENV: ("auto",), LOOPS_ENV: MODES}
+"""The values of each ``kernel_settings`` entry that compute the default's bits: ``canonical`` computes ``auto``'s
+bits by contract (it only declines faster arrangements), and the loops' modes are one computation compiled or not."""
+
+
+def bit_settings(backend: str, device_kind: str = "cpu") -> dict[str, str]:
+    """The ``kernel_settings`` that give ``backend`` other bits than the defaults on a ``device_kind`` device
+    (``cpu`` or ``cuda``): ``VEXACT_CPU_EXACT_PATH=fixed-order``, ``VEXACT_CPU_ONEDNN=off``; ``{}`` for the defaults
+    and for every backend but the exact CPU kernels. Weights cached under a key (a warm start) hold it in their key:
+    trained under one setting, they are no cold start under another."""
+    if backend != "exact" or device_kind != "cpu":
+        return {}
+    return {name: value for name, value in kernel_settings().items() if value not in BIT_NEUTRAL_SETTINGS[name]}
 
 
 def kernel_paths(backend: str, device: torch.device | str = "cpu") -> dict:

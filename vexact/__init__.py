@@ -23,6 +23,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from .version import __version__ as __version__  # written in vexact/version.py, the one place
+
 _PUBLIC = {
     "AdvantageEstimator": "vexact.rl.advantages",
     "CorrectionMethod": "vexact.rl.corrections",
@@ -54,7 +56,6 @@ __all__ = ["AdvantageEstimator", "CorrectionMethod", "GenerateOutput", "InjectMo
            "register_advantage_estimator", "register_correction_method", "register_inject_mode",
            "register_log_backend", "register_lr_schedule", "register_rollout_engine", "register_task",
            "token_logprobs"]
-__version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 if TYPE_CHECKING:
     from .engine.generation import GenerateOutput, generate

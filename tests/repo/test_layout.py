@@ -25,8 +25,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("registry", "metric_keys", "progress", "cli_base", "moved"),  # the base: registries, metric keys, progress,
-    # exit codes, old import paths
+    ("registry", "metric_keys", "progress", "cli_base", "moved", "version"),  # the base: registries, metric keys,
+    # progress, exit codes, old import paths, the version
     ("records",),
     ("engine",),
     ("rl",),

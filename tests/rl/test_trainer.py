@@ -297,6 +297,46 @@ def test_partial_credit_runs_share_the_warm_start(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.master.state_dict().values(), b.master.state_dict().values()))
 
 
+def test_a_kernel_setting_that_changes_bits_gets_its_own_warm_start_key(monkeypatch):
+    """``VEXACT_CPU_EXACT_PATH=fixed-order`` and ``VEXACT_CPU_ONEDNN=off`` train other bits than the defaults: a
+    warm start cached under the default's key, loaded by such a run, gave it other bits than its cold start (the
+    key ignored them). The settings that compute the defaults' bits (``canonical``, the loops' modes) and every
+    backend they do not touch keep the key from before."""
+    from vexact.rl.warmstart import warm_start_key
+    from vexact_kernels import cpu_exact
+
+    exact = config_from_dict({"model": {"preset": "tiny"}})
+    native = config_from_dict({"model": {"preset": "tiny"}, "backend": "native"})
+    default_exact, default_native = warm_start_key(exact), warm_start_key(native)
+    keys = {}
+    for mode, onednn in (("canonical", True), ("fixed-order", True), ("auto", False), ("fixed-order", False)):
+        monkeypatch.setattr(cpu_exact.HOST, "mode", mode)
+        monkeypatch.setattr(cpu_exact.HOST, "onednn", onednn)
+        keys[mode, onednn] = warm_start_key(exact)
+        assert warm_start_key(native) == default_native
+    assert keys["canonical", True] == default_exact
+    assert len({default_exact, keys["fixed-order", True], keys["auto", False], keys["fixed-order", False]}) == 4
+
+
+def test_a_runs_summary_names_the_settings_and_warm_start_behind_its_bits(tmp_path):
+    """Two runs of one config on one host differ only through these: the versions, the kernels' process settings
+    and the warm start they loaded; ``summary.json`` recorded none of them."""
+    import vexact_kernels
+    from vexact.rl.warmstart import warm_start_key
+    from vexact.version import __version__
+
+    cfg = config_from_dict({"threads": 1, "steps": 1, "model": {"preset": "tiny"}, "output_dir": str(tmp_path / "r"),
+                            "warm_start": {"steps": 2, "batch_size": 4, "cache_dir": str(tmp_path / "cache")},
+                            "logging": {"live": False}})
+    summary = _run(cfg)
+    assert summary["versions"] == {"vexact": __version__, "torch": torch.__version__}
+    assert summary["kernel_settings"] == vexact_kernels.kernel_settings()
+    assert set(summary["kernel_settings"]) == {"VEXACT_CPU_EXACT_PATH", "VEXACT_CPU_ONEDNN", "VEXACT_CPU_LOOPS"}
+    assert summary["warm_start_key"] == warm_start_key(cfg)
+    assert (tmp_path / "cache" / f"warmstart-{summary['warm_start_key']}.safetensors").is_file()
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["warm_start_key"] == summary["warm_start_key"]
+
+
 def _step_path(trainer: Trainer, step: int) -> list[str]:
     """The vexact/rl modules ``trainer.step(step)`` enters, in order: each call from trainer.py into another rl
     module, or from another module back into trainer.py, once per call site (a loop's later passes repeat it);

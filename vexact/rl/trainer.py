@@ -38,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -76,6 +77,7 @@ from ..records.runlog import (
     save_checkpoint,
     write_json_atomic,
 )
+from ..version import __version__
 from .advantages import compute_advantages
 from .collapse import detect_collapse
 from .collect import RolloutBatch, eval_metrics, eval_records, step_problems
@@ -95,7 +97,7 @@ from .step_metrics import step_metrics
 from .tasks import check_lengths, held_out_problems, task_of, training_problems
 from .triton_guard import check_interpreted_triton
 from .validate import ConfigError
-from .warmstart import warm_start
+from .warmstart import warm_start, warm_start_key
 
 __all__ = ["CollapseConfirmed", "RunStopped", "Trainer", "run_dir_for"]
 
@@ -648,6 +650,7 @@ class Trainer:
         summary["wall_seconds_this_session"] = round(time.perf_counter() - started, 3)
         summary["lr_schedule"] = self.schedule.summary()
         summary["host_cpu"] = host_cpu()  # which kind of host the bits came from (hosts of one kind differ)
+        summary.update(_provenance(cfg))
         summary["last_step_metrics"] = {k: v for k, v in last.items() if not k.startswith("timing/")}
         if self.injector.enabled:
             summary["inject"] = {"mode": cfg.inject.mode, "value": self.injector.value}
@@ -869,3 +872,12 @@ class _progress:
         if self.live:
             self.bar.__exit__(*exc)
         return False
+
+
+def _provenance(cfg: RunConfig) -> dict[str, Any]:
+    """What besides the config and the host gives a run its bits, for ``summary.json``: the versions, the kernels'
+    process settings (``vexact_kernels.kernel_settings``: the environment variables a rerun must repeat) and the
+    warm-start key the run started from (None without a warm start)."""
+    return {"versions": {"vexact": __version__, "torch": torch.__version__},
+            "kernel_settings": vexact_kernels.kernel_settings(),
+            "warm_start_key": warm_start_key(cfg) if cfg.warm_start.steps else None}

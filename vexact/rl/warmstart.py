@@ -16,6 +16,8 @@ from filelock import FileLock, Timeout
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
+import vexact_kernels
+
 from ..engine.devices import device_kind
 from ..engine.model import MOE_FIELDS, Transformer
 from ..engine.scoring import score_tokens
@@ -48,7 +50,8 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str) -> None:
 
 def warm_start_key(cfg: RunConfig) -> str:
     """Hash of what determines warm-start weights (not the cache location or RL settings): the config's model,
-    task and warm-start settings, and the task's data (``task_data_fingerprint``)."""
+    task and warm-start settings, the task's data (``task_data_fingerprint``), and the device kind and kernel
+    settings (``vexact_kernels.bit_settings``) where they are not the CPU's defaults."""
     plain = cfg.to_dict()
     plain["warm_start"].pop("cache_dir", None)
     plain["warm_start"].pop("seed", None)  # folded into "seed" below
@@ -66,12 +69,16 @@ def warm_start_key(cfg: RunConfig) -> str:
     if not plain["model"].get("num_experts"):
         for key in MOE_FIELDS:  # a dense model: the same key as before the MoE knobs existed
             plain["model"].pop(key, None)
-    # a GPU trains other bits than the CPU: its own entry (a CPU run's key is the one from before devices existed)
+    # a GPU trains other bits than the CPU: its own entry (a CPU run's key is the one from before devices existed);
+    # so does a kernel setting that changes bits (VEXACT_CPU_EXACT_PATH=fixed-order, VEXACT_CPU_ONEDNN=off), only
+    # where set: the defaults' key is the one from before it entered
     kind = device_kind(cfg.device)
+    settings = vexact_kernels.bit_settings(cfg.backend, kind)
     return config_hash({"version": CACHE_VERSION, "model": plain["model"], "task": plain["task"],
                         "task_data": task_data_fingerprint(cfg), "warm_start": plain["warm_start"],
                         "seed": cfg.policy_seed, "backend": cfg.backend,
-                        **({} if kind == "cpu" else {"device": kind})})[:16]
+                        **({} if kind == "cpu" else {"device": kind}),
+                        **({"kernel_settings": settings} if settings else {})})[:16]
 
 
 def task_data_fingerprint(cfg: RunConfig) -> str:
