@@ -379,6 +379,29 @@ def test_router_replay_without_recorded_routing_is_one_clear_error():
         generate(dense, [[5]], max_new_tokens=2, routing_hook=flip_hook(0.5, "near_tie", 0))
 
 
+def test_token_routing_checks_its_inputs_as_token_logprobs_does():
+    """token_routing took its inputs unchecked: one prompt with two responses gave one sequence's routing (zip
+    truncated), no prompts a range() error, an out-of-vocab id or an over-long sequence an error deep in the
+    forward. Now each is the one ValueError token_logprobs gives."""
+    model = moe_model()
+    cases = [(([[5, 6]], [[7], [8]]), {}, "got 1 prompts but 2 responses"),
+             (([], []), {}, "prompts must be a non-empty list"),
+             (([[5, 6]], [[7, 97]]), {}, r"responses\[0\]"),
+             (([[5] * 100], [[7] * 40]), {}, "exceeds max_seq_len"),
+             (([[5, 6]], [[7]]), {"micro_batch_size": 0}, "micro_batch_size must be a positive int or None")]
+    for (prompts, responses), kwargs, says in cases:
+        with pytest.raises(ValueError, match=says) as scored:
+            token_logprobs(model, prompts, responses, **kwargs)
+        with pytest.raises(ValueError, match=says) as routed:
+            token_routing(model, prompts, responses, **kwargs)
+        assert str(routed.value) == str(scored.value)
+    with pytest.raises(ValueError, match="must be a vexact Transformer"):
+        token_routing(object(), [[5, 6]], [[7]])
+    # counter-case: good inputs give one [prompt + response - 1, n_moe_layers, k] routing per sequence
+    routing = token_routing(model, [[5, 6], [9]], [[7, 8], []], micro_batch_size=1)
+    assert [tuple(r.shape) for r in routing] == [(3, 2, 2), (1, 2, 2)]
+
+
 def test_locate_refuses_an_moe_model_with_one_clear_error():
     """locate compares paths op by op along a fixed plan of calls; an MoE forward's expert calls follow the routing."""
     from vexact.real.locate import op_plan

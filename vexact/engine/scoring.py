@@ -23,11 +23,21 @@ def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list
     forward reads, as ``GenerateOutput.routing`` records them, instead of the router's own choice.
     Returns one tensor per sequence (empty for an empty response).
     """
+    prompts, responses = check_sequences(model, prompts, responses, micro_batch_size, ops)
+    temperature = check_temperature(temperature)
+    return score_tokens(model, prompts, responses, temperature, micro_batch_size, ops=ops, routing=routing)[0]
+
+
+def check_sequences(model: Transformer, prompts: object, responses: object, micro_batch_size: int | None,
+                    ops: KernelOps | None) -> tuple[list[list[int]], list[list[int]]]:
+    """The training path's inputs (``token_logprobs``, ``token_routing``): the model and ``ops`` (``check_model``),
+    ``prompts`` non-empty token-id lists, ``responses`` token-id lists (possibly empty), one response per prompt,
+    each prompt + response within ``max_seq_len``, ``micro_batch_size`` a positive int or None. One ValueError naming
+    what is wrong; else (prompts, responses) as lists of int lists."""
     check_model(model, ops)
     cfg = model.config
     prompts = check_token_lists("prompts", prompts, cfg.vocab_size)
     responses = check_token_lists("responses", responses, cfg.vocab_size, allow_empty_items=True)
-    temperature = check_temperature(temperature)
     check_batch_size("micro_batch_size", micro_batch_size)
     if len(prompts) != len(responses):
         raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
@@ -35,8 +45,7 @@ def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list
         if len(p) + len(r) > cfg.max_seq_len:
             raise ValueError(f"sequence {i}: prompt ({len(p)}) + response ({len(r)}) exceeds max_seq_len "
                              f"({cfg.max_seq_len})")
-
-    return score_tokens(model, prompts, responses, temperature, micro_batch_size, ops=ops, routing=routing)[0]
+    return prompts, responses
 
 
 def check_routing(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
@@ -108,7 +117,9 @@ def full_logprobs(model: Transformer, prompts: list[list[int]], responses: list[
 def token_routing(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
                   micro_batch_size: int | None = None, ops: KernelOps | None = None) -> list[Tensor]:
     """The experts the training path's own router chooses (MoE models): per sequence, int64 [positions read,
-    n_moe_layers, k], ascending, laid out as ``GenerateOutput.routing`` -- to compare with the rollout's routing."""
+    n_moe_layers, k], ascending, laid out as ``GenerateOutput.routing`` -- to compare with the rollout's routing.
+    Inputs as ``token_logprobs``'s (``check_sequences``)."""
+    prompts, responses = check_sequences(model, prompts, responses, micro_batch_size, ops)
     if not model.config.moe_layers:
         raise ValueError("token_routing needs an MoE model; this one has no MoE layers (ModelConfig.num_experts is 0)")
     ops = model.ops if ops is None else ops
