@@ -402,6 +402,56 @@ def test_token_routing_checks_its_inputs_as_token_logprobs_does():
     assert [tuple(r.shape) for r in routing] == [(3, 2, 2), (1, 2, 2)]
 
 
+_SHAPE = r"expected \(2, 2, 2\) \(\[B, T, k\]"
+_BAD_HOOKS = {"k + 1": (lambda ranked, k, *_: ranked[..., : k + 1], rf"has shape \(2, 2, 3\), {_SHAPE}"),
+              "k - 1": (lambda ranked, k, *_: ranked[..., : k - 1], rf"has shape \(2, 2, 1\), {_SHAPE}"),
+              "None": (lambda ranked, k, *_: None, r"is None, expected a tensor of expert ids of shape \(2, 2, 2\)"),
+              "float": (lambda ranked, k, *_: ranked[..., :k].float(), "is torch.float32; expected integer expert ids"),
+              "twice": (lambda ranked, k, *_: ranked[..., :1].expand(*ranked.shape[:-1], k), "names one expert twice"),
+              "outside": (lambda ranked, k, *_: ranked[..., :k] + 4, r"names experts outside \[0, 4\)")}
+_GOOD = torch.tensor([0, 1]).expand(2, 3, 2, 2)
+_BAD_REPLAYS = {"one MoE layer short": (_GOOD[:, :, :1], r"^Routing.replay has shape \(2, 3, 1, 2\), expected "
+                                                         r"\(2, 3, 2, 2\) \(\[B, T, n_moe_layers, k\]"),
+                "k + 1": (torch.tensor([0, 1, 2]).expand(2, 3, 2, 3), r"^Routing.replay has shape \(2, 3, 2, 3\)"),
+                "twice": (_GOOD.clone().index_fill_(2, torch.tensor([1]), 1),
+                          "^Routing.replay of MoE layer 1 names one expert twice"),
+                "outside": (_GOOD + 6, r"^Routing.replay of MoE layer 0 names experts outside \[0, 4\)")}
+
+
+@pytest.mark.parametrize("bad", _BAD_HOOKS)
+def test_a_route_hooks_experts_that_do_not_fit_are_one_clear_error(bad):
+    """The experts a routing_hook returned went in unchecked: k+1 of them was an IndexError in the expert loop, k-1 a
+    reshape error, None an AttributeError, and one expert twice at a position was run and counted twice, silently.
+    Now each is one ValueError naming the hook, its MoE layer and the shape it should return."""
+    hook, says = _BAD_HOOKS[bad]
+    with pytest.raises(ValueError, match=rf"^routing_hook's result for MoE layer 0 {says}"):
+        generate(moe_model(), [[5, 6], [9]], max_new_tokens=2, routing_hook=hook)
+
+
+@pytest.mark.parametrize("bad", _BAD_REPLAYS)
+def test_a_routing_replay_that_does_not_fit_is_one_clear_error(bad):
+    """A Routing.replay one MoE layer short was an IndexError, one of k+1 experts an IndexError in the expert loop,
+    one naming an expert twice ran silently: now one ValueError naming the replay (and its MoE layer)."""
+    replay, says = _BAD_REPLAYS[bad]
+    with pytest.raises(ValueError, match=says):
+        moe_model()(torch.tensor([[5, 6, 7], [9, 8, 7]]), routing=Routing(replay=replay))
+
+
+def test_a_route_hook_or_replay_of_the_routers_own_choice_changes_no_bit():
+    """The counter-case of the two above: the checks refuse nothing that fits and change no bit."""
+    model, prompts = moe_model(), [[5, 6], [9]]
+    plain = generate(model, prompts, max_new_tokens=4, seed=1)
+    for dtype in (torch.int64, torch.int32):
+        def top_k(ranked, k, *_, dtype=dtype):
+            return ranked[..., :k].to(dtype)
+
+        hooked = generate(model, prompts, max_new_tokens=4, seed=1, routing_hook=top_k)
+        assert hooked.tokens == plain.tokens and _equal_lists(hooked.logprobs, plain.logprobs)
+    tokens, record = torch.tensor([[5, 6, 7], [9, 8, 7]]), []
+    own = model(tokens, routing=Routing(record=record))
+    assert torch.equal(model(tokens, routing=Routing(replay=torch.stack(record, dim=2))), own)
+
+
 def test_locate_refuses_an_moe_model_with_one_clear_error():
     """locate compares paths op by op along a fixed plan of calls; an MoE forward's expert calls follow the routing."""
     from vexact.real.locate import op_plan

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import vexact_kernels
-from vexact_kernels import contract, kv_rows, moe_exact
+from vexact_kernels import checks, contract, kv_rows, moe_exact
 
 from .devices import missing_gpu
 from .seeds import check_seed
@@ -467,7 +467,9 @@ class DecoderLayer(nn.Module):
 
 RouteHook = Callable[[Tensor, int, Tensor, Tensor, int], Tensor]
 """(ranked experts [B, T, E] (best first), k, sequence ids [B], positions [B, T], MoE layer number) -> the k experts
-to use [B, T, k]: how the rollout's routing is changed on purpose (the injector's ``routing_flip``)."""
+to use [B, T, k]: how the rollout's routing is changed on purpose (the injector's ``routing_flip``). The result must
+be an int64 or int32 tensor [B, T, k] on the model's device whose ids lie in [0, E) and differ at each position;
+anything else is one ValueError naming ``routing_hook`` (the ids checked on the CPU only: ``check_expert_ids``)."""
 
 
 @dataclass(frozen=True)
@@ -485,6 +487,36 @@ class Routing:
     hook: RouteHook | None = None
     sequence_ids: Tensor | None = None
     record: list[Tensor] | None = None
+
+
+def check_expert_shape(chosen: object, what: str, want: tuple[int, ...], layout: str,
+                       dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """One ValueError naming ``what`` unless ``chosen`` is a tensor of expert ids of shape ``want`` (``layout`` says
+    what its dimensions are) and an integer dtype (one of ``dtypes`` where given). Metadata only: reads no value."""
+    if not isinstance(chosen, Tensor):
+        got = "None" if chosen is None else f"a {type(chosen).__name__}"
+        raise ValueError(f"{what} is {got}, expected a tensor of expert ids of shape {want} ({layout})")
+    if tuple(chosen.shape) != want:
+        raise ValueError(f"{what} has shape {tuple(chosen.shape)}, expected {want} ({layout})")
+    integer = not (chosen.dtype.is_floating_point or chosen.dtype.is_complex or chosen.dtype == torch.bool)
+    if not integer or (dtypes is not None and chosen.dtype not in dtypes):
+        kinds = f" ({' or '.join(checks.name_of(d) for d in dtypes)})" if dtypes else ""
+        raise ValueError(f"{what} is {chosen.dtype}; expected integer expert ids{kinds}")
+
+
+def check_expert_ids(chosen: Tensor, what: str, num_experts: int, k: int, on_device: bool = False) -> None:
+    """One ValueError naming ``what`` unless the expert ids of ``chosen`` [..., k] lie in [0, ``num_experts``) and a
+    position's k differ (a repeated expert would be counted twice). The ids of a tensor off the CPU are read only
+    with ``on_device`` (a check once per call): inside the forward the read would wait for the device at every MoE
+    layer of every decode step."""
+    if (chosen.device.type != "cpu" and not on_device) or not chosen.numel():
+        return
+    first, last = (int(bound) for bound in torch.aminmax(chosen))
+    if first < 0 or last >= num_experts:
+        raise ValueError(f"{what} names experts outside [0, {num_experts}) (ids in [{first}, {last}])")
+    ordered = chosen.sort(dim=-1).values
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise ValueError(f"{what} names one expert twice at a position (each position's {k} experts must differ)")
 
 
 class Transformer(nn.Module):
@@ -656,12 +688,22 @@ class Transformer(nn.Module):
         k = c.num_experts_per_tok
         log_probs = ops.log_softmax(ops.linear(h, block.gate.weight))  # fp32 [B, T, E]
         if routing is not None and routing.replay is not None:
+            check_expert_shape(routing.replay, "Routing.replay", (batch, length, len(c.moe_layers), k),
+                               "[B, T, n_moe_layers, k]: every MoE layer's experts at every position",
+                               checks.INDEX_DTYPES)  # what moe_exact.routing_weights takes
             chosen = routing.replay[:, :, number].to(h.device)
+            check_expert_ids(routing.replay[:, :, number], f"Routing.replay of MoE layer {number}", c.num_experts, k)
         else:
             ranked = moe_exact.rank_experts(log_probs)
             chosen = ranked[..., :k]
             if routing is not None and routing.hook is not None:
                 chosen = routing.hook(ranked, k, routing.sequence_ids, positions, number)
+                what = f"routing_hook's result for MoE layer {number}"
+                check_expert_shape(chosen, what, (batch, length, k), "[B, T, k]: the k experts of every position",
+                                   checks.INDEX_DTYPES)
+                if chosen.device != h.device:
+                    raise ValueError(f"{what} is on {chosen.device}, expected the model's device {h.device}")
+                check_expert_ids(chosen, what, c.num_experts, k)
         experts = chosen.sort(dim=-1).values  # expert-index order: the order the weights are summed and combined in
         if routing is not None and routing.record is not None:
             routing.record.append(experts)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .head import head_scores
 from .inputs import check_batch_size, check_model, check_temperature, check_token_lists, pad_right, scale_logits
-from .model import KernelOps, Routing, Transformer
+from .model import KernelOps, Routing, Transformer, check_expert_ids, check_expert_shape
 
 
 def token_logprobs(model: Transformer, prompts: list[list[int]], responses: list[list[int]],
@@ -61,20 +61,11 @@ def check_routing(model: Transformer, prompts: list[list[int]], responses: list[
     if len(routing) != len(prompts):
         raise ValueError(f"routing holds {len(routing)} sequences, expected one per prompt ({len(prompts)})")
     for i, (p, r, chosen) in enumerate(zip(prompts, responses, routing)):
-        want = (_positions_read(p, r), len(cfg.moe_layers), cfg.num_experts_per_tok)
-        if not isinstance(chosen, Tensor) or tuple(chosen.shape) != want:
-            got = tuple(chosen.shape) if isinstance(chosen, Tensor) else type(chosen).__name__
-            raise ValueError(f"routing of sequence {i} has shape {got}, expected {want} (positions read = prompt + "
-                             "response - 1, MoE layers, num_experts_per_tok)")
-        if chosen.dtype.is_floating_point or chosen.dtype.is_complex or chosen.dtype == torch.bool:
-            raise ValueError(f"routing of sequence {i} is {chosen.dtype}; expected integer expert ids (a float "
-                             "routing was truncated to other experts)")
-        if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= cfg.num_experts):
-            raise ValueError(f"routing of sequence {i} names experts outside [0, {cfg.num_experts})")
-        ordered = chosen.sort(dim=-1).values
-        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-            raise ValueError(f"routing of sequence {i} names one expert twice at a position (each position's "
-                             f"{cfg.num_experts_per_tok} experts must differ)")
+        what, k = f"routing of sequence {i}", cfg.num_experts_per_tok
+        # any integer dtype: _replay converts the ids to int64
+        check_expert_shape(chosen, what, (_positions_read(p, r), len(cfg.moe_layers), k),
+                           "positions read = prompt + response - 1, MoE layers, num_experts_per_tok")
+        check_expert_ids(chosen, what, cfg.num_experts, k, on_device=True)  # once per call, before any forward
 
 
 def _positions_read(prompt: list[int], response: list[int]) -> int:
