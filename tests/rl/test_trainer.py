@@ -337,6 +337,31 @@ def test_a_runs_summary_names_the_settings_and_warm_start_behind_its_bits(tmp_pa
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["warm_start_key"] == summary["warm_start_key"]
 
 
+def test_a_resume_under_other_bit_changing_kernel_settings_is_refused(tmp_path, monkeypatch):
+    """A run started with the defaults and resumed under ``VEXACT_CPU_EXACT_PATH=fixed-order`` continued with other
+    bits -- matching neither setting's uninterrupted run -- and its summary named only the last setting. The
+    checkpoint records ``kernel_bits``; a resume under others is one error naming both, before any step."""
+    from vexact_kernels import cpu_exact
+
+    def cfg(steps: int):
+        return config_from_dict({"threads": 1, "steps": steps, "model": {"preset": "tiny"},
+                                 "output_dir": str(tmp_path / "r"), "logging": {"live": False, "checkpoint_every": 1},
+                                 "warm_start": {"steps": 2, "batch_size": 4, "cache_dir": str(tmp_path / "cache")}})
+
+    assert _run(cfg(1))["status"] == "completed"
+    state = json.loads((latest_checkpoint(tmp_path / "r") / "trainer_state.json").read_text())
+    assert state["kernel_bits"] == {}
+    lines = len(read_metrics(tmp_path / "r" / "metrics.jsonl"))
+    monkeypatch.setattr(cpu_exact.HOST, "mode", "fixed-order")
+    with pytest.raises(ValueError, match=r"cannot resume .* under other kernel settings: its steps were computed "
+                                         r"with the defaults \(none of them set\), this process has "
+                                         r"VEXACT_CPU_EXACT_PATH=fixed-order; resume it with the same"):
+        Trainer(cfg(2), Console(quiet=True)).run(resume=True, allow_changes=("steps",))
+    assert len(read_metrics(tmp_path / "r" / "metrics.jsonl")) == lines  # refused before any step
+    monkeypatch.setattr(cpu_exact.HOST, "mode", "canonical")  # auto's bits by contract: resumes
+    assert Trainer(cfg(2), Console(quiet=True)).run(resume=True, allow_changes=("steps",))["steps_completed"] == 2
+
+
 def _step_path(trainer: Trainer, step: int) -> list[str]:
     """The vexact/rl modules ``trainer.step(step)`` enters, in order: each call from trainer.py into another rl
     module, or from another module back into trainer.py, once per call site (a loop's later passes repeat it);

@@ -48,7 +48,7 @@ import vexact_kernels
 from vexact_kernels.host_guard import host_cpu
 
 from ..cli_base import stop_signal
-from ..engine.devices import rank_device
+from ..engine.devices import device_kind, rank_device
 from ..engine.model import Transformer, resolve_dtype
 from ..metric_keys import (
     BITWISE_EQUAL_FRAC,
@@ -520,6 +520,7 @@ class Trainer:
                 return finished
             if state is not None:
                 _check_resumed_steps(cfg.steps, state["next_step"], "steps" in changes)
+                _check_resumed_kernel_bits(run_dir, state, self._kernel_bits())
             if state is None:
                 self._log(f"[yellow]no checkpoint in {run_dir}; starting from scratch[/]")
         elif holds_results(run_dir):
@@ -694,8 +695,14 @@ class Trainer:
             return
         save_checkpoint(self.run_dir, self.master, self.optimizer,
                         {"next_step": step + 1, "schedule": self.schedule.state_dict(),
-                         "inject_value": self.injector.value},
+                         "inject_value": self.injector.value,
+                         "kernel_bits": self._kernel_bits()},
                         snapshots=self._snapshot_tensors() if self.cfg.rollout.policy_lag else None)
+
+    def _kernel_bits(self) -> dict[str, str]:
+        """The kernel settings this process computes other bits under (``vexact_kernels.bit_settings``; {} for the
+        defaults): a checkpoint records them, and a resume under others is refused."""
+        return vexact_kernels.bit_settings(self.cfg.backend, device_kind(self.cfg.device))
 
     def _calibrate(self, state: dict | None) -> None:
         """Set the injector's knob from ``inject.target`` (restored from the checkpoint on resume)."""
@@ -881,3 +888,17 @@ def _provenance(cfg: RunConfig) -> dict[str, Any]:
     return {"versions": {"vexact": __version__, "torch": torch.__version__},
             "kernel_settings": vexact_kernels.kernel_settings(),
             "warm_start_key": warm_start_key(cfg) if cfg.warm_start.steps else None}
+
+
+def _check_resumed_kernel_bits(run_dir: Path, state: dict, now: dict[str, str]) -> None:
+    """A ValueError unless this process computes with the kernel settings the checkpoint's steps were computed with
+    (``kernel_bits``: ``VEXACT_CPU_EXACT_PATH=fixed-order``, ``VEXACT_CPU_ONEDNN=off``): resumed under others, the run
+    would continue with other bits than either setting's uninterrupted run, and its record would name only the
+    last. A checkpoint from before they were recorded is taken as it is."""
+    if "kernel_bits" not in state or state["kernel_bits"] == now:
+        return
+    def spell(settings: dict[str, str]) -> str:
+        return " ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "the defaults (none of them set)"
+    raise ValueError(f"cannot resume {run_dir} under other kernel settings: its steps were computed with "
+                     f"{spell(state['kernel_bits'])}, this process has {spell(now)}; resume it with the same "
+                     "environment variables, which give other bits (vexact_kernels.bit_settings)")
