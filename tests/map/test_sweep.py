@@ -268,6 +268,43 @@ def test_a_sweep_whose_steps_grew_extends_its_finished_points_bit_identically(tm
     assert len(read_metrics(grown.points[1].run_dir / "metrics.jsonl")) == 7
 
 
+def test_a_cosine_sweep_whose_steps_grew_is_refused_and_its_finished_points_kept(tmp_path):
+    """A cosine schedule spans the run's steps: a finished 3-step point "extended" to 5 steps took its first 3 steps
+    on a 3-step horizon, so its LRs differed from a 5-step run's from step 1 on, while the sweep said it gave the
+    same bits. Now the sweep is refused before anything runs, naming the point, steps and lr_schedule.kind, and the
+    finished point is left as it is; with lr_schedule.total_steps set from the start it is extended bit for bit."""
+    path = _sweep_file(tmp_path, "cos", grid={"seed": [0]})
+    data = yaml.safe_load(path.read_text())
+    data["set"].update({"lr_schedule.kind": "cosine", "optimizer.warmup_steps": 0})
+    path.write_text(yaml.safe_dump(data))
+    spec = load_sweep_spec(path)
+    run_sweep(spec, console=Console(quiet=True))
+    run_dir = spec.points[0].run_dir
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    data["set"]["steps"] = 5
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"point seed=0 cannot go on with steps 3 -> 5, but lr_schedule\.kind cosine "
+                       r"spans the run's steps \(lr_schedule\.total_steps is unset\)"):
+        run_sweep(load_sweep_spec(path), console=Console(quiet=True))
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"} == before
+
+    fixed = {**data, "name": "fixed", "output_dir": str(tmp_path / "fixed")}
+    fixed["set"] = {**data["set"], "lr_schedule.total_steps": 5, "steps": 3}
+    fixed_path = tmp_path / "fixed.yaml"
+    fixed_path.write_text(yaml.safe_dump(fixed))
+    run_sweep(load_sweep_spec(fixed_path), console=Console(quiet=True))
+    fixed["set"]["steps"] = 5  # the horizon is its own: the point is extended, as a 5-step run from the start
+    fixed_path.write_text(yaml.safe_dump(fixed))
+    grown = load_sweep_spec(fixed_path)
+    assert run_sweep(grown, console=Console(quiet=True)) == {"seed=0": "completed"}
+    fresh = {**fixed, "name": "fresh", "output_dir": str(tmp_path / "fresh")}
+    fresh_path = tmp_path / "fresh.yaml"
+    fresh_path.write_text(yaml.safe_dump(fresh))
+    long = load_sweep_spec(fresh_path)
+    run_sweep(long, console=Console(quiet=True))
+    assert _metrics(grown) == _metrics(long)
+
+
 def test_only_runs_a_round_of_the_grid_and_a_later_round_adds_the_rest(tmp_path):
     """--only KEY=V1,V2 selects points by grid value; the rest of the grid runs later into the same directory,
     the finished round is skipped, and a bad key or value is one clear error (exit code 2)."""

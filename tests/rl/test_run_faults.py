@@ -274,6 +274,22 @@ def test_resume_of_a_finished_run_is_a_no_op_and_more_steps_extend_it(tmp_path, 
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(8))
 
 
+def test_resume_with_other_steps_is_refused_where_the_lr_schedule_spans_them(tmp_path, reference):
+    """--allow-change steps on a cosine run whose horizon is its steps: the steps already taken followed the old
+    horizon, so the extended run matched no run from the start. Refused naming steps and the schedule; nothing
+    written."""
+    cfg = _cfg(tmp_path, reference, "cos", "lr_schedule.kind=cosine")
+    _run(cfg)
+    run_dir = tmp_path / "cos"
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    longer = _cfg(tmp_path, reference, "cos", "lr_schedule.kind=cosine", "steps=8")
+    with pytest.raises(ConfigError, match=r"^config error at 'steps': 6 -> 8, but lr_schedule\.kind cosine spans the "
+                       r"run's steps \(lr_schedule\.total_steps is unset\).*start a new run with steps 8"):
+        _run(longer, resume=True, allow=("steps",))
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
 @pytest.mark.parametrize("steps", [3, 4])
 def test_resume_with_steps_at_or_below_the_checkpoint_is_refused_naming_steps(tmp_path, reference, monkeypatch, steps):
     """Interrupted with its checkpoint after step 3, resumed with --allow-change steps: steps=3 ended "completed"

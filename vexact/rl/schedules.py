@@ -49,11 +49,14 @@ class ScheduleKind:
 
     A triggered kind (``triggered``) watches one metric per step (``metric(s)``) and says when it fires
     (``fired(s, key)``: the reason, or None); its decay then halves the LR every ``decay_period`` steps.
-    ``settings``: a dataclass of the kind's own options, mounted as ``lr_schedule.<field>`` keys."""
+    ``settings``: a dataclass of the kind's own options, mounted as ``lr_schedule.<field>`` keys.
+    ``spans_run``: ``decay`` reads ``s.total_steps``, which is the run's ``steps`` unless ``lr_schedule.total_steps``
+    is set; such a run's ``steps`` may not change on resume (``follows_run_steps``)."""
 
     name: ClassVar[str] = ""
     triggered: ClassVar[bool] = False
     settings: ClassVar[type | None] = None
+    spans_run: ClassVar[bool] = False
 
     def decay(self, s: LRSchedule, step: int) -> float:
         return 1.0
@@ -91,6 +94,7 @@ class Cosine(ScheduleKind):
 
     name = "cosine"
     settings = CosineSettings
+    spans_run = True
 
     def decay(self, s: LRSchedule, step: int) -> float:
         floor_ratio = s.cfg.min_lr_ratio
@@ -188,6 +192,22 @@ class MismatchTriggered(_Triggered):
 
 for _kind in (Constant(), Cosine(), Step(), LengthTriggered(), MismatchTriggered()):
     register_lr_schedule(_kind)
+
+
+def follows_run_steps(sched: LRScheduleSection) -> bool:
+    """Whether the LR at every step depends on the run's ``steps``: a kind that spans the run (``cosine``) without
+    ``lr_schedule.total_steps``. Such a run's ``steps`` cannot change on resume, nor a sweep point's be extended:
+    the steps already taken followed the old horizon, so the result would be no run from the start."""
+    return LR_SCHEDULES[sched.kind].spans_run and getattr(sched, "total_steps", None) is None
+
+
+def steps_change_problem(sched: LRScheduleSection, old: int, new: int) -> str | None:
+    """Why a run with schedule ``sched`` may not resume with ``steps`` changed from ``old`` to ``new``
+    (``follows_run_steps``), or None when it may."""
+    if old == new or not follows_run_steps(sched):
+        return None
+    return (f"{old} -> {new}, but lr_schedule.kind {sched.kind} spans the run's steps (lr_schedule.total_steps is "
+            f"unset): the LR of every step depends on steps, and the steps already taken followed a horizon of {old}")
 
 
 class LRSchedule:

@@ -91,7 +91,7 @@ from .objective import MinibatchLoss, Objective, RunStopped
 from .optim import ExactAdamW, clip_flat_gradient_
 from .registries import ROLLOUT_ENGINES
 from .rollout_engines import RolloutSession
-from .schedules import LRSchedule
+from .schedules import LRSchedule, steps_change_problem
 from .scoring import Anchors, Scorer
 from .step_metrics import step_metrics
 from .tasks import check_lengths, held_out_problems, task_of, training_problems
@@ -508,6 +508,7 @@ class Trainer:
         changes: dict = {}
         if resume:
             changes = self._resume_changes(allow_changes)
+            _check_steps_change(cfg, changes)
             state = load_checkpoint(run_dir, self.master, self.optimizer, log=self._log)
             finished = _read_summary(run_dir)
             # a run that stopped itself is finished even without a checkpoint (it stopped before the first one)
@@ -761,9 +762,10 @@ def default_threads(cfg: RunConfig) -> int:
 RESUME_SAFE_KEYS = ("steps", "threads", "logging.live", "logging.eval_every", "logging.checkpoint_every",
                     "logging.backends", "logging.wandb_project", "logging.wandb_mode", *MEMORY_KEYS)
 """Config keys ``--resume --allow-change KEY`` may change: none of them changes a step's numbers; ``steps`` extends
-or shortens the run (a cosine schedule's horizon moves). ``threads`` is one since the exact backward and the update
-are thread-count invariant too (``tests/kernels/test_backward_threads.py`` runs a whole run at 1 and 2 threads). With
-the ``native`` backend it still changes bits, as native's results depend on the batch and thread count anyway."""
+or shortens the run (refused where the LR schedule spans the run's steps: ``steps_change_problem``). ``threads`` is
+one since the exact backward and the update are thread-count invariant too (``tests/kernels/test_backward_threads.py``
+runs a whole run at 1 and 2 threads). With the ``native`` backend it still changes bits, as native's results depend
+on the batch and thread count anyway."""
 
 
 class _NoWriter:
@@ -803,6 +805,15 @@ def _check_resumed_steps(steps: int, next_step: int, steps_changed: bool) -> Non
     if steps < next_step or steps == next_step and steps_changed:
         raise ConfigError(f"{steps} ends the run at or before its checkpoint (after step {next_step - 1}; the run "
                           f"resumes at step {next_step}): give steps of at least {next_step + 1}", "steps")
+
+
+def _check_steps_change(cfg: RunConfig, changes: dict) -> None:
+    """Refuse a resume that changes ``steps`` of a run whose LR schedule spans its steps (``steps_change_problem``):
+    the run would match no run from the start."""
+    problem = "steps" in changes and steps_change_problem(cfg.lr_schedule, *changes["steps"])
+    if problem:
+        raise ConfigError(f"{problem}; start a new run with steps {changes['steps'][1]} (or set "
+                          "lr_schedule.total_steps from the start)", "steps")
 
 
 def _record_changes(run_dir: Path, step: int, changes: dict) -> None:

@@ -81,6 +81,7 @@ from ..rl.config_schema import MEMORY_KEYS, RunConfig
 from ..rl.config_spellings import KEY_ALIASES, RENAMED_KEYS
 from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
+from ..rl.schedules import steps_change_problem
 from ..rl.validate import build, parse_yaml, plain
 from . import EXECUTORS
 
@@ -394,8 +395,10 @@ def _items(settings: dict[str, Any]) -> list[str]:
 def _extendable(point: SweepPoint) -> bool:
     """A completed point whose run went to its planned end while the sweep's config now asks for more steps: it is
     resumed with ``steps`` grown (as ``vexact run DIR --resume --set steps=N --allow-change steps``), which gives
-    the same bits as a run of N steps from the start. A run that ended early (a confirmed collapse with
-    ``collapse.stop_on_collapse``) keeps its outcome."""
+    the training bits of a run of N steps from the start (the shorter run's final evaluation stays in its row). A
+    point whose LR schedule spans the run's steps (cosine without ``lr_schedule.total_steps``) would not: the sweep
+    refuses it before anything runs (``_check_started_points``), leaving its finished run as it is. A run that ended
+    early (a confirmed collapse with ``collapse.stop_on_collapse``) keeps its outcome."""
     try:
         summary = json.loads((point.run_dir / SUMMARY_FILE).read_text())
     except (OSError, ValueError):
@@ -524,6 +527,12 @@ def _check_started_points(spec: SweepSpec) -> None:
             raise ValueError(f"sweep {spec.name} in {spec.output_dir}: point {point.name} was started with another "
                              f"config ({diff}; its run's {saved}): the sweep file or its base config changed since; "
                              "restore them to resume this sweep, or choose another --output-dir for the new settings")
+        # a started point resumed, or a finished one extended, with other steps: its LR schedule must not follow them
+        problem = "steps" in changes and steps_change_problem(point.config.lr_schedule, *changes["steps"])
+        if problem:
+            raise ValueError(f"sweep {spec.name} in {spec.output_dir}: point {point.name} cannot go on with steps "
+                             f"{problem}; restore steps to resume this sweep, or choose another --output-dir for "
+                             "the new steps (a fresh sweep there runs every point from the start)")
 
 
 def _worker_init(parent_pid: int) -> None:
