@@ -211,6 +211,24 @@ def test_a_rerun_after_the_meter_file_changed_is_refused(tmp_path):
         run_meter(load_meter_spec(spec_path, tmp_path / "out"), log=lambda _: None)
 
 
+def test_a_rerun_with_other_batches_is_refused_and_keeps_the_finished_cells(tmp_path):
+    """Re-run with another ``batches``, the meter dropped every finished cell of the old count from meter.json (and
+    measured them again), without a word. Now one error naming batches (old -> new); meter.json is left as it is."""
+    (tmp_path / "base.yaml").write_text(json.dumps(TINY))
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 3\nsources: {noise: {inject.mode: "
+                         "logit_noise, inject.sigma: 0.3}}\n")
+    spec = load_meter_spec(spec_path, tmp_path / "out")
+    cell = _finished_cell(source="noise", config_hash=config_hash(cell_config(spec, 1, "noise").to_dict()))
+    (tmp_path / "out").mkdir()
+    written = json.dumps({"batches": 2, "cells": [cell]})  # measured with 2 batches
+    (tmp_path / "out" / "meter.json").write_text(written)
+    with pytest.raises(ValueError, match=r"^meter 'm': batches 2 -> 3: .*meter\.json holds cells measured with "
+                                         r"batches 2, which do not mix with cells of 3; move .*meter\.json away"):
+        run_meter(spec, log=lambda _: None)
+    assert (tmp_path / "out" / "meter.json").read_text() == written
+
+
 def test_noise_bias_cli(tmp_path, capsys):
     from vexact.sweeps.bias_meter import _main
 

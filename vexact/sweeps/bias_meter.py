@@ -481,7 +481,9 @@ def _decoded(cell: dict[str, Any]) -> dict[str, Any]:
 
 def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     """Every (horizon, source) cell, ``meter.json`` rewritten after each (finished cells are skipped on a re-run),
-    then the growth fits and ``meter.png``. Returns the meter.json object."""
+    then the growth fits and ``meter.png``. Returns the meter.json object.
+
+    Finished cells measured with other ``batches`` are refused, naming both counts (they are never dropped)."""
     for horizon in spec.horizons:  # every cell's config and device checked before any work or file
         for source in spec.sources:
             cfg = cell_config(spec, horizon, source)
@@ -495,12 +497,19 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
     if path.is_file():
         try:
             recorded = json.loads(path.read_text())
-            done = {(c["horizon"], c["source"]): _decoded(c) for c in recorded.get("cells", [])
-                    if c.get("batches") == spec.batches}
+            cells = recorded.get("cells", [])
+            done = {(c["horizon"], c["source"]): _decoded(c) for c in cells}
+            # a cell written without its count: the file's (the meter writes both)
+            measured_with = {c.get("batches", recorded.get("batches")) for c in cells}
             sources = recorded.get("sources")
             recorded_sources = sources if isinstance(sources, dict) else {}
         except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is damaged ({e}); move it away to start the meter afresh") from None
+        other = sorted("unrecorded" if b is None else str(b) for b in measured_with - {spec.batches})
+        if other:  # finished cells: never dropped (they were, silently), and never mixed with cells of another count
+            raise ValueError(f"meter {spec.name!r}: batches {', '.join(other)} -> {spec.batches}: {path} holds cells "
+                             f"measured with batches {', '.join(other)}, which do not mix with cells of "
+                             f"{spec.batches}; move {path} away to measure afresh, or choose another output_dir")
     _check_done_cells(spec, done, recorded_sources, path)
     cells = list(done.values())
     for horizon in spec.horizons:
