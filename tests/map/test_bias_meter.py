@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -227,6 +228,34 @@ def test_a_rerun_with_other_batches_is_refused_and_keeps_the_finished_cells(tmp_
                                          r"batches 2, which do not mix with cells of 3; move .*meter\.json away"):
         run_meter(spec, log=lambda _: None)
     assert (tmp_path / "out" / "meter.json").read_text() == written
+
+
+def test_a_second_meter_in_one_directory_is_refused_naming_the_holder(tmp_path, capsys, monkeypatch):
+    """Two meters into one output directory each rewrote meter.json from their own cells, losing the other's. The
+    meter now holds the directory's lock (as a sweep does): the second is one error line naming the holder's pid."""
+    from vexact.cli import main
+    from vexact.records.runlog import RunLocked, run_lock
+
+    (tmp_path / "base.yaml").write_text(json.dumps(TINY))
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 2\nsources: {noise: {inject.mode: "
+                         "logit_noise, inject.sigma: 0.3}}\n")
+    spec = load_meter_spec(spec_path, tmp_path / "out")
+    cell = _finished_cell(source="noise", config_hash=config_hash(cell_config(spec, 1, "noise").to_dict()))
+    (tmp_path / "out").mkdir()
+    written = json.dumps({"batches": 2, "cells": [cell]})  # nothing left to measure: only the lock is in question
+    (tmp_path / "out" / "meter.json").write_text(written)
+    with run_lock(tmp_path / "out"):  # another meter (or sweep) working there
+        with pytest.raises(RunLocked, match=rf"^meter 'm': {tmp_path / 'out'} is in use by another vexact process "
+                                            rf"\(pid {os.getpid()}\)"):
+            run_meter(spec, log=lambda _: None)
+        capsys.readouterr()
+        monkeypatch.setenv("COLUMNS", "10000")  # the error line unwrapped
+        assert main(["meter", str(spec_path), "--output-dir", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: meter 'm': ") and f"(pid {os.getpid()})" in err
+    assert (tmp_path / "out" / "meter.json").read_text() == written
+    assert run_meter(spec, log=lambda _: None)["cells"][0]["k3_kl"] == 0.037  # released: the meter runs
 
 
 def test_noise_bias_cli(tmp_path, capsys):
