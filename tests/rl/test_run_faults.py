@@ -309,6 +309,40 @@ def test_resume_with_steps_at_or_below_the_checkpoint_is_refused_naming_steps(tm
     assert "eval/reward_mean" in read_metrics(run_dir / "metrics.jsonl")[-1]
 
 
+CALIBRATED = ("inject.mode=logit_scale", "inject.epsilon=-0.25", "inject.target.value=0.02",
+              "inject.calibration_prompts=4")
+
+
+def test_a_resumed_calibrated_run_keeps_its_calibration_in_the_summary(tmp_path, reference, monkeypatch):
+    """A run with ``inject.target``, interrupted and resumed: the resume restored only the knob, so its summary's
+    ``inject`` lost calibrated_value, calibration_metric, calibration_target, calibration_achieved and
+    calibration_evaluations. The checkpoint now holds the calibration record; a checkpoint without it (written
+    before) resumes all the same, its summary giving the knob alone."""
+    full = _run(_cfg(tmp_path, reference, "cal_full", *CALIBRATED))
+    assert "calibrated_value" in full["inject"]
+    cfg = _cfg(tmp_path, reference, "cal_cut", *CALIBRATED)
+    real_step = interrupt_trainer_at(monkeypatch, 5)
+    assert _run(cfg)["status"] == "interrupted"
+    monkeypatch.setattr(Trainer, "step", real_step)
+    resumed = _run(cfg, resume=True)
+    assert resumed["inject"] == full["inject"]
+    _same_run(tmp_path / "cal_cut", tmp_path / "cal_full")
+
+    import vexact.rl.trainer as trainer_module  # a checkpoint as written before the record was kept
+
+    real_save = trainer_module.save_checkpoint
+    monkeypatch.setattr(trainer_module, "save_checkpoint", lambda run_dir, model, optimizer, state, **kw: real_save(
+        run_dir, model, optimizer, {k: v for k, v in state.items() if k != "calibration"}, **kw))
+    old = _cfg(tmp_path, reference, "cal_old", *CALIBRATED)
+    real_step = interrupt_trainer_at(monkeypatch, 5)
+    assert _run(old)["status"] == "interrupted"
+    monkeypatch.setattr(Trainer, "step", real_step)
+    monkeypatch.setattr(trainer_module, "save_checkpoint", real_save)
+    summary = _run(old, resume=True)
+    assert summary["status"] == "completed"
+    assert summary["inject"] == {"mode": "logit_scale", "value": full["inject"]["value"]}
+
+
 def test_resume_with_no_checkpoint_starts_over(tmp_path, reference, monkeypatch):
     cfg = _cut_after_step(tmp_path, reference, monkeypatch, step=1)  # killed before the first checkpoint
     assert not checkpoint_dirs(tmp_path / "cut")

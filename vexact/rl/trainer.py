@@ -66,6 +66,7 @@ from ..metric_keys import (
     TIMING_UPDATE,
 )
 from ..records import CONFIG_FILE, FINISHED_STATUSES, METRICS_FILE, SUMMARY_FILE
+from ..records.metrics_log import decode_non_finite
 from ..records.runlog import (
     UNFINISHED,
     MetricsWriter,
@@ -690,14 +691,16 @@ class Trainer:
         return changes
 
     def _save_checkpoint(self, step: int) -> None:
-        """Everything a resume needs after ``step``: weights, optimizer, LR-schedule state, the injector's knob.
-        Rank 0 writes it (every rank holds the same state)."""
+        """Everything a resume needs after ``step``: weights, optimizer, LR-schedule state, the injector's knob and
+        its calibration record (``inject.target``: for the resumed run's summary). Rank 0 writes it (every rank
+        holds the same state)."""
         if not self.ranks.is_main:
             return
-        save_checkpoint(self.run_dir, self.master, self.optimizer,
-                        {"next_step": step + 1, "schedule": self.schedule.state_dict(),
-                         "inject_value": self.injector.value,
-                         "kernel_bits": self._kernel_bits()},
+        state = {"next_step": step + 1, "schedule": self.schedule.state_dict(), "inject_value": self.injector.value,
+                 "kernel_bits": self._kernel_bits()}
+        if self.calibration is not None:
+            state["calibration"] = dataclasses.asdict(self.calibration)
+        save_checkpoint(self.run_dir, self.master, self.optimizer, state,
                         snapshots=self._snapshot_tensors() if self.cfg.rollout.policy_lag else None)
 
     def _kernel_bits(self) -> dict[str, str]:
@@ -712,6 +715,8 @@ class Trainer:
             return
         if state is not None and "inject_value" in state:
             self.injector.value = state["inject_value"]
+            # a checkpoint written before the record was kept has none: the summary then gives the knob alone
+            self.calibration = _restored_calibration(state.get("calibration"))
             return
         c = self.cfg.inject
         problems = training_problems(self.task, c.calibration_prompts, self.cfg.seed + CALIBRATION_SEED_OFFSET, 0)
@@ -795,6 +800,16 @@ def _ended_itself(finished: dict) -> bool:
 def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:
     """Whether resuming a finished run continues it: it completed all its steps and ``steps`` has grown since."""
     return not _ended_itself(finished) and state["next_step"] < cfg.steps
+
+
+def _restored_calibration(record: object) -> Calibration | None:
+    """The ``Calibration`` a checkpoint's state holds (``_save_checkpoint``), or None where it holds none."""
+    if not isinstance(record, dict):
+        return None
+    record = decode_non_finite(record)  # json_safe wrote a non-finite metric as a string: a float again
+    return Calibration(value=record["value"], achieved=record["achieved"], target=record["target"],
+                       evaluations=[tuple(pair) for pair in record["evaluations"]],
+                       tolerance=record.get("tolerance", 0.0))
 
 
 def _check_resumed_steps(steps: int, next_step: int, steps_changed: bool) -> None:
