@@ -199,6 +199,24 @@ def test_report_on_a_finished_run_whose_log_is_empty_says_it_has_no_steps(tmp_pa
     assert "metrics.jsonl holds no steps, but summary.json says 4 were completed" in line
 
 
+def test_report_on_a_finished_run_whose_last_line_is_torn_names_the_damage(tmp_path, capsys, monkeypatch):
+    """A completed run's log is final (its summary comes after the log is closed), so a torn last line there is
+    damage, not a step being written: the report left the step out without a word. Now it names the file and line;
+    --skip-damaged reports the rest. A log with more rows than the summary (an extension under way) is no damage."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    rows = [json.dumps({"step": i, "actor/reward_mean": 0.5}) + "\n" for i in range(4)]
+    (run_dir / "metrics.jsonl").write_text("".join(rows)[:-5])  # the last line cut short, by hand
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps_completed": 4,
+                                                      "steps_planned": 4}))
+    line = _cli_error(capsys, monkeypatch, "report", str(run_dir))
+    assert ("metrics.jsonl:4: a torn last line (no newline), 3 steps logged, but summary.json says the run finished "
+            "after 4") in line
+    assert main(["report", str(run_dir), "--skip-damaged"]) == 0
+    (run_dir / "metrics.jsonl").write_text("".join(rows) + rows[0].replace('"step": 0', '"step": 4')[:-5])
+    assert read_point(run_dir, name="").damage == []
+
+
 def _rewrite_metric(run_dir: Path, key: str, value: object, steps: range | None = None) -> None:
     """Set ``key`` to ``value`` (as runlog writes it: "nan", "inf") in the rows of ``steps`` (all when None)."""
     rows = read_metrics(run_dir / "metrics.jsonl")

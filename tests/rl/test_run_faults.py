@@ -309,6 +309,23 @@ def test_resume_with_steps_at_or_below_the_checkpoint_is_refused_naming_steps(tm
     assert "eval/reward_mean" in read_metrics(run_dir / "metrics.jsonl")[-1]
 
 
+def test_resume_of_a_finished_run_whose_last_line_is_torn_is_refused_naming_the_line(tmp_path, reference):
+    """A completed run whose last metrics line was torn by hand (a kill cannot: the summary follows the closed log)
+    resumed as "already finished; nothing to do", the step silently gone from its log. Now it is MetricsDamaged,
+    naming the file and line; nothing is written."""
+    cfg = _cfg(tmp_path, reference, "torn")
+    _run(cfg)
+    path = tmp_path / "torn" / "metrics.jsonl"
+    path.write_bytes(path.read_bytes()[:-10])
+    before = {p.name: p.read_bytes() for p in path.parent.iterdir() if p.is_file() and p.name != ".lock"}
+    with pytest.raises(runlog.MetricsDamaged, match=rf"^{path}:6: a torn last line \(no newline\), 5 steps logged, "
+                                                    r"but summary.json says the run finished after 6; the metrics "
+                                                    r"log is damaged$"):
+        _run(cfg, resume=True)
+    after = {p.name: p.read_bytes() for p in path.parent.iterdir() if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
 CALIBRATED = ("inject.mode=logit_scale", "inject.epsilon=-0.25", "inject.target.value=0.02",
               "inject.calibration_prompts=4")
 

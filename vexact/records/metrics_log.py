@@ -7,7 +7,9 @@ rows, or the same error:
 
 - **A torn last line** -- the last line has no newline: the writer puts each row in one ``write`` of the line plus
   its newline, so a line without one was cut by a kill or is still being written -- is left out, silently, whether
-  or not the part that is there happens to parse. A blank line carries nothing and is skipped.
+  or not the part that is there happens to parse. A blank line carries nothing and is skipped. A finished run's log
+  is final, though (its summary is written after the log is closed): holding fewer rows than its summary's
+  ``steps_completed`` -- a torn last line, lines lost -- is damage (``check_finished``).
 - **Damage anywhere else** -- a complete line that is not a JSON object -- is ``MetricsDamaged`` (a ValueError) naming
   the file and the line number. Nothing is skipped silently: the caller decides (resume and run refuse; ``vexact
   report`` names the damaged point and stops unless told ``--skip-damaged``).
@@ -124,6 +126,24 @@ def parse_lines(path: Path, lines: list[str]) -> list[dict]:
         if row is not None:
             rows.append(row)
     return rows
+
+
+def check_finished(path: str | Path, rows: int, steps_completed: int) -> None:
+    """The log at ``path`` of a run whose summary says it finished after ``steps_completed`` steps, read as ``rows``
+    rows: ``MetricsDamaged`` naming the file and line where it holds fewer. A kill cannot do that (the summary is
+    written after the log is closed), so a torn last line there is damage, not a step in progress. More rows are
+    no damage: a finished run being extended appends to its log before it writes its summary again."""
+    if rows >= steps_completed:
+        return
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    except FileNotFoundError:
+        text = ""
+    line = text.count("\n") + 1  # the torn last line, or the first line missing
+    torn = "a torn last line (no newline), " if text and not text.endswith("\n") else ""
+    raise MetricsDamaged(path, line, f"{torn}{rows} steps logged, but summary.json says the run finished after "
+                                     f"{steps_completed}")
 
 
 def read_metrics(path: str | Path) -> list[dict]:

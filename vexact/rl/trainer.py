@@ -66,7 +66,7 @@ from ..metric_keys import (
     TIMING_UPDATE,
 )
 from ..records import CONFIG_FILE, FINISHED_STATUSES, METRICS_FILE, SUMMARY_FILE
-from ..records.metrics_log import decode_non_finite
+from ..records.metrics_log import check_finished, decode_non_finite
 from ..records.runlog import (
     UNFINISHED,
     MetricsWriter,
@@ -512,6 +512,11 @@ class Trainer:
             _check_steps_change(cfg, changes)
             state = load_checkpoint(run_dir, self.master, self.optimizer, log=self._log)
             finished = _read_summary(run_dir)
+            if finished is not None and isinstance(finished.get("steps_completed"), int):
+                # its log is final: a torn or short one is damage (else "nothing to do", and a report without the
+                # steps lost)
+                metrics_path = run_dir / METRICS_FILE
+                check_finished(metrics_path, len(read_metrics(metrics_path)), finished["steps_completed"])
             # a run that stopped itself is finished even without a checkpoint (it stopped before the first one)
             if finished is not None and (_ended_itself(finished) or state is not None
                                          and not _extends(finished, state, cfg)):

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..records import FINISHED_STATUSES, METRICS_FILE, SUMMARY_FILE
 from ..records.json_file import read_json
-from ..records.metrics_log import decode_non_finite, read_metrics
+from ..records.metrics_log import MetricsDamaged, check_finished, decode_non_finite, read_metrics
 from ..rl.validate import show_value
 from .text_table import fmt_value
 
@@ -227,7 +227,8 @@ def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = No
     the same wherever it is reported from. ``status`` defaults to the summary's, else "pending". Missing files are
     no damage (a point not run yet, a run still going); a file that is there but cannot be read is: it is left out
     (summary None, metrics []) and named in ``damage``. metrics.jsonl is read by ``metrics_log.read_metrics``
-    (a torn last line is left out, any other bad line is damage)."""
+    (a torn last line is left out, any other bad line is damage; a finished run's log short of its summary's
+    ``steps_completed``, a torn last line too, is damage: ``metrics_log.check_finished``)."""
     damage = []
     summary = None
     summary_path = point_dir / SUMMARY_FILE
@@ -249,9 +250,15 @@ def read_point(point_dir: Path, name: str, overrides: dict[str, Any] | None = No
         damage.append(_first_line(e).replace(str(point_dir) + "/", ""))
     status = status or (summary or {}).get("status") or "pending"
     claimed = (summary or {}).get("steps_completed")
-    if summary is not None and summary.get("status") in RESULT_STATUSES and not metrics and not damage \
-            and isinstance(claimed, int) and claimed > 0:  # a finished run's log is final: it cannot be empty
-        damage.append(f"metrics.jsonl holds no steps, but summary.json says {claimed} were completed")
+    if summary is not None and summary.get("status") in RESULT_STATUSES and not damage \
+            and isinstance(claimed, int) and claimed > 0:  # a finished run's log is final: no step may be missing
+        if not metrics:
+            damage.append(f"metrics.jsonl holds no steps, but summary.json says {claimed} were completed")
+        else:
+            try:
+                check_finished(point_dir / METRICS_FILE, len(metrics), claimed)
+            except MetricsDamaged as e:  # a torn last line: left out by read_metrics, and the step with it
+                damage.append(f"{METRICS_FILE}:{e.line}: {e.why}")
     return PointData(name=name, dir=point_dir, overrides=dict(overrides or {}), status=str(status), error=error,
                      summary=summary, metrics=metrics, damage=damage)
 
