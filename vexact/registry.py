@@ -32,10 +32,35 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["Mount", "RegisteredName", "Registry", "declare_settings", "extensible", "mounts", "settings_classes",
-           "withdraw_settings"]
+__all__ = ["Mount", "PluginCodeError", "RegisteredName", "Registry", "call_entry", "declare_settings", "extensible",
+           "mounts", "settings_classes", "withdraw_settings"]
 
 T = TypeVar("T")
+
+
+class PluginCodeError(ValueError):
+    """A registered entry's own code (a plugin's, maybe) raised, or returned what its contract does not allow. The
+    message names the entry (``injection mode 'favour_token'``), its function and what was wrong; a ValueError, so
+    the CLI prints it as one error line, not a traceback ending somewhere in the plugin."""
+
+
+def entry_code(what: str, name: str, function: str) -> str:
+    """How an error names an entry's code: ``advantage estimator 'my_adv' (compute)``."""
+    return f"{what} {name!r} ({function})"
+
+
+def call_entry(what: str, name: str, function: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call(*args, **kwargs)``, where ``call`` is the code of the entry ``name`` of a registry of ``what`` (its
+    ``Registry.what``): the one way vexact calls an extension's code. An exception from it is one
+    ``PluginCodeError`` naming the entry and ``function``, chained to the original; a ``PluginCodeError`` raised
+    inside (a check of a nested call) passes unchanged. What the call returns is the caller's to check, with
+    ``PluginCodeError(f"{entry_code(...)} returned ...")``."""
+    try:
+        return call(*args, **kwargs)
+    except PluginCodeError:
+        raise
+    except Exception as e:
+        raise PluginCodeError(f"{entry_code(what, name, function)} raised {type(e).__name__}: {e}") from e
 
 
 class RegisteredName(str):

@@ -51,6 +51,7 @@ import torch
 
 from ..engine.devices import cuda_device_count, device_kind, resolve_device
 from ..engine.model import check_fits
+from ..registry import PluginCodeError
 from .registries import TASKS, register_run_check
 from .validate import ConfigError, show_repr, show_value
 from .vocab import BOS_ID, CHAR_VOCAB_SIZE, CHARS, EOS_ID, PAD_ID, CharTokenizer, tokenizer_for
@@ -469,7 +470,7 @@ def _task_code(task: Task, method: str) -> str:
     return f"task {task.name!r} ({cls.__module__}.{cls.__qualname__}.{method})"
 
 
-class _TaskCodeError(ValueError):
+class _TaskCodeError(PluginCodeError):
     """A task's own code (a plugin's, maybe) raised or returned the wrong thing; the message names the task and the
     method. A ValueError, so the CLI prints it as one error line."""
 
