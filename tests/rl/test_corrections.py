@@ -7,9 +7,18 @@ import math
 import pytest
 import torch
 
+from vexact.registry import PluginCodeError
 from vexact.rl.config import ConfigError, config_from_dict
 from vexact.rl.config_schema import CorrectionSection
-from vexact.rl.corrections import CORRECTION_METHODS, PRESETS, RejectOption, plan_for, rollout_correction
+from vexact.rl.corrections import (
+    CORRECTION_METHODS,
+    PRESETS,
+    CorrectionMethod,
+    RejectOption,
+    plan_for,
+    register_correction_method,
+    rollout_correction,
+)
 from vexact.rl.objective import ppo_token_loss
 
 # Two sequences: 3 tokens then 2 tokens. Token ratios ρ_t chosen by hand; logp_roll = 0 so logp_train = log ρ.
@@ -428,3 +437,37 @@ def test_batch_norm_factor_is_written_only_with_batch_normalisation_as_documente
     assert on.metrics[key] == 1.0
     (entry,) = [k for k in KEYS if k.name == key]
     assert "when off" not in entry.definition and "written only with `correction.batch_normalize`" in entry.definition
+
+
+@pytest.mark.parametrize("returned, problem", [
+    ({"rollout_is": "tokens", "rollout_is_threshold": 2.0}, "returned rollout_is: 'tokens': expected one of"),
+    ({"rollout_is": "token", "rollout_is_treshold": 1.5}, "returned the key 'rollout_is_treshold': expected verl keys"),
+    ({"rollout_is": "token", "rollout_is_batch_normalize": "no"},
+     "returned rollout_is_batch_normalize: 'no': expected a boolean"),
+    ([("rollout_is", "token")], "returned [('rollout_is', 'token')]: expected a dict of verl keys"),
+    (None, "returned None: expected a dict"),
+])
+def test_an_outside_methods_verl_keys_are_held_to_the_configs_checks(returned, problem):
+    """What a method's ``to_verl`` returns passes the checks the config puts on verl's keys: a misspelt value or
+    key, or a string for a bool, is one error naming the method and the key, not another plan than the one meant."""
+    register_correction_method(CorrectionMethod("outside_m", "x", "x", lambda cfg: returned))
+    try:
+        with pytest.raises(ConfigError) as err:
+            config_from_dict({"correction": {"method": "outside_m"}})
+        assert err.value.key == "correction.method"
+        assert err.value.problem.startswith("correction method 'outside_m' (to_verl) ")
+        assert problem in err.value.problem
+        with pytest.raises(PluginCodeError, match="correction method 'outside_m' \\(to_verl\\) returned"):
+            plan_for(CorrectionSection(method="outside_m"))
+    finally:
+        CORRECTION_METHODS.remove("outside_m")
+
+
+def test_an_outside_methods_good_keys_make_the_plan_a_builtin_would():
+    register_correction_method(CorrectionMethod("outside_ok", "x", "x",
+                                                lambda cfg: {"rollout_is": "token", "rollout_is_threshold": 2}))
+    try:
+        config_from_dict({"correction": {"method": "outside_ok"}})
+        assert plan_for(CorrectionSection(method="outside_ok")) == plan_for(CorrectionSection(method="token_tis"))
+    finally:
+        CORRECTION_METHODS.remove("outside_ok")

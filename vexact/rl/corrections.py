@@ -51,19 +51,22 @@ nothing is rejected (for any threshold that admits 1), so each correction is an 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..metric_keys import RS_OPTIONS  # verl's rejection options name metric keys too: defined there
+from ..registry import PluginCodeError, call_entry, entry_code
 from .metrics import is_weight_stats
 from .registries import BYPASS_LOSSES, CORRECTION_METHODS, register_run_check
-from .validate import ConfigError, bounds
+from .validate import ConfigError, bounds, convert, show_repr
 
 if TYPE_CHECKING:
     from .config_schema import CorrectionSection, RunConfig
@@ -72,7 +75,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CorrectionMethod:
     """One value of vexact's shorthand ``correction.method``: ``to_verl(cfg)`` gives the verl-vocabulary keys it
-    stands for (None for ``none``: no shorthand, verl's own keys apply); ``band``: the default [a, b] of a method
+    stands for, a dict whose keys are among ``VERL_KEYS`` and ``bypass_mode`` and whose values pass the config's
+    checks of those keys (``rollout_is`` "token" or "sequence", ``rollout_is_batch_normalize`` a bool, ...);
+    anything else is a ``PluginCodeError`` naming the method. ``to_verl`` None (for ``none``): no shorthand, verl's
+    own keys apply. ``band``: the default [a, b] of a method
     that takes ``correction.band`` (None: the method takes no band); ``settings``: the dataclass of the
     ``correction.*`` keys the method reads (``ThresholdSettings``, ``BandSettings``). ``verl`` / ``effect``: the
     docs' table."""
@@ -317,8 +323,34 @@ def _method_keys(cfg: CorrectionSection) -> dict:
     keys: dict = {"rollout_is_batch_normalize": cfg.batch_normalize, "loss_type": "ppo_clip_is"}
     to_verl = CORRECTION_METHODS[cfg.method].to_verl
     if to_verl is not None:
-        keys.update(to_verl(cfg))
+        given = call_entry(CORRECTION_METHODS.what, cfg.method, "to_verl", to_verl, cfg)
+        keys.update(_checked_verl_keys(cfg, given))
     return keys
+
+
+def _checked_verl_keys(cfg: CorrectionSection, given: Any) -> dict:
+    """What method ``cfg.method``'s ``to_verl`` returned, held to the config's own checks of verl's keys (an unknown
+    key would be dropped and a wrong value read as another: "tokens" as sequence-level, "no" as true), converted as
+    the config converts them. A ``PluginCodeError`` naming the method and the key otherwise."""
+    code = entry_code(CORRECTION_METHODS.what, cfg.method, "to_verl")
+    allowed = (*VERL_KEYS, "bypass_mode")
+    if not isinstance(given, dict):
+        raise PluginCodeError(f"{code} returned {show_repr(given)}: expected a dict of verl keys "
+                              f"({', '.join(allowed)})")
+    section = type(cfg)
+    hints = typing.get_type_hints(section)
+    meta = {f.name: dict(f.metadata) for f in dataclasses.fields(section)}
+    hints["bypass_mode"], meta["bypass_mode"] = bool | None, {}
+    out = {}
+    for key, value in given.items():
+        if key not in allowed:
+            raise PluginCodeError(f"{code} returned the key {show_repr(key)}: expected verl keys only "
+                                  f"({', '.join(allowed)})")
+        try:
+            out[key] = convert(value, hints[key], key, meta[key])
+        except ConfigError as e:
+            raise PluginCodeError(f"{code} returned {key}: {show_repr(value)}: {e.problem}") from None
+    return out
 
 
 def band_for(cfg: CorrectionSection) -> tuple[float, float]:
@@ -374,6 +406,8 @@ def _check_correction(cfg: RunConfig) -> None:
     c = cfg.correction
     try:
         plan = plan_for(c)
+    except PluginCodeError as err:  # the method's own code: the key to change is the method
+        raise ConfigError(str(err), "correction.method") from None
     except ValueError as err:  # the message names the key it is about; point the error there
         text = str(err)
         key = next((k for k in _PLAN_KEYS if k in text), None)
