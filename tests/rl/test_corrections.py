@@ -471,3 +471,20 @@ def test_an_outside_methods_good_keys_make_the_plan_a_builtin_would():
         assert plan_for(CorrectionSection(method="outside_ok")) == plan_for(CorrectionSection(method="token_tis"))
     finally:
         CORRECTION_METHODS.remove("outside_ok")
+
+
+def test_a_broken_method_is_refused_by_the_config_even_when_another_is_selected():
+    """Every run logs ``mismatch/ratio_affected_frac/<method>`` of every registered method, resolving each one's
+    default plan at each step: a method whose ``to_verl`` fails is refused when the config is validated, naming it
+    and the key it would have filled, not a TypeError at the first step of a run that never selected it."""
+    register_correction_method(CorrectionMethod("outside_broken", "x", "x", lambda cfg: None))
+    try:
+        for method in ("none", "token_tis"):
+            with pytest.raises(ConfigError) as err:
+                config_from_dict({"correction": {"method": method}})
+            assert err.value.key == "correction.method"
+            assert err.value.problem.startswith("correction method 'outside_broken' (to_verl) returned None")
+            assert "mismatch/ratio_affected_frac/outside_broken" in err.value.problem
+    finally:
+        CORRECTION_METHODS.remove("outside_broken")
+    config_from_dict({"correction": {"method": "none"}})

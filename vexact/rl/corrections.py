@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..metric_keys import RS_OPTIONS  # verl's rejection options name metric keys too: defined there
+from ..metric_keys import RS_OPTIONS, raw_ratio_affected_key  # verl's rejection options name metric keys too
 from ..registry import PluginCodeError, call_entry, entry_code
 from .metrics import is_weight_stats
 from .registries import BYPASS_LOSSES, CORRECTION_METHODS, register_run_check
@@ -77,9 +77,11 @@ class CorrectionMethod:
     """One value of vexact's shorthand ``correction.method``: ``to_verl(cfg)`` gives the verl-vocabulary keys it
     stands for, a dict whose keys are among ``VERL_KEYS`` and ``bypass_mode`` and whose values pass the config's
     checks of those keys (``rollout_is`` "token" or "sequence", ``rollout_is_batch_normalize`` a bool, ...);
-    anything else is a ``PluginCodeError`` naming the method. ``to_verl`` None (for ``none``): no shorthand, verl's
-    own keys apply. ``band``: the default [a, b] of a method
-    that takes ``correction.band`` (None: the method takes no band); ``settings``: the dataclass of the
+    anything else is a ``PluginCodeError`` naming the method. Every run resolves every registered method's plan
+    at its default settings (``mismatch/ratio_affected_frac/<method>``), so a config is refused, naming the
+    method, when any registered method's ``to_verl`` fails there, selected or not. ``to_verl`` None (for
+    ``none``): no shorthand, verl's own keys apply. ``band``: the default [a, b] of a method that takes
+    ``correction.band`` (None: the method takes no band); ``settings``: the dataclass of the
     ``correction.*`` keys the method reads (``ThresholdSettings``, ``BandSettings``). ``verl`` / ``effect``: the
     docs' table."""
 
@@ -412,6 +414,7 @@ def _check_correction(cfg: RunConfig) -> None:
         text = str(err)
         key = next((k for k in _PLAN_KEYS if k in text), None)
         raise ConfigError(text, f"correction.{key}" if key else "correction") from None
+    _check_every_method(c)
     bypass = cfg.algorithm.old_logprobs == "rollout"
     if plan.bypass_mode is not None and plan.bypass_mode != bypass:  # only a preset says a mode
         raise ConfigError(f"preset {c.preset} means verl's {'bypass' if plan.bypass_mode else 'decoupled'} mode: "
@@ -431,6 +434,22 @@ def _check_correction(cfg: RunConfig) -> None:
                           "which bypass mode with several mini-batches or epochs scores for the whole batch anyway: "
                           "leave monitor.sample_fraction at 1.0 and monitor.every at 1 (the metrics then cost nothing "
                           "more), or set correction.method: none", key)
+
+
+def _check_every_method(c: CorrectionSection) -> None:
+    """Each registered method's plan at its default settings, the one ``raw_ratios`` resolves at every step for
+    ``mismatch/ratio_affected_frac/<method>`` whichever method the run selects: a method whose ``to_verl`` fails
+    there is refused now, naming it, rather than crashing the run's first step (or leaving its key out of some
+    runs' logs, which ``vexact compare`` reads side by side)."""
+    for name in CORRECTION_METHODS.names():
+        if name in ("none", c.method):  # none has no plan of its own; the selected one was checked as configured
+            continue
+        try:
+            plan_for(type(c)(method=name))
+        except ValueError as err:
+            raise ConfigError(f"{err} (registered correction method {name!r} is not selected, but every run resolves "
+                              f"its default plan at each step for {raw_ratio_affected_key(name)}; fix it or leave "
+                              "out the plugin that registers it)", "correction.method") from None
 
 
 @dataclass

@@ -12,7 +12,9 @@ of it each correction would cut, whichever one (if any) the trainer runs.
 * ``mismatch/ratio_affected_frac/<method>``: for each ``correction.method`` of the registry (``CORRECTION_METHODS``)
   but ``none``, at its default setting (``threshold`` 2, the method's own band), the fraction of tokens whose loss
   term it changes -- weight truncated (TIS), zeroed (IcePop) or token rejected (MIS, geo-RS) -- computed by the
-  shipped ``rollout_correction`` itself, so the count is what the loss would do.
+  shipped ``rollout_correction`` itself, so the count is what the loss would do. A run's config is refused when a
+  registered method's default plan does not resolve (a plugin's ``to_verl`` that fails), naming the method, so no
+  step fails on a method the run does not even select and every run logs the same keys.
 """
 
 from __future__ import annotations
