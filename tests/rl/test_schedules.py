@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
+from vexact.registry import PluginCodeError
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.config_schema import CollapseSection, LRScheduleSection, OptimizerSection
-from vexact.rl.schedules import LRSchedule
+from vexact.rl.schedules import LR_SCHEDULES, LRSchedule, ScheduleKind, register_lr_schedule
 
 
 def _schedule(kind: str, lr: float = 1.0, warmup: int = 0, steps: int = 100, length_window: int = 10,
@@ -135,3 +137,68 @@ def test_the_length_surge_has_one_setting_and_the_old_keys_still_work(tmp_path):
         config_from_dict({"lr_schedule": {"length_ratio": 0.5}})  # out of bounds: named at its new key
     schedule = LRSchedule(cfg.optimizer, cfg.lr_schedule, cfg.steps, cfg.collapse)
     assert (schedule.surge_window, schedule.surge_ratio) == (4, 1.8)
+
+
+class _Outside(ScheduleKind):
+    """An outside kind whose decay returns whatever the test puts in ``value``."""
+
+    name = "outside_decay"
+    value: object = 1.0
+
+    def decay(self, s, step):
+        return self.value
+
+
+@pytest.fixture
+def outside():
+    kind = register_lr_schedule(_Outside())
+    yield kind
+    LR_SCHEDULES.remove("outside_decay")
+
+
+def test_an_outside_kinds_decay_is_floored_at_min_lr_ratio(outside):
+    """The documented floor, min_lr_ratio x base, holds for any kind (the docs' ``plateau`` at factor 0.01 with
+    min_lr_ratio 0.1 gives 0.1 x base, not 0.01 x base); warmup still ramps below it."""
+    outside.value = 0.01
+    s = _schedule("outside_decay", lr=2e-4, warmup=4, min_lr_ratio=0.1)
+    assert s.lr(10) == 2e-4 * 0.1
+    assert s.lr(0) == 2e-4 * (1 / 4) * 0.1
+    outside.value = 0.5
+    assert s.lr(10) == 2e-4 * 0.5
+
+
+@pytest.mark.parametrize("value, problem", [
+    (-1.0, "returned -1.0 at step 3: expected a finite real number >= 0"),
+    (float("nan"), "returned nan at step 3: expected a finite"),
+    (float("inf"), "returned inf at step 3: expected a finite"),
+    ("0.5", "returned '0.5' (a str): expected a finite real number >= 0"),
+    (None, "returned None (a NoneType)"),
+    (True, "returned True (a bool)"),
+    (torch.tensor(0.5), "returned tensor(0.5000) (a Tensor)"),
+])
+def test_an_outside_kinds_decay_must_be_a_finite_real_number_at_least_0(outside, value, problem):
+    """A negative decay would be a negative LR, gradient ascent, which optimizer.lr refuses; a string, None or a
+    tensor would fail later, in the arithmetic or the JSON encoder, far from the kind."""
+    outside.value = value
+    with pytest.raises(PluginCodeError) as err:
+        _schedule("outside_decay").lr(3)
+    assert str(err.value).startswith("LR schedule 'outside_decay' (decay) ") and problem in str(err.value)
+
+
+def test_an_outside_kinds_decay_that_raises_is_one_error_naming_it(outside):
+    outside.decay = lambda step: 1.0  # the wrong signature: decay(s, step)
+    with pytest.raises(PluginCodeError, match=r"^LR schedule 'outside_decay' \(decay\) raised TypeError"):
+        _schedule("outside_decay").lr(0)
+
+
+@pytest.mark.parametrize("kind, kw", [("constant", {}), ("cosine", {}), ("cosine", {"min_lr_ratio": 0.0}),
+                                      ("step", {"step_size": 3}), ("step", {"min_lr_ratio": 0.0, "step_size": 1}),
+                                      ("length_triggered", {}), ("mismatch_triggered", {})])
+def test_the_floor_leaves_the_builtin_kinds_bits_as_they_were(kind, kw):
+    """The built-ins floor themselves (or never go below it): the checked, floored decay is their own, bit for
+    bit, at every step, warmup included."""
+    s = _schedule(kind, lr=3e-4, warmup=5, steps=60, length_window=2, **kw)
+    s.trigger_step, s.decay_period = 7, 4  # a triggered kind's decay after its trigger
+    for step in range(200):
+        warm = (step + 1) / 5 if step < 5 else 1.0
+        assert s.lr(step) == 3e-4 * warm * s.kind.decay(s, step), (kind, step)

@@ -31,21 +31,25 @@ trigger step and its reason for ``summary.json``. ``state_dict`` holds everythin
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ..metric_keys import K3_KL, LOG_PPL_ABS_DIFF, LR_SCHEDULE_TRIGGERED, RESPONSE_LENGTH_MEAN
+from ..registry import PluginCodeError, call_entry, entry_code
 from .collapse import surge_index, trailing_mean
 from .config_schema import CollapseSection, LRScheduleSection
 from .registries import LR_SCHEDULES
-from .validate import bounds
+from .validate import bounds, show_repr
 
 if TYPE_CHECKING:
     from .config_schema import OptimizerSection
 
 class ScheduleKind:
-    """One ``lr_schedule.kind``: ``decay(s, step)``, the multiplier on the base LR before warmup (floor applied), of
-    schedule ``s`` (an ``LRSchedule``: its config ``s.cfg``, ``s.total_steps``, ``s.warmup_steps``, trigger state).
+    """One ``lr_schedule.kind``: ``decay(s, step)``, the multiplier on the base LR before warmup, a finite real
+    number >= 0 (anything else is a ``PluginCodeError`` naming the kind; ``LRSchedule`` raises ``min_lr_ratio``'s
+    floor under it), of schedule ``s`` (an ``LRSchedule``: its config ``s.cfg``, ``s.total_steps``,
+    ``s.warmup_steps``, trigger state).
 
     A triggered kind (``triggered``) watches one metric per step (``metric(s)``) and says when it fires
     (``fired(s, key)``: the reason, or None); its decay then halves the LR every ``decay_period`` steps.
@@ -223,7 +227,6 @@ class LRSchedule:
         self.cfg = sched or LRScheduleSection()
         self.kind = LR_SCHEDULES[self.cfg.kind]
         self.total_steps = self.cfg.total_steps or total_steps
-        self.floor = self.cfg.min_lr_ratio * self.base_lr
         self.observed: list[float] = []  # the trigger metric, one finite value per observed step
         self.trigger_step: int | None = None
         self.trigger_reason: str | None = None
@@ -235,7 +238,22 @@ class LRSchedule:
 
     def lr(self, step: int) -> float:
         warm = (step + 1) / self.warmup_steps if self.warmup_steps and step < self.warmup_steps else 1.0
-        return self.base_lr * warm * self.kind.decay(self, step)
+        return self.base_lr * warm * self.decay(step)
+
+    def decay(self, step: int) -> float:
+        """The kind's ``decay`` at ``step``, floored at ``min_lr_ratio`` (the documented floor min_lr_ratio x base,
+        as a multiplier, so warmup still ramps from base/warmup). The built-ins never go below it themselves, so
+        the floor leaves their bits as they were. A decay that is no finite real number >= 0 (a negative one would
+        ascend the gradient) is a ``PluginCodeError`` naming the kind."""
+        name = self.cfg.kind
+        value = call_entry(LR_SCHEDULES.what, name, "decay", self.kind.decay, self, step)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise PluginCodeError(f"{entry_code(LR_SCHEDULES.what, name, 'decay')} returned {show_repr(value)} (a "
+                                  f"{type(value).__name__}): expected a finite real number >= 0")
+        if not math.isfinite(value) or value < 0:
+            raise PluginCodeError(f"{entry_code(LR_SCHEDULES.what, name, 'decay')} returned {show_repr(value)} at "
+                                  f"step {step}: expected a finite real number >= 0")
+        return float(max(value, self.cfg.min_lr_ratio))
 
     def observe(self, step: int, metrics: dict) -> dict[str, float]:
         """Feed one step's metrics; returns ``lr_schedule/*`` metrics for that step's log line."""
