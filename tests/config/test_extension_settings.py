@@ -16,7 +16,7 @@ import torch
 
 import vexact
 from tools import docs_gen
-from vexact.registry import mounts
+from vexact.registry import PluginCodeError, mounts
 from vexact.rl import BUILTINS
 from vexact.rl.config import config_from_dict
 from vexact.rl.config_schema import InjectSection, RunConfig
@@ -342,3 +342,66 @@ def test_the_schema_types_out_no_extension_points_names():
     registered = {name for registry in REGISTRIES for name in registry.names()}
     assert literals and not literals & registered, literals & registered
     assert not literals & {"linear", "attention", "norm", "logits"}  # the precision sites: one table, in their mode
+
+
+class _OutsideAdvantages(vexact.AdvantageEstimator):
+    """An outside estimator whose ``advantages`` is the test's ``make`` and ``signal_problem`` its ``problem``."""
+
+    name = "outside_adv"
+    make = staticmethod(lambda rewards, group_size: rewards - rewards.mean())
+    problem = None
+
+    def advantages(self, rewards, group_size, std_normalize, alg):
+        return self.make(rewards, group_size)
+
+    def signal_problem(self, group_size, prompts_per_step):
+        return self.problem
+
+
+@pytest.fixture
+def outside_adv():
+    estimator = vexact.register_advantage_estimator(_OutsideAdvantages())
+    yield estimator
+    ADVANTAGE_ESTIMATORS.remove("outside_adv")
+
+
+def _raise(rewards, group_size):
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("make, got", [
+    (lambda r, g: r.view(-1, g).mean(1), "returned a torch.float64 tensor of shape [2]"),  # one per group
+    (lambda r, g: r.view(-1, 1), "returned a torch.float64 tensor of shape [4, 1]"),
+    (lambda r, g: r.mean(), "returned a torch.float64 tensor of shape []"),
+    (lambda r, g: torch.cat([r, r]), "returned a torch.float64 tensor of shape [8]"),  # 2N: the first N were used
+    (lambda r, g: (r > 0).long(), "returned a torch.int64 tensor of shape [4]"),
+    (lambda r, g: [0.0] * r.numel(), "returned [0.0, 0.0, 0.0, 0.0] (a list)"),
+    (_raise, "raised RuntimeError: boom"),
+    (lambda r: r, "raised TypeError"),  # the wrong signature
+])
+def test_an_outside_estimators_advantages_must_be_one_float_per_sequence(outside_adv, make, got):
+    outside_adv.make = make
+    with pytest.raises(PluginCodeError) as err:
+        compute_advantages(torch.tensor([1.0, 0.0, 0.5, 0.25]), 2, "outside_adv")
+    assert str(err.value).startswith(f"advantage estimator 'outside_adv' (advantages) {got}")
+
+
+@pytest.mark.parametrize("problem, expected", [
+    ("needs 4 samples", "returned 'needs 4 samples': expected None or a tuple"),
+    (("needs 4 samples",), "returned ('needs 4 samples',): expected None or a tuple"),
+    (("needs 4 samples", 7), "returned ('needs 4 samples', 7): expected None or a tuple"),
+])
+def test_an_outside_estimators_signal_problem_must_have_the_documented_form(outside_adv, problem, expected):
+    outside_adv.problem = problem
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"algorithm": {"advantage": "outside_adv"}})
+    assert err.value.key == "algorithm.advantage"
+    assert err.value.problem.startswith(f"advantage estimator 'outside_adv' (signal_problem) {expected}")
+
+
+def test_an_outside_estimators_signal_problem_that_raises_is_one_config_error(outside_adv):
+    outside_adv.signal_problem = lambda group_size: None  # the wrong signature
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"algorithm": {"advantage": "outside_adv"}})
+    assert err.value.key == "algorithm.advantage"
+    assert err.value.problem.startswith("advantage estimator 'outside_adv' (signal_problem) raised TypeError")

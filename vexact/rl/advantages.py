@@ -21,7 +21,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..registry import PluginCodeError, call_entry, entry_code
 from .registries import ADVANTAGE_ESTIMATORS
+from .validate import show_repr
 
 __all__ = ["ADVANTAGE_EPS", "ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "compute_advantages",
            "register_advantage_estimator"]
@@ -39,12 +41,24 @@ def compute_advantages(rewards: Tensor, group_size: int, kind: str, std_normaliz
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     if kind not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage kind {kind!r}")
-    return ADVANTAGE_ESTIMATORS[kind].advantages(rewards, group_size, std_normalize, alg).float()
+    estimator = ADVANTAGE_ESTIMATORS[kind]
+    out = call_entry(ADVANTAGE_ESTIMATORS.what, kind, "advantages", estimator.advantages, rewards, group_size,
+                     std_normalize, alg)
+    # one value per group, [N, 1] or 2N values would fail deep in the loss, or be read in part without a word
+    if not isinstance(out, Tensor) or not out.is_floating_point() or out.shape != rewards.shape:
+        got = (f"a {out.dtype} tensor of shape {list(out.shape)}" if isinstance(out, Tensor)
+               else f"{show_repr(out)} (a {type(out).__name__})")
+        raise PluginCodeError(f"{entry_code(ADVANTAGE_ESTIMATORS.what, kind, 'advantages')} returned {got}: expected "
+                              f"a floating-point tensor of the rewards' shape {list(rewards.shape)} (one advantage "
+                              "per sequence)")
+    return out.float()
+
 
 
 class AdvantageEstimator:
     """One ``algorithm.advantage``: ``advantages(rewards, group_size, std_normalize, alg)`` -> one advantage per
-    sequence (float64, like ``rewards``); ``alg`` is the ``algorithm`` section (its settings), or None.
+    sequence (a floating-point tensor of ``rewards``' shape, float64 like them; anything else is a
+    ``PluginCodeError`` naming the estimator); ``alg`` is the ``algorithm`` section (its settings), or None.
     ``settings``: a dataclass of the estimator's own options, mounted as ``algorithm.<field>`` keys."""
 
     name: ClassVar[str] = ""
@@ -55,8 +69,9 @@ class AdvantageEstimator:
 
     def signal_problem(self, group_size: int, prompts_per_step: int) -> tuple[str, str] | None:
         """Why every advantage is 0 at every step for rollouts of ``prompts_per_step`` prompts x ``group_size``
-        samples, so nothing is learned: (the problem, the config key to change), which the config reports when it
-        is loaded; None when the estimator can learn from them."""
+        samples, so nothing is learned: (the problem, the config key to change), two non-empty strings, which the
+        config reports when it is loaded; None when the estimator can learn from them. Anything else is refused,
+        naming the estimator."""
         return None
 
 

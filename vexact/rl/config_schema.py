@@ -43,7 +43,7 @@ from ..engine.inputs import MIN_TEMPERATURE
 from ..engine.model import MOE_FIELDS, ModelConfig, ModelConfigError
 from ..engine.presets import PresetName, preset_values
 from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, RENAMED_METRICS, REWARD_MEAN, find
-from ..registry import extensible
+from ..registry import PluginCodeError, call_entry, entry_code, extensible
 from .metrics import LOG_RATIO_BOUND
 from .registries import (
     ADVANTAGE_ESTIMATORS,
@@ -57,7 +57,7 @@ from .registries import (
     TASKS,
     check_run,
 )
-from .validate import ConfigError, plain, show_value
+from .validate import ConfigError, plain, show_repr, show_value
 from .validate import bounds as _bounds
 from .vocab import MAX_DISTRACTORS
 
@@ -534,9 +534,19 @@ class RunConfig:
 
     def _check_learning_signal(self) -> None:
         """Settings each valid alone whose combination can never learn or never inject: refused, naming the key."""
-        estimator = ADVANTAGE_ESTIMATORS[self.algorithm.advantage]  # each estimator knows what it cannot learn from
-        problem = estimator.signal_problem(self.rollout.samples_per_prompt, self.rollout.prompts_per_step)
+        name = self.algorithm.advantage  # each estimator knows what it cannot learn from
+        code = entry_code(ADVANTAGE_ESTIMATORS.what, name, "signal_problem")
+        try:
+            problem = call_entry(ADVANTAGE_ESTIMATORS.what, name, "signal_problem",
+                                 ADVANTAGE_ESTIMATORS[name].signal_problem, self.rollout.samples_per_prompt,
+                                 self.rollout.prompts_per_step)
+        except PluginCodeError as e:
+            raise ConfigError(str(e), "algorithm.advantage") from None
         if problem is not None:
+            if not (isinstance(problem, tuple) and len(problem) == 2
+                    and all(isinstance(p, str) and p for p in problem)):
+                raise ConfigError(f"{code} returned {show_repr(problem)}: expected None or a tuple (the problem, the "
+                                  "config key to change) of two non-empty strings", "algorithm.advantage")
             raise ConfigError(*problem)
         inject = self.inject
         mode = INJECT_MODES[inject.mode]
