@@ -405,3 +405,52 @@ def test_an_outside_estimators_signal_problem_that_raises_is_one_config_error(ou
         config_from_dict({"algorithm": {"advantage": "outside_adv"}})
     assert err.value.key == "algorithm.advantage"
     assert err.value.problem.startswith("advantage estimator 'outside_adv' (signal_problem) raised TypeError")
+
+
+def _estimator_with(settings_class: type) -> vexact.AdvantageEstimator:
+    class WithSettings(vexact.AdvantageEstimator):
+        name, settings = "settings_outside", settings_class
+
+        def advantages(self, rewards, group_size, std_normalize, alg):
+            return rewards - rewards.mean()
+
+    return WithSettings()
+
+
+def test_a_default_the_config_would_refuse_is_refused_at_registration():
+    """A default outside its own bounds ran, was saved to config.yaml, and the run could not be resumed from it."""
+
+    @dataclass
+    class OutOfBounds:
+        adv_scale: float = field(default=-1.0, metadata=bounds(gt=0))
+
+    with pytest.raises(ValueError) as err:
+        vexact.register_advantage_estimator(_estimator_with(OutOfBounds))
+    assert str(err.value).startswith("advantage estimator 'settings_outside' declares the setting "
+                                     "'algorithm.adv_scale' with a default the config refuses: expected a number > 0, "
+                                     "got -1.0")
+    assert "settings_outside" not in ADVANTAGE_ESTIMATORS and "adv_scale" not in RunConfig().to_dict()["algorithm"]
+
+    @dataclass
+    class OwnCheck:
+        adv_low: float = 2.0
+        adv_high: float = 1.0
+
+        def check(self):
+            if self.adv_low >= self.adv_high:
+                raise ConfigError("adv_low must be below adv_high", "adv_low")
+
+    with pytest.raises(ValueError, match="'algorithm.adv_low' with a default the config refuses: adv_low must"):
+        vexact.register_advantage_estimator(_estimator_with(OwnCheck))
+    assert "settings_outside" not in ADVANTAGE_ESTIMATORS
+
+
+@pytest.mark.parametrize("hint", [Path, Path | None, list[Path], dict[str, Path]])
+def test_a_type_the_config_cannot_check_is_refused_at_registration(hint):
+    """Not a traceback "unsupported type hint" at the first --set of the key (nor never, for a null default)."""
+    Unsupported = dataclasses.make_dataclass("Unsupported", [("adv_dir", hint, field(default=None))])
+    with pytest.raises(ValueError) as err:
+        vexact.register_advantage_estimator(_estimator_with(Unsupported))
+    assert str(err.value).startswith("advantage estimator 'settings_outside' declares the setting 'algorithm.adv_dir' "
+                                     f"as {hint!r}, but a config value cannot be checked as {Path!r}")
+    assert "settings_outside" not in ADVANTAGE_ESTIMATORS and "adv_dir" not in RunConfig().to_dict()["algorithm"]

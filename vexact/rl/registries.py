@@ -18,36 +18,71 @@ it: a run check receives the ``RunConfig`` untyped).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable
 from typing import Any
 
-from ..registry import Registry, mounts
-from .validate import ConfigError, show_value
+from ..registry import Registry, mounts, settings_of
+from .validate import ConfigError, build, show_value, unsupported_hint
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "BYPASS_LOSSES", "CORRECTION_METHODS", "INJECT_MODES", "LOG_BACKENDS",
            "LOSS_AGGREGATIONS", "LR_SCHEDULES", "REGISTRIES", "ROLLOUT_ENGINES", "TASKS", "check_run",
-           "register_run_check"]
+           "check_settings", "register_run_check"]
 
-TASKS: Registry = Registry("task", "task.name", "vexact.register_task")
+class _CheckedRegistry(Registry):
+    """A ``Registry`` whose entries' settings are held to the config validator when they register (``registry``
+    imports nothing of vexact, so the check lives here): a type hint the validator cannot check, or a default it
+    would refuse (a saved config.yaml with it could not be loaded again), is one ValueError naming the entry and the
+    key, and the entry is not registered."""
+
+    def add(self, name: str, entry: Any, replace: bool = False) -> Any:
+        settings = settings_of(entry)
+        if settings is not None:
+            check_settings(self.owner(name), self.settings_section(settings), settings)
+        return super().add(name, entry, replace=replace)
+
+
+def check_settings(owner: str, section: str, settings: type) -> None:
+    """Each field of settings dataclass ``settings`` (of ``owner``, mounted into ``section``) has a type hint the
+    config validator checks, and its default passes that check and the class's own ``check()``; else ValueError."""
+    hints = typing.get_type_hints(settings)
+    defaults = {}
+    for f in dataclasses.fields(settings):
+        bad = unsupported_hint(hints[f.name])
+        if bad is not None:
+            raise ValueError(f"{owner} declares the setting '{section}.{f.name}' as {hints[f.name]!r}, but a config "
+                             f"value cannot be checked as {bad!r}: use bool, int, float, str, a Literal, a list, tuple "
+                             "or dict of them, or X | None")
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = _default(f)
+    try:
+        build(settings, defaults, section)
+    except ConfigError as e:
+        raise ValueError(f"{owner} declares the setting '{e.key}' with a default the config refuses: {e.problem} "
+                         f"(a run would save it to config.yaml, which could not be loaded again)") from None
+
+
+TASKS: Registry = _CheckedRegistry("task", "task.name", "vexact.register_task")
 """``task.name`` -> its ``Task`` class (``vexact.rl.tasks``)."""
-INJECT_MODES: Registry = Registry("injection mode", "inject.mode", "vexact.register_inject_mode")
+INJECT_MODES: Registry = _CheckedRegistry("injection mode", "inject.mode", "vexact.register_inject_mode")
 """``inject.mode`` -> its ``InjectMode`` (``vexact.rl.inject_modes``)."""
-CORRECTION_METHODS: Registry = Registry("correction method", "correction.method",
+CORRECTION_METHODS: Registry = _CheckedRegistry("correction method", "correction.method",
                                         "vexact.register_correction_method")
 """``correction.method`` -> its ``CorrectionMethod`` (``vexact.rl.corrections``)."""
-BYPASS_LOSSES: Registry = Registry("bypass loss", "correction.loss_type", "vexact.rl.objective.register_bypass_loss")
+BYPASS_LOSSES: Registry = _CheckedRegistry("bypass loss", "correction.loss_type",
+                                           "vexact.rl.objective.register_bypass_loss")
 """``correction.loss_type`` -> the bypass-mode loss it names (``vexact.rl.objective``)."""
-LR_SCHEDULES: Registry = Registry("LR schedule", "lr_schedule.kind", "vexact.register_lr_schedule")
+LR_SCHEDULES: Registry = _CheckedRegistry("LR schedule", "lr_schedule.kind", "vexact.register_lr_schedule")
 """``lr_schedule.kind`` -> its ``ScheduleKind`` (``vexact.rl.schedules``)."""
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "algorithm.advantage",
+ADVANTAGE_ESTIMATORS: Registry = _CheckedRegistry("advantage estimator", "algorithm.advantage",
                                           "vexact.register_advantage_estimator")
 """``algorithm.advantage`` -> its ``AdvantageEstimator`` (``vexact.rl.advantages``)."""
-LOSS_AGGREGATIONS: Registry = Registry("loss aggregation", "algorithm.loss_agg",
+LOSS_AGGREGATIONS: Registry = _CheckedRegistry("loss aggregation", "algorithm.loss_agg",
                                        "vexact.rl.objective.register_loss_aggregation")
 """``algorithm.loss_agg`` -> how a per-token loss is reduced (``vexact.rl.objective``)."""
-LOG_BACKENDS: Registry = Registry("log backend", "logging.backends", "vexact.register_log_backend")
+LOG_BACKENDS: Registry = _CheckedRegistry("log backend", "logging.backends", "vexact.register_log_backend")
 """``logging.backends`` -> its ``LogBackendKind`` (``vexact.rl.log_backends``)."""
-ROLLOUT_ENGINES: Registry = Registry("rollout engine", "rollout.engine", "vexact.register_rollout_engine")
+ROLLOUT_ENGINES: Registry = _CheckedRegistry("rollout engine", "rollout.engine", "vexact.register_rollout_engine")
 """``rollout.engine`` -> its ``RolloutEngine`` (``vexact.rl.rollout_engines``): who samples the rollout batch."""
 
 REGISTRIES: tuple[Registry, ...] = (TASKS, INJECT_MODES, CORRECTION_METHODS, BYPASS_LOSSES, LR_SCHEDULES,

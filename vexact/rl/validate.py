@@ -29,7 +29,8 @@ import yaml
 from ..registry import RegisteredName, settings_classes
 
 __all__ = ["MAX_YAML_DEPTH", "MAX_YAML_VALUES", "NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build",
-           "convert", "describe", "join_key", "parse_yaml", "plain", "read_yaml", "show_value", "yaml_problem"]
+           "convert", "describe", "join_key", "parse_yaml", "plain", "read_yaml", "show_value", "unsupported_hint",
+           "yaml_problem"]
 
 _BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
 
@@ -268,6 +269,23 @@ def describe(tp: Any, meta: dict) -> str:
         return "a mapping of keys"
     base = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, "a value")
     return base + _describe_bounds(meta) if tp in (int, float) else base
+
+
+def unsupported_hint(tp: Any) -> Any:
+    """The part of type hint ``tp`` that ``convert`` cannot check (``pathlib.Path`` in ``Path | None``), or None when
+    it checks all of it: asked when an extension's settings register, since ``convert`` meets an unsupported arm
+    only when a value reaches it (a null default never does)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in (Any, type(None), bool, int, float, str, dict) or origin is Literal or _is_registered(tp):
+        return None
+    if origin in (typing.Union, types.UnionType, list, tuple, dict):
+        return next((bad for bad in (unsupported_hint(a) for a in args if a is not Ellipsis) if bad is not None),
+                    None)
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return next((bad for bad in (unsupported_hint(hints[f.name]) for f in dataclasses.fields(tp))
+                     if bad is not None), None)
+    return tp
 
 
 def _is_registered(tp: Any) -> bool:
