@@ -14,6 +14,7 @@ from vexact.engine.model import Transformer
 from vexact.records.runlog import read_metrics
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.inject import Injector, RolloutPlan, round_to
+from vexact.rl.inject_modes import INJECT_MODES
 from vexact.rl.trainer import Trainer
 from vexact_kernels import get_ops
 
@@ -255,3 +256,34 @@ def test_recomputed_old_logprobs_keep_ratio_exact_under_injection(tmp_path):
     row = read_metrics(tmp_path / "rec" / "metrics.jsonl")[0]
     assert row["mismatch/first_minibatch_ratio_exact"] == 1.0
     assert row["mismatch/bitwise_equal_frac"] < 1.0 and row["rollout_corr/k3_kl"] > 0
+
+
+@pytest.mark.parametrize("returns, says", [
+    (lambda z: (z[..., :-1], z[..., :-1]),
+     "returned sample_from of shape (3, 96), torch.float32 on cpu"),
+    (lambda z: z + 1.0, "returned a Tensor"),
+    (lambda z: (z, z.double()), "returned record of shape (3, 97), torch.float64"),
+    (lambda z: (z, None), "returned a NoneType as record"),
+    (lambda z: 1 / 0, "raised ZeroDivisionError"),
+])
+def test_a_modes_hook_result_is_checked_at_each_call_naming_the_mode(returns, says):
+    """A plugin mode's hook that returns anything but a pair of tensors of the logits' shape, dtype and device (or
+    raises) is one error naming the mode and the hook: not a silent narrower vocabulary, nor a traceback."""
+    from vexact.registry import PluginCodeError
+    from vexact.rl.inject_modes import InjectMode, register_inject_mode
+
+    class Bad(InjectMode):
+        name = "inj_bad"
+        knob = "something"
+
+        def logits_hook(self, injector, value, step):
+            return lambda z, seq, pos: returns(z)
+
+    register_inject_mode(Bad())
+    try:
+        plan = _injector(mode="inj_bad", value=1.0).plan(0)
+        with pytest.raises(PluginCodeError) as e:
+            _rollout(tiny_model(), plan.logits_hook, random_prompts(3, 4, seed=0))
+    finally:
+        INJECT_MODES.remove("inj_bad")
+    assert str(e.value).startswith("injection mode 'inj_bad' (logits_hook's hook) ") and says in str(e.value)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -30,10 +30,11 @@ from vexact_kernels import get_ops
 from ..engine.generation import LogitsHook
 from ..engine.model import KernelOps, RouteHook, resolve_dtype
 from ..engine.sampling import counter_uniform
+from ..registry import PluginCodeError, call_entry, entry_code
 from .config_schema import InjectSection, RunConfig
-from .inject_modes import INJECT_MODES, InjectMode, _exact_probs, precision_ops, round_to
+from .inject_modes import INJECT_MODES, InjectMode, RolloutPath, _exact_probs, precision_ops, round_to
 
-__all__ = ["Calibration", "Injector", "RolloutPlan", "calibrate", "precision_ops", "round_to"]
+__all__ = ["Calibration", "Injector", "RolloutPlan", "calibrate", "checked_logits_hook", "precision_ops", "round_to"]
 
 _SCOPE_SALT = 0x3C6EF372
 
@@ -72,7 +73,8 @@ class Injector:
         self.rollout_backend = rollout_backend or training_backend
         self.rollout_dtype = resolve_dtype(rollout_dtype or training_dtype)
         self.rollout_ops = get_ops(self.rollout_backend, self.device)
-        self.path = self.mode.rollout_path(self)  # a path mode's rollout once injection starts; None for knobs
+        self.path = self._checked_path(
+            call_entry(INJECT_MODES.what, self.mode.name, "rollout_path", self.mode.rollout_path, self))
 
     @classmethod
     def for_run(cls, cfg: RunConfig, device: torch.device | str = "cpu") -> Injector:
@@ -112,8 +114,24 @@ class Injector:
                            matches_training=same_path and untouched, routing_hook=routing_hook)
 
     def logits_hook(self, value: float, step: int) -> LogitsHook | None:
-        """The mode's hook at knob ``value``; None when it would change nothing."""
-        return self.mode.logits_hook(self, value, step)
+        """The mode's hook at knob ``value``; None when it would change nothing. The hook is the mode's own, each
+        call's result checked (``checked_logits_hook``)."""
+        hook = call_entry(INJECT_MODES.what, self.mode.name, "logits_hook", self.mode.logits_hook, self, value, step)
+        if hook is not None and not callable(hook):
+            raise PluginCodeError(f"{entry_code(INJECT_MODES.what, self.mode.name, 'logits_hook')} returned a "
+                                  f"{type(hook).__name__}: expected a hook(z, seq, pos) or None")
+        return None if hook is None else checked_logits_hook(self.mode.name, "logits_hook", hook)
+
+    def _checked_path(self, path: RolloutPath | None) -> RolloutPath | None:
+        """A path mode's ``rollout_path`` result, its hook's results checked; None for knob modes."""
+        if path is None:
+            return None
+        if not isinstance(path, RolloutPath):
+            raise PluginCodeError(f"{entry_code(INJECT_MODES.what, self.mode.name, 'rollout_path')} returned a "
+                                  f"{type(path).__name__}: expected a RolloutPath or None")
+        if path.logits_hook is None:
+            return path
+        return replace(path, logits_hook=checked_logits_hook(self.mode.name, "rollout_path", path.logits_hook))
 
     def scoped(self, clean: Tensor, changed: Tensor, seq: Tensor, pos: Tensor, step: int) -> Tensor:
         """``changed`` where ``inject.scope`` applies at ``step``, ``clean`` elsewhere (for perturbing modes)."""
@@ -124,6 +142,32 @@ class Injector:
             return torch.where(_exact_probs(clean) < c.prob_threshold, changed, clean)
         chosen = counter_uniform((self.seed * 1_000_003 + step) ^ _SCOPE_SALT, seq, pos, 1) < c.fraction
         return torch.where(chosen, changed, clean)
+
+
+def checked_logits_hook(mode: str, function: str, hook: LogitsHook) -> LogitsHook:
+    """``hook`` (of injection mode ``mode``, made by its ``function``), called through ``call_entry`` and its result
+    checked at every call: a pair ``(sample_from, record)`` of tensors, each of the logits' shape, dtype and device,
+    else one ``PluginCodeError`` naming the mode. Metadata only: a decode step reads no value back from the device.
+    The tensors pass on unchanged, so a mode's bits are those of its own hook."""
+    function = f"{function}'s hook"  # errors name the hook, made by the mode's ``function``
+    code = entry_code(INJECT_MODES.what, mode, function)
+
+    def checked(z: Tensor, seq: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        out = call_entry(INJECT_MODES.what, mode, function, hook, z, seq, pos)
+        expected = (f"expected a pair (sample_from, record) of logits, each a tensor of shape {tuple(z.shape)}, "
+                    f"{z.dtype} on {z.device} (the logits' own)")
+        if not (isinstance(out, tuple) and len(out) == 2):
+            got = f"a {len(out)}-tuple" if isinstance(out, tuple) else f"a {type(out).__name__}"
+            raise PluginCodeError(f"{code} returned {got}: {expected}")
+        for which, t in zip(("sample_from", "record"), out):
+            if not isinstance(t, Tensor):
+                raise PluginCodeError(f"{code} returned a {type(t).__name__} as {which}: {expected}")
+            if t.shape != z.shape or t.dtype != z.dtype or t.device != z.device:
+                raise PluginCodeError(f"{code} returned {which} of shape {tuple(t.shape)}, {t.dtype} on "
+                                      f"{t.device}: {expected}")
+        return out
+
+    return checked
 
 
 @dataclass
