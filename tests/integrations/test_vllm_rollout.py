@@ -215,8 +215,9 @@ def test_vllm_refusing_the_model_is_one_line(stub_vllm, monkeypatch, capsys):
     code = main(["run", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: vLLM failed: ValueError: Unsupported CPU attention configuration: head_dim=16 (its "
-                          f"output: {stub_vllm / 'run' / 'vllm.log'})")
+    assert err.startswith("error: rollout engine 'vllm' (collect) raised ValueError: vLLM failed: ValueError: "
+                          "Unsupported CPU attention configuration: head_dim=16 (its output: "
+                          f"{stub_vllm / 'run' / 'vllm.log'})")
 
 
 def test_vllm_dying_is_one_error_naming_its_log(stub_vllm, monkeypatch):

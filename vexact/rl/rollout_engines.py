@@ -4,7 +4,9 @@ An engine is an extension like a task or a log backend: a ``RolloutEngine`` regi
 (``register_rollout_engine``) under its name, with its own ``rollout.*`` settings. The trainer checks the engine
 can run here when it is built (``check_available``: a missing package is one error naming its pip line, before the
 warm start), opens a session at the first rollout (``open``), hands it the policy's current weights at every step
-(``RolloutSession.collect``, which returns the ``RolloutBatch``) and closes it when the run ends.
+(``RolloutSession.collect``, which returns the ``RolloutBatch``) and closes it when the run ends, each through
+``RolloutEngine.session``: a raise, or a result that breaks its contract (``check_batch``), is one error naming
+the engine.
 
 * ``vexact`` (the default) is ``collect_rollouts`` itself, on the step's ``RolloutPlan``: selecting it changes no
   bit of any run.
@@ -22,6 +24,10 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+import torch
+from torch import Tensor
+
+from ..registry import PluginCodeError, call_entry, entry_code
 from .collect import RolloutBatch, collect_rollouts
 from .config import ConfigError
 from .registries import ROLLOUT_ENGINES
@@ -32,7 +38,8 @@ if TYPE_CHECKING:
     from .inject import RolloutPlan
     from .tasks import CharTokenizer, Problem, Task
 
-__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "RolloutSession", "VexactEngine", "register_rollout_engine"]
+__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "RolloutSession", "VexactEngine", "check_batch", "check_session",
+           "register_rollout_engine"]
 
 
 class RolloutSession(Protocol):
@@ -65,6 +72,78 @@ class RolloutEngine:
 
     def open(self, cfg: RunConfig, run_dir: Path, world_size: int) -> RolloutSession:
         raise NotImplementedError
+
+    def session(self, cfg: RunConfig, run_dir: Path, world_size: int) -> RolloutSession:
+        """The session the trainer uses: ``open``'s (``check_session``), with ``open``, ``collect`` and ``close``
+        called through ``call_entry`` and each batch checked (``check_batch``). Not for an engine to override."""
+        opened = call_entry(ROLLOUT_ENGINES.what, self.name, "open", self.open, cfg, run_dir, world_size)
+        return _CheckedSession(self.name, check_session(self.name, opened))
+
+
+def check_session(engine: str, session: object) -> RolloutSession:
+    """``session``, what rollout engine ``engine``'s ``open`` returned, unless it lacks ``collect`` or ``close``:
+    then one ``PluginCodeError`` naming the engine."""
+    if not all(callable(getattr(session, f, None)) for f in ("collect", "close")):
+        raise PluginCodeError(f"{entry_code(ROLLOUT_ENGINES.what, engine, 'open')} returned a "
+                              f"{type(session).__name__}: expected a session with collect() and close()")
+    return session  # type: ignore[return-value]
+
+
+def check_batch(engine: str, batch: object, problems: int, samples_per_prompt: int) -> RolloutBatch:
+    """``batch``, what rollout engine ``engine``'s ``collect`` returned for ``problems`` problems, unless it breaks
+    the ``RolloutBatch`` contract; then one ``PluginCodeError`` naming the engine and what was expected:
+    N = ``problems`` x ``samples_per_prompt`` sequences (problems, prompts, responses, logprobs, finished, each of
+    length N), rewards a float tensor of shape (N,), and each sequence's log-probs a 1-D float tensor with one value
+    per response token. Log-probs on the CPU are also checked to be <= 0 (one reduction over the batch); on a device
+    only their metadata is (no read back). Non-finite log-probs pass here: the step stops the run on them."""
+    code = entry_code(ROLLOUT_ENGINES.what, engine, "collect")
+    n = problems * samples_per_prompt
+    if not isinstance(batch, RolloutBatch):
+        raise PluginCodeError(f"{code} returned a {type(batch).__name__}: expected a RolloutBatch")
+    for field in ("problems", "prompts", "responses", "logprobs", "finished"):
+        got = getattr(batch, field)
+        if not isinstance(got, list) or len(got) != n:
+            size = f"{len(got)} {field}" if isinstance(got, list) else f"{field} as a {type(got).__name__}"
+            raise PluginCodeError(f"{code} returned {size}: expected a list of {n} ({problems} problems x "
+                                  f"{samples_per_prompt} samples_per_prompt)")
+    rewards = batch.rewards
+    if not isinstance(rewards, Tensor) or rewards.shape != (n,) or not rewards.dtype.is_floating_point:
+        got = (f"shape {tuple(rewards.shape)}, {rewards.dtype}" if isinstance(rewards, Tensor)
+               else f"a {type(rewards).__name__}")
+        raise PluginCodeError(f"{code} returned rewards of {got}: expected a float tensor of shape ({n},)")
+    on_cpu = True
+    for i, (lp, response) in enumerate(zip(batch.logprobs, batch.responses)):
+        if not (isinstance(lp, Tensor) and lp.dim() == 1 and lp.dtype.is_floating_point
+                and lp.numel() == len(response)):
+            got = f"shape {tuple(lp.shape)}, {lp.dtype}" if isinstance(lp, Tensor) else f"a {type(lp).__name__}"
+            raise PluginCodeError(f"{code} returned log-probs of {got} for sequence {i}: expected a 1-D float tensor "
+                                  f"of its {len(response)} response tokens' log-probs")
+        on_cpu = on_cpu and lp.device.type == "cpu"
+    flat = torch.cat(batch.logprobs) if on_cpu and n else None
+    # one reduction over the batch (a NaN max passes: the step's finite check stops the run on it)
+    if flat is not None and flat.numel() and bool(flat.max() > 0):
+        ends = torch.tensor(batch.lengths).cumsum(0)
+        first = int(torch.searchsorted(ends, int((flat > 0).nonzero()[0, 0]), right=True))
+        raise PluginCodeError(f"{code} returned log-probs > 0 (sequence {first}): expected log-probabilities, "
+                              "each <= 0")
+    return batch
+
+
+class _CheckedSession:
+    """An engine's session whose every call names the engine when it fails (``RolloutEngine.session``)."""
+
+    def __init__(self, engine: str, session: RolloutSession):
+        self.engine, self.session = engine, session
+
+    def collect(self, model: Transformer, plan: RolloutPlan, task: Task, tokenizer: CharTokenizer,
+                problems: list[Problem], settings: RolloutSection, seed: int, first_problem: int = 0
+                ) -> RolloutBatch:
+        batch = call_entry(ROLLOUT_ENGINES.what, self.engine, "collect", self.session.collect, model, plan, task,
+                           tokenizer, problems, settings, seed, first_problem=first_problem)
+        return check_batch(self.engine, batch, len(problems), settings.samples_per_prompt)
+
+    def close(self) -> None:
+        call_entry(ROLLOUT_ENGINES.what, self.engine, "close", self.session.close)
 
 
 def register_rollout_engine(engine: RolloutEngine, replace: bool = False) -> RolloutEngine:

@@ -272,7 +272,7 @@ class Trainer:
             problems = step_problems(self.task, cfg.rollout, cfg.seed, step)
         mine = self.ranks.block(len(problems))
         if self._session is None:
-            self._session = self.engine.open(cfg, self.run_dir, self.ranks.world_size)
+            self._session = self.engine.session(cfg, self.run_dir, self.ranks.world_size)
         if self.ranks.world_size > 1 and not mine:  # fewer problems than ranks: nothing to sample, only to gather
             return RolloutBatch.concat(self.ranks.gather([]))
         local = self._session.collect(self._weights_in(plan.dtype, policy), plan, self.task, self.tokenizer,

@@ -1,0 +1,96 @@
+"""A rollout engine's code is called through ``call_entry`` and what it returns is checked against the
+``RolloutBatch`` contract: a plugin engine's mistake is one error naming it, not a traceback deep in the step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from rich.console import Console
+from test_trainer import _short
+
+from vexact.registry import PluginCodeError
+from vexact.rl.collect import RolloutBatch
+from vexact.rl.registries import ROLLOUT_ENGINES
+from vexact.rl.rollout_engines import RolloutEngine, VexactEngine, check_batch, register_rollout_engine
+from vexact.rl.trainer import Trainer
+
+
+def _batch() -> RolloutBatch:
+    """2 problems x 2 samples, responses of 3, 1, 0 and 2 tokens."""
+    responses = [[1, 2, 3], [4], [], [5, 6]]
+    return RolloutBatch(["p0", "p0", "p1", "p1"], [[7]] * 4, responses,
+                        [-torch.arange(1.0, len(r) + 1) for r in responses], [True, True, False, True],
+                        torch.tensor([1.0, 0.0, 0.0, 1.0]))
+
+
+@pytest.mark.parametrize("mutate, says", [
+    (lambda b: None, "returned a NoneType: expected a RolloutBatch"),
+    (lambda b: dataclasses.asdict(b), "returned a dict: expected a RolloutBatch"),
+    (lambda b: b.subset([0, 1, 2]), "returned 3 problems: expected a list of 4 (2 problems x 2 samples_per_prompt)"),
+    (lambda b: dataclasses.replace(b, rewards=b.rewards[:1]),
+     "returned rewards of shape (1,), torch.float32: expected a float tensor of shape (4,)"),
+    (lambda b: dataclasses.replace(b, rewards=[1.0] * 4), "returned rewards of a list"),
+    (lambda b: dataclasses.replace(b, logprobs=[lp[:-1] for lp in b.logprobs]),
+     "returned log-probs of shape (2,), torch.float32 for sequence 0: expected a 1-D float tensor of its 3"),
+    (lambda b: dataclasses.replace(b, logprobs=[lp.long() for lp in b.logprobs]), "torch.int64 for sequence 0"),
+    (lambda b: dataclasses.replace(b, logprobs=[lp.abs() if i == 3 else lp for i, lp in enumerate(b.logprobs)]),
+     "returned log-probs > 0 (sequence 3): expected log-probabilities, each <= 0"),
+])
+def test_an_engines_batch_breaking_the_contract_is_one_error_naming_it(mutate, says):
+    assert check_batch("eng_x", _batch(), 2, 2) is not None  # the well-formed batch passes
+    with pytest.raises(PluginCodeError) as e:
+        check_batch("eng_x", mutate(_batch()), 2, 2)
+    assert str(e.value).startswith("rollout engine 'eng_x' (collect) returned ") and says in str(e.value)
+
+
+def test_float64_log_probs_and_non_finite_ones_are_left_to_the_run():
+    b = _batch()
+    b.logprobs = [lp.double() for lp in b.logprobs]
+    b.logprobs[0][0] = float("nan")  # the step stops the run on it (RunStopped), as for the built-in engine
+    check_batch("eng_x", b, 2, 2)
+
+
+class _Session:
+    def __init__(self, collect=None, close=None):
+        self._collect, self._close = collect, close
+
+    def collect(self, *args, **kwargs):
+        batch = VexactEngine().open(None, None, 1).collect(*args, **kwargs)
+        return self._collect(batch) if self._collect else batch
+
+    def close(self):
+        if self._close:
+            self._close()
+
+
+def _boom(what):
+    def raise_():
+        raise RuntimeError(f"boom in {what}")
+    return raise_
+
+
+@pytest.mark.parametrize("opens, says", [
+    (_boom("open"), "rollout engine 'eng_x' (open) raised RuntimeError: boom in open"),
+    (lambda: None, "rollout engine 'eng_x' (open) returned a NoneType: expected a session with collect() and close()"),
+    (lambda: _Session(collect=lambda b: dataclasses.replace(b, logprobs=[lp[:-1] for lp in b.logprobs])),
+     "rollout engine 'eng_x' (collect) returned log-probs of shape"),
+    (lambda: _Session(close=_boom("close")), "rollout engine 'eng_x' (close) raised RuntimeError: boom in close"),
+])
+def test_a_run_on_an_engine_that_fails_is_one_error_naming_it(tmp_path, opens, says):
+    class Engine(RolloutEngine):
+        name = "eng_x"
+
+        def open(self, cfg, run_dir, world_size):
+            return opens()
+
+    register_rollout_engine(Engine())
+    try:
+        cfg = _short(tmp_path, "run", "rollout.engine=eng_x", "warm_start.steps=0", "steps=1",
+                     "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "task.eval_prompts=2")
+        with pytest.raises(PluginCodeError) as e:
+            Trainer(cfg, Console(quiet=True)).run()
+    finally:
+        ROLLOUT_ENGINES.remove("eng_x")
+    assert says in str(e.value)
