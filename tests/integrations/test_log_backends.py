@@ -22,6 +22,7 @@ from rich.console import Console
 from vexact.metric_keys import with_deprecated_names
 from vexact.records import metrics_log
 from vexact.records.runlog import MetricsWriter, read_metrics
+from vexact.registry import PluginCodeError
 from vexact.rl import log_backends
 from vexact.rl.config import ConfigError, config_from_dict, load_config
 from vexact.rl.trainer import Trainer
@@ -394,3 +395,78 @@ def test_missing_package_names_the_extra(backend, tmp_path, monkeypatch):
                                f"pip install 'vexact[{backend}]'")
     assert not (tmp_path / "missing" / "metrics.jsonl").exists()
     assert not (tmp_path / "missing" / log_backends.TENSORBOARD_DIR).exists()
+
+
+class _Writer:
+    """A plugin backend's writer: records its writes and close; ``fails`` names the call that raises."""
+
+    def __init__(self, fails: str | None = None):
+        self.fails, self.steps, self.closed = fails, [], False
+
+    def write(self, step, values):
+        if self.fails == "write":
+            raise RuntimeError("boom in write")
+        self.steps.append(step)
+
+    def close(self):
+        self.closed = True
+        if self.fails == "close":
+            raise RuntimeError("boom in close")
+
+
+@pytest.fixture
+def plugin_backends():
+    """Registers ``log_x`` (opened by the test's ``opens``) and ``log_ok`` (a writer that works); yields their
+    writers as they open."""
+    opened: dict[str, object] = {}
+
+    def kind(name, opens):
+        class Kind(log_backends.LogBackendKind):
+            def open(self, run_dir, cfg):
+                opened[name] = opens()
+                return opened[name]
+        Kind.name = name
+        log_backends.register_log_backend(Kind())
+
+    def register(opens):
+        kind("log_x", opens)
+        kind("log_ok", _Writer)
+        return opened
+
+    yield register
+    for name in ("log_x", "log_ok"):
+        if name in log_backends.LOG_BACKENDS:
+            log_backends.LOG_BACKENDS.remove(name)
+
+
+def _raise():
+    raise RuntimeError("boom in open")
+
+
+@pytest.mark.parametrize("opens, says", [
+    (_raise, "log backend 'log_x' (open) raised RuntimeError: boom in open"),
+    (object, "log backend 'log_x' (open) returned a object: expected a writer with write(step, values) and close(), "
+             "or None"),
+    (lambda: _Writer("write"), "log backend 'log_x' (write) raised RuntimeError: boom in write"),
+])
+def test_a_backends_failure_is_one_error_naming_it_and_closes_the_other_views(opens, says, plugin_backends,
+                                                                               tmp_path):
+    opened = plugin_backends(opens)
+    cfg = _cfg(tmp_path, "run", ["jsonl", "log_ok", "log_x"], "warm_start.steps=0", "steps=1")
+    with pytest.raises(PluginCodeError) as e:
+        _run(cfg)
+    assert str(e.value) == says
+    assert opened["log_ok"].closed
+
+
+def test_a_backend_failing_to_close_leaves_the_runs_end_written_then_names_it(plugin_backends, tmp_path):
+    """A live view is a copy: its close failing does not cost a completed run its summary.json, nor leave the views
+    after it open; its error comes after the run's end, naming the backend."""
+    opened = plugin_backends(lambda: _Writer("close"))
+    cfg = _cfg(tmp_path, "run", ["jsonl", "log_x", "log_ok"], "warm_start.steps=0", "steps=2")
+    with pytest.raises(PluginCodeError) as e:
+        _run(cfg)
+    assert str(e.value) == "log backend 'log_x' (close) raised RuntimeError: boom in close"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_completed"] == 2
+    assert opened["log_ok"].closed and opened["log_ok"].steps == [0, 1] == opened["log_x"].steps

@@ -192,6 +192,18 @@ LiveViews = Callable[[list[dict[str, Any]]], list[LogBackend]]
 (``vexact.rl.log_backends.live_views`` makes one from a run's config)."""
 
 
+def close_views(views: list[LogBackend]) -> Exception | None:
+    """Close every view in ``views``, each even when one before it fails; the first failure, or None. A view is a
+    copy of the record: its failure must not leave the others open, nor cost the run its own end."""
+    first: Exception | None = None
+    for view in views:
+        try:
+            view.close()
+        except Exception as e:
+            first = first or e
+    return first
+
+
 class MetricsWriter:
     """Appends one JSON line per step to metrics.jsonl, flushed and fsynced; with ``live_views``, also to the views
     it opens (TensorBoard, W&B), which are rebuilt from the kept lines first so that they match metrics.jsonl after
@@ -212,10 +224,10 @@ class MetricsWriter:
             # buffer for close() to fail on again
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         except OSError as e:
-            self._close_backends()
+            close_views(self._backends)  # the error that stopped the open is the one to report
             raise WriteFailed(path, e) from None
         except BaseException:
-            self._close_backends()
+            close_views(self._backends)
             raise
 
     def _kept(self, next_step: int) -> tuple[str | None, list[dict[str, Any]]]:
@@ -257,15 +269,16 @@ class MetricsWriter:
             for backend in self._backends:
                 backend.write(int(metrics["step"]), values)
 
-    def _close_backends(self) -> None:
-        for backend in self._backends:
-            backend.close()
-
     def close(self) -> None:
+        """Close metrics.jsonl, then every live view, each even when one fails; then raise the first view's failure
+        (the file's own failure, raised first, wins). A caller whose run must still end (write its summary)
+        catches the view's failure and reports it after."""
         try:
             os.close(self._fd)
         finally:
-            self._close_backends()
+            failure = close_views(self._backends)
+        if failure is not None:
+            raise failure
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------

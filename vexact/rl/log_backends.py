@@ -2,7 +2,10 @@
 
 metrics.jsonl stays the record -- resume, ``vexact report`` and collapse detection read it, and it is always
 written. A backend is a copy of its numbers: it gets each step's scalars under the JSONL's own keys and step, after
-the line is written and fsynced, and it never feeds anything back, so no computed value depends on it.
+the line is written and fsynced, and it never feeds anything back, so no computed value depends on it. Its code is
+called through ``vexact.registry.call_entry``: a raise, or an ``open`` that returns no writer, is one error naming the
+backend; a writer that fails to close is reported only once every other view is closed and the run's summary.json
+is written (``Trainer.run``).
 
 Both live under the run directory (``tensorboard/``, ``wandb/``) and are rebuilt from metrics.jsonl whenever a
 writer opens (a fresh run, a resume): the kept rows are replayed before the run goes on. So after a resume or a
@@ -38,15 +41,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from ..records.metrics_log import scalars
-from ..records.runlog import LiveViews, LogBackend
+from ..records.runlog import LiveViews, LogBackend, close_views
+from ..registry import PluginCodeError, call_entry, entry_code
 from .config import ConfigError
 from .registries import LOG_BACKENDS
 
 if TYPE_CHECKING:
     from .config_schema import RunConfig
 
-__all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackendKind", "WandbSettings", "live_views",
-           "missing_package", "open_backends", "register_log_backend"]
+__all__ = ["LOG_BACKENDS", "TENSORBOARD_DIR", "WANDB_DIR", "LogBackendKind", "NamedView", "WandbSettings",
+           "live_views", "missing_package", "open_backends", "register_log_backend"]
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # wandb.init(dir=run_dir) writes run_dir/wandb/
@@ -56,7 +60,8 @@ EVENT_FILES = "events.out.tfevents.*"  # the names of TensorBoard's event files
 class LogBackendKind:
     """One ``logging.backends`` entry: ``package``, the module it imports (the extra of the same name installs it;
     None: nothing to install); ``settings``, a dataclass of its own ``logging.*`` keys; ``open(run_dir, cfg)``, its
-    writer (None for ``jsonl``, metrics.jsonl itself, which the run log writes)."""
+    writer, a ``LogBackend`` (``write(step, values)``, ``close()``; None for ``jsonl``, metrics.jsonl itself, which
+    the run log writes)."""
 
     name: ClassVar[str] = ""
     package: ClassVar[str | None] = None
@@ -212,34 +217,56 @@ def open_backends(run_dir: Path, cfg: RunConfig, history: Iterable[dict[str, Any
     already in metrics.jsonl, into each. A missing package is a ConfigError at ``logging.backends`` with the pip
     line, raised before anything is opened; a backend that refuses its settings (a ConfigError naming the key)
     closes the ones already open, and TensorBoard's old event files stay until every backend has opened and
-    replayed."""
+    replayed. Any other raise of a backend's code, or an ``open`` that returns no writer (``NamedView``), is one
+    ``PluginCodeError`` naming it. The writers come back as ``NamedView``s: their raises name the backend too."""
     run_dir = Path(run_dir)
     names = [b for b in cfg.logging.backends if b != "jsonl"]
     for name in names:
         problem = missing_package(name)
         if problem:
             raise ConfigError(problem, "logging.backends")
-    opened: list[LogBackend] = []
+    opened: list[NamedView] = []
     try:
         for name in names:
             if name not in LOG_BACKENDS:
                 raise ConfigError(LOG_BACKENDS.unknown(name), "logging.backends")
-            backend = LOG_BACKENDS[name].open(run_dir, cfg)
-            if backend is not None:
-                opened.append(backend)
+            try:
+                writer = call_entry(LOG_BACKENDS.what, name, "open", LOG_BACKENDS[name].open, run_dir, cfg)
+            except PluginCodeError as e:
+                if isinstance(e.__cause__, ConfigError):  # the backend refusing a setting: named at its key
+                    raise e.__cause__ from None
+                raise
+            if writer is not None:
+                opened.append(NamedView(name, writer))
         rows = list(history)
         for backend in opened:
             for row in rows:
                 backend.write(int(row["step"]), scalars(row))
         # only now may a view drop what it showed before: a failure above leaves every old view as it was
         for backend in opened:
-            if isinstance(backend, TensorBoardBackend):
-                backend.replace_previous()
+            if isinstance(backend.writer, TensorBoardBackend):
+                backend.writer.replace_previous()
     except BaseException:
-        for backend in opened:
-            backend.close()
+        close_views(opened)  # the error that stopped the open is the one to report
         raise
     return opened
+
+
+class NamedView:
+    """The writer a backend's ``open`` returned (a ``LogBackend``: ``write`` and ``close``, checked here), called
+    through ``call_entry``: a raise in it is one ``PluginCodeError`` naming ``log backend 'NAME'`` and the call."""
+
+    def __init__(self, name: str, writer: object):
+        if not all(callable(getattr(writer, f, None)) for f in ("write", "close")):
+            raise PluginCodeError(f"{entry_code(LOG_BACKENDS.what, name, 'open')} returned a {type(writer).__name__}: "
+                                  "expected a writer with write(step, values) and close(), or None")
+        self.name, self.writer = name, writer
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        call_entry(LOG_BACKENDS.what, self.name, "write", self.writer.write, step, values)
+
+    def close(self) -> None:
+        call_entry(LOG_BACKENDS.what, self.name, "close", self.writer.close)
 
 
 def live_views(run_dir: Path, cfg: RunConfig) -> LiveViews | None:

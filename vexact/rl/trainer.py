@@ -78,6 +78,7 @@ from ..records.runlog import (
     save_checkpoint,
     write_json_atomic,
 )
+from ..registry import PluginCodeError
 from ..version import __version__
 from .advantages import compute_advantages
 from .collapse import detect_collapse
@@ -186,6 +187,7 @@ class Trainer:
         self.engine = ROLLOUT_ENGINES[cfg.rollout.engine]
         self.engine.check(self.ranks.world_size)  # e.g. its package missing: one error now, not after the warm start
         self._session: RolloutSession | None = None
+        self._view_failure: PluginCodeError | None = None  # a live view's close failed: raised after the run's end
         # rollout.policy_lag = k: the master weights at the start of the last k steps, oldest first (the behaviour
         # policy is the oldest), and an fp32 model the behaviour weights are loaded into
         self._snapshots: deque[list[Tensor]] = deque(maxlen=cfg.rollout.policy_lag or None)
@@ -472,7 +474,14 @@ class Trainer:
         refused with the changed keys, unless each is in ``allow_changes`` and in ``RESUME_SAFE_KEYS``; allowed
         changes are recorded in config_changes.jsonl. Resuming a finished run does nothing (and says so) unless
         ``steps`` grew: then it is extended. With several ranks, rank 0 holds the lock and writes; every rank
-        returns rank 0's summary."""
+        returns rank 0's summary.
+
+        A log backend (a live view: ``logging.backends``) that fails to close does not cost the run its end: every
+        view is closed and summary.json written first, and then its failure is raised (a ``PluginCodeError`` naming
+        the backend: the CLI's one error line and exit code 2, bad input, as for any plugin's error), since a view
+        the config asked for may have lost its last steps. After an interrupt the failure is only printed: the exit
+        code stays the interrupt's, which a job scheduler acts on."""
+        self._view_failure = None
         try:
             if not self.ranks.is_main:
                 summary = self._run(resume, tuple(allow_changes))
@@ -485,6 +494,11 @@ class Trainer:
         # there is nothing to resume
         if summary["status"] == "interrupted" and holds_run(self.run_dir):
             self._log("[yellow]interrupted[/] -- finished steps are in metrics.jsonl; continue with --resume")
+        if self._view_failure is not None:
+            failure, self._view_failure = self._view_failure, None
+            if summary["status"] != "interrupted":
+                raise failure
+            self._log(f"[red]error:[/] {failure}")
         return summary
 
     def _run(self, resume: bool, allow_changes: tuple[str, ...]) -> dict:
@@ -616,7 +630,10 @@ class Trainer:
             summary["signal"] = stop_signal(stop).name
             summary["reason"] = f"interrupted by {summary['signal']} during step {step}; resume with --resume"
         finally:
-            writer.close()
+            try:
+                writer.close()
+            except PluginCodeError as failure:  # a live view's: the run still writes its end (run raises it after)
+                self._view_failure = failure
         return summary, step, started, last
 
     def _collapse_confirmed(self) -> bool:
