@@ -470,3 +470,25 @@ def test_a_backend_failing_to_close_leaves_the_runs_end_written_then_names_it(pl
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps_completed"] == 2
     assert opened["log_ok"].closed and opened["log_ok"].steps == [0, 1] == opened["log_x"].steps
+
+
+@pytest.mark.parametrize("install, line", [("", "pip install no_such_pkg_zz"),
+                                           ("pip install 'zz-tools[log]'", "pip install 'zz-tools[log]'")])
+def test_a_plugin_backends_missing_package_names_its_own_install_line(install, line):
+    """Not ``pip install 'vexact[NAME]'``, an extra vexact does not have: the backend's ``install``, else
+    ``pip install PACKAGE``."""
+
+    class Missing(log_backends.LogBackendKind):
+        name = "log_missing"
+        package = "no_such_pkg_zz"
+
+        def open(self, run_dir, cfg):
+            return None
+
+    Missing.install = install
+    log_backends.register_log_backend(Missing())
+    try:
+        problem = log_backends.missing_package("log_missing")
+    finally:
+        log_backends.LOG_BACKENDS.remove("log_missing")
+    assert problem == f"backend 'log_missing' needs the 'no_such_pkg_zz' package, which is not installed: {line}"

@@ -94,3 +94,21 @@ def test_a_run_on_an_engine_that_fails_is_one_error_naming_it(tmp_path, opens, s
     finally:
         ROLLOUT_ENGINES.remove("eng_x")
     assert says in str(e.value)
+
+
+@pytest.mark.parametrize("install, line", [("", "pip install no_such_pkg_zz"),
+                                           ("pip install 'zz-tools[gpu]'", "pip install 'zz-tools[gpu]'")])
+def test_an_engines_missing_package_names_its_install_line(install, line):
+    """An engine that sets ``package`` and no ``install`` is told ``pip install PACKAGE``, not nothing."""
+    from vexact.rl.config import ConfigError
+
+    class Missing(RolloutEngine):
+        name = "eng_missing"
+        package = "no_such_pkg_zz"
+
+    Missing.install = install
+    with pytest.raises(ConfigError) as e:
+        Missing().check()
+    assert e.value.key == "rollout.engine" and e.value.problem == (
+        "rollout engine 'eng_missing' needs the 'no_such_pkg_zz' package, which is not installed in this Python "
+        f"environment: {line}")

@@ -58,13 +58,14 @@ EVENT_FILES = "events.out.tfevents.*"  # the names of TensorBoard's event files
 
 
 class LogBackendKind:
-    """One ``logging.backends`` entry: ``package``, the module it imports (the extra of the same name installs it;
-    None: nothing to install); ``settings``, a dataclass of its own ``logging.*`` keys; ``open(run_dir, cfg)``, its
-    writer, a ``LogBackend`` (``write(step, values)``, ``close()``; None for ``jsonl``, metrics.jsonl itself, which
-    the run log writes)."""
+    """One ``logging.backends`` entry: ``package``, the module it imports (None: nothing to install) and ``install``,
+    the line that installs it (empty: ``pip install PACKAGE``; a built-in names its extra); ``settings``, a
+    dataclass of its own ``logging.*`` keys; ``open(run_dir, cfg)``, its writer, a ``LogBackend``
+    (``write(step, values)``, ``close()``; None for ``jsonl``, metrics.jsonl itself, which the run log writes)."""
 
     name: ClassVar[str] = ""
     package: ClassVar[str | None] = None
+    install: ClassVar[str] = ""
     settings: ClassVar[type | None] = None
 
     def open(self, run_dir: Path, cfg: RunConfig) -> LogBackend | None:
@@ -80,13 +81,14 @@ def register_log_backend(kind: LogBackendKind, replace: bool = False) -> LogBack
 
 
 def missing_package(backend: str) -> str | None:
-    """Why ``backend`` cannot run here (its package is not installed, with the pip line), or None.
+    """Why ``backend`` cannot run here (its package is not installed, with its install line), or None.
 
     ``find_spec`` only looks the package up: the check costs no import."""
-    module = LOG_BACKENDS[backend].package if backend in LOG_BACKENDS else None
-    if module is None or importlib.util.find_spec(module) is not None:
+    kind = LOG_BACKENDS[backend] if backend in LOG_BACKENDS else None
+    if kind is None or kind.package is None or importlib.util.find_spec(kind.package) is not None:
         return None
-    return f"backend {backend!r} needs the {module!r} package, which is not installed: pip install 'vexact[{backend}]'"
+    install = kind.install or f"pip install {kind.package}"
+    return f"backend {backend!r} needs the {kind.package!r} package, which is not installed: {install}"
 
 
 class TensorBoardBackend:
@@ -176,6 +178,7 @@ class TensorBoard(LogBackendKind):
 
     name = "tensorboard"
     package = "tensorboard"
+    install = "pip install 'vexact[tensorboard]'"
 
     def open(self, run_dir: Path, cfg: RunConfig) -> LogBackend:
         return TensorBoardBackend(run_dir / TENSORBOARD_DIR)
@@ -199,6 +202,7 @@ class Wandb(LogBackendKind):
 
     name = "wandb"
     package = "wandb"
+    install = "pip install 'vexact[wandb]'"
     settings = WandbSettings
 
     def open(self, run_dir: Path, cfg: RunConfig) -> LogBackend:

@@ -54,8 +54,9 @@ class RolloutSession(Protocol):
 
 class RolloutEngine:
     """One ``rollout.engine`` entry: ``package``, the module it needs (None: nothing to install) and ``install``,
-    the line that installs it; ``settings``, a dataclass of its own ``rollout.*`` keys; ``runs_training_path``,
-    whether it samples on vexact's own rollout path (the injector's plan applies to it); ``open``, its session."""
+    the line that installs it (empty: ``pip install PACKAGE``); ``settings``, a dataclass of its own ``rollout.*``
+    keys; ``runs_training_path``, whether it samples on vexact's own rollout path (the injector's plan applies to
+    it); ``open``, its session."""
 
     name: ClassVar[str] = ""
     package: ClassVar[str | None] = None
@@ -67,8 +68,9 @@ class RolloutEngine:
         """Whether the engine can run here, for ``world_size`` data-parallel ranks: a ConfigError at
         ``rollout.engine`` naming the install line when ``package`` is missing (looked up, not imported)."""
         if self.package is not None and importlib.util.find_spec(self.package) is None:
+            install = self.install or f"pip install {self.package}"
             raise ConfigError(f"rollout engine {self.name!r} needs the {self.package!r} package, which is not "
-                              f"installed in this Python environment: {self.install}", "rollout.engine")
+                              f"installed in this Python environment: {install}", "rollout.engine")
 
     def open(self, cfg: RunConfig, run_dir: Path, world_size: int) -> RolloutSession:
         raise NotImplementedError
