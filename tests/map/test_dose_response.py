@@ -37,8 +37,10 @@ def _sweep(root: Path, outcomes: dict[tuple[str, float], list[bool]], curves: li
             # each seed realises a slightly different mismatch, as real runs do
             k3 = None if (mode, dose, seed) in no_metric else dose * (1 + 0.05 * seed)
             (root / "points" / name / "summary.json").write_text(json.dumps(_summary(c, k3, 40 + seed)))
-            # a finished run's log is never empty (the report calls an empty one damaged): one line stands for it
-            (root / "points" / name / "metrics.jsonl").write_text(json.dumps({"step": 99}) + "\n")
+            # a finished run's log holds a line per step its summary counts (fewer is damage: check_finished)
+            steps = _summary(c, k3, 40 + seed)["steps_completed"]
+            (root / "points" / name / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n"
+                                                                           for i in range(steps)))
             entries.append({"name": name, "dir": f"points/{name}", "overrides": overrides, "status": "completed"})
     grid = {"algorithm.old_logprobs": sorted({m for m, _ in outcomes}),
             "inject.value": sorted({d for _, d in outcomes}), "seed": list(SEEDS)}
