@@ -228,3 +228,36 @@ def test_a_point_no_ray_node_can_hold_is_one_error_before_any_runs(tmp_path):
         "error: point seed=0,threads=4096 asks Ray for 4096 CPUs (its threads and device), but no node of the Ray "
         "cluster has them (the most one has: "), done.stderr
     assert not (tmp_path / "big" / "points").exists()  # nothing ran
+
+
+def test_sigterm_stops_a_ray_sweep_as_ctrl_c_does(tmp_path):
+    """``ray.init`` installed its own SIGTERM handler over vexact's: a job scheduler's stop aborted the sweep (exit
+    134, Ray's fatal-signal dump) and left its running points "pending". Now it exits 143 and records them
+    interrupted, as Ctrl-C records them (130)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_sweep_faults import _sweep_file as fast_sweep_file
+
+    spec = load_sweep_spec(fast_sweep_file(tmp_path, "term", grid={"seed": [0, 1]}, steps=500))
+    sweep = subprocess.Popen([sys.executable, "-m", "vexact", "sweep", str(tmp_path / "term.yaml"), "--no-report",
+                              "--executor", "ray"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any((p.run_dir / "metrics.jsonl").is_file() and (p.run_dir / "metrics.jsonl").stat().st_size
+                      for p in spec.points):
+            assert sweep.poll() is None and time.monotonic() < deadline, "no point wrote a metrics line"
+            time.sleep(0.2)
+        sweep.send_signal(signal.SIGTERM)
+        _, err = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert sweep.returncode == 143, err
+    statuses = [p["status"] for p in json.loads((spec.output_dir / "sweep.json").read_text())["points"]]
+    assert "interrupted" in statuses and set(statuses) <= {"interrupted", "pending"}, statuses
+    started = [p.run_dir.exists() for p in spec.points]
+    assert [status == "interrupted" for status in statuses] == started, (statuses, started)

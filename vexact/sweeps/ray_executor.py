@@ -16,11 +16,15 @@ directory.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from ..cli_base import stopped_by
 from ..engine.devices import device_kind
 
 LOCAL_HOST = "127.0.0.1"
@@ -71,14 +75,29 @@ def start(address: str | None, num_cpus: int | None = None) -> bool:
         return False
     if address:
         check_reachable(address)
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        _init_keeping_sigterm(ray, address=address, log_to_driver=False, configure_logging=False)
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    _init_keeping_sigterm(ray, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                          configure_logging=False)
     if ray.util.get_node_ip_address() != LOCAL_HOST:
         ray.shutdown()
         raise ValueError(f"the private Ray instance took node address {ray.util.get_node_ip_address()}, "
                          f"not {LOCAL_HOST}: refusing to run it")
     return True
+
+
+def _init_keeping_sigterm(ray: Any, **kwargs: Any) -> None:
+    """``ray.init(**kwargs)``, leaving this process's SIGTERM handler as it was: ``ray.init`` installs its own,
+    which aborted the sweep (exit 134, its points left "pending") where vexact's (``stop_on_sigterm``) stops it as
+    Ctrl-C does (exit 143, its running points "interrupted")."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(**kwargs)
+    finally:
+        # None: a handler set from outside Python, which cannot be put back; unchanged: nothing to do (and off the
+        # main thread, where Ray installs none, signal.signal would raise)
+        if handler is not None and signal.getsignal(signal.SIGTERM) is not handler:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
@@ -144,47 +163,75 @@ def run_points(todo: list, finish: Callable[[Any, dict], None], check_lock: Call
                address: str | None, run_point: PointRunner,
                on_running: Callable[[list], None] = lambda names: None) -> None:
     """Submit every point in ``todo`` as a Ray task running ``run_point`` and ``finish(point, result)`` each as it
-    completes."""
+    completes. Stopped (Ctrl-C, or SIGTERM as ``stop_on_sigterm`` handles it), it cancels the tasks, records their
+    points (``_record_cancelled``) and raises the stop again: ``Terminated`` for a SIGTERM."""
     ray = _ray(private=not address)
     started = start(address)
+    refs: dict[Any, Any] = {}
     try:
-        refs: dict[Any, Any] = {}
-        nodes = ray.nodes()
-        for point in todo:  # before any is submitted: one error, not a sweep stopped half-way
+        with _noting_sigterm() as sigterms:
             try:
-                check_placeable(point.name, task_resources(point.config.threads, point.config.device), nodes)
-            except ValueError as err:
-                if started:  # the sweep's own Ray on this machine: no node will join it
-                    raise
-                # a cluster's autoscaler may add the node the point asks for: said once, then Ray waits for it
-                print(f"warning: {err}; it waits for such a node (an autoscaling cluster starts one)", file=sys.stderr)
-        for point in todo:
-            locked = check_lock(point)
-            if locked:
-                finish(point, locked)
-                continue
-            resources = task_resources(point.config.threads, point.config.device)
-            task = ray.remote(**resources, max_retries=0)(_run_in)
-            refs[task.remote(os.getcwd(), list(sys.path), run_point, task_config(point.config.to_dict()),
-                             point.run_dir.exists(), resources["num_cpus"])] = point
-        while refs:
-            on_running([p.name for p in refs.values()])
-            done, _ = ray.wait(list(refs), num_returns=1)
-            point = refs.pop(done[0])
-            try:
-                result = ray.get(done[0])
-            except ray.exceptions.RayError as err:  # the task's process died: recorded, a re-run resumes it
-                result = {"status": "failed", "error": f"Ray task failed: {type(err).__name__}: {err}"}
-            finish(point, result)
-    except KeyboardInterrupt:
-        for ref in list(refs):
-            ray.cancel(ref, force=True)
-        _record_cancelled(ray, refs, finish)
-        raise
+                nodes = ray.nodes()
+                for point in todo:  # before any is submitted: one error, not a sweep stopped half-way
+                    try:
+                        check_placeable(point.name, task_resources(point.config.threads, point.config.device), nodes)
+                    except ValueError as err:
+                        if started:  # the sweep's own Ray on this machine: no node will join it
+                            raise
+                        # a cluster's autoscaler may add the node the point asks for: said once, then Ray waits
+                        print(f"warning: {err}; it waits for such a node (an autoscaling cluster starts one)",
+                              file=sys.stderr)
+                for point in todo:
+                    locked = check_lock(point)
+                    if locked:
+                        finish(point, locked)
+                        continue
+                    resources = task_resources(point.config.threads, point.config.device)
+                    task = ray.remote(**resources, max_retries=0)(_run_in)
+                    refs[task.remote(os.getcwd(), list(sys.path), run_point, task_config(point.config.to_dict()),
+                                     point.run_dir.exists(), resources["num_cpus"])] = point
+                while refs:
+                    on_running([p.name for p in refs.values()])
+                    done, _ = ray.wait(list(refs), num_returns=1)
+                    point = refs.pop(done[0])
+                    try:
+                        result = ray.get(done[0])
+                    except ray.exceptions.RayError as err:  # the task's process died: recorded, a re-run resumes it
+                        result = {"status": "failed", "error": f"Ray task failed: {type(err).__name__}: {err}"}
+                    finish(point, result)
+            except KeyboardInterrupt as stop:
+                for ref in list(refs):
+                    ray.cancel(ref, force=True)
+                _record_cancelled(ray, refs, finish)
+                if sigterms:  # Ray's wait turns the handler's Terminated into a plain KeyboardInterrupt (Ctrl-C's)
+                    raise stopped_by(signal.SIGTERM) from None
+                raise stop
     finally:
         if started:
             ray.shutdown()
 
+
+@contextmanager
+def _noting_sigterm() -> Iterator[list[int]]:
+    """A list that gets an entry when SIGTERM arrives, its handler (``stop_on_sigterm``'s) still run: ``ray.wait``
+    and ``ray.get`` catch the KeyboardInterrupt a handler raises and raise a new, plain one, so the stop no longer
+    says it was SIGTERM (the sweep exited 130, not 143). Nothing is noted where SIGTERM keeps Python's default
+    handling or off the main thread (where no handler can be set)."""
+    received: list[int] = []
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler) or threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def noting(signum: int, frame: Any) -> None:
+        received.append(signum)
+        handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, noting)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 CANCEL_WAIT_S = 10.0
 """How long a stopped sweep waits for Ray to settle the tasks it cancelled (a cancelled task is settled at once)."""
