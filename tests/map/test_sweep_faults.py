@@ -216,6 +216,26 @@ def test_a_single_runs_directory_is_refused_as_a_sweeps_output(tmp_path, capsys,
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "summary.json"]  # nothing written
 
 
+def test_another_sweeps_directory_is_refused_as_a_sweeps_output(tmp_path, capsys, monkeypatch):
+    """vexact sweep / demo into the output directory of a sweep of another name took it over: its sweep.json was
+    replaced and its points left unlisted. Now one error naming both sweeps and the directory; the sweep of the same
+    name still resumes there (an edited one: test_an_edited_sweep_file_is_refused_where_its_points_have_run)."""
+    first = _sweep_file(tmp_path, "first", grid={"seed": [0]})
+    spec = load_sweep_spec(first)
+    assert run_sweep(spec, console=Console(quiet=True)) == {"seed=0": "completed"}
+    index = (spec.output_dir / "sweep.json").read_bytes()
+    other = _sweep_file(tmp_path, "other", grid={"seed": [3]}, output_dir=str(spec.output_dir))
+    line = _cli_error(capsys, monkeypatch, "sweep", str(other), "--no-report")
+    assert line == f"error: sweep other: {spec.output_dir} holds sweep first (its sweep.json); choose another " \
+                   "--output-dir for this sweep"
+    line = _cli_error(capsys, monkeypatch, "demo", "--output-dir", str(spec.output_dir))
+    assert line.endswith(f": {spec.output_dir} holds sweep first (its sweep.json); choose another --output-dir for "
+                         "this sweep")
+    assert (spec.output_dir / "sweep.json").read_bytes() == index  # nothing written
+    assert sorted(p.name for p in (spec.output_dir / "points").iterdir()) == ["seed=0"]
+    assert main(["sweep", str(first), "--no-report"]) == 0  # the same sweep: its finished point skipped
+
+
 def test_the_sweep_headline_prints_names_and_paths_as_text(tmp_path, capsys, monkeypatch):
     """An output directory ".../a[/b]" ended vexact sweep with a MarkupError before any point ran."""
     path = _sweep_file(tmp_path, "marked", grid={"seed": [0]}, output_dir=str(tmp_path / "a[" / "b]"))

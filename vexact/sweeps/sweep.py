@@ -420,7 +420,8 @@ def point_status(point: SweepPoint) -> str:
 
 
 def _check_output_dirs(spec: SweepSpec) -> None:
-    """Before anything runs: the sweep's folders are folders (or absent), and sweep.json can be written."""
+    """Before anything runs: the sweep's folders are folders (or absent), the output directory holds no other
+    sweep (a sweep.json of another name), and sweep.json can be written."""
     for folder in (spec.output_dir, spec.output_dir / "points", *(p.run_dir for p in spec.points)):
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"sweep {spec.name}: {folder} exists and is not a directory; move it away or choose "
@@ -431,6 +432,21 @@ def _check_output_dirs(spec: SweepSpec) -> None:
         raise ValueError(f"sweep {spec.name}: {spec.output_dir} is a run's directory (it holds "
                          f"{' and '.join(name for name in RUN_FILES if (spec.output_dir / name).is_file())}); "
                          "choose another output_dir")
+    held = _recorded_sweep_name(spec.output_dir)
+    if held is not None and held != spec.name:
+        # its sweep.json would be replaced and its points left unlisted beside the new ones. The same name is the
+        # same sweep, resumed or edited: _check_recorded_overrides and _check_started_points judge that.
+        raise ValueError(f"sweep {spec.name}: {spec.output_dir} holds sweep {held} (its sweep.json); choose another "
+                         "--output-dir for this sweep")
+
+
+def _recorded_sweep_name(output_dir: Path) -> str | None:
+    """The name in ``output_dir``'s sweep.json; None where there is none, or it cannot be read (rewritten later)."""
+    try:
+        name = json.loads((output_dir / "sweep.json").read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
 
 
 def _write_index(spec: SweepSpec, statuses: dict[str, str], errors: dict[str, str | None]) -> None:
