@@ -33,7 +33,7 @@ from .cli_base import (  # what every command shares; the CLI's names for them t
 )
 from .cli_base import non_negative_int as _non_negative_int
 from .cli_base import positive_int as _positive_int
-from .sweeps import EXECUTORS
+from .sweeps import EXECUTORS, MAX_JOBS
 
 FAILED_MEANS = {
     "check": "a bitwise mismatch on an exact backend",
@@ -328,13 +328,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _jobs(text: str) -> int:
+    """An argparse type for ``--jobs``: a positive integer up to ``MAX_JOBS``, else argparse's one error."""
+    jobs = _positive_int(text)
+    if jobs > MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_JOBS} worker processes, got {jobs}")
+    return jobs
+
+
 def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", type=Path, help="sweep YAML: base config + grid")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value of every point, e.g. --set optimizer.lr=1e-4 (repeatable; as vexact "
                         "run --set, applied over the sweep's base and set, under its grid and variants). Recorded in "
                         "sweep.json: a re-run with other --set values is refused")
-    p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes (default 1)")
+    p.add_argument("--jobs", type=_jobs, default=1, help=f"worker processes (default 1, at most {MAX_JOBS})")
     p.add_argument("--output-dir", type=Path, default=None, help="override the sweep's output_dir")
     p.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
                    help="run only the points whose grid key KEY (variant included) has one of these values "
@@ -412,7 +420,8 @@ def _cmd_report(directory: Path, skip_damaged: bool = False) -> int:
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=Path("runs") / "demo",
                    help="where the sweep's runs and report go (default runs/demo; re-running resumes it)")
-    p.add_argument("--jobs", type=_positive_int, default=1, help="worker processes, one run each (default 1)")
+    p.add_argument("--jobs", type=_jobs, default=1,
+                   help=f"worker processes, one run each (default 1, at most {MAX_JOBS})")
     _add_device(p, "cpu, the demo's own")
     _add_quiet(p)
     p.set_defaults(func=_cmd_demo)

@@ -236,6 +236,25 @@ def test_another_sweeps_directory_is_refused_as_a_sweeps_output(tmp_path, capsys
     assert main(["sweep", str(first), "--no-report"]) == 0  # the same sweep: its finished point skipped
 
 
+def test_a_huge_jobs_is_one_parse_error_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """--jobs 99999999999 overflowed the process pool's semaphore: a traceback, exit 1, and a sweep.json left behind.
+    Now argparse's one error naming --jobs and its bound (MAX_JOBS), exit 2, for sweep and demo alike."""
+    path = _sweep_file(tmp_path, "many", grid={"seed": [0]})
+    for argv in (["sweep", str(path)], ["demo", "--output-dir", str(tmp_path / "demo")]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stopped:
+            main([*argv, "--jobs", "99999999999"])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: argument --jobs: at most 1024 worker processes, got 99999999999" in err
+        assert "Traceback" not in err
+    assert not (tmp_path / "many").exists() and not (tmp_path / "demo").exists()
+    from vexact.sweeps import MAX_JOBS  # and run_sweep itself
+
+    with pytest.raises(ValueError, match=f"--jobs {MAX_JOBS + 1}: expected 1 to {MAX_JOBS} worker processes"):
+        run_sweep(load_sweep_spec(path), jobs=MAX_JOBS + 1, console=Console(quiet=True))
+
+
 def test_the_sweep_headline_prints_names_and_paths_as_text(tmp_path, capsys, monkeypatch):
     """An output directory ".../a[/b]" ended vexact sweep with a MarkupError before any point ran."""
     path = _sweep_file(tmp_path, "marked", grid={"seed": [0]}, output_dir=str(tmp_path / "a[" / "b]"))

@@ -7,3 +7,8 @@ EXECUTORS = ("local", "ray")
 """Where a sweep's points run (``vexact sweep --executor``, ``run_sweep(executor=...)``): this machine's processes,
 or one Ray task per point (``ray_executor``). Here, not in ``sweep``, so that the CLI's parser reads it without
 importing torch."""
+
+MAX_JOBS = 1024
+"""The most local worker processes a sweep takes (``--jobs``, ``run_sweep(jobs=...)``): more than any machine has
+cores to give them, and bounded because the pool's queue and its worker slots grow with it (``--jobs 99999999999``
+overflowed the pool's semaphore, after sweep.json was written). Here, for the CLI's parser too."""

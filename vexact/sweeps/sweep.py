@@ -83,7 +83,7 @@ from ..rl.lifetime import die_with_parent
 from ..rl.plugins import load_plugins
 from ..rl.schedules import steps_change_problem
 from ..rl.validate import build, parse_yaml, plain
-from . import EXECUTORS
+from . import EXECUTORS, MAX_JOBS
 
 FINISHED = FINISHED_STATUSES  # stopped = the run ended itself (NaN, exactness) -- an outcome
 
@@ -631,6 +631,8 @@ def run_sweep(spec: SweepSpec, jobs: int = 1, console: Console | None = None, ex
         raise ValueError(f"unknown executor {executor!r}; expected {' or '.join(EXECUTORS)}")
     if address and executor != "ray":
         raise ValueError("--address is the Ray cluster to use: it needs --executor ray")
+    if not 1 <= jobs <= MAX_JOBS:
+        raise ValueError(f"--jobs {jobs}: expected 1 to {MAX_JOBS} worker processes")
     if jobs > 1 and executor == "ray":  # Ray runs as many points at once as its nodes' CPUs hold
         raise ValueError(f"--jobs {jobs} is the number of local worker processes: with --executor ray, Ray decides "
                          "how many points run at once (each asks for its threads' CPUs)")
