@@ -526,6 +526,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode
                            "sample_tokens_s": sampler_seconds(shapes()[shape_name].model.vocab_size, args.prompts,
                                                              args.reps * 5)})
         if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # check_writable leaves no folder behind
             Path(args.out).write_text(text + "\n")
         print(text)
         return 0
@@ -542,6 +543,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.decode
     record["machine"].update(malloc=malloc, load_average_end=load_average())
     text = json.dumps(record, indent=1, default=float)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # check_writable leaves no folder behind
         with open(args.out, "w") as f:
             f.write(text)
     print(text)

@@ -151,17 +151,27 @@ def non_negative_int(text: str) -> int:
 
 
 def check_writable(path: Path, flag: str) -> None:
-    """A ValueError naming ``flag`` unless ``path`` can be written (its folders are made; a file this probe creates is
-    removed again): a command that writes its results at the end finds out before its work, not after it."""
+    """A ValueError naming ``flag`` unless ``path`` can be written: a command that writes its results at the end finds
+    out before its work, not after it. The probe leaves nothing behind, whatever its outcome: the file and the
+    folders it made for it are removed again (a command that then fails left them behind), so the writer makes the
+    folders it needs."""
     existed = path.exists()
+    made = [folder for folder in (path.parent, *path.parent.parents) if not folder.exists()]  # deepest first
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
-    if not existed:
-        path.unlink()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot write {path}: {e.strerror or e}") from None
+        if not existed:
+            path.unlink()
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # not made here after all (or not empty: something else writes there)
+                break
 
 
 def check_outputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:

@@ -65,3 +65,18 @@ def test_two_outputs_naming_one_file_are_refused(tmp_path, capsys, command):
     assert main([command, *head, "--json", str(out), "--png", str(out)]) == 2
     assert capsys.readouterr().err == f"error: --png {out} is also --json's file: each output needs its own file\n"
     assert not out.exists()
+
+
+def test_the_probe_leaves_no_folder_behind_and_the_report_makes_its_own(tmp_path, capsys):
+    """``compare r.jsonl missing.jsonl --json nodir/x/y.json`` exited 2 and left nodir/x behind: the probe made the
+    folders and removed only its file. Now it removes the folders it made; a command that succeeds makes them when
+    it writes."""
+    rollout = tmp_path / "r.jsonl"
+    rollout.write_text('{"id": 0, "tokens": [1, 2], "logprobs": [-0.5, -0.25]}\n')
+    assert main(["compare", str(rollout), str(tmp_path / "missing.jsonl"), "--json",
+                 str(tmp_path / "nodir" / "x" / "y.json")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+    (tmp_path / "kept").mkdir()  # a folder that was there stays
+    assert main(["compare", str(rollout), str(rollout), "--json", str(tmp_path / "kept" / "new" / "y.json")]) == 0
+    assert (tmp_path / "kept" / "new" / "y.json").is_file()
