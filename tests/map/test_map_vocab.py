@@ -85,6 +85,17 @@ def test_vocab_needs_the_map_and_a_size(capsys):
     assert "expected a vocabulary size (an integer >= 2), got '1'" in capsys.readouterr().err
 
 
+def test_vocab_with_a_map_file_is_refused(tmp_path, capsys):
+    """--vocab picks a shipped map; with --map=FILE (a map of one's own) it was ignored silently. One error now."""
+    rollout = tmp_path / "r.jsonl"
+    rollout.write_text('{"id": 0, "tokens": [1, 2], "logprobs": [-0.5, -0.25]}\n')
+    own = Path(verdict.__file__).with_name("default_map.json")
+    assert main(["compare", f"--map={own}", "--vocab", "50000", str(rollout), str(rollout)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"error: --vocab picks one of the maps shipped with vexact, and --map={own} names its "
+                                 "own map file: give one of them (--vocab with --map alone, no FILE)\n")
+
+
 def test_live_monitor_takes_the_vocab(tmp_path, monkeypatch):
     from vexact.live import LiveMonitor
 

@@ -609,6 +609,9 @@ def main(args: argparse.Namespace) -> int:
                         ("--policy-lag", args.policy_lag)):
         if value is not None and args.map is None:
             raise ValueError(f"{flag} chooses a curve of the collapse map: give --map too")
+    if args.vocab is not None and args.map not in (None, DEFAULT_MAP):  # load_map ignored it for a file
+        raise ValueError(f"--vocab picks one of the maps shipped with vexact, and --map={args.map} names its own map "
+                         "file: give one of them (--vocab with --map alone, no FILE)")
     if args.verbose and args.map is None:
         raise ValueError("--verbose prints the --map placement in full: give --map too")
     if args.full_vocab_top_k is not None and args.rollout_full_key is None and args.train_full_key is None:
