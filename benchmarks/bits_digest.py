@@ -25,6 +25,7 @@ import torch
 
 from vexact import Transformer, generate
 from vexact.engine.scoring import token_logprobs
+from vexact.rl.validate import read_text_file
 
 from .common import DTYPES, cli_main, machine_info, parse_list, parse_threads, shapes
 from .end_to_end import prompts_of
@@ -104,11 +105,12 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
     before = None
     if args.against is not None:
+        text = read_text_file(args.against, f"--against file '{args.against}'")  # missing, a directory, binary
         try:
-            before = json.loads(args.against.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            before = json.loads(text)
+        except json.JSONDecodeError as err:
             raise ValueError(f"--against {args.against}: not a readable JSON record ({err})") from None
-        if before.get("benchmark") != "bits_digest":
+        if not isinstance(before, dict) or before.get("benchmark") != "bits_digest":
             raise ValueError(f"--against {args.against}: not a bits_digest record")
     record = {"benchmark": "bits_digest", "machine": machine_info(device),
               "settings": {"shapes": shape_names, "dtypes": dtype_names, "threads": thread_counts,

@@ -612,6 +612,21 @@ def test_bits_digest_finds_the_same_bits_and_a_changed_one(tmp_path, capsys, mon
     assert bits_digest.main([*args, "--layers", "0"]) == 2
 
 
+@pytest.mark.parametrize("against", ["binary", "folder", "list"])
+def test_bits_digest_against_a_file_that_is_no_record_is_one_error_naming_it(tmp_path, capsys, against):
+    """A binary --against file was a UnicodeDecodeError traceback, and a JSON list an AttributeError one."""
+    path = tmp_path / "against"
+    if against == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(bytes(range(128, 256)) if against == "binary" else b"[1]")
+    assert bits_digest.main(["--shape", "tiny", "--dtype", "float32", "--threads", "1", "--against", str(path)]) == 2
+    assert capsys.readouterr().err == {
+        "binary": f"error: --against file '{path}' is not a UTF-8 text file\n",
+        "folder": f"error: --against file '{path}' is a directory, not a file\n",
+        "list": f"error: --against {path}: not a bits_digest record\n"}[against]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["decode_profile", "--shape", "tiny", "--reps", "0"], "argument --reps: expected a positive integer"),  # was
     # Infinity seconds and exit 0

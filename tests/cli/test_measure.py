@@ -112,7 +112,7 @@ def test_cli_token_id_prompts_and_fail_on_mismatch(qwen3_ids_dir, tmp_path):
     (["--rollout", "native:fp64"], "bad path spec 'native:fp64'"),
     (["--train", "vllm:bf16"], "bad path spec 'vllm:bf16'"),
     (["--model", "/nonexistent/ckpt"], "checkpoint directory not found"),
-    (["--prompts", "/nonexistent/prompts.txt"], "prompts file not found"),
+    (["--prompts", "/nonexistent/prompts.txt"], "--prompts file '/nonexistent/prompts.txt' does not exist"),
     # flags that would change nothing (each was ignored); None: a flag without a value, P: a prompts file
     (["--token-ids", None], "--token-ids: it reads a --prompts file as token ids, and the prompts here are random "
                             "(--random-prompts): it would change nothing"),
@@ -131,6 +131,22 @@ def test_cli_bad_input_is_one_clear_error(qwen3_ids_dir, tmp_path, capsys, args,
     assert main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["measure", "locate"])
+def test_a_prompts_file_that_is_binary_or_a_directory_is_one_error_naming_the_flag(qwen3_ids_dir, tmp_path, capsys,
+                                                                                   monkeypatch, command):
+    """A binary --prompts file was "error: 'utf-8' codec can't decode byte ...", naming neither flag nor file; a
+    directory was "prompts file not found". Now one line naming both (locate reads --prompts as measure does)."""
+    binary, folder = tmp_path / "bin.yaml", tmp_path / "d"
+    binary.write_bytes(bytes(range(128, 256)))
+    folder.mkdir()
+    monkeypatch.setenv("COLUMNS", "10000")  # the error line unwrapped
+    model = ["--model", str(qwen3_ids_dir)] if command == "measure" else ["--random"]
+    for path, problem in ((binary, "is not a UTF-8 text file"), (folder, "is a directory, not a file")):
+        capsys.readouterr()
+        assert main([command, *model, "--prompts", str(path), "--max-new-tokens", "2"]) == 2
+        assert capsys.readouterr().err == f"error: --prompts file '{path}' {problem}\n"
 
 
 def test_cli_seed_and_prompt_length_are_taken_where_they_count(qwen3_ids_dir, tmp_path, capsys):

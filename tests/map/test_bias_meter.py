@@ -275,6 +275,25 @@ def test_noise_bias_cli(tmp_path, capsys):
     assert err.startswith("error: ") and "not a vexact meter result" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_meter_file_that_is_a_directory_or_binary_is_one_error_naming_it(tmp_path, capsys, monkeypatch):
+    """A directory was "meter file not found" (vexact meter and noise-bias alike), and a binary meter.json an error
+    naming no file: each is now read by the reader of run and sweep files (``validate.read_text_file``)."""
+    from vexact.cli import main
+    from vexact.sweeps.bias_meter import _main
+
+    folder, binary = tmp_path / "d", tmp_path / "bin.json"
+    folder.mkdir()
+    binary.write_bytes(bytes(range(128, 256)))
+    monkeypatch.setenv("COLUMNS", "10000")  # the error line unwrapped
+    capsys.readouterr()
+    assert main(["meter", str(folder)]) == 2
+    assert capsys.readouterr().err == f"error: config error: meter file '{folder}' is a directory, not a file\n"
+    assert _main(["noise-bias", str(folder)]) == 2
+    assert capsys.readouterr().err == f"error: meter file '{folder}' is a directory, not a file\n"
+    assert _main(["noise-bias", str(binary)]) == 2
+    assert capsys.readouterr().err == f"error: meter file '{binary}' is not a UTF-8 text file\n"
+
+
 @pytest.mark.parametrize("error", [RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not "
                                                 "enough memory: you tried to allocate 320204832768 bytes."),
                                    MemoryError()])

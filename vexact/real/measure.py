@@ -85,6 +85,7 @@ from ..metric_keys import (
 )
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from ..rl.raw_ratios import raw_ratio_metrics
+from ..rl.validate import read_text_file
 from .hf_checkpoint import Checkpoint, read_checkpoint, read_checkpoint_config
 from .hf_config import SUPPORTED_ARCHITECTURES, eos_token_id_of, model_config_from_hf
 from .pretrained import build_model, from_pretrained, load_tokenizer
@@ -174,9 +175,8 @@ def load_prompts(settings: MeasureSettings, vocab_size: int, tokenizer: Any | No
         return [[rng.randrange(high) for _ in range(rng.randint(1, settings.max_prompt_len))]
                 for _ in range(settings.random_prompts)]
     path = Path(settings.prompts_file)
-    if not path.is_file():
-        raise ValueError(f"prompts file not found: {path}")
-    lines = [(i + 1, line) for i, line in enumerate(path.read_text().splitlines()) if line.strip()]
+    text = read_text_file(path, f"--prompts file '{path}'")  # missing, a directory, binary: one error naming it
+    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
     if not lines:
         raise ValueError(f"prompts file {path} has no non-empty lines")
     prompts = []

@@ -29,7 +29,8 @@ import yaml
 from ..registry import RegisteredName, settings_classes
 
 __all__ = ["MAX_YAML_DEPTH", "MAX_YAML_VALUES", "NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build",
-           "convert", "describe", "join_key", "parse_yaml", "plain", "read_yaml", "show_value", "unsupported_hint",
+           "convert", "describe", "join_key", "parse_yaml", "plain", "read_text_file", "read_yaml", "show_value",
+           "unsupported_hint",
            "yaml_problem"]
 
 _BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
@@ -214,20 +215,26 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
 
 
+def read_text_file(path: Path, name: str, error: type[ValueError] = ValueError) -> str:
+    """The text of ``path``, a file of the user's; every way of failing (missing, a directory, not UTF-8 text,
+    unreadable) is one ``error`` naming the file as ``name`` says it (e.g. "--prompts file 'p.txt'")."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise error(f"{name} does not exist") from None
+    except IsADirectoryError:
+        raise error(f"{name} is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise error(f"{name} is not a UTF-8 text file") from None
+    except OSError as e:
+        raise error(f"cannot read {name}: {e.strerror or e}") from None
+
+
 def read_yaml(path: Path, what: str, origin: str = "") -> Any:
     """The parsed YAML of ``path`` (safe loading, a key given twice is an error); every way of failing is one
     ConfigError naming the file ("{what} '{path}'{origin}")."""
     name = f"{what} '{path}'{origin}"
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{name} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{name} is a directory, not a file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{name} is not a UTF-8 text file") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {name}: {e.strerror or e}") from None
+    text = read_text_file(path, name, ConfigError)
     try:
         return parse_yaml(text)
     except yaml.YAMLError as e:

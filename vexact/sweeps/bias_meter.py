@@ -65,6 +65,7 @@ from ..rl.horizon_task import horizon_overrides
 from ..rl.inject import Injector
 from ..rl.metrics import mismatch_metrics
 from ..rl.objective import compute_advantages
+from ..rl.validate import read_text_file
 
 __all__ = ["BOOTSTRAP", "MeterSpec", "fit_growth", "load_meter_spec", "measure_bias", "noise_bias_split",
            "noise_bias_table", "run_meter", "split_cell"]
@@ -423,9 +424,7 @@ class MeterSpec:
 def load_meter_spec(path: str | Path, output_dir: str | Path | None = None) -> MeterSpec:
     """Read and check a meter file (one error line naming the file and key on bad input)."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"meter file not found: '{path}'")
-    spec = read_yaml(path, "meter file")
+    spec = read_yaml(path, "meter file")  # missing, a directory, binary: one error naming it
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: expected a mapping with keys {sorted(SPEC_KEYS)}")
     unknown = set(spec) - SPEC_KEYS
@@ -693,11 +692,10 @@ def _main(argv: list[str] | None = None) -> int:
     split.add_argument("meter", type=Path, metavar="METER_JSON")
     args = parser.parse_args(argv)
     try:
-        if not args.meter.is_file():
-            raise ValueError(f"meter file not found: '{args.meter}'")
+        text = read_text_file(args.meter, f"meter file '{args.meter}'")  # missing, a directory, binary
         try:
-            result = json.loads(args.meter.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            result = json.loads(text)
+        except json.JSONDecodeError as err:
             raise ValueError(f"'{args.meter}' is not valid JSON: {err}") from None
         needed = ("horizon", "source", "batches", "bias_abs", "bias_abs_noise", "grad_norm", "grad_norm_noise",
                   "horizon_mean", "k3_kl")
