@@ -30,8 +30,7 @@ from ..registry import RegisteredName, settings_classes
 
 __all__ = ["MAX_YAML_DEPTH", "MAX_YAML_VALUES", "NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build",
            "convert", "describe", "join_key", "parse_yaml", "plain", "read_text_file", "read_yaml", "show_value",
-           "unsupported_hint",
-           "yaml_problem"]
+           "unsupported_hint", "yaml_problem"]
 
 _BOUND_OPS = {"min": ">=", "gt": ">", "max": "<=", "lt": "<"}
 
