@@ -101,7 +101,7 @@ def test_bad_meter_files(tmp_path):
         spec.write_text(text)
         with pytest.raises(ValueError, match=words):
             load_meter_spec(spec)
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_meter_spec(tmp_path / "missing.yaml")
 
 
