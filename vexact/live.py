@@ -432,6 +432,9 @@ def _load_scaling_map(scaling_map: dict[str, Any] | str | Path | None, correctio
                              "out")
         return None
     from .map import verdict
+    if vocab is not None and scaling_map != DEFAULT_MAP:  # load_map ignored it for a file, and a dict has no choice
+        raise ValueError(f"vocab picks one of the maps shipped with vexact (scaling_map={DEFAULT_MAP!r}), and a "
+                         "scaling_map given as a dict or a file is its own map: give one of them")
     if isinstance(scaling_map, dict):
         data = scaling_map
     elif isinstance(scaling_map, (str, Path)):

@@ -105,6 +105,9 @@ def test_live_monitor_takes_the_vocab(tmp_path, monkeypatch):
     assert monitor._map(0.01, 16.0)["vocab"] == 1024
     with pytest.raises(ValueError, match="give scaling_map too"):
         LiveMonitor(tmp_path / "live2", vocab=128_256)
+    for own in (main_map, str(main_map), json.loads(main_map.read_text())):  # its own map: vocab chose nothing
+        with pytest.raises(ValueError, match=r"vocab picks one of the maps shipped with vexact .* give one of them"):
+            LiveMonitor(tmp_path / "live3", scaling_map=own, correction="bypass", vocab=128_256)
 
 
 def test_build_map_only_takes_one_vocabulary_out_of_a_sweep_that_varies_it(tmp_path):
