@@ -32,8 +32,8 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["Mount", "PluginCodeError", "RegisteredName", "Registry", "call_entry", "declare_settings", "extensible",
-           "mounts", "settings_classes", "withdraw_settings"]
+__all__ = ["Mount", "PluginCodeError", "RegisteredName", "Registry", "a_type", "call_entry", "declare_settings",
+           "extensible", "mounts", "settings_classes", "withdraw_settings"]
 
 T = TypeVar("T")
 
@@ -42,6 +42,15 @@ class PluginCodeError(ValueError):
     """A registered entry's own code (a plugin's, maybe) raised, or returned what its contract does not allow. The
     message names the entry (``injection mode 'favour_token'``), its function and what was wrong; a ValueError, so
     the CLI prints it as one error line, not a traceback ending somewhere in the plugin."""
+
+
+def a_type(value: object) -> str:
+    """``value``'s type with its article, for messages about what an entry returned: ``a dict``, ``an int``,
+    ``None``."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def entry_code(what: str, name: str, function: str) -> str:

@@ -445,7 +445,7 @@ def _raise():
 
 @pytest.mark.parametrize("opens, says", [
     (_raise, "log backend 'log_x' (open) raised RuntimeError: boom in open"),
-    (object, "log backend 'log_x' (open) returned a object: expected a writer with write(step, values) and close(), "
+    (object, "log backend 'log_x' (open) returned an object: expected a writer with write(step, values) and close(), "
              "or None"),
     (lambda: _Writer("write"), "log backend 'log_x' (write) raised RuntimeError: boom in write"),
 ])

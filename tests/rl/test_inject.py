@@ -263,7 +263,7 @@ def test_recomputed_old_logprobs_keep_ratio_exact_under_injection(tmp_path):
      "returned sample_from of shape (3, 96), torch.float32 on cpu"),
     (lambda z: z + 1.0, "returned a Tensor"),
     (lambda z: (z, z.double()), "returned record of shape (3, 97), torch.float64"),
-    (lambda z: (z, None), "returned a NoneType as record"),
+    (lambda z: (z, None), "returned None as record"),
     (lambda z: 1 / 0, "raised ZeroDivisionError"),
 ])
 def test_a_modes_hook_result_is_checked_at_each_call_naming_the_mode(returns, says):

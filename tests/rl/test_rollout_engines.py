@@ -26,7 +26,7 @@ def _batch() -> RolloutBatch:
 
 
 @pytest.mark.parametrize("mutate, says", [
-    (lambda b: None, "returned a NoneType: expected a RolloutBatch"),
+    (lambda b: None, "returned None: expected a RolloutBatch"),
     (lambda b: dataclasses.asdict(b), "returned a dict: expected a RolloutBatch"),
     (lambda b: b.subset([0, 1, 2]), "returned 3 problems: expected a list of 4 (2 problems x 2 samples_per_prompt)"),
     (lambda b: dataclasses.replace(b, rewards=b.rewards[:1]),
@@ -73,7 +73,7 @@ def _boom(what):
 
 @pytest.mark.parametrize("opens, says", [
     (_boom("open"), "rollout engine 'eng_x' (open) raised RuntimeError: boom in open"),
-    (lambda: None, "rollout engine 'eng_x' (open) returned a NoneType: expected a session with collect() and close()"),
+    (lambda: None, "rollout engine 'eng_x' (open) returned None: expected a session with collect() and close()"),
     (lambda: _Session(collect=lambda b: dataclasses.replace(b, logprobs=[lp[:-1] for lp in b.logprobs])),
      "rollout engine 'eng_x' (collect) returned log-probs of shape"),
     (lambda: _Session(close=_boom("close")), "rollout engine 'eng_x' (close) raised RuntimeError: boom in close"),

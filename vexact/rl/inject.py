@@ -30,7 +30,7 @@ from vexact_kernels import get_ops
 from ..engine.generation import LogitsHook
 from ..engine.model import KernelOps, RouteHook, resolve_dtype
 from ..engine.sampling import counter_uniform
-from ..registry import PluginCodeError, call_entry, entry_code
+from ..registry import PluginCodeError, a_type, call_entry, entry_code
 from .config_schema import InjectSection, RunConfig
 from .inject_modes import INJECT_MODES, InjectMode, RolloutPath, _exact_probs, precision_ops, round_to
 
@@ -157,11 +157,11 @@ def checked_logits_hook(mode: str, function: str, hook: LogitsHook) -> LogitsHoo
         expected = (f"expected a pair (sample_from, record) of logits, each a tensor of shape {tuple(z.shape)}, "
                     f"{z.dtype} on {z.device} (the logits' own)")
         if not (isinstance(out, tuple) and len(out) == 2):
-            got = f"a {len(out)}-tuple" if isinstance(out, tuple) else f"a {type(out).__name__}"
+            got = f"a {len(out)}-tuple" if isinstance(out, tuple) else a_type(out)
             raise PluginCodeError(f"{code} returned {got}: {expected}")
         for which, t in zip(("sample_from", "record"), out):
             if not isinstance(t, Tensor):
-                raise PluginCodeError(f"{code} returned a {type(t).__name__} as {which}: {expected}")
+                raise PluginCodeError(f"{code} returned {a_type(t)} as {which}: {expected}")
             if t.shape != z.shape or t.dtype != z.dtype or t.device != z.device:
                 raise PluginCodeError(f"{code} returned {which} of shape {tuple(t.shape)}, {t.dtype} on "
                                       f"{t.device}: {expected}")

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from ..records.metrics_log import scalars
 from ..records.runlog import LiveViews, LogBackend, close_views
-from ..registry import PluginCodeError, call_entry, entry_code
+from ..registry import PluginCodeError, a_type, call_entry, entry_code
 from .config import ConfigError
 from .registries import LOG_BACKENDS
 
@@ -262,7 +262,7 @@ class NamedView:
 
     def __init__(self, name: str, writer: object):
         if not all(callable(getattr(writer, f, None)) for f in ("write", "close")):
-            raise PluginCodeError(f"{entry_code(LOG_BACKENDS.what, name, 'open')} returned a {type(writer).__name__}: "
+            raise PluginCodeError(f"{entry_code(LOG_BACKENDS.what, name, 'open')} returned {a_type(writer)}: "
                                   "expected a writer with write(step, values) and close(), or None")
         self.name, self.writer = name, writer
 

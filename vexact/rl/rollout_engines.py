@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from ..registry import PluginCodeError, call_entry, entry_code
+from ..registry import PluginCodeError, a_type, call_entry, entry_code
 from .collect import RolloutBatch, collect_rollouts
 from .config import ConfigError
 from .registries import ROLLOUT_ENGINES
@@ -101,23 +101,23 @@ def check_batch(engine: str, batch: object, problems: int, samples_per_prompt: i
     code = entry_code(ROLLOUT_ENGINES.what, engine, "collect")
     n = problems * samples_per_prompt
     if not isinstance(batch, RolloutBatch):
-        raise PluginCodeError(f"{code} returned a {type(batch).__name__}: expected a RolloutBatch")
+        raise PluginCodeError(f"{code} returned {a_type(batch)}: expected a RolloutBatch")
     for field in ("problems", "prompts", "responses", "logprobs", "finished"):
         got = getattr(batch, field)
         if not isinstance(got, list) or len(got) != n:
-            size = f"{len(got)} {field}" if isinstance(got, list) else f"{field} as a {type(got).__name__}"
+            size = f"{len(got)} {field}" if isinstance(got, list) else f"{field} as {a_type(got)}"
             raise PluginCodeError(f"{code} returned {size}: expected a list of {n} ({problems} problems x "
                                   f"{samples_per_prompt} samples_per_prompt)")
     rewards = batch.rewards
     if not isinstance(rewards, Tensor) or rewards.shape != (n,) or not rewards.dtype.is_floating_point:
         got = (f"shape {tuple(rewards.shape)}, {rewards.dtype}" if isinstance(rewards, Tensor)
-               else f"a {type(rewards).__name__}")
+               else a_type(rewards))
         raise PluginCodeError(f"{code} returned rewards of {got}: expected a float tensor of shape ({n},)")
     on_cpu = True
     for i, (lp, response) in enumerate(zip(batch.logprobs, batch.responses)):
         if not (isinstance(lp, Tensor) and lp.dim() == 1 and lp.dtype.is_floating_point
                 and lp.numel() == len(response)):
-            got = f"shape {tuple(lp.shape)}, {lp.dtype}" if isinstance(lp, Tensor) else f"a {type(lp).__name__}"
+            got = f"shape {tuple(lp.shape)}, {lp.dtype}" if isinstance(lp, Tensor) else a_type(lp)
             raise PluginCodeError(f"{code} returned log-probs of {got} for sequence {i}: expected a 1-D float tensor "
                                   f"of its {len(response)} response tokens' log-probs")
         on_cpu = on_cpu and lp.device.type == "cpu"
