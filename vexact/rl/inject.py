@@ -118,8 +118,8 @@ class Injector:
         call's result checked (``checked_logits_hook``)."""
         hook = call_entry(INJECT_MODES.what, self.mode.name, "logits_hook", self.mode.logits_hook, self, value, step)
         if hook is not None and not callable(hook):
-            raise PluginCodeError(f"{entry_code(INJECT_MODES.what, self.mode.name, 'logits_hook')} returned a "
-                                  f"{type(hook).__name__}: expected a hook(z, seq, pos) or None")
+            raise PluginCodeError(f"{entry_code(INJECT_MODES.what, self.mode.name, 'logits_hook')} returned "
+                                  f"{a_type(hook)}: expected a hook(z, seq, pos) or None")
         return None if hook is None else checked_logits_hook(self.mode.name, "logits_hook", hook)
 
     def _checked_path(self, path: RolloutPath | None) -> RolloutPath | None:
@@ -127,8 +127,8 @@ class Injector:
         if path is None:
             return None
         if not isinstance(path, RolloutPath):
-            raise PluginCodeError(f"{entry_code(INJECT_MODES.what, self.mode.name, 'rollout_path')} returned a "
-                                  f"{type(path).__name__}: expected a RolloutPath or None")
+            raise PluginCodeError(f"{entry_code(INJECT_MODES.what, self.mode.name, 'rollout_path')} returned "
+                                  f"{a_type(path)}: expected a RolloutPath or None")
         if path.logits_hook is None:
             return path
         return replace(path, logits_hook=checked_logits_hook(self.mode.name, "rollout_path", path.logits_hook))

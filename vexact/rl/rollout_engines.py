@@ -86,8 +86,8 @@ def check_session(engine: str, session: object) -> RolloutSession:
     """``session``, what rollout engine ``engine``'s ``open`` returned, unless it lacks ``collect`` or ``close``:
     then one ``PluginCodeError`` naming the engine."""
     if not all(callable(getattr(session, f, None)) for f in ("collect", "close")):
-        raise PluginCodeError(f"{entry_code(ROLLOUT_ENGINES.what, engine, 'open')} returned a "
-                              f"{type(session).__name__}: expected a session with collect() and close()")
+        raise PluginCodeError(f"{entry_code(ROLLOUT_ENGINES.what, engine, 'open')} returned "
+                              f"{a_type(session)}: expected a session with collect() and close()")
     return session  # type: ignore[return-value]
 
 
