@@ -44,11 +44,12 @@ class RunLocked(ValueError):
 
 
 @contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
+def run_lock(run_dir: Path, who: str = "", again: str = "") -> Iterator[None]:
     """Hold an exclusive lock on ``run_dir`` (``flock`` on ``run_dir/.lock``) for the block.
 
     The OS releases the lock when the holder dies, however it dies, so a killed run never leaves a stale lock.
-    A second holder -- another process, or another open in this one -- gets ``RunLocked`` naming the pid."""
+    A second holder -- another process, or another open in this one -- gets ``RunLocked`` naming the pid, after
+    ``who`` asked for it (``sweep NAME``) and before ``again``, what to do instead, where given."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"{run_dir} exists and is not a directory; choose another output_dir / name")
@@ -59,8 +60,8 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RunLocked(f"{run_dir} is in use by another vexact process (pid {holder}); wait for it to finish or "
-                        "stop it") from None
+        raise RunLocked(f"{who + ': ' if who else ''}{run_dir} is in use by another vexact process (pid {holder}); "
+                        f"wait for it to finish or stop it{'; ' + again if again else ''}") from None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

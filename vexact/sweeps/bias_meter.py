@@ -58,7 +58,7 @@ from torch import Tensor
 from ..engine.devices import DeviceError, resolve_device
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
 from ..records.metrics_log import decode_non_finite
-from ..records.runlog import RunLocked, json_safe, run_lock, write_json_atomic
+from ..records.runlog import json_safe, run_lock, write_json_atomic
 from ..rl.config import ConfigError, config_from_dict, config_hash, read_yaml
 from ..rl.config_schema import RunConfig
 from ..rl.horizon_task import horizon_overrides
@@ -492,16 +492,9 @@ def run_meter(spec: MeterSpec, log: Any = print) -> dict[str, Any]:
                 resolve_device(cfg.device)
             except DeviceError as e:
                 raise ValueError(f"meter {spec.name!r}, horizon {horizon}, source {source!r}: {e}") from None
-    lock = run_lock(spec.output_dir)
-    try:
-        lock.__enter__()
-    except RunLocked as err:
-        raise RunLocked(f"meter {spec.name!r}: {err}; a meter runs once at a time in its directory (re-running the "
-                        "same command afterwards measures anything unfinished)") from None
-    try:
+    with run_lock(spec.output_dir, who=f"meter {spec.name!r}", again="a meter runs once at a time in its directory "
+                  "(re-running the same command afterwards measures anything unfinished)"):
         return _run_locked(spec, log)
-    finally:
-        lock.__exit__(None, None, None)
 
 
 def _run_locked(spec: MeterSpec, log: Any) -> dict[str, Any]:

@@ -468,16 +468,9 @@ def sweep_lock(spec: SweepSpec) -> Iterator[None]:
     the process ends). A second sweep into the same directory -- the same command run twice at once -- is refused
     with one error naming the holder, instead of starting the points the first one runs (which it would find
     locked and record as failed)."""
-    lock = run_lock(spec.output_dir)
-    try:
-        lock.__enter__()
-    except RunLocked as err:
-        raise RunLocked(f"sweep {spec.name}: {err}; a sweep runs once at a time (re-running the same command "
-                        "afterwards resumes anything unfinished)") from None
-    try:
+    with run_lock(spec.output_dir, who=f"sweep {spec.name}", again="a sweep runs once at a time (re-running the "
+                  "same command afterwards resumes anything unfinished)"):
         yield
-    finally:
-        lock.__exit__(None, None, None)
 
 
 def _sets(items: list[str]) -> dict[str, Any]:
