@@ -190,16 +190,23 @@ def test_split_cell_reads_the_same_split_from_a_cells_norms():
     assert cell["noise_ratio"] == pytest.approx(math.sqrt(0.5 / 4.0), rel=0.1)  # sqrt(tr Σ / ‖E g‖²)
 
 
-def test_a_rerun_after_the_meter_file_changed_is_refused(tmp_path):
-    """A finished cell is skipped on a re-run; edited since (another sigma, say), the meter reported the old cell's
-    numbers under the new settings. Each cell keeps its config's hash: a cell of another config is one error."""
+def _meter_with_one_noise_cell(tmp_path, batches: int):
+    """A one-cell meter file (L = 1, source ``noise``: logit_noise 0.3) over ``TINY`` at ``batches``, its spec and
+    that cell finished as the config would measure it (its config hash); the output directory made, still empty."""
     (tmp_path / "base.yaml").write_text(json.dumps(TINY))
     spec_path = tmp_path / "m.yaml"
-    spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 2\nsources: {noise: {inject.mode: "
-                         "logit_noise, inject.sigma: 0.3}}\n")
+    spec_path.write_text(f"name: m\nbase: base.yaml\nhorizons: [1]\nbatches: {batches}\nsources: {{noise: "
+                         "{inject.mode: logit_noise, inject.sigma: 0.3}}\n")
     spec = load_meter_spec(spec_path, tmp_path / "out")
     cell = _finished_cell(source="noise", config_hash=config_hash(cell_config(spec, 1, "noise").to_dict()))
     (tmp_path / "out").mkdir()
+    return spec_path, spec, cell
+
+
+def test_a_rerun_after_the_meter_file_changed_is_refused(tmp_path):
+    """A finished cell is skipped on a re-run; edited since (another sigma, say), the meter reported the old cell's
+    numbers under the new settings. Each cell keeps its config's hash: a cell of another config is one error."""
+    spec_path, spec, cell = _meter_with_one_noise_cell(tmp_path, 2)
     (tmp_path / "out" / "meter.json").write_text(json.dumps({"cells": [cell]}))
     assert run_meter(spec, log=lambda _: None)["cells"][0]["k3_kl"] == 0.037  # the same config: kept, not measured
     spec_path.write_text(spec_path.read_text().replace("0.3", "0.01"))
@@ -215,13 +222,7 @@ def test_a_rerun_after_the_meter_file_changed_is_refused(tmp_path):
 def test_a_rerun_with_other_batches_is_refused_and_keeps_the_finished_cells(tmp_path):
     """Re-run with another ``batches``, the meter dropped every finished cell of the old count from meter.json (and
     measured them again), without a word. Now one error naming batches (old -> new); meter.json is left as it is."""
-    (tmp_path / "base.yaml").write_text(json.dumps(TINY))
-    spec_path = tmp_path / "m.yaml"
-    spec_path.write_text("name: m\nbase: base.yaml\nhorizons: [1]\nbatches: 3\nsources: {noise: {inject.mode: "
-                         "logit_noise, inject.sigma: 0.3}}\n")
-    spec = load_meter_spec(spec_path, tmp_path / "out")
-    cell = _finished_cell(source="noise", config_hash=config_hash(cell_config(spec, 1, "noise").to_dict()))
-    (tmp_path / "out").mkdir()
+    spec_path, spec, cell = _meter_with_one_noise_cell(tmp_path, 3)
     written = json.dumps({"batches": 2, "cells": [cell]})  # measured with 2 batches
     (tmp_path / "out" / "meter.json").write_text(written)
     with pytest.raises(ValueError, match=r"^meter 'm': batches 2 -> 3: .*meter\.json holds cells measured with "
