@@ -51,7 +51,7 @@ import torch
 
 from ..engine.devices import cuda_device_count, device_kind, resolve_device
 from ..engine.model import check_fits
-from ..registry import PluginCodeError
+from ..registry import PluginCodeError, call_entry, entry_code
 from .registries import TASKS, register_run_check
 from .validate import ConfigError, show_repr, show_value
 from .vocab import BOS_ID, CHAR_VOCAB_SIZE, CHARS, EOS_ID, PAD_ID, CharTokenizer, tokenizer_for
@@ -182,7 +182,7 @@ class Task(ABC):
         text = "".join("\0" if i in (PAD_ID, BOS_ID) else self.tokenizer._char(i) for i in ids)
         text = _call_task(self, "final_answer", text)
         if not isinstance(text, str):
-            raise _TaskCodeError(f"{_task_code(self, 'final_answer')} returned {show_repr(text)}, not a str")
+            raise PluginCodeError(f"{_task_code(self, 'final_answer')} returned {show_repr(text)}, not a str")
         if terminated and text == problem.answer:
             return 1.0
         if not self.partial_credit:
@@ -375,7 +375,7 @@ def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = Fals
     except ValueError:
         raise  # (the lengths' own checks: the config's values are what is wrong, and the message says which)
     except Exception as e:  # a plugin's constructor: named as its other methods are (_call_task)
-        raise _TaskCodeError(f"task {name!r} ({cls.__module__}.{cls.__qualname__}.__init__) raised "
+        raise PluginCodeError(f"task {name!r} ({cls.__module__}.{cls.__qualname__}.__init__) raised "
                              f"{type(e).__name__}: {e}") from e
     if distractors:
         task.tokenizer = tokenizer_for(distractors)
@@ -464,34 +464,29 @@ def max_prompt_tokens(task: Task) -> int:
     return 1 + len(task.tag) + 1 + _length_bound(task, "max_input_len") + 1
 
 
+def _task_method(task: Task, method: str) -> str:
+    """How errors name a task's method: ``echo_ext.EchoTask.sample`` (the class tells a plugin's task apart)."""
+    cls = type(task)
+    return f"{cls.__module__}.{cls.__qualname__}.{method}"
+
+
 def _task_code(task: Task, method: str) -> str:
     """How an error names a task's own code: ``task 'echo' (echo_ext.EchoTask.sample)``."""
-    cls = type(task)
-    return f"task {task.name!r} ({cls.__module__}.{cls.__qualname__}.{method})"
-
-
-class _TaskCodeError(PluginCodeError):
-    """A task's own code (a plugin's, maybe) raised or returned the wrong thing; the message names the task and the
-    method. A ValueError, so the CLI prints it as one error line."""
+    return entry_code(TASKS.what, task.name, _task_method(task, method))
 
 
 def _call_task(task: Task, method: str, *args: Any) -> Any:
-    """``task.method(*args)``: the one place vexact calls a task's own methods. The task may be a plugin's: an
-    exception from its code is one ValueError naming the task and the method (the CLI's one error line), chained to
-    the original, not a traceback ending somewhere in the plugin. An error already naming a task's method (the
+    """``task.method(*args)``: the one place vexact calls a task's own methods, through ``registry.call_entry``.
+    The task may be a plugin's: an exception from its code is one ``PluginCodeError`` naming the task and the
+    method (the CLI's one error line), chained to the original; an error already naming a task's method (the
     default ``reward`` calls ``final_answer``) passes unchanged."""
-    try:
-        return getattr(task, method)(*args)
-    except _TaskCodeError:
-        raise
-    except Exception as e:
-        raise _TaskCodeError(f"{_task_code(task, method)} raised {type(e).__name__}: {e}") from e
+    return call_entry(TASKS.what, task.name, _task_method(task, method), getattr(task, method), *args)
 
 
 def _length_bound(task: Task, method: str) -> int:
     value = _call_task(task, method)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise _TaskCodeError(f"{_task_code(task, method)} returned {repr(value)[:80]}: a length bound must be an "
+        raise PluginCodeError(f"{_task_code(task, method)} returned {repr(value)[:80]}: a length bound must be an "
                              f"int >= 0")
     return value
 
@@ -502,7 +497,7 @@ def task_reward(task: Task, problem: Problem, response_ids: Iterable[int]) -> fl
     which the run records (and the collapse check sees), not a type error."""
     value = _call_task(task, "reward", problem, response_ids)
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise _TaskCodeError(f"{_task_code(task, 'reward')} returned {show_repr(value)}, not a number (float)")
+        raise PluginCodeError(f"{_task_code(task, 'reward')} returned {show_repr(value)}, not a number (float)")
     return float(value)
 
 
@@ -516,7 +511,7 @@ def task_free_span(task: Task, problem: Problem, target_tokens: int) -> tuple[in
     if not (isinstance(span, (tuple, list)) and len(span) == 2
             and all(isinstance(i, int) and not isinstance(i, bool) for i in span)
             and 0 <= span[0] <= span[1] <= target_tokens):
-        raise _TaskCodeError(f"{_task_code(task, 'free_span')} returned {show_repr(span)} for the target "
+        raise PluginCodeError(f"{_task_code(task, 'free_span')} returned {show_repr(span)} for the target "
                              f"{show_value(problem.target)}: expected None or (start, end), ints with 0 <= start <= "
                              f"end <= {target_tokens} (its tokens, EOS included)")
     return span
@@ -529,7 +524,7 @@ def task_warm_start_problems(task: Task, problems: list[Problem], warm_start: An
     method."""
     chosen = _call_task(task, "warm_start_problems", problems, warm_start, first_index, total)
     if not isinstance(chosen, list) or len(chosen) != len(problems):
-        raise _TaskCodeError(f"{_task_code(task, 'warm_start_problems')} returned {show_repr(chosen)}: expected a "
+        raise PluginCodeError(f"{_task_code(task, 'warm_start_problems')} returned {show_repr(chosen)}: expected a "
                              f"list of {len(problems)} Problems (one per problem it was given)")
     prompt_tokens, answer_tokens = max_prompt_tokens(task), max_answer_tokens(task)
     return [_checked_problem(task, p, prompt_tokens, answer_tokens, "warm_start_problems") for p in chosen]
@@ -544,19 +539,19 @@ def _checked_problem(task: Task, problem: Any, prompt_tokens: int, answer_tokens
     where = _task_code(task, method)
     if not (isinstance(problem, Problem) and isinstance(problem.prompt, str) and isinstance(problem.answer, str)
             and isinstance(problem.worked, (str, type(None)))):
-        raise _TaskCodeError(f"{where} returned {show_value(problem)}, not a Problem of strings "
+        raise PluginCodeError(f"{where} returned {show_value(problem)}, not a Problem of strings "
                              f"(vexact.rl.tasks.Problem)")
     try:
         prompt, target = encode_prompt(task.tokenizer, problem), encode_target(task.tokenizer, problem)
         task.tokenizer.encode(problem.answer)  # a trace task's answer is not its target
     except ValueError as e:
-        raise _TaskCodeError(f"{where} returned {show_value(problem)}: {e}") from None
+        raise PluginCodeError(f"{where} returned {show_value(problem)}: {e}") from None
     if len(prompt) > prompt_tokens:
-        raise _TaskCodeError(f"{where} returned the prompt {show_value(problem.prompt)}, {len(prompt)} tokens with "
+        raise PluginCodeError(f"{where} returned the prompt {show_value(problem.prompt)}, {len(prompt)} tokens with "
                              f"BOS: more than the {prompt_tokens} (BOS, '<tag>:', input, '=') its max_input_len() "
                              f"allows")
     if len(target) > answer_tokens:
-        raise _TaskCodeError(f"{where} returned the target {show_value(problem.target)}, {len(target) - 1} "
+        raise PluginCodeError(f"{where} returned the target {show_value(problem.target)}, {len(target) - 1} "
                              f"characters: more than its max_answer_len() = {answer_tokens - 1}")
     return problem
 
