@@ -812,3 +812,17 @@ def test_a_kill_after_a_collapse_stops_checkpoint_resumes_to_the_same_stop(tmp_p
     resumed = _run(cfg, resume=True)
     assert (resumed["reason"], resumed["steps_completed"]) == (reference["reason"], reference["steps_completed"])
     _same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_an_extended_run_logs_what_a_run_of_its_new_length_from_the_start_logs(tmp_path):
+    """A completed run of 2 steps evaluated step 1 for being its last (off logging.eval_every 2); extended to 3 steps it
+    kept that evaluation in step 1's row, which a run of 3 steps from the start does not make (and stop_on_collapse
+    read it). The extension takes it back: the rows, eval keys included, and the weights are the fresh run's."""
+    Trainer(_tiny(tmp_path, "fresh", "steps=3", "logging.eval_every=2"), Console(quiet=True)).run()
+    Trainer(_tiny(tmp_path, "ext", "steps=2", "logging.eval_every=2"), Console(quiet=True)).run()
+    assert "eval/reward_mean" in read_metrics(tmp_path / "ext" / "metrics.jsonl")[1]
+    longer = _tiny(tmp_path, "ext", "steps=3", "logging.eval_every=2")
+    assert Trainer(longer, Console(quiet=True)).run(resume=True, allow_changes=("steps",))["steps_completed"] == 3
+    rows = read_metrics(tmp_path / "ext" / "metrics.jsonl")
+    assert [sorted(k for k in r if k.startswith(("eval/", "timing/eval"))) != [] for r in rows] == [True, False, True]
+    _same_run(tmp_path / "ext", tmp_path / "fresh")

@@ -202,3 +202,40 @@ def test_the_floor_leaves_the_builtin_kinds_bits_as_they_were(kind, kw):
     for step in range(200):
         warm = (step + 1) / 5 if step < 5 else 1.0
         assert s.lr(step) == 3e-4 * warm * s.kind.decay(s, step), (kind, step)
+
+
+class _EvalTriggered(ScheduleKind):
+    """An outside triggered kind that watches an evaluation metric: fires when it falls below its first value."""
+
+    name = "eval_triggered"
+    triggered = True
+
+    def metric(self, s):
+        return "eval/reward_mean"
+
+    def fired(self, s, key):
+        return "eval fell" if s.observed[-1] < s.observed[0] else None
+
+
+def test_retract_takes_back_an_off_schedule_evaluation_and_the_trigger_it_fired():
+    """A run of 2 steps evaluated its last step (1) off schedule and the outside kind fired there; extended, the
+    schedule must be the one a run from the start has after step 1 (no value observed there, no trigger), so the
+    trigger comes at step 2 as it does there."""
+    register_lr_schedule(_EvalTriggered())
+    try:
+        fresh, extended = _schedule("eval_triggered"), _schedule("eval_triggered")
+        for step, row in enumerate([{"eval/reward_mean": 1.0}, {"reward/mean": 0.3}, {"eval/reward_mean": 0.5}]):
+            fresh.observe(step, row)
+        extended.observe(0, {"eval/reward_mean": 1.0})
+        last = {"reward/mean": 0.3, "eval/reward_mean": 0.25}
+        extended.observe(1, last)
+        assert extended.trigger_step == 1
+        extended.retract(1, last, lambda key: key.startswith("eval/"))
+        assert extended.state_dict() == {"observed": [1.0], "trigger_step": None, "trigger_reason": None,
+                                         "decay_period": None}
+        extended.observe(2, {"eval/reward_mean": 0.5})
+        assert extended.state_dict() == fresh.state_dict() and fresh.trigger_step == 2
+        extended.retract(2, {"reward/mean": 0.3}, lambda key: key.startswith("eval/"))  # nothing observed: no change
+        assert extended.state_dict() == fresh.state_dict()
+    finally:
+        LR_SCHEDULES.remove("eval_triggered")

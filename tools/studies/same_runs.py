@@ -6,8 +6,9 @@ Determinism is a contract of vexact (same config + seed => identical bits), and 
 held across commits or sessions: a run repeated later is compared with the earlier one. Metric keys under
 ``timing/`` are always ignored (wall-clock times); ``--ignore PREFIX`` drops more keys (e.g. ``inject/`` when one run
 named a zero-magnitude injection and the other none), and ``--ignore-eval-at STEP`` drops the ``eval/*`` keys logged at
-STEP (a run first stopped after STEP and then extended logged a final evaluation there that a straight run does not
-make). Exit status 0 when every pair is identical, 1 otherwise; one line per pair.
+STEP (a run completed after STEP and extended by a vexact before the extension took back its off-schedule final
+evaluation logged one there that a straight run does not make). Exit status 0 when every pair is identical, 1
+otherwise; one line per pair.
 """
 
 from __future__ import annotations

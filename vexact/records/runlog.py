@@ -208,11 +208,13 @@ def close_views(views: list[LogBackend]) -> Exception | None:
 class MetricsWriter:
     """Appends one JSON line per step to metrics.jsonl, flushed and fsynced; with ``live_views``, also to the views
     it opens (TensorBoard, W&B), which are rebuilt from the kept lines first so that they match metrics.jsonl after
-    a resume."""
+    a resume. ``amend``: applied to each kept line's JSON object; a line it returns another object for is rewritten
+    as ``write`` writes one (an extended run takes back its off-schedule final evaluation)."""
 
-    def __init__(self, path: Path, keep_steps_below: int | None = None, live_views: LiveViews | None = None):
+    def __init__(self, path: Path, keep_steps_below: int | None = None, live_views: LiveViews | None = None,
+                 amend: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
         self.path = path
-        kept = self._kept(keep_steps_below) if keep_steps_below is not None else None
+        kept = self._kept(keep_steps_below, amend) if keep_steps_below is not None else None
         self._backends = []
         if live_views is not None:  # (only a view to rebuild reads the log back)
             rows = read_metrics(path) if kept is None else kept[1]
@@ -231,7 +233,8 @@ class MetricsWriter:
             close_views(self._backends)
             raise
 
-    def _kept(self, next_step: int) -> tuple[str | None, list[dict[str, Any]]]:
+    def _kept(self, next_step: int, amend: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+              ) -> tuple[str | None, list[dict[str, Any]]]:
         """Resuming at ``next_step``: the text of the lines of steps 0 .. next_step - 1 (one per step, in order; None
         where there is no file) and their rows; the rest is dropped unparsed -- recomputed identically, and the last
         may be torn by the crash."""
@@ -241,13 +244,15 @@ class MetricsWriter:
                 raise ValueError(f"{path} is missing, but the checkpoint is at step {next_step}: the run's log is "
                                  "gone; start a new run")
             return None, []
-        lines = complete_lines(path.read_bytes().decode("utf-8", errors="surrogateescape"))
-        kept = parse_lines(path, lines[:next_step])
+        lines = complete_lines(path.read_bytes().decode("utf-8", errors="surrogateescape"))[:next_step]
+        if amend is not None:
+            lines = [_amended(line, amend) for line in lines]
+        kept = parse_lines(path, lines)
         if [row.get("step") for row in kept] != list(range(next_step)):
             raise ValueError(f"{path}: expected one line per step 0..{next_step - 1} before the checkpoint at step "
                              f"{next_step}, found steps {[row.get('step') for row in kept][:10]}...; the log does "
                              "not belong to this checkpoint")
-        return "".join(line + "\n" for line in lines[:next_step]), kept
+        return "".join(line + "\n" for line in lines), kept
 
     def write(self, metrics: dict) -> None:
         """One line, appended and fsynced; a failure is ``WriteFailed`` naming metrics.jsonl (a part of the line
@@ -280,6 +285,20 @@ class MetricsWriter:
             failure = close_views(self._backends)
         if failure is not None:
             raise failure
+
+
+def _amended(line: str, amend: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
+    """``line`` with ``amend`` applied to its JSON object: unchanged where ``amend`` returns the object itself (or
+    the line is no object: the parse after names it), else re-serialized as ``MetricsWriter.write`` writes a line
+    (the values were json_safe already, so the kept keys keep their bytes)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(row, dict):
+        return line
+    changed = amend(row)
+    return line if changed is row else json.dumps(changed, sort_keys=True)
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------

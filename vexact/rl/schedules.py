@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -271,6 +272,18 @@ class LRSchedule:
                     self.decay_period = self.cfg.decay_period or max(
                         1, round(self.cfg.decay_period_factor * step))
         return {LR_SCHEDULE_TRIGGERED: float(self.trigger_step is not None)}
+
+    def retract(self, step: int, metrics: dict, keys: Callable[[str], bool]) -> None:
+        """Take back what ``observe(step, metrics)`` (the last step observed) took from the keys ``keys`` accepts: the
+        value and a trigger it fired (an extended run's off-schedule final evaluation, which a run of the new length
+        from the start never observed)."""
+        if not self.triggered_kind or self.trigger_step not in (None, step):  # fired earlier: nothing observed
+            return
+        key = self.kind.metric(self)
+        value = metrics.get(key)
+        if keys(key) and isinstance(value, (int, float)) and math.isfinite(value):
+            self.observed.pop()
+            self.trigger_step = self.trigger_reason = self.decay_period = None
 
     def summary(self) -> dict:
         """For ``summary.json``: the kind and, for triggered kinds, when and why it fired."""

@@ -521,6 +521,7 @@ class Trainer:
         start_step = 0
         state = None
         changes: dict = {}
+        self._retracted_eval = None
         if resume:
             changes = self._resume_changes(allow_changes)
             _check_steps_change(cfg, changes)
@@ -539,6 +540,8 @@ class Trainer:
                 self._log(f"{run_dir} already finished ({finished['status']} after {steps} steps{why}); nothing to do. "
                           "To extend a completed run: --set steps=N --allow-change steps")
                 return finished
+            if finished is not None and state is not None:  # a completed run, extended (maybe resumed again)
+                self._retracted_eval = _off_schedule_final_eval(finished["steps_completed"] - 1, cfg, changes)
             if state is not None:
                 _check_resumed_steps(cfg.steps, state["next_step"], "steps" in changes)
                 _check_resumed_kernel_bits(run_dir, state, self._kernel_bits())
@@ -560,6 +563,10 @@ class Trainer:
         else:
             start_step = state["next_step"]
             self.schedule.load_state_dict(state.get("schedule", {}))
+            if self._retracted_eval == start_step - 1:  # the shorter run's own last checkpoint (a later one, of an
+                # extension killed since, holds the state already taken back)
+                row = read_metrics(run_dir / METRICS_FILE)[start_step - 1] if self.ranks.is_main else {}
+                self.schedule.retract(start_step - 1, self.ranks.broadcast(row), _is_eval_key)
             if cfg.rollout.policy_lag:
                 if "snapshots" not in state and start_step > 0:
                     raise ValueError(f"cannot resume {run_dir} with rollout.policy_lag {cfg.rollout.policy_lag}: its "
@@ -578,7 +585,7 @@ class Trainer:
         step's metrics. Ctrl-C, a stopped run and a confirmed collapse end the loop here, as an outcome."""
         cfg, run_dir = self.cfg, self.run_dir
         writer = (MetricsWriter(run_dir / METRICS_FILE, keep_steps_below=start_step,
-                                live_views=live_views(run_dir, cfg))
+                                live_views=live_views(run_dir, cfg), amend=_without_eval_at(self._retracted_eval))
                   if self.ranks.is_main else _NoWriter())
         if changes and self.ranks.is_main:  # a resume's allowed changes, kept once its logs opened with them (a
             _record_changes(run_dir, start_step, changes)  # refused W&B project leaves config.yaml as it was)
@@ -822,6 +829,26 @@ def _ended_itself(finished: dict) -> bool:
 def _extends(finished: dict, state: dict, cfg: RunConfig) -> bool:
     """Whether resuming a finished run continues it: it completed all its steps and ``steps`` has grown since."""
     return not _ended_itself(finished) and state["next_step"] < cfg.steps
+
+
+def _off_schedule_final_eval(last_step: int, cfg: RunConfig, changes: dict) -> int | None:
+    """A completed run extended after ``last_step``: ``last_step`` when the run evaluated it only for being its last
+    (off the ``logging.eval_every`` it ran under), else None. A run of the new length from the start makes no such
+    evaluation, so the extension takes it back (``_without_eval_at``, ``LRSchedule.retract``) to log the same rows."""
+    every = changes.get("logging.eval_every", [cfg.logging.eval_every])[0]
+    return last_step if last_step % every else None
+
+
+def _is_eval_key(key: str) -> bool:
+    """A key a step's evaluation adds to its metrics (``Trainer.evaluate``'s ``eval/*`` and its timing)."""
+    return key.startswith("eval/") or key == TIMING_EVAL
+
+
+def _without_eval_at(step: int | None) -> Callable[[dict], dict] | None:
+    """For ``MetricsWriter(amend=...)``: the row of ``step`` without its evaluation's keys (None: no row changes)."""
+    if step is None:
+        return None
+    return lambda row: ({k: v for k, v in row.items() if not _is_eval_key(k)} if row.get("step") == step else row)
 
 
 def _restored_calibration(record: object) -> Calibration | None:

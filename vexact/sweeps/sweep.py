@@ -395,7 +395,8 @@ def _items(settings: dict[str, Any]) -> list[str]:
 def _extendable(point: SweepPoint) -> bool:
     """A completed point whose run went to its planned end while the sweep's config now asks for more steps: it is
     resumed with ``steps`` grown (as ``vexact run DIR --resume --set steps=N --allow-change steps``), which gives
-    the training bits of a run of N steps from the start (the shorter run's final evaluation stays in its row). A
+    the bits of a run of N steps from the start, its log included (the shorter run's off-schedule final evaluation
+    is taken back from its row). A
     point whose LR schedule spans the run's steps (cosine without ``lr_schedule.total_steps``) would not: the sweep
     refuses it before anything runs (``_check_started_points``), leaving its finished run as it is. A run that ended
     early (a confirmed collapse with ``collapse.stop_on_collapse``) keeps its outcome."""
