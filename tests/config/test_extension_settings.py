@@ -386,6 +386,30 @@ def test_an_outside_estimators_advantages_must_be_one_float_per_sequence(outside
     assert str(err.value).startswith(f"advantage estimator 'outside_adv' (advantages) {got}")
 
 
+@pytest.mark.parametrize("make, got", [
+    (lambda r, g: r / 0.0, "returned 4 non-finite advantage(s) of 4 (the first, inf, at index 0)"),
+    (lambda r, g: torch.where(r == 0.5, float("nan"), r), "returned 1 non-finite advantage(s) of 4 (the first, nan, "
+     "at index 2)"),
+])
+def test_an_outside_estimators_non_finite_advantages_from_finite_rewards_are_its_defect(outside_adv, make, got):
+    """NaN/Inf advantages from finite rewards went on into the loss and the update unnoticed (the return check read
+    the shape and dtype only), to show up as the run's own NaN outcome."""
+    outside_adv.make = make
+    with pytest.raises(PluginCodeError) as err:
+        compute_advantages(torch.tensor([1.0, 0.0, 0.5, 0.25]), 2, "outside_adv")
+    assert str(err.value) == (f"advantage estimator 'outside_adv' (advantages) {got} from finite rewards: expected "
+                              "finite advantages")
+
+
+def test_non_finite_advantages_from_non_finite_rewards_or_a_built_in_are_an_outcome(outside_adv):
+    """NaN rewards (a run's outcome, recorded) give NaN advantages through an outside estimator too; a built-in
+    overflowing float64 on extreme finite rewards is no plugin defect: both are returned, not refused."""
+    rewards = torch.tensor([1.0, float("nan"), 0.5, 0.25])
+    assert torch.equal(compute_advantages(rewards, 2, "outside_adv").isnan(), torch.tensor([True] * 4))
+    huge = torch.tensor([1.7e308, 1.7e308, 0.0, 1.0], dtype=torch.float64)  # the group's sum overflows
+    assert not compute_advantages(huge, 2, "grpo", std_normalize=False)[:2].isfinite().any()
+
+
 @pytest.mark.parametrize("problem, expected", [
     ("needs 4 samples", "returned 'needs 4 samples': expected None or a tuple"),
     (("needs 4 samples",), "returned ('needs 4 samples',): expected None or a tuple"),

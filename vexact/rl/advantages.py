@@ -51,14 +51,21 @@ def compute_advantages(rewards: Tensor, group_size: int, kind: str, std_normaliz
         raise PluginCodeError(f"{entry_code(ADVANTAGE_ESTIMATORS.what, kind, 'advantages')} returned {got}: expected "
                               f"a floating-point tensor of the rewards' shape {list(rewards.shape)} (one advantage "
                               "per sequence)")
+    # NaN/Inf from non-finite rewards is a run's outcome (recorded); from finite ones it is the estimator's defect.
+    # A built-in's stays an outcome: its only way there is float64 overflow of extreme rewards, no defect of its code
+    if type(estimator) not in _BUILT_IN and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(rewards).all()):
+        bad = (~torch.isfinite(out)).nonzero().flatten()
+        raise PluginCodeError(f"{entry_code(ADVANTAGE_ESTIMATORS.what, kind, 'advantages')} returned {bad.numel()} "
+                              f"non-finite advantage(s) of {out.numel()} (the first, {out[bad[0]].item()}, at index "
+                              f"{bad[0].item()}) from finite rewards: expected finite advantages")
     return out.float()
 
 
 
 class AdvantageEstimator:
     """One ``algorithm.advantage``: ``advantages(rewards, group_size, std_normalize, alg)`` -> one advantage per
-    sequence (a floating-point tensor of ``rewards``' shape, float64 like them; anything else is a
-    ``PluginCodeError`` naming the estimator); ``alg`` is the ``algorithm`` section (its settings), or None.
+    sequence (a floating-point tensor of ``rewards``' shape, float64 like them, finite where the rewards are; anything
+    else is a ``PluginCodeError`` naming the estimator); ``alg`` is the ``algorithm`` section (its settings), or None.
     ``settings``: a dataclass of the estimator's own options, mounted as ``algorithm.<field>`` keys."""
 
     name: ClassVar[str] = ""
@@ -144,5 +151,6 @@ class Reinforce(AdvantageEstimator):
         return centred / (scale + ADVANTAGE_EPS) if std_normalize else centred
 
 
-for _estimator in (GRPO(), RLOO(), Reinforce()):
-    register_advantage_estimator(_estimator)
+_BUILT_IN = (GRPO, RLOO, Reinforce)
+for _kind in _BUILT_IN:
+    register_advantage_estimator(_kind())
