@@ -16,9 +16,11 @@ from vexact.rl.registries import ROLLOUT_ENGINES
 from vexact.rl.rollout_engines import RolloutEngine, VexactEngine, check_batch, register_rollout_engine
 from vexact.rl.trainer import Trainer
 
+VOCAB = 8  # the model's vocabulary the batches below are checked against: ids 0 to 7
+
 
 def _batch() -> RolloutBatch:
-    """2 problems x 2 samples, responses of 3, 1, 0 and 2 tokens."""
+    """2 problems x 2 samples, responses of 3, 1, 0 and 2 tokens, every id in [0, VOCAB)."""
     responses = [[1, 2, 3], [4], [], [5, 6]]
     return RolloutBatch(["p0", "p0", "p1", "p1"], [[7]] * 4, responses,
                         [-torch.arange(1.0, len(r) + 1) for r in responses], [True, True, False, True],
@@ -37,11 +39,17 @@ def _batch() -> RolloutBatch:
     (lambda b: dataclasses.replace(b, logprobs=[lp.long() for lp in b.logprobs]), "torch.int64 for sequence 0"),
     (lambda b: dataclasses.replace(b, logprobs=[lp.abs() if i == 3 else lp for i, lp in enumerate(b.logprobs)]),
      "returned log-probs > 0 (sequence 3): expected log-probabilities, each <= 0"),
+    (lambda b: dataclasses.replace(b, responses=[[1, 2, 8], [4], [], [5, 6]]),
+     "returned responses with token ids in [1, 8]: expected ids of the model's vocabulary, in [0, 8)"),
+    (lambda b: dataclasses.replace(b, responses=[[1, 2, 3], [-1], [], [5, 6]]),
+     "returned responses with token ids in [-1, 6]: expected ids of the model's vocabulary, in [0, 8)"),
+    (lambda b: dataclasses.replace(b, prompts=[[7], [7], [7], [9]]),
+     "returned prompts with token ids in [7, 9]: expected ids of the model's vocabulary, in [0, 8)"),
 ])
 def test_an_engines_batch_breaking_the_contract_is_one_error_naming_it(mutate, says):
-    assert check_batch("eng_x", _batch(), 2, 2) is not None  # the well-formed batch passes
+    assert check_batch("eng_x", _batch(), 2, 2, VOCAB) is not None  # the well-formed batch passes
     with pytest.raises(PluginCodeError) as e:
-        check_batch("eng_x", mutate(_batch()), 2, 2)
+        check_batch("eng_x", mutate(_batch()), 2, 2, VOCAB)
     assert str(e.value).startswith("rollout engine 'eng_x' (collect) returned ") and says in str(e.value)
 
 
@@ -49,7 +57,7 @@ def test_float64_log_probs_and_non_finite_ones_are_left_to_the_run():
     b = _batch()
     b.logprobs = [lp.double() for lp in b.logprobs]
     b.logprobs[0][0] = float("nan")  # the step stops the run on it (RunStopped), as for the built-in engine
-    check_batch("eng_x", b, 2, 2)
+    check_batch("eng_x", b, 2, 2, VOCAB)
 
 
 class _Session:
@@ -77,6 +85,9 @@ def _boom(what):
     (lambda: _Session(collect=lambda b: dataclasses.replace(b, logprobs=[lp[:-1] for lp in b.logprobs])),
      "rollout engine 'eng_x' (collect) returned log-probs of shape"),
     (lambda: _Session(close=_boom("close")), "rollout engine 'eng_x' (close) raised RuntimeError: boom in close"),
+    (lambda: _Session(collect=lambda b: dataclasses.replace(
+        b, responses=[[10**6, *r[1:]] if r else r for r in b.responses])),
+     "rollout engine 'eng_x' (collect) returned responses with token ids in ["),  # a kernel's error, unnamed, before
 ])
 def test_a_run_on_an_engine_that_fails_is_one_error_naming_it(tmp_path, opens, says):
     class Engine(RolloutEngine):

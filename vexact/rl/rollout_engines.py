@@ -21,6 +21,7 @@ asked of it.
 from __future__ import annotations
 
 import importlib.util
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -92,11 +93,12 @@ def check_session(engine: str, session: object) -> RolloutSession:
     return session  # type: ignore[return-value]
 
 
-def check_batch(engine: str, batch: object, problems: int, samples_per_prompt: int) -> RolloutBatch:
+def check_batch(engine: str, batch: object, problems: int, samples_per_prompt: int, vocab: int) -> RolloutBatch:
     """``batch``, what rollout engine ``engine``'s ``collect`` returned for ``problems`` problems, unless it breaks
     the ``RolloutBatch`` contract; then one ``PluginCodeError`` naming the engine and what was expected:
     N = ``problems`` x ``samples_per_prompt`` sequences (problems, prompts, responses, logprobs, finished, each of
-    length N), rewards a float tensor of shape (N,), and each sequence's log-probs a 1-D float tensor with one value
+    length N), the prompts' and responses' token ids in [0, ``vocab``) (the model's vocabulary: one min and max over
+    the batch), rewards a float tensor of shape (N,), and each sequence's log-probs a 1-D float tensor with one value
     per response token. Log-probs on the CPU are also checked to be <= 0 (one reduction over the batch); on a device
     only their metadata is (no read back). Non-finite log-probs pass here: the step stops the run on them."""
     code = entry_code(ROLLOUT_ENGINES.what, engine, "collect")
@@ -109,6 +111,12 @@ def check_batch(engine: str, batch: object, problems: int, samples_per_prompt: i
             size = f"{len(got)} {field}" if isinstance(got, list) else f"{field} as {a_type(got)}"
             raise PluginCodeError(f"{code} returned {size}: expected a list of {n} ({problems} problems x "
                                   f"{samples_per_prompt} samples_per_prompt)")
+    for field in ("prompts", "responses"):  # an id outside the vocabulary would fail deep in the next forward
+        ids = list(chain.from_iterable(getattr(batch, field)))
+        low, high = (min(ids), max(ids)) if ids else (0, 0)
+        if low < 0 or high >= vocab:
+            raise PluginCodeError(f"{code} returned {field} with token ids in [{low}, {high}]: expected ids of the "
+                                  f"model's vocabulary, in [0, {vocab})")
     rewards = batch.rewards
     if not isinstance(rewards, Tensor) or rewards.shape != (n,) or not rewards.dtype.is_floating_point:
         got = (f"shape {tuple(rewards.shape)}, {rewards.dtype}" if isinstance(rewards, Tensor)
@@ -143,7 +151,7 @@ class _CheckedSession:
                 ) -> RolloutBatch:
         batch = call_entry(ROLLOUT_ENGINES.what, self.engine, "collect", self.session.collect, model, plan, task,
                            tokenizer, problems, settings, seed, first_problem=first_problem)
-        return check_batch(self.engine, batch, len(problems), settings.samples_per_prompt)
+        return check_batch(self.engine, batch, len(problems), settings.samples_per_prompt, model.config.vocab_size)
 
     def close(self) -> None:
         call_entry(ROLLOUT_ENGINES.what, self.engine, "close", self.session.close)
