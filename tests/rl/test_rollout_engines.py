@@ -10,6 +10,7 @@ import torch
 from rich.console import Console
 from test_trainer import _short
 
+from vexact.cli_base import Terminated
 from vexact.registry import PluginCodeError
 from vexact.rl.collect import RolloutBatch
 from vexact.rl.registries import ROLLOUT_ENGINES
@@ -123,3 +124,34 @@ def test_an_engines_missing_package_names_its_install_line(install, line):
     assert e.value.key == "rollout.engine" and e.value.problem == (
         "rollout engine 'eng_missing' needs the 'no_such_pkg_zz' package, which is not installed in this Python "
         f"environment: {line}")
+
+
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt, 130), (Terminated, 143)], ids=["ctrl_c", "sigterm"])
+def test_an_engine_failing_to_close_after_an_interrupt_leaves_the_interrupts_exit_code(tmp_path, capsys, stop, code):
+    """Ctrl-C (or SIGTERM) while the engine samples, and then its close fails: the exit code stays the interrupt's,
+    which a job scheduler acts on (it was 2, the close's error, before), and the close's failure is one stderr line
+    naming the engine."""
+    import yaml
+
+    from vexact.cli import main
+
+    def interrupt(batch):
+        raise stop
+
+    class Engine(RolloutEngine):
+        name = "eng_x"
+
+        def open(self, cfg, run_dir, world_size):
+            return _Session(collect=interrupt, close=_boom("close"))
+
+    register_rollout_engine(Engine())
+    try:
+        cfg = _short(tmp_path, "run", "rollout.engine=eng_x", "warm_start.steps=0", "steps=1",
+                     "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "task.eval_prompts=2")
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump(cfg.to_dict()))
+        assert main(["run", str(config)]) == code
+    finally:
+        ROLLOUT_ENGINES.remove("eng_x")
+    err = capsys.readouterr().err
+    assert "error: rollout engine 'eng_x' (close) raised RuntimeError: boom in close\n" in err, err

@@ -47,7 +47,7 @@ from torch import Tensor
 import vexact_kernels
 from vexact_kernels.host_guard import host_cpu
 
-from ..cli_base import stop_signal
+from ..cli_base import print_error_line, stop_signal
 from ..engine.devices import device_kind, rank_device
 from ..engine.model import Transformer, resolve_dtype
 from ..metric_keys import (
@@ -480,8 +480,11 @@ class Trainer:
         view is closed and summary.json written first, and then its failure is raised (a ``PluginCodeError`` naming
         the backend: the CLI's one error line and exit code 2, bad input, as for any plugin's error), since a view
         the config asked for may have lost its last steps. After an interrupt the failure is only printed: the exit
-        code stays the interrupt's, which a job scheduler acts on."""
+        code stays the interrupt's, which a job scheduler acts on. So with the rollout engine's ``close``: its failure
+        (a ``PluginCodeError`` naming the engine) is raised after a run that ended otherwise, and only printed (one
+        stderr line) after an interrupt, or while another error is on its way out."""
         self._view_failure = None
+        summary = None
         try:
             if not self.ranks.is_main:
                 summary = self._run(resume, tuple(allow_changes))
@@ -489,7 +492,12 @@ class Trainer:
                 with discard_if_interrupted_early(self.run_dir, log=self._log), run_lock(self.run_dir):
                     summary = self._run(resume, tuple(allow_changes))
         finally:
-            self.close()
+            try:
+                self.close()
+            except PluginCodeError as failure:
+                if summary is not None and summary["status"] != "interrupted":
+                    raise
+                print_error_line(str(failure))  # not raised over the interrupt (its exit code) or the error
         # said only now: an interrupt before any step finished removed the directory (and said so), and then
         # there is nothing to resume
         if summary["status"] == "interrupted" and holds_run(self.run_dir):
