@@ -154,7 +154,12 @@ def check_writable(path: Path, flag: str) -> None:
     """A ValueError naming ``flag`` unless ``path`` can be written: a command that writes its results at the end finds
     out before its work, not after it. The probe leaves nothing behind, whatever its outcome: the file and the
     folders it made for it are removed again (a command that then fails left them behind), so the writer makes the
-    folders it needs."""
+    folders it needs. A broken symlink on the way (``path`` or a folder above it, its target missing) is refused:
+    the probe wrote through it (making its target, then removing the link) or failed with "No such file"."""
+    broken = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    if broken is not None:
+        raise ValueError(f"{flag}: cannot write {path}: {broken} is a broken symlink (its target "
+                         f"{os.readlink(broken)} does not exist); remove it or name another file")
     existed = path.exists()
     made = [folder for folder in (path.parent, *path.parent.parents) if not folder.exists()]  # deepest first
     try:

@@ -80,3 +80,35 @@ def test_the_probe_leaves_no_folder_behind_and_the_report_makes_its_own(tmp_path
     (tmp_path / "kept").mkdir()  # a folder that was there stays
     assert main(["compare", str(rollout), str(rollout), "--json", str(tmp_path / "kept" / "new" / "y.json")]) == 0
     assert (tmp_path / "kept" / "new" / "y.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["file", "folder"])
+@pytest.mark.parametrize("target_folder", [True, False], ids=["target_folder_exists", "no_target_folder"])
+def test_a_broken_symlink_as_the_output_is_one_error_naming_the_flag_and_the_link(tmp_path, where, target_folder):
+    """``--out link.json`` where link.json (or a folder above it) is a symlink to nothing: the probe wrote through it
+    (made its target, then unlinked the user's link: the check passed and left a stray file) or failed with "No such
+    file or directory" for a path that is there."""
+    from vexact.cli_base import check_writable
+
+    target = tmp_path / "targets" / "t" if target_folder else tmp_path / "gone" / "t"
+    (tmp_path / "targets").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    out = link if where == "file" else link / "out.json"
+    with pytest.raises(ValueError) as e:
+        check_writable(out, "--out")
+    assert str(e.value) == (f"--out: cannot write {out}: {link} is a broken symlink (its target {target} does not "
+                            "exist); remove it or name another file")
+    assert link.is_symlink() and list((tmp_path / "targets").iterdir()) == []  # the link kept, nothing made
+
+
+def test_the_cli_prints_a_broken_symlink_output_as_one_error_line(tmp_path, capsys):
+    rollout = tmp_path / "r.jsonl"
+    rollout.write_text('{"id": 0, "tokens": [1, 2], "logprobs": [-0.5, -0.25]}\n')
+    link = tmp_path / "report.json"
+    link.symlink_to(tmp_path / "nowhere.json")
+    assert main(["compare", str(rollout), str(rollout), "--json", str(link)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"error: --json: cannot write {link}: {link} is a broken symlink (its target "
+                                 f"{tmp_path / 'nowhere.json'} does not exist); remove it or name another file\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "report.json"]  # nothing compared or written
