@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Generic, TypeVar
 
 __all__ = ["Mount", "PluginCodeError", "RegisteredName", "Registry", "a_type", "call_entry", "declare_settings",
-           "extensible", "mounts", "settings_classes", "withdraw_settings"]
+           "extensible", "install_line", "mounts", "settings_classes", "withdraw_settings"]
 
 T = TypeVar("T")
 
@@ -56,6 +56,13 @@ def a_type(value: object) -> str:
 def entry_code(what: str, name: str, function: str) -> str:
     """How an error names an entry's code: ``advantage estimator 'my_adv' (compute)``."""
     return f"{what} {name!r} ({function})"
+
+
+def install_line(package: str, install: str = "") -> str:
+    """The line that installs ``package``, the module an entry needs (a rollout engine's, a log backend's), for the
+    error saying it is missing: the entry's own ``install`` line (a built-in names its extra), else
+    ``pip install PACKAGE``."""
+    return install or f"pip install {package}"
 
 
 def call_entry(what: str, name: str, function: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:

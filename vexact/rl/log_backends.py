@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from ..records.metrics_log import scalars
 from ..records.runlog import LiveViews, LogBackend, close_views
-from ..registry import PluginCodeError, a_type, call_entry, entry_code
+from ..registry import PluginCodeError, a_type, call_entry, entry_code, install_line
 from .config import ConfigError
 from .registries import LOG_BACKENDS
 
@@ -87,8 +87,8 @@ def missing_package(backend: str) -> str | None:
     kind = LOG_BACKENDS[backend] if backend in LOG_BACKENDS else None
     if kind is None or kind.package is None or importlib.util.find_spec(kind.package) is not None:
         return None
-    install = kind.install or f"pip install {kind.package}"
-    return f"backend {backend!r} needs the {kind.package!r} package, which is not installed: {install}"
+    return (f"backend {backend!r} needs the {kind.package!r} package, which is not installed: "
+            f"{install_line(kind.package, kind.install)}")
 
 
 class TensorBoardBackend:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from ..registry import PluginCodeError, a_type, call_entry, entry_code
+from ..registry import PluginCodeError, a_type, call_entry, entry_code, install_line
 from .collect import RolloutBatch, collect_rollouts
 from .config import ConfigError
 from .registries import ROLLOUT_ENGINES
@@ -69,9 +69,9 @@ class RolloutEngine:
         """Whether the engine can run here, for ``world_size`` data-parallel ranks: a ConfigError at
         ``rollout.engine`` naming the install line when ``package`` is missing (looked up, not imported)."""
         if self.package is not None and importlib.util.find_spec(self.package) is None:
-            install = self.install or f"pip install {self.package}"
             raise ConfigError(f"rollout engine {self.name!r} needs the {self.package!r} package, which is not "
-                              f"installed in this Python environment: {install}", "rollout.engine")
+                              f"installed in this Python environment: {install_line(self.package, self.install)}",
+                              "rollout.engine")
 
     def open(self, cfg: RunConfig, run_dir: Path, world_size: int) -> RolloutSession:
         raise NotImplementedError
