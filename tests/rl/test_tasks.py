@@ -445,6 +445,10 @@ def _boom():
     raise ZeroDivisionError("boom")
 
 
+def _refuse():
+    raise ValueError("needs min_len >= 5")
+
+
 _HOOK_CASES = [
     ("reward", _boom, "raised ZeroDivisionError: boom"),
     ("reward", lambda: "1.0", "returned '1.0', not a number (float)"),
@@ -524,7 +528,8 @@ def _run_config(tmp_path, name: str, **warm_start) -> str:
     ("warm_start_problems", _boom, "raised ZeroDivisionError: boom"),
     ("use_settings", _boom, "raised ZeroDivisionError: boom"),
     ("__init__", _boom, "raised ZeroDivisionError: boom"),
-], ids=["reward", "final_answer", "free_span", "warm_start_problems", "use_settings", "init"])
+    ("__init__", _refuse, "raised ValueError: needs min_len >= 5"),  # its own error: was passed on unnamed
+], ids=["reward", "final_answer", "free_span", "warm_start_problems", "use_settings", "init", "init_value_error"])
 def test_the_cli_prints_a_bad_hook_as_one_error_line(tmp_path, capsys, method, behaviour, problem):
     """What a user sees from ``vexact run``: exit code 2 and one error line naming the plugin's class and method
     (a traceback from collect, warmstart or torch.tensor before)."""
@@ -543,6 +548,28 @@ def test_the_cli_prints_a_bad_hook_as_one_error_line(tmp_path, capsys, method, b
     assert err.count("\n") == 1 and f"{_code(cls, method)} {problem}" in err, err
     if method in ("use_settings", "__init__"):  # run when the config is loaded: a config error at the task
         assert err.startswith("error: config error at 'task': ")
+
+
+def test_make_task_names_a_constructors_own_value_error_and_the_configs_lengths_by_key():
+    """A task constructor's ValueError was passed on bare (the config error at 'task' named neither the task nor its
+    class, as its other errors do); the config's lengths are still refused as before, by their key, unwrapped."""
+    from vexact.registry import PluginCodeError
+
+    cls = _broken("__init__", _refuse)
+    TASKS.add(cls.name, cls)
+    try:
+        with pytest.raises(PluginCodeError) as e:
+            make_task(cls.name, 2, 3)
+        assert str(e.value) == f"{_code(cls, '__init__')} raised ValueError: needs min_len >= 5"
+        assert isinstance(e.value.__cause__, ValueError)
+        for lengths, says in [((0, 3), "min_len must be >= 1, got 0"),
+                              ((3, 2), "max_len must be >= min_len (3), got 2"),
+                              ((1.5, 3), "min_len must be an int, got 1.5")]:
+            with pytest.raises(ValueError) as e:
+                make_task(cls.name, *lengths)
+            assert type(e.value) is ValueError and str(e.value) == says
+    finally:
+        TASKS.remove(cls.name)
 
 
 def test_a_nan_reward_still_stops_the_run_at_a_non_finite_loss(tmp_path):

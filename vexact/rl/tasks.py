@@ -366,17 +366,15 @@ def task_has_free_span(name: str) -> bool:
 
 def make_task(name: str, min_len: int, max_len: int, partial_credit: bool = False, distractors: int = 0) -> Task:
     """The task called ``name`` (a name in ``TASKS``) with input lengths in ``[min_len, max_len]``;
-    ``distractors`` > 0 gives it a vocabulary tail of that many tokens (``vexact.rl.vocab_tail``)."""
+    ``distractors`` > 0 gives it a vocabulary tail of that many tokens (``vexact.rl.vocab_tail``). Lengths that are
+    no such range are a ValueError naming ``min_len`` or ``max_len``; the task's constructor is called through
+    ``registry.call_entry``, so its own error (a plugin's, a ValueError too) is one ``PluginCodeError`` naming the
+    task and its class."""
     if name not in TASKS:
         raise ValueError(TASKS.unknown(name))
     cls = TASKS[name]
-    try:
-        task = cls(min_len, max_len, partial_credit)
-    except ValueError:
-        raise  # (the lengths' own checks: the config's values are what is wrong, and the message says which)
-    except Exception as e:  # a plugin's constructor: named as its other methods are (_call_task)
-        raise PluginCodeError(f"task {name!r} ({cls.__module__}.{cls.__qualname__}.__init__) raised "
-                             f"{type(e).__name__}: {e}") from e
+    _check_lengths(min_len, max_len)  # the config's values, named as they are (not as the constructor's error)
+    task = call_entry(TASKS.what, name, _task_method(cls, "__init__"), cls, min_len, max_len, partial_credit)
     if distractors:
         task.tokenizer = tokenizer_for(distractors)
     return task
@@ -464,15 +462,14 @@ def max_prompt_tokens(task: Task) -> int:
     return 1 + len(task.tag) + 1 + _length_bound(task, "max_input_len") + 1
 
 
-def _task_method(task: Task, method: str) -> str:
+def _task_method(cls: type[Task], method: str) -> str:
     """How errors name a task's method: ``echo_ext.EchoTask.sample`` (the class tells a plugin's task apart)."""
-    cls = type(task)
     return f"{cls.__module__}.{cls.__qualname__}.{method}"
 
 
 def _task_code(task: Task, method: str) -> str:
     """How an error names a task's own code: ``task 'echo' (echo_ext.EchoTask.sample)``."""
-    return entry_code(TASKS.what, task.name, _task_method(task, method))
+    return entry_code(TASKS.what, task.name, _task_method(type(task), method))
 
 
 def _call_task(task: Task, method: str, *args: Any) -> Any:
@@ -480,7 +477,7 @@ def _call_task(task: Task, method: str, *args: Any) -> Any:
     The task may be a plugin's: an exception from its code is one ``PluginCodeError`` naming the task and the
     method (the CLI's one error line), chained to the original; an error already naming a task's method (the
     default ``reward`` calls ``final_answer``) passes unchanged."""
-    return call_entry(TASKS.what, task.name, _task_method(task, method), getattr(task, method), *args)
+    return call_entry(TASKS.what, task.name, _task_method(type(task), method), getattr(task, method), *args)
 
 
 def _length_bound(task: Task, method: str) -> int:
