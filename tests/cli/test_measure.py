@@ -250,3 +250,25 @@ def test_measure_prints_the_chi2_footnote_with_long_dtype_names(tmp_path, capsys
     out = capsys.readouterr().out
     assert "native:bf16" in out and "exact:fp32" in out  # the long names name the same paths
     assert "χ² token †" in out and "† χ² token: the token mean of ρ² − 1" in out and "slightly negative" in out
+
+
+def test_a_broken_correction_method_is_refused_before_the_work(qwen3_ids_dir, capsys, monkeypatch):
+    """The report resolves every registered correction method's default plan (``mismatch/ratio_affected_frac/*``):
+    a plugin method whose ``to_verl`` fails was found only then, after the checkpoint was loaded and both paths had
+    run. Now measure refuses it first, with ``vexact run``'s check (``corrections.check_every_method``)."""
+    from vexact.real import measure
+    from vexact.rl.corrections import CorrectionMethod, register_correction_method
+    from vexact.rl.registries import CORRECTION_METHODS
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("measure loaded the checkpoint before refusing the method")
+
+    monkeypatch.setattr(measure, "CheckpointLoader", no_work)
+    register_correction_method(CorrectionMethod("outside_broken", "x", "x", lambda cfg: None))
+    try:
+        assert main(["measure", "--model", str(qwen3_ids_dir), "--random-prompts", "2", "--max-new-tokens", "2"]) == 2
+    finally:
+        CORRECTION_METHODS.remove("outside_broken")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: correction method 'outside_broken' (to_verl) returned None")
+    assert "mismatch/ratio_affected_frac/outside_broken" in err, err

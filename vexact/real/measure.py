@@ -83,6 +83,8 @@ from ..metric_keys import (
     raw_ratio_affected_key,
     raw_ratio_quantile_key,
 )
+from ..rl.config_schema import CorrectionSection
+from ..rl.corrections import check_every_method
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
 from ..rl.raw_ratios import raw_ratio_metrics
 from ..rl.validate import read_text_file
@@ -522,6 +524,7 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {settings.max_new_tokens!r}")
     check_temperature(settings.temperature)
+    check_every_method(CorrectionSection())  # the report's ratio_affected_frac keys: a broken plugin before the work
     with torch_threads(settings.threads):  # the caller's count back after the run
         directory = Path(settings.model)
         hf_config, config = model_checkpoint_config(directory)  # before the tokenizer: see there

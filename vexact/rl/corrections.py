@@ -408,13 +408,13 @@ def _check_correction(cfg: RunConfig) -> None:
     c = cfg.correction
     try:
         plan = plan_for(c)
-    except PluginCodeError as err:  # the method's own code: the key to change is the method
+        check_every_method(c)
+    except PluginCodeError as err:  # a method's own code: the key to change is the method
         raise ConfigError(str(err), "correction.method") from None
     except ValueError as err:  # the message names the key it is about; point the error there
         text = str(err)
         key = next((k for k in _PLAN_KEYS if k in text), None)
         raise ConfigError(text, f"correction.{key}" if key else "correction") from None
-    _check_every_method(c)
     bypass = cfg.algorithm.old_logprobs == "rollout"
     if plan.bypass_mode is not None and plan.bypass_mode != bypass:  # only a preset says a mode
         raise ConfigError(f"preset {c.preset} means verl's {'bypass' if plan.bypass_mode else 'decoupled'} mode: "
@@ -436,20 +436,23 @@ def _check_correction(cfg: RunConfig) -> None:
                           "more), or set correction.method: none", key)
 
 
-def _check_every_method(c: CorrectionSection) -> None:
-    """Each registered method's plan at its default settings, the one ``raw_ratios`` resolves at every step for
-    ``mismatch/ratio_affected_frac/<method>`` whichever method the run selects: a method whose ``to_verl`` fails
-    there is refused now, naming it, rather than crashing the run's first step (or leaving its key out of some
-    runs' logs, which ``vexact compare`` reads side by side)."""
+def check_every_method(c: CorrectionSection) -> None:
+    """Each registered method's plan at its default settings, the one ``raw_ratios`` resolves for
+    ``mismatch/ratio_affected_frac/<method>`` whichever method is selected (at every step of a run, and for
+    ``vexact measure``'s report): a method whose ``to_verl`` fails there is one ``PluginCodeError`` naming it and
+    that key, before the work rather than at its first step or its end (or with its key left out of some runs'
+    logs, which ``vexact compare`` reads side by side). ``c``: the selected correction (``CorrectionSection()``
+    selects ``none``): its own method is checked as configured by ``plan_for(c)``, not here."""
     for name in CORRECTION_METHODS.names():
-        if name in ("none", c.method):  # none has no plan of its own; the selected one was checked as configured
+        if name in ("none", c.method):  # none has no plan of its own
             continue
         try:
             plan_for(type(c)(method=name))
         except ValueError as err:
-            raise ConfigError(f"{err} (registered correction method {name!r} is not selected, but every run resolves "
-                              f"its default plan at each step for {raw_ratio_affected_key(name)}; fix it or leave "
-                              "out the plugin that registers it)", "correction.method") from None
+            raise PluginCodeError(f"{err} (registered correction method {name!r} is not selected, but its default "
+                                  f"plan gives {raw_ratio_affected_key(name)}, which every run logs at each step "
+                                  "and vexact measure reports; fix it or leave out the plugin that registers it)"
+                                  ) from None
 
 
 @dataclass
