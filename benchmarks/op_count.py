@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -27,8 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common import DTYPES, add_rl_step_arguments, check_rl_step_flags_used, cli_main, machine_info, set_malloc
 
-ROOT = Path(__file__).resolve().parents[1]
-OWN_CODE = (str(ROOT / "vexact") + "/", str(ROOT / "kernels") + "/")  # frames charged with the calls they issue
 BACKENDS = ("exact", "native")
 
 
@@ -37,6 +36,7 @@ class _CountCalls(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.own_code = own_code()
         self.by_op: collections.Counter[str] = collections.Counter()
         self.by_function: collections.Counter[str] = collections.Counter()
         self.in_compiled = 0  # compiled-loop calls in progress (``_marking_compiled_calls``)
@@ -44,7 +44,7 @@ class _CountCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         self.by_op[str(func.overloadpacket)] += 1
-        self.by_function[_caller()] += 1
+        self.by_function[_caller(self.own_code)] += 1
         self.from_compiled += self.in_compiled > 0
         return func(*args, **(kwargs or {}))
 
@@ -83,13 +83,30 @@ def _marking_compiled_calls(counter: _CountCalls):
             setattr(library, name, fn)
 
 
-def _caller() -> str:
-    """``path:function`` of the innermost frame in vexact/ or kernels/ (relative to the checkout), or ``other``."""
+def own_code() -> tuple[tuple[str, str], ...]:
+    """``(folder + "/", label)`` for each package whose frames are charged with the calls they issue: vexact, and
+    the kernel library labelled ``kernels`` (its folder in the checkout) also where it is installed as
+    vexact_kernels, so labels read the same from a checkout and from an install. The folders are the imported
+    modules' own (a repository-relative path misses site-packages), each as imported and resolved: a frame's file
+    name is the path its module was imported by."""
+    import vexact
+    import vexact_kernels
+
+    roots = []
+    for module, label in ((vexact, "vexact"), (vexact_kernels, "kernels")):
+        folder = Path(module.__file__).parent
+        roots += [(f"{path}{os.sep}", label) for path in dict.fromkeys((str(folder), str(folder.resolve())))]
+    return tuple(roots)
+
+
+def _caller(roots: tuple[tuple[str, str], ...]) -> str:
+    """``label/path:function`` of the innermost frame in one of ``roots`` (``own_code``), or ``other``."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(OWN_CODE):
-            return f"{Path(path).relative_to(ROOT)}:{frame.f_code.co_name}"
+        for root, label in roots:
+            if path.startswith(root):
+                return f"{label}/{Path(path[len(root):]).as_posix()}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "other"
 

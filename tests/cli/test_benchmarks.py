@@ -430,6 +430,25 @@ def test_op_count_charges_every_call_to_a_function(tmp_path, capsys):
     assert op_count.main(["--top", "0"]) == 2
 
 
+def test_op_count_charges_an_installed_kernel_library_under_the_labels_of_the_checkout(monkeypatch, tmp_path):
+    """Installed, the kernels live in site-packages/vexact_kernels/, not beside vexact/ in a checkout: op_count
+    found its own code relative to the repository, so every kernel function fell under ``other``. Functions in
+    both installed packages are charged to them, labelled as in the checkout."""
+    import vexact
+
+    site = tmp_path / "site-packages"
+    monkeypatch.setattr(vexact, "__file__", str(site / "vexact" / "__init__.py"))
+    monkeypatch.setattr(vexact_kernels, "__file__", str(site / "vexact_kernels" / "__init__.py"))
+    functions = {}
+    for file, name in (("vexact_kernels/gemm_linear.py", "tiles"), ("vexact/rl/trainer.py", "step")):
+        exec(compile(f"def {name}(x):\n    return x + 1\n", str(site / file), "exec"), functions)
+    counter, x = op_count._CountCalls(), torch.ones(2)
+    with counter:
+        functions["tiles"](x)
+        functions["step"](x)
+    assert counter.counts()["by_function"] == {"kernels/gemm_linear.py:tiles": 1, "vexact/rl/trainer.py:step": 1}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "huge"], "unknown shape 'huge'"),
     (["--dtype", "float16"], "unknown dtype 'float16'"),
