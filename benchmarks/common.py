@@ -30,6 +30,7 @@ from vexact.engine.devices import resolve_device as engine_resolve_device
 from vexact.engine.model import DTYPES as MODEL_DTYPES
 from vexact.engine.presets import preset_config
 from vexact.records.runlog import write_json_atomic
+from vexact.version import __version__
 from vexact_kernels import EXACT_BACKENDS
 from vexact_kernels.host_guard import host_cpu, mode_from_env, onednn_from_env
 
@@ -270,12 +271,20 @@ def profile_top(fn: Callable[[], object], top: int, calls: int = 3) -> dict:
 
 # --------------------------------------------------------------------------- the record
 def _git_commit() -> str | None:
+    """The short commit of the checkout vexact was imported from, or None where vexact is not a checkout's own:
+    installed, its folder may lie in a venv inside some other git project, whose commit says nothing of vexact."""
+    import vexact
+
+    checkout = Path(vexact.__file__).resolve().parents[1]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, cwd=checkout)
     except (OSError, subprocess.SubprocessError):
         return None
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != checkout:
+        return None
+    return lines[1]
 
 
 def load_average() -> list[float] | None:
@@ -300,7 +309,8 @@ def code_locations() -> dict:
 
 
 def machine_info(device: torch.device | str = "cpu") -> dict:
-    """What the numbers were measured on: CPU model, cores, torch threads and build, GPU if used, load."""
+    """What the numbers were measured on: CPU model, cores, torch threads and build, GPU if used, load, and which
+    vexact: its version always, its commit where it runs from a git checkout."""
     info = {
         "cpu_model": host_cpu()["model"],
         "cpu_flags": host_cpu()["flags"],  # the features that change a BLAS's micro-kernels (AMX, AVX-512 bf16)
@@ -312,6 +322,7 @@ def machine_info(device: torch.device | str = "cpu") -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average_start": load_average(),
+        "vexact_version": __version__,
         "git_commit": _git_commit(),
         "exact_path": mode_from_env(),  # the CPU guard mode (VEXACT_CPU_EXACT_PATH): auto, canonical, fixed-order
         "exact_onednn": "auto" if onednn_from_env() else "off",  # VEXACT_CPU_ONEDNN: large fp32 layers may run oneDNN

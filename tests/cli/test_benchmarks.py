@@ -39,7 +39,7 @@ from vexact_kernels import TRITON_PIP, cpu_exact, native  # noqa: E402
 
 RATIO_KEYS = ("ratio_median", "ratio_min", "ratio_max", "exact_s_median", "native_s_median", "repetitions")
 MACHINE_KEYS = ("cpu_model", "logical_cpus", "torch_threads", "torch_version", "load_average_start", "device",
-                "malloc")
+                "malloc", "vexact_version", "git_commit")
 TINY_RL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=10",
            "task.eval_prompts=2", "warm_start.steps=0"]
 
@@ -551,6 +551,29 @@ def test_a_kernel_library_from_another_checkout_is_refused(monkeypatch, tmp_path
     monkeypatch.setattr(vexact_kernels, "__file__", str(tmp_path / "elsewhere" / "kernels" / "__init__.py"))
     with pytest.raises(ValueError, match="come from different checkouts"):
         code_locations()
+
+
+def test_a_record_names_vexact_s_version_and_a_commit_only_from_vexact_s_own_checkout(monkeypatch, tmp_path):
+    """Installed in a venv inside someone's git project, a record took that project's commit for vexact's (git ran
+    in the installed package's folder) and named no vexact version. Now: the version always; the commit only where
+    vexact's folder is the top of the git checkout git names."""
+    import vexact
+    from benchmarks import common
+    from vexact.version import __version__
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    machine = common.machine_info()
+    assert machine["vexact_version"] == __version__ and machine["git_commit"] == head.stdout.strip()
+    project = tmp_path / "project"
+    site = project / ".venv" / "lib" / "site-packages"
+    for package in ("vexact", "vexact_benchmarks"):
+        (site / package).mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "theirs"]):
+        subprocess.run([*git, *args], cwd=project, check=True, capture_output=True)
+    monkeypatch.setattr(vexact, "__file__", str(site / "vexact" / "__init__.py"))
+    monkeypatch.setattr(common, "__file__", str(site / "vexact_benchmarks" / "common.py"))
+    assert common._git_commit() is None
 
 
 def test_a_record_names_the_onednn_choice_and_its_measured_on_line_says_when_it_is_off(monkeypatch):
