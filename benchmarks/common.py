@@ -34,11 +34,17 @@ from vexact.version import __version__
 from vexact_kernels import EXACT_BACKENDS
 from vexact_kernels.host_guard import host_cpu, mode_from_env, onednn_from_env
 
-# The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments): the
-# checkout's experiments/zero_mismatch.yaml, else (an installed package, vexact_benchmarks) the copy shipped beside
-# this module, which in the checkout is a link to that file: one source.
-_CHECKOUT_EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "zero_mismatch.yaml"
-EXPERIMENT = _CHECKOUT_EXPERIMENT if _CHECKOUT_EXPERIMENT.is_file() else Path(__file__).parent / "zero_mismatch.yaml"
+
+def experiment(name: str) -> Path:
+    """The experiment YAML ``name`` a benchmark runs: the checkout's experiments/NAME, else (an installed package,
+    vexact_benchmarks, has no experiments/) the copy shipped beside this module, which in the checkout is a link to
+    that file (pyproject's package-data for vexact_benchmarks): one source."""
+    checkout = Path(__file__).resolve().parents[1] / "experiments" / name
+    return checkout if checkout.is_file() else Path(__file__).parent / name
+
+
+# The experiment whose RL step the benchmarks run (the default of ``--rl-config``, see add_rl_step_arguments).
+EXPERIMENT = experiment("zero_mismatch.yaml")
 DTYPES = {name: MODEL_DTYPES[name] for name in ("float32", "bfloat16")}  # the model's dtypes, canonical names
 
 

@@ -65,9 +65,10 @@ from vexact.engine.scoring import token_logprobs
 from vexact.metric_keys import BITWISE_EQUAL_FRAC, K3_KL, TIMING_STEP
 from vexact.records import METRICS_FILE
 
+from .common import experiment
 from .gpu_triton import median_seconds, sync
 
-EXPERIMENT = Path(__file__).resolve().parent.parent / "experiments" / "gpu_qwen3_0_6b.yaml"
+EXPERIMENT = "gpu_qwen3_0_6b.yaml"  # the rl_run part's run, found by common.experiment (shipped when installed)
 
 TINY = dict(vocab_size=512, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=64)
@@ -583,7 +584,7 @@ def part_rl_run(device: torch.device, rehearse: bool, s: dict, out_dir: Path) ->
         shutil.rmtree(run_dir)  # a fresh run each time the script runs
     sets = [f"output_dir={run_dir}", f"warm_start.cache_dir={out_dir / 'warmstart_cache'}", f"steps={s['steps']}",
             *(REHEARSAL_RUN if rehearse else []), f"backend={s['exact_backend']}"]
-    argv = ["run", str(EXPERIMENT), "--device", str(device), *(f"--set={x}" for x in sets)]
+    argv = ["run", str(experiment(EXPERIMENT)), "--device", str(device), *(f"--set={x}" for x in sets)]
     code = vexact_main(argv)
     rows = read_metrics(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).exists() else []
     fractions = [r[BITWISE_EQUAL_FRAC] for r in rows]

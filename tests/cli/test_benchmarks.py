@@ -603,6 +603,29 @@ def test_vexact_bench_imports_the_installed_benchmarks_from_any_folder(tmp_path)
     assert out.stdout.split() == ["vexact_benchmarks.tables", "False", "True", "True"]
 
 
+def test_gpu_real_s_rl_run_finds_its_experiment_in_an_installed_package(tmp_path):
+    """``vexact bench gpu_real --part rl_run`` read experiments/gpu_qwen3_0_6b.yaml beside the installed package,
+    which a wheel has no copy of. Here the package as a wheel lays it out (its modules and package-data, links
+    followed) is imported from a folder of its own; its rl_run part runs a config that is there."""
+    import shutil
+
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    installed = tmp_path / "site-packages" / "vexact_benchmarks"
+    installed.mkdir(parents=True)
+    shipped = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-data"]["vexact_benchmarks"]
+    for path in [*(ROOT / "benchmarks").glob("*.py"), *(f for p in shipped for f in (ROOT / "benchmarks").glob(p))]:
+        shutil.copyfile(path, installed / path.name)
+    code = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import vexact.cli; from pathlib import Path\n"
+            "vexact.cli.main = lambda argv: print(Path(argv[1]).is_file(), Path(argv[1]).parent) or 1\n"
+            "import vexact_benchmarks.gpu_real as g\n"
+            "g.part_rl_run(torch.device('cpu'), True, {'steps': 1, 'exact_backend': 'exact'}, Path(sys.argv[2]))")
+    out = subprocess.run([sys.executable, "-c", code, str(installed.parent), str(tmp_path / "out")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", str(installed)]
+
+
 def test_bench_choices_are_the_benchmark_modules():
     import inspect
 

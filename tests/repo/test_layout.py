@@ -258,15 +258,16 @@ def test_a_benchmark_imports_its_siblings_relatively_and_no_tool(path: Path) -> 
     assert not imported and not named, f"{path.relative_to(ROOT)}: {imported or named}"
 
 
-def test_the_benchmarks_ship_their_rl_config_as_one_file() -> None:
-    """The RL step's default config ships in the package (package-data) as a link to experiments/zero_mismatch.yaml:
-    the wheel copies its content, the checkout keeps one file."""
+def test_the_benchmarks_ship_the_experiments_they_run_as_one_file_each() -> None:
+    """The experiments the benchmarks run (the RL step's default config, gpu_real's rl_run) ship in the package
+    (package-data) as links to experiments/: the wheel copies their content, the checkout keeps one file each."""
     from setuptools.config.pyprojecttoml import read_configuration
 
-    shipped = ROOT / "benchmarks" / "zero_mismatch.yaml"
-    assert shipped.is_symlink() and shipped.resolve() == (ROOT / "experiments" / "zero_mismatch.yaml").resolve()
     data = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-data"]
-    assert data["vexact_benchmarks"] == [shipped.name]
+    assert sorted(data["vexact_benchmarks"]) == ["gpu_qwen3_0_6b.yaml", "zero_mismatch.yaml"]
+    for name in data["vexact_benchmarks"]:
+        shipped = ROOT / "benchmarks" / name
+        assert shipped.is_symlink() and shipped.resolve() == (ROOT / "experiments" / name).resolve(), name
 
 
 # --------------------------------------------------------------------------- import circles
