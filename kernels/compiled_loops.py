@@ -28,6 +28,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -53,7 +54,9 @@ LDFLAGS = OPENMP
 DTYPES = (torch.float32, torch.float64)  # what the loops are compiled for; anything else takes the torch ops
 
 _lock = threading.Lock()
-_state: dict = {}  # "module" (or None), "path", "reason", "build_seconds": filled on first use
+# "module" (or None), "path", "reason", "build_seconds", "mode"; in mode compiled where the build failed, "failure" and
+# "compiler" (LoopsBuildError's): filled on first use
+_state: dict = {}
 
 
 def mode_from_env() -> str:
@@ -101,14 +104,25 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), ninja.BIN_DIR])
 
 
+def _writable(directory: Path) -> None:
+    """Create ``directory`` and check that files can be written in it, before the build: torch's builder would
+    fail there later with an error that reads like a compiler's."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as error:
+        raise LoopsBuildError(f"cannot write their build folder {directory} ({error.strerror or error}); set "
+                              "TORCH_EXTENSIONS_DIR to a writable folder", compiler=False) from error
+
+
 def _build(name: str, directory: Path) -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    _writable(directory)
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None and shutil.which("g++") is None:  # torch's builder would fail noisily
         raise RuntimeError(f"no C++ compiler on PATH (looked for {compiler} and g++)")
     _ninja_on_path()
-    directory.mkdir(parents=True, exist_ok=True)
     print(f"vexact: building the exact CPU kernels' compiled loops (once per machine and version) in {directory}",
           file=sys.stderr)
     module = load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
@@ -120,14 +134,19 @@ def _build(name: str, directory: Path) -> ModuleType:
 
 class LoopsBuildError(RuntimeError):
     """``VEXACT_CPU_LOOPS=compiled`` where the loops do not build: the machine's failure (no compiler, a failed
-    build), raised on every call of the process, never a quiet fall back to the torch ops."""
+    build, a build folder that cannot be written), raised on every call of the process, never a quiet fall back to
+    the torch ops. ``compiler``: whether a C++ compiler is the fix (False: the message names the fix itself)."""
+
+    def __init__(self, message: str, compiler: bool = True) -> None:
+        super().__init__(message)
+        self.compiler = compiler
 
 
 def _known() -> ModuleType | None:
     """What an earlier call settled: the module, None, or (compiled mode) its build failure again."""
     module = _state["module"]
     if module is None and "failure" in _state:
-        raise LoopsBuildError(_state["failure"])
+        raise LoopsBuildError(_state["failure"], compiler=_state["compiler"])
     return module
 
 
@@ -149,11 +168,13 @@ def library() -> ModuleType | None:
         try:
             module = _import_built(name, directory) or _build(name, directory)
         except Exception as error:  # noqa: BLE001 -- any build failure means: no compiled loops on this host
-            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            last_line = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            # (a LoopsBuildError of the build's own already says what failed, and the fix)
+            reason = str(error) if isinstance(error, LoopsBuildError) else f"{type(error).__name__}: {last_line}"
             if mode == "compiled":
-                _state.update(reason=f"build failed ({reason})",
+                _state.update(reason=f"build failed ({reason})", compiler=getattr(error, "compiler", True),
                               failure=f"{LOOPS_ENV}=compiled, but the compiled loops did not build ({reason})")
-                raise LoopsBuildError(_state["failure"]) from error
+                raise LoopsBuildError(_state["failure"], compiler=_state["compiler"]) from error
             _state["reason"] = f"build failed ({reason})"
             warnings.warn(f"vexact: the exact CPU kernels' compiled loops did not build ({reason}); using the "
                           f"torch-op versions (the same bits, slower). Set {LOOPS_ENV}=python to skip the build.",

@@ -662,8 +662,9 @@ def main(argv: list[str] | None = None) -> int:
         from vexact_kernels.compiled_loops import LoopsBuildError
 
         if isinstance(err, LoopsBuildError):  # the machine cannot build what the setting demands
-            _error_line("error", f"{err}; install a C++ compiler, or unset VEXACT_CPU_LOOPS (auto: the torch ops where "
-                                 "the loops do not build)", "red")
+            fix = "install a C++ compiler, or" if err.compiler else "or"  # (else the error names its own fix)
+            _error_line("error", f"{err}; {fix} unset VEXACT_CPU_LOOPS (auto: the torch ops where the loops do not "
+                                 "build)", "red")
             return EXIT_ENVIRONMENT
         if not out_of_memory(err):
             raise

@@ -651,6 +651,34 @@ def test_compiled_mode_whose_build_failed_fails_again_and_the_cli_says_so_in_one
                           "C++ compiler"), err
 
 
+def test_a_build_folder_that_cannot_be_written_is_named_with_its_fix_not_a_compiler(monkeypatch, tmp_path, capsys):
+    """An extension cache that cannot be created (here under a regular file; a read-only HOME alike) failed the build
+    with an OSError the CLI answered with "install a C++ compiler". Mode compiled now names the folder and says to set
+    TORCH_EXTENSIONS_DIR (the CLI suggests no compiler); mode auto still falls back to the torch ops, saying why."""
+    from vexact.cli import EXIT_ENVIRONMENT, main
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "file" / "x"))
+    monkeypatch.setattr(compiled_loops, "_import_built", lambda name, directory: None)
+    monkeypatch.setenv(compiled_loops.LOOPS_ENV, "compiled")
+    monkeypatch.setattr(compiled_loops, "_state", {})
+    for _ in range(2):  # the same error on every call
+        with pytest.raises(compiled_loops.LoopsBuildError) as raised:
+            compiled_loops.library()
+        assert f"cannot write their build folder {tmp_path / 'file' / 'x'}" in str(raised.value)
+        assert "set TORCH_EXTENSIONS_DIR to a writable folder" in str(raised.value) and not raised.value.compiler
+    code = main(["check", "--preset", "tiny", "--backend", "exact", "--wide-hidden", "0", "--num-prompts", "2",
+                 "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == EXIT_ENVIRONMENT and err.count("\n") == 1 and "TORCH_EXTENSIONS_DIR" in err, err
+    assert "compiler" not in err, err
+    monkeypatch.setenv(compiled_loops.LOOPS_ENV, "auto")
+    monkeypatch.setattr(compiled_loops, "_state", {})
+    with pytest.warns(RuntimeWarning, match="cannot write their build folder .*using the torch-op versions"):
+        assert compiled_loops.library() is None
+    assert compiled_loops.status()["path"] == "torch ops"
+
+
 @pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ("exp", "log", "cos", "sqrt"))
