@@ -591,6 +591,20 @@ def test_a_record_names_the_onednn_choice_and_its_measured_on_line_says_when_it_
     assert record["machine"]["exact_onednn"] == "auto" and "ONEDNN" not in tables._machine(record)
 
 
+def test_the_measured_on_line_names_the_commit_else_the_installed_version():
+    """A record from a checkout names its commit; one from an installed vexact (no commit) names vexact's version
+    rather than "commit None"; a record from before ``vexact_version`` keeps its old line."""
+    machine = {"cpu_model": "cpu", "logical_cpus": 2, "torch_version": "2.13.0", "load_average_start": 0.1,
+               "load_average_end": 0.2}
+    record = {"machine": machine, "results": [{"threads": 1}], "settings": {"threads": [1]}}
+    machine.update(git_commit="abc1234", vexact_version="0.1.0")
+    assert ", commit abc1234, " in tables._machine(record)
+    machine["git_commit"] = None
+    assert ", vexact 0.1.0, " in tables._machine(record) and "commit" not in tables._machine(record)
+    del machine["vexact_version"]
+    assert ", commit None, " in tables._machine(record)
+
+
 def test_vexact_bench_imports_the_installed_benchmarks_from_any_folder(tmp_path):
     """``vexact bench`` needs no checkout: it imports ``vexact_benchmarks`` (installed, as the kernels are), here
     from a folder outside the repository with the repository's root off ``sys.path`` (``python -I``), and puts
