@@ -246,11 +246,14 @@ def test_bad_input_is_one_error_line(dumps, args, message, capsys):
 def test_tokens_from_takes_a_seed(dumps, capsys):
     """--seed seeds the random model, which runs the dump's sequences: --tokens-from refuses the prompt and
     generation flags, not it (the same seed as the dump's recording: nothing differs; another seed: other weights,
-    refused unless --allow-different-weights)."""
+    refused before recording and when compared, unless --allow-different-weights)."""
     argv = ["locate", *SIZE_ARGS, "--tokens-from", str(dumps / "ok"), "--seed", "0"]
     assert main([*argv, "--a", "exact:fp32:rollout", "--dump", str(dumps / "seeded")]) == 0
     assert main(["locate", "--a", str(dumps / "ok"), "--b", str(dumps / "seeded"), "--fail-on-divergence"]) == 0
-    assert main([*argv[:-1], "1", "--a", "exact:fp32:rollout", "--dump", str(dumps / "reseeded")]) == 0
+    reseeded = [*argv[:-1], "1", "--a", "exact:fp32:rollout", "--dump", str(dumps / "reseeded")]
+    assert main(reseeded) == 2
+    assert "ran different weights" in capsys.readouterr().err and not (dumps / "reseeded").exists()
+    assert main([*reseeded, "--allow-different-weights"]) == 0
     compare = ["locate", "--a", str(dumps / "ok"), "--b", str(dumps / "reseeded"), "--fail-on-divergence"]
     assert main(compare) == 2
     assert "ran different weights" in capsys.readouterr().err

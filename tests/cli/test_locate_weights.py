@@ -5,8 +5,10 @@ What must hold: the digest is bitwise repeatable (any thread count, a rebuilt mo
 and the vexact model of its weights alike; one element changed by one ulp changes it (a change below bfloat16's
 resolution changes only the float32 digest, as documented); a bf16 recording and an fp32 one of the same weights
 compare by the bfloat16 digest and pass; dumps of other weights are one error naming both digests and both files,
-compared anyway with ``--allow-different-weights``; a dump without a digest (written before one was recorded) is
-compared and the report says the weights were not checked; ``assert_sites_equal`` refuses the same way.
+compared anyway with ``--allow-different-weights``; ``--dump --tokens-from`` of other weights than that dump's is
+refused before anything is recorded (recorded with ``--allow-different-weights``); a dump without a digest (written
+before one was recorded) is compared and the report says the weights were not checked; ``assert_sites_equal``
+refuses the same way.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def dumps(tmp_path_factory):
                             **common))
     run_dump(LocateSettings(a="exact:bf16:rollout", dump=root / "engine", tokens_from=root / "trainer", **common))
     run_dump(LocateSettings(a="exact:fp32:rollout", dump=root / "stepped", tokens_from=root / "trainer", seed=1,
-                            **common))
+                            allow_different_weights=True, **common))  # other weights, knowingly
     (root / "old").mkdir()  # the trainer's dump as vexact wrote it before it recorded a digest
     manifest = json.loads((root / "trainer" / DUMP_FILE).read_text())
     del manifest["weights"]
@@ -122,6 +124,44 @@ def test_a_dump_without_a_digest_is_compared_and_the_report_says_so(dumps, capsy
     out = capsys.readouterr().out
     assert f"weights not checked: {dumps / 'old' / DUMP_FILE} records no weights digest" in out
     assert "no divergence" in out
+
+
+def test_a_dump_of_other_weights_than_its_tokens_from_is_refused_before_it_records(dumps, monkeypatch, capsys):
+    """--dump with --tokens-from checks the model's weights against that dump's before it records anything (the
+    refusal came only at the later comparison, after the recording and the write); --allow-different-weights records
+    them knowingly. Either way the weights are digested once (a full read of every weight)."""
+    import vexact.real.locate as locate
+
+    calls = {"capture": 0, "weights_digest": 0}
+
+    def counted(name):
+        original = getattr(locate, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(locate, name, counted(name))
+    out = dumps / "stepped-again"
+    sizes = [arg for k, v in SHAPE.items() for arg in (locate.size_flag(k), str(v))]
+    argv = ["locate", *sizes, "--seed", "1", "--a", "exact:fp32:rollout", "--hash", "--tokens-from",
+            str(dumps / "trainer"), "--dump", str(out)]
+    a = read_dump(dumps / "trainer", "--a").weights["sha256"]["float32"]
+    b = read_dump(dumps / "stepped", "--b").weights["sha256"]["float32"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert (f"{dumps / 'trainer' / DUMP_FILE} and path exact:fp32:rollout ran different weights (sha256 of their "
+            f"float32 weights: {a} vs {b})") in err, err  # sites.different_weights_error, as a comparison says it
+    assert calls == {"capture": 0, "weights_digest": 1} and not out.exists()  # no site recorded, nothing written
+    assert main([*argv, "--allow-different-weights"]) == 0
+    capsys.readouterr()
+    assert calls == {"capture": 1, "weights_digest": 2}  # the digest checked is the one the dump records
+    assert read_dump(out, "--b").weights == read_dump(dumps / "stepped", "--b").weights
+    assert main(["locate", "--a", str(dumps / "trainer"), "--b", str(out)]) == 2  # compared: refused as before
+    assert "ran different weights" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -64,8 +64,10 @@ each ``ops`` row has ``a_sha256`` and ``b_sha256`` (``sites.site_hash``); compar
 rounded to bfloat16, so a bf16 engine and an fp32 trainer of one checkpoint compare). Two recordings whose digests
 differ are refused (``sites.different_weights_error``, naming both digests and both dumps) unless
 ``allow_different_weights``: another checkpoint, or a model after an optimizer step, differs from the first layer
-on, and the report would blame that layer. A dump without a digest (written before it was recorded, or by another
-tool) is compared as before, and the report says the weights could not be checked.
+on, and the report would blame that layer. ``dump`` with ``tokens_from`` checks before it records: a model whose
+digest differs from that dump's is the same error, before any site is recorded (its digest, taken once, is the one
+the dump keeps), unless ``allow_different_weights``. A dump without a digest (written before it was recorded, or by
+another tool) is compared as before, and the report says the weights could not be checked.
 """
 
 from __future__ import annotations
@@ -223,7 +225,8 @@ class LocateSettings:
     ``random_model`` (RANDOM_MODEL's keys plus qk_norm, qkv_bias, tie_embeddings) seeded with ``seed``.
     ``a`` / ``b`` may name dump directories (compared without running anything); ``dump`` records path a only
     and writes it there (tensors too unless ``hash``); ``tokens_from`` runs the sequences of an earlier dump;
-    ``allow_different_weights`` compares recordings whose weights digests differ (refused otherwise).
+    ``allow_different_weights`` compares recordings whose weights digests differ (refused otherwise) and lets
+    ``dump`` with ``tokens_from`` record weights other than that dump's (refused before recording otherwise).
     ``max_prompt_len``, ``max_new_tokens``, ``temperature``, ``seed`` and ``device`` None: RUN_DEFAULTS' value;
     ``threads`` None: torch's count."""
 
@@ -412,8 +415,9 @@ def _check_dump_pair_settings(settings: LocateSettings) -> None:
 
 
 def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefill: list[int],
-            rows: list[tuple[int, int]], run: dict[str, Any]) -> Sites:
-    """One path's sites: vexact paths op by op through ``OpRecorder``, hf paths by ``sites.capture_hf``'s hooks."""
+            rows: list[tuple[int, int]], run: dict[str, Any], weights: dict[str, Any] | None = None) -> Sites:
+    """One path's sites: vexact paths op by op through ``OpRecorder``, hf paths by ``sites.capture_hf``'s hooks;
+    ``weights``: its ``models.digest`` where the caller took it already (None: taken here)."""
     if path.vexact:
         model = models.get(path.spec)
         store = capture(model, vexact_kernels.get_ops(path.spec.backend, model.device), path.kind, sequences,
@@ -426,8 +430,18 @@ def _record(path: LocatePath, models: _Models, sequences: list[list[int]], prefi
         _, specs, store = _vllm(path, models, sequences, run["settings"])
         store = _select_rows(store, sequences, rows)
     run = {k: v for k, v in run.items() if k != "settings"}
-    held = (lambda: model) if path.vexact or path.spec.backend == "hf" else (lambda: _vllm_weights(path, models))
-    return make_sites(path.name, specs, store, rows, weights=models.digest(held), **run)
+    weights = weights if weights is not None else models.digest(_held(path, models))
+    return make_sites(path.name, specs, store, rows, weights=weights, **run)
+
+
+def _held(path: LocatePath, models: _Models) -> Callable[[], torch.nn.Module]:
+    """The model whose weights a path runs, built when called (``_Models.digest`` builds it only for a dump): a
+    vexact path's, an hf path's transformers model, a vllm path's ``_vllm_weights``."""
+    if path.vexact:
+        return lambda: models.get(path.spec)
+    if path.spec.backend == "hf":
+        return lambda: models.hf(path.spec)
+    return lambda: _vllm_weights(path, models)
 
 
 def _vllm_weights(path: LocatePath, models: _Models) -> Transformer:
@@ -481,8 +495,15 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
         flag = "--tokens-from" if source is not None else "--prefill"
         raise ValueError(f"{flag}: a vllm rollout path ({paths[0].name}) prefills the prompts and samples its own "
                          "continuation")
-    pre_recorded = None
-    if source is not None:
+    pre_recorded, weights = None, None
+    if source is not None:  # before recording: another model, or (--dump) other weights, failed only when compared
+        probe = Sites(paths[0].name, [], {}, {}, {}, {}, source.rows, tokens=source.tokens, config=config.to_dict())
+        check_comparable(source, probe)
+        if settings.dump is not None:  # the dump's digest, taken once: it reads every weight
+            probe.weights = weights = models.digest(_held(paths[0], models))
+            compared = compare_weights(source, probe)
+            if compared["same"] is False and not settings.allow_different_weights:
+                raise different_weights_error(source, probe, compared)
         sequences, prompt_lengths, prefill, rows = source.tokens, source.prompt_lengths, source.prefill, source.rows
     else:
         sequences = [list(p) for p in prompts]
@@ -512,10 +533,11 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
     for label, path in zip("ab", paths):
         if label == "a" and pre_recorded is not None:
             recorded.append(make_sites(path.name, pre_recorded[0], _select_rows(pre_recorded[1], sequences, rows),
-                                       rows, weights=models.digest(lambda p=path: _vllm_weights(p, models)), **run))
+                                       rows, weights=models.digest(_held(path, models)), **run))
             continue
         start = time.perf_counter()
-        recorded.append(_record(path, models, sequences, prefill, rows, {**run, "settings": settings}))
+        recorded.append(_record(path, models, sequences, prefill, rows, {**run, "settings": settings},
+                                weights if label == "a" else None))
         seconds[label] = time.perf_counter() - start
     if source is not None:
         check_comparable(source, recorded[0])
@@ -628,8 +650,9 @@ def run_dump(settings: LocateSettings) -> Sites:
     """Record path ``a`` only and write it to ``settings.dump`` (``sites.write_dump``): tensors unless ``hash``."""
     if looks_like_dump(settings.a):
         raise ValueError(f"--dump records a path spec; --a {settings.a} names a dump directory")
-    if settings.allow_different_weights:
-        raise ValueError("--allow-different-weights: --dump records one path and compares nothing")
+    if settings.allow_different_weights and settings.tokens_from is None:
+        raise ValueError("--allow-different-weights: --dump records one path and compares nothing (with "
+                         "--tokens-from, it records weights other than that dump's)")
     settings = _check_settings(settings)
     path_a = parse_locate_path(settings.a, "rollout", "--a")
     with torch_threads(settings.threads):  # the caller's count back after the run
@@ -672,7 +695,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and positions of an earlier dump (so that dumps of two engines or machines compare)")
     parser.add_argument("--allow-different-weights", action="store_true", help="compare two dumps whose weights "
                         "digests differ (another checkpoint, a model after an optimizer step): refused without it, "
-                        "since such models differ from the first layer on")
+                        "since such models differ from the first layer on; with --dump and --tokens-from, record "
+                        "weights other than that dump's (checked before recording without it)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint directory from_pretrained can load")
     source.add_argument("--random", action="store_true", help="a tiny random model (the default; size flags below)")
