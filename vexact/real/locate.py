@@ -263,16 +263,25 @@ class _Models:
         self._exported: Any = None  # the random model as a checkpoint directory (vllm paths)
         self.device = resolve_device(settings.device, "--device")
 
-    def get(self, spec: PathSpec) -> Transformer:
-        if ("vexact", spec.dtype) not in self._built:
-            if self._checkpoint is not None:
-                model = build_model(self._checkpoint, backend=spec.backend, dtype=spec.dtype, device=self.device)
-            else:
-                config = ModelConfig(**{**RANDOM_MODEL, **self.settings.random_model, "max_seq_len": self.max_seq_len})
-                model = Transformer(config, backend=spec.backend, dtype=spec.dtype, device=self.device,
-                                    init_seed=self.settings.seed)
+    def config(self) -> ModelConfig:
+        """The models' config, without building one (a vllm or hf path a needs no vexact model of its own)."""
+        if self._checkpoint is not None:
+            return self._checkpoint.config
+        return ModelConfig(**{**RANDOM_MODEL, **self.settings.random_model, "max_seq_len": self.max_seq_len})
+
+    def get(self, spec: PathSpec, keep: bool = True) -> Transformer:
+        """The vexact model of ``spec``'s dtype, built once and kept (``keep=False``: a model built now is not
+        kept, for a read of its weights while another engine is about to hold its own copy)."""
+        if ("vexact", spec.dtype) in self._built:
+            return self._built["vexact", spec.dtype]
+        if self._checkpoint is not None:
+            model = build_model(self._checkpoint, backend=spec.backend, dtype=spec.dtype, device=self.device)
+        else:
+            model = Transformer(self.config(), backend=spec.backend, dtype=spec.dtype, device=self.device,
+                                init_seed=self.settings.seed)
+        if keep:
             self._built["vexact", spec.dtype] = model
-        return self._built["vexact", spec.dtype]
+        return model
 
     def digest(self, model: Callable[[], torch.nn.Module]) -> dict[str, Any]:
         """``sites.weights_digest`` of a model built here, for a recording written to a dump (``--dump``: one path,
@@ -446,8 +455,8 @@ def _held(path: LocatePath, models: _Models) -> Callable[[], torch.nn.Module]:
 
 def _vllm_weights(path: LocatePath, models: _Models) -> Transformer:
     """What a vllm path holds: the checkpoint it loads, cast to its dtype as vLLM's loader casts (``copy_``) -- the
-    vexact model of that dtype."""
-    return models.get(PathSpec("exact", path.spec.dtype))
+    vexact model of that dtype, not kept (its digest is all a vllm path reads of it: vLLM holds its own copy)."""
+    return models.get(PathSpec("exact", path.spec.dtype), keep=False)
 
 
 def _vllm(path: LocatePath, models: _Models, sequences: list[list[int]],
@@ -487,8 +496,10 @@ def _run_paths(settings: LocateSettings, paths: list[LocatePath]) -> tuple[list[
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     models = _Models(settings, needed)
-    config = models.get(PathSpec("exact", torch.float32) if not paths[0].vexact else paths[0].spec).config
+    config = models.config()
     op_plan(config)  # a mixture-of-experts model is refused here, before anything runs (no fixed sites)
+    if paths[0].vexact:  # (built here so that "load" times it, as an engine's own load is in its path's time)
+        models.get(paths[0].spec)
     seconds["load"] = time.perf_counter() - start
     vllm_rollout = paths[0].spec.backend == "vllm" and paths[0].kind == "rollout"
     if vllm_rollout and (source is not None or settings.prefill is not None):
