@@ -39,9 +39,11 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
     A width D that is not a power of two is treated as zero-padded to the next one, P. The first
     level adds x[i] + x[i + P/2] where both exist and x[i] + 0.0 where the partner is padding
     (so -0.0 becomes +0.0 exactly as with real zero padding) without materialising the padded
-    row; later levels add halves in place in that one scratch buffer."""
+    row; later levels add halves in place in that one scratch buffer. Width 0 gives zeros (the empty sum)."""
     dim = dim % x.dim()
     width = x.shape[dim]
+    if width == 0:  # the empty sum (a batch of zero rows): +0.0, as torch.sum gives; the halving below needs width >= 1
+        return x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
     if width == 1:
         return x.select(dim, 0)
     half = 1 << ((width - 1).bit_length() - 1)  # P / 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import require_optional
 
-from vexact_kernels import TRITON_PIP, cpu_exact, get_ops, moe_exact
+from vexact_kernels import TRITON_PIP, cpu_exact, fixed_order, get_ops, moe_exact
 from vexact_kernels.host_guard import MODES
 
 G = torch.Generator().manual_seed(0)
@@ -190,6 +190,26 @@ def test_an_empty_batch_of_rows_is_an_empty_result(mode):
         x, w = _r(0, 16).to(dtype).requires_grad_(), W.to(dtype, copy=True).requires_grad_()
         ops.linear(x, w).sum().backward()
         assert x.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)])
+def test_no_rows_give_zero_weight_and_bias_gradients(mode, shape):
+    """rms_norm's weight gradient and linear's bias gradient over zero rows are the empty sum, zeros (as native's),
+    not an error: the halving tree once failed on width 0 (``fixed_order.tree_sum``; the compiled loop hands widths
+    below 2 to it, so both loops modes met it)."""
+    ops, native = cpu_exact.ops_in_mode(mode), get_ops("native", "cpu")
+    assert torch.equal(fixed_order.tree_sum(_r(0, 3), dim=0), torch.zeros(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        for op in (ops, native):  # the exact kernels give what native gives
+            x = _r(*shape).to(dtype).requires_grad_()
+            w, b = W.to(dtype, copy=True).requires_grad_(), B.to(dtype, copy=True).requires_grad_()
+            scale = _r(16).to(dtype).requires_grad_()
+            op.rms_norm(x, scale, 1e-6).sum().backward()
+            op.linear(x, w, b).sum().backward()
+            assert x.grad.shape == shape and torch.equal(x.grad, torch.zeros_like(x))
+            assert scale.grad.dtype == dtype and torch.equal(scale.grad, torch.zeros_like(scale))
+            assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
 @pytest.mark.parametrize("backend", ["native", "triton", *MODES])
