@@ -203,8 +203,11 @@ def tiled_matmul(x: Tensor, weight: Tensor, host: HostGuard, op: str = "linear")
 
 def kept_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: object) -> TiledPlan | None:
     """``tiled_matmul``'s plan for this call, found or made and kept for the weight (``_PLANS``); None where none is
-    kept: an inference tensor (no version counter to key a plan on) or a weight whose GEMM autograd records (the
-    GEMM on the weight itself, per call). ``loops``: ``compiled_loops.library()``."""
+    kept: an inference tensor (no version counter to key a plan on), a weight whose GEMM autograd records (the
+    GEMM on the weight itself, per call), or an x of no rows (a plan of 0 tiles fails in its GEMM; ``tiled_matmul``
+    never plans one). ``loops``: ``compiled_loops.library()``."""
+    if x.shape[0] == 0:
+        return None
     owner = weight._base
     if owner is None:
         owner = weight

@@ -84,10 +84,13 @@ def remembered(x: Tensor, weight: Tensor, host: HostGuard) -> _Remembered | None
 def remember(x: Tensor, weight: Tensor, host: HostGuard, out: Tensor) -> None:
     """Keep the plan the call ``out = linear(x, weight)`` (no bias, checked) ran, where ``run`` may run it again: no
     gradient recorded, CPU tensors, the GEMM in x's dtype (no conversion around it), a plan ``tiled_matmul`` keeps
-    for the weight (not an inference tensor)."""
+    for the weight (not an inference tensor), x with rows (an empty batch runs no plan: ``tiled_matmul`` returns before
+    planning, and a plan of 0 tiles fails in its GEMM)."""
     if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or not (x.is_cpu and weight.is_cpu):
         return
     x2d = x.reshape(-1, x.shape[-1])
+    if x2d.shape[0] == 0:
+        return
     if gemm_linear.tiled_dtype(x2d, weight, host, OP) != x.dtype:
         return
     loops = compiled_loops.library()

@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import num_threads
 
-from vexact_kernels import compiled_loops, cpu_exact, gemm_packed, gemm_tiles, linear_repeats
+from vexact_kernels import compiled_loops, cpu_exact, gemm_linear, gemm_packed, gemm_tiles, linear_repeats
 from vexact_kernels.host_guard import HostGuard
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -139,6 +139,25 @@ def test_a_stale_plan_would_give_the_old_versions_bits(dtype):
         fresh = cpu_exact.linear(x, weight, host=host)
     assert not torch.equal(_bits(stale), _bits(fresh))
     assert torch.equal(_bits(fresh), _bits(_whole_path(x, weight, host)))
+
+
+@pytest.mark.parametrize("host_mode", ["auto", "canonical"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_repeated_calls_of_no_rows_are_empty_results(dtype, host_mode):
+    """An x of no rows is never remembered (a plan of 0 tiles failed in its GEMM: the second call of a [0, 512] x on a
+    512 x 512 fp32 weight, oneDNN's class, raised an IndexError), nor planned; every call, ``linears`` too, is empty."""
+    host = HostGuard(cpu_exact.ROW_BLOCKS, mode=host_mode)
+    ops = cpu_exact.with_host(host)
+    weights = [_randn(512, 512, dtype=dtype, seed=seed, scale=0.1) for seed in (13, 14)]
+    with torch.no_grad():
+        for _ in range(CALLS):
+            for shape in ((0, 512), (2, 0, 512)):
+                x = _randn(*shape, dtype=dtype, seed=15)
+                assert ops.linear(x, weights[0]).shape == (*shape[:-1], 512)
+                assert [out.shape for out in ops.linears(x, weights)] == [(*shape[:-1], 512)] * 2
+    assert not any(key[0] == id(weights[0]) for key in linear_repeats._REMEMBERED)
+    no_rows = x.reshape(0, 512)
+    assert gemm_linear.kept_plan(no_rows, weights[0], host, linear_repeats.OP, compiled_loops.library()) is None
 
 
 def test_another_thread_count_guard_or_a_recorded_gradient_takes_the_whole_path(monkeypatch):
