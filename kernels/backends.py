@@ -69,7 +69,10 @@ def kernel_settings() -> dict[str, str]:
 
 BIT_NEUTRAL_SETTINGS = {MODE_ENV: ("auto", "canonical"), ONEDNN_ENV: ("auto",), LOOPS_ENV: MODES}
 """The values of each ``kernel_settings`` entry that compute the default's bits: ``canonical`` computes ``auto``'s
-bits by contract (it only declines faster arrangements), and the loops' modes are one computation compiled or not."""
+bits by contract (it only declines faster arrangements), and the loops' modes are one computation compiled or not:
+identical bits for every non-NaN value and NaN in the same places; a NaN's sign and payload may differ between the
+loops' modes (which NaN an IEEE operation passes on, or the default NaN an invalid one makes, is the instruction's
+choice: aten's vectorised kernels and a compiled loop may choose differently; ``compiled_loops``)."""
 
 
 def bit_settings(backend: str, device_kind: str = "cpu") -> dict[str, str]:

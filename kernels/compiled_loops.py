@@ -4,8 +4,12 @@ On small models the exact path's price is mostly per-op cost, not arithmetic: a 
 calls (views, adds, a scratch buffer), each with its own dispatch, allocation and TensorIterator set-up. The
 loops in ``csrc/exact_loops.cpp`` do the same exactly rounded IEEE operations, element by element, in one call
 (built with ``-ffp-contract=off`` and without ``-ffast-math``: no fused multiply-add, no reassociation), so they
-give the same bits *by construction*; ``tests/kernels/test_compiled_loops.py`` checks them against the torch-op versions
-bitwise, and a whole RL step's weights with and without them.
+give the same bits *by construction* -- for every non-NaN value, with NaN in the same places; a NaN's sign and payload
+may differ between the loops' modes (which NaN an IEEE operation passes on, or the default NaN an invalid one makes,
+is the instruction's choice, and a compiled loop and aten's vectorised kernel may choose differently: fp32 rms_norm,
+attention and the token_logprobs gradient do on x86). ``tests/kernels/test_compiled_loops.py`` checks them against
+the torch-op versions bitwise, each op on special values in both modes to that contract, and a whole RL step's
+weights with and without them.
 
 The extension is built once per machine and source version with torch's C++ extension builder (a C++ compiler
 and ninja: the ``ninja`` pip package is a vexact dependency), on first use, into torch's extension cache
@@ -15,7 +19,7 @@ directly. ``python -m vexact_kernels.build_loops`` builds it ahead of time and p
 Modes, from the ``VEXACT_CPU_LOOPS`` environment variable (read once, at first use):
 
 - ``auto`` (default): the compiled loops where they build; where they do not (no compiler), the torch-op
-  versions, with one RuntimeWarning -- the same bits, only slower;
+  versions, with one RuntimeWarning -- the same bits (a NaN's sign and payload aside, above), only slower;
 - ``python``: never build; the torch-op versions everywhere (what tests compare the loops against);
 - ``compiled``: the compiled loops or an error (for CI, which must not silently measure the slow path).
 """
@@ -177,7 +181,8 @@ def library() -> ModuleType | None:
                 raise LoopsBuildError(_state["failure"], compiler=_state["compiler"]) from error
             _state["reason"] = f"build failed ({reason})"
             warnings.warn(f"vexact: the exact CPU kernels' compiled loops did not build ({reason}); using the "
-                          f"torch-op versions (the same bits, slower). Set {LOOPS_ENV}=python to skip the build.",
+                          f"torch-op versions (the same bits but a NaN's sign, slower). Set {LOOPS_ENV}=python to "
+                          "skip the build.",
                           RuntimeWarning, stacklevel=3)
             return None
         _state.update(module=module, path="compiled", reason=name,

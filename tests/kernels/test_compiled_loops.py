@@ -1,7 +1,8 @@
 """The compiled loops' contract: the same bits as the torch-op compositions they replace (``compiled_loops``).
 
 Each loop is checked bitwise (the bit patterns, so -0.0 against +0.0 counts) against its torch-op version on
-random shapes, strides and special values, and a whole run is compared with and without the loops. Under CI
+random shapes, strides and special values, every op in both loops' modes on NaNs and infinities (the same bits but a
+NaN's sign and payload, NaN in the same places), and a whole run is compared with and without the loops. Under CI
 (``CI=true``) the loops must have built: CI must not pass by testing only the torch-op path."""
 
 from __future__ import annotations
@@ -137,6 +138,89 @@ def test_a_whole_run_is_the_same_bits_with_and_without_the_loops(loops, tmp_path
     metrics, _ = results[0]
     assert all(row["actor/grad_norm"] > 0 for row in metrics if "actor/grad_norm" in row), "the policy must move"
     assert _same(*results), "the compiled loops changed a bit of the run"
+
+
+# Each op's outputs and gradients on inputs sprinkled with NaNs of both signs, infinities, overflowing and subnormal
+# values, saved to argv[1]: run once per loops mode, each in its own process (the mode is read once per process).
+_SPECIALS_RUN = """
+import sys, torch
+from vexact_kernels import cpu_exact as E
+torch.set_num_threads(1)
+gen = torch.Generator().manual_seed(0)
+nan = float("nan")
+specials = torch.tensor([nan, -nan, float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38, 1e-40,
+                         88.0, -104.0, 2e19])
+def values(*shape, dtype, p=0.1):
+    x = torch.randn(*shape, generator=gen)
+    pick = torch.randint(0, len(specials), shape, generator=gen)
+    return torch.where(torch.rand(shape, generator=gen) < p, specials[pick], x).to(dtype)
+def grads(name, op, inputs, *rest):
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    y = op(*inputs, *rest)
+    y.backward(values(*y.shape, dtype=y.dtype, p=0.005))
+    out[name] = y.detach()
+    out.update({f"{name} grad {i}": t.grad for i, t in enumerate(inputs)})
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    d = str(dtype)
+    x, w, b = values(70, 24, dtype=dtype, p=0.02), values(20, 24, dtype=dtype, p=0), values(20, dtype=dtype, p=0)
+    x[0, :2], x[1, :2] = torch.tensor([nan, -nan]), torch.tensor([-nan, nan])  # rows with NaNs of both signs
+    grads(f"{d} linear", E.linear, [x, w, b])
+    grads(f"{d} rms_norm", E.rms_norm, [x, values(24, dtype=dtype, p=0)], 1e-6)
+    out[f"{d} rms_norm eps 0"] = E.rms_norm(x, values(24, dtype=dtype, p=0), 0.0)
+    logits = values(40, 33, dtype=dtype, p=0.015) * 5
+    logits[3], logits[4, :30] = -float("inf"), -float("inf")  # a row all masked, a row masked but three
+    logits[5, 1], logits[6, 0] = -nan, nan
+    grads(f"{d} log_softmax", E.log_softmax, [logits])
+    grads(f"{d} token_logprobs", E.token_logprobs, [logits], torch.randint(0, 33, (40,), generator=gen))
+    grads(f"{d} entropy", E.entropy, [E.log_softmax(logits)])
+    grads(f"{d} silu_mul", E.silu_mul, [values(8, 40, dtype=dtype, p=0.3), values(8, 40, dtype=dtype)])
+    q, k, v = values(2, 3, 4, 8, dtype=dtype, p=0.02), values(2, 6, 2, 8, dtype=dtype, p=0.02), values(
+        2, 6, 2, 8, dtype=dtype, p=0.02)
+    q[1], k[1], v[1] = q[1].clamp(-3e38, 3e38), k[1].nan_to_num(0.0), v[1].nan_to_num(0.0)  # infinite scores only
+    q[0, 0, 0, 0], q[0, 1, 1, 1] = -nan, nan
+    grads(f"{d} attention", E.attention, [q, k, v], torch.tensor([3, 1]), 0.35)
+    grads(f"{d} rope", E.rope, [values(2, 3, 2, 8, dtype=dtype, p=0.25)], torch.randn(2, 3, 4, generator=gen),
+          torch.randn(2, 3, 4, generator=gen))
+torch.save(out, sys.argv[1])
+"""
+
+
+def _same_but_nan_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The loops' modes' contract: NaN in the same places, every other value's bits equal (a NaN's sign and payload
+    may differ)."""
+    nan = a.isnan()
+    return (a.dtype == b.dtype and a.shape == b.shape and torch.equal(nan, b.isnan())
+            and torch.equal(_bits(a.masked_fill(nan, 0.0)), _bits(b.masked_fill(nan, 0.0))))
+
+
+def test_the_loops_modes_give_the_same_bits_but_a_nans_sign_on_special_values(loops, tmp_path):
+    """Every op's outputs and gradients with the compiled loops and with ``VEXACT_CPU_LOOPS=python``, each mode in its
+    own process, on NaNs of both signs, infinities, overflows and subnormals: NaN in the same places and every other
+    value bit for bit (zeros' signs and infinities included). Only a NaN's sign and payload may differ (which NaN an
+    IEEE operation passes on, or the default NaN an invalid one makes, is the instruction's choice: aten's vectorised
+    kernels and a compiled loop may pick differently), as ``BIT_NEUTRAL_SETTINGS`` and the docs state."""
+    results = {}
+    for mode in ("compiled", "python"):
+        env = {**os.environ, compiled_loops.LOOPS_ENV: mode}
+        done = subprocess.run([sys.executable, "-c", _SPECIALS_RUN, str(tmp_path / mode)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[mode] = torch.load(tmp_path / mode)
+    compiled, python = results["compiled"], results["python"]
+    assert compiled.keys() == python.keys() and len(compiled) == 46
+    assert sum(int(t.isnan().any()) for t in compiled.values()) >= 20, "the inputs must make NaNs to compare"
+    assert sum(int(t.isinf().any()) for t in compiled.values()) >= 10, "and infinities"
+    different = [name for name in compiled if not _same_but_nan_bits(compiled[name], python[name])]
+    assert not different, f"the loops' modes differ beyond a NaN's sign and payload: {different}"
+    # counter-test of the comparison: one value a bit off, or one NaN more, is a difference
+    out = compiled["torch.float32 rms_norm"]
+    finite = out.isfinite().flatten().nonzero()[0, 0]
+    nudged = out.flatten().clone()
+    nudged.view(torch.int32)[finite] += 1
+    assert not _same_but_nan_bits(out, nudged.view(out.shape))
+    assert not _same_but_nan_bits(out, out.flatten().clone().index_fill_(0, finite, float("nan")).view(out.shape))
+    assert _same_but_nan_bits(out, out.neg().neg()), "a NaN's sign flipped (and back) is still the same"
 
 
 ATTENTION_CASES = {  # (batch, q_len, q_heads, kv_heads, head_dim, cache_len, q_start per sequence)
