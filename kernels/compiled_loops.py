@@ -14,7 +14,8 @@ weights with and without them.
 The extension is built once per machine and source version with torch's C++ extension builder (a C++ compiler
 and ninja: the ``ninja`` pip package is a vexact dependency), on first use, into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later processes import the built library
-directly. ``python -m vexact_kernels.build_loops`` builds it ahead of time and prints what it found.
+directly. ``python -m vexact_kernels.build_loops`` builds it ahead of time and prints what it found. Processes that
+ask at once build it once: the build runs under a ``flock``-based lock beside its folder (``_import_or_build``).
 
 Modes, from the ``VEXACT_CPU_LOOPS`` environment variable (read once, at first use):
 
@@ -40,6 +41,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from filelock import FileLock, Timeout
 from torch import Tensor
 
 from . import fixed_order
@@ -119,6 +121,46 @@ def _writable(directory: Path) -> None:
                               "TORCH_EXTENSIONS_DIR to a writable folder", compiler=False) from error
 
 
+LOCK_POLL_SECONDS = 0.5
+
+
+def _build_lock_path(name: str, directory: Path) -> Path:
+    """vexact's lock beside the build directory: whoever holds it checks, builds and marks that build complete."""
+    return directory.with_name(f"{name}.lock")
+
+
+def _import_or_build(name: str, directory: Path) -> ModuleType:
+    """The library built by an earlier process, else built here -- once per machine however many processes ask.
+
+    torch's builder guards a build with a plain ``O_EXCL`` file, ``<build dir>/lock``, that nothing removes when its
+    holder is killed: every later ``load`` then waited for it forever, silently. So the build runs under vexact's own
+    ``flock``-based lock (the ``filelock`` package, as the warm-start cache), which the OS releases when its holder
+    dies, however it dies; its holder is the only vexact builder alive, so a torch ``lock`` file there is a dead
+    builder's and is removed before ``load``."""
+    module = _import_built(name, directory)  # built already: no lock needed, ``complete`` is written last
+    if module is not None:
+        return module
+    _writable(directory.parent)  # the lock lives there: an unwritable cache is named with its fix
+    lock = FileLock(_build_lock_path(name, directory))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"vexact: waiting for another process that holds {lock.lock_file} and is building the compiled loops "
+              f"in {directory}", file=sys.stderr)
+        lock.acquire(poll_interval=LOCK_POLL_SECONDS)
+    try:
+        module = _import_built(name, directory)  # built while this process waited
+        if module is not None:
+            return module
+        stale = directory / "lock"
+        if stale.exists():
+            print(f"vexact: removing {stale}, left by a build that was killed", file=sys.stderr)
+            stale.unlink(missing_ok=True)
+        return _build(name, directory)
+    finally:
+        lock.release()
+
+
 def _build(name: str, directory: Path) -> ModuleType:
     from torch.utils.cpp_extension import load
 
@@ -170,7 +212,7 @@ def library() -> ModuleType | None:
         directory = _build_directory(name)
         started = time.perf_counter()
         try:
-            module = _import_built(name, directory) or _build(name, directory)
+            module = _import_or_build(name, directory)
         except Exception as error:  # noqa: BLE001 -- any build failure means: no compiled loops on this host
             last_line = str(error).strip().splitlines()[-1] if str(error).strip() else ""
             # (a LoopsBuildError of the build's own already says what failed, and the fix)

@@ -11,6 +11,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -914,3 +915,33 @@ def test_silu_mul_forward_with_its_exp_in_the_loop_is_the_split_calls(loops, sha
         torch.set_num_threads(before)
     for name, a, b in zip(("output", "1 + exp(-gate)", "silu"), got, expected):
         assert a.shape == b.shape == gate.shape and torch.equal(_bits(a), _bits(b)), name
+
+
+def test_a_build_killed_midway_does_not_make_later_builds_wait_forever(tmp_path, monkeypatch):
+    """torch's builder guards a build with a plain ``O_EXCL`` file, ``<build dir>/lock``; a build killed by
+    ``kill -9`` left it there and every later process waited for it forever (in mode ``auto``: every vexact command).
+    The build is simulated (torch's real ``load``, its compile and import replaced); torch's wait on its lock file
+    raises after a few polls here instead of spinning forever."""
+    import types
+
+    from torch.utils import cpp_extension, file_baton
+
+    def wait_a_little(baton):
+        for _ in range(5):
+            if not os.path.exists(baton.lock_file_path):
+                return
+            time.sleep(0.01)
+        raise TimeoutError(f"would wait forever for {baton.lock_file_path}")
+
+    built = types.ModuleType("simulated_loops")
+    monkeypatch.setattr(file_baton.FileBaton, "wait", wait_a_little)
+    monkeypatch.setattr(cpp_extension, "_write_ninja_file_and_build_library", lambda **kw: None)
+    monkeypatch.setattr(cpp_extension, "_import_module_from_library", lambda name, directory, python_module: built)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv(compiled_loops.LOOPS_ENV, "compiled")
+    monkeypatch.setattr(compiled_loops, "_state", {})
+    directory = compiled_loops._build_directory(compiled_loops._build_name())
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")  # the killed build's
+    assert compiled_loops.library() is built
+    assert (directory / "complete").exists() and not (directory / "lock").exists()
