@@ -26,6 +26,7 @@ import yaml
 from conftest import require_optional
 from rich.console import Console
 from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 from test_trainer import EXPERIMENT, _short, _without_timing
 
 from vexact.cli import main
@@ -131,6 +132,46 @@ def test_a_killed_lock_holder_does_not_block_the_warm_start(tmp_path, capsys):
     holder.wait()
     assert main(_run_args(tmp_path / "run", cache)) == 0
     assert "warm start: trained here and cached" in capsys.readouterr().out
+
+
+def _warm_started(cfg) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A fresh policy of ``cfg`` after ``warm_start``, and what it logged."""
+    from vexact.engine.model import Transformer
+    from vexact.rl.tasks import task_of
+    from vexact.rl.warmstart import warm_start
+
+    task = task_of(cfg)
+    model = Transformer(cfg.model.to_model_config(task.tokenizer.vocab_size), backend=cfg.backend,
+                        dtype=torch.float32, device=torch.device("cpu"), init_seed=cfg.policy_seed)
+    lines: list[str] = []
+    warm_start(model, cfg, task, log=lines.append)
+    return {k: v.clone() for k, v in model.state_dict().items()}, lines
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # see conftest.py
+@pytest.mark.parametrize("damage", ("truncated", "another_model"))
+def test_a_damaged_warm_start_entry_is_retrained_to_a_cold_runs_bits(tmp_path, damage):
+    """A cache entry cut short (safetensors' SafetensorError, neither OSError nor ValueError) crashed every run with a
+    traceback. Now one log line names it as damaged, and it is retrained under the lock and republished: the weights
+    (and the entry's bytes) are a cold cache's."""
+    from vexact.rl.warmstart import warm_start_cache_path
+
+    cold = load_config(EXPERIMENT, [*TINY_RUN, f"output_dir={tmp_path / 'a'}",
+                                     f"warm_start.cache_dir={tmp_path / 'c'}"])
+    expected, _ = _warm_started(cold)
+    good = warm_start_cache_path(cold).read_bytes()
+    cfg = load_config(EXPERIMENT, [*TINY_RUN, f"output_dir={tmp_path / 'b'}", f"warm_start.cache_dir={tmp_path / 'd'}"])
+    entry = warm_start_cache_path(cfg)
+    entry.parent.mkdir()
+    if damage == "truncated":
+        entry.write_bytes(good[:len(good) // 2])
+    else:  # a whole safetensors file, of other tensors
+        atomic.write_bytes_atomic(entry, bytes(save_tensors({"w": torch.zeros(3)})))
+    got, lines = _warm_started(cfg)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert [line for line in lines if "is damaged (" in line] == [lines[0]] and str(entry) in lines[0], lines
+    assert lines[-1] == f"warm start: trained here and cached {entry}", lines
+    assert entry.read_bytes() == good and not list(entry.parent.glob("*.tmp"))
 
 
 @pytest.mark.slow

@@ -139,12 +139,17 @@ def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[st
     (``atomic.publish``: unique temp file, fsync, rename), every other one says in its log that it waits, and then
     loads what the first published. The lock is ``flock``-based (the ``filelock`` package): the OS releases it when
     its holder dies, however it dies, and the next waiter then trains. Loading needs no lock once the entry exists:
-    it only ever appears whole."""
+    it only ever appears whole. An entry that does not load (cut short, overwritten, not this model's) is rebuildable:
+    one log line names it, and it is trained again under the lock and republished, the same bits as a cold cache."""
     if cfg.warm_start.steps == 0:
         return None
     path = warm_start_cache_path(cfg)
+    damaged = None
     if path.exists():
-        return _load(model, path, log, "loaded")
+        damaged = _try_load(model, path, log, "loaded")
+        if damaged is None:
+            return path
+        log(f"warm start: {path} is damaged ({damaged}); retraining it")
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(warm_start_lock_path(cfg))
     try:
@@ -153,9 +158,15 @@ def warm_start(model: Transformer, cfg: RunConfig, task: Task, log: Callable[[st
         log(f"warm start: waiting for {path}: another process holds {lock.lock_file} and is training it")
         lock.acquire(poll_interval=LOCK_POLL_SECONDS)
     try:
-        if path.exists():  # published while this process waited
-            return _load(model, path, log, "loaded (trained by the process this one waited for)")
-        log(f"warm start: no cache at {path}; training {cfg.warm_start.steps} supervised steps (cached afterwards)")
+        if path.exists():  # published while this process waited (or retrained over the damaged entry)
+            failure = _try_load(model, path, log, "loaded (trained by the process this one waited for)")
+            if failure is None:
+                return path
+            if damaged is None:  # damaged since this process looked (or found damaged only now): say so once
+                log(f"warm start: {path} is damaged ({failure}); retraining it")
+        else:
+            log(f"warm start: no cache at {path}; training {cfg.warm_start.steps} supervised steps "
+                "(cached afterwards)")
         _train(model, cfg, task)
         weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         publish(path, lambda tmp: save_file(weights, str(tmp)))
@@ -175,10 +186,27 @@ def free_token_weights(task: Task, problem: Problem, target_tokens: int, free_we
     return weights
 
 
-def _load(model: Transformer, path: Path, log: Callable[[str], None], how: str) -> Path:
-    model.load_state_dict(load_file(str(path)))
+def _try_load(model: Transformer, path: Path, log: Callable[[str], None], how: str) -> str | None:
+    """Load the cached entry into ``model``: None, or why the entry is damaged, with ``model`` untouched (so a
+    retrain starts from the same initial weights as on a cold cache)."""
+    try:
+        tensors = load_file(str(path))
+    except Exception as error:  # noqa: BLE001 -- SafetensorError is neither OSError nor ValueError; any is damage
+        return f"{type(error).__name__}: {error}"
+    expected = model.state_dict()
+    if tensors.keys() != expected.keys():
+        return f"its tensors are not this model's ({len(tensors)} tensors, {len(expected)} expected)"
+    for key, value in expected.items():
+        if tensors[key].shape != value.shape or tensors[key].dtype != value.dtype:
+            return (f"tensor {key} is {tuple(tensors[key].shape)} {tensors[key].dtype}, expected "
+                    f"{tuple(value.shape)} {value.dtype}")
+    try:
+        model.load_state_dict(tensors)
+    except Exception as error:  # checked above: not expected; the model may be half loaded, so no retrain here
+        raise ValueError(f"warm start: {path} did not load ({type(error).__name__}: {error}); delete it and run "
+                         "again (it is retrained)") from error
     log(f"warm start: {how} {path}")
-    return path
+    return None
 
 
 def _train(model: Transformer, cfg: RunConfig, task: Task) -> None:
