@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_scaling import file_size_limit
 
 from vexact.map import build, fit
 from vexact.map.build import build_map
@@ -222,6 +223,22 @@ def test_build_map_cli_prints_the_shape_and_bounds(tmp_path, capsys):
     assert err.startswith("error: correction 'bypass' at task.max_len = 8") and len(err.strip().splitlines()) == 1
     assert build.main(["build-map", str(out), str(tmp_path)]) == 2  # a directory that is no sweep
     assert "without sweep.json" in capsys.readouterr().err
+
+
+def test_build_map_over_a_map_that_fails_to_write_leaves_the_old_one(tmp_path, capsys):
+    """build-map wrote its map in place: a failed write (here a real file-size limit) left half a map where the old
+    one was, and the error named no file. Now the map is published whole: one error line naming it, the old map
+    intact."""
+    a, b = _two_rounds(tmp_path)
+    out = tmp_path / "map.json"
+    assert build.main(["build-map", str(out), str(a)]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    with file_size_limit(len(before) // 2):
+        assert build.main(["build-map", str(out), str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot write {out}: File too large (the file-size limit: ulimit -f)\n"
+    assert out.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_a_horizon_with_one_run_does_not_stretch_the_measured_range(tmp_path):

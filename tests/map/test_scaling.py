@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import math
+import resource
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ from vexact.map.fit import fit_law, scaling
 from vexact.map.scaling_report import OPEN_END_SPAN, interval_drawn, write_scaling
 from vexact.map.shapes import compare_shapes
 from vexact.map.verdict import MAP_KEYS, load_map, place_on_map
+from vexact.records.atomic import WriteFailed
 from vexact.sweeps.sweep_data import PointData, SweepData
 
 SEEDS = (0, 1, 2, 3)
@@ -124,6 +129,56 @@ def test_write_scaling_files(tmp_path):
     for key in ("alpha", "alpha_ci_low", "alpha_ci_high", "metric", "status", "note", "horizons"):
         assert key in data
     assert all("threshold_50" in h and "ci_low" in h and "ci_high" in h for h in data["horizons"])
+
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """A real ``ulimit -f`` (RLIMIT_FSIZE, soft) in this process: a write past ``limit`` bytes fails with EFBIG (Python
+    ignores SIGXFSZ). Restored afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def _failing_savefig(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Figure.savefig`` that writes half the image and then fails as a full disk does."""
+    from matplotlib.figure import Figure
+
+    real = Figure.savefig
+
+    def half_then_full(fig, target, **kwargs):
+        buffer = io.BytesIO()
+        real(fig, buffer, **{**kwargs, "format": "png"})
+        Path(target).write_bytes(buffer.getvalue()[:buffer.tell() // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", half_then_full)
+
+
+@pytest.mark.parametrize("failing", ("scaling.json", "scaling.png"))
+def test_a_failed_rewrite_leaves_the_previous_map_and_names_the_file(tmp_path, failing, monkeypatch):
+    """scaling.json and scaling.png were written in place: readers (load_map, vexact compare --map) could see half a
+    map, and a write that failed (a file-size limit, a full disk) destroyed the previous good one with an error that
+    named no file. Both are now published whole: a failure is WriteFailed naming the file, the old file intact."""
+    files = write_scaling(_sweep(tmp_path, 1.0), tmp_path)[0]
+    before = {f.name: f.read_bytes() for f in files}
+    data = _sweep(tmp_path, 2.0)  # another map, to be written over the first
+    with contextlib.ExitStack() as stack:
+        if failing == "scaling.json":  # a real file-size limit below the map's size
+            stack.enter_context(file_size_limit(len(before["scaling.json"]) // 2))
+        else:
+            _failing_savefig(monkeypatch)
+        with pytest.raises(WriteFailed) as failed:
+            write_scaling(data, tmp_path)
+    assert failed.value.filename == str(tmp_path / failing)
+    assert str(failed.value).startswith(f"cannot write {tmp_path / failing}: ")
+    assert (tmp_path / failing).read_bytes() == before[failing]
+    assert not list(tmp_path.glob(".*.tmp"))
+    load_map(tmp_path / "scaling.json")
 
 
 # ----------------------------------------------------------------------------- the map

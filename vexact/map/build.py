@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from ..records import CONFIG_FILE
+from ..records.atomic import write_text_atomic
 from ..rl.collapse import detect_collapse
 from ..rl.config_schema import MEMORY_KEYS, CollapseSection
 from ..rl.horizon_task import horizon_overrides
@@ -547,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             built = build_map(list(args.inputs), made_by=command, only=parse_only(args.only))
             if args.out.is_dir():
                 raise ValueError(f"'{args.out}' is a directory: give the map's file name")
-            args.out.write_text(json.dumps(json_safe(built), indent=1, ensure_ascii=False) + "\n")
+            # published whole: load_map readers never see half a map, a failed write leaves the old one
+            write_text_atomic(args.out, json.dumps(json_safe(built), indent=1, ensure_ascii=False) + "\n")
             print(f"wrote {args.out}: " + "; ".join(f"{_curve_name(c, built['curves'])} ({c['status']}, "
                                                      f"{len(c.get('horizons') or [])} horizons)"
                                                      for c in built["curves"]))

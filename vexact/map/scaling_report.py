@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..records.atomic import publish, write_json_atomic
 from ..sweeps.dose_response import METRIC
 from ..sweeps.failure import horizon_failure_words
 from ..sweeps.sweep_data import SweepData
@@ -22,8 +23,6 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     curve: its law and its shape).
 
     A sweep without a horizon axis (most sweeps) writes no file: the line says why there is no law."""
-    from ..records.runlog import json_safe
-
     result = scaling(data)
     meter_path = data.path / "meter.json"
     if meter_path.is_file() and result["status"] != "no_horizon":
@@ -33,7 +32,9 @@ def write_scaling(data: SweepData, out: Path) -> tuple[list[Path], str]:
     line = "\n".join(f"scaling ({c['curve']}): {c['status']}: {c['note']}; {c['shape']['note']}"
                      + "".join(f"\n  failure: {f}" for f in failure_lines(c)) for c in result["curves"])
     path = out / "scaling.json"
-    path.write_text(json.dumps(json_safe(result), indent=2) + "\n")
+    # published whole (load_map and vexact compare --map read it while a report may be rewriting it); a failed write
+    # leaves the previous map and is a WriteFailed naming the file
+    write_json_atomic(path, result, sort_keys=False)
     files = [path]
     try:
         files.append(plot_scaling(result, out / "scaling.png", data.name))
@@ -144,8 +145,10 @@ def plot_scaling(result: dict[str, Any], path: Path, title: str = "") -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        publish(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))  # whole, as scaling.json
+    finally:
+        plt.close(fig)
     return path
 
 
