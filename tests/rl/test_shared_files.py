@@ -274,8 +274,20 @@ def test_every_must_not_tear_file_goes_through_the_helper():
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert offenders == []
     for rel in ("vexact/sweeps/sweep.py", "vexact/reports/sweep_report.py", "vexact/reports/run_report.py",
-                "vexact/rl/warmstart.py"):
+                "vexact/rl/warmstart.py", "vexact/map/scaling_report.py", "vexact/map/build.py",
+                "vexact/real/check_report.py"):
         assert ".write_text(" not in (ROOT / rel).read_text(), rel
+
+
+def test_every_plot_is_published_whole():
+    """scaling.png, meter.png and the --png plots of measure, compare and locate were saved in place: a reader saw half
+    an image, and a failed save left half an image where the old one was. Every ``savefig`` in vexact now writes
+    the temp file of ``atomic.publish``."""
+    bare = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+            for path in (ROOT / "vexact").rglob("*.py")
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if ".savefig(" in line and "publish(" not in line]
+    assert bare == []
 
 
 def test_config_yaml_and_measure_summaries_are_published_through_the_helper(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from ..engine.model import DTYPE_NAMES, DTYPES, canonical_dtype_name, dtype_name
 from ..engine.seeds import check_seed
 from ..metric_keys import ABS_DLOGP_MAX, K3_KL
 from ..progress import Progress
+from ..records.atomic import write_text_atomic
 from .check import CheckSettings, check_units, mismatched, run_check, wide_settings
 
 __all__ = ["check_command", "check_verdict"]
@@ -85,7 +86,7 @@ def check_command(args: argparse.Namespace, shape: dict) -> int:
             console.print(_kernel_paths_line(paths), soft_wrap=True, highlight=False, markup=False)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_text_atomic(args.json, json.dumps(rows, indent=2))  # whole: no half file, the old one kept on failure
     exact_failures = [r for r in rows if r["backend"] != "native"
                       and (mismatched(r) or not r["sampling_batch_invariant"] or r.get("routing_flip_rate"))]
     if exact_failures:

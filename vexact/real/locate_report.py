@@ -157,6 +157,10 @@ def write_png(result: LocateResult, path: Path) -> Path:
     ax.set_title(f"vexact locate: a {s['a']} vs b {s['b']} ({s['positions']} positions)")
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    from ..records.atomic import publish
+
+    try:
+        publish(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))  # whole: no half image, old one kept
+    finally:
+        plt.close(fig)
     return path

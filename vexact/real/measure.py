@@ -83,6 +83,7 @@ from ..metric_keys import (
     raw_ratio_affected_key,
     raw_ratio_quantile_key,
 )
+from ..records.atomic import publish
 from ..rl.config_schema import CorrectionSection
 from ..rl.corrections import check_every_method
 from ..rl.metrics import DEFAULT_BUCKETS, bucket_name, full_vocab_rows, full_vocab_summary, mismatch_metrics
@@ -758,8 +759,10 @@ def plot_report(logp_train: Tensor, logp_roll: Tensor, path: Path, title: str) -
     ax2.set_ylabel("|Δlogp|")
     ax2.set_title(f"|Δlogp| vs token probability ({int(zero.sum())} zeros not shown)")
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)  # --png: a PNG whatever the name ends in
-    plt.close(fig)
+    try:  # --png: a PNG whatever the name ends in; published whole (no half image, the old one kept on failure)
+        publish(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -57,6 +57,7 @@ from torch import Tensor
 
 from ..engine.devices import DeviceError, resolve_device
 from ..metric_keys import ABS_DLOGP_MEAN, K3_KL, TAIL_MASS_MEAN, TAIL_RESPONSE_FRAC, TAIL_TOKEN_FRAC
+from ..records.atomic import publish
 from ..records.metrics_log import decode_non_finite
 from ..records.runlog import json_safe, run_lock, write_json_atomic
 from ..rl.config import ConfigError, config_from_dict, config_hash, read_yaml
@@ -620,8 +621,10 @@ def plot_meter(result: dict[str, Any], path: Path) -> Path:
     for a in (ax, bx):
         a.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:  # published whole, as meter.json: no half image, the old one kept on failure
+        publish(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return path
 
 
