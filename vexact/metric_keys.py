@@ -138,15 +138,24 @@ _CONSTANT_NAMES = tuple(name for name, value in dict(globals()).items()
 CONSTANTS = tuple(globals()[name] for name in _CONSTANT_NAMES)
 """Every constant above (each must be a registered key; ``tests/config/test_metric_names.py``)."""
 
-__all__ = ["CONSTANTS", "GROUPS", "KEYS", "RAW_RATIO_QUANTILES", "RENAMED_METRICS", "RS_OPTIONS", "WRITERS",
-           "MetricKey", "current_names", "find", "raw_ratio_affected_key", "raw_ratio_quantile_key", "unregistered",
-           "with_deprecated_names",
+__all__ = ["CONSTANTS", "GROUPS", "KEYS", "MINIBATCH_REDUCTIONS", "RAW_RATIO_QUANTILES", "RENAMED_METRICS",
+           "RS_OPTIONS", "WRITERS", "MetricKey", "current_names", "find", "raw_ratio_affected_key",
+           "raw_ratio_quantile_key", "unregistered", "with_deprecated_names",
            *_CONSTANT_NAMES]
 
 RUN = ("run",)
 ALL = ("run", "measure", "compare", "live")
 WRITERS = ALL
 LIVE = ("live",)
+
+
+MINIBATCH_REDUCTIONS = ("max", "min", "mean", "token_mean", "step")
+"""How a key the update writes once per PPO mini-batch (every epoch's) becomes the step's value
+(``MetricKey.minibatches``; ``vexact.rl.metrics.reduce_minibatch_stats``): ``max`` / ``min`` the largest / smallest
+of the mini-batches' values, ``mean`` their plain mean (a loss, a norm), ``token_mean`` their mean weighted by the
+tokens each value is a mean over (the token mean over every mini-batch's tokens), ``step`` none: the value is
+computed once over the step's whole batch (the rollout correction's statistics,
+``Objective.step_correction_metrics``)."""
 
 
 @dataclass(frozen=True)
@@ -159,14 +168,18 @@ class MetricKey:
     writers: tuple[str, ...]
     source: str  # the module that computes it, relative to the package (``rl/metrics.py``)
     verl: bool = False  # the key and its definition are verl's (see the verl/TRL names page)
+    minibatches: str | None = None  # a key written per mini-batch: its reduction (``MINIBATCH_REDUCTIONS``)
 
     @property
     def group(self) -> str:
         return self.name.split("/", 1)[0]
 
 
-def _k(name: str, definition: str, unit: str, writers: tuple[str, ...], source: str, verl: bool = False) -> MetricKey:
-    return MetricKey(name, definition, unit, writers, source, verl)
+def _k(name: str, definition: str, unit: str, writers: tuple[str, ...], source: str, verl: bool = False,
+       minibatches: str | None = None) -> MetricKey:
+    if minibatches is not None and minibatches not in MINIBATCH_REDUCTIONS:
+        raise ValueError(f"{name}: unknown mini-batch reduction {minibatches!r}")
+    return MetricKey(name, definition, unit, writers, source, verl, minibatches)
 
 
 _METRICS = "rl/metrics.py"
@@ -188,26 +201,34 @@ KEYS: tuple[MetricKey, ...] = (
     _k("response_length/clip_ratio", "Fraction of responses cut at `rollout.max_new_tokens` without EOS", "fraction",
        RUN, _STEP, True),
     # --- the update (rl/objective.py, rl/trainer.py) -------------------------------------------------------------
-    _k("actor/entropy", "Token-mean entropy of the training-path distribution over the step's responses", "nats",
-       RUN, _TRAINER, True),
+    _k("actor/entropy", "Token-mean entropy of the training-path distribution over the step's responses (over "
+       "every response token of every pass of the update: each PPO epoch's mini-batches)", "nats",
+       RUN, _TRAINER, True, "token_mean"),
     _k("actor/pg_loss", "Policy-gradient (clipped surrogate) loss, without the KL and entropy terms, mean over "
-       "mini-batches", "loss", RUN, _TRAINER, True),
-    _k("actor/grad_norm", "Gradient L2 norm before clipping, mean over the step's mini-batches", "norm", RUN,
-       _TRAINER, True),
-    _k("actor/grad_norm_max", "Largest pre-clip gradient norm of the step's mini-batches", "norm", RUN, _TRAINER),
+       "the step's mini-batches (every PPO epoch's)", "loss", RUN, _TRAINER, True, "mean"),
+    _k("actor/grad_norm", "Gradient L2 norm before clipping, mean over the step's mini-batches (every PPO epoch's)",
+       "norm", RUN, _TRAINER, True, "mean"),
+    _k("actor/grad_norm_max", "Largest pre-clip gradient norm of the step's mini-batches (every PPO epoch's)", "norm",
+       RUN, _TRAINER),
     _k("actor/lr", "Learning rate of the step (warm-up and `lr_schedule` applied)", "lr", RUN, _STEP, True),
     _k("actor/pg_clipfrac", "Fraction of tokens whose ratio was clipped (either side); 0 under a loss that does not "
-       "clip (`correction.loss_type: reinforce`)", "fraction", RUN, _TRAINER, True),
+       "clip (`correction.loss_type: reinforce`); over the loss's tokens of every PPO epoch's mini-batches, as are "
+       "the other `actor/*` token statistics", "fraction", RUN, _TRAINER, True, "token_mean"),
     _k("actor/pg_clipfrac_low", "Fraction of tokens clipped at 1 − `clip_low` (0 without a clip, as above)",
-       "fraction", RUN, _TRAINER, True),
+       "fraction", RUN, _TRAINER, True, "token_mean"),
     _k("actor/pg_clipfrac_high", "Fraction of tokens clipped at 1 + `clip_high` (0 without a clip, as above)",
-       "fraction", RUN, _TRAINER, True),
-    _k("actor/ratio_mean", "Token mean of the PPO ratio π_θ / π_old", "ratio", RUN, _TRAINER),
-    _k("actor/ratio_max", "Largest PPO ratio of the step", "ratio", RUN, _TRAINER),
-    _k("actor/ratio_min", "Smallest PPO ratio of the step", "ratio", RUN, _TRAINER),
-    _k("actor/ppo_kl", "verl's PPO KL: token mean of −clamp(log π_θ − log π_old, ±20)", "nats", RUN, _TRAINER, True),
+       "fraction", RUN, _TRAINER, True, "token_mean"),
+    _k("actor/ratio_mean", "Token mean of the PPO ratio π_θ / π_old", "ratio", RUN, _TRAINER,
+       minibatches="token_mean"),
+    _k("actor/ratio_max", "Largest PPO ratio of the step (of every PPO epoch's mini-batches)", "ratio", RUN,
+       _TRAINER, minibatches="max"),
+    _k("actor/ratio_min", "Smallest PPO ratio of the step (of every PPO epoch's mini-batches)", "ratio", RUN,
+       _TRAINER, minibatches="min"),
+    _k("actor/ppo_kl", "verl's PPO KL: token mean of −clamp(log π_θ − log π_old, ±20)", "nats", RUN, _TRAINER, True,
+       "token_mean"),
     _k("actor/kl_loss", "k3 penalty against the step-0 policy, aggregated as the loss (`algorithm.loss_agg`, "
-       "rejected tokens left out); written when `algorithm.kl_coef` > 0", "nats", RUN, _TRAINER, True),
+       "rejected tokens left out), mean over the step's mini-batches (every PPO epoch's); written when "
+       "`algorithm.kl_coef` > 0", "nats", RUN, _TRAINER, True, "mean"),
     # --- mismatch between rollout and training log-probs, r = logp_train − logp_roll (rl/metrics.py) -------------
     _k("rollout_corr/kl", "k1 KL(μ‖π): token mean of logp_roll − logp_train", "nats", ALL, _METRICS, True),
     _k("rollout_corr/k3_kl", "k3 KL: token mean of exp(r) − r − 1 (≥ 0; 0 exactly when every token agrees)",
@@ -272,7 +293,7 @@ KEYS: tuple[MetricKey, ...] = (
     _k("mismatch/tokens_bucket/<lo>-<hi>", "Number of tokens whose training-path probability lies in [lo, hi)",
        "count", ALL, _METRICS),
     _k("mismatch/first_minibatch_ratio_exact", "1 when the first mini-batch's PPO ratio is exactly 1 on every token "
-       "(exact backend, no injection: the run stops otherwise)", "flag", RUN, _TRAINER),
+       "(exact backend, no injection: the run stops otherwise)", "flag", RUN, _TRAINER, minibatches="min"),
     # --- full-vocabulary comparison (rl/metrics.full_vocab_metrics; measure, compare with [B, T, V] inputs) -----
     _k("mismatch/full_vocab_positions", "Number of positions whose whole next-token distributions were compared",
        "count", ("measure", "compare"), _METRICS),
@@ -288,36 +309,39 @@ KEYS: tuple[MetricKey, ...] = (
        "fraction", ("measure", "compare"), _METRICS),
     _k(full_vocab_overlap_key("<k>"), "Mean over positions of |top_k(μ) ∩ top_k(π)| / k", "fraction",
        ("measure", "compare"), _METRICS),
-    # --- verl's rollout-correction statistics (rl/corrections.py; with `correction.rollout_is`) -----------------
+    # --- verl's rollout-correction statistics (rl/corrections.py; with `correction.rollout_is`), over the step's ----
+    # whole batch (each token once, whatever `algorithm.mini_batches` and `ppo_epochs`): minibatches="step" -------
     _k("rollout_corr/rollout_is_mean", "Token mean of the IS weights over all valid tokens, before batch "
-       "normalisation", "weight", RUN, _CORR, True),
+       "normalisation", "weight", RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_is_std", "Standard deviation of the IS weights over valid tokens", "weight", RUN, _CORR,
-       True),
+       True, "step"),
     _k("rollout_corr/rollout_is_max", "Largest IS weight (for `sequence`: the raw sequence ratio)", "weight", RUN,
-       _CORR, True),
-    _k("rollout_corr/rollout_is_min", "Smallest IS weight", "weight", RUN, _CORR, True),
+       _CORR, True, "step"),
+    _k("rollout_corr/rollout_is_min", "Smallest IS weight", "weight", RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_is_eff_sample_size", "verl's effective sample size 1 / mean(w̃²) of the normalised "
-       "weights (inf when every weight is 0)", "fraction", RUN, _CORR, True),
+       "weights (inf when every weight is 0)", "fraction", RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_is_ratio_fraction_high", "Fraction of ratios above the upper threshold (sequences for "
-       "`sequence`)", "fraction", RUN, _CORR, True),
+       "`sequence`)", "fraction", RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_is_ratio_fraction_low", "Fraction of ratios below the lower threshold", "fraction",
-       RUN, _CORR, True),
-    *(_k(f"rollout_corr/rollout_is_seq_{s}", f"{w} of the per-sequence mean weight", "weight", RUN, _CORR, True)
+       RUN, _CORR, True, "step"),
+    *(_k(f"rollout_corr/rollout_is_seq_{s}", f"{w} of the per-sequence mean weight", "weight", RUN, _CORR, True,
+         "step")
       for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 1)"), ("max", "Maximum"), ("min", "Minimum"),
                    ("max_deviation", "Largest |x − 1|"))),
     _k("rollout_corr/rollout_is_seq_fraction_high", "Fraction of sequences whose raw mean ratio is above the upper "
-       "threshold", "fraction", RUN, _CORR, True),
+       "threshold", "fraction", RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_is_seq_fraction_low", "Fraction of sequences whose raw mean ratio is below the lower "
-       "threshold", "fraction", RUN, _CORR, True),
+       "threshold", "fraction", RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_is_oob_ratio", "IcePop: fraction of tokens whose ratio is outside [a, b]", "fraction",
-       RUN, _CORR, True),
+       RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_is_batch_norm_factor", "verl's batch-normalisation divisor of the weights, their mean "
        "as verl computes it; written only with `correction.batch_normalize` (verl: `rollout_is_batch_normalize`), "
        "and 1 when that mean is at most 1e-8 (every weight zeroed, e.g. by IcePop): the weights are then left as "
        "they are",
-       "weight", RUN, _CORR, True),
+       "weight", RUN, _CORR, True, "step"),
     # --- verl's rejection-sampling statistics (with `correction.rollout_rs`), per option and combined -----------
-    *(_k(f"rollout_corr/rollout_rs_<option>_{s}", f"Rejection option <option>: {w}", u, RUN, _CORR, True)
+    *(_k(f"rollout_corr/rollout_rs_<option>_{s}", f"Rejection option <option>: {w}", u, RUN, _CORR, True,
+         "step")
       for s, w, u in (
           ("mean", "token mean of its statistic", "statistic"),
           ("std", "standard deviation of its statistic", "statistic"),
@@ -335,22 +359,23 @@ KEYS: tuple[MetricKey, ...] = (
           ("masked_fraction", "fraction of tokens it masked", "fraction"),
           ("seq_masked_fraction", "fraction of sequences with a token it masked", "fraction"))),
     _k("rollout_corr/rollout_rs_masked_fraction", "Fraction of tokens masked by all rejection options together",
-       "fraction", RUN, _CORR, True),
+       "fraction", RUN, _CORR, True, "step"),
     _k("rollout_corr/rollout_rs_seq_masked_fraction", "Fraction of sequences with any token masked", "fraction", RUN,
-       _CORR, True),
+       _CORR, True, "step"),
     # --- vexact's own view of what the loss applied (rl/corrections.py; with any correction) --------------------
-    *(_k(f"correction/weight_{s}", f"{w} of the kept tokens' weights after normalisation", "weight", RUN, _CORR)
+    *(_k(f"correction/weight_{s}", f"{w} of the kept tokens' weights after normalisation", "weight", RUN, _CORR,
+         minibatches="step")
       for s, w in (("mean", "Mean"), ("std", "Standard deviation (ddof 0)"), ("min", "Minimum"), ("max", "Maximum"))),
     _k("correction/weight_eff_sample_size", "(Σw)² / (N·Σw²) of the kept tokens' weights, in [0, 1]; 0 when every "
-       "kept weight is 0 (IcePop zeroed them all)", "fraction", RUN, _CORR),
+       "kept weight is 0 (IcePop zeroed them all)", "fraction", RUN, _CORR, minibatches="step"),
     _k("correction/truncated_token_frac", "Fraction of tokens whose weight was truncated (TIS)", "fraction", RUN,
-       _CORR),
+       _CORR, minibatches="step"),
     _k("correction/zeroed_token_frac", "Fraction of kept tokens whose weight was zeroed (IcePop)", "fraction", RUN,
-       _CORR),
+       _CORR, minibatches="step"),
     _k("correction/rejected_token_frac", "Fraction of tokens rejected (masked out of the loss)", "fraction", RUN,
-       _CORR),
+       _CORR, minibatches="step"),
     _k("correction/rejected_seq_frac", "Fraction of non-empty sequences that lost every token", "fraction", RUN,
-       _CORR),
+       _CORR, minibatches="step"),
     # --- vexact.live: the user's own trainer, once per step ---------------------------------------------------------
     _k("live/sequences", "Responses compared this step", "count", LIVE, "live.py"),
     _k("live/mean_response_length", "Mean response length (masked tokens per response) this step", "tokens", LIVE,

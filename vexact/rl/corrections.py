@@ -467,6 +467,7 @@ class Correction:
     metrics: dict[str, float]
     plan: CorrectionPlan
     truncated: Tensor | None = None  # True where TIS truncated the token's weight (None: not recorded)
+    weights64: Tensor | None = None  # ``weights`` in float64, as computed (None: not recorded)
 
     @property
     def reweights(self) -> bool:
@@ -554,7 +555,33 @@ def rollout_correction(logp_train: Tensor, logp_roll: Tensor, lengths: list[int]
     weights = torch.where(keep, weights, torch.zeros_like(weights))
     metrics.update(_own_metrics(weights, keep, truncated, rows, plan))
     return Correction(weights=weights.to(logp_train.dtype), keep=keep, metrics=metrics, plan=plan,
-                      truncated=truncated)
+                      truncated=truncated, weights64=weights)
+
+
+def step_correction_metrics(logp_train: list[Tensor], logp_roll: list[Tensor],
+                            parts: list[tuple[list[int], Correction]], cfg: CorrectionSection) -> dict[str, float]:
+    """The rollout correction's statistics of a step whose update had several mini-batches, over the step's whole
+    batch, each sequence once: verl's ``rollout_corr/*`` of every token (``logp_train``: each sequence's training-path
+    log-probs at the pre-update weights, ``logp_roll``: the rollout's), and vexact's ``correction/*`` over the
+    weights and masks the loss applied (``parts``: one epoch's mini-batches, each its sequences' indices and its
+    correction; the weights are each mini-batch's own, e.g. under its own batch normalisation)."""
+    pre = torch.cat(list(logp_train))
+    whole = rollout_correction(pre, torch.cat(list(logp_roll)).to(pre.device), [len(t) for t in logp_train], cfg)
+    out = {k: v for k, v in whole.metrics.items() if k.startswith(PREFIX)}
+    out.update(applied_metrics([c for _, c in parts], [[len(logp_roll[i]) for i in idx] for idx, _ in parts]))
+    return out
+
+
+def applied_metrics(corrections: list[Correction], lengths: list[list[int]]) -> dict[str, float]:
+    """vexact's ``correction/*`` over the tokens of several corrections together, in order (a step's mini-batches,
+    each sequence once: what the loss applied over the step); ``lengths``: each correction's tokens per sequence."""
+    if not corrections or len(corrections) != len(lengths):
+        raise ValueError("applied_metrics needs one list of lengths per correction, and at least one correction")
+    weights = torch.cat([c.weights.double() if c.weights64 is None else c.weights64 for c in corrections])
+    keep = torch.cat([c.keep for c in corrections])
+    truncated = torch.cat([torch.zeros_like(c.keep) if c.truncated is None else c.truncated for c in corrections])
+    rows = _Rows([n for part in lengths for n in part], weights.device)
+    return _own_metrics(weights, keep, truncated, rows, corrections[0].plan)
 
 
 def _importance_weights(log_ratio: Tensor, rows: _Rows, plan: CorrectionPlan,

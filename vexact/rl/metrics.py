@@ -76,6 +76,7 @@ from ..metric_keys import (
     TRAINING_PPL,
     full_vocab_overlap_key,
 )
+from ..metric_keys import find as find_metric_key
 
 DEFAULT_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 0.9, 1.0)
 """Edges of the token-probability buckets for ``mismatch/abs_dlogp_bucket/*`` (probability under the training path)."""
@@ -410,6 +411,39 @@ def ratio_stats(ratio: Tensor, clip_low: float, clip_high: float, advantages: Te
         RATIO_MAX: float(ratio64.max()),
         RATIO_MIN: float(ratio64.min()),
     }
+
+
+def reduce_minibatch_stats(parts: Sequence[dict[str, float]], counts: Sequence[dict[str, int]]) -> dict[str, float]:
+    """The step's values of the stats the update wrote once per PPO mini-batch (every epoch's, in order), each key
+    reduced as its registry entry says (``MetricKey.minibatches``, ``vexact.metric_keys.MINIBATCH_REDUCTIONS``):
+    ``max`` / ``min`` / ``mean`` over the mini-batches that wrote it, ``token_mean`` weighted by ``counts`` (per part,
+    the tokens each token-mean key of that part is a mean over), ``step`` the first part's value (the caller replaces
+    it by the value over the step's whole batch when there were several mini-batches). A key written by one part
+    keeps that part's value bit for bit. Raises ValueError for a key the registry gives no reduction."""
+    values: dict[str, list[tuple[float, int]]] = {}
+    for stats, count in zip(parts, counts, strict=True):
+        for key, value in stats.items():
+            values.setdefault(key, []).append((value, count.get(key, 0)))
+    out: dict[str, float] = {}
+    for key, vals in values.items():
+        entry = find_metric_key(key)
+        kind = None if entry is None else entry.minibatches
+        if kind is None:
+            raise ValueError(f"{key}: no reduction across mini-batches in the metric registry (vexact.metric_keys)")
+        if len(vals) == 1 or kind == "step":
+            out[key] = vals[0][0]
+        elif kind == "max":
+            out[key] = max(v for v, _ in vals)
+        elif kind == "min":
+            out[key] = min(v for v, _ in vals)
+        elif kind == "mean":
+            out[key] = sum(v for v, _ in vals) / len(vals)
+        else:  # token_mean
+            tokens = sum(n for _, n in vals)
+            if tokens <= 0:
+                raise ValueError(f"{key}: a token mean across mini-batches needs their token counts")
+            out[key] = sum(v * n for v, n in vals) / tokens
+    return out
 
 
 def rollout_batch_metrics(rewards: Tensor, lengths: list[int], finished: list[bool],

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -113,6 +113,8 @@ class MinibatchLoss:
     loss: Tensor  # scalar, with grad
     logprobs: list[Tensor]  # this pass's training-path log-probs per sequence, detached
     stats: dict[str, float]
+    counts: dict[str, int] = field(default_factory=dict)  # a token-mean stat's tokens (reduce_minibatch_stats)
+    correction: Correction | None = None  # the rollout correction the loss applied (None: none)
 
 
 class Objective:
@@ -196,6 +198,7 @@ class Objective:
         if not torch.isfinite(logp).all():
             raise RunStopped("non-finite training log-probs (logits)")
         stats: dict[str, float] = {}
+        counts: dict[str, int] = {}  # the tokens each token-mean stat is over (the step's reduction weighs by them)
         if check_exact:
             exact = torch.equal(logp.detach(), old)
             stats[FIRST_MINIBATCH_RATIO_EXACT] = float(exact)
@@ -213,6 +216,7 @@ class Objective:
         per_token, ratio = self._pg_loss(logp, old, adv, pre, correction)
         entropy = torch.cat(entropy_list)
         stats[ENTROPY] = float(entropy.detach().mean())  # the policy's, over every response token (its definition)
+        counts[ENTROPY] = entropy.numel()
         kl = None
         if alg.kl_coef > 0 and anchors.reference is not None:
             kl = k3_penalty(logp, torch.cat([anchors.reference[i] for i in idx]))
@@ -235,12 +239,14 @@ class Objective:
             raise RunStopped(f"non-finite loss ({float(loss.detach())})")
         stats[PG_LOSS] = float(pg_loss.detach())
         if ratio.numel():
-            stats.update(ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv, clips=self.clips))
+            token_stats = ratio_stats(ratio.detach(), alg.clip_low, alg.clip_high, adv, clips=self.clips)
+            stats.update(token_stats)
             # verl's actor/ppo_kl: token mean of -(log π_θ - log π_old), the log-ratio clamped to
             # ±correction.log_ratio_bound (verl's SAFETY_BOUND, 20 by default)
             bound = self.correction.log_ratio_bound
             stats[PPO_KL] = float((old - logp.detach()).clamp(-bound, bound).mean())
-        return MinibatchLoss(loss, detached, stats)
+            counts.update(dict.fromkeys((*token_stats, PPO_KL), ratio.numel()))  # the loss's (kept) tokens
+        return MinibatchLoss(loss, detached, stats, counts, correction)
 
     @property
     def clips(self) -> bool:

@@ -55,7 +55,6 @@ from ..metric_keys import (
     EVAL_GREEDY_ACCURACY,
     EVAL_REWARD_MEAN,
     GRAD_NORM,
-    GRAD_NORM_MAX,
     K3_KL,
     RESPONSE_LENGTH_MEAN,
     REWARD_MEAN,
@@ -95,7 +94,7 @@ from .registries import ROLLOUT_ENGINES
 from .rollout_engines import RolloutSession
 from .schedules import LRSchedule, steps_change_problem
 from .scoring import Anchors, Scorer
-from .step_metrics import step_metrics
+from .step_metrics import UpdateRecord, step_metrics
 from .tasks import check_lengths, held_out_problems, task_of, training_problems
 from .triton_guard import check_interpreted_triton
 from .validate import ConfigError
@@ -325,23 +324,24 @@ class Trainer:
         update, first_pass_logp = self._update(step, batch, advantages, scored.anchors,
                                                self.objective.expects_exact(plan, lagged), lr)
         timings[TIMING_UPDATE] = time.perf_counter() - t2
-        timings[TIMING_GRAD_REDUCE] = update.pop(TIMING_GRAD_REDUCE)
+        timings[TIMING_GRAD_REDUCE] = update.grad_reduce_seconds
 
         metrics = step_metrics(step, batch, scored, first_pass_logp, update, lr=lr, injected=injected,
-                               policy_lag=cfg.rollout.policy_lag, log_ratio_bound=cfg.correction.log_ratio_bound)
+                               policy_lag=cfg.rollout.policy_lag, correction=cfg.correction)
         timings[TIMING_STEP] = time.perf_counter() - t0
         metrics.update(timings)
         return metrics
 
     def _update(self, step: int, batch: RolloutBatch, advantages: Tensor, anchors: Anchors, expect_exact: bool,
-                lr: float) -> tuple[dict, list[Tensor]]:
-        """PPO epochs over mini-batches; returns the mean stats and each sequence's first-pass log-probs."""
+                lr: float) -> tuple[UpdateRecord, list[Tensor]]:
+        """PPO epochs over mini-batches; returns each mini-batch's stats (reduced to the step's by the metrics
+        stage, ``step_metrics``) and each sequence's first-pass log-probs."""
         alg = self.cfg.algorithm
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         n = len(batch.responses)
         per_mini = n // alg.mini_batches
-        sums: dict[str, list[float]] = {}
+        record = UpdateRecord(stats=[], counts=[], corrections=[], grad_reduce_seconds=0.0)
         first_pass_logp: list[Tensor | None] = [None] * n
         reduce_seconds = 0.0
         for epoch in range(alg.ppo_epochs):
@@ -359,12 +359,12 @@ class Trainer:
                 gradient = self.ranks.sum_gradients(leaf_grads)
                 reduce_seconds += time.perf_counter() - t
                 part.stats[GRAD_NORM] = self._apply_gradients(gradient, used)
-                for k, v in part.stats.items():
-                    sums.setdefault(k, []).append(v)
-        out = {k: sum(v) / len(v) for k, v in sums.items()}
-        out[GRAD_NORM_MAX] = max(sums[GRAD_NORM])
-        out[TIMING_GRAD_REDUCE] = reduce_seconds
-        return out, first_pass_logp
+                record.stats.append(part.stats)
+                record.counts.append(part.counts)
+                if epoch == 0 and part.correction is not None:  # the first epoch's: each sequence once
+                    record.corrections.append((idx, part.correction))
+        record.grad_reduce_seconds = reduce_seconds
+        return record, first_pass_logp
 
     def _minibatch_gradients(self, batch: RolloutBatch, idx: list[int], advantages: Tensor, anchors: Anchors,
                              check_exact: bool) -> tuple[MinibatchLoss, list[Tensor], list[bool]]:
