@@ -488,3 +488,27 @@ def test_a_broken_method_is_refused_by_the_config_even_when_another_is_selected(
     finally:
         CORRECTION_METHODS.remove("outside_broken")
     config_from_dict({"correction": {"method": "none"}})
+
+
+@pytest.mark.parametrize("band", [(0.999, 1.001), (0.5, 2.0), (0.8, 1.25), (0.9, 1.1), (0.75, 1.5), (0.3, 3.0)])
+def test_geo_rs_keeps_both_edges_of_its_band(band):
+    """The band [a, b] is inclusive: a sequence whose mean log-ratio is exactly log a or log b is kept, one a step
+    outside is rejected; the cut is log a / log b itself, not log(1/b), log(1/a) (which rounding may move a step:
+    [0.999, 1.001] rejected 1.001, [0.5, 2.0] kept 2.0 only by luck)."""
+    cfg = CorrectionSection(method="geo_rs", band=band)
+    for edge, outward in ((band[0], -math.inf), (band[1], math.inf)):
+        r = math.log(edge)
+        for log_ratio, kept in ((r, True), (math.nextafter(r, outward), False)):
+            c = rollout_correction(torch.tensor([log_ratio], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+                                   [1], cfg)
+            assert c.keep.tolist() == [kept], (band, edge, log_ratio)
+
+
+@pytest.mark.parametrize("method", ["token_mis", "seq_mis"])
+@pytest.mark.parametrize("threshold", [2.0, 3.0, 1.1, 7.0, 1.001])
+def test_mis_keeps_a_ratio_of_exactly_c(method, threshold):
+    r = math.log(threshold)
+    for log_ratio, kept in ((r, True), (math.nextafter(r, math.inf), False)):
+        c = rollout_correction(torch.tensor([log_ratio], dtype=torch.float64), torch.zeros(1, dtype=torch.float64), [1],
+                               CorrectionSection(method=method, threshold=threshold))
+        assert c.keep.tolist() == [kept], (threshold, log_ratio)

@@ -91,6 +91,7 @@ class CorrectionMethod:
     to_verl: Callable[[CorrectionSection], dict] | None = None
     band: tuple[float, float] | None = None
     settings: type | None = None
+    ratio_band: Callable[[CorrectionSection], tuple[float, float]] | None = None  # what its k1 rejection judges
 
 
 @dataclass
@@ -142,18 +143,18 @@ for _method in (
     CorrectionMethod("token_mis", 'token_tis + rollout_rs token_k1 "1/C_inf"', "reject tokens with ρ_t > C",
                      lambda cfg: {"rollout_is": "token", "rollout_is_threshold": cfg.threshold,
                                   "rollout_rs": "token_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)},
-                     settings=_C),
+                     settings=_C, ratio_band=lambda cfg: (0.0, cfg.threshold)),
     CorrectionMethod("seq_mis", 'seq_tis + rollout_rs seq_sum_k1 "1/C_inf"', "reject sequences with ρ_seq > C",
                      lambda cfg: {"rollout_is": "sequence", "rollout_is_threshold": cfg.threshold,
                                   "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": _one_sided(cfg.threshold)},
-                     settings=_C),
+                     settings=_C, ratio_band=lambda cfg: (0.0, cfg.threshold)),
     CorrectionMethod("icepop", 'rollout_is token, threshold "a_b"', "w_t = ρ_t inside [a, b], 0 outside",
                      lambda cfg: _icepop_keys(*band_for(cfg)), band=(0.5, 5.0),  # IcePop's published band
                      settings=BandSettings),
     CorrectionMethod("geo_rs", 'rollout_rs seq_mean_k1 "1/b_1/a"',
                      "reject sequences whose geometric-mean ratio exp(mean_t log ρ_t) is outside [a, b]",
                      lambda cfg: _geo_rs_keys(*band_for(cfg)), band=(0.999, 1.001),  # verl geo preset threshold
-                     settings=BandSettings),
+                     settings=BandSettings, ratio_band=lambda cfg: band_for(cfg)),
 ):
     register_correction_method(_method)
 
@@ -219,11 +220,17 @@ OWN_PREFIX = "correction/"
 
 @dataclass(frozen=True)
 class RejectOption:
-    """One ``rollout_rs`` option: k1 options keep log(lower) <= stat <= log(upper), others stat <= upper."""
+    """One ``rollout_rs`` option: k1 options keep log(lower) <= stat <= log(upper), others stat <= upper.
+
+    ``ratio_band``: the ratio band [a, b] of a vexact method whose k1 option stands for it (``geo_rs``, and the MIS
+    methods' one-sided [0, C]; ``CorrectionMethod.ratio_band``): the option then keeps -log b <= stat <= -log a,
+    i.e. log a <= mean / sum of log ρ <= log b, edges included, instead of comparing with log(1/b) and log(1/a),
+    which rounding may put one step off (its ``lower`` / ``upper`` 1/b, 1/a stay its verl spelling)."""
 
     name: str
     lower: float | None
     upper: float
+    ratio_band: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -389,6 +396,10 @@ def plan_for(cfg: CorrectionSection, bypass_mode: bool | None = None) -> Correct
     is_upper, is_lower = parse_is_threshold(keys.get("rollout_is_threshold", 2.0))
     rs = keys.get("rollout_rs")
     reject = parse_rs(rs, keys.get("rollout_rs_threshold")) if rs is not None else ()
+    ratio_band = CORRECTION_METHODS[cfg.method].ratio_band if cfg.method != "none" else None
+    if ratio_band is not None and len(reject) == 1 and reject[0].name.endswith("_k1"):
+        a, b = ratio_band(cfg)
+        reject = (dataclasses.replace(reject[0], ratio_band=(float(a), float(b))),)
     loss_type = keys.get("loss_type") or "ppo_clip"
     if loss_type not in BYPASS_LOSSES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(BYPASS_LOSSES.names())}")
@@ -675,6 +686,9 @@ def _rejection_mask(log_ratio: Tensor, rows: _Rows, options: tuple[RejectOption,
         k1 = estimator == "k1"
         upper_cut = math.log(option.upper) if k1 else option.upper
         lower_cut = math.log(option.lower) if k1 else 0.0
+        if k1 and option.ratio_band is not None:  # the method's band itself: -log b <= -log ρ <= -log a, exactly
+            a, b = option.ratio_band
+            lower_cut, upper_cut = -math.log(b), (math.inf if a == 0 else -math.log(a))
 
         if level == "token":
             per_token = stat
