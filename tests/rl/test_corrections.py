@@ -512,3 +512,23 @@ def test_mis_keeps_a_ratio_of_exactly_c(method, threshold):
         c = rollout_correction(torch.tensor([log_ratio], dtype=torch.float64), torch.zeros(1, dtype=torch.float64), [1],
                                CorrectionSection(method=method, threshold=threshold))
         assert c.keep.tolist() == [kept], (threshold, log_ratio)
+
+
+def test_seq_mis_judges_the_sequence_ratio_with_only_the_sum_clamped():
+    """seq_mis rejects sequences with ρ_seq = exp(clamp(Σ_t r_t, ±B)) > C, the ratio its IS half truncates: r = [+25,
+    −22] has ρ_seq = e³ > 2 and is rejected (clamping each r_t first gave Σ = −2 and kept it)."""
+    train = torch.tensor([-1.0, -30.0], dtype=torch.float64)
+    roll = torch.tensor([-26.0, -8.0], dtype=torch.float64)
+    c = rollout_correction(train, roll, [2], CorrectionSection(method="seq_mis"))
+    assert c.keep.tolist() == [False, False]
+    assert c.metrics["rollout_corr/rollout_rs_seq_sum_k1_max"] == pytest.approx(-3.0, rel=1e-12)
+    tis = rollout_correction(train, roll, [2], CorrectionSection(method="seq_tis"))
+    assert tis.truncated.tolist() == [True, True]  # the same ratio, above C
+    # a sum beyond ±B is clamped, as the IS weight's: exp(clamp(Σ r)) = e^20; and a big r_t that the sum cancels is kept
+    big = rollout_correction(torch.tensor([30.0, -29.5], dtype=torch.float64), torch.zeros(2, dtype=torch.float64), [2],
+                             CorrectionSection(method="seq_mis"))
+    assert big.keep.tolist() == [True, True]  # ρ_seq = e^0.5 < 2
+    # verl's own seq_sum_k1 keeps verl's per-token clamp
+    verl = rollout_correction(train, roll, [2],
+                              CorrectionSection(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_inf"))
+    assert verl.keep.tolist() == [True, True]

@@ -26,7 +26,9 @@ verl 0.9.1's terms (``algorithm.rollout_correction``), and only the plan is exec
 statistics k1 = -s, k2 = s²/2, k3 = e^s - 1 - s; ``token_kX`` judges each token, ``seq_sum_kX`` /
 ``seq_mean_kX`` / ``seq_max_kX`` the sum / mean / max over a sequence's tokens and reject the whole sequence.
 k1 options keep log(lower) <= stat <= log(upper) (thresholds are ratio bounds "lower_upper"; a single number
-U means [1/U, U]); k2/k3 options keep stat <= upper.
+U means [1/U, U]); k2/k3 options keep stat <= upper. vexact's methods judge their own ratio against their own band,
+edges included (``RejectOption.ratio_band``): ``geo_rs`` log a <= mean_t s_t <= log b, ``token_mis`` ρ_t <= C,
+``seq_mis`` ρ_seq <= C with ρ_seq as above (only the sum clamped).
 
 **How it enters the loss** (``vexact.rl.objective``). Rejected tokens leave the loss, numerator and
 denominator (verl multiplies them out of ``response_mask``). IS weights multiply the per-token loss:
@@ -225,7 +227,10 @@ class RejectOption:
     ``ratio_band``: the ratio band [a, b] of a vexact method whose k1 option stands for it (``geo_rs``, and the MIS
     methods' one-sided [0, C]; ``CorrectionMethod.ratio_band``): the option then keeps -log b <= stat <= -log a,
     i.e. log a <= mean / sum of log ρ <= log b, edges included, instead of comparing with log(1/b) and log(1/a),
-    which rounding may put one step off (its ``lower`` / ``upper`` 1/b, 1/a stay its verl spelling)."""
+    which rounding may put one step off (its ``lower`` / ``upper`` 1/b, 1/a stay its verl spelling). A
+    ``seq_sum_k1`` option with a ratio band (``seq_mis``) judges the method's sequence ratio ρ_seq = exp(clamp(Σ_t r_t,
+    ±B)), the one its IS half (``seq_tis``) truncates: its statistic is −clamp(Σ_t r_t, ±B), not verl's
+    Σ_t −clamp(r_t, ±B), which keeps a sequence such as r = [+25, −22] (ρ_seq = e³) as if its sum were −2."""
 
     name: str
     lower: float | None
@@ -694,6 +699,10 @@ def _rejection_mask(log_ratio: Tensor, rows: _Rows, options: tuple[RejectOption,
             per_token = stat
             keep = _passes(stat, lower_cut, upper_cut, k1)
             seq_values = rows.mean(stat)
+        elif level == "seq_sum" and k1 and option.ratio_band is not None:  # the method's ρ_seq: only the sum clamped
+            seq_values = -rows.sum(log_ratio).clamp(-bound, bound)
+            per_token = seq_values[rows.seq_id]
+            keep = _passes(seq_values, lower_cut, upper_cut, k1)[rows.seq_id]
         else:
             reduce = {"seq_sum": rows.sum, "seq_mean": rows.mean, "seq_max": rows.max}[level]
             seq_values = reduce(stat)
