@@ -825,3 +825,20 @@ def test_a_single_horizon_interval_open_on_one_side_bounds_nothing_there():
     closed = curve(0.002, 0.008)  # both ends: as before
     assert [verdict._bound_verdict(closed, "recompute", k3, 400.0, (400.0, 400.0)).split(" the ")[0]
             for k3 in (1e-4, 0.005, 0.01)] == ["far below", "near", "above"]
+
+
+def test_a_single_horizon_interval_open_at_both_ends_places_nothing():
+    """A one-horizon threshold whose bootstrap interval is open at both ends (4 doses x 3 seeds: FFTT, FFFF, TTTT)
+    was read as the point interval [threshold, threshold]: "far below" at k3 1e-4, where one of three seeds
+    collapsed. Now it reads "near" at any k3 and quotes both open ends."""
+    from vexact.sweeps.dose_response import fit_threshold
+
+    doses, pattern = (1e-4, 1e-3, 1e-2, 1e-1), {0: (0, 0, 1, 1), 1: (0, 0, 0, 0), 2: (1, 1, 1, 1)}
+    t = fit_threshold([(d, bool(c), s) for s, cs in pattern.items() for d, c in zip(doses, cs)])
+    assert t["status"] == "fitted" and t["ci_low"] is None and t["ci_high"] is None
+    curve = {"horizons": [{"horizon_value": 12, "horizon": 11.0, "runs_per_dose": [3, 3, 3, 3],
+                           "single_run_per_dose": False, **t}]}
+    for k3 in (1e-6, 1e-4, t["threshold_50"], 5e-2, 1.0):
+        said = verdict._bound_verdict(curve, "bypass", k3, 11.0, (11.0, 11.0))
+        assert said.startswith("near the measured collapse range: 50% collapse threshold k3 "), said
+        assert "[open below, open above]" in said

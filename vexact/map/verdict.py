@@ -502,11 +502,9 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
                         f"it to T = {fmt_t(horizon)}")
         else:
             # an interval open on one side (a seed resample collapsed at every dose, or at none) bounds nothing
-            # there: no "far below" under an open lower end, no "above" over an open upper end
-            if positive(lo) or positive(hi):
-                low, high = (lo if positive(lo) else None), (hi if positive(hi) else None)
-            else:
-                low = high = h["threshold_50"]
+            # there: no "far below" under an open lower end, no "above" over an open upper end; open on both sides,
+            # the point value alone places nothing: only "near"
+            low, high = (lo if positive(lo) else None), (hi if positive(hi) else None)
             where = ("far below" if low is not None and k3 < low / 10 else
                      "above" if high is not None and k3 >= high else "near")
             return f"{where} the measured collapse range: {fact}"
@@ -633,12 +631,13 @@ def collapsed_from(h: dict[str, Any]) -> str:
 
 
 def _interval_text(lo: float | None, hi: float | None) -> str:
-    """A horizon's 95% interval as the verdict quotes it, an open end said so ("" without an interval)."""
+    """A horizon's 95% interval as the verdict quotes it, an open end said so (both open: "[open below, open
+    above]")."""
     if positive(lo) and positive(hi):
         return f" [{lo:.2g}, {hi:.2g}]"
     if positive(hi):
         return f" [open below, {hi:.2g}]"
-    return f" [{lo:.2g}, open above]" if positive(lo) else ""
+    return f" [{lo:.2g}, open above]" if positive(lo) else " [open below, open above]"
 
 
 def one_run(h: dict[str, Any]) -> str:
