@@ -461,3 +461,25 @@ def test_two_thresholds_at_one_horizon_give_no_exponent():
     law = fit_law([h(8, 0.1), h(16, 0.01)])
     assert law["status"] == "single_horizon" and law["alpha"] is None and law["alpha_ci_low"] is None
     assert "a law in T needs at least two distinct horizons" in law["note"]
+
+
+def test_two_horizons_give_no_alpha_interval():
+    """A line through two horizons leaves no residual: the residual bootstrap redrew each threshold within its own
+    interval only and called that a regression interval (it covered the true α 42% of the time when the horizons
+    scatter about the line). Now α has no interval, no replicates, the note says why, and a verdict from the law
+    has no band to rest on: "no verdict", saying why."""
+    law = fit_law(_horizons({10.0: 1e-2, 100.0: 1e-3}, spread=1.5))
+    assert law["status"] == "fitted" and law["alpha"] == pytest.approx(1.0)
+    assert law["alpha_ci_low"] is None and law["alpha_ci_high"] is None and law["replicates"] == []
+    assert "no interval: a line through two horizons leaves no residual" in law["note"]
+    assert "regression interval]" not in law["note"]
+    curve = {**law, "curve": "correction=bypass", "correction": "bypass", "source": None, "policy_lag": 0,
+             "horizons": _horizons({10.0: 1e-2, 100.0: 1e-3}, spread=1.5)}
+    shipped = {"status": "fitted", "horizon_range": law["horizon_range"], "curves": [curve]}
+    for k3 in (1e-7, 3e-3, 1.0):
+        verdict = place_on_map(shipped, k3, 30.0, "bypass")["verdict"]
+        assert verdict.startswith("no verdict: the bypass curve's power law has no 95% interval (it was fitted to two "
+                                  "horizons"), verdict
+    three = fit_law(_horizons({10.0: 1e-2, 30.0: 8e-3, 100.0: 1e-3}, spread=1.5))
+    assert three["alpha_ci_low"] < three["alpha"] < three["alpha_ci_high"]
+    assert "3 horizons: the interval rests on one residual degree of freedom" in three["note"]

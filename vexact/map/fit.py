@@ -18,7 +18,9 @@ collapse, collapse or not, seed): ``threshold_50`` with its seed-bootstrap inter
 ``upper_bound``, the smallest).
 
 **The law.** log10 threshold = log10 A − α·log10 T, least squares over the horizons with a fitted threshold
-(``status: fitted`` needs two or more). Interval of α (``alpha_ci_method``: ``ALPHA_CI_METHOD``): a regression
+(``status: fitted`` needs two or more; with exactly two the line passes through both, no residual is left to
+measure the horizons' scatter about it, and α has no interval: None, no replicates).
+Interval of α (``alpha_ci_method``: ``ALPHA_CI_METHOD``): a regression
 interval by residual bootstrap, ``BOOTSTRAP`` refits to the fitted values plus resampled residuals plus each
 horizon's own threshold noise (a normal whose 95% range is its interval), so the scatter of the horizons about the
 line widens it (a horizon whose interval is open on one side enters mirrored from its finite side, listed in
@@ -186,7 +188,8 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     open_ends = [h["horizon_value"] for h, sd in zip(fitted, sds) if sd is None]
     mirrored = [h["horizon_value"] for h, (_, was_mirrored) in zip(fitted, noise) if was_mirrored]
     out["alpha_ci_method"] = ALPHA_CI_METHOD
-    if not open_ends:
+    two = len(fitted) == 2  # a line through two points: no residual, no scatter about it to measure
+    if not open_ends and not two:
         reps = _residual_bootstrap(xs, ys, [sd or 0.0 for sd in sds])
         alphas = sorted(a for _, a in reps)
         out["alpha_ci_low"], out["alpha_ci_high"] = _percentile(alphas, 0.025), _percentile(alphas, 0.975)
@@ -196,13 +199,17 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
             out["alpha_ci_mirrored"] = mirrored
     violated = [h["horizon_value"] for h in bounded if not _respects(h, intercept, slope)]
     fitted_ts = [h["horizon"] for h in fitted]  # the law's own range: ts holds the bounds' horizons too
-    note = (f"threshold ∝ T^(−{-slope:.2f})" + (f" [α in {out['alpha_ci_low']:.2f} .. {out['alpha_ci_high']:.2f}, "
-                                               "a regression interval]" if not open_ends else
-                                               f" (no interval: horizon(s) {open_ends} have an open threshold "
-                                               "interval)")
+    note = (f"threshold ∝ T^(−{-slope:.2f})" + (f" (no interval: horizon(s) {open_ends} have an open threshold "
+                                               "interval)" if open_ends else
+                                               " (no interval: a line through two horizons leaves no residual, so "
+                                               "nothing measures their scatter about it)" if two else
+                                               f" [α in {out['alpha_ci_low']:.2f} .. {out['alpha_ci_high']:.2f}, "
+                                               "a regression interval]")
             + f" over {len(fitted)} horizons with a fitted threshold (T = {min(fitted_ts):.0f} .. "
               f"{max(fitted_ts):.0f})")
-    if mirrored and not open_ends:
+    if len(fitted) == 3 and not open_ends:
+        note += "; 3 horizons: the interval rests on one residual degree of freedom"
+    if mirrored and not open_ends and not two:
         note += (f"; the threshold interval of {HORIZON_KEY} = {', '.join(map(str, mirrored))} is open on one side "
                  "(a seed resample with no run on that side): α's interval mirrors its finite side")
     out["alpha_leave_one_out"] = leave_one_out_alphas(fitted)
@@ -247,7 +254,7 @@ def _residual_bootstrap(xs: list[float], ys: list[float], sds: list[float]) -> l
     slope, intercept = fit_line(xs, ys)
     n = len(xs)
     residuals = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
-    inflate = math.sqrt(n / (n - 2)) if n > 2 else 1.0  # two points: the line passes through both, no residual
+    inflate = math.sqrt(n / (n - 2))  # (fit_law makes no interval from two points: the line passes through both)
     rng = random.Random(BOOTSTRAP_SEED)
     reps = []
     for _ in range(BOOTSTRAP):

@@ -336,10 +336,11 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
             if shape is not None:
                 low, high = min(low, shape), max(high, shape)
             out.update(range_low=low, range_high=high)
-        if band is None:  # (its fitted horizons' threshold intervals were open: the law's spread is unknown)
-            verdict = (f"no verdict: the {name} curve's power law has no 95% interval (the thresholds it was fitted "
-                       f"to have open intervals), so nothing bounds how far the threshold at this T lies from "
-                       f"{thr:.2g}")
+        if band is None:  # (open threshold intervals, or two horizons: the law's spread is unknown)
+            why = ("it was fitted to two horizons, and a line through two points leaves no scatter to measure"
+                   if len(_fitted_horizons(curve)) == 2 else "the thresholds it was fitted to have open intervals")
+            verdict = (f"no verdict: the {name} curve's power law has no 95% interval ({why}), so nothing bounds how "
+                       f"far the threshold at this T lies from {thr:.2g}")
         elif math.log10(high / low) > WIDEST_INTERVAL_DECADES:
             what = ("the law's 95% interval" if shape is None else
                     "the range the law's interval and the saturating shape allow")
