@@ -51,7 +51,7 @@ def _bypass_points(tmp: Path, config: dict | None = None, overrides: dict | None
         for seed in SEEDS:
             for f in FACTORS:
                 points.append(_point(tmp, f"b_L{length}_{f}", length, float(length), thr * f * (1 + 0.01 * seed),
-                                     f > 1, seed, overrides, config))
+                                     f > 1, seed, {"inject.value": f, **(overrides or {})}, config))
     return points
 
 
@@ -61,7 +61,8 @@ def _recompute_points(tmp: Path, config: dict | None = None, overrides: dict | N
     for length, (t, top) in RECOMPUTE_BOUNDS.items():
         for seed in SEEDS:
             for f in (0.25, 0.5, 1.0):
-                points.append(_point(tmp, f"r_L{length}_{f}", length, t, top * f, False, seed, overrides, config))
+                points.append(_point(tmp, f"r_L{length}_{f}", length, t, top * f, False, seed,
+                                     {"inject.value": f, **(overrides or {})}, config))
     return points
 
 
@@ -635,8 +636,10 @@ def test_a_measured_bound_wins_over_the_law_near_it(tmp_path):
     every run at T = 256 collapsed from k3 0.001, where the law says 0.0031; nothing collapsed up to k3 5 at T = 2,
     where it says 0.4. Near those horizons the verdict is the measurement's, with the assumption it rests on."""
     points = _bypass_points(tmp_path)
-    points += [_point(tmp_path, f"b_L256_{f}", 256, 256.0, 0.001 * f, True, seed) for seed in SEEDS for f in (1, 2, 4)]
-    points += [_point(tmp_path, f"b_L2_{f}", 2, 2.0, 5.0 * f, False, seed) for seed in SEEDS for f in (0.25, 0.5, 1)]
+    points += [_point(tmp_path, f"b_L256_{f}", 256, 256.0, 0.001 * f, True, seed,
+                          {"inject.value": f}) for seed in SEEDS for f in (1, 2, 4)]
+    points += [_point(tmp_path, f"b_L2_{f}", 2, 2.0, 5.0 * f, False, seed,
+                          {"inject.value": f}) for seed in SEEDS for f in (0.25, 0.5, 1)]
     write_scaling(_sweep(tmp_path, points, ["task.max_len"]), tmp_path)
     m = load_map(tmp_path / "scaling.json")
     assert m["status"] == "fitted" and m["alpha"] == pytest.approx(1.0, abs=0.05) and m["bounds_violated"] == [2, 256]

@@ -483,3 +483,22 @@ def test_two_horizons_give_no_alpha_interval():
     three = fit_law(_horizons({10.0: 1e-2, 30.0: 8e-3, 100.0: 1e-3}, spread=1.5))
     assert three["alpha_ci_low"] < three["alpha"] < three["alpha_ci_high"]
     assert "3 horizons: the interval rests on one residual degree of freedom" in three["note"]
+@pytest.mark.parametrize("outcomes", [(False, True), (True, True, True), (False, False, False)])
+def test_one_dose_level_gives_no_threshold_and_no_bound(tmp_path, outcomes):
+    """One sweep group (inject.value 0.3) whose seeds realised slightly different k3: one dose level, whatever the
+    outcomes. The map fitted a threshold between the seeds' doses (mixed) or bounded it from them (all collapsed),
+    as if each seed were its own level; the sweep report and the docs say one level is ``insufficient``."""
+    from vexact.map.fit import fit_curve
+
+    points = [_point(tmp_path, 12, 11.0, 1.0e-3 * (1 + 0.01 * seed), collapsed, seed, {"inject.value": 0.3})
+              for seed, collapsed in enumerate(outcomes)]
+    curve = fit_curve("correction=bypass", "bypass", {12: points})
+    h = curve["horizons"][0]
+    assert h["status"] == "insufficient" and h["runs_per_dose"] == [len(outcomes)]
+    assert h["threshold_50"] is None and "upper_bound" not in h and "lower_bound" not in h
+    assert h["dose_min"] == pytest.approx(1.0e-3)
+    shipped = {"status": curve["status"], "horizon_range": curve["horizon_range"],
+               "curves": [{**curve, "source": None, "policy_lag": 0}]}
+    verdict = place_on_map(shipped, 1.015e-3, 11.0, "bypass")["verdict"]
+    assert "above the measured collapse range" not in verdict and "below every level" not in verdict
+    assert verdict.startswith("unknown") and "one dose level" in verdict

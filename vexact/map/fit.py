@@ -129,7 +129,7 @@ def fit_curve(label: str, correction: str, by_h: dict[Any, list[PointData]]) -> 
             if dose > 0:
                 runs.append((dose, p.collapse.get("collapsed") is True, p.overrides.get(SEED_KEY)))
                 levels[_dose_level(p)] = levels.get(_dose_level(p), 0) + 1
-        threshold = fit_threshold(runs)
+        threshold = fit_threshold(runs, len(levels))  # a level is a sweep group: its seeds realise different doses
         per_dose = [levels[k] for k in sorted(levels, key=str)]
         horizons.append({"horizon_value": value, "horizon": sum(lengths) / len(lengths) if lengths else None,
                          "runs_total": len(by_h[value]), "runs_with_result": len(done), **threshold,
