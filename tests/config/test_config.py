@@ -454,7 +454,7 @@ def test_a_run_name_with_dot_dot_is_one_cli_error_and_writes_nothing(tmp_path, c
     ({"rollout": {"temperature": 0}}, "rollout.temperature", "expected a number >= 1e-06, got 0"),
     # below the sampler's MIN_TEMPERATURE: refused here, not in the first rollout after the run directory was made
     ({"rollout": {"temperature": 1e-7}}, "rollout.temperature", "expected a number >= 1e-06, got 1e-07"),
-    ({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.5, "onset_step": 10}}, "inject.onset_step",
+    ({"steps": 10, "inject": {"mode": "logit_noise", "sigma": 0.5, "onset_step": 10}}, "inject.onset_step",
      "would inject nothing"),
     ({"steps": 10, "inject": {"mode": "precision", "onset_step": 12}}, "inject.onset_step", "would inject nothing"),
 ])
@@ -469,8 +469,8 @@ def test_the_meaningful_neighbours_are_accepted():
     config_from_dict({"algorithm": {"clip_low": 0.0, "clip_high": 0.0}})
     config_from_dict({"rollout": {"temperature": MIN_TEMPERATURE}})
     config_from_dict({"optimizer": {"eps": MIN_ADAM_EPS}})
-    config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.0, "onset_step": 50}})  # a baseline
-    config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "value": 0.5, "onset_step": 9}})
+    config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "sigma": 0.0, "onset_step": 50}})  # a baseline
+    config_from_dict({"steps": 10, "inject": {"mode": "logit_noise", "sigma": 0.5, "onset_step": 9}})
 
 
 @pytest.mark.parametrize("raw,message", [

@@ -167,17 +167,17 @@ def test_check_finds_a_stale_page_and_update_rewrites_it(tmp_path, capsys):
 
 RUN_VARIANTS = {
     "plain": [],
-    "corrected": ["correction.method=token_tis", "inject.mode=logit_noise", "inject.value=0.1",
+    "corrected": ["correction.method=token_tis", "inject.mode=logit_noise", "inject.sigma=0.1",
                   "algorithm.kl_coef=0.01", "lr_schedule.kind=mismatch_triggered",
                   "lr_schedule.mismatch_threshold=1e-9", "lr_schedule.mismatch_window=1",
                   "rollout.policy_lag=1"],  # the lag drift and the TIM apart (mismatch/lag_k3_kl, tim_k3_kl)
     "verl": ["correction.rollout_is=sequence", "correction.rollout_rs=token_k1",
              "correction.rollout_rs_threshold=0.5_2.0", "algorithm.old_logprobs=recompute",
-             "inject.mode=logit_scale", "inject.value=-0.3"],
+             "inject.mode=logit_scale", "inject.epsilon=-0.3"],
     "icepop": ["correction.method=icepop", "correction.batch_normalize=true", "inject.mode=logit_noise",
-               "inject.value=0.5"],
+               "inject.sigma=0.5"],
     "tail": ["task.distractors=6"],  # the tail/* keys (vexact.rl.vocab_tail)
-    "moe": ["model.num_experts=4", "inject.mode=routing_flip", "inject.value=0.2"],  # the routing/* keys
+    "moe": ["model.num_experts=4", "inject.mode=routing_flip", "inject.flip_rate=0.2"],  # the routing/* keys
     "sampled": ["monitor.sample_fraction=0.5", "algorithm.mini_batches=2", "distributed.leaves=2"],  # monitor/*
 }
 

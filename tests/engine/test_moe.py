@@ -267,7 +267,7 @@ def test_router_replay_reproduces_a_flipped_rollout_bit_for_bit():
 
 def test_the_routing_flip_mode_plans_a_route_hook():
     cfg = config_from_dict({"model": {"preset": "tiny", "num_experts": 4},
-                            "inject": {"mode": "routing_flip", "value": 0.25}})
+                            "inject": {"mode": "routing_flip", "flip_rate": 0.25}})
     injector = Injector.for_run(cfg)
     plan = injector.plan(0)
     assert plan.routing_hook is not None and plan.logits_hook is None and plan.active and not plan.matches_training
@@ -289,12 +289,12 @@ def test_a_training_run_records_flips_and_replay_removes_their_mismatch(tmp_path
 
     clean = run("clean")
     assert all(r["routing/flip_rate"] == 0.0 and r["rollout_corr/k3_kl"] == 0.0 for r in clean)
-    flipped = run("flip", "inject.mode=routing_flip", "inject.value=0.2")
+    flipped = run("flip", "inject.mode=routing_flip", "inject.flip_rate=0.2")
     assert all(r["routing/flip_rate"] > 0.1 and r["rollout_corr/k3_kl"] > 0 for r in flipped)
-    again = run("flip_again", "inject.mode=routing_flip", "inject.value=0.2", "threads=2")  # same config and seed
+    again = run("flip_again", "inject.mode=routing_flip", "inject.flip_rate=0.2", "threads=2")  # same config and seed
     assert [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in again] == [
         {k: v for k, v in r.items() if not k.startswith("timing/")} for r in flipped]
-    replayed = run("r3", "inject.mode=routing_flip", "inject.value=0.2", "algorithm.router_replay=true")
+    replayed = run("r3", "inject.mode=routing_flip", "inject.flip_rate=0.2", "algorithm.router_replay=true")
     assert all(r["routing/flip_rate"] > 0.1 and r["mismatch/bitwise_equal_frac"] == 1.0 for r in replayed)
     assert replayed[0]["routing/flip_rate"] == flipped[0]["routing/flip_rate"]  # same rollout at step 0
 
@@ -348,7 +348,7 @@ def test_a_flip_rate_outside_0_1_and_routing_flip_on_a_dense_model_are_config_er
     with pytest.raises(ConfigError, match="unchosen expert"):
         config_from_dict({"model": {"num_experts": 2}, "inject": {"mode": "routing_flip", "flip_rate": 0.1}})
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"model": {"num_experts": 4}, "inject": {"mode": "routing_flip", "value": 0.1,
+        config_from_dict({"model": {"num_experts": 4}, "inject": {"mode": "routing_flip", "flip_rate": 0.1,
                                                                   "flip_kind": "worst"}})
     assert e.value.key == "inject.flip_kind"
 
@@ -470,6 +470,6 @@ def test_experts_with_no_moe_layer_are_one_error_not_a_silent_dense_run(model, k
         config_from_dict({"model": model})
     assert e.value.key == f"model.{key}" and "no layer is a mixture of experts" in e.value.problem
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"model": model, "inject": {"mode": "routing_flip", "value": 0.1}})
+        config_from_dict({"model": model, "inject": {"mode": "routing_flip", "flip_rate": 0.1}})
     assert e.value.key == f"model.{key}" and "set model.num_experts > 0" not in str(e.value)
     assert config_from_dict({"model": {"num_experts": 4, "decoder_sparse_step": 2}}).model.num_experts == 4

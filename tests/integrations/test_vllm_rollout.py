@@ -51,7 +51,7 @@ def config(tmp_path, **over) -> dict:
      "vLLM's CPU build runs head sizes 32, 64,"),
     ({"model.head_dim": 48}, "model.head_dim", "cannot run head size 48: vLLM's CPU build runs head sizes 32"),
     ({"model.num_experts": 4}, "model.num_experts", "dense models only"),
-    ({"inject.mode": "logit_scale", "inject.value": 0.1}, "inject.mode", "set inject.mode: none"),
+    ({"inject.mode": "logit_scale", "inject.epsilon": 0.1}, "inject.mode", "set inject.mode: none"),
     ({"rollout.backend": "native"}, "rollout.backend", "leave rollout.backend null"),
     ({"task.distractors": 8}, "task.distractors", "set task.distractors: 0"),
 ], ids=["head-dim-16", "head-dim-48", "moe", "inject", "backend", "distractors"])

@@ -58,7 +58,7 @@ def test_zero_mismatch_zero_bias_bitwise(exact):
 def test_mismatch_gives_a_bias(exact):
     """Counter-case: logit noise on the rollout moves the gradient (the zero above is not vacuous)."""
     path, grads = exact
-    cell = measure_bias(_cfg(path, "inject.mode=logit_noise", "inject.value=1.0"), batches=2, exact=grads)
+    cell = measure_bias(_cfg(path, "inject.mode=logit_noise", "inject.sigma=1.0"), batches=2, exact=grads)
     assert cell["exactly_zero"] is False and cell["bias_ratio"] > 0 and cell["k3_kl"] > 0
     lo, hi = cell["bias_ratio_ci"]
     assert lo is None or lo <= hi

@@ -46,7 +46,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "steps=6",
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "task.eval_prompts=16",
         "logging.eval_every=3", "logging.checkpoint_every=2", "logging.live=false",
-        "inject.mode=logit_scale", "inject.value=-0.3", "collapse.k3_kl_max=1e-3",
+        "inject.mode=logit_scale", "inject.epsilon=-0.3", "collapse.k3_kl_max=1e-3",
         "lr_schedule.kind=mismatch_triggered", "lr_schedule.mismatch_threshold=1e-3",
         "lr_schedule.mismatch_window=2", "lr_schedule.decay_period=2", "optimizer.warmup_steps=0"])
     with num_threads(1):  # tiny model: a second thread only adds OpenMP waits on a busy machine

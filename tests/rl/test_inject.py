@@ -42,15 +42,15 @@ def setup():
 
 def test_magnitude_zero_installs_nothing():
     for mode in ("logit_noise", "logit_scale", "logprob_only"):
-        assert _injector(mode=mode, value=0.0).plan(5).logits_hook is None
-    assert _injector(mode="top_p", value=1.0).plan(0).logits_hook is None
-    assert _injector(mode="top_k", value=0).plan(0).logits_hook is None
+        assert _injector(mode=mode, **{INJECT_MODES[mode].knob_name: 0.0}).plan(5).logits_hook is None
+    assert _injector(mode="top_p", top_p=1.0).plan(0).logits_hook is None
+    assert _injector(mode="top_k", top_k=0).plan(0).logits_hook is None
     assert not _injector(mode="none").plan(0).active
 
 
 def test_magnitude_zero_run_is_bitwise_identical_to_no_injector(tmp_path):
     plain = _short(tmp_path, "plain", "steps=3")
-    zero = _short(tmp_path, "zero", "steps=3", "inject.mode=logit_noise", "inject.value=0.0")
+    zero = _short(tmp_path, "zero", "steps=3", "inject.mode=logit_noise", "inject.sigma=0.0")
     for cfg in (plain, zero):
         Trainer(cfg, Console(quiet=True)).run()
     a = _without_timing(read_metrics(tmp_path / "plain" / "metrics.jsonl"))
@@ -63,7 +63,7 @@ def test_magnitude_zero_run_is_bitwise_identical_to_no_injector(tmp_path):
 def test_logit_noise_perturbs_sampling_and_records(setup):
     model, prompts = setup
     clean = _rollout(model, None, prompts)
-    noisy = _rollout(model, _injector(mode="logit_noise", value=1.0).plan(0).logits_hook, prompts)
+    noisy = _rollout(model, _injector(mode="logit_noise", sigma=1.0).plan(0).logits_hook, prompts)
     assert noisy.tokens != clean.tokens
     d = _dlogp(model, prompts, noisy)
     assert (d != 0).float().mean() > 0.9 and d.abs().mean() > 0.1
@@ -77,8 +77,8 @@ def test_logit_scale_sharper_and_flatter():
         p = torch.softmax(logits, -1)
         return float(-(p * p.log()).sum())
 
-    sharp, _ = _injector(mode="logit_scale", value=0.5).plan(0).logits_hook(z, seq, pos)
-    flat, _ = _injector(mode="logit_scale", value=-0.5).plan(0).logits_hook(z, seq, pos)
+    sharp, _ = _injector(mode="logit_scale", epsilon=0.5).plan(0).logits_hook(z, seq, pos)
+    flat, _ = _injector(mode="logit_scale", epsilon=-0.5).plan(0).logits_hook(z, seq, pos)
     assert torch.equal(sharp, z * 1.5) and torch.equal(flat, z * 0.5)
     assert entropy(sharp) < entropy(z) < entropy(flat)
 
@@ -86,14 +86,14 @@ def test_logit_scale_sharper_and_flatter():
 def test_logprob_only_keeps_sampling_exact(setup):
     model, prompts = setup
     clean = _rollout(model, None, prompts)
-    out = _rollout(model, _injector(mode="logprob_only", value=0.5).plan(0).logits_hook, prompts)
+    out = _rollout(model, _injector(mode="logprob_only", sigma=0.5).plan(0).logits_hook, prompts)
     assert out.tokens == clean.tokens
     assert (_dlogp(model, prompts, out) != 0).any()
 
 
 def test_top_k_one_is_greedy_with_logprob_zero(setup):
     model, prompts = setup
-    out = _rollout(model, _injector(mode="top_k", value=1).plan(0).logits_hook, prompts)
+    out = _rollout(model, _injector(mode="top_k", top_k=1).plan(0).logits_hook, prompts)
     greedy = generate(model, prompts, max_new_tokens=8, temperature=0.0)
     assert out.tokens == greedy.tokens
     assert torch.equal(torch.cat(out.logprobs), torch.zeros(12 * 8))
@@ -101,7 +101,7 @@ def test_top_k_one_is_greedy_with_logprob_zero(setup):
 
 def test_top_p_samples_inside_the_nucleus(setup):
     model, prompts = setup
-    out = _rollout(model, _injector(mode="top_p", value=0.5).plan(0).logits_hook, prompts)
+    out = _rollout(model, _injector(mode="top_p", top_p=0.5).plan(0).logits_hook, prompts)
     d = _dlogp(model, prompts, out)
     assert (d >= 0).all() and (d > 0).any()  # renormalised nucleus: recorded log-prob >= full-distribution one
 
@@ -157,15 +157,15 @@ def test_kernel_mode_uses_the_other_backend(tmp_path):
 def test_scopes_and_schedule():
     z = torch.tensor([[8.0, 0.0, -1.0, -2.0], [0.0, 0.0, 0.0, 0.0]])
     seq, pos = torch.tensor([0, 1]), torch.tensor([0, 0])
-    hook = _injector(mode="logit_noise", value=1.0, scope="low_prob", prob_threshold=0.5).plan(0).logits_hook
+    hook = _injector(mode="logit_noise", sigma=1.0, scope="low_prob", prob_threshold=0.5).plan(0).logits_hook
     changed, _ = hook(z, seq, pos)
     assert changed[0, 0] == z[0, 0] and (changed[0, 1:] != z[0, 1:]).all()  # the 0.99-probability entry kept
     assert (changed[1] != z[1]).all()  # every entry of a uniform row is below 0.5
-    frac = _injector(mode="logit_noise", value=1.0, scope="fraction", fraction=0.3).plan(0).logits_hook
+    frac = _injector(mode="logit_noise", sigma=1.0, scope="fraction", fraction=0.3).plan(0).logits_hook
     rows = torch.zeros(4000, 5)
     out, _ = frac(rows, torch.arange(4000), torch.zeros(4000, dtype=torch.long))
     assert 0.25 < (out != 0).any(-1).float().mean() < 0.35
-    ramp = _injector(mode="logit_noise", value=2.0, onset_step=10, ramp_steps=4)
+    ramp = _injector(mode="logit_noise", sigma=2.0, onset_step=10, ramp_steps=4)
     assert [ramp.value_at(s) for s in (9, 10, 11, 13, 20)] == [0.0, 0.5, 1.0, 2.0, 2.0]
     assert not ramp.plan(9).active and ramp.plan(10).active
 
@@ -198,7 +198,7 @@ def test_a_scope_for_a_mode_that_does_not_read_it_is_refused(inject):
 
 def test_injected_rollout_is_batch_invariant(setup):
     model, prompts = setup
-    hook = _injector(mode="logit_noise", value=1.0, scope="fraction", fraction=0.5).plan(0).logits_hook
+    hook = _injector(mode="logit_noise", sigma=1.0, scope="fraction", fraction=0.5).plan(0).logits_hook
     a, b = _rollout(model, hook, prompts), _rollout(model, hook, prompts, batch_size=5)
     assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
 
@@ -209,7 +209,7 @@ def test_calibration_hits_target(tmp_path, mode, metric, target):
     cfg = load_config(EXPERIMENT, [f"output_dir={tmp_path / 'cal'}",
                                    f"warm_start.cache_dir={warm_start_cache(tmp_path)}", "warm_start.steps=30",
                                    "rollout.prompts_per_step=4", f"inject.mode={mode}",
-                                   "inject.value=-0.1" if mode == "logit_scale" else "inject.value=1.0",
+                                   "inject.epsilon=-0.1" if mode == "logit_scale" else "inject.sigma=1.0",
                                    f"inject.target={{metric: {metric}, value: {target}}}",
                                    "inject.calibration_prompts=8", "inject.calibration_tolerance=0.05"])
     trainer = Trainer(cfg, Console(quiet=True))
@@ -237,20 +237,20 @@ def test_a_target_the_mode_cannot_reach_is_refused(tmp_path):
 def test_a_short_target_metric_name_is_a_deprecated_alias_of_its_full_key(short, full):
     with pytest.warns(FutureWarning, match=f"inject.target.metric: '{short}' is deprecated; use the full metric key "
                                            f"'{full}'"):
-        cfg = load_config(EXPERIMENT, ["inject.mode=logit_noise", "inject.value=1.0",
+        cfg = load_config(EXPERIMENT, ["inject.mode=logit_noise", "inject.sigma=1.0",
                                        f"inject.target={{metric: {short}, value: 0.05}}"])
     assert cfg.inject.target.metric == full
 
 
 def test_plan_value_reports_the_magnitude():
-    plan = _injector(mode="logit_scale", value=-0.3).plan(0)
+    plan = _injector(mode="logit_scale", epsilon=-0.3).plan(0)
     assert isinstance(plan, RolloutPlan) and plan.value == -0.3 and plan.active
 
 
 def test_recomputed_old_logprobs_keep_ratio_exact_under_injection(tmp_path):
     """Injection changes what was sampled, but recomputed old log-probs come from the exact training
     path: the first mini-batch's PPO ratio is still exactly 1 while the rollout log-probs mismatch."""
-    cfg = _short(tmp_path, "rec", "steps=1", "inject.mode=logit_scale", "inject.value=-0.5",
+    cfg = _short(tmp_path, "rec", "steps=1", "inject.mode=logit_scale", "inject.epsilon=-0.5",
                  "algorithm.old_logprobs=recompute")
     assert Trainer(cfg, Console(quiet=True)).run()["status"] == "completed"
     row = read_metrics(tmp_path / "rec" / "metrics.jsonl")[0]

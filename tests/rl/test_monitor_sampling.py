@@ -28,7 +28,7 @@ from vexact.rl.scoring import Scorer
 from vexact.rl.trainer import Trainer
 
 EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "zero_mismatch.yaml"
-NOISE = ("inject.mode=logit_noise", "inject.value=0.05")  # a mismatch to measure
+NOISE = ("inject.mode=logit_noise", "inject.sigma=0.05")  # a mismatch to measure
 MISMATCH_PREFIXES = ("rollout_corr/", "training/", "mismatch/")
 
 

@@ -92,7 +92,7 @@ def test_exact_path_lag_alone_is_pure_drift_with_zero_tim(tmp_path, old_logprobs
 def test_lag_composes_with_injection(tmp_path):
     """Injection stays on the rollout path: with lag and an injected mismatch both parts are nonzero, and the TIM
     at step 0 (no lag yet) is the total."""
-    _run(_cfg(tmp_path, "both", "rollout.policy_lag=1", "inject.mode=logit_scale", "inject.value=-0.3", "steps=4"))
+    _run(_cfg(tmp_path, "both", "rollout.policy_lag=1", "inject.mode=logit_scale", "inject.epsilon=-0.3", "steps=4"))
     rows = _rows(tmp_path, "both")
     assert rows[0][LAG_K3_KL] == 0.0 and rows[0][TIM_K3_KL] == rows[0][K3_KL] > 0
     for r in rows[1:]:

@@ -220,7 +220,7 @@ def test_zero_mismatch_corrections_are_bitwise_no_ops(tmp_path, mode, methods):
 def test_correction_and_triggered_schedule_under_injection(tmp_path):
     """Under injected mismatch the correction acts (weights != 1, truncation counted) and a mismatch-triggered
     schedule fires, is logged per step and lands in summary.json with its reason."""
-    summary = _run(_short(tmp_path, "inj", "inject.mode=logit_scale", "inject.value=-0.5",
+    summary = _run(_short(tmp_path, "inj", "inject.mode=logit_scale", "inject.epsilon=-0.5",
                           "correction.method=token_tis", "lr_schedule.kind=mismatch_triggered",
                           "lr_schedule.mismatch_threshold=0.01", "lr_schedule.mismatch_window=2",
                           "lr_schedule.decay_period=2", "optimizer.warmup_steps=0"))
@@ -402,7 +402,7 @@ def test_the_step_enters_each_stage_module_once_in_data_flow_order(tmp_path):
     anchors, a correction, the KL reference, policy lag, several mini-batches): no module is entered twice and
     nothing calls back into the trainer (scoring is a value the trainer holds, data-parallel or not)."""
     cfg = _short(tmp_path, "flow", "warm_start.steps=5", "algorithm.old_logprobs=recompute",
-                 "correction.method=token_tis", "inject.mode=logit_noise", "inject.value=0.05",
+                 "correction.method=token_tis", "inject.mode=logit_noise", "inject.sigma=0.05",
                  "algorithm.mini_batches=2", "rollout.policy_lag=1", "algorithm.kl_coef=0.05", "threads=1")
     trainer = Trainer(cfg, Console(quiet=True))
     trainer._prepare(False, ())

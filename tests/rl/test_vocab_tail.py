@@ -183,7 +183,7 @@ def test_the_meter_reports_the_tail_and_keeps_zero_bias_bitwise(tmp_path):
     cell = measure_bias(cfg, batches=2, exact=exact)
     assert cell["exactly_zero"] is True  # the probe leaves the exact path's bits alone
     assert cell["tail_mass_mean"] == cell["tail_mass_mean_exact"] > 0.0
-    noisy = measure_bias(_cfg(30, *tiny, "inject.mode=logit_noise", "inject.value=1.0"), batches=2, exact=exact)
+    noisy = measure_bias(_cfg(30, *tiny, "inject.mode=logit_noise", "inject.sigma=1.0"), batches=2, exact=exact)
     assert noisy["tail_mass_mean"] != noisy["tail_mass_mean_exact"] == cell["tail_mass_mean_exact"]
     table = meter_table({"cells": [{"horizon": 2, "source": "exact", **cell}], "growth": {}})
     assert "tail mass μ (exact)" in table and f"{cell['tail_mass_mean']:.2e}" in table
