@@ -43,7 +43,7 @@ def _machine(record: dict) -> str:
     threads = ", ".join(map(str, counts)) + (" torch thread" if counts == [1] else " torch threads")
     onednn = ", VEXACT_CPU_ONEDNN=off" if m.get("exact_onednn") == "off" else ""  # (auto: the default, unsaid)
     # an installed vexact has no commit (records before vexact_version have no version): name what the record knows
-    code = (f"commit {m['git_commit']}" if m.get("git_commit") or "vexact_version" not in m
+    code = (f"commit {m.get('git_commit')}" if m.get("git_commit") or "vexact_version" not in m
             else f"vexact {m['vexact_version']}")
     return (f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs, {threads}, torch "
             f"{m['torch_version']}, malloc {m.get('malloc', 'default')}, {code}{onednn}, load "
