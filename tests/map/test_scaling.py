@@ -483,6 +483,8 @@ def test_two_horizons_give_no_alpha_interval():
     three = fit_law(_horizons({10.0: 1e-2, 30.0: 8e-3, 100.0: 1e-3}, spread=1.5))
     assert three["alpha_ci_low"] < three["alpha"] < three["alpha_ci_high"]
     assert "3 horizons: the interval rests on one residual degree of freedom" in three["note"]
+
+
 @pytest.mark.parametrize("outcomes", [(False, True), (True, True, True), (False, False, False)])
 def test_one_dose_level_gives_no_threshold_and_no_bound(tmp_path, outcomes):
     """One sweep group (inject.value 0.3) whose seeds realised slightly different k3: one dose level, whatever the
@@ -502,3 +504,36 @@ def test_one_dose_level_gives_no_threshold_and_no_bound(tmp_path, outcomes):
     verdict = place_on_map(shipped, 1.015e-3, 11.0, "bypass")["verdict"]
     assert "above the measured collapse range" not in verdict and "below every level" not in verdict
     assert verdict.startswith("unknown") and "one dose level" in verdict
+
+
+def test_t_quantiles_solve_the_t_integral():
+    """``T_975`` (and the expansion past it) is the two-sided 95% quantile of Student's t: integrate its density."""
+    from vexact.map.fit import t_975
+
+    def central(t: float, df: int, steps: int = 4000) -> float:
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+        f = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+        h = t / steps  # Simpson's rule over [0, t], doubled
+        return 2 * h / 3 * (f(0) + f(t) + sum((4 if k % 2 else 2) * f(k * h) for k in range(1, steps)))
+    for df in (*range(1, 31), 31, 40, 60, 120, 1000):
+        assert central(t_975(df), df) == pytest.approx(0.95, abs=2e-4), df
+
+
+def test_few_horizons_alpha_interval_holds_the_t_interval():
+    """Three horizons (one residual degree of freedom): the bootstrap of three residuals gave α in 0.19 .. 1.83
+    where the least-squares t-interval (t = 12.706) is -4.56 .. 6.59; it covered the true α 77% of the time. The
+    interval now holds the t-interval on both sides, at any n."""
+    t_975 = {1: 12.706, 3: 3.182}.__getitem__  # Student's t, 97.5%, by degrees of freedom
+    for thresholds in ({10.0: 1e-2, 30.0: 8e-3, 100.0: 1e-3},
+                       {8.0: 0.1, 16.0: 0.03, 32.0: 0.03, 64.0: 0.006, 128.0: 0.005}):
+        law = fit_law(_horizons(thresholds, spread=1.5))
+        xs = [math.log10(t) for t in thresholds]
+        ys = [math.log10(v) for v in thresholds.values()]
+        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        rss = sum((y - (my + b * (x - mx))) ** 2 for x, y in zip(xs, ys))
+        half = t_975(n - 2) * math.sqrt(rss / (n - 2) / sxx)
+        assert law["alpha"] == pytest.approx(-b)
+        assert law["alpha_ci_low"] <= -b - half + 1e-9 and law["alpha_ci_high"] >= -b + half - 1e-9
+        assert "at least the least-squares t-interval" in law["alpha_ci_method"]

@@ -64,11 +64,24 @@ BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
 ALPHA_CI_METHOD = ("regression interval by residual bootstrap: the line's fitted values plus the residuals resampled "
                    "with replacement (scaled by sqrt(n/(n-2))) plus each horizon's threshold redrawn within its own "
-                   "95% interval")
+                   "95% interval, widened about the fit to at least the least-squares t-interval (n-2 df)")
 """How α's interval (and the replicates a verdict's interval at a new T comes from) is made: ``alpha_ci_method``
 in a curve. It carries the scatter of the horizons about the line, which redrawing each threshold within its own
 interval alone (the method before) left out."""
 Z_95 = 1.96  # a normal's 95% range is its mean ± Z_95 sd
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Student's t 97.5% quantiles for 1 .. 30 degrees of freedom (two-sided 95%): the t with ν df solving
+∫_{-t}^{t} Γ((ν+1)/2) / (√(νπ) Γ(ν/2)) (1 + x²/ν)^(−(ν+1)/2) dx = 0.95 (tests/map/test_scaling.py integrates it)."""
+
+
+def t_975(df: int) -> float:
+    """Student's t 97.5% quantile with ``df`` degrees of freedom: ``T_975`` up to 30, beyond it the Cornish-Fisher
+    expansion z + (z³ + z)/(4ν) + (5z⁵ + 16z³ + 3z)/(96ν²) about the normal's z = 1.96 (within 1e-3 from 31 on)."""
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = Z_95
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 REPLICATES_KEPT = BOOTSTRAP  # replicates stored in scaling.json: the law's band at a new T (a verdict, a plot)
 
 
@@ -249,8 +262,10 @@ def _residual_bootstrap(xs: list[float], ys: list[float], sds: list[float]) -> l
     """``BOOTSTRAP`` replicate lines (log10 A, α) of the law (``ALPHA_CI_METHOD``): a regression interval by
     bootstrap. Each replicate refits the line to its fitted values plus the residuals resampled with replacement
     (scaled by √(n/(n−2)): the line took two degrees of freedom) plus each horizon's own threshold noise (a normal
-    whose 95% range is its interval). The residuals carry the horizons' scatter about the line into α's interval;
-    on points that lie on the line it is their own intervals' alone. Deterministic (``BOOTSTRAP_SEED``)."""
+    whose 95% range is its interval); the replicate lines are then scaled about the fitted line until α's 2.5/97.5
+    percentiles lie at least the least-squares t-interval's half-width (``t_975(n − 2)`` standard errors) from α.
+    The residuals carry the horizons' scatter about the line into α's interval; on points that lie on the line it
+    is their own intervals' alone. Deterministic (``BOOTSTRAP_SEED``)."""
     slope, intercept = fit_line(xs, ys)
     n = len(xs)
     residuals = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
@@ -261,6 +276,16 @@ def _residual_bootstrap(xs: list[float], ys: list[float], sds: list[float]) -> l
         drawn = [intercept + slope * x + inflate * rng.choice(residuals) + rng.gauss(0.0, sd) for x, sd in zip(xs, sds)]
         s, c = fit_line(xs, drawn)
         reps.append((c, -s))
+    # a bootstrap of few residuals is narrower than their t-interval (3 horizons: 1 df, t = 12.7): the replicate
+    # lines are scaled about the fit until α's interval holds the least-squares t-interval on both sides
+    mean_x = sum(xs) / n
+    se = math.sqrt(sum(r * r for r in residuals) / (n - 2) / sum((x - mean_x) ** 2 for x in xs))
+    alphas = sorted(a for _, a in reps)
+    half = t_975(n - 2) * se
+    sides = [x for x in (-slope - _percentile(alphas, 0.025), _percentile(alphas, 0.975) + slope) if x > 0]
+    scale = max([1.0] + [half / side for side in sides])
+    if scale > 1.0:
+        reps = [(intercept + scale * (c - intercept), -slope + scale * (a + slope)) for c, a in reps]
     return reps
 
 
