@@ -564,12 +564,14 @@ def test_the_shipped_map_is_what_its_command_builds_from_the_kept_logs(tmp_path,
 def test_the_shipped_map_is_made_by_build_map():
     m = load_map()
     # the last build gave the held-length sweeps' directories again, and the corrections at L = 500 (held task):
-    # their horizons were refitted from the runs, the map before it kept its other curves
+    # their horizons were refitted from the runs, the map before it kept its other curves; the corrections sweep
+    # (L = 4, 16, 80) is given too, so its one-dose-level horizons are refitted to no bound, not carried over
     assert m["provenance"]["made_by"] == ("python -m vexact.map build-map vexact/map/default_map.json "
                                           "vexact/map/default_map.json runs/sweeps/horizon_scaling_held_control "
                                           "runs/sweeps/horizon_scaling_held_sweep "
                                           "runs/sweeps/horizon_scaling_long_sweep "
-                                          "runs/sweeps/horizon_scaling_held_corrections_sweep")
+                                          "runs/sweeps/horizon_scaling_held_corrections_sweep "
+                                          "runs/sweeps/horizon_scaling_corrections_sweep")
     corrections = [c["correction"] for c in m["curves"] if c["source"] == "logit_scale"]
     assert corrections[:3] == ["bypass", "recompute", "token_tis"]  # then the corrections sweep's later rounds
     assert verdict.map_sources(m)[0] == "logit_scale"  # the default source: a placement without one uses it
@@ -591,7 +593,8 @@ def test_the_shipped_map_is_made_by_build_map():
         curve = next(c for c in m["curves"] if c["correction"] == correction)
         assert curve["status"] == "bounds_only"
         statuses = [h["status"] for h in curve["horizons"]]
-        assert statuses[:3] == ["above_range"] * 3  # L = 4, 16, 80 (T = 7, 17, 28)
+        # L = 4, 16 (T = 7, 17: two doses each); L = 80 (T = 28) ran one dose: no bound
+        assert statuses[:3] == ["above_range", "above_range", "insufficient"]
         placed = place_on_map(m, 0.025, 8.0, correction)
         assert placed["threshold_50"] is None and placed["correction"] == correction
         assert "no collapse measured up to" in placed["verdict"] and "near" not in placed["verdict"]
