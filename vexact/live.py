@@ -120,7 +120,7 @@ from .metric_keys import (
     with_deprecated_names,
 )
 from .real.compare import DEFAULT_MAP, check_gates  # DEFAULT_MAP: the shipped map's name, as for --map
-from .real.measure import mismatch_report
+from .real.measure import check_report_methods, mismatch_report
 from .records import METRICS_FILE
 from .records.atomic import write_text_atomic
 from .records.metrics_log import non_finite_string
@@ -211,6 +211,7 @@ class LiveMonitor:
                  policy_lag: int = 0, sample_fraction: float = 1.0, every: int = 1, seed: int = 0):
         self.out_dir = Path(out_dir)
         check_sampling(sample_fraction, every)
+        check_report_methods()
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer (it keys the sampled rows with the step), got {seed!r}")
         self.sample_fraction, self.every, self.seed = sample_fraction, every, seed

@@ -765,3 +765,31 @@ def test_a_long_response_with_a_steady_offset_is_a_report(tmp_path, capsys):
     train = _jsonl(tmp_path / "t.jsonl", [{"id": 0, "logprobs": [-0.5] * 1500}])
     report = _report(capsys, roll, train, out=tmp_path / "out.json")
     assert report["metrics"]["rollout_corr/k3_kl"] == pytest.approx(math.expm1(0.5) - 0.5, rel=1e-12)
+
+
+def test_a_broken_correction_method_is_refused_before_compare_or_a_live_monitor_reads_anything(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """The report resolves every registered correction method's default plan (``mismatch/ratio_affected_frac/*``):
+    compare met a plugin method whose ``to_verl`` fails only after reading both files, and a ``LiveMonitor`` at its
+    first step. Both now refuse it first, with ``vexact measure``'s and ``vexact run``'s check."""
+    from vexact.live import LiveMonitor
+    from vexact.real import compare
+    from vexact.registry import PluginCodeError
+    from vexact.rl.corrections import CorrectionMethod, register_correction_method
+    from vexact.rl.registries import CORRECTION_METHODS
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("compare read the files before refusing the method")
+
+    monkeypatch.setattr(compare, "_read_two_files", no_read)
+    rollout, train = _two_files(tmp_path)
+    register_correction_method(CorrectionMethod("outside_broken", "x", "x", lambda cfg: None))
+    try:
+        code, _, err = _run(capsys, rollout, train)
+        with pytest.raises(PluginCodeError, match="correction method 'outside_broken'"):
+            LiveMonitor(tmp_path / "live")
+    finally:
+        CORRECTION_METHODS.remove("outside_broken")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: correction method 'outside_broken' (to_verl) returned None"), err
+    assert not (tmp_path / "live").exists()

@@ -96,7 +96,7 @@ from .dump_files import (
     slime_samples,
 )
 from .floor import floor_verdict
-from .measure import mismatch_report, plot_report, print_report, write_report_json
+from .measure import check_report_methods, mismatch_report, plot_report, print_report, write_report_json
 
 DEFAULT_MAP = "default"  # --map without a file: the map shipped with vexact (vexact.map.verdict.load_map(None))
 
@@ -369,6 +369,7 @@ def run_compare(s: CompareSettings) -> CompareResult:
     """Read both sides, match them, and build ``measure``'s report of the mismatch (plus the files and keys)."""
     if isinstance(s.full_vocab_top_k, bool) or not isinstance(s.full_vocab_top_k, int) or s.full_vocab_top_k < 1:
         raise ValueError(f"--full-vocab-top-k must be a positive integer, got {s.full_vocab_top_k!r}")
+    check_report_methods()
     with torch_threads(s.threads):  # the caller's count back after the comparison
         start = time.perf_counter()
         # one torch file: read once, here, since its structure picks the default keys (a slime dump: slime's)

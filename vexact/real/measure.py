@@ -437,6 +437,13 @@ class _Pieces(Sequence[Tensor]):
         return (flat[a:b] for a, b in zip(self.offsets, self.offsets[1:]))
 
 
+def check_report_methods() -> None:
+    """Every registered correction method's default plan, which ``mismatch_report`` resolves for its
+    ``mismatch/ratio_affected_frac/*`` keys: a broken plugin method is one ``PluginCodeError`` before the work
+    (``vexact measure``, ``vexact compare``, a ``LiveMonitor``), not after it."""
+    check_every_method(CorrectionSection())
+
+
 def mismatch_report(logp_train: Tensor, logp_roll: Tensor, lengths: list[int], max_len: int) -> dict[str, Any]:
     """The report ``measure`` and ``compare`` share: ``tokens``, ``bitwise_equal``, ``metrics`` (every key of
     ``vexact.rl.metrics.mismatch_metrics`` and of ``vexact.rl.raw_ratios.raw_ratio_metrics``), ``by_probability``
@@ -525,7 +532,7 @@ def run_measure(settings: MeasureSettings) -> MeasureResult:
     if not isinstance(settings.max_new_tokens, int) or settings.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {settings.max_new_tokens!r}")
     check_temperature(settings.temperature)
-    check_every_method(CorrectionSection())  # the report's ratio_affected_frac keys: a broken plugin before the work
+    check_report_methods()
     with torch_threads(settings.threads):  # the caller's count back after the run
         directory = Path(settings.model)
         hf_config, config = model_checkpoint_config(directory)  # before the tokenizer: see there
