@@ -46,6 +46,12 @@ def _batch() -> RolloutBatch:
      "returned responses with token ids in [-1, 6]: expected ids of the model's vocabulary, in [0, 8)"),
     (lambda b: dataclasses.replace(b, prompts=[[7], [7], [7], [9]]),
      "returned prompts with token ids in [7, 9]: expected ids of the model's vocabulary, in [0, 8)"),
+    (lambda b: dataclasses.replace(b, responses=[[1, 2, 3], ["4"], [], [5, 6]]),
+     "returned responses whose sequence 1 is a list holding a str: expected a list of int token ids"),
+    (lambda b: dataclasses.replace(b, responses=[[1, 2, 3], [4.0], [], [5, 6]]),
+     "returned responses whose sequence 1 is a list holding a float: expected a list of int token ids"),
+    (lambda b: dataclasses.replace(b, prompts=[[7], (7,), [7], [7]]),
+     "returned prompts whose sequence 1 is a tuple: expected a list of int token ids"),
 ])
 def test_an_engines_batch_breaking_the_contract_is_one_error_naming_it(mutate, says):
     assert check_batch("eng_x", _batch(), 2, 2, VOCAB) is not None  # the well-formed batch passes

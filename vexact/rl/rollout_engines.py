@@ -97,10 +97,11 @@ def check_batch(engine: str, batch: object, problems: int, samples_per_prompt: i
     """``batch``, what rollout engine ``engine``'s ``collect`` returned for ``problems`` problems, unless it breaks
     the ``RolloutBatch`` contract; then one ``PluginCodeError`` naming the engine and what was expected:
     N = ``problems`` x ``samples_per_prompt`` sequences (problems, prompts, responses, logprobs, finished, each of
-    length N), the prompts' and responses' token ids in [0, ``vocab``) (the model's vocabulary: one min and max over
-    the batch), rewards a float tensor of shape (N,), and each sequence's log-probs a 1-D float tensor with one value
-    per response token. Log-probs on the CPU are also checked to be <= 0 (one reduction over the batch); on a device
-    only their metadata is (no read back). Non-finite log-probs pass here: the step stops the run on them."""
+    length N), each prompt and response a list of Python int token ids in [0, ``vocab``) (the model's vocabulary: one
+    min and max over the batch), rewards a float tensor of shape (N,), and each sequence's log-probs a 1-D float
+    tensor with one value per response token. Log-probs on the CPU are also checked to be <= 0 (one reduction over
+    the batch); on a device only their metadata is (no read back). Non-finite log-probs pass here: the step stops the
+    run on them."""
     code = entry_code(ROLLOUT_ENGINES.what, engine, "collect")
     n = problems * samples_per_prompt
     if not isinstance(batch, RolloutBatch):
@@ -112,7 +113,16 @@ def check_batch(engine: str, batch: object, problems: int, samples_per_prompt: i
             raise PluginCodeError(f"{code} returned {size}: expected a list of {n} ({problems} problems x "
                                   f"{samples_per_prompt} samples_per_prompt)")
     for field in ("prompts", "responses"):  # an id outside the vocabulary would fail deep in the next forward
-        ids = list(chain.from_iterable(getattr(batch, field)))
+        sequences = getattr(batch, field)
+        wrong = next((i for i, seq in enumerate(sequences) if not isinstance(seq, list)
+                      or any(type(t) is not int for t in seq)), None)  # (bool and numpy ints are not token ids)
+        if wrong is not None:
+            seq = sequences[wrong]
+            got = (a_type(seq) if not isinstance(seq, list)
+                   else f"a list holding {a_type(next(t for t in seq if type(t) is not int))}")
+            raise PluginCodeError(f"{code} returned {field} whose sequence {wrong} is {got}: expected a list of int "
+                                  "token ids")
+        ids = list(chain.from_iterable(sequences))
         low, high = (min(ids), max(ids)) if ids else (0, 0)
         if low < 0 or high >= vocab:
             raise PluginCodeError(f"{code} returned {field} with token ids in [{low}, {high}]: expected ids of the "
