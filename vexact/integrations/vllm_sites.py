@@ -33,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from ..real.sites import register_site_recorder
-from .vllm import VLLM_DTYPES, WORKER_ENV, _last_line, _run_child, error_line, require_vllm, start_llm
+from ..records.atomic import write_text_atomic
+from .vllm import (
+    VLLM_DTYPES,
+    WORKER_ENV,
+    _last_line,
+    _run_child,
+    error_line,
+    read_child_result,
+    require_vllm,
+    start_llm,
+)
 
 _STATE: dict[str, Any] = {}  # the worker's recorder (the worker runs in vLLM's engine process)
 
@@ -181,7 +191,7 @@ def _worker(request_path: str, result_path: str) -> int:
         result = {"sequences": sequences, "specs": recorded["specs"], "dtype": request["dtype"]}
     except Exception as err:  # vLLM raises many kinds (ValueError, RuntimeError, pydantic's ValidationError...)
         result = {"error": error_line(err)}
-    Path(result_path).write_text(json.dumps(result))
+    write_text_atomic(result_path, json.dumps(result))  # whole or absent: the parent never reads half a result
     return 0
 
 
@@ -210,7 +220,7 @@ def record_vllm(model: Path, dtype: str, kind: str, sequences: list[list[int]], 
         with open(log_path, "wb") as log:
             code = _run_child([sys.executable, "-m", "vexact.integrations.vllm_sites", str(req), str(res)], env, log,
                               timeout_s)
-        result = json.loads(res.read_text()) if res.is_file() else None
+        result = read_child_result(res)
         if result is None or "error" in result:
             where = f" (its output: {log_file}; last line: {_last_line(log_path)})" if log_file is not None else ""
             what = result["error"] if result else f"its process exited with code {code} before returning a result"
