@@ -222,7 +222,7 @@ def test_one_group_is_one_dose_level_however_its_seeds_realise_it():
 
 def test_one_seed_gives_the_bracket_not_a_bootstrap_interval():
     """One seed (or runs without one): every resample is the same runs, so "95% interval from 1000 bootstrap
-    resamples of 1 seeds" claimed a spread that was never drawn."""
+    resamples of 1 seeds" claimed a spread that was never drawn. The bracket, widened to the profile likelihood."""
     t = fit_threshold([(d, d >= 1e-1, None) for d in (1e-3, 1e-2, 1e-1, 1.0) for _ in range(4)])
-    assert t["status"] == "fitted" and (t["ci_low"], t["ci_high"]) == (t["bracket_low"], t["bracket_high"])
-    assert t["note"].startswith("one seed: no bootstrap spread")
+    assert t["status"] == "fitted" and t["ci_low"] <= t["bracket_low"] and t["ci_high"] >= t["bracket_high"]
+    assert t["note"].startswith("one seed: no bootstrap spread") and "bootstrap resamples" not in t["note"]

@@ -17,6 +17,7 @@ from vexact.map.scaling_report import OPEN_END_SPAN, interval_drawn, write_scali
 from vexact.map.shapes import compare_shapes
 from vexact.map.verdict import MAP_KEYS, load_map, place_on_map
 from vexact.records.atomic import WriteFailed
+from vexact.sweeps.dose_response import CI_METHOD
 from vexact.sweeps.sweep_data import PointData, SweepData
 
 SEEDS = (0, 1, 2, 3)
@@ -420,6 +421,24 @@ def test_one_run_per_dose_is_flagged(tmp_path):
     assert "the law rests on horizon(s) fitted from one run per dose (task.max_len = 64)" in verdict
     full = scaling(data)
     assert "single_run_horizons" not in full and "one run per dose" not in place_on_map(full, 1e-3, 30.0)["verdict"]
+
+
+def test_a_horizon_interval_made_by_an_earlier_method_is_flagged(tmp_path):
+    """The shipped bypass curve's L = 4, 16 and 80 came from a map file whose runs are not kept: their intervals
+    were made by the seed bootstrap and bracket alone, which can be narrower than ``ci_method``'s. The map file and
+    every verdict from the law name them; horizons fitted from runs now carry ``ci_method`` and are not named."""
+    fitted = scaling(_sweep(tmp_path, 1.0))
+    assert all(h["ci_method"] == CI_METHOD for h in fitted["horizons"] if h["status"] == "fitted")
+    assert "earlier_ci_horizons" not in fitted and "earlier method" not in fitted["note"]
+    assert "earlier method" not in place_on_map(fitted, 1e-3, 30.0, "bypass")["verdict"]
+    horizons = [dict(h) for h in fitted["horizons"]]
+    del horizons[1]["ci_method"]  # carried from a file made before the profile likelihood
+    law = fit_law(horizons)
+    assert law["earlier_ci_horizons"] == [16] and "task.max_len = 16 was made by an earlier method" in law["note"]
+    [bypass] = fitted["curves"]
+    curve = {**fitted, "curves": [{**bypass, **law, "horizons": horizons}]}
+    assert ("its interval rests on threshold intervals made by an earlier method that can be narrower "
+            "(task.max_len = 16)") in place_on_map(curve, 1e-3, 30.0, "bypass")["verdict"]
 
 
 def test_a_horizon_interval_open_on_one_side_enters_alpha_interval_mirrored():

@@ -13,7 +13,8 @@ The top level is the primary curve (the ``bypass`` one when the sweep has it). A
 (``vexact.map.verdict``).
 
 **Threshold per horizon.** ``dose_response.fit_threshold`` over that horizon's runs (dose = realised k3 before
-collapse, collapse or not, seed): ``threshold_50`` with its seed-bootstrap interval, or a bound
+collapse, collapse or not, seed): ``threshold_50`` with its 95% interval (``ci_method``: the profile likelihood,
+a seed bootstrap and the bracketing runs, ``dose_response.CI_METHOD``), or a bound
 (``above_range``: the 50% point lies above ``lower_bound``, the largest dose tested; ``below_range``: below
 ``upper_bound``, the smallest).
 
@@ -28,7 +29,9 @@ line widens it (a horizon whose interval is open on one side enters mirrored fro
 95% band at any T (``law_band``); ``band_misses`` lists the fitted horizons whose threshold lies outside it, and
 ``alpha_leave_one_out`` α without each horizon (how much the law leans on one). A horizon whose dose levels each
 hold one run (``runs_per_dose``, ``single_run_per_dose``: no seed scatter behind its interval) is named in
-``single_run_horizons`` and in every verdict from the law. Horizons with only a bound never enter as numbers: the
+``single_run_horizons`` and in every verdict from the law; so is a horizon whose threshold interval was made by an
+earlier method than ``dose_response.CI_METHOD`` (``earlier_ci_horizons``: carried from a map file, not refitted from
+its runs; the current method's interval is never narrower). Horizons with only a bound never enter as numbers: the
 fit lists them and says whether the line respects them; with fewer than two fitted horizons, pairs of (threshold or
 bound) give bounds on α (``alpha_lower_bound``/``alpha_upper_bound``), ``status: bounds_only``. Other statuses:
 ``no_horizon``, ``single_horizon``, ``insufficient`` (points without the metrics), each with one sentence in
@@ -42,7 +45,7 @@ import random
 from typing import Any
 
 from ..records import CONFIG_FILE
-from ..sweeps.dose_response import METRIC, fit_threshold, run_dose
+from ..sweeps.dose_response import CI_METHOD, METRIC, fit_threshold, run_dose
 from ..sweeps.failure import horizon_failures
 from ..sweeps.sweep_data import SEED_KEY, PointData, SweepData
 from .naming import DEFAULT_CORRECTION, default_config
@@ -224,7 +227,7 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
         note += "; 3 horizons: the interval rests on one residual degree of freedom"
     if mirrored and not open_ends and not two:
         note += (f"; the threshold interval of {HORIZON_KEY} = {', '.join(map(str, mirrored))} is open on one side "
-                 "(a seed resample with no run on that side): α's interval mirrors its finite side")
+                 "(the runs do not bound it there): α's interval mirrors its finite side")
     out["alpha_leave_one_out"] = leave_one_out_alphas(fitted)
     if out["alpha_leave_one_out"]:
         loo = out["alpha_leave_one_out"]
@@ -238,6 +241,11 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     if single:
         out["single_run_horizons"] = single
         note += f"; fitted from one run per dose: {HORIZON_KEY} = {', '.join(map(str, single))}"
+    earlier = [h["horizon_value"] for h in fitted if h.get("ci_method") != CI_METHOD]
+    if earlier:  # carried from a map file whose runs were not given again: the interval cannot be refitted here
+        out["earlier_ci_horizons"] = earlier
+        note += (f"; the threshold interval of {HORIZON_KEY} = {', '.join(map(str, earlier))} was made by an earlier "
+                 "method (not ci_method's), which can be narrower: α's interval may be too narrow")
     if bounded:
         note += (f"; {len(bounded)} horizon(s) give only a bound and are not in the fit"
                  + (f" (the line violates the bound at {violated})" if violated else " (the line respects them)"))
@@ -246,9 +254,9 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _threshold_sd(horizon: dict[str, Any]) -> tuple[float | None, bool]:
     """(sd in dex, mirrored) of a horizon's threshold noise in α's interval: a normal whose 95% range is its
-    interval. An interval open on one side (``dose_response`` found a seed resample in which every run collapsed, or
-    none did) is mirrored about the threshold from its finite side (mirrored True); open on both sides, sd None
-    (α's interval stays open)."""
+    interval. An interval open on one side (``dose_response``: the profile likelihood reaches past the tested doses
+    there, or a seed resample in which every run collapsed, or none did) is mirrored about the threshold from its
+    finite side (mirrored True); open on both sides, sd None (α's interval stays open)."""
     thr, lo, hi = horizon.get("threshold_50"), horizon.get("ci_low"), horizon.get("ci_high")
     if positive(lo) and positive(hi):
         return (math.log10(hi) - math.log10(lo)) / (2 * Z_95), False

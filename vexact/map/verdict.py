@@ -367,6 +367,10 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         if single:
             verdict += (f"; the law rests on horizon(s) fitted from one run per dose ({HORIZON_KEY} = "
                         f"{', '.join(map(str, single))})")
+        earlier = curve.get("earlier_ci_horizons") or []
+        if earlier:
+            verdict += (f"; its interval rests on threshold intervals made by an earlier method that can be narrower "
+                        f"({HORIZON_KEY} = {', '.join(map(str, earlier))})")
     else:
         verdict = _bound_verdict(curve, name, k3, horizon, (t0, t1))
         if verdict.startswith("below every level tested"):

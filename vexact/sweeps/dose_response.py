@@ -7,7 +7,7 @@
          "points": [{"group", "overrides", "runs", "realised_k3_kl", "collapsed", "collapse_prob",
                      "median_collapse_step"}, ...],
          "baseline": {"runs", "collapsed"} | None,          # points whose realised mismatch is exactly 0
-         "threshold": {"metric", "threshold_50", "ci_low", "ci_high", "status", "note", ...}}, ...]}
+         "threshold": {"metric", "threshold_50", "ci_low", "ci_high", "ci_method", "status", "note", ...}}, ...]}
 
 **Dose.** A run's dose is its realised ``rollout_corr/k3_kl``, averaged over the steps before it collapsed (the
 whole run when it did not): ``collapse.mean_k3_kl_before_collapse``. It is measured, not the knob, so precision,
@@ -18,13 +18,27 @@ old-log-prob mode).
 **Fit.** Logistic regression of the collapse outcome (0/1, one per run) on ``log10(dose)``, over the runs with
 a positive dose, with a weak ridge penalty on the slope (``RIDGE``) so perfectly separated outcomes still give a
 finite fit whose 50% point lies between the largest safe and the smallest collapsing dose. ``threshold_50`` is
-the dose at which the fitted collapse probability within the run length is 50%. ``ci_low``/``ci_high``: the
-2.5/97.5 percentiles of ``threshold_50`` over ``BOOTSTRAP`` resamples of the seeds (a resample takes every run of
-the drawn seeds; seeds drawn with replacement; fixed RNG seed, so the report is deterministic), widened to the
-bracket: the largest dose of a run that did not collapse below the threshold, and the smallest dose of a run that
-collapsed above it (``bracket_low``/``bracket_high``). Between tested doses the data cannot place the threshold,
-so an interval narrower than the gap between them (which the bootstrap gives when outcomes separate cleanly)
-would claim more than was measured.
+the dose at which the fitted collapse probability within the run length is 50%.
+
+**Interval** (``ci_method``: ``CI_METHOD``). ``ci_low``/``ci_high`` hold the hull of three intervals, so none of
+them can make it narrower:
+
+- the *profile-likelihood interval* of the 50% point under the same penalised fit: every t where
+  2 x (the maximum penalised log-likelihood − its maximum over the slope with the 50% point held at t) is at most
+  ``CHI2_95`` (3.841, chi-square with 1 df). Where that set reaches the end of the tested doses (or beyond them:
+  far away the profile tends to a flat fit's, so a slope whose likelihood ratio is under 3.841 leaves both ends
+  open) that end is open (None): the data do not bound it there;
+- the 2.5/97.5 percentiles of ``threshold_50`` over ``BOOTSTRAP`` resamples of the seeds (a resample takes every run
+  of the drawn seeds; seeds drawn with replacement; fixed RNG seed, so the report is deterministic);
+- the bracket: the largest dose of a run that did not collapse below the threshold, and the smallest dose of a run
+  that collapsed above it (``bracket_low``/``bracket_high``). Between tested doses the data cannot place the
+  threshold, so an interval narrower than the gap between them would claim more than was measured.
+
+The bootstrap and bracket alone held the true 50% point in as few as 57% of simulated sweeps like the shipped ones
+(1-3 seeds per level: 3 seeds give only 10 distinct resamples, 1 seed none; 9 of 12 designs under 93%); with the
+profile likelihood the interval holds it in at least 97% of them in every design
+(``tests/map/test_threshold_coverage.py``). With one seed per level an end is always open: 4-5 runs do not bound the
+threshold on both sides.
 
 **No made-up thresholds.** ``status`` says what could be estimated:
 
@@ -39,8 +53,8 @@ would claim more than was measured.
 A bootstrap resample that cannot place the threshold inside the tested doses (no collapse in it, only collapses,
 a fit that does not rise, or a 50% point outside them) counts as above or below the range; when such resamples
 reach a percentile, that end of the interval is None and the note says so. With one seed (or runs without one)
-there is nothing to resample: the interval is the bracket alone. A *dose level* is a sweep group (its seeds realise
-slightly different doses), so one group with mixed outcomes is ``insufficient``, not a fit.
+there is nothing to resample: the bracket and the profile likelihood make the interval. A *dose level* is a sweep
+group (its seeds realise slightly different doses), so one group with mixed outcomes is ``insufficient``, not a fit.
 """
 
 from __future__ import annotations
@@ -61,6 +75,14 @@ DOSE_FIELDS = ("mean_k3_kl_before_collapse", "mean_k3_kl")  # the collapse summa
 RIDGE = 0.05  # penalty on the slope (per decade of k3, squared): keeps separated data finite, barely biases the rest
 BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
+CHI2_95 = 1.959963984540054**2  # chi-square, 1 df, 95% quantile (3.841): the profile-likelihood interval's cut
+CI_METHOD = ("hull of the profile-likelihood interval of the 50% point under the same ridge-penalised logistic fit "
+             "(every t where 2 x (the maximum penalised log-likelihood - its maximum with the 50% point held at t) "
+             "<= 3.841; an end where that set reaches past the tested doses, or where the data do not establish a "
+             "slope at all, is open), the 2.5/97.5 percentiles of a seed bootstrap, and the bracketing runs' doses")
+"""How a fitted threshold's ``ci_low``/``ci_high`` are made: ``ci_method`` in the threshold dict. The bootstrap and
+bracket alone held the true 50% point in as few as 57% of simulated sweeps of 1-3 seeds per level
+(``tests/map/test_threshold_coverage.py``): 3 seeds give only 10 distinct resamples, 1 seed none."""
 
 
 def run_dose(point: PointData) -> float | None:
@@ -170,18 +192,107 @@ def fit_threshold(runs: list[tuple[float, bool, Any]], levels: int | None = None
     bracket_high = min((d for d, c, _ in runs if c and d >= threshold), default=None)
     if len({s for _, _, s in runs}) < 2:  # every resample would be the same runs: no spread to take, only the bracket
         low, high = bracket_low, bracket_high
-        note = "one seed: no bootstrap spread; the interval is the bracketing runs' doses (an end without a " \
-               "bracketing run is open)"
+        note = ("one seed: no bootstrap spread; the interval is the bracketing runs' doses (an end without a "
+                "bracketing run is open), widened")
     else:
         low, high, note = _bootstrap(runs, log_lo, log_hi)
         if low is not None and bracket_low is not None:
             low = min(low, bracket_low)
         if high is not None and bracket_high is not None:
             high = max(high, bracket_high)
-        note += ", widened to the bracketing runs' doses"
+        note += ", widened to the bracketing runs' doses and"
+    # the bootstrap of 1-3 seeds is far too narrow (3 seeds: 10 distinct resamples): the profile likelihood,
+    # never narrower than what came before (an open end of any of the three stays open)
+    profile_low, profile_high, profile_note = _profile_interval(runs, intercept, slope, log_lo, log_hi)
+    low = None if low is None or profile_low is None else min(low, profile_low)
+    high = None if high is None or profile_high is None else max(high, profile_high)
+    note += f" to the profile-likelihood interval{profile_note}"
     out.update(status="fitted", threshold_50=threshold, ci_low=low, ci_high=high, bracket_low=bracket_low,
-               bracket_high=bracket_high, slope_per_decade=slope)
+               bracket_high=bracket_high, slope_per_decade=slope, ci_method=CI_METHOD)
     return {**out, "note": note}
+
+
+def _penalised_loglik(x: list[float], y: list[bool], a: float, b: float) -> float:
+    """The objective ``_logistic`` maximises: the log-likelihood of y under logit p = a + b x, less RIDGE b^2 / 2."""
+    total = -0.5 * RIDGE * b * b
+    for xi, yi in zip(x, y):
+        eta = a + b * xi
+        total += (eta if yi else 0.0) - (max(eta, 0.0) + math.log1p(math.exp(-abs(eta))))  # y eta - log(1 + e^eta)
+    return total
+
+
+def _profile_slope(x: list[float], y: list[bool], t: float, b: float) -> tuple[float, float]:
+    """(slope, penalised log-likelihood) of the best fit whose 50% point is t (logit p = b (x - t)), from slope b: a
+    damped Newton ascent, concave in b (the ridge keeps it strictly so)."""
+    u = [xi - t for xi in x]
+    value = _penalised_loglik(u, y, 0.0, b)
+    for _ in range(100):
+        grad, curv = -RIDGE * b, RIDGE
+        for ui, yi in zip(u, y):
+            p = 1.0 / (1.0 + math.exp(-max(min(b * ui, 50.0), -50.0)))
+            grad += ui * (yi - p)
+            curv += ui * ui * p * (1.0 - p)
+        step = grad / curv
+        new_value = _penalised_loglik(u, y, 0.0, b + step)
+        while new_value < value and abs(step) > 1e-12:  # damped: a full step past a saturated fit can overshoot
+            step /= 2
+            new_value = _penalised_loglik(u, y, 0.0, b + step)
+        if new_value < value:
+            break
+        b, value = b + step, new_value
+        if abs(step) < 1e-10:
+            break
+    return b, value
+
+
+def _profile_interval(runs: list[tuple[float, bool, Any]], intercept: float, slope: float, log_lo: float,
+                      log_hi: float) -> tuple[float | None, float | None, str]:
+    """The 50% point's profile-likelihood interval (``CI_METHOD``) as doses, with a note for its open ends. The
+    profile deviance D(t) = 2 (max penalised log-likelihood - its maximum with the 50% point at t) is 0 at the fit and
+    tends, far from the doses on either side, to the deviance of a flat fit (the slope's likelihood-ratio
+    statistic): where it stays under ``CHI2_95`` at the tested doses' end or beyond them, that end is open."""
+    x, y = [math.log10(d) for d, _, _ in runs], [c for _, c, _ in runs]
+    best = _penalised_loglik(x, y, intercept, slope)
+    rate = sum(y) / len(y)
+    flat = 2 * (best - sum(math.log(rate) if yi else math.log(1.0 - rate) for yi in y))  # D far from the doses
+    centre = -intercept / slope
+    b_at = {centre: slope}  # each profiled t's best slope: the next t's Newton starts from its neighbour's
+
+    def deviance(t: float, start: float) -> float:
+        b_at[t], value = _profile_slope(x, y, t, start)
+        return 2 * (best - value)
+
+    ends = []
+    for edge in (log_lo, log_hi):
+        if flat <= CHI2_95 or deviance(edge, slope) <= CHI2_95:
+            ends.append(None)  # the set reaches past the tested doses on this side
+            continue
+        # the end nearest the edge where D <= CHI2_95: a coarse scan from the edge inward (D need not be monotone),
+        # then bisection between the last point above the cut and the first under it
+        grid = [edge + (centre - edge) * k / 16 for k in range(17)]
+        outside, inside = edge, centre
+        for prev, t in zip(grid, grid[1:]):
+            if deviance(t, b_at[prev]) <= CHI2_95:
+                outside, inside = prev, t
+                break
+        for _ in range(40):
+            mid = (outside + inside) / 2
+            if deviance(mid, b_at[inside]) <= CHI2_95:
+                inside = mid
+            else:
+                outside = mid
+        ends.append(10**inside)
+    note = ""
+    if flat <= CHI2_95:
+        note = (f" (open at both ends: a flat fit is within the 95% cut, likelihood ratio {flat:.2f} <= "
+                f"{CHI2_95:.2f}: these runs do not establish that collapse rises with the dose)")
+    elif ends[0] is None and ends[1] is None:
+        note = " (open at both ends: the profile stays within the 95% cut out to both ends of the doses tested)"
+    elif ends[0] is None:
+        note = " (open below: the profile stays within the 95% cut down to the smallest dose tested)"
+    elif ends[1] is None:
+        note = " (open above: the profile stays within the 95% cut up to the largest dose tested)"
+    return ends[0], ends[1], note
 
 
 def _bootstrap(runs: list[tuple[float, bool, Any]], log_lo: float, log_hi: float
@@ -193,8 +304,13 @@ def _bootstrap(runs: list[tuple[float, bool, Any]], log_lo: float, log_hi: float
     by_seed = {s: [r for r in runs if r[2] == s] for s in seeds}
     rng = random.Random(BOOTSTRAP_SEED)
     log_thresholds = []
+    fitted: dict[tuple[int, ...], float] = {}  # a resample is a multiset of seeds: 3 seeds have 10, fitted once each
     for _ in range(BOOTSTRAP):
-        sample = [r for s in rng.choices(seeds, k=len(seeds)) for r in by_seed[s]]
+        drawn = tuple(sorted(rng.choices(range(len(seeds)), k=len(seeds))))
+        if drawn in fitted:
+            log_thresholds.append(fitted[drawn])
+            continue
+        sample = [r for i in drawn for r in by_seed[seeds[i]]]
         outcomes = [c for _, c, _ in sample]
         if not any(outcomes):
             log_thresholds.append(math.inf)
@@ -204,6 +320,7 @@ def _bootstrap(runs: list[tuple[float, bool, Any]], log_lo: float, log_hi: float
             fit = _logistic([math.log10(d) for d, _, _ in sample], outcomes)
             t = math.inf if fit is None or fit[1] <= 0 else -fit[0] / fit[1]
             log_thresholds.append(t if log_lo <= t <= log_hi else -math.inf if t < log_lo else math.inf)
+        fitted[drawn] = log_thresholds[-1]
     log_thresholds.sort()
     low, high = (log_thresholds[int(q * (BOOTSTRAP - 1))] for q in (0.025, 0.975))
     note = f"95% interval from {BOOTSTRAP} bootstrap resamples of {len(seeds)} seeds"
