@@ -11,9 +11,18 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
-from vexact.sweeps.dose_response import CI_METHOD, fit_threshold
+from vexact.sweeps.dose_response import (
+    CHI2_95,
+    CI_METHOD,
+    PROFILE_SPACING,
+    RIDGE,
+    _logistic,
+    _profile_interval,
+    fit_threshold,
+)
 
 TRUE_LOG10 = -2.0  # the true 50% point: k3 = 0.01
 MODERATE = 2 * math.log(9)  # logit slope per decade: collapse goes 10% -> 90% over one decade
@@ -81,3 +90,67 @@ def test_the_interval_names_its_method_and_is_never_narrower_than_the_bracket():
     assert t["status"] == "fitted" and t["ci_method"] == CI_METHOD
     assert t["ci_low"] <= t["bracket_low"] < t["threshold_50"] < t["bracket_high"] <= t["ci_high"]
     assert "profile-likelihood interval" in t["note"]
+
+
+def _separated(spacing: float) -> list[tuple[float, bool, int]]:
+    """4 levels x 3 seeds ``spacing`` decades apart, the two lower levels safe and the two upper ones collapsed."""
+    return [(10 ** (-2 + spacing * (k - 1.5)), k >= 2, s) for k in range(4) for s in range(3)]
+
+
+@pytest.mark.parametrize("spacing", [0.5, 0.3, 0.15, 0.05])
+def test_perfectly_separated_runs_close_the_interval_however_finely_the_doses_are_spaced(spacing):
+    """The profile's ridge scales with the level spacing, so these sweeps, the same on a finer dose axis, give the
+    same interval on it (here the bracket: the profile closes inside it). A ridge fixed per decade^2 (0.05) once
+    opened both ends at 0.15 decade spacing: the closer the levels, the more the penalised best fit gives up against
+    a flat one, and the deviance at the outer levels fell under 3.841."""
+    t = fit_threshold(_separated(spacing), 4)
+    assert t["status"] == "fitted"
+    assert t["ci_low"] is not None and t["ci_high"] is not None, t["note"]
+    lo, hi = 10 ** (-2 - 1.5 * spacing), 10 ** (-2 + 1.5 * spacing)
+    assert lo < t["ci_low"] <= t["bracket_low"] < t["threshold_50"] < t["bracket_high"] <= t["ci_high"] < hi
+
+
+def _brute_force_profile_interval(runs: list[tuple[float, bool, int]], ridge: float
+                                  ) -> tuple[float | None, float | None]:
+    """The profile-likelihood interval of the 50% point by a grid: the log-likelihood of logit p = b (log10 dose - t)
+    less ridge b^2 / 2 at every (t, b) of a fine grid, D(t) = 2 (its maximum - its maximum at t); the interval is the
+    hull of the t with D <= CHI2_95, an end at the tested doses' end open."""
+    x = np.array([math.log10(d) for d, _, _ in runs])
+    y = np.array([c for _, c, _ in runs], dtype=float)
+    lo, hi = x.min(), x.max()
+    ts = np.linspace(lo - 0.5, hi + 0.5, 2001)
+    magnitudes = np.concatenate([[0.0], np.geomspace(1e-2, 1e3, 1000)])
+    bs = np.concatenate([-magnitudes[::-1], magnitudes])
+    profile = np.empty(len(ts))
+    for i, t in enumerate(ts):
+        eta = bs[:, None] * (x[None, :] - t)
+        profile[i] = ((y * eta - np.logaddexp(0.0, eta)).sum(axis=1) - 0.5 * ridge * bs**2).max()
+    inside = (ts >= lo) & (ts <= hi)
+    within = ts[inside][2 * (profile.max() - profile[inside]) <= CHI2_95]
+    step = ts[1] - ts[0]
+    return (None if within.min() <= lo + step else 10 ** within.min(),
+            None if within.max() >= hi - step else 10 ** within.max())
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_the_profile_interval_is_the_brute_force_grids(case):
+    """``_profile_interval`` (a Newton ascent per t, a scan and bisection) against the grid, with the ridge
+    ``fit_threshold`` gives the profile: the same ends, to the grid's resolution (under 0.002 decade in t), the same
+    open ends. Cases: separated runs at 0.15 and 0.5 decade, and simulated sweeps with overlapping outcomes."""
+    levels = 4 if case < 2 else 5
+    if case < 2:
+        runs = _separated([0.15, 0.5][case])
+    else:
+        rng = random.Random(f"brute-{case}")
+        runs = []
+        while not (0 < sum(c for _, c, _ in runs) < len(runs)):
+            runs = _sweep(rng, MODERATE, levels, 3)
+    x = [math.log10(d) for d, _, _ in runs]
+    ridge = RIDGE * ((max(x) - min(x)) / (levels - 1) / PROFILE_SPACING) ** 2
+    intercept, slope = _logistic(x, [c for _, c, _ in runs], ridge=ridge)
+    low, high, _ = _profile_interval(runs, intercept, slope, min(x), max(x), ridge)
+    brute_low, brute_high = _brute_force_profile_interval(runs, ridge)
+    for got, want in ((low, brute_low), (high, brute_high)):
+        assert (got is None) == (want is None), (low, high, brute_low, brute_high)
+        if got is not None:
+            assert abs(math.log10(got) - math.log10(want)) < 0.005, (low, high, brute_low, brute_high)
