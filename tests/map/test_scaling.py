@@ -556,3 +556,22 @@ def test_few_horizons_alpha_interval_holds_the_t_interval():
         assert law["alpha"] == pytest.approx(-b)
         assert law["alpha_ci_low"] <= -b - half + 1e-9 and law["alpha_ci_high"] >= -b + half - 1e-9
         assert "at least the least-squares t-interval" in law["alpha_ci_method"]
+
+
+@pytest.mark.parametrize(("lo", "hi", "text"), [(0.034, None, "[0.034, open above]"),
+                                                 (None, 0.0074, "[open below, 0.0074]"),
+                                                 (None, None, "[open below, open above]"),
+                                                 (0.01, 0.083, "[0.01, 0.083]")])
+def test_a_half_open_threshold_interval_is_printed_with_its_open_end(lo, hi, text):
+    """build-map's sensitivity and band lines and the single-horizon note printed a threshold's interval only when
+    both ends were numbers: a half-open one vanished and the bare point read as precise. All print it as the verdict
+    does (``points.interval_text``)."""
+    from vexact.map.build import _horizon_cell, band_lines
+    h = {"status": "fitted", "threshold_50": 0.05, "ci_low": lo, "ci_high": hi, "collapsed": 3, "runs": 6,
+         "horizon": 100.0, "horizon_value": 40}
+    assert text in _horizon_cell(h)
+    curve = {"horizons": [h], "replicates": [(0.0, 1.0)]}
+    [line] = band_lines(curve)
+    assert f"threshold 0.05 {text}" in line
+    one = fit_law([{**h, "horizon": 100.0}])
+    assert one["status"] == "single_horizon" and f"its 50% threshold: k3 0.05 {text}" in one["note"]

@@ -40,7 +40,16 @@ from .naming import (
     knob_as_value,
     source_name,
 )
-from .points import HORIZON_KEY, HORIZON_METRIC, POLICY_LAG_KEY, finite, horizon_value, positive, sweep_variants
+from .points import (
+    HORIZON_KEY,
+    HORIZON_METRIC,
+    POLICY_LAG_KEY,
+    finite,
+    horizon_value,
+    interval_text,
+    positive,
+    sweep_variants,
+)
 from .scaling_report import failure_lines
 from .shapes import compare_shapes
 from .verdict import bound_lines, curve_for, fmt_t, load_map, one_run
@@ -436,9 +445,7 @@ def _horizon_cell(h: dict[str, Any]) -> str:
     """One horizon's threshold or bound in a sensitivity line, with its collapse count."""
     count = f" ({h.get('collapsed')}/{h.get('runs')})"
     if h.get("status") == "fitted" and positive(h.get("threshold_50")):
-        ci = (f" [{h['ci_low']:.2g}, {h['ci_high']:.2g}]" if positive(h.get("ci_low")) and positive(h.get("ci_high"))
-              else "")
-        return f"{h['threshold_50']:.2g}{ci}{count}"
+        return f"{h['threshold_50']:.2g}{interval_text(h.get('ci_low'), h.get('ci_high'))}{count}"
     if h.get("status") == "above_range" and positive(h.get("lower_bound")):
         return f"above {h['lower_bound']:.2g}{count}"
     if h.get("status") == "below_range" and positive(h.get("upper_bound")):
@@ -475,8 +482,7 @@ def band_lines(curve: dict[str, Any]) -> list[str]:
         band = law_band(curve.get("replicates") or [], h["horizon"]) if positive(h.get("horizon")) else None
         if h.get("status") != "fitted" or band is None:
             continue
-        ci = (f" [{h['ci_low']:.2g}, {h['ci_high']:.2g}]" if positive(h.get("ci_low")) and positive(h.get("ci_high"))
-              else "")
+        ci = interval_text(h.get("ci_low"), h.get("ci_high"))
         where = ("inside" if band[0] <= h["threshold_50"] <= band[1] else
                  "MISSED (above)" if h["threshold_50"] > band[1] else "MISSED (below)")
         lines.append(f"{HORIZON_KEY} = {h['horizon_value']} (T {fmt_t(h['horizon'])}): threshold "

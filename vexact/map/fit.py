@@ -55,6 +55,7 @@ from .points import (
     curve_keys,
     finite,
     horizon_value,
+    interval_text,
     measured_horizon,
     point_policy_lag,
     point_setup,
@@ -182,8 +183,7 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     out["horizon_range"] = [min(ts), max(ts)]
     if len(usable) < 2:
         h = usable[0]
-        found = (f"; its 50% threshold: k3 {h['threshold_50']:.2g}" + (f" [{h['ci_low']:.2g}, {h['ci_high']:.2g}]" if
-                 positive(h.get("ci_low")) and positive(h.get("ci_high")) else "")
+        found = (f"; its 50% threshold: k3 {h['threshold_50']:.2g}{interval_text(h.get('ci_low'), h.get('ci_high'))}"
                  if h.get("status") == "fitted" and positive(h.get("threshold_50")) else "")
         return {**out, "status": "single_horizon",
                 "note": f"one horizon (T = {ts[0]:.1f}): a law in T needs at least two{found}"}

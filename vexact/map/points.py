@@ -132,3 +132,14 @@ def finite(v: Any) -> bool:
 
 def positive(v: Any) -> bool:
     return finite(v) and v > 0
+
+
+def interval_text(lo: float | None, hi: float | None) -> str:
+    """A threshold's 95% interval as every printed line quotes it, with a leading space, an open end said so
+    (both open: "[open below, open above]"): an interval left out where an end is open would make the bare point
+    read as precise."""
+    if positive(lo) and positive(hi):
+        return f" [{lo:.2g}, {hi:.2g}]"
+    if positive(hi):
+        return f" [open below, {hi:.2g}]"
+    return f" [{lo:.2g}, open above]" if positive(lo) else " [open below, open above]"

@@ -39,7 +39,7 @@ from .naming import (
     correction_words,
     source_name,
 )
-from .points import HORIZON_KEY, finite, positive
+from .points import HORIZON_KEY, finite, interval_text, positive
 
 DEFAULT_MAP = Path(__file__).with_name("default_map.json")
 DEFAULT_TAIL_MAP = Path(__file__).with_name("default_tail_map.json")
@@ -499,7 +499,7 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
     if len(measured) == 1:  # one horizon with a threshold: an answer at that T only, no law to carry it
         h = measured[0]
         lo, hi = h.get("ci_low"), h.get("ci_high")
-        fact = (f"50% collapse threshold k3 {h['threshold_50']:.2g}{_interval_text(lo, hi)} measured at T "
+        fact = (f"50% collapse threshold k3 {h['threshold_50']:.2g}{interval_text(lo, hi)} measured at T "
                 f"{fmt_t(h['horizon'])} only ({name}){one_run(h)}")
         if not h["horizon"] / SAME_HORIZON <= horizon <= h["horizon"] * SAME_HORIZON:
             if not safe:
@@ -633,16 +633,6 @@ def collapsed_from(h: dict[str, Any]) -> str:
     """How many of a below-range horizon's runs collapsed: "every run collapsed", or "3 of 4 runs collapsed" where
     the logistic fit put the 50% point below the smallest dose though some run there held (``some_held``)."""
     return f"{h['collapsed']} of {h['runs']} runs collapsed" if some_held(h) else "every run collapsed"
-
-
-def _interval_text(lo: float | None, hi: float | None) -> str:
-    """A horizon's 95% interval as the verdict quotes it, an open end said so (both open: "[open below, open
-    above]")."""
-    if positive(lo) and positive(hi):
-        return f" [{lo:.2g}, {hi:.2g}]"
-    if positive(hi):
-        return f" [open below, {hi:.2g}]"
-    return f" [{lo:.2g}, open above]" if positive(lo) else " [open below, open above]"
 
 
 def one_run(h: dict[str, Any]) -> str:
