@@ -575,3 +575,22 @@ def test_a_half_open_threshold_interval_is_printed_with_its_open_end(lo, hi, tex
     assert f"threshold 0.05 {text}" in line
     one = fit_law([{**h, "horizon": 100.0}])
     assert one["status"] == "single_horizon" and f"its 50% threshold: k3 0.05 {text}" in one["note"]
+
+
+def test_a_map_made_before_ci_method_is_flagged_without_its_earlier_ci_horizons_key():
+    """A map file (or scaling.json) made before ``ci_method`` existed has neither the key on its horizons nor
+    ``earlier_ci_horizons`` on its curves (that list is written only where ``fit_law`` ran). The placement derives
+    the list from the fitted horizons themselves, so such a map's verdicts carry the same warning as the shipped
+    map's."""
+    shipped = load_map(None)
+    old = json.loads(json.dumps(shipped))
+    for curve in old["curves"]:
+        curve.pop("earlier_ci_horizons", None)
+        for h in curve.get("horizons") or []:
+            h.pop("ci_method", None)
+    for data in (shipped, old):
+        verdict = place_on_map(data, 1e-3, 30.0, "bypass")["verdict"]
+        assert "threshold intervals made by an earlier method that can be narrower" in verdict, verdict
+    [bypass] = [c for c in old["curves"] if c["correction"] == "bypass" and c.get("status") == "fitted"]
+    listed = [h["horizon_value"] for h in bypass["horizons"] if h.get("status") == "fitted"]
+    assert f"(task.max_len = {', '.join(map(str, listed))})" in place_on_map(old, 1e-3, 30.0, "bypass")["verdict"]

@@ -26,6 +26,7 @@ from typing import Any
 from ..metric_keys import K3_KL
 from ..records.json_file import read_json
 from ..rl.vocab_tail import tokenizer_for
+from ..sweeps.dose_response import CI_METHOD
 from .fit import law_band
 from .naming import (
     BYPASS,
@@ -367,7 +368,10 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         if single:
             verdict += (f"; the law rests on horizon(s) fitted from one run per dose ({HORIZON_KEY} = "
                         f"{', '.join(map(str, single))})")
-        earlier = curve.get("earlier_ci_horizons") or []
+        # from the horizons themselves, not the curve's earlier_ci_horizons: a map or scaling.json made before
+        # ci_method existed has neither key, and its intervals are the earlier method's all the same
+        earlier = [h.get("horizon_value") for h in curve.get("horizons") or []
+                   if h.get("status") == "fitted" and h.get("ci_method") != CI_METHOD]
         if earlier:
             verdict += (f"; its interval rests on threshold intervals made by an earlier method that can be narrower "
                         f"({HORIZON_KEY} = {', '.join(map(str, earlier))})")
