@@ -82,7 +82,7 @@ def test_the_tail_column_is_what_compare_vocab_answers(tmp_path):
     table = points_table(_two_correction_map(tmp_path), [far, near], tail).splitlines()
     assert table[0].endswith("| tail map (V = 1,024, what --vocab picks) |")
     assert table[2].endswith("| bypass curve: no verdict at T = 100,000 (measured at T = 16 .. 16) |")
-    assert table[3].endswith("| above the measured collapse range: 50% collapse threshold k3 0.05 [0.023, 0.11] "
+    assert table[3].endswith("| above the measured collapse range: 50% collapse threshold k3 0.05 [0.024, 0.11] "
                              "measured at T 16.0 only (bypass) |")  # their correction's curve: no label
     assert len(points_table(_two_correction_map(tmp_path / "m"), [far]).splitlines()[0].split("|")) == 12  # no tail
 
