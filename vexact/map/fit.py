@@ -241,7 +241,7 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
     if single:
         out["single_run_horizons"] = single
         note += f"; fitted from one run per dose: {HORIZON_KEY} = {', '.join(map(str, single))}"
-    earlier = [h["horizon_value"] for h in fitted if h.get("ci_method") != CI_METHOD]
+    earlier = earlier_method_horizons(fitted)
     if earlier:  # carried from a map file whose runs were not given again: the interval cannot be refitted here
         out["earlier_ci_horizons"] = earlier
         note += (f"; the threshold interval of {HORIZON_KEY} = {', '.join(map(str, earlier))} was made by an earlier "
@@ -250,6 +250,13 @@ def fit_law(horizons: list[dict[str, Any]]) -> dict[str, Any]:
         note += (f"; {len(bounded)} horizon(s) give only a bound and are not in the fit"
                  + (f" (the line violates the bound at {violated})" if violated else " (the line respects them)"))
     return {**out, "status": "fitted", "note": note, "bounds_violated": violated}
+
+
+def earlier_method_horizons(horizons: list[dict[str, Any]]) -> list[Any]:
+    """The ``horizon_value`` of each fitted horizon whose threshold interval was made by an earlier method than
+    ``CI_METHOD`` (no ``ci_method``, or another): read from the horizons themselves, so a map or scaling.json made
+    before ``ci_method`` existed is found the same as the curve's stored ``earlier_ci_horizons``."""
+    return [h.get("horizon_value") for h in horizons if h.get("status") == "fitted" and h.get("ci_method") != CI_METHOD]
 
 
 def _threshold_sd(horizon: dict[str, Any]) -> tuple[float | None, bool]:

@@ -26,8 +26,7 @@ from typing import Any
 from ..metric_keys import K3_KL
 from ..records.json_file import read_json
 from ..rl.vocab_tail import tokenizer_for
-from ..sweeps.dose_response import CI_METHOD
-from .fit import law_band
+from .fit import earlier_method_horizons, law_band
 from .naming import (
     BYPASS,
     CONFIG_SUFFIXES,
@@ -368,10 +367,7 @@ def placement(map_data: dict[str, Any], k3: float, horizon: float, correction: s
         if single:
             verdict += (f"; the law rests on horizon(s) fitted from one run per dose ({HORIZON_KEY} = "
                         f"{', '.join(map(str, single))})")
-        # from the horizons themselves, not the curve's earlier_ci_horizons: a map or scaling.json made before
-        # ci_method existed has neither key, and its intervals are the earlier method's all the same
-        earlier = [h.get("horizon_value") for h in curve.get("horizons") or []
-                   if h.get("status") == "fitted" and h.get("ci_method") != CI_METHOD]
+        earlier = earlier_method_horizons(curve.get("horizons") or [])
         if earlier:
             verdict += (f"; its interval rests on threshold intervals made by an earlier method that can be narrower "
                         f"({HORIZON_KEY} = {', '.join(map(str, earlier))})")
@@ -510,7 +506,7 @@ def _bound_verdict(curve: dict[str, Any], name: str, k3: float, horizon: float, 
                 return (f"no verdict at this horizon: the {name} curve has one horizon ({fact}) and no law to carry "
                         f"it to T = {fmt_t(horizon)}")
         else:
-            # an interval open on one side (a seed resample collapsed at every dose, or at none) bounds nothing
+            # an interval open on one side (the runs do not bound it there: dose_response.CI_METHOD) bounds nothing
             # there: no "far below" under an open lower end, no "above" over an open upper end; open on both sides,
             # the point value alone places nothing: only "near"
             low, high = (lo if positive(lo) else None), (hi if positive(hi) else None)

@@ -244,7 +244,7 @@ def _profile_slope(x: list[float], y: list[bool], t: float, b: float, ridge: flo
     for _ in range(100):
         grad, curv = -ridge * b, ridge
         for ui, yi in zip(u, y):
-            p = 1.0 / (1.0 + math.exp(-max(min(b * ui, 50.0), -50.0)))
+            p = _sigmoid(b * ui)
             grad += ui * (yi - p)
             curv += ui * ui * p * (1.0 - p)
         step = grad / curv
@@ -349,6 +349,11 @@ def _bootstrap(runs: list[tuple[float, bool, Any]], log_lo: float, log_hi: float
     return as_dose(low), as_dose(high), note
 
 
+def _sigmoid(z: float) -> float:
+    """The logistic function, its argument clamped to ±50 (exp overflows far beyond; p is 0 or 1 there anyway)."""
+    return 1.0 / (1.0 + math.exp(-max(min(z, 50.0), -50.0)))
+
+
 def _logistic(x: list[float], y: list[bool], iterations: int = 100, ridge: float = RIDGE
               ) -> tuple[float, float] | None:
     """Ridge-penalised logistic regression of y on x by Newton's method: (intercept, slope), None if it fails."""
@@ -358,7 +363,7 @@ def _logistic(x: list[float], y: list[bool], iterations: int = 100, ridge: float
         h_aa, h_ab, h_bb = 0.0, 0.0, ridge
         grad_b -= ridge * b
         for xi, yi in zip(x, y):
-            p = 1.0 / (1.0 + math.exp(-max(min(a + b * xi, 50.0), -50.0)))
+            p = _sigmoid(a + b * xi)
             grad_a += yi - p
             grad_b += (yi - p) * xi
             w = p * (1.0 - p)
@@ -383,7 +388,7 @@ def collapse_probability(threshold: dict[str, Any], dose: float) -> float | None
         return None
     slope = threshold["slope_per_decade"]
     z = slope * (math.log10(dose) - math.log10(threshold["threshold_50"]))
-    return 1.0 / (1.0 + math.exp(-max(min(z, 50.0), -50.0)))
+    return _sigmoid(z)
 
 
 def plot_dose_response(result: dict[str, Any], path: Any, title: str = "") -> Any:
