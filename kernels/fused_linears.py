@@ -140,7 +140,7 @@ def _group_plans(plans: list[gemm_linear.TiledPlan], k: int) -> list[FusedPlan] 
             break
     else:
         return None
-    if (isinstance(calls[0], gemm_packed.LaidOutLinear) and onednn_packing()
+    if (isinstance(calls[0], gemm_packed.LaidOutLinear) and onednn_packing(calls[0].dtype)
             and sum(c.n_pad for c in calls) * k >= ONEDNN_MIN_WEIGHT):
         return [c.packed() for c in calls]
     return calls

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_loops, gemm_tiles
-from .host_guard import ONEDNN_MIN_WEIGHT, _with_threads, operand_layout
+from .host_guard import ONEDNN_MIN_WEIGHT, _with_threads, onednn_bf16, operand_layout
 from .weight_versions import keeps_per_weight, kept_snapshot
 
 # --------------------------------------------------------------------------- weights laid out once per version
@@ -177,7 +177,7 @@ def onednn_bf16_bmm(dtype: torch.dtype, macs: int) -> bool:
     ``bmm_copies_operand`` states); shared by it and ``operand_per_tile``, which tests replace apart."""
     return (dtype == torch.bfloat16 and platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and onednn_bf16()
             and not any(os.environ.get(f"TORCH_MKLDNN_MATMUL_MIN_{what}") for what in ("DIM", "SIZE"))
             and macs > 16**3)
 

@@ -364,7 +364,7 @@ def _tiled_plan(x: Tensor, weight: Tensor, host: HostGuard, op: str, loops: obje
         right = gemm_laid_out.per_tile_operand(operand(w), blocks) if per_tile else operand(w).expand(blocks, k, n_pad)
         out = host.bmm(x, right, op=op, shared_operand=shared).view(blocks * block, n_pad)
         return out[:rows] if n_pad == n else out[:rows, :n]
-    packs = (held is not None and shared and gemm_packed.packable(k, n_pad)
+    packs = (held is not None and shared and gemm_packed.packable(k, n_pad, dtype)
              and host.onednn_gemm(dtype, operand(weight), shared, op) is not None)
     packed = gemm_packed.PackedLinear(gemm_packed.PACKED_FORMS[1], dtype, block, blocks, n, n_pad,
                                       gemm_packed.PACKED_CALLS[1]) if packs else None
@@ -405,7 +405,7 @@ def _laid_out_plan(weight: Tensor, dtype: torch.dtype, k: int, n: int, n_pad: in
     # more than the canonical call's one (the default model's 64 x 176 weights, 128 rows: 1.5x; llama100m's 576 x
     # 1536 ones, 2 to 5 tiles: 0.89-0.94x; the journal, session 59)
     packs = forward and (gemm_packed.packable(k, n_pad, dtype, block) if blocks == 1
-                         else gemm_packed.packable(k, n_pad))
+                         else gemm_packed.packable(k, n_pad, dtype))
     packed = gemm_packed.PackedLinear(gemm_packed.PACKED_FORMS[2], dtype, block, blocks, n, n_pad,
                                       gemm_packed.PACKED_CALLS[2]) if packs else None
     if packed:

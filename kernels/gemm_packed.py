@@ -146,13 +146,13 @@ def new_held_slot() -> int:
     return next(_SLOTS)
 
 
-def packable(k: int, n_pad: int, dtype: torch.dtype = torch.float32, rows: int = 0) -> bool:
+def packable(k: int, n_pad: int, dtype: torch.dtype, rows: int = 0) -> bool:
     """Whether a class may run on a weight packed once: oneDNN's linear with its packing op here, and a weight of at
     least ``ONEDNN_MIN_WEIGHT`` elements (below it oneDNN's per-call overhead outweighs its kernel) -- or a bf16 GEMM
     of ``rows`` rows that torch runs on oneDNN already (``onednn_bf16_bmm``), where packing only spares the per-call
     reorder of the weight (llama100m's k/v projections, 576 x 192: its bf16 decode step on an Intel Xeon with AMX
     took 0.95x its time unpacked at 1 thread, 0.98x at 2; the journal, session 34)."""
-    if not onednn_packing():
+    if not onednn_packing(dtype):  # (bf16 only where this CPU has oneDNN's bf16 kernels)
         return False
     return k * n_pad >= ONEDNN_MIN_WEIGHT or gemm_laid_out.onednn_bf16_bmm(dtype, rows * k * n_pad)
 

@@ -738,11 +738,20 @@ PACK_ROWS_HINT = 32
 hint vLLM's CPU build gives its own packed GEMM. A hint, not a shape: any row count runs on the packed weight."""
 
 
-def onednn_packing() -> bool:
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: avx512bw/vl/dq or
+    avx_ne_convert). Without them (an AVX2-only AMD EPYC) its bf16 linear and packing ops raise, and torch's bf16
+    ``mm``/``bmm`` run its own GEMM instead."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def onednn_packing(dtype: torch.dtype = torch.float32) -> bool:
     """Whether this torch has oneDNN's linear op and its op that packs a linear weight once
     (``torch.ops.mkldnn._reorder_linear_weight``: the weight reordered into oneDNN's blocked layout, an opaque
-    tensor that ``onednn_linear`` takes in place of the weight)."""
-    return onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    tensor that ``onednn_linear`` takes in place of the weight), for weights of ``dtype`` on this CPU (bf16: where
+    ``onednn_bf16``)."""
+    return (onednn_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (dtype != torch.bfloat16 or onednn_bf16()))
 
 
 def onednn_packed(weight: Tensor) -> Tensor:

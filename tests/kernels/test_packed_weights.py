@@ -20,7 +20,15 @@ import torch
 from conftest import num_threads, random_prompts, recorded_returns
 
 from vexact import ModelConfig, Transformer, generate, token_logprobs
-from vexact_kernels import compiled_loops, cpu_exact, gemm_laid_out, gemm_linear, gemm_packed, host_guard
+from vexact_kernels import (
+    compiled_loops,
+    cpu_exact,
+    fused_linears,
+    gemm_laid_out,
+    gemm_linear,
+    gemm_packed,
+    host_guard,
+)
 from vexact_kernels.host_guard import HostGuard
 
 pytestmark = pytest.mark.skipif(not host_guard.onednn_packing(),
@@ -129,6 +137,39 @@ def test_a_small_bf16_class_packs_where_its_gemm_is_onednn_already(threads, monk
         assert not _packed_kept(w)
 
 
+@pytest.mark.parametrize("rows", [8, 100], ids=["one-tile", "two-tiles"])
+@pytest.mark.parametrize("mode", ["auto", "canonical"])
+def test_no_bf16_weight_is_packed_on_a_cpu_without_onednn_bf16(mode, rows, monkeypatch):
+    """On a CPU without oneDNN's bf16 kernels (an AVX2-only AMD EPYC: ``onednn_bf16`` false, where packing a bf16
+    weight raises) no bf16 class is packable and a decode loop past the switch runs unpacked, with the bits of a
+    guard that never packs, its weights fused or not; fp32 classes still may pack. Emulated on every host (the
+    packing op raises for bf16, as there, so a bf16 packing tried anyway fails this test)."""
+    monkeypatch.setattr(gemm_packed, "_PACKED_CHECKS", {})
+    monkeypatch.setattr(host_guard, "onednn_bf16", lambda: False)
+    true_packed = host_guard.onednn_packed
+
+    def packed_as_that_cpu(weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+                               "avx512bw, avx512vl and avx512dq")
+        return true_packed(weight)
+
+    for module in (gemm_packed, fused_linears):
+        monkeypatch.setattr(module, "onednn_packed", packed_as_that_cpu)
+    assert not gemm_packed.packable(K, N, torch.bfloat16, rows) and not host_guard.onednn_packing(torch.bfloat16)
+    assert gemm_packed.packable(K, N, torch.float32) == host_guard.onednn_packing()
+    x, w = _operands(torch.bfloat16, rows)
+    outs, reference, _ = _loops_packed_and_never_packed(x, w, 1, monkeypatch, mode)
+    assert all(torch.equal(out, reference[0]) for out in outs + reference)
+    assert not _packed_kept(w)
+    weights = [w, w.clone() * 0.5]
+    with torch.no_grad():
+        host = HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)
+        fused = [cpu_exact.linears(x, weights, host=host) for _ in range(CALLS)]
+        alone = [cpu_exact.linear(x, weight, host=HostGuard(cpu_exact.ROW_BLOCKS, mode=mode)) for weight in weights]
+    assert all(torch.equal(a, b) for out in fused for a, b in zip(out, alone))
+
+
 def test_a_packing_whose_bits_differ_is_never_used(monkeypatch):
     monkeypatch.setattr(gemm_packed, "_PACKED_CHECKS", {})
     true_packed = host_guard.onednn_packed
@@ -199,6 +240,8 @@ def test_the_compiled_packed_call_is_the_python_steps(loops, dtype, calls, rows,
     x's rows copied into the zero-padded buffer, oneDNN's linear on the packed weight over the rows, the tiles or each
     tile (``PACKED_CALLS``), the output's first rows and ``n`` columns -- bit for bit, with the buffer left as the
     steps leave it."""
+    if not host_guard.onednn_packing(dtype):
+        pytest.skip("this CPU has no oneDNN bf16 kernels: no bf16 weight is ever packed here")
     x, w = _operands(dtype, rows)
     packed = host_guard.onednn_packed(w)
     padded = 48
