@@ -199,9 +199,10 @@ def test_triton_backend_end_to_end(dtype):
     tiny model, not only op by op."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("triton", dtype).to(device)
-    prompts = random_prompts(4, 12, seed=2)
-    out = generate(model, prompts, max_new_tokens=6, seed=3, batch_size=None)
-    out_one = generate(model, prompts, max_new_tokens=6, seed=3, batch_size=1)
+    # ragged, few and short: the interpreter runs every kernel instance in Python (69 s in bf16 at 4 x 12 + 6 tokens)
+    prompts = random_prompts(3, 8, seed=2)
+    out = generate(model, prompts, max_new_tokens=4, seed=3, batch_size=None)
+    out_one = generate(model, prompts, max_new_tokens=4, seed=3, batch_size=1)
     assert out_one.tokens == out.tokens
     assert all(torch.equal(a, b) for a, b in zip(out.logprobs, out_one.logprobs))
     for micro_batch_size in (None, 1):

@@ -32,6 +32,7 @@ import yaml
 from ..engine.devices import same_device_kind
 from ..engine.presets import MODEL_PRESETS, PRESET_NAMES, preset_values
 from ..records.atomic import write_text_atomic
+from ..registry import type_hints
 from .config_schema import (
     DEFAULT_PRESET,
     MODEL_DEFAULTS,
@@ -144,7 +145,7 @@ def _apply_override(data: dict, item: str, origin: str | None = None, quiet: Col
         path = ".".join(parts[: depth + 1])
         last = depth == len(parts) - 1
         if dataclasses.is_dataclass(tp):
-            hints = typing.get_type_hints(tp)
+            hints = type_hints(tp)
             if part not in hints:
                 known = ", ".join(f.name for f in dataclasses.fields(tp))
                 raise ConfigError(f"unknown key (known keys: {known}) (from {origin})", path)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,7 +42,7 @@ from ..engine.inputs import MIN_TEMPERATURE
 from ..engine.model import MOE_FIELDS, ModelConfig, ModelConfigError
 from ..engine.presets import PresetName, preset_values
 from ..metric_keys import ABS_DLOGP_MEAN, EVAL_REWARD_MEAN, K3_KL, RENAMED_METRICS, REWARD_MEAN, find
-from ..registry import PluginCodeError, call_entry, entry_code, extensible
+from ..registry import PluginCodeError, call_entry, entry_code, extensible, type_hints
 from .metrics import LOG_RATIO_BOUND
 from .registries import (
     ADVANTAGE_ESTIMATORS,
@@ -106,7 +105,7 @@ def _model_section() -> type:
     One source: a field added to ModelConfig is a config key here too. A preset's values are filled in where the
     file and ``--set`` give none (``vexact.rl.config``'s ``_expand_preset``): explicit model keys win over the
     preset."""
-    hints = typing.get_type_hints(ModelConfig)
+    hints = type_hints(ModelConfig)
     specs = [("preset", PresetName | None, field(default=None))]
     for f in dataclasses.fields(ModelConfig):
         if f.name == "vocab_size":

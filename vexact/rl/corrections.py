@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -65,7 +64,7 @@ import torch
 from torch import Tensor
 
 from ..metric_keys import RS_OPTIONS, raw_ratio_affected_key  # verl's rejection options name metric keys too
-from ..registry import PluginCodeError, call_entry, entry_code
+from ..registry import PluginCodeError, call_entry, entry_code, type_hints
 from .metrics import is_weight_stats
 from .registries import BYPASS_LOSSES, CORRECTION_METHODS, register_run_check
 from .validate import ConfigError, bounds, convert, show_repr
@@ -352,7 +351,7 @@ def _checked_verl_keys(cfg: CorrectionSection, given: Any) -> dict:
         raise PluginCodeError(f"{code} returned {show_repr(given)}: expected a dict of verl keys "
                               f"({', '.join(allowed)})")
     section = type(cfg)
-    hints = typing.get_type_hints(section)
+    hints = dict(type_hints(section))
     meta = {f.name: dict(f.metadata) for f in dataclasses.fields(section)}
     hints["bypass_mode"], meta["bypass_mode"] = bool | None, {}
     out = {}

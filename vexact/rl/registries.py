@@ -18,11 +18,10 @@ it: a run check receives the ``RunConfig`` untyped).
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Callable
 from typing import Any
 
-from ..registry import Registry, mounts, settings_of
+from ..registry import Registry, mounts, settings_of, type_hints
 from .validate import ConfigError, build, show_value, unsupported_hint
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "BYPASS_LOSSES", "CORRECTION_METHODS", "INJECT_MODES", "LOG_BACKENDS",
@@ -45,7 +44,7 @@ class _CheckedRegistry(Registry):
 def check_settings(owner: str, section: str, settings: type) -> None:
     """Each field of settings dataclass ``settings`` (of ``owner``, mounted into ``section``) has a type hint the
     config validator checks, and its default passes that check and the class's own ``check()``; else ValueError."""
-    hints = typing.get_type_hints(settings)
+    hints = type_hints(settings)
     defaults = {}
     for f in dataclasses.fields(settings):
         bad = unsupported_hint(hints[f.name])

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..registry import RegisteredName, settings_classes
+from ..registry import RegisteredName, settings_classes, type_hints
 
 __all__ = ["MAX_YAML_DEPTH", "MAX_YAML_VALUES", "NO_ALIASES", "ConfigError", "UniqueKeyLoader", "bounds", "build",
            "convert", "describe", "join_key", "parse_yaml", "plain", "read_text_file", "read_yaml", "show_value",
@@ -288,7 +288,7 @@ def unsupported_hint(tp: Any) -> Any:
         return next((bad for bad in (unsupported_hint(a) for a in args if a is not Ellipsis) if bad is not None),
                     None)
     if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
+        hints = type_hints(tp)
         return next((bad for bad in (unsupported_hint(hints[f.name]) for f in dataclasses.fields(tp))
                      if bad is not None), None)
     return tp
@@ -445,7 +445,7 @@ def build(cls: type, data: dict, prefix: str = "", aliases: Mapping[str, str] = 
             given = ", ".join(repr(k) for k in data) or "nothing"
             raise ConfigError(f"required key missing: '{prefix}' needs {' and '.join(map(repr, required))} (it "
                               f"has no default; got {given})", join_key(prefix, name))
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     kwargs = {name: convert(data[name], hints[name], join_key(prefix, name), dict(f.metadata), aliases)
               for name, f in fields.items() if name in data}
     obj = cls(**kwargs)
