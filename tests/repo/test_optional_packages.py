@@ -130,4 +130,5 @@ def test_every_file_needing_a_second_venv_package_runs_there_and_ci_starts_it(mo
     named = sorted(set(re.findall(r"tests/\w+/test_\w+\.py", run_line)))
     assert _files_needing(module) and named == _files_needing(module), (named, _files_needing(module))
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(rf"^setsid bash {re.escape(script)} .*&$", ci, re.M) and 'wait "$vllm_pid"' in ci
+    assert re.search(rf'^setsid (?:"\$\{{low_priority\[@\]\}}" )?bash {re.escape(script)} .*&$', ci, re.M)
+    assert 'wait "$vllm_pid"' in ci
