@@ -16,7 +16,7 @@ import torch
 
 import vexact
 from tools import docs_gen
-from vexact.registry import PluginCodeError, mounts
+from vexact.registry import PluginCodeError, mounts, type_hints
 from vexact.rl import BUILTINS
 from vexact.rl.config import config_from_dict
 from vexact.rl.config_schema import InjectSection, RunConfig
@@ -186,6 +186,17 @@ def test_unregistering_takes_the_keys_out_again(boost):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"inject": {"boost_token": 7}})
     assert e.value.key == "inject.boost_token" and "unknown key" in e.value.problem
+
+
+def test_a_sections_type_hints_follow_its_keys(boost):
+    """``registry.type_hints`` works a class's hints out once; a section re-made in place (an entry's settings
+    mounted or withdrawn: the same class object) gets its new ones, not the ones worked out before."""
+    hints = type_hints(InjectSection)
+    assert hints["boost_token"] is int and type_hints(InjectSection) is hints  # worked out once
+    INJECT_MODES.remove(Boost.name)
+    assert "boost_token" not in type_hints(InjectSection)
+    vexact.register_inject_mode(Boost())
+    assert type_hints(InjectSection)["boost_token"] is int
 
 
 def test_a_key_declared_twice_is_refused(boost):
